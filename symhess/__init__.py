@@ -1,0 +1,10 @@
+"""symhess: derive exact loss Hessians of Transformer sub-layers symbolically."""
+from . import expr
+from .expr import ShapeError
+from .hessian import Derivation, derive
+from .layers import LAYERS, Layer, layer, register_layer
+
+__version__ = "0.1.0"
+
+__all__ = ["expr", "ShapeError", "Derivation", "derive", "Layer", "layer", "register_layer",
+           "LAYERS", "__version__"]

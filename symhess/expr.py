@@ -1,0 +1,875 @@
+"""Immutable matrix-expression nodes with symbolic shapes.
+
+Every node is a 2-D matrix (vectors are n×1, scalars 1×1).  Nodes hold a tuple of
+child expressions (``args``) and a tuple of hashable parameters (``params``); they
+compare and hash structurally.  Use the factory functions (``matmul``, ``add``,
+``kron`` …) or the Python operators: they canonicalise (flatten, drop zeros and
+identities, collect like terms, sort commutative operands) and check shapes, so an
+error points at the declaration that caused it.
+
+This module imports nothing from rules or printers.
+"""
+from __future__ import annotations
+
+import sympy as sp
+
+from .scalarfn import ScalarFn, get_function
+
+__all__ = [
+    "ShapeError", "Expr", "dim", "dims", "matrix", "param", "const",
+    "zero", "identity", "ones", "commutation", "diag_selector",
+    "matmul", "add", "scale", "transpose", "kron", "hadamard", "elementwise",
+    "softmax_rows", "log_softmax_rows", "diag", "diag_part", "vec_r",
+    "named", "rowsum", "sum_all", "power",
+]
+
+
+class ShapeError(ValueError):
+    """A declaration or value whose shapes do not conform."""
+
+
+def dim(name: str) -> sp.Symbol:
+    """A symbolic dimension (positive integer)."""
+    return sp.Symbol(name, positive=True, integer=True)
+
+
+def dims(names: str):
+    """Several symbolic dimensions: ``L, d_V = dims("L d_V")``."""
+    return tuple(dim(n) for n in names.split())
+
+
+def _d(x) -> sp.Expr:
+    return sp.sympify(x)
+
+
+def _fmt(shape) -> str:
+    return f"({shape[0]} × {shape[1]})"
+
+
+def same(a, b) -> bool:
+    """Structural equality of two dimension expressions."""
+    return a == b or sp.expand(a - b) == 0
+
+
+class Expr:
+    """Base node: ``args`` (child expressions), ``params`` (hashable data), ``shape``."""
+
+    __slots__ = ("args", "params", "shape", "_hash", "_key", "_free")
+    precedence = 100
+
+    def __init__(self, args=(), params=(), shape=None):
+        self.args = tuple(args)
+        self.params = tuple(params)
+        self.shape = (_d(shape[0]), _d(shape[1]))
+        self._hash = None
+        self._key = None
+        self._free = None
+
+    # -- structure ---------------------------------------------------------------
+    def rebuild(self, args):
+        """The same node type and params over new args (canonicalising)."""
+        return type(self)(*args, *self.params) if args else self
+
+    def __eq__(self, other):
+        if self is other:
+            return True
+        return (type(self) is type(other) and hash(self) == hash(other)
+                and self.params == other.params and self.args == other.args
+                and self.shape == other.shape)
+
+    def __hash__(self):
+        if self._hash is None:
+            self._hash = hash((type(self).__name__, self.params, self.args, self.shape))
+        return self._hash
+
+    @property
+    def key(self) -> str:
+        """A deterministic structural string, used to sort commutative operands."""
+        if self._key is None:
+            inner = ",".join(a.key for a in self.args)
+            self._key = f"{type(self).__name__}[{self.params!r}]({inner})"
+        return self._key
+
+    @property
+    def free_vars(self) -> frozenset:
+        """The variables this expression depends on (frozen names hide theirs)."""
+        if self._free is None:
+            out = frozenset()
+            for a in self.args:
+                out |= a.free_vars
+            self._free = out
+        return self._free
+
+    def depends_on(self, var) -> bool:
+        return var in self.free_vars
+
+    @property
+    def is_zero(self) -> bool:
+        return isinstance(self, Zero)
+
+    @property
+    def rows(self):
+        return self.shape[0]
+
+    @property
+    def cols(self):
+        return self.shape[1]
+
+    def __repr__(self):
+        from .printing.text import text
+        return text(self)
+
+    # -- operators ---------------------------------------------------------------
+    def __matmul__(self, other):
+        return matmul(self, other)
+
+    def __add__(self, other):
+        return add(self, other)
+
+    def __sub__(self, other):
+        return add(self, scale(-1, other))
+
+    def __neg__(self):
+        return scale(-1, self)
+
+    def __mul__(self, other):
+        if isinstance(other, Expr):
+            return hadamard(self, other)
+        return scale(other, self)
+
+    def __rmul__(self, other):
+        return scale(other, self)
+
+    def __truediv__(self, other):
+        if isinstance(other, Expr):
+            raise TypeError("divide by an expression with power(expr, -1) and hadamard")
+        return scale(1 / _d(other), self)
+
+    @property
+    def T(self):
+        return transpose(self)
+
+    # -- conveniences that delegate to other modules -------------------------------
+    def latex(self, **options) -> str:
+        from .printing.latex import latex
+        return latex(self, **options)
+
+    def evaluate(self, values, backend="numpy"):
+        from .evaluate import evaluate
+        return evaluate(self, values, backend=backend)
+
+
+# ----------------------------------------------------------------------------- leaves
+class Var(Expr):
+    """A named matrix: role is 'input', 'param', 'const', 'direction' or 'placeholder'."""
+
+    __slots__ = ()
+
+    def __init__(self, name, rows, cols, role="input", tex=None):
+        super().__init__((), (name, _d(rows), _d(cols), role, tex), (rows, cols))
+
+    @property
+    def name(self):
+        return self.params[0]
+
+    @property
+    def role(self):
+        return self.params[3]
+
+    @property
+    def tex(self):
+        return self.params[4]
+
+    @property
+    def free_vars(self):
+        return frozenset((self,))
+
+
+class Constant(Expr):
+    """A leaf with a known value given by its parameters."""
+
+    __slots__ = ()
+
+    @property
+    def free_vars(self):
+        return frozenset()
+
+
+class Zero(Constant):
+    __slots__ = ()
+
+    def __init__(self, rows, cols):
+        super().__init__((), (_d(rows), _d(cols)), (rows, cols))
+
+
+class Identity(Constant):
+    __slots__ = ()
+
+    def __init__(self, n):
+        super().__init__((), (_d(n),), (n, n))
+
+
+class Ones(Constant):
+    __slots__ = ()
+
+    def __init__(self, rows, cols):
+        super().__init__((), (_d(rows), _d(cols)), (rows, cols))
+
+
+class Commutation(Constant):
+    """K_{m,n}: K_{m,n} vec(A) = vec(Aᵀ) for A m×n; K[i*n + j, j*m + i] = 1."""
+
+    __slots__ = ()
+
+    def __init__(self, m, n):
+        super().__init__((), (_d(m), _d(n)), (_d(m) * _d(n), _d(m) * _d(n)))
+
+
+class DiagSelector(Constant):
+    """E_n = (e_1⊗e_1, …, e_n⊗e_n) ∈ R^{n²×n}: vec_r(diag v) = E_n v."""
+
+    __slots__ = ()
+
+    def __init__(self, n):
+        super().__init__((), (_d(n),), (_d(n) ** 2, n))
+
+
+# ----------------------------------------------------------------------------- algebra
+class MatMul(Expr):
+    __slots__ = ()
+    precedence = 50
+
+    def __init__(self, *factors):
+        for a, b in zip(factors, factors[1:]):
+            if not same(a.cols, b.rows):
+                raise ShapeError(f"matmul: {_fmt(a.shape)} @ {_fmt(b.shape)} do not conform "
+                                 f"(in {a!r} @ {b!r})")
+        super().__init__(factors, (), (factors[0].rows, factors[-1].cols))
+
+    def rebuild(self, args):
+        return matmul(*args)
+
+
+class Add(Expr):
+    __slots__ = ()
+    precedence = 10
+
+    def __init__(self, *terms):
+        for t in terms[1:]:
+            if not (same(t.rows, terms[0].rows) and same(t.cols, terms[0].cols)):
+                raise ShapeError(f"add: shapes {_fmt(terms[0].shape)} and {_fmt(t.shape)} differ "
+                                 f"(in {terms[0]!r} + {t!r})")
+        super().__init__(terms, (), terms[0].shape)
+
+    def rebuild(self, args):
+        return add(*args)
+
+
+class Scale(Expr):
+    """coef · A with coef a sympy scalar (in the symbolic dimensions)."""
+
+    __slots__ = ()
+    precedence = 50
+
+    def __init__(self, a, coef):
+        super().__init__((a,), (_d(coef),), a.shape)
+
+    @property
+    def coef(self):
+        return self.params[0]
+
+    def rebuild(self, args):
+        return scale(self.coef, args[0])
+
+
+class Transpose(Expr):
+    __slots__ = ()
+    precedence = 90
+
+    def __init__(self, a):
+        super().__init__((a,), (), (a.cols, a.rows))
+
+    def rebuild(self, args):
+        return transpose(args[0])
+
+
+class Kron(Expr):
+    __slots__ = ()
+    precedence = 40
+
+    def __init__(self, *factors):
+        r, c = sp.Integer(1), sp.Integer(1)
+        for f in factors:
+            r, c = r * f.rows, c * f.cols
+        super().__init__(factors, (), (r, c))
+
+    def rebuild(self, args):
+        return kron(*args)
+
+
+class Hadamard(Expr):
+    __slots__ = ()
+    precedence = 45
+
+    def __init__(self, *factors):
+        for f in factors[1:]:
+            if not (same(f.rows, factors[0].rows) and same(f.cols, factors[0].cols)):
+                raise ShapeError(f"hadamard: shapes {_fmt(factors[0].shape)} and "
+                                 f"{_fmt(f.shape)} differ")
+        super().__init__(factors, (), factors[0].shape)
+
+    def rebuild(self, args):
+        return hadamard(*args)
+
+
+class Elementwise(Expr):
+    """f(A) applied entrywise, f a ScalarFn."""
+
+    __slots__ = ()
+
+    def __init__(self, a, fn):
+        super().__init__((a,), (fn,), a.shape)
+
+    @property
+    def fn(self) -> ScalarFn:
+        return self.params[0]
+
+    def rebuild(self, args):
+        return elementwise(self.fn, args[0])
+
+
+class SoftmaxRows(Expr):
+    """Row-wise softmax; with ``causal`` entries j > i are masked (exactly 0)."""
+
+    __slots__ = ()
+
+    def __init__(self, t, causal=False):
+        if causal and not same(t.rows, t.cols):
+            raise ShapeError(f"causal softmax needs a square input, got {_fmt(t.shape)}")
+        super().__init__((t,), (bool(causal),), t.shape)
+
+    @property
+    def causal(self):
+        return self.params[0]
+
+
+class LogSoftmaxRows(Expr):
+    __slots__ = ()
+
+    def __init__(self, t):
+        super().__init__((t,), (), t.shape)
+
+
+class SoftmaxDiff(Expr):
+    """First differential of A = softmax_rows(T) along E: A ∘ (E − rowsum(A∘E) 1ᵀ)."""
+
+    __slots__ = ()
+
+    def __init__(self, a, e):
+        if not isinstance(a, SoftmaxRows):
+            raise TypeError("SoftmaxDiff needs a softmax_rows node")
+        if a.shape != e.shape:
+            raise ShapeError(f"softmax differential: {_fmt(a.shape)} vs {_fmt(e.shape)}")
+        super().__init__((a, e), (), a.shape)
+
+    def rebuild(self, args):
+        return softmax_diff(*args)
+
+
+class SoftmaxDiff2(Expr):
+    """Second differential d²A[E, F] of A = softmax_rows(T) (symmetric in E, F).
+
+    Row i, with a = a_i, e' = e − (aᵀe), f' = f − (aᵀf):  a∘e'∘f' − a (aᵀ(e'∘f')).
+    """
+
+    __slots__ = ()
+
+    def __init__(self, a, e, f):
+        if not isinstance(a, SoftmaxRows):
+            raise TypeError("SoftmaxDiff2 needs a softmax_rows node")
+        super().__init__((a, e, f), (), a.shape)
+
+    def rebuild(self, args):
+        return softmax_diff2(*args)
+
+
+class SoftmaxJac(Expr):
+    """∂vec_r A/∂vec_r T = blockdiag_i(diag(a_i) − a_i a_iᵀ), an L²×L² operator."""
+
+    __slots__ = ()
+
+    def __init__(self, a):
+        n = a.rows * a.cols
+        super().__init__((a,), (), (n, n))
+
+
+class SoftmaxHess(Expr):
+    """The Jacobian of vec_r d²A[E, ·]: blockdiag_i(diag(a∘e') − (a∘e')aᵀ − a(a∘e')ᵀ)."""
+
+    __slots__ = ()
+
+    def __init__(self, a, e):
+        n = a.rows * a.cols
+        super().__init__((a, e), (), (n, n))
+
+
+class Diag(Expr):
+    """diag(v) for a column vector v."""
+
+    __slots__ = ()
+
+    def __init__(self, v):
+        if not same(v.cols, 1):
+            raise ShapeError(f"diag needs a column vector, got {_fmt(v.shape)}")
+        super().__init__((v,), (), (v.rows, v.rows))
+
+    def rebuild(self, args):
+        return diag(args[0])
+
+
+class DiagPart(Expr):
+    """The diagonal of a square matrix as a column vector."""
+
+    __slots__ = ()
+
+    def __init__(self, a):
+        if not same(a.rows, a.cols):
+            raise ShapeError(f"diag_part needs a square matrix, got {_fmt(a.shape)}")
+        super().__init__((a,), (), (a.rows, 1))
+
+    def rebuild(self, args):
+        return diag_part(args[0])
+
+
+class VecR(Expr):
+    """vec_r(A): the rows of A stacked into a column (C order)."""
+
+    __slots__ = ()
+
+    def __init__(self, a):
+        super().__init__((a,), (), (a.rows * a.cols, 1))
+
+    def rebuild(self, args):
+        return vec_r(args[0])
+
+
+class UnvecR(Expr):
+    """The inverse of vec_r: a column of length m·n reshaped (C order) to m×n."""
+
+    __slots__ = ()
+
+    def __init__(self, v, rows, cols):
+        super().__init__((v,), (_d(rows), _d(cols)), (rows, cols))
+
+    def rebuild(self, args):
+        return UnvecR(args[0], *self.params)
+
+
+class KronContract(Expr):
+    """The adjoint of D ↦ C ⊗ D (side='right') or D ↦ D ⊗ C (side='left') applied to G.
+
+    side='right': out[i,j] = Σ_ab C[a,b] G[(a,i),(b,j)];  side='left': Σ_ab C[a,b] G[(i,a),(j,b)].
+    """
+
+    __slots__ = ()
+
+    def __init__(self, g, c, side, rows, cols):
+        super().__init__((g, c), (side, _d(rows), _d(cols)), (rows, cols))
+
+    def rebuild(self, args):
+        return KronContract(*args, *self.params)
+
+
+class Named(Expr):
+    """A named sub-expression: prints as its name, evaluates as ``args[0]``.
+
+    ``frozen`` names are held constant by the differentiator (e.g. the output gradient
+    in the functional Hessian).  ``args[1:]`` are shown inside the name's brackets.
+    """
+
+    __slots__ = ()
+
+    def __init__(self, inner, name, tex, frozen=False, symmetric=False, shown=()):
+        super().__init__((inner,) + tuple(shown), (name, tex, bool(frozen), bool(symmetric)),
+                         inner.shape)
+
+    @property
+    def inner(self):
+        return self.args[0]
+
+    @property
+    def name(self):
+        return self.params[0]
+
+    @property
+    def tex(self):
+        return self.params[1]
+
+    @property
+    def frozen(self):
+        return self.params[2]
+
+    @property
+    def symmetric(self):
+        return self.params[3]
+
+    def rebuild(self, args):
+        return Named(args[0], *self.params, shown=args[1:])
+
+
+# ----------------------------------------------------------------------------- factories
+def matrix(name, rows, cols, tex=None) -> Var:
+    """An input matrix (data), e.g. X ∈ R^{L×d_V}."""
+    return Var(name, rows, cols, "input", tex)
+
+
+def param(name, rows, cols, tex=None) -> Var:
+    """A parameter matrix; Hessian blocks are taken with respect to parameters."""
+    return Var(name, rows, cols, "param", tex)
+
+
+def const(name, rows, cols, tex=None) -> Var:
+    """A constant matrix supplied at evaluation time (a mask, a fixed γ …)."""
+    return Var(name, rows, cols, "const", tex)
+
+
+def zero(rows, cols=None) -> Expr:
+    return Zero(rows, rows if cols is None else cols)
+
+
+def identity(n) -> Expr:
+    return Identity(n)
+
+
+def ones(rows, cols) -> Expr:
+    if _d(rows) == 1 and _d(cols) == 1:
+        return Identity(1)
+    return Ones(rows, cols)
+
+
+def commutation(m, n) -> Expr:
+    m, n = _d(m), _d(n)
+    if m == 1 or n == 1:
+        return Identity(m * n)
+    return Commutation(m, n)
+
+
+def diag_selector(n) -> Expr:
+    return DiagSelector(n)
+
+
+def _split(e):
+    """(coef, core) with e = coef · core."""
+    if isinstance(e, Scale):
+        return e.coef, e.args[0]
+    return sp.Integer(1), e
+
+
+def scale(coef, a) -> Expr:
+    coef = _d(coef)
+    if coef == 0 or isinstance(a, Zero):
+        return Zero(*a.shape)
+    c0, core = _split(a)
+    coef = coef * c0
+    if coef == 1:
+        return core
+    return Scale(core, coef)
+
+
+def _mixed(a, b):
+    """Kronecker mixed-product rule (A⊗B)(C⊗D) = AC⊗BD when the factors conform."""
+    if isinstance(a, Kron) and isinstance(b, Kron) and len(a.args) == len(b.args):
+        if all(same(x.cols, y.rows) for x, y in zip(a.args, b.args)):
+            return [kron(*(matmul(x, y) for x, y in zip(a.args, b.args)))]
+    return None
+
+
+def _commute(a, b):
+    """Commutation algebra K_{m,n}K_{n,m} = I, and 1_{m×k}1_{k×n} = k·1_{m×n}."""
+    if isinstance(a, Commutation) and isinstance(b, Commutation):
+        if a.params[0] == b.params[1] and a.params[1] == b.params[0]:
+            return []
+    if isinstance(a, Ones) and isinstance(b, Ones):
+        return [scale(a.cols, ones(a.rows, b.cols))]
+    return None
+
+
+def matmul(*factors) -> Expr:
+    coef = sp.Integer(1)
+    flat = []
+    for f in factors:
+        c, f = _split(f)
+        coef *= c
+        flat.extend(f.args if isinstance(f, MatMul) else (f,))
+    for a, b in zip(flat, flat[1:]):
+        if not same(a.cols, b.rows):
+            raise ShapeError(f"matmul: {_fmt(a.shape)} @ {_fmt(b.shape)} do not conform "
+                             f"(in {a!r} @ {b!r})")
+    rows, cols = flat[0].rows, flat[-1].cols
+    if any(isinstance(f, Zero) for f in flat):
+        return Zero(rows, cols)
+    out, todo = [], list(reversed(flat))
+    while todo:
+        f = todo.pop()
+        c, f = _split(f)
+        coef *= c
+        if isinstance(f, Zero):
+            return Zero(rows, cols)
+        if isinstance(f, Identity):
+            continue
+        if isinstance(f, MatMul):
+            todo.extend(reversed(f.args))
+            continue
+        if out:
+            merged = _mixed(out[-1], f)
+            if merged is None:
+                merged = _commute(out[-1], f)
+            if merged is not None:
+                out.pop()
+                todo.extend(reversed(merged))
+                continue
+        out.append(f)
+    if not out:
+        core = Identity(rows)
+    elif len(out) == 1:
+        core = out[0]
+    else:
+        core = MatMul(*out)
+    return scale(coef, core)
+
+
+def add(*terms) -> Expr:
+    flat = []
+    for t in terms:
+        flat.extend(t.args if isinstance(t, Add) else (t,))
+    shape = flat[0].shape
+    for t in flat[1:]:
+        if not (same(t.rows, shape[0]) and same(t.cols, shape[1])):
+            raise ShapeError(f"add: shapes {_fmt(shape)} and {_fmt(t.shape)} differ "
+                             f"(in {flat[0]!r} + {t!r})")
+    coefs = {}
+    for t in flat:
+        c, core = _split(t)
+        if isinstance(core, Zero):
+            continue
+        coefs[core] = coefs.get(core, 0) + c
+    items = [(core, c) for core, c in coefs.items() if sp.expand(c) != 0]
+    if not items:
+        return Zero(*shape)
+    items.sort(key=lambda it: it[0].key)
+    parts = [scale(c, core) for core, c in items]
+    return parts[0] if len(parts) == 1 else Add(*parts)
+
+
+def transpose(a) -> Expr:
+    """Push transposes to the leaves: (AB)ᵀ = BᵀAᵀ, (A⊗B)ᵀ = Aᵀ⊗Bᵀ, K_{m,n}ᵀ = K_{n,m}."""
+    if isinstance(a, Transpose):
+        return a.args[0]
+    if isinstance(a, (Zero, Ones)):
+        return type(a)(a.cols, a.rows)
+    if isinstance(a, (Identity, Diag, SoftmaxJac, SoftmaxHess)):
+        return a
+    if isinstance(a, Commutation):
+        return Commutation(a.params[1], a.params[0])
+    if isinstance(a, MatMul):
+        return matmul(*(transpose(f) for f in reversed(a.args)))
+    if isinstance(a, Add):
+        return add(*(transpose(t) for t in a.args))
+    if isinstance(a, Scale):
+        return scale(a.coef, transpose(a.args[0]))
+    if isinstance(a, Kron):
+        return kron(*(transpose(f) for f in a.args))
+    if isinstance(a, Hadamard):
+        return hadamard(*(transpose(f) for f in a.args))
+    if isinstance(a, Elementwise):
+        return elementwise(a.fn, transpose(a.args[0]))
+    if isinstance(a, Named) and a.symmetric:
+        return a
+    if isinstance(a, Var) and a.rows == 1 and a.cols == 1:
+        return a
+    return Transpose(a)
+
+
+def kron(*factors) -> Expr:
+    coef = sp.Integer(1)
+    flat = []
+    for f in factors:
+        c, f = _split(f)
+        coef *= c
+        flat.extend(f.args if isinstance(f, Kron) else (f,))
+    if any(isinstance(f, Zero) for f in flat):
+        r, c = sp.Integer(1), sp.Integer(1)
+        for f in flat:
+            r, c = r * f.rows, c * f.cols
+        return Zero(r, c)
+    # merge neighbouring identities and drop 1×1 identities
+    out = []
+    for f in flat:
+        if isinstance(f, Identity) and f.rows == 1:
+            continue
+        if out and isinstance(f, Identity) and isinstance(out[-1], Identity):
+            out[-1] = Identity(out[-1].rows * f.rows)
+        else:
+            out.append(f)
+    if not out:
+        core = Identity(1)
+    elif len(out) == 1:
+        core = out[0]
+    else:
+        core = Kron(*out)
+    return scale(coef, core)
+
+
+def hadamard(*factors) -> Expr:
+    coef = sp.Integer(1)
+    flat = []
+    for f in factors:
+        c, f = _split(f)
+        coef *= c
+        flat.extend(f.args if isinstance(f, Hadamard) else (f,))
+    shape = flat[0].shape
+    for f in flat[1:]:
+        if not (same(f.rows, shape[0]) and same(f.cols, shape[1])):
+            raise ShapeError(f"hadamard: shapes {_fmt(shape)} and {_fmt(f.shape)} differ")
+    if any(isinstance(f, Zero) for f in flat):
+        return Zero(*shape)
+    flat = [f for f in flat if not isinstance(f, Ones)]
+    if not flat:
+        return scale(coef, Ones(*shape))
+    flat.sort(key=lambda f: f.key)
+    core = flat[0] if len(flat) == 1 else Hadamard(*flat)
+    return scale(coef, core)
+
+
+def elementwise(fn, a) -> Expr:
+    fn = get_function(fn) if isinstance(fn, str) else fn
+    if fn.is_zero:
+        return Zero(*a.shape)
+    if fn.constant is not None:
+        return scale(fn.constant, Ones(*a.shape))
+    if fn.is_identity:
+        return a
+    return Elementwise(a, fn)
+
+
+def power(a, p) -> Expr:
+    """Entrywise power A^{∘p}."""
+    return elementwise(get_function("pow", p), a)
+
+
+def softmax_rows(t, causal=False) -> Expr:
+    return SoftmaxRows(t, causal)
+
+
+def log_softmax_rows(t) -> Expr:
+    return LogSoftmaxRows(t)
+
+
+def softmax_diff(a, e) -> Expr:
+    if isinstance(e, Zero):
+        return e
+    c, core = _split(e)
+    return scale(c, SoftmaxDiff(a, core))
+
+
+def softmax_diff2(a, e, f) -> Expr:
+    if isinstance(e, Zero) or isinstance(f, Zero):
+        return Zero(*a.shape)
+    c1, e = _split(e)
+    c2, f = _split(f)
+    if f.key < e.key:
+        e, f = f, e
+    return scale(c1 * c2, SoftmaxDiff2(a, e, f))
+
+
+def diag(v) -> Expr:
+    if isinstance(v, Zero):
+        return Zero(v.rows, v.rows)
+    c, core = _split(v)
+    return scale(c, Diag(core))
+
+
+def diag_part(a) -> Expr:
+    if isinstance(a, Zero):
+        return Zero(a.rows, 1)
+    c, core = _split(a)
+    if isinstance(core, Diag):
+        return scale(c, core.args[0])
+    return scale(c, DiagPart(core))
+
+
+def vec_r(a) -> Expr:
+    if isinstance(a, Zero):
+        return Zero(a.rows * a.cols, 1)
+    if same(a.cols, 1):
+        return a
+    c, core = _split(a)
+    return scale(c, VecR(core))
+
+
+def unvec_r(v, rows, cols) -> Expr:
+    if isinstance(v, Zero):
+        return Zero(rows, cols)
+    if same(_d(cols), 1):
+        return v
+    c, core = _split(v)
+    if isinstance(core, VecR) and core.args[0].shape == (_d(rows), _d(cols)):
+        return scale(c, core.args[0])
+    return scale(c, UnvecR(core, rows, cols))
+
+
+def kron_contract(g, c, side, rows, cols) -> Expr:
+    if isinstance(g, Zero) or isinstance(c, Zero):
+        return Zero(rows, cols)
+    k1, g = _split(g)
+    k2, c = _split(c)
+    return scale(k1 * k2, KronContract(g, c, side, rows, cols))
+
+
+def named(inner, name, tex=None, frozen=False, symmetric=False, shown=()) -> Expr:
+    """Give a sub-expression a name for printing (and, if frozen, for differentiation)."""
+    if isinstance(inner, Zero):
+        return inner
+    return Named(inner, name, tex or name, frozen, symmetric, tuple(shown))
+
+
+def rowsum(a) -> Expr:
+    """A 1 1ᵀ: every entry replaced by its row's sum (shape kept)."""
+    return matmul(a, Ones(a.cols, a.cols))
+
+
+def sum_all(a) -> Expr:
+    """1ᵀ A 1 as a 1×1 matrix."""
+    return matmul(Ones(1, a.rows), a, Ones(a.cols, 1))
+
+
+def substitute(expr, mapping: dict, _memo=None):
+    """Replace sub-expressions (usually variables) structurally."""
+    memo = {} if _memo is None else _memo
+    if expr in mapping:
+        return mapping[expr]
+    if expr in memo:
+        return memo[expr]
+    only_vars = all(isinstance(k, Var) for k in mapping)
+    if not expr.args or (only_vars and not (expr.free_vars & mapping.keys())):
+        out = expr
+    else:
+        out = expr.rebuild(tuple(substitute(a, mapping, memo) for a in expr.args))
+    memo[expr] = out
+    return out
+
+
+def walk(expr):
+    """Every distinct node of the DAG once, children before parents."""
+    seen, order, stack = set(), [], [(expr, False)]
+    while stack:
+        node, done = stack.pop()
+        if done:
+            order.append(node)
+            continue
+        if node in seen:
+            continue
+        seen.add(node)
+        stack.append((node, True))
+        stack.extend((a, False) for a in reversed(node.args))
+    return order

@@ -1,0 +1,209 @@
+"""Gauss–Newton split of the loss Hessian, derived from a layer declaration.
+
+For parameters p, q with directions D_p, D_q and output gradient G = ∂ℓ/∂F:
+
+* gradient (matrix view):  g_p = adjoint of dF[D_p], applied to G;
+* functional part:         H_f(p, q) = vec-Jacobian of d g_p[D_q] with G frozen;
+* outer-product part:      H_o(p, q) = vec-Jacobian of g_p with G ← ∂²ℓ[dF[D_q]];
+* full:                    H = H_o + H_f.
+
+The split can also be taken at a named intermediate N (e.g. the logits T): then G_N =
+∂ℓ/∂N is frozen and only N's own second derivative contributes (the T-functional term).
+"""
+from __future__ import annotations
+
+from functools import cached_property
+
+from . import expr as E
+from .adjoint import adjoint
+from .kron import vec_jacobian
+from .layers import Layer
+from .losses import get_loss
+from .rules import differential
+from .simplify import definitions, simplify
+from .evaluate import InputError, bind_dims, evaluate
+
+import numpy as np
+
+PARTS = ("outer", "functional", "full")
+
+
+def _direction(var, tag=""):
+    return E.Var(f"d{tag}{var.name}", var.rows, var.cols, "direction")
+
+
+class Derivation:
+    """All Hessian blocks of ``loss(layer.output, Y)``; blocks are derived on demand and cached."""
+
+    def __init__(self, layer: Layer, loss: str = "mse"):
+        self.layer = layer
+        self.loss = loss
+        F = layer.output
+        self.F = F
+        self.Y = E.matrix("Y", F.rows, F.cols)
+        self._loss_fn = get_loss(loss)
+        self._cache = {}
+
+    # -- the loss side -------------------------------------------------------------------
+    @cached_property
+    def _loss_parts(self):
+        """(G(F), H_ℓ[dF]) as expressions in a placeholder F, then substituted."""
+        Fp = E.Var("F", self.F.rows, self.F.cols, "placeholder")
+        ell = self._loss_fn(Fp, self.Y)
+        dF = _direction(Fp)
+        grad = adjoint(differential(ell, {Fp: dF}), dF, E.identity(1))
+        dF2 = _direction(Fp, "2")
+        hess_map = differential(grad, {Fp: dF2})
+        return Fp, grad, dF2, hess_map
+
+    @cached_property
+    def loss_expr(self):
+        Fp = self._loss_parts[0]
+        return E.substitute(self._loss_fn(Fp, self.Y), {Fp: self.F})
+
+    @cached_property
+    def output_gradient(self):
+        """G = ∂ℓ/∂F, frozen (held constant by the differentiator)."""
+        Fp, grad, _, _ = self._loss_parts
+        return E.named(E.substitute(grad, {Fp: self.F}), "G", r"\mathbf G", frozen=True)
+
+    def loss_hessian_map(self, dF):
+        """∂²ℓ/∂F² applied to dF."""
+        Fp, _, dF2, hmap = self._loss_parts
+        return E.substitute(hmap, {dF2: dF, Fp: self.F})
+
+    # -- first order ---------------------------------------------------------------------
+    def param(self, name):
+        return self.layer.param(name)
+
+    def jacobian(self, p):
+        """∂vec_r F/∂vec_r W_p (Kronecker view)."""
+        key = ("jacobian", p)
+        if key not in self._cache:
+            w = self.param(p)
+            d = _direction(w)
+            self._cache[key] = simplify(vec_jacobian(differential(self.F, {w: d}), d))
+        return self._cache[key]
+
+    def gradient(self, p, cot=None):
+        """g_p = (∂F/∂W_p)ᵀ G as a matrix expression (no Kronecker product)."""
+        w = self.param(p)
+        d = _direction(w)
+        return adjoint(differential(self.F, {w: d}), d, self.output_gradient if cot is None else cot)
+
+    # -- second order --------------------------------------------------------------------
+    def raw_block(self, p, q, part="full", at=None):
+        """The block before display simplification (what verification evaluates too)."""
+        check_part(part)
+        key = ("raw", p, q, part, at)
+        if key in self._cache:
+            return self._cache[key]
+        wq = self.param(q)
+        dq = _direction(wq, "q")
+        if at is not None:
+            out = self._functional_at(p, q, at, dq) if part != "outer" else None
+            if out is None:
+                raise ValueError("a split at an intermediate gives the functional part only")
+        elif part == "functional":
+            out = vec_jacobian(differential(self.gradient(p), {wq: dq}), dq)
+        elif part == "outer":
+            g = self.output_gradient
+            dF = differential(self.F, {wq: dq})
+            lin = E.substitute(self.gradient(p), {g: self.loss_hessian_map(dF)})
+            out = vec_jacobian(lin, dq)
+        else:
+            out = E.add(self.raw_block(p, q, "outer"), self.raw_block(p, q, "functional"))
+        self._cache[key] = out
+        return out
+
+    def _functional_at(self, p, q, at, dq):
+        node = self.layer.intermediates.get(at)
+        if node is None:
+            raise KeyError(f"unknown intermediate {at!r}; valid: "
+                           f"{', '.join(self.layer.intermediates) or 'none'}")
+        hole = E.Var(f"__{at}", node.rows, node.cols, "placeholder")
+        dn = _direction(hole)
+        f_hole = E.substitute(self.F, {node: hole})
+        g_full = E.substitute(self.output_gradient.inner, {})
+        g_node = adjoint(differential(f_hole, {hole: dn}), dn, g_full)
+        g_node = E.named(E.substitute(g_node, {hole: node}), f"G_{at}",
+                         rf"\frac{{\partial\ell}}{{\partial\mathbf {at}}}", frozen=True)
+        w = self.param(p)
+        d = _direction(w)
+        grad = adjoint(differential(node, {w: d}), d, g_node)
+        return vec_jacobian(differential(grad, {self.param(q): dq}), dq)
+
+    def block(self, p, q, part="full", at=None) -> "Block":
+        """The (p, q) Hessian block in vec_r layout, simplified for display."""
+        key = ("block", p, q, part, at)
+        if key not in self._cache:
+            self._cache[key] = Block(simplify(self.raw_block(p, q, part, at), self.layer), self, (p, q, part))
+        return self._cache[key]
+
+    @property
+    def variable_names(self):
+        return sorted(set(self.layer.variables) | {"Y"})
+
+    def dimension_env(self, values):
+        """Bind the symbolic dimensions from every layer variable present in ``values``."""
+        unknown = sorted(set(values) - set(self.variable_names))
+        if unknown:
+            raise InputError(f"unknown value name(s) {', '.join(unknown)} for layer "
+                             f"{self.layer.name!r}; valid: {', '.join(self.variable_names)}")
+        vars_ = [v for v in list(self.layer.variables.values()) + [self.Y] if v.name in values]
+        arrays = {v.name: np.asarray(values[v.name]) if not hasattr(values[v.name], "detach")
+                  else values[v.name] for v in vars_}
+        return bind_dims(vars_, arrays)
+
+    def blocks(self, part="full"):
+        names = self.layer.param_names
+        return {(p, q): self.block(p, q, part) for p in names for q in names}
+
+
+class Block:
+    """A derived Hessian block: ``expr`` (vec_r layout), printable and evaluable."""
+
+    def __init__(self, expr, derivation, label):
+        self.expr = expr
+        self.derivation = derivation
+        self.label = label
+
+    @property
+    def is_zero(self) -> bool:
+        return self.expr.is_zero
+
+    @property
+    def shape(self):
+        return self.expr.shape
+
+    def latex(self) -> str:
+        return self.expr.latex()
+
+    def text(self) -> str:
+        return repr(self.expr)
+
+    def definitions(self):
+        return definitions(self.expr)
+
+    def evaluate(self, values, backend="numpy"):
+        """Dense (numel(p) × numel(q)) array for the given values."""
+        env = self.derivation.dimension_env(values)
+        return evaluate(self.expr, values, backend=backend, env=env)
+
+    def __repr__(self):
+        p, q, part = self.label
+        return f"<block H_{part[0]}({p}, {q}) = {self.expr!r}>"
+
+
+def check_part(part):
+    if part not in PARTS:
+        raise ValueError(f"unknown part {part!r}; valid: {', '.join(PARTS)}")
+
+
+def derive(layer, loss: str = "mse") -> Derivation:
+    """Derive the Hessian of ``loss(layer.output, Y)`` (blocks are computed on demand)."""
+    if isinstance(layer, str):
+        from .layers import layer as get_layer
+        layer = get_layer(layer)
+    get_loss(loss)
+    return Derivation(layer, loss)

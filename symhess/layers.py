@@ -1,0 +1,119 @@
+"""Layer declarations: a registry of named layers built from expressions.
+
+A layer is an output expression F, the parameters the Hessian is taken over (in
+declared order), the data inputs, and named intermediates (e.g. the logits T) at
+which a Gauss–Newton split can also be taken.  Users build their own ``Layer`` from
+``symhess.expr`` without touching this registry.
+"""
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass, field
+
+import sympy as sp
+
+from . import expr as E
+
+
+@dataclass(frozen=True, eq=False)
+class Layer:
+    """A declared layer: ``output`` = F(inputs; params)."""
+
+    name: str
+    output: E.Expr
+    params: tuple
+    inputs: tuple = ()
+    intermediates: dict = field(default_factory=dict)
+    options: dict = field(default_factory=dict)
+    description: str = ""
+
+    def __post_init__(self):
+        object.__setattr__(self, "params", tuple(self.params))
+        object.__setattr__(self, "inputs", tuple(self.inputs))
+        names = [p.name for p in self.params]
+        if len(set(names)) != len(names):
+            raise ValueError(f"layer {self.name!r}: parameter names repeat: {names}")
+        free = self.output.free_vars
+        for p in self.params:
+            if not isinstance(p, E.Var):
+                raise TypeError(f"layer {self.name!r}: parameter {p!r} is not a variable")
+            if p not in free:
+                raise ValueError(f"layer {self.name!r}: the output does not depend on {p.name}")
+
+    def param(self, name) -> E.Var:
+        for p in self.params:
+            if p.name == name:
+                return p
+        raise KeyError(f"unknown block {name!r} for layer {self.name!r}; "
+                       f"valid: {', '.join(self.param_names)}")
+
+    @property
+    def param_names(self):
+        return tuple(p.name for p in self.params)
+
+    @property
+    def variables(self):
+        """Every variable the output reads, by name."""
+        return {v.name: v for v in E.walk(self.output) if isinstance(v, E.Var)}
+
+
+LAYERS: dict = {}
+
+
+def register_layer(name):
+    """Register a layer factory ``fn(**options) -> Layer`` under ``name``."""
+
+    def deco(fn):
+        if name in LAYERS:
+            raise KeyError(f"layer {name!r} is already registered")
+        LAYERS[name] = fn
+        return fn
+
+    return deco
+
+
+def layer_options(name) -> dict:
+    """The options of a registered layer with their defaults."""
+    sig = inspect.signature(_factory(name))
+    return {k: p.default for k, p in sig.parameters.items()}
+
+
+def _factory(name):
+    if name not in LAYERS:
+        raise KeyError(f"unknown layer {name!r}; valid: {', '.join(sorted(LAYERS))}")
+    return LAYERS[name]
+
+
+def layer(name, **options) -> Layer:
+    """A declared layer by name, e.g. ``layer("attention", causal=True)``."""
+    fn = _factory(name)
+    valid = layer_options(name)
+    bad = [k for k in options if k not in valid]
+    if bad:
+        raise TypeError(f"unknown option(s) {', '.join(bad)} for layer {name!r}; "
+                        f"valid: {', '.join(valid) or 'none'}")
+    return fn(**options)
+
+
+def _scale_const(scale, default):
+    if scale is None:
+        return default
+    value = sp.sympify(scale)
+    if value.free_symbols - {E.dim(s.name) for s in value.free_symbols}:
+        raise ValueError(f"scale {scale!r} must be a number or an expression in the dimensions")
+    return value
+
+
+# ----------------------------------------------------------------------------- attention
+@register_layer("attention")
+def attention(causal: bool = False, scale=None) -> Layer:
+    """Softmax self-attention F = softmax_rows(c X W_Q W_Kᵀ Xᵀ) X W_V, c = 1/√d_K by default."""
+    L, d_V, d_K = E.dims("L d_V d_K")
+    X = E.matrix("X", L, d_V)
+    W_Q, W_K, W_V = E.param("W_Q", d_V, d_K), E.param("W_K", d_V, d_K), E.param("W_V", d_V, d_V)
+    c = _scale_const(scale, 1 / sp.sqrt(d_K))
+    T = c * (X @ W_Q @ W_K.T @ X.T)
+    A = E.softmax_rows(T, causal=causal)
+    F = A @ X @ W_V
+    return Layer("attention", F, (W_Q, W_K, W_V), (X,), {"T": T, "A": A},
+                 {"causal": causal, "scale": scale}, attention.__doc__)

@@ -1,0 +1,1 @@
+"""Printers: one per target, dispatching on node type; unknown nodes raise."""

@@ -1,0 +1,132 @@
+"""LaTeX printer in the papers' notation: bold matrices, ⊗, K_{m,n}, M_1…M_3, Z_1, Z_2."""
+from __future__ import annotations
+
+import sympy as sp
+
+from .base import Printer
+
+
+def bold_name(name: str) -> str:
+    """'W_Q' → \\mathbf W_{Q}; 'W_V^1' → \\mathbf W_{V}^{1}."""
+    base, _, sub = name.partition("_")
+    sup = ""
+    if "^" in sub:
+        sub, _, sup = sub.partition("^")
+    elif "^" in base:
+        base, _, sup = base.partition("^")
+    out = rf"\mathbf {base}" if len(base) == 1 else rf"\mathbf{{{base}}}"
+    if sub:
+        out += "_{" + sub.replace("_", r"\_") + "}"
+    if sup:
+        out += "^{" + sup + "}"
+    return out
+
+
+def dim_tex(d) -> str:
+    return sp.latex(sp.sympify(d))
+
+
+class LatexPrinter(Printer):
+    lparen, rparen = r"\left(", r"\right)"
+
+    def _print_Var(self, n):
+        return n.tex or bold_name(n.name)
+
+    def _print_Zero(self, n):
+        return r"\mathbf 0"
+
+    def _print_Identity(self, n):
+        return rf"\mathbf I_{{{dim_tex(n.rows)}}}"
+
+    def _print_Ones(self, n):
+        if n.cols == 1:
+            return rf"\mathbf 1_{{{dim_tex(n.rows)}}}"
+        if n.rows == 1:
+            return rf"\mathbf 1_{{{dim_tex(n.cols)}}}^\top"
+        return rf"\mathbf 1_{{{dim_tex(n.rows)}\times {dim_tex(n.cols)}}}"
+
+    def _print_Commutation(self, n):
+        return rf"\mathbf K_{{{dim_tex(n.params[0])},{dim_tex(n.params[1])}}}"
+
+    def _print_DiagSelector(self, n):
+        return rf"\mathbf E_{{{dim_tex(n.params[0])}}}"
+
+    def _print_MatMul(self, n):
+        return "".join(self.paren(a, n.precedence + 1) for a in n.args)
+
+    def _print_Add(self, n):
+        out = self.doprint(n.args[0])
+        for t in n.args[1:]:
+            s = self.doprint(t)
+            out += s if s.startswith("-") else "+" + s
+        return out
+
+    def _print_Scale(self, n):
+        c = n.coef
+        inner = self.paren(n.args[0], n.precedence + 1)
+        if c == -1:
+            return "-" + inner
+        ctex = sp.latex(c)
+        if isinstance(c, sp.Add):
+            ctex = rf"\left({ctex}\right)"
+        return ctex + inner
+
+    def _print_Transpose(self, n):
+        return self.paren(n.args[0], n.precedence + 1) + r"^\top"
+
+    def _print_Kron(self, n):
+        return r"\otimes ".join(self.paren(a, n.precedence + 1) for a in n.args)
+
+    def _print_Hadamard(self, n):
+        return r"\odot ".join(self.paren(a, n.precedence + 1) for a in n.args)
+
+    def _print_Elementwise(self, n):
+        tex = n.fn.tex
+        arg = self.doprint(n.args[0])
+        if r"\cdot" in tex:
+            return tex.replace(r"\cdot", arg)
+        return rf"{tex}\left({arg}\right)"
+
+    def _print_SoftmaxRows(self, n):
+        name = r"\operatorname{softmax}_{\mathrm{causal}}" if n.causal else r"\operatorname{softmax}"
+        return rf"{name}\left({self.doprint(n.args[0])}\right)"
+
+    def _print_LogSoftmaxRows(self, n):
+        return rf"\log\operatorname{{softmax}}\left({self.doprint(n.args[0])}\right)"
+
+    def _print_SoftmaxDiff(self, n):
+        return rf"\partial\mathbf A\left[{self.doprint(n.args[1])}\right]"
+
+    def _print_SoftmaxDiff2(self, n):
+        return rf"\partial^2\mathbf A\left[{self.doprint(n.args[1])},{self.doprint(n.args[2])}\right]"
+
+    def _print_SoftmaxJac(self, n):
+        return r"\frac{\partial\mathbf A}{\partial\mathbf T}"
+
+    def _print_SoftmaxHess(self, n):
+        return rf"\frac{{\partial^2\mathbf A}}{{\partial\mathbf T^2}}\left[{self.doprint(n.args[1])}\right]"
+
+    def _print_Diag(self, n):
+        return rf"\operatorname{{diag}}\left({self.doprint(n.args[0])}\right)"
+
+    def _print_DiagPart(self, n):
+        return rf"\operatorname{{diagpart}}\left({self.doprint(n.args[0])}\right)"
+
+    def _print_VecR(self, n):
+        return rf"\operatorname{{vec}}_r\left({self.doprint(n.args[0])}\right)"
+
+    def _print_UnvecR(self, n):
+        return rf"\operatorname{{vec}}_r^{{-1}}\left({self.doprint(n.args[0])}\right)"
+
+    def _print_KronContract(self, n):
+        g, c = (self.doprint(a) for a in n.args)
+        return rf"\operatorname{{tr}}_{{{n.params[0]}}}\left[{g};{c}\right]"
+
+    def _print_Named(self, n):
+        if len(n.args) > 1:
+            return n.tex.format(*(self.doprint(a) for a in n.args[1:]))
+        return n.tex
+
+
+def latex(expr, **options) -> str:
+    return LatexPrinter().doprint(expr)

@@ -1,0 +1,97 @@
+"""Plain-text printer (repr and ``--format text``)."""
+from __future__ import annotations
+
+import sympy as sp
+
+from .base import Printer
+
+
+class TextPrinter(Printer):
+    def _print_Var(self, n):
+        return n.name
+
+    def _print_Zero(self, n):
+        return f"0[{n.rows}x{n.cols}]"
+
+    def _print_Identity(self, n):
+        return f"I[{n.rows}]"
+
+    def _print_Ones(self, n):
+        return f"1[{n.rows}x{n.cols}]"
+
+    def _print_Commutation(self, n):
+        return f"K[{n.params[0]},{n.params[1]}]"
+
+    def _print_DiagSelector(self, n):
+        return f"E[{n.params[0]}]"
+
+    def _print_MatMul(self, n):
+        return " @ ".join(self.paren(a, n.precedence + 1) for a in n.args)
+
+    def _print_Add(self, n):
+        out = self.doprint(n.args[0])
+        for t in n.args[1:]:
+            s = self.doprint(t)
+            out += " - " + s[1:] if s.startswith("-") else " + " + s
+        return out
+
+    def _print_Scale(self, n):
+        c = n.coef
+        inner = self.paren(n.args[0], n.precedence + 1)
+        if c == -1:
+            return "-" + inner
+        return f"({sp.sstr(c)})*{inner}" if isinstance(c, sp.Add) else f"{sp.sstr(c)}*{inner}"
+
+    def _print_Transpose(self, n):
+        return self.paren(n.args[0], n.precedence + 1) + ".T"
+
+    def _print_Kron(self, n):
+        return " ⊗ ".join(self.paren(a, n.precedence + 1) for a in n.args)
+
+    def _print_Hadamard(self, n):
+        return " ∘ ".join(self.paren(a, n.precedence + 1) for a in n.args)
+
+    def _print_Elementwise(self, n):
+        return f"{n.fn.name}({self.doprint(n.args[0])})"
+
+    def _print_SoftmaxRows(self, n):
+        return f"softmax_rows({self.doprint(n.args[0])}{', causal' if n.causal else ''})"
+
+    def _print_LogSoftmaxRows(self, n):
+        return f"log_softmax_rows({self.doprint(n.args[0])})"
+
+    def _print_SoftmaxDiff(self, n):
+        return f"dA[{self.doprint(n.args[1])}]"
+
+    def _print_SoftmaxDiff2(self, n):
+        return f"d2A[{self.doprint(n.args[1])}, {self.doprint(n.args[2])}]"
+
+    def _print_SoftmaxJac(self, n):
+        return "dA/dT"
+
+    def _print_SoftmaxHess(self, n):
+        return f"d2A/dT2[{self.doprint(n.args[1])}]"
+
+    def _print_Diag(self, n):
+        return f"diag({self.doprint(n.args[0])})"
+
+    def _print_DiagPart(self, n):
+        return f"diagpart({self.doprint(n.args[0])})"
+
+    def _print_VecR(self, n):
+        return f"vec_r({self.doprint(n.args[0])})"
+
+    def _print_UnvecR(self, n):
+        return f"unvec[{n.params[0]}x{n.params[1]}]({self.doprint(n.args[0])})"
+
+    def _print_KronContract(self, n):
+        return f"kron_contract_{n.params[0]}({self.doprint(n.args[0])}, {self.doprint(n.args[1])})"
+
+    def _print_Named(self, n):
+        if len(n.args) > 1:
+            return f"{n.name}[{', '.join(self.doprint(a) for a in n.args[1:])}]"
+        return n.name
+
+
+def text(expr) -> str:
+    return TextPrinter().doprint(expr)

@@ -1,0 +1,119 @@
+"""Scalar functions applied entrywise, defined by sympy expressions in one variable.
+
+Derivatives come from sympy (``sympy.diff``); the Dirac delta of a kink (ReLU'' ) is
+dropped, i.e. derivatives hold almost everywhere, as for autograd.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import sympy as sp
+
+x = sp.Symbol("x", real=True)
+
+__all__ = ["ScalarFn", "get_function", "FUNCTIONS", "x"]
+
+
+def _heaviside(arg):
+    return sp.Heaviside(arg, 0)
+
+
+# name -> (sympy expression in x, LaTeX operator name)
+FUNCTIONS = {
+    "exp": (sp.exp(x), r"\exp"),
+    "log": (sp.log(x), r"\log"),
+    "tanh": (sp.tanh(x), r"\tanh"),
+    "sigmoid": (1 / (1 + sp.exp(-x)), r"\operatorname{sigmoid}"),
+    "relu": (x * _heaviside(x), r"\operatorname{ReLU}"),
+    "gelu": (x / 2 * (1 + sp.erf(x / sp.sqrt(2))), r"\operatorname{GELU}"),
+    "gelu_tanh": (x / 2 * (1 + sp.tanh(sp.sqrt(2 / sp.pi) * (x + sp.Rational(44715, 1000000) * x**3))),
+                  r"\operatorname{GELU}_{\tanh}"),
+    "square": (x**2, r"(\cdot)^{2}"),
+    "sqrt": (sp.sqrt(x), r"\sqrt"),
+    "rsqrt": (1 / sp.sqrt(x), r"(\cdot)^{-1/2}"),
+    "recip": (1 / x, r"(\cdot)^{-1}"),
+    "step": (_heaviside(x), r"\mathbb 1_{>0}"),
+}
+
+
+def _clean(expr):
+    """Drop Dirac deltas (derivatives hold almost everywhere) and tidy up."""
+    expr = expr.replace(sp.DiracDelta, lambda *a: sp.Integer(0))
+    return sp.simplify(expr)
+
+
+@dataclass(frozen=True)
+class ScalarFn:
+    """An entrywise function: ``name`` for printing, ``expr`` a sympy expression in x."""
+
+    name: str
+    expr: sp.Expr
+    tex: str
+
+    def __repr__(self):
+        return self.name
+
+    @property
+    def is_zero(self) -> bool:
+        return self.expr == 0
+
+    @property
+    def is_identity(self) -> bool:
+        return self.expr == x
+
+    @property
+    def constant(self):
+        return None if self.expr.has(x) else self.expr
+
+    def derivative(self) -> "ScalarFn":
+        return _derivative(self)
+
+    def numpy(self):
+        return _lambdify(self.expr, "numpy")
+
+    def torch(self):
+        return _lambdify(self.expr, "torch")
+
+
+@lru_cache(maxsize=None)
+def _derivative(fn: ScalarFn) -> ScalarFn:
+    d = _clean(sp.diff(fn.expr, x))
+    return _named_for(d, fn.name + "'", fn.tex + "'")
+
+
+def _named_for(expr, name, tex) -> ScalarFn:
+    """Reuse a library name when the expression is a known function (exp' = exp)."""
+    for known, (kexpr, ktex) in FUNCTIONS.items():
+        if sp.simplify(kexpr - expr) == 0:
+            return ScalarFn(known, kexpr, ktex)
+    return ScalarFn(name, expr, tex)
+
+
+def get_function(name: str, power=None) -> ScalarFn:
+    """A library function by name; ``pow`` takes an exponent."""
+    if name == "pow":
+        p = sp.sympify(power)
+        return _named_for(x**p, f"pow{p}", rf"(\cdot)^{{{sp.latex(p)}}}")
+    if name not in FUNCTIONS:
+        raise ValueError(f"unknown elementwise function {name!r}; valid: {', '.join(sorted(FUNCTIONS))}, pow")
+    expr, tex = FUNCTIONS[name]
+    return ScalarFn(name, expr, tex)
+
+
+@lru_cache(maxsize=None)
+def _lambdify(expr, backend):
+    if backend == "numpy":
+        import numpy as np
+        import scipy.special
+
+        mods = [{"Heaviside": lambda a, h0=0.0: np.heaviside(a, h0), "erf": scipy.special.erf}, "numpy"]
+        return sp.lambdify(x, expr, modules=mods)
+    import torch
+
+    def heaviside(a, h0=0.0):
+        return torch.heaviside(a, torch.tensor(float(h0), dtype=a.dtype, device=a.device))
+
+    mods = [{"Heaviside": heaviside, "erf": torch.special.erf, "exp": torch.exp, "log": torch.log,
+             "tanh": torch.tanh, "sqrt": torch.sqrt, "pi": float(sp.pi)}, "math"]
+    return sp.lambdify(x, expr, modules=mods)

@@ -1,0 +1,206 @@
+"""Display simplification: name the attention moments so blocks read like the papers.
+
+The canonicalising constructors already apply the mixed-product rule, identity and zero
+elimination, transpose push-down and commutation algebra.  This module adds a catalogue
+of *named* rewrites on product chains, each an exact identity:
+
+* ``M1``:  A X                        → M_1   (attention-weighted token means)
+* ``M2``:  (P⊗Q Xᵀ) ∂A/∂T (R⊗X S)     → (P⊗Q) M_2 (R⊗S),   M_2 = (I⊗Xᵀ)∂A/∂T(I⊗X) = blockdiag_i M_2^{(i)}
+* ``Z1``:  M_2 (X R⊗S)                → Z_1 (R⊗S),         Z_1 = M_2 (X⊗I)
+* ``M3``:  (P⊗Q Xᵀ) H_A[E Xᵀ] (R⊗X S) → (P⊗Q) M_3[E] (R⊗S), M_3[E] = (I⊗Xᵀ)H_A[E Xᵀ](I⊗X)
+* ``Z2``:  (P Xᵀ⊗Q) M_3[E] (X R⊗S)    → (P⊗Q) Z_2[E] (R⊗S), Z_2[E] = (X⊗I)ᵀ M_3[E] (X⊗I)
+
+Here X is any input matrix that sits on both sides; A = softmax_rows(T).  Every rewrite
+is an equality of matrices, so simplified blocks evaluate to the same numbers.
+"""
+from __future__ import annotations
+
+from . import expr as E
+
+DEFINITIONS = {
+    "M_1": r"\mathbf A\mathbf X,\ \text{rows }\boldsymbol\mu_i=\textstyle\sum_j A_{ij}\mathbf x_j",
+    "M_2": r"\operatorname{blockdiag}_i\big(\mathbf M_2^{(i)}\big),\ \mathbf M_2^{(i)}="
+           r"\textstyle\sum_j A_{ij}(\mathbf x_j-\boldsymbol\mu_i)(\mathbf x_j-\boldsymbol\mu_i)^\top",
+    "Z_1": r"\mathbf M_2(\mathbf X\otimes\mathbf I)",
+    "M_3": r"\operatorname{blockdiag}_i\big(\textstyle\sum_a E_{ia}\,\mathbf M_3^{(i)}[a,:,:]\big),\ "
+           r"\mathbf M_3^{(i)}=\textstyle\sum_j A_{ij}(\mathbf x_j-\boldsymbol\mu_i)^{\otimes 3}",
+    "Z_2": r"(\mathbf X\otimes\mathbf I)^\top\mathbf M_3[\mathbf E](\mathbf X\otimes\mathbf I)",
+}
+
+
+def simplify(expr, layer=None):
+    """Apply the named-moment catalogue bottom-up."""
+    memo = {}
+    for node in E.walk(expr):
+        if node in memo:
+            continue
+        new = node.rebuild(tuple(memo[a] for a in node.args)) if node.args else node
+        if isinstance(new, E.MatMul):
+            new = _rewrite_chain(new)
+        elif isinstance(new, E.Scale) and isinstance(new.args[0], E.MatMul):
+            new = E.scale(new.coef, _rewrite_chain(new.args[0]))
+        memo[node] = new
+    return memo[expr]
+
+
+def _first(e):
+    """(head, rest) with e = head·rest."""
+    if isinstance(e, E.MatMul):
+        return e.args[0], E.matmul(*e.args[1:])
+    return e, E.identity(e.cols)
+
+
+def _last(e):
+    """(rest, tail) with e = rest·tail."""
+    if isinstance(e, E.MatMul):
+        return E.matmul(*e.args[:-1]), e.args[-1]
+    return E.identity(e.rows), e
+
+
+def _is_input(x):
+    return isinstance(x, E.Var) and x.role == "input"
+
+
+def _kron2(e):
+    return isinstance(e, E.Kron) and len(e.args) == 2
+
+
+def _ends_with_xt(e):
+    """X with e = (…)Xᵀ, or None."""
+    rest, tail = _last(e)
+    if isinstance(tail, E.Transpose) and _is_input(tail.args[0]):
+        return tail.args[0], rest
+    return None, None
+
+
+def _starts_with_x(e):
+    head, rest = _first(e)
+    return (head, rest) if _is_input(head) else (None, None)
+
+
+def _moment_m1(f):
+    out, i = [], 0
+    while i < len(f):
+        a, b = f[i], f[i + 1] if i + 1 < len(f) else None
+        if isinstance(a, E.SoftmaxRows) and b is not None and _is_input(b):
+            out.append(m1(a, b))
+            i += 2
+        elif (isinstance(a, E.Transpose) and _is_input(a.args[0]) and isinstance(b, E.Transpose)
+              and isinstance(b.args[0], E.SoftmaxRows)):
+            out.append(E.transpose(m1(b.args[0], a.args[0])))
+            i += 2
+        else:
+            out.append(a)
+            i += 1
+    return out
+
+
+def m1(a, x):
+    return E.named(E.matmul(a, x), "M_1", r"\mathbf M_1")
+
+
+def _sandwich(f, i):
+    """Try M2/M3 at position i of a chain: returns the new chain or None."""
+    op = f[i]
+    if i == 0 or i == len(f) - 1 or not (_kron2(f[i - 1]) and _kron2(f[i + 1])):
+        return None
+    (p, q), (r, s) = f[i - 1].args, f[i + 1].args
+    x, q_rest = _ends_with_xt(q)
+    x2, s_rest = _starts_with_x(s)
+    if x is None or x != x2:
+        return None
+    n = p.cols
+    left, right = E.kron(E.identity(n), E.transpose(x)), E.kron(E.identity(n), x)
+    if isinstance(op, E.SoftmaxJac):
+        mid = E.named(E.matmul(left, op, right), "M_2", r"\mathbf M_2", symmetric=True)
+    elif isinstance(op, E.SoftmaxHess):
+        x3, e = _ends_with_xt(op.args[1])
+        if x3 != x:
+            return None
+        mid = E.named(E.matmul(left, op, right), "M_3", r"\mathbf M_3\left[{0}\right]",
+                      symmetric=True, shown=(e,))
+    else:
+        return None
+    return f[:i - 1] + [E.kron(p, q_rest), mid, E.kron(r, s_rest)] + f[i + 2:]
+
+
+def _z_forms(f):
+    """Z1 = M2 (X⊗I) on either side; Z2[E] = (X⊗I)ᵀ M3[E] (X⊗I) when X sits on both sides."""
+    for i, op in enumerate(f):
+        if not (isinstance(op, E.Named) and op.name in ("M_2", "M_3")):
+            continue
+        x = op.inner.args[-1].args[1]  # (I ⊗ X) on the right of the definition
+        right = f[i + 1] if i + 1 < len(f) and _kron2(f[i + 1]) else None
+        left = f[i - 1] if i > 0 and _kron2(f[i - 1]) else None
+        rx, r_rest = _starts_with_x(right.args[0]) if right is not None else (None, None)
+        lx, l_rest = _ends_with_xt(left.args[0]) if left is not None else (None, None)
+        eye = E.identity(x.cols)
+        if op.name == "M_2" and rx == x:
+            z = E.named(E.matmul(op, E.kron(x, eye)), "Z_1", r"\mathbf Z_1")
+            return f[:i] + [z, E.kron(r_rest, right.args[1])] + f[i + 2:]
+        if op.name == "M_2" and lx == x:
+            z = E.named(E.matmul(op, E.kron(x, eye)), "Z_1", r"\mathbf Z_1")
+            return f[:i - 1] + [E.kron(l_rest, left.args[1]), E.transpose(z)] + f[i + 1:]
+        if op.name == "M_3" and rx == x and lx == x:
+            z = E.named(E.matmul(E.kron(E.transpose(x), eye), op, E.kron(x, eye)), "Z_2",
+                        r"\mathbf Z_2\left[{0}\right]", symmetric=True, shown=op.args[1:])
+            return f[:i - 1] + [E.kron(l_rest, left.args[1]), z, E.kron(r_rest, right.args[1])] + f[i + 2:]
+    return None
+
+
+_STRUCTURED = (E.SoftmaxJac, E.SoftmaxHess)
+
+
+def _commutations_outward(f):
+    """Move K past a Kronecker product, away from a structured operator:
+
+    (C⊗D) K_{c_C,c_D} = K_{r_C,r_D} (D⊗C)   (and the mirror image on the right).
+    """
+    f = list(f)
+    for i, k in enumerate(f):
+        if not isinstance(k, E.Commutation):
+            continue
+        if 0 < i < len(f) - 1 and isinstance(f[i + 1], _STRUCTURED) and _kron2(f[i - 1]):
+            c, d = f[i - 1].args
+            if k.params == (c.cols, d.cols):
+                f[i - 1:i + 1] = [E.commutation(c.rows, d.rows), E.kron(d, c)]
+                return f
+        if 0 < i < len(f) - 1 and isinstance(f[i - 1], _STRUCTURED) and _kron2(f[i + 1]):
+            c, d = f[i + 1].args
+            if k.params == (d.rows, c.rows):
+                f[i:i + 2] = [E.kron(d, c), E.commutation(d.cols, c.cols)]
+                return f
+    return None
+
+
+def _rewrite_chain(mm):
+    f = _moment_m1(list(mm.args))
+    while True:
+        new = _commutations_outward(f)
+        if new is None:
+            break
+        f = new
+    changed = True
+    while changed:
+        changed = False
+        for i in range(len(f)):
+            new = _sandwich(f, i)
+            if new is not None:
+                f, changed = new, True
+                break
+    while True:
+        new = _z_forms(f)
+        if new is None:
+            break
+        f = new
+    return E.matmul(*f)
+
+
+def definitions(expr):
+    """The named quantities an expression uses, in order of first use: (name, tex, inner)."""
+    seen, out = set(), []
+    for node in E.walk(expr):
+        if isinstance(node, E.Named) and node.name not in seen:
+            seen.add(node.name)
+            out.append(node)
+    return out
