@@ -91,6 +91,34 @@ class Derivation:
         d = _direction(w)
         return adjoint(differential(self.F, {w: d}), d, self.output_gradient if cot is None else cot)
 
+    def hvp_directions(self):
+        """The direction variables V_q (one per parameter) used by ``hvp_expressions``."""
+        return {w.name: E.Var(f"V_{w.name}", w.rows, w.cols, "direction") for w in self.layer.params}
+
+    def hvp_expressions(self, part="full"):
+        """{p: Σ_q H_part(p, q) V_q} as matrix expressions (matrix view, no Kronecker product).
+
+        The direction variables are ``hvp_directions()``; the result for p has W_p's shape.
+        """
+        check_part(part)
+        key = ("hvp", part)
+        if key in self._cache:
+            return self._cache[key]
+        vs = self.hvp_directions()
+        dirs = {self.param(q): v for q, v in vs.items()}
+        g = self.output_gradient
+        out = {}
+        for p in self.layer.param_names:
+            grad = self.gradient(p)
+            if part == "functional":
+                out[p] = differential(grad, dirs)
+            elif part == "outer":
+                out[p] = E.substitute(grad, {g: self.loss_hessian_map(differential(self.F, dirs))})
+            else:
+                out[p] = differential(self.gradient(p, cot=g.inner), dirs)
+        self._cache[key] = out
+        return out
+
     # -- second order --------------------------------------------------------------------
     def raw_block(self, p, q, part="full", at=None):
         """The block before display simplification (what verification evaluates too)."""

@@ -1,0 +1,1 @@
+"""Attention variants declared with the public API (filled in by the variants work)."""
