@@ -59,6 +59,7 @@ def linear_attention(causal: bool = False, scale=None) -> Layer:
     X = E.matrix("X", L, d_V)
     c = resolve_scale(scale, "1/sqrt(d_K)", (L, d_V, d_K))
     W_Q, W_K, T = _logits_qk(X, d_V, d_K, c)
+    T = E.named(T, "T", r"\mathbf T")   # keeps T a node of F (a product would absorb it)
     W_V = E.param("W_V", d_V, d_V)
     A = E.causal_mask(L) * T if causal else T
     return Layer("linear_attention", A @ X @ W_V, (W_Q, W_K, W_V), (X,), {"T": T, "A": A},
