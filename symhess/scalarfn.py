@@ -82,9 +82,20 @@ def _derivative(fn: ScalarFn) -> ScalarFn:
     return _named_for(d, fn.name + "'", fn.tex + "'")
 
 
+def _agree_numerically(a, b, points=(0.37, 1.21, 2.9)) -> bool:
+    """a(x) == b(x) at a few positive points (a necessary condition for a ≡ b)."""
+    for p in points:
+        va, vb = complex(a.subs(x, p).evalf()), complex(b.subs(x, p).evalf())
+        if abs(va - vb) > 1e-9 * (1 + abs(va)):
+            return False
+    return True
+
+
 def _named_for(expr, name, tex) -> ScalarFn:
     """Reuse a library name when the expression is a known function (exp' = exp)."""
     for known, (kexpr, ktex) in FUNCTIONS.items():
+        if not _agree_numerically(kexpr, expr):
+            continue   # cheap filter: sympy.simplify on every candidate took seconds
         if sp.simplify(kexpr - expr) == 0:
             return ScalarFn(known, kexpr, ktex)
     return ScalarFn(name, expr, tex)
