@@ -75,7 +75,10 @@ class LatexPrinter(Printer):
         return ctex + inner
 
     def _print_Transpose(self, n):
-        return self.paren(n.args[0], n.precedence + 1) + r"^\top"
+        s = self.paren(n.args[0], n.precedence + 1)
+        if "^" in s and not s.startswith(self.lparen):
+            s = "{" + s + "}"   # W_V^{1} or M^{causal}: a second superscript is a TeX error
+        return s + r"^\top"
 
     def _print_Kron(self, n):
         return r"\otimes ".join(self.paren(a, n.precedence + 1) for a in n.args)
