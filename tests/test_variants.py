@@ -177,3 +177,14 @@ def test_scale_named_choices():
 def test_bad_options_give_clear_errors(name, options, match):
     with pytest.raises((ValueError, TypeError), match=match):
         sh.layer(name, **options)
+
+
+def test_latex_has_no_double_superscripts():
+    """W_V^{1}ᵀ and M^{causal}ᵀ must print as {…}^\\top (a second ^ is a TeX error)."""
+    import re
+    bad = re.compile(r"\^\{[^{}]*\}(_\{[^{}]*\})?\^")
+    for name, kw in [("multihead_attention", {}), ("linear_attention", {"causal": True})]:
+        d = sh.derive(sh.layer(name, **kw))
+        for p in d.layer.param_names[:3]:
+            tex = d.block(p, p, "outer").latex()
+            assert "^\\top" in tex and not bad.search(tex), tex
