@@ -573,6 +573,8 @@ def scale(coef, a) -> Expr:
     coef = coef * c0
     if coef == 1:
         return core
+    if isinstance(core, Add):  # canonical: scalars sit on the terms of a sum
+        return Add(*(scale(coef, t) for t in core.args))
     return Scale(core, coef)
 
 

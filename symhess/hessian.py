@@ -65,7 +65,8 @@ class Derivation:
     def output_gradient(self):
         """G = ∂ℓ/∂F, frozen (held constant by the differentiator)."""
         Fp, grad, _, _ = self._loss_parts
-        return E.named(E.substitute(grad, {Fp: self.F}), "G", r"\mathbf G", frozen=True)
+        f = E.named(self.F, "F", r"\mathbf F")
+        return E.named(E.substitute(grad, {Fp: f}), "G", r"\mathbf G", frozen=True)
 
     def loss_hessian_map(self, dF):
         """∂²ℓ/∂F² applied to dF."""
