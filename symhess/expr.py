@@ -150,9 +150,9 @@ class Expr:
         return transpose(self)
 
     # -- conveniences that delegate to other modules -------------------------------
-    def latex(self, **options) -> str:
+    def latex(self, names=None) -> str:
         from .printing.latex import latex
-        return latex(self, **options)
+        return latex(self, names)
 
     def evaluate(self, values, backend="numpy"):
         from .evaluate import evaluate

@@ -169,6 +169,17 @@ class Derivation:
             self._cache[key] = Block(simplify(self.raw_block(p, q, part, at), self.layer), self, (p, q, part))
         return self._cache[key]
 
+    @cached_property
+    def latex_names(self):
+        """LaTeX symbols for the layer's named intermediates (e.g. A, T)."""
+        from .printing.latex import bold_name
+        from .simplify import simplify as simp
+        names = {}
+        for key, node in self.layer.intermediates.items():
+            names[node] = bold_name(key)
+            names[simp(node)] = bold_name(key)
+        return names
+
     @property
     def variable_names(self):
         return sorted(set(self.layer.variables) | {"Y"})
@@ -206,7 +217,7 @@ class Block:
         return self.expr.shape
 
     def latex(self) -> str:
-        return self.expr.latex()
+        return self.expr.latex(self.derivation.latex_names)
 
     def text(self) -> str:
         return repr(self.expr)
