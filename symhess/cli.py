@@ -241,6 +241,8 @@ def main(argv=None) -> int:
         return 2
     try:
         return args.func(args)
+    except BrokenPipeError:  # e.g. `symhess verify … | head`
+        return 0
     except (CLIError, KeyError, ValueError, TypeError, NotImplementedError, OSError) as exc:
         msg = exc.args[0] if exc.args else str(exc)
         print(f"symhess: error: {msg}", file=sys.stderr)
