@@ -186,6 +186,14 @@ def cmd_run(args):
     return status or main_generate(check=True)
 
 
+def cmd_experiment(args):
+    try:
+        from .experiments import main_experiment
+    except ImportError as exc:  # pragma: no cover - until the experiments land
+        raise CLIError(f"experiments are not available: {exc}")
+    return main_experiment(args.rest)
+
+
 def build_parser():
     ap = argparse.ArgumentParser(prog="symhess", description="Derive exact loss Hessians of "
                                  "Transformer sub-layers symbolically, print LaTeX, verify, generate kernels.")
@@ -222,6 +230,11 @@ def build_parser():
     p = sub.add_parser("generate", help="write NumPy and torch kernels into generated/")
     p.add_argument("--check", action="store_true", help="only check that generated/ is up to date")
     p.set_defaults(func=cmd_generate)
+
+    p = sub.add_parser("experiment", help="the papers' curvature experiments (scaling, histogram, bounds)",
+                       add_help=False)
+    p.add_argument("rest", nargs=argparse.REMAINDER)
+    p.set_defaults(func=cmd_experiment)
 
     p = sub.add_parser("run", help="main job: derive + LaTeX + verify (+ kernel check)")
     layer_args(p, "both")
