@@ -30,8 +30,8 @@ def _parse_value(text):
     return text
 
 
-def layer_from_args(args, **overrides):
-    """Build the layer named on the command line with --causal and --set KEY=VALUE options."""
+def options_from_args(args) -> dict:
+    """Layer options from --causal and --set KEY=VALUE (validated against the layer)."""
     options = {}
     for item in args.set or []:
         if "=" not in item:
@@ -40,8 +40,12 @@ def layer_from_args(args, **overrides):
         options[key.strip()] = _parse_value(value.strip())
     if getattr(args, "causal", False):
         options["causal"] = True
-    options.update(overrides)
-    return layer(args.layer, **options)
+    layer(args.layer, **options)  # validate names and options early
+    return options
+
+
+def layer_from_args(args):
+    return layer(args.layer, **options_from_args(args))
 
 
 def _losses(choice):
@@ -125,21 +129,8 @@ def verification_table(lay_name, losses, seed, options, out=print):
     return ok
 
 
-def _options_from(args):
-    opts = {}
-    for item in args.set or []:
-        if "=" not in item:
-            raise CLIError(f"--set expects KEY=VALUE, got {item!r}")
-        k, v = item.split("=", 1)
-        opts[k.strip()] = _parse_value(v.strip())
-    if getattr(args, "causal", False):
-        opts["causal"] = True
-    layer(args.layer, **opts)  # validate names and options early
-    return opts
-
-
 def cmd_verify(args):
-    ok = verification_table(args.layer, _losses(args.loss), args.seed, _options_from(args))
+    ok = verification_table(args.layer, _losses(args.loss), args.seed, options_from_args(args))
     return 0 if ok else 1
 
 
@@ -164,7 +155,7 @@ def cmd_run(args):
     """The main job: derive every block, print LaTeX, verify against autograd, check kernels."""
     import time
 
-    opts = _options_from(args)
+    opts = options_from_args(args)
     lay = layer(args.layer, **opts)
     for loss in _losses(args.loss):
         t0 = time.perf_counter()

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import sympy as sp
 
 from . import expr as E
+from .registry import Registry
 
 
 @dataclass(frozen=True, eq=False)
@@ -57,19 +58,8 @@ class Layer:
         return {v.name: v for v in E.walk(self.output) if isinstance(v, E.Var)}
 
 
-LAYERS: dict = {}
-
-
-def register_layer(name):
-    """Register a layer factory ``fn(**options) -> Layer`` under ``name``."""
-
-    def deco(fn):
-        if name in LAYERS:
-            raise KeyError(f"layer {name!r} is already registered")
-        LAYERS[name] = fn
-        return fn
-
-    return deco
+LAYERS = Registry("layer")
+register_layer = LAYERS.register   # register a factory ``fn(**options) -> Layer`` under a name
 
 
 def layer_options(name) -> dict:
@@ -79,9 +69,7 @@ def layer_options(name) -> dict:
 
 
 def _factory(name):
-    if name not in LAYERS:
-        raise KeyError(f"unknown layer {name!r}; valid: {', '.join(sorted(LAYERS))}")
-    return LAYERS[name]
+    return LAYERS.lookup(name)
 
 
 def layer(name, **options) -> Layer:
