@@ -17,7 +17,7 @@ from .scalarfn import ScalarFn, get_function
 
 __all__ = [
     "ShapeError", "Expr", "dim", "dims", "matrix", "param", "const",
-    "zero", "identity", "ones", "commutation", "diag_selector",
+    "zero", "identity", "ones", "causal_mask", "commutation", "diag_selector",
     "matmul", "add", "scale", "transpose", "kron", "hadamard", "elementwise",
     "softmax_rows", "log_softmax_rows", "diag", "diag_part", "vec_r",
     "named", "rowsum", "sum_all", "power",
@@ -214,6 +214,15 @@ class Ones(Constant):
 
     def __init__(self, rows, cols):
         super().__init__((), (_d(rows), _d(cols)), (rows, cols))
+
+
+class CausalMask(Constant):
+    """The n×n lower-triangular 0/1 mask: M[i, j] = 1 if j ≤ i else 0."""
+
+    __slots__ = ()
+
+    def __init__(self, n):
+        super().__init__((), (_d(n),), (n, n))
 
 
 class Commutation(Constant):
@@ -545,6 +554,11 @@ def ones(rows, cols) -> Expr:
     if _d(rows) == 1 and _d(cols) == 1:
         return Identity(1)
     return Ones(rows, cols)
+
+
+def causal_mask(n) -> Expr:
+    """The causal mask M ∈ {0,1}^{n×n}, M[i, j] = [j ≤ i]; use as M ∘ T (e.g. linear attention)."""
+    return Identity(1) if _d(n) == 1 else CausalMask(n)
 
 
 def commutation(m, n) -> Expr:

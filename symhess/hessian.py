@@ -153,6 +153,9 @@ class Derivation:
         hole = E.Var(f"__{at}", node.rows, node.cols, "placeholder")
         dn = _direction(hole)
         f_hole = E.substitute(self.F, {node: hole})
+        if not f_hole.depends_on(hole):   # else the split would silently give Zero
+            raise ValueError(f"intermediate {at!r} is not a node of the output (canonicalisation "
+                             f"merged it into a larger product); declare it with expr.named(...)")
         g_full = E.substitute(self.output_gradient.inner, {})
         g_node = adjoint(differential(f_hole, {hole: dn}), dn, g_full)
         g_node = E.named(E.substitute(g_node, {hole: node}), f"G_{at}",

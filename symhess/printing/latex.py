@@ -60,6 +60,9 @@ class LatexPrinter(Printer):
             return rf"\mathbf 1_{{{dim_tex(n.cols)}}}^\top"
         return rf"\mathbf 1_{{{dim_tex(n.rows)}\times {dim_tex(n.cols)}}}"
 
+    def _print_CausalMask(self, n):
+        return rf"\mathbf M^{{\mathrm{{causal}}}}_{{{dim_tex(n.rows)}}}"
+
     def _print_Commutation(self, n):
         return rf"\mathbf K_{{{dim_tex(n.params[0])},{dim_tex(n.params[1])}}}"
 
