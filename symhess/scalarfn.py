@@ -112,7 +112,9 @@ def _lambdify(expr, backend):
     import torch
 
     def heaviside(a, h0=0.0):
-        return torch.heaviside(a, torch.tensor(float(h0), dtype=a.dtype, device=a.device))
+        # comparisons, not torch.heaviside: autograd has no derivative for aten::heaviside,
+        # and the step is piecewise constant (derivative 0 a.e.), which this gives
+        return (a > 0).to(a.dtype) + float(h0) * (a == 0).to(a.dtype)
 
     mods = [{"Heaviside": heaviside, "erf": torch.special.erf, "exp": torch.exp, "log": torch.log,
              "tanh": torch.tanh, "sqrt": torch.sqrt, "pi": float(sp.pi)}, "math"]
