@@ -79,7 +79,7 @@ class ScalarFn:
 @lru_cache(maxsize=None)
 def _derivative(fn: ScalarFn) -> ScalarFn:
     d = _clean(sp.diff(fn.expr, x))
-    return _named_for(d, fn.name + "'", fn.tex + "'")
+    return _named_for(d, fn.name + "'", "{" + fn.tex + "}'")  # braces: x^{p}' is a double superscript
 
 
 def _named_for(expr, name, tex) -> ScalarFn:
@@ -116,6 +116,14 @@ def _lambdify(expr, backend):
         # and the step is piecewise constant (derivative 0 a.e.), which this gives
         return (a > 0).to(a.dtype) + float(h0) * (a == 0).to(a.dtype)
 
-    mods = [{"Heaviside": heaviside, "erf": torch.special.erf, "exp": torch.exp, "log": torch.log,
-             "tanh": torch.tanh, "sqrt": torch.sqrt, "pi": float(sp.pi)}, "math"]
+    import math
+
+    def either(tfn, mfn):
+        # lambdified derivatives hold constants such as sqrt(2) (GELU'): plain numbers go to math
+        return lambda a: tfn(a) if isinstance(a, torch.Tensor) else mfn(a)
+
+    mods = [{"Heaviside": heaviside, "erf": either(torch.special.erf, math.erf),
+             "exp": either(torch.exp, math.exp), "log": either(torch.log, math.log),
+             "tanh": either(torch.tanh, math.tanh), "sqrt": either(torch.sqrt, math.sqrt),
+             "pi": float(sp.pi)}, "math"]
     return sp.lambdify(x, expr, modules=mods)
