@@ -85,9 +85,26 @@ def _derivative(fn: ScalarFn) -> ScalarFn:
 def _named_for(expr, name, tex) -> ScalarFn:
     """Reuse a library name when the expression is a known function (exp' = exp)."""
     for known, (kexpr, ktex) in FUNCTIONS.items():
+        if _differ_numerically(kexpr, expr):
+            continue  # cheap rejection: sympy.simplify of e.g. erf/tanh differences takes seconds
         if sp.simplify(kexpr - expr) == 0:
             return ScalarFn(known, kexpr, ktex)
     return ScalarFn(name, expr, tex)
+
+
+_PROBES = (0.37, 1.3, 2.9)  # positive, away from kinks, inside every library function's domain
+
+
+def _differ_numerically(a, b) -> bool:
+    """True if a(x) ≠ b(x) at some probe point (so they cannot be the same function)."""
+    for p in _PROBES:
+        try:
+            va, vb = complex(a.subs(x, p).evalf()), complex(b.subs(x, p).evalf())
+        except (TypeError, ValueError):
+            return False  # not numeric here: let sympy decide
+        if abs(va - vb) > 1e-9 * (1 + abs(va)):
+            return True
+    return False
 
 
 def get_function(name: str, power=None) -> ScalarFn:
