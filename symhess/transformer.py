@@ -234,7 +234,7 @@ def post_ln_block(causal=False, activation="relu", eps=0, bias=False, affine="no
     ffn_out, H = feed_forward(Y, W1, W2, activation, b1, b2)
     S = E.named(Y + ffn_out, "S", r"\mathbf S")
     Z, c2 = layer_norm(S, eps, *a2, label="Z")
-    inter = dict(inter, Y=Y, S=S)
+    inter = dict(inter, Y=Y, H=H, S=S)
     opts = {"causal": causal, "activation": activation, "eps": eps, "bias": bias, "affine": affine}
     return _block_layer("post_ln_block", Z, att_params, W1, W2, extra, affine, affine_vars, X,
                         inter, opts, post_ln_block.__doc__, _checks(c1, c2))
@@ -253,7 +253,7 @@ def pre_ln_block(causal=False, activation="relu", eps=0, bias=False, affine="non
     N2, c2 = layer_norm(Y, eps, *a2, label="N_2")
     ffn_out, H = feed_forward(N2, W1, W2, activation, b1, b2)
     Z = Y + ffn_out
-    inter = dict(inter, Y=Y)
+    inter = dict(inter, Y=Y, H=H)
     opts = {"causal": causal, "activation": activation, "eps": eps, "bias": bias, "affine": affine}
     return _block_layer("pre_ln_block", Z, att_params, W1, W2, extra, affine, affine_vars, X,
                         inter, opts, pre_ln_block.__doc__, _checks(c1, c2))
