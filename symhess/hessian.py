@@ -196,7 +196,9 @@ class Derivation:
         vars_ = [v for v in list(self.layer.variables.values()) + [self.Y] if v.name in values]
         arrays = {v.name: np.asarray(values[v.name]) if not hasattr(values[v.name], "detach")
                   else values[v.name] for v in vars_}
-        return bind_dims(vars_, arrays)
+        env = bind_dims(vars_, arrays)
+        self.layer.validate(values)
+        return env
 
     def blocks(self, part="full"):
         names = self.layer.param_names

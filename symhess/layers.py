@@ -27,10 +27,12 @@ class Layer:
     intermediates: dict = field(default_factory=dict)
     options: dict = field(default_factory=dict)
     description: str = ""
+    checks: tuple = ()
 
     def __post_init__(self):
         object.__setattr__(self, "params", tuple(self.params))
         object.__setattr__(self, "inputs", tuple(self.inputs))
+        object.__setattr__(self, "checks", tuple(self.checks))
         names = [p.name for p in self.params]
         if len(set(names)) != len(names):
             raise ValueError(f"layer {self.name!r}: parameter names repeat: {names}")
@@ -47,6 +49,11 @@ class Layer:
                 return p
         raise KeyError(f"unknown block {name!r} for layer {self.name!r}; "
                        f"valid: {', '.join(self.param_names)}")
+
+    def validate(self, values) -> None:
+        """Run the layer's value checks (e.g. LayerNorm rows of zero variance); each raises InputError."""
+        for check in self.checks:
+            check(values)
 
     @property
     def param_names(self):
