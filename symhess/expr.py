@@ -150,9 +150,9 @@ class Expr:
         return transpose(self)
 
     # -- conveniences that delegate to other modules -------------------------------
-    def latex(self, **options) -> str:
+    def latex(self, names=None) -> str:
         from .printing.latex import latex
-        return latex(self, **options)
+        return latex(self, names)
 
     def evaluate(self, values, backend="numpy"):
         from .evaluate import evaluate
@@ -587,6 +587,8 @@ def scale(coef, a) -> Expr:
     coef = coef * c0
     if coef == 1:
         return core
+    if isinstance(core, Add):  # canonical: scalars sit on the terms of a sum
+        return Add(*(scale(coef, t) for t in core.args))
     return Scale(core, coef)
 
 

@@ -79,26 +79,32 @@ class ScalarFn:
 @lru_cache(maxsize=None)
 def _derivative(fn: ScalarFn) -> ScalarFn:
     d = _clean(sp.diff(fn.expr, x))
-    return _named_for(d, fn.name + "'", fn.tex + "'")
-
-
-def _agree_numerically(a, b, points=(0.37, 1.21, 2.9)) -> bool:
-    """a(x) == b(x) at a few positive points (a necessary condition for a ≡ b)."""
-    for p in points:
-        va, vb = complex(a.subs(x, p).evalf()), complex(b.subs(x, p).evalf())
-        if abs(va - vb) > 1e-9 * (1 + abs(va)):
-            return False
-    return True
+    return _named_for(d, fn.name + "'", "{" + fn.tex + "}'")  # braces: x^{p}' is a double superscript
 
 
 def _named_for(expr, name, tex) -> ScalarFn:
     """Reuse a library name when the expression is a known function (exp' = exp)."""
     for known, (kexpr, ktex) in FUNCTIONS.items():
-        if not _agree_numerically(kexpr, expr):
-            continue   # cheap filter: sympy.simplify on every candidate took seconds
+        if _differ_numerically(kexpr, expr):
+            continue  # cheap rejection: sympy.simplify of e.g. erf/tanh differences takes seconds
         if sp.simplify(kexpr - expr) == 0:
             return ScalarFn(known, kexpr, ktex)
     return ScalarFn(name, expr, tex)
+
+
+_PROBES = (0.37, 1.3, 2.9)  # positive, away from kinks, inside every library function's domain
+
+
+def _differ_numerically(a, b) -> bool:
+    """True if a(x) ≠ b(x) at some probe point (so they cannot be the same function)."""
+    for p in _PROBES:
+        try:
+            va, vb = complex(a.subs(x, p).evalf()), complex(b.subs(x, p).evalf())
+        except (TypeError, ValueError):
+            return False  # not numeric here: let sympy decide
+        if abs(va - vb) > 1e-9 * (1 + abs(va)):
+            return True
+    return False
 
 
 def get_function(name: str, power=None) -> ScalarFn:
@@ -123,8 +129,18 @@ def _lambdify(expr, backend):
     import torch
 
     def heaviside(a, h0=0.0):
-        return torch.heaviside(a, torch.tensor(float(h0), dtype=a.dtype, device=a.device))
+        # comparisons, not torch.heaviside: autograd has no derivative for aten::heaviside,
+        # and the step is piecewise constant (derivative 0 a.e.), which this gives
+        return (a > 0).to(a.dtype) + float(h0) * (a == 0).to(a.dtype)
 
-    mods = [{"Heaviside": heaviside, "erf": torch.special.erf, "exp": torch.exp, "log": torch.log,
-             "tanh": torch.tanh, "sqrt": torch.sqrt, "pi": float(sp.pi)}, "math"]
+    import math
+
+    def either(tfn, mfn):
+        # lambdified derivatives hold constants such as sqrt(2) (GELU'): plain numbers go to math
+        return lambda a: tfn(a) if isinstance(a, torch.Tensor) else mfn(a)
+
+    mods = [{"Heaviside": heaviside, "erf": either(torch.special.erf, math.erf),
+             "exp": either(torch.exp, math.exp), "log": either(torch.log, math.log),
+             "tanh": either(torch.tanh, math.tanh), "sqrt": either(torch.sqrt, math.sqrt),
+             "pi": float(sp.pi)}, "math"]
     return sp.lambdify(x, expr, modules=mods)
