@@ -120,7 +120,9 @@ def markdown(variants=VARIANTS, loss="mse") -> str:
         f"of the engine's derived block evaluated in float64 at σ ∈ {{{grid}}} ({sizes}, seed 0), "
         f"rounded to an integer when within {ROUND_TOL} of one; `≡0` means the engine derives the "
         "block as the Zero node. Blocks are listed for p ≤ q in declaration order "
-        "(H(q, p) = H(p, q)ᵀ). Method and rationale: `symhess/scaling.py`.",
+        "(H(q, p) = H(p, q)ᵀ). With the causal mask every exponent is the same "
+        "(`tests/test_scaling.py` checks this for the single-head variants). "
+        "Method and rationale: `symhess/scaling.py`.",
     ]
     for name, options in variants:
         opts = ", ".join(f"{k}={v}" for k, v in options.items())

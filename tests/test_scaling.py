@@ -34,3 +34,11 @@ def test_slope_rounding():
     assert scaling.Slope("a", "b", "outer", 4.98).cell() == "5"
     assert scaling.Slope("a", "b", "outer", 4.5).cell() == "4.50"
     assert scaling.Slope("a", "b", "outer", None).cell() == "≡0"
+
+
+@pytest.mark.parametrize("name", ["attention", "linear_attention", "single_matrix_attention",
+                                  "value_output_attention"])
+def test_causal_mask_leaves_exponents_unchanged(name):
+    plain, causal = scaling.layer_table(name), scaling.layer_table(name, causal=True)
+    assert {k: {c: s.cell() for c, s in r.items()} for k, r in plain.items()} == \
+           {k: {c: s.cell() for c, s in r.items()} for k, r in causal.items()}
