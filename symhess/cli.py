@@ -77,6 +77,12 @@ def _pairs(lay, block):
     return [tuple(parts)]
 
 
+def block_label(lay, p, q, part) -> str:
+    """H_o(W_p, W_q), H_f(…) or H(…) in LaTeX."""
+    sub = {"outer": "_o", "functional": "_f", "full": ""}[part]
+    return rf"\mathbf H{sub}({lay.param(p).latex()},{lay.param(q).latex()})"
+
+
 def cmd_derive(args):
     lay = layer_from_args(args)
     d = derive(lay, args.loss)
@@ -88,7 +94,7 @@ def cmd_derive(args):
         for part in parts:
             b = d.block(p, q, part)
             if args.format == "latex":
-                print(rf"\mathbf H_{{{part[0]}}}(\mathbf {p},\mathbf {q}) = {b.latex()}")
+                print(f"{block_label(lay, p, q, part)} = {b.latex()}")
             else:
                 print(f"H_{part}({p}, {q}) = {b.text()}")
     if args.format == "latex" and args.definitions:
@@ -166,7 +172,7 @@ def cmd_run(args):
         print(f"% {lay.name}, loss={loss}: derived {len(blocks)} blocks in {dt:.2f} s")
         for (p, q, part), b in blocks.items():
             if part != "full":
-                print(rf"\mathbf H_{{{part[0]}}}(\mathbf {p},\mathbf {q}) = {b.latex()}")
+                print(f"{block_label(lay, p, q, part)} = {b.latex()}")
     ok = verification_table(args.layer, _losses(args.loss), args.seed, opts)
     status = 0 if ok else 1
     try:

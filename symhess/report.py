@@ -40,7 +40,7 @@ def _section(lay, loss):
             for b in (bo, bf):
                 for n in b.definitions():
                     named.setdefault(n.name, n)
-            blocks.append({"p": bold_name(p), "q": bold_name(q), "outer": bo.latex(),
+            blocks.append({"p": lay.param(p).latex(), "q": lay.param(q).latex(), "outer": bo.latex(),
                            "functional": bf.latex()})
     names = d.latex_names
     defs = [{"lhs": n.latex(names), "rhs": n.inner.latex(names), "note": DEFINITIONS.get(n.name)}
@@ -58,7 +58,7 @@ def render_report(lay, losses=("mse", "ce")) -> str:
         version=__version__, layer_name=lay.name, layer_tt=lay.name.replace("_", r"\_"),
         options_text=f" ({opts})" if opts else "",
         output=lay.output.latex({v: bold_name(k) for k, v in lay.intermediates.items()}),
-        params=", ".join(bold_name(p) for p in lay.param_names),
+        params=", ".join(p.latex() for p in lay.params),
         sections=[_section(lay, loss) for loss in losses])
 
 

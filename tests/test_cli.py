@@ -18,7 +18,7 @@ def test_layers_lists_parameters_and_options(capsys):
 
 def test_derive_prints_latex_and_text(capsys):
     code, out, _ = run(capsys, "derive", "attention", "--block", "W_Q,W_K", "--part", "functional", "--loss", "ce")
-    assert code == 0 and r"\mathbf Z_2" in out and r"\mathbf H_{f}" in out
+    assert code == 0 and r"\mathbf Z_2" in out and r"\mathbf H_f(\mathbf W_{Q},\mathbf W_{K})" in out
     code, out, _ = run(capsys, "derive", "attention", "--block", "W_V,W_V", "--part", "functional", "--format", "text")
     assert code == 0 and "0[d_V**2xd_V**2]" in out
 

@@ -39,6 +39,11 @@ class LatexPrinter(Printer):
             return self.names[node]
         return super().doprint(node)
 
+    def paren(self, node, parent_precedence) -> str:
+        if node in self.names:  # a named intermediate is a symbol: no brackets
+            return self.names[node]
+        return super().paren(node, parent_precedence)
+
     def _softmax_parts(self, a):
         """(numerator, denominator) symbols for the derivatives of A = softmax(T)."""
         t = a.args[0]
