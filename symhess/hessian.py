@@ -179,8 +179,9 @@ class Derivation:
         from .simplify import simplify as simp
         names = {}
         for key, node in self.layer.intermediates.items():
-            names[node] = bold_name(key)
-            names[simp(node)] = bold_name(key)
+            for form in (node, simp(node)):
+                names[form] = bold_name(key)
+                names.setdefault(E.transpose(form), bold_name(key) + r"^\top")
         return names
 
     @property
