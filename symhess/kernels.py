@@ -131,7 +131,9 @@ class Kernel:
             desc = ", ".join(f"{n}: {tuple(arrays[n].shape)}" for n in self._data)
             raise InputError(f"the data values need the same leading batch size, got {desc}")
         shapes = {n: _Shape(a.shape[-2:]) for n, a in arrays.items()}
-        bind_dims([self._vars[n] for n in self.names], shapes)
+        order = self._data + list(self.params) + [n for n in self.names
+                                                  if n not in self._data and n not in self.params]
+        bind_dims([self._vars[n] for n in order], shapes)   # data first: it fixes the sizes
         return arrays
 
     def _param(self, p):
