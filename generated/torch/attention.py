@@ -72,20 +72,21 @@ def ce_causal0__gradient(X, W_Q, W_K, W_V, Y):
     t17 = W_V.transpose(-1, -2)
     t18 = t17 @ t0
     t19 = G @ t18
-    t20 = A * (t19 - (A * t19).sum(-1, keepdim=True))
-    t21 = X @ W_K
-    t22 = t20 @ t21
-    t23 = t0 @ t22
-    t24 = (1/math.sqrt(d_K)) * t23
-    t25 = t20.transpose(-1, -2)
-    t26 = X @ W_Q
-    t27 = t25 @ t26
-    t28 = t0 @ t27
-    t29 = (1/math.sqrt(d_K)) * t28
-    t30 = A.transpose(-1, -2)
-    t31 = t30 @ G
-    t32 = t0 @ t31
-    return (t24.mean(0), t29.mean(0), t32.mean(0),)
+    t20 = t19 - (A * t19).sum(-1, keepdim=True)
+    t21 = A * t20
+    t22 = X @ W_K
+    t23 = t21 @ t22
+    t24 = t0 @ t23
+    t25 = (1/math.sqrt(d_K)) * t24
+    t26 = t21.transpose(-1, -2)
+    t27 = X @ W_Q
+    t28 = t26 @ t27
+    t29 = t0 @ t28
+    t30 = (1/math.sqrt(d_K)) * t29
+    t31 = A.transpose(-1, -2)
+    t32 = t31 @ G
+    t33 = t0 @ t32
+    return (t25.mean(0), t30.mean(0), t33.mean(0),)
 
 
 def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
@@ -183,32 +184,35 @@ def ce_causal0__hvp__outer(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     t17 = W_Q @ t16
     t18 = X @ t17
     t19 = t14 + t18
-    t20 = A * (t19 - (A * t19).sum(-1, keepdim=True))
-    t21 = t20 @ t9
-    t22 = (1/math.sqrt(d_K)) * t21
-    t23 = X @ V_W_V
-    t24 = A @ t23
-    t25 = t22 + t24
-    t26 = A12 * (t25 - (A12 * t25).sum(-1, keepdim=True))
-    t27 = t8 * t26
-    t28 = W_V.transpose(-1, -2)
-    t29 = t28 @ t0
-    t30 = t27 @ t29
-    t31 = A * (t30 - (A * t30).sum(-1, keepdim=True))
-    t32 = X @ W_K
-    t33 = t31 @ t32
-    t34 = t0 @ t33
-    t35 = (1/(L*math.sqrt(d_K))) * t34
-    t36 = t31.transpose(-1, -2)
-    t37 = X @ W_Q
-    t38 = t36 @ t37
-    t39 = t0 @ t38
-    t40 = (1/(L*math.sqrt(d_K))) * t39
-    t41 = A.transpose(-1, -2)
-    t42 = t41 @ t27
-    t43 = t0 @ t42
-    t44 = (1/L) * t43
-    return (t35.mean(0), t40.mean(0), t44.mean(0),)
+    t20 = t19 - (A * t19).sum(-1, keepdim=True)
+    t21 = A * t20
+    t22 = t21 @ t9
+    t23 = (1/math.sqrt(d_K)) * t22
+    t24 = X @ V_W_V
+    t25 = A @ t24
+    t26 = t23 + t25
+    t27 = t26 - (A12 * t26).sum(-1, keepdim=True)
+    t28 = A12 * t27
+    t29 = t8 * t28
+    t30 = W_V.transpose(-1, -2)
+    t31 = t30 @ t0
+    t32 = t29 @ t31
+    t33 = t32 - (A * t32).sum(-1, keepdim=True)
+    t34 = A * t33
+    t35 = X @ W_K
+    t36 = t34 @ t35
+    t37 = t0 @ t36
+    t38 = (1/(L*math.sqrt(d_K))) * t37
+    t39 = t34.transpose(-1, -2)
+    t40 = X @ W_Q
+    t41 = t39 @ t40
+    t42 = t0 @ t41
+    t43 = (1/(L*math.sqrt(d_K))) * t42
+    t44 = A.transpose(-1, -2)
+    t45 = t44 @ t29
+    t46 = t0 @ t45
+    t47 = (1/L) * t46
+    return (t38.mean(0), t43.mean(0), t47.mean(0),)
 
 
 def ce_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -950,49 +954,50 @@ def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t19 = W_V.transpose(-1, -2)
     t20 = t19 @ t3
     t21 = G @ t20
-    t22 = A * (t21 - (A * t21).sum(-1, keepdim=True))
+    t22 = t21 - (A * t21).sum(-1, keepdim=True)
+    t23 = A * t22
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t3, t22, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, t22, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, t22, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t3, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t1[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t2, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
-    t23 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t23[...] = 0
-    t24 = t23.view((d_V, d_K, d_V, d_K))
-    t25 = t24.diagonal(0, 1, 3)
-    t26 = t22 @ X
-    t27 = t3 @ t26
-    t28 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t25 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t27, t28, optimize=[(0, 1)])
-    t24 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t2, t3, M_3, X, W_Q, optimize=[(3, 4), (0, 2), (0, 1), (0, 1)])
-    t29 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t30 = t29.view((d_V, d_K, d_V, d_V))
+    t24 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t24[...] = 0
+    t25 = t24.view((d_V, d_K, d_V, d_K))
+    t26 = t25.diagonal(0, 1, 3)
+    t27 = t23 @ X
+    t28 = t3 @ t27
+    t29 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t26 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t28, t29, optimize=[(0, 1)])
+    t25 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t2, t3, M_3, X, W_Q, optimize=[(3, 4), (0, 2), (0, 1), (0, 1)])
+    t30 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t31 = t30.view((d_V, d_K, d_V, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t30[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t2, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
-    t31 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t31[...] = 0
-    t32 = t31.view((d_V, d_K, d_V, d_K))
-    t33 = t32.diagonal(0, 1, 3)
-    t34 = t22.transpose(-1, -2)
-    t35 = t34 @ X
-    t36 = t3 @ t35
-    t33 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t36, t28, optimize=[(0, 1)])
-    t37 = W_Q.transpose(-1, -2)
-    t32 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t37, t3, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
-    t38 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t39 = t38.view((d_V, d_K, d_V, d_K))
-    t39[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t37, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t40 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t41 = t40.view((d_V, d_K, d_V, d_V))
-    t41[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t37, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
-    t42 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t43 = t42.view((d_V, d_V, d_V, d_K))
-    t44 = G.transpose(-1, -2)
-    t43[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t44, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
-    t45 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t46 = t45.view((d_V, d_V, d_V, d_K))
-    t46[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t44, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t47 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t47[...] = 0
+    t31[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t2, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
+    t32 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t32[...] = 0
+    t33 = t32.view((d_V, d_K, d_V, d_K))
+    t34 = t33.diagonal(0, 1, 3)
+    t35 = t23.transpose(-1, -2)
+    t36 = t35 @ X
+    t37 = t3 @ t36
+    t34 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t37, t29, optimize=[(0, 1)])
+    t38 = W_Q.transpose(-1, -2)
+    t33 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t38, t3, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    t39 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t40 = t39.view((d_V, d_K, d_V, d_K))
+    t40[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t38, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t41 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t42 = t41.view((d_V, d_K, d_V, d_V))
+    t42[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t38, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
+    t43 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t44 = t43.view((d_V, d_V, d_V, d_K))
+    t45 = G.transpose(-1, -2)
+    t44[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t45, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
+    t46 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t47 = t46.view((d_V, d_V, d_V, d_K))
+    t47[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t45, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    t48 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t48[...] = 0
     return H
 
 
@@ -1039,36 +1044,37 @@ def ce_causal0__hvp__functional(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     t32 = V_W_V.transpose(-1, -2)
     t33 = t32 @ t0
     t34 = G @ t33
-    t35 = A * (t34 - (A * t34).sum(-1, keepdim=True))
-    t36 = t31 + t35
-    t37 = X @ W_K
-    t38 = t36 @ t37
-    t39 = t0 @ t38
-    t40 = A * (t26 - (A * t26).sum(-1, keepdim=True))
-    t41 = X @ V_W_K
-    t42 = t40 @ t41
-    t43 = t0 @ t42
-    t44 = t39 + t43
-    t45 = (1/math.sqrt(d_K)) * t44
-    t46 = t30.transpose(-1, -2)
-    t47 = (1/math.sqrt(d_K)) * t46
-    t48 = t35.transpose(-1, -2)
-    t49 = t47 + t48
-    t50 = X @ W_Q
-    t51 = t49 @ t50
-    t52 = t0 @ t51
-    t53 = t40.transpose(-1, -2)
-    t54 = X @ V_W_Q
-    t55 = t53 @ t54
-    t56 = t0 @ t55
-    t57 = t52 + t56
-    t58 = (1/math.sqrt(d_K)) * t57
-    t59 = A * (t13 - (A * t13).sum(-1, keepdim=True))
-    t60 = t59.transpose(-1, -2)
-    t61 = t60 @ G
-    t62 = t0 @ t61
-    t63 = (1/math.sqrt(d_K)) * t62
-    return (t45.mean(0), t58.mean(0), t63.mean(0),)
+    t35 = t34 - (A * t34).sum(-1, keepdim=True)
+    t36 = A * t35
+    t37 = t31 + t36
+    t38 = X @ W_K
+    t39 = t37 @ t38
+    t40 = t0 @ t39
+    t41 = A * t28
+    t42 = X @ V_W_K
+    t43 = t41 @ t42
+    t44 = t0 @ t43
+    t45 = t40 + t44
+    t46 = (1/math.sqrt(d_K)) * t45
+    t47 = t30.transpose(-1, -2)
+    t48 = (1/math.sqrt(d_K)) * t47
+    t49 = t36.transpose(-1, -2)
+    t50 = t48 + t49
+    t51 = X @ W_Q
+    t52 = t50 @ t51
+    t53 = t0 @ t52
+    t54 = t41.transpose(-1, -2)
+    t55 = X @ V_W_Q
+    t56 = t54 @ t55
+    t57 = t0 @ t56
+    t58 = t53 + t57
+    t59 = (1/math.sqrt(d_K)) * t58
+    t60 = A * t27
+    t61 = t60.transpose(-1, -2)
+    t62 = t61 @ G
+    t63 = t0 @ t62
+    t64 = (1/math.sqrt(d_K)) * t63
+    return (t46.mean(0), t59.mean(0), t64.mean(0),)
 
 
 def ce_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -1102,9 +1108,10 @@ def ce_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t18 = W_V.transpose(-1, -2)
     t19 = t18 @ t2
     t20 = G @ t19
-    t21 = A * (t20 - (A * t20).sum(-1, keepdim=True))
+    t21 = t20 - (A * t20).sum(-1, keepdim=True)
+    t22 = A * t21
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t22, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t22, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t22, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->da', t1, t2, M_3, X, W_K, optimize=[(1, 3), (0, 2), (0, 2), (0, 1)])
     return out
 
@@ -1138,9 +1145,10 @@ def ce_causal0__trace__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t17 = W_V.transpose(-1, -2)
     t18 = t17 @ t1
     t19 = G @ t18
-    t20 = A * (t19 - (A * t19).sum(-1, keepdim=True))
+    t20 = t19 - (A * t19).sum(-1, keepdim=True)
+    t21 = A * t20
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
     return (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->', t0, t1, M_3, X, W_K, optimize=[(1, 3), (0, 2), (0, 2), (0, 1)])
 
 
@@ -1175,9 +1183,10 @@ def ce_causal0__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t18 = W_V.transpose(-1, -2)
     t19 = t18 @ t2
     t20 = G @ t19
-    t21 = A * (t20 - (A * t20).sum(-1, keepdim=True))
+    t21 = t20 - (A * t20).sum(-1, keepdim=True)
+    t22 = A * t21
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t22, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t22, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t22, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t1, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
@@ -1211,11 +1220,12 @@ def ce_causal0__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t17 = W_V.transpose(-1, -2)
     t18 = t17 @ t1
     t19 = G @ t18
-    t20 = A * (t19 - (A * t19).sum(-1, keepdim=True))
+    t20 = t19 - (A * t19).sum(-1, keepdim=True)
+    t21 = A * t20
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t21 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
-    return torch.sqrt(torch.clamp(t21, min=0.0))
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t22 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
+    return torch.sqrt(torch.clamp(t22, min=0.0))
 
 
 def ce_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -1251,13 +1261,14 @@ def ce_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t19 = W_V.transpose(-1, -2)
     t20 = t19 @ t2
     t21 = G @ t20
-    t22 = A * (t21 - (A * t21).sum(-1, keepdim=True))
-    t23 = t22 @ X
-    t24 = t2 @ t23
-    t25 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t24, t25, optimize=[(0, 1)])
+    t22 = t21 - (A * t21).sum(-1, keepdim=True)
+    t23 = A * t22
+    t24 = t23 @ X
+    t25 = t2 @ t24
+    t26 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t25, t26, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t22, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t22, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t22, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t0 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t3, t2, M_3, X, W_Q, optimize=[(3, 4), (0, 2), (0, 1), (0, 1)])
     return out
 
@@ -1291,13 +1302,14 @@ def ce_causal0__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t17 = W_V.transpose(-1, -2)
     t18 = t17 @ t0
     t19 = G @ t18
-    t20 = A * (t19 - (A * t19).sum(-1, keepdim=True))
-    t21 = t20 @ X
-    t22 = t0 @ t21
+    t20 = t19 - (A * t19).sum(-1, keepdim=True)
+    t21 = A * t20
+    t22 = t21 @ X
+    t23 = t0 @ t22
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t0, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t23 = (n_batch**(-2)) * oe.contract('abc,dbc->', t22, t22, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t22, t1, t0, M_3, X, W_Q, optimize=[(1, 5), (3, 4), (2, 3), (1, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t1, t0, M_3, X, W_Q, t1, t0, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)])
-    return torch.sqrt(torch.clamp(t23, min=0.0))
+    M_3 = oe.contract('abc,adc,ace->adbe', t0, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t24 = (n_batch**(-2)) * oe.contract('abc,dbc->', t23, t23, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t23, t1, t0, M_3, X, W_Q, optimize=[(1, 5), (3, 4), (2, 3), (1, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t1, t0, M_3, X, W_Q, t1, t0, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)])
+    return torch.sqrt(torch.clamp(t24, min=0.0))
 
 
 def ce_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -1398,9 +1410,10 @@ def ce_causal0__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
     t19 = W_V.transpose(-1, -2)
     t20 = t19 @ t2
     t21 = G @ t20
-    t22 = A * (t21 - (A * t21).sum(-1, keepdim=True))
+    t22 = t21 - (A * t21).sum(-1, keepdim=True)
+    t23 = A * t22
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t22, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t22, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t22, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->ea', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     return out
 
@@ -1435,9 +1448,10 @@ def ce_causal0__trace__W_K__functional(X, W_Q, W_K, W_V, Y):
     t18 = W_V.transpose(-1, -2)
     t19 = t18 @ t1
     t20 = G @ t19
-    t21 = A * (t20 - (A * t20).sum(-1, keepdim=True))
+    t21 = t20 - (A * t20).sum(-1, keepdim=True)
+    t22 = A * t21
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t22, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t22, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t22, X, optimize=[(0, 1), (0, 1), (0, 1)])
     return (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->', t0, t1, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
 
 
@@ -1474,16 +1488,17 @@ def ce_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t19 = W_V.transpose(-1, -2)
     t20 = t19 @ t2
     t21 = G @ t20
-    t22 = A * (t21 - (A * t21).sum(-1, keepdim=True))
-    t23 = t22.transpose(-1, -2)
-    t24 = t23 @ X
-    t25 = t2 @ t24
-    t26 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t25, t26, optimize=[(0, 1)])
-    t27 = W_Q.transpose(-1, -2)
+    t22 = t21 - (A * t21).sum(-1, keepdim=True)
+    t23 = A * t22
+    t24 = t23.transpose(-1, -2)
+    t25 = t24 @ X
+    t26 = t2 @ t25
+    t27 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t26, t27, optimize=[(0, 1)])
+    t28 = W_Q.transpose(-1, -2)
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t22, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t22, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t22, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t27, t2, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t28, t2, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -1516,15 +1531,16 @@ def ce_causal0__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t17 = W_V.transpose(-1, -2)
     t18 = t17 @ t0
     t19 = G @ t18
-    t20 = A * (t19 - (A * t19).sum(-1, keepdim=True))
-    t21 = t20.transpose(-1, -2)
-    t22 = t21 @ X
-    t23 = t0 @ t22
-    t24 = W_Q.transpose(-1, -2)
+    t20 = t19 - (A * t19).sum(-1, keepdim=True)
+    t21 = A * t20
+    t22 = t21.transpose(-1, -2)
+    t23 = t22 @ X
+    t24 = t0 @ t23
+    t25 = W_Q.transpose(-1, -2)
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t0, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t25 = (n_batch**(-2)) * oe.contract('abc,dbc->', t23, t23, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t23, t24, t0, M_3, X, W_K, optimize=[(1, 2), (3, 4), (1, 3), (1, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t24, t0, M_3, X, W_K, t24, t0, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
-    return torch.sqrt(torch.clamp(t25, min=0.0))
+    M_3 = oe.contract('abc,adc,ace->adbe', t0, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t26 = (n_batch**(-2)) * oe.contract('abc,dbc->', t24, t24, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t24, t25, t0, M_3, X, W_K, optimize=[(1, 2), (3, 4), (1, 3), (1, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t25, t0, M_3, X, W_K, t25, t0, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
+    return torch.sqrt(torch.clamp(t26, min=0.0))
 
 
 def ce_causal0__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -1559,9 +1575,10 @@ def ce_causal0__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t19 = W_V.transpose(-1, -2)
     t20 = t19 @ t2
     t21 = G @ t20
-    t22 = A * (t21 - (A * t21).sum(-1, keepdim=True))
+    t22 = t21 - (A * t21).sum(-1, keepdim=True)
+    t23 = A * t22
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t22, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t22, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t22, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     return out
 
@@ -1596,11 +1613,12 @@ def ce_causal0__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t18 = W_V.transpose(-1, -2)
     t19 = t18 @ t1
     t20 = G @ t19
-    t21 = A * (t20 - (A * t20).sum(-1, keepdim=True))
+    t21 = t20 - (A * t20).sum(-1, keepdim=True)
+    t22 = A * t21
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t22 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 1), (0, 5), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)])
-    return torch.sqrt(torch.clamp(t22, min=0.0))
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t22, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t22, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t22, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t23 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 1), (0, 5), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)])
+    return torch.sqrt(torch.clamp(t23, min=0.0))
 
 
 def ce_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -1879,70 +1897,71 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t19 = W_V.transpose(-1, -2)
     t20 = t19 @ t3
     t21 = G @ t20
-    t22 = A * (t21 - (A * t21).sum(-1, keepdim=True))
+    t22 = t21 - (A * t21).sum(-1, keepdim=True)
+    t23 = A * t22
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t3, t22, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, t22, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, t22, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t3, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t1[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t2, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t1 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t2, M_2, X, W_V, t10, A14, t19, M_2, X, W_K, optimize=[(4, 5), (0, 1), (1, 7), (5, 6), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
     t1 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t2, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_K, optimize=[(4, 5), (4, 5), (4, 8), (5, 7), (0, 1), (1, 5), (2, 4), (0, 1), (0, 1), (0, 1)])
-    t23 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t23[...] = 0
-    t24 = t23.view((d_V, d_K, d_V, d_K))
-    t25 = t24.diagonal(0, 1, 3)
-    t26 = t22 @ X
-    t27 = t3 @ t26
-    t28 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t25 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t27, t28, optimize=[(0, 1)])
-    t24 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t2, t3, M_3, X, W_Q, optimize=[(3, 4), (0, 2), (0, 1), (0, 1)])
-    t24 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t2, M_2, X, W_V, t10, A14, t19, M_2, X, W_Q, optimize=[(4, 5), (6, 7), (0, 1), (1, 6), (3, 5), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t24 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t2, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_Q, optimize=[(4, 5), (4, 5), (4, 8), (4, 5), (0, 1), (1, 5), (1, 4), (0, 1), (0, 1), (0, 1)])
-    t29 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t30 = t29.view((d_V, d_K, d_V, d_V))
-    t30[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t2, M_2, X, W_V, t10, A14, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t30 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t2, M_2, X, W_V, t10, A14, A14, M_1, optimize=[(4, 5), (1, 3), (4, 5), (0, 4), (0, 1), (0, 1), (0, 1)])
-    t30 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t2, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
-    t31 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t31[...] = 0
-    t32 = t31.view((d_V, d_K, d_V, d_K))
-    t33 = t32.diagonal(0, 1, 3)
-    t34 = t22.transpose(-1, -2)
-    t35 = t34 @ X
-    t36 = t3 @ t35
-    t33 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t36, t28, optimize=[(0, 1)])
-    t37 = W_Q.transpose(-1, -2)
-    t32 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t37, t3, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
-    t32 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t37, M_2, X, W_V, t10, A14, t19, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (4, 6), (0, 1), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t32 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t37, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_K, optimize=[(4, 5), (0, 2), (2, 3), (2, 7), (3, 6), (0, 1), (1, 4), (0, 1), (0, 1), (0, 1)])
-    t38 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t39 = t38.view((d_V, d_K, d_V, d_K))
-    t39[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t37, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t39 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t37, M_2, X, W_V, t10, A14, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (4, 5), (0, 1), (2, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t39 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t37, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (2, 3), (2, 7), (2, 3), (0, 1), (0, 4), (0, 1), (0, 1), (0, 1)])
-    t40 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t41 = t40.view((d_V, d_K, d_V, d_V))
-    t41[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh->fahg', t37, M_2, X, W_V, t10, A14, M_1, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
-    t41 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t37, M_2, X, W_V, t10, A14, A14, M_1, optimize=[(0, 2), (1, 2), (1, 5), (0, 4), (0, 1), (0, 1), (0, 1)])
-    t41 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t37, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
-    t42 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t43 = t42.view((d_V, d_V, d_V, d_K))
-    t44 = G.transpose(-1, -2)
-    t43[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t44, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
-    t45 = M_1.transpose(-1, -2)
-    t43 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t45, t10, A14, t19, M_2, X, W_K, optimize=[(1, 2), (0, 3), (0, 1), (1, 3), (0, 2), (0, 1)])
-    t43 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t45, t10, A14, A14, t19, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (0, 1), (0, 1), (0, 1)])
-    t46 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t47 = t46.view((d_V, d_V, d_V, d_K))
-    t47[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t44, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t47 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t45, t10, A14, t19, M_2, X, W_Q, optimize=[(1, 2), (3, 4), (0, 4), (0, 1), (0, 2), (0, 1)])
-    t47 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t45, t10, A14, A14, t19, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 1), (0, 1), (0, 1)])
-    t48 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t48[...] = 0
-    t49 = t48.view((d_V, d_V, d_V, d_V))
-    t50 = t49.diagonal(0, 1, 3)
-    t50 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bed', t45, t10, A14, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
-    t49 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t45, t10, A14, A14, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t24 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t24[...] = 0
+    t25 = t24.view((d_V, d_K, d_V, d_K))
+    t26 = t25.diagonal(0, 1, 3)
+    t27 = t23 @ X
+    t28 = t3 @ t27
+    t29 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t26 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t28, t29, optimize=[(0, 1)])
+    t25 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t2, t3, M_3, X, W_Q, optimize=[(3, 4), (0, 2), (0, 1), (0, 1)])
+    t25 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t2, M_2, X, W_V, t10, A14, t19, M_2, X, W_Q, optimize=[(4, 5), (6, 7), (0, 1), (1, 6), (3, 5), (1, 2), (2, 3), (0, 1), (0, 1)])
+    t25 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t2, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_Q, optimize=[(4, 5), (4, 5), (4, 8), (4, 5), (0, 1), (1, 5), (1, 4), (0, 1), (0, 1), (0, 1)])
+    t30 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t31 = t30.view((d_V, d_K, d_V, d_V))
+    t31[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t2, M_2, X, W_V, t10, A14, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t31 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t2, M_2, X, W_V, t10, A14, A14, M_1, optimize=[(4, 5), (1, 3), (4, 5), (0, 4), (0, 1), (0, 1), (0, 1)])
+    t31 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t2, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
+    t32 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t32[...] = 0
+    t33 = t32.view((d_V, d_K, d_V, d_K))
+    t34 = t33.diagonal(0, 1, 3)
+    t35 = t23.transpose(-1, -2)
+    t36 = t35 @ X
+    t37 = t3 @ t36
+    t34 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t37, t29, optimize=[(0, 1)])
+    t38 = W_Q.transpose(-1, -2)
+    t33 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t38, t3, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    t33 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t38, M_2, X, W_V, t10, A14, t19, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (4, 6), (0, 1), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t33 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t38, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_K, optimize=[(4, 5), (0, 2), (2, 3), (2, 7), (3, 6), (0, 1), (1, 4), (0, 1), (0, 1), (0, 1)])
+    t39 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t40 = t39.view((d_V, d_K, d_V, d_K))
+    t40[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t38, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t40 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t38, M_2, X, W_V, t10, A14, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (4, 5), (0, 1), (2, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
+    t40 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t38, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (2, 3), (2, 7), (2, 3), (0, 1), (0, 4), (0, 1), (0, 1), (0, 1)])
+    t41 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t42 = t41.view((d_V, d_K, d_V, d_V))
+    t42[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh->fahg', t38, M_2, X, W_V, t10, A14, M_1, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
+    t42 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t38, M_2, X, W_V, t10, A14, A14, M_1, optimize=[(0, 2), (1, 2), (1, 5), (0, 4), (0, 1), (0, 1), (0, 1)])
+    t42 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t38, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
+    t43 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t44 = t43.view((d_V, d_V, d_V, d_K))
+    t45 = G.transpose(-1, -2)
+    t44[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t45, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
+    t46 = M_1.transpose(-1, -2)
+    t44 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t46, t10, A14, t19, M_2, X, W_K, optimize=[(1, 2), (0, 3), (0, 1), (1, 3), (0, 2), (0, 1)])
+    t44 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t46, t10, A14, A14, t19, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (0, 1), (0, 1), (0, 1)])
+    t47 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t48 = t47.view((d_V, d_V, d_V, d_K))
+    t48[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t45, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    t48 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t46, t10, A14, t19, M_2, X, W_Q, optimize=[(1, 2), (3, 4), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t48 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t46, t10, A14, A14, t19, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 1), (0, 1), (0, 1)])
+    t49 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t49[...] = 0
+    t50 = t49.view((d_V, d_V, d_V, d_V))
+    t51 = t50.diagonal(0, 1, 3)
+    t51 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bed', t46, t10, A14, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
+    t50 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t46, t10, A14, A14, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
     return H
 
 
@@ -1988,51 +2007,53 @@ def ce_causal0__hvp__full(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     t32 = V_W_V.transpose(-1, -2)
     t33 = t32 @ t0
     t34 = t23 @ t33
-    t35 = A * (t13 - (A * t13).sum(-1, keepdim=True))
+    t35 = A * t27
     t36 = t35 @ t16
     t37 = (1/math.sqrt(d_K)) * t36
     t38 = X @ V_W_V
     t39 = A @ t38
     t40 = t37 + t39
-    t41 = A19 * (t40 - (A19 * t40).sum(-1, keepdim=True))
-    t42 = t15 * t41
-    t43 = t42 @ t25
-    t44 = (1/L) * t43
-    t45 = t34 + t44
-    t46 = A * (t45 - (A * t45).sum(-1, keepdim=True))
-    t47 = t31 + t46
-    t48 = X @ W_K
-    t49 = t47 @ t48
-    t50 = t0 @ t49
-    t51 = A * (t26 - (A * t26).sum(-1, keepdim=True))
-    t52 = X @ V_W_K
-    t53 = t51 @ t52
-    t54 = t0 @ t53
-    t55 = t50 + t54
-    t56 = (1/math.sqrt(d_K)) * t55
-    t57 = t30.transpose(-1, -2)
+    t41 = t40 - (A19 * t40).sum(-1, keepdim=True)
+    t42 = A19 * t41
+    t43 = t15 * t42
+    t44 = t43 @ t25
+    t45 = (1/L) * t44
+    t46 = t34 + t45
+    t47 = t46 - (A * t46).sum(-1, keepdim=True)
+    t48 = A * t47
+    t49 = t31 + t48
+    t50 = X @ W_K
+    t51 = t49 @ t50
+    t52 = t0 @ t51
+    t53 = A * t28
+    t54 = X @ V_W_K
+    t55 = t53 @ t54
+    t56 = t0 @ t55
+    t57 = t52 + t56
     t58 = (1/math.sqrt(d_K)) * t57
-    t59 = t46.transpose(-1, -2)
-    t60 = t58 + t59
-    t61 = X @ W_Q
-    t62 = t60 @ t61
-    t63 = t0 @ t62
-    t64 = t51.transpose(-1, -2)
-    t65 = X @ V_W_Q
-    t66 = t64 @ t65
-    t67 = t0 @ t66
-    t68 = t63 + t67
-    t69 = (1/math.sqrt(d_K)) * t68
-    t70 = t35.transpose(-1, -2)
-    t71 = t70 @ t23
-    t72 = t0 @ t71
-    t73 = (1/math.sqrt(d_K)) * t72
-    t74 = A.transpose(-1, -2)
-    t75 = t74 @ t42
-    t76 = t0 @ t75
-    t77 = (1/L) * t76
-    t78 = t73 + t77
-    return (t56.mean(0), t69.mean(0), t78.mean(0),)
+    t59 = t30.transpose(-1, -2)
+    t60 = (1/math.sqrt(d_K)) * t59
+    t61 = t48.transpose(-1, -2)
+    t62 = t60 + t61
+    t63 = X @ W_Q
+    t64 = t62 @ t63
+    t65 = t0 @ t64
+    t66 = t53.transpose(-1, -2)
+    t67 = X @ V_W_Q
+    t68 = t66 @ t67
+    t69 = t0 @ t68
+    t70 = t65 + t69
+    t71 = (1/math.sqrt(d_K)) * t70
+    t72 = t35.transpose(-1, -2)
+    t73 = t72 @ t23
+    t74 = t0 @ t73
+    t75 = (1/math.sqrt(d_K)) * t74
+    t76 = A.transpose(-1, -2)
+    t77 = t76 @ t43
+    t78 = t0 @ t77
+    t79 = (1/L) * t78
+    t80 = t75 + t79
+    return (t58.mean(0), t71.mean(0), t80.mean(0),)
 
 
 def ce_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -2066,9 +2087,10 @@ def ce_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t18 = W_V.transpose(-1, -2)
     t19 = t18 @ t2
     t20 = G @ t19
-    t21 = A * (t20 - (A * t20).sum(-1, keepdim=True))
+    t21 = t20 - (A * t20).sum(-1, keepdim=True)
+    t22 = A * t21
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t22, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t22, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t22, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->da', t1, t2, M_3, X, W_K, optimize=[(1, 3), (0, 2), (0, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
@@ -2106,9 +2128,10 @@ def ce_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     t17 = W_V.transpose(-1, -2)
     t18 = t17 @ t1
     t19 = G @ t18
-    t20 = A * (t19 - (A * t19).sum(-1, keepdim=True))
+    t20 = t19 - (A * t19).sum(-1, keepdim=True)
+    t21 = A * t20
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     return (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->', t0, t1, M_3, X, W_K, optimize=[(1, 3), (0, 2), (0, 2), (0, 1)]) + (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdf,ia->', t0, M_2, X, W_V, t8, A12, t17, M_2, X, W_K, optimize=[(2, 8), (3, 4), (0, 5), (0, 1), (3, 5), (0, 1), (2, 3), (1, 2), (0, 1)]) + (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdf,ja->', t0, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_K, optimize=[(2, 9), (3, 4), (0, 6), (2, 3), (2, 6), (4, 5), (0, 4), (0, 3), (1, 2), (0, 1)])
@@ -2145,9 +2168,10 @@ def ce_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t18 = W_V.transpose(-1, -2)
     t19 = t18 @ t2
     t20 = G @ t19
-    t21 = A * (t20 - (A * t20).sum(-1, keepdim=True))
+    t21 = t20 - (A * t20).sum(-1, keepdim=True)
+    t22 = A * t21
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t22, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t22, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t22, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t1, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
@@ -2185,13 +2209,14 @@ def ce_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t17 = W_V.transpose(-1, -2)
     t18 = t17 @ t1
     t19 = G @ t18
-    t20 = A * (t19 - (A * t19).sum(-1, keepdim=True))
+    t20 = t19 - (A * t19).sum(-1, keepdim=True)
+    t21 = A * t20
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t21 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jkli,jkd,lm,jkm,jkm,mn,jkno,jkg,oh->', t0, t1, M_3, X, W_K, t0, M_2, X, W_V, t8, A12, t17, M_2, X, W_K, optimize=[(9, 10), (0, 2), (3, 4), (0, 3), (3, 4), (0, 3), (6, 8), (0, 2), (0, 3), (1, 3), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jkli,jkd,lm,jkm,jkm,jkn,no,jkop,jkg,ph->', t0, t1, M_3, X, W_K, t0, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_K, optimize=[(9, 10), (0, 2), (3, 4), (0, 3), (3, 4), (3, 10), (0, 3), (6, 8), (0, 2), (0, 1), (1, 5), (0, 2), (2, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnol,mnf,op,mnp,mnp,pq,mnqr,mnj,rk->', t0, M_2, X, W_V, t8, A12, t17, M_2, X, W_K, t0, M_2, X, W_V, t8, A12, t17, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (4, 5), (0, 4), (4, 5), (1, 4), (9, 11), (1, 3), (0, 4), (0, 4), (2, 5), (0, 4), (4, 5), (0, 3), (0, 3), (1, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnol,mnf,op,mnp,mnp,mnq,qr,mnrs,mnj,sk->', t0, M_2, X, W_V, t8, A12, t17, M_2, X, W_K, t0, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (4, 5), (0, 4), (4, 5), (4, 13), (1, 4), (9, 11), (1, 3), (1, 3), (4, 8), (0, 2), (1, 4), (0, 4), (3, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl,am,nopm,nof,pq,noq,noq,nor,rs,nost,nok,tl->', t0, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_K, t0, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_K, optimize=[(4, 5), (13, 14), (0, 1), (2, 3), (2, 17), (4, 5), (0, 4), (4, 5), (4, 13), (1, 4), (9, 11), (1, 3), (0, 2), (2, 8), (0, 1), (1, 6), (0, 3), (2, 3), (1, 3), (0, 1), (0, 1)])
-    return torch.sqrt(torch.clamp(t21, min=0.0))
+    t22 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jkli,jkd,lm,jkm,jkm,mn,jkno,jkg,oh->', t0, t1, M_3, X, W_K, t0, M_2, X, W_V, t8, A12, t17, M_2, X, W_K, optimize=[(9, 10), (0, 2), (3, 4), (0, 3), (3, 4), (0, 3), (6, 8), (0, 2), (0, 3), (1, 3), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jkli,jkd,lm,jkm,jkm,jkn,no,jkop,jkg,ph->', t0, t1, M_3, X, W_K, t0, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_K, optimize=[(9, 10), (0, 2), (3, 4), (0, 3), (3, 4), (3, 10), (0, 3), (6, 8), (0, 2), (0, 1), (1, 5), (0, 2), (2, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnol,mnf,op,mnp,mnp,pq,mnqr,mnj,rk->', t0, M_2, X, W_V, t8, A12, t17, M_2, X, W_K, t0, M_2, X, W_V, t8, A12, t17, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (4, 5), (0, 4), (4, 5), (1, 4), (9, 11), (1, 3), (0, 4), (0, 4), (2, 5), (0, 4), (4, 5), (0, 3), (0, 3), (1, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnol,mnf,op,mnp,mnp,mnq,qr,mnrs,mnj,sk->', t0, M_2, X, W_V, t8, A12, t17, M_2, X, W_K, t0, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (4, 5), (0, 4), (4, 5), (4, 13), (1, 4), (9, 11), (1, 3), (1, 3), (4, 8), (0, 2), (1, 4), (0, 4), (3, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl,am,nopm,nof,pq,noq,noq,nor,rs,nost,nok,tl->', t0, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_K, t0, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_K, optimize=[(4, 5), (13, 14), (0, 1), (2, 3), (2, 17), (4, 5), (0, 4), (4, 5), (4, 13), (1, 4), (9, 11), (1, 3), (0, 2), (2, 8), (0, 1), (1, 6), (0, 3), (2, 3), (1, 3), (0, 1), (0, 1)])
+    return torch.sqrt(torch.clamp(t22, min=0.0))
 
 
 def ce_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -2227,13 +2252,14 @@ def ce_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t19 = W_V.transpose(-1, -2)
     t20 = t19 @ t2
     t21 = G @ t20
-    t22 = A * (t21 - (A * t21).sum(-1, keepdim=True))
-    t23 = t22 @ X
-    t24 = t2 @ t23
-    t25 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t24, t25, optimize=[(0, 1)])
+    t22 = t21 - (A * t21).sum(-1, keepdim=True)
+    t23 = A * t22
+    t24 = t23 @ X
+    t25 = t2 @ t24
+    t26 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t25, t26, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t22, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t22, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t22, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t0 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t3, t2, M_3, X, W_Q, optimize=[(3, 4), (0, 2), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
@@ -2271,15 +2297,16 @@ def ce_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t17 = W_V.transpose(-1, -2)
     t18 = t17 @ t0
     t19 = G @ t18
-    t20 = A * (t19 - (A * t19).sum(-1, keepdim=True))
-    t21 = t20 @ X
-    t22 = t0 @ t21
+    t20 = t19 - (A * t19).sum(-1, keepdim=True)
+    t21 = A * t20
+    t22 = t21 @ X
+    t23 = t0 @ t22
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t0, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t0, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t23 = (n_batch**(-2)) * oe.contract('abc,dbc->', t22, t22, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t22, t1, t0, M_3, X, W_Q, optimize=[(1, 5), (3, 4), (2, 3), (1, 2), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgi,fgi,ij,fgjc,fgk,kd->', t22, t1, M_2, X, W_V, t8, A12, t17, M_2, X, W_Q, optimize=[(0, 3), (6, 9), (3, 4), (0, 5), (2, 4), (3, 5), (2, 3), (0, 3), (0, 2), (0, 1)]) + (-2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgi,fgi,fgj,jk,fgkc,fgl,ld->', t22, t1, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_Q, optimize=[(0, 3), (7, 10), (3, 4), (0, 6), (2, 3), (3, 6), (2, 4), (0, 4), (0, 3), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t1, t0, M_3, X, W_Q, t1, t0, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkm,jkm,mn,jknf,jko,oh->', t1, t0, M_3, X, W_Q, t1, M_2, X, W_V, t8, A12, t17, M_2, X, W_Q, optimize=[(9, 10), (0, 2), (1, 2), (1, 2), (0, 1), (1, 2), (1, 2), (0, 4), (0, 4), (4, 5), (0, 4), (1, 3), (0, 1), (0, 1)]) + (-2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkm,jkm,jkn,no,jkof,jkp,ph->', t1, t0, M_3, X, W_Q, t1, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_Q, optimize=[(9, 10), (0, 2), (1, 2), (1, 2), (0, 1), (1, 2), (1, 9), (1, 2), (0, 1), (2, 6), (0, 3), (3, 4), (1, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnol,mnf,op,mnp,mnp,pq,mnqi,mnr,rk->', t1, M_2, X, W_V, t8, A12, t17, M_2, X, W_Q, t1, M_2, X, W_V, t8, A12, t17, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (2, 3), (2, 3), (0, 2), (2, 3), (2, 3), (0, 4), (1, 3), (7, 8), (0, 3), (0, 3), (4, 5), (3, 4), (1, 3), (0, 1), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnol,mnf,op,mnp,mnp,mnq,qr,mnri,mns,sk->', t1, M_2, X, W_V, t8, A12, t17, M_2, X, W_Q, t1, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (2, 3), (2, 3), (0, 2), (2, 3), (2, 12), (2, 3), (1, 3), (5, 9), (0, 2), (0, 1), (5, 6), (0, 3), (0, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl,am,nopm,nof,pq,noq,noq,nor,rs,nosj,not,tl->', t1, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_Q, t1, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_Q, optimize=[(4, 5), (13, 14), (0, 1), (2, 3), (2, 17), (2, 3), (2, 3), (0, 2), (2, 3), (2, 12), (2, 3), (0, 2), (2, 9), (0, 1), (2, 7), (0, 3), (1, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    return torch.sqrt(torch.clamp(t23, min=0.0))
+    t24 = (n_batch**(-2)) * oe.contract('abc,dbc->', t23, t23, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t23, t1, t0, M_3, X, W_Q, optimize=[(1, 5), (3, 4), (2, 3), (1, 2), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgi,fgi,ij,fgjc,fgk,kd->', t23, t1, M_2, X, W_V, t8, A12, t17, M_2, X, W_Q, optimize=[(0, 3), (6, 9), (3, 4), (0, 5), (2, 4), (3, 5), (2, 3), (0, 3), (0, 2), (0, 1)]) + (-2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgi,fgi,fgj,jk,fgkc,fgl,ld->', t23, t1, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_Q, optimize=[(0, 3), (7, 10), (3, 4), (0, 6), (2, 3), (3, 6), (2, 4), (0, 4), (0, 3), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t1, t0, M_3, X, W_Q, t1, t0, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkm,jkm,mn,jknf,jko,oh->', t1, t0, M_3, X, W_Q, t1, M_2, X, W_V, t8, A12, t17, M_2, X, W_Q, optimize=[(9, 10), (0, 2), (1, 2), (1, 2), (0, 1), (1, 2), (1, 2), (0, 4), (0, 4), (4, 5), (0, 4), (1, 3), (0, 1), (0, 1)]) + (-2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkm,jkm,jkn,no,jkof,jkp,ph->', t1, t0, M_3, X, W_Q, t1, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_Q, optimize=[(9, 10), (0, 2), (1, 2), (1, 2), (0, 1), (1, 2), (1, 9), (1, 2), (0, 1), (2, 6), (0, 3), (3, 4), (1, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnol,mnf,op,mnp,mnp,pq,mnqi,mnr,rk->', t1, M_2, X, W_V, t8, A12, t17, M_2, X, W_Q, t1, M_2, X, W_V, t8, A12, t17, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (2, 3), (2, 3), (0, 2), (2, 3), (2, 3), (0, 4), (1, 3), (7, 8), (0, 3), (0, 3), (4, 5), (3, 4), (1, 3), (0, 1), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnol,mnf,op,mnp,mnp,mnq,qr,mnri,mns,sk->', t1, M_2, X, W_V, t8, A12, t17, M_2, X, W_Q, t1, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (2, 3), (2, 3), (0, 2), (2, 3), (2, 12), (2, 3), (1, 3), (5, 9), (0, 2), (0, 1), (5, 6), (0, 3), (0, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl,am,nopm,nof,pq,noq,noq,nor,rs,nosj,not,tl->', t1, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_Q, t1, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_Q, optimize=[(4, 5), (13, 14), (0, 1), (2, 3), (2, 17), (2, 3), (2, 3), (0, 2), (2, 3), (2, 12), (2, 3), (0, 2), (2, 9), (0, 1), (2, 7), (0, 3), (1, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
+    return torch.sqrt(torch.clamp(t24, min=0.0))
 
 
 def ce_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -2382,9 +2409,10 @@ def ce_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t19 = W_V.transpose(-1, -2)
     t20 = t19 @ t2
     t21 = G @ t20
-    t22 = A * (t21 - (A * t21).sum(-1, keepdim=True))
+    t22 = t21 - (A * t21).sum(-1, keepdim=True)
+    t23 = A * t22
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t22, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t22, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t22, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->ea', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
@@ -2423,9 +2451,10 @@ def ce_causal0__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     t18 = W_V.transpose(-1, -2)
     t19 = t18 @ t1
     t20 = G @ t19
-    t21 = A * (t20 - (A * t20).sum(-1, keepdim=True))
+    t21 = t20 - (A * t20).sum(-1, keepdim=True)
+    t22 = A * t21
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t22, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t22, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t22, X, optimize=[(0, 1), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     return (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->', t0, t1, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)]) + (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhf,cdi,ia->', t0, M_2, X, W_V, t9, A13, t18, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 3), (2, 3), (3, 5), (0, 3), (0, 3), (0, 2), (0, 1)]) + (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdif,cdj,ja->', t0, M_2, X, W_V, t9, A13, A13, t18, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 4), (1, 2), (5, 6), (0, 5), (2, 4), (0, 1), (0, 2), (0, 1)])
@@ -2464,20 +2493,21 @@ def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t19 = W_V.transpose(-1, -2)
     t20 = t19 @ t2
     t21 = G @ t20
-    t22 = A * (t21 - (A * t21).sum(-1, keepdim=True))
-    t23 = t22.transpose(-1, -2)
-    t24 = t23 @ X
-    t25 = t2 @ t24
-    t26 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t25, t26, optimize=[(0, 1)])
-    t27 = W_Q.transpose(-1, -2)
+    t22 = t21 - (A * t21).sum(-1, keepdim=True)
+    t23 = A * t22
+    t24 = t23.transpose(-1, -2)
+    t25 = t24 @ X
+    t26 = t2 @ t25
+    t27 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t26, t27, optimize=[(0, 1)])
+    t28 = W_Q.transpose(-1, -2)
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t22, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t22, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t22, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t27, t2, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t28, t2, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t27, M_2, X, W_V, t10, A14, t19, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (4, 6), (0, 1), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t27, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_K, optimize=[(4, 5), (0, 2), (2, 3), (2, 7), (3, 6), (0, 1), (1, 4), (0, 1), (0, 1), (0, 1)])
+    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t28, M_2, X, W_V, t10, A14, t19, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (4, 6), (0, 1), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t28, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_K, optimize=[(4, 5), (0, 2), (2, 3), (2, 7), (3, 6), (0, 1), (1, 4), (0, 1), (0, 1), (0, 1)])
     return out
 
 
@@ -2510,17 +2540,18 @@ def ce_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t17 = W_V.transpose(-1, -2)
     t18 = t17 @ t0
     t19 = G @ t18
-    t20 = A * (t19 - (A * t19).sum(-1, keepdim=True))
-    t21 = t20.transpose(-1, -2)
-    t22 = t21 @ X
-    t23 = t0 @ t22
-    t24 = W_Q.transpose(-1, -2)
+    t20 = t19 - (A * t19).sum(-1, keepdim=True)
+    t21 = A * t20
+    t22 = t21.transpose(-1, -2)
+    t23 = t22 @ X
+    t24 = t0 @ t23
+    t25 = W_Q.transpose(-1, -2)
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t0, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t0, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t25 = (n_batch**(-2)) * oe.contract('abc,dbc->', t23, t23, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t23, t24, t0, M_3, X, W_K, optimize=[(1, 2), (3, 4), (1, 3), (1, 2), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgi,fgi,ij,fgjk,fgc,kd->', t23, t24, M_2, X, W_V, t8, A12, t17, M_2, X, W_K, optimize=[(0, 9), (1, 9), (3, 4), (0, 1), (0, 4), (3, 5), (2, 3), (1, 3), (0, 2), (0, 1)]) + (-2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgi,fgi,fgj,jk,fgkl,fgc,ld->', t23, t24, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_K, optimize=[(0, 10), (1, 10), (3, 4), (0, 1), (0, 5), (4, 6), (0, 1), (0, 4), (2, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t24, t0, M_3, X, W_K, t24, t0, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkm,jkm,mn,jkno,jkg,oh->', t24, t0, M_3, X, W_K, t24, M_2, X, W_V, t8, A12, t17, M_2, X, W_K, optimize=[(9, 10), (0, 1), (0, 2), (1, 3), (1, 2), (1, 2), (0, 1), (0, 3), (1, 2), (3, 5), (0, 1), (0, 3), (0, 2), (0, 1)]) + (-2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkm,jkm,jkn,no,jkop,jkg,ph->', t24, t0, M_3, X, W_K, t24, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_K, optimize=[(9, 10), (0, 1), (0, 2), (1, 3), (1, 2), (6, 10), (1, 2), (1, 8), (0, 1), (0, 2), (0, 1), (2, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnof,mnl,op,mnp,mnp,pq,mnqr,mnj,rk->', t24, M_2, X, W_V, t8, A12, t17, M_2, X, W_K, t24, M_2, X, W_V, t8, A12, t17, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (2, 4), (2, 3), (2, 3), (0, 2), (0, 1), (0, 3), (2, 8), (1, 2), (3, 6), (0, 1), (0, 4), (0, 1), (1, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnof,mnl,op,mnp,mnp,mnq,qr,mnrs,mnj,sk->', t24, M_2, X, W_V, t8, A12, t17, M_2, X, W_K, t24, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (2, 4), (2, 3), (8, 13), (2, 3), (2, 11), (0, 2), (0, 1), (0, 2), (1, 7), (0, 1), (2, 5), (0, 3), (2, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl,am,nopf,nom,pq,noq,noq,nor,rs,nost,nok,tl->', t24, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_K, t24, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_K, optimize=[(4, 5), (13, 14), (0, 2), (0, 1), (14, 17), (0, 1), (0, 15), (2, 4), (2, 3), (7, 12), (2, 3), (2, 10), (0, 2), (0, 1), (0, 3), (4, 6), (0, 2), (3, 4), (0, 2), (0, 2), (0, 1)])
-    return torch.sqrt(torch.clamp(t25, min=0.0))
+    t26 = (n_batch**(-2)) * oe.contract('abc,dbc->', t24, t24, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t24, t25, t0, M_3, X, W_K, optimize=[(1, 2), (3, 4), (1, 3), (1, 2), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgi,fgi,ij,fgjk,fgc,kd->', t24, t25, M_2, X, W_V, t8, A12, t17, M_2, X, W_K, optimize=[(0, 9), (1, 9), (3, 4), (0, 1), (0, 4), (3, 5), (2, 3), (1, 3), (0, 2), (0, 1)]) + (-2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgi,fgi,fgj,jk,fgkl,fgc,ld->', t24, t25, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_K, optimize=[(0, 10), (1, 10), (3, 4), (0, 1), (0, 5), (4, 6), (0, 1), (0, 4), (2, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t25, t0, M_3, X, W_K, t25, t0, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkm,jkm,mn,jkno,jkg,oh->', t25, t0, M_3, X, W_K, t25, M_2, X, W_V, t8, A12, t17, M_2, X, W_K, optimize=[(9, 10), (0, 1), (0, 2), (1, 3), (1, 2), (1, 2), (0, 1), (0, 3), (1, 2), (3, 5), (0, 1), (0, 3), (0, 2), (0, 1)]) + (-2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkm,jkm,jkn,no,jkop,jkg,ph->', t25, t0, M_3, X, W_K, t25, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_K, optimize=[(9, 10), (0, 1), (0, 2), (1, 3), (1, 2), (6, 10), (1, 2), (1, 8), (0, 1), (0, 2), (0, 1), (2, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnof,mnl,op,mnp,mnp,pq,mnqr,mnj,rk->', t25, M_2, X, W_V, t8, A12, t17, M_2, X, W_K, t25, M_2, X, W_V, t8, A12, t17, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (2, 4), (2, 3), (2, 3), (0, 2), (0, 1), (0, 3), (2, 8), (1, 2), (3, 6), (0, 1), (0, 4), (0, 1), (1, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnof,mnl,op,mnp,mnp,mnq,qr,mnrs,mnj,sk->', t25, M_2, X, W_V, t8, A12, t17, M_2, X, W_K, t25, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (2, 4), (2, 3), (8, 13), (2, 3), (2, 11), (0, 2), (0, 1), (0, 2), (1, 7), (0, 1), (2, 5), (0, 3), (2, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl,am,nopf,nom,pq,noq,noq,nor,rs,nost,nok,tl->', t25, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_K, t25, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_K, optimize=[(4, 5), (13, 14), (0, 2), (0, 1), (14, 17), (0, 1), (0, 15), (2, 4), (2, 3), (7, 12), (2, 3), (2, 10), (0, 2), (0, 1), (0, 3), (4, 6), (0, 2), (3, 4), (0, 2), (0, 2), (0, 1)])
+    return torch.sqrt(torch.clamp(t26, min=0.0))
 
 
 def ce_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -2555,9 +2586,10 @@ def ce_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t19 = W_V.transpose(-1, -2)
     t20 = t19 @ t2
     t21 = G @ t20
-    t22 = A * (t21 - (A * t21).sum(-1, keepdim=True))
+    t22 = t21 - (A * t21).sum(-1, keepdim=True)
+    t23 = A * t22
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t22, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t22, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t22, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
@@ -2596,13 +2628,14 @@ def ce_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t18 = W_V.transpose(-1, -2)
     t19 = t18 @ t1
     t20 = G @ t19
-    t21 = A * (t20 - (A * t20).sum(-1, keepdim=True))
+    t21 = t20 - (A * t20).sum(-1, keepdim=True)
+    t22 = A * t21
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t22, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t22, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t22, X, optimize=[(0, 1), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t22 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 1), (0, 5), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jkle,jki,lm,jkm,jkm,mn,jknf,jko,oh->', t0, t1, M_3, X, W_Q, t0, M_2, X, W_V, t9, A13, t18, M_2, X, W_Q, optimize=[(9, 10), (0, 1), (1, 2), (1, 3), (1, 2), (1, 2), (1, 2), (2, 4), (1, 3), (2, 5), (0, 4), (2, 3), (0, 1), (0, 1)]) + (-2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jkle,jki,lm,jkm,jkm,jkn,no,jkof,jkp,ph->', t0, t1, M_3, X, W_Q, t0, M_2, X, W_V, t9, A13, A13, t18, M_2, X, W_Q, optimize=[(9, 10), (0, 1), (1, 2), (1, 3), (1, 2), (6, 10), (1, 2), (1, 8), (1, 2), (1, 3), (0, 2), (1, 4), (2, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnof,mnl,op,mnp,mnp,pq,mnqi,mnr,rk->', t0, M_2, X, W_V, t9, A13, t18, M_2, X, W_Q, t0, M_2, X, W_V, t9, A13, t18, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (0, 1), (0, 1), (0, 1), (0, 3), (2, 8), (1, 3), (0, 2), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnof,mnl,op,mnp,mnp,mnq,qr,mnri,mns,sk->', t0, M_2, X, W_V, t9, A13, t18, M_2, X, W_Q, t0, M_2, X, W_V, t9, A13, A13, t18, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (0, 1), (6, 12), (0, 1), (0, 10), (0, 1), (0, 2), (1, 7), (0, 2), (0, 3), (3, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl,am,nopf,nom,pq,noq,noq,nor,rs,nosj,not,tl->', t0, M_2, X, W_V, t9, A13, A13, t18, M_2, X, W_Q, t0, M_2, X, W_V, t9, A13, A13, t18, M_2, X, W_Q, optimize=[(4, 5), (13, 14), (0, 2), (0, 1), (14, 17), (0, 1), (0, 15), (0, 1), (0, 2), (0, 1), (5, 11), (0, 1), (0, 9), (0, 1), (0, 4), (0, 3), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
-    return torch.sqrt(torch.clamp(t22, min=0.0))
+    t23 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 1), (0, 5), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jkle,jki,lm,jkm,jkm,mn,jknf,jko,oh->', t0, t1, M_3, X, W_Q, t0, M_2, X, W_V, t9, A13, t18, M_2, X, W_Q, optimize=[(9, 10), (0, 1), (1, 2), (1, 3), (1, 2), (1, 2), (1, 2), (2, 4), (1, 3), (2, 5), (0, 4), (2, 3), (0, 1), (0, 1)]) + (-2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jkle,jki,lm,jkm,jkm,jkn,no,jkof,jkp,ph->', t0, t1, M_3, X, W_Q, t0, M_2, X, W_V, t9, A13, A13, t18, M_2, X, W_Q, optimize=[(9, 10), (0, 1), (1, 2), (1, 3), (1, 2), (6, 10), (1, 2), (1, 8), (1, 2), (1, 3), (0, 2), (1, 4), (2, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnof,mnl,op,mnp,mnp,pq,mnqi,mnr,rk->', t0, M_2, X, W_V, t9, A13, t18, M_2, X, W_Q, t0, M_2, X, W_V, t9, A13, t18, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (0, 1), (0, 1), (0, 1), (0, 3), (2, 8), (1, 3), (0, 2), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnof,mnl,op,mnp,mnp,mnq,qr,mnri,mns,sk->', t0, M_2, X, W_V, t9, A13, t18, M_2, X, W_Q, t0, M_2, X, W_V, t9, A13, A13, t18, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (0, 1), (6, 12), (0, 1), (0, 10), (0, 1), (0, 2), (1, 7), (0, 2), (0, 3), (3, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl,am,nopf,nom,pq,noq,noq,nor,rs,nosj,not,tl->', t0, M_2, X, W_V, t9, A13, A13, t18, M_2, X, W_Q, t0, M_2, X, W_V, t9, A13, A13, t18, M_2, X, W_Q, optimize=[(4, 5), (13, 14), (0, 2), (0, 1), (14, 17), (0, 1), (0, 15), (0, 1), (0, 2), (0, 1), (5, 11), (0, 1), (0, 9), (0, 1), (0, 4), (0, 3), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
+    return torch.sqrt(torch.clamp(t23, min=0.0))
 
 
 def ce_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -2991,20 +3024,21 @@ def ce_causal1__gradient(X, W_Q, W_K, W_V, Y):
     t19 = W_V.transpose(-1, -2)
     t20 = t19 @ t0
     t21 = G @ t20
-    t22 = A * (t21 - (A * t21).sum(-1, keepdim=True))
-    t23 = X @ W_K
-    t24 = t22 @ t23
-    t25 = t0 @ t24
-    t26 = (1/math.sqrt(d_K)) * t25
-    t27 = t22.transpose(-1, -2)
-    t28 = X @ W_Q
-    t29 = t27 @ t28
-    t30 = t0 @ t29
-    t31 = (1/math.sqrt(d_K)) * t30
-    t32 = A.transpose(-1, -2)
-    t33 = t32 @ G
-    t34 = t0 @ t33
-    return (t26.mean(0), t31.mean(0), t34.mean(0),)
+    t22 = t21 - (A * t21).sum(-1, keepdim=True)
+    t23 = A * t22
+    t24 = X @ W_K
+    t25 = t23 @ t24
+    t26 = t0 @ t25
+    t27 = (1/math.sqrt(d_K)) * t26
+    t28 = t23.transpose(-1, -2)
+    t29 = X @ W_Q
+    t30 = t28 @ t29
+    t31 = t0 @ t30
+    t32 = (1/math.sqrt(d_K)) * t31
+    t33 = A.transpose(-1, -2)
+    t34 = t33 @ G
+    t35 = t0 @ t34
+    return (t27.mean(0), t32.mean(0), t35.mean(0),)
 
 
 def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
@@ -3106,32 +3140,35 @@ def ce_causal1__hvp__outer(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     t19 = W_Q @ t18
     t20 = X @ t19
     t21 = t16 + t20
-    t22 = A * (t21 - (A * t21).sum(-1, keepdim=True))
-    t23 = t22 @ t11
-    t24 = (1/math.sqrt(d_K)) * t23
-    t25 = X @ V_W_V
-    t26 = A @ t25
-    t27 = t24 + t26
-    t28 = A14 * (t27 - (A14 * t27).sum(-1, keepdim=True))
-    t29 = t10 * t28
-    t30 = W_V.transpose(-1, -2)
-    t31 = t30 @ t0
-    t32 = t29 @ t31
-    t33 = A * (t32 - (A * t32).sum(-1, keepdim=True))
-    t34 = X @ W_K
-    t35 = t33 @ t34
-    t36 = t0 @ t35
-    t37 = (1/(L*math.sqrt(d_K))) * t36
-    t38 = t33.transpose(-1, -2)
-    t39 = X @ W_Q
-    t40 = t38 @ t39
-    t41 = t0 @ t40
-    t42 = (1/(L*math.sqrt(d_K))) * t41
-    t43 = A.transpose(-1, -2)
-    t44 = t43 @ t29
-    t45 = t0 @ t44
-    t46 = (1/L) * t45
-    return (t37.mean(0), t42.mean(0), t46.mean(0),)
+    t22 = t21 - (A * t21).sum(-1, keepdim=True)
+    t23 = A * t22
+    t24 = t23 @ t11
+    t25 = (1/math.sqrt(d_K)) * t24
+    t26 = X @ V_W_V
+    t27 = A @ t26
+    t28 = t25 + t27
+    t29 = t28 - (A14 * t28).sum(-1, keepdim=True)
+    t30 = A14 * t29
+    t31 = t10 * t30
+    t32 = W_V.transpose(-1, -2)
+    t33 = t32 @ t0
+    t34 = t31 @ t33
+    t35 = t34 - (A * t34).sum(-1, keepdim=True)
+    t36 = A * t35
+    t37 = X @ W_K
+    t38 = t36 @ t37
+    t39 = t0 @ t38
+    t40 = (1/(L*math.sqrt(d_K))) * t39
+    t41 = t36.transpose(-1, -2)
+    t42 = X @ W_Q
+    t43 = t41 @ t42
+    t44 = t0 @ t43
+    t45 = (1/(L*math.sqrt(d_K))) * t44
+    t46 = A.transpose(-1, -2)
+    t47 = t46 @ t31
+    t48 = t0 @ t47
+    t49 = (1/L) * t48
+    return (t40.mean(0), t45.mean(0), t49.mean(0),)
 
 
 def ce_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -3923,49 +3960,50 @@ def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t21 = W_V.transpose(-1, -2)
     t22 = t21 @ t3
     t23 = G @ t22
-    t24 = A * (t23 - (A * t23).sum(-1, keepdim=True))
+    t24 = t23 - (A * t23).sum(-1, keepdim=True)
+    t25 = A * t24
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t3, t24, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, t24, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, t24, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t3, t25, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, t25, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, t25, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t1[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t2, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
-    t25 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t25[...] = 0
-    t26 = t25.view((d_V, d_K, d_V, d_K))
-    t27 = t26.diagonal(0, 1, 3)
-    t28 = t24 @ X
-    t29 = t3 @ t28
-    t30 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t27 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t29, t30, optimize=[(0, 1)])
-    t26 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t2, t3, M_3, X, W_Q, optimize=[(3, 4), (0, 2), (0, 1), (0, 1)])
-    t31 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t32 = t31.view((d_V, d_K, d_V, d_V))
+    t26 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t26[...] = 0
+    t27 = t26.view((d_V, d_K, d_V, d_K))
+    t28 = t27.diagonal(0, 1, 3)
+    t29 = t25 @ X
+    t30 = t3 @ t29
+    t31 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t28 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t30, t31, optimize=[(0, 1)])
+    t27 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t2, t3, M_3, X, W_Q, optimize=[(3, 4), (0, 2), (0, 1), (0, 1)])
+    t32 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t33 = t32.view((d_V, d_K, d_V, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t32[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t2, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
-    t33 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t33[...] = 0
-    t34 = t33.view((d_V, d_K, d_V, d_K))
-    t35 = t34.diagonal(0, 1, 3)
-    t36 = t24.transpose(-1, -2)
-    t37 = t36 @ X
-    t38 = t3 @ t37
-    t35 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t38, t30, optimize=[(0, 1)])
-    t39 = W_Q.transpose(-1, -2)
-    t34 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t39, t3, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
-    t40 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t41 = t40.view((d_V, d_K, d_V, d_K))
-    t41[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t39, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t42 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t43 = t42.view((d_V, d_K, d_V, d_V))
-    t43[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t39, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
-    t44 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t45 = t44.view((d_V, d_V, d_V, d_K))
-    t46 = G.transpose(-1, -2)
-    t45[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t46, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
-    t47 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t48 = t47.view((d_V, d_V, d_V, d_K))
-    t48[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t46, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t49 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t49[...] = 0
+    t33[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t2, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
+    t34 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t34[...] = 0
+    t35 = t34.view((d_V, d_K, d_V, d_K))
+    t36 = t35.diagonal(0, 1, 3)
+    t37 = t25.transpose(-1, -2)
+    t38 = t37 @ X
+    t39 = t3 @ t38
+    t36 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t39, t31, optimize=[(0, 1)])
+    t40 = W_Q.transpose(-1, -2)
+    t35 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t40, t3, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    t41 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t42 = t41.view((d_V, d_K, d_V, d_K))
+    t42[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t40, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t43 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t44 = t43.view((d_V, d_K, d_V, d_V))
+    t44[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t40, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
+    t45 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t46 = t45.view((d_V, d_V, d_V, d_K))
+    t47 = G.transpose(-1, -2)
+    t46[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t47, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
+    t48 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t49 = t48.view((d_V, d_V, d_V, d_K))
+    t49[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t47, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    t50 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t50[...] = 0
     return H
 
 
@@ -4014,36 +4052,37 @@ def ce_causal1__hvp__functional(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     t34 = V_W_V.transpose(-1, -2)
     t35 = t34 @ t0
     t36 = G @ t35
-    t37 = A * (t36 - (A * t36).sum(-1, keepdim=True))
-    t38 = t33 + t37
-    t39 = X @ W_K
-    t40 = t38 @ t39
-    t41 = t0 @ t40
-    t42 = A * (t28 - (A * t28).sum(-1, keepdim=True))
-    t43 = X @ V_W_K
-    t44 = t42 @ t43
-    t45 = t0 @ t44
-    t46 = t41 + t45
-    t47 = (1/math.sqrt(d_K)) * t46
-    t48 = t32.transpose(-1, -2)
-    t49 = (1/math.sqrt(d_K)) * t48
-    t50 = t37.transpose(-1, -2)
-    t51 = t49 + t50
-    t52 = X @ W_Q
-    t53 = t51 @ t52
-    t54 = t0 @ t53
-    t55 = t42.transpose(-1, -2)
-    t56 = X @ V_W_Q
-    t57 = t55 @ t56
-    t58 = t0 @ t57
-    t59 = t54 + t58
-    t60 = (1/math.sqrt(d_K)) * t59
-    t61 = A * (t15 - (A * t15).sum(-1, keepdim=True))
-    t62 = t61.transpose(-1, -2)
-    t63 = t62 @ G
-    t64 = t0 @ t63
-    t65 = (1/math.sqrt(d_K)) * t64
-    return (t47.mean(0), t60.mean(0), t65.mean(0),)
+    t37 = t36 - (A * t36).sum(-1, keepdim=True)
+    t38 = A * t37
+    t39 = t33 + t38
+    t40 = X @ W_K
+    t41 = t39 @ t40
+    t42 = t0 @ t41
+    t43 = A * t30
+    t44 = X @ V_W_K
+    t45 = t43 @ t44
+    t46 = t0 @ t45
+    t47 = t42 + t46
+    t48 = (1/math.sqrt(d_K)) * t47
+    t49 = t32.transpose(-1, -2)
+    t50 = (1/math.sqrt(d_K)) * t49
+    t51 = t38.transpose(-1, -2)
+    t52 = t50 + t51
+    t53 = X @ W_Q
+    t54 = t52 @ t53
+    t55 = t0 @ t54
+    t56 = t43.transpose(-1, -2)
+    t57 = X @ V_W_Q
+    t58 = t56 @ t57
+    t59 = t0 @ t58
+    t60 = t55 + t59
+    t61 = (1/math.sqrt(d_K)) * t60
+    t62 = A * t29
+    t63 = t62.transpose(-1, -2)
+    t64 = t63 @ G
+    t65 = t0 @ t64
+    t66 = (1/math.sqrt(d_K)) * t65
+    return (t48.mean(0), t61.mean(0), t66.mean(0),)
 
 
 def ce_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -4079,9 +4118,10 @@ def ce_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t20 = W_V.transpose(-1, -2)
     t21 = t20 @ t2
     t22 = G @ t21
-    t23 = A * (t22 - (A * t22).sum(-1, keepdim=True))
+    t23 = t22 - (A * t22).sum(-1, keepdim=True)
+    t24 = A * t23
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t24, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t24, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t24, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->da', t1, t2, M_3, X, W_K, optimize=[(1, 3), (0, 2), (0, 2), (0, 1)])
     return out
 
@@ -4117,9 +4157,10 @@ def ce_causal1__trace__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t19 = W_V.transpose(-1, -2)
     t20 = t19 @ t1
     t21 = G @ t20
-    t22 = A * (t21 - (A * t21).sum(-1, keepdim=True))
+    t22 = t21 - (A * t21).sum(-1, keepdim=True)
+    t23 = A * t22
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t22, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t22, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t22, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
     return (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->', t0, t1, M_3, X, W_K, optimize=[(1, 3), (0, 2), (0, 2), (0, 1)])
 
 
@@ -4156,9 +4197,10 @@ def ce_causal1__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t20 = W_V.transpose(-1, -2)
     t21 = t20 @ t2
     t22 = G @ t21
-    t23 = A * (t22 - (A * t22).sum(-1, keepdim=True))
+    t23 = t22 - (A * t22).sum(-1, keepdim=True)
+    t24 = A * t23
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t24, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t24, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t24, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t1, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
@@ -4194,11 +4236,12 @@ def ce_causal1__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t19 = W_V.transpose(-1, -2)
     t20 = t19 @ t1
     t21 = G @ t20
-    t22 = A * (t21 - (A * t21).sum(-1, keepdim=True))
+    t22 = t21 - (A * t21).sum(-1, keepdim=True)
+    t23 = A * t22
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t22, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t22, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t22, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t23 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
-    return torch.sqrt(torch.clamp(t23, min=0.0))
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t24 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
+    return torch.sqrt(torch.clamp(t24, min=0.0))
 
 
 def ce_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -4236,13 +4279,14 @@ def ce_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t21 = W_V.transpose(-1, -2)
     t22 = t21 @ t2
     t23 = G @ t22
-    t24 = A * (t23 - (A * t23).sum(-1, keepdim=True))
-    t25 = t24 @ X
-    t26 = t2 @ t25
-    t27 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t26, t27, optimize=[(0, 1)])
+    t24 = t23 - (A * t23).sum(-1, keepdim=True)
+    t25 = A * t24
+    t26 = t25 @ X
+    t27 = t2 @ t26
+    t28 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t27, t28, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t24, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t24, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t24, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t25, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t25, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t25, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t0 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t3, t2, M_3, X, W_Q, optimize=[(3, 4), (0, 2), (0, 1), (0, 1)])
     return out
 
@@ -4278,13 +4322,14 @@ def ce_causal1__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t19 = W_V.transpose(-1, -2)
     t20 = t19 @ t0
     t21 = G @ t20
-    t22 = A * (t21 - (A * t21).sum(-1, keepdim=True))
-    t23 = t22 @ X
-    t24 = t0 @ t23
+    t22 = t21 - (A * t21).sum(-1, keepdim=True)
+    t23 = A * t22
+    t24 = t23 @ X
+    t25 = t0 @ t24
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t0, t22, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t22, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t22, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t25 = (n_batch**(-2)) * oe.contract('abc,dbc->', t24, t24, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t24, t1, t0, M_3, X, W_Q, optimize=[(1, 5), (3, 4), (2, 3), (1, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t1, t0, M_3, X, W_Q, t1, t0, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)])
-    return torch.sqrt(torch.clamp(t25, min=0.0))
+    M_3 = oe.contract('abc,adc,ace->adbe', t0, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t26 = (n_batch**(-2)) * oe.contract('abc,dbc->', t25, t25, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t25, t1, t0, M_3, X, W_Q, optimize=[(1, 5), (3, 4), (2, 3), (1, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t1, t0, M_3, X, W_Q, t1, t0, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)])
+    return torch.sqrt(torch.clamp(t26, min=0.0))
 
 
 def ce_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -4391,9 +4436,10 @@ def ce_causal1__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
     t21 = W_V.transpose(-1, -2)
     t22 = t21 @ t2
     t23 = G @ t22
-    t24 = A * (t23 - (A * t23).sum(-1, keepdim=True))
+    t24 = t23 - (A * t23).sum(-1, keepdim=True)
+    t25 = A * t24
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t24, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t24, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t24, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t25, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t25, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t25, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->ea', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     return out
 
@@ -4430,9 +4476,10 @@ def ce_causal1__trace__W_K__functional(X, W_Q, W_K, W_V, Y):
     t20 = W_V.transpose(-1, -2)
     t21 = t20 @ t1
     t22 = G @ t21
-    t23 = A * (t22 - (A * t22).sum(-1, keepdim=True))
+    t23 = t22 - (A * t22).sum(-1, keepdim=True)
+    t24 = A * t23
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t24, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t24, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t24, X, optimize=[(0, 1), (0, 1), (0, 1)])
     return (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->', t0, t1, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
 
 
@@ -4471,16 +4518,17 @@ def ce_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t21 = W_V.transpose(-1, -2)
     t22 = t21 @ t2
     t23 = G @ t22
-    t24 = A * (t23 - (A * t23).sum(-1, keepdim=True))
-    t25 = t24.transpose(-1, -2)
-    t26 = t25 @ X
-    t27 = t2 @ t26
-    t28 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t27, t28, optimize=[(0, 1)])
-    t29 = W_Q.transpose(-1, -2)
+    t24 = t23 - (A * t23).sum(-1, keepdim=True)
+    t25 = A * t24
+    t26 = t25.transpose(-1, -2)
+    t27 = t26 @ X
+    t28 = t2 @ t27
+    t29 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t28, t29, optimize=[(0, 1)])
+    t30 = W_Q.transpose(-1, -2)
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t24, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t24, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t24, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t29, t2, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t25, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t25, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t25, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t30, t2, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -4515,15 +4563,16 @@ def ce_causal1__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t19 = W_V.transpose(-1, -2)
     t20 = t19 @ t0
     t21 = G @ t20
-    t22 = A * (t21 - (A * t21).sum(-1, keepdim=True))
-    t23 = t22.transpose(-1, -2)
-    t24 = t23 @ X
-    t25 = t0 @ t24
-    t26 = W_Q.transpose(-1, -2)
+    t22 = t21 - (A * t21).sum(-1, keepdim=True)
+    t23 = A * t22
+    t24 = t23.transpose(-1, -2)
+    t25 = t24 @ X
+    t26 = t0 @ t25
+    t27 = W_Q.transpose(-1, -2)
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t0, t22, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t22, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t22, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t27 = (n_batch**(-2)) * oe.contract('abc,dbc->', t25, t25, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t25, t26, t0, M_3, X, W_K, optimize=[(1, 2), (3, 4), (1, 3), (1, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t26, t0, M_3, X, W_K, t26, t0, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
-    return torch.sqrt(torch.clamp(t27, min=0.0))
+    M_3 = oe.contract('abc,adc,ace->adbe', t0, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t28 = (n_batch**(-2)) * oe.contract('abc,dbc->', t26, t26, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t26, t27, t0, M_3, X, W_K, optimize=[(1, 2), (3, 4), (1, 3), (1, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t27, t0, M_3, X, W_K, t27, t0, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
+    return torch.sqrt(torch.clamp(t28, min=0.0))
 
 
 def ce_causal1__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -4560,9 +4609,10 @@ def ce_causal1__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t21 = W_V.transpose(-1, -2)
     t22 = t21 @ t2
     t23 = G @ t22
-    t24 = A * (t23 - (A * t23).sum(-1, keepdim=True))
+    t24 = t23 - (A * t23).sum(-1, keepdim=True)
+    t25 = A * t24
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t24, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t24, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t24, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t25, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t25, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t25, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     return out
 
@@ -4599,11 +4649,12 @@ def ce_causal1__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t20 = W_V.transpose(-1, -2)
     t21 = t20 @ t1
     t22 = G @ t21
-    t23 = A * (t22 - (A * t22).sum(-1, keepdim=True))
+    t23 = t22 - (A * t22).sum(-1, keepdim=True)
+    t24 = A * t23
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t24 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 1), (0, 5), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)])
-    return torch.sqrt(torch.clamp(t24, min=0.0))
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t24, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t24, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t24, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t25 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 1), (0, 5), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)])
+    return torch.sqrt(torch.clamp(t25, min=0.0))
 
 
 def ce_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -4896,70 +4947,71 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t21 = W_V.transpose(-1, -2)
     t22 = t21 @ t3
     t23 = G @ t22
-    t24 = A * (t23 - (A * t23).sum(-1, keepdim=True))
+    t24 = t23 - (A * t23).sum(-1, keepdim=True)
+    t25 = A * t24
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t3, t24, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, t24, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, t24, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t3, t25, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, t25, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, t25, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t1[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t2, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t1 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t2, M_2, X, W_V, t12, A16, t21, M_2, X, W_K, optimize=[(4, 5), (0, 1), (1, 7), (5, 6), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
     t1 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t2, M_2, X, W_V, t12, A16, A16, t21, M_2, X, W_K, optimize=[(4, 5), (4, 5), (4, 8), (5, 7), (0, 1), (1, 5), (2, 4), (0, 1), (0, 1), (0, 1)])
-    t25 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t25[...] = 0
-    t26 = t25.view((d_V, d_K, d_V, d_K))
-    t27 = t26.diagonal(0, 1, 3)
-    t28 = t24 @ X
-    t29 = t3 @ t28
-    t30 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t27 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t29, t30, optimize=[(0, 1)])
-    t26 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t2, t3, M_3, X, W_Q, optimize=[(3, 4), (0, 2), (0, 1), (0, 1)])
-    t26 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t2, M_2, X, W_V, t12, A16, t21, M_2, X, W_Q, optimize=[(4, 5), (6, 7), (0, 1), (1, 6), (3, 5), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t26 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t2, M_2, X, W_V, t12, A16, A16, t21, M_2, X, W_Q, optimize=[(4, 5), (4, 5), (4, 8), (4, 5), (0, 1), (1, 5), (1, 4), (0, 1), (0, 1), (0, 1)])
-    t31 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t32 = t31.view((d_V, d_K, d_V, d_V))
-    t32[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t2, M_2, X, W_V, t12, A16, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t32 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t2, M_2, X, W_V, t12, A16, A16, M_1, optimize=[(4, 5), (1, 3), (4, 5), (0, 4), (0, 1), (0, 1), (0, 1)])
-    t32 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t2, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
-    t33 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t33[...] = 0
-    t34 = t33.view((d_V, d_K, d_V, d_K))
-    t35 = t34.diagonal(0, 1, 3)
-    t36 = t24.transpose(-1, -2)
-    t37 = t36 @ X
-    t38 = t3 @ t37
-    t35 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t38, t30, optimize=[(0, 1)])
-    t39 = W_Q.transpose(-1, -2)
-    t34 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t39, t3, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
-    t34 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t39, M_2, X, W_V, t12, A16, t21, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (4, 6), (0, 1), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t34 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t39, M_2, X, W_V, t12, A16, A16, t21, M_2, X, W_K, optimize=[(4, 5), (0, 2), (2, 3), (2, 7), (3, 6), (0, 1), (1, 4), (0, 1), (0, 1), (0, 1)])
-    t40 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t41 = t40.view((d_V, d_K, d_V, d_K))
-    t41[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t39, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t41 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t39, M_2, X, W_V, t12, A16, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (4, 5), (0, 1), (2, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t41 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t39, M_2, X, W_V, t12, A16, A16, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (2, 3), (2, 7), (2, 3), (0, 1), (0, 4), (0, 1), (0, 1), (0, 1)])
-    t42 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t43 = t42.view((d_V, d_K, d_V, d_V))
-    t43[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh->fahg', t39, M_2, X, W_V, t12, A16, M_1, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
-    t43 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t39, M_2, X, W_V, t12, A16, A16, M_1, optimize=[(0, 2), (1, 2), (1, 5), (0, 4), (0, 1), (0, 1), (0, 1)])
-    t43 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t39, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
-    t44 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t45 = t44.view((d_V, d_V, d_V, d_K))
-    t46 = G.transpose(-1, -2)
-    t45[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t46, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
-    t47 = M_1.transpose(-1, -2)
-    t45 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t47, t12, A16, t21, M_2, X, W_K, optimize=[(1, 2), (0, 3), (0, 1), (1, 3), (0, 2), (0, 1)])
-    t45 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t47, t12, A16, A16, t21, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (0, 1), (0, 1), (0, 1)])
-    t48 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t49 = t48.view((d_V, d_V, d_V, d_K))
-    t49[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t46, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t49 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t47, t12, A16, t21, M_2, X, W_Q, optimize=[(1, 2), (3, 4), (0, 4), (0, 1), (0, 2), (0, 1)])
-    t49 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t47, t12, A16, A16, t21, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 1), (0, 1), (0, 1)])
-    t50 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t50[...] = 0
-    t51 = t50.view((d_V, d_V, d_V, d_V))
-    t52 = t51.diagonal(0, 1, 3)
-    t52 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bed', t47, t12, A16, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
-    t51 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t47, t12, A16, A16, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t26 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t26[...] = 0
+    t27 = t26.view((d_V, d_K, d_V, d_K))
+    t28 = t27.diagonal(0, 1, 3)
+    t29 = t25 @ X
+    t30 = t3 @ t29
+    t31 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t28 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t30, t31, optimize=[(0, 1)])
+    t27 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t2, t3, M_3, X, W_Q, optimize=[(3, 4), (0, 2), (0, 1), (0, 1)])
+    t27 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t2, M_2, X, W_V, t12, A16, t21, M_2, X, W_Q, optimize=[(4, 5), (6, 7), (0, 1), (1, 6), (3, 5), (1, 2), (2, 3), (0, 1), (0, 1)])
+    t27 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t2, M_2, X, W_V, t12, A16, A16, t21, M_2, X, W_Q, optimize=[(4, 5), (4, 5), (4, 8), (4, 5), (0, 1), (1, 5), (1, 4), (0, 1), (0, 1), (0, 1)])
+    t32 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t33 = t32.view((d_V, d_K, d_V, d_V))
+    t33[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t2, M_2, X, W_V, t12, A16, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t33 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t2, M_2, X, W_V, t12, A16, A16, M_1, optimize=[(4, 5), (1, 3), (4, 5), (0, 4), (0, 1), (0, 1), (0, 1)])
+    t33 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t2, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
+    t34 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t34[...] = 0
+    t35 = t34.view((d_V, d_K, d_V, d_K))
+    t36 = t35.diagonal(0, 1, 3)
+    t37 = t25.transpose(-1, -2)
+    t38 = t37 @ X
+    t39 = t3 @ t38
+    t36 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t39, t31, optimize=[(0, 1)])
+    t40 = W_Q.transpose(-1, -2)
+    t35 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t40, t3, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    t35 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t40, M_2, X, W_V, t12, A16, t21, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (4, 6), (0, 1), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t35 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t40, M_2, X, W_V, t12, A16, A16, t21, M_2, X, W_K, optimize=[(4, 5), (0, 2), (2, 3), (2, 7), (3, 6), (0, 1), (1, 4), (0, 1), (0, 1), (0, 1)])
+    t41 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t42 = t41.view((d_V, d_K, d_V, d_K))
+    t42[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t40, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t42 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t40, M_2, X, W_V, t12, A16, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (4, 5), (0, 1), (2, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
+    t42 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t40, M_2, X, W_V, t12, A16, A16, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (2, 3), (2, 7), (2, 3), (0, 1), (0, 4), (0, 1), (0, 1), (0, 1)])
+    t43 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t44 = t43.view((d_V, d_K, d_V, d_V))
+    t44[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh->fahg', t40, M_2, X, W_V, t12, A16, M_1, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
+    t44 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t40, M_2, X, W_V, t12, A16, A16, M_1, optimize=[(0, 2), (1, 2), (1, 5), (0, 4), (0, 1), (0, 1), (0, 1)])
+    t44 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t40, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
+    t45 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t46 = t45.view((d_V, d_V, d_V, d_K))
+    t47 = G.transpose(-1, -2)
+    t46[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t47, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
+    t48 = M_1.transpose(-1, -2)
+    t46 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t48, t12, A16, t21, M_2, X, W_K, optimize=[(1, 2), (0, 3), (0, 1), (1, 3), (0, 2), (0, 1)])
+    t46 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t48, t12, A16, A16, t21, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (0, 1), (0, 1), (0, 1)])
+    t49 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t50 = t49.view((d_V, d_V, d_V, d_K))
+    t50[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t47, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    t50 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t48, t12, A16, t21, M_2, X, W_Q, optimize=[(1, 2), (3, 4), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t50 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t48, t12, A16, A16, t21, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 1), (0, 1), (0, 1)])
+    t51 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t51[...] = 0
+    t52 = t51.view((d_V, d_V, d_V, d_V))
+    t53 = t52.diagonal(0, 1, 3)
+    t53 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bed', t48, t12, A16, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
+    t52 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t48, t12, A16, A16, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
     return H
 
 
@@ -5007,51 +5059,53 @@ def ce_causal1__hvp__full(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     t34 = V_W_V.transpose(-1, -2)
     t35 = t34 @ t0
     t36 = t25 @ t35
-    t37 = A * (t15 - (A * t15).sum(-1, keepdim=True))
+    t37 = A * t29
     t38 = t37 @ t18
     t39 = (1/math.sqrt(d_K)) * t38
     t40 = X @ V_W_V
     t41 = A @ t40
     t42 = t39 + t41
-    t43 = A21 * (t42 - (A21 * t42).sum(-1, keepdim=True))
-    t44 = t17 * t43
-    t45 = t44 @ t27
-    t46 = (1/L) * t45
-    t47 = t36 + t46
-    t48 = A * (t47 - (A * t47).sum(-1, keepdim=True))
-    t49 = t33 + t48
-    t50 = X @ W_K
-    t51 = t49 @ t50
-    t52 = t0 @ t51
-    t53 = A * (t28 - (A * t28).sum(-1, keepdim=True))
-    t54 = X @ V_W_K
-    t55 = t53 @ t54
-    t56 = t0 @ t55
-    t57 = t52 + t56
-    t58 = (1/math.sqrt(d_K)) * t57
-    t59 = t32.transpose(-1, -2)
+    t43 = t42 - (A21 * t42).sum(-1, keepdim=True)
+    t44 = A21 * t43
+    t45 = t17 * t44
+    t46 = t45 @ t27
+    t47 = (1/L) * t46
+    t48 = t36 + t47
+    t49 = t48 - (A * t48).sum(-1, keepdim=True)
+    t50 = A * t49
+    t51 = t33 + t50
+    t52 = X @ W_K
+    t53 = t51 @ t52
+    t54 = t0 @ t53
+    t55 = A * t30
+    t56 = X @ V_W_K
+    t57 = t55 @ t56
+    t58 = t0 @ t57
+    t59 = t54 + t58
     t60 = (1/math.sqrt(d_K)) * t59
-    t61 = t48.transpose(-1, -2)
-    t62 = t60 + t61
-    t63 = X @ W_Q
-    t64 = t62 @ t63
-    t65 = t0 @ t64
-    t66 = t53.transpose(-1, -2)
-    t67 = X @ V_W_Q
-    t68 = t66 @ t67
-    t69 = t0 @ t68
-    t70 = t65 + t69
-    t71 = (1/math.sqrt(d_K)) * t70
-    t72 = t37.transpose(-1, -2)
-    t73 = t72 @ t25
-    t74 = t0 @ t73
-    t75 = (1/math.sqrt(d_K)) * t74
-    t76 = A.transpose(-1, -2)
-    t77 = t76 @ t44
-    t78 = t0 @ t77
-    t79 = (1/L) * t78
-    t80 = t75 + t79
-    return (t58.mean(0), t71.mean(0), t80.mean(0),)
+    t61 = t32.transpose(-1, -2)
+    t62 = (1/math.sqrt(d_K)) * t61
+    t63 = t50.transpose(-1, -2)
+    t64 = t62 + t63
+    t65 = X @ W_Q
+    t66 = t64 @ t65
+    t67 = t0 @ t66
+    t68 = t55.transpose(-1, -2)
+    t69 = X @ V_W_Q
+    t70 = t68 @ t69
+    t71 = t0 @ t70
+    t72 = t67 + t71
+    t73 = (1/math.sqrt(d_K)) * t72
+    t74 = t37.transpose(-1, -2)
+    t75 = t74 @ t25
+    t76 = t0 @ t75
+    t77 = (1/math.sqrt(d_K)) * t76
+    t78 = A.transpose(-1, -2)
+    t79 = t78 @ t45
+    t80 = t0 @ t79
+    t81 = (1/L) * t80
+    t82 = t77 + t81
+    return (t60.mean(0), t73.mean(0), t82.mean(0),)
 
 
 def ce_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -5087,9 +5141,10 @@ def ce_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t20 = W_V.transpose(-1, -2)
     t21 = t20 @ t2
     t22 = G @ t21
-    t23 = A * (t22 - (A * t22).sum(-1, keepdim=True))
+    t23 = t22 - (A * t22).sum(-1, keepdim=True)
+    t24 = A * t23
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t24, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t24, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t24, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->da', t1, t2, M_3, X, W_K, optimize=[(1, 3), (0, 2), (0, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
@@ -5129,9 +5184,10 @@ def ce_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     t19 = W_V.transpose(-1, -2)
     t20 = t19 @ t1
     t21 = G @ t20
-    t22 = A * (t21 - (A * t21).sum(-1, keepdim=True))
+    t22 = t21 - (A * t21).sum(-1, keepdim=True)
+    t23 = A * t22
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t22, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t22, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t22, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     return (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->', t0, t1, M_3, X, W_K, optimize=[(1, 3), (0, 2), (0, 2), (0, 1)]) + (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdf,ia->', t0, M_2, X, W_V, t10, A14, t19, M_2, X, W_K, optimize=[(2, 8), (3, 4), (0, 5), (0, 1), (3, 5), (0, 1), (2, 3), (1, 2), (0, 1)]) + (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdf,ja->', t0, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_K, optimize=[(2, 9), (3, 4), (0, 6), (2, 3), (2, 6), (4, 5), (0, 4), (0, 3), (1, 2), (0, 1)])
@@ -5170,9 +5226,10 @@ def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t20 = W_V.transpose(-1, -2)
     t21 = t20 @ t2
     t22 = G @ t21
-    t23 = A * (t22 - (A * t22).sum(-1, keepdim=True))
+    t23 = t22 - (A * t22).sum(-1, keepdim=True)
+    t24 = A * t23
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t24, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t24, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t24, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t1, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
@@ -5212,13 +5269,14 @@ def ce_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t19 = W_V.transpose(-1, -2)
     t20 = t19 @ t1
     t21 = G @ t20
-    t22 = A * (t21 - (A * t21).sum(-1, keepdim=True))
+    t22 = t21 - (A * t21).sum(-1, keepdim=True)
+    t23 = A * t22
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t22, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t22, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t22, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t23 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jkli,jkd,lm,jkm,jkm,mn,jkno,jkg,oh->', t0, t1, M_3, X, W_K, t0, M_2, X, W_V, t10, A14, t19, M_2, X, W_K, optimize=[(9, 10), (0, 2), (3, 4), (0, 3), (3, 4), (0, 3), (6, 8), (0, 2), (0, 3), (1, 3), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jkli,jkd,lm,jkm,jkm,jkn,no,jkop,jkg,ph->', t0, t1, M_3, X, W_K, t0, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_K, optimize=[(9, 10), (0, 2), (3, 4), (0, 3), (3, 4), (3, 10), (0, 3), (6, 8), (0, 2), (0, 1), (1, 5), (0, 2), (2, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnol,mnf,op,mnp,mnp,pq,mnqr,mnj,rk->', t0, M_2, X, W_V, t10, A14, t19, M_2, X, W_K, t0, M_2, X, W_V, t10, A14, t19, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (4, 5), (0, 4), (4, 5), (1, 4), (9, 11), (1, 3), (0, 4), (0, 4), (2, 5), (0, 4), (4, 5), (0, 3), (0, 3), (1, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnol,mnf,op,mnp,mnp,mnq,qr,mnrs,mnj,sk->', t0, M_2, X, W_V, t10, A14, t19, M_2, X, W_K, t0, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (4, 5), (0, 4), (4, 5), (4, 13), (1, 4), (9, 11), (1, 3), (1, 3), (4, 8), (0, 2), (1, 4), (0, 4), (3, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl,am,nopm,nof,pq,noq,noq,nor,rs,nost,nok,tl->', t0, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_K, t0, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_K, optimize=[(4, 5), (13, 14), (0, 1), (2, 3), (2, 17), (4, 5), (0, 4), (4, 5), (4, 13), (1, 4), (9, 11), (1, 3), (0, 2), (2, 8), (0, 1), (1, 6), (0, 3), (2, 3), (1, 3), (0, 1), (0, 1)])
-    return torch.sqrt(torch.clamp(t23, min=0.0))
+    t24 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jkli,jkd,lm,jkm,jkm,mn,jkno,jkg,oh->', t0, t1, M_3, X, W_K, t0, M_2, X, W_V, t10, A14, t19, M_2, X, W_K, optimize=[(9, 10), (0, 2), (3, 4), (0, 3), (3, 4), (0, 3), (6, 8), (0, 2), (0, 3), (1, 3), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jkli,jkd,lm,jkm,jkm,jkn,no,jkop,jkg,ph->', t0, t1, M_3, X, W_K, t0, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_K, optimize=[(9, 10), (0, 2), (3, 4), (0, 3), (3, 4), (3, 10), (0, 3), (6, 8), (0, 2), (0, 1), (1, 5), (0, 2), (2, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnol,mnf,op,mnp,mnp,pq,mnqr,mnj,rk->', t0, M_2, X, W_V, t10, A14, t19, M_2, X, W_K, t0, M_2, X, W_V, t10, A14, t19, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (4, 5), (0, 4), (4, 5), (1, 4), (9, 11), (1, 3), (0, 4), (0, 4), (2, 5), (0, 4), (4, 5), (0, 3), (0, 3), (1, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnol,mnf,op,mnp,mnp,mnq,qr,mnrs,mnj,sk->', t0, M_2, X, W_V, t10, A14, t19, M_2, X, W_K, t0, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (4, 5), (0, 4), (4, 5), (4, 13), (1, 4), (9, 11), (1, 3), (1, 3), (4, 8), (0, 2), (1, 4), (0, 4), (3, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl,am,nopm,nof,pq,noq,noq,nor,rs,nost,nok,tl->', t0, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_K, t0, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_K, optimize=[(4, 5), (13, 14), (0, 1), (2, 3), (2, 17), (4, 5), (0, 4), (4, 5), (4, 13), (1, 4), (9, 11), (1, 3), (0, 2), (2, 8), (0, 1), (1, 6), (0, 3), (2, 3), (1, 3), (0, 1), (0, 1)])
+    return torch.sqrt(torch.clamp(t24, min=0.0))
 
 
 def ce_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -5256,13 +5314,14 @@ def ce_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t21 = W_V.transpose(-1, -2)
     t22 = t21 @ t2
     t23 = G @ t22
-    t24 = A * (t23 - (A * t23).sum(-1, keepdim=True))
-    t25 = t24 @ X
-    t26 = t2 @ t25
-    t27 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t26, t27, optimize=[(0, 1)])
+    t24 = t23 - (A * t23).sum(-1, keepdim=True)
+    t25 = A * t24
+    t26 = t25 @ X
+    t27 = t2 @ t26
+    t28 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t27, t28, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t24, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t24, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t24, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t25, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t25, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t25, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t0 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t3, t2, M_3, X, W_Q, optimize=[(3, 4), (0, 2), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
@@ -5302,15 +5361,16 @@ def ce_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t19 = W_V.transpose(-1, -2)
     t20 = t19 @ t0
     t21 = G @ t20
-    t22 = A * (t21 - (A * t21).sum(-1, keepdim=True))
-    t23 = t22 @ X
-    t24 = t0 @ t23
+    t22 = t21 - (A * t21).sum(-1, keepdim=True)
+    t23 = A * t22
+    t24 = t23 @ X
+    t25 = t0 @ t24
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t0, t22, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t22, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t22, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t0, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t25 = (n_batch**(-2)) * oe.contract('abc,dbc->', t24, t24, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t24, t1, t0, M_3, X, W_Q, optimize=[(1, 5), (3, 4), (2, 3), (1, 2), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgi,fgi,ij,fgjc,fgk,kd->', t24, t1, M_2, X, W_V, t10, A14, t19, M_2, X, W_Q, optimize=[(0, 3), (6, 9), (3, 4), (0, 5), (2, 4), (3, 5), (2, 3), (0, 3), (0, 2), (0, 1)]) + (-2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgi,fgi,fgj,jk,fgkc,fgl,ld->', t24, t1, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_Q, optimize=[(0, 3), (7, 10), (3, 4), (0, 6), (2, 3), (3, 6), (2, 4), (0, 4), (0, 3), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t1, t0, M_3, X, W_Q, t1, t0, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkm,jkm,mn,jknf,jko,oh->', t1, t0, M_3, X, W_Q, t1, M_2, X, W_V, t10, A14, t19, M_2, X, W_Q, optimize=[(9, 10), (0, 2), (1, 2), (1, 2), (0, 1), (1, 2), (1, 2), (0, 4), (0, 4), (4, 5), (0, 4), (1, 3), (0, 1), (0, 1)]) + (-2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkm,jkm,jkn,no,jkof,jkp,ph->', t1, t0, M_3, X, W_Q, t1, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_Q, optimize=[(9, 10), (0, 2), (1, 2), (1, 2), (0, 1), (1, 2), (1, 9), (1, 2), (0, 1), (2, 6), (0, 3), (3, 4), (1, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnol,mnf,op,mnp,mnp,pq,mnqi,mnr,rk->', t1, M_2, X, W_V, t10, A14, t19, M_2, X, W_Q, t1, M_2, X, W_V, t10, A14, t19, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (2, 3), (2, 3), (0, 2), (2, 3), (2, 3), (0, 4), (1, 3), (7, 8), (0, 3), (0, 3), (4, 5), (3, 4), (1, 3), (0, 1), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnol,mnf,op,mnp,mnp,mnq,qr,mnri,mns,sk->', t1, M_2, X, W_V, t10, A14, t19, M_2, X, W_Q, t1, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (2, 3), (2, 3), (0, 2), (2, 3), (2, 12), (2, 3), (1, 3), (5, 9), (0, 2), (0, 1), (5, 6), (0, 3), (0, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl,am,nopm,nof,pq,noq,noq,nor,rs,nosj,not,tl->', t1, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_Q, t1, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_Q, optimize=[(4, 5), (13, 14), (0, 1), (2, 3), (2, 17), (2, 3), (2, 3), (0, 2), (2, 3), (2, 12), (2, 3), (0, 2), (2, 9), (0, 1), (2, 7), (0, 3), (1, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    return torch.sqrt(torch.clamp(t25, min=0.0))
+    t26 = (n_batch**(-2)) * oe.contract('abc,dbc->', t25, t25, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t25, t1, t0, M_3, X, W_Q, optimize=[(1, 5), (3, 4), (2, 3), (1, 2), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgi,fgi,ij,fgjc,fgk,kd->', t25, t1, M_2, X, W_V, t10, A14, t19, M_2, X, W_Q, optimize=[(0, 3), (6, 9), (3, 4), (0, 5), (2, 4), (3, 5), (2, 3), (0, 3), (0, 2), (0, 1)]) + (-2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgi,fgi,fgj,jk,fgkc,fgl,ld->', t25, t1, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_Q, optimize=[(0, 3), (7, 10), (3, 4), (0, 6), (2, 3), (3, 6), (2, 4), (0, 4), (0, 3), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t1, t0, M_3, X, W_Q, t1, t0, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkm,jkm,mn,jknf,jko,oh->', t1, t0, M_3, X, W_Q, t1, M_2, X, W_V, t10, A14, t19, M_2, X, W_Q, optimize=[(9, 10), (0, 2), (1, 2), (1, 2), (0, 1), (1, 2), (1, 2), (0, 4), (0, 4), (4, 5), (0, 4), (1, 3), (0, 1), (0, 1)]) + (-2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkm,jkm,jkn,no,jkof,jkp,ph->', t1, t0, M_3, X, W_Q, t1, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_Q, optimize=[(9, 10), (0, 2), (1, 2), (1, 2), (0, 1), (1, 2), (1, 9), (1, 2), (0, 1), (2, 6), (0, 3), (3, 4), (1, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnol,mnf,op,mnp,mnp,pq,mnqi,mnr,rk->', t1, M_2, X, W_V, t10, A14, t19, M_2, X, W_Q, t1, M_2, X, W_V, t10, A14, t19, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (2, 3), (2, 3), (0, 2), (2, 3), (2, 3), (0, 4), (1, 3), (7, 8), (0, 3), (0, 3), (4, 5), (3, 4), (1, 3), (0, 1), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnol,mnf,op,mnp,mnp,mnq,qr,mnri,mns,sk->', t1, M_2, X, W_V, t10, A14, t19, M_2, X, W_Q, t1, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (2, 3), (2, 3), (0, 2), (2, 3), (2, 12), (2, 3), (1, 3), (5, 9), (0, 2), (0, 1), (5, 6), (0, 3), (0, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl,am,nopm,nof,pq,noq,noq,nor,rs,nosj,not,tl->', t1, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_Q, t1, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_Q, optimize=[(4, 5), (13, 14), (0, 1), (2, 3), (2, 17), (2, 3), (2, 3), (0, 2), (2, 3), (2, 12), (2, 3), (0, 2), (2, 9), (0, 1), (2, 7), (0, 3), (1, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
+    return torch.sqrt(torch.clamp(t26, min=0.0))
 
 
 def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -5419,9 +5479,10 @@ def ce_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t21 = W_V.transpose(-1, -2)
     t22 = t21 @ t2
     t23 = G @ t22
-    t24 = A * (t23 - (A * t23).sum(-1, keepdim=True))
+    t24 = t23 - (A * t23).sum(-1, keepdim=True)
+    t25 = A * t24
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t24, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t24, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t24, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t25, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t25, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t25, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->ea', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
@@ -5462,9 +5523,10 @@ def ce_causal1__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     t20 = W_V.transpose(-1, -2)
     t21 = t20 @ t1
     t22 = G @ t21
-    t23 = A * (t22 - (A * t22).sum(-1, keepdim=True))
+    t23 = t22 - (A * t22).sum(-1, keepdim=True)
+    t24 = A * t23
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t24, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t24, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t24, X, optimize=[(0, 1), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     return (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->', t0, t1, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)]) + (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhf,cdi,ia->', t0, M_2, X, W_V, t11, A15, t20, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 3), (2, 3), (3, 5), (0, 3), (0, 3), (0, 2), (0, 1)]) + (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdif,cdj,ja->', t0, M_2, X, W_V, t11, A15, A15, t20, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 4), (1, 2), (5, 6), (0, 5), (2, 4), (0, 1), (0, 2), (0, 1)])
@@ -5505,20 +5567,21 @@ def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t21 = W_V.transpose(-1, -2)
     t22 = t21 @ t2
     t23 = G @ t22
-    t24 = A * (t23 - (A * t23).sum(-1, keepdim=True))
-    t25 = t24.transpose(-1, -2)
-    t26 = t25 @ X
-    t27 = t2 @ t26
-    t28 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t27, t28, optimize=[(0, 1)])
-    t29 = W_Q.transpose(-1, -2)
+    t24 = t23 - (A * t23).sum(-1, keepdim=True)
+    t25 = A * t24
+    t26 = t25.transpose(-1, -2)
+    t27 = t26 @ X
+    t28 = t2 @ t27
+    t29 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t28, t29, optimize=[(0, 1)])
+    t30 = W_Q.transpose(-1, -2)
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t24, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t24, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t24, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t29, t2, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t25, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t25, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t25, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t30, t2, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t29, M_2, X, W_V, t12, A16, t21, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (4, 6), (0, 1), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t29, M_2, X, W_V, t12, A16, A16, t21, M_2, X, W_K, optimize=[(4, 5), (0, 2), (2, 3), (2, 7), (3, 6), (0, 1), (1, 4), (0, 1), (0, 1), (0, 1)])
+    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t30, M_2, X, W_V, t12, A16, t21, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (4, 6), (0, 1), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t30, M_2, X, W_V, t12, A16, A16, t21, M_2, X, W_K, optimize=[(4, 5), (0, 2), (2, 3), (2, 7), (3, 6), (0, 1), (1, 4), (0, 1), (0, 1), (0, 1)])
     return out
 
 
@@ -5553,17 +5616,18 @@ def ce_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t19 = W_V.transpose(-1, -2)
     t20 = t19 @ t0
     t21 = G @ t20
-    t22 = A * (t21 - (A * t21).sum(-1, keepdim=True))
-    t23 = t22.transpose(-1, -2)
-    t24 = t23 @ X
-    t25 = t0 @ t24
-    t26 = W_Q.transpose(-1, -2)
+    t22 = t21 - (A * t21).sum(-1, keepdim=True)
+    t23 = A * t22
+    t24 = t23.transpose(-1, -2)
+    t25 = t24 @ X
+    t26 = t0 @ t25
+    t27 = W_Q.transpose(-1, -2)
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t0, t22, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t22, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t22, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t0, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t27 = (n_batch**(-2)) * oe.contract('abc,dbc->', t25, t25, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t25, t26, t0, M_3, X, W_K, optimize=[(1, 2), (3, 4), (1, 3), (1, 2), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgi,fgi,ij,fgjk,fgc,kd->', t25, t26, M_2, X, W_V, t10, A14, t19, M_2, X, W_K, optimize=[(0, 9), (1, 9), (3, 4), (0, 1), (0, 4), (3, 5), (2, 3), (1, 3), (0, 2), (0, 1)]) + (-2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgi,fgi,fgj,jk,fgkl,fgc,ld->', t25, t26, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_K, optimize=[(0, 10), (1, 10), (3, 4), (0, 1), (0, 5), (4, 6), (0, 1), (0, 4), (2, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t26, t0, M_3, X, W_K, t26, t0, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkm,jkm,mn,jkno,jkg,oh->', t26, t0, M_3, X, W_K, t26, M_2, X, W_V, t10, A14, t19, M_2, X, W_K, optimize=[(9, 10), (0, 1), (0, 2), (1, 3), (1, 2), (1, 2), (0, 1), (0, 3), (1, 2), (3, 5), (0, 1), (0, 3), (0, 2), (0, 1)]) + (-2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkm,jkm,jkn,no,jkop,jkg,ph->', t26, t0, M_3, X, W_K, t26, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_K, optimize=[(9, 10), (0, 1), (0, 2), (1, 3), (1, 2), (6, 10), (1, 2), (1, 8), (0, 1), (0, 2), (0, 1), (2, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnof,mnl,op,mnp,mnp,pq,mnqr,mnj,rk->', t26, M_2, X, W_V, t10, A14, t19, M_2, X, W_K, t26, M_2, X, W_V, t10, A14, t19, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (2, 4), (2, 3), (2, 3), (0, 2), (0, 1), (0, 3), (2, 8), (1, 2), (3, 6), (0, 1), (0, 4), (0, 1), (1, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnof,mnl,op,mnp,mnp,mnq,qr,mnrs,mnj,sk->', t26, M_2, X, W_V, t10, A14, t19, M_2, X, W_K, t26, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (2, 4), (2, 3), (8, 13), (2, 3), (2, 11), (0, 2), (0, 1), (0, 2), (1, 7), (0, 1), (2, 5), (0, 3), (2, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl,am,nopf,nom,pq,noq,noq,nor,rs,nost,nok,tl->', t26, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_K, t26, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_K, optimize=[(4, 5), (13, 14), (0, 2), (0, 1), (14, 17), (0, 1), (0, 15), (2, 4), (2, 3), (7, 12), (2, 3), (2, 10), (0, 2), (0, 1), (0, 3), (4, 6), (0, 2), (3, 4), (0, 2), (0, 2), (0, 1)])
-    return torch.sqrt(torch.clamp(t27, min=0.0))
+    t28 = (n_batch**(-2)) * oe.contract('abc,dbc->', t26, t26, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t26, t27, t0, M_3, X, W_K, optimize=[(1, 2), (3, 4), (1, 3), (1, 2), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgi,fgi,ij,fgjk,fgc,kd->', t26, t27, M_2, X, W_V, t10, A14, t19, M_2, X, W_K, optimize=[(0, 9), (1, 9), (3, 4), (0, 1), (0, 4), (3, 5), (2, 3), (1, 3), (0, 2), (0, 1)]) + (-2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgi,fgi,fgj,jk,fgkl,fgc,ld->', t26, t27, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_K, optimize=[(0, 10), (1, 10), (3, 4), (0, 1), (0, 5), (4, 6), (0, 1), (0, 4), (2, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t27, t0, M_3, X, W_K, t27, t0, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkm,jkm,mn,jkno,jkg,oh->', t27, t0, M_3, X, W_K, t27, M_2, X, W_V, t10, A14, t19, M_2, X, W_K, optimize=[(9, 10), (0, 1), (0, 2), (1, 3), (1, 2), (1, 2), (0, 1), (0, 3), (1, 2), (3, 5), (0, 1), (0, 3), (0, 2), (0, 1)]) + (-2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkm,jkm,jkn,no,jkop,jkg,ph->', t27, t0, M_3, X, W_K, t27, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_K, optimize=[(9, 10), (0, 1), (0, 2), (1, 3), (1, 2), (6, 10), (1, 2), (1, 8), (0, 1), (0, 2), (0, 1), (2, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnof,mnl,op,mnp,mnp,pq,mnqr,mnj,rk->', t27, M_2, X, W_V, t10, A14, t19, M_2, X, W_K, t27, M_2, X, W_V, t10, A14, t19, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (2, 4), (2, 3), (2, 3), (0, 2), (0, 1), (0, 3), (2, 8), (1, 2), (3, 6), (0, 1), (0, 4), (0, 1), (1, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnof,mnl,op,mnp,mnp,mnq,qr,mnrs,mnj,sk->', t27, M_2, X, W_V, t10, A14, t19, M_2, X, W_K, t27, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (2, 4), (2, 3), (8, 13), (2, 3), (2, 11), (0, 2), (0, 1), (0, 2), (1, 7), (0, 1), (2, 5), (0, 3), (2, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl,am,nopf,nom,pq,noq,noq,nor,rs,nost,nok,tl->', t27, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_K, t27, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_K, optimize=[(4, 5), (13, 14), (0, 2), (0, 1), (14, 17), (0, 1), (0, 15), (2, 4), (2, 3), (7, 12), (2, 3), (2, 10), (0, 2), (0, 1), (0, 3), (4, 6), (0, 2), (3, 4), (0, 2), (0, 2), (0, 1)])
+    return torch.sqrt(torch.clamp(t28, min=0.0))
 
 
 def ce_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -5600,9 +5664,10 @@ def ce_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t21 = W_V.transpose(-1, -2)
     t22 = t21 @ t2
     t23 = G @ t22
-    t24 = A * (t23 - (A * t23).sum(-1, keepdim=True))
+    t24 = t23 - (A * t23).sum(-1, keepdim=True)
+    t25 = A * t24
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t24, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t24, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t24, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t25, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t25, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t25, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
@@ -5643,13 +5708,14 @@ def ce_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t20 = W_V.transpose(-1, -2)
     t21 = t20 @ t1
     t22 = G @ t21
-    t23 = A * (t22 - (A * t22).sum(-1, keepdim=True))
+    t23 = t22 - (A * t22).sum(-1, keepdim=True)
+    t24 = A * t23
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t24, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t24, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t24, X, optimize=[(0, 1), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t24 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 1), (0, 5), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jkle,jki,lm,jkm,jkm,mn,jknf,jko,oh->', t0, t1, M_3, X, W_Q, t0, M_2, X, W_V, t11, A15, t20, M_2, X, W_Q, optimize=[(9, 10), (0, 1), (1, 2), (1, 3), (1, 2), (1, 2), (1, 2), (2, 4), (1, 3), (2, 5), (0, 4), (2, 3), (0, 1), (0, 1)]) + (-2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jkle,jki,lm,jkm,jkm,jkn,no,jkof,jkp,ph->', t0, t1, M_3, X, W_Q, t0, M_2, X, W_V, t11, A15, A15, t20, M_2, X, W_Q, optimize=[(9, 10), (0, 1), (1, 2), (1, 3), (1, 2), (6, 10), (1, 2), (1, 8), (1, 2), (1, 3), (0, 2), (1, 4), (2, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnof,mnl,op,mnp,mnp,pq,mnqi,mnr,rk->', t0, M_2, X, W_V, t11, A15, t20, M_2, X, W_Q, t0, M_2, X, W_V, t11, A15, t20, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (0, 1), (0, 1), (0, 1), (0, 3), (2, 8), (1, 3), (0, 2), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnof,mnl,op,mnp,mnp,mnq,qr,mnri,mns,sk->', t0, M_2, X, W_V, t11, A15, t20, M_2, X, W_Q, t0, M_2, X, W_V, t11, A15, A15, t20, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (0, 1), (6, 12), (0, 1), (0, 10), (0, 1), (0, 2), (1, 7), (0, 2), (0, 3), (3, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl,am,nopf,nom,pq,noq,noq,nor,rs,nosj,not,tl->', t0, M_2, X, W_V, t11, A15, A15, t20, M_2, X, W_Q, t0, M_2, X, W_V, t11, A15, A15, t20, M_2, X, W_Q, optimize=[(4, 5), (13, 14), (0, 2), (0, 1), (14, 17), (0, 1), (0, 15), (0, 1), (0, 2), (0, 1), (5, 11), (0, 1), (0, 9), (0, 1), (0, 4), (0, 3), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
-    return torch.sqrt(torch.clamp(t24, min=0.0))
+    t25 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 1), (0, 5), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jkle,jki,lm,jkm,jkm,mn,jknf,jko,oh->', t0, t1, M_3, X, W_Q, t0, M_2, X, W_V, t11, A15, t20, M_2, X, W_Q, optimize=[(9, 10), (0, 1), (1, 2), (1, 3), (1, 2), (1, 2), (1, 2), (2, 4), (1, 3), (2, 5), (0, 4), (2, 3), (0, 1), (0, 1)]) + (-2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jkle,jki,lm,jkm,jkm,jkn,no,jkof,jkp,ph->', t0, t1, M_3, X, W_Q, t0, M_2, X, W_V, t11, A15, A15, t20, M_2, X, W_Q, optimize=[(9, 10), (0, 1), (1, 2), (1, 3), (1, 2), (6, 10), (1, 2), (1, 8), (1, 2), (1, 3), (0, 2), (1, 4), (2, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnof,mnl,op,mnp,mnp,pq,mnqi,mnr,rk->', t0, M_2, X, W_V, t11, A15, t20, M_2, X, W_Q, t0, M_2, X, W_V, t11, A15, t20, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (0, 1), (0, 1), (0, 1), (0, 3), (2, 8), (1, 3), (0, 2), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnof,mnl,op,mnp,mnp,mnq,qr,mnri,mns,sk->', t0, M_2, X, W_V, t11, A15, t20, M_2, X, W_Q, t0, M_2, X, W_V, t11, A15, A15, t20, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (0, 1), (6, 12), (0, 1), (0, 10), (0, 1), (0, 2), (1, 7), (0, 2), (0, 3), (3, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl,am,nopf,nom,pq,noq,noq,nor,rs,nosj,not,tl->', t0, M_2, X, W_V, t11, A15, A15, t20, M_2, X, W_Q, t0, M_2, X, W_V, t11, A15, A15, t20, M_2, X, W_Q, optimize=[(4, 5), (13, 14), (0, 2), (0, 1), (14, 17), (0, 1), (0, 15), (0, 1), (0, 2), (0, 1), (5, 11), (0, 1), (0, 9), (0, 1), (0, 4), (0, 3), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
+    return torch.sqrt(torch.clamp(t25, min=0.0))
 
 
 def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -6049,20 +6115,21 @@ def mse_causal0__gradient(X, W_Q, W_K, W_V, Y):
     t12 = W_V.transpose(-1, -2)
     t13 = t12 @ t0
     t14 = G @ t13
-    t15 = A * (t14 - (A * t14).sum(-1, keepdim=True))
-    t16 = X @ W_K
-    t17 = t15 @ t16
-    t18 = t0 @ t17
-    t19 = (1/math.sqrt(d_K)) * t18
-    t20 = t15.transpose(-1, -2)
-    t21 = X @ W_Q
-    t22 = t20 @ t21
-    t23 = t0 @ t22
-    t24 = (1/math.sqrt(d_K)) * t23
-    t25 = A.transpose(-1, -2)
-    t26 = t25 @ G
-    t27 = t0 @ t26
-    return (t19.mean(0), t24.mean(0), t27.mean(0),)
+    t15 = t14 - (A * t14).sum(-1, keepdim=True)
+    t16 = A * t15
+    t17 = X @ W_K
+    t18 = t16 @ t17
+    t19 = t0 @ t18
+    t20 = (1/math.sqrt(d_K)) * t19
+    t21 = t16.transpose(-1, -2)
+    t22 = X @ W_Q
+    t23 = t21 @ t22
+    t24 = t0 @ t23
+    t25 = (1/math.sqrt(d_K)) * t24
+    t26 = A.transpose(-1, -2)
+    t27 = t26 @ G
+    t28 = t0 @ t27
+    return (t20.mean(0), t25.mean(0), t28.mean(0),)
 
 
 def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
@@ -6143,31 +6210,33 @@ def mse_causal0__hvp__outer(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     t11 = W_Q @ t10
     t12 = X @ t11
     t13 = t8 + t12
-    t14 = A * (t13 - (A * t13).sum(-1, keepdim=True))
-    t15 = X @ W_V
-    t16 = t14 @ t15
-    t17 = (1/math.sqrt(d_K)) * t16
-    t18 = X @ V_W_V
-    t19 = A @ t18
-    t20 = t17 + t19
-    t21 = W_V.transpose(-1, -2)
-    t22 = t21 @ t0
-    t23 = t20 @ t22
-    t24 = A * (t23 - (A * t23).sum(-1, keepdim=True))
-    t25 = X @ W_K
-    t26 = t24 @ t25
-    t27 = t0 @ t26
-    t28 = (2/(L*math.sqrt(d_K)*d_V)) * t27
-    t29 = t24.transpose(-1, -2)
-    t30 = X @ W_Q
-    t31 = t29 @ t30
-    t32 = t0 @ t31
-    t33 = (2/(L*math.sqrt(d_K)*d_V)) * t32
-    t34 = A.transpose(-1, -2)
-    t35 = t34 @ t20
-    t36 = t0 @ t35
-    t37 = (2/(L*d_V)) * t36
-    return (t28.mean(0), t33.mean(0), t37.mean(0),)
+    t14 = t13 - (A * t13).sum(-1, keepdim=True)
+    t15 = A * t14
+    t16 = X @ W_V
+    t17 = t15 @ t16
+    t18 = (1/math.sqrt(d_K)) * t17
+    t19 = X @ V_W_V
+    t20 = A @ t19
+    t21 = t18 + t20
+    t22 = W_V.transpose(-1, -2)
+    t23 = t22 @ t0
+    t24 = t21 @ t23
+    t25 = t24 - (A * t24).sum(-1, keepdim=True)
+    t26 = A * t25
+    t27 = X @ W_K
+    t28 = t26 @ t27
+    t29 = t0 @ t28
+    t30 = (2/(L*math.sqrt(d_K)*d_V)) * t29
+    t31 = t26.transpose(-1, -2)
+    t32 = X @ W_Q
+    t33 = t31 @ t32
+    t34 = t0 @ t33
+    t35 = (2/(L*math.sqrt(d_K)*d_V)) * t34
+    t36 = A.transpose(-1, -2)
+    t37 = t36 @ t21
+    t38 = t0 @ t37
+    t39 = (2/(L*d_V)) * t38
+    return (t30.mean(0), t35.mean(0), t39.mean(0),)
 
 
 def mse_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -6766,49 +6835,50 @@ def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t14 = W_V.transpose(-1, -2)
     t15 = t14 @ t3
     t16 = G @ t15
-    t17 = A * (t16 - (A * t16).sum(-1, keepdim=True))
+    t17 = t16 - (A * t16).sum(-1, keepdim=True)
+    t18 = A * t17
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t3, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t3, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t1[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t2, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
-    t18 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t18[...] = 0
-    t19 = t18.view((d_V, d_K, d_V, d_K))
-    t20 = t19.diagonal(0, 1, 3)
-    t21 = t17 @ X
-    t22 = t3 @ t21
-    t23 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t20 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t22, t23, optimize=[(0, 1)])
-    t19 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t2, t3, M_3, X, W_Q, optimize=[(3, 4), (0, 2), (0, 1), (0, 1)])
-    t24 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t25 = t24.view((d_V, d_K, d_V, d_V))
+    t19 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t19[...] = 0
+    t20 = t19.view((d_V, d_K, d_V, d_K))
+    t21 = t20.diagonal(0, 1, 3)
+    t22 = t18 @ X
+    t23 = t3 @ t22
+    t24 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t21 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t23, t24, optimize=[(0, 1)])
+    t20 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t2, t3, M_3, X, W_Q, optimize=[(3, 4), (0, 2), (0, 1), (0, 1)])
+    t25 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t26 = t25.view((d_V, d_K, d_V, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t25[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t2, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
-    t26 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t26[...] = 0
-    t27 = t26.view((d_V, d_K, d_V, d_K))
-    t28 = t27.diagonal(0, 1, 3)
-    t29 = t17.transpose(-1, -2)
-    t30 = t29 @ X
-    t31 = t3 @ t30
-    t28 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t31, t23, optimize=[(0, 1)])
-    t32 = W_Q.transpose(-1, -2)
-    t27 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t32, t3, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
-    t33 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t34 = t33.view((d_V, d_K, d_V, d_K))
-    t34[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t32, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t35 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t36 = t35.view((d_V, d_K, d_V, d_V))
-    t36[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t32, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
-    t37 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t38 = t37.view((d_V, d_V, d_V, d_K))
-    t39 = G.transpose(-1, -2)
-    t38[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t39, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
-    t40 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t41 = t40.view((d_V, d_V, d_V, d_K))
-    t41[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t39, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t42 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t42[...] = 0
+    t26[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t2, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
+    t27 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t27[...] = 0
+    t28 = t27.view((d_V, d_K, d_V, d_K))
+    t29 = t28.diagonal(0, 1, 3)
+    t30 = t18.transpose(-1, -2)
+    t31 = t30 @ X
+    t32 = t3 @ t31
+    t29 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t32, t24, optimize=[(0, 1)])
+    t33 = W_Q.transpose(-1, -2)
+    t28 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t33, t3, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    t34 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t35 = t34.view((d_V, d_K, d_V, d_K))
+    t35[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t33, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t36 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t37 = t36.view((d_V, d_K, d_V, d_V))
+    t37[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t33, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
+    t38 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t39 = t38.view((d_V, d_V, d_V, d_K))
+    t40 = G.transpose(-1, -2)
+    t39[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t40, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
+    t41 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t42 = t41.view((d_V, d_V, d_V, d_K))
+    t42[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t40, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    t43 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t43[...] = 0
     return H
 
 
@@ -6850,36 +6920,37 @@ def mse_causal0__hvp__functional(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     t27 = V_W_V.transpose(-1, -2)
     t28 = t27 @ t0
     t29 = G @ t28
-    t30 = A * (t29 - (A * t29).sum(-1, keepdim=True))
-    t31 = t26 + t30
-    t32 = X @ W_K
-    t33 = t31 @ t32
-    t34 = t0 @ t33
-    t35 = A * (t21 - (A * t21).sum(-1, keepdim=True))
-    t36 = X @ V_W_K
-    t37 = t35 @ t36
-    t38 = t0 @ t37
-    t39 = t34 + t38
-    t40 = (1/math.sqrt(d_K)) * t39
-    t41 = t25.transpose(-1, -2)
-    t42 = (1/math.sqrt(d_K)) * t41
-    t43 = t30.transpose(-1, -2)
-    t44 = t42 + t43
-    t45 = X @ W_Q
-    t46 = t44 @ t45
-    t47 = t0 @ t46
-    t48 = t35.transpose(-1, -2)
-    t49 = X @ V_W_Q
-    t50 = t48 @ t49
-    t51 = t0 @ t50
-    t52 = t47 + t51
-    t53 = (1/math.sqrt(d_K)) * t52
-    t54 = A * (t13 - (A * t13).sum(-1, keepdim=True))
-    t55 = t54.transpose(-1, -2)
-    t56 = t55 @ G
-    t57 = t0 @ t56
-    t58 = (1/math.sqrt(d_K)) * t57
-    return (t40.mean(0), t53.mean(0), t58.mean(0),)
+    t30 = t29 - (A * t29).sum(-1, keepdim=True)
+    t31 = A * t30
+    t32 = t26 + t31
+    t33 = X @ W_K
+    t34 = t32 @ t33
+    t35 = t0 @ t34
+    t36 = A * t23
+    t37 = X @ V_W_K
+    t38 = t36 @ t37
+    t39 = t0 @ t38
+    t40 = t35 + t39
+    t41 = (1/math.sqrt(d_K)) * t40
+    t42 = t25.transpose(-1, -2)
+    t43 = (1/math.sqrt(d_K)) * t42
+    t44 = t31.transpose(-1, -2)
+    t45 = t43 + t44
+    t46 = X @ W_Q
+    t47 = t45 @ t46
+    t48 = t0 @ t47
+    t49 = t36.transpose(-1, -2)
+    t50 = X @ V_W_Q
+    t51 = t49 @ t50
+    t52 = t0 @ t51
+    t53 = t48 + t52
+    t54 = (1/math.sqrt(d_K)) * t53
+    t55 = A * t22
+    t56 = t55.transpose(-1, -2)
+    t57 = t56 @ G
+    t58 = t0 @ t57
+    t59 = (1/math.sqrt(d_K)) * t58
+    return (t41.mean(0), t54.mean(0), t59.mean(0),)
 
 
 def mse_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -6908,9 +6979,10 @@ def mse_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t13 = W_V.transpose(-1, -2)
     t14 = t13 @ t2
     t15 = G @ t14
-    t16 = A * (t15 - (A * t15).sum(-1, keepdim=True))
+    t16 = t15 - (A * t15).sum(-1, keepdim=True)
+    t17 = A * t16
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t16, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t16, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t16, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->da', t1, t2, M_3, X, W_K, optimize=[(1, 3), (0, 2), (0, 2), (0, 1)])
     return out
 
@@ -6939,9 +7011,10 @@ def mse_causal0__trace__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t12 = W_V.transpose(-1, -2)
     t13 = t12 @ t1
     t14 = G @ t13
-    t15 = A * (t14 - (A * t14).sum(-1, keepdim=True))
+    t15 = t14 - (A * t14).sum(-1, keepdim=True)
+    t16 = A * t15
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t15, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t15, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t15, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t16, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t16, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t16, X, optimize=[(0, 1), (0, 1), (0, 1)])
     return (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->', t0, t1, M_3, X, W_K, optimize=[(1, 3), (0, 2), (0, 2), (0, 1)])
 
 
@@ -6971,9 +7044,10 @@ def mse_causal0__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t13 = W_V.transpose(-1, -2)
     t14 = t13 @ t2
     t15 = G @ t14
-    t16 = A * (t15 - (A * t15).sum(-1, keepdim=True))
+    t16 = t15 - (A * t15).sum(-1, keepdim=True)
+    t17 = A * t16
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t16, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t16, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t16, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t1, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
@@ -7002,11 +7076,12 @@ def mse_causal0__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t12 = W_V.transpose(-1, -2)
     t13 = t12 @ t1
     t14 = G @ t13
-    t15 = A * (t14 - (A * t14).sum(-1, keepdim=True))
+    t15 = t14 - (A * t14).sum(-1, keepdim=True)
+    t16 = A * t15
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t15, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t15, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t15, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t16 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
-    return torch.sqrt(torch.clamp(t16, min=0.0))
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t16, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t16, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t16, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t17 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
+    return torch.sqrt(torch.clamp(t17, min=0.0))
 
 
 def mse_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -7037,13 +7112,14 @@ def mse_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t14 = W_V.transpose(-1, -2)
     t15 = t14 @ t2
     t16 = G @ t15
-    t17 = A * (t16 - (A * t16).sum(-1, keepdim=True))
-    t18 = t17 @ X
-    t19 = t2 @ t18
-    t20 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t19, t20, optimize=[(0, 1)])
+    t17 = t16 - (A * t16).sum(-1, keepdim=True)
+    t18 = A * t17
+    t19 = t18 @ X
+    t20 = t2 @ t19
+    t21 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t20, t21, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t0 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t3, t2, M_3, X, W_Q, optimize=[(3, 4), (0, 2), (0, 1), (0, 1)])
     return out
 
@@ -7072,13 +7148,14 @@ def mse_causal0__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t12 = W_V.transpose(-1, -2)
     t13 = t12 @ t0
     t14 = G @ t13
-    t15 = A * (t14 - (A * t14).sum(-1, keepdim=True))
-    t16 = t15 @ X
-    t17 = t0 @ t16
+    t15 = t14 - (A * t14).sum(-1, keepdim=True)
+    t16 = A * t15
+    t17 = t16 @ X
+    t18 = t0 @ t17
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t0, t15, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t15, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t15, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t18 = (n_batch**(-2)) * oe.contract('abc,dbc->', t17, t17, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t17, t1, t0, M_3, X, W_Q, optimize=[(1, 5), (3, 4), (2, 3), (1, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t1, t0, M_3, X, W_Q, t1, t0, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)])
-    return torch.sqrt(torch.clamp(t18, min=0.0))
+    M_3 = oe.contract('abc,adc,ace->adbe', t0, t16, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t16, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t16, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t19 = (n_batch**(-2)) * oe.contract('abc,dbc->', t18, t18, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t18, t1, t0, M_3, X, W_Q, optimize=[(1, 5), (3, 4), (2, 3), (1, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t1, t0, M_3, X, W_Q, t1, t0, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)])
+    return torch.sqrt(torch.clamp(t19, min=0.0))
 
 
 def mse_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -7164,9 +7241,10 @@ def mse_causal0__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
     t14 = W_V.transpose(-1, -2)
     t15 = t14 @ t2
     t16 = G @ t15
-    t17 = A * (t16 - (A * t16).sum(-1, keepdim=True))
+    t17 = t16 - (A * t16).sum(-1, keepdim=True)
+    t18 = A * t17
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->ea', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     return out
 
@@ -7196,9 +7274,10 @@ def mse_causal0__trace__W_K__functional(X, W_Q, W_K, W_V, Y):
     t13 = W_V.transpose(-1, -2)
     t14 = t13 @ t1
     t15 = G @ t14
-    t16 = A * (t15 - (A * t15).sum(-1, keepdim=True))
+    t16 = t15 - (A * t15).sum(-1, keepdim=True)
+    t17 = A * t16
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t16, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t16, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t16, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
     return (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->', t0, t1, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
 
 
@@ -7230,16 +7309,17 @@ def mse_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t14 = W_V.transpose(-1, -2)
     t15 = t14 @ t2
     t16 = G @ t15
-    t17 = A * (t16 - (A * t16).sum(-1, keepdim=True))
-    t18 = t17.transpose(-1, -2)
-    t19 = t18 @ X
-    t20 = t2 @ t19
-    t21 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t20, t21, optimize=[(0, 1)])
-    t22 = W_Q.transpose(-1, -2)
+    t17 = t16 - (A * t16).sum(-1, keepdim=True)
+    t18 = A * t17
+    t19 = t18.transpose(-1, -2)
+    t20 = t19 @ X
+    t21 = t2 @ t20
+    t22 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t21, t22, optimize=[(0, 1)])
+    t23 = W_Q.transpose(-1, -2)
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t22, t2, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t23, t2, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -7267,15 +7347,16 @@ def mse_causal0__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t12 = W_V.transpose(-1, -2)
     t13 = t12 @ t0
     t14 = G @ t13
-    t15 = A * (t14 - (A * t14).sum(-1, keepdim=True))
-    t16 = t15.transpose(-1, -2)
-    t17 = t16 @ X
-    t18 = t0 @ t17
-    t19 = W_Q.transpose(-1, -2)
+    t15 = t14 - (A * t14).sum(-1, keepdim=True)
+    t16 = A * t15
+    t17 = t16.transpose(-1, -2)
+    t18 = t17 @ X
+    t19 = t0 @ t18
+    t20 = W_Q.transpose(-1, -2)
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t0, t15, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t15, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t15, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t20 = (n_batch**(-2)) * oe.contract('abc,dbc->', t18, t18, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t18, t19, t0, M_3, X, W_K, optimize=[(1, 2), (3, 4), (1, 3), (1, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t19, t0, M_3, X, W_K, t19, t0, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
-    return torch.sqrt(torch.clamp(t20, min=0.0))
+    M_3 = oe.contract('abc,adc,ace->adbe', t0, t16, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t16, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t16, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t21 = (n_batch**(-2)) * oe.contract('abc,dbc->', t19, t19, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t19, t20, t0, M_3, X, W_K, optimize=[(1, 2), (3, 4), (1, 3), (1, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t20, t0, M_3, X, W_K, t20, t0, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
+    return torch.sqrt(torch.clamp(t21, min=0.0))
 
 
 def mse_causal0__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -7305,9 +7386,10 @@ def mse_causal0__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t14 = W_V.transpose(-1, -2)
     t15 = t14 @ t2
     t16 = G @ t15
-    t17 = A * (t16 - (A * t16).sum(-1, keepdim=True))
+    t17 = t16 - (A * t16).sum(-1, keepdim=True)
+    t18 = A * t17
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     return out
 
@@ -7337,11 +7419,12 @@ def mse_causal0__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t13 = W_V.transpose(-1, -2)
     t14 = t13 @ t1
     t15 = G @ t14
-    t16 = A * (t15 - (A * t15).sum(-1, keepdim=True))
+    t16 = t15 - (A * t15).sum(-1, keepdim=True)
+    t17 = A * t16
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t16, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t16, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t16, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t17 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 1), (0, 5), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)])
-    return torch.sqrt(torch.clamp(t17, min=0.0))
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t18 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 1), (0, 5), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)])
+    return torch.sqrt(torch.clamp(t18, min=0.0))
 
 
 def mse_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -7585,64 +7668,65 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t14 = W_V.transpose(-1, -2)
     t15 = t14 @ t3
     t16 = G @ t15
-    t17 = A * (t16 - (A * t16).sum(-1, keepdim=True))
+    t17 = t16 - (A * t16).sum(-1, keepdim=True)
+    t18 = A * t17
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t3, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t3, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t1[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t2, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t18 = W_V @ t14
-    t1 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t2, M_2, X, t18, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t19 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t19[...] = 0
-    t20 = t19.view((d_V, d_K, d_V, d_K))
-    t21 = t20.diagonal(0, 1, 3)
-    t22 = t17 @ X
-    t23 = t3 @ t22
-    t24 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t21 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t23, t24, optimize=[(0, 1)])
-    t20 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t2, t3, M_3, X, W_Q, optimize=[(3, 4), (0, 2), (0, 1), (0, 1)])
-    t20 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t2, M_2, X, t18, M_2, X, W_Q, optimize=[(5, 6), (0, 1), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t25 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t26 = t25.view((d_V, d_K, d_V, d_V))
-    t26[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t2, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
-    t26 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t2, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t27 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t27[...] = 0
-    t28 = t27.view((d_V, d_K, d_V, d_K))
-    t29 = t28.diagonal(0, 1, 3)
-    t30 = t17.transpose(-1, -2)
-    t31 = t30 @ X
-    t32 = t3 @ t31
-    t29 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t32, t24, optimize=[(0, 1)])
-    t33 = W_Q.transpose(-1, -2)
-    t28 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t33, t3, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
-    t28 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t33, M_2, X, t18, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t34 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t35 = t34.view((d_V, d_K, d_V, d_K))
-    t35[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t33, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t35 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t33, M_2, X, t18, M_2, X, W_Q, optimize=[(0, 2), (3, 4), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t36 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t37 = t36.view((d_V, d_K, d_V, d_V))
-    t37[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t33, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
-    t37 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fagh', t33, M_2, X, M_1, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
-    t38 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t39 = t38.view((d_V, d_V, d_V, d_K))
-    t40 = G.transpose(-1, -2)
-    t39[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t40, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
-    t41 = M_1.transpose(-1, -2)
-    t39 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,fh->bdgh', t41, t14, M_2, X, W_K, optimize=[(0, 3), (0, 1), (0, 2), (0, 1)])
-    t42 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t43 = t42.view((d_V, d_V, d_V, d_K))
-    t43[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t40, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t43 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,gh->bdfh', t41, t14, M_2, X, W_Q, optimize=[(3, 4), (0, 3), (0, 1), (0, 1)])
-    t44 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t44[...] = 0
-    t45 = t44.view((d_V, d_V, d_V, d_V))
-    t46 = t45.diagonal(0, 1, 3)
-    t47 = t41 @ M_1
-    t48 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t46 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bcd', t47, t48, optimize=[(0, 1)])
+    t19 = W_V @ t14
+    t1 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t2, M_2, X, t19, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t20 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t20[...] = 0
+    t21 = t20.view((d_V, d_K, d_V, d_K))
+    t22 = t21.diagonal(0, 1, 3)
+    t23 = t18 @ X
+    t24 = t3 @ t23
+    t25 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t22 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t24, t25, optimize=[(0, 1)])
+    t21 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t2, t3, M_3, X, W_Q, optimize=[(3, 4), (0, 2), (0, 1), (0, 1)])
+    t21 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t2, M_2, X, t19, M_2, X, W_Q, optimize=[(5, 6), (0, 1), (1, 2), (2, 3), (0, 1), (0, 1)])
+    t26 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t27 = t26.view((d_V, d_K, d_V, d_V))
+    t27[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t2, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
+    t27 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t2, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t28 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t28[...] = 0
+    t29 = t28.view((d_V, d_K, d_V, d_K))
+    t30 = t29.diagonal(0, 1, 3)
+    t31 = t18.transpose(-1, -2)
+    t32 = t31 @ X
+    t33 = t3 @ t32
+    t30 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t33, t25, optimize=[(0, 1)])
+    t34 = W_Q.transpose(-1, -2)
+    t29 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t34, t3, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    t29 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t34, M_2, X, t19, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t35 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t36 = t35.view((d_V, d_K, d_V, d_K))
+    t36[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t34, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t36 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t34, M_2, X, t19, M_2, X, W_Q, optimize=[(0, 2), (3, 4), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t37 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t38 = t37.view((d_V, d_K, d_V, d_V))
+    t38[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t34, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
+    t38 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fagh', t34, M_2, X, M_1, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
+    t39 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t40 = t39.view((d_V, d_V, d_V, d_K))
+    t41 = G.transpose(-1, -2)
+    t40[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t41, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
+    t42 = M_1.transpose(-1, -2)
+    t40 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,fh->bdgh', t42, t14, M_2, X, W_K, optimize=[(0, 3), (0, 1), (0, 2), (0, 1)])
+    t43 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t44 = t43.view((d_V, d_V, d_V, d_K))
+    t44[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t41, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    t44 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,gh->bdfh', t42, t14, M_2, X, W_Q, optimize=[(3, 4), (0, 3), (0, 1), (0, 1)])
+    t45 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t45[...] = 0
+    t46 = t45.view((d_V, d_V, d_V, d_V))
+    t47 = t46.diagonal(0, 1, 3)
+    t48 = t42 @ M_1
+    t49 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t47 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bcd', t48, t49, optimize=[(0, 1)])
     return H
 
 
@@ -7682,7 +7766,7 @@ def mse_causal0__hvp__full(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     t26 = V_W_V.transpose(-1, -2)
     t27 = t26 @ t0
     t28 = t17 @ t27
-    t29 = A * (t13 - (A * t13).sum(-1, keepdim=True))
+    t29 = A * t21
     t30 = t29 @ t14
     t31 = (1/math.sqrt(d_K)) * t30
     t32 = X @ V_W_V
@@ -7690,40 +7774,41 @@ def mse_causal0__hvp__full(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     t34 = t31 + t33
     t35 = t34 @ t19
     t36 = t28 + t35
-    t37 = A * (t36 - (A * t36).sum(-1, keepdim=True))
-    t38 = t25 + t37
-    t39 = X @ W_K
-    t40 = t38 @ t39
-    t41 = t0 @ t40
-    t42 = A * (t20 - (A * t20).sum(-1, keepdim=True))
-    t43 = X @ V_W_K
-    t44 = t42 @ t43
-    t45 = t0 @ t44
-    t46 = t41 + t45
-    t47 = (2/(L*math.sqrt(d_K)*d_V)) * t46
-    t48 = t24.transpose(-1, -2)
-    t49 = (1/math.sqrt(d_K)) * t48
-    t50 = t37.transpose(-1, -2)
-    t51 = t49 + t50
-    t52 = X @ W_Q
-    t53 = t51 @ t52
-    t54 = t0 @ t53
-    t55 = t42.transpose(-1, -2)
-    t56 = X @ V_W_Q
-    t57 = t55 @ t56
-    t58 = t0 @ t57
-    t59 = t54 + t58
-    t60 = (2/(L*math.sqrt(d_K)*d_V)) * t59
-    t61 = t29.transpose(-1, -2)
-    t62 = t61 @ t17
-    t63 = t0 @ t62
-    t64 = (1/math.sqrt(d_K)) * t63
-    t65 = A.transpose(-1, -2)
-    t66 = t65 @ t34
-    t67 = t0 @ t66
-    t68 = t64 + t67
-    t69 = (2/(L*d_V)) * t68
-    return (t47.mean(0), t60.mean(0), t69.mean(0),)
+    t37 = t36 - (A * t36).sum(-1, keepdim=True)
+    t38 = A * t37
+    t39 = t25 + t38
+    t40 = X @ W_K
+    t41 = t39 @ t40
+    t42 = t0 @ t41
+    t43 = A * t22
+    t44 = X @ V_W_K
+    t45 = t43 @ t44
+    t46 = t0 @ t45
+    t47 = t42 + t46
+    t48 = (2/(L*math.sqrt(d_K)*d_V)) * t47
+    t49 = t24.transpose(-1, -2)
+    t50 = (1/math.sqrt(d_K)) * t49
+    t51 = t38.transpose(-1, -2)
+    t52 = t50 + t51
+    t53 = X @ W_Q
+    t54 = t52 @ t53
+    t55 = t0 @ t54
+    t56 = t43.transpose(-1, -2)
+    t57 = X @ V_W_Q
+    t58 = t56 @ t57
+    t59 = t0 @ t58
+    t60 = t55 + t59
+    t61 = (2/(L*math.sqrt(d_K)*d_V)) * t60
+    t62 = t29.transpose(-1, -2)
+    t63 = t62 @ t17
+    t64 = t0 @ t63
+    t65 = (1/math.sqrt(d_K)) * t64
+    t66 = A.transpose(-1, -2)
+    t67 = t66 @ t34
+    t68 = t0 @ t67
+    t69 = t65 + t68
+    t70 = (2/(L*d_V)) * t69
+    return (t48.mean(0), t61.mean(0), t70.mean(0),)
 
 
 def mse_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -7752,14 +7837,15 @@ def mse_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t13 = W_V.transpose(-1, -2)
     t14 = t13 @ t2
     t15 = G @ t14
-    t16 = A * (t15 - (A * t15).sum(-1, keepdim=True))
+    t16 = t15 - (A * t15).sum(-1, keepdim=True)
+    t17 = A * t16
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t16, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t16, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t16, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->da', t1, t2, M_3, X, W_K, optimize=[(1, 3), (0, 2), (0, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t17 = W_V @ t13
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdf,ha->fa', t1, M_2, X, t17, M_2, X, W_K, optimize=[(2, 5), (0, 4), (0, 1), (0, 3), (1, 2), (0, 1)])
+    t18 = W_V @ t13
+    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdf,ha->fa', t1, M_2, X, t18, M_2, X, W_K, optimize=[(2, 5), (0, 4), (0, 1), (0, 3), (1, 2), (0, 1)])
     return out
 
 
@@ -7787,13 +7873,14 @@ def mse_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     t12 = W_V.transpose(-1, -2)
     t13 = t12 @ t1
     t14 = G @ t13
-    t15 = A * (t14 - (A * t14).sum(-1, keepdim=True))
+    t15 = t14 - (A * t14).sum(-1, keepdim=True)
+    t16 = A * t15
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t15, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t15, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t15, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t16, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t16, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t16, X, optimize=[(0, 1), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t16 = W_V @ t12
-    return (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->', t0, t1, M_3, X, W_K, optimize=[(1, 3), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdf,ha->', t0, M_2, X, t16, M_2, X, W_K, optimize=[(2, 5), (0, 4), (0, 3), (0, 1), (1, 2), (0, 1)])
+    t17 = W_V @ t12
+    return (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->', t0, t1, M_3, X, W_K, optimize=[(1, 3), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdf,ha->', t0, M_2, X, t17, M_2, X, W_K, optimize=[(2, 5), (0, 4), (0, 3), (0, 1), (1, 2), (0, 1)])
 
 
 def mse_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -7822,14 +7909,15 @@ def mse_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t13 = W_V.transpose(-1, -2)
     t14 = t13 @ t2
     t15 = G @ t14
-    t16 = A * (t15 - (A * t15).sum(-1, keepdim=True))
+    t16 = t15 - (A * t15).sum(-1, keepdim=True)
+    t17 = A * t16
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t16, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t16, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t16, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t1, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t17 = W_V @ t13
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t1, M_2, X, t17, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t18 = W_V @ t13
+    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t1, M_2, X, t18, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -7857,14 +7945,15 @@ def mse_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t12 = W_V.transpose(-1, -2)
     t13 = t12 @ t1
     t14 = G @ t13
-    t15 = A * (t14 - (A * t14).sum(-1, keepdim=True))
+    t15 = t14 - (A * t14).sum(-1, keepdim=True)
+    t16 = A * t15
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t15, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t15, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t15, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t16, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t16, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t16, X, optimize=[(0, 1), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t16 = W_V @ t12
-    t17 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jkli,jkd,lm,jkmn,jkg,nh->', t0, t1, M_3, X, W_K, t0, M_2, X, t16, M_2, X, W_K, optimize=[(0, 5), (0, 5), (1, 6), (7, 8), (1, 5), (0, 4), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj,ak,lmnk,lmf,no,lmop,lmi,pj->', t0, M_2, X, t16, M_2, X, W_K, t0, M_2, X, t16, M_2, X, W_K, optimize=[(0, 7), (1, 7), (3, 8), (9, 10), (3, 7), (0, 1), (0, 7), (0, 1), (0, 5), (0, 3), (0, 2), (1, 2), (0, 1)])
-    return torch.sqrt(torch.clamp(t17, min=0.0))
+    t17 = W_V @ t12
+    t18 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jkli,jkd,lm,jkmn,jkg,nh->', t0, t1, M_3, X, W_K, t0, M_2, X, t17, M_2, X, W_K, optimize=[(0, 5), (0, 5), (1, 6), (7, 8), (1, 5), (0, 4), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj,ak,lmnk,lmf,no,lmop,lmi,pj->', t0, M_2, X, t17, M_2, X, W_K, t0, M_2, X, t17, M_2, X, W_K, optimize=[(0, 7), (1, 7), (3, 8), (9, 10), (3, 7), (0, 1), (0, 7), (0, 1), (0, 5), (0, 3), (0, 2), (1, 2), (0, 1)])
+    return torch.sqrt(torch.clamp(t18, min=0.0))
 
 
 def mse_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -7895,18 +7984,19 @@ def mse_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t14 = W_V.transpose(-1, -2)
     t15 = t14 @ t2
     t16 = G @ t15
-    t17 = A * (t16 - (A * t16).sum(-1, keepdim=True))
-    t18 = t17 @ X
-    t19 = t2 @ t18
-    t20 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t19, t20, optimize=[(0, 1)])
+    t17 = t16 - (A * t16).sum(-1, keepdim=True)
+    t18 = A * t17
+    t19 = t18 @ X
+    t20 = t2 @ t19
+    t21 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t20, t21, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t0 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t3, t2, M_3, X, W_Q, optimize=[(3, 4), (0, 2), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t21 = W_V @ t14
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t3, M_2, X, t21, M_2, X, W_Q, optimize=[(5, 6), (0, 1), (1, 2), (2, 3), (0, 1), (0, 1)])
+    t22 = W_V @ t14
+    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t3, M_2, X, t22, M_2, X, W_Q, optimize=[(5, 6), (0, 1), (1, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -7934,16 +8024,17 @@ def mse_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t12 = W_V.transpose(-1, -2)
     t13 = t12 @ t0
     t14 = G @ t13
-    t15 = A * (t14 - (A * t14).sum(-1, keepdim=True))
-    t16 = t15 @ X
-    t17 = t0 @ t16
+    t15 = t14 - (A * t14).sum(-1, keepdim=True)
+    t16 = A * t15
+    t17 = t16 @ X
+    t18 = t0 @ t17
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t0, t15, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t15, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t15, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t0, t16, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t16, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t16, X, optimize=[(0, 1), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t18 = W_V @ t12
-    t19 = (n_batch**(-2)) * oe.contract('abc,dbc->', t17, t17, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t17, t1, t0, M_3, X, W_Q, optimize=[(1, 5), (3, 4), (2, 3), (1, 2), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgic,fgj,jd->', t17, t1, M_2, X, t18, M_2, X, W_Q, optimize=[(0, 3), (3, 6), (0, 4), (1, 3), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t1, t0, M_3, X, W_Q, t1, t0, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkmf,jkn,nh->', t1, t0, M_3, X, W_Q, t1, M_2, X, t18, M_2, X, W_Q, optimize=[(0, 5), (0, 5), (1, 2), (4, 5), (6, 7), (5, 6), (0, 4), (0, 1), (0, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij,ak,lmnk,lmf,no,lmoh,lmp,pj->', t1, M_2, X, t18, M_2, X, W_Q, t1, M_2, X, t18, M_2, X, W_Q, optimize=[(0, 7), (1, 7), (3, 4), (6, 7), (8, 9), (7, 8), (0, 1), (0, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)])
-    return torch.sqrt(torch.clamp(t19, min=0.0))
+    t19 = W_V @ t12
+    t20 = (n_batch**(-2)) * oe.contract('abc,dbc->', t18, t18, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t18, t1, t0, M_3, X, W_Q, optimize=[(1, 5), (3, 4), (2, 3), (1, 2), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgic,fgj,jd->', t18, t1, M_2, X, t19, M_2, X, W_Q, optimize=[(0, 3), (3, 6), (0, 4), (1, 3), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t1, t0, M_3, X, W_Q, t1, t0, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkmf,jkn,nh->', t1, t0, M_3, X, W_Q, t1, M_2, X, t19, M_2, X, W_Q, optimize=[(0, 5), (0, 5), (1, 2), (4, 5), (6, 7), (5, 6), (0, 4), (0, 1), (0, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij,ak,lmnk,lmf,no,lmoh,lmp,pj->', t1, M_2, X, t19, M_2, X, W_Q, t1, M_2, X, t19, M_2, X, W_Q, optimize=[(0, 7), (1, 7), (3, 4), (6, 7), (8, 9), (7, 8), (0, 1), (0, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)])
+    return torch.sqrt(torch.clamp(t20, min=0.0))
 
 
 def mse_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -8030,14 +8121,15 @@ def mse_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t14 = W_V.transpose(-1, -2)
     t15 = t14 @ t2
     t16 = G @ t15
-    t17 = A * (t16 - (A * t16).sum(-1, keepdim=True))
+    t17 = t16 - (A * t16).sum(-1, keepdim=True)
+    t18 = A * t17
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->ea', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t18 = W_V @ t14
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgf,cdh,ha->fa', t1, M_2, X, t18, M_2, X, W_Q, optimize=[(0, 2), (3, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t19 = W_V @ t14
+    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgf,cdh,ha->fa', t1, M_2, X, t19, M_2, X, W_Q, optimize=[(0, 2), (3, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -8066,13 +8158,14 @@ def mse_causal0__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     t13 = W_V.transpose(-1, -2)
     t14 = t13 @ t1
     t15 = G @ t14
-    t16 = A * (t15 - (A * t15).sum(-1, keepdim=True))
+    t16 = t15 - (A * t15).sum(-1, keepdim=True)
+    t17 = A * t16
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t16, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t16, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t16, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t17 = W_V @ t13
-    return (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->', t0, t1, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)]) + (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgf,cdh,ha->', t0, M_2, X, t17, M_2, X, W_Q, optimize=[(0, 6), (1, 5), (3, 4), (0, 3), (1, 2), (0, 1)])
+    t18 = W_V @ t13
+    return (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->', t0, t1, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)]) + (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgf,cdh,ha->', t0, M_2, X, t18, M_2, X, W_Q, optimize=[(0, 6), (1, 5), (3, 4), (0, 3), (1, 2), (0, 1)])
 
 
 def mse_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -8103,20 +8196,21 @@ def mse_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t14 = W_V.transpose(-1, -2)
     t15 = t14 @ t2
     t16 = G @ t15
-    t17 = A * (t16 - (A * t16).sum(-1, keepdim=True))
-    t18 = t17.transpose(-1, -2)
-    t19 = t18 @ X
-    t20 = t2 @ t19
-    t21 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t20, t21, optimize=[(0, 1)])
-    t22 = W_Q.transpose(-1, -2)
+    t17 = t16 - (A * t16).sum(-1, keepdim=True)
+    t18 = A * t17
+    t19 = t18.transpose(-1, -2)
+    t20 = t19 @ X
+    t21 = t2 @ t20
+    t22 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t21, t22, optimize=[(0, 1)])
+    t23 = W_Q.transpose(-1, -2)
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t22, t2, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t23, t2, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t23 = W_V @ t14
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t22, M_2, X, t23, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t24 = W_V @ t14
+    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t23, M_2, X, t24, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -8144,18 +8238,19 @@ def mse_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t12 = W_V.transpose(-1, -2)
     t13 = t12 @ t0
     t14 = G @ t13
-    t15 = A * (t14 - (A * t14).sum(-1, keepdim=True))
-    t16 = t15.transpose(-1, -2)
-    t17 = t16 @ X
-    t18 = t0 @ t17
-    t19 = W_Q.transpose(-1, -2)
+    t15 = t14 - (A * t14).sum(-1, keepdim=True)
+    t16 = A * t15
+    t17 = t16.transpose(-1, -2)
+    t18 = t17 @ X
+    t19 = t0 @ t18
+    t20 = W_Q.transpose(-1, -2)
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t0, t15, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t15, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t15, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t0, t16, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t16, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t16, X, optimize=[(0, 1), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t20 = W_V @ t12
-    t21 = (n_batch**(-2)) * oe.contract('abc,dbc->', t18, t18, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t18, t19, t0, M_3, X, W_K, optimize=[(1, 2), (3, 4), (1, 3), (1, 2), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgij,fgc,jd->', t18, t19, M_2, X, t20, M_2, X, W_K, optimize=[(0, 6), (1, 6), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t19, t0, M_3, X, W_K, t19, t0, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkmn,jkg,nh->', t19, t0, M_3, X, W_K, t19, M_2, X, t20, M_2, X, W_K, optimize=[(0, 1), (1, 8), (1, 7), (1, 3), (4, 7), (4, 6), (0, 4), (0, 1), (0, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj,ak,lmnf,lmk,no,lmop,lmi,pj->', t19, M_2, X, t20, M_2, X, W_K, t19, M_2, X, t20, M_2, X, W_K, optimize=[(0, 2), (3, 10), (3, 9), (3, 5), (6, 9), (6, 8), (0, 1), (0, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)])
-    return torch.sqrt(torch.clamp(t21, min=0.0))
+    t21 = W_V @ t12
+    t22 = (n_batch**(-2)) * oe.contract('abc,dbc->', t19, t19, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t19, t20, t0, M_3, X, W_K, optimize=[(1, 2), (3, 4), (1, 3), (1, 2), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgij,fgc,jd->', t19, t20, M_2, X, t21, M_2, X, W_K, optimize=[(0, 6), (1, 6), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t20, t0, M_3, X, W_K, t20, t0, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkmn,jkg,nh->', t20, t0, M_3, X, W_K, t20, M_2, X, t21, M_2, X, W_K, optimize=[(0, 1), (1, 8), (1, 7), (1, 3), (4, 7), (4, 6), (0, 4), (0, 1), (0, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj,ak,lmnf,lmk,no,lmop,lmi,pj->', t20, M_2, X, t21, M_2, X, W_K, t20, M_2, X, t21, M_2, X, W_K, optimize=[(0, 2), (3, 10), (3, 9), (3, 5), (6, 9), (6, 8), (0, 1), (0, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)])
+    return torch.sqrt(torch.clamp(t22, min=0.0))
 
 
 def mse_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -8185,14 +8280,15 @@ def mse_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t14 = W_V.transpose(-1, -2)
     t15 = t14 @ t2
     t16 = G @ t15
-    t17 = A * (t16 - (A * t16).sum(-1, keepdim=True))
+    t17 = t16 - (A * t16).sum(-1, keepdim=True)
+    t18 = A * t17
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t18 = W_V @ t14
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t1, M_2, X, t18, M_2, X, W_Q, optimize=[(0, 2), (3, 4), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t19 = W_V @ t14
+    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t1, M_2, X, t19, M_2, X, W_Q, optimize=[(0, 2), (3, 4), (0, 1), (0, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -8221,14 +8317,15 @@ def mse_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t13 = W_V.transpose(-1, -2)
     t14 = t13 @ t1
     t15 = G @ t14
-    t16 = A * (t15 - (A * t15).sum(-1, keepdim=True))
+    t16 = t15 - (A * t15).sum(-1, keepdim=True)
+    t17 = A * t16
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t16, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t16, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t16, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t17 = W_V @ t13
-    t18 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 1), (0, 5), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jkle,jki,lm,jkmf,jkn,nh->', t0, t1, M_3, X, W_Q, t0, M_2, X, t17, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (1, 3), (4, 5), (4, 6), (4, 5), (4, 5), (1, 2), (1, 3), (0, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij,ak,lmnf,lmk,no,lmoh,lmp,pj->', t0, M_2, X, t17, M_2, X, W_Q, t0, M_2, X, t17, M_2, X, W_Q, optimize=[(0, 2), (3, 4), (3, 5), (6, 7), (6, 8), (6, 7), (6, 7), (0, 1), (0, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
-    return torch.sqrt(torch.clamp(t18, min=0.0))
+    t18 = W_V @ t13
+    t19 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 1), (0, 5), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jkle,jki,lm,jkmf,jkn,nh->', t0, t1, M_3, X, W_Q, t0, M_2, X, t18, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (1, 3), (4, 5), (4, 6), (4, 5), (4, 5), (1, 2), (1, 3), (0, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij,ak,lmnf,lmk,no,lmoh,lmp,pj->', t0, M_2, X, t18, M_2, X, W_Q, t0, M_2, X, t18, M_2, X, W_Q, optimize=[(0, 2), (3, 4), (3, 5), (6, 7), (6, 8), (6, 7), (6, 7), (0, 1), (0, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
+    return torch.sqrt(torch.clamp(t19, min=0.0))
 
 
 def mse_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -8563,20 +8660,21 @@ def mse_causal1__gradient(X, W_Q, W_K, W_V, Y):
     t14 = W_V.transpose(-1, -2)
     t15 = t14 @ t0
     t16 = G @ t15
-    t17 = A * (t16 - (A * t16).sum(-1, keepdim=True))
-    t18 = X @ W_K
-    t19 = t17 @ t18
-    t20 = t0 @ t19
-    t21 = (1/math.sqrt(d_K)) * t20
-    t22 = t17.transpose(-1, -2)
-    t23 = X @ W_Q
-    t24 = t22 @ t23
-    t25 = t0 @ t24
-    t26 = (1/math.sqrt(d_K)) * t25
-    t27 = A.transpose(-1, -2)
-    t28 = t27 @ G
-    t29 = t0 @ t28
-    return (t21.mean(0), t26.mean(0), t29.mean(0),)
+    t17 = t16 - (A * t16).sum(-1, keepdim=True)
+    t18 = A * t17
+    t19 = X @ W_K
+    t20 = t18 @ t19
+    t21 = t0 @ t20
+    t22 = (1/math.sqrt(d_K)) * t21
+    t23 = t18.transpose(-1, -2)
+    t24 = X @ W_Q
+    t25 = t23 @ t24
+    t26 = t0 @ t25
+    t27 = (1/math.sqrt(d_K)) * t26
+    t28 = A.transpose(-1, -2)
+    t29 = t28 @ G
+    t30 = t0 @ t29
+    return (t22.mean(0), t27.mean(0), t30.mean(0),)
 
 
 def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
@@ -8661,31 +8759,33 @@ def mse_causal1__hvp__outer(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     t13 = W_Q @ t12
     t14 = X @ t13
     t15 = t10 + t14
-    t16 = A * (t15 - (A * t15).sum(-1, keepdim=True))
-    t17 = X @ W_V
-    t18 = t16 @ t17
-    t19 = (1/math.sqrt(d_K)) * t18
-    t20 = X @ V_W_V
-    t21 = A @ t20
-    t22 = t19 + t21
-    t23 = W_V.transpose(-1, -2)
-    t24 = t23 @ t0
-    t25 = t22 @ t24
-    t26 = A * (t25 - (A * t25).sum(-1, keepdim=True))
-    t27 = X @ W_K
-    t28 = t26 @ t27
-    t29 = t0 @ t28
-    t30 = (2/(L*math.sqrt(d_K)*d_V)) * t29
-    t31 = t26.transpose(-1, -2)
-    t32 = X @ W_Q
-    t33 = t31 @ t32
-    t34 = t0 @ t33
-    t35 = (2/(L*math.sqrt(d_K)*d_V)) * t34
-    t36 = A.transpose(-1, -2)
-    t37 = t36 @ t22
-    t38 = t0 @ t37
-    t39 = (2/(L*d_V)) * t38
-    return (t30.mean(0), t35.mean(0), t39.mean(0),)
+    t16 = t15 - (A * t15).sum(-1, keepdim=True)
+    t17 = A * t16
+    t18 = X @ W_V
+    t19 = t17 @ t18
+    t20 = (1/math.sqrt(d_K)) * t19
+    t21 = X @ V_W_V
+    t22 = A @ t21
+    t23 = t20 + t22
+    t24 = W_V.transpose(-1, -2)
+    t25 = t24 @ t0
+    t26 = t23 @ t25
+    t27 = t26 - (A * t26).sum(-1, keepdim=True)
+    t28 = A * t27
+    t29 = X @ W_K
+    t30 = t28 @ t29
+    t31 = t0 @ t30
+    t32 = (2/(L*math.sqrt(d_K)*d_V)) * t31
+    t33 = t28.transpose(-1, -2)
+    t34 = X @ W_Q
+    t35 = t33 @ t34
+    t36 = t0 @ t35
+    t37 = (2/(L*math.sqrt(d_K)*d_V)) * t36
+    t38 = A.transpose(-1, -2)
+    t39 = t38 @ t23
+    t40 = t0 @ t39
+    t41 = (2/(L*d_V)) * t40
+    return (t32.mean(0), t37.mean(0), t41.mean(0),)
 
 
 def mse_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -9334,49 +9434,50 @@ def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t16 = W_V.transpose(-1, -2)
     t17 = t16 @ t3
     t18 = G @ t17
-    t19 = A * (t18 - (A * t18).sum(-1, keepdim=True))
+    t19 = t18 - (A * t18).sum(-1, keepdim=True)
+    t20 = A * t19
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t3, t19, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, t19, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, t19, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t3, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t1[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t2, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
-    t20 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t20[...] = 0
-    t21 = t20.view((d_V, d_K, d_V, d_K))
-    t22 = t21.diagonal(0, 1, 3)
-    t23 = t19 @ X
-    t24 = t3 @ t23
-    t25 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t22 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t24, t25, optimize=[(0, 1)])
-    t21 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t2, t3, M_3, X, W_Q, optimize=[(3, 4), (0, 2), (0, 1), (0, 1)])
-    t26 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t27 = t26.view((d_V, d_K, d_V, d_V))
+    t21 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t21[...] = 0
+    t22 = t21.view((d_V, d_K, d_V, d_K))
+    t23 = t22.diagonal(0, 1, 3)
+    t24 = t20 @ X
+    t25 = t3 @ t24
+    t26 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t23 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t25, t26, optimize=[(0, 1)])
+    t22 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t2, t3, M_3, X, W_Q, optimize=[(3, 4), (0, 2), (0, 1), (0, 1)])
+    t27 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t28 = t27.view((d_V, d_K, d_V, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t27[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t2, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
-    t28 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t28[...] = 0
-    t29 = t28.view((d_V, d_K, d_V, d_K))
-    t30 = t29.diagonal(0, 1, 3)
-    t31 = t19.transpose(-1, -2)
-    t32 = t31 @ X
-    t33 = t3 @ t32
-    t30 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t33, t25, optimize=[(0, 1)])
-    t34 = W_Q.transpose(-1, -2)
-    t29 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t34, t3, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
-    t35 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t36 = t35.view((d_V, d_K, d_V, d_K))
-    t36[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t34, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t37 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t38 = t37.view((d_V, d_K, d_V, d_V))
-    t38[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t34, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
-    t39 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t40 = t39.view((d_V, d_V, d_V, d_K))
-    t41 = G.transpose(-1, -2)
-    t40[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t41, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
-    t42 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t43 = t42.view((d_V, d_V, d_V, d_K))
-    t43[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t41, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t44 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t44[...] = 0
+    t28[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t2, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
+    t29 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t29[...] = 0
+    t30 = t29.view((d_V, d_K, d_V, d_K))
+    t31 = t30.diagonal(0, 1, 3)
+    t32 = t20.transpose(-1, -2)
+    t33 = t32 @ X
+    t34 = t3 @ t33
+    t31 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t34, t26, optimize=[(0, 1)])
+    t35 = W_Q.transpose(-1, -2)
+    t30 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t35, t3, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    t36 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t37 = t36.view((d_V, d_K, d_V, d_K))
+    t37[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t35, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t38 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t39 = t38.view((d_V, d_K, d_V, d_V))
+    t39[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t35, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
+    t40 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t41 = t40.view((d_V, d_V, d_V, d_K))
+    t42 = G.transpose(-1, -2)
+    t41[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t42, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
+    t43 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t44 = t43.view((d_V, d_V, d_V, d_K))
+    t44[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t42, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    t45 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t45[...] = 0
     return H
 
 
@@ -9420,36 +9521,37 @@ def mse_causal1__hvp__functional(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     t29 = V_W_V.transpose(-1, -2)
     t30 = t29 @ t0
     t31 = G @ t30
-    t32 = A * (t31 - (A * t31).sum(-1, keepdim=True))
-    t33 = t28 + t32
-    t34 = X @ W_K
-    t35 = t33 @ t34
-    t36 = t0 @ t35
-    t37 = A * (t23 - (A * t23).sum(-1, keepdim=True))
-    t38 = X @ V_W_K
-    t39 = t37 @ t38
-    t40 = t0 @ t39
-    t41 = t36 + t40
-    t42 = (1/math.sqrt(d_K)) * t41
-    t43 = t27.transpose(-1, -2)
-    t44 = (1/math.sqrt(d_K)) * t43
-    t45 = t32.transpose(-1, -2)
-    t46 = t44 + t45
-    t47 = X @ W_Q
-    t48 = t46 @ t47
-    t49 = t0 @ t48
-    t50 = t37.transpose(-1, -2)
-    t51 = X @ V_W_Q
-    t52 = t50 @ t51
-    t53 = t0 @ t52
-    t54 = t49 + t53
-    t55 = (1/math.sqrt(d_K)) * t54
-    t56 = A * (t15 - (A * t15).sum(-1, keepdim=True))
-    t57 = t56.transpose(-1, -2)
-    t58 = t57 @ G
-    t59 = t0 @ t58
-    t60 = (1/math.sqrt(d_K)) * t59
-    return (t42.mean(0), t55.mean(0), t60.mean(0),)
+    t32 = t31 - (A * t31).sum(-1, keepdim=True)
+    t33 = A * t32
+    t34 = t28 + t33
+    t35 = X @ W_K
+    t36 = t34 @ t35
+    t37 = t0 @ t36
+    t38 = A * t25
+    t39 = X @ V_W_K
+    t40 = t38 @ t39
+    t41 = t0 @ t40
+    t42 = t37 + t41
+    t43 = (1/math.sqrt(d_K)) * t42
+    t44 = t27.transpose(-1, -2)
+    t45 = (1/math.sqrt(d_K)) * t44
+    t46 = t33.transpose(-1, -2)
+    t47 = t45 + t46
+    t48 = X @ W_Q
+    t49 = t47 @ t48
+    t50 = t0 @ t49
+    t51 = t38.transpose(-1, -2)
+    t52 = X @ V_W_Q
+    t53 = t51 @ t52
+    t54 = t0 @ t53
+    t55 = t50 + t54
+    t56 = (1/math.sqrt(d_K)) * t55
+    t57 = A * t24
+    t58 = t57.transpose(-1, -2)
+    t59 = t58 @ G
+    t60 = t0 @ t59
+    t61 = (1/math.sqrt(d_K)) * t60
+    return (t43.mean(0), t56.mean(0), t61.mean(0),)
 
 
 def mse_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -9480,9 +9582,10 @@ def mse_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t15 = W_V.transpose(-1, -2)
     t16 = t15 @ t2
     t17 = G @ t16
-    t18 = A * (t17 - (A * t17).sum(-1, keepdim=True))
+    t18 = t17 - (A * t17).sum(-1, keepdim=True)
+    t19 = A * t18
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t19, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t19, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t19, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->da', t1, t2, M_3, X, W_K, optimize=[(1, 3), (0, 2), (0, 2), (0, 1)])
     return out
 
@@ -9513,9 +9616,10 @@ def mse_causal1__trace__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t14 = W_V.transpose(-1, -2)
     t15 = t14 @ t1
     t16 = G @ t15
-    t17 = A * (t16 - (A * t16).sum(-1, keepdim=True))
+    t17 = t16 - (A * t16).sum(-1, keepdim=True)
+    t18 = A * t17
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
     return (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->', t0, t1, M_3, X, W_K, optimize=[(1, 3), (0, 2), (0, 2), (0, 1)])
 
 
@@ -9547,9 +9651,10 @@ def mse_causal1__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t15 = W_V.transpose(-1, -2)
     t16 = t15 @ t2
     t17 = G @ t16
-    t18 = A * (t17 - (A * t17).sum(-1, keepdim=True))
+    t18 = t17 - (A * t17).sum(-1, keepdim=True)
+    t19 = A * t18
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t19, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t19, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t19, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t1, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
@@ -9580,11 +9685,12 @@ def mse_causal1__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t14 = W_V.transpose(-1, -2)
     t15 = t14 @ t1
     t16 = G @ t15
-    t17 = A * (t16 - (A * t16).sum(-1, keepdim=True))
+    t17 = t16 - (A * t16).sum(-1, keepdim=True)
+    t18 = A * t17
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t18 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
-    return torch.sqrt(torch.clamp(t18, min=0.0))
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t19 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
+    return torch.sqrt(torch.clamp(t19, min=0.0))
 
 
 def mse_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -9617,13 +9723,14 @@ def mse_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t16 = W_V.transpose(-1, -2)
     t17 = t16 @ t2
     t18 = G @ t17
-    t19 = A * (t18 - (A * t18).sum(-1, keepdim=True))
-    t20 = t19 @ X
-    t21 = t2 @ t20
-    t22 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t21, t22, optimize=[(0, 1)])
+    t19 = t18 - (A * t18).sum(-1, keepdim=True)
+    t20 = A * t19
+    t21 = t20 @ X
+    t22 = t2 @ t21
+    t23 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t22, t23, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t19, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t19, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t19, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t0 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t3, t2, M_3, X, W_Q, optimize=[(3, 4), (0, 2), (0, 1), (0, 1)])
     return out
 
@@ -9654,13 +9761,14 @@ def mse_causal1__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t14 = W_V.transpose(-1, -2)
     t15 = t14 @ t0
     t16 = G @ t15
-    t17 = A * (t16 - (A * t16).sum(-1, keepdim=True))
-    t18 = t17 @ X
-    t19 = t0 @ t18
+    t17 = t16 - (A * t16).sum(-1, keepdim=True)
+    t18 = A * t17
+    t19 = t18 @ X
+    t20 = t0 @ t19
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t0, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t20 = (n_batch**(-2)) * oe.contract('abc,dbc->', t19, t19, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t19, t1, t0, M_3, X, W_Q, optimize=[(1, 5), (3, 4), (2, 3), (1, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t1, t0, M_3, X, W_Q, t1, t0, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)])
-    return torch.sqrt(torch.clamp(t20, min=0.0))
+    M_3 = oe.contract('abc,adc,ace->adbe', t0, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t21 = (n_batch**(-2)) * oe.contract('abc,dbc->', t20, t20, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t20, t1, t0, M_3, X, W_Q, optimize=[(1, 5), (3, 4), (2, 3), (1, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t1, t0, M_3, X, W_Q, t1, t0, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)])
+    return torch.sqrt(torch.clamp(t21, min=0.0))
 
 
 def mse_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -9752,9 +9860,10 @@ def mse_causal1__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
     t16 = W_V.transpose(-1, -2)
     t17 = t16 @ t2
     t18 = G @ t17
-    t19 = A * (t18 - (A * t18).sum(-1, keepdim=True))
+    t19 = t18 - (A * t18).sum(-1, keepdim=True)
+    t20 = A * t19
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t19, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t19, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t19, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->ea', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     return out
 
@@ -9786,9 +9895,10 @@ def mse_causal1__trace__W_K__functional(X, W_Q, W_K, W_V, Y):
     t15 = W_V.transpose(-1, -2)
     t16 = t15 @ t1
     t17 = G @ t16
-    t18 = A * (t17 - (A * t17).sum(-1, keepdim=True))
+    t18 = t17 - (A * t17).sum(-1, keepdim=True)
+    t19 = A * t18
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t19, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t19, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t19, X, optimize=[(0, 1), (0, 1), (0, 1)])
     return (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->', t0, t1, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
 
 
@@ -9822,16 +9932,17 @@ def mse_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t16 = W_V.transpose(-1, -2)
     t17 = t16 @ t2
     t18 = G @ t17
-    t19 = A * (t18 - (A * t18).sum(-1, keepdim=True))
-    t20 = t19.transpose(-1, -2)
-    t21 = t20 @ X
-    t22 = t2 @ t21
-    t23 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t22, t23, optimize=[(0, 1)])
-    t24 = W_Q.transpose(-1, -2)
+    t19 = t18 - (A * t18).sum(-1, keepdim=True)
+    t20 = A * t19
+    t21 = t20.transpose(-1, -2)
+    t22 = t21 @ X
+    t23 = t2 @ t22
+    t24 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t23, t24, optimize=[(0, 1)])
+    t25 = W_Q.transpose(-1, -2)
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t19, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t19, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t19, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t24, t2, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t25, t2, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -9861,15 +9972,16 @@ def mse_causal1__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t14 = W_V.transpose(-1, -2)
     t15 = t14 @ t0
     t16 = G @ t15
-    t17 = A * (t16 - (A * t16).sum(-1, keepdim=True))
-    t18 = t17.transpose(-1, -2)
-    t19 = t18 @ X
-    t20 = t0 @ t19
-    t21 = W_Q.transpose(-1, -2)
+    t17 = t16 - (A * t16).sum(-1, keepdim=True)
+    t18 = A * t17
+    t19 = t18.transpose(-1, -2)
+    t20 = t19 @ X
+    t21 = t0 @ t20
+    t22 = W_Q.transpose(-1, -2)
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t0, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t22 = (n_batch**(-2)) * oe.contract('abc,dbc->', t20, t20, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t20, t21, t0, M_3, X, W_K, optimize=[(1, 2), (3, 4), (1, 3), (1, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t21, t0, M_3, X, W_K, t21, t0, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
-    return torch.sqrt(torch.clamp(t22, min=0.0))
+    M_3 = oe.contract('abc,adc,ace->adbe', t0, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t23 = (n_batch**(-2)) * oe.contract('abc,dbc->', t21, t21, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t21, t22, t0, M_3, X, W_K, optimize=[(1, 2), (3, 4), (1, 3), (1, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t22, t0, M_3, X, W_K, t22, t0, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
+    return torch.sqrt(torch.clamp(t23, min=0.0))
 
 
 def mse_causal1__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -9901,9 +10013,10 @@ def mse_causal1__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t16 = W_V.transpose(-1, -2)
     t17 = t16 @ t2
     t18 = G @ t17
-    t19 = A * (t18 - (A * t18).sum(-1, keepdim=True))
+    t19 = t18 - (A * t18).sum(-1, keepdim=True)
+    t20 = A * t19
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t19, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t19, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t19, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     return out
 
@@ -9935,11 +10048,12 @@ def mse_causal1__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t15 = W_V.transpose(-1, -2)
     t16 = t15 @ t1
     t17 = G @ t16
-    t18 = A * (t17 - (A * t17).sum(-1, keepdim=True))
+    t18 = t17 - (A * t17).sum(-1, keepdim=True)
+    t19 = A * t18
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t19 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 1), (0, 5), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)])
-    return torch.sqrt(torch.clamp(t19, min=0.0))
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t19, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t19, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t19, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t20 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 1), (0, 5), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)])
+    return torch.sqrt(torch.clamp(t20, min=0.0))
 
 
 def mse_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -10197,64 +10311,65 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t16 = W_V.transpose(-1, -2)
     t17 = t16 @ t3
     t18 = G @ t17
-    t19 = A * (t18 - (A * t18).sum(-1, keepdim=True))
+    t19 = t18 - (A * t18).sum(-1, keepdim=True)
+    t20 = A * t19
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t3, t19, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, t19, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, t19, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t3, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t1[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t2, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t20 = W_V @ t16
-    t1 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t2, M_2, X, t20, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t21 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t21[...] = 0
-    t22 = t21.view((d_V, d_K, d_V, d_K))
-    t23 = t22.diagonal(0, 1, 3)
-    t24 = t19 @ X
-    t25 = t3 @ t24
-    t26 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t23 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t25, t26, optimize=[(0, 1)])
-    t22 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t2, t3, M_3, X, W_Q, optimize=[(3, 4), (0, 2), (0, 1), (0, 1)])
-    t22 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t2, M_2, X, t20, M_2, X, W_Q, optimize=[(5, 6), (0, 1), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t27 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t28 = t27.view((d_V, d_K, d_V, d_V))
-    t28[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t2, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
-    t28 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t2, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t29 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t29[...] = 0
-    t30 = t29.view((d_V, d_K, d_V, d_K))
-    t31 = t30.diagonal(0, 1, 3)
-    t32 = t19.transpose(-1, -2)
-    t33 = t32 @ X
-    t34 = t3 @ t33
-    t31 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t34, t26, optimize=[(0, 1)])
-    t35 = W_Q.transpose(-1, -2)
-    t30 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t35, t3, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
-    t30 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t35, M_2, X, t20, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t36 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t37 = t36.view((d_V, d_K, d_V, d_K))
-    t37[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t35, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t37 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t35, M_2, X, t20, M_2, X, W_Q, optimize=[(0, 2), (3, 4), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t38 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t39 = t38.view((d_V, d_K, d_V, d_V))
-    t39[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t35, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
-    t39 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fagh', t35, M_2, X, M_1, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
-    t40 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t41 = t40.view((d_V, d_V, d_V, d_K))
-    t42 = G.transpose(-1, -2)
-    t41[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t42, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
-    t43 = M_1.transpose(-1, -2)
-    t41 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,fh->bdgh', t43, t16, M_2, X, W_K, optimize=[(0, 3), (0, 1), (0, 2), (0, 1)])
-    t44 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t45 = t44.view((d_V, d_V, d_V, d_K))
-    t45[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t42, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t45 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,gh->bdfh', t43, t16, M_2, X, W_Q, optimize=[(3, 4), (0, 3), (0, 1), (0, 1)])
-    t46 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t46[...] = 0
-    t47 = t46.view((d_V, d_V, d_V, d_V))
-    t48 = t47.diagonal(0, 1, 3)
-    t49 = t43 @ M_1
-    t50 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t48 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bcd', t49, t50, optimize=[(0, 1)])
+    t21 = W_V @ t16
+    t1 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t2, M_2, X, t21, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t22 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t22[...] = 0
+    t23 = t22.view((d_V, d_K, d_V, d_K))
+    t24 = t23.diagonal(0, 1, 3)
+    t25 = t20 @ X
+    t26 = t3 @ t25
+    t27 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t24 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t26, t27, optimize=[(0, 1)])
+    t23 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t2, t3, M_3, X, W_Q, optimize=[(3, 4), (0, 2), (0, 1), (0, 1)])
+    t23 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t2, M_2, X, t21, M_2, X, W_Q, optimize=[(5, 6), (0, 1), (1, 2), (2, 3), (0, 1), (0, 1)])
+    t28 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t29 = t28.view((d_V, d_K, d_V, d_V))
+    t29[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t2, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
+    t29 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t2, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t30 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t30[...] = 0
+    t31 = t30.view((d_V, d_K, d_V, d_K))
+    t32 = t31.diagonal(0, 1, 3)
+    t33 = t20.transpose(-1, -2)
+    t34 = t33 @ X
+    t35 = t3 @ t34
+    t32 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t35, t27, optimize=[(0, 1)])
+    t36 = W_Q.transpose(-1, -2)
+    t31 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t36, t3, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    t31 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t36, M_2, X, t21, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t37 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t38 = t37.view((d_V, d_K, d_V, d_K))
+    t38[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t36, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t38 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t36, M_2, X, t21, M_2, X, W_Q, optimize=[(0, 2), (3, 4), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t39 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t40 = t39.view((d_V, d_K, d_V, d_V))
+    t40[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t36, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
+    t40 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fagh', t36, M_2, X, M_1, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
+    t41 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t42 = t41.view((d_V, d_V, d_V, d_K))
+    t43 = G.transpose(-1, -2)
+    t42[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t43, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
+    t44 = M_1.transpose(-1, -2)
+    t42 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,fh->bdgh', t44, t16, M_2, X, W_K, optimize=[(0, 3), (0, 1), (0, 2), (0, 1)])
+    t45 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t46 = t45.view((d_V, d_V, d_V, d_K))
+    t46[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t43, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    t46 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,gh->bdfh', t44, t16, M_2, X, W_Q, optimize=[(3, 4), (0, 3), (0, 1), (0, 1)])
+    t47 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t47[...] = 0
+    t48 = t47.view((d_V, d_V, d_V, d_V))
+    t49 = t48.diagonal(0, 1, 3)
+    t50 = t44 @ M_1
+    t51 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t49 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bcd', t50, t51, optimize=[(0, 1)])
     return H
 
 
@@ -10296,7 +10411,7 @@ def mse_causal1__hvp__full(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     t28 = V_W_V.transpose(-1, -2)
     t29 = t28 @ t0
     t30 = t19 @ t29
-    t31 = A * (t15 - (A * t15).sum(-1, keepdim=True))
+    t31 = A * t23
     t32 = t31 @ t16
     t33 = (1/math.sqrt(d_K)) * t32
     t34 = X @ V_W_V
@@ -10304,40 +10419,41 @@ def mse_causal1__hvp__full(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     t36 = t33 + t35
     t37 = t36 @ t21
     t38 = t30 + t37
-    t39 = A * (t38 - (A * t38).sum(-1, keepdim=True))
-    t40 = t27 + t39
-    t41 = X @ W_K
-    t42 = t40 @ t41
-    t43 = t0 @ t42
-    t44 = A * (t22 - (A * t22).sum(-1, keepdim=True))
-    t45 = X @ V_W_K
-    t46 = t44 @ t45
-    t47 = t0 @ t46
-    t48 = t43 + t47
-    t49 = (2/(L*math.sqrt(d_K)*d_V)) * t48
-    t50 = t26.transpose(-1, -2)
-    t51 = (1/math.sqrt(d_K)) * t50
-    t52 = t39.transpose(-1, -2)
-    t53 = t51 + t52
-    t54 = X @ W_Q
-    t55 = t53 @ t54
-    t56 = t0 @ t55
-    t57 = t44.transpose(-1, -2)
-    t58 = X @ V_W_Q
-    t59 = t57 @ t58
-    t60 = t0 @ t59
-    t61 = t56 + t60
-    t62 = (2/(L*math.sqrt(d_K)*d_V)) * t61
-    t63 = t31.transpose(-1, -2)
-    t64 = t63 @ t19
-    t65 = t0 @ t64
-    t66 = (1/math.sqrt(d_K)) * t65
-    t67 = A.transpose(-1, -2)
-    t68 = t67 @ t36
-    t69 = t0 @ t68
-    t70 = t66 + t69
-    t71 = (2/(L*d_V)) * t70
-    return (t49.mean(0), t62.mean(0), t71.mean(0),)
+    t39 = t38 - (A * t38).sum(-1, keepdim=True)
+    t40 = A * t39
+    t41 = t27 + t40
+    t42 = X @ W_K
+    t43 = t41 @ t42
+    t44 = t0 @ t43
+    t45 = A * t24
+    t46 = X @ V_W_K
+    t47 = t45 @ t46
+    t48 = t0 @ t47
+    t49 = t44 + t48
+    t50 = (2/(L*math.sqrt(d_K)*d_V)) * t49
+    t51 = t26.transpose(-1, -2)
+    t52 = (1/math.sqrt(d_K)) * t51
+    t53 = t40.transpose(-1, -2)
+    t54 = t52 + t53
+    t55 = X @ W_Q
+    t56 = t54 @ t55
+    t57 = t0 @ t56
+    t58 = t45.transpose(-1, -2)
+    t59 = X @ V_W_Q
+    t60 = t58 @ t59
+    t61 = t0 @ t60
+    t62 = t57 + t61
+    t63 = (2/(L*math.sqrt(d_K)*d_V)) * t62
+    t64 = t31.transpose(-1, -2)
+    t65 = t64 @ t19
+    t66 = t0 @ t65
+    t67 = (1/math.sqrt(d_K)) * t66
+    t68 = A.transpose(-1, -2)
+    t69 = t68 @ t36
+    t70 = t0 @ t69
+    t71 = t67 + t70
+    t72 = (2/(L*d_V)) * t71
+    return (t50.mean(0), t63.mean(0), t72.mean(0),)
 
 
 def mse_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -10368,14 +10484,15 @@ def mse_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t15 = W_V.transpose(-1, -2)
     t16 = t15 @ t2
     t17 = G @ t16
-    t18 = A * (t17 - (A * t17).sum(-1, keepdim=True))
+    t18 = t17 - (A * t17).sum(-1, keepdim=True)
+    t19 = A * t18
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t19, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t19, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t19, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->da', t1, t2, M_3, X, W_K, optimize=[(1, 3), (0, 2), (0, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t19 = W_V @ t15
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdf,ha->fa', t1, M_2, X, t19, M_2, X, W_K, optimize=[(2, 5), (0, 4), (0, 1), (0, 3), (1, 2), (0, 1)])
+    t20 = W_V @ t15
+    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdf,ha->fa', t1, M_2, X, t20, M_2, X, W_K, optimize=[(2, 5), (0, 4), (0, 1), (0, 3), (1, 2), (0, 1)])
     return out
 
 
@@ -10405,13 +10522,14 @@ def mse_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     t14 = W_V.transpose(-1, -2)
     t15 = t14 @ t1
     t16 = G @ t15
-    t17 = A * (t16 - (A * t16).sum(-1, keepdim=True))
+    t17 = t16 - (A * t16).sum(-1, keepdim=True)
+    t18 = A * t17
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t18 = W_V @ t14
-    return (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->', t0, t1, M_3, X, W_K, optimize=[(1, 3), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdf,ha->', t0, M_2, X, t18, M_2, X, W_K, optimize=[(2, 5), (0, 4), (0, 3), (0, 1), (1, 2), (0, 1)])
+    t19 = W_V @ t14
+    return (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->', t0, t1, M_3, X, W_K, optimize=[(1, 3), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdf,ha->', t0, M_2, X, t19, M_2, X, W_K, optimize=[(2, 5), (0, 4), (0, 3), (0, 1), (1, 2), (0, 1)])
 
 
 def mse_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -10442,14 +10560,15 @@ def mse_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t15 = W_V.transpose(-1, -2)
     t16 = t15 @ t2
     t17 = G @ t16
-    t18 = A * (t17 - (A * t17).sum(-1, keepdim=True))
+    t18 = t17 - (A * t17).sum(-1, keepdim=True)
+    t19 = A * t18
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t19, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t19, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t19, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t1, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t19 = W_V @ t15
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t1, M_2, X, t19, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t20 = W_V @ t15
+    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t1, M_2, X, t20, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -10479,14 +10598,15 @@ def mse_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t14 = W_V.transpose(-1, -2)
     t15 = t14 @ t1
     t16 = G @ t15
-    t17 = A * (t16 - (A * t16).sum(-1, keepdim=True))
+    t17 = t16 - (A * t16).sum(-1, keepdim=True)
+    t18 = A * t17
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t18 = W_V @ t14
-    t19 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jkli,jkd,lm,jkmn,jkg,nh->', t0, t1, M_3, X, W_K, t0, M_2, X, t18, M_2, X, W_K, optimize=[(0, 5), (0, 5), (1, 6), (7, 8), (1, 5), (0, 4), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj,ak,lmnk,lmf,no,lmop,lmi,pj->', t0, M_2, X, t18, M_2, X, W_K, t0, M_2, X, t18, M_2, X, W_K, optimize=[(0, 7), (1, 7), (3, 8), (9, 10), (3, 7), (0, 1), (0, 7), (0, 1), (0, 5), (0, 3), (0, 2), (1, 2), (0, 1)])
-    return torch.sqrt(torch.clamp(t19, min=0.0))
+    t19 = W_V @ t14
+    t20 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jkli,jkd,lm,jkmn,jkg,nh->', t0, t1, M_3, X, W_K, t0, M_2, X, t19, M_2, X, W_K, optimize=[(0, 5), (0, 5), (1, 6), (7, 8), (1, 5), (0, 4), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj,ak,lmnk,lmf,no,lmop,lmi,pj->', t0, M_2, X, t19, M_2, X, W_K, t0, M_2, X, t19, M_2, X, W_K, optimize=[(0, 7), (1, 7), (3, 8), (9, 10), (3, 7), (0, 1), (0, 7), (0, 1), (0, 5), (0, 3), (0, 2), (1, 2), (0, 1)])
+    return torch.sqrt(torch.clamp(t20, min=0.0))
 
 
 def mse_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -10519,18 +10639,19 @@ def mse_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t16 = W_V.transpose(-1, -2)
     t17 = t16 @ t2
     t18 = G @ t17
-    t19 = A * (t18 - (A * t18).sum(-1, keepdim=True))
-    t20 = t19 @ X
-    t21 = t2 @ t20
-    t22 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t21, t22, optimize=[(0, 1)])
+    t19 = t18 - (A * t18).sum(-1, keepdim=True)
+    t20 = A * t19
+    t21 = t20 @ X
+    t22 = t2 @ t21
+    t23 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t22, t23, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t19, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t19, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t19, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t0 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t3, t2, M_3, X, W_Q, optimize=[(3, 4), (0, 2), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t23 = W_V @ t16
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t3, M_2, X, t23, M_2, X, W_Q, optimize=[(5, 6), (0, 1), (1, 2), (2, 3), (0, 1), (0, 1)])
+    t24 = W_V @ t16
+    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t3, M_2, X, t24, M_2, X, W_Q, optimize=[(5, 6), (0, 1), (1, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -10560,16 +10681,17 @@ def mse_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t14 = W_V.transpose(-1, -2)
     t15 = t14 @ t0
     t16 = G @ t15
-    t17 = A * (t16 - (A * t16).sum(-1, keepdim=True))
-    t18 = t17 @ X
-    t19 = t0 @ t18
+    t17 = t16 - (A * t16).sum(-1, keepdim=True)
+    t18 = A * t17
+    t19 = t18 @ X
+    t20 = t0 @ t19
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t0, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t0, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t20 = W_V @ t14
-    t21 = (n_batch**(-2)) * oe.contract('abc,dbc->', t19, t19, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t19, t1, t0, M_3, X, W_Q, optimize=[(1, 5), (3, 4), (2, 3), (1, 2), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgic,fgj,jd->', t19, t1, M_2, X, t20, M_2, X, W_Q, optimize=[(0, 3), (3, 6), (0, 4), (1, 3), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t1, t0, M_3, X, W_Q, t1, t0, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkmf,jkn,nh->', t1, t0, M_3, X, W_Q, t1, M_2, X, t20, M_2, X, W_Q, optimize=[(0, 5), (0, 5), (1, 2), (4, 5), (6, 7), (5, 6), (0, 4), (0, 1), (0, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij,ak,lmnk,lmf,no,lmoh,lmp,pj->', t1, M_2, X, t20, M_2, X, W_Q, t1, M_2, X, t20, M_2, X, W_Q, optimize=[(0, 7), (1, 7), (3, 4), (6, 7), (8, 9), (7, 8), (0, 1), (0, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)])
-    return torch.sqrt(torch.clamp(t21, min=0.0))
+    t21 = W_V @ t14
+    t22 = (n_batch**(-2)) * oe.contract('abc,dbc->', t20, t20, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t20, t1, t0, M_3, X, W_Q, optimize=[(1, 5), (3, 4), (2, 3), (1, 2), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgic,fgj,jd->', t20, t1, M_2, X, t21, M_2, X, W_Q, optimize=[(0, 3), (3, 6), (0, 4), (1, 3), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t1, t0, M_3, X, W_Q, t1, t0, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkmf,jkn,nh->', t1, t0, M_3, X, W_Q, t1, M_2, X, t21, M_2, X, W_Q, optimize=[(0, 5), (0, 5), (1, 2), (4, 5), (6, 7), (5, 6), (0, 4), (0, 1), (0, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij,ak,lmnk,lmf,no,lmoh,lmp,pj->', t1, M_2, X, t21, M_2, X, W_Q, t1, M_2, X, t21, M_2, X, W_Q, optimize=[(0, 7), (1, 7), (3, 4), (6, 7), (8, 9), (7, 8), (0, 1), (0, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)])
+    return torch.sqrt(torch.clamp(t22, min=0.0))
 
 
 def mse_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -10662,14 +10784,15 @@ def mse_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t16 = W_V.transpose(-1, -2)
     t17 = t16 @ t2
     t18 = G @ t17
-    t19 = A * (t18 - (A * t18).sum(-1, keepdim=True))
+    t19 = t18 - (A * t18).sum(-1, keepdim=True)
+    t20 = A * t19
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t19, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t19, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t19, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->ea', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t20 = W_V @ t16
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgf,cdh,ha->fa', t1, M_2, X, t20, M_2, X, W_Q, optimize=[(0, 2), (3, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t21 = W_V @ t16
+    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgf,cdh,ha->fa', t1, M_2, X, t21, M_2, X, W_Q, optimize=[(0, 2), (3, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -10700,13 +10823,14 @@ def mse_causal1__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     t15 = W_V.transpose(-1, -2)
     t16 = t15 @ t1
     t17 = G @ t16
-    t18 = A * (t17 - (A * t17).sum(-1, keepdim=True))
+    t18 = t17 - (A * t17).sum(-1, keepdim=True)
+    t19 = A * t18
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t19, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t19, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t19, X, optimize=[(0, 1), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t19 = W_V @ t15
-    return (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->', t0, t1, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)]) + (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgf,cdh,ha->', t0, M_2, X, t19, M_2, X, W_Q, optimize=[(0, 6), (1, 5), (3, 4), (0, 3), (1, 2), (0, 1)])
+    t20 = W_V @ t15
+    return (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->', t0, t1, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)]) + (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgf,cdh,ha->', t0, M_2, X, t20, M_2, X, W_Q, optimize=[(0, 6), (1, 5), (3, 4), (0, 3), (1, 2), (0, 1)])
 
 
 def mse_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -10739,20 +10863,21 @@ def mse_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t16 = W_V.transpose(-1, -2)
     t17 = t16 @ t2
     t18 = G @ t17
-    t19 = A * (t18 - (A * t18).sum(-1, keepdim=True))
-    t20 = t19.transpose(-1, -2)
-    t21 = t20 @ X
-    t22 = t2 @ t21
-    t23 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t22, t23, optimize=[(0, 1)])
-    t24 = W_Q.transpose(-1, -2)
+    t19 = t18 - (A * t18).sum(-1, keepdim=True)
+    t20 = A * t19
+    t21 = t20.transpose(-1, -2)
+    t22 = t21 @ X
+    t23 = t2 @ t22
+    t24 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t23, t24, optimize=[(0, 1)])
+    t25 = W_Q.transpose(-1, -2)
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t19, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t19, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t19, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t24, t2, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t25, t2, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t25 = W_V @ t16
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t24, M_2, X, t25, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t26 = W_V @ t16
+    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t25, M_2, X, t26, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -10782,18 +10907,19 @@ def mse_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t14 = W_V.transpose(-1, -2)
     t15 = t14 @ t0
     t16 = G @ t15
-    t17 = A * (t16 - (A * t16).sum(-1, keepdim=True))
-    t18 = t17.transpose(-1, -2)
-    t19 = t18 @ X
-    t20 = t0 @ t19
-    t21 = W_Q.transpose(-1, -2)
+    t17 = t16 - (A * t16).sum(-1, keepdim=True)
+    t18 = A * t17
+    t19 = t18.transpose(-1, -2)
+    t20 = t19 @ X
+    t21 = t0 @ t20
+    t22 = W_Q.transpose(-1, -2)
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t0, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t0, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t22 = W_V @ t14
-    t23 = (n_batch**(-2)) * oe.contract('abc,dbc->', t20, t20, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t20, t21, t0, M_3, X, W_K, optimize=[(1, 2), (3, 4), (1, 3), (1, 2), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgij,fgc,jd->', t20, t21, M_2, X, t22, M_2, X, W_K, optimize=[(0, 6), (1, 6), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t21, t0, M_3, X, W_K, t21, t0, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkmn,jkg,nh->', t21, t0, M_3, X, W_K, t21, M_2, X, t22, M_2, X, W_K, optimize=[(0, 1), (1, 8), (1, 7), (1, 3), (4, 7), (4, 6), (0, 4), (0, 1), (0, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj,ak,lmnf,lmk,no,lmop,lmi,pj->', t21, M_2, X, t22, M_2, X, W_K, t21, M_2, X, t22, M_2, X, W_K, optimize=[(0, 2), (3, 10), (3, 9), (3, 5), (6, 9), (6, 8), (0, 1), (0, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)])
-    return torch.sqrt(torch.clamp(t23, min=0.0))
+    t23 = W_V @ t14
+    t24 = (n_batch**(-2)) * oe.contract('abc,dbc->', t21, t21, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t21, t22, t0, M_3, X, W_K, optimize=[(1, 2), (3, 4), (1, 3), (1, 2), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgij,fgc,jd->', t21, t22, M_2, X, t23, M_2, X, W_K, optimize=[(0, 6), (1, 6), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t22, t0, M_3, X, W_K, t22, t0, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkmn,jkg,nh->', t22, t0, M_3, X, W_K, t22, M_2, X, t23, M_2, X, W_K, optimize=[(0, 1), (1, 8), (1, 7), (1, 3), (4, 7), (4, 6), (0, 4), (0, 1), (0, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj,ak,lmnf,lmk,no,lmop,lmi,pj->', t22, M_2, X, t23, M_2, X, W_K, t22, M_2, X, t23, M_2, X, W_K, optimize=[(0, 2), (3, 10), (3, 9), (3, 5), (6, 9), (6, 8), (0, 1), (0, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)])
+    return torch.sqrt(torch.clamp(t24, min=0.0))
 
 
 def mse_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -10825,14 +10951,15 @@ def mse_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t16 = W_V.transpose(-1, -2)
     t17 = t16 @ t2
     t18 = G @ t17
-    t19 = A * (t18 - (A * t18).sum(-1, keepdim=True))
+    t19 = t18 - (A * t18).sum(-1, keepdim=True)
+    t20 = A * t19
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t19, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t19, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t19, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t20 = W_V @ t16
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t1, M_2, X, t20, M_2, X, W_Q, optimize=[(0, 2), (3, 4), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t21 = W_V @ t16
+    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t1, M_2, X, t21, M_2, X, W_Q, optimize=[(0, 2), (3, 4), (0, 1), (0, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -10863,14 +10990,15 @@ def mse_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t15 = W_V.transpose(-1, -2)
     t16 = t15 @ t1
     t17 = G @ t16
-    t18 = A * (t17 - (A * t17).sum(-1, keepdim=True))
+    t18 = t17 - (A * t17).sum(-1, keepdim=True)
+    t19 = A * t18
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t19, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t19, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t19, X, optimize=[(0, 1), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t19 = W_V @ t15
-    t20 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 1), (0, 5), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jkle,jki,lm,jkmf,jkn,nh->', t0, t1, M_3, X, W_Q, t0, M_2, X, t19, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (1, 3), (4, 5), (4, 6), (4, 5), (4, 5), (1, 2), (1, 3), (0, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij,ak,lmnf,lmk,no,lmoh,lmp,pj->', t0, M_2, X, t19, M_2, X, W_Q, t0, M_2, X, t19, M_2, X, W_Q, optimize=[(0, 2), (3, 4), (3, 5), (6, 7), (6, 8), (6, 7), (6, 7), (0, 1), (0, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
-    return torch.sqrt(torch.clamp(t20, min=0.0))
+    t20 = W_V @ t15
+    t21 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 1), (0, 5), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jkle,jki,lm,jkmf,jkn,nh->', t0, t1, M_3, X, W_Q, t0, M_2, X, t20, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (1, 3), (4, 5), (4, 6), (4, 5), (4, 5), (1, 2), (1, 3), (0, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij,ak,lmnf,lmk,no,lmoh,lmp,pj->', t0, M_2, X, t20, M_2, X, W_Q, t0, M_2, X, t20, M_2, X, W_Q, optimize=[(0, 2), (3, 4), (3, 5), (6, 7), (6, 8), (6, 7), (6, 7), (0, 1), (0, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
+    return torch.sqrt(torch.clamp(t21, min=0.0))
 
 
 def mse_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):

@@ -411,11 +411,16 @@ def _log_softmax(rt, n):
     return rt.emit(f"{z} - {lse}", b)
 
 
+def _centred(rt, a, e):
+    """E − rowsum(A ∘ E): shared by the first and second softmax differentials."""
+    return rt.emit(f"{e} - {rt.fmt('sum_last', f'({a} * {e})')}", rt.batched(a, e))
+
+
 @_m(E.SoftmaxDiff)
 def _softmax_diff(rt, n):
     """dA[E] = A ∘ (E − rowsum(A ∘ E))."""
     a, e = rt.mat(n.args[0]), rt.mat(n.args[1])
-    return rt.emit(f"{a} * ({e} - {rt.fmt('sum_last', f'({a} * {e})')})", rt.batched(a, e))
+    return rt.emit(f"{a} * {_centred(rt, a, e)}", rt.batched(a, e))
 
 
 @_m(E.SoftmaxDiff2)
@@ -423,9 +428,7 @@ def _softmax_diff2(rt, n):
     """d²A[E,F] = w − A rowsum(w), w = A ∘ (E − rowsum(A∘E)) ∘ (F − rowsum(A∘F))."""
     a, e, f = (rt.mat(x) for x in n.args)
     b = rt.batched(a, e, f)
-    ec = rt.emit(f"{e} - {rt.fmt('sum_last', f'({a} * {e})')}", b)
-    fc = rt.emit(f"{f} - {rt.fmt('sum_last', f'({a} * {f})')}", b)
-    w = rt.emit(f"{a} * {ec} * {fc}", b)
+    w = rt.emit(f"{a} * {_centred(rt, a, e)} * {_centred(rt, a, f)}", b)
     return rt.emit(f"{w} - {a} * {rt.fmt('sum_last', w)}", b)
 
 
