@@ -188,6 +188,19 @@ class Variant:
     def frobenius(self, p, q, part):
         """‖Σ_t N_t‖² = Σ_{t,t'} ⟨N_t, N_t'⟩, each pairing one contraction (no block built)."""
         rt = self.routine()
+        ret = self._frobenius_into(rt, p, q, part)
+        return self.function(f"frobenius__{p}__{q}__{part}", rt, ret,
+                             f"‖H_{part}({p}, {q})‖_F from index networks, exact, without the block.")
+
+    def frobenius_all(self, part):
+        """Every block's norm in one routine, so the moments are computed once for all."""
+        rt = self.routine()
+        names = self.d.layer.param_names
+        outs = [self._frobenius_into(rt, p, q, part) for p in names for q in names]
+        return self.function(f"frobenius_all__{part}", rt, "(" + ", ".join(outs) + ",)",
+                             f"(‖H_{part}(p, q)‖_F for p, q in the parameters, row-major).")
+
+    def _frobenius_into(self, rt, p, q, part):
         terms, r, c = rt.terms(self.d.block(p, q, part).expr, self.d.param(p).shape, self.d.param(q).shape)
         nets = []
         for i, t1 in enumerate(terms):
@@ -197,9 +210,7 @@ class Variant:
                 coef, code, _ = rt.network(pair, [], summed=outer)
                 nets.append((coef * (1 if t1 is t2 else 2), code))
         s = rt.emit(rt.scalar(nets), True) if nets else "0.0"
-        ret = rt.fmt("sqrt_pos", s) if nets else "0.0"
-        return self.function(f"frobenius__{p}__{q}__{part}", rt, ret,
-                             f"‖H_{part}({p}, {q})‖_F from index networks, exact, without the block.")
+        return rt.emit(rt.fmt("sqrt_pos", s), True) if nets else "0.0"
 
     def all(self):
         names = self.d.layer.param_names
@@ -214,6 +225,7 @@ class Variant:
         for part in PARTS:
             add(("hessian", part), self.hessian(part))
             add(("hvp", part), self.hvp(part))
+            add(("frobenius_all", part), self.frobenius_all(part))
             for p in names:
                 add(("diag", p, part), self.diag(p, part))
                 add(("trace", p, part), self.trace(p, part))

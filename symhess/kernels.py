@@ -201,6 +201,13 @@ class Kernel:
         check_part(part)
         return self._call(("trace", self._param(p), part), values)[0]
 
+    def frobenius_norms(self, values, part="full"):
+        """{(p, q): ‖H_part(p, q)‖_F} for every block, sharing the moments between blocks."""
+        check_part(part)
+        norms = self._call(("frobenius_all", part), values)[0]
+        pairs = [(p, q) for p in self.params for q in self.params]
+        return dict(zip(pairs, norms))
+
     def frobenius_norm(self, values, p, q, part="full"):
         """‖H_part(p, q)‖_F, exact, without building the block."""
         check_part(part)

@@ -61,6 +61,7 @@ def test_every_kernel_matches_autograd(backend, loss, causal):
         v = rng.standard_normal(H.shape[0])
         vv = torch.tensor(v) if backend == "torch" else v
         assert rel(k.hvp(vals, vv, part), H @ v, scale * np.linalg.norm(v)) <= TOL64
+        norms = k.frobenius_norms(vals, part)
         for p in names:
             B = ref[(p, p, part)]
             assert rel(k.diag(vals, p, part), np.diag(B), scale) <= TOL64
@@ -70,6 +71,7 @@ def test_every_kernel_matches_autograd(backend, loss, causal):
                 assert rel(k.hessian_block(vals, p, q, part), B, scale) <= TOL64, (p, q, part)
                 f = float(k.frobenius_norm(vals, p, q, part))
                 assert abs(f - np.linalg.norm(B)) <= TOL64 * scale, (p, q, part)
+                assert abs(float(norms[(p, q)]) - np.linalg.norm(B)) <= TOL64 * scale
 
 
 @pytest.mark.parametrize("loss,causal", [("mse", True), ("ce", False)])

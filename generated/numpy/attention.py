@@ -216,6 +216,53 @@ def ce_causal0__hvp__outer(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     return (t38.mean(0), t43.mean(0), t47.mean(0),)
 
 
+def ce_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
+    """(‖H_outer(p, q)‖_F for p, q in the parameters, row-major)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = np.swapaxes(W_K, -1, -2)
+    t1 = np.swapaxes(X, -1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = np.exp(t5 - t5.max(-1, keepdims=True))
+    A = t6 / t6.sum(-1, keepdims=True)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t7 = Y.sum(-1, keepdims=True)
+    t8 = np.broadcast_to(t7, t7.shape[:-1] + (d_V,))
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1 @ W_V
+    t11 = np.exp(t10 - t10.max(-1, keepdims=True))
+    A12 = t11 / t11.sum(-1, keepdims=True)
+    t13 = np.swapaxes(W_V, -1, -2)
+    t14 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnol,mnf,op,mnp,mnp,pq,mnqr,mnj,rk->', t0, M_2, X, W_V, t8, A12, t13, M_2, X, W_K, t0, M_2, X, W_V, t8, A12, t13, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (4, 5), (0, 4), (4, 5), (1, 4), (9, 11), (1, 3), (0, 4), (0, 4), (2, 5), (0, 4), (4, 5), (0, 3), (0, 3), (1, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnol,mnf,op,mnp,mnp,mnq,qr,mnrs,mnj,sk->', t0, M_2, X, W_V, t8, A12, t13, M_2, X, W_K, t0, M_2, X, W_V, t8, A12, A12, t13, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (4, 5), (0, 4), (4, 5), (4, 13), (1, 4), (9, 11), (1, 3), (1, 3), (4, 8), (0, 2), (1, 4), (0, 4), (3, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl,am,nopm,nof,pq,noq,noq,nor,rs,nost,nok,tl->', t0, M_2, X, W_V, t8, A12, A12, t13, M_2, X, W_K, t0, M_2, X, W_V, t8, A12, A12, t13, M_2, X, W_K, optimize=[(4, 5), (13, 14), (0, 1), (2, 3), (2, 17), (4, 5), (0, 4), (4, 5), (4, 13), (1, 4), (9, 11), (1, 3), (0, 2), (2, 8), (0, 1), (1, 6), (0, 3), (2, 3), (1, 3), (0, 1), (0, 1)])
+    t15 = np.sqrt(np.maximum(t14, 0.0))
+    t16 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnol,mnf,op,mnp,mnp,pq,mnqi,mnr,rk->', t0, M_2, X, W_V, t8, A12, t13, M_2, X, W_Q, t0, M_2, X, W_V, t8, A12, t13, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (2, 3), (2, 3), (0, 2), (2, 3), (2, 3), (0, 4), (1, 3), (7, 8), (0, 3), (0, 3), (4, 5), (3, 4), (1, 3), (0, 1), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnol,mnf,op,mnp,mnp,mnq,qr,mnri,mns,sk->', t0, M_2, X, W_V, t8, A12, t13, M_2, X, W_Q, t0, M_2, X, W_V, t8, A12, A12, t13, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (2, 3), (2, 3), (0, 2), (2, 3), (2, 12), (2, 3), (1, 3), (5, 9), (0, 2), (0, 1), (5, 6), (0, 3), (0, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl,am,nopm,nof,pq,noq,noq,nor,rs,nosj,not,tl->', t0, M_2, X, W_V, t8, A12, A12, t13, M_2, X, W_Q, t0, M_2, X, W_V, t8, A12, A12, t13, M_2, X, W_Q, optimize=[(4, 5), (13, 14), (0, 1), (2, 3), (2, 17), (2, 3), (2, 3), (0, 2), (2, 3), (2, 12), (2, 3), (0, 2), (2, 9), (0, 1), (2, 7), (0, 3), (1, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
+    t17 = np.sqrt(np.maximum(t16, 0.0))
+    t18 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,ai,jkli,jkf,lg,jkg,jkg,jkh->', t0, M_2, X, W_V, t8, A12, M_1, t0, M_2, X, W_V, t8, A12, M_1, optimize=[(4, 5), (9, 10), (0, 5), (1, 5), (2, 5), (7, 8), (0, 1), (2, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,ai,jkli,jkf,lm,jkm,jkm,jkg,jkh->', t0, M_2, X, W_V, t8, A12, M_1, t0, M_2, X, W_V, t8, A12, A12, M_1, optimize=[(4, 5), (9, 10), (0, 1), (3, 4), (0, 3), (1, 4), (7, 8), (1, 4), (4, 6), (0, 3), (1, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi,aj,klmj,klf,mn,kln,kln,klh,kli->', t0, M_2, X, W_V, t8, A12, A12, M_1, t0, M_2, X, W_V, t8, A12, A12, M_1, optimize=[(4, 5), (10, 11), (0, 1), (4, 5), (0, 4), (1, 4), (8, 9), (1, 3), (6, 7), (0, 2), (2, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
+    t19 = np.sqrt(np.maximum(t18, 0.0))
+    t20 = np.swapaxes(W_Q, -1, -2)
+    t21 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnof,mnl,op,mnp,mnp,pq,mnqr,mnj,rk->', t20, M_2, X, W_V, t8, A12, t13, M_2, X, W_K, t20, M_2, X, W_V, t8, A12, t13, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (2, 4), (2, 3), (2, 3), (0, 2), (0, 1), (0, 3), (2, 8), (1, 2), (3, 6), (0, 1), (0, 4), (0, 1), (1, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnof,mnl,op,mnp,mnp,mnq,qr,mnrs,mnj,sk->', t20, M_2, X, W_V, t8, A12, t13, M_2, X, W_K, t20, M_2, X, W_V, t8, A12, A12, t13, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (2, 4), (2, 3), (8, 13), (2, 3), (2, 11), (0, 2), (0, 1), (0, 2), (1, 7), (0, 1), (2, 5), (0, 3), (2, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl,am,nopf,nom,pq,noq,noq,nor,rs,nost,nok,tl->', t20, M_2, X, W_V, t8, A12, A12, t13, M_2, X, W_K, t20, M_2, X, W_V, t8, A12, A12, t13, M_2, X, W_K, optimize=[(4, 5), (13, 14), (0, 2), (0, 1), (14, 17), (0, 1), (0, 15), (2, 4), (2, 3), (7, 12), (2, 3), (2, 10), (0, 2), (0, 1), (0, 3), (4, 6), (0, 2), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t22 = np.sqrt(np.maximum(t21, 0.0))
+    t23 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnof,mnl,op,mnp,mnp,pq,mnqi,mnr,rk->', t20, M_2, X, W_V, t8, A12, t13, M_2, X, W_Q, t20, M_2, X, W_V, t8, A12, t13, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (0, 1), (0, 1), (0, 1), (0, 3), (2, 8), (1, 3), (0, 2), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnof,mnl,op,mnp,mnp,mnq,qr,mnri,mns,sk->', t20, M_2, X, W_V, t8, A12, t13, M_2, X, W_Q, t20, M_2, X, W_V, t8, A12, A12, t13, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (0, 1), (6, 12), (0, 1), (0, 10), (0, 1), (0, 2), (1, 7), (0, 2), (0, 3), (3, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl,am,nopf,nom,pq,noq,noq,nor,rs,nosj,not,tl->', t20, M_2, X, W_V, t8, A12, A12, t13, M_2, X, W_Q, t20, M_2, X, W_V, t8, A12, A12, t13, M_2, X, W_Q, optimize=[(4, 5), (13, 14), (0, 2), (0, 1), (14, 17), (0, 1), (0, 15), (0, 1), (0, 2), (0, 1), (5, 11), (0, 1), (0, 9), (0, 1), (0, 4), (0, 3), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t24 = np.sqrt(np.maximum(t23, 0.0))
+    t25 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,ai,jklf,jki,lg,jkg,jkg,jkh->', t20, M_2, X, W_V, t8, A12, M_1, t20, M_2, X, W_V, t8, A12, M_1, optimize=[(4, 5), (9, 10), (0, 2), (2, 7), (2, 4), (6, 8), (6, 7), (0, 1), (2, 5), (0, 1), (2, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,ai,jklf,jki,lm,jkm,jkm,jkg,jkh->', t20, M_2, X, W_V, t8, A12, M_1, t20, M_2, X, W_V, t8, A12, A12, M_1, optimize=[(4, 5), (9, 10), (0, 2), (0, 1), (1, 3), (1, 2), (4, 8), (0, 2), (1, 3), (1, 2), (2, 4), (1, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi,aj,klmf,klj,mn,kln,kln,klh,kli->', t20, M_2, X, W_V, t8, A12, A12, M_1, t20, M_2, X, W_V, t8, A12, A12, M_1, optimize=[(4, 5), (10, 11), (0, 2), (0, 1), (8, 11), (2, 4), (2, 3), (4, 8), (0, 2), (0, 1), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t26 = np.sqrt(np.maximum(t25, 0.0))
+    t27 = np.swapaxes(M_1, -1, -2)
+    t28 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,fh,ibj,ijd,ijd,dk,ijkl,ijg,lh->', t27, t8, A12, t13, M_2, X, W_K, t27, t8, A12, t13, M_2, X, W_K, optimize=[(1, 2), (6, 7), (0, 5), (2, 6), (8, 9), (2, 5), (0, 2), (2, 3), (2, 5), (0, 2), (0, 1), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,fh,ibj,ijd,ijd,ijk,kl,ijlm,ijg,mh->', t27, t8, A12, t13, M_2, X, W_K, t27, t8, A12, A12, t13, M_2, X, W_K, optimize=[(1, 2), (6, 7), (1, 2), (0, 3), (2, 3), (2, 9), (0, 2), (5, 7), (0, 1), (2, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi,jbk,jkd,jkd,jkl,lm,jkmn,jkh,ni->', t27, t8, A12, A12, t13, M_2, X, W_K, t27, t8, A12, A12, t13, M_2, X, W_K, optimize=[(1, 2), (7, 8), (1, 2), (1, 12), (0, 3), (2, 3), (2, 9), (0, 2), (5, 7), (0, 1), (0, 1), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t29 = np.sqrt(np.maximum(t28, 0.0))
+    t30 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,gh,ibj,ijd,ijd,dk,ijkf,ijl,lh->', t27, t8, A12, t13, M_2, X, W_Q, t27, t8, A12, t13, M_2, X, W_Q, optimize=[(1, 2), (6, 7), (0, 5), (2, 3), (4, 5), (7, 8), (6, 7), (0, 1), (2, 5), (0, 1), (2, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,gh,ibj,ijd,ijd,ijk,kl,ijlf,ijm,mh->', t27, t8, A12, t13, M_2, X, W_Q, t27, t8, A12, A12, t13, M_2, X, W_Q, optimize=[(1, 2), (6, 7), (1, 2), (1, 2), (0, 1), (0, 1), (0, 8), (0, 1), (0, 2), (3, 5), (0, 4), (1, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi,jbk,jkd,jkd,jkl,lm,jkmg,jkn,ni->', t27, t8, A12, A12, t13, M_2, X, W_Q, t27, t8, A12, A12, t13, M_2, X, W_Q, optimize=[(1, 2), (7, 8), (1, 2), (1, 12), (1, 2), (0, 1), (0, 1), (0, 8), (0, 1), (0, 1), (2, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t31 = np.sqrt(np.maximum(t30, 0.0))
+    t32 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fge->', t27, t8, A12, M_1, t27, t8, A12, M_1, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fgd,fge->', t27, t8, A12, M_1, t27, t8, A12, A12, M_1, optimize=[(1, 2), (3, 4), (3, 6), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,acf,gbh,ghd,ghd,ghe,ghf->', t27, t8, A12, A12, M_1, t27, t8, A12, A12, M_1, optimize=[(1, 2), (4, 5), (0, 3), (0, 2), (4, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
+    t33 = np.sqrt(np.maximum(t32, 0.0))
+    return (t15, t17, t19, t22, t24, t26, t29, t31, t33,)
+
+
 def ce_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     """diag H_outer(W_Q, W_Q) (vec_r order) without the dense block."""
     L = X.shape[-2]
@@ -330,7 +377,8 @@ def ce_causal0__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.swapaxes(W_V, -1, -2)
     t14 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnol,mnf,op,mnp,mnp,pq,mnqr,mnj,rk->', t0, M_2, X, W_V, t8, A12, t13, M_2, X, W_K, t0, M_2, X, W_V, t8, A12, t13, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (4, 5), (0, 4), (4, 5), (1, 4), (9, 11), (1, 3), (0, 4), (0, 4), (2, 5), (0, 4), (4, 5), (0, 3), (0, 3), (1, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnol,mnf,op,mnp,mnp,mnq,qr,mnrs,mnj,sk->', t0, M_2, X, W_V, t8, A12, t13, M_2, X, W_K, t0, M_2, X, W_V, t8, A12, A12, t13, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (4, 5), (0, 4), (4, 5), (4, 13), (1, 4), (9, 11), (1, 3), (1, 3), (4, 8), (0, 2), (1, 4), (0, 4), (3, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl,am,nopm,nof,pq,noq,noq,nor,rs,nost,nok,tl->', t0, M_2, X, W_V, t8, A12, A12, t13, M_2, X, W_K, t0, M_2, X, W_V, t8, A12, A12, t13, M_2, X, W_K, optimize=[(4, 5), (13, 14), (0, 1), (2, 3), (2, 17), (4, 5), (0, 4), (4, 5), (4, 13), (1, 4), (9, 11), (1, 3), (0, 2), (2, 8), (0, 1), (1, 6), (0, 3), (2, 3), (1, 3), (0, 1), (0, 1)])
-    return np.sqrt(np.maximum(t14, 0.0))
+    t15 = np.sqrt(np.maximum(t14, 0.0))
+    return t15
 
 
 def ce_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -389,7 +437,8 @@ def ce_causal0__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.swapaxes(W_V, -1, -2)
     t14 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnol,mnf,op,mnp,mnp,pq,mnqi,mnr,rk->', t0, M_2, X, W_V, t8, A12, t13, M_2, X, W_Q, t0, M_2, X, W_V, t8, A12, t13, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (2, 3), (2, 3), (0, 2), (2, 3), (2, 3), (0, 4), (1, 3), (7, 8), (0, 3), (0, 3), (4, 5), (3, 4), (1, 3), (0, 1), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnol,mnf,op,mnp,mnp,mnq,qr,mnri,mns,sk->', t0, M_2, X, W_V, t8, A12, t13, M_2, X, W_Q, t0, M_2, X, W_V, t8, A12, A12, t13, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (2, 3), (2, 3), (0, 2), (2, 3), (2, 12), (2, 3), (1, 3), (5, 9), (0, 2), (0, 1), (5, 6), (0, 3), (0, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl,am,nopm,nof,pq,noq,noq,nor,rs,nosj,not,tl->', t0, M_2, X, W_V, t8, A12, A12, t13, M_2, X, W_Q, t0, M_2, X, W_V, t8, A12, A12, t13, M_2, X, W_Q, optimize=[(4, 5), (13, 14), (0, 1), (2, 3), (2, 17), (2, 3), (2, 3), (0, 2), (2, 3), (2, 12), (2, 3), (0, 2), (2, 9), (0, 1), (2, 7), (0, 3), (1, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    return np.sqrt(np.maximum(t14, 0.0))
+    t15 = np.sqrt(np.maximum(t14, 0.0))
+    return t15
 
 
 def ce_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -446,7 +495,8 @@ def ce_causal0__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     t11 = np.exp(t10 - t10.max(-1, keepdims=True))
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,ai,jkli,jkf,lg,jkg,jkg,jkh->', t0, M_2, X, W_V, t8, A12, M_1, t0, M_2, X, W_V, t8, A12, M_1, optimize=[(4, 5), (9, 10), (0, 5), (1, 5), (2, 5), (7, 8), (0, 1), (2, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,ai,jkli,jkf,lm,jkm,jkm,jkg,jkh->', t0, M_2, X, W_V, t8, A12, M_1, t0, M_2, X, W_V, t8, A12, A12, M_1, optimize=[(4, 5), (9, 10), (0, 1), (3, 4), (0, 3), (1, 4), (7, 8), (1, 4), (4, 6), (0, 3), (1, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi,aj,klmj,klf,mn,kln,kln,klh,kli->', t0, M_2, X, W_V, t8, A12, A12, M_1, t0, M_2, X, W_V, t8, A12, A12, M_1, optimize=[(4, 5), (10, 11), (0, 1), (4, 5), (0, 4), (1, 4), (8, 9), (1, 3), (6, 7), (0, 2), (2, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
-    return np.sqrt(np.maximum(t13, 0.0))
+    t14 = np.sqrt(np.maximum(t13, 0.0))
+    return t14
 
 
 def ce_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -567,7 +617,8 @@ def ce_causal0__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.swapaxes(W_V, -1, -2)
     t15 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnof,mnl,op,mnp,mnp,pq,mnqr,mnj,rk->', t0, M_2, X, W_V, t9, A13, t14, M_2, X, W_K, t0, M_2, X, W_V, t9, A13, t14, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (2, 4), (2, 3), (2, 3), (0, 2), (0, 1), (0, 3), (2, 8), (1, 2), (3, 6), (0, 1), (0, 4), (0, 1), (1, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnof,mnl,op,mnp,mnp,mnq,qr,mnrs,mnj,sk->', t0, M_2, X, W_V, t9, A13, t14, M_2, X, W_K, t0, M_2, X, W_V, t9, A13, A13, t14, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (2, 4), (2, 3), (8, 13), (2, 3), (2, 11), (0, 2), (0, 1), (0, 2), (1, 7), (0, 1), (2, 5), (0, 3), (2, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl,am,nopf,nom,pq,noq,noq,nor,rs,nost,nok,tl->', t0, M_2, X, W_V, t9, A13, A13, t14, M_2, X, W_K, t0, M_2, X, W_V, t9, A13, A13, t14, M_2, X, W_K, optimize=[(4, 5), (13, 14), (0, 2), (0, 1), (14, 17), (0, 1), (0, 15), (2, 4), (2, 3), (7, 12), (2, 3), (2, 10), (0, 2), (0, 1), (0, 3), (4, 6), (0, 2), (3, 4), (0, 2), (0, 2), (0, 1)])
-    return np.sqrt(np.maximum(t15, 0.0))
+    t16 = np.sqrt(np.maximum(t15, 0.0))
+    return t16
 
 
 def ce_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -628,7 +679,8 @@ def ce_causal0__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.swapaxes(W_V, -1, -2)
     t15 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnof,mnl,op,mnp,mnp,pq,mnqi,mnr,rk->', t0, M_2, X, W_V, t9, A13, t14, M_2, X, W_Q, t0, M_2, X, W_V, t9, A13, t14, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (0, 1), (0, 1), (0, 1), (0, 3), (2, 8), (1, 3), (0, 2), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnof,mnl,op,mnp,mnp,mnq,qr,mnri,mns,sk->', t0, M_2, X, W_V, t9, A13, t14, M_2, X, W_Q, t0, M_2, X, W_V, t9, A13, A13, t14, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (0, 1), (6, 12), (0, 1), (0, 10), (0, 1), (0, 2), (1, 7), (0, 2), (0, 3), (3, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl,am,nopf,nom,pq,noq,noq,nor,rs,nosj,not,tl->', t0, M_2, X, W_V, t9, A13, A13, t14, M_2, X, W_Q, t0, M_2, X, W_V, t9, A13, A13, t14, M_2, X, W_Q, optimize=[(4, 5), (13, 14), (0, 2), (0, 1), (14, 17), (0, 1), (0, 15), (0, 1), (0, 2), (0, 1), (5, 11), (0, 1), (0, 9), (0, 1), (0, 4), (0, 3), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
-    return np.sqrt(np.maximum(t15, 0.0))
+    t16 = np.sqrt(np.maximum(t15, 0.0))
+    return t16
 
 
 def ce_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -687,7 +739,8 @@ def ce_causal0__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     t12 = np.exp(t11 - t11.max(-1, keepdims=True))
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,ai,jklf,jki,lg,jkg,jkg,jkh->', t0, M_2, X, W_V, t9, A13, M_1, t0, M_2, X, W_V, t9, A13, M_1, optimize=[(4, 5), (9, 10), (0, 2), (2, 7), (2, 4), (6, 8), (6, 7), (0, 1), (2, 5), (0, 1), (2, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,ai,jklf,jki,lm,jkm,jkm,jkg,jkh->', t0, M_2, X, W_V, t9, A13, M_1, t0, M_2, X, W_V, t9, A13, A13, M_1, optimize=[(4, 5), (9, 10), (0, 2), (0, 1), (1, 3), (1, 2), (4, 8), (0, 2), (1, 3), (1, 2), (2, 4), (1, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi,aj,klmf,klj,mn,kln,kln,klh,kli->', t0, M_2, X, W_V, t9, A13, A13, M_1, t0, M_2, X, W_V, t9, A13, A13, M_1, optimize=[(4, 5), (10, 11), (0, 2), (0, 1), (8, 11), (2, 4), (2, 3), (4, 8), (0, 2), (0, 1), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
-    return np.sqrt(np.maximum(t14, 0.0))
+    t15 = np.sqrt(np.maximum(t14, 0.0))
+    return t15
 
 
 def ce_causal0__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -802,7 +855,8 @@ def ce_causal0__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t15 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,fh,ibj,ijd,ijd,dk,ijkl,ijg,lh->', t8, t10, A13, t14, M_2, X, W_K, t8, t10, A13, t14, M_2, X, W_K, optimize=[(1, 2), (6, 7), (0, 5), (2, 6), (8, 9), (2, 5), (0, 2), (2, 3), (2, 5), (0, 2), (0, 1), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,fh,ibj,ijd,ijd,ijk,kl,ijlm,ijg,mh->', t8, t10, A13, t14, M_2, X, W_K, t8, t10, A13, A13, t14, M_2, X, W_K, optimize=[(1, 2), (6, 7), (1, 2), (0, 3), (2, 3), (2, 9), (0, 2), (5, 7), (0, 1), (2, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi,jbk,jkd,jkd,jkl,lm,jkmn,jkh,ni->', t8, t10, A13, A13, t14, M_2, X, W_K, t8, t10, A13, A13, t14, M_2, X, W_K, optimize=[(1, 2), (7, 8), (1, 2), (1, 12), (0, 3), (2, 3), (2, 9), (0, 2), (5, 7), (0, 1), (0, 1), (2, 4), (0, 2), (0, 2), (0, 1)])
-    return np.sqrt(np.maximum(t15, 0.0))
+    t16 = np.sqrt(np.maximum(t15, 0.0))
+    return t16
 
 
 def ce_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -863,7 +917,8 @@ def ce_causal0__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t15 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,gh,ibj,ijd,ijd,dk,ijkf,ijl,lh->', t8, t10, A13, t14, M_2, X, W_Q, t8, t10, A13, t14, M_2, X, W_Q, optimize=[(1, 2), (6, 7), (0, 5), (2, 3), (4, 5), (7, 8), (6, 7), (0, 1), (2, 5), (0, 1), (2, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,gh,ibj,ijd,ijd,ijk,kl,ijlf,ijm,mh->', t8, t10, A13, t14, M_2, X, W_Q, t8, t10, A13, A13, t14, M_2, X, W_Q, optimize=[(1, 2), (6, 7), (1, 2), (1, 2), (0, 1), (0, 1), (0, 8), (0, 1), (0, 2), (3, 5), (0, 4), (1, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi,jbk,jkd,jkd,jkl,lm,jkmg,jkn,ni->', t8, t10, A13, A13, t14, M_2, X, W_Q, t8, t10, A13, A13, t14, M_2, X, W_Q, optimize=[(1, 2), (7, 8), (1, 2), (1, 12), (1, 2), (0, 1), (0, 1), (0, 8), (0, 1), (0, 1), (2, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
-    return np.sqrt(np.maximum(t15, 0.0))
+    t16 = np.sqrt(np.maximum(t15, 0.0))
+    return t16
 
 
 def ce_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -920,7 +975,8 @@ def ce_causal0__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     t12 = np.exp(t11 - t11.max(-1, keepdims=True))
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fge->', t8, t10, A13, M_1, t8, t10, A13, M_1, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fgd,fge->', t8, t10, A13, M_1, t8, t10, A13, A13, M_1, optimize=[(1, 2), (3, 4), (3, 6), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,acf,gbh,ghd,ghd,ghe,ghf->', t8, t10, A13, A13, M_1, t8, t10, A13, A13, M_1, optimize=[(1, 2), (4, 5), (0, 3), (0, 2), (4, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    return np.sqrt(np.maximum(t14, 0.0))
+    t15 = np.sqrt(np.maximum(t14, 0.0))
+    return t15
 
 
 def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
@@ -1078,6 +1134,67 @@ def ce_causal0__hvp__functional(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     return (t46.mean(0), t59.mean(0), t64.mean(0),)
 
 
+def ce_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
+    """(‖H_functional(p, q)‖_F for p, q in the parameters, row-major)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = np.swapaxes(W_K, -1, -2)
+    t1 = np.swapaxes(X, -1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = np.exp(t5 - t5.max(-1, keepdims=True))
+    A = t6 / t6.sum(-1, keepdims=True)
+    t7 = Y.sum(-1, keepdims=True)
+    t8 = np.broadcast_to(t7, t7.shape[:-1] + (d_V,))
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1 @ W_V
+    t11 = np.exp(t10 - t10.max(-1, keepdims=True))
+    A12 = t11 / t11.sum(-1, keepdims=True)
+    t13 = t8 * A12
+    t14 = (1/L) * t13
+    t15 = (-1/L) * Y
+    t16 = t14 + t15
+    G = t16
+    t17 = np.swapaxes(W_V, -1, -2)
+    t18 = t17 @ t1
+    t19 = G @ t18
+    t20 = t19 - (A * t19).sum(-1, keepdims=True)
+    t21 = A * t20
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t22 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t23 = np.sqrt(np.maximum(t22, 0.0))
+    t24 = t21 @ X
+    t25 = t1 @ t24
+    t26 = (n_batch**(-2)) * oe.contract('abc,dbc->', t25, t25, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t25, t0, t1, M_3, X, W_Q, optimize=[(1, 5), (3, 4), (2, 3), (1, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t27 = np.sqrt(np.maximum(t26, 0.0))
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t28 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t29 = np.sqrt(np.maximum(t28, 0.0))
+    t30 = np.swapaxes(t21, -1, -2)
+    t31 = t30 @ X
+    t32 = t1 @ t31
+    t33 = np.swapaxes(W_Q, -1, -2)
+    t34 = (n_batch**(-2)) * oe.contract('abc,dbc->', t32, t32, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t32, t33, t1, M_3, X, W_K, optimize=[(1, 2), (3, 4), (1, 3), (1, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t33, t1, M_3, X, W_K, t33, t1, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t35 = np.sqrt(np.maximum(t34, 0.0))
+    t36 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t33, t1, M_3, X, W_Q, t33, t1, M_3, X, W_Q, optimize=[(0, 1), (0, 5), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)])
+    t37 = np.sqrt(np.maximum(t36, 0.0))
+    t38 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t33, M_2, X, G, t33, M_2, X, G, optimize=[(0, 4), (2, 5), (1, 4), (3, 4), (2, 3), (0, 2), (0, 1)])
+    t39 = np.sqrt(np.maximum(t38, 0.0))
+    t40 = np.swapaxes(G, -1, -2)
+    t41 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t40, M_2, X, W_K, t40, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
+    t42 = np.sqrt(np.maximum(t41, 0.0))
+    t43 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t40, M_2, X, W_Q, t40, M_2, X, W_Q, optimize=[(0, 4), (1, 2), (2, 3), (2, 3), (2, 3), (0, 2), (0, 1)])
+    t44 = np.sqrt(np.maximum(t43, 0.0))
+    return (t23, t27, t29, t35, t37, t39, t42, t44, 0.0,)
+
+
 def ce_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
     """diag H_functional(W_Q, W_Q) (vec_r order) without the dense block."""
     L = X.shape[-2]
@@ -1226,7 +1343,8 @@ def ce_causal0__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t1, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t22 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
-    return np.sqrt(np.maximum(t22, 0.0))
+    t23 = np.sqrt(np.maximum(t22, 0.0))
+    return t23
 
 
 def ce_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -1310,7 +1428,8 @@ def ce_causal0__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t0, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t24 = (n_batch**(-2)) * oe.contract('abc,dbc->', t23, t23, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t23, t1, t0, M_3, X, W_Q, optimize=[(1, 5), (3, 4), (2, 3), (1, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t1, t0, M_3, X, W_Q, t1, t0, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)])
-    return np.sqrt(np.maximum(t24, 0.0))
+    t25 = np.sqrt(np.maximum(t24, 0.0))
+    return t25
 
 
 def ce_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -1376,7 +1495,8 @@ def ce_causal0__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t16 = t14 + t15
     G = t16
     t17 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
-    return np.sqrt(np.maximum(t17, 0.0))
+    t18 = np.sqrt(np.maximum(t17, 0.0))
+    return t18
 
 
 def ce_causal0__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -1541,7 +1661,8 @@ def ce_causal0__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t0, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t26 = (n_batch**(-2)) * oe.contract('abc,dbc->', t24, t24, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t24, t25, t0, M_3, X, W_K, optimize=[(1, 2), (3, 4), (1, 3), (1, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t25, t0, M_3, X, W_K, t25, t0, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
-    return np.sqrt(np.maximum(t26, 0.0))
+    t27 = np.sqrt(np.maximum(t26, 0.0))
+    return t27
 
 
 def ce_causal0__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -1619,7 +1740,8 @@ def ce_causal0__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t1, t22, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t22, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t22, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t23 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 1), (0, 5), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)])
-    return np.sqrt(np.maximum(t23, 0.0))
+    t24 = np.sqrt(np.maximum(t23, 0.0))
+    return t24
 
 
 def ce_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -1687,7 +1809,8 @@ def ce_causal0__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t17 = t15 + t16
     G = t17
     t18 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (2, 5), (1, 4), (3, 4), (2, 3), (0, 2), (0, 1)])
-    return np.sqrt(np.maximum(t18, 0.0))
+    t19 = np.sqrt(np.maximum(t18, 0.0))
+    return t19
 
 
 def ce_causal0__diag__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -1775,7 +1898,8 @@ def ce_causal0__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t18 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t17, M_2, X, W_K, t17, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
-    return np.sqrt(np.maximum(t18, 0.0))
+    t19 = np.sqrt(np.maximum(t18, 0.0))
+    return t19
 
 
 def ce_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -1843,7 +1967,8 @@ def ce_causal0__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t18 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t17, M_2, X, W_Q, t17, M_2, X, W_Q, optimize=[(0, 4), (1, 2), (2, 3), (2, 3), (2, 3), (0, 2), (0, 1)])
-    return np.sqrt(np.maximum(t18, 0.0))
+    t19 = np.sqrt(np.maximum(t18, 0.0))
+    return t19
 
 
 def ce_causal0__block__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -2057,6 +2182,70 @@ def ce_causal0__hvp__full(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     return (t58.mean(0), t71.mean(0), t80.mean(0),)
 
 
+def ce_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
+    """(‖H_full(p, q)‖_F for p, q in the parameters, row-major)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = np.swapaxes(W_K, -1, -2)
+    t1 = np.swapaxes(X, -1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = np.exp(t5 - t5.max(-1, keepdims=True))
+    A = t6 / t6.sum(-1, keepdims=True)
+    t7 = Y.sum(-1, keepdims=True)
+    t8 = np.broadcast_to(t7, t7.shape[:-1] + (d_V,))
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1 @ W_V
+    t11 = np.exp(t10 - t10.max(-1, keepdims=True))
+    A12 = t11 / t11.sum(-1, keepdims=True)
+    t13 = t8 * A12
+    t14 = (1/L) * t13
+    t15 = (-1/L) * Y
+    t16 = t14 + t15
+    G = t16
+    t17 = np.swapaxes(W_V, -1, -2)
+    t18 = t17 @ t1
+    t19 = G @ t18
+    t20 = t19 - (A * t19).sum(-1, keepdims=True)
+    t21 = A * t20
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t22 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jkli,jkd,lm,jkm,jkm,mn,jkno,jkg,oh->', t0, t1, M_3, X, W_K, t0, M_2, X, W_V, t8, A12, t17, M_2, X, W_K, optimize=[(9, 10), (0, 2), (3, 4), (0, 3), (3, 4), (0, 3), (6, 8), (0, 2), (0, 3), (1, 3), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jkli,jkd,lm,jkm,jkm,jkn,no,jkop,jkg,ph->', t0, t1, M_3, X, W_K, t0, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_K, optimize=[(9, 10), (0, 2), (3, 4), (0, 3), (3, 4), (3, 10), (0, 3), (6, 8), (0, 2), (0, 1), (1, 5), (0, 2), (2, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnol,mnf,op,mnp,mnp,pq,mnqr,mnj,rk->', t0, M_2, X, W_V, t8, A12, t17, M_2, X, W_K, t0, M_2, X, W_V, t8, A12, t17, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (4, 5), (0, 4), (4, 5), (1, 4), (9, 11), (1, 3), (0, 4), (0, 4), (2, 5), (0, 4), (4, 5), (0, 3), (0, 3), (1, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnol,mnf,op,mnp,mnp,mnq,qr,mnrs,mnj,sk->', t0, M_2, X, W_V, t8, A12, t17, M_2, X, W_K, t0, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (4, 5), (0, 4), (4, 5), (4, 13), (1, 4), (9, 11), (1, 3), (1, 3), (4, 8), (0, 2), (1, 4), (0, 4), (3, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl,am,nopm,nof,pq,noq,noq,nor,rs,nost,nok,tl->', t0, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_K, t0, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_K, optimize=[(4, 5), (13, 14), (0, 1), (2, 3), (2, 17), (4, 5), (0, 4), (4, 5), (4, 13), (1, 4), (9, 11), (1, 3), (0, 2), (2, 8), (0, 1), (1, 6), (0, 3), (2, 3), (1, 3), (0, 1), (0, 1)])
+    t23 = np.sqrt(np.maximum(t22, 0.0))
+    t24 = t21 @ X
+    t25 = t1 @ t24
+    t26 = (n_batch**(-2)) * oe.contract('abc,dbc->', t25, t25, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t25, t0, t1, M_3, X, W_Q, optimize=[(1, 5), (3, 4), (2, 3), (1, 2), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgi,fgi,ij,fgjc,fgk,kd->', t25, t0, M_2, X, W_V, t8, A12, t17, M_2, X, W_Q, optimize=[(0, 3), (6, 9), (3, 4), (0, 5), (2, 4), (3, 5), (2, 3), (0, 3), (0, 2), (0, 1)]) + (-2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgi,fgi,fgj,jk,fgkc,fgl,ld->', t25, t0, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_Q, optimize=[(0, 3), (7, 10), (3, 4), (0, 6), (2, 3), (3, 6), (2, 4), (0, 4), (0, 3), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkm,jkm,mn,jknf,jko,oh->', t0, t1, M_3, X, W_Q, t0, M_2, X, W_V, t8, A12, t17, M_2, X, W_Q, optimize=[(9, 10), (0, 2), (1, 2), (1, 2), (0, 1), (1, 2), (1, 2), (0, 4), (0, 4), (4, 5), (0, 4), (1, 3), (0, 1), (0, 1)]) + (-2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkm,jkm,jkn,no,jkof,jkp,ph->', t0, t1, M_3, X, W_Q, t0, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_Q, optimize=[(9, 10), (0, 2), (1, 2), (1, 2), (0, 1), (1, 2), (1, 9), (1, 2), (0, 1), (2, 6), (0, 3), (3, 4), (1, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnol,mnf,op,mnp,mnp,pq,mnqi,mnr,rk->', t0, M_2, X, W_V, t8, A12, t17, M_2, X, W_Q, t0, M_2, X, W_V, t8, A12, t17, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (2, 3), (2, 3), (0, 2), (2, 3), (2, 3), (0, 4), (1, 3), (7, 8), (0, 3), (0, 3), (4, 5), (3, 4), (1, 3), (0, 1), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnol,mnf,op,mnp,mnp,mnq,qr,mnri,mns,sk->', t0, M_2, X, W_V, t8, A12, t17, M_2, X, W_Q, t0, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (2, 3), (2, 3), (0, 2), (2, 3), (2, 12), (2, 3), (1, 3), (5, 9), (0, 2), (0, 1), (5, 6), (0, 3), (0, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl,am,nopm,nof,pq,noq,noq,nor,rs,nosj,not,tl->', t0, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_Q, t0, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_Q, optimize=[(4, 5), (13, 14), (0, 1), (2, 3), (2, 17), (2, 3), (2, 3), (0, 2), (2, 3), (2, 12), (2, 3), (0, 2), (2, 9), (0, 1), (2, 7), (0, 3), (1, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
+    t27 = np.sqrt(np.maximum(t26, 0.0))
+    t28 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,ai,jkli,jkf,lg,jkg,jkg,jkh->', t0, M_2, X, W_V, t8, A12, M_1, t0, M_2, X, W_V, t8, A12, M_1, optimize=[(4, 5), (9, 10), (0, 5), (1, 5), (2, 5), (7, 8), (0, 1), (2, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,ai,jkli,jkf,lm,jkm,jkm,jkg,jkh->', t0, M_2, X, W_V, t8, A12, M_1, t0, M_2, X, W_V, t8, A12, A12, M_1, optimize=[(4, 5), (9, 10), (0, 1), (3, 4), (0, 3), (1, 4), (7, 8), (1, 4), (4, 6), (0, 3), (1, 4), (0, 3), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,ai,jkhi,jkf,jkg->', t0, M_2, X, W_V, t8, A12, M_1, t0, M_2, X, G, optimize=[(4, 5), (0, 5), (1, 5), (0, 1), (3, 6), (0, 1), (2, 4), (1, 2), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi,aj,klmj,klf,mn,kln,kln,klh,kli->', t0, M_2, X, W_V, t8, A12, A12, M_1, t0, M_2, X, W_V, t8, A12, A12, M_1, optimize=[(4, 5), (10, 11), (0, 1), (4, 5), (0, 4), (1, 4), (8, 9), (1, 3), (6, 7), (0, 2), (2, 5), (0, 1), (0, 3), (0, 2), (0, 1)]) + (-2/(L*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi,aj,klij,klf,klh->', t0, M_2, X, W_V, t8, A12, A12, M_1, t0, M_2, X, G, optimize=[(4, 5), (0, 6), (1, 6), (2, 5), (6, 7), (1, 4), (4, 5), (0, 4), (0, 1), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t29 = np.sqrt(np.maximum(t28, 0.0))
+    t30 = np.swapaxes(t21, -1, -2)
+    t31 = t30 @ X
+    t32 = t1 @ t31
+    t33 = np.swapaxes(W_Q, -1, -2)
+    t34 = (n_batch**(-2)) * oe.contract('abc,dbc->', t32, t32, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t32, t33, t1, M_3, X, W_K, optimize=[(1, 2), (3, 4), (1, 3), (1, 2), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgi,fgi,ij,fgjk,fgc,kd->', t32, t33, M_2, X, W_V, t8, A12, t17, M_2, X, W_K, optimize=[(0, 9), (1, 9), (3, 4), (0, 1), (0, 4), (3, 5), (2, 3), (1, 3), (0, 2), (0, 1)]) + (-2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgi,fgi,fgj,jk,fgkl,fgc,ld->', t32, t33, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_K, optimize=[(0, 10), (1, 10), (3, 4), (0, 1), (0, 5), (4, 6), (0, 1), (0, 4), (2, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t33, t1, M_3, X, W_K, t33, t1, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkm,jkm,mn,jkno,jkg,oh->', t33, t1, M_3, X, W_K, t33, M_2, X, W_V, t8, A12, t17, M_2, X, W_K, optimize=[(9, 10), (0, 1), (0, 2), (1, 3), (1, 2), (1, 2), (0, 1), (0, 3), (1, 2), (3, 5), (0, 1), (0, 3), (0, 2), (0, 1)]) + (-2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkm,jkm,jkn,no,jkop,jkg,ph->', t33, t1, M_3, X, W_K, t33, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_K, optimize=[(9, 10), (0, 1), (0, 2), (1, 3), (1, 2), (6, 10), (1, 2), (1, 8), (0, 1), (0, 2), (0, 1), (2, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnof,mnl,op,mnp,mnp,pq,mnqr,mnj,rk->', t33, M_2, X, W_V, t8, A12, t17, M_2, X, W_K, t33, M_2, X, W_V, t8, A12, t17, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (2, 4), (2, 3), (2, 3), (0, 2), (0, 1), (0, 3), (2, 8), (1, 2), (3, 6), (0, 1), (0, 4), (0, 1), (1, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnof,mnl,op,mnp,mnp,mnq,qr,mnrs,mnj,sk->', t33, M_2, X, W_V, t8, A12, t17, M_2, X, W_K, t33, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (2, 4), (2, 3), (8, 13), (2, 3), (2, 11), (0, 2), (0, 1), (0, 2), (1, 7), (0, 1), (2, 5), (0, 3), (2, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl,am,nopf,nom,pq,noq,noq,nor,rs,nost,nok,tl->', t33, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_K, t33, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_K, optimize=[(4, 5), (13, 14), (0, 2), (0, 1), (14, 17), (0, 1), (0, 15), (2, 4), (2, 3), (7, 12), (2, 3), (2, 10), (0, 2), (0, 1), (0, 3), (4, 6), (0, 2), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t35 = np.sqrt(np.maximum(t34, 0.0))
+    t36 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t33, t1, M_3, X, W_Q, t33, t1, M_3, X, W_Q, optimize=[(0, 1), (0, 5), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jkle,jki,lm,jkm,jkm,mn,jknf,jko,oh->', t33, t1, M_3, X, W_Q, t33, M_2, X, W_V, t8, A12, t17, M_2, X, W_Q, optimize=[(9, 10), (0, 1), (1, 2), (1, 3), (1, 2), (1, 2), (1, 2), (2, 4), (1, 3), (2, 5), (0, 4), (2, 3), (0, 1), (0, 1)]) + (-2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jkle,jki,lm,jkm,jkm,jkn,no,jkof,jkp,ph->', t33, t1, M_3, X, W_Q, t33, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_Q, optimize=[(9, 10), (0, 1), (1, 2), (1, 3), (1, 2), (6, 10), (1, 2), (1, 8), (1, 2), (1, 3), (0, 2), (1, 4), (2, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnof,mnl,op,mnp,mnp,pq,mnqi,mnr,rk->', t33, M_2, X, W_V, t8, A12, t17, M_2, X, W_Q, t33, M_2, X, W_V, t8, A12, t17, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (0, 1), (0, 1), (0, 1), (0, 3), (2, 8), (1, 3), (0, 2), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnof,mnl,op,mnp,mnp,mnq,qr,mnri,mns,sk->', t33, M_2, X, W_V, t8, A12, t17, M_2, X, W_Q, t33, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (0, 1), (6, 12), (0, 1), (0, 10), (0, 1), (0, 2), (1, 7), (0, 2), (0, 3), (3, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl,am,nopf,nom,pq,noq,noq,nor,rs,nosj,not,tl->', t33, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_Q, t33, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_Q, optimize=[(4, 5), (13, 14), (0, 2), (0, 1), (14, 17), (0, 1), (0, 15), (0, 1), (0, 2), (0, 1), (5, 11), (0, 1), (0, 9), (0, 1), (0, 4), (0, 3), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t37 = np.sqrt(np.maximum(t36, 0.0))
+    t38 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,ai,jklf,jki,lg,jkg,jkg,jkh->', t33, M_2, X, W_V, t8, A12, M_1, t33, M_2, X, W_V, t8, A12, M_1, optimize=[(4, 5), (9, 10), (0, 2), (2, 7), (2, 4), (6, 8), (6, 7), (0, 1), (2, 5), (0, 1), (2, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,ai,jklf,jki,lm,jkm,jkm,jkg,jkh->', t33, M_2, X, W_V, t8, A12, M_1, t33, M_2, X, W_V, t8, A12, A12, M_1, optimize=[(4, 5), (9, 10), (0, 2), (0, 1), (1, 3), (1, 2), (4, 8), (0, 2), (1, 3), (1, 2), (2, 4), (1, 2), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,ai,jkhf,jki,jkg->', t33, M_2, X, W_V, t8, A12, M_1, t33, M_2, X, G, optimize=[(4, 5), (0, 2), (3, 5), (6, 7), (0, 1), (3, 5), (0, 1), (2, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi,aj,klmf,klj,mn,kln,kln,klh,kli->', t33, M_2, X, W_V, t8, A12, A12, M_1, t33, M_2, X, W_V, t8, A12, A12, M_1, optimize=[(4, 5), (10, 11), (0, 2), (0, 1), (8, 11), (2, 4), (2, 3), (4, 8), (0, 2), (0, 1), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (-2/(L*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi,aj,klif,klj,klh->', t33, M_2, X, W_V, t8, A12, A12, M_1, t33, M_2, X, G, optimize=[(4, 5), (0, 2), (2, 7), (3, 5), (5, 7), (5, 6), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t33, M_2, X, G, t33, M_2, X, G, optimize=[(0, 4), (2, 5), (1, 4), (3, 4), (2, 3), (0, 2), (0, 1)])
+    t39 = np.sqrt(np.maximum(t38, 0.0))
+    t40 = np.swapaxes(G, -1, -2)
+    t41 = np.swapaxes(M_1, -1, -2)
+    t42 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t40, M_2, X, W_K, t40, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hdi,hib,hib,bj,hijk,hif,kg->', t40, M_2, X, W_K, t41, t8, A12, t17, M_2, X, W_K, optimize=[(5, 6), (2, 7), (2, 6), (0, 3), (0, 1), (2, 5), (0, 2), (2, 3), (1, 2), (0, 1)]) + (-2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hdi,hib,hib,hij,jk,hikl,hif,lg->', t40, M_2, X, W_K, t41, t8, A12, A12, t17, M_2, X, W_K, optimize=[(5, 6), (2, 8), (2, 7), (3, 4), (3, 7), (5, 6), (0, 3), (2, 4), (0, 1), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,fh,ibj,ijd,ijd,dk,ijkl,ijg,lh->', t41, t8, A12, t17, M_2, X, W_K, t41, t8, A12, t17, M_2, X, W_K, optimize=[(1, 2), (6, 7), (0, 5), (2, 6), (8, 9), (2, 5), (0, 2), (2, 3), (2, 5), (0, 2), (0, 1), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,fh,ibj,ijd,ijd,ijk,kl,ijlm,ijg,mh->', t41, t8, A12, t17, M_2, X, W_K, t41, t8, A12, A12, t17, M_2, X, W_K, optimize=[(1, 2), (6, 7), (1, 2), (0, 3), (2, 3), (2, 9), (0, 2), (5, 7), (0, 1), (2, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi,jbk,jkd,jkd,jkl,lm,jkmn,jkh,ni->', t41, t8, A12, A12, t17, M_2, X, W_K, t41, t8, A12, A12, t17, M_2, X, W_K, optimize=[(1, 2), (7, 8), (1, 2), (1, 12), (0, 3), (2, 3), (2, 9), (0, 2), (5, 7), (0, 1), (0, 1), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t43 = np.sqrt(np.maximum(t42, 0.0))
+    t44 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t40, M_2, X, W_Q, t40, M_2, X, W_Q, optimize=[(0, 4), (1, 2), (2, 3), (2, 3), (2, 3), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hdi,hib,hib,bj,hije,hik,kg->', t40, M_2, X, W_Q, t41, t8, A12, t17, M_2, X, W_Q, optimize=[(5, 6), (2, 3), (5, 6), (6, 7), (0, 3), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)]) + (-2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hdi,hib,hib,hij,jk,hike,hil,lg->', t40, M_2, X, W_Q, t41, t8, A12, A12, t17, M_2, X, W_Q, optimize=[(5, 6), (2, 3), (3, 4), (3, 8), (3, 4), (4, 6), (0, 3), (3, 4), (0, 1), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,gh,ibj,ijd,ijd,dk,ijkf,ijl,lh->', t41, t8, A12, t17, M_2, X, W_Q, t41, t8, A12, t17, M_2, X, W_Q, optimize=[(1, 2), (6, 7), (0, 5), (2, 3), (4, 5), (7, 8), (6, 7), (0, 1), (2, 5), (0, 1), (2, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,gh,ibj,ijd,ijd,ijk,kl,ijlf,ijm,mh->', t41, t8, A12, t17, M_2, X, W_Q, t41, t8, A12, A12, t17, M_2, X, W_Q, optimize=[(1, 2), (6, 7), (1, 2), (1, 2), (0, 1), (0, 1), (0, 8), (0, 1), (0, 2), (3, 5), (0, 4), (1, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi,jbk,jkd,jkd,jkl,lm,jkmg,jkn,ni->', t41, t8, A12, A12, t17, M_2, X, W_Q, t41, t8, A12, A12, t17, M_2, X, W_Q, optimize=[(1, 2), (7, 8), (1, 2), (1, 12), (1, 2), (0, 1), (0, 1), (0, 8), (0, 1), (0, 1), (2, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t45 = np.sqrt(np.maximum(t44, 0.0))
+    t46 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fge->', t41, t8, A12, M_1, t41, t8, A12, M_1, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fgd,fge->', t41, t8, A12, M_1, t41, t8, A12, A12, M_1, optimize=[(1, 2), (3, 4), (3, 6), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,acf,gbh,ghd,ghd,ghe,ghf->', t41, t8, A12, A12, M_1, t41, t8, A12, A12, M_1, optimize=[(1, 2), (4, 5), (0, 3), (0, 2), (4, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
+    t47 = np.sqrt(np.maximum(t46, 0.0))
+    return (t23, t27, t29, t35, t37, t39, t43, t45, t47,)
+
+
 def ce_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     """diag H_full(W_Q, W_Q) (vec_r order) without the dense block."""
     L = X.shape[-2]
@@ -2217,7 +2406,8 @@ def ce_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t22 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jkli,jkd,lm,jkm,jkm,mn,jkno,jkg,oh->', t0, t1, M_3, X, W_K, t0, M_2, X, W_V, t8, A12, t17, M_2, X, W_K, optimize=[(9, 10), (0, 2), (3, 4), (0, 3), (3, 4), (0, 3), (6, 8), (0, 2), (0, 3), (1, 3), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jkli,jkd,lm,jkm,jkm,jkn,no,jkop,jkg,ph->', t0, t1, M_3, X, W_K, t0, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_K, optimize=[(9, 10), (0, 2), (3, 4), (0, 3), (3, 4), (3, 10), (0, 3), (6, 8), (0, 2), (0, 1), (1, 5), (0, 2), (2, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnol,mnf,op,mnp,mnp,pq,mnqr,mnj,rk->', t0, M_2, X, W_V, t8, A12, t17, M_2, X, W_K, t0, M_2, X, W_V, t8, A12, t17, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (4, 5), (0, 4), (4, 5), (1, 4), (9, 11), (1, 3), (0, 4), (0, 4), (2, 5), (0, 4), (4, 5), (0, 3), (0, 3), (1, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnol,mnf,op,mnp,mnp,mnq,qr,mnrs,mnj,sk->', t0, M_2, X, W_V, t8, A12, t17, M_2, X, W_K, t0, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (4, 5), (0, 4), (4, 5), (4, 13), (1, 4), (9, 11), (1, 3), (1, 3), (4, 8), (0, 2), (1, 4), (0, 4), (3, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl,am,nopm,nof,pq,noq,noq,nor,rs,nost,nok,tl->', t0, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_K, t0, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_K, optimize=[(4, 5), (13, 14), (0, 1), (2, 3), (2, 17), (4, 5), (0, 4), (4, 5), (4, 13), (1, 4), (9, 11), (1, 3), (0, 2), (2, 8), (0, 1), (1, 6), (0, 3), (2, 3), (1, 3), (0, 1), (0, 1)])
-    return np.sqrt(np.maximum(t22, 0.0))
+    t23 = np.sqrt(np.maximum(t22, 0.0))
+    return t23
 
 
 def ce_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -2307,7 +2497,8 @@ def ce_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t24 = (n_batch**(-2)) * oe.contract('abc,dbc->', t23, t23, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t23, t1, t0, M_3, X, W_Q, optimize=[(1, 5), (3, 4), (2, 3), (1, 2), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgi,fgi,ij,fgjc,fgk,kd->', t23, t1, M_2, X, W_V, t8, A12, t17, M_2, X, W_Q, optimize=[(0, 3), (6, 9), (3, 4), (0, 5), (2, 4), (3, 5), (2, 3), (0, 3), (0, 2), (0, 1)]) + (-2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgi,fgi,fgj,jk,fgkc,fgl,ld->', t23, t1, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_Q, optimize=[(0, 3), (7, 10), (3, 4), (0, 6), (2, 3), (3, 6), (2, 4), (0, 4), (0, 3), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t1, t0, M_3, X, W_Q, t1, t0, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkm,jkm,mn,jknf,jko,oh->', t1, t0, M_3, X, W_Q, t1, M_2, X, W_V, t8, A12, t17, M_2, X, W_Q, optimize=[(9, 10), (0, 2), (1, 2), (1, 2), (0, 1), (1, 2), (1, 2), (0, 4), (0, 4), (4, 5), (0, 4), (1, 3), (0, 1), (0, 1)]) + (-2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkm,jkm,jkn,no,jkof,jkp,ph->', t1, t0, M_3, X, W_Q, t1, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_Q, optimize=[(9, 10), (0, 2), (1, 2), (1, 2), (0, 1), (1, 2), (1, 9), (1, 2), (0, 1), (2, 6), (0, 3), (3, 4), (1, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnol,mnf,op,mnp,mnp,pq,mnqi,mnr,rk->', t1, M_2, X, W_V, t8, A12, t17, M_2, X, W_Q, t1, M_2, X, W_V, t8, A12, t17, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (2, 3), (2, 3), (0, 2), (2, 3), (2, 3), (0, 4), (1, 3), (7, 8), (0, 3), (0, 3), (4, 5), (3, 4), (1, 3), (0, 1), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnol,mnf,op,mnp,mnp,mnq,qr,mnri,mns,sk->', t1, M_2, X, W_V, t8, A12, t17, M_2, X, W_Q, t1, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (2, 3), (2, 3), (0, 2), (2, 3), (2, 12), (2, 3), (1, 3), (5, 9), (0, 2), (0, 1), (5, 6), (0, 3), (0, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl,am,nopm,nof,pq,noq,noq,nor,rs,nosj,not,tl->', t1, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_Q, t1, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_Q, optimize=[(4, 5), (13, 14), (0, 1), (2, 3), (2, 17), (2, 3), (2, 3), (0, 2), (2, 3), (2, 12), (2, 3), (0, 2), (2, 9), (0, 1), (2, 7), (0, 3), (1, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    return np.sqrt(np.maximum(t24, 0.0))
+    t25 = np.sqrt(np.maximum(t24, 0.0))
+    return t25
 
 
 def ce_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -2375,7 +2566,8 @@ def ce_causal0__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t16 = t14 + t15
     G = t16
     t17 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,ai,jkli,jkf,lg,jkg,jkg,jkh->', t0, M_2, X, W_V, t8, A12, M_1, t0, M_2, X, W_V, t8, A12, M_1, optimize=[(4, 5), (9, 10), (0, 5), (1, 5), (2, 5), (7, 8), (0, 1), (2, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,ai,jkli,jkf,lm,jkm,jkm,jkg,jkh->', t0, M_2, X, W_V, t8, A12, M_1, t0, M_2, X, W_V, t8, A12, A12, M_1, optimize=[(4, 5), (9, 10), (0, 1), (3, 4), (0, 3), (1, 4), (7, 8), (1, 4), (4, 6), (0, 3), (1, 4), (0, 3), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,ai,jkhi,jkf,jkg->', t0, M_2, X, W_V, t8, A12, M_1, t0, M_2, X, G, optimize=[(4, 5), (0, 5), (1, 5), (0, 1), (3, 6), (0, 1), (2, 4), (1, 2), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi,aj,klmj,klf,mn,kln,kln,klh,kli->', t0, M_2, X, W_V, t8, A12, A12, M_1, t0, M_2, X, W_V, t8, A12, A12, M_1, optimize=[(4, 5), (10, 11), (0, 1), (4, 5), (0, 4), (1, 4), (8, 9), (1, 3), (6, 7), (0, 2), (2, 5), (0, 1), (0, 3), (0, 2), (0, 1)]) + (-2/(L*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi,aj,klij,klf,klh->', t0, M_2, X, W_V, t8, A12, A12, M_1, t0, M_2, X, G, optimize=[(4, 5), (0, 6), (1, 6), (2, 5), (6, 7), (1, 4), (4, 5), (0, 4), (0, 1), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
-    return np.sqrt(np.maximum(t17, 0.0))
+    t18 = np.sqrt(np.maximum(t17, 0.0))
+    return t18
 
 
 def ce_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -2552,7 +2744,8 @@ def ce_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t26 = (n_batch**(-2)) * oe.contract('abc,dbc->', t24, t24, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t24, t25, t0, M_3, X, W_K, optimize=[(1, 2), (3, 4), (1, 3), (1, 2), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgi,fgi,ij,fgjk,fgc,kd->', t24, t25, M_2, X, W_V, t8, A12, t17, M_2, X, W_K, optimize=[(0, 9), (1, 9), (3, 4), (0, 1), (0, 4), (3, 5), (2, 3), (1, 3), (0, 2), (0, 1)]) + (-2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgi,fgi,fgj,jk,fgkl,fgc,ld->', t24, t25, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_K, optimize=[(0, 10), (1, 10), (3, 4), (0, 1), (0, 5), (4, 6), (0, 1), (0, 4), (2, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t25, t0, M_3, X, W_K, t25, t0, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkm,jkm,mn,jkno,jkg,oh->', t25, t0, M_3, X, W_K, t25, M_2, X, W_V, t8, A12, t17, M_2, X, W_K, optimize=[(9, 10), (0, 1), (0, 2), (1, 3), (1, 2), (1, 2), (0, 1), (0, 3), (1, 2), (3, 5), (0, 1), (0, 3), (0, 2), (0, 1)]) + (-2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkm,jkm,jkn,no,jkop,jkg,ph->', t25, t0, M_3, X, W_K, t25, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_K, optimize=[(9, 10), (0, 1), (0, 2), (1, 3), (1, 2), (6, 10), (1, 2), (1, 8), (0, 1), (0, 2), (0, 1), (2, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnof,mnl,op,mnp,mnp,pq,mnqr,mnj,rk->', t25, M_2, X, W_V, t8, A12, t17, M_2, X, W_K, t25, M_2, X, W_V, t8, A12, t17, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (2, 4), (2, 3), (2, 3), (0, 2), (0, 1), (0, 3), (2, 8), (1, 2), (3, 6), (0, 1), (0, 4), (0, 1), (1, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnof,mnl,op,mnp,mnp,mnq,qr,mnrs,mnj,sk->', t25, M_2, X, W_V, t8, A12, t17, M_2, X, W_K, t25, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (2, 4), (2, 3), (8, 13), (2, 3), (2, 11), (0, 2), (0, 1), (0, 2), (1, 7), (0, 1), (2, 5), (0, 3), (2, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl,am,nopf,nom,pq,noq,noq,nor,rs,nost,nok,tl->', t25, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_K, t25, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_K, optimize=[(4, 5), (13, 14), (0, 2), (0, 1), (14, 17), (0, 1), (0, 15), (2, 4), (2, 3), (7, 12), (2, 3), (2, 10), (0, 2), (0, 1), (0, 3), (4, 6), (0, 2), (3, 4), (0, 2), (0, 2), (0, 1)])
-    return np.sqrt(np.maximum(t26, 0.0))
+    t27 = np.sqrt(np.maximum(t26, 0.0))
+    return t27
 
 
 def ce_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -2636,7 +2829,8 @@ def ce_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t23 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 1), (0, 5), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jkle,jki,lm,jkm,jkm,mn,jknf,jko,oh->', t0, t1, M_3, X, W_Q, t0, M_2, X, W_V, t9, A13, t18, M_2, X, W_Q, optimize=[(9, 10), (0, 1), (1, 2), (1, 3), (1, 2), (1, 2), (1, 2), (2, 4), (1, 3), (2, 5), (0, 4), (2, 3), (0, 1), (0, 1)]) + (-2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jkle,jki,lm,jkm,jkm,jkn,no,jkof,jkp,ph->', t0, t1, M_3, X, W_Q, t0, M_2, X, W_V, t9, A13, A13, t18, M_2, X, W_Q, optimize=[(9, 10), (0, 1), (1, 2), (1, 3), (1, 2), (6, 10), (1, 2), (1, 8), (1, 2), (1, 3), (0, 2), (1, 4), (2, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnof,mnl,op,mnp,mnp,pq,mnqi,mnr,rk->', t0, M_2, X, W_V, t9, A13, t18, M_2, X, W_Q, t0, M_2, X, W_V, t9, A13, t18, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (0, 1), (0, 1), (0, 1), (0, 3), (2, 8), (1, 3), (0, 2), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnof,mnl,op,mnp,mnp,mnq,qr,mnri,mns,sk->', t0, M_2, X, W_V, t9, A13, t18, M_2, X, W_Q, t0, M_2, X, W_V, t9, A13, A13, t18, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (0, 1), (6, 12), (0, 1), (0, 10), (0, 1), (0, 2), (1, 7), (0, 2), (0, 3), (3, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl,am,nopf,nom,pq,noq,noq,nor,rs,nosj,not,tl->', t0, M_2, X, W_V, t9, A13, A13, t18, M_2, X, W_Q, t0, M_2, X, W_V, t9, A13, A13, t18, M_2, X, W_Q, optimize=[(4, 5), (13, 14), (0, 2), (0, 1), (14, 17), (0, 1), (0, 15), (0, 1), (0, 2), (0, 1), (5, 11), (0, 1), (0, 9), (0, 1), (0, 4), (0, 3), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
-    return np.sqrt(np.maximum(t23, 0.0))
+    t24 = np.sqrt(np.maximum(t23, 0.0))
+    return t24
 
 
 def ce_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -2706,7 +2900,8 @@ def ce_causal0__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t17 = t15 + t16
     G = t17
     t18 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,ai,jklf,jki,lg,jkg,jkg,jkh->', t0, M_2, X, W_V, t9, A13, M_1, t0, M_2, X, W_V, t9, A13, M_1, optimize=[(4, 5), (9, 10), (0, 2), (2, 7), (2, 4), (6, 8), (6, 7), (0, 1), (2, 5), (0, 1), (2, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,ai,jklf,jki,lm,jkm,jkm,jkg,jkh->', t0, M_2, X, W_V, t9, A13, M_1, t0, M_2, X, W_V, t9, A13, A13, M_1, optimize=[(4, 5), (9, 10), (0, 2), (0, 1), (1, 3), (1, 2), (4, 8), (0, 2), (1, 3), (1, 2), (2, 4), (1, 2), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,ai,jkhf,jki,jkg->', t0, M_2, X, W_V, t9, A13, M_1, t0, M_2, X, G, optimize=[(4, 5), (0, 2), (3, 5), (6, 7), (0, 1), (3, 5), (0, 1), (2, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi,aj,klmf,klj,mn,kln,kln,klh,kli->', t0, M_2, X, W_V, t9, A13, A13, M_1, t0, M_2, X, W_V, t9, A13, A13, M_1, optimize=[(4, 5), (10, 11), (0, 2), (0, 1), (8, 11), (2, 4), (2, 3), (4, 8), (0, 2), (0, 1), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (-2/(L*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi,aj,klif,klj,klh->', t0, M_2, X, W_V, t9, A13, A13, M_1, t0, M_2, X, G, optimize=[(4, 5), (0, 2), (2, 7), (3, 5), (5, 7), (5, 6), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (2, 5), (1, 4), (3, 4), (2, 3), (0, 2), (0, 1)])
-    return np.sqrt(np.maximum(t18, 0.0))
+    t19 = np.sqrt(np.maximum(t18, 0.0))
+    return t19
 
 
 def ce_causal0__diag__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -2834,7 +3029,8 @@ def ce_causal0__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t18 = np.swapaxes(M_1, -1, -2)
     t19 = np.swapaxes(W_V, -1, -2)
     t20 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t17, M_2, X, W_K, t17, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hdi,hib,hib,bj,hijk,hif,kg->', t17, M_2, X, W_K, t18, t1, A12, t19, M_2, X, W_K, optimize=[(5, 6), (2, 7), (2, 6), (0, 3), (0, 1), (2, 5), (0, 2), (2, 3), (1, 2), (0, 1)]) + (-2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hdi,hib,hib,hij,jk,hikl,hif,lg->', t17, M_2, X, W_K, t18, t1, A12, A12, t19, M_2, X, W_K, optimize=[(5, 6), (2, 8), (2, 7), (3, 4), (3, 7), (5, 6), (0, 3), (2, 4), (0, 1), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,fh,ibj,ijd,ijd,dk,ijkl,ijg,lh->', t18, t1, A12, t19, M_2, X, W_K, t18, t1, A12, t19, M_2, X, W_K, optimize=[(1, 2), (6, 7), (0, 5), (2, 6), (8, 9), (2, 5), (0, 2), (2, 3), (2, 5), (0, 2), (0, 1), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,fh,ibj,ijd,ijd,ijk,kl,ijlm,ijg,mh->', t18, t1, A12, t19, M_2, X, W_K, t18, t1, A12, A12, t19, M_2, X, W_K, optimize=[(1, 2), (6, 7), (1, 2), (0, 3), (2, 3), (2, 9), (0, 2), (5, 7), (0, 1), (2, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi,jbk,jkd,jkd,jkl,lm,jkmn,jkh,ni->', t18, t1, A12, A12, t19, M_2, X, W_K, t18, t1, A12, A12, t19, M_2, X, W_K, optimize=[(1, 2), (7, 8), (1, 2), (1, 12), (0, 3), (2, 3), (2, 9), (0, 2), (5, 7), (0, 1), (0, 1), (2, 4), (0, 2), (0, 2), (0, 1)])
-    return np.sqrt(np.maximum(t20, 0.0))
+    t21 = np.sqrt(np.maximum(t20, 0.0))
+    return t21
 
 
 def ce_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -2908,7 +3104,8 @@ def ce_causal0__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t18 = np.swapaxes(M_1, -1, -2)
     t19 = np.swapaxes(W_V, -1, -2)
     t20 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t17, M_2, X, W_Q, t17, M_2, X, W_Q, optimize=[(0, 4), (1, 2), (2, 3), (2, 3), (2, 3), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hdi,hib,hib,bj,hije,hik,kg->', t17, M_2, X, W_Q, t18, t1, A12, t19, M_2, X, W_Q, optimize=[(5, 6), (2, 3), (5, 6), (6, 7), (0, 3), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)]) + (-2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hdi,hib,hib,hij,jk,hike,hil,lg->', t17, M_2, X, W_Q, t18, t1, A12, A12, t19, M_2, X, W_Q, optimize=[(5, 6), (2, 3), (3, 4), (3, 8), (3, 4), (4, 6), (0, 3), (3, 4), (0, 1), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,gh,ibj,ijd,ijd,dk,ijkf,ijl,lh->', t18, t1, A12, t19, M_2, X, W_Q, t18, t1, A12, t19, M_2, X, W_Q, optimize=[(1, 2), (6, 7), (0, 5), (2, 3), (4, 5), (7, 8), (6, 7), (0, 1), (2, 5), (0, 1), (2, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,gh,ibj,ijd,ijd,ijk,kl,ijlf,ijm,mh->', t18, t1, A12, t19, M_2, X, W_Q, t18, t1, A12, A12, t19, M_2, X, W_Q, optimize=[(1, 2), (6, 7), (1, 2), (1, 2), (0, 1), (0, 1), (0, 8), (0, 1), (0, 2), (3, 5), (0, 4), (1, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi,jbk,jkd,jkd,jkl,lm,jkmg,jkn,ni->', t18, t1, A12, A12, t19, M_2, X, W_Q, t18, t1, A12, A12, t19, M_2, X, W_Q, optimize=[(1, 2), (7, 8), (1, 2), (1, 12), (1, 2), (0, 1), (0, 1), (0, 8), (0, 1), (0, 1), (2, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
-    return np.sqrt(np.maximum(t20, 0.0))
+    t21 = np.sqrt(np.maximum(t20, 0.0))
+    return t21
 
 
 def ce_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -2965,7 +3162,8 @@ def ce_causal0__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     t12 = np.exp(t11 - t11.max(-1, keepdims=True))
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fge->', t8, t10, A13, M_1, t8, t10, A13, M_1, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fgd,fge->', t8, t10, A13, M_1, t8, t10, A13, A13, M_1, optimize=[(1, 2), (3, 4), (3, 6), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,acf,gbh,ghd,ghd,ghe,ghf->', t8, t10, A13, A13, M_1, t8, t10, A13, A13, M_1, optimize=[(1, 2), (4, 5), (0, 3), (0, 2), (4, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    return np.sqrt(np.maximum(t14, 0.0))
+    t15 = np.sqrt(np.maximum(t14, 0.0))
+    return t15
 
 
 def ce_causal1__loss(X, W_Q, W_K, W_V, Y):
@@ -3172,6 +3370,55 @@ def ce_causal1__hvp__outer(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     return (t40.mean(0), t45.mean(0), t49.mean(0),)
 
 
+def ce_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
+    """(‖H_outer(p, q)‖_F for p, q in the parameters, row-major)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = np.swapaxes(W_K, -1, -2)
+    t1 = np.swapaxes(X, -1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = np.triu(np.ones((L, L), dtype=bool), 1)
+    t7 = np.where(t6, -math.inf, t5)
+    t8 = np.exp(t7 - t7.max(-1, keepdims=True))
+    A = t8 / t8.sum(-1, keepdims=True)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t9 = Y.sum(-1, keepdims=True)
+    t10 = np.broadcast_to(t9, t9.shape[:-1] + (d_V,))
+    t11 = A @ X
+    M_1 = t11
+    t12 = M_1 @ W_V
+    t13 = np.exp(t12 - t12.max(-1, keepdims=True))
+    A14 = t13 / t13.sum(-1, keepdims=True)
+    t15 = np.swapaxes(W_V, -1, -2)
+    t16 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnol,mnf,op,mnp,mnp,pq,mnqr,mnj,rk->', t0, M_2, X, W_V, t10, A14, t15, M_2, X, W_K, t0, M_2, X, W_V, t10, A14, t15, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (4, 5), (0, 4), (4, 5), (1, 4), (9, 11), (1, 3), (0, 4), (0, 4), (2, 5), (0, 4), (4, 5), (0, 3), (0, 3), (1, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnol,mnf,op,mnp,mnp,mnq,qr,mnrs,mnj,sk->', t0, M_2, X, W_V, t10, A14, t15, M_2, X, W_K, t0, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (4, 5), (0, 4), (4, 5), (4, 13), (1, 4), (9, 11), (1, 3), (1, 3), (4, 8), (0, 2), (1, 4), (0, 4), (3, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl,am,nopm,nof,pq,noq,noq,nor,rs,nost,nok,tl->', t0, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_K, t0, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_K, optimize=[(4, 5), (13, 14), (0, 1), (2, 3), (2, 17), (4, 5), (0, 4), (4, 5), (4, 13), (1, 4), (9, 11), (1, 3), (0, 2), (2, 8), (0, 1), (1, 6), (0, 3), (2, 3), (1, 3), (0, 1), (0, 1)])
+    t17 = np.sqrt(np.maximum(t16, 0.0))
+    t18 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnol,mnf,op,mnp,mnp,pq,mnqi,mnr,rk->', t0, M_2, X, W_V, t10, A14, t15, M_2, X, W_Q, t0, M_2, X, W_V, t10, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (2, 3), (2, 3), (0, 2), (2, 3), (2, 3), (0, 4), (1, 3), (7, 8), (0, 3), (0, 3), (4, 5), (3, 4), (1, 3), (0, 1), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnol,mnf,op,mnp,mnp,mnq,qr,mnri,mns,sk->', t0, M_2, X, W_V, t10, A14, t15, M_2, X, W_Q, t0, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (2, 3), (2, 3), (0, 2), (2, 3), (2, 12), (2, 3), (1, 3), (5, 9), (0, 2), (0, 1), (5, 6), (0, 3), (0, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl,am,nopm,nof,pq,noq,noq,nor,rs,nosj,not,tl->', t0, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_Q, t0, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (13, 14), (0, 1), (2, 3), (2, 17), (2, 3), (2, 3), (0, 2), (2, 3), (2, 12), (2, 3), (0, 2), (2, 9), (0, 1), (2, 7), (0, 3), (1, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
+    t19 = np.sqrt(np.maximum(t18, 0.0))
+    t20 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,ai,jkli,jkf,lg,jkg,jkg,jkh->', t0, M_2, X, W_V, t10, A14, M_1, t0, M_2, X, W_V, t10, A14, M_1, optimize=[(4, 5), (9, 10), (0, 5), (1, 5), (2, 5), (7, 8), (0, 1), (2, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,ai,jkli,jkf,lm,jkm,jkm,jkg,jkh->', t0, M_2, X, W_V, t10, A14, M_1, t0, M_2, X, W_V, t10, A14, A14, M_1, optimize=[(4, 5), (9, 10), (0, 1), (3, 4), (0, 3), (1, 4), (7, 8), (1, 4), (4, 6), (0, 3), (1, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi,aj,klmj,klf,mn,kln,kln,klh,kli->', t0, M_2, X, W_V, t10, A14, A14, M_1, t0, M_2, X, W_V, t10, A14, A14, M_1, optimize=[(4, 5), (10, 11), (0, 1), (4, 5), (0, 4), (1, 4), (8, 9), (1, 3), (6, 7), (0, 2), (2, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
+    t21 = np.sqrt(np.maximum(t20, 0.0))
+    t22 = np.swapaxes(W_Q, -1, -2)
+    t23 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnof,mnl,op,mnp,mnp,pq,mnqr,mnj,rk->', t22, M_2, X, W_V, t10, A14, t15, M_2, X, W_K, t22, M_2, X, W_V, t10, A14, t15, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (2, 4), (2, 3), (2, 3), (0, 2), (0, 1), (0, 3), (2, 8), (1, 2), (3, 6), (0, 1), (0, 4), (0, 1), (1, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnof,mnl,op,mnp,mnp,mnq,qr,mnrs,mnj,sk->', t22, M_2, X, W_V, t10, A14, t15, M_2, X, W_K, t22, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (2, 4), (2, 3), (8, 13), (2, 3), (2, 11), (0, 2), (0, 1), (0, 2), (1, 7), (0, 1), (2, 5), (0, 3), (2, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl,am,nopf,nom,pq,noq,noq,nor,rs,nost,nok,tl->', t22, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_K, t22, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_K, optimize=[(4, 5), (13, 14), (0, 2), (0, 1), (14, 17), (0, 1), (0, 15), (2, 4), (2, 3), (7, 12), (2, 3), (2, 10), (0, 2), (0, 1), (0, 3), (4, 6), (0, 2), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t24 = np.sqrt(np.maximum(t23, 0.0))
+    t25 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnof,mnl,op,mnp,mnp,pq,mnqi,mnr,rk->', t22, M_2, X, W_V, t10, A14, t15, M_2, X, W_Q, t22, M_2, X, W_V, t10, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (0, 1), (0, 1), (0, 1), (0, 3), (2, 8), (1, 3), (0, 2), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnof,mnl,op,mnp,mnp,mnq,qr,mnri,mns,sk->', t22, M_2, X, W_V, t10, A14, t15, M_2, X, W_Q, t22, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (0, 1), (6, 12), (0, 1), (0, 10), (0, 1), (0, 2), (1, 7), (0, 2), (0, 3), (3, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl,am,nopf,nom,pq,noq,noq,nor,rs,nosj,not,tl->', t22, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_Q, t22, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (13, 14), (0, 2), (0, 1), (14, 17), (0, 1), (0, 15), (0, 1), (0, 2), (0, 1), (5, 11), (0, 1), (0, 9), (0, 1), (0, 4), (0, 3), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t26 = np.sqrt(np.maximum(t25, 0.0))
+    t27 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,ai,jklf,jki,lg,jkg,jkg,jkh->', t22, M_2, X, W_V, t10, A14, M_1, t22, M_2, X, W_V, t10, A14, M_1, optimize=[(4, 5), (9, 10), (0, 2), (2, 7), (2, 4), (6, 8), (6, 7), (0, 1), (2, 5), (0, 1), (2, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,ai,jklf,jki,lm,jkm,jkm,jkg,jkh->', t22, M_2, X, W_V, t10, A14, M_1, t22, M_2, X, W_V, t10, A14, A14, M_1, optimize=[(4, 5), (9, 10), (0, 2), (0, 1), (1, 3), (1, 2), (4, 8), (0, 2), (1, 3), (1, 2), (2, 4), (1, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi,aj,klmf,klj,mn,kln,kln,klh,kli->', t22, M_2, X, W_V, t10, A14, A14, M_1, t22, M_2, X, W_V, t10, A14, A14, M_1, optimize=[(4, 5), (10, 11), (0, 2), (0, 1), (8, 11), (2, 4), (2, 3), (4, 8), (0, 2), (0, 1), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t28 = np.sqrt(np.maximum(t27, 0.0))
+    t29 = np.swapaxes(M_1, -1, -2)
+    t30 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,fh,ibj,ijd,ijd,dk,ijkl,ijg,lh->', t29, t10, A14, t15, M_2, X, W_K, t29, t10, A14, t15, M_2, X, W_K, optimize=[(1, 2), (6, 7), (0, 5), (2, 6), (8, 9), (2, 5), (0, 2), (2, 3), (2, 5), (0, 2), (0, 1), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,fh,ibj,ijd,ijd,ijk,kl,ijlm,ijg,mh->', t29, t10, A14, t15, M_2, X, W_K, t29, t10, A14, A14, t15, M_2, X, W_K, optimize=[(1, 2), (6, 7), (1, 2), (0, 3), (2, 3), (2, 9), (0, 2), (5, 7), (0, 1), (2, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi,jbk,jkd,jkd,jkl,lm,jkmn,jkh,ni->', t29, t10, A14, A14, t15, M_2, X, W_K, t29, t10, A14, A14, t15, M_2, X, W_K, optimize=[(1, 2), (7, 8), (1, 2), (1, 12), (0, 3), (2, 3), (2, 9), (0, 2), (5, 7), (0, 1), (0, 1), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t31 = np.sqrt(np.maximum(t30, 0.0))
+    t32 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,gh,ibj,ijd,ijd,dk,ijkf,ijl,lh->', t29, t10, A14, t15, M_2, X, W_Q, t29, t10, A14, t15, M_2, X, W_Q, optimize=[(1, 2), (6, 7), (0, 5), (2, 3), (4, 5), (7, 8), (6, 7), (0, 1), (2, 5), (0, 1), (2, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,gh,ibj,ijd,ijd,ijk,kl,ijlf,ijm,mh->', t29, t10, A14, t15, M_2, X, W_Q, t29, t10, A14, A14, t15, M_2, X, W_Q, optimize=[(1, 2), (6, 7), (1, 2), (1, 2), (0, 1), (0, 1), (0, 8), (0, 1), (0, 2), (3, 5), (0, 4), (1, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi,jbk,jkd,jkd,jkl,lm,jkmg,jkn,ni->', t29, t10, A14, A14, t15, M_2, X, W_Q, t29, t10, A14, A14, t15, M_2, X, W_Q, optimize=[(1, 2), (7, 8), (1, 2), (1, 12), (1, 2), (0, 1), (0, 1), (0, 8), (0, 1), (0, 1), (2, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t33 = np.sqrt(np.maximum(t32, 0.0))
+    t34 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fge->', t29, t10, A14, M_1, t29, t10, A14, M_1, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fgd,fge->', t29, t10, A14, M_1, t29, t10, A14, A14, M_1, optimize=[(1, 2), (3, 4), (3, 6), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,acf,gbh,ghd,ghd,ghe,ghf->', t29, t10, A14, A14, M_1, t29, t10, A14, A14, M_1, optimize=[(1, 2), (4, 5), (0, 3), (0, 2), (4, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
+    t35 = np.sqrt(np.maximum(t34, 0.0))
+    return (t17, t19, t21, t24, t26, t28, t31, t33, t35,)
+
+
 def ce_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     """diag H_outer(W_Q, W_Q) (vec_r order) without the dense block."""
     L = X.shape[-2]
@@ -3294,7 +3541,8 @@ def ce_causal1__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.swapaxes(W_V, -1, -2)
     t16 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnol,mnf,op,mnp,mnp,pq,mnqr,mnj,rk->', t0, M_2, X, W_V, t10, A14, t15, M_2, X, W_K, t0, M_2, X, W_V, t10, A14, t15, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (4, 5), (0, 4), (4, 5), (1, 4), (9, 11), (1, 3), (0, 4), (0, 4), (2, 5), (0, 4), (4, 5), (0, 3), (0, 3), (1, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnol,mnf,op,mnp,mnp,mnq,qr,mnrs,mnj,sk->', t0, M_2, X, W_V, t10, A14, t15, M_2, X, W_K, t0, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (4, 5), (0, 4), (4, 5), (4, 13), (1, 4), (9, 11), (1, 3), (1, 3), (4, 8), (0, 2), (1, 4), (0, 4), (3, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl,am,nopm,nof,pq,noq,noq,nor,rs,nost,nok,tl->', t0, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_K, t0, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_K, optimize=[(4, 5), (13, 14), (0, 1), (2, 3), (2, 17), (4, 5), (0, 4), (4, 5), (4, 13), (1, 4), (9, 11), (1, 3), (0, 2), (2, 8), (0, 1), (1, 6), (0, 3), (2, 3), (1, 3), (0, 1), (0, 1)])
-    return np.sqrt(np.maximum(t16, 0.0))
+    t17 = np.sqrt(np.maximum(t16, 0.0))
+    return t17
 
 
 def ce_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -3357,7 +3605,8 @@ def ce_causal1__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.swapaxes(W_V, -1, -2)
     t16 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnol,mnf,op,mnp,mnp,pq,mnqi,mnr,rk->', t0, M_2, X, W_V, t10, A14, t15, M_2, X, W_Q, t0, M_2, X, W_V, t10, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (2, 3), (2, 3), (0, 2), (2, 3), (2, 3), (0, 4), (1, 3), (7, 8), (0, 3), (0, 3), (4, 5), (3, 4), (1, 3), (0, 1), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnol,mnf,op,mnp,mnp,mnq,qr,mnri,mns,sk->', t0, M_2, X, W_V, t10, A14, t15, M_2, X, W_Q, t0, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (2, 3), (2, 3), (0, 2), (2, 3), (2, 12), (2, 3), (1, 3), (5, 9), (0, 2), (0, 1), (5, 6), (0, 3), (0, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl,am,nopm,nof,pq,noq,noq,nor,rs,nosj,not,tl->', t0, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_Q, t0, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (13, 14), (0, 1), (2, 3), (2, 17), (2, 3), (2, 3), (0, 2), (2, 3), (2, 12), (2, 3), (0, 2), (2, 9), (0, 1), (2, 7), (0, 3), (1, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    return np.sqrt(np.maximum(t16, 0.0))
+    t17 = np.sqrt(np.maximum(t16, 0.0))
+    return t17
 
 
 def ce_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -3418,7 +3667,8 @@ def ce_causal1__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     t13 = np.exp(t12 - t12.max(-1, keepdims=True))
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,ai,jkli,jkf,lg,jkg,jkg,jkh->', t0, M_2, X, W_V, t10, A14, M_1, t0, M_2, X, W_V, t10, A14, M_1, optimize=[(4, 5), (9, 10), (0, 5), (1, 5), (2, 5), (7, 8), (0, 1), (2, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,ai,jkli,jkf,lm,jkm,jkm,jkg,jkh->', t0, M_2, X, W_V, t10, A14, M_1, t0, M_2, X, W_V, t10, A14, A14, M_1, optimize=[(4, 5), (9, 10), (0, 1), (3, 4), (0, 3), (1, 4), (7, 8), (1, 4), (4, 6), (0, 3), (1, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi,aj,klmj,klf,mn,kln,kln,klh,kli->', t0, M_2, X, W_V, t10, A14, A14, M_1, t0, M_2, X, W_V, t10, A14, A14, M_1, optimize=[(4, 5), (10, 11), (0, 1), (4, 5), (0, 4), (1, 4), (8, 9), (1, 3), (6, 7), (0, 2), (2, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
-    return np.sqrt(np.maximum(t15, 0.0))
+    t16 = np.sqrt(np.maximum(t15, 0.0))
+    return t16
 
 
 def ce_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -3547,7 +3797,8 @@ def ce_causal1__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.swapaxes(W_V, -1, -2)
     t17 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnof,mnl,op,mnp,mnp,pq,mnqr,mnj,rk->', t0, M_2, X, W_V, t11, A15, t16, M_2, X, W_K, t0, M_2, X, W_V, t11, A15, t16, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (2, 4), (2, 3), (2, 3), (0, 2), (0, 1), (0, 3), (2, 8), (1, 2), (3, 6), (0, 1), (0, 4), (0, 1), (1, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnof,mnl,op,mnp,mnp,mnq,qr,mnrs,mnj,sk->', t0, M_2, X, W_V, t11, A15, t16, M_2, X, W_K, t0, M_2, X, W_V, t11, A15, A15, t16, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (2, 4), (2, 3), (8, 13), (2, 3), (2, 11), (0, 2), (0, 1), (0, 2), (1, 7), (0, 1), (2, 5), (0, 3), (2, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl,am,nopf,nom,pq,noq,noq,nor,rs,nost,nok,tl->', t0, M_2, X, W_V, t11, A15, A15, t16, M_2, X, W_K, t0, M_2, X, W_V, t11, A15, A15, t16, M_2, X, W_K, optimize=[(4, 5), (13, 14), (0, 2), (0, 1), (14, 17), (0, 1), (0, 15), (2, 4), (2, 3), (7, 12), (2, 3), (2, 10), (0, 2), (0, 1), (0, 3), (4, 6), (0, 2), (3, 4), (0, 2), (0, 2), (0, 1)])
-    return np.sqrt(np.maximum(t17, 0.0))
+    t18 = np.sqrt(np.maximum(t17, 0.0))
+    return t18
 
 
 def ce_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -3612,7 +3863,8 @@ def ce_causal1__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.swapaxes(W_V, -1, -2)
     t17 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnof,mnl,op,mnp,mnp,pq,mnqi,mnr,rk->', t0, M_2, X, W_V, t11, A15, t16, M_2, X, W_Q, t0, M_2, X, W_V, t11, A15, t16, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (0, 1), (0, 1), (0, 1), (0, 3), (2, 8), (1, 3), (0, 2), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnof,mnl,op,mnp,mnp,mnq,qr,mnri,mns,sk->', t0, M_2, X, W_V, t11, A15, t16, M_2, X, W_Q, t0, M_2, X, W_V, t11, A15, A15, t16, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (0, 1), (6, 12), (0, 1), (0, 10), (0, 1), (0, 2), (1, 7), (0, 2), (0, 3), (3, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl,am,nopf,nom,pq,noq,noq,nor,rs,nosj,not,tl->', t0, M_2, X, W_V, t11, A15, A15, t16, M_2, X, W_Q, t0, M_2, X, W_V, t11, A15, A15, t16, M_2, X, W_Q, optimize=[(4, 5), (13, 14), (0, 2), (0, 1), (14, 17), (0, 1), (0, 15), (0, 1), (0, 2), (0, 1), (5, 11), (0, 1), (0, 9), (0, 1), (0, 4), (0, 3), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
-    return np.sqrt(np.maximum(t17, 0.0))
+    t18 = np.sqrt(np.maximum(t17, 0.0))
+    return t18
 
 
 def ce_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -3675,7 +3927,8 @@ def ce_causal1__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     t14 = np.exp(t13 - t13.max(-1, keepdims=True))
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,ai,jklf,jki,lg,jkg,jkg,jkh->', t0, M_2, X, W_V, t11, A15, M_1, t0, M_2, X, W_V, t11, A15, M_1, optimize=[(4, 5), (9, 10), (0, 2), (2, 7), (2, 4), (6, 8), (6, 7), (0, 1), (2, 5), (0, 1), (2, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,ai,jklf,jki,lm,jkm,jkm,jkg,jkh->', t0, M_2, X, W_V, t11, A15, M_1, t0, M_2, X, W_V, t11, A15, A15, M_1, optimize=[(4, 5), (9, 10), (0, 2), (0, 1), (1, 3), (1, 2), (4, 8), (0, 2), (1, 3), (1, 2), (2, 4), (1, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi,aj,klmf,klj,mn,kln,kln,klh,kli->', t0, M_2, X, W_V, t11, A15, A15, M_1, t0, M_2, X, W_V, t11, A15, A15, M_1, optimize=[(4, 5), (10, 11), (0, 2), (0, 1), (8, 11), (2, 4), (2, 3), (4, 8), (0, 2), (0, 1), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
-    return np.sqrt(np.maximum(t16, 0.0))
+    t17 = np.sqrt(np.maximum(t16, 0.0))
+    return t17
 
 
 def ce_causal1__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -3798,7 +4051,8 @@ def ce_causal1__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t17 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,fh,ibj,ijd,ijd,dk,ijkl,ijg,lh->', t10, t12, A15, t16, M_2, X, W_K, t10, t12, A15, t16, M_2, X, W_K, optimize=[(1, 2), (6, 7), (0, 5), (2, 6), (8, 9), (2, 5), (0, 2), (2, 3), (2, 5), (0, 2), (0, 1), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,fh,ibj,ijd,ijd,ijk,kl,ijlm,ijg,mh->', t10, t12, A15, t16, M_2, X, W_K, t10, t12, A15, A15, t16, M_2, X, W_K, optimize=[(1, 2), (6, 7), (1, 2), (0, 3), (2, 3), (2, 9), (0, 2), (5, 7), (0, 1), (2, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi,jbk,jkd,jkd,jkl,lm,jkmn,jkh,ni->', t10, t12, A15, A15, t16, M_2, X, W_K, t10, t12, A15, A15, t16, M_2, X, W_K, optimize=[(1, 2), (7, 8), (1, 2), (1, 12), (0, 3), (2, 3), (2, 9), (0, 2), (5, 7), (0, 1), (0, 1), (2, 4), (0, 2), (0, 2), (0, 1)])
-    return np.sqrt(np.maximum(t17, 0.0))
+    t18 = np.sqrt(np.maximum(t17, 0.0))
+    return t18
 
 
 def ce_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -3863,7 +4117,8 @@ def ce_causal1__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t17 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,gh,ibj,ijd,ijd,dk,ijkf,ijl,lh->', t10, t12, A15, t16, M_2, X, W_Q, t10, t12, A15, t16, M_2, X, W_Q, optimize=[(1, 2), (6, 7), (0, 5), (2, 3), (4, 5), (7, 8), (6, 7), (0, 1), (2, 5), (0, 1), (2, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,gh,ibj,ijd,ijd,ijk,kl,ijlf,ijm,mh->', t10, t12, A15, t16, M_2, X, W_Q, t10, t12, A15, A15, t16, M_2, X, W_Q, optimize=[(1, 2), (6, 7), (1, 2), (1, 2), (0, 1), (0, 1), (0, 8), (0, 1), (0, 2), (3, 5), (0, 4), (1, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi,jbk,jkd,jkd,jkl,lm,jkmg,jkn,ni->', t10, t12, A15, A15, t16, M_2, X, W_Q, t10, t12, A15, A15, t16, M_2, X, W_Q, optimize=[(1, 2), (7, 8), (1, 2), (1, 12), (1, 2), (0, 1), (0, 1), (0, 8), (0, 1), (0, 1), (2, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
-    return np.sqrt(np.maximum(t17, 0.0))
+    t18 = np.sqrt(np.maximum(t17, 0.0))
+    return t18
 
 
 def ce_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -3924,7 +4179,8 @@ def ce_causal1__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     t14 = np.exp(t13 - t13.max(-1, keepdims=True))
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fge->', t10, t12, A15, M_1, t10, t12, A15, M_1, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fgd,fge->', t10, t12, A15, M_1, t10, t12, A15, A15, M_1, optimize=[(1, 2), (3, 4), (3, 6), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,acf,gbh,ghd,ghd,ghe,ghf->', t10, t12, A15, A15, M_1, t10, t12, A15, A15, M_1, optimize=[(1, 2), (4, 5), (0, 3), (0, 2), (4, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    return np.sqrt(np.maximum(t16, 0.0))
+    t17 = np.sqrt(np.maximum(t16, 0.0))
+    return t17
 
 
 def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
@@ -4086,6 +4342,69 @@ def ce_causal1__hvp__functional(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     return (t48.mean(0), t61.mean(0), t66.mean(0),)
 
 
+def ce_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
+    """(‖H_functional(p, q)‖_F for p, q in the parameters, row-major)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = np.swapaxes(W_K, -1, -2)
+    t1 = np.swapaxes(X, -1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = np.triu(np.ones((L, L), dtype=bool), 1)
+    t7 = np.where(t6, -math.inf, t5)
+    t8 = np.exp(t7 - t7.max(-1, keepdims=True))
+    A = t8 / t8.sum(-1, keepdims=True)
+    t9 = Y.sum(-1, keepdims=True)
+    t10 = np.broadcast_to(t9, t9.shape[:-1] + (d_V,))
+    t11 = A @ X
+    M_1 = t11
+    t12 = M_1 @ W_V
+    t13 = np.exp(t12 - t12.max(-1, keepdims=True))
+    A14 = t13 / t13.sum(-1, keepdims=True)
+    t15 = t10 * A14
+    t16 = (1/L) * t15
+    t17 = (-1/L) * Y
+    t18 = t16 + t17
+    G = t18
+    t19 = np.swapaxes(W_V, -1, -2)
+    t20 = t19 @ t1
+    t21 = G @ t20
+    t22 = t21 - (A * t21).sum(-1, keepdims=True)
+    t23 = A * t22
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t24 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t25 = np.sqrt(np.maximum(t24, 0.0))
+    t26 = t23 @ X
+    t27 = t1 @ t26
+    t28 = (n_batch**(-2)) * oe.contract('abc,dbc->', t27, t27, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t27, t0, t1, M_3, X, W_Q, optimize=[(1, 5), (3, 4), (2, 3), (1, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t29 = np.sqrt(np.maximum(t28, 0.0))
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t30 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t31 = np.sqrt(np.maximum(t30, 0.0))
+    t32 = np.swapaxes(t23, -1, -2)
+    t33 = t32 @ X
+    t34 = t1 @ t33
+    t35 = np.swapaxes(W_Q, -1, -2)
+    t36 = (n_batch**(-2)) * oe.contract('abc,dbc->', t34, t34, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t34, t35, t1, M_3, X, W_K, optimize=[(1, 2), (3, 4), (1, 3), (1, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t35, t1, M_3, X, W_K, t35, t1, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t37 = np.sqrt(np.maximum(t36, 0.0))
+    t38 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t35, t1, M_3, X, W_Q, t35, t1, M_3, X, W_Q, optimize=[(0, 1), (0, 5), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)])
+    t39 = np.sqrt(np.maximum(t38, 0.0))
+    t40 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t35, M_2, X, G, t35, M_2, X, G, optimize=[(0, 4), (2, 5), (1, 4), (3, 4), (2, 3), (0, 2), (0, 1)])
+    t41 = np.sqrt(np.maximum(t40, 0.0))
+    t42 = np.swapaxes(G, -1, -2)
+    t43 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t42, M_2, X, W_K, t42, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
+    t44 = np.sqrt(np.maximum(t43, 0.0))
+    t45 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t42, M_2, X, W_Q, t42, M_2, X, W_Q, optimize=[(0, 4), (1, 2), (2, 3), (2, 3), (2, 3), (0, 2), (0, 1)])
+    t46 = np.sqrt(np.maximum(t45, 0.0))
+    return (t25, t29, t31, t37, t39, t41, t44, t46, 0.0,)
+
+
 def ce_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
     """diag H_functional(W_Q, W_Q) (vec_r order) without the dense block."""
     L = X.shape[-2]
@@ -4242,7 +4561,8 @@ def ce_causal1__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t1, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t24 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
-    return np.sqrt(np.maximum(t24, 0.0))
+    t25 = np.sqrt(np.maximum(t24, 0.0))
+    return t25
 
 
 def ce_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -4330,7 +4650,8 @@ def ce_causal1__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t0, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t26 = (n_batch**(-2)) * oe.contract('abc,dbc->', t25, t25, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t25, t1, t0, M_3, X, W_Q, optimize=[(1, 5), (3, 4), (2, 3), (1, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t1, t0, M_3, X, W_Q, t1, t0, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)])
-    return np.sqrt(np.maximum(t26, 0.0))
+    t27 = np.sqrt(np.maximum(t26, 0.0))
+    return t27
 
 
 def ce_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -4400,7 +4721,8 @@ def ce_causal1__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t18 = t16 + t17
     G = t18
     t19 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
-    return np.sqrt(np.maximum(t19, 0.0))
+    t20 = np.sqrt(np.maximum(t19, 0.0))
+    return t20
 
 
 def ce_causal1__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -4573,7 +4895,8 @@ def ce_causal1__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t0, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t28 = (n_batch**(-2)) * oe.contract('abc,dbc->', t26, t26, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t26, t27, t0, M_3, X, W_K, optimize=[(1, 2), (3, 4), (1, 3), (1, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t27, t0, M_3, X, W_K, t27, t0, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
-    return np.sqrt(np.maximum(t28, 0.0))
+    t29 = np.sqrt(np.maximum(t28, 0.0))
+    return t29
 
 
 def ce_causal1__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -4655,7 +4978,8 @@ def ce_causal1__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t1, t24, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t24, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t24, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t25 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 1), (0, 5), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)])
-    return np.sqrt(np.maximum(t25, 0.0))
+    t26 = np.sqrt(np.maximum(t25, 0.0))
+    return t26
 
 
 def ce_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -4727,7 +5051,8 @@ def ce_causal1__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t19 = t17 + t18
     G = t19
     t20 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (2, 5), (1, 4), (3, 4), (2, 3), (0, 2), (0, 1)])
-    return np.sqrt(np.maximum(t20, 0.0))
+    t21 = np.sqrt(np.maximum(t20, 0.0))
+    return t21
 
 
 def ce_causal1__diag__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -4819,7 +5144,8 @@ def ce_causal1__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t20 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t19, M_2, X, W_K, t19, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
-    return np.sqrt(np.maximum(t20, 0.0))
+    t21 = np.sqrt(np.maximum(t20, 0.0))
+    return t21
 
 
 def ce_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -4891,7 +5217,8 @@ def ce_causal1__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t20 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t19, M_2, X, W_Q, t19, M_2, X, W_Q, optimize=[(0, 4), (1, 2), (2, 3), (2, 3), (2, 3), (0, 2), (0, 1)])
-    return np.sqrt(np.maximum(t20, 0.0))
+    t21 = np.sqrt(np.maximum(t20, 0.0))
+    return t21
 
 
 def ce_causal1__block__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -5109,6 +5436,72 @@ def ce_causal1__hvp__full(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     return (t60.mean(0), t73.mean(0), t82.mean(0),)
 
 
+def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
+    """(‖H_full(p, q)‖_F for p, q in the parameters, row-major)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = np.swapaxes(W_K, -1, -2)
+    t1 = np.swapaxes(X, -1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = np.triu(np.ones((L, L), dtype=bool), 1)
+    t7 = np.where(t6, -math.inf, t5)
+    t8 = np.exp(t7 - t7.max(-1, keepdims=True))
+    A = t8 / t8.sum(-1, keepdims=True)
+    t9 = Y.sum(-1, keepdims=True)
+    t10 = np.broadcast_to(t9, t9.shape[:-1] + (d_V,))
+    t11 = A @ X
+    M_1 = t11
+    t12 = M_1 @ W_V
+    t13 = np.exp(t12 - t12.max(-1, keepdims=True))
+    A14 = t13 / t13.sum(-1, keepdims=True)
+    t15 = t10 * A14
+    t16 = (1/L) * t15
+    t17 = (-1/L) * Y
+    t18 = t16 + t17
+    G = t18
+    t19 = np.swapaxes(W_V, -1, -2)
+    t20 = t19 @ t1
+    t21 = G @ t20
+    t22 = t21 - (A * t21).sum(-1, keepdims=True)
+    t23 = A * t22
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t24 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jkli,jkd,lm,jkm,jkm,mn,jkno,jkg,oh->', t0, t1, M_3, X, W_K, t0, M_2, X, W_V, t10, A14, t19, M_2, X, W_K, optimize=[(9, 10), (0, 2), (3, 4), (0, 3), (3, 4), (0, 3), (6, 8), (0, 2), (0, 3), (1, 3), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jkli,jkd,lm,jkm,jkm,jkn,no,jkop,jkg,ph->', t0, t1, M_3, X, W_K, t0, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_K, optimize=[(9, 10), (0, 2), (3, 4), (0, 3), (3, 4), (3, 10), (0, 3), (6, 8), (0, 2), (0, 1), (1, 5), (0, 2), (2, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnol,mnf,op,mnp,mnp,pq,mnqr,mnj,rk->', t0, M_2, X, W_V, t10, A14, t19, M_2, X, W_K, t0, M_2, X, W_V, t10, A14, t19, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (4, 5), (0, 4), (4, 5), (1, 4), (9, 11), (1, 3), (0, 4), (0, 4), (2, 5), (0, 4), (4, 5), (0, 3), (0, 3), (1, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnol,mnf,op,mnp,mnp,mnq,qr,mnrs,mnj,sk->', t0, M_2, X, W_V, t10, A14, t19, M_2, X, W_K, t0, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (4, 5), (0, 4), (4, 5), (4, 13), (1, 4), (9, 11), (1, 3), (1, 3), (4, 8), (0, 2), (1, 4), (0, 4), (3, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl,am,nopm,nof,pq,noq,noq,nor,rs,nost,nok,tl->', t0, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_K, t0, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_K, optimize=[(4, 5), (13, 14), (0, 1), (2, 3), (2, 17), (4, 5), (0, 4), (4, 5), (4, 13), (1, 4), (9, 11), (1, 3), (0, 2), (2, 8), (0, 1), (1, 6), (0, 3), (2, 3), (1, 3), (0, 1), (0, 1)])
+    t25 = np.sqrt(np.maximum(t24, 0.0))
+    t26 = t23 @ X
+    t27 = t1 @ t26
+    t28 = (n_batch**(-2)) * oe.contract('abc,dbc->', t27, t27, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t27, t0, t1, M_3, X, W_Q, optimize=[(1, 5), (3, 4), (2, 3), (1, 2), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgi,fgi,ij,fgjc,fgk,kd->', t27, t0, M_2, X, W_V, t10, A14, t19, M_2, X, W_Q, optimize=[(0, 3), (6, 9), (3, 4), (0, 5), (2, 4), (3, 5), (2, 3), (0, 3), (0, 2), (0, 1)]) + (-2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgi,fgi,fgj,jk,fgkc,fgl,ld->', t27, t0, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_Q, optimize=[(0, 3), (7, 10), (3, 4), (0, 6), (2, 3), (3, 6), (2, 4), (0, 4), (0, 3), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkm,jkm,mn,jknf,jko,oh->', t0, t1, M_3, X, W_Q, t0, M_2, X, W_V, t10, A14, t19, M_2, X, W_Q, optimize=[(9, 10), (0, 2), (1, 2), (1, 2), (0, 1), (1, 2), (1, 2), (0, 4), (0, 4), (4, 5), (0, 4), (1, 3), (0, 1), (0, 1)]) + (-2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkm,jkm,jkn,no,jkof,jkp,ph->', t0, t1, M_3, X, W_Q, t0, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_Q, optimize=[(9, 10), (0, 2), (1, 2), (1, 2), (0, 1), (1, 2), (1, 9), (1, 2), (0, 1), (2, 6), (0, 3), (3, 4), (1, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnol,mnf,op,mnp,mnp,pq,mnqi,mnr,rk->', t0, M_2, X, W_V, t10, A14, t19, M_2, X, W_Q, t0, M_2, X, W_V, t10, A14, t19, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (2, 3), (2, 3), (0, 2), (2, 3), (2, 3), (0, 4), (1, 3), (7, 8), (0, 3), (0, 3), (4, 5), (3, 4), (1, 3), (0, 1), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnol,mnf,op,mnp,mnp,mnq,qr,mnri,mns,sk->', t0, M_2, X, W_V, t10, A14, t19, M_2, X, W_Q, t0, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (2, 3), (2, 3), (0, 2), (2, 3), (2, 12), (2, 3), (1, 3), (5, 9), (0, 2), (0, 1), (5, 6), (0, 3), (0, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl,am,nopm,nof,pq,noq,noq,nor,rs,nosj,not,tl->', t0, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_Q, t0, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_Q, optimize=[(4, 5), (13, 14), (0, 1), (2, 3), (2, 17), (2, 3), (2, 3), (0, 2), (2, 3), (2, 12), (2, 3), (0, 2), (2, 9), (0, 1), (2, 7), (0, 3), (1, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
+    t29 = np.sqrt(np.maximum(t28, 0.0))
+    t30 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,ai,jkli,jkf,lg,jkg,jkg,jkh->', t0, M_2, X, W_V, t10, A14, M_1, t0, M_2, X, W_V, t10, A14, M_1, optimize=[(4, 5), (9, 10), (0, 5), (1, 5), (2, 5), (7, 8), (0, 1), (2, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,ai,jkli,jkf,lm,jkm,jkm,jkg,jkh->', t0, M_2, X, W_V, t10, A14, M_1, t0, M_2, X, W_V, t10, A14, A14, M_1, optimize=[(4, 5), (9, 10), (0, 1), (3, 4), (0, 3), (1, 4), (7, 8), (1, 4), (4, 6), (0, 3), (1, 4), (0, 3), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,ai,jkhi,jkf,jkg->', t0, M_2, X, W_V, t10, A14, M_1, t0, M_2, X, G, optimize=[(4, 5), (0, 5), (1, 5), (0, 1), (3, 6), (0, 1), (2, 4), (1, 2), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi,aj,klmj,klf,mn,kln,kln,klh,kli->', t0, M_2, X, W_V, t10, A14, A14, M_1, t0, M_2, X, W_V, t10, A14, A14, M_1, optimize=[(4, 5), (10, 11), (0, 1), (4, 5), (0, 4), (1, 4), (8, 9), (1, 3), (6, 7), (0, 2), (2, 5), (0, 1), (0, 3), (0, 2), (0, 1)]) + (-2/(L*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi,aj,klij,klf,klh->', t0, M_2, X, W_V, t10, A14, A14, M_1, t0, M_2, X, G, optimize=[(4, 5), (0, 6), (1, 6), (2, 5), (6, 7), (1, 4), (4, 5), (0, 4), (0, 1), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t31 = np.sqrt(np.maximum(t30, 0.0))
+    t32 = np.swapaxes(t23, -1, -2)
+    t33 = t32 @ X
+    t34 = t1 @ t33
+    t35 = np.swapaxes(W_Q, -1, -2)
+    t36 = (n_batch**(-2)) * oe.contract('abc,dbc->', t34, t34, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t34, t35, t1, M_3, X, W_K, optimize=[(1, 2), (3, 4), (1, 3), (1, 2), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgi,fgi,ij,fgjk,fgc,kd->', t34, t35, M_2, X, W_V, t10, A14, t19, M_2, X, W_K, optimize=[(0, 9), (1, 9), (3, 4), (0, 1), (0, 4), (3, 5), (2, 3), (1, 3), (0, 2), (0, 1)]) + (-2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgi,fgi,fgj,jk,fgkl,fgc,ld->', t34, t35, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_K, optimize=[(0, 10), (1, 10), (3, 4), (0, 1), (0, 5), (4, 6), (0, 1), (0, 4), (2, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t35, t1, M_3, X, W_K, t35, t1, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkm,jkm,mn,jkno,jkg,oh->', t35, t1, M_3, X, W_K, t35, M_2, X, W_V, t10, A14, t19, M_2, X, W_K, optimize=[(9, 10), (0, 1), (0, 2), (1, 3), (1, 2), (1, 2), (0, 1), (0, 3), (1, 2), (3, 5), (0, 1), (0, 3), (0, 2), (0, 1)]) + (-2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkm,jkm,jkn,no,jkop,jkg,ph->', t35, t1, M_3, X, W_K, t35, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_K, optimize=[(9, 10), (0, 1), (0, 2), (1, 3), (1, 2), (6, 10), (1, 2), (1, 8), (0, 1), (0, 2), (0, 1), (2, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnof,mnl,op,mnp,mnp,pq,mnqr,mnj,rk->', t35, M_2, X, W_V, t10, A14, t19, M_2, X, W_K, t35, M_2, X, W_V, t10, A14, t19, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (2, 4), (2, 3), (2, 3), (0, 2), (0, 1), (0, 3), (2, 8), (1, 2), (3, 6), (0, 1), (0, 4), (0, 1), (1, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnof,mnl,op,mnp,mnp,mnq,qr,mnrs,mnj,sk->', t35, M_2, X, W_V, t10, A14, t19, M_2, X, W_K, t35, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (2, 4), (2, 3), (8, 13), (2, 3), (2, 11), (0, 2), (0, 1), (0, 2), (1, 7), (0, 1), (2, 5), (0, 3), (2, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl,am,nopf,nom,pq,noq,noq,nor,rs,nost,nok,tl->', t35, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_K, t35, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_K, optimize=[(4, 5), (13, 14), (0, 2), (0, 1), (14, 17), (0, 1), (0, 15), (2, 4), (2, 3), (7, 12), (2, 3), (2, 10), (0, 2), (0, 1), (0, 3), (4, 6), (0, 2), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t37 = np.sqrt(np.maximum(t36, 0.0))
+    t38 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t35, t1, M_3, X, W_Q, t35, t1, M_3, X, W_Q, optimize=[(0, 1), (0, 5), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jkle,jki,lm,jkm,jkm,mn,jknf,jko,oh->', t35, t1, M_3, X, W_Q, t35, M_2, X, W_V, t10, A14, t19, M_2, X, W_Q, optimize=[(9, 10), (0, 1), (1, 2), (1, 3), (1, 2), (1, 2), (1, 2), (2, 4), (1, 3), (2, 5), (0, 4), (2, 3), (0, 1), (0, 1)]) + (-2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jkle,jki,lm,jkm,jkm,jkn,no,jkof,jkp,ph->', t35, t1, M_3, X, W_Q, t35, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_Q, optimize=[(9, 10), (0, 1), (1, 2), (1, 3), (1, 2), (6, 10), (1, 2), (1, 8), (1, 2), (1, 3), (0, 2), (1, 4), (2, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnof,mnl,op,mnp,mnp,pq,mnqi,mnr,rk->', t35, M_2, X, W_V, t10, A14, t19, M_2, X, W_Q, t35, M_2, X, W_V, t10, A14, t19, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (0, 1), (0, 1), (0, 1), (0, 3), (2, 8), (1, 3), (0, 2), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnof,mnl,op,mnp,mnp,mnq,qr,mnri,mns,sk->', t35, M_2, X, W_V, t10, A14, t19, M_2, X, W_Q, t35, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (0, 1), (6, 12), (0, 1), (0, 10), (0, 1), (0, 2), (1, 7), (0, 2), (0, 3), (3, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl,am,nopf,nom,pq,noq,noq,nor,rs,nosj,not,tl->', t35, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_Q, t35, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_Q, optimize=[(4, 5), (13, 14), (0, 2), (0, 1), (14, 17), (0, 1), (0, 15), (0, 1), (0, 2), (0, 1), (5, 11), (0, 1), (0, 9), (0, 1), (0, 4), (0, 3), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t39 = np.sqrt(np.maximum(t38, 0.0))
+    t40 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,ai,jklf,jki,lg,jkg,jkg,jkh->', t35, M_2, X, W_V, t10, A14, M_1, t35, M_2, X, W_V, t10, A14, M_1, optimize=[(4, 5), (9, 10), (0, 2), (2, 7), (2, 4), (6, 8), (6, 7), (0, 1), (2, 5), (0, 1), (2, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,ai,jklf,jki,lm,jkm,jkm,jkg,jkh->', t35, M_2, X, W_V, t10, A14, M_1, t35, M_2, X, W_V, t10, A14, A14, M_1, optimize=[(4, 5), (9, 10), (0, 2), (0, 1), (1, 3), (1, 2), (4, 8), (0, 2), (1, 3), (1, 2), (2, 4), (1, 2), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,ai,jkhf,jki,jkg->', t35, M_2, X, W_V, t10, A14, M_1, t35, M_2, X, G, optimize=[(4, 5), (0, 2), (3, 5), (6, 7), (0, 1), (3, 5), (0, 1), (2, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi,aj,klmf,klj,mn,kln,kln,klh,kli->', t35, M_2, X, W_V, t10, A14, A14, M_1, t35, M_2, X, W_V, t10, A14, A14, M_1, optimize=[(4, 5), (10, 11), (0, 2), (0, 1), (8, 11), (2, 4), (2, 3), (4, 8), (0, 2), (0, 1), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (-2/(L*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi,aj,klif,klj,klh->', t35, M_2, X, W_V, t10, A14, A14, M_1, t35, M_2, X, G, optimize=[(4, 5), (0, 2), (2, 7), (3, 5), (5, 7), (5, 6), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t35, M_2, X, G, t35, M_2, X, G, optimize=[(0, 4), (2, 5), (1, 4), (3, 4), (2, 3), (0, 2), (0, 1)])
+    t41 = np.sqrt(np.maximum(t40, 0.0))
+    t42 = np.swapaxes(G, -1, -2)
+    t43 = np.swapaxes(M_1, -1, -2)
+    t44 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t42, M_2, X, W_K, t42, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hdi,hib,hib,bj,hijk,hif,kg->', t42, M_2, X, W_K, t43, t10, A14, t19, M_2, X, W_K, optimize=[(5, 6), (2, 7), (2, 6), (0, 3), (0, 1), (2, 5), (0, 2), (2, 3), (1, 2), (0, 1)]) + (-2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hdi,hib,hib,hij,jk,hikl,hif,lg->', t42, M_2, X, W_K, t43, t10, A14, A14, t19, M_2, X, W_K, optimize=[(5, 6), (2, 8), (2, 7), (3, 4), (3, 7), (5, 6), (0, 3), (2, 4), (0, 1), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,fh,ibj,ijd,ijd,dk,ijkl,ijg,lh->', t43, t10, A14, t19, M_2, X, W_K, t43, t10, A14, t19, M_2, X, W_K, optimize=[(1, 2), (6, 7), (0, 5), (2, 6), (8, 9), (2, 5), (0, 2), (2, 3), (2, 5), (0, 2), (0, 1), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,fh,ibj,ijd,ijd,ijk,kl,ijlm,ijg,mh->', t43, t10, A14, t19, M_2, X, W_K, t43, t10, A14, A14, t19, M_2, X, W_K, optimize=[(1, 2), (6, 7), (1, 2), (0, 3), (2, 3), (2, 9), (0, 2), (5, 7), (0, 1), (2, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi,jbk,jkd,jkd,jkl,lm,jkmn,jkh,ni->', t43, t10, A14, A14, t19, M_2, X, W_K, t43, t10, A14, A14, t19, M_2, X, W_K, optimize=[(1, 2), (7, 8), (1, 2), (1, 12), (0, 3), (2, 3), (2, 9), (0, 2), (5, 7), (0, 1), (0, 1), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t45 = np.sqrt(np.maximum(t44, 0.0))
+    t46 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t42, M_2, X, W_Q, t42, M_2, X, W_Q, optimize=[(0, 4), (1, 2), (2, 3), (2, 3), (2, 3), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hdi,hib,hib,bj,hije,hik,kg->', t42, M_2, X, W_Q, t43, t10, A14, t19, M_2, X, W_Q, optimize=[(5, 6), (2, 3), (5, 6), (6, 7), (0, 3), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)]) + (-2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hdi,hib,hib,hij,jk,hike,hil,lg->', t42, M_2, X, W_Q, t43, t10, A14, A14, t19, M_2, X, W_Q, optimize=[(5, 6), (2, 3), (3, 4), (3, 8), (3, 4), (4, 6), (0, 3), (3, 4), (0, 1), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,gh,ibj,ijd,ijd,dk,ijkf,ijl,lh->', t43, t10, A14, t19, M_2, X, W_Q, t43, t10, A14, t19, M_2, X, W_Q, optimize=[(1, 2), (6, 7), (0, 5), (2, 3), (4, 5), (7, 8), (6, 7), (0, 1), (2, 5), (0, 1), (2, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,gh,ibj,ijd,ijd,ijk,kl,ijlf,ijm,mh->', t43, t10, A14, t19, M_2, X, W_Q, t43, t10, A14, A14, t19, M_2, X, W_Q, optimize=[(1, 2), (6, 7), (1, 2), (1, 2), (0, 1), (0, 1), (0, 8), (0, 1), (0, 2), (3, 5), (0, 4), (1, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi,jbk,jkd,jkd,jkl,lm,jkmg,jkn,ni->', t43, t10, A14, A14, t19, M_2, X, W_Q, t43, t10, A14, A14, t19, M_2, X, W_Q, optimize=[(1, 2), (7, 8), (1, 2), (1, 12), (1, 2), (0, 1), (0, 1), (0, 8), (0, 1), (0, 1), (2, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t47 = np.sqrt(np.maximum(t46, 0.0))
+    t48 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fge->', t43, t10, A14, M_1, t43, t10, A14, M_1, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fgd,fge->', t43, t10, A14, M_1, t43, t10, A14, A14, M_1, optimize=[(1, 2), (3, 4), (3, 6), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,acf,gbh,ghd,ghd,ghe,ghf->', t43, t10, A14, A14, M_1, t43, t10, A14, A14, M_1, optimize=[(1, 2), (4, 5), (0, 3), (0, 2), (4, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
+    t49 = np.sqrt(np.maximum(t48, 0.0))
+    return (t25, t29, t31, t37, t39, t41, t45, t47, t49,)
+
+
 def ce_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     """diag H_full(W_Q, W_Q) (vec_r order) without the dense block."""
     L = X.shape[-2]
@@ -5277,7 +5670,8 @@ def ce_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t24 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jkli,jkd,lm,jkm,jkm,mn,jkno,jkg,oh->', t0, t1, M_3, X, W_K, t0, M_2, X, W_V, t10, A14, t19, M_2, X, W_K, optimize=[(9, 10), (0, 2), (3, 4), (0, 3), (3, 4), (0, 3), (6, 8), (0, 2), (0, 3), (1, 3), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jkli,jkd,lm,jkm,jkm,jkn,no,jkop,jkg,ph->', t0, t1, M_3, X, W_K, t0, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_K, optimize=[(9, 10), (0, 2), (3, 4), (0, 3), (3, 4), (3, 10), (0, 3), (6, 8), (0, 2), (0, 1), (1, 5), (0, 2), (2, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnol,mnf,op,mnp,mnp,pq,mnqr,mnj,rk->', t0, M_2, X, W_V, t10, A14, t19, M_2, X, W_K, t0, M_2, X, W_V, t10, A14, t19, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (4, 5), (0, 4), (4, 5), (1, 4), (9, 11), (1, 3), (0, 4), (0, 4), (2, 5), (0, 4), (4, 5), (0, 3), (0, 3), (1, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnol,mnf,op,mnp,mnp,mnq,qr,mnrs,mnj,sk->', t0, M_2, X, W_V, t10, A14, t19, M_2, X, W_K, t0, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (4, 5), (0, 4), (4, 5), (4, 13), (1, 4), (9, 11), (1, 3), (1, 3), (4, 8), (0, 2), (1, 4), (0, 4), (3, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl,am,nopm,nof,pq,noq,noq,nor,rs,nost,nok,tl->', t0, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_K, t0, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_K, optimize=[(4, 5), (13, 14), (0, 1), (2, 3), (2, 17), (4, 5), (0, 4), (4, 5), (4, 13), (1, 4), (9, 11), (1, 3), (0, 2), (2, 8), (0, 1), (1, 6), (0, 3), (2, 3), (1, 3), (0, 1), (0, 1)])
-    return np.sqrt(np.maximum(t24, 0.0))
+    t25 = np.sqrt(np.maximum(t24, 0.0))
+    return t25
 
 
 def ce_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -5371,7 +5765,8 @@ def ce_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t26 = (n_batch**(-2)) * oe.contract('abc,dbc->', t25, t25, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t25, t1, t0, M_3, X, W_Q, optimize=[(1, 5), (3, 4), (2, 3), (1, 2), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgi,fgi,ij,fgjc,fgk,kd->', t25, t1, M_2, X, W_V, t10, A14, t19, M_2, X, W_Q, optimize=[(0, 3), (6, 9), (3, 4), (0, 5), (2, 4), (3, 5), (2, 3), (0, 3), (0, 2), (0, 1)]) + (-2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgi,fgi,fgj,jk,fgkc,fgl,ld->', t25, t1, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_Q, optimize=[(0, 3), (7, 10), (3, 4), (0, 6), (2, 3), (3, 6), (2, 4), (0, 4), (0, 3), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t1, t0, M_3, X, W_Q, t1, t0, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkm,jkm,mn,jknf,jko,oh->', t1, t0, M_3, X, W_Q, t1, M_2, X, W_V, t10, A14, t19, M_2, X, W_Q, optimize=[(9, 10), (0, 2), (1, 2), (1, 2), (0, 1), (1, 2), (1, 2), (0, 4), (0, 4), (4, 5), (0, 4), (1, 3), (0, 1), (0, 1)]) + (-2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkm,jkm,jkn,no,jkof,jkp,ph->', t1, t0, M_3, X, W_Q, t1, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_Q, optimize=[(9, 10), (0, 2), (1, 2), (1, 2), (0, 1), (1, 2), (1, 9), (1, 2), (0, 1), (2, 6), (0, 3), (3, 4), (1, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnol,mnf,op,mnp,mnp,pq,mnqi,mnr,rk->', t1, M_2, X, W_V, t10, A14, t19, M_2, X, W_Q, t1, M_2, X, W_V, t10, A14, t19, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (2, 3), (2, 3), (0, 2), (2, 3), (2, 3), (0, 4), (1, 3), (7, 8), (0, 3), (0, 3), (4, 5), (3, 4), (1, 3), (0, 1), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnol,mnf,op,mnp,mnp,mnq,qr,mnri,mns,sk->', t1, M_2, X, W_V, t10, A14, t19, M_2, X, W_Q, t1, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (2, 3), (2, 3), (0, 2), (2, 3), (2, 12), (2, 3), (1, 3), (5, 9), (0, 2), (0, 1), (5, 6), (0, 3), (0, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl,am,nopm,nof,pq,noq,noq,nor,rs,nosj,not,tl->', t1, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_Q, t1, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_Q, optimize=[(4, 5), (13, 14), (0, 1), (2, 3), (2, 17), (2, 3), (2, 3), (0, 2), (2, 3), (2, 12), (2, 3), (0, 2), (2, 9), (0, 1), (2, 7), (0, 3), (1, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    return np.sqrt(np.maximum(t26, 0.0))
+    t27 = np.sqrt(np.maximum(t26, 0.0))
+    return t27
 
 
 def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -5443,7 +5838,8 @@ def ce_causal1__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t18 = t16 + t17
     G = t18
     t19 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,ai,jkli,jkf,lg,jkg,jkg,jkh->', t0, M_2, X, W_V, t10, A14, M_1, t0, M_2, X, W_V, t10, A14, M_1, optimize=[(4, 5), (9, 10), (0, 5), (1, 5), (2, 5), (7, 8), (0, 1), (2, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,ai,jkli,jkf,lm,jkm,jkm,jkg,jkh->', t0, M_2, X, W_V, t10, A14, M_1, t0, M_2, X, W_V, t10, A14, A14, M_1, optimize=[(4, 5), (9, 10), (0, 1), (3, 4), (0, 3), (1, 4), (7, 8), (1, 4), (4, 6), (0, 3), (1, 4), (0, 3), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,ai,jkhi,jkf,jkg->', t0, M_2, X, W_V, t10, A14, M_1, t0, M_2, X, G, optimize=[(4, 5), (0, 5), (1, 5), (0, 1), (3, 6), (0, 1), (2, 4), (1, 2), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi,aj,klmj,klf,mn,kln,kln,klh,kli->', t0, M_2, X, W_V, t10, A14, A14, M_1, t0, M_2, X, W_V, t10, A14, A14, M_1, optimize=[(4, 5), (10, 11), (0, 1), (4, 5), (0, 4), (1, 4), (8, 9), (1, 3), (6, 7), (0, 2), (2, 5), (0, 1), (0, 3), (0, 2), (0, 1)]) + (-2/(L*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi,aj,klij,klf,klh->', t0, M_2, X, W_V, t10, A14, A14, M_1, t0, M_2, X, G, optimize=[(4, 5), (0, 6), (1, 6), (2, 5), (6, 7), (1, 4), (4, 5), (0, 4), (0, 1), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
-    return np.sqrt(np.maximum(t19, 0.0))
+    t20 = np.sqrt(np.maximum(t19, 0.0))
+    return t20
 
 
 def ce_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -5628,7 +6024,8 @@ def ce_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t28 = (n_batch**(-2)) * oe.contract('abc,dbc->', t26, t26, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t26, t27, t0, M_3, X, W_K, optimize=[(1, 2), (3, 4), (1, 3), (1, 2), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgi,fgi,ij,fgjk,fgc,kd->', t26, t27, M_2, X, W_V, t10, A14, t19, M_2, X, W_K, optimize=[(0, 9), (1, 9), (3, 4), (0, 1), (0, 4), (3, 5), (2, 3), (1, 3), (0, 2), (0, 1)]) + (-2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgi,fgi,fgj,jk,fgkl,fgc,ld->', t26, t27, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_K, optimize=[(0, 10), (1, 10), (3, 4), (0, 1), (0, 5), (4, 6), (0, 1), (0, 4), (2, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t27, t0, M_3, X, W_K, t27, t0, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkm,jkm,mn,jkno,jkg,oh->', t27, t0, M_3, X, W_K, t27, M_2, X, W_V, t10, A14, t19, M_2, X, W_K, optimize=[(9, 10), (0, 1), (0, 2), (1, 3), (1, 2), (1, 2), (0, 1), (0, 3), (1, 2), (3, 5), (0, 1), (0, 3), (0, 2), (0, 1)]) + (-2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkm,jkm,jkn,no,jkop,jkg,ph->', t27, t0, M_3, X, W_K, t27, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_K, optimize=[(9, 10), (0, 1), (0, 2), (1, 3), (1, 2), (6, 10), (1, 2), (1, 8), (0, 1), (0, 2), (0, 1), (2, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnof,mnl,op,mnp,mnp,pq,mnqr,mnj,rk->', t27, M_2, X, W_V, t10, A14, t19, M_2, X, W_K, t27, M_2, X, W_V, t10, A14, t19, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (2, 4), (2, 3), (2, 3), (0, 2), (0, 1), (0, 3), (2, 8), (1, 2), (3, 6), (0, 1), (0, 4), (0, 1), (1, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnof,mnl,op,mnp,mnp,mnq,qr,mnrs,mnj,sk->', t27, M_2, X, W_V, t10, A14, t19, M_2, X, W_K, t27, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (2, 4), (2, 3), (8, 13), (2, 3), (2, 11), (0, 2), (0, 1), (0, 2), (1, 7), (0, 1), (2, 5), (0, 3), (2, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl,am,nopf,nom,pq,noq,noq,nor,rs,nost,nok,tl->', t27, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_K, t27, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_K, optimize=[(4, 5), (13, 14), (0, 2), (0, 1), (14, 17), (0, 1), (0, 15), (2, 4), (2, 3), (7, 12), (2, 3), (2, 10), (0, 2), (0, 1), (0, 3), (4, 6), (0, 2), (3, 4), (0, 2), (0, 2), (0, 1)])
-    return np.sqrt(np.maximum(t28, 0.0))
+    t29 = np.sqrt(np.maximum(t28, 0.0))
+    return t29
 
 
 def ce_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -5716,7 +6113,8 @@ def ce_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t25 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 1), (0, 5), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jkle,jki,lm,jkm,jkm,mn,jknf,jko,oh->', t0, t1, M_3, X, W_Q, t0, M_2, X, W_V, t11, A15, t20, M_2, X, W_Q, optimize=[(9, 10), (0, 1), (1, 2), (1, 3), (1, 2), (1, 2), (1, 2), (2, 4), (1, 3), (2, 5), (0, 4), (2, 3), (0, 1), (0, 1)]) + (-2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jkle,jki,lm,jkm,jkm,jkn,no,jkof,jkp,ph->', t0, t1, M_3, X, W_Q, t0, M_2, X, W_V, t11, A15, A15, t20, M_2, X, W_Q, optimize=[(9, 10), (0, 1), (1, 2), (1, 3), (1, 2), (6, 10), (1, 2), (1, 8), (1, 2), (1, 3), (0, 2), (1, 4), (2, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnof,mnl,op,mnp,mnp,pq,mnqi,mnr,rk->', t0, M_2, X, W_V, t11, A15, t20, M_2, X, W_Q, t0, M_2, X, W_V, t11, A15, t20, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (0, 1), (0, 1), (0, 1), (0, 3), (2, 8), (1, 3), (0, 2), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnof,mnl,op,mnp,mnp,mnq,qr,mnri,mns,sk->', t0, M_2, X, W_V, t11, A15, t20, M_2, X, W_Q, t0, M_2, X, W_V, t11, A15, A15, t20, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (0, 1), (6, 12), (0, 1), (0, 10), (0, 1), (0, 2), (1, 7), (0, 2), (0, 3), (3, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl,am,nopf,nom,pq,noq,noq,nor,rs,nosj,not,tl->', t0, M_2, X, W_V, t11, A15, A15, t20, M_2, X, W_Q, t0, M_2, X, W_V, t11, A15, A15, t20, M_2, X, W_Q, optimize=[(4, 5), (13, 14), (0, 2), (0, 1), (14, 17), (0, 1), (0, 15), (0, 1), (0, 2), (0, 1), (5, 11), (0, 1), (0, 9), (0, 1), (0, 4), (0, 3), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
-    return np.sqrt(np.maximum(t25, 0.0))
+    t26 = np.sqrt(np.maximum(t25, 0.0))
+    return t26
 
 
 def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -5790,7 +6188,8 @@ def ce_causal1__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t19 = t17 + t18
     G = t19
     t20 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,ai,jklf,jki,lg,jkg,jkg,jkh->', t0, M_2, X, W_V, t11, A15, M_1, t0, M_2, X, W_V, t11, A15, M_1, optimize=[(4, 5), (9, 10), (0, 2), (2, 7), (2, 4), (6, 8), (6, 7), (0, 1), (2, 5), (0, 1), (2, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,ai,jklf,jki,lm,jkm,jkm,jkg,jkh->', t0, M_2, X, W_V, t11, A15, M_1, t0, M_2, X, W_V, t11, A15, A15, M_1, optimize=[(4, 5), (9, 10), (0, 2), (0, 1), (1, 3), (1, 2), (4, 8), (0, 2), (1, 3), (1, 2), (2, 4), (1, 2), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,ai,jkhf,jki,jkg->', t0, M_2, X, W_V, t11, A15, M_1, t0, M_2, X, G, optimize=[(4, 5), (0, 2), (3, 5), (6, 7), (0, 1), (3, 5), (0, 1), (2, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi,aj,klmf,klj,mn,kln,kln,klh,kli->', t0, M_2, X, W_V, t11, A15, A15, M_1, t0, M_2, X, W_V, t11, A15, A15, M_1, optimize=[(4, 5), (10, 11), (0, 2), (0, 1), (8, 11), (2, 4), (2, 3), (4, 8), (0, 2), (0, 1), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (-2/(L*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi,aj,klif,klj,klh->', t0, M_2, X, W_V, t11, A15, A15, M_1, t0, M_2, X, G, optimize=[(4, 5), (0, 2), (2, 7), (3, 5), (5, 7), (5, 6), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (2, 5), (1, 4), (3, 4), (2, 3), (0, 2), (0, 1)])
-    return np.sqrt(np.maximum(t20, 0.0))
+    t21 = np.sqrt(np.maximum(t20, 0.0))
+    return t21
 
 
 def ce_causal1__diag__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -5926,7 +6325,8 @@ def ce_causal1__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t20 = np.swapaxes(M_1, -1, -2)
     t21 = np.swapaxes(W_V, -1, -2)
     t22 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t19, M_2, X, W_K, t19, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hdi,hib,hib,bj,hijk,hif,kg->', t19, M_2, X, W_K, t20, t1, A14, t21, M_2, X, W_K, optimize=[(5, 6), (2, 7), (2, 6), (0, 3), (0, 1), (2, 5), (0, 2), (2, 3), (1, 2), (0, 1)]) + (-2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hdi,hib,hib,hij,jk,hikl,hif,lg->', t19, M_2, X, W_K, t20, t1, A14, A14, t21, M_2, X, W_K, optimize=[(5, 6), (2, 8), (2, 7), (3, 4), (3, 7), (5, 6), (0, 3), (2, 4), (0, 1), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,fh,ibj,ijd,ijd,dk,ijkl,ijg,lh->', t20, t1, A14, t21, M_2, X, W_K, t20, t1, A14, t21, M_2, X, W_K, optimize=[(1, 2), (6, 7), (0, 5), (2, 6), (8, 9), (2, 5), (0, 2), (2, 3), (2, 5), (0, 2), (0, 1), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,fh,ibj,ijd,ijd,ijk,kl,ijlm,ijg,mh->', t20, t1, A14, t21, M_2, X, W_K, t20, t1, A14, A14, t21, M_2, X, W_K, optimize=[(1, 2), (6, 7), (1, 2), (0, 3), (2, 3), (2, 9), (0, 2), (5, 7), (0, 1), (2, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi,jbk,jkd,jkd,jkl,lm,jkmn,jkh,ni->', t20, t1, A14, A14, t21, M_2, X, W_K, t20, t1, A14, A14, t21, M_2, X, W_K, optimize=[(1, 2), (7, 8), (1, 2), (1, 12), (0, 3), (2, 3), (2, 9), (0, 2), (5, 7), (0, 1), (0, 1), (2, 4), (0, 2), (0, 2), (0, 1)])
-    return np.sqrt(np.maximum(t22, 0.0))
+    t23 = np.sqrt(np.maximum(t22, 0.0))
+    return t23
 
 
 def ce_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -6004,7 +6404,8 @@ def ce_causal1__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t20 = np.swapaxes(M_1, -1, -2)
     t21 = np.swapaxes(W_V, -1, -2)
     t22 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t19, M_2, X, W_Q, t19, M_2, X, W_Q, optimize=[(0, 4), (1, 2), (2, 3), (2, 3), (2, 3), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hdi,hib,hib,bj,hije,hik,kg->', t19, M_2, X, W_Q, t20, t1, A14, t21, M_2, X, W_Q, optimize=[(5, 6), (2, 3), (5, 6), (6, 7), (0, 3), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)]) + (-2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hdi,hib,hib,hij,jk,hike,hil,lg->', t19, M_2, X, W_Q, t20, t1, A14, A14, t21, M_2, X, W_Q, optimize=[(5, 6), (2, 3), (3, 4), (3, 8), (3, 4), (4, 6), (0, 3), (3, 4), (0, 1), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,gh,ibj,ijd,ijd,dk,ijkf,ijl,lh->', t20, t1, A14, t21, M_2, X, W_Q, t20, t1, A14, t21, M_2, X, W_Q, optimize=[(1, 2), (6, 7), (0, 5), (2, 3), (4, 5), (7, 8), (6, 7), (0, 1), (2, 5), (0, 1), (2, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,gh,ibj,ijd,ijd,ijk,kl,ijlf,ijm,mh->', t20, t1, A14, t21, M_2, X, W_Q, t20, t1, A14, A14, t21, M_2, X, W_Q, optimize=[(1, 2), (6, 7), (1, 2), (1, 2), (0, 1), (0, 1), (0, 8), (0, 1), (0, 2), (3, 5), (0, 4), (1, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi,jbk,jkd,jkd,jkl,lm,jkmg,jkn,ni->', t20, t1, A14, A14, t21, M_2, X, W_Q, t20, t1, A14, A14, t21, M_2, X, W_Q, optimize=[(1, 2), (7, 8), (1, 2), (1, 12), (1, 2), (0, 1), (0, 1), (0, 8), (0, 1), (0, 1), (2, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
-    return np.sqrt(np.maximum(t22, 0.0))
+    t23 = np.sqrt(np.maximum(t22, 0.0))
+    return t23
 
 
 def ce_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -6065,7 +6466,8 @@ def ce_causal1__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     t14 = np.exp(t13 - t13.max(-1, keepdims=True))
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fge->', t10, t12, A15, M_1, t10, t12, A15, M_1, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fgd,fge->', t10, t12, A15, M_1, t10, t12, A15, A15, M_1, optimize=[(1, 2), (3, 4), (3, 6), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,acf,gbh,ghd,ghd,ghe,ghf->', t10, t12, A15, A15, M_1, t10, t12, A15, A15, M_1, optimize=[(1, 2), (4, 5), (0, 3), (0, 2), (4, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    return np.sqrt(np.maximum(t16, 0.0))
+    t17 = np.sqrt(np.maximum(t16, 0.0))
+    return t17
 
 
 def mse_causal0__loss(X, W_Q, W_K, W_V, Y):
@@ -6240,6 +6642,50 @@ def mse_causal0__hvp__outer(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     return (t30.mean(0), t35.mean(0), t39.mean(0),)
 
 
+def mse_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
+    """(‖H_outer(p, q)‖_F for p, q in the parameters, row-major)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = np.swapaxes(W_K, -1, -2)
+    t1 = np.swapaxes(X, -1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = np.exp(t5 - t5.max(-1, keepdims=True))
+    A = t6 / t6.sum(-1, keepdims=True)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t7 = np.swapaxes(W_V, -1, -2)
+    t8 = W_V @ t7
+    t9 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj,ak,lmnk,lmf,no,lmop,lmi,pj->', t0, M_2, X, t8, M_2, X, W_K, t0, M_2, X, t8, M_2, X, W_K, optimize=[(0, 7), (1, 7), (3, 8), (9, 10), (3, 7), (0, 1), (0, 7), (0, 1), (0, 5), (0, 3), (0, 2), (1, 2), (0, 1)])
+    t10 = np.sqrt(np.maximum(t9, 0.0))
+    t11 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij,ak,lmnk,lmf,no,lmoh,lmp,pj->', t0, M_2, X, t8, M_2, X, W_Q, t0, M_2, X, t8, M_2, X, W_Q, optimize=[(0, 7), (1, 7), (3, 4), (6, 7), (8, 9), (7, 8), (0, 1), (0, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)])
+    t12 = np.sqrt(np.maximum(t11, 0.0))
+    t13 = A @ X
+    M_1 = t13
+    t14 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,eh,ai,jkli,jkf,jkg,lh->', t0, M_2, X, M_1, W_V, t0, M_2, X, M_1, W_V, optimize=[(0, 5), (1, 5), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t15 = np.sqrt(np.maximum(t14, 0.0))
+    t16 = np.swapaxes(W_Q, -1, -2)
+    t17 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj,ak,lmnf,lmk,no,lmop,lmi,pj->', t16, M_2, X, t8, M_2, X, W_K, t16, M_2, X, t8, M_2, X, W_K, optimize=[(0, 2), (3, 10), (3, 9), (3, 5), (6, 9), (6, 8), (0, 1), (0, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)])
+    t18 = np.sqrt(np.maximum(t17, 0.0))
+    t19 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij,ak,lmnf,lmk,no,lmoh,lmp,pj->', t16, M_2, X, t8, M_2, X, W_Q, t16, M_2, X, t8, M_2, X, W_Q, optimize=[(0, 2), (3, 4), (3, 5), (6, 7), (6, 8), (6, 7), (6, 7), (0, 1), (0, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
+    t20 = np.sqrt(np.maximum(t19, 0.0))
+    t21 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,eh,ai,jklf,jki,jkg,lh->', t16, M_2, X, M_1, W_V, t16, M_2, X, M_1, W_V, optimize=[(0, 2), (1, 6), (1, 5), (1, 3), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t22 = np.sqrt(np.maximum(t21, 0.0))
+    t23 = np.swapaxes(M_1, -1, -2)
+    t24 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,fh,ibj,dk,ijkl,ijg,lh->', t23, t7, M_2, X, W_K, t23, t7, M_2, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t25 = np.sqrt(np.maximum(t24, 0.0))
+    t26 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,gh,ibj,dk,ijkf,ijl,lh->', t23, t7, M_2, X, W_Q, t23, t7, M_2, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t27 = np.sqrt(np.maximum(t26, 0.0))
+    t28 = t23 @ M_1
+    t29 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t28, t28, optimize=[(0, 1)])
+    t30 = np.sqrt(np.maximum(t29, 0.0))
+    return (t10, t12, t15, t18, t20, t22, t25, t27, t30,)
+
+
 def mse_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     """diag H_outer(W_Q, W_Q) (vec_r order) without the dense block."""
     L = X.shape[-2]
@@ -6328,7 +6774,8 @@ def mse_causal0__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t7 = np.swapaxes(W_V, -1, -2)
     t8 = W_V @ t7
     t9 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj,ak,lmnk,lmf,no,lmop,lmi,pj->', t0, M_2, X, t8, M_2, X, W_K, t0, M_2, X, t8, M_2, X, W_K, optimize=[(0, 7), (1, 7), (3, 8), (9, 10), (3, 7), (0, 1), (0, 7), (0, 1), (0, 5), (0, 3), (0, 2), (1, 2), (0, 1)])
-    return np.sqrt(np.maximum(t9, 0.0))
+    t10 = np.sqrt(np.maximum(t9, 0.0))
+    return t10
 
 
 def mse_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -6374,7 +6821,8 @@ def mse_causal0__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     t7 = np.swapaxes(W_V, -1, -2)
     t8 = W_V @ t7
     t9 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij,ak,lmnk,lmf,no,lmoh,lmp,pj->', t0, M_2, X, t8, M_2, X, W_Q, t0, M_2, X, t8, M_2, X, W_Q, optimize=[(0, 7), (1, 7), (3, 4), (6, 7), (8, 9), (7, 8), (0, 1), (0, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)])
-    return np.sqrt(np.maximum(t9, 0.0))
+    t10 = np.sqrt(np.maximum(t9, 0.0))
+    return t10
 
 
 def mse_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -6420,7 +6868,8 @@ def mse_causal0__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     t7 = A @ X
     M_1 = t7
     t8 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,eh,ai,jkli,jkf,jkg,lh->', t0, M_2, X, M_1, W_V, t0, M_2, X, M_1, W_V, optimize=[(0, 5), (1, 5), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
-    return np.sqrt(np.maximum(t8, 0.0))
+    t9 = np.sqrt(np.maximum(t8, 0.0))
+    return t9
 
 
 def mse_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -6515,7 +6964,8 @@ def mse_causal0__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t8 = np.swapaxes(W_V, -1, -2)
     t9 = W_V @ t8
     t10 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj,ak,lmnf,lmk,no,lmop,lmi,pj->', t0, M_2, X, t9, M_2, X, W_K, t0, M_2, X, t9, M_2, X, W_K, optimize=[(0, 2), (3, 10), (3, 9), (3, 5), (6, 9), (6, 8), (0, 1), (0, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)])
-    return np.sqrt(np.maximum(t10, 0.0))
+    t11 = np.sqrt(np.maximum(t10, 0.0))
+    return t11
 
 
 def mse_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -6563,7 +7013,8 @@ def mse_causal0__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t8 = np.swapaxes(W_V, -1, -2)
     t9 = W_V @ t8
     t10 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij,ak,lmnf,lmk,no,lmoh,lmp,pj->', t0, M_2, X, t9, M_2, X, W_Q, t0, M_2, X, t9, M_2, X, W_Q, optimize=[(0, 2), (3, 4), (3, 5), (6, 7), (6, 8), (6, 7), (6, 7), (0, 1), (0, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
-    return np.sqrt(np.maximum(t10, 0.0))
+    t11 = np.sqrt(np.maximum(t10, 0.0))
+    return t11
 
 
 def mse_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -6611,7 +7062,8 @@ def mse_causal0__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     t8 = A @ X
     M_1 = t8
     t9 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,eh,ai,jklf,jki,jkg,lh->', t0, M_2, X, M_1, W_V, t0, M_2, X, M_1, W_V, optimize=[(0, 2), (1, 6), (1, 5), (1, 3), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
-    return np.sqrt(np.maximum(t9, 0.0))
+    t10 = np.sqrt(np.maximum(t9, 0.0))
+    return t10
 
 
 def mse_causal0__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -6707,7 +7159,8 @@ def mse_causal0__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t10 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,fh,ibj,dk,ijkl,ijg,lh->', t8, t9, M_2, X, W_K, t8, t9, M_2, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
-    return np.sqrt(np.maximum(t10, 0.0))
+    t11 = np.sqrt(np.maximum(t10, 0.0))
+    return t11
 
 
 def mse_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -6757,7 +7210,8 @@ def mse_causal0__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t10 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,gh,ibj,dk,ijkf,ijl,lh->', t8, t9, M_2, X, W_Q, t8, t9, M_2, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
-    return np.sqrt(np.maximum(t10, 0.0))
+    t11 = np.sqrt(np.maximum(t10, 0.0))
+    return t11
 
 
 def mse_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -6806,7 +7260,8 @@ def mse_causal0__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     t8 = np.swapaxes(M_1, -1, -2)
     t9 = t8 @ M_1
     t10 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t9, t9, optimize=[(0, 1)])
-    return np.sqrt(np.maximum(t10, 0.0))
+    t11 = np.sqrt(np.maximum(t10, 0.0))
+    return t11
 
 
 def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
@@ -6954,6 +7409,62 @@ def mse_causal0__hvp__functional(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     return (t41.mean(0), t54.mean(0), t59.mean(0),)
 
 
+def mse_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
+    """(‖H_functional(p, q)‖_F for p, q in the parameters, row-major)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = np.swapaxes(W_K, -1, -2)
+    t1 = np.swapaxes(X, -1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = np.exp(t5 - t5.max(-1, keepdims=True))
+    A = t6 / t6.sum(-1, keepdims=True)
+    t7 = A @ X
+    M_1 = t7
+    t8 = M_1 @ W_V
+    t9 = -Y
+    t10 = t8 + t9
+    t11 = (2/(L*d_V)) * t10
+    G = t11
+    t12 = np.swapaxes(W_V, -1, -2)
+    t13 = t12 @ t1
+    t14 = G @ t13
+    t15 = t14 - (A * t14).sum(-1, keepdims=True)
+    t16 = A * t15
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t16, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t16, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t16, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t17 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t18 = np.sqrt(np.maximum(t17, 0.0))
+    t19 = t16 @ X
+    t20 = t1 @ t19
+    t21 = (n_batch**(-2)) * oe.contract('abc,dbc->', t20, t20, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t20, t0, t1, M_3, X, W_Q, optimize=[(1, 5), (3, 4), (2, 3), (1, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t22 = np.sqrt(np.maximum(t21, 0.0))
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t23 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t24 = np.sqrt(np.maximum(t23, 0.0))
+    t25 = np.swapaxes(t16, -1, -2)
+    t26 = t25 @ X
+    t27 = t1 @ t26
+    t28 = np.swapaxes(W_Q, -1, -2)
+    t29 = (n_batch**(-2)) * oe.contract('abc,dbc->', t27, t27, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t27, t28, t1, M_3, X, W_K, optimize=[(1, 2), (3, 4), (1, 3), (1, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t28, t1, M_3, X, W_K, t28, t1, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t30 = np.sqrt(np.maximum(t29, 0.0))
+    t31 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t28, t1, M_3, X, W_Q, t28, t1, M_3, X, W_Q, optimize=[(0, 1), (0, 5), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)])
+    t32 = np.sqrt(np.maximum(t31, 0.0))
+    t33 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t28, M_2, X, G, t28, M_2, X, G, optimize=[(0, 4), (2, 5), (1, 4), (3, 4), (2, 3), (0, 2), (0, 1)])
+    t34 = np.sqrt(np.maximum(t33, 0.0))
+    t35 = np.swapaxes(G, -1, -2)
+    t36 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t35, M_2, X, W_K, t35, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
+    t37 = np.sqrt(np.maximum(t36, 0.0))
+    t38 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t35, M_2, X, W_Q, t35, M_2, X, W_Q, optimize=[(0, 4), (1, 2), (2, 3), (2, 3), (2, 3), (0, 2), (0, 1)])
+    t39 = np.sqrt(np.maximum(t38, 0.0))
+    return (t18, t22, t24, t30, t32, t34, t37, t39, 0.0,)
+
+
 def mse_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
     """diag H_functional(W_Q, W_Q) (vec_r order) without the dense block."""
     L = X.shape[-2]
@@ -7082,7 +7593,8 @@ def mse_causal0__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t1, t16, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t16, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t16, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t17 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
-    return np.sqrt(np.maximum(t17, 0.0))
+    t18 = np.sqrt(np.maximum(t17, 0.0))
+    return t18
 
 
 def mse_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -7156,7 +7668,8 @@ def mse_causal0__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t0, t16, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t16, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t16, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t19 = (n_batch**(-2)) * oe.contract('abc,dbc->', t18, t18, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t18, t1, t0, M_3, X, W_Q, optimize=[(1, 5), (3, 4), (2, 3), (1, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t1, t0, M_3, X, W_Q, t1, t0, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)])
-    return np.sqrt(np.maximum(t19, 0.0))
+    t20 = np.sqrt(np.maximum(t19, 0.0))
+    return t20
 
 
 def mse_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -7212,7 +7725,8 @@ def mse_causal0__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t11 = (2/(L*d_V)) * t10
     G = t11
     t12 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
-    return np.sqrt(np.maximum(t12, 0.0))
+    t13 = np.sqrt(np.maximum(t12, 0.0))
+    return t13
 
 
 def mse_causal0__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -7357,7 +7871,8 @@ def mse_causal0__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t0, t16, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t16, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t16, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t21 = (n_batch**(-2)) * oe.contract('abc,dbc->', t19, t19, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t19, t20, t0, M_3, X, W_K, optimize=[(1, 2), (3, 4), (1, 3), (1, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t20, t0, M_3, X, W_K, t20, t0, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
-    return np.sqrt(np.maximum(t21, 0.0))
+    t22 = np.sqrt(np.maximum(t21, 0.0))
+    return t22
 
 
 def mse_causal0__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -7425,7 +7940,8 @@ def mse_causal0__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t1, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t18 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 1), (0, 5), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)])
-    return np.sqrt(np.maximum(t18, 0.0))
+    t19 = np.sqrt(np.maximum(t18, 0.0))
+    return t19
 
 
 def mse_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -7483,7 +7999,8 @@ def mse_causal0__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t12 = (2/(L*d_V)) * t11
     G = t12
     t13 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (2, 5), (1, 4), (3, 4), (2, 3), (0, 2), (0, 1)])
-    return np.sqrt(np.maximum(t13, 0.0))
+    t14 = np.sqrt(np.maximum(t13, 0.0))
+    return t14
 
 
 def mse_causal0__diag__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -7561,7 +8078,8 @@ def mse_causal0__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t13 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t12, M_2, X, W_K, t12, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
-    return np.sqrt(np.maximum(t13, 0.0))
+    t14 = np.sqrt(np.maximum(t13, 0.0))
+    return t14
 
 
 def mse_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -7619,7 +8137,8 @@ def mse_causal0__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t13 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t12, M_2, X, W_Q, t12, M_2, X, W_Q, optimize=[(0, 4), (1, 2), (2, 3), (2, 3), (2, 3), (0, 2), (0, 1)])
-    return np.sqrt(np.maximum(t13, 0.0))
+    t14 = np.sqrt(np.maximum(t13, 0.0))
+    return t14
 
 
 def mse_causal0__block__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -7812,6 +8331,67 @@ def mse_causal0__hvp__full(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     return (t48.mean(0), t61.mean(0), t70.mean(0),)
 
 
+def mse_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
+    """(‖H_full(p, q)‖_F for p, q in the parameters, row-major)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = np.swapaxes(W_K, -1, -2)
+    t1 = np.swapaxes(X, -1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = np.exp(t5 - t5.max(-1, keepdims=True))
+    A = t6 / t6.sum(-1, keepdims=True)
+    t7 = A @ X
+    M_1 = t7
+    t8 = M_1 @ W_V
+    t9 = -Y
+    t10 = t8 + t9
+    t11 = (2/(L*d_V)) * t10
+    G = t11
+    t12 = np.swapaxes(W_V, -1, -2)
+    t13 = t12 @ t1
+    t14 = G @ t13
+    t15 = t14 - (A * t14).sum(-1, keepdims=True)
+    t16 = A * t15
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t16, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t16, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t16, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t17 = W_V @ t12
+    t18 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jkli,jkd,lm,jkmn,jkg,nh->', t0, t1, M_3, X, W_K, t0, M_2, X, t17, M_2, X, W_K, optimize=[(0, 5), (0, 5), (1, 6), (7, 8), (1, 5), (0, 4), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj,ak,lmnk,lmf,no,lmop,lmi,pj->', t0, M_2, X, t17, M_2, X, W_K, t0, M_2, X, t17, M_2, X, W_K, optimize=[(0, 7), (1, 7), (3, 8), (9, 10), (3, 7), (0, 1), (0, 7), (0, 1), (0, 5), (0, 3), (0, 2), (1, 2), (0, 1)])
+    t19 = np.sqrt(np.maximum(t18, 0.0))
+    t20 = t16 @ X
+    t21 = t1 @ t20
+    t22 = (n_batch**(-2)) * oe.contract('abc,dbc->', t21, t21, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t21, t0, t1, M_3, X, W_Q, optimize=[(1, 5), (3, 4), (2, 3), (1, 2), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgic,fgj,jd->', t21, t0, M_2, X, t17, M_2, X, W_Q, optimize=[(0, 3), (3, 6), (0, 4), (1, 3), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkmf,jkn,nh->', t0, t1, M_3, X, W_Q, t0, M_2, X, t17, M_2, X, W_Q, optimize=[(0, 5), (0, 5), (1, 2), (4, 5), (6, 7), (5, 6), (0, 4), (0, 1), (0, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij,ak,lmnk,lmf,no,lmoh,lmp,pj->', t0, M_2, X, t17, M_2, X, W_Q, t0, M_2, X, t17, M_2, X, W_Q, optimize=[(0, 7), (1, 7), (3, 4), (6, 7), (8, 9), (7, 8), (0, 1), (0, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)])
+    t23 = np.sqrt(np.maximum(t22, 0.0))
+    t24 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijkh,ijf,ije,kg->', t0, M_2, X, G, t0, M_2, X, M_1, W_V, optimize=[(0, 4), (1, 4), (1, 4), (0, 2), (2, 4), (0, 1), (1, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,eh,ai,jkli,jkf,jkg,lh->', t0, M_2, X, M_1, W_V, t0, M_2, X, M_1, W_V, optimize=[(0, 5), (1, 5), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t25 = np.sqrt(np.maximum(t24, 0.0))
+    t26 = np.swapaxes(t16, -1, -2)
+    t27 = t26 @ X
+    t28 = t1 @ t27
+    t29 = np.swapaxes(W_Q, -1, -2)
+    t30 = (n_batch**(-2)) * oe.contract('abc,dbc->', t28, t28, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t28, t29, t1, M_3, X, W_K, optimize=[(1, 2), (3, 4), (1, 3), (1, 2), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgij,fgc,jd->', t28, t29, M_2, X, t17, M_2, X, W_K, optimize=[(0, 6), (1, 6), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t29, t1, M_3, X, W_K, t29, t1, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkmn,jkg,nh->', t29, t1, M_3, X, W_K, t29, M_2, X, t17, M_2, X, W_K, optimize=[(0, 1), (1, 8), (1, 7), (1, 3), (4, 7), (4, 6), (0, 4), (0, 1), (0, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj,ak,lmnf,lmk,no,lmop,lmi,pj->', t29, M_2, X, t17, M_2, X, W_K, t29, M_2, X, t17, M_2, X, W_K, optimize=[(0, 2), (3, 10), (3, 9), (3, 5), (6, 9), (6, 8), (0, 1), (0, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)])
+    t31 = np.sqrt(np.maximum(t30, 0.0))
+    t32 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t29, t1, M_3, X, W_Q, t29, t1, M_3, X, W_Q, optimize=[(0, 1), (0, 5), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jkle,jki,lm,jkmf,jkn,nh->', t29, t1, M_3, X, W_Q, t29, M_2, X, t17, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (1, 3), (4, 5), (4, 6), (4, 5), (4, 5), (1, 2), (1, 3), (0, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij,ak,lmnf,lmk,no,lmoh,lmp,pj->', t29, M_2, X, t17, M_2, X, W_Q, t29, M_2, X, t17, M_2, X, W_Q, optimize=[(0, 2), (3, 4), (3, 5), (6, 7), (6, 8), (6, 7), (6, 7), (0, 1), (0, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
+    t33 = np.sqrt(np.maximum(t32, 0.0))
+    t34 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t29, M_2, X, G, t29, M_2, X, G, optimize=[(0, 4), (2, 5), (1, 4), (3, 4), (2, 3), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijkf,ijh,ije,kg->', t29, M_2, X, G, t29, M_2, X, M_1, W_V, optimize=[(0, 2), (1, 6), (1, 3), (3, 5), (0, 2), (0, 3), (0, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,eh,ai,jklf,jki,jkg,lh->', t29, M_2, X, M_1, W_V, t29, M_2, X, M_1, W_V, optimize=[(0, 2), (1, 6), (1, 5), (1, 3), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t35 = np.sqrt(np.maximum(t34, 0.0))
+    t36 = np.swapaxes(G, -1, -2)
+    t37 = np.swapaxes(M_1, -1, -2)
+    t38 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t36, M_2, X, W_K, t36, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acde,acf,eg,hdi,bj,hijk,hif,kg->', t36, M_2, X, W_K, t37, t12, M_2, X, W_K, optimize=[(0, 5), (1, 5), (1, 4), (0, 1), (2, 4), (0, 1), (1, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,fh,ibj,dk,ijkl,ijg,lh->', t37, t12, M_2, X, W_K, t37, t12, M_2, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t39 = np.sqrt(np.maximum(t38, 0.0))
+    t40 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t36, M_2, X, W_Q, t36, M_2, X, W_Q, optimize=[(0, 4), (1, 2), (2, 3), (2, 3), (2, 3), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acde,acf,fg,hdi,bj,hije,hik,kg->', t36, M_2, X, W_Q, t37, t12, M_2, X, W_Q, optimize=[(0, 5), (1, 2), (3, 4), (4, 5), (0, 1), (0, 3), (0, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,gh,ibj,dk,ijkf,ijl,lh->', t37, t12, M_2, X, W_Q, t37, t12, M_2, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t41 = np.sqrt(np.maximum(t40, 0.0))
+    t42 = t37 @ M_1
+    t43 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t42, t42, optimize=[(0, 1)])
+    t44 = np.sqrt(np.maximum(t43, 0.0))
+    return (t19, t23, t25, t31, t33, t35, t39, t41, t44,)
+
+
 def mse_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     """diag H_full(W_Q, W_Q) (vec_r order) without the dense block."""
     L = X.shape[-2]
@@ -7954,7 +8534,8 @@ def mse_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t17 = W_V @ t12
     t18 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jkli,jkd,lm,jkmn,jkg,nh->', t0, t1, M_3, X, W_K, t0, M_2, X, t17, M_2, X, W_K, optimize=[(0, 5), (0, 5), (1, 6), (7, 8), (1, 5), (0, 4), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj,ak,lmnk,lmf,no,lmop,lmi,pj->', t0, M_2, X, t17, M_2, X, W_K, t0, M_2, X, t17, M_2, X, W_K, optimize=[(0, 7), (1, 7), (3, 8), (9, 10), (3, 7), (0, 1), (0, 7), (0, 1), (0, 5), (0, 3), (0, 2), (1, 2), (0, 1)])
-    return np.sqrt(np.maximum(t18, 0.0))
+    t19 = np.sqrt(np.maximum(t18, 0.0))
+    return t19
 
 
 def mse_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -8035,7 +8616,8 @@ def mse_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t19 = W_V @ t12
     t20 = (n_batch**(-2)) * oe.contract('abc,dbc->', t18, t18, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t18, t1, t0, M_3, X, W_Q, optimize=[(1, 5), (3, 4), (2, 3), (1, 2), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgic,fgj,jd->', t18, t1, M_2, X, t19, M_2, X, W_Q, optimize=[(0, 3), (3, 6), (0, 4), (1, 3), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t1, t0, M_3, X, W_Q, t1, t0, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkmf,jkn,nh->', t1, t0, M_3, X, W_Q, t1, M_2, X, t19, M_2, X, W_Q, optimize=[(0, 5), (0, 5), (1, 2), (4, 5), (6, 7), (5, 6), (0, 4), (0, 1), (0, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij,ak,lmnk,lmf,no,lmoh,lmp,pj->', t1, M_2, X, t19, M_2, X, W_Q, t1, M_2, X, t19, M_2, X, W_Q, optimize=[(0, 7), (1, 7), (3, 4), (6, 7), (8, 9), (7, 8), (0, 1), (0, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)])
-    return np.sqrt(np.maximum(t20, 0.0))
+    t21 = np.sqrt(np.maximum(t20, 0.0))
+    return t21
 
 
 def mse_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -8092,7 +8674,8 @@ def mse_causal0__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t11 = (2/(L*d_V)) * t10
     G = t11
     t12 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijkh,ijf,ije,kg->', t0, M_2, X, G, t0, M_2, X, M_1, W_V, optimize=[(0, 4), (1, 4), (1, 4), (0, 2), (2, 4), (0, 1), (1, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,eh,ai,jkli,jkf,jkg,lh->', t0, M_2, X, M_1, W_V, t0, M_2, X, M_1, W_V, optimize=[(0, 5), (1, 5), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
-    return np.sqrt(np.maximum(t12, 0.0))
+    t13 = np.sqrt(np.maximum(t12, 0.0))
+    return t13
 
 
 def mse_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -8251,7 +8834,8 @@ def mse_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t21 = W_V @ t12
     t22 = (n_batch**(-2)) * oe.contract('abc,dbc->', t19, t19, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t19, t20, t0, M_3, X, W_K, optimize=[(1, 2), (3, 4), (1, 3), (1, 2), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgij,fgc,jd->', t19, t20, M_2, X, t21, M_2, X, W_K, optimize=[(0, 6), (1, 6), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t20, t0, M_3, X, W_K, t20, t0, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkmn,jkg,nh->', t20, t0, M_3, X, W_K, t20, M_2, X, t21, M_2, X, W_K, optimize=[(0, 1), (1, 8), (1, 7), (1, 3), (4, 7), (4, 6), (0, 4), (0, 1), (0, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj,ak,lmnf,lmk,no,lmop,lmi,pj->', t20, M_2, X, t21, M_2, X, W_K, t20, M_2, X, t21, M_2, X, W_K, optimize=[(0, 2), (3, 10), (3, 9), (3, 5), (6, 9), (6, 8), (0, 1), (0, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)])
-    return np.sqrt(np.maximum(t22, 0.0))
+    t23 = np.sqrt(np.maximum(t22, 0.0))
+    return t23
 
 
 def mse_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -8326,7 +8910,8 @@ def mse_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t18 = W_V @ t13
     t19 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 1), (0, 5), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jkle,jki,lm,jkmf,jkn,nh->', t0, t1, M_3, X, W_Q, t0, M_2, X, t18, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (1, 3), (4, 5), (4, 6), (4, 5), (4, 5), (1, 2), (1, 3), (0, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij,ak,lmnf,lmk,no,lmoh,lmp,pj->', t0, M_2, X, t18, M_2, X, W_Q, t0, M_2, X, t18, M_2, X, W_Q, optimize=[(0, 2), (3, 4), (3, 5), (6, 7), (6, 8), (6, 7), (6, 7), (0, 1), (0, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
-    return np.sqrt(np.maximum(t19, 0.0))
+    t20 = np.sqrt(np.maximum(t19, 0.0))
+    return t20
 
 
 def mse_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -8385,7 +8970,8 @@ def mse_causal0__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t12 = (2/(L*d_V)) * t11
     G = t12
     t13 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (2, 5), (1, 4), (3, 4), (2, 3), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijkf,ijh,ije,kg->', t0, M_2, X, G, t0, M_2, X, M_1, W_V, optimize=[(0, 2), (1, 6), (1, 3), (3, 5), (0, 2), (0, 3), (0, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,eh,ai,jklf,jki,jkg,lh->', t0, M_2, X, M_1, W_V, t0, M_2, X, M_1, W_V, optimize=[(0, 2), (1, 6), (1, 5), (1, 3), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
-    return np.sqrt(np.maximum(t13, 0.0))
+    t14 = np.sqrt(np.maximum(t13, 0.0))
+    return t14
 
 
 def mse_causal0__diag__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -8494,7 +9080,8 @@ def mse_causal0__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t13 = np.swapaxes(M_1, -1, -2)
     t14 = np.swapaxes(W_V, -1, -2)
     t15 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t12, M_2, X, W_K, t12, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acde,acf,eg,hdi,bj,hijk,hif,kg->', t12, M_2, X, W_K, t13, t14, M_2, X, W_K, optimize=[(0, 5), (1, 5), (1, 4), (0, 1), (2, 4), (0, 1), (1, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,fh,ibj,dk,ijkl,ijg,lh->', t13, t14, M_2, X, W_K, t13, t14, M_2, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
-    return np.sqrt(np.maximum(t15, 0.0))
+    t16 = np.sqrt(np.maximum(t15, 0.0))
+    return t16
 
 
 def mse_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -8557,7 +9144,8 @@ def mse_causal0__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t13 = np.swapaxes(M_1, -1, -2)
     t14 = np.swapaxes(W_V, -1, -2)
     t15 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t12, M_2, X, W_Q, t12, M_2, X, W_Q, optimize=[(0, 4), (1, 2), (2, 3), (2, 3), (2, 3), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acde,acf,fg,hdi,bj,hije,hik,kg->', t12, M_2, X, W_Q, t13, t14, M_2, X, W_Q, optimize=[(0, 5), (1, 2), (3, 4), (4, 5), (0, 1), (0, 3), (0, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,gh,ibj,dk,ijkf,ijl,lh->', t13, t14, M_2, X, W_Q, t13, t14, M_2, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
-    return np.sqrt(np.maximum(t15, 0.0))
+    t16 = np.sqrt(np.maximum(t15, 0.0))
+    return t16
 
 
 def mse_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -8606,7 +9194,8 @@ def mse_causal0__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     t8 = np.swapaxes(M_1, -1, -2)
     t9 = t8 @ M_1
     t10 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t9, t9, optimize=[(0, 1)])
-    return np.sqrt(np.maximum(t10, 0.0))
+    t11 = np.sqrt(np.maximum(t10, 0.0))
+    return t11
 
 
 def mse_causal1__loss(X, W_Q, W_K, W_V, Y):
@@ -8789,6 +9378,52 @@ def mse_causal1__hvp__outer(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     return (t32.mean(0), t37.mean(0), t41.mean(0),)
 
 
+def mse_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
+    """(‖H_outer(p, q)‖_F for p, q in the parameters, row-major)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = np.swapaxes(W_K, -1, -2)
+    t1 = np.swapaxes(X, -1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = np.triu(np.ones((L, L), dtype=bool), 1)
+    t7 = np.where(t6, -math.inf, t5)
+    t8 = np.exp(t7 - t7.max(-1, keepdims=True))
+    A = t8 / t8.sum(-1, keepdims=True)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t9 = np.swapaxes(W_V, -1, -2)
+    t10 = W_V @ t9
+    t11 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj,ak,lmnk,lmf,no,lmop,lmi,pj->', t0, M_2, X, t10, M_2, X, W_K, t0, M_2, X, t10, M_2, X, W_K, optimize=[(0, 7), (1, 7), (3, 8), (9, 10), (3, 7), (0, 1), (0, 7), (0, 1), (0, 5), (0, 3), (0, 2), (1, 2), (0, 1)])
+    t12 = np.sqrt(np.maximum(t11, 0.0))
+    t13 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij,ak,lmnk,lmf,no,lmoh,lmp,pj->', t0, M_2, X, t10, M_2, X, W_Q, t0, M_2, X, t10, M_2, X, W_Q, optimize=[(0, 7), (1, 7), (3, 4), (6, 7), (8, 9), (7, 8), (0, 1), (0, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)])
+    t14 = np.sqrt(np.maximum(t13, 0.0))
+    t15 = A @ X
+    M_1 = t15
+    t16 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,eh,ai,jkli,jkf,jkg,lh->', t0, M_2, X, M_1, W_V, t0, M_2, X, M_1, W_V, optimize=[(0, 5), (1, 5), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t17 = np.sqrt(np.maximum(t16, 0.0))
+    t18 = np.swapaxes(W_Q, -1, -2)
+    t19 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj,ak,lmnf,lmk,no,lmop,lmi,pj->', t18, M_2, X, t10, M_2, X, W_K, t18, M_2, X, t10, M_2, X, W_K, optimize=[(0, 2), (3, 10), (3, 9), (3, 5), (6, 9), (6, 8), (0, 1), (0, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)])
+    t20 = np.sqrt(np.maximum(t19, 0.0))
+    t21 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij,ak,lmnf,lmk,no,lmoh,lmp,pj->', t18, M_2, X, t10, M_2, X, W_Q, t18, M_2, X, t10, M_2, X, W_Q, optimize=[(0, 2), (3, 4), (3, 5), (6, 7), (6, 8), (6, 7), (6, 7), (0, 1), (0, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
+    t22 = np.sqrt(np.maximum(t21, 0.0))
+    t23 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,eh,ai,jklf,jki,jkg,lh->', t18, M_2, X, M_1, W_V, t18, M_2, X, M_1, W_V, optimize=[(0, 2), (1, 6), (1, 5), (1, 3), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t24 = np.sqrt(np.maximum(t23, 0.0))
+    t25 = np.swapaxes(M_1, -1, -2)
+    t26 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,fh,ibj,dk,ijkl,ijg,lh->', t25, t9, M_2, X, W_K, t25, t9, M_2, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t27 = np.sqrt(np.maximum(t26, 0.0))
+    t28 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,gh,ibj,dk,ijkf,ijl,lh->', t25, t9, M_2, X, W_Q, t25, t9, M_2, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t29 = np.sqrt(np.maximum(t28, 0.0))
+    t30 = t25 @ M_1
+    t31 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t30, t30, optimize=[(0, 1)])
+    t32 = np.sqrt(np.maximum(t31, 0.0))
+    return (t12, t14, t17, t20, t22, t24, t27, t29, t32,)
+
+
 def mse_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     """diag H_outer(W_Q, W_Q) (vec_r order) without the dense block."""
     L = X.shape[-2]
@@ -8885,7 +9520,8 @@ def mse_causal1__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t9 = np.swapaxes(W_V, -1, -2)
     t10 = W_V @ t9
     t11 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj,ak,lmnk,lmf,no,lmop,lmi,pj->', t0, M_2, X, t10, M_2, X, W_K, t0, M_2, X, t10, M_2, X, W_K, optimize=[(0, 7), (1, 7), (3, 8), (9, 10), (3, 7), (0, 1), (0, 7), (0, 1), (0, 5), (0, 3), (0, 2), (1, 2), (0, 1)])
-    return np.sqrt(np.maximum(t11, 0.0))
+    t12 = np.sqrt(np.maximum(t11, 0.0))
+    return t12
 
 
 def mse_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -8935,7 +9571,8 @@ def mse_causal1__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     t9 = np.swapaxes(W_V, -1, -2)
     t10 = W_V @ t9
     t11 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij,ak,lmnk,lmf,no,lmoh,lmp,pj->', t0, M_2, X, t10, M_2, X, W_Q, t0, M_2, X, t10, M_2, X, W_Q, optimize=[(0, 7), (1, 7), (3, 4), (6, 7), (8, 9), (7, 8), (0, 1), (0, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)])
-    return np.sqrt(np.maximum(t11, 0.0))
+    t12 = np.sqrt(np.maximum(t11, 0.0))
+    return t12
 
 
 def mse_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -8985,7 +9622,8 @@ def mse_causal1__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     t9 = A @ X
     M_1 = t9
     t10 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,eh,ai,jkli,jkf,jkg,lh->', t0, M_2, X, M_1, W_V, t0, M_2, X, M_1, W_V, optimize=[(0, 5), (1, 5), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
-    return np.sqrt(np.maximum(t10, 0.0))
+    t11 = np.sqrt(np.maximum(t10, 0.0))
+    return t11
 
 
 def mse_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -9088,7 +9726,8 @@ def mse_causal1__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t10 = np.swapaxes(W_V, -1, -2)
     t11 = W_V @ t10
     t12 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj,ak,lmnf,lmk,no,lmop,lmi,pj->', t0, M_2, X, t11, M_2, X, W_K, t0, M_2, X, t11, M_2, X, W_K, optimize=[(0, 2), (3, 10), (3, 9), (3, 5), (6, 9), (6, 8), (0, 1), (0, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)])
-    return np.sqrt(np.maximum(t12, 0.0))
+    t13 = np.sqrt(np.maximum(t12, 0.0))
+    return t13
 
 
 def mse_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -9140,7 +9779,8 @@ def mse_causal1__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t10 = np.swapaxes(W_V, -1, -2)
     t11 = W_V @ t10
     t12 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij,ak,lmnf,lmk,no,lmoh,lmp,pj->', t0, M_2, X, t11, M_2, X, W_Q, t0, M_2, X, t11, M_2, X, W_Q, optimize=[(0, 2), (3, 4), (3, 5), (6, 7), (6, 8), (6, 7), (6, 7), (0, 1), (0, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
-    return np.sqrt(np.maximum(t12, 0.0))
+    t13 = np.sqrt(np.maximum(t12, 0.0))
+    return t13
 
 
 def mse_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -9192,7 +9832,8 @@ def mse_causal1__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     t10 = A @ X
     M_1 = t10
     t11 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,eh,ai,jklf,jki,jkg,lh->', t0, M_2, X, M_1, W_V, t0, M_2, X, M_1, W_V, optimize=[(0, 2), (1, 6), (1, 5), (1, 3), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
-    return np.sqrt(np.maximum(t11, 0.0))
+    t12 = np.sqrt(np.maximum(t11, 0.0))
+    return t12
 
 
 def mse_causal1__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -9296,7 +9937,8 @@ def mse_causal1__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t12 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,fh,ibj,dk,ijkl,ijg,lh->', t10, t11, M_2, X, W_K, t10, t11, M_2, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
-    return np.sqrt(np.maximum(t12, 0.0))
+    t13 = np.sqrt(np.maximum(t12, 0.0))
+    return t13
 
 
 def mse_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -9350,7 +9992,8 @@ def mse_causal1__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t12 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,gh,ibj,dk,ijkf,ijl,lh->', t10, t11, M_2, X, W_Q, t10, t11, M_2, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
-    return np.sqrt(np.maximum(t12, 0.0))
+    t13 = np.sqrt(np.maximum(t12, 0.0))
+    return t13
 
 
 def mse_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -9403,7 +10046,8 @@ def mse_causal1__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     t10 = np.swapaxes(M_1, -1, -2)
     t11 = t10 @ M_1
     t12 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t11, t11, optimize=[(0, 1)])
-    return np.sqrt(np.maximum(t12, 0.0))
+    t13 = np.sqrt(np.maximum(t12, 0.0))
+    return t13
 
 
 def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
@@ -9555,6 +10199,64 @@ def mse_causal1__hvp__functional(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     return (t43.mean(0), t56.mean(0), t61.mean(0),)
 
 
+def mse_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
+    """(‖H_functional(p, q)‖_F for p, q in the parameters, row-major)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = np.swapaxes(W_K, -1, -2)
+    t1 = np.swapaxes(X, -1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = np.triu(np.ones((L, L), dtype=bool), 1)
+    t7 = np.where(t6, -math.inf, t5)
+    t8 = np.exp(t7 - t7.max(-1, keepdims=True))
+    A = t8 / t8.sum(-1, keepdims=True)
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1 @ W_V
+    t11 = -Y
+    t12 = t10 + t11
+    t13 = (2/(L*d_V)) * t12
+    G = t13
+    t14 = np.swapaxes(W_V, -1, -2)
+    t15 = t14 @ t1
+    t16 = G @ t15
+    t17 = t16 - (A * t16).sum(-1, keepdims=True)
+    t18 = A * t17
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t19 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t20 = np.sqrt(np.maximum(t19, 0.0))
+    t21 = t18 @ X
+    t22 = t1 @ t21
+    t23 = (n_batch**(-2)) * oe.contract('abc,dbc->', t22, t22, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t22, t0, t1, M_3, X, W_Q, optimize=[(1, 5), (3, 4), (2, 3), (1, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t24 = np.sqrt(np.maximum(t23, 0.0))
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t25 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t26 = np.sqrt(np.maximum(t25, 0.0))
+    t27 = np.swapaxes(t18, -1, -2)
+    t28 = t27 @ X
+    t29 = t1 @ t28
+    t30 = np.swapaxes(W_Q, -1, -2)
+    t31 = (n_batch**(-2)) * oe.contract('abc,dbc->', t29, t29, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t29, t30, t1, M_3, X, W_K, optimize=[(1, 2), (3, 4), (1, 3), (1, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t30, t1, M_3, X, W_K, t30, t1, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t32 = np.sqrt(np.maximum(t31, 0.0))
+    t33 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t30, t1, M_3, X, W_Q, t30, t1, M_3, X, W_Q, optimize=[(0, 1), (0, 5), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)])
+    t34 = np.sqrt(np.maximum(t33, 0.0))
+    t35 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t30, M_2, X, G, t30, M_2, X, G, optimize=[(0, 4), (2, 5), (1, 4), (3, 4), (2, 3), (0, 2), (0, 1)])
+    t36 = np.sqrt(np.maximum(t35, 0.0))
+    t37 = np.swapaxes(G, -1, -2)
+    t38 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t37, M_2, X, W_K, t37, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
+    t39 = np.sqrt(np.maximum(t38, 0.0))
+    t40 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t37, M_2, X, W_Q, t37, M_2, X, W_Q, optimize=[(0, 4), (1, 2), (2, 3), (2, 3), (2, 3), (0, 2), (0, 1)])
+    t41 = np.sqrt(np.maximum(t40, 0.0))
+    return (t20, t24, t26, t32, t34, t36, t39, t41, 0.0,)
+
+
 def mse_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
     """diag H_functional(W_Q, W_Q) (vec_r order) without the dense block."""
     L = X.shape[-2]
@@ -9691,7 +10393,8 @@ def mse_causal1__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t1, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t19 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
-    return np.sqrt(np.maximum(t19, 0.0))
+    t20 = np.sqrt(np.maximum(t19, 0.0))
+    return t20
 
 
 def mse_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -9769,7 +10472,8 @@ def mse_causal1__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t0, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t21 = (n_batch**(-2)) * oe.contract('abc,dbc->', t20, t20, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t20, t1, t0, M_3, X, W_Q, optimize=[(1, 5), (3, 4), (2, 3), (1, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t1, t0, M_3, X, W_Q, t1, t0, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)])
-    return np.sqrt(np.maximum(t21, 0.0))
+    t22 = np.sqrt(np.maximum(t21, 0.0))
+    return t22
 
 
 def mse_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -9829,7 +10533,8 @@ def mse_causal1__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t13 = (2/(L*d_V)) * t12
     G = t13
     t14 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
-    return np.sqrt(np.maximum(t14, 0.0))
+    t15 = np.sqrt(np.maximum(t14, 0.0))
+    return t15
 
 
 def mse_causal1__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -9982,7 +10687,8 @@ def mse_causal1__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t0, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t23 = (n_batch**(-2)) * oe.contract('abc,dbc->', t21, t21, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t21, t22, t0, M_3, X, W_K, optimize=[(1, 2), (3, 4), (1, 3), (1, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t22, t0, M_3, X, W_K, t22, t0, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
-    return np.sqrt(np.maximum(t23, 0.0))
+    t24 = np.sqrt(np.maximum(t23, 0.0))
+    return t24
 
 
 def mse_causal1__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -10054,7 +10760,8 @@ def mse_causal1__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t1, t19, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t19, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t19, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t20 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 1), (0, 5), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)])
-    return np.sqrt(np.maximum(t20, 0.0))
+    t21 = np.sqrt(np.maximum(t20, 0.0))
+    return t21
 
 
 def mse_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -10116,7 +10823,8 @@ def mse_causal1__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t14 = (2/(L*d_V)) * t13
     G = t14
     t15 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (2, 5), (1, 4), (3, 4), (2, 3), (0, 2), (0, 1)])
-    return np.sqrt(np.maximum(t15, 0.0))
+    t16 = np.sqrt(np.maximum(t15, 0.0))
+    return t16
 
 
 def mse_causal1__diag__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -10198,7 +10906,8 @@ def mse_causal1__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t15 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t14, M_2, X, W_K, t14, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
-    return np.sqrt(np.maximum(t15, 0.0))
+    t16 = np.sqrt(np.maximum(t15, 0.0))
+    return t16
 
 
 def mse_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -10260,7 +10969,8 @@ def mse_causal1__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t15 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t14, M_2, X, W_Q, t14, M_2, X, W_Q, optimize=[(0, 4), (1, 2), (2, 3), (2, 3), (2, 3), (0, 2), (0, 1)])
-    return np.sqrt(np.maximum(t15, 0.0))
+    t16 = np.sqrt(np.maximum(t15, 0.0))
+    return t16
 
 
 def mse_causal1__block__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -10457,6 +11167,69 @@ def mse_causal1__hvp__full(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     return (t50.mean(0), t63.mean(0), t72.mean(0),)
 
 
+def mse_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
+    """(‖H_full(p, q)‖_F for p, q in the parameters, row-major)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = np.swapaxes(W_K, -1, -2)
+    t1 = np.swapaxes(X, -1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = np.triu(np.ones((L, L), dtype=bool), 1)
+    t7 = np.where(t6, -math.inf, t5)
+    t8 = np.exp(t7 - t7.max(-1, keepdims=True))
+    A = t8 / t8.sum(-1, keepdims=True)
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1 @ W_V
+    t11 = -Y
+    t12 = t10 + t11
+    t13 = (2/(L*d_V)) * t12
+    G = t13
+    t14 = np.swapaxes(W_V, -1, -2)
+    t15 = t14 @ t1
+    t16 = G @ t15
+    t17 = t16 - (A * t16).sum(-1, keepdims=True)
+    t18 = A * t17
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t19 = W_V @ t14
+    t20 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jkli,jkd,lm,jkmn,jkg,nh->', t0, t1, M_3, X, W_K, t0, M_2, X, t19, M_2, X, W_K, optimize=[(0, 5), (0, 5), (1, 6), (7, 8), (1, 5), (0, 4), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj,ak,lmnk,lmf,no,lmop,lmi,pj->', t0, M_2, X, t19, M_2, X, W_K, t0, M_2, X, t19, M_2, X, W_K, optimize=[(0, 7), (1, 7), (3, 8), (9, 10), (3, 7), (0, 1), (0, 7), (0, 1), (0, 5), (0, 3), (0, 2), (1, 2), (0, 1)])
+    t21 = np.sqrt(np.maximum(t20, 0.0))
+    t22 = t18 @ X
+    t23 = t1 @ t22
+    t24 = (n_batch**(-2)) * oe.contract('abc,dbc->', t23, t23, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t23, t0, t1, M_3, X, W_Q, optimize=[(1, 5), (3, 4), (2, 3), (1, 2), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgic,fgj,jd->', t23, t0, M_2, X, t19, M_2, X, W_Q, optimize=[(0, 3), (3, 6), (0, 4), (1, 3), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkmf,jkn,nh->', t0, t1, M_3, X, W_Q, t0, M_2, X, t19, M_2, X, W_Q, optimize=[(0, 5), (0, 5), (1, 2), (4, 5), (6, 7), (5, 6), (0, 4), (0, 1), (0, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij,ak,lmnk,lmf,no,lmoh,lmp,pj->', t0, M_2, X, t19, M_2, X, W_Q, t0, M_2, X, t19, M_2, X, W_Q, optimize=[(0, 7), (1, 7), (3, 4), (6, 7), (8, 9), (7, 8), (0, 1), (0, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)])
+    t25 = np.sqrt(np.maximum(t24, 0.0))
+    t26 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijkh,ijf,ije,kg->', t0, M_2, X, G, t0, M_2, X, M_1, W_V, optimize=[(0, 4), (1, 4), (1, 4), (0, 2), (2, 4), (0, 1), (1, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,eh,ai,jkli,jkf,jkg,lh->', t0, M_2, X, M_1, W_V, t0, M_2, X, M_1, W_V, optimize=[(0, 5), (1, 5), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t27 = np.sqrt(np.maximum(t26, 0.0))
+    t28 = np.swapaxes(t18, -1, -2)
+    t29 = t28 @ X
+    t30 = t1 @ t29
+    t31 = np.swapaxes(W_Q, -1, -2)
+    t32 = (n_batch**(-2)) * oe.contract('abc,dbc->', t30, t30, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t30, t31, t1, M_3, X, W_K, optimize=[(1, 2), (3, 4), (1, 3), (1, 2), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgij,fgc,jd->', t30, t31, M_2, X, t19, M_2, X, W_K, optimize=[(0, 6), (1, 6), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t31, t1, M_3, X, W_K, t31, t1, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkmn,jkg,nh->', t31, t1, M_3, X, W_K, t31, M_2, X, t19, M_2, X, W_K, optimize=[(0, 1), (1, 8), (1, 7), (1, 3), (4, 7), (4, 6), (0, 4), (0, 1), (0, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj,ak,lmnf,lmk,no,lmop,lmi,pj->', t31, M_2, X, t19, M_2, X, W_K, t31, M_2, X, t19, M_2, X, W_K, optimize=[(0, 2), (3, 10), (3, 9), (3, 5), (6, 9), (6, 8), (0, 1), (0, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)])
+    t33 = np.sqrt(np.maximum(t32, 0.0))
+    t34 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t31, t1, M_3, X, W_Q, t31, t1, M_3, X, W_Q, optimize=[(0, 1), (0, 5), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jkle,jki,lm,jkmf,jkn,nh->', t31, t1, M_3, X, W_Q, t31, M_2, X, t19, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (1, 3), (4, 5), (4, 6), (4, 5), (4, 5), (1, 2), (1, 3), (0, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij,ak,lmnf,lmk,no,lmoh,lmp,pj->', t31, M_2, X, t19, M_2, X, W_Q, t31, M_2, X, t19, M_2, X, W_Q, optimize=[(0, 2), (3, 4), (3, 5), (6, 7), (6, 8), (6, 7), (6, 7), (0, 1), (0, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
+    t35 = np.sqrt(np.maximum(t34, 0.0))
+    t36 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t31, M_2, X, G, t31, M_2, X, G, optimize=[(0, 4), (2, 5), (1, 4), (3, 4), (2, 3), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijkf,ijh,ije,kg->', t31, M_2, X, G, t31, M_2, X, M_1, W_V, optimize=[(0, 2), (1, 6), (1, 3), (3, 5), (0, 2), (0, 3), (0, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,eh,ai,jklf,jki,jkg,lh->', t31, M_2, X, M_1, W_V, t31, M_2, X, M_1, W_V, optimize=[(0, 2), (1, 6), (1, 5), (1, 3), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t37 = np.sqrt(np.maximum(t36, 0.0))
+    t38 = np.swapaxes(G, -1, -2)
+    t39 = np.swapaxes(M_1, -1, -2)
+    t40 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t38, M_2, X, W_K, t38, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acde,acf,eg,hdi,bj,hijk,hif,kg->', t38, M_2, X, W_K, t39, t14, M_2, X, W_K, optimize=[(0, 5), (1, 5), (1, 4), (0, 1), (2, 4), (0, 1), (1, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,fh,ibj,dk,ijkl,ijg,lh->', t39, t14, M_2, X, W_K, t39, t14, M_2, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t41 = np.sqrt(np.maximum(t40, 0.0))
+    t42 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t38, M_2, X, W_Q, t38, M_2, X, W_Q, optimize=[(0, 4), (1, 2), (2, 3), (2, 3), (2, 3), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acde,acf,fg,hdi,bj,hije,hik,kg->', t38, M_2, X, W_Q, t39, t14, M_2, X, W_Q, optimize=[(0, 5), (1, 2), (3, 4), (4, 5), (0, 1), (0, 3), (0, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,gh,ibj,dk,ijkf,ijl,lh->', t39, t14, M_2, X, W_Q, t39, t14, M_2, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t43 = np.sqrt(np.maximum(t42, 0.0))
+    t44 = t39 @ M_1
+    t45 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t44, t44, optimize=[(0, 1)])
+    t46 = np.sqrt(np.maximum(t45, 0.0))
+    return (t21, t25, t27, t33, t35, t37, t41, t43, t46,)
+
+
 def mse_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     """diag H_full(W_Q, W_Q) (vec_r order) without the dense block."""
     L = X.shape[-2]
@@ -10607,7 +11380,8 @@ def mse_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t19 = W_V @ t14
     t20 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jkli,jkd,lm,jkmn,jkg,nh->', t0, t1, M_3, X, W_K, t0, M_2, X, t19, M_2, X, W_K, optimize=[(0, 5), (0, 5), (1, 6), (7, 8), (1, 5), (0, 4), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj,ak,lmnk,lmf,no,lmop,lmi,pj->', t0, M_2, X, t19, M_2, X, W_K, t0, M_2, X, t19, M_2, X, W_K, optimize=[(0, 7), (1, 7), (3, 8), (9, 10), (3, 7), (0, 1), (0, 7), (0, 1), (0, 5), (0, 3), (0, 2), (1, 2), (0, 1)])
-    return np.sqrt(np.maximum(t20, 0.0))
+    t21 = np.sqrt(np.maximum(t20, 0.0))
+    return t21
 
 
 def mse_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -10692,7 +11466,8 @@ def mse_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t21 = W_V @ t14
     t22 = (n_batch**(-2)) * oe.contract('abc,dbc->', t20, t20, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t20, t1, t0, M_3, X, W_Q, optimize=[(1, 5), (3, 4), (2, 3), (1, 2), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgic,fgj,jd->', t20, t1, M_2, X, t21, M_2, X, W_Q, optimize=[(0, 3), (3, 6), (0, 4), (1, 3), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t1, t0, M_3, X, W_Q, t1, t0, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkmf,jkn,nh->', t1, t0, M_3, X, W_Q, t1, M_2, X, t21, M_2, X, W_Q, optimize=[(0, 5), (0, 5), (1, 2), (4, 5), (6, 7), (5, 6), (0, 4), (0, 1), (0, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij,ak,lmnk,lmf,no,lmoh,lmp,pj->', t1, M_2, X, t21, M_2, X, W_Q, t1, M_2, X, t21, M_2, X, W_Q, optimize=[(0, 7), (1, 7), (3, 4), (6, 7), (8, 9), (7, 8), (0, 1), (0, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)])
-    return np.sqrt(np.maximum(t22, 0.0))
+    t23 = np.sqrt(np.maximum(t22, 0.0))
+    return t23
 
 
 def mse_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -10753,7 +11528,8 @@ def mse_causal1__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t13 = (2/(L*d_V)) * t12
     G = t13
     t14 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijkh,ijf,ije,kg->', t0, M_2, X, G, t0, M_2, X, M_1, W_V, optimize=[(0, 4), (1, 4), (1, 4), (0, 2), (2, 4), (0, 1), (1, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,eh,ai,jkli,jkf,jkg,lh->', t0, M_2, X, M_1, W_V, t0, M_2, X, M_1, W_V, optimize=[(0, 5), (1, 5), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
-    return np.sqrt(np.maximum(t14, 0.0))
+    t15 = np.sqrt(np.maximum(t14, 0.0))
+    return t15
 
 
 def mse_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -10920,7 +11696,8 @@ def mse_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t23 = W_V @ t14
     t24 = (n_batch**(-2)) * oe.contract('abc,dbc->', t21, t21, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t21, t22, t0, M_3, X, W_K, optimize=[(1, 2), (3, 4), (1, 3), (1, 2), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgij,fgc,jd->', t21, t22, M_2, X, t23, M_2, X, W_K, optimize=[(0, 6), (1, 6), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t22, t0, M_3, X, W_K, t22, t0, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkmn,jkg,nh->', t22, t0, M_3, X, W_K, t22, M_2, X, t23, M_2, X, W_K, optimize=[(0, 1), (1, 8), (1, 7), (1, 3), (4, 7), (4, 6), (0, 4), (0, 1), (0, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj,ak,lmnf,lmk,no,lmop,lmi,pj->', t22, M_2, X, t23, M_2, X, W_K, t22, M_2, X, t23, M_2, X, W_K, optimize=[(0, 2), (3, 10), (3, 9), (3, 5), (6, 9), (6, 8), (0, 1), (0, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)])
-    return np.sqrt(np.maximum(t24, 0.0))
+    t25 = np.sqrt(np.maximum(t24, 0.0))
+    return t25
 
 
 def mse_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -10999,7 +11776,8 @@ def mse_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t20 = W_V @ t15
     t21 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 1), (0, 5), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jkle,jki,lm,jkmf,jkn,nh->', t0, t1, M_3, X, W_Q, t0, M_2, X, t20, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (1, 3), (4, 5), (4, 6), (4, 5), (4, 5), (1, 2), (1, 3), (0, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij,ak,lmnf,lmk,no,lmoh,lmp,pj->', t0, M_2, X, t20, M_2, X, W_Q, t0, M_2, X, t20, M_2, X, W_Q, optimize=[(0, 2), (3, 4), (3, 5), (6, 7), (6, 8), (6, 7), (6, 7), (0, 1), (0, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
-    return np.sqrt(np.maximum(t21, 0.0))
+    t22 = np.sqrt(np.maximum(t21, 0.0))
+    return t22
 
 
 def mse_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -11062,7 +11840,8 @@ def mse_causal1__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t14 = (2/(L*d_V)) * t13
     G = t14
     t15 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (2, 5), (1, 4), (3, 4), (2, 3), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijkf,ijh,ije,kg->', t0, M_2, X, G, t0, M_2, X, M_1, W_V, optimize=[(0, 2), (1, 6), (1, 3), (3, 5), (0, 2), (0, 3), (0, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,eh,ai,jklf,jki,jkg,lh->', t0, M_2, X, M_1, W_V, t0, M_2, X, M_1, W_V, optimize=[(0, 2), (1, 6), (1, 5), (1, 3), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
-    return np.sqrt(np.maximum(t15, 0.0))
+    t16 = np.sqrt(np.maximum(t15, 0.0))
+    return t16
 
 
 def mse_causal1__diag__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -11179,7 +11958,8 @@ def mse_causal1__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t15 = np.swapaxes(M_1, -1, -2)
     t16 = np.swapaxes(W_V, -1, -2)
     t17 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t14, M_2, X, W_K, t14, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acde,acf,eg,hdi,bj,hijk,hif,kg->', t14, M_2, X, W_K, t15, t16, M_2, X, W_K, optimize=[(0, 5), (1, 5), (1, 4), (0, 1), (2, 4), (0, 1), (1, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,fh,ibj,dk,ijkl,ijg,lh->', t15, t16, M_2, X, W_K, t15, t16, M_2, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
-    return np.sqrt(np.maximum(t17, 0.0))
+    t18 = np.sqrt(np.maximum(t17, 0.0))
+    return t18
 
 
 def mse_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -11246,7 +12026,8 @@ def mse_causal1__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t15 = np.swapaxes(M_1, -1, -2)
     t16 = np.swapaxes(W_V, -1, -2)
     t17 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t14, M_2, X, W_Q, t14, M_2, X, W_Q, optimize=[(0, 4), (1, 2), (2, 3), (2, 3), (2, 3), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acde,acf,fg,hdi,bj,hije,hik,kg->', t14, M_2, X, W_Q, t15, t16, M_2, X, W_Q, optimize=[(0, 5), (1, 2), (3, 4), (4, 5), (0, 1), (0, 3), (0, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,gh,ibj,dk,ijkf,ijl,lh->', t15, t16, M_2, X, W_Q, t15, t16, M_2, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
-    return np.sqrt(np.maximum(t17, 0.0))
+    t18 = np.sqrt(np.maximum(t17, 0.0))
+    return t18
 
 
 def mse_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -11299,7 +12080,8 @@ def mse_causal1__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     t10 = np.swapaxes(M_1, -1, -2)
     t11 = t10 @ M_1
     t12 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t11, t11, optimize=[(0, 1)])
-    return np.sqrt(np.maximum(t12, 0.0))
+    t13 = np.sqrt(np.maximum(t12, 0.0))
+    return t13
 
 
 VARIANTS = {
@@ -11308,6 +12090,7 @@ VARIANTS = {
         ('gradient',): ce_causal0__gradient,
         ('hessian', 'outer'): ce_causal0__hessian__outer,
         ('hvp', 'outer'): ce_causal0__hvp__outer,
+        ('frobenius_all', 'outer'): ce_causal0__frobenius_all__outer,
         ('diag', 'W_Q', 'outer'): ce_causal0__diag__W_Q__outer,
         ('trace', 'W_Q', 'outer'): ce_causal0__trace__W_Q__outer,
         ('block', 'W_Q', 'W_Q', 'outer'): ce_causal0__block__W_Q__W_Q__outer,
@@ -11334,6 +12117,7 @@ VARIANTS = {
         ('frobenius', 'W_V', 'W_V', 'outer'): ce_causal0__frobenius__W_V__W_V__outer,
         ('hessian', 'functional'): ce_causal0__hessian__functional,
         ('hvp', 'functional'): ce_causal0__hvp__functional,
+        ('frobenius_all', 'functional'): ce_causal0__frobenius_all__functional,
         ('diag', 'W_Q', 'functional'): ce_causal0__diag__W_Q__functional,
         ('trace', 'W_Q', 'functional'): ce_causal0__trace__W_Q__functional,
         ('block', 'W_Q', 'W_Q', 'functional'): ce_causal0__block__W_Q__W_Q__functional,
@@ -11360,6 +12144,7 @@ VARIANTS = {
         ('frobenius', 'W_V', 'W_V', 'functional'): ce_causal0__frobenius__W_V__W_V__functional,
         ('hessian', 'full'): ce_causal0__hessian__full,
         ('hvp', 'full'): ce_causal0__hvp__full,
+        ('frobenius_all', 'full'): ce_causal0__frobenius_all__full,
         ('diag', 'W_Q', 'full'): ce_causal0__diag__W_Q__full,
         ('trace', 'W_Q', 'full'): ce_causal0__trace__W_Q__full,
         ('block', 'W_Q', 'W_Q', 'full'): ce_causal0__block__W_Q__W_Q__full,
@@ -11390,6 +12175,7 @@ VARIANTS = {
         ('gradient',): ce_causal1__gradient,
         ('hessian', 'outer'): ce_causal1__hessian__outer,
         ('hvp', 'outer'): ce_causal1__hvp__outer,
+        ('frobenius_all', 'outer'): ce_causal1__frobenius_all__outer,
         ('diag', 'W_Q', 'outer'): ce_causal1__diag__W_Q__outer,
         ('trace', 'W_Q', 'outer'): ce_causal1__trace__W_Q__outer,
         ('block', 'W_Q', 'W_Q', 'outer'): ce_causal1__block__W_Q__W_Q__outer,
@@ -11416,6 +12202,7 @@ VARIANTS = {
         ('frobenius', 'W_V', 'W_V', 'outer'): ce_causal1__frobenius__W_V__W_V__outer,
         ('hessian', 'functional'): ce_causal1__hessian__functional,
         ('hvp', 'functional'): ce_causal1__hvp__functional,
+        ('frobenius_all', 'functional'): ce_causal1__frobenius_all__functional,
         ('diag', 'W_Q', 'functional'): ce_causal1__diag__W_Q__functional,
         ('trace', 'W_Q', 'functional'): ce_causal1__trace__W_Q__functional,
         ('block', 'W_Q', 'W_Q', 'functional'): ce_causal1__block__W_Q__W_Q__functional,
@@ -11442,6 +12229,7 @@ VARIANTS = {
         ('frobenius', 'W_V', 'W_V', 'functional'): ce_causal1__frobenius__W_V__W_V__functional,
         ('hessian', 'full'): ce_causal1__hessian__full,
         ('hvp', 'full'): ce_causal1__hvp__full,
+        ('frobenius_all', 'full'): ce_causal1__frobenius_all__full,
         ('diag', 'W_Q', 'full'): ce_causal1__diag__W_Q__full,
         ('trace', 'W_Q', 'full'): ce_causal1__trace__W_Q__full,
         ('block', 'W_Q', 'W_Q', 'full'): ce_causal1__block__W_Q__W_Q__full,
@@ -11472,6 +12260,7 @@ VARIANTS = {
         ('gradient',): mse_causal0__gradient,
         ('hessian', 'outer'): mse_causal0__hessian__outer,
         ('hvp', 'outer'): mse_causal0__hvp__outer,
+        ('frobenius_all', 'outer'): mse_causal0__frobenius_all__outer,
         ('diag', 'W_Q', 'outer'): mse_causal0__diag__W_Q__outer,
         ('trace', 'W_Q', 'outer'): mse_causal0__trace__W_Q__outer,
         ('block', 'W_Q', 'W_Q', 'outer'): mse_causal0__block__W_Q__W_Q__outer,
@@ -11498,6 +12287,7 @@ VARIANTS = {
         ('frobenius', 'W_V', 'W_V', 'outer'): mse_causal0__frobenius__W_V__W_V__outer,
         ('hessian', 'functional'): mse_causal0__hessian__functional,
         ('hvp', 'functional'): mse_causal0__hvp__functional,
+        ('frobenius_all', 'functional'): mse_causal0__frobenius_all__functional,
         ('diag', 'W_Q', 'functional'): mse_causal0__diag__W_Q__functional,
         ('trace', 'W_Q', 'functional'): mse_causal0__trace__W_Q__functional,
         ('block', 'W_Q', 'W_Q', 'functional'): mse_causal0__block__W_Q__W_Q__functional,
@@ -11524,6 +12314,7 @@ VARIANTS = {
         ('frobenius', 'W_V', 'W_V', 'functional'): mse_causal0__frobenius__W_V__W_V__functional,
         ('hessian', 'full'): mse_causal0__hessian__full,
         ('hvp', 'full'): mse_causal0__hvp__full,
+        ('frobenius_all', 'full'): mse_causal0__frobenius_all__full,
         ('diag', 'W_Q', 'full'): mse_causal0__diag__W_Q__full,
         ('trace', 'W_Q', 'full'): mse_causal0__trace__W_Q__full,
         ('block', 'W_Q', 'W_Q', 'full'): mse_causal0__block__W_Q__W_Q__full,
@@ -11554,6 +12345,7 @@ VARIANTS = {
         ('gradient',): mse_causal1__gradient,
         ('hessian', 'outer'): mse_causal1__hessian__outer,
         ('hvp', 'outer'): mse_causal1__hvp__outer,
+        ('frobenius_all', 'outer'): mse_causal1__frobenius_all__outer,
         ('diag', 'W_Q', 'outer'): mse_causal1__diag__W_Q__outer,
         ('trace', 'W_Q', 'outer'): mse_causal1__trace__W_Q__outer,
         ('block', 'W_Q', 'W_Q', 'outer'): mse_causal1__block__W_Q__W_Q__outer,
@@ -11580,6 +12372,7 @@ VARIANTS = {
         ('frobenius', 'W_V', 'W_V', 'outer'): mse_causal1__frobenius__W_V__W_V__outer,
         ('hessian', 'functional'): mse_causal1__hessian__functional,
         ('hvp', 'functional'): mse_causal1__hvp__functional,
+        ('frobenius_all', 'functional'): mse_causal1__frobenius_all__functional,
         ('diag', 'W_Q', 'functional'): mse_causal1__diag__W_Q__functional,
         ('trace', 'W_Q', 'functional'): mse_causal1__trace__W_Q__functional,
         ('block', 'W_Q', 'W_Q', 'functional'): mse_causal1__block__W_Q__W_Q__functional,
@@ -11606,6 +12399,7 @@ VARIANTS = {
         ('frobenius', 'W_V', 'W_V', 'functional'): mse_causal1__frobenius__W_V__W_V__functional,
         ('hessian', 'full'): mse_causal1__hessian__full,
         ('hvp', 'full'): mse_causal1__hvp__full,
+        ('frobenius_all', 'full'): mse_causal1__frobenius_all__full,
         ('diag', 'W_Q', 'full'): mse_causal1__diag__W_Q__full,
         ('trace', 'W_Q', 'full'): mse_causal1__trace__W_Q__full,
         ('block', 'W_Q', 'W_Q', 'full'): mse_causal1__block__W_Q__W_Q__full,
