@@ -65,7 +65,8 @@ class Derivation:
     def output_gradient(self):
         """G = ∂ℓ/∂F, frozen (held constant by the differentiator)."""
         Fp, grad, _, _ = self._loss_parts
-        return E.named(E.substitute(grad, {Fp: self.F}), "G", r"\mathbf G", frozen=True)
+        f = E.named(self.F, "F", r"\mathbf F")
+        return E.named(E.substitute(grad, {Fp: f}), "G", r"\mathbf G", frozen=True)
 
     def loss_hessian_map(self, dF):
         """∂²ℓ/∂F² applied to dF."""
@@ -152,6 +153,9 @@ class Derivation:
         hole = E.Var(f"__{at}", node.rows, node.cols, "placeholder")
         dn = _direction(hole)
         f_hole = E.substitute(self.F, {node: hole})
+        if not f_hole.depends_on(hole):   # else the split would silently give Zero
+            raise ValueError(f"intermediate {at!r} is not a node of the output (canonicalisation "
+                             f"merged it into a larger product); declare it with expr.named(...)")
         g_full = E.substitute(self.output_gradient.inner, {})
         g_node = adjoint(differential(f_hole, {hole: dn}), dn, g_full)
         g_node = E.named(E.substitute(g_node, {hole: node}), f"G_{at}",
@@ -167,6 +171,17 @@ class Derivation:
         if key not in self._cache:
             self._cache[key] = Block(simplify(self.raw_block(p, q, part, at), self.layer), self, (p, q, part))
         return self._cache[key]
+
+    @cached_property
+    def latex_names(self):
+        """LaTeX symbols for the layer's named intermediates (e.g. A, T)."""
+        from .printing.latex import bold_name
+        from .simplify import simplify as simp
+        names = {}
+        for key, node in self.layer.intermediates.items():
+            names[node] = bold_name(key)
+            names[simp(node)] = bold_name(key)
+        return names
 
     @property
     def variable_names(self):
@@ -207,7 +222,7 @@ class Block:
         return self.expr.shape
 
     def latex(self) -> str:
-        return self.expr.latex()
+        return self.expr.latex(self.derivation.latex_names)
 
     def text(self) -> str:
         return repr(self.expr)
