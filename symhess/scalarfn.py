@@ -30,7 +30,7 @@ FUNCTIONS = {
     "gelu_tanh": (x / 2 * (1 + sp.tanh(sp.sqrt(2 / sp.pi) * (x + sp.Rational(44715, 1000000) * x**3))),
                   r"\operatorname{GELU}_{\tanh}"),
     "square": (x**2, r"(\cdot)^{2}"),
-    "sqrt": (sp.sqrt(x), r"\sqrt"),
+    "sqrt": (sp.sqrt(x), r"\sqrt{\cdot}"),  # \sqrt needs a braced argument in LaTeX
     "rsqrt": (1 / sp.sqrt(x), r"(\cdot)^{-1/2}"),
     "recip": (1 / x, r"(\cdot)^{-1}"),
     "step": (_heaviside(x), r"\mathbb 1_{>0}"),

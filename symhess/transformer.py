@@ -28,6 +28,7 @@ import sympy as sp
 
 from . import expr as E
 from .evaluate import InputError, evaluate
+from .adjoint import adjoint
 from .kron import vec_jacobian
 from .layers import Layer, attention, register_layer
 from .rules import differential
@@ -300,3 +301,34 @@ def input_hessian(expr, wrt) -> E.Expr:
     """∂²F/∂W² in the layout of conventions §3, e.g. the LayerNorm input Hessian H_LN."""
     expr, wrt = _resolve(expr, wrt)
     return second_derivative(expr, wrt, wrt)
+
+
+def contracted_second_derivative(expr, wrt_i, wrt_j, cotangent="G"):
+    """((vec_r G)ᵀ ⊗ I) ∂²F/∂W_i∂W_j (n_i × n_j) for a free cotangent G shaped like F; returns (expr, G).
+
+    This is the functional block of the loss ⟨G, F⟩.  It never vectorises a Kronecker form,
+    so it also covers the attention parameters (whose Kronecker Jacobian holds ∂A/∂T).
+    """
+    expr, wi = _resolve(expr, wrt_i)
+    _, wj = _resolve(expr, wrt_j)
+    G = E.Var(cotangent, expr.rows, expr.cols, "const")
+    di, dj = _dir(wi, ""), _dir(wj, "2")
+    grad = adjoint(differential(expr, {wi: di}), di, G)
+    return vec_jacobian(differential(grad, {wj: dj}), dj), G
+
+
+def second_derivative_values(expr, wrt_i, wrt_j, values, env=None):
+    """Dense ∂²F/∂W_i∂W_j (layout of conventions §3), evaluated row block by row block.
+
+    Row block o is the contracted second derivative at G = e_o (one output entry).
+    """
+    expr, wi = _resolve(expr, wrt_i)
+    h, G = contracted_second_derivative(expr, wi, wrt_j)
+    vals = {k: _numpy(v) for k, v in values.items()}
+    shape = np.shape(evaluate(expr, vals, env=env))
+    rows = []
+    for o in range(int(np.prod(shape))):
+        g = np.zeros(shape)
+        g.flat[o] = 1.0
+        rows.append(evaluate(h, dict(vals, **{G.name: g}), env=env))
+    return np.concatenate(rows, axis=0)
