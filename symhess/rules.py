@@ -72,7 +72,7 @@ def _kron(n, d, memo):
     """d(F₁⊗⋯⊗F_k) = Σ_j F₁⊗⋯⊗dF_j⊗⋯⊗F_k."""
     f = n.args
     terms = [E.kron(*f[:j], dj, *f[j + 1:]) for j, dj in enumerate(d) if not dj.is_zero]
-    return E.add(*terms)
+    return E.add(*terms) if terms else E.zero(*n.shape)
 
 
 @rule(E.Hadamard)
@@ -80,7 +80,7 @@ def _hadamard(n, d, memo):
     """d(F₁∘⋯∘F_k) = Σ_j F₁∘⋯∘dF_j∘⋯∘F_k."""
     f = n.args
     terms = [E.hadamard(*f[:j], dj, *f[j + 1:]) for j, dj in enumerate(d) if not dj.is_zero]
-    return E.add(*terms)
+    return E.add(*terms) if terms else E.zero(*n.shape)
 
 
 @rule(E.Elementwise)
