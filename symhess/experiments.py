@@ -338,7 +338,8 @@ def cmd_histogram(args):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     os.makedirs(args.out, exist_ok=True)
-    sigma = args.sigma
+    # Fig. 1 is at initialisation: embeddings have the GPT-2 std 0.8/√d_model unless given
+    sigma = args.sigma if args.sigma else 0.8 / math.sqrt(args.d_model)
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     medians = {}
     for ax, attention in zip(axes, ("softmax", "linear")):
@@ -478,7 +479,7 @@ def build_parser():
 
     h = sub.add_parser("histogram", help="|entries| of the W_Q, W_V blocks, softmax vs linear (Fig. 1a/4)")
     common(h, 16, 64, 64)
-    h.add_argument("--sigma", type=float, default=1.0, help="embedding std")
+    h.add_argument("--sigma", type=float, default=0.0, help="embedding std (default 0.8/√d_model)")
     h.set_defaults(func=cmd_histogram)
 
     b = sub.add_parser("bounds", help="exact spectral norms vs the published Theorem 1 bound")
