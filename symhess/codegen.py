@@ -25,7 +25,7 @@ from .hessian import PARTS, derive
 from .layers import LAYERS, layer as get_layer, layer_options
 from .losses import LOSSES
 from .printing.code import Routine, _scaled, _sum
-from .printing.index import Factor
+from .printing.index import Factor, Lowering
 from .printing.numpy import NUMPY
 from .printing.torch import TORCH
 
@@ -44,12 +44,36 @@ class Function:
 
 
 # ----------------------------------------------------------------------------- variants
+DEFAULT_LOSSES = ("mse", "ce")
+# options whose every value is committed (a mask changes the code); all other options are
+# generated at their defaults and rendered in memory on first use (symhess.kernel)
+VARIED_OPTIONS = ("causal",)
+# layers whose kernels are rendered on demand only, never committed (with the reason)
+ON_DEMAND = {
+    "addition_block": "the experiments model: its losses are the custom ce_answer/mse_sum and "
+                      "its 7 parameters give 49 blocks through LayerNorm; kernels are rendered "
+                      "in memory on first use",
+    "post_ln_block": "its outer blocks expand to up to 2048 index networks each (the attention "
+                     "Jacobian through two LayerNorms, every sum distributed); committing them "
+                     "would take minutes and tens of MB; rendered in memory on first use",
+    "pre_ln_block": "up to 168 index networks per block (LayerNorm Jacobians distributed "
+                    "through the attention); the four committed variants would be 23 MB per "
+                    "backend and take 90 s; rendered in memory on first use",
+}
+
+
+def generated_losses(layer_name):
+    """The losses committed for a layer: ``factory.losses`` if declared, else mse and ce."""
+    from .layers import _factory
+    return tuple(getattr(_factory(layer_name), "losses", DEFAULT_LOSSES))
+
+
 def variants(layer_name):
-    """(loss, options) pairs generated for a layer: every loss × every boolean option value."""
+    """(loss, options) pairs committed for a layer: its losses × every value of causal."""
     opts = layer_options(layer_name)
-    flags = sorted(k for k, v in opts.items() if isinstance(v, bool))
+    flags = sorted(k for k in VARIED_OPTIONS if isinstance(opts.get(k), bool))
     out = []
-    for loss in sorted(LOSSES):
+    for loss in generated_losses(layer_name):
         for values in itertools.product((False, True), repeat=len(flags)):
             o = dict(opts)
             o.update(zip(flags, values))
@@ -62,12 +86,49 @@ def variant_tag(loss, options):
     return f"{loss}{flags}"
 
 
+_DERIVATIONS = {}
+
+
+def lowered(layer_name, loss, options):
+    """The derivation of one variant with its lowered blocks, shared by both backends."""
+    key = (layer_name, loss, options)
+    if key not in _DERIVATIONS:
+        _DERIVATIONS[key] = Lowered(derive(get_layer(layer_name, **dict(options)), loss))
+    return _DERIVATIONS[key]
+
+
+class Lowered:
+    """A derivation and its blocks lowered once to index networks (backend-independent)."""
+
+    def __init__(self, derivation):
+        self.d = derivation
+        self.lw = Lowering()
+        self._terms = {}
+
+    def terms(self, p, q, part):
+        """(terms, row labels, column labels) of H_part(p, q), lowered once."""
+        key = (p, q, part)
+        if key not in self._terms:
+            wp, wq = self.d.param(p), self.d.param(q)
+            r = [lab for d in wp.shape for lab in self.lw.labels.fresh(d)]
+            c = [lab for d in wq.shape for lab in self.lw.labels.fresh(d)]
+            self._terms[key] = (self.lw.lower(self.d.block(p, q, part).expr, r, c), r, c)
+        return self._terms[key]
+
+
 # ----------------------------------------------------------------------------- routines
+# a Frobenius norm as Σ_{t,t'} ⟨N_t, N_t'⟩ costs one contraction per pair of terms; above
+# this many terms (LayerNorm blocks have up to ~170) the block is built densely in a
+# temporary and its norm taken instead: still exact, cost and memory of one dense block
+PAIRWISE_MAX_TERMS = 16
+
+
 class Variant:
     """Prints every routine of one (layer, loss, options) for one target."""
 
-    def __init__(self, derivation, target, tag):
-        self.d = derivation
+    def __init__(self, low, target, tag):
+        self.low = low
+        self.d = derivation = low.d
         self.t = target
         self.tag = tag
         lay = derivation.layer
@@ -85,7 +146,7 @@ class Variant:
     def routine(self, extra=()):
         variables = dict(self.vars)
         variables.update({v.name: v for v in extra})
-        return Routine(self.t, variables, self.batched, self.symbols)
+        return Routine(self.t, variables, self.batched, self.symbols, lowering=self.low.lw)
 
     def header(self, rt):
         """Bind every dimension (and the batch size) from the argument shapes."""
@@ -111,10 +172,8 @@ class Variant:
     # -- dense blocks --------------------------------------------------------------
     def block(self, p, q, part):
         rt = self.routine()
-        wp, wq = self.d.param(p), self.d.param(q)
-        expr = self.d.block(p, q, part).expr
         rt.line(f"out = {rt.fmt('empty', rt.shape((self.numel(p), self.numel(q))))}")
-        terms, r, c = rt.terms(expr, wp.shape, wq.shape)
+        terms, r, c = self.low.terms(p, q, part)
         rt.dense_into("out", terms, r, c, fresh=True)
         return self.function(f"block__{p}__{q}__{part}", rt, "out",
                              f"H_{part}({p}, {q}) as a dense (numel {p} × numel {q}) block, vec_r layout.")
@@ -130,8 +189,7 @@ class Variant:
             for j, q in enumerate(names):
                 sl = f"H[{rt.size(offs[i])}:{rt.size(offs[i + 1])}, {rt.size(offs[j])}:{rt.size(offs[j + 1])}]"
                 target = rt.emit(sl, False)
-                expr = self.d.block(p, q, part).expr
-                terms, r, c = rt.terms(expr, self.d.param(p).shape, self.d.param(q).shape)
+                terms, r, c = self.low.terms(p, q, part)
                 rt.dense_into(target, terms, r, c, fresh=True)
         return self.function(f"hessian__{part}", rt, "H",
                              f"The full {part} Hessian, parameters in declared order {', '.join(names)}.")
@@ -161,8 +219,7 @@ class Variant:
 
     # -- reductions ------------------------------------------------------------------
     def _diag_terms(self, rt, p, part):
-        w = self.d.param(p)
-        terms, r, c = rt.terms(self.d.block(p, p, part).expr, w.shape, w.shape)
+        terms, r, c = self.low.terms(p, p, part)
         out = []
         for t in terms:
             t = t.copy()
@@ -201,7 +258,11 @@ class Variant:
                              f"(‖H_{part}(p, q)‖_F for p, q in the parameters, row-major).")
 
     def _frobenius_into(self, rt, p, q, part):
-        terms, r, c = rt.terms(self.d.block(p, q, part).expr, self.d.param(p).shape, self.d.param(q).shape)
+        terms, r, c = self.low.terms(p, q, part)
+        if not terms:
+            return "0.0"
+        if len(terms) > PAIRWISE_MAX_TERMS:
+            return self._frobenius_dense(rt, p, q, terms, r, c)
         nets = []
         for i, t1 in enumerate(terms):
             for t2 in terms[i:]:
@@ -209,8 +270,18 @@ class Variant:
                 outer = rt.lw.resolve(pair, r) + rt.lw.resolve(pair, c)
                 coef, code, _ = rt.network(pair, [], summed=outer)
                 nets.append((coef * (1 if t1 is t2 else 2), code))
-        s = rt.emit(rt.scalar(nets), True) if nets else "0.0"
-        return rt.emit(rt.fmt("sqrt_pos", s), True) if nets else "0.0"
+        s = rt.emit(rt.scalar(nets), True)
+        return rt.emit(rt.fmt("sqrt_pos", s), True)
+
+    def _frobenius_dense(self, rt, p, q, terms, r, c):
+        """‖H‖_F of a block with many terms: built densely in a temporary, then freed."""
+        tmp = rt.fresh("blk")
+        rt.line(f"{tmp} = {rt.fmt('empty', rt.shape((self.numel(p), self.numel(q))))}")
+        rt.dense_into(tmp, terms, r, c, fresh=True)
+        norm = rt.fresh("nrm")
+        rt.line(f"{norm} = {rt.fmt('norm', tmp)}")
+        rt.line(f"del {tmp}")
+        return norm
 
     def all(self):
         names = self.d.layer.param_names
@@ -267,9 +338,8 @@ def render_module(layer_name, backend, only=None) -> str:
     target = TARGETS[backend]
     functions, vs = [], []
     for loss, options in (only or variants(layer_name)):
-        lay = get_layer(layer_name, **dict(options))
         tag = variant_tag(loss, options)
-        fns, table = Variant(derive(lay, loss), target, tag).all()
+        fns, table = Variant(lowered(layer_name, loss, options), target, tag).all()
         functions.extend(fns)
         vs.append({"tag": tag, "loss": loss, "options": dict(options),
                    "key": repr((loss, options)), "table": table})
@@ -282,7 +352,7 @@ def render_module(layer_name, backend, only=None) -> str:
 def render_all():
     """{relative path: source} for every registered layer and backend."""
     out = {}
-    for name in sorted(LAYERS):
+    for name in sorted(n for n in LAYERS if n not in ON_DEMAND):
         for backend in TARGETS:
             out[f"{backend}/{name}.py"] = render_module(name, backend)
     return out

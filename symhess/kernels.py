@@ -68,7 +68,9 @@ class Kernel:
     def __init__(self, layer, backend, loss, table):
         self.layer, self.backend, self.loss_name, self._fns = layer, backend, loss, table
         self.params = layer.param_names
-        self._data = [v.name for v in layer.inputs] + ["Y"]
+        # only data (role "input") and the target carry the batch axis; constants such as
+        # W_E, P or LayerNorm's γ, β are shared by all sequences
+        self._data = [v.name for v in layer.inputs if v.role == "input"] + ["Y"]
         variables = dict(layer.variables)
         from .hessian import derive
         variables["Y"] = derive(layer, loss).Y

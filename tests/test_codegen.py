@@ -169,7 +169,8 @@ def test_generated_source_has_no_dense_structure():
             assert "L**2" not in m.group(1) and "L*L" not in m.group(1), (name, m.group(0))
         for m in re.finditer(r"# (\w+): compact tensor \(([^)]*)\)", body):
             assert m.group(2).count("'L'") <= 1, (name, m.group(0))  # M_2 is L×d×d, never L²
-        assert "M_2 = oe.contract" in body and "M_3 = oe.contract" in body
+        if name.startswith("attention.py"):     # softmax attention: M_2, M_3 are compact tensors
+            assert "M_2 = oe.contract" in body and "M_3 = oe.contract" in body
 
 
 def test_each_moment_is_computed_once_per_routine():

@@ -4,10 +4,10 @@ Do not edit: regenerate with `symhess generate` (`symhess generate --check` repo
 stale files).  Softmax self-attention F = softmax_rows(c X W_Q W_Kᵀ Xᵀ) X W_V, c = 1/√d_K by default.
 
 Variants (one set of functions each; the loss is the mean over the batch axis 0 of X, Y):
-  ce_causal0: loss=ce, options={'causal': False, 'scale': None}
-  ce_causal1: loss=ce, options={'causal': True, 'scale': None}
   mse_causal0: loss=mse, options={'causal': False, 'scale': None}
   mse_causal1: loss=mse, options={'causal': True, 'scale': None}
+  ce_causal0: loss=ce, options={'causal': False, 'scale': None}
+  ce_causal1: loss=ce, options={'causal': True, 'scale': None}
 
 Load these through `symhess.kernel("attention", backend="torch", ...)`,
 which validates the inputs and adds the batch axis.
@@ -17,6 +17,5728 @@ import math
 import opt_einsum as oe
 import torch
 
+
+
+def mse_causal0__loss(X, W_Q, W_K, W_V, Y):
+    """The loss, batch mean."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_K.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
+    A = t6 / t6.sum(-1, keepdim=True)
+    t7 = X @ W_V
+    t8 = A @ t7
+    t9 = -Y
+    t10 = t8 + t9
+    t11 = t10 * t10
+    t12 = t11.sum(-1, keepdim=True)
+    t13 = t12.sum(-2, keepdim=True)
+    t14 = (1/(L*d_V)) * t13
+    return t14.mean(0)[0, 0]
+
+
+def mse_causal0__gradient(X, W_Q, W_K, W_V, Y):
+    """(∂ℓ/∂W_p for p in the parameters), batch mean."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.transpose(-1, -2)
+    t1 = W_K.transpose(-1, -2)
+    t2 = t1 @ t0
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
+    A = t6 / t6.sum(-1, keepdim=True)
+    t7 = X @ W_V
+    t8 = A @ t7
+    F = t8
+    t9 = (2/(L*d_V)) * F
+    t10 = (-2/(L*d_V)) * Y
+    t11 = t9 + t10
+    G = t11
+    t12 = W_V.transpose(-1, -2)
+    t13 = t12 @ t0
+    t14 = G @ t13
+    t15 = t14 - (A * t14).sum(-1, keepdim=True)
+    t16 = A * t15
+    t17 = X @ W_K
+    t18 = t16 @ t17
+    t19 = t0 @ t18
+    t20 = (1/math.sqrt(d_K)) * t19
+    t21 = t16.transpose(-1, -2)
+    t22 = X @ W_Q
+    t23 = t21 @ t22
+    t24 = t0 @ t23
+    t25 = (1/math.sqrt(d_K)) * t24
+    t26 = A.transpose(-1, -2)
+    t27 = t26 @ G
+    t28 = t0 @ t27
+    return (t20.mean(0), t25.mean(0), t28.mean(0),)
+
+
+def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
+    """The full outer Hessian, parameters in declared order W_Q, W_K, W_V."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    H = torch.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype, device=X.device)
+    t0 = H[0:d_K*d_V, 0:d_K*d_V]
+    t1 = t0.view((d_V, d_K, d_V, d_K))
+    t2 = W_K.transpose(-1, -2)
+    t3 = X.transpose(-1, -2)
+    t4 = t2 @ t3
+    t5 = W_Q @ t4
+    t6 = X @ t5
+    t7 = (1/math.sqrt(d_K)) * t6
+    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    A = t8 / t8.sum(-1, keepdim=True)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t9 = W_V.transpose(-1, -2)
+    t10 = W_V @ t9
+    t1[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t2, M_2, X, t10, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t11 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t12 = t11.view((d_V, d_K, d_V, d_K))
+    t12[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t2, M_2, X, t10, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
+    t13 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t14 = t13.view((d_V, d_K, d_V, d_V))
+    t15 = A @ X
+    M_1 = t15
+    t14[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t2, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t16 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t17 = t16.view((d_V, d_K, d_V, d_K))
+    t18 = W_Q.transpose(-1, -2)
+    t17[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t18, M_2, X, t10, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t19 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t20 = t19.view((d_V, d_K, d_V, d_K))
+    t20[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t18, M_2, X, t10, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t21 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t22 = t21.view((d_V, d_K, d_V, d_V))
+    t22[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fagh', t18, M_2, X, M_1, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
+    t23 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t24 = t23.view((d_V, d_V, d_V, d_K))
+    t25 = M_1.transpose(-1, -2)
+    t24[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,fh->bdgh', t25, t9, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t26 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t27 = t26.view((d_V, d_V, d_V, d_K))
+    t27[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,gh->bdfh', t25, t9, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t28 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t28[...] = 0
+    t29 = t28.view((d_V, d_V, d_V, d_V))
+    t30 = t29.diagonal(0, 1, 3)
+    t31 = t25 @ M_1
+    t32 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t30 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bcd', t31, t32, optimize=[(0, 1)])
+    return H
+
+
+def mse_causal0__hvp__outer(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
+    """(Σ_q H_outer(p, q) V_q for p in the parameters): matrix view, no block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.transpose(-1, -2)
+    t1 = W_K.transpose(-1, -2)
+    t2 = t1 @ t0
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
+    A = t6 / t6.sum(-1, keepdim=True)
+    t7 = V_W_Q @ t2
+    t8 = X @ t7
+    t9 = (1/math.sqrt(d_K)) * t8
+    t10 = V_W_K.transpose(-1, -2)
+    t11 = t10 @ t0
+    t12 = W_Q @ t11
+    t13 = X @ t12
+    t14 = (1/math.sqrt(d_K)) * t13
+    t15 = t9 + t14
+    t16 = t15 - (A * t15).sum(-1, keepdim=True)
+    t17 = A * t16
+    t18 = X @ W_V
+    t19 = t17 @ t18
+    t20 = (2/(L*d_V)) * t19
+    t21 = X @ V_W_V
+    t22 = A @ t21
+    t23 = (2/(L*d_V)) * t22
+    t24 = t20 + t23
+    t25 = W_V.transpose(-1, -2)
+    t26 = t25 @ t0
+    t27 = t24 @ t26
+    t28 = t27 - (A * t27).sum(-1, keepdim=True)
+    t29 = A * t28
+    t30 = X @ W_K
+    t31 = t29 @ t30
+    t32 = t0 @ t31
+    t33 = (1/math.sqrt(d_K)) * t32
+    t34 = t29.transpose(-1, -2)
+    t35 = X @ W_Q
+    t36 = t34 @ t35
+    t37 = t0 @ t36
+    t38 = (1/math.sqrt(d_K)) * t37
+    t39 = A.transpose(-1, -2)
+    t40 = t39 @ t24
+    t41 = t0 @ t40
+    return (t33.mean(0), t38.mean(0), t41.mean(0),)
+
+
+def mse_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
+    """(‖H_outer(p, q)‖_F for p, q in the parameters, row-major)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_K.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
+    A = t6 / t6.sum(-1, keepdim=True)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t7 = W_V.transpose(-1, -2)
+    t8 = W_V @ t7
+    t9 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj,ak,lmnk,lmf,no,lmop,lmi,pj->', t0, M_2, X, t8, M_2, X, W_K, t0, M_2, X, t8, M_2, X, W_K, optimize=[(0, 1), (1, 2), (10, 11), (3, 4), (0, 3), (2, 3), (5, 7), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
+    t10 = torch.sqrt(torch.clamp(t9, min=0.0))
+    t11 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij,ak,lmnk,lmf,no,lmoh,lmp,pj->', t0, M_2, X, t8, M_2, X, W_Q, t0, M_2, X, t8, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (10, 11), (1, 2), (1, 2), (0, 1), (0, 1), (4, 6), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t12 = torch.sqrt(torch.clamp(t11, min=0.0))
+    t13 = A @ X
+    M_1 = t13
+    t14 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,eh,ai,jkli,jkf,jkg,lh->', t0, M_2, X, M_1, W_V, t0, M_2, X, M_1, W_V, optimize=[(0, 1), (3, 4), (0, 3), (0, 2), (4, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
+    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
+    t16 = W_Q.transpose(-1, -2)
+    t17 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj,ak,lmnf,lmk,no,lmop,lmi,pj->', t16, M_2, X, t8, M_2, X, W_K, t16, M_2, X, t8, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 11), (2, 4), (2, 3), (2, 8), (0, 2), (0, 1), (0, 2), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
+    t19 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij,ak,lmnf,lmk,no,lmoh,lmp,pj->', t16, M_2, X, t8, M_2, X, W_Q, t16, M_2, X, t8, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 11), (0, 1), (0, 2), (0, 1), (0, 7), (3, 6), (0, 1), (0, 2), (1, 3), (0, 1), (0, 1)])
+    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
+    t21 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,eh,ai,jklf,jki,jkg,lh->', t16, M_2, X, M_1, W_V, t16, M_2, X, M_1, W_V, optimize=[(0, 2), (0, 2), (1, 3), (0, 2), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
+    t23 = M_1.transpose(-1, -2)
+    t24 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,fh,ibj,dk,ijkl,ijg,lh->', t23, t7, M_2, X, W_K, t23, t7, M_2, X, W_K, optimize=[(1, 2), (0, 3), (2, 3), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
+    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
+    t26 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,gh,ibj,dk,ijkf,ijl,lh->', t23, t7, M_2, X, W_Q, t23, t7, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 1), (0, 1), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t27 = torch.sqrt(torch.clamp(t26, min=0.0))
+    t28 = t23 @ M_1
+    t29 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t28, t28, optimize=[(0, 1)])
+    t30 = torch.sqrt(torch.clamp(t29, min=0.0))
+    return (t10, t12, t15, t18, t20, t22, t25, t27, t30,)
+
+
+def mse_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
+    """diag H_outer(W_Q, W_Q) (vec_r order) without the dense block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    out = torch.empty((d_K*d_V,), dtype=X.dtype, device=X.device)
+    t0 = out.view((d_V, d_K))
+    t1 = W_K.transpose(-1, -2)
+    t2 = X.transpose(-1, -2)
+    t3 = t1 @ t2
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
+    A = t7 / t7.sum(-1, keepdim=True)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t8 = W_V.transpose(-1, -2)
+    t9 = W_V @ t8
+    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdf,ha->fa', t1, M_2, X, t9, M_2, X, W_K, optimize=[(2, 5), (0, 1), (0, 1), (2, 3), (0, 2), (0, 1)])
+    return out
+
+
+def mse_causal0__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
+    """tr H_outer(W_Q, W_Q) without the dense block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_K.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
+    A = t6 / t6.sum(-1, keepdim=True)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t7 = W_V.transpose(-1, -2)
+    t8 = W_V @ t7
+    return (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdf,ha->', t0, M_2, X, t8, M_2, X, W_K, optimize=[(2, 5), (0, 1), (0, 1), (2, 3), (0, 2), (0, 1)])
+
+
+def mse_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
+    """H_outer(W_Q, W_Q) as a dense (numel W_Q × numel W_Q) block, vec_r layout."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
+    t0 = out.view((d_V, d_K, d_V, d_K))
+    t1 = W_K.transpose(-1, -2)
+    t2 = X.transpose(-1, -2)
+    t3 = t1 @ t2
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
+    A = t7 / t7.sum(-1, keepdim=True)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t8 = W_V.transpose(-1, -2)
+    t9 = W_V @ t8
+    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t1, M_2, X, t9, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    return out
+
+
+def mse_causal0__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
+    """‖H_outer(W_Q, W_Q)‖_F from index networks, exact, without the block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_K.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
+    A = t6 / t6.sum(-1, keepdim=True)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t7 = W_V.transpose(-1, -2)
+    t8 = W_V @ t7
+    t9 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj,ak,lmnk,lmf,no,lmop,lmi,pj->', t0, M_2, X, t8, M_2, X, W_K, t0, M_2, X, t8, M_2, X, W_K, optimize=[(0, 1), (1, 2), (10, 11), (3, 4), (0, 3), (2, 3), (5, 7), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
+    t10 = torch.sqrt(torch.clamp(t9, min=0.0))
+    return t10
+
+
+def mse_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
+    """H_outer(W_Q, W_K) as a dense (numel W_Q × numel W_K) block, vec_r layout."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
+    t0 = out.view((d_V, d_K, d_V, d_K))
+    t1 = W_K.transpose(-1, -2)
+    t2 = X.transpose(-1, -2)
+    t3 = t1 @ t2
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
+    A = t7 / t7.sum(-1, keepdim=True)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t8 = W_V.transpose(-1, -2)
+    t9 = W_V @ t8
+    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t1, M_2, X, t9, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
+    return out
+
+
+def mse_causal0__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
+    """‖H_outer(W_Q, W_K)‖_F from index networks, exact, without the block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_K.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
+    A = t6 / t6.sum(-1, keepdim=True)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t7 = W_V.transpose(-1, -2)
+    t8 = W_V @ t7
+    t9 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij,ak,lmnk,lmf,no,lmoh,lmp,pj->', t0, M_2, X, t8, M_2, X, W_Q, t0, M_2, X, t8, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (10, 11), (1, 2), (1, 2), (0, 1), (0, 1), (4, 6), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t10 = torch.sqrt(torch.clamp(t9, min=0.0))
+    return t10
+
+
+def mse_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
+    """H_outer(W_Q, W_V) as a dense (numel W_Q × numel W_V) block, vec_r layout."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    out = torch.empty((d_K*d_V, d_V**2), dtype=X.dtype, device=X.device)
+    t0 = out.view((d_V, d_K, d_V, d_V))
+    t1 = W_K.transpose(-1, -2)
+    t2 = X.transpose(-1, -2)
+    t3 = t1 @ t2
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
+    A = t7 / t7.sum(-1, keepdim=True)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t8 = A @ X
+    M_1 = t8
+    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t1, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    return out
+
+
+def mse_causal0__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
+    """‖H_outer(W_Q, W_V)‖_F from index networks, exact, without the block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_K.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
+    A = t6 / t6.sum(-1, keepdim=True)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t7 = A @ X
+    M_1 = t7
+    t8 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,eh,ai,jkli,jkf,jkg,lh->', t0, M_2, X, M_1, W_V, t0, M_2, X, M_1, W_V, optimize=[(0, 1), (3, 4), (0, 3), (0, 2), (4, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
+    t9 = torch.sqrt(torch.clamp(t8, min=0.0))
+    return t9
+
+
+def mse_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
+    """diag H_outer(W_K, W_K) (vec_r order) without the dense block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    out = torch.empty((d_K*d_V,), dtype=X.dtype, device=X.device)
+    t0 = out.view((d_V, d_K))
+    t1 = W_Q.transpose(-1, -2)
+    t2 = X.transpose(-1, -2)
+    t3 = W_K.transpose(-1, -2)
+    t4 = t3 @ t2
+    t5 = W_Q @ t4
+    t6 = X @ t5
+    t7 = (1/math.sqrt(d_K)) * t6
+    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    A = t8 / t8.sum(-1, keepdim=True)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t9 = W_V.transpose(-1, -2)
+    t10 = W_V @ t9
+    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgf,cdh,ha->fa', t1, M_2, X, t10, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
+    return out
+
+
+def mse_causal0__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
+    """tr H_outer(W_K, W_K) without the dense block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_Q.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = W_K.transpose(-1, -2)
+    t3 = t2 @ t1
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
+    A = t7 / t7.sum(-1, keepdim=True)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t8 = W_V.transpose(-1, -2)
+    t9 = W_V @ t8
+    return (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgf,cdh,ha->', t0, M_2, X, t9, M_2, X, W_Q, optimize=[(1, 4), (2, 5), (0, 1), (0, 1), (1, 2), (0, 1)])
+
+
+def mse_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
+    """H_outer(W_K, W_Q) as a dense (numel W_K × numel W_Q) block, vec_r layout."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
+    t0 = out.view((d_V, d_K, d_V, d_K))
+    t1 = W_Q.transpose(-1, -2)
+    t2 = X.transpose(-1, -2)
+    t3 = W_K.transpose(-1, -2)
+    t4 = t3 @ t2
+    t5 = W_Q @ t4
+    t6 = X @ t5
+    t7 = (1/math.sqrt(d_K)) * t6
+    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    A = t8 / t8.sum(-1, keepdim=True)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t9 = W_V.transpose(-1, -2)
+    t10 = W_V @ t9
+    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t1, M_2, X, t10, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    return out
+
+
+def mse_causal0__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
+    """‖H_outer(W_K, W_Q)‖_F from index networks, exact, without the block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_Q.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = W_K.transpose(-1, -2)
+    t3 = t2 @ t1
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
+    A = t7 / t7.sum(-1, keepdim=True)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t8 = W_V.transpose(-1, -2)
+    t9 = W_V @ t8
+    t10 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj,ak,lmnf,lmk,no,lmop,lmi,pj->', t0, M_2, X, t9, M_2, X, W_K, t0, M_2, X, t9, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 11), (2, 4), (2, 3), (2, 8), (0, 2), (0, 1), (0, 2), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t11 = torch.sqrt(torch.clamp(t10, min=0.0))
+    return t11
+
+
+def mse_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
+    """H_outer(W_K, W_K) as a dense (numel W_K × numel W_K) block, vec_r layout."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
+    t0 = out.view((d_V, d_K, d_V, d_K))
+    t1 = W_Q.transpose(-1, -2)
+    t2 = X.transpose(-1, -2)
+    t3 = W_K.transpose(-1, -2)
+    t4 = t3 @ t2
+    t5 = W_Q @ t4
+    t6 = X @ t5
+    t7 = (1/math.sqrt(d_K)) * t6
+    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    A = t8 / t8.sum(-1, keepdim=True)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t9 = W_V.transpose(-1, -2)
+    t10 = W_V @ t9
+    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t1, M_2, X, t10, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
+    return out
+
+
+def mse_causal0__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
+    """‖H_outer(W_K, W_K)‖_F from index networks, exact, without the block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_Q.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = W_K.transpose(-1, -2)
+    t3 = t2 @ t1
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
+    A = t7 / t7.sum(-1, keepdim=True)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t8 = W_V.transpose(-1, -2)
+    t9 = W_V @ t8
+    t10 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij,ak,lmnf,lmk,no,lmoh,lmp,pj->', t0, M_2, X, t9, M_2, X, W_Q, t0, M_2, X, t9, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 11), (0, 1), (0, 2), (0, 1), (0, 7), (3, 6), (0, 1), (0, 2), (1, 3), (0, 1), (0, 1)])
+    t11 = torch.sqrt(torch.clamp(t10, min=0.0))
+    return t11
+
+
+def mse_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
+    """H_outer(W_K, W_V) as a dense (numel W_K × numel W_V) block, vec_r layout."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    out = torch.empty((d_K*d_V, d_V**2), dtype=X.dtype, device=X.device)
+    t0 = out.view((d_V, d_K, d_V, d_V))
+    t1 = W_Q.transpose(-1, -2)
+    t2 = X.transpose(-1, -2)
+    t3 = W_K.transpose(-1, -2)
+    t4 = t3 @ t2
+    t5 = W_Q @ t4
+    t6 = X @ t5
+    t7 = (1/math.sqrt(d_K)) * t6
+    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    A = t8 / t8.sum(-1, keepdim=True)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t9 = A @ X
+    M_1 = t9
+    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fagh', t1, M_2, X, M_1, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
+    return out
+
+
+def mse_causal0__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
+    """‖H_outer(W_K, W_V)‖_F from index networks, exact, without the block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_Q.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = W_K.transpose(-1, -2)
+    t3 = t2 @ t1
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
+    A = t7 / t7.sum(-1, keepdim=True)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t8 = A @ X
+    M_1 = t8
+    t9 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,eh,ai,jklf,jki,jkg,lh->', t0, M_2, X, M_1, W_V, t0, M_2, X, M_1, W_V, optimize=[(0, 2), (0, 2), (1, 3), (0, 2), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t10 = torch.sqrt(torch.clamp(t9, min=0.0))
+    return t10
+
+
+def mse_causal0__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
+    """diag H_outer(W_V, W_V) (vec_r order) without the dense block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    out = torch.empty((d_V**2,), dtype=X.dtype, device=X.device)
+    t0 = out.view((d_V, d_V))
+    t1 = W_K.transpose(-1, -2)
+    t2 = X.transpose(-1, -2)
+    t3 = t1 @ t2
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
+    A = t7 / t7.sum(-1, keepdim=True)
+    t8 = A @ X
+    M_1 = t8
+    t9 = M_1.transpose(-1, -2)
+    t10 = t9 @ M_1
+    t11 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abb,c->bc', t10, t11, optimize=[(0, 1)])
+    return out
+
+
+def mse_causal0__trace__W_V__outer(X, W_Q, W_K, W_V, Y):
+    """tr H_outer(W_V, W_V) without the dense block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_K.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
+    A = t6 / t6.sum(-1, keepdim=True)
+    t7 = A @ X
+    M_1 = t7
+    t8 = M_1.transpose(-1, -2)
+    t9 = t8 @ M_1
+    return (2/(L*n_batch)) * oe.contract('abb->', t9, optimize=[(0,)])
+
+
+def mse_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
+    """H_outer(W_V, W_Q) as a dense (numel W_V × numel W_Q) block, vec_r layout."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    out = torch.empty((d_V**2, d_K*d_V), dtype=X.dtype, device=X.device)
+    t0 = out.view((d_V, d_V, d_V, d_K))
+    t1 = W_K.transpose(-1, -2)
+    t2 = X.transpose(-1, -2)
+    t3 = t1 @ t2
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
+    A = t7 / t7.sum(-1, keepdim=True)
+    t8 = A @ X
+    M_1 = t8
+    t9 = M_1.transpose(-1, -2)
+    t10 = W_V.transpose(-1, -2)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,fh->bdgh', t9, t10, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    return out
+
+
+def mse_causal0__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
+    """‖H_outer(W_V, W_Q)‖_F from index networks, exact, without the block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_K.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
+    A = t6 / t6.sum(-1, keepdim=True)
+    t7 = A @ X
+    M_1 = t7
+    t8 = M_1.transpose(-1, -2)
+    t9 = W_V.transpose(-1, -2)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t10 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,fh,ibj,dk,ijkl,ijg,lh->', t8, t9, M_2, X, W_K, t8, t9, M_2, X, W_K, optimize=[(1, 2), (0, 3), (2, 3), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
+    t11 = torch.sqrt(torch.clamp(t10, min=0.0))
+    return t11
+
+
+def mse_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
+    """H_outer(W_V, W_K) as a dense (numel W_V × numel W_K) block, vec_r layout."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    out = torch.empty((d_V**2, d_K*d_V), dtype=X.dtype, device=X.device)
+    t0 = out.view((d_V, d_V, d_V, d_K))
+    t1 = W_K.transpose(-1, -2)
+    t2 = X.transpose(-1, -2)
+    t3 = t1 @ t2
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
+    A = t7 / t7.sum(-1, keepdim=True)
+    t8 = A @ X
+    M_1 = t8
+    t9 = M_1.transpose(-1, -2)
+    t10 = W_V.transpose(-1, -2)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,gh->bdfh', t9, t10, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    return out
+
+
+def mse_causal0__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
+    """‖H_outer(W_V, W_K)‖_F from index networks, exact, without the block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_K.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
+    A = t6 / t6.sum(-1, keepdim=True)
+    t7 = A @ X
+    M_1 = t7
+    t8 = M_1.transpose(-1, -2)
+    t9 = W_V.transpose(-1, -2)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t10 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,gh,ibj,dk,ijkf,ijl,lh->', t8, t9, M_2, X, W_Q, t8, t9, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 1), (0, 1), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t11 = torch.sqrt(torch.clamp(t10, min=0.0))
+    return t11
+
+
+def mse_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
+    """H_outer(W_V, W_V) as a dense (numel W_V × numel W_V) block, vec_r layout."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
+    out[...] = 0
+    t0 = out.view((d_V, d_V, d_V, d_V))
+    t1 = t0.diagonal(0, 1, 3)
+    t2 = W_K.transpose(-1, -2)
+    t3 = X.transpose(-1, -2)
+    t4 = t2 @ t3
+    t5 = W_Q @ t4
+    t6 = X @ t5
+    t7 = (1/math.sqrt(d_K)) * t6
+    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    A = t8 / t8.sum(-1, keepdim=True)
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1.transpose(-1, -2)
+    t11 = t10 @ M_1
+    t12 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t1 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bcd', t11, t12, optimize=[(0, 1)])
+    return out
+
+
+def mse_causal0__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
+    """‖H_outer(W_V, W_V)‖_F from index networks, exact, without the block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_K.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
+    A = t6 / t6.sum(-1, keepdim=True)
+    t7 = A @ X
+    M_1 = t7
+    t8 = M_1.transpose(-1, -2)
+    t9 = t8 @ M_1
+    t10 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t9, t9, optimize=[(0, 1)])
+    t11 = torch.sqrt(torch.clamp(t10, min=0.0))
+    return t11
+
+
+def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
+    """The full functional Hessian, parameters in declared order W_Q, W_K, W_V."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    H = torch.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype, device=X.device)
+    t0 = H[0:d_K*d_V, 0:d_K*d_V]
+    t1 = t0.view((d_V, d_K, d_V, d_K))
+    t2 = W_K.transpose(-1, -2)
+    t3 = X.transpose(-1, -2)
+    t4 = t2 @ t3
+    t5 = W_Q @ t4
+    t6 = X @ t5
+    t7 = (1/math.sqrt(d_K)) * t6
+    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    A = t8 / t8.sum(-1, keepdim=True)
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1 @ W_V
+    F = t10
+    t11 = (2/(L*d_V)) * F
+    t12 = (-2/(L*d_V)) * Y
+    t13 = t11 + t12
+    G = t13
+    t14 = W_V.transpose(-1, -2)
+    t15 = t14 @ t3
+    t16 = G @ t15
+    t17 = t16 - (A * t16).sum(-1, keepdim=True)
+    t18 = A * t17
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adc,ace->adbe', t3, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t1[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t2, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t19 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t19[...] = 0
+    t20 = t19.view((d_V, d_K, d_V, d_K))
+    t21 = t20.diagonal(0, 1, 3)
+    t22 = t18 @ X
+    t23 = t3 @ t22
+    t24 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t21 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t23, t24, optimize=[(0, 1)])
+    t20 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t2, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t25 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t26 = t25.view((d_V, d_K, d_V, d_V))
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t26[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t2, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
+    t27 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t27[...] = 0
+    t28 = t27.view((d_V, d_K, d_V, d_K))
+    t29 = t28.diagonal(0, 1, 3)
+    t30 = t18.transpose(-1, -2)
+    t31 = t30 @ X
+    t32 = t3 @ t31
+    t29 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t32, t24, optimize=[(0, 1)])
+    t33 = W_Q.transpose(-1, -2)
+    t28 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t33, t3, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    t34 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t35 = t34.view((d_V, d_K, d_V, d_K))
+    t35[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t33, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t36 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t37 = t36.view((d_V, d_K, d_V, d_V))
+    t37[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t33, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
+    t38 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t39 = t38.view((d_V, d_V, d_V, d_K))
+    t40 = G.transpose(-1, -2)
+    t39[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t40, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
+    t41 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t42 = t41.view((d_V, d_V, d_V, d_K))
+    t42[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t40, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    t43 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t43[...] = 0
+    return H
+
+
+def mse_causal0__hvp__functional(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
+    """(Σ_q H_functional(p, q) V_q for p in the parameters): matrix view, no block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.transpose(-1, -2)
+    t1 = W_K.transpose(-1, -2)
+    t2 = t1 @ t0
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
+    A = t6 / t6.sum(-1, keepdim=True)
+    t7 = V_W_Q @ t2
+    t8 = X @ t7
+    t9 = (1/math.sqrt(d_K)) * t8
+    t10 = V_W_K.transpose(-1, -2)
+    t11 = t10 @ t0
+    t12 = W_Q @ t11
+    t13 = X @ t12
+    t14 = (1/math.sqrt(d_K)) * t13
+    t15 = t9 + t14
+    t16 = X @ W_V
+    t17 = A @ t16
+    F = t17
+    t18 = (2/(L*d_V)) * F
+    t19 = (-2/(L*d_V)) * Y
+    t20 = t18 + t19
+    G = t20
+    t21 = W_V.transpose(-1, -2)
+    t22 = t21 @ t0
+    t23 = G @ t22
+    t24 = t15 - (A * t15).sum(-1, keepdim=True)
+    t25 = t23 - (A * t23).sum(-1, keepdim=True)
+    t26 = A * t24 * t25
+    t27 = t26 - A * t26.sum(-1, keepdim=True)
+    t28 = V_W_V.transpose(-1, -2)
+    t29 = t28 @ t0
+    t30 = G @ t29
+    t31 = t30 - (A * t30).sum(-1, keepdim=True)
+    t32 = A * t31
+    t33 = t27 + t32
+    t34 = X @ W_K
+    t35 = t33 @ t34
+    t36 = t0 @ t35
+    t37 = (1/math.sqrt(d_K)) * t36
+    t38 = A * t25
+    t39 = X @ V_W_K
+    t40 = t38 @ t39
+    t41 = t0 @ t40
+    t42 = (1/math.sqrt(d_K)) * t41
+    t43 = t37 + t42
+    t44 = t27.transpose(-1, -2)
+    t45 = t32.transpose(-1, -2)
+    t46 = t44 + t45
+    t47 = X @ W_Q
+    t48 = t46 @ t47
+    t49 = t0 @ t48
+    t50 = (1/math.sqrt(d_K)) * t49
+    t51 = t38.transpose(-1, -2)
+    t52 = X @ V_W_Q
+    t53 = t51 @ t52
+    t54 = t0 @ t53
+    t55 = (1/math.sqrt(d_K)) * t54
+    t56 = t50 + t55
+    t57 = A * t24
+    t58 = t57.transpose(-1, -2)
+    t59 = t58 @ G
+    t60 = t0 @ t59
+    return (t43.mean(0), t56.mean(0), t60.mean(0),)
+
+
+def mse_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
+    """(‖H_functional(p, q)‖_F for p, q in the parameters, row-major)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_K.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
+    A = t6 / t6.sum(-1, keepdim=True)
+    t7 = A @ X
+    M_1 = t7
+    t8 = M_1 @ W_V
+    F = t8
+    t9 = (2/(L*d_V)) * F
+    t10 = (-2/(L*d_V)) * Y
+    t11 = t9 + t10
+    G = t11
+    t12 = W_V.transpose(-1, -2)
+    t13 = t12 @ t1
+    t14 = G @ t13
+    t15 = t14 - (A * t14).sum(-1, keepdim=True)
+    t16 = A * t15
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t16, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t16, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t16, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t17 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 2), (0, 4), (2, 3), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
+    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
+    t19 = t16 @ X
+    t20 = t1 @ t19
+    t21 = (n_batch**(-2)) * oe.contract('abc,dbc->', t20, t20, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t20, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t23 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 1), (2, 3), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t24 = torch.sqrt(torch.clamp(t23, min=0.0))
+    t25 = t16.transpose(-1, -2)
+    t26 = t25 @ X
+    t27 = t1 @ t26
+    t28 = W_Q.transpose(-1, -2)
+    t29 = (n_batch**(-2)) * oe.contract('abc,dbc->', t27, t27, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t27, t28, t1, M_3, X, W_K, optimize=[(0, 3), (2, 4), (0, 1), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t28, t1, M_3, X, W_K, t28, t1, M_3, X, W_K, optimize=[(0, 1), (0, 2), (1, 2), (0, 2), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t30 = torch.sqrt(torch.clamp(t29, min=0.0))
+    t31 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t28, t1, M_3, X, W_Q, t28, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)])
+    t32 = torch.sqrt(torch.clamp(t31, min=0.0))
+    t33 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t28, M_2, X, G, t28, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t34 = torch.sqrt(torch.clamp(t33, min=0.0))
+    t35 = G.transpose(-1, -2)
+    t36 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t35, M_2, X, W_K, t35, M_2, X, W_K, optimize=[(1, 3), (0, 2), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t37 = torch.sqrt(torch.clamp(t36, min=0.0))
+    t38 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t35, M_2, X, W_Q, t35, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t39 = torch.sqrt(torch.clamp(t38, min=0.0))
+    return (t18, t22, t24, t30, t32, t34, t37, t39, 0.0,)
+
+
+def mse_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
+    """diag H_functional(W_Q, W_Q) (vec_r order) without the dense block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    out = torch.empty((d_K*d_V,), dtype=X.dtype, device=X.device)
+    t0 = out.view((d_V, d_K))
+    t1 = W_K.transpose(-1, -2)
+    t2 = X.transpose(-1, -2)
+    t3 = t1 @ t2
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
+    A = t7 / t7.sum(-1, keepdim=True)
+    t8 = A @ X
+    M_1 = t8
+    t9 = M_1 @ W_V
+    F = t9
+    t10 = (2/(L*d_V)) * F
+    t11 = (-2/(L*d_V)) * Y
+    t12 = t10 + t11
+    G = t12
+    t13 = W_V.transpose(-1, -2)
+    t14 = t13 @ t2
+    t15 = G @ t14
+    t16 = t15 - (A * t15).sum(-1, keepdim=True)
+    t17 = A * t16
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->da', t1, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
+    return out
+
+
+def mse_causal0__trace__W_Q__functional(X, W_Q, W_K, W_V, Y):
+    """tr H_functional(W_Q, W_Q) without the dense block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_K.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
+    A = t6 / t6.sum(-1, keepdim=True)
+    t7 = A @ X
+    M_1 = t7
+    t8 = M_1 @ W_V
+    F = t8
+    t9 = (2/(L*d_V)) * F
+    t10 = (-2/(L*d_V)) * Y
+    t11 = t9 + t10
+    G = t11
+    t12 = W_V.transpose(-1, -2)
+    t13 = t12 @ t1
+    t14 = G @ t13
+    t15 = t14 - (A * t14).sum(-1, keepdim=True)
+    t16 = A * t15
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t16, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t16, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t16, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    return (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->', t0, t1, M_3, X, W_K, optimize=[(1, 3), (1, 3), (0, 1), (0, 1)])
+
+
+def mse_causal0__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
+    """H_functional(W_Q, W_Q) as a dense (numel W_Q × numel W_Q) block, vec_r layout."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
+    t0 = out.view((d_V, d_K, d_V, d_K))
+    t1 = W_K.transpose(-1, -2)
+    t2 = X.transpose(-1, -2)
+    t3 = t1 @ t2
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
+    A = t7 / t7.sum(-1, keepdim=True)
+    t8 = A @ X
+    M_1 = t8
+    t9 = M_1 @ W_V
+    F = t9
+    t10 = (2/(L*d_V)) * F
+    t11 = (-2/(L*d_V)) * Y
+    t12 = t10 + t11
+    G = t12
+    t13 = W_V.transpose(-1, -2)
+    t14 = t13 @ t2
+    t15 = G @ t14
+    t16 = t15 - (A * t15).sum(-1, keepdim=True)
+    t17 = A * t16
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t1, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    return out
+
+
+def mse_causal0__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
+    """‖H_functional(W_Q, W_Q)‖_F from index networks, exact, without the block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_K.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
+    A = t6 / t6.sum(-1, keepdim=True)
+    t7 = A @ X
+    M_1 = t7
+    t8 = M_1 @ W_V
+    F = t8
+    t9 = (2/(L*d_V)) * F
+    t10 = (-2/(L*d_V)) * Y
+    t11 = t9 + t10
+    G = t11
+    t12 = W_V.transpose(-1, -2)
+    t13 = t12 @ t1
+    t14 = G @ t13
+    t15 = t14 - (A * t14).sum(-1, keepdim=True)
+    t16 = A * t15
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t16, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t16, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t16, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t17 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 2), (0, 4), (2, 3), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
+    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
+    return t18
+
+
+def mse_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
+    """H_functional(W_Q, W_K) as a dense (numel W_Q × numel W_K) block, vec_r layout."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
+    out[...] = 0
+    t0 = out.view((d_V, d_K, d_V, d_K))
+    t1 = t0.diagonal(0, 1, 3)
+    t2 = X.transpose(-1, -2)
+    t3 = W_K.transpose(-1, -2)
+    t4 = t3 @ t2
+    t5 = W_Q @ t4
+    t6 = X @ t5
+    t7 = (1/math.sqrt(d_K)) * t6
+    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    A = t8 / t8.sum(-1, keepdim=True)
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1 @ W_V
+    F = t10
+    t11 = (2/(L*d_V)) * F
+    t12 = (-2/(L*d_V)) * Y
+    t13 = t11 + t12
+    G = t13
+    t14 = W_V.transpose(-1, -2)
+    t15 = t14 @ t2
+    t16 = G @ t15
+    t17 = t16 - (A * t16).sum(-1, keepdim=True)
+    t18 = A * t17
+    t19 = t18 @ X
+    t20 = t2 @ t19
+    t21 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t20, t21, optimize=[(0, 1)])
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t3, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    return out
+
+
+def mse_causal0__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
+    """‖H_functional(W_Q, W_K)‖_F from index networks, exact, without the block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.transpose(-1, -2)
+    t1 = W_K.transpose(-1, -2)
+    t2 = t1 @ t0
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
+    A = t6 / t6.sum(-1, keepdim=True)
+    t7 = A @ X
+    M_1 = t7
+    t8 = M_1 @ W_V
+    F = t8
+    t9 = (2/(L*d_V)) * F
+    t10 = (-2/(L*d_V)) * Y
+    t11 = t9 + t10
+    G = t11
+    t12 = W_V.transpose(-1, -2)
+    t13 = t12 @ t0
+    t14 = G @ t13
+    t15 = t14 - (A * t14).sum(-1, keepdim=True)
+    t16 = A * t15
+    t17 = t16 @ X
+    t18 = t0 @ t17
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adc,ace->adbe', t0, t16, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t16, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t16, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t19 = (n_batch**(-2)) * oe.contract('abc,dbc->', t18, t18, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t18, t1, t0, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t1, t0, M_3, X, W_Q, t1, t0, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
+    return t20
+
+
+def mse_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
+    """H_functional(W_Q, W_V) as a dense (numel W_Q × numel W_V) block, vec_r layout."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    out = torch.empty((d_K*d_V, d_V**2), dtype=X.dtype, device=X.device)
+    t0 = out.view((d_V, d_K, d_V, d_V))
+    t1 = W_K.transpose(-1, -2)
+    t2 = X.transpose(-1, -2)
+    t3 = t1 @ t2
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
+    A = t7 / t7.sum(-1, keepdim=True)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t8 = A @ X
+    M_1 = t8
+    t9 = M_1 @ W_V
+    F = t9
+    t10 = (2/(L*d_V)) * F
+    t11 = (-2/(L*d_V)) * Y
+    t12 = t10 + t11
+    G = t12
+    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t1, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
+    return out
+
+
+def mse_causal0__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
+    """‖H_functional(W_Q, W_V)‖_F from index networks, exact, without the block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_K.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
+    A = t6 / t6.sum(-1, keepdim=True)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t7 = A @ X
+    M_1 = t7
+    t8 = M_1 @ W_V
+    F = t8
+    t9 = (2/(L*d_V)) * F
+    t10 = (-2/(L*d_V)) * Y
+    t11 = t9 + t10
+    G = t11
+    t12 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 1), (2, 3), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t13 = torch.sqrt(torch.clamp(t12, min=0.0))
+    return t13
+
+
+def mse_causal0__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
+    """diag H_functional(W_K, W_K) (vec_r order) without the dense block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    out = torch.empty((d_K*d_V,), dtype=X.dtype, device=X.device)
+    t0 = out.view((d_V, d_K))
+    t1 = W_Q.transpose(-1, -2)
+    t2 = X.transpose(-1, -2)
+    t3 = W_K.transpose(-1, -2)
+    t4 = t3 @ t2
+    t5 = W_Q @ t4
+    t6 = X @ t5
+    t7 = (1/math.sqrt(d_K)) * t6
+    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    A = t8 / t8.sum(-1, keepdim=True)
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1 @ W_V
+    F = t10
+    t11 = (2/(L*d_V)) * F
+    t12 = (-2/(L*d_V)) * Y
+    t13 = t11 + t12
+    G = t13
+    t14 = W_V.transpose(-1, -2)
+    t15 = t14 @ t2
+    t16 = G @ t15
+    t17 = t16 - (A * t16).sum(-1, keepdim=True)
+    t18 = A * t17
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->ea', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    return out
+
+
+def mse_causal0__trace__W_K__functional(X, W_Q, W_K, W_V, Y):
+    """tr H_functional(W_K, W_K) without the dense block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_Q.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = W_K.transpose(-1, -2)
+    t3 = t2 @ t1
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
+    A = t7 / t7.sum(-1, keepdim=True)
+    t8 = A @ X
+    M_1 = t8
+    t9 = M_1 @ W_V
+    F = t9
+    t10 = (2/(L*d_V)) * F
+    t11 = (-2/(L*d_V)) * Y
+    t12 = t10 + t11
+    G = t12
+    t13 = W_V.transpose(-1, -2)
+    t14 = t13 @ t1
+    t15 = G @ t14
+    t16 = t15 - (A * t15).sum(-1, keepdim=True)
+    t17 = A * t16
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    return (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->', t0, t1, M_3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
+
+
+def mse_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
+    """H_functional(W_K, W_Q) as a dense (numel W_K × numel W_Q) block, vec_r layout."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
+    out[...] = 0
+    t0 = out.view((d_V, d_K, d_V, d_K))
+    t1 = t0.diagonal(0, 1, 3)
+    t2 = X.transpose(-1, -2)
+    t3 = W_K.transpose(-1, -2)
+    t4 = t3 @ t2
+    t5 = W_Q @ t4
+    t6 = X @ t5
+    t7 = (1/math.sqrt(d_K)) * t6
+    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    A = t8 / t8.sum(-1, keepdim=True)
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1 @ W_V
+    F = t10
+    t11 = (2/(L*d_V)) * F
+    t12 = (-2/(L*d_V)) * Y
+    t13 = t11 + t12
+    G = t13
+    t14 = W_V.transpose(-1, -2)
+    t15 = t14 @ t2
+    t16 = G @ t15
+    t17 = t16 - (A * t16).sum(-1, keepdim=True)
+    t18 = A * t17
+    t19 = t18.transpose(-1, -2)
+    t20 = t19 @ X
+    t21 = t2 @ t20
+    t22 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t21, t22, optimize=[(0, 1)])
+    t23 = W_Q.transpose(-1, -2)
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t23, t2, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    return out
+
+
+def mse_causal0__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
+    """‖H_functional(W_K, W_Q)‖_F from index networks, exact, without the block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.transpose(-1, -2)
+    t1 = W_K.transpose(-1, -2)
+    t2 = t1 @ t0
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
+    A = t6 / t6.sum(-1, keepdim=True)
+    t7 = A @ X
+    M_1 = t7
+    t8 = M_1 @ W_V
+    F = t8
+    t9 = (2/(L*d_V)) * F
+    t10 = (-2/(L*d_V)) * Y
+    t11 = t9 + t10
+    G = t11
+    t12 = W_V.transpose(-1, -2)
+    t13 = t12 @ t0
+    t14 = G @ t13
+    t15 = t14 - (A * t14).sum(-1, keepdim=True)
+    t16 = A * t15
+    t17 = t16.transpose(-1, -2)
+    t18 = t17 @ X
+    t19 = t0 @ t18
+    t20 = W_Q.transpose(-1, -2)
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adc,ace->adbe', t0, t16, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t16, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t16, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t21 = (n_batch**(-2)) * oe.contract('abc,dbc->', t19, t19, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t19, t20, t0, M_3, X, W_K, optimize=[(0, 3), (2, 4), (0, 1), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t20, t0, M_3, X, W_K, t20, t0, M_3, X, W_K, optimize=[(0, 1), (0, 2), (1, 2), (0, 2), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
+    return t22
+
+
+def mse_causal0__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
+    """H_functional(W_K, W_K) as a dense (numel W_K × numel W_K) block, vec_r layout."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
+    t0 = out.view((d_V, d_K, d_V, d_K))
+    t1 = W_Q.transpose(-1, -2)
+    t2 = X.transpose(-1, -2)
+    t3 = W_K.transpose(-1, -2)
+    t4 = t3 @ t2
+    t5 = W_Q @ t4
+    t6 = X @ t5
+    t7 = (1/math.sqrt(d_K)) * t6
+    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    A = t8 / t8.sum(-1, keepdim=True)
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1 @ W_V
+    F = t10
+    t11 = (2/(L*d_V)) * F
+    t12 = (-2/(L*d_V)) * Y
+    t13 = t11 + t12
+    G = t13
+    t14 = W_V.transpose(-1, -2)
+    t15 = t14 @ t2
+    t16 = G @ t15
+    t17 = t16 - (A * t16).sum(-1, keepdim=True)
+    t18 = A * t17
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    return out
+
+
+def mse_causal0__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
+    """‖H_functional(W_K, W_K)‖_F from index networks, exact, without the block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_Q.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = W_K.transpose(-1, -2)
+    t3 = t2 @ t1
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
+    A = t7 / t7.sum(-1, keepdim=True)
+    t8 = A @ X
+    M_1 = t8
+    t9 = M_1 @ W_V
+    F = t9
+    t10 = (2/(L*d_V)) * F
+    t11 = (-2/(L*d_V)) * Y
+    t12 = t10 + t11
+    G = t12
+    t13 = W_V.transpose(-1, -2)
+    t14 = t13 @ t1
+    t15 = G @ t14
+    t16 = t15 - (A * t15).sum(-1, keepdim=True)
+    t17 = A * t16
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t18 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)])
+    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
+    return t19
+
+
+def mse_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
+    """H_functional(W_K, W_V) as a dense (numel W_K × numel W_V) block, vec_r layout."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    out = torch.empty((d_K*d_V, d_V**2), dtype=X.dtype, device=X.device)
+    t0 = out.view((d_V, d_K, d_V, d_V))
+    t1 = W_Q.transpose(-1, -2)
+    t2 = X.transpose(-1, -2)
+    t3 = W_K.transpose(-1, -2)
+    t4 = t3 @ t2
+    t5 = W_Q @ t4
+    t6 = X @ t5
+    t7 = (1/math.sqrt(d_K)) * t6
+    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    A = t8 / t8.sum(-1, keepdim=True)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1 @ W_V
+    F = t10
+    t11 = (2/(L*d_V)) * F
+    t12 = (-2/(L*d_V)) * Y
+    t13 = t11 + t12
+    G = t13
+    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t1, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
+    return out
+
+
+def mse_causal0__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
+    """‖H_functional(W_K, W_V)‖_F from index networks, exact, without the block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_Q.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = W_K.transpose(-1, -2)
+    t3 = t2 @ t1
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
+    A = t7 / t7.sum(-1, keepdim=True)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t8 = A @ X
+    M_1 = t8
+    t9 = M_1 @ W_V
+    F = t9
+    t10 = (2/(L*d_V)) * F
+    t11 = (-2/(L*d_V)) * Y
+    t12 = t10 + t11
+    G = t12
+    t13 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t14 = torch.sqrt(torch.clamp(t13, min=0.0))
+    return t14
+
+
+def mse_causal0__diag__W_V__functional(X, W_Q, W_K, W_V, Y):
+    """diag H_functional(W_V, W_V) (vec_r order) without the dense block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    out = torch.empty((d_V**2,), dtype=X.dtype, device=X.device)
+    out[...] = 0
+    return out
+
+
+def mse_causal0__trace__W_V__functional(X, W_Q, W_K, W_V, Y):
+    """tr H_functional(W_V, W_V) without the dense block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    return 0.0
+
+
+def mse_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
+    """H_functional(W_V, W_Q) as a dense (numel W_V × numel W_Q) block, vec_r layout."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    out = torch.empty((d_V**2, d_K*d_V), dtype=X.dtype, device=X.device)
+    t0 = out.view((d_V, d_V, d_V, d_K))
+    t1 = W_K.transpose(-1, -2)
+    t2 = X.transpose(-1, -2)
+    t3 = t1 @ t2
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
+    A = t7 / t7.sum(-1, keepdim=True)
+    t8 = A @ X
+    M_1 = t8
+    t9 = M_1 @ W_V
+    F = t9
+    t10 = (2/(L*d_V)) * F
+    t11 = (-2/(L*d_V)) * Y
+    t12 = t10 + t11
+    G = t12
+    t13 = G.transpose(-1, -2)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t13, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
+    return out
+
+
+def mse_causal0__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
+    """‖H_functional(W_V, W_Q)‖_F from index networks, exact, without the block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_K.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
+    A = t6 / t6.sum(-1, keepdim=True)
+    t7 = A @ X
+    M_1 = t7
+    t8 = M_1 @ W_V
+    F = t8
+    t9 = (2/(L*d_V)) * F
+    t10 = (-2/(L*d_V)) * Y
+    t11 = t9 + t10
+    G = t11
+    t12 = G.transpose(-1, -2)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t13 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t12, M_2, X, W_K, t12, M_2, X, W_K, optimize=[(1, 3), (0, 2), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t14 = torch.sqrt(torch.clamp(t13, min=0.0))
+    return t14
+
+
+def mse_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
+    """H_functional(W_V, W_K) as a dense (numel W_V × numel W_K) block, vec_r layout."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    out = torch.empty((d_V**2, d_K*d_V), dtype=X.dtype, device=X.device)
+    t0 = out.view((d_V, d_V, d_V, d_K))
+    t1 = W_K.transpose(-1, -2)
+    t2 = X.transpose(-1, -2)
+    t3 = t1 @ t2
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
+    A = t7 / t7.sum(-1, keepdim=True)
+    t8 = A @ X
+    M_1 = t8
+    t9 = M_1 @ W_V
+    F = t9
+    t10 = (2/(L*d_V)) * F
+    t11 = (-2/(L*d_V)) * Y
+    t12 = t10 + t11
+    G = t12
+    t13 = G.transpose(-1, -2)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t13, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    return out
+
+
+def mse_causal0__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
+    """‖H_functional(W_V, W_K)‖_F from index networks, exact, without the block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_K.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
+    A = t6 / t6.sum(-1, keepdim=True)
+    t7 = A @ X
+    M_1 = t7
+    t8 = M_1 @ W_V
+    F = t8
+    t9 = (2/(L*d_V)) * F
+    t10 = (-2/(L*d_V)) * Y
+    t11 = t9 + t10
+    G = t11
+    t12 = G.transpose(-1, -2)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t13 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t12, M_2, X, W_Q, t12, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t14 = torch.sqrt(torch.clamp(t13, min=0.0))
+    return t14
+
+
+def mse_causal0__block__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
+    """H_functional(W_V, W_V) as a dense (numel W_V × numel W_V) block, vec_r layout."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
+    out[...] = 0
+    return out
+
+
+def mse_causal0__frobenius__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
+    """‖H_functional(W_V, W_V)‖_F from index networks, exact, without the block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    return 0.0
+
+
+def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
+    """The full full Hessian, parameters in declared order W_Q, W_K, W_V."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    H = torch.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype, device=X.device)
+    t0 = H[0:d_K*d_V, 0:d_K*d_V]
+    t1 = t0.view((d_V, d_K, d_V, d_K))
+    t2 = W_K.transpose(-1, -2)
+    t3 = X.transpose(-1, -2)
+    t4 = t2 @ t3
+    t5 = W_Q @ t4
+    t6 = X @ t5
+    t7 = (1/math.sqrt(d_K)) * t6
+    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    A = t8 / t8.sum(-1, keepdim=True)
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1 @ W_V
+    F = t10
+    t11 = (2/(L*d_V)) * F
+    t12 = (-2/(L*d_V)) * Y
+    t13 = t11 + t12
+    G = t13
+    t14 = W_V.transpose(-1, -2)
+    t15 = t14 @ t3
+    t16 = G @ t15
+    t17 = t16 - (A * t16).sum(-1, keepdim=True)
+    t18 = A * t17
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adc,ace->adbe', t3, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t1[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t2, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t19 = W_V @ t14
+    t1 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t2, M_2, X, t19, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t20 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t20[...] = 0
+    t21 = t20.view((d_V, d_K, d_V, d_K))
+    t22 = t21.diagonal(0, 1, 3)
+    t23 = t18 @ X
+    t24 = t3 @ t23
+    t25 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t22 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t24, t25, optimize=[(0, 1)])
+    t21 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t2, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t21 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t2, M_2, X, t19, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
+    t26 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t27 = t26.view((d_V, d_K, d_V, d_V))
+    t27[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t2, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
+    t27 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t2, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t28 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t28[...] = 0
+    t29 = t28.view((d_V, d_K, d_V, d_K))
+    t30 = t29.diagonal(0, 1, 3)
+    t31 = t18.transpose(-1, -2)
+    t32 = t31 @ X
+    t33 = t3 @ t32
+    t30 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t33, t25, optimize=[(0, 1)])
+    t34 = W_Q.transpose(-1, -2)
+    t29 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t34, t3, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    t29 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t34, M_2, X, t19, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t35 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t36 = t35.view((d_V, d_K, d_V, d_K))
+    t36[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t34, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t36 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t34, M_2, X, t19, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t37 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t38 = t37.view((d_V, d_K, d_V, d_V))
+    t38[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t34, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
+    t38 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fagh', t34, M_2, X, M_1, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
+    t39 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t40 = t39.view((d_V, d_V, d_V, d_K))
+    t41 = G.transpose(-1, -2)
+    t40[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t41, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
+    t42 = M_1.transpose(-1, -2)
+    t40 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,fh->bdgh', t42, t14, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t43 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t44 = t43.view((d_V, d_V, d_V, d_K))
+    t44[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t41, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    t44 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,gh->bdfh', t42, t14, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t45 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t45[...] = 0
+    t46 = t45.view((d_V, d_V, d_V, d_V))
+    t47 = t46.diagonal(0, 1, 3)
+    t48 = t42 @ M_1
+    t49 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t47 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bcd', t48, t49, optimize=[(0, 1)])
+    return H
+
+
+def mse_causal0__hvp__full(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
+    """(Σ_q H_full(p, q) V_q for p in the parameters): matrix view, no block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.transpose(-1, -2)
+    t1 = W_K.transpose(-1, -2)
+    t2 = t1 @ t0
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
+    A = t6 / t6.sum(-1, keepdim=True)
+    t7 = V_W_Q @ t2
+    t8 = X @ t7
+    t9 = (1/math.sqrt(d_K)) * t8
+    t10 = V_W_K.transpose(-1, -2)
+    t11 = t10 @ t0
+    t12 = W_Q @ t11
+    t13 = X @ t12
+    t14 = (1/math.sqrt(d_K)) * t13
+    t15 = t9 + t14
+    t16 = X @ W_V
+    t17 = A @ t16
+    F = t17
+    t18 = (2/(L*math.sqrt(d_K)*d_V)) * F
+    t19 = (-2/(L*math.sqrt(d_K)*d_V)) * Y
+    t20 = t18 + t19
+    t21 = W_V.transpose(-1, -2)
+    t22 = t21 @ t0
+    t23 = t20 @ t22
+    t24 = t15 - (A * t15).sum(-1, keepdim=True)
+    t25 = t23 - (A * t23).sum(-1, keepdim=True)
+    t26 = A * t24 * t25
+    t27 = t26 - A * t26.sum(-1, keepdim=True)
+    t28 = A * t24
+    t29 = t28 @ t16
+    t30 = (2/(L*math.sqrt(d_K)*d_V)) * t29
+    t31 = X @ V_W_V
+    t32 = A @ t31
+    t33 = (2/(L*math.sqrt(d_K)*d_V)) * t32
+    t34 = t30 + t33
+    t35 = t34 @ t22
+    t36 = V_W_V.transpose(-1, -2)
+    t37 = t36 @ t0
+    t38 = t20 @ t37
+    t39 = t35 + t38
+    t40 = t39 - (A * t39).sum(-1, keepdim=True)
+    t41 = A * t40
+    t42 = t27 + t41
+    t43 = X @ W_K
+    t44 = t42 @ t43
+    t45 = t0 @ t44
+    t46 = A * t25
+    t47 = X @ V_W_K
+    t48 = t46 @ t47
+    t49 = t0 @ t48
+    t50 = t45 + t49
+    t51 = t27.transpose(-1, -2)
+    t52 = t41.transpose(-1, -2)
+    t53 = t51 + t52
+    t54 = X @ W_Q
+    t55 = t53 @ t54
+    t56 = t0 @ t55
+    t57 = t46.transpose(-1, -2)
+    t58 = X @ V_W_Q
+    t59 = t57 @ t58
+    t60 = t0 @ t59
+    t61 = t56 + t60
+    t62 = t28.transpose(-1, -2)
+    t63 = (2/(L*d_V)) * F
+    t64 = (-2/(L*d_V)) * Y
+    t65 = t63 + t64
+    t66 = t62 @ t65
+    t67 = t0 @ t66
+    t68 = A.transpose(-1, -2)
+    t69 = (2/(L*d_V)) * t29
+    t70 = (2/(L*d_V)) * t32
+    t71 = t69 + t70
+    t72 = t68 @ t71
+    t73 = t0 @ t72
+    t74 = t67 + t73
+    return (t50.mean(0), t61.mean(0), t74.mean(0),)
+
+
+def mse_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
+    """(‖H_full(p, q)‖_F for p, q in the parameters, row-major)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_K.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
+    A = t6 / t6.sum(-1, keepdim=True)
+    t7 = A @ X
+    M_1 = t7
+    t8 = M_1 @ W_V
+    F = t8
+    t9 = (2/(L*d_V)) * F
+    t10 = (-2/(L*d_V)) * Y
+    t11 = t9 + t10
+    G = t11
+    t12 = W_V.transpose(-1, -2)
+    t13 = t12 @ t1
+    t14 = G @ t13
+    t15 = t14 - (A * t14).sum(-1, keepdim=True)
+    t16 = A * t15
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t16, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t16, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t16, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t17 = W_V @ t12
+    t18 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 2), (0, 4), (2, 3), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jkli,jkd,lm,jkmn,jkg,nh->', t0, t1, M_3, X, W_K, t0, M_2, X, t17, M_2, X, W_K, optimize=[(0, 2), (3, 4), (0, 3), (2, 3), (5, 7), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj,ak,lmnk,lmf,no,lmop,lmi,pj->', t0, M_2, X, t17, M_2, X, W_K, t0, M_2, X, t17, M_2, X, W_K, optimize=[(0, 1), (1, 2), (10, 11), (3, 4), (0, 3), (2, 3), (5, 7), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
+    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
+    t20 = t16 @ X
+    t21 = t1 @ t20
+    t22 = (n_batch**(-2)) * oe.contract('abc,dbc->', t21, t21, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t21, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgic,fgj,jd->', t21, t0, M_2, X, t17, M_2, X, W_Q, optimize=[(0, 3), (3, 6), (0, 1), (1, 2), (2, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkmf,jkn,nh->', t0, t1, M_3, X, W_Q, t0, M_2, X, t17, M_2, X, W_Q, optimize=[(0, 2), (1, 2), (1, 2), (0, 1), (0, 1), (4, 6), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij,ak,lmnk,lmf,no,lmoh,lmp,pj->', t0, M_2, X, t17, M_2, X, W_Q, t0, M_2, X, t17, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (10, 11), (1, 2), (1, 2), (0, 1), (0, 1), (4, 6), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t23 = torch.sqrt(torch.clamp(t22, min=0.0))
+    t24 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 1), (2, 3), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijkh,ijf,ije,kg->', t0, M_2, X, G, t0, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 2), (0, 2), (2, 4), (1, 3), (0, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,eh,ai,jkli,jkf,jkg,lh->', t0, M_2, X, M_1, W_V, t0, M_2, X, M_1, W_V, optimize=[(0, 1), (3, 4), (0, 3), (0, 2), (4, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
+    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
+    t26 = t16.transpose(-1, -2)
+    t27 = t26 @ X
+    t28 = t1 @ t27
+    t29 = W_Q.transpose(-1, -2)
+    t30 = (n_batch**(-2)) * oe.contract('abc,dbc->', t28, t28, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t28, t29, t1, M_3, X, W_K, optimize=[(0, 3), (2, 4), (0, 1), (0, 2), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgij,fgc,jd->', t28, t29, M_2, X, t17, M_2, X, W_K, optimize=[(0, 2), (4, 6), (0, 1), (0, 1), (1, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t29, t1, M_3, X, W_K, t29, t1, M_3, X, W_K, optimize=[(0, 1), (0, 2), (1, 2), (0, 2), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkmn,jkg,nh->', t29, t1, M_3, X, W_K, t29, M_2, X, t17, M_2, X, W_K, optimize=[(0, 1), (0, 2), (1, 3), (1, 2), (1, 7), (0, 1), (0, 2), (2, 4), (2, 3), (0, 1), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj,ak,lmnf,lmk,no,lmop,lmi,pj->', t29, M_2, X, t17, M_2, X, W_K, t29, M_2, X, t17, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 11), (2, 4), (2, 3), (2, 8), (0, 2), (0, 1), (0, 2), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t31 = torch.sqrt(torch.clamp(t30, min=0.0))
+    t32 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t29, t1, M_3, X, W_Q, t29, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jkle,jki,lm,jkmf,jkn,nh->', t29, t1, M_3, X, W_Q, t29, M_2, X, t17, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (1, 3), (1, 2), (1, 7), (0, 6), (0, 1), (0, 2), (1, 3), (0, 1), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij,ak,lmnf,lmk,no,lmoh,lmp,pj->', t29, M_2, X, t17, M_2, X, W_Q, t29, M_2, X, t17, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 11), (0, 1), (0, 2), (0, 1), (0, 7), (3, 6), (0, 1), (0, 2), (1, 3), (0, 1), (0, 1)])
+    t33 = torch.sqrt(torch.clamp(t32, min=0.0))
+    t34 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t29, M_2, X, G, t29, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijkf,ijh,ije,kg->', t29, M_2, X, G, t29, M_2, X, M_1, W_V, optimize=[(0, 2), (2, 4), (0, 3), (1, 5), (0, 1), (2, 3), (0, 1), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,eh,ai,jklf,jki,jkg,lh->', t29, M_2, X, M_1, W_V, t29, M_2, X, M_1, W_V, optimize=[(0, 2), (0, 2), (1, 3), (0, 2), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t35 = torch.sqrt(torch.clamp(t34, min=0.0))
+    t36 = G.transpose(-1, -2)
+    t37 = M_1.transpose(-1, -2)
+    t38 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t36, M_2, X, W_K, t36, M_2, X, W_K, optimize=[(1, 3), (0, 2), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acde,acf,eg,hdi,bj,hijk,hif,kg->', t36, M_2, X, W_K, t37, t12, M_2, X, W_K, optimize=[(1, 3), (0, 3), (0, 3), (1, 2), (0, 1), (2, 3), (0, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,fh,ibj,dk,ijkl,ijg,lh->', t37, t12, M_2, X, W_K, t37, t12, M_2, X, W_K, optimize=[(1, 2), (0, 3), (2, 3), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
+    t39 = torch.sqrt(torch.clamp(t38, min=0.0))
+    t40 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t36, M_2, X, W_Q, t36, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acde,acf,fg,hdi,bj,hije,hik,kg->', t36, M_2, X, W_Q, t37, t12, M_2, X, W_Q, optimize=[(2, 3), (1, 2), (2, 6), (0, 1), (3, 4), (0, 1), (0, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,gh,ibj,dk,ijkf,ijl,lh->', t37, t12, M_2, X, W_Q, t37, t12, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 1), (0, 1), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t41 = torch.sqrt(torch.clamp(t40, min=0.0))
+    t42 = t37 @ M_1
+    t43 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t42, t42, optimize=[(0, 1)])
+    t44 = torch.sqrt(torch.clamp(t43, min=0.0))
+    return (t19, t23, t25, t31, t33, t35, t39, t41, t44,)
+
+
+def mse_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
+    """diag H_full(W_Q, W_Q) (vec_r order) without the dense block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    out = torch.empty((d_K*d_V,), dtype=X.dtype, device=X.device)
+    t0 = out.view((d_V, d_K))
+    t1 = W_K.transpose(-1, -2)
+    t2 = X.transpose(-1, -2)
+    t3 = t1 @ t2
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
+    A = t7 / t7.sum(-1, keepdim=True)
+    t8 = A @ X
+    M_1 = t8
+    t9 = M_1 @ W_V
+    F = t9
+    t10 = (2/(L*d_V)) * F
+    t11 = (-2/(L*d_V)) * Y
+    t12 = t10 + t11
+    G = t12
+    t13 = W_V.transpose(-1, -2)
+    t14 = t13 @ t2
+    t15 = G @ t14
+    t16 = t15 - (A * t15).sum(-1, keepdim=True)
+    t17 = A * t16
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->da', t1, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t18 = W_V @ t13
+    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdf,ha->fa', t1, M_2, X, t18, M_2, X, W_K, optimize=[(2, 5), (0, 1), (0, 1), (2, 3), (0, 2), (0, 1)])
+    return out
+
+
+def mse_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
+    """tr H_full(W_Q, W_Q) without the dense block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_K.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
+    A = t6 / t6.sum(-1, keepdim=True)
+    t7 = A @ X
+    M_1 = t7
+    t8 = M_1 @ W_V
+    F = t8
+    t9 = (2/(L*d_V)) * F
+    t10 = (-2/(L*d_V)) * Y
+    t11 = t9 + t10
+    G = t11
+    t12 = W_V.transpose(-1, -2)
+    t13 = t12 @ t1
+    t14 = G @ t13
+    t15 = t14 - (A * t14).sum(-1, keepdim=True)
+    t16 = A * t15
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t16, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t16, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t16, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t17 = W_V @ t12
+    return (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->', t0, t1, M_3, X, W_K, optimize=[(1, 3), (1, 3), (0, 1), (0, 1)]) + (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdf,ha->', t0, M_2, X, t17, M_2, X, W_K, optimize=[(2, 5), (0, 1), (0, 1), (2, 3), (0, 2), (0, 1)])
+
+
+def mse_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
+    """H_full(W_Q, W_Q) as a dense (numel W_Q × numel W_Q) block, vec_r layout."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
+    t0 = out.view((d_V, d_K, d_V, d_K))
+    t1 = W_K.transpose(-1, -2)
+    t2 = X.transpose(-1, -2)
+    t3 = t1 @ t2
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
+    A = t7 / t7.sum(-1, keepdim=True)
+    t8 = A @ X
+    M_1 = t8
+    t9 = M_1 @ W_V
+    F = t9
+    t10 = (2/(L*d_V)) * F
+    t11 = (-2/(L*d_V)) * Y
+    t12 = t10 + t11
+    G = t12
+    t13 = W_V.transpose(-1, -2)
+    t14 = t13 @ t2
+    t15 = G @ t14
+    t16 = t15 - (A * t15).sum(-1, keepdim=True)
+    t17 = A * t16
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t1, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t18 = W_V @ t13
+    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t1, M_2, X, t18, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    return out
+
+
+def mse_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
+    """‖H_full(W_Q, W_Q)‖_F from index networks, exact, without the block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_K.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
+    A = t6 / t6.sum(-1, keepdim=True)
+    t7 = A @ X
+    M_1 = t7
+    t8 = M_1 @ W_V
+    F = t8
+    t9 = (2/(L*d_V)) * F
+    t10 = (-2/(L*d_V)) * Y
+    t11 = t9 + t10
+    G = t11
+    t12 = W_V.transpose(-1, -2)
+    t13 = t12 @ t1
+    t14 = G @ t13
+    t15 = t14 - (A * t14).sum(-1, keepdim=True)
+    t16 = A * t15
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t16, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t16, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t16, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t17 = W_V @ t12
+    t18 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 2), (0, 4), (2, 3), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jkli,jkd,lm,jkmn,jkg,nh->', t0, t1, M_3, X, W_K, t0, M_2, X, t17, M_2, X, W_K, optimize=[(0, 2), (3, 4), (0, 3), (2, 3), (5, 7), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj,ak,lmnk,lmf,no,lmop,lmi,pj->', t0, M_2, X, t17, M_2, X, W_K, t0, M_2, X, t17, M_2, X, W_K, optimize=[(0, 1), (1, 2), (10, 11), (3, 4), (0, 3), (2, 3), (5, 7), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
+    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
+    return t19
+
+
+def mse_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
+    """H_full(W_Q, W_K) as a dense (numel W_Q × numel W_K) block, vec_r layout."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
+    out[...] = 0
+    t0 = out.view((d_V, d_K, d_V, d_K))
+    t1 = t0.diagonal(0, 1, 3)
+    t2 = X.transpose(-1, -2)
+    t3 = W_K.transpose(-1, -2)
+    t4 = t3 @ t2
+    t5 = W_Q @ t4
+    t6 = X @ t5
+    t7 = (1/math.sqrt(d_K)) * t6
+    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    A = t8 / t8.sum(-1, keepdim=True)
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1 @ W_V
+    F = t10
+    t11 = (2/(L*d_V)) * F
+    t12 = (-2/(L*d_V)) * Y
+    t13 = t11 + t12
+    G = t13
+    t14 = W_V.transpose(-1, -2)
+    t15 = t14 @ t2
+    t16 = G @ t15
+    t17 = t16 - (A * t16).sum(-1, keepdim=True)
+    t18 = A * t17
+    t19 = t18 @ X
+    t20 = t2 @ t19
+    t21 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t20, t21, optimize=[(0, 1)])
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t3, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t22 = W_V @ t14
+    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t3, M_2, X, t22, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
+    return out
+
+
+def mse_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
+    """‖H_full(W_Q, W_K)‖_F from index networks, exact, without the block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.transpose(-1, -2)
+    t1 = W_K.transpose(-1, -2)
+    t2 = t1 @ t0
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
+    A = t6 / t6.sum(-1, keepdim=True)
+    t7 = A @ X
+    M_1 = t7
+    t8 = M_1 @ W_V
+    F = t8
+    t9 = (2/(L*d_V)) * F
+    t10 = (-2/(L*d_V)) * Y
+    t11 = t9 + t10
+    G = t11
+    t12 = W_V.transpose(-1, -2)
+    t13 = t12 @ t0
+    t14 = G @ t13
+    t15 = t14 - (A * t14).sum(-1, keepdim=True)
+    t16 = A * t15
+    t17 = t16 @ X
+    t18 = t0 @ t17
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adc,ace->adbe', t0, t16, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t16, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t16, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t19 = W_V @ t12
+    t20 = (n_batch**(-2)) * oe.contract('abc,dbc->', t18, t18, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t18, t1, t0, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgic,fgj,jd->', t18, t1, M_2, X, t19, M_2, X, W_Q, optimize=[(0, 3), (3, 6), (0, 1), (1, 2), (2, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t1, t0, M_3, X, W_Q, t1, t0, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkmf,jkn,nh->', t1, t0, M_3, X, W_Q, t1, M_2, X, t19, M_2, X, W_Q, optimize=[(0, 2), (1, 2), (1, 2), (0, 1), (0, 1), (4, 6), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij,ak,lmnk,lmf,no,lmoh,lmp,pj->', t1, M_2, X, t19, M_2, X, W_Q, t1, M_2, X, t19, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (10, 11), (1, 2), (1, 2), (0, 1), (0, 1), (4, 6), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
+    return t21
+
+
+def mse_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
+    """H_full(W_Q, W_V) as a dense (numel W_Q × numel W_V) block, vec_r layout."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    out = torch.empty((d_K*d_V, d_V**2), dtype=X.dtype, device=X.device)
+    t0 = out.view((d_V, d_K, d_V, d_V))
+    t1 = W_K.transpose(-1, -2)
+    t2 = X.transpose(-1, -2)
+    t3 = t1 @ t2
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
+    A = t7 / t7.sum(-1, keepdim=True)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t8 = A @ X
+    M_1 = t8
+    t9 = M_1 @ W_V
+    F = t9
+    t10 = (2/(L*d_V)) * F
+    t11 = (-2/(L*d_V)) * Y
+    t12 = t10 + t11
+    G = t12
+    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t1, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t1, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    return out
+
+
+def mse_causal0__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
+    """‖H_full(W_Q, W_V)‖_F from index networks, exact, without the block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_K.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
+    A = t6 / t6.sum(-1, keepdim=True)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t7 = A @ X
+    M_1 = t7
+    t8 = M_1 @ W_V
+    F = t8
+    t9 = (2/(L*d_V)) * F
+    t10 = (-2/(L*d_V)) * Y
+    t11 = t9 + t10
+    G = t11
+    t12 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 1), (2, 3), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijkh,ijf,ije,kg->', t0, M_2, X, G, t0, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 2), (0, 2), (2, 4), (1, 3), (0, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,eh,ai,jkli,jkf,jkg,lh->', t0, M_2, X, M_1, W_V, t0, M_2, X, M_1, W_V, optimize=[(0, 1), (3, 4), (0, 3), (0, 2), (4, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
+    t13 = torch.sqrt(torch.clamp(t12, min=0.0))
+    return t13
+
+
+def mse_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
+    """diag H_full(W_K, W_K) (vec_r order) without the dense block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    out = torch.empty((d_K*d_V,), dtype=X.dtype, device=X.device)
+    t0 = out.view((d_V, d_K))
+    t1 = W_Q.transpose(-1, -2)
+    t2 = X.transpose(-1, -2)
+    t3 = W_K.transpose(-1, -2)
+    t4 = t3 @ t2
+    t5 = W_Q @ t4
+    t6 = X @ t5
+    t7 = (1/math.sqrt(d_K)) * t6
+    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    A = t8 / t8.sum(-1, keepdim=True)
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1 @ W_V
+    F = t10
+    t11 = (2/(L*d_V)) * F
+    t12 = (-2/(L*d_V)) * Y
+    t13 = t11 + t12
+    G = t13
+    t14 = W_V.transpose(-1, -2)
+    t15 = t14 @ t2
+    t16 = G @ t15
+    t17 = t16 - (A * t16).sum(-1, keepdim=True)
+    t18 = A * t17
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->ea', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t19 = W_V @ t14
+    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgf,cdh,ha->fa', t1, M_2, X, t19, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
+    return out
+
+
+def mse_causal0__trace__W_K__full(X, W_Q, W_K, W_V, Y):
+    """tr H_full(W_K, W_K) without the dense block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_Q.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = W_K.transpose(-1, -2)
+    t3 = t2 @ t1
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
+    A = t7 / t7.sum(-1, keepdim=True)
+    t8 = A @ X
+    M_1 = t8
+    t9 = M_1 @ W_V
+    F = t9
+    t10 = (2/(L*d_V)) * F
+    t11 = (-2/(L*d_V)) * Y
+    t12 = t10 + t11
+    G = t12
+    t13 = W_V.transpose(-1, -2)
+    t14 = t13 @ t1
+    t15 = G @ t14
+    t16 = t15 - (A * t15).sum(-1, keepdim=True)
+    t17 = A * t16
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t18 = W_V @ t13
+    return (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->', t0, t1, M_3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)]) + (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgf,cdh,ha->', t0, M_2, X, t18, M_2, X, W_Q, optimize=[(1, 4), (2, 5), (0, 1), (0, 1), (1, 2), (0, 1)])
+
+
+def mse_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
+    """H_full(W_K, W_Q) as a dense (numel W_K × numel W_Q) block, vec_r layout."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
+    out[...] = 0
+    t0 = out.view((d_V, d_K, d_V, d_K))
+    t1 = t0.diagonal(0, 1, 3)
+    t2 = X.transpose(-1, -2)
+    t3 = W_K.transpose(-1, -2)
+    t4 = t3 @ t2
+    t5 = W_Q @ t4
+    t6 = X @ t5
+    t7 = (1/math.sqrt(d_K)) * t6
+    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    A = t8 / t8.sum(-1, keepdim=True)
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1 @ W_V
+    F = t10
+    t11 = (2/(L*d_V)) * F
+    t12 = (-2/(L*d_V)) * Y
+    t13 = t11 + t12
+    G = t13
+    t14 = W_V.transpose(-1, -2)
+    t15 = t14 @ t2
+    t16 = G @ t15
+    t17 = t16 - (A * t16).sum(-1, keepdim=True)
+    t18 = A * t17
+    t19 = t18.transpose(-1, -2)
+    t20 = t19 @ X
+    t21 = t2 @ t20
+    t22 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t21, t22, optimize=[(0, 1)])
+    t23 = W_Q.transpose(-1, -2)
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t23, t2, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t24 = W_V @ t14
+    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t23, M_2, X, t24, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    return out
+
+
+def mse_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
+    """‖H_full(W_K, W_Q)‖_F from index networks, exact, without the block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.transpose(-1, -2)
+    t1 = W_K.transpose(-1, -2)
+    t2 = t1 @ t0
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
+    A = t6 / t6.sum(-1, keepdim=True)
+    t7 = A @ X
+    M_1 = t7
+    t8 = M_1 @ W_V
+    F = t8
+    t9 = (2/(L*d_V)) * F
+    t10 = (-2/(L*d_V)) * Y
+    t11 = t9 + t10
+    G = t11
+    t12 = W_V.transpose(-1, -2)
+    t13 = t12 @ t0
+    t14 = G @ t13
+    t15 = t14 - (A * t14).sum(-1, keepdim=True)
+    t16 = A * t15
+    t17 = t16.transpose(-1, -2)
+    t18 = t17 @ X
+    t19 = t0 @ t18
+    t20 = W_Q.transpose(-1, -2)
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adc,ace->adbe', t0, t16, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t16, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t16, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t21 = W_V @ t12
+    t22 = (n_batch**(-2)) * oe.contract('abc,dbc->', t19, t19, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t19, t20, t0, M_3, X, W_K, optimize=[(0, 3), (2, 4), (0, 1), (0, 2), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgij,fgc,jd->', t19, t20, M_2, X, t21, M_2, X, W_K, optimize=[(0, 2), (4, 6), (0, 1), (0, 1), (1, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t20, t0, M_3, X, W_K, t20, t0, M_3, X, W_K, optimize=[(0, 1), (0, 2), (1, 2), (0, 2), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkmn,jkg,nh->', t20, t0, M_3, X, W_K, t20, M_2, X, t21, M_2, X, W_K, optimize=[(0, 1), (0, 2), (1, 3), (1, 2), (1, 7), (0, 1), (0, 2), (2, 4), (2, 3), (0, 1), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj,ak,lmnf,lmk,no,lmop,lmi,pj->', t20, M_2, X, t21, M_2, X, W_K, t20, M_2, X, t21, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 11), (2, 4), (2, 3), (2, 8), (0, 2), (0, 1), (0, 2), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t23 = torch.sqrt(torch.clamp(t22, min=0.0))
+    return t23
+
+
+def mse_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
+    """H_full(W_K, W_K) as a dense (numel W_K × numel W_K) block, vec_r layout."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
+    t0 = out.view((d_V, d_K, d_V, d_K))
+    t1 = W_Q.transpose(-1, -2)
+    t2 = X.transpose(-1, -2)
+    t3 = W_K.transpose(-1, -2)
+    t4 = t3 @ t2
+    t5 = W_Q @ t4
+    t6 = X @ t5
+    t7 = (1/math.sqrt(d_K)) * t6
+    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    A = t8 / t8.sum(-1, keepdim=True)
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1 @ W_V
+    F = t10
+    t11 = (2/(L*d_V)) * F
+    t12 = (-2/(L*d_V)) * Y
+    t13 = t11 + t12
+    G = t13
+    t14 = W_V.transpose(-1, -2)
+    t15 = t14 @ t2
+    t16 = G @ t15
+    t17 = t16 - (A * t16).sum(-1, keepdim=True)
+    t18 = A * t17
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t19 = W_V @ t14
+    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t1, M_2, X, t19, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
+    return out
+
+
+def mse_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
+    """‖H_full(W_K, W_K)‖_F from index networks, exact, without the block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_Q.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = W_K.transpose(-1, -2)
+    t3 = t2 @ t1
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
+    A = t7 / t7.sum(-1, keepdim=True)
+    t8 = A @ X
+    M_1 = t8
+    t9 = M_1 @ W_V
+    F = t9
+    t10 = (2/(L*d_V)) * F
+    t11 = (-2/(L*d_V)) * Y
+    t12 = t10 + t11
+    G = t12
+    t13 = W_V.transpose(-1, -2)
+    t14 = t13 @ t1
+    t15 = G @ t14
+    t16 = t15 - (A * t15).sum(-1, keepdim=True)
+    t17 = A * t16
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t18 = W_V @ t13
+    t19 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jkle,jki,lm,jkmf,jkn,nh->', t0, t1, M_3, X, W_Q, t0, M_2, X, t18, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (1, 3), (1, 2), (1, 7), (0, 6), (0, 1), (0, 2), (1, 3), (0, 1), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij,ak,lmnf,lmk,no,lmoh,lmp,pj->', t0, M_2, X, t18, M_2, X, W_Q, t0, M_2, X, t18, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 11), (0, 1), (0, 2), (0, 1), (0, 7), (3, 6), (0, 1), (0, 2), (1, 3), (0, 1), (0, 1)])
+    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
+    return t20
+
+
+def mse_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
+    """H_full(W_K, W_V) as a dense (numel W_K × numel W_V) block, vec_r layout."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    out = torch.empty((d_K*d_V, d_V**2), dtype=X.dtype, device=X.device)
+    t0 = out.view((d_V, d_K, d_V, d_V))
+    t1 = W_Q.transpose(-1, -2)
+    t2 = X.transpose(-1, -2)
+    t3 = W_K.transpose(-1, -2)
+    t4 = t3 @ t2
+    t5 = W_Q @ t4
+    t6 = X @ t5
+    t7 = (1/math.sqrt(d_K)) * t6
+    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    A = t8 / t8.sum(-1, keepdim=True)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1 @ W_V
+    F = t10
+    t11 = (2/(L*d_V)) * F
+    t12 = (-2/(L*d_V)) * Y
+    t13 = t11 + t12
+    G = t13
+    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t1, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
+    t0 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fagh', t1, M_2, X, M_1, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
+    return out
+
+
+def mse_causal0__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
+    """‖H_full(W_K, W_V)‖_F from index networks, exact, without the block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_Q.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = W_K.transpose(-1, -2)
+    t3 = t2 @ t1
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
+    A = t7 / t7.sum(-1, keepdim=True)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t8 = A @ X
+    M_1 = t8
+    t9 = M_1 @ W_V
+    F = t9
+    t10 = (2/(L*d_V)) * F
+    t11 = (-2/(L*d_V)) * Y
+    t12 = t10 + t11
+    G = t12
+    t13 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijkf,ijh,ije,kg->', t0, M_2, X, G, t0, M_2, X, M_1, W_V, optimize=[(0, 2), (2, 4), (0, 3), (1, 5), (0, 1), (2, 3), (0, 1), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,eh,ai,jklf,jki,jkg,lh->', t0, M_2, X, M_1, W_V, t0, M_2, X, M_1, W_V, optimize=[(0, 2), (0, 2), (1, 3), (0, 2), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t14 = torch.sqrt(torch.clamp(t13, min=0.0))
+    return t14
+
+
+def mse_causal0__diag__W_V__full(X, W_Q, W_K, W_V, Y):
+    """diag H_full(W_V, W_V) (vec_r order) without the dense block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    out = torch.empty((d_V**2,), dtype=X.dtype, device=X.device)
+    t0 = out.view((d_V, d_V))
+    t1 = W_K.transpose(-1, -2)
+    t2 = X.transpose(-1, -2)
+    t3 = t1 @ t2
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
+    A = t7 / t7.sum(-1, keepdim=True)
+    t8 = A @ X
+    M_1 = t8
+    t9 = M_1.transpose(-1, -2)
+    t10 = t9 @ M_1
+    t11 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abb,c->bc', t10, t11, optimize=[(0, 1)])
+    return out
+
+
+def mse_causal0__trace__W_V__full(X, W_Q, W_K, W_V, Y):
+    """tr H_full(W_V, W_V) without the dense block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_K.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
+    A = t6 / t6.sum(-1, keepdim=True)
+    t7 = A @ X
+    M_1 = t7
+    t8 = M_1.transpose(-1, -2)
+    t9 = t8 @ M_1
+    return (2/(L*n_batch)) * oe.contract('abb->', t9, optimize=[(0,)])
+
+
+def mse_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
+    """H_full(W_V, W_Q) as a dense (numel W_V × numel W_Q) block, vec_r layout."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    out = torch.empty((d_V**2, d_K*d_V), dtype=X.dtype, device=X.device)
+    t0 = out.view((d_V, d_V, d_V, d_K))
+    t1 = W_K.transpose(-1, -2)
+    t2 = X.transpose(-1, -2)
+    t3 = t1 @ t2
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
+    A = t7 / t7.sum(-1, keepdim=True)
+    t8 = A @ X
+    M_1 = t8
+    t9 = M_1 @ W_V
+    F = t9
+    t10 = (2/(L*d_V)) * F
+    t11 = (-2/(L*d_V)) * Y
+    t12 = t10 + t11
+    G = t12
+    t13 = G.transpose(-1, -2)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t13, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
+    t14 = M_1.transpose(-1, -2)
+    t15 = W_V.transpose(-1, -2)
+    t0 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,fh->bdgh', t14, t15, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    return out
+
+
+def mse_causal0__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
+    """‖H_full(W_V, W_Q)‖_F from index networks, exact, without the block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_K.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
+    A = t6 / t6.sum(-1, keepdim=True)
+    t7 = A @ X
+    M_1 = t7
+    t8 = M_1 @ W_V
+    F = t8
+    t9 = (2/(L*d_V)) * F
+    t10 = (-2/(L*d_V)) * Y
+    t11 = t9 + t10
+    G = t11
+    t12 = G.transpose(-1, -2)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t13 = M_1.transpose(-1, -2)
+    t14 = W_V.transpose(-1, -2)
+    t15 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t12, M_2, X, W_K, t12, M_2, X, W_K, optimize=[(1, 3), (0, 2), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acde,acf,eg,hdi,bj,hijk,hif,kg->', t12, M_2, X, W_K, t13, t14, M_2, X, W_K, optimize=[(1, 3), (0, 3), (0, 3), (1, 2), (0, 1), (2, 3), (0, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,fh,ibj,dk,ijkl,ijg,lh->', t13, t14, M_2, X, W_K, t13, t14, M_2, X, W_K, optimize=[(1, 2), (0, 3), (2, 3), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
+    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
+    return t16
+
+
+def mse_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
+    """H_full(W_V, W_K) as a dense (numel W_V × numel W_K) block, vec_r layout."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    out = torch.empty((d_V**2, d_K*d_V), dtype=X.dtype, device=X.device)
+    t0 = out.view((d_V, d_V, d_V, d_K))
+    t1 = W_K.transpose(-1, -2)
+    t2 = X.transpose(-1, -2)
+    t3 = t1 @ t2
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
+    A = t7 / t7.sum(-1, keepdim=True)
+    t8 = A @ X
+    M_1 = t8
+    t9 = M_1 @ W_V
+    F = t9
+    t10 = (2/(L*d_V)) * F
+    t11 = (-2/(L*d_V)) * Y
+    t12 = t10 + t11
+    G = t12
+    t13 = G.transpose(-1, -2)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t13, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    t14 = M_1.transpose(-1, -2)
+    t15 = W_V.transpose(-1, -2)
+    t0 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,gh->bdfh', t14, t15, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    return out
+
+
+def mse_causal0__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
+    """‖H_full(W_V, W_K)‖_F from index networks, exact, without the block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_K.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
+    A = t6 / t6.sum(-1, keepdim=True)
+    t7 = A @ X
+    M_1 = t7
+    t8 = M_1 @ W_V
+    F = t8
+    t9 = (2/(L*d_V)) * F
+    t10 = (-2/(L*d_V)) * Y
+    t11 = t9 + t10
+    G = t11
+    t12 = G.transpose(-1, -2)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t13 = M_1.transpose(-1, -2)
+    t14 = W_V.transpose(-1, -2)
+    t15 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t12, M_2, X, W_Q, t12, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acde,acf,fg,hdi,bj,hije,hik,kg->', t12, M_2, X, W_Q, t13, t14, M_2, X, W_Q, optimize=[(2, 3), (1, 2), (2, 6), (0, 1), (3, 4), (0, 1), (0, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,gh,ibj,dk,ijkf,ijl,lh->', t13, t14, M_2, X, W_Q, t13, t14, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 1), (0, 1), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
+    return t16
+
+
+def mse_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
+    """H_full(W_V, W_V) as a dense (numel W_V × numel W_V) block, vec_r layout."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
+    out[...] = 0
+    t0 = out.view((d_V, d_V, d_V, d_V))
+    t1 = t0.diagonal(0, 1, 3)
+    t2 = W_K.transpose(-1, -2)
+    t3 = X.transpose(-1, -2)
+    t4 = t2 @ t3
+    t5 = W_Q @ t4
+    t6 = X @ t5
+    t7 = (1/math.sqrt(d_K)) * t6
+    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    A = t8 / t8.sum(-1, keepdim=True)
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1.transpose(-1, -2)
+    t11 = t10 @ M_1
+    t12 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t1 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bcd', t11, t12, optimize=[(0, 1)])
+    return out
+
+
+def mse_causal0__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
+    """‖H_full(W_V, W_V)‖_F from index networks, exact, without the block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_K.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
+    A = t6 / t6.sum(-1, keepdim=True)
+    t7 = A @ X
+    M_1 = t7
+    t8 = M_1.transpose(-1, -2)
+    t9 = t8 @ M_1
+    t10 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t9, t9, optimize=[(0, 1)])
+    t11 = torch.sqrt(torch.clamp(t10, min=0.0))
+    return t11
+
+
+def mse_causal1__loss(X, W_Q, W_K, W_V, Y):
+    """The loss, batch mean."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_K.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t7 = torch.where(t6, -math.inf, t5)
+    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    A = t8 / t8.sum(-1, keepdim=True)
+    t9 = X @ W_V
+    t10 = A @ t9
+    t11 = -Y
+    t12 = t10 + t11
+    t13 = t12 * t12
+    t14 = t13.sum(-1, keepdim=True)
+    t15 = t14.sum(-2, keepdim=True)
+    t16 = (1/(L*d_V)) * t15
+    return t16.mean(0)[0, 0]
+
+
+def mse_causal1__gradient(X, W_Q, W_K, W_V, Y):
+    """(∂ℓ/∂W_p for p in the parameters), batch mean."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.transpose(-1, -2)
+    t1 = W_K.transpose(-1, -2)
+    t2 = t1 @ t0
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t7 = torch.where(t6, -math.inf, t5)
+    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    A = t8 / t8.sum(-1, keepdim=True)
+    t9 = X @ W_V
+    t10 = A @ t9
+    F = t10
+    t11 = (2/(L*d_V)) * F
+    t12 = (-2/(L*d_V)) * Y
+    t13 = t11 + t12
+    G = t13
+    t14 = W_V.transpose(-1, -2)
+    t15 = t14 @ t0
+    t16 = G @ t15
+    t17 = t16 - (A * t16).sum(-1, keepdim=True)
+    t18 = A * t17
+    t19 = X @ W_K
+    t20 = t18 @ t19
+    t21 = t0 @ t20
+    t22 = (1/math.sqrt(d_K)) * t21
+    t23 = t18.transpose(-1, -2)
+    t24 = X @ W_Q
+    t25 = t23 @ t24
+    t26 = t0 @ t25
+    t27 = (1/math.sqrt(d_K)) * t26
+    t28 = A.transpose(-1, -2)
+    t29 = t28 @ G
+    t30 = t0 @ t29
+    return (t22.mean(0), t27.mean(0), t30.mean(0),)
+
+
+def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
+    """The full outer Hessian, parameters in declared order W_Q, W_K, W_V."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    H = torch.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype, device=X.device)
+    t0 = H[0:d_K*d_V, 0:d_K*d_V]
+    t1 = t0.view((d_V, d_K, d_V, d_K))
+    t2 = W_K.transpose(-1, -2)
+    t3 = X.transpose(-1, -2)
+    t4 = t2 @ t3
+    t5 = W_Q @ t4
+    t6 = X @ t5
+    t7 = (1/math.sqrt(d_K)) * t6
+    t8 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t9 = torch.where(t8, -math.inf, t7)
+    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
+    A = t10 / t10.sum(-1, keepdim=True)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t11 = W_V.transpose(-1, -2)
+    t12 = W_V @ t11
+    t1[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t2, M_2, X, t12, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t13 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t14 = t13.view((d_V, d_K, d_V, d_K))
+    t14[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t2, M_2, X, t12, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
+    t15 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t16 = t15.view((d_V, d_K, d_V, d_V))
+    t17 = A @ X
+    M_1 = t17
+    t16[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t2, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t18 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t19 = t18.view((d_V, d_K, d_V, d_K))
+    t20 = W_Q.transpose(-1, -2)
+    t19[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t20, M_2, X, t12, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t21 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t22 = t21.view((d_V, d_K, d_V, d_K))
+    t22[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t20, M_2, X, t12, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t23 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t24 = t23.view((d_V, d_K, d_V, d_V))
+    t24[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fagh', t20, M_2, X, M_1, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
+    t25 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t26 = t25.view((d_V, d_V, d_V, d_K))
+    t27 = M_1.transpose(-1, -2)
+    t26[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,fh->bdgh', t27, t11, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t28 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t29 = t28.view((d_V, d_V, d_V, d_K))
+    t29[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,gh->bdfh', t27, t11, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t30 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t30[...] = 0
+    t31 = t30.view((d_V, d_V, d_V, d_V))
+    t32 = t31.diagonal(0, 1, 3)
+    t33 = t27 @ M_1
+    t34 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t32 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bcd', t33, t34, optimize=[(0, 1)])
+    return H
+
+
+def mse_causal1__hvp__outer(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
+    """(Σ_q H_outer(p, q) V_q for p in the parameters): matrix view, no block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.transpose(-1, -2)
+    t1 = W_K.transpose(-1, -2)
+    t2 = t1 @ t0
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t7 = torch.where(t6, -math.inf, t5)
+    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    A = t8 / t8.sum(-1, keepdim=True)
+    t9 = V_W_Q @ t2
+    t10 = X @ t9
+    t11 = (1/math.sqrt(d_K)) * t10
+    t12 = V_W_K.transpose(-1, -2)
+    t13 = t12 @ t0
+    t14 = W_Q @ t13
+    t15 = X @ t14
+    t16 = (1/math.sqrt(d_K)) * t15
+    t17 = t11 + t16
+    t18 = t17 - (A * t17).sum(-1, keepdim=True)
+    t19 = A * t18
+    t20 = X @ W_V
+    t21 = t19 @ t20
+    t22 = (2/(L*d_V)) * t21
+    t23 = X @ V_W_V
+    t24 = A @ t23
+    t25 = (2/(L*d_V)) * t24
+    t26 = t22 + t25
+    t27 = W_V.transpose(-1, -2)
+    t28 = t27 @ t0
+    t29 = t26 @ t28
+    t30 = t29 - (A * t29).sum(-1, keepdim=True)
+    t31 = A * t30
+    t32 = X @ W_K
+    t33 = t31 @ t32
+    t34 = t0 @ t33
+    t35 = (1/math.sqrt(d_K)) * t34
+    t36 = t31.transpose(-1, -2)
+    t37 = X @ W_Q
+    t38 = t36 @ t37
+    t39 = t0 @ t38
+    t40 = (1/math.sqrt(d_K)) * t39
+    t41 = A.transpose(-1, -2)
+    t42 = t41 @ t26
+    t43 = t0 @ t42
+    return (t35.mean(0), t40.mean(0), t43.mean(0),)
+
+
+def mse_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
+    """(‖H_outer(p, q)‖_F for p, q in the parameters, row-major)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_K.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t7 = torch.where(t6, -math.inf, t5)
+    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    A = t8 / t8.sum(-1, keepdim=True)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t9 = W_V.transpose(-1, -2)
+    t10 = W_V @ t9
+    t11 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj,ak,lmnk,lmf,no,lmop,lmi,pj->', t0, M_2, X, t10, M_2, X, W_K, t0, M_2, X, t10, M_2, X, W_K, optimize=[(0, 1), (1, 2), (10, 11), (3, 4), (0, 3), (2, 3), (5, 7), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
+    t12 = torch.sqrt(torch.clamp(t11, min=0.0))
+    t13 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij,ak,lmnk,lmf,no,lmoh,lmp,pj->', t0, M_2, X, t10, M_2, X, W_Q, t0, M_2, X, t10, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (10, 11), (1, 2), (1, 2), (0, 1), (0, 1), (4, 6), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t14 = torch.sqrt(torch.clamp(t13, min=0.0))
+    t15 = A @ X
+    M_1 = t15
+    t16 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,eh,ai,jkli,jkf,jkg,lh->', t0, M_2, X, M_1, W_V, t0, M_2, X, M_1, W_V, optimize=[(0, 1), (3, 4), (0, 3), (0, 2), (4, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
+    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
+    t18 = W_Q.transpose(-1, -2)
+    t19 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj,ak,lmnf,lmk,no,lmop,lmi,pj->', t18, M_2, X, t10, M_2, X, W_K, t18, M_2, X, t10, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 11), (2, 4), (2, 3), (2, 8), (0, 2), (0, 1), (0, 2), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
+    t21 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij,ak,lmnf,lmk,no,lmoh,lmp,pj->', t18, M_2, X, t10, M_2, X, W_Q, t18, M_2, X, t10, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 11), (0, 1), (0, 2), (0, 1), (0, 7), (3, 6), (0, 1), (0, 2), (1, 3), (0, 1), (0, 1)])
+    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
+    t23 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,eh,ai,jklf,jki,jkg,lh->', t18, M_2, X, M_1, W_V, t18, M_2, X, M_1, W_V, optimize=[(0, 2), (0, 2), (1, 3), (0, 2), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t24 = torch.sqrt(torch.clamp(t23, min=0.0))
+    t25 = M_1.transpose(-1, -2)
+    t26 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,fh,ibj,dk,ijkl,ijg,lh->', t25, t9, M_2, X, W_K, t25, t9, M_2, X, W_K, optimize=[(1, 2), (0, 3), (2, 3), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
+    t27 = torch.sqrt(torch.clamp(t26, min=0.0))
+    t28 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,gh,ibj,dk,ijkf,ijl,lh->', t25, t9, M_2, X, W_Q, t25, t9, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 1), (0, 1), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t29 = torch.sqrt(torch.clamp(t28, min=0.0))
+    t30 = t25 @ M_1
+    t31 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t30, t30, optimize=[(0, 1)])
+    t32 = torch.sqrt(torch.clamp(t31, min=0.0))
+    return (t12, t14, t17, t20, t22, t24, t27, t29, t32,)
+
+
+def mse_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
+    """diag H_outer(W_Q, W_Q) (vec_r order) without the dense block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    out = torch.empty((d_K*d_V,), dtype=X.dtype, device=X.device)
+    t0 = out.view((d_V, d_K))
+    t1 = W_K.transpose(-1, -2)
+    t2 = X.transpose(-1, -2)
+    t3 = t1 @ t2
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t8 = torch.where(t7, -math.inf, t6)
+    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
+    A = t9 / t9.sum(-1, keepdim=True)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t10 = W_V.transpose(-1, -2)
+    t11 = W_V @ t10
+    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdf,ha->fa', t1, M_2, X, t11, M_2, X, W_K, optimize=[(2, 5), (0, 1), (0, 1), (2, 3), (0, 2), (0, 1)])
+    return out
+
+
+def mse_causal1__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
+    """tr H_outer(W_Q, W_Q) without the dense block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_K.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t7 = torch.where(t6, -math.inf, t5)
+    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    A = t8 / t8.sum(-1, keepdim=True)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t9 = W_V.transpose(-1, -2)
+    t10 = W_V @ t9
+    return (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdf,ha->', t0, M_2, X, t10, M_2, X, W_K, optimize=[(2, 5), (0, 1), (0, 1), (2, 3), (0, 2), (0, 1)])
+
+
+def mse_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
+    """H_outer(W_Q, W_Q) as a dense (numel W_Q × numel W_Q) block, vec_r layout."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
+    t0 = out.view((d_V, d_K, d_V, d_K))
+    t1 = W_K.transpose(-1, -2)
+    t2 = X.transpose(-1, -2)
+    t3 = t1 @ t2
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t8 = torch.where(t7, -math.inf, t6)
+    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
+    A = t9 / t9.sum(-1, keepdim=True)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t10 = W_V.transpose(-1, -2)
+    t11 = W_V @ t10
+    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t1, M_2, X, t11, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    return out
+
+
+def mse_causal1__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
+    """‖H_outer(W_Q, W_Q)‖_F from index networks, exact, without the block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_K.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t7 = torch.where(t6, -math.inf, t5)
+    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    A = t8 / t8.sum(-1, keepdim=True)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t9 = W_V.transpose(-1, -2)
+    t10 = W_V @ t9
+    t11 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj,ak,lmnk,lmf,no,lmop,lmi,pj->', t0, M_2, X, t10, M_2, X, W_K, t0, M_2, X, t10, M_2, X, W_K, optimize=[(0, 1), (1, 2), (10, 11), (3, 4), (0, 3), (2, 3), (5, 7), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
+    t12 = torch.sqrt(torch.clamp(t11, min=0.0))
+    return t12
+
+
+def mse_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
+    """H_outer(W_Q, W_K) as a dense (numel W_Q × numel W_K) block, vec_r layout."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
+    t0 = out.view((d_V, d_K, d_V, d_K))
+    t1 = W_K.transpose(-1, -2)
+    t2 = X.transpose(-1, -2)
+    t3 = t1 @ t2
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t8 = torch.where(t7, -math.inf, t6)
+    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
+    A = t9 / t9.sum(-1, keepdim=True)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t10 = W_V.transpose(-1, -2)
+    t11 = W_V @ t10
+    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t1, M_2, X, t11, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
+    return out
+
+
+def mse_causal1__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
+    """‖H_outer(W_Q, W_K)‖_F from index networks, exact, without the block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_K.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t7 = torch.where(t6, -math.inf, t5)
+    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    A = t8 / t8.sum(-1, keepdim=True)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t9 = W_V.transpose(-1, -2)
+    t10 = W_V @ t9
+    t11 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij,ak,lmnk,lmf,no,lmoh,lmp,pj->', t0, M_2, X, t10, M_2, X, W_Q, t0, M_2, X, t10, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (10, 11), (1, 2), (1, 2), (0, 1), (0, 1), (4, 6), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t12 = torch.sqrt(torch.clamp(t11, min=0.0))
+    return t12
+
+
+def mse_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
+    """H_outer(W_Q, W_V) as a dense (numel W_Q × numel W_V) block, vec_r layout."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    out = torch.empty((d_K*d_V, d_V**2), dtype=X.dtype, device=X.device)
+    t0 = out.view((d_V, d_K, d_V, d_V))
+    t1 = W_K.transpose(-1, -2)
+    t2 = X.transpose(-1, -2)
+    t3 = t1 @ t2
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t8 = torch.where(t7, -math.inf, t6)
+    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
+    A = t9 / t9.sum(-1, keepdim=True)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t10 = A @ X
+    M_1 = t10
+    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t1, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    return out
+
+
+def mse_causal1__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
+    """‖H_outer(W_Q, W_V)‖_F from index networks, exact, without the block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_K.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t7 = torch.where(t6, -math.inf, t5)
+    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    A = t8 / t8.sum(-1, keepdim=True)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t9 = A @ X
+    M_1 = t9
+    t10 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,eh,ai,jkli,jkf,jkg,lh->', t0, M_2, X, M_1, W_V, t0, M_2, X, M_1, W_V, optimize=[(0, 1), (3, 4), (0, 3), (0, 2), (4, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
+    t11 = torch.sqrt(torch.clamp(t10, min=0.0))
+    return t11
+
+
+def mse_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
+    """diag H_outer(W_K, W_K) (vec_r order) without the dense block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    out = torch.empty((d_K*d_V,), dtype=X.dtype, device=X.device)
+    t0 = out.view((d_V, d_K))
+    t1 = W_Q.transpose(-1, -2)
+    t2 = X.transpose(-1, -2)
+    t3 = W_K.transpose(-1, -2)
+    t4 = t3 @ t2
+    t5 = W_Q @ t4
+    t6 = X @ t5
+    t7 = (1/math.sqrt(d_K)) * t6
+    t8 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t9 = torch.where(t8, -math.inf, t7)
+    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
+    A = t10 / t10.sum(-1, keepdim=True)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t11 = W_V.transpose(-1, -2)
+    t12 = W_V @ t11
+    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgf,cdh,ha->fa', t1, M_2, X, t12, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
+    return out
+
+
+def mse_causal1__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
+    """tr H_outer(W_K, W_K) without the dense block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_Q.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = W_K.transpose(-1, -2)
+    t3 = t2 @ t1
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t8 = torch.where(t7, -math.inf, t6)
+    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
+    A = t9 / t9.sum(-1, keepdim=True)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t10 = W_V.transpose(-1, -2)
+    t11 = W_V @ t10
+    return (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgf,cdh,ha->', t0, M_2, X, t11, M_2, X, W_Q, optimize=[(1, 4), (2, 5), (0, 1), (0, 1), (1, 2), (0, 1)])
+
+
+def mse_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
+    """H_outer(W_K, W_Q) as a dense (numel W_K × numel W_Q) block, vec_r layout."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
+    t0 = out.view((d_V, d_K, d_V, d_K))
+    t1 = W_Q.transpose(-1, -2)
+    t2 = X.transpose(-1, -2)
+    t3 = W_K.transpose(-1, -2)
+    t4 = t3 @ t2
+    t5 = W_Q @ t4
+    t6 = X @ t5
+    t7 = (1/math.sqrt(d_K)) * t6
+    t8 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t9 = torch.where(t8, -math.inf, t7)
+    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
+    A = t10 / t10.sum(-1, keepdim=True)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t11 = W_V.transpose(-1, -2)
+    t12 = W_V @ t11
+    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t1, M_2, X, t12, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    return out
+
+
+def mse_causal1__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
+    """‖H_outer(W_K, W_Q)‖_F from index networks, exact, without the block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_Q.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = W_K.transpose(-1, -2)
+    t3 = t2 @ t1
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t8 = torch.where(t7, -math.inf, t6)
+    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
+    A = t9 / t9.sum(-1, keepdim=True)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t10 = W_V.transpose(-1, -2)
+    t11 = W_V @ t10
+    t12 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj,ak,lmnf,lmk,no,lmop,lmi,pj->', t0, M_2, X, t11, M_2, X, W_K, t0, M_2, X, t11, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 11), (2, 4), (2, 3), (2, 8), (0, 2), (0, 1), (0, 2), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t13 = torch.sqrt(torch.clamp(t12, min=0.0))
+    return t13
+
+
+def mse_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
+    """H_outer(W_K, W_K) as a dense (numel W_K × numel W_K) block, vec_r layout."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
+    t0 = out.view((d_V, d_K, d_V, d_K))
+    t1 = W_Q.transpose(-1, -2)
+    t2 = X.transpose(-1, -2)
+    t3 = W_K.transpose(-1, -2)
+    t4 = t3 @ t2
+    t5 = W_Q @ t4
+    t6 = X @ t5
+    t7 = (1/math.sqrt(d_K)) * t6
+    t8 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t9 = torch.where(t8, -math.inf, t7)
+    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
+    A = t10 / t10.sum(-1, keepdim=True)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t11 = W_V.transpose(-1, -2)
+    t12 = W_V @ t11
+    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t1, M_2, X, t12, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
+    return out
+
+
+def mse_causal1__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
+    """‖H_outer(W_K, W_K)‖_F from index networks, exact, without the block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_Q.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = W_K.transpose(-1, -2)
+    t3 = t2 @ t1
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t8 = torch.where(t7, -math.inf, t6)
+    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
+    A = t9 / t9.sum(-1, keepdim=True)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t10 = W_V.transpose(-1, -2)
+    t11 = W_V @ t10
+    t12 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij,ak,lmnf,lmk,no,lmoh,lmp,pj->', t0, M_2, X, t11, M_2, X, W_Q, t0, M_2, X, t11, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 11), (0, 1), (0, 2), (0, 1), (0, 7), (3, 6), (0, 1), (0, 2), (1, 3), (0, 1), (0, 1)])
+    t13 = torch.sqrt(torch.clamp(t12, min=0.0))
+    return t13
+
+
+def mse_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
+    """H_outer(W_K, W_V) as a dense (numel W_K × numel W_V) block, vec_r layout."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    out = torch.empty((d_K*d_V, d_V**2), dtype=X.dtype, device=X.device)
+    t0 = out.view((d_V, d_K, d_V, d_V))
+    t1 = W_Q.transpose(-1, -2)
+    t2 = X.transpose(-1, -2)
+    t3 = W_K.transpose(-1, -2)
+    t4 = t3 @ t2
+    t5 = W_Q @ t4
+    t6 = X @ t5
+    t7 = (1/math.sqrt(d_K)) * t6
+    t8 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t9 = torch.where(t8, -math.inf, t7)
+    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
+    A = t10 / t10.sum(-1, keepdim=True)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t11 = A @ X
+    M_1 = t11
+    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fagh', t1, M_2, X, M_1, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
+    return out
+
+
+def mse_causal1__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
+    """‖H_outer(W_K, W_V)‖_F from index networks, exact, without the block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_Q.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = W_K.transpose(-1, -2)
+    t3 = t2 @ t1
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t8 = torch.where(t7, -math.inf, t6)
+    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
+    A = t9 / t9.sum(-1, keepdim=True)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t10 = A @ X
+    M_1 = t10
+    t11 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,eh,ai,jklf,jki,jkg,lh->', t0, M_2, X, M_1, W_V, t0, M_2, X, M_1, W_V, optimize=[(0, 2), (0, 2), (1, 3), (0, 2), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t12 = torch.sqrt(torch.clamp(t11, min=0.0))
+    return t12
+
+
+def mse_causal1__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
+    """diag H_outer(W_V, W_V) (vec_r order) without the dense block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    out = torch.empty((d_V**2,), dtype=X.dtype, device=X.device)
+    t0 = out.view((d_V, d_V))
+    t1 = W_K.transpose(-1, -2)
+    t2 = X.transpose(-1, -2)
+    t3 = t1 @ t2
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t8 = torch.where(t7, -math.inf, t6)
+    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
+    A = t9 / t9.sum(-1, keepdim=True)
+    t10 = A @ X
+    M_1 = t10
+    t11 = M_1.transpose(-1, -2)
+    t12 = t11 @ M_1
+    t13 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abb,c->bc', t12, t13, optimize=[(0, 1)])
+    return out
+
+
+def mse_causal1__trace__W_V__outer(X, W_Q, W_K, W_V, Y):
+    """tr H_outer(W_V, W_V) without the dense block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_K.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t7 = torch.where(t6, -math.inf, t5)
+    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    A = t8 / t8.sum(-1, keepdim=True)
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1.transpose(-1, -2)
+    t11 = t10 @ M_1
+    return (2/(L*n_batch)) * oe.contract('abb->', t11, optimize=[(0,)])
+
+
+def mse_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
+    """H_outer(W_V, W_Q) as a dense (numel W_V × numel W_Q) block, vec_r layout."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    out = torch.empty((d_V**2, d_K*d_V), dtype=X.dtype, device=X.device)
+    t0 = out.view((d_V, d_V, d_V, d_K))
+    t1 = W_K.transpose(-1, -2)
+    t2 = X.transpose(-1, -2)
+    t3 = t1 @ t2
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t8 = torch.where(t7, -math.inf, t6)
+    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
+    A = t9 / t9.sum(-1, keepdim=True)
+    t10 = A @ X
+    M_1 = t10
+    t11 = M_1.transpose(-1, -2)
+    t12 = W_V.transpose(-1, -2)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,fh->bdgh', t11, t12, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    return out
+
+
+def mse_causal1__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
+    """‖H_outer(W_V, W_Q)‖_F from index networks, exact, without the block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_K.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t7 = torch.where(t6, -math.inf, t5)
+    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    A = t8 / t8.sum(-1, keepdim=True)
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1.transpose(-1, -2)
+    t11 = W_V.transpose(-1, -2)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t12 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,fh,ibj,dk,ijkl,ijg,lh->', t10, t11, M_2, X, W_K, t10, t11, M_2, X, W_K, optimize=[(1, 2), (0, 3), (2, 3), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
+    t13 = torch.sqrt(torch.clamp(t12, min=0.0))
+    return t13
+
+
+def mse_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
+    """H_outer(W_V, W_K) as a dense (numel W_V × numel W_K) block, vec_r layout."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    out = torch.empty((d_V**2, d_K*d_V), dtype=X.dtype, device=X.device)
+    t0 = out.view((d_V, d_V, d_V, d_K))
+    t1 = W_K.transpose(-1, -2)
+    t2 = X.transpose(-1, -2)
+    t3 = t1 @ t2
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t8 = torch.where(t7, -math.inf, t6)
+    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
+    A = t9 / t9.sum(-1, keepdim=True)
+    t10 = A @ X
+    M_1 = t10
+    t11 = M_1.transpose(-1, -2)
+    t12 = W_V.transpose(-1, -2)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,gh->bdfh', t11, t12, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    return out
+
+
+def mse_causal1__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
+    """‖H_outer(W_V, W_K)‖_F from index networks, exact, without the block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_K.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t7 = torch.where(t6, -math.inf, t5)
+    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    A = t8 / t8.sum(-1, keepdim=True)
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1.transpose(-1, -2)
+    t11 = W_V.transpose(-1, -2)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t12 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,gh,ibj,dk,ijkf,ijl,lh->', t10, t11, M_2, X, W_Q, t10, t11, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 1), (0, 1), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t13 = torch.sqrt(torch.clamp(t12, min=0.0))
+    return t13
+
+
+def mse_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
+    """H_outer(W_V, W_V) as a dense (numel W_V × numel W_V) block, vec_r layout."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
+    out[...] = 0
+    t0 = out.view((d_V, d_V, d_V, d_V))
+    t1 = t0.diagonal(0, 1, 3)
+    t2 = W_K.transpose(-1, -2)
+    t3 = X.transpose(-1, -2)
+    t4 = t2 @ t3
+    t5 = W_Q @ t4
+    t6 = X @ t5
+    t7 = (1/math.sqrt(d_K)) * t6
+    t8 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t9 = torch.where(t8, -math.inf, t7)
+    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
+    A = t10 / t10.sum(-1, keepdim=True)
+    t11 = A @ X
+    M_1 = t11
+    t12 = M_1.transpose(-1, -2)
+    t13 = t12 @ M_1
+    t14 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t1 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bcd', t13, t14, optimize=[(0, 1)])
+    return out
+
+
+def mse_causal1__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
+    """‖H_outer(W_V, W_V)‖_F from index networks, exact, without the block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_K.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t7 = torch.where(t6, -math.inf, t5)
+    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    A = t8 / t8.sum(-1, keepdim=True)
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1.transpose(-1, -2)
+    t11 = t10 @ M_1
+    t12 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t11, t11, optimize=[(0, 1)])
+    t13 = torch.sqrt(torch.clamp(t12, min=0.0))
+    return t13
+
+
+def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
+    """The full functional Hessian, parameters in declared order W_Q, W_K, W_V."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    H = torch.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype, device=X.device)
+    t0 = H[0:d_K*d_V, 0:d_K*d_V]
+    t1 = t0.view((d_V, d_K, d_V, d_K))
+    t2 = W_K.transpose(-1, -2)
+    t3 = X.transpose(-1, -2)
+    t4 = t2 @ t3
+    t5 = W_Q @ t4
+    t6 = X @ t5
+    t7 = (1/math.sqrt(d_K)) * t6
+    t8 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t9 = torch.where(t8, -math.inf, t7)
+    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
+    A = t10 / t10.sum(-1, keepdim=True)
+    t11 = A @ X
+    M_1 = t11
+    t12 = M_1 @ W_V
+    F = t12
+    t13 = (2/(L*d_V)) * F
+    t14 = (-2/(L*d_V)) * Y
+    t15 = t13 + t14
+    G = t15
+    t16 = W_V.transpose(-1, -2)
+    t17 = t16 @ t3
+    t18 = G @ t17
+    t19 = t18 - (A * t18).sum(-1, keepdim=True)
+    t20 = A * t19
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adc,ace->adbe', t3, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t1[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t2, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t21 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t21[...] = 0
+    t22 = t21.view((d_V, d_K, d_V, d_K))
+    t23 = t22.diagonal(0, 1, 3)
+    t24 = t20 @ X
+    t25 = t3 @ t24
+    t26 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t23 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t25, t26, optimize=[(0, 1)])
+    t22 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t2, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t27 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t28 = t27.view((d_V, d_K, d_V, d_V))
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t28[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t2, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
+    t29 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t29[...] = 0
+    t30 = t29.view((d_V, d_K, d_V, d_K))
+    t31 = t30.diagonal(0, 1, 3)
+    t32 = t20.transpose(-1, -2)
+    t33 = t32 @ X
+    t34 = t3 @ t33
+    t31 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t34, t26, optimize=[(0, 1)])
+    t35 = W_Q.transpose(-1, -2)
+    t30 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t35, t3, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    t36 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t37 = t36.view((d_V, d_K, d_V, d_K))
+    t37[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t35, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t38 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t39 = t38.view((d_V, d_K, d_V, d_V))
+    t39[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t35, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
+    t40 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t41 = t40.view((d_V, d_V, d_V, d_K))
+    t42 = G.transpose(-1, -2)
+    t41[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t42, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
+    t43 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t44 = t43.view((d_V, d_V, d_V, d_K))
+    t44[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t42, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    t45 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t45[...] = 0
+    return H
+
+
+def mse_causal1__hvp__functional(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
+    """(Σ_q H_functional(p, q) V_q for p in the parameters): matrix view, no block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.transpose(-1, -2)
+    t1 = W_K.transpose(-1, -2)
+    t2 = t1 @ t0
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t7 = torch.where(t6, -math.inf, t5)
+    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    A = t8 / t8.sum(-1, keepdim=True)
+    t9 = V_W_Q @ t2
+    t10 = X @ t9
+    t11 = (1/math.sqrt(d_K)) * t10
+    t12 = V_W_K.transpose(-1, -2)
+    t13 = t12 @ t0
+    t14 = W_Q @ t13
+    t15 = X @ t14
+    t16 = (1/math.sqrt(d_K)) * t15
+    t17 = t11 + t16
+    t18 = X @ W_V
+    t19 = A @ t18
+    F = t19
+    t20 = (2/(L*d_V)) * F
+    t21 = (-2/(L*d_V)) * Y
+    t22 = t20 + t21
+    G = t22
+    t23 = W_V.transpose(-1, -2)
+    t24 = t23 @ t0
+    t25 = G @ t24
+    t26 = t17 - (A * t17).sum(-1, keepdim=True)
+    t27 = t25 - (A * t25).sum(-1, keepdim=True)
+    t28 = A * t26 * t27
+    t29 = t28 - A * t28.sum(-1, keepdim=True)
+    t30 = V_W_V.transpose(-1, -2)
+    t31 = t30 @ t0
+    t32 = G @ t31
+    t33 = t32 - (A * t32).sum(-1, keepdim=True)
+    t34 = A * t33
+    t35 = t29 + t34
+    t36 = X @ W_K
+    t37 = t35 @ t36
+    t38 = t0 @ t37
+    t39 = (1/math.sqrt(d_K)) * t38
+    t40 = A * t27
+    t41 = X @ V_W_K
+    t42 = t40 @ t41
+    t43 = t0 @ t42
+    t44 = (1/math.sqrt(d_K)) * t43
+    t45 = t39 + t44
+    t46 = t29.transpose(-1, -2)
+    t47 = t34.transpose(-1, -2)
+    t48 = t46 + t47
+    t49 = X @ W_Q
+    t50 = t48 @ t49
+    t51 = t0 @ t50
+    t52 = (1/math.sqrt(d_K)) * t51
+    t53 = t40.transpose(-1, -2)
+    t54 = X @ V_W_Q
+    t55 = t53 @ t54
+    t56 = t0 @ t55
+    t57 = (1/math.sqrt(d_K)) * t56
+    t58 = t52 + t57
+    t59 = A * t26
+    t60 = t59.transpose(-1, -2)
+    t61 = t60 @ G
+    t62 = t0 @ t61
+    return (t45.mean(0), t58.mean(0), t62.mean(0),)
+
+
+def mse_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
+    """(‖H_functional(p, q)‖_F for p, q in the parameters, row-major)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_K.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t7 = torch.where(t6, -math.inf, t5)
+    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    A = t8 / t8.sum(-1, keepdim=True)
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1 @ W_V
+    F = t10
+    t11 = (2/(L*d_V)) * F
+    t12 = (-2/(L*d_V)) * Y
+    t13 = t11 + t12
+    G = t13
+    t14 = W_V.transpose(-1, -2)
+    t15 = t14 @ t1
+    t16 = G @ t15
+    t17 = t16 - (A * t16).sum(-1, keepdim=True)
+    t18 = A * t17
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t19 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 2), (0, 4), (2, 3), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
+    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
+    t21 = t18 @ X
+    t22 = t1 @ t21
+    t23 = (n_batch**(-2)) * oe.contract('abc,dbc->', t22, t22, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t22, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t24 = torch.sqrt(torch.clamp(t23, min=0.0))
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t25 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 1), (2, 3), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t26 = torch.sqrt(torch.clamp(t25, min=0.0))
+    t27 = t18.transpose(-1, -2)
+    t28 = t27 @ X
+    t29 = t1 @ t28
+    t30 = W_Q.transpose(-1, -2)
+    t31 = (n_batch**(-2)) * oe.contract('abc,dbc->', t29, t29, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t29, t30, t1, M_3, X, W_K, optimize=[(0, 3), (2, 4), (0, 1), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t30, t1, M_3, X, W_K, t30, t1, M_3, X, W_K, optimize=[(0, 1), (0, 2), (1, 2), (0, 2), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t32 = torch.sqrt(torch.clamp(t31, min=0.0))
+    t33 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t30, t1, M_3, X, W_Q, t30, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)])
+    t34 = torch.sqrt(torch.clamp(t33, min=0.0))
+    t35 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t30, M_2, X, G, t30, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t36 = torch.sqrt(torch.clamp(t35, min=0.0))
+    t37 = G.transpose(-1, -2)
+    t38 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t37, M_2, X, W_K, t37, M_2, X, W_K, optimize=[(1, 3), (0, 2), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t39 = torch.sqrt(torch.clamp(t38, min=0.0))
+    t40 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t37, M_2, X, W_Q, t37, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t41 = torch.sqrt(torch.clamp(t40, min=0.0))
+    return (t20, t24, t26, t32, t34, t36, t39, t41, 0.0,)
+
+
+def mse_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
+    """diag H_functional(W_Q, W_Q) (vec_r order) without the dense block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    out = torch.empty((d_K*d_V,), dtype=X.dtype, device=X.device)
+    t0 = out.view((d_V, d_K))
+    t1 = W_K.transpose(-1, -2)
+    t2 = X.transpose(-1, -2)
+    t3 = t1 @ t2
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t8 = torch.where(t7, -math.inf, t6)
+    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
+    A = t9 / t9.sum(-1, keepdim=True)
+    t10 = A @ X
+    M_1 = t10
+    t11 = M_1 @ W_V
+    F = t11
+    t12 = (2/(L*d_V)) * F
+    t13 = (-2/(L*d_V)) * Y
+    t14 = t12 + t13
+    G = t14
+    t15 = W_V.transpose(-1, -2)
+    t16 = t15 @ t2
+    t17 = G @ t16
+    t18 = t17 - (A * t17).sum(-1, keepdim=True)
+    t19 = A * t18
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t19, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t19, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t19, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->da', t1, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
+    return out
+
+
+def mse_causal1__trace__W_Q__functional(X, W_Q, W_K, W_V, Y):
+    """tr H_functional(W_Q, W_Q) without the dense block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_K.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t7 = torch.where(t6, -math.inf, t5)
+    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    A = t8 / t8.sum(-1, keepdim=True)
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1 @ W_V
+    F = t10
+    t11 = (2/(L*d_V)) * F
+    t12 = (-2/(L*d_V)) * Y
+    t13 = t11 + t12
+    G = t13
+    t14 = W_V.transpose(-1, -2)
+    t15 = t14 @ t1
+    t16 = G @ t15
+    t17 = t16 - (A * t16).sum(-1, keepdim=True)
+    t18 = A * t17
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    return (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->', t0, t1, M_3, X, W_K, optimize=[(1, 3), (1, 3), (0, 1), (0, 1)])
+
+
+def mse_causal1__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
+    """H_functional(W_Q, W_Q) as a dense (numel W_Q × numel W_Q) block, vec_r layout."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
+    t0 = out.view((d_V, d_K, d_V, d_K))
+    t1 = W_K.transpose(-1, -2)
+    t2 = X.transpose(-1, -2)
+    t3 = t1 @ t2
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t8 = torch.where(t7, -math.inf, t6)
+    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
+    A = t9 / t9.sum(-1, keepdim=True)
+    t10 = A @ X
+    M_1 = t10
+    t11 = M_1 @ W_V
+    F = t11
+    t12 = (2/(L*d_V)) * F
+    t13 = (-2/(L*d_V)) * Y
+    t14 = t12 + t13
+    G = t14
+    t15 = W_V.transpose(-1, -2)
+    t16 = t15 @ t2
+    t17 = G @ t16
+    t18 = t17 - (A * t17).sum(-1, keepdim=True)
+    t19 = A * t18
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t19, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t19, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t19, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t1, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    return out
+
+
+def mse_causal1__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
+    """‖H_functional(W_Q, W_Q)‖_F from index networks, exact, without the block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_K.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t7 = torch.where(t6, -math.inf, t5)
+    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    A = t8 / t8.sum(-1, keepdim=True)
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1 @ W_V
+    F = t10
+    t11 = (2/(L*d_V)) * F
+    t12 = (-2/(L*d_V)) * Y
+    t13 = t11 + t12
+    G = t13
+    t14 = W_V.transpose(-1, -2)
+    t15 = t14 @ t1
+    t16 = G @ t15
+    t17 = t16 - (A * t16).sum(-1, keepdim=True)
+    t18 = A * t17
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t19 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 2), (0, 4), (2, 3), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
+    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
+    return t20
+
+
+def mse_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
+    """H_functional(W_Q, W_K) as a dense (numel W_Q × numel W_K) block, vec_r layout."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
+    out[...] = 0
+    t0 = out.view((d_V, d_K, d_V, d_K))
+    t1 = t0.diagonal(0, 1, 3)
+    t2 = X.transpose(-1, -2)
+    t3 = W_K.transpose(-1, -2)
+    t4 = t3 @ t2
+    t5 = W_Q @ t4
+    t6 = X @ t5
+    t7 = (1/math.sqrt(d_K)) * t6
+    t8 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t9 = torch.where(t8, -math.inf, t7)
+    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
+    A = t10 / t10.sum(-1, keepdim=True)
+    t11 = A @ X
+    M_1 = t11
+    t12 = M_1 @ W_V
+    F = t12
+    t13 = (2/(L*d_V)) * F
+    t14 = (-2/(L*d_V)) * Y
+    t15 = t13 + t14
+    G = t15
+    t16 = W_V.transpose(-1, -2)
+    t17 = t16 @ t2
+    t18 = G @ t17
+    t19 = t18 - (A * t18).sum(-1, keepdim=True)
+    t20 = A * t19
+    t21 = t20 @ X
+    t22 = t2 @ t21
+    t23 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t22, t23, optimize=[(0, 1)])
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t3, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    return out
+
+
+def mse_causal1__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
+    """‖H_functional(W_Q, W_K)‖_F from index networks, exact, without the block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.transpose(-1, -2)
+    t1 = W_K.transpose(-1, -2)
+    t2 = t1 @ t0
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t7 = torch.where(t6, -math.inf, t5)
+    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    A = t8 / t8.sum(-1, keepdim=True)
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1 @ W_V
+    F = t10
+    t11 = (2/(L*d_V)) * F
+    t12 = (-2/(L*d_V)) * Y
+    t13 = t11 + t12
+    G = t13
+    t14 = W_V.transpose(-1, -2)
+    t15 = t14 @ t0
+    t16 = G @ t15
+    t17 = t16 - (A * t16).sum(-1, keepdim=True)
+    t18 = A * t17
+    t19 = t18 @ X
+    t20 = t0 @ t19
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adc,ace->adbe', t0, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t21 = (n_batch**(-2)) * oe.contract('abc,dbc->', t20, t20, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t20, t1, t0, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t1, t0, M_3, X, W_Q, t1, t0, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
+    return t22
+
+
+def mse_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
+    """H_functional(W_Q, W_V) as a dense (numel W_Q × numel W_V) block, vec_r layout."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    out = torch.empty((d_K*d_V, d_V**2), dtype=X.dtype, device=X.device)
+    t0 = out.view((d_V, d_K, d_V, d_V))
+    t1 = W_K.transpose(-1, -2)
+    t2 = X.transpose(-1, -2)
+    t3 = t1 @ t2
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t8 = torch.where(t7, -math.inf, t6)
+    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
+    A = t9 / t9.sum(-1, keepdim=True)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t10 = A @ X
+    M_1 = t10
+    t11 = M_1 @ W_V
+    F = t11
+    t12 = (2/(L*d_V)) * F
+    t13 = (-2/(L*d_V)) * Y
+    t14 = t12 + t13
+    G = t14
+    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t1, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
+    return out
+
+
+def mse_causal1__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
+    """‖H_functional(W_Q, W_V)‖_F from index networks, exact, without the block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_K.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t7 = torch.where(t6, -math.inf, t5)
+    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    A = t8 / t8.sum(-1, keepdim=True)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1 @ W_V
+    F = t10
+    t11 = (2/(L*d_V)) * F
+    t12 = (-2/(L*d_V)) * Y
+    t13 = t11 + t12
+    G = t13
+    t14 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 1), (2, 3), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
+    return t15
+
+
+def mse_causal1__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
+    """diag H_functional(W_K, W_K) (vec_r order) without the dense block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    out = torch.empty((d_K*d_V,), dtype=X.dtype, device=X.device)
+    t0 = out.view((d_V, d_K))
+    t1 = W_Q.transpose(-1, -2)
+    t2 = X.transpose(-1, -2)
+    t3 = W_K.transpose(-1, -2)
+    t4 = t3 @ t2
+    t5 = W_Q @ t4
+    t6 = X @ t5
+    t7 = (1/math.sqrt(d_K)) * t6
+    t8 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t9 = torch.where(t8, -math.inf, t7)
+    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
+    A = t10 / t10.sum(-1, keepdim=True)
+    t11 = A @ X
+    M_1 = t11
+    t12 = M_1 @ W_V
+    F = t12
+    t13 = (2/(L*d_V)) * F
+    t14 = (-2/(L*d_V)) * Y
+    t15 = t13 + t14
+    G = t15
+    t16 = W_V.transpose(-1, -2)
+    t17 = t16 @ t2
+    t18 = G @ t17
+    t19 = t18 - (A * t18).sum(-1, keepdim=True)
+    t20 = A * t19
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->ea', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    return out
+
+
+def mse_causal1__trace__W_K__functional(X, W_Q, W_K, W_V, Y):
+    """tr H_functional(W_K, W_K) without the dense block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_Q.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = W_K.transpose(-1, -2)
+    t3 = t2 @ t1
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t8 = torch.where(t7, -math.inf, t6)
+    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
+    A = t9 / t9.sum(-1, keepdim=True)
+    t10 = A @ X
+    M_1 = t10
+    t11 = M_1 @ W_V
+    F = t11
+    t12 = (2/(L*d_V)) * F
+    t13 = (-2/(L*d_V)) * Y
+    t14 = t12 + t13
+    G = t14
+    t15 = W_V.transpose(-1, -2)
+    t16 = t15 @ t1
+    t17 = G @ t16
+    t18 = t17 - (A * t17).sum(-1, keepdim=True)
+    t19 = A * t18
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t19, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t19, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t19, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    return (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->', t0, t1, M_3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
+
+
+def mse_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
+    """H_functional(W_K, W_Q) as a dense (numel W_K × numel W_Q) block, vec_r layout."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
+    out[...] = 0
+    t0 = out.view((d_V, d_K, d_V, d_K))
+    t1 = t0.diagonal(0, 1, 3)
+    t2 = X.transpose(-1, -2)
+    t3 = W_K.transpose(-1, -2)
+    t4 = t3 @ t2
+    t5 = W_Q @ t4
+    t6 = X @ t5
+    t7 = (1/math.sqrt(d_K)) * t6
+    t8 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t9 = torch.where(t8, -math.inf, t7)
+    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
+    A = t10 / t10.sum(-1, keepdim=True)
+    t11 = A @ X
+    M_1 = t11
+    t12 = M_1 @ W_V
+    F = t12
+    t13 = (2/(L*d_V)) * F
+    t14 = (-2/(L*d_V)) * Y
+    t15 = t13 + t14
+    G = t15
+    t16 = W_V.transpose(-1, -2)
+    t17 = t16 @ t2
+    t18 = G @ t17
+    t19 = t18 - (A * t18).sum(-1, keepdim=True)
+    t20 = A * t19
+    t21 = t20.transpose(-1, -2)
+    t22 = t21 @ X
+    t23 = t2 @ t22
+    t24 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t23, t24, optimize=[(0, 1)])
+    t25 = W_Q.transpose(-1, -2)
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t25, t2, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    return out
+
+
+def mse_causal1__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
+    """‖H_functional(W_K, W_Q)‖_F from index networks, exact, without the block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.transpose(-1, -2)
+    t1 = W_K.transpose(-1, -2)
+    t2 = t1 @ t0
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t7 = torch.where(t6, -math.inf, t5)
+    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    A = t8 / t8.sum(-1, keepdim=True)
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1 @ W_V
+    F = t10
+    t11 = (2/(L*d_V)) * F
+    t12 = (-2/(L*d_V)) * Y
+    t13 = t11 + t12
+    G = t13
+    t14 = W_V.transpose(-1, -2)
+    t15 = t14 @ t0
+    t16 = G @ t15
+    t17 = t16 - (A * t16).sum(-1, keepdim=True)
+    t18 = A * t17
+    t19 = t18.transpose(-1, -2)
+    t20 = t19 @ X
+    t21 = t0 @ t20
+    t22 = W_Q.transpose(-1, -2)
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adc,ace->adbe', t0, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t23 = (n_batch**(-2)) * oe.contract('abc,dbc->', t21, t21, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t21, t22, t0, M_3, X, W_K, optimize=[(0, 3), (2, 4), (0, 1), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t22, t0, M_3, X, W_K, t22, t0, M_3, X, W_K, optimize=[(0, 1), (0, 2), (1, 2), (0, 2), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t24 = torch.sqrt(torch.clamp(t23, min=0.0))
+    return t24
+
+
+def mse_causal1__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
+    """H_functional(W_K, W_K) as a dense (numel W_K × numel W_K) block, vec_r layout."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
+    t0 = out.view((d_V, d_K, d_V, d_K))
+    t1 = W_Q.transpose(-1, -2)
+    t2 = X.transpose(-1, -2)
+    t3 = W_K.transpose(-1, -2)
+    t4 = t3 @ t2
+    t5 = W_Q @ t4
+    t6 = X @ t5
+    t7 = (1/math.sqrt(d_K)) * t6
+    t8 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t9 = torch.where(t8, -math.inf, t7)
+    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
+    A = t10 / t10.sum(-1, keepdim=True)
+    t11 = A @ X
+    M_1 = t11
+    t12 = M_1 @ W_V
+    F = t12
+    t13 = (2/(L*d_V)) * F
+    t14 = (-2/(L*d_V)) * Y
+    t15 = t13 + t14
+    G = t15
+    t16 = W_V.transpose(-1, -2)
+    t17 = t16 @ t2
+    t18 = G @ t17
+    t19 = t18 - (A * t18).sum(-1, keepdim=True)
+    t20 = A * t19
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    return out
+
+
+def mse_causal1__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
+    """‖H_functional(W_K, W_K)‖_F from index networks, exact, without the block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_Q.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = W_K.transpose(-1, -2)
+    t3 = t2 @ t1
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t8 = torch.where(t7, -math.inf, t6)
+    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
+    A = t9 / t9.sum(-1, keepdim=True)
+    t10 = A @ X
+    M_1 = t10
+    t11 = M_1 @ W_V
+    F = t11
+    t12 = (2/(L*d_V)) * F
+    t13 = (-2/(L*d_V)) * Y
+    t14 = t12 + t13
+    G = t14
+    t15 = W_V.transpose(-1, -2)
+    t16 = t15 @ t1
+    t17 = G @ t16
+    t18 = t17 - (A * t17).sum(-1, keepdim=True)
+    t19 = A * t18
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t19, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t19, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t19, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t20 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)])
+    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
+    return t21
+
+
+def mse_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
+    """H_functional(W_K, W_V) as a dense (numel W_K × numel W_V) block, vec_r layout."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    out = torch.empty((d_K*d_V, d_V**2), dtype=X.dtype, device=X.device)
+    t0 = out.view((d_V, d_K, d_V, d_V))
+    t1 = W_Q.transpose(-1, -2)
+    t2 = X.transpose(-1, -2)
+    t3 = W_K.transpose(-1, -2)
+    t4 = t3 @ t2
+    t5 = W_Q @ t4
+    t6 = X @ t5
+    t7 = (1/math.sqrt(d_K)) * t6
+    t8 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t9 = torch.where(t8, -math.inf, t7)
+    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
+    A = t10 / t10.sum(-1, keepdim=True)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t11 = A @ X
+    M_1 = t11
+    t12 = M_1 @ W_V
+    F = t12
+    t13 = (2/(L*d_V)) * F
+    t14 = (-2/(L*d_V)) * Y
+    t15 = t13 + t14
+    G = t15
+    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t1, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
+    return out
+
+
+def mse_causal1__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
+    """‖H_functional(W_K, W_V)‖_F from index networks, exact, without the block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_Q.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = W_K.transpose(-1, -2)
+    t3 = t2 @ t1
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t8 = torch.where(t7, -math.inf, t6)
+    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
+    A = t9 / t9.sum(-1, keepdim=True)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t10 = A @ X
+    M_1 = t10
+    t11 = M_1 @ W_V
+    F = t11
+    t12 = (2/(L*d_V)) * F
+    t13 = (-2/(L*d_V)) * Y
+    t14 = t12 + t13
+    G = t14
+    t15 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
+    return t16
+
+
+def mse_causal1__diag__W_V__functional(X, W_Q, W_K, W_V, Y):
+    """diag H_functional(W_V, W_V) (vec_r order) without the dense block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    out = torch.empty((d_V**2,), dtype=X.dtype, device=X.device)
+    out[...] = 0
+    return out
+
+
+def mse_causal1__trace__W_V__functional(X, W_Q, W_K, W_V, Y):
+    """tr H_functional(W_V, W_V) without the dense block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    return 0.0
+
+
+def mse_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
+    """H_functional(W_V, W_Q) as a dense (numel W_V × numel W_Q) block, vec_r layout."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    out = torch.empty((d_V**2, d_K*d_V), dtype=X.dtype, device=X.device)
+    t0 = out.view((d_V, d_V, d_V, d_K))
+    t1 = W_K.transpose(-1, -2)
+    t2 = X.transpose(-1, -2)
+    t3 = t1 @ t2
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t8 = torch.where(t7, -math.inf, t6)
+    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
+    A = t9 / t9.sum(-1, keepdim=True)
+    t10 = A @ X
+    M_1 = t10
+    t11 = M_1 @ W_V
+    F = t11
+    t12 = (2/(L*d_V)) * F
+    t13 = (-2/(L*d_V)) * Y
+    t14 = t12 + t13
+    G = t14
+    t15 = G.transpose(-1, -2)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t15, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
+    return out
+
+
+def mse_causal1__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
+    """‖H_functional(W_V, W_Q)‖_F from index networks, exact, without the block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_K.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t7 = torch.where(t6, -math.inf, t5)
+    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    A = t8 / t8.sum(-1, keepdim=True)
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1 @ W_V
+    F = t10
+    t11 = (2/(L*d_V)) * F
+    t12 = (-2/(L*d_V)) * Y
+    t13 = t11 + t12
+    G = t13
+    t14 = G.transpose(-1, -2)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t15 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t14, M_2, X, W_K, t14, M_2, X, W_K, optimize=[(1, 3), (0, 2), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
+    return t16
+
+
+def mse_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
+    """H_functional(W_V, W_K) as a dense (numel W_V × numel W_K) block, vec_r layout."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    out = torch.empty((d_V**2, d_K*d_V), dtype=X.dtype, device=X.device)
+    t0 = out.view((d_V, d_V, d_V, d_K))
+    t1 = W_K.transpose(-1, -2)
+    t2 = X.transpose(-1, -2)
+    t3 = t1 @ t2
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t8 = torch.where(t7, -math.inf, t6)
+    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
+    A = t9 / t9.sum(-1, keepdim=True)
+    t10 = A @ X
+    M_1 = t10
+    t11 = M_1 @ W_V
+    F = t11
+    t12 = (2/(L*d_V)) * F
+    t13 = (-2/(L*d_V)) * Y
+    t14 = t12 + t13
+    G = t14
+    t15 = G.transpose(-1, -2)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t15, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    return out
+
+
+def mse_causal1__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
+    """‖H_functional(W_V, W_K)‖_F from index networks, exact, without the block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_K.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t7 = torch.where(t6, -math.inf, t5)
+    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    A = t8 / t8.sum(-1, keepdim=True)
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1 @ W_V
+    F = t10
+    t11 = (2/(L*d_V)) * F
+    t12 = (-2/(L*d_V)) * Y
+    t13 = t11 + t12
+    G = t13
+    t14 = G.transpose(-1, -2)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t15 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t14, M_2, X, W_Q, t14, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
+    return t16
+
+
+def mse_causal1__block__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
+    """H_functional(W_V, W_V) as a dense (numel W_V × numel W_V) block, vec_r layout."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
+    out[...] = 0
+    return out
+
+
+def mse_causal1__frobenius__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
+    """‖H_functional(W_V, W_V)‖_F from index networks, exact, without the block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    return 0.0
+
+
+def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
+    """The full full Hessian, parameters in declared order W_Q, W_K, W_V."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    H = torch.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype, device=X.device)
+    t0 = H[0:d_K*d_V, 0:d_K*d_V]
+    t1 = t0.view((d_V, d_K, d_V, d_K))
+    t2 = W_K.transpose(-1, -2)
+    t3 = X.transpose(-1, -2)
+    t4 = t2 @ t3
+    t5 = W_Q @ t4
+    t6 = X @ t5
+    t7 = (1/math.sqrt(d_K)) * t6
+    t8 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t9 = torch.where(t8, -math.inf, t7)
+    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
+    A = t10 / t10.sum(-1, keepdim=True)
+    t11 = A @ X
+    M_1 = t11
+    t12 = M_1 @ W_V
+    F = t12
+    t13 = (2/(L*d_V)) * F
+    t14 = (-2/(L*d_V)) * Y
+    t15 = t13 + t14
+    G = t15
+    t16 = W_V.transpose(-1, -2)
+    t17 = t16 @ t3
+    t18 = G @ t17
+    t19 = t18 - (A * t18).sum(-1, keepdim=True)
+    t20 = A * t19
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adc,ace->adbe', t3, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t1[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t2, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t21 = W_V @ t16
+    t1 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t2, M_2, X, t21, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t22 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t22[...] = 0
+    t23 = t22.view((d_V, d_K, d_V, d_K))
+    t24 = t23.diagonal(0, 1, 3)
+    t25 = t20 @ X
+    t26 = t3 @ t25
+    t27 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t24 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t26, t27, optimize=[(0, 1)])
+    t23 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t2, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t23 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t2, M_2, X, t21, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
+    t28 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t29 = t28.view((d_V, d_K, d_V, d_V))
+    t29[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t2, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
+    t29 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t2, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t30 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t30[...] = 0
+    t31 = t30.view((d_V, d_K, d_V, d_K))
+    t32 = t31.diagonal(0, 1, 3)
+    t33 = t20.transpose(-1, -2)
+    t34 = t33 @ X
+    t35 = t3 @ t34
+    t32 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t35, t27, optimize=[(0, 1)])
+    t36 = W_Q.transpose(-1, -2)
+    t31 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t36, t3, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    t31 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t36, M_2, X, t21, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t37 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t38 = t37.view((d_V, d_K, d_V, d_K))
+    t38[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t36, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t38 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t36, M_2, X, t21, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t39 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t40 = t39.view((d_V, d_K, d_V, d_V))
+    t40[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t36, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
+    t40 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fagh', t36, M_2, X, M_1, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
+    t41 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t42 = t41.view((d_V, d_V, d_V, d_K))
+    t43 = G.transpose(-1, -2)
+    t42[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t43, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
+    t44 = M_1.transpose(-1, -2)
+    t42 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,fh->bdgh', t44, t16, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t45 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t46 = t45.view((d_V, d_V, d_V, d_K))
+    t46[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t43, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    t46 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,gh->bdfh', t44, t16, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t47 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t47[...] = 0
+    t48 = t47.view((d_V, d_V, d_V, d_V))
+    t49 = t48.diagonal(0, 1, 3)
+    t50 = t44 @ M_1
+    t51 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t49 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bcd', t50, t51, optimize=[(0, 1)])
+    return H
+
+
+def mse_causal1__hvp__full(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
+    """(Σ_q H_full(p, q) V_q for p in the parameters): matrix view, no block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.transpose(-1, -2)
+    t1 = W_K.transpose(-1, -2)
+    t2 = t1 @ t0
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t7 = torch.where(t6, -math.inf, t5)
+    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    A = t8 / t8.sum(-1, keepdim=True)
+    t9 = V_W_Q @ t2
+    t10 = X @ t9
+    t11 = (1/math.sqrt(d_K)) * t10
+    t12 = V_W_K.transpose(-1, -2)
+    t13 = t12 @ t0
+    t14 = W_Q @ t13
+    t15 = X @ t14
+    t16 = (1/math.sqrt(d_K)) * t15
+    t17 = t11 + t16
+    t18 = X @ W_V
+    t19 = A @ t18
+    F = t19
+    t20 = (2/(L*math.sqrt(d_K)*d_V)) * F
+    t21 = (-2/(L*math.sqrt(d_K)*d_V)) * Y
+    t22 = t20 + t21
+    t23 = W_V.transpose(-1, -2)
+    t24 = t23 @ t0
+    t25 = t22 @ t24
+    t26 = t17 - (A * t17).sum(-1, keepdim=True)
+    t27 = t25 - (A * t25).sum(-1, keepdim=True)
+    t28 = A * t26 * t27
+    t29 = t28 - A * t28.sum(-1, keepdim=True)
+    t30 = A * t26
+    t31 = t30 @ t18
+    t32 = (2/(L*math.sqrt(d_K)*d_V)) * t31
+    t33 = X @ V_W_V
+    t34 = A @ t33
+    t35 = (2/(L*math.sqrt(d_K)*d_V)) * t34
+    t36 = t32 + t35
+    t37 = t36 @ t24
+    t38 = V_W_V.transpose(-1, -2)
+    t39 = t38 @ t0
+    t40 = t22 @ t39
+    t41 = t37 + t40
+    t42 = t41 - (A * t41).sum(-1, keepdim=True)
+    t43 = A * t42
+    t44 = t29 + t43
+    t45 = X @ W_K
+    t46 = t44 @ t45
+    t47 = t0 @ t46
+    t48 = A * t27
+    t49 = X @ V_W_K
+    t50 = t48 @ t49
+    t51 = t0 @ t50
+    t52 = t47 + t51
+    t53 = t29.transpose(-1, -2)
+    t54 = t43.transpose(-1, -2)
+    t55 = t53 + t54
+    t56 = X @ W_Q
+    t57 = t55 @ t56
+    t58 = t0 @ t57
+    t59 = t48.transpose(-1, -2)
+    t60 = X @ V_W_Q
+    t61 = t59 @ t60
+    t62 = t0 @ t61
+    t63 = t58 + t62
+    t64 = t30.transpose(-1, -2)
+    t65 = (2/(L*d_V)) * F
+    t66 = (-2/(L*d_V)) * Y
+    t67 = t65 + t66
+    t68 = t64 @ t67
+    t69 = t0 @ t68
+    t70 = A.transpose(-1, -2)
+    t71 = (2/(L*d_V)) * t31
+    t72 = (2/(L*d_V)) * t34
+    t73 = t71 + t72
+    t74 = t70 @ t73
+    t75 = t0 @ t74
+    t76 = t69 + t75
+    return (t52.mean(0), t63.mean(0), t76.mean(0),)
+
+
+def mse_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
+    """(‖H_full(p, q)‖_F for p, q in the parameters, row-major)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_K.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t7 = torch.where(t6, -math.inf, t5)
+    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    A = t8 / t8.sum(-1, keepdim=True)
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1 @ W_V
+    F = t10
+    t11 = (2/(L*d_V)) * F
+    t12 = (-2/(L*d_V)) * Y
+    t13 = t11 + t12
+    G = t13
+    t14 = W_V.transpose(-1, -2)
+    t15 = t14 @ t1
+    t16 = G @ t15
+    t17 = t16 - (A * t16).sum(-1, keepdim=True)
+    t18 = A * t17
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t19 = W_V @ t14
+    t20 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 2), (0, 4), (2, 3), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jkli,jkd,lm,jkmn,jkg,nh->', t0, t1, M_3, X, W_K, t0, M_2, X, t19, M_2, X, W_K, optimize=[(0, 2), (3, 4), (0, 3), (2, 3), (5, 7), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj,ak,lmnk,lmf,no,lmop,lmi,pj->', t0, M_2, X, t19, M_2, X, W_K, t0, M_2, X, t19, M_2, X, W_K, optimize=[(0, 1), (1, 2), (10, 11), (3, 4), (0, 3), (2, 3), (5, 7), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
+    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
+    t22 = t18 @ X
+    t23 = t1 @ t22
+    t24 = (n_batch**(-2)) * oe.contract('abc,dbc->', t23, t23, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t23, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgic,fgj,jd->', t23, t0, M_2, X, t19, M_2, X, W_Q, optimize=[(0, 3), (3, 6), (0, 1), (1, 2), (2, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkmf,jkn,nh->', t0, t1, M_3, X, W_Q, t0, M_2, X, t19, M_2, X, W_Q, optimize=[(0, 2), (1, 2), (1, 2), (0, 1), (0, 1), (4, 6), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij,ak,lmnk,lmf,no,lmoh,lmp,pj->', t0, M_2, X, t19, M_2, X, W_Q, t0, M_2, X, t19, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (10, 11), (1, 2), (1, 2), (0, 1), (0, 1), (4, 6), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
+    t26 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 1), (2, 3), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijkh,ijf,ije,kg->', t0, M_2, X, G, t0, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 2), (0, 2), (2, 4), (1, 3), (0, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,eh,ai,jkli,jkf,jkg,lh->', t0, M_2, X, M_1, W_V, t0, M_2, X, M_1, W_V, optimize=[(0, 1), (3, 4), (0, 3), (0, 2), (4, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
+    t27 = torch.sqrt(torch.clamp(t26, min=0.0))
+    t28 = t18.transpose(-1, -2)
+    t29 = t28 @ X
+    t30 = t1 @ t29
+    t31 = W_Q.transpose(-1, -2)
+    t32 = (n_batch**(-2)) * oe.contract('abc,dbc->', t30, t30, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t30, t31, t1, M_3, X, W_K, optimize=[(0, 3), (2, 4), (0, 1), (0, 2), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgij,fgc,jd->', t30, t31, M_2, X, t19, M_2, X, W_K, optimize=[(0, 2), (4, 6), (0, 1), (0, 1), (1, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t31, t1, M_3, X, W_K, t31, t1, M_3, X, W_K, optimize=[(0, 1), (0, 2), (1, 2), (0, 2), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkmn,jkg,nh->', t31, t1, M_3, X, W_K, t31, M_2, X, t19, M_2, X, W_K, optimize=[(0, 1), (0, 2), (1, 3), (1, 2), (1, 7), (0, 1), (0, 2), (2, 4), (2, 3), (0, 1), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj,ak,lmnf,lmk,no,lmop,lmi,pj->', t31, M_2, X, t19, M_2, X, W_K, t31, M_2, X, t19, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 11), (2, 4), (2, 3), (2, 8), (0, 2), (0, 1), (0, 2), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t33 = torch.sqrt(torch.clamp(t32, min=0.0))
+    t34 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t31, t1, M_3, X, W_Q, t31, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jkle,jki,lm,jkmf,jkn,nh->', t31, t1, M_3, X, W_Q, t31, M_2, X, t19, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (1, 3), (1, 2), (1, 7), (0, 6), (0, 1), (0, 2), (1, 3), (0, 1), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij,ak,lmnf,lmk,no,lmoh,lmp,pj->', t31, M_2, X, t19, M_2, X, W_Q, t31, M_2, X, t19, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 11), (0, 1), (0, 2), (0, 1), (0, 7), (3, 6), (0, 1), (0, 2), (1, 3), (0, 1), (0, 1)])
+    t35 = torch.sqrt(torch.clamp(t34, min=0.0))
+    t36 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t31, M_2, X, G, t31, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijkf,ijh,ije,kg->', t31, M_2, X, G, t31, M_2, X, M_1, W_V, optimize=[(0, 2), (2, 4), (0, 3), (1, 5), (0, 1), (2, 3), (0, 1), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,eh,ai,jklf,jki,jkg,lh->', t31, M_2, X, M_1, W_V, t31, M_2, X, M_1, W_V, optimize=[(0, 2), (0, 2), (1, 3), (0, 2), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t37 = torch.sqrt(torch.clamp(t36, min=0.0))
+    t38 = G.transpose(-1, -2)
+    t39 = M_1.transpose(-1, -2)
+    t40 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t38, M_2, X, W_K, t38, M_2, X, W_K, optimize=[(1, 3), (0, 2), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acde,acf,eg,hdi,bj,hijk,hif,kg->', t38, M_2, X, W_K, t39, t14, M_2, X, W_K, optimize=[(1, 3), (0, 3), (0, 3), (1, 2), (0, 1), (2, 3), (0, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,fh,ibj,dk,ijkl,ijg,lh->', t39, t14, M_2, X, W_K, t39, t14, M_2, X, W_K, optimize=[(1, 2), (0, 3), (2, 3), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
+    t41 = torch.sqrt(torch.clamp(t40, min=0.0))
+    t42 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t38, M_2, X, W_Q, t38, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acde,acf,fg,hdi,bj,hije,hik,kg->', t38, M_2, X, W_Q, t39, t14, M_2, X, W_Q, optimize=[(2, 3), (1, 2), (2, 6), (0, 1), (3, 4), (0, 1), (0, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,gh,ibj,dk,ijkf,ijl,lh->', t39, t14, M_2, X, W_Q, t39, t14, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 1), (0, 1), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t43 = torch.sqrt(torch.clamp(t42, min=0.0))
+    t44 = t39 @ M_1
+    t45 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t44, t44, optimize=[(0, 1)])
+    t46 = torch.sqrt(torch.clamp(t45, min=0.0))
+    return (t21, t25, t27, t33, t35, t37, t41, t43, t46,)
+
+
+def mse_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
+    """diag H_full(W_Q, W_Q) (vec_r order) without the dense block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    out = torch.empty((d_K*d_V,), dtype=X.dtype, device=X.device)
+    t0 = out.view((d_V, d_K))
+    t1 = W_K.transpose(-1, -2)
+    t2 = X.transpose(-1, -2)
+    t3 = t1 @ t2
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t8 = torch.where(t7, -math.inf, t6)
+    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
+    A = t9 / t9.sum(-1, keepdim=True)
+    t10 = A @ X
+    M_1 = t10
+    t11 = M_1 @ W_V
+    F = t11
+    t12 = (2/(L*d_V)) * F
+    t13 = (-2/(L*d_V)) * Y
+    t14 = t12 + t13
+    G = t14
+    t15 = W_V.transpose(-1, -2)
+    t16 = t15 @ t2
+    t17 = G @ t16
+    t18 = t17 - (A * t17).sum(-1, keepdim=True)
+    t19 = A * t18
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t19, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t19, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t19, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->da', t1, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t20 = W_V @ t15
+    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdf,ha->fa', t1, M_2, X, t20, M_2, X, W_K, optimize=[(2, 5), (0, 1), (0, 1), (2, 3), (0, 2), (0, 1)])
+    return out
+
+
+def mse_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
+    """tr H_full(W_Q, W_Q) without the dense block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_K.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t7 = torch.where(t6, -math.inf, t5)
+    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    A = t8 / t8.sum(-1, keepdim=True)
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1 @ W_V
+    F = t10
+    t11 = (2/(L*d_V)) * F
+    t12 = (-2/(L*d_V)) * Y
+    t13 = t11 + t12
+    G = t13
+    t14 = W_V.transpose(-1, -2)
+    t15 = t14 @ t1
+    t16 = G @ t15
+    t17 = t16 - (A * t16).sum(-1, keepdim=True)
+    t18 = A * t17
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t19 = W_V @ t14
+    return (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->', t0, t1, M_3, X, W_K, optimize=[(1, 3), (1, 3), (0, 1), (0, 1)]) + (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdf,ha->', t0, M_2, X, t19, M_2, X, W_K, optimize=[(2, 5), (0, 1), (0, 1), (2, 3), (0, 2), (0, 1)])
+
+
+def mse_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
+    """H_full(W_Q, W_Q) as a dense (numel W_Q × numel W_Q) block, vec_r layout."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
+    t0 = out.view((d_V, d_K, d_V, d_K))
+    t1 = W_K.transpose(-1, -2)
+    t2 = X.transpose(-1, -2)
+    t3 = t1 @ t2
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t8 = torch.where(t7, -math.inf, t6)
+    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
+    A = t9 / t9.sum(-1, keepdim=True)
+    t10 = A @ X
+    M_1 = t10
+    t11 = M_1 @ W_V
+    F = t11
+    t12 = (2/(L*d_V)) * F
+    t13 = (-2/(L*d_V)) * Y
+    t14 = t12 + t13
+    G = t14
+    t15 = W_V.transpose(-1, -2)
+    t16 = t15 @ t2
+    t17 = G @ t16
+    t18 = t17 - (A * t17).sum(-1, keepdim=True)
+    t19 = A * t18
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t19, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t19, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t19, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t1, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t20 = W_V @ t15
+    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t1, M_2, X, t20, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    return out
+
+
+def mse_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
+    """‖H_full(W_Q, W_Q)‖_F from index networks, exact, without the block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_K.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t7 = torch.where(t6, -math.inf, t5)
+    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    A = t8 / t8.sum(-1, keepdim=True)
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1 @ W_V
+    F = t10
+    t11 = (2/(L*d_V)) * F
+    t12 = (-2/(L*d_V)) * Y
+    t13 = t11 + t12
+    G = t13
+    t14 = W_V.transpose(-1, -2)
+    t15 = t14 @ t1
+    t16 = G @ t15
+    t17 = t16 - (A * t16).sum(-1, keepdim=True)
+    t18 = A * t17
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t19 = W_V @ t14
+    t20 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 2), (0, 4), (2, 3), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jkli,jkd,lm,jkmn,jkg,nh->', t0, t1, M_3, X, W_K, t0, M_2, X, t19, M_2, X, W_K, optimize=[(0, 2), (3, 4), (0, 3), (2, 3), (5, 7), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj,ak,lmnk,lmf,no,lmop,lmi,pj->', t0, M_2, X, t19, M_2, X, W_K, t0, M_2, X, t19, M_2, X, W_K, optimize=[(0, 1), (1, 2), (10, 11), (3, 4), (0, 3), (2, 3), (5, 7), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
+    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
+    return t21
+
+
+def mse_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
+    """H_full(W_Q, W_K) as a dense (numel W_Q × numel W_K) block, vec_r layout."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
+    out[...] = 0
+    t0 = out.view((d_V, d_K, d_V, d_K))
+    t1 = t0.diagonal(0, 1, 3)
+    t2 = X.transpose(-1, -2)
+    t3 = W_K.transpose(-1, -2)
+    t4 = t3 @ t2
+    t5 = W_Q @ t4
+    t6 = X @ t5
+    t7 = (1/math.sqrt(d_K)) * t6
+    t8 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t9 = torch.where(t8, -math.inf, t7)
+    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
+    A = t10 / t10.sum(-1, keepdim=True)
+    t11 = A @ X
+    M_1 = t11
+    t12 = M_1 @ W_V
+    F = t12
+    t13 = (2/(L*d_V)) * F
+    t14 = (-2/(L*d_V)) * Y
+    t15 = t13 + t14
+    G = t15
+    t16 = W_V.transpose(-1, -2)
+    t17 = t16 @ t2
+    t18 = G @ t17
+    t19 = t18 - (A * t18).sum(-1, keepdim=True)
+    t20 = A * t19
+    t21 = t20 @ X
+    t22 = t2 @ t21
+    t23 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t22, t23, optimize=[(0, 1)])
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t3, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t24 = W_V @ t16
+    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t3, M_2, X, t24, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
+    return out
+
+
+def mse_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
+    """‖H_full(W_Q, W_K)‖_F from index networks, exact, without the block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.transpose(-1, -2)
+    t1 = W_K.transpose(-1, -2)
+    t2 = t1 @ t0
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t7 = torch.where(t6, -math.inf, t5)
+    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    A = t8 / t8.sum(-1, keepdim=True)
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1 @ W_V
+    F = t10
+    t11 = (2/(L*d_V)) * F
+    t12 = (-2/(L*d_V)) * Y
+    t13 = t11 + t12
+    G = t13
+    t14 = W_V.transpose(-1, -2)
+    t15 = t14 @ t0
+    t16 = G @ t15
+    t17 = t16 - (A * t16).sum(-1, keepdim=True)
+    t18 = A * t17
+    t19 = t18 @ X
+    t20 = t0 @ t19
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adc,ace->adbe', t0, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t21 = W_V @ t14
+    t22 = (n_batch**(-2)) * oe.contract('abc,dbc->', t20, t20, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t20, t1, t0, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgic,fgj,jd->', t20, t1, M_2, X, t21, M_2, X, W_Q, optimize=[(0, 3), (3, 6), (0, 1), (1, 2), (2, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t1, t0, M_3, X, W_Q, t1, t0, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkmf,jkn,nh->', t1, t0, M_3, X, W_Q, t1, M_2, X, t21, M_2, X, W_Q, optimize=[(0, 2), (1, 2), (1, 2), (0, 1), (0, 1), (4, 6), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij,ak,lmnk,lmf,no,lmoh,lmp,pj->', t1, M_2, X, t21, M_2, X, W_Q, t1, M_2, X, t21, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (10, 11), (1, 2), (1, 2), (0, 1), (0, 1), (4, 6), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t23 = torch.sqrt(torch.clamp(t22, min=0.0))
+    return t23
+
+
+def mse_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
+    """H_full(W_Q, W_V) as a dense (numel W_Q × numel W_V) block, vec_r layout."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    out = torch.empty((d_K*d_V, d_V**2), dtype=X.dtype, device=X.device)
+    t0 = out.view((d_V, d_K, d_V, d_V))
+    t1 = W_K.transpose(-1, -2)
+    t2 = X.transpose(-1, -2)
+    t3 = t1 @ t2
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t8 = torch.where(t7, -math.inf, t6)
+    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
+    A = t9 / t9.sum(-1, keepdim=True)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t10 = A @ X
+    M_1 = t10
+    t11 = M_1 @ W_V
+    F = t11
+    t12 = (2/(L*d_V)) * F
+    t13 = (-2/(L*d_V)) * Y
+    t14 = t12 + t13
+    G = t14
+    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t1, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t1, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    return out
+
+
+def mse_causal1__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
+    """‖H_full(W_Q, W_V)‖_F from index networks, exact, without the block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_K.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t7 = torch.where(t6, -math.inf, t5)
+    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    A = t8 / t8.sum(-1, keepdim=True)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1 @ W_V
+    F = t10
+    t11 = (2/(L*d_V)) * F
+    t12 = (-2/(L*d_V)) * Y
+    t13 = t11 + t12
+    G = t13
+    t14 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 1), (2, 3), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijkh,ijf,ije,kg->', t0, M_2, X, G, t0, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 2), (0, 2), (2, 4), (1, 3), (0, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,eh,ai,jkli,jkf,jkg,lh->', t0, M_2, X, M_1, W_V, t0, M_2, X, M_1, W_V, optimize=[(0, 1), (3, 4), (0, 3), (0, 2), (4, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
+    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
+    return t15
+
+
+def mse_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
+    """diag H_full(W_K, W_K) (vec_r order) without the dense block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    out = torch.empty((d_K*d_V,), dtype=X.dtype, device=X.device)
+    t0 = out.view((d_V, d_K))
+    t1 = W_Q.transpose(-1, -2)
+    t2 = X.transpose(-1, -2)
+    t3 = W_K.transpose(-1, -2)
+    t4 = t3 @ t2
+    t5 = W_Q @ t4
+    t6 = X @ t5
+    t7 = (1/math.sqrt(d_K)) * t6
+    t8 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t9 = torch.where(t8, -math.inf, t7)
+    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
+    A = t10 / t10.sum(-1, keepdim=True)
+    t11 = A @ X
+    M_1 = t11
+    t12 = M_1 @ W_V
+    F = t12
+    t13 = (2/(L*d_V)) * F
+    t14 = (-2/(L*d_V)) * Y
+    t15 = t13 + t14
+    G = t15
+    t16 = W_V.transpose(-1, -2)
+    t17 = t16 @ t2
+    t18 = G @ t17
+    t19 = t18 - (A * t18).sum(-1, keepdim=True)
+    t20 = A * t19
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->ea', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t21 = W_V @ t16
+    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgf,cdh,ha->fa', t1, M_2, X, t21, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
+    return out
+
+
+def mse_causal1__trace__W_K__full(X, W_Q, W_K, W_V, Y):
+    """tr H_full(W_K, W_K) without the dense block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_Q.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = W_K.transpose(-1, -2)
+    t3 = t2 @ t1
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t8 = torch.where(t7, -math.inf, t6)
+    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
+    A = t9 / t9.sum(-1, keepdim=True)
+    t10 = A @ X
+    M_1 = t10
+    t11 = M_1 @ W_V
+    F = t11
+    t12 = (2/(L*d_V)) * F
+    t13 = (-2/(L*d_V)) * Y
+    t14 = t12 + t13
+    G = t14
+    t15 = W_V.transpose(-1, -2)
+    t16 = t15 @ t1
+    t17 = G @ t16
+    t18 = t17 - (A * t17).sum(-1, keepdim=True)
+    t19 = A * t18
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t19, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t19, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t19, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t20 = W_V @ t15
+    return (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->', t0, t1, M_3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)]) + (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgf,cdh,ha->', t0, M_2, X, t20, M_2, X, W_Q, optimize=[(1, 4), (2, 5), (0, 1), (0, 1), (1, 2), (0, 1)])
+
+
+def mse_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
+    """H_full(W_K, W_Q) as a dense (numel W_K × numel W_Q) block, vec_r layout."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
+    out[...] = 0
+    t0 = out.view((d_V, d_K, d_V, d_K))
+    t1 = t0.diagonal(0, 1, 3)
+    t2 = X.transpose(-1, -2)
+    t3 = W_K.transpose(-1, -2)
+    t4 = t3 @ t2
+    t5 = W_Q @ t4
+    t6 = X @ t5
+    t7 = (1/math.sqrt(d_K)) * t6
+    t8 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t9 = torch.where(t8, -math.inf, t7)
+    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
+    A = t10 / t10.sum(-1, keepdim=True)
+    t11 = A @ X
+    M_1 = t11
+    t12 = M_1 @ W_V
+    F = t12
+    t13 = (2/(L*d_V)) * F
+    t14 = (-2/(L*d_V)) * Y
+    t15 = t13 + t14
+    G = t15
+    t16 = W_V.transpose(-1, -2)
+    t17 = t16 @ t2
+    t18 = G @ t17
+    t19 = t18 - (A * t18).sum(-1, keepdim=True)
+    t20 = A * t19
+    t21 = t20.transpose(-1, -2)
+    t22 = t21 @ X
+    t23 = t2 @ t22
+    t24 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t23, t24, optimize=[(0, 1)])
+    t25 = W_Q.transpose(-1, -2)
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t25, t2, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t26 = W_V @ t16
+    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t25, M_2, X, t26, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    return out
+
+
+def mse_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
+    """‖H_full(W_K, W_Q)‖_F from index networks, exact, without the block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.transpose(-1, -2)
+    t1 = W_K.transpose(-1, -2)
+    t2 = t1 @ t0
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t7 = torch.where(t6, -math.inf, t5)
+    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    A = t8 / t8.sum(-1, keepdim=True)
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1 @ W_V
+    F = t10
+    t11 = (2/(L*d_V)) * F
+    t12 = (-2/(L*d_V)) * Y
+    t13 = t11 + t12
+    G = t13
+    t14 = W_V.transpose(-1, -2)
+    t15 = t14 @ t0
+    t16 = G @ t15
+    t17 = t16 - (A * t16).sum(-1, keepdim=True)
+    t18 = A * t17
+    t19 = t18.transpose(-1, -2)
+    t20 = t19 @ X
+    t21 = t0 @ t20
+    t22 = W_Q.transpose(-1, -2)
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adc,ace->adbe', t0, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t23 = W_V @ t14
+    t24 = (n_batch**(-2)) * oe.contract('abc,dbc->', t21, t21, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t21, t22, t0, M_3, X, W_K, optimize=[(0, 3), (2, 4), (0, 1), (0, 2), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgij,fgc,jd->', t21, t22, M_2, X, t23, M_2, X, W_K, optimize=[(0, 2), (4, 6), (0, 1), (0, 1), (1, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t22, t0, M_3, X, W_K, t22, t0, M_3, X, W_K, optimize=[(0, 1), (0, 2), (1, 2), (0, 2), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkmn,jkg,nh->', t22, t0, M_3, X, W_K, t22, M_2, X, t23, M_2, X, W_K, optimize=[(0, 1), (0, 2), (1, 3), (1, 2), (1, 7), (0, 1), (0, 2), (2, 4), (2, 3), (0, 1), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj,ak,lmnf,lmk,no,lmop,lmi,pj->', t22, M_2, X, t23, M_2, X, W_K, t22, M_2, X, t23, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 11), (2, 4), (2, 3), (2, 8), (0, 2), (0, 1), (0, 2), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
+    return t25
+
+
+def mse_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
+    """H_full(W_K, W_K) as a dense (numel W_K × numel W_K) block, vec_r layout."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
+    t0 = out.view((d_V, d_K, d_V, d_K))
+    t1 = W_Q.transpose(-1, -2)
+    t2 = X.transpose(-1, -2)
+    t3 = W_K.transpose(-1, -2)
+    t4 = t3 @ t2
+    t5 = W_Q @ t4
+    t6 = X @ t5
+    t7 = (1/math.sqrt(d_K)) * t6
+    t8 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t9 = torch.where(t8, -math.inf, t7)
+    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
+    A = t10 / t10.sum(-1, keepdim=True)
+    t11 = A @ X
+    M_1 = t11
+    t12 = M_1 @ W_V
+    F = t12
+    t13 = (2/(L*d_V)) * F
+    t14 = (-2/(L*d_V)) * Y
+    t15 = t13 + t14
+    G = t15
+    t16 = W_V.transpose(-1, -2)
+    t17 = t16 @ t2
+    t18 = G @ t17
+    t19 = t18 - (A * t18).sum(-1, keepdim=True)
+    t20 = A * t19
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t21 = W_V @ t16
+    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t1, M_2, X, t21, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
+    return out
+
+
+def mse_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
+    """‖H_full(W_K, W_K)‖_F from index networks, exact, without the block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_Q.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = W_K.transpose(-1, -2)
+    t3 = t2 @ t1
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t8 = torch.where(t7, -math.inf, t6)
+    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
+    A = t9 / t9.sum(-1, keepdim=True)
+    t10 = A @ X
+    M_1 = t10
+    t11 = M_1 @ W_V
+    F = t11
+    t12 = (2/(L*d_V)) * F
+    t13 = (-2/(L*d_V)) * Y
+    t14 = t12 + t13
+    G = t14
+    t15 = W_V.transpose(-1, -2)
+    t16 = t15 @ t1
+    t17 = G @ t16
+    t18 = t17 - (A * t17).sum(-1, keepdim=True)
+    t19 = A * t18
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t19, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t19, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t19, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t20 = W_V @ t15
+    t21 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jkle,jki,lm,jkmf,jkn,nh->', t0, t1, M_3, X, W_Q, t0, M_2, X, t20, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (1, 3), (1, 2), (1, 7), (0, 6), (0, 1), (0, 2), (1, 3), (0, 1), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij,ak,lmnf,lmk,no,lmoh,lmp,pj->', t0, M_2, X, t20, M_2, X, W_Q, t0, M_2, X, t20, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 11), (0, 1), (0, 2), (0, 1), (0, 7), (3, 6), (0, 1), (0, 2), (1, 3), (0, 1), (0, 1)])
+    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
+    return t22
+
+
+def mse_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
+    """H_full(W_K, W_V) as a dense (numel W_K × numel W_V) block, vec_r layout."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    out = torch.empty((d_K*d_V, d_V**2), dtype=X.dtype, device=X.device)
+    t0 = out.view((d_V, d_K, d_V, d_V))
+    t1 = W_Q.transpose(-1, -2)
+    t2 = X.transpose(-1, -2)
+    t3 = W_K.transpose(-1, -2)
+    t4 = t3 @ t2
+    t5 = W_Q @ t4
+    t6 = X @ t5
+    t7 = (1/math.sqrt(d_K)) * t6
+    t8 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t9 = torch.where(t8, -math.inf, t7)
+    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
+    A = t10 / t10.sum(-1, keepdim=True)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t11 = A @ X
+    M_1 = t11
+    t12 = M_1 @ W_V
+    F = t12
+    t13 = (2/(L*d_V)) * F
+    t14 = (-2/(L*d_V)) * Y
+    t15 = t13 + t14
+    G = t15
+    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t1, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
+    t0 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fagh', t1, M_2, X, M_1, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
+    return out
+
+
+def mse_causal1__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
+    """‖H_full(W_K, W_V)‖_F from index networks, exact, without the block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_Q.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = W_K.transpose(-1, -2)
+    t3 = t2 @ t1
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t8 = torch.where(t7, -math.inf, t6)
+    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
+    A = t9 / t9.sum(-1, keepdim=True)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t10 = A @ X
+    M_1 = t10
+    t11 = M_1 @ W_V
+    F = t11
+    t12 = (2/(L*d_V)) * F
+    t13 = (-2/(L*d_V)) * Y
+    t14 = t12 + t13
+    G = t14
+    t15 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijkf,ijh,ije,kg->', t0, M_2, X, G, t0, M_2, X, M_1, W_V, optimize=[(0, 2), (2, 4), (0, 3), (1, 5), (0, 1), (2, 3), (0, 1), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,eh,ai,jklf,jki,jkg,lh->', t0, M_2, X, M_1, W_V, t0, M_2, X, M_1, W_V, optimize=[(0, 2), (0, 2), (1, 3), (0, 2), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
+    return t16
+
+
+def mse_causal1__diag__W_V__full(X, W_Q, W_K, W_V, Y):
+    """diag H_full(W_V, W_V) (vec_r order) without the dense block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    out = torch.empty((d_V**2,), dtype=X.dtype, device=X.device)
+    t0 = out.view((d_V, d_V))
+    t1 = W_K.transpose(-1, -2)
+    t2 = X.transpose(-1, -2)
+    t3 = t1 @ t2
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t8 = torch.where(t7, -math.inf, t6)
+    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
+    A = t9 / t9.sum(-1, keepdim=True)
+    t10 = A @ X
+    M_1 = t10
+    t11 = M_1.transpose(-1, -2)
+    t12 = t11 @ M_1
+    t13 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abb,c->bc', t12, t13, optimize=[(0, 1)])
+    return out
+
+
+def mse_causal1__trace__W_V__full(X, W_Q, W_K, W_V, Y):
+    """tr H_full(W_V, W_V) without the dense block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_K.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t7 = torch.where(t6, -math.inf, t5)
+    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    A = t8 / t8.sum(-1, keepdim=True)
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1.transpose(-1, -2)
+    t11 = t10 @ M_1
+    return (2/(L*n_batch)) * oe.contract('abb->', t11, optimize=[(0,)])
+
+
+def mse_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
+    """H_full(W_V, W_Q) as a dense (numel W_V × numel W_Q) block, vec_r layout."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    out = torch.empty((d_V**2, d_K*d_V), dtype=X.dtype, device=X.device)
+    t0 = out.view((d_V, d_V, d_V, d_K))
+    t1 = W_K.transpose(-1, -2)
+    t2 = X.transpose(-1, -2)
+    t3 = t1 @ t2
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t8 = torch.where(t7, -math.inf, t6)
+    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
+    A = t9 / t9.sum(-1, keepdim=True)
+    t10 = A @ X
+    M_1 = t10
+    t11 = M_1 @ W_V
+    F = t11
+    t12 = (2/(L*d_V)) * F
+    t13 = (-2/(L*d_V)) * Y
+    t14 = t12 + t13
+    G = t14
+    t15 = G.transpose(-1, -2)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t15, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
+    t16 = M_1.transpose(-1, -2)
+    t17 = W_V.transpose(-1, -2)
+    t0 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,fh->bdgh', t16, t17, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    return out
+
+
+def mse_causal1__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
+    """‖H_full(W_V, W_Q)‖_F from index networks, exact, without the block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_K.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t7 = torch.where(t6, -math.inf, t5)
+    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    A = t8 / t8.sum(-1, keepdim=True)
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1 @ W_V
+    F = t10
+    t11 = (2/(L*d_V)) * F
+    t12 = (-2/(L*d_V)) * Y
+    t13 = t11 + t12
+    G = t13
+    t14 = G.transpose(-1, -2)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t15 = M_1.transpose(-1, -2)
+    t16 = W_V.transpose(-1, -2)
+    t17 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t14, M_2, X, W_K, t14, M_2, X, W_K, optimize=[(1, 3), (0, 2), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acde,acf,eg,hdi,bj,hijk,hif,kg->', t14, M_2, X, W_K, t15, t16, M_2, X, W_K, optimize=[(1, 3), (0, 3), (0, 3), (1, 2), (0, 1), (2, 3), (0, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,fh,ibj,dk,ijkl,ijg,lh->', t15, t16, M_2, X, W_K, t15, t16, M_2, X, W_K, optimize=[(1, 2), (0, 3), (2, 3), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
+    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
+    return t18
+
+
+def mse_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
+    """H_full(W_V, W_K) as a dense (numel W_V × numel W_K) block, vec_r layout."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    out = torch.empty((d_V**2, d_K*d_V), dtype=X.dtype, device=X.device)
+    t0 = out.view((d_V, d_V, d_V, d_K))
+    t1 = W_K.transpose(-1, -2)
+    t2 = X.transpose(-1, -2)
+    t3 = t1 @ t2
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t8 = torch.where(t7, -math.inf, t6)
+    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
+    A = t9 / t9.sum(-1, keepdim=True)
+    t10 = A @ X
+    M_1 = t10
+    t11 = M_1 @ W_V
+    F = t11
+    t12 = (2/(L*d_V)) * F
+    t13 = (-2/(L*d_V)) * Y
+    t14 = t12 + t13
+    G = t14
+    t15 = G.transpose(-1, -2)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t15, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    t16 = M_1.transpose(-1, -2)
+    t17 = W_V.transpose(-1, -2)
+    t0 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,gh->bdfh', t16, t17, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    return out
+
+
+def mse_causal1__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
+    """‖H_full(W_V, W_K)‖_F from index networks, exact, without the block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_K.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t7 = torch.where(t6, -math.inf, t5)
+    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    A = t8 / t8.sum(-1, keepdim=True)
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1 @ W_V
+    F = t10
+    t11 = (2/(L*d_V)) * F
+    t12 = (-2/(L*d_V)) * Y
+    t13 = t11 + t12
+    G = t13
+    t14 = G.transpose(-1, -2)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t15 = M_1.transpose(-1, -2)
+    t16 = W_V.transpose(-1, -2)
+    t17 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t14, M_2, X, W_Q, t14, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acde,acf,fg,hdi,bj,hije,hik,kg->', t14, M_2, X, W_Q, t15, t16, M_2, X, W_Q, optimize=[(2, 3), (1, 2), (2, 6), (0, 1), (3, 4), (0, 1), (0, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,gh,ibj,dk,ijkf,ijl,lh->', t15, t16, M_2, X, W_Q, t15, t16, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 1), (0, 1), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
+    return t18
+
+
+def mse_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
+    """H_full(W_V, W_V) as a dense (numel W_V × numel W_V) block, vec_r layout."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
+    out[...] = 0
+    t0 = out.view((d_V, d_V, d_V, d_V))
+    t1 = t0.diagonal(0, 1, 3)
+    t2 = W_K.transpose(-1, -2)
+    t3 = X.transpose(-1, -2)
+    t4 = t2 @ t3
+    t5 = W_Q @ t4
+    t6 = X @ t5
+    t7 = (1/math.sqrt(d_K)) * t6
+    t8 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t9 = torch.where(t8, -math.inf, t7)
+    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
+    A = t10 / t10.sum(-1, keepdim=True)
+    t11 = A @ X
+    M_1 = t11
+    t12 = M_1.transpose(-1, -2)
+    t13 = t12 @ M_1
+    t14 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t1 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bcd', t13, t14, optimize=[(0, 1)])
+    return out
+
+
+def mse_causal1__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
+    """‖H_full(W_V, W_V)‖_F from index networks, exact, without the block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_K.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t7 = torch.where(t6, -math.inf, t5)
+    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    A = t8 / t8.sum(-1, keepdim=True)
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1.transpose(-1, -2)
+    t11 = t10 @ M_1
+    t12 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t11, t11, optimize=[(0, 1)])
+    t13 = torch.sqrt(torch.clamp(t12, min=0.0))
+    return t13
 
 
 def ce_causal0__loss(X, W_Q, W_K, W_V, Y):
@@ -62,7 +5784,8 @@ def ce_causal0__gradient(X, W_Q, W_K, W_V, Y):
     t8 = t7.expand(*t7.shape[:-1], d_V)
     t9 = X @ W_V
     t10 = A @ t9
-    t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
+    F = t10
+    t11 = torch.exp(F - F.amax(-1, keepdim=True))
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = t8 * A12
     t14 = (1/L) * t13
@@ -116,38 +5839,38 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = W_V.transpose(-1, -2)
-    t1[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t2, M_2, X, W_V, t10, A14, t15, M_2, X, W_K, optimize=[(4, 5), (0, 1), (1, 7), (5, 6), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t1 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t2, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_K, optimize=[(4, 5), (4, 5), (4, 8), (5, 7), (0, 1), (1, 5), (2, 4), (0, 1), (0, 1), (0, 1)])
+    t1[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t2, M_2, X, W_V, t10, A14, t15, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t1 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t2, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
     t16 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t17 = t16.view((d_V, d_K, d_V, d_K))
-    t17[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t2, M_2, X, W_V, t10, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (6, 7), (0, 1), (1, 6), (3, 5), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t17 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t2, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (4, 5), (4, 8), (4, 5), (0, 1), (1, 5), (1, 4), (0, 1), (0, 1), (0, 1)])
+    t17[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t2, M_2, X, W_V, t10, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
+    t17 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t2, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
     t18 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t19 = t18.view((d_V, d_K, d_V, d_V))
     t19[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t2, M_2, X, W_V, t10, A14, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t19 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t2, M_2, X, W_V, t10, A14, A14, M_1, optimize=[(4, 5), (1, 3), (4, 5), (0, 4), (0, 1), (0, 1), (0, 1)])
+    t19 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t2, M_2, X, W_V, t10, A14, A14, M_1, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
     t20 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t21 = t20.view((d_V, d_K, d_V, d_K))
     t22 = W_Q.transpose(-1, -2)
-    t21[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t22, M_2, X, W_V, t10, A14, t15, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (4, 6), (0, 1), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t21 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t22, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_K, optimize=[(4, 5), (0, 2), (2, 3), (2, 7), (3, 6), (0, 1), (1, 4), (0, 1), (0, 1), (0, 1)])
+    t21[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t22, M_2, X, W_V, t10, A14, t15, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t21 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t22, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
     t23 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t24 = t23.view((d_V, d_K, d_V, d_K))
-    t24[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t22, M_2, X, W_V, t10, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (4, 5), (0, 1), (2, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t24 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t22, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (2, 3), (2, 7), (2, 3), (0, 1), (0, 4), (0, 1), (0, 1), (0, 1)])
+    t24[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t22, M_2, X, W_V, t10, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
+    t24 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t22, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
     t25 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t26 = t25.view((d_V, d_K, d_V, d_V))
     t26[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh->fahg', t22, M_2, X, W_V, t10, A14, M_1, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
-    t26 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t22, M_2, X, W_V, t10, A14, A14, M_1, optimize=[(0, 2), (1, 2), (1, 5), (0, 4), (0, 1), (0, 1), (0, 1)])
+    t26 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t22, M_2, X, W_V, t10, A14, A14, M_1, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
     t27 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t28 = t27.view((d_V, d_V, d_V, d_K))
     t29 = M_1.transpose(-1, -2)
-    t28[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t29, t10, A14, t15, M_2, X, W_K, optimize=[(1, 2), (0, 3), (0, 1), (1, 3), (0, 2), (0, 1)])
-    t28 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t29, t10, A14, A14, t15, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (0, 1), (0, 1), (0, 1)])
+    t28[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t29, t10, A14, t15, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t28 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t29, t10, A14, A14, t15, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
     t30 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t31 = t30.view((d_V, d_V, d_V, d_K))
-    t31[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t29, t10, A14, t15, M_2, X, W_Q, optimize=[(1, 2), (3, 4), (0, 4), (0, 1), (0, 2), (0, 1)])
-    t31 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t29, t10, A14, A14, t15, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 1), (0, 1), (0, 1)])
+    t31[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t29, t10, A14, t15, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t31 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t29, t10, A14, A14, t15, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
     t32 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t32[...] = 0
     t33 = t32.view((d_V, d_V, d_V, d_V))
@@ -179,40 +5902,41 @@ def ce_causal0__hvp__outer(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = V_W_Q @ t2
     t14 = X @ t13
-    t15 = V_W_K.transpose(-1, -2)
-    t16 = t15 @ t0
-    t17 = W_Q @ t16
-    t18 = X @ t17
-    t19 = t14 + t18
-    t20 = t19 - (A * t19).sum(-1, keepdim=True)
-    t21 = A * t20
-    t22 = t21 @ t9
-    t23 = (1/math.sqrt(d_K)) * t22
-    t24 = X @ V_W_V
-    t25 = A @ t24
-    t26 = t23 + t25
-    t27 = t26 - (A12 * t26).sum(-1, keepdim=True)
-    t28 = A12 * t27
-    t29 = t8 * t28
-    t30 = W_V.transpose(-1, -2)
-    t31 = t30 @ t0
-    t32 = t29 @ t31
-    t33 = t32 - (A * t32).sum(-1, keepdim=True)
-    t34 = A * t33
-    t35 = X @ W_K
-    t36 = t34 @ t35
-    t37 = t0 @ t36
-    t38 = (1/(L*math.sqrt(d_K))) * t37
-    t39 = t34.transpose(-1, -2)
-    t40 = X @ W_Q
-    t41 = t39 @ t40
-    t42 = t0 @ t41
-    t43 = (1/(L*math.sqrt(d_K))) * t42
-    t44 = A.transpose(-1, -2)
-    t45 = t44 @ t29
-    t46 = t0 @ t45
-    t47 = (1/L) * t46
-    return (t38.mean(0), t43.mean(0), t47.mean(0),)
+    t15 = (1/math.sqrt(d_K)) * t14
+    t16 = V_W_K.transpose(-1, -2)
+    t17 = t16 @ t0
+    t18 = W_Q @ t17
+    t19 = X @ t18
+    t20 = (1/math.sqrt(d_K)) * t19
+    t21 = t15 + t20
+    t22 = t21 - (A * t21).sum(-1, keepdim=True)
+    t23 = A * t22
+    t24 = t23 @ t9
+    t25 = X @ V_W_V
+    t26 = A @ t25
+    t27 = t24 + t26
+    t28 = t27 - (A12 * t27).sum(-1, keepdim=True)
+    t29 = A12 * t28
+    t30 = t8 * t29
+    t31 = W_V.transpose(-1, -2)
+    t32 = t31 @ t0
+    t33 = t30 @ t32
+    t34 = t33 - (A * t33).sum(-1, keepdim=True)
+    t35 = A * t34
+    t36 = X @ W_K
+    t37 = t35 @ t36
+    t38 = t0 @ t37
+    t39 = (1/(L*math.sqrt(d_K))) * t38
+    t40 = t35.transpose(-1, -2)
+    t41 = X @ W_Q
+    t42 = t40 @ t41
+    t43 = t0 @ t42
+    t44 = (1/(L*math.sqrt(d_K))) * t43
+    t45 = A.transpose(-1, -2)
+    t46 = t45 @ t30
+    t47 = t0 @ t46
+    t48 = (1/L) * t47
+    return (t39.mean(0), t44.mean(0), t48.mean(0),)
 
 
 def ce_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
@@ -243,19 +5967,19 @@ def ce_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     t15 = torch.sqrt(torch.clamp(t14, min=0.0))
     t16 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnol,mnf,op,mnp,mnp,pq,mnqi,mnr,rk->', t0, M_2, X, W_V, t8, A12, t13, M_2, X, W_Q, t0, M_2, X, W_V, t8, A12, t13, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (2, 3), (2, 3), (0, 2), (2, 3), (2, 3), (0, 4), (1, 3), (7, 8), (0, 3), (0, 3), (4, 5), (3, 4), (1, 3), (0, 1), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnol,mnf,op,mnp,mnp,mnq,qr,mnri,mns,sk->', t0, M_2, X, W_V, t8, A12, t13, M_2, X, W_Q, t0, M_2, X, W_V, t8, A12, A12, t13, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (2, 3), (2, 3), (0, 2), (2, 3), (2, 12), (2, 3), (1, 3), (5, 9), (0, 2), (0, 1), (5, 6), (0, 3), (0, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl,am,nopm,nof,pq,noq,noq,nor,rs,nosj,not,tl->', t0, M_2, X, W_V, t8, A12, A12, t13, M_2, X, W_Q, t0, M_2, X, W_V, t8, A12, A12, t13, M_2, X, W_Q, optimize=[(4, 5), (13, 14), (0, 1), (2, 3), (2, 17), (2, 3), (2, 3), (0, 2), (2, 3), (2, 12), (2, 3), (0, 2), (2, 9), (0, 1), (2, 7), (0, 3), (1, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
     t17 = torch.sqrt(torch.clamp(t16, min=0.0))
-    t18 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,ai,jkli,jkf,lg,jkg,jkg,jkh->', t0, M_2, X, W_V, t8, A12, M_1, t0, M_2, X, W_V, t8, A12, M_1, optimize=[(4, 5), (9, 10), (0, 5), (1, 5), (2, 5), (7, 8), (0, 1), (2, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,ai,jkli,jkf,lm,jkm,jkm,jkg,jkh->', t0, M_2, X, W_V, t8, A12, M_1, t0, M_2, X, W_V, t8, A12, A12, M_1, optimize=[(4, 5), (9, 10), (0, 1), (3, 4), (0, 3), (1, 4), (7, 8), (1, 4), (4, 6), (0, 3), (1, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi,aj,klmj,klf,mn,kln,kln,klh,kli->', t0, M_2, X, W_V, t8, A12, A12, M_1, t0, M_2, X, W_V, t8, A12, A12, M_1, optimize=[(4, 5), (10, 11), (0, 1), (4, 5), (0, 4), (1, 4), (8, 9), (1, 3), (6, 7), (0, 2), (2, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
+    t18 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,ai,jkli,jkf,lg,jkg,jkg,jkh->', t0, M_2, X, W_V, t8, A12, M_1, t0, M_2, X, W_V, t8, A12, M_1, optimize=[(4, 5), (9, 10), (0, 1), (3, 4), (0, 3), (1, 3), (6, 7), (0, 4), (0, 3), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,ai,jkli,jkf,lm,jkm,jkm,jkg,jkh->', t0, M_2, X, W_V, t8, A12, M_1, t0, M_2, X, W_V, t8, A12, A12, M_1, optimize=[(4, 5), (9, 10), (0, 1), (3, 4), (0, 3), (1, 4), (7, 8), (1, 4), (4, 6), (0, 3), (1, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi,aj,klmj,klf,mn,kln,kln,klh,kli->', t0, M_2, X, W_V, t8, A12, A12, M_1, t0, M_2, X, W_V, t8, A12, A12, M_1, optimize=[(4, 5), (10, 11), (0, 1), (4, 5), (0, 4), (1, 4), (8, 9), (1, 3), (6, 7), (0, 2), (2, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
     t19 = torch.sqrt(torch.clamp(t18, min=0.0))
     t20 = W_Q.transpose(-1, -2)
     t21 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnof,mnl,op,mnp,mnp,pq,mnqr,mnj,rk->', t20, M_2, X, W_V, t8, A12, t13, M_2, X, W_K, t20, M_2, X, W_V, t8, A12, t13, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (2, 4), (2, 3), (2, 3), (0, 2), (0, 1), (0, 3), (2, 8), (1, 2), (3, 6), (0, 1), (0, 4), (0, 1), (1, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnof,mnl,op,mnp,mnp,mnq,qr,mnrs,mnj,sk->', t20, M_2, X, W_V, t8, A12, t13, M_2, X, W_K, t20, M_2, X, W_V, t8, A12, A12, t13, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (2, 4), (2, 3), (8, 13), (2, 3), (2, 11), (0, 2), (0, 1), (0, 2), (1, 7), (0, 1), (2, 5), (0, 3), (2, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl,am,nopf,nom,pq,noq,noq,nor,rs,nost,nok,tl->', t20, M_2, X, W_V, t8, A12, A12, t13, M_2, X, W_K, t20, M_2, X, W_V, t8, A12, A12, t13, M_2, X, W_K, optimize=[(4, 5), (13, 14), (0, 2), (0, 1), (14, 17), (0, 1), (0, 15), (2, 4), (2, 3), (7, 12), (2, 3), (2, 10), (0, 2), (0, 1), (0, 3), (4, 6), (0, 2), (3, 4), (0, 2), (0, 2), (0, 1)])
     t22 = torch.sqrt(torch.clamp(t21, min=0.0))
     t23 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnof,mnl,op,mnp,mnp,pq,mnqi,mnr,rk->', t20, M_2, X, W_V, t8, A12, t13, M_2, X, W_Q, t20, M_2, X, W_V, t8, A12, t13, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (0, 1), (0, 1), (0, 1), (0, 3), (2, 8), (1, 3), (0, 2), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnof,mnl,op,mnp,mnp,mnq,qr,mnri,mns,sk->', t20, M_2, X, W_V, t8, A12, t13, M_2, X, W_Q, t20, M_2, X, W_V, t8, A12, A12, t13, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (0, 1), (6, 12), (0, 1), (0, 10), (0, 1), (0, 2), (1, 7), (0, 2), (0, 3), (3, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl,am,nopf,nom,pq,noq,noq,nor,rs,nosj,not,tl->', t20, M_2, X, W_V, t8, A12, A12, t13, M_2, X, W_Q, t20, M_2, X, W_V, t8, A12, A12, t13, M_2, X, W_Q, optimize=[(4, 5), (13, 14), (0, 2), (0, 1), (14, 17), (0, 1), (0, 15), (0, 1), (0, 2), (0, 1), (5, 11), (0, 1), (0, 9), (0, 1), (0, 4), (0, 3), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
     t24 = torch.sqrt(torch.clamp(t23, min=0.0))
-    t25 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,ai,jklf,jki,lg,jkg,jkg,jkh->', t20, M_2, X, W_V, t8, A12, M_1, t20, M_2, X, W_V, t8, A12, M_1, optimize=[(4, 5), (9, 10), (0, 2), (2, 7), (2, 4), (6, 8), (6, 7), (0, 1), (2, 5), (0, 1), (2, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,ai,jklf,jki,lm,jkm,jkm,jkg,jkh->', t20, M_2, X, W_V, t8, A12, M_1, t20, M_2, X, W_V, t8, A12, A12, M_1, optimize=[(4, 5), (9, 10), (0, 2), (0, 1), (1, 3), (1, 2), (4, 8), (0, 2), (1, 3), (1, 2), (2, 4), (1, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi,aj,klmf,klj,mn,kln,kln,klh,kli->', t20, M_2, X, W_V, t8, A12, A12, M_1, t20, M_2, X, W_V, t8, A12, A12, M_1, optimize=[(4, 5), (10, 11), (0, 2), (0, 1), (8, 11), (2, 4), (2, 3), (4, 8), (0, 2), (0, 1), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t25 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,ai,jklf,jki,lg,jkg,jkg,jkh->', t20, M_2, X, W_V, t8, A12, M_1, t20, M_2, X, W_V, t8, A12, M_1, optimize=[(4, 5), (9, 10), (0, 2), (0, 1), (1, 3), (1, 2), (5, 7), (0, 1), (2, 3), (3, 4), (0, 2), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,ai,jklf,jki,lm,jkm,jkm,jkg,jkh->', t20, M_2, X, W_V, t8, A12, M_1, t20, M_2, X, W_V, t8, A12, A12, M_1, optimize=[(4, 5), (9, 10), (0, 2), (0, 1), (1, 3), (1, 2), (4, 8), (0, 2), (1, 3), (1, 2), (2, 4), (1, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi,aj,klmf,klj,mn,kln,kln,klh,kli->', t20, M_2, X, W_V, t8, A12, A12, M_1, t20, M_2, X, W_V, t8, A12, A12, M_1, optimize=[(4, 5), (10, 11), (0, 2), (0, 1), (8, 11), (2, 4), (2, 3), (4, 8), (0, 2), (0, 1), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
     t26 = torch.sqrt(torch.clamp(t25, min=0.0))
     t27 = M_1.transpose(-1, -2)
-    t28 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,fh,ibj,ijd,ijd,dk,ijkl,ijg,lh->', t27, t8, A12, t13, M_2, X, W_K, t27, t8, A12, t13, M_2, X, W_K, optimize=[(1, 2), (6, 7), (0, 5), (2, 6), (8, 9), (2, 5), (0, 2), (2, 3), (2, 5), (0, 2), (0, 1), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,fh,ibj,ijd,ijd,ijk,kl,ijlm,ijg,mh->', t27, t8, A12, t13, M_2, X, W_K, t27, t8, A12, A12, t13, M_2, X, W_K, optimize=[(1, 2), (6, 7), (1, 2), (0, 3), (2, 3), (2, 9), (0, 2), (5, 7), (0, 1), (2, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi,jbk,jkd,jkd,jkl,lm,jkmn,jkh,ni->', t27, t8, A12, A12, t13, M_2, X, W_K, t27, t8, A12, A12, t13, M_2, X, W_K, optimize=[(1, 2), (7, 8), (1, 2), (1, 12), (0, 3), (2, 3), (2, 9), (0, 2), (5, 7), (0, 1), (0, 1), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t28 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,fh,ibj,ijd,ijd,dk,ijkl,ijg,lh->', t27, t8, A12, t13, M_2, X, W_K, t27, t8, A12, t13, M_2, X, W_K, optimize=[(1, 2), (6, 7), (1, 2), (0, 3), (2, 3), (0, 2), (5, 7), (0, 1), (2, 5), (2, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,fh,ibj,ijd,ijd,ijk,kl,ijlm,ijg,mh->', t27, t8, A12, t13, M_2, X, W_K, t27, t8, A12, A12, t13, M_2, X, W_K, optimize=[(1, 2), (6, 7), (1, 2), (0, 3), (2, 3), (2, 9), (0, 2), (5, 7), (0, 1), (2, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi,jbk,jkd,jkd,jkl,lm,jkmn,jkh,ni->', t27, t8, A12, A12, t13, M_2, X, W_K, t27, t8, A12, A12, t13, M_2, X, W_K, optimize=[(1, 2), (7, 8), (1, 2), (1, 12), (0, 3), (2, 3), (2, 9), (0, 2), (5, 7), (0, 1), (0, 1), (2, 4), (0, 2), (0, 2), (0, 1)])
     t29 = torch.sqrt(torch.clamp(t28, min=0.0))
-    t30 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,gh,ibj,ijd,ijd,dk,ijkf,ijl,lh->', t27, t8, A12, t13, M_2, X, W_Q, t27, t8, A12, t13, M_2, X, W_Q, optimize=[(1, 2), (6, 7), (0, 5), (2, 3), (4, 5), (7, 8), (6, 7), (0, 1), (2, 5), (0, 1), (2, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,gh,ibj,ijd,ijd,ijk,kl,ijlf,ijm,mh->', t27, t8, A12, t13, M_2, X, W_Q, t27, t8, A12, A12, t13, M_2, X, W_Q, optimize=[(1, 2), (6, 7), (1, 2), (1, 2), (0, 1), (0, 1), (0, 8), (0, 1), (0, 2), (3, 5), (0, 4), (1, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi,jbk,jkd,jkd,jkl,lm,jkmg,jkn,ni->', t27, t8, A12, A12, t13, M_2, X, W_Q, t27, t8, A12, A12, t13, M_2, X, W_Q, optimize=[(1, 2), (7, 8), (1, 2), (1, 12), (1, 2), (0, 1), (0, 1), (0, 8), (0, 1), (0, 1), (2, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t30 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,gh,ibj,ijd,ijd,dk,ijkf,ijl,lh->', t27, t8, A12, t13, M_2, X, W_Q, t27, t8, A12, t13, M_2, X, W_Q, optimize=[(1, 2), (6, 7), (1, 2), (1, 2), (0, 1), (0, 1), (4, 7), (0, 1), (0, 4), (0, 4), (1, 3), (0, 1), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,gh,ibj,ijd,ijd,ijk,kl,ijlf,ijm,mh->', t27, t8, A12, t13, M_2, X, W_Q, t27, t8, A12, A12, t13, M_2, X, W_Q, optimize=[(1, 2), (6, 7), (1, 2), (1, 2), (0, 1), (0, 1), (0, 8), (0, 1), (0, 2), (3, 5), (0, 4), (1, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi,jbk,jkd,jkd,jkl,lm,jkmg,jkn,ni->', t27, t8, A12, A12, t13, M_2, X, W_Q, t27, t8, A12, A12, t13, M_2, X, W_Q, optimize=[(1, 2), (7, 8), (1, 2), (1, 12), (1, 2), (0, 1), (0, 1), (0, 8), (0, 1), (0, 1), (2, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
     t31 = torch.sqrt(torch.clamp(t30, min=0.0))
     t32 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fge->', t27, t8, A12, M_1, t27, t8, A12, M_1, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fgd,fge->', t27, t8, A12, M_1, t27, t8, A12, A12, M_1, optimize=[(1, 2), (3, 4), (3, 6), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,acf,gbh,ghd,ghd,ghe,ghf->', t27, t8, A12, A12, M_1, t27, t8, A12, A12, M_1, optimize=[(1, 2), (4, 5), (0, 3), (0, 2), (4, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
     t33 = torch.sqrt(torch.clamp(t32, min=0.0))
@@ -288,8 +6012,8 @@ def ce_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = W_V.transpose(-1, -2)
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdf,ia->fa', t1, M_2, X, W_V, t9, A13, t14, M_2, X, W_K, optimize=[(2, 8), (3, 4), (0, 1), (0, 6), (4, 5), (0, 1), (2, 3), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdf,ja->fa', t1, M_2, X, W_V, t9, A13, A13, t14, M_2, X, W_K, optimize=[(2, 9), (3, 4), (3, 4), (3, 7), (3, 6), (0, 1), (3, 4), (0, 3), (1, 2), (0, 1)])
+    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdf,ia->fa', t1, M_2, X, W_V, t9, A13, t14, M_2, X, W_K, optimize=[(4, 5), (2, 6), (0, 1), (1, 2), (0, 4), (0, 3), (2, 3), (0, 2), (0, 1)])
+    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdf,ja->fa', t1, M_2, X, W_V, t9, A13, A13, t14, M_2, X, W_K, optimize=[(4, 5), (2, 7), (0, 1), (1, 2), (1, 6), (0, 2), (2, 4), (0, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -317,7 +6041,7 @@ def ce_causal0__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = W_V.transpose(-1, -2)
-    return (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdf,ia->', t0, M_2, X, W_V, t8, A12, t13, M_2, X, W_K, optimize=[(2, 8), (3, 4), (0, 5), (0, 1), (3, 5), (0, 1), (2, 3), (1, 2), (0, 1)]) + (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdf,ja->', t0, M_2, X, W_V, t8, A12, A12, t13, M_2, X, W_K, optimize=[(2, 9), (3, 4), (0, 6), (2, 3), (2, 6), (4, 5), (0, 4), (0, 3), (1, 2), (0, 1)])
+    return (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdf,ia->', t0, M_2, X, W_V, t8, A12, t13, M_2, X, W_K, optimize=[(4, 5), (2, 6), (0, 1), (1, 2), (2, 3), (0, 2), (0, 1), (1, 2), (0, 1)]) + (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdf,ja->', t0, M_2, X, W_V, t8, A12, A12, t13, M_2, X, W_K, optimize=[(4, 5), (2, 7), (0, 1), (1, 2), (1, 6), (0, 2), (2, 4), (0, 2), (1, 2), (0, 1)])
 
 
 def ce_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -346,8 +6070,8 @@ def ce_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = W_V.transpose(-1, -2)
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t1, M_2, X, W_V, t9, A13, t14, M_2, X, W_K, optimize=[(4, 5), (0, 1), (1, 7), (5, 6), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t1, M_2, X, W_V, t9, A13, A13, t14, M_2, X, W_K, optimize=[(4, 5), (4, 5), (4, 8), (5, 7), (0, 1), (1, 5), (2, 4), (0, 1), (0, 1), (0, 1)])
+    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t1, M_2, X, W_V, t9, A13, t14, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t1, M_2, X, W_V, t9, A13, A13, t14, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -406,8 +6130,8 @@ def ce_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = W_V.transpose(-1, -2)
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t1, M_2, X, W_V, t9, A13, t14, M_2, X, W_Q, optimize=[(4, 5), (6, 7), (0, 1), (1, 6), (3, 5), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t1, M_2, X, W_V, t9, A13, A13, t14, M_2, X, W_Q, optimize=[(4, 5), (4, 5), (4, 8), (4, 5), (0, 1), (1, 5), (1, 4), (0, 1), (0, 1), (0, 1)])
+    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t1, M_2, X, W_V, t9, A13, t14, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
+    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t1, M_2, X, W_V, t9, A13, A13, t14, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -466,7 +6190,7 @@ def ce_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A13 = t12 / t12.sum(-1, keepdim=True)
     t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t1, M_2, X, W_V, t9, A13, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t1, M_2, X, W_V, t9, A13, A13, M_1, optimize=[(4, 5), (1, 3), (4, 5), (0, 4), (0, 1), (0, 1), (0, 1)])
+    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t1, M_2, X, W_V, t9, A13, A13, M_1, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -493,7 +6217,7 @@ def ce_causal0__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     t10 = M_1 @ W_V
     t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
     A12 = t11 / t11.sum(-1, keepdim=True)
-    t13 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,ai,jkli,jkf,lg,jkg,jkg,jkh->', t0, M_2, X, W_V, t8, A12, M_1, t0, M_2, X, W_V, t8, A12, M_1, optimize=[(4, 5), (9, 10), (0, 5), (1, 5), (2, 5), (7, 8), (0, 1), (2, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,ai,jkli,jkf,lm,jkm,jkm,jkg,jkh->', t0, M_2, X, W_V, t8, A12, M_1, t0, M_2, X, W_V, t8, A12, A12, M_1, optimize=[(4, 5), (9, 10), (0, 1), (3, 4), (0, 3), (1, 4), (7, 8), (1, 4), (4, 6), (0, 3), (1, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi,aj,klmj,klf,mn,kln,kln,klh,kli->', t0, M_2, X, W_V, t8, A12, A12, M_1, t0, M_2, X, W_V, t8, A12, A12, M_1, optimize=[(4, 5), (10, 11), (0, 1), (4, 5), (0, 4), (1, 4), (8, 9), (1, 3), (6, 7), (0, 2), (2, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
+    t13 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,ai,jkli,jkf,lg,jkg,jkg,jkh->', t0, M_2, X, W_V, t8, A12, M_1, t0, M_2, X, W_V, t8, A12, M_1, optimize=[(4, 5), (9, 10), (0, 1), (3, 4), (0, 3), (1, 3), (6, 7), (0, 4), (0, 3), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,ai,jkli,jkf,lm,jkm,jkm,jkg,jkh->', t0, M_2, X, W_V, t8, A12, M_1, t0, M_2, X, W_V, t8, A12, A12, M_1, optimize=[(4, 5), (9, 10), (0, 1), (3, 4), (0, 3), (1, 4), (7, 8), (1, 4), (4, 6), (0, 3), (1, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi,aj,klmj,klf,mn,kln,kln,klh,kli->', t0, M_2, X, W_V, t8, A12, A12, M_1, t0, M_2, X, W_V, t8, A12, A12, M_1, optimize=[(4, 5), (10, 11), (0, 1), (4, 5), (0, 4), (1, 4), (8, 9), (1, 3), (6, 7), (0, 2), (2, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
     t14 = torch.sqrt(torch.clamp(t13, min=0.0))
     return t14
 
@@ -525,8 +6249,8 @@ def ce_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = W_V.transpose(-1, -2)
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhf,cdi,ia->fa', t1, M_2, X, W_V, t10, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (4, 5), (5, 6), (0, 1), (2, 4), (0, 1), (1, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdif,cdj,ja->fa', t1, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (2, 3), (2, 7), (0, 6), (1, 2), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhf,cdi,ia->fa', t1, M_2, X, W_V, t10, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (4, 5), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdif,cdj,ja->fa', t1, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -555,7 +6279,7 @@ def ce_causal0__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = W_V.transpose(-1, -2)
-    return (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhf,cdi,ia->', t0, M_2, X, W_V, t9, A13, t14, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 3), (2, 3), (3, 5), (0, 3), (0, 3), (0, 2), (0, 1)]) + (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdif,cdj,ja->', t0, M_2, X, W_V, t9, A13, A13, t14, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 4), (1, 2), (5, 6), (0, 5), (2, 4), (0, 1), (0, 2), (0, 1)])
+    return (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhf,cdi,ia->', t0, M_2, X, W_V, t9, A13, t14, M_2, X, W_Q, optimize=[(4, 5), (1, 5), (0, 1), (2, 3), (4, 5), (0, 3), (0, 3), (0, 2), (0, 1)]) + (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdif,cdj,ja->', t0, M_2, X, W_V, t9, A13, A13, t14, M_2, X, W_Q, optimize=[(4, 5), (1, 6), (0, 1), (1, 2), (4, 6), (1, 2), (2, 4), (0, 1), (0, 2), (0, 1)])
 
 
 def ce_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -585,8 +6309,8 @@ def ce_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = W_V.transpose(-1, -2)
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t1, M_2, X, W_V, t10, A14, t15, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (4, 6), (0, 1), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t1, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_K, optimize=[(4, 5), (0, 2), (2, 3), (2, 7), (3, 6), (0, 1), (1, 4), (0, 1), (0, 1), (0, 1)])
+    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t1, M_2, X, W_V, t10, A14, t15, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t1, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -647,8 +6371,8 @@ def ce_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = W_V.transpose(-1, -2)
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t1, M_2, X, W_V, t10, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (4, 5), (0, 1), (2, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t1, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (2, 3), (2, 7), (2, 3), (0, 1), (0, 4), (0, 1), (0, 1), (0, 1)])
+    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t1, M_2, X, W_V, t10, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
+    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t1, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -709,7 +6433,7 @@ def ce_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
     t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh->fahg', t1, M_2, X, W_V, t10, A14, M_1, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t1, M_2, X, W_V, t10, A14, A14, M_1, optimize=[(0, 2), (1, 2), (1, 5), (0, 4), (0, 1), (0, 1), (0, 1)])
+    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t1, M_2, X, W_V, t10, A14, A14, M_1, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -737,7 +6461,7 @@ def ce_causal0__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     t11 = M_1 @ W_V
     t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A13 = t12 / t12.sum(-1, keepdim=True)
-    t14 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,ai,jklf,jki,lg,jkg,jkg,jkh->', t0, M_2, X, W_V, t9, A13, M_1, t0, M_2, X, W_V, t9, A13, M_1, optimize=[(4, 5), (9, 10), (0, 2), (2, 7), (2, 4), (6, 8), (6, 7), (0, 1), (2, 5), (0, 1), (2, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,ai,jklf,jki,lm,jkm,jkm,jkg,jkh->', t0, M_2, X, W_V, t9, A13, M_1, t0, M_2, X, W_V, t9, A13, A13, M_1, optimize=[(4, 5), (9, 10), (0, 2), (0, 1), (1, 3), (1, 2), (4, 8), (0, 2), (1, 3), (1, 2), (2, 4), (1, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi,aj,klmf,klj,mn,kln,kln,klh,kli->', t0, M_2, X, W_V, t9, A13, A13, M_1, t0, M_2, X, W_V, t9, A13, A13, M_1, optimize=[(4, 5), (10, 11), (0, 2), (0, 1), (8, 11), (2, 4), (2, 3), (4, 8), (0, 2), (0, 1), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t14 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,ai,jklf,jki,lg,jkg,jkg,jkh->', t0, M_2, X, W_V, t9, A13, M_1, t0, M_2, X, W_V, t9, A13, M_1, optimize=[(4, 5), (9, 10), (0, 2), (0, 1), (1, 3), (1, 2), (5, 7), (0, 1), (2, 3), (3, 4), (0, 2), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,ai,jklf,jki,lm,jkm,jkm,jkg,jkh->', t0, M_2, X, W_V, t9, A13, M_1, t0, M_2, X, W_V, t9, A13, A13, M_1, optimize=[(4, 5), (9, 10), (0, 2), (0, 1), (1, 3), (1, 2), (4, 8), (0, 2), (1, 3), (1, 2), (2, 4), (1, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi,aj,klmf,klj,mn,kln,kln,klh,kli->', t0, M_2, X, W_V, t9, A13, A13, M_1, t0, M_2, X, W_V, t9, A13, A13, M_1, optimize=[(4, 5), (10, 11), (0, 2), (0, 1), (8, 11), (2, 4), (2, 3), (4, 8), (0, 2), (0, 1), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
     t15 = torch.sqrt(torch.clamp(t14, min=0.0))
     return t15
 
@@ -767,7 +6491,7 @@ def ce_causal0__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
     t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,acb->bd', t9, t11, A14, M_1, optimize=[(0, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->bd', t9, t11, A14, A14, M_1, optimize=[(0, 4), (0, 1), (0, 2), (0, 1)])
+    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->bd', t9, t11, A14, A14, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -793,7 +6517,7 @@ def ce_causal0__trace__W_V__outer(X, W_Q, W_K, W_V, Y):
     t11 = M_1 @ W_V
     t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A13 = t12 / t12.sum(-1, keepdim=True)
-    return (1/(L*n_batch)) * oe.contract('abc,acd,acd,acb->', t8, t10, A13, M_1, optimize=[(0, 3), (0, 1), (0, 1)]) + (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->', t8, t10, A13, A13, M_1, optimize=[(0, 4), (0, 1), (0, 2), (0, 1)])
+    return (1/(L*n_batch)) * oe.contract('abc,acd,acd,acb->', t8, t10, A13, M_1, optimize=[(0, 3), (0, 1), (0, 1)]) + (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->', t8, t10, A13, A13, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
 
 
 def ce_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -823,8 +6547,8 @@ def ce_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t15 = W_V.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t9, t11, A14, t15, M_2, X, W_K, optimize=[(1, 2), (0, 3), (0, 1), (1, 3), (0, 2), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t9, t11, A14, A14, t15, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (0, 1), (0, 1), (0, 1)])
+    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t9, t11, A14, t15, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t9, t11, A14, A14, t15, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -853,7 +6577,7 @@ def ce_causal0__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t14 = W_V.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t15 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,fh,ibj,ijd,ijd,dk,ijkl,ijg,lh->', t8, t10, A13, t14, M_2, X, W_K, t8, t10, A13, t14, M_2, X, W_K, optimize=[(1, 2), (6, 7), (0, 5), (2, 6), (8, 9), (2, 5), (0, 2), (2, 3), (2, 5), (0, 2), (0, 1), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,fh,ibj,ijd,ijd,ijk,kl,ijlm,ijg,mh->', t8, t10, A13, t14, M_2, X, W_K, t8, t10, A13, A13, t14, M_2, X, W_K, optimize=[(1, 2), (6, 7), (1, 2), (0, 3), (2, 3), (2, 9), (0, 2), (5, 7), (0, 1), (2, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi,jbk,jkd,jkd,jkl,lm,jkmn,jkh,ni->', t8, t10, A13, A13, t14, M_2, X, W_K, t8, t10, A13, A13, t14, M_2, X, W_K, optimize=[(1, 2), (7, 8), (1, 2), (1, 12), (0, 3), (2, 3), (2, 9), (0, 2), (5, 7), (0, 1), (0, 1), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t15 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,fh,ibj,ijd,ijd,dk,ijkl,ijg,lh->', t8, t10, A13, t14, M_2, X, W_K, t8, t10, A13, t14, M_2, X, W_K, optimize=[(1, 2), (6, 7), (1, 2), (0, 3), (2, 3), (0, 2), (5, 7), (0, 1), (2, 5), (2, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,fh,ibj,ijd,ijd,ijk,kl,ijlm,ijg,mh->', t8, t10, A13, t14, M_2, X, W_K, t8, t10, A13, A13, t14, M_2, X, W_K, optimize=[(1, 2), (6, 7), (1, 2), (0, 3), (2, 3), (2, 9), (0, 2), (5, 7), (0, 1), (2, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi,jbk,jkd,jkd,jkl,lm,jkmn,jkh,ni->', t8, t10, A13, A13, t14, M_2, X, W_K, t8, t10, A13, A13, t14, M_2, X, W_K, optimize=[(1, 2), (7, 8), (1, 2), (1, 12), (0, 3), (2, 3), (2, 9), (0, 2), (5, 7), (0, 1), (0, 1), (2, 4), (0, 2), (0, 2), (0, 1)])
     t16 = torch.sqrt(torch.clamp(t15, min=0.0))
     return t16
 
@@ -885,8 +6609,8 @@ def ce_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t15 = W_V.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t9, t11, A14, t15, M_2, X, W_Q, optimize=[(1, 2), (3, 4), (0, 4), (0, 1), (0, 2), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t9, t11, A14, A14, t15, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 1), (0, 1), (0, 1)])
+    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t9, t11, A14, t15, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t9, t11, A14, A14, t15, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -915,7 +6639,7 @@ def ce_causal0__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t14 = W_V.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t15 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,gh,ibj,ijd,ijd,dk,ijkf,ijl,lh->', t8, t10, A13, t14, M_2, X, W_Q, t8, t10, A13, t14, M_2, X, W_Q, optimize=[(1, 2), (6, 7), (0, 5), (2, 3), (4, 5), (7, 8), (6, 7), (0, 1), (2, 5), (0, 1), (2, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,gh,ibj,ijd,ijd,ijk,kl,ijlf,ijm,mh->', t8, t10, A13, t14, M_2, X, W_Q, t8, t10, A13, A13, t14, M_2, X, W_Q, optimize=[(1, 2), (6, 7), (1, 2), (1, 2), (0, 1), (0, 1), (0, 8), (0, 1), (0, 2), (3, 5), (0, 4), (1, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi,jbk,jkd,jkd,jkl,lm,jkmg,jkn,ni->', t8, t10, A13, A13, t14, M_2, X, W_Q, t8, t10, A13, A13, t14, M_2, X, W_Q, optimize=[(1, 2), (7, 8), (1, 2), (1, 12), (1, 2), (0, 1), (0, 1), (0, 8), (0, 1), (0, 1), (2, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t15 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,gh,ibj,ijd,ijd,dk,ijkf,ijl,lh->', t8, t10, A13, t14, M_2, X, W_Q, t8, t10, A13, t14, M_2, X, W_Q, optimize=[(1, 2), (6, 7), (1, 2), (1, 2), (0, 1), (0, 1), (4, 7), (0, 1), (0, 4), (0, 4), (1, 3), (0, 1), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,gh,ibj,ijd,ijd,ijk,kl,ijlf,ijm,mh->', t8, t10, A13, t14, M_2, X, W_Q, t8, t10, A13, A13, t14, M_2, X, W_Q, optimize=[(1, 2), (6, 7), (1, 2), (1, 2), (0, 1), (0, 1), (0, 8), (0, 1), (0, 2), (3, 5), (0, 4), (1, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi,jbk,jkd,jkd,jkl,lm,jkmg,jkn,ni->', t8, t10, A13, A13, t14, M_2, X, W_Q, t8, t10, A13, A13, t14, M_2, X, W_Q, optimize=[(1, 2), (7, 8), (1, 2), (1, 12), (1, 2), (0, 1), (0, 1), (0, 8), (0, 1), (0, 1), (2, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
     t16 = torch.sqrt(torch.clamp(t15, min=0.0))
     return t16
 
@@ -1000,7 +6724,8 @@ def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t11 = A @ X
     M_1 = t11
     t12 = M_1 @ W_V
-    t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    F = t12
+    t13 = torch.exp(F - F.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = t10 * A14
     t16 = (1/L) * t15
@@ -1023,7 +6748,7 @@ def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t28 = t3 @ t27
     t29 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t26 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t28, t29, optimize=[(0, 1)])
-    t25 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t2, t3, M_3, X, W_Q, optimize=[(3, 4), (0, 2), (0, 1), (0, 1)])
+    t25 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t2, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
     t30 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t31 = t30.view((d_V, d_K, d_V, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
@@ -1073,64 +6798,66 @@ def ce_causal0__hvp__functional(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = V_W_Q @ t2
     t8 = X @ t7
-    t9 = V_W_K.transpose(-1, -2)
-    t10 = t9 @ t0
-    t11 = W_Q @ t10
-    t12 = X @ t11
-    t13 = t8 + t12
-    t14 = Y.sum(-1, keepdim=True)
-    t15 = t14.expand(*t14.shape[:-1], d_V)
-    t16 = X @ W_V
-    t17 = A @ t16
-    t18 = torch.exp(t17 - t17.amax(-1, keepdim=True))
-    A19 = t18 / t18.sum(-1, keepdim=True)
-    t20 = t15 * A19
-    t21 = (1/L) * t20
-    t22 = (-1/L) * Y
-    t23 = t21 + t22
-    G = t23
-    t24 = W_V.transpose(-1, -2)
-    t25 = t24 @ t0
-    t26 = G @ t25
-    t27 = t13 - (A * t13).sum(-1, keepdim=True)
-    t28 = t26 - (A * t26).sum(-1, keepdim=True)
-    t29 = A * t27 * t28
-    t30 = t29 - A * t29.sum(-1, keepdim=True)
-    t31 = (1/math.sqrt(d_K)) * t30
-    t32 = V_W_V.transpose(-1, -2)
-    t33 = t32 @ t0
-    t34 = G @ t33
-    t35 = t34 - (A * t34).sum(-1, keepdim=True)
-    t36 = A * t35
-    t37 = t31 + t36
-    t38 = X @ W_K
-    t39 = t37 @ t38
-    t40 = t0 @ t39
-    t41 = A * t28
-    t42 = X @ V_W_K
-    t43 = t41 @ t42
-    t44 = t0 @ t43
-    t45 = t40 + t44
-    t46 = (1/math.sqrt(d_K)) * t45
-    t47 = t30.transpose(-1, -2)
-    t48 = (1/math.sqrt(d_K)) * t47
-    t49 = t36.transpose(-1, -2)
-    t50 = t48 + t49
-    t51 = X @ W_Q
-    t52 = t50 @ t51
-    t53 = t0 @ t52
-    t54 = t41.transpose(-1, -2)
-    t55 = X @ V_W_Q
-    t56 = t54 @ t55
-    t57 = t0 @ t56
-    t58 = t53 + t57
-    t59 = (1/math.sqrt(d_K)) * t58
-    t60 = A * t27
-    t61 = t60.transpose(-1, -2)
-    t62 = t61 @ G
-    t63 = t0 @ t62
-    t64 = (1/math.sqrt(d_K)) * t63
-    return (t46.mean(0), t59.mean(0), t64.mean(0),)
+    t9 = (1/math.sqrt(d_K)) * t8
+    t10 = V_W_K.transpose(-1, -2)
+    t11 = t10 @ t0
+    t12 = W_Q @ t11
+    t13 = X @ t12
+    t14 = (1/math.sqrt(d_K)) * t13
+    t15 = t9 + t14
+    t16 = Y.sum(-1, keepdim=True)
+    t17 = t16.expand(*t16.shape[:-1], d_V)
+    t18 = X @ W_V
+    t19 = A @ t18
+    F = t19
+    t20 = torch.exp(F - F.amax(-1, keepdim=True))
+    A21 = t20 / t20.sum(-1, keepdim=True)
+    t22 = t17 * A21
+    t23 = (1/L) * t22
+    t24 = (-1/L) * Y
+    t25 = t23 + t24
+    G = t25
+    t26 = W_V.transpose(-1, -2)
+    t27 = t26 @ t0
+    t28 = G @ t27
+    t29 = t15 - (A * t15).sum(-1, keepdim=True)
+    t30 = t28 - (A * t28).sum(-1, keepdim=True)
+    t31 = A * t29 * t30
+    t32 = t31 - A * t31.sum(-1, keepdim=True)
+    t33 = V_W_V.transpose(-1, -2)
+    t34 = t33 @ t0
+    t35 = G @ t34
+    t36 = t35 - (A * t35).sum(-1, keepdim=True)
+    t37 = A * t36
+    t38 = t32 + t37
+    t39 = X @ W_K
+    t40 = t38 @ t39
+    t41 = t0 @ t40
+    t42 = (1/math.sqrt(d_K)) * t41
+    t43 = A * t30
+    t44 = X @ V_W_K
+    t45 = t43 @ t44
+    t46 = t0 @ t45
+    t47 = (1/math.sqrt(d_K)) * t46
+    t48 = t42 + t47
+    t49 = t32.transpose(-1, -2)
+    t50 = t37.transpose(-1, -2)
+    t51 = t49 + t50
+    t52 = X @ W_Q
+    t53 = t51 @ t52
+    t54 = t0 @ t53
+    t55 = (1/math.sqrt(d_K)) * t54
+    t56 = t43.transpose(-1, -2)
+    t57 = X @ V_W_Q
+    t58 = t56 @ t57
+    t59 = t0 @ t58
+    t60 = (1/math.sqrt(d_K)) * t59
+    t61 = t55 + t60
+    t62 = A * t29
+    t63 = t62.transpose(-1, -2)
+    t64 = t63 @ G
+    t65 = t0 @ t64
+    return (t48.mean(0), t61.mean(0), t65.mean(0),)
 
 
 def ce_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
@@ -1152,7 +6879,8 @@ def ce_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t9 = A @ X
     M_1 = t9
     t10 = M_1 @ W_V
-    t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
+    F = t10
+    t11 = torch.exp(F - F.amax(-1, keepdim=True))
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = t8 * A12
     t14 = (1/L) * t13
@@ -1166,30 +6894,30 @@ def ce_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t21 = A * t20
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t1, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t22 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t22 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 2), (0, 4), (2, 3), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
     t23 = torch.sqrt(torch.clamp(t22, min=0.0))
     t24 = t21 @ X
     t25 = t1 @ t24
-    t26 = (n_batch**(-2)) * oe.contract('abc,dbc->', t25, t25, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t25, t0, t1, M_3, X, W_Q, optimize=[(1, 5), (3, 4), (2, 3), (1, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t26 = (n_batch**(-2)) * oe.contract('abc,dbc->', t25, t25, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t25, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
     t27 = torch.sqrt(torch.clamp(t26, min=0.0))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t28 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t28 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 1), (2, 3), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
     t29 = torch.sqrt(torch.clamp(t28, min=0.0))
     t30 = t21.transpose(-1, -2)
     t31 = t30 @ X
     t32 = t1 @ t31
     t33 = W_Q.transpose(-1, -2)
-    t34 = (n_batch**(-2)) * oe.contract('abc,dbc->', t32, t32, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t32, t33, t1, M_3, X, W_K, optimize=[(1, 2), (3, 4), (1, 3), (1, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t33, t1, M_3, X, W_K, t33, t1, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t34 = (n_batch**(-2)) * oe.contract('abc,dbc->', t32, t32, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t32, t33, t1, M_3, X, W_K, optimize=[(0, 3), (2, 4), (0, 1), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t33, t1, M_3, X, W_K, t33, t1, M_3, X, W_K, optimize=[(0, 1), (0, 2), (1, 2), (0, 2), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
     t35 = torch.sqrt(torch.clamp(t34, min=0.0))
-    t36 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t33, t1, M_3, X, W_Q, t33, t1, M_3, X, W_Q, optimize=[(0, 1), (0, 5), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)])
+    t36 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t33, t1, M_3, X, W_Q, t33, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)])
     t37 = torch.sqrt(torch.clamp(t36, min=0.0))
-    t38 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t33, M_2, X, G, t33, M_2, X, G, optimize=[(0, 4), (2, 5), (1, 4), (3, 4), (2, 3), (0, 2), (0, 1)])
+    t38 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t33, M_2, X, G, t33, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
     t39 = torch.sqrt(torch.clamp(t38, min=0.0))
     t40 = G.transpose(-1, -2)
-    t41 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t40, M_2, X, W_K, t40, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
+    t41 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t40, M_2, X, W_K, t40, M_2, X, W_K, optimize=[(1, 3), (0, 2), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)])
     t42 = torch.sqrt(torch.clamp(t41, min=0.0))
-    t43 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t40, M_2, X, W_Q, t40, M_2, X, W_Q, optimize=[(0, 4), (1, 2), (2, 3), (2, 3), (2, 3), (0, 2), (0, 1)])
+    t43 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t40, M_2, X, W_Q, t40, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
     t44 = torch.sqrt(torch.clamp(t43, min=0.0))
     return (t23, t27, t29, t35, t37, t39, t42, t44, 0.0,)
 
@@ -1215,7 +6943,8 @@ def ce_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t10 = A @ X
     M_1 = t10
     t11 = M_1 @ W_V
-    t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
+    F = t11
+    t12 = torch.exp(F - F.amax(-1, keepdim=True))
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = t9 * A13
     t15 = (1/L) * t14
@@ -1229,7 +6958,7 @@ def ce_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t22 = A * t21
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t22, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t22, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t22, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->da', t1, t2, M_3, X, W_K, optimize=[(1, 3), (0, 2), (0, 2), (0, 1)])
+    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->da', t1, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -1252,7 +6981,8 @@ def ce_causal0__trace__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t9 = A @ X
     M_1 = t9
     t10 = M_1 @ W_V
-    t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
+    F = t10
+    t11 = torch.exp(F - F.amax(-1, keepdim=True))
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = t8 * A12
     t14 = (1/L) * t13
@@ -1266,7 +6996,7 @@ def ce_causal0__trace__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t21 = A * t20
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t1, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    return (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->', t0, t1, M_3, X, W_K, optimize=[(1, 3), (0, 2), (0, 2), (0, 1)])
+    return (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->', t0, t1, M_3, X, W_K, optimize=[(1, 3), (1, 3), (0, 1), (0, 1)])
 
 
 def ce_causal0__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -1290,7 +7020,8 @@ def ce_causal0__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t10 = A @ X
     M_1 = t10
     t11 = M_1 @ W_V
-    t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
+    F = t11
+    t12 = torch.exp(F - F.amax(-1, keepdim=True))
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = t9 * A13
     t15 = (1/L) * t14
@@ -1327,7 +7058,8 @@ def ce_causal0__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t9 = A @ X
     M_1 = t9
     t10 = M_1 @ W_V
-    t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
+    F = t10
+    t11 = torch.exp(F - F.amax(-1, keepdim=True))
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = t8 * A12
     t14 = (1/L) * t13
@@ -1341,7 +7073,7 @@ def ce_causal0__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t21 = A * t20
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t1, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t22 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t22 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 2), (0, 4), (2, 3), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
     t23 = torch.sqrt(torch.clamp(t22, min=0.0))
     return t23
 
@@ -1369,7 +7101,8 @@ def ce_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t11 = A @ X
     M_1 = t11
     t12 = M_1 @ W_V
-    t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    F = t12
+    t13 = torch.exp(F - F.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = t10 * A14
     t16 = (1/L) * t15
@@ -1387,7 +7120,7 @@ def ce_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t25, t26, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t3, t2, M_3, X, W_Q, optimize=[(3, 4), (0, 2), (0, 1), (0, 1)])
+    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t3, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -1410,7 +7143,8 @@ def ce_causal0__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t9 = A @ X
     M_1 = t9
     t10 = M_1 @ W_V
-    t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
+    F = t10
+    t11 = torch.exp(F - F.amax(-1, keepdim=True))
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = t8 * A12
     t14 = (1/L) * t13
@@ -1426,7 +7160,7 @@ def ce_causal0__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t23 = t0 @ t22
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t0, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t24 = (n_batch**(-2)) * oe.contract('abc,dbc->', t23, t23, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t23, t1, t0, M_3, X, W_Q, optimize=[(1, 5), (3, 4), (2, 3), (1, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t1, t0, M_3, X, W_Q, t1, t0, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t24 = (n_batch**(-2)) * oe.contract('abc,dbc->', t23, t23, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t23, t1, t0, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t1, t0, M_3, X, W_Q, t1, t0, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
     t25 = torch.sqrt(torch.clamp(t24, min=0.0))
     return t25
 
@@ -1454,7 +7188,8 @@ def ce_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t10 = A @ X
     M_1 = t10
     t11 = M_1 @ W_V
-    t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
+    F = t11
+    t12 = torch.exp(F - F.amax(-1, keepdim=True))
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = t9 * A13
     t15 = (1/L) * t14
@@ -1486,14 +7221,15 @@ def ce_causal0__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t9 = A @ X
     M_1 = t9
     t10 = M_1 @ W_V
-    t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
+    F = t10
+    t11 = torch.exp(F - F.amax(-1, keepdim=True))
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = t8 * A12
     t14 = (1/L) * t13
     t15 = (-1/L) * Y
     t16 = t14 + t15
     G = t16
-    t17 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t17 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 1), (2, 3), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
     t18 = torch.sqrt(torch.clamp(t17, min=0.0))
     return t18
 
@@ -1520,7 +7256,8 @@ def ce_causal0__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
     t11 = A @ X
     M_1 = t11
     t12 = M_1 @ W_V
-    t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    F = t12
+    t13 = torch.exp(F - F.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = t10 * A14
     t16 = (1/L) * t15
@@ -1558,7 +7295,8 @@ def ce_causal0__trace__W_K__functional(X, W_Q, W_K, W_V, Y):
     t10 = A @ X
     M_1 = t10
     t11 = M_1 @ W_V
-    t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
+    F = t11
+    t12 = torch.exp(F - F.amax(-1, keepdim=True))
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = t9 * A13
     t15 = (1/L) * t14
@@ -1572,7 +7310,7 @@ def ce_causal0__trace__W_K__functional(X, W_Q, W_K, W_V, Y):
     t22 = A * t21
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t1, t22, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t22, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t22, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    return (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->', t0, t1, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    return (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->', t0, t1, M_3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
 
 
 def ce_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -1598,7 +7336,8 @@ def ce_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t11 = A @ X
     M_1 = t11
     t12 = M_1 @ W_V
-    t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    F = t12
+    t13 = torch.exp(F - F.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = t10 * A14
     t16 = (1/L) * t15
@@ -1641,7 +7380,8 @@ def ce_causal0__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t9 = A @ X
     M_1 = t9
     t10 = M_1 @ W_V
-    t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
+    F = t10
+    t11 = torch.exp(F - F.amax(-1, keepdim=True))
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = t8 * A12
     t14 = (1/L) * t13
@@ -1659,7 +7399,7 @@ def ce_causal0__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t25 = W_Q.transpose(-1, -2)
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t0, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t26 = (n_batch**(-2)) * oe.contract('abc,dbc->', t24, t24, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t24, t25, t0, M_3, X, W_K, optimize=[(1, 2), (3, 4), (1, 3), (1, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t25, t0, M_3, X, W_K, t25, t0, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t26 = (n_batch**(-2)) * oe.contract('abc,dbc->', t24, t24, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t24, t25, t0, M_3, X, W_K, optimize=[(0, 3), (2, 4), (0, 1), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t25, t0, M_3, X, W_K, t25, t0, M_3, X, W_K, optimize=[(0, 1), (0, 2), (1, 2), (0, 2), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
     t27 = torch.sqrt(torch.clamp(t26, min=0.0))
     return t27
 
@@ -1686,7 +7426,8 @@ def ce_causal0__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t11 = A @ X
     M_1 = t11
     t12 = M_1 @ W_V
-    t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    F = t12
+    t13 = torch.exp(F - F.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = t10 * A14
     t16 = (1/L) * t15
@@ -1724,7 +7465,8 @@ def ce_causal0__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t10 = A @ X
     M_1 = t10
     t11 = M_1 @ W_V
-    t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
+    F = t11
+    t12 = torch.exp(F - F.amax(-1, keepdim=True))
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = t9 * A13
     t15 = (1/L) * t14
@@ -1738,7 +7480,7 @@ def ce_causal0__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t22 = A * t21
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t1, t22, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t22, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t22, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t23 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 1), (0, 5), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)])
+    t23 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)])
     t24 = torch.sqrt(torch.clamp(t23, min=0.0))
     return t24
 
@@ -1767,7 +7509,8 @@ def ce_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t11 = A @ X
     M_1 = t11
     t12 = M_1 @ W_V
-    t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    F = t12
+    t13 = torch.exp(F - F.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = t10 * A14
     t16 = (1/L) * t15
@@ -1800,14 +7543,15 @@ def ce_causal0__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t10 = A @ X
     M_1 = t10
     t11 = M_1 @ W_V
-    t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
+    F = t11
+    t12 = torch.exp(F - F.amax(-1, keepdim=True))
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = t9 * A13
     t15 = (1/L) * t14
     t16 = (-1/L) * Y
     t17 = t15 + t16
     G = t17
-    t18 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (2, 5), (1, 4), (3, 4), (2, 3), (0, 2), (0, 1)])
+    t18 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
     t19 = torch.sqrt(torch.clamp(t18, min=0.0))
     return t19
 
@@ -1853,7 +7597,8 @@ def ce_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t10 = A @ X
     M_1 = t10
     t11 = M_1 @ W_V
-    t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
+    F = t11
+    t12 = torch.exp(F - F.amax(-1, keepdim=True))
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = t2 * A13
     t15 = (1/L) * t14
@@ -1886,7 +7631,8 @@ def ce_causal0__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t9 = A @ X
     M_1 = t9
     t10 = M_1 @ W_V
-    t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
+    F = t10
+    t11 = torch.exp(F - F.amax(-1, keepdim=True))
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = t1 * A12
     t14 = (1/L) * t13
@@ -1896,7 +7642,7 @@ def ce_causal0__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t17 = G.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t18 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t17, M_2, X, W_K, t17, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
+    t18 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t17, M_2, X, W_K, t17, M_2, X, W_K, optimize=[(1, 3), (0, 2), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)])
     t19 = torch.sqrt(torch.clamp(t18, min=0.0))
     return t19
 
@@ -1922,7 +7668,8 @@ def ce_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t10 = A @ X
     M_1 = t10
     t11 = M_1 @ W_V
-    t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
+    F = t11
+    t12 = torch.exp(F - F.amax(-1, keepdim=True))
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = t2 * A13
     t15 = (1/L) * t14
@@ -1955,7 +7702,8 @@ def ce_causal0__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t9 = A @ X
     M_1 = t9
     t10 = M_1 @ W_V
-    t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
+    F = t10
+    t11 = torch.exp(F - F.amax(-1, keepdim=True))
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = t1 * A12
     t14 = (1/L) * t13
@@ -1965,7 +7713,7 @@ def ce_causal0__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t17 = G.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t18 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t17, M_2, X, W_Q, t17, M_2, X, W_Q, optimize=[(0, 4), (1, 2), (2, 3), (2, 3), (2, 3), (0, 2), (0, 1)])
+    t18 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t17, M_2, X, W_Q, t17, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
     t19 = torch.sqrt(torch.clamp(t18, min=0.0))
     return t19
 
@@ -2012,7 +7760,8 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t11 = A @ X
     M_1 = t11
     t12 = M_1 @ W_V
-    t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    F = t12
+    t13 = torch.exp(F - F.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = t10 * A14
     t16 = (1/L) * t15
@@ -2029,64 +7778,66 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t1[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t2, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t2, M_2, X, W_V, t10, A14, t19, M_2, X, W_K, optimize=[(4, 5), (0, 1), (1, 7), (5, 6), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t1 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t2, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_K, optimize=[(4, 5), (4, 5), (4, 8), (5, 7), (0, 1), (1, 5), (2, 4), (0, 1), (0, 1), (0, 1)])
-    t24 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t24[...] = 0
-    t25 = t24.view((d_V, d_K, d_V, d_K))
-    t26 = t25.diagonal(0, 1, 3)
-    t27 = t23 @ X
-    t28 = t3 @ t27
-    t29 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t26 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t28, t29, optimize=[(0, 1)])
-    t25 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t2, t3, M_3, X, W_Q, optimize=[(3, 4), (0, 2), (0, 1), (0, 1)])
-    t25 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t2, M_2, X, W_V, t10, A14, t19, M_2, X, W_Q, optimize=[(4, 5), (6, 7), (0, 1), (1, 6), (3, 5), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t25 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t2, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_Q, optimize=[(4, 5), (4, 5), (4, 8), (4, 5), (0, 1), (1, 5), (1, 4), (0, 1), (0, 1), (0, 1)])
-    t30 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t31 = t30.view((d_V, d_K, d_V, d_V))
-    t31[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t2, M_2, X, W_V, t10, A14, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t31 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t2, M_2, X, W_V, t10, A14, A14, M_1, optimize=[(4, 5), (1, 3), (4, 5), (0, 4), (0, 1), (0, 1), (0, 1)])
-    t31 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t2, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
-    t32 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t32[...] = 0
-    t33 = t32.view((d_V, d_K, d_V, d_K))
-    t34 = t33.diagonal(0, 1, 3)
-    t35 = t23.transpose(-1, -2)
-    t36 = t35 @ X
-    t37 = t3 @ t36
-    t34 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t37, t29, optimize=[(0, 1)])
-    t38 = W_Q.transpose(-1, -2)
-    t33 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t38, t3, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
-    t33 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t38, M_2, X, W_V, t10, A14, t19, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (4, 6), (0, 1), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t33 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t38, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_K, optimize=[(4, 5), (0, 2), (2, 3), (2, 7), (3, 6), (0, 1), (1, 4), (0, 1), (0, 1), (0, 1)])
-    t39 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t40 = t39.view((d_V, d_K, d_V, d_K))
-    t40[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t38, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t40 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t38, M_2, X, W_V, t10, A14, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (4, 5), (0, 1), (2, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t40 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t38, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (2, 3), (2, 7), (2, 3), (0, 1), (0, 4), (0, 1), (0, 1), (0, 1)])
-    t41 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t42 = t41.view((d_V, d_K, d_V, d_V))
-    t42[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh->fahg', t38, M_2, X, W_V, t10, A14, M_1, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
-    t42 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t38, M_2, X, W_V, t10, A14, A14, M_1, optimize=[(0, 2), (1, 2), (1, 5), (0, 4), (0, 1), (0, 1), (0, 1)])
-    t42 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t38, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
-    t43 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t44 = t43.view((d_V, d_V, d_V, d_K))
-    t45 = G.transpose(-1, -2)
-    t44[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t45, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
-    t46 = M_1.transpose(-1, -2)
-    t44 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t46, t10, A14, t19, M_2, X, W_K, optimize=[(1, 2), (0, 3), (0, 1), (1, 3), (0, 2), (0, 1)])
-    t44 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t46, t10, A14, A14, t19, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (0, 1), (0, 1), (0, 1)])
-    t47 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t48 = t47.view((d_V, d_V, d_V, d_K))
-    t48[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t45, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t48 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t46, t10, A14, t19, M_2, X, W_Q, optimize=[(1, 2), (3, 4), (0, 4), (0, 1), (0, 2), (0, 1)])
-    t48 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t46, t10, A14, A14, t19, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 1), (0, 1), (0, 1)])
-    t49 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t49[...] = 0
-    t50 = t49.view((d_V, d_V, d_V, d_V))
-    t51 = t50.diagonal(0, 1, 3)
-    t51 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bed', t46, t10, A14, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
-    t50 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t46, t10, A14, A14, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t24 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A25 = t24 / t24.sum(-1, keepdim=True)
+    t1 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t2, M_2, X, W_V, t10, A25, t19, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t1 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t2, M_2, X, W_V, t10, A25, A25, t19, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
+    t26 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t26[...] = 0
+    t27 = t26.view((d_V, d_K, d_V, d_K))
+    t28 = t27.diagonal(0, 1, 3)
+    t29 = t23 @ X
+    t30 = t3 @ t29
+    t31 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t28 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t30, t31, optimize=[(0, 1)])
+    t27 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t2, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t27 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t2, M_2, X, W_V, t10, A25, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
+    t27 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t2, M_2, X, W_V, t10, A25, A25, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
+    t32 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t33 = t32.view((d_V, d_K, d_V, d_V))
+    t33[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t2, M_2, X, W_V, t10, A25, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t33 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t2, M_2, X, W_V, t10, A25, A25, M_1, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t33 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t2, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
+    t34 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t34[...] = 0
+    t35 = t34.view((d_V, d_K, d_V, d_K))
+    t36 = t35.diagonal(0, 1, 3)
+    t37 = t23.transpose(-1, -2)
+    t38 = t37 @ X
+    t39 = t3 @ t38
+    t36 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t39, t31, optimize=[(0, 1)])
+    t40 = W_Q.transpose(-1, -2)
+    t35 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t40, t3, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    t35 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t40, M_2, X, W_V, t10, A25, t19, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t35 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t40, M_2, X, W_V, t10, A25, A25, t19, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t41 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t42 = t41.view((d_V, d_K, d_V, d_K))
+    t42[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t40, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t42 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t40, M_2, X, W_V, t10, A25, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
+    t42 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t40, M_2, X, W_V, t10, A25, A25, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
+    t43 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t44 = t43.view((d_V, d_K, d_V, d_V))
+    t44[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh->fahg', t40, M_2, X, W_V, t10, A25, M_1, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
+    t44 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t40, M_2, X, W_V, t10, A25, A25, M_1, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t44 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t40, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
+    t45 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t46 = t45.view((d_V, d_V, d_V, d_K))
+    t47 = G.transpose(-1, -2)
+    t46[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t47, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
+    t48 = M_1.transpose(-1, -2)
+    t46 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t48, t10, A25, t19, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t46 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t48, t10, A25, A25, t19, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
+    t49 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t50 = t49.view((d_V, d_V, d_V, d_K))
+    t50[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t47, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    t50 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t48, t10, A25, t19, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t50 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t48, t10, A25, A25, t19, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
+    t51 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t51[...] = 0
+    t52 = t51.view((d_V, d_V, d_V, d_V))
+    t53 = t52.diagonal(0, 1, 3)
+    t53 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bed', t48, t10, A25, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
+    t52 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t48, t10, A25, A25, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
     return H
 
 
@@ -2106,79 +7857,79 @@ def ce_causal0__hvp__full(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = V_W_Q @ t2
     t8 = X @ t7
-    t9 = V_W_K.transpose(-1, -2)
-    t10 = t9 @ t0
-    t11 = W_Q @ t10
-    t12 = X @ t11
-    t13 = t8 + t12
-    t14 = Y.sum(-1, keepdim=True)
-    t15 = t14.expand(*t14.shape[:-1], d_V)
-    t16 = X @ W_V
-    t17 = A @ t16
-    t18 = torch.exp(t17 - t17.amax(-1, keepdim=True))
-    A19 = t18 / t18.sum(-1, keepdim=True)
-    t20 = t15 * A19
-    t21 = (1/L) * t20
-    t22 = (-1/L) * Y
-    t23 = t21 + t22
-    t24 = W_V.transpose(-1, -2)
-    t25 = t24 @ t0
-    t26 = t23 @ t25
-    t27 = t13 - (A * t13).sum(-1, keepdim=True)
-    t28 = t26 - (A * t26).sum(-1, keepdim=True)
-    t29 = A * t27 * t28
-    t30 = t29 - A * t29.sum(-1, keepdim=True)
-    t31 = (1/math.sqrt(d_K)) * t30
-    t32 = V_W_V.transpose(-1, -2)
-    t33 = t32 @ t0
-    t34 = t23 @ t33
-    t35 = A * t27
-    t36 = t35 @ t16
-    t37 = (1/math.sqrt(d_K)) * t36
+    t9 = (1/math.sqrt(d_K)) * t8
+    t10 = V_W_K.transpose(-1, -2)
+    t11 = t10 @ t0
+    t12 = W_Q @ t11
+    t13 = X @ t12
+    t14 = (1/math.sqrt(d_K)) * t13
+    t15 = t9 + t14
+    t16 = Y.sum(-1, keepdim=True)
+    t17 = t16.expand(*t16.shape[:-1], d_V)
+    t18 = X @ W_V
+    t19 = A @ t18
+    F = t19
+    t20 = torch.exp(F - F.amax(-1, keepdim=True))
+    A21 = t20 / t20.sum(-1, keepdim=True)
+    t22 = t17 * A21
+    t23 = (1/(L*math.sqrt(d_K))) * t22
+    t24 = (-1/(L*math.sqrt(d_K))) * Y
+    t25 = t23 + t24
+    t26 = W_V.transpose(-1, -2)
+    t27 = t26 @ t0
+    t28 = t25 @ t27
+    t29 = t15 - (A * t15).sum(-1, keepdim=True)
+    t30 = t28 - (A * t28).sum(-1, keepdim=True)
+    t31 = A * t29 * t30
+    t32 = t31 - A * t31.sum(-1, keepdim=True)
+    t33 = V_W_V.transpose(-1, -2)
+    t34 = t33 @ t0
+    t35 = t25 @ t34
+    t36 = A * t29
+    t37 = t36 @ t18
     t38 = X @ V_W_V
     t39 = A @ t38
     t40 = t37 + t39
-    t41 = t40 - (A19 * t40).sum(-1, keepdim=True)
-    t42 = A19 * t41
-    t43 = t15 * t42
-    t44 = t43 @ t25
-    t45 = (1/L) * t44
-    t46 = t34 + t45
+    t41 = t40 - (A21 * t40).sum(-1, keepdim=True)
+    t42 = A21 * t41
+    t43 = t17 * t42
+    t44 = t43 @ t27
+    t45 = (1/(L*math.sqrt(d_K))) * t44
+    t46 = t35 + t45
     t47 = t46 - (A * t46).sum(-1, keepdim=True)
     t48 = A * t47
-    t49 = t31 + t48
+    t49 = t32 + t48
     t50 = X @ W_K
     t51 = t49 @ t50
     t52 = t0 @ t51
-    t53 = A * t28
+    t53 = A * t30
     t54 = X @ V_W_K
     t55 = t53 @ t54
     t56 = t0 @ t55
     t57 = t52 + t56
-    t58 = (1/math.sqrt(d_K)) * t57
-    t59 = t30.transpose(-1, -2)
-    t60 = (1/math.sqrt(d_K)) * t59
-    t61 = t48.transpose(-1, -2)
-    t62 = t60 + t61
-    t63 = X @ W_Q
-    t64 = t62 @ t63
-    t65 = t0 @ t64
-    t66 = t53.transpose(-1, -2)
-    t67 = X @ V_W_Q
-    t68 = t66 @ t67
-    t69 = t0 @ t68
-    t70 = t65 + t69
-    t71 = (1/math.sqrt(d_K)) * t70
-    t72 = t35.transpose(-1, -2)
-    t73 = t72 @ t23
+    t58 = t32.transpose(-1, -2)
+    t59 = t48.transpose(-1, -2)
+    t60 = t58 + t59
+    t61 = X @ W_Q
+    t62 = t60 @ t61
+    t63 = t0 @ t62
+    t64 = t53.transpose(-1, -2)
+    t65 = X @ V_W_Q
+    t66 = t64 @ t65
+    t67 = t0 @ t66
+    t68 = t63 + t67
+    t69 = t36.transpose(-1, -2)
+    t70 = (1/L) * t22
+    t71 = (-1/L) * Y
+    t72 = t70 + t71
+    t73 = t69 @ t72
     t74 = t0 @ t73
-    t75 = (1/math.sqrt(d_K)) * t74
-    t76 = A.transpose(-1, -2)
-    t77 = t76 @ t43
-    t78 = t0 @ t77
-    t79 = (1/L) * t78
-    t80 = t75 + t79
-    return (t58.mean(0), t71.mean(0), t80.mean(0),)
+    t75 = A.transpose(-1, -2)
+    t76 = t75 @ t43
+    t77 = t0 @ t76
+    t78 = (1/L) * t77
+    t79 = t74 + t78
+    return (t57.mean(0), t68.mean(0), t79.mean(0),)
 
 
 def ce_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
@@ -2200,7 +7951,8 @@ def ce_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t9 = A @ X
     M_1 = t9
     t10 = M_1 @ W_V
-    t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
+    F = t10
+    t11 = torch.exp(F - F.amax(-1, keepdim=True))
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = t8 * A12
     t14 = (1/L) * t13
@@ -2216,33 +7968,35 @@ def ce_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     M_3 = oe.contract('abc,adc,ace->adbe', t1, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t22 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jkli,jkd,lm,jkm,jkm,mn,jkno,jkg,oh->', t0, t1, M_3, X, W_K, t0, M_2, X, W_V, t8, A12, t17, M_2, X, W_K, optimize=[(9, 10), (0, 2), (3, 4), (0, 3), (3, 4), (0, 3), (6, 8), (0, 2), (0, 3), (1, 3), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jkli,jkd,lm,jkm,jkm,jkn,no,jkop,jkg,ph->', t0, t1, M_3, X, W_K, t0, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_K, optimize=[(9, 10), (0, 2), (3, 4), (0, 3), (3, 4), (3, 10), (0, 3), (6, 8), (0, 2), (0, 1), (1, 5), (0, 2), (2, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnol,mnf,op,mnp,mnp,pq,mnqr,mnj,rk->', t0, M_2, X, W_V, t8, A12, t17, M_2, X, W_K, t0, M_2, X, W_V, t8, A12, t17, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (4, 5), (0, 4), (4, 5), (1, 4), (9, 11), (1, 3), (0, 4), (0, 4), (2, 5), (0, 4), (4, 5), (0, 3), (0, 3), (1, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnol,mnf,op,mnp,mnp,mnq,qr,mnrs,mnj,sk->', t0, M_2, X, W_V, t8, A12, t17, M_2, X, W_K, t0, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (4, 5), (0, 4), (4, 5), (4, 13), (1, 4), (9, 11), (1, 3), (1, 3), (4, 8), (0, 2), (1, 4), (0, 4), (3, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl,am,nopm,nof,pq,noq,noq,nor,rs,nost,nok,tl->', t0, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_K, t0, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_K, optimize=[(4, 5), (13, 14), (0, 1), (2, 3), (2, 17), (4, 5), (0, 4), (4, 5), (4, 13), (1, 4), (9, 11), (1, 3), (0, 2), (2, 8), (0, 1), (1, 6), (0, 3), (2, 3), (1, 3), (0, 1), (0, 1)])
-    t23 = torch.sqrt(torch.clamp(t22, min=0.0))
-    t24 = t21 @ X
-    t25 = t1 @ t24
-    t26 = (n_batch**(-2)) * oe.contract('abc,dbc->', t25, t25, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t25, t0, t1, M_3, X, W_Q, optimize=[(1, 5), (3, 4), (2, 3), (1, 2), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgi,fgi,ij,fgjc,fgk,kd->', t25, t0, M_2, X, W_V, t8, A12, t17, M_2, X, W_Q, optimize=[(0, 3), (6, 9), (3, 4), (0, 5), (2, 4), (3, 5), (2, 3), (0, 3), (0, 2), (0, 1)]) + (-2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgi,fgi,fgj,jk,fgkc,fgl,ld->', t25, t0, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_Q, optimize=[(0, 3), (7, 10), (3, 4), (0, 6), (2, 3), (3, 6), (2, 4), (0, 4), (0, 3), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkm,jkm,mn,jknf,jko,oh->', t0, t1, M_3, X, W_Q, t0, M_2, X, W_V, t8, A12, t17, M_2, X, W_Q, optimize=[(9, 10), (0, 2), (1, 2), (1, 2), (0, 1), (1, 2), (1, 2), (0, 4), (0, 4), (4, 5), (0, 4), (1, 3), (0, 1), (0, 1)]) + (-2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkm,jkm,jkn,no,jkof,jkp,ph->', t0, t1, M_3, X, W_Q, t0, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_Q, optimize=[(9, 10), (0, 2), (1, 2), (1, 2), (0, 1), (1, 2), (1, 9), (1, 2), (0, 1), (2, 6), (0, 3), (3, 4), (1, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnol,mnf,op,mnp,mnp,pq,mnqi,mnr,rk->', t0, M_2, X, W_V, t8, A12, t17, M_2, X, W_Q, t0, M_2, X, W_V, t8, A12, t17, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (2, 3), (2, 3), (0, 2), (2, 3), (2, 3), (0, 4), (1, 3), (7, 8), (0, 3), (0, 3), (4, 5), (3, 4), (1, 3), (0, 1), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnol,mnf,op,mnp,mnp,mnq,qr,mnri,mns,sk->', t0, M_2, X, W_V, t8, A12, t17, M_2, X, W_Q, t0, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (2, 3), (2, 3), (0, 2), (2, 3), (2, 12), (2, 3), (1, 3), (5, 9), (0, 2), (0, 1), (5, 6), (0, 3), (0, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl,am,nopm,nof,pq,noq,noq,nor,rs,nosj,not,tl->', t0, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_Q, t0, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_Q, optimize=[(4, 5), (13, 14), (0, 1), (2, 3), (2, 17), (2, 3), (2, 3), (0, 2), (2, 3), (2, 12), (2, 3), (0, 2), (2, 9), (0, 1), (2, 7), (0, 3), (1, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t27 = torch.sqrt(torch.clamp(t26, min=0.0))
-    t28 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,ai,jkli,jkf,lg,jkg,jkg,jkh->', t0, M_2, X, W_V, t8, A12, M_1, t0, M_2, X, W_V, t8, A12, M_1, optimize=[(4, 5), (9, 10), (0, 5), (1, 5), (2, 5), (7, 8), (0, 1), (2, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,ai,jkli,jkf,lm,jkm,jkm,jkg,jkh->', t0, M_2, X, W_V, t8, A12, M_1, t0, M_2, X, W_V, t8, A12, A12, M_1, optimize=[(4, 5), (9, 10), (0, 1), (3, 4), (0, 3), (1, 4), (7, 8), (1, 4), (4, 6), (0, 3), (1, 4), (0, 3), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,ai,jkhi,jkf,jkg->', t0, M_2, X, W_V, t8, A12, M_1, t0, M_2, X, G, optimize=[(4, 5), (0, 5), (1, 5), (0, 1), (3, 6), (0, 1), (2, 4), (1, 2), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi,aj,klmj,klf,mn,kln,kln,klh,kli->', t0, M_2, X, W_V, t8, A12, A12, M_1, t0, M_2, X, W_V, t8, A12, A12, M_1, optimize=[(4, 5), (10, 11), (0, 1), (4, 5), (0, 4), (1, 4), (8, 9), (1, 3), (6, 7), (0, 2), (2, 5), (0, 1), (0, 3), (0, 2), (0, 1)]) + (-2/(L*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi,aj,klij,klf,klh->', t0, M_2, X, W_V, t8, A12, A12, M_1, t0, M_2, X, G, optimize=[(4, 5), (0, 6), (1, 6), (2, 5), (6, 7), (1, 4), (4, 5), (0, 4), (0, 1), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t22 = torch.exp(t10 - t10.amax(-1, keepdim=True))
+    A23 = t22 / t22.sum(-1, keepdim=True)
+    t24 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 2), (0, 4), (2, 3), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jkli,jkd,lm,jkm,jkm,mn,jkno,jkg,oh->', t0, t1, M_3, X, W_K, t0, M_2, X, W_V, t8, A23, t17, M_2, X, W_K, optimize=[(9, 10), (0, 2), (3, 4), (0, 3), (3, 4), (0, 3), (6, 8), (0, 2), (0, 3), (1, 3), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jkli,jkd,lm,jkm,jkm,jkn,no,jkop,jkg,ph->', t0, t1, M_3, X, W_K, t0, M_2, X, W_V, t8, A23, A23, t17, M_2, X, W_K, optimize=[(9, 10), (0, 2), (3, 4), (0, 3), (3, 4), (3, 10), (0, 3), (6, 8), (0, 2), (0, 1), (1, 5), (0, 2), (2, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnol,mnf,op,mnp,mnp,pq,mnqr,mnj,rk->', t0, M_2, X, W_V, t8, A23, t17, M_2, X, W_K, t0, M_2, X, W_V, t8, A23, t17, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (4, 5), (0, 4), (4, 5), (1, 4), (9, 11), (1, 3), (0, 4), (0, 4), (2, 5), (0, 4), (4, 5), (0, 3), (0, 3), (1, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnol,mnf,op,mnp,mnp,mnq,qr,mnrs,mnj,sk->', t0, M_2, X, W_V, t8, A23, t17, M_2, X, W_K, t0, M_2, X, W_V, t8, A23, A23, t17, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (4, 5), (0, 4), (4, 5), (4, 13), (1, 4), (9, 11), (1, 3), (1, 3), (4, 8), (0, 2), (1, 4), (0, 4), (3, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl,am,nopm,nof,pq,noq,noq,nor,rs,nost,nok,tl->', t0, M_2, X, W_V, t8, A23, A23, t17, M_2, X, W_K, t0, M_2, X, W_V, t8, A23, A23, t17, M_2, X, W_K, optimize=[(4, 5), (13, 14), (0, 1), (2, 3), (2, 17), (4, 5), (0, 4), (4, 5), (4, 13), (1, 4), (9, 11), (1, 3), (0, 2), (2, 8), (0, 1), (1, 6), (0, 3), (2, 3), (1, 3), (0, 1), (0, 1)])
+    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
+    t26 = t21 @ X
+    t27 = t1 @ t26
+    t28 = (n_batch**(-2)) * oe.contract('abc,dbc->', t27, t27, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t27, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgi,fgi,ij,fgjc,fgk,kd->', t27, t0, M_2, X, W_V, t8, A23, t17, M_2, X, W_Q, optimize=[(5, 6), (0, 3), (4, 8), (0, 1), (2, 3), (4, 5), (1, 3), (1, 3), (0, 1), (0, 1)]) + (-2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgi,fgi,fgj,jk,fgkc,fgl,ld->', t27, t0, M_2, X, W_V, t8, A23, A23, t17, M_2, X, W_Q, optimize=[(5, 6), (0, 3), (5, 9), (0, 1), (1, 2), (4, 6), (1, 2), (2, 4), (0, 1), (1, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkm,jkm,mn,jknf,jko,oh->', t0, t1, M_3, X, W_Q, t0, M_2, X, W_V, t8, A23, t17, M_2, X, W_Q, optimize=[(9, 10), (0, 2), (1, 2), (1, 2), (0, 1), (1, 2), (1, 2), (0, 4), (0, 4), (4, 5), (0, 4), (1, 3), (0, 1), (0, 1)]) + (-2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkm,jkm,jkn,no,jkof,jkp,ph->', t0, t1, M_3, X, W_Q, t0, M_2, X, W_V, t8, A23, A23, t17, M_2, X, W_Q, optimize=[(9, 10), (0, 2), (1, 2), (1, 2), (0, 1), (1, 2), (1, 9), (1, 2), (0, 1), (2, 6), (0, 3), (3, 4), (1, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnol,mnf,op,mnp,mnp,pq,mnqi,mnr,rk->', t0, M_2, X, W_V, t8, A23, t17, M_2, X, W_Q, t0, M_2, X, W_V, t8, A23, t17, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (2, 3), (2, 3), (0, 2), (2, 3), (2, 3), (0, 4), (1, 3), (7, 8), (0, 3), (0, 3), (4, 5), (3, 4), (1, 3), (0, 1), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnol,mnf,op,mnp,mnp,mnq,qr,mnri,mns,sk->', t0, M_2, X, W_V, t8, A23, t17, M_2, X, W_Q, t0, M_2, X, W_V, t8, A23, A23, t17, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (2, 3), (2, 3), (0, 2), (2, 3), (2, 12), (2, 3), (1, 3), (5, 9), (0, 2), (0, 1), (5, 6), (0, 3), (0, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl,am,nopm,nof,pq,noq,noq,nor,rs,nosj,not,tl->', t0, M_2, X, W_V, t8, A23, A23, t17, M_2, X, W_Q, t0, M_2, X, W_V, t8, A23, A23, t17, M_2, X, W_Q, optimize=[(4, 5), (13, 14), (0, 1), (2, 3), (2, 17), (2, 3), (2, 3), (0, 2), (2, 3), (2, 12), (2, 3), (0, 2), (2, 9), (0, 1), (2, 7), (0, 3), (1, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
     t29 = torch.sqrt(torch.clamp(t28, min=0.0))
-    t30 = t21.transpose(-1, -2)
-    t31 = t30 @ X
-    t32 = t1 @ t31
-    t33 = W_Q.transpose(-1, -2)
-    t34 = (n_batch**(-2)) * oe.contract('abc,dbc->', t32, t32, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t32, t33, t1, M_3, X, W_K, optimize=[(1, 2), (3, 4), (1, 3), (1, 2), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgi,fgi,ij,fgjk,fgc,kd->', t32, t33, M_2, X, W_V, t8, A12, t17, M_2, X, W_K, optimize=[(0, 9), (1, 9), (3, 4), (0, 1), (0, 4), (3, 5), (2, 3), (1, 3), (0, 2), (0, 1)]) + (-2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgi,fgi,fgj,jk,fgkl,fgc,ld->', t32, t33, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_K, optimize=[(0, 10), (1, 10), (3, 4), (0, 1), (0, 5), (4, 6), (0, 1), (0, 4), (2, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t33, t1, M_3, X, W_K, t33, t1, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkm,jkm,mn,jkno,jkg,oh->', t33, t1, M_3, X, W_K, t33, M_2, X, W_V, t8, A12, t17, M_2, X, W_K, optimize=[(9, 10), (0, 1), (0, 2), (1, 3), (1, 2), (1, 2), (0, 1), (0, 3), (1, 2), (3, 5), (0, 1), (0, 3), (0, 2), (0, 1)]) + (-2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkm,jkm,jkn,no,jkop,jkg,ph->', t33, t1, M_3, X, W_K, t33, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_K, optimize=[(9, 10), (0, 1), (0, 2), (1, 3), (1, 2), (6, 10), (1, 2), (1, 8), (0, 1), (0, 2), (0, 1), (2, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnof,mnl,op,mnp,mnp,pq,mnqr,mnj,rk->', t33, M_2, X, W_V, t8, A12, t17, M_2, X, W_K, t33, M_2, X, W_V, t8, A12, t17, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (2, 4), (2, 3), (2, 3), (0, 2), (0, 1), (0, 3), (2, 8), (1, 2), (3, 6), (0, 1), (0, 4), (0, 1), (1, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnof,mnl,op,mnp,mnp,mnq,qr,mnrs,mnj,sk->', t33, M_2, X, W_V, t8, A12, t17, M_2, X, W_K, t33, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (2, 4), (2, 3), (8, 13), (2, 3), (2, 11), (0, 2), (0, 1), (0, 2), (1, 7), (0, 1), (2, 5), (0, 3), (2, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl,am,nopf,nom,pq,noq,noq,nor,rs,nost,nok,tl->', t33, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_K, t33, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_K, optimize=[(4, 5), (13, 14), (0, 2), (0, 1), (14, 17), (0, 1), (0, 15), (2, 4), (2, 3), (7, 12), (2, 3), (2, 10), (0, 2), (0, 1), (0, 3), (4, 6), (0, 2), (3, 4), (0, 2), (0, 2), (0, 1)])
-    t35 = torch.sqrt(torch.clamp(t34, min=0.0))
-    t36 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t33, t1, M_3, X, W_Q, t33, t1, M_3, X, W_Q, optimize=[(0, 1), (0, 5), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jkle,jki,lm,jkm,jkm,mn,jknf,jko,oh->', t33, t1, M_3, X, W_Q, t33, M_2, X, W_V, t8, A12, t17, M_2, X, W_Q, optimize=[(9, 10), (0, 1), (1, 2), (1, 3), (1, 2), (1, 2), (1, 2), (2, 4), (1, 3), (2, 5), (0, 4), (2, 3), (0, 1), (0, 1)]) + (-2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jkle,jki,lm,jkm,jkm,jkn,no,jkof,jkp,ph->', t33, t1, M_3, X, W_Q, t33, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_Q, optimize=[(9, 10), (0, 1), (1, 2), (1, 3), (1, 2), (6, 10), (1, 2), (1, 8), (1, 2), (1, 3), (0, 2), (1, 4), (2, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnof,mnl,op,mnp,mnp,pq,mnqi,mnr,rk->', t33, M_2, X, W_V, t8, A12, t17, M_2, X, W_Q, t33, M_2, X, W_V, t8, A12, t17, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (0, 1), (0, 1), (0, 1), (0, 3), (2, 8), (1, 3), (0, 2), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnof,mnl,op,mnp,mnp,mnq,qr,mnri,mns,sk->', t33, M_2, X, W_V, t8, A12, t17, M_2, X, W_Q, t33, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (0, 1), (6, 12), (0, 1), (0, 10), (0, 1), (0, 2), (1, 7), (0, 2), (0, 3), (3, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl,am,nopf,nom,pq,noq,noq,nor,rs,nosj,not,tl->', t33, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_Q, t33, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_Q, optimize=[(4, 5), (13, 14), (0, 2), (0, 1), (14, 17), (0, 1), (0, 15), (0, 1), (0, 2), (0, 1), (5, 11), (0, 1), (0, 9), (0, 1), (0, 4), (0, 3), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t30 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,ai,jkli,jkf,lg,jkg,jkg,jkh->', t0, M_2, X, W_V, t8, A23, M_1, t0, M_2, X, W_V, t8, A23, M_1, optimize=[(4, 5), (9, 10), (0, 1), (3, 4), (0, 3), (1, 3), (6, 7), (0, 4), (0, 3), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,ai,jkli,jkf,lm,jkm,jkm,jkg,jkh->', t0, M_2, X, W_V, t8, A23, M_1, t0, M_2, X, W_V, t8, A23, A23, M_1, optimize=[(4, 5), (9, 10), (0, 1), (3, 4), (0, 3), (1, 4), (7, 8), (1, 4), (4, 6), (0, 3), (1, 4), (0, 3), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,ai,jkhi,jkf,jkg->', t0, M_2, X, W_V, t8, A23, M_1, t0, M_2, X, G, optimize=[(4, 5), (0, 1), (2, 4), (0, 3), (0, 4), (0, 3), (3, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi,aj,klmj,klf,mn,kln,kln,klh,kli->', t0, M_2, X, W_V, t8, A23, A23, M_1, t0, M_2, X, W_V, t8, A23, A23, M_1, optimize=[(4, 5), (10, 11), (0, 1), (4, 5), (0, 4), (1, 4), (8, 9), (1, 3), (6, 7), (0, 2), (2, 5), (0, 1), (0, 3), (0, 2), (0, 1)]) + (-2/(L*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi,aj,klij,klf,klh->', t0, M_2, X, W_V, t8, A23, A23, M_1, t0, M_2, X, G, optimize=[(4, 5), (0, 1), (3, 5), (0, 4), (1, 3), (5, 6), (4, 5), (0, 2), (1, 3), (0, 1), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 1), (2, 3), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t31 = torch.sqrt(torch.clamp(t30, min=0.0))
+    t32 = t21.transpose(-1, -2)
+    t33 = t32 @ X
+    t34 = t1 @ t33
+    t35 = W_Q.transpose(-1, -2)
+    t36 = (n_batch**(-2)) * oe.contract('abc,dbc->', t34, t34, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t34, t35, t1, M_3, X, W_K, optimize=[(0, 3), (2, 4), (0, 1), (0, 2), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgi,fgi,ij,fgjk,fgc,kd->', t34, t35, M_2, X, W_V, t8, A23, t17, M_2, X, W_K, optimize=[(5, 6), (0, 2), (5, 8), (0, 1), (1, 2), (0, 3), (1, 4), (2, 3), (0, 1), (0, 1)]) + (-2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgi,fgi,fgj,jk,fgkl,fgc,ld->', t34, t35, M_2, X, W_V, t8, A23, A23, t17, M_2, X, W_K, optimize=[(5, 6), (0, 2), (6, 9), (0, 1), (1, 2), (1, 6), (0, 2), (1, 4), (0, 1), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t35, t1, M_3, X, W_K, t35, t1, M_3, X, W_K, optimize=[(0, 1), (0, 2), (1, 2), (0, 2), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkm,jkm,mn,jkno,jkg,oh->', t35, t1, M_3, X, W_K, t35, M_2, X, W_V, t8, A23, t17, M_2, X, W_K, optimize=[(9, 10), (0, 1), (0, 2), (1, 3), (1, 2), (1, 2), (0, 1), (0, 3), (1, 2), (3, 5), (0, 1), (0, 3), (0, 2), (0, 1)]) + (-2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkm,jkm,jkn,no,jkop,jkg,ph->', t35, t1, M_3, X, W_K, t35, M_2, X, W_V, t8, A23, A23, t17, M_2, X, W_K, optimize=[(9, 10), (0, 1), (0, 2), (1, 3), (1, 2), (6, 10), (1, 2), (1, 8), (0, 1), (0, 2), (0, 1), (2, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnof,mnl,op,mnp,mnp,pq,mnqr,mnj,rk->', t35, M_2, X, W_V, t8, A23, t17, M_2, X, W_K, t35, M_2, X, W_V, t8, A23, t17, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (2, 4), (2, 3), (2, 3), (0, 2), (0, 1), (0, 3), (2, 8), (1, 2), (3, 6), (0, 1), (0, 4), (0, 1), (1, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnof,mnl,op,mnp,mnp,mnq,qr,mnrs,mnj,sk->', t35, M_2, X, W_V, t8, A23, t17, M_2, X, W_K, t35, M_2, X, W_V, t8, A23, A23, t17, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (2, 4), (2, 3), (8, 13), (2, 3), (2, 11), (0, 2), (0, 1), (0, 2), (1, 7), (0, 1), (2, 5), (0, 3), (2, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl,am,nopf,nom,pq,noq,noq,nor,rs,nost,nok,tl->', t35, M_2, X, W_V, t8, A23, A23, t17, M_2, X, W_K, t35, M_2, X, W_V, t8, A23, A23, t17, M_2, X, W_K, optimize=[(4, 5), (13, 14), (0, 2), (0, 1), (14, 17), (0, 1), (0, 15), (2, 4), (2, 3), (7, 12), (2, 3), (2, 10), (0, 2), (0, 1), (0, 3), (4, 6), (0, 2), (3, 4), (0, 2), (0, 2), (0, 1)])
     t37 = torch.sqrt(torch.clamp(t36, min=0.0))
-    t38 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,ai,jklf,jki,lg,jkg,jkg,jkh->', t33, M_2, X, W_V, t8, A12, M_1, t33, M_2, X, W_V, t8, A12, M_1, optimize=[(4, 5), (9, 10), (0, 2), (2, 7), (2, 4), (6, 8), (6, 7), (0, 1), (2, 5), (0, 1), (2, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,ai,jklf,jki,lm,jkm,jkm,jkg,jkh->', t33, M_2, X, W_V, t8, A12, M_1, t33, M_2, X, W_V, t8, A12, A12, M_1, optimize=[(4, 5), (9, 10), (0, 2), (0, 1), (1, 3), (1, 2), (4, 8), (0, 2), (1, 3), (1, 2), (2, 4), (1, 2), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,ai,jkhf,jki,jkg->', t33, M_2, X, W_V, t8, A12, M_1, t33, M_2, X, G, optimize=[(4, 5), (0, 2), (3, 5), (6, 7), (0, 1), (3, 5), (0, 1), (2, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi,aj,klmf,klj,mn,kln,kln,klh,kli->', t33, M_2, X, W_V, t8, A12, A12, M_1, t33, M_2, X, W_V, t8, A12, A12, M_1, optimize=[(4, 5), (10, 11), (0, 2), (0, 1), (8, 11), (2, 4), (2, 3), (4, 8), (0, 2), (0, 1), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (-2/(L*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi,aj,klif,klj,klh->', t33, M_2, X, W_V, t8, A12, A12, M_1, t33, M_2, X, G, optimize=[(4, 5), (0, 2), (2, 7), (3, 5), (5, 7), (5, 6), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t33, M_2, X, G, t33, M_2, X, G, optimize=[(0, 4), (2, 5), (1, 4), (3, 4), (2, 3), (0, 2), (0, 1)])
+    t38 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t35, t1, M_3, X, W_Q, t35, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jkle,jki,lm,jkm,jkm,mn,jknf,jko,oh->', t35, t1, M_3, X, W_Q, t35, M_2, X, W_V, t8, A23, t17, M_2, X, W_Q, optimize=[(9, 10), (0, 1), (1, 2), (1, 3), (1, 2), (1, 2), (1, 2), (2, 4), (1, 3), (2, 5), (0, 4), (2, 3), (0, 1), (0, 1)]) + (-2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jkle,jki,lm,jkm,jkm,jkn,no,jkof,jkp,ph->', t35, t1, M_3, X, W_Q, t35, M_2, X, W_V, t8, A23, A23, t17, M_2, X, W_Q, optimize=[(9, 10), (0, 1), (1, 2), (1, 3), (1, 2), (6, 10), (1, 2), (1, 8), (1, 2), (1, 3), (0, 2), (1, 4), (2, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnof,mnl,op,mnp,mnp,pq,mnqi,mnr,rk->', t35, M_2, X, W_V, t8, A23, t17, M_2, X, W_Q, t35, M_2, X, W_V, t8, A23, t17, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (0, 1), (0, 1), (0, 1), (0, 3), (2, 8), (1, 3), (0, 2), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnof,mnl,op,mnp,mnp,mnq,qr,mnri,mns,sk->', t35, M_2, X, W_V, t8, A23, t17, M_2, X, W_Q, t35, M_2, X, W_V, t8, A23, A23, t17, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (0, 1), (6, 12), (0, 1), (0, 10), (0, 1), (0, 2), (1, 7), (0, 2), (0, 3), (3, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl,am,nopf,nom,pq,noq,noq,nor,rs,nosj,not,tl->', t35, M_2, X, W_V, t8, A23, A23, t17, M_2, X, W_Q, t35, M_2, X, W_V, t8, A23, A23, t17, M_2, X, W_Q, optimize=[(4, 5), (13, 14), (0, 2), (0, 1), (14, 17), (0, 1), (0, 15), (0, 1), (0, 2), (0, 1), (5, 11), (0, 1), (0, 9), (0, 1), (0, 4), (0, 3), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
     t39 = torch.sqrt(torch.clamp(t38, min=0.0))
-    t40 = G.transpose(-1, -2)
-    t41 = M_1.transpose(-1, -2)
-    t42 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t40, M_2, X, W_K, t40, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hdi,hib,hib,bj,hijk,hif,kg->', t40, M_2, X, W_K, t41, t8, A12, t17, M_2, X, W_K, optimize=[(5, 6), (2, 7), (2, 6), (0, 3), (0, 1), (2, 5), (0, 2), (2, 3), (1, 2), (0, 1)]) + (-2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hdi,hib,hib,hij,jk,hikl,hif,lg->', t40, M_2, X, W_K, t41, t8, A12, A12, t17, M_2, X, W_K, optimize=[(5, 6), (2, 8), (2, 7), (3, 4), (3, 7), (5, 6), (0, 3), (2, 4), (0, 1), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,fh,ibj,ijd,ijd,dk,ijkl,ijg,lh->', t41, t8, A12, t17, M_2, X, W_K, t41, t8, A12, t17, M_2, X, W_K, optimize=[(1, 2), (6, 7), (0, 5), (2, 6), (8, 9), (2, 5), (0, 2), (2, 3), (2, 5), (0, 2), (0, 1), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,fh,ibj,ijd,ijd,ijk,kl,ijlm,ijg,mh->', t41, t8, A12, t17, M_2, X, W_K, t41, t8, A12, A12, t17, M_2, X, W_K, optimize=[(1, 2), (6, 7), (1, 2), (0, 3), (2, 3), (2, 9), (0, 2), (5, 7), (0, 1), (2, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi,jbk,jkd,jkd,jkl,lm,jkmn,jkh,ni->', t41, t8, A12, A12, t17, M_2, X, W_K, t41, t8, A12, A12, t17, M_2, X, W_K, optimize=[(1, 2), (7, 8), (1, 2), (1, 12), (0, 3), (2, 3), (2, 9), (0, 2), (5, 7), (0, 1), (0, 1), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t43 = torch.sqrt(torch.clamp(t42, min=0.0))
-    t44 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t40, M_2, X, W_Q, t40, M_2, X, W_Q, optimize=[(0, 4), (1, 2), (2, 3), (2, 3), (2, 3), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hdi,hib,hib,bj,hije,hik,kg->', t40, M_2, X, W_Q, t41, t8, A12, t17, M_2, X, W_Q, optimize=[(5, 6), (2, 3), (5, 6), (6, 7), (0, 3), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)]) + (-2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hdi,hib,hib,hij,jk,hike,hil,lg->', t40, M_2, X, W_Q, t41, t8, A12, A12, t17, M_2, X, W_Q, optimize=[(5, 6), (2, 3), (3, 4), (3, 8), (3, 4), (4, 6), (0, 3), (3, 4), (0, 1), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,gh,ibj,ijd,ijd,dk,ijkf,ijl,lh->', t41, t8, A12, t17, M_2, X, W_Q, t41, t8, A12, t17, M_2, X, W_Q, optimize=[(1, 2), (6, 7), (0, 5), (2, 3), (4, 5), (7, 8), (6, 7), (0, 1), (2, 5), (0, 1), (2, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,gh,ibj,ijd,ijd,ijk,kl,ijlf,ijm,mh->', t41, t8, A12, t17, M_2, X, W_Q, t41, t8, A12, A12, t17, M_2, X, W_Q, optimize=[(1, 2), (6, 7), (1, 2), (1, 2), (0, 1), (0, 1), (0, 8), (0, 1), (0, 2), (3, 5), (0, 4), (1, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi,jbk,jkd,jkd,jkl,lm,jkmg,jkn,ni->', t41, t8, A12, A12, t17, M_2, X, W_Q, t41, t8, A12, A12, t17, M_2, X, W_Q, optimize=[(1, 2), (7, 8), (1, 2), (1, 12), (1, 2), (0, 1), (0, 1), (0, 8), (0, 1), (0, 1), (2, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t40 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,ai,jklf,jki,lg,jkg,jkg,jkh->', t35, M_2, X, W_V, t8, A23, M_1, t35, M_2, X, W_V, t8, A23, M_1, optimize=[(4, 5), (9, 10), (0, 2), (0, 1), (1, 3), (1, 2), (5, 7), (0, 1), (2, 3), (3, 4), (0, 2), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,ai,jklf,jki,lm,jkm,jkm,jkg,jkh->', t35, M_2, X, W_V, t8, A23, M_1, t35, M_2, X, W_V, t8, A23, A23, M_1, optimize=[(4, 5), (9, 10), (0, 2), (0, 1), (1, 3), (1, 2), (4, 8), (0, 2), (1, 3), (1, 2), (2, 4), (1, 2), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,ai,jkhf,jki,jkg->', t35, M_2, X, W_V, t8, A23, M_1, t35, M_2, X, G, optimize=[(4, 5), (0, 2), (0, 1), (0, 2), (5, 6), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi,aj,klmf,klj,mn,kln,kln,klh,kli->', t35, M_2, X, W_V, t8, A23, A23, M_1, t35, M_2, X, W_V, t8, A23, A23, M_1, optimize=[(4, 5), (10, 11), (0, 2), (0, 1), (8, 11), (2, 4), (2, 3), (4, 8), (0, 2), (0, 1), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (-2/(L*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi,aj,klif,klj,klh->', t35, M_2, X, W_V, t8, A23, A23, M_1, t35, M_2, X, G, optimize=[(4, 5), (0, 2), (0, 1), (6, 8), (1, 3), (5, 6), (1, 2), (0, 1), (1, 3), (0, 1), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t35, M_2, X, G, t35, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t41 = torch.sqrt(torch.clamp(t40, min=0.0))
+    t42 = G.transpose(-1, -2)
+    t43 = M_1.transpose(-1, -2)
+    t44 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t42, M_2, X, W_K, t42, M_2, X, W_K, optimize=[(1, 3), (0, 2), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hdi,hib,hib,bj,hijk,hif,kg->', t42, M_2, X, W_K, t43, t8, A23, t17, M_2, X, W_K, optimize=[(5, 6), (1, 3), (3, 4), (1, 3), (1, 4), (1, 3), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hdi,hib,hib,hij,jk,hikl,hif,lg->', t42, M_2, X, W_K, t43, t8, A23, A23, t17, M_2, X, W_K, optimize=[(5, 6), (1, 3), (3, 4), (3, 8), (1, 3), (0, 3), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,fh,ibj,ijd,ijd,dk,ijkl,ijg,lh->', t43, t8, A23, t17, M_2, X, W_K, t43, t8, A23, t17, M_2, X, W_K, optimize=[(1, 2), (6, 7), (1, 2), (0, 3), (2, 3), (0, 2), (5, 7), (0, 1), (2, 5), (2, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,fh,ibj,ijd,ijd,ijk,kl,ijlm,ijg,mh->', t43, t8, A23, t17, M_2, X, W_K, t43, t8, A23, A23, t17, M_2, X, W_K, optimize=[(1, 2), (6, 7), (1, 2), (0, 3), (2, 3), (2, 9), (0, 2), (5, 7), (0, 1), (2, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi,jbk,jkd,jkd,jkl,lm,jkmn,jkh,ni->', t43, t8, A23, A23, t17, M_2, X, W_K, t43, t8, A23, A23, t17, M_2, X, W_K, optimize=[(1, 2), (7, 8), (1, 2), (1, 12), (0, 3), (2, 3), (2, 9), (0, 2), (5, 7), (0, 1), (0, 1), (2, 4), (0, 2), (0, 2), (0, 1)])
     t45 = torch.sqrt(torch.clamp(t44, min=0.0))
-    t46 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fge->', t41, t8, A12, M_1, t41, t8, A12, M_1, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fgd,fge->', t41, t8, A12, M_1, t41, t8, A12, A12, M_1, optimize=[(1, 2), (3, 4), (3, 6), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,acf,gbh,ghd,ghd,ghe,ghf->', t41, t8, A12, A12, M_1, t41, t8, A12, A12, M_1, optimize=[(1, 2), (4, 5), (0, 3), (0, 2), (4, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
+    t46 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t42, M_2, X, W_Q, t42, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hdi,hib,hib,bj,hije,hik,kg->', t42, M_2, X, W_Q, t43, t8, A23, t17, M_2, X, W_Q, optimize=[(5, 6), (2, 3), (1, 2), (2, 7), (2, 3), (1, 4), (2, 3), (0, 2), (0, 2), (0, 1)]) + (-2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hdi,hib,hib,hij,jk,hike,hil,lg->', t42, M_2, X, W_Q, t43, t8, A23, A23, t17, M_2, X, W_Q, optimize=[(5, 6), (2, 3), (1, 2), (3, 8), (1, 2), (5, 6), (1, 2), (0, 1), (1, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,gh,ibj,ijd,ijd,dk,ijkf,ijl,lh->', t43, t8, A23, t17, M_2, X, W_Q, t43, t8, A23, t17, M_2, X, W_Q, optimize=[(1, 2), (6, 7), (1, 2), (1, 2), (0, 1), (0, 1), (4, 7), (0, 1), (0, 4), (0, 4), (1, 3), (0, 1), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,gh,ibj,ijd,ijd,ijk,kl,ijlf,ijm,mh->', t43, t8, A23, t17, M_2, X, W_Q, t43, t8, A23, A23, t17, M_2, X, W_Q, optimize=[(1, 2), (6, 7), (1, 2), (1, 2), (0, 1), (0, 1), (0, 8), (0, 1), (0, 2), (3, 5), (0, 4), (1, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi,jbk,jkd,jkd,jkl,lm,jkmg,jkn,ni->', t43, t8, A23, A23, t17, M_2, X, W_Q, t43, t8, A23, A23, t17, M_2, X, W_Q, optimize=[(1, 2), (7, 8), (1, 2), (1, 12), (1, 2), (0, 1), (0, 1), (0, 8), (0, 1), (0, 1), (2, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
     t47 = torch.sqrt(torch.clamp(t46, min=0.0))
-    return (t23, t27, t29, t35, t37, t39, t43, t45, t47,)
+    t48 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fge->', t43, t8, A23, M_1, t43, t8, A23, M_1, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fgd,fge->', t43, t8, A23, M_1, t43, t8, A23, A23, M_1, optimize=[(1, 2), (3, 4), (3, 6), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,acf,gbh,ghd,ghd,ghe,ghf->', t43, t8, A23, A23, M_1, t43, t8, A23, A23, M_1, optimize=[(1, 2), (4, 5), (0, 3), (0, 2), (4, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
+    t49 = torch.sqrt(torch.clamp(t48, min=0.0))
+    return (t25, t29, t31, t37, t39, t41, t45, t47, t49,)
 
 
 def ce_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -2266,7 +8020,8 @@ def ce_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t10 = A @ X
     M_1 = t10
     t11 = M_1 @ W_V
-    t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
+    F = t11
+    t12 = torch.exp(F - F.amax(-1, keepdim=True))
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = t9 * A13
     t15 = (1/L) * t14
@@ -2280,11 +8035,13 @@ def ce_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t22 = A * t21
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t22, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t22, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t22, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->da', t1, t2, M_3, X, W_K, optimize=[(1, 3), (0, 2), (0, 2), (0, 1)])
+    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->da', t1, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdf,ia->fa', t1, M_2, X, W_V, t9, A13, t18, M_2, X, W_K, optimize=[(2, 8), (3, 4), (0, 1), (0, 6), (4, 5), (0, 1), (2, 3), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdf,ja->fa', t1, M_2, X, W_V, t9, A13, A13, t18, M_2, X, W_K, optimize=[(2, 9), (3, 4), (3, 4), (3, 7), (3, 6), (0, 1), (3, 4), (0, 3), (1, 2), (0, 1)])
+    t23 = torch.exp(t11 - t11.amax(-1, keepdim=True))
+    A24 = t23 / t23.sum(-1, keepdim=True)
+    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdf,ia->fa', t1, M_2, X, W_V, t9, A24, t18, M_2, X, W_K, optimize=[(4, 5), (2, 6), (0, 1), (1, 2), (0, 4), (0, 3), (2, 3), (0, 2), (0, 1)])
+    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdf,ja->fa', t1, M_2, X, W_V, t9, A24, A24, t18, M_2, X, W_K, optimize=[(4, 5), (2, 7), (0, 1), (1, 2), (1, 6), (0, 2), (2, 4), (0, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -2307,7 +8064,8 @@ def ce_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     t9 = A @ X
     M_1 = t9
     t10 = M_1 @ W_V
-    t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
+    F = t10
+    t11 = torch.exp(F - F.amax(-1, keepdim=True))
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = t8 * A12
     t14 = (1/L) * t13
@@ -2323,7 +8081,9 @@ def ce_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     M_3 = oe.contract('abc,adc,ace->adbe', t1, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    return (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->', t0, t1, M_3, X, W_K, optimize=[(1, 3), (0, 2), (0, 2), (0, 1)]) + (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdf,ia->', t0, M_2, X, W_V, t8, A12, t17, M_2, X, W_K, optimize=[(2, 8), (3, 4), (0, 5), (0, 1), (3, 5), (0, 1), (2, 3), (1, 2), (0, 1)]) + (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdf,ja->', t0, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_K, optimize=[(2, 9), (3, 4), (0, 6), (2, 3), (2, 6), (4, 5), (0, 4), (0, 3), (1, 2), (0, 1)])
+    t22 = torch.exp(t10 - t10.amax(-1, keepdim=True))
+    A23 = t22 / t22.sum(-1, keepdim=True)
+    return (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->', t0, t1, M_3, X, W_K, optimize=[(1, 3), (1, 3), (0, 1), (0, 1)]) + (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdf,ia->', t0, M_2, X, W_V, t8, A23, t17, M_2, X, W_K, optimize=[(4, 5), (2, 6), (0, 1), (1, 2), (2, 3), (0, 2), (0, 1), (1, 2), (0, 1)]) + (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdf,ja->', t0, M_2, X, W_V, t8, A23, A23, t17, M_2, X, W_K, optimize=[(4, 5), (2, 7), (0, 1), (1, 2), (1, 6), (0, 2), (2, 4), (0, 2), (1, 2), (0, 1)])
 
 
 def ce_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -2347,7 +8107,8 @@ def ce_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t10 = A @ X
     M_1 = t10
     t11 = M_1 @ W_V
-    t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
+    F = t11
+    t12 = torch.exp(F - F.amax(-1, keepdim=True))
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = t9 * A13
     t15 = (1/L) * t14
@@ -2364,8 +8125,10 @@ def ce_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t1, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t1, M_2, X, W_V, t9, A13, t18, M_2, X, W_K, optimize=[(4, 5), (0, 1), (1, 7), (5, 6), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t1, M_2, X, W_V, t9, A13, A13, t18, M_2, X, W_K, optimize=[(4, 5), (4, 5), (4, 8), (5, 7), (0, 1), (1, 5), (2, 4), (0, 1), (0, 1), (0, 1)])
+    t23 = torch.exp(t11 - t11.amax(-1, keepdim=True))
+    A24 = t23 / t23.sum(-1, keepdim=True)
+    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t1, M_2, X, W_V, t9, A24, t18, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t1, M_2, X, W_V, t9, A24, A24, t18, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -2388,7 +8151,8 @@ def ce_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t9 = A @ X
     M_1 = t9
     t10 = M_1 @ W_V
-    t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
+    F = t10
+    t11 = torch.exp(F - F.amax(-1, keepdim=True))
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = t8 * A12
     t14 = (1/L) * t13
@@ -2404,9 +8168,11 @@ def ce_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     M_3 = oe.contract('abc,adc,ace->adbe', t1, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t22 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jkli,jkd,lm,jkm,jkm,mn,jkno,jkg,oh->', t0, t1, M_3, X, W_K, t0, M_2, X, W_V, t8, A12, t17, M_2, X, W_K, optimize=[(9, 10), (0, 2), (3, 4), (0, 3), (3, 4), (0, 3), (6, 8), (0, 2), (0, 3), (1, 3), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jkli,jkd,lm,jkm,jkm,jkn,no,jkop,jkg,ph->', t0, t1, M_3, X, W_K, t0, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_K, optimize=[(9, 10), (0, 2), (3, 4), (0, 3), (3, 4), (3, 10), (0, 3), (6, 8), (0, 2), (0, 1), (1, 5), (0, 2), (2, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnol,mnf,op,mnp,mnp,pq,mnqr,mnj,rk->', t0, M_2, X, W_V, t8, A12, t17, M_2, X, W_K, t0, M_2, X, W_V, t8, A12, t17, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (4, 5), (0, 4), (4, 5), (1, 4), (9, 11), (1, 3), (0, 4), (0, 4), (2, 5), (0, 4), (4, 5), (0, 3), (0, 3), (1, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnol,mnf,op,mnp,mnp,mnq,qr,mnrs,mnj,sk->', t0, M_2, X, W_V, t8, A12, t17, M_2, X, W_K, t0, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (4, 5), (0, 4), (4, 5), (4, 13), (1, 4), (9, 11), (1, 3), (1, 3), (4, 8), (0, 2), (1, 4), (0, 4), (3, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl,am,nopm,nof,pq,noq,noq,nor,rs,nost,nok,tl->', t0, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_K, t0, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_K, optimize=[(4, 5), (13, 14), (0, 1), (2, 3), (2, 17), (4, 5), (0, 4), (4, 5), (4, 13), (1, 4), (9, 11), (1, 3), (0, 2), (2, 8), (0, 1), (1, 6), (0, 3), (2, 3), (1, 3), (0, 1), (0, 1)])
-    t23 = torch.sqrt(torch.clamp(t22, min=0.0))
-    return t23
+    t22 = torch.exp(t10 - t10.amax(-1, keepdim=True))
+    A23 = t22 / t22.sum(-1, keepdim=True)
+    t24 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 2), (0, 4), (2, 3), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jkli,jkd,lm,jkm,jkm,mn,jkno,jkg,oh->', t0, t1, M_3, X, W_K, t0, M_2, X, W_V, t8, A23, t17, M_2, X, W_K, optimize=[(9, 10), (0, 2), (3, 4), (0, 3), (3, 4), (0, 3), (6, 8), (0, 2), (0, 3), (1, 3), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jkli,jkd,lm,jkm,jkm,jkn,no,jkop,jkg,ph->', t0, t1, M_3, X, W_K, t0, M_2, X, W_V, t8, A23, A23, t17, M_2, X, W_K, optimize=[(9, 10), (0, 2), (3, 4), (0, 3), (3, 4), (3, 10), (0, 3), (6, 8), (0, 2), (0, 1), (1, 5), (0, 2), (2, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnol,mnf,op,mnp,mnp,pq,mnqr,mnj,rk->', t0, M_2, X, W_V, t8, A23, t17, M_2, X, W_K, t0, M_2, X, W_V, t8, A23, t17, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (4, 5), (0, 4), (4, 5), (1, 4), (9, 11), (1, 3), (0, 4), (0, 4), (2, 5), (0, 4), (4, 5), (0, 3), (0, 3), (1, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnol,mnf,op,mnp,mnp,mnq,qr,mnrs,mnj,sk->', t0, M_2, X, W_V, t8, A23, t17, M_2, X, W_K, t0, M_2, X, W_V, t8, A23, A23, t17, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (4, 5), (0, 4), (4, 5), (4, 13), (1, 4), (9, 11), (1, 3), (1, 3), (4, 8), (0, 2), (1, 4), (0, 4), (3, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl,am,nopm,nof,pq,noq,noq,nor,rs,nost,nok,tl->', t0, M_2, X, W_V, t8, A23, A23, t17, M_2, X, W_K, t0, M_2, X, W_V, t8, A23, A23, t17, M_2, X, W_K, optimize=[(4, 5), (13, 14), (0, 1), (2, 3), (2, 17), (4, 5), (0, 4), (4, 5), (4, 13), (1, 4), (9, 11), (1, 3), (0, 2), (2, 8), (0, 1), (1, 6), (0, 3), (2, 3), (1, 3), (0, 1), (0, 1)])
+    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
+    return t25
 
 
 def ce_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -2432,7 +8198,8 @@ def ce_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t11 = A @ X
     M_1 = t11
     t12 = M_1 @ W_V
-    t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    F = t12
+    t13 = torch.exp(F - F.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = t10 * A14
     t16 = (1/L) * t15
@@ -2450,11 +8217,13 @@ def ce_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t25, t26, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t3, t2, M_3, X, W_Q, optimize=[(3, 4), (0, 2), (0, 1), (0, 1)])
+    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t3, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t3, M_2, X, W_V, t10, A14, t19, M_2, X, W_Q, optimize=[(4, 5), (6, 7), (0, 1), (1, 6), (3, 5), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t3, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_Q, optimize=[(4, 5), (4, 5), (4, 8), (4, 5), (0, 1), (1, 5), (1, 4), (0, 1), (0, 1), (0, 1)])
+    t27 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A28 = t27 / t27.sum(-1, keepdim=True)
+    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t3, M_2, X, W_V, t10, A28, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
+    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t3, M_2, X, W_V, t10, A28, A28, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -2477,7 +8246,8 @@ def ce_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t9 = A @ X
     M_1 = t9
     t10 = M_1 @ W_V
-    t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
+    F = t10
+    t11 = torch.exp(F - F.amax(-1, keepdim=True))
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = t8 * A12
     t14 = (1/L) * t13
@@ -2495,9 +8265,11 @@ def ce_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     M_3 = oe.contract('abc,adc,ace->adbe', t0, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t24 = (n_batch**(-2)) * oe.contract('abc,dbc->', t23, t23, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t23, t1, t0, M_3, X, W_Q, optimize=[(1, 5), (3, 4), (2, 3), (1, 2), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgi,fgi,ij,fgjc,fgk,kd->', t23, t1, M_2, X, W_V, t8, A12, t17, M_2, X, W_Q, optimize=[(0, 3), (6, 9), (3, 4), (0, 5), (2, 4), (3, 5), (2, 3), (0, 3), (0, 2), (0, 1)]) + (-2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgi,fgi,fgj,jk,fgkc,fgl,ld->', t23, t1, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_Q, optimize=[(0, 3), (7, 10), (3, 4), (0, 6), (2, 3), (3, 6), (2, 4), (0, 4), (0, 3), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t1, t0, M_3, X, W_Q, t1, t0, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkm,jkm,mn,jknf,jko,oh->', t1, t0, M_3, X, W_Q, t1, M_2, X, W_V, t8, A12, t17, M_2, X, W_Q, optimize=[(9, 10), (0, 2), (1, 2), (1, 2), (0, 1), (1, 2), (1, 2), (0, 4), (0, 4), (4, 5), (0, 4), (1, 3), (0, 1), (0, 1)]) + (-2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkm,jkm,jkn,no,jkof,jkp,ph->', t1, t0, M_3, X, W_Q, t1, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_Q, optimize=[(9, 10), (0, 2), (1, 2), (1, 2), (0, 1), (1, 2), (1, 9), (1, 2), (0, 1), (2, 6), (0, 3), (3, 4), (1, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnol,mnf,op,mnp,mnp,pq,mnqi,mnr,rk->', t1, M_2, X, W_V, t8, A12, t17, M_2, X, W_Q, t1, M_2, X, W_V, t8, A12, t17, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (2, 3), (2, 3), (0, 2), (2, 3), (2, 3), (0, 4), (1, 3), (7, 8), (0, 3), (0, 3), (4, 5), (3, 4), (1, 3), (0, 1), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnol,mnf,op,mnp,mnp,mnq,qr,mnri,mns,sk->', t1, M_2, X, W_V, t8, A12, t17, M_2, X, W_Q, t1, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (2, 3), (2, 3), (0, 2), (2, 3), (2, 12), (2, 3), (1, 3), (5, 9), (0, 2), (0, 1), (5, 6), (0, 3), (0, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl,am,nopm,nof,pq,noq,noq,nor,rs,nosj,not,tl->', t1, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_Q, t1, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_Q, optimize=[(4, 5), (13, 14), (0, 1), (2, 3), (2, 17), (2, 3), (2, 3), (0, 2), (2, 3), (2, 12), (2, 3), (0, 2), (2, 9), (0, 1), (2, 7), (0, 3), (1, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
-    return t25
+    t24 = torch.exp(t10 - t10.amax(-1, keepdim=True))
+    A25 = t24 / t24.sum(-1, keepdim=True)
+    t26 = (n_batch**(-2)) * oe.contract('abc,dbc->', t23, t23, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t23, t1, t0, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgi,fgi,ij,fgjc,fgk,kd->', t23, t1, M_2, X, W_V, t8, A25, t17, M_2, X, W_Q, optimize=[(5, 6), (0, 3), (4, 8), (0, 1), (2, 3), (4, 5), (1, 3), (1, 3), (0, 1), (0, 1)]) + (-2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgi,fgi,fgj,jk,fgkc,fgl,ld->', t23, t1, M_2, X, W_V, t8, A25, A25, t17, M_2, X, W_Q, optimize=[(5, 6), (0, 3), (5, 9), (0, 1), (1, 2), (4, 6), (1, 2), (2, 4), (0, 1), (1, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t1, t0, M_3, X, W_Q, t1, t0, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkm,jkm,mn,jknf,jko,oh->', t1, t0, M_3, X, W_Q, t1, M_2, X, W_V, t8, A25, t17, M_2, X, W_Q, optimize=[(9, 10), (0, 2), (1, 2), (1, 2), (0, 1), (1, 2), (1, 2), (0, 4), (0, 4), (4, 5), (0, 4), (1, 3), (0, 1), (0, 1)]) + (-2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkm,jkm,jkn,no,jkof,jkp,ph->', t1, t0, M_3, X, W_Q, t1, M_2, X, W_V, t8, A25, A25, t17, M_2, X, W_Q, optimize=[(9, 10), (0, 2), (1, 2), (1, 2), (0, 1), (1, 2), (1, 9), (1, 2), (0, 1), (2, 6), (0, 3), (3, 4), (1, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnol,mnf,op,mnp,mnp,pq,mnqi,mnr,rk->', t1, M_2, X, W_V, t8, A25, t17, M_2, X, W_Q, t1, M_2, X, W_V, t8, A25, t17, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (2, 3), (2, 3), (0, 2), (2, 3), (2, 3), (0, 4), (1, 3), (7, 8), (0, 3), (0, 3), (4, 5), (3, 4), (1, 3), (0, 1), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnol,mnf,op,mnp,mnp,mnq,qr,mnri,mns,sk->', t1, M_2, X, W_V, t8, A25, t17, M_2, X, W_Q, t1, M_2, X, W_V, t8, A25, A25, t17, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (2, 3), (2, 3), (0, 2), (2, 3), (2, 12), (2, 3), (1, 3), (5, 9), (0, 2), (0, 1), (5, 6), (0, 3), (0, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl,am,nopm,nof,pq,noq,noq,nor,rs,nosj,not,tl->', t1, M_2, X, W_V, t8, A25, A25, t17, M_2, X, W_Q, t1, M_2, X, W_V, t8, A25, A25, t17, M_2, X, W_Q, optimize=[(4, 5), (13, 14), (0, 1), (2, 3), (2, 17), (2, 3), (2, 3), (0, 2), (2, 3), (2, 12), (2, 3), (0, 2), (2, 9), (0, 1), (2, 7), (0, 3), (1, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
+    t27 = torch.sqrt(torch.clamp(t26, min=0.0))
+    return t27
 
 
 def ce_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -2526,12 +8298,15 @@ def ce_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A13 = t12 / t12.sum(-1, keepdim=True)
     t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t1, M_2, X, W_V, t9, A13, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t1, M_2, X, W_V, t9, A13, A13, M_1, optimize=[(4, 5), (1, 3), (4, 5), (0, 4), (0, 1), (0, 1), (0, 1)])
-    t14 = t9 * A13
-    t15 = (1/L) * t14
-    t16 = (-1/L) * Y
-    t17 = t15 + t16
-    G = t17
+    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t1, M_2, X, W_V, t9, A13, A13, M_1, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
+    F = t11
+    t14 = torch.exp(F - F.amax(-1, keepdim=True))
+    A15 = t14 / t14.sum(-1, keepdim=True)
+    t16 = t9 * A15
+    t17 = (1/L) * t16
+    t18 = (-1/L) * Y
+    t19 = t17 + t18
+    G = t19
     t0 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t1, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
     return out
 
@@ -2559,14 +8334,17 @@ def ce_causal0__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t10 = M_1 @ W_V
     t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
     A12 = t11 / t11.sum(-1, keepdim=True)
-    t13 = t8 * A12
-    t14 = (1/L) * t13
-    t15 = (-1/L) * Y
-    t16 = t14 + t15
-    G = t16
-    t17 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,ai,jkli,jkf,lg,jkg,jkg,jkh->', t0, M_2, X, W_V, t8, A12, M_1, t0, M_2, X, W_V, t8, A12, M_1, optimize=[(4, 5), (9, 10), (0, 5), (1, 5), (2, 5), (7, 8), (0, 1), (2, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,ai,jkli,jkf,lm,jkm,jkm,jkg,jkh->', t0, M_2, X, W_V, t8, A12, M_1, t0, M_2, X, W_V, t8, A12, A12, M_1, optimize=[(4, 5), (9, 10), (0, 1), (3, 4), (0, 3), (1, 4), (7, 8), (1, 4), (4, 6), (0, 3), (1, 4), (0, 3), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,ai,jkhi,jkf,jkg->', t0, M_2, X, W_V, t8, A12, M_1, t0, M_2, X, G, optimize=[(4, 5), (0, 5), (1, 5), (0, 1), (3, 6), (0, 1), (2, 4), (1, 2), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi,aj,klmj,klf,mn,kln,kln,klh,kli->', t0, M_2, X, W_V, t8, A12, A12, M_1, t0, M_2, X, W_V, t8, A12, A12, M_1, optimize=[(4, 5), (10, 11), (0, 1), (4, 5), (0, 4), (1, 4), (8, 9), (1, 3), (6, 7), (0, 2), (2, 5), (0, 1), (0, 3), (0, 2), (0, 1)]) + (-2/(L*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi,aj,klij,klf,klh->', t0, M_2, X, W_V, t8, A12, A12, M_1, t0, M_2, X, G, optimize=[(4, 5), (0, 6), (1, 6), (2, 5), (6, 7), (1, 4), (4, 5), (0, 4), (0, 1), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
-    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
-    return t18
+    F = t10
+    t13 = torch.exp(F - F.amax(-1, keepdim=True))
+    A14 = t13 / t13.sum(-1, keepdim=True)
+    t15 = t8 * A14
+    t16 = (1/L) * t15
+    t17 = (-1/L) * Y
+    t18 = t16 + t17
+    G = t18
+    t19 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,ai,jkli,jkf,lg,jkg,jkg,jkh->', t0, M_2, X, W_V, t8, A12, M_1, t0, M_2, X, W_V, t8, A12, M_1, optimize=[(4, 5), (9, 10), (0, 1), (3, 4), (0, 3), (1, 3), (6, 7), (0, 4), (0, 3), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,ai,jkli,jkf,lm,jkm,jkm,jkg,jkh->', t0, M_2, X, W_V, t8, A12, M_1, t0, M_2, X, W_V, t8, A12, A12, M_1, optimize=[(4, 5), (9, 10), (0, 1), (3, 4), (0, 3), (1, 4), (7, 8), (1, 4), (4, 6), (0, 3), (1, 4), (0, 3), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,ai,jkhi,jkf,jkg->', t0, M_2, X, W_V, t8, A12, M_1, t0, M_2, X, G, optimize=[(4, 5), (0, 1), (2, 4), (0, 3), (0, 4), (0, 3), (3, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi,aj,klmj,klf,mn,kln,kln,klh,kli->', t0, M_2, X, W_V, t8, A12, A12, M_1, t0, M_2, X, W_V, t8, A12, A12, M_1, optimize=[(4, 5), (10, 11), (0, 1), (4, 5), (0, 4), (1, 4), (8, 9), (1, 3), (6, 7), (0, 2), (2, 5), (0, 1), (0, 3), (0, 2), (0, 1)]) + (-2/(L*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi,aj,klij,klf,klh->', t0, M_2, X, W_V, t8, A12, A12, M_1, t0, M_2, X, G, optimize=[(4, 5), (0, 1), (3, 5), (0, 4), (1, 3), (5, 6), (4, 5), (0, 2), (1, 3), (0, 1), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 1), (2, 3), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
+    return t20
 
 
 def ce_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -2591,7 +8369,8 @@ def ce_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t11 = A @ X
     M_1 = t11
     t12 = M_1 @ W_V
-    t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    F = t12
+    t13 = torch.exp(F - F.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = t10 * A14
     t16 = (1/L) * t15
@@ -2608,8 +8387,10 @@ def ce_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->ea', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhf,cdi,ia->fa', t1, M_2, X, W_V, t10, A14, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (4, 5), (5, 6), (0, 1), (2, 4), (0, 1), (1, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdif,cdj,ja->fa', t1, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (2, 3), (2, 7), (0, 6), (1, 2), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t24 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A25 = t24 / t24.sum(-1, keepdim=True)
+    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhf,cdi,ia->fa', t1, M_2, X, W_V, t10, A25, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (4, 5), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdif,cdj,ja->fa', t1, M_2, X, W_V, t10, A25, A25, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -2633,7 +8414,8 @@ def ce_causal0__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     t10 = A @ X
     M_1 = t10
     t11 = M_1 @ W_V
-    t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
+    F = t11
+    t12 = torch.exp(F - F.amax(-1, keepdim=True))
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = t9 * A13
     t15 = (1/L) * t14
@@ -2649,7 +8431,9 @@ def ce_causal0__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     M_3 = oe.contract('abc,adc,ace->adbe', t1, t22, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t22, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t22, X, optimize=[(0, 1), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    return (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->', t0, t1, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)]) + (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhf,cdi,ia->', t0, M_2, X, W_V, t9, A13, t18, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 3), (2, 3), (3, 5), (0, 3), (0, 3), (0, 2), (0, 1)]) + (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdif,cdj,ja->', t0, M_2, X, W_V, t9, A13, A13, t18, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 4), (1, 2), (5, 6), (0, 5), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t23 = torch.exp(t11 - t11.amax(-1, keepdim=True))
+    A24 = t23 / t23.sum(-1, keepdim=True)
+    return (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->', t0, t1, M_3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)]) + (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhf,cdi,ia->', t0, M_2, X, W_V, t9, A24, t18, M_2, X, W_Q, optimize=[(4, 5), (1, 5), (0, 1), (2, 3), (4, 5), (0, 3), (0, 3), (0, 2), (0, 1)]) + (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdif,cdj,ja->', t0, M_2, X, W_V, t9, A24, A24, t18, M_2, X, W_Q, optimize=[(4, 5), (1, 6), (0, 1), (1, 2), (4, 6), (1, 2), (2, 4), (0, 1), (0, 2), (0, 1)])
 
 
 def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -2675,7 +8459,8 @@ def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t11 = A @ X
     M_1 = t11
     t12 = M_1 @ W_V
-    t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    F = t12
+    t13 = torch.exp(F - F.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = t10 * A14
     t16 = (1/L) * t15
@@ -2698,8 +8483,10 @@ def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t0 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t28, t2, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t28, M_2, X, W_V, t10, A14, t19, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (4, 6), (0, 1), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t28, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_K, optimize=[(4, 5), (0, 2), (2, 3), (2, 7), (3, 6), (0, 1), (1, 4), (0, 1), (0, 1), (0, 1)])
+    t29 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A30 = t29 / t29.sum(-1, keepdim=True)
+    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t28, M_2, X, W_V, t10, A30, t19, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t28, M_2, X, W_V, t10, A30, A30, t19, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -2722,7 +8509,8 @@ def ce_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t9 = A @ X
     M_1 = t9
     t10 = M_1 @ W_V
-    t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
+    F = t10
+    t11 = torch.exp(F - F.amax(-1, keepdim=True))
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = t8 * A12
     t14 = (1/L) * t13
@@ -2742,9 +8530,11 @@ def ce_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     M_3 = oe.contract('abc,adc,ace->adbe', t0, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t26 = (n_batch**(-2)) * oe.contract('abc,dbc->', t24, t24, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t24, t25, t0, M_3, X, W_K, optimize=[(1, 2), (3, 4), (1, 3), (1, 2), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgi,fgi,ij,fgjk,fgc,kd->', t24, t25, M_2, X, W_V, t8, A12, t17, M_2, X, W_K, optimize=[(0, 9), (1, 9), (3, 4), (0, 1), (0, 4), (3, 5), (2, 3), (1, 3), (0, 2), (0, 1)]) + (-2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgi,fgi,fgj,jk,fgkl,fgc,ld->', t24, t25, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_K, optimize=[(0, 10), (1, 10), (3, 4), (0, 1), (0, 5), (4, 6), (0, 1), (0, 4), (2, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t25, t0, M_3, X, W_K, t25, t0, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkm,jkm,mn,jkno,jkg,oh->', t25, t0, M_3, X, W_K, t25, M_2, X, W_V, t8, A12, t17, M_2, X, W_K, optimize=[(9, 10), (0, 1), (0, 2), (1, 3), (1, 2), (1, 2), (0, 1), (0, 3), (1, 2), (3, 5), (0, 1), (0, 3), (0, 2), (0, 1)]) + (-2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkm,jkm,jkn,no,jkop,jkg,ph->', t25, t0, M_3, X, W_K, t25, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_K, optimize=[(9, 10), (0, 1), (0, 2), (1, 3), (1, 2), (6, 10), (1, 2), (1, 8), (0, 1), (0, 2), (0, 1), (2, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnof,mnl,op,mnp,mnp,pq,mnqr,mnj,rk->', t25, M_2, X, W_V, t8, A12, t17, M_2, X, W_K, t25, M_2, X, W_V, t8, A12, t17, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (2, 4), (2, 3), (2, 3), (0, 2), (0, 1), (0, 3), (2, 8), (1, 2), (3, 6), (0, 1), (0, 4), (0, 1), (1, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnof,mnl,op,mnp,mnp,mnq,qr,mnrs,mnj,sk->', t25, M_2, X, W_V, t8, A12, t17, M_2, X, W_K, t25, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (2, 4), (2, 3), (8, 13), (2, 3), (2, 11), (0, 2), (0, 1), (0, 2), (1, 7), (0, 1), (2, 5), (0, 3), (2, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl,am,nopf,nom,pq,noq,noq,nor,rs,nost,nok,tl->', t25, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_K, t25, M_2, X, W_V, t8, A12, A12, t17, M_2, X, W_K, optimize=[(4, 5), (13, 14), (0, 2), (0, 1), (14, 17), (0, 1), (0, 15), (2, 4), (2, 3), (7, 12), (2, 3), (2, 10), (0, 2), (0, 1), (0, 3), (4, 6), (0, 2), (3, 4), (0, 2), (0, 2), (0, 1)])
-    t27 = torch.sqrt(torch.clamp(t26, min=0.0))
-    return t27
+    t26 = torch.exp(t10 - t10.amax(-1, keepdim=True))
+    A27 = t26 / t26.sum(-1, keepdim=True)
+    t28 = (n_batch**(-2)) * oe.contract('abc,dbc->', t24, t24, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t24, t25, t0, M_3, X, W_K, optimize=[(0, 3), (2, 4), (0, 1), (0, 2), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgi,fgi,ij,fgjk,fgc,kd->', t24, t25, M_2, X, W_V, t8, A27, t17, M_2, X, W_K, optimize=[(5, 6), (0, 2), (5, 8), (0, 1), (1, 2), (0, 3), (1, 4), (2, 3), (0, 1), (0, 1)]) + (-2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgi,fgi,fgj,jk,fgkl,fgc,ld->', t24, t25, M_2, X, W_V, t8, A27, A27, t17, M_2, X, W_K, optimize=[(5, 6), (0, 2), (6, 9), (0, 1), (1, 2), (1, 6), (0, 2), (1, 4), (0, 1), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t25, t0, M_3, X, W_K, t25, t0, M_3, X, W_K, optimize=[(0, 1), (0, 2), (1, 2), (0, 2), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkm,jkm,mn,jkno,jkg,oh->', t25, t0, M_3, X, W_K, t25, M_2, X, W_V, t8, A27, t17, M_2, X, W_K, optimize=[(9, 10), (0, 1), (0, 2), (1, 3), (1, 2), (1, 2), (0, 1), (0, 3), (1, 2), (3, 5), (0, 1), (0, 3), (0, 2), (0, 1)]) + (-2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkm,jkm,jkn,no,jkop,jkg,ph->', t25, t0, M_3, X, W_K, t25, M_2, X, W_V, t8, A27, A27, t17, M_2, X, W_K, optimize=[(9, 10), (0, 1), (0, 2), (1, 3), (1, 2), (6, 10), (1, 2), (1, 8), (0, 1), (0, 2), (0, 1), (2, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnof,mnl,op,mnp,mnp,pq,mnqr,mnj,rk->', t25, M_2, X, W_V, t8, A27, t17, M_2, X, W_K, t25, M_2, X, W_V, t8, A27, t17, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (2, 4), (2, 3), (2, 3), (0, 2), (0, 1), (0, 3), (2, 8), (1, 2), (3, 6), (0, 1), (0, 4), (0, 1), (1, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnof,mnl,op,mnp,mnp,mnq,qr,mnrs,mnj,sk->', t25, M_2, X, W_V, t8, A27, t17, M_2, X, W_K, t25, M_2, X, W_V, t8, A27, A27, t17, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (2, 4), (2, 3), (8, 13), (2, 3), (2, 11), (0, 2), (0, 1), (0, 2), (1, 7), (0, 1), (2, 5), (0, 3), (2, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl,am,nopf,nom,pq,noq,noq,nor,rs,nost,nok,tl->', t25, M_2, X, W_V, t8, A27, A27, t17, M_2, X, W_K, t25, M_2, X, W_V, t8, A27, A27, t17, M_2, X, W_K, optimize=[(4, 5), (13, 14), (0, 2), (0, 1), (14, 17), (0, 1), (0, 15), (2, 4), (2, 3), (7, 12), (2, 3), (2, 10), (0, 2), (0, 1), (0, 3), (4, 6), (0, 2), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t29 = torch.sqrt(torch.clamp(t28, min=0.0))
+    return t29
 
 
 def ce_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -2769,7 +8559,8 @@ def ce_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t11 = A @ X
     M_1 = t11
     t12 = M_1 @ W_V
-    t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    F = t12
+    t13 = torch.exp(F - F.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = t10 * A14
     t16 = (1/L) * t15
@@ -2786,8 +8577,10 @@ def ce_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t1, M_2, X, W_V, t10, A14, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (4, 5), (0, 1), (2, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t1, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (2, 3), (2, 7), (2, 3), (0, 1), (0, 4), (0, 1), (0, 1), (0, 1)])
+    t24 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A25 = t24 / t24.sum(-1, keepdim=True)
+    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t1, M_2, X, W_V, t10, A25, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
+    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t1, M_2, X, W_V, t10, A25, A25, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -2811,7 +8604,8 @@ def ce_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t10 = A @ X
     M_1 = t10
     t11 = M_1 @ W_V
-    t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
+    F = t11
+    t12 = torch.exp(F - F.amax(-1, keepdim=True))
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = t9 * A13
     t15 = (1/L) * t14
@@ -2827,9 +8621,11 @@ def ce_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     M_3 = oe.contract('abc,adc,ace->adbe', t1, t22, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t22, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t22, X, optimize=[(0, 1), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t23 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 1), (0, 5), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jkle,jki,lm,jkm,jkm,mn,jknf,jko,oh->', t0, t1, M_3, X, W_Q, t0, M_2, X, W_V, t9, A13, t18, M_2, X, W_Q, optimize=[(9, 10), (0, 1), (1, 2), (1, 3), (1, 2), (1, 2), (1, 2), (2, 4), (1, 3), (2, 5), (0, 4), (2, 3), (0, 1), (0, 1)]) + (-2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jkle,jki,lm,jkm,jkm,jkn,no,jkof,jkp,ph->', t0, t1, M_3, X, W_Q, t0, M_2, X, W_V, t9, A13, A13, t18, M_2, X, W_Q, optimize=[(9, 10), (0, 1), (1, 2), (1, 3), (1, 2), (6, 10), (1, 2), (1, 8), (1, 2), (1, 3), (0, 2), (1, 4), (2, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnof,mnl,op,mnp,mnp,pq,mnqi,mnr,rk->', t0, M_2, X, W_V, t9, A13, t18, M_2, X, W_Q, t0, M_2, X, W_V, t9, A13, t18, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (0, 1), (0, 1), (0, 1), (0, 3), (2, 8), (1, 3), (0, 2), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnof,mnl,op,mnp,mnp,mnq,qr,mnri,mns,sk->', t0, M_2, X, W_V, t9, A13, t18, M_2, X, W_Q, t0, M_2, X, W_V, t9, A13, A13, t18, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (0, 1), (6, 12), (0, 1), (0, 10), (0, 1), (0, 2), (1, 7), (0, 2), (0, 3), (3, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl,am,nopf,nom,pq,noq,noq,nor,rs,nosj,not,tl->', t0, M_2, X, W_V, t9, A13, A13, t18, M_2, X, W_Q, t0, M_2, X, W_V, t9, A13, A13, t18, M_2, X, W_Q, optimize=[(4, 5), (13, 14), (0, 2), (0, 1), (14, 17), (0, 1), (0, 15), (0, 1), (0, 2), (0, 1), (5, 11), (0, 1), (0, 9), (0, 1), (0, 4), (0, 3), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t24 = torch.sqrt(torch.clamp(t23, min=0.0))
-    return t24
+    t23 = torch.exp(t11 - t11.amax(-1, keepdim=True))
+    A24 = t23 / t23.sum(-1, keepdim=True)
+    t25 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jkle,jki,lm,jkm,jkm,mn,jknf,jko,oh->', t0, t1, M_3, X, W_Q, t0, M_2, X, W_V, t9, A24, t18, M_2, X, W_Q, optimize=[(9, 10), (0, 1), (1, 2), (1, 3), (1, 2), (1, 2), (1, 2), (2, 4), (1, 3), (2, 5), (0, 4), (2, 3), (0, 1), (0, 1)]) + (-2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jkle,jki,lm,jkm,jkm,jkn,no,jkof,jkp,ph->', t0, t1, M_3, X, W_Q, t0, M_2, X, W_V, t9, A24, A24, t18, M_2, X, W_Q, optimize=[(9, 10), (0, 1), (1, 2), (1, 3), (1, 2), (6, 10), (1, 2), (1, 8), (1, 2), (1, 3), (0, 2), (1, 4), (2, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnof,mnl,op,mnp,mnp,pq,mnqi,mnr,rk->', t0, M_2, X, W_V, t9, A24, t18, M_2, X, W_Q, t0, M_2, X, W_V, t9, A24, t18, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (0, 1), (0, 1), (0, 1), (0, 3), (2, 8), (1, 3), (0, 2), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnof,mnl,op,mnp,mnp,mnq,qr,mnri,mns,sk->', t0, M_2, X, W_V, t9, A24, t18, M_2, X, W_Q, t0, M_2, X, W_V, t9, A24, A24, t18, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (0, 1), (6, 12), (0, 1), (0, 10), (0, 1), (0, 2), (1, 7), (0, 2), (0, 3), (3, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl,am,nopf,nom,pq,noq,noq,nor,rs,nosj,not,tl->', t0, M_2, X, W_V, t9, A24, A24, t18, M_2, X, W_Q, t0, M_2, X, W_V, t9, A24, A24, t18, M_2, X, W_Q, optimize=[(4, 5), (13, 14), (0, 2), (0, 1), (14, 17), (0, 1), (0, 15), (0, 1), (0, 2), (0, 1), (5, 11), (0, 1), (0, 9), (0, 1), (0, 4), (0, 3), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t26 = torch.sqrt(torch.clamp(t25, min=0.0))
+    return t26
 
 
 def ce_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -2859,12 +8655,15 @@ def ce_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
     t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh->fahg', t1, M_2, X, W_V, t10, A14, M_1, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t1, M_2, X, W_V, t10, A14, A14, M_1, optimize=[(0, 2), (1, 2), (1, 5), (0, 4), (0, 1), (0, 1), (0, 1)])
-    t15 = t10 * A14
-    t16 = (1/L) * t15
-    t17 = (-1/L) * Y
-    t18 = t16 + t17
-    G = t18
+    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t1, M_2, X, W_V, t10, A14, A14, M_1, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    F = t12
+    t15 = torch.exp(F - F.amax(-1, keepdim=True))
+    A16 = t15 / t15.sum(-1, keepdim=True)
+    t17 = t10 * A16
+    t18 = (1/L) * t17
+    t19 = (-1/L) * Y
+    t20 = t18 + t19
+    G = t20
     t0 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t1, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
     return out
 
@@ -2893,14 +8692,17 @@ def ce_causal0__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t11 = M_1 @ W_V
     t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A13 = t12 / t12.sum(-1, keepdim=True)
-    t14 = t9 * A13
-    t15 = (1/L) * t14
-    t16 = (-1/L) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,ai,jklf,jki,lg,jkg,jkg,jkh->', t0, M_2, X, W_V, t9, A13, M_1, t0, M_2, X, W_V, t9, A13, M_1, optimize=[(4, 5), (9, 10), (0, 2), (2, 7), (2, 4), (6, 8), (6, 7), (0, 1), (2, 5), (0, 1), (2, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,ai,jklf,jki,lm,jkm,jkm,jkg,jkh->', t0, M_2, X, W_V, t9, A13, M_1, t0, M_2, X, W_V, t9, A13, A13, M_1, optimize=[(4, 5), (9, 10), (0, 2), (0, 1), (1, 3), (1, 2), (4, 8), (0, 2), (1, 3), (1, 2), (2, 4), (1, 2), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,ai,jkhf,jki,jkg->', t0, M_2, X, W_V, t9, A13, M_1, t0, M_2, X, G, optimize=[(4, 5), (0, 2), (3, 5), (6, 7), (0, 1), (3, 5), (0, 1), (2, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi,aj,klmf,klj,mn,kln,kln,klh,kli->', t0, M_2, X, W_V, t9, A13, A13, M_1, t0, M_2, X, W_V, t9, A13, A13, M_1, optimize=[(4, 5), (10, 11), (0, 2), (0, 1), (8, 11), (2, 4), (2, 3), (4, 8), (0, 2), (0, 1), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (-2/(L*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi,aj,klif,klj,klh->', t0, M_2, X, W_V, t9, A13, A13, M_1, t0, M_2, X, G, optimize=[(4, 5), (0, 2), (2, 7), (3, 5), (5, 7), (5, 6), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (2, 5), (1, 4), (3, 4), (2, 3), (0, 2), (0, 1)])
-    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
-    return t19
+    F = t11
+    t14 = torch.exp(F - F.amax(-1, keepdim=True))
+    A15 = t14 / t14.sum(-1, keepdim=True)
+    t16 = t9 * A15
+    t17 = (1/L) * t16
+    t18 = (-1/L) * Y
+    t19 = t17 + t18
+    G = t19
+    t20 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,ai,jklf,jki,lg,jkg,jkg,jkh->', t0, M_2, X, W_V, t9, A13, M_1, t0, M_2, X, W_V, t9, A13, M_1, optimize=[(4, 5), (9, 10), (0, 2), (0, 1), (1, 3), (1, 2), (5, 7), (0, 1), (2, 3), (3, 4), (0, 2), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,ai,jklf,jki,lm,jkm,jkm,jkg,jkh->', t0, M_2, X, W_V, t9, A13, M_1, t0, M_2, X, W_V, t9, A13, A13, M_1, optimize=[(4, 5), (9, 10), (0, 2), (0, 1), (1, 3), (1, 2), (4, 8), (0, 2), (1, 3), (1, 2), (2, 4), (1, 2), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,ai,jkhf,jki,jkg->', t0, M_2, X, W_V, t9, A13, M_1, t0, M_2, X, G, optimize=[(4, 5), (0, 2), (0, 1), (0, 2), (5, 6), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi,aj,klmf,klj,mn,kln,kln,klh,kli->', t0, M_2, X, W_V, t9, A13, A13, M_1, t0, M_2, X, W_V, t9, A13, A13, M_1, optimize=[(4, 5), (10, 11), (0, 2), (0, 1), (8, 11), (2, 4), (2, 3), (4, 8), (0, 2), (0, 1), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (-2/(L*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi,aj,klif,klj,klh->', t0, M_2, X, W_V, t9, A13, A13, M_1, t0, M_2, X, G, optimize=[(4, 5), (0, 2), (0, 1), (6, 8), (1, 3), (5, 6), (1, 2), (0, 1), (1, 3), (0, 1), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
+    return t21
 
 
 def ce_causal0__diag__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -2928,7 +8730,7 @@ def ce_causal0__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
     t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,acb->bd', t9, t11, A14, M_1, optimize=[(0, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->bd', t9, t11, A14, A14, M_1, optimize=[(0, 4), (0, 1), (0, 2), (0, 1)])
+    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->bd', t9, t11, A14, A14, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -2954,7 +8756,7 @@ def ce_causal0__trace__W_V__full(X, W_Q, W_K, W_V, Y):
     t11 = M_1 @ W_V
     t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A13 = t12 / t12.sum(-1, keepdim=True)
-    return (1/(L*n_batch)) * oe.contract('abc,acd,acd,acb->', t8, t10, A13, M_1, optimize=[(0, 3), (0, 1), (0, 1)]) + (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->', t8, t10, A13, A13, M_1, optimize=[(0, 4), (0, 1), (0, 2), (0, 1)])
+    return (1/(L*n_batch)) * oe.contract('abc,acd,acd,acb->', t8, t10, A13, M_1, optimize=[(0, 3), (0, 1), (0, 1)]) + (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->', t8, t10, A13, A13, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
 
 
 def ce_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -2978,7 +8780,8 @@ def ce_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t10 = A @ X
     M_1 = t10
     t11 = M_1 @ W_V
-    t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
+    F = t11
+    t12 = torch.exp(F - F.amax(-1, keepdim=True))
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = t2 * A13
     t15 = (1/L) * t14
@@ -2990,9 +8793,11 @@ def ce_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t18, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
     t19 = M_1.transpose(-1, -2)
-    t20 = W_V.transpose(-1, -2)
-    t0 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t19, t2, A13, t20, M_2, X, W_K, optimize=[(1, 2), (0, 3), (0, 1), (1, 3), (0, 2), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t19, t2, A13, A13, t20, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (0, 1), (0, 1), (0, 1)])
+    t20 = torch.exp(t11 - t11.amax(-1, keepdim=True))
+    A21 = t20 / t20.sum(-1, keepdim=True)
+    t22 = W_V.transpose(-1, -2)
+    t0 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t19, t2, A21, t22, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t19, t2, A21, A21, t22, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -3015,7 +8820,8 @@ def ce_causal0__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t9 = A @ X
     M_1 = t9
     t10 = M_1 @ W_V
-    t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
+    F = t10
+    t11 = torch.exp(F - F.amax(-1, keepdim=True))
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = t1 * A12
     t14 = (1/L) * t13
@@ -3026,10 +8832,12 @@ def ce_causal0__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t18 = M_1.transpose(-1, -2)
-    t19 = W_V.transpose(-1, -2)
-    t20 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t17, M_2, X, W_K, t17, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hdi,hib,hib,bj,hijk,hif,kg->', t17, M_2, X, W_K, t18, t1, A12, t19, M_2, X, W_K, optimize=[(5, 6), (2, 7), (2, 6), (0, 3), (0, 1), (2, 5), (0, 2), (2, 3), (1, 2), (0, 1)]) + (-2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hdi,hib,hib,hij,jk,hikl,hif,lg->', t17, M_2, X, W_K, t18, t1, A12, A12, t19, M_2, X, W_K, optimize=[(5, 6), (2, 8), (2, 7), (3, 4), (3, 7), (5, 6), (0, 3), (2, 4), (0, 1), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,fh,ibj,ijd,ijd,dk,ijkl,ijg,lh->', t18, t1, A12, t19, M_2, X, W_K, t18, t1, A12, t19, M_2, X, W_K, optimize=[(1, 2), (6, 7), (0, 5), (2, 6), (8, 9), (2, 5), (0, 2), (2, 3), (2, 5), (0, 2), (0, 1), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,fh,ibj,ijd,ijd,ijk,kl,ijlm,ijg,mh->', t18, t1, A12, t19, M_2, X, W_K, t18, t1, A12, A12, t19, M_2, X, W_K, optimize=[(1, 2), (6, 7), (1, 2), (0, 3), (2, 3), (2, 9), (0, 2), (5, 7), (0, 1), (2, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi,jbk,jkd,jkd,jkl,lm,jkmn,jkh,ni->', t18, t1, A12, A12, t19, M_2, X, W_K, t18, t1, A12, A12, t19, M_2, X, W_K, optimize=[(1, 2), (7, 8), (1, 2), (1, 12), (0, 3), (2, 3), (2, 9), (0, 2), (5, 7), (0, 1), (0, 1), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
-    return t21
+    t19 = torch.exp(t10 - t10.amax(-1, keepdim=True))
+    A20 = t19 / t19.sum(-1, keepdim=True)
+    t21 = W_V.transpose(-1, -2)
+    t22 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t17, M_2, X, W_K, t17, M_2, X, W_K, optimize=[(1, 3), (0, 2), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hdi,hib,hib,bj,hijk,hif,kg->', t17, M_2, X, W_K, t18, t1, A20, t21, M_2, X, W_K, optimize=[(5, 6), (1, 3), (3, 4), (1, 3), (1, 4), (1, 3), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hdi,hib,hib,hij,jk,hikl,hif,lg->', t17, M_2, X, W_K, t18, t1, A20, A20, t21, M_2, X, W_K, optimize=[(5, 6), (1, 3), (3, 4), (3, 8), (1, 3), (0, 3), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,fh,ibj,ijd,ijd,dk,ijkl,ijg,lh->', t18, t1, A20, t21, M_2, X, W_K, t18, t1, A20, t21, M_2, X, W_K, optimize=[(1, 2), (6, 7), (1, 2), (0, 3), (2, 3), (0, 2), (5, 7), (0, 1), (2, 5), (2, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,fh,ibj,ijd,ijd,ijk,kl,ijlm,ijg,mh->', t18, t1, A20, t21, M_2, X, W_K, t18, t1, A20, A20, t21, M_2, X, W_K, optimize=[(1, 2), (6, 7), (1, 2), (0, 3), (2, 3), (2, 9), (0, 2), (5, 7), (0, 1), (2, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi,jbk,jkd,jkd,jkl,lm,jkmn,jkh,ni->', t18, t1, A20, A20, t21, M_2, X, W_K, t18, t1, A20, A20, t21, M_2, X, W_K, optimize=[(1, 2), (7, 8), (1, 2), (1, 12), (0, 3), (2, 3), (2, 9), (0, 2), (5, 7), (0, 1), (0, 1), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t23 = torch.sqrt(torch.clamp(t22, min=0.0))
+    return t23
 
 
 def ce_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -3053,7 +8861,8 @@ def ce_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t10 = A @ X
     M_1 = t10
     t11 = M_1 @ W_V
-    t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
+    F = t11
+    t12 = torch.exp(F - F.amax(-1, keepdim=True))
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = t2 * A13
     t15 = (1/L) * t14
@@ -3065,9 +8874,11 @@ def ce_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t18, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
     t19 = M_1.transpose(-1, -2)
-    t20 = W_V.transpose(-1, -2)
-    t0 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t19, t2, A13, t20, M_2, X, W_Q, optimize=[(1, 2), (3, 4), (0, 4), (0, 1), (0, 2), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t19, t2, A13, A13, t20, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 1), (0, 1), (0, 1)])
+    t20 = torch.exp(t11 - t11.amax(-1, keepdim=True))
+    A21 = t20 / t20.sum(-1, keepdim=True)
+    t22 = W_V.transpose(-1, -2)
+    t0 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t19, t2, A21, t22, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t19, t2, A21, A21, t22, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -3090,7 +8901,8 @@ def ce_causal0__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t9 = A @ X
     M_1 = t9
     t10 = M_1 @ W_V
-    t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
+    F = t10
+    t11 = torch.exp(F - F.amax(-1, keepdim=True))
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = t1 * A12
     t14 = (1/L) * t13
@@ -3101,10 +8913,12 @@ def ce_causal0__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t18 = M_1.transpose(-1, -2)
-    t19 = W_V.transpose(-1, -2)
-    t20 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t17, M_2, X, W_Q, t17, M_2, X, W_Q, optimize=[(0, 4), (1, 2), (2, 3), (2, 3), (2, 3), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hdi,hib,hib,bj,hije,hik,kg->', t17, M_2, X, W_Q, t18, t1, A12, t19, M_2, X, W_Q, optimize=[(5, 6), (2, 3), (5, 6), (6, 7), (0, 3), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)]) + (-2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hdi,hib,hib,hij,jk,hike,hil,lg->', t17, M_2, X, W_Q, t18, t1, A12, A12, t19, M_2, X, W_Q, optimize=[(5, 6), (2, 3), (3, 4), (3, 8), (3, 4), (4, 6), (0, 3), (3, 4), (0, 1), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,gh,ibj,ijd,ijd,dk,ijkf,ijl,lh->', t18, t1, A12, t19, M_2, X, W_Q, t18, t1, A12, t19, M_2, X, W_Q, optimize=[(1, 2), (6, 7), (0, 5), (2, 3), (4, 5), (7, 8), (6, 7), (0, 1), (2, 5), (0, 1), (2, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,gh,ibj,ijd,ijd,ijk,kl,ijlf,ijm,mh->', t18, t1, A12, t19, M_2, X, W_Q, t18, t1, A12, A12, t19, M_2, X, W_Q, optimize=[(1, 2), (6, 7), (1, 2), (1, 2), (0, 1), (0, 1), (0, 8), (0, 1), (0, 2), (3, 5), (0, 4), (1, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi,jbk,jkd,jkd,jkl,lm,jkmg,jkn,ni->', t18, t1, A12, A12, t19, M_2, X, W_Q, t18, t1, A12, A12, t19, M_2, X, W_Q, optimize=[(1, 2), (7, 8), (1, 2), (1, 12), (1, 2), (0, 1), (0, 1), (0, 8), (0, 1), (0, 1), (2, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
-    return t21
+    t19 = torch.exp(t10 - t10.amax(-1, keepdim=True))
+    A20 = t19 / t19.sum(-1, keepdim=True)
+    t21 = W_V.transpose(-1, -2)
+    t22 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t17, M_2, X, W_Q, t17, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hdi,hib,hib,bj,hije,hik,kg->', t17, M_2, X, W_Q, t18, t1, A20, t21, M_2, X, W_Q, optimize=[(5, 6), (2, 3), (1, 2), (2, 7), (2, 3), (1, 4), (2, 3), (0, 2), (0, 2), (0, 1)]) + (-2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hdi,hib,hib,hij,jk,hike,hil,lg->', t17, M_2, X, W_Q, t18, t1, A20, A20, t21, M_2, X, W_Q, optimize=[(5, 6), (2, 3), (1, 2), (3, 8), (1, 2), (5, 6), (1, 2), (0, 1), (1, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,gh,ibj,ijd,ijd,dk,ijkf,ijl,lh->', t18, t1, A20, t21, M_2, X, W_Q, t18, t1, A20, t21, M_2, X, W_Q, optimize=[(1, 2), (6, 7), (1, 2), (1, 2), (0, 1), (0, 1), (4, 7), (0, 1), (0, 4), (0, 4), (1, 3), (0, 1), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,gh,ibj,ijd,ijd,ijk,kl,ijlf,ijm,mh->', t18, t1, A20, t21, M_2, X, W_Q, t18, t1, A20, A20, t21, M_2, X, W_Q, optimize=[(1, 2), (6, 7), (1, 2), (1, 2), (0, 1), (0, 1), (0, 8), (0, 1), (0, 2), (3, 5), (0, 4), (1, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi,jbk,jkd,jkd,jkl,lm,jkmg,jkn,ni->', t18, t1, A20, A20, t21, M_2, X, W_Q, t18, t1, A20, A20, t21, M_2, X, W_Q, optimize=[(1, 2), (7, 8), (1, 2), (1, 12), (1, 2), (0, 1), (0, 1), (0, 8), (0, 1), (0, 1), (2, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t23 = torch.sqrt(torch.clamp(t22, min=0.0))
+    return t23
 
 
 def ce_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -3212,7 +9026,8 @@ def ce_causal1__gradient(X, W_Q, W_K, W_V, Y):
     t10 = t9.expand(*t9.shape[:-1], d_V)
     t11 = X @ W_V
     t12 = A @ t11
-    t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    F = t12
+    t13 = torch.exp(F - F.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = t10 * A14
     t16 = (1/L) * t15
@@ -3268,38 +9083,38 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = W_V.transpose(-1, -2)
-    t1[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t2, M_2, X, W_V, t12, A16, t17, M_2, X, W_K, optimize=[(4, 5), (0, 1), (1, 7), (5, 6), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t1 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t2, M_2, X, W_V, t12, A16, A16, t17, M_2, X, W_K, optimize=[(4, 5), (4, 5), (4, 8), (5, 7), (0, 1), (1, 5), (2, 4), (0, 1), (0, 1), (0, 1)])
+    t1[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t2, M_2, X, W_V, t12, A16, t17, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t1 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t2, M_2, X, W_V, t12, A16, A16, t17, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
     t18 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t19 = t18.view((d_V, d_K, d_V, d_K))
-    t19[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t2, M_2, X, W_V, t12, A16, t17, M_2, X, W_Q, optimize=[(4, 5), (6, 7), (0, 1), (1, 6), (3, 5), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t19 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t2, M_2, X, W_V, t12, A16, A16, t17, M_2, X, W_Q, optimize=[(4, 5), (4, 5), (4, 8), (4, 5), (0, 1), (1, 5), (1, 4), (0, 1), (0, 1), (0, 1)])
+    t19[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t2, M_2, X, W_V, t12, A16, t17, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
+    t19 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t2, M_2, X, W_V, t12, A16, A16, t17, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
     t20 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t21 = t20.view((d_V, d_K, d_V, d_V))
     t21[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t2, M_2, X, W_V, t12, A16, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t21 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t2, M_2, X, W_V, t12, A16, A16, M_1, optimize=[(4, 5), (1, 3), (4, 5), (0, 4), (0, 1), (0, 1), (0, 1)])
+    t21 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t2, M_2, X, W_V, t12, A16, A16, M_1, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
     t22 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t23 = t22.view((d_V, d_K, d_V, d_K))
     t24 = W_Q.transpose(-1, -2)
-    t23[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t24, M_2, X, W_V, t12, A16, t17, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (4, 6), (0, 1), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t23 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t24, M_2, X, W_V, t12, A16, A16, t17, M_2, X, W_K, optimize=[(4, 5), (0, 2), (2, 3), (2, 7), (3, 6), (0, 1), (1, 4), (0, 1), (0, 1), (0, 1)])
+    t23[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t24, M_2, X, W_V, t12, A16, t17, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t23 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t24, M_2, X, W_V, t12, A16, A16, t17, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
     t25 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t26 = t25.view((d_V, d_K, d_V, d_K))
-    t26[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t24, M_2, X, W_V, t12, A16, t17, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (4, 5), (0, 1), (2, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t26 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t24, M_2, X, W_V, t12, A16, A16, t17, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (2, 3), (2, 7), (2, 3), (0, 1), (0, 4), (0, 1), (0, 1), (0, 1)])
+    t26[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t24, M_2, X, W_V, t12, A16, t17, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
+    t26 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t24, M_2, X, W_V, t12, A16, A16, t17, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
     t27 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t28 = t27.view((d_V, d_K, d_V, d_V))
     t28[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh->fahg', t24, M_2, X, W_V, t12, A16, M_1, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
-    t28 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t24, M_2, X, W_V, t12, A16, A16, M_1, optimize=[(0, 2), (1, 2), (1, 5), (0, 4), (0, 1), (0, 1), (0, 1)])
+    t28 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t24, M_2, X, W_V, t12, A16, A16, M_1, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
     t29 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t30 = t29.view((d_V, d_V, d_V, d_K))
     t31 = M_1.transpose(-1, -2)
-    t30[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t31, t12, A16, t17, M_2, X, W_K, optimize=[(1, 2), (0, 3), (0, 1), (1, 3), (0, 2), (0, 1)])
-    t30 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t31, t12, A16, A16, t17, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (0, 1), (0, 1), (0, 1)])
+    t30[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t31, t12, A16, t17, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t30 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t31, t12, A16, A16, t17, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
     t32 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t33 = t32.view((d_V, d_V, d_V, d_K))
-    t33[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t31, t12, A16, t17, M_2, X, W_Q, optimize=[(1, 2), (3, 4), (0, 4), (0, 1), (0, 2), (0, 1)])
-    t33 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t31, t12, A16, A16, t17, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 1), (0, 1), (0, 1)])
+    t33[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t31, t12, A16, t17, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t33 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t31, t12, A16, A16, t17, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
     t34 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t34[...] = 0
     t35 = t34.view((d_V, d_V, d_V, d_V))
@@ -3333,40 +9148,41 @@ def ce_causal1__hvp__outer(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = V_W_Q @ t2
     t16 = X @ t15
-    t17 = V_W_K.transpose(-1, -2)
-    t18 = t17 @ t0
-    t19 = W_Q @ t18
-    t20 = X @ t19
-    t21 = t16 + t20
-    t22 = t21 - (A * t21).sum(-1, keepdim=True)
-    t23 = A * t22
-    t24 = t23 @ t11
-    t25 = (1/math.sqrt(d_K)) * t24
-    t26 = X @ V_W_V
-    t27 = A @ t26
-    t28 = t25 + t27
-    t29 = t28 - (A14 * t28).sum(-1, keepdim=True)
-    t30 = A14 * t29
-    t31 = t10 * t30
-    t32 = W_V.transpose(-1, -2)
-    t33 = t32 @ t0
-    t34 = t31 @ t33
-    t35 = t34 - (A * t34).sum(-1, keepdim=True)
-    t36 = A * t35
-    t37 = X @ W_K
-    t38 = t36 @ t37
-    t39 = t0 @ t38
-    t40 = (1/(L*math.sqrt(d_K))) * t39
-    t41 = t36.transpose(-1, -2)
-    t42 = X @ W_Q
-    t43 = t41 @ t42
-    t44 = t0 @ t43
-    t45 = (1/(L*math.sqrt(d_K))) * t44
-    t46 = A.transpose(-1, -2)
-    t47 = t46 @ t31
-    t48 = t0 @ t47
-    t49 = (1/L) * t48
-    return (t40.mean(0), t45.mean(0), t49.mean(0),)
+    t17 = (1/math.sqrt(d_K)) * t16
+    t18 = V_W_K.transpose(-1, -2)
+    t19 = t18 @ t0
+    t20 = W_Q @ t19
+    t21 = X @ t20
+    t22 = (1/math.sqrt(d_K)) * t21
+    t23 = t17 + t22
+    t24 = t23 - (A * t23).sum(-1, keepdim=True)
+    t25 = A * t24
+    t26 = t25 @ t11
+    t27 = X @ V_W_V
+    t28 = A @ t27
+    t29 = t26 + t28
+    t30 = t29 - (A14 * t29).sum(-1, keepdim=True)
+    t31 = A14 * t30
+    t32 = t10 * t31
+    t33 = W_V.transpose(-1, -2)
+    t34 = t33 @ t0
+    t35 = t32 @ t34
+    t36 = t35 - (A * t35).sum(-1, keepdim=True)
+    t37 = A * t36
+    t38 = X @ W_K
+    t39 = t37 @ t38
+    t40 = t0 @ t39
+    t41 = (1/(L*math.sqrt(d_K))) * t40
+    t42 = t37.transpose(-1, -2)
+    t43 = X @ W_Q
+    t44 = t42 @ t43
+    t45 = t0 @ t44
+    t46 = (1/(L*math.sqrt(d_K))) * t45
+    t47 = A.transpose(-1, -2)
+    t48 = t47 @ t32
+    t49 = t0 @ t48
+    t50 = (1/L) * t49
+    return (t41.mean(0), t46.mean(0), t50.mean(0),)
 
 
 def ce_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
@@ -3399,19 +9215,19 @@ def ce_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     t17 = torch.sqrt(torch.clamp(t16, min=0.0))
     t18 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnol,mnf,op,mnp,mnp,pq,mnqi,mnr,rk->', t0, M_2, X, W_V, t10, A14, t15, M_2, X, W_Q, t0, M_2, X, W_V, t10, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (2, 3), (2, 3), (0, 2), (2, 3), (2, 3), (0, 4), (1, 3), (7, 8), (0, 3), (0, 3), (4, 5), (3, 4), (1, 3), (0, 1), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnol,mnf,op,mnp,mnp,mnq,qr,mnri,mns,sk->', t0, M_2, X, W_V, t10, A14, t15, M_2, X, W_Q, t0, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (2, 3), (2, 3), (0, 2), (2, 3), (2, 12), (2, 3), (1, 3), (5, 9), (0, 2), (0, 1), (5, 6), (0, 3), (0, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl,am,nopm,nof,pq,noq,noq,nor,rs,nosj,not,tl->', t0, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_Q, t0, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (13, 14), (0, 1), (2, 3), (2, 17), (2, 3), (2, 3), (0, 2), (2, 3), (2, 12), (2, 3), (0, 2), (2, 9), (0, 1), (2, 7), (0, 3), (1, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
     t19 = torch.sqrt(torch.clamp(t18, min=0.0))
-    t20 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,ai,jkli,jkf,lg,jkg,jkg,jkh->', t0, M_2, X, W_V, t10, A14, M_1, t0, M_2, X, W_V, t10, A14, M_1, optimize=[(4, 5), (9, 10), (0, 5), (1, 5), (2, 5), (7, 8), (0, 1), (2, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,ai,jkli,jkf,lm,jkm,jkm,jkg,jkh->', t0, M_2, X, W_V, t10, A14, M_1, t0, M_2, X, W_V, t10, A14, A14, M_1, optimize=[(4, 5), (9, 10), (0, 1), (3, 4), (0, 3), (1, 4), (7, 8), (1, 4), (4, 6), (0, 3), (1, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi,aj,klmj,klf,mn,kln,kln,klh,kli->', t0, M_2, X, W_V, t10, A14, A14, M_1, t0, M_2, X, W_V, t10, A14, A14, M_1, optimize=[(4, 5), (10, 11), (0, 1), (4, 5), (0, 4), (1, 4), (8, 9), (1, 3), (6, 7), (0, 2), (2, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
+    t20 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,ai,jkli,jkf,lg,jkg,jkg,jkh->', t0, M_2, X, W_V, t10, A14, M_1, t0, M_2, X, W_V, t10, A14, M_1, optimize=[(4, 5), (9, 10), (0, 1), (3, 4), (0, 3), (1, 3), (6, 7), (0, 4), (0, 3), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,ai,jkli,jkf,lm,jkm,jkm,jkg,jkh->', t0, M_2, X, W_V, t10, A14, M_1, t0, M_2, X, W_V, t10, A14, A14, M_1, optimize=[(4, 5), (9, 10), (0, 1), (3, 4), (0, 3), (1, 4), (7, 8), (1, 4), (4, 6), (0, 3), (1, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi,aj,klmj,klf,mn,kln,kln,klh,kli->', t0, M_2, X, W_V, t10, A14, A14, M_1, t0, M_2, X, W_V, t10, A14, A14, M_1, optimize=[(4, 5), (10, 11), (0, 1), (4, 5), (0, 4), (1, 4), (8, 9), (1, 3), (6, 7), (0, 2), (2, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
     t21 = torch.sqrt(torch.clamp(t20, min=0.0))
     t22 = W_Q.transpose(-1, -2)
     t23 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnof,mnl,op,mnp,mnp,pq,mnqr,mnj,rk->', t22, M_2, X, W_V, t10, A14, t15, M_2, X, W_K, t22, M_2, X, W_V, t10, A14, t15, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (2, 4), (2, 3), (2, 3), (0, 2), (0, 1), (0, 3), (2, 8), (1, 2), (3, 6), (0, 1), (0, 4), (0, 1), (1, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnof,mnl,op,mnp,mnp,mnq,qr,mnrs,mnj,sk->', t22, M_2, X, W_V, t10, A14, t15, M_2, X, W_K, t22, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (2, 4), (2, 3), (8, 13), (2, 3), (2, 11), (0, 2), (0, 1), (0, 2), (1, 7), (0, 1), (2, 5), (0, 3), (2, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl,am,nopf,nom,pq,noq,noq,nor,rs,nost,nok,tl->', t22, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_K, t22, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_K, optimize=[(4, 5), (13, 14), (0, 2), (0, 1), (14, 17), (0, 1), (0, 15), (2, 4), (2, 3), (7, 12), (2, 3), (2, 10), (0, 2), (0, 1), (0, 3), (4, 6), (0, 2), (3, 4), (0, 2), (0, 2), (0, 1)])
     t24 = torch.sqrt(torch.clamp(t23, min=0.0))
     t25 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnof,mnl,op,mnp,mnp,pq,mnqi,mnr,rk->', t22, M_2, X, W_V, t10, A14, t15, M_2, X, W_Q, t22, M_2, X, W_V, t10, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (0, 1), (0, 1), (0, 1), (0, 3), (2, 8), (1, 3), (0, 2), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnof,mnl,op,mnp,mnp,mnq,qr,mnri,mns,sk->', t22, M_2, X, W_V, t10, A14, t15, M_2, X, W_Q, t22, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (0, 1), (6, 12), (0, 1), (0, 10), (0, 1), (0, 2), (1, 7), (0, 2), (0, 3), (3, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl,am,nopf,nom,pq,noq,noq,nor,rs,nosj,not,tl->', t22, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_Q, t22, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (13, 14), (0, 2), (0, 1), (14, 17), (0, 1), (0, 15), (0, 1), (0, 2), (0, 1), (5, 11), (0, 1), (0, 9), (0, 1), (0, 4), (0, 3), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
     t26 = torch.sqrt(torch.clamp(t25, min=0.0))
-    t27 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,ai,jklf,jki,lg,jkg,jkg,jkh->', t22, M_2, X, W_V, t10, A14, M_1, t22, M_2, X, W_V, t10, A14, M_1, optimize=[(4, 5), (9, 10), (0, 2), (2, 7), (2, 4), (6, 8), (6, 7), (0, 1), (2, 5), (0, 1), (2, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,ai,jklf,jki,lm,jkm,jkm,jkg,jkh->', t22, M_2, X, W_V, t10, A14, M_1, t22, M_2, X, W_V, t10, A14, A14, M_1, optimize=[(4, 5), (9, 10), (0, 2), (0, 1), (1, 3), (1, 2), (4, 8), (0, 2), (1, 3), (1, 2), (2, 4), (1, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi,aj,klmf,klj,mn,kln,kln,klh,kli->', t22, M_2, X, W_V, t10, A14, A14, M_1, t22, M_2, X, W_V, t10, A14, A14, M_1, optimize=[(4, 5), (10, 11), (0, 2), (0, 1), (8, 11), (2, 4), (2, 3), (4, 8), (0, 2), (0, 1), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t27 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,ai,jklf,jki,lg,jkg,jkg,jkh->', t22, M_2, X, W_V, t10, A14, M_1, t22, M_2, X, W_V, t10, A14, M_1, optimize=[(4, 5), (9, 10), (0, 2), (0, 1), (1, 3), (1, 2), (5, 7), (0, 1), (2, 3), (3, 4), (0, 2), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,ai,jklf,jki,lm,jkm,jkm,jkg,jkh->', t22, M_2, X, W_V, t10, A14, M_1, t22, M_2, X, W_V, t10, A14, A14, M_1, optimize=[(4, 5), (9, 10), (0, 2), (0, 1), (1, 3), (1, 2), (4, 8), (0, 2), (1, 3), (1, 2), (2, 4), (1, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi,aj,klmf,klj,mn,kln,kln,klh,kli->', t22, M_2, X, W_V, t10, A14, A14, M_1, t22, M_2, X, W_V, t10, A14, A14, M_1, optimize=[(4, 5), (10, 11), (0, 2), (0, 1), (8, 11), (2, 4), (2, 3), (4, 8), (0, 2), (0, 1), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
     t28 = torch.sqrt(torch.clamp(t27, min=0.0))
     t29 = M_1.transpose(-1, -2)
-    t30 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,fh,ibj,ijd,ijd,dk,ijkl,ijg,lh->', t29, t10, A14, t15, M_2, X, W_K, t29, t10, A14, t15, M_2, X, W_K, optimize=[(1, 2), (6, 7), (0, 5), (2, 6), (8, 9), (2, 5), (0, 2), (2, 3), (2, 5), (0, 2), (0, 1), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,fh,ibj,ijd,ijd,ijk,kl,ijlm,ijg,mh->', t29, t10, A14, t15, M_2, X, W_K, t29, t10, A14, A14, t15, M_2, X, W_K, optimize=[(1, 2), (6, 7), (1, 2), (0, 3), (2, 3), (2, 9), (0, 2), (5, 7), (0, 1), (2, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi,jbk,jkd,jkd,jkl,lm,jkmn,jkh,ni->', t29, t10, A14, A14, t15, M_2, X, W_K, t29, t10, A14, A14, t15, M_2, X, W_K, optimize=[(1, 2), (7, 8), (1, 2), (1, 12), (0, 3), (2, 3), (2, 9), (0, 2), (5, 7), (0, 1), (0, 1), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t30 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,fh,ibj,ijd,ijd,dk,ijkl,ijg,lh->', t29, t10, A14, t15, M_2, X, W_K, t29, t10, A14, t15, M_2, X, W_K, optimize=[(1, 2), (6, 7), (1, 2), (0, 3), (2, 3), (0, 2), (5, 7), (0, 1), (2, 5), (2, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,fh,ibj,ijd,ijd,ijk,kl,ijlm,ijg,mh->', t29, t10, A14, t15, M_2, X, W_K, t29, t10, A14, A14, t15, M_2, X, W_K, optimize=[(1, 2), (6, 7), (1, 2), (0, 3), (2, 3), (2, 9), (0, 2), (5, 7), (0, 1), (2, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi,jbk,jkd,jkd,jkl,lm,jkmn,jkh,ni->', t29, t10, A14, A14, t15, M_2, X, W_K, t29, t10, A14, A14, t15, M_2, X, W_K, optimize=[(1, 2), (7, 8), (1, 2), (1, 12), (0, 3), (2, 3), (2, 9), (0, 2), (5, 7), (0, 1), (0, 1), (2, 4), (0, 2), (0, 2), (0, 1)])
     t31 = torch.sqrt(torch.clamp(t30, min=0.0))
-    t32 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,gh,ibj,ijd,ijd,dk,ijkf,ijl,lh->', t29, t10, A14, t15, M_2, X, W_Q, t29, t10, A14, t15, M_2, X, W_Q, optimize=[(1, 2), (6, 7), (0, 5), (2, 3), (4, 5), (7, 8), (6, 7), (0, 1), (2, 5), (0, 1), (2, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,gh,ibj,ijd,ijd,ijk,kl,ijlf,ijm,mh->', t29, t10, A14, t15, M_2, X, W_Q, t29, t10, A14, A14, t15, M_2, X, W_Q, optimize=[(1, 2), (6, 7), (1, 2), (1, 2), (0, 1), (0, 1), (0, 8), (0, 1), (0, 2), (3, 5), (0, 4), (1, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi,jbk,jkd,jkd,jkl,lm,jkmg,jkn,ni->', t29, t10, A14, A14, t15, M_2, X, W_Q, t29, t10, A14, A14, t15, M_2, X, W_Q, optimize=[(1, 2), (7, 8), (1, 2), (1, 12), (1, 2), (0, 1), (0, 1), (0, 8), (0, 1), (0, 1), (2, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t32 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,gh,ibj,ijd,ijd,dk,ijkf,ijl,lh->', t29, t10, A14, t15, M_2, X, W_Q, t29, t10, A14, t15, M_2, X, W_Q, optimize=[(1, 2), (6, 7), (1, 2), (1, 2), (0, 1), (0, 1), (4, 7), (0, 1), (0, 4), (0, 4), (1, 3), (0, 1), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,gh,ibj,ijd,ijd,ijk,kl,ijlf,ijm,mh->', t29, t10, A14, t15, M_2, X, W_Q, t29, t10, A14, A14, t15, M_2, X, W_Q, optimize=[(1, 2), (6, 7), (1, 2), (1, 2), (0, 1), (0, 1), (0, 8), (0, 1), (0, 2), (3, 5), (0, 4), (1, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi,jbk,jkd,jkd,jkl,lm,jkmg,jkn,ni->', t29, t10, A14, A14, t15, M_2, X, W_Q, t29, t10, A14, A14, t15, M_2, X, W_Q, optimize=[(1, 2), (7, 8), (1, 2), (1, 12), (1, 2), (0, 1), (0, 1), (0, 8), (0, 1), (0, 1), (2, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
     t33 = torch.sqrt(torch.clamp(t32, min=0.0))
     t34 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fge->', t29, t10, A14, M_1, t29, t10, A14, M_1, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fgd,fge->', t29, t10, A14, M_1, t29, t10, A14, A14, M_1, optimize=[(1, 2), (3, 4), (3, 6), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,acf,gbh,ghd,ghd,ghe,ghf->', t29, t10, A14, A14, M_1, t29, t10, A14, A14, M_1, optimize=[(1, 2), (4, 5), (0, 3), (0, 2), (4, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
     t35 = torch.sqrt(torch.clamp(t34, min=0.0))
@@ -3446,8 +9262,8 @@ def ce_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = W_V.transpose(-1, -2)
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdf,ia->fa', t1, M_2, X, W_V, t11, A15, t16, M_2, X, W_K, optimize=[(2, 8), (3, 4), (0, 1), (0, 6), (4, 5), (0, 1), (2, 3), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdf,ja->fa', t1, M_2, X, W_V, t11, A15, A15, t16, M_2, X, W_K, optimize=[(2, 9), (3, 4), (3, 4), (3, 7), (3, 6), (0, 1), (3, 4), (0, 3), (1, 2), (0, 1)])
+    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdf,ia->fa', t1, M_2, X, W_V, t11, A15, t16, M_2, X, W_K, optimize=[(4, 5), (2, 6), (0, 1), (1, 2), (0, 4), (0, 3), (2, 3), (0, 2), (0, 1)])
+    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdf,ja->fa', t1, M_2, X, W_V, t11, A15, A15, t16, M_2, X, W_K, optimize=[(4, 5), (2, 7), (0, 1), (1, 2), (1, 6), (0, 2), (2, 4), (0, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -3477,7 +9293,7 @@ def ce_causal1__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = W_V.transpose(-1, -2)
-    return (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdf,ia->', t0, M_2, X, W_V, t10, A14, t15, M_2, X, W_K, optimize=[(2, 8), (3, 4), (0, 5), (0, 1), (3, 5), (0, 1), (2, 3), (1, 2), (0, 1)]) + (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdf,ja->', t0, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_K, optimize=[(2, 9), (3, 4), (0, 6), (2, 3), (2, 6), (4, 5), (0, 4), (0, 3), (1, 2), (0, 1)])
+    return (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdf,ia->', t0, M_2, X, W_V, t10, A14, t15, M_2, X, W_K, optimize=[(4, 5), (2, 6), (0, 1), (1, 2), (2, 3), (0, 2), (0, 1), (1, 2), (0, 1)]) + (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdf,ja->', t0, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_K, optimize=[(4, 5), (2, 7), (0, 1), (1, 2), (1, 6), (0, 2), (2, 4), (0, 2), (1, 2), (0, 1)])
 
 
 def ce_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -3508,8 +9324,8 @@ def ce_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = W_V.transpose(-1, -2)
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t1, M_2, X, W_V, t11, A15, t16, M_2, X, W_K, optimize=[(4, 5), (0, 1), (1, 7), (5, 6), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t1, M_2, X, W_V, t11, A15, A15, t16, M_2, X, W_K, optimize=[(4, 5), (4, 5), (4, 8), (5, 7), (0, 1), (1, 5), (2, 4), (0, 1), (0, 1), (0, 1)])
+    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t1, M_2, X, W_V, t11, A15, t16, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t1, M_2, X, W_V, t11, A15, A15, t16, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -3572,8 +9388,8 @@ def ce_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = W_V.transpose(-1, -2)
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t1, M_2, X, W_V, t11, A15, t16, M_2, X, W_Q, optimize=[(4, 5), (6, 7), (0, 1), (1, 6), (3, 5), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t1, M_2, X, W_V, t11, A15, A15, t16, M_2, X, W_Q, optimize=[(4, 5), (4, 5), (4, 8), (4, 5), (0, 1), (1, 5), (1, 4), (0, 1), (0, 1), (0, 1)])
+    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t1, M_2, X, W_V, t11, A15, t16, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
+    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t1, M_2, X, W_V, t11, A15, A15, t16, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -3636,7 +9452,7 @@ def ce_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
     A15 = t14 / t14.sum(-1, keepdim=True)
     t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t1, M_2, X, W_V, t11, A15, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t1, M_2, X, W_V, t11, A15, A15, M_1, optimize=[(4, 5), (1, 3), (4, 5), (0, 4), (0, 1), (0, 1), (0, 1)])
+    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t1, M_2, X, W_V, t11, A15, A15, M_1, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -3665,7 +9481,7 @@ def ce_causal1__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     t12 = M_1 @ W_V
     t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
-    t15 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,ai,jkli,jkf,lg,jkg,jkg,jkh->', t0, M_2, X, W_V, t10, A14, M_1, t0, M_2, X, W_V, t10, A14, M_1, optimize=[(4, 5), (9, 10), (0, 5), (1, 5), (2, 5), (7, 8), (0, 1), (2, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,ai,jkli,jkf,lm,jkm,jkm,jkg,jkh->', t0, M_2, X, W_V, t10, A14, M_1, t0, M_2, X, W_V, t10, A14, A14, M_1, optimize=[(4, 5), (9, 10), (0, 1), (3, 4), (0, 3), (1, 4), (7, 8), (1, 4), (4, 6), (0, 3), (1, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi,aj,klmj,klf,mn,kln,kln,klh,kli->', t0, M_2, X, W_V, t10, A14, A14, M_1, t0, M_2, X, W_V, t10, A14, A14, M_1, optimize=[(4, 5), (10, 11), (0, 1), (4, 5), (0, 4), (1, 4), (8, 9), (1, 3), (6, 7), (0, 2), (2, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
+    t15 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,ai,jkli,jkf,lg,jkg,jkg,jkh->', t0, M_2, X, W_V, t10, A14, M_1, t0, M_2, X, W_V, t10, A14, M_1, optimize=[(4, 5), (9, 10), (0, 1), (3, 4), (0, 3), (1, 3), (6, 7), (0, 4), (0, 3), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,ai,jkli,jkf,lm,jkm,jkm,jkg,jkh->', t0, M_2, X, W_V, t10, A14, M_1, t0, M_2, X, W_V, t10, A14, A14, M_1, optimize=[(4, 5), (9, 10), (0, 1), (3, 4), (0, 3), (1, 4), (7, 8), (1, 4), (4, 6), (0, 3), (1, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi,aj,klmj,klf,mn,kln,kln,klh,kli->', t0, M_2, X, W_V, t10, A14, A14, M_1, t0, M_2, X, W_V, t10, A14, A14, M_1, optimize=[(4, 5), (10, 11), (0, 1), (4, 5), (0, 4), (1, 4), (8, 9), (1, 3), (6, 7), (0, 2), (2, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
     t16 = torch.sqrt(torch.clamp(t15, min=0.0))
     return t16
 
@@ -3699,8 +9515,8 @@ def ce_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = W_V.transpose(-1, -2)
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhf,cdi,ia->fa', t1, M_2, X, W_V, t12, A16, t17, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (4, 5), (5, 6), (0, 1), (2, 4), (0, 1), (1, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdif,cdj,ja->fa', t1, M_2, X, W_V, t12, A16, A16, t17, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (2, 3), (2, 7), (0, 6), (1, 2), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhf,cdi,ia->fa', t1, M_2, X, W_V, t12, A16, t17, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (4, 5), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdif,cdj,ja->fa', t1, M_2, X, W_V, t12, A16, A16, t17, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -3731,7 +9547,7 @@ def ce_causal1__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = W_V.transpose(-1, -2)
-    return (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhf,cdi,ia->', t0, M_2, X, W_V, t11, A15, t16, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 3), (2, 3), (3, 5), (0, 3), (0, 3), (0, 2), (0, 1)]) + (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdif,cdj,ja->', t0, M_2, X, W_V, t11, A15, A15, t16, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 4), (1, 2), (5, 6), (0, 5), (2, 4), (0, 1), (0, 2), (0, 1)])
+    return (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhf,cdi,ia->', t0, M_2, X, W_V, t11, A15, t16, M_2, X, W_Q, optimize=[(4, 5), (1, 5), (0, 1), (2, 3), (4, 5), (0, 3), (0, 3), (0, 2), (0, 1)]) + (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdif,cdj,ja->', t0, M_2, X, W_V, t11, A15, A15, t16, M_2, X, W_Q, optimize=[(4, 5), (1, 6), (0, 1), (1, 2), (4, 6), (1, 2), (2, 4), (0, 1), (0, 2), (0, 1)])
 
 
 def ce_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -3763,8 +9579,8 @@ def ce_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = W_V.transpose(-1, -2)
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t1, M_2, X, W_V, t12, A16, t17, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (4, 6), (0, 1), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t1, M_2, X, W_V, t12, A16, A16, t17, M_2, X, W_K, optimize=[(4, 5), (0, 2), (2, 3), (2, 7), (3, 6), (0, 1), (1, 4), (0, 1), (0, 1), (0, 1)])
+    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t1, M_2, X, W_V, t12, A16, t17, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t1, M_2, X, W_V, t12, A16, A16, t17, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -3829,8 +9645,8 @@ def ce_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = W_V.transpose(-1, -2)
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t1, M_2, X, W_V, t12, A16, t17, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (4, 5), (0, 1), (2, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t1, M_2, X, W_V, t12, A16, A16, t17, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (2, 3), (2, 7), (2, 3), (0, 1), (0, 4), (0, 1), (0, 1), (0, 1)])
+    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t1, M_2, X, W_V, t12, A16, t17, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
+    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t1, M_2, X, W_V, t12, A16, A16, t17, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -3895,7 +9711,7 @@ def ce_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
     A16 = t15 / t15.sum(-1, keepdim=True)
     t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh->fahg', t1, M_2, X, W_V, t12, A16, M_1, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t1, M_2, X, W_V, t12, A16, A16, M_1, optimize=[(0, 2), (1, 2), (1, 5), (0, 4), (0, 1), (0, 1), (0, 1)])
+    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t1, M_2, X, W_V, t12, A16, A16, M_1, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -3925,7 +9741,7 @@ def ce_causal1__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     t13 = M_1 @ W_V
     t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
     A15 = t14 / t14.sum(-1, keepdim=True)
-    t16 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,ai,jklf,jki,lg,jkg,jkg,jkh->', t0, M_2, X, W_V, t11, A15, M_1, t0, M_2, X, W_V, t11, A15, M_1, optimize=[(4, 5), (9, 10), (0, 2), (2, 7), (2, 4), (6, 8), (6, 7), (0, 1), (2, 5), (0, 1), (2, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,ai,jklf,jki,lm,jkm,jkm,jkg,jkh->', t0, M_2, X, W_V, t11, A15, M_1, t0, M_2, X, W_V, t11, A15, A15, M_1, optimize=[(4, 5), (9, 10), (0, 2), (0, 1), (1, 3), (1, 2), (4, 8), (0, 2), (1, 3), (1, 2), (2, 4), (1, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi,aj,klmf,klj,mn,kln,kln,klh,kli->', t0, M_2, X, W_V, t11, A15, A15, M_1, t0, M_2, X, W_V, t11, A15, A15, M_1, optimize=[(4, 5), (10, 11), (0, 2), (0, 1), (8, 11), (2, 4), (2, 3), (4, 8), (0, 2), (0, 1), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t16 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,ai,jklf,jki,lg,jkg,jkg,jkh->', t0, M_2, X, W_V, t11, A15, M_1, t0, M_2, X, W_V, t11, A15, M_1, optimize=[(4, 5), (9, 10), (0, 2), (0, 1), (1, 3), (1, 2), (5, 7), (0, 1), (2, 3), (3, 4), (0, 2), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,ai,jklf,jki,lm,jkm,jkm,jkg,jkh->', t0, M_2, X, W_V, t11, A15, M_1, t0, M_2, X, W_V, t11, A15, A15, M_1, optimize=[(4, 5), (9, 10), (0, 2), (0, 1), (1, 3), (1, 2), (4, 8), (0, 2), (1, 3), (1, 2), (2, 4), (1, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi,aj,klmf,klj,mn,kln,kln,klh,kli->', t0, M_2, X, W_V, t11, A15, A15, M_1, t0, M_2, X, W_V, t11, A15, A15, M_1, optimize=[(4, 5), (10, 11), (0, 2), (0, 1), (8, 11), (2, 4), (2, 3), (4, 8), (0, 2), (0, 1), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
     t17 = torch.sqrt(torch.clamp(t16, min=0.0))
     return t17
 
@@ -3957,7 +9773,7 @@ def ce_causal1__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
     A16 = t15 / t15.sum(-1, keepdim=True)
     t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,acb->bd', t11, t13, A16, M_1, optimize=[(0, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->bd', t11, t13, A16, A16, M_1, optimize=[(0, 4), (0, 1), (0, 2), (0, 1)])
+    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->bd', t11, t13, A16, A16, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -3985,7 +9801,7 @@ def ce_causal1__trace__W_V__outer(X, W_Q, W_K, W_V, Y):
     t13 = M_1 @ W_V
     t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
     A15 = t14 / t14.sum(-1, keepdim=True)
-    return (1/(L*n_batch)) * oe.contract('abc,acd,acd,acb->', t10, t12, A15, M_1, optimize=[(0, 3), (0, 1), (0, 1)]) + (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->', t10, t12, A15, A15, M_1, optimize=[(0, 4), (0, 1), (0, 2), (0, 1)])
+    return (1/(L*n_batch)) * oe.contract('abc,acd,acd,acb->', t10, t12, A15, M_1, optimize=[(0, 3), (0, 1), (0, 1)]) + (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->', t10, t12, A15, A15, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
 
 
 def ce_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -4017,8 +9833,8 @@ def ce_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t17 = W_V.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t11, t13, A16, t17, M_2, X, W_K, optimize=[(1, 2), (0, 3), (0, 1), (1, 3), (0, 2), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t11, t13, A16, A16, t17, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (0, 1), (0, 1), (0, 1)])
+    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t11, t13, A16, t17, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t11, t13, A16, A16, t17, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -4049,7 +9865,7 @@ def ce_causal1__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t16 = W_V.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t17 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,fh,ibj,ijd,ijd,dk,ijkl,ijg,lh->', t10, t12, A15, t16, M_2, X, W_K, t10, t12, A15, t16, M_2, X, W_K, optimize=[(1, 2), (6, 7), (0, 5), (2, 6), (8, 9), (2, 5), (0, 2), (2, 3), (2, 5), (0, 2), (0, 1), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,fh,ibj,ijd,ijd,ijk,kl,ijlm,ijg,mh->', t10, t12, A15, t16, M_2, X, W_K, t10, t12, A15, A15, t16, M_2, X, W_K, optimize=[(1, 2), (6, 7), (1, 2), (0, 3), (2, 3), (2, 9), (0, 2), (5, 7), (0, 1), (2, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi,jbk,jkd,jkd,jkl,lm,jkmn,jkh,ni->', t10, t12, A15, A15, t16, M_2, X, W_K, t10, t12, A15, A15, t16, M_2, X, W_K, optimize=[(1, 2), (7, 8), (1, 2), (1, 12), (0, 3), (2, 3), (2, 9), (0, 2), (5, 7), (0, 1), (0, 1), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t17 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,fh,ibj,ijd,ijd,dk,ijkl,ijg,lh->', t10, t12, A15, t16, M_2, X, W_K, t10, t12, A15, t16, M_2, X, W_K, optimize=[(1, 2), (6, 7), (1, 2), (0, 3), (2, 3), (0, 2), (5, 7), (0, 1), (2, 5), (2, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,fh,ibj,ijd,ijd,ijk,kl,ijlm,ijg,mh->', t10, t12, A15, t16, M_2, X, W_K, t10, t12, A15, A15, t16, M_2, X, W_K, optimize=[(1, 2), (6, 7), (1, 2), (0, 3), (2, 3), (2, 9), (0, 2), (5, 7), (0, 1), (2, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi,jbk,jkd,jkd,jkl,lm,jkmn,jkh,ni->', t10, t12, A15, A15, t16, M_2, X, W_K, t10, t12, A15, A15, t16, M_2, X, W_K, optimize=[(1, 2), (7, 8), (1, 2), (1, 12), (0, 3), (2, 3), (2, 9), (0, 2), (5, 7), (0, 1), (0, 1), (2, 4), (0, 2), (0, 2), (0, 1)])
     t18 = torch.sqrt(torch.clamp(t17, min=0.0))
     return t18
 
@@ -4083,8 +9899,8 @@ def ce_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t17 = W_V.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t11, t13, A16, t17, M_2, X, W_Q, optimize=[(1, 2), (3, 4), (0, 4), (0, 1), (0, 2), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t11, t13, A16, A16, t17, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 1), (0, 1), (0, 1)])
+    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t11, t13, A16, t17, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t11, t13, A16, A16, t17, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -4115,7 +9931,7 @@ def ce_causal1__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t16 = W_V.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t17 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,gh,ibj,ijd,ijd,dk,ijkf,ijl,lh->', t10, t12, A15, t16, M_2, X, W_Q, t10, t12, A15, t16, M_2, X, W_Q, optimize=[(1, 2), (6, 7), (0, 5), (2, 3), (4, 5), (7, 8), (6, 7), (0, 1), (2, 5), (0, 1), (2, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,gh,ibj,ijd,ijd,ijk,kl,ijlf,ijm,mh->', t10, t12, A15, t16, M_2, X, W_Q, t10, t12, A15, A15, t16, M_2, X, W_Q, optimize=[(1, 2), (6, 7), (1, 2), (1, 2), (0, 1), (0, 1), (0, 8), (0, 1), (0, 2), (3, 5), (0, 4), (1, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi,jbk,jkd,jkd,jkl,lm,jkmg,jkn,ni->', t10, t12, A15, A15, t16, M_2, X, W_Q, t10, t12, A15, A15, t16, M_2, X, W_Q, optimize=[(1, 2), (7, 8), (1, 2), (1, 12), (1, 2), (0, 1), (0, 1), (0, 8), (0, 1), (0, 1), (2, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t17 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,gh,ibj,ijd,ijd,dk,ijkf,ijl,lh->', t10, t12, A15, t16, M_2, X, W_Q, t10, t12, A15, t16, M_2, X, W_Q, optimize=[(1, 2), (6, 7), (1, 2), (1, 2), (0, 1), (0, 1), (4, 7), (0, 1), (0, 4), (0, 4), (1, 3), (0, 1), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,gh,ibj,ijd,ijd,ijk,kl,ijlf,ijm,mh->', t10, t12, A15, t16, M_2, X, W_Q, t10, t12, A15, A15, t16, M_2, X, W_Q, optimize=[(1, 2), (6, 7), (1, 2), (1, 2), (0, 1), (0, 1), (0, 8), (0, 1), (0, 2), (3, 5), (0, 4), (1, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi,jbk,jkd,jkd,jkl,lm,jkmg,jkn,ni->', t10, t12, A15, A15, t16, M_2, X, W_Q, t10, t12, A15, A15, t16, M_2, X, W_Q, optimize=[(1, 2), (7, 8), (1, 2), (1, 12), (1, 2), (0, 1), (0, 1), (0, 8), (0, 1), (0, 1), (2, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
     t18 = torch.sqrt(torch.clamp(t17, min=0.0))
     return t18
 
@@ -4206,7 +10022,8 @@ def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t13 = A @ X
     M_1 = t13
     t14 = M_1 @ W_V
-    t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
+    F = t14
+    t15 = torch.exp(F - F.amax(-1, keepdim=True))
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = t12 * A16
     t18 = (1/L) * t17
@@ -4229,7 +10046,7 @@ def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t30 = t3 @ t29
     t31 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t28 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t30, t31, optimize=[(0, 1)])
-    t27 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t2, t3, M_3, X, W_Q, optimize=[(3, 4), (0, 2), (0, 1), (0, 1)])
+    t27 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t2, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
     t32 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t33 = t32.view((d_V, d_K, d_V, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
@@ -4281,64 +10098,66 @@ def ce_causal1__hvp__functional(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = V_W_Q @ t2
     t10 = X @ t9
-    t11 = V_W_K.transpose(-1, -2)
-    t12 = t11 @ t0
-    t13 = W_Q @ t12
-    t14 = X @ t13
-    t15 = t10 + t14
-    t16 = Y.sum(-1, keepdim=True)
-    t17 = t16.expand(*t16.shape[:-1], d_V)
-    t18 = X @ W_V
-    t19 = A @ t18
-    t20 = torch.exp(t19 - t19.amax(-1, keepdim=True))
-    A21 = t20 / t20.sum(-1, keepdim=True)
-    t22 = t17 * A21
-    t23 = (1/L) * t22
-    t24 = (-1/L) * Y
-    t25 = t23 + t24
-    G = t25
-    t26 = W_V.transpose(-1, -2)
-    t27 = t26 @ t0
-    t28 = G @ t27
-    t29 = t15 - (A * t15).sum(-1, keepdim=True)
-    t30 = t28 - (A * t28).sum(-1, keepdim=True)
-    t31 = A * t29 * t30
-    t32 = t31 - A * t31.sum(-1, keepdim=True)
-    t33 = (1/math.sqrt(d_K)) * t32
-    t34 = V_W_V.transpose(-1, -2)
-    t35 = t34 @ t0
-    t36 = G @ t35
-    t37 = t36 - (A * t36).sum(-1, keepdim=True)
-    t38 = A * t37
-    t39 = t33 + t38
-    t40 = X @ W_K
-    t41 = t39 @ t40
-    t42 = t0 @ t41
-    t43 = A * t30
-    t44 = X @ V_W_K
-    t45 = t43 @ t44
-    t46 = t0 @ t45
-    t47 = t42 + t46
-    t48 = (1/math.sqrt(d_K)) * t47
-    t49 = t32.transpose(-1, -2)
-    t50 = (1/math.sqrt(d_K)) * t49
-    t51 = t38.transpose(-1, -2)
-    t52 = t50 + t51
-    t53 = X @ W_Q
-    t54 = t52 @ t53
-    t55 = t0 @ t54
-    t56 = t43.transpose(-1, -2)
-    t57 = X @ V_W_Q
-    t58 = t56 @ t57
-    t59 = t0 @ t58
-    t60 = t55 + t59
-    t61 = (1/math.sqrt(d_K)) * t60
-    t62 = A * t29
-    t63 = t62.transpose(-1, -2)
-    t64 = t63 @ G
-    t65 = t0 @ t64
-    t66 = (1/math.sqrt(d_K)) * t65
-    return (t48.mean(0), t61.mean(0), t66.mean(0),)
+    t11 = (1/math.sqrt(d_K)) * t10
+    t12 = V_W_K.transpose(-1, -2)
+    t13 = t12 @ t0
+    t14 = W_Q @ t13
+    t15 = X @ t14
+    t16 = (1/math.sqrt(d_K)) * t15
+    t17 = t11 + t16
+    t18 = Y.sum(-1, keepdim=True)
+    t19 = t18.expand(*t18.shape[:-1], d_V)
+    t20 = X @ W_V
+    t21 = A @ t20
+    F = t21
+    t22 = torch.exp(F - F.amax(-1, keepdim=True))
+    A23 = t22 / t22.sum(-1, keepdim=True)
+    t24 = t19 * A23
+    t25 = (1/L) * t24
+    t26 = (-1/L) * Y
+    t27 = t25 + t26
+    G = t27
+    t28 = W_V.transpose(-1, -2)
+    t29 = t28 @ t0
+    t30 = G @ t29
+    t31 = t17 - (A * t17).sum(-1, keepdim=True)
+    t32 = t30 - (A * t30).sum(-1, keepdim=True)
+    t33 = A * t31 * t32
+    t34 = t33 - A * t33.sum(-1, keepdim=True)
+    t35 = V_W_V.transpose(-1, -2)
+    t36 = t35 @ t0
+    t37 = G @ t36
+    t38 = t37 - (A * t37).sum(-1, keepdim=True)
+    t39 = A * t38
+    t40 = t34 + t39
+    t41 = X @ W_K
+    t42 = t40 @ t41
+    t43 = t0 @ t42
+    t44 = (1/math.sqrt(d_K)) * t43
+    t45 = A * t32
+    t46 = X @ V_W_K
+    t47 = t45 @ t46
+    t48 = t0 @ t47
+    t49 = (1/math.sqrt(d_K)) * t48
+    t50 = t44 + t49
+    t51 = t34.transpose(-1, -2)
+    t52 = t39.transpose(-1, -2)
+    t53 = t51 + t52
+    t54 = X @ W_Q
+    t55 = t53 @ t54
+    t56 = t0 @ t55
+    t57 = (1/math.sqrt(d_K)) * t56
+    t58 = t45.transpose(-1, -2)
+    t59 = X @ V_W_Q
+    t60 = t58 @ t59
+    t61 = t0 @ t60
+    t62 = (1/math.sqrt(d_K)) * t61
+    t63 = t57 + t62
+    t64 = A * t31
+    t65 = t64.transpose(-1, -2)
+    t66 = t65 @ G
+    t67 = t0 @ t66
+    return (t50.mean(0), t63.mean(0), t67.mean(0),)
 
 
 def ce_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
@@ -4362,7 +10181,8 @@ def ce_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t11 = A @ X
     M_1 = t11
     t12 = M_1 @ W_V
-    t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    F = t12
+    t13 = torch.exp(F - F.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = t10 * A14
     t16 = (1/L) * t15
@@ -4376,30 +10196,30 @@ def ce_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t23 = A * t22
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t1, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t24 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t24 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 2), (0, 4), (2, 3), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
     t25 = torch.sqrt(torch.clamp(t24, min=0.0))
     t26 = t23 @ X
     t27 = t1 @ t26
-    t28 = (n_batch**(-2)) * oe.contract('abc,dbc->', t27, t27, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t27, t0, t1, M_3, X, W_Q, optimize=[(1, 5), (3, 4), (2, 3), (1, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t28 = (n_batch**(-2)) * oe.contract('abc,dbc->', t27, t27, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t27, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
     t29 = torch.sqrt(torch.clamp(t28, min=0.0))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t30 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t30 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 1), (2, 3), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
     t31 = torch.sqrt(torch.clamp(t30, min=0.0))
     t32 = t23.transpose(-1, -2)
     t33 = t32 @ X
     t34 = t1 @ t33
     t35 = W_Q.transpose(-1, -2)
-    t36 = (n_batch**(-2)) * oe.contract('abc,dbc->', t34, t34, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t34, t35, t1, M_3, X, W_K, optimize=[(1, 2), (3, 4), (1, 3), (1, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t35, t1, M_3, X, W_K, t35, t1, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t36 = (n_batch**(-2)) * oe.contract('abc,dbc->', t34, t34, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t34, t35, t1, M_3, X, W_K, optimize=[(0, 3), (2, 4), (0, 1), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t35, t1, M_3, X, W_K, t35, t1, M_3, X, W_K, optimize=[(0, 1), (0, 2), (1, 2), (0, 2), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
     t37 = torch.sqrt(torch.clamp(t36, min=0.0))
-    t38 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t35, t1, M_3, X, W_Q, t35, t1, M_3, X, W_Q, optimize=[(0, 1), (0, 5), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)])
+    t38 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t35, t1, M_3, X, W_Q, t35, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)])
     t39 = torch.sqrt(torch.clamp(t38, min=0.0))
-    t40 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t35, M_2, X, G, t35, M_2, X, G, optimize=[(0, 4), (2, 5), (1, 4), (3, 4), (2, 3), (0, 2), (0, 1)])
+    t40 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t35, M_2, X, G, t35, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
     t41 = torch.sqrt(torch.clamp(t40, min=0.0))
     t42 = G.transpose(-1, -2)
-    t43 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t42, M_2, X, W_K, t42, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
+    t43 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t42, M_2, X, W_K, t42, M_2, X, W_K, optimize=[(1, 3), (0, 2), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)])
     t44 = torch.sqrt(torch.clamp(t43, min=0.0))
-    t45 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t42, M_2, X, W_Q, t42, M_2, X, W_Q, optimize=[(0, 4), (1, 2), (2, 3), (2, 3), (2, 3), (0, 2), (0, 1)])
+    t45 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t42, M_2, X, W_Q, t42, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
     t46 = torch.sqrt(torch.clamp(t45, min=0.0))
     return (t25, t29, t31, t37, t39, t41, t44, t46, 0.0,)
 
@@ -4427,7 +10247,8 @@ def ce_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t12 = A @ X
     M_1 = t12
     t13 = M_1 @ W_V
-    t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    F = t13
+    t14 = torch.exp(F - F.amax(-1, keepdim=True))
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = t11 * A15
     t17 = (1/L) * t16
@@ -4441,7 +10262,7 @@ def ce_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t24 = A * t23
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t24, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t24, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t24, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->da', t1, t2, M_3, X, W_K, optimize=[(1, 3), (0, 2), (0, 2), (0, 1)])
+    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->da', t1, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -4466,7 +10287,8 @@ def ce_causal1__trace__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t11 = A @ X
     M_1 = t11
     t12 = M_1 @ W_V
-    t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    F = t12
+    t13 = torch.exp(F - F.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = t10 * A14
     t16 = (1/L) * t15
@@ -4480,7 +10302,7 @@ def ce_causal1__trace__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t23 = A * t22
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t1, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    return (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->', t0, t1, M_3, X, W_K, optimize=[(1, 3), (0, 2), (0, 2), (0, 1)])
+    return (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->', t0, t1, M_3, X, W_K, optimize=[(1, 3), (1, 3), (0, 1), (0, 1)])
 
 
 def ce_causal1__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -4506,7 +10328,8 @@ def ce_causal1__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t12 = A @ X
     M_1 = t12
     t13 = M_1 @ W_V
-    t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    F = t13
+    t14 = torch.exp(F - F.amax(-1, keepdim=True))
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = t11 * A15
     t17 = (1/L) * t16
@@ -4545,7 +10368,8 @@ def ce_causal1__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t11 = A @ X
     M_1 = t11
     t12 = M_1 @ W_V
-    t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    F = t12
+    t13 = torch.exp(F - F.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = t10 * A14
     t16 = (1/L) * t15
@@ -4559,7 +10383,7 @@ def ce_causal1__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t23 = A * t22
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t1, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t24 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t24 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 2), (0, 4), (2, 3), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
     t25 = torch.sqrt(torch.clamp(t24, min=0.0))
     return t25
 
@@ -4589,7 +10413,8 @@ def ce_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t13 = A @ X
     M_1 = t13
     t14 = M_1 @ W_V
-    t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
+    F = t14
+    t15 = torch.exp(F - F.amax(-1, keepdim=True))
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = t12 * A16
     t18 = (1/L) * t17
@@ -4607,7 +10432,7 @@ def ce_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t27, t28, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t25, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t25, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t25, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t3, t2, M_3, X, W_Q, optimize=[(3, 4), (0, 2), (0, 1), (0, 1)])
+    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t3, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -4632,7 +10457,8 @@ def ce_causal1__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t11 = A @ X
     M_1 = t11
     t12 = M_1 @ W_V
-    t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    F = t12
+    t13 = torch.exp(F - F.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = t10 * A14
     t16 = (1/L) * t15
@@ -4648,7 +10474,7 @@ def ce_causal1__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t25 = t0 @ t24
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t0, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t26 = (n_batch**(-2)) * oe.contract('abc,dbc->', t25, t25, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t25, t1, t0, M_3, X, W_Q, optimize=[(1, 5), (3, 4), (2, 3), (1, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t1, t0, M_3, X, W_Q, t1, t0, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t26 = (n_batch**(-2)) * oe.contract('abc,dbc->', t25, t25, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t25, t1, t0, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t1, t0, M_3, X, W_Q, t1, t0, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
     t27 = torch.sqrt(torch.clamp(t26, min=0.0))
     return t27
 
@@ -4678,7 +10504,8 @@ def ce_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t12 = A @ X
     M_1 = t12
     t13 = M_1 @ W_V
-    t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    F = t13
+    t14 = torch.exp(F - F.amax(-1, keepdim=True))
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = t11 * A15
     t17 = (1/L) * t16
@@ -4712,14 +10539,15 @@ def ce_causal1__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t11 = A @ X
     M_1 = t11
     t12 = M_1 @ W_V
-    t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    F = t12
+    t13 = torch.exp(F - F.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = t10 * A14
     t16 = (1/L) * t15
     t17 = (-1/L) * Y
     t18 = t16 + t17
     G = t18
-    t19 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t19 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 1), (2, 3), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
     t20 = torch.sqrt(torch.clamp(t19, min=0.0))
     return t20
 
@@ -4748,7 +10576,8 @@ def ce_causal1__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
     t13 = A @ X
     M_1 = t13
     t14 = M_1 @ W_V
-    t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
+    F = t14
+    t15 = torch.exp(F - F.amax(-1, keepdim=True))
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = t12 * A16
     t18 = (1/L) * t17
@@ -4788,7 +10617,8 @@ def ce_causal1__trace__W_K__functional(X, W_Q, W_K, W_V, Y):
     t12 = A @ X
     M_1 = t12
     t13 = M_1 @ W_V
-    t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    F = t13
+    t14 = torch.exp(F - F.amax(-1, keepdim=True))
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = t11 * A15
     t17 = (1/L) * t16
@@ -4802,7 +10632,7 @@ def ce_causal1__trace__W_K__functional(X, W_Q, W_K, W_V, Y):
     t24 = A * t23
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t1, t24, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t24, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t24, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    return (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->', t0, t1, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    return (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->', t0, t1, M_3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
 
 
 def ce_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -4830,7 +10660,8 @@ def ce_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t13 = A @ X
     M_1 = t13
     t14 = M_1 @ W_V
-    t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
+    F = t14
+    t15 = torch.exp(F - F.amax(-1, keepdim=True))
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = t12 * A16
     t18 = (1/L) * t17
@@ -4875,7 +10706,8 @@ def ce_causal1__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t11 = A @ X
     M_1 = t11
     t12 = M_1 @ W_V
-    t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    F = t12
+    t13 = torch.exp(F - F.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = t10 * A14
     t16 = (1/L) * t15
@@ -4893,7 +10725,7 @@ def ce_causal1__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t27 = W_Q.transpose(-1, -2)
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t0, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t28 = (n_batch**(-2)) * oe.contract('abc,dbc->', t26, t26, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t26, t27, t0, M_3, X, W_K, optimize=[(1, 2), (3, 4), (1, 3), (1, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t27, t0, M_3, X, W_K, t27, t0, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t28 = (n_batch**(-2)) * oe.contract('abc,dbc->', t26, t26, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t26, t27, t0, M_3, X, W_K, optimize=[(0, 3), (2, 4), (0, 1), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t27, t0, M_3, X, W_K, t27, t0, M_3, X, W_K, optimize=[(0, 1), (0, 2), (1, 2), (0, 2), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
     t29 = torch.sqrt(torch.clamp(t28, min=0.0))
     return t29
 
@@ -4922,7 +10754,8 @@ def ce_causal1__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t13 = A @ X
     M_1 = t13
     t14 = M_1 @ W_V
-    t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
+    F = t14
+    t15 = torch.exp(F - F.amax(-1, keepdim=True))
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = t12 * A16
     t18 = (1/L) * t17
@@ -4962,7 +10795,8 @@ def ce_causal1__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t12 = A @ X
     M_1 = t12
     t13 = M_1 @ W_V
-    t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    F = t13
+    t14 = torch.exp(F - F.amax(-1, keepdim=True))
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = t11 * A15
     t17 = (1/L) * t16
@@ -4976,7 +10810,7 @@ def ce_causal1__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t24 = A * t23
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t1, t24, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t24, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t24, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t25 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 1), (0, 5), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)])
+    t25 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)])
     t26 = torch.sqrt(torch.clamp(t25, min=0.0))
     return t26
 
@@ -5007,7 +10841,8 @@ def ce_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t13 = A @ X
     M_1 = t13
     t14 = M_1 @ W_V
-    t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
+    F = t14
+    t15 = torch.exp(F - F.amax(-1, keepdim=True))
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = t12 * A16
     t18 = (1/L) * t17
@@ -5042,14 +10877,15 @@ def ce_causal1__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t12 = A @ X
     M_1 = t12
     t13 = M_1 @ W_V
-    t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    F = t13
+    t14 = torch.exp(F - F.amax(-1, keepdim=True))
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = t11 * A15
     t17 = (1/L) * t16
     t18 = (-1/L) * Y
     t19 = t17 + t18
     G = t19
-    t20 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (2, 5), (1, 4), (3, 4), (2, 3), (0, 2), (0, 1)])
+    t20 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
     t21 = torch.sqrt(torch.clamp(t20, min=0.0))
     return t21
 
@@ -5097,7 +10933,8 @@ def ce_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t12 = A @ X
     M_1 = t12
     t13 = M_1 @ W_V
-    t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    F = t13
+    t14 = torch.exp(F - F.amax(-1, keepdim=True))
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = t2 * A15
     t17 = (1/L) * t16
@@ -5132,7 +10969,8 @@ def ce_causal1__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t11 = A @ X
     M_1 = t11
     t12 = M_1 @ W_V
-    t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    F = t12
+    t13 = torch.exp(F - F.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = t1 * A14
     t16 = (1/L) * t15
@@ -5142,7 +10980,7 @@ def ce_causal1__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t19 = G.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t20 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t19, M_2, X, W_K, t19, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
+    t20 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t19, M_2, X, W_K, t19, M_2, X, W_K, optimize=[(1, 3), (0, 2), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)])
     t21 = torch.sqrt(torch.clamp(t20, min=0.0))
     return t21
 
@@ -5170,7 +11008,8 @@ def ce_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t12 = A @ X
     M_1 = t12
     t13 = M_1 @ W_V
-    t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    F = t13
+    t14 = torch.exp(F - F.amax(-1, keepdim=True))
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = t2 * A15
     t17 = (1/L) * t16
@@ -5205,7 +11044,8 @@ def ce_causal1__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t11 = A @ X
     M_1 = t11
     t12 = M_1 @ W_V
-    t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    F = t12
+    t13 = torch.exp(F - F.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = t1 * A14
     t16 = (1/L) * t15
@@ -5215,7 +11055,7 @@ def ce_causal1__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t19 = G.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t20 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t19, M_2, X, W_Q, t19, M_2, X, W_Q, optimize=[(0, 4), (1, 2), (2, 3), (2, 3), (2, 3), (0, 2), (0, 1)])
+    t20 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t19, M_2, X, W_Q, t19, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
     t21 = torch.sqrt(torch.clamp(t20, min=0.0))
     return t21
 
@@ -5264,7 +11104,8 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t13 = A @ X
     M_1 = t13
     t14 = M_1 @ W_V
-    t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
+    F = t14
+    t15 = torch.exp(F - F.amax(-1, keepdim=True))
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = t12 * A16
     t18 = (1/L) * t17
@@ -5281,64 +11122,66 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t1[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t2, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t2, M_2, X, W_V, t12, A16, t21, M_2, X, W_K, optimize=[(4, 5), (0, 1), (1, 7), (5, 6), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t1 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t2, M_2, X, W_V, t12, A16, A16, t21, M_2, X, W_K, optimize=[(4, 5), (4, 5), (4, 8), (5, 7), (0, 1), (1, 5), (2, 4), (0, 1), (0, 1), (0, 1)])
-    t26 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t26[...] = 0
-    t27 = t26.view((d_V, d_K, d_V, d_K))
-    t28 = t27.diagonal(0, 1, 3)
-    t29 = t25 @ X
-    t30 = t3 @ t29
-    t31 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t28 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t30, t31, optimize=[(0, 1)])
-    t27 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t2, t3, M_3, X, W_Q, optimize=[(3, 4), (0, 2), (0, 1), (0, 1)])
-    t27 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t2, M_2, X, W_V, t12, A16, t21, M_2, X, W_Q, optimize=[(4, 5), (6, 7), (0, 1), (1, 6), (3, 5), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t27 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t2, M_2, X, W_V, t12, A16, A16, t21, M_2, X, W_Q, optimize=[(4, 5), (4, 5), (4, 8), (4, 5), (0, 1), (1, 5), (1, 4), (0, 1), (0, 1), (0, 1)])
-    t32 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t33 = t32.view((d_V, d_K, d_V, d_V))
-    t33[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t2, M_2, X, W_V, t12, A16, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t33 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t2, M_2, X, W_V, t12, A16, A16, M_1, optimize=[(4, 5), (1, 3), (4, 5), (0, 4), (0, 1), (0, 1), (0, 1)])
-    t33 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t2, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
-    t34 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t34[...] = 0
-    t35 = t34.view((d_V, d_K, d_V, d_K))
-    t36 = t35.diagonal(0, 1, 3)
-    t37 = t25.transpose(-1, -2)
-    t38 = t37 @ X
-    t39 = t3 @ t38
-    t36 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t39, t31, optimize=[(0, 1)])
-    t40 = W_Q.transpose(-1, -2)
-    t35 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t40, t3, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
-    t35 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t40, M_2, X, W_V, t12, A16, t21, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (4, 6), (0, 1), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t35 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t40, M_2, X, W_V, t12, A16, A16, t21, M_2, X, W_K, optimize=[(4, 5), (0, 2), (2, 3), (2, 7), (3, 6), (0, 1), (1, 4), (0, 1), (0, 1), (0, 1)])
-    t41 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t42 = t41.view((d_V, d_K, d_V, d_K))
-    t42[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t40, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t42 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t40, M_2, X, W_V, t12, A16, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (4, 5), (0, 1), (2, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t42 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t40, M_2, X, W_V, t12, A16, A16, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (2, 3), (2, 7), (2, 3), (0, 1), (0, 4), (0, 1), (0, 1), (0, 1)])
-    t43 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t44 = t43.view((d_V, d_K, d_V, d_V))
-    t44[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh->fahg', t40, M_2, X, W_V, t12, A16, M_1, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
-    t44 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t40, M_2, X, W_V, t12, A16, A16, M_1, optimize=[(0, 2), (1, 2), (1, 5), (0, 4), (0, 1), (0, 1), (0, 1)])
-    t44 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t40, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
-    t45 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t46 = t45.view((d_V, d_V, d_V, d_K))
-    t47 = G.transpose(-1, -2)
-    t46[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t47, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
-    t48 = M_1.transpose(-1, -2)
-    t46 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t48, t12, A16, t21, M_2, X, W_K, optimize=[(1, 2), (0, 3), (0, 1), (1, 3), (0, 2), (0, 1)])
-    t46 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t48, t12, A16, A16, t21, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (0, 1), (0, 1), (0, 1)])
-    t49 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t50 = t49.view((d_V, d_V, d_V, d_K))
-    t50[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t47, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t50 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t48, t12, A16, t21, M_2, X, W_Q, optimize=[(1, 2), (3, 4), (0, 4), (0, 1), (0, 2), (0, 1)])
-    t50 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t48, t12, A16, A16, t21, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 1), (0, 1), (0, 1)])
-    t51 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t51[...] = 0
-    t52 = t51.view((d_V, d_V, d_V, d_V))
-    t53 = t52.diagonal(0, 1, 3)
-    t53 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bed', t48, t12, A16, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
-    t52 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t48, t12, A16, A16, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t26 = torch.exp(t14 - t14.amax(-1, keepdim=True))
+    A27 = t26 / t26.sum(-1, keepdim=True)
+    t1 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t2, M_2, X, W_V, t12, A27, t21, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t1 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t2, M_2, X, W_V, t12, A27, A27, t21, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
+    t28 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t28[...] = 0
+    t29 = t28.view((d_V, d_K, d_V, d_K))
+    t30 = t29.diagonal(0, 1, 3)
+    t31 = t25 @ X
+    t32 = t3 @ t31
+    t33 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t30 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t32, t33, optimize=[(0, 1)])
+    t29 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t2, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t29 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t2, M_2, X, W_V, t12, A27, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
+    t29 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t2, M_2, X, W_V, t12, A27, A27, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
+    t34 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t35 = t34.view((d_V, d_K, d_V, d_V))
+    t35[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t2, M_2, X, W_V, t12, A27, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t35 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t2, M_2, X, W_V, t12, A27, A27, M_1, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t35 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t2, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
+    t36 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t36[...] = 0
+    t37 = t36.view((d_V, d_K, d_V, d_K))
+    t38 = t37.diagonal(0, 1, 3)
+    t39 = t25.transpose(-1, -2)
+    t40 = t39 @ X
+    t41 = t3 @ t40
+    t38 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t41, t33, optimize=[(0, 1)])
+    t42 = W_Q.transpose(-1, -2)
+    t37 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t42, t3, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    t37 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t42, M_2, X, W_V, t12, A27, t21, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t37 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t42, M_2, X, W_V, t12, A27, A27, t21, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t43 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t44 = t43.view((d_V, d_K, d_V, d_K))
+    t44[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t42, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t44 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t42, M_2, X, W_V, t12, A27, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
+    t44 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t42, M_2, X, W_V, t12, A27, A27, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
+    t45 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t46 = t45.view((d_V, d_K, d_V, d_V))
+    t46[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh->fahg', t42, M_2, X, W_V, t12, A27, M_1, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
+    t46 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t42, M_2, X, W_V, t12, A27, A27, M_1, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t46 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t42, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
+    t47 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t48 = t47.view((d_V, d_V, d_V, d_K))
+    t49 = G.transpose(-1, -2)
+    t48[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t49, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
+    t50 = M_1.transpose(-1, -2)
+    t48 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t50, t12, A27, t21, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t48 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t50, t12, A27, A27, t21, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
+    t51 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t52 = t51.view((d_V, d_V, d_V, d_K))
+    t52[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t49, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    t52 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t50, t12, A27, t21, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t52 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t50, t12, A27, A27, t21, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
+    t53 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t53[...] = 0
+    t54 = t53.view((d_V, d_V, d_V, d_V))
+    t55 = t54.diagonal(0, 1, 3)
+    t55 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bed', t50, t12, A27, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
+    t54 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t50, t12, A27, A27, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
     return H
 
 
@@ -5360,79 +11203,79 @@ def ce_causal1__hvp__full(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = V_W_Q @ t2
     t10 = X @ t9
-    t11 = V_W_K.transpose(-1, -2)
-    t12 = t11 @ t0
-    t13 = W_Q @ t12
-    t14 = X @ t13
-    t15 = t10 + t14
-    t16 = Y.sum(-1, keepdim=True)
-    t17 = t16.expand(*t16.shape[:-1], d_V)
-    t18 = X @ W_V
-    t19 = A @ t18
-    t20 = torch.exp(t19 - t19.amax(-1, keepdim=True))
-    A21 = t20 / t20.sum(-1, keepdim=True)
-    t22 = t17 * A21
-    t23 = (1/L) * t22
-    t24 = (-1/L) * Y
-    t25 = t23 + t24
-    t26 = W_V.transpose(-1, -2)
-    t27 = t26 @ t0
-    t28 = t25 @ t27
-    t29 = t15 - (A * t15).sum(-1, keepdim=True)
-    t30 = t28 - (A * t28).sum(-1, keepdim=True)
-    t31 = A * t29 * t30
-    t32 = t31 - A * t31.sum(-1, keepdim=True)
-    t33 = (1/math.sqrt(d_K)) * t32
-    t34 = V_W_V.transpose(-1, -2)
-    t35 = t34 @ t0
-    t36 = t25 @ t35
-    t37 = A * t29
-    t38 = t37 @ t18
-    t39 = (1/math.sqrt(d_K)) * t38
+    t11 = (1/math.sqrt(d_K)) * t10
+    t12 = V_W_K.transpose(-1, -2)
+    t13 = t12 @ t0
+    t14 = W_Q @ t13
+    t15 = X @ t14
+    t16 = (1/math.sqrt(d_K)) * t15
+    t17 = t11 + t16
+    t18 = Y.sum(-1, keepdim=True)
+    t19 = t18.expand(*t18.shape[:-1], d_V)
+    t20 = X @ W_V
+    t21 = A @ t20
+    F = t21
+    t22 = torch.exp(F - F.amax(-1, keepdim=True))
+    A23 = t22 / t22.sum(-1, keepdim=True)
+    t24 = t19 * A23
+    t25 = (1/(L*math.sqrt(d_K))) * t24
+    t26 = (-1/(L*math.sqrt(d_K))) * Y
+    t27 = t25 + t26
+    t28 = W_V.transpose(-1, -2)
+    t29 = t28 @ t0
+    t30 = t27 @ t29
+    t31 = t17 - (A * t17).sum(-1, keepdim=True)
+    t32 = t30 - (A * t30).sum(-1, keepdim=True)
+    t33 = A * t31 * t32
+    t34 = t33 - A * t33.sum(-1, keepdim=True)
+    t35 = V_W_V.transpose(-1, -2)
+    t36 = t35 @ t0
+    t37 = t27 @ t36
+    t38 = A * t31
+    t39 = t38 @ t20
     t40 = X @ V_W_V
     t41 = A @ t40
     t42 = t39 + t41
-    t43 = t42 - (A21 * t42).sum(-1, keepdim=True)
-    t44 = A21 * t43
-    t45 = t17 * t44
-    t46 = t45 @ t27
-    t47 = (1/L) * t46
-    t48 = t36 + t47
+    t43 = t42 - (A23 * t42).sum(-1, keepdim=True)
+    t44 = A23 * t43
+    t45 = t19 * t44
+    t46 = t45 @ t29
+    t47 = (1/(L*math.sqrt(d_K))) * t46
+    t48 = t37 + t47
     t49 = t48 - (A * t48).sum(-1, keepdim=True)
     t50 = A * t49
-    t51 = t33 + t50
+    t51 = t34 + t50
     t52 = X @ W_K
     t53 = t51 @ t52
     t54 = t0 @ t53
-    t55 = A * t30
+    t55 = A * t32
     t56 = X @ V_W_K
     t57 = t55 @ t56
     t58 = t0 @ t57
     t59 = t54 + t58
-    t60 = (1/math.sqrt(d_K)) * t59
-    t61 = t32.transpose(-1, -2)
-    t62 = (1/math.sqrt(d_K)) * t61
-    t63 = t50.transpose(-1, -2)
-    t64 = t62 + t63
-    t65 = X @ W_Q
-    t66 = t64 @ t65
-    t67 = t0 @ t66
-    t68 = t55.transpose(-1, -2)
-    t69 = X @ V_W_Q
-    t70 = t68 @ t69
-    t71 = t0 @ t70
-    t72 = t67 + t71
-    t73 = (1/math.sqrt(d_K)) * t72
-    t74 = t37.transpose(-1, -2)
-    t75 = t74 @ t25
+    t60 = t34.transpose(-1, -2)
+    t61 = t50.transpose(-1, -2)
+    t62 = t60 + t61
+    t63 = X @ W_Q
+    t64 = t62 @ t63
+    t65 = t0 @ t64
+    t66 = t55.transpose(-1, -2)
+    t67 = X @ V_W_Q
+    t68 = t66 @ t67
+    t69 = t0 @ t68
+    t70 = t65 + t69
+    t71 = t38.transpose(-1, -2)
+    t72 = (1/L) * t24
+    t73 = (-1/L) * Y
+    t74 = t72 + t73
+    t75 = t71 @ t74
     t76 = t0 @ t75
-    t77 = (1/math.sqrt(d_K)) * t76
-    t78 = A.transpose(-1, -2)
-    t79 = t78 @ t45
-    t80 = t0 @ t79
-    t81 = (1/L) * t80
-    t82 = t77 + t81
-    return (t60.mean(0), t73.mean(0), t82.mean(0),)
+    t77 = A.transpose(-1, -2)
+    t78 = t77 @ t45
+    t79 = t0 @ t78
+    t80 = (1/L) * t79
+    t81 = t76 + t80
+    return (t59.mean(0), t70.mean(0), t81.mean(0),)
 
 
 def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
@@ -5456,7 +11299,8 @@ def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t11 = A @ X
     M_1 = t11
     t12 = M_1 @ W_V
-    t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    F = t12
+    t13 = torch.exp(F - F.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = t10 * A14
     t16 = (1/L) * t15
@@ -5472,33 +11316,35 @@ def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     M_3 = oe.contract('abc,adc,ace->adbe', t1, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t24 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jkli,jkd,lm,jkm,jkm,mn,jkno,jkg,oh->', t0, t1, M_3, X, W_K, t0, M_2, X, W_V, t10, A14, t19, M_2, X, W_K, optimize=[(9, 10), (0, 2), (3, 4), (0, 3), (3, 4), (0, 3), (6, 8), (0, 2), (0, 3), (1, 3), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jkli,jkd,lm,jkm,jkm,jkn,no,jkop,jkg,ph->', t0, t1, M_3, X, W_K, t0, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_K, optimize=[(9, 10), (0, 2), (3, 4), (0, 3), (3, 4), (3, 10), (0, 3), (6, 8), (0, 2), (0, 1), (1, 5), (0, 2), (2, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnol,mnf,op,mnp,mnp,pq,mnqr,mnj,rk->', t0, M_2, X, W_V, t10, A14, t19, M_2, X, W_K, t0, M_2, X, W_V, t10, A14, t19, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (4, 5), (0, 4), (4, 5), (1, 4), (9, 11), (1, 3), (0, 4), (0, 4), (2, 5), (0, 4), (4, 5), (0, 3), (0, 3), (1, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnol,mnf,op,mnp,mnp,mnq,qr,mnrs,mnj,sk->', t0, M_2, X, W_V, t10, A14, t19, M_2, X, W_K, t0, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (4, 5), (0, 4), (4, 5), (4, 13), (1, 4), (9, 11), (1, 3), (1, 3), (4, 8), (0, 2), (1, 4), (0, 4), (3, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl,am,nopm,nof,pq,noq,noq,nor,rs,nost,nok,tl->', t0, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_K, t0, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_K, optimize=[(4, 5), (13, 14), (0, 1), (2, 3), (2, 17), (4, 5), (0, 4), (4, 5), (4, 13), (1, 4), (9, 11), (1, 3), (0, 2), (2, 8), (0, 1), (1, 6), (0, 3), (2, 3), (1, 3), (0, 1), (0, 1)])
-    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
-    t26 = t23 @ X
-    t27 = t1 @ t26
-    t28 = (n_batch**(-2)) * oe.contract('abc,dbc->', t27, t27, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t27, t0, t1, M_3, X, W_Q, optimize=[(1, 5), (3, 4), (2, 3), (1, 2), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgi,fgi,ij,fgjc,fgk,kd->', t27, t0, M_2, X, W_V, t10, A14, t19, M_2, X, W_Q, optimize=[(0, 3), (6, 9), (3, 4), (0, 5), (2, 4), (3, 5), (2, 3), (0, 3), (0, 2), (0, 1)]) + (-2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgi,fgi,fgj,jk,fgkc,fgl,ld->', t27, t0, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_Q, optimize=[(0, 3), (7, 10), (3, 4), (0, 6), (2, 3), (3, 6), (2, 4), (0, 4), (0, 3), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkm,jkm,mn,jknf,jko,oh->', t0, t1, M_3, X, W_Q, t0, M_2, X, W_V, t10, A14, t19, M_2, X, W_Q, optimize=[(9, 10), (0, 2), (1, 2), (1, 2), (0, 1), (1, 2), (1, 2), (0, 4), (0, 4), (4, 5), (0, 4), (1, 3), (0, 1), (0, 1)]) + (-2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkm,jkm,jkn,no,jkof,jkp,ph->', t0, t1, M_3, X, W_Q, t0, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_Q, optimize=[(9, 10), (0, 2), (1, 2), (1, 2), (0, 1), (1, 2), (1, 9), (1, 2), (0, 1), (2, 6), (0, 3), (3, 4), (1, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnol,mnf,op,mnp,mnp,pq,mnqi,mnr,rk->', t0, M_2, X, W_V, t10, A14, t19, M_2, X, W_Q, t0, M_2, X, W_V, t10, A14, t19, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (2, 3), (2, 3), (0, 2), (2, 3), (2, 3), (0, 4), (1, 3), (7, 8), (0, 3), (0, 3), (4, 5), (3, 4), (1, 3), (0, 1), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnol,mnf,op,mnp,mnp,mnq,qr,mnri,mns,sk->', t0, M_2, X, W_V, t10, A14, t19, M_2, X, W_Q, t0, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (2, 3), (2, 3), (0, 2), (2, 3), (2, 12), (2, 3), (1, 3), (5, 9), (0, 2), (0, 1), (5, 6), (0, 3), (0, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl,am,nopm,nof,pq,noq,noq,nor,rs,nosj,not,tl->', t0, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_Q, t0, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_Q, optimize=[(4, 5), (13, 14), (0, 1), (2, 3), (2, 17), (2, 3), (2, 3), (0, 2), (2, 3), (2, 12), (2, 3), (0, 2), (2, 9), (0, 1), (2, 7), (0, 3), (1, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t29 = torch.sqrt(torch.clamp(t28, min=0.0))
-    t30 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,ai,jkli,jkf,lg,jkg,jkg,jkh->', t0, M_2, X, W_V, t10, A14, M_1, t0, M_2, X, W_V, t10, A14, M_1, optimize=[(4, 5), (9, 10), (0, 5), (1, 5), (2, 5), (7, 8), (0, 1), (2, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,ai,jkli,jkf,lm,jkm,jkm,jkg,jkh->', t0, M_2, X, W_V, t10, A14, M_1, t0, M_2, X, W_V, t10, A14, A14, M_1, optimize=[(4, 5), (9, 10), (0, 1), (3, 4), (0, 3), (1, 4), (7, 8), (1, 4), (4, 6), (0, 3), (1, 4), (0, 3), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,ai,jkhi,jkf,jkg->', t0, M_2, X, W_V, t10, A14, M_1, t0, M_2, X, G, optimize=[(4, 5), (0, 5), (1, 5), (0, 1), (3, 6), (0, 1), (2, 4), (1, 2), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi,aj,klmj,klf,mn,kln,kln,klh,kli->', t0, M_2, X, W_V, t10, A14, A14, M_1, t0, M_2, X, W_V, t10, A14, A14, M_1, optimize=[(4, 5), (10, 11), (0, 1), (4, 5), (0, 4), (1, 4), (8, 9), (1, 3), (6, 7), (0, 2), (2, 5), (0, 1), (0, 3), (0, 2), (0, 1)]) + (-2/(L*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi,aj,klij,klf,klh->', t0, M_2, X, W_V, t10, A14, A14, M_1, t0, M_2, X, G, optimize=[(4, 5), (0, 6), (1, 6), (2, 5), (6, 7), (1, 4), (4, 5), (0, 4), (0, 1), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t24 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A25 = t24 / t24.sum(-1, keepdim=True)
+    t26 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 2), (0, 4), (2, 3), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jkli,jkd,lm,jkm,jkm,mn,jkno,jkg,oh->', t0, t1, M_3, X, W_K, t0, M_2, X, W_V, t10, A25, t19, M_2, X, W_K, optimize=[(9, 10), (0, 2), (3, 4), (0, 3), (3, 4), (0, 3), (6, 8), (0, 2), (0, 3), (1, 3), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jkli,jkd,lm,jkm,jkm,jkn,no,jkop,jkg,ph->', t0, t1, M_3, X, W_K, t0, M_2, X, W_V, t10, A25, A25, t19, M_2, X, W_K, optimize=[(9, 10), (0, 2), (3, 4), (0, 3), (3, 4), (3, 10), (0, 3), (6, 8), (0, 2), (0, 1), (1, 5), (0, 2), (2, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnol,mnf,op,mnp,mnp,pq,mnqr,mnj,rk->', t0, M_2, X, W_V, t10, A25, t19, M_2, X, W_K, t0, M_2, X, W_V, t10, A25, t19, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (4, 5), (0, 4), (4, 5), (1, 4), (9, 11), (1, 3), (0, 4), (0, 4), (2, 5), (0, 4), (4, 5), (0, 3), (0, 3), (1, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnol,mnf,op,mnp,mnp,mnq,qr,mnrs,mnj,sk->', t0, M_2, X, W_V, t10, A25, t19, M_2, X, W_K, t0, M_2, X, W_V, t10, A25, A25, t19, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (4, 5), (0, 4), (4, 5), (4, 13), (1, 4), (9, 11), (1, 3), (1, 3), (4, 8), (0, 2), (1, 4), (0, 4), (3, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl,am,nopm,nof,pq,noq,noq,nor,rs,nost,nok,tl->', t0, M_2, X, W_V, t10, A25, A25, t19, M_2, X, W_K, t0, M_2, X, W_V, t10, A25, A25, t19, M_2, X, W_K, optimize=[(4, 5), (13, 14), (0, 1), (2, 3), (2, 17), (4, 5), (0, 4), (4, 5), (4, 13), (1, 4), (9, 11), (1, 3), (0, 2), (2, 8), (0, 1), (1, 6), (0, 3), (2, 3), (1, 3), (0, 1), (0, 1)])
+    t27 = torch.sqrt(torch.clamp(t26, min=0.0))
+    t28 = t23 @ X
+    t29 = t1 @ t28
+    t30 = (n_batch**(-2)) * oe.contract('abc,dbc->', t29, t29, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t29, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgi,fgi,ij,fgjc,fgk,kd->', t29, t0, M_2, X, W_V, t10, A25, t19, M_2, X, W_Q, optimize=[(5, 6), (0, 3), (4, 8), (0, 1), (2, 3), (4, 5), (1, 3), (1, 3), (0, 1), (0, 1)]) + (-2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgi,fgi,fgj,jk,fgkc,fgl,ld->', t29, t0, M_2, X, W_V, t10, A25, A25, t19, M_2, X, W_Q, optimize=[(5, 6), (0, 3), (5, 9), (0, 1), (1, 2), (4, 6), (1, 2), (2, 4), (0, 1), (1, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkm,jkm,mn,jknf,jko,oh->', t0, t1, M_3, X, W_Q, t0, M_2, X, W_V, t10, A25, t19, M_2, X, W_Q, optimize=[(9, 10), (0, 2), (1, 2), (1, 2), (0, 1), (1, 2), (1, 2), (0, 4), (0, 4), (4, 5), (0, 4), (1, 3), (0, 1), (0, 1)]) + (-2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkm,jkm,jkn,no,jkof,jkp,ph->', t0, t1, M_3, X, W_Q, t0, M_2, X, W_V, t10, A25, A25, t19, M_2, X, W_Q, optimize=[(9, 10), (0, 2), (1, 2), (1, 2), (0, 1), (1, 2), (1, 9), (1, 2), (0, 1), (2, 6), (0, 3), (3, 4), (1, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnol,mnf,op,mnp,mnp,pq,mnqi,mnr,rk->', t0, M_2, X, W_V, t10, A25, t19, M_2, X, W_Q, t0, M_2, X, W_V, t10, A25, t19, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (2, 3), (2, 3), (0, 2), (2, 3), (2, 3), (0, 4), (1, 3), (7, 8), (0, 3), (0, 3), (4, 5), (3, 4), (1, 3), (0, 1), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnol,mnf,op,mnp,mnp,mnq,qr,mnri,mns,sk->', t0, M_2, X, W_V, t10, A25, t19, M_2, X, W_Q, t0, M_2, X, W_V, t10, A25, A25, t19, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (2, 3), (2, 3), (0, 2), (2, 3), (2, 12), (2, 3), (1, 3), (5, 9), (0, 2), (0, 1), (5, 6), (0, 3), (0, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl,am,nopm,nof,pq,noq,noq,nor,rs,nosj,not,tl->', t0, M_2, X, W_V, t10, A25, A25, t19, M_2, X, W_Q, t0, M_2, X, W_V, t10, A25, A25, t19, M_2, X, W_Q, optimize=[(4, 5), (13, 14), (0, 1), (2, 3), (2, 17), (2, 3), (2, 3), (0, 2), (2, 3), (2, 12), (2, 3), (0, 2), (2, 9), (0, 1), (2, 7), (0, 3), (1, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
     t31 = torch.sqrt(torch.clamp(t30, min=0.0))
-    t32 = t23.transpose(-1, -2)
-    t33 = t32 @ X
-    t34 = t1 @ t33
-    t35 = W_Q.transpose(-1, -2)
-    t36 = (n_batch**(-2)) * oe.contract('abc,dbc->', t34, t34, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t34, t35, t1, M_3, X, W_K, optimize=[(1, 2), (3, 4), (1, 3), (1, 2), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgi,fgi,ij,fgjk,fgc,kd->', t34, t35, M_2, X, W_V, t10, A14, t19, M_2, X, W_K, optimize=[(0, 9), (1, 9), (3, 4), (0, 1), (0, 4), (3, 5), (2, 3), (1, 3), (0, 2), (0, 1)]) + (-2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgi,fgi,fgj,jk,fgkl,fgc,ld->', t34, t35, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_K, optimize=[(0, 10), (1, 10), (3, 4), (0, 1), (0, 5), (4, 6), (0, 1), (0, 4), (2, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t35, t1, M_3, X, W_K, t35, t1, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkm,jkm,mn,jkno,jkg,oh->', t35, t1, M_3, X, W_K, t35, M_2, X, W_V, t10, A14, t19, M_2, X, W_K, optimize=[(9, 10), (0, 1), (0, 2), (1, 3), (1, 2), (1, 2), (0, 1), (0, 3), (1, 2), (3, 5), (0, 1), (0, 3), (0, 2), (0, 1)]) + (-2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkm,jkm,jkn,no,jkop,jkg,ph->', t35, t1, M_3, X, W_K, t35, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_K, optimize=[(9, 10), (0, 1), (0, 2), (1, 3), (1, 2), (6, 10), (1, 2), (1, 8), (0, 1), (0, 2), (0, 1), (2, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnof,mnl,op,mnp,mnp,pq,mnqr,mnj,rk->', t35, M_2, X, W_V, t10, A14, t19, M_2, X, W_K, t35, M_2, X, W_V, t10, A14, t19, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (2, 4), (2, 3), (2, 3), (0, 2), (0, 1), (0, 3), (2, 8), (1, 2), (3, 6), (0, 1), (0, 4), (0, 1), (1, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnof,mnl,op,mnp,mnp,mnq,qr,mnrs,mnj,sk->', t35, M_2, X, W_V, t10, A14, t19, M_2, X, W_K, t35, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (2, 4), (2, 3), (8, 13), (2, 3), (2, 11), (0, 2), (0, 1), (0, 2), (1, 7), (0, 1), (2, 5), (0, 3), (2, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl,am,nopf,nom,pq,noq,noq,nor,rs,nost,nok,tl->', t35, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_K, t35, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_K, optimize=[(4, 5), (13, 14), (0, 2), (0, 1), (14, 17), (0, 1), (0, 15), (2, 4), (2, 3), (7, 12), (2, 3), (2, 10), (0, 2), (0, 1), (0, 3), (4, 6), (0, 2), (3, 4), (0, 2), (0, 2), (0, 1)])
-    t37 = torch.sqrt(torch.clamp(t36, min=0.0))
-    t38 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t35, t1, M_3, X, W_Q, t35, t1, M_3, X, W_Q, optimize=[(0, 1), (0, 5), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jkle,jki,lm,jkm,jkm,mn,jknf,jko,oh->', t35, t1, M_3, X, W_Q, t35, M_2, X, W_V, t10, A14, t19, M_2, X, W_Q, optimize=[(9, 10), (0, 1), (1, 2), (1, 3), (1, 2), (1, 2), (1, 2), (2, 4), (1, 3), (2, 5), (0, 4), (2, 3), (0, 1), (0, 1)]) + (-2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jkle,jki,lm,jkm,jkm,jkn,no,jkof,jkp,ph->', t35, t1, M_3, X, W_Q, t35, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_Q, optimize=[(9, 10), (0, 1), (1, 2), (1, 3), (1, 2), (6, 10), (1, 2), (1, 8), (1, 2), (1, 3), (0, 2), (1, 4), (2, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnof,mnl,op,mnp,mnp,pq,mnqi,mnr,rk->', t35, M_2, X, W_V, t10, A14, t19, M_2, X, W_Q, t35, M_2, X, W_V, t10, A14, t19, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (0, 1), (0, 1), (0, 1), (0, 3), (2, 8), (1, 3), (0, 2), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnof,mnl,op,mnp,mnp,mnq,qr,mnri,mns,sk->', t35, M_2, X, W_V, t10, A14, t19, M_2, X, W_Q, t35, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (0, 1), (6, 12), (0, 1), (0, 10), (0, 1), (0, 2), (1, 7), (0, 2), (0, 3), (3, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl,am,nopf,nom,pq,noq,noq,nor,rs,nosj,not,tl->', t35, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_Q, t35, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_Q, optimize=[(4, 5), (13, 14), (0, 2), (0, 1), (14, 17), (0, 1), (0, 15), (0, 1), (0, 2), (0, 1), (5, 11), (0, 1), (0, 9), (0, 1), (0, 4), (0, 3), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t32 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,ai,jkli,jkf,lg,jkg,jkg,jkh->', t0, M_2, X, W_V, t10, A25, M_1, t0, M_2, X, W_V, t10, A25, M_1, optimize=[(4, 5), (9, 10), (0, 1), (3, 4), (0, 3), (1, 3), (6, 7), (0, 4), (0, 3), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,ai,jkli,jkf,lm,jkm,jkm,jkg,jkh->', t0, M_2, X, W_V, t10, A25, M_1, t0, M_2, X, W_V, t10, A25, A25, M_1, optimize=[(4, 5), (9, 10), (0, 1), (3, 4), (0, 3), (1, 4), (7, 8), (1, 4), (4, 6), (0, 3), (1, 4), (0, 3), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,ai,jkhi,jkf,jkg->', t0, M_2, X, W_V, t10, A25, M_1, t0, M_2, X, G, optimize=[(4, 5), (0, 1), (2, 4), (0, 3), (0, 4), (0, 3), (3, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi,aj,klmj,klf,mn,kln,kln,klh,kli->', t0, M_2, X, W_V, t10, A25, A25, M_1, t0, M_2, X, W_V, t10, A25, A25, M_1, optimize=[(4, 5), (10, 11), (0, 1), (4, 5), (0, 4), (1, 4), (8, 9), (1, 3), (6, 7), (0, 2), (2, 5), (0, 1), (0, 3), (0, 2), (0, 1)]) + (-2/(L*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi,aj,klij,klf,klh->', t0, M_2, X, W_V, t10, A25, A25, M_1, t0, M_2, X, G, optimize=[(4, 5), (0, 1), (3, 5), (0, 4), (1, 3), (5, 6), (4, 5), (0, 2), (1, 3), (0, 1), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 1), (2, 3), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t33 = torch.sqrt(torch.clamp(t32, min=0.0))
+    t34 = t23.transpose(-1, -2)
+    t35 = t34 @ X
+    t36 = t1 @ t35
+    t37 = W_Q.transpose(-1, -2)
+    t38 = (n_batch**(-2)) * oe.contract('abc,dbc->', t36, t36, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t36, t37, t1, M_3, X, W_K, optimize=[(0, 3), (2, 4), (0, 1), (0, 2), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgi,fgi,ij,fgjk,fgc,kd->', t36, t37, M_2, X, W_V, t10, A25, t19, M_2, X, W_K, optimize=[(5, 6), (0, 2), (5, 8), (0, 1), (1, 2), (0, 3), (1, 4), (2, 3), (0, 1), (0, 1)]) + (-2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgi,fgi,fgj,jk,fgkl,fgc,ld->', t36, t37, M_2, X, W_V, t10, A25, A25, t19, M_2, X, W_K, optimize=[(5, 6), (0, 2), (6, 9), (0, 1), (1, 2), (1, 6), (0, 2), (1, 4), (0, 1), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t37, t1, M_3, X, W_K, t37, t1, M_3, X, W_K, optimize=[(0, 1), (0, 2), (1, 2), (0, 2), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkm,jkm,mn,jkno,jkg,oh->', t37, t1, M_3, X, W_K, t37, M_2, X, W_V, t10, A25, t19, M_2, X, W_K, optimize=[(9, 10), (0, 1), (0, 2), (1, 3), (1, 2), (1, 2), (0, 1), (0, 3), (1, 2), (3, 5), (0, 1), (0, 3), (0, 2), (0, 1)]) + (-2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkm,jkm,jkn,no,jkop,jkg,ph->', t37, t1, M_3, X, W_K, t37, M_2, X, W_V, t10, A25, A25, t19, M_2, X, W_K, optimize=[(9, 10), (0, 1), (0, 2), (1, 3), (1, 2), (6, 10), (1, 2), (1, 8), (0, 1), (0, 2), (0, 1), (2, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnof,mnl,op,mnp,mnp,pq,mnqr,mnj,rk->', t37, M_2, X, W_V, t10, A25, t19, M_2, X, W_K, t37, M_2, X, W_V, t10, A25, t19, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (2, 4), (2, 3), (2, 3), (0, 2), (0, 1), (0, 3), (2, 8), (1, 2), (3, 6), (0, 1), (0, 4), (0, 1), (1, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnof,mnl,op,mnp,mnp,mnq,qr,mnrs,mnj,sk->', t37, M_2, X, W_V, t10, A25, t19, M_2, X, W_K, t37, M_2, X, W_V, t10, A25, A25, t19, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (2, 4), (2, 3), (8, 13), (2, 3), (2, 11), (0, 2), (0, 1), (0, 2), (1, 7), (0, 1), (2, 5), (0, 3), (2, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl,am,nopf,nom,pq,noq,noq,nor,rs,nost,nok,tl->', t37, M_2, X, W_V, t10, A25, A25, t19, M_2, X, W_K, t37, M_2, X, W_V, t10, A25, A25, t19, M_2, X, W_K, optimize=[(4, 5), (13, 14), (0, 2), (0, 1), (14, 17), (0, 1), (0, 15), (2, 4), (2, 3), (7, 12), (2, 3), (2, 10), (0, 2), (0, 1), (0, 3), (4, 6), (0, 2), (3, 4), (0, 2), (0, 2), (0, 1)])
     t39 = torch.sqrt(torch.clamp(t38, min=0.0))
-    t40 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,ai,jklf,jki,lg,jkg,jkg,jkh->', t35, M_2, X, W_V, t10, A14, M_1, t35, M_2, X, W_V, t10, A14, M_1, optimize=[(4, 5), (9, 10), (0, 2), (2, 7), (2, 4), (6, 8), (6, 7), (0, 1), (2, 5), (0, 1), (2, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,ai,jklf,jki,lm,jkm,jkm,jkg,jkh->', t35, M_2, X, W_V, t10, A14, M_1, t35, M_2, X, W_V, t10, A14, A14, M_1, optimize=[(4, 5), (9, 10), (0, 2), (0, 1), (1, 3), (1, 2), (4, 8), (0, 2), (1, 3), (1, 2), (2, 4), (1, 2), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,ai,jkhf,jki,jkg->', t35, M_2, X, W_V, t10, A14, M_1, t35, M_2, X, G, optimize=[(4, 5), (0, 2), (3, 5), (6, 7), (0, 1), (3, 5), (0, 1), (2, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi,aj,klmf,klj,mn,kln,kln,klh,kli->', t35, M_2, X, W_V, t10, A14, A14, M_1, t35, M_2, X, W_V, t10, A14, A14, M_1, optimize=[(4, 5), (10, 11), (0, 2), (0, 1), (8, 11), (2, 4), (2, 3), (4, 8), (0, 2), (0, 1), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (-2/(L*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi,aj,klif,klj,klh->', t35, M_2, X, W_V, t10, A14, A14, M_1, t35, M_2, X, G, optimize=[(4, 5), (0, 2), (2, 7), (3, 5), (5, 7), (5, 6), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t35, M_2, X, G, t35, M_2, X, G, optimize=[(0, 4), (2, 5), (1, 4), (3, 4), (2, 3), (0, 2), (0, 1)])
+    t40 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t37, t1, M_3, X, W_Q, t37, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jkle,jki,lm,jkm,jkm,mn,jknf,jko,oh->', t37, t1, M_3, X, W_Q, t37, M_2, X, W_V, t10, A25, t19, M_2, X, W_Q, optimize=[(9, 10), (0, 1), (1, 2), (1, 3), (1, 2), (1, 2), (1, 2), (2, 4), (1, 3), (2, 5), (0, 4), (2, 3), (0, 1), (0, 1)]) + (-2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jkle,jki,lm,jkm,jkm,jkn,no,jkof,jkp,ph->', t37, t1, M_3, X, W_Q, t37, M_2, X, W_V, t10, A25, A25, t19, M_2, X, W_Q, optimize=[(9, 10), (0, 1), (1, 2), (1, 3), (1, 2), (6, 10), (1, 2), (1, 8), (1, 2), (1, 3), (0, 2), (1, 4), (2, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnof,mnl,op,mnp,mnp,pq,mnqi,mnr,rk->', t37, M_2, X, W_V, t10, A25, t19, M_2, X, W_Q, t37, M_2, X, W_V, t10, A25, t19, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (0, 1), (0, 1), (0, 1), (0, 3), (2, 8), (1, 3), (0, 2), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnof,mnl,op,mnp,mnp,mnq,qr,mnri,mns,sk->', t37, M_2, X, W_V, t10, A25, t19, M_2, X, W_Q, t37, M_2, X, W_V, t10, A25, A25, t19, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (0, 1), (6, 12), (0, 1), (0, 10), (0, 1), (0, 2), (1, 7), (0, 2), (0, 3), (3, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl,am,nopf,nom,pq,noq,noq,nor,rs,nosj,not,tl->', t37, M_2, X, W_V, t10, A25, A25, t19, M_2, X, W_Q, t37, M_2, X, W_V, t10, A25, A25, t19, M_2, X, W_Q, optimize=[(4, 5), (13, 14), (0, 2), (0, 1), (14, 17), (0, 1), (0, 15), (0, 1), (0, 2), (0, 1), (5, 11), (0, 1), (0, 9), (0, 1), (0, 4), (0, 3), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
     t41 = torch.sqrt(torch.clamp(t40, min=0.0))
-    t42 = G.transpose(-1, -2)
-    t43 = M_1.transpose(-1, -2)
-    t44 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t42, M_2, X, W_K, t42, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hdi,hib,hib,bj,hijk,hif,kg->', t42, M_2, X, W_K, t43, t10, A14, t19, M_2, X, W_K, optimize=[(5, 6), (2, 7), (2, 6), (0, 3), (0, 1), (2, 5), (0, 2), (2, 3), (1, 2), (0, 1)]) + (-2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hdi,hib,hib,hij,jk,hikl,hif,lg->', t42, M_2, X, W_K, t43, t10, A14, A14, t19, M_2, X, W_K, optimize=[(5, 6), (2, 8), (2, 7), (3, 4), (3, 7), (5, 6), (0, 3), (2, 4), (0, 1), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,fh,ibj,ijd,ijd,dk,ijkl,ijg,lh->', t43, t10, A14, t19, M_2, X, W_K, t43, t10, A14, t19, M_2, X, W_K, optimize=[(1, 2), (6, 7), (0, 5), (2, 6), (8, 9), (2, 5), (0, 2), (2, 3), (2, 5), (0, 2), (0, 1), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,fh,ibj,ijd,ijd,ijk,kl,ijlm,ijg,mh->', t43, t10, A14, t19, M_2, X, W_K, t43, t10, A14, A14, t19, M_2, X, W_K, optimize=[(1, 2), (6, 7), (1, 2), (0, 3), (2, 3), (2, 9), (0, 2), (5, 7), (0, 1), (2, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi,jbk,jkd,jkd,jkl,lm,jkmn,jkh,ni->', t43, t10, A14, A14, t19, M_2, X, W_K, t43, t10, A14, A14, t19, M_2, X, W_K, optimize=[(1, 2), (7, 8), (1, 2), (1, 12), (0, 3), (2, 3), (2, 9), (0, 2), (5, 7), (0, 1), (0, 1), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t45 = torch.sqrt(torch.clamp(t44, min=0.0))
-    t46 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t42, M_2, X, W_Q, t42, M_2, X, W_Q, optimize=[(0, 4), (1, 2), (2, 3), (2, 3), (2, 3), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hdi,hib,hib,bj,hije,hik,kg->', t42, M_2, X, W_Q, t43, t10, A14, t19, M_2, X, W_Q, optimize=[(5, 6), (2, 3), (5, 6), (6, 7), (0, 3), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)]) + (-2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hdi,hib,hib,hij,jk,hike,hil,lg->', t42, M_2, X, W_Q, t43, t10, A14, A14, t19, M_2, X, W_Q, optimize=[(5, 6), (2, 3), (3, 4), (3, 8), (3, 4), (4, 6), (0, 3), (3, 4), (0, 1), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,gh,ibj,ijd,ijd,dk,ijkf,ijl,lh->', t43, t10, A14, t19, M_2, X, W_Q, t43, t10, A14, t19, M_2, X, W_Q, optimize=[(1, 2), (6, 7), (0, 5), (2, 3), (4, 5), (7, 8), (6, 7), (0, 1), (2, 5), (0, 1), (2, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,gh,ibj,ijd,ijd,ijk,kl,ijlf,ijm,mh->', t43, t10, A14, t19, M_2, X, W_Q, t43, t10, A14, A14, t19, M_2, X, W_Q, optimize=[(1, 2), (6, 7), (1, 2), (1, 2), (0, 1), (0, 1), (0, 8), (0, 1), (0, 2), (3, 5), (0, 4), (1, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi,jbk,jkd,jkd,jkl,lm,jkmg,jkn,ni->', t43, t10, A14, A14, t19, M_2, X, W_Q, t43, t10, A14, A14, t19, M_2, X, W_Q, optimize=[(1, 2), (7, 8), (1, 2), (1, 12), (1, 2), (0, 1), (0, 1), (0, 8), (0, 1), (0, 1), (2, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t42 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,ai,jklf,jki,lg,jkg,jkg,jkh->', t37, M_2, X, W_V, t10, A25, M_1, t37, M_2, X, W_V, t10, A25, M_1, optimize=[(4, 5), (9, 10), (0, 2), (0, 1), (1, 3), (1, 2), (5, 7), (0, 1), (2, 3), (3, 4), (0, 2), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,ai,jklf,jki,lm,jkm,jkm,jkg,jkh->', t37, M_2, X, W_V, t10, A25, M_1, t37, M_2, X, W_V, t10, A25, A25, M_1, optimize=[(4, 5), (9, 10), (0, 2), (0, 1), (1, 3), (1, 2), (4, 8), (0, 2), (1, 3), (1, 2), (2, 4), (1, 2), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,ai,jkhf,jki,jkg->', t37, M_2, X, W_V, t10, A25, M_1, t37, M_2, X, G, optimize=[(4, 5), (0, 2), (0, 1), (0, 2), (5, 6), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi,aj,klmf,klj,mn,kln,kln,klh,kli->', t37, M_2, X, W_V, t10, A25, A25, M_1, t37, M_2, X, W_V, t10, A25, A25, M_1, optimize=[(4, 5), (10, 11), (0, 2), (0, 1), (8, 11), (2, 4), (2, 3), (4, 8), (0, 2), (0, 1), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (-2/(L*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi,aj,klif,klj,klh->', t37, M_2, X, W_V, t10, A25, A25, M_1, t37, M_2, X, G, optimize=[(4, 5), (0, 2), (0, 1), (6, 8), (1, 3), (5, 6), (1, 2), (0, 1), (1, 3), (0, 1), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t37, M_2, X, G, t37, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t43 = torch.sqrt(torch.clamp(t42, min=0.0))
+    t44 = G.transpose(-1, -2)
+    t45 = M_1.transpose(-1, -2)
+    t46 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t44, M_2, X, W_K, t44, M_2, X, W_K, optimize=[(1, 3), (0, 2), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hdi,hib,hib,bj,hijk,hif,kg->', t44, M_2, X, W_K, t45, t10, A25, t19, M_2, X, W_K, optimize=[(5, 6), (1, 3), (3, 4), (1, 3), (1, 4), (1, 3), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hdi,hib,hib,hij,jk,hikl,hif,lg->', t44, M_2, X, W_K, t45, t10, A25, A25, t19, M_2, X, W_K, optimize=[(5, 6), (1, 3), (3, 4), (3, 8), (1, 3), (0, 3), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,fh,ibj,ijd,ijd,dk,ijkl,ijg,lh->', t45, t10, A25, t19, M_2, X, W_K, t45, t10, A25, t19, M_2, X, W_K, optimize=[(1, 2), (6, 7), (1, 2), (0, 3), (2, 3), (0, 2), (5, 7), (0, 1), (2, 5), (2, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,fh,ibj,ijd,ijd,ijk,kl,ijlm,ijg,mh->', t45, t10, A25, t19, M_2, X, W_K, t45, t10, A25, A25, t19, M_2, X, W_K, optimize=[(1, 2), (6, 7), (1, 2), (0, 3), (2, 3), (2, 9), (0, 2), (5, 7), (0, 1), (2, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi,jbk,jkd,jkd,jkl,lm,jkmn,jkh,ni->', t45, t10, A25, A25, t19, M_2, X, W_K, t45, t10, A25, A25, t19, M_2, X, W_K, optimize=[(1, 2), (7, 8), (1, 2), (1, 12), (0, 3), (2, 3), (2, 9), (0, 2), (5, 7), (0, 1), (0, 1), (2, 4), (0, 2), (0, 2), (0, 1)])
     t47 = torch.sqrt(torch.clamp(t46, min=0.0))
-    t48 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fge->', t43, t10, A14, M_1, t43, t10, A14, M_1, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fgd,fge->', t43, t10, A14, M_1, t43, t10, A14, A14, M_1, optimize=[(1, 2), (3, 4), (3, 6), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,acf,gbh,ghd,ghd,ghe,ghf->', t43, t10, A14, A14, M_1, t43, t10, A14, A14, M_1, optimize=[(1, 2), (4, 5), (0, 3), (0, 2), (4, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
+    t48 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t44, M_2, X, W_Q, t44, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hdi,hib,hib,bj,hije,hik,kg->', t44, M_2, X, W_Q, t45, t10, A25, t19, M_2, X, W_Q, optimize=[(5, 6), (2, 3), (1, 2), (2, 7), (2, 3), (1, 4), (2, 3), (0, 2), (0, 2), (0, 1)]) + (-2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hdi,hib,hib,hij,jk,hike,hil,lg->', t44, M_2, X, W_Q, t45, t10, A25, A25, t19, M_2, X, W_Q, optimize=[(5, 6), (2, 3), (1, 2), (3, 8), (1, 2), (5, 6), (1, 2), (0, 1), (1, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,gh,ibj,ijd,ijd,dk,ijkf,ijl,lh->', t45, t10, A25, t19, M_2, X, W_Q, t45, t10, A25, t19, M_2, X, W_Q, optimize=[(1, 2), (6, 7), (1, 2), (1, 2), (0, 1), (0, 1), (4, 7), (0, 1), (0, 4), (0, 4), (1, 3), (0, 1), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,gh,ibj,ijd,ijd,ijk,kl,ijlf,ijm,mh->', t45, t10, A25, t19, M_2, X, W_Q, t45, t10, A25, A25, t19, M_2, X, W_Q, optimize=[(1, 2), (6, 7), (1, 2), (1, 2), (0, 1), (0, 1), (0, 8), (0, 1), (0, 2), (3, 5), (0, 4), (1, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi,jbk,jkd,jkd,jkl,lm,jkmg,jkn,ni->', t45, t10, A25, A25, t19, M_2, X, W_Q, t45, t10, A25, A25, t19, M_2, X, W_Q, optimize=[(1, 2), (7, 8), (1, 2), (1, 12), (1, 2), (0, 1), (0, 1), (0, 8), (0, 1), (0, 1), (2, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
     t49 = torch.sqrt(torch.clamp(t48, min=0.0))
-    return (t25, t29, t31, t37, t39, t41, t45, t47, t49,)
+    t50 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fge->', t45, t10, A25, M_1, t45, t10, A25, M_1, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fgd,fge->', t45, t10, A25, M_1, t45, t10, A25, A25, M_1, optimize=[(1, 2), (3, 4), (3, 6), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,acf,gbh,ghd,ghd,ghe,ghf->', t45, t10, A25, A25, M_1, t45, t10, A25, A25, M_1, optimize=[(1, 2), (4, 5), (0, 3), (0, 2), (4, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
+    t51 = torch.sqrt(torch.clamp(t50, min=0.0))
+    return (t27, t31, t33, t39, t41, t43, t47, t49, t51,)
 
 
 def ce_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -5524,7 +11370,8 @@ def ce_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t12 = A @ X
     M_1 = t12
     t13 = M_1 @ W_V
-    t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    F = t13
+    t14 = torch.exp(F - F.amax(-1, keepdim=True))
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = t11 * A15
     t17 = (1/L) * t16
@@ -5538,11 +11385,13 @@ def ce_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t24 = A * t23
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t24, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t24, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t24, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->da', t1, t2, M_3, X, W_K, optimize=[(1, 3), (0, 2), (0, 2), (0, 1)])
+    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->da', t1, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdf,ia->fa', t1, M_2, X, W_V, t11, A15, t20, M_2, X, W_K, optimize=[(2, 8), (3, 4), (0, 1), (0, 6), (4, 5), (0, 1), (2, 3), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdf,ja->fa', t1, M_2, X, W_V, t11, A15, A15, t20, M_2, X, W_K, optimize=[(2, 9), (3, 4), (3, 4), (3, 7), (3, 6), (0, 1), (3, 4), (0, 3), (1, 2), (0, 1)])
+    t25 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    A26 = t25 / t25.sum(-1, keepdim=True)
+    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdf,ia->fa', t1, M_2, X, W_V, t11, A26, t20, M_2, X, W_K, optimize=[(4, 5), (2, 6), (0, 1), (1, 2), (0, 4), (0, 3), (2, 3), (0, 2), (0, 1)])
+    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdf,ja->fa', t1, M_2, X, W_V, t11, A26, A26, t20, M_2, X, W_K, optimize=[(4, 5), (2, 7), (0, 1), (1, 2), (1, 6), (0, 2), (2, 4), (0, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -5567,7 +11416,8 @@ def ce_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     t11 = A @ X
     M_1 = t11
     t12 = M_1 @ W_V
-    t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    F = t12
+    t13 = torch.exp(F - F.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = t10 * A14
     t16 = (1/L) * t15
@@ -5583,7 +11433,9 @@ def ce_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     M_3 = oe.contract('abc,adc,ace->adbe', t1, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    return (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->', t0, t1, M_3, X, W_K, optimize=[(1, 3), (0, 2), (0, 2), (0, 1)]) + (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdf,ia->', t0, M_2, X, W_V, t10, A14, t19, M_2, X, W_K, optimize=[(2, 8), (3, 4), (0, 5), (0, 1), (3, 5), (0, 1), (2, 3), (1, 2), (0, 1)]) + (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdf,ja->', t0, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_K, optimize=[(2, 9), (3, 4), (0, 6), (2, 3), (2, 6), (4, 5), (0, 4), (0, 3), (1, 2), (0, 1)])
+    t24 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A25 = t24 / t24.sum(-1, keepdim=True)
+    return (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->', t0, t1, M_3, X, W_K, optimize=[(1, 3), (1, 3), (0, 1), (0, 1)]) + (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdf,ia->', t0, M_2, X, W_V, t10, A25, t19, M_2, X, W_K, optimize=[(4, 5), (2, 6), (0, 1), (1, 2), (2, 3), (0, 2), (0, 1), (1, 2), (0, 1)]) + (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdf,ja->', t0, M_2, X, W_V, t10, A25, A25, t19, M_2, X, W_K, optimize=[(4, 5), (2, 7), (0, 1), (1, 2), (1, 6), (0, 2), (2, 4), (0, 2), (1, 2), (0, 1)])
 
 
 def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -5609,7 +11461,8 @@ def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t12 = A @ X
     M_1 = t12
     t13 = M_1 @ W_V
-    t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    F = t13
+    t14 = torch.exp(F - F.amax(-1, keepdim=True))
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = t11 * A15
     t17 = (1/L) * t16
@@ -5626,8 +11479,10 @@ def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t1, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t1, M_2, X, W_V, t11, A15, t20, M_2, X, W_K, optimize=[(4, 5), (0, 1), (1, 7), (5, 6), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t1, M_2, X, W_V, t11, A15, A15, t20, M_2, X, W_K, optimize=[(4, 5), (4, 5), (4, 8), (5, 7), (0, 1), (1, 5), (2, 4), (0, 1), (0, 1), (0, 1)])
+    t25 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    A26 = t25 / t25.sum(-1, keepdim=True)
+    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t1, M_2, X, W_V, t11, A26, t20, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t1, M_2, X, W_V, t11, A26, A26, t20, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -5652,7 +11507,8 @@ def ce_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t11 = A @ X
     M_1 = t11
     t12 = M_1 @ W_V
-    t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    F = t12
+    t13 = torch.exp(F - F.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = t10 * A14
     t16 = (1/L) * t15
@@ -5668,9 +11524,11 @@ def ce_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     M_3 = oe.contract('abc,adc,ace->adbe', t1, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t24 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jkli,jkd,lm,jkm,jkm,mn,jkno,jkg,oh->', t0, t1, M_3, X, W_K, t0, M_2, X, W_V, t10, A14, t19, M_2, X, W_K, optimize=[(9, 10), (0, 2), (3, 4), (0, 3), (3, 4), (0, 3), (6, 8), (0, 2), (0, 3), (1, 3), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jkli,jkd,lm,jkm,jkm,jkn,no,jkop,jkg,ph->', t0, t1, M_3, X, W_K, t0, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_K, optimize=[(9, 10), (0, 2), (3, 4), (0, 3), (3, 4), (3, 10), (0, 3), (6, 8), (0, 2), (0, 1), (1, 5), (0, 2), (2, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnol,mnf,op,mnp,mnp,pq,mnqr,mnj,rk->', t0, M_2, X, W_V, t10, A14, t19, M_2, X, W_K, t0, M_2, X, W_V, t10, A14, t19, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (4, 5), (0, 4), (4, 5), (1, 4), (9, 11), (1, 3), (0, 4), (0, 4), (2, 5), (0, 4), (4, 5), (0, 3), (0, 3), (1, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnol,mnf,op,mnp,mnp,mnq,qr,mnrs,mnj,sk->', t0, M_2, X, W_V, t10, A14, t19, M_2, X, W_K, t0, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (4, 5), (0, 4), (4, 5), (4, 13), (1, 4), (9, 11), (1, 3), (1, 3), (4, 8), (0, 2), (1, 4), (0, 4), (3, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl,am,nopm,nof,pq,noq,noq,nor,rs,nost,nok,tl->', t0, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_K, t0, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_K, optimize=[(4, 5), (13, 14), (0, 1), (2, 3), (2, 17), (4, 5), (0, 4), (4, 5), (4, 13), (1, 4), (9, 11), (1, 3), (0, 2), (2, 8), (0, 1), (1, 6), (0, 3), (2, 3), (1, 3), (0, 1), (0, 1)])
-    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
-    return t25
+    t24 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A25 = t24 / t24.sum(-1, keepdim=True)
+    t26 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 2), (0, 4), (2, 3), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jkli,jkd,lm,jkm,jkm,mn,jkno,jkg,oh->', t0, t1, M_3, X, W_K, t0, M_2, X, W_V, t10, A25, t19, M_2, X, W_K, optimize=[(9, 10), (0, 2), (3, 4), (0, 3), (3, 4), (0, 3), (6, 8), (0, 2), (0, 3), (1, 3), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jkli,jkd,lm,jkm,jkm,jkn,no,jkop,jkg,ph->', t0, t1, M_3, X, W_K, t0, M_2, X, W_V, t10, A25, A25, t19, M_2, X, W_K, optimize=[(9, 10), (0, 2), (3, 4), (0, 3), (3, 4), (3, 10), (0, 3), (6, 8), (0, 2), (0, 1), (1, 5), (0, 2), (2, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnol,mnf,op,mnp,mnp,pq,mnqr,mnj,rk->', t0, M_2, X, W_V, t10, A25, t19, M_2, X, W_K, t0, M_2, X, W_V, t10, A25, t19, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (4, 5), (0, 4), (4, 5), (1, 4), (9, 11), (1, 3), (0, 4), (0, 4), (2, 5), (0, 4), (4, 5), (0, 3), (0, 3), (1, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnol,mnf,op,mnp,mnp,mnq,qr,mnrs,mnj,sk->', t0, M_2, X, W_V, t10, A25, t19, M_2, X, W_K, t0, M_2, X, W_V, t10, A25, A25, t19, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (4, 5), (0, 4), (4, 5), (4, 13), (1, 4), (9, 11), (1, 3), (1, 3), (4, 8), (0, 2), (1, 4), (0, 4), (3, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl,am,nopm,nof,pq,noq,noq,nor,rs,nost,nok,tl->', t0, M_2, X, W_V, t10, A25, A25, t19, M_2, X, W_K, t0, M_2, X, W_V, t10, A25, A25, t19, M_2, X, W_K, optimize=[(4, 5), (13, 14), (0, 1), (2, 3), (2, 17), (4, 5), (0, 4), (4, 5), (4, 13), (1, 4), (9, 11), (1, 3), (0, 2), (2, 8), (0, 1), (1, 6), (0, 3), (2, 3), (1, 3), (0, 1), (0, 1)])
+    t27 = torch.sqrt(torch.clamp(t26, min=0.0))
+    return t27
 
 
 def ce_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -5698,7 +11556,8 @@ def ce_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t13 = A @ X
     M_1 = t13
     t14 = M_1 @ W_V
-    t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
+    F = t14
+    t15 = torch.exp(F - F.amax(-1, keepdim=True))
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = t12 * A16
     t18 = (1/L) * t17
@@ -5716,11 +11575,13 @@ def ce_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t27, t28, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t25, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t25, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t25, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t3, t2, M_3, X, W_Q, optimize=[(3, 4), (0, 2), (0, 1), (0, 1)])
+    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t3, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t3, M_2, X, W_V, t12, A16, t21, M_2, X, W_Q, optimize=[(4, 5), (6, 7), (0, 1), (1, 6), (3, 5), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t3, M_2, X, W_V, t12, A16, A16, t21, M_2, X, W_Q, optimize=[(4, 5), (4, 5), (4, 8), (4, 5), (0, 1), (1, 5), (1, 4), (0, 1), (0, 1), (0, 1)])
+    t29 = torch.exp(t14 - t14.amax(-1, keepdim=True))
+    A30 = t29 / t29.sum(-1, keepdim=True)
+    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t3, M_2, X, W_V, t12, A30, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
+    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t3, M_2, X, W_V, t12, A30, A30, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -5745,7 +11606,8 @@ def ce_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t11 = A @ X
     M_1 = t11
     t12 = M_1 @ W_V
-    t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    F = t12
+    t13 = torch.exp(F - F.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = t10 * A14
     t16 = (1/L) * t15
@@ -5763,9 +11625,11 @@ def ce_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     M_3 = oe.contract('abc,adc,ace->adbe', t0, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t26 = (n_batch**(-2)) * oe.contract('abc,dbc->', t25, t25, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t25, t1, t0, M_3, X, W_Q, optimize=[(1, 5), (3, 4), (2, 3), (1, 2), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgi,fgi,ij,fgjc,fgk,kd->', t25, t1, M_2, X, W_V, t10, A14, t19, M_2, X, W_Q, optimize=[(0, 3), (6, 9), (3, 4), (0, 5), (2, 4), (3, 5), (2, 3), (0, 3), (0, 2), (0, 1)]) + (-2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgi,fgi,fgj,jk,fgkc,fgl,ld->', t25, t1, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_Q, optimize=[(0, 3), (7, 10), (3, 4), (0, 6), (2, 3), (3, 6), (2, 4), (0, 4), (0, 3), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t1, t0, M_3, X, W_Q, t1, t0, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkm,jkm,mn,jknf,jko,oh->', t1, t0, M_3, X, W_Q, t1, M_2, X, W_V, t10, A14, t19, M_2, X, W_Q, optimize=[(9, 10), (0, 2), (1, 2), (1, 2), (0, 1), (1, 2), (1, 2), (0, 4), (0, 4), (4, 5), (0, 4), (1, 3), (0, 1), (0, 1)]) + (-2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkm,jkm,jkn,no,jkof,jkp,ph->', t1, t0, M_3, X, W_Q, t1, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_Q, optimize=[(9, 10), (0, 2), (1, 2), (1, 2), (0, 1), (1, 2), (1, 9), (1, 2), (0, 1), (2, 6), (0, 3), (3, 4), (1, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnol,mnf,op,mnp,mnp,pq,mnqi,mnr,rk->', t1, M_2, X, W_V, t10, A14, t19, M_2, X, W_Q, t1, M_2, X, W_V, t10, A14, t19, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (2, 3), (2, 3), (0, 2), (2, 3), (2, 3), (0, 4), (1, 3), (7, 8), (0, 3), (0, 3), (4, 5), (3, 4), (1, 3), (0, 1), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnol,mnf,op,mnp,mnp,mnq,qr,mnri,mns,sk->', t1, M_2, X, W_V, t10, A14, t19, M_2, X, W_Q, t1, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (2, 3), (2, 3), (0, 2), (2, 3), (2, 12), (2, 3), (1, 3), (5, 9), (0, 2), (0, 1), (5, 6), (0, 3), (0, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl,am,nopm,nof,pq,noq,noq,nor,rs,nosj,not,tl->', t1, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_Q, t1, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_Q, optimize=[(4, 5), (13, 14), (0, 1), (2, 3), (2, 17), (2, 3), (2, 3), (0, 2), (2, 3), (2, 12), (2, 3), (0, 2), (2, 9), (0, 1), (2, 7), (0, 3), (1, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t27 = torch.sqrt(torch.clamp(t26, min=0.0))
-    return t27
+    t26 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A27 = t26 / t26.sum(-1, keepdim=True)
+    t28 = (n_batch**(-2)) * oe.contract('abc,dbc->', t25, t25, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t25, t1, t0, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgi,fgi,ij,fgjc,fgk,kd->', t25, t1, M_2, X, W_V, t10, A27, t19, M_2, X, W_Q, optimize=[(5, 6), (0, 3), (4, 8), (0, 1), (2, 3), (4, 5), (1, 3), (1, 3), (0, 1), (0, 1)]) + (-2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgi,fgi,fgj,jk,fgkc,fgl,ld->', t25, t1, M_2, X, W_V, t10, A27, A27, t19, M_2, X, W_Q, optimize=[(5, 6), (0, 3), (5, 9), (0, 1), (1, 2), (4, 6), (1, 2), (2, 4), (0, 1), (1, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t1, t0, M_3, X, W_Q, t1, t0, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkm,jkm,mn,jknf,jko,oh->', t1, t0, M_3, X, W_Q, t1, M_2, X, W_V, t10, A27, t19, M_2, X, W_Q, optimize=[(9, 10), (0, 2), (1, 2), (1, 2), (0, 1), (1, 2), (1, 2), (0, 4), (0, 4), (4, 5), (0, 4), (1, 3), (0, 1), (0, 1)]) + (-2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkm,jkm,jkn,no,jkof,jkp,ph->', t1, t0, M_3, X, W_Q, t1, M_2, X, W_V, t10, A27, A27, t19, M_2, X, W_Q, optimize=[(9, 10), (0, 2), (1, 2), (1, 2), (0, 1), (1, 2), (1, 9), (1, 2), (0, 1), (2, 6), (0, 3), (3, 4), (1, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnol,mnf,op,mnp,mnp,pq,mnqi,mnr,rk->', t1, M_2, X, W_V, t10, A27, t19, M_2, X, W_Q, t1, M_2, X, W_V, t10, A27, t19, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (2, 3), (2, 3), (0, 2), (2, 3), (2, 3), (0, 4), (1, 3), (7, 8), (0, 3), (0, 3), (4, 5), (3, 4), (1, 3), (0, 1), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnol,mnf,op,mnp,mnp,mnq,qr,mnri,mns,sk->', t1, M_2, X, W_V, t10, A27, t19, M_2, X, W_Q, t1, M_2, X, W_V, t10, A27, A27, t19, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (2, 3), (2, 3), (0, 2), (2, 3), (2, 12), (2, 3), (1, 3), (5, 9), (0, 2), (0, 1), (5, 6), (0, 3), (0, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl,am,nopm,nof,pq,noq,noq,nor,rs,nosj,not,tl->', t1, M_2, X, W_V, t10, A27, A27, t19, M_2, X, W_Q, t1, M_2, X, W_V, t10, A27, A27, t19, M_2, X, W_Q, optimize=[(4, 5), (13, 14), (0, 1), (2, 3), (2, 17), (2, 3), (2, 3), (0, 2), (2, 3), (2, 12), (2, 3), (0, 2), (2, 9), (0, 1), (2, 7), (0, 3), (1, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
+    t29 = torch.sqrt(torch.clamp(t28, min=0.0))
+    return t29
 
 
 def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -5796,12 +11660,15 @@ def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
     A15 = t14 / t14.sum(-1, keepdim=True)
     t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t1, M_2, X, W_V, t11, A15, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t1, M_2, X, W_V, t11, A15, A15, M_1, optimize=[(4, 5), (1, 3), (4, 5), (0, 4), (0, 1), (0, 1), (0, 1)])
-    t16 = t11 * A15
-    t17 = (1/L) * t16
-    t18 = (-1/L) * Y
-    t19 = t17 + t18
-    G = t19
+    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t1, M_2, X, W_V, t11, A15, A15, M_1, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
+    F = t13
+    t16 = torch.exp(F - F.amax(-1, keepdim=True))
+    A17 = t16 / t16.sum(-1, keepdim=True)
+    t18 = t11 * A17
+    t19 = (1/L) * t18
+    t20 = (-1/L) * Y
+    t21 = t19 + t20
+    G = t21
     t0 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t1, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
     return out
 
@@ -5831,14 +11698,17 @@ def ce_causal1__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t12 = M_1 @ W_V
     t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
-    t15 = t10 * A14
-    t16 = (1/L) * t15
-    t17 = (-1/L) * Y
-    t18 = t16 + t17
-    G = t18
-    t19 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,ai,jkli,jkf,lg,jkg,jkg,jkh->', t0, M_2, X, W_V, t10, A14, M_1, t0, M_2, X, W_V, t10, A14, M_1, optimize=[(4, 5), (9, 10), (0, 5), (1, 5), (2, 5), (7, 8), (0, 1), (2, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,ai,jkli,jkf,lm,jkm,jkm,jkg,jkh->', t0, M_2, X, W_V, t10, A14, M_1, t0, M_2, X, W_V, t10, A14, A14, M_1, optimize=[(4, 5), (9, 10), (0, 1), (3, 4), (0, 3), (1, 4), (7, 8), (1, 4), (4, 6), (0, 3), (1, 4), (0, 3), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,ai,jkhi,jkf,jkg->', t0, M_2, X, W_V, t10, A14, M_1, t0, M_2, X, G, optimize=[(4, 5), (0, 5), (1, 5), (0, 1), (3, 6), (0, 1), (2, 4), (1, 2), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi,aj,klmj,klf,mn,kln,kln,klh,kli->', t0, M_2, X, W_V, t10, A14, A14, M_1, t0, M_2, X, W_V, t10, A14, A14, M_1, optimize=[(4, 5), (10, 11), (0, 1), (4, 5), (0, 4), (1, 4), (8, 9), (1, 3), (6, 7), (0, 2), (2, 5), (0, 1), (0, 3), (0, 2), (0, 1)]) + (-2/(L*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi,aj,klij,klf,klh->', t0, M_2, X, W_V, t10, A14, A14, M_1, t0, M_2, X, G, optimize=[(4, 5), (0, 6), (1, 6), (2, 5), (6, 7), (1, 4), (4, 5), (0, 4), (0, 1), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
-    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
-    return t20
+    F = t12
+    t15 = torch.exp(F - F.amax(-1, keepdim=True))
+    A16 = t15 / t15.sum(-1, keepdim=True)
+    t17 = t10 * A16
+    t18 = (1/L) * t17
+    t19 = (-1/L) * Y
+    t20 = t18 + t19
+    G = t20
+    t21 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,ai,jkli,jkf,lg,jkg,jkg,jkh->', t0, M_2, X, W_V, t10, A14, M_1, t0, M_2, X, W_V, t10, A14, M_1, optimize=[(4, 5), (9, 10), (0, 1), (3, 4), (0, 3), (1, 3), (6, 7), (0, 4), (0, 3), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,ai,jkli,jkf,lm,jkm,jkm,jkg,jkh->', t0, M_2, X, W_V, t10, A14, M_1, t0, M_2, X, W_V, t10, A14, A14, M_1, optimize=[(4, 5), (9, 10), (0, 1), (3, 4), (0, 3), (1, 4), (7, 8), (1, 4), (4, 6), (0, 3), (1, 4), (0, 3), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,ai,jkhi,jkf,jkg->', t0, M_2, X, W_V, t10, A14, M_1, t0, M_2, X, G, optimize=[(4, 5), (0, 1), (2, 4), (0, 3), (0, 4), (0, 3), (3, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi,aj,klmj,klf,mn,kln,kln,klh,kli->', t0, M_2, X, W_V, t10, A14, A14, M_1, t0, M_2, X, W_V, t10, A14, A14, M_1, optimize=[(4, 5), (10, 11), (0, 1), (4, 5), (0, 4), (1, 4), (8, 9), (1, 3), (6, 7), (0, 2), (2, 5), (0, 1), (0, 3), (0, 2), (0, 1)]) + (-2/(L*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi,aj,klij,klf,klh->', t0, M_2, X, W_V, t10, A14, A14, M_1, t0, M_2, X, G, optimize=[(4, 5), (0, 1), (3, 5), (0, 4), (1, 3), (5, 6), (4, 5), (0, 2), (1, 3), (0, 1), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 1), (2, 3), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
+    return t22
 
 
 def ce_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -5865,7 +11735,8 @@ def ce_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t13 = A @ X
     M_1 = t13
     t14 = M_1 @ W_V
-    t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
+    F = t14
+    t15 = torch.exp(F - F.amax(-1, keepdim=True))
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = t12 * A16
     t18 = (1/L) * t17
@@ -5882,8 +11753,10 @@ def ce_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->ea', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhf,cdi,ia->fa', t1, M_2, X, W_V, t12, A16, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (4, 5), (5, 6), (0, 1), (2, 4), (0, 1), (1, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdif,cdj,ja->fa', t1, M_2, X, W_V, t12, A16, A16, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (2, 3), (2, 7), (0, 6), (1, 2), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t26 = torch.exp(t14 - t14.amax(-1, keepdim=True))
+    A27 = t26 / t26.sum(-1, keepdim=True)
+    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhf,cdi,ia->fa', t1, M_2, X, W_V, t12, A27, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (4, 5), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdif,cdj,ja->fa', t1, M_2, X, W_V, t12, A27, A27, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -5909,7 +11782,8 @@ def ce_causal1__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     t12 = A @ X
     M_1 = t12
     t13 = M_1 @ W_V
-    t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    F = t13
+    t14 = torch.exp(F - F.amax(-1, keepdim=True))
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = t11 * A15
     t17 = (1/L) * t16
@@ -5925,7 +11799,9 @@ def ce_causal1__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     M_3 = oe.contract('abc,adc,ace->adbe', t1, t24, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t24, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t24, X, optimize=[(0, 1), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    return (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->', t0, t1, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)]) + (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhf,cdi,ia->', t0, M_2, X, W_V, t11, A15, t20, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 3), (2, 3), (3, 5), (0, 3), (0, 3), (0, 2), (0, 1)]) + (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdif,cdj,ja->', t0, M_2, X, W_V, t11, A15, A15, t20, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 4), (1, 2), (5, 6), (0, 5), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t25 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    A26 = t25 / t25.sum(-1, keepdim=True)
+    return (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->', t0, t1, M_3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)]) + (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhf,cdi,ia->', t0, M_2, X, W_V, t11, A26, t20, M_2, X, W_Q, optimize=[(4, 5), (1, 5), (0, 1), (2, 3), (4, 5), (0, 3), (0, 3), (0, 2), (0, 1)]) + (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdif,cdj,ja->', t0, M_2, X, W_V, t11, A26, A26, t20, M_2, X, W_Q, optimize=[(4, 5), (1, 6), (0, 1), (1, 2), (4, 6), (1, 2), (2, 4), (0, 1), (0, 2), (0, 1)])
 
 
 def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -5953,7 +11829,8 @@ def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t13 = A @ X
     M_1 = t13
     t14 = M_1 @ W_V
-    t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
+    F = t14
+    t15 = torch.exp(F - F.amax(-1, keepdim=True))
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = t12 * A16
     t18 = (1/L) * t17
@@ -5976,8 +11853,10 @@ def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t0 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t30, t2, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t30, M_2, X, W_V, t12, A16, t21, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (4, 6), (0, 1), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t30, M_2, X, W_V, t12, A16, A16, t21, M_2, X, W_K, optimize=[(4, 5), (0, 2), (2, 3), (2, 7), (3, 6), (0, 1), (1, 4), (0, 1), (0, 1), (0, 1)])
+    t31 = torch.exp(t14 - t14.amax(-1, keepdim=True))
+    A32 = t31 / t31.sum(-1, keepdim=True)
+    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t30, M_2, X, W_V, t12, A32, t21, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t30, M_2, X, W_V, t12, A32, A32, t21, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -6002,7 +11881,8 @@ def ce_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t11 = A @ X
     M_1 = t11
     t12 = M_1 @ W_V
-    t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    F = t12
+    t13 = torch.exp(F - F.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = t10 * A14
     t16 = (1/L) * t15
@@ -6022,9 +11902,11 @@ def ce_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     M_3 = oe.contract('abc,adc,ace->adbe', t0, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t28 = (n_batch**(-2)) * oe.contract('abc,dbc->', t26, t26, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t26, t27, t0, M_3, X, W_K, optimize=[(1, 2), (3, 4), (1, 3), (1, 2), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgi,fgi,ij,fgjk,fgc,kd->', t26, t27, M_2, X, W_V, t10, A14, t19, M_2, X, W_K, optimize=[(0, 9), (1, 9), (3, 4), (0, 1), (0, 4), (3, 5), (2, 3), (1, 3), (0, 2), (0, 1)]) + (-2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgi,fgi,fgj,jk,fgkl,fgc,ld->', t26, t27, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_K, optimize=[(0, 10), (1, 10), (3, 4), (0, 1), (0, 5), (4, 6), (0, 1), (0, 4), (2, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t27, t0, M_3, X, W_K, t27, t0, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkm,jkm,mn,jkno,jkg,oh->', t27, t0, M_3, X, W_K, t27, M_2, X, W_V, t10, A14, t19, M_2, X, W_K, optimize=[(9, 10), (0, 1), (0, 2), (1, 3), (1, 2), (1, 2), (0, 1), (0, 3), (1, 2), (3, 5), (0, 1), (0, 3), (0, 2), (0, 1)]) + (-2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkm,jkm,jkn,no,jkop,jkg,ph->', t27, t0, M_3, X, W_K, t27, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_K, optimize=[(9, 10), (0, 1), (0, 2), (1, 3), (1, 2), (6, 10), (1, 2), (1, 8), (0, 1), (0, 2), (0, 1), (2, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnof,mnl,op,mnp,mnp,pq,mnqr,mnj,rk->', t27, M_2, X, W_V, t10, A14, t19, M_2, X, W_K, t27, M_2, X, W_V, t10, A14, t19, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (2, 4), (2, 3), (2, 3), (0, 2), (0, 1), (0, 3), (2, 8), (1, 2), (3, 6), (0, 1), (0, 4), (0, 1), (1, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnof,mnl,op,mnp,mnp,mnq,qr,mnrs,mnj,sk->', t27, M_2, X, W_V, t10, A14, t19, M_2, X, W_K, t27, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (2, 4), (2, 3), (8, 13), (2, 3), (2, 11), (0, 2), (0, 1), (0, 2), (1, 7), (0, 1), (2, 5), (0, 3), (2, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl,am,nopf,nom,pq,noq,noq,nor,rs,nost,nok,tl->', t27, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_K, t27, M_2, X, W_V, t10, A14, A14, t19, M_2, X, W_K, optimize=[(4, 5), (13, 14), (0, 2), (0, 1), (14, 17), (0, 1), (0, 15), (2, 4), (2, 3), (7, 12), (2, 3), (2, 10), (0, 2), (0, 1), (0, 3), (4, 6), (0, 2), (3, 4), (0, 2), (0, 2), (0, 1)])
-    t29 = torch.sqrt(torch.clamp(t28, min=0.0))
-    return t29
+    t28 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A29 = t28 / t28.sum(-1, keepdim=True)
+    t30 = (n_batch**(-2)) * oe.contract('abc,dbc->', t26, t26, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t26, t27, t0, M_3, X, W_K, optimize=[(0, 3), (2, 4), (0, 1), (0, 2), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgi,fgi,ij,fgjk,fgc,kd->', t26, t27, M_2, X, W_V, t10, A29, t19, M_2, X, W_K, optimize=[(5, 6), (0, 2), (5, 8), (0, 1), (1, 2), (0, 3), (1, 4), (2, 3), (0, 1), (0, 1)]) + (-2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgi,fgi,fgj,jk,fgkl,fgc,ld->', t26, t27, M_2, X, W_V, t10, A29, A29, t19, M_2, X, W_K, optimize=[(5, 6), (0, 2), (6, 9), (0, 1), (1, 2), (1, 6), (0, 2), (1, 4), (0, 1), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t27, t0, M_3, X, W_K, t27, t0, M_3, X, W_K, optimize=[(0, 1), (0, 2), (1, 2), (0, 2), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkm,jkm,mn,jkno,jkg,oh->', t27, t0, M_3, X, W_K, t27, M_2, X, W_V, t10, A29, t19, M_2, X, W_K, optimize=[(9, 10), (0, 1), (0, 2), (1, 3), (1, 2), (1, 2), (0, 1), (0, 3), (1, 2), (3, 5), (0, 1), (0, 3), (0, 2), (0, 1)]) + (-2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkm,jkm,jkn,no,jkop,jkg,ph->', t27, t0, M_3, X, W_K, t27, M_2, X, W_V, t10, A29, A29, t19, M_2, X, W_K, optimize=[(9, 10), (0, 1), (0, 2), (1, 3), (1, 2), (6, 10), (1, 2), (1, 8), (0, 1), (0, 2), (0, 1), (2, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnof,mnl,op,mnp,mnp,pq,mnqr,mnj,rk->', t27, M_2, X, W_V, t10, A29, t19, M_2, X, W_K, t27, M_2, X, W_V, t10, A29, t19, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (2, 4), (2, 3), (2, 3), (0, 2), (0, 1), (0, 3), (2, 8), (1, 2), (3, 6), (0, 1), (0, 4), (0, 1), (1, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnof,mnl,op,mnp,mnp,mnq,qr,mnrs,mnj,sk->', t27, M_2, X, W_V, t10, A29, t19, M_2, X, W_K, t27, M_2, X, W_V, t10, A29, A29, t19, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (2, 4), (2, 3), (8, 13), (2, 3), (2, 11), (0, 2), (0, 1), (0, 2), (1, 7), (0, 1), (2, 5), (0, 3), (2, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl,am,nopf,nom,pq,noq,noq,nor,rs,nost,nok,tl->', t27, M_2, X, W_V, t10, A29, A29, t19, M_2, X, W_K, t27, M_2, X, W_V, t10, A29, A29, t19, M_2, X, W_K, optimize=[(4, 5), (13, 14), (0, 2), (0, 1), (14, 17), (0, 1), (0, 15), (2, 4), (2, 3), (7, 12), (2, 3), (2, 10), (0, 2), (0, 1), (0, 3), (4, 6), (0, 2), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t31 = torch.sqrt(torch.clamp(t30, min=0.0))
+    return t31
 
 
 def ce_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -6051,7 +11933,8 @@ def ce_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t13 = A @ X
     M_1 = t13
     t14 = M_1 @ W_V
-    t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
+    F = t14
+    t15 = torch.exp(F - F.amax(-1, keepdim=True))
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = t12 * A16
     t18 = (1/L) * t17
@@ -6068,8 +11951,10 @@ def ce_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t1, M_2, X, W_V, t12, A16, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (4, 5), (0, 1), (2, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t1, M_2, X, W_V, t12, A16, A16, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (2, 3), (2, 7), (2, 3), (0, 1), (0, 4), (0, 1), (0, 1), (0, 1)])
+    t26 = torch.exp(t14 - t14.amax(-1, keepdim=True))
+    A27 = t26 / t26.sum(-1, keepdim=True)
+    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t1, M_2, X, W_V, t12, A27, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
+    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t1, M_2, X, W_V, t12, A27, A27, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -6095,7 +11980,8 @@ def ce_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t12 = A @ X
     M_1 = t12
     t13 = M_1 @ W_V
-    t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    F = t13
+    t14 = torch.exp(F - F.amax(-1, keepdim=True))
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = t11 * A15
     t17 = (1/L) * t16
@@ -6111,9 +11997,11 @@ def ce_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     M_3 = oe.contract('abc,adc,ace->adbe', t1, t24, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t24, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t24, X, optimize=[(0, 1), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t25 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 1), (0, 5), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jkle,jki,lm,jkm,jkm,mn,jknf,jko,oh->', t0, t1, M_3, X, W_Q, t0, M_2, X, W_V, t11, A15, t20, M_2, X, W_Q, optimize=[(9, 10), (0, 1), (1, 2), (1, 3), (1, 2), (1, 2), (1, 2), (2, 4), (1, 3), (2, 5), (0, 4), (2, 3), (0, 1), (0, 1)]) + (-2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jkle,jki,lm,jkm,jkm,jkn,no,jkof,jkp,ph->', t0, t1, M_3, X, W_Q, t0, M_2, X, W_V, t11, A15, A15, t20, M_2, X, W_Q, optimize=[(9, 10), (0, 1), (1, 2), (1, 3), (1, 2), (6, 10), (1, 2), (1, 8), (1, 2), (1, 3), (0, 2), (1, 4), (2, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnof,mnl,op,mnp,mnp,pq,mnqi,mnr,rk->', t0, M_2, X, W_V, t11, A15, t20, M_2, X, W_Q, t0, M_2, X, W_V, t11, A15, t20, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (0, 1), (0, 1), (0, 1), (0, 3), (2, 8), (1, 3), (0, 2), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnof,mnl,op,mnp,mnp,mnq,qr,mnri,mns,sk->', t0, M_2, X, W_V, t11, A15, t20, M_2, X, W_Q, t0, M_2, X, W_V, t11, A15, A15, t20, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (0, 1), (6, 12), (0, 1), (0, 10), (0, 1), (0, 2), (1, 7), (0, 2), (0, 3), (3, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl,am,nopf,nom,pq,noq,noq,nor,rs,nosj,not,tl->', t0, M_2, X, W_V, t11, A15, A15, t20, M_2, X, W_Q, t0, M_2, X, W_V, t11, A15, A15, t20, M_2, X, W_Q, optimize=[(4, 5), (13, 14), (0, 2), (0, 1), (14, 17), (0, 1), (0, 15), (0, 1), (0, 2), (0, 1), (5, 11), (0, 1), (0, 9), (0, 1), (0, 4), (0, 3), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t26 = torch.sqrt(torch.clamp(t25, min=0.0))
-    return t26
+    t25 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    A26 = t25 / t25.sum(-1, keepdim=True)
+    t27 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jkle,jki,lm,jkm,jkm,mn,jknf,jko,oh->', t0, t1, M_3, X, W_Q, t0, M_2, X, W_V, t11, A26, t20, M_2, X, W_Q, optimize=[(9, 10), (0, 1), (1, 2), (1, 3), (1, 2), (1, 2), (1, 2), (2, 4), (1, 3), (2, 5), (0, 4), (2, 3), (0, 1), (0, 1)]) + (-2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jkle,jki,lm,jkm,jkm,jkn,no,jkof,jkp,ph->', t0, t1, M_3, X, W_Q, t0, M_2, X, W_V, t11, A26, A26, t20, M_2, X, W_Q, optimize=[(9, 10), (0, 1), (1, 2), (1, 3), (1, 2), (6, 10), (1, 2), (1, 8), (1, 2), (1, 3), (0, 2), (1, 4), (2, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnof,mnl,op,mnp,mnp,pq,mnqi,mnr,rk->', t0, M_2, X, W_V, t11, A26, t20, M_2, X, W_Q, t0, M_2, X, W_V, t11, A26, t20, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (0, 1), (0, 1), (0, 1), (0, 3), (2, 8), (1, 3), (0, 2), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnof,mnl,op,mnp,mnp,mnq,qr,mnri,mns,sk->', t0, M_2, X, W_V, t11, A26, t20, M_2, X, W_Q, t0, M_2, X, W_V, t11, A26, A26, t20, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (0, 1), (6, 12), (0, 1), (0, 10), (0, 1), (0, 2), (1, 7), (0, 2), (0, 3), (3, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl,am,nopf,nom,pq,noq,noq,nor,rs,nosj,not,tl->', t0, M_2, X, W_V, t11, A26, A26, t20, M_2, X, W_Q, t0, M_2, X, W_V, t11, A26, A26, t20, M_2, X, W_Q, optimize=[(4, 5), (13, 14), (0, 2), (0, 1), (14, 17), (0, 1), (0, 15), (0, 1), (0, 2), (0, 1), (5, 11), (0, 1), (0, 9), (0, 1), (0, 4), (0, 3), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t28 = torch.sqrt(torch.clamp(t27, min=0.0))
+    return t28
 
 
 def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -6145,12 +12033,15 @@ def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
     A16 = t15 / t15.sum(-1, keepdim=True)
     t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh->fahg', t1, M_2, X, W_V, t12, A16, M_1, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t1, M_2, X, W_V, t12, A16, A16, M_1, optimize=[(0, 2), (1, 2), (1, 5), (0, 4), (0, 1), (0, 1), (0, 1)])
-    t17 = t12 * A16
-    t18 = (1/L) * t17
-    t19 = (-1/L) * Y
-    t20 = t18 + t19
-    G = t20
+    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t1, M_2, X, W_V, t12, A16, A16, M_1, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    F = t14
+    t17 = torch.exp(F - F.amax(-1, keepdim=True))
+    A18 = t17 / t17.sum(-1, keepdim=True)
+    t19 = t12 * A18
+    t20 = (1/L) * t19
+    t21 = (-1/L) * Y
+    t22 = t20 + t21
+    G = t22
     t0 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t1, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
     return out
 
@@ -6181,14 +12072,17 @@ def ce_causal1__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t13 = M_1 @ W_V
     t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
     A15 = t14 / t14.sum(-1, keepdim=True)
-    t16 = t11 * A15
-    t17 = (1/L) * t16
-    t18 = (-1/L) * Y
-    t19 = t17 + t18
-    G = t19
-    t20 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,ai,jklf,jki,lg,jkg,jkg,jkh->', t0, M_2, X, W_V, t11, A15, M_1, t0, M_2, X, W_V, t11, A15, M_1, optimize=[(4, 5), (9, 10), (0, 2), (2, 7), (2, 4), (6, 8), (6, 7), (0, 1), (2, 5), (0, 1), (2, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,ai,jklf,jki,lm,jkm,jkm,jkg,jkh->', t0, M_2, X, W_V, t11, A15, M_1, t0, M_2, X, W_V, t11, A15, A15, M_1, optimize=[(4, 5), (9, 10), (0, 2), (0, 1), (1, 3), (1, 2), (4, 8), (0, 2), (1, 3), (1, 2), (2, 4), (1, 2), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,ai,jkhf,jki,jkg->', t0, M_2, X, W_V, t11, A15, M_1, t0, M_2, X, G, optimize=[(4, 5), (0, 2), (3, 5), (6, 7), (0, 1), (3, 5), (0, 1), (2, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi,aj,klmf,klj,mn,kln,kln,klh,kli->', t0, M_2, X, W_V, t11, A15, A15, M_1, t0, M_2, X, W_V, t11, A15, A15, M_1, optimize=[(4, 5), (10, 11), (0, 2), (0, 1), (8, 11), (2, 4), (2, 3), (4, 8), (0, 2), (0, 1), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (-2/(L*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi,aj,klif,klj,klh->', t0, M_2, X, W_V, t11, A15, A15, M_1, t0, M_2, X, G, optimize=[(4, 5), (0, 2), (2, 7), (3, 5), (5, 7), (5, 6), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (2, 5), (1, 4), (3, 4), (2, 3), (0, 2), (0, 1)])
-    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
-    return t21
+    F = t13
+    t16 = torch.exp(F - F.amax(-1, keepdim=True))
+    A17 = t16 / t16.sum(-1, keepdim=True)
+    t18 = t11 * A17
+    t19 = (1/L) * t18
+    t20 = (-1/L) * Y
+    t21 = t19 + t20
+    G = t21
+    t22 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,ai,jklf,jki,lg,jkg,jkg,jkh->', t0, M_2, X, W_V, t11, A15, M_1, t0, M_2, X, W_V, t11, A15, M_1, optimize=[(4, 5), (9, 10), (0, 2), (0, 1), (1, 3), (1, 2), (5, 7), (0, 1), (2, 3), (3, 4), (0, 2), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,ai,jklf,jki,lm,jkm,jkm,jkg,jkh->', t0, M_2, X, W_V, t11, A15, M_1, t0, M_2, X, W_V, t11, A15, A15, M_1, optimize=[(4, 5), (9, 10), (0, 2), (0, 1), (1, 3), (1, 2), (4, 8), (0, 2), (1, 3), (1, 2), (2, 4), (1, 2), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,ai,jkhf,jki,jkg->', t0, M_2, X, W_V, t11, A15, M_1, t0, M_2, X, G, optimize=[(4, 5), (0, 2), (0, 1), (0, 2), (5, 6), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi,aj,klmf,klj,mn,kln,kln,klh,kli->', t0, M_2, X, W_V, t11, A15, A15, M_1, t0, M_2, X, W_V, t11, A15, A15, M_1, optimize=[(4, 5), (10, 11), (0, 2), (0, 1), (8, 11), (2, 4), (2, 3), (4, 8), (0, 2), (0, 1), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (-2/(L*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi,aj,klif,klj,klh->', t0, M_2, X, W_V, t11, A15, A15, M_1, t0, M_2, X, G, optimize=[(4, 5), (0, 2), (0, 1), (6, 8), (1, 3), (5, 6), (1, 2), (0, 1), (1, 3), (0, 1), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t23 = torch.sqrt(torch.clamp(t22, min=0.0))
+    return t23
 
 
 def ce_causal1__diag__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -6218,7 +12112,7 @@ def ce_causal1__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
     A16 = t15 / t15.sum(-1, keepdim=True)
     t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,acb->bd', t11, t13, A16, M_1, optimize=[(0, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->bd', t11, t13, A16, A16, M_1, optimize=[(0, 4), (0, 1), (0, 2), (0, 1)])
+    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->bd', t11, t13, A16, A16, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -6246,7 +12140,7 @@ def ce_causal1__trace__W_V__full(X, W_Q, W_K, W_V, Y):
     t13 = M_1 @ W_V
     t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
     A15 = t14 / t14.sum(-1, keepdim=True)
-    return (1/(L*n_batch)) * oe.contract('abc,acd,acd,acb->', t10, t12, A15, M_1, optimize=[(0, 3), (0, 1), (0, 1)]) + (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->', t10, t12, A15, A15, M_1, optimize=[(0, 4), (0, 1), (0, 2), (0, 1)])
+    return (1/(L*n_batch)) * oe.contract('abc,acd,acd,acb->', t10, t12, A15, M_1, optimize=[(0, 3), (0, 1), (0, 1)]) + (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->', t10, t12, A15, A15, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
 
 
 def ce_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -6272,7 +12166,8 @@ def ce_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t12 = A @ X
     M_1 = t12
     t13 = M_1 @ W_V
-    t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    F = t13
+    t14 = torch.exp(F - F.amax(-1, keepdim=True))
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = t2 * A15
     t17 = (1/L) * t16
@@ -6284,9 +12179,11 @@ def ce_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t20, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
     t21 = M_1.transpose(-1, -2)
-    t22 = W_V.transpose(-1, -2)
-    t0 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t21, t2, A15, t22, M_2, X, W_K, optimize=[(1, 2), (0, 3), (0, 1), (1, 3), (0, 2), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t21, t2, A15, A15, t22, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (0, 1), (0, 1), (0, 1)])
+    t22 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    A23 = t22 / t22.sum(-1, keepdim=True)
+    t24 = W_V.transpose(-1, -2)
+    t0 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t21, t2, A23, t24, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t21, t2, A23, A23, t24, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -6311,7 +12208,8 @@ def ce_causal1__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t11 = A @ X
     M_1 = t11
     t12 = M_1 @ W_V
-    t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    F = t12
+    t13 = torch.exp(F - F.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = t1 * A14
     t16 = (1/L) * t15
@@ -6322,10 +12220,12 @@ def ce_causal1__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t20 = M_1.transpose(-1, -2)
-    t21 = W_V.transpose(-1, -2)
-    t22 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t19, M_2, X, W_K, t19, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hdi,hib,hib,bj,hijk,hif,kg->', t19, M_2, X, W_K, t20, t1, A14, t21, M_2, X, W_K, optimize=[(5, 6), (2, 7), (2, 6), (0, 3), (0, 1), (2, 5), (0, 2), (2, 3), (1, 2), (0, 1)]) + (-2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hdi,hib,hib,hij,jk,hikl,hif,lg->', t19, M_2, X, W_K, t20, t1, A14, A14, t21, M_2, X, W_K, optimize=[(5, 6), (2, 8), (2, 7), (3, 4), (3, 7), (5, 6), (0, 3), (2, 4), (0, 1), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,fh,ibj,ijd,ijd,dk,ijkl,ijg,lh->', t20, t1, A14, t21, M_2, X, W_K, t20, t1, A14, t21, M_2, X, W_K, optimize=[(1, 2), (6, 7), (0, 5), (2, 6), (8, 9), (2, 5), (0, 2), (2, 3), (2, 5), (0, 2), (0, 1), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,fh,ibj,ijd,ijd,ijk,kl,ijlm,ijg,mh->', t20, t1, A14, t21, M_2, X, W_K, t20, t1, A14, A14, t21, M_2, X, W_K, optimize=[(1, 2), (6, 7), (1, 2), (0, 3), (2, 3), (2, 9), (0, 2), (5, 7), (0, 1), (2, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi,jbk,jkd,jkd,jkl,lm,jkmn,jkh,ni->', t20, t1, A14, A14, t21, M_2, X, W_K, t20, t1, A14, A14, t21, M_2, X, W_K, optimize=[(1, 2), (7, 8), (1, 2), (1, 12), (0, 3), (2, 3), (2, 9), (0, 2), (5, 7), (0, 1), (0, 1), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t23 = torch.sqrt(torch.clamp(t22, min=0.0))
-    return t23
+    t21 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A22 = t21 / t21.sum(-1, keepdim=True)
+    t23 = W_V.transpose(-1, -2)
+    t24 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t19, M_2, X, W_K, t19, M_2, X, W_K, optimize=[(1, 3), (0, 2), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hdi,hib,hib,bj,hijk,hif,kg->', t19, M_2, X, W_K, t20, t1, A22, t23, M_2, X, W_K, optimize=[(5, 6), (1, 3), (3, 4), (1, 3), (1, 4), (1, 3), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hdi,hib,hib,hij,jk,hikl,hif,lg->', t19, M_2, X, W_K, t20, t1, A22, A22, t23, M_2, X, W_K, optimize=[(5, 6), (1, 3), (3, 4), (3, 8), (1, 3), (0, 3), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,fh,ibj,ijd,ijd,dk,ijkl,ijg,lh->', t20, t1, A22, t23, M_2, X, W_K, t20, t1, A22, t23, M_2, X, W_K, optimize=[(1, 2), (6, 7), (1, 2), (0, 3), (2, 3), (0, 2), (5, 7), (0, 1), (2, 5), (2, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,fh,ibj,ijd,ijd,ijk,kl,ijlm,ijg,mh->', t20, t1, A22, t23, M_2, X, W_K, t20, t1, A22, A22, t23, M_2, X, W_K, optimize=[(1, 2), (6, 7), (1, 2), (0, 3), (2, 3), (2, 9), (0, 2), (5, 7), (0, 1), (2, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi,jbk,jkd,jkd,jkl,lm,jkmn,jkh,ni->', t20, t1, A22, A22, t23, M_2, X, W_K, t20, t1, A22, A22, t23, M_2, X, W_K, optimize=[(1, 2), (7, 8), (1, 2), (1, 12), (0, 3), (2, 3), (2, 9), (0, 2), (5, 7), (0, 1), (0, 1), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
+    return t25
 
 
 def ce_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -6351,7 +12251,8 @@ def ce_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t12 = A @ X
     M_1 = t12
     t13 = M_1 @ W_V
-    t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    F = t13
+    t14 = torch.exp(F - F.amax(-1, keepdim=True))
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = t2 * A15
     t17 = (1/L) * t16
@@ -6363,9 +12264,11 @@ def ce_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t20, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
     t21 = M_1.transpose(-1, -2)
-    t22 = W_V.transpose(-1, -2)
-    t0 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t21, t2, A15, t22, M_2, X, W_Q, optimize=[(1, 2), (3, 4), (0, 4), (0, 1), (0, 2), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t21, t2, A15, A15, t22, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 1), (0, 1), (0, 1)])
+    t22 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    A23 = t22 / t22.sum(-1, keepdim=True)
+    t24 = W_V.transpose(-1, -2)
+    t0 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t21, t2, A23, t24, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t21, t2, A23, A23, t24, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -6390,7 +12293,8 @@ def ce_causal1__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t11 = A @ X
     M_1 = t11
     t12 = M_1 @ W_V
-    t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    F = t12
+    t13 = torch.exp(F - F.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = t1 * A14
     t16 = (1/L) * t15
@@ -6401,10 +12305,12 @@ def ce_causal1__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t20 = M_1.transpose(-1, -2)
-    t21 = W_V.transpose(-1, -2)
-    t22 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t19, M_2, X, W_Q, t19, M_2, X, W_Q, optimize=[(0, 4), (1, 2), (2, 3), (2, 3), (2, 3), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hdi,hib,hib,bj,hije,hik,kg->', t19, M_2, X, W_Q, t20, t1, A14, t21, M_2, X, W_Q, optimize=[(5, 6), (2, 3), (5, 6), (6, 7), (0, 3), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)]) + (-2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hdi,hib,hib,hij,jk,hike,hil,lg->', t19, M_2, X, W_Q, t20, t1, A14, A14, t21, M_2, X, W_Q, optimize=[(5, 6), (2, 3), (3, 4), (3, 8), (3, 4), (4, 6), (0, 3), (3, 4), (0, 1), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,gh,ibj,ijd,ijd,dk,ijkf,ijl,lh->', t20, t1, A14, t21, M_2, X, W_Q, t20, t1, A14, t21, M_2, X, W_Q, optimize=[(1, 2), (6, 7), (0, 5), (2, 3), (4, 5), (7, 8), (6, 7), (0, 1), (2, 5), (0, 1), (2, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,gh,ibj,ijd,ijd,ijk,kl,ijlf,ijm,mh->', t20, t1, A14, t21, M_2, X, W_Q, t20, t1, A14, A14, t21, M_2, X, W_Q, optimize=[(1, 2), (6, 7), (1, 2), (1, 2), (0, 1), (0, 1), (0, 8), (0, 1), (0, 2), (3, 5), (0, 4), (1, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi,jbk,jkd,jkd,jkl,lm,jkmg,jkn,ni->', t20, t1, A14, A14, t21, M_2, X, W_Q, t20, t1, A14, A14, t21, M_2, X, W_Q, optimize=[(1, 2), (7, 8), (1, 2), (1, 12), (1, 2), (0, 1), (0, 1), (0, 8), (0, 1), (0, 1), (2, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t23 = torch.sqrt(torch.clamp(t22, min=0.0))
-    return t23
+    t21 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A22 = t21 / t21.sum(-1, keepdim=True)
+    t23 = W_V.transpose(-1, -2)
+    t24 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t19, M_2, X, W_Q, t19, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hdi,hib,hib,bj,hije,hik,kg->', t19, M_2, X, W_Q, t20, t1, A22, t23, M_2, X, W_Q, optimize=[(5, 6), (2, 3), (1, 2), (2, 7), (2, 3), (1, 4), (2, 3), (0, 2), (0, 2), (0, 1)]) + (-2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hdi,hib,hib,hij,jk,hike,hil,lg->', t19, M_2, X, W_Q, t20, t1, A22, A22, t23, M_2, X, W_Q, optimize=[(5, 6), (2, 3), (1, 2), (3, 8), (1, 2), (5, 6), (1, 2), (0, 1), (1, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,gh,ibj,ijd,ijd,dk,ijkf,ijl,lh->', t20, t1, A22, t23, M_2, X, W_Q, t20, t1, A22, t23, M_2, X, W_Q, optimize=[(1, 2), (6, 7), (1, 2), (1, 2), (0, 1), (0, 1), (4, 7), (0, 1), (0, 4), (0, 4), (1, 3), (0, 1), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,gh,ibj,ijd,ijd,ijk,kl,ijlf,ijm,mh->', t20, t1, A22, t23, M_2, X, W_Q, t20, t1, A22, A22, t23, M_2, X, W_Q, optimize=[(1, 2), (6, 7), (1, 2), (1, 2), (0, 1), (0, 1), (0, 8), (0, 1), (0, 2), (3, 5), (0, 4), (1, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi,jbk,jkd,jkd,jkl,lm,jkmg,jkn,ni->', t20, t1, A22, A22, t23, M_2, X, W_Q, t20, t1, A22, A22, t23, M_2, X, W_Q, optimize=[(1, 2), (7, 8), (1, 2), (1, 12), (1, 2), (0, 1), (0, 1), (0, 8), (0, 1), (0, 1), (2, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
+    return t25
 
 
 def ce_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -6469,5791 +12375,7 @@ def ce_causal1__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     return t17
 
 
-def mse_causal0__loss(X, W_Q, W_K, W_V, Y):
-    """The loss, batch mean."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = W_K.transpose(-1, -2)
-    t1 = X.transpose(-1, -2)
-    t2 = t0 @ t1
-    t3 = W_Q @ t2
-    t4 = X @ t3
-    t5 = (1/math.sqrt(d_K)) * t4
-    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
-    A = t6 / t6.sum(-1, keepdim=True)
-    t7 = X @ W_V
-    t8 = A @ t7
-    t9 = -Y
-    t10 = t8 + t9
-    t11 = t10 * t10
-    t12 = t11.sum(-1, keepdim=True)
-    t13 = t12.sum(-2, keepdim=True)
-    t14 = (1/(L*d_V)) * t13
-    return t14.mean(0)[0, 0]
-
-
-def mse_causal0__gradient(X, W_Q, W_K, W_V, Y):
-    """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = X.transpose(-1, -2)
-    t1 = W_K.transpose(-1, -2)
-    t2 = t1 @ t0
-    t3 = W_Q @ t2
-    t4 = X @ t3
-    t5 = (1/math.sqrt(d_K)) * t4
-    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
-    A = t6 / t6.sum(-1, keepdim=True)
-    t7 = X @ W_V
-    t8 = A @ t7
-    t9 = -Y
-    t10 = t8 + t9
-    t11 = (2/(L*d_V)) * t10
-    G = t11
-    t12 = W_V.transpose(-1, -2)
-    t13 = t12 @ t0
-    t14 = G @ t13
-    t15 = t14 - (A * t14).sum(-1, keepdim=True)
-    t16 = A * t15
-    t17 = X @ W_K
-    t18 = t16 @ t17
-    t19 = t0 @ t18
-    t20 = (1/math.sqrt(d_K)) * t19
-    t21 = t16.transpose(-1, -2)
-    t22 = X @ W_Q
-    t23 = t21 @ t22
-    t24 = t0 @ t23
-    t25 = (1/math.sqrt(d_K)) * t24
-    t26 = A.transpose(-1, -2)
-    t27 = t26 @ G
-    t28 = t0 @ t27
-    return (t20.mean(0), t25.mean(0), t28.mean(0),)
-
-
-def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
-    """The full outer Hessian, parameters in declared order W_Q, W_K, W_V."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    H = torch.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype, device=X.device)
-    t0 = H[0:d_K*d_V, 0:d_K*d_V]
-    t1 = t0.view((d_V, d_K, d_V, d_K))
-    t2 = W_K.transpose(-1, -2)
-    t3 = X.transpose(-1, -2)
-    t4 = t2 @ t3
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
-    A = t8 / t8.sum(-1, keepdim=True)
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t9 = W_V.transpose(-1, -2)
-    t10 = W_V @ t9
-    t1[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t2, M_2, X, t10, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t11 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t12 = t11.view((d_V, d_K, d_V, d_K))
-    t12[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t2, M_2, X, t10, M_2, X, W_Q, optimize=[(5, 6), (0, 1), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t13 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t14 = t13.view((d_V, d_K, d_V, d_V))
-    t15 = A @ X
-    M_1 = t15
-    t14[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t2, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t16 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t17 = t16.view((d_V, d_K, d_V, d_K))
-    t18 = W_Q.transpose(-1, -2)
-    t17[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t18, M_2, X, t10, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t19 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t20 = t19.view((d_V, d_K, d_V, d_K))
-    t20[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t18, M_2, X, t10, M_2, X, W_Q, optimize=[(0, 2), (3, 4), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t21 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t22 = t21.view((d_V, d_K, d_V, d_V))
-    t22[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fagh', t18, M_2, X, M_1, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
-    t23 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t24 = t23.view((d_V, d_V, d_V, d_K))
-    t25 = M_1.transpose(-1, -2)
-    t24[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,fh->bdgh', t25, t9, M_2, X, W_K, optimize=[(0, 3), (0, 1), (0, 2), (0, 1)])
-    t26 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t27 = t26.view((d_V, d_V, d_V, d_K))
-    t27[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,gh->bdfh', t25, t9, M_2, X, W_Q, optimize=[(3, 4), (0, 3), (0, 1), (0, 1)])
-    t28 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t28[...] = 0
-    t29 = t28.view((d_V, d_V, d_V, d_V))
-    t30 = t29.diagonal(0, 1, 3)
-    t31 = t25 @ M_1
-    t32 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t30 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bcd', t31, t32, optimize=[(0, 1)])
-    return H
-
-
-def mse_causal0__hvp__outer(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
-    """(Σ_q H_outer(p, q) V_q for p in the parameters): matrix view, no block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = X.transpose(-1, -2)
-    t1 = W_K.transpose(-1, -2)
-    t2 = t1 @ t0
-    t3 = W_Q @ t2
-    t4 = X @ t3
-    t5 = (1/math.sqrt(d_K)) * t4
-    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
-    A = t6 / t6.sum(-1, keepdim=True)
-    t7 = V_W_Q @ t2
-    t8 = X @ t7
-    t9 = V_W_K.transpose(-1, -2)
-    t10 = t9 @ t0
-    t11 = W_Q @ t10
-    t12 = X @ t11
-    t13 = t8 + t12
-    t14 = t13 - (A * t13).sum(-1, keepdim=True)
-    t15 = A * t14
-    t16 = X @ W_V
-    t17 = t15 @ t16
-    t18 = (1/math.sqrt(d_K)) * t17
-    t19 = X @ V_W_V
-    t20 = A @ t19
-    t21 = t18 + t20
-    t22 = W_V.transpose(-1, -2)
-    t23 = t22 @ t0
-    t24 = t21 @ t23
-    t25 = t24 - (A * t24).sum(-1, keepdim=True)
-    t26 = A * t25
-    t27 = X @ W_K
-    t28 = t26 @ t27
-    t29 = t0 @ t28
-    t30 = (2/(L*math.sqrt(d_K)*d_V)) * t29
-    t31 = t26.transpose(-1, -2)
-    t32 = X @ W_Q
-    t33 = t31 @ t32
-    t34 = t0 @ t33
-    t35 = (2/(L*math.sqrt(d_K)*d_V)) * t34
-    t36 = A.transpose(-1, -2)
-    t37 = t36 @ t21
-    t38 = t0 @ t37
-    t39 = (2/(L*d_V)) * t38
-    return (t30.mean(0), t35.mean(0), t39.mean(0),)
-
-
-def mse_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
-    """(‖H_outer(p, q)‖_F for p, q in the parameters, row-major)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = W_K.transpose(-1, -2)
-    t1 = X.transpose(-1, -2)
-    t2 = t0 @ t1
-    t3 = W_Q @ t2
-    t4 = X @ t3
-    t5 = (1/math.sqrt(d_K)) * t4
-    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
-    A = t6 / t6.sum(-1, keepdim=True)
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t7 = W_V.transpose(-1, -2)
-    t8 = W_V @ t7
-    t9 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj,ak,lmnk,lmf,no,lmop,lmi,pj->', t0, M_2, X, t8, M_2, X, W_K, t0, M_2, X, t8, M_2, X, W_K, optimize=[(0, 7), (1, 7), (3, 8), (9, 10), (3, 7), (0, 1), (0, 7), (0, 1), (0, 5), (0, 3), (0, 2), (1, 2), (0, 1)])
-    t10 = torch.sqrt(torch.clamp(t9, min=0.0))
-    t11 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij,ak,lmnk,lmf,no,lmoh,lmp,pj->', t0, M_2, X, t8, M_2, X, W_Q, t0, M_2, X, t8, M_2, X, W_Q, optimize=[(0, 7), (1, 7), (3, 4), (6, 7), (8, 9), (7, 8), (0, 1), (0, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)])
-    t12 = torch.sqrt(torch.clamp(t11, min=0.0))
-    t13 = A @ X
-    M_1 = t13
-    t14 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,eh,ai,jkli,jkf,jkg,lh->', t0, M_2, X, M_1, W_V, t0, M_2, X, M_1, W_V, optimize=[(0, 5), (1, 5), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
-    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
-    t16 = W_Q.transpose(-1, -2)
-    t17 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj,ak,lmnf,lmk,no,lmop,lmi,pj->', t16, M_2, X, t8, M_2, X, W_K, t16, M_2, X, t8, M_2, X, W_K, optimize=[(0, 2), (3, 10), (3, 9), (3, 5), (6, 9), (6, 8), (0, 1), (0, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)])
-    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
-    t19 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij,ak,lmnf,lmk,no,lmoh,lmp,pj->', t16, M_2, X, t8, M_2, X, W_Q, t16, M_2, X, t8, M_2, X, W_Q, optimize=[(0, 2), (3, 4), (3, 5), (6, 7), (6, 8), (6, 7), (6, 7), (0, 1), (0, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
-    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
-    t21 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,eh,ai,jklf,jki,jkg,lh->', t16, M_2, X, M_1, W_V, t16, M_2, X, M_1, W_V, optimize=[(0, 2), (1, 6), (1, 5), (1, 3), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
-    t23 = M_1.transpose(-1, -2)
-    t24 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,fh,ibj,dk,ijkl,ijg,lh->', t23, t7, M_2, X, W_K, t23, t7, M_2, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
-    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
-    t26 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,gh,ibj,dk,ijkf,ijl,lh->', t23, t7, M_2, X, W_Q, t23, t7, M_2, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t27 = torch.sqrt(torch.clamp(t26, min=0.0))
-    t28 = t23 @ M_1
-    t29 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t28, t28, optimize=[(0, 1)])
-    t30 = torch.sqrt(torch.clamp(t29, min=0.0))
-    return (t10, t12, t15, t18, t20, t22, t25, t27, t30,)
-
-
-def mse_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
-    """diag H_outer(W_Q, W_Q) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V,), dtype=X.dtype, device=X.device)
-    t0 = out.view((d_V, d_K))
-    t1 = W_K.transpose(-1, -2)
-    t2 = X.transpose(-1, -2)
-    t3 = t1 @ t2
-    t4 = W_Q @ t3
-    t5 = X @ t4
-    t6 = (1/math.sqrt(d_K)) * t5
-    t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
-    A = t7 / t7.sum(-1, keepdim=True)
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t8 = W_V.transpose(-1, -2)
-    t9 = W_V @ t8
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdf,ha->fa', t1, M_2, X, t9, M_2, X, W_K, optimize=[(2, 5), (0, 4), (0, 1), (0, 3), (1, 2), (0, 1)])
-    return out
-
-
-def mse_causal0__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
-    """tr H_outer(W_Q, W_Q) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = W_K.transpose(-1, -2)
-    t1 = X.transpose(-1, -2)
-    t2 = t0 @ t1
-    t3 = W_Q @ t2
-    t4 = X @ t3
-    t5 = (1/math.sqrt(d_K)) * t4
-    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
-    A = t6 / t6.sum(-1, keepdim=True)
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t7 = W_V.transpose(-1, -2)
-    t8 = W_V @ t7
-    return (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdf,ha->', t0, M_2, X, t8, M_2, X, W_K, optimize=[(2, 5), (0, 4), (0, 3), (0, 1), (1, 2), (0, 1)])
-
-
-def mse_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
-    """H_outer(W_Q, W_Q) as a dense (numel W_Q × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
-    t0 = out.view((d_V, d_K, d_V, d_K))
-    t1 = W_K.transpose(-1, -2)
-    t2 = X.transpose(-1, -2)
-    t3 = t1 @ t2
-    t4 = W_Q @ t3
-    t5 = X @ t4
-    t6 = (1/math.sqrt(d_K)) * t5
-    t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
-    A = t7 / t7.sum(-1, keepdim=True)
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t8 = W_V.transpose(-1, -2)
-    t9 = W_V @ t8
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t1, M_2, X, t9, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
-    return out
-
-
-def mse_causal0__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
-    """‖H_outer(W_Q, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = W_K.transpose(-1, -2)
-    t1 = X.transpose(-1, -2)
-    t2 = t0 @ t1
-    t3 = W_Q @ t2
-    t4 = X @ t3
-    t5 = (1/math.sqrt(d_K)) * t4
-    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
-    A = t6 / t6.sum(-1, keepdim=True)
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t7 = W_V.transpose(-1, -2)
-    t8 = W_V @ t7
-    t9 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj,ak,lmnk,lmf,no,lmop,lmi,pj->', t0, M_2, X, t8, M_2, X, W_K, t0, M_2, X, t8, M_2, X, W_K, optimize=[(0, 7), (1, 7), (3, 8), (9, 10), (3, 7), (0, 1), (0, 7), (0, 1), (0, 5), (0, 3), (0, 2), (1, 2), (0, 1)])
-    t10 = torch.sqrt(torch.clamp(t9, min=0.0))
-    return t10
-
-
-def mse_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
-    """H_outer(W_Q, W_K) as a dense (numel W_Q × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
-    t0 = out.view((d_V, d_K, d_V, d_K))
-    t1 = W_K.transpose(-1, -2)
-    t2 = X.transpose(-1, -2)
-    t3 = t1 @ t2
-    t4 = W_Q @ t3
-    t5 = X @ t4
-    t6 = (1/math.sqrt(d_K)) * t5
-    t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
-    A = t7 / t7.sum(-1, keepdim=True)
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t8 = W_V.transpose(-1, -2)
-    t9 = W_V @ t8
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t1, M_2, X, t9, M_2, X, W_Q, optimize=[(5, 6), (0, 1), (1, 2), (2, 3), (0, 1), (0, 1)])
-    return out
-
-
-def mse_causal0__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
-    """‖H_outer(W_Q, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = W_K.transpose(-1, -2)
-    t1 = X.transpose(-1, -2)
-    t2 = t0 @ t1
-    t3 = W_Q @ t2
-    t4 = X @ t3
-    t5 = (1/math.sqrt(d_K)) * t4
-    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
-    A = t6 / t6.sum(-1, keepdim=True)
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t7 = W_V.transpose(-1, -2)
-    t8 = W_V @ t7
-    t9 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij,ak,lmnk,lmf,no,lmoh,lmp,pj->', t0, M_2, X, t8, M_2, X, W_Q, t0, M_2, X, t8, M_2, X, W_Q, optimize=[(0, 7), (1, 7), (3, 4), (6, 7), (8, 9), (7, 8), (0, 1), (0, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)])
-    t10 = torch.sqrt(torch.clamp(t9, min=0.0))
-    return t10
-
-
-def mse_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
-    """H_outer(W_Q, W_V) as a dense (numel W_Q × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_V**2), dtype=X.dtype, device=X.device)
-    t0 = out.view((d_V, d_K, d_V, d_V))
-    t1 = W_K.transpose(-1, -2)
-    t2 = X.transpose(-1, -2)
-    t3 = t1 @ t2
-    t4 = W_Q @ t3
-    t5 = X @ t4
-    t6 = (1/math.sqrt(d_K)) * t5
-    t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
-    A = t7 / t7.sum(-1, keepdim=True)
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t8 = A @ X
-    M_1 = t8
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t1, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    return out
-
-
-def mse_causal0__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
-    """‖H_outer(W_Q, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = W_K.transpose(-1, -2)
-    t1 = X.transpose(-1, -2)
-    t2 = t0 @ t1
-    t3 = W_Q @ t2
-    t4 = X @ t3
-    t5 = (1/math.sqrt(d_K)) * t4
-    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
-    A = t6 / t6.sum(-1, keepdim=True)
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t7 = A @ X
-    M_1 = t7
-    t8 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,eh,ai,jkli,jkf,jkg,lh->', t0, M_2, X, M_1, W_V, t0, M_2, X, M_1, W_V, optimize=[(0, 5), (1, 5), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
-    t9 = torch.sqrt(torch.clamp(t8, min=0.0))
-    return t9
-
-
-def mse_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
-    """diag H_outer(W_K, W_K) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V,), dtype=X.dtype, device=X.device)
-    t0 = out.view((d_V, d_K))
-    t1 = W_Q.transpose(-1, -2)
-    t2 = X.transpose(-1, -2)
-    t3 = W_K.transpose(-1, -2)
-    t4 = t3 @ t2
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
-    A = t8 / t8.sum(-1, keepdim=True)
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t9 = W_V.transpose(-1, -2)
-    t10 = W_V @ t9
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgf,cdh,ha->fa', t1, M_2, X, t10, M_2, X, W_Q, optimize=[(0, 2), (3, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
-    return out
-
-
-def mse_causal0__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
-    """tr H_outer(W_K, W_K) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = W_Q.transpose(-1, -2)
-    t1 = X.transpose(-1, -2)
-    t2 = W_K.transpose(-1, -2)
-    t3 = t2 @ t1
-    t4 = W_Q @ t3
-    t5 = X @ t4
-    t6 = (1/math.sqrt(d_K)) * t5
-    t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
-    A = t7 / t7.sum(-1, keepdim=True)
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t8 = W_V.transpose(-1, -2)
-    t9 = W_V @ t8
-    return (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgf,cdh,ha->', t0, M_2, X, t9, M_2, X, W_Q, optimize=[(0, 6), (1, 5), (3, 4), (0, 3), (1, 2), (0, 1)])
-
-
-def mse_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
-    """H_outer(W_K, W_Q) as a dense (numel W_K × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
-    t0 = out.view((d_V, d_K, d_V, d_K))
-    t1 = W_Q.transpose(-1, -2)
-    t2 = X.transpose(-1, -2)
-    t3 = W_K.transpose(-1, -2)
-    t4 = t3 @ t2
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
-    A = t8 / t8.sum(-1, keepdim=True)
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t9 = W_V.transpose(-1, -2)
-    t10 = W_V @ t9
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t1, M_2, X, t10, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
-    return out
-
-
-def mse_causal0__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
-    """‖H_outer(W_K, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = W_Q.transpose(-1, -2)
-    t1 = X.transpose(-1, -2)
-    t2 = W_K.transpose(-1, -2)
-    t3 = t2 @ t1
-    t4 = W_Q @ t3
-    t5 = X @ t4
-    t6 = (1/math.sqrt(d_K)) * t5
-    t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
-    A = t7 / t7.sum(-1, keepdim=True)
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t8 = W_V.transpose(-1, -2)
-    t9 = W_V @ t8
-    t10 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj,ak,lmnf,lmk,no,lmop,lmi,pj->', t0, M_2, X, t9, M_2, X, W_K, t0, M_2, X, t9, M_2, X, W_K, optimize=[(0, 2), (3, 10), (3, 9), (3, 5), (6, 9), (6, 8), (0, 1), (0, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)])
-    t11 = torch.sqrt(torch.clamp(t10, min=0.0))
-    return t11
-
-
-def mse_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
-    """H_outer(W_K, W_K) as a dense (numel W_K × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
-    t0 = out.view((d_V, d_K, d_V, d_K))
-    t1 = W_Q.transpose(-1, -2)
-    t2 = X.transpose(-1, -2)
-    t3 = W_K.transpose(-1, -2)
-    t4 = t3 @ t2
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
-    A = t8 / t8.sum(-1, keepdim=True)
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t9 = W_V.transpose(-1, -2)
-    t10 = W_V @ t9
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t1, M_2, X, t10, M_2, X, W_Q, optimize=[(0, 2), (3, 4), (0, 1), (0, 3), (0, 1), (0, 1)])
-    return out
-
-
-def mse_causal0__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
-    """‖H_outer(W_K, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = W_Q.transpose(-1, -2)
-    t1 = X.transpose(-1, -2)
-    t2 = W_K.transpose(-1, -2)
-    t3 = t2 @ t1
-    t4 = W_Q @ t3
-    t5 = X @ t4
-    t6 = (1/math.sqrt(d_K)) * t5
-    t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
-    A = t7 / t7.sum(-1, keepdim=True)
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t8 = W_V.transpose(-1, -2)
-    t9 = W_V @ t8
-    t10 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij,ak,lmnf,lmk,no,lmoh,lmp,pj->', t0, M_2, X, t9, M_2, X, W_Q, t0, M_2, X, t9, M_2, X, W_Q, optimize=[(0, 2), (3, 4), (3, 5), (6, 7), (6, 8), (6, 7), (6, 7), (0, 1), (0, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
-    t11 = torch.sqrt(torch.clamp(t10, min=0.0))
-    return t11
-
-
-def mse_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
-    """H_outer(W_K, W_V) as a dense (numel W_K × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_V**2), dtype=X.dtype, device=X.device)
-    t0 = out.view((d_V, d_K, d_V, d_V))
-    t1 = W_Q.transpose(-1, -2)
-    t2 = X.transpose(-1, -2)
-    t3 = W_K.transpose(-1, -2)
-    t4 = t3 @ t2
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
-    A = t8 / t8.sum(-1, keepdim=True)
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t9 = A @ X
-    M_1 = t9
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fagh', t1, M_2, X, M_1, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
-    return out
-
-
-def mse_causal0__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
-    """‖H_outer(W_K, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = W_Q.transpose(-1, -2)
-    t1 = X.transpose(-1, -2)
-    t2 = W_K.transpose(-1, -2)
-    t3 = t2 @ t1
-    t4 = W_Q @ t3
-    t5 = X @ t4
-    t6 = (1/math.sqrt(d_K)) * t5
-    t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
-    A = t7 / t7.sum(-1, keepdim=True)
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t8 = A @ X
-    M_1 = t8
-    t9 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,eh,ai,jklf,jki,jkg,lh->', t0, M_2, X, M_1, W_V, t0, M_2, X, M_1, W_V, optimize=[(0, 2), (1, 6), (1, 5), (1, 3), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t10 = torch.sqrt(torch.clamp(t9, min=0.0))
-    return t10
-
-
-def mse_causal0__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
-    """diag H_outer(W_V, W_V) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    out = torch.empty((d_V**2,), dtype=X.dtype, device=X.device)
-    t0 = out.view((d_V, d_V))
-    t1 = W_K.transpose(-1, -2)
-    t2 = X.transpose(-1, -2)
-    t3 = t1 @ t2
-    t4 = W_Q @ t3
-    t5 = X @ t4
-    t6 = (1/math.sqrt(d_K)) * t5
-    t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
-    A = t7 / t7.sum(-1, keepdim=True)
-    t8 = A @ X
-    M_1 = t8
-    t9 = M_1.transpose(-1, -2)
-    t10 = t9 @ M_1
-    t11 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abb,c->bc', t10, t11, optimize=[(0, 1)])
-    return out
-
-
-def mse_causal0__trace__W_V__outer(X, W_Q, W_K, W_V, Y):
-    """tr H_outer(W_V, W_V) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = W_K.transpose(-1, -2)
-    t1 = X.transpose(-1, -2)
-    t2 = t0 @ t1
-    t3 = W_Q @ t2
-    t4 = X @ t3
-    t5 = (1/math.sqrt(d_K)) * t4
-    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
-    A = t6 / t6.sum(-1, keepdim=True)
-    t7 = A @ X
-    M_1 = t7
-    t8 = M_1.transpose(-1, -2)
-    t9 = t8 @ M_1
-    return (2/(L*n_batch)) * oe.contract('abb->', t9, optimize=[(0,)])
-
-
-def mse_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
-    """H_outer(W_V, W_Q) as a dense (numel W_V × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_K*d_V), dtype=X.dtype, device=X.device)
-    t0 = out.view((d_V, d_V, d_V, d_K))
-    t1 = W_K.transpose(-1, -2)
-    t2 = X.transpose(-1, -2)
-    t3 = t1 @ t2
-    t4 = W_Q @ t3
-    t5 = X @ t4
-    t6 = (1/math.sqrt(d_K)) * t5
-    t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
-    A = t7 / t7.sum(-1, keepdim=True)
-    t8 = A @ X
-    M_1 = t8
-    t9 = M_1.transpose(-1, -2)
-    t10 = W_V.transpose(-1, -2)
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,fh->bdgh', t9, t10, M_2, X, W_K, optimize=[(0, 3), (0, 1), (0, 2), (0, 1)])
-    return out
-
-
-def mse_causal0__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
-    """‖H_outer(W_V, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = W_K.transpose(-1, -2)
-    t1 = X.transpose(-1, -2)
-    t2 = t0 @ t1
-    t3 = W_Q @ t2
-    t4 = X @ t3
-    t5 = (1/math.sqrt(d_K)) * t4
-    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
-    A = t6 / t6.sum(-1, keepdim=True)
-    t7 = A @ X
-    M_1 = t7
-    t8 = M_1.transpose(-1, -2)
-    t9 = W_V.transpose(-1, -2)
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t10 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,fh,ibj,dk,ijkl,ijg,lh->', t8, t9, M_2, X, W_K, t8, t9, M_2, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
-    t11 = torch.sqrt(torch.clamp(t10, min=0.0))
-    return t11
-
-
-def mse_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
-    """H_outer(W_V, W_K) as a dense (numel W_V × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_K*d_V), dtype=X.dtype, device=X.device)
-    t0 = out.view((d_V, d_V, d_V, d_K))
-    t1 = W_K.transpose(-1, -2)
-    t2 = X.transpose(-1, -2)
-    t3 = t1 @ t2
-    t4 = W_Q @ t3
-    t5 = X @ t4
-    t6 = (1/math.sqrt(d_K)) * t5
-    t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
-    A = t7 / t7.sum(-1, keepdim=True)
-    t8 = A @ X
-    M_1 = t8
-    t9 = M_1.transpose(-1, -2)
-    t10 = W_V.transpose(-1, -2)
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,gh->bdfh', t9, t10, M_2, X, W_Q, optimize=[(3, 4), (0, 3), (0, 1), (0, 1)])
-    return out
-
-
-def mse_causal0__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
-    """‖H_outer(W_V, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = W_K.transpose(-1, -2)
-    t1 = X.transpose(-1, -2)
-    t2 = t0 @ t1
-    t3 = W_Q @ t2
-    t4 = X @ t3
-    t5 = (1/math.sqrt(d_K)) * t4
-    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
-    A = t6 / t6.sum(-1, keepdim=True)
-    t7 = A @ X
-    M_1 = t7
-    t8 = M_1.transpose(-1, -2)
-    t9 = W_V.transpose(-1, -2)
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t10 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,gh,ibj,dk,ijkf,ijl,lh->', t8, t9, M_2, X, W_Q, t8, t9, M_2, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t11 = torch.sqrt(torch.clamp(t10, min=0.0))
-    return t11
-
-
-def mse_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
-    """H_outer(W_V, W_V) as a dense (numel W_V × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
-    out[...] = 0
-    t0 = out.view((d_V, d_V, d_V, d_V))
-    t1 = t0.diagonal(0, 1, 3)
-    t2 = W_K.transpose(-1, -2)
-    t3 = X.transpose(-1, -2)
-    t4 = t2 @ t3
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
-    A = t8 / t8.sum(-1, keepdim=True)
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1.transpose(-1, -2)
-    t11 = t10 @ M_1
-    t12 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t1 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bcd', t11, t12, optimize=[(0, 1)])
-    return out
-
-
-def mse_causal0__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
-    """‖H_outer(W_V, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = W_K.transpose(-1, -2)
-    t1 = X.transpose(-1, -2)
-    t2 = t0 @ t1
-    t3 = W_Q @ t2
-    t4 = X @ t3
-    t5 = (1/math.sqrt(d_K)) * t4
-    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
-    A = t6 / t6.sum(-1, keepdim=True)
-    t7 = A @ X
-    M_1 = t7
-    t8 = M_1.transpose(-1, -2)
-    t9 = t8 @ M_1
-    t10 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t9, t9, optimize=[(0, 1)])
-    t11 = torch.sqrt(torch.clamp(t10, min=0.0))
-    return t11
-
-
-def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
-    """The full functional Hessian, parameters in declared order W_Q, W_K, W_V."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    H = torch.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype, device=X.device)
-    t0 = H[0:d_K*d_V, 0:d_K*d_V]
-    t1 = t0.view((d_V, d_K, d_V, d_K))
-    t2 = W_K.transpose(-1, -2)
-    t3 = X.transpose(-1, -2)
-    t4 = t2 @ t3
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
-    A = t8 / t8.sum(-1, keepdim=True)
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    t11 = -Y
-    t12 = t10 + t11
-    t13 = (2/(L*d_V)) * t12
-    G = t13
-    t14 = W_V.transpose(-1, -2)
-    t15 = t14 @ t3
-    t16 = G @ t15
-    t17 = t16 - (A * t16).sum(-1, keepdim=True)
-    t18 = A * t17
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t3, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t2, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
-    t19 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t19[...] = 0
-    t20 = t19.view((d_V, d_K, d_V, d_K))
-    t21 = t20.diagonal(0, 1, 3)
-    t22 = t18 @ X
-    t23 = t3 @ t22
-    t24 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t21 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t23, t24, optimize=[(0, 1)])
-    t20 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t2, t3, M_3, X, W_Q, optimize=[(3, 4), (0, 2), (0, 1), (0, 1)])
-    t25 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t26 = t25.view((d_V, d_K, d_V, d_V))
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t26[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t2, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
-    t27 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t27[...] = 0
-    t28 = t27.view((d_V, d_K, d_V, d_K))
-    t29 = t28.diagonal(0, 1, 3)
-    t30 = t18.transpose(-1, -2)
-    t31 = t30 @ X
-    t32 = t3 @ t31
-    t29 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t32, t24, optimize=[(0, 1)])
-    t33 = W_Q.transpose(-1, -2)
-    t28 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t33, t3, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
-    t34 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t35 = t34.view((d_V, d_K, d_V, d_K))
-    t35[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t33, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t36 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t37 = t36.view((d_V, d_K, d_V, d_V))
-    t37[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t33, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
-    t38 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t39 = t38.view((d_V, d_V, d_V, d_K))
-    t40 = G.transpose(-1, -2)
-    t39[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t40, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
-    t41 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t42 = t41.view((d_V, d_V, d_V, d_K))
-    t42[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t40, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t43 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t43[...] = 0
-    return H
-
-
-def mse_causal0__hvp__functional(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
-    """(Σ_q H_functional(p, q) V_q for p in the parameters): matrix view, no block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = X.transpose(-1, -2)
-    t1 = W_K.transpose(-1, -2)
-    t2 = t1 @ t0
-    t3 = W_Q @ t2
-    t4 = X @ t3
-    t5 = (1/math.sqrt(d_K)) * t4
-    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
-    A = t6 / t6.sum(-1, keepdim=True)
-    t7 = V_W_Q @ t2
-    t8 = X @ t7
-    t9 = V_W_K.transpose(-1, -2)
-    t10 = t9 @ t0
-    t11 = W_Q @ t10
-    t12 = X @ t11
-    t13 = t8 + t12
-    t14 = X @ W_V
-    t15 = A @ t14
-    t16 = -Y
-    t17 = t15 + t16
-    t18 = (2/(L*d_V)) * t17
-    G = t18
-    t19 = W_V.transpose(-1, -2)
-    t20 = t19 @ t0
-    t21 = G @ t20
-    t22 = t13 - (A * t13).sum(-1, keepdim=True)
-    t23 = t21 - (A * t21).sum(-1, keepdim=True)
-    t24 = A * t22 * t23
-    t25 = t24 - A * t24.sum(-1, keepdim=True)
-    t26 = (1/math.sqrt(d_K)) * t25
-    t27 = V_W_V.transpose(-1, -2)
-    t28 = t27 @ t0
-    t29 = G @ t28
-    t30 = t29 - (A * t29).sum(-1, keepdim=True)
-    t31 = A * t30
-    t32 = t26 + t31
-    t33 = X @ W_K
-    t34 = t32 @ t33
-    t35 = t0 @ t34
-    t36 = A * t23
-    t37 = X @ V_W_K
-    t38 = t36 @ t37
-    t39 = t0 @ t38
-    t40 = t35 + t39
-    t41 = (1/math.sqrt(d_K)) * t40
-    t42 = t25.transpose(-1, -2)
-    t43 = (1/math.sqrt(d_K)) * t42
-    t44 = t31.transpose(-1, -2)
-    t45 = t43 + t44
-    t46 = X @ W_Q
-    t47 = t45 @ t46
-    t48 = t0 @ t47
-    t49 = t36.transpose(-1, -2)
-    t50 = X @ V_W_Q
-    t51 = t49 @ t50
-    t52 = t0 @ t51
-    t53 = t48 + t52
-    t54 = (1/math.sqrt(d_K)) * t53
-    t55 = A * t22
-    t56 = t55.transpose(-1, -2)
-    t57 = t56 @ G
-    t58 = t0 @ t57
-    t59 = (1/math.sqrt(d_K)) * t58
-    return (t41.mean(0), t54.mean(0), t59.mean(0),)
-
-
-def mse_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
-    """(‖H_functional(p, q)‖_F for p, q in the parameters, row-major)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = W_K.transpose(-1, -2)
-    t1 = X.transpose(-1, -2)
-    t2 = t0 @ t1
-    t3 = W_Q @ t2
-    t4 = X @ t3
-    t5 = (1/math.sqrt(d_K)) * t4
-    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
-    A = t6 / t6.sum(-1, keepdim=True)
-    t7 = A @ X
-    M_1 = t7
-    t8 = M_1 @ W_V
-    t9 = -Y
-    t10 = t8 + t9
-    t11 = (2/(L*d_V)) * t10
-    G = t11
-    t12 = W_V.transpose(-1, -2)
-    t13 = t12 @ t1
-    t14 = G @ t13
-    t15 = t14 - (A * t14).sum(-1, keepdim=True)
-    t16 = A * t15
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t16, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t16, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t16, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t17 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
-    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
-    t19 = t16 @ X
-    t20 = t1 @ t19
-    t21 = (n_batch**(-2)) * oe.contract('abc,dbc->', t20, t20, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t20, t0, t1, M_3, X, W_Q, optimize=[(1, 5), (3, 4), (2, 3), (1, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)])
-    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t23 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
-    t24 = torch.sqrt(torch.clamp(t23, min=0.0))
-    t25 = t16.transpose(-1, -2)
-    t26 = t25 @ X
-    t27 = t1 @ t26
-    t28 = W_Q.transpose(-1, -2)
-    t29 = (n_batch**(-2)) * oe.contract('abc,dbc->', t27, t27, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t27, t28, t1, M_3, X, W_K, optimize=[(1, 2), (3, 4), (1, 3), (1, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t28, t1, M_3, X, W_K, t28, t1, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t30 = torch.sqrt(torch.clamp(t29, min=0.0))
-    t31 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t28, t1, M_3, X, W_Q, t28, t1, M_3, X, W_Q, optimize=[(0, 1), (0, 5), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)])
-    t32 = torch.sqrt(torch.clamp(t31, min=0.0))
-    t33 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t28, M_2, X, G, t28, M_2, X, G, optimize=[(0, 4), (2, 5), (1, 4), (3, 4), (2, 3), (0, 2), (0, 1)])
-    t34 = torch.sqrt(torch.clamp(t33, min=0.0))
-    t35 = G.transpose(-1, -2)
-    t36 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t35, M_2, X, W_K, t35, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
-    t37 = torch.sqrt(torch.clamp(t36, min=0.0))
-    t38 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t35, M_2, X, W_Q, t35, M_2, X, W_Q, optimize=[(0, 4), (1, 2), (2, 3), (2, 3), (2, 3), (0, 2), (0, 1)])
-    t39 = torch.sqrt(torch.clamp(t38, min=0.0))
-    return (t18, t22, t24, t30, t32, t34, t37, t39, 0.0,)
-
-
-def mse_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
-    """diag H_functional(W_Q, W_Q) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V,), dtype=X.dtype, device=X.device)
-    t0 = out.view((d_V, d_K))
-    t1 = W_K.transpose(-1, -2)
-    t2 = X.transpose(-1, -2)
-    t3 = t1 @ t2
-    t4 = W_Q @ t3
-    t5 = X @ t4
-    t6 = (1/math.sqrt(d_K)) * t5
-    t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
-    A = t7 / t7.sum(-1, keepdim=True)
-    t8 = A @ X
-    M_1 = t8
-    t9 = M_1 @ W_V
-    t10 = -Y
-    t11 = t9 + t10
-    t12 = (2/(L*d_V)) * t11
-    G = t12
-    t13 = W_V.transpose(-1, -2)
-    t14 = t13 @ t2
-    t15 = G @ t14
-    t16 = t15 - (A * t15).sum(-1, keepdim=True)
-    t17 = A * t16
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->da', t1, t2, M_3, X, W_K, optimize=[(1, 3), (0, 2), (0, 2), (0, 1)])
-    return out
-
-
-def mse_causal0__trace__W_Q__functional(X, W_Q, W_K, W_V, Y):
-    """tr H_functional(W_Q, W_Q) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = W_K.transpose(-1, -2)
-    t1 = X.transpose(-1, -2)
-    t2 = t0 @ t1
-    t3 = W_Q @ t2
-    t4 = X @ t3
-    t5 = (1/math.sqrt(d_K)) * t4
-    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
-    A = t6 / t6.sum(-1, keepdim=True)
-    t7 = A @ X
-    M_1 = t7
-    t8 = M_1 @ W_V
-    t9 = -Y
-    t10 = t8 + t9
-    t11 = (2/(L*d_V)) * t10
-    G = t11
-    t12 = W_V.transpose(-1, -2)
-    t13 = t12 @ t1
-    t14 = G @ t13
-    t15 = t14 - (A * t14).sum(-1, keepdim=True)
-    t16 = A * t15
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t16, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t16, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t16, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    return (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->', t0, t1, M_3, X, W_K, optimize=[(1, 3), (0, 2), (0, 2), (0, 1)])
-
-
-def mse_causal0__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
-    """H_functional(W_Q, W_Q) as a dense (numel W_Q × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
-    t0 = out.view((d_V, d_K, d_V, d_K))
-    t1 = W_K.transpose(-1, -2)
-    t2 = X.transpose(-1, -2)
-    t3 = t1 @ t2
-    t4 = W_Q @ t3
-    t5 = X @ t4
-    t6 = (1/math.sqrt(d_K)) * t5
-    t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
-    A = t7 / t7.sum(-1, keepdim=True)
-    t8 = A @ X
-    M_1 = t8
-    t9 = M_1 @ W_V
-    t10 = -Y
-    t11 = t9 + t10
-    t12 = (2/(L*d_V)) * t11
-    G = t12
-    t13 = W_V.transpose(-1, -2)
-    t14 = t13 @ t2
-    t15 = G @ t14
-    t16 = t15 - (A * t15).sum(-1, keepdim=True)
-    t17 = A * t16
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t1, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
-    return out
-
-
-def mse_causal0__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
-    """‖H_functional(W_Q, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = W_K.transpose(-1, -2)
-    t1 = X.transpose(-1, -2)
-    t2 = t0 @ t1
-    t3 = W_Q @ t2
-    t4 = X @ t3
-    t5 = (1/math.sqrt(d_K)) * t4
-    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
-    A = t6 / t6.sum(-1, keepdim=True)
-    t7 = A @ X
-    M_1 = t7
-    t8 = M_1 @ W_V
-    t9 = -Y
-    t10 = t8 + t9
-    t11 = (2/(L*d_V)) * t10
-    G = t11
-    t12 = W_V.transpose(-1, -2)
-    t13 = t12 @ t1
-    t14 = G @ t13
-    t15 = t14 - (A * t14).sum(-1, keepdim=True)
-    t16 = A * t15
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t16, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t16, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t16, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t17 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
-    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
-    return t18
-
-
-def mse_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
-    """H_functional(W_Q, W_K) as a dense (numel W_Q × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
-    out[...] = 0
-    t0 = out.view((d_V, d_K, d_V, d_K))
-    t1 = t0.diagonal(0, 1, 3)
-    t2 = X.transpose(-1, -2)
-    t3 = W_K.transpose(-1, -2)
-    t4 = t3 @ t2
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
-    A = t8 / t8.sum(-1, keepdim=True)
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    t11 = -Y
-    t12 = t10 + t11
-    t13 = (2/(L*d_V)) * t12
-    G = t13
-    t14 = W_V.transpose(-1, -2)
-    t15 = t14 @ t2
-    t16 = G @ t15
-    t17 = t16 - (A * t16).sum(-1, keepdim=True)
-    t18 = A * t17
-    t19 = t18 @ X
-    t20 = t2 @ t19
-    t21 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t20, t21, optimize=[(0, 1)])
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t3, t2, M_3, X, W_Q, optimize=[(3, 4), (0, 2), (0, 1), (0, 1)])
-    return out
-
-
-def mse_causal0__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
-    """‖H_functional(W_Q, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = X.transpose(-1, -2)
-    t1 = W_K.transpose(-1, -2)
-    t2 = t1 @ t0
-    t3 = W_Q @ t2
-    t4 = X @ t3
-    t5 = (1/math.sqrt(d_K)) * t4
-    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
-    A = t6 / t6.sum(-1, keepdim=True)
-    t7 = A @ X
-    M_1 = t7
-    t8 = M_1 @ W_V
-    t9 = -Y
-    t10 = t8 + t9
-    t11 = (2/(L*d_V)) * t10
-    G = t11
-    t12 = W_V.transpose(-1, -2)
-    t13 = t12 @ t0
-    t14 = G @ t13
-    t15 = t14 - (A * t14).sum(-1, keepdim=True)
-    t16 = A * t15
-    t17 = t16 @ X
-    t18 = t0 @ t17
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t0, t16, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t16, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t16, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t19 = (n_batch**(-2)) * oe.contract('abc,dbc->', t18, t18, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t18, t1, t0, M_3, X, W_Q, optimize=[(1, 5), (3, 4), (2, 3), (1, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t1, t0, M_3, X, W_Q, t1, t0, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)])
-    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
-    return t20
-
-
-def mse_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
-    """H_functional(W_Q, W_V) as a dense (numel W_Q × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_V**2), dtype=X.dtype, device=X.device)
-    t0 = out.view((d_V, d_K, d_V, d_V))
-    t1 = W_K.transpose(-1, -2)
-    t2 = X.transpose(-1, -2)
-    t3 = t1 @ t2
-    t4 = W_Q @ t3
-    t5 = X @ t4
-    t6 = (1/math.sqrt(d_K)) * t5
-    t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
-    A = t7 / t7.sum(-1, keepdim=True)
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t8 = A @ X
-    M_1 = t8
-    t9 = M_1 @ W_V
-    t10 = -Y
-    t11 = t9 + t10
-    t12 = (2/(L*d_V)) * t11
-    G = t12
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t1, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
-    return out
-
-
-def mse_causal0__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
-    """‖H_functional(W_Q, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = W_K.transpose(-1, -2)
-    t1 = X.transpose(-1, -2)
-    t2 = t0 @ t1
-    t3 = W_Q @ t2
-    t4 = X @ t3
-    t5 = (1/math.sqrt(d_K)) * t4
-    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
-    A = t6 / t6.sum(-1, keepdim=True)
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t7 = A @ X
-    M_1 = t7
-    t8 = M_1 @ W_V
-    t9 = -Y
-    t10 = t8 + t9
-    t11 = (2/(L*d_V)) * t10
-    G = t11
-    t12 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
-    t13 = torch.sqrt(torch.clamp(t12, min=0.0))
-    return t13
-
-
-def mse_causal0__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
-    """diag H_functional(W_K, W_K) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V,), dtype=X.dtype, device=X.device)
-    t0 = out.view((d_V, d_K))
-    t1 = W_Q.transpose(-1, -2)
-    t2 = X.transpose(-1, -2)
-    t3 = W_K.transpose(-1, -2)
-    t4 = t3 @ t2
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
-    A = t8 / t8.sum(-1, keepdim=True)
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    t11 = -Y
-    t12 = t10 + t11
-    t13 = (2/(L*d_V)) * t12
-    G = t13
-    t14 = W_V.transpose(-1, -2)
-    t15 = t14 @ t2
-    t16 = G @ t15
-    t17 = t16 - (A * t16).sum(-1, keepdim=True)
-    t18 = A * t17
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->ea', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    return out
-
-
-def mse_causal0__trace__W_K__functional(X, W_Q, W_K, W_V, Y):
-    """tr H_functional(W_K, W_K) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = W_Q.transpose(-1, -2)
-    t1 = X.transpose(-1, -2)
-    t2 = W_K.transpose(-1, -2)
-    t3 = t2 @ t1
-    t4 = W_Q @ t3
-    t5 = X @ t4
-    t6 = (1/math.sqrt(d_K)) * t5
-    t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
-    A = t7 / t7.sum(-1, keepdim=True)
-    t8 = A @ X
-    M_1 = t8
-    t9 = M_1 @ W_V
-    t10 = -Y
-    t11 = t9 + t10
-    t12 = (2/(L*d_V)) * t11
-    G = t12
-    t13 = W_V.transpose(-1, -2)
-    t14 = t13 @ t1
-    t15 = G @ t14
-    t16 = t15 - (A * t15).sum(-1, keepdim=True)
-    t17 = A * t16
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    return (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->', t0, t1, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-
-
-def mse_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
-    """H_functional(W_K, W_Q) as a dense (numel W_K × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
-    out[...] = 0
-    t0 = out.view((d_V, d_K, d_V, d_K))
-    t1 = t0.diagonal(0, 1, 3)
-    t2 = X.transpose(-1, -2)
-    t3 = W_K.transpose(-1, -2)
-    t4 = t3 @ t2
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
-    A = t8 / t8.sum(-1, keepdim=True)
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    t11 = -Y
-    t12 = t10 + t11
-    t13 = (2/(L*d_V)) * t12
-    G = t13
-    t14 = W_V.transpose(-1, -2)
-    t15 = t14 @ t2
-    t16 = G @ t15
-    t17 = t16 - (A * t16).sum(-1, keepdim=True)
-    t18 = A * t17
-    t19 = t18.transpose(-1, -2)
-    t20 = t19 @ X
-    t21 = t2 @ t20
-    t22 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t21, t22, optimize=[(0, 1)])
-    t23 = W_Q.transpose(-1, -2)
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t23, t2, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
-    return out
-
-
-def mse_causal0__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
-    """‖H_functional(W_K, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = X.transpose(-1, -2)
-    t1 = W_K.transpose(-1, -2)
-    t2 = t1 @ t0
-    t3 = W_Q @ t2
-    t4 = X @ t3
-    t5 = (1/math.sqrt(d_K)) * t4
-    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
-    A = t6 / t6.sum(-1, keepdim=True)
-    t7 = A @ X
-    M_1 = t7
-    t8 = M_1 @ W_V
-    t9 = -Y
-    t10 = t8 + t9
-    t11 = (2/(L*d_V)) * t10
-    G = t11
-    t12 = W_V.transpose(-1, -2)
-    t13 = t12 @ t0
-    t14 = G @ t13
-    t15 = t14 - (A * t14).sum(-1, keepdim=True)
-    t16 = A * t15
-    t17 = t16.transpose(-1, -2)
-    t18 = t17 @ X
-    t19 = t0 @ t18
-    t20 = W_Q.transpose(-1, -2)
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t0, t16, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t16, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t16, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t21 = (n_batch**(-2)) * oe.contract('abc,dbc->', t19, t19, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t19, t20, t0, M_3, X, W_K, optimize=[(1, 2), (3, 4), (1, 3), (1, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t20, t0, M_3, X, W_K, t20, t0, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
-    return t22
-
-
-def mse_causal0__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
-    """H_functional(W_K, W_K) as a dense (numel W_K × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
-    t0 = out.view((d_V, d_K, d_V, d_K))
-    t1 = W_Q.transpose(-1, -2)
-    t2 = X.transpose(-1, -2)
-    t3 = W_K.transpose(-1, -2)
-    t4 = t3 @ t2
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
-    A = t8 / t8.sum(-1, keepdim=True)
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    t11 = -Y
-    t12 = t10 + t11
-    t13 = (2/(L*d_V)) * t12
-    G = t13
-    t14 = W_V.transpose(-1, -2)
-    t15 = t14 @ t2
-    t16 = G @ t15
-    t17 = t16 - (A * t16).sum(-1, keepdim=True)
-    t18 = A * t17
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    return out
-
-
-def mse_causal0__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
-    """‖H_functional(W_K, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = W_Q.transpose(-1, -2)
-    t1 = X.transpose(-1, -2)
-    t2 = W_K.transpose(-1, -2)
-    t3 = t2 @ t1
-    t4 = W_Q @ t3
-    t5 = X @ t4
-    t6 = (1/math.sqrt(d_K)) * t5
-    t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
-    A = t7 / t7.sum(-1, keepdim=True)
-    t8 = A @ X
-    M_1 = t8
-    t9 = M_1 @ W_V
-    t10 = -Y
-    t11 = t9 + t10
-    t12 = (2/(L*d_V)) * t11
-    G = t12
-    t13 = W_V.transpose(-1, -2)
-    t14 = t13 @ t1
-    t15 = G @ t14
-    t16 = t15 - (A * t15).sum(-1, keepdim=True)
-    t17 = A * t16
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t18 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 1), (0, 5), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)])
-    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
-    return t19
-
-
-def mse_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
-    """H_functional(W_K, W_V) as a dense (numel W_K × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_V**2), dtype=X.dtype, device=X.device)
-    t0 = out.view((d_V, d_K, d_V, d_V))
-    t1 = W_Q.transpose(-1, -2)
-    t2 = X.transpose(-1, -2)
-    t3 = W_K.transpose(-1, -2)
-    t4 = t3 @ t2
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
-    A = t8 / t8.sum(-1, keepdim=True)
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    t11 = -Y
-    t12 = t10 + t11
-    t13 = (2/(L*d_V)) * t12
-    G = t13
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t1, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
-    return out
-
-
-def mse_causal0__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
-    """‖H_functional(W_K, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = W_Q.transpose(-1, -2)
-    t1 = X.transpose(-1, -2)
-    t2 = W_K.transpose(-1, -2)
-    t3 = t2 @ t1
-    t4 = W_Q @ t3
-    t5 = X @ t4
-    t6 = (1/math.sqrt(d_K)) * t5
-    t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
-    A = t7 / t7.sum(-1, keepdim=True)
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t8 = A @ X
-    M_1 = t8
-    t9 = M_1 @ W_V
-    t10 = -Y
-    t11 = t9 + t10
-    t12 = (2/(L*d_V)) * t11
-    G = t12
-    t13 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (2, 5), (1, 4), (3, 4), (2, 3), (0, 2), (0, 1)])
-    t14 = torch.sqrt(torch.clamp(t13, min=0.0))
-    return t14
-
-
-def mse_causal0__diag__W_V__functional(X, W_Q, W_K, W_V, Y):
-    """diag H_functional(W_V, W_V) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    out = torch.empty((d_V**2,), dtype=X.dtype, device=X.device)
-    out[...] = 0
-    return out
-
-
-def mse_causal0__trace__W_V__functional(X, W_Q, W_K, W_V, Y):
-    """tr H_functional(W_V, W_V) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    return 0.0
-
-
-def mse_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
-    """H_functional(W_V, W_Q) as a dense (numel W_V × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_K*d_V), dtype=X.dtype, device=X.device)
-    t0 = out.view((d_V, d_V, d_V, d_K))
-    t1 = W_K.transpose(-1, -2)
-    t2 = X.transpose(-1, -2)
-    t3 = t1 @ t2
-    t4 = W_Q @ t3
-    t5 = X @ t4
-    t6 = (1/math.sqrt(d_K)) * t5
-    t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
-    A = t7 / t7.sum(-1, keepdim=True)
-    t8 = A @ X
-    M_1 = t8
-    t9 = M_1 @ W_V
-    t10 = -Y
-    t11 = t9 + t10
-    t12 = (2/(L*d_V)) * t11
-    G = t12
-    t13 = G.transpose(-1, -2)
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t13, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
-    return out
-
-
-def mse_causal0__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
-    """‖H_functional(W_V, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = W_K.transpose(-1, -2)
-    t1 = X.transpose(-1, -2)
-    t2 = t0 @ t1
-    t3 = W_Q @ t2
-    t4 = X @ t3
-    t5 = (1/math.sqrt(d_K)) * t4
-    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
-    A = t6 / t6.sum(-1, keepdim=True)
-    t7 = A @ X
-    M_1 = t7
-    t8 = M_1 @ W_V
-    t9 = -Y
-    t10 = t8 + t9
-    t11 = (2/(L*d_V)) * t10
-    G = t11
-    t12 = G.transpose(-1, -2)
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t13 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t12, M_2, X, W_K, t12, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
-    t14 = torch.sqrt(torch.clamp(t13, min=0.0))
-    return t14
-
-
-def mse_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
-    """H_functional(W_V, W_K) as a dense (numel W_V × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_K*d_V), dtype=X.dtype, device=X.device)
-    t0 = out.view((d_V, d_V, d_V, d_K))
-    t1 = W_K.transpose(-1, -2)
-    t2 = X.transpose(-1, -2)
-    t3 = t1 @ t2
-    t4 = W_Q @ t3
-    t5 = X @ t4
-    t6 = (1/math.sqrt(d_K)) * t5
-    t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
-    A = t7 / t7.sum(-1, keepdim=True)
-    t8 = A @ X
-    M_1 = t8
-    t9 = M_1 @ W_V
-    t10 = -Y
-    t11 = t9 + t10
-    t12 = (2/(L*d_V)) * t11
-    G = t12
-    t13 = G.transpose(-1, -2)
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t13, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    return out
-
-
-def mse_causal0__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
-    """‖H_functional(W_V, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = W_K.transpose(-1, -2)
-    t1 = X.transpose(-1, -2)
-    t2 = t0 @ t1
-    t3 = W_Q @ t2
-    t4 = X @ t3
-    t5 = (1/math.sqrt(d_K)) * t4
-    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
-    A = t6 / t6.sum(-1, keepdim=True)
-    t7 = A @ X
-    M_1 = t7
-    t8 = M_1 @ W_V
-    t9 = -Y
-    t10 = t8 + t9
-    t11 = (2/(L*d_V)) * t10
-    G = t11
-    t12 = G.transpose(-1, -2)
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t13 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t12, M_2, X, W_Q, t12, M_2, X, W_Q, optimize=[(0, 4), (1, 2), (2, 3), (2, 3), (2, 3), (0, 2), (0, 1)])
-    t14 = torch.sqrt(torch.clamp(t13, min=0.0))
-    return t14
-
-
-def mse_causal0__block__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
-    """H_functional(W_V, W_V) as a dense (numel W_V × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
-    out[...] = 0
-    return out
-
-
-def mse_causal0__frobenius__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
-    """‖H_functional(W_V, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    return 0.0
-
-
-def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
-    """The full full Hessian, parameters in declared order W_Q, W_K, W_V."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    H = torch.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype, device=X.device)
-    t0 = H[0:d_K*d_V, 0:d_K*d_V]
-    t1 = t0.view((d_V, d_K, d_V, d_K))
-    t2 = W_K.transpose(-1, -2)
-    t3 = X.transpose(-1, -2)
-    t4 = t2 @ t3
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
-    A = t8 / t8.sum(-1, keepdim=True)
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    t11 = -Y
-    t12 = t10 + t11
-    t13 = (2/(L*d_V)) * t12
-    G = t13
-    t14 = W_V.transpose(-1, -2)
-    t15 = t14 @ t3
-    t16 = G @ t15
-    t17 = t16 - (A * t16).sum(-1, keepdim=True)
-    t18 = A * t17
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t3, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t2, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t19 = W_V @ t14
-    t1 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t2, M_2, X, t19, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t20 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t20[...] = 0
-    t21 = t20.view((d_V, d_K, d_V, d_K))
-    t22 = t21.diagonal(0, 1, 3)
-    t23 = t18 @ X
-    t24 = t3 @ t23
-    t25 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t22 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t24, t25, optimize=[(0, 1)])
-    t21 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t2, t3, M_3, X, W_Q, optimize=[(3, 4), (0, 2), (0, 1), (0, 1)])
-    t21 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t2, M_2, X, t19, M_2, X, W_Q, optimize=[(5, 6), (0, 1), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t26 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t27 = t26.view((d_V, d_K, d_V, d_V))
-    t27[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t2, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
-    t27 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t2, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t28 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t28[...] = 0
-    t29 = t28.view((d_V, d_K, d_V, d_K))
-    t30 = t29.diagonal(0, 1, 3)
-    t31 = t18.transpose(-1, -2)
-    t32 = t31 @ X
-    t33 = t3 @ t32
-    t30 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t33, t25, optimize=[(0, 1)])
-    t34 = W_Q.transpose(-1, -2)
-    t29 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t34, t3, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
-    t29 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t34, M_2, X, t19, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t35 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t36 = t35.view((d_V, d_K, d_V, d_K))
-    t36[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t34, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t36 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t34, M_2, X, t19, M_2, X, W_Q, optimize=[(0, 2), (3, 4), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t37 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t38 = t37.view((d_V, d_K, d_V, d_V))
-    t38[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t34, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
-    t38 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fagh', t34, M_2, X, M_1, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
-    t39 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t40 = t39.view((d_V, d_V, d_V, d_K))
-    t41 = G.transpose(-1, -2)
-    t40[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t41, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
-    t42 = M_1.transpose(-1, -2)
-    t40 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,fh->bdgh', t42, t14, M_2, X, W_K, optimize=[(0, 3), (0, 1), (0, 2), (0, 1)])
-    t43 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t44 = t43.view((d_V, d_V, d_V, d_K))
-    t44[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t41, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t44 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,gh->bdfh', t42, t14, M_2, X, W_Q, optimize=[(3, 4), (0, 3), (0, 1), (0, 1)])
-    t45 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t45[...] = 0
-    t46 = t45.view((d_V, d_V, d_V, d_V))
-    t47 = t46.diagonal(0, 1, 3)
-    t48 = t42 @ M_1
-    t49 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t47 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bcd', t48, t49, optimize=[(0, 1)])
-    return H
-
-
-def mse_causal0__hvp__full(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
-    """(Σ_q H_full(p, q) V_q for p in the parameters): matrix view, no block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = X.transpose(-1, -2)
-    t1 = W_K.transpose(-1, -2)
-    t2 = t1 @ t0
-    t3 = W_Q @ t2
-    t4 = X @ t3
-    t5 = (1/math.sqrt(d_K)) * t4
-    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
-    A = t6 / t6.sum(-1, keepdim=True)
-    t7 = V_W_Q @ t2
-    t8 = X @ t7
-    t9 = V_W_K.transpose(-1, -2)
-    t10 = t9 @ t0
-    t11 = W_Q @ t10
-    t12 = X @ t11
-    t13 = t8 + t12
-    t14 = X @ W_V
-    t15 = A @ t14
-    t16 = -Y
-    t17 = t15 + t16
-    t18 = W_V.transpose(-1, -2)
-    t19 = t18 @ t0
-    t20 = t17 @ t19
-    t21 = t13 - (A * t13).sum(-1, keepdim=True)
-    t22 = t20 - (A * t20).sum(-1, keepdim=True)
-    t23 = A * t21 * t22
-    t24 = t23 - A * t23.sum(-1, keepdim=True)
-    t25 = (1/math.sqrt(d_K)) * t24
-    t26 = V_W_V.transpose(-1, -2)
-    t27 = t26 @ t0
-    t28 = t17 @ t27
-    t29 = A * t21
-    t30 = t29 @ t14
-    t31 = (1/math.sqrt(d_K)) * t30
-    t32 = X @ V_W_V
-    t33 = A @ t32
-    t34 = t31 + t33
-    t35 = t34 @ t19
-    t36 = t28 + t35
-    t37 = t36 - (A * t36).sum(-1, keepdim=True)
-    t38 = A * t37
-    t39 = t25 + t38
-    t40 = X @ W_K
-    t41 = t39 @ t40
-    t42 = t0 @ t41
-    t43 = A * t22
-    t44 = X @ V_W_K
-    t45 = t43 @ t44
-    t46 = t0 @ t45
-    t47 = t42 + t46
-    t48 = (2/(L*math.sqrt(d_K)*d_V)) * t47
-    t49 = t24.transpose(-1, -2)
-    t50 = (1/math.sqrt(d_K)) * t49
-    t51 = t38.transpose(-1, -2)
-    t52 = t50 + t51
-    t53 = X @ W_Q
-    t54 = t52 @ t53
-    t55 = t0 @ t54
-    t56 = t43.transpose(-1, -2)
-    t57 = X @ V_W_Q
-    t58 = t56 @ t57
-    t59 = t0 @ t58
-    t60 = t55 + t59
-    t61 = (2/(L*math.sqrt(d_K)*d_V)) * t60
-    t62 = t29.transpose(-1, -2)
-    t63 = t62 @ t17
-    t64 = t0 @ t63
-    t65 = (1/math.sqrt(d_K)) * t64
-    t66 = A.transpose(-1, -2)
-    t67 = t66 @ t34
-    t68 = t0 @ t67
-    t69 = t65 + t68
-    t70 = (2/(L*d_V)) * t69
-    return (t48.mean(0), t61.mean(0), t70.mean(0),)
-
-
-def mse_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
-    """(‖H_full(p, q)‖_F for p, q in the parameters, row-major)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = W_K.transpose(-1, -2)
-    t1 = X.transpose(-1, -2)
-    t2 = t0 @ t1
-    t3 = W_Q @ t2
-    t4 = X @ t3
-    t5 = (1/math.sqrt(d_K)) * t4
-    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
-    A = t6 / t6.sum(-1, keepdim=True)
-    t7 = A @ X
-    M_1 = t7
-    t8 = M_1 @ W_V
-    t9 = -Y
-    t10 = t8 + t9
-    t11 = (2/(L*d_V)) * t10
-    G = t11
-    t12 = W_V.transpose(-1, -2)
-    t13 = t12 @ t1
-    t14 = G @ t13
-    t15 = t14 - (A * t14).sum(-1, keepdim=True)
-    t16 = A * t15
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t16, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t16, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t16, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t17 = W_V @ t12
-    t18 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jkli,jkd,lm,jkmn,jkg,nh->', t0, t1, M_3, X, W_K, t0, M_2, X, t17, M_2, X, W_K, optimize=[(0, 5), (0, 5), (1, 6), (7, 8), (1, 5), (0, 4), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj,ak,lmnk,lmf,no,lmop,lmi,pj->', t0, M_2, X, t17, M_2, X, W_K, t0, M_2, X, t17, M_2, X, W_K, optimize=[(0, 7), (1, 7), (3, 8), (9, 10), (3, 7), (0, 1), (0, 7), (0, 1), (0, 5), (0, 3), (0, 2), (1, 2), (0, 1)])
-    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
-    t20 = t16 @ X
-    t21 = t1 @ t20
-    t22 = (n_batch**(-2)) * oe.contract('abc,dbc->', t21, t21, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t21, t0, t1, M_3, X, W_Q, optimize=[(1, 5), (3, 4), (2, 3), (1, 2), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgic,fgj,jd->', t21, t0, M_2, X, t17, M_2, X, W_Q, optimize=[(0, 3), (3, 6), (0, 4), (1, 3), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkmf,jkn,nh->', t0, t1, M_3, X, W_Q, t0, M_2, X, t17, M_2, X, W_Q, optimize=[(0, 5), (0, 5), (1, 2), (4, 5), (6, 7), (5, 6), (0, 4), (0, 1), (0, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij,ak,lmnk,lmf,no,lmoh,lmp,pj->', t0, M_2, X, t17, M_2, X, W_Q, t0, M_2, X, t17, M_2, X, W_Q, optimize=[(0, 7), (1, 7), (3, 4), (6, 7), (8, 9), (7, 8), (0, 1), (0, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)])
-    t23 = torch.sqrt(torch.clamp(t22, min=0.0))
-    t24 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijkh,ijf,ije,kg->', t0, M_2, X, G, t0, M_2, X, M_1, W_V, optimize=[(0, 4), (1, 4), (1, 4), (0, 2), (2, 4), (0, 1), (1, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,eh,ai,jkli,jkf,jkg,lh->', t0, M_2, X, M_1, W_V, t0, M_2, X, M_1, W_V, optimize=[(0, 5), (1, 5), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
-    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
-    t26 = t16.transpose(-1, -2)
-    t27 = t26 @ X
-    t28 = t1 @ t27
-    t29 = W_Q.transpose(-1, -2)
-    t30 = (n_batch**(-2)) * oe.contract('abc,dbc->', t28, t28, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t28, t29, t1, M_3, X, W_K, optimize=[(1, 2), (3, 4), (1, 3), (1, 2), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgij,fgc,jd->', t28, t29, M_2, X, t17, M_2, X, W_K, optimize=[(0, 6), (1, 6), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t29, t1, M_3, X, W_K, t29, t1, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkmn,jkg,nh->', t29, t1, M_3, X, W_K, t29, M_2, X, t17, M_2, X, W_K, optimize=[(0, 1), (1, 8), (1, 7), (1, 3), (4, 7), (4, 6), (0, 4), (0, 1), (0, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj,ak,lmnf,lmk,no,lmop,lmi,pj->', t29, M_2, X, t17, M_2, X, W_K, t29, M_2, X, t17, M_2, X, W_K, optimize=[(0, 2), (3, 10), (3, 9), (3, 5), (6, 9), (6, 8), (0, 1), (0, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)])
-    t31 = torch.sqrt(torch.clamp(t30, min=0.0))
-    t32 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t29, t1, M_3, X, W_Q, t29, t1, M_3, X, W_Q, optimize=[(0, 1), (0, 5), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jkle,jki,lm,jkmf,jkn,nh->', t29, t1, M_3, X, W_Q, t29, M_2, X, t17, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (1, 3), (4, 5), (4, 6), (4, 5), (4, 5), (1, 2), (1, 3), (0, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij,ak,lmnf,lmk,no,lmoh,lmp,pj->', t29, M_2, X, t17, M_2, X, W_Q, t29, M_2, X, t17, M_2, X, W_Q, optimize=[(0, 2), (3, 4), (3, 5), (6, 7), (6, 8), (6, 7), (6, 7), (0, 1), (0, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
-    t33 = torch.sqrt(torch.clamp(t32, min=0.0))
-    t34 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t29, M_2, X, G, t29, M_2, X, G, optimize=[(0, 4), (2, 5), (1, 4), (3, 4), (2, 3), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijkf,ijh,ije,kg->', t29, M_2, X, G, t29, M_2, X, M_1, W_V, optimize=[(0, 2), (1, 6), (1, 3), (3, 5), (0, 2), (0, 3), (0, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,eh,ai,jklf,jki,jkg,lh->', t29, M_2, X, M_1, W_V, t29, M_2, X, M_1, W_V, optimize=[(0, 2), (1, 6), (1, 5), (1, 3), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t35 = torch.sqrt(torch.clamp(t34, min=0.0))
-    t36 = G.transpose(-1, -2)
-    t37 = M_1.transpose(-1, -2)
-    t38 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t36, M_2, X, W_K, t36, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acde,acf,eg,hdi,bj,hijk,hif,kg->', t36, M_2, X, W_K, t37, t12, M_2, X, W_K, optimize=[(0, 5), (1, 5), (1, 4), (0, 1), (2, 4), (0, 1), (1, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,fh,ibj,dk,ijkl,ijg,lh->', t37, t12, M_2, X, W_K, t37, t12, M_2, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
-    t39 = torch.sqrt(torch.clamp(t38, min=0.0))
-    t40 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t36, M_2, X, W_Q, t36, M_2, X, W_Q, optimize=[(0, 4), (1, 2), (2, 3), (2, 3), (2, 3), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acde,acf,fg,hdi,bj,hije,hik,kg->', t36, M_2, X, W_Q, t37, t12, M_2, X, W_Q, optimize=[(0, 5), (1, 2), (3, 4), (4, 5), (0, 1), (0, 3), (0, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,gh,ibj,dk,ijkf,ijl,lh->', t37, t12, M_2, X, W_Q, t37, t12, M_2, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t41 = torch.sqrt(torch.clamp(t40, min=0.0))
-    t42 = t37 @ M_1
-    t43 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t42, t42, optimize=[(0, 1)])
-    t44 = torch.sqrt(torch.clamp(t43, min=0.0))
-    return (t19, t23, t25, t31, t33, t35, t39, t41, t44,)
-
-
-def mse_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
-    """diag H_full(W_Q, W_Q) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V,), dtype=X.dtype, device=X.device)
-    t0 = out.view((d_V, d_K))
-    t1 = W_K.transpose(-1, -2)
-    t2 = X.transpose(-1, -2)
-    t3 = t1 @ t2
-    t4 = W_Q @ t3
-    t5 = X @ t4
-    t6 = (1/math.sqrt(d_K)) * t5
-    t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
-    A = t7 / t7.sum(-1, keepdim=True)
-    t8 = A @ X
-    M_1 = t8
-    t9 = M_1 @ W_V
-    t10 = -Y
-    t11 = t9 + t10
-    t12 = (2/(L*d_V)) * t11
-    G = t12
-    t13 = W_V.transpose(-1, -2)
-    t14 = t13 @ t2
-    t15 = G @ t14
-    t16 = t15 - (A * t15).sum(-1, keepdim=True)
-    t17 = A * t16
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->da', t1, t2, M_3, X, W_K, optimize=[(1, 3), (0, 2), (0, 2), (0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t18 = W_V @ t13
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdf,ha->fa', t1, M_2, X, t18, M_2, X, W_K, optimize=[(2, 5), (0, 4), (0, 1), (0, 3), (1, 2), (0, 1)])
-    return out
-
-
-def mse_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
-    """tr H_full(W_Q, W_Q) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = W_K.transpose(-1, -2)
-    t1 = X.transpose(-1, -2)
-    t2 = t0 @ t1
-    t3 = W_Q @ t2
-    t4 = X @ t3
-    t5 = (1/math.sqrt(d_K)) * t4
-    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
-    A = t6 / t6.sum(-1, keepdim=True)
-    t7 = A @ X
-    M_1 = t7
-    t8 = M_1 @ W_V
-    t9 = -Y
-    t10 = t8 + t9
-    t11 = (2/(L*d_V)) * t10
-    G = t11
-    t12 = W_V.transpose(-1, -2)
-    t13 = t12 @ t1
-    t14 = G @ t13
-    t15 = t14 - (A * t14).sum(-1, keepdim=True)
-    t16 = A * t15
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t16, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t16, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t16, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t17 = W_V @ t12
-    return (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->', t0, t1, M_3, X, W_K, optimize=[(1, 3), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdf,ha->', t0, M_2, X, t17, M_2, X, W_K, optimize=[(2, 5), (0, 4), (0, 3), (0, 1), (1, 2), (0, 1)])
-
-
-def mse_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
-    """H_full(W_Q, W_Q) as a dense (numel W_Q × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
-    t0 = out.view((d_V, d_K, d_V, d_K))
-    t1 = W_K.transpose(-1, -2)
-    t2 = X.transpose(-1, -2)
-    t3 = t1 @ t2
-    t4 = W_Q @ t3
-    t5 = X @ t4
-    t6 = (1/math.sqrt(d_K)) * t5
-    t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
-    A = t7 / t7.sum(-1, keepdim=True)
-    t8 = A @ X
-    M_1 = t8
-    t9 = M_1 @ W_V
-    t10 = -Y
-    t11 = t9 + t10
-    t12 = (2/(L*d_V)) * t11
-    G = t12
-    t13 = W_V.transpose(-1, -2)
-    t14 = t13 @ t2
-    t15 = G @ t14
-    t16 = t15 - (A * t15).sum(-1, keepdim=True)
-    t17 = A * t16
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t1, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t18 = W_V @ t13
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t1, M_2, X, t18, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
-    return out
-
-
-def mse_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
-    """‖H_full(W_Q, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = W_K.transpose(-1, -2)
-    t1 = X.transpose(-1, -2)
-    t2 = t0 @ t1
-    t3 = W_Q @ t2
-    t4 = X @ t3
-    t5 = (1/math.sqrt(d_K)) * t4
-    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
-    A = t6 / t6.sum(-1, keepdim=True)
-    t7 = A @ X
-    M_1 = t7
-    t8 = M_1 @ W_V
-    t9 = -Y
-    t10 = t8 + t9
-    t11 = (2/(L*d_V)) * t10
-    G = t11
-    t12 = W_V.transpose(-1, -2)
-    t13 = t12 @ t1
-    t14 = G @ t13
-    t15 = t14 - (A * t14).sum(-1, keepdim=True)
-    t16 = A * t15
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t16, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t16, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t16, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t17 = W_V @ t12
-    t18 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jkli,jkd,lm,jkmn,jkg,nh->', t0, t1, M_3, X, W_K, t0, M_2, X, t17, M_2, X, W_K, optimize=[(0, 5), (0, 5), (1, 6), (7, 8), (1, 5), (0, 4), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj,ak,lmnk,lmf,no,lmop,lmi,pj->', t0, M_2, X, t17, M_2, X, W_K, t0, M_2, X, t17, M_2, X, W_K, optimize=[(0, 7), (1, 7), (3, 8), (9, 10), (3, 7), (0, 1), (0, 7), (0, 1), (0, 5), (0, 3), (0, 2), (1, 2), (0, 1)])
-    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
-    return t19
-
-
-def mse_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
-    """H_full(W_Q, W_K) as a dense (numel W_Q × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
-    out[...] = 0
-    t0 = out.view((d_V, d_K, d_V, d_K))
-    t1 = t0.diagonal(0, 1, 3)
-    t2 = X.transpose(-1, -2)
-    t3 = W_K.transpose(-1, -2)
-    t4 = t3 @ t2
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
-    A = t8 / t8.sum(-1, keepdim=True)
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    t11 = -Y
-    t12 = t10 + t11
-    t13 = (2/(L*d_V)) * t12
-    G = t13
-    t14 = W_V.transpose(-1, -2)
-    t15 = t14 @ t2
-    t16 = G @ t15
-    t17 = t16 - (A * t16).sum(-1, keepdim=True)
-    t18 = A * t17
-    t19 = t18 @ X
-    t20 = t2 @ t19
-    t21 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t20, t21, optimize=[(0, 1)])
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t3, t2, M_3, X, W_Q, optimize=[(3, 4), (0, 2), (0, 1), (0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t22 = W_V @ t14
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t3, M_2, X, t22, M_2, X, W_Q, optimize=[(5, 6), (0, 1), (1, 2), (2, 3), (0, 1), (0, 1)])
-    return out
-
-
-def mse_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
-    """‖H_full(W_Q, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = X.transpose(-1, -2)
-    t1 = W_K.transpose(-1, -2)
-    t2 = t1 @ t0
-    t3 = W_Q @ t2
-    t4 = X @ t3
-    t5 = (1/math.sqrt(d_K)) * t4
-    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
-    A = t6 / t6.sum(-1, keepdim=True)
-    t7 = A @ X
-    M_1 = t7
-    t8 = M_1 @ W_V
-    t9 = -Y
-    t10 = t8 + t9
-    t11 = (2/(L*d_V)) * t10
-    G = t11
-    t12 = W_V.transpose(-1, -2)
-    t13 = t12 @ t0
-    t14 = G @ t13
-    t15 = t14 - (A * t14).sum(-1, keepdim=True)
-    t16 = A * t15
-    t17 = t16 @ X
-    t18 = t0 @ t17
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t0, t16, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t16, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t16, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t19 = W_V @ t12
-    t20 = (n_batch**(-2)) * oe.contract('abc,dbc->', t18, t18, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t18, t1, t0, M_3, X, W_Q, optimize=[(1, 5), (3, 4), (2, 3), (1, 2), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgic,fgj,jd->', t18, t1, M_2, X, t19, M_2, X, W_Q, optimize=[(0, 3), (3, 6), (0, 4), (1, 3), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t1, t0, M_3, X, W_Q, t1, t0, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkmf,jkn,nh->', t1, t0, M_3, X, W_Q, t1, M_2, X, t19, M_2, X, W_Q, optimize=[(0, 5), (0, 5), (1, 2), (4, 5), (6, 7), (5, 6), (0, 4), (0, 1), (0, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij,ak,lmnk,lmf,no,lmoh,lmp,pj->', t1, M_2, X, t19, M_2, X, W_Q, t1, M_2, X, t19, M_2, X, W_Q, optimize=[(0, 7), (1, 7), (3, 4), (6, 7), (8, 9), (7, 8), (0, 1), (0, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)])
-    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
-    return t21
-
-
-def mse_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
-    """H_full(W_Q, W_V) as a dense (numel W_Q × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_V**2), dtype=X.dtype, device=X.device)
-    t0 = out.view((d_V, d_K, d_V, d_V))
-    t1 = W_K.transpose(-1, -2)
-    t2 = X.transpose(-1, -2)
-    t3 = t1 @ t2
-    t4 = W_Q @ t3
-    t5 = X @ t4
-    t6 = (1/math.sqrt(d_K)) * t5
-    t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
-    A = t7 / t7.sum(-1, keepdim=True)
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t8 = A @ X
-    M_1 = t8
-    t9 = M_1 @ W_V
-    t10 = -Y
-    t11 = t9 + t10
-    t12 = (2/(L*d_V)) * t11
-    G = t12
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t1, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t1, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    return out
-
-
-def mse_causal0__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
-    """‖H_full(W_Q, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = W_K.transpose(-1, -2)
-    t1 = X.transpose(-1, -2)
-    t2 = t0 @ t1
-    t3 = W_Q @ t2
-    t4 = X @ t3
-    t5 = (1/math.sqrt(d_K)) * t4
-    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
-    A = t6 / t6.sum(-1, keepdim=True)
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t7 = A @ X
-    M_1 = t7
-    t8 = M_1 @ W_V
-    t9 = -Y
-    t10 = t8 + t9
-    t11 = (2/(L*d_V)) * t10
-    G = t11
-    t12 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijkh,ijf,ije,kg->', t0, M_2, X, G, t0, M_2, X, M_1, W_V, optimize=[(0, 4), (1, 4), (1, 4), (0, 2), (2, 4), (0, 1), (1, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,eh,ai,jkli,jkf,jkg,lh->', t0, M_2, X, M_1, W_V, t0, M_2, X, M_1, W_V, optimize=[(0, 5), (1, 5), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
-    t13 = torch.sqrt(torch.clamp(t12, min=0.0))
-    return t13
-
-
-def mse_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
-    """diag H_full(W_K, W_K) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V,), dtype=X.dtype, device=X.device)
-    t0 = out.view((d_V, d_K))
-    t1 = W_Q.transpose(-1, -2)
-    t2 = X.transpose(-1, -2)
-    t3 = W_K.transpose(-1, -2)
-    t4 = t3 @ t2
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
-    A = t8 / t8.sum(-1, keepdim=True)
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    t11 = -Y
-    t12 = t10 + t11
-    t13 = (2/(L*d_V)) * t12
-    G = t13
-    t14 = W_V.transpose(-1, -2)
-    t15 = t14 @ t2
-    t16 = G @ t15
-    t17 = t16 - (A * t16).sum(-1, keepdim=True)
-    t18 = A * t17
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->ea', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t19 = W_V @ t14
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgf,cdh,ha->fa', t1, M_2, X, t19, M_2, X, W_Q, optimize=[(0, 2), (3, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
-    return out
-
-
-def mse_causal0__trace__W_K__full(X, W_Q, W_K, W_V, Y):
-    """tr H_full(W_K, W_K) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = W_Q.transpose(-1, -2)
-    t1 = X.transpose(-1, -2)
-    t2 = W_K.transpose(-1, -2)
-    t3 = t2 @ t1
-    t4 = W_Q @ t3
-    t5 = X @ t4
-    t6 = (1/math.sqrt(d_K)) * t5
-    t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
-    A = t7 / t7.sum(-1, keepdim=True)
-    t8 = A @ X
-    M_1 = t8
-    t9 = M_1 @ W_V
-    t10 = -Y
-    t11 = t9 + t10
-    t12 = (2/(L*d_V)) * t11
-    G = t12
-    t13 = W_V.transpose(-1, -2)
-    t14 = t13 @ t1
-    t15 = G @ t14
-    t16 = t15 - (A * t15).sum(-1, keepdim=True)
-    t17 = A * t16
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t18 = W_V @ t13
-    return (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->', t0, t1, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)]) + (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgf,cdh,ha->', t0, M_2, X, t18, M_2, X, W_Q, optimize=[(0, 6), (1, 5), (3, 4), (0, 3), (1, 2), (0, 1)])
-
-
-def mse_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
-    """H_full(W_K, W_Q) as a dense (numel W_K × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
-    out[...] = 0
-    t0 = out.view((d_V, d_K, d_V, d_K))
-    t1 = t0.diagonal(0, 1, 3)
-    t2 = X.transpose(-1, -2)
-    t3 = W_K.transpose(-1, -2)
-    t4 = t3 @ t2
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
-    A = t8 / t8.sum(-1, keepdim=True)
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    t11 = -Y
-    t12 = t10 + t11
-    t13 = (2/(L*d_V)) * t12
-    G = t13
-    t14 = W_V.transpose(-1, -2)
-    t15 = t14 @ t2
-    t16 = G @ t15
-    t17 = t16 - (A * t16).sum(-1, keepdim=True)
-    t18 = A * t17
-    t19 = t18.transpose(-1, -2)
-    t20 = t19 @ X
-    t21 = t2 @ t20
-    t22 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t21, t22, optimize=[(0, 1)])
-    t23 = W_Q.transpose(-1, -2)
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t23, t2, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t24 = W_V @ t14
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t23, M_2, X, t24, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
-    return out
-
-
-def mse_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
-    """‖H_full(W_K, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = X.transpose(-1, -2)
-    t1 = W_K.transpose(-1, -2)
-    t2 = t1 @ t0
-    t3 = W_Q @ t2
-    t4 = X @ t3
-    t5 = (1/math.sqrt(d_K)) * t4
-    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
-    A = t6 / t6.sum(-1, keepdim=True)
-    t7 = A @ X
-    M_1 = t7
-    t8 = M_1 @ W_V
-    t9 = -Y
-    t10 = t8 + t9
-    t11 = (2/(L*d_V)) * t10
-    G = t11
-    t12 = W_V.transpose(-1, -2)
-    t13 = t12 @ t0
-    t14 = G @ t13
-    t15 = t14 - (A * t14).sum(-1, keepdim=True)
-    t16 = A * t15
-    t17 = t16.transpose(-1, -2)
-    t18 = t17 @ X
-    t19 = t0 @ t18
-    t20 = W_Q.transpose(-1, -2)
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t0, t16, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t16, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t16, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t21 = W_V @ t12
-    t22 = (n_batch**(-2)) * oe.contract('abc,dbc->', t19, t19, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t19, t20, t0, M_3, X, W_K, optimize=[(1, 2), (3, 4), (1, 3), (1, 2), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgij,fgc,jd->', t19, t20, M_2, X, t21, M_2, X, W_K, optimize=[(0, 6), (1, 6), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t20, t0, M_3, X, W_K, t20, t0, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkmn,jkg,nh->', t20, t0, M_3, X, W_K, t20, M_2, X, t21, M_2, X, W_K, optimize=[(0, 1), (1, 8), (1, 7), (1, 3), (4, 7), (4, 6), (0, 4), (0, 1), (0, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj,ak,lmnf,lmk,no,lmop,lmi,pj->', t20, M_2, X, t21, M_2, X, W_K, t20, M_2, X, t21, M_2, X, W_K, optimize=[(0, 2), (3, 10), (3, 9), (3, 5), (6, 9), (6, 8), (0, 1), (0, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)])
-    t23 = torch.sqrt(torch.clamp(t22, min=0.0))
-    return t23
-
-
-def mse_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
-    """H_full(W_K, W_K) as a dense (numel W_K × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
-    t0 = out.view((d_V, d_K, d_V, d_K))
-    t1 = W_Q.transpose(-1, -2)
-    t2 = X.transpose(-1, -2)
-    t3 = W_K.transpose(-1, -2)
-    t4 = t3 @ t2
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
-    A = t8 / t8.sum(-1, keepdim=True)
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    t11 = -Y
-    t12 = t10 + t11
-    t13 = (2/(L*d_V)) * t12
-    G = t13
-    t14 = W_V.transpose(-1, -2)
-    t15 = t14 @ t2
-    t16 = G @ t15
-    t17 = t16 - (A * t16).sum(-1, keepdim=True)
-    t18 = A * t17
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t19 = W_V @ t14
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t1, M_2, X, t19, M_2, X, W_Q, optimize=[(0, 2), (3, 4), (0, 1), (0, 3), (0, 1), (0, 1)])
-    return out
-
-
-def mse_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
-    """‖H_full(W_K, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = W_Q.transpose(-1, -2)
-    t1 = X.transpose(-1, -2)
-    t2 = W_K.transpose(-1, -2)
-    t3 = t2 @ t1
-    t4 = W_Q @ t3
-    t5 = X @ t4
-    t6 = (1/math.sqrt(d_K)) * t5
-    t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
-    A = t7 / t7.sum(-1, keepdim=True)
-    t8 = A @ X
-    M_1 = t8
-    t9 = M_1 @ W_V
-    t10 = -Y
-    t11 = t9 + t10
-    t12 = (2/(L*d_V)) * t11
-    G = t12
-    t13 = W_V.transpose(-1, -2)
-    t14 = t13 @ t1
-    t15 = G @ t14
-    t16 = t15 - (A * t15).sum(-1, keepdim=True)
-    t17 = A * t16
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t18 = W_V @ t13
-    t19 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 1), (0, 5), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jkle,jki,lm,jkmf,jkn,nh->', t0, t1, M_3, X, W_Q, t0, M_2, X, t18, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (1, 3), (4, 5), (4, 6), (4, 5), (4, 5), (1, 2), (1, 3), (0, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij,ak,lmnf,lmk,no,lmoh,lmp,pj->', t0, M_2, X, t18, M_2, X, W_Q, t0, M_2, X, t18, M_2, X, W_Q, optimize=[(0, 2), (3, 4), (3, 5), (6, 7), (6, 8), (6, 7), (6, 7), (0, 1), (0, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
-    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
-    return t20
-
-
-def mse_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
-    """H_full(W_K, W_V) as a dense (numel W_K × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_V**2), dtype=X.dtype, device=X.device)
-    t0 = out.view((d_V, d_K, d_V, d_V))
-    t1 = W_Q.transpose(-1, -2)
-    t2 = X.transpose(-1, -2)
-    t3 = W_K.transpose(-1, -2)
-    t4 = t3 @ t2
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
-    A = t8 / t8.sum(-1, keepdim=True)
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    t11 = -Y
-    t12 = t10 + t11
-    t13 = (2/(L*d_V)) * t12
-    G = t13
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t1, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
-    t0 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fagh', t1, M_2, X, M_1, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
-    return out
-
-
-def mse_causal0__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
-    """‖H_full(W_K, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = W_Q.transpose(-1, -2)
-    t1 = X.transpose(-1, -2)
-    t2 = W_K.transpose(-1, -2)
-    t3 = t2 @ t1
-    t4 = W_Q @ t3
-    t5 = X @ t4
-    t6 = (1/math.sqrt(d_K)) * t5
-    t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
-    A = t7 / t7.sum(-1, keepdim=True)
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t8 = A @ X
-    M_1 = t8
-    t9 = M_1 @ W_V
-    t10 = -Y
-    t11 = t9 + t10
-    t12 = (2/(L*d_V)) * t11
-    G = t12
-    t13 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (2, 5), (1, 4), (3, 4), (2, 3), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijkf,ijh,ije,kg->', t0, M_2, X, G, t0, M_2, X, M_1, W_V, optimize=[(0, 2), (1, 6), (1, 3), (3, 5), (0, 2), (0, 3), (0, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,eh,ai,jklf,jki,jkg,lh->', t0, M_2, X, M_1, W_V, t0, M_2, X, M_1, W_V, optimize=[(0, 2), (1, 6), (1, 5), (1, 3), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t14 = torch.sqrt(torch.clamp(t13, min=0.0))
-    return t14
-
-
-def mse_causal0__diag__W_V__full(X, W_Q, W_K, W_V, Y):
-    """diag H_full(W_V, W_V) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    out = torch.empty((d_V**2,), dtype=X.dtype, device=X.device)
-    t0 = out.view((d_V, d_V))
-    t1 = W_K.transpose(-1, -2)
-    t2 = X.transpose(-1, -2)
-    t3 = t1 @ t2
-    t4 = W_Q @ t3
-    t5 = X @ t4
-    t6 = (1/math.sqrt(d_K)) * t5
-    t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
-    A = t7 / t7.sum(-1, keepdim=True)
-    t8 = A @ X
-    M_1 = t8
-    t9 = M_1.transpose(-1, -2)
-    t10 = t9 @ M_1
-    t11 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abb,c->bc', t10, t11, optimize=[(0, 1)])
-    return out
-
-
-def mse_causal0__trace__W_V__full(X, W_Q, W_K, W_V, Y):
-    """tr H_full(W_V, W_V) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = W_K.transpose(-1, -2)
-    t1 = X.transpose(-1, -2)
-    t2 = t0 @ t1
-    t3 = W_Q @ t2
-    t4 = X @ t3
-    t5 = (1/math.sqrt(d_K)) * t4
-    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
-    A = t6 / t6.sum(-1, keepdim=True)
-    t7 = A @ X
-    M_1 = t7
-    t8 = M_1.transpose(-1, -2)
-    t9 = t8 @ M_1
-    return (2/(L*n_batch)) * oe.contract('abb->', t9, optimize=[(0,)])
-
-
-def mse_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
-    """H_full(W_V, W_Q) as a dense (numel W_V × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_K*d_V), dtype=X.dtype, device=X.device)
-    t0 = out.view((d_V, d_V, d_V, d_K))
-    t1 = W_K.transpose(-1, -2)
-    t2 = X.transpose(-1, -2)
-    t3 = t1 @ t2
-    t4 = W_Q @ t3
-    t5 = X @ t4
-    t6 = (1/math.sqrt(d_K)) * t5
-    t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
-    A = t7 / t7.sum(-1, keepdim=True)
-    t8 = A @ X
-    M_1 = t8
-    t9 = M_1 @ W_V
-    t10 = -Y
-    t11 = t9 + t10
-    t12 = (2/(L*d_V)) * t11
-    G = t12
-    t13 = G.transpose(-1, -2)
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t13, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
-    t14 = M_1.transpose(-1, -2)
-    t15 = W_V.transpose(-1, -2)
-    t0 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,fh->bdgh', t14, t15, M_2, X, W_K, optimize=[(0, 3), (0, 1), (0, 2), (0, 1)])
-    return out
-
-
-def mse_causal0__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
-    """‖H_full(W_V, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = W_K.transpose(-1, -2)
-    t1 = X.transpose(-1, -2)
-    t2 = t0 @ t1
-    t3 = W_Q @ t2
-    t4 = X @ t3
-    t5 = (1/math.sqrt(d_K)) * t4
-    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
-    A = t6 / t6.sum(-1, keepdim=True)
-    t7 = A @ X
-    M_1 = t7
-    t8 = M_1 @ W_V
-    t9 = -Y
-    t10 = t8 + t9
-    t11 = (2/(L*d_V)) * t10
-    G = t11
-    t12 = G.transpose(-1, -2)
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t13 = M_1.transpose(-1, -2)
-    t14 = W_V.transpose(-1, -2)
-    t15 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t12, M_2, X, W_K, t12, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acde,acf,eg,hdi,bj,hijk,hif,kg->', t12, M_2, X, W_K, t13, t14, M_2, X, W_K, optimize=[(0, 5), (1, 5), (1, 4), (0, 1), (2, 4), (0, 1), (1, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,fh,ibj,dk,ijkl,ijg,lh->', t13, t14, M_2, X, W_K, t13, t14, M_2, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
-    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
-    return t16
-
-
-def mse_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
-    """H_full(W_V, W_K) as a dense (numel W_V × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_K*d_V), dtype=X.dtype, device=X.device)
-    t0 = out.view((d_V, d_V, d_V, d_K))
-    t1 = W_K.transpose(-1, -2)
-    t2 = X.transpose(-1, -2)
-    t3 = t1 @ t2
-    t4 = W_Q @ t3
-    t5 = X @ t4
-    t6 = (1/math.sqrt(d_K)) * t5
-    t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
-    A = t7 / t7.sum(-1, keepdim=True)
-    t8 = A @ X
-    M_1 = t8
-    t9 = M_1 @ W_V
-    t10 = -Y
-    t11 = t9 + t10
-    t12 = (2/(L*d_V)) * t11
-    G = t12
-    t13 = G.transpose(-1, -2)
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t13, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t14 = M_1.transpose(-1, -2)
-    t15 = W_V.transpose(-1, -2)
-    t0 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,gh->bdfh', t14, t15, M_2, X, W_Q, optimize=[(3, 4), (0, 3), (0, 1), (0, 1)])
-    return out
-
-
-def mse_causal0__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
-    """‖H_full(W_V, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = W_K.transpose(-1, -2)
-    t1 = X.transpose(-1, -2)
-    t2 = t0 @ t1
-    t3 = W_Q @ t2
-    t4 = X @ t3
-    t5 = (1/math.sqrt(d_K)) * t4
-    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
-    A = t6 / t6.sum(-1, keepdim=True)
-    t7 = A @ X
-    M_1 = t7
-    t8 = M_1 @ W_V
-    t9 = -Y
-    t10 = t8 + t9
-    t11 = (2/(L*d_V)) * t10
-    G = t11
-    t12 = G.transpose(-1, -2)
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t13 = M_1.transpose(-1, -2)
-    t14 = W_V.transpose(-1, -2)
-    t15 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t12, M_2, X, W_Q, t12, M_2, X, W_Q, optimize=[(0, 4), (1, 2), (2, 3), (2, 3), (2, 3), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acde,acf,fg,hdi,bj,hije,hik,kg->', t12, M_2, X, W_Q, t13, t14, M_2, X, W_Q, optimize=[(0, 5), (1, 2), (3, 4), (4, 5), (0, 1), (0, 3), (0, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,gh,ibj,dk,ijkf,ijl,lh->', t13, t14, M_2, X, W_Q, t13, t14, M_2, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
-    return t16
-
-
-def mse_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
-    """H_full(W_V, W_V) as a dense (numel W_V × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
-    out[...] = 0
-    t0 = out.view((d_V, d_V, d_V, d_V))
-    t1 = t0.diagonal(0, 1, 3)
-    t2 = W_K.transpose(-1, -2)
-    t3 = X.transpose(-1, -2)
-    t4 = t2 @ t3
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
-    A = t8 / t8.sum(-1, keepdim=True)
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1.transpose(-1, -2)
-    t11 = t10 @ M_1
-    t12 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t1 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bcd', t11, t12, optimize=[(0, 1)])
-    return out
-
-
-def mse_causal0__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
-    """‖H_full(W_V, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = W_K.transpose(-1, -2)
-    t1 = X.transpose(-1, -2)
-    t2 = t0 @ t1
-    t3 = W_Q @ t2
-    t4 = X @ t3
-    t5 = (1/math.sqrt(d_K)) * t4
-    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
-    A = t6 / t6.sum(-1, keepdim=True)
-    t7 = A @ X
-    M_1 = t7
-    t8 = M_1.transpose(-1, -2)
-    t9 = t8 @ M_1
-    t10 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t9, t9, optimize=[(0, 1)])
-    t11 = torch.sqrt(torch.clamp(t10, min=0.0))
-    return t11
-
-
-def mse_causal1__loss(X, W_Q, W_K, W_V, Y):
-    """The loss, batch mean."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = W_K.transpose(-1, -2)
-    t1 = X.transpose(-1, -2)
-    t2 = t0 @ t1
-    t3 = W_Q @ t2
-    t4 = X @ t3
-    t5 = (1/math.sqrt(d_K)) * t4
-    t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t7 = torch.where(t6, -math.inf, t5)
-    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
-    A = t8 / t8.sum(-1, keepdim=True)
-    t9 = X @ W_V
-    t10 = A @ t9
-    t11 = -Y
-    t12 = t10 + t11
-    t13 = t12 * t12
-    t14 = t13.sum(-1, keepdim=True)
-    t15 = t14.sum(-2, keepdim=True)
-    t16 = (1/(L*d_V)) * t15
-    return t16.mean(0)[0, 0]
-
-
-def mse_causal1__gradient(X, W_Q, W_K, W_V, Y):
-    """(∂ℓ/∂W_p for p in the parameters), batch mean."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = X.transpose(-1, -2)
-    t1 = W_K.transpose(-1, -2)
-    t2 = t1 @ t0
-    t3 = W_Q @ t2
-    t4 = X @ t3
-    t5 = (1/math.sqrt(d_K)) * t4
-    t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t7 = torch.where(t6, -math.inf, t5)
-    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
-    A = t8 / t8.sum(-1, keepdim=True)
-    t9 = X @ W_V
-    t10 = A @ t9
-    t11 = -Y
-    t12 = t10 + t11
-    t13 = (2/(L*d_V)) * t12
-    G = t13
-    t14 = W_V.transpose(-1, -2)
-    t15 = t14 @ t0
-    t16 = G @ t15
-    t17 = t16 - (A * t16).sum(-1, keepdim=True)
-    t18 = A * t17
-    t19 = X @ W_K
-    t20 = t18 @ t19
-    t21 = t0 @ t20
-    t22 = (1/math.sqrt(d_K)) * t21
-    t23 = t18.transpose(-1, -2)
-    t24 = X @ W_Q
-    t25 = t23 @ t24
-    t26 = t0 @ t25
-    t27 = (1/math.sqrt(d_K)) * t26
-    t28 = A.transpose(-1, -2)
-    t29 = t28 @ G
-    t30 = t0 @ t29
-    return (t22.mean(0), t27.mean(0), t30.mean(0),)
-
-
-def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
-    """The full outer Hessian, parameters in declared order W_Q, W_K, W_V."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    H = torch.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype, device=X.device)
-    t0 = H[0:d_K*d_V, 0:d_K*d_V]
-    t1 = t0.view((d_V, d_K, d_V, d_K))
-    t2 = W_K.transpose(-1, -2)
-    t3 = X.transpose(-1, -2)
-    t4 = t2 @ t3
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    t8 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t9 = torch.where(t8, -math.inf, t7)
-    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
-    A = t10 / t10.sum(-1, keepdim=True)
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t11 = W_V.transpose(-1, -2)
-    t12 = W_V @ t11
-    t1[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t2, M_2, X, t12, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t13 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t14 = t13.view((d_V, d_K, d_V, d_K))
-    t14[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t2, M_2, X, t12, M_2, X, W_Q, optimize=[(5, 6), (0, 1), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t15 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t16 = t15.view((d_V, d_K, d_V, d_V))
-    t17 = A @ X
-    M_1 = t17
-    t16[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t2, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t18 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t19 = t18.view((d_V, d_K, d_V, d_K))
-    t20 = W_Q.transpose(-1, -2)
-    t19[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t20, M_2, X, t12, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t21 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t22 = t21.view((d_V, d_K, d_V, d_K))
-    t22[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t20, M_2, X, t12, M_2, X, W_Q, optimize=[(0, 2), (3, 4), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t23 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t24 = t23.view((d_V, d_K, d_V, d_V))
-    t24[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fagh', t20, M_2, X, M_1, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
-    t25 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t26 = t25.view((d_V, d_V, d_V, d_K))
-    t27 = M_1.transpose(-1, -2)
-    t26[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,fh->bdgh', t27, t11, M_2, X, W_K, optimize=[(0, 3), (0, 1), (0, 2), (0, 1)])
-    t28 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t29 = t28.view((d_V, d_V, d_V, d_K))
-    t29[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,gh->bdfh', t27, t11, M_2, X, W_Q, optimize=[(3, 4), (0, 3), (0, 1), (0, 1)])
-    t30 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t30[...] = 0
-    t31 = t30.view((d_V, d_V, d_V, d_V))
-    t32 = t31.diagonal(0, 1, 3)
-    t33 = t27 @ M_1
-    t34 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t32 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bcd', t33, t34, optimize=[(0, 1)])
-    return H
-
-
-def mse_causal1__hvp__outer(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
-    """(Σ_q H_outer(p, q) V_q for p in the parameters): matrix view, no block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = X.transpose(-1, -2)
-    t1 = W_K.transpose(-1, -2)
-    t2 = t1 @ t0
-    t3 = W_Q @ t2
-    t4 = X @ t3
-    t5 = (1/math.sqrt(d_K)) * t4
-    t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t7 = torch.where(t6, -math.inf, t5)
-    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
-    A = t8 / t8.sum(-1, keepdim=True)
-    t9 = V_W_Q @ t2
-    t10 = X @ t9
-    t11 = V_W_K.transpose(-1, -2)
-    t12 = t11 @ t0
-    t13 = W_Q @ t12
-    t14 = X @ t13
-    t15 = t10 + t14
-    t16 = t15 - (A * t15).sum(-1, keepdim=True)
-    t17 = A * t16
-    t18 = X @ W_V
-    t19 = t17 @ t18
-    t20 = (1/math.sqrt(d_K)) * t19
-    t21 = X @ V_W_V
-    t22 = A @ t21
-    t23 = t20 + t22
-    t24 = W_V.transpose(-1, -2)
-    t25 = t24 @ t0
-    t26 = t23 @ t25
-    t27 = t26 - (A * t26).sum(-1, keepdim=True)
-    t28 = A * t27
-    t29 = X @ W_K
-    t30 = t28 @ t29
-    t31 = t0 @ t30
-    t32 = (2/(L*math.sqrt(d_K)*d_V)) * t31
-    t33 = t28.transpose(-1, -2)
-    t34 = X @ W_Q
-    t35 = t33 @ t34
-    t36 = t0 @ t35
-    t37 = (2/(L*math.sqrt(d_K)*d_V)) * t36
-    t38 = A.transpose(-1, -2)
-    t39 = t38 @ t23
-    t40 = t0 @ t39
-    t41 = (2/(L*d_V)) * t40
-    return (t32.mean(0), t37.mean(0), t41.mean(0),)
-
-
-def mse_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
-    """(‖H_outer(p, q)‖_F for p, q in the parameters, row-major)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = W_K.transpose(-1, -2)
-    t1 = X.transpose(-1, -2)
-    t2 = t0 @ t1
-    t3 = W_Q @ t2
-    t4 = X @ t3
-    t5 = (1/math.sqrt(d_K)) * t4
-    t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t7 = torch.where(t6, -math.inf, t5)
-    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
-    A = t8 / t8.sum(-1, keepdim=True)
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t9 = W_V.transpose(-1, -2)
-    t10 = W_V @ t9
-    t11 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj,ak,lmnk,lmf,no,lmop,lmi,pj->', t0, M_2, X, t10, M_2, X, W_K, t0, M_2, X, t10, M_2, X, W_K, optimize=[(0, 7), (1, 7), (3, 8), (9, 10), (3, 7), (0, 1), (0, 7), (0, 1), (0, 5), (0, 3), (0, 2), (1, 2), (0, 1)])
-    t12 = torch.sqrt(torch.clamp(t11, min=0.0))
-    t13 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij,ak,lmnk,lmf,no,lmoh,lmp,pj->', t0, M_2, X, t10, M_2, X, W_Q, t0, M_2, X, t10, M_2, X, W_Q, optimize=[(0, 7), (1, 7), (3, 4), (6, 7), (8, 9), (7, 8), (0, 1), (0, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)])
-    t14 = torch.sqrt(torch.clamp(t13, min=0.0))
-    t15 = A @ X
-    M_1 = t15
-    t16 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,eh,ai,jkli,jkf,jkg,lh->', t0, M_2, X, M_1, W_V, t0, M_2, X, M_1, W_V, optimize=[(0, 5), (1, 5), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
-    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
-    t18 = W_Q.transpose(-1, -2)
-    t19 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj,ak,lmnf,lmk,no,lmop,lmi,pj->', t18, M_2, X, t10, M_2, X, W_K, t18, M_2, X, t10, M_2, X, W_K, optimize=[(0, 2), (3, 10), (3, 9), (3, 5), (6, 9), (6, 8), (0, 1), (0, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)])
-    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
-    t21 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij,ak,lmnf,lmk,no,lmoh,lmp,pj->', t18, M_2, X, t10, M_2, X, W_Q, t18, M_2, X, t10, M_2, X, W_Q, optimize=[(0, 2), (3, 4), (3, 5), (6, 7), (6, 8), (6, 7), (6, 7), (0, 1), (0, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
-    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
-    t23 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,eh,ai,jklf,jki,jkg,lh->', t18, M_2, X, M_1, W_V, t18, M_2, X, M_1, W_V, optimize=[(0, 2), (1, 6), (1, 5), (1, 3), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t24 = torch.sqrt(torch.clamp(t23, min=0.0))
-    t25 = M_1.transpose(-1, -2)
-    t26 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,fh,ibj,dk,ijkl,ijg,lh->', t25, t9, M_2, X, W_K, t25, t9, M_2, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
-    t27 = torch.sqrt(torch.clamp(t26, min=0.0))
-    t28 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,gh,ibj,dk,ijkf,ijl,lh->', t25, t9, M_2, X, W_Q, t25, t9, M_2, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t29 = torch.sqrt(torch.clamp(t28, min=0.0))
-    t30 = t25 @ M_1
-    t31 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t30, t30, optimize=[(0, 1)])
-    t32 = torch.sqrt(torch.clamp(t31, min=0.0))
-    return (t12, t14, t17, t20, t22, t24, t27, t29, t32,)
-
-
-def mse_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
-    """diag H_outer(W_Q, W_Q) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V,), dtype=X.dtype, device=X.device)
-    t0 = out.view((d_V, d_K))
-    t1 = W_K.transpose(-1, -2)
-    t2 = X.transpose(-1, -2)
-    t3 = t1 @ t2
-    t4 = W_Q @ t3
-    t5 = X @ t4
-    t6 = (1/math.sqrt(d_K)) * t5
-    t7 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t8 = torch.where(t7, -math.inf, t6)
-    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
-    A = t9 / t9.sum(-1, keepdim=True)
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t10 = W_V.transpose(-1, -2)
-    t11 = W_V @ t10
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdf,ha->fa', t1, M_2, X, t11, M_2, X, W_K, optimize=[(2, 5), (0, 4), (0, 1), (0, 3), (1, 2), (0, 1)])
-    return out
-
-
-def mse_causal1__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
-    """tr H_outer(W_Q, W_Q) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = W_K.transpose(-1, -2)
-    t1 = X.transpose(-1, -2)
-    t2 = t0 @ t1
-    t3 = W_Q @ t2
-    t4 = X @ t3
-    t5 = (1/math.sqrt(d_K)) * t4
-    t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t7 = torch.where(t6, -math.inf, t5)
-    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
-    A = t8 / t8.sum(-1, keepdim=True)
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t9 = W_V.transpose(-1, -2)
-    t10 = W_V @ t9
-    return (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdf,ha->', t0, M_2, X, t10, M_2, X, W_K, optimize=[(2, 5), (0, 4), (0, 3), (0, 1), (1, 2), (0, 1)])
-
-
-def mse_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
-    """H_outer(W_Q, W_Q) as a dense (numel W_Q × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
-    t0 = out.view((d_V, d_K, d_V, d_K))
-    t1 = W_K.transpose(-1, -2)
-    t2 = X.transpose(-1, -2)
-    t3 = t1 @ t2
-    t4 = W_Q @ t3
-    t5 = X @ t4
-    t6 = (1/math.sqrt(d_K)) * t5
-    t7 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t8 = torch.where(t7, -math.inf, t6)
-    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
-    A = t9 / t9.sum(-1, keepdim=True)
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t10 = W_V.transpose(-1, -2)
-    t11 = W_V @ t10
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t1, M_2, X, t11, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
-    return out
-
-
-def mse_causal1__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
-    """‖H_outer(W_Q, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = W_K.transpose(-1, -2)
-    t1 = X.transpose(-1, -2)
-    t2 = t0 @ t1
-    t3 = W_Q @ t2
-    t4 = X @ t3
-    t5 = (1/math.sqrt(d_K)) * t4
-    t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t7 = torch.where(t6, -math.inf, t5)
-    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
-    A = t8 / t8.sum(-1, keepdim=True)
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t9 = W_V.transpose(-1, -2)
-    t10 = W_V @ t9
-    t11 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj,ak,lmnk,lmf,no,lmop,lmi,pj->', t0, M_2, X, t10, M_2, X, W_K, t0, M_2, X, t10, M_2, X, W_K, optimize=[(0, 7), (1, 7), (3, 8), (9, 10), (3, 7), (0, 1), (0, 7), (0, 1), (0, 5), (0, 3), (0, 2), (1, 2), (0, 1)])
-    t12 = torch.sqrt(torch.clamp(t11, min=0.0))
-    return t12
-
-
-def mse_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
-    """H_outer(W_Q, W_K) as a dense (numel W_Q × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
-    t0 = out.view((d_V, d_K, d_V, d_K))
-    t1 = W_K.transpose(-1, -2)
-    t2 = X.transpose(-1, -2)
-    t3 = t1 @ t2
-    t4 = W_Q @ t3
-    t5 = X @ t4
-    t6 = (1/math.sqrt(d_K)) * t5
-    t7 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t8 = torch.where(t7, -math.inf, t6)
-    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
-    A = t9 / t9.sum(-1, keepdim=True)
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t10 = W_V.transpose(-1, -2)
-    t11 = W_V @ t10
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t1, M_2, X, t11, M_2, X, W_Q, optimize=[(5, 6), (0, 1), (1, 2), (2, 3), (0, 1), (0, 1)])
-    return out
-
-
-def mse_causal1__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
-    """‖H_outer(W_Q, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = W_K.transpose(-1, -2)
-    t1 = X.transpose(-1, -2)
-    t2 = t0 @ t1
-    t3 = W_Q @ t2
-    t4 = X @ t3
-    t5 = (1/math.sqrt(d_K)) * t4
-    t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t7 = torch.where(t6, -math.inf, t5)
-    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
-    A = t8 / t8.sum(-1, keepdim=True)
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t9 = W_V.transpose(-1, -2)
-    t10 = W_V @ t9
-    t11 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij,ak,lmnk,lmf,no,lmoh,lmp,pj->', t0, M_2, X, t10, M_2, X, W_Q, t0, M_2, X, t10, M_2, X, W_Q, optimize=[(0, 7), (1, 7), (3, 4), (6, 7), (8, 9), (7, 8), (0, 1), (0, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)])
-    t12 = torch.sqrt(torch.clamp(t11, min=0.0))
-    return t12
-
-
-def mse_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
-    """H_outer(W_Q, W_V) as a dense (numel W_Q × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_V**2), dtype=X.dtype, device=X.device)
-    t0 = out.view((d_V, d_K, d_V, d_V))
-    t1 = W_K.transpose(-1, -2)
-    t2 = X.transpose(-1, -2)
-    t3 = t1 @ t2
-    t4 = W_Q @ t3
-    t5 = X @ t4
-    t6 = (1/math.sqrt(d_K)) * t5
-    t7 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t8 = torch.where(t7, -math.inf, t6)
-    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
-    A = t9 / t9.sum(-1, keepdim=True)
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t10 = A @ X
-    M_1 = t10
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t1, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    return out
-
-
-def mse_causal1__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
-    """‖H_outer(W_Q, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = W_K.transpose(-1, -2)
-    t1 = X.transpose(-1, -2)
-    t2 = t0 @ t1
-    t3 = W_Q @ t2
-    t4 = X @ t3
-    t5 = (1/math.sqrt(d_K)) * t4
-    t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t7 = torch.where(t6, -math.inf, t5)
-    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
-    A = t8 / t8.sum(-1, keepdim=True)
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t9 = A @ X
-    M_1 = t9
-    t10 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,eh,ai,jkli,jkf,jkg,lh->', t0, M_2, X, M_1, W_V, t0, M_2, X, M_1, W_V, optimize=[(0, 5), (1, 5), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
-    t11 = torch.sqrt(torch.clamp(t10, min=0.0))
-    return t11
-
-
-def mse_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
-    """diag H_outer(W_K, W_K) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V,), dtype=X.dtype, device=X.device)
-    t0 = out.view((d_V, d_K))
-    t1 = W_Q.transpose(-1, -2)
-    t2 = X.transpose(-1, -2)
-    t3 = W_K.transpose(-1, -2)
-    t4 = t3 @ t2
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    t8 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t9 = torch.where(t8, -math.inf, t7)
-    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
-    A = t10 / t10.sum(-1, keepdim=True)
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t11 = W_V.transpose(-1, -2)
-    t12 = W_V @ t11
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgf,cdh,ha->fa', t1, M_2, X, t12, M_2, X, W_Q, optimize=[(0, 2), (3, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
-    return out
-
-
-def mse_causal1__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
-    """tr H_outer(W_K, W_K) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = W_Q.transpose(-1, -2)
-    t1 = X.transpose(-1, -2)
-    t2 = W_K.transpose(-1, -2)
-    t3 = t2 @ t1
-    t4 = W_Q @ t3
-    t5 = X @ t4
-    t6 = (1/math.sqrt(d_K)) * t5
-    t7 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t8 = torch.where(t7, -math.inf, t6)
-    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
-    A = t9 / t9.sum(-1, keepdim=True)
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t10 = W_V.transpose(-1, -2)
-    t11 = W_V @ t10
-    return (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgf,cdh,ha->', t0, M_2, X, t11, M_2, X, W_Q, optimize=[(0, 6), (1, 5), (3, 4), (0, 3), (1, 2), (0, 1)])
-
-
-def mse_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
-    """H_outer(W_K, W_Q) as a dense (numel W_K × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
-    t0 = out.view((d_V, d_K, d_V, d_K))
-    t1 = W_Q.transpose(-1, -2)
-    t2 = X.transpose(-1, -2)
-    t3 = W_K.transpose(-1, -2)
-    t4 = t3 @ t2
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    t8 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t9 = torch.where(t8, -math.inf, t7)
-    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
-    A = t10 / t10.sum(-1, keepdim=True)
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t11 = W_V.transpose(-1, -2)
-    t12 = W_V @ t11
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t1, M_2, X, t12, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
-    return out
-
-
-def mse_causal1__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
-    """‖H_outer(W_K, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = W_Q.transpose(-1, -2)
-    t1 = X.transpose(-1, -2)
-    t2 = W_K.transpose(-1, -2)
-    t3 = t2 @ t1
-    t4 = W_Q @ t3
-    t5 = X @ t4
-    t6 = (1/math.sqrt(d_K)) * t5
-    t7 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t8 = torch.where(t7, -math.inf, t6)
-    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
-    A = t9 / t9.sum(-1, keepdim=True)
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t10 = W_V.transpose(-1, -2)
-    t11 = W_V @ t10
-    t12 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj,ak,lmnf,lmk,no,lmop,lmi,pj->', t0, M_2, X, t11, M_2, X, W_K, t0, M_2, X, t11, M_2, X, W_K, optimize=[(0, 2), (3, 10), (3, 9), (3, 5), (6, 9), (6, 8), (0, 1), (0, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)])
-    t13 = torch.sqrt(torch.clamp(t12, min=0.0))
-    return t13
-
-
-def mse_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
-    """H_outer(W_K, W_K) as a dense (numel W_K × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
-    t0 = out.view((d_V, d_K, d_V, d_K))
-    t1 = W_Q.transpose(-1, -2)
-    t2 = X.transpose(-1, -2)
-    t3 = W_K.transpose(-1, -2)
-    t4 = t3 @ t2
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    t8 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t9 = torch.where(t8, -math.inf, t7)
-    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
-    A = t10 / t10.sum(-1, keepdim=True)
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t11 = W_V.transpose(-1, -2)
-    t12 = W_V @ t11
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t1, M_2, X, t12, M_2, X, W_Q, optimize=[(0, 2), (3, 4), (0, 1), (0, 3), (0, 1), (0, 1)])
-    return out
-
-
-def mse_causal1__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
-    """‖H_outer(W_K, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = W_Q.transpose(-1, -2)
-    t1 = X.transpose(-1, -2)
-    t2 = W_K.transpose(-1, -2)
-    t3 = t2 @ t1
-    t4 = W_Q @ t3
-    t5 = X @ t4
-    t6 = (1/math.sqrt(d_K)) * t5
-    t7 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t8 = torch.where(t7, -math.inf, t6)
-    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
-    A = t9 / t9.sum(-1, keepdim=True)
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t10 = W_V.transpose(-1, -2)
-    t11 = W_V @ t10
-    t12 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij,ak,lmnf,lmk,no,lmoh,lmp,pj->', t0, M_2, X, t11, M_2, X, W_Q, t0, M_2, X, t11, M_2, X, W_Q, optimize=[(0, 2), (3, 4), (3, 5), (6, 7), (6, 8), (6, 7), (6, 7), (0, 1), (0, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
-    t13 = torch.sqrt(torch.clamp(t12, min=0.0))
-    return t13
-
-
-def mse_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
-    """H_outer(W_K, W_V) as a dense (numel W_K × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_V**2), dtype=X.dtype, device=X.device)
-    t0 = out.view((d_V, d_K, d_V, d_V))
-    t1 = W_Q.transpose(-1, -2)
-    t2 = X.transpose(-1, -2)
-    t3 = W_K.transpose(-1, -2)
-    t4 = t3 @ t2
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    t8 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t9 = torch.where(t8, -math.inf, t7)
-    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
-    A = t10 / t10.sum(-1, keepdim=True)
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t11 = A @ X
-    M_1 = t11
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fagh', t1, M_2, X, M_1, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
-    return out
-
-
-def mse_causal1__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
-    """‖H_outer(W_K, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = W_Q.transpose(-1, -2)
-    t1 = X.transpose(-1, -2)
-    t2 = W_K.transpose(-1, -2)
-    t3 = t2 @ t1
-    t4 = W_Q @ t3
-    t5 = X @ t4
-    t6 = (1/math.sqrt(d_K)) * t5
-    t7 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t8 = torch.where(t7, -math.inf, t6)
-    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
-    A = t9 / t9.sum(-1, keepdim=True)
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t10 = A @ X
-    M_1 = t10
-    t11 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,eh,ai,jklf,jki,jkg,lh->', t0, M_2, X, M_1, W_V, t0, M_2, X, M_1, W_V, optimize=[(0, 2), (1, 6), (1, 5), (1, 3), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t12 = torch.sqrt(torch.clamp(t11, min=0.0))
-    return t12
-
-
-def mse_causal1__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
-    """diag H_outer(W_V, W_V) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    out = torch.empty((d_V**2,), dtype=X.dtype, device=X.device)
-    t0 = out.view((d_V, d_V))
-    t1 = W_K.transpose(-1, -2)
-    t2 = X.transpose(-1, -2)
-    t3 = t1 @ t2
-    t4 = W_Q @ t3
-    t5 = X @ t4
-    t6 = (1/math.sqrt(d_K)) * t5
-    t7 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t8 = torch.where(t7, -math.inf, t6)
-    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
-    A = t9 / t9.sum(-1, keepdim=True)
-    t10 = A @ X
-    M_1 = t10
-    t11 = M_1.transpose(-1, -2)
-    t12 = t11 @ M_1
-    t13 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abb,c->bc', t12, t13, optimize=[(0, 1)])
-    return out
-
-
-def mse_causal1__trace__W_V__outer(X, W_Q, W_K, W_V, Y):
-    """tr H_outer(W_V, W_V) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = W_K.transpose(-1, -2)
-    t1 = X.transpose(-1, -2)
-    t2 = t0 @ t1
-    t3 = W_Q @ t2
-    t4 = X @ t3
-    t5 = (1/math.sqrt(d_K)) * t4
-    t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t7 = torch.where(t6, -math.inf, t5)
-    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
-    A = t8 / t8.sum(-1, keepdim=True)
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1.transpose(-1, -2)
-    t11 = t10 @ M_1
-    return (2/(L*n_batch)) * oe.contract('abb->', t11, optimize=[(0,)])
-
-
-def mse_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
-    """H_outer(W_V, W_Q) as a dense (numel W_V × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_K*d_V), dtype=X.dtype, device=X.device)
-    t0 = out.view((d_V, d_V, d_V, d_K))
-    t1 = W_K.transpose(-1, -2)
-    t2 = X.transpose(-1, -2)
-    t3 = t1 @ t2
-    t4 = W_Q @ t3
-    t5 = X @ t4
-    t6 = (1/math.sqrt(d_K)) * t5
-    t7 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t8 = torch.where(t7, -math.inf, t6)
-    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
-    A = t9 / t9.sum(-1, keepdim=True)
-    t10 = A @ X
-    M_1 = t10
-    t11 = M_1.transpose(-1, -2)
-    t12 = W_V.transpose(-1, -2)
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,fh->bdgh', t11, t12, M_2, X, W_K, optimize=[(0, 3), (0, 1), (0, 2), (0, 1)])
-    return out
-
-
-def mse_causal1__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
-    """‖H_outer(W_V, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = W_K.transpose(-1, -2)
-    t1 = X.transpose(-1, -2)
-    t2 = t0 @ t1
-    t3 = W_Q @ t2
-    t4 = X @ t3
-    t5 = (1/math.sqrt(d_K)) * t4
-    t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t7 = torch.where(t6, -math.inf, t5)
-    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
-    A = t8 / t8.sum(-1, keepdim=True)
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1.transpose(-1, -2)
-    t11 = W_V.transpose(-1, -2)
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t12 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,fh,ibj,dk,ijkl,ijg,lh->', t10, t11, M_2, X, W_K, t10, t11, M_2, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
-    t13 = torch.sqrt(torch.clamp(t12, min=0.0))
-    return t13
-
-
-def mse_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
-    """H_outer(W_V, W_K) as a dense (numel W_V × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_K*d_V), dtype=X.dtype, device=X.device)
-    t0 = out.view((d_V, d_V, d_V, d_K))
-    t1 = W_K.transpose(-1, -2)
-    t2 = X.transpose(-1, -2)
-    t3 = t1 @ t2
-    t4 = W_Q @ t3
-    t5 = X @ t4
-    t6 = (1/math.sqrt(d_K)) * t5
-    t7 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t8 = torch.where(t7, -math.inf, t6)
-    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
-    A = t9 / t9.sum(-1, keepdim=True)
-    t10 = A @ X
-    M_1 = t10
-    t11 = M_1.transpose(-1, -2)
-    t12 = W_V.transpose(-1, -2)
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,gh->bdfh', t11, t12, M_2, X, W_Q, optimize=[(3, 4), (0, 3), (0, 1), (0, 1)])
-    return out
-
-
-def mse_causal1__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
-    """‖H_outer(W_V, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = W_K.transpose(-1, -2)
-    t1 = X.transpose(-1, -2)
-    t2 = t0 @ t1
-    t3 = W_Q @ t2
-    t4 = X @ t3
-    t5 = (1/math.sqrt(d_K)) * t4
-    t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t7 = torch.where(t6, -math.inf, t5)
-    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
-    A = t8 / t8.sum(-1, keepdim=True)
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1.transpose(-1, -2)
-    t11 = W_V.transpose(-1, -2)
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t12 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,gh,ibj,dk,ijkf,ijl,lh->', t10, t11, M_2, X, W_Q, t10, t11, M_2, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t13 = torch.sqrt(torch.clamp(t12, min=0.0))
-    return t13
-
-
-def mse_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
-    """H_outer(W_V, W_V) as a dense (numel W_V × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
-    out[...] = 0
-    t0 = out.view((d_V, d_V, d_V, d_V))
-    t1 = t0.diagonal(0, 1, 3)
-    t2 = W_K.transpose(-1, -2)
-    t3 = X.transpose(-1, -2)
-    t4 = t2 @ t3
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    t8 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t9 = torch.where(t8, -math.inf, t7)
-    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
-    A = t10 / t10.sum(-1, keepdim=True)
-    t11 = A @ X
-    M_1 = t11
-    t12 = M_1.transpose(-1, -2)
-    t13 = t12 @ M_1
-    t14 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t1 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bcd', t13, t14, optimize=[(0, 1)])
-    return out
-
-
-def mse_causal1__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
-    """‖H_outer(W_V, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = W_K.transpose(-1, -2)
-    t1 = X.transpose(-1, -2)
-    t2 = t0 @ t1
-    t3 = W_Q @ t2
-    t4 = X @ t3
-    t5 = (1/math.sqrt(d_K)) * t4
-    t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t7 = torch.where(t6, -math.inf, t5)
-    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
-    A = t8 / t8.sum(-1, keepdim=True)
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1.transpose(-1, -2)
-    t11 = t10 @ M_1
-    t12 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t11, t11, optimize=[(0, 1)])
-    t13 = torch.sqrt(torch.clamp(t12, min=0.0))
-    return t13
-
-
-def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
-    """The full functional Hessian, parameters in declared order W_Q, W_K, W_V."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    H = torch.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype, device=X.device)
-    t0 = H[0:d_K*d_V, 0:d_K*d_V]
-    t1 = t0.view((d_V, d_K, d_V, d_K))
-    t2 = W_K.transpose(-1, -2)
-    t3 = X.transpose(-1, -2)
-    t4 = t2 @ t3
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    t8 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t9 = torch.where(t8, -math.inf, t7)
-    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
-    A = t10 / t10.sum(-1, keepdim=True)
-    t11 = A @ X
-    M_1 = t11
-    t12 = M_1 @ W_V
-    t13 = -Y
-    t14 = t12 + t13
-    t15 = (2/(L*d_V)) * t14
-    G = t15
-    t16 = W_V.transpose(-1, -2)
-    t17 = t16 @ t3
-    t18 = G @ t17
-    t19 = t18 - (A * t18).sum(-1, keepdim=True)
-    t20 = A * t19
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t3, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t2, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
-    t21 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t21[...] = 0
-    t22 = t21.view((d_V, d_K, d_V, d_K))
-    t23 = t22.diagonal(0, 1, 3)
-    t24 = t20 @ X
-    t25 = t3 @ t24
-    t26 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t23 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t25, t26, optimize=[(0, 1)])
-    t22 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t2, t3, M_3, X, W_Q, optimize=[(3, 4), (0, 2), (0, 1), (0, 1)])
-    t27 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t28 = t27.view((d_V, d_K, d_V, d_V))
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t28[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t2, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
-    t29 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t29[...] = 0
-    t30 = t29.view((d_V, d_K, d_V, d_K))
-    t31 = t30.diagonal(0, 1, 3)
-    t32 = t20.transpose(-1, -2)
-    t33 = t32 @ X
-    t34 = t3 @ t33
-    t31 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t34, t26, optimize=[(0, 1)])
-    t35 = W_Q.transpose(-1, -2)
-    t30 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t35, t3, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
-    t36 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t37 = t36.view((d_V, d_K, d_V, d_K))
-    t37[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t35, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t38 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t39 = t38.view((d_V, d_K, d_V, d_V))
-    t39[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t35, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
-    t40 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t41 = t40.view((d_V, d_V, d_V, d_K))
-    t42 = G.transpose(-1, -2)
-    t41[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t42, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
-    t43 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t44 = t43.view((d_V, d_V, d_V, d_K))
-    t44[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t42, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t45 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t45[...] = 0
-    return H
-
-
-def mse_causal1__hvp__functional(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
-    """(Σ_q H_functional(p, q) V_q for p in the parameters): matrix view, no block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = X.transpose(-1, -2)
-    t1 = W_K.transpose(-1, -2)
-    t2 = t1 @ t0
-    t3 = W_Q @ t2
-    t4 = X @ t3
-    t5 = (1/math.sqrt(d_K)) * t4
-    t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t7 = torch.where(t6, -math.inf, t5)
-    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
-    A = t8 / t8.sum(-1, keepdim=True)
-    t9 = V_W_Q @ t2
-    t10 = X @ t9
-    t11 = V_W_K.transpose(-1, -2)
-    t12 = t11 @ t0
-    t13 = W_Q @ t12
-    t14 = X @ t13
-    t15 = t10 + t14
-    t16 = X @ W_V
-    t17 = A @ t16
-    t18 = -Y
-    t19 = t17 + t18
-    t20 = (2/(L*d_V)) * t19
-    G = t20
-    t21 = W_V.transpose(-1, -2)
-    t22 = t21 @ t0
-    t23 = G @ t22
-    t24 = t15 - (A * t15).sum(-1, keepdim=True)
-    t25 = t23 - (A * t23).sum(-1, keepdim=True)
-    t26 = A * t24 * t25
-    t27 = t26 - A * t26.sum(-1, keepdim=True)
-    t28 = (1/math.sqrt(d_K)) * t27
-    t29 = V_W_V.transpose(-1, -2)
-    t30 = t29 @ t0
-    t31 = G @ t30
-    t32 = t31 - (A * t31).sum(-1, keepdim=True)
-    t33 = A * t32
-    t34 = t28 + t33
-    t35 = X @ W_K
-    t36 = t34 @ t35
-    t37 = t0 @ t36
-    t38 = A * t25
-    t39 = X @ V_W_K
-    t40 = t38 @ t39
-    t41 = t0 @ t40
-    t42 = t37 + t41
-    t43 = (1/math.sqrt(d_K)) * t42
-    t44 = t27.transpose(-1, -2)
-    t45 = (1/math.sqrt(d_K)) * t44
-    t46 = t33.transpose(-1, -2)
-    t47 = t45 + t46
-    t48 = X @ W_Q
-    t49 = t47 @ t48
-    t50 = t0 @ t49
-    t51 = t38.transpose(-1, -2)
-    t52 = X @ V_W_Q
-    t53 = t51 @ t52
-    t54 = t0 @ t53
-    t55 = t50 + t54
-    t56 = (1/math.sqrt(d_K)) * t55
-    t57 = A * t24
-    t58 = t57.transpose(-1, -2)
-    t59 = t58 @ G
-    t60 = t0 @ t59
-    t61 = (1/math.sqrt(d_K)) * t60
-    return (t43.mean(0), t56.mean(0), t61.mean(0),)
-
-
-def mse_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
-    """(‖H_functional(p, q)‖_F for p, q in the parameters, row-major)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = W_K.transpose(-1, -2)
-    t1 = X.transpose(-1, -2)
-    t2 = t0 @ t1
-    t3 = W_Q @ t2
-    t4 = X @ t3
-    t5 = (1/math.sqrt(d_K)) * t4
-    t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t7 = torch.where(t6, -math.inf, t5)
-    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
-    A = t8 / t8.sum(-1, keepdim=True)
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    t11 = -Y
-    t12 = t10 + t11
-    t13 = (2/(L*d_V)) * t12
-    G = t13
-    t14 = W_V.transpose(-1, -2)
-    t15 = t14 @ t1
-    t16 = G @ t15
-    t17 = t16 - (A * t16).sum(-1, keepdim=True)
-    t18 = A * t17
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t19 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
-    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
-    t21 = t18 @ X
-    t22 = t1 @ t21
-    t23 = (n_batch**(-2)) * oe.contract('abc,dbc->', t22, t22, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t22, t0, t1, M_3, X, W_Q, optimize=[(1, 5), (3, 4), (2, 3), (1, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)])
-    t24 = torch.sqrt(torch.clamp(t23, min=0.0))
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t25 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
-    t26 = torch.sqrt(torch.clamp(t25, min=0.0))
-    t27 = t18.transpose(-1, -2)
-    t28 = t27 @ X
-    t29 = t1 @ t28
-    t30 = W_Q.transpose(-1, -2)
-    t31 = (n_batch**(-2)) * oe.contract('abc,dbc->', t29, t29, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t29, t30, t1, M_3, X, W_K, optimize=[(1, 2), (3, 4), (1, 3), (1, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t30, t1, M_3, X, W_K, t30, t1, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t32 = torch.sqrt(torch.clamp(t31, min=0.0))
-    t33 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t30, t1, M_3, X, W_Q, t30, t1, M_3, X, W_Q, optimize=[(0, 1), (0, 5), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)])
-    t34 = torch.sqrt(torch.clamp(t33, min=0.0))
-    t35 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t30, M_2, X, G, t30, M_2, X, G, optimize=[(0, 4), (2, 5), (1, 4), (3, 4), (2, 3), (0, 2), (0, 1)])
-    t36 = torch.sqrt(torch.clamp(t35, min=0.0))
-    t37 = G.transpose(-1, -2)
-    t38 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t37, M_2, X, W_K, t37, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
-    t39 = torch.sqrt(torch.clamp(t38, min=0.0))
-    t40 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t37, M_2, X, W_Q, t37, M_2, X, W_Q, optimize=[(0, 4), (1, 2), (2, 3), (2, 3), (2, 3), (0, 2), (0, 1)])
-    t41 = torch.sqrt(torch.clamp(t40, min=0.0))
-    return (t20, t24, t26, t32, t34, t36, t39, t41, 0.0,)
-
-
-def mse_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
-    """diag H_functional(W_Q, W_Q) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V,), dtype=X.dtype, device=X.device)
-    t0 = out.view((d_V, d_K))
-    t1 = W_K.transpose(-1, -2)
-    t2 = X.transpose(-1, -2)
-    t3 = t1 @ t2
-    t4 = W_Q @ t3
-    t5 = X @ t4
-    t6 = (1/math.sqrt(d_K)) * t5
-    t7 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t8 = torch.where(t7, -math.inf, t6)
-    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
-    A = t9 / t9.sum(-1, keepdim=True)
-    t10 = A @ X
-    M_1 = t10
-    t11 = M_1 @ W_V
-    t12 = -Y
-    t13 = t11 + t12
-    t14 = (2/(L*d_V)) * t13
-    G = t14
-    t15 = W_V.transpose(-1, -2)
-    t16 = t15 @ t2
-    t17 = G @ t16
-    t18 = t17 - (A * t17).sum(-1, keepdim=True)
-    t19 = A * t18
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t19, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t19, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t19, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->da', t1, t2, M_3, X, W_K, optimize=[(1, 3), (0, 2), (0, 2), (0, 1)])
-    return out
-
-
-def mse_causal1__trace__W_Q__functional(X, W_Q, W_K, W_V, Y):
-    """tr H_functional(W_Q, W_Q) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = W_K.transpose(-1, -2)
-    t1 = X.transpose(-1, -2)
-    t2 = t0 @ t1
-    t3 = W_Q @ t2
-    t4 = X @ t3
-    t5 = (1/math.sqrt(d_K)) * t4
-    t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t7 = torch.where(t6, -math.inf, t5)
-    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
-    A = t8 / t8.sum(-1, keepdim=True)
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    t11 = -Y
-    t12 = t10 + t11
-    t13 = (2/(L*d_V)) * t12
-    G = t13
-    t14 = W_V.transpose(-1, -2)
-    t15 = t14 @ t1
-    t16 = G @ t15
-    t17 = t16 - (A * t16).sum(-1, keepdim=True)
-    t18 = A * t17
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    return (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->', t0, t1, M_3, X, W_K, optimize=[(1, 3), (0, 2), (0, 2), (0, 1)])
-
-
-def mse_causal1__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
-    """H_functional(W_Q, W_Q) as a dense (numel W_Q × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
-    t0 = out.view((d_V, d_K, d_V, d_K))
-    t1 = W_K.transpose(-1, -2)
-    t2 = X.transpose(-1, -2)
-    t3 = t1 @ t2
-    t4 = W_Q @ t3
-    t5 = X @ t4
-    t6 = (1/math.sqrt(d_K)) * t5
-    t7 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t8 = torch.where(t7, -math.inf, t6)
-    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
-    A = t9 / t9.sum(-1, keepdim=True)
-    t10 = A @ X
-    M_1 = t10
-    t11 = M_1 @ W_V
-    t12 = -Y
-    t13 = t11 + t12
-    t14 = (2/(L*d_V)) * t13
-    G = t14
-    t15 = W_V.transpose(-1, -2)
-    t16 = t15 @ t2
-    t17 = G @ t16
-    t18 = t17 - (A * t17).sum(-1, keepdim=True)
-    t19 = A * t18
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t19, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t19, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t19, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t1, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
-    return out
-
-
-def mse_causal1__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
-    """‖H_functional(W_Q, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = W_K.transpose(-1, -2)
-    t1 = X.transpose(-1, -2)
-    t2 = t0 @ t1
-    t3 = W_Q @ t2
-    t4 = X @ t3
-    t5 = (1/math.sqrt(d_K)) * t4
-    t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t7 = torch.where(t6, -math.inf, t5)
-    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
-    A = t8 / t8.sum(-1, keepdim=True)
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    t11 = -Y
-    t12 = t10 + t11
-    t13 = (2/(L*d_V)) * t12
-    G = t13
-    t14 = W_V.transpose(-1, -2)
-    t15 = t14 @ t1
-    t16 = G @ t15
-    t17 = t16 - (A * t16).sum(-1, keepdim=True)
-    t18 = A * t17
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t19 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
-    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
-    return t20
-
-
-def mse_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
-    """H_functional(W_Q, W_K) as a dense (numel W_Q × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
-    out[...] = 0
-    t0 = out.view((d_V, d_K, d_V, d_K))
-    t1 = t0.diagonal(0, 1, 3)
-    t2 = X.transpose(-1, -2)
-    t3 = W_K.transpose(-1, -2)
-    t4 = t3 @ t2
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    t8 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t9 = torch.where(t8, -math.inf, t7)
-    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
-    A = t10 / t10.sum(-1, keepdim=True)
-    t11 = A @ X
-    M_1 = t11
-    t12 = M_1 @ W_V
-    t13 = -Y
-    t14 = t12 + t13
-    t15 = (2/(L*d_V)) * t14
-    G = t15
-    t16 = W_V.transpose(-1, -2)
-    t17 = t16 @ t2
-    t18 = G @ t17
-    t19 = t18 - (A * t18).sum(-1, keepdim=True)
-    t20 = A * t19
-    t21 = t20 @ X
-    t22 = t2 @ t21
-    t23 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t22, t23, optimize=[(0, 1)])
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t3, t2, M_3, X, W_Q, optimize=[(3, 4), (0, 2), (0, 1), (0, 1)])
-    return out
-
-
-def mse_causal1__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
-    """‖H_functional(W_Q, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = X.transpose(-1, -2)
-    t1 = W_K.transpose(-1, -2)
-    t2 = t1 @ t0
-    t3 = W_Q @ t2
-    t4 = X @ t3
-    t5 = (1/math.sqrt(d_K)) * t4
-    t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t7 = torch.where(t6, -math.inf, t5)
-    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
-    A = t8 / t8.sum(-1, keepdim=True)
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    t11 = -Y
-    t12 = t10 + t11
-    t13 = (2/(L*d_V)) * t12
-    G = t13
-    t14 = W_V.transpose(-1, -2)
-    t15 = t14 @ t0
-    t16 = G @ t15
-    t17 = t16 - (A * t16).sum(-1, keepdim=True)
-    t18 = A * t17
-    t19 = t18 @ X
-    t20 = t0 @ t19
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t0, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t21 = (n_batch**(-2)) * oe.contract('abc,dbc->', t20, t20, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t20, t1, t0, M_3, X, W_Q, optimize=[(1, 5), (3, 4), (2, 3), (1, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t1, t0, M_3, X, W_Q, t1, t0, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)])
-    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
-    return t22
-
-
-def mse_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
-    """H_functional(W_Q, W_V) as a dense (numel W_Q × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_V**2), dtype=X.dtype, device=X.device)
-    t0 = out.view((d_V, d_K, d_V, d_V))
-    t1 = W_K.transpose(-1, -2)
-    t2 = X.transpose(-1, -2)
-    t3 = t1 @ t2
-    t4 = W_Q @ t3
-    t5 = X @ t4
-    t6 = (1/math.sqrt(d_K)) * t5
-    t7 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t8 = torch.where(t7, -math.inf, t6)
-    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
-    A = t9 / t9.sum(-1, keepdim=True)
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t10 = A @ X
-    M_1 = t10
-    t11 = M_1 @ W_V
-    t12 = -Y
-    t13 = t11 + t12
-    t14 = (2/(L*d_V)) * t13
-    G = t14
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t1, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
-    return out
-
-
-def mse_causal1__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
-    """‖H_functional(W_Q, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = W_K.transpose(-1, -2)
-    t1 = X.transpose(-1, -2)
-    t2 = t0 @ t1
-    t3 = W_Q @ t2
-    t4 = X @ t3
-    t5 = (1/math.sqrt(d_K)) * t4
-    t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t7 = torch.where(t6, -math.inf, t5)
-    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
-    A = t8 / t8.sum(-1, keepdim=True)
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    t11 = -Y
-    t12 = t10 + t11
-    t13 = (2/(L*d_V)) * t12
-    G = t13
-    t14 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
-    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
-    return t15
-
-
-def mse_causal1__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
-    """diag H_functional(W_K, W_K) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V,), dtype=X.dtype, device=X.device)
-    t0 = out.view((d_V, d_K))
-    t1 = W_Q.transpose(-1, -2)
-    t2 = X.transpose(-1, -2)
-    t3 = W_K.transpose(-1, -2)
-    t4 = t3 @ t2
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    t8 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t9 = torch.where(t8, -math.inf, t7)
-    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
-    A = t10 / t10.sum(-1, keepdim=True)
-    t11 = A @ X
-    M_1 = t11
-    t12 = M_1 @ W_V
-    t13 = -Y
-    t14 = t12 + t13
-    t15 = (2/(L*d_V)) * t14
-    G = t15
-    t16 = W_V.transpose(-1, -2)
-    t17 = t16 @ t2
-    t18 = G @ t17
-    t19 = t18 - (A * t18).sum(-1, keepdim=True)
-    t20 = A * t19
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->ea', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    return out
-
-
-def mse_causal1__trace__W_K__functional(X, W_Q, W_K, W_V, Y):
-    """tr H_functional(W_K, W_K) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = W_Q.transpose(-1, -2)
-    t1 = X.transpose(-1, -2)
-    t2 = W_K.transpose(-1, -2)
-    t3 = t2 @ t1
-    t4 = W_Q @ t3
-    t5 = X @ t4
-    t6 = (1/math.sqrt(d_K)) * t5
-    t7 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t8 = torch.where(t7, -math.inf, t6)
-    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
-    A = t9 / t9.sum(-1, keepdim=True)
-    t10 = A @ X
-    M_1 = t10
-    t11 = M_1 @ W_V
-    t12 = -Y
-    t13 = t11 + t12
-    t14 = (2/(L*d_V)) * t13
-    G = t14
-    t15 = W_V.transpose(-1, -2)
-    t16 = t15 @ t1
-    t17 = G @ t16
-    t18 = t17 - (A * t17).sum(-1, keepdim=True)
-    t19 = A * t18
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t19, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t19, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t19, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    return (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->', t0, t1, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-
-
-def mse_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
-    """H_functional(W_K, W_Q) as a dense (numel W_K × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
-    out[...] = 0
-    t0 = out.view((d_V, d_K, d_V, d_K))
-    t1 = t0.diagonal(0, 1, 3)
-    t2 = X.transpose(-1, -2)
-    t3 = W_K.transpose(-1, -2)
-    t4 = t3 @ t2
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    t8 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t9 = torch.where(t8, -math.inf, t7)
-    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
-    A = t10 / t10.sum(-1, keepdim=True)
-    t11 = A @ X
-    M_1 = t11
-    t12 = M_1 @ W_V
-    t13 = -Y
-    t14 = t12 + t13
-    t15 = (2/(L*d_V)) * t14
-    G = t15
-    t16 = W_V.transpose(-1, -2)
-    t17 = t16 @ t2
-    t18 = G @ t17
-    t19 = t18 - (A * t18).sum(-1, keepdim=True)
-    t20 = A * t19
-    t21 = t20.transpose(-1, -2)
-    t22 = t21 @ X
-    t23 = t2 @ t22
-    t24 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t23, t24, optimize=[(0, 1)])
-    t25 = W_Q.transpose(-1, -2)
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t25, t2, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
-    return out
-
-
-def mse_causal1__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
-    """‖H_functional(W_K, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = X.transpose(-1, -2)
-    t1 = W_K.transpose(-1, -2)
-    t2 = t1 @ t0
-    t3 = W_Q @ t2
-    t4 = X @ t3
-    t5 = (1/math.sqrt(d_K)) * t4
-    t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t7 = torch.where(t6, -math.inf, t5)
-    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
-    A = t8 / t8.sum(-1, keepdim=True)
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    t11 = -Y
-    t12 = t10 + t11
-    t13 = (2/(L*d_V)) * t12
-    G = t13
-    t14 = W_V.transpose(-1, -2)
-    t15 = t14 @ t0
-    t16 = G @ t15
-    t17 = t16 - (A * t16).sum(-1, keepdim=True)
-    t18 = A * t17
-    t19 = t18.transpose(-1, -2)
-    t20 = t19 @ X
-    t21 = t0 @ t20
-    t22 = W_Q.transpose(-1, -2)
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t0, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t23 = (n_batch**(-2)) * oe.contract('abc,dbc->', t21, t21, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t21, t22, t0, M_3, X, W_K, optimize=[(1, 2), (3, 4), (1, 3), (1, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t22, t0, M_3, X, W_K, t22, t0, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t24 = torch.sqrt(torch.clamp(t23, min=0.0))
-    return t24
-
-
-def mse_causal1__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
-    """H_functional(W_K, W_K) as a dense (numel W_K × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
-    t0 = out.view((d_V, d_K, d_V, d_K))
-    t1 = W_Q.transpose(-1, -2)
-    t2 = X.transpose(-1, -2)
-    t3 = W_K.transpose(-1, -2)
-    t4 = t3 @ t2
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    t8 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t9 = torch.where(t8, -math.inf, t7)
-    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
-    A = t10 / t10.sum(-1, keepdim=True)
-    t11 = A @ X
-    M_1 = t11
-    t12 = M_1 @ W_V
-    t13 = -Y
-    t14 = t12 + t13
-    t15 = (2/(L*d_V)) * t14
-    G = t15
-    t16 = W_V.transpose(-1, -2)
-    t17 = t16 @ t2
-    t18 = G @ t17
-    t19 = t18 - (A * t18).sum(-1, keepdim=True)
-    t20 = A * t19
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    return out
-
-
-def mse_causal1__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
-    """‖H_functional(W_K, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = W_Q.transpose(-1, -2)
-    t1 = X.transpose(-1, -2)
-    t2 = W_K.transpose(-1, -2)
-    t3 = t2 @ t1
-    t4 = W_Q @ t3
-    t5 = X @ t4
-    t6 = (1/math.sqrt(d_K)) * t5
-    t7 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t8 = torch.where(t7, -math.inf, t6)
-    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
-    A = t9 / t9.sum(-1, keepdim=True)
-    t10 = A @ X
-    M_1 = t10
-    t11 = M_1 @ W_V
-    t12 = -Y
-    t13 = t11 + t12
-    t14 = (2/(L*d_V)) * t13
-    G = t14
-    t15 = W_V.transpose(-1, -2)
-    t16 = t15 @ t1
-    t17 = G @ t16
-    t18 = t17 - (A * t17).sum(-1, keepdim=True)
-    t19 = A * t18
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t19, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t19, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t19, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t20 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 1), (0, 5), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)])
-    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
-    return t21
-
-
-def mse_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
-    """H_functional(W_K, W_V) as a dense (numel W_K × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_V**2), dtype=X.dtype, device=X.device)
-    t0 = out.view((d_V, d_K, d_V, d_V))
-    t1 = W_Q.transpose(-1, -2)
-    t2 = X.transpose(-1, -2)
-    t3 = W_K.transpose(-1, -2)
-    t4 = t3 @ t2
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    t8 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t9 = torch.where(t8, -math.inf, t7)
-    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
-    A = t10 / t10.sum(-1, keepdim=True)
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t11 = A @ X
-    M_1 = t11
-    t12 = M_1 @ W_V
-    t13 = -Y
-    t14 = t12 + t13
-    t15 = (2/(L*d_V)) * t14
-    G = t15
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t1, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
-    return out
-
-
-def mse_causal1__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
-    """‖H_functional(W_K, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = W_Q.transpose(-1, -2)
-    t1 = X.transpose(-1, -2)
-    t2 = W_K.transpose(-1, -2)
-    t3 = t2 @ t1
-    t4 = W_Q @ t3
-    t5 = X @ t4
-    t6 = (1/math.sqrt(d_K)) * t5
-    t7 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t8 = torch.where(t7, -math.inf, t6)
-    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
-    A = t9 / t9.sum(-1, keepdim=True)
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t10 = A @ X
-    M_1 = t10
-    t11 = M_1 @ W_V
-    t12 = -Y
-    t13 = t11 + t12
-    t14 = (2/(L*d_V)) * t13
-    G = t14
-    t15 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (2, 5), (1, 4), (3, 4), (2, 3), (0, 2), (0, 1)])
-    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
-    return t16
-
-
-def mse_causal1__diag__W_V__functional(X, W_Q, W_K, W_V, Y):
-    """diag H_functional(W_V, W_V) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    out = torch.empty((d_V**2,), dtype=X.dtype, device=X.device)
-    out[...] = 0
-    return out
-
-
-def mse_causal1__trace__W_V__functional(X, W_Q, W_K, W_V, Y):
-    """tr H_functional(W_V, W_V) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    return 0.0
-
-
-def mse_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
-    """H_functional(W_V, W_Q) as a dense (numel W_V × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_K*d_V), dtype=X.dtype, device=X.device)
-    t0 = out.view((d_V, d_V, d_V, d_K))
-    t1 = W_K.transpose(-1, -2)
-    t2 = X.transpose(-1, -2)
-    t3 = t1 @ t2
-    t4 = W_Q @ t3
-    t5 = X @ t4
-    t6 = (1/math.sqrt(d_K)) * t5
-    t7 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t8 = torch.where(t7, -math.inf, t6)
-    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
-    A = t9 / t9.sum(-1, keepdim=True)
-    t10 = A @ X
-    M_1 = t10
-    t11 = M_1 @ W_V
-    t12 = -Y
-    t13 = t11 + t12
-    t14 = (2/(L*d_V)) * t13
-    G = t14
-    t15 = G.transpose(-1, -2)
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t15, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
-    return out
-
-
-def mse_causal1__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
-    """‖H_functional(W_V, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = W_K.transpose(-1, -2)
-    t1 = X.transpose(-1, -2)
-    t2 = t0 @ t1
-    t3 = W_Q @ t2
-    t4 = X @ t3
-    t5 = (1/math.sqrt(d_K)) * t4
-    t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t7 = torch.where(t6, -math.inf, t5)
-    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
-    A = t8 / t8.sum(-1, keepdim=True)
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    t11 = -Y
-    t12 = t10 + t11
-    t13 = (2/(L*d_V)) * t12
-    G = t13
-    t14 = G.transpose(-1, -2)
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t15 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t14, M_2, X, W_K, t14, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
-    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
-    return t16
-
-
-def mse_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
-    """H_functional(W_V, W_K) as a dense (numel W_V × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_K*d_V), dtype=X.dtype, device=X.device)
-    t0 = out.view((d_V, d_V, d_V, d_K))
-    t1 = W_K.transpose(-1, -2)
-    t2 = X.transpose(-1, -2)
-    t3 = t1 @ t2
-    t4 = W_Q @ t3
-    t5 = X @ t4
-    t6 = (1/math.sqrt(d_K)) * t5
-    t7 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t8 = torch.where(t7, -math.inf, t6)
-    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
-    A = t9 / t9.sum(-1, keepdim=True)
-    t10 = A @ X
-    M_1 = t10
-    t11 = M_1 @ W_V
-    t12 = -Y
-    t13 = t11 + t12
-    t14 = (2/(L*d_V)) * t13
-    G = t14
-    t15 = G.transpose(-1, -2)
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t15, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    return out
-
-
-def mse_causal1__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
-    """‖H_functional(W_V, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = W_K.transpose(-1, -2)
-    t1 = X.transpose(-1, -2)
-    t2 = t0 @ t1
-    t3 = W_Q @ t2
-    t4 = X @ t3
-    t5 = (1/math.sqrt(d_K)) * t4
-    t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t7 = torch.where(t6, -math.inf, t5)
-    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
-    A = t8 / t8.sum(-1, keepdim=True)
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    t11 = -Y
-    t12 = t10 + t11
-    t13 = (2/(L*d_V)) * t12
-    G = t13
-    t14 = G.transpose(-1, -2)
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t15 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t14, M_2, X, W_Q, t14, M_2, X, W_Q, optimize=[(0, 4), (1, 2), (2, 3), (2, 3), (2, 3), (0, 2), (0, 1)])
-    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
-    return t16
-
-
-def mse_causal1__block__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
-    """H_functional(W_V, W_V) as a dense (numel W_V × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
-    out[...] = 0
-    return out
-
-
-def mse_causal1__frobenius__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
-    """‖H_functional(W_V, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    return 0.0
-
-
-def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
-    """The full full Hessian, parameters in declared order W_Q, W_K, W_V."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    H = torch.empty((2*d_K*d_V + d_V**2, 2*d_K*d_V + d_V**2), dtype=X.dtype, device=X.device)
-    t0 = H[0:d_K*d_V, 0:d_K*d_V]
-    t1 = t0.view((d_V, d_K, d_V, d_K))
-    t2 = W_K.transpose(-1, -2)
-    t3 = X.transpose(-1, -2)
-    t4 = t2 @ t3
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    t8 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t9 = torch.where(t8, -math.inf, t7)
-    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
-    A = t10 / t10.sum(-1, keepdim=True)
-    t11 = A @ X
-    M_1 = t11
-    t12 = M_1 @ W_V
-    t13 = -Y
-    t14 = t12 + t13
-    t15 = (2/(L*d_V)) * t14
-    G = t15
-    t16 = W_V.transpose(-1, -2)
-    t17 = t16 @ t3
-    t18 = G @ t17
-    t19 = t18 - (A * t18).sum(-1, keepdim=True)
-    t20 = A * t19
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t3, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t2, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t21 = W_V @ t16
-    t1 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t2, M_2, X, t21, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t22 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t22[...] = 0
-    t23 = t22.view((d_V, d_K, d_V, d_K))
-    t24 = t23.diagonal(0, 1, 3)
-    t25 = t20 @ X
-    t26 = t3 @ t25
-    t27 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t24 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t26, t27, optimize=[(0, 1)])
-    t23 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t2, t3, M_3, X, W_Q, optimize=[(3, 4), (0, 2), (0, 1), (0, 1)])
-    t23 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t2, M_2, X, t21, M_2, X, W_Q, optimize=[(5, 6), (0, 1), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t28 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t29 = t28.view((d_V, d_K, d_V, d_V))
-    t29[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t2, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
-    t29 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t2, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t30 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t30[...] = 0
-    t31 = t30.view((d_V, d_K, d_V, d_K))
-    t32 = t31.diagonal(0, 1, 3)
-    t33 = t20.transpose(-1, -2)
-    t34 = t33 @ X
-    t35 = t3 @ t34
-    t32 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t35, t27, optimize=[(0, 1)])
-    t36 = W_Q.transpose(-1, -2)
-    t31 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t36, t3, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
-    t31 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t36, M_2, X, t21, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t37 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t38 = t37.view((d_V, d_K, d_V, d_K))
-    t38[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t36, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t38 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t36, M_2, X, t21, M_2, X, W_Q, optimize=[(0, 2), (3, 4), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t39 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t40 = t39.view((d_V, d_K, d_V, d_V))
-    t40[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t36, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
-    t40 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fagh', t36, M_2, X, M_1, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
-    t41 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t42 = t41.view((d_V, d_V, d_V, d_K))
-    t43 = G.transpose(-1, -2)
-    t42[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t43, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
-    t44 = M_1.transpose(-1, -2)
-    t42 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,fh->bdgh', t44, t16, M_2, X, W_K, optimize=[(0, 3), (0, 1), (0, 2), (0, 1)])
-    t45 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t46 = t45.view((d_V, d_V, d_V, d_K))
-    t46[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t43, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t46 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,gh->bdfh', t44, t16, M_2, X, W_Q, optimize=[(3, 4), (0, 3), (0, 1), (0, 1)])
-    t47 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t47[...] = 0
-    t48 = t47.view((d_V, d_V, d_V, d_V))
-    t49 = t48.diagonal(0, 1, 3)
-    t50 = t44 @ M_1
-    t51 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t49 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bcd', t50, t51, optimize=[(0, 1)])
-    return H
-
-
-def mse_causal1__hvp__full(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
-    """(Σ_q H_full(p, q) V_q for p in the parameters): matrix view, no block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = X.transpose(-1, -2)
-    t1 = W_K.transpose(-1, -2)
-    t2 = t1 @ t0
-    t3 = W_Q @ t2
-    t4 = X @ t3
-    t5 = (1/math.sqrt(d_K)) * t4
-    t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t7 = torch.where(t6, -math.inf, t5)
-    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
-    A = t8 / t8.sum(-1, keepdim=True)
-    t9 = V_W_Q @ t2
-    t10 = X @ t9
-    t11 = V_W_K.transpose(-1, -2)
-    t12 = t11 @ t0
-    t13 = W_Q @ t12
-    t14 = X @ t13
-    t15 = t10 + t14
-    t16 = X @ W_V
-    t17 = A @ t16
-    t18 = -Y
-    t19 = t17 + t18
-    t20 = W_V.transpose(-1, -2)
-    t21 = t20 @ t0
-    t22 = t19 @ t21
-    t23 = t15 - (A * t15).sum(-1, keepdim=True)
-    t24 = t22 - (A * t22).sum(-1, keepdim=True)
-    t25 = A * t23 * t24
-    t26 = t25 - A * t25.sum(-1, keepdim=True)
-    t27 = (1/math.sqrt(d_K)) * t26
-    t28 = V_W_V.transpose(-1, -2)
-    t29 = t28 @ t0
-    t30 = t19 @ t29
-    t31 = A * t23
-    t32 = t31 @ t16
-    t33 = (1/math.sqrt(d_K)) * t32
-    t34 = X @ V_W_V
-    t35 = A @ t34
-    t36 = t33 + t35
-    t37 = t36 @ t21
-    t38 = t30 + t37
-    t39 = t38 - (A * t38).sum(-1, keepdim=True)
-    t40 = A * t39
-    t41 = t27 + t40
-    t42 = X @ W_K
-    t43 = t41 @ t42
-    t44 = t0 @ t43
-    t45 = A * t24
-    t46 = X @ V_W_K
-    t47 = t45 @ t46
-    t48 = t0 @ t47
-    t49 = t44 + t48
-    t50 = (2/(L*math.sqrt(d_K)*d_V)) * t49
-    t51 = t26.transpose(-1, -2)
-    t52 = (1/math.sqrt(d_K)) * t51
-    t53 = t40.transpose(-1, -2)
-    t54 = t52 + t53
-    t55 = X @ W_Q
-    t56 = t54 @ t55
-    t57 = t0 @ t56
-    t58 = t45.transpose(-1, -2)
-    t59 = X @ V_W_Q
-    t60 = t58 @ t59
-    t61 = t0 @ t60
-    t62 = t57 + t61
-    t63 = (2/(L*math.sqrt(d_K)*d_V)) * t62
-    t64 = t31.transpose(-1, -2)
-    t65 = t64 @ t19
-    t66 = t0 @ t65
-    t67 = (1/math.sqrt(d_K)) * t66
-    t68 = A.transpose(-1, -2)
-    t69 = t68 @ t36
-    t70 = t0 @ t69
-    t71 = t67 + t70
-    t72 = (2/(L*d_V)) * t71
-    return (t50.mean(0), t63.mean(0), t72.mean(0),)
-
-
-def mse_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
-    """(‖H_full(p, q)‖_F for p, q in the parameters, row-major)."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = W_K.transpose(-1, -2)
-    t1 = X.transpose(-1, -2)
-    t2 = t0 @ t1
-    t3 = W_Q @ t2
-    t4 = X @ t3
-    t5 = (1/math.sqrt(d_K)) * t4
-    t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t7 = torch.where(t6, -math.inf, t5)
-    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
-    A = t8 / t8.sum(-1, keepdim=True)
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    t11 = -Y
-    t12 = t10 + t11
-    t13 = (2/(L*d_V)) * t12
-    G = t13
-    t14 = W_V.transpose(-1, -2)
-    t15 = t14 @ t1
-    t16 = G @ t15
-    t17 = t16 - (A * t16).sum(-1, keepdim=True)
-    t18 = A * t17
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t19 = W_V @ t14
-    t20 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jkli,jkd,lm,jkmn,jkg,nh->', t0, t1, M_3, X, W_K, t0, M_2, X, t19, M_2, X, W_K, optimize=[(0, 5), (0, 5), (1, 6), (7, 8), (1, 5), (0, 4), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj,ak,lmnk,lmf,no,lmop,lmi,pj->', t0, M_2, X, t19, M_2, X, W_K, t0, M_2, X, t19, M_2, X, W_K, optimize=[(0, 7), (1, 7), (3, 8), (9, 10), (3, 7), (0, 1), (0, 7), (0, 1), (0, 5), (0, 3), (0, 2), (1, 2), (0, 1)])
-    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
-    t22 = t18 @ X
-    t23 = t1 @ t22
-    t24 = (n_batch**(-2)) * oe.contract('abc,dbc->', t23, t23, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t23, t0, t1, M_3, X, W_Q, optimize=[(1, 5), (3, 4), (2, 3), (1, 2), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgic,fgj,jd->', t23, t0, M_2, X, t19, M_2, X, W_Q, optimize=[(0, 3), (3, 6), (0, 4), (1, 3), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkmf,jkn,nh->', t0, t1, M_3, X, W_Q, t0, M_2, X, t19, M_2, X, W_Q, optimize=[(0, 5), (0, 5), (1, 2), (4, 5), (6, 7), (5, 6), (0, 4), (0, 1), (0, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij,ak,lmnk,lmf,no,lmoh,lmp,pj->', t0, M_2, X, t19, M_2, X, W_Q, t0, M_2, X, t19, M_2, X, W_Q, optimize=[(0, 7), (1, 7), (3, 4), (6, 7), (8, 9), (7, 8), (0, 1), (0, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)])
-    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
-    t26 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijkh,ijf,ije,kg->', t0, M_2, X, G, t0, M_2, X, M_1, W_V, optimize=[(0, 4), (1, 4), (1, 4), (0, 2), (2, 4), (0, 1), (1, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,eh,ai,jkli,jkf,jkg,lh->', t0, M_2, X, M_1, W_V, t0, M_2, X, M_1, W_V, optimize=[(0, 5), (1, 5), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
-    t27 = torch.sqrt(torch.clamp(t26, min=0.0))
-    t28 = t18.transpose(-1, -2)
-    t29 = t28 @ X
-    t30 = t1 @ t29
-    t31 = W_Q.transpose(-1, -2)
-    t32 = (n_batch**(-2)) * oe.contract('abc,dbc->', t30, t30, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t30, t31, t1, M_3, X, W_K, optimize=[(1, 2), (3, 4), (1, 3), (1, 2), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgij,fgc,jd->', t30, t31, M_2, X, t19, M_2, X, W_K, optimize=[(0, 6), (1, 6), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t31, t1, M_3, X, W_K, t31, t1, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkmn,jkg,nh->', t31, t1, M_3, X, W_K, t31, M_2, X, t19, M_2, X, W_K, optimize=[(0, 1), (1, 8), (1, 7), (1, 3), (4, 7), (4, 6), (0, 4), (0, 1), (0, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj,ak,lmnf,lmk,no,lmop,lmi,pj->', t31, M_2, X, t19, M_2, X, W_K, t31, M_2, X, t19, M_2, X, W_K, optimize=[(0, 2), (3, 10), (3, 9), (3, 5), (6, 9), (6, 8), (0, 1), (0, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)])
-    t33 = torch.sqrt(torch.clamp(t32, min=0.0))
-    t34 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t31, t1, M_3, X, W_Q, t31, t1, M_3, X, W_Q, optimize=[(0, 1), (0, 5), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jkle,jki,lm,jkmf,jkn,nh->', t31, t1, M_3, X, W_Q, t31, M_2, X, t19, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (1, 3), (4, 5), (4, 6), (4, 5), (4, 5), (1, 2), (1, 3), (0, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij,ak,lmnf,lmk,no,lmoh,lmp,pj->', t31, M_2, X, t19, M_2, X, W_Q, t31, M_2, X, t19, M_2, X, W_Q, optimize=[(0, 2), (3, 4), (3, 5), (6, 7), (6, 8), (6, 7), (6, 7), (0, 1), (0, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
-    t35 = torch.sqrt(torch.clamp(t34, min=0.0))
-    t36 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t31, M_2, X, G, t31, M_2, X, G, optimize=[(0, 4), (2, 5), (1, 4), (3, 4), (2, 3), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijkf,ijh,ije,kg->', t31, M_2, X, G, t31, M_2, X, M_1, W_V, optimize=[(0, 2), (1, 6), (1, 3), (3, 5), (0, 2), (0, 3), (0, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,eh,ai,jklf,jki,jkg,lh->', t31, M_2, X, M_1, W_V, t31, M_2, X, M_1, W_V, optimize=[(0, 2), (1, 6), (1, 5), (1, 3), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t37 = torch.sqrt(torch.clamp(t36, min=0.0))
-    t38 = G.transpose(-1, -2)
-    t39 = M_1.transpose(-1, -2)
-    t40 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t38, M_2, X, W_K, t38, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acde,acf,eg,hdi,bj,hijk,hif,kg->', t38, M_2, X, W_K, t39, t14, M_2, X, W_K, optimize=[(0, 5), (1, 5), (1, 4), (0, 1), (2, 4), (0, 1), (1, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,fh,ibj,dk,ijkl,ijg,lh->', t39, t14, M_2, X, W_K, t39, t14, M_2, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
-    t41 = torch.sqrt(torch.clamp(t40, min=0.0))
-    t42 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t38, M_2, X, W_Q, t38, M_2, X, W_Q, optimize=[(0, 4), (1, 2), (2, 3), (2, 3), (2, 3), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acde,acf,fg,hdi,bj,hije,hik,kg->', t38, M_2, X, W_Q, t39, t14, M_2, X, W_Q, optimize=[(0, 5), (1, 2), (3, 4), (4, 5), (0, 1), (0, 3), (0, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,gh,ibj,dk,ijkf,ijl,lh->', t39, t14, M_2, X, W_Q, t39, t14, M_2, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t43 = torch.sqrt(torch.clamp(t42, min=0.0))
-    t44 = t39 @ M_1
-    t45 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t44, t44, optimize=[(0, 1)])
-    t46 = torch.sqrt(torch.clamp(t45, min=0.0))
-    return (t21, t25, t27, t33, t35, t37, t41, t43, t46,)
-
-
-def mse_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
-    """diag H_full(W_Q, W_Q) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V,), dtype=X.dtype, device=X.device)
-    t0 = out.view((d_V, d_K))
-    t1 = W_K.transpose(-1, -2)
-    t2 = X.transpose(-1, -2)
-    t3 = t1 @ t2
-    t4 = W_Q @ t3
-    t5 = X @ t4
-    t6 = (1/math.sqrt(d_K)) * t5
-    t7 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t8 = torch.where(t7, -math.inf, t6)
-    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
-    A = t9 / t9.sum(-1, keepdim=True)
-    t10 = A @ X
-    M_1 = t10
-    t11 = M_1 @ W_V
-    t12 = -Y
-    t13 = t11 + t12
-    t14 = (2/(L*d_V)) * t13
-    G = t14
-    t15 = W_V.transpose(-1, -2)
-    t16 = t15 @ t2
-    t17 = G @ t16
-    t18 = t17 - (A * t17).sum(-1, keepdim=True)
-    t19 = A * t18
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t19, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t19, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t19, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->da', t1, t2, M_3, X, W_K, optimize=[(1, 3), (0, 2), (0, 2), (0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t20 = W_V @ t15
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdf,ha->fa', t1, M_2, X, t20, M_2, X, W_K, optimize=[(2, 5), (0, 4), (0, 1), (0, 3), (1, 2), (0, 1)])
-    return out
-
-
-def mse_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
-    """tr H_full(W_Q, W_Q) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = W_K.transpose(-1, -2)
-    t1 = X.transpose(-1, -2)
-    t2 = t0 @ t1
-    t3 = W_Q @ t2
-    t4 = X @ t3
-    t5 = (1/math.sqrt(d_K)) * t4
-    t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t7 = torch.where(t6, -math.inf, t5)
-    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
-    A = t8 / t8.sum(-1, keepdim=True)
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    t11 = -Y
-    t12 = t10 + t11
-    t13 = (2/(L*d_V)) * t12
-    G = t13
-    t14 = W_V.transpose(-1, -2)
-    t15 = t14 @ t1
-    t16 = G @ t15
-    t17 = t16 - (A * t16).sum(-1, keepdim=True)
-    t18 = A * t17
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t19 = W_V @ t14
-    return (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->', t0, t1, M_3, X, W_K, optimize=[(1, 3), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdf,ha->', t0, M_2, X, t19, M_2, X, W_K, optimize=[(2, 5), (0, 4), (0, 3), (0, 1), (1, 2), (0, 1)])
-
-
-def mse_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
-    """H_full(W_Q, W_Q) as a dense (numel W_Q × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
-    t0 = out.view((d_V, d_K, d_V, d_K))
-    t1 = W_K.transpose(-1, -2)
-    t2 = X.transpose(-1, -2)
-    t3 = t1 @ t2
-    t4 = W_Q @ t3
-    t5 = X @ t4
-    t6 = (1/math.sqrt(d_K)) * t5
-    t7 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t8 = torch.where(t7, -math.inf, t6)
-    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
-    A = t9 / t9.sum(-1, keepdim=True)
-    t10 = A @ X
-    M_1 = t10
-    t11 = M_1 @ W_V
-    t12 = -Y
-    t13 = t11 + t12
-    t14 = (2/(L*d_V)) * t13
-    G = t14
-    t15 = W_V.transpose(-1, -2)
-    t16 = t15 @ t2
-    t17 = G @ t16
-    t18 = t17 - (A * t17).sum(-1, keepdim=True)
-    t19 = A * t18
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t19, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t19, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t19, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t1, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t20 = W_V @ t15
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t1, M_2, X, t20, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
-    return out
-
-
-def mse_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
-    """‖H_full(W_Q, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = W_K.transpose(-1, -2)
-    t1 = X.transpose(-1, -2)
-    t2 = t0 @ t1
-    t3 = W_Q @ t2
-    t4 = X @ t3
-    t5 = (1/math.sqrt(d_K)) * t4
-    t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t7 = torch.where(t6, -math.inf, t5)
-    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
-    A = t8 / t8.sum(-1, keepdim=True)
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    t11 = -Y
-    t12 = t10 + t11
-    t13 = (2/(L*d_V)) * t12
-    G = t13
-    t14 = W_V.transpose(-1, -2)
-    t15 = t14 @ t1
-    t16 = G @ t15
-    t17 = t16 - (A * t16).sum(-1, keepdim=True)
-    t18 = A * t17
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t19 = W_V @ t14
-    t20 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jkli,jkd,lm,jkmn,jkg,nh->', t0, t1, M_3, X, W_K, t0, M_2, X, t19, M_2, X, W_K, optimize=[(0, 5), (0, 5), (1, 6), (7, 8), (1, 5), (0, 4), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj,ak,lmnk,lmf,no,lmop,lmi,pj->', t0, M_2, X, t19, M_2, X, W_K, t0, M_2, X, t19, M_2, X, W_K, optimize=[(0, 7), (1, 7), (3, 8), (9, 10), (3, 7), (0, 1), (0, 7), (0, 1), (0, 5), (0, 3), (0, 2), (1, 2), (0, 1)])
-    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
-    return t21
-
-
-def mse_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
-    """H_full(W_Q, W_K) as a dense (numel W_Q × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
-    out[...] = 0
-    t0 = out.view((d_V, d_K, d_V, d_K))
-    t1 = t0.diagonal(0, 1, 3)
-    t2 = X.transpose(-1, -2)
-    t3 = W_K.transpose(-1, -2)
-    t4 = t3 @ t2
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    t8 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t9 = torch.where(t8, -math.inf, t7)
-    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
-    A = t10 / t10.sum(-1, keepdim=True)
-    t11 = A @ X
-    M_1 = t11
-    t12 = M_1 @ W_V
-    t13 = -Y
-    t14 = t12 + t13
-    t15 = (2/(L*d_V)) * t14
-    G = t15
-    t16 = W_V.transpose(-1, -2)
-    t17 = t16 @ t2
-    t18 = G @ t17
-    t19 = t18 - (A * t18).sum(-1, keepdim=True)
-    t20 = A * t19
-    t21 = t20 @ X
-    t22 = t2 @ t21
-    t23 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t22, t23, optimize=[(0, 1)])
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t3, t2, M_3, X, W_Q, optimize=[(3, 4), (0, 2), (0, 1), (0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t24 = W_V @ t16
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t3, M_2, X, t24, M_2, X, W_Q, optimize=[(5, 6), (0, 1), (1, 2), (2, 3), (0, 1), (0, 1)])
-    return out
-
-
-def mse_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
-    """‖H_full(W_Q, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = X.transpose(-1, -2)
-    t1 = W_K.transpose(-1, -2)
-    t2 = t1 @ t0
-    t3 = W_Q @ t2
-    t4 = X @ t3
-    t5 = (1/math.sqrt(d_K)) * t4
-    t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t7 = torch.where(t6, -math.inf, t5)
-    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
-    A = t8 / t8.sum(-1, keepdim=True)
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    t11 = -Y
-    t12 = t10 + t11
-    t13 = (2/(L*d_V)) * t12
-    G = t13
-    t14 = W_V.transpose(-1, -2)
-    t15 = t14 @ t0
-    t16 = G @ t15
-    t17 = t16 - (A * t16).sum(-1, keepdim=True)
-    t18 = A * t17
-    t19 = t18 @ X
-    t20 = t0 @ t19
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t0, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t21 = W_V @ t14
-    t22 = (n_batch**(-2)) * oe.contract('abc,dbc->', t20, t20, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t20, t1, t0, M_3, X, W_Q, optimize=[(1, 5), (3, 4), (2, 3), (1, 2), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgic,fgj,jd->', t20, t1, M_2, X, t21, M_2, X, W_Q, optimize=[(0, 3), (3, 6), (0, 4), (1, 3), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t1, t0, M_3, X, W_Q, t1, t0, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkmf,jkn,nh->', t1, t0, M_3, X, W_Q, t1, M_2, X, t21, M_2, X, W_Q, optimize=[(0, 5), (0, 5), (1, 2), (4, 5), (6, 7), (5, 6), (0, 4), (0, 1), (0, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij,ak,lmnk,lmf,no,lmoh,lmp,pj->', t1, M_2, X, t21, M_2, X, W_Q, t1, M_2, X, t21, M_2, X, W_Q, optimize=[(0, 7), (1, 7), (3, 4), (6, 7), (8, 9), (7, 8), (0, 1), (0, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)])
-    t23 = torch.sqrt(torch.clamp(t22, min=0.0))
-    return t23
-
-
-def mse_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
-    """H_full(W_Q, W_V) as a dense (numel W_Q × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_V**2), dtype=X.dtype, device=X.device)
-    t0 = out.view((d_V, d_K, d_V, d_V))
-    t1 = W_K.transpose(-1, -2)
-    t2 = X.transpose(-1, -2)
-    t3 = t1 @ t2
-    t4 = W_Q @ t3
-    t5 = X @ t4
-    t6 = (1/math.sqrt(d_K)) * t5
-    t7 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t8 = torch.where(t7, -math.inf, t6)
-    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
-    A = t9 / t9.sum(-1, keepdim=True)
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t10 = A @ X
-    M_1 = t10
-    t11 = M_1 @ W_V
-    t12 = -Y
-    t13 = t11 + t12
-    t14 = (2/(L*d_V)) * t13
-    G = t14
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t1, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t1, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    return out
-
-
-def mse_causal1__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
-    """‖H_full(W_Q, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = W_K.transpose(-1, -2)
-    t1 = X.transpose(-1, -2)
-    t2 = t0 @ t1
-    t3 = W_Q @ t2
-    t4 = X @ t3
-    t5 = (1/math.sqrt(d_K)) * t4
-    t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t7 = torch.where(t6, -math.inf, t5)
-    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
-    A = t8 / t8.sum(-1, keepdim=True)
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    t11 = -Y
-    t12 = t10 + t11
-    t13 = (2/(L*d_V)) * t12
-    G = t13
-    t14 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijkh,ijf,ije,kg->', t0, M_2, X, G, t0, M_2, X, M_1, W_V, optimize=[(0, 4), (1, 4), (1, 4), (0, 2), (2, 4), (0, 1), (1, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,eh,ai,jkli,jkf,jkg,lh->', t0, M_2, X, M_1, W_V, t0, M_2, X, M_1, W_V, optimize=[(0, 5), (1, 5), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
-    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
-    return t15
-
-
-def mse_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
-    """diag H_full(W_K, W_K) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V,), dtype=X.dtype, device=X.device)
-    t0 = out.view((d_V, d_K))
-    t1 = W_Q.transpose(-1, -2)
-    t2 = X.transpose(-1, -2)
-    t3 = W_K.transpose(-1, -2)
-    t4 = t3 @ t2
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    t8 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t9 = torch.where(t8, -math.inf, t7)
-    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
-    A = t10 / t10.sum(-1, keepdim=True)
-    t11 = A @ X
-    M_1 = t11
-    t12 = M_1 @ W_V
-    t13 = -Y
-    t14 = t12 + t13
-    t15 = (2/(L*d_V)) * t14
-    G = t15
-    t16 = W_V.transpose(-1, -2)
-    t17 = t16 @ t2
-    t18 = G @ t17
-    t19 = t18 - (A * t18).sum(-1, keepdim=True)
-    t20 = A * t19
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->ea', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t21 = W_V @ t16
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgf,cdh,ha->fa', t1, M_2, X, t21, M_2, X, W_Q, optimize=[(0, 2), (3, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
-    return out
-
-
-def mse_causal1__trace__W_K__full(X, W_Q, W_K, W_V, Y):
-    """tr H_full(W_K, W_K) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = W_Q.transpose(-1, -2)
-    t1 = X.transpose(-1, -2)
-    t2 = W_K.transpose(-1, -2)
-    t3 = t2 @ t1
-    t4 = W_Q @ t3
-    t5 = X @ t4
-    t6 = (1/math.sqrt(d_K)) * t5
-    t7 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t8 = torch.where(t7, -math.inf, t6)
-    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
-    A = t9 / t9.sum(-1, keepdim=True)
-    t10 = A @ X
-    M_1 = t10
-    t11 = M_1 @ W_V
-    t12 = -Y
-    t13 = t11 + t12
-    t14 = (2/(L*d_V)) * t13
-    G = t14
-    t15 = W_V.transpose(-1, -2)
-    t16 = t15 @ t1
-    t17 = G @ t16
-    t18 = t17 - (A * t17).sum(-1, keepdim=True)
-    t19 = A * t18
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t19, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t19, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t19, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t20 = W_V @ t15
-    return (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->', t0, t1, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)]) + (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgf,cdh,ha->', t0, M_2, X, t20, M_2, X, W_Q, optimize=[(0, 6), (1, 5), (3, 4), (0, 3), (1, 2), (0, 1)])
-
-
-def mse_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
-    """H_full(W_K, W_Q) as a dense (numel W_K × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
-    out[...] = 0
-    t0 = out.view((d_V, d_K, d_V, d_K))
-    t1 = t0.diagonal(0, 1, 3)
-    t2 = X.transpose(-1, -2)
-    t3 = W_K.transpose(-1, -2)
-    t4 = t3 @ t2
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    t8 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t9 = torch.where(t8, -math.inf, t7)
-    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
-    A = t10 / t10.sum(-1, keepdim=True)
-    t11 = A @ X
-    M_1 = t11
-    t12 = M_1 @ W_V
-    t13 = -Y
-    t14 = t12 + t13
-    t15 = (2/(L*d_V)) * t14
-    G = t15
-    t16 = W_V.transpose(-1, -2)
-    t17 = t16 @ t2
-    t18 = G @ t17
-    t19 = t18 - (A * t18).sum(-1, keepdim=True)
-    t20 = A * t19
-    t21 = t20.transpose(-1, -2)
-    t22 = t21 @ X
-    t23 = t2 @ t22
-    t24 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t23, t24, optimize=[(0, 1)])
-    t25 = W_Q.transpose(-1, -2)
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t25, t2, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t26 = W_V @ t16
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t25, M_2, X, t26, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
-    return out
-
-
-def mse_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
-    """‖H_full(W_K, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = X.transpose(-1, -2)
-    t1 = W_K.transpose(-1, -2)
-    t2 = t1 @ t0
-    t3 = W_Q @ t2
-    t4 = X @ t3
-    t5 = (1/math.sqrt(d_K)) * t4
-    t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t7 = torch.where(t6, -math.inf, t5)
-    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
-    A = t8 / t8.sum(-1, keepdim=True)
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    t11 = -Y
-    t12 = t10 + t11
-    t13 = (2/(L*d_V)) * t12
-    G = t13
-    t14 = W_V.transpose(-1, -2)
-    t15 = t14 @ t0
-    t16 = G @ t15
-    t17 = t16 - (A * t16).sum(-1, keepdim=True)
-    t18 = A * t17
-    t19 = t18.transpose(-1, -2)
-    t20 = t19 @ X
-    t21 = t0 @ t20
-    t22 = W_Q.transpose(-1, -2)
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t0, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t23 = W_V @ t14
-    t24 = (n_batch**(-2)) * oe.contract('abc,dbc->', t21, t21, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t21, t22, t0, M_3, X, W_K, optimize=[(1, 2), (3, 4), (1, 3), (1, 2), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgij,fgc,jd->', t21, t22, M_2, X, t23, M_2, X, W_K, optimize=[(0, 6), (1, 6), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t22, t0, M_3, X, W_K, t22, t0, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkmn,jkg,nh->', t22, t0, M_3, X, W_K, t22, M_2, X, t23, M_2, X, W_K, optimize=[(0, 1), (1, 8), (1, 7), (1, 3), (4, 7), (4, 6), (0, 4), (0, 1), (0, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj,ak,lmnf,lmk,no,lmop,lmi,pj->', t22, M_2, X, t23, M_2, X, W_K, t22, M_2, X, t23, M_2, X, W_K, optimize=[(0, 2), (3, 10), (3, 9), (3, 5), (6, 9), (6, 8), (0, 1), (0, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)])
-    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
-    return t25
-
-
-def mse_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
-    """H_full(W_K, W_K) as a dense (numel W_K × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_K*d_V), dtype=X.dtype, device=X.device)
-    t0 = out.view((d_V, d_K, d_V, d_K))
-    t1 = W_Q.transpose(-1, -2)
-    t2 = X.transpose(-1, -2)
-    t3 = W_K.transpose(-1, -2)
-    t4 = t3 @ t2
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    t8 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t9 = torch.where(t8, -math.inf, t7)
-    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
-    A = t10 / t10.sum(-1, keepdim=True)
-    t11 = A @ X
-    M_1 = t11
-    t12 = M_1 @ W_V
-    t13 = -Y
-    t14 = t12 + t13
-    t15 = (2/(L*d_V)) * t14
-    G = t15
-    t16 = W_V.transpose(-1, -2)
-    t17 = t16 @ t2
-    t18 = G @ t17
-    t19 = t18 - (A * t18).sum(-1, keepdim=True)
-    t20 = A * t19
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t21 = W_V @ t16
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t1, M_2, X, t21, M_2, X, W_Q, optimize=[(0, 2), (3, 4), (0, 1), (0, 3), (0, 1), (0, 1)])
-    return out
-
-
-def mse_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
-    """‖H_full(W_K, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = W_Q.transpose(-1, -2)
-    t1 = X.transpose(-1, -2)
-    t2 = W_K.transpose(-1, -2)
-    t3 = t2 @ t1
-    t4 = W_Q @ t3
-    t5 = X @ t4
-    t6 = (1/math.sqrt(d_K)) * t5
-    t7 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t8 = torch.where(t7, -math.inf, t6)
-    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
-    A = t9 / t9.sum(-1, keepdim=True)
-    t10 = A @ X
-    M_1 = t10
-    t11 = M_1 @ W_V
-    t12 = -Y
-    t13 = t11 + t12
-    t14 = (2/(L*d_V)) * t13
-    G = t14
-    t15 = W_V.transpose(-1, -2)
-    t16 = t15 @ t1
-    t17 = G @ t16
-    t18 = t17 - (A * t17).sum(-1, keepdim=True)
-    t19 = A * t18
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t19, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t19, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t19, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t20 = W_V @ t15
-    t21 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 1), (0, 5), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jkle,jki,lm,jkmf,jkn,nh->', t0, t1, M_3, X, W_Q, t0, M_2, X, t20, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (1, 3), (4, 5), (4, 6), (4, 5), (4, 5), (1, 2), (1, 3), (0, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij,ak,lmnf,lmk,no,lmoh,lmp,pj->', t0, M_2, X, t20, M_2, X, W_Q, t0, M_2, X, t20, M_2, X, W_Q, optimize=[(0, 2), (3, 4), (3, 5), (6, 7), (6, 8), (6, 7), (6, 7), (0, 1), (0, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
-    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
-    return t22
-
-
-def mse_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
-    """H_full(W_K, W_V) as a dense (numel W_K × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    out = torch.empty((d_K*d_V, d_V**2), dtype=X.dtype, device=X.device)
-    t0 = out.view((d_V, d_K, d_V, d_V))
-    t1 = W_Q.transpose(-1, -2)
-    t2 = X.transpose(-1, -2)
-    t3 = W_K.transpose(-1, -2)
-    t4 = t3 @ t2
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    t8 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t9 = torch.where(t8, -math.inf, t7)
-    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
-    A = t10 / t10.sum(-1, keepdim=True)
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t11 = A @ X
-    M_1 = t11
-    t12 = M_1 @ W_V
-    t13 = -Y
-    t14 = t12 + t13
-    t15 = (2/(L*d_V)) * t14
-    G = t15
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t1, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
-    t0 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fagh', t1, M_2, X, M_1, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
-    return out
-
-
-def mse_causal1__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
-    """‖H_full(W_K, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = W_Q.transpose(-1, -2)
-    t1 = X.transpose(-1, -2)
-    t2 = W_K.transpose(-1, -2)
-    t3 = t2 @ t1
-    t4 = W_Q @ t3
-    t5 = X @ t4
-    t6 = (1/math.sqrt(d_K)) * t5
-    t7 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t8 = torch.where(t7, -math.inf, t6)
-    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
-    A = t9 / t9.sum(-1, keepdim=True)
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t10 = A @ X
-    M_1 = t10
-    t11 = M_1 @ W_V
-    t12 = -Y
-    t13 = t11 + t12
-    t14 = (2/(L*d_V)) * t13
-    G = t14
-    t15 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (2, 5), (1, 4), (3, 4), (2, 3), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijkf,ijh,ije,kg->', t0, M_2, X, G, t0, M_2, X, M_1, W_V, optimize=[(0, 2), (1, 6), (1, 3), (3, 5), (0, 2), (0, 3), (0, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,eh,ai,jklf,jki,jkg,lh->', t0, M_2, X, M_1, W_V, t0, M_2, X, M_1, W_V, optimize=[(0, 2), (1, 6), (1, 5), (1, 3), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
-    return t16
-
-
-def mse_causal1__diag__W_V__full(X, W_Q, W_K, W_V, Y):
-    """diag H_full(W_V, W_V) (vec_r order) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    out = torch.empty((d_V**2,), dtype=X.dtype, device=X.device)
-    t0 = out.view((d_V, d_V))
-    t1 = W_K.transpose(-1, -2)
-    t2 = X.transpose(-1, -2)
-    t3 = t1 @ t2
-    t4 = W_Q @ t3
-    t5 = X @ t4
-    t6 = (1/math.sqrt(d_K)) * t5
-    t7 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t8 = torch.where(t7, -math.inf, t6)
-    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
-    A = t9 / t9.sum(-1, keepdim=True)
-    t10 = A @ X
-    M_1 = t10
-    t11 = M_1.transpose(-1, -2)
-    t12 = t11 @ M_1
-    t13 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abb,c->bc', t12, t13, optimize=[(0, 1)])
-    return out
-
-
-def mse_causal1__trace__W_V__full(X, W_Q, W_K, W_V, Y):
-    """tr H_full(W_V, W_V) without the dense block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = W_K.transpose(-1, -2)
-    t1 = X.transpose(-1, -2)
-    t2 = t0 @ t1
-    t3 = W_Q @ t2
-    t4 = X @ t3
-    t5 = (1/math.sqrt(d_K)) * t4
-    t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t7 = torch.where(t6, -math.inf, t5)
-    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
-    A = t8 / t8.sum(-1, keepdim=True)
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1.transpose(-1, -2)
-    t11 = t10 @ M_1
-    return (2/(L*n_batch)) * oe.contract('abb->', t11, optimize=[(0,)])
-
-
-def mse_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
-    """H_full(W_V, W_Q) as a dense (numel W_V × numel W_Q) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_K*d_V), dtype=X.dtype, device=X.device)
-    t0 = out.view((d_V, d_V, d_V, d_K))
-    t1 = W_K.transpose(-1, -2)
-    t2 = X.transpose(-1, -2)
-    t3 = t1 @ t2
-    t4 = W_Q @ t3
-    t5 = X @ t4
-    t6 = (1/math.sqrt(d_K)) * t5
-    t7 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t8 = torch.where(t7, -math.inf, t6)
-    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
-    A = t9 / t9.sum(-1, keepdim=True)
-    t10 = A @ X
-    M_1 = t10
-    t11 = M_1 @ W_V
-    t12 = -Y
-    t13 = t11 + t12
-    t14 = (2/(L*d_V)) * t13
-    G = t14
-    t15 = G.transpose(-1, -2)
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t15, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
-    t16 = M_1.transpose(-1, -2)
-    t17 = W_V.transpose(-1, -2)
-    t0 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,fh->bdgh', t16, t17, M_2, X, W_K, optimize=[(0, 3), (0, 1), (0, 2), (0, 1)])
-    return out
-
-
-def mse_causal1__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
-    """‖H_full(W_V, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = W_K.transpose(-1, -2)
-    t1 = X.transpose(-1, -2)
-    t2 = t0 @ t1
-    t3 = W_Q @ t2
-    t4 = X @ t3
-    t5 = (1/math.sqrt(d_K)) * t4
-    t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t7 = torch.where(t6, -math.inf, t5)
-    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
-    A = t8 / t8.sum(-1, keepdim=True)
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    t11 = -Y
-    t12 = t10 + t11
-    t13 = (2/(L*d_V)) * t12
-    G = t13
-    t14 = G.transpose(-1, -2)
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t15 = M_1.transpose(-1, -2)
-    t16 = W_V.transpose(-1, -2)
-    t17 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t14, M_2, X, W_K, t14, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acde,acf,eg,hdi,bj,hijk,hif,kg->', t14, M_2, X, W_K, t15, t16, M_2, X, W_K, optimize=[(0, 5), (1, 5), (1, 4), (0, 1), (2, 4), (0, 1), (1, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,fh,ibj,dk,ijkl,ijg,lh->', t15, t16, M_2, X, W_K, t15, t16, M_2, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
-    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
-    return t18
-
-
-def mse_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
-    """H_full(W_V, W_K) as a dense (numel W_V × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_K*d_V), dtype=X.dtype, device=X.device)
-    t0 = out.view((d_V, d_V, d_V, d_K))
-    t1 = W_K.transpose(-1, -2)
-    t2 = X.transpose(-1, -2)
-    t3 = t1 @ t2
-    t4 = W_Q @ t3
-    t5 = X @ t4
-    t6 = (1/math.sqrt(d_K)) * t5
-    t7 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t8 = torch.where(t7, -math.inf, t6)
-    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
-    A = t9 / t9.sum(-1, keepdim=True)
-    t10 = A @ X
-    M_1 = t10
-    t11 = M_1 @ W_V
-    t12 = -Y
-    t13 = t11 + t12
-    t14 = (2/(L*d_V)) * t13
-    G = t14
-    t15 = G.transpose(-1, -2)
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t15, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t16 = M_1.transpose(-1, -2)
-    t17 = W_V.transpose(-1, -2)
-    t0 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,gh->bdfh', t16, t17, M_2, X, W_Q, optimize=[(3, 4), (0, 3), (0, 1), (0, 1)])
-    return out
-
-
-def mse_causal1__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
-    """‖H_full(W_V, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = W_K.transpose(-1, -2)
-    t1 = X.transpose(-1, -2)
-    t2 = t0 @ t1
-    t3 = W_Q @ t2
-    t4 = X @ t3
-    t5 = (1/math.sqrt(d_K)) * t4
-    t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t7 = torch.where(t6, -math.inf, t5)
-    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
-    A = t8 / t8.sum(-1, keepdim=True)
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    t11 = -Y
-    t12 = t10 + t11
-    t13 = (2/(L*d_V)) * t12
-    G = t13
-    t14 = G.transpose(-1, -2)
-    # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t15 = M_1.transpose(-1, -2)
-    t16 = W_V.transpose(-1, -2)
-    t17 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t14, M_2, X, W_Q, t14, M_2, X, W_Q, optimize=[(0, 4), (1, 2), (2, 3), (2, 3), (2, 3), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acde,acf,fg,hdi,bj,hije,hik,kg->', t14, M_2, X, W_Q, t15, t16, M_2, X, W_Q, optimize=[(0, 5), (1, 2), (3, 4), (4, 5), (0, 1), (0, 3), (0, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,gh,ibj,dk,ijkf,ijl,lh->', t15, t16, M_2, X, W_Q, t15, t16, M_2, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
-    return t18
-
-
-def mse_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
-    """H_full(W_V, W_V) as a dense (numel W_V × numel W_V) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
-    out[...] = 0
-    t0 = out.view((d_V, d_V, d_V, d_V))
-    t1 = t0.diagonal(0, 1, 3)
-    t2 = W_K.transpose(-1, -2)
-    t3 = X.transpose(-1, -2)
-    t4 = t2 @ t3
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    t8 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t9 = torch.where(t8, -math.inf, t7)
-    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
-    A = t10 / t10.sum(-1, keepdim=True)
-    t11 = A @ X
-    M_1 = t11
-    t12 = M_1.transpose(-1, -2)
-    t13 = t12 @ M_1
-    t14 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t1 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bcd', t13, t14, optimize=[(0, 1)])
-    return out
-
-
-def mse_causal1__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
-    """‖H_full(W_V, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = W_K.transpose(-1, -2)
-    t1 = X.transpose(-1, -2)
-    t2 = t0 @ t1
-    t3 = W_Q @ t2
-    t4 = X @ t3
-    t5 = (1/math.sqrt(d_K)) * t4
-    t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t7 = torch.where(t6, -math.inf, t5)
-    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
-    A = t8 / t8.sum(-1, keepdim=True)
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1.transpose(-1, -2)
-    t11 = t10 @ M_1
-    t12 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t11, t11, optimize=[(0, 1)])
-    t13 = torch.sqrt(torch.clamp(t12, min=0.0))
-    return t13
-
-
 VARIANTS = {
-    ('ce', (('causal', False), ('scale', None))): {
-        ('loss',): ce_causal0__loss,
-        ('gradient',): ce_causal0__gradient,
-        ('hessian', 'outer'): ce_causal0__hessian__outer,
-        ('hvp', 'outer'): ce_causal0__hvp__outer,
-        ('frobenius_all', 'outer'): ce_causal0__frobenius_all__outer,
-        ('diag', 'W_Q', 'outer'): ce_causal0__diag__W_Q__outer,
-        ('trace', 'W_Q', 'outer'): ce_causal0__trace__W_Q__outer,
-        ('block', 'W_Q', 'W_Q', 'outer'): ce_causal0__block__W_Q__W_Q__outer,
-        ('frobenius', 'W_Q', 'W_Q', 'outer'): ce_causal0__frobenius__W_Q__W_Q__outer,
-        ('block', 'W_Q', 'W_K', 'outer'): ce_causal0__block__W_Q__W_K__outer,
-        ('frobenius', 'W_Q', 'W_K', 'outer'): ce_causal0__frobenius__W_Q__W_K__outer,
-        ('block', 'W_Q', 'W_V', 'outer'): ce_causal0__block__W_Q__W_V__outer,
-        ('frobenius', 'W_Q', 'W_V', 'outer'): ce_causal0__frobenius__W_Q__W_V__outer,
-        ('diag', 'W_K', 'outer'): ce_causal0__diag__W_K__outer,
-        ('trace', 'W_K', 'outer'): ce_causal0__trace__W_K__outer,
-        ('block', 'W_K', 'W_Q', 'outer'): ce_causal0__block__W_K__W_Q__outer,
-        ('frobenius', 'W_K', 'W_Q', 'outer'): ce_causal0__frobenius__W_K__W_Q__outer,
-        ('block', 'W_K', 'W_K', 'outer'): ce_causal0__block__W_K__W_K__outer,
-        ('frobenius', 'W_K', 'W_K', 'outer'): ce_causal0__frobenius__W_K__W_K__outer,
-        ('block', 'W_K', 'W_V', 'outer'): ce_causal0__block__W_K__W_V__outer,
-        ('frobenius', 'W_K', 'W_V', 'outer'): ce_causal0__frobenius__W_K__W_V__outer,
-        ('diag', 'W_V', 'outer'): ce_causal0__diag__W_V__outer,
-        ('trace', 'W_V', 'outer'): ce_causal0__trace__W_V__outer,
-        ('block', 'W_V', 'W_Q', 'outer'): ce_causal0__block__W_V__W_Q__outer,
-        ('frobenius', 'W_V', 'W_Q', 'outer'): ce_causal0__frobenius__W_V__W_Q__outer,
-        ('block', 'W_V', 'W_K', 'outer'): ce_causal0__block__W_V__W_K__outer,
-        ('frobenius', 'W_V', 'W_K', 'outer'): ce_causal0__frobenius__W_V__W_K__outer,
-        ('block', 'W_V', 'W_V', 'outer'): ce_causal0__block__W_V__W_V__outer,
-        ('frobenius', 'W_V', 'W_V', 'outer'): ce_causal0__frobenius__W_V__W_V__outer,
-        ('hessian', 'functional'): ce_causal0__hessian__functional,
-        ('hvp', 'functional'): ce_causal0__hvp__functional,
-        ('frobenius_all', 'functional'): ce_causal0__frobenius_all__functional,
-        ('diag', 'W_Q', 'functional'): ce_causal0__diag__W_Q__functional,
-        ('trace', 'W_Q', 'functional'): ce_causal0__trace__W_Q__functional,
-        ('block', 'W_Q', 'W_Q', 'functional'): ce_causal0__block__W_Q__W_Q__functional,
-        ('frobenius', 'W_Q', 'W_Q', 'functional'): ce_causal0__frobenius__W_Q__W_Q__functional,
-        ('block', 'W_Q', 'W_K', 'functional'): ce_causal0__block__W_Q__W_K__functional,
-        ('frobenius', 'W_Q', 'W_K', 'functional'): ce_causal0__frobenius__W_Q__W_K__functional,
-        ('block', 'W_Q', 'W_V', 'functional'): ce_causal0__block__W_Q__W_V__functional,
-        ('frobenius', 'W_Q', 'W_V', 'functional'): ce_causal0__frobenius__W_Q__W_V__functional,
-        ('diag', 'W_K', 'functional'): ce_causal0__diag__W_K__functional,
-        ('trace', 'W_K', 'functional'): ce_causal0__trace__W_K__functional,
-        ('block', 'W_K', 'W_Q', 'functional'): ce_causal0__block__W_K__W_Q__functional,
-        ('frobenius', 'W_K', 'W_Q', 'functional'): ce_causal0__frobenius__W_K__W_Q__functional,
-        ('block', 'W_K', 'W_K', 'functional'): ce_causal0__block__W_K__W_K__functional,
-        ('frobenius', 'W_K', 'W_K', 'functional'): ce_causal0__frobenius__W_K__W_K__functional,
-        ('block', 'W_K', 'W_V', 'functional'): ce_causal0__block__W_K__W_V__functional,
-        ('frobenius', 'W_K', 'W_V', 'functional'): ce_causal0__frobenius__W_K__W_V__functional,
-        ('diag', 'W_V', 'functional'): ce_causal0__diag__W_V__functional,
-        ('trace', 'W_V', 'functional'): ce_causal0__trace__W_V__functional,
-        ('block', 'W_V', 'W_Q', 'functional'): ce_causal0__block__W_V__W_Q__functional,
-        ('frobenius', 'W_V', 'W_Q', 'functional'): ce_causal0__frobenius__W_V__W_Q__functional,
-        ('block', 'W_V', 'W_K', 'functional'): ce_causal0__block__W_V__W_K__functional,
-        ('frobenius', 'W_V', 'W_K', 'functional'): ce_causal0__frobenius__W_V__W_K__functional,
-        ('block', 'W_V', 'W_V', 'functional'): ce_causal0__block__W_V__W_V__functional,
-        ('frobenius', 'W_V', 'W_V', 'functional'): ce_causal0__frobenius__W_V__W_V__functional,
-        ('hessian', 'full'): ce_causal0__hessian__full,
-        ('hvp', 'full'): ce_causal0__hvp__full,
-        ('frobenius_all', 'full'): ce_causal0__frobenius_all__full,
-        ('diag', 'W_Q', 'full'): ce_causal0__diag__W_Q__full,
-        ('trace', 'W_Q', 'full'): ce_causal0__trace__W_Q__full,
-        ('block', 'W_Q', 'W_Q', 'full'): ce_causal0__block__W_Q__W_Q__full,
-        ('frobenius', 'W_Q', 'W_Q', 'full'): ce_causal0__frobenius__W_Q__W_Q__full,
-        ('block', 'W_Q', 'W_K', 'full'): ce_causal0__block__W_Q__W_K__full,
-        ('frobenius', 'W_Q', 'W_K', 'full'): ce_causal0__frobenius__W_Q__W_K__full,
-        ('block', 'W_Q', 'W_V', 'full'): ce_causal0__block__W_Q__W_V__full,
-        ('frobenius', 'W_Q', 'W_V', 'full'): ce_causal0__frobenius__W_Q__W_V__full,
-        ('diag', 'W_K', 'full'): ce_causal0__diag__W_K__full,
-        ('trace', 'W_K', 'full'): ce_causal0__trace__W_K__full,
-        ('block', 'W_K', 'W_Q', 'full'): ce_causal0__block__W_K__W_Q__full,
-        ('frobenius', 'W_K', 'W_Q', 'full'): ce_causal0__frobenius__W_K__W_Q__full,
-        ('block', 'W_K', 'W_K', 'full'): ce_causal0__block__W_K__W_K__full,
-        ('frobenius', 'W_K', 'W_K', 'full'): ce_causal0__frobenius__W_K__W_K__full,
-        ('block', 'W_K', 'W_V', 'full'): ce_causal0__block__W_K__W_V__full,
-        ('frobenius', 'W_K', 'W_V', 'full'): ce_causal0__frobenius__W_K__W_V__full,
-        ('diag', 'W_V', 'full'): ce_causal0__diag__W_V__full,
-        ('trace', 'W_V', 'full'): ce_causal0__trace__W_V__full,
-        ('block', 'W_V', 'W_Q', 'full'): ce_causal0__block__W_V__W_Q__full,
-        ('frobenius', 'W_V', 'W_Q', 'full'): ce_causal0__frobenius__W_V__W_Q__full,
-        ('block', 'W_V', 'W_K', 'full'): ce_causal0__block__W_V__W_K__full,
-        ('frobenius', 'W_V', 'W_K', 'full'): ce_causal0__frobenius__W_V__W_K__full,
-        ('block', 'W_V', 'W_V', 'full'): ce_causal0__block__W_V__W_V__full,
-        ('frobenius', 'W_V', 'W_V', 'full'): ce_causal0__frobenius__W_V__W_V__full,
-    },
-    ('ce', (('causal', True), ('scale', None))): {
-        ('loss',): ce_causal1__loss,
-        ('gradient',): ce_causal1__gradient,
-        ('hessian', 'outer'): ce_causal1__hessian__outer,
-        ('hvp', 'outer'): ce_causal1__hvp__outer,
-        ('frobenius_all', 'outer'): ce_causal1__frobenius_all__outer,
-        ('diag', 'W_Q', 'outer'): ce_causal1__diag__W_Q__outer,
-        ('trace', 'W_Q', 'outer'): ce_causal1__trace__W_Q__outer,
-        ('block', 'W_Q', 'W_Q', 'outer'): ce_causal1__block__W_Q__W_Q__outer,
-        ('frobenius', 'W_Q', 'W_Q', 'outer'): ce_causal1__frobenius__W_Q__W_Q__outer,
-        ('block', 'W_Q', 'W_K', 'outer'): ce_causal1__block__W_Q__W_K__outer,
-        ('frobenius', 'W_Q', 'W_K', 'outer'): ce_causal1__frobenius__W_Q__W_K__outer,
-        ('block', 'W_Q', 'W_V', 'outer'): ce_causal1__block__W_Q__W_V__outer,
-        ('frobenius', 'W_Q', 'W_V', 'outer'): ce_causal1__frobenius__W_Q__W_V__outer,
-        ('diag', 'W_K', 'outer'): ce_causal1__diag__W_K__outer,
-        ('trace', 'W_K', 'outer'): ce_causal1__trace__W_K__outer,
-        ('block', 'W_K', 'W_Q', 'outer'): ce_causal1__block__W_K__W_Q__outer,
-        ('frobenius', 'W_K', 'W_Q', 'outer'): ce_causal1__frobenius__W_K__W_Q__outer,
-        ('block', 'W_K', 'W_K', 'outer'): ce_causal1__block__W_K__W_K__outer,
-        ('frobenius', 'W_K', 'W_K', 'outer'): ce_causal1__frobenius__W_K__W_K__outer,
-        ('block', 'W_K', 'W_V', 'outer'): ce_causal1__block__W_K__W_V__outer,
-        ('frobenius', 'W_K', 'W_V', 'outer'): ce_causal1__frobenius__W_K__W_V__outer,
-        ('diag', 'W_V', 'outer'): ce_causal1__diag__W_V__outer,
-        ('trace', 'W_V', 'outer'): ce_causal1__trace__W_V__outer,
-        ('block', 'W_V', 'W_Q', 'outer'): ce_causal1__block__W_V__W_Q__outer,
-        ('frobenius', 'W_V', 'W_Q', 'outer'): ce_causal1__frobenius__W_V__W_Q__outer,
-        ('block', 'W_V', 'W_K', 'outer'): ce_causal1__block__W_V__W_K__outer,
-        ('frobenius', 'W_V', 'W_K', 'outer'): ce_causal1__frobenius__W_V__W_K__outer,
-        ('block', 'W_V', 'W_V', 'outer'): ce_causal1__block__W_V__W_V__outer,
-        ('frobenius', 'W_V', 'W_V', 'outer'): ce_causal1__frobenius__W_V__W_V__outer,
-        ('hessian', 'functional'): ce_causal1__hessian__functional,
-        ('hvp', 'functional'): ce_causal1__hvp__functional,
-        ('frobenius_all', 'functional'): ce_causal1__frobenius_all__functional,
-        ('diag', 'W_Q', 'functional'): ce_causal1__diag__W_Q__functional,
-        ('trace', 'W_Q', 'functional'): ce_causal1__trace__W_Q__functional,
-        ('block', 'W_Q', 'W_Q', 'functional'): ce_causal1__block__W_Q__W_Q__functional,
-        ('frobenius', 'W_Q', 'W_Q', 'functional'): ce_causal1__frobenius__W_Q__W_Q__functional,
-        ('block', 'W_Q', 'W_K', 'functional'): ce_causal1__block__W_Q__W_K__functional,
-        ('frobenius', 'W_Q', 'W_K', 'functional'): ce_causal1__frobenius__W_Q__W_K__functional,
-        ('block', 'W_Q', 'W_V', 'functional'): ce_causal1__block__W_Q__W_V__functional,
-        ('frobenius', 'W_Q', 'W_V', 'functional'): ce_causal1__frobenius__W_Q__W_V__functional,
-        ('diag', 'W_K', 'functional'): ce_causal1__diag__W_K__functional,
-        ('trace', 'W_K', 'functional'): ce_causal1__trace__W_K__functional,
-        ('block', 'W_K', 'W_Q', 'functional'): ce_causal1__block__W_K__W_Q__functional,
-        ('frobenius', 'W_K', 'W_Q', 'functional'): ce_causal1__frobenius__W_K__W_Q__functional,
-        ('block', 'W_K', 'W_K', 'functional'): ce_causal1__block__W_K__W_K__functional,
-        ('frobenius', 'W_K', 'W_K', 'functional'): ce_causal1__frobenius__W_K__W_K__functional,
-        ('block', 'W_K', 'W_V', 'functional'): ce_causal1__block__W_K__W_V__functional,
-        ('frobenius', 'W_K', 'W_V', 'functional'): ce_causal1__frobenius__W_K__W_V__functional,
-        ('diag', 'W_V', 'functional'): ce_causal1__diag__W_V__functional,
-        ('trace', 'W_V', 'functional'): ce_causal1__trace__W_V__functional,
-        ('block', 'W_V', 'W_Q', 'functional'): ce_causal1__block__W_V__W_Q__functional,
-        ('frobenius', 'W_V', 'W_Q', 'functional'): ce_causal1__frobenius__W_V__W_Q__functional,
-        ('block', 'W_V', 'W_K', 'functional'): ce_causal1__block__W_V__W_K__functional,
-        ('frobenius', 'W_V', 'W_K', 'functional'): ce_causal1__frobenius__W_V__W_K__functional,
-        ('block', 'W_V', 'W_V', 'functional'): ce_causal1__block__W_V__W_V__functional,
-        ('frobenius', 'W_V', 'W_V', 'functional'): ce_causal1__frobenius__W_V__W_V__functional,
-        ('hessian', 'full'): ce_causal1__hessian__full,
-        ('hvp', 'full'): ce_causal1__hvp__full,
-        ('frobenius_all', 'full'): ce_causal1__frobenius_all__full,
-        ('diag', 'W_Q', 'full'): ce_causal1__diag__W_Q__full,
-        ('trace', 'W_Q', 'full'): ce_causal1__trace__W_Q__full,
-        ('block', 'W_Q', 'W_Q', 'full'): ce_causal1__block__W_Q__W_Q__full,
-        ('frobenius', 'W_Q', 'W_Q', 'full'): ce_causal1__frobenius__W_Q__W_Q__full,
-        ('block', 'W_Q', 'W_K', 'full'): ce_causal1__block__W_Q__W_K__full,
-        ('frobenius', 'W_Q', 'W_K', 'full'): ce_causal1__frobenius__W_Q__W_K__full,
-        ('block', 'W_Q', 'W_V', 'full'): ce_causal1__block__W_Q__W_V__full,
-        ('frobenius', 'W_Q', 'W_V', 'full'): ce_causal1__frobenius__W_Q__W_V__full,
-        ('diag', 'W_K', 'full'): ce_causal1__diag__W_K__full,
-        ('trace', 'W_K', 'full'): ce_causal1__trace__W_K__full,
-        ('block', 'W_K', 'W_Q', 'full'): ce_causal1__block__W_K__W_Q__full,
-        ('frobenius', 'W_K', 'W_Q', 'full'): ce_causal1__frobenius__W_K__W_Q__full,
-        ('block', 'W_K', 'W_K', 'full'): ce_causal1__block__W_K__W_K__full,
-        ('frobenius', 'W_K', 'W_K', 'full'): ce_causal1__frobenius__W_K__W_K__full,
-        ('block', 'W_K', 'W_V', 'full'): ce_causal1__block__W_K__W_V__full,
-        ('frobenius', 'W_K', 'W_V', 'full'): ce_causal1__frobenius__W_K__W_V__full,
-        ('diag', 'W_V', 'full'): ce_causal1__diag__W_V__full,
-        ('trace', 'W_V', 'full'): ce_causal1__trace__W_V__full,
-        ('block', 'W_V', 'W_Q', 'full'): ce_causal1__block__W_V__W_Q__full,
-        ('frobenius', 'W_V', 'W_Q', 'full'): ce_causal1__frobenius__W_V__W_Q__full,
-        ('block', 'W_V', 'W_K', 'full'): ce_causal1__block__W_V__W_K__full,
-        ('frobenius', 'W_V', 'W_K', 'full'): ce_causal1__frobenius__W_V__W_K__full,
-        ('block', 'W_V', 'W_V', 'full'): ce_causal1__block__W_V__W_V__full,
-        ('frobenius', 'W_V', 'W_V', 'full'): ce_causal1__frobenius__W_V__W_V__full,
-    },
     ('mse', (('causal', False), ('scale', None))): {
         ('loss',): mse_causal0__loss,
         ('gradient',): mse_causal0__gradient,
@@ -12423,5 +12545,175 @@ VARIANTS = {
         ('frobenius', 'W_V', 'W_K', 'full'): mse_causal1__frobenius__W_V__W_K__full,
         ('block', 'W_V', 'W_V', 'full'): mse_causal1__block__W_V__W_V__full,
         ('frobenius', 'W_V', 'W_V', 'full'): mse_causal1__frobenius__W_V__W_V__full,
+    },
+    ('ce', (('causal', False), ('scale', None))): {
+        ('loss',): ce_causal0__loss,
+        ('gradient',): ce_causal0__gradient,
+        ('hessian', 'outer'): ce_causal0__hessian__outer,
+        ('hvp', 'outer'): ce_causal0__hvp__outer,
+        ('frobenius_all', 'outer'): ce_causal0__frobenius_all__outer,
+        ('diag', 'W_Q', 'outer'): ce_causal0__diag__W_Q__outer,
+        ('trace', 'W_Q', 'outer'): ce_causal0__trace__W_Q__outer,
+        ('block', 'W_Q', 'W_Q', 'outer'): ce_causal0__block__W_Q__W_Q__outer,
+        ('frobenius', 'W_Q', 'W_Q', 'outer'): ce_causal0__frobenius__W_Q__W_Q__outer,
+        ('block', 'W_Q', 'W_K', 'outer'): ce_causal0__block__W_Q__W_K__outer,
+        ('frobenius', 'W_Q', 'W_K', 'outer'): ce_causal0__frobenius__W_Q__W_K__outer,
+        ('block', 'W_Q', 'W_V', 'outer'): ce_causal0__block__W_Q__W_V__outer,
+        ('frobenius', 'W_Q', 'W_V', 'outer'): ce_causal0__frobenius__W_Q__W_V__outer,
+        ('diag', 'W_K', 'outer'): ce_causal0__diag__W_K__outer,
+        ('trace', 'W_K', 'outer'): ce_causal0__trace__W_K__outer,
+        ('block', 'W_K', 'W_Q', 'outer'): ce_causal0__block__W_K__W_Q__outer,
+        ('frobenius', 'W_K', 'W_Q', 'outer'): ce_causal0__frobenius__W_K__W_Q__outer,
+        ('block', 'W_K', 'W_K', 'outer'): ce_causal0__block__W_K__W_K__outer,
+        ('frobenius', 'W_K', 'W_K', 'outer'): ce_causal0__frobenius__W_K__W_K__outer,
+        ('block', 'W_K', 'W_V', 'outer'): ce_causal0__block__W_K__W_V__outer,
+        ('frobenius', 'W_K', 'W_V', 'outer'): ce_causal0__frobenius__W_K__W_V__outer,
+        ('diag', 'W_V', 'outer'): ce_causal0__diag__W_V__outer,
+        ('trace', 'W_V', 'outer'): ce_causal0__trace__W_V__outer,
+        ('block', 'W_V', 'W_Q', 'outer'): ce_causal0__block__W_V__W_Q__outer,
+        ('frobenius', 'W_V', 'W_Q', 'outer'): ce_causal0__frobenius__W_V__W_Q__outer,
+        ('block', 'W_V', 'W_K', 'outer'): ce_causal0__block__W_V__W_K__outer,
+        ('frobenius', 'W_V', 'W_K', 'outer'): ce_causal0__frobenius__W_V__W_K__outer,
+        ('block', 'W_V', 'W_V', 'outer'): ce_causal0__block__W_V__W_V__outer,
+        ('frobenius', 'W_V', 'W_V', 'outer'): ce_causal0__frobenius__W_V__W_V__outer,
+        ('hessian', 'functional'): ce_causal0__hessian__functional,
+        ('hvp', 'functional'): ce_causal0__hvp__functional,
+        ('frobenius_all', 'functional'): ce_causal0__frobenius_all__functional,
+        ('diag', 'W_Q', 'functional'): ce_causal0__diag__W_Q__functional,
+        ('trace', 'W_Q', 'functional'): ce_causal0__trace__W_Q__functional,
+        ('block', 'W_Q', 'W_Q', 'functional'): ce_causal0__block__W_Q__W_Q__functional,
+        ('frobenius', 'W_Q', 'W_Q', 'functional'): ce_causal0__frobenius__W_Q__W_Q__functional,
+        ('block', 'W_Q', 'W_K', 'functional'): ce_causal0__block__W_Q__W_K__functional,
+        ('frobenius', 'W_Q', 'W_K', 'functional'): ce_causal0__frobenius__W_Q__W_K__functional,
+        ('block', 'W_Q', 'W_V', 'functional'): ce_causal0__block__W_Q__W_V__functional,
+        ('frobenius', 'W_Q', 'W_V', 'functional'): ce_causal0__frobenius__W_Q__W_V__functional,
+        ('diag', 'W_K', 'functional'): ce_causal0__diag__W_K__functional,
+        ('trace', 'W_K', 'functional'): ce_causal0__trace__W_K__functional,
+        ('block', 'W_K', 'W_Q', 'functional'): ce_causal0__block__W_K__W_Q__functional,
+        ('frobenius', 'W_K', 'W_Q', 'functional'): ce_causal0__frobenius__W_K__W_Q__functional,
+        ('block', 'W_K', 'W_K', 'functional'): ce_causal0__block__W_K__W_K__functional,
+        ('frobenius', 'W_K', 'W_K', 'functional'): ce_causal0__frobenius__W_K__W_K__functional,
+        ('block', 'W_K', 'W_V', 'functional'): ce_causal0__block__W_K__W_V__functional,
+        ('frobenius', 'W_K', 'W_V', 'functional'): ce_causal0__frobenius__W_K__W_V__functional,
+        ('diag', 'W_V', 'functional'): ce_causal0__diag__W_V__functional,
+        ('trace', 'W_V', 'functional'): ce_causal0__trace__W_V__functional,
+        ('block', 'W_V', 'W_Q', 'functional'): ce_causal0__block__W_V__W_Q__functional,
+        ('frobenius', 'W_V', 'W_Q', 'functional'): ce_causal0__frobenius__W_V__W_Q__functional,
+        ('block', 'W_V', 'W_K', 'functional'): ce_causal0__block__W_V__W_K__functional,
+        ('frobenius', 'W_V', 'W_K', 'functional'): ce_causal0__frobenius__W_V__W_K__functional,
+        ('block', 'W_V', 'W_V', 'functional'): ce_causal0__block__W_V__W_V__functional,
+        ('frobenius', 'W_V', 'W_V', 'functional'): ce_causal0__frobenius__W_V__W_V__functional,
+        ('hessian', 'full'): ce_causal0__hessian__full,
+        ('hvp', 'full'): ce_causal0__hvp__full,
+        ('frobenius_all', 'full'): ce_causal0__frobenius_all__full,
+        ('diag', 'W_Q', 'full'): ce_causal0__diag__W_Q__full,
+        ('trace', 'W_Q', 'full'): ce_causal0__trace__W_Q__full,
+        ('block', 'W_Q', 'W_Q', 'full'): ce_causal0__block__W_Q__W_Q__full,
+        ('frobenius', 'W_Q', 'W_Q', 'full'): ce_causal0__frobenius__W_Q__W_Q__full,
+        ('block', 'W_Q', 'W_K', 'full'): ce_causal0__block__W_Q__W_K__full,
+        ('frobenius', 'W_Q', 'W_K', 'full'): ce_causal0__frobenius__W_Q__W_K__full,
+        ('block', 'W_Q', 'W_V', 'full'): ce_causal0__block__W_Q__W_V__full,
+        ('frobenius', 'W_Q', 'W_V', 'full'): ce_causal0__frobenius__W_Q__W_V__full,
+        ('diag', 'W_K', 'full'): ce_causal0__diag__W_K__full,
+        ('trace', 'W_K', 'full'): ce_causal0__trace__W_K__full,
+        ('block', 'W_K', 'W_Q', 'full'): ce_causal0__block__W_K__W_Q__full,
+        ('frobenius', 'W_K', 'W_Q', 'full'): ce_causal0__frobenius__W_K__W_Q__full,
+        ('block', 'W_K', 'W_K', 'full'): ce_causal0__block__W_K__W_K__full,
+        ('frobenius', 'W_K', 'W_K', 'full'): ce_causal0__frobenius__W_K__W_K__full,
+        ('block', 'W_K', 'W_V', 'full'): ce_causal0__block__W_K__W_V__full,
+        ('frobenius', 'W_K', 'W_V', 'full'): ce_causal0__frobenius__W_K__W_V__full,
+        ('diag', 'W_V', 'full'): ce_causal0__diag__W_V__full,
+        ('trace', 'W_V', 'full'): ce_causal0__trace__W_V__full,
+        ('block', 'W_V', 'W_Q', 'full'): ce_causal0__block__W_V__W_Q__full,
+        ('frobenius', 'W_V', 'W_Q', 'full'): ce_causal0__frobenius__W_V__W_Q__full,
+        ('block', 'W_V', 'W_K', 'full'): ce_causal0__block__W_V__W_K__full,
+        ('frobenius', 'W_V', 'W_K', 'full'): ce_causal0__frobenius__W_V__W_K__full,
+        ('block', 'W_V', 'W_V', 'full'): ce_causal0__block__W_V__W_V__full,
+        ('frobenius', 'W_V', 'W_V', 'full'): ce_causal0__frobenius__W_V__W_V__full,
+    },
+    ('ce', (('causal', True), ('scale', None))): {
+        ('loss',): ce_causal1__loss,
+        ('gradient',): ce_causal1__gradient,
+        ('hessian', 'outer'): ce_causal1__hessian__outer,
+        ('hvp', 'outer'): ce_causal1__hvp__outer,
+        ('frobenius_all', 'outer'): ce_causal1__frobenius_all__outer,
+        ('diag', 'W_Q', 'outer'): ce_causal1__diag__W_Q__outer,
+        ('trace', 'W_Q', 'outer'): ce_causal1__trace__W_Q__outer,
+        ('block', 'W_Q', 'W_Q', 'outer'): ce_causal1__block__W_Q__W_Q__outer,
+        ('frobenius', 'W_Q', 'W_Q', 'outer'): ce_causal1__frobenius__W_Q__W_Q__outer,
+        ('block', 'W_Q', 'W_K', 'outer'): ce_causal1__block__W_Q__W_K__outer,
+        ('frobenius', 'W_Q', 'W_K', 'outer'): ce_causal1__frobenius__W_Q__W_K__outer,
+        ('block', 'W_Q', 'W_V', 'outer'): ce_causal1__block__W_Q__W_V__outer,
+        ('frobenius', 'W_Q', 'W_V', 'outer'): ce_causal1__frobenius__W_Q__W_V__outer,
+        ('diag', 'W_K', 'outer'): ce_causal1__diag__W_K__outer,
+        ('trace', 'W_K', 'outer'): ce_causal1__trace__W_K__outer,
+        ('block', 'W_K', 'W_Q', 'outer'): ce_causal1__block__W_K__W_Q__outer,
+        ('frobenius', 'W_K', 'W_Q', 'outer'): ce_causal1__frobenius__W_K__W_Q__outer,
+        ('block', 'W_K', 'W_K', 'outer'): ce_causal1__block__W_K__W_K__outer,
+        ('frobenius', 'W_K', 'W_K', 'outer'): ce_causal1__frobenius__W_K__W_K__outer,
+        ('block', 'W_K', 'W_V', 'outer'): ce_causal1__block__W_K__W_V__outer,
+        ('frobenius', 'W_K', 'W_V', 'outer'): ce_causal1__frobenius__W_K__W_V__outer,
+        ('diag', 'W_V', 'outer'): ce_causal1__diag__W_V__outer,
+        ('trace', 'W_V', 'outer'): ce_causal1__trace__W_V__outer,
+        ('block', 'W_V', 'W_Q', 'outer'): ce_causal1__block__W_V__W_Q__outer,
+        ('frobenius', 'W_V', 'W_Q', 'outer'): ce_causal1__frobenius__W_V__W_Q__outer,
+        ('block', 'W_V', 'W_K', 'outer'): ce_causal1__block__W_V__W_K__outer,
+        ('frobenius', 'W_V', 'W_K', 'outer'): ce_causal1__frobenius__W_V__W_K__outer,
+        ('block', 'W_V', 'W_V', 'outer'): ce_causal1__block__W_V__W_V__outer,
+        ('frobenius', 'W_V', 'W_V', 'outer'): ce_causal1__frobenius__W_V__W_V__outer,
+        ('hessian', 'functional'): ce_causal1__hessian__functional,
+        ('hvp', 'functional'): ce_causal1__hvp__functional,
+        ('frobenius_all', 'functional'): ce_causal1__frobenius_all__functional,
+        ('diag', 'W_Q', 'functional'): ce_causal1__diag__W_Q__functional,
+        ('trace', 'W_Q', 'functional'): ce_causal1__trace__W_Q__functional,
+        ('block', 'W_Q', 'W_Q', 'functional'): ce_causal1__block__W_Q__W_Q__functional,
+        ('frobenius', 'W_Q', 'W_Q', 'functional'): ce_causal1__frobenius__W_Q__W_Q__functional,
+        ('block', 'W_Q', 'W_K', 'functional'): ce_causal1__block__W_Q__W_K__functional,
+        ('frobenius', 'W_Q', 'W_K', 'functional'): ce_causal1__frobenius__W_Q__W_K__functional,
+        ('block', 'W_Q', 'W_V', 'functional'): ce_causal1__block__W_Q__W_V__functional,
+        ('frobenius', 'W_Q', 'W_V', 'functional'): ce_causal1__frobenius__W_Q__W_V__functional,
+        ('diag', 'W_K', 'functional'): ce_causal1__diag__W_K__functional,
+        ('trace', 'W_K', 'functional'): ce_causal1__trace__W_K__functional,
+        ('block', 'W_K', 'W_Q', 'functional'): ce_causal1__block__W_K__W_Q__functional,
+        ('frobenius', 'W_K', 'W_Q', 'functional'): ce_causal1__frobenius__W_K__W_Q__functional,
+        ('block', 'W_K', 'W_K', 'functional'): ce_causal1__block__W_K__W_K__functional,
+        ('frobenius', 'W_K', 'W_K', 'functional'): ce_causal1__frobenius__W_K__W_K__functional,
+        ('block', 'W_K', 'W_V', 'functional'): ce_causal1__block__W_K__W_V__functional,
+        ('frobenius', 'W_K', 'W_V', 'functional'): ce_causal1__frobenius__W_K__W_V__functional,
+        ('diag', 'W_V', 'functional'): ce_causal1__diag__W_V__functional,
+        ('trace', 'W_V', 'functional'): ce_causal1__trace__W_V__functional,
+        ('block', 'W_V', 'W_Q', 'functional'): ce_causal1__block__W_V__W_Q__functional,
+        ('frobenius', 'W_V', 'W_Q', 'functional'): ce_causal1__frobenius__W_V__W_Q__functional,
+        ('block', 'W_V', 'W_K', 'functional'): ce_causal1__block__W_V__W_K__functional,
+        ('frobenius', 'W_V', 'W_K', 'functional'): ce_causal1__frobenius__W_V__W_K__functional,
+        ('block', 'W_V', 'W_V', 'functional'): ce_causal1__block__W_V__W_V__functional,
+        ('frobenius', 'W_V', 'W_V', 'functional'): ce_causal1__frobenius__W_V__W_V__functional,
+        ('hessian', 'full'): ce_causal1__hessian__full,
+        ('hvp', 'full'): ce_causal1__hvp__full,
+        ('frobenius_all', 'full'): ce_causal1__frobenius_all__full,
+        ('diag', 'W_Q', 'full'): ce_causal1__diag__W_Q__full,
+        ('trace', 'W_Q', 'full'): ce_causal1__trace__W_Q__full,
+        ('block', 'W_Q', 'W_Q', 'full'): ce_causal1__block__W_Q__W_Q__full,
+        ('frobenius', 'W_Q', 'W_Q', 'full'): ce_causal1__frobenius__W_Q__W_Q__full,
+        ('block', 'W_Q', 'W_K', 'full'): ce_causal1__block__W_Q__W_K__full,
+        ('frobenius', 'W_Q', 'W_K', 'full'): ce_causal1__frobenius__W_Q__W_K__full,
+        ('block', 'W_Q', 'W_V', 'full'): ce_causal1__block__W_Q__W_V__full,
+        ('frobenius', 'W_Q', 'W_V', 'full'): ce_causal1__frobenius__W_Q__W_V__full,
+        ('diag', 'W_K', 'full'): ce_causal1__diag__W_K__full,
+        ('trace', 'W_K', 'full'): ce_causal1__trace__W_K__full,
+        ('block', 'W_K', 'W_Q', 'full'): ce_causal1__block__W_K__W_Q__full,
+        ('frobenius', 'W_K', 'W_Q', 'full'): ce_causal1__frobenius__W_K__W_Q__full,
+        ('block', 'W_K', 'W_K', 'full'): ce_causal1__block__W_K__W_K__full,
+        ('frobenius', 'W_K', 'W_K', 'full'): ce_causal1__frobenius__W_K__W_K__full,
+        ('block', 'W_K', 'W_V', 'full'): ce_causal1__block__W_K__W_V__full,
+        ('frobenius', 'W_K', 'W_V', 'full'): ce_causal1__frobenius__W_K__W_V__full,
+        ('diag', 'W_V', 'full'): ce_causal1__diag__W_V__full,
+        ('trace', 'W_V', 'full'): ce_causal1__trace__W_V__full,
+        ('block', 'W_V', 'W_Q', 'full'): ce_causal1__block__W_V__W_Q__full,
+        ('frobenius', 'W_V', 'W_Q', 'full'): ce_causal1__frobenius__W_V__W_Q__full,
+        ('block', 'W_V', 'W_K', 'full'): ce_causal1__block__W_V__W_K__full,
+        ('frobenius', 'W_V', 'W_K', 'full'): ce_causal1__frobenius__W_V__W_K__full,
+        ('block', 'W_V', 'W_V', 'full'): ce_causal1__block__W_V__W_V__full,
+        ('frobenius', 'W_V', 'W_V', 'full'): ce_causal1__frobenius__W_V__W_V__full,
     },
 }

@@ -202,9 +202,8 @@ class Routine:
         spec += "->" + "".join(symbols[a] for a in out)
         if len(ops) == 1 and spec.split("->")[0] == spec.split("->")[1]:
             return ops[0]
-        shapes = [tuple(self._label_size(a) for a in ls) for ls in labs]
-        path, _ = oe.contract_path(spec, *shapes, shapes=True, optimize="auto")
-        return f"oe.contract({spec!r}, {', '.join(ops)}, optimize={list(path)!r})"
+        shapes = tuple(tuple(self._label_size(a) for a in ls) for ls in labs)
+        return f"oe.contract({spec!r}, {', '.join(ops)}, optimize={_path(spec, shapes)!r})"
 
     def _label_size(self, lab):
         if isinstance(lab, tuple):
@@ -257,6 +256,14 @@ class Routine:
     def scalar(self, networks):
         """Σ coef · contraction for scalar networks."""
         return _sum(self, networks) if networks else "0.0"
+
+
+@lru_cache(maxsize=None)
+def _path(spec, shapes):
+    """The contraction order for representative shapes (searched for small networks, greedy
+    for large ones: the search is exponential and dominated generation time)."""
+    optimize = "auto" if len(shapes) <= 4 else "greedy"
+    return list(oe.contract_path(spec, *shapes, shapes=True, optimize=optimize)[0])
 
 
 @lru_cache(maxsize=None)
@@ -440,6 +447,12 @@ def _identity(rt, n):
 @_m(E.Zero)
 def _zero(rt, n):
     return rt.emit(rt.fmt("zeros", rt.shape(n.shape)), False)
+
+
+@_m(E.CausalMask)
+def _causal_mask(rt, n):
+    """M[i, j] = [j ≤ i] as a 0/1 array of the values' dtype."""
+    return rt.emit(rt.fmt("tril_ones", rt.size(n.rows)), False, hint="Mcausal")
 
 
 @_m(E.Ones)
