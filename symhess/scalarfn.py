@@ -38,9 +38,26 @@ FUNCTIONS = {
 
 
 def _clean(expr):
-    """Drop Dirac deltas (derivatives hold almost everywhere) and tidy up."""
-    expr = expr.replace(sp.DiracDelta, lambda *a: sp.Integer(0))
-    return sp.simplify(expr)
+    """Drop Dirac deltas (derivatives hold almost everywhere).
+
+    No ``sp.simplify``: it took 5–11 s per derivative of tanh/sigmoid/gelu, and sympy's raw
+    forms (tanh' = 1 − tanh²) are also the numerically safer ones (no cosh overflow).
+    """
+    return expr.replace(sp.DiracDelta, lambda *a: sp.Integer(0))
+
+
+_PROBES = (sp.Rational(37, 100), sp.Rational(81, 100), sp.Rational(153, 100))
+
+
+def _maybe_equal(a, b) -> bool:
+    """A cheap numerical screen before the (slow) symbolic comparison."""
+    for v in _PROBES:
+        try:
+            if abs(complex(sp.N(a.subs(x, v) - b.subs(x, v)))) > 1e-9:
+                return False
+        except (TypeError, ValueError):
+            return True
+    return True
 
 
 @dataclass(frozen=True)
@@ -85,7 +102,7 @@ def _derivative(fn: ScalarFn) -> ScalarFn:
 def _named_for(expr, name, tex) -> ScalarFn:
     """Reuse a library name when the expression is a known function (exp' = exp)."""
     for known, (kexpr, ktex) in FUNCTIONS.items():
-        if sp.simplify(kexpr - expr) == 0:
+        if kexpr == expr or (_maybe_equal(kexpr, expr) and sp.simplify(kexpr - expr) == 0):
             return ScalarFn(known, kexpr, ktex)
     return ScalarFn(name, expr, tex)
 
@@ -112,8 +129,16 @@ def _lambdify(expr, backend):
     import torch
 
     def heaviside(a, h0=0.0):
-        return torch.heaviside(a, torch.tensor(float(h0), dtype=a.dtype, device=a.device))
+        # not torch.heaviside: autograd has no derivative for it (x·H(x) must be differentiable)
+        return (a > 0).to(a.dtype) + float(h0) * (a == 0).to(a.dtype)
 
-    mods = [{"Heaviside": heaviside, "erf": torch.special.erf, "exp": torch.exp, "log": torch.log,
-             "tanh": torch.tanh, "sqrt": torch.sqrt, "pi": float(sp.pi)}, "math"]
+    def either(tfn, mfn):
+        # constants such as sqrt(2) in gelu reach the function as Python numbers
+        return lambda a: tfn(a) if isinstance(a, torch.Tensor) else mfn(a)
+
+    import math
+    mods = [{"Heaviside": heaviside, "erf": either(torch.special.erf, math.erf),
+             "exp": either(torch.exp, math.exp), "log": either(torch.log, math.log),
+             "tanh": either(torch.tanh, math.tanh), "sqrt": either(torch.sqrt, math.sqrt),
+             "pi": float(sp.pi)}, "math"]
     return sp.lambdify(x, expr, modules=mods)
