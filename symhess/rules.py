@@ -72,7 +72,8 @@ def _kron(n, d, memo):
     """d(F₁⊗⋯⊗F_k) = Σ_j F₁⊗⋯⊗dF_j⊗⋯⊗F_k."""
     f = n.args
     terms = [E.kron(*f[:j], dj, *f[j + 1:]) for j, dj in enumerate(d) if not dj.is_zero]
-    return E.add(*terms)
+    # every child differential can vanish (step' = 0): the node's then does too
+    return E.add(*terms) if terms else E.zero(*n.shape)
 
 
 @rule(E.Hadamard)
@@ -80,7 +81,8 @@ def _hadamard(n, d, memo):
     """d(F₁∘⋯∘F_k) = Σ_j F₁∘⋯∘dF_j∘⋯∘F_k."""
     f = n.args
     terms = [E.hadamard(*f[:j], dj, *f[j + 1:]) for j, dj in enumerate(d) if not dj.is_zero]
-    return E.add(*terms)
+    # every child differential can vanish (step' = 0): the node's then does too
+    return E.add(*terms) if terms else E.zero(*n.shape)
 
 
 @rule(E.Elementwise)
