@@ -100,7 +100,8 @@ class _Torch:
         return self.torch.arange(n, device=self.device)
 
     def kron(self, a, b):
-        return self.torch.kron(a, b)
+        # torch.kron's backward fails on non-contiguous inputs (e.g. a transpose)
+        return self.torch.kron(a.contiguous(), b.contiguous())
 
     def einsum(self, spec, *ops):
         return self.torch.einsum(spec, *ops)
@@ -140,9 +141,9 @@ def leaves(expr):
     return sorted({n for n in E.walk(expr) if isinstance(n, E.Var)}, key=lambda v: v.name)
 
 
-def bind_dims(variables, arrays) -> dict:
-    """Infer the symbolic dimensions from the arrays; names both shapes on a mismatch."""
-    env, later = {}, []
+def bind_dims(variables, arrays, known=None) -> dict:
+    """Infer the symbolic dimensions from the arrays (and ``known`` ones); names both shapes on a mismatch."""
+    env, later = dict(known or {}), []
     for var in variables:
         arr = arrays[var.name]
         if arr.ndim != 2:
@@ -185,8 +186,8 @@ def evaluate(expr, values, backend="numpy", env=None):
         if not xp.isfinite(a):
             raise InputError(f"{v.name} contains non-finite entries (NaN or inf)")
         arrays[v.name] = a
-    env = dict(env or {})
-    env.update(bind_dims(variables, arrays))
+    # dimensions already known (e.g. from a layer's other values) resolve products like m²
+    env = bind_dims(variables, arrays, env)
     return Interpreter(xp, env, arrays).run(expr)
 
 
