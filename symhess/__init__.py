@@ -4,8 +4,9 @@ from .expr import ShapeError
 from .hessian import Derivation, derive
 from .layers import LAYERS, Layer, layer, register_layer
 from . import variants, transformer  # noqa: F401  (register the built-in layers)
+from .kernels import kernel
 
 __version__ = "0.1.0"
 
 __all__ = ["expr", "ShapeError", "Derivation", "derive", "Layer", "layer", "register_layer",
-           "LAYERS", "__version__"]
+           "LAYERS", "kernel", "__version__"]

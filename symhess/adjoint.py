@@ -8,20 +8,10 @@ accumulated once per node of the DAG (reverse mode).
 from __future__ import annotations
 
 from . import expr as E
+from .registry import Registry
 
-ADJOINTS: dict = {}
-
-
-def adjoint_rule(node_type):
-    """Register how a cotangent passes from a linear node to its j-th child."""
-
-    def deco(fn):
-        if node_type in ADJOINTS:
-            raise KeyError(f"an adjoint rule for {node_type.__name__} is already registered")
-        ADJOINTS[node_type] = fn
-        return fn
-
-    return deco
+ADJOINTS = Registry("adjoint rule for")   # how a cotangent passes from a linear node to a child
+adjoint_rule = ADJOINTS.register
 
 
 def adjoint(lin: E.Expr, direction: E.Var, cot: E.Expr) -> E.Expr:

@@ -219,6 +219,9 @@ class Interpreter:
             return xp.eye(self.size(n.rows))
         if t is E.Ones:
             return xp.ones(self.size(n.rows), self.size(n.cols))
+        if t is E.CausalMask:
+            k = self.size(n.rows)
+            return xp.where(xp.triu_mask(k), xp.zeros(k, k), xp.ones(k, k))
         if t is E.Commutation:
             m, k = self.size(n.params[0]), self.size(n.params[1])
             out = xp.zeros(m * k, m * k)

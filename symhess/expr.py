@@ -17,7 +17,7 @@ from .scalarfn import ScalarFn, get_function
 
 __all__ = [
     "ShapeError", "Expr", "dim", "dims", "matrix", "param", "const",
-    "zero", "identity", "ones", "commutation", "diag_selector",
+    "zero", "identity", "ones", "causal_mask", "commutation", "diag_selector",
     "matmul", "add", "scale", "transpose", "kron", "hadamard", "elementwise",
     "softmax_rows", "log_softmax_rows", "diag", "diag_part", "vec_r",
     "named", "rowsum", "sum_all", "power",
@@ -150,9 +150,9 @@ class Expr:
         return transpose(self)
 
     # -- conveniences that delegate to other modules -------------------------------
-    def latex(self, **options) -> str:
+    def latex(self, names=None) -> str:
         from .printing.latex import latex
-        return latex(self, **options)
+        return latex(self, names)
 
     def evaluate(self, values, backend="numpy"):
         from .evaluate import evaluate
@@ -214,6 +214,15 @@ class Ones(Constant):
 
     def __init__(self, rows, cols):
         super().__init__((), (_d(rows), _d(cols)), (rows, cols))
+
+
+class CausalMask(Constant):
+    """The n×n lower-triangular 0/1 mask: M[i, j] = 1 if j ≤ i else 0."""
+
+    __slots__ = ()
+
+    def __init__(self, n):
+        super().__init__((), (_d(n),), (n, n))
 
 
 class Commutation(Constant):
@@ -547,6 +556,11 @@ def ones(rows, cols) -> Expr:
     return Ones(rows, cols)
 
 
+def causal_mask(n) -> Expr:
+    """The causal mask M ∈ {0,1}^{n×n}, M[i, j] = [j ≤ i]; use as M ∘ T (e.g. linear attention)."""
+    return Identity(1) if _d(n) == 1 else CausalMask(n)
+
+
 def commutation(m, n) -> Expr:
     m, n = _d(m), _d(n)
     if m == 1 or n == 1:
@@ -573,6 +587,8 @@ def scale(coef, a) -> Expr:
     coef = coef * c0
     if coef == 1:
         return core
+    if isinstance(core, Add):  # canonical: scalars sit on the terms of a sum
+        return Add(*(scale(coef, t) for t in core.args))
     return Scale(core, coef)
 
 

@@ -65,7 +65,8 @@ class Derivation:
     def output_gradient(self):
         """G = ∂ℓ/∂F, frozen (held constant by the differentiator)."""
         Fp, grad, _, _ = self._loss_parts
-        return E.named(E.substitute(grad, {Fp: self.F}), "G", r"\mathbf G", frozen=True)
+        f = E.named(self.F, "F", r"\mathbf F")
+        return E.named(E.substitute(grad, {Fp: f}), "G", r"\mathbf G", frozen=True)
 
     def loss_hessian_map(self, dF):
         """∂²ℓ/∂F² applied to dF."""
@@ -152,6 +153,9 @@ class Derivation:
         hole = E.Var(f"__{at}", node.rows, node.cols, "placeholder")
         dn = _direction(hole)
         f_hole = E.substitute(self.F, {node: hole})
+        if not f_hole.depends_on(hole):   # else the split would silently give Zero
+            raise ValueError(f"intermediate {at!r} is not a node of the output (canonicalisation "
+                             f"merged it into a larger product); declare it with expr.named(...)")
         g_full = E.substitute(self.output_gradient.inner, {})
         g_node = adjoint(differential(f_hole, {hole: dn}), dn, g_full)
         g_node = E.named(E.substitute(g_node, {hole: node}), f"G_{at}",
@@ -168,6 +172,18 @@ class Derivation:
             self._cache[key] = Block(simplify(self.raw_block(p, q, part, at), self.layer), self, (p, q, part))
         return self._cache[key]
 
+    @cached_property
+    def latex_names(self):
+        """LaTeX symbols for the layer's named intermediates (e.g. A, T)."""
+        from .printing.latex import bold_name
+        from .simplify import simplify as simp
+        names = {}
+        for key, node in self.layer.intermediates.items():
+            for form in (node, simp(node)):
+                names[form] = bold_name(key)
+                names.setdefault(E.transpose(form), bold_name(key) + r"^\top")
+        return names
+
     @property
     def variable_names(self):
         return sorted(set(self.layer.variables) | {"Y"})
@@ -181,7 +197,9 @@ class Derivation:
         vars_ = [v for v in list(self.layer.variables.values()) + [self.Y] if v.name in values]
         arrays = {v.name: np.asarray(values[v.name]) if not hasattr(values[v.name], "detach")
                   else values[v.name] for v in vars_}
-        return bind_dims(vars_, arrays)
+        env = bind_dims(vars_, arrays)
+        self.layer.validate(values)
+        return env
 
     def blocks(self, part="full"):
         names = self.layer.param_names
@@ -205,7 +223,7 @@ class Block:
         return self.expr.shape
 
     def latex(self) -> str:
-        return self.expr.latex()
+        return self.expr.latex(self.derivation.latex_names)
 
     def text(self) -> str:
         return repr(self.expr)

@@ -6,20 +6,10 @@ products, commutation matrices, identities, softmax Jacobians …), the papers' 
 from __future__ import annotations
 
 from . import expr as E
+from .registry import Registry
 
-VECTORISERS: dict = {}
-
-
-def vectoriser(node_type):
-    """Register the vectorisation rule of a linear node type."""
-
-    def deco(fn):
-        if node_type in VECTORISERS:
-            raise KeyError(f"a vectorisation rule for {node_type.__name__} is already registered")
-        VECTORISERS[node_type] = fn
-        return fn
-
-    return deco
+VECTORISERS = Registry("vectorisation rule for")
+vectoriser = VECTORISERS.register
 
 
 def vec_jacobian(lin: E.Expr, direction: E.Var) -> E.Expr:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import sympy as sp
 
 from . import expr as E
+from .registry import Registry
 
 
 @dataclass(frozen=True, eq=False)
@@ -26,10 +27,12 @@ class Layer:
     intermediates: dict = field(default_factory=dict)
     options: dict = field(default_factory=dict)
     description: str = ""
+    checks: tuple = ()
 
     def __post_init__(self):
         object.__setattr__(self, "params", tuple(self.params))
         object.__setattr__(self, "inputs", tuple(self.inputs))
+        object.__setattr__(self, "checks", tuple(self.checks))
         names = [p.name for p in self.params]
         if len(set(names)) != len(names):
             raise ValueError(f"layer {self.name!r}: parameter names repeat: {names}")
@@ -47,6 +50,11 @@ class Layer:
         raise KeyError(f"unknown block {name!r} for layer {self.name!r}; "
                        f"valid: {', '.join(self.param_names)}")
 
+    def validate(self, values) -> None:
+        """Run the layer's value checks (e.g. LayerNorm rows of zero variance); each raises InputError."""
+        for check in self.checks:
+            check(values)
+
     @property
     def param_names(self):
         return tuple(p.name for p in self.params)
@@ -57,19 +65,8 @@ class Layer:
         return {v.name: v for v in E.walk(self.output) if isinstance(v, E.Var)}
 
 
-LAYERS: dict = {}
-
-
-def register_layer(name):
-    """Register a layer factory ``fn(**options) -> Layer`` under ``name``."""
-
-    def deco(fn):
-        if name in LAYERS:
-            raise KeyError(f"layer {name!r} is already registered")
-        LAYERS[name] = fn
-        return fn
-
-    return deco
+LAYERS = Registry("layer")
+register_layer = LAYERS.register   # register a factory ``fn(**options) -> Layer`` under a name
 
 
 def layer_options(name) -> dict:
@@ -79,9 +76,7 @@ def layer_options(name) -> dict:
 
 
 def _factory(name):
-    if name not in LAYERS:
-        raise KeyError(f"unknown layer {name!r}; valid: {', '.join(sorted(LAYERS))}")
-    return LAYERS[name]
+    return LAYERS.lookup(name)
 
 
 def layer(name, **options) -> Layer:
@@ -95,12 +90,21 @@ def layer(name, **options) -> Layer:
     return fn(**options)
 
 
-def _scale_const(scale, default):
+def scale_constant(scale, default, dims=()):
+    """A declared scalar constant: a number or an expression in the layer's dimensions."""
     if scale is None:
         return default
-    value = sp.sympify(scale)
-    if value.free_symbols - {E.dim(s.name) for s in value.free_symbols}:
-        raise ValueError(f"scale {scale!r} must be a number or an expression in the dimensions")
+    allowed = {d.name: d for d in dims}
+    try:
+        value = sp.sympify(scale, locals=allowed)
+    except (sp.SympifyError, TypeError, SyntaxError) as exc:
+        raise ValueError(f"scale {scale!r} is not a number or an expression: {exc}") from None
+    extra = sorted(s.name for s in value.free_symbols if s.name not in allowed or s != allowed[s.name])
+    if extra:
+        raise ValueError(f"scale {scale!r} uses unknown symbols {', '.join(extra)}; "
+                         f"valid dimensions: {', '.join(allowed) or 'none'}")
+    if value.is_number and (not value.is_real or value == 0):
+        raise ValueError(f"scale {scale!r} must be a non-zero real number")
     return value
 
 
@@ -111,7 +115,7 @@ def attention(causal: bool = False, scale=None) -> Layer:
     L, d_V, d_K = E.dims("L d_V d_K")
     X = E.matrix("X", L, d_V)
     W_Q, W_K, W_V = E.param("W_Q", d_V, d_K), E.param("W_K", d_V, d_K), E.param("W_V", d_V, d_V)
-    c = _scale_const(scale, 1 / sp.sqrt(d_K))
+    c = scale_constant(scale, 1 / sp.sqrt(d_K), (L, d_V, d_K))
     T = c * (X @ W_Q @ W_K.T @ X.T)
     A = E.softmax_rows(T, causal=causal)
     F = A @ X @ W_V

@@ -4,26 +4,11 @@ from __future__ import annotations
 import sympy as sp
 
 from . import expr as E
+from .registry import Registry
 
-LOSSES: dict = {}
-
-
-def loss(name):
-    """Register a loss ``fn(F, Y) -> 1×1 expression``."""
-
-    def deco(fn):
-        if name in LOSSES:
-            raise KeyError(f"loss {name!r} is already registered")
-        LOSSES[name] = fn
-        return fn
-
-    return deco
-
-
-def get_loss(name):
-    if name not in LOSSES:
-        raise KeyError(f"unknown loss {name!r}; valid: {', '.join(sorted(LOSSES))}")
-    return LOSSES[name]
+LOSSES = Registry("loss")
+loss = LOSSES.register          # register a loss ``fn(F, Y) -> 1×1 expression``
+get_loss = LOSSES.lookup
 
 
 @loss("mse")

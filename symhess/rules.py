@@ -8,20 +8,10 @@ from this one linear map, and a second derivative is the differential of a first
 from __future__ import annotations
 
 from . import expr as E
+from .registry import Registry
 
-RULES: dict = {}
-
-
-def rule(node_type):
-    """Register the differential rule of ``node_type`` (refuses a second rule)."""
-
-    def deco(fn):
-        if node_type in RULES:
-            raise KeyError(f"a differential rule for {node_type.__name__} is already registered")
-        RULES[node_type] = fn
-        return fn
-
-    return deco
+RULES = Registry("differential rule for")
+rule = RULES.register
 
 
 def differential(expr: E.Expr, directions: dict) -> E.Expr:
@@ -72,8 +62,7 @@ def _kron(n, d, memo):
     """d(F₁⊗⋯⊗F_k) = Σ_j F₁⊗⋯⊗dF_j⊗⋯⊗F_k."""
     f = n.args
     terms = [E.kron(*f[:j], dj, *f[j + 1:]) for j, dj in enumerate(d) if not dj.is_zero]
-    # every child differential can vanish (step' = 0): the node's then does too
-    return E.add(*terms) if terms else E.zero(*n.shape)
+    return E.add(*terms) if terms else E.zero(*n.shape)   # frozen factors give no terms
 
 
 @rule(E.Hadamard)
@@ -81,8 +70,7 @@ def _hadamard(n, d, memo):
     """d(F₁∘⋯∘F_k) = Σ_j F₁∘⋯∘dF_j∘⋯∘F_k."""
     f = n.args
     terms = [E.hadamard(*f[:j], dj, *f[j + 1:]) for j, dj in enumerate(d) if not dj.is_zero]
-    # every child differential can vanish (step' = 0): the node's then does too
-    return E.add(*terms) if terms else E.zero(*n.shape)
+    return E.add(*terms) if terms else E.zero(*n.shape)   # frozen factors give no terms
 
 
 @rule(E.Elementwise)

@@ -30,7 +30,7 @@ FUNCTIONS = {
     "gelu_tanh": (x / 2 * (1 + sp.tanh(sp.sqrt(2 / sp.pi) * (x + sp.Rational(44715, 1000000) * x**3))),
                   r"\operatorname{GELU}_{\tanh}"),
     "square": (x**2, r"(\cdot)^{2}"),
-    "sqrt": (sp.sqrt(x), r"\sqrt"),
+    "sqrt": (sp.sqrt(x), r"\sqrt{\cdot}"),  # \sqrt needs a braced argument in LaTeX
     "rsqrt": (1 / sp.sqrt(x), r"(\cdot)^{-1/2}"),
     "recip": (1 / x, r"(\cdot)^{-1}"),
     "step": (_heaviside(x), r"\mathbb 1_{>0}"),
@@ -38,26 +38,9 @@ FUNCTIONS = {
 
 
 def _clean(expr):
-    """Drop Dirac deltas (derivatives hold almost everywhere).
-
-    No ``sp.simplify``: it took 5–11 s per derivative of tanh/sigmoid/gelu, and sympy's raw
-    forms (tanh' = 1 − tanh²) are also the numerically safer ones (no cosh overflow).
-    """
-    return expr.replace(sp.DiracDelta, lambda *a: sp.Integer(0))
-
-
-_PROBES = (sp.Rational(37, 100), sp.Rational(81, 100), sp.Rational(153, 100))
-
-
-def _maybe_equal(a, b) -> bool:
-    """A cheap numerical screen before the (slow) symbolic comparison."""
-    for v in _PROBES:
-        try:
-            if abs(complex(sp.N(a.subs(x, v) - b.subs(x, v)))) > 1e-9:
-                return False
-        except (TypeError, ValueError):
-            return True
-    return True
+    """Drop Dirac deltas (derivatives hold almost everywhere) and tidy up."""
+    expr = expr.replace(sp.DiracDelta, lambda *a: sp.Integer(0))
+    return sp.simplify(expr)
 
 
 @dataclass(frozen=True)
@@ -96,15 +79,32 @@ class ScalarFn:
 @lru_cache(maxsize=None)
 def _derivative(fn: ScalarFn) -> ScalarFn:
     d = _clean(sp.diff(fn.expr, x))
-    return _named_for(d, fn.name + "'", fn.tex + "'")
+    return _named_for(d, fn.name + "'", "{" + fn.tex + "}'")  # braces: x^{p}' is a double superscript
 
 
 def _named_for(expr, name, tex) -> ScalarFn:
     """Reuse a library name when the expression is a known function (exp' = exp)."""
     for known, (kexpr, ktex) in FUNCTIONS.items():
-        if kexpr == expr or (_maybe_equal(kexpr, expr) and sp.simplify(kexpr - expr) == 0):
+        if _differ_numerically(kexpr, expr):
+            continue  # cheap rejection: sympy.simplify of e.g. erf/tanh differences takes seconds
+        if sp.simplify(kexpr - expr) == 0:
             return ScalarFn(known, kexpr, ktex)
     return ScalarFn(name, expr, tex)
+
+
+_PROBES = (0.37, 1.3, 2.9)  # positive, away from kinks, inside every library function's domain
+
+
+def _differ_numerically(a, b) -> bool:
+    """True if a(x) ≠ b(x) at some probe point (so they cannot be the same function)."""
+    for p in _PROBES:
+        try:
+            va, vb = complex(a.subs(x, p).evalf()), complex(b.subs(x, p).evalf())
+        except (TypeError, ValueError):
+            return False  # not numeric here: let sympy decide
+        if abs(va - vb) > 1e-9 * (1 + abs(va)):
+            return True
+    return False
 
 
 def get_function(name: str, power=None) -> ScalarFn:
@@ -129,14 +129,16 @@ def _lambdify(expr, backend):
     import torch
 
     def heaviside(a, h0=0.0):
-        # not torch.heaviside: autograd has no derivative for it (x·H(x) must be differentiable)
+        # comparisons, not torch.heaviside: autograd has no derivative for aten::heaviside,
+        # and the step is piecewise constant (derivative 0 a.e.), which this gives
         return (a > 0).to(a.dtype) + float(h0) * (a == 0).to(a.dtype)
 
+    import math
+
     def either(tfn, mfn):
-        # constants such as sqrt(2) in gelu reach the function as Python numbers
+        # lambdified derivatives hold constants such as sqrt(2) (GELU'): plain numbers go to math
         return lambda a: tfn(a) if isinstance(a, torch.Tensor) else mfn(a)
 
-    import math
     mods = [{"Heaviside": heaviside, "erf": either(torch.special.erf, math.erf),
              "exp": either(torch.exp, math.exp), "log": either(torch.log, math.log),
              "tanh": either(torch.tanh, math.tanh), "sqrt": either(torch.sqrt, math.sqrt),

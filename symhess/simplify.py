@@ -39,6 +39,8 @@ def simplify(expr, layer=None):
             new = _rewrite_chain(new)
         elif isinstance(new, E.Scale) and isinstance(new.args[0], E.MatMul):
             new = E.scale(new.coef, _rewrite_chain(new.args[0]))
+        elif isinstance(new, E.Named) and isinstance(new.inner, E.Named) and new.inner.name == new.name:
+            new = new.inner  # a definition is not renamed by itself
         memo[node] = new
     return memo[expr]
 

@@ -27,7 +27,27 @@ def dim_tex(d) -> str:
 
 
 class LatexPrinter(Printer):
+    """``names`` maps sub-expressions (a layer's intermediates) to their LaTeX symbols."""
+
     lparen, rparen = r"\left(", r"\right)"
+
+    def __init__(self, names=None):
+        self.names = dict(names or {})
+
+    def doprint(self, node) -> str:
+        if node in self.names:
+            return self.names[node]
+        return super().doprint(node)
+
+    def paren(self, node, parent_precedence) -> str:
+        if node in self.names:  # a named intermediate is a symbol: no brackets
+            return self.names[node]
+        return super().paren(node, parent_precedence)
+
+    def _softmax_parts(self, a):
+        """(numerator, denominator) symbols for the derivatives of A = softmax(T)."""
+        t = a.args[0]
+        return self.doprint(a), self.doprint(t) if t in self.names or len(t.args) == 0 else None
 
     def _print_Var(self, n):
         return n.tex or bold_name(n.name)
@@ -44,6 +64,9 @@ class LatexPrinter(Printer):
         if n.rows == 1:
             return rf"\mathbf 1_{{{dim_tex(n.cols)}}}^\top"
         return rf"\mathbf 1_{{{dim_tex(n.rows)}\times {dim_tex(n.cols)}}}"
+
+    def _print_CausalMask(self, n):
+        return rf"\mathbf M^{{\mathrm{{causal}}}}_{{{dim_tex(n.rows)}}}"
 
     def _print_Commutation(self, n):
         return rf"\mathbf K_{{{dim_tex(n.params[0])},{dim_tex(n.params[1])}}}"
@@ -72,7 +95,10 @@ class LatexPrinter(Printer):
         return ctex + inner
 
     def _print_Transpose(self, n):
-        return self.paren(n.args[0], n.precedence + 1) + r"^\top"
+        s = self.paren(n.args[0], n.precedence + 1)
+        if "^" in s and not s.startswith(self.lparen):
+            s = "{" + s + "}"   # W_V^{1} or M^{causal}: a second superscript is a TeX error
+        return s + r"^\top"
 
     def _print_Kron(self, n):
         return r"\otimes ".join(self.paren(a, n.precedence + 1) for a in n.args)
@@ -95,16 +121,25 @@ class LatexPrinter(Printer):
         return rf"\log\operatorname{{softmax}}\left({self.doprint(n.args[0])}\right)"
 
     def _print_SoftmaxDiff(self, n):
-        return rf"\partial\mathbf A\left[{self.doprint(n.args[1])}\right]"
+        a, _ = self._softmax_parts(n.args[0])
+        return rf"\partial{a}\left[{self.doprint(n.args[1])}\right]"
 
     def _print_SoftmaxDiff2(self, n):
-        return rf"\partial^2\mathbf A\left[{self.doprint(n.args[1])},{self.doprint(n.args[2])}\right]"
+        a, _ = self._softmax_parts(n.args[0])
+        return rf"\partial^2{a}\left[{self.doprint(n.args[1])},{self.doprint(n.args[2])}\right]"
+
+    def _jac(self, a, order):
+        num, den = self._softmax_parts(a)
+        if den is None:
+            return rf"\mathbf J^{{({order})}}_{{\operatorname{{softmax}}}}\left({self.doprint(a.args[0])}\right)"
+        sq = "^2" if order == 2 else ""
+        return rf"\frac{{\partial{sq}{num}}}{{\partial{den}{sq}}}"
 
     def _print_SoftmaxJac(self, n):
-        return r"\frac{\partial\mathbf A}{\partial\mathbf T}"
+        return self._jac(n.args[0], 1)
 
     def _print_SoftmaxHess(self, n):
-        return rf"\frac{{\partial^2\mathbf A}}{{\partial\mathbf T^2}}\left[{self.doprint(n.args[1])}\right]"
+        return self._jac(n.args[0], 2) + rf"\left[{self.doprint(n.args[1])}\right]"
 
     def _print_Diag(self, n):
         return rf"\operatorname{{diag}}\left({self.doprint(n.args[0])}\right)"
@@ -128,5 +163,5 @@ class LatexPrinter(Printer):
         return n.tex
 
 
-def latex(expr, **options) -> str:
-    return LatexPrinter().doprint(expr)
+def latex(expr, names=None) -> str:
+    return LatexPrinter(names).doprint(expr)

@@ -19,6 +19,9 @@ class TextPrinter(Printer):
     def _print_Ones(self, n):
         return f"1[{n.rows}x{n.cols}]"
 
+    def _print_CausalMask(self, n):
+        return f"Mcausal[{n.rows}]"
+
     def _print_Commutation(self, n):
         return f"K[{n.params[0]},{n.params[1]}]"
 

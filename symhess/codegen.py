@@ -1,0 +1,344 @@
+"""Kernel generation: derived expressions → printed routines → Jinja-rendered modules.
+
+Layout: ``generated/<backend>/<layer>.py`` holds, for every loss and every combination
+of the layer's boolean options (other options at their defaults), one function per
+routine (``<variant>__block__W_Q__W_K__outer``, ``<variant>__hvp__full``, …) and a
+``VARIANTS`` table ``{(loss, options): {routine key: function}}``.  Generated functions
+take data arrays with a leading batch axis and return batch means; ``symhess.kernel``
+wraps them with input validation.  Templates hold the file skeleton only.
+"""
+from __future__ import annotations
+
+import difflib
+import itertools
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+import jinja2
+import sympy as sp
+
+from . import expr as E
+from .hessian import PARTS, derive
+from .layers import LAYERS, layer as get_layer, layer_options
+from .losses import LOSSES
+from .printing.code import Routine, _scaled, _sum
+from .printing.index import Factor
+from .printing.numpy import NUMPY
+from .printing.torch import TORCH
+
+ROOT = Path(__file__).resolve().parent.parent
+TEMPLATES = ROOT / "templates"
+TARGETS = {"numpy": NUMPY, "torch": TORCH}
+
+
+@dataclass
+class Function:
+    name: str
+    args: list
+    lines: list
+    ret: str
+    doc: str
+
+
+# ----------------------------------------------------------------------------- variants
+def variants(layer_name):
+    """(loss, options) pairs generated for a layer: every loss × every boolean option value."""
+    opts = layer_options(layer_name)
+    flags = sorted(k for k, v in opts.items() if isinstance(v, bool))
+    out = []
+    for loss in sorted(LOSSES):
+        for values in itertools.product((False, True), repeat=len(flags)):
+            o = dict(opts)
+            o.update(zip(flags, values))
+            out.append((loss, tuple(sorted(o.items()))))
+    return out
+
+
+def variant_tag(loss, options):
+    flags = "".join(f"_{k}{int(v)}" for k, v in options if isinstance(v, bool))
+    return f"{loss}{flags}"
+
+
+# ----------------------------------------------------------------------------- routines
+class Variant:
+    """Prints every routine of one (layer, loss, options) for one target."""
+
+    def __init__(self, derivation, target, tag):
+        self.d = derivation
+        self.t = target
+        self.tag = tag
+        lay = derivation.layer
+        names = list(lay.variables)
+        ordered = [v.name for v in lay.inputs] + list(lay.param_names)
+        ordered += sorted(n for n in names if n not in ordered) + ["Y"]
+        self.vars = {n: (lay.variables[n] if n != "Y" else derivation.Y) for n in ordered}
+        self.batched = [n for n, v in self.vars.items() if v.role == "input" or n == "Y"]
+        syms = set()
+        for v in self.vars.values():
+            for d in v.shape:
+                syms |= sp.sympify(d).free_symbols
+        self.symbols = sorted(syms, key=lambda s: s.name)
+
+    def routine(self, extra=()):
+        variables = dict(self.vars)
+        variables.update({v.name: v for v in extra})
+        return Routine(self.t, variables, self.batched, self.symbols)
+
+    def header(self, rt):
+        """Bind every dimension (and the batch size) from the argument shapes."""
+        lines = []
+        for s in self.symbols:
+            for n, v in self.vars.items():
+                if s in v.shape:
+                    axis = -2 if v.shape[0] == s else -1
+                    lines.append(f"{s.name} = {n}.shape[{axis}]")
+                    break
+        lines.append(f"n_batch = {self.batched[0]}.shape[0]")
+        return lines
+
+    def function(self, kind, rt, ret, doc, extra=()):
+        name = f"{self.tag}__{kind}"
+        args = list(self.vars) + [v.name for v in extra]
+        return Function(name, args, self.header(rt) + rt.lines, ret, doc)
+
+    def numel(self, p):
+        w = self.d.param(p)
+        return w.rows * w.cols
+
+    # -- dense blocks --------------------------------------------------------------
+    def block(self, p, q, part):
+        rt = self.routine()
+        wp, wq = self.d.param(p), self.d.param(q)
+        expr = self.d.block(p, q, part).expr
+        rt.line(f"out = {rt.fmt('empty', rt.shape((self.numel(p), self.numel(q))))}")
+        terms, r, c = rt.terms(expr, wp.shape, wq.shape)
+        rt.dense_into("out", terms, r, c, fresh=True)
+        return self.function(f"block__{p}__{q}__{part}", rt, "out",
+                             f"H_{part}({p}, {q}) as a dense (numel {p} × numel {q}) block, vec_r layout.")
+
+    def hessian(self, part):
+        rt = self.routine()
+        names = self.d.layer.param_names
+        offs = [sp.Integer(0)]
+        for p in names:
+            offs.append(offs[-1] + self.numel(p))
+        rt.line(f"H = {rt.fmt('empty', rt.shape((offs[-1], offs[-1])))}")
+        for i, p in enumerate(names):
+            for j, q in enumerate(names):
+                sl = f"H[{rt.size(offs[i])}:{rt.size(offs[i + 1])}, {rt.size(offs[j])}:{rt.size(offs[j + 1])}]"
+                target = rt.emit(sl, False)
+                expr = self.d.block(p, q, part).expr
+                terms, r, c = rt.terms(expr, self.d.param(p).shape, self.d.param(q).shape)
+                rt.dense_into(target, terms, r, c, fresh=True)
+        return self.function(f"hessian__{part}", rt, "H",
+                             f"The full {part} Hessian, parameters in declared order {', '.join(names)}.")
+
+    # -- matrix view -----------------------------------------------------------------
+    def _mean(self, rt, name):
+        return rt.fmt("mean_batch", name) if rt.is_batched[name] else name
+
+    def hvp(self, part):
+        dirs = list(self.d.hvp_directions().values())
+        rt = self.routine(dirs)
+        outs = [self._mean(rt, rt.mat(e)) for e in self.d.hvp_expressions(part).values()]
+        return self.function(f"hvp__{part}", rt, "(" + ", ".join(outs) + ",)",
+                             f"(Σ_q H_{part}(p, q) V_q for p in the parameters): matrix view, no block.",
+                             extra=dirs)
+
+    def gradient(self):
+        rt = self.routine()
+        outs = [self._mean(rt, rt.mat(self.d.gradient(p))) for p in self.d.layer.param_names]
+        return self.function("gradient", rt, "(" + ", ".join(outs) + ",)",
+                             "(∂ℓ/∂W_p for p in the parameters), batch mean.")
+
+    def loss(self):
+        rt = self.routine()
+        v = self._mean(rt, rt.mat(self.d.loss_expr))
+        return self.function("loss", rt, f"{v}[0, 0]", "The loss, batch mean.")
+
+    # -- reductions ------------------------------------------------------------------
+    def _diag_terms(self, rt, p, part):
+        w = self.d.param(p)
+        terms, r, c = rt.terms(self.d.block(p, p, part).expr, w.shape, w.shape)
+        out = []
+        for t in terms:
+            t = t.copy()
+            rt.lw.unify(t, r, c)
+            out.append(t)
+        return out, r
+
+    def diag(self, p, part):
+        rt = self.routine()
+        terms, r = self._diag_terms(rt, p, part)
+        rt.line(f"out = {rt.fmt('empty', rt.shape((self.numel(p),)))}")
+        rt.dense_into("out", terms, r, [], fresh=True)
+        return self.function(f"diag__{p}__{part}", rt, "out",
+                             f"diag H_{part}({p}, {p}) (vec_r order) without the dense block.")
+
+    def trace(self, p, part):
+        rt = self.routine()
+        terms, r = self._diag_terms(rt, p, part)
+        nets = [rt.network(t, [], summed=rt.lw.resolve(t, r))[:2] for t in terms]
+        return self.function(f"trace__{p}__{part}", rt, rt.scalar(nets),
+                             f"tr H_{part}({p}, {p}) without the dense block.")
+
+    def frobenius(self, p, q, part):
+        """‖Σ_t N_t‖² = Σ_{t,t'} ⟨N_t, N_t'⟩, each pairing one contraction (no block built)."""
+        rt = self.routine()
+        ret = self._frobenius_into(rt, p, q, part)
+        return self.function(f"frobenius__{p}__{q}__{part}", rt, ret,
+                             f"‖H_{part}({p}, {q})‖_F from index networks, exact, without the block.")
+
+    def frobenius_all(self, part):
+        """Every block's norm in one routine, so the moments are computed once for all."""
+        rt = self.routine()
+        names = self.d.layer.param_names
+        outs = [self._frobenius_into(rt, p, q, part) for p in names for q in names]
+        return self.function(f"frobenius_all__{part}", rt, "(" + ", ".join(outs) + ",)",
+                             f"(‖H_{part}(p, q)‖_F for p, q in the parameters, row-major).")
+
+    def _frobenius_into(self, rt, p, q, part):
+        terms, r, c = rt.terms(self.d.block(p, q, part).expr, self.d.param(p).shape, self.d.param(q).shape)
+        nets = []
+        for i, t1 in enumerate(terms):
+            for t2 in terms[i:]:
+                pair = _pair(rt.lw, t1, t2, r, c)
+                outer = rt.lw.resolve(pair, r) + rt.lw.resolve(pair, c)
+                coef, code, _ = rt.network(pair, [], summed=outer)
+                nets.append((coef * (1 if t1 is t2 else 2), code))
+        s = rt.emit(rt.scalar(nets), True) if nets else "0.0"
+        return rt.emit(rt.fmt("sqrt_pos", s), True) if nets else "0.0"
+
+    def all(self):
+        names = self.d.layer.param_names
+        fns, table = [], []
+
+        def add(key, fn):
+            fns.append(fn)
+            table.append((repr(key), fn.name))
+
+        add(("loss",), self.loss())
+        add(("gradient",), self.gradient())
+        for part in PARTS:
+            add(("hessian", part), self.hessian(part))
+            add(("hvp", part), self.hvp(part))
+            add(("frobenius_all", part), self.frobenius_all(part))
+            for p in names:
+                add(("diag", p, part), self.diag(p, part))
+                add(("trace", p, part), self.trace(p, part))
+                for q in names:
+                    add(("block", p, q, part), self.block(p, q, part))
+                    add(("frobenius", p, q, part), self.frobenius(p, q, part))
+        return fns, table
+
+
+def _pair(lw, t1, t2, r, c):
+    """The network ⟨N_1, N_2⟩: t2's indices renamed, its outer indices identified with t1's."""
+    t = t1.copy()
+    ren = {}
+
+    def rn(a):
+        if a not in ren:
+            ren[a] = lw.labels.new(lw.labels.size[a])
+        return ren[a]
+
+    facs = tuple(Factor(f.ref, tuple(rn(a) for a in lw.resolve(t2, f.labels)), side=1)
+                 for f in t2.factors)
+    t.factors = t1.factors + facs
+    t.coef = t1.coef * t2.coef
+    lw.unify(t, lw.resolve(t1, r), [rn(a) for a in lw.resolve(t2, r)])
+    lw.unify(t, lw.resolve(t1, c), [rn(a) for a in lw.resolve(t2, c)])
+    return t
+
+
+# ----------------------------------------------------------------------------- modules
+def _env():
+    return jinja2.Environment(loader=jinja2.FileSystemLoader(str(TEMPLATES)),
+                              undefined=jinja2.StrictUndefined, keep_trailing_newline=True,
+                              autoescape=False)
+
+
+def render_module(layer_name, backend, only=None) -> str:
+    """The source of ``generated/<backend>/<layer>.py`` (``only``: restrict to some variants)."""
+    from . import __version__
+    target = TARGETS[backend]
+    functions, vs = [], []
+    for loss, options in (only or variants(layer_name)):
+        lay = get_layer(layer_name, **dict(options))
+        tag = variant_tag(loss, options)
+        fns, table = Variant(derive(lay, loss), target, tag).all()
+        functions.extend(fns)
+        vs.append({"tag": tag, "loss": loss, "options": dict(options),
+                   "key": repr((loss, options)), "table": table})
+    description = " ".join((get_layer(layer_name).description or "").split())
+    return _env().get_template("kernels.py.j2").render(
+        version=__version__, backend=backend, layer=layer_name, description=description,
+        variants=vs, functions=functions, imports=target["imports"])
+
+
+def render_all():
+    """{relative path: source} for every registered layer and backend."""
+    out = {}
+    for name in sorted(LAYERS):
+        for backend in TARGETS:
+            out[f"{backend}/{name}.py"] = render_module(name, backend)
+    return out
+
+
+def generate(out_dir="generated", check=False) -> list:
+    """Write (or with ``check`` only compare) every generated module; returns the stale paths.
+
+    Writing is atomic: everything is rendered into a temporary folder first and only then
+    replaces ``out_dir``, so a failure leaves the previous files untouched.
+    """
+    out_dir = Path(out_dir)
+    files = render_all()
+    stale = []
+    for rel, src in files.items():
+        path = out_dir / rel
+        if not path.exists() or path.read_text() != src:
+            stale.append(str(path))
+    if out_dir.exists():
+        for path in sorted(out_dir.rglob("*.py")):
+            if str(path.relative_to(out_dir)) not in files:
+                stale.append(str(path))
+    if check:
+        return stale
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".generated-", dir=out_dir.parent))
+    try:
+        for rel, src in files.items():
+            (tmp / rel).parent.mkdir(parents=True, exist_ok=True)
+            (tmp / rel).write_text(src)
+        old = None
+        if out_dir.exists():
+            old = out_dir.with_name(out_dir.name + ".old-" + tmp.name[-8:])
+            os.replace(out_dir, old)
+        os.replace(tmp, out_dir)
+        if old is not None:
+            shutil.rmtree(old)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
+    return stale
+
+
+def main_generate(check: bool, out_dir="generated") -> int:
+    """CLI entry: generate (or check); prints the stale files; exit code 1 if check finds any."""
+    stale = generate(out_dir, check=check)
+    verb = "stale" if check else "written"
+    for path in stale:
+        print(f"{verb}: {path}")
+    if check and stale:
+        print(f"{len(stale)} generated file(s) differ from a fresh generation; run `symhess generate`")
+        return 1
+    if not stale:
+        print("generated/ is up to date")
+    return 0
+
+
+def diff(a: str, b: str) -> str:
+    return "".join(difflib.unified_diff(a.splitlines(True), b.splitlines(True)))

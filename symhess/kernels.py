@@ -1,0 +1,221 @@
+"""Load generated kernels and call them safely: ``symhess.kernel(name, backend, loss, **options)``.
+
+The generated functions (``generated/<backend>/<layer>.py``) assume validated inputs with
+a leading batch axis on the data; ``Kernel`` checks names, shapes, dtypes, devices and
+vector lengths, adds the batch axis when it is missing, and dispatches.  Option
+combinations that were not generated are rendered in memory on first use.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+
+from . import codegen
+from .evaluate import InputError, bind_dims
+from .hessian import PARTS, check_part
+from .layers import layer as get_layer, layer_options
+from .losses import get_loss
+
+BACKENDS = ("numpy", "torch")
+
+
+class _Shape:
+    """Shape-only stand-in (per sequence) for ``bind_dims``."""
+
+    def __init__(self, shape):
+        self.shape = tuple(shape)
+        self.ndim = len(self.shape)
+
+
+@lru_cache(maxsize=None)
+def _generated_module(backend, name):
+    path = codegen.ROOT / "generated" / backend / f"{name}.py"
+    if not path.exists():
+        return None
+    # exec the source (rather than import it) so no __pycache__ lands in generated/
+    ns = {"__name__": f"symhess_generated_{backend}_{name}", "__file__": str(path)}
+    exec(compile(path.read_text(), str(path), "exec"), ns)
+    return ns
+
+
+@lru_cache(maxsize=None)
+def _table(backend, name, loss, options):
+    mod = _generated_module(backend, name)
+    if mod is not None and (loss, options) in mod["VARIANTS"]:
+        return mod["VARIANTS"][(loss, options)]
+    src = codegen.render_module(name, backend, only=[(loss, options)])
+    ns = {"__name__": f"symhess_inline_{backend}_{name}"}
+    exec(compile(src, f"<symhess {backend} kernels for {name}>", "exec"), ns)
+    return ns["VARIANTS"][(loss, options)]
+
+
+def kernel(name, backend="numpy", loss="mse", **options) -> "Kernel":
+    """Kernels for a registered layer, e.g. ``kernel("attention", "torch", "ce", causal=True)``."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown backend {backend!r}; valid: {', '.join(BACKENDS)}")
+    get_loss(loss)
+    lay = get_layer(name, **options)        # validates the option names
+    opts = dict(layer_options(name))
+    opts.update(options)
+    key = tuple(sorted(opts.items()))
+    return Kernel(lay, backend, loss, _table(backend, name, loss, key))
+
+
+class Kernel:
+    """Hessian kernels of one layer/loss/options; every method takes ``values`` by name."""
+
+    def __init__(self, layer, backend, loss, table):
+        self.layer, self.backend, self.loss_name, self._fns = layer, backend, loss, table
+        self.params = layer.param_names
+        self._data = [v.name for v in layer.inputs] + ["Y"]
+        variables = dict(layer.variables)
+        from .hessian import derive
+        variables["Y"] = derive(layer, loss).Y
+        self._vars = variables
+        self.names = sorted(variables)
+
+    def __repr__(self):
+        return f"<symhess kernel {self.layer.name} ({self.backend}, {self.loss_name})>"
+
+    # -- validation ------------------------------------------------------------------
+    def _array(self, name, x):
+        if self.backend == "torch":
+            import torch
+            if not isinstance(x, torch.Tensor):
+                x = torch.as_tensor(np.asarray(x))
+            ok = x.dtype in (torch.float32, torch.float64)
+        else:
+            if type(x).__module__.startswith("torch"):
+                raise InputError(f"{name} is a torch tensor; use backend='torch' or pass a NumPy array")
+            x = np.asarray(x)
+            ok = x.dtype in (np.float32, np.float64)
+        if not ok:
+            raise InputError(f"{name} has dtype {x.dtype}; expected float32 or float64")
+        return x
+
+    def _prepare(self, values):
+        if not isinstance(values, dict):
+            raise InputError(f"values must be a dict of arrays by name ({', '.join(self.names)})")
+        unknown = sorted(set(values) - set(self.names))
+        if unknown:
+            raise InputError(f"unknown value name(s) {', '.join(unknown)} for layer "
+                             f"{self.layer.name!r}; valid: {', '.join(self.names)}")
+        missing = [n for n in self.names if n not in values]
+        if missing:
+            raise InputError(f"missing value(s) {', '.join(missing)}; needed: {', '.join(self.names)}")
+        arrays = {n: self._array(n, values[n]) for n in self.names}
+        dtypes = {str(a.dtype) for a in arrays.values()}
+        if len(dtypes) > 1:
+            desc = ", ".join(f"{n}: {a.dtype}" for n, a in arrays.items())
+            raise InputError(f"all values must share one dtype, got {desc}")
+        if self.backend == "torch":
+            devices = {str(a.device) for a in arrays.values()}
+            if len(devices) > 1:
+                desc = ", ".join(f"{n}: {a.device}" for n, a in arrays.items())
+                raise InputError(f"all values must be on one device, got {desc}")
+        batch = {}
+        for n, a in arrays.items():
+            if n in self._data:
+                if a.ndim == 2:
+                    arrays[n] = a[None]
+                elif a.ndim == 3:
+                    batch[n] = a.shape[0]
+                else:
+                    raise InputError(f"{n} must have shape {_declared(self._vars[n])} or "
+                                     f"(N, …) with a batch axis, got shape {tuple(a.shape)}")
+            elif a.ndim != 2:
+                raise InputError(f"{n} must be a 2-D array of shape {_declared(self._vars[n])}, "
+                                 f"got shape {tuple(a.shape)}")
+        if len(set(batch.values())) > 1 or (batch and len(batch) < len(self._data)):
+            desc = ", ".join(f"{n}: {tuple(arrays[n].shape)}" for n in self._data)
+            raise InputError(f"the data values need the same leading batch size, got {desc}")
+        shapes = {n: _Shape(a.shape[-2:]) for n, a in arrays.items()}
+        order = self._data + list(self.params) + [n for n in self.names
+                                                  if n not in self._data and n not in self.params]
+        bind_dims([self._vars[n] for n in order], shapes)   # data first: it fixes the sizes
+        return arrays
+
+    def _param(self, p):
+        if p not in self.params:
+            raise KeyError(f"unknown block {p!r} for layer {self.layer.name!r}; "
+                           f"valid: {', '.join(self.params)}")
+        return p
+
+    def _call(self, key, values, *extra):
+        arrays = self._prepare(values)
+        return self._fns[key](**arrays, **dict(extra)), arrays
+
+    # -- the interface -----------------------------------------------------------------
+    def loss(self, values):
+        """ℓ (batch mean)."""
+        return self._call(("loss",), values)[0]
+
+    def gradient(self, values):
+        """{p: ∂ℓ/∂W_p}."""
+        return dict(zip(self.params, self._call(("gradient",), values)[0]))
+
+    def hessian_block(self, values, p, q, part="full"):
+        """H_part(p, q) as a dense (numel p × numel q) array, vec_r layout."""
+        check_part(part)
+        return self._call(("block", self._param(p), self._param(q), part), values)[0]
+
+    def hessian(self, values, part="full"):
+        """The full Hessian, parameters in declared order."""
+        check_part(part)
+        return self._call(("hessian", part), values)[0]
+
+    def hvp(self, values, v, part="full"):
+        """H_part v for a flat vector v (parameters in declared order), no block built."""
+        check_part(part)
+        arrays = self._prepare(values)
+        sizes = [int(np.prod(arrays[p].shape)) for p in self.params]
+        n = sum(sizes)
+        v = self._array("v", v)
+        if tuple(v.shape) != (n,):
+            raise InputError(f"v must be a flat vector of length {n} (= numel of "
+                             f"{' + '.join(self.params)}), got shape {tuple(v.shape)}")
+        like = arrays[self.params[0]]
+        if v.dtype != like.dtype:
+            raise InputError(f"v has dtype {v.dtype} but the values have dtype {like.dtype}")
+        if self.backend == "torch" and v.device != like.device:
+            raise InputError(f"v is on {v.device} but the values are on {like.device}")
+        dirs, off = {}, 0
+        for p, s in zip(self.params, sizes):
+            dirs[f"V_{p}"] = v[off:off + s].reshape(arrays[p].shape)
+            off += s
+        outs = self._fns[("hvp", part)](**arrays, **dirs)
+        flat = [o.reshape(-1) for o in outs]
+        if self.backend == "torch":
+            import torch
+            return torch.cat(flat)
+        return np.concatenate(flat)
+
+    def diag(self, values, p, part="full"):
+        """diag H_part(p, p), vec_r order."""
+        check_part(part)
+        return self._call(("diag", self._param(p), part), values)[0]
+
+    def trace(self, values, p, part="full"):
+        """tr H_part(p, p)."""
+        check_part(part)
+        return self._call(("trace", self._param(p), part), values)[0]
+
+    def frobenius_norms(self, values, part="full"):
+        """{(p, q): ‖H_part(p, q)‖_F} for every block, sharing the moments between blocks."""
+        check_part(part)
+        norms = self._call(("frobenius_all", part), values)[0]
+        pairs = [(p, q) for p in self.params for q in self.params]
+        return dict(zip(pairs, norms))
+
+    def frobenius_norm(self, values, p, q, part="full"):
+        """‖H_part(p, q)‖_F, exact, without building the block."""
+        check_part(part)
+        return self._call(("frobenius", self._param(p), self._param(q), part), values)[0]
+
+
+def _declared(var):
+    return f"({var.rows} × {var.cols})"
+
+
+__all__ = ["kernel", "Kernel", "PARTS"]

@@ -1,0 +1,509 @@
+"""Print expressions as NumPy or torch statements (one printer; the targets are data).
+
+``Routine`` collects the statements of one generated function.  Matrix-view expressions
+(gradients, Hessian–vector products, and the plain-matrix leaves of Kronecker-view
+blocks) are printed node by node, each distinct node once (common subexpressions come
+for free from structural hashing).  Kronecker-view expressions are lowered to index
+networks (``printing.index``) and printed as ``opt_einsum.contract`` calls whose
+contraction path is chosen here, at generation time, and stored in the code.
+
+All data arrays carry a leading batch axis (one sequence per entry); parameters do not.
+Matrix code is batch-agnostic (``@`` broadcasts, transposes swap the last two axes);
+einsum networks give the batch axis its own label and sum it at the end (the loss is
+the batch mean, so the Hessian is too).  Unknown nodes raise: nothing falls back to
+``str()``.
+"""
+from __future__ import annotations
+
+from functools import lru_cache
+
+import opt_einsum as oe
+import sympy as sp
+from sympy.printing.pycode import pycode
+
+from .. import expr as E
+from .. import scalarfn
+from .index import Factor, Lowering, Term, is_leaf
+
+BATCH = ("batch", 0)
+N_BATCH = sp.Symbol("n_batch", positive=True, integer=True)   # the number of sequences
+
+
+def representative_sizes(symbols, batch=4):
+    """Sizes used to choose contraction orders at generation time (L short, widths wide)."""
+    env = {s: (16 if s.name in ("L", "N") else 64) for s in symbols}
+    return env, batch
+
+
+class Routine:
+    """The statements of one generated function and the printer that fills them."""
+
+    def __init__(self, target, variables, batched, symbols, lowering=None):
+        self.t = target
+        self.variables = variables            # name -> Var (arguments)
+        self.batched_vars = set(batched)      # names of arguments with a batch axis
+        self.lines = []
+        self.memo = {}                        # Expr -> variable name
+        self.rhs = {}                         # right-hand side -> variable name (CSE)
+        self.is_batched = {}                  # variable name -> bool
+        self.taken = set(variables)
+        self.count = 0
+        self.lw = lowering or Lowering()
+        self.inter = {}                       # Named -> compact tensor name
+        self.env, self.batch_size = representative_sizes(symbols)
+        self.like = next((n for n in variables if n in self.batched_vars), next(iter(variables)))
+        for n in variables:
+            self.is_batched[n] = n in self.batched_vars
+
+    # -- statements --------------------------------------------------------------------
+    def fmt(self, key, *args):
+        return self.t[key].format(*args, like=self.like)
+
+    def fresh(self, hint="t"):
+        base = "".join(ch if ch.isalnum() or ch == "_" else "_" for ch in hint) or "t"
+        if base == "t" or base in self.taken:
+            while True:
+                name = f"{base}{self.count}"
+                self.count += 1
+                if name not in self.taken:
+                    break
+        else:
+            name = base
+        self.taken.add(name)
+        return name
+
+    def emit(self, rhs, batched, hint="t", comment=None):
+        """Assign ``rhs`` to a new name (or reuse the name of an identical right-hand side)."""
+        if rhs in self.rhs:
+            return self.rhs[rhs]
+        name = self.fresh(hint)
+        if comment:
+            self.lines.append(f"# {comment}")
+        self.lines.append(f"{name} = {rhs}")
+        self.rhs[rhs] = name
+        self.is_batched[name] = batched
+        return name
+
+    def line(self, text):
+        self.lines.append(text)
+
+    def size(self, d) -> str:
+        """A dimension expression as Python code (sizes are bound at the function's top)."""
+        return pycode(sp.sympify(d))
+
+    def shape(self, dims) -> str:
+        parts = [self.size(d) for d in dims]
+        return "(" + ", ".join(parts) + ("," if len(parts) == 1 else "") + ")"
+
+    def coef(self, c) -> str:
+        return pycode(sp.sympify(c))
+
+    # -- matrix view -----------------------------------------------------------------------
+    def mat(self, n) -> str:
+        """The name of a variable holding the matrix ``n`` (batched if it reads data)."""
+        if n in self.memo:
+            return self.memo[n]
+        fn = _MATRIX.get(type(n))
+        if fn is None:
+            raise NotImplementedError(f"the {self.t['name']} printer has no rule for "
+                                      f"{type(n).__name__} in a matrix expression")
+        name = fn(self, n)
+        self.memo[n] = name
+        return name
+
+    def batched(self, *names):
+        return any(self.is_batched[m] for m in names)
+
+    def _chain(self, factors):
+        """Product of plain matrices in the cheapest order for the representative sizes."""
+        names = [self.mat(f) for f in factors]
+        if len(names) == 1:
+            return names[0]
+        dims = [self._rep(factors[0].rows)] + [self._rep(f.cols) for f in factors]
+        k = len(names)
+        cost = {(i, i): 0 for i in range(k)}
+        split = {}
+        for span in range(1, k):
+            for i in range(k - span):
+                j = i + span
+                cost[(i, j)], split[(i, j)] = min(
+                    (cost[(i, m)] + cost[(m + 1, j)] + dims[i] * dims[m + 1] * dims[j + 1], m)
+                    for m in range(i, j))
+
+        def build(i, j):
+            if i == j:
+                return names[i]
+            m = split[(i, j)]
+            a, b = build(i, m), build(m + 1, j)
+            return self.emit(f"{a} @ {b}", self.batched(a, b))
+
+        return build(0, k - 1)
+
+    def _rep(self, d):
+        return _rep_size(sp.sympify(d), tuple(sorted(self.env.items(), key=lambda kv: kv[0].name)))
+
+    # -- index view ----------------------------------------------------------------------
+    def operand(self, factor, term, side_labels):
+        """(code, labels) of one einsum operand, reshaped to its refined indices."""
+        atoms = self.lw.resolve(term, factor.labels)
+        sizes = [self.lw.labels.size[a] for a in atoms]
+        ref = factor.ref
+        if isinstance(ref, tuple) and ref[0] == "ones":
+            return self.emit(self.fmt("ones", self.shape(sizes)), False), atoms
+        if isinstance(ref, tuple) and ref[0] == "inter":
+            name, axis_sizes = self.intermediate(ref[1])
+            natural = list(axis_sizes)
+        else:
+            name = self.mat(ref)
+            natural = [ref.rows, ref.cols]
+            natural = [d for d in natural if sp.sympify(d) != 1]
+        labels = list(atoms)
+        if self.is_batched[name]:
+            labels = [side_labels] + labels
+        if len(sizes) != len(natural) or any(sp.expand(a - b) != 0 for a, b in zip(sizes, natural)):
+            dims = ([-1] if self.is_batched[name] else []) + sizes
+            name = self.emit(self.fmt("reshape", name, self.shape(dims)), self.is_batched[name])
+        return name, labels
+
+    def network(self, term, outputs, keep_batch=False, summed=()):
+        """(coef, contraction code, batched) for one term with the given output atoms.
+
+        ``summed``: atoms summed over that may sit on no operand (a trace of I gives n).
+        """
+        ops, labs = [], []
+        for f in term.factors:
+            code, labels = self.operand(f, term, ("batch", f.side))
+            ops.append(code)
+            labs.append(labels)
+        present = {a for ls in labs for a in ls}
+        missing = [a for a in dict.fromkeys(outputs) if a not in present]
+        if missing:   # an index no operand carries (a broadcast): an explicit ones operand
+            sizes = [self.lw.labels.size[a] for a in missing]
+            ops.append(self.emit(self.fmt("ones", self.shape(sizes)), False))
+            labs.append(missing)
+        for a in dict.fromkeys(summed):
+            if a not in present and a not in outputs:
+                term = term.copy(coef=term.coef * self.lw.labels.size[a])
+        batch_labels = sorted({lab for ls in labs for lab in ls if isinstance(lab, tuple)})
+        batched = bool(batch_labels)
+        out = ([BATCH] if keep_batch and batched else []) + list(outputs)
+        coef = sp.sympify(term.coef)
+        if not keep_batch:
+            coef = coef / N_BATCH ** len(batch_labels)
+        return coef, self.contract(ops, labs, out), (batched and keep_batch)
+
+    def contract(self, ops, labs, out):
+        """An opt_einsum call with the path chosen now for the representative sizes."""
+        symbols = {}
+        for lab in [lab for ls in labs for lab in ls] + list(out):
+            if lab not in symbols:
+                symbols[lab] = oe.get_symbol(len(symbols))
+        spec = ",".join("".join(symbols[a] for a in ls) for ls in labs)
+        spec += "->" + "".join(symbols[a] for a in out)
+        if len(ops) == 1 and spec.split("->")[0] == spec.split("->")[1]:
+            return ops[0]
+        shapes = [tuple(self._label_size(a) for a in ls) for ls in labs]
+        path, _ = oe.contract_path(spec, *shapes, shapes=True, optimize="auto")
+        return f"oe.contract({spec!r}, {', '.join(ops)}, optimize={list(path)!r})"
+
+    def _label_size(self, lab):
+        if isinstance(lab, tuple):
+            return self.batch_size
+        return self._rep(self.lw.labels.size[lab])
+
+    def intermediate(self, node):
+        """Compute a compact structured intermediate (e.g. M_2 as L×d×d) once."""
+        if node in self.inter:
+            return self.inter[node]
+        inter = self.lw.intermediates[node]
+        parts, batched = [], False
+        for term, outputs in zip(inter.terms, inter.outputs):
+            c, code, b = self.network(term, outputs, keep_batch=True)
+            parts.append((c, code))
+            batched |= b
+        rhs = _sum(self, parts)
+        name = self.emit(rhs, batched, hint=node.name,
+                         comment=f"{node.name}: compact tensor {tuple(str(s) for s in inter.axis_sizes)}")
+        self.inter[node] = (name, inter.axis_sizes)
+        return self.inter[node]
+
+    # -- outputs of Kronecker-view expressions ----------------------------------------------
+    def terms(self, expr, rows, cols):
+        """Lower ``expr`` with row labels split as ``rows`` sizes and columns as ``cols``."""
+        r = [lab for d in rows for lab in self.lw.labels.fresh(d)]
+        c = [lab for d in cols for lab in self.lw.labels.fresh(d)]
+        return self.lw.lower(expr, r, c), r, c
+
+    def dense_into(self, target, terms, r, c, fresh):
+        """Write Σ terms into ``target`` (a 2-D array or slice); ``fresh``: target unset."""
+        if not terms:
+            self.line(f"{target}[...] = 0")
+            return
+        needs_zero = fresh and _repeats(self, terms[0], r, c)
+        if needs_zero:
+            self.line(f"{target}[...] = 0")
+        for k, term in enumerate(terms):
+            atoms = self.lw.resolve(term, r) + self.lw.resolve(term, c)
+            sizes = [self.lw.labels.size[a] for a in atoms]
+            view = self.emit(self.fmt("view", target, self.shape(sizes)), False)
+            op = "=" if (k == 0 and fresh and not needs_zero) else "+="
+            order = list(dict.fromkeys(atoms))
+            if len(order) < len(atoms):
+                view, order = _diag_view(self, view, atoms)
+            coef, code, _ = self.network(term, order)
+            self.line(f"{view}[...] {op} {_scaled(self, coef, code)}" if op == "=" else
+                      f"{view} {op} {_scaled(self, coef, code)}")
+
+    def scalar(self, networks):
+        """Σ coef · contraction for scalar networks."""
+        return _sum(self, networks) if networks else "0.0"
+
+
+@lru_cache(maxsize=None)
+def _rep_size(d, env):
+    return int(d.subs(dict(env)))
+
+
+def _repeats(rt, term, r, c):
+    atoms = rt.lw.resolve(term, r) + rt.lw.resolve(term, c)
+    return len(set(atoms)) < len(atoms)
+
+
+def _diag_view(rt, view, atoms):
+    """A writable view of the diagonal entries of a target whose indices repeat."""
+    order = list(dict.fromkeys(atoms))
+    if "diag_view_einsum" in rt.t:
+        sym = {a: oe.get_symbol(i) for i, a in enumerate(order)}
+        spec = "".join(sym[a] for a in atoms) + "->" + "".join(sym[a] for a in order)
+        return rt.emit(rt.t["diag_view_einsum"].format(repr(spec), view), False), order
+    labels = list(atoms)
+    code = view
+    while len(set(labels)) < len(labels):
+        for i, a in enumerate(labels):
+            j = labels.index(a, i + 1) if a in labels[i + 1:] else None
+            if j is not None:
+                code = f"{code}.diagonal(0, {i}, {j})"
+                labels = [x for k, x in enumerate(labels) if k not in (i, j)] + [a]
+                break
+    return rt.emit(code, False), labels
+
+
+def _scaled(rt, coef, code):
+    coef = sp.sympify(coef)
+    if coef == 1:
+        return code
+    if coef == -1:
+        return f"-{code}"
+    return f"({rt.coef(coef)}) * {code}"
+
+
+def _sum(rt, parts):
+    out = []
+    for c, code in parts:
+        s = _scaled(rt, c, code)
+        if out and s.startswith("-"):
+            out.append(f"- {s[1:]}")
+        else:
+            out.append(("+ " if out else "") + s)
+    return " ".join(out)
+
+
+# ----------------------------------------------------------------------------- matrix rules
+_MATRIX = {}
+
+
+def _m(t):
+    def deco(fn):
+        _MATRIX[t] = fn
+        return fn
+    return deco
+
+
+@_m(E.Var)
+def _var(rt, n):
+    if n.name not in rt.variables:
+        raise NotImplementedError(f"{n.name} is not an argument of this routine")
+    return n.name
+
+
+@_m(E.Named)
+def _named(rt, n):
+    if not is_leaf(n.inner):
+        raise NotImplementedError(f"{n.name} is a structured operator; lower it with an index network")
+    inner = rt.mat(n.inner)
+    name = rt.fresh(n.name)
+    rt.line(f"{name} = {inner}")
+    rt.is_batched[name] = rt.is_batched[inner]
+    return name
+
+
+@_m(E.MatMul)
+def _matmul(rt, n):
+    """Ones factors become row/column sums: P 1 Q = rowsum(P) · colsum(Q) (an outer product)."""
+    f = list(n.args)
+    j = next((i for i, x in enumerate(f) if isinstance(x, E.Ones)), None)
+    if j is None:
+        return rt._chain(f)
+    left, ones, right = f[:j], f[j], f[j + 1:]
+    lv = rt.emit(rt.fmt("sum_last", rt._chain(left)), rt.batched(rt._chain(left))) if left else None
+    rv = rt.mat(E.matmul(*right)) if right else None
+    rv = rt.emit(rt.fmt("sum_rows", rv), rt.batched(rv)) if rv else None
+    if lv and rv:
+        return rt.emit(f"{lv} * {rv}", rt.batched(lv, rv))
+    if lv:
+        if sp.sympify(ones.cols) == 1:
+            return lv
+        return rt.emit(rt.fmt("bcast_last", lv, rt.size(ones.cols)), rt.batched(lv))
+    if rv:
+        if sp.sympify(ones.rows) == 1:
+            return rv
+        return rt.emit(rt.fmt("bcast_rows", rv, rt.size(ones.rows)), rt.batched(rv))
+    return rt.emit(rt.fmt("ones", rt.shape(n.shape)), False)
+
+
+@_m(E.Add)
+def _add(rt, n):
+    names = [rt.mat(a) for a in n.args]
+    return rt.emit(" + ".join(names), rt.batched(*names))
+
+
+@_m(E.Scale)
+def _scale(rt, n):
+    a = rt.mat(n.args[0])
+    return rt.emit(_scaled(rt, n.coef, a), rt.batched(a))
+
+
+@_m(E.Transpose)
+def _transpose(rt, n):
+    a = rt.mat(n.args[0])
+    return rt.emit(rt.fmt("T", a), rt.batched(a))
+
+
+@_m(E.Hadamard)
+def _hadamard(rt, n):
+    names = [rt.mat(a) for a in n.args]
+    return rt.emit(" * ".join(names), rt.batched(*names))
+
+
+@_m(E.Elementwise)
+def _elementwise(rt, n):
+    a = rt.mat(n.args[0])
+    return rt.emit(scalar_code(rt.t, n.fn.expr, a), rt.batched(a))
+
+
+@_m(E.SoftmaxRows)
+def _softmax(rt, n):
+    t = rt.mat(n.args[0])
+    b = rt.batched(t)
+    if n.causal:
+        mask = rt.emit(rt.fmt("triu_mask", rt.size(n.rows)), False)
+        t = rt.emit(rt.fmt("where", mask, "-math.inf", t), b)
+    z = rt.emit(f"{rt.t['fn']['exp'].format(t + ' - ' + rt.fmt('max_last', t))}", b)
+    return rt.emit(f"{z} / {rt.fmt('sum_last', z)}", b, hint="A")
+
+
+@_m(E.LogSoftmaxRows)
+def _log_softmax(rt, n):
+    t = rt.mat(n.args[0])
+    b = rt.batched(t)
+    z = rt.emit(f"{t} - {rt.fmt('max_last', t)}", b)
+    lse = rt.t["fn"]["log"].format(rt.fmt("sum_last", rt.t["fn"]["exp"].format(z)))
+    return rt.emit(f"{z} - {lse}", b)
+
+
+def _centred(rt, a, e):
+    """E − rowsum(A ∘ E): shared by the first and second softmax differentials."""
+    return rt.emit(f"{e} - {rt.fmt('sum_last', f'({a} * {e})')}", rt.batched(a, e))
+
+
+@_m(E.SoftmaxDiff)
+def _softmax_diff(rt, n):
+    """dA[E] = A ∘ (E − rowsum(A ∘ E))."""
+    a, e = rt.mat(n.args[0]), rt.mat(n.args[1])
+    return rt.emit(f"{a} * {_centred(rt, a, e)}", rt.batched(a, e))
+
+
+@_m(E.SoftmaxDiff2)
+def _softmax_diff2(rt, n):
+    """d²A[E,F] = w − A rowsum(w), w = A ∘ (E − rowsum(A∘E)) ∘ (F − rowsum(A∘F))."""
+    a, e, f = (rt.mat(x) for x in n.args)
+    b = rt.batched(a, e, f)
+    w = rt.emit(f"{a} * {_centred(rt, a, e)} * {_centred(rt, a, f)}", b)
+    return rt.emit(f"{w} - {a} * {rt.fmt('sum_last', w)}", b)
+
+
+@_m(E.Identity)
+def _identity(rt, n):
+    return rt.emit(rt.fmt("eye", rt.size(n.rows)), False)
+
+
+@_m(E.Zero)
+def _zero(rt, n):
+    return rt.emit(rt.fmt("zeros", rt.shape(n.shape)), False)
+
+
+@_m(E.Ones)
+def _ones(rt, n):
+    return rt.emit(rt.fmt("ones", rt.shape(n.shape)), False)
+
+
+@_m(E.Diag)
+def _diag(rt, n):
+    """diag(v) = I ∘ v (v broadcast along rows)."""
+    v = rt.mat(n.args[0])
+    eye = rt.emit(rt.fmt("eye", rt.size(n.rows)), False)
+    return rt.emit(f"{eye} * {v}", rt.batched(v))
+
+
+@_m(E.DiagPart)
+def _diag_part(rt, n):
+    a = rt.mat(n.args[0])
+    return rt.emit(rt.fmt("diag_part", a), rt.batched(a))
+
+
+@_m(E.VecR)
+def _vec_r(rt, n):
+    a = rt.mat(n.args[0])
+    return rt.emit(rt.fmt("flatten_mats", a, rt.size(n.rows)), rt.batched(a))
+
+
+@_m(E.UnvecR)
+def _unvec_r(rt, n):
+    a = rt.mat(n.args[0])
+    return rt.emit(rt.fmt("unflatten_mats", a, rt.size(n.rows), rt.size(n.cols)), rt.batched(a))
+
+
+# ----------------------------------------------------------------------------- scalar functions
+def scalar_code(target, expr, arg):
+    """An entrywise sympy function of x as target code applied to ``arg``."""
+    fns = target["fn"]
+
+    def p(e):
+        if e == scalarfn.x:
+            return arg
+        if e.is_Number:
+            return repr(float(e))
+        if e is sp.pi:
+            return "math.pi"
+        if isinstance(e, sp.Add):
+            return "(" + " + ".join(p(a) for a in e.args) + ")"
+        if isinstance(e, sp.Mul):
+            return "(" + " * ".join(p(a) for a in e.args) + ")"
+        if isinstance(e, sp.Pow):
+            base, ex = e.args
+            if ex == sp.Rational(1, 2):
+                return fns["sqrt"].format(p(base))
+            return f"({p(base)} ** {p(ex)})"
+        if isinstance(e, sp.Heaviside):
+            h0 = e.args[1] if len(e.args) > 1 else sp.Rational(1, 2)
+            return fns["heaviside"].format(p(e.args[0]), repr(float(h0)))
+        name = type(e).__name__.lower()
+        if name in fns and len(e.args) == 1:
+            return fns[name].format(p(e.args[0]))
+        raise NotImplementedError(f"the {target['name']} printer cannot print {e} "
+                                  f"({type(e).__name__}) in an entrywise function")
+
+    return p(expr)
+
+
+__all__ = ["Routine", "scalar_code", "Factor", "Term"]

@@ -1,0 +1,94 @@
+"""A LaTeX document with every Hessian block of a layer (rendered from a Jinja template)."""
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jinja2
+
+from . import __version__
+from .hessian import derive
+from .printing.latex import bold_name
+from .simplify import DEFINITIONS, simplify
+
+TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
+
+LOSS_TITLES = {"mse": "mean squared error", "ce": "row-wise cross-entropy"}
+
+
+def template_env() -> jinja2.Environment:
+    """Jinja with LaTeX-friendly delimiters (\\VAR{…}, \\BLOCK{…})."""
+    return jinja2.Environment(
+        loader=jinja2.FileSystemLoader(str(TEMPLATES)),
+        block_start_string=r"\BLOCK{", block_end_string="}",
+        variable_start_string=r"\VAR{", variable_end_string="}",
+        comment_start_string=r"\#{", comment_end_string="}",
+        trim_blocks=True, lstrip_blocks=True, keep_trailing_newline=True,
+        autoescape=False, undefined=jinja2.StrictUndefined)
+
+
+def _section(lay, loss):
+    d = derive(lay, loss)
+    names = lay.param_names
+    blocks, named = [], {}
+    for p in names:
+        for q in names:
+            bo, bf = d.block(p, q, "outer"), d.block(p, q, "functional")
+            for b in (bo, bf):
+                for n in b.definitions():
+                    named.setdefault(n.name, n)
+            blocks.append({"p": lay.param(p).latex(), "q": lay.param(q).latex(), "outer": bo.latex(),
+                           "functional": bf.latex()})
+    names = d.latex_names
+    defs = [{"lhs": n.latex(names), "rhs": n.inner.latex(names), "note": DEFINITIONS.get(n.name)}
+            for n in named.values()]
+    inter = [{"lhs": bold_name(k), "rhs": v.latex({u: t for u, t in names.items() if u != v}), "note": None}
+             for k, v in lay.intermediates.items()]
+    fp = d._loss_parts[0]
+    return {"title": LOSS_TITLES.get(loss, loss), "loss": d._loss_fn(fp, d.Y).latex(),
+            "blocks": blocks, "definitions": inter + defs}
+
+
+def render_report(lay, losses=("mse", "ce")) -> str:
+    opts = ", ".join(f"{k}={v}" for k, v in lay.options.items() if v not in (None, False))
+    return template_env().get_template("report.tex.j2").render(
+        version=__version__, layer_name=lay.name, layer_tt=lay.name.replace("_", r"\_"),
+        options_text=f" ({opts})" if opts else "",
+        output=lay.output.latex({v: bold_name(k) for k, v in lay.intermediates.items()}),
+        params=", ".join(p.latex() for p in lay.params),
+        sections=[_section(lay, loss) for loss in losses])
+
+
+def write_report(lay, path, losses=("mse", "ce"), pdf=False) -> Path:
+    """Write the .tex file atomically; with ``pdf`` compile it with pdflatex."""
+    path = Path(path)
+    text = render_report(lay, losses)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tex.tmp")
+    with os.fdopen(fd, "w") as fh:
+        fh.write(text)
+    os.replace(tmp, path)
+    if pdf:
+        compile_pdf(path)
+    return path
+
+
+def compile_pdf(tex_path: Path) -> Path:
+    """Run pdflatex (twice not needed: no references) in a scratch directory."""
+    exe = shutil.which("pdflatex")
+    if exe is None:
+        raise OSError("pdflatex not found; install texlive-latex-base and texlive-latex-recommended")
+    tex_path = Path(tex_path).resolve()
+    with tempfile.TemporaryDirectory() as work:
+        proc = subprocess.run([exe, "-interaction=nonstopmode", "-halt-on-error", str(tex_path)],
+                              cwd=work, capture_output=True, text=True, timeout=300)
+        pdf = Path(work) / (tex_path.stem + ".pdf")
+        if proc.returncode != 0 or not pdf.exists():
+            tail = "\n".join(proc.stdout.splitlines()[-15:])
+            raise OSError(f"pdflatex failed on {tex_path}:\n{tail}")
+        out = tex_path.with_suffix(".pdf")
+        shutil.move(str(pdf), out)
+    return out

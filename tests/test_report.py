@@ -1,0 +1,28 @@
+"""`symhess report`: a whole LaTeX document that a real TeX engine compiles."""
+import os
+import shutil
+
+import pytest
+
+import symhess as sh
+from symhess.cli import main
+from symhess.report import render_report
+
+NEED_TEX = os.environ.get("CI") == "true"
+
+
+def test_report_has_every_block_and_both_losses():
+    text = render_report(sh.layer("attention"), losses=("mse", "ce"))
+    assert text.count(r"\mathbf H_o(") == 18 and text.count(r"\mathbf H_f(") == 18
+    assert "mean squared error" in text and "cross-entropy" in text
+    assert r"\mathbf M_2 :=" in text and r"\mathbf Z_1 :=" in text
+    assert text == render_report(sh.layer("attention"), losses=("mse", "ce"))  # deterministic
+
+
+@pytest.mark.skipif(shutil.which("pdflatex") is None and not NEED_TEX, reason="pdflatex not installed")
+def test_report_compiles_to_pdf(tmp_path, capsys):
+    out = tmp_path / "attention.tex"
+    assert main(["report", "attention", "--causal", "-o", str(out), "--pdf"]) == 0
+    pdf = out.with_suffix(".pdf")
+    assert pdf.exists() and pdf.read_bytes()[:5] == b"%PDF-"
+    assert "causal=True" in out.read_text()
