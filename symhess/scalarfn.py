@@ -113,7 +113,12 @@ def _differ_numerically(a, b) -> bool:
 def get_function(name: str, power=None) -> ScalarFn:
     """A library function by name; ``pow`` takes an exponent."""
     if name == "pow":
-        p = sp.sympify(power)
+        try:
+            p = sp.sympify(power)
+        except (sp.SympifyError, TypeError, ValueError):
+            p = None
+        if not isinstance(p, sp.Expr) or not p.is_number or not p.is_real:
+            raise ValueError(f"pow needs a real number as exponent, got {power!r}")
         return _named_for(x**p, f"pow{p}", rf"(\cdot)^{{{sp.latex(p)}}}")
     if name not in FUNCTIONS:
         raise ValueError(f"unknown elementwise function {name!r}; valid: {', '.join(sorted(FUNCTIONS))}, pow")
