@@ -25,7 +25,7 @@ NUMPY = {
     "sqrt_pos": "np.sqrt(np.maximum({0}, 0.0))",
     "concat": "np.concatenate({0})",
     "diag_view_einsum": "np.einsum({0}, {1})",
-    "fn": {"exp": "np.exp({0})", "log": "np.log({0})", "tanh": "np.tanh({0})",
+    "fn": {"sigmoid": "scipy.special.expit({0})", "exp": "np.exp({0})", "log": "np.log({0})", "tanh": "np.tanh({0})",
            "sqrt": "np.sqrt({0})", "erf": "scipy.special.erf({0})",
            "heaviside": "np.heaviside({0}, {1})"},
 }

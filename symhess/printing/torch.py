@@ -23,7 +23,7 @@ TORCH = {
     "diag_part": "torch.diagonal({0}, 0, -2, -1)[..., None]",
     "sqrt_pos": "torch.sqrt(torch.clamp({0}, min=0.0))",
     "concat": "torch.cat({0})",
-    "fn": {"exp": "torch.exp({0})", "log": "torch.log({0})", "tanh": "torch.tanh({0})",
+    "fn": {"sigmoid": "torch.sigmoid({0})", "exp": "torch.exp({0})", "log": "torch.log({0})", "tanh": "torch.tanh({0})",
            "sqrt": "torch.sqrt({0})", "erf": "torch.special.erf({0})",
            "heaviside": "torch.heaviside({0}, torch.full_like({0}, {1}))"},
 }
