@@ -30,6 +30,7 @@ from symhess.adjoint import adjoint
 from symhess.evaluate import bind_dims, evaluate, leaves
 from symhess.kron import vec_jacobian
 from symhess.rules import differential
+from symhess.scalarfn import FUNCTIONS, get_function
 from symhess.verify import autograd_blocks
 
 TOL = 1e-10
@@ -411,3 +412,23 @@ def _report_errors():
     if ERRORS:
         print("\n[textbook] %d expressions; max relative errors: " % len(CASES)
               + ", ".join(f"{k}={v:.1e}" for k, v in sorted(ERRORS.items())))
+
+
+# ----------------------------------------------------------------------------- overflow safety
+@pytest.mark.parametrize("name", sorted(FUNCTIONS))
+def test_library_derivatives_stay_finite(name):
+    """f, f', f'' are finite wherever f is (float64 up to |x| = 1e4, float32 up to |x| = 80).
+
+    Guards the derivative forms: sympy's σ'' written with exp gave NaN below x = −44 in float32.
+    """
+    big = 700.0 if name == "exp" else 1e4
+    grid = np.concatenate([np.linspace(-big, big, 801), np.linspace(-80, 80, 321)])
+    if name in ("log", "sqrt", "rsqrt", "recip"):
+        grid = np.abs(grid) + 1e-3
+    f = get_function(name)
+    for g in (f, f.derivative(), f.derivative().derivative()):
+        v64 = np.broadcast_to(g.numpy()(grid), grid.shape)
+        assert np.isfinite(v64).all(), f"{g.name} float64 at {grid[~np.isfinite(v64)][:3]}"
+        small = torch.tensor(grid[np.abs(grid) <= 80], dtype=torch.float32)
+        v32 = torch.as_tensor(g.torch()(small)).broadcast_to(small.shape)
+        assert torch.isfinite(v32).all(), f"{g.name} float32 at {small[~torch.isfinite(v32)][:3]}"
