@@ -328,6 +328,31 @@ def test_hessian_blocks_vs_autograd(case):
                 assert record("hessian_blocks", err) <= TOL, f"{case.name} H_{part}({a},{b})"
                 if blk.is_zero:   # a structural zero must also be a numerical one
                     assert float(np.linalg.norm(r)) <= 1e-12 * max(scale, 1.0)
+    # the torch backend evaluates the same blocks
+    blk = der.block(names[-1], names[0], "full")
+    assert record("torch_backend", rel(blk.evaluate(values, backend="torch").numpy(),
+                                       blk.evaluate(values))) <= 1e-12
+
+
+@pytest.mark.parametrize("case", CASES, ids=IDS)
+def test_hvp_matrix_view_vs_autograd(case):
+    """Σ_q H(p, q) V_q from ``hvp_expressions`` (no Kronecker product) for every part."""
+    inputs = tuple(v for v in E.walk(case.F) if isinstance(v, E.Var) and v not in case.params)
+    der = symhess.derive(symhess.Layer(f"textbook_{case.name}", case.F, case.params, inputs), case.loss)
+    values = values_for(case, seed=2, with_c=False)
+    ref = autograd_blocks(der, values)
+    env = der.dimension_env(values)
+    rng = np.random.default_rng(5)
+    vs = {q: rng.standard_normal(values[q].shape) for q in der.layer.param_names}
+    dirs = {v.name: vs[q] for q, v in der.hvp_directions().items()}
+    for part in ("outer", "functional", "full"):
+        hv = der.hvp_expressions(part)
+        for p_ in der.layer.param_names:
+            want = sum(ref[(p_, q_, part)] @ vs[q_].reshape(-1) for q_ in der.layer.param_names)
+            got = evaluate(hv[p_], {**values, **dirs}, env=env).reshape(-1)
+            full = sum(ref[(p_, q_, "full")] @ vs[q_].reshape(-1) for q_ in der.layer.param_names)
+            den = max(np.linalg.norm(want), np.linalg.norm(full), 1e-300)
+            assert record("hvp", float(np.linalg.norm(got - want)) / den) <= TOL, (part, p_)
 
 
 # ----------------------------------------------------------------------------- (c) gradients
