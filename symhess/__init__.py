@@ -3,7 +3,7 @@ from . import expr
 from .expr import ShapeError
 from .hessian import Derivation, derive
 from .layers import LAYERS, Layer, layer, register_layer
-from . import variants, transformer  # noqa: F401  (register the built-in layers)
+from . import variants, transformer, models  # noqa: F401  (register the built-in layers)
 from .kernels import kernel
 
 __version__ = "0.1.0"

@@ -29,7 +29,6 @@ def cross_attention():
     return sh.Layer("cross_attention", E.softmax_rows(T) @ Z @ W_V, (W_Q, W_K, W_V), (X, Z), {"T": T})
 
 
-@sh.register_layer("test_gated_value_attention")
 def gated_value_attention(causal=False):
     """F = softmax(X W_Q W_Kᵀ Xᵀ/√d_K) (tanh(X W_G) ∘ X W_V): a tanh-gated value path."""
     L, d_V, d_K = E.dims("L d_V d_K")
@@ -45,8 +44,17 @@ CASES = {
     "sigmoid": lambda: sigmoid_attention(),
     "sigmoid-causal": lambda: sigmoid_attention(causal=True),
     "cross": cross_attention,
-    "gated-causal": lambda: sh.layer("test_gated_value_attention", causal=True),
+    "gated-causal": lambda: registered("test_gated_value_attention", gated_value_attention, causal=True),
 }
+
+
+def registered(name, factory, **options):
+    """Register a user layer by name, build it through the registry, then unregister it."""
+    sh.register_layer(name)(factory)
+    try:
+        return sh.layer(name, **options)
+    finally:
+        del sh.LAYERS[name]
 
 
 @pytest.mark.parametrize("loss", ["mse", "ce"])

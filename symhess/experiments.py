@@ -1,0 +1,509 @@
+"""Curvature experiments of Ormaniec et al. (experiments.md §1.3–1.5) as commands.
+
+    python -m symhess.experiments scaling   [--sigmas ...] [--seeds 3] [--batch 64] ...
+    python -m symhess.experiments histogram [--d-model 16] ...
+    python -m symhess.experiments bounds    [--trials 5] ...
+
+Every Hessian number is exact and comes from the engine: the block's matrix-view
+Hessian-vector product H_part(p, p)·V is derived from the ``addition_block`` declaration
+(symhess.models) and evaluated by the interpreter, vectorised with ``torch.func.vmap`` over
+the batch and over the basis directions V = e_i.  The columns H e_i give the dense block
+(histograms) or are reduced chunk by chunk to ‖H‖_F without keeping the block (scaling).
+A block the engine derives as the Zero node is reported as a structural zero, not computed.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from . import data
+from . import expr as E
+from . import models  # noqa: F401  (registers addition_block and the answer losses)
+from .evaluate import Interpreter, _Torch
+from .hessian import derive
+from .layers import layer
+from .rules import differential
+
+PARTS = ("outer", "functional", "full")
+PART_LABEL = {"outer": "H_o", "functional": "H_f", "full": "H"}
+BLOCKS = ("W_Q", "W_V")
+# The papers' predicted small-σ slopes (experiments.md §1.3–1.4), drawn as dashed reference
+# lines and printed next to the fitted slopes.  They are the claims under test, not inputs.
+REFERENCE_SLOPES = {
+    "softmax": {("W_V", "outer"): 2, ("W_V", "full"): 2, ("W_Q", "outer"): 6,
+                ("W_Q", "functional"): 5, ("W_Q", "full"): 5},
+    "linear": {("W_V", "outer"): 6, ("W_V", "full"): 6, ("W_Q", "outer"): 6, ("W_Q", "full"): 6},
+    "pre": {},
+}
+
+
+# ----------------------------------------------------------------------------- configuration
+@dataclass
+class Config:
+    """A model configuration: sizes, attention kind, normalisation, loss and dtype."""
+
+    d_model: int = 128
+    d_head: int = 128
+    d_mlp: int = 512
+    attention: str = "softmax"
+    norm: str = "none"
+    batch: int = 64
+    device: str = "cpu"
+    dtype: str = "float64"
+    chunk: int = 0                      # directions per vmap call (0: automatic)
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def loss(self):
+        """Cross-entropy on the answers; the summed MSE variant for linear attention (§1.4)."""
+        return "mse_sum" if self.attention == "linear" else "ce_answer"
+
+    @property
+    def kind(self):
+        return "pre" if self.norm == "pre" else self.attention
+
+    def validate(self):
+        for name in ("d_model", "d_head", "d_mlp", "batch"):
+            if int(getattr(self, name)) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} must be a positive integer")
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"--device must be cpu or cuda, got {self.device!r}")
+        if self.device == "cuda":
+            import torch
+            if not torch.cuda.is_available():
+                raise ValueError("--device cuda requested but torch sees no CUDA device")
+
+
+def shapes(cfg: Config) -> dict:
+    """Parameter and constant shapes of addition_block for ``cfg``."""
+    d, h, m, v = cfg.d_model, cfg.d_head, cfg.d_mlp, data.VOCAB
+    return {"W_Q": (d, h), "W_K": (d, h), "W_V": (d, h), "W_O": (h, d), "W_1": (d, m),
+            "W_2": (m, d), "W_U": (d, v)}
+
+
+def init_values(cfg: Config, sigma: float, seed: int) -> dict:
+    """GPT-2 init N(0, (0.8/√d)²) for weights; embeddings N(0, σ²) (σ only rescales, §1.3)."""
+    rng = np.random.default_rng(1234 + seed)
+    std = 0.8 / math.sqrt(cfg.d_model)
+    vals = {n: std * rng.standard_normal(s) for n, s in shapes(cfg).items()}
+    vals["W_E"] = sigma * rng.standard_normal((data.VOCAB, cfg.d_model))
+    vals["P"] = sigma * rng.standard_normal((data.N_CTX, cfg.d_model))
+    if cfg.attention == "linear":
+        vals["M"] = np.tril(np.ones((data.N_CTX, data.N_CTX)))
+        vals["R"] = data.answer_mask()
+    return vals
+
+
+def batch_arrays(cfg: Config, seed: int):
+    """(O, Y): one-hot tokens and target rows of one batch of addition data, shape (B, 18, 12)."""
+    (tokens,) = data.addition_batches(1, cfg.batch, seed=seed)
+    targets = data.same_position_targets if cfg.attention == "linear" else data.next_token_targets
+    return data.one_hot(tokens), targets(tokens)
+
+
+# ----------------------------------------------------------------------------- exact blocks
+class BlockColumns:
+    """Columns of the diagonal block H_part(p, p) of the batch-mean loss, from the engine.
+
+    The matrix view H_part(p, p)[V] is derived with one direction V on W_p only:
+    functional: d g_p[V] with G frozen; outer: g_p with G ← ∂²ℓ[dF[V]].
+    """
+
+    def __init__(self, derivation, p, part):
+        self.derivation, self.p, self.part = derivation, p, part
+        w = derivation.param(p)
+        self.direction = E.Var(f"V_{p}", w.rows, w.cols, "direction")
+        self.expr = self._derive(w)
+
+    def _derive(self, w):
+        d, v = self.derivation, self.direction
+        if self.part == "functional":
+            return differential(d.gradient(self.p), {w: v})
+        if self.part == "outer":
+            g = d.output_gradient
+            return E.substitute(d.gradient(self.p), {g: d.loss_hessian_map(differential(d.F, {w: v}))})
+        return differential(d.gradient(self.p, cot=d.output_gradient.inner), {w: v})
+
+    @property
+    def is_zero(self):
+        return self.expr.is_zero
+
+    def columns(self, values, O, Y, dirs, env):
+        """mean_b H_b dirs: dirs (n, r, c) → (n, r, c); O, Y carry the batch in dim 0."""
+        import torch
+        xp = _Torch(values["W_Q"])
+        expr, vname = self.expr, self.direction.name
+
+        def one(o, y, v):
+            arrays = dict(values, O=o, Y=y)
+            arrays[vname] = v
+            return Interpreter(xp, env, arrays).run(expr)
+
+        f = torch.func.vmap(torch.func.vmap(one, in_dims=(None, None, 0)), in_dims=(0, 0, None))
+        return f(O, Y, dirs).mean(0)
+
+
+class Experiment:
+    """One derived model (cfg) whose W_Q / W_V blocks can be evaluated exactly."""
+
+    def __init__(self, cfg: Config):
+        cfg.validate()
+        self.cfg = cfg
+        self.derivation = derive(layer("addition_block", attention=cfg.attention, norm=cfg.norm), cfg.loss)
+        self._cols = {}
+
+    def columns_for(self, p, part):
+        if (p, part) not in self._cols:
+            self._cols[(p, part)] = BlockColumns(self.derivation, p, part)
+        return self._cols[(p, part)]
+
+    def structural_zero(self, p, part):
+        """True when the engine derives H_part(p, p) as the Zero node (full: both parts Zero)."""
+        if part == "full":
+            return all(self.columns_for(p, q).is_zero for q in ("outer", "functional"))
+        return self.columns_for(p, part).is_zero
+
+    def tensors(self, sigma, seed):
+        import torch
+        cfg = self.cfg
+        dt = getattr(torch, cfg.dtype)
+        vals = {k: torch.as_tensor(v, dtype=dt, device=cfg.device) for k, v in init_values(cfg, sigma, seed).items()}
+        O, Y = (torch.as_tensor(a, dtype=dt, device=cfg.device) for a in batch_arrays(cfg, seed))
+        env = self.derivation.dimension_env({**vals, "O": O[0], "Y": Y[0]})
+        return vals, O, Y, env
+
+    def _chunk(self, n):
+        if self.cfg.chunk:
+            return self.cfg.chunk
+        # keep the vmapped intermediates (batch × chunk × L × d_mlp) around 2·10⁷ numbers
+        per = self.cfg.batch * data.N_CTX * max(self.cfg.d_mlp, data.N_CTX * data.N_CTX) * 8
+        return max(1, min(n, int(2e7 // per)))
+
+    def iter_columns(self, p, sigma, seed, parts=("outer", "functional")):
+        """Yields {part: (chunk, r, c) tensor of block columns}, chunk by chunk over e_i."""
+        import torch
+        vals, O, Y, env = self.tensors(sigma, seed)
+        r, c = vals[p].shape
+        n = r * c
+        step = self._chunk(n)
+        for start in range(0, n, step):
+            idx = torch.arange(start, min(n, start + step), device=vals[p].device)
+            dirs = torch.zeros((len(idx), n), dtype=vals[p].dtype, device=vals[p].device)
+            dirs[torch.arange(len(idx)), idx] = 1
+            dirs = dirs.reshape(len(idx), r, c)
+            out = {}
+            for part in parts:
+                cols = self.columns_for(p, part)
+                out[part] = (torch.zeros_like(dirs) if cols.is_zero
+                             else cols.columns(vals, O, Y, dirs, env))
+            yield out
+
+    def frobenius_norms(self, p, sigma, seed):
+        """{part: ‖H_part(p, p)‖_F} exact, with H = H_o + H_f, reduced chunk by chunk."""
+        sq = dict.fromkeys(PARTS, 0.0)
+        for cols in self.iter_columns(p, sigma, seed):
+            full = cols["outer"] + cols["functional"]
+            for part, t in (("outer", cols["outer"]), ("functional", cols["functional"]), ("full", full)):
+                sq[part] += float((t * t).sum())
+        return {part: math.sqrt(v) for part, v in sq.items()}
+
+    def dense_block(self, p, sigma, seed, part="full"):
+        """The dense (numel × numel) block H_part(p, p) as a NumPy array (vec_r layout)."""
+        import torch
+        rows = []
+        for cols in self.iter_columns(p, sigma, seed):
+            t = cols["outer"] + cols["functional"] if part == "full" else cols[part]
+            rows.append(t.reshape(t.shape[0], -1))
+        return torch.cat(rows).T.cpu().numpy()
+
+
+# ----------------------------------------------------------------------------- scaling
+def fit_slope(sigmas, norms, sigma_max):
+    """Least-squares slope of log ‖H‖ against log σ over σ ≤ sigma_max (finite, positive points)."""
+    s, v = np.asarray(sigmas, float), np.asarray(norms, float)
+    keep = (s <= sigma_max * (1 + 1e-12)) & (v > 0) & np.isfinite(v)
+    if keep.sum() < 2:
+        return float("nan")
+    return float(np.polyfit(np.log(s[keep]), np.log(v[keep]), 1)[0])
+
+
+def scaling(cfg: Config, sigmas, seeds, progress=True):
+    """Rows (sigma, seed, block, part, norm, structural_zero) over the σ × seed grid."""
+    from tqdm import tqdm
+    exp = Experiment(cfg)
+    rows = []
+    grid = [(s, r) for r in seeds for s in sigmas]
+    for sigma, seed in tqdm(grid, desc=f"scaling {cfg.kind}", disable=not progress, unit="σ"):
+        for p in BLOCKS:
+            norms = exp.frobenius_norms(p, sigma, seed)
+            for part in PARTS:
+                rows.append({"sigma": sigma, "seed": seed, "block": p, "part": part,
+                             "norm": norms[part], "structural_zero": exp.structural_zero(p, part)})
+    return rows
+
+
+def summarise(rows, sigma_max):
+    """{(block, part): (sigmas, mean, sem, slope, structural_zero)} averaged over seeds."""
+    out = {}
+    for p in BLOCKS:
+        for part in PARTS:
+            sel = [r for r in rows if r["block"] == p and r["part"] == part]
+            sigmas = sorted({r["sigma"] for r in sel})
+            vals = [np.array([r["norm"] for r in sel if r["sigma"] == s]) for s in sigmas]
+            mean = np.array([v.mean() for v in vals])
+            sem = np.array([v.std(ddof=1) / math.sqrt(len(v)) if len(v) > 1 else 0.0 for v in vals])
+            zero = all(r["structural_zero"] for r in sel)
+            slope = float("nan") if zero else fit_slope(sigmas, mean, sigma_max)
+            out[(p, part)] = (np.array(sigmas), mean, sem, slope, zero)
+    return out
+
+
+def write_csv(rows, path):
+    with open(path, "w", newline="") as fh:
+        w = csv.DictWriter(fh, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+
+
+def plot_scaling(summary, kind, path, title):
+    """2 × 3 log-log panels (W_V, W_Q × H_o, H_f, H): mean ± SEM, dashed reference slopes."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(2, 3, figsize=(12, 7), sharex=True)
+    ref = REFERENCE_SLOPES.get(kind, {})
+    for i, p in enumerate(("W_V", "W_Q")):
+        for j, part in enumerate(("outer", "functional", "full")):
+            ax = axes[i, j]
+            s, mean, sem, slope, zero = summary[(p, part)]
+            ax.set_xscale("log")
+            ax.axvline(1.0, color="grey", ls=":", lw=0.8)
+            ax.set_title(f"‖{PART_LABEL[part]}({p})‖_F")
+            if zero:
+                ax.text(0.5, 0.5, "identically 0\n(structural Zero)", ha="center", va="center",
+                        transform=ax.transAxes)
+                ax.set_yticks([])
+                continue
+            ax.set_yscale("log")
+            ax.errorbar(s, mean, yerr=sem, fmt="o-", ms=3, capsize=2, label=f"fit slope {slope:.2f}")
+            k = ref.get((p, part))
+            if k is not None:
+                # reference line σ^k anchored at the smallest σ (a slope guide, not a fit)
+                ax.plot(s, mean[0] * (s / s[0]) ** k, "k--", lw=0.8, label=f"slope {k} (paper)")
+            ax.legend(fontsize=8)
+            if i == 1:
+                ax.set_xlabel("embedding std σ")
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def cmd_scaling(args):
+    cfg = config_from(args)
+    sigmas = parse_sigmas(args.sigmas)
+    seeds = [args.seed + r for r in range(args.seeds)]
+    t0 = time.perf_counter()
+    rows = scaling(cfg, sigmas, seeds, progress=not args.quiet)
+    elapsed = time.perf_counter() - t0
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, f"scaling_{cfg.kind}")
+    write_csv(rows, stem + ".csv")
+    summary = summarise(rows, args.fit_max)
+    plot_scaling(summary, cfg.kind, stem + ".png",
+                 f"{cfg.kind} attention, d_model={cfg.d_model}, d_head={cfg.d_head}, d_mlp={cfg.d_mlp}, "
+                 f"batch={cfg.batch}, {len(seeds)} seed(s)")
+    ref = REFERENCE_SLOPES.get(cfg.kind, {})
+    print(f"fitted slopes for σ ≤ {args.fit_max:g} ({cfg.kind}; {elapsed:.1f} s):")
+    for p in BLOCKS:
+        for part in PARTS:
+            _, _, _, slope, zero = summary[(p, part)]
+            shown = "identically 0 (structural Zero)" if zero else f"{slope:6.3f}"
+            r = ref.get((p, part))
+            print(f"  {PART_LABEL[part]:>3}({p}): {shown}" + (f"   (paper: {r})" if r is not None else ""))
+    print(f"wrote {stem}.csv and {stem}.png")
+    return 0
+
+
+# ----------------------------------------------------------------------------- histogram
+def cmd_histogram(args):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    os.makedirs(args.out, exist_ok=True)
+    # Fig. 1 is at initialisation: embeddings have the GPT-2 std 0.8/√d_model unless given
+    sigma = args.sigma if args.sigma else 0.8 / math.sqrt(args.d_model)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    medians = {}
+    for ax, attention in zip(axes, ("softmax", "linear")):
+        cfg = config_from(args, attention=attention, norm="none")
+        exp = Experiment(cfg)
+        bins = np.logspace(-16, 1, 70)
+        for p, color in (("W_V", "tab:blue"), ("W_Q", "tab:orange")):
+            h = np.abs(exp.dense_block(p, sigma, args.seed))
+            medians[(attention, p)] = float(np.median(h))
+            ax.hist(np.clip(h.ravel(), bins[0], None), bins=bins, alpha=0.6, color=color,
+                    label=f"|H({p},{p})| entries, median {np.median(h):.1e}")
+        ax.set_xscale("log")
+        ax.set_title(f"{attention} attention (d_model={cfg.d_model}, batch {cfg.batch}, σ={sigma:g})")
+        ax.set_xlabel("|Hessian entry|")
+        ax.legend(fontsize=8)
+    axes[0].set_ylabel("count")
+    fig.tight_layout()
+    path = os.path.join(args.out, "histogram.png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    for attention in ("softmax", "linear"):
+        v, q = medians[(attention, "W_V")], medians[(attention, "W_Q")]
+        print(f"{attention:>7}: median |H(V,V)| = {v:.3e}, median |H(Q,Q)| = {q:.3e}, "
+              f"ratio V/Q = {v / q:.3g}")
+    print(f"wrote {path}")
+    return 0
+
+
+# ----------------------------------------------------------------------------- bounds
+def theorem1_terms(X, W_Q, W_K, W_V, T):
+    """The published Theorem 1 upper bound (full_block.md §7, appendix version), typed here.
+
+    This is the object under test (not a derived result): per-block terms and
+    M = 3·max(terms).  c = L‖X‖‖W_V‖ + ‖T‖, r = rank(F − T); norms are spectral.
+    """
+    n2 = lambda a: float(np.linalg.norm(a, 2))  # noqa: E731
+    L, d_V = X.shape
+    d_K = W_Q.shape[1]
+    x, wq, wk, wv = n2(X), n2(W_Q), n2(W_K), n2(W_V)
+    A = _softmax(X @ W_Q @ W_K.T @ X.T / math.sqrt(d_K))
+    F = A @ X @ W_V
+    r = np.linalg.matrix_rank(F - T)
+    c = L * x * wv + n2(T)
+    sr = math.sqrt(r)
+    vv = 2 * L / d_V * x ** 2
+    qq = 2 / (L ** 3 * d_V * d_K) * wk ** 2 * wv ** 2 * x ** 6 + 12 / (d_V * d_K) * sr * c * wv * wk ** 2 * x ** 5
+    vq = 2 / (L * d_V * math.sqrt(d_K)) * wv * wk * x ** 4 + 2 * sr / (L ** 2 * math.sqrt(d_V * d_K)) * c * wk * x ** 3
+    qk = (2 / (L ** 3 * d_V * d_K) * wk * wq * wv ** 2 * x ** 6
+          + 2 * sr * c / (L * d_V * math.sqrt(d_V * d_K)) * wv * (3 * L * wk * wq * x ** 5 + d_V / L * x ** 3))
+    return {"VV": vv, "QQ": qq, "VQ": vq, "QK": qk, "M": 3 * max(vv, qq, vq, qk)}
+
+
+def _softmax(t):
+    z = np.exp(t - t.max(1, keepdims=True))
+    return z / z.sum(1, keepdims=True)
+
+
+def cmd_bounds(args):
+    """Exact spectral norms of the single-attention-layer MSE Hessian blocks vs Theorem 1."""
+    from .verify import random_values
+    d = derive(layer("attention"), "mse")
+    names = d.layer.param_names
+    pairs = {"VV": ("W_V", "W_V"), "QQ": ("W_Q", "W_Q"), "VQ": ("W_V", "W_Q"), "QK": ("W_Q", "W_K")}
+    sizes = {"L": args.length, "d_V": args.d_model, "d_K": args.d_head}
+    print(f"single attention layer, MSE, L={args.length}, d_V={args.d_model}, d_K={args.d_head}; "
+          "norms are spectral; ratio = bound / exact")
+    print(f"{'trial':>5} {'block':>5} {'exact':>11} {'bound':>11} {'ratio':>9}")
+    ratios = {k: [] for k in list(pairs) + ["M"]}
+    for trial in range(args.trials):
+        vals = random_values(d, seed=args.seed + trial, sizes=sizes)
+        vals["X"] = vals["X"] * args.sigma
+        bound = theorem1_terms(vals["X"], vals["W_Q"], vals["W_K"], vals["W_V"], vals["Y"])
+        full = np.block([[d.block(p, q, "full").evaluate(vals) for q in names] for p in names])
+        exact = {k: float(np.linalg.norm(d.block(p, q, "full").evaluate(vals), 2)) for k, (p, q) in pairs.items()}
+        exact["M"] = float(np.linalg.norm(full, 2))
+        for k in ratios:
+            ratio = bound[k] / exact[k] if exact[k] > 0 else float("inf")
+            ratios[k].append(ratio)
+            print(f"{trial:>5} {k:>5} {exact[k]:11.4e} {bound[k]:11.4e} {ratio:9.3g}")
+    print("bound/exact over trials (min … max): " + ", ".join(
+        f"{k} {min(v):.3g}…{max(v):.3g}" for k, v in ratios.items()))
+    violated = [k for k, v in ratios.items() if min(v) < 1]
+    print("bound violated for: " + (", ".join(violated) if violated else "none"))
+    return 0
+
+
+# ----------------------------------------------------------------------------- CLI
+DEFAULT_SIGMAS = "logspace:-2:1:20"
+
+
+def parse_sigmas(text):
+    """'logspace:a:b:n' (10**linspace(a, b, n)) or a comma-separated list of positive numbers."""
+    try:
+        if text.startswith("logspace:"):
+            a, b, n = text.split(":")[1:]
+            out = list(10 ** np.linspace(float(a), float(b), int(n)))
+        else:
+            out = [float(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise ValueError(f"--sigmas: expected 'logspace:A:B:N' or 's1,s2,...', got {text!r}") from None
+    if not out or min(out) <= 0:
+        raise ValueError(f"--sigmas must be positive numbers, got {text!r}")
+    return out
+
+
+def config_from(args, **over) -> Config:
+    kw = dict(d_model=args.d_model, d_head=args.d_head or args.d_model, d_mlp=args.d_mlp,
+              attention=getattr(args, "attention", "softmax"), norm=getattr(args, "norm", "none"),
+              batch=args.batch, device=args.device, chunk=args.chunk)
+    kw.update(over)
+    return Config(**kw)
+
+
+def build_parser():
+    p = argparse.ArgumentParser(prog="symhess experiment", description=__doc__.split("\n")[0])
+    sub = p.add_subparsers(dest="command", required=True)
+
+    def common(sp, d_model, d_mlp, batch):
+        sp.add_argument("--seed", type=int, default=0, help="first model/data seed (model seed 1234+seed)")
+        sp.add_argument("--out", default="experiments_out", help="output directory")
+        sp.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+        sp.add_argument("--d-model", type=int, default=d_model)
+        sp.add_argument("--d-head", type=int, default=0, help="default: d_model")
+        sp.add_argument("--d-mlp", type=int, default=d_mlp)
+        sp.add_argument("--batch", type=int, default=batch)
+        sp.add_argument("--chunk", type=int, default=0, help="basis directions per vectorised call")
+        sp.add_argument("--quiet", action="store_true", help="no progress bar")
+
+    s = sub.add_parser("scaling", help="‖H‖, ‖H_o‖, ‖H_f‖ of the W_Q, W_V blocks against σ (Fig. 3)")
+    common(s, 128, 512, 64)
+    s.add_argument("--sigmas", default=DEFAULT_SIGMAS, help="'logspace:A:B:N' or 's1,s2,...'")
+    s.add_argument("--seeds", type=int, default=3)
+    s.add_argument("--attention", default="softmax", choices=("softmax", "linear"))
+    s.add_argument("--norm", default="none", choices=("none", "pre"))
+    s.add_argument("--fit-max", type=float, default=0.1, help="fit slopes over σ ≤ this")
+    s.set_defaults(func=cmd_scaling)
+
+    h = sub.add_parser("histogram", help="|entries| of the W_Q, W_V blocks, softmax vs linear (Fig. 1a/4)")
+    common(h, 16, 64, 64)
+    h.add_argument("--sigma", type=float, default=0.0, help="embedding std (default 0.8/√d_model)")
+    h.set_defaults(func=cmd_histogram)
+
+    b = sub.add_parser("bounds", help="exact spectral norms vs the published Theorem 1 bound")
+    b.add_argument("--seed", type=int, default=0)
+    b.add_argument("--trials", type=int, default=3)
+    b.add_argument("--length", type=int, default=6)
+    b.add_argument("--d-model", type=int, default=5)
+    b.add_argument("--d-head", type=int, default=4)
+    b.add_argument("--sigma", type=float, default=1.0, help="scale of the random X")
+    b.add_argument("--out", default="experiments_out")
+    b.set_defaults(func=cmd_bounds)
+    return p
+
+
+def main_experiment(argv=None) -> int:
+    """Entry point for ``symhess experiment ...``; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main_experiment(sys.argv[1:]))

@@ -1,0 +1,83 @@
+"""One-block Transformer for the digit-addition experiments, declared as a composition.
+
+    X  = O W_E + P                                  (one-hot tokens O; W_E, P carry the std σ)
+    T  = X_a W_Q W_Kᵀ X_aᵀ / √d_h,  A = softmax_rows(T, causal)   (X_a = X, or LN(X) pre-LN)
+    X1 = X + A X_a W_V W_O                          (W_O kept: the experiments have one, §1.2)
+    X2 = X1 + relu(X_m W_1) W_2                     (X_m = X1, or LN(X1) pre-LN; no biases)
+    Z  = X_u W_U                                    (X_u = X2, or LN(X2) pre-LN: final LN)
+
+Linear attention (§1.4): A = T ∘ M with M the causal 0/1 mask, no residual around the
+attention, and the output masked to the answer rows (F = R ∘ Z) for the summed MSE variant.
+Biases are left out (they are zero at the experiments' initialisation and are not blocks
+under study); LayerNorm has γ = 1, β = 0 (its initial values) and ε = 1e-5.
+"""
+from __future__ import annotations
+
+import sympy as sp
+
+from . import expr as E
+from .layers import Layer, register_layer
+from .losses import loss
+
+LN_EPS = sp.Rational(1, 10 ** 5)
+N_ANSWER = 6
+
+PARAMS = ("W_Q", "W_K", "W_V", "W_O", "W_1", "W_2", "W_U")
+
+
+def layer_norm(x, eps=LN_EPS):
+    """LN(X) = (X − μ) ∘ (σ² + ε)^{-1/2} per row, μ = rowsum(X)/d, σ² = rowsum((X−μ)∘(X−μ))/d."""
+    d = x.cols
+    centred = x - E.scale(1 / d, E.rowsum(x))
+    var = E.scale(1 / d, E.rowsum(E.hadamard(centred, centred)))
+    return E.hadamard(centred, E.elementwise("rsqrt", var + E.scale(eps, E.ones(x.rows, x.cols))))
+
+
+@register_layer("addition_block")
+def addition_block(attention: str = "softmax", norm: str = "none") -> Layer:
+    """One-block Transformer on one-hot tokens: embedding, attention (+W_O), ReLU MLP, unembedding."""
+    if attention not in ("softmax", "linear"):
+        raise ValueError(f"attention must be 'softmax' or 'linear', got {attention!r}")
+    if norm not in ("none", "pre"):
+        raise ValueError(f"norm must be 'none' or 'pre', got {norm!r}")
+    L, V, d, d_h, d_m = E.dims("L V d d_h d_m")
+    O = E.matrix("O", L, V)
+    W_E, P = E.const("W_E", V, d), E.const("P", L, d)
+    W_Q, W_K, W_V = (E.param(n, d, d_h) for n in ("W_Q", "W_K", "W_V"))
+    W_O, W_1, W_2, W_U = E.param("W_O", d_h, d), E.param("W_1", d, d_m), E.param("W_2", d_m, d), E.param("W_U", d, V)
+    ln = layer_norm if norm == "pre" else (lambda x: x)
+    X = O @ W_E + P
+    Xa = ln(X)
+    T = E.scale(1 / sp.sqrt(d_h), Xa @ W_Q @ W_K.T @ Xa.T)
+    inputs = [O, W_E, P]
+    if attention == "softmax":
+        A = E.softmax_rows(T, causal=True)
+        X1 = X + A @ Xa @ W_V @ W_O
+    else:
+        M = E.const("M", L, L)
+        A = E.hadamard(T, M)
+        X1 = A @ Xa @ W_V @ W_O          # §1.4: skip connection around attention scaled by 0
+        inputs.append(M)
+    H = X1 @ W_1 if norm == "none" else ln(X1) @ W_1
+    X2 = X1 + E.elementwise("relu", H) @ W_2
+    Z = ln(X2) @ W_U
+    if attention == "linear":
+        R = E.const("R", L, V)
+        Z = E.hadamard(R, Z)
+        inputs.append(R)
+    return Layer("addition_block", Z, (W_Q, W_K, W_V, W_O, W_1, W_2, W_U), tuple(inputs),
+                 {"T": T, "A": A, "X": X}, {"attention": attention, "norm": norm},
+                 addition_block.__doc__)
+
+
+@loss("ce_answer")
+def ce_answer(f, y):
+    """ℓ = −(1/6) Σ_ij Y_ij log softmax(F_i)_j: Y holds one-hot targets on the 6 answer rows, 0 elsewhere."""
+    return E.scale(sp.Rational(-1, N_ANSWER), E.sum_all(E.hadamard(y, E.log_softmax_rows(f))))
+
+
+@loss("mse_sum")
+def mse_sum(f, y):
+    """ℓ = ‖F − Y‖²_F, the plain sum of the experiments' MSE variant (§1.1)."""
+    r = f - y
+    return E.sum_all(E.hadamard(r, r))
