@@ -73,9 +73,14 @@ class Expr:
     def __eq__(self, other):
         if self is other:
             return True
-        return (type(self) is type(other) and hash(self) == hash(other)
+        if not (type(self) is type(other) and hash(self) == hash(other)
                 and self.params == other.params and self.args == other.args
-                and self.shape == other.shape)
+                and self.shape == other.shape):
+            return False
+        # equal DAGs built separately: share the children so that comparing them again
+        # is an identity check (without this, comparing DAGs is exponential in depth)
+        other.args = self.args
+        return True
 
     def __hash__(self):
         if self._hash is None:
