@@ -49,7 +49,8 @@ def layer_from_args(args):
 
 
 def _losses(choice):
-    return sorted(LOSSES) if choice == "both" else [choice]
+    """'both' means the two standard losses (MSE and cross-entropy)."""
+    return ["mse", "ce"] if choice == "both" else [choice]
 
 
 def cmd_layers(args):

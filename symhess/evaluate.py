@@ -18,6 +18,28 @@ class InputError(ValueError):
     """Bad values given for evaluation (wrong names, shapes, non-finite entries)."""
 
 
+def _is_tensor(x):
+    return hasattr(x, "detach") and hasattr(x, "is_complex")
+
+
+def real_array(x, name):
+    """``x`` as a real NumPy array (a torch tensor is kept); anything else is an InputError."""
+    if _is_tensor(x):
+        if x.is_complex():
+            raise InputError(f"{name} is complex ({x.dtype}); symhess works with real arrays")
+        return x
+    try:
+        a = np.asarray(x)
+    except (ValueError, TypeError) as exc:
+        raise InputError(f"{name} is not a numeric array ({exc})") from None
+    if a.dtype.kind == "c":
+        raise InputError(f"{name} is complex ({a.dtype}); symhess works with real arrays")
+    if a.dtype.kind not in "biuf":
+        raise InputError(f"{name} must be a real numeric array, got {type(x).__name__} "
+                         f"of dtype {a.dtype}")
+    return a
+
+
 class _Numpy:
     name = "numpy"
 
@@ -25,7 +47,7 @@ class _Numpy:
         self.dtype = np.float64 if like is None else like.dtype
 
     def asarray(self, x, name):
-        a = np.asarray(x)
+        a = real_array(x.detach().cpu().numpy() if _is_tensor(x) else x, name)
         if not np.issubdtype(a.dtype, np.floating):
             a = a.astype(np.float64)
         return a
@@ -79,7 +101,9 @@ class _Torch:
 
     def asarray(self, x, name):
         t = self.torch
-        a = x if isinstance(x, t.Tensor) else t.as_tensor(np.asarray(x), dtype=self.dtype)
+        a = real_array(x, name)
+        if not isinstance(a, t.Tensor):
+            a = t.as_tensor(a, dtype=self.dtype)
         if not a.is_floating_point():
             a = a.to(self.dtype)
         return a
@@ -100,7 +124,8 @@ class _Torch:
         return self.torch.arange(n, device=self.device)
 
     def kron(self, a, b):
-        return self.torch.kron(a, b)
+        # torch.kron's backward fails on non-contiguous inputs (e.g. a transpose)
+        return self.torch.kron(a.contiguous(), b.contiguous())
 
     def einsum(self, spec, *ops):
         return self.torch.einsum(spec, *ops)
@@ -140,21 +165,27 @@ def leaves(expr):
     return sorted({n for n in E.walk(expr) if isinstance(n, E.Var)}, key=lambda v: v.name)
 
 
-def bind_dims(variables, arrays) -> dict:
-    """Infer the symbolic dimensions from the arrays; names both shapes on a mismatch."""
-    env, later = {}, []
+def bind_dims(variables, arrays, known=None) -> dict:
+    """Infer the symbolic dimensions from the arrays (and ``known`` ones); names both shapes on a mismatch."""
+    env, later = dict(known or {}), []
+    source = {}   # dimension -> the value that fixed it, to name both shapes on a clash
     for var in variables:
         arr = arrays[var.name]
+        shape = tuple(arr.shape)
         if arr.ndim != 2:
             raise InputError(f"{var.name} must be a 2-D array of shape {E._fmt(var.shape)}, "
-                             f"got shape {tuple(arr.shape)}")
-        for d, s in zip(var.shape, arr.shape):
+                             f"got shape {shape}")
+        if 0 in shape:
+            raise InputError(f"{var.name} is empty: shape {shape} (declared {E._fmt(var.shape)})")
+        for d, s in zip(var.shape, shape):
             if isinstance(d, sp.Symbol):
                 if d in env and env[d] != s:
-                    raise InputError(f"shape mismatch: {var.name} has shape {tuple(arr.shape)} but "
-                                     f"{d} = {env[d]} from the other values (declared "
-                                     f"{E._fmt(var.shape)})")
+                    other = (f"{source[d][0]} has shape {source[d][1]} (declared {source[d][2]})"
+                             if d in source else "the other values give")
+                    raise InputError(f"shape mismatch: {var.name} has shape {shape} (declared "
+                                     f"{E._fmt(var.shape)}) but {other}: {d} = {env[d]} vs {s}")
                 env[d] = int(s)
+                source.setdefault(d, (var.name, shape, E._fmt(var.shape)))
             else:
                 later.append((var, d, s, arr))
     for var, d, s, arr in later:
@@ -185,8 +216,8 @@ def evaluate(expr, values, backend="numpy", env=None):
         if not xp.isfinite(a):
             raise InputError(f"{v.name} contains non-finite entries (NaN or inf)")
         arrays[v.name] = a
-    env = dict(env or {})
-    env.update(bind_dims(variables, arrays))
+    # dimensions already known (e.g. from a layer's other values) resolve products like m²
+    env = bind_dims(variables, arrays, env)
     return Interpreter(xp, env, arrays).run(expr)
 
 

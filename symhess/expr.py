@@ -165,12 +165,25 @@ class Expr:
 
 
 # ----------------------------------------------------------------------------- leaves
+def _check_dim(name, d):
+    """A declared dimension is a positive integer or a symbolic expression."""
+    try:
+        v = _d(d)
+    except (sp.SympifyError, TypeError):
+        v = None
+    if v is None or not isinstance(v, sp.Expr) or (v.is_number and not (v.is_integer and v > 0)):
+        raise ShapeError(f"{name}: dimension {d!r} must be a positive integer or a symbol "
+                         f"(see symhess.expr.dims)")
+
+
 class Var(Expr):
     """A named matrix: role is 'input', 'param', 'const', 'direction' or 'placeholder'."""
 
     __slots__ = ()
 
     def __init__(self, name, rows, cols, role="input", tex=None):
+        for d in (rows, cols):
+            _check_dim(name, d)
         super().__init__((), (name, _d(rows), _d(cols), role, tex), (rows, cols))
 
     @property
@@ -616,6 +629,8 @@ def _commute(a, b):
 
 
 def matmul(*factors) -> Expr:
+    if not factors:
+        raise TypeError("matmul needs at least one factor")
     coef = sp.Integer(1)
     flat = []
     for f in factors:
@@ -660,6 +675,8 @@ def matmul(*factors) -> Expr:
 
 
 def add(*terms) -> Expr:
+    if not terms:
+        raise TypeError("add needs at least one term")
     flat = []
     for t in terms:
         flat.extend(t.args if isinstance(t, Add) else (t,))
@@ -742,6 +759,8 @@ def kron(*factors) -> Expr:
 
 
 def hadamard(*factors) -> Expr:
+    if not factors:
+        raise TypeError("hadamard needs at least one factor")
     coef = sp.Integer(1)
     flat = []
     for f in factors:

@@ -21,7 +21,7 @@ from .layers import Layer
 from .losses import get_loss
 from .rules import differential
 from .simplify import definitions, simplify
-from .evaluate import InputError, bind_dims, evaluate
+from .evaluate import InputError, bind_dims, evaluate, real_array
 
 import numpy as np
 
@@ -195,8 +195,10 @@ class Derivation:
             raise InputError(f"unknown value name(s) {', '.join(unknown)} for layer "
                              f"{self.layer.name!r}; valid: {', '.join(self.variable_names)}")
         vars_ = [v for v in list(self.layer.variables.values()) + [self.Y] if v.name in values]
-        arrays = {v.name: np.asarray(values[v.name]) if not hasattr(values[v.name], "detach")
-                  else values[v.name] for v in vars_}
+        arrays = {v.name: real_array(values[v.name], v.name) for v in vars_}
+        for name, a in arrays.items():   # also values this block does not read (Y in H_o)
+            if not bool((a.isfinite() if hasattr(a, "isfinite") else np.isfinite(a)).all()):
+                raise InputError(f"{name} contains non-finite entries (NaN or inf)")
         env = bind_dims(vars_, arrays)
         self.layer.validate(values)
         return env

@@ -48,7 +48,7 @@ def _section(lay, loss):
     inter = [{"lhs": bold_name(k), "rhs": v.latex({u: t for u, t in names.items() if u != v}), "note": None}
              for k, v in lay.intermediates.items()]
     fp = d._loss_parts[0]
-    return {"title": LOSS_TITLES.get(loss, loss), "loss": d._loss_fn(fp, d.Y).latex(),
+    return {"title": LOSS_TITLES.get(loss, r"\texttt{" + loss.replace("_", r"\_") + "}"), "loss": d._loss_fn(fp, d.Y).latex(),
             "blocks": blocks, "definitions": inter + defs}
 
 

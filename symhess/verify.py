@@ -79,8 +79,10 @@ def autograd_blocks(derivation: Derivation, values: dict):
     fp = derivation._loss_parts[0]
     loss_of_f = derivation._loss_fn(fp, derivation.Y)
 
+    env = derivation.dimension_env(values)   # F's shape may be a product (m·q) of dimensions
+
     def loss_f(f):
-        return evaluate(loss_of_f, {"F": f, "Y": tv["Y"]}, backend="torch")[0, 0]
+        return evaluate(loss_of_f, {"F": f, "Y": tv["Y"]}, backend="torch", env=env)[0, 0]
 
     argnums = tuple(range(len(names)))
     hess = jacrev(jacrev(loss, argnums=argnums), argnums=argnums)(*params)

@@ -27,8 +27,9 @@ NUMPY = {
     "norm": "np.linalg.norm({0})",
     "concat": "np.concatenate({0})",
     "diag_view_einsum": "np.einsum({0}, {1})",
-    "fn": {"exp": "np.exp({0})", "log": "np.log({0})", "tanh": "np.tanh({0})",
-           "sqrt": "np.sqrt({0})", "cosh": "np.cosh({0})", "sinh": "np.sinh({0})",
-           "cos": "np.cos({0})", "sin": "np.sin({0})", "abs": "np.abs({0})", "erf": "scipy.special.erf({0})",
+    "fn": {"sigmoid": "scipy.special.expit({0})", "exp": "np.exp({0})", "log": "np.log({0})",
+           "tanh": "np.tanh({0})", "sqrt": "np.sqrt({0})", "cosh": "np.cosh({0})",
+           "sinh": "np.sinh({0})", "cos": "np.cos({0})", "sin": "np.sin({0})",
+           "abs": "np.abs({0})", "erf": "scipy.special.erf({0})",
            "heaviside": "np.heaviside({0}, {1})"},
 }

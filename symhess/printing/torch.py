@@ -25,8 +25,9 @@ TORCH = {
     "sqrt_pos": "torch.sqrt(torch.clamp({0}, min=0.0))",
     "norm": "torch.linalg.norm({0})",
     "concat": "torch.cat({0})",
-    "fn": {"exp": "torch.exp({0})", "log": "torch.log({0})", "tanh": "torch.tanh({0})",
-           "sqrt": "torch.sqrt({0})", "cosh": "torch.cosh({0})", "sinh": "torch.sinh({0})",
-           "cos": "torch.cos({0})", "sin": "torch.sin({0})", "abs": "torch.abs({0})", "erf": "torch.special.erf({0})",
+    "fn": {"sigmoid": "torch.sigmoid({0})", "exp": "torch.exp({0})", "log": "torch.log({0})",
+           "tanh": "torch.tanh({0})", "sqrt": "torch.sqrt({0})", "cosh": "torch.cosh({0})",
+           "sinh": "torch.sinh({0})", "cos": "torch.cos({0})", "sin": "torch.sin({0})",
+           "abs": "torch.abs({0})", "erf": "torch.special.erf({0})",
            "heaviside": "torch.heaviside({0}, torch.full_like({0}, {1}))"},
 }
