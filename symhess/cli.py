@@ -3,11 +3,15 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from . import __version__
 from .hessian import PARTS, derive
 from .layers import LAYERS, layer, layer_options
 from .losses import LOSSES
+
+
+GENERATED = Path(__file__).resolve().parent.parent / "generated"
 
 
 class CLIError(Exception):
@@ -155,7 +159,7 @@ def cmd_generate(args):
         from .codegen import main_generate
     except ImportError as exc:  # pragma: no cover - until code generation lands
         raise CLIError(f"code generation is not available: {exc}")
-    return main_generate(check=args.check)
+    return main_generate(check=args.check, out_dir=GENERATED)
 
 
 def cmd_run(args):
@@ -181,7 +185,7 @@ def cmd_run(args):
     except ImportError:
         return status
     print()
-    return status or main_generate(check=True)
+    return status or main_generate(check=True, out_dir=GENERATED)
 
 
 def cmd_experiment(args):
