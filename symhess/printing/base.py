@@ -16,3 +16,11 @@ class Printer:
         return f"{self.lparen}{s}{self.rparen}" if node.precedence < parent_precedence else s
 
     lparen, rparen = "(", ")"
+    plus, minus = " + ", " - "
+
+    def _print_Add(self, n):
+        out = self.doprint(n.args[0])
+        for t in n.args[1:]:
+            s = self.doprint(t)
+            out += self.minus + s[1:] if s.startswith("-") else self.plus + s
+        return out

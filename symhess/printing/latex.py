@@ -27,6 +27,7 @@ def dim_tex(d) -> str:
 
 
 class LatexPrinter(Printer):
+    plus, minus = "+", "-"
     """``names`` maps sub-expressions (a layer's intermediates) to their LaTeX symbols."""
 
     lparen, rparen = r"\left(", r"\right)"
@@ -76,13 +77,6 @@ class LatexPrinter(Printer):
 
     def _print_MatMul(self, n):
         return "".join(self.paren(a, n.precedence + 1) for a in n.args)
-
-    def _print_Add(self, n):
-        out = self.doprint(n.args[0])
-        for t in n.args[1:]:
-            s = self.doprint(t)
-            out += s if s.startswith("-") else "+" + s
-        return out
 
     def _print_Scale(self, n):
         c = n.coef

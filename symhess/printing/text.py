@@ -7,6 +7,7 @@ from .base import Printer
 
 
 class TextPrinter(Printer):
+    plus, minus = " + ", " - "
     def _print_Var(self, n):
         return n.name
 
@@ -30,13 +31,6 @@ class TextPrinter(Printer):
 
     def _print_MatMul(self, n):
         return " @ ".join(self.paren(a, n.precedence + 1) for a in n.args)
-
-    def _print_Add(self, n):
-        out = self.doprint(n.args[0])
-        for t in n.args[1:]:
-            s = self.doprint(t)
-            out += " - " + s[1:] if s.startswith("-") else " + " + s
-        return out
 
     def _print_Scale(self, n):
         c = n.coef
