@@ -10,6 +10,7 @@ from pathlib import Path
 import jinja2
 
 from . import __version__
+from . import expr as E
 from .hessian import derive
 from .printing.latex import bold_name
 from .simplify import DEFINITIONS, simplify
@@ -30,6 +31,24 @@ def template_env() -> jinja2.Environment:
         autoescape=False, undefined=jinja2.StrictUndefined)
 
 
+MAX_TERM_CHARS = 4000  # wider terms exceed TeX's largest dimension even before scaling
+
+
+def _terms(block, p, q):
+    """A block's LaTeX, one line per term of a sum; a term too long to typeset is summarised."""
+    e = block.expr
+    terms = list(e.args) if isinstance(e, E.Add) else [e]
+    names = block.derivation.latex_names
+    out = []
+    for t in terms:
+        tex = t.latex(names)
+        if len(tex) > MAX_TERM_CHARS:
+            cmd = f"symhess derive {block.derivation.layer.name} --block {p},{q}".replace("_", "\\_")
+            tex = rf"\text{{[a term of {len(tex):,} LaTeX characters; print it with \texttt{{{cmd}}}]}}"
+        out.append(tex)
+    return out
+
+
 def _section(lay, loss):
     d = derive(lay, loss)
     names = lay.param_names
@@ -40,8 +59,8 @@ def _section(lay, loss):
             for b in (bo, bf):
                 for n in b.definitions():
                     named.setdefault(n.name, n)
-            blocks.append({"p": lay.param(p).latex(), "q": lay.param(q).latex(), "outer": bo.latex(),
-                           "functional": bf.latex()})
+            blocks.append({"p": lay.param(p).latex(), "q": lay.param(q).latex(),
+                           "outer": _terms(bo, p, q), "functional": _terms(bf, p, q)})
     names = d.latex_names
     defs = [{"lhs": n.latex(names), "rhs": n.inner.latex(names), "note": DEFINITIONS.get(n.name)}
             for n in named.values()]

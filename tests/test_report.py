@@ -26,3 +26,12 @@ def test_report_compiles_to_pdf(tmp_path, capsys):
     pdf = out.with_suffix(".pdf")
     assert pdf.exists() and pdf.read_bytes()[:5] == b"%PDF-"
     assert "causal=True" in out.read_text()
+
+
+def test_terms_too_wide_to_typeset_are_summarised(monkeypatch):
+    import symhess.report as rep
+    monkeypatch.setattr(rep, "MAX_TERM_CHARS", 200)
+    text = render_report(sh.layer("attention"), losses=("mse",))
+    assert "LaTeX characters; print it with" in text and r"symhess derive attention --block W\_Q,W\_K" in text
+    # every H_f line of a two-term block is split, the second line starts with '+'
+    assert r"\fiteq{+" in text
