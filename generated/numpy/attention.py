@@ -107,39 +107,45 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t9 = np.swapaxes(W_V, -1, -2)
     t10 = W_V @ t9
-    t1[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t2, M_2, X, t10, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t11 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t12 = np.reshape(t11, (d_V, d_K, d_V, d_K), copy=False)
-    t12[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t2, M_2, X, t10, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
-    t13 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t14 = np.reshape(t13, (d_V, d_K, d_V, d_V), copy=False)
-    t15 = A @ X
-    M_1 = t15
-    t14[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t2, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t16 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t17 = np.reshape(t16, (d_V, d_K, d_V, d_K), copy=False)
-    t18 = np.swapaxes(W_Q, -1, -2)
-    t17[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t18, M_2, X, t10, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t19 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t20 = np.reshape(t19, (d_V, d_K, d_V, d_K), copy=False)
-    t20[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t18, M_2, X, t10, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
-    t21 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t22 = np.reshape(t21, (d_V, d_K, d_V, d_V), copy=False)
-    t22[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fagh', t18, M_2, X, M_1, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
-    t23 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t24 = np.reshape(t23, (d_V, d_V, d_V, d_K), copy=False)
-    t25 = np.swapaxes(M_1, -1, -2)
-    t24[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,fh->bdgh', t25, t9, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t26 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t27 = np.reshape(t26, (d_V, d_V, d_V, d_K), copy=False)
-    t27[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,gh->bdfh', t25, t9, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
-    t28 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t28[...] = 0
-    t29 = np.reshape(t28, (d_V, d_V, d_V, d_V), copy=False)
-    t30 = np.einsum('abcb->abc', t29)
-    t31 = t25 @ M_1
-    t32 = np.ones((d_V,), dtype=X.dtype)
-    t30 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bdc', t31, t32, optimize=[(0, 1)])
+    t11 = (2/(L*d_K*d_V*n_batch)) * t2
+    t1[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t11, M_2, X, t10, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t12 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t13 = np.reshape(t12, (d_V, d_K, d_V, d_K), copy=False)
+    t13[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t11, M_2, X, t10, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
+    t14 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t15 = np.reshape(t14, (d_V, d_K, d_V, d_V), copy=False)
+    t16 = A @ X
+    M_1 = t16
+    t17 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
+    t15[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t17, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t18 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t19 = np.reshape(t18, (d_V, d_K, d_V, d_K), copy=False)
+    t20 = np.swapaxes(W_Q, -1, -2)
+    t21 = (2/(L*d_K*d_V*n_batch)) * t20
+    t19[...] = oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t21, M_2, X, t10, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t22 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t23 = np.reshape(t22, (d_V, d_K, d_V, d_K), copy=False)
+    t23[...] = oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t21, M_2, X, t10, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t24 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t25 = np.reshape(t24, (d_V, d_K, d_V, d_V), copy=False)
+    t26 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t20
+    t25[...] = oe.contract('ab,cde,cdf,cdag,hf->gheb', W_V, M_1, X, M_2, t26, optimize=[(0, 3), (1, 2), (0, 2), (0, 1)])
+    t27 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t28 = np.reshape(t27, (d_V, d_V, d_V, d_K), copy=False)
+    t29 = np.swapaxes(M_1, -1, -2)
+    t30 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t29
+    t28[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t30, t9, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t31 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t32 = np.reshape(t31, (d_V, d_V, d_V, d_K), copy=False)
+    t32[...] = oe.contract('abc,de,acef,acg,gh->bdfh', t30, t9, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t33 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t33[...] = 0
+    t34 = np.reshape(t33, (d_V, d_V, d_V, d_V), copy=False)
+    t35 = np.einsum('abcb->abc', t34)
+    t36 = t29 @ M_1
+    t37 = np.ones((d_V,), dtype=X.dtype)
+    t38 = (2/(L*d_V*n_batch)) * t37
+    t35 += oe.contract('abc,d->bdc', t36, t38, optimize=[(0, 1)])
     return H
 
 
@@ -259,7 +265,8 @@ def mse_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t8 = np.swapaxes(W_V, -1, -2)
     t9 = W_V @ t8
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdf,ha->fa', t1, M_2, X, t9, M_2, X, W_K, optimize=[(2, 5), (0, 1), (0, 1), (2, 3), (0, 2), (0, 1)])
+    t10 = (2/(L*d_K*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdf,ha->fa', t10, M_2, X, t9, M_2, X, W_K, optimize=[(2, 5), (0, 1), (0, 1), (2, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -304,7 +311,8 @@ def mse_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t8 = np.swapaxes(W_V, -1, -2)
     t9 = W_V @ t8
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t1, M_2, X, t9, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t10 = (2/(L*d_K*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t10, M_2, X, t9, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -351,7 +359,8 @@ def mse_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t8 = np.swapaxes(W_V, -1, -2)
     t9 = W_V @ t8
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t1, M_2, X, t9, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
+    t10 = (2/(L*d_K*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t10, M_2, X, t9, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -398,7 +407,8 @@ def mse_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t8 = A @ X
     M_1 = t8
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t1, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t9 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t9, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -446,7 +456,8 @@ def mse_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t9 = np.swapaxes(W_V, -1, -2)
     t10 = W_V @ t9
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgf,cdh,ha->fa', t1, M_2, X, t10, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t11 = (2/(L*d_K*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,eg,cdgf,cdh,ha->fa', t11, M_2, X, t10, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -493,7 +504,8 @@ def mse_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t9 = np.swapaxes(W_V, -1, -2)
     t10 = W_V @ t9
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t1, M_2, X, t10, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t11 = (2/(L*d_K*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t11, M_2, X, t10, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -542,7 +554,8 @@ def mse_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t9 = np.swapaxes(W_V, -1, -2)
     t10 = W_V @ t9
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t1, M_2, X, t10, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t11 = (2/(L*d_K*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t11, M_2, X, t10, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -591,7 +604,8 @@ def mse_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t9 = A @ X
     M_1 = t9
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fagh', t1, M_2, X, M_1, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
+    t10 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cdf,cdag,hf->gheb', W_V, M_1, X, M_2, t10, optimize=[(0, 3), (1, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -640,7 +654,8 @@ def mse_causal0__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     t9 = np.swapaxes(M_1, -1, -2)
     t10 = t9 @ M_1
     t11 = np.ones((d_V,), dtype=X.dtype)
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abb,c->bc', t10, t11, optimize=[(0, 1)])
+    t12 = (2/(L*d_V*n_batch)) * t11
+    t0[...] = oe.contract('abb,c->bc', t10, t12, optimize=[(0, 1)])
     return out
 
 
@@ -687,7 +702,8 @@ def mse_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t10 = np.swapaxes(W_V, -1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,fh->bdgh', t9, t10, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t11 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t9
+    t0[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t11, t10, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -738,7 +754,8 @@ def mse_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t10 = np.swapaxes(W_V, -1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,gh->bdfh', t9, t10, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t11 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t9
+    t0[...] = oe.contract('abc,de,acef,acg,gh->bdfh', t11, t10, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -790,7 +807,8 @@ def mse_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     t10 = np.swapaxes(M_1, -1, -2)
     t11 = t10 @ M_1
     t12 = np.ones((d_V,), dtype=X.dtype)
-    t1 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bdc', t11, t12, optimize=[(0, 1)])
+    t13 = (2/(L*d_V*n_batch)) * t12
+    t1 += oe.contract('abc,d->bdc', t11, t13, optimize=[(0, 1)])
     return out
 
 
@@ -849,46 +867,52 @@ def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t18 = A * t17
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t3, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t2, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
-    t19 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t19[...] = 0
-    t20 = np.reshape(t19, (d_V, d_K, d_V, d_K), copy=False)
-    t21 = np.einsum('abcb->abc', t20)
-    t22 = t18 @ X
-    t23 = t3 @ t22
-    t24 = np.ones((d_K,), dtype=X.dtype)
-    t21 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t23, t24, optimize=[(0, 1)])
-    t20 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t2, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
-    t25 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t26 = np.reshape(t25, (d_V, d_K, d_V, d_V), copy=False)
+    t19 = (1/(d_K*n_batch)) * t2
+    t1[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t19, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t20 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t20[...] = 0
+    t21 = np.reshape(t20, (d_V, d_K, d_V, d_K), copy=False)
+    t22 = np.einsum('abcb->abc', t21)
+    t23 = t18 @ X
+    t24 = t3 @ t23
+    t25 = np.ones((d_K,), dtype=X.dtype)
+    t26 = (1/(math.sqrt(d_K)*n_batch)) * t25
+    t22 += oe.contract('abc,d->bdc', t24, t26, optimize=[(0, 1)])
+    t21 += oe.contract('ab,cde,cebf,ceg,gh->dafh', t19, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t27 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t28 = np.reshape(t27, (d_V, d_K, d_V, d_V), copy=False)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t26[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t2, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
-    t27 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t27[...] = 0
-    t28 = np.reshape(t27, (d_V, d_K, d_V, d_K), copy=False)
-    t29 = np.einsum('abcb->abc', t28)
-    t30 = np.swapaxes(t18, -1, -2)
-    t31 = t30 @ X
-    t32 = t3 @ t31
-    t29 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t32, t24, optimize=[(0, 1)])
-    t33 = np.swapaxes(W_Q, -1, -2)
-    t28 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t33, t3, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
-    t34 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t35 = np.reshape(t34, (d_V, d_K, d_V, d_K), copy=False)
-    t35[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t33, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t36 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t37 = np.reshape(t36, (d_V, d_K, d_V, d_V), copy=False)
-    t37[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t33, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
-    t38 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t39 = np.reshape(t38, (d_V, d_V, d_V, d_K), copy=False)
-    t40 = np.swapaxes(G, -1, -2)
-    t39[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t40, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
-    t41 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t42 = np.reshape(t41, (d_V, d_V, d_V, d_K), copy=False)
-    t42[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t40, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t43 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t43[...] = 0
+    t29 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t28[...] = oe.contract('abc,abd,abef,gf->dgec', G, X, M_2, t29, optimize=[(0, 1), (0, 1), (0, 1)])
+    t30 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t30[...] = 0
+    t31 = np.reshape(t30, (d_V, d_K, d_V, d_K), copy=False)
+    t32 = np.einsum('abcb->abc', t31)
+    t33 = np.swapaxes(t18, -1, -2)
+    t34 = t33 @ X
+    t35 = t3 @ t34
+    t32 += oe.contract('abc,d->bdc', t35, t26, optimize=[(0, 1)])
+    t36 = np.swapaxes(W_Q, -1, -2)
+    t37 = (1/(d_K*n_batch)) * t36
+    t31 += oe.contract('ab,cde,cdfa,cgd,hg->fheb', W_K, X, M_3, t3, t37, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t38 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t39 = np.reshape(t38, (d_V, d_K, d_V, d_K), copy=False)
+    t39[...] = oe.contract('ab,cbd,cdef,cdg,gh->eafh', t37, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t40 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t41 = np.reshape(t40, (d_V, d_K, d_V, d_V), copy=False)
+    t42 = (1/(math.sqrt(d_K)*n_batch)) * t36
+    t41[...] = oe.contract('ab,cdef,cdb,cdg->faeg', t42, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
+    t43 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t44 = np.reshape(t43, (d_V, d_V, d_V, d_K), copy=False)
+    t45 = np.swapaxes(G, -1, -2)
+    t46 = (1/(math.sqrt(d_K)*n_batch)) * t45
+    t44[...] = oe.contract('ab,cde,cdfa,cgd->fgeb', W_K, X, M_2, t46, optimize=[(0, 2), (0, 1), (0, 1)])
+    t47 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t48 = np.reshape(t47, (d_V, d_V, d_V, d_K), copy=False)
+    t48[...] = oe.contract('abc,acde,acf,fg->dbeg', t46, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    t49 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t49[...] = 0
     return H
 
 
@@ -1053,7 +1077,8 @@ def mse_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t17 = A * t16
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->da', t1, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
+    t18 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cebf,ced,fa->da', t18, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -1120,7 +1145,8 @@ def mse_causal0__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t17 = A * t16
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t1, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t18 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t18, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -1192,10 +1218,12 @@ def mse_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t19 = t18 @ X
     t20 = t2 @ t19
     t21 = np.ones((d_K,), dtype=X.dtype)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t20, t21, optimize=[(0, 1)])
+    t22 = (1/(math.sqrt(d_K)*n_batch)) * t21
+    t1 += oe.contract('abc,d->bdc', t20, t22, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t3, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t23 = (1/(d_K*n_batch)) * t3
+    t0 += oe.contract('ab,cde,cebf,ceg,gh->dafh', t23, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -1261,7 +1289,8 @@ def mse_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t11 = (-2/(L*d_V)) * Y
     t12 = t10 + t11
     G = t12
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t1, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
+    t13 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('abc,abd,abef,gf->dgec', G, X, M_2, t13, optimize=[(0, 1), (0, 1), (0, 1)])
     return out
 
 
@@ -1326,7 +1355,8 @@ def mse_causal0__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
     t18 = A * t17
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->ea', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t19 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cbd,cdee,cdf,fa->ea', t19, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -1398,11 +1428,13 @@ def mse_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t20 = t19 @ X
     t21 = t2 @ t20
     t22 = np.ones((d_K,), dtype=X.dtype)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t21, t22, optimize=[(0, 1)])
-    t23 = np.swapaxes(W_Q, -1, -2)
+    t23 = (1/(math.sqrt(d_K)*n_batch)) * t22
+    t1 += oe.contract('abc,d->bdc', t21, t23, optimize=[(0, 1)])
+    t24 = np.swapaxes(W_Q, -1, -2)
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t23, t2, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    t25 = (1/(d_K*n_batch)) * t24
+    t0 += oe.contract('ab,cde,cdfa,cgd,hg->fheb', W_K, X, M_3, t2, t25, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -1476,7 +1508,8 @@ def mse_causal0__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t18 = A * t17
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t19 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cbd,cdef,cdg,gh->eafh', t19, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -1542,7 +1575,8 @@ def mse_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t12 = (-2/(L*d_V)) * Y
     t13 = t11 + t12
     G = t13
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t1, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
+    t14 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,cdg->faeg', t14, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -1623,7 +1657,8 @@ def mse_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t13 = np.swapaxes(G, -1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t13, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
+    t14 = (1/(math.sqrt(d_K)*n_batch)) * t13
+    t0[...] = oe.contract('ab,cde,cdfa,cgd->fgeb', W_K, X, M_2, t14, optimize=[(0, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -1684,7 +1719,8 @@ def mse_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t13 = np.swapaxes(G, -1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t13, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    t14 = (1/(math.sqrt(d_K)*n_batch)) * t13
+    t0[...] = oe.contract('abc,acde,acf,fg->dbeg', t14, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -1770,61 +1806,73 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t18 = A * t17
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t3, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t2, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t19 = (1/(d_K*n_batch)) * t2
+    t1[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t19, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t19 = W_V @ t14
-    t1 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t2, M_2, X, t19, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t20 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t20[...] = 0
-    t21 = np.reshape(t20, (d_V, d_K, d_V, d_K), copy=False)
-    t22 = np.einsum('abcb->abc', t21)
-    t23 = t18 @ X
-    t24 = t3 @ t23
-    t25 = np.ones((d_K,), dtype=X.dtype)
-    t22 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t24, t25, optimize=[(0, 1)])
-    t21 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t2, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
-    t21 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t2, M_2, X, t19, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
-    t26 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t27 = np.reshape(t26, (d_V, d_K, d_V, d_V), copy=False)
-    t27[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t2, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
-    t27 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t2, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t28 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t28[...] = 0
-    t29 = np.reshape(t28, (d_V, d_K, d_V, d_K), copy=False)
-    t30 = np.einsum('abcb->abc', t29)
-    t31 = np.swapaxes(t18, -1, -2)
-    t32 = t31 @ X
-    t33 = t3 @ t32
-    t30 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t33, t25, optimize=[(0, 1)])
-    t34 = np.swapaxes(W_Q, -1, -2)
-    t29 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t34, t3, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
-    t29 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t34, M_2, X, t19, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t35 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t36 = np.reshape(t35, (d_V, d_K, d_V, d_K), copy=False)
-    t36[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t34, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t36 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t34, M_2, X, t19, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
-    t37 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t38 = np.reshape(t37, (d_V, d_K, d_V, d_V), copy=False)
-    t38[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t34, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
-    t38 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fagh', t34, M_2, X, M_1, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
-    t39 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t40 = np.reshape(t39, (d_V, d_V, d_V, d_K), copy=False)
-    t41 = np.swapaxes(G, -1, -2)
-    t40[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t41, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
-    t42 = np.swapaxes(M_1, -1, -2)
-    t40 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,fh->bdgh', t42, t14, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t43 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t44 = np.reshape(t43, (d_V, d_V, d_V, d_K), copy=False)
-    t44[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t41, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t44 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,gh->bdfh', t42, t14, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
-    t45 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t45[...] = 0
-    t46 = np.reshape(t45, (d_V, d_V, d_V, d_V), copy=False)
-    t47 = np.einsum('abcb->abc', t46)
-    t48 = t42 @ M_1
-    t49 = np.ones((d_V,), dtype=X.dtype)
-    t47 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bdc', t48, t49, optimize=[(0, 1)])
+    t20 = W_V @ t14
+    t21 = (2/(L*d_K*d_V*n_batch)) * t2
+    t1 += oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t21, M_2, X, t20, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t22 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t22[...] = 0
+    t23 = np.reshape(t22, (d_V, d_K, d_V, d_K), copy=False)
+    t24 = np.einsum('abcb->abc', t23)
+    t25 = t18 @ X
+    t26 = t3 @ t25
+    t27 = np.ones((d_K,), dtype=X.dtype)
+    t28 = (1/(math.sqrt(d_K)*n_batch)) * t27
+    t24 += oe.contract('abc,d->bdc', t26, t28, optimize=[(0, 1)])
+    t23 += oe.contract('ab,cde,cebf,ceg,gh->dafh', t19, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t23 += oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t21, M_2, X, t20, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
+    t29 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t30 = np.reshape(t29, (d_V, d_K, d_V, d_V), copy=False)
+    t31 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t30[...] = oe.contract('abc,abd,abef,gf->dgec', G, X, M_2, t31, optimize=[(0, 1), (0, 1), (0, 1)])
+    t32 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
+    t30 += oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t32, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t33 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t33[...] = 0
+    t34 = np.reshape(t33, (d_V, d_K, d_V, d_K), copy=False)
+    t35 = np.einsum('abcb->abc', t34)
+    t36 = np.swapaxes(t18, -1, -2)
+    t37 = t36 @ X
+    t38 = t3 @ t37
+    t35 += oe.contract('abc,d->bdc', t38, t28, optimize=[(0, 1)])
+    t39 = np.swapaxes(W_Q, -1, -2)
+    t40 = (1/(d_K*n_batch)) * t39
+    t34 += oe.contract('ab,cde,cdfa,cgd,hg->fheb', W_K, X, M_3, t3, t40, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t41 = (2/(L*d_K*d_V*n_batch)) * t39
+    t34 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t41, M_2, X, t20, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t42 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t43 = np.reshape(t42, (d_V, d_K, d_V, d_K), copy=False)
+    t43[...] = oe.contract('ab,cbd,cdef,cdg,gh->eafh', t40, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t43 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t41, M_2, X, t20, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t44 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t45 = np.reshape(t44, (d_V, d_K, d_V, d_V), copy=False)
+    t46 = (1/(math.sqrt(d_K)*n_batch)) * t39
+    t45[...] = oe.contract('ab,cdef,cdb,cdg->faeg', t46, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
+    t47 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t39
+    t45 += oe.contract('ab,cde,cdf,cdag,hf->gheb', W_V, M_1, X, M_2, t47, optimize=[(0, 3), (1, 2), (0, 2), (0, 1)])
+    t48 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t49 = np.reshape(t48, (d_V, d_V, d_V, d_K), copy=False)
+    t50 = np.swapaxes(G, -1, -2)
+    t51 = (1/(math.sqrt(d_K)*n_batch)) * t50
+    t49[...] = oe.contract('ab,cde,cdfa,cgd->fgeb', W_K, X, M_2, t51, optimize=[(0, 2), (0, 1), (0, 1)])
+    t52 = np.swapaxes(M_1, -1, -2)
+    t53 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t52
+    t49 += oe.contract('abc,de,acef,acg,fh->bdgh', t53, t14, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t54 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t55 = np.reshape(t54, (d_V, d_V, d_V, d_K), copy=False)
+    t55[...] = oe.contract('abc,acde,acf,fg->dbeg', t51, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    t55 += oe.contract('abc,de,acef,acg,gh->bdfh', t53, t14, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t56 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t56[...] = 0
+    t57 = np.reshape(t56, (d_V, d_V, d_V, d_V), copy=False)
+    t58 = np.einsum('abcb->abc', t57)
+    t59 = t52 @ M_1
+    t60 = np.ones((d_V,), dtype=X.dtype)
+    t61 = (2/(L*d_V*n_batch)) * t60
+    t58 += oe.contract('abc,d->bdc', t59, t61, optimize=[(0, 1)])
     return H
 
 
@@ -2007,11 +2055,13 @@ def mse_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t17 = A * t16
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->da', t1, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
+    t18 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cebf,ced,fa->da', t18, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t18 = W_V @ t13
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdf,ha->fa', t1, M_2, X, t18, M_2, X, W_K, optimize=[(2, 5), (0, 1), (0, 1), (2, 3), (0, 2), (0, 1)])
+    t19 = W_V @ t13
+    t20 = (2/(L*d_K*d_V*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdgh,cdf,ha->fa', t20, M_2, X, t19, M_2, X, W_K, optimize=[(2, 5), (0, 1), (0, 1), (2, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -2081,11 +2131,13 @@ def mse_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t17 = A * t16
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t1, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t18 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t18, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t18 = W_V @ t13
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t1, M_2, X, t18, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t19 = W_V @ t13
+    t20 = (2/(L*d_K*d_V*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t20, M_2, X, t19, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -2160,14 +2212,17 @@ def mse_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t19 = t18 @ X
     t20 = t2 @ t19
     t21 = np.ones((d_K,), dtype=X.dtype)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t20, t21, optimize=[(0, 1)])
+    t22 = (1/(math.sqrt(d_K)*n_batch)) * t21
+    t1 += oe.contract('abc,d->bdc', t20, t22, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t3, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t23 = (1/(d_K*n_batch)) * t3
+    t0 += oe.contract('ab,cde,cebf,ceg,gh->dafh', t23, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t22 = W_V @ t14
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t3, M_2, X, t22, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
+    t24 = W_V @ t14
+    t25 = (2/(L*d_K*d_V*n_batch)) * t3
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t25, M_2, X, t24, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -2236,8 +2291,10 @@ def mse_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t11 = (-2/(L*d_V)) * Y
     t12 = t10 + t11
     G = t12
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t1, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t1, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t13 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('abc,abd,abef,gf->dgec', G, X, M_2, t13, optimize=[(0, 1), (0, 1), (0, 1)])
+    t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t14, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -2302,11 +2359,13 @@ def mse_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t18 = A * t17
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->ea', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t19 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cbd,cdee,cdf,fa->ea', t19, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t19 = W_V @ t14
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgf,cdh,ha->fa', t1, M_2, X, t19, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t20 = W_V @ t14
+    t21 = (2/(L*d_K*d_V*n_batch)) * t1
+    t0 += oe.contract('ab,cdef,cdb,eg,cdgf,cdh,ha->fa', t21, M_2, X, t20, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -2381,15 +2440,18 @@ def mse_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t20 = t19 @ X
     t21 = t2 @ t20
     t22 = np.ones((d_K,), dtype=X.dtype)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t21, t22, optimize=[(0, 1)])
-    t23 = np.swapaxes(W_Q, -1, -2)
+    t23 = (1/(math.sqrt(d_K)*n_batch)) * t22
+    t1 += oe.contract('abc,d->bdc', t21, t23, optimize=[(0, 1)])
+    t24 = np.swapaxes(W_Q, -1, -2)
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t23, t2, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    t25 = (1/(d_K*n_batch)) * t24
+    t0 += oe.contract('ab,cde,cdfa,cgd,hg->fheb', W_K, X, M_3, t2, t25, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t24 = W_V @ t14
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t23, M_2, X, t24, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t26 = W_V @ t14
+    t27 = (2/(L*d_K*d_V*n_batch)) * t24
+    t0 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t27, M_2, X, t26, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -2466,11 +2528,13 @@ def mse_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t18 = A * t17
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t19 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cbd,cdef,cdg,gh->eafh', t19, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t19 = W_V @ t14
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t1, M_2, X, t19, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t20 = W_V @ t14
+    t21 = (2/(L*d_K*d_V*n_batch)) * t1
+    t0 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t21, M_2, X, t20, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -2539,8 +2603,10 @@ def mse_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t12 = (-2/(L*d_V)) * Y
     t13 = t11 + t12
     G = t13
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t1, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
-    t0 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fagh', t1, M_2, X, M_1, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
+    t14 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,cdg->faeg', t14, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
+    t15 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
+    t0 += oe.contract('ab,cde,cdf,cdag,hf->gheb', W_V, M_1, X, M_2, t15, optimize=[(0, 3), (1, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -2595,7 +2661,8 @@ def mse_causal0__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     t9 = np.swapaxes(M_1, -1, -2)
     t10 = t9 @ M_1
     t11 = np.ones((d_V,), dtype=X.dtype)
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abb,c->bc', t10, t11, optimize=[(0, 1)])
+    t12 = (2/(L*d_V*n_batch)) * t11
+    t0[...] = oe.contract('abb,c->bc', t10, t12, optimize=[(0, 1)])
     return out
 
 
@@ -2647,10 +2714,12 @@ def mse_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t13 = np.swapaxes(G, -1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t13, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
-    t14 = np.swapaxes(M_1, -1, -2)
-    t15 = np.swapaxes(W_V, -1, -2)
-    t0 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,fh->bdgh', t14, t15, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t14 = (1/(math.sqrt(d_K)*n_batch)) * t13
+    t0[...] = oe.contract('ab,cde,cdfa,cgd->fgeb', W_K, X, M_2, t14, optimize=[(0, 2), (0, 1), (0, 1)])
+    t15 = np.swapaxes(M_1, -1, -2)
+    t16 = np.swapaxes(W_V, -1, -2)
+    t17 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t15
+    t0 += oe.contract('abc,de,acef,acg,fh->bdgh', t17, t16, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -2713,10 +2782,12 @@ def mse_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t13 = np.swapaxes(G, -1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t13, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t14 = np.swapaxes(M_1, -1, -2)
-    t15 = np.swapaxes(W_V, -1, -2)
-    t0 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,gh->bdfh', t14, t15, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t14 = (1/(math.sqrt(d_K)*n_batch)) * t13
+    t0[...] = oe.contract('abc,acde,acf,fg->dbeg', t14, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    t15 = np.swapaxes(M_1, -1, -2)
+    t16 = np.swapaxes(W_V, -1, -2)
+    t17 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t15
+    t0 += oe.contract('abc,de,acef,acg,gh->bdfh', t17, t16, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -2775,7 +2846,8 @@ def mse_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     t10 = np.swapaxes(M_1, -1, -2)
     t11 = t10 @ M_1
     t12 = np.ones((d_V,), dtype=X.dtype)
-    t1 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bdc', t11, t12, optimize=[(0, 1)])
+    t13 = (2/(L*d_V*n_batch)) * t12
+    t1 += oe.contract('abc,d->bdc', t11, t13, optimize=[(0, 1)])
     return out
 
 
@@ -2895,39 +2967,45 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t11 = np.swapaxes(W_V, -1, -2)
     t12 = W_V @ t11
-    t1[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t2, M_2, X, t12, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t13 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t14 = np.reshape(t13, (d_V, d_K, d_V, d_K), copy=False)
-    t14[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t2, M_2, X, t12, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
-    t15 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t16 = np.reshape(t15, (d_V, d_K, d_V, d_V), copy=False)
-    t17 = A @ X
-    M_1 = t17
-    t16[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t2, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t18 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t19 = np.reshape(t18, (d_V, d_K, d_V, d_K), copy=False)
-    t20 = np.swapaxes(W_Q, -1, -2)
-    t19[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t20, M_2, X, t12, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t21 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t22 = np.reshape(t21, (d_V, d_K, d_V, d_K), copy=False)
-    t22[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t20, M_2, X, t12, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
-    t23 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t24 = np.reshape(t23, (d_V, d_K, d_V, d_V), copy=False)
-    t24[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fagh', t20, M_2, X, M_1, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
-    t25 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t26 = np.reshape(t25, (d_V, d_V, d_V, d_K), copy=False)
-    t27 = np.swapaxes(M_1, -1, -2)
-    t26[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,fh->bdgh', t27, t11, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t28 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t29 = np.reshape(t28, (d_V, d_V, d_V, d_K), copy=False)
-    t29[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,gh->bdfh', t27, t11, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
-    t30 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t30[...] = 0
-    t31 = np.reshape(t30, (d_V, d_V, d_V, d_V), copy=False)
-    t32 = np.einsum('abcb->abc', t31)
-    t33 = t27 @ M_1
-    t34 = np.ones((d_V,), dtype=X.dtype)
-    t32 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bdc', t33, t34, optimize=[(0, 1)])
+    t13 = (2/(L*d_K*d_V*n_batch)) * t2
+    t1[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t13, M_2, X, t12, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t14 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t15 = np.reshape(t14, (d_V, d_K, d_V, d_K), copy=False)
+    t15[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t13, M_2, X, t12, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
+    t16 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t17 = np.reshape(t16, (d_V, d_K, d_V, d_V), copy=False)
+    t18 = A @ X
+    M_1 = t18
+    t19 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
+    t17[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t19, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t20 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t21 = np.reshape(t20, (d_V, d_K, d_V, d_K), copy=False)
+    t22 = np.swapaxes(W_Q, -1, -2)
+    t23 = (2/(L*d_K*d_V*n_batch)) * t22
+    t21[...] = oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t23, M_2, X, t12, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t24 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t25 = np.reshape(t24, (d_V, d_K, d_V, d_K), copy=False)
+    t25[...] = oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t23, M_2, X, t12, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t26 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t27 = np.reshape(t26, (d_V, d_K, d_V, d_V), copy=False)
+    t28 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t22
+    t27[...] = oe.contract('ab,cde,cdf,cdag,hf->gheb', W_V, M_1, X, M_2, t28, optimize=[(0, 3), (1, 2), (0, 2), (0, 1)])
+    t29 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t30 = np.reshape(t29, (d_V, d_V, d_V, d_K), copy=False)
+    t31 = np.swapaxes(M_1, -1, -2)
+    t32 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t31
+    t30[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t32, t11, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t33 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t34 = np.reshape(t33, (d_V, d_V, d_V, d_K), copy=False)
+    t34[...] = oe.contract('abc,de,acef,acg,gh->bdfh', t32, t11, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t35 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t35[...] = 0
+    t36 = np.reshape(t35, (d_V, d_V, d_V, d_V), copy=False)
+    t37 = np.einsum('abcb->abc', t36)
+    t38 = t31 @ M_1
+    t39 = np.ones((d_V,), dtype=X.dtype)
+    t40 = (2/(L*d_V*n_batch)) * t39
+    t37 += oe.contract('abc,d->bdc', t38, t40, optimize=[(0, 1)])
     return H
 
 
@@ -3053,7 +3131,8 @@ def mse_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t10 = np.swapaxes(W_V, -1, -2)
     t11 = W_V @ t10
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdf,ha->fa', t1, M_2, X, t11, M_2, X, W_K, optimize=[(2, 5), (0, 1), (0, 1), (2, 3), (0, 2), (0, 1)])
+    t12 = (2/(L*d_K*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdf,ha->fa', t12, M_2, X, t11, M_2, X, W_K, optimize=[(2, 5), (0, 1), (0, 1), (2, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -3102,7 +3181,8 @@ def mse_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t10 = np.swapaxes(W_V, -1, -2)
     t11 = W_V @ t10
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t1, M_2, X, t11, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t12 = (2/(L*d_K*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t12, M_2, X, t11, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -3153,7 +3233,8 @@ def mse_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t10 = np.swapaxes(W_V, -1, -2)
     t11 = W_V @ t10
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t1, M_2, X, t11, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
+    t12 = (2/(L*d_K*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t12, M_2, X, t11, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -3204,7 +3285,8 @@ def mse_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t10 = A @ X
     M_1 = t10
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t1, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t11 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t11, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -3256,7 +3338,8 @@ def mse_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t11 = np.swapaxes(W_V, -1, -2)
     t12 = W_V @ t11
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgf,cdh,ha->fa', t1, M_2, X, t12, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t13 = (2/(L*d_K*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,eg,cdgf,cdh,ha->fa', t13, M_2, X, t12, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -3307,7 +3390,8 @@ def mse_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t11 = np.swapaxes(W_V, -1, -2)
     t12 = W_V @ t11
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t1, M_2, X, t12, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t13 = (2/(L*d_K*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t13, M_2, X, t12, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -3360,7 +3444,8 @@ def mse_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t11 = np.swapaxes(W_V, -1, -2)
     t12 = W_V @ t11
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t1, M_2, X, t12, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t13 = (2/(L*d_K*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t13, M_2, X, t12, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -3413,7 +3498,8 @@ def mse_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t11 = A @ X
     M_1 = t11
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fagh', t1, M_2, X, M_1, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
+    t12 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cdf,cdag,hf->gheb', W_V, M_1, X, M_2, t12, optimize=[(0, 3), (1, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -3466,7 +3552,8 @@ def mse_causal1__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     t11 = np.swapaxes(M_1, -1, -2)
     t12 = t11 @ M_1
     t13 = np.ones((d_V,), dtype=X.dtype)
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abb,c->bc', t12, t13, optimize=[(0, 1)])
+    t14 = (2/(L*d_V*n_batch)) * t13
+    t0[...] = oe.contract('abb,c->bc', t12, t14, optimize=[(0, 1)])
     return out
 
 
@@ -3517,7 +3604,8 @@ def mse_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t12 = np.swapaxes(W_V, -1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,fh->bdgh', t11, t12, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t11
+    t0[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t13, t12, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -3572,7 +3660,8 @@ def mse_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t12 = np.swapaxes(W_V, -1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,gh->bdfh', t11, t12, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t11
+    t0[...] = oe.contract('abc,de,acef,acg,gh->bdfh', t13, t12, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -3628,7 +3717,8 @@ def mse_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     t12 = np.swapaxes(M_1, -1, -2)
     t13 = t12 @ M_1
     t14 = np.ones((d_V,), dtype=X.dtype)
-    t1 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bdc', t13, t14, optimize=[(0, 1)])
+    t15 = (2/(L*d_V*n_batch)) * t14
+    t1 += oe.contract('abc,d->bdc', t13, t15, optimize=[(0, 1)])
     return out
 
 
@@ -3691,46 +3781,52 @@ def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t20 = A * t19
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t3, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t2, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
-    t21 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t21[...] = 0
-    t22 = np.reshape(t21, (d_V, d_K, d_V, d_K), copy=False)
-    t23 = np.einsum('abcb->abc', t22)
-    t24 = t20 @ X
-    t25 = t3 @ t24
-    t26 = np.ones((d_K,), dtype=X.dtype)
-    t23 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t25, t26, optimize=[(0, 1)])
-    t22 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t2, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
-    t27 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t28 = np.reshape(t27, (d_V, d_K, d_V, d_V), copy=False)
+    t21 = (1/(d_K*n_batch)) * t2
+    t1[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t21, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t22 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t22[...] = 0
+    t23 = np.reshape(t22, (d_V, d_K, d_V, d_K), copy=False)
+    t24 = np.einsum('abcb->abc', t23)
+    t25 = t20 @ X
+    t26 = t3 @ t25
+    t27 = np.ones((d_K,), dtype=X.dtype)
+    t28 = (1/(math.sqrt(d_K)*n_batch)) * t27
+    t24 += oe.contract('abc,d->bdc', t26, t28, optimize=[(0, 1)])
+    t23 += oe.contract('ab,cde,cebf,ceg,gh->dafh', t21, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t29 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t30 = np.reshape(t29, (d_V, d_K, d_V, d_V), copy=False)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t28[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t2, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
-    t29 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t29[...] = 0
-    t30 = np.reshape(t29, (d_V, d_K, d_V, d_K), copy=False)
-    t31 = np.einsum('abcb->abc', t30)
-    t32 = np.swapaxes(t20, -1, -2)
-    t33 = t32 @ X
-    t34 = t3 @ t33
-    t31 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t34, t26, optimize=[(0, 1)])
-    t35 = np.swapaxes(W_Q, -1, -2)
-    t30 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t35, t3, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
-    t36 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t37 = np.reshape(t36, (d_V, d_K, d_V, d_K), copy=False)
-    t37[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t35, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t38 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t39 = np.reshape(t38, (d_V, d_K, d_V, d_V), copy=False)
-    t39[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t35, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
-    t40 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t41 = np.reshape(t40, (d_V, d_V, d_V, d_K), copy=False)
-    t42 = np.swapaxes(G, -1, -2)
-    t41[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t42, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
-    t43 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t44 = np.reshape(t43, (d_V, d_V, d_V, d_K), copy=False)
-    t44[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t42, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t45 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t45[...] = 0
+    t31 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t30[...] = oe.contract('abc,abd,abef,gf->dgec', G, X, M_2, t31, optimize=[(0, 1), (0, 1), (0, 1)])
+    t32 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t32[...] = 0
+    t33 = np.reshape(t32, (d_V, d_K, d_V, d_K), copy=False)
+    t34 = np.einsum('abcb->abc', t33)
+    t35 = np.swapaxes(t20, -1, -2)
+    t36 = t35 @ X
+    t37 = t3 @ t36
+    t34 += oe.contract('abc,d->bdc', t37, t28, optimize=[(0, 1)])
+    t38 = np.swapaxes(W_Q, -1, -2)
+    t39 = (1/(d_K*n_batch)) * t38
+    t33 += oe.contract('ab,cde,cdfa,cgd,hg->fheb', W_K, X, M_3, t3, t39, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t40 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t41 = np.reshape(t40, (d_V, d_K, d_V, d_K), copy=False)
+    t41[...] = oe.contract('ab,cbd,cdef,cdg,gh->eafh', t39, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t42 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t43 = np.reshape(t42, (d_V, d_K, d_V, d_V), copy=False)
+    t44 = (1/(math.sqrt(d_K)*n_batch)) * t38
+    t43[...] = oe.contract('ab,cdef,cdb,cdg->faeg', t44, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
+    t45 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t46 = np.reshape(t45, (d_V, d_V, d_V, d_K), copy=False)
+    t47 = np.swapaxes(G, -1, -2)
+    t48 = (1/(math.sqrt(d_K)*n_batch)) * t47
+    t46[...] = oe.contract('ab,cde,cdfa,cgd->fgeb', W_K, X, M_2, t48, optimize=[(0, 2), (0, 1), (0, 1)])
+    t49 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t50 = np.reshape(t49, (d_V, d_V, d_V, d_K), copy=False)
+    t50[...] = oe.contract('abc,acde,acf,fg->dbeg', t48, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    t51 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t51[...] = 0
     return H
 
 
@@ -3901,7 +3997,8 @@ def mse_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t19 = A * t18
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t19, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t19, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t19, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->da', t1, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
+    t20 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cebf,ced,fa->da', t20, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -3972,7 +4069,8 @@ def mse_causal1__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t19 = A * t18
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t19, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t19, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t19, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t1, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t20 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t20, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -4048,10 +4146,12 @@ def mse_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t21 = t20 @ X
     t22 = t2 @ t21
     t23 = np.ones((d_K,), dtype=X.dtype)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t22, t23, optimize=[(0, 1)])
+    t24 = (1/(math.sqrt(d_K)*n_batch)) * t23
+    t1 += oe.contract('abc,d->bdc', t22, t24, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t3, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t25 = (1/(d_K*n_batch)) * t3
+    t0 += oe.contract('ab,cde,cebf,ceg,gh->dafh', t25, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -4121,7 +4221,8 @@ def mse_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t13 = (-2/(L*d_V)) * Y
     t14 = t12 + t13
     G = t14
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t1, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
+    t15 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('abc,abd,abef,gf->dgec', G, X, M_2, t15, optimize=[(0, 1), (0, 1), (0, 1)])
     return out
 
 
@@ -4190,7 +4291,8 @@ def mse_causal1__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
     t20 = A * t19
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->ea', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t21 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cbd,cdee,cdf,fa->ea', t21, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -4266,11 +4368,13 @@ def mse_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t22 = t21 @ X
     t23 = t2 @ t22
     t24 = np.ones((d_K,), dtype=X.dtype)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t23, t24, optimize=[(0, 1)])
-    t25 = np.swapaxes(W_Q, -1, -2)
+    t25 = (1/(math.sqrt(d_K)*n_batch)) * t24
+    t1 += oe.contract('abc,d->bdc', t23, t25, optimize=[(0, 1)])
+    t26 = np.swapaxes(W_Q, -1, -2)
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t25, t2, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    t27 = (1/(d_K*n_batch)) * t26
+    t0 += oe.contract('ab,cde,cdfa,cgd,hg->fheb', W_K, X, M_3, t2, t27, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -4348,7 +4452,8 @@ def mse_causal1__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t20 = A * t19
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t21 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cbd,cdef,cdg,gh->eafh', t21, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -4418,7 +4523,8 @@ def mse_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t14 = (-2/(L*d_V)) * Y
     t15 = t13 + t14
     G = t15
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t1, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
+    t16 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,cdg->faeg', t16, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -4503,7 +4609,8 @@ def mse_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t15 = np.swapaxes(G, -1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t15, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
+    t16 = (1/(math.sqrt(d_K)*n_batch)) * t15
+    t0[...] = oe.contract('ab,cde,cdfa,cgd->fgeb', W_K, X, M_2, t16, optimize=[(0, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -4568,7 +4675,8 @@ def mse_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t15 = np.swapaxes(G, -1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t15, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    t16 = (1/(math.sqrt(d_K)*n_batch)) * t15
+    t0[...] = oe.contract('abc,acde,acf,fg->dbeg', t16, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -4658,61 +4766,73 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t20 = A * t19
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t3, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t2, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t21 = (1/(d_K*n_batch)) * t2
+    t1[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t21, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t21 = W_V @ t16
-    t1 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t2, M_2, X, t21, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t22 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t22[...] = 0
-    t23 = np.reshape(t22, (d_V, d_K, d_V, d_K), copy=False)
-    t24 = np.einsum('abcb->abc', t23)
-    t25 = t20 @ X
-    t26 = t3 @ t25
-    t27 = np.ones((d_K,), dtype=X.dtype)
-    t24 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t26, t27, optimize=[(0, 1)])
-    t23 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t2, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
-    t23 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t2, M_2, X, t21, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
-    t28 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t29 = np.reshape(t28, (d_V, d_K, d_V, d_V), copy=False)
-    t29[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t2, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
-    t29 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t2, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t30 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t30[...] = 0
-    t31 = np.reshape(t30, (d_V, d_K, d_V, d_K), copy=False)
-    t32 = np.einsum('abcb->abc', t31)
-    t33 = np.swapaxes(t20, -1, -2)
-    t34 = t33 @ X
-    t35 = t3 @ t34
-    t32 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t35, t27, optimize=[(0, 1)])
-    t36 = np.swapaxes(W_Q, -1, -2)
-    t31 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t36, t3, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
-    t31 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t36, M_2, X, t21, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t37 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t38 = np.reshape(t37, (d_V, d_K, d_V, d_K), copy=False)
-    t38[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t36, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t38 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t36, M_2, X, t21, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
-    t39 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t40 = np.reshape(t39, (d_V, d_K, d_V, d_V), copy=False)
-    t40[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t36, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
-    t40 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fagh', t36, M_2, X, M_1, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
-    t41 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t42 = np.reshape(t41, (d_V, d_V, d_V, d_K), copy=False)
-    t43 = np.swapaxes(G, -1, -2)
-    t42[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t43, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
-    t44 = np.swapaxes(M_1, -1, -2)
-    t42 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,fh->bdgh', t44, t16, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t45 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t46 = np.reshape(t45, (d_V, d_V, d_V, d_K), copy=False)
-    t46[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t43, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t46 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,gh->bdfh', t44, t16, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
-    t47 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t47[...] = 0
-    t48 = np.reshape(t47, (d_V, d_V, d_V, d_V), copy=False)
-    t49 = np.einsum('abcb->abc', t48)
-    t50 = t44 @ M_1
-    t51 = np.ones((d_V,), dtype=X.dtype)
-    t49 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bdc', t50, t51, optimize=[(0, 1)])
+    t22 = W_V @ t16
+    t23 = (2/(L*d_K*d_V*n_batch)) * t2
+    t1 += oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t23, M_2, X, t22, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t24 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t24[...] = 0
+    t25 = np.reshape(t24, (d_V, d_K, d_V, d_K), copy=False)
+    t26 = np.einsum('abcb->abc', t25)
+    t27 = t20 @ X
+    t28 = t3 @ t27
+    t29 = np.ones((d_K,), dtype=X.dtype)
+    t30 = (1/(math.sqrt(d_K)*n_batch)) * t29
+    t26 += oe.contract('abc,d->bdc', t28, t30, optimize=[(0, 1)])
+    t25 += oe.contract('ab,cde,cebf,ceg,gh->dafh', t21, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t25 += oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t23, M_2, X, t22, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
+    t31 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t32 = np.reshape(t31, (d_V, d_K, d_V, d_V), copy=False)
+    t33 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t32[...] = oe.contract('abc,abd,abef,gf->dgec', G, X, M_2, t33, optimize=[(0, 1), (0, 1), (0, 1)])
+    t34 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
+    t32 += oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t34, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t35 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t35[...] = 0
+    t36 = np.reshape(t35, (d_V, d_K, d_V, d_K), copy=False)
+    t37 = np.einsum('abcb->abc', t36)
+    t38 = np.swapaxes(t20, -1, -2)
+    t39 = t38 @ X
+    t40 = t3 @ t39
+    t37 += oe.contract('abc,d->bdc', t40, t30, optimize=[(0, 1)])
+    t41 = np.swapaxes(W_Q, -1, -2)
+    t42 = (1/(d_K*n_batch)) * t41
+    t36 += oe.contract('ab,cde,cdfa,cgd,hg->fheb', W_K, X, M_3, t3, t42, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t43 = (2/(L*d_K*d_V*n_batch)) * t41
+    t36 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t43, M_2, X, t22, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t44 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t45 = np.reshape(t44, (d_V, d_K, d_V, d_K), copy=False)
+    t45[...] = oe.contract('ab,cbd,cdef,cdg,gh->eafh', t42, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t45 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t43, M_2, X, t22, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t46 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t47 = np.reshape(t46, (d_V, d_K, d_V, d_V), copy=False)
+    t48 = (1/(math.sqrt(d_K)*n_batch)) * t41
+    t47[...] = oe.contract('ab,cdef,cdb,cdg->faeg', t48, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
+    t49 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t41
+    t47 += oe.contract('ab,cde,cdf,cdag,hf->gheb', W_V, M_1, X, M_2, t49, optimize=[(0, 3), (1, 2), (0, 2), (0, 1)])
+    t50 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t51 = np.reshape(t50, (d_V, d_V, d_V, d_K), copy=False)
+    t52 = np.swapaxes(G, -1, -2)
+    t53 = (1/(math.sqrt(d_K)*n_batch)) * t52
+    t51[...] = oe.contract('ab,cde,cdfa,cgd->fgeb', W_K, X, M_2, t53, optimize=[(0, 2), (0, 1), (0, 1)])
+    t54 = np.swapaxes(M_1, -1, -2)
+    t55 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t54
+    t51 += oe.contract('abc,de,acef,acg,fh->bdgh', t55, t16, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t56 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t57 = np.reshape(t56, (d_V, d_V, d_V, d_K), copy=False)
+    t57[...] = oe.contract('abc,acde,acf,fg->dbeg', t53, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    t57 += oe.contract('abc,de,acef,acg,gh->bdfh', t55, t16, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t58 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t58[...] = 0
+    t59 = np.reshape(t58, (d_V, d_V, d_V, d_V), copy=False)
+    t60 = np.einsum('abcb->abc', t59)
+    t61 = t54 @ M_1
+    t62 = np.ones((d_V,), dtype=X.dtype)
+    t63 = (2/(L*d_V*n_batch)) * t62
+    t60 += oe.contract('abc,d->bdc', t61, t63, optimize=[(0, 1)])
     return H
 
 
@@ -4901,11 +5021,13 @@ def mse_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t19 = A * t18
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t19, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t19, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t19, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->da', t1, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
+    t20 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cebf,ced,fa->da', t20, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t20 = W_V @ t15
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdf,ha->fa', t1, M_2, X, t20, M_2, X, W_K, optimize=[(2, 5), (0, 1), (0, 1), (2, 3), (0, 2), (0, 1)])
+    t21 = W_V @ t15
+    t22 = (2/(L*d_K*d_V*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdgh,cdf,ha->fa', t22, M_2, X, t21, M_2, X, W_K, optimize=[(2, 5), (0, 1), (0, 1), (2, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -4979,11 +5101,13 @@ def mse_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t19 = A * t18
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t19, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t19, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t19, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t1, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t20 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t20, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t20 = W_V @ t15
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t1, M_2, X, t20, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t21 = W_V @ t15
+    t22 = (2/(L*d_K*d_V*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t22, M_2, X, t21, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -5062,14 +5186,17 @@ def mse_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t21 = t20 @ X
     t22 = t2 @ t21
     t23 = np.ones((d_K,), dtype=X.dtype)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t22, t23, optimize=[(0, 1)])
+    t24 = (1/(math.sqrt(d_K)*n_batch)) * t23
+    t1 += oe.contract('abc,d->bdc', t22, t24, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t3, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t25 = (1/(d_K*n_batch)) * t3
+    t0 += oe.contract('ab,cde,cebf,ceg,gh->dafh', t25, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t24 = W_V @ t16
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t3, M_2, X, t24, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
+    t26 = W_V @ t16
+    t27 = (2/(L*d_K*d_V*n_batch)) * t3
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t27, M_2, X, t26, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -5142,8 +5269,10 @@ def mse_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t13 = (-2/(L*d_V)) * Y
     t14 = t12 + t13
     G = t14
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t1, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t1, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t15 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('abc,abd,abef,gf->dgec', G, X, M_2, t15, optimize=[(0, 1), (0, 1), (0, 1)])
+    t16 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t16, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -5212,11 +5341,13 @@ def mse_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t20 = A * t19
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->ea', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t21 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cbd,cdee,cdf,fa->ea', t21, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t21 = W_V @ t16
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgf,cdh,ha->fa', t1, M_2, X, t21, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t22 = W_V @ t16
+    t23 = (2/(L*d_K*d_V*n_batch)) * t1
+    t0 += oe.contract('ab,cdef,cdb,eg,cdgf,cdh,ha->fa', t23, M_2, X, t22, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -5295,15 +5426,18 @@ def mse_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t22 = t21 @ X
     t23 = t2 @ t22
     t24 = np.ones((d_K,), dtype=X.dtype)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t23, t24, optimize=[(0, 1)])
-    t25 = np.swapaxes(W_Q, -1, -2)
+    t25 = (1/(math.sqrt(d_K)*n_batch)) * t24
+    t1 += oe.contract('abc,d->bdc', t23, t25, optimize=[(0, 1)])
+    t26 = np.swapaxes(W_Q, -1, -2)
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t25, t2, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    t27 = (1/(d_K*n_batch)) * t26
+    t0 += oe.contract('ab,cde,cdfa,cgd,hg->fheb', W_K, X, M_3, t2, t27, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t26 = W_V @ t16
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t25, M_2, X, t26, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t28 = W_V @ t16
+    t29 = (2/(L*d_K*d_V*n_batch)) * t26
+    t0 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t29, M_2, X, t28, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -5384,11 +5518,13 @@ def mse_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t20 = A * t19
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t21 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cbd,cdef,cdg,gh->eafh', t21, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t21 = W_V @ t16
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t1, M_2, X, t21, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t22 = W_V @ t16
+    t23 = (2/(L*d_K*d_V*n_batch)) * t1
+    t0 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t23, M_2, X, t22, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -5461,8 +5597,10 @@ def mse_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t14 = (-2/(L*d_V)) * Y
     t15 = t13 + t14
     G = t15
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t1, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
-    t0 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fagh', t1, M_2, X, M_1, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
+    t16 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,cdg->faeg', t16, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
+    t17 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
+    t0 += oe.contract('ab,cde,cdf,cdag,hf->gheb', W_V, M_1, X, M_2, t17, optimize=[(0, 3), (1, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -5521,7 +5659,8 @@ def mse_causal1__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     t11 = np.swapaxes(M_1, -1, -2)
     t12 = t11 @ M_1
     t13 = np.ones((d_V,), dtype=X.dtype)
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abb,c->bc', t12, t13, optimize=[(0, 1)])
+    t14 = (2/(L*d_V*n_batch)) * t13
+    t0[...] = oe.contract('abb,c->bc', t12, t14, optimize=[(0, 1)])
     return out
 
 
@@ -5577,10 +5716,12 @@ def mse_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t15 = np.swapaxes(G, -1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t15, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
-    t16 = np.swapaxes(M_1, -1, -2)
-    t17 = np.swapaxes(W_V, -1, -2)
-    t0 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,fh->bdgh', t16, t17, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t16 = (1/(math.sqrt(d_K)*n_batch)) * t15
+    t0[...] = oe.contract('ab,cde,cdfa,cgd->fgeb', W_K, X, M_2, t16, optimize=[(0, 2), (0, 1), (0, 1)])
+    t17 = np.swapaxes(M_1, -1, -2)
+    t18 = np.swapaxes(W_V, -1, -2)
+    t19 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t17
+    t0 += oe.contract('abc,de,acef,acg,fh->bdgh', t19, t18, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -5647,10 +5788,12 @@ def mse_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t15 = np.swapaxes(G, -1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t15, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t16 = np.swapaxes(M_1, -1, -2)
-    t17 = np.swapaxes(W_V, -1, -2)
-    t0 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,gh->bdfh', t16, t17, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t16 = (1/(math.sqrt(d_K)*n_batch)) * t15
+    t0[...] = oe.contract('abc,acde,acf,fg->dbeg', t16, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    t17 = np.swapaxes(M_1, -1, -2)
+    t18 = np.swapaxes(W_V, -1, -2)
+    t19 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t17
+    t0 += oe.contract('abc,de,acef,acg,gh->bdfh', t19, t18, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -5713,7 +5856,8 @@ def mse_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     t12 = np.swapaxes(M_1, -1, -2)
     t13 = t12 @ M_1
     t14 = np.ones((d_V,), dtype=X.dtype)
-    t1 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bdc', t13, t14, optimize=[(0, 1)])
+    t15 = (2/(L*d_V*n_batch)) * t14
+    t1 += oe.contract('abc,d->bdc', t13, t15, optimize=[(0, 1)])
     return out
 
 
@@ -5840,44 +5984,56 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t13 = np.exp(t12 - t12.max(-1, keepdims=True))
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.swapaxes(W_V, -1, -2)
-    t1[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t2, M_2, X, W_V, t10, A14, t15, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t1 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t2, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
-    t16 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t17 = np.reshape(t16, (d_V, d_K, d_V, d_K), copy=False)
-    t17[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t2, M_2, X, W_V, t10, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t17 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t2, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
-    t18 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t19 = np.reshape(t18, (d_V, d_K, d_V, d_V), copy=False)
-    t19[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t2, M_2, X, W_V, t10, A14, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t19 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t2, M_2, X, W_V, t10, A14, A14, M_1, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t20 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t21 = np.reshape(t20, (d_V, d_K, d_V, d_K), copy=False)
-    t22 = np.swapaxes(W_Q, -1, -2)
-    t21[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t22, M_2, X, W_V, t10, A14, t15, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t21 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t22, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
-    t23 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t24 = np.reshape(t23, (d_V, d_K, d_V, d_K), copy=False)
-    t24[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t22, M_2, X, W_V, t10, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
-    t24 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t22, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
-    t25 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t26 = np.reshape(t25, (d_V, d_K, d_V, d_V), copy=False)
-    t26[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh->fahg', t22, M_2, X, W_V, t10, A14, M_1, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
-    t26 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t22, M_2, X, W_V, t10, A14, A14, M_1, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
-    t27 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t28 = np.reshape(t27, (d_V, d_V, d_V, d_K), copy=False)
-    t29 = np.swapaxes(M_1, -1, -2)
-    t28[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t29, t10, A14, t15, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t28 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t29, t10, A14, A14, t15, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
-    t30 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t31 = np.reshape(t30, (d_V, d_V, d_V, d_K), copy=False)
-    t31[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t29, t10, A14, t15, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t31 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t29, t10, A14, A14, t15, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
-    t32 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t32[...] = 0
-    t33 = np.reshape(t32, (d_V, d_V, d_V, d_V), copy=False)
-    t34 = np.einsum('abcb->abc', t33)
-    t34 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bde', t29, t10, A14, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
-    t33 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t29, t10, A14, A14, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t16 = (1/(L*d_K*n_batch)) * t2
+    t1[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t16, M_2, X, W_V, t10, A14, t15, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t17 = (-1/(L*d_K*n_batch)) * t2
+    t1 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t17, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
+    t18 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t19 = np.reshape(t18, (d_V, d_K, d_V, d_K), copy=False)
+    t19[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t16, M_2, X, W_V, t10, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
+    t19 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t17, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
+    t20 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t21 = np.reshape(t20, (d_V, d_K, d_V, d_V), copy=False)
+    t22 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t21[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t22, M_2, X, W_V, t10, A14, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t23 = (-1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t21 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t23, M_2, X, W_V, t10, A14, A14, M_1, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t24 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t25 = np.reshape(t24, (d_V, d_K, d_V, d_K), copy=False)
+    t26 = np.swapaxes(W_Q, -1, -2)
+    t27 = (1/(L*d_K*n_batch)) * t26
+    t25[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t27, M_2, X, W_V, t10, A14, t15, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t28 = (-1/(L*d_K*n_batch)) * t26
+    t25 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t28, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t29 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t30 = np.reshape(t29, (d_V, d_K, d_V, d_K), copy=False)
+    t30[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t27, M_2, X, W_V, t10, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
+    t30 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t28, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
+    t31 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t32 = np.reshape(t31, (d_V, d_K, d_V, d_V), copy=False)
+    t33 = (1/(L*math.sqrt(d_K)*n_batch)) * t26
+    t32[...] = oe.contract('abc,abd,abd,ed,abf,abeg,hf->ghcd', M_1, A14, t10, W_V, X, M_2, t33, optimize=[(1, 2), (1, 3), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t34 = (-1/(L*math.sqrt(d_K)*n_batch)) * t26
+    t32 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t34, M_2, X, W_V, t10, A14, A14, M_1, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t35 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t36 = np.reshape(t35, (d_V, d_V, d_V, d_K), copy=False)
+    t37 = np.swapaxes(M_1, -1, -2)
+    t38 = (1/(L*math.sqrt(d_K)*n_batch)) * t37
+    t36[...] = oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t38, t10, A14, t15, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t39 = (-1/(L*math.sqrt(d_K)*n_batch)) * t37
+    t36 += oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t39, t10, A14, A14, t15, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
+    t40 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t41 = np.reshape(t40, (d_V, d_V, d_V, d_K), copy=False)
+    t41[...] = oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t38, t10, A14, t15, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t41 += oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t39, t10, A14, A14, t15, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
+    t42 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t42[...] = 0
+    t43 = np.reshape(t42, (d_V, d_V, d_V, d_V), copy=False)
+    t44 = np.einsum('abcb->abc', t43)
+    t45 = (1/(L*n_batch)) * t37
+    t44 += oe.contract('abc,acd,acd,ace->bde', t45, t10, A14, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
+    t46 = (-1/(L*n_batch)) * t37
+    t43 += oe.contract('abc,acd,acd,ace,acf->bdfe', t46, t10, A14, A14, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
     return H
 
 
@@ -6013,8 +6169,10 @@ def ce_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t12 = np.exp(t11 - t11.max(-1, keepdims=True))
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.swapaxes(W_V, -1, -2)
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdf,ia->fa', t1, M_2, X, W_V, t9, A13, t14, M_2, X, W_K, optimize=[(4, 5), (2, 6), (0, 1), (1, 2), (0, 4), (0, 3), (2, 3), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdf,ja->fa', t1, M_2, X, W_V, t9, A13, A13, t14, M_2, X, W_K, optimize=[(4, 5), (2, 7), (0, 1), (1, 2), (1, 6), (0, 2), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t15 = (1/(L*d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdf,ia->fa', t15, M_2, X, W_V, t9, A13, t14, M_2, X, W_K, optimize=[(4, 5), (2, 6), (0, 1), (1, 2), (0, 4), (0, 3), (2, 3), (0, 2), (0, 1)])
+    t16 = (-1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdf,ja->fa', t16, M_2, X, W_V, t9, A13, A13, t14, M_2, X, W_K, optimize=[(4, 5), (2, 7), (0, 1), (1, 2), (1, 6), (0, 2), (2, 4), (0, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -6071,8 +6229,10 @@ def ce_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t12 = np.exp(t11 - t11.max(-1, keepdims=True))
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.swapaxes(W_V, -1, -2)
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t1, M_2, X, W_V, t9, A13, t14, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t1, M_2, X, W_V, t9, A13, A13, t14, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
+    t15 = (1/(L*d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t15, M_2, X, W_V, t9, A13, t14, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t16 = (-1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t16, M_2, X, W_V, t9, A13, A13, t14, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -6131,8 +6291,10 @@ def ce_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     t12 = np.exp(t11 - t11.max(-1, keepdims=True))
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.swapaxes(W_V, -1, -2)
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t1, M_2, X, W_V, t9, A13, t14, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t1, M_2, X, W_V, t9, A13, A13, t14, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
+    t15 = (1/(L*d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t15, M_2, X, W_V, t9, A13, t14, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
+    t16 = (-1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t16, M_2, X, W_V, t9, A13, A13, t14, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -6190,8 +6352,10 @@ def ce_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     t11 = M_1 @ W_V
     t12 = np.exp(t11 - t11.max(-1, keepdims=True))
     A13 = t12 / t12.sum(-1, keepdims=True)
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t1, M_2, X, W_V, t9, A13, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t1, M_2, X, W_V, t9, A13, A13, M_1, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t14 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t14, M_2, X, W_V, t9, A13, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t15 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t15, M_2, X, W_V, t9, A13, A13, M_1, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -6250,8 +6414,10 @@ def ce_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     t13 = np.exp(t12 - t12.max(-1, keepdims=True))
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.swapaxes(W_V, -1, -2)
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhf,cdi,ia->fa', t1, M_2, X, W_V, t10, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (4, 5), (2, 4), (0, 1), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdif,cdj,ja->fa', t1, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t16 = (1/(L*d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhf,cdi,ia->fa', t16, M_2, X, W_V, t10, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (4, 5), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t17 = (-1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdif,cdj,ja->fa', t17, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -6310,8 +6476,10 @@ def ce_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t13 = np.exp(t12 - t12.max(-1, keepdims=True))
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.swapaxes(W_V, -1, -2)
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t1, M_2, X, W_V, t10, A14, t15, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t1, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t16 = (1/(L*d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t16, M_2, X, W_V, t10, A14, t15, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t17 = (-1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t17, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -6372,8 +6540,10 @@ def ce_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t13 = np.exp(t12 - t12.max(-1, keepdims=True))
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.swapaxes(W_V, -1, -2)
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t1, M_2, X, W_V, t10, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t1, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
+    t16 = (1/(L*d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t16, M_2, X, W_V, t10, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
+    t17 = (-1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t17, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -6433,8 +6603,10 @@ def ce_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     t12 = M_1 @ W_V
     t13 = np.exp(t12 - t12.max(-1, keepdims=True))
     A14 = t13 / t13.sum(-1, keepdims=True)
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh->fahg', t1, M_2, X, W_V, t10, A14, M_1, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t1, M_2, X, W_V, t10, A14, A14, M_1, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t15 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('abc,abd,abd,ed,abf,abeg,hf->ghcd', M_1, A14, t10, W_V, X, M_2, t15, optimize=[(1, 2), (1, 3), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t16 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t16, M_2, X, W_V, t10, A14, A14, M_1, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -6491,8 +6663,10 @@ def ce_causal0__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     t12 = M_1 @ W_V
     t13 = np.exp(t12 - t12.max(-1, keepdims=True))
     A14 = t13 / t13.sum(-1, keepdims=True)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,acb->bd', t9, t11, A14, M_1, optimize=[(0, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->bd', t9, t11, A14, A14, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t15 = (1/(L*n_batch)) * t9
+    t0[...] = oe.contract('abc,acd,acd,acb->bd', t15, t11, A14, M_1, optimize=[(0, 3), (0, 1), (0, 1)])
+    t16 = (-1/(L*n_batch)) * t9
+    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t16, t11, A14, A14, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -6548,8 +6722,10 @@ def ce_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t15 = np.swapaxes(W_V, -1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t9, t11, A14, t15, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t9, t11, A14, A14, t15, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
+    t16 = (1/(L*math.sqrt(d_K)*n_batch)) * t9
+    t0[...] = oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t16, t11, A14, t15, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t17 = (-1/(L*math.sqrt(d_K)*n_batch)) * t9
+    t0 += oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t17, t11, A14, A14, t15, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -6610,8 +6786,10 @@ def ce_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t15 = np.swapaxes(W_V, -1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t9, t11, A14, t15, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t9, t11, A14, A14, t15, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
+    t16 = (1/(L*math.sqrt(d_K)*n_batch)) * t9
+    t0[...] = oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t16, t11, A14, t15, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t17 = (-1/(L*math.sqrt(d_K)*n_batch)) * t9
+    t0 += oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t17, t11, A14, A14, t15, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -6671,8 +6849,10 @@ def ce_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     t13 = M_1 @ W_V
     t14 = np.exp(t13 - t13.max(-1, keepdims=True))
     A15 = t14 / t14.sum(-1, keepdims=True)
-    t1 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bde', t10, t12, A15, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t10, t12, A15, A15, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t16 = (1/(L*n_batch)) * t10
+    t1 += oe.contract('abc,acd,acd,ace->bde', t16, t12, A15, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
+    t17 = (-1/(L*n_batch)) * t10
+    t0 += oe.contract('abc,acd,acd,ace,acf->bdfe', t17, t12, A15, A15, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
     return out
 
 
@@ -6740,46 +6920,52 @@ def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t23 = A * t22
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t3, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t2, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
-    t24 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t24[...] = 0
-    t25 = np.reshape(t24, (d_V, d_K, d_V, d_K), copy=False)
-    t26 = np.einsum('abcb->abc', t25)
-    t27 = t23 @ X
-    t28 = t3 @ t27
-    t29 = np.ones((d_K,), dtype=X.dtype)
-    t26 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t28, t29, optimize=[(0, 1)])
-    t25 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t2, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
-    t30 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t31 = np.reshape(t30, (d_V, d_K, d_V, d_V), copy=False)
+    t24 = (1/(d_K*n_batch)) * t2
+    t1[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t24, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t25 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t25[...] = 0
+    t26 = np.reshape(t25, (d_V, d_K, d_V, d_K), copy=False)
+    t27 = np.einsum('abcb->abc', t26)
+    t28 = t23 @ X
+    t29 = t3 @ t28
+    t30 = np.ones((d_K,), dtype=X.dtype)
+    t31 = (1/(math.sqrt(d_K)*n_batch)) * t30
+    t27 += oe.contract('abc,d->bdc', t29, t31, optimize=[(0, 1)])
+    t26 += oe.contract('ab,cde,cebf,ceg,gh->dafh', t24, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t32 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t33 = np.reshape(t32, (d_V, d_K, d_V, d_V), copy=False)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t31[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t2, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
-    t32 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t32[...] = 0
-    t33 = np.reshape(t32, (d_V, d_K, d_V, d_K), copy=False)
-    t34 = np.einsum('abcb->abc', t33)
-    t35 = np.swapaxes(t23, -1, -2)
-    t36 = t35 @ X
-    t37 = t3 @ t36
-    t34 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t37, t29, optimize=[(0, 1)])
-    t38 = np.swapaxes(W_Q, -1, -2)
-    t33 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t38, t3, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
-    t39 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t40 = np.reshape(t39, (d_V, d_K, d_V, d_K), copy=False)
-    t40[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t38, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t41 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t42 = np.reshape(t41, (d_V, d_K, d_V, d_V), copy=False)
-    t42[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t38, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
-    t43 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t44 = np.reshape(t43, (d_V, d_V, d_V, d_K), copy=False)
-    t45 = np.swapaxes(G, -1, -2)
-    t44[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t45, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
-    t46 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t47 = np.reshape(t46, (d_V, d_V, d_V, d_K), copy=False)
-    t47[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t45, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t48 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t48[...] = 0
+    t34 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t33[...] = oe.contract('abc,abd,abef,gf->dgec', G, X, M_2, t34, optimize=[(0, 1), (0, 1), (0, 1)])
+    t35 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t35[...] = 0
+    t36 = np.reshape(t35, (d_V, d_K, d_V, d_K), copy=False)
+    t37 = np.einsum('abcb->abc', t36)
+    t38 = np.swapaxes(t23, -1, -2)
+    t39 = t38 @ X
+    t40 = t3 @ t39
+    t37 += oe.contract('abc,d->bdc', t40, t31, optimize=[(0, 1)])
+    t41 = np.swapaxes(W_Q, -1, -2)
+    t42 = (1/(d_K*n_batch)) * t41
+    t36 += oe.contract('ab,cde,cdfa,cgd,hg->fheb', W_K, X, M_3, t3, t42, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t43 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t44 = np.reshape(t43, (d_V, d_K, d_V, d_K), copy=False)
+    t44[...] = oe.contract('ab,cbd,cdef,cdg,gh->eafh', t42, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t45 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t46 = np.reshape(t45, (d_V, d_K, d_V, d_V), copy=False)
+    t47 = (1/(math.sqrt(d_K)*n_batch)) * t41
+    t46[...] = oe.contract('ab,cdef,cdb,cdg->faeg', t47, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
+    t48 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t49 = np.reshape(t48, (d_V, d_V, d_V, d_K), copy=False)
+    t50 = np.swapaxes(G, -1, -2)
+    t51 = (1/(math.sqrt(d_K)*n_batch)) * t50
+    t49[...] = oe.contract('ab,cde,cdfa,cgd->fgeb', W_K, X, M_2, t51, optimize=[(0, 2), (0, 1), (0, 1)])
+    t52 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t53 = np.reshape(t52, (d_V, d_V, d_V, d_K), copy=False)
+    t53[...] = oe.contract('abc,acde,acf,fg->dbeg', t51, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    t54 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t54[...] = 0
     return H
 
 
@@ -6959,7 +7145,8 @@ def ce_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t22 = A * t21
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t22, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t22, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t22, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->da', t1, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
+    t23 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cebf,ced,fa->da', t23, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -7036,7 +7223,8 @@ def ce_causal0__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t22 = A * t21
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t22, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t22, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t22, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t1, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t23 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t23, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -7118,10 +7306,12 @@ def ce_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t24 = t23 @ X
     t25 = t2 @ t24
     t26 = np.ones((d_K,), dtype=X.dtype)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t25, t26, optimize=[(0, 1)])
+    t27 = (1/(math.sqrt(d_K)*n_batch)) * t26
+    t1 += oe.contract('abc,d->bdc', t25, t27, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t3, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t28 = (1/(d_K*n_batch)) * t3
+    t0 += oe.contract('ab,cde,cebf,ceg,gh->dafh', t28, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -7197,7 +7387,8 @@ def ce_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t16 = (-1/L) * Y
     t17 = t15 + t16
     G = t17
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t1, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
+    t18 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('abc,abd,abef,gf->dgec', G, X, M_2, t18, optimize=[(0, 1), (0, 1), (0, 1)])
     return out
 
 
@@ -7272,7 +7463,8 @@ def ce_causal0__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
     t23 = A * t22
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->ea', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t24 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cbd,cdee,cdf,fa->ea', t24, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -7354,11 +7546,13 @@ def ce_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t25 = t24 @ X
     t26 = t2 @ t25
     t27 = np.ones((d_K,), dtype=X.dtype)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t26, t27, optimize=[(0, 1)])
-    t28 = np.swapaxes(W_Q, -1, -2)
+    t28 = (1/(math.sqrt(d_K)*n_batch)) * t27
+    t1 += oe.contract('abc,d->bdc', t26, t28, optimize=[(0, 1)])
+    t29 = np.swapaxes(W_Q, -1, -2)
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t28, t2, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    t30 = (1/(d_K*n_batch)) * t29
+    t0 += oe.contract('ab,cde,cdfa,cgd,hg->fheb', W_K, X, M_3, t2, t30, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -7442,7 +7636,8 @@ def ce_causal0__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t23 = A * t22
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t24 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cbd,cdef,cdg,gh->eafh', t24, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -7518,7 +7713,8 @@ def ce_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t17 = (-1/L) * Y
     t18 = t16 + t17
     G = t18
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t1, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
+    t19 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,cdg->faeg', t19, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -7609,7 +7805,8 @@ def ce_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t18 = np.swapaxes(G, -1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t18, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
+    t19 = (1/(math.sqrt(d_K)*n_batch)) * t18
+    t0[...] = oe.contract('ab,cde,cdfa,cgd->fgeb', W_K, X, M_2, t19, optimize=[(0, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -7680,7 +7877,8 @@ def ce_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t18 = np.swapaxes(G, -1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t18, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    t19 = (1/(math.sqrt(d_K)*n_batch)) * t18
+    t0[...] = oe.contract('abc,acde,acf,fg->dbeg', t19, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -7776,69 +7974,87 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t23 = A * t22
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t3, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t2, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t24 = (1/(d_K*n_batch)) * t2
+    t1[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t24, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t24 = np.exp(t12 - t12.max(-1, keepdims=True))
-    A25 = t24 / t24.sum(-1, keepdims=True)
-    t1 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t2, M_2, X, W_V, t10, A25, t19, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t1 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t2, M_2, X, W_V, t10, A25, A25, t19, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
-    t26 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t26[...] = 0
-    t27 = np.reshape(t26, (d_V, d_K, d_V, d_K), copy=False)
-    t28 = np.einsum('abcb->abc', t27)
-    t29 = t23 @ X
-    t30 = t3 @ t29
-    t31 = np.ones((d_K,), dtype=X.dtype)
-    t28 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t30, t31, optimize=[(0, 1)])
-    t27 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t2, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
-    t27 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t2, M_2, X, W_V, t10, A25, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t27 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t2, M_2, X, W_V, t10, A25, A25, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
-    t32 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t33 = np.reshape(t32, (d_V, d_K, d_V, d_V), copy=False)
-    t33[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t2, M_2, X, W_V, t10, A25, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t33 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t2, M_2, X, W_V, t10, A25, A25, M_1, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t33 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t2, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
-    t34 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t34[...] = 0
-    t35 = np.reshape(t34, (d_V, d_K, d_V, d_K), copy=False)
-    t36 = np.einsum('abcb->abc', t35)
-    t37 = np.swapaxes(t23, -1, -2)
-    t38 = t37 @ X
-    t39 = t3 @ t38
-    t36 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t39, t31, optimize=[(0, 1)])
-    t40 = np.swapaxes(W_Q, -1, -2)
-    t35 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t40, t3, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
-    t35 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t40, M_2, X, W_V, t10, A25, t19, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t35 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t40, M_2, X, W_V, t10, A25, A25, t19, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
-    t41 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t25 = np.exp(t12 - t12.max(-1, keepdims=True))
+    A26 = t25 / t25.sum(-1, keepdims=True)
+    t27 = (1/(L*d_K*n_batch)) * t2
+    t1 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t27, M_2, X, W_V, t10, A26, t19, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t28 = (-1/(L*d_K*n_batch)) * t2
+    t1 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t28, M_2, X, W_V, t10, A26, A26, t19, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
+    t29 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t29[...] = 0
+    t30 = np.reshape(t29, (d_V, d_K, d_V, d_K), copy=False)
+    t31 = np.einsum('abcb->abc', t30)
+    t32 = t23 @ X
+    t33 = t3 @ t32
+    t34 = np.ones((d_K,), dtype=X.dtype)
+    t35 = (1/(math.sqrt(d_K)*n_batch)) * t34
+    t31 += oe.contract('abc,d->bdc', t33, t35, optimize=[(0, 1)])
+    t30 += oe.contract('ab,cde,cebf,ceg,gh->dafh', t24, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t30 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t27, M_2, X, W_V, t10, A26, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
+    t30 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t28, M_2, X, W_V, t10, A26, A26, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
+    t36 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t37 = np.reshape(t36, (d_V, d_K, d_V, d_V), copy=False)
+    t38 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t37[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t38, M_2, X, W_V, t10, A26, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t39 = (-1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t37 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t39, M_2, X, W_V, t10, A26, A26, M_1, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t40 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t37 += oe.contract('abc,abd,abef,gf->dgec', G, X, M_2, t40, optimize=[(0, 1), (0, 1), (0, 1)])
+    t41 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t41[...] = 0
     t42 = np.reshape(t41, (d_V, d_K, d_V, d_K), copy=False)
-    t42[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t40, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t42 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t40, M_2, X, W_V, t10, A25, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
-    t42 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t40, M_2, X, W_V, t10, A25, A25, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
-    t43 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t44 = np.reshape(t43, (d_V, d_K, d_V, d_V), copy=False)
-    t44[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh->fahg', t40, M_2, X, W_V, t10, A25, M_1, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
-    t44 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t40, M_2, X, W_V, t10, A25, A25, M_1, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
-    t44 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t40, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
-    t45 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t46 = np.reshape(t45, (d_V, d_V, d_V, d_K), copy=False)
-    t47 = np.swapaxes(G, -1, -2)
-    t46[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t47, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
-    t48 = np.swapaxes(M_1, -1, -2)
-    t46 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t48, t10, A25, t19, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t46 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t48, t10, A25, A25, t19, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
-    t49 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t50 = np.reshape(t49, (d_V, d_V, d_V, d_K), copy=False)
-    t50[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t47, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t50 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t48, t10, A25, t19, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t50 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t48, t10, A25, A25, t19, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
-    t51 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t51[...] = 0
-    t52 = np.reshape(t51, (d_V, d_V, d_V, d_V), copy=False)
-    t53 = np.einsum('abcb->abc', t52)
-    t53 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bde', t48, t10, A25, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
-    t52 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t48, t10, A25, A25, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t43 = np.einsum('abcb->abc', t42)
+    t44 = np.swapaxes(t23, -1, -2)
+    t45 = t44 @ X
+    t46 = t3 @ t45
+    t43 += oe.contract('abc,d->bdc', t46, t35, optimize=[(0, 1)])
+    t47 = np.swapaxes(W_Q, -1, -2)
+    t48 = (1/(d_K*n_batch)) * t47
+    t42 += oe.contract('ab,cde,cdfa,cgd,hg->fheb', W_K, X, M_3, t3, t48, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t49 = (1/(L*d_K*n_batch)) * t47
+    t42 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t49, M_2, X, W_V, t10, A26, t19, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t50 = (-1/(L*d_K*n_batch)) * t47
+    t42 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t50, M_2, X, W_V, t10, A26, A26, t19, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t51 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t52 = np.reshape(t51, (d_V, d_K, d_V, d_K), copy=False)
+    t52[...] = oe.contract('ab,cbd,cdef,cdg,gh->eafh', t48, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t52 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t49, M_2, X, W_V, t10, A26, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
+    t52 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t50, M_2, X, W_V, t10, A26, A26, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
+    t53 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t54 = np.reshape(t53, (d_V, d_K, d_V, d_V), copy=False)
+    t55 = (1/(L*math.sqrt(d_K)*n_batch)) * t47
+    t54[...] = oe.contract('abc,abd,abd,ed,abf,abeg,hf->ghcd', M_1, A26, t10, W_V, X, M_2, t55, optimize=[(1, 2), (1, 3), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t56 = (-1/(L*math.sqrt(d_K)*n_batch)) * t47
+    t54 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t56, M_2, X, W_V, t10, A26, A26, M_1, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t57 = (1/(math.sqrt(d_K)*n_batch)) * t47
+    t54 += oe.contract('ab,cdef,cdb,cdg->faeg', t57, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
+    t58 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t59 = np.reshape(t58, (d_V, d_V, d_V, d_K), copy=False)
+    t60 = np.swapaxes(G, -1, -2)
+    t61 = (1/(math.sqrt(d_K)*n_batch)) * t60
+    t59[...] = oe.contract('ab,cde,cdfa,cgd->fgeb', W_K, X, M_2, t61, optimize=[(0, 2), (0, 1), (0, 1)])
+    t62 = np.swapaxes(M_1, -1, -2)
+    t63 = (1/(L*math.sqrt(d_K)*n_batch)) * t62
+    t59 += oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t63, t10, A26, t19, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t64 = (-1/(L*math.sqrt(d_K)*n_batch)) * t62
+    t59 += oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t64, t10, A26, A26, t19, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
+    t65 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t66 = np.reshape(t65, (d_V, d_V, d_V, d_K), copy=False)
+    t66[...] = oe.contract('abc,acde,acf,fg->dbeg', t61, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    t66 += oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t63, t10, A26, t19, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t66 += oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t64, t10, A26, A26, t19, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
+    t67 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t67[...] = 0
+    t68 = np.reshape(t67, (d_V, d_V, d_V, d_V), copy=False)
+    t69 = np.einsum('abcb->abc', t68)
+    t70 = (1/(L*n_batch)) * t62
+    t69 += oe.contract('abc,acd,acd,ace->bde', t70, t10, A26, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
+    t71 = (-1/(L*n_batch)) * t62
+    t68 += oe.contract('abc,acd,acd,ace,acf->bdfe', t71, t10, A26, A26, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
     return H
 
 
@@ -8036,13 +8252,16 @@ def ce_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t22 = A * t21
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t22, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t22, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t22, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->da', t1, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
+    t23 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cebf,ced,fa->da', t23, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t23 = np.exp(t11 - t11.max(-1, keepdims=True))
-    A24 = t23 / t23.sum(-1, keepdims=True)
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdf,ia->fa', t1, M_2, X, W_V, t9, A24, t18, M_2, X, W_K, optimize=[(4, 5), (2, 6), (0, 1), (1, 2), (0, 4), (0, 3), (2, 3), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdf,ja->fa', t1, M_2, X, W_V, t9, A24, A24, t18, M_2, X, W_K, optimize=[(4, 5), (2, 7), (0, 1), (1, 2), (1, 6), (0, 2), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t24 = np.exp(t11 - t11.max(-1, keepdims=True))
+    A25 = t24 / t24.sum(-1, keepdims=True)
+    t26 = (1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdf,ia->fa', t26, M_2, X, W_V, t9, A25, t18, M_2, X, W_K, optimize=[(4, 5), (2, 6), (0, 1), (1, 2), (0, 4), (0, 3), (2, 3), (0, 2), (0, 1)])
+    t27 = (-1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdf,ja->fa', t27, M_2, X, W_V, t9, A25, A25, t18, M_2, X, W_K, optimize=[(4, 5), (2, 7), (0, 1), (1, 2), (1, 6), (0, 2), (2, 4), (0, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -8123,13 +8342,16 @@ def ce_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t22 = A * t21
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t22, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t22, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t22, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t1, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t23 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t23, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t23 = np.exp(t11 - t11.max(-1, keepdims=True))
-    A24 = t23 / t23.sum(-1, keepdims=True)
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t1, M_2, X, W_V, t9, A24, t18, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t1, M_2, X, W_V, t9, A24, A24, t18, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
+    t24 = np.exp(t11 - t11.max(-1, keepdims=True))
+    A25 = t24 / t24.sum(-1, keepdims=True)
+    t26 = (1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t26, M_2, X, W_V, t9, A25, t18, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t27 = (-1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t27, M_2, X, W_V, t9, A25, A25, t18, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -8215,16 +8437,20 @@ def ce_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t24 = t23 @ X
     t25 = t2 @ t24
     t26 = np.ones((d_K,), dtype=X.dtype)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t25, t26, optimize=[(0, 1)])
+    t27 = (1/(math.sqrt(d_K)*n_batch)) * t26
+    t1 += oe.contract('abc,d->bdc', t25, t27, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t3, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t28 = (1/(d_K*n_batch)) * t3
+    t0 += oe.contract('ab,cde,cebf,ceg,gh->dafh', t28, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t27 = np.exp(t12 - t12.max(-1, keepdims=True))
-    A28 = t27 / t27.sum(-1, keepdims=True)
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t3, M_2, X, W_V, t10, A28, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t3, M_2, X, W_V, t10, A28, A28, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
+    t29 = np.exp(t12 - t12.max(-1, keepdims=True))
+    A30 = t29 / t29.sum(-1, keepdims=True)
+    t31 = (1/(L*d_K*n_batch)) * t3
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t31, M_2, X, W_V, t10, A30, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
+    t32 = (-1/(L*d_K*n_batch)) * t3
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t32, M_2, X, W_V, t10, A30, A30, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -8298,17 +8524,20 @@ def ce_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t11 = M_1 @ W_V
     t12 = np.exp(t11 - t11.max(-1, keepdims=True))
     A13 = t12 / t12.sum(-1, keepdims=True)
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t1, M_2, X, W_V, t9, A13, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t1, M_2, X, W_V, t9, A13, A13, M_1, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t14 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t14, M_2, X, W_V, t9, A13, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t15 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t15, M_2, X, W_V, t9, A13, A13, M_1, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
     F = t11
-    t14 = np.exp(F - F.max(-1, keepdims=True))
-    A15 = t14 / t14.sum(-1, keepdims=True)
-    t16 = t9 * A15
-    t17 = (1/L) * t16
-    t18 = (-1/L) * Y
-    t19 = t17 + t18
-    G = t19
-    t0 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t1, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
+    t16 = np.exp(F - F.max(-1, keepdims=True))
+    A17 = t16 / t16.sum(-1, keepdims=True)
+    t18 = t9 * A17
+    t19 = (1/L) * t18
+    t20 = (-1/L) * Y
+    t21 = t19 + t20
+    G = t21
+    t22 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t0 += oe.contract('abc,abd,abef,gf->dgec', G, X, M_2, t22, optimize=[(0, 1), (0, 1), (0, 1)])
     return out
 
 
@@ -8385,13 +8614,16 @@ def ce_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t23 = A * t22
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->ea', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t24 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cbd,cdee,cdf,fa->ea', t24, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t24 = np.exp(t12 - t12.max(-1, keepdims=True))
-    A25 = t24 / t24.sum(-1, keepdims=True)
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhf,cdi,ia->fa', t1, M_2, X, W_V, t10, A25, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (4, 5), (2, 4), (0, 1), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdif,cdj,ja->fa', t1, M_2, X, W_V, t10, A25, A25, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t25 = np.exp(t12 - t12.max(-1, keepdims=True))
+    A26 = t25 / t25.sum(-1, keepdims=True)
+    t27 = (1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhf,cdi,ia->fa', t27, M_2, X, W_V, t10, A26, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (4, 5), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t28 = (-1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdif,cdj,ja->fa', t28, M_2, X, W_V, t10, A26, A26, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -8477,17 +8709,21 @@ def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t25 = t24 @ X
     t26 = t2 @ t25
     t27 = np.ones((d_K,), dtype=X.dtype)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t26, t27, optimize=[(0, 1)])
-    t28 = np.swapaxes(W_Q, -1, -2)
+    t28 = (1/(math.sqrt(d_K)*n_batch)) * t27
+    t1 += oe.contract('abc,d->bdc', t26, t28, optimize=[(0, 1)])
+    t29 = np.swapaxes(W_Q, -1, -2)
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t28, t2, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    t30 = (1/(d_K*n_batch)) * t29
+    t0 += oe.contract('ab,cde,cdfa,cgd,hg->fheb', W_K, X, M_3, t2, t30, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t29 = np.exp(t12 - t12.max(-1, keepdims=True))
-    A30 = t29 / t29.sum(-1, keepdims=True)
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t28, M_2, X, W_V, t10, A30, t19, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t28, M_2, X, W_V, t10, A30, A30, t19, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t31 = np.exp(t12 - t12.max(-1, keepdims=True))
+    A32 = t31 / t31.sum(-1, keepdims=True)
+    t33 = (1/(L*d_K*n_batch)) * t29
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t33, M_2, X, W_V, t10, A32, t19, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t34 = (-1/(L*d_K*n_batch)) * t29
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t34, M_2, X, W_V, t10, A32, A32, t19, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -8575,13 +8811,16 @@ def ce_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t23 = A * t22
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t24 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cbd,cdef,cdg,gh->eafh', t24, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t24 = np.exp(t12 - t12.max(-1, keepdims=True))
-    A25 = t24 / t24.sum(-1, keepdims=True)
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t1, M_2, X, W_V, t10, A25, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t1, M_2, X, W_V, t10, A25, A25, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
+    t25 = np.exp(t12 - t12.max(-1, keepdims=True))
+    A26 = t25 / t25.sum(-1, keepdims=True)
+    t27 = (1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t27, M_2, X, W_V, t10, A26, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
+    t28 = (-1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t28, M_2, X, W_V, t10, A26, A26, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -8655,17 +8894,20 @@ def ce_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t12 = M_1 @ W_V
     t13 = np.exp(t12 - t12.max(-1, keepdims=True))
     A14 = t13 / t13.sum(-1, keepdims=True)
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh->fahg', t1, M_2, X, W_V, t10, A14, M_1, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t1, M_2, X, W_V, t10, A14, A14, M_1, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t15 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('abc,abd,abd,ed,abf,abeg,hf->ghcd', M_1, A14, t10, W_V, X, M_2, t15, optimize=[(1, 2), (1, 3), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t16 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t16, M_2, X, W_V, t10, A14, A14, M_1, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
     F = t12
-    t15 = np.exp(F - F.max(-1, keepdims=True))
-    A16 = t15 / t15.sum(-1, keepdims=True)
-    t17 = t10 * A16
-    t18 = (1/L) * t17
-    t19 = (-1/L) * Y
-    t20 = t18 + t19
-    G = t20
-    t0 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t1, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
+    t17 = np.exp(F - F.max(-1, keepdims=True))
+    A18 = t17 / t17.sum(-1, keepdims=True)
+    t19 = t10 * A18
+    t20 = (1/L) * t19
+    t21 = (-1/L) * Y
+    t22 = t20 + t21
+    G = t22
+    t23 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t0 += oe.contract('ab,cdef,cdb,cdg->faeg', t23, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -8730,8 +8972,10 @@ def ce_causal0__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     t12 = M_1 @ W_V
     t13 = np.exp(t12 - t12.max(-1, keepdims=True))
     A14 = t13 / t13.sum(-1, keepdims=True)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,acb->bd', t9, t11, A14, M_1, optimize=[(0, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->bd', t9, t11, A14, A14, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t15 = (1/(L*n_batch)) * t9
+    t0[...] = oe.contract('abc,acd,acd,acb->bd', t15, t11, A14, M_1, optimize=[(0, 3), (0, 1), (0, 1)])
+    t16 = (-1/(L*n_batch)) * t9
+    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t16, t11, A14, A14, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -8792,13 +9036,16 @@ def ce_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t18 = np.swapaxes(G, -1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t18, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
-    t19 = np.swapaxes(M_1, -1, -2)
-    t20 = np.exp(t11 - t11.max(-1, keepdims=True))
-    A21 = t20 / t20.sum(-1, keepdims=True)
-    t22 = np.swapaxes(W_V, -1, -2)
-    t0 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t19, t2, A21, t22, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t19, t2, A21, A21, t22, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
+    t19 = (1/(math.sqrt(d_K)*n_batch)) * t18
+    t0[...] = oe.contract('ab,cde,cdfa,cgd->fgeb', W_K, X, M_2, t19, optimize=[(0, 2), (0, 1), (0, 1)])
+    t20 = np.swapaxes(M_1, -1, -2)
+    t21 = np.exp(t11 - t11.max(-1, keepdims=True))
+    A22 = t21 / t21.sum(-1, keepdims=True)
+    t23 = np.swapaxes(W_V, -1, -2)
+    t24 = (1/(L*math.sqrt(d_K)*n_batch)) * t20
+    t0 += oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t24, t2, A22, t23, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t25 = (-1/(L*math.sqrt(d_K)*n_batch)) * t20
+    t0 += oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t25, t2, A22, A22, t23, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -8873,13 +9120,16 @@ def ce_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t18 = np.swapaxes(G, -1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t18, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t19 = np.swapaxes(M_1, -1, -2)
-    t20 = np.exp(t11 - t11.max(-1, keepdims=True))
-    A21 = t20 / t20.sum(-1, keepdims=True)
-    t22 = np.swapaxes(W_V, -1, -2)
-    t0 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t19, t2, A21, t22, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t19, t2, A21, A21, t22, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
+    t19 = (1/(math.sqrt(d_K)*n_batch)) * t18
+    t0[...] = oe.contract('abc,acde,acf,fg->dbeg', t19, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    t20 = np.swapaxes(M_1, -1, -2)
+    t21 = np.exp(t11 - t11.max(-1, keepdims=True))
+    A22 = t21 / t21.sum(-1, keepdims=True)
+    t23 = np.swapaxes(W_V, -1, -2)
+    t24 = (1/(L*math.sqrt(d_K)*n_batch)) * t20
+    t0 += oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t24, t2, A22, t23, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t25 = (-1/(L*math.sqrt(d_K)*n_batch)) * t20
+    t0 += oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t25, t2, A22, A22, t23, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -8948,8 +9198,10 @@ def ce_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     t13 = M_1 @ W_V
     t14 = np.exp(t13 - t13.max(-1, keepdims=True))
     A15 = t14 / t14.sum(-1, keepdims=True)
-    t1 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bde', t10, t12, A15, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t10, t12, A15, A15, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t16 = (1/(L*n_batch)) * t10
+    t1 += oe.contract('abc,acd,acd,ace->bde', t16, t12, A15, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
+    t17 = (-1/(L*n_batch)) * t10
+    t0 += oe.contract('abc,acd,acd,ace,acf->bdfe', t17, t12, A15, A15, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
     return out
 
 
@@ -9084,44 +9336,56 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t15 = np.exp(t14 - t14.max(-1, keepdims=True))
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.swapaxes(W_V, -1, -2)
-    t1[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t2, M_2, X, W_V, t12, A16, t17, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t1 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t2, M_2, X, W_V, t12, A16, A16, t17, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
-    t18 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t19 = np.reshape(t18, (d_V, d_K, d_V, d_K), copy=False)
-    t19[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t2, M_2, X, W_V, t12, A16, t17, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t19 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t2, M_2, X, W_V, t12, A16, A16, t17, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
-    t20 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t21 = np.reshape(t20, (d_V, d_K, d_V, d_V), copy=False)
-    t21[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t2, M_2, X, W_V, t12, A16, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t21 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t2, M_2, X, W_V, t12, A16, A16, M_1, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t22 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t23 = np.reshape(t22, (d_V, d_K, d_V, d_K), copy=False)
-    t24 = np.swapaxes(W_Q, -1, -2)
-    t23[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t24, M_2, X, W_V, t12, A16, t17, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t23 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t24, M_2, X, W_V, t12, A16, A16, t17, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
-    t25 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t26 = np.reshape(t25, (d_V, d_K, d_V, d_K), copy=False)
-    t26[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t24, M_2, X, W_V, t12, A16, t17, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
-    t26 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t24, M_2, X, W_V, t12, A16, A16, t17, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
-    t27 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t28 = np.reshape(t27, (d_V, d_K, d_V, d_V), copy=False)
-    t28[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh->fahg', t24, M_2, X, W_V, t12, A16, M_1, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
-    t28 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t24, M_2, X, W_V, t12, A16, A16, M_1, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
-    t29 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t30 = np.reshape(t29, (d_V, d_V, d_V, d_K), copy=False)
-    t31 = np.swapaxes(M_1, -1, -2)
-    t30[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t31, t12, A16, t17, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t30 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t31, t12, A16, A16, t17, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
-    t32 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t33 = np.reshape(t32, (d_V, d_V, d_V, d_K), copy=False)
-    t33[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t31, t12, A16, t17, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t33 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t31, t12, A16, A16, t17, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
-    t34 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t34[...] = 0
-    t35 = np.reshape(t34, (d_V, d_V, d_V, d_V), copy=False)
-    t36 = np.einsum('abcb->abc', t35)
-    t36 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bde', t31, t12, A16, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
-    t35 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t31, t12, A16, A16, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t18 = (1/(L*d_K*n_batch)) * t2
+    t1[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t18, M_2, X, W_V, t12, A16, t17, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t19 = (-1/(L*d_K*n_batch)) * t2
+    t1 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t19, M_2, X, W_V, t12, A16, A16, t17, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
+    t20 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t21 = np.reshape(t20, (d_V, d_K, d_V, d_K), copy=False)
+    t21[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t18, M_2, X, W_V, t12, A16, t17, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
+    t21 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t19, M_2, X, W_V, t12, A16, A16, t17, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
+    t22 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t23 = np.reshape(t22, (d_V, d_K, d_V, d_V), copy=False)
+    t24 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t23[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t24, M_2, X, W_V, t12, A16, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t25 = (-1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t23 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t25, M_2, X, W_V, t12, A16, A16, M_1, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t26 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t27 = np.reshape(t26, (d_V, d_K, d_V, d_K), copy=False)
+    t28 = np.swapaxes(W_Q, -1, -2)
+    t29 = (1/(L*d_K*n_batch)) * t28
+    t27[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t29, M_2, X, W_V, t12, A16, t17, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t30 = (-1/(L*d_K*n_batch)) * t28
+    t27 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t30, M_2, X, W_V, t12, A16, A16, t17, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t31 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t32 = np.reshape(t31, (d_V, d_K, d_V, d_K), copy=False)
+    t32[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t29, M_2, X, W_V, t12, A16, t17, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
+    t32 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t30, M_2, X, W_V, t12, A16, A16, t17, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
+    t33 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t34 = np.reshape(t33, (d_V, d_K, d_V, d_V), copy=False)
+    t35 = (1/(L*math.sqrt(d_K)*n_batch)) * t28
+    t34[...] = oe.contract('abc,abd,abd,ed,abf,abeg,hf->ghcd', M_1, A16, t12, W_V, X, M_2, t35, optimize=[(1, 2), (1, 3), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t36 = (-1/(L*math.sqrt(d_K)*n_batch)) * t28
+    t34 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t36, M_2, X, W_V, t12, A16, A16, M_1, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t37 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t38 = np.reshape(t37, (d_V, d_V, d_V, d_K), copy=False)
+    t39 = np.swapaxes(M_1, -1, -2)
+    t40 = (1/(L*math.sqrt(d_K)*n_batch)) * t39
+    t38[...] = oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t40, t12, A16, t17, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t41 = (-1/(L*math.sqrt(d_K)*n_batch)) * t39
+    t38 += oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t41, t12, A16, A16, t17, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
+    t42 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t43 = np.reshape(t42, (d_V, d_V, d_V, d_K), copy=False)
+    t43[...] = oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t40, t12, A16, t17, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t43 += oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t41, t12, A16, A16, t17, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
+    t44 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t44[...] = 0
+    t45 = np.reshape(t44, (d_V, d_V, d_V, d_V), copy=False)
+    t46 = np.einsum('abcb->abc', t45)
+    t47 = (1/(L*n_batch)) * t39
+    t46 += oe.contract('abc,acd,acd,ace->bde', t47, t12, A16, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
+    t48 = (-1/(L*n_batch)) * t39
+    t45 += oe.contract('abc,acd,acd,ace,acf->bdfe', t48, t12, A16, A16, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
     return H
 
 
@@ -9263,8 +9527,10 @@ def ce_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t14 = np.exp(t13 - t13.max(-1, keepdims=True))
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.swapaxes(W_V, -1, -2)
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdf,ia->fa', t1, M_2, X, W_V, t11, A15, t16, M_2, X, W_K, optimize=[(4, 5), (2, 6), (0, 1), (1, 2), (0, 4), (0, 3), (2, 3), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdf,ja->fa', t1, M_2, X, W_V, t11, A15, A15, t16, M_2, X, W_K, optimize=[(4, 5), (2, 7), (0, 1), (1, 2), (1, 6), (0, 2), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t17 = (1/(L*d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdf,ia->fa', t17, M_2, X, W_V, t11, A15, t16, M_2, X, W_K, optimize=[(4, 5), (2, 6), (0, 1), (1, 2), (0, 4), (0, 3), (2, 3), (0, 2), (0, 1)])
+    t18 = (-1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdf,ja->fa', t18, M_2, X, W_V, t11, A15, A15, t16, M_2, X, W_K, optimize=[(4, 5), (2, 7), (0, 1), (1, 2), (1, 6), (0, 2), (2, 4), (0, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -9325,8 +9591,10 @@ def ce_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t14 = np.exp(t13 - t13.max(-1, keepdims=True))
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.swapaxes(W_V, -1, -2)
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t1, M_2, X, W_V, t11, A15, t16, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t1, M_2, X, W_V, t11, A15, A15, t16, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
+    t17 = (1/(L*d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t17, M_2, X, W_V, t11, A15, t16, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t18 = (-1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t18, M_2, X, W_V, t11, A15, A15, t16, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -9389,8 +9657,10 @@ def ce_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     t14 = np.exp(t13 - t13.max(-1, keepdims=True))
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.swapaxes(W_V, -1, -2)
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t1, M_2, X, W_V, t11, A15, t16, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t1, M_2, X, W_V, t11, A15, A15, t16, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
+    t17 = (1/(L*d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t17, M_2, X, W_V, t11, A15, t16, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
+    t18 = (-1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t18, M_2, X, W_V, t11, A15, A15, t16, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -9452,8 +9722,10 @@ def ce_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     t13 = M_1 @ W_V
     t14 = np.exp(t13 - t13.max(-1, keepdims=True))
     A15 = t14 / t14.sum(-1, keepdims=True)
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t1, M_2, X, W_V, t11, A15, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t1, M_2, X, W_V, t11, A15, A15, M_1, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t16 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t16, M_2, X, W_V, t11, A15, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t17 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t17, M_2, X, W_V, t11, A15, A15, M_1, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -9516,8 +9788,10 @@ def ce_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     t15 = np.exp(t14 - t14.max(-1, keepdims=True))
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.swapaxes(W_V, -1, -2)
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhf,cdi,ia->fa', t1, M_2, X, W_V, t12, A16, t17, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (4, 5), (2, 4), (0, 1), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdif,cdj,ja->fa', t1, M_2, X, W_V, t12, A16, A16, t17, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t18 = (1/(L*d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhf,cdi,ia->fa', t18, M_2, X, W_V, t12, A16, t17, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (4, 5), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t19 = (-1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdif,cdj,ja->fa', t19, M_2, X, W_V, t12, A16, A16, t17, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -9580,8 +9854,10 @@ def ce_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t15 = np.exp(t14 - t14.max(-1, keepdims=True))
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.swapaxes(W_V, -1, -2)
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t1, M_2, X, W_V, t12, A16, t17, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t1, M_2, X, W_V, t12, A16, A16, t17, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t18 = (1/(L*d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t18, M_2, X, W_V, t12, A16, t17, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t19 = (-1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t19, M_2, X, W_V, t12, A16, A16, t17, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -9646,8 +9922,10 @@ def ce_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t15 = np.exp(t14 - t14.max(-1, keepdims=True))
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.swapaxes(W_V, -1, -2)
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t1, M_2, X, W_V, t12, A16, t17, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t1, M_2, X, W_V, t12, A16, A16, t17, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
+    t18 = (1/(L*d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t18, M_2, X, W_V, t12, A16, t17, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
+    t19 = (-1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t19, M_2, X, W_V, t12, A16, A16, t17, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -9711,8 +9989,10 @@ def ce_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     t14 = M_1 @ W_V
     t15 = np.exp(t14 - t14.max(-1, keepdims=True))
     A16 = t15 / t15.sum(-1, keepdims=True)
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh->fahg', t1, M_2, X, W_V, t12, A16, M_1, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t1, M_2, X, W_V, t12, A16, A16, M_1, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t17 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('abc,abd,abd,ed,abf,abeg,hf->ghcd', M_1, A16, t12, W_V, X, M_2, t17, optimize=[(1, 2), (1, 3), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t18 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t18, M_2, X, W_V, t12, A16, A16, M_1, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -9773,8 +10053,10 @@ def ce_causal1__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     t14 = M_1 @ W_V
     t15 = np.exp(t14 - t14.max(-1, keepdims=True))
     A16 = t15 / t15.sum(-1, keepdims=True)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,acb->bd', t11, t13, A16, M_1, optimize=[(0, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->bd', t11, t13, A16, A16, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t17 = (1/(L*n_batch)) * t11
+    t0[...] = oe.contract('abc,acd,acd,acb->bd', t17, t13, A16, M_1, optimize=[(0, 3), (0, 1), (0, 1)])
+    t18 = (-1/(L*n_batch)) * t11
+    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t18, t13, A16, A16, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -9834,8 +10116,10 @@ def ce_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t17 = np.swapaxes(W_V, -1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t11, t13, A16, t17, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t11, t13, A16, A16, t17, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
+    t18 = (1/(L*math.sqrt(d_K)*n_batch)) * t11
+    t0[...] = oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t18, t13, A16, t17, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t19 = (-1/(L*math.sqrt(d_K)*n_batch)) * t11
+    t0 += oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t19, t13, A16, A16, t17, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -9900,8 +10184,10 @@ def ce_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t17 = np.swapaxes(W_V, -1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t11, t13, A16, t17, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t11, t13, A16, A16, t17, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
+    t18 = (1/(L*math.sqrt(d_K)*n_batch)) * t11
+    t0[...] = oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t18, t13, A16, t17, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t19 = (-1/(L*math.sqrt(d_K)*n_batch)) * t11
+    t0 += oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t19, t13, A16, A16, t17, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -9965,8 +10251,10 @@ def ce_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     t15 = M_1 @ W_V
     t16 = np.exp(t15 - t15.max(-1, keepdims=True))
     A17 = t16 / t16.sum(-1, keepdims=True)
-    t1 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bde', t12, t14, A17, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t12, t14, A17, A17, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t18 = (1/(L*n_batch)) * t12
+    t1 += oe.contract('abc,acd,acd,ace->bde', t18, t14, A17, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
+    t19 = (-1/(L*n_batch)) * t12
+    t0 += oe.contract('abc,acd,acd,ace,acf->bdfe', t19, t14, A17, A17, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
     return out
 
 
@@ -10038,46 +10326,52 @@ def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t25 = A * t24
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t3, t25, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, t25, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, t25, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t2, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
-    t26 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t26[...] = 0
-    t27 = np.reshape(t26, (d_V, d_K, d_V, d_K), copy=False)
-    t28 = np.einsum('abcb->abc', t27)
-    t29 = t25 @ X
-    t30 = t3 @ t29
-    t31 = np.ones((d_K,), dtype=X.dtype)
-    t28 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t30, t31, optimize=[(0, 1)])
-    t27 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t2, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
-    t32 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t33 = np.reshape(t32, (d_V, d_K, d_V, d_V), copy=False)
+    t26 = (1/(d_K*n_batch)) * t2
+    t1[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t26, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t27 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t27[...] = 0
+    t28 = np.reshape(t27, (d_V, d_K, d_V, d_K), copy=False)
+    t29 = np.einsum('abcb->abc', t28)
+    t30 = t25 @ X
+    t31 = t3 @ t30
+    t32 = np.ones((d_K,), dtype=X.dtype)
+    t33 = (1/(math.sqrt(d_K)*n_batch)) * t32
+    t29 += oe.contract('abc,d->bdc', t31, t33, optimize=[(0, 1)])
+    t28 += oe.contract('ab,cde,cebf,ceg,gh->dafh', t26, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t34 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t35 = np.reshape(t34, (d_V, d_K, d_V, d_V), copy=False)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t33[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t2, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
-    t34 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t34[...] = 0
-    t35 = np.reshape(t34, (d_V, d_K, d_V, d_K), copy=False)
-    t36 = np.einsum('abcb->abc', t35)
-    t37 = np.swapaxes(t25, -1, -2)
-    t38 = t37 @ X
-    t39 = t3 @ t38
-    t36 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t39, t31, optimize=[(0, 1)])
-    t40 = np.swapaxes(W_Q, -1, -2)
-    t35 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t40, t3, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
-    t41 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t42 = np.reshape(t41, (d_V, d_K, d_V, d_K), copy=False)
-    t42[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t40, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t43 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t44 = np.reshape(t43, (d_V, d_K, d_V, d_V), copy=False)
-    t44[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t40, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
-    t45 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t46 = np.reshape(t45, (d_V, d_V, d_V, d_K), copy=False)
-    t47 = np.swapaxes(G, -1, -2)
-    t46[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t47, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
-    t48 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t49 = np.reshape(t48, (d_V, d_V, d_V, d_K), copy=False)
-    t49[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t47, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t50 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t50[...] = 0
+    t36 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t35[...] = oe.contract('abc,abd,abef,gf->dgec', G, X, M_2, t36, optimize=[(0, 1), (0, 1), (0, 1)])
+    t37 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t37[...] = 0
+    t38 = np.reshape(t37, (d_V, d_K, d_V, d_K), copy=False)
+    t39 = np.einsum('abcb->abc', t38)
+    t40 = np.swapaxes(t25, -1, -2)
+    t41 = t40 @ X
+    t42 = t3 @ t41
+    t39 += oe.contract('abc,d->bdc', t42, t33, optimize=[(0, 1)])
+    t43 = np.swapaxes(W_Q, -1, -2)
+    t44 = (1/(d_K*n_batch)) * t43
+    t38 += oe.contract('ab,cde,cdfa,cgd,hg->fheb', W_K, X, M_3, t3, t44, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t45 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t46 = np.reshape(t45, (d_V, d_K, d_V, d_K), copy=False)
+    t46[...] = oe.contract('ab,cbd,cdef,cdg,gh->eafh', t44, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t47 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t48 = np.reshape(t47, (d_V, d_K, d_V, d_V), copy=False)
+    t49 = (1/(math.sqrt(d_K)*n_batch)) * t43
+    t48[...] = oe.contract('ab,cdef,cdb,cdg->faeg', t49, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
+    t50 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t51 = np.reshape(t50, (d_V, d_V, d_V, d_K), copy=False)
+    t52 = np.swapaxes(G, -1, -2)
+    t53 = (1/(math.sqrt(d_K)*n_batch)) * t52
+    t51[...] = oe.contract('ab,cde,cdfa,cgd->fgeb', W_K, X, M_2, t53, optimize=[(0, 2), (0, 1), (0, 1)])
+    t54 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t55 = np.reshape(t54, (d_V, d_V, d_V, d_K), copy=False)
+    t55[...] = oe.contract('abc,acde,acf,fg->dbeg', t53, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    t56 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t56[...] = 0
     return H
 
 
@@ -10263,7 +10557,8 @@ def ce_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t24 = A * t23
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t24, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t24, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t24, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->da', t1, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
+    t25 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cebf,ced,fa->da', t25, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -10344,7 +10639,8 @@ def ce_causal1__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t24 = A * t23
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t24, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t24, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t24, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t1, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t25 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t25, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -10430,10 +10726,12 @@ def ce_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t26 = t25 @ X
     t27 = t2 @ t26
     t28 = np.ones((d_K,), dtype=X.dtype)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t27, t28, optimize=[(0, 1)])
+    t29 = (1/(math.sqrt(d_K)*n_batch)) * t28
+    t1 += oe.contract('abc,d->bdc', t27, t29, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t25, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t25, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t25, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t3, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t30 = (1/(d_K*n_batch)) * t3
+    t0 += oe.contract('ab,cde,cebf,ceg,gh->dafh', t30, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -10513,7 +10811,8 @@ def ce_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t18 = (-1/L) * Y
     t19 = t17 + t18
     G = t19
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t1, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
+    t20 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('abc,abd,abef,gf->dgec', G, X, M_2, t20, optimize=[(0, 1), (0, 1), (0, 1)])
     return out
 
 
@@ -10592,7 +10891,8 @@ def ce_causal1__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
     t25 = A * t24
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t25, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t25, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t25, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->ea', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t26 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cbd,cdee,cdf,fa->ea', t26, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -10678,11 +10978,13 @@ def ce_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t27 = t26 @ X
     t28 = t2 @ t27
     t29 = np.ones((d_K,), dtype=X.dtype)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t28, t29, optimize=[(0, 1)])
-    t30 = np.swapaxes(W_Q, -1, -2)
+    t30 = (1/(math.sqrt(d_K)*n_batch)) * t29
+    t1 += oe.contract('abc,d->bdc', t28, t30, optimize=[(0, 1)])
+    t31 = np.swapaxes(W_Q, -1, -2)
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t25, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t25, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t25, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t30, t2, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    t32 = (1/(d_K*n_batch)) * t31
+    t0 += oe.contract('ab,cde,cdfa,cgd,hg->fheb', W_K, X, M_3, t2, t32, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -10770,7 +11072,8 @@ def ce_causal1__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t25 = A * t24
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t25, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t25, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t25, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t26 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cbd,cdef,cdg,gh->eafh', t26, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -10850,7 +11153,8 @@ def ce_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t19 = (-1/L) * Y
     t20 = t18 + t19
     G = t20
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t1, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
+    t21 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,cdg->faeg', t21, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -10945,7 +11249,8 @@ def ce_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t20 = np.swapaxes(G, -1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t20, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
+    t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
+    t0[...] = oe.contract('ab,cde,cdfa,cgd->fgeb', W_K, X, M_2, t21, optimize=[(0, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -11020,7 +11325,8 @@ def ce_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t20 = np.swapaxes(G, -1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t20, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
+    t0[...] = oe.contract('abc,acde,acf,fg->dbeg', t21, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -11120,69 +11426,87 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t25 = A * t24
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t3, t25, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, t25, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, t25, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t2, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t26 = (1/(d_K*n_batch)) * t2
+    t1[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t26, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t26 = np.exp(t14 - t14.max(-1, keepdims=True))
-    A27 = t26 / t26.sum(-1, keepdims=True)
-    t1 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t2, M_2, X, W_V, t12, A27, t21, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t1 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t2, M_2, X, W_V, t12, A27, A27, t21, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
-    t28 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t28[...] = 0
-    t29 = np.reshape(t28, (d_V, d_K, d_V, d_K), copy=False)
-    t30 = np.einsum('abcb->abc', t29)
-    t31 = t25 @ X
-    t32 = t3 @ t31
-    t33 = np.ones((d_K,), dtype=X.dtype)
-    t30 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t32, t33, optimize=[(0, 1)])
-    t29 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t2, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
-    t29 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t2, M_2, X, W_V, t12, A27, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t29 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t2, M_2, X, W_V, t12, A27, A27, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
-    t34 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t35 = np.reshape(t34, (d_V, d_K, d_V, d_V), copy=False)
-    t35[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t2, M_2, X, W_V, t12, A27, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t35 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t2, M_2, X, W_V, t12, A27, A27, M_1, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t35 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t2, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
-    t36 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t36[...] = 0
-    t37 = np.reshape(t36, (d_V, d_K, d_V, d_K), copy=False)
-    t38 = np.einsum('abcb->abc', t37)
-    t39 = np.swapaxes(t25, -1, -2)
-    t40 = t39 @ X
-    t41 = t3 @ t40
-    t38 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t41, t33, optimize=[(0, 1)])
-    t42 = np.swapaxes(W_Q, -1, -2)
-    t37 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t42, t3, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
-    t37 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t42, M_2, X, W_V, t12, A27, t21, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t37 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t42, M_2, X, W_V, t12, A27, A27, t21, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
-    t43 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t27 = np.exp(t14 - t14.max(-1, keepdims=True))
+    A28 = t27 / t27.sum(-1, keepdims=True)
+    t29 = (1/(L*d_K*n_batch)) * t2
+    t1 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t29, M_2, X, W_V, t12, A28, t21, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t30 = (-1/(L*d_K*n_batch)) * t2
+    t1 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t30, M_2, X, W_V, t12, A28, A28, t21, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
+    t31 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t31[...] = 0
+    t32 = np.reshape(t31, (d_V, d_K, d_V, d_K), copy=False)
+    t33 = np.einsum('abcb->abc', t32)
+    t34 = t25 @ X
+    t35 = t3 @ t34
+    t36 = np.ones((d_K,), dtype=X.dtype)
+    t37 = (1/(math.sqrt(d_K)*n_batch)) * t36
+    t33 += oe.contract('abc,d->bdc', t35, t37, optimize=[(0, 1)])
+    t32 += oe.contract('ab,cde,cebf,ceg,gh->dafh', t26, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t32 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t29, M_2, X, W_V, t12, A28, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
+    t32 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t30, M_2, X, W_V, t12, A28, A28, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
+    t38 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t39 = np.reshape(t38, (d_V, d_K, d_V, d_V), copy=False)
+    t40 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t39[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t40, M_2, X, W_V, t12, A28, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t41 = (-1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t39 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t41, M_2, X, W_V, t12, A28, A28, M_1, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t42 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t39 += oe.contract('abc,abd,abef,gf->dgec', G, X, M_2, t42, optimize=[(0, 1), (0, 1), (0, 1)])
+    t43 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t43[...] = 0
     t44 = np.reshape(t43, (d_V, d_K, d_V, d_K), copy=False)
-    t44[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t42, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t44 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t42, M_2, X, W_V, t12, A27, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
-    t44 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t42, M_2, X, W_V, t12, A27, A27, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
-    t45 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t46 = np.reshape(t45, (d_V, d_K, d_V, d_V), copy=False)
-    t46[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh->fahg', t42, M_2, X, W_V, t12, A27, M_1, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
-    t46 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t42, M_2, X, W_V, t12, A27, A27, M_1, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
-    t46 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t42, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
-    t47 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t48 = np.reshape(t47, (d_V, d_V, d_V, d_K), copy=False)
-    t49 = np.swapaxes(G, -1, -2)
-    t48[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t49, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
-    t50 = np.swapaxes(M_1, -1, -2)
-    t48 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t50, t12, A27, t21, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t48 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t50, t12, A27, A27, t21, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
-    t51 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t52 = np.reshape(t51, (d_V, d_V, d_V, d_K), copy=False)
-    t52[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t49, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t52 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t50, t12, A27, t21, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t52 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t50, t12, A27, A27, t21, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
-    t53 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t53[...] = 0
-    t54 = np.reshape(t53, (d_V, d_V, d_V, d_V), copy=False)
-    t55 = np.einsum('abcb->abc', t54)
-    t55 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bde', t50, t12, A27, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
-    t54 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t50, t12, A27, A27, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t45 = np.einsum('abcb->abc', t44)
+    t46 = np.swapaxes(t25, -1, -2)
+    t47 = t46 @ X
+    t48 = t3 @ t47
+    t45 += oe.contract('abc,d->bdc', t48, t37, optimize=[(0, 1)])
+    t49 = np.swapaxes(W_Q, -1, -2)
+    t50 = (1/(d_K*n_batch)) * t49
+    t44 += oe.contract('ab,cde,cdfa,cgd,hg->fheb', W_K, X, M_3, t3, t50, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t51 = (1/(L*d_K*n_batch)) * t49
+    t44 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t51, M_2, X, W_V, t12, A28, t21, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t52 = (-1/(L*d_K*n_batch)) * t49
+    t44 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t52, M_2, X, W_V, t12, A28, A28, t21, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t53 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t54 = np.reshape(t53, (d_V, d_K, d_V, d_K), copy=False)
+    t54[...] = oe.contract('ab,cbd,cdef,cdg,gh->eafh', t50, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t54 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t51, M_2, X, W_V, t12, A28, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
+    t54 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t52, M_2, X, W_V, t12, A28, A28, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
+    t55 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t56 = np.reshape(t55, (d_V, d_K, d_V, d_V), copy=False)
+    t57 = (1/(L*math.sqrt(d_K)*n_batch)) * t49
+    t56[...] = oe.contract('abc,abd,abd,ed,abf,abeg,hf->ghcd', M_1, A28, t12, W_V, X, M_2, t57, optimize=[(1, 2), (1, 3), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t58 = (-1/(L*math.sqrt(d_K)*n_batch)) * t49
+    t56 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t58, M_2, X, W_V, t12, A28, A28, M_1, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t59 = (1/(math.sqrt(d_K)*n_batch)) * t49
+    t56 += oe.contract('ab,cdef,cdb,cdg->faeg', t59, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
+    t60 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t61 = np.reshape(t60, (d_V, d_V, d_V, d_K), copy=False)
+    t62 = np.swapaxes(G, -1, -2)
+    t63 = (1/(math.sqrt(d_K)*n_batch)) * t62
+    t61[...] = oe.contract('ab,cde,cdfa,cgd->fgeb', W_K, X, M_2, t63, optimize=[(0, 2), (0, 1), (0, 1)])
+    t64 = np.swapaxes(M_1, -1, -2)
+    t65 = (1/(L*math.sqrt(d_K)*n_batch)) * t64
+    t61 += oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t65, t12, A28, t21, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t66 = (-1/(L*math.sqrt(d_K)*n_batch)) * t64
+    t61 += oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t66, t12, A28, A28, t21, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
+    t67 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t68 = np.reshape(t67, (d_V, d_V, d_V, d_K), copy=False)
+    t68[...] = oe.contract('abc,acde,acf,fg->dbeg', t63, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    t68 += oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t65, t12, A28, t21, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t68 += oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t66, t12, A28, A28, t21, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
+    t69 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t69[...] = 0
+    t70 = np.reshape(t69, (d_V, d_V, d_V, d_V), copy=False)
+    t71 = np.einsum('abcb->abc', t70)
+    t72 = (1/(L*n_batch)) * t64
+    t71 += oe.contract('abc,acd,acd,ace->bde', t72, t12, A28, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
+    t73 = (-1/(L*n_batch)) * t64
+    t70 += oe.contract('abc,acd,acd,ace,acf->bdfe', t73, t12, A28, A28, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
     return H
 
 
@@ -11386,13 +11710,16 @@ def ce_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t24 = A * t23
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t24, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t24, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t24, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->da', t1, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
+    t25 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cebf,ced,fa->da', t25, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t25 = np.exp(t13 - t13.max(-1, keepdims=True))
-    A26 = t25 / t25.sum(-1, keepdims=True)
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdf,ia->fa', t1, M_2, X, W_V, t11, A26, t20, M_2, X, W_K, optimize=[(4, 5), (2, 6), (0, 1), (1, 2), (0, 4), (0, 3), (2, 3), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdf,ja->fa', t1, M_2, X, W_V, t11, A26, A26, t20, M_2, X, W_K, optimize=[(4, 5), (2, 7), (0, 1), (1, 2), (1, 6), (0, 2), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t26 = np.exp(t13 - t13.max(-1, keepdims=True))
+    A27 = t26 / t26.sum(-1, keepdims=True)
+    t28 = (1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdf,ia->fa', t28, M_2, X, W_V, t11, A27, t20, M_2, X, W_K, optimize=[(4, 5), (2, 6), (0, 1), (1, 2), (0, 4), (0, 3), (2, 3), (0, 2), (0, 1)])
+    t29 = (-1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdf,ja->fa', t29, M_2, X, W_V, t11, A27, A27, t20, M_2, X, W_K, optimize=[(4, 5), (2, 7), (0, 1), (1, 2), (1, 6), (0, 2), (2, 4), (0, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -11477,13 +11804,16 @@ def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t24 = A * t23
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t24, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t24, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t24, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t1, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t25 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t25, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t25 = np.exp(t13 - t13.max(-1, keepdims=True))
-    A26 = t25 / t25.sum(-1, keepdims=True)
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t1, M_2, X, W_V, t11, A26, t20, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t1, M_2, X, W_V, t11, A26, A26, t20, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
+    t26 = np.exp(t13 - t13.max(-1, keepdims=True))
+    A27 = t26 / t26.sum(-1, keepdims=True)
+    t28 = (1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t28, M_2, X, W_V, t11, A27, t20, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t29 = (-1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t29, M_2, X, W_V, t11, A27, A27, t20, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -11573,16 +11903,20 @@ def ce_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t26 = t25 @ X
     t27 = t2 @ t26
     t28 = np.ones((d_K,), dtype=X.dtype)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t27, t28, optimize=[(0, 1)])
+    t29 = (1/(math.sqrt(d_K)*n_batch)) * t28
+    t1 += oe.contract('abc,d->bdc', t27, t29, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t25, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t25, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t25, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t3, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t30 = (1/(d_K*n_batch)) * t3
+    t0 += oe.contract('ab,cde,cebf,ceg,gh->dafh', t30, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t29 = np.exp(t14 - t14.max(-1, keepdims=True))
-    A30 = t29 / t29.sum(-1, keepdims=True)
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t3, M_2, X, W_V, t12, A30, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t3, M_2, X, W_V, t12, A30, A30, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
+    t31 = np.exp(t14 - t14.max(-1, keepdims=True))
+    A32 = t31 / t31.sum(-1, keepdims=True)
+    t33 = (1/(L*d_K*n_batch)) * t3
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t33, M_2, X, W_V, t12, A32, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
+    t34 = (-1/(L*d_K*n_batch)) * t3
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t34, M_2, X, W_V, t12, A32, A32, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -11660,17 +11994,20 @@ def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t13 = M_1 @ W_V
     t14 = np.exp(t13 - t13.max(-1, keepdims=True))
     A15 = t14 / t14.sum(-1, keepdims=True)
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t1, M_2, X, W_V, t11, A15, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t1, M_2, X, W_V, t11, A15, A15, M_1, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t16 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t16, M_2, X, W_V, t11, A15, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t17 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t17, M_2, X, W_V, t11, A15, A15, M_1, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
     F = t13
-    t16 = np.exp(F - F.max(-1, keepdims=True))
-    A17 = t16 / t16.sum(-1, keepdims=True)
-    t18 = t11 * A17
-    t19 = (1/L) * t18
-    t20 = (-1/L) * Y
-    t21 = t19 + t20
-    G = t21
-    t0 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t1, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
+    t18 = np.exp(F - F.max(-1, keepdims=True))
+    A19 = t18 / t18.sum(-1, keepdims=True)
+    t20 = t11 * A19
+    t21 = (1/L) * t20
+    t22 = (-1/L) * Y
+    t23 = t21 + t22
+    G = t23
+    t24 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t0 += oe.contract('abc,abd,abef,gf->dgec', G, X, M_2, t24, optimize=[(0, 1), (0, 1), (0, 1)])
     return out
 
 
@@ -11751,13 +12088,16 @@ def ce_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t25 = A * t24
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t25, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t25, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t25, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->ea', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t26 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cbd,cdee,cdf,fa->ea', t26, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t26 = np.exp(t14 - t14.max(-1, keepdims=True))
-    A27 = t26 / t26.sum(-1, keepdims=True)
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhf,cdi,ia->fa', t1, M_2, X, W_V, t12, A27, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (4, 5), (2, 4), (0, 1), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdif,cdj,ja->fa', t1, M_2, X, W_V, t12, A27, A27, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t27 = np.exp(t14 - t14.max(-1, keepdims=True))
+    A28 = t27 / t27.sum(-1, keepdims=True)
+    t29 = (1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhf,cdi,ia->fa', t29, M_2, X, W_V, t12, A28, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (4, 5), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t30 = (-1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdif,cdj,ja->fa', t30, M_2, X, W_V, t12, A28, A28, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -11847,17 +12187,21 @@ def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t27 = t26 @ X
     t28 = t2 @ t27
     t29 = np.ones((d_K,), dtype=X.dtype)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t28, t29, optimize=[(0, 1)])
-    t30 = np.swapaxes(W_Q, -1, -2)
+    t30 = (1/(math.sqrt(d_K)*n_batch)) * t29
+    t1 += oe.contract('abc,d->bdc', t28, t30, optimize=[(0, 1)])
+    t31 = np.swapaxes(W_Q, -1, -2)
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t25, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t25, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t25, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t30, t2, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    t32 = (1/(d_K*n_batch)) * t31
+    t0 += oe.contract('ab,cde,cdfa,cgd,hg->fheb', W_K, X, M_3, t2, t32, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t31 = np.exp(t14 - t14.max(-1, keepdims=True))
-    A32 = t31 / t31.sum(-1, keepdims=True)
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t30, M_2, X, W_V, t12, A32, t21, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t30, M_2, X, W_V, t12, A32, A32, t21, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t33 = np.exp(t14 - t14.max(-1, keepdims=True))
+    A34 = t33 / t33.sum(-1, keepdims=True)
+    t35 = (1/(L*d_K*n_batch)) * t31
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t35, M_2, X, W_V, t12, A34, t21, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t36 = (-1/(L*d_K*n_batch)) * t31
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t36, M_2, X, W_V, t12, A34, A34, t21, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -11949,13 +12293,16 @@ def ce_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t25 = A * t24
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t25, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t25, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t25, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t26 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cbd,cdef,cdg,gh->eafh', t26, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t26 = np.exp(t14 - t14.max(-1, keepdims=True))
-    A27 = t26 / t26.sum(-1, keepdims=True)
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t1, M_2, X, W_V, t12, A27, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t1, M_2, X, W_V, t12, A27, A27, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
+    t27 = np.exp(t14 - t14.max(-1, keepdims=True))
+    A28 = t27 / t27.sum(-1, keepdims=True)
+    t29 = (1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t29, M_2, X, W_V, t12, A28, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
+    t30 = (-1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t30, M_2, X, W_V, t12, A28, A28, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -12033,17 +12380,20 @@ def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t14 = M_1 @ W_V
     t15 = np.exp(t14 - t14.max(-1, keepdims=True))
     A16 = t15 / t15.sum(-1, keepdims=True)
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh->fahg', t1, M_2, X, W_V, t12, A16, M_1, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t1, M_2, X, W_V, t12, A16, A16, M_1, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t17 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('abc,abd,abd,ed,abf,abeg,hf->ghcd', M_1, A16, t12, W_V, X, M_2, t17, optimize=[(1, 2), (1, 3), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t18 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t18, M_2, X, W_V, t12, A16, A16, M_1, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
     F = t14
-    t17 = np.exp(F - F.max(-1, keepdims=True))
-    A18 = t17 / t17.sum(-1, keepdims=True)
-    t19 = t12 * A18
-    t20 = (1/L) * t19
-    t21 = (-1/L) * Y
-    t22 = t20 + t21
-    G = t22
-    t0 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t1, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
+    t19 = np.exp(F - F.max(-1, keepdims=True))
+    A20 = t19 / t19.sum(-1, keepdims=True)
+    t21 = t12 * A20
+    t22 = (1/L) * t21
+    t23 = (-1/L) * Y
+    t24 = t22 + t23
+    G = t24
+    t25 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t0 += oe.contract('ab,cdef,cdb,cdg->faeg', t25, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -12112,8 +12462,10 @@ def ce_causal1__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     t14 = M_1 @ W_V
     t15 = np.exp(t14 - t14.max(-1, keepdims=True))
     A16 = t15 / t15.sum(-1, keepdims=True)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,acb->bd', t11, t13, A16, M_1, optimize=[(0, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->bd', t11, t13, A16, A16, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t17 = (1/(L*n_batch)) * t11
+    t0[...] = oe.contract('abc,acd,acd,acb->bd', t17, t13, A16, M_1, optimize=[(0, 3), (0, 1), (0, 1)])
+    t18 = (-1/(L*n_batch)) * t11
+    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t18, t13, A16, A16, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -12178,13 +12530,16 @@ def ce_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t20 = np.swapaxes(G, -1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t20, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
-    t21 = np.swapaxes(M_1, -1, -2)
-    t22 = np.exp(t13 - t13.max(-1, keepdims=True))
-    A23 = t22 / t22.sum(-1, keepdims=True)
-    t24 = np.swapaxes(W_V, -1, -2)
-    t0 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t21, t2, A23, t24, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t21, t2, A23, A23, t24, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
+    t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
+    t0[...] = oe.contract('ab,cde,cdfa,cgd->fgeb', W_K, X, M_2, t21, optimize=[(0, 2), (0, 1), (0, 1)])
+    t22 = np.swapaxes(M_1, -1, -2)
+    t23 = np.exp(t13 - t13.max(-1, keepdims=True))
+    A24 = t23 / t23.sum(-1, keepdims=True)
+    t25 = np.swapaxes(W_V, -1, -2)
+    t26 = (1/(L*math.sqrt(d_K)*n_batch)) * t22
+    t0 += oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t26, t2, A24, t25, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t27 = (-1/(L*math.sqrt(d_K)*n_batch)) * t22
+    t0 += oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t27, t2, A24, A24, t25, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -12263,13 +12618,16 @@ def ce_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t20 = np.swapaxes(G, -1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t20, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t21 = np.swapaxes(M_1, -1, -2)
-    t22 = np.exp(t13 - t13.max(-1, keepdims=True))
-    A23 = t22 / t22.sum(-1, keepdims=True)
-    t24 = np.swapaxes(W_V, -1, -2)
-    t0 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t21, t2, A23, t24, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t21, t2, A23, A23, t24, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
+    t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
+    t0[...] = oe.contract('abc,acde,acf,fg->dbeg', t21, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    t22 = np.swapaxes(M_1, -1, -2)
+    t23 = np.exp(t13 - t13.max(-1, keepdims=True))
+    A24 = t23 / t23.sum(-1, keepdims=True)
+    t25 = np.swapaxes(W_V, -1, -2)
+    t26 = (1/(L*math.sqrt(d_K)*n_batch)) * t22
+    t0 += oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t26, t2, A24, t25, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t27 = (-1/(L*math.sqrt(d_K)*n_batch)) * t22
+    t0 += oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t27, t2, A24, A24, t25, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -12342,8 +12700,10 @@ def ce_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     t15 = M_1 @ W_V
     t16 = np.exp(t15 - t15.max(-1, keepdims=True))
     A17 = t16 / t16.sum(-1, keepdims=True)
-    t1 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bde', t12, t14, A17, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t12, t14, A17, A17, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t18 = (1/(L*n_batch)) * t12
+    t1 += oe.contract('abc,acd,acd,ace->bde', t18, t14, A17, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
+    t19 = (-1/(L*n_batch)) * t12
+    t0 += oe.contract('abc,acd,acd,ace,acf->bdfe', t19, t14, A17, A17, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
     return out
 
 

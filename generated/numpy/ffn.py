@@ -77,24 +77,27 @@ def mse_bias0_residual0__hessian__outer(X, W_1, W_2, Y):
     t4 = np.heaviside(t3, 0.0)
     t5 = np.swapaxes(W_2, -1, -2)
     t6 = W_2 @ t5
-    t1[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,acd,de,ace,acf->bdfe', t2, t4, t6, t4, X, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t7 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t8 = np.reshape(t7, (d_V, d_ff, d_ff, d_V), copy=False)
-    t9 = (t3 * np.heaviside(t3, 0.0))
-    t8[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,acd,ace,df->bdef', t2, t4, t9, W_2, optimize=[(0, 1), (0, 2), (0, 1)])
-    t10 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
-    t11 = np.reshape(t10, (d_ff, d_V, d_V, d_ff), copy=False)
-    t12 = np.swapaxes(W_1, -1, -2)
-    t13 = t12 @ t2
-    t14 = (t13 * np.heaviside(t13, 0.0))
-    t11[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,de,ace,acf->bdfe', t14, t5, t4, X, optimize=[(0, 2), (1, 2), (0, 1)])
-    t15 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t15[...] = 0
-    t16 = np.reshape(t15, (d_ff, d_V, d_ff, d_V), copy=False)
-    t17 = np.einsum('abcb->abc', t16)
-    t18 = t14 @ t9
-    t19 = np.ones((d_V,), dtype=X.dtype)
-    t17 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bdc', t18, t19, optimize=[(0, 1)])
+    t7 = (2/(L*d_V*n_batch)) * t2
+    t1[...] = oe.contract('abc,acd,de,ace,acf->bdfe', t7, t4, t6, t4, X, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t8 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t9 = np.reshape(t8, (d_V, d_ff, d_ff, d_V), copy=False)
+    t10 = (t3 * np.heaviside(t3, 0.0))
+    t9[...] = oe.contract('abc,acd,ace,df->bdef', t7, t4, t10, W_2, optimize=[(0, 1), (0, 2), (0, 1)])
+    t11 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
+    t12 = np.reshape(t11, (d_ff, d_V, d_V, d_ff), copy=False)
+    t13 = np.swapaxes(W_1, -1, -2)
+    t14 = t13 @ t2
+    t15 = (t14 * np.heaviside(t14, 0.0))
+    t16 = (2/(L*d_V*n_batch)) * t15
+    t12[...] = oe.contract('abc,de,ace,acf->bdfe', t16, t5, t4, X, optimize=[(0, 2), (1, 2), (0, 1)])
+    t17 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t17[...] = 0
+    t18 = np.reshape(t17, (d_ff, d_V, d_ff, d_V), copy=False)
+    t19 = np.einsum('abcb->abc', t18)
+    t20 = t15 @ t10
+    t21 = np.ones((d_V,), dtype=X.dtype)
+    t22 = (2/(L*d_V*n_batch)) * t21
+    t19 += oe.contract('abc,d->bdc', t20, t22, optimize=[(0, 1)])
     return H
 
 
@@ -166,7 +169,8 @@ def mse_bias0_residual0__diag__W_1__outer(X, W_1, W_2, Y):
     t3 = np.heaviside(t2, 0.0)
     t4 = np.swapaxes(W_2, -1, -2)
     t5 = W_2 @ t4
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,acd,dd,acd,acb->bd', t1, t3, t5, t3, X, optimize=[(1, 3), (0, 2), (1, 2), (0, 1)])
+    t6 = (2/(L*d_V*n_batch)) * t1
+    t0[...] = oe.contract('abc,acd,dd,acd,acb->bd', t6, t3, t5, t3, X, optimize=[(1, 3), (0, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -197,7 +201,8 @@ def mse_bias0_residual0__block__W_1__W_1__outer(X, W_1, W_2, Y):
     t3 = np.heaviside(t2, 0.0)
     t4 = np.swapaxes(W_2, -1, -2)
     t5 = W_2 @ t4
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,acd,de,ace,acf->bdfe', t1, t3, t5, t3, X, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t6 = (2/(L*d_V*n_batch)) * t1
+    t0[...] = oe.contract('abc,acd,de,ace,acf->bdfe', t6, t3, t5, t3, X, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -229,7 +234,8 @@ def mse_bias0_residual0__block__W_1__W_2__outer(X, W_1, W_2, Y):
     t2 = X @ W_1
     t3 = np.heaviside(t2, 0.0)
     t4 = (t2 * np.heaviside(t2, 0.0))
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,acd,ace,df->bdef', t1, t3, t4, W_2, optimize=[(0, 1), (0, 2), (0, 1)])
+    t5 = (2/(L*d_V*n_batch)) * t1
+    t0[...] = oe.contract('abc,acd,ace,df->bdef', t5, t3, t4, W_2, optimize=[(0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -264,7 +270,8 @@ def mse_bias0_residual0__diag__W_2__outer(X, W_1, W_2, Y):
     t6 = (t5 * np.heaviside(t5, 0.0))
     t7 = t4 @ t6
     t8 = np.ones((d_V,), dtype=X.dtype)
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abb,c->bc', t7, t8, optimize=[(0, 1)])
+    t9 = (2/(L*d_V*n_batch)) * t8
+    t0[...] = oe.contract('abb,c->bc', t7, t9, optimize=[(0, 1)])
     return out
 
 
@@ -299,7 +306,8 @@ def mse_bias0_residual0__block__W_2__W_1__outer(X, W_1, W_2, Y):
     t5 = np.swapaxes(W_2, -1, -2)
     t6 = X @ W_1
     t7 = np.heaviside(t6, 0.0)
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,de,ace,acf->bdfe', t4, t5, t7, X, optimize=[(0, 2), (1, 2), (0, 1)])
+    t8 = (2/(L*d_V*n_batch)) * t4
+    t0[...] = oe.contract('abc,de,ace,acf->bdfe', t8, t5, t7, X, optimize=[(0, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -339,7 +347,8 @@ def mse_bias0_residual0__block__W_2__W_2__outer(X, W_1, W_2, Y):
     t7 = (t6 * np.heaviside(t6, 0.0))
     t8 = t5 @ t7
     t9 = np.ones((d_V,), dtype=X.dtype)
-    t1 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bdc', t8, t9, optimize=[(0, 1)])
+    t10 = (2/(L*d_V*n_batch)) * t9
+    t1 += oe.contract('abc,d->bdc', t8, t10, optimize=[(0, 1)])
     return out
 
 
@@ -384,18 +393,20 @@ def mse_bias0_residual0__hessian__functional(X, W_1, W_2, Y):
     t10 = (-2/(L*d_V)) * Y
     t11 = t9 + t10
     G = t11
-    t3 += (1/n_batch) * oe.contract('abc,acd,ace->bde', t4, t6, G, optimize=[(0, 1), (0, 1)])
-    t12 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
-    t12[...] = 0
-    t13 = np.reshape(t12, (d_ff, d_V, d_V, d_ff), copy=False)
-    t14 = np.einsum('abca->abc', t13)
-    t15 = np.swapaxes(G, -1, -2)
-    t16 = np.swapaxes(W_1, -1, -2)
-    t17 = t16 @ t4
-    t18 = np.heaviside(t17, 0.0)
-    t14 += (1/n_batch) * oe.contract('abc,adc,ace->dbe', t15, t18, X, optimize=[(0, 1), (0, 1)])
-    t19 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t19[...] = 0
+    t12 = (1/n_batch) * t4
+    t3 += oe.contract('abc,acd,ace->bde', t12, t6, G, optimize=[(0, 1), (0, 1)])
+    t13 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
+    t13[...] = 0
+    t14 = np.reshape(t13, (d_ff, d_V, d_V, d_ff), copy=False)
+    t15 = np.einsum('abca->abc', t14)
+    t16 = np.swapaxes(G, -1, -2)
+    t17 = np.swapaxes(W_1, -1, -2)
+    t18 = t17 @ t4
+    t19 = np.heaviside(t18, 0.0)
+    t20 = (1/n_batch) * t16
+    t15 += oe.contract('abc,adc,ace->dbe', t20, t19, X, optimize=[(0, 1), (0, 1)])
+    t21 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t21[...] = 0
     return H
 
 
@@ -516,7 +527,8 @@ def mse_bias0_residual0__block__W_1__W_2__functional(X, W_1, W_2, Y):
     t8 = (-2/(L*d_V)) * Y
     t9 = t7 + t8
     G = t9
-    t1 += (1/n_batch) * oe.contract('abc,acd,ace->bde', t2, t4, G, optimize=[(0, 1), (0, 1)])
+    t10 = (1/n_batch) * t2
+    t1 += oe.contract('abc,acd,ace->bde', t10, t4, G, optimize=[(0, 1), (0, 1)])
     return out
 
 
@@ -584,7 +596,8 @@ def mse_bias0_residual0__block__W_2__W_1__functional(X, W_1, W_2, Y):
     t10 = np.swapaxes(X, -1, -2)
     t11 = t9 @ t10
     t12 = np.heaviside(t11, 0.0)
-    t1 += (1/n_batch) * oe.contract('abc,adc,ace->dbe', t8, t12, X, optimize=[(0, 1), (0, 1)])
+    t13 = (1/n_batch) * t8
+    t1 += oe.contract('abc,adc,ace->dbe', t13, t12, X, optimize=[(0, 1), (0, 1)])
     return out
 
 
@@ -646,36 +659,41 @@ def mse_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     t4 = np.heaviside(t3, 0.0)
     t5 = np.swapaxes(W_2, -1, -2)
     t6 = W_2 @ t5
-    t1[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,acd,de,ace,acf->bdfe', t2, t4, t6, t4, X, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t7 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t8 = np.reshape(t7, (d_V, d_ff, d_ff, d_V), copy=False)
-    t9 = (t3 * np.heaviside(t3, 0.0))
-    t8[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,acd,ace,df->bdef', t2, t4, t9, W_2, optimize=[(0, 1), (0, 2), (0, 1)])
-    t10 = np.einsum('abbc->abc', t8)
-    t11 = t9 @ W_2
-    F = t11
-    t12 = (2/(L*d_V)) * F
-    t13 = (-2/(L*d_V)) * Y
-    t14 = t12 + t13
-    G = t14
-    t10 += (1/n_batch) * oe.contract('abc,acd,ace->bde', t2, t4, G, optimize=[(0, 1), (0, 1)])
-    t15 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
-    t16 = np.reshape(t15, (d_ff, d_V, d_V, d_ff), copy=False)
-    t17 = np.swapaxes(W_1, -1, -2)
-    t18 = t17 @ t2
-    t19 = (t18 * np.heaviside(t18, 0.0))
-    t16[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,de,ace,acf->bdfe', t19, t5, t4, X, optimize=[(0, 2), (1, 2), (0, 1)])
-    t20 = np.einsum('abca->abc', t16)
-    t21 = np.swapaxes(G, -1, -2)
-    t22 = np.heaviside(t18, 0.0)
-    t20 += (1/n_batch) * oe.contract('abc,adc,ace->dbe', t21, t22, X, optimize=[(0, 1), (0, 1)])
-    t23 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t23[...] = 0
-    t24 = np.reshape(t23, (d_ff, d_V, d_ff, d_V), copy=False)
-    t25 = np.einsum('abcb->abc', t24)
-    t26 = t19 @ t9
-    t27 = np.ones((d_V,), dtype=X.dtype)
-    t25 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bdc', t26, t27, optimize=[(0, 1)])
+    t7 = (2/(L*d_V*n_batch)) * t2
+    t1[...] = oe.contract('abc,acd,de,ace,acf->bdfe', t7, t4, t6, t4, X, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t8 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t9 = np.reshape(t8, (d_V, d_ff, d_ff, d_V), copy=False)
+    t10 = (t3 * np.heaviside(t3, 0.0))
+    t9[...] = oe.contract('abc,acd,ace,df->bdef', t7, t4, t10, W_2, optimize=[(0, 1), (0, 2), (0, 1)])
+    t11 = np.einsum('abbc->abc', t9)
+    t12 = t10 @ W_2
+    F = t12
+    t13 = (2/(L*d_V)) * F
+    t14 = (-2/(L*d_V)) * Y
+    t15 = t13 + t14
+    G = t15
+    t16 = (1/n_batch) * t2
+    t11 += oe.contract('abc,acd,ace->bde', t16, t4, G, optimize=[(0, 1), (0, 1)])
+    t17 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
+    t18 = np.reshape(t17, (d_ff, d_V, d_V, d_ff), copy=False)
+    t19 = np.swapaxes(W_1, -1, -2)
+    t20 = t19 @ t2
+    t21 = (t20 * np.heaviside(t20, 0.0))
+    t22 = (2/(L*d_V*n_batch)) * t21
+    t18[...] = oe.contract('abc,de,ace,acf->bdfe', t22, t5, t4, X, optimize=[(0, 2), (1, 2), (0, 1)])
+    t23 = np.einsum('abca->abc', t18)
+    t24 = np.swapaxes(G, -1, -2)
+    t25 = np.heaviside(t20, 0.0)
+    t26 = (1/n_batch) * t24
+    t23 += oe.contract('abc,adc,ace->dbe', t26, t25, X, optimize=[(0, 1), (0, 1)])
+    t27 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t27[...] = 0
+    t28 = np.reshape(t27, (d_ff, d_V, d_ff, d_V), copy=False)
+    t29 = np.einsum('abcb->abc', t28)
+    t30 = t21 @ t10
+    t31 = np.ones((d_V,), dtype=X.dtype)
+    t32 = (2/(L*d_V*n_batch)) * t31
+    t29 += oe.contract('abc,d->bdc', t30, t32, optimize=[(0, 1)])
     return H
 
 
@@ -769,7 +787,8 @@ def mse_bias0_residual0__diag__W_1__full(X, W_1, W_2, Y):
     t3 = np.heaviside(t2, 0.0)
     t4 = np.swapaxes(W_2, -1, -2)
     t5 = W_2 @ t4
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,acd,dd,acd,acb->bd', t1, t3, t5, t3, X, optimize=[(1, 3), (0, 2), (1, 2), (0, 1)])
+    t6 = (2/(L*d_V*n_batch)) * t1
+    t0[...] = oe.contract('abc,acd,dd,acd,acb->bd', t6, t3, t5, t3, X, optimize=[(1, 3), (0, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -800,7 +819,8 @@ def mse_bias0_residual0__block__W_1__W_1__full(X, W_1, W_2, Y):
     t3 = np.heaviside(t2, 0.0)
     t4 = np.swapaxes(W_2, -1, -2)
     t5 = W_2 @ t4
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,acd,de,ace,acf->bdfe', t1, t3, t5, t3, X, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t6 = (2/(L*d_V*n_batch)) * t1
+    t0[...] = oe.contract('abc,acd,de,ace,acf->bdfe', t6, t3, t5, t3, X, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -832,15 +852,17 @@ def mse_bias0_residual0__block__W_1__W_2__full(X, W_1, W_2, Y):
     t2 = X @ W_1
     t3 = np.heaviside(t2, 0.0)
     t4 = (t2 * np.heaviside(t2, 0.0))
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,acd,ace,df->bdef', t1, t3, t4, W_2, optimize=[(0, 1), (0, 2), (0, 1)])
-    t5 = np.einsum('abbc->abc', t0)
-    t6 = t4 @ W_2
-    F = t6
-    t7 = (2/(L*d_V)) * F
-    t8 = (-2/(L*d_V)) * Y
-    t9 = t7 + t8
-    G = t9
-    t5 += (1/n_batch) * oe.contract('abc,acd,ace->bde', t1, t3, G, optimize=[(0, 1), (0, 1)])
+    t5 = (2/(L*d_V*n_batch)) * t1
+    t0[...] = oe.contract('abc,acd,ace,df->bdef', t5, t3, t4, W_2, optimize=[(0, 1), (0, 2), (0, 1)])
+    t6 = np.einsum('abbc->abc', t0)
+    t7 = t4 @ W_2
+    F = t7
+    t8 = (2/(L*d_V)) * F
+    t9 = (-2/(L*d_V)) * Y
+    t10 = t8 + t9
+    G = t10
+    t11 = (1/n_batch) * t1
+    t6 += oe.contract('abc,acd,ace->bde', t11, t3, G, optimize=[(0, 1), (0, 1)])
     return out
 
 
@@ -881,7 +903,8 @@ def mse_bias0_residual0__diag__W_2__full(X, W_1, W_2, Y):
     t6 = (t5 * np.heaviside(t5, 0.0))
     t7 = t4 @ t6
     t8 = np.ones((d_V,), dtype=X.dtype)
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abb,c->bc', t7, t8, optimize=[(0, 1)])
+    t9 = (2/(L*d_V*n_batch)) * t8
+    t0[...] = oe.contract('abb,c->bc', t7, t9, optimize=[(0, 1)])
     return out
 
 
@@ -916,18 +939,20 @@ def mse_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
     t5 = np.swapaxes(W_2, -1, -2)
     t6 = X @ W_1
     t7 = np.heaviside(t6, 0.0)
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,de,ace,acf->bdfe', t4, t5, t7, X, optimize=[(0, 2), (1, 2), (0, 1)])
-    t8 = np.einsum('abca->abc', t0)
-    t9 = (t6 * np.heaviside(t6, 0.0))
-    t10 = t9 @ W_2
-    F = t10
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = np.swapaxes(G, -1, -2)
-    t15 = np.heaviside(t3, 0.0)
-    t8 += (1/n_batch) * oe.contract('abc,adc,ace->dbe', t14, t15, X, optimize=[(0, 1), (0, 1)])
+    t8 = (2/(L*d_V*n_batch)) * t4
+    t0[...] = oe.contract('abc,de,ace,acf->bdfe', t8, t5, t7, X, optimize=[(0, 2), (1, 2), (0, 1)])
+    t9 = np.einsum('abca->abc', t0)
+    t10 = (t6 * np.heaviside(t6, 0.0))
+    t11 = t10 @ W_2
+    F = t11
+    t12 = (2/(L*d_V)) * F
+    t13 = (-2/(L*d_V)) * Y
+    t14 = t12 + t13
+    G = t14
+    t15 = np.swapaxes(G, -1, -2)
+    t16 = np.heaviside(t3, 0.0)
+    t17 = (1/n_batch) * t15
+    t9 += oe.contract('abc,adc,ace->dbe', t17, t16, X, optimize=[(0, 1), (0, 1)])
     return out
 
 
@@ -976,7 +1001,8 @@ def mse_bias0_residual0__block__W_2__W_2__full(X, W_1, W_2, Y):
     t7 = (t6 * np.heaviside(t6, 0.0))
     t8 = t5 @ t7
     t9 = np.ones((d_V,), dtype=X.dtype)
-    t1 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bdc', t8, t9, optimize=[(0, 1)])
+    t10 = (2/(L*d_V*n_batch)) * t9
+    t1 += oe.contract('abc,d->bdc', t8, t10, optimize=[(0, 1)])
     return out
 
 
@@ -1067,25 +1093,29 @@ def ce_bias0_residual0__hessian__outer(X, W_1, W_2, Y):
     t9 = np.exp(t8 - t8.max(-1, keepdims=True))
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.swapaxes(W_2, -1, -2)
-    t1[...] = (1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,ef,acf,acg->bdgf', t2, t4, W_2, t6, A, t10, t4, X, optimize=[(3, 4), (0, 1), (0, 1), (2, 4), (0, 3), (1, 2), (0, 1)])
-    t1 += (-1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,acf,fg,acg,ach->bdhg', t2, t4, W_2, t6, A, A, t10, t4, X, optimize=[(3, 4), (3, 4), (3, 6), (2, 4), (1, 4), (0, 3), (0, 1), (0, 1)])
-    t11 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t12 = np.reshape(t11, (d_V, d_ff, d_ff, d_V), copy=False)
-    t12[...] = (1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,acf->bdfe', t2, t4, W_2, t6, A, t7, optimize=[(3, 4), (0, 1), (1, 2), (1, 2), (0, 1)])
-    t12 += (-1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,acf,acg->bdgf', t2, t4, W_2, t6, A, A, t7, optimize=[(3, 4), (2, 5), (1, 4), (0, 3), (0, 1), (0, 1)])
-    t13 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
-    t14 = np.reshape(t13, (d_ff, d_V, d_V, d_ff), copy=False)
-    t15 = np.swapaxes(W_1, -1, -2)
-    t16 = t15 @ t2
-    t17 = (t16 * np.heaviside(t16, 0.0))
-    t14[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,de,ace,acf->bdfe', t17, t6, A, t10, t4, X, optimize=[(1, 2), (0, 2), (1, 2), (1, 2), (0, 1)])
-    t14 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acf,acg->bdgf', t17, t6, A, A, t10, t4, X, optimize=[(1, 2), (1, 2), (1, 4), (1, 3), (0, 2), (0, 1)])
-    t18 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t18[...] = 0
-    t19 = np.reshape(t18, (d_ff, d_V, d_ff, d_V), copy=False)
-    t20 = np.einsum('abcb->abc', t19)
-    t20 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bde', t17, t6, A, t7, optimize=[(1, 2), (0, 1), (0, 1)])
-    t19 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t17, t6, A, A, t7, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t11 = (1/(L*n_batch)) * t2
+    t1[...] = oe.contract('abc,acd,de,ace,ace,ef,acf,acg->bdgf', t11, t4, W_2, t6, A, t10, t4, X, optimize=[(3, 4), (0, 1), (0, 1), (2, 4), (0, 3), (1, 2), (0, 1)])
+    t12 = (-1/(L*n_batch)) * t2
+    t1 += oe.contract('abc,acd,de,ace,ace,acf,fg,acg,ach->bdhg', t12, t4, W_2, t6, A, A, t10, t4, X, optimize=[(3, 4), (3, 4), (3, 6), (2, 4), (1, 4), (0, 3), (0, 1), (0, 1)])
+    t13 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t14 = np.reshape(t13, (d_V, d_ff, d_ff, d_V), copy=False)
+    t14[...] = oe.contract('abc,acd,de,ace,ace,acf->bdfe', t11, t4, W_2, t6, A, t7, optimize=[(3, 4), (0, 1), (1, 2), (1, 2), (0, 1)])
+    t14 += oe.contract('abc,acd,de,ace,ace,acf,acg->bdgf', t12, t4, W_2, t6, A, A, t7, optimize=[(3, 4), (2, 5), (1, 4), (0, 3), (0, 1), (0, 1)])
+    t15 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
+    t16 = np.reshape(t15, (d_ff, d_V, d_V, d_ff), copy=False)
+    t17 = np.swapaxes(W_1, -1, -2)
+    t18 = t17 @ t2
+    t19 = (t18 * np.heaviside(t18, 0.0))
+    t20 = (1/(L*n_batch)) * t19
+    t16[...] = oe.contract('abc,acd,acd,de,ace,acf->bdfe', t20, t6, A, t10, t4, X, optimize=[(1, 2), (0, 2), (1, 2), (1, 2), (0, 1)])
+    t21 = (-1/(L*n_batch)) * t19
+    t16 += oe.contract('abc,acd,acd,ace,ef,acf,acg->bdgf', t21, t6, A, A, t10, t4, X, optimize=[(1, 2), (1, 2), (1, 4), (1, 3), (0, 2), (0, 1)])
+    t22 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t22[...] = 0
+    t23 = np.reshape(t22, (d_ff, d_V, d_ff, d_V), copy=False)
+    t24 = np.einsum('abcb->abc', t23)
+    t24 += oe.contract('abc,acd,acd,ace->bde', t20, t6, A, t7, optimize=[(1, 2), (0, 1), (0, 1)])
+    t23 += oe.contract('abc,acd,acd,ace,acf->bdfe', t21, t6, A, A, t7, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
     return H
 
 
@@ -1173,8 +1203,10 @@ def ce_bias0_residual0__diag__W_1__outer(X, W_1, W_2, Y):
     t8 = np.exp(t7 - t7.max(-1, keepdims=True))
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.swapaxes(W_2, -1, -2)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,ed,acd,acb->bd', t1, t3, W_2, t5, A, t9, t3, X, optimize=[(3, 4), (2, 3), (1, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,acf,fd,acd,acb->bd', t1, t3, W_2, t5, A, A, t9, t3, X, optimize=[(3, 4), (1, 5), (0, 4), (1, 2), (2, 4), (0, 1), (1, 2), (0, 1)])
+    t10 = (1/(L*n_batch)) * t1
+    t0[...] = oe.contract('abc,acd,de,ace,ace,ed,acd,acb->bd', t10, t3, W_2, t5, A, t9, t3, X, optimize=[(3, 4), (2, 3), (1, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
+    t11 = (-1/(L*n_batch)) * t1
+    t0 += oe.contract('abc,acd,de,ace,ace,acf,fd,acd,acb->bd', t11, t3, W_2, t5, A, A, t9, t3, X, optimize=[(3, 4), (1, 5), (0, 4), (1, 2), (2, 4), (0, 1), (1, 2), (0, 1)])
     return out
 
 
@@ -1215,8 +1247,10 @@ def ce_bias0_residual0__block__W_1__W_1__outer(X, W_1, W_2, Y):
     t8 = np.exp(t7 - t7.max(-1, keepdims=True))
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.swapaxes(W_2, -1, -2)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,ef,acf,acg->bdgf', t1, t3, W_2, t5, A, t9, t3, X, optimize=[(3, 4), (0, 1), (0, 1), (2, 4), (0, 3), (1, 2), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,acf,fg,acg,ach->bdhg', t1, t3, W_2, t5, A, A, t9, t3, X, optimize=[(3, 4), (3, 4), (3, 6), (2, 4), (1, 4), (0, 3), (0, 1), (0, 1)])
+    t10 = (1/(L*n_batch)) * t1
+    t0[...] = oe.contract('abc,acd,de,ace,ace,ef,acf,acg->bdgf', t10, t3, W_2, t5, A, t9, t3, X, optimize=[(3, 4), (0, 1), (0, 1), (2, 4), (0, 3), (1, 2), (0, 1)])
+    t11 = (-1/(L*n_batch)) * t1
+    t0 += oe.contract('abc,acd,de,ace,ace,acf,fg,acg,ach->bdhg', t11, t3, W_2, t5, A, A, t9, t3, X, optimize=[(3, 4), (3, 4), (3, 6), (2, 4), (1, 4), (0, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -1258,8 +1292,10 @@ def ce_bias0_residual0__block__W_1__W_2__outer(X, W_1, W_2, Y):
     t7 = t6 @ W_2
     t8 = np.exp(t7 - t7.max(-1, keepdims=True))
     A = t8 / t8.sum(-1, keepdims=True)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,acf->bdfe', t1, t3, W_2, t5, A, t6, optimize=[(3, 4), (0, 1), (1, 2), (1, 2), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,acf,acg->bdgf', t1, t3, W_2, t5, A, A, t6, optimize=[(3, 4), (2, 5), (1, 4), (0, 3), (0, 1), (0, 1)])
+    t9 = (1/(L*n_batch)) * t1
+    t0[...] = oe.contract('abc,acd,de,ace,ace,acf->bdfe', t9, t3, W_2, t5, A, t6, optimize=[(3, 4), (0, 1), (1, 2), (1, 2), (0, 1)])
+    t10 = (-1/(L*n_batch)) * t1
+    t0 += oe.contract('abc,acd,de,ace,ace,acf,acg->bdgf', t10, t3, W_2, t5, A, A, t6, optimize=[(3, 4), (2, 5), (1, 4), (0, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -1302,8 +1338,10 @@ def ce_bias0_residual0__diag__W_2__outer(X, W_1, W_2, Y):
     t9 = t8 @ W_2
     t10 = np.exp(t9 - t9.max(-1, keepdims=True))
     A = t10 / t10.sum(-1, keepdims=True)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,acb->bd', t4, t6, A, t8, optimize=[(0, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->bd', t4, t6, A, A, t8, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t11 = (1/(L*n_batch)) * t4
+    t0[...] = oe.contract('abc,acd,acd,acb->bd', t11, t6, A, t8, optimize=[(0, 3), (0, 1), (0, 1)])
+    t12 = (-1/(L*n_batch)) * t4
+    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t12, t6, A, A, t8, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -1348,8 +1386,10 @@ def ce_bias0_residual0__block__W_2__W_1__outer(X, W_1, W_2, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.swapaxes(W_2, -1, -2)
     t12 = np.heaviside(t7, 0.0)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,de,ace,acf->bdfe', t4, t6, A, t11, t12, X, optimize=[(1, 2), (0, 2), (1, 2), (1, 2), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acf,acg->bdgf', t4, t6, A, A, t11, t12, X, optimize=[(1, 2), (1, 2), (1, 4), (1, 3), (0, 2), (0, 1)])
+    t13 = (1/(L*n_batch)) * t4
+    t0[...] = oe.contract('abc,acd,acd,de,ace,acf->bdfe', t13, t6, A, t11, t12, X, optimize=[(1, 2), (0, 2), (1, 2), (1, 2), (0, 1)])
+    t14 = (-1/(L*n_batch)) * t4
+    t0 += oe.contract('abc,acd,acd,ace,ef,acf,acg->bdgf', t14, t6, A, A, t11, t12, X, optimize=[(1, 2), (1, 2), (1, 4), (1, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -1398,8 +1438,10 @@ def ce_bias0_residual0__block__W_2__W_2__outer(X, W_1, W_2, Y):
     t10 = t9 @ W_2
     t11 = np.exp(t10 - t10.max(-1, keepdims=True))
     A = t11 / t11.sum(-1, keepdims=True)
-    t1 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bde', t5, t7, A, t9, optimize=[(1, 2), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t5, t7, A, A, t9, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t12 = (1/(L*n_batch)) * t5
+    t1 += oe.contract('abc,acd,acd,ace->bde', t12, t7, A, t9, optimize=[(1, 2), (0, 1), (0, 1)])
+    t13 = (-1/(L*n_batch)) * t5
+    t0 += oe.contract('abc,acd,acd,ace,acf->bdfe', t13, t7, A, A, t9, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
     return out
 
 
@@ -1453,18 +1495,20 @@ def ce_bias0_residual0__hessian__functional(X, W_1, W_2, Y):
     t14 = (-1/L) * Y
     t15 = t13 + t14
     G = t15
-    t3 += (1/n_batch) * oe.contract('abc,acd,ace->bde', t4, t6, G, optimize=[(0, 1), (0, 1)])
-    t16 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
-    t16[...] = 0
-    t17 = np.reshape(t16, (d_ff, d_V, d_V, d_ff), copy=False)
-    t18 = np.einsum('abca->abc', t17)
-    t19 = np.swapaxes(G, -1, -2)
-    t20 = np.swapaxes(W_1, -1, -2)
-    t21 = t20 @ t4
-    t22 = np.heaviside(t21, 0.0)
-    t18 += (1/n_batch) * oe.contract('abc,adc,ace->dbe', t19, t22, X, optimize=[(0, 1), (0, 1)])
-    t23 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t23[...] = 0
+    t16 = (1/n_batch) * t4
+    t3 += oe.contract('abc,acd,ace->bde', t16, t6, G, optimize=[(0, 1), (0, 1)])
+    t17 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
+    t17[...] = 0
+    t18 = np.reshape(t17, (d_ff, d_V, d_V, d_ff), copy=False)
+    t19 = np.einsum('abca->abc', t18)
+    t20 = np.swapaxes(G, -1, -2)
+    t21 = np.swapaxes(W_1, -1, -2)
+    t22 = t21 @ t4
+    t23 = np.heaviside(t22, 0.0)
+    t24 = (1/n_batch) * t20
+    t19 += oe.contract('abc,adc,ace->dbe', t24, t23, X, optimize=[(0, 1), (0, 1)])
+    t25 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t25[...] = 0
     return H
 
 
@@ -1600,7 +1644,8 @@ def ce_bias0_residual0__block__W_1__W_2__functional(X, W_1, W_2, Y):
     t12 = (-1/L) * Y
     t13 = t11 + t12
     G = t13
-    t1 += (1/n_batch) * oe.contract('abc,acd,ace->bde', t2, t4, G, optimize=[(0, 1), (0, 1)])
+    t14 = (1/n_batch) * t2
+    t1 += oe.contract('abc,acd,ace->bde', t14, t4, G, optimize=[(0, 1), (0, 1)])
     return out
 
 
@@ -1678,7 +1723,8 @@ def ce_bias0_residual0__block__W_2__W_1__functional(X, W_1, W_2, Y):
     t14 = np.swapaxes(X, -1, -2)
     t15 = t13 @ t14
     t16 = np.heaviside(t15, 0.0)
-    t1 += (1/n_batch) * oe.contract('abc,adc,ace->dbe', t12, t16, X, optimize=[(0, 1), (0, 1)])
+    t17 = (1/n_batch) * t12
+    t1 += oe.contract('abc,adc,ace->dbe', t17, t16, X, optimize=[(0, 1), (0, 1)])
     return out
 
 
@@ -1750,39 +1796,45 @@ def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     t9 = np.exp(t8 - t8.max(-1, keepdims=True))
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.swapaxes(W_2, -1, -2)
-    t1[...] = (1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,ef,acf,acg->bdgf', t2, t4, W_2, t6, A, t10, t4, X, optimize=[(3, 4), (0, 1), (0, 1), (2, 4), (0, 3), (1, 2), (0, 1)])
-    t1 += (-1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,acf,fg,acg,ach->bdhg', t2, t4, W_2, t6, A, A, t10, t4, X, optimize=[(3, 4), (3, 4), (3, 6), (2, 4), (1, 4), (0, 3), (0, 1), (0, 1)])
-    t11 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t12 = np.reshape(t11, (d_V, d_ff, d_ff, d_V), copy=False)
-    t12[...] = (1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,acf->bdfe', t2, t4, W_2, t6, A, t7, optimize=[(3, 4), (0, 1), (1, 2), (1, 2), (0, 1)])
-    t12 += (-1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,acf,acg->bdgf', t2, t4, W_2, t6, A, A, t7, optimize=[(3, 4), (2, 5), (1, 4), (0, 3), (0, 1), (0, 1)])
-    t13 = np.einsum('abbc->abc', t12)
+    t11 = (1/(L*n_batch)) * t2
+    t1[...] = oe.contract('abc,acd,de,ace,ace,ef,acf,acg->bdgf', t11, t4, W_2, t6, A, t10, t4, X, optimize=[(3, 4), (0, 1), (0, 1), (2, 4), (0, 3), (1, 2), (0, 1)])
+    t12 = (-1/(L*n_batch)) * t2
+    t1 += oe.contract('abc,acd,de,ace,ace,acf,fg,acg,ach->bdhg', t12, t4, W_2, t6, A, A, t10, t4, X, optimize=[(3, 4), (3, 4), (3, 6), (2, 4), (1, 4), (0, 3), (0, 1), (0, 1)])
+    t13 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t14 = np.reshape(t13, (d_V, d_ff, d_ff, d_V), copy=False)
+    t14[...] = oe.contract('abc,acd,de,ace,ace,acf->bdfe', t11, t4, W_2, t6, A, t7, optimize=[(3, 4), (0, 1), (1, 2), (1, 2), (0, 1)])
+    t14 += oe.contract('abc,acd,de,ace,ace,acf,acg->bdgf', t12, t4, W_2, t6, A, A, t7, optimize=[(3, 4), (2, 5), (1, 4), (0, 3), (0, 1), (0, 1)])
+    t15 = np.einsum('abbc->abc', t14)
     F = t8
-    t14 = np.exp(F - F.max(-1, keepdims=True))
-    A15 = t14 / t14.sum(-1, keepdims=True)
-    t16 = t6 * A15
-    t17 = (1/L) * t16
-    t18 = (-1/L) * Y
-    t19 = t17 + t18
-    G = t19
-    t13 += (1/n_batch) * oe.contract('abc,acd,ace->bde', t2, t4, G, optimize=[(0, 1), (0, 1)])
-    t20 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
-    t21 = np.reshape(t20, (d_ff, d_V, d_V, d_ff), copy=False)
-    t22 = np.swapaxes(W_1, -1, -2)
-    t23 = t22 @ t2
-    t24 = (t23 * np.heaviside(t23, 0.0))
-    t21[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,de,ace,acf->bdfe', t24, t6, A, t10, t4, X, optimize=[(1, 2), (0, 2), (1, 2), (1, 2), (0, 1)])
-    t21 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acf,acg->bdgf', t24, t6, A, A, t10, t4, X, optimize=[(1, 2), (1, 2), (1, 4), (1, 3), (0, 2), (0, 1)])
-    t25 = np.einsum('abca->abc', t21)
-    t26 = np.swapaxes(G, -1, -2)
-    t27 = np.heaviside(t23, 0.0)
-    t25 += (1/n_batch) * oe.contract('abc,adc,ace->dbe', t26, t27, X, optimize=[(0, 1), (0, 1)])
-    t28 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t28[...] = 0
-    t29 = np.reshape(t28, (d_ff, d_V, d_ff, d_V), copy=False)
-    t30 = np.einsum('abcb->abc', t29)
-    t30 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bde', t24, t6, A, t7, optimize=[(1, 2), (0, 1), (0, 1)])
-    t29 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t24, t6, A, A, t7, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t16 = np.exp(F - F.max(-1, keepdims=True))
+    A17 = t16 / t16.sum(-1, keepdims=True)
+    t18 = t6 * A17
+    t19 = (1/L) * t18
+    t20 = (-1/L) * Y
+    t21 = t19 + t20
+    G = t21
+    t22 = (1/n_batch) * t2
+    t15 += oe.contract('abc,acd,ace->bde', t22, t4, G, optimize=[(0, 1), (0, 1)])
+    t23 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
+    t24 = np.reshape(t23, (d_ff, d_V, d_V, d_ff), copy=False)
+    t25 = np.swapaxes(W_1, -1, -2)
+    t26 = t25 @ t2
+    t27 = (t26 * np.heaviside(t26, 0.0))
+    t28 = (1/(L*n_batch)) * t27
+    t24[...] = oe.contract('abc,acd,acd,de,ace,acf->bdfe', t28, t6, A, t10, t4, X, optimize=[(1, 2), (0, 2), (1, 2), (1, 2), (0, 1)])
+    t29 = (-1/(L*n_batch)) * t27
+    t24 += oe.contract('abc,acd,acd,ace,ef,acf,acg->bdgf', t29, t6, A, A, t10, t4, X, optimize=[(1, 2), (1, 2), (1, 4), (1, 3), (0, 2), (0, 1)])
+    t30 = np.einsum('abca->abc', t24)
+    t31 = np.swapaxes(G, -1, -2)
+    t32 = np.heaviside(t26, 0.0)
+    t33 = (1/n_batch) * t31
+    t30 += oe.contract('abc,adc,ace->dbe', t33, t32, X, optimize=[(0, 1), (0, 1)])
+    t34 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t34[...] = 0
+    t35 = np.reshape(t34, (d_ff, d_V, d_ff, d_V), copy=False)
+    t36 = np.einsum('abcb->abc', t35)
+    t36 += oe.contract('abc,acd,acd,ace->bde', t28, t6, A, t7, optimize=[(1, 2), (0, 1), (0, 1)])
+    t35 += oe.contract('abc,acd,acd,ace,acf->bdfe', t29, t6, A, A, t7, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
     return H
 
 
@@ -1894,8 +1946,10 @@ def ce_bias0_residual0__diag__W_1__full(X, W_1, W_2, Y):
     t8 = np.exp(t7 - t7.max(-1, keepdims=True))
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.swapaxes(W_2, -1, -2)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,ed,acd,acb->bd', t1, t3, W_2, t5, A, t9, t3, X, optimize=[(3, 4), (2, 3), (1, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,acf,fd,acd,acb->bd', t1, t3, W_2, t5, A, A, t9, t3, X, optimize=[(3, 4), (1, 5), (0, 4), (1, 2), (2, 4), (0, 1), (1, 2), (0, 1)])
+    t10 = (1/(L*n_batch)) * t1
+    t0[...] = oe.contract('abc,acd,de,ace,ace,ed,acd,acb->bd', t10, t3, W_2, t5, A, t9, t3, X, optimize=[(3, 4), (2, 3), (1, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
+    t11 = (-1/(L*n_batch)) * t1
+    t0 += oe.contract('abc,acd,de,ace,ace,acf,fd,acd,acb->bd', t11, t3, W_2, t5, A, A, t9, t3, X, optimize=[(3, 4), (1, 5), (0, 4), (1, 2), (2, 4), (0, 1), (1, 2), (0, 1)])
     return out
 
 
@@ -1936,8 +1990,10 @@ def ce_bias0_residual0__block__W_1__W_1__full(X, W_1, W_2, Y):
     t8 = np.exp(t7 - t7.max(-1, keepdims=True))
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.swapaxes(W_2, -1, -2)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,ef,acf,acg->bdgf', t1, t3, W_2, t5, A, t9, t3, X, optimize=[(3, 4), (0, 1), (0, 1), (2, 4), (0, 3), (1, 2), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,acf,fg,acg,ach->bdhg', t1, t3, W_2, t5, A, A, t9, t3, X, optimize=[(3, 4), (3, 4), (3, 6), (2, 4), (1, 4), (0, 3), (0, 1), (0, 1)])
+    t10 = (1/(L*n_batch)) * t1
+    t0[...] = oe.contract('abc,acd,de,ace,ace,ef,acf,acg->bdgf', t10, t3, W_2, t5, A, t9, t3, X, optimize=[(3, 4), (0, 1), (0, 1), (2, 4), (0, 3), (1, 2), (0, 1)])
+    t11 = (-1/(L*n_batch)) * t1
+    t0 += oe.contract('abc,acd,de,ace,ace,acf,fg,acg,ach->bdhg', t11, t3, W_2, t5, A, A, t9, t3, X, optimize=[(3, 4), (3, 4), (3, 6), (2, 4), (1, 4), (0, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -1979,18 +2035,21 @@ def ce_bias0_residual0__block__W_1__W_2__full(X, W_1, W_2, Y):
     t7 = t6 @ W_2
     t8 = np.exp(t7 - t7.max(-1, keepdims=True))
     A = t8 / t8.sum(-1, keepdims=True)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,acf->bdfe', t1, t3, W_2, t5, A, t6, optimize=[(3, 4), (0, 1), (1, 2), (1, 2), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,acf,acg->bdgf', t1, t3, W_2, t5, A, A, t6, optimize=[(3, 4), (2, 5), (1, 4), (0, 3), (0, 1), (0, 1)])
-    t9 = np.einsum('abbc->abc', t0)
+    t9 = (1/(L*n_batch)) * t1
+    t0[...] = oe.contract('abc,acd,de,ace,ace,acf->bdfe', t9, t3, W_2, t5, A, t6, optimize=[(3, 4), (0, 1), (1, 2), (1, 2), (0, 1)])
+    t10 = (-1/(L*n_batch)) * t1
+    t0 += oe.contract('abc,acd,de,ace,ace,acf,acg->bdgf', t10, t3, W_2, t5, A, A, t6, optimize=[(3, 4), (2, 5), (1, 4), (0, 3), (0, 1), (0, 1)])
+    t11 = np.einsum('abbc->abc', t0)
     F = t7
-    t10 = np.exp(F - F.max(-1, keepdims=True))
-    A11 = t10 / t10.sum(-1, keepdims=True)
-    t12 = t5 * A11
-    t13 = (1/L) * t12
-    t14 = (-1/L) * Y
-    t15 = t13 + t14
-    G = t15
-    t9 += (1/n_batch) * oe.contract('abc,acd,ace->bde', t1, t3, G, optimize=[(0, 1), (0, 1)])
+    t12 = np.exp(F - F.max(-1, keepdims=True))
+    A13 = t12 / t12.sum(-1, keepdims=True)
+    t14 = t5 * A13
+    t15 = (1/L) * t14
+    t16 = (-1/L) * Y
+    t17 = t15 + t16
+    G = t17
+    t18 = (1/n_batch) * t1
+    t11 += oe.contract('abc,acd,ace->bde', t18, t3, G, optimize=[(0, 1), (0, 1)])
     return out
 
 
@@ -2041,8 +2100,10 @@ def ce_bias0_residual0__diag__W_2__full(X, W_1, W_2, Y):
     t9 = t8 @ W_2
     t10 = np.exp(t9 - t9.max(-1, keepdims=True))
     A = t10 / t10.sum(-1, keepdims=True)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,acb->bd', t4, t6, A, t8, optimize=[(0, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->bd', t4, t6, A, A, t8, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t11 = (1/(L*n_batch)) * t4
+    t0[...] = oe.contract('abc,acd,acd,acb->bd', t11, t6, A, t8, optimize=[(0, 3), (0, 1), (0, 1)])
+    t12 = (-1/(L*n_batch)) * t4
+    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t12, t6, A, A, t8, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -2087,20 +2148,23 @@ def ce_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.swapaxes(W_2, -1, -2)
     t12 = np.heaviside(t7, 0.0)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,de,ace,acf->bdfe', t4, t6, A, t11, t12, X, optimize=[(1, 2), (0, 2), (1, 2), (1, 2), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acf,acg->bdgf', t4, t6, A, A, t11, t12, X, optimize=[(1, 2), (1, 2), (1, 4), (1, 3), (0, 2), (0, 1)])
-    t13 = np.einsum('abca->abc', t0)
+    t13 = (1/(L*n_batch)) * t4
+    t0[...] = oe.contract('abc,acd,acd,de,ace,acf->bdfe', t13, t6, A, t11, t12, X, optimize=[(1, 2), (0, 2), (1, 2), (1, 2), (0, 1)])
+    t14 = (-1/(L*n_batch)) * t4
+    t0 += oe.contract('abc,acd,acd,ace,ef,acf,acg->bdgf', t14, t6, A, A, t11, t12, X, optimize=[(1, 2), (1, 2), (1, 4), (1, 3), (0, 2), (0, 1)])
+    t15 = np.einsum('abca->abc', t0)
     F = t9
-    t14 = np.exp(F - F.max(-1, keepdims=True))
-    A15 = t14 / t14.sum(-1, keepdims=True)
-    t16 = t6 * A15
-    t17 = (1/L) * t16
-    t18 = (-1/L) * Y
-    t19 = t17 + t18
-    G = t19
-    t20 = np.swapaxes(G, -1, -2)
-    t21 = np.heaviside(t3, 0.0)
-    t13 += (1/n_batch) * oe.contract('abc,adc,ace->dbe', t20, t21, X, optimize=[(0, 1), (0, 1)])
+    t16 = np.exp(F - F.max(-1, keepdims=True))
+    A17 = t16 / t16.sum(-1, keepdims=True)
+    t18 = t6 * A17
+    t19 = (1/L) * t18
+    t20 = (-1/L) * Y
+    t21 = t19 + t20
+    G = t21
+    t22 = np.swapaxes(G, -1, -2)
+    t23 = np.heaviside(t3, 0.0)
+    t24 = (1/n_batch) * t22
+    t15 += oe.contract('abc,adc,ace->dbe', t24, t23, X, optimize=[(0, 1), (0, 1)])
     return out
 
 
@@ -2159,8 +2223,10 @@ def ce_bias0_residual0__block__W_2__W_2__full(X, W_1, W_2, Y):
     t10 = t9 @ W_2
     t11 = np.exp(t10 - t10.max(-1, keepdims=True))
     A = t11 / t11.sum(-1, keepdims=True)
-    t1 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bde', t5, t7, A, t9, optimize=[(1, 2), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t5, t7, A, A, t9, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t12 = (1/(L*n_batch)) * t5
+    t1 += oe.contract('abc,acd,acd,ace->bde', t12, t7, A, t9, optimize=[(1, 2), (0, 1), (0, 1)])
+    t13 = (-1/(L*n_batch)) * t5
+    t0 += oe.contract('abc,acd,acd,ace,acf->bdfe', t13, t7, A, A, t9, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
     return out
 
 

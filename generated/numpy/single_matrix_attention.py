@@ -88,23 +88,26 @@ def mse_causal0__hessian__outer(X, W_QK, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t6 = np.swapaxes(W_V, -1, -2)
     t7 = W_V @ t6
-    t1[...] = (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, X, t7, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t8 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t9 = np.reshape(t8, (d_V, d_V, d_V, d_V), copy=False)
-    t10 = A @ X
-    M_1 = t10
-    t9[...] = (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,abf,cg->edfg', M_2, X, M_1, W_V, optimize=[(0, 3), (0, 1), (0, 1)])
-    t11 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t12 = np.reshape(t11, (d_V, d_V, d_V, d_V), copy=False)
-    t13 = np.swapaxes(M_1, -1, -2)
-    t12[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,de,acef,acg->bdgf', t13, t6, M_2, X, optimize=[(0, 3), (0, 1), (0, 1)])
-    t14 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t14[...] = 0
-    t15 = np.reshape(t14, (d_V, d_V, d_V, d_V), copy=False)
-    t16 = np.einsum('abcb->abc', t15)
-    t17 = t13 @ M_1
-    t18 = np.ones((d_V,), dtype=X.dtype)
-    t16 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bdc', t17, t18, optimize=[(0, 1)])
+    t8 = (2/(L*d_V*n_batch)) * X
+    t1[...] = oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, t8, t7, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t9 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t10 = np.reshape(t9, (d_V, d_V, d_V, d_V), copy=False)
+    t11 = A @ X
+    M_1 = t11
+    t10[...] = oe.contract('ab,cde,cdf,cdag->fgeb', W_V, M_1, t8, M_2, optimize=[(0, 3), (0, 1), (0, 1)])
+    t12 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t13 = np.reshape(t12, (d_V, d_V, d_V, d_V), copy=False)
+    t14 = np.swapaxes(M_1, -1, -2)
+    t15 = (2/(L*d_V*n_batch)) * t14
+    t13[...] = oe.contract('abc,de,acef,acg->bdgf', t15, t6, M_2, X, optimize=[(0, 3), (0, 1), (0, 1)])
+    t16 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t16[...] = 0
+    t17 = np.reshape(t16, (d_V, d_V, d_V, d_V), copy=False)
+    t18 = np.einsum('abcb->abc', t17)
+    t19 = t14 @ M_1
+    t20 = np.ones((d_V,), dtype=X.dtype)
+    t21 = (2/(L*d_V*n_batch)) * t20
+    t18 += oe.contract('abc,d->bdc', t19, t21, optimize=[(0, 1)])
     return H
 
 
@@ -187,7 +190,8 @@ def mse_causal0__diag__W_QK__outer(X, W_QK, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t5 = np.swapaxes(W_V, -1, -2)
     t6 = W_V @ t5
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,cf,abfd,abe->ed', M_2, X, t6, M_2, X, optimize=[(1, 4), (0, 1), (0, 2), (0, 1)])
+    t7 = (2/(L*d_V*n_batch)) * X
+    t0[...] = oe.contract('abcd,abe,cf,abfd,abe->ed', M_2, t7, t6, M_2, X, optimize=[(1, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -224,7 +228,8 @@ def mse_causal0__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t5 = np.swapaxes(W_V, -1, -2)
     t6 = W_V @ t5
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, X, t6, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t7 = (2/(L*d_V*n_batch)) * X
+    t0[...] = oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, t7, t6, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -263,7 +268,8 @@ def mse_causal0__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t5 = A @ X
     M_1 = t5
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,abf,cg->edfg', M_2, X, M_1, W_V, optimize=[(0, 3), (0, 1), (0, 1)])
+    t6 = (2/(L*d_V*n_batch)) * X
+    t0[...] = oe.contract('ab,cde,cdf,cdag->fgeb', W_V, M_1, t6, M_2, optimize=[(0, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -303,7 +309,8 @@ def mse_causal0__diag__W_V__outer(X, W_QK, W_V, Y):
     t6 = np.swapaxes(M_1, -1, -2)
     t7 = t6 @ M_1
     t8 = np.ones((d_V,), dtype=X.dtype)
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abb,c->bc', t7, t8, optimize=[(0, 1)])
+    t9 = (2/(L*d_V*n_batch)) * t8
+    t0[...] = oe.contract('abb,c->bc', t7, t9, optimize=[(0, 1)])
     return out
 
 
@@ -342,7 +349,8 @@ def mse_causal0__block__W_V__W_QK__outer(X, W_QK, W_V, Y):
     t7 = np.swapaxes(W_V, -1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,de,acef,acg->bdgf', t6, t7, M_2, X, optimize=[(0, 3), (0, 1), (0, 1)])
+    t8 = (2/(L*d_V*n_batch)) * t6
+    t0[...] = oe.contract('abc,de,acef,acg->bdgf', t8, t7, M_2, X, optimize=[(0, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -386,7 +394,8 @@ def mse_causal0__block__W_V__W_V__outer(X, W_QK, W_V, Y):
     t7 = np.swapaxes(M_1, -1, -2)
     t8 = t7 @ M_1
     t9 = np.ones((d_V,), dtype=X.dtype)
-    t1 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bdc', t8, t9, optimize=[(0, 1)])
+    t10 = (2/(L*d_V*n_batch)) * t9
+    t1 += oe.contract('abc,d->bdc', t8, t10, optimize=[(0, 1)])
     return out
 
 
@@ -437,18 +446,21 @@ def mse_causal0__hessian__functional(X, W_QK, W_V, Y):
     t15 = A * t14
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t15, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t15, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t15, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1[...] = (1/n_batch) * oe.contract('abc,acde,acf->bdfe', t2, M_3, X, optimize=[(0, 2), (0, 1)])
-    t16 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t17 = np.reshape(t16, (d_V, d_V, d_V, d_V), copy=False)
+    t16 = (1/n_batch) * t2
+    t1[...] = oe.contract('abc,acde,acf->bdfe', t16, M_3, X, optimize=[(0, 2), (0, 1)])
+    t17 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t18 = np.reshape(t17, (d_V, d_V, d_V, d_V), copy=False)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t17[...] = (1/n_batch) * oe.contract('abcd,abe,abf->edcf', M_2, X, G, optimize=[(1, 2), (0, 1)])
-    t18 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t19 = np.reshape(t18, (d_V, d_V, d_V, d_V), copy=False)
-    t20 = np.swapaxes(G, -1, -2)
-    t19[...] = (1/n_batch) * oe.contract('abc,acde,acf->dbfe', t20, M_2, X, optimize=[(0, 2), (0, 1)])
-    t21 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t21[...] = 0
+    t19 = (1/n_batch) * X
+    t18[...] = oe.contract('abcd,abe,abf->edcf', M_2, t19, G, optimize=[(1, 2), (0, 1)])
+    t20 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t21 = np.reshape(t20, (d_V, d_V, d_V, d_V), copy=False)
+    t22 = np.swapaxes(G, -1, -2)
+    t23 = (1/n_batch) * t22
+    t21[...] = oe.contract('abc,acde,acf->dbfe', t23, M_2, X, optimize=[(0, 2), (0, 1)])
+    t24 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t24[...] = 0
     return H
 
 
@@ -557,7 +569,8 @@ def mse_causal0__diag__W_QK__functional(X, W_QK, W_V, Y):
     t14 = A * t13
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t1, t14, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t14, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t14, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/n_batch) * oe.contract('abc,acdd,acb->bd', t1, M_3, X, optimize=[(0, 2), (0, 1)])
+    t15 = (1/n_batch) * t1
+    t0[...] = oe.contract('abc,acdd,acb->bd', t15, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -616,7 +629,8 @@ def mse_causal0__block__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t14 = A * t13
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t1, t14, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t14, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t14, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/n_batch) * oe.contract('abc,acde,acf->bdfe', t1, M_3, X, optimize=[(0, 2), (0, 1)])
+    t15 = (1/n_batch) * t1
+    t0[...] = oe.contract('abc,acde,acf->bdfe', t15, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -672,7 +686,8 @@ def mse_causal0__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
     t8 = (-2/(L*d_V)) * Y
     t9 = t7 + t8
     G = t9
-    t0[...] = (1/n_batch) * oe.contract('abcd,abe,abf->edcf', M_2, X, G, optimize=[(1, 2), (0, 1)])
+    t10 = (1/n_batch) * X
+    t0[...] = oe.contract('abcd,abe,abf->edcf', M_2, t10, G, optimize=[(1, 2), (0, 1)])
     return out
 
 
@@ -742,7 +757,8 @@ def mse_causal0__block__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t10 = np.swapaxes(G, -1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/n_batch) * oe.contract('abc,acde,acf->dbfe', t10, M_2, X, optimize=[(0, 2), (0, 1)])
+    t11 = (1/n_batch) * t10
+    t0[...] = oe.contract('abc,acde,acf->dbfe', t11, M_2, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -807,39 +823,45 @@ def mse_causal0__hessian__full(X, W_QK, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t6 = np.swapaxes(W_V, -1, -2)
     t7 = W_V @ t6
-    t1[...] = (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, X, t7, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t8 = A @ X
-    M_1 = t8
-    t9 = M_1 @ W_V
-    F = t9
-    t10 = (2/(L*d_V)) * F
-    t11 = (-2/(L*d_V)) * Y
-    t12 = t10 + t11
-    G = t12
-    t13 = t6 @ t2
-    t14 = G @ t13
-    t15 = t14 - (A * t14).sum(-1, keepdims=True)
-    t16 = A * t15
+    t8 = (2/(L*d_V*n_batch)) * X
+    t1[...] = oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, t8, t7, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1 @ W_V
+    F = t10
+    t11 = (2/(L*d_V)) * F
+    t12 = (-2/(L*d_V)) * Y
+    t13 = t11 + t12
+    G = t13
+    t14 = t6 @ t2
+    t15 = G @ t14
+    t16 = t15 - (A * t15).sum(-1, keepdims=True)
+    t17 = A * t16
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t16, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t16, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t16, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += (1/n_batch) * oe.contract('abc,acde,acf->bdfe', t2, M_3, X, optimize=[(0, 2), (0, 1)])
-    t17 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t18 = np.reshape(t17, (d_V, d_V, d_V, d_V), copy=False)
-    t18[...] = (1/n_batch) * oe.contract('abcd,abe,abf->edcf', M_2, X, G, optimize=[(1, 2), (0, 1)])
-    t18 += (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,abf,cg->edfg', M_2, X, M_1, W_V, optimize=[(0, 3), (0, 1), (0, 1)])
-    t19 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t18 = (1/n_batch) * t2
+    t1 += oe.contract('abc,acde,acf->bdfe', t18, M_3, X, optimize=[(0, 2), (0, 1)])
+    t19 = H[0:d_V**2, d_V**2:2*d_V**2]
     t20 = np.reshape(t19, (d_V, d_V, d_V, d_V), copy=False)
-    t21 = np.swapaxes(G, -1, -2)
-    t20[...] = (1/n_batch) * oe.contract('abc,acde,acf->dbfe', t21, M_2, X, optimize=[(0, 2), (0, 1)])
-    t22 = np.swapaxes(M_1, -1, -2)
-    t20 += (2/(L*d_V*n_batch)) * oe.contract('abc,de,acef,acg->bdgf', t22, t6, M_2, X, optimize=[(0, 3), (0, 1), (0, 1)])
-    t23 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t23[...] = 0
-    t24 = np.reshape(t23, (d_V, d_V, d_V, d_V), copy=False)
-    t25 = np.einsum('abcb->abc', t24)
-    t26 = t22 @ M_1
-    t27 = np.ones((d_V,), dtype=X.dtype)
-    t25 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bdc', t26, t27, optimize=[(0, 1)])
+    t21 = (1/n_batch) * X
+    t20[...] = oe.contract('abcd,abe,abf->edcf', M_2, t21, G, optimize=[(1, 2), (0, 1)])
+    t20 += oe.contract('ab,cde,cdf,cdag->fgeb', W_V, M_1, t8, M_2, optimize=[(0, 3), (0, 1), (0, 1)])
+    t22 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t23 = np.reshape(t22, (d_V, d_V, d_V, d_V), copy=False)
+    t24 = np.swapaxes(G, -1, -2)
+    t25 = (1/n_batch) * t24
+    t23[...] = oe.contract('abc,acde,acf->dbfe', t25, M_2, X, optimize=[(0, 2), (0, 1)])
+    t26 = np.swapaxes(M_1, -1, -2)
+    t27 = (2/(L*d_V*n_batch)) * t26
+    t23 += oe.contract('abc,de,acef,acg->bdgf', t27, t6, M_2, X, optimize=[(0, 3), (0, 1), (0, 1)])
+    t28 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t28[...] = 0
+    t29 = np.reshape(t28, (d_V, d_V, d_V, d_V), copy=False)
+    t30 = np.einsum('abcb->abc', t29)
+    t31 = t26 @ M_1
+    t32 = np.ones((d_V,), dtype=X.dtype)
+    t33 = (2/(L*d_V*n_batch)) * t32
+    t30 += oe.contract('abc,d->bdc', t31, t33, optimize=[(0, 1)])
     return H
 
 
@@ -953,22 +975,24 @@ def mse_causal0__diag__W_QK__full(X, W_QK, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t5 = np.swapaxes(W_V, -1, -2)
     t6 = W_V @ t5
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,cf,abfd,abe->ed', M_2, X, t6, M_2, X, optimize=[(1, 4), (0, 1), (0, 2), (0, 1)])
-    t7 = A @ X
-    M_1 = t7
-    t8 = M_1 @ W_V
-    F = t8
-    t9 = (2/(L*d_V)) * F
-    t10 = (-2/(L*d_V)) * Y
-    t11 = t9 + t10
-    G = t11
-    t12 = t5 @ t1
-    t13 = G @ t12
-    t14 = t13 - (A * t13).sum(-1, keepdims=True)
-    t15 = A * t14
+    t7 = (2/(L*d_V*n_batch)) * X
+    t0[...] = oe.contract('abcd,abe,cf,abfd,abe->ed', M_2, t7, t6, M_2, X, optimize=[(1, 4), (0, 1), (0, 2), (0, 1)])
+    t8 = A @ X
+    M_1 = t8
+    t9 = M_1 @ W_V
+    F = t9
+    t10 = (2/(L*d_V)) * F
+    t11 = (-2/(L*d_V)) * Y
+    t12 = t10 + t11
+    G = t12
+    t13 = t5 @ t1
+    t14 = G @ t13
+    t15 = t14 - (A * t14).sum(-1, keepdims=True)
+    t16 = A * t15
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t15, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t15, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t15, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/n_batch) * oe.contract('abc,acdd,acb->bd', t1, M_3, X, optimize=[(0, 2), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t16, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t16, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t16, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t17 = (1/n_batch) * t1
+    t0 += oe.contract('abc,acdd,acb->bd', t17, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -1019,22 +1043,24 @@ def mse_causal0__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t5 = np.swapaxes(W_V, -1, -2)
     t6 = W_V @ t5
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, X, t6, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t7 = A @ X
-    M_1 = t7
-    t8 = M_1 @ W_V
-    F = t8
-    t9 = (2/(L*d_V)) * F
-    t10 = (-2/(L*d_V)) * Y
-    t11 = t9 + t10
-    G = t11
-    t12 = t5 @ t1
-    t13 = G @ t12
-    t14 = t13 - (A * t13).sum(-1, keepdims=True)
-    t15 = A * t14
+    t7 = (2/(L*d_V*n_batch)) * X
+    t0[...] = oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, t7, t6, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t8 = A @ X
+    M_1 = t8
+    t9 = M_1 @ W_V
+    F = t9
+    t10 = (2/(L*d_V)) * F
+    t11 = (-2/(L*d_V)) * Y
+    t12 = t10 + t11
+    G = t12
+    t13 = t5 @ t1
+    t14 = G @ t13
+    t15 = t14 - (A * t14).sum(-1, keepdims=True)
+    t16 = A * t15
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t15, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t15, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t15, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/n_batch) * oe.contract('abc,acde,acf->bdfe', t1, M_3, X, optimize=[(0, 2), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t16, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t16, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t16, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t17 = (1/n_batch) * t1
+    t0 += oe.contract('abc,acde,acf->bdfe', t17, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -1093,8 +1119,10 @@ def mse_causal0__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     t8 = (-2/(L*d_V)) * Y
     t9 = t7 + t8
     G = t9
-    t0[...] = (1/n_batch) * oe.contract('abcd,abe,abf->edcf', M_2, X, G, optimize=[(1, 2), (0, 1)])
-    t0 += (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,abf,cg->edfg', M_2, X, M_1, W_V, optimize=[(0, 3), (0, 1), (0, 1)])
+    t10 = (1/n_batch) * X
+    t0[...] = oe.contract('abcd,abe,abf->edcf', M_2, t10, G, optimize=[(1, 2), (0, 1)])
+    t11 = (2/(L*d_V*n_batch)) * X
+    t0 += oe.contract('ab,cde,cdf,cdag->fgeb', W_V, M_1, t11, M_2, optimize=[(0, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -1140,7 +1168,8 @@ def mse_causal0__diag__W_V__full(X, W_QK, W_V, Y):
     t6 = np.swapaxes(M_1, -1, -2)
     t7 = t6 @ M_1
     t8 = np.ones((d_V,), dtype=X.dtype)
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abb,c->bc', t7, t8, optimize=[(0, 1)])
+    t9 = (2/(L*d_V*n_batch)) * t8
+    t0[...] = oe.contract('abb,c->bc', t7, t9, optimize=[(0, 1)])
     return out
 
 
@@ -1184,10 +1213,12 @@ def mse_causal0__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     t10 = np.swapaxes(G, -1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/n_batch) * oe.contract('abc,acde,acf->dbfe', t10, M_2, X, optimize=[(0, 2), (0, 1)])
-    t11 = np.swapaxes(M_1, -1, -2)
-    t12 = np.swapaxes(W_V, -1, -2)
-    t0 += (2/(L*d_V*n_batch)) * oe.contract('abc,de,acef,acg->bdgf', t11, t12, M_2, X, optimize=[(0, 3), (0, 1), (0, 1)])
+    t11 = (1/n_batch) * t10
+    t0[...] = oe.contract('abc,acde,acf->dbfe', t11, M_2, X, optimize=[(0, 2), (0, 1)])
+    t12 = np.swapaxes(M_1, -1, -2)
+    t13 = np.swapaxes(W_V, -1, -2)
+    t14 = (2/(L*d_V*n_batch)) * t12
+    t0 += oe.contract('abc,de,acef,acg->bdgf', t14, t13, M_2, X, optimize=[(0, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -1238,7 +1269,8 @@ def mse_causal0__block__W_V__W_V__full(X, W_QK, W_V, Y):
     t7 = np.swapaxes(M_1, -1, -2)
     t8 = t7 @ M_1
     t9 = np.ones((d_V,), dtype=X.dtype)
-    t1 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bdc', t8, t9, optimize=[(0, 1)])
+    t10 = (2/(L*d_V*n_batch)) * t9
+    t1 += oe.contract('abc,d->bdc', t8, t10, optimize=[(0, 1)])
     return out
 
 
@@ -1335,23 +1367,26 @@ def mse_causal1__hessian__outer(X, W_QK, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t8 = np.swapaxes(W_V, -1, -2)
     t9 = W_V @ t8
-    t1[...] = (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, X, t9, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t10 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t11 = np.reshape(t10, (d_V, d_V, d_V, d_V), copy=False)
-    t12 = A @ X
-    M_1 = t12
-    t11[...] = (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,abf,cg->edfg', M_2, X, M_1, W_V, optimize=[(0, 3), (0, 1), (0, 1)])
-    t13 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t14 = np.reshape(t13, (d_V, d_V, d_V, d_V), copy=False)
-    t15 = np.swapaxes(M_1, -1, -2)
-    t14[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,de,acef,acg->bdgf', t15, t8, M_2, X, optimize=[(0, 3), (0, 1), (0, 1)])
-    t16 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t16[...] = 0
-    t17 = np.reshape(t16, (d_V, d_V, d_V, d_V), copy=False)
-    t18 = np.einsum('abcb->abc', t17)
-    t19 = t15 @ M_1
-    t20 = np.ones((d_V,), dtype=X.dtype)
-    t18 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bdc', t19, t20, optimize=[(0, 1)])
+    t10 = (2/(L*d_V*n_batch)) * X
+    t1[...] = oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, t10, t9, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t11 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t12 = np.reshape(t11, (d_V, d_V, d_V, d_V), copy=False)
+    t13 = A @ X
+    M_1 = t13
+    t12[...] = oe.contract('ab,cde,cdf,cdag->fgeb', W_V, M_1, t10, M_2, optimize=[(0, 3), (0, 1), (0, 1)])
+    t14 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t15 = np.reshape(t14, (d_V, d_V, d_V, d_V), copy=False)
+    t16 = np.swapaxes(M_1, -1, -2)
+    t17 = (2/(L*d_V*n_batch)) * t16
+    t15[...] = oe.contract('abc,de,acef,acg->bdgf', t17, t8, M_2, X, optimize=[(0, 3), (0, 1), (0, 1)])
+    t18 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t18[...] = 0
+    t19 = np.reshape(t18, (d_V, d_V, d_V, d_V), copy=False)
+    t20 = np.einsum('abcb->abc', t19)
+    t21 = t16 @ M_1
+    t22 = np.ones((d_V,), dtype=X.dtype)
+    t23 = (2/(L*d_V*n_batch)) * t22
+    t20 += oe.contract('abc,d->bdc', t21, t23, optimize=[(0, 1)])
     return H
 
 
@@ -1440,7 +1475,8 @@ def mse_causal1__diag__W_QK__outer(X, W_QK, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t7 = np.swapaxes(W_V, -1, -2)
     t8 = W_V @ t7
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,cf,abfd,abe->ed', M_2, X, t8, M_2, X, optimize=[(1, 4), (0, 1), (0, 2), (0, 1)])
+    t9 = (2/(L*d_V*n_batch)) * X
+    t0[...] = oe.contract('abcd,abe,cf,abfd,abe->ed', M_2, t9, t8, M_2, X, optimize=[(1, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -1481,7 +1517,8 @@ def mse_causal1__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t7 = np.swapaxes(W_V, -1, -2)
     t8 = W_V @ t7
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, X, t8, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t9 = (2/(L*d_V*n_batch)) * X
+    t0[...] = oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, t9, t8, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -1524,7 +1561,8 @@ def mse_causal1__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t7 = A @ X
     M_1 = t7
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,abf,cg->edfg', M_2, X, M_1, W_V, optimize=[(0, 3), (0, 1), (0, 1)])
+    t8 = (2/(L*d_V*n_batch)) * X
+    t0[...] = oe.contract('ab,cde,cdf,cdag->fgeb', W_V, M_1, t8, M_2, optimize=[(0, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -1568,7 +1606,8 @@ def mse_causal1__diag__W_V__outer(X, W_QK, W_V, Y):
     t8 = np.swapaxes(M_1, -1, -2)
     t9 = t8 @ M_1
     t10 = np.ones((d_V,), dtype=X.dtype)
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abb,c->bc', t9, t10, optimize=[(0, 1)])
+    t11 = (2/(L*d_V*n_batch)) * t10
+    t0[...] = oe.contract('abb,c->bc', t9, t11, optimize=[(0, 1)])
     return out
 
 
@@ -1611,7 +1650,8 @@ def mse_causal1__block__W_V__W_QK__outer(X, W_QK, W_V, Y):
     t9 = np.swapaxes(W_V, -1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,de,acef,acg->bdgf', t8, t9, M_2, X, optimize=[(0, 3), (0, 1), (0, 1)])
+    t10 = (2/(L*d_V*n_batch)) * t8
+    t0[...] = oe.contract('abc,de,acef,acg->bdgf', t10, t9, M_2, X, optimize=[(0, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -1659,7 +1699,8 @@ def mse_causal1__block__W_V__W_V__outer(X, W_QK, W_V, Y):
     t9 = np.swapaxes(M_1, -1, -2)
     t10 = t9 @ M_1
     t11 = np.ones((d_V,), dtype=X.dtype)
-    t1 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bdc', t10, t11, optimize=[(0, 1)])
+    t12 = (2/(L*d_V*n_batch)) * t11
+    t1 += oe.contract('abc,d->bdc', t10, t12, optimize=[(0, 1)])
     return out
 
 
@@ -1714,18 +1755,21 @@ def mse_causal1__hessian__functional(X, W_QK, W_V, Y):
     t17 = A * t16
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1[...] = (1/n_batch) * oe.contract('abc,acde,acf->bdfe', t2, M_3, X, optimize=[(0, 2), (0, 1)])
-    t18 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t19 = np.reshape(t18, (d_V, d_V, d_V, d_V), copy=False)
+    t18 = (1/n_batch) * t2
+    t1[...] = oe.contract('abc,acde,acf->bdfe', t18, M_3, X, optimize=[(0, 2), (0, 1)])
+    t19 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t20 = np.reshape(t19, (d_V, d_V, d_V, d_V), copy=False)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t19[...] = (1/n_batch) * oe.contract('abcd,abe,abf->edcf', M_2, X, G, optimize=[(1, 2), (0, 1)])
-    t20 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t21 = np.reshape(t20, (d_V, d_V, d_V, d_V), copy=False)
-    t22 = np.swapaxes(G, -1, -2)
-    t21[...] = (1/n_batch) * oe.contract('abc,acde,acf->dbfe', t22, M_2, X, optimize=[(0, 2), (0, 1)])
-    t23 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t23[...] = 0
+    t21 = (1/n_batch) * X
+    t20[...] = oe.contract('abcd,abe,abf->edcf', M_2, t21, G, optimize=[(1, 2), (0, 1)])
+    t22 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t23 = np.reshape(t22, (d_V, d_V, d_V, d_V), copy=False)
+    t24 = np.swapaxes(G, -1, -2)
+    t25 = (1/n_batch) * t24
+    t23[...] = oe.contract('abc,acde,acf->dbfe', t25, M_2, X, optimize=[(0, 2), (0, 1)])
+    t26 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t26[...] = 0
     return H
 
 
@@ -1840,7 +1884,8 @@ def mse_causal1__diag__W_QK__functional(X, W_QK, W_V, Y):
     t16 = A * t15
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t1, t16, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t16, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t16, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/n_batch) * oe.contract('abc,acdd,acb->bd', t1, M_3, X, optimize=[(0, 2), (0, 1)])
+    t17 = (1/n_batch) * t1
+    t0[...] = oe.contract('abc,acdd,acb->bd', t17, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -1903,7 +1948,8 @@ def mse_causal1__block__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t16 = A * t15
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t1, t16, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t16, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t16, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/n_batch) * oe.contract('abc,acde,acf->bdfe', t1, M_3, X, optimize=[(0, 2), (0, 1)])
+    t17 = (1/n_batch) * t1
+    t0[...] = oe.contract('abc,acde,acf->bdfe', t17, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -1963,7 +2009,8 @@ def mse_causal1__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
     t10 = (-2/(L*d_V)) * Y
     t11 = t9 + t10
     G = t11
-    t0[...] = (1/n_batch) * oe.contract('abcd,abe,abf->edcf', M_2, X, G, optimize=[(1, 2), (0, 1)])
+    t12 = (1/n_batch) * X
+    t0[...] = oe.contract('abcd,abe,abf->edcf', M_2, t12, G, optimize=[(1, 2), (0, 1)])
     return out
 
 
@@ -2037,7 +2084,8 @@ def mse_causal1__block__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t12 = np.swapaxes(G, -1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/n_batch) * oe.contract('abc,acde,acf->dbfe', t12, M_2, X, optimize=[(0, 2), (0, 1)])
+    t13 = (1/n_batch) * t12
+    t0[...] = oe.contract('abc,acde,acf->dbfe', t13, M_2, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -2106,39 +2154,45 @@ def mse_causal1__hessian__full(X, W_QK, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t8 = np.swapaxes(W_V, -1, -2)
     t9 = W_V @ t8
-    t1[...] = (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, X, t9, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t10 = A @ X
-    M_1 = t10
-    t11 = M_1 @ W_V
-    F = t11
-    t12 = (2/(L*d_V)) * F
-    t13 = (-2/(L*d_V)) * Y
-    t14 = t12 + t13
-    G = t14
-    t15 = t8 @ t2
-    t16 = G @ t15
-    t17 = t16 - (A * t16).sum(-1, keepdims=True)
-    t18 = A * t17
+    t10 = (2/(L*d_V*n_batch)) * X
+    t1[...] = oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, t10, t9, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t11 = A @ X
+    M_1 = t11
+    t12 = M_1 @ W_V
+    F = t12
+    t13 = (2/(L*d_V)) * F
+    t14 = (-2/(L*d_V)) * Y
+    t15 = t13 + t14
+    G = t15
+    t16 = t8 @ t2
+    t17 = G @ t16
+    t18 = t17 - (A * t17).sum(-1, keepdims=True)
+    t19 = A * t18
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += (1/n_batch) * oe.contract('abc,acde,acf->bdfe', t2, M_3, X, optimize=[(0, 2), (0, 1)])
-    t19 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t20 = np.reshape(t19, (d_V, d_V, d_V, d_V), copy=False)
-    t20[...] = (1/n_batch) * oe.contract('abcd,abe,abf->edcf', M_2, X, G, optimize=[(1, 2), (0, 1)])
-    t20 += (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,abf,cg->edfg', M_2, X, M_1, W_V, optimize=[(0, 3), (0, 1), (0, 1)])
-    t21 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t19, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t19, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t19, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t20 = (1/n_batch) * t2
+    t1 += oe.contract('abc,acde,acf->bdfe', t20, M_3, X, optimize=[(0, 2), (0, 1)])
+    t21 = H[0:d_V**2, d_V**2:2*d_V**2]
     t22 = np.reshape(t21, (d_V, d_V, d_V, d_V), copy=False)
-    t23 = np.swapaxes(G, -1, -2)
-    t22[...] = (1/n_batch) * oe.contract('abc,acde,acf->dbfe', t23, M_2, X, optimize=[(0, 2), (0, 1)])
-    t24 = np.swapaxes(M_1, -1, -2)
-    t22 += (2/(L*d_V*n_batch)) * oe.contract('abc,de,acef,acg->bdgf', t24, t8, M_2, X, optimize=[(0, 3), (0, 1), (0, 1)])
-    t25 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t25[...] = 0
-    t26 = np.reshape(t25, (d_V, d_V, d_V, d_V), copy=False)
-    t27 = np.einsum('abcb->abc', t26)
-    t28 = t24 @ M_1
-    t29 = np.ones((d_V,), dtype=X.dtype)
-    t27 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bdc', t28, t29, optimize=[(0, 1)])
+    t23 = (1/n_batch) * X
+    t22[...] = oe.contract('abcd,abe,abf->edcf', M_2, t23, G, optimize=[(1, 2), (0, 1)])
+    t22 += oe.contract('ab,cde,cdf,cdag->fgeb', W_V, M_1, t10, M_2, optimize=[(0, 3), (0, 1), (0, 1)])
+    t24 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t25 = np.reshape(t24, (d_V, d_V, d_V, d_V), copy=False)
+    t26 = np.swapaxes(G, -1, -2)
+    t27 = (1/n_batch) * t26
+    t25[...] = oe.contract('abc,acde,acf->dbfe', t27, M_2, X, optimize=[(0, 2), (0, 1)])
+    t28 = np.swapaxes(M_1, -1, -2)
+    t29 = (2/(L*d_V*n_batch)) * t28
+    t25 += oe.contract('abc,de,acef,acg->bdgf', t29, t8, M_2, X, optimize=[(0, 3), (0, 1), (0, 1)])
+    t30 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t30[...] = 0
+    t31 = np.reshape(t30, (d_V, d_V, d_V, d_V), copy=False)
+    t32 = np.einsum('abcb->abc', t31)
+    t33 = t28 @ M_1
+    t34 = np.ones((d_V,), dtype=X.dtype)
+    t35 = (2/(L*d_V*n_batch)) * t34
+    t32 += oe.contract('abc,d->bdc', t33, t35, optimize=[(0, 1)])
     return H
 
 
@@ -2258,22 +2312,24 @@ def mse_causal1__diag__W_QK__full(X, W_QK, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t7 = np.swapaxes(W_V, -1, -2)
     t8 = W_V @ t7
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,cf,abfd,abe->ed', M_2, X, t8, M_2, X, optimize=[(1, 4), (0, 1), (0, 2), (0, 1)])
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    F = t10
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = t7 @ t1
-    t15 = G @ t14
-    t16 = t15 - (A * t15).sum(-1, keepdims=True)
-    t17 = A * t16
+    t9 = (2/(L*d_V*n_batch)) * X
+    t0[...] = oe.contract('abcd,abe,cf,abfd,abe->ed', M_2, t9, t8, M_2, X, optimize=[(1, 4), (0, 1), (0, 2), (0, 1)])
+    t10 = A @ X
+    M_1 = t10
+    t11 = M_1 @ W_V
+    F = t11
+    t12 = (2/(L*d_V)) * F
+    t13 = (-2/(L*d_V)) * Y
+    t14 = t12 + t13
+    G = t14
+    t15 = t7 @ t1
+    t16 = G @ t15
+    t17 = t16 - (A * t16).sum(-1, keepdims=True)
+    t18 = A * t17
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/n_batch) * oe.contract('abc,acdd,acb->bd', t1, M_3, X, optimize=[(0, 2), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t19 = (1/n_batch) * t1
+    t0 += oe.contract('abc,acdd,acb->bd', t19, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -2328,22 +2384,24 @@ def mse_causal1__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t7 = np.swapaxes(W_V, -1, -2)
     t8 = W_V @ t7
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, X, t8, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    F = t10
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = t7 @ t1
-    t15 = G @ t14
-    t16 = t15 - (A * t15).sum(-1, keepdims=True)
-    t17 = A * t16
+    t9 = (2/(L*d_V*n_batch)) * X
+    t0[...] = oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, t9, t8, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t10 = A @ X
+    M_1 = t10
+    t11 = M_1 @ W_V
+    F = t11
+    t12 = (2/(L*d_V)) * F
+    t13 = (-2/(L*d_V)) * Y
+    t14 = t12 + t13
+    G = t14
+    t15 = t7 @ t1
+    t16 = G @ t15
+    t17 = t16 - (A * t16).sum(-1, keepdims=True)
+    t18 = A * t17
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/n_batch) * oe.contract('abc,acde,acf->bdfe', t1, M_3, X, optimize=[(0, 2), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t19 = (1/n_batch) * t1
+    t0 += oe.contract('abc,acde,acf->bdfe', t19, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -2406,8 +2464,10 @@ def mse_causal1__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     t10 = (-2/(L*d_V)) * Y
     t11 = t9 + t10
     G = t11
-    t0[...] = (1/n_batch) * oe.contract('abcd,abe,abf->edcf', M_2, X, G, optimize=[(1, 2), (0, 1)])
-    t0 += (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,abf,cg->edfg', M_2, X, M_1, W_V, optimize=[(0, 3), (0, 1), (0, 1)])
+    t12 = (1/n_batch) * X
+    t0[...] = oe.contract('abcd,abe,abf->edcf', M_2, t12, G, optimize=[(1, 2), (0, 1)])
+    t13 = (2/(L*d_V*n_batch)) * X
+    t0 += oe.contract('ab,cde,cdf,cdag->fgeb', W_V, M_1, t13, M_2, optimize=[(0, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -2457,7 +2517,8 @@ def mse_causal1__diag__W_V__full(X, W_QK, W_V, Y):
     t8 = np.swapaxes(M_1, -1, -2)
     t9 = t8 @ M_1
     t10 = np.ones((d_V,), dtype=X.dtype)
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abb,c->bc', t9, t10, optimize=[(0, 1)])
+    t11 = (2/(L*d_V*n_batch)) * t10
+    t0[...] = oe.contract('abb,c->bc', t9, t11, optimize=[(0, 1)])
     return out
 
 
@@ -2505,10 +2566,12 @@ def mse_causal1__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     t12 = np.swapaxes(G, -1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/n_batch) * oe.contract('abc,acde,acf->dbfe', t12, M_2, X, optimize=[(0, 2), (0, 1)])
-    t13 = np.swapaxes(M_1, -1, -2)
-    t14 = np.swapaxes(W_V, -1, -2)
-    t0 += (2/(L*d_V*n_batch)) * oe.contract('abc,de,acef,acg->bdgf', t13, t14, M_2, X, optimize=[(0, 3), (0, 1), (0, 1)])
+    t13 = (1/n_batch) * t12
+    t0[...] = oe.contract('abc,acde,acf->dbfe', t13, M_2, X, optimize=[(0, 2), (0, 1)])
+    t14 = np.swapaxes(M_1, -1, -2)
+    t15 = np.swapaxes(W_V, -1, -2)
+    t16 = (2/(L*d_V*n_batch)) * t14
+    t0 += oe.contract('abc,de,acef,acg->bdgf', t16, t15, M_2, X, optimize=[(0, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -2563,7 +2626,8 @@ def mse_causal1__block__W_V__W_V__full(X, W_QK, W_V, Y):
     t9 = np.swapaxes(M_1, -1, -2)
     t10 = t9 @ M_1
     t11 = np.ones((d_V,), dtype=X.dtype)
-    t1 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bdc', t10, t11, optimize=[(0, 1)])
+    t12 = (2/(L*d_V*n_batch)) * t11
+    t1 += oe.contract('abc,d->bdc', t10, t12, optimize=[(0, 1)])
     return out
 
 
@@ -2667,23 +2731,27 @@ def ce_causal0__hessian__outer(X, W_QK, W_V, Y):
     t10 = np.exp(t9 - t9.max(-1, keepdims=True))
     A11 = t10 / t10.sum(-1, keepdims=True)
     t12 = np.swapaxes(W_V, -1, -2)
-    t1[...] = (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi->edih', M_2, X, W_V, t7, A11, t12, M_2, X, optimize=[(3, 4), (0, 2), (1, 2), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t1 += (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhi,abj->edji', M_2, X, W_V, t7, A11, A11, t12, M_2, X, optimize=[(3, 4), (0, 2), (5, 6), (1, 2), (1, 4), (0, 2), (0, 2), (0, 1)])
-    t13 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t14 = np.reshape(t13, (d_V, d_V, d_V, d_V), copy=False)
-    t14[...] = (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg->edgf', M_2, X, W_V, t7, A11, M_1, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t14 += (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,abh->edhg', M_2, X, W_V, t7, A11, A11, M_1, optimize=[(3, 4), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t15 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t13 = (1/(L*n_batch)) * X
+    t1[...] = oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi->edih', M_2, t13, W_V, t7, A11, t12, M_2, X, optimize=[(3, 4), (0, 2), (1, 2), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t14 = (-1/(L*n_batch)) * X
+    t1 += oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhi,abj->edji', M_2, t14, W_V, t7, A11, A11, t12, M_2, X, optimize=[(3, 4), (0, 2), (5, 6), (1, 2), (1, 4), (0, 2), (0, 2), (0, 1)])
+    t15 = H[0:d_V**2, d_V**2:2*d_V**2]
     t16 = np.reshape(t15, (d_V, d_V, d_V, d_V), copy=False)
-    t17 = np.swapaxes(M_1, -1, -2)
-    t16[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg->bdgf', t17, t7, A11, t12, M_2, X, optimize=[(1, 2), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t16 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach->bdhg', t17, t7, A11, A11, t12, M_2, X, optimize=[(1, 2), (1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
-    t18 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t18[...] = 0
-    t19 = np.reshape(t18, (d_V, d_V, d_V, d_V), copy=False)
-    t20 = np.einsum('abcb->abc', t19)
-    t20 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bde', t17, t7, A11, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
-    t19 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t17, t7, A11, A11, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t16[...] = oe.contract('abc,abd,abd,ed,abf,abeg->fgcd', M_1, A11, t7, W_V, t13, M_2, optimize=[(1, 2), (1, 3), (2, 3), (0, 1), (0, 1)])
+    t16 += oe.contract('abcd,abe,cf,abf,abf,abg,abh->edhg', M_2, t14, W_V, t7, A11, A11, M_1, optimize=[(3, 4), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t17 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t18 = np.reshape(t17, (d_V, d_V, d_V, d_V), copy=False)
+    t19 = np.swapaxes(M_1, -1, -2)
+    t20 = (1/(L*n_batch)) * t19
+    t18[...] = oe.contract('abc,abde,fd,abf,abf,agb->gfce', X, M_2, t12, A11, t7, t20, optimize=[(3, 4), (1, 2), (2, 3), (0, 1), (0, 1)])
+    t21 = (-1/(L*n_batch)) * t19
+    t18 += oe.contract('abc,acd,acd,ace,ef,acfg,ach->bdhg', t21, t7, A11, A11, t12, M_2, X, optimize=[(1, 2), (1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t22 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t22[...] = 0
+    t23 = np.reshape(t22, (d_V, d_V, d_V, d_V), copy=False)
+    t24 = np.einsum('abcb->abc', t23)
+    t24 += oe.contract('abc,acd,acd,ace->bde', t20, t7, A11, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
+    t23 += oe.contract('abc,acd,acd,ace,acf->bdfe', t21, t7, A11, A11, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
     return H
 
 
@@ -2783,8 +2851,10 @@ def ce_causal0__diag__W_QK__outer(X, W_QK, W_V, Y):
     t9 = np.exp(t8 - t8.max(-1, keepdims=True))
     A10 = t9 / t9.sum(-1, keepdims=True)
     t11 = np.swapaxes(W_V, -1, -2)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,fg,abgd,abe->ed', M_2, X, W_V, t6, A10, t11, M_2, X, optimize=[(3, 4), (1, 5), (0, 1), (0, 1), (2, 3), (0, 2), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhd,abe->ed', M_2, X, W_V, t6, A10, A10, t11, M_2, X, optimize=[(3, 4), (1, 6), (0, 1), (3, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
+    t12 = (1/(L*n_batch)) * X
+    t0[...] = oe.contract('abcd,abe,cf,abf,abf,fg,abgd,abe->ed', M_2, t12, W_V, t6, A10, t11, M_2, X, optimize=[(3, 4), (1, 5), (0, 1), (0, 1), (2, 3), (0, 2), (0, 1)])
+    t13 = (-1/(L*n_batch)) * X
+    t0 += oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhd,abe->ed', M_2, t13, W_V, t6, A10, A10, t11, M_2, X, optimize=[(3, 4), (1, 6), (0, 1), (3, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
     return out
 
 
@@ -2833,8 +2903,10 @@ def ce_causal0__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     t9 = np.exp(t8 - t8.max(-1, keepdims=True))
     A10 = t9 / t9.sum(-1, keepdims=True)
     t11 = np.swapaxes(W_V, -1, -2)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi->edih', M_2, X, W_V, t6, A10, t11, M_2, X, optimize=[(3, 4), (0, 2), (1, 2), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhi,abj->edji', M_2, X, W_V, t6, A10, A10, t11, M_2, X, optimize=[(3, 4), (0, 2), (5, 6), (1, 2), (1, 4), (0, 2), (0, 2), (0, 1)])
+    t12 = (1/(L*n_batch)) * X
+    t0[...] = oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi->edih', M_2, t12, W_V, t6, A10, t11, M_2, X, optimize=[(3, 4), (0, 2), (1, 2), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t13 = (-1/(L*n_batch)) * X
+    t0 += oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhi,abj->edji', M_2, t13, W_V, t6, A10, A10, t11, M_2, X, optimize=[(3, 4), (0, 2), (5, 6), (1, 2), (1, 4), (0, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -2884,8 +2956,10 @@ def ce_causal0__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     t8 = M_1 @ W_V
     t9 = np.exp(t8 - t8.max(-1, keepdims=True))
     A10 = t9 / t9.sum(-1, keepdims=True)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg->edgf', M_2, X, W_V, t6, A10, M_1, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,abh->edhg', M_2, X, W_V, t6, A10, A10, M_1, optimize=[(3, 4), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t11 = (1/(L*n_batch)) * X
+    t0[...] = oe.contract('abc,abd,abd,ed,abf,abeg->fgcd', M_1, A10, t6, W_V, t11, M_2, optimize=[(1, 2), (1, 3), (2, 3), (0, 1), (0, 1)])
+    t12 = (-1/(L*n_batch)) * X
+    t0 += oe.contract('abcd,abe,cf,abf,abf,abg,abh->edhg', M_2, t12, W_V, t6, A10, A10, M_1, optimize=[(3, 4), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -2933,8 +3007,10 @@ def ce_causal0__diag__W_V__outer(X, W_QK, W_V, Y):
     t9 = M_1 @ W_V
     t10 = np.exp(t9 - t9.max(-1, keepdims=True))
     A11 = t10 / t10.sum(-1, keepdims=True)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,acb->bd', t6, t8, A11, M_1, optimize=[(0, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->bd', t6, t8, A11, A11, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t12 = (1/(L*n_batch)) * t6
+    t0[...] = oe.contract('abc,acd,acd,acb->bd', t12, t8, A11, M_1, optimize=[(0, 3), (0, 1), (0, 1)])
+    t13 = (-1/(L*n_batch)) * t6
+    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t13, t8, A11, A11, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -2982,8 +3058,10 @@ def ce_causal0__block__W_V__W_QK__outer(X, W_QK, W_V, Y):
     t12 = np.swapaxes(W_V, -1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg->bdgf', t6, t8, A11, t12, M_2, X, optimize=[(1, 2), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach->bdhg', t6, t8, A11, A11, t12, M_2, X, optimize=[(1, 2), (1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t13 = (1/(L*n_batch)) * t6
+    t0[...] = oe.contract('abc,abde,fd,abf,abf,agb->gfce', X, M_2, t12, A11, t8, t13, optimize=[(3, 4), (1, 2), (2, 3), (0, 1), (0, 1)])
+    t14 = (-1/(L*n_batch)) * t6
+    t0 += oe.contract('abc,acd,acd,ace,ef,acfg,ach->bdhg', t14, t8, A11, A11, t12, M_2, X, optimize=[(1, 2), (1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -3035,8 +3113,10 @@ def ce_causal0__block__W_V__W_V__outer(X, W_QK, W_V, Y):
     t10 = M_1 @ W_V
     t11 = np.exp(t10 - t10.max(-1, keepdims=True))
     A12 = t11 / t11.sum(-1, keepdims=True)
-    t1 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bde', t7, t9, A12, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t7, t9, A12, A12, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t13 = (1/(L*n_batch)) * t7
+    t1 += oe.contract('abc,acd,acd,ace->bde', t13, t9, A12, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
+    t14 = (-1/(L*n_batch)) * t7
+    t0 += oe.contract('abc,acd,acd,ace,acf->bdfe', t14, t9, A12, A12, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
     return out
 
 
@@ -3096,18 +3176,21 @@ def ce_causal0__hessian__functional(X, W_QK, W_V, Y):
     t20 = A * t19
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1[...] = (1/n_batch) * oe.contract('abc,acde,acf->bdfe', t2, M_3, X, optimize=[(0, 2), (0, 1)])
-    t21 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t22 = np.reshape(t21, (d_V, d_V, d_V, d_V), copy=False)
+    t21 = (1/n_batch) * t2
+    t1[...] = oe.contract('abc,acde,acf->bdfe', t21, M_3, X, optimize=[(0, 2), (0, 1)])
+    t22 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t23 = np.reshape(t22, (d_V, d_V, d_V, d_V), copy=False)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t22[...] = (1/n_batch) * oe.contract('abcd,abe,abf->edcf', M_2, X, G, optimize=[(1, 2), (0, 1)])
-    t23 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t24 = np.reshape(t23, (d_V, d_V, d_V, d_V), copy=False)
-    t25 = np.swapaxes(G, -1, -2)
-    t24[...] = (1/n_batch) * oe.contract('abc,acde,acf->dbfe', t25, M_2, X, optimize=[(0, 2), (0, 1)])
-    t26 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t26[...] = 0
+    t24 = (1/n_batch) * X
+    t23[...] = oe.contract('abcd,abe,abf->edcf', M_2, t24, G, optimize=[(1, 2), (0, 1)])
+    t25 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t26 = np.reshape(t25, (d_V, d_V, d_V, d_V), copy=False)
+    t27 = np.swapaxes(G, -1, -2)
+    t28 = (1/n_batch) * t27
+    t26[...] = oe.contract('abc,acde,acf->dbfe', t28, M_2, X, optimize=[(0, 2), (0, 1)])
+    t29 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t29[...] = 0
     return H
 
 
@@ -3231,7 +3314,8 @@ def ce_causal0__diag__W_QK__functional(X, W_QK, W_V, Y):
     t19 = A * t18
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t1, t19, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t19, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t19, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/n_batch) * oe.contract('abc,acdd,acb->bd', t1, M_3, X, optimize=[(0, 2), (0, 1)])
+    t20 = (1/n_batch) * t1
+    t0[...] = oe.contract('abc,acdd,acb->bd', t20, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -3300,7 +3384,8 @@ def ce_causal0__block__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t19 = A * t18
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t1, t19, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t19, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t19, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/n_batch) * oe.contract('abc,acde,acf->bdfe', t1, M_3, X, optimize=[(0, 2), (0, 1)])
+    t20 = (1/n_batch) * t1
+    t0[...] = oe.contract('abc,acde,acf->bdfe', t20, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -3366,7 +3451,8 @@ def ce_causal0__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
     t13 = (-1/L) * Y
     t14 = t12 + t13
     G = t14
-    t0[...] = (1/n_batch) * oe.contract('abcd,abe,abf->edcf', M_2, X, G, optimize=[(1, 2), (0, 1)])
+    t15 = (1/n_batch) * X
+    t0[...] = oe.contract('abcd,abe,abf->edcf', M_2, t15, G, optimize=[(1, 2), (0, 1)])
     return out
 
 
@@ -3446,7 +3532,8 @@ def ce_causal0__block__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t15 = np.swapaxes(G, -1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/n_batch) * oe.contract('abc,acde,acf->dbfe', t15, M_2, X, optimize=[(0, 2), (0, 1)])
+    t16 = (1/n_batch) * t15
+    t0[...] = oe.contract('abc,acde,acf->dbfe', t16, M_2, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -3522,41 +3609,48 @@ def ce_causal0__hessian__full(X, W_QK, W_V, Y):
     t10 = np.exp(t9 - t9.max(-1, keepdims=True))
     A11 = t10 / t10.sum(-1, keepdims=True)
     t12 = np.swapaxes(W_V, -1, -2)
-    t1[...] = (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi->edih', M_2, X, W_V, t7, A11, t12, M_2, X, optimize=[(3, 4), (0, 2), (1, 2), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t1 += (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhi,abj->edji', M_2, X, W_V, t7, A11, A11, t12, M_2, X, optimize=[(3, 4), (0, 2), (5, 6), (1, 2), (1, 4), (0, 2), (0, 2), (0, 1)])
+    t13 = (1/(L*n_batch)) * X
+    t1[...] = oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi->edih', M_2, t13, W_V, t7, A11, t12, M_2, X, optimize=[(3, 4), (0, 2), (1, 2), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t14 = (-1/(L*n_batch)) * X
+    t1 += oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhi,abj->edji', M_2, t14, W_V, t7, A11, A11, t12, M_2, X, optimize=[(3, 4), (0, 2), (5, 6), (1, 2), (1, 4), (0, 2), (0, 2), (0, 1)])
     F = t9
-    t13 = np.exp(F - F.max(-1, keepdims=True))
-    A14 = t13 / t13.sum(-1, keepdims=True)
-    t15 = t7 * A14
-    t16 = (1/L) * t15
-    t17 = (-1/L) * Y
-    t18 = t16 + t17
-    G = t18
-    t19 = t12 @ t2
-    t20 = G @ t19
-    t21 = t20 - (A * t20).sum(-1, keepdims=True)
-    t22 = A * t21
+    t15 = np.exp(F - F.max(-1, keepdims=True))
+    A16 = t15 / t15.sum(-1, keepdims=True)
+    t17 = t7 * A16
+    t18 = (1/L) * t17
+    t19 = (-1/L) * Y
+    t20 = t18 + t19
+    G = t20
+    t21 = t12 @ t2
+    t22 = G @ t21
+    t23 = t22 - (A * t22).sum(-1, keepdims=True)
+    t24 = A * t23
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t22, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t22, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t22, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += (1/n_batch) * oe.contract('abc,acde,acf->bdfe', t2, M_3, X, optimize=[(0, 2), (0, 1)])
-    t23 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t24 = np.reshape(t23, (d_V, d_V, d_V, d_V), copy=False)
-    t24[...] = (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg->edgf', M_2, X, W_V, t7, A11, M_1, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t24 += (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,abh->edhg', M_2, X, W_V, t7, A11, A11, M_1, optimize=[(3, 4), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t24 += (1/n_batch) * oe.contract('abcd,abe,abf->edcf', M_2, X, G, optimize=[(1, 2), (0, 1)])
-    t25 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t26 = np.reshape(t25, (d_V, d_V, d_V, d_V), copy=False)
-    t27 = np.swapaxes(G, -1, -2)
-    t26[...] = (1/n_batch) * oe.contract('abc,acde,acf->dbfe', t27, M_2, X, optimize=[(0, 2), (0, 1)])
-    t28 = np.swapaxes(M_1, -1, -2)
-    t26 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg->bdgf', t28, t7, A11, t12, M_2, X, optimize=[(1, 2), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t26 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach->bdhg', t28, t7, A11, A11, t12, M_2, X, optimize=[(1, 2), (1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
-    t29 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t29[...] = 0
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t24, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t24, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t24, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t25 = (1/n_batch) * t2
+    t1 += oe.contract('abc,acde,acf->bdfe', t25, M_3, X, optimize=[(0, 2), (0, 1)])
+    t26 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t27 = np.reshape(t26, (d_V, d_V, d_V, d_V), copy=False)
+    t27[...] = oe.contract('abc,abd,abd,ed,abf,abeg->fgcd', M_1, A11, t7, W_V, t13, M_2, optimize=[(1, 2), (1, 3), (2, 3), (0, 1), (0, 1)])
+    t27 += oe.contract('abcd,abe,cf,abf,abf,abg,abh->edhg', M_2, t14, W_V, t7, A11, A11, M_1, optimize=[(3, 4), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t28 = (1/n_batch) * X
+    t27 += oe.contract('abcd,abe,abf->edcf', M_2, t28, G, optimize=[(1, 2), (0, 1)])
+    t29 = H[d_V**2:2*d_V**2, 0:d_V**2]
     t30 = np.reshape(t29, (d_V, d_V, d_V, d_V), copy=False)
-    t31 = np.einsum('abcb->abc', t30)
-    t31 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bde', t28, t7, A11, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
-    t30 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t28, t7, A11, A11, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t31 = np.swapaxes(G, -1, -2)
+    t32 = (1/n_batch) * t31
+    t30[...] = oe.contract('abc,acde,acf->dbfe', t32, M_2, X, optimize=[(0, 2), (0, 1)])
+    t33 = np.swapaxes(M_1, -1, -2)
+    t34 = (1/(L*n_batch)) * t33
+    t30 += oe.contract('abc,abde,fd,abf,abf,agb->gfce', X, M_2, t12, A11, t7, t34, optimize=[(3, 4), (1, 2), (2, 3), (0, 1), (0, 1)])
+    t35 = (-1/(L*n_batch)) * t33
+    t30 += oe.contract('abc,acd,acd,ace,ef,acfg,ach->bdhg', t35, t7, A11, A11, t12, M_2, X, optimize=[(1, 2), (1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t36 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t36[...] = 0
+    t37 = np.reshape(t36, (d_V, d_V, d_V, d_V), copy=False)
+    t38 = np.einsum('abcb->abc', t37)
+    t38 += oe.contract('abc,acd,acd,ace->bde', t34, t7, A11, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
+    t37 += oe.contract('abc,acd,acd,ace,acf->bdfe', t35, t7, A11, A11, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
     return H
 
 
@@ -3689,23 +3783,26 @@ def ce_causal0__diag__W_QK__full(X, W_QK, W_V, Y):
     t9 = np.exp(t8 - t8.max(-1, keepdims=True))
     A10 = t9 / t9.sum(-1, keepdims=True)
     t11 = np.swapaxes(W_V, -1, -2)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,fg,abgd,abe->ed', M_2, X, W_V, t6, A10, t11, M_2, X, optimize=[(3, 4), (1, 5), (0, 1), (0, 1), (2, 3), (0, 2), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhd,abe->ed', M_2, X, W_V, t6, A10, A10, t11, M_2, X, optimize=[(3, 4), (1, 6), (0, 1), (3, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
+    t12 = (1/(L*n_batch)) * X
+    t0[...] = oe.contract('abcd,abe,cf,abf,abf,fg,abgd,abe->ed', M_2, t12, W_V, t6, A10, t11, M_2, X, optimize=[(3, 4), (1, 5), (0, 1), (0, 1), (2, 3), (0, 2), (0, 1)])
+    t13 = (-1/(L*n_batch)) * X
+    t0 += oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhd,abe->ed', M_2, t13, W_V, t6, A10, A10, t11, M_2, X, optimize=[(3, 4), (1, 6), (0, 1), (3, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
     F = t8
-    t12 = np.exp(F - F.max(-1, keepdims=True))
-    A13 = t12 / t12.sum(-1, keepdims=True)
-    t14 = t6 * A13
-    t15 = (1/L) * t14
-    t16 = (-1/L) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = t11 @ t1
-    t19 = G @ t18
-    t20 = t19 - (A * t19).sum(-1, keepdims=True)
-    t21 = A * t20
+    t14 = np.exp(F - F.max(-1, keepdims=True))
+    A15 = t14 / t14.sum(-1, keepdims=True)
+    t16 = t6 * A15
+    t17 = (1/L) * t16
+    t18 = (-1/L) * Y
+    t19 = t17 + t18
+    G = t19
+    t20 = t11 @ t1
+    t21 = G @ t20
+    t22 = t21 - (A * t21).sum(-1, keepdims=True)
+    t23 = A * t22
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/n_batch) * oe.contract('abc,acdd,acb->bd', t1, M_3, X, optimize=[(0, 2), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t24 = (1/n_batch) * t1
+    t0 += oe.contract('abc,acdd,acb->bd', t24, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -3768,23 +3865,26 @@ def ce_causal0__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     t9 = np.exp(t8 - t8.max(-1, keepdims=True))
     A10 = t9 / t9.sum(-1, keepdims=True)
     t11 = np.swapaxes(W_V, -1, -2)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi->edih', M_2, X, W_V, t6, A10, t11, M_2, X, optimize=[(3, 4), (0, 2), (1, 2), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhi,abj->edji', M_2, X, W_V, t6, A10, A10, t11, M_2, X, optimize=[(3, 4), (0, 2), (5, 6), (1, 2), (1, 4), (0, 2), (0, 2), (0, 1)])
+    t12 = (1/(L*n_batch)) * X
+    t0[...] = oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi->edih', M_2, t12, W_V, t6, A10, t11, M_2, X, optimize=[(3, 4), (0, 2), (1, 2), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t13 = (-1/(L*n_batch)) * X
+    t0 += oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhi,abj->edji', M_2, t13, W_V, t6, A10, A10, t11, M_2, X, optimize=[(3, 4), (0, 2), (5, 6), (1, 2), (1, 4), (0, 2), (0, 2), (0, 1)])
     F = t8
-    t12 = np.exp(F - F.max(-1, keepdims=True))
-    A13 = t12 / t12.sum(-1, keepdims=True)
-    t14 = t6 * A13
-    t15 = (1/L) * t14
-    t16 = (-1/L) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = t11 @ t1
-    t19 = G @ t18
-    t20 = t19 - (A * t19).sum(-1, keepdims=True)
-    t21 = A * t20
+    t14 = np.exp(F - F.max(-1, keepdims=True))
+    A15 = t14 / t14.sum(-1, keepdims=True)
+    t16 = t6 * A15
+    t17 = (1/L) * t16
+    t18 = (-1/L) * Y
+    t19 = t17 + t18
+    G = t19
+    t20 = t11 @ t1
+    t21 = G @ t20
+    t22 = t21 - (A * t21).sum(-1, keepdims=True)
+    t23 = A * t22
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/n_batch) * oe.contract('abc,acde,acf->bdfe', t1, M_3, X, optimize=[(0, 2), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t24 = (1/n_batch) * t1
+    t0 += oe.contract('abc,acde,acf->bdfe', t24, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -3848,17 +3948,20 @@ def ce_causal0__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     t8 = M_1 @ W_V
     t9 = np.exp(t8 - t8.max(-1, keepdims=True))
     A10 = t9 / t9.sum(-1, keepdims=True)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg->edgf', M_2, X, W_V, t6, A10, M_1, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,abh->edhg', M_2, X, W_V, t6, A10, A10, M_1, optimize=[(3, 4), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t11 = (1/(L*n_batch)) * X
+    t0[...] = oe.contract('abc,abd,abd,ed,abf,abeg->fgcd', M_1, A10, t6, W_V, t11, M_2, optimize=[(1, 2), (1, 3), (2, 3), (0, 1), (0, 1)])
+    t12 = (-1/(L*n_batch)) * X
+    t0 += oe.contract('abcd,abe,cf,abf,abf,abg,abh->edhg', M_2, t12, W_V, t6, A10, A10, M_1, optimize=[(3, 4), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)])
     F = t8
-    t11 = np.exp(F - F.max(-1, keepdims=True))
-    A12 = t11 / t11.sum(-1, keepdims=True)
-    t13 = t6 * A12
-    t14 = (1/L) * t13
-    t15 = (-1/L) * Y
-    t16 = t14 + t15
-    G = t16
-    t0 += (1/n_batch) * oe.contract('abcd,abe,abf->edcf', M_2, X, G, optimize=[(1, 2), (0, 1)])
+    t13 = np.exp(F - F.max(-1, keepdims=True))
+    A14 = t13 / t13.sum(-1, keepdims=True)
+    t15 = t6 * A14
+    t16 = (1/L) * t15
+    t17 = (-1/L) * Y
+    t18 = t16 + t17
+    G = t18
+    t19 = (1/n_batch) * X
+    t0 += oe.contract('abcd,abe,abf->edcf', M_2, t19, G, optimize=[(1, 2), (0, 1)])
     return out
 
 
@@ -3914,8 +4017,10 @@ def ce_causal0__diag__W_V__full(X, W_QK, W_V, Y):
     t9 = M_1 @ W_V
     t10 = np.exp(t9 - t9.max(-1, keepdims=True))
     A11 = t10 / t10.sum(-1, keepdims=True)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,acb->bd', t6, t8, A11, M_1, optimize=[(0, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->bd', t6, t8, A11, A11, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t12 = (1/(L*n_batch)) * t6
+    t0[...] = oe.contract('abc,acd,acd,acb->bd', t12, t8, A11, M_1, optimize=[(0, 3), (0, 1), (0, 1)])
+    t13 = (-1/(L*n_batch)) * t6
+    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t13, t8, A11, A11, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -3968,13 +4073,16 @@ def ce_causal0__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     t15 = np.swapaxes(G, -1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/n_batch) * oe.contract('abc,acde,acf->dbfe', t15, M_2, X, optimize=[(0, 2), (0, 1)])
-    t16 = np.swapaxes(M_1, -1, -2)
-    t17 = np.exp(t8 - t8.max(-1, keepdims=True))
-    A18 = t17 / t17.sum(-1, keepdims=True)
-    t19 = np.swapaxes(W_V, -1, -2)
-    t0 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg->bdgf', t16, t2, A18, t19, M_2, X, optimize=[(1, 2), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach->bdhg', t16, t2, A18, A18, t19, M_2, X, optimize=[(1, 2), (1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t16 = (1/n_batch) * t15
+    t0[...] = oe.contract('abc,acde,acf->dbfe', t16, M_2, X, optimize=[(0, 2), (0, 1)])
+    t17 = np.swapaxes(M_1, -1, -2)
+    t18 = np.exp(t8 - t8.max(-1, keepdims=True))
+    A19 = t18 / t18.sum(-1, keepdims=True)
+    t20 = np.swapaxes(W_V, -1, -2)
+    t21 = (1/(L*n_batch)) * t17
+    t0 += oe.contract('abc,abde,fd,abf,abf,agb->gfce', X, M_2, t20, A19, t2, t21, optimize=[(3, 4), (1, 2), (2, 3), (0, 1), (0, 1)])
+    t22 = (-1/(L*n_batch)) * t17
+    t0 += oe.contract('abc,acd,acd,ace,ef,acfg,ach->bdhg', t22, t2, A19, A19, t20, M_2, X, optimize=[(1, 2), (1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -4035,8 +4143,10 @@ def ce_causal0__block__W_V__W_V__full(X, W_QK, W_V, Y):
     t10 = M_1 @ W_V
     t11 = np.exp(t10 - t10.max(-1, keepdims=True))
     A12 = t11 / t11.sum(-1, keepdims=True)
-    t1 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bde', t7, t9, A12, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t7, t9, A12, A12, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t13 = (1/(L*n_batch)) * t7
+    t1 += oe.contract('abc,acd,acd,ace->bde', t13, t9, A12, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
+    t14 = (-1/(L*n_batch)) * t7
+    t0 += oe.contract('abc,acd,acd,ace,acf->bdfe', t14, t9, A12, A12, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
     return out
 
 
@@ -4148,23 +4258,27 @@ def ce_causal1__hessian__outer(X, W_QK, W_V, Y):
     t12 = np.exp(t11 - t11.max(-1, keepdims=True))
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.swapaxes(W_V, -1, -2)
-    t1[...] = (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi->edih', M_2, X, W_V, t9, A13, t14, M_2, X, optimize=[(3, 4), (0, 2), (1, 2), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t1 += (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhi,abj->edji', M_2, X, W_V, t9, A13, A13, t14, M_2, X, optimize=[(3, 4), (0, 2), (5, 6), (1, 2), (1, 4), (0, 2), (0, 2), (0, 1)])
-    t15 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t16 = np.reshape(t15, (d_V, d_V, d_V, d_V), copy=False)
-    t16[...] = (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg->edgf', M_2, X, W_V, t9, A13, M_1, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t16 += (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,abh->edhg', M_2, X, W_V, t9, A13, A13, M_1, optimize=[(3, 4), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t17 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t15 = (1/(L*n_batch)) * X
+    t1[...] = oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi->edih', M_2, t15, W_V, t9, A13, t14, M_2, X, optimize=[(3, 4), (0, 2), (1, 2), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t16 = (-1/(L*n_batch)) * X
+    t1 += oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhi,abj->edji', M_2, t16, W_V, t9, A13, A13, t14, M_2, X, optimize=[(3, 4), (0, 2), (5, 6), (1, 2), (1, 4), (0, 2), (0, 2), (0, 1)])
+    t17 = H[0:d_V**2, d_V**2:2*d_V**2]
     t18 = np.reshape(t17, (d_V, d_V, d_V, d_V), copy=False)
-    t19 = np.swapaxes(M_1, -1, -2)
-    t18[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg->bdgf', t19, t9, A13, t14, M_2, X, optimize=[(1, 2), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t18 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach->bdhg', t19, t9, A13, A13, t14, M_2, X, optimize=[(1, 2), (1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
-    t20 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t20[...] = 0
-    t21 = np.reshape(t20, (d_V, d_V, d_V, d_V), copy=False)
-    t22 = np.einsum('abcb->abc', t21)
-    t22 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bde', t19, t9, A13, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
-    t21 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t19, t9, A13, A13, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t18[...] = oe.contract('abc,abd,abd,ed,abf,abeg->fgcd', M_1, A13, t9, W_V, t15, M_2, optimize=[(1, 2), (1, 3), (2, 3), (0, 1), (0, 1)])
+    t18 += oe.contract('abcd,abe,cf,abf,abf,abg,abh->edhg', M_2, t16, W_V, t9, A13, A13, M_1, optimize=[(3, 4), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t19 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t20 = np.reshape(t19, (d_V, d_V, d_V, d_V), copy=False)
+    t21 = np.swapaxes(M_1, -1, -2)
+    t22 = (1/(L*n_batch)) * t21
+    t20[...] = oe.contract('abc,abde,fd,abf,abf,agb->gfce', X, M_2, t14, A13, t9, t22, optimize=[(3, 4), (1, 2), (2, 3), (0, 1), (0, 1)])
+    t23 = (-1/(L*n_batch)) * t21
+    t20 += oe.contract('abc,acd,acd,ace,ef,acfg,ach->bdhg', t23, t9, A13, A13, t14, M_2, X, optimize=[(1, 2), (1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t24 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t24[...] = 0
+    t25 = np.reshape(t24, (d_V, d_V, d_V, d_V), copy=False)
+    t26 = np.einsum('abcb->abc', t25)
+    t26 += oe.contract('abc,acd,acd,ace->bde', t22, t9, A13, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
+    t25 += oe.contract('abc,acd,acd,ace,acf->bdfe', t23, t9, A13, A13, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
     return H
 
 
@@ -4270,8 +4384,10 @@ def ce_causal1__diag__W_QK__outer(X, W_QK, W_V, Y):
     t11 = np.exp(t10 - t10.max(-1, keepdims=True))
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.swapaxes(W_V, -1, -2)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,fg,abgd,abe->ed', M_2, X, W_V, t8, A12, t13, M_2, X, optimize=[(3, 4), (1, 5), (0, 1), (0, 1), (2, 3), (0, 2), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhd,abe->ed', M_2, X, W_V, t8, A12, A12, t13, M_2, X, optimize=[(3, 4), (1, 6), (0, 1), (3, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
+    t14 = (1/(L*n_batch)) * X
+    t0[...] = oe.contract('abcd,abe,cf,abf,abf,fg,abgd,abe->ed', M_2, t14, W_V, t8, A12, t13, M_2, X, optimize=[(3, 4), (1, 5), (0, 1), (0, 1), (2, 3), (0, 2), (0, 1)])
+    t15 = (-1/(L*n_batch)) * X
+    t0 += oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhd,abe->ed', M_2, t15, W_V, t8, A12, A12, t13, M_2, X, optimize=[(3, 4), (1, 6), (0, 1), (3, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
     return out
 
 
@@ -4324,8 +4440,10 @@ def ce_causal1__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     t11 = np.exp(t10 - t10.max(-1, keepdims=True))
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.swapaxes(W_V, -1, -2)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi->edih', M_2, X, W_V, t8, A12, t13, M_2, X, optimize=[(3, 4), (0, 2), (1, 2), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhi,abj->edji', M_2, X, W_V, t8, A12, A12, t13, M_2, X, optimize=[(3, 4), (0, 2), (5, 6), (1, 2), (1, 4), (0, 2), (0, 2), (0, 1)])
+    t14 = (1/(L*n_batch)) * X
+    t0[...] = oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi->edih', M_2, t14, W_V, t8, A12, t13, M_2, X, optimize=[(3, 4), (0, 2), (1, 2), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t15 = (-1/(L*n_batch)) * X
+    t0 += oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhi,abj->edji', M_2, t15, W_V, t8, A12, A12, t13, M_2, X, optimize=[(3, 4), (0, 2), (5, 6), (1, 2), (1, 4), (0, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -4379,8 +4497,10 @@ def ce_causal1__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     t10 = M_1 @ W_V
     t11 = np.exp(t10 - t10.max(-1, keepdims=True))
     A12 = t11 / t11.sum(-1, keepdims=True)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg->edgf', M_2, X, W_V, t8, A12, M_1, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,abh->edhg', M_2, X, W_V, t8, A12, A12, M_1, optimize=[(3, 4), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t13 = (1/(L*n_batch)) * X
+    t0[...] = oe.contract('abc,abd,abd,ed,abf,abeg->fgcd', M_1, A12, t8, W_V, t13, M_2, optimize=[(1, 2), (1, 3), (2, 3), (0, 1), (0, 1)])
+    t14 = (-1/(L*n_batch)) * X
+    t0 += oe.contract('abcd,abe,cf,abf,abf,abg,abh->edhg', M_2, t14, W_V, t8, A12, A12, M_1, optimize=[(3, 4), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -4432,8 +4552,10 @@ def ce_causal1__diag__W_V__outer(X, W_QK, W_V, Y):
     t11 = M_1 @ W_V
     t12 = np.exp(t11 - t11.max(-1, keepdims=True))
     A13 = t12 / t12.sum(-1, keepdims=True)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,acb->bd', t8, t10, A13, M_1, optimize=[(0, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->bd', t8, t10, A13, A13, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t14 = (1/(L*n_batch)) * t8
+    t0[...] = oe.contract('abc,acd,acd,acb->bd', t14, t10, A13, M_1, optimize=[(0, 3), (0, 1), (0, 1)])
+    t15 = (-1/(L*n_batch)) * t8
+    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t15, t10, A13, A13, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -4485,8 +4607,10 @@ def ce_causal1__block__W_V__W_QK__outer(X, W_QK, W_V, Y):
     t14 = np.swapaxes(W_V, -1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg->bdgf', t8, t10, A13, t14, M_2, X, optimize=[(1, 2), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach->bdhg', t8, t10, A13, A13, t14, M_2, X, optimize=[(1, 2), (1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t15 = (1/(L*n_batch)) * t8
+    t0[...] = oe.contract('abc,abde,fd,abf,abf,agb->gfce', X, M_2, t14, A13, t10, t15, optimize=[(3, 4), (1, 2), (2, 3), (0, 1), (0, 1)])
+    t16 = (-1/(L*n_batch)) * t8
+    t0 += oe.contract('abc,acd,acd,ace,ef,acfg,ach->bdhg', t16, t10, A13, A13, t14, M_2, X, optimize=[(1, 2), (1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -4542,8 +4666,10 @@ def ce_causal1__block__W_V__W_V__outer(X, W_QK, W_V, Y):
     t12 = M_1 @ W_V
     t13 = np.exp(t12 - t12.max(-1, keepdims=True))
     A14 = t13 / t13.sum(-1, keepdims=True)
-    t1 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bde', t9, t11, A14, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t9, t11, A14, A14, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t15 = (1/(L*n_batch)) * t9
+    t1 += oe.contract('abc,acd,acd,ace->bde', t15, t11, A14, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
+    t16 = (-1/(L*n_batch)) * t9
+    t0 += oe.contract('abc,acd,acd,ace,acf->bdfe', t16, t11, A14, A14, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
     return out
 
 
@@ -4607,18 +4733,21 @@ def ce_causal1__hessian__functional(X, W_QK, W_V, Y):
     t22 = A * t21
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t22, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t22, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t22, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1[...] = (1/n_batch) * oe.contract('abc,acde,acf->bdfe', t2, M_3, X, optimize=[(0, 2), (0, 1)])
-    t23 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t24 = np.reshape(t23, (d_V, d_V, d_V, d_V), copy=False)
+    t23 = (1/n_batch) * t2
+    t1[...] = oe.contract('abc,acde,acf->bdfe', t23, M_3, X, optimize=[(0, 2), (0, 1)])
+    t24 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t25 = np.reshape(t24, (d_V, d_V, d_V, d_V), copy=False)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t24[...] = (1/n_batch) * oe.contract('abcd,abe,abf->edcf', M_2, X, G, optimize=[(1, 2), (0, 1)])
-    t25 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t26 = np.reshape(t25, (d_V, d_V, d_V, d_V), copy=False)
-    t27 = np.swapaxes(G, -1, -2)
-    t26[...] = (1/n_batch) * oe.contract('abc,acde,acf->dbfe', t27, M_2, X, optimize=[(0, 2), (0, 1)])
-    t28 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t28[...] = 0
+    t26 = (1/n_batch) * X
+    t25[...] = oe.contract('abcd,abe,abf->edcf', M_2, t26, G, optimize=[(1, 2), (0, 1)])
+    t27 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t28 = np.reshape(t27, (d_V, d_V, d_V, d_V), copy=False)
+    t29 = np.swapaxes(G, -1, -2)
+    t30 = (1/n_batch) * t29
+    t28[...] = oe.contract('abc,acde,acf->dbfe', t30, M_2, X, optimize=[(0, 2), (0, 1)])
+    t31 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t31[...] = 0
     return H
 
 
@@ -4748,7 +4877,8 @@ def ce_causal1__diag__W_QK__functional(X, W_QK, W_V, Y):
     t21 = A * t20
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t1, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/n_batch) * oe.contract('abc,acdd,acb->bd', t1, M_3, X, optimize=[(0, 2), (0, 1)])
+    t22 = (1/n_batch) * t1
+    t0[...] = oe.contract('abc,acdd,acb->bd', t22, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -4821,7 +4951,8 @@ def ce_causal1__block__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t21 = A * t20
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t1, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/n_batch) * oe.contract('abc,acde,acf->bdfe', t1, M_3, X, optimize=[(0, 2), (0, 1)])
+    t22 = (1/n_batch) * t1
+    t0[...] = oe.contract('abc,acde,acf->bdfe', t22, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -4891,7 +5022,8 @@ def ce_causal1__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
     t15 = (-1/L) * Y
     t16 = t14 + t15
     G = t16
-    t0[...] = (1/n_batch) * oe.contract('abcd,abe,abf->edcf', M_2, X, G, optimize=[(1, 2), (0, 1)])
+    t17 = (1/n_batch) * X
+    t0[...] = oe.contract('abcd,abe,abf->edcf', M_2, t17, G, optimize=[(1, 2), (0, 1)])
     return out
 
 
@@ -4975,7 +5107,8 @@ def ce_causal1__block__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t17 = np.swapaxes(G, -1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/n_batch) * oe.contract('abc,acde,acf->dbfe', t17, M_2, X, optimize=[(0, 2), (0, 1)])
+    t18 = (1/n_batch) * t17
+    t0[...] = oe.contract('abc,acde,acf->dbfe', t18, M_2, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -5055,41 +5188,48 @@ def ce_causal1__hessian__full(X, W_QK, W_V, Y):
     t12 = np.exp(t11 - t11.max(-1, keepdims=True))
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.swapaxes(W_V, -1, -2)
-    t1[...] = (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi->edih', M_2, X, W_V, t9, A13, t14, M_2, X, optimize=[(3, 4), (0, 2), (1, 2), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t1 += (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhi,abj->edji', M_2, X, W_V, t9, A13, A13, t14, M_2, X, optimize=[(3, 4), (0, 2), (5, 6), (1, 2), (1, 4), (0, 2), (0, 2), (0, 1)])
+    t15 = (1/(L*n_batch)) * X
+    t1[...] = oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi->edih', M_2, t15, W_V, t9, A13, t14, M_2, X, optimize=[(3, 4), (0, 2), (1, 2), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t16 = (-1/(L*n_batch)) * X
+    t1 += oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhi,abj->edji', M_2, t16, W_V, t9, A13, A13, t14, M_2, X, optimize=[(3, 4), (0, 2), (5, 6), (1, 2), (1, 4), (0, 2), (0, 2), (0, 1)])
     F = t11
-    t15 = np.exp(F - F.max(-1, keepdims=True))
-    A16 = t15 / t15.sum(-1, keepdims=True)
-    t17 = t9 * A16
-    t18 = (1/L) * t17
-    t19 = (-1/L) * Y
-    t20 = t18 + t19
-    G = t20
-    t21 = t14 @ t2
-    t22 = G @ t21
-    t23 = t22 - (A * t22).sum(-1, keepdims=True)
-    t24 = A * t23
+    t17 = np.exp(F - F.max(-1, keepdims=True))
+    A18 = t17 / t17.sum(-1, keepdims=True)
+    t19 = t9 * A18
+    t20 = (1/L) * t19
+    t21 = (-1/L) * Y
+    t22 = t20 + t21
+    G = t22
+    t23 = t14 @ t2
+    t24 = G @ t23
+    t25 = t24 - (A * t24).sum(-1, keepdims=True)
+    t26 = A * t25
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t24, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t24, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t24, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += (1/n_batch) * oe.contract('abc,acde,acf->bdfe', t2, M_3, X, optimize=[(0, 2), (0, 1)])
-    t25 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t26 = np.reshape(t25, (d_V, d_V, d_V, d_V), copy=False)
-    t26[...] = (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg->edgf', M_2, X, W_V, t9, A13, M_1, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t26 += (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,abh->edhg', M_2, X, W_V, t9, A13, A13, M_1, optimize=[(3, 4), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t26 += (1/n_batch) * oe.contract('abcd,abe,abf->edcf', M_2, X, G, optimize=[(1, 2), (0, 1)])
-    t27 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t28 = np.reshape(t27, (d_V, d_V, d_V, d_V), copy=False)
-    t29 = np.swapaxes(G, -1, -2)
-    t28[...] = (1/n_batch) * oe.contract('abc,acde,acf->dbfe', t29, M_2, X, optimize=[(0, 2), (0, 1)])
-    t30 = np.swapaxes(M_1, -1, -2)
-    t28 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg->bdgf', t30, t9, A13, t14, M_2, X, optimize=[(1, 2), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t28 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach->bdhg', t30, t9, A13, A13, t14, M_2, X, optimize=[(1, 2), (1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
-    t31 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t31[...] = 0
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t26, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t26, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t26, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t27 = (1/n_batch) * t2
+    t1 += oe.contract('abc,acde,acf->bdfe', t27, M_3, X, optimize=[(0, 2), (0, 1)])
+    t28 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t29 = np.reshape(t28, (d_V, d_V, d_V, d_V), copy=False)
+    t29[...] = oe.contract('abc,abd,abd,ed,abf,abeg->fgcd', M_1, A13, t9, W_V, t15, M_2, optimize=[(1, 2), (1, 3), (2, 3), (0, 1), (0, 1)])
+    t29 += oe.contract('abcd,abe,cf,abf,abf,abg,abh->edhg', M_2, t16, W_V, t9, A13, A13, M_1, optimize=[(3, 4), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t30 = (1/n_batch) * X
+    t29 += oe.contract('abcd,abe,abf->edcf', M_2, t30, G, optimize=[(1, 2), (0, 1)])
+    t31 = H[d_V**2:2*d_V**2, 0:d_V**2]
     t32 = np.reshape(t31, (d_V, d_V, d_V, d_V), copy=False)
-    t33 = np.einsum('abcb->abc', t32)
-    t33 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bde', t30, t9, A13, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
-    t32 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t30, t9, A13, A13, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t33 = np.swapaxes(G, -1, -2)
+    t34 = (1/n_batch) * t33
+    t32[...] = oe.contract('abc,acde,acf->dbfe', t34, M_2, X, optimize=[(0, 2), (0, 1)])
+    t35 = np.swapaxes(M_1, -1, -2)
+    t36 = (1/(L*n_batch)) * t35
+    t32 += oe.contract('abc,abde,fd,abf,abf,agb->gfce', X, M_2, t14, A13, t9, t36, optimize=[(3, 4), (1, 2), (2, 3), (0, 1), (0, 1)])
+    t37 = (-1/(L*n_batch)) * t35
+    t32 += oe.contract('abc,acd,acd,ace,ef,acfg,ach->bdhg', t37, t9, A13, A13, t14, M_2, X, optimize=[(1, 2), (1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t38 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t38[...] = 0
+    t39 = np.reshape(t38, (d_V, d_V, d_V, d_V), copy=False)
+    t40 = np.einsum('abcb->abc', t39)
+    t40 += oe.contract('abc,acd,acd,ace->bde', t36, t9, A13, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
+    t39 += oe.contract('abc,acd,acd,ace,acf->bdfe', t37, t9, A13, A13, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
     return H
 
 
@@ -5228,23 +5368,26 @@ def ce_causal1__diag__W_QK__full(X, W_QK, W_V, Y):
     t11 = np.exp(t10 - t10.max(-1, keepdims=True))
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.swapaxes(W_V, -1, -2)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,fg,abgd,abe->ed', M_2, X, W_V, t8, A12, t13, M_2, X, optimize=[(3, 4), (1, 5), (0, 1), (0, 1), (2, 3), (0, 2), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhd,abe->ed', M_2, X, W_V, t8, A12, A12, t13, M_2, X, optimize=[(3, 4), (1, 6), (0, 1), (3, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
+    t14 = (1/(L*n_batch)) * X
+    t0[...] = oe.contract('abcd,abe,cf,abf,abf,fg,abgd,abe->ed', M_2, t14, W_V, t8, A12, t13, M_2, X, optimize=[(3, 4), (1, 5), (0, 1), (0, 1), (2, 3), (0, 2), (0, 1)])
+    t15 = (-1/(L*n_batch)) * X
+    t0 += oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhd,abe->ed', M_2, t15, W_V, t8, A12, A12, t13, M_2, X, optimize=[(3, 4), (1, 6), (0, 1), (3, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
     F = t10
-    t14 = np.exp(F - F.max(-1, keepdims=True))
-    A15 = t14 / t14.sum(-1, keepdims=True)
-    t16 = t8 * A15
-    t17 = (1/L) * t16
-    t18 = (-1/L) * Y
-    t19 = t17 + t18
-    G = t19
-    t20 = t13 @ t1
-    t21 = G @ t20
-    t22 = t21 - (A * t21).sum(-1, keepdims=True)
-    t23 = A * t22
+    t16 = np.exp(F - F.max(-1, keepdims=True))
+    A17 = t16 / t16.sum(-1, keepdims=True)
+    t18 = t8 * A17
+    t19 = (1/L) * t18
+    t20 = (-1/L) * Y
+    t21 = t19 + t20
+    G = t21
+    t22 = t13 @ t1
+    t23 = G @ t22
+    t24 = t23 - (A * t23).sum(-1, keepdims=True)
+    t25 = A * t24
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/n_batch) * oe.contract('abc,acdd,acb->bd', t1, M_3, X, optimize=[(0, 2), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t25, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t25, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t25, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t26 = (1/n_batch) * t1
+    t0 += oe.contract('abc,acdd,acb->bd', t26, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -5311,23 +5454,26 @@ def ce_causal1__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     t11 = np.exp(t10 - t10.max(-1, keepdims=True))
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.swapaxes(W_V, -1, -2)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi->edih', M_2, X, W_V, t8, A12, t13, M_2, X, optimize=[(3, 4), (0, 2), (1, 2), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhi,abj->edji', M_2, X, W_V, t8, A12, A12, t13, M_2, X, optimize=[(3, 4), (0, 2), (5, 6), (1, 2), (1, 4), (0, 2), (0, 2), (0, 1)])
+    t14 = (1/(L*n_batch)) * X
+    t0[...] = oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi->edih', M_2, t14, W_V, t8, A12, t13, M_2, X, optimize=[(3, 4), (0, 2), (1, 2), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t15 = (-1/(L*n_batch)) * X
+    t0 += oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhi,abj->edji', M_2, t15, W_V, t8, A12, A12, t13, M_2, X, optimize=[(3, 4), (0, 2), (5, 6), (1, 2), (1, 4), (0, 2), (0, 2), (0, 1)])
     F = t10
-    t14 = np.exp(F - F.max(-1, keepdims=True))
-    A15 = t14 / t14.sum(-1, keepdims=True)
-    t16 = t8 * A15
-    t17 = (1/L) * t16
-    t18 = (-1/L) * Y
-    t19 = t17 + t18
-    G = t19
-    t20 = t13 @ t1
-    t21 = G @ t20
-    t22 = t21 - (A * t21).sum(-1, keepdims=True)
-    t23 = A * t22
+    t16 = np.exp(F - F.max(-1, keepdims=True))
+    A17 = t16 / t16.sum(-1, keepdims=True)
+    t18 = t8 * A17
+    t19 = (1/L) * t18
+    t20 = (-1/L) * Y
+    t21 = t19 + t20
+    G = t21
+    t22 = t13 @ t1
+    t23 = G @ t22
+    t24 = t23 - (A * t23).sum(-1, keepdims=True)
+    t25 = A * t24
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/n_batch) * oe.contract('abc,acde,acf->bdfe', t1, M_3, X, optimize=[(0, 2), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t25, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t25, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t25, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t26 = (1/n_batch) * t1
+    t0 += oe.contract('abc,acde,acf->bdfe', t26, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -5395,17 +5541,20 @@ def ce_causal1__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     t10 = M_1 @ W_V
     t11 = np.exp(t10 - t10.max(-1, keepdims=True))
     A12 = t11 / t11.sum(-1, keepdims=True)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg->edgf', M_2, X, W_V, t8, A12, M_1, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,abh->edhg', M_2, X, W_V, t8, A12, A12, M_1, optimize=[(3, 4), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t13 = (1/(L*n_batch)) * X
+    t0[...] = oe.contract('abc,abd,abd,ed,abf,abeg->fgcd', M_1, A12, t8, W_V, t13, M_2, optimize=[(1, 2), (1, 3), (2, 3), (0, 1), (0, 1)])
+    t14 = (-1/(L*n_batch)) * X
+    t0 += oe.contract('abcd,abe,cf,abf,abf,abg,abh->edhg', M_2, t14, W_V, t8, A12, A12, M_1, optimize=[(3, 4), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)])
     F = t10
-    t13 = np.exp(F - F.max(-1, keepdims=True))
-    A14 = t13 / t13.sum(-1, keepdims=True)
-    t15 = t8 * A14
-    t16 = (1/L) * t15
-    t17 = (-1/L) * Y
-    t18 = t16 + t17
-    G = t18
-    t0 += (1/n_batch) * oe.contract('abcd,abe,abf->edcf', M_2, X, G, optimize=[(1, 2), (0, 1)])
+    t15 = np.exp(F - F.max(-1, keepdims=True))
+    A16 = t15 / t15.sum(-1, keepdims=True)
+    t17 = t8 * A16
+    t18 = (1/L) * t17
+    t19 = (-1/L) * Y
+    t20 = t18 + t19
+    G = t20
+    t21 = (1/n_batch) * X
+    t0 += oe.contract('abcd,abe,abf->edcf', M_2, t21, G, optimize=[(1, 2), (0, 1)])
     return out
 
 
@@ -5465,8 +5614,10 @@ def ce_causal1__diag__W_V__full(X, W_QK, W_V, Y):
     t11 = M_1 @ W_V
     t12 = np.exp(t11 - t11.max(-1, keepdims=True))
     A13 = t12 / t12.sum(-1, keepdims=True)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,acb->bd', t8, t10, A13, M_1, optimize=[(0, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->bd', t8, t10, A13, A13, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t14 = (1/(L*n_batch)) * t8
+    t0[...] = oe.contract('abc,acd,acd,acb->bd', t14, t10, A13, M_1, optimize=[(0, 3), (0, 1), (0, 1)])
+    t15 = (-1/(L*n_batch)) * t8
+    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t15, t10, A13, A13, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -5523,13 +5674,16 @@ def ce_causal1__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     t17 = np.swapaxes(G, -1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/n_batch) * oe.contract('abc,acde,acf->dbfe', t17, M_2, X, optimize=[(0, 2), (0, 1)])
-    t18 = np.swapaxes(M_1, -1, -2)
-    t19 = np.exp(t10 - t10.max(-1, keepdims=True))
-    A20 = t19 / t19.sum(-1, keepdims=True)
-    t21 = np.swapaxes(W_V, -1, -2)
-    t0 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg->bdgf', t18, t2, A20, t21, M_2, X, optimize=[(1, 2), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach->bdhg', t18, t2, A20, A20, t21, M_2, X, optimize=[(1, 2), (1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t18 = (1/n_batch) * t17
+    t0[...] = oe.contract('abc,acde,acf->dbfe', t18, M_2, X, optimize=[(0, 2), (0, 1)])
+    t19 = np.swapaxes(M_1, -1, -2)
+    t20 = np.exp(t10 - t10.max(-1, keepdims=True))
+    A21 = t20 / t20.sum(-1, keepdims=True)
+    t22 = np.swapaxes(W_V, -1, -2)
+    t23 = (1/(L*n_batch)) * t19
+    t0 += oe.contract('abc,abde,fd,abf,abf,agb->gfce', X, M_2, t22, A21, t2, t23, optimize=[(3, 4), (1, 2), (2, 3), (0, 1), (0, 1)])
+    t24 = (-1/(L*n_batch)) * t19
+    t0 += oe.contract('abc,acd,acd,ace,ef,acfg,ach->bdhg', t24, t2, A21, A21, t22, M_2, X, optimize=[(1, 2), (1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -5594,8 +5748,10 @@ def ce_causal1__block__W_V__W_V__full(X, W_QK, W_V, Y):
     t12 = M_1 @ W_V
     t13 = np.exp(t12 - t12.max(-1, keepdims=True))
     A14 = t13 / t13.sum(-1, keepdims=True)
-    t1 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bde', t9, t11, A14, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t9, t11, A14, A14, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t15 = (1/(L*n_batch)) * t9
+    t1 += oe.contract('abc,acd,acd,ace->bde', t15, t11, A14, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
+    t16 = (-1/(L*n_batch)) * t9
+    t0 += oe.contract('abc,acd,acd,ace,acf->bdfe', t16, t11, A14, A14, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
     return out
 
 

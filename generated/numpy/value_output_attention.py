@@ -120,68 +120,78 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
     t11 = t9 @ t10
     t12 = W_O @ t11
     t13 = W_V @ t12
-    t1[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t2, M_2, X, t13, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t14 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t15 = np.reshape(t14, (d_V, d_K, d_V, d_K), copy=False)
-    t15[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t2, M_2, X, t13, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
-    t16 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t17 = np.reshape(t16, (d_V, d_K, d_V, d_H), copy=False)
-    t18 = A @ X
-    M_1 = t18
-    t19 = W_O @ t9
-    t20 = W_V @ t19
-    t17[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t2, M_2, X, M_1, t20, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t21 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t22 = np.reshape(t21, (d_V, d_K, d_H, d_V), copy=False)
-    t23 = M_1 @ W_V
-    t24 = W_V @ W_O
-    t22[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t2, M_2, X, t23, t24, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t25 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t26 = np.reshape(t25, (d_V, d_K, d_V, d_K), copy=False)
-    t27 = np.swapaxes(W_Q, -1, -2)
-    t26[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t27, M_2, X, t13, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t28 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t29 = np.reshape(t28, (d_V, d_K, d_V, d_K), copy=False)
-    t29[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t27, M_2, X, t13, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
-    t30 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t31 = np.reshape(t30, (d_V, d_K, d_V, d_H), copy=False)
-    t31[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fagh', t27, M_2, X, M_1, t20, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
-    t32 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t33 = np.reshape(t32, (d_V, d_K, d_H, d_V), copy=False)
-    t33[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fagh', t27, M_2, X, t23, t24, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
-    t34 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t35 = np.reshape(t34, (d_V, d_H, d_V, d_K), copy=False)
-    t36 = np.swapaxes(M_1, -1, -2)
-    t35[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,fh->bdgh', t36, t12, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t37 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t38 = np.reshape(t37, (d_V, d_H, d_V, d_K), copy=False)
-    t38[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,gh->bdfh', t36, t12, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
-    t39 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t40 = np.reshape(t39, (d_V, d_H, d_V, d_H), copy=False)
-    t41 = t36 @ M_1
-    t40[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,de->bdce', t41, t19, optimize=[(0, 1)])
-    t42 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t43 = np.reshape(t42, (d_V, d_H, d_H, d_V), copy=False)
-    t44 = t36 @ t23
-    t43[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,de->bdce', t44, W_O, optimize=[(0, 1)])
-    t45 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t46 = np.reshape(t45, (d_H, d_V, d_V, d_K), copy=False)
-    t47 = t10 @ t36
-    t46[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,fh->bdgh', t47, t11, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t48 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t49 = np.reshape(t48, (d_H, d_V, d_V, d_K), copy=False)
-    t49[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,gh->bdfh', t47, t11, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
-    t50 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t51 = np.reshape(t50, (d_H, d_V, d_V, d_H), copy=False)
-    t52 = t47 @ M_1
-    t51[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,de->bdce', t52, t9, optimize=[(0, 1)])
-    t53 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t53[...] = 0
-    t54 = np.reshape(t53, (d_H, d_V, d_H, d_V), copy=False)
-    t55 = np.einsum('abcb->abc', t54)
-    t56 = t47 @ t23
-    t57 = np.ones((d_V,), dtype=X.dtype)
-    t55 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bdc', t56, t57, optimize=[(0, 1)])
+    t14 = (2/(L*d_K*d_V*n_batch)) * t2
+    t1[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t14, M_2, X, t13, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t15 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t16 = np.reshape(t15, (d_V, d_K, d_V, d_K), copy=False)
+    t16[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t14, M_2, X, t13, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
+    t17 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t18 = np.reshape(t17, (d_V, d_K, d_V, d_H), copy=False)
+    t19 = A @ X
+    M_1 = t19
+    t20 = W_O @ t9
+    t21 = W_V @ t20
+    t22 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
+    t18[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t22, M_2, X, M_1, t21, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t23 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t24 = np.reshape(t23, (d_V, d_K, d_H, d_V), copy=False)
+    t25 = M_1 @ W_V
+    t26 = W_V @ W_O
+    t24[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t22, M_2, X, t25, t26, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t27 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t28 = np.reshape(t27, (d_V, d_K, d_V, d_K), copy=False)
+    t29 = np.swapaxes(W_Q, -1, -2)
+    t30 = (2/(L*d_K*d_V*n_batch)) * t29
+    t28[...] = oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t30, M_2, X, t13, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t31 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t32 = np.reshape(t31, (d_V, d_K, d_V, d_K), copy=False)
+    t32[...] = oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t30, M_2, X, t13, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t33 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t34 = np.reshape(t33, (d_V, d_K, d_V, d_H), copy=False)
+    t35 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t29
+    t34[...] = oe.contract('ab,cde,cdf,cdag,hf->gheb', t21, M_1, X, M_2, t35, optimize=[(0, 3), (1, 2), (0, 2), (0, 1)])
+    t36 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t37 = np.reshape(t36, (d_V, d_K, d_H, d_V), copy=False)
+    t37[...] = oe.contract('ab,cde,cdf,cdag,hf->gheb', t26, t25, X, M_2, t35, optimize=[(0, 3), (1, 2), (0, 2), (0, 1)])
+    t38 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t39 = np.reshape(t38, (d_V, d_H, d_V, d_K), copy=False)
+    t40 = np.swapaxes(M_1, -1, -2)
+    t41 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t40
+    t39[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t41, t12, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t42 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t43 = np.reshape(t42, (d_V, d_H, d_V, d_K), copy=False)
+    t43[...] = oe.contract('abc,de,acef,acg,gh->bdfh', t41, t12, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t44 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t45 = np.reshape(t44, (d_V, d_H, d_V, d_H), copy=False)
+    t46 = t40 @ M_1
+    t47 = (2/(L*d_V*n_batch)) * t20
+    t45[...] = oe.contract('abc,de->bdce', t46, t47, optimize=[(0, 1)])
+    t48 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t49 = np.reshape(t48, (d_V, d_H, d_H, d_V), copy=False)
+    t50 = t40 @ t25
+    t51 = (2/(L*d_V*n_batch)) * W_O
+    t49[...] = oe.contract('abc,de->bdce', t50, t51, optimize=[(0, 1)])
+    t52 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t53 = np.reshape(t52, (d_H, d_V, d_V, d_K), copy=False)
+    t54 = t10 @ t40
+    t55 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t54
+    t53[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t55, t11, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t56 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t57 = np.reshape(t56, (d_H, d_V, d_V, d_K), copy=False)
+    t57[...] = oe.contract('abc,de,acef,acg,gh->bdfh', t55, t11, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t58 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t59 = np.reshape(t58, (d_H, d_V, d_V, d_H), copy=False)
+    t60 = t54 @ M_1
+    t61 = (2/(L*d_V*n_batch)) * t9
+    t59[...] = oe.contract('abc,de->bdce', t60, t61, optimize=[(0, 1)])
+    t62 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t62[...] = 0
+    t63 = np.reshape(t62, (d_H, d_V, d_H, d_V), copy=False)
+    t64 = np.einsum('abcb->abc', t63)
+    t65 = t54 @ t25
+    t66 = np.ones((d_V,), dtype=X.dtype)
+    t67 = (2/(L*d_V*n_batch)) * t66
+    t64 += oe.contract('abc,d->bdc', t65, t67, optimize=[(0, 1)])
     return H
 
 
@@ -342,7 +352,8 @@ def mse_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t10 = t8 @ t9
     t11 = W_O @ t10
     t12 = W_V @ t11
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdf,ha->fa', t1, M_2, X, t12, M_2, X, W_K, optimize=[(2, 5), (0, 1), (0, 1), (2, 3), (0, 2), (0, 1)])
+    t13 = (2/(L*d_K*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdf,ha->fa', t13, M_2, X, t12, M_2, X, W_K, optimize=[(2, 5), (0, 1), (0, 1), (2, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -395,7 +406,8 @@ def mse_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t10 = t8 @ t9
     t11 = W_O @ t10
     t12 = W_V @ t11
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t1, M_2, X, t12, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t13 = (2/(L*d_K*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t13, M_2, X, t12, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -450,7 +462,8 @@ def mse_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     t10 = t8 @ t9
     t11 = W_O @ t10
     t12 = W_V @ t11
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t1, M_2, X, t12, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
+    t13 = (2/(L*d_K*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t13, M_2, X, t12, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -505,7 +518,8 @@ def mse_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     t9 = np.swapaxes(W_O, -1, -2)
     t10 = W_O @ t9
     t11 = W_V @ t10
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t1, M_2, X, M_1, t11, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t12 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t12, M_2, X, M_1, t11, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -559,7 +573,8 @@ def mse_causal0__block__W_Q__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     M_1 = t8
     t9 = M_1 @ W_V
     t10 = W_V @ W_O
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t1, M_2, X, t9, t10, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t11 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t11, M_2, X, t9, t10, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -614,7 +629,8 @@ def mse_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     t11 = t9 @ t10
     t12 = W_O @ t11
     t13 = W_V @ t12
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgf,cdh,ha->fa', t1, M_2, X, t13, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t14 = (2/(L*d_K*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,eg,cdgf,cdh,ha->fa', t14, M_2, X, t13, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -669,7 +685,8 @@ def mse_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t11 = t9 @ t10
     t12 = W_O @ t11
     t13 = W_V @ t12
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t1, M_2, X, t13, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t14 = (2/(L*d_K*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t14, M_2, X, t13, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -726,7 +743,8 @@ def mse_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     t11 = t9 @ t10
     t12 = W_O @ t11
     t13 = W_V @ t12
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t1, M_2, X, t13, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t14 = (2/(L*d_K*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t14, M_2, X, t13, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -783,7 +801,8 @@ def mse_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     t10 = np.swapaxes(W_O, -1, -2)
     t11 = W_O @ t10
     t12 = W_V @ t11
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fagh', t1, M_2, X, M_1, t12, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
+    t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cdf,cdag,hf->gheb', t12, M_1, X, M_2, t13, optimize=[(0, 3), (1, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -839,7 +858,8 @@ def mse_causal0__block__W_K__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     M_1 = t9
     t10 = M_1 @ W_V
     t11 = W_V @ W_O
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fagh', t1, M_2, X, t10, t11, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
+    t12 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cdf,cdag,hf->gheb', t11, t10, X, M_2, t12, optimize=[(0, 3), (1, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -893,7 +913,8 @@ def mse_causal0__diag__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     t10 = t9 @ M_1
     t11 = np.swapaxes(W_O, -1, -2)
     t12 = W_O @ t11
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abb,cc->bc', t10, t12, optimize=[(0, 1)])
+    t13 = (2/(L*d_V*n_batch)) * t12
+    t0[...] = oe.contract('abb,cc->bc', t10, t13, optimize=[(0, 1)])
     return out
 
 
@@ -947,7 +968,8 @@ def mse_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t13 = W_O @ t12
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,fh->bdgh', t9, t13, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t9
+    t0[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t14, t13, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -1006,7 +1028,8 @@ def mse_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     t13 = W_O @ t12
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,gh->bdfh', t9, t13, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t9
+    t0[...] = oe.contract('abc,de,acef,acg,gh->bdfh', t14, t13, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -1062,7 +1085,8 @@ def mse_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     t10 = t9 @ M_1
     t11 = np.swapaxes(W_O, -1, -2)
     t12 = W_O @ t11
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,de->bdce', t10, t12, optimize=[(0, 1)])
+    t13 = (2/(L*d_V*n_batch)) * t12
+    t0[...] = oe.contract('abc,de->bdce', t10, t13, optimize=[(0, 1)])
     return out
 
 
@@ -1114,7 +1138,8 @@ def mse_causal0__block__W_V__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     t9 = np.swapaxes(M_1, -1, -2)
     t10 = M_1 @ W_V
     t11 = t9 @ t10
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,de->bdce', t11, W_O, optimize=[(0, 1)])
+    t12 = (2/(L*d_V*n_batch)) * W_O
+    t0[...] = oe.contract('abc,de->bdce', t11, t12, optimize=[(0, 1)])
     return out
 
 
@@ -1168,7 +1193,8 @@ def mse_causal0__diag__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     t12 = M_1 @ W_V
     t13 = t11 @ t12
     t14 = np.ones((d_V,), dtype=X.dtype)
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abb,c->bc', t13, t14, optimize=[(0, 1)])
+    t15 = (2/(L*d_V*n_batch)) * t14
+    t0[...] = oe.contract('abb,c->bc', t13, t15, optimize=[(0, 1)])
     return out
 
 
@@ -1223,7 +1249,8 @@ def mse_causal0__block__W_O__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t13 = t12 @ t1
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,fh->bdgh', t11, t13, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t11
+    t0[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t14, t13, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -1282,7 +1309,8 @@ def mse_causal0__block__W_O__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     t13 = t12 @ t1
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,gh->bdfh', t11, t13, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t11
+    t0[...] = oe.contract('abc,de,acef,acg,gh->bdfh', t14, t13, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -1339,7 +1367,8 @@ def mse_causal0__block__W_O__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     t11 = t1 @ t10
     t12 = t11 @ M_1
     t13 = np.swapaxes(W_O, -1, -2)
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,de->bdce', t12, t13, optimize=[(0, 1)])
+    t14 = (2/(L*d_V*n_batch)) * t13
+    t0[...] = oe.contract('abc,de->bdce', t12, t14, optimize=[(0, 1)])
     return out
 
 
@@ -1397,7 +1426,8 @@ def mse_causal0__block__W_O__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     t13 = M_1 @ W_V
     t14 = t12 @ t13
     t15 = np.ones((d_V,), dtype=X.dtype)
-    t1 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bdc', t14, t15, optimize=[(0, 1)])
+    t16 = (2/(L*d_V*n_batch)) * t15
+    t1 += oe.contract('abc,d->bdc', t14, t16, optimize=[(0, 1)])
     return out
 
 
@@ -1464,76 +1494,84 @@ def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, W_O, Y):
     t21 = A * t20
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t3, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t2, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
-    t22 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t22[...] = 0
-    t23 = np.reshape(t22, (d_V, d_K, d_V, d_K), copy=False)
-    t24 = np.einsum('abcb->abc', t23)
-    t25 = t21 @ X
-    t26 = t3 @ t25
-    t27 = np.ones((d_K,), dtype=X.dtype)
-    t24 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t26, t27, optimize=[(0, 1)])
-    t23 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t2, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
-    t28 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t29 = np.reshape(t28, (d_V, d_K, d_V, d_H), copy=False)
+    t22 = (1/(d_K*n_batch)) * t2
+    t1[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t22, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t23 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t23[...] = 0
+    t24 = np.reshape(t23, (d_V, d_K, d_V, d_K), copy=False)
+    t25 = np.einsum('abcb->abc', t24)
+    t26 = t21 @ X
+    t27 = t3 @ t26
+    t28 = np.ones((d_K,), dtype=X.dtype)
+    t29 = (1/(math.sqrt(d_K)*n_batch)) * t28
+    t25 += oe.contract('abc,d->bdc', t27, t29, optimize=[(0, 1)])
+    t24 += oe.contract('ab,cde,cebf,ceg,gh->dafh', t22, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t30 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t31 = np.reshape(t30, (d_V, d_K, d_V, d_H), copy=False)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t30 = G @ t15
-    t29[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t2, M_2, X, t30, optimize=[(0, 1), (0, 1), (0, 1)])
-    t31 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t32 = np.reshape(t31, (d_V, d_K, d_H, d_V), copy=False)
-    t32[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fahg', t2, M_2, X, G, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t33 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t33[...] = 0
-    t34 = np.reshape(t33, (d_V, d_K, d_V, d_K), copy=False)
-    t35 = np.einsum('abcb->abc', t34)
-    t36 = np.swapaxes(t21, -1, -2)
-    t37 = t36 @ X
-    t38 = t3 @ t37
-    t35 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t38, t27, optimize=[(0, 1)])
-    t39 = np.swapaxes(W_Q, -1, -2)
-    t34 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t39, t3, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
-    t40 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t41 = np.reshape(t40, (d_V, d_K, d_V, d_K), copy=False)
-    t41[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t39, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t42 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t43 = np.reshape(t42, (d_V, d_K, d_V, d_H), copy=False)
-    t43[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t39, M_2, X, t30, optimize=[(0, 2), (1, 2), (0, 1)])
-    t44 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t45 = np.reshape(t44, (d_V, d_K, d_H, d_V), copy=False)
-    t45[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fahg', t39, M_2, X, G, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
-    t46 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t47 = np.reshape(t46, (d_V, d_H, d_V, d_K), copy=False)
-    t48 = np.swapaxes(G, -1, -2)
-    t49 = W_O @ t48
-    t47[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t49, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
-    t50 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t51 = np.reshape(t50, (d_V, d_H, d_V, d_K), copy=False)
-    t51[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t49, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t52 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t52[...] = 0
-    t53 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t53[...] = 0
-    t54 = np.reshape(t53, (d_V, d_H, d_H, d_V), copy=False)
-    t55 = np.einsum('abbc->abc', t54)
-    t56 = np.swapaxes(M_1, -1, -2)
-    t57 = t56 @ G
-    t58 = np.ones((d_H,), dtype=X.dtype)
-    t55 += (1/n_batch) * oe.contract('abc,d->bdc', t57, t58, optimize=[(0, 1)])
-    t59 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t60 = np.reshape(t59, (d_H, d_V, d_V, d_K), copy=False)
-    t60[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,acef,acg,fh->dbgh', t48, t16, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t61 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t62 = np.reshape(t61, (d_H, d_V, d_V, d_K), copy=False)
-    t62[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,acef,acg,gh->dbfh', t48, t16, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
-    t63 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t63[...] = 0
-    t64 = np.reshape(t63, (d_H, d_V, d_V, d_H), copy=False)
-    t65 = np.einsum('abca->abc', t64)
-    t66 = t48 @ M_1
-    t65 += (1/n_batch) * oe.contract('abc,d->dbc', t66, t58, optimize=[(0, 1)])
-    t67 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t67[...] = 0
+    t32 = G @ t15
+    t33 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t31[...] = oe.contract('abc,abd,abef,gf->dgec', t32, X, M_2, t33, optimize=[(0, 1), (0, 1), (0, 1)])
+    t34 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t35 = np.reshape(t34, (d_V, d_K, d_H, d_V), copy=False)
+    t35[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fahg', t33, M_2, X, G, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t36 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t36[...] = 0
+    t37 = np.reshape(t36, (d_V, d_K, d_V, d_K), copy=False)
+    t38 = np.einsum('abcb->abc', t37)
+    t39 = np.swapaxes(t21, -1, -2)
+    t40 = t39 @ X
+    t41 = t3 @ t40
+    t38 += oe.contract('abc,d->bdc', t41, t29, optimize=[(0, 1)])
+    t42 = np.swapaxes(W_Q, -1, -2)
+    t43 = (1/(d_K*n_batch)) * t42
+    t37 += oe.contract('ab,cde,cdfa,cgd,hg->fheb', W_K, X, M_3, t3, t43, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t44 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t45 = np.reshape(t44, (d_V, d_K, d_V, d_K), copy=False)
+    t45[...] = oe.contract('ab,cbd,cdef,cdg,gh->eafh', t43, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t46 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t47 = np.reshape(t46, (d_V, d_K, d_V, d_H), copy=False)
+    t48 = (1/(math.sqrt(d_K)*n_batch)) * t42
+    t47[...] = oe.contract('ab,cdef,cdb,cdg->faeg', t48, M_2, X, t32, optimize=[(0, 2), (1, 2), (0, 1)])
+    t49 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t50 = np.reshape(t49, (d_V, d_K, d_H, d_V), copy=False)
+    t50[...] = oe.contract('ab,cdef,cdb,cdg,eh->fahg', t48, M_2, X, G, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
+    t51 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t52 = np.reshape(t51, (d_V, d_H, d_V, d_K), copy=False)
+    t53 = np.swapaxes(G, -1, -2)
+    t54 = W_O @ t53
+    t55 = (1/(math.sqrt(d_K)*n_batch)) * t54
+    t52[...] = oe.contract('ab,cde,cdfa,cgd->fgeb', W_K, X, M_2, t55, optimize=[(0, 2), (0, 1), (0, 1)])
+    t56 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t57 = np.reshape(t56, (d_V, d_H, d_V, d_K), copy=False)
+    t57[...] = oe.contract('abc,acde,acf,fg->dbeg', t55, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    t58 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t58[...] = 0
+    t59 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t59[...] = 0
+    t60 = np.reshape(t59, (d_V, d_H, d_H, d_V), copy=False)
+    t61 = np.einsum('abbc->abc', t60)
+    t62 = np.swapaxes(M_1, -1, -2)
+    t63 = t62 @ G
+    t64 = np.ones((d_H,), dtype=X.dtype)
+    t65 = (1/n_batch) * t64
+    t61 += oe.contract('abc,d->bdc', t63, t65, optimize=[(0, 1)])
+    t66 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t67 = np.reshape(t66, (d_H, d_V, d_V, d_K), copy=False)
+    t68 = (1/(math.sqrt(d_K)*n_batch)) * t53
+    t67[...] = oe.contract('abc,de,acef,acg,fh->dbgh', t68, t16, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t69 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t70 = np.reshape(t69, (d_H, d_V, d_V, d_K), copy=False)
+    t70[...] = oe.contract('abc,de,acef,acg,gh->dbfh', t68, t16, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t71 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t71[...] = 0
+    t72 = np.reshape(t71, (d_H, d_V, d_V, d_H), copy=False)
+    t73 = np.einsum('abca->abc', t72)
+    t74 = t53 @ M_1
+    t73 += oe.contract('abc,d->dbc', t74, t65, optimize=[(0, 1)])
+    t75 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t75[...] = 0
     return H
 
 
@@ -1743,7 +1781,8 @@ def mse_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t20 = A * t19
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->da', t1, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
+    t21 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cebf,ced,fa->da', t21, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -1818,7 +1857,8 @@ def mse_causal0__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t20 = A * t19
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t1, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t21 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t21, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -1898,10 +1938,12 @@ def mse_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t22 = t21 @ X
     t23 = t2 @ t22
     t24 = np.ones((d_K,), dtype=X.dtype)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t23, t24, optimize=[(0, 1)])
+    t25 = (1/(math.sqrt(d_K)*n_batch)) * t24
+    t1 += oe.contract('abc,d->bdc', t23, t25, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t3, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t26 = (1/(d_K*n_batch)) * t3
+    t0 += oe.contract('ab,cde,cebf,ceg,gh->dafh', t26, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -1975,7 +2017,8 @@ def mse_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     G = t13
     t14 = np.swapaxes(W_O, -1, -2)
     t15 = G @ t14
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t1, M_2, X, t15, optimize=[(0, 1), (0, 1), (0, 1)])
+    t16 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('abc,abd,abef,gf->dgec', t15, X, M_2, t16, optimize=[(0, 1), (0, 1), (0, 1)])
     return out
 
 
@@ -2040,7 +2083,8 @@ def mse_causal0__block__W_Q__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     t12 = (-2/(L*d_V)) * Y
     t13 = t11 + t12
     G = t13
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fahg', t1, M_2, X, G, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t14 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fahg', t14, M_2, X, G, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -2111,7 +2155,8 @@ def mse_causal0__diag__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t21 = A * t20
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->ea', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t22 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cbd,cdee,cdf,fa->ea', t22, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -2191,11 +2236,13 @@ def mse_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t23 = t22 @ X
     t24 = t2 @ t23
     t25 = np.ones((d_K,), dtype=X.dtype)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t24, t25, optimize=[(0, 1)])
-    t26 = np.swapaxes(W_Q, -1, -2)
+    t26 = (1/(math.sqrt(d_K)*n_batch)) * t25
+    t1 += oe.contract('abc,d->bdc', t24, t26, optimize=[(0, 1)])
+    t27 = np.swapaxes(W_Q, -1, -2)
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t26, t2, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    t28 = (1/(d_K*n_batch)) * t27
+    t0 += oe.contract('ab,cde,cdfa,cgd,hg->fheb', W_K, X, M_3, t2, t28, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -2277,7 +2324,8 @@ def mse_causal0__block__W_K__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t21 = A * t20
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t22 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cbd,cdef,cdg,gh->eafh', t22, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -2351,7 +2399,8 @@ def mse_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     G = t14
     t15 = np.swapaxes(W_O, -1, -2)
     t16 = G @ t15
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t1, M_2, X, t16, optimize=[(0, 2), (1, 2), (0, 1)])
+    t17 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,cdg->faeg', t17, M_2, X, t16, optimize=[(0, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -2418,7 +2467,8 @@ def mse_causal0__block__W_K__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     t13 = (-2/(L*d_V)) * Y
     t14 = t12 + t13
     G = t14
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fahg', t1, M_2, X, G, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
+    t15 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,cdg,eh->fahg', t15, M_2, X, G, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -2506,7 +2556,8 @@ def mse_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t15 = W_O @ t14
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t15, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
+    t16 = (1/(math.sqrt(d_K)*n_batch)) * t15
+    t0[...] = oe.contract('ab,cde,cdfa,cgd->fgeb', W_K, X, M_2, t16, optimize=[(0, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -2573,7 +2624,8 @@ def mse_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t15 = W_O @ t14
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t15, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    t16 = (1/(math.sqrt(d_K)*n_batch)) * t15
+    t0[...] = oe.contract('abc,acde,acf,fg->dbeg', t16, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -2663,7 +2715,8 @@ def mse_causal0__block__W_V__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     G = t15
     t16 = t10 @ G
     t17 = np.ones((d_H,), dtype=X.dtype)
-    t1 += (1/n_batch) * oe.contract('abc,d->bdc', t16, t17, optimize=[(0, 1)])
+    t18 = (1/n_batch) * t17
+    t1 += oe.contract('abc,d->bdc', t16, t18, optimize=[(0, 1)])
     return out
 
 
@@ -2750,7 +2803,8 @@ def mse_causal0__block__W_O__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t15 = np.swapaxes(W_V, -1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,acef,acg,fh->dbgh', t14, t15, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t16 = (1/(math.sqrt(d_K)*n_batch)) * t14
+    t0[...] = oe.contract('abc,de,acef,acg,fh->dbgh', t16, t15, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -2817,7 +2871,8 @@ def mse_causal0__block__W_O__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t15 = np.swapaxes(W_V, -1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,acef,acg,gh->dbfh', t14, t15, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t16 = (1/(math.sqrt(d_K)*n_batch)) * t14
+    t0[...] = oe.contract('abc,de,acef,acg,gh->dbfh', t16, t15, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -2885,7 +2940,8 @@ def mse_causal0__block__W_O__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     t15 = np.swapaxes(G, -1, -2)
     t16 = t15 @ M_1
     t17 = np.ones((d_H,), dtype=X.dtype)
-    t1 += (1/n_batch) * oe.contract('abc,d->dbc', t16, t17, optimize=[(0, 1)])
+    t18 = (1/n_batch) * t17
+    t1 += oe.contract('abc,d->dbc', t16, t18, optimize=[(0, 1)])
     return out
 
 
@@ -2978,104 +3034,122 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t21 = A * t20
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t3, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t2, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t22 = (1/(d_K*n_batch)) * t2
+    t1[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t22, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t22 = t15 @ t16
-    t23 = W_O @ t22
-    t24 = W_V @ t23
-    t1 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t2, M_2, X, t24, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t25 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t25[...] = 0
-    t26 = np.reshape(t25, (d_V, d_K, d_V, d_K), copy=False)
-    t27 = np.einsum('abcb->abc', t26)
-    t28 = t21 @ X
-    t29 = t3 @ t28
-    t30 = np.ones((d_K,), dtype=X.dtype)
-    t27 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t29, t30, optimize=[(0, 1)])
-    t26 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t2, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
-    t26 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t2, M_2, X, t24, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
-    t31 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t32 = np.reshape(t31, (d_V, d_K, d_V, d_H), copy=False)
-    t33 = G @ t15
-    t32[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t2, M_2, X, t33, optimize=[(0, 1), (0, 1), (0, 1)])
-    t34 = W_O @ t15
-    t35 = W_V @ t34
-    t32 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t2, M_2, X, M_1, t35, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t36 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t37 = np.reshape(t36, (d_V, d_K, d_H, d_V), copy=False)
-    t38 = W_V @ W_O
-    t37[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t2, M_2, X, t10, t38, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t37 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fahg', t2, M_2, X, G, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t39 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t39[...] = 0
-    t40 = np.reshape(t39, (d_V, d_K, d_V, d_K), copy=False)
-    t41 = np.einsum('abcb->abc', t40)
-    t42 = np.swapaxes(t21, -1, -2)
-    t43 = t42 @ X
-    t44 = t3 @ t43
-    t41 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t44, t30, optimize=[(0, 1)])
-    t45 = np.swapaxes(W_Q, -1, -2)
-    t40 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t45, t3, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
-    t40 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t45, M_2, X, t24, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t46 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t47 = np.reshape(t46, (d_V, d_K, d_V, d_K), copy=False)
-    t47[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t45, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t47 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t45, M_2, X, t24, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
-    t48 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t49 = np.reshape(t48, (d_V, d_K, d_V, d_H), copy=False)
-    t49[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t45, M_2, X, t33, optimize=[(0, 2), (1, 2), (0, 1)])
-    t49 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fagh', t45, M_2, X, M_1, t35, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
-    t50 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t51 = np.reshape(t50, (d_V, d_K, d_H, d_V), copy=False)
-    t51[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fagh', t45, M_2, X, t10, t38, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
-    t51 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fahg', t45, M_2, X, G, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
-    t52 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t53 = np.reshape(t52, (d_V, d_H, d_V, d_K), copy=False)
-    t54 = np.swapaxes(G, -1, -2)
-    t55 = W_O @ t54
-    t53[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t55, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
-    t56 = np.swapaxes(M_1, -1, -2)
-    t53 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,fh->bdgh', t56, t23, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t57 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t58 = np.reshape(t57, (d_V, d_H, d_V, d_K), copy=False)
-    t58[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t55, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t58 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,gh->bdfh', t56, t23, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
-    t59 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t60 = np.reshape(t59, (d_V, d_H, d_V, d_H), copy=False)
-    t61 = t56 @ M_1
-    t60[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,de->bdce', t61, t34, optimize=[(0, 1)])
-    t62 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t63 = np.reshape(t62, (d_V, d_H, d_H, d_V), copy=False)
-    t64 = t56 @ t10
-    t63[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,de->bdce', t64, W_O, optimize=[(0, 1)])
-    t65 = np.einsum('abbc->abc', t63)
-    t66 = t56 @ G
-    t67 = np.ones((d_H,), dtype=X.dtype)
-    t65 += (1/n_batch) * oe.contract('abc,d->bdc', t66, t67, optimize=[(0, 1)])
-    t68 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t69 = np.reshape(t68, (d_H, d_V, d_V, d_K), copy=False)
-    t69[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,acef,acg,fh->dbgh', t54, t16, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t70 = t16 @ t56
-    t69 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,fh->bdgh', t70, t22, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t71 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t72 = np.reshape(t71, (d_H, d_V, d_V, d_K), copy=False)
-    t72[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,acef,acg,gh->dbfh', t54, t16, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
-    t72 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,gh->bdfh', t70, t22, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
-    t73 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t74 = np.reshape(t73, (d_H, d_V, d_V, d_H), copy=False)
-    t75 = t70 @ M_1
-    t74[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,de->bdce', t75, t15, optimize=[(0, 1)])
-    t76 = np.einsum('abca->abc', t74)
-    t77 = t54 @ M_1
-    t76 += (1/n_batch) * oe.contract('abc,d->dbc', t77, t67, optimize=[(0, 1)])
-    t78 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t78[...] = 0
-    t79 = np.reshape(t78, (d_H, d_V, d_H, d_V), copy=False)
-    t80 = np.einsum('abcb->abc', t79)
-    t81 = t70 @ t10
-    t82 = np.ones((d_V,), dtype=X.dtype)
-    t80 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bdc', t81, t82, optimize=[(0, 1)])
+    t23 = t15 @ t16
+    t24 = W_O @ t23
+    t25 = W_V @ t24
+    t26 = (2/(L*d_K*d_V*n_batch)) * t2
+    t1 += oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t26, M_2, X, t25, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t27 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t27[...] = 0
+    t28 = np.reshape(t27, (d_V, d_K, d_V, d_K), copy=False)
+    t29 = np.einsum('abcb->abc', t28)
+    t30 = t21 @ X
+    t31 = t3 @ t30
+    t32 = np.ones((d_K,), dtype=X.dtype)
+    t33 = (1/(math.sqrt(d_K)*n_batch)) * t32
+    t29 += oe.contract('abc,d->bdc', t31, t33, optimize=[(0, 1)])
+    t28 += oe.contract('ab,cde,cebf,ceg,gh->dafh', t22, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t28 += oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t26, M_2, X, t25, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
+    t34 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t35 = np.reshape(t34, (d_V, d_K, d_V, d_H), copy=False)
+    t36 = G @ t15
+    t37 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t35[...] = oe.contract('abc,abd,abef,gf->dgec', t36, X, M_2, t37, optimize=[(0, 1), (0, 1), (0, 1)])
+    t38 = W_O @ t15
+    t39 = W_V @ t38
+    t40 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
+    t35 += oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t40, M_2, X, M_1, t39, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t41 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t42 = np.reshape(t41, (d_V, d_K, d_H, d_V), copy=False)
+    t43 = W_V @ W_O
+    t42[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t40, M_2, X, t10, t43, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t42 += oe.contract('ab,cdeb,cdf,cdg,eh->fahg', t37, M_2, X, G, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t44 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t44[...] = 0
+    t45 = np.reshape(t44, (d_V, d_K, d_V, d_K), copy=False)
+    t46 = np.einsum('abcb->abc', t45)
+    t47 = np.swapaxes(t21, -1, -2)
+    t48 = t47 @ X
+    t49 = t3 @ t48
+    t46 += oe.contract('abc,d->bdc', t49, t33, optimize=[(0, 1)])
+    t50 = np.swapaxes(W_Q, -1, -2)
+    t51 = (1/(d_K*n_batch)) * t50
+    t45 += oe.contract('ab,cde,cdfa,cgd,hg->fheb', W_K, X, M_3, t3, t51, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t52 = (2/(L*d_K*d_V*n_batch)) * t50
+    t45 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t52, M_2, X, t25, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t53 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t54 = np.reshape(t53, (d_V, d_K, d_V, d_K), copy=False)
+    t54[...] = oe.contract('ab,cbd,cdef,cdg,gh->eafh', t51, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t54 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t52, M_2, X, t25, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t55 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t56 = np.reshape(t55, (d_V, d_K, d_V, d_H), copy=False)
+    t57 = (1/(math.sqrt(d_K)*n_batch)) * t50
+    t56[...] = oe.contract('ab,cdef,cdb,cdg->faeg', t57, M_2, X, t36, optimize=[(0, 2), (1, 2), (0, 1)])
+    t58 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t50
+    t56 += oe.contract('ab,cde,cdf,cdag,hf->gheb', t39, M_1, X, M_2, t58, optimize=[(0, 3), (1, 2), (0, 2), (0, 1)])
+    t59 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t60 = np.reshape(t59, (d_V, d_K, d_H, d_V), copy=False)
+    t60[...] = oe.contract('ab,cde,cdf,cdag,hf->gheb', t43, t10, X, M_2, t58, optimize=[(0, 3), (1, 2), (0, 2), (0, 1)])
+    t60 += oe.contract('ab,cdef,cdb,cdg,eh->fahg', t57, M_2, X, G, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
+    t61 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t62 = np.reshape(t61, (d_V, d_H, d_V, d_K), copy=False)
+    t63 = np.swapaxes(G, -1, -2)
+    t64 = W_O @ t63
+    t65 = (1/(math.sqrt(d_K)*n_batch)) * t64
+    t62[...] = oe.contract('ab,cde,cdfa,cgd->fgeb', W_K, X, M_2, t65, optimize=[(0, 2), (0, 1), (0, 1)])
+    t66 = np.swapaxes(M_1, -1, -2)
+    t67 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t66
+    t62 += oe.contract('abc,de,acef,acg,fh->bdgh', t67, t24, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t68 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t69 = np.reshape(t68, (d_V, d_H, d_V, d_K), copy=False)
+    t69[...] = oe.contract('abc,acde,acf,fg->dbeg', t65, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    t69 += oe.contract('abc,de,acef,acg,gh->bdfh', t67, t24, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t70 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t71 = np.reshape(t70, (d_V, d_H, d_V, d_H), copy=False)
+    t72 = t66 @ M_1
+    t73 = (2/(L*d_V*n_batch)) * t38
+    t71[...] = oe.contract('abc,de->bdce', t72, t73, optimize=[(0, 1)])
+    t74 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t75 = np.reshape(t74, (d_V, d_H, d_H, d_V), copy=False)
+    t76 = t66 @ t10
+    t77 = (2/(L*d_V*n_batch)) * W_O
+    t75[...] = oe.contract('abc,de->bdce', t76, t77, optimize=[(0, 1)])
+    t78 = np.einsum('abbc->abc', t75)
+    t79 = t66 @ G
+    t80 = np.ones((d_H,), dtype=X.dtype)
+    t81 = (1/n_batch) * t80
+    t78 += oe.contract('abc,d->bdc', t79, t81, optimize=[(0, 1)])
+    t82 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t83 = np.reshape(t82, (d_H, d_V, d_V, d_K), copy=False)
+    t84 = (1/(math.sqrt(d_K)*n_batch)) * t63
+    t83[...] = oe.contract('abc,de,acef,acg,fh->dbgh', t84, t16, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t85 = t16 @ t66
+    t86 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t85
+    t83 += oe.contract('abc,de,acef,acg,fh->bdgh', t86, t23, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t87 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t88 = np.reshape(t87, (d_H, d_V, d_V, d_K), copy=False)
+    t88[...] = oe.contract('abc,de,acef,acg,gh->dbfh', t84, t16, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t88 += oe.contract('abc,de,acef,acg,gh->bdfh', t86, t23, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t89 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t90 = np.reshape(t89, (d_H, d_V, d_V, d_H), copy=False)
+    t91 = t85 @ M_1
+    t92 = (2/(L*d_V*n_batch)) * t15
+    t90[...] = oe.contract('abc,de->bdce', t91, t92, optimize=[(0, 1)])
+    t93 = np.einsum('abca->abc', t90)
+    t94 = t63 @ M_1
+    t93 += oe.contract('abc,d->dbc', t94, t81, optimize=[(0, 1)])
+    t95 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t95[...] = 0
+    t96 = np.reshape(t95, (d_H, d_V, d_H, d_V), copy=False)
+    t97 = np.einsum('abcb->abc', t96)
+    t98 = t85 @ t10
+    t99 = np.ones((d_V,), dtype=X.dtype)
+    t100 = (2/(L*d_V*n_batch)) * t99
+    t97 += oe.contract('abc,d->bdc', t98, t100, optimize=[(0, 1)])
     return H
 
 
@@ -3318,13 +3392,15 @@ def mse_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t20 = A * t19
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->da', t1, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
+    t21 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cebf,ced,fa->da', t21, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t21 = t14 @ t15
-    t22 = W_O @ t21
-    t23 = W_V @ t22
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdf,ha->fa', t1, M_2, X, t23, M_2, X, W_K, optimize=[(2, 5), (0, 1), (0, 1), (2, 3), (0, 2), (0, 1)])
+    t22 = t14 @ t15
+    t23 = W_O @ t22
+    t24 = W_V @ t23
+    t25 = (2/(L*d_K*d_V*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdgh,cdf,ha->fa', t25, M_2, X, t24, M_2, X, W_K, optimize=[(2, 5), (0, 1), (0, 1), (2, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -3404,13 +3480,15 @@ def mse_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t20 = A * t19
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t1, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t21 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t21, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t21 = t14 @ t15
-    t22 = W_O @ t21
-    t23 = W_V @ t22
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t1, M_2, X, t23, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t22 = t14 @ t15
+    t23 = W_O @ t22
+    t24 = W_V @ t23
+    t25 = (2/(L*d_K*d_V*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t25, M_2, X, t24, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -3495,16 +3573,19 @@ def mse_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t22 = t21 @ X
     t23 = t2 @ t22
     t24 = np.ones((d_K,), dtype=X.dtype)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t23, t24, optimize=[(0, 1)])
+    t25 = (1/(math.sqrt(d_K)*n_batch)) * t24
+    t1 += oe.contract('abc,d->bdc', t23, t25, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t3, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t26 = (1/(d_K*n_batch)) * t3
+    t0 += oe.contract('ab,cde,cebf,ceg,gh->dafh', t26, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t25 = t15 @ t16
-    t26 = W_O @ t25
-    t27 = W_V @ t26
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t3, M_2, X, t27, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
+    t27 = t15 @ t16
+    t28 = W_O @ t27
+    t29 = W_V @ t28
+    t30 = (2/(L*d_K*d_V*n_batch)) * t3
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t30, M_2, X, t29, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -3583,10 +3664,12 @@ def mse_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     G = t13
     t14 = np.swapaxes(W_O, -1, -2)
     t15 = G @ t14
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t1, M_2, X, t15, optimize=[(0, 1), (0, 1), (0, 1)])
-    t16 = W_O @ t14
-    t17 = W_V @ t16
-    t0 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t1, M_2, X, M_1, t17, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t16 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('abc,abd,abef,gf->dgec', t15, X, M_2, t16, optimize=[(0, 1), (0, 1), (0, 1)])
+    t17 = W_O @ t14
+    t18 = W_V @ t17
+    t19 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t19, M_2, X, M_1, t18, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -3648,14 +3731,16 @@ def mse_causal0__block__W_Q__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     M_1 = t8
     t9 = M_1 @ W_V
     t10 = W_V @ W_O
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t1, M_2, X, t9, t10, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t11 = t9 @ W_O
-    F = t11
-    t12 = (2/(L*d_V)) * F
-    t13 = (-2/(L*d_V)) * Y
-    t14 = t12 + t13
-    G = t14
-    t0 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fahg', t1, M_2, X, G, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t11 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t11, M_2, X, t9, t10, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t12 = t9 @ W_O
+    F = t12
+    t13 = (2/(L*d_V)) * F
+    t14 = (-2/(L*d_V)) * Y
+    t15 = t13 + t14
+    G = t15
+    t16 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,cdg,eh->fahg', t16, M_2, X, G, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -3727,13 +3812,15 @@ def mse_causal0__diag__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t21 = A * t20
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->ea', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t22 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cbd,cdee,cdf,fa->ea', t22, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t22 = t15 @ t16
-    t23 = W_O @ t22
-    t24 = W_V @ t23
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgf,cdh,ha->fa', t1, M_2, X, t24, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t23 = t15 @ t16
+    t24 = W_O @ t23
+    t25 = W_V @ t24
+    t26 = (2/(L*d_K*d_V*n_batch)) * t1
+    t0 += oe.contract('ab,cdef,cdb,eg,cdgf,cdh,ha->fa', t26, M_2, X, t25, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -3818,17 +3905,20 @@ def mse_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t23 = t22 @ X
     t24 = t2 @ t23
     t25 = np.ones((d_K,), dtype=X.dtype)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t24, t25, optimize=[(0, 1)])
-    t26 = np.swapaxes(W_Q, -1, -2)
+    t26 = (1/(math.sqrt(d_K)*n_batch)) * t25
+    t1 += oe.contract('abc,d->bdc', t24, t26, optimize=[(0, 1)])
+    t27 = np.swapaxes(W_Q, -1, -2)
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t26, t2, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    t28 = (1/(d_K*n_batch)) * t27
+    t0 += oe.contract('ab,cde,cdfa,cgd,hg->fheb', W_K, X, M_3, t2, t28, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t27 = t15 @ t16
-    t28 = W_O @ t27
-    t29 = W_V @ t28
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t26, M_2, X, t29, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t29 = t15 @ t16
+    t30 = W_O @ t29
+    t31 = W_V @ t30
+    t32 = (2/(L*d_K*d_V*n_batch)) * t27
+    t0 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t32, M_2, X, t31, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -3915,13 +4005,15 @@ def mse_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t21 = A * t20
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t22 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cbd,cdef,cdg,gh->eafh', t22, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t22 = t15 @ t16
-    t23 = W_O @ t22
-    t24 = W_V @ t23
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t1, M_2, X, t24, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t23 = t15 @ t16
+    t24 = W_O @ t23
+    t25 = W_V @ t24
+    t26 = (2/(L*d_K*d_V*n_batch)) * t1
+    t0 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t26, M_2, X, t25, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -4000,10 +4092,12 @@ def mse_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     G = t14
     t15 = np.swapaxes(W_O, -1, -2)
     t16 = G @ t15
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t1, M_2, X, t16, optimize=[(0, 2), (1, 2), (0, 1)])
-    t17 = W_O @ t15
-    t18 = W_V @ t17
-    t0 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fagh', t1, M_2, X, M_1, t18, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
+    t17 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,cdg->faeg', t17, M_2, X, t16, optimize=[(0, 2), (1, 2), (0, 1)])
+    t18 = W_O @ t15
+    t19 = W_V @ t18
+    t20 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
+    t0 += oe.contract('ab,cde,cdf,cdag,hf->gheb', t19, M_1, X, M_2, t20, optimize=[(0, 3), (1, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -4067,14 +4161,16 @@ def mse_causal0__block__W_K__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     M_1 = t9
     t10 = M_1 @ W_V
     t11 = W_V @ W_O
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fagh', t1, M_2, X, t10, t11, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
-    t12 = t10 @ W_O
-    F = t12
-    t13 = (2/(L*d_V)) * F
-    t14 = (-2/(L*d_V)) * Y
-    t15 = t13 + t14
-    G = t15
-    t0 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fahg', t1, M_2, X, G, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
+    t12 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cdf,cdag,hf->gheb', t11, t10, X, M_2, t12, optimize=[(0, 3), (1, 2), (0, 2), (0, 1)])
+    t13 = t10 @ W_O
+    F = t13
+    t14 = (2/(L*d_V)) * F
+    t15 = (-2/(L*d_V)) * Y
+    t16 = t14 + t15
+    G = t16
+    t17 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t0 += oe.contract('ab,cdef,cdb,cdg,eh->fahg', t17, M_2, X, G, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -4134,7 +4230,8 @@ def mse_causal0__diag__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t10 = t9 @ M_1
     t11 = np.swapaxes(W_O, -1, -2)
     t12 = W_O @ t11
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abb,cc->bc', t10, t12, optimize=[(0, 1)])
+    t13 = (2/(L*d_V*n_batch)) * t12
+    t0[...] = oe.contract('abb,cc->bc', t10, t13, optimize=[(0, 1)])
     return out
 
 
@@ -4192,13 +4289,15 @@ def mse_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t15 = W_O @ t14
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t15, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
-    t16 = np.swapaxes(M_1, -1, -2)
-    t17 = np.swapaxes(W_O, -1, -2)
-    t18 = np.swapaxes(W_V, -1, -2)
-    t19 = t17 @ t18
-    t20 = W_O @ t19
-    t0 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,fh->bdgh', t16, t20, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t16 = (1/(math.sqrt(d_K)*n_batch)) * t15
+    t0[...] = oe.contract('ab,cde,cdfa,cgd->fgeb', W_K, X, M_2, t16, optimize=[(0, 2), (0, 1), (0, 1)])
+    t17 = np.swapaxes(M_1, -1, -2)
+    t18 = np.swapaxes(W_O, -1, -2)
+    t19 = np.swapaxes(W_V, -1, -2)
+    t20 = t18 @ t19
+    t21 = W_O @ t20
+    t22 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t17
+    t0 += oe.contract('abc,de,acef,acg,fh->bdgh', t22, t21, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -4270,13 +4369,15 @@ def mse_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t15 = W_O @ t14
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t15, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t16 = np.swapaxes(M_1, -1, -2)
-    t17 = np.swapaxes(W_O, -1, -2)
-    t18 = np.swapaxes(W_V, -1, -2)
-    t19 = t17 @ t18
-    t20 = W_O @ t19
-    t0 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,gh->bdfh', t16, t20, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t16 = (1/(math.sqrt(d_K)*n_batch)) * t15
+    t0[...] = oe.contract('abc,acde,acf,fg->dbeg', t16, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    t17 = np.swapaxes(M_1, -1, -2)
+    t18 = np.swapaxes(W_O, -1, -2)
+    t19 = np.swapaxes(W_V, -1, -2)
+    t20 = t18 @ t19
+    t21 = W_O @ t20
+    t22 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t17
+    t0 += oe.contract('abc,de,acef,acg,gh->bdfh', t22, t21, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -4341,7 +4442,8 @@ def mse_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t10 = t9 @ M_1
     t11 = np.swapaxes(W_O, -1, -2)
     t12 = W_O @ t11
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,de->bdce', t10, t12, optimize=[(0, 1)])
+    t13 = (2/(L*d_V*n_batch)) * t12
+    t0[...] = oe.contract('abc,de->bdce', t10, t13, optimize=[(0, 1)])
     return out
 
 
@@ -4393,17 +4495,19 @@ def mse_causal0__block__W_V__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t9 = np.swapaxes(M_1, -1, -2)
     t10 = M_1 @ W_V
     t11 = t9 @ t10
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,de->bdce', t11, W_O, optimize=[(0, 1)])
-    t12 = np.einsum('abbc->abc', t0)
-    t13 = t10 @ W_O
-    F = t13
-    t14 = (2/(L*d_V)) * F
-    t15 = (-2/(L*d_V)) * Y
-    t16 = t14 + t15
-    G = t16
-    t17 = t9 @ G
-    t18 = np.ones((d_H,), dtype=X.dtype)
-    t12 += (1/n_batch) * oe.contract('abc,d->bdc', t17, t18, optimize=[(0, 1)])
+    t12 = (2/(L*d_V*n_batch)) * W_O
+    t0[...] = oe.contract('abc,de->bdce', t11, t12, optimize=[(0, 1)])
+    t13 = np.einsum('abbc->abc', t0)
+    t14 = t10 @ W_O
+    F = t14
+    t15 = (2/(L*d_V)) * F
+    t16 = (-2/(L*d_V)) * Y
+    t17 = t15 + t16
+    G = t17
+    t18 = t9 @ G
+    t19 = np.ones((d_H,), dtype=X.dtype)
+    t20 = (1/n_batch) * t19
+    t13 += oe.contract('abc,d->bdc', t18, t20, optimize=[(0, 1)])
     return out
 
 
@@ -4464,7 +4568,8 @@ def mse_causal0__diag__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t12 = M_1 @ W_V
     t13 = t11 @ t12
     t14 = np.ones((d_V,), dtype=X.dtype)
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abb,c->bc', t13, t14, optimize=[(0, 1)])
+    t15 = (2/(L*d_V*n_batch)) * t14
+    t0[...] = oe.contract('abb,c->bc', t13, t15, optimize=[(0, 1)])
     return out
 
 
@@ -4523,12 +4628,14 @@ def mse_causal0__block__W_O__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t15 = np.swapaxes(W_V, -1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,acef,acg,fh->dbgh', t14, t15, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t16 = np.swapaxes(M_1, -1, -2)
-    t17 = t15 @ t16
-    t18 = np.swapaxes(W_O, -1, -2)
-    t19 = t18 @ t15
-    t0 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,fh->bdgh', t17, t19, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t16 = (1/(math.sqrt(d_K)*n_batch)) * t14
+    t0[...] = oe.contract('abc,de,acef,acg,fh->dbgh', t16, t15, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t17 = np.swapaxes(M_1, -1, -2)
+    t18 = t15 @ t17
+    t19 = np.swapaxes(W_O, -1, -2)
+    t20 = t19 @ t15
+    t21 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t18
+    t0 += oe.contract('abc,de,acef,acg,fh->bdgh', t21, t20, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -4599,12 +4706,14 @@ def mse_causal0__block__W_O__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t15 = np.swapaxes(W_V, -1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,acef,acg,gh->dbfh', t14, t15, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
-    t16 = np.swapaxes(M_1, -1, -2)
-    t17 = t15 @ t16
-    t18 = np.swapaxes(W_O, -1, -2)
-    t19 = t18 @ t15
-    t0 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,gh->bdfh', t17, t19, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t16 = (1/(math.sqrt(d_K)*n_batch)) * t14
+    t0[...] = oe.contract('abc,de,acef,acg,gh->dbfh', t16, t15, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t17 = np.swapaxes(M_1, -1, -2)
+    t18 = t15 @ t17
+    t19 = np.swapaxes(W_O, -1, -2)
+    t20 = t19 @ t15
+    t21 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t18
+    t0 += oe.contract('abc,de,acef,acg,gh->bdfh', t21, t20, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -4669,19 +4778,21 @@ def mse_causal0__block__W_O__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t11 = t1 @ t10
     t12 = t11 @ M_1
     t13 = np.swapaxes(W_O, -1, -2)
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,de->bdce', t12, t13, optimize=[(0, 1)])
-    t14 = np.einsum('abca->abc', t0)
-    t15 = M_1 @ W_V
-    t16 = t15 @ W_O
-    F = t16
-    t17 = (2/(L*d_V)) * F
-    t18 = (-2/(L*d_V)) * Y
-    t19 = t17 + t18
-    G = t19
-    t20 = np.swapaxes(G, -1, -2)
-    t21 = t20 @ M_1
-    t22 = np.ones((d_H,), dtype=X.dtype)
-    t14 += (1/n_batch) * oe.contract('abc,d->dbc', t21, t22, optimize=[(0, 1)])
+    t14 = (2/(L*d_V*n_batch)) * t13
+    t0[...] = oe.contract('abc,de->bdce', t12, t14, optimize=[(0, 1)])
+    t15 = np.einsum('abca->abc', t0)
+    t16 = M_1 @ W_V
+    t17 = t16 @ W_O
+    F = t17
+    t18 = (2/(L*d_V)) * F
+    t19 = (-2/(L*d_V)) * Y
+    t20 = t18 + t19
+    G = t20
+    t21 = np.swapaxes(G, -1, -2)
+    t22 = t21 @ M_1
+    t23 = np.ones((d_H,), dtype=X.dtype)
+    t24 = (1/n_batch) * t23
+    t15 += oe.contract('abc,d->dbc', t22, t24, optimize=[(0, 1)])
     return out
 
 
@@ -4748,7 +4859,8 @@ def mse_causal0__block__W_O__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t13 = M_1 @ W_V
     t14 = t12 @ t13
     t15 = np.ones((d_V,), dtype=X.dtype)
-    t1 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bdc', t14, t15, optimize=[(0, 1)])
+    t16 = (2/(L*d_V*n_batch)) * t15
+    t1 += oe.contract('abc,d->bdc', t14, t16, optimize=[(0, 1)])
     return out
 
 
@@ -4885,68 +4997,78 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
     t13 = t11 @ t12
     t14 = W_O @ t13
     t15 = W_V @ t14
-    t1[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t2, M_2, X, t15, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t16 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t17 = np.reshape(t16, (d_V, d_K, d_V, d_K), copy=False)
-    t17[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t2, M_2, X, t15, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
-    t18 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t19 = np.reshape(t18, (d_V, d_K, d_V, d_H), copy=False)
-    t20 = A @ X
-    M_1 = t20
-    t21 = W_O @ t11
-    t22 = W_V @ t21
-    t19[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t2, M_2, X, M_1, t22, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t23 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t24 = np.reshape(t23, (d_V, d_K, d_H, d_V), copy=False)
-    t25 = M_1 @ W_V
-    t26 = W_V @ W_O
-    t24[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t2, M_2, X, t25, t26, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t27 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t28 = np.reshape(t27, (d_V, d_K, d_V, d_K), copy=False)
-    t29 = np.swapaxes(W_Q, -1, -2)
-    t28[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t29, M_2, X, t15, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t30 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t31 = np.reshape(t30, (d_V, d_K, d_V, d_K), copy=False)
-    t31[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t29, M_2, X, t15, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
-    t32 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t33 = np.reshape(t32, (d_V, d_K, d_V, d_H), copy=False)
-    t33[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fagh', t29, M_2, X, M_1, t22, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
-    t34 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t35 = np.reshape(t34, (d_V, d_K, d_H, d_V), copy=False)
-    t35[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fagh', t29, M_2, X, t25, t26, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
-    t36 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t37 = np.reshape(t36, (d_V, d_H, d_V, d_K), copy=False)
-    t38 = np.swapaxes(M_1, -1, -2)
-    t37[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,fh->bdgh', t38, t14, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t39 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t40 = np.reshape(t39, (d_V, d_H, d_V, d_K), copy=False)
-    t40[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,gh->bdfh', t38, t14, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
-    t41 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t42 = np.reshape(t41, (d_V, d_H, d_V, d_H), copy=False)
-    t43 = t38 @ M_1
-    t42[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,de->bdce', t43, t21, optimize=[(0, 1)])
-    t44 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t45 = np.reshape(t44, (d_V, d_H, d_H, d_V), copy=False)
-    t46 = t38 @ t25
-    t45[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,de->bdce', t46, W_O, optimize=[(0, 1)])
-    t47 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t48 = np.reshape(t47, (d_H, d_V, d_V, d_K), copy=False)
-    t49 = t12 @ t38
-    t48[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,fh->bdgh', t49, t13, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t50 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t51 = np.reshape(t50, (d_H, d_V, d_V, d_K), copy=False)
-    t51[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,gh->bdfh', t49, t13, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
-    t52 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t53 = np.reshape(t52, (d_H, d_V, d_V, d_H), copy=False)
-    t54 = t49 @ M_1
-    t53[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,de->bdce', t54, t11, optimize=[(0, 1)])
-    t55 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t55[...] = 0
-    t56 = np.reshape(t55, (d_H, d_V, d_H, d_V), copy=False)
-    t57 = np.einsum('abcb->abc', t56)
-    t58 = t49 @ t25
-    t59 = np.ones((d_V,), dtype=X.dtype)
-    t57 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bdc', t58, t59, optimize=[(0, 1)])
+    t16 = (2/(L*d_K*d_V*n_batch)) * t2
+    t1[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t16, M_2, X, t15, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t17 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t18 = np.reshape(t17, (d_V, d_K, d_V, d_K), copy=False)
+    t18[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t16, M_2, X, t15, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
+    t19 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t20 = np.reshape(t19, (d_V, d_K, d_V, d_H), copy=False)
+    t21 = A @ X
+    M_1 = t21
+    t22 = W_O @ t11
+    t23 = W_V @ t22
+    t24 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
+    t20[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t24, M_2, X, M_1, t23, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t25 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t26 = np.reshape(t25, (d_V, d_K, d_H, d_V), copy=False)
+    t27 = M_1 @ W_V
+    t28 = W_V @ W_O
+    t26[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t24, M_2, X, t27, t28, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t29 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t30 = np.reshape(t29, (d_V, d_K, d_V, d_K), copy=False)
+    t31 = np.swapaxes(W_Q, -1, -2)
+    t32 = (2/(L*d_K*d_V*n_batch)) * t31
+    t30[...] = oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t32, M_2, X, t15, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t33 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t34 = np.reshape(t33, (d_V, d_K, d_V, d_K), copy=False)
+    t34[...] = oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t32, M_2, X, t15, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t35 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t36 = np.reshape(t35, (d_V, d_K, d_V, d_H), copy=False)
+    t37 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t31
+    t36[...] = oe.contract('ab,cde,cdf,cdag,hf->gheb', t23, M_1, X, M_2, t37, optimize=[(0, 3), (1, 2), (0, 2), (0, 1)])
+    t38 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t39 = np.reshape(t38, (d_V, d_K, d_H, d_V), copy=False)
+    t39[...] = oe.contract('ab,cde,cdf,cdag,hf->gheb', t28, t27, X, M_2, t37, optimize=[(0, 3), (1, 2), (0, 2), (0, 1)])
+    t40 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t41 = np.reshape(t40, (d_V, d_H, d_V, d_K), copy=False)
+    t42 = np.swapaxes(M_1, -1, -2)
+    t43 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t42
+    t41[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t43, t14, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t44 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t45 = np.reshape(t44, (d_V, d_H, d_V, d_K), copy=False)
+    t45[...] = oe.contract('abc,de,acef,acg,gh->bdfh', t43, t14, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t46 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t47 = np.reshape(t46, (d_V, d_H, d_V, d_H), copy=False)
+    t48 = t42 @ M_1
+    t49 = (2/(L*d_V*n_batch)) * t22
+    t47[...] = oe.contract('abc,de->bdce', t48, t49, optimize=[(0, 1)])
+    t50 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t51 = np.reshape(t50, (d_V, d_H, d_H, d_V), copy=False)
+    t52 = t42 @ t27
+    t53 = (2/(L*d_V*n_batch)) * W_O
+    t51[...] = oe.contract('abc,de->bdce', t52, t53, optimize=[(0, 1)])
+    t54 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t55 = np.reshape(t54, (d_H, d_V, d_V, d_K), copy=False)
+    t56 = t12 @ t42
+    t57 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t56
+    t55[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t57, t13, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t58 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t59 = np.reshape(t58, (d_H, d_V, d_V, d_K), copy=False)
+    t59[...] = oe.contract('abc,de,acef,acg,gh->bdfh', t57, t13, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t60 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t61 = np.reshape(t60, (d_H, d_V, d_V, d_H), copy=False)
+    t62 = t56 @ M_1
+    t63 = (2/(L*d_V*n_batch)) * t11
+    t61[...] = oe.contract('abc,de->bdce', t62, t63, optimize=[(0, 1)])
+    t64 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t64[...] = 0
+    t65 = np.reshape(t64, (d_H, d_V, d_H, d_V), copy=False)
+    t66 = np.einsum('abcb->abc', t65)
+    t67 = t56 @ t27
+    t68 = np.ones((d_V,), dtype=X.dtype)
+    t69 = (2/(L*d_V*n_batch)) * t68
+    t66 += oe.contract('abc,d->bdc', t67, t69, optimize=[(0, 1)])
     return H
 
 
@@ -5113,7 +5235,8 @@ def mse_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t12 = t10 @ t11
     t13 = W_O @ t12
     t14 = W_V @ t13
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdf,ha->fa', t1, M_2, X, t14, M_2, X, W_K, optimize=[(2, 5), (0, 1), (0, 1), (2, 3), (0, 2), (0, 1)])
+    t15 = (2/(L*d_K*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdf,ha->fa', t15, M_2, X, t14, M_2, X, W_K, optimize=[(2, 5), (0, 1), (0, 1), (2, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -5170,7 +5293,8 @@ def mse_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t12 = t10 @ t11
     t13 = W_O @ t12
     t14 = W_V @ t13
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t1, M_2, X, t14, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t15 = (2/(L*d_K*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t15, M_2, X, t14, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -5229,7 +5353,8 @@ def mse_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     t12 = t10 @ t11
     t13 = W_O @ t12
     t14 = W_V @ t13
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t1, M_2, X, t14, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
+    t15 = (2/(L*d_K*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t15, M_2, X, t14, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -5288,7 +5413,8 @@ def mse_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     t11 = np.swapaxes(W_O, -1, -2)
     t12 = W_O @ t11
     t13 = W_V @ t12
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t1, M_2, X, M_1, t13, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t14, M_2, X, M_1, t13, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -5346,7 +5472,8 @@ def mse_causal1__block__W_Q__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     M_1 = t10
     t11 = M_1 @ W_V
     t12 = W_V @ W_O
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t1, M_2, X, t11, t12, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t13, M_2, X, t11, t12, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -5405,7 +5532,8 @@ def mse_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     t13 = t11 @ t12
     t14 = W_O @ t13
     t15 = W_V @ t14
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgf,cdh,ha->fa', t1, M_2, X, t15, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t16 = (2/(L*d_K*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,eg,cdgf,cdh,ha->fa', t16, M_2, X, t15, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -5464,7 +5592,8 @@ def mse_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t13 = t11 @ t12
     t14 = W_O @ t13
     t15 = W_V @ t14
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t1, M_2, X, t15, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t16 = (2/(L*d_K*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t16, M_2, X, t15, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -5525,7 +5654,8 @@ def mse_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     t13 = t11 @ t12
     t14 = W_O @ t13
     t15 = W_V @ t14
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t1, M_2, X, t15, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t16 = (2/(L*d_K*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t16, M_2, X, t15, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -5586,7 +5716,8 @@ def mse_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     t12 = np.swapaxes(W_O, -1, -2)
     t13 = W_O @ t12
     t14 = W_V @ t13
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fagh', t1, M_2, X, M_1, t14, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
+    t15 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cdf,cdag,hf->gheb', t14, M_1, X, M_2, t15, optimize=[(0, 3), (1, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -5646,7 +5777,8 @@ def mse_causal1__block__W_K__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     M_1 = t11
     t12 = M_1 @ W_V
     t13 = W_V @ W_O
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fagh', t1, M_2, X, t12, t13, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
+    t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cdf,cdag,hf->gheb', t13, t12, X, M_2, t14, optimize=[(0, 3), (1, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -5704,7 +5836,8 @@ def mse_causal1__diag__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     t12 = t11 @ M_1
     t13 = np.swapaxes(W_O, -1, -2)
     t14 = W_O @ t13
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abb,cc->bc', t12, t14, optimize=[(0, 1)])
+    t15 = (2/(L*d_V*n_batch)) * t14
+    t0[...] = oe.contract('abb,cc->bc', t12, t15, optimize=[(0, 1)])
     return out
 
 
@@ -5762,7 +5895,8 @@ def mse_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t15 = W_O @ t14
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,fh->bdgh', t11, t15, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t16 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t11
+    t0[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t16, t15, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -5825,7 +5959,8 @@ def mse_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     t15 = W_O @ t14
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,gh->bdfh', t11, t15, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t16 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t11
+    t0[...] = oe.contract('abc,de,acef,acg,gh->bdfh', t16, t15, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -5885,7 +6020,8 @@ def mse_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     t12 = t11 @ M_1
     t13 = np.swapaxes(W_O, -1, -2)
     t14 = W_O @ t13
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,de->bdce', t12, t14, optimize=[(0, 1)])
+    t15 = (2/(L*d_V*n_batch)) * t14
+    t0[...] = oe.contract('abc,de->bdce', t12, t15, optimize=[(0, 1)])
     return out
 
 
@@ -5941,7 +6077,8 @@ def mse_causal1__block__W_V__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     t11 = np.swapaxes(M_1, -1, -2)
     t12 = M_1 @ W_V
     t13 = t11 @ t12
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,de->bdce', t13, W_O, optimize=[(0, 1)])
+    t14 = (2/(L*d_V*n_batch)) * W_O
+    t0[...] = oe.contract('abc,de->bdce', t13, t14, optimize=[(0, 1)])
     return out
 
 
@@ -5999,7 +6136,8 @@ def mse_causal1__diag__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     t14 = M_1 @ W_V
     t15 = t13 @ t14
     t16 = np.ones((d_V,), dtype=X.dtype)
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abb,c->bc', t15, t16, optimize=[(0, 1)])
+    t17 = (2/(L*d_V*n_batch)) * t16
+    t0[...] = oe.contract('abb,c->bc', t15, t17, optimize=[(0, 1)])
     return out
 
 
@@ -6058,7 +6196,8 @@ def mse_causal1__block__W_O__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t15 = t14 @ t1
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,fh->bdgh', t13, t15, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t16 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t13
+    t0[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t16, t15, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -6121,7 +6260,8 @@ def mse_causal1__block__W_O__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     t15 = t14 @ t1
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,gh->bdfh', t13, t15, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t16 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t13
+    t0[...] = oe.contract('abc,de,acef,acg,gh->bdfh', t16, t15, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -6182,7 +6322,8 @@ def mse_causal1__block__W_O__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     t13 = t1 @ t12
     t14 = t13 @ M_1
     t15 = np.swapaxes(W_O, -1, -2)
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,de->bdce', t14, t15, optimize=[(0, 1)])
+    t16 = (2/(L*d_V*n_batch)) * t15
+    t0[...] = oe.contract('abc,de->bdce', t14, t16, optimize=[(0, 1)])
     return out
 
 
@@ -6244,7 +6385,8 @@ def mse_causal1__block__W_O__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     t15 = M_1 @ W_V
     t16 = t14 @ t15
     t17 = np.ones((d_V,), dtype=X.dtype)
-    t1 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bdc', t16, t17, optimize=[(0, 1)])
+    t18 = (2/(L*d_V*n_batch)) * t17
+    t1 += oe.contract('abc,d->bdc', t16, t18, optimize=[(0, 1)])
     return out
 
 
@@ -6315,76 +6457,84 @@ def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, W_O, Y):
     t23 = A * t22
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t3, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t2, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
-    t24 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t24[...] = 0
-    t25 = np.reshape(t24, (d_V, d_K, d_V, d_K), copy=False)
-    t26 = np.einsum('abcb->abc', t25)
-    t27 = t23 @ X
-    t28 = t3 @ t27
-    t29 = np.ones((d_K,), dtype=X.dtype)
-    t26 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t28, t29, optimize=[(0, 1)])
-    t25 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t2, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
-    t30 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t31 = np.reshape(t30, (d_V, d_K, d_V, d_H), copy=False)
+    t24 = (1/(d_K*n_batch)) * t2
+    t1[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t24, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t25 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t25[...] = 0
+    t26 = np.reshape(t25, (d_V, d_K, d_V, d_K), copy=False)
+    t27 = np.einsum('abcb->abc', t26)
+    t28 = t23 @ X
+    t29 = t3 @ t28
+    t30 = np.ones((d_K,), dtype=X.dtype)
+    t31 = (1/(math.sqrt(d_K)*n_batch)) * t30
+    t27 += oe.contract('abc,d->bdc', t29, t31, optimize=[(0, 1)])
+    t26 += oe.contract('ab,cde,cebf,ceg,gh->dafh', t24, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t32 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t33 = np.reshape(t32, (d_V, d_K, d_V, d_H), copy=False)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t32 = G @ t17
-    t31[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t2, M_2, X, t32, optimize=[(0, 1), (0, 1), (0, 1)])
-    t33 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t34 = np.reshape(t33, (d_V, d_K, d_H, d_V), copy=False)
-    t34[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fahg', t2, M_2, X, G, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t35 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t35[...] = 0
-    t36 = np.reshape(t35, (d_V, d_K, d_V, d_K), copy=False)
-    t37 = np.einsum('abcb->abc', t36)
-    t38 = np.swapaxes(t23, -1, -2)
-    t39 = t38 @ X
-    t40 = t3 @ t39
-    t37 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t40, t29, optimize=[(0, 1)])
-    t41 = np.swapaxes(W_Q, -1, -2)
-    t36 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t41, t3, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
-    t42 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t43 = np.reshape(t42, (d_V, d_K, d_V, d_K), copy=False)
-    t43[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t41, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t44 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t45 = np.reshape(t44, (d_V, d_K, d_V, d_H), copy=False)
-    t45[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t41, M_2, X, t32, optimize=[(0, 2), (1, 2), (0, 1)])
-    t46 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t47 = np.reshape(t46, (d_V, d_K, d_H, d_V), copy=False)
-    t47[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fahg', t41, M_2, X, G, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
-    t48 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t49 = np.reshape(t48, (d_V, d_H, d_V, d_K), copy=False)
-    t50 = np.swapaxes(G, -1, -2)
-    t51 = W_O @ t50
-    t49[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t51, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
-    t52 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t53 = np.reshape(t52, (d_V, d_H, d_V, d_K), copy=False)
-    t53[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t51, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t54 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t54[...] = 0
-    t55 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t55[...] = 0
-    t56 = np.reshape(t55, (d_V, d_H, d_H, d_V), copy=False)
-    t57 = np.einsum('abbc->abc', t56)
-    t58 = np.swapaxes(M_1, -1, -2)
-    t59 = t58 @ G
-    t60 = np.ones((d_H,), dtype=X.dtype)
-    t57 += (1/n_batch) * oe.contract('abc,d->bdc', t59, t60, optimize=[(0, 1)])
-    t61 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t62 = np.reshape(t61, (d_H, d_V, d_V, d_K), copy=False)
-    t62[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,acef,acg,fh->dbgh', t50, t18, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t63 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t64 = np.reshape(t63, (d_H, d_V, d_V, d_K), copy=False)
-    t64[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,acef,acg,gh->dbfh', t50, t18, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
-    t65 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t65[...] = 0
-    t66 = np.reshape(t65, (d_H, d_V, d_V, d_H), copy=False)
-    t67 = np.einsum('abca->abc', t66)
-    t68 = t50 @ M_1
-    t67 += (1/n_batch) * oe.contract('abc,d->dbc', t68, t60, optimize=[(0, 1)])
-    t69 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t69[...] = 0
+    t34 = G @ t17
+    t35 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t33[...] = oe.contract('abc,abd,abef,gf->dgec', t34, X, M_2, t35, optimize=[(0, 1), (0, 1), (0, 1)])
+    t36 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t37 = np.reshape(t36, (d_V, d_K, d_H, d_V), copy=False)
+    t37[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fahg', t35, M_2, X, G, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t38 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t38[...] = 0
+    t39 = np.reshape(t38, (d_V, d_K, d_V, d_K), copy=False)
+    t40 = np.einsum('abcb->abc', t39)
+    t41 = np.swapaxes(t23, -1, -2)
+    t42 = t41 @ X
+    t43 = t3 @ t42
+    t40 += oe.contract('abc,d->bdc', t43, t31, optimize=[(0, 1)])
+    t44 = np.swapaxes(W_Q, -1, -2)
+    t45 = (1/(d_K*n_batch)) * t44
+    t39 += oe.contract('ab,cde,cdfa,cgd,hg->fheb', W_K, X, M_3, t3, t45, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t46 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t47 = np.reshape(t46, (d_V, d_K, d_V, d_K), copy=False)
+    t47[...] = oe.contract('ab,cbd,cdef,cdg,gh->eafh', t45, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t48 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t49 = np.reshape(t48, (d_V, d_K, d_V, d_H), copy=False)
+    t50 = (1/(math.sqrt(d_K)*n_batch)) * t44
+    t49[...] = oe.contract('ab,cdef,cdb,cdg->faeg', t50, M_2, X, t34, optimize=[(0, 2), (1, 2), (0, 1)])
+    t51 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t52 = np.reshape(t51, (d_V, d_K, d_H, d_V), copy=False)
+    t52[...] = oe.contract('ab,cdef,cdb,cdg,eh->fahg', t50, M_2, X, G, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
+    t53 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t54 = np.reshape(t53, (d_V, d_H, d_V, d_K), copy=False)
+    t55 = np.swapaxes(G, -1, -2)
+    t56 = W_O @ t55
+    t57 = (1/(math.sqrt(d_K)*n_batch)) * t56
+    t54[...] = oe.contract('ab,cde,cdfa,cgd->fgeb', W_K, X, M_2, t57, optimize=[(0, 2), (0, 1), (0, 1)])
+    t58 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t59 = np.reshape(t58, (d_V, d_H, d_V, d_K), copy=False)
+    t59[...] = oe.contract('abc,acde,acf,fg->dbeg', t57, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    t60 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t60[...] = 0
+    t61 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t61[...] = 0
+    t62 = np.reshape(t61, (d_V, d_H, d_H, d_V), copy=False)
+    t63 = np.einsum('abbc->abc', t62)
+    t64 = np.swapaxes(M_1, -1, -2)
+    t65 = t64 @ G
+    t66 = np.ones((d_H,), dtype=X.dtype)
+    t67 = (1/n_batch) * t66
+    t63 += oe.contract('abc,d->bdc', t65, t67, optimize=[(0, 1)])
+    t68 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t69 = np.reshape(t68, (d_H, d_V, d_V, d_K), copy=False)
+    t70 = (1/(math.sqrt(d_K)*n_batch)) * t55
+    t69[...] = oe.contract('abc,de,acef,acg,fh->dbgh', t70, t18, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t71 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t72 = np.reshape(t71, (d_H, d_V, d_V, d_K), copy=False)
+    t72[...] = oe.contract('abc,de,acef,acg,gh->dbfh', t70, t18, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t73 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t73[...] = 0
+    t74 = np.reshape(t73, (d_H, d_V, d_V, d_H), copy=False)
+    t75 = np.einsum('abca->abc', t74)
+    t76 = t55 @ M_1
+    t75 += oe.contract('abc,d->dbc', t76, t67, optimize=[(0, 1)])
+    t77 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t77[...] = 0
     return H
 
 
@@ -6600,7 +6750,8 @@ def mse_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t22 = A * t21
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t22, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t22, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t22, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->da', t1, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
+    t23 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cebf,ced,fa->da', t23, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -6679,7 +6830,8 @@ def mse_causal1__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t22 = A * t21
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t22, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t22, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t22, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t1, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t23 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t23, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -6763,10 +6915,12 @@ def mse_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t24 = t23 @ X
     t25 = t2 @ t24
     t26 = np.ones((d_K,), dtype=X.dtype)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t25, t26, optimize=[(0, 1)])
+    t27 = (1/(math.sqrt(d_K)*n_batch)) * t26
+    t1 += oe.contract('abc,d->bdc', t25, t27, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t3, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t28 = (1/(d_K*n_batch)) * t3
+    t0 += oe.contract('ab,cde,cebf,ceg,gh->dafh', t28, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -6844,7 +6998,8 @@ def mse_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     G = t15
     t16 = np.swapaxes(W_O, -1, -2)
     t17 = G @ t16
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t1, M_2, X, t17, optimize=[(0, 1), (0, 1), (0, 1)])
+    t18 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('abc,abd,abef,gf->dgec', t17, X, M_2, t18, optimize=[(0, 1), (0, 1), (0, 1)])
     return out
 
 
@@ -6913,7 +7068,8 @@ def mse_causal1__block__W_Q__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     t14 = (-2/(L*d_V)) * Y
     t15 = t13 + t14
     G = t15
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fahg', t1, M_2, X, G, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t16 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fahg', t16, M_2, X, G, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -6988,7 +7144,8 @@ def mse_causal1__diag__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t23 = A * t22
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->ea', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t24 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cbd,cdee,cdf,fa->ea', t24, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -7072,11 +7229,13 @@ def mse_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t25 = t24 @ X
     t26 = t2 @ t25
     t27 = np.ones((d_K,), dtype=X.dtype)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t26, t27, optimize=[(0, 1)])
-    t28 = np.swapaxes(W_Q, -1, -2)
+    t28 = (1/(math.sqrt(d_K)*n_batch)) * t27
+    t1 += oe.contract('abc,d->bdc', t26, t28, optimize=[(0, 1)])
+    t29 = np.swapaxes(W_Q, -1, -2)
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t28, t2, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    t30 = (1/(d_K*n_batch)) * t29
+    t0 += oe.contract('ab,cde,cdfa,cgd,hg->fheb', W_K, X, M_3, t2, t30, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -7162,7 +7321,8 @@ def mse_causal1__block__W_K__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t23 = A * t22
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t24 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cbd,cdef,cdg,gh->eafh', t24, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -7240,7 +7400,8 @@ def mse_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     G = t16
     t17 = np.swapaxes(W_O, -1, -2)
     t18 = G @ t17
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t1, M_2, X, t18, optimize=[(0, 2), (1, 2), (0, 1)])
+    t19 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,cdg->faeg', t19, M_2, X, t18, optimize=[(0, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -7311,7 +7472,8 @@ def mse_causal1__block__W_K__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     t15 = (-2/(L*d_V)) * Y
     t16 = t14 + t15
     G = t16
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fahg', t1, M_2, X, G, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
+    t17 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,cdg,eh->fahg', t17, M_2, X, G, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -7403,7 +7565,8 @@ def mse_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t17 = W_O @ t16
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t17, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
+    t18 = (1/(math.sqrt(d_K)*n_batch)) * t17
+    t0[...] = oe.contract('ab,cde,cdfa,cgd->fgeb', W_K, X, M_2, t18, optimize=[(0, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -7474,7 +7637,8 @@ def mse_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t17 = W_O @ t16
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t17, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    t18 = (1/(math.sqrt(d_K)*n_batch)) * t17
+    t0[...] = oe.contract('abc,acde,acf,fg->dbeg', t18, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -7568,7 +7732,8 @@ def mse_causal1__block__W_V__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     G = t17
     t18 = t12 @ G
     t19 = np.ones((d_H,), dtype=X.dtype)
-    t1 += (1/n_batch) * oe.contract('abc,d->bdc', t18, t19, optimize=[(0, 1)])
+    t20 = (1/n_batch) * t19
+    t1 += oe.contract('abc,d->bdc', t18, t20, optimize=[(0, 1)])
     return out
 
 
@@ -7659,7 +7824,8 @@ def mse_causal1__block__W_O__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t17 = np.swapaxes(W_V, -1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,acef,acg,fh->dbgh', t16, t17, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t18 = (1/(math.sqrt(d_K)*n_batch)) * t16
+    t0[...] = oe.contract('abc,de,acef,acg,fh->dbgh', t18, t17, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -7730,7 +7896,8 @@ def mse_causal1__block__W_O__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t17 = np.swapaxes(W_V, -1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,acef,acg,gh->dbfh', t16, t17, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t18 = (1/(math.sqrt(d_K)*n_batch)) * t16
+    t0[...] = oe.contract('abc,de,acef,acg,gh->dbfh', t18, t17, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -7802,7 +7969,8 @@ def mse_causal1__block__W_O__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     t17 = np.swapaxes(G, -1, -2)
     t18 = t17 @ M_1
     t19 = np.ones((d_H,), dtype=X.dtype)
-    t1 += (1/n_batch) * oe.contract('abc,d->dbc', t18, t19, optimize=[(0, 1)])
+    t20 = (1/n_batch) * t19
+    t1 += oe.contract('abc,d->dbc', t18, t20, optimize=[(0, 1)])
     return out
 
 
@@ -7899,104 +8067,122 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t23 = A * t22
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t3, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t2, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t24 = (1/(d_K*n_batch)) * t2
+    t1[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t24, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t24 = t17 @ t18
-    t25 = W_O @ t24
-    t26 = W_V @ t25
-    t1 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t2, M_2, X, t26, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t27 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t27[...] = 0
-    t28 = np.reshape(t27, (d_V, d_K, d_V, d_K), copy=False)
-    t29 = np.einsum('abcb->abc', t28)
-    t30 = t23 @ X
-    t31 = t3 @ t30
-    t32 = np.ones((d_K,), dtype=X.dtype)
-    t29 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t31, t32, optimize=[(0, 1)])
-    t28 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t2, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
-    t28 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t2, M_2, X, t26, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
-    t33 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t34 = np.reshape(t33, (d_V, d_K, d_V, d_H), copy=False)
-    t35 = G @ t17
-    t34[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t2, M_2, X, t35, optimize=[(0, 1), (0, 1), (0, 1)])
-    t36 = W_O @ t17
-    t37 = W_V @ t36
-    t34 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t2, M_2, X, M_1, t37, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t38 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t39 = np.reshape(t38, (d_V, d_K, d_H, d_V), copy=False)
-    t40 = W_V @ W_O
-    t39[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t2, M_2, X, t12, t40, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t39 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fahg', t2, M_2, X, G, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t41 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t41[...] = 0
-    t42 = np.reshape(t41, (d_V, d_K, d_V, d_K), copy=False)
-    t43 = np.einsum('abcb->abc', t42)
-    t44 = np.swapaxes(t23, -1, -2)
-    t45 = t44 @ X
-    t46 = t3 @ t45
-    t43 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t46, t32, optimize=[(0, 1)])
-    t47 = np.swapaxes(W_Q, -1, -2)
-    t42 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t47, t3, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
-    t42 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t47, M_2, X, t26, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t48 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t49 = np.reshape(t48, (d_V, d_K, d_V, d_K), copy=False)
-    t49[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t47, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t49 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t47, M_2, X, t26, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
-    t50 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t51 = np.reshape(t50, (d_V, d_K, d_V, d_H), copy=False)
-    t51[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t47, M_2, X, t35, optimize=[(0, 2), (1, 2), (0, 1)])
-    t51 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fagh', t47, M_2, X, M_1, t37, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
-    t52 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t53 = np.reshape(t52, (d_V, d_K, d_H, d_V), copy=False)
-    t53[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fagh', t47, M_2, X, t12, t40, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
-    t53 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fahg', t47, M_2, X, G, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
-    t54 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t55 = np.reshape(t54, (d_V, d_H, d_V, d_K), copy=False)
-    t56 = np.swapaxes(G, -1, -2)
-    t57 = W_O @ t56
-    t55[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t57, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
-    t58 = np.swapaxes(M_1, -1, -2)
-    t55 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,fh->bdgh', t58, t25, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t59 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t60 = np.reshape(t59, (d_V, d_H, d_V, d_K), copy=False)
-    t60[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t57, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t60 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,gh->bdfh', t58, t25, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
-    t61 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t62 = np.reshape(t61, (d_V, d_H, d_V, d_H), copy=False)
-    t63 = t58 @ M_1
-    t62[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,de->bdce', t63, t36, optimize=[(0, 1)])
-    t64 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t65 = np.reshape(t64, (d_V, d_H, d_H, d_V), copy=False)
-    t66 = t58 @ t12
-    t65[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,de->bdce', t66, W_O, optimize=[(0, 1)])
-    t67 = np.einsum('abbc->abc', t65)
-    t68 = t58 @ G
-    t69 = np.ones((d_H,), dtype=X.dtype)
-    t67 += (1/n_batch) * oe.contract('abc,d->bdc', t68, t69, optimize=[(0, 1)])
-    t70 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t71 = np.reshape(t70, (d_H, d_V, d_V, d_K), copy=False)
-    t71[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,acef,acg,fh->dbgh', t56, t18, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t72 = t18 @ t58
-    t71 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,fh->bdgh', t72, t24, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t73 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t74 = np.reshape(t73, (d_H, d_V, d_V, d_K), copy=False)
-    t74[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,acef,acg,gh->dbfh', t56, t18, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
-    t74 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,gh->bdfh', t72, t24, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
-    t75 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t76 = np.reshape(t75, (d_H, d_V, d_V, d_H), copy=False)
-    t77 = t72 @ M_1
-    t76[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,de->bdce', t77, t17, optimize=[(0, 1)])
-    t78 = np.einsum('abca->abc', t76)
-    t79 = t56 @ M_1
-    t78 += (1/n_batch) * oe.contract('abc,d->dbc', t79, t69, optimize=[(0, 1)])
-    t80 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t80[...] = 0
-    t81 = np.reshape(t80, (d_H, d_V, d_H, d_V), copy=False)
-    t82 = np.einsum('abcb->abc', t81)
-    t83 = t72 @ t12
-    t84 = np.ones((d_V,), dtype=X.dtype)
-    t82 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bdc', t83, t84, optimize=[(0, 1)])
+    t25 = t17 @ t18
+    t26 = W_O @ t25
+    t27 = W_V @ t26
+    t28 = (2/(L*d_K*d_V*n_batch)) * t2
+    t1 += oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t28, M_2, X, t27, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t29 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t29[...] = 0
+    t30 = np.reshape(t29, (d_V, d_K, d_V, d_K), copy=False)
+    t31 = np.einsum('abcb->abc', t30)
+    t32 = t23 @ X
+    t33 = t3 @ t32
+    t34 = np.ones((d_K,), dtype=X.dtype)
+    t35 = (1/(math.sqrt(d_K)*n_batch)) * t34
+    t31 += oe.contract('abc,d->bdc', t33, t35, optimize=[(0, 1)])
+    t30 += oe.contract('ab,cde,cebf,ceg,gh->dafh', t24, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t30 += oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t28, M_2, X, t27, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
+    t36 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t37 = np.reshape(t36, (d_V, d_K, d_V, d_H), copy=False)
+    t38 = G @ t17
+    t39 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t37[...] = oe.contract('abc,abd,abef,gf->dgec', t38, X, M_2, t39, optimize=[(0, 1), (0, 1), (0, 1)])
+    t40 = W_O @ t17
+    t41 = W_V @ t40
+    t42 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
+    t37 += oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t42, M_2, X, M_1, t41, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t43 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t44 = np.reshape(t43, (d_V, d_K, d_H, d_V), copy=False)
+    t45 = W_V @ W_O
+    t44[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t42, M_2, X, t12, t45, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t44 += oe.contract('ab,cdeb,cdf,cdg,eh->fahg', t39, M_2, X, G, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t46 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t46[...] = 0
+    t47 = np.reshape(t46, (d_V, d_K, d_V, d_K), copy=False)
+    t48 = np.einsum('abcb->abc', t47)
+    t49 = np.swapaxes(t23, -1, -2)
+    t50 = t49 @ X
+    t51 = t3 @ t50
+    t48 += oe.contract('abc,d->bdc', t51, t35, optimize=[(0, 1)])
+    t52 = np.swapaxes(W_Q, -1, -2)
+    t53 = (1/(d_K*n_batch)) * t52
+    t47 += oe.contract('ab,cde,cdfa,cgd,hg->fheb', W_K, X, M_3, t3, t53, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t54 = (2/(L*d_K*d_V*n_batch)) * t52
+    t47 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t54, M_2, X, t27, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t55 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t56 = np.reshape(t55, (d_V, d_K, d_V, d_K), copy=False)
+    t56[...] = oe.contract('ab,cbd,cdef,cdg,gh->eafh', t53, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t56 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t54, M_2, X, t27, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t57 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t58 = np.reshape(t57, (d_V, d_K, d_V, d_H), copy=False)
+    t59 = (1/(math.sqrt(d_K)*n_batch)) * t52
+    t58[...] = oe.contract('ab,cdef,cdb,cdg->faeg', t59, M_2, X, t38, optimize=[(0, 2), (1, 2), (0, 1)])
+    t60 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t52
+    t58 += oe.contract('ab,cde,cdf,cdag,hf->gheb', t41, M_1, X, M_2, t60, optimize=[(0, 3), (1, 2), (0, 2), (0, 1)])
+    t61 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t62 = np.reshape(t61, (d_V, d_K, d_H, d_V), copy=False)
+    t62[...] = oe.contract('ab,cde,cdf,cdag,hf->gheb', t45, t12, X, M_2, t60, optimize=[(0, 3), (1, 2), (0, 2), (0, 1)])
+    t62 += oe.contract('ab,cdef,cdb,cdg,eh->fahg', t59, M_2, X, G, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
+    t63 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t64 = np.reshape(t63, (d_V, d_H, d_V, d_K), copy=False)
+    t65 = np.swapaxes(G, -1, -2)
+    t66 = W_O @ t65
+    t67 = (1/(math.sqrt(d_K)*n_batch)) * t66
+    t64[...] = oe.contract('ab,cde,cdfa,cgd->fgeb', W_K, X, M_2, t67, optimize=[(0, 2), (0, 1), (0, 1)])
+    t68 = np.swapaxes(M_1, -1, -2)
+    t69 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t68
+    t64 += oe.contract('abc,de,acef,acg,fh->bdgh', t69, t26, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t70 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t71 = np.reshape(t70, (d_V, d_H, d_V, d_K), copy=False)
+    t71[...] = oe.contract('abc,acde,acf,fg->dbeg', t67, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    t71 += oe.contract('abc,de,acef,acg,gh->bdfh', t69, t26, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t72 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t73 = np.reshape(t72, (d_V, d_H, d_V, d_H), copy=False)
+    t74 = t68 @ M_1
+    t75 = (2/(L*d_V*n_batch)) * t40
+    t73[...] = oe.contract('abc,de->bdce', t74, t75, optimize=[(0, 1)])
+    t76 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t77 = np.reshape(t76, (d_V, d_H, d_H, d_V), copy=False)
+    t78 = t68 @ t12
+    t79 = (2/(L*d_V*n_batch)) * W_O
+    t77[...] = oe.contract('abc,de->bdce', t78, t79, optimize=[(0, 1)])
+    t80 = np.einsum('abbc->abc', t77)
+    t81 = t68 @ G
+    t82 = np.ones((d_H,), dtype=X.dtype)
+    t83 = (1/n_batch) * t82
+    t80 += oe.contract('abc,d->bdc', t81, t83, optimize=[(0, 1)])
+    t84 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t85 = np.reshape(t84, (d_H, d_V, d_V, d_K), copy=False)
+    t86 = (1/(math.sqrt(d_K)*n_batch)) * t65
+    t85[...] = oe.contract('abc,de,acef,acg,fh->dbgh', t86, t18, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t87 = t18 @ t68
+    t88 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t87
+    t85 += oe.contract('abc,de,acef,acg,fh->bdgh', t88, t25, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t89 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t90 = np.reshape(t89, (d_H, d_V, d_V, d_K), copy=False)
+    t90[...] = oe.contract('abc,de,acef,acg,gh->dbfh', t86, t18, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t90 += oe.contract('abc,de,acef,acg,gh->bdfh', t88, t25, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t91 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t92 = np.reshape(t91, (d_H, d_V, d_V, d_H), copy=False)
+    t93 = t87 @ M_1
+    t94 = (2/(L*d_V*n_batch)) * t17
+    t92[...] = oe.contract('abc,de->bdce', t93, t94, optimize=[(0, 1)])
+    t95 = np.einsum('abca->abc', t92)
+    t96 = t65 @ M_1
+    t95 += oe.contract('abc,d->dbc', t96, t83, optimize=[(0, 1)])
+    t97 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t97[...] = 0
+    t98 = np.reshape(t97, (d_H, d_V, d_H, d_V), copy=False)
+    t99 = np.einsum('abcb->abc', t98)
+    t100 = t87 @ t12
+    t101 = np.ones((d_V,), dtype=X.dtype)
+    t102 = (2/(L*d_V*n_batch)) * t101
+    t99 += oe.contract('abc,d->bdc', t100, t102, optimize=[(0, 1)])
     return H
 
 
@@ -8245,13 +8431,15 @@ def mse_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t22 = A * t21
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t22, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t22, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t22, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->da', t1, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
+    t23 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cebf,ced,fa->da', t23, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t23 = t16 @ t17
-    t24 = W_O @ t23
-    t25 = W_V @ t24
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdf,ha->fa', t1, M_2, X, t25, M_2, X, W_K, optimize=[(2, 5), (0, 1), (0, 1), (2, 3), (0, 2), (0, 1)])
+    t24 = t16 @ t17
+    t25 = W_O @ t24
+    t26 = W_V @ t25
+    t27 = (2/(L*d_K*d_V*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdgh,cdf,ha->fa', t27, M_2, X, t26, M_2, X, W_K, optimize=[(2, 5), (0, 1), (0, 1), (2, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -8335,13 +8523,15 @@ def mse_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t22 = A * t21
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t22, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t22, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t22, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t1, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t23 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t23, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t23 = t16 @ t17
-    t24 = W_O @ t23
-    t25 = W_V @ t24
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t1, M_2, X, t25, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t24 = t16 @ t17
+    t25 = W_O @ t24
+    t26 = W_V @ t25
+    t27 = (2/(L*d_K*d_V*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t27, M_2, X, t26, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -8430,16 +8620,19 @@ def mse_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t24 = t23 @ X
     t25 = t2 @ t24
     t26 = np.ones((d_K,), dtype=X.dtype)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t25, t26, optimize=[(0, 1)])
+    t27 = (1/(math.sqrt(d_K)*n_batch)) * t26
+    t1 += oe.contract('abc,d->bdc', t25, t27, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t3, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t28 = (1/(d_K*n_batch)) * t3
+    t0 += oe.contract('ab,cde,cebf,ceg,gh->dafh', t28, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t27 = t17 @ t18
-    t28 = W_O @ t27
-    t29 = W_V @ t28
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t3, M_2, X, t29, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
+    t29 = t17 @ t18
+    t30 = W_O @ t29
+    t31 = W_V @ t30
+    t32 = (2/(L*d_K*d_V*n_batch)) * t3
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t32, M_2, X, t31, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -8522,10 +8715,12 @@ def mse_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     G = t15
     t16 = np.swapaxes(W_O, -1, -2)
     t17 = G @ t16
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t1, M_2, X, t17, optimize=[(0, 1), (0, 1), (0, 1)])
-    t18 = W_O @ t16
-    t19 = W_V @ t18
-    t0 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t1, M_2, X, M_1, t19, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t18 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('abc,abd,abef,gf->dgec', t17, X, M_2, t18, optimize=[(0, 1), (0, 1), (0, 1)])
+    t19 = W_O @ t16
+    t20 = W_V @ t19
+    t21 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t21, M_2, X, M_1, t20, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -8591,14 +8786,16 @@ def mse_causal1__block__W_Q__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     M_1 = t10
     t11 = M_1 @ W_V
     t12 = W_V @ W_O
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t1, M_2, X, t11, t12, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t13 = t11 @ W_O
-    F = t13
-    t14 = (2/(L*d_V)) * F
-    t15 = (-2/(L*d_V)) * Y
-    t16 = t14 + t15
-    G = t16
-    t0 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fahg', t1, M_2, X, G, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t13, M_2, X, t11, t12, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t14 = t11 @ W_O
+    F = t14
+    t15 = (2/(L*d_V)) * F
+    t16 = (-2/(L*d_V)) * Y
+    t17 = t15 + t16
+    G = t17
+    t18 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,cdg,eh->fahg', t18, M_2, X, G, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -8674,13 +8871,15 @@ def mse_causal1__diag__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t23 = A * t22
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->ea', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t24 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cbd,cdee,cdf,fa->ea', t24, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t24 = t17 @ t18
-    t25 = W_O @ t24
-    t26 = W_V @ t25
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgf,cdh,ha->fa', t1, M_2, X, t26, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t25 = t17 @ t18
+    t26 = W_O @ t25
+    t27 = W_V @ t26
+    t28 = (2/(L*d_K*d_V*n_batch)) * t1
+    t0 += oe.contract('ab,cdef,cdb,eg,cdgf,cdh,ha->fa', t28, M_2, X, t27, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -8769,17 +8968,20 @@ def mse_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t25 = t24 @ X
     t26 = t2 @ t25
     t27 = np.ones((d_K,), dtype=X.dtype)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t26, t27, optimize=[(0, 1)])
-    t28 = np.swapaxes(W_Q, -1, -2)
+    t28 = (1/(math.sqrt(d_K)*n_batch)) * t27
+    t1 += oe.contract('abc,d->bdc', t26, t28, optimize=[(0, 1)])
+    t29 = np.swapaxes(W_Q, -1, -2)
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t28, t2, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    t30 = (1/(d_K*n_batch)) * t29
+    t0 += oe.contract('ab,cde,cdfa,cgd,hg->fheb', W_K, X, M_3, t2, t30, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t29 = t17 @ t18
-    t30 = W_O @ t29
-    t31 = W_V @ t30
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t28, M_2, X, t31, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t31 = t17 @ t18
+    t32 = W_O @ t31
+    t33 = W_V @ t32
+    t34 = (2/(L*d_K*d_V*n_batch)) * t29
+    t0 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t34, M_2, X, t33, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -8870,13 +9072,15 @@ def mse_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t23 = A * t22
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t24 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cbd,cdef,cdg,gh->eafh', t24, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t24 = t17 @ t18
-    t25 = W_O @ t24
-    t26 = W_V @ t25
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t1, M_2, X, t26, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t25 = t17 @ t18
+    t26 = W_O @ t25
+    t27 = W_V @ t26
+    t28 = (2/(L*d_K*d_V*n_batch)) * t1
+    t0 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t28, M_2, X, t27, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -8959,10 +9163,12 @@ def mse_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     G = t16
     t17 = np.swapaxes(W_O, -1, -2)
     t18 = G @ t17
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t1, M_2, X, t18, optimize=[(0, 2), (1, 2), (0, 1)])
-    t19 = W_O @ t17
-    t20 = W_V @ t19
-    t0 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fagh', t1, M_2, X, M_1, t20, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
+    t19 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,cdg->faeg', t19, M_2, X, t18, optimize=[(0, 2), (1, 2), (0, 1)])
+    t20 = W_O @ t17
+    t21 = W_V @ t20
+    t22 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
+    t0 += oe.contract('ab,cde,cdf,cdag,hf->gheb', t21, M_1, X, M_2, t22, optimize=[(0, 3), (1, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -9030,14 +9236,16 @@ def mse_causal1__block__W_K__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     M_1 = t11
     t12 = M_1 @ W_V
     t13 = W_V @ W_O
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fagh', t1, M_2, X, t12, t13, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
-    t14 = t12 @ W_O
-    F = t14
-    t15 = (2/(L*d_V)) * F
-    t16 = (-2/(L*d_V)) * Y
-    t17 = t15 + t16
-    G = t17
-    t0 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fahg', t1, M_2, X, G, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
+    t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cdf,cdag,hf->gheb', t13, t12, X, M_2, t14, optimize=[(0, 3), (1, 2), (0, 2), (0, 1)])
+    t15 = t12 @ W_O
+    F = t15
+    t16 = (2/(L*d_V)) * F
+    t17 = (-2/(L*d_V)) * Y
+    t18 = t16 + t17
+    G = t18
+    t19 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t0 += oe.contract('ab,cdef,cdb,cdg,eh->fahg', t19, M_2, X, G, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -9101,7 +9309,8 @@ def mse_causal1__diag__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t12 = t11 @ M_1
     t13 = np.swapaxes(W_O, -1, -2)
     t14 = W_O @ t13
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abb,cc->bc', t12, t14, optimize=[(0, 1)])
+    t15 = (2/(L*d_V*n_batch)) * t14
+    t0[...] = oe.contract('abb,cc->bc', t12, t15, optimize=[(0, 1)])
     return out
 
 
@@ -9163,13 +9372,15 @@ def mse_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t17 = W_O @ t16
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t17, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
-    t18 = np.swapaxes(M_1, -1, -2)
-    t19 = np.swapaxes(W_O, -1, -2)
-    t20 = np.swapaxes(W_V, -1, -2)
-    t21 = t19 @ t20
-    t22 = W_O @ t21
-    t0 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,fh->bdgh', t18, t22, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t18 = (1/(math.sqrt(d_K)*n_batch)) * t17
+    t0[...] = oe.contract('ab,cde,cdfa,cgd->fgeb', W_K, X, M_2, t18, optimize=[(0, 2), (0, 1), (0, 1)])
+    t19 = np.swapaxes(M_1, -1, -2)
+    t20 = np.swapaxes(W_O, -1, -2)
+    t21 = np.swapaxes(W_V, -1, -2)
+    t22 = t20 @ t21
+    t23 = W_O @ t22
+    t24 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t19
+    t0 += oe.contract('abc,de,acef,acg,fh->bdgh', t24, t23, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -9245,13 +9456,15 @@ def mse_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t17 = W_O @ t16
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t17, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t18 = np.swapaxes(M_1, -1, -2)
-    t19 = np.swapaxes(W_O, -1, -2)
-    t20 = np.swapaxes(W_V, -1, -2)
-    t21 = t19 @ t20
-    t22 = W_O @ t21
-    t0 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,gh->bdfh', t18, t22, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t18 = (1/(math.sqrt(d_K)*n_batch)) * t17
+    t0[...] = oe.contract('abc,acde,acf,fg->dbeg', t18, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    t19 = np.swapaxes(M_1, -1, -2)
+    t20 = np.swapaxes(W_O, -1, -2)
+    t21 = np.swapaxes(W_V, -1, -2)
+    t22 = t20 @ t21
+    t23 = W_O @ t22
+    t24 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t19
+    t0 += oe.contract('abc,de,acef,acg,gh->bdfh', t24, t23, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -9320,7 +9533,8 @@ def mse_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t12 = t11 @ M_1
     t13 = np.swapaxes(W_O, -1, -2)
     t14 = W_O @ t13
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,de->bdce', t12, t14, optimize=[(0, 1)])
+    t15 = (2/(L*d_V*n_batch)) * t14
+    t0[...] = oe.contract('abc,de->bdce', t12, t15, optimize=[(0, 1)])
     return out
 
 
@@ -9376,17 +9590,19 @@ def mse_causal1__block__W_V__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t11 = np.swapaxes(M_1, -1, -2)
     t12 = M_1 @ W_V
     t13 = t11 @ t12
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,de->bdce', t13, W_O, optimize=[(0, 1)])
-    t14 = np.einsum('abbc->abc', t0)
-    t15 = t12 @ W_O
-    F = t15
-    t16 = (2/(L*d_V)) * F
-    t17 = (-2/(L*d_V)) * Y
-    t18 = t16 + t17
-    G = t18
-    t19 = t11 @ G
-    t20 = np.ones((d_H,), dtype=X.dtype)
-    t14 += (1/n_batch) * oe.contract('abc,d->bdc', t19, t20, optimize=[(0, 1)])
+    t14 = (2/(L*d_V*n_batch)) * W_O
+    t0[...] = oe.contract('abc,de->bdce', t13, t14, optimize=[(0, 1)])
+    t15 = np.einsum('abbc->abc', t0)
+    t16 = t12 @ W_O
+    F = t16
+    t17 = (2/(L*d_V)) * F
+    t18 = (-2/(L*d_V)) * Y
+    t19 = t17 + t18
+    G = t19
+    t20 = t11 @ G
+    t21 = np.ones((d_H,), dtype=X.dtype)
+    t22 = (1/n_batch) * t21
+    t15 += oe.contract('abc,d->bdc', t20, t22, optimize=[(0, 1)])
     return out
 
 
@@ -9451,7 +9667,8 @@ def mse_causal1__diag__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t14 = M_1 @ W_V
     t15 = t13 @ t14
     t16 = np.ones((d_V,), dtype=X.dtype)
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abb,c->bc', t15, t16, optimize=[(0, 1)])
+    t17 = (2/(L*d_V*n_batch)) * t16
+    t0[...] = oe.contract('abb,c->bc', t15, t17, optimize=[(0, 1)])
     return out
 
 
@@ -9514,12 +9731,14 @@ def mse_causal1__block__W_O__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t17 = np.swapaxes(W_V, -1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,acef,acg,fh->dbgh', t16, t17, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t18 = np.swapaxes(M_1, -1, -2)
-    t19 = t17 @ t18
-    t20 = np.swapaxes(W_O, -1, -2)
-    t21 = t20 @ t17
-    t0 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,fh->bdgh', t19, t21, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t18 = (1/(math.sqrt(d_K)*n_batch)) * t16
+    t0[...] = oe.contract('abc,de,acef,acg,fh->dbgh', t18, t17, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t19 = np.swapaxes(M_1, -1, -2)
+    t20 = t17 @ t19
+    t21 = np.swapaxes(W_O, -1, -2)
+    t22 = t21 @ t17
+    t23 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t20
+    t0 += oe.contract('abc,de,acef,acg,fh->bdgh', t23, t22, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -9594,12 +9813,14 @@ def mse_causal1__block__W_O__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t17 = np.swapaxes(W_V, -1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,acef,acg,gh->dbfh', t16, t17, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
-    t18 = np.swapaxes(M_1, -1, -2)
-    t19 = t17 @ t18
-    t20 = np.swapaxes(W_O, -1, -2)
-    t21 = t20 @ t17
-    t0 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,gh->bdfh', t19, t21, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t18 = (1/(math.sqrt(d_K)*n_batch)) * t16
+    t0[...] = oe.contract('abc,de,acef,acg,gh->dbfh', t18, t17, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t19 = np.swapaxes(M_1, -1, -2)
+    t20 = t17 @ t19
+    t21 = np.swapaxes(W_O, -1, -2)
+    t22 = t21 @ t17
+    t23 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t20
+    t0 += oe.contract('abc,de,acef,acg,gh->bdfh', t23, t22, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -9668,19 +9889,21 @@ def mse_causal1__block__W_O__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t13 = t1 @ t12
     t14 = t13 @ M_1
     t15 = np.swapaxes(W_O, -1, -2)
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,de->bdce', t14, t15, optimize=[(0, 1)])
-    t16 = np.einsum('abca->abc', t0)
-    t17 = M_1 @ W_V
-    t18 = t17 @ W_O
-    F = t18
-    t19 = (2/(L*d_V)) * F
-    t20 = (-2/(L*d_V)) * Y
-    t21 = t19 + t20
-    G = t21
-    t22 = np.swapaxes(G, -1, -2)
-    t23 = t22 @ M_1
-    t24 = np.ones((d_H,), dtype=X.dtype)
-    t16 += (1/n_batch) * oe.contract('abc,d->dbc', t23, t24, optimize=[(0, 1)])
+    t16 = (2/(L*d_V*n_batch)) * t15
+    t0[...] = oe.contract('abc,de->bdce', t14, t16, optimize=[(0, 1)])
+    t17 = np.einsum('abca->abc', t0)
+    t18 = M_1 @ W_V
+    t19 = t18 @ W_O
+    F = t19
+    t20 = (2/(L*d_V)) * F
+    t21 = (-2/(L*d_V)) * Y
+    t22 = t20 + t21
+    G = t22
+    t23 = np.swapaxes(G, -1, -2)
+    t24 = t23 @ M_1
+    t25 = np.ones((d_H,), dtype=X.dtype)
+    t26 = (1/n_batch) * t25
+    t17 += oe.contract('abc,d->dbc', t24, t26, optimize=[(0, 1)])
     return out
 
 
@@ -9751,7 +9974,8 @@ def mse_causal1__block__W_O__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t15 = M_1 @ W_V
     t16 = t14 @ t15
     t17 = np.ones((d_V,), dtype=X.dtype)
-    t1 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bdc', t16, t17, optimize=[(0, 1)])
+    t18 = (2/(L*d_V*n_batch)) * t17
+    t1 += oe.contract('abc,d->bdc', t16, t18, optimize=[(0, 1)])
     return out
 
 
@@ -9896,73 +10120,89 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
     t17 = np.swapaxes(W_O, -1, -2)
     t18 = np.swapaxes(W_V, -1, -2)
     t19 = t17 @ t18
-    t1[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t2, M_2, X, t9, t11, A16, t19, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t1 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t2, M_2, X, t9, t11, A16, A16, t19, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
-    t20 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t21 = np.reshape(t20, (d_V, d_K, d_V, d_K), copy=False)
-    t21[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t2, M_2, X, t9, t11, A16, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t21 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t2, M_2, X, t9, t11, A16, A16, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
-    t22 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t23 = np.reshape(t22, (d_V, d_K, d_V, d_H), copy=False)
-    t23[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,gi->fahi', t2, M_2, X, t9, t11, A16, M_1, t17, optimize=[(4, 5), (0, 1), (1, 5), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t23 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi,hj->faij', t2, M_2, X, t9, t11, A16, A16, M_1, t17, optimize=[(4, 5), (0, 1), (2, 4), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t24 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t25 = np.reshape(t24, (d_V, d_K, d_H, d_V), copy=False)
-    t25[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t2, M_2, X, t9, t11, A16, t13, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t25 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t2, M_2, X, t9, t11, A16, A16, t13, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t26 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t27 = np.reshape(t26, (d_V, d_K, d_V, d_K), copy=False)
-    t28 = np.swapaxes(W_Q, -1, -2)
-    t27[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t28, M_2, X, t9, t11, A16, t19, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t27 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t28, M_2, X, t9, t11, A16, A16, t19, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
-    t29 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t30 = np.reshape(t29, (d_V, d_K, d_V, d_K), copy=False)
-    t30[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t28, M_2, X, t9, t11, A16, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
-    t30 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t28, M_2, X, t9, t11, A16, A16, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
-    t31 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t32 = np.reshape(t31, (d_V, d_K, d_V, d_H), copy=False)
-    t32[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,gi->fahi', t28, M_2, X, t9, t11, A16, M_1, t17, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (1, 3), (0, 1), (0, 1)])
-    t32 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi,hj->faij', t28, M_2, X, t9, t11, A16, A16, M_1, t17, optimize=[(4, 5), (0, 2), (0, 1), (3, 5), (0, 2), (0, 3), (0, 2), (0, 1)])
-    t33 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t34 = np.reshape(t33, (d_V, d_K, d_H, d_V), copy=False)
-    t34[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh->fahg', t28, M_2, X, t9, t11, A16, t13, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
-    t34 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t28, M_2, X, t9, t11, A16, A16, t13, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
-    t35 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t36 = np.reshape(t35, (d_V, d_H, d_V, d_K), copy=False)
-    t37 = np.swapaxes(M_1, -1, -2)
-    t36[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,ace,ace,ef,acfg,ach,gi->bdhi', t37, W_O, t11, A16, t19, M_2, X, W_K, optimize=[(2, 3), (2, 3), (3, 5), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t36 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,ace,ace,acf,fg,acgh,aci,hj->bdij', t37, W_O, t11, A16, A16, t19, M_2, X, W_K, optimize=[(2, 3), (2, 3), (2, 6), (1, 4), (2, 3), (0, 2), (0, 2), (0, 1)])
-    t38 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t39 = np.reshape(t38, (d_V, d_H, d_V, d_K), copy=False)
-    t39[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,ace,ace,ef,acfg,ach,hi->bdgi', t37, W_O, t11, A16, t19, M_2, X, W_Q, optimize=[(2, 3), (2, 3), (2, 3), (2, 3), (1, 3), (0, 1), (0, 1)])
-    t39 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,ace,ace,acf,fg,acgh,aci,ij->bdhj', t37, W_O, t11, A16, A16, t19, M_2, X, W_Q, optimize=[(2, 3), (2, 3), (2, 6), (2, 3), (1, 2), (0, 1), (0, 2), (0, 1)])
-    t40 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t41 = np.reshape(t40, (d_V, d_H, d_V, d_H), copy=False)
-    t41[...] = (1/(L*n_batch)) * oe.contract('abc,de,ace,ace,acf,eg->bdfg', t37, W_O, t11, A16, M_1, t17, optimize=[(2, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t41 += (-1/(L*n_batch)) * oe.contract('abc,de,ace,ace,acf,acg,fh->bdgh', t37, W_O, t11, A16, A16, M_1, t17, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 2), (0, 1)])
-    t42 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t43 = np.reshape(t42, (d_V, d_H, d_H, d_V), copy=False)
-    t43[...] = (1/(L*n_batch)) * oe.contract('abc,de,ace,ace,acf->bdfe', t37, W_O, t11, A16, t13, optimize=[(2, 3), (0, 2), (1, 2), (0, 1)])
-    t43 += (-1/(L*n_batch)) * oe.contract('abc,de,ace,ace,acf,acg->bdgf', t37, W_O, t11, A16, A16, t13, optimize=[(2, 3), (1, 4), (0, 1), (0, 2), (0, 1)])
-    t44 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t45 = np.reshape(t44, (d_H, d_V, d_V, d_K), copy=False)
-    t46 = t18 @ t37
-    t45[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t46, t11, A16, t19, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t45 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t46, t11, A16, A16, t19, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
-    t47 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t48 = np.reshape(t47, (d_H, d_V, d_V, d_K), copy=False)
-    t48[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t46, t11, A16, t19, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t48 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t46, t11, A16, A16, t19, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
-    t49 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t50 = np.reshape(t49, (d_H, d_V, d_V, d_H), copy=False)
-    t50[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,df->bdef', t46, t11, A16, M_1, t17, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
-    t50 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf,eg->bdfg', t46, t11, A16, A16, M_1, t17, optimize=[(1, 2), (1, 3), (1, 2), (0, 1), (0, 1)])
-    t51 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t51[...] = 0
-    t52 = np.reshape(t51, (d_H, d_V, d_H, d_V), copy=False)
-    t53 = np.einsum('abcb->abc', t52)
-    t53 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bde', t46, t11, A16, t13, optimize=[(1, 2), (0, 1), (0, 1)])
-    t52 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t46, t11, A16, A16, t13, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t20 = (1/(L*d_K*n_batch)) * t2
+    t1[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t20, M_2, X, t9, t11, A16, t19, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t21 = (-1/(L*d_K*n_batch)) * t2
+    t1 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t21, M_2, X, t9, t11, A16, A16, t19, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
+    t22 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t23 = np.reshape(t22, (d_V, d_K, d_V, d_K), copy=False)
+    t23[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t20, M_2, X, t9, t11, A16, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
+    t23 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t21, M_2, X, t9, t11, A16, A16, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
+    t24 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t25 = np.reshape(t24, (d_V, d_K, d_V, d_H), copy=False)
+    t26 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t25[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,gi->fahi', t26, M_2, X, t9, t11, A16, M_1, t17, optimize=[(4, 5), (0, 1), (1, 5), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t27 = (-1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t25 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi,hj->faij', t27, M_2, X, t9, t11, A16, A16, M_1, t17, optimize=[(4, 5), (0, 1), (2, 4), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t28 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t29 = np.reshape(t28, (d_V, d_K, d_H, d_V), copy=False)
+    t29[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t26, M_2, X, t9, t11, A16, t13, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t29 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t27, M_2, X, t9, t11, A16, A16, t13, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t30 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t31 = np.reshape(t30, (d_V, d_K, d_V, d_K), copy=False)
+    t32 = np.swapaxes(W_Q, -1, -2)
+    t33 = (1/(L*d_K*n_batch)) * t32
+    t31[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t33, M_2, X, t9, t11, A16, t19, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t34 = (-1/(L*d_K*n_batch)) * t32
+    t31 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t34, M_2, X, t9, t11, A16, A16, t19, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t35 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t36 = np.reshape(t35, (d_V, d_K, d_V, d_K), copy=False)
+    t36[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t33, M_2, X, t9, t11, A16, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
+    t36 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t34, M_2, X, t9, t11, A16, A16, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
+    t37 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t38 = np.reshape(t37, (d_V, d_K, d_V, d_H), copy=False)
+    t39 = (1/(L*math.sqrt(d_K)*n_batch)) * t32
+    t38[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,gi->fahi', t39, M_2, X, t9, t11, A16, M_1, t17, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (1, 3), (0, 1), (0, 1)])
+    t40 = (-1/(L*math.sqrt(d_K)*n_batch)) * t32
+    t38 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi,hj->faij', t40, M_2, X, t9, t11, A16, A16, M_1, t17, optimize=[(4, 5), (0, 2), (0, 1), (3, 5), (0, 2), (0, 3), (0, 2), (0, 1)])
+    t41 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t42 = np.reshape(t41, (d_V, d_K, d_H, d_V), copy=False)
+    t42[...] = oe.contract('abc,abd,abd,ed,abf,abeg,hf->ghcd', t13, A16, t11, t9, X, M_2, t39, optimize=[(1, 2), (1, 3), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t42 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t40, M_2, X, t9, t11, A16, A16, t13, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t43 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t44 = np.reshape(t43, (d_V, d_H, d_V, d_K), copy=False)
+    t45 = np.swapaxes(M_1, -1, -2)
+    t46 = (1/(L*math.sqrt(d_K)*n_batch)) * t45
+    t44[...] = oe.contract('abc,de,ace,ace,ef,acfg,ach,gi->bdhi', t46, W_O, t11, A16, t19, M_2, X, W_K, optimize=[(2, 3), (2, 3), (3, 5), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t47 = (-1/(L*math.sqrt(d_K)*n_batch)) * t45
+    t44 += oe.contract('abc,de,ace,ace,acf,fg,acgh,aci,hj->bdij', t47, W_O, t11, A16, A16, t19, M_2, X, W_K, optimize=[(2, 3), (2, 3), (2, 6), (1, 4), (2, 3), (0, 2), (0, 2), (0, 1)])
+    t48 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t49 = np.reshape(t48, (d_V, d_H, d_V, d_K), copy=False)
+    t49[...] = oe.contract('abc,de,ace,ace,ef,acfg,ach,hi->bdgi', t46, W_O, t11, A16, t19, M_2, X, W_Q, optimize=[(2, 3), (2, 3), (2, 3), (2, 3), (1, 3), (0, 1), (0, 1)])
+    t49 += oe.contract('abc,de,ace,ace,acf,fg,acgh,aci,ij->bdhj', t47, W_O, t11, A16, A16, t19, M_2, X, W_Q, optimize=[(2, 3), (2, 3), (2, 6), (2, 3), (1, 2), (0, 1), (0, 2), (0, 1)])
+    t50 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t51 = np.reshape(t50, (d_V, d_H, d_V, d_H), copy=False)
+    t52 = (1/(L*n_batch)) * t45
+    t51[...] = oe.contract('ab,cde,cda,cda,fa,cgd->gfeb', t17, M_1, A16, t11, W_O, t52, optimize=[(2, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t53 = (-1/(L*n_batch)) * t45
+    t51 += oe.contract('abc,de,ace,ace,acf,acg,fh->bdgh', t53, W_O, t11, A16, A16, M_1, t17, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 2), (0, 1)])
+    t54 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t55 = np.reshape(t54, (d_V, d_H, d_H, d_V), copy=False)
+    t55[...] = oe.contract('abc,de,ace,ace,acf->bdfe', t52, W_O, t11, A16, t13, optimize=[(2, 3), (0, 2), (1, 2), (0, 1)])
+    t55 += oe.contract('abc,de,ace,ace,acf,acg->bdgf', t53, W_O, t11, A16, A16, t13, optimize=[(2, 3), (1, 4), (0, 1), (0, 2), (0, 1)])
+    t56 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t57 = np.reshape(t56, (d_H, d_V, d_V, d_K), copy=False)
+    t58 = t18 @ t45
+    t59 = (1/(L*math.sqrt(d_K)*n_batch)) * t58
+    t57[...] = oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t59, t11, A16, t19, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t60 = (-1/(L*math.sqrt(d_K)*n_batch)) * t58
+    t57 += oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t60, t11, A16, A16, t19, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
+    t61 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t62 = np.reshape(t61, (d_H, d_V, d_V, d_K), copy=False)
+    t62[...] = oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t59, t11, A16, t19, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t62 += oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t60, t11, A16, A16, t19, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
+    t63 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t64 = np.reshape(t63, (d_H, d_V, d_V, d_H), copy=False)
+    t65 = (1/(L*n_batch)) * t58
+    t64[...] = oe.contract('abc,acd,acd,ace,df->bdef', t65, t11, A16, M_1, t17, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
+    t66 = (-1/(L*n_batch)) * t58
+    t64 += oe.contract('abc,acd,acd,ace,acf,eg->bdfg', t66, t11, A16, A16, M_1, t17, optimize=[(1, 2), (1, 3), (1, 2), (0, 1), (0, 1)])
+    t67 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t67[...] = 0
+    t68 = np.reshape(t67, (d_H, d_V, d_H, d_V), copy=False)
+    t69 = np.einsum('abcb->abc', t68)
+    t69 += oe.contract('abc,acd,acd,ace->bde', t65, t11, A16, t13, optimize=[(1, 2), (0, 1), (0, 1)])
+    t68 += oe.contract('abc,acd,acd,ace,acf->bdfe', t66, t11, A16, A16, t13, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
     return H
 
 
@@ -10134,8 +10374,10 @@ def ce_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t16 = np.swapaxes(W_O, -1, -2)
     t17 = np.swapaxes(W_V, -1, -2)
     t18 = t16 @ t17
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdf,ia->fa', t1, M_2, X, t8, t10, A15, t18, M_2, X, W_K, optimize=[(4, 5), (2, 6), (0, 1), (1, 2), (0, 4), (0, 3), (2, 3), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdf,ja->fa', t1, M_2, X, t8, t10, A15, A15, t18, M_2, X, W_K, optimize=[(4, 5), (2, 7), (0, 1), (1, 2), (1, 6), (0, 2), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t19 = (1/(L*d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdf,ia->fa', t19, M_2, X, t8, t10, A15, t18, M_2, X, W_K, optimize=[(4, 5), (2, 6), (0, 1), (1, 2), (0, 4), (0, 3), (2, 3), (0, 2), (0, 1)])
+    t20 = (-1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdf,ja->fa', t20, M_2, X, t8, t10, A15, A15, t18, M_2, X, W_K, optimize=[(4, 5), (2, 7), (0, 1), (1, 2), (1, 6), (0, 2), (2, 4), (0, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -10202,8 +10444,10 @@ def ce_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t16 = np.swapaxes(W_O, -1, -2)
     t17 = np.swapaxes(W_V, -1, -2)
     t18 = t16 @ t17
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t1, M_2, X, t8, t10, A15, t18, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t1, M_2, X, t8, t10, A15, A15, t18, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
+    t19 = (1/(L*d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t19, M_2, X, t8, t10, A15, t18, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t20 = (-1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t20, M_2, X, t8, t10, A15, A15, t18, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -10272,8 +10516,10 @@ def ce_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     t16 = np.swapaxes(W_O, -1, -2)
     t17 = np.swapaxes(W_V, -1, -2)
     t18 = t16 @ t17
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t1, M_2, X, t8, t10, A15, t18, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t1, M_2, X, t8, t10, A15, A15, t18, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
+    t19 = (1/(L*d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t19, M_2, X, t8, t10, A15, t18, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
+    t20 = (-1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t20, M_2, X, t8, t10, A15, A15, t18, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -10340,8 +10586,10 @@ def ce_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     t14 = np.exp(t13 - t13.max(-1, keepdims=True))
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.swapaxes(W_O, -1, -2)
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,gi->fahi', t1, M_2, X, t8, t10, A15, M_1, t16, optimize=[(4, 5), (0, 1), (1, 5), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi,hj->faij', t1, M_2, X, t8, t10, A15, A15, M_1, t16, optimize=[(4, 5), (0, 1), (2, 4), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t17 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,gi->fahi', t17, M_2, X, t8, t10, A15, M_1, t16, optimize=[(4, 5), (0, 1), (1, 5), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t18 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi,hj->faij', t18, M_2, X, t8, t10, A15, A15, M_1, t16, optimize=[(4, 5), (0, 1), (2, 4), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -10405,8 +10653,10 @@ def ce_causal0__block__W_Q__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     t13 = t12 @ W_O
     t14 = np.exp(t13 - t13.max(-1, keepdims=True))
     A15 = t14 / t14.sum(-1, keepdims=True)
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t1, M_2, X, t8, t10, A15, t12, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t1, M_2, X, t8, t10, A15, A15, t12, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t16 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t16, M_2, X, t8, t10, A15, t12, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t17 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t17, M_2, X, t8, t10, A15, A15, t12, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -10473,8 +10723,10 @@ def ce_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     t17 = np.swapaxes(W_O, -1, -2)
     t18 = np.swapaxes(W_V, -1, -2)
     t19 = t17 @ t18
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhf,cdi,ia->fa', t1, M_2, X, t9, t11, A16, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (4, 5), (2, 4), (0, 1), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdif,cdj,ja->fa', t1, M_2, X, t9, t11, A16, A16, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t20 = (1/(L*d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhf,cdi,ia->fa', t20, M_2, X, t9, t11, A16, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (4, 5), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t21 = (-1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdif,cdj,ja->fa', t21, M_2, X, t9, t11, A16, A16, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -10543,8 +10795,10 @@ def ce_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t17 = np.swapaxes(W_O, -1, -2)
     t18 = np.swapaxes(W_V, -1, -2)
     t19 = t17 @ t18
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t1, M_2, X, t9, t11, A16, t19, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t1, M_2, X, t9, t11, A16, A16, t19, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t20 = (1/(L*d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t20, M_2, X, t9, t11, A16, t19, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t21 = (-1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t21, M_2, X, t9, t11, A16, A16, t19, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -10615,8 +10869,10 @@ def ce_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     t17 = np.swapaxes(W_O, -1, -2)
     t18 = np.swapaxes(W_V, -1, -2)
     t19 = t17 @ t18
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t1, M_2, X, t9, t11, A16, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t1, M_2, X, t9, t11, A16, A16, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
+    t20 = (1/(L*d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t20, M_2, X, t9, t11, A16, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
+    t21 = (-1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t21, M_2, X, t9, t11, A16, A16, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -10685,8 +10941,10 @@ def ce_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     t15 = np.exp(t14 - t14.max(-1, keepdims=True))
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.swapaxes(W_O, -1, -2)
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,gi->fahi', t1, M_2, X, t9, t11, A16, M_1, t17, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (1, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi,hj->faij', t1, M_2, X, t9, t11, A16, A16, M_1, t17, optimize=[(4, 5), (0, 2), (0, 1), (3, 5), (0, 2), (0, 3), (0, 2), (0, 1)])
+    t18 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,gi->fahi', t18, M_2, X, t9, t11, A16, M_1, t17, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (1, 3), (0, 1), (0, 1)])
+    t19 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi,hj->faij', t19, M_2, X, t9, t11, A16, A16, M_1, t17, optimize=[(4, 5), (0, 2), (0, 1), (3, 5), (0, 2), (0, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -10752,8 +11010,10 @@ def ce_causal0__block__W_K__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     t14 = t13 @ W_O
     t15 = np.exp(t14 - t14.max(-1, keepdims=True))
     A16 = t15 / t15.sum(-1, keepdims=True)
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh->fahg', t1, M_2, X, t9, t11, A16, t13, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t1, M_2, X, t9, t11, A16, A16, t13, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t17 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('abc,abd,abd,ed,abf,abeg,hf->ghcd', t13, A16, t11, t9, X, M_2, t17, optimize=[(1, 2), (1, 3), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t18 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t18, M_2, X, t9, t11, A16, A16, t13, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -10816,8 +11076,10 @@ def ce_causal0__diag__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     t14 = np.exp(t13 - t13.max(-1, keepdims=True))
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.swapaxes(W_O, -1, -2)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,de,ace,ace,acb,ed->bd', t9, W_O, t11, A15, M_1, t16, optimize=[(2, 3), (0, 2), (0, 1), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,de,ace,ace,acf,acb,fd->bd', t9, W_O, t11, A15, A15, M_1, t16, optimize=[(2, 3), (0, 3), (1, 2), (0, 1), (1, 2), (0, 1)])
+    t17 = (1/(L*n_batch)) * t9
+    t0[...] = oe.contract('abc,de,ace,ace,acb,ed->bd', t17, W_O, t11, A15, M_1, t16, optimize=[(2, 3), (0, 2), (0, 1), (0, 1), (0, 1)])
+    t18 = (-1/(L*n_batch)) * t9
+    t0 += oe.contract('abc,de,ace,ace,acf,acb,fd->bd', t18, W_O, t11, A15, A15, M_1, t16, optimize=[(2, 3), (0, 3), (1, 2), (0, 1), (1, 2), (0, 1)])
     return out
 
 
@@ -10880,8 +11142,10 @@ def ce_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t18 = t16 @ t17
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,ace,ace,ef,acfg,ach,gi->bdhi', t9, W_O, t11, A15, t18, M_2, X, W_K, optimize=[(2, 3), (2, 3), (3, 5), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,ace,ace,acf,fg,acgh,aci,hj->bdij', t9, W_O, t11, A15, A15, t18, M_2, X, W_K, optimize=[(2, 3), (2, 3), (2, 6), (1, 4), (2, 3), (0, 2), (0, 2), (0, 1)])
+    t19 = (1/(L*math.sqrt(d_K)*n_batch)) * t9
+    t0[...] = oe.contract('abc,de,ace,ace,ef,acfg,ach,gi->bdhi', t19, W_O, t11, A15, t18, M_2, X, W_K, optimize=[(2, 3), (2, 3), (3, 5), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t20 = (-1/(L*math.sqrt(d_K)*n_batch)) * t9
+    t0 += oe.contract('abc,de,ace,ace,acf,fg,acgh,aci,hj->bdij', t20, W_O, t11, A15, A15, t18, M_2, X, W_K, optimize=[(2, 3), (2, 3), (2, 6), (1, 4), (2, 3), (0, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -10950,8 +11214,10 @@ def ce_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     t18 = t16 @ t17
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,ace,ace,ef,acfg,ach,hi->bdgi', t9, W_O, t11, A15, t18, M_2, X, W_Q, optimize=[(2, 3), (2, 3), (2, 3), (2, 3), (1, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,ace,ace,acf,fg,acgh,aci,ij->bdhj', t9, W_O, t11, A15, A15, t18, M_2, X, W_Q, optimize=[(2, 3), (2, 3), (2, 6), (2, 3), (1, 2), (0, 1), (0, 2), (0, 1)])
+    t19 = (1/(L*math.sqrt(d_K)*n_batch)) * t9
+    t0[...] = oe.contract('abc,de,ace,ace,ef,acfg,ach,hi->bdgi', t19, W_O, t11, A15, t18, M_2, X, W_Q, optimize=[(2, 3), (2, 3), (2, 3), (2, 3), (1, 3), (0, 1), (0, 1)])
+    t20 = (-1/(L*math.sqrt(d_K)*n_batch)) * t9
+    t0 += oe.contract('abc,de,ace,ace,acf,fg,acgh,aci,ij->bdhj', t20, W_O, t11, A15, A15, t18, M_2, X, W_Q, optimize=[(2, 3), (2, 3), (2, 6), (2, 3), (1, 2), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -11016,8 +11282,10 @@ def ce_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     t14 = np.exp(t13 - t13.max(-1, keepdims=True))
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.swapaxes(W_O, -1, -2)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,de,ace,ace,acf,eg->bdfg', t9, W_O, t11, A15, M_1, t16, optimize=[(2, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,de,ace,ace,acf,acg,fh->bdgh', t9, W_O, t11, A15, A15, M_1, t16, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 2), (0, 1)])
+    t17 = (1/(L*n_batch)) * t9
+    t0[...] = oe.contract('ab,cde,cda,cda,fa,cgd->gfeb', t16, M_1, A15, t11, W_O, t17, optimize=[(2, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t18 = (-1/(L*n_batch)) * t9
+    t0 += oe.contract('abc,de,ace,ace,acf,acg,fh->bdgh', t18, W_O, t11, A15, A15, M_1, t16, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -11077,8 +11345,10 @@ def ce_causal0__block__W_V__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     t13 = t12 @ W_O
     t14 = np.exp(t13 - t13.max(-1, keepdims=True))
     A15 = t14 / t14.sum(-1, keepdims=True)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,de,ace,ace,acf->bdfe', t9, W_O, t11, A15, t12, optimize=[(2, 3), (0, 2), (1, 2), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,de,ace,ace,acf,acg->bdgf', t9, W_O, t11, A15, A15, t12, optimize=[(2, 3), (1, 4), (0, 1), (0, 2), (0, 1)])
+    t16 = (1/(L*n_batch)) * t9
+    t0[...] = oe.contract('abc,de,ace,ace,acf->bdfe', t16, W_O, t11, A15, t12, optimize=[(2, 3), (0, 2), (1, 2), (0, 1)])
+    t17 = (-1/(L*n_batch)) * t9
+    t0 += oe.contract('abc,de,ace,ace,acf,acg->bdgf', t17, W_O, t11, A15, A15, t12, optimize=[(2, 3), (1, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -11139,8 +11409,10 @@ def ce_causal0__diag__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     t15 = t14 @ W_O
     t16 = np.exp(t15 - t15.max(-1, keepdims=True))
     A17 = t16 / t16.sum(-1, keepdims=True)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,acb->bd', t11, t13, A17, t14, optimize=[(0, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->bd', t11, t13, A17, A17, t14, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t18 = (1/(L*n_batch)) * t11
+    t0[...] = oe.contract('abc,acd,acd,acb->bd', t18, t13, A17, t14, optimize=[(0, 3), (0, 1), (0, 1)])
+    t19 = (-1/(L*n_batch)) * t11
+    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t19, t13, A17, A17, t14, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -11205,8 +11477,10 @@ def ce_causal0__block__W_O__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t19 = t18 @ t1
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t11, t13, A17, t19, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t11, t13, A17, A17, t19, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
+    t20 = (1/(L*math.sqrt(d_K)*n_batch)) * t11
+    t0[...] = oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t20, t13, A17, t19, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t21 = (-1/(L*math.sqrt(d_K)*n_batch)) * t11
+    t0 += oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t21, t13, A17, A17, t19, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -11277,8 +11551,10 @@ def ce_causal0__block__W_O__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     t19 = t18 @ t1
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t11, t13, A17, t19, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t11, t13, A17, A17, t19, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
+    t20 = (1/(L*math.sqrt(d_K)*n_batch)) * t11
+    t0[...] = oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t20, t13, A17, t19, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t21 = (-1/(L*math.sqrt(d_K)*n_batch)) * t11
+    t0 += oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t21, t13, A17, A17, t19, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -11346,8 +11622,10 @@ def ce_causal0__block__W_O__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     t16 = np.exp(t15 - t15.max(-1, keepdims=True))
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = np.swapaxes(W_O, -1, -2)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,df->bdef', t11, t13, A17, M_1, t18, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf,eg->bdfg', t11, t13, A17, A17, M_1, t18, optimize=[(1, 2), (1, 3), (1, 2), (0, 1), (0, 1)])
+    t19 = (1/(L*n_batch)) * t11
+    t0[...] = oe.contract('abc,acd,acd,ace,df->bdef', t19, t13, A17, M_1, t18, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
+    t20 = (-1/(L*n_batch)) * t11
+    t0 += oe.contract('abc,acd,acd,ace,acf,eg->bdfg', t20, t13, A17, A17, M_1, t18, optimize=[(1, 2), (1, 3), (1, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -11413,8 +11691,10 @@ def ce_causal0__block__W_O__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     t16 = t15 @ W_O
     t17 = np.exp(t16 - t16.max(-1, keepdims=True))
     A18 = t17 / t17.sum(-1, keepdims=True)
-    t1 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bde', t12, t14, A18, t15, optimize=[(1, 2), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t12, t14, A18, A18, t15, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t19 = (1/(L*n_batch)) * t12
+    t1 += oe.contract('abc,acd,acd,ace->bde', t19, t14, A18, t15, optimize=[(1, 2), (0, 1), (0, 1)])
+    t20 = (-1/(L*n_batch)) * t12
+    t0 += oe.contract('abc,acd,acd,ace,acf->bdfe', t20, t14, A18, A18, t15, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
     return out
 
 
@@ -11490,76 +11770,84 @@ def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, W_O, Y):
     t26 = A * t25
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t3, t26, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, t26, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, t26, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t2, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
-    t27 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t27[...] = 0
-    t28 = np.reshape(t27, (d_V, d_K, d_V, d_K), copy=False)
-    t29 = np.einsum('abcb->abc', t28)
-    t30 = t26 @ X
-    t31 = t3 @ t30
-    t32 = np.ones((d_K,), dtype=X.dtype)
-    t29 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t31, t32, optimize=[(0, 1)])
-    t28 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t2, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
-    t33 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t34 = np.reshape(t33, (d_V, d_K, d_V, d_H), copy=False)
+    t27 = (1/(d_K*n_batch)) * t2
+    t1[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t27, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t28 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t28[...] = 0
+    t29 = np.reshape(t28, (d_V, d_K, d_V, d_K), copy=False)
+    t30 = np.einsum('abcb->abc', t29)
+    t31 = t26 @ X
+    t32 = t3 @ t31
+    t33 = np.ones((d_K,), dtype=X.dtype)
+    t34 = (1/(math.sqrt(d_K)*n_batch)) * t33
+    t30 += oe.contract('abc,d->bdc', t32, t34, optimize=[(0, 1)])
+    t29 += oe.contract('ab,cde,cebf,ceg,gh->dafh', t27, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t35 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t36 = np.reshape(t35, (d_V, d_K, d_V, d_H), copy=False)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t35 = G @ t20
-    t34[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t2, M_2, X, t35, optimize=[(0, 1), (0, 1), (0, 1)])
-    t36 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t37 = np.reshape(t36, (d_V, d_K, d_H, d_V), copy=False)
-    t37[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fahg', t2, M_2, X, G, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t38 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t38[...] = 0
-    t39 = np.reshape(t38, (d_V, d_K, d_V, d_K), copy=False)
-    t40 = np.einsum('abcb->abc', t39)
-    t41 = np.swapaxes(t26, -1, -2)
-    t42 = t41 @ X
-    t43 = t3 @ t42
-    t40 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t43, t32, optimize=[(0, 1)])
-    t44 = np.swapaxes(W_Q, -1, -2)
-    t39 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t44, t3, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
-    t45 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t46 = np.reshape(t45, (d_V, d_K, d_V, d_K), copy=False)
-    t46[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t44, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t47 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t48 = np.reshape(t47, (d_V, d_K, d_V, d_H), copy=False)
-    t48[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t44, M_2, X, t35, optimize=[(0, 2), (1, 2), (0, 1)])
-    t49 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t50 = np.reshape(t49, (d_V, d_K, d_H, d_V), copy=False)
-    t50[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fahg', t44, M_2, X, G, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
-    t51 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t52 = np.reshape(t51, (d_V, d_H, d_V, d_K), copy=False)
-    t53 = np.swapaxes(G, -1, -2)
-    t54 = W_O @ t53
-    t52[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t54, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
-    t55 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t56 = np.reshape(t55, (d_V, d_H, d_V, d_K), copy=False)
-    t56[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t54, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t57 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t57[...] = 0
-    t58 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t58[...] = 0
-    t59 = np.reshape(t58, (d_V, d_H, d_H, d_V), copy=False)
-    t60 = np.einsum('abbc->abc', t59)
-    t61 = np.swapaxes(M_1, -1, -2)
-    t62 = t61 @ G
-    t63 = np.ones((d_H,), dtype=X.dtype)
-    t60 += (1/n_batch) * oe.contract('abc,d->bdc', t62, t63, optimize=[(0, 1)])
-    t64 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t65 = np.reshape(t64, (d_H, d_V, d_V, d_K), copy=False)
-    t65[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,acef,acg,fh->dbgh', t53, t21, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t66 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t67 = np.reshape(t66, (d_H, d_V, d_V, d_K), copy=False)
-    t67[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,acef,acg,gh->dbfh', t53, t21, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
-    t68 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t68[...] = 0
-    t69 = np.reshape(t68, (d_H, d_V, d_V, d_H), copy=False)
-    t70 = np.einsum('abca->abc', t69)
-    t71 = t53 @ M_1
-    t70 += (1/n_batch) * oe.contract('abc,d->dbc', t71, t63, optimize=[(0, 1)])
-    t72 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t72[...] = 0
+    t37 = G @ t20
+    t38 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t36[...] = oe.contract('abc,abd,abef,gf->dgec', t37, X, M_2, t38, optimize=[(0, 1), (0, 1), (0, 1)])
+    t39 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t40 = np.reshape(t39, (d_V, d_K, d_H, d_V), copy=False)
+    t40[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fahg', t38, M_2, X, G, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t41 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t41[...] = 0
+    t42 = np.reshape(t41, (d_V, d_K, d_V, d_K), copy=False)
+    t43 = np.einsum('abcb->abc', t42)
+    t44 = np.swapaxes(t26, -1, -2)
+    t45 = t44 @ X
+    t46 = t3 @ t45
+    t43 += oe.contract('abc,d->bdc', t46, t34, optimize=[(0, 1)])
+    t47 = np.swapaxes(W_Q, -1, -2)
+    t48 = (1/(d_K*n_batch)) * t47
+    t42 += oe.contract('ab,cde,cdfa,cgd,hg->fheb', W_K, X, M_3, t3, t48, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t49 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t50 = np.reshape(t49, (d_V, d_K, d_V, d_K), copy=False)
+    t50[...] = oe.contract('ab,cbd,cdef,cdg,gh->eafh', t48, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t51 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t52 = np.reshape(t51, (d_V, d_K, d_V, d_H), copy=False)
+    t53 = (1/(math.sqrt(d_K)*n_batch)) * t47
+    t52[...] = oe.contract('ab,cdef,cdb,cdg->faeg', t53, M_2, X, t37, optimize=[(0, 2), (1, 2), (0, 1)])
+    t54 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t55 = np.reshape(t54, (d_V, d_K, d_H, d_V), copy=False)
+    t55[...] = oe.contract('ab,cdef,cdb,cdg,eh->fahg', t53, M_2, X, G, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
+    t56 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t57 = np.reshape(t56, (d_V, d_H, d_V, d_K), copy=False)
+    t58 = np.swapaxes(G, -1, -2)
+    t59 = W_O @ t58
+    t60 = (1/(math.sqrt(d_K)*n_batch)) * t59
+    t57[...] = oe.contract('ab,cde,cdfa,cgd->fgeb', W_K, X, M_2, t60, optimize=[(0, 2), (0, 1), (0, 1)])
+    t61 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t62 = np.reshape(t61, (d_V, d_H, d_V, d_K), copy=False)
+    t62[...] = oe.contract('abc,acde,acf,fg->dbeg', t60, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    t63 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t63[...] = 0
+    t64 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t64[...] = 0
+    t65 = np.reshape(t64, (d_V, d_H, d_H, d_V), copy=False)
+    t66 = np.einsum('abbc->abc', t65)
+    t67 = np.swapaxes(M_1, -1, -2)
+    t68 = t67 @ G
+    t69 = np.ones((d_H,), dtype=X.dtype)
+    t70 = (1/n_batch) * t69
+    t66 += oe.contract('abc,d->bdc', t68, t70, optimize=[(0, 1)])
+    t71 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t72 = np.reshape(t71, (d_H, d_V, d_V, d_K), copy=False)
+    t73 = (1/(math.sqrt(d_K)*n_batch)) * t58
+    t72[...] = oe.contract('abc,de,acef,acg,fh->dbgh', t73, t21, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t74 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t75 = np.reshape(t74, (d_H, d_V, d_V, d_K), copy=False)
+    t75[...] = oe.contract('abc,de,acef,acg,gh->dbfh', t73, t21, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t76 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t76[...] = 0
+    t77 = np.reshape(t76, (d_H, d_V, d_V, d_H), copy=False)
+    t78 = np.einsum('abca->abc', t77)
+    t79 = t58 @ M_1
+    t78 += oe.contract('abc,d->dbc', t79, t70, optimize=[(0, 1)])
+    t80 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t80[...] = 0
     return H
 
 
@@ -11784,7 +12072,8 @@ def ce_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t25 = A * t24
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t25, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t25, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t25, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->da', t1, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
+    t26 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cebf,ced,fa->da', t26, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -11869,7 +12158,8 @@ def ce_causal0__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t25 = A * t24
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t25, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t25, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t25, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t1, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t26 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t26, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -11959,10 +12249,12 @@ def ce_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t27 = t26 @ X
     t28 = t2 @ t27
     t29 = np.ones((d_K,), dtype=X.dtype)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t28, t29, optimize=[(0, 1)])
+    t30 = (1/(math.sqrt(d_K)*n_batch)) * t29
+    t1 += oe.contract('abc,d->bdc', t28, t30, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t26, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t26, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t26, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t3, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t31 = (1/(d_K*n_batch)) * t3
+    t0 += oe.contract('ab,cde,cebf,ceg,gh->dafh', t31, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -12046,7 +12338,8 @@ def ce_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     G = t18
     t19 = np.swapaxes(W_O, -1, -2)
     t20 = G @ t19
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t1, M_2, X, t20, optimize=[(0, 1), (0, 1), (0, 1)])
+    t21 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('abc,abd,abef,gf->dgec', t20, X, M_2, t21, optimize=[(0, 1), (0, 1), (0, 1)])
     return out
 
 
@@ -12121,7 +12414,8 @@ def ce_causal0__block__W_Q__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     t17 = (-1/L) * Y
     t18 = t16 + t17
     G = t18
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fahg', t1, M_2, X, G, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t19 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fahg', t19, M_2, X, G, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -12202,7 +12496,8 @@ def ce_causal0__diag__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t26 = A * t25
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t26, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t26, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t26, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->ea', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t27 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cbd,cdee,cdf,fa->ea', t27, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -12292,11 +12587,13 @@ def ce_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t28 = t27 @ X
     t29 = t2 @ t28
     t30 = np.ones((d_K,), dtype=X.dtype)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t29, t30, optimize=[(0, 1)])
-    t31 = np.swapaxes(W_Q, -1, -2)
+    t31 = (1/(math.sqrt(d_K)*n_batch)) * t30
+    t1 += oe.contract('abc,d->bdc', t29, t31, optimize=[(0, 1)])
+    t32 = np.swapaxes(W_Q, -1, -2)
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t26, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t26, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t26, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t31, t2, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    t33 = (1/(d_K*n_batch)) * t32
+    t0 += oe.contract('ab,cde,cdfa,cgd,hg->fheb', W_K, X, M_3, t2, t33, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -12388,7 +12685,8 @@ def ce_causal0__block__W_K__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t26 = A * t25
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t26, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t26, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t26, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t27 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cbd,cdef,cdg,gh->eafh', t27, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -12472,7 +12770,8 @@ def ce_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     G = t19
     t20 = np.swapaxes(W_O, -1, -2)
     t21 = G @ t20
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t1, M_2, X, t21, optimize=[(0, 2), (1, 2), (0, 1)])
+    t22 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,cdg->faeg', t22, M_2, X, t21, optimize=[(0, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -12549,7 +12848,8 @@ def ce_causal0__block__W_K__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     t18 = (-1/L) * Y
     t19 = t17 + t18
     G = t19
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fahg', t1, M_2, X, G, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
+    t20 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,cdg,eh->fahg', t20, M_2, X, G, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -12647,7 +12947,8 @@ def ce_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t20 = W_O @ t19
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t20, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
+    t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
+    t0[...] = oe.contract('ab,cde,cdfa,cgd->fgeb', W_K, X, M_2, t21, optimize=[(0, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -12724,7 +13025,8 @@ def ce_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t20 = W_O @ t19
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t20, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
+    t0[...] = oe.contract('abc,acde,acf,fg->dbeg', t21, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -12824,7 +13126,8 @@ def ce_causal0__block__W_V__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     G = t20
     t21 = t10 @ G
     t22 = np.ones((d_H,), dtype=X.dtype)
-    t1 += (1/n_batch) * oe.contract('abc,d->bdc', t21, t22, optimize=[(0, 1)])
+    t23 = (1/n_batch) * t22
+    t1 += oe.contract('abc,d->bdc', t21, t23, optimize=[(0, 1)])
     return out
 
 
@@ -12921,7 +13224,8 @@ def ce_causal0__block__W_O__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t20 = np.swapaxes(W_V, -1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,acef,acg,fh->dbgh', t19, t20, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t21 = (1/(math.sqrt(d_K)*n_batch)) * t19
+    t0[...] = oe.contract('abc,de,acef,acg,fh->dbgh', t21, t20, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -12998,7 +13302,8 @@ def ce_causal0__block__W_O__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t20 = np.swapaxes(W_V, -1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,acef,acg,gh->dbfh', t19, t20, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t21 = (1/(math.sqrt(d_K)*n_batch)) * t19
+    t0[...] = oe.contract('abc,de,acef,acg,gh->dbfh', t21, t20, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -13076,7 +13381,8 @@ def ce_causal0__block__W_O__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     t20 = np.swapaxes(G, -1, -2)
     t21 = t20 @ M_1
     t22 = np.ones((d_H,), dtype=X.dtype)
-    t1 += (1/n_batch) * oe.contract('abc,d->dbc', t21, t22, optimize=[(0, 1)])
+    t23 = (1/n_batch) * t22
+    t1 += oe.contract('abc,d->dbc', t21, t23, optimize=[(0, 1)])
     return out
 
 
@@ -13179,115 +13485,139 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t26 = A * t25
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t3, t26, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, t26, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, t26, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t2, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t27 = (1/(d_K*n_batch)) * t2
+    t1[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t27, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t27 = W_V @ W_O
-    t28 = np.exp(t13 - t13.max(-1, keepdims=True))
-    A29 = t28 / t28.sum(-1, keepdims=True)
-    t30 = t20 @ t21
-    t1 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t2, M_2, X, t27, t10, A29, t30, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t1 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t2, M_2, X, t27, t10, A29, A29, t30, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
-    t31 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t31[...] = 0
-    t32 = np.reshape(t31, (d_V, d_K, d_V, d_K), copy=False)
-    t33 = np.einsum('abcb->abc', t32)
-    t34 = t26 @ X
-    t35 = t3 @ t34
-    t36 = np.ones((d_K,), dtype=X.dtype)
-    t33 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t35, t36, optimize=[(0, 1)])
-    t32 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t2, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
-    t32 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t2, M_2, X, t27, t10, A29, t30, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t32 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t2, M_2, X, t27, t10, A29, A29, t30, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
-    t37 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t38 = np.reshape(t37, (d_V, d_K, d_V, d_H), copy=False)
-    t38[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,gi->fahi', t2, M_2, X, t27, t10, A29, M_1, t20, optimize=[(4, 5), (0, 1), (1, 5), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t38 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi,hj->faij', t2, M_2, X, t27, t10, A29, A29, M_1, t20, optimize=[(4, 5), (0, 1), (2, 4), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t39 = G @ t20
-    t38 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t2, M_2, X, t39, optimize=[(0, 1), (0, 1), (0, 1)])
-    t40 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t41 = np.reshape(t40, (d_V, d_K, d_H, d_V), copy=False)
-    t41[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t2, M_2, X, t27, t10, A29, t12, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t41 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t2, M_2, X, t27, t10, A29, A29, t12, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t41 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fahg', t2, M_2, X, G, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t42 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t42[...] = 0
-    t43 = np.reshape(t42, (d_V, d_K, d_V, d_K), copy=False)
-    t44 = np.einsum('abcb->abc', t43)
-    t45 = np.swapaxes(t26, -1, -2)
-    t46 = t45 @ X
-    t47 = t3 @ t46
-    t44 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t47, t36, optimize=[(0, 1)])
-    t48 = np.swapaxes(W_Q, -1, -2)
-    t43 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t48, t3, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
-    t43 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t48, M_2, X, t27, t10, A29, t30, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t43 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t48, M_2, X, t27, t10, A29, A29, t30, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
-    t49 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t28 = W_V @ W_O
+    t29 = np.exp(t13 - t13.max(-1, keepdims=True))
+    A30 = t29 / t29.sum(-1, keepdims=True)
+    t31 = t20 @ t21
+    t32 = (1/(L*d_K*n_batch)) * t2
+    t1 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t32, M_2, X, t28, t10, A30, t31, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t33 = (-1/(L*d_K*n_batch)) * t2
+    t1 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t33, M_2, X, t28, t10, A30, A30, t31, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
+    t34 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t34[...] = 0
+    t35 = np.reshape(t34, (d_V, d_K, d_V, d_K), copy=False)
+    t36 = np.einsum('abcb->abc', t35)
+    t37 = t26 @ X
+    t38 = t3 @ t37
+    t39 = np.ones((d_K,), dtype=X.dtype)
+    t40 = (1/(math.sqrt(d_K)*n_batch)) * t39
+    t36 += oe.contract('abc,d->bdc', t38, t40, optimize=[(0, 1)])
+    t35 += oe.contract('ab,cde,cebf,ceg,gh->dafh', t27, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t35 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t32, M_2, X, t28, t10, A30, t31, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
+    t35 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t33, M_2, X, t28, t10, A30, A30, t31, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
+    t41 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t42 = np.reshape(t41, (d_V, d_K, d_V, d_H), copy=False)
+    t43 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t42[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,gi->fahi', t43, M_2, X, t28, t10, A30, M_1, t20, optimize=[(4, 5), (0, 1), (1, 5), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t44 = (-1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t42 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi,hj->faij', t44, M_2, X, t28, t10, A30, A30, M_1, t20, optimize=[(4, 5), (0, 1), (2, 4), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t45 = G @ t20
+    t46 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t42 += oe.contract('abc,abd,abef,gf->dgec', t45, X, M_2, t46, optimize=[(0, 1), (0, 1), (0, 1)])
+    t47 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t48 = np.reshape(t47, (d_V, d_K, d_H, d_V), copy=False)
+    t48[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t43, M_2, X, t28, t10, A30, t12, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t48 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t44, M_2, X, t28, t10, A30, A30, t12, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t48 += oe.contract('ab,cdeb,cdf,cdg,eh->fahg', t46, M_2, X, G, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t49 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t49[...] = 0
     t50 = np.reshape(t49, (d_V, d_K, d_V, d_K), copy=False)
-    t50[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t48, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t50 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t48, M_2, X, t27, t10, A29, t30, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
-    t50 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t48, M_2, X, t27, t10, A29, A29, t30, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
-    t51 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t52 = np.reshape(t51, (d_V, d_K, d_V, d_H), copy=False)
-    t52[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,gi->fahi', t48, M_2, X, t27, t10, A29, M_1, t20, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (1, 3), (0, 1), (0, 1)])
-    t52 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi,hj->faij', t48, M_2, X, t27, t10, A29, A29, M_1, t20, optimize=[(4, 5), (0, 2), (0, 1), (3, 5), (0, 2), (0, 3), (0, 2), (0, 1)])
-    t52 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t48, M_2, X, t39, optimize=[(0, 2), (1, 2), (0, 1)])
-    t53 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t54 = np.reshape(t53, (d_V, d_K, d_H, d_V), copy=False)
-    t54[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh->fahg', t48, M_2, X, t27, t10, A29, t12, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
-    t54 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t48, M_2, X, t27, t10, A29, A29, t12, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
-    t54 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fahg', t48, M_2, X, G, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
-    t55 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t56 = np.reshape(t55, (d_V, d_H, d_V, d_K), copy=False)
-    t57 = np.swapaxes(G, -1, -2)
-    t58 = W_O @ t57
-    t56[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t58, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
-    t59 = np.swapaxes(M_1, -1, -2)
-    t56 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,ace,ace,ef,acfg,ach,gi->bdhi', t59, W_O, t10, A29, t30, M_2, X, W_K, optimize=[(2, 3), (2, 3), (3, 5), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t56 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,ace,ace,acf,fg,acgh,aci,hj->bdij', t59, W_O, t10, A29, A29, t30, M_2, X, W_K, optimize=[(2, 3), (2, 3), (2, 6), (1, 4), (2, 3), (0, 2), (0, 2), (0, 1)])
-    t60 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t61 = np.reshape(t60, (d_V, d_H, d_V, d_K), copy=False)
-    t61[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t58, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t61 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,ace,ace,ef,acfg,ach,hi->bdgi', t59, W_O, t10, A29, t30, M_2, X, W_Q, optimize=[(2, 3), (2, 3), (2, 3), (2, 3), (1, 3), (0, 1), (0, 1)])
-    t61 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,ace,ace,acf,fg,acgh,aci,ij->bdhj', t59, W_O, t10, A29, A29, t30, M_2, X, W_Q, optimize=[(2, 3), (2, 3), (2, 6), (2, 3), (1, 2), (0, 1), (0, 2), (0, 1)])
-    t62 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t63 = np.reshape(t62, (d_V, d_H, d_V, d_H), copy=False)
-    t63[...] = (1/(L*n_batch)) * oe.contract('abc,de,ace,ace,acf,eg->bdfg', t59, W_O, t10, A29, M_1, t20, optimize=[(2, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t63 += (-1/(L*n_batch)) * oe.contract('abc,de,ace,ace,acf,acg,fh->bdgh', t59, W_O, t10, A29, A29, M_1, t20, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 2), (0, 1)])
-    t64 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t64[...] = 0
-    t65 = np.reshape(t64, (d_V, d_H, d_H, d_V), copy=False)
-    t66 = np.einsum('abbc->abc', t65)
-    t67 = t59 @ G
-    t68 = np.ones((d_H,), dtype=X.dtype)
-    t66 += (1/n_batch) * oe.contract('abc,d->bdc', t67, t68, optimize=[(0, 1)])
-    t65 += (1/(L*n_batch)) * oe.contract('abc,de,ace,ace,acf->bdfe', t59, W_O, t10, A29, t12, optimize=[(2, 3), (0, 2), (1, 2), (0, 1)])
-    t65 += (-1/(L*n_batch)) * oe.contract('abc,de,ace,ace,acf,acg->bdgf', t59, W_O, t10, A29, A29, t12, optimize=[(2, 3), (1, 4), (0, 1), (0, 2), (0, 1)])
-    t69 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t70 = np.reshape(t69, (d_H, d_V, d_V, d_K), copy=False)
-    t70[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,acef,acg,fh->dbgh', t57, t21, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t71 = t21 @ t59
-    t70 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t71, t10, A29, t30, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t70 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t71, t10, A29, A29, t30, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
-    t72 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t73 = np.reshape(t72, (d_H, d_V, d_V, d_K), copy=False)
-    t73[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,acef,acg,gh->dbfh', t57, t21, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
-    t73 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t71, t10, A29, t30, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t73 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t71, t10, A29, A29, t30, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
-    t74 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t74[...] = 0
-    t75 = np.reshape(t74, (d_H, d_V, d_V, d_H), copy=False)
-    t76 = np.einsum('abca->abc', t75)
-    t77 = t57 @ M_1
-    t76 += (1/n_batch) * oe.contract('abc,d->dbc', t77, t68, optimize=[(0, 1)])
-    t75 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,df->bdef', t71, t10, A29, M_1, t20, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
-    t75 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf,eg->bdfg', t71, t10, A29, A29, M_1, t20, optimize=[(1, 2), (1, 3), (1, 2), (0, 1), (0, 1)])
-    t78 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t78[...] = 0
-    t79 = np.reshape(t78, (d_H, d_V, d_H, d_V), copy=False)
-    t80 = np.einsum('abcb->abc', t79)
-    t80 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bde', t71, t10, A29, t12, optimize=[(1, 2), (0, 1), (0, 1)])
-    t79 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t71, t10, A29, A29, t12, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t51 = np.einsum('abcb->abc', t50)
+    t52 = np.swapaxes(t26, -1, -2)
+    t53 = t52 @ X
+    t54 = t3 @ t53
+    t51 += oe.contract('abc,d->bdc', t54, t40, optimize=[(0, 1)])
+    t55 = np.swapaxes(W_Q, -1, -2)
+    t56 = (1/(d_K*n_batch)) * t55
+    t50 += oe.contract('ab,cde,cdfa,cgd,hg->fheb', W_K, X, M_3, t3, t56, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t57 = (1/(L*d_K*n_batch)) * t55
+    t50 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t57, M_2, X, t28, t10, A30, t31, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t58 = (-1/(L*d_K*n_batch)) * t55
+    t50 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t58, M_2, X, t28, t10, A30, A30, t31, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t59 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t60 = np.reshape(t59, (d_V, d_K, d_V, d_K), copy=False)
+    t60[...] = oe.contract('ab,cbd,cdef,cdg,gh->eafh', t56, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t60 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t57, M_2, X, t28, t10, A30, t31, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
+    t60 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t58, M_2, X, t28, t10, A30, A30, t31, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
+    t61 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t62 = np.reshape(t61, (d_V, d_K, d_V, d_H), copy=False)
+    t63 = (1/(L*math.sqrt(d_K)*n_batch)) * t55
+    t62[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,gi->fahi', t63, M_2, X, t28, t10, A30, M_1, t20, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (1, 3), (0, 1), (0, 1)])
+    t64 = (-1/(L*math.sqrt(d_K)*n_batch)) * t55
+    t62 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi,hj->faij', t64, M_2, X, t28, t10, A30, A30, M_1, t20, optimize=[(4, 5), (0, 2), (0, 1), (3, 5), (0, 2), (0, 3), (0, 2), (0, 1)])
+    t65 = (1/(math.sqrt(d_K)*n_batch)) * t55
+    t62 += oe.contract('ab,cdef,cdb,cdg->faeg', t65, M_2, X, t45, optimize=[(0, 2), (1, 2), (0, 1)])
+    t66 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t67 = np.reshape(t66, (d_V, d_K, d_H, d_V), copy=False)
+    t67[...] = oe.contract('abc,abd,abd,ed,abf,abeg,hf->ghcd', t12, A30, t10, t28, X, M_2, t63, optimize=[(1, 2), (1, 3), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t67 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t64, M_2, X, t28, t10, A30, A30, t12, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t67 += oe.contract('ab,cdef,cdb,cdg,eh->fahg', t65, M_2, X, G, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
+    t68 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t69 = np.reshape(t68, (d_V, d_H, d_V, d_K), copy=False)
+    t70 = np.swapaxes(G, -1, -2)
+    t71 = W_O @ t70
+    t72 = (1/(math.sqrt(d_K)*n_batch)) * t71
+    t69[...] = oe.contract('ab,cde,cdfa,cgd->fgeb', W_K, X, M_2, t72, optimize=[(0, 2), (0, 1), (0, 1)])
+    t73 = np.swapaxes(M_1, -1, -2)
+    t74 = (1/(L*math.sqrt(d_K)*n_batch)) * t73
+    t69 += oe.contract('abc,de,ace,ace,ef,acfg,ach,gi->bdhi', t74, W_O, t10, A30, t31, M_2, X, W_K, optimize=[(2, 3), (2, 3), (3, 5), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t75 = (-1/(L*math.sqrt(d_K)*n_batch)) * t73
+    t69 += oe.contract('abc,de,ace,ace,acf,fg,acgh,aci,hj->bdij', t75, W_O, t10, A30, A30, t31, M_2, X, W_K, optimize=[(2, 3), (2, 3), (2, 6), (1, 4), (2, 3), (0, 2), (0, 2), (0, 1)])
+    t76 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t77 = np.reshape(t76, (d_V, d_H, d_V, d_K), copy=False)
+    t77[...] = oe.contract('abc,acde,acf,fg->dbeg', t72, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    t77 += oe.contract('abc,de,ace,ace,ef,acfg,ach,hi->bdgi', t74, W_O, t10, A30, t31, M_2, X, W_Q, optimize=[(2, 3), (2, 3), (2, 3), (2, 3), (1, 3), (0, 1), (0, 1)])
+    t77 += oe.contract('abc,de,ace,ace,acf,fg,acgh,aci,ij->bdhj', t75, W_O, t10, A30, A30, t31, M_2, X, W_Q, optimize=[(2, 3), (2, 3), (2, 6), (2, 3), (1, 2), (0, 1), (0, 2), (0, 1)])
+    t78 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t79 = np.reshape(t78, (d_V, d_H, d_V, d_H), copy=False)
+    t80 = (1/(L*n_batch)) * t73
+    t79[...] = oe.contract('ab,cde,cda,cda,fa,cgd->gfeb', t20, M_1, A30, t10, W_O, t80, optimize=[(2, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t81 = (-1/(L*n_batch)) * t73
+    t79 += oe.contract('abc,de,ace,ace,acf,acg,fh->bdgh', t81, W_O, t10, A30, A30, M_1, t20, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 2), (0, 1)])
+    t82 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t82[...] = 0
+    t83 = np.reshape(t82, (d_V, d_H, d_H, d_V), copy=False)
+    t84 = np.einsum('abbc->abc', t83)
+    t85 = t73 @ G
+    t86 = np.ones((d_H,), dtype=X.dtype)
+    t87 = (1/n_batch) * t86
+    t84 += oe.contract('abc,d->bdc', t85, t87, optimize=[(0, 1)])
+    t83 += oe.contract('abc,de,ace,ace,acf->bdfe', t80, W_O, t10, A30, t12, optimize=[(2, 3), (0, 2), (1, 2), (0, 1)])
+    t83 += oe.contract('abc,de,ace,ace,acf,acg->bdgf', t81, W_O, t10, A30, A30, t12, optimize=[(2, 3), (1, 4), (0, 1), (0, 2), (0, 1)])
+    t88 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t89 = np.reshape(t88, (d_H, d_V, d_V, d_K), copy=False)
+    t90 = (1/(math.sqrt(d_K)*n_batch)) * t70
+    t89[...] = oe.contract('abc,de,acef,acg,fh->dbgh', t90, t21, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t91 = t21 @ t73
+    t92 = (1/(L*math.sqrt(d_K)*n_batch)) * t91
+    t89 += oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t92, t10, A30, t31, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t93 = (-1/(L*math.sqrt(d_K)*n_batch)) * t91
+    t89 += oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t93, t10, A30, A30, t31, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
+    t94 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t95 = np.reshape(t94, (d_H, d_V, d_V, d_K), copy=False)
+    t95[...] = oe.contract('abc,de,acef,acg,gh->dbfh', t90, t21, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t95 += oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t92, t10, A30, t31, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t95 += oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t93, t10, A30, A30, t31, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
+    t96 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t96[...] = 0
+    t97 = np.reshape(t96, (d_H, d_V, d_V, d_H), copy=False)
+    t98 = np.einsum('abca->abc', t97)
+    t99 = t70 @ M_1
+    t98 += oe.contract('abc,d->dbc', t99, t87, optimize=[(0, 1)])
+    t100 = (1/(L*n_batch)) * t91
+    t97 += oe.contract('abc,acd,acd,ace,df->bdef', t100, t10, A30, M_1, t20, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
+    t101 = (-1/(L*n_batch)) * t91
+    t97 += oe.contract('abc,acd,acd,ace,acf,eg->bdfg', t101, t10, A30, A30, M_1, t20, optimize=[(1, 2), (1, 3), (1, 2), (0, 1), (0, 1)])
+    t102 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t102[...] = 0
+    t103 = np.reshape(t102, (d_H, d_V, d_H, d_V), copy=False)
+    t104 = np.einsum('abcb->abc', t103)
+    t104 += oe.contract('abc,acd,acd,ace->bde', t100, t10, A30, t12, optimize=[(1, 2), (0, 1), (0, 1)])
+    t103 += oe.contract('abc,acd,acd,ace,acf->bdfe', t101, t10, A30, A30, t12, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
     return H
 
 
@@ -13538,15 +13868,18 @@ def ce_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t25 = A * t24
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t25, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t25, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t25, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->da', t1, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
+    t26 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cebf,ced,fa->da', t26, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t26 = W_V @ W_O
-    t27 = np.exp(t12 - t12.max(-1, keepdims=True))
-    A28 = t27 / t27.sum(-1, keepdims=True)
-    t29 = t19 @ t20
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdf,ia->fa', t1, M_2, X, t26, t9, A28, t29, M_2, X, W_K, optimize=[(4, 5), (2, 6), (0, 1), (1, 2), (0, 4), (0, 3), (2, 3), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdf,ja->fa', t1, M_2, X, t26, t9, A28, A28, t29, M_2, X, W_K, optimize=[(4, 5), (2, 7), (0, 1), (1, 2), (1, 6), (0, 2), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t27 = W_V @ W_O
+    t28 = np.exp(t12 - t12.max(-1, keepdims=True))
+    A29 = t28 / t28.sum(-1, keepdims=True)
+    t30 = t19 @ t20
+    t31 = (1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdf,ia->fa', t31, M_2, X, t27, t9, A29, t30, M_2, X, W_K, optimize=[(4, 5), (2, 6), (0, 1), (1, 2), (0, 4), (0, 3), (2, 3), (0, 2), (0, 1)])
+    t32 = (-1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdf,ja->fa', t32, M_2, X, t27, t9, A29, A29, t30, M_2, X, W_K, optimize=[(4, 5), (2, 7), (0, 1), (1, 2), (1, 6), (0, 2), (2, 4), (0, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -13637,15 +13970,18 @@ def ce_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t25 = A * t24
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t25, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t25, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t25, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t1, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t26 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t26, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t26 = W_V @ W_O
-    t27 = np.exp(t12 - t12.max(-1, keepdims=True))
-    A28 = t27 / t27.sum(-1, keepdims=True)
-    t29 = t19 @ t20
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t1, M_2, X, t26, t9, A28, t29, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t1, M_2, X, t26, t9, A28, A28, t29, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
+    t27 = W_V @ W_O
+    t28 = np.exp(t12 - t12.max(-1, keepdims=True))
+    A29 = t28 / t28.sum(-1, keepdims=True)
+    t30 = t19 @ t20
+    t31 = (1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t31, M_2, X, t27, t9, A29, t30, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t32 = (-1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t32, M_2, X, t27, t9, A29, A29, t30, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -13741,18 +14077,22 @@ def ce_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t27 = t26 @ X
     t28 = t2 @ t27
     t29 = np.ones((d_K,), dtype=X.dtype)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t28, t29, optimize=[(0, 1)])
+    t30 = (1/(math.sqrt(d_K)*n_batch)) * t29
+    t1 += oe.contract('abc,d->bdc', t28, t30, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t26, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t26, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t26, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t3, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t31 = (1/(d_K*n_batch)) * t3
+    t0 += oe.contract('ab,cde,cebf,ceg,gh->dafh', t31, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t30 = W_V @ W_O
-    t31 = np.exp(t13 - t13.max(-1, keepdims=True))
-    A32 = t31 / t31.sum(-1, keepdims=True)
-    t33 = t20 @ t21
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t3, M_2, X, t30, t10, A32, t33, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t3, M_2, X, t30, t10, A32, A32, t33, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
+    t32 = W_V @ W_O
+    t33 = np.exp(t13 - t13.max(-1, keepdims=True))
+    A34 = t33 / t33.sum(-1, keepdims=True)
+    t35 = t20 @ t21
+    t36 = (1/(L*d_K*n_batch)) * t3
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t36, M_2, X, t32, t10, A34, t35, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
+    t37 = (-1/(L*d_K*n_batch)) * t3
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t37, M_2, X, t32, t10, A34, A34, t35, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -13836,18 +14176,21 @@ def ce_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t14 = np.exp(t13 - t13.max(-1, keepdims=True))
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.swapaxes(W_O, -1, -2)
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,gi->fahi', t1, M_2, X, t8, t10, A15, M_1, t16, optimize=[(4, 5), (0, 1), (1, 5), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi,hj->faij', t1, M_2, X, t8, t10, A15, A15, M_1, t16, optimize=[(4, 5), (0, 1), (2, 4), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t17 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,gi->fahi', t17, M_2, X, t8, t10, A15, M_1, t16, optimize=[(4, 5), (0, 1), (1, 5), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t18 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi,hj->faij', t18, M_2, X, t8, t10, A15, A15, M_1, t16, optimize=[(4, 5), (0, 1), (2, 4), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)])
     F = t13
-    t17 = np.exp(F - F.max(-1, keepdims=True))
-    A18 = t17 / t17.sum(-1, keepdims=True)
-    t19 = t10 * A18
-    t20 = (1/L) * t19
-    t21 = (-1/L) * Y
-    t22 = t20 + t21
-    G = t22
-    t23 = G @ t16
-    t0 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t1, M_2, X, t23, optimize=[(0, 1), (0, 1), (0, 1)])
+    t19 = np.exp(F - F.max(-1, keepdims=True))
+    A20 = t19 / t19.sum(-1, keepdims=True)
+    t21 = t10 * A20
+    t22 = (1/L) * t21
+    t23 = (-1/L) * Y
+    t24 = t22 + t23
+    G = t24
+    t25 = G @ t16
+    t26 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t0 += oe.contract('abc,abd,abef,gf->dgec', t25, X, M_2, t26, optimize=[(0, 1), (0, 1), (0, 1)])
     return out
 
 
@@ -13920,17 +14263,20 @@ def ce_causal0__block__W_Q__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t13 = t12 @ W_O
     t14 = np.exp(t13 - t13.max(-1, keepdims=True))
     A15 = t14 / t14.sum(-1, keepdims=True)
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t1, M_2, X, t8, t10, A15, t12, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t1, M_2, X, t8, t10, A15, A15, t12, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t16 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t16, M_2, X, t8, t10, A15, t12, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t17 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t17, M_2, X, t8, t10, A15, A15, t12, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
     F = t13
-    t16 = np.exp(F - F.max(-1, keepdims=True))
-    A17 = t16 / t16.sum(-1, keepdims=True)
-    t18 = t10 * A17
-    t19 = (1/L) * t18
-    t20 = (-1/L) * Y
-    t21 = t19 + t20
-    G = t21
-    t0 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fahg', t1, M_2, X, G, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t18 = np.exp(F - F.max(-1, keepdims=True))
+    A19 = t18 / t18.sum(-1, keepdims=True)
+    t20 = t10 * A19
+    t21 = (1/L) * t20
+    t22 = (-1/L) * Y
+    t23 = t21 + t22
+    G = t23
+    t24 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,cdg,eh->fahg', t24, M_2, X, G, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -14014,15 +14360,18 @@ def ce_causal0__diag__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t26 = A * t25
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t26, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t26, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t26, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->ea', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t27 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cbd,cdee,cdf,fa->ea', t27, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t27 = W_V @ W_O
-    t28 = np.exp(t13 - t13.max(-1, keepdims=True))
-    A29 = t28 / t28.sum(-1, keepdims=True)
-    t30 = t20 @ t21
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhf,cdi,ia->fa', t1, M_2, X, t27, t10, A29, t30, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (4, 5), (2, 4), (0, 1), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdif,cdj,ja->fa', t1, M_2, X, t27, t10, A29, A29, t30, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t28 = W_V @ W_O
+    t29 = np.exp(t13 - t13.max(-1, keepdims=True))
+    A30 = t29 / t29.sum(-1, keepdims=True)
+    t31 = t20 @ t21
+    t32 = (1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhf,cdi,ia->fa', t32, M_2, X, t28, t10, A30, t31, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (4, 5), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t33 = (-1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdif,cdj,ja->fa', t33, M_2, X, t28, t10, A30, A30, t31, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -14118,19 +14467,23 @@ def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t28 = t27 @ X
     t29 = t2 @ t28
     t30 = np.ones((d_K,), dtype=X.dtype)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t29, t30, optimize=[(0, 1)])
-    t31 = np.swapaxes(W_Q, -1, -2)
+    t31 = (1/(math.sqrt(d_K)*n_batch)) * t30
+    t1 += oe.contract('abc,d->bdc', t29, t31, optimize=[(0, 1)])
+    t32 = np.swapaxes(W_Q, -1, -2)
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t26, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t26, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t26, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t31, t2, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    t33 = (1/(d_K*n_batch)) * t32
+    t0 += oe.contract('ab,cde,cdfa,cgd,hg->fheb', W_K, X, M_3, t2, t33, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t32 = W_V @ W_O
-    t33 = np.exp(t13 - t13.max(-1, keepdims=True))
-    A34 = t33 / t33.sum(-1, keepdims=True)
-    t35 = t20 @ t21
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t31, M_2, X, t32, t10, A34, t35, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t31, M_2, X, t32, t10, A34, A34, t35, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t34 = W_V @ W_O
+    t35 = np.exp(t13 - t13.max(-1, keepdims=True))
+    A36 = t35 / t35.sum(-1, keepdims=True)
+    t37 = t20 @ t21
+    t38 = (1/(L*d_K*n_batch)) * t32
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t38, M_2, X, t34, t10, A36, t37, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t39 = (-1/(L*d_K*n_batch)) * t32
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t39, M_2, X, t34, t10, A36, A36, t37, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -14228,15 +14581,18 @@ def ce_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t26 = A * t25
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t26, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t26, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t26, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t27 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cbd,cdef,cdg,gh->eafh', t27, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t27 = W_V @ W_O
-    t28 = np.exp(t13 - t13.max(-1, keepdims=True))
-    A29 = t28 / t28.sum(-1, keepdims=True)
-    t30 = t20 @ t21
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t1, M_2, X, t27, t10, A29, t30, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t1, M_2, X, t27, t10, A29, A29, t30, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
+    t28 = W_V @ W_O
+    t29 = np.exp(t13 - t13.max(-1, keepdims=True))
+    A30 = t29 / t29.sum(-1, keepdims=True)
+    t31 = t20 @ t21
+    t32 = (1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t32, M_2, X, t28, t10, A30, t31, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
+    t33 = (-1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t33, M_2, X, t28, t10, A30, A30, t31, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -14320,18 +14676,21 @@ def ce_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t15 = np.exp(t14 - t14.max(-1, keepdims=True))
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.swapaxes(W_O, -1, -2)
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,gi->fahi', t1, M_2, X, t9, t11, A16, M_1, t17, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (1, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi,hj->faij', t1, M_2, X, t9, t11, A16, A16, M_1, t17, optimize=[(4, 5), (0, 2), (0, 1), (3, 5), (0, 2), (0, 3), (0, 2), (0, 1)])
+    t18 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,gi->fahi', t18, M_2, X, t9, t11, A16, M_1, t17, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (1, 3), (0, 1), (0, 1)])
+    t19 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi,hj->faij', t19, M_2, X, t9, t11, A16, A16, M_1, t17, optimize=[(4, 5), (0, 2), (0, 1), (3, 5), (0, 2), (0, 3), (0, 2), (0, 1)])
     F = t14
-    t18 = np.exp(F - F.max(-1, keepdims=True))
-    A19 = t18 / t18.sum(-1, keepdims=True)
-    t20 = t11 * A19
-    t21 = (1/L) * t20
-    t22 = (-1/L) * Y
-    t23 = t21 + t22
-    G = t23
-    t24 = G @ t17
-    t0 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t1, M_2, X, t24, optimize=[(0, 2), (1, 2), (0, 1)])
+    t20 = np.exp(F - F.max(-1, keepdims=True))
+    A21 = t20 / t20.sum(-1, keepdims=True)
+    t22 = t11 * A21
+    t23 = (1/L) * t22
+    t24 = (-1/L) * Y
+    t25 = t23 + t24
+    G = t25
+    t26 = G @ t17
+    t27 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t0 += oe.contract('ab,cdef,cdb,cdg->faeg', t27, M_2, X, t26, optimize=[(0, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -14406,17 +14765,20 @@ def ce_causal0__block__W_K__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t14 = t13 @ W_O
     t15 = np.exp(t14 - t14.max(-1, keepdims=True))
     A16 = t15 / t15.sum(-1, keepdims=True)
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh->fahg', t1, M_2, X, t9, t11, A16, t13, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t1, M_2, X, t9, t11, A16, A16, t13, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t17 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('abc,abd,abd,ed,abf,abeg,hf->ghcd', t13, A16, t11, t9, X, M_2, t17, optimize=[(1, 2), (1, 3), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t18 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t18, M_2, X, t9, t11, A16, A16, t13, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
     F = t14
-    t17 = np.exp(F - F.max(-1, keepdims=True))
-    A18 = t17 / t17.sum(-1, keepdims=True)
-    t19 = t11 * A18
-    t20 = (1/L) * t19
-    t21 = (-1/L) * Y
-    t22 = t20 + t21
-    G = t22
-    t0 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fahg', t1, M_2, X, G, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
+    t19 = np.exp(F - F.max(-1, keepdims=True))
+    A20 = t19 / t19.sum(-1, keepdims=True)
+    t21 = t11 * A20
+    t22 = (1/L) * t21
+    t23 = (-1/L) * Y
+    t24 = t22 + t23
+    G = t24
+    t25 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t0 += oe.contract('ab,cdef,cdb,cdg,eh->fahg', t25, M_2, X, G, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -14487,8 +14849,10 @@ def ce_causal0__diag__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t14 = np.exp(t13 - t13.max(-1, keepdims=True))
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.swapaxes(W_O, -1, -2)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,de,ace,ace,acb,ed->bd', t9, W_O, t11, A15, M_1, t16, optimize=[(2, 3), (0, 2), (0, 1), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,de,ace,ace,acf,acb,fd->bd', t9, W_O, t11, A15, A15, M_1, t16, optimize=[(2, 3), (0, 3), (1, 2), (0, 1), (1, 2), (0, 1)])
+    t17 = (1/(L*n_batch)) * t9
+    t0[...] = oe.contract('abc,de,ace,ace,acb,ed->bd', t17, W_O, t11, A15, M_1, t16, optimize=[(2, 3), (0, 2), (0, 1), (0, 1), (0, 1)])
+    t18 = (-1/(L*n_batch)) * t9
+    t0 += oe.contract('abc,de,ace,ace,acf,acb,fd->bd', t18, W_O, t11, A15, A15, M_1, t16, optimize=[(2, 3), (0, 3), (1, 2), (0, 1), (1, 2), (0, 1)])
     return out
 
 
@@ -14555,15 +14919,18 @@ def ce_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t20 = W_O @ t19
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t20, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
-    t21 = np.swapaxes(M_1, -1, -2)
-    t22 = np.exp(t12 - t12.max(-1, keepdims=True))
-    A23 = t22 / t22.sum(-1, keepdims=True)
-    t24 = np.swapaxes(W_O, -1, -2)
-    t25 = np.swapaxes(W_V, -1, -2)
-    t26 = t24 @ t25
-    t0 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,ace,ace,ef,acfg,ach,gi->bdhi', t21, W_O, t2, A23, t26, M_2, X, W_K, optimize=[(2, 3), (2, 3), (3, 5), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,ace,ace,acf,fg,acgh,aci,hj->bdij', t21, W_O, t2, A23, A23, t26, M_2, X, W_K, optimize=[(2, 3), (2, 3), (2, 6), (1, 4), (2, 3), (0, 2), (0, 2), (0, 1)])
+    t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
+    t0[...] = oe.contract('ab,cde,cdfa,cgd->fgeb', W_K, X, M_2, t21, optimize=[(0, 2), (0, 1), (0, 1)])
+    t22 = np.swapaxes(M_1, -1, -2)
+    t23 = np.exp(t12 - t12.max(-1, keepdims=True))
+    A24 = t23 / t23.sum(-1, keepdims=True)
+    t25 = np.swapaxes(W_O, -1, -2)
+    t26 = np.swapaxes(W_V, -1, -2)
+    t27 = t25 @ t26
+    t28 = (1/(L*math.sqrt(d_K)*n_batch)) * t22
+    t0 += oe.contract('abc,de,ace,ace,ef,acfg,ach,gi->bdhi', t28, W_O, t2, A24, t27, M_2, X, W_K, optimize=[(2, 3), (2, 3), (3, 5), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t29 = (-1/(L*math.sqrt(d_K)*n_batch)) * t22
+    t0 += oe.contract('abc,de,ace,ace,acf,fg,acgh,aci,hj->bdij', t29, W_O, t2, A24, A24, t27, M_2, X, W_K, optimize=[(2, 3), (2, 3), (2, 6), (1, 4), (2, 3), (0, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -14646,15 +15013,18 @@ def ce_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t20 = W_O @ t19
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t20, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t21 = np.swapaxes(M_1, -1, -2)
-    t22 = np.exp(t12 - t12.max(-1, keepdims=True))
-    A23 = t22 / t22.sum(-1, keepdims=True)
-    t24 = np.swapaxes(W_O, -1, -2)
-    t25 = np.swapaxes(W_V, -1, -2)
-    t26 = t24 @ t25
-    t0 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,ace,ace,ef,acfg,ach,hi->bdgi', t21, W_O, t2, A23, t26, M_2, X, W_Q, optimize=[(2, 3), (2, 3), (2, 3), (2, 3), (1, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,ace,ace,acf,fg,acgh,aci,ij->bdhj', t21, W_O, t2, A23, A23, t26, M_2, X, W_Q, optimize=[(2, 3), (2, 3), (2, 6), (2, 3), (1, 2), (0, 1), (0, 2), (0, 1)])
+    t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
+    t0[...] = oe.contract('abc,acde,acf,fg->dbeg', t21, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    t22 = np.swapaxes(M_1, -1, -2)
+    t23 = np.exp(t12 - t12.max(-1, keepdims=True))
+    A24 = t23 / t23.sum(-1, keepdims=True)
+    t25 = np.swapaxes(W_O, -1, -2)
+    t26 = np.swapaxes(W_V, -1, -2)
+    t27 = t25 @ t26
+    t28 = (1/(L*math.sqrt(d_K)*n_batch)) * t22
+    t0 += oe.contract('abc,de,ace,ace,ef,acfg,ach,hi->bdgi', t28, W_O, t2, A24, t27, M_2, X, W_Q, optimize=[(2, 3), (2, 3), (2, 3), (2, 3), (1, 3), (0, 1), (0, 1)])
+    t29 = (-1/(L*math.sqrt(d_K)*n_batch)) * t22
+    t0 += oe.contract('abc,de,ace,ace,acf,fg,acgh,aci,ij->bdhj', t29, W_O, t2, A24, A24, t27, M_2, X, W_Q, optimize=[(2, 3), (2, 3), (2, 6), (2, 3), (1, 2), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -14729,8 +15099,10 @@ def ce_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t14 = np.exp(t13 - t13.max(-1, keepdims=True))
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.swapaxes(W_O, -1, -2)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,de,ace,ace,acf,eg->bdfg', t9, W_O, t11, A15, M_1, t16, optimize=[(2, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,de,ace,ace,acf,acg,fh->bdgh', t9, W_O, t11, A15, A15, M_1, t16, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 2), (0, 1)])
+    t17 = (1/(L*n_batch)) * t9
+    t0[...] = oe.contract('ab,cde,cda,cda,fa,cgd->gfeb', t16, M_1, A15, t11, W_O, t17, optimize=[(2, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t18 = (-1/(L*n_batch)) * t9
+    t0 += oe.contract('abc,de,ace,ace,acf,acg,fh->bdgh', t18, W_O, t11, A15, A15, M_1, t16, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -14800,11 +15172,14 @@ def ce_causal0__block__W_V__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     G = t20
     t21 = t10 @ G
     t22 = np.ones((d_H,), dtype=X.dtype)
-    t1 += (1/n_batch) * oe.contract('abc,d->bdc', t21, t22, optimize=[(0, 1)])
-    t23 = np.exp(t14 - t14.max(-1, keepdims=True))
-    A24 = t23 / t23.sum(-1, keepdims=True)
-    t0 += (1/(L*n_batch)) * oe.contract('abc,de,ace,ace,acf->bdfe', t10, W_O, t12, A24, t13, optimize=[(2, 3), (0, 2), (1, 2), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,de,ace,ace,acf,acg->bdgf', t10, W_O, t12, A24, A24, t13, optimize=[(2, 3), (1, 4), (0, 1), (0, 2), (0, 1)])
+    t23 = (1/n_batch) * t22
+    t1 += oe.contract('abc,d->bdc', t21, t23, optimize=[(0, 1)])
+    t24 = np.exp(t14 - t14.max(-1, keepdims=True))
+    A25 = t24 / t24.sum(-1, keepdims=True)
+    t26 = (1/(L*n_batch)) * t10
+    t0 += oe.contract('abc,de,ace,ace,acf->bdfe', t26, W_O, t12, A25, t13, optimize=[(2, 3), (0, 2), (1, 2), (0, 1)])
+    t27 = (-1/(L*n_batch)) * t10
+    t0 += oe.contract('abc,de,ace,ace,acf,acg->bdgf', t27, W_O, t12, A25, A25, t13, optimize=[(2, 3), (1, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -14874,8 +15249,10 @@ def ce_causal0__diag__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t15 = t14 @ W_O
     t16 = np.exp(t15 - t15.max(-1, keepdims=True))
     A17 = t16 / t16.sum(-1, keepdims=True)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,acb->bd', t11, t13, A17, t14, optimize=[(0, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->bd', t11, t13, A17, A17, t14, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t18 = (1/(L*n_batch)) * t11
+    t0[...] = oe.contract('abc,acd,acd,acb->bd', t18, t13, A17, t14, optimize=[(0, 3), (0, 1), (0, 1)])
+    t19 = (-1/(L*n_batch)) * t11
+    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t19, t13, A17, A17, t14, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -14943,15 +15320,18 @@ def ce_causal0__block__W_O__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t20 = np.swapaxes(W_V, -1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,acef,acg,fh->dbgh', t19, t20, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t21 = np.swapaxes(M_1, -1, -2)
-    t22 = t20 @ t21
-    t23 = np.exp(t12 - t12.max(-1, keepdims=True))
-    A24 = t23 / t23.sum(-1, keepdims=True)
-    t25 = np.swapaxes(W_O, -1, -2)
-    t26 = t25 @ t20
-    t0 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t22, t2, A24, t26, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t22, t2, A24, A24, t26, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
+    t21 = (1/(math.sqrt(d_K)*n_batch)) * t19
+    t0[...] = oe.contract('abc,de,acef,acg,fh->dbgh', t21, t20, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t22 = np.swapaxes(M_1, -1, -2)
+    t23 = t20 @ t22
+    t24 = np.exp(t12 - t12.max(-1, keepdims=True))
+    A25 = t24 / t24.sum(-1, keepdims=True)
+    t26 = np.swapaxes(W_O, -1, -2)
+    t27 = t26 @ t20
+    t28 = (1/(L*math.sqrt(d_K)*n_batch)) * t23
+    t0 += oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t28, t2, A25, t27, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t29 = (-1/(L*math.sqrt(d_K)*n_batch)) * t23
+    t0 += oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t29, t2, A25, A25, t27, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -15034,15 +15414,18 @@ def ce_causal0__block__W_O__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t20 = np.swapaxes(W_V, -1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,acef,acg,gh->dbfh', t19, t20, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
-    t21 = np.swapaxes(M_1, -1, -2)
-    t22 = t20 @ t21
-    t23 = np.exp(t12 - t12.max(-1, keepdims=True))
-    A24 = t23 / t23.sum(-1, keepdims=True)
-    t25 = np.swapaxes(W_O, -1, -2)
-    t26 = t25 @ t20
-    t0 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t22, t2, A24, t26, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t22, t2, A24, A24, t26, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
+    t21 = (1/(math.sqrt(d_K)*n_batch)) * t19
+    t0[...] = oe.contract('abc,de,acef,acg,gh->dbfh', t21, t20, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t22 = np.swapaxes(M_1, -1, -2)
+    t23 = t20 @ t22
+    t24 = np.exp(t12 - t12.max(-1, keepdims=True))
+    A25 = t24 / t24.sum(-1, keepdims=True)
+    t26 = np.swapaxes(W_O, -1, -2)
+    t27 = t26 @ t20
+    t28 = (1/(L*math.sqrt(d_K)*n_batch)) * t23
+    t0 += oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t28, t2, A25, t27, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t29 = (-1/(L*math.sqrt(d_K)*n_batch)) * t23
+    t0 += oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t29, t2, A25, A25, t27, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -15126,15 +15509,18 @@ def ce_causal0__block__W_O__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t20 = np.swapaxes(G, -1, -2)
     t21 = t20 @ M_1
     t22 = np.ones((d_H,), dtype=X.dtype)
-    t1 += (1/n_batch) * oe.contract('abc,d->dbc', t21, t22, optimize=[(0, 1)])
-    t23 = np.swapaxes(W_V, -1, -2)
-    t24 = np.swapaxes(M_1, -1, -2)
-    t25 = t23 @ t24
-    t26 = np.exp(t13 - t13.max(-1, keepdims=True))
-    A27 = t26 / t26.sum(-1, keepdims=True)
-    t28 = np.swapaxes(W_O, -1, -2)
-    t0 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,df->bdef', t25, t3, A27, M_1, t28, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf,eg->bdfg', t25, t3, A27, A27, M_1, t28, optimize=[(1, 2), (1, 3), (1, 2), (0, 1), (0, 1)])
+    t23 = (1/n_batch) * t22
+    t1 += oe.contract('abc,d->dbc', t21, t23, optimize=[(0, 1)])
+    t24 = np.swapaxes(W_V, -1, -2)
+    t25 = np.swapaxes(M_1, -1, -2)
+    t26 = t24 @ t25
+    t27 = np.exp(t13 - t13.max(-1, keepdims=True))
+    A28 = t27 / t27.sum(-1, keepdims=True)
+    t29 = np.swapaxes(W_O, -1, -2)
+    t30 = (1/(L*n_batch)) * t26
+    t0 += oe.contract('abc,acd,acd,ace,df->bdef', t30, t3, A28, M_1, t29, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
+    t31 = (-1/(L*n_batch)) * t26
+    t0 += oe.contract('abc,acd,acd,ace,acf,eg->bdfg', t31, t3, A28, A28, M_1, t29, optimize=[(1, 2), (1, 3), (1, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -15210,8 +15596,10 @@ def ce_causal0__block__W_O__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t16 = t15 @ W_O
     t17 = np.exp(t16 - t16.max(-1, keepdims=True))
     A18 = t17 / t17.sum(-1, keepdims=True)
-    t1 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bde', t12, t14, A18, t15, optimize=[(1, 2), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t12, t14, A18, A18, t15, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t19 = (1/(L*n_batch)) * t12
+    t1 += oe.contract('abc,acd,acd,ace->bde', t19, t14, A18, t15, optimize=[(1, 2), (0, 1), (0, 1)])
+    t20 = (-1/(L*n_batch)) * t12
+    t0 += oe.contract('abc,acd,acd,ace,acf->bdfe', t20, t14, A18, A18, t15, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
     return out
 
 
@@ -15364,73 +15752,89 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
     t19 = np.swapaxes(W_O, -1, -2)
     t20 = np.swapaxes(W_V, -1, -2)
     t21 = t19 @ t20
-    t1[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t2, M_2, X, t11, t13, A18, t21, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t1 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t2, M_2, X, t11, t13, A18, A18, t21, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
-    t22 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t23 = np.reshape(t22, (d_V, d_K, d_V, d_K), copy=False)
-    t23[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t2, M_2, X, t11, t13, A18, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t23 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t2, M_2, X, t11, t13, A18, A18, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
-    t24 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t25 = np.reshape(t24, (d_V, d_K, d_V, d_H), copy=False)
-    t25[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,gi->fahi', t2, M_2, X, t11, t13, A18, M_1, t19, optimize=[(4, 5), (0, 1), (1, 5), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t25 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi,hj->faij', t2, M_2, X, t11, t13, A18, A18, M_1, t19, optimize=[(4, 5), (0, 1), (2, 4), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t26 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t27 = np.reshape(t26, (d_V, d_K, d_H, d_V), copy=False)
-    t27[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t2, M_2, X, t11, t13, A18, t15, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t27 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t2, M_2, X, t11, t13, A18, A18, t15, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t28 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t29 = np.reshape(t28, (d_V, d_K, d_V, d_K), copy=False)
-    t30 = np.swapaxes(W_Q, -1, -2)
-    t29[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t30, M_2, X, t11, t13, A18, t21, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t29 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t30, M_2, X, t11, t13, A18, A18, t21, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
-    t31 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t32 = np.reshape(t31, (d_V, d_K, d_V, d_K), copy=False)
-    t32[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t30, M_2, X, t11, t13, A18, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
-    t32 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t30, M_2, X, t11, t13, A18, A18, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
-    t33 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t34 = np.reshape(t33, (d_V, d_K, d_V, d_H), copy=False)
-    t34[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,gi->fahi', t30, M_2, X, t11, t13, A18, M_1, t19, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (1, 3), (0, 1), (0, 1)])
-    t34 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi,hj->faij', t30, M_2, X, t11, t13, A18, A18, M_1, t19, optimize=[(4, 5), (0, 2), (0, 1), (3, 5), (0, 2), (0, 3), (0, 2), (0, 1)])
-    t35 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t36 = np.reshape(t35, (d_V, d_K, d_H, d_V), copy=False)
-    t36[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh->fahg', t30, M_2, X, t11, t13, A18, t15, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
-    t36 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t30, M_2, X, t11, t13, A18, A18, t15, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
-    t37 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t38 = np.reshape(t37, (d_V, d_H, d_V, d_K), copy=False)
-    t39 = np.swapaxes(M_1, -1, -2)
-    t38[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,ace,ace,ef,acfg,ach,gi->bdhi', t39, W_O, t13, A18, t21, M_2, X, W_K, optimize=[(2, 3), (2, 3), (3, 5), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t38 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,ace,ace,acf,fg,acgh,aci,hj->bdij', t39, W_O, t13, A18, A18, t21, M_2, X, W_K, optimize=[(2, 3), (2, 3), (2, 6), (1, 4), (2, 3), (0, 2), (0, 2), (0, 1)])
-    t40 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t41 = np.reshape(t40, (d_V, d_H, d_V, d_K), copy=False)
-    t41[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,ace,ace,ef,acfg,ach,hi->bdgi', t39, W_O, t13, A18, t21, M_2, X, W_Q, optimize=[(2, 3), (2, 3), (2, 3), (2, 3), (1, 3), (0, 1), (0, 1)])
-    t41 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,ace,ace,acf,fg,acgh,aci,ij->bdhj', t39, W_O, t13, A18, A18, t21, M_2, X, W_Q, optimize=[(2, 3), (2, 3), (2, 6), (2, 3), (1, 2), (0, 1), (0, 2), (0, 1)])
-    t42 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t43 = np.reshape(t42, (d_V, d_H, d_V, d_H), copy=False)
-    t43[...] = (1/(L*n_batch)) * oe.contract('abc,de,ace,ace,acf,eg->bdfg', t39, W_O, t13, A18, M_1, t19, optimize=[(2, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t43 += (-1/(L*n_batch)) * oe.contract('abc,de,ace,ace,acf,acg,fh->bdgh', t39, W_O, t13, A18, A18, M_1, t19, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 2), (0, 1)])
-    t44 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t45 = np.reshape(t44, (d_V, d_H, d_H, d_V), copy=False)
-    t45[...] = (1/(L*n_batch)) * oe.contract('abc,de,ace,ace,acf->bdfe', t39, W_O, t13, A18, t15, optimize=[(2, 3), (0, 2), (1, 2), (0, 1)])
-    t45 += (-1/(L*n_batch)) * oe.contract('abc,de,ace,ace,acf,acg->bdgf', t39, W_O, t13, A18, A18, t15, optimize=[(2, 3), (1, 4), (0, 1), (0, 2), (0, 1)])
-    t46 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t47 = np.reshape(t46, (d_H, d_V, d_V, d_K), copy=False)
-    t48 = t20 @ t39
-    t47[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t48, t13, A18, t21, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t47 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t48, t13, A18, A18, t21, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
-    t49 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t50 = np.reshape(t49, (d_H, d_V, d_V, d_K), copy=False)
-    t50[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t48, t13, A18, t21, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t50 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t48, t13, A18, A18, t21, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
-    t51 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t52 = np.reshape(t51, (d_H, d_V, d_V, d_H), copy=False)
-    t52[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,df->bdef', t48, t13, A18, M_1, t19, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
-    t52 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf,eg->bdfg', t48, t13, A18, A18, M_1, t19, optimize=[(1, 2), (1, 3), (1, 2), (0, 1), (0, 1)])
-    t53 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t53[...] = 0
-    t54 = np.reshape(t53, (d_H, d_V, d_H, d_V), copy=False)
-    t55 = np.einsum('abcb->abc', t54)
-    t55 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bde', t48, t13, A18, t15, optimize=[(1, 2), (0, 1), (0, 1)])
-    t54 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t48, t13, A18, A18, t15, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t22 = (1/(L*d_K*n_batch)) * t2
+    t1[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t22, M_2, X, t11, t13, A18, t21, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t23 = (-1/(L*d_K*n_batch)) * t2
+    t1 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t23, M_2, X, t11, t13, A18, A18, t21, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
+    t24 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t25 = np.reshape(t24, (d_V, d_K, d_V, d_K), copy=False)
+    t25[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t22, M_2, X, t11, t13, A18, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
+    t25 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t23, M_2, X, t11, t13, A18, A18, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
+    t26 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t27 = np.reshape(t26, (d_V, d_K, d_V, d_H), copy=False)
+    t28 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t27[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,gi->fahi', t28, M_2, X, t11, t13, A18, M_1, t19, optimize=[(4, 5), (0, 1), (1, 5), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t29 = (-1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t27 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi,hj->faij', t29, M_2, X, t11, t13, A18, A18, M_1, t19, optimize=[(4, 5), (0, 1), (2, 4), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t30 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t31 = np.reshape(t30, (d_V, d_K, d_H, d_V), copy=False)
+    t31[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t28, M_2, X, t11, t13, A18, t15, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t31 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t29, M_2, X, t11, t13, A18, A18, t15, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t32 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t33 = np.reshape(t32, (d_V, d_K, d_V, d_K), copy=False)
+    t34 = np.swapaxes(W_Q, -1, -2)
+    t35 = (1/(L*d_K*n_batch)) * t34
+    t33[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t35, M_2, X, t11, t13, A18, t21, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t36 = (-1/(L*d_K*n_batch)) * t34
+    t33 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t36, M_2, X, t11, t13, A18, A18, t21, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t37 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t38 = np.reshape(t37, (d_V, d_K, d_V, d_K), copy=False)
+    t38[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t35, M_2, X, t11, t13, A18, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
+    t38 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t36, M_2, X, t11, t13, A18, A18, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
+    t39 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t40 = np.reshape(t39, (d_V, d_K, d_V, d_H), copy=False)
+    t41 = (1/(L*math.sqrt(d_K)*n_batch)) * t34
+    t40[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,gi->fahi', t41, M_2, X, t11, t13, A18, M_1, t19, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (1, 3), (0, 1), (0, 1)])
+    t42 = (-1/(L*math.sqrt(d_K)*n_batch)) * t34
+    t40 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi,hj->faij', t42, M_2, X, t11, t13, A18, A18, M_1, t19, optimize=[(4, 5), (0, 2), (0, 1), (3, 5), (0, 2), (0, 3), (0, 2), (0, 1)])
+    t43 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t44 = np.reshape(t43, (d_V, d_K, d_H, d_V), copy=False)
+    t44[...] = oe.contract('abc,abd,abd,ed,abf,abeg,hf->ghcd', t15, A18, t13, t11, X, M_2, t41, optimize=[(1, 2), (1, 3), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t44 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t42, M_2, X, t11, t13, A18, A18, t15, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t45 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t46 = np.reshape(t45, (d_V, d_H, d_V, d_K), copy=False)
+    t47 = np.swapaxes(M_1, -1, -2)
+    t48 = (1/(L*math.sqrt(d_K)*n_batch)) * t47
+    t46[...] = oe.contract('abc,de,ace,ace,ef,acfg,ach,gi->bdhi', t48, W_O, t13, A18, t21, M_2, X, W_K, optimize=[(2, 3), (2, 3), (3, 5), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t49 = (-1/(L*math.sqrt(d_K)*n_batch)) * t47
+    t46 += oe.contract('abc,de,ace,ace,acf,fg,acgh,aci,hj->bdij', t49, W_O, t13, A18, A18, t21, M_2, X, W_K, optimize=[(2, 3), (2, 3), (2, 6), (1, 4), (2, 3), (0, 2), (0, 2), (0, 1)])
+    t50 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t51 = np.reshape(t50, (d_V, d_H, d_V, d_K), copy=False)
+    t51[...] = oe.contract('abc,de,ace,ace,ef,acfg,ach,hi->bdgi', t48, W_O, t13, A18, t21, M_2, X, W_Q, optimize=[(2, 3), (2, 3), (2, 3), (2, 3), (1, 3), (0, 1), (0, 1)])
+    t51 += oe.contract('abc,de,ace,ace,acf,fg,acgh,aci,ij->bdhj', t49, W_O, t13, A18, A18, t21, M_2, X, W_Q, optimize=[(2, 3), (2, 3), (2, 6), (2, 3), (1, 2), (0, 1), (0, 2), (0, 1)])
+    t52 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t53 = np.reshape(t52, (d_V, d_H, d_V, d_H), copy=False)
+    t54 = (1/(L*n_batch)) * t47
+    t53[...] = oe.contract('ab,cde,cda,cda,fa,cgd->gfeb', t19, M_1, A18, t13, W_O, t54, optimize=[(2, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t55 = (-1/(L*n_batch)) * t47
+    t53 += oe.contract('abc,de,ace,ace,acf,acg,fh->bdgh', t55, W_O, t13, A18, A18, M_1, t19, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 2), (0, 1)])
+    t56 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t57 = np.reshape(t56, (d_V, d_H, d_H, d_V), copy=False)
+    t57[...] = oe.contract('abc,de,ace,ace,acf->bdfe', t54, W_O, t13, A18, t15, optimize=[(2, 3), (0, 2), (1, 2), (0, 1)])
+    t57 += oe.contract('abc,de,ace,ace,acf,acg->bdgf', t55, W_O, t13, A18, A18, t15, optimize=[(2, 3), (1, 4), (0, 1), (0, 2), (0, 1)])
+    t58 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t59 = np.reshape(t58, (d_H, d_V, d_V, d_K), copy=False)
+    t60 = t20 @ t47
+    t61 = (1/(L*math.sqrt(d_K)*n_batch)) * t60
+    t59[...] = oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t61, t13, A18, t21, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t62 = (-1/(L*math.sqrt(d_K)*n_batch)) * t60
+    t59 += oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t62, t13, A18, A18, t21, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
+    t63 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t64 = np.reshape(t63, (d_H, d_V, d_V, d_K), copy=False)
+    t64[...] = oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t61, t13, A18, t21, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t64 += oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t62, t13, A18, A18, t21, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
+    t65 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t66 = np.reshape(t65, (d_H, d_V, d_V, d_H), copy=False)
+    t67 = (1/(L*n_batch)) * t60
+    t66[...] = oe.contract('abc,acd,acd,ace,df->bdef', t67, t13, A18, M_1, t19, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
+    t68 = (-1/(L*n_batch)) * t60
+    t66 += oe.contract('abc,acd,acd,ace,acf,eg->bdfg', t68, t13, A18, A18, M_1, t19, optimize=[(1, 2), (1, 3), (1, 2), (0, 1), (0, 1)])
+    t69 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t69[...] = 0
+    t70 = np.reshape(t69, (d_H, d_V, d_H, d_V), copy=False)
+    t71 = np.einsum('abcb->abc', t70)
+    t71 += oe.contract('abc,acd,acd,ace->bde', t67, t13, A18, t15, optimize=[(1, 2), (0, 1), (0, 1)])
+    t70 += oe.contract('abc,acd,acd,ace,acf->bdfe', t68, t13, A18, A18, t15, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
     return H
 
 
@@ -15608,8 +16012,10 @@ def ce_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t18 = np.swapaxes(W_O, -1, -2)
     t19 = np.swapaxes(W_V, -1, -2)
     t20 = t18 @ t19
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdf,ia->fa', t1, M_2, X, t10, t12, A17, t20, M_2, X, W_K, optimize=[(4, 5), (2, 6), (0, 1), (1, 2), (0, 4), (0, 3), (2, 3), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdf,ja->fa', t1, M_2, X, t10, t12, A17, A17, t20, M_2, X, W_K, optimize=[(4, 5), (2, 7), (0, 1), (1, 2), (1, 6), (0, 2), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t21 = (1/(L*d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdf,ia->fa', t21, M_2, X, t10, t12, A17, t20, M_2, X, W_K, optimize=[(4, 5), (2, 6), (0, 1), (1, 2), (0, 4), (0, 3), (2, 3), (0, 2), (0, 1)])
+    t22 = (-1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdf,ja->fa', t22, M_2, X, t10, t12, A17, A17, t20, M_2, X, W_K, optimize=[(4, 5), (2, 7), (0, 1), (1, 2), (1, 6), (0, 2), (2, 4), (0, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -15680,8 +16086,10 @@ def ce_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t18 = np.swapaxes(W_O, -1, -2)
     t19 = np.swapaxes(W_V, -1, -2)
     t20 = t18 @ t19
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t1, M_2, X, t10, t12, A17, t20, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t1, M_2, X, t10, t12, A17, A17, t20, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
+    t21 = (1/(L*d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t21, M_2, X, t10, t12, A17, t20, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t22 = (-1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t22, M_2, X, t10, t12, A17, A17, t20, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -15754,8 +16162,10 @@ def ce_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     t18 = np.swapaxes(W_O, -1, -2)
     t19 = np.swapaxes(W_V, -1, -2)
     t20 = t18 @ t19
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t1, M_2, X, t10, t12, A17, t20, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t1, M_2, X, t10, t12, A17, A17, t20, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
+    t21 = (1/(L*d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t21, M_2, X, t10, t12, A17, t20, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
+    t22 = (-1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t22, M_2, X, t10, t12, A17, A17, t20, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -15826,8 +16236,10 @@ def ce_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     t16 = np.exp(t15 - t15.max(-1, keepdims=True))
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = np.swapaxes(W_O, -1, -2)
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,gi->fahi', t1, M_2, X, t10, t12, A17, M_1, t18, optimize=[(4, 5), (0, 1), (1, 5), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi,hj->faij', t1, M_2, X, t10, t12, A17, A17, M_1, t18, optimize=[(4, 5), (0, 1), (2, 4), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t19 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,gi->fahi', t19, M_2, X, t10, t12, A17, M_1, t18, optimize=[(4, 5), (0, 1), (1, 5), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t20 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi,hj->faij', t20, M_2, X, t10, t12, A17, A17, M_1, t18, optimize=[(4, 5), (0, 1), (2, 4), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -15895,8 +16307,10 @@ def ce_causal1__block__W_Q__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     t15 = t14 @ W_O
     t16 = np.exp(t15 - t15.max(-1, keepdims=True))
     A17 = t16 / t16.sum(-1, keepdims=True)
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t1, M_2, X, t10, t12, A17, t14, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t1, M_2, X, t10, t12, A17, A17, t14, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t18 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t18, M_2, X, t10, t12, A17, t14, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t19 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t19, M_2, X, t10, t12, A17, A17, t14, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -15967,8 +16381,10 @@ def ce_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     t19 = np.swapaxes(W_O, -1, -2)
     t20 = np.swapaxes(W_V, -1, -2)
     t21 = t19 @ t20
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhf,cdi,ia->fa', t1, M_2, X, t11, t13, A18, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (4, 5), (2, 4), (0, 1), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdif,cdj,ja->fa', t1, M_2, X, t11, t13, A18, A18, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t22 = (1/(L*d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhf,cdi,ia->fa', t22, M_2, X, t11, t13, A18, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (4, 5), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t23 = (-1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdif,cdj,ja->fa', t23, M_2, X, t11, t13, A18, A18, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -16041,8 +16457,10 @@ def ce_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t19 = np.swapaxes(W_O, -1, -2)
     t20 = np.swapaxes(W_V, -1, -2)
     t21 = t19 @ t20
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t1, M_2, X, t11, t13, A18, t21, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t1, M_2, X, t11, t13, A18, A18, t21, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t22 = (1/(L*d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t22, M_2, X, t11, t13, A18, t21, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t23 = (-1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t23, M_2, X, t11, t13, A18, A18, t21, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -16117,8 +16535,10 @@ def ce_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     t19 = np.swapaxes(W_O, -1, -2)
     t20 = np.swapaxes(W_V, -1, -2)
     t21 = t19 @ t20
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t1, M_2, X, t11, t13, A18, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t1, M_2, X, t11, t13, A18, A18, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
+    t22 = (1/(L*d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t22, M_2, X, t11, t13, A18, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
+    t23 = (-1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t23, M_2, X, t11, t13, A18, A18, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -16191,8 +16611,10 @@ def ce_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     t17 = np.exp(t16 - t16.max(-1, keepdims=True))
     A18 = t17 / t17.sum(-1, keepdims=True)
     t19 = np.swapaxes(W_O, -1, -2)
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,gi->fahi', t1, M_2, X, t11, t13, A18, M_1, t19, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (1, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi,hj->faij', t1, M_2, X, t11, t13, A18, A18, M_1, t19, optimize=[(4, 5), (0, 2), (0, 1), (3, 5), (0, 2), (0, 3), (0, 2), (0, 1)])
+    t20 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,gi->fahi', t20, M_2, X, t11, t13, A18, M_1, t19, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (1, 3), (0, 1), (0, 1)])
+    t21 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi,hj->faij', t21, M_2, X, t11, t13, A18, A18, M_1, t19, optimize=[(4, 5), (0, 2), (0, 1), (3, 5), (0, 2), (0, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -16262,8 +16684,10 @@ def ce_causal1__block__W_K__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     t16 = t15 @ W_O
     t17 = np.exp(t16 - t16.max(-1, keepdims=True))
     A18 = t17 / t17.sum(-1, keepdims=True)
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh->fahg', t1, M_2, X, t11, t13, A18, t15, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t1, M_2, X, t11, t13, A18, A18, t15, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t19 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('abc,abd,abd,ed,abf,abeg,hf->ghcd', t15, A18, t13, t11, X, M_2, t19, optimize=[(1, 2), (1, 3), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t20 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t20, M_2, X, t11, t13, A18, A18, t15, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -16330,8 +16754,10 @@ def ce_causal1__diag__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     t16 = np.exp(t15 - t15.max(-1, keepdims=True))
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = np.swapaxes(W_O, -1, -2)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,de,ace,ace,acb,ed->bd', t11, W_O, t13, A17, M_1, t18, optimize=[(2, 3), (0, 2), (0, 1), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,de,ace,ace,acf,acb,fd->bd', t11, W_O, t13, A17, A17, M_1, t18, optimize=[(2, 3), (0, 3), (1, 2), (0, 1), (1, 2), (0, 1)])
+    t19 = (1/(L*n_batch)) * t11
+    t0[...] = oe.contract('abc,de,ace,ace,acb,ed->bd', t19, W_O, t13, A17, M_1, t18, optimize=[(2, 3), (0, 2), (0, 1), (0, 1), (0, 1)])
+    t20 = (-1/(L*n_batch)) * t11
+    t0 += oe.contract('abc,de,ace,ace,acf,acb,fd->bd', t20, W_O, t13, A17, A17, M_1, t18, optimize=[(2, 3), (0, 3), (1, 2), (0, 1), (1, 2), (0, 1)])
     return out
 
 
@@ -16398,8 +16824,10 @@ def ce_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t20 = t18 @ t19
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,ace,ace,ef,acfg,ach,gi->bdhi', t11, W_O, t13, A17, t20, M_2, X, W_K, optimize=[(2, 3), (2, 3), (3, 5), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,ace,ace,acf,fg,acgh,aci,hj->bdij', t11, W_O, t13, A17, A17, t20, M_2, X, W_K, optimize=[(2, 3), (2, 3), (2, 6), (1, 4), (2, 3), (0, 2), (0, 2), (0, 1)])
+    t21 = (1/(L*math.sqrt(d_K)*n_batch)) * t11
+    t0[...] = oe.contract('abc,de,ace,ace,ef,acfg,ach,gi->bdhi', t21, W_O, t13, A17, t20, M_2, X, W_K, optimize=[(2, 3), (2, 3), (3, 5), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t22 = (-1/(L*math.sqrt(d_K)*n_batch)) * t11
+    t0 += oe.contract('abc,de,ace,ace,acf,fg,acgh,aci,hj->bdij', t22, W_O, t13, A17, A17, t20, M_2, X, W_K, optimize=[(2, 3), (2, 3), (2, 6), (1, 4), (2, 3), (0, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -16472,8 +16900,10 @@ def ce_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     t20 = t18 @ t19
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,ace,ace,ef,acfg,ach,hi->bdgi', t11, W_O, t13, A17, t20, M_2, X, W_Q, optimize=[(2, 3), (2, 3), (2, 3), (2, 3), (1, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,ace,ace,acf,fg,acgh,aci,ij->bdhj', t11, W_O, t13, A17, A17, t20, M_2, X, W_Q, optimize=[(2, 3), (2, 3), (2, 6), (2, 3), (1, 2), (0, 1), (0, 2), (0, 1)])
+    t21 = (1/(L*math.sqrt(d_K)*n_batch)) * t11
+    t0[...] = oe.contract('abc,de,ace,ace,ef,acfg,ach,hi->bdgi', t21, W_O, t13, A17, t20, M_2, X, W_Q, optimize=[(2, 3), (2, 3), (2, 3), (2, 3), (1, 3), (0, 1), (0, 1)])
+    t22 = (-1/(L*math.sqrt(d_K)*n_batch)) * t11
+    t0 += oe.contract('abc,de,ace,ace,acf,fg,acgh,aci,ij->bdhj', t22, W_O, t13, A17, A17, t20, M_2, X, W_Q, optimize=[(2, 3), (2, 3), (2, 6), (2, 3), (1, 2), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -16542,8 +16972,10 @@ def ce_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     t16 = np.exp(t15 - t15.max(-1, keepdims=True))
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = np.swapaxes(W_O, -1, -2)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,de,ace,ace,acf,eg->bdfg', t11, W_O, t13, A17, M_1, t18, optimize=[(2, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,de,ace,ace,acf,acg,fh->bdgh', t11, W_O, t13, A17, A17, M_1, t18, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 2), (0, 1)])
+    t19 = (1/(L*n_batch)) * t11
+    t0[...] = oe.contract('ab,cde,cda,cda,fa,cgd->gfeb', t18, M_1, A17, t13, W_O, t19, optimize=[(2, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t20 = (-1/(L*n_batch)) * t11
+    t0 += oe.contract('abc,de,ace,ace,acf,acg,fh->bdgh', t20, W_O, t13, A17, A17, M_1, t18, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -16607,8 +17039,10 @@ def ce_causal1__block__W_V__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     t15 = t14 @ W_O
     t16 = np.exp(t15 - t15.max(-1, keepdims=True))
     A17 = t16 / t16.sum(-1, keepdims=True)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,de,ace,ace,acf->bdfe', t11, W_O, t13, A17, t14, optimize=[(2, 3), (0, 2), (1, 2), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,de,ace,ace,acf,acg->bdgf', t11, W_O, t13, A17, A17, t14, optimize=[(2, 3), (1, 4), (0, 1), (0, 2), (0, 1)])
+    t18 = (1/(L*n_batch)) * t11
+    t0[...] = oe.contract('abc,de,ace,ace,acf->bdfe', t18, W_O, t13, A17, t14, optimize=[(2, 3), (0, 2), (1, 2), (0, 1)])
+    t19 = (-1/(L*n_batch)) * t11
+    t0 += oe.contract('abc,de,ace,ace,acf,acg->bdgf', t19, W_O, t13, A17, A17, t14, optimize=[(2, 3), (1, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -16673,8 +17107,10 @@ def ce_causal1__diag__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     t17 = t16 @ W_O
     t18 = np.exp(t17 - t17.max(-1, keepdims=True))
     A19 = t18 / t18.sum(-1, keepdims=True)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,acb->bd', t13, t15, A19, t16, optimize=[(0, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->bd', t13, t15, A19, A19, t16, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t20 = (1/(L*n_batch)) * t13
+    t0[...] = oe.contract('abc,acd,acd,acb->bd', t20, t15, A19, t16, optimize=[(0, 3), (0, 1), (0, 1)])
+    t21 = (-1/(L*n_batch)) * t13
+    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t21, t15, A19, A19, t16, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -16743,8 +17179,10 @@ def ce_causal1__block__W_O__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t21 = t20 @ t1
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t13, t15, A19, t21, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t13, t15, A19, A19, t21, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
+    t22 = (1/(L*math.sqrt(d_K)*n_batch)) * t13
+    t0[...] = oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t22, t15, A19, t21, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t23 = (-1/(L*math.sqrt(d_K)*n_batch)) * t13
+    t0 += oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t23, t15, A19, A19, t21, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -16819,8 +17257,10 @@ def ce_causal1__block__W_O__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     t21 = t20 @ t1
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t13, t15, A19, t21, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t13, t15, A19, A19, t21, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
+    t22 = (1/(L*math.sqrt(d_K)*n_batch)) * t13
+    t0[...] = oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t22, t15, A19, t21, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t23 = (-1/(L*math.sqrt(d_K)*n_batch)) * t13
+    t0 += oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t23, t15, A19, A19, t21, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -16892,8 +17332,10 @@ def ce_causal1__block__W_O__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     t18 = np.exp(t17 - t17.max(-1, keepdims=True))
     A19 = t18 / t18.sum(-1, keepdims=True)
     t20 = np.swapaxes(W_O, -1, -2)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,df->bdef', t13, t15, A19, M_1, t20, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf,eg->bdfg', t13, t15, A19, A19, M_1, t20, optimize=[(1, 2), (1, 3), (1, 2), (0, 1), (0, 1)])
+    t21 = (1/(L*n_batch)) * t13
+    t0[...] = oe.contract('abc,acd,acd,ace,df->bdef', t21, t15, A19, M_1, t20, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
+    t22 = (-1/(L*n_batch)) * t13
+    t0 += oe.contract('abc,acd,acd,ace,acf,eg->bdfg', t22, t15, A19, A19, M_1, t20, optimize=[(1, 2), (1, 3), (1, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -16963,8 +17405,10 @@ def ce_causal1__block__W_O__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     t18 = t17 @ W_O
     t19 = np.exp(t18 - t18.max(-1, keepdims=True))
     A20 = t19 / t19.sum(-1, keepdims=True)
-    t1 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bde', t14, t16, A20, t17, optimize=[(1, 2), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t14, t16, A20, A20, t17, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t21 = (1/(L*n_batch)) * t14
+    t1 += oe.contract('abc,acd,acd,ace->bde', t21, t16, A20, t17, optimize=[(1, 2), (0, 1), (0, 1)])
+    t22 = (-1/(L*n_batch)) * t14
+    t0 += oe.contract('abc,acd,acd,ace,acf->bdfe', t22, t16, A20, A20, t17, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
     return out
 
 
@@ -17044,76 +17488,84 @@ def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, W_O, Y):
     t28 = A * t27
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t3, t28, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, t28, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, t28, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t2, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
-    t29 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t29[...] = 0
-    t30 = np.reshape(t29, (d_V, d_K, d_V, d_K), copy=False)
-    t31 = np.einsum('abcb->abc', t30)
-    t32 = t28 @ X
-    t33 = t3 @ t32
-    t34 = np.ones((d_K,), dtype=X.dtype)
-    t31 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t33, t34, optimize=[(0, 1)])
-    t30 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t2, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
-    t35 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t36 = np.reshape(t35, (d_V, d_K, d_V, d_H), copy=False)
+    t29 = (1/(d_K*n_batch)) * t2
+    t1[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t29, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t30 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t30[...] = 0
+    t31 = np.reshape(t30, (d_V, d_K, d_V, d_K), copy=False)
+    t32 = np.einsum('abcb->abc', t31)
+    t33 = t28 @ X
+    t34 = t3 @ t33
+    t35 = np.ones((d_K,), dtype=X.dtype)
+    t36 = (1/(math.sqrt(d_K)*n_batch)) * t35
+    t32 += oe.contract('abc,d->bdc', t34, t36, optimize=[(0, 1)])
+    t31 += oe.contract('ab,cde,cebf,ceg,gh->dafh', t29, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t37 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t38 = np.reshape(t37, (d_V, d_K, d_V, d_H), copy=False)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t37 = G @ t22
-    t36[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t2, M_2, X, t37, optimize=[(0, 1), (0, 1), (0, 1)])
-    t38 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t39 = np.reshape(t38, (d_V, d_K, d_H, d_V), copy=False)
-    t39[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fahg', t2, M_2, X, G, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t40 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t40[...] = 0
-    t41 = np.reshape(t40, (d_V, d_K, d_V, d_K), copy=False)
-    t42 = np.einsum('abcb->abc', t41)
-    t43 = np.swapaxes(t28, -1, -2)
-    t44 = t43 @ X
-    t45 = t3 @ t44
-    t42 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t45, t34, optimize=[(0, 1)])
-    t46 = np.swapaxes(W_Q, -1, -2)
-    t41 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t46, t3, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
-    t47 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t48 = np.reshape(t47, (d_V, d_K, d_V, d_K), copy=False)
-    t48[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t46, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t49 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t50 = np.reshape(t49, (d_V, d_K, d_V, d_H), copy=False)
-    t50[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t46, M_2, X, t37, optimize=[(0, 2), (1, 2), (0, 1)])
-    t51 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t52 = np.reshape(t51, (d_V, d_K, d_H, d_V), copy=False)
-    t52[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fahg', t46, M_2, X, G, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
-    t53 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t54 = np.reshape(t53, (d_V, d_H, d_V, d_K), copy=False)
-    t55 = np.swapaxes(G, -1, -2)
-    t56 = W_O @ t55
-    t54[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t56, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
-    t57 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t58 = np.reshape(t57, (d_V, d_H, d_V, d_K), copy=False)
-    t58[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t56, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t59 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t59[...] = 0
-    t60 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t60[...] = 0
-    t61 = np.reshape(t60, (d_V, d_H, d_H, d_V), copy=False)
-    t62 = np.einsum('abbc->abc', t61)
-    t63 = np.swapaxes(M_1, -1, -2)
-    t64 = t63 @ G
-    t65 = np.ones((d_H,), dtype=X.dtype)
-    t62 += (1/n_batch) * oe.contract('abc,d->bdc', t64, t65, optimize=[(0, 1)])
-    t66 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t67 = np.reshape(t66, (d_H, d_V, d_V, d_K), copy=False)
-    t67[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,acef,acg,fh->dbgh', t55, t23, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t68 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t69 = np.reshape(t68, (d_H, d_V, d_V, d_K), copy=False)
-    t69[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,acef,acg,gh->dbfh', t55, t23, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
-    t70 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t70[...] = 0
-    t71 = np.reshape(t70, (d_H, d_V, d_V, d_H), copy=False)
-    t72 = np.einsum('abca->abc', t71)
-    t73 = t55 @ M_1
-    t72 += (1/n_batch) * oe.contract('abc,d->dbc', t73, t65, optimize=[(0, 1)])
-    t74 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t74[...] = 0
+    t39 = G @ t22
+    t40 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t38[...] = oe.contract('abc,abd,abef,gf->dgec', t39, X, M_2, t40, optimize=[(0, 1), (0, 1), (0, 1)])
+    t41 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t42 = np.reshape(t41, (d_V, d_K, d_H, d_V), copy=False)
+    t42[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fahg', t40, M_2, X, G, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t43 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t43[...] = 0
+    t44 = np.reshape(t43, (d_V, d_K, d_V, d_K), copy=False)
+    t45 = np.einsum('abcb->abc', t44)
+    t46 = np.swapaxes(t28, -1, -2)
+    t47 = t46 @ X
+    t48 = t3 @ t47
+    t45 += oe.contract('abc,d->bdc', t48, t36, optimize=[(0, 1)])
+    t49 = np.swapaxes(W_Q, -1, -2)
+    t50 = (1/(d_K*n_batch)) * t49
+    t44 += oe.contract('ab,cde,cdfa,cgd,hg->fheb', W_K, X, M_3, t3, t50, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t51 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t52 = np.reshape(t51, (d_V, d_K, d_V, d_K), copy=False)
+    t52[...] = oe.contract('ab,cbd,cdef,cdg,gh->eafh', t50, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t53 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t54 = np.reshape(t53, (d_V, d_K, d_V, d_H), copy=False)
+    t55 = (1/(math.sqrt(d_K)*n_batch)) * t49
+    t54[...] = oe.contract('ab,cdef,cdb,cdg->faeg', t55, M_2, X, t39, optimize=[(0, 2), (1, 2), (0, 1)])
+    t56 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t57 = np.reshape(t56, (d_V, d_K, d_H, d_V), copy=False)
+    t57[...] = oe.contract('ab,cdef,cdb,cdg,eh->fahg', t55, M_2, X, G, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
+    t58 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t59 = np.reshape(t58, (d_V, d_H, d_V, d_K), copy=False)
+    t60 = np.swapaxes(G, -1, -2)
+    t61 = W_O @ t60
+    t62 = (1/(math.sqrt(d_K)*n_batch)) * t61
+    t59[...] = oe.contract('ab,cde,cdfa,cgd->fgeb', W_K, X, M_2, t62, optimize=[(0, 2), (0, 1), (0, 1)])
+    t63 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t64 = np.reshape(t63, (d_V, d_H, d_V, d_K), copy=False)
+    t64[...] = oe.contract('abc,acde,acf,fg->dbeg', t62, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    t65 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t65[...] = 0
+    t66 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t66[...] = 0
+    t67 = np.reshape(t66, (d_V, d_H, d_H, d_V), copy=False)
+    t68 = np.einsum('abbc->abc', t67)
+    t69 = np.swapaxes(M_1, -1, -2)
+    t70 = t69 @ G
+    t71 = np.ones((d_H,), dtype=X.dtype)
+    t72 = (1/n_batch) * t71
+    t68 += oe.contract('abc,d->bdc', t70, t72, optimize=[(0, 1)])
+    t73 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t74 = np.reshape(t73, (d_H, d_V, d_V, d_K), copy=False)
+    t75 = (1/(math.sqrt(d_K)*n_batch)) * t60
+    t74[...] = oe.contract('abc,de,acef,acg,fh->dbgh', t75, t23, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t76 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t77 = np.reshape(t76, (d_H, d_V, d_V, d_K), copy=False)
+    t77[...] = oe.contract('abc,de,acef,acg,gh->dbfh', t75, t23, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t78 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t78[...] = 0
+    t79 = np.reshape(t78, (d_H, d_V, d_V, d_H), copy=False)
+    t80 = np.einsum('abca->abc', t79)
+    t81 = t60 @ M_1
+    t80 += oe.contract('abc,d->dbc', t81, t72, optimize=[(0, 1)])
+    t82 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t82[...] = 0
     return H
 
 
@@ -17344,7 +17796,8 @@ def ce_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t27 = A * t26
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t27, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t27, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t27, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->da', t1, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
+    t28 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cebf,ced,fa->da', t28, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -17433,7 +17886,8 @@ def ce_causal1__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t27 = A * t26
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t27, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t27, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t27, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t1, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t28 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t28, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -17527,10 +17981,12 @@ def ce_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t29 = t28 @ X
     t30 = t2 @ t29
     t31 = np.ones((d_K,), dtype=X.dtype)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t30, t31, optimize=[(0, 1)])
+    t32 = (1/(math.sqrt(d_K)*n_batch)) * t31
+    t1 += oe.contract('abc,d->bdc', t30, t32, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t28, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t28, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t28, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t3, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t33 = (1/(d_K*n_batch)) * t3
+    t0 += oe.contract('ab,cde,cebf,ceg,gh->dafh', t33, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -17618,7 +18074,8 @@ def ce_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     G = t20
     t21 = np.swapaxes(W_O, -1, -2)
     t22 = G @ t21
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t1, M_2, X, t22, optimize=[(0, 1), (0, 1), (0, 1)])
+    t23 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('abc,abd,abef,gf->dgec', t22, X, M_2, t23, optimize=[(0, 1), (0, 1), (0, 1)])
     return out
 
 
@@ -17697,7 +18154,8 @@ def ce_causal1__block__W_Q__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     t19 = (-1/L) * Y
     t20 = t18 + t19
     G = t20
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fahg', t1, M_2, X, G, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t21 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fahg', t21, M_2, X, G, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -17782,7 +18240,8 @@ def ce_causal1__diag__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t28 = A * t27
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t28, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t28, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t28, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->ea', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t29 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cbd,cdee,cdf,fa->ea', t29, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -17876,11 +18335,13 @@ def ce_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t30 = t29 @ X
     t31 = t2 @ t30
     t32 = np.ones((d_K,), dtype=X.dtype)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t31, t32, optimize=[(0, 1)])
-    t33 = np.swapaxes(W_Q, -1, -2)
+    t33 = (1/(math.sqrt(d_K)*n_batch)) * t32
+    t1 += oe.contract('abc,d->bdc', t31, t33, optimize=[(0, 1)])
+    t34 = np.swapaxes(W_Q, -1, -2)
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t28, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t28, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t28, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t33, t2, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    t35 = (1/(d_K*n_batch)) * t34
+    t0 += oe.contract('ab,cde,cdfa,cgd,hg->fheb', W_K, X, M_3, t2, t35, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -17976,7 +18437,8 @@ def ce_causal1__block__W_K__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t28 = A * t27
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t28, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t28, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t28, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t29 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cbd,cdef,cdg,gh->eafh', t29, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -18064,7 +18526,8 @@ def ce_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     G = t21
     t22 = np.swapaxes(W_O, -1, -2)
     t23 = G @ t22
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t1, M_2, X, t23, optimize=[(0, 2), (1, 2), (0, 1)])
+    t24 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,cdg->faeg', t24, M_2, X, t23, optimize=[(0, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -18145,7 +18608,8 @@ def ce_causal1__block__W_K__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     t20 = (-1/L) * Y
     t21 = t19 + t20
     G = t21
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fahg', t1, M_2, X, G, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
+    t22 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,cdg,eh->fahg', t22, M_2, X, G, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -18247,7 +18711,8 @@ def ce_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t22 = W_O @ t21
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t22, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
+    t23 = (1/(math.sqrt(d_K)*n_batch)) * t22
+    t0[...] = oe.contract('ab,cde,cdfa,cgd->fgeb', W_K, X, M_2, t23, optimize=[(0, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -18328,7 +18793,8 @@ def ce_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t22 = W_O @ t21
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t22, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    t23 = (1/(math.sqrt(d_K)*n_batch)) * t22
+    t0[...] = oe.contract('abc,acde,acf,fg->dbeg', t23, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -18432,7 +18898,8 @@ def ce_causal1__block__W_V__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     G = t22
     t23 = t12 @ G
     t24 = np.ones((d_H,), dtype=X.dtype)
-    t1 += (1/n_batch) * oe.contract('abc,d->bdc', t23, t24, optimize=[(0, 1)])
+    t25 = (1/n_batch) * t24
+    t1 += oe.contract('abc,d->bdc', t23, t25, optimize=[(0, 1)])
     return out
 
 
@@ -18533,7 +19000,8 @@ def ce_causal1__block__W_O__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t22 = np.swapaxes(W_V, -1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,acef,acg,fh->dbgh', t21, t22, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t23 = (1/(math.sqrt(d_K)*n_batch)) * t21
+    t0[...] = oe.contract('abc,de,acef,acg,fh->dbgh', t23, t22, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -18614,7 +19082,8 @@ def ce_causal1__block__W_O__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t22 = np.swapaxes(W_V, -1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,acef,acg,gh->dbfh', t21, t22, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t23 = (1/(math.sqrt(d_K)*n_batch)) * t21
+    t0[...] = oe.contract('abc,de,acef,acg,gh->dbfh', t23, t22, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -18696,7 +19165,8 @@ def ce_causal1__block__W_O__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     t22 = np.swapaxes(G, -1, -2)
     t23 = t22 @ M_1
     t24 = np.ones((d_H,), dtype=X.dtype)
-    t1 += (1/n_batch) * oe.contract('abc,d->dbc', t23, t24, optimize=[(0, 1)])
+    t25 = (1/n_batch) * t24
+    t1 += oe.contract('abc,d->dbc', t23, t25, optimize=[(0, 1)])
     return out
 
 
@@ -18803,115 +19273,139 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t28 = A * t27
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t3, t28, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, t28, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, t28, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t2, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t29 = (1/(d_K*n_batch)) * t2
+    t1[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t29, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t29 = W_V @ W_O
-    t30 = np.exp(t15 - t15.max(-1, keepdims=True))
-    A31 = t30 / t30.sum(-1, keepdims=True)
-    t32 = t22 @ t23
-    t1 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t2, M_2, X, t29, t12, A31, t32, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t1 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t2, M_2, X, t29, t12, A31, A31, t32, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
-    t33 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t33[...] = 0
-    t34 = np.reshape(t33, (d_V, d_K, d_V, d_K), copy=False)
-    t35 = np.einsum('abcb->abc', t34)
-    t36 = t28 @ X
-    t37 = t3 @ t36
-    t38 = np.ones((d_K,), dtype=X.dtype)
-    t35 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t37, t38, optimize=[(0, 1)])
-    t34 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t2, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
-    t34 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t2, M_2, X, t29, t12, A31, t32, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t34 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t2, M_2, X, t29, t12, A31, A31, t32, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
-    t39 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t40 = np.reshape(t39, (d_V, d_K, d_V, d_H), copy=False)
-    t40[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,gi->fahi', t2, M_2, X, t29, t12, A31, M_1, t22, optimize=[(4, 5), (0, 1), (1, 5), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t40 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi,hj->faij', t2, M_2, X, t29, t12, A31, A31, M_1, t22, optimize=[(4, 5), (0, 1), (2, 4), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t41 = G @ t22
-    t40 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t2, M_2, X, t41, optimize=[(0, 1), (0, 1), (0, 1)])
-    t42 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t43 = np.reshape(t42, (d_V, d_K, d_H, d_V), copy=False)
-    t43[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t2, M_2, X, t29, t12, A31, t14, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t43 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t2, M_2, X, t29, t12, A31, A31, t14, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t43 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fahg', t2, M_2, X, G, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t44 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t44[...] = 0
-    t45 = np.reshape(t44, (d_V, d_K, d_V, d_K), copy=False)
-    t46 = np.einsum('abcb->abc', t45)
-    t47 = np.swapaxes(t28, -1, -2)
-    t48 = t47 @ X
-    t49 = t3 @ t48
-    t46 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t49, t38, optimize=[(0, 1)])
-    t50 = np.swapaxes(W_Q, -1, -2)
-    t45 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t50, t3, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
-    t45 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t50, M_2, X, t29, t12, A31, t32, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t45 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t50, M_2, X, t29, t12, A31, A31, t32, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
-    t51 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t30 = W_V @ W_O
+    t31 = np.exp(t15 - t15.max(-1, keepdims=True))
+    A32 = t31 / t31.sum(-1, keepdims=True)
+    t33 = t22 @ t23
+    t34 = (1/(L*d_K*n_batch)) * t2
+    t1 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t34, M_2, X, t30, t12, A32, t33, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t35 = (-1/(L*d_K*n_batch)) * t2
+    t1 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t35, M_2, X, t30, t12, A32, A32, t33, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
+    t36 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t36[...] = 0
+    t37 = np.reshape(t36, (d_V, d_K, d_V, d_K), copy=False)
+    t38 = np.einsum('abcb->abc', t37)
+    t39 = t28 @ X
+    t40 = t3 @ t39
+    t41 = np.ones((d_K,), dtype=X.dtype)
+    t42 = (1/(math.sqrt(d_K)*n_batch)) * t41
+    t38 += oe.contract('abc,d->bdc', t40, t42, optimize=[(0, 1)])
+    t37 += oe.contract('ab,cde,cebf,ceg,gh->dafh', t29, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t37 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t34, M_2, X, t30, t12, A32, t33, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
+    t37 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t35, M_2, X, t30, t12, A32, A32, t33, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
+    t43 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t44 = np.reshape(t43, (d_V, d_K, d_V, d_H), copy=False)
+    t45 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t44[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,gi->fahi', t45, M_2, X, t30, t12, A32, M_1, t22, optimize=[(4, 5), (0, 1), (1, 5), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t46 = (-1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t44 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi,hj->faij', t46, M_2, X, t30, t12, A32, A32, M_1, t22, optimize=[(4, 5), (0, 1), (2, 4), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t47 = G @ t22
+    t48 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t44 += oe.contract('abc,abd,abef,gf->dgec', t47, X, M_2, t48, optimize=[(0, 1), (0, 1), (0, 1)])
+    t49 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t50 = np.reshape(t49, (d_V, d_K, d_H, d_V), copy=False)
+    t50[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t45, M_2, X, t30, t12, A32, t14, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t50 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t46, M_2, X, t30, t12, A32, A32, t14, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t50 += oe.contract('ab,cdeb,cdf,cdg,eh->fahg', t48, M_2, X, G, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t51 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t51[...] = 0
     t52 = np.reshape(t51, (d_V, d_K, d_V, d_K), copy=False)
-    t52[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t50, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t52 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t50, M_2, X, t29, t12, A31, t32, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
-    t52 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t50, M_2, X, t29, t12, A31, A31, t32, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
-    t53 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t54 = np.reshape(t53, (d_V, d_K, d_V, d_H), copy=False)
-    t54[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,gi->fahi', t50, M_2, X, t29, t12, A31, M_1, t22, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (1, 3), (0, 1), (0, 1)])
-    t54 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi,hj->faij', t50, M_2, X, t29, t12, A31, A31, M_1, t22, optimize=[(4, 5), (0, 2), (0, 1), (3, 5), (0, 2), (0, 3), (0, 2), (0, 1)])
-    t54 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t50, M_2, X, t41, optimize=[(0, 2), (1, 2), (0, 1)])
-    t55 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t56 = np.reshape(t55, (d_V, d_K, d_H, d_V), copy=False)
-    t56[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh->fahg', t50, M_2, X, t29, t12, A31, t14, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
-    t56 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t50, M_2, X, t29, t12, A31, A31, t14, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
-    t56 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fahg', t50, M_2, X, G, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
-    t57 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t58 = np.reshape(t57, (d_V, d_H, d_V, d_K), copy=False)
-    t59 = np.swapaxes(G, -1, -2)
-    t60 = W_O @ t59
-    t58[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t60, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
-    t61 = np.swapaxes(M_1, -1, -2)
-    t58 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,ace,ace,ef,acfg,ach,gi->bdhi', t61, W_O, t12, A31, t32, M_2, X, W_K, optimize=[(2, 3), (2, 3), (3, 5), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t58 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,ace,ace,acf,fg,acgh,aci,hj->bdij', t61, W_O, t12, A31, A31, t32, M_2, X, W_K, optimize=[(2, 3), (2, 3), (2, 6), (1, 4), (2, 3), (0, 2), (0, 2), (0, 1)])
-    t62 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t63 = np.reshape(t62, (d_V, d_H, d_V, d_K), copy=False)
-    t63[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t60, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t63 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,ace,ace,ef,acfg,ach,hi->bdgi', t61, W_O, t12, A31, t32, M_2, X, W_Q, optimize=[(2, 3), (2, 3), (2, 3), (2, 3), (1, 3), (0, 1), (0, 1)])
-    t63 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,ace,ace,acf,fg,acgh,aci,ij->bdhj', t61, W_O, t12, A31, A31, t32, M_2, X, W_Q, optimize=[(2, 3), (2, 3), (2, 6), (2, 3), (1, 2), (0, 1), (0, 2), (0, 1)])
-    t64 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t65 = np.reshape(t64, (d_V, d_H, d_V, d_H), copy=False)
-    t65[...] = (1/(L*n_batch)) * oe.contract('abc,de,ace,ace,acf,eg->bdfg', t61, W_O, t12, A31, M_1, t22, optimize=[(2, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t65 += (-1/(L*n_batch)) * oe.contract('abc,de,ace,ace,acf,acg,fh->bdgh', t61, W_O, t12, A31, A31, M_1, t22, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 2), (0, 1)])
-    t66 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t66[...] = 0
-    t67 = np.reshape(t66, (d_V, d_H, d_H, d_V), copy=False)
-    t68 = np.einsum('abbc->abc', t67)
-    t69 = t61 @ G
-    t70 = np.ones((d_H,), dtype=X.dtype)
-    t68 += (1/n_batch) * oe.contract('abc,d->bdc', t69, t70, optimize=[(0, 1)])
-    t67 += (1/(L*n_batch)) * oe.contract('abc,de,ace,ace,acf->bdfe', t61, W_O, t12, A31, t14, optimize=[(2, 3), (0, 2), (1, 2), (0, 1)])
-    t67 += (-1/(L*n_batch)) * oe.contract('abc,de,ace,ace,acf,acg->bdgf', t61, W_O, t12, A31, A31, t14, optimize=[(2, 3), (1, 4), (0, 1), (0, 2), (0, 1)])
-    t71 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t72 = np.reshape(t71, (d_H, d_V, d_V, d_K), copy=False)
-    t72[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,acef,acg,fh->dbgh', t59, t23, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t73 = t23 @ t61
-    t72 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t73, t12, A31, t32, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t72 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t73, t12, A31, A31, t32, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
-    t74 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t75 = np.reshape(t74, (d_H, d_V, d_V, d_K), copy=False)
-    t75[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,acef,acg,gh->dbfh', t59, t23, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
-    t75 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t73, t12, A31, t32, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t75 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t73, t12, A31, A31, t32, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
-    t76 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t76[...] = 0
-    t77 = np.reshape(t76, (d_H, d_V, d_V, d_H), copy=False)
-    t78 = np.einsum('abca->abc', t77)
-    t79 = t59 @ M_1
-    t78 += (1/n_batch) * oe.contract('abc,d->dbc', t79, t70, optimize=[(0, 1)])
-    t77 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,df->bdef', t73, t12, A31, M_1, t22, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
-    t77 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf,eg->bdfg', t73, t12, A31, A31, M_1, t22, optimize=[(1, 2), (1, 3), (1, 2), (0, 1), (0, 1)])
-    t80 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t80[...] = 0
-    t81 = np.reshape(t80, (d_H, d_V, d_H, d_V), copy=False)
-    t82 = np.einsum('abcb->abc', t81)
-    t82 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bde', t73, t12, A31, t14, optimize=[(1, 2), (0, 1), (0, 1)])
-    t81 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t73, t12, A31, A31, t14, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t53 = np.einsum('abcb->abc', t52)
+    t54 = np.swapaxes(t28, -1, -2)
+    t55 = t54 @ X
+    t56 = t3 @ t55
+    t53 += oe.contract('abc,d->bdc', t56, t42, optimize=[(0, 1)])
+    t57 = np.swapaxes(W_Q, -1, -2)
+    t58 = (1/(d_K*n_batch)) * t57
+    t52 += oe.contract('ab,cde,cdfa,cgd,hg->fheb', W_K, X, M_3, t3, t58, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t59 = (1/(L*d_K*n_batch)) * t57
+    t52 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t59, M_2, X, t30, t12, A32, t33, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t60 = (-1/(L*d_K*n_batch)) * t57
+    t52 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t60, M_2, X, t30, t12, A32, A32, t33, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t61 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t62 = np.reshape(t61, (d_V, d_K, d_V, d_K), copy=False)
+    t62[...] = oe.contract('ab,cbd,cdef,cdg,gh->eafh', t58, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t62 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t59, M_2, X, t30, t12, A32, t33, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
+    t62 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t60, M_2, X, t30, t12, A32, A32, t33, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
+    t63 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t64 = np.reshape(t63, (d_V, d_K, d_V, d_H), copy=False)
+    t65 = (1/(L*math.sqrt(d_K)*n_batch)) * t57
+    t64[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,gi->fahi', t65, M_2, X, t30, t12, A32, M_1, t22, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (1, 3), (0, 1), (0, 1)])
+    t66 = (-1/(L*math.sqrt(d_K)*n_batch)) * t57
+    t64 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi,hj->faij', t66, M_2, X, t30, t12, A32, A32, M_1, t22, optimize=[(4, 5), (0, 2), (0, 1), (3, 5), (0, 2), (0, 3), (0, 2), (0, 1)])
+    t67 = (1/(math.sqrt(d_K)*n_batch)) * t57
+    t64 += oe.contract('ab,cdef,cdb,cdg->faeg', t67, M_2, X, t47, optimize=[(0, 2), (1, 2), (0, 1)])
+    t68 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t69 = np.reshape(t68, (d_V, d_K, d_H, d_V), copy=False)
+    t69[...] = oe.contract('abc,abd,abd,ed,abf,abeg,hf->ghcd', t14, A32, t12, t30, X, M_2, t65, optimize=[(1, 2), (1, 3), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t69 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t66, M_2, X, t30, t12, A32, A32, t14, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t69 += oe.contract('ab,cdef,cdb,cdg,eh->fahg', t67, M_2, X, G, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
+    t70 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t71 = np.reshape(t70, (d_V, d_H, d_V, d_K), copy=False)
+    t72 = np.swapaxes(G, -1, -2)
+    t73 = W_O @ t72
+    t74 = (1/(math.sqrt(d_K)*n_batch)) * t73
+    t71[...] = oe.contract('ab,cde,cdfa,cgd->fgeb', W_K, X, M_2, t74, optimize=[(0, 2), (0, 1), (0, 1)])
+    t75 = np.swapaxes(M_1, -1, -2)
+    t76 = (1/(L*math.sqrt(d_K)*n_batch)) * t75
+    t71 += oe.contract('abc,de,ace,ace,ef,acfg,ach,gi->bdhi', t76, W_O, t12, A32, t33, M_2, X, W_K, optimize=[(2, 3), (2, 3), (3, 5), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t77 = (-1/(L*math.sqrt(d_K)*n_batch)) * t75
+    t71 += oe.contract('abc,de,ace,ace,acf,fg,acgh,aci,hj->bdij', t77, W_O, t12, A32, A32, t33, M_2, X, W_K, optimize=[(2, 3), (2, 3), (2, 6), (1, 4), (2, 3), (0, 2), (0, 2), (0, 1)])
+    t78 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t79 = np.reshape(t78, (d_V, d_H, d_V, d_K), copy=False)
+    t79[...] = oe.contract('abc,acde,acf,fg->dbeg', t74, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    t79 += oe.contract('abc,de,ace,ace,ef,acfg,ach,hi->bdgi', t76, W_O, t12, A32, t33, M_2, X, W_Q, optimize=[(2, 3), (2, 3), (2, 3), (2, 3), (1, 3), (0, 1), (0, 1)])
+    t79 += oe.contract('abc,de,ace,ace,acf,fg,acgh,aci,ij->bdhj', t77, W_O, t12, A32, A32, t33, M_2, X, W_Q, optimize=[(2, 3), (2, 3), (2, 6), (2, 3), (1, 2), (0, 1), (0, 2), (0, 1)])
+    t80 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t81 = np.reshape(t80, (d_V, d_H, d_V, d_H), copy=False)
+    t82 = (1/(L*n_batch)) * t75
+    t81[...] = oe.contract('ab,cde,cda,cda,fa,cgd->gfeb', t22, M_1, A32, t12, W_O, t82, optimize=[(2, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t83 = (-1/(L*n_batch)) * t75
+    t81 += oe.contract('abc,de,ace,ace,acf,acg,fh->bdgh', t83, W_O, t12, A32, A32, M_1, t22, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 2), (0, 1)])
+    t84 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t84[...] = 0
+    t85 = np.reshape(t84, (d_V, d_H, d_H, d_V), copy=False)
+    t86 = np.einsum('abbc->abc', t85)
+    t87 = t75 @ G
+    t88 = np.ones((d_H,), dtype=X.dtype)
+    t89 = (1/n_batch) * t88
+    t86 += oe.contract('abc,d->bdc', t87, t89, optimize=[(0, 1)])
+    t85 += oe.contract('abc,de,ace,ace,acf->bdfe', t82, W_O, t12, A32, t14, optimize=[(2, 3), (0, 2), (1, 2), (0, 1)])
+    t85 += oe.contract('abc,de,ace,ace,acf,acg->bdgf', t83, W_O, t12, A32, A32, t14, optimize=[(2, 3), (1, 4), (0, 1), (0, 2), (0, 1)])
+    t90 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t91 = np.reshape(t90, (d_H, d_V, d_V, d_K), copy=False)
+    t92 = (1/(math.sqrt(d_K)*n_batch)) * t72
+    t91[...] = oe.contract('abc,de,acef,acg,fh->dbgh', t92, t23, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t93 = t23 @ t75
+    t94 = (1/(L*math.sqrt(d_K)*n_batch)) * t93
+    t91 += oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t94, t12, A32, t33, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t95 = (-1/(L*math.sqrt(d_K)*n_batch)) * t93
+    t91 += oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t95, t12, A32, A32, t33, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
+    t96 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t97 = np.reshape(t96, (d_H, d_V, d_V, d_K), copy=False)
+    t97[...] = oe.contract('abc,de,acef,acg,gh->dbfh', t92, t23, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t97 += oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t94, t12, A32, t33, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t97 += oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t95, t12, A32, A32, t33, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
+    t98 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t98[...] = 0
+    t99 = np.reshape(t98, (d_H, d_V, d_V, d_H), copy=False)
+    t100 = np.einsum('abca->abc', t99)
+    t101 = t72 @ M_1
+    t100 += oe.contract('abc,d->dbc', t101, t89, optimize=[(0, 1)])
+    t102 = (1/(L*n_batch)) * t93
+    t99 += oe.contract('abc,acd,acd,ace,df->bdef', t102, t12, A32, M_1, t22, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
+    t103 = (-1/(L*n_batch)) * t93
+    t99 += oe.contract('abc,acd,acd,ace,acf,eg->bdfg', t103, t12, A32, A32, M_1, t22, optimize=[(1, 2), (1, 3), (1, 2), (0, 1), (0, 1)])
+    t104 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t104[...] = 0
+    t105 = np.reshape(t104, (d_H, d_V, d_H, d_V), copy=False)
+    t106 = np.einsum('abcb->abc', t105)
+    t106 += oe.contract('abc,acd,acd,ace->bde', t102, t12, A32, t14, optimize=[(1, 2), (0, 1), (0, 1)])
+    t105 += oe.contract('abc,acd,acd,ace,acf->bdfe', t103, t12, A32, A32, t14, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
     return H
 
 
@@ -19168,15 +19662,18 @@ def ce_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t27 = A * t26
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t27, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t27, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t27, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->da', t1, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
+    t28 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cebf,ced,fa->da', t28, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t28 = W_V @ W_O
-    t29 = np.exp(t14 - t14.max(-1, keepdims=True))
-    A30 = t29 / t29.sum(-1, keepdims=True)
-    t31 = t21 @ t22
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdf,ia->fa', t1, M_2, X, t28, t11, A30, t31, M_2, X, W_K, optimize=[(4, 5), (2, 6), (0, 1), (1, 2), (0, 4), (0, 3), (2, 3), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdf,ja->fa', t1, M_2, X, t28, t11, A30, A30, t31, M_2, X, W_K, optimize=[(4, 5), (2, 7), (0, 1), (1, 2), (1, 6), (0, 2), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t29 = W_V @ W_O
+    t30 = np.exp(t14 - t14.max(-1, keepdims=True))
+    A31 = t30 / t30.sum(-1, keepdims=True)
+    t32 = t21 @ t22
+    t33 = (1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdf,ia->fa', t33, M_2, X, t29, t11, A31, t32, M_2, X, W_K, optimize=[(4, 5), (2, 6), (0, 1), (1, 2), (0, 4), (0, 3), (2, 3), (0, 2), (0, 1)])
+    t34 = (-1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdf,ja->fa', t34, M_2, X, t29, t11, A31, A31, t32, M_2, X, W_K, optimize=[(4, 5), (2, 7), (0, 1), (1, 2), (1, 6), (0, 2), (2, 4), (0, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -19271,15 +19768,18 @@ def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t27 = A * t26
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t27, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t27, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t27, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t1, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t28 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t28, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t28 = W_V @ W_O
-    t29 = np.exp(t14 - t14.max(-1, keepdims=True))
-    A30 = t29 / t29.sum(-1, keepdims=True)
-    t31 = t21 @ t22
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t1, M_2, X, t28, t11, A30, t31, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t1, M_2, X, t28, t11, A30, A30, t31, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
+    t29 = W_V @ W_O
+    t30 = np.exp(t14 - t14.max(-1, keepdims=True))
+    A31 = t30 / t30.sum(-1, keepdims=True)
+    t32 = t21 @ t22
+    t33 = (1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t33, M_2, X, t29, t11, A31, t32, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t34 = (-1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t34, M_2, X, t29, t11, A31, A31, t32, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -19379,18 +19879,22 @@ def ce_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t29 = t28 @ X
     t30 = t2 @ t29
     t31 = np.ones((d_K,), dtype=X.dtype)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t30, t31, optimize=[(0, 1)])
+    t32 = (1/(math.sqrt(d_K)*n_batch)) * t31
+    t1 += oe.contract('abc,d->bdc', t30, t32, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t28, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t28, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t28, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t3, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t33 = (1/(d_K*n_batch)) * t3
+    t0 += oe.contract('ab,cde,cebf,ceg,gh->dafh', t33, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t32 = W_V @ W_O
-    t33 = np.exp(t15 - t15.max(-1, keepdims=True))
-    A34 = t33 / t33.sum(-1, keepdims=True)
-    t35 = t22 @ t23
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t3, M_2, X, t32, t12, A34, t35, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t3, M_2, X, t32, t12, A34, A34, t35, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
+    t34 = W_V @ W_O
+    t35 = np.exp(t15 - t15.max(-1, keepdims=True))
+    A36 = t35 / t35.sum(-1, keepdims=True)
+    t37 = t22 @ t23
+    t38 = (1/(L*d_K*n_batch)) * t3
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t38, M_2, X, t34, t12, A36, t37, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
+    t39 = (-1/(L*d_K*n_batch)) * t3
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t39, M_2, X, t34, t12, A36, A36, t37, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -19478,18 +19982,21 @@ def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t16 = np.exp(t15 - t15.max(-1, keepdims=True))
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = np.swapaxes(W_O, -1, -2)
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,gi->fahi', t1, M_2, X, t10, t12, A17, M_1, t18, optimize=[(4, 5), (0, 1), (1, 5), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi,hj->faij', t1, M_2, X, t10, t12, A17, A17, M_1, t18, optimize=[(4, 5), (0, 1), (2, 4), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t19 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,gi->fahi', t19, M_2, X, t10, t12, A17, M_1, t18, optimize=[(4, 5), (0, 1), (1, 5), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t20 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi,hj->faij', t20, M_2, X, t10, t12, A17, A17, M_1, t18, optimize=[(4, 5), (0, 1), (2, 4), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)])
     F = t15
-    t19 = np.exp(F - F.max(-1, keepdims=True))
-    A20 = t19 / t19.sum(-1, keepdims=True)
-    t21 = t12 * A20
-    t22 = (1/L) * t21
-    t23 = (-1/L) * Y
-    t24 = t22 + t23
-    G = t24
-    t25 = G @ t18
-    t0 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t1, M_2, X, t25, optimize=[(0, 1), (0, 1), (0, 1)])
+    t21 = np.exp(F - F.max(-1, keepdims=True))
+    A22 = t21 / t21.sum(-1, keepdims=True)
+    t23 = t12 * A22
+    t24 = (1/L) * t23
+    t25 = (-1/L) * Y
+    t26 = t24 + t25
+    G = t26
+    t27 = G @ t18
+    t28 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t0 += oe.contract('abc,abd,abef,gf->dgec', t27, X, M_2, t28, optimize=[(0, 1), (0, 1), (0, 1)])
     return out
 
 
@@ -19566,17 +20073,20 @@ def ce_causal1__block__W_Q__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t15 = t14 @ W_O
     t16 = np.exp(t15 - t15.max(-1, keepdims=True))
     A17 = t16 / t16.sum(-1, keepdims=True)
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t1, M_2, X, t10, t12, A17, t14, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t1, M_2, X, t10, t12, A17, A17, t14, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t18 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t18, M_2, X, t10, t12, A17, t14, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t19 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t19, M_2, X, t10, t12, A17, A17, t14, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
     F = t15
-    t18 = np.exp(F - F.max(-1, keepdims=True))
-    A19 = t18 / t18.sum(-1, keepdims=True)
-    t20 = t12 * A19
-    t21 = (1/L) * t20
-    t22 = (-1/L) * Y
-    t23 = t21 + t22
-    G = t23
-    t0 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fahg', t1, M_2, X, G, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t20 = np.exp(F - F.max(-1, keepdims=True))
+    A21 = t20 / t20.sum(-1, keepdims=True)
+    t22 = t12 * A21
+    t23 = (1/L) * t22
+    t24 = (-1/L) * Y
+    t25 = t23 + t24
+    G = t25
+    t26 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,cdg,eh->fahg', t26, M_2, X, G, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -19664,15 +20174,18 @@ def ce_causal1__diag__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t28 = A * t27
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t28, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t28, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t28, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->ea', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t29 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cbd,cdee,cdf,fa->ea', t29, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t29 = W_V @ W_O
-    t30 = np.exp(t15 - t15.max(-1, keepdims=True))
-    A31 = t30 / t30.sum(-1, keepdims=True)
-    t32 = t22 @ t23
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhf,cdi,ia->fa', t1, M_2, X, t29, t12, A31, t32, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (4, 5), (2, 4), (0, 1), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdif,cdj,ja->fa', t1, M_2, X, t29, t12, A31, A31, t32, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t30 = W_V @ W_O
+    t31 = np.exp(t15 - t15.max(-1, keepdims=True))
+    A32 = t31 / t31.sum(-1, keepdims=True)
+    t33 = t22 @ t23
+    t34 = (1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhf,cdi,ia->fa', t34, M_2, X, t30, t12, A32, t33, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (4, 5), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t35 = (-1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdif,cdj,ja->fa', t35, M_2, X, t30, t12, A32, A32, t33, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -19772,19 +20285,23 @@ def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t30 = t29 @ X
     t31 = t2 @ t30
     t32 = np.ones((d_K,), dtype=X.dtype)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t31, t32, optimize=[(0, 1)])
-    t33 = np.swapaxes(W_Q, -1, -2)
+    t33 = (1/(math.sqrt(d_K)*n_batch)) * t32
+    t1 += oe.contract('abc,d->bdc', t31, t33, optimize=[(0, 1)])
+    t34 = np.swapaxes(W_Q, -1, -2)
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t28, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t28, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t28, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t33, t2, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    t35 = (1/(d_K*n_batch)) * t34
+    t0 += oe.contract('ab,cde,cdfa,cgd,hg->fheb', W_K, X, M_3, t2, t35, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t34 = W_V @ W_O
-    t35 = np.exp(t15 - t15.max(-1, keepdims=True))
-    A36 = t35 / t35.sum(-1, keepdims=True)
-    t37 = t22 @ t23
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t33, M_2, X, t34, t12, A36, t37, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t33, M_2, X, t34, t12, A36, A36, t37, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t36 = W_V @ W_O
+    t37 = np.exp(t15 - t15.max(-1, keepdims=True))
+    A38 = t37 / t37.sum(-1, keepdims=True)
+    t39 = t22 @ t23
+    t40 = (1/(L*d_K*n_batch)) * t34
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t40, M_2, X, t36, t12, A38, t39, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t41 = (-1/(L*d_K*n_batch)) * t34
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t41, M_2, X, t36, t12, A38, A38, t39, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -19886,15 +20403,18 @@ def ce_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t28 = A * t27
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t28, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t28, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t28, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t29 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cbd,cdef,cdg,gh->eafh', t29, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t29 = W_V @ W_O
-    t30 = np.exp(t15 - t15.max(-1, keepdims=True))
-    A31 = t30 / t30.sum(-1, keepdims=True)
-    t32 = t22 @ t23
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t1, M_2, X, t29, t12, A31, t32, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t1, M_2, X, t29, t12, A31, A31, t32, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
+    t30 = W_V @ W_O
+    t31 = np.exp(t15 - t15.max(-1, keepdims=True))
+    A32 = t31 / t31.sum(-1, keepdims=True)
+    t33 = t22 @ t23
+    t34 = (1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t34, M_2, X, t30, t12, A32, t33, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
+    t35 = (-1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t35, M_2, X, t30, t12, A32, A32, t33, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -19982,18 +20502,21 @@ def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t17 = np.exp(t16 - t16.max(-1, keepdims=True))
     A18 = t17 / t17.sum(-1, keepdims=True)
     t19 = np.swapaxes(W_O, -1, -2)
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,gi->fahi', t1, M_2, X, t11, t13, A18, M_1, t19, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (1, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi,hj->faij', t1, M_2, X, t11, t13, A18, A18, M_1, t19, optimize=[(4, 5), (0, 2), (0, 1), (3, 5), (0, 2), (0, 3), (0, 2), (0, 1)])
+    t20 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,gi->fahi', t20, M_2, X, t11, t13, A18, M_1, t19, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (1, 3), (0, 1), (0, 1)])
+    t21 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi,hj->faij', t21, M_2, X, t11, t13, A18, A18, M_1, t19, optimize=[(4, 5), (0, 2), (0, 1), (3, 5), (0, 2), (0, 3), (0, 2), (0, 1)])
     F = t16
-    t20 = np.exp(F - F.max(-1, keepdims=True))
-    A21 = t20 / t20.sum(-1, keepdims=True)
-    t22 = t13 * A21
-    t23 = (1/L) * t22
-    t24 = (-1/L) * Y
-    t25 = t23 + t24
-    G = t25
-    t26 = G @ t19
-    t0 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t1, M_2, X, t26, optimize=[(0, 2), (1, 2), (0, 1)])
+    t22 = np.exp(F - F.max(-1, keepdims=True))
+    A23 = t22 / t22.sum(-1, keepdims=True)
+    t24 = t13 * A23
+    t25 = (1/L) * t24
+    t26 = (-1/L) * Y
+    t27 = t25 + t26
+    G = t27
+    t28 = G @ t19
+    t29 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t0 += oe.contract('ab,cdef,cdb,cdg->faeg', t29, M_2, X, t28, optimize=[(0, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -20072,17 +20595,20 @@ def ce_causal1__block__W_K__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t16 = t15 @ W_O
     t17 = np.exp(t16 - t16.max(-1, keepdims=True))
     A18 = t17 / t17.sum(-1, keepdims=True)
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh->fahg', t1, M_2, X, t11, t13, A18, t15, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t1, M_2, X, t11, t13, A18, A18, t15, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t19 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('abc,abd,abd,ed,abf,abeg,hf->ghcd', t15, A18, t13, t11, X, M_2, t19, optimize=[(1, 2), (1, 3), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t20 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t20, M_2, X, t11, t13, A18, A18, t15, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
     F = t16
-    t19 = np.exp(F - F.max(-1, keepdims=True))
-    A20 = t19 / t19.sum(-1, keepdims=True)
-    t21 = t13 * A20
-    t22 = (1/L) * t21
-    t23 = (-1/L) * Y
-    t24 = t22 + t23
-    G = t24
-    t0 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fahg', t1, M_2, X, G, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
+    t21 = np.exp(F - F.max(-1, keepdims=True))
+    A22 = t21 / t21.sum(-1, keepdims=True)
+    t23 = t13 * A22
+    t24 = (1/L) * t23
+    t25 = (-1/L) * Y
+    t26 = t24 + t25
+    G = t26
+    t27 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t0 += oe.contract('ab,cdef,cdb,cdg,eh->fahg', t27, M_2, X, G, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -20157,8 +20683,10 @@ def ce_causal1__diag__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t16 = np.exp(t15 - t15.max(-1, keepdims=True))
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = np.swapaxes(W_O, -1, -2)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,de,ace,ace,acb,ed->bd', t11, W_O, t13, A17, M_1, t18, optimize=[(2, 3), (0, 2), (0, 1), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,de,ace,ace,acf,acb,fd->bd', t11, W_O, t13, A17, A17, M_1, t18, optimize=[(2, 3), (0, 3), (1, 2), (0, 1), (1, 2), (0, 1)])
+    t19 = (1/(L*n_batch)) * t11
+    t0[...] = oe.contract('abc,de,ace,ace,acb,ed->bd', t19, W_O, t13, A17, M_1, t18, optimize=[(2, 3), (0, 2), (0, 1), (0, 1), (0, 1)])
+    t20 = (-1/(L*n_batch)) * t11
+    t0 += oe.contract('abc,de,ace,ace,acf,acb,fd->bd', t20, W_O, t13, A17, A17, M_1, t18, optimize=[(2, 3), (0, 3), (1, 2), (0, 1), (1, 2), (0, 1)])
     return out
 
 
@@ -20229,15 +20757,18 @@ def ce_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t22 = W_O @ t21
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t22, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
-    t23 = np.swapaxes(M_1, -1, -2)
-    t24 = np.exp(t14 - t14.max(-1, keepdims=True))
-    A25 = t24 / t24.sum(-1, keepdims=True)
-    t26 = np.swapaxes(W_O, -1, -2)
-    t27 = np.swapaxes(W_V, -1, -2)
-    t28 = t26 @ t27
-    t0 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,ace,ace,ef,acfg,ach,gi->bdhi', t23, W_O, t2, A25, t28, M_2, X, W_K, optimize=[(2, 3), (2, 3), (3, 5), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,ace,ace,acf,fg,acgh,aci,hj->bdij', t23, W_O, t2, A25, A25, t28, M_2, X, W_K, optimize=[(2, 3), (2, 3), (2, 6), (1, 4), (2, 3), (0, 2), (0, 2), (0, 1)])
+    t23 = (1/(math.sqrt(d_K)*n_batch)) * t22
+    t0[...] = oe.contract('ab,cde,cdfa,cgd->fgeb', W_K, X, M_2, t23, optimize=[(0, 2), (0, 1), (0, 1)])
+    t24 = np.swapaxes(M_1, -1, -2)
+    t25 = np.exp(t14 - t14.max(-1, keepdims=True))
+    A26 = t25 / t25.sum(-1, keepdims=True)
+    t27 = np.swapaxes(W_O, -1, -2)
+    t28 = np.swapaxes(W_V, -1, -2)
+    t29 = t27 @ t28
+    t30 = (1/(L*math.sqrt(d_K)*n_batch)) * t24
+    t0 += oe.contract('abc,de,ace,ace,ef,acfg,ach,gi->bdhi', t30, W_O, t2, A26, t29, M_2, X, W_K, optimize=[(2, 3), (2, 3), (3, 5), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t31 = (-1/(L*math.sqrt(d_K)*n_batch)) * t24
+    t0 += oe.contract('abc,de,ace,ace,acf,fg,acgh,aci,hj->bdij', t31, W_O, t2, A26, A26, t29, M_2, X, W_K, optimize=[(2, 3), (2, 3), (2, 6), (1, 4), (2, 3), (0, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -20324,15 +20855,18 @@ def ce_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t22 = W_O @ t21
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t22, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t23 = np.swapaxes(M_1, -1, -2)
-    t24 = np.exp(t14 - t14.max(-1, keepdims=True))
-    A25 = t24 / t24.sum(-1, keepdims=True)
-    t26 = np.swapaxes(W_O, -1, -2)
-    t27 = np.swapaxes(W_V, -1, -2)
-    t28 = t26 @ t27
-    t0 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,ace,ace,ef,acfg,ach,hi->bdgi', t23, W_O, t2, A25, t28, M_2, X, W_Q, optimize=[(2, 3), (2, 3), (2, 3), (2, 3), (1, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,ace,ace,acf,fg,acgh,aci,ij->bdhj', t23, W_O, t2, A25, A25, t28, M_2, X, W_Q, optimize=[(2, 3), (2, 3), (2, 6), (2, 3), (1, 2), (0, 1), (0, 2), (0, 1)])
+    t23 = (1/(math.sqrt(d_K)*n_batch)) * t22
+    t0[...] = oe.contract('abc,acde,acf,fg->dbeg', t23, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    t24 = np.swapaxes(M_1, -1, -2)
+    t25 = np.exp(t14 - t14.max(-1, keepdims=True))
+    A26 = t25 / t25.sum(-1, keepdims=True)
+    t27 = np.swapaxes(W_O, -1, -2)
+    t28 = np.swapaxes(W_V, -1, -2)
+    t29 = t27 @ t28
+    t30 = (1/(L*math.sqrt(d_K)*n_batch)) * t24
+    t0 += oe.contract('abc,de,ace,ace,ef,acfg,ach,hi->bdgi', t30, W_O, t2, A26, t29, M_2, X, W_Q, optimize=[(2, 3), (2, 3), (2, 3), (2, 3), (1, 3), (0, 1), (0, 1)])
+    t31 = (-1/(L*math.sqrt(d_K)*n_batch)) * t24
+    t0 += oe.contract('abc,de,ace,ace,acf,fg,acgh,aci,ij->bdhj', t31, W_O, t2, A26, A26, t29, M_2, X, W_Q, optimize=[(2, 3), (2, 3), (2, 6), (2, 3), (1, 2), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -20411,8 +20945,10 @@ def ce_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t16 = np.exp(t15 - t15.max(-1, keepdims=True))
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = np.swapaxes(W_O, -1, -2)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,de,ace,ace,acf,eg->bdfg', t11, W_O, t13, A17, M_1, t18, optimize=[(2, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,de,ace,ace,acf,acg,fh->bdgh', t11, W_O, t13, A17, A17, M_1, t18, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 2), (0, 1)])
+    t19 = (1/(L*n_batch)) * t11
+    t0[...] = oe.contract('ab,cde,cda,cda,fa,cgd->gfeb', t18, M_1, A17, t13, W_O, t19, optimize=[(2, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t20 = (-1/(L*n_batch)) * t11
+    t0 += oe.contract('abc,de,ace,ace,acf,acg,fh->bdgh', t20, W_O, t13, A17, A17, M_1, t18, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -20486,11 +21022,14 @@ def ce_causal1__block__W_V__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     G = t22
     t23 = t12 @ G
     t24 = np.ones((d_H,), dtype=X.dtype)
-    t1 += (1/n_batch) * oe.contract('abc,d->bdc', t23, t24, optimize=[(0, 1)])
-    t25 = np.exp(t16 - t16.max(-1, keepdims=True))
-    A26 = t25 / t25.sum(-1, keepdims=True)
-    t0 += (1/(L*n_batch)) * oe.contract('abc,de,ace,ace,acf->bdfe', t12, W_O, t14, A26, t15, optimize=[(2, 3), (0, 2), (1, 2), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,de,ace,ace,acf,acg->bdgf', t12, W_O, t14, A26, A26, t15, optimize=[(2, 3), (1, 4), (0, 1), (0, 2), (0, 1)])
+    t25 = (1/n_batch) * t24
+    t1 += oe.contract('abc,d->bdc', t23, t25, optimize=[(0, 1)])
+    t26 = np.exp(t16 - t16.max(-1, keepdims=True))
+    A27 = t26 / t26.sum(-1, keepdims=True)
+    t28 = (1/(L*n_batch)) * t12
+    t0 += oe.contract('abc,de,ace,ace,acf->bdfe', t28, W_O, t14, A27, t15, optimize=[(2, 3), (0, 2), (1, 2), (0, 1)])
+    t29 = (-1/(L*n_batch)) * t12
+    t0 += oe.contract('abc,de,ace,ace,acf,acg->bdgf', t29, W_O, t14, A27, A27, t15, optimize=[(2, 3), (1, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -20564,8 +21103,10 @@ def ce_causal1__diag__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t17 = t16 @ W_O
     t18 = np.exp(t17 - t17.max(-1, keepdims=True))
     A19 = t18 / t18.sum(-1, keepdims=True)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,acb->bd', t13, t15, A19, t16, optimize=[(0, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->bd', t13, t15, A19, A19, t16, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t20 = (1/(L*n_batch)) * t13
+    t0[...] = oe.contract('abc,acd,acd,acb->bd', t20, t15, A19, t16, optimize=[(0, 3), (0, 1), (0, 1)])
+    t21 = (-1/(L*n_batch)) * t13
+    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t21, t15, A19, A19, t16, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -20637,15 +21178,18 @@ def ce_causal1__block__W_O__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t22 = np.swapaxes(W_V, -1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,acef,acg,fh->dbgh', t21, t22, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t23 = np.swapaxes(M_1, -1, -2)
-    t24 = t22 @ t23
-    t25 = np.exp(t14 - t14.max(-1, keepdims=True))
-    A26 = t25 / t25.sum(-1, keepdims=True)
-    t27 = np.swapaxes(W_O, -1, -2)
-    t28 = t27 @ t22
-    t0 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t24, t2, A26, t28, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t24, t2, A26, A26, t28, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
+    t23 = (1/(math.sqrt(d_K)*n_batch)) * t21
+    t0[...] = oe.contract('abc,de,acef,acg,fh->dbgh', t23, t22, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t24 = np.swapaxes(M_1, -1, -2)
+    t25 = t22 @ t24
+    t26 = np.exp(t14 - t14.max(-1, keepdims=True))
+    A27 = t26 / t26.sum(-1, keepdims=True)
+    t28 = np.swapaxes(W_O, -1, -2)
+    t29 = t28 @ t22
+    t30 = (1/(L*math.sqrt(d_K)*n_batch)) * t25
+    t0 += oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t30, t2, A27, t29, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t31 = (-1/(L*math.sqrt(d_K)*n_batch)) * t25
+    t0 += oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t31, t2, A27, A27, t29, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -20732,15 +21276,18 @@ def ce_causal1__block__W_O__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t22 = np.swapaxes(W_V, -1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,acef,acg,gh->dbfh', t21, t22, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
-    t23 = np.swapaxes(M_1, -1, -2)
-    t24 = t22 @ t23
-    t25 = np.exp(t14 - t14.max(-1, keepdims=True))
-    A26 = t25 / t25.sum(-1, keepdims=True)
-    t27 = np.swapaxes(W_O, -1, -2)
-    t28 = t27 @ t22
-    t0 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t24, t2, A26, t28, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t24, t2, A26, A26, t28, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
+    t23 = (1/(math.sqrt(d_K)*n_batch)) * t21
+    t0[...] = oe.contract('abc,de,acef,acg,gh->dbfh', t23, t22, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t24 = np.swapaxes(M_1, -1, -2)
+    t25 = t22 @ t24
+    t26 = np.exp(t14 - t14.max(-1, keepdims=True))
+    A27 = t26 / t26.sum(-1, keepdims=True)
+    t28 = np.swapaxes(W_O, -1, -2)
+    t29 = t28 @ t22
+    t30 = (1/(L*math.sqrt(d_K)*n_batch)) * t25
+    t0 += oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t30, t2, A27, t29, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t31 = (-1/(L*math.sqrt(d_K)*n_batch)) * t25
+    t0 += oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t31, t2, A27, A27, t29, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -20828,15 +21375,18 @@ def ce_causal1__block__W_O__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t22 = np.swapaxes(G, -1, -2)
     t23 = t22 @ M_1
     t24 = np.ones((d_H,), dtype=X.dtype)
-    t1 += (1/n_batch) * oe.contract('abc,d->dbc', t23, t24, optimize=[(0, 1)])
-    t25 = np.swapaxes(W_V, -1, -2)
-    t26 = np.swapaxes(M_1, -1, -2)
-    t27 = t25 @ t26
-    t28 = np.exp(t15 - t15.max(-1, keepdims=True))
-    A29 = t28 / t28.sum(-1, keepdims=True)
-    t30 = np.swapaxes(W_O, -1, -2)
-    t0 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,df->bdef', t27, t3, A29, M_1, t30, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf,eg->bdfg', t27, t3, A29, A29, M_1, t30, optimize=[(1, 2), (1, 3), (1, 2), (0, 1), (0, 1)])
+    t25 = (1/n_batch) * t24
+    t1 += oe.contract('abc,d->dbc', t23, t25, optimize=[(0, 1)])
+    t26 = np.swapaxes(W_V, -1, -2)
+    t27 = np.swapaxes(M_1, -1, -2)
+    t28 = t26 @ t27
+    t29 = np.exp(t15 - t15.max(-1, keepdims=True))
+    A30 = t29 / t29.sum(-1, keepdims=True)
+    t31 = np.swapaxes(W_O, -1, -2)
+    t32 = (1/(L*n_batch)) * t28
+    t0 += oe.contract('abc,acd,acd,ace,df->bdef', t32, t3, A30, M_1, t31, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
+    t33 = (-1/(L*n_batch)) * t28
+    t0 += oe.contract('abc,acd,acd,ace,acf,eg->bdfg', t33, t3, A30, A30, M_1, t31, optimize=[(1, 2), (1, 3), (1, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -20916,8 +21466,10 @@ def ce_causal1__block__W_O__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t18 = t17 @ W_O
     t19 = np.exp(t18 - t18.max(-1, keepdims=True))
     A20 = t19 / t19.sum(-1, keepdims=True)
-    t1 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bde', t14, t16, A20, t17, optimize=[(1, 2), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t14, t16, A20, A20, t17, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t21 = (1/(L*n_batch)) * t14
+    t1 += oe.contract('abc,acd,acd,ace->bde', t21, t16, A20, t17, optimize=[(1, 2), (0, 1), (0, 1)])
+    t22 = (-1/(L*n_batch)) * t14
+    t0 += oe.contract('abc,acd,acd,ace,acf->bdfe', t22, t16, A20, A20, t17, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
     return out
 
 

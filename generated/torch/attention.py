@@ -106,39 +106,45 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t9 = W_V.transpose(-1, -2)
     t10 = W_V @ t9
-    t1[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t2, M_2, X, t10, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t11 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t12 = t11.view((d_V, d_K, d_V, d_K))
-    t12[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t2, M_2, X, t10, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
-    t13 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t14 = t13.view((d_V, d_K, d_V, d_V))
-    t15 = A @ X
-    M_1 = t15
-    t14[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t2, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t16 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t17 = t16.view((d_V, d_K, d_V, d_K))
-    t18 = W_Q.transpose(-1, -2)
-    t17[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t18, M_2, X, t10, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t19 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t20 = t19.view((d_V, d_K, d_V, d_K))
-    t20[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t18, M_2, X, t10, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
-    t21 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t22 = t21.view((d_V, d_K, d_V, d_V))
-    t22[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fagh', t18, M_2, X, M_1, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
-    t23 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t24 = t23.view((d_V, d_V, d_V, d_K))
-    t25 = M_1.transpose(-1, -2)
-    t24[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,fh->bdgh', t25, t9, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t26 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t27 = t26.view((d_V, d_V, d_V, d_K))
-    t27[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,gh->bdfh', t25, t9, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
-    t28 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t28[...] = 0
-    t29 = t28.view((d_V, d_V, d_V, d_V))
-    t30 = t29.diagonal(0, 1, 3)
-    t31 = t25 @ M_1
-    t32 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t30 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bcd', t31, t32, optimize=[(0, 1)])
+    t11 = (2/(L*d_K*d_V*n_batch)) * t2
+    t1[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t11, M_2, X, t10, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t12 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t13 = t12.view((d_V, d_K, d_V, d_K))
+    t13[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t11, M_2, X, t10, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
+    t14 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t15 = t14.view((d_V, d_K, d_V, d_V))
+    t16 = A @ X
+    M_1 = t16
+    t17 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
+    t15[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t17, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t18 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t19 = t18.view((d_V, d_K, d_V, d_K))
+    t20 = W_Q.transpose(-1, -2)
+    t21 = (2/(L*d_K*d_V*n_batch)) * t20
+    t19[...] = oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t21, M_2, X, t10, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t22 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t23 = t22.view((d_V, d_K, d_V, d_K))
+    t23[...] = oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t21, M_2, X, t10, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t24 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t25 = t24.view((d_V, d_K, d_V, d_V))
+    t26 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t20
+    t25[...] = oe.contract('ab,cde,cdf,cdag,hf->gheb', W_V, M_1, X, M_2, t26, optimize=[(0, 3), (1, 2), (0, 2), (0, 1)])
+    t27 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t28 = t27.view((d_V, d_V, d_V, d_K))
+    t29 = M_1.transpose(-1, -2)
+    t30 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t29
+    t28[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t30, t9, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t31 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t32 = t31.view((d_V, d_V, d_V, d_K))
+    t32[...] = oe.contract('abc,de,acef,acg,gh->bdfh', t30, t9, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t33 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t33[...] = 0
+    t34 = t33.view((d_V, d_V, d_V, d_V))
+    t35 = t34.diagonal(0, 1, 3)
+    t36 = t29 @ M_1
+    t37 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t38 = (2/(L*d_V*n_batch)) * t37
+    t35 += oe.contract('abc,d->bcd', t36, t38, optimize=[(0, 1)])
     return H
 
 
@@ -258,7 +264,8 @@ def mse_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t8 = W_V.transpose(-1, -2)
     t9 = W_V @ t8
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdf,ha->fa', t1, M_2, X, t9, M_2, X, W_K, optimize=[(2, 5), (0, 1), (0, 1), (2, 3), (0, 2), (0, 1)])
+    t10 = (2/(L*d_K*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdf,ha->fa', t10, M_2, X, t9, M_2, X, W_K, optimize=[(2, 5), (0, 1), (0, 1), (2, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -303,7 +310,8 @@ def mse_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t8 = W_V.transpose(-1, -2)
     t9 = W_V @ t8
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t1, M_2, X, t9, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t10 = (2/(L*d_K*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t10, M_2, X, t9, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -350,7 +358,8 @@ def mse_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t8 = W_V.transpose(-1, -2)
     t9 = W_V @ t8
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t1, M_2, X, t9, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
+    t10 = (2/(L*d_K*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t10, M_2, X, t9, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -397,7 +406,8 @@ def mse_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t8 = A @ X
     M_1 = t8
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t1, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t9 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t9, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -445,7 +455,8 @@ def mse_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t9 = W_V.transpose(-1, -2)
     t10 = W_V @ t9
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgf,cdh,ha->fa', t1, M_2, X, t10, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t11 = (2/(L*d_K*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,eg,cdgf,cdh,ha->fa', t11, M_2, X, t10, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -492,7 +503,8 @@ def mse_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t9 = W_V.transpose(-1, -2)
     t10 = W_V @ t9
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t1, M_2, X, t10, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t11 = (2/(L*d_K*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t11, M_2, X, t10, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -541,7 +553,8 @@ def mse_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t9 = W_V.transpose(-1, -2)
     t10 = W_V @ t9
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t1, M_2, X, t10, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t11 = (2/(L*d_K*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t11, M_2, X, t10, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -590,7 +603,8 @@ def mse_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t9 = A @ X
     M_1 = t9
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fagh', t1, M_2, X, M_1, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
+    t10 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cdf,cdag,hf->gheb', W_V, M_1, X, M_2, t10, optimize=[(0, 3), (1, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -639,7 +653,8 @@ def mse_causal0__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     t9 = M_1.transpose(-1, -2)
     t10 = t9 @ M_1
     t11 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abb,c->bc', t10, t11, optimize=[(0, 1)])
+    t12 = (2/(L*d_V*n_batch)) * t11
+    t0[...] = oe.contract('abb,c->bc', t10, t12, optimize=[(0, 1)])
     return out
 
 
@@ -686,7 +701,8 @@ def mse_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t10 = W_V.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,fh->bdgh', t9, t10, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t11 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t9
+    t0[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t11, t10, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -737,7 +753,8 @@ def mse_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t10 = W_V.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,gh->bdfh', t9, t10, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t11 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t9
+    t0[...] = oe.contract('abc,de,acef,acg,gh->bdfh', t11, t10, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -789,7 +806,8 @@ def mse_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     t10 = M_1.transpose(-1, -2)
     t11 = t10 @ M_1
     t12 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t1 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bcd', t11, t12, optimize=[(0, 1)])
+    t13 = (2/(L*d_V*n_batch)) * t12
+    t1 += oe.contract('abc,d->bcd', t11, t13, optimize=[(0, 1)])
     return out
 
 
@@ -848,46 +866,52 @@ def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t18 = A * t17
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t3, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t2, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
-    t19 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t19[...] = 0
-    t20 = t19.view((d_V, d_K, d_V, d_K))
-    t21 = t20.diagonal(0, 1, 3)
-    t22 = t18 @ X
-    t23 = t3 @ t22
-    t24 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t21 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t23, t24, optimize=[(0, 1)])
-    t20 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t2, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
-    t25 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t26 = t25.view((d_V, d_K, d_V, d_V))
+    t19 = (1/(d_K*n_batch)) * t2
+    t1[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t19, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t20 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t20[...] = 0
+    t21 = t20.view((d_V, d_K, d_V, d_K))
+    t22 = t21.diagonal(0, 1, 3)
+    t23 = t18 @ X
+    t24 = t3 @ t23
+    t25 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t26 = (1/(math.sqrt(d_K)*n_batch)) * t25
+    t22 += oe.contract('abc,d->bcd', t24, t26, optimize=[(0, 1)])
+    t21 += oe.contract('ab,cde,cebf,ceg,gh->dafh', t19, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t27 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t28 = t27.view((d_V, d_K, d_V, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t26[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t2, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
-    t27 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t27[...] = 0
-    t28 = t27.view((d_V, d_K, d_V, d_K))
-    t29 = t28.diagonal(0, 1, 3)
-    t30 = t18.transpose(-1, -2)
-    t31 = t30 @ X
-    t32 = t3 @ t31
-    t29 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t32, t24, optimize=[(0, 1)])
-    t33 = W_Q.transpose(-1, -2)
-    t28 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t33, t3, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
-    t34 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t35 = t34.view((d_V, d_K, d_V, d_K))
-    t35[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t33, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t36 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t37 = t36.view((d_V, d_K, d_V, d_V))
-    t37[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t33, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
-    t38 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t39 = t38.view((d_V, d_V, d_V, d_K))
-    t40 = G.transpose(-1, -2)
-    t39[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t40, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
-    t41 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t42 = t41.view((d_V, d_V, d_V, d_K))
-    t42[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t40, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t43 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t43[...] = 0
+    t29 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t28[...] = oe.contract('abc,abd,abef,gf->dgec', G, X, M_2, t29, optimize=[(0, 1), (0, 1), (0, 1)])
+    t30 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t30[...] = 0
+    t31 = t30.view((d_V, d_K, d_V, d_K))
+    t32 = t31.diagonal(0, 1, 3)
+    t33 = t18.transpose(-1, -2)
+    t34 = t33 @ X
+    t35 = t3 @ t34
+    t32 += oe.contract('abc,d->bcd', t35, t26, optimize=[(0, 1)])
+    t36 = W_Q.transpose(-1, -2)
+    t37 = (1/(d_K*n_batch)) * t36
+    t31 += oe.contract('ab,cde,cdfa,cgd,hg->fheb', W_K, X, M_3, t3, t37, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t38 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t39 = t38.view((d_V, d_K, d_V, d_K))
+    t39[...] = oe.contract('ab,cbd,cdef,cdg,gh->eafh', t37, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t40 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t41 = t40.view((d_V, d_K, d_V, d_V))
+    t42 = (1/(math.sqrt(d_K)*n_batch)) * t36
+    t41[...] = oe.contract('ab,cdef,cdb,cdg->faeg', t42, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
+    t43 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t44 = t43.view((d_V, d_V, d_V, d_K))
+    t45 = G.transpose(-1, -2)
+    t46 = (1/(math.sqrt(d_K)*n_batch)) * t45
+    t44[...] = oe.contract('ab,cde,cdfa,cgd->fgeb', W_K, X, M_2, t46, optimize=[(0, 2), (0, 1), (0, 1)])
+    t47 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t48 = t47.view((d_V, d_V, d_V, d_K))
+    t48[...] = oe.contract('abc,acde,acf,fg->dbeg', t46, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    t49 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t49[...] = 0
     return H
 
 
@@ -1052,7 +1076,8 @@ def mse_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t17 = A * t16
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->da', t1, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
+    t18 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cebf,ced,fa->da', t18, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -1119,7 +1144,8 @@ def mse_causal0__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t17 = A * t16
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t1, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t18 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t18, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -1191,10 +1217,12 @@ def mse_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t19 = t18 @ X
     t20 = t2 @ t19
     t21 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t20, t21, optimize=[(0, 1)])
+    t22 = (1/(math.sqrt(d_K)*n_batch)) * t21
+    t1 += oe.contract('abc,d->bcd', t20, t22, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t3, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t23 = (1/(d_K*n_batch)) * t3
+    t0 += oe.contract('ab,cde,cebf,ceg,gh->dafh', t23, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -1260,7 +1288,8 @@ def mse_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t11 = (-2/(L*d_V)) * Y
     t12 = t10 + t11
     G = t12
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t1, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
+    t13 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('abc,abd,abef,gf->dgec', G, X, M_2, t13, optimize=[(0, 1), (0, 1), (0, 1)])
     return out
 
 
@@ -1325,7 +1354,8 @@ def mse_causal0__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
     t18 = A * t17
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->ea', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t19 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cbd,cdee,cdf,fa->ea', t19, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -1397,11 +1427,13 @@ def mse_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t20 = t19 @ X
     t21 = t2 @ t20
     t22 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t21, t22, optimize=[(0, 1)])
-    t23 = W_Q.transpose(-1, -2)
+    t23 = (1/(math.sqrt(d_K)*n_batch)) * t22
+    t1 += oe.contract('abc,d->bcd', t21, t23, optimize=[(0, 1)])
+    t24 = W_Q.transpose(-1, -2)
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t23, t2, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    t25 = (1/(d_K*n_batch)) * t24
+    t0 += oe.contract('ab,cde,cdfa,cgd,hg->fheb', W_K, X, M_3, t2, t25, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -1475,7 +1507,8 @@ def mse_causal0__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t18 = A * t17
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t19 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cbd,cdef,cdg,gh->eafh', t19, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -1541,7 +1574,8 @@ def mse_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t12 = (-2/(L*d_V)) * Y
     t13 = t11 + t12
     G = t13
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t1, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
+    t14 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,cdg->faeg', t14, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -1622,7 +1656,8 @@ def mse_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t13 = G.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t13, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
+    t14 = (1/(math.sqrt(d_K)*n_batch)) * t13
+    t0[...] = oe.contract('ab,cde,cdfa,cgd->fgeb', W_K, X, M_2, t14, optimize=[(0, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -1683,7 +1718,8 @@ def mse_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t13 = G.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t13, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    t14 = (1/(math.sqrt(d_K)*n_batch)) * t13
+    t0[...] = oe.contract('abc,acde,acf,fg->dbeg', t14, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -1769,61 +1805,73 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t18 = A * t17
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t3, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t2, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t19 = (1/(d_K*n_batch)) * t2
+    t1[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t19, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t19 = W_V @ t14
-    t1 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t2, M_2, X, t19, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t20 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t20[...] = 0
-    t21 = t20.view((d_V, d_K, d_V, d_K))
-    t22 = t21.diagonal(0, 1, 3)
-    t23 = t18 @ X
-    t24 = t3 @ t23
-    t25 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t22 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t24, t25, optimize=[(0, 1)])
-    t21 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t2, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
-    t21 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t2, M_2, X, t19, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
-    t26 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t27 = t26.view((d_V, d_K, d_V, d_V))
-    t27[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t2, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
-    t27 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t2, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t28 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t28[...] = 0
-    t29 = t28.view((d_V, d_K, d_V, d_K))
-    t30 = t29.diagonal(0, 1, 3)
-    t31 = t18.transpose(-1, -2)
-    t32 = t31 @ X
-    t33 = t3 @ t32
-    t30 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t33, t25, optimize=[(0, 1)])
-    t34 = W_Q.transpose(-1, -2)
-    t29 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t34, t3, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
-    t29 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t34, M_2, X, t19, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t35 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t36 = t35.view((d_V, d_K, d_V, d_K))
-    t36[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t34, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t36 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t34, M_2, X, t19, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
-    t37 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t38 = t37.view((d_V, d_K, d_V, d_V))
-    t38[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t34, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
-    t38 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fagh', t34, M_2, X, M_1, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
-    t39 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t40 = t39.view((d_V, d_V, d_V, d_K))
-    t41 = G.transpose(-1, -2)
-    t40[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t41, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
-    t42 = M_1.transpose(-1, -2)
-    t40 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,fh->bdgh', t42, t14, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t43 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t44 = t43.view((d_V, d_V, d_V, d_K))
-    t44[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t41, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t44 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,gh->bdfh', t42, t14, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
-    t45 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t45[...] = 0
-    t46 = t45.view((d_V, d_V, d_V, d_V))
-    t47 = t46.diagonal(0, 1, 3)
-    t48 = t42 @ M_1
-    t49 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t47 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bcd', t48, t49, optimize=[(0, 1)])
+    t20 = W_V @ t14
+    t21 = (2/(L*d_K*d_V*n_batch)) * t2
+    t1 += oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t21, M_2, X, t20, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t22 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t22[...] = 0
+    t23 = t22.view((d_V, d_K, d_V, d_K))
+    t24 = t23.diagonal(0, 1, 3)
+    t25 = t18 @ X
+    t26 = t3 @ t25
+    t27 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t28 = (1/(math.sqrt(d_K)*n_batch)) * t27
+    t24 += oe.contract('abc,d->bcd', t26, t28, optimize=[(0, 1)])
+    t23 += oe.contract('ab,cde,cebf,ceg,gh->dafh', t19, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t23 += oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t21, M_2, X, t20, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
+    t29 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t30 = t29.view((d_V, d_K, d_V, d_V))
+    t31 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t30[...] = oe.contract('abc,abd,abef,gf->dgec', G, X, M_2, t31, optimize=[(0, 1), (0, 1), (0, 1)])
+    t32 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
+    t30 += oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t32, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t33 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t33[...] = 0
+    t34 = t33.view((d_V, d_K, d_V, d_K))
+    t35 = t34.diagonal(0, 1, 3)
+    t36 = t18.transpose(-1, -2)
+    t37 = t36 @ X
+    t38 = t3 @ t37
+    t35 += oe.contract('abc,d->bcd', t38, t28, optimize=[(0, 1)])
+    t39 = W_Q.transpose(-1, -2)
+    t40 = (1/(d_K*n_batch)) * t39
+    t34 += oe.contract('ab,cde,cdfa,cgd,hg->fheb', W_K, X, M_3, t3, t40, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t41 = (2/(L*d_K*d_V*n_batch)) * t39
+    t34 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t41, M_2, X, t20, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t42 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t43 = t42.view((d_V, d_K, d_V, d_K))
+    t43[...] = oe.contract('ab,cbd,cdef,cdg,gh->eafh', t40, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t43 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t41, M_2, X, t20, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t44 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t45 = t44.view((d_V, d_K, d_V, d_V))
+    t46 = (1/(math.sqrt(d_K)*n_batch)) * t39
+    t45[...] = oe.contract('ab,cdef,cdb,cdg->faeg', t46, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
+    t47 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t39
+    t45 += oe.contract('ab,cde,cdf,cdag,hf->gheb', W_V, M_1, X, M_2, t47, optimize=[(0, 3), (1, 2), (0, 2), (0, 1)])
+    t48 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t49 = t48.view((d_V, d_V, d_V, d_K))
+    t50 = G.transpose(-1, -2)
+    t51 = (1/(math.sqrt(d_K)*n_batch)) * t50
+    t49[...] = oe.contract('ab,cde,cdfa,cgd->fgeb', W_K, X, M_2, t51, optimize=[(0, 2), (0, 1), (0, 1)])
+    t52 = M_1.transpose(-1, -2)
+    t53 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t52
+    t49 += oe.contract('abc,de,acef,acg,fh->bdgh', t53, t14, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t54 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t55 = t54.view((d_V, d_V, d_V, d_K))
+    t55[...] = oe.contract('abc,acde,acf,fg->dbeg', t51, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    t55 += oe.contract('abc,de,acef,acg,gh->bdfh', t53, t14, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t56 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t56[...] = 0
+    t57 = t56.view((d_V, d_V, d_V, d_V))
+    t58 = t57.diagonal(0, 1, 3)
+    t59 = t52 @ M_1
+    t60 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t61 = (2/(L*d_V*n_batch)) * t60
+    t58 += oe.contract('abc,d->bcd', t59, t61, optimize=[(0, 1)])
     return H
 
 
@@ -2006,11 +2054,13 @@ def mse_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t17 = A * t16
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->da', t1, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
+    t18 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cebf,ced,fa->da', t18, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t18 = W_V @ t13
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdf,ha->fa', t1, M_2, X, t18, M_2, X, W_K, optimize=[(2, 5), (0, 1), (0, 1), (2, 3), (0, 2), (0, 1)])
+    t19 = W_V @ t13
+    t20 = (2/(L*d_K*d_V*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdgh,cdf,ha->fa', t20, M_2, X, t19, M_2, X, W_K, optimize=[(2, 5), (0, 1), (0, 1), (2, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -2080,11 +2130,13 @@ def mse_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t17 = A * t16
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t1, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t18 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t18, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t18 = W_V @ t13
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t1, M_2, X, t18, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t19 = W_V @ t13
+    t20 = (2/(L*d_K*d_V*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t20, M_2, X, t19, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -2159,14 +2211,17 @@ def mse_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t19 = t18 @ X
     t20 = t2 @ t19
     t21 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t20, t21, optimize=[(0, 1)])
+    t22 = (1/(math.sqrt(d_K)*n_batch)) * t21
+    t1 += oe.contract('abc,d->bcd', t20, t22, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t3, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t23 = (1/(d_K*n_batch)) * t3
+    t0 += oe.contract('ab,cde,cebf,ceg,gh->dafh', t23, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t22 = W_V @ t14
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t3, M_2, X, t22, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
+    t24 = W_V @ t14
+    t25 = (2/(L*d_K*d_V*n_batch)) * t3
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t25, M_2, X, t24, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -2235,8 +2290,10 @@ def mse_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t11 = (-2/(L*d_V)) * Y
     t12 = t10 + t11
     G = t12
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t1, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t1, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t13 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('abc,abd,abef,gf->dgec', G, X, M_2, t13, optimize=[(0, 1), (0, 1), (0, 1)])
+    t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t14, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -2301,11 +2358,13 @@ def mse_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t18 = A * t17
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->ea', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t19 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cbd,cdee,cdf,fa->ea', t19, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t19 = W_V @ t14
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgf,cdh,ha->fa', t1, M_2, X, t19, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t20 = W_V @ t14
+    t21 = (2/(L*d_K*d_V*n_batch)) * t1
+    t0 += oe.contract('ab,cdef,cdb,eg,cdgf,cdh,ha->fa', t21, M_2, X, t20, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -2380,15 +2439,18 @@ def mse_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t20 = t19 @ X
     t21 = t2 @ t20
     t22 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t21, t22, optimize=[(0, 1)])
-    t23 = W_Q.transpose(-1, -2)
+    t23 = (1/(math.sqrt(d_K)*n_batch)) * t22
+    t1 += oe.contract('abc,d->bcd', t21, t23, optimize=[(0, 1)])
+    t24 = W_Q.transpose(-1, -2)
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t23, t2, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    t25 = (1/(d_K*n_batch)) * t24
+    t0 += oe.contract('ab,cde,cdfa,cgd,hg->fheb', W_K, X, M_3, t2, t25, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t24 = W_V @ t14
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t23, M_2, X, t24, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t26 = W_V @ t14
+    t27 = (2/(L*d_K*d_V*n_batch)) * t24
+    t0 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t27, M_2, X, t26, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -2465,11 +2527,13 @@ def mse_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t18 = A * t17
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t19 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cbd,cdef,cdg,gh->eafh', t19, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t19 = W_V @ t14
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t1, M_2, X, t19, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t20 = W_V @ t14
+    t21 = (2/(L*d_K*d_V*n_batch)) * t1
+    t0 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t21, M_2, X, t20, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -2538,8 +2602,10 @@ def mse_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t12 = (-2/(L*d_V)) * Y
     t13 = t11 + t12
     G = t13
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t1, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
-    t0 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fagh', t1, M_2, X, M_1, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
+    t14 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,cdg->faeg', t14, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
+    t15 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
+    t0 += oe.contract('ab,cde,cdf,cdag,hf->gheb', W_V, M_1, X, M_2, t15, optimize=[(0, 3), (1, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -2594,7 +2660,8 @@ def mse_causal0__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     t9 = M_1.transpose(-1, -2)
     t10 = t9 @ M_1
     t11 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abb,c->bc', t10, t11, optimize=[(0, 1)])
+    t12 = (2/(L*d_V*n_batch)) * t11
+    t0[...] = oe.contract('abb,c->bc', t10, t12, optimize=[(0, 1)])
     return out
 
 
@@ -2646,10 +2713,12 @@ def mse_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t13 = G.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t13, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
-    t14 = M_1.transpose(-1, -2)
-    t15 = W_V.transpose(-1, -2)
-    t0 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,fh->bdgh', t14, t15, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t14 = (1/(math.sqrt(d_K)*n_batch)) * t13
+    t0[...] = oe.contract('ab,cde,cdfa,cgd->fgeb', W_K, X, M_2, t14, optimize=[(0, 2), (0, 1), (0, 1)])
+    t15 = M_1.transpose(-1, -2)
+    t16 = W_V.transpose(-1, -2)
+    t17 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t15
+    t0 += oe.contract('abc,de,acef,acg,fh->bdgh', t17, t16, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -2712,10 +2781,12 @@ def mse_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t13 = G.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t13, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t14 = M_1.transpose(-1, -2)
-    t15 = W_V.transpose(-1, -2)
-    t0 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,gh->bdfh', t14, t15, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t14 = (1/(math.sqrt(d_K)*n_batch)) * t13
+    t0[...] = oe.contract('abc,acde,acf,fg->dbeg', t14, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    t15 = M_1.transpose(-1, -2)
+    t16 = W_V.transpose(-1, -2)
+    t17 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t15
+    t0 += oe.contract('abc,de,acef,acg,gh->bdfh', t17, t16, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -2774,7 +2845,8 @@ def mse_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     t10 = M_1.transpose(-1, -2)
     t11 = t10 @ M_1
     t12 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t1 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bcd', t11, t12, optimize=[(0, 1)])
+    t13 = (2/(L*d_V*n_batch)) * t12
+    t1 += oe.contract('abc,d->bcd', t11, t13, optimize=[(0, 1)])
     return out
 
 
@@ -2894,39 +2966,45 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t11 = W_V.transpose(-1, -2)
     t12 = W_V @ t11
-    t1[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t2, M_2, X, t12, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t13 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t14 = t13.view((d_V, d_K, d_V, d_K))
-    t14[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t2, M_2, X, t12, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
-    t15 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t16 = t15.view((d_V, d_K, d_V, d_V))
-    t17 = A @ X
-    M_1 = t17
-    t16[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t2, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t18 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t19 = t18.view((d_V, d_K, d_V, d_K))
-    t20 = W_Q.transpose(-1, -2)
-    t19[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t20, M_2, X, t12, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t21 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t22 = t21.view((d_V, d_K, d_V, d_K))
-    t22[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t20, M_2, X, t12, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
-    t23 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t24 = t23.view((d_V, d_K, d_V, d_V))
-    t24[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fagh', t20, M_2, X, M_1, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
-    t25 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t26 = t25.view((d_V, d_V, d_V, d_K))
-    t27 = M_1.transpose(-1, -2)
-    t26[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,fh->bdgh', t27, t11, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t28 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t29 = t28.view((d_V, d_V, d_V, d_K))
-    t29[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,gh->bdfh', t27, t11, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
-    t30 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t30[...] = 0
-    t31 = t30.view((d_V, d_V, d_V, d_V))
-    t32 = t31.diagonal(0, 1, 3)
-    t33 = t27 @ M_1
-    t34 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t32 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bcd', t33, t34, optimize=[(0, 1)])
+    t13 = (2/(L*d_K*d_V*n_batch)) * t2
+    t1[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t13, M_2, X, t12, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t14 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t15 = t14.view((d_V, d_K, d_V, d_K))
+    t15[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t13, M_2, X, t12, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
+    t16 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t17 = t16.view((d_V, d_K, d_V, d_V))
+    t18 = A @ X
+    M_1 = t18
+    t19 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
+    t17[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t19, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t20 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t21 = t20.view((d_V, d_K, d_V, d_K))
+    t22 = W_Q.transpose(-1, -2)
+    t23 = (2/(L*d_K*d_V*n_batch)) * t22
+    t21[...] = oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t23, M_2, X, t12, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t24 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t25 = t24.view((d_V, d_K, d_V, d_K))
+    t25[...] = oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t23, M_2, X, t12, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t26 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t27 = t26.view((d_V, d_K, d_V, d_V))
+    t28 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t22
+    t27[...] = oe.contract('ab,cde,cdf,cdag,hf->gheb', W_V, M_1, X, M_2, t28, optimize=[(0, 3), (1, 2), (0, 2), (0, 1)])
+    t29 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t30 = t29.view((d_V, d_V, d_V, d_K))
+    t31 = M_1.transpose(-1, -2)
+    t32 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t31
+    t30[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t32, t11, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t33 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t34 = t33.view((d_V, d_V, d_V, d_K))
+    t34[...] = oe.contract('abc,de,acef,acg,gh->bdfh', t32, t11, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t35 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t35[...] = 0
+    t36 = t35.view((d_V, d_V, d_V, d_V))
+    t37 = t36.diagonal(0, 1, 3)
+    t38 = t31 @ M_1
+    t39 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t40 = (2/(L*d_V*n_batch)) * t39
+    t37 += oe.contract('abc,d->bcd', t38, t40, optimize=[(0, 1)])
     return H
 
 
@@ -3052,7 +3130,8 @@ def mse_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t10 = W_V.transpose(-1, -2)
     t11 = W_V @ t10
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdf,ha->fa', t1, M_2, X, t11, M_2, X, W_K, optimize=[(2, 5), (0, 1), (0, 1), (2, 3), (0, 2), (0, 1)])
+    t12 = (2/(L*d_K*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdf,ha->fa', t12, M_2, X, t11, M_2, X, W_K, optimize=[(2, 5), (0, 1), (0, 1), (2, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -3101,7 +3180,8 @@ def mse_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t10 = W_V.transpose(-1, -2)
     t11 = W_V @ t10
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t1, M_2, X, t11, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t12 = (2/(L*d_K*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t12, M_2, X, t11, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -3152,7 +3232,8 @@ def mse_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t10 = W_V.transpose(-1, -2)
     t11 = W_V @ t10
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t1, M_2, X, t11, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
+    t12 = (2/(L*d_K*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t12, M_2, X, t11, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -3203,7 +3284,8 @@ def mse_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t10 = A @ X
     M_1 = t10
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t1, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t11 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t11, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -3255,7 +3337,8 @@ def mse_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t11 = W_V.transpose(-1, -2)
     t12 = W_V @ t11
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgf,cdh,ha->fa', t1, M_2, X, t12, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t13 = (2/(L*d_K*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,eg,cdgf,cdh,ha->fa', t13, M_2, X, t12, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -3306,7 +3389,8 @@ def mse_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t11 = W_V.transpose(-1, -2)
     t12 = W_V @ t11
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t1, M_2, X, t12, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t13 = (2/(L*d_K*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t13, M_2, X, t12, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -3359,7 +3443,8 @@ def mse_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t11 = W_V.transpose(-1, -2)
     t12 = W_V @ t11
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t1, M_2, X, t12, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t13 = (2/(L*d_K*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t13, M_2, X, t12, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -3412,7 +3497,8 @@ def mse_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t11 = A @ X
     M_1 = t11
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fagh', t1, M_2, X, M_1, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
+    t12 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cdf,cdag,hf->gheb', W_V, M_1, X, M_2, t12, optimize=[(0, 3), (1, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -3465,7 +3551,8 @@ def mse_causal1__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     t11 = M_1.transpose(-1, -2)
     t12 = t11 @ M_1
     t13 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abb,c->bc', t12, t13, optimize=[(0, 1)])
+    t14 = (2/(L*d_V*n_batch)) * t13
+    t0[...] = oe.contract('abb,c->bc', t12, t14, optimize=[(0, 1)])
     return out
 
 
@@ -3516,7 +3603,8 @@ def mse_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t12 = W_V.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,fh->bdgh', t11, t12, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t11
+    t0[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t13, t12, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -3571,7 +3659,8 @@ def mse_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t12 = W_V.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,gh->bdfh', t11, t12, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t11
+    t0[...] = oe.contract('abc,de,acef,acg,gh->bdfh', t13, t12, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -3627,7 +3716,8 @@ def mse_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     t12 = M_1.transpose(-1, -2)
     t13 = t12 @ M_1
     t14 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t1 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bcd', t13, t14, optimize=[(0, 1)])
+    t15 = (2/(L*d_V*n_batch)) * t14
+    t1 += oe.contract('abc,d->bcd', t13, t15, optimize=[(0, 1)])
     return out
 
 
@@ -3690,46 +3780,52 @@ def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t20 = A * t19
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t3, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t2, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
-    t21 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t21[...] = 0
-    t22 = t21.view((d_V, d_K, d_V, d_K))
-    t23 = t22.diagonal(0, 1, 3)
-    t24 = t20 @ X
-    t25 = t3 @ t24
-    t26 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t23 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t25, t26, optimize=[(0, 1)])
-    t22 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t2, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
-    t27 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t28 = t27.view((d_V, d_K, d_V, d_V))
+    t21 = (1/(d_K*n_batch)) * t2
+    t1[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t21, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t22 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t22[...] = 0
+    t23 = t22.view((d_V, d_K, d_V, d_K))
+    t24 = t23.diagonal(0, 1, 3)
+    t25 = t20 @ X
+    t26 = t3 @ t25
+    t27 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t28 = (1/(math.sqrt(d_K)*n_batch)) * t27
+    t24 += oe.contract('abc,d->bcd', t26, t28, optimize=[(0, 1)])
+    t23 += oe.contract('ab,cde,cebf,ceg,gh->dafh', t21, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t29 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t30 = t29.view((d_V, d_K, d_V, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t28[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t2, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
-    t29 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t29[...] = 0
-    t30 = t29.view((d_V, d_K, d_V, d_K))
-    t31 = t30.diagonal(0, 1, 3)
-    t32 = t20.transpose(-1, -2)
-    t33 = t32 @ X
-    t34 = t3 @ t33
-    t31 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t34, t26, optimize=[(0, 1)])
-    t35 = W_Q.transpose(-1, -2)
-    t30 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t35, t3, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
-    t36 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t37 = t36.view((d_V, d_K, d_V, d_K))
-    t37[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t35, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t38 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t39 = t38.view((d_V, d_K, d_V, d_V))
-    t39[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t35, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
-    t40 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t41 = t40.view((d_V, d_V, d_V, d_K))
-    t42 = G.transpose(-1, -2)
-    t41[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t42, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
-    t43 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t44 = t43.view((d_V, d_V, d_V, d_K))
-    t44[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t42, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t45 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t45[...] = 0
+    t31 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t30[...] = oe.contract('abc,abd,abef,gf->dgec', G, X, M_2, t31, optimize=[(0, 1), (0, 1), (0, 1)])
+    t32 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t32[...] = 0
+    t33 = t32.view((d_V, d_K, d_V, d_K))
+    t34 = t33.diagonal(0, 1, 3)
+    t35 = t20.transpose(-1, -2)
+    t36 = t35 @ X
+    t37 = t3 @ t36
+    t34 += oe.contract('abc,d->bcd', t37, t28, optimize=[(0, 1)])
+    t38 = W_Q.transpose(-1, -2)
+    t39 = (1/(d_K*n_batch)) * t38
+    t33 += oe.contract('ab,cde,cdfa,cgd,hg->fheb', W_K, X, M_3, t3, t39, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t40 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t41 = t40.view((d_V, d_K, d_V, d_K))
+    t41[...] = oe.contract('ab,cbd,cdef,cdg,gh->eafh', t39, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t42 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t43 = t42.view((d_V, d_K, d_V, d_V))
+    t44 = (1/(math.sqrt(d_K)*n_batch)) * t38
+    t43[...] = oe.contract('ab,cdef,cdb,cdg->faeg', t44, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
+    t45 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t46 = t45.view((d_V, d_V, d_V, d_K))
+    t47 = G.transpose(-1, -2)
+    t48 = (1/(math.sqrt(d_K)*n_batch)) * t47
+    t46[...] = oe.contract('ab,cde,cdfa,cgd->fgeb', W_K, X, M_2, t48, optimize=[(0, 2), (0, 1), (0, 1)])
+    t49 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t50 = t49.view((d_V, d_V, d_V, d_K))
+    t50[...] = oe.contract('abc,acde,acf,fg->dbeg', t48, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    t51 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t51[...] = 0
     return H
 
 
@@ -3900,7 +3996,8 @@ def mse_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t19 = A * t18
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t19, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t19, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t19, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->da', t1, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
+    t20 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cebf,ced,fa->da', t20, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -3971,7 +4068,8 @@ def mse_causal1__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t19 = A * t18
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t19, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t19, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t19, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t1, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t20 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t20, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -4047,10 +4145,12 @@ def mse_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t21 = t20 @ X
     t22 = t2 @ t21
     t23 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t22, t23, optimize=[(0, 1)])
+    t24 = (1/(math.sqrt(d_K)*n_batch)) * t23
+    t1 += oe.contract('abc,d->bcd', t22, t24, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t3, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t25 = (1/(d_K*n_batch)) * t3
+    t0 += oe.contract('ab,cde,cebf,ceg,gh->dafh', t25, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -4120,7 +4220,8 @@ def mse_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t13 = (-2/(L*d_V)) * Y
     t14 = t12 + t13
     G = t14
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t1, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
+    t15 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('abc,abd,abef,gf->dgec', G, X, M_2, t15, optimize=[(0, 1), (0, 1), (0, 1)])
     return out
 
 
@@ -4189,7 +4290,8 @@ def mse_causal1__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
     t20 = A * t19
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->ea', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t21 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cbd,cdee,cdf,fa->ea', t21, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -4265,11 +4367,13 @@ def mse_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t22 = t21 @ X
     t23 = t2 @ t22
     t24 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t23, t24, optimize=[(0, 1)])
-    t25 = W_Q.transpose(-1, -2)
+    t25 = (1/(math.sqrt(d_K)*n_batch)) * t24
+    t1 += oe.contract('abc,d->bcd', t23, t25, optimize=[(0, 1)])
+    t26 = W_Q.transpose(-1, -2)
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t25, t2, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    t27 = (1/(d_K*n_batch)) * t26
+    t0 += oe.contract('ab,cde,cdfa,cgd,hg->fheb', W_K, X, M_3, t2, t27, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -4347,7 +4451,8 @@ def mse_causal1__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t20 = A * t19
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t21 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cbd,cdef,cdg,gh->eafh', t21, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -4417,7 +4522,8 @@ def mse_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t14 = (-2/(L*d_V)) * Y
     t15 = t13 + t14
     G = t15
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t1, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
+    t16 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,cdg->faeg', t16, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -4502,7 +4608,8 @@ def mse_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t15 = G.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t15, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
+    t16 = (1/(math.sqrt(d_K)*n_batch)) * t15
+    t0[...] = oe.contract('ab,cde,cdfa,cgd->fgeb', W_K, X, M_2, t16, optimize=[(0, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -4567,7 +4674,8 @@ def mse_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t15 = G.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t15, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    t16 = (1/(math.sqrt(d_K)*n_batch)) * t15
+    t0[...] = oe.contract('abc,acde,acf,fg->dbeg', t16, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -4657,61 +4765,73 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t20 = A * t19
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t3, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t2, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t21 = (1/(d_K*n_batch)) * t2
+    t1[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t21, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t21 = W_V @ t16
-    t1 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t2, M_2, X, t21, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t22 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t22[...] = 0
-    t23 = t22.view((d_V, d_K, d_V, d_K))
-    t24 = t23.diagonal(0, 1, 3)
-    t25 = t20 @ X
-    t26 = t3 @ t25
-    t27 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t24 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t26, t27, optimize=[(0, 1)])
-    t23 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t2, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
-    t23 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t2, M_2, X, t21, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
-    t28 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t29 = t28.view((d_V, d_K, d_V, d_V))
-    t29[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t2, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
-    t29 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t2, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t30 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t30[...] = 0
-    t31 = t30.view((d_V, d_K, d_V, d_K))
-    t32 = t31.diagonal(0, 1, 3)
-    t33 = t20.transpose(-1, -2)
-    t34 = t33 @ X
-    t35 = t3 @ t34
-    t32 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t35, t27, optimize=[(0, 1)])
-    t36 = W_Q.transpose(-1, -2)
-    t31 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t36, t3, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
-    t31 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t36, M_2, X, t21, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t37 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t38 = t37.view((d_V, d_K, d_V, d_K))
-    t38[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t36, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t38 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t36, M_2, X, t21, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
-    t39 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t40 = t39.view((d_V, d_K, d_V, d_V))
-    t40[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t36, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
-    t40 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fagh', t36, M_2, X, M_1, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
-    t41 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t42 = t41.view((d_V, d_V, d_V, d_K))
-    t43 = G.transpose(-1, -2)
-    t42[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t43, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
-    t44 = M_1.transpose(-1, -2)
-    t42 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,fh->bdgh', t44, t16, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t45 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t46 = t45.view((d_V, d_V, d_V, d_K))
-    t46[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t43, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t46 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,gh->bdfh', t44, t16, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
-    t47 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t47[...] = 0
-    t48 = t47.view((d_V, d_V, d_V, d_V))
-    t49 = t48.diagonal(0, 1, 3)
-    t50 = t44 @ M_1
-    t51 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t49 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bcd', t50, t51, optimize=[(0, 1)])
+    t22 = W_V @ t16
+    t23 = (2/(L*d_K*d_V*n_batch)) * t2
+    t1 += oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t23, M_2, X, t22, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t24 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t24[...] = 0
+    t25 = t24.view((d_V, d_K, d_V, d_K))
+    t26 = t25.diagonal(0, 1, 3)
+    t27 = t20 @ X
+    t28 = t3 @ t27
+    t29 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t30 = (1/(math.sqrt(d_K)*n_batch)) * t29
+    t26 += oe.contract('abc,d->bcd', t28, t30, optimize=[(0, 1)])
+    t25 += oe.contract('ab,cde,cebf,ceg,gh->dafh', t21, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t25 += oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t23, M_2, X, t22, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
+    t31 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t32 = t31.view((d_V, d_K, d_V, d_V))
+    t33 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t32[...] = oe.contract('abc,abd,abef,gf->dgec', G, X, M_2, t33, optimize=[(0, 1), (0, 1), (0, 1)])
+    t34 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
+    t32 += oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t34, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t35 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t35[...] = 0
+    t36 = t35.view((d_V, d_K, d_V, d_K))
+    t37 = t36.diagonal(0, 1, 3)
+    t38 = t20.transpose(-1, -2)
+    t39 = t38 @ X
+    t40 = t3 @ t39
+    t37 += oe.contract('abc,d->bcd', t40, t30, optimize=[(0, 1)])
+    t41 = W_Q.transpose(-1, -2)
+    t42 = (1/(d_K*n_batch)) * t41
+    t36 += oe.contract('ab,cde,cdfa,cgd,hg->fheb', W_K, X, M_3, t3, t42, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t43 = (2/(L*d_K*d_V*n_batch)) * t41
+    t36 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t43, M_2, X, t22, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t44 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t45 = t44.view((d_V, d_K, d_V, d_K))
+    t45[...] = oe.contract('ab,cbd,cdef,cdg,gh->eafh', t42, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t45 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t43, M_2, X, t22, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t46 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t47 = t46.view((d_V, d_K, d_V, d_V))
+    t48 = (1/(math.sqrt(d_K)*n_batch)) * t41
+    t47[...] = oe.contract('ab,cdef,cdb,cdg->faeg', t48, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
+    t49 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t41
+    t47 += oe.contract('ab,cde,cdf,cdag,hf->gheb', W_V, M_1, X, M_2, t49, optimize=[(0, 3), (1, 2), (0, 2), (0, 1)])
+    t50 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t51 = t50.view((d_V, d_V, d_V, d_K))
+    t52 = G.transpose(-1, -2)
+    t53 = (1/(math.sqrt(d_K)*n_batch)) * t52
+    t51[...] = oe.contract('ab,cde,cdfa,cgd->fgeb', W_K, X, M_2, t53, optimize=[(0, 2), (0, 1), (0, 1)])
+    t54 = M_1.transpose(-1, -2)
+    t55 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t54
+    t51 += oe.contract('abc,de,acef,acg,fh->bdgh', t55, t16, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t56 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t57 = t56.view((d_V, d_V, d_V, d_K))
+    t57[...] = oe.contract('abc,acde,acf,fg->dbeg', t53, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    t57 += oe.contract('abc,de,acef,acg,gh->bdfh', t55, t16, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t58 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t58[...] = 0
+    t59 = t58.view((d_V, d_V, d_V, d_V))
+    t60 = t59.diagonal(0, 1, 3)
+    t61 = t54 @ M_1
+    t62 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t63 = (2/(L*d_V*n_batch)) * t62
+    t60 += oe.contract('abc,d->bcd', t61, t63, optimize=[(0, 1)])
     return H
 
 
@@ -4900,11 +5020,13 @@ def mse_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t19 = A * t18
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t19, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t19, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t19, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->da', t1, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
+    t20 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cebf,ced,fa->da', t20, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t20 = W_V @ t15
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdf,ha->fa', t1, M_2, X, t20, M_2, X, W_K, optimize=[(2, 5), (0, 1), (0, 1), (2, 3), (0, 2), (0, 1)])
+    t21 = W_V @ t15
+    t22 = (2/(L*d_K*d_V*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdgh,cdf,ha->fa', t22, M_2, X, t21, M_2, X, W_K, optimize=[(2, 5), (0, 1), (0, 1), (2, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -4978,11 +5100,13 @@ def mse_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t19 = A * t18
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t19, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t19, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t19, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t1, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t20 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t20, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t20 = W_V @ t15
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t1, M_2, X, t20, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t21 = W_V @ t15
+    t22 = (2/(L*d_K*d_V*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t22, M_2, X, t21, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -5061,14 +5185,17 @@ def mse_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t21 = t20 @ X
     t22 = t2 @ t21
     t23 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t22, t23, optimize=[(0, 1)])
+    t24 = (1/(math.sqrt(d_K)*n_batch)) * t23
+    t1 += oe.contract('abc,d->bcd', t22, t24, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t3, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t25 = (1/(d_K*n_batch)) * t3
+    t0 += oe.contract('ab,cde,cebf,ceg,gh->dafh', t25, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t24 = W_V @ t16
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t3, M_2, X, t24, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
+    t26 = W_V @ t16
+    t27 = (2/(L*d_K*d_V*n_batch)) * t3
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t27, M_2, X, t26, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -5141,8 +5268,10 @@ def mse_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t13 = (-2/(L*d_V)) * Y
     t14 = t12 + t13
     G = t14
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t1, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t1, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t15 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('abc,abd,abef,gf->dgec', G, X, M_2, t15, optimize=[(0, 1), (0, 1), (0, 1)])
+    t16 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t16, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -5211,11 +5340,13 @@ def mse_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t20 = A * t19
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->ea', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t21 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cbd,cdee,cdf,fa->ea', t21, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t21 = W_V @ t16
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgf,cdh,ha->fa', t1, M_2, X, t21, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t22 = W_V @ t16
+    t23 = (2/(L*d_K*d_V*n_batch)) * t1
+    t0 += oe.contract('ab,cdef,cdb,eg,cdgf,cdh,ha->fa', t23, M_2, X, t22, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -5294,15 +5425,18 @@ def mse_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t22 = t21 @ X
     t23 = t2 @ t22
     t24 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t23, t24, optimize=[(0, 1)])
-    t25 = W_Q.transpose(-1, -2)
+    t25 = (1/(math.sqrt(d_K)*n_batch)) * t24
+    t1 += oe.contract('abc,d->bcd', t23, t25, optimize=[(0, 1)])
+    t26 = W_Q.transpose(-1, -2)
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t25, t2, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    t27 = (1/(d_K*n_batch)) * t26
+    t0 += oe.contract('ab,cde,cdfa,cgd,hg->fheb', W_K, X, M_3, t2, t27, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t26 = W_V @ t16
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t25, M_2, X, t26, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t28 = W_V @ t16
+    t29 = (2/(L*d_K*d_V*n_batch)) * t26
+    t0 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t29, M_2, X, t28, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -5383,11 +5517,13 @@ def mse_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t20 = A * t19
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t21 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cbd,cdef,cdg,gh->eafh', t21, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t21 = W_V @ t16
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t1, M_2, X, t21, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t22 = W_V @ t16
+    t23 = (2/(L*d_K*d_V*n_batch)) * t1
+    t0 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t23, M_2, X, t22, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -5460,8 +5596,10 @@ def mse_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t14 = (-2/(L*d_V)) * Y
     t15 = t13 + t14
     G = t15
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t1, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
-    t0 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fagh', t1, M_2, X, M_1, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
+    t16 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,cdg->faeg', t16, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
+    t17 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
+    t0 += oe.contract('ab,cde,cdf,cdag,hf->gheb', W_V, M_1, X, M_2, t17, optimize=[(0, 3), (1, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -5520,7 +5658,8 @@ def mse_causal1__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     t11 = M_1.transpose(-1, -2)
     t12 = t11 @ M_1
     t13 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abb,c->bc', t12, t13, optimize=[(0, 1)])
+    t14 = (2/(L*d_V*n_batch)) * t13
+    t0[...] = oe.contract('abb,c->bc', t12, t14, optimize=[(0, 1)])
     return out
 
 
@@ -5576,10 +5715,12 @@ def mse_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t15 = G.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t15, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
-    t16 = M_1.transpose(-1, -2)
-    t17 = W_V.transpose(-1, -2)
-    t0 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,fh->bdgh', t16, t17, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t16 = (1/(math.sqrt(d_K)*n_batch)) * t15
+    t0[...] = oe.contract('ab,cde,cdfa,cgd->fgeb', W_K, X, M_2, t16, optimize=[(0, 2), (0, 1), (0, 1)])
+    t17 = M_1.transpose(-1, -2)
+    t18 = W_V.transpose(-1, -2)
+    t19 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t17
+    t0 += oe.contract('abc,de,acef,acg,fh->bdgh', t19, t18, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -5646,10 +5787,12 @@ def mse_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t15 = G.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t15, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t16 = M_1.transpose(-1, -2)
-    t17 = W_V.transpose(-1, -2)
-    t0 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,gh->bdfh', t16, t17, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t16 = (1/(math.sqrt(d_K)*n_batch)) * t15
+    t0[...] = oe.contract('abc,acde,acf,fg->dbeg', t16, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    t17 = M_1.transpose(-1, -2)
+    t18 = W_V.transpose(-1, -2)
+    t19 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t17
+    t0 += oe.contract('abc,de,acef,acg,gh->bdfh', t19, t18, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -5712,7 +5855,8 @@ def mse_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     t12 = M_1.transpose(-1, -2)
     t13 = t12 @ M_1
     t14 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t1 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bcd', t13, t14, optimize=[(0, 1)])
+    t15 = (2/(L*d_V*n_batch)) * t14
+    t1 += oe.contract('abc,d->bcd', t13, t15, optimize=[(0, 1)])
     return out
 
 
@@ -5839,44 +5983,56 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = W_V.transpose(-1, -2)
-    t1[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t2, M_2, X, W_V, t10, A14, t15, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t1 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t2, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
-    t16 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t17 = t16.view((d_V, d_K, d_V, d_K))
-    t17[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t2, M_2, X, W_V, t10, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t17 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t2, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
-    t18 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t19 = t18.view((d_V, d_K, d_V, d_V))
-    t19[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t2, M_2, X, W_V, t10, A14, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t19 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t2, M_2, X, W_V, t10, A14, A14, M_1, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t20 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t21 = t20.view((d_V, d_K, d_V, d_K))
-    t22 = W_Q.transpose(-1, -2)
-    t21[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t22, M_2, X, W_V, t10, A14, t15, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t21 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t22, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
-    t23 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t24 = t23.view((d_V, d_K, d_V, d_K))
-    t24[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t22, M_2, X, W_V, t10, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
-    t24 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t22, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
-    t25 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t26 = t25.view((d_V, d_K, d_V, d_V))
-    t26[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh->fahg', t22, M_2, X, W_V, t10, A14, M_1, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
-    t26 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t22, M_2, X, W_V, t10, A14, A14, M_1, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
-    t27 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t28 = t27.view((d_V, d_V, d_V, d_K))
-    t29 = M_1.transpose(-1, -2)
-    t28[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t29, t10, A14, t15, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t28 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t29, t10, A14, A14, t15, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
-    t30 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t31 = t30.view((d_V, d_V, d_V, d_K))
-    t31[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t29, t10, A14, t15, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t31 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t29, t10, A14, A14, t15, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
-    t32 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t32[...] = 0
-    t33 = t32.view((d_V, d_V, d_V, d_V))
-    t34 = t33.diagonal(0, 1, 3)
-    t34 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bed', t29, t10, A14, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
-    t33 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t29, t10, A14, A14, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t16 = (1/(L*d_K*n_batch)) * t2
+    t1[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t16, M_2, X, W_V, t10, A14, t15, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t17 = (-1/(L*d_K*n_batch)) * t2
+    t1 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t17, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
+    t18 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t19 = t18.view((d_V, d_K, d_V, d_K))
+    t19[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t16, M_2, X, W_V, t10, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
+    t19 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t17, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
+    t20 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t21 = t20.view((d_V, d_K, d_V, d_V))
+    t22 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t21[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t22, M_2, X, W_V, t10, A14, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t23 = (-1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t21 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t23, M_2, X, W_V, t10, A14, A14, M_1, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t24 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t25 = t24.view((d_V, d_K, d_V, d_K))
+    t26 = W_Q.transpose(-1, -2)
+    t27 = (1/(L*d_K*n_batch)) * t26
+    t25[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t27, M_2, X, W_V, t10, A14, t15, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t28 = (-1/(L*d_K*n_batch)) * t26
+    t25 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t28, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t29 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t30 = t29.view((d_V, d_K, d_V, d_K))
+    t30[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t27, M_2, X, W_V, t10, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
+    t30 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t28, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
+    t31 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t32 = t31.view((d_V, d_K, d_V, d_V))
+    t33 = (1/(L*math.sqrt(d_K)*n_batch)) * t26
+    t32[...] = oe.contract('abc,abd,abd,ed,abf,abeg,hf->ghcd', M_1, A14, t10, W_V, X, M_2, t33, optimize=[(1, 2), (1, 3), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t34 = (-1/(L*math.sqrt(d_K)*n_batch)) * t26
+    t32 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t34, M_2, X, W_V, t10, A14, A14, M_1, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t35 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t36 = t35.view((d_V, d_V, d_V, d_K))
+    t37 = M_1.transpose(-1, -2)
+    t38 = (1/(L*math.sqrt(d_K)*n_batch)) * t37
+    t36[...] = oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t38, t10, A14, t15, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t39 = (-1/(L*math.sqrt(d_K)*n_batch)) * t37
+    t36 += oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t39, t10, A14, A14, t15, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
+    t40 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t41 = t40.view((d_V, d_V, d_V, d_K))
+    t41[...] = oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t38, t10, A14, t15, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t41 += oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t39, t10, A14, A14, t15, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
+    t42 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t42[...] = 0
+    t43 = t42.view((d_V, d_V, d_V, d_V))
+    t44 = t43.diagonal(0, 1, 3)
+    t45 = (1/(L*n_batch)) * t37
+    t44 += oe.contract('abc,abd,abd,aeb->ecd', M_1, A14, t10, t45, optimize=[(1, 2), (0, 1), (0, 1)])
+    t46 = (-1/(L*n_batch)) * t37
+    t43 += oe.contract('abc,acd,acd,ace,acf->bdfe', t46, t10, A14, A14, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
     return H
 
 
@@ -6012,8 +6168,10 @@ def ce_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = W_V.transpose(-1, -2)
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdf,ia->fa', t1, M_2, X, W_V, t9, A13, t14, M_2, X, W_K, optimize=[(4, 5), (2, 6), (0, 1), (1, 2), (0, 4), (0, 3), (2, 3), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdf,ja->fa', t1, M_2, X, W_V, t9, A13, A13, t14, M_2, X, W_K, optimize=[(4, 5), (2, 7), (0, 1), (1, 2), (1, 6), (0, 2), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t15 = (1/(L*d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdf,ia->fa', t15, M_2, X, W_V, t9, A13, t14, M_2, X, W_K, optimize=[(4, 5), (2, 6), (0, 1), (1, 2), (0, 4), (0, 3), (2, 3), (0, 2), (0, 1)])
+    t16 = (-1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdf,ja->fa', t16, M_2, X, W_V, t9, A13, A13, t14, M_2, X, W_K, optimize=[(4, 5), (2, 7), (0, 1), (1, 2), (1, 6), (0, 2), (2, 4), (0, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -6070,8 +6228,10 @@ def ce_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = W_V.transpose(-1, -2)
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t1, M_2, X, W_V, t9, A13, t14, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t1, M_2, X, W_V, t9, A13, A13, t14, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
+    t15 = (1/(L*d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t15, M_2, X, W_V, t9, A13, t14, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t16 = (-1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t16, M_2, X, W_V, t9, A13, A13, t14, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -6130,8 +6290,10 @@ def ce_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = W_V.transpose(-1, -2)
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t1, M_2, X, W_V, t9, A13, t14, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t1, M_2, X, W_V, t9, A13, A13, t14, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
+    t15 = (1/(L*d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t15, M_2, X, W_V, t9, A13, t14, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
+    t16 = (-1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t16, M_2, X, W_V, t9, A13, A13, t14, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -6189,8 +6351,10 @@ def ce_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     t11 = M_1 @ W_V
     t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A13 = t12 / t12.sum(-1, keepdim=True)
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t1, M_2, X, W_V, t9, A13, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t1, M_2, X, W_V, t9, A13, A13, M_1, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t14 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t14, M_2, X, W_V, t9, A13, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t15 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t15, M_2, X, W_V, t9, A13, A13, M_1, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -6249,8 +6413,10 @@ def ce_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = W_V.transpose(-1, -2)
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhf,cdi,ia->fa', t1, M_2, X, W_V, t10, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (4, 5), (2, 4), (0, 1), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdif,cdj,ja->fa', t1, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t16 = (1/(L*d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhf,cdi,ia->fa', t16, M_2, X, W_V, t10, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (4, 5), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t17 = (-1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdif,cdj,ja->fa', t17, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -6309,8 +6475,10 @@ def ce_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = W_V.transpose(-1, -2)
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t1, M_2, X, W_V, t10, A14, t15, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t1, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t16 = (1/(L*d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t16, M_2, X, W_V, t10, A14, t15, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t17 = (-1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t17, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -6371,8 +6539,10 @@ def ce_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = W_V.transpose(-1, -2)
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t1, M_2, X, W_V, t10, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t1, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
+    t16 = (1/(L*d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t16, M_2, X, W_V, t10, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
+    t17 = (-1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t17, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -6432,8 +6602,10 @@ def ce_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     t12 = M_1 @ W_V
     t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh->fahg', t1, M_2, X, W_V, t10, A14, M_1, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t1, M_2, X, W_V, t10, A14, A14, M_1, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t15 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('abc,abd,abd,ed,abf,abeg,hf->ghcd', M_1, A14, t10, W_V, X, M_2, t15, optimize=[(1, 2), (1, 3), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t16 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t16, M_2, X, W_V, t10, A14, A14, M_1, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -6490,8 +6662,10 @@ def ce_causal0__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     t12 = M_1 @ W_V
     t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,acb->bd', t9, t11, A14, M_1, optimize=[(0, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->bd', t9, t11, A14, A14, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t15 = (1/(L*n_batch)) * t9
+    t0[...] = oe.contract('abc,acd,acd,acb->bd', t15, t11, A14, M_1, optimize=[(0, 3), (0, 1), (0, 1)])
+    t16 = (-1/(L*n_batch)) * t9
+    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t16, t11, A14, A14, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -6547,8 +6721,10 @@ def ce_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t15 = W_V.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t9, t11, A14, t15, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t9, t11, A14, A14, t15, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
+    t16 = (1/(L*math.sqrt(d_K)*n_batch)) * t9
+    t0[...] = oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t16, t11, A14, t15, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t17 = (-1/(L*math.sqrt(d_K)*n_batch)) * t9
+    t0 += oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t17, t11, A14, A14, t15, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -6609,8 +6785,10 @@ def ce_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t15 = W_V.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t9, t11, A14, t15, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t9, t11, A14, A14, t15, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
+    t16 = (1/(L*math.sqrt(d_K)*n_batch)) * t9
+    t0[...] = oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t16, t11, A14, t15, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t17 = (-1/(L*math.sqrt(d_K)*n_batch)) * t9
+    t0 += oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t17, t11, A14, A14, t15, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -6670,8 +6848,10 @@ def ce_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     t13 = M_1 @ W_V
     t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
     A15 = t14 / t14.sum(-1, keepdim=True)
-    t1 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bed', t10, t12, A15, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t10, t12, A15, A15, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t16 = (1/(L*n_batch)) * t10
+    t1 += oe.contract('abc,abd,abd,aeb->ecd', M_1, A15, t12, t16, optimize=[(1, 2), (0, 1), (0, 1)])
+    t17 = (-1/(L*n_batch)) * t10
+    t0 += oe.contract('abc,acd,acd,ace,acf->bdfe', t17, t12, A15, A15, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
     return out
 
 
@@ -6739,46 +6919,52 @@ def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t23 = A * t22
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t3, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t2, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
-    t24 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t24[...] = 0
-    t25 = t24.view((d_V, d_K, d_V, d_K))
-    t26 = t25.diagonal(0, 1, 3)
-    t27 = t23 @ X
-    t28 = t3 @ t27
-    t29 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t26 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t28, t29, optimize=[(0, 1)])
-    t25 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t2, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
-    t30 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t31 = t30.view((d_V, d_K, d_V, d_V))
+    t24 = (1/(d_K*n_batch)) * t2
+    t1[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t24, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t25 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t25[...] = 0
+    t26 = t25.view((d_V, d_K, d_V, d_K))
+    t27 = t26.diagonal(0, 1, 3)
+    t28 = t23 @ X
+    t29 = t3 @ t28
+    t30 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t31 = (1/(math.sqrt(d_K)*n_batch)) * t30
+    t27 += oe.contract('abc,d->bcd', t29, t31, optimize=[(0, 1)])
+    t26 += oe.contract('ab,cde,cebf,ceg,gh->dafh', t24, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t32 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t33 = t32.view((d_V, d_K, d_V, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t31[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t2, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
-    t32 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t32[...] = 0
-    t33 = t32.view((d_V, d_K, d_V, d_K))
-    t34 = t33.diagonal(0, 1, 3)
-    t35 = t23.transpose(-1, -2)
-    t36 = t35 @ X
-    t37 = t3 @ t36
-    t34 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t37, t29, optimize=[(0, 1)])
-    t38 = W_Q.transpose(-1, -2)
-    t33 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t38, t3, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
-    t39 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t40 = t39.view((d_V, d_K, d_V, d_K))
-    t40[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t38, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t41 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t42 = t41.view((d_V, d_K, d_V, d_V))
-    t42[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t38, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
-    t43 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t44 = t43.view((d_V, d_V, d_V, d_K))
-    t45 = G.transpose(-1, -2)
-    t44[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t45, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
-    t46 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t47 = t46.view((d_V, d_V, d_V, d_K))
-    t47[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t45, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t48 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t48[...] = 0
+    t34 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t33[...] = oe.contract('abc,abd,abef,gf->dgec', G, X, M_2, t34, optimize=[(0, 1), (0, 1), (0, 1)])
+    t35 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t35[...] = 0
+    t36 = t35.view((d_V, d_K, d_V, d_K))
+    t37 = t36.diagonal(0, 1, 3)
+    t38 = t23.transpose(-1, -2)
+    t39 = t38 @ X
+    t40 = t3 @ t39
+    t37 += oe.contract('abc,d->bcd', t40, t31, optimize=[(0, 1)])
+    t41 = W_Q.transpose(-1, -2)
+    t42 = (1/(d_K*n_batch)) * t41
+    t36 += oe.contract('ab,cde,cdfa,cgd,hg->fheb', W_K, X, M_3, t3, t42, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t43 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t44 = t43.view((d_V, d_K, d_V, d_K))
+    t44[...] = oe.contract('ab,cbd,cdef,cdg,gh->eafh', t42, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t45 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t46 = t45.view((d_V, d_K, d_V, d_V))
+    t47 = (1/(math.sqrt(d_K)*n_batch)) * t41
+    t46[...] = oe.contract('ab,cdef,cdb,cdg->faeg', t47, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
+    t48 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t49 = t48.view((d_V, d_V, d_V, d_K))
+    t50 = G.transpose(-1, -2)
+    t51 = (1/(math.sqrt(d_K)*n_batch)) * t50
+    t49[...] = oe.contract('ab,cde,cdfa,cgd->fgeb', W_K, X, M_2, t51, optimize=[(0, 2), (0, 1), (0, 1)])
+    t52 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t53 = t52.view((d_V, d_V, d_V, d_K))
+    t53[...] = oe.contract('abc,acde,acf,fg->dbeg', t51, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    t54 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t54[...] = 0
     return H
 
 
@@ -6958,7 +7144,8 @@ def ce_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t22 = A * t21
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t22, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t22, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t22, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->da', t1, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
+    t23 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cebf,ced,fa->da', t23, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -7035,7 +7222,8 @@ def ce_causal0__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t22 = A * t21
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t22, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t22, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t22, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t1, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t23 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t23, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -7117,10 +7305,12 @@ def ce_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t24 = t23 @ X
     t25 = t2 @ t24
     t26 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t25, t26, optimize=[(0, 1)])
+    t27 = (1/(math.sqrt(d_K)*n_batch)) * t26
+    t1 += oe.contract('abc,d->bcd', t25, t27, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t3, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t28 = (1/(d_K*n_batch)) * t3
+    t0 += oe.contract('ab,cde,cebf,ceg,gh->dafh', t28, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -7196,7 +7386,8 @@ def ce_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t16 = (-1/L) * Y
     t17 = t15 + t16
     G = t17
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t1, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
+    t18 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('abc,abd,abef,gf->dgec', G, X, M_2, t18, optimize=[(0, 1), (0, 1), (0, 1)])
     return out
 
 
@@ -7271,7 +7462,8 @@ def ce_causal0__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
     t23 = A * t22
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->ea', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t24 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cbd,cdee,cdf,fa->ea', t24, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -7353,11 +7545,13 @@ def ce_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t25 = t24 @ X
     t26 = t2 @ t25
     t27 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t26, t27, optimize=[(0, 1)])
-    t28 = W_Q.transpose(-1, -2)
+    t28 = (1/(math.sqrt(d_K)*n_batch)) * t27
+    t1 += oe.contract('abc,d->bcd', t26, t28, optimize=[(0, 1)])
+    t29 = W_Q.transpose(-1, -2)
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t28, t2, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    t30 = (1/(d_K*n_batch)) * t29
+    t0 += oe.contract('ab,cde,cdfa,cgd,hg->fheb', W_K, X, M_3, t2, t30, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -7441,7 +7635,8 @@ def ce_causal0__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t23 = A * t22
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t24 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cbd,cdef,cdg,gh->eafh', t24, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -7517,7 +7712,8 @@ def ce_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t17 = (-1/L) * Y
     t18 = t16 + t17
     G = t18
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t1, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
+    t19 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,cdg->faeg', t19, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -7608,7 +7804,8 @@ def ce_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t18 = G.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t18, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
+    t19 = (1/(math.sqrt(d_K)*n_batch)) * t18
+    t0[...] = oe.contract('ab,cde,cdfa,cgd->fgeb', W_K, X, M_2, t19, optimize=[(0, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -7679,7 +7876,8 @@ def ce_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t18 = G.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t18, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    t19 = (1/(math.sqrt(d_K)*n_batch)) * t18
+    t0[...] = oe.contract('abc,acde,acf,fg->dbeg', t19, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -7775,69 +7973,87 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t23 = A * t22
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t3, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t2, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t24 = (1/(d_K*n_batch)) * t2
+    t1[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t24, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t24 = torch.exp(t12 - t12.amax(-1, keepdim=True))
-    A25 = t24 / t24.sum(-1, keepdim=True)
-    t1 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t2, M_2, X, W_V, t10, A25, t19, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t1 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t2, M_2, X, W_V, t10, A25, A25, t19, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
-    t26 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t26[...] = 0
-    t27 = t26.view((d_V, d_K, d_V, d_K))
-    t28 = t27.diagonal(0, 1, 3)
-    t29 = t23 @ X
-    t30 = t3 @ t29
-    t31 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t28 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t30, t31, optimize=[(0, 1)])
-    t27 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t2, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
-    t27 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t2, M_2, X, W_V, t10, A25, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t27 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t2, M_2, X, W_V, t10, A25, A25, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
-    t32 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t33 = t32.view((d_V, d_K, d_V, d_V))
-    t33[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t2, M_2, X, W_V, t10, A25, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t33 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t2, M_2, X, W_V, t10, A25, A25, M_1, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t33 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t2, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
-    t34 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t34[...] = 0
-    t35 = t34.view((d_V, d_K, d_V, d_K))
-    t36 = t35.diagonal(0, 1, 3)
-    t37 = t23.transpose(-1, -2)
-    t38 = t37 @ X
-    t39 = t3 @ t38
-    t36 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t39, t31, optimize=[(0, 1)])
-    t40 = W_Q.transpose(-1, -2)
-    t35 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t40, t3, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
-    t35 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t40, M_2, X, W_V, t10, A25, t19, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t35 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t40, M_2, X, W_V, t10, A25, A25, t19, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
-    t41 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t25 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A26 = t25 / t25.sum(-1, keepdim=True)
+    t27 = (1/(L*d_K*n_batch)) * t2
+    t1 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t27, M_2, X, W_V, t10, A26, t19, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t28 = (-1/(L*d_K*n_batch)) * t2
+    t1 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t28, M_2, X, W_V, t10, A26, A26, t19, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
+    t29 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t29[...] = 0
+    t30 = t29.view((d_V, d_K, d_V, d_K))
+    t31 = t30.diagonal(0, 1, 3)
+    t32 = t23 @ X
+    t33 = t3 @ t32
+    t34 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t35 = (1/(math.sqrt(d_K)*n_batch)) * t34
+    t31 += oe.contract('abc,d->bcd', t33, t35, optimize=[(0, 1)])
+    t30 += oe.contract('ab,cde,cebf,ceg,gh->dafh', t24, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t30 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t27, M_2, X, W_V, t10, A26, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
+    t30 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t28, M_2, X, W_V, t10, A26, A26, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
+    t36 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t37 = t36.view((d_V, d_K, d_V, d_V))
+    t38 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t37[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t38, M_2, X, W_V, t10, A26, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t39 = (-1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t37 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t39, M_2, X, W_V, t10, A26, A26, M_1, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t40 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t37 += oe.contract('abc,abd,abef,gf->dgec', G, X, M_2, t40, optimize=[(0, 1), (0, 1), (0, 1)])
+    t41 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t41[...] = 0
     t42 = t41.view((d_V, d_K, d_V, d_K))
-    t42[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t40, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t42 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t40, M_2, X, W_V, t10, A25, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
-    t42 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t40, M_2, X, W_V, t10, A25, A25, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
-    t43 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t44 = t43.view((d_V, d_K, d_V, d_V))
-    t44[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh->fahg', t40, M_2, X, W_V, t10, A25, M_1, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
-    t44 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t40, M_2, X, W_V, t10, A25, A25, M_1, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
-    t44 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t40, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
-    t45 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t46 = t45.view((d_V, d_V, d_V, d_K))
-    t47 = G.transpose(-1, -2)
-    t46[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t47, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
-    t48 = M_1.transpose(-1, -2)
-    t46 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t48, t10, A25, t19, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t46 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t48, t10, A25, A25, t19, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
-    t49 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t50 = t49.view((d_V, d_V, d_V, d_K))
-    t50[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t47, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t50 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t48, t10, A25, t19, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t50 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t48, t10, A25, A25, t19, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
-    t51 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t51[...] = 0
-    t52 = t51.view((d_V, d_V, d_V, d_V))
-    t53 = t52.diagonal(0, 1, 3)
-    t53 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bed', t48, t10, A25, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
-    t52 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t48, t10, A25, A25, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t43 = t42.diagonal(0, 1, 3)
+    t44 = t23.transpose(-1, -2)
+    t45 = t44 @ X
+    t46 = t3 @ t45
+    t43 += oe.contract('abc,d->bcd', t46, t35, optimize=[(0, 1)])
+    t47 = W_Q.transpose(-1, -2)
+    t48 = (1/(d_K*n_batch)) * t47
+    t42 += oe.contract('ab,cde,cdfa,cgd,hg->fheb', W_K, X, M_3, t3, t48, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t49 = (1/(L*d_K*n_batch)) * t47
+    t42 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t49, M_2, X, W_V, t10, A26, t19, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t50 = (-1/(L*d_K*n_batch)) * t47
+    t42 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t50, M_2, X, W_V, t10, A26, A26, t19, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t51 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t52 = t51.view((d_V, d_K, d_V, d_K))
+    t52[...] = oe.contract('ab,cbd,cdef,cdg,gh->eafh', t48, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t52 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t49, M_2, X, W_V, t10, A26, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
+    t52 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t50, M_2, X, W_V, t10, A26, A26, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
+    t53 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t54 = t53.view((d_V, d_K, d_V, d_V))
+    t55 = (1/(L*math.sqrt(d_K)*n_batch)) * t47
+    t54[...] = oe.contract('abc,abd,abd,ed,abf,abeg,hf->ghcd', M_1, A26, t10, W_V, X, M_2, t55, optimize=[(1, 2), (1, 3), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t56 = (-1/(L*math.sqrt(d_K)*n_batch)) * t47
+    t54 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t56, M_2, X, W_V, t10, A26, A26, M_1, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t57 = (1/(math.sqrt(d_K)*n_batch)) * t47
+    t54 += oe.contract('ab,cdef,cdb,cdg->faeg', t57, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
+    t58 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t59 = t58.view((d_V, d_V, d_V, d_K))
+    t60 = G.transpose(-1, -2)
+    t61 = (1/(math.sqrt(d_K)*n_batch)) * t60
+    t59[...] = oe.contract('ab,cde,cdfa,cgd->fgeb', W_K, X, M_2, t61, optimize=[(0, 2), (0, 1), (0, 1)])
+    t62 = M_1.transpose(-1, -2)
+    t63 = (1/(L*math.sqrt(d_K)*n_batch)) * t62
+    t59 += oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t63, t10, A26, t19, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t64 = (-1/(L*math.sqrt(d_K)*n_batch)) * t62
+    t59 += oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t64, t10, A26, A26, t19, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
+    t65 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t66 = t65.view((d_V, d_V, d_V, d_K))
+    t66[...] = oe.contract('abc,acde,acf,fg->dbeg', t61, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    t66 += oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t63, t10, A26, t19, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t66 += oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t64, t10, A26, A26, t19, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
+    t67 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t67[...] = 0
+    t68 = t67.view((d_V, d_V, d_V, d_V))
+    t69 = t68.diagonal(0, 1, 3)
+    t70 = (1/(L*n_batch)) * t62
+    t69 += oe.contract('abc,abd,abd,aeb->ecd', M_1, A26, t10, t70, optimize=[(1, 2), (0, 1), (0, 1)])
+    t71 = (-1/(L*n_batch)) * t62
+    t68 += oe.contract('abc,acd,acd,ace,acf->bdfe', t71, t10, A26, A26, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
     return H
 
 
@@ -8035,13 +8251,16 @@ def ce_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t22 = A * t21
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t22, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t22, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t22, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->da', t1, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
+    t23 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cebf,ced,fa->da', t23, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t23 = torch.exp(t11 - t11.amax(-1, keepdim=True))
-    A24 = t23 / t23.sum(-1, keepdim=True)
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdf,ia->fa', t1, M_2, X, W_V, t9, A24, t18, M_2, X, W_K, optimize=[(4, 5), (2, 6), (0, 1), (1, 2), (0, 4), (0, 3), (2, 3), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdf,ja->fa', t1, M_2, X, W_V, t9, A24, A24, t18, M_2, X, W_K, optimize=[(4, 5), (2, 7), (0, 1), (1, 2), (1, 6), (0, 2), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t24 = torch.exp(t11 - t11.amax(-1, keepdim=True))
+    A25 = t24 / t24.sum(-1, keepdim=True)
+    t26 = (1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdf,ia->fa', t26, M_2, X, W_V, t9, A25, t18, M_2, X, W_K, optimize=[(4, 5), (2, 6), (0, 1), (1, 2), (0, 4), (0, 3), (2, 3), (0, 2), (0, 1)])
+    t27 = (-1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdf,ja->fa', t27, M_2, X, W_V, t9, A25, A25, t18, M_2, X, W_K, optimize=[(4, 5), (2, 7), (0, 1), (1, 2), (1, 6), (0, 2), (2, 4), (0, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -8122,13 +8341,16 @@ def ce_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t22 = A * t21
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t22, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t22, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t22, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t1, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t23 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t23, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t23 = torch.exp(t11 - t11.amax(-1, keepdim=True))
-    A24 = t23 / t23.sum(-1, keepdim=True)
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t1, M_2, X, W_V, t9, A24, t18, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t1, M_2, X, W_V, t9, A24, A24, t18, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
+    t24 = torch.exp(t11 - t11.amax(-1, keepdim=True))
+    A25 = t24 / t24.sum(-1, keepdim=True)
+    t26 = (1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t26, M_2, X, W_V, t9, A25, t18, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t27 = (-1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t27, M_2, X, W_V, t9, A25, A25, t18, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -8214,16 +8436,20 @@ def ce_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t24 = t23 @ X
     t25 = t2 @ t24
     t26 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t25, t26, optimize=[(0, 1)])
+    t27 = (1/(math.sqrt(d_K)*n_batch)) * t26
+    t1 += oe.contract('abc,d->bcd', t25, t27, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t3, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t28 = (1/(d_K*n_batch)) * t3
+    t0 += oe.contract('ab,cde,cebf,ceg,gh->dafh', t28, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t27 = torch.exp(t12 - t12.amax(-1, keepdim=True))
-    A28 = t27 / t27.sum(-1, keepdim=True)
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t3, M_2, X, W_V, t10, A28, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t3, M_2, X, W_V, t10, A28, A28, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
+    t29 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A30 = t29 / t29.sum(-1, keepdim=True)
+    t31 = (1/(L*d_K*n_batch)) * t3
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t31, M_2, X, W_V, t10, A30, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
+    t32 = (-1/(L*d_K*n_batch)) * t3
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t32, M_2, X, W_V, t10, A30, A30, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -8297,17 +8523,20 @@ def ce_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t11 = M_1 @ W_V
     t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A13 = t12 / t12.sum(-1, keepdim=True)
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t1, M_2, X, W_V, t9, A13, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t1, M_2, X, W_V, t9, A13, A13, M_1, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t14 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t14, M_2, X, W_V, t9, A13, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t15 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t15, M_2, X, W_V, t9, A13, A13, M_1, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
     F = t11
-    t14 = torch.exp(F - F.amax(-1, keepdim=True))
-    A15 = t14 / t14.sum(-1, keepdim=True)
-    t16 = t9 * A15
-    t17 = (1/L) * t16
-    t18 = (-1/L) * Y
-    t19 = t17 + t18
-    G = t19
-    t0 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t1, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
+    t16 = torch.exp(F - F.amax(-1, keepdim=True))
+    A17 = t16 / t16.sum(-1, keepdim=True)
+    t18 = t9 * A17
+    t19 = (1/L) * t18
+    t20 = (-1/L) * Y
+    t21 = t19 + t20
+    G = t21
+    t22 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t0 += oe.contract('abc,abd,abef,gf->dgec', G, X, M_2, t22, optimize=[(0, 1), (0, 1), (0, 1)])
     return out
 
 
@@ -8384,13 +8613,16 @@ def ce_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t23 = A * t22
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->ea', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t24 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cbd,cdee,cdf,fa->ea', t24, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t24 = torch.exp(t12 - t12.amax(-1, keepdim=True))
-    A25 = t24 / t24.sum(-1, keepdim=True)
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhf,cdi,ia->fa', t1, M_2, X, W_V, t10, A25, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (4, 5), (2, 4), (0, 1), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdif,cdj,ja->fa', t1, M_2, X, W_V, t10, A25, A25, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t25 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A26 = t25 / t25.sum(-1, keepdim=True)
+    t27 = (1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhf,cdi,ia->fa', t27, M_2, X, W_V, t10, A26, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (4, 5), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t28 = (-1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdif,cdj,ja->fa', t28, M_2, X, W_V, t10, A26, A26, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -8476,17 +8708,21 @@ def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t25 = t24 @ X
     t26 = t2 @ t25
     t27 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t26, t27, optimize=[(0, 1)])
-    t28 = W_Q.transpose(-1, -2)
+    t28 = (1/(math.sqrt(d_K)*n_batch)) * t27
+    t1 += oe.contract('abc,d->bcd', t26, t28, optimize=[(0, 1)])
+    t29 = W_Q.transpose(-1, -2)
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t28, t2, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    t30 = (1/(d_K*n_batch)) * t29
+    t0 += oe.contract('ab,cde,cdfa,cgd,hg->fheb', W_K, X, M_3, t2, t30, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t29 = torch.exp(t12 - t12.amax(-1, keepdim=True))
-    A30 = t29 / t29.sum(-1, keepdim=True)
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t28, M_2, X, W_V, t10, A30, t19, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t28, M_2, X, W_V, t10, A30, A30, t19, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t31 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A32 = t31 / t31.sum(-1, keepdim=True)
+    t33 = (1/(L*d_K*n_batch)) * t29
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t33, M_2, X, W_V, t10, A32, t19, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t34 = (-1/(L*d_K*n_batch)) * t29
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t34, M_2, X, W_V, t10, A32, A32, t19, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -8574,13 +8810,16 @@ def ce_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t23 = A * t22
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t24 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cbd,cdef,cdg,gh->eafh', t24, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t24 = torch.exp(t12 - t12.amax(-1, keepdim=True))
-    A25 = t24 / t24.sum(-1, keepdim=True)
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t1, M_2, X, W_V, t10, A25, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t1, M_2, X, W_V, t10, A25, A25, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
+    t25 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A26 = t25 / t25.sum(-1, keepdim=True)
+    t27 = (1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t27, M_2, X, W_V, t10, A26, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
+    t28 = (-1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t28, M_2, X, W_V, t10, A26, A26, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -8654,17 +8893,20 @@ def ce_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t12 = M_1 @ W_V
     t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh->fahg', t1, M_2, X, W_V, t10, A14, M_1, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t1, M_2, X, W_V, t10, A14, A14, M_1, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t15 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('abc,abd,abd,ed,abf,abeg,hf->ghcd', M_1, A14, t10, W_V, X, M_2, t15, optimize=[(1, 2), (1, 3), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t16 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t16, M_2, X, W_V, t10, A14, A14, M_1, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
     F = t12
-    t15 = torch.exp(F - F.amax(-1, keepdim=True))
-    A16 = t15 / t15.sum(-1, keepdim=True)
-    t17 = t10 * A16
-    t18 = (1/L) * t17
-    t19 = (-1/L) * Y
-    t20 = t18 + t19
-    G = t20
-    t0 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t1, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
+    t17 = torch.exp(F - F.amax(-1, keepdim=True))
+    A18 = t17 / t17.sum(-1, keepdim=True)
+    t19 = t10 * A18
+    t20 = (1/L) * t19
+    t21 = (-1/L) * Y
+    t22 = t20 + t21
+    G = t22
+    t23 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t0 += oe.contract('ab,cdef,cdb,cdg->faeg', t23, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -8729,8 +8971,10 @@ def ce_causal0__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     t12 = M_1 @ W_V
     t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,acb->bd', t9, t11, A14, M_1, optimize=[(0, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->bd', t9, t11, A14, A14, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t15 = (1/(L*n_batch)) * t9
+    t0[...] = oe.contract('abc,acd,acd,acb->bd', t15, t11, A14, M_1, optimize=[(0, 3), (0, 1), (0, 1)])
+    t16 = (-1/(L*n_batch)) * t9
+    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t16, t11, A14, A14, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -8791,13 +9035,16 @@ def ce_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t18 = G.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t18, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
-    t19 = M_1.transpose(-1, -2)
-    t20 = torch.exp(t11 - t11.amax(-1, keepdim=True))
-    A21 = t20 / t20.sum(-1, keepdim=True)
-    t22 = W_V.transpose(-1, -2)
-    t0 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t19, t2, A21, t22, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t19, t2, A21, A21, t22, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
+    t19 = (1/(math.sqrt(d_K)*n_batch)) * t18
+    t0[...] = oe.contract('ab,cde,cdfa,cgd->fgeb', W_K, X, M_2, t19, optimize=[(0, 2), (0, 1), (0, 1)])
+    t20 = M_1.transpose(-1, -2)
+    t21 = torch.exp(t11 - t11.amax(-1, keepdim=True))
+    A22 = t21 / t21.sum(-1, keepdim=True)
+    t23 = W_V.transpose(-1, -2)
+    t24 = (1/(L*math.sqrt(d_K)*n_batch)) * t20
+    t0 += oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t24, t2, A22, t23, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t25 = (-1/(L*math.sqrt(d_K)*n_batch)) * t20
+    t0 += oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t25, t2, A22, A22, t23, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -8872,13 +9119,16 @@ def ce_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t18 = G.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t18, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t19 = M_1.transpose(-1, -2)
-    t20 = torch.exp(t11 - t11.amax(-1, keepdim=True))
-    A21 = t20 / t20.sum(-1, keepdim=True)
-    t22 = W_V.transpose(-1, -2)
-    t0 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t19, t2, A21, t22, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t19, t2, A21, A21, t22, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
+    t19 = (1/(math.sqrt(d_K)*n_batch)) * t18
+    t0[...] = oe.contract('abc,acde,acf,fg->dbeg', t19, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    t20 = M_1.transpose(-1, -2)
+    t21 = torch.exp(t11 - t11.amax(-1, keepdim=True))
+    A22 = t21 / t21.sum(-1, keepdim=True)
+    t23 = W_V.transpose(-1, -2)
+    t24 = (1/(L*math.sqrt(d_K)*n_batch)) * t20
+    t0 += oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t24, t2, A22, t23, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t25 = (-1/(L*math.sqrt(d_K)*n_batch)) * t20
+    t0 += oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t25, t2, A22, A22, t23, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -8947,8 +9197,10 @@ def ce_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     t13 = M_1 @ W_V
     t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
     A15 = t14 / t14.sum(-1, keepdim=True)
-    t1 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bed', t10, t12, A15, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t10, t12, A15, A15, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t16 = (1/(L*n_batch)) * t10
+    t1 += oe.contract('abc,abd,abd,aeb->ecd', M_1, A15, t12, t16, optimize=[(1, 2), (0, 1), (0, 1)])
+    t17 = (-1/(L*n_batch)) * t10
+    t0 += oe.contract('abc,acd,acd,ace,acf->bdfe', t17, t12, A15, A15, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
     return out
 
 
@@ -9083,44 +9335,56 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = W_V.transpose(-1, -2)
-    t1[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t2, M_2, X, W_V, t12, A16, t17, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t1 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t2, M_2, X, W_V, t12, A16, A16, t17, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
-    t18 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t19 = t18.view((d_V, d_K, d_V, d_K))
-    t19[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t2, M_2, X, W_V, t12, A16, t17, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t19 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t2, M_2, X, W_V, t12, A16, A16, t17, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
-    t20 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t21 = t20.view((d_V, d_K, d_V, d_V))
-    t21[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t2, M_2, X, W_V, t12, A16, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t21 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t2, M_2, X, W_V, t12, A16, A16, M_1, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t22 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t23 = t22.view((d_V, d_K, d_V, d_K))
-    t24 = W_Q.transpose(-1, -2)
-    t23[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t24, M_2, X, W_V, t12, A16, t17, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t23 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t24, M_2, X, W_V, t12, A16, A16, t17, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
-    t25 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t26 = t25.view((d_V, d_K, d_V, d_K))
-    t26[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t24, M_2, X, W_V, t12, A16, t17, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
-    t26 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t24, M_2, X, W_V, t12, A16, A16, t17, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
-    t27 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t28 = t27.view((d_V, d_K, d_V, d_V))
-    t28[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh->fahg', t24, M_2, X, W_V, t12, A16, M_1, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
-    t28 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t24, M_2, X, W_V, t12, A16, A16, M_1, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
-    t29 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t30 = t29.view((d_V, d_V, d_V, d_K))
-    t31 = M_1.transpose(-1, -2)
-    t30[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t31, t12, A16, t17, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t30 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t31, t12, A16, A16, t17, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
-    t32 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t33 = t32.view((d_V, d_V, d_V, d_K))
-    t33[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t31, t12, A16, t17, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t33 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t31, t12, A16, A16, t17, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
-    t34 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t34[...] = 0
-    t35 = t34.view((d_V, d_V, d_V, d_V))
-    t36 = t35.diagonal(0, 1, 3)
-    t36 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bed', t31, t12, A16, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
-    t35 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t31, t12, A16, A16, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t18 = (1/(L*d_K*n_batch)) * t2
+    t1[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t18, M_2, X, W_V, t12, A16, t17, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t19 = (-1/(L*d_K*n_batch)) * t2
+    t1 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t19, M_2, X, W_V, t12, A16, A16, t17, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
+    t20 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t21 = t20.view((d_V, d_K, d_V, d_K))
+    t21[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t18, M_2, X, W_V, t12, A16, t17, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
+    t21 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t19, M_2, X, W_V, t12, A16, A16, t17, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
+    t22 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t23 = t22.view((d_V, d_K, d_V, d_V))
+    t24 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t23[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t24, M_2, X, W_V, t12, A16, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t25 = (-1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t23 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t25, M_2, X, W_V, t12, A16, A16, M_1, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t26 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t27 = t26.view((d_V, d_K, d_V, d_K))
+    t28 = W_Q.transpose(-1, -2)
+    t29 = (1/(L*d_K*n_batch)) * t28
+    t27[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t29, M_2, X, W_V, t12, A16, t17, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t30 = (-1/(L*d_K*n_batch)) * t28
+    t27 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t30, M_2, X, W_V, t12, A16, A16, t17, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t31 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t32 = t31.view((d_V, d_K, d_V, d_K))
+    t32[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t29, M_2, X, W_V, t12, A16, t17, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
+    t32 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t30, M_2, X, W_V, t12, A16, A16, t17, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
+    t33 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t34 = t33.view((d_V, d_K, d_V, d_V))
+    t35 = (1/(L*math.sqrt(d_K)*n_batch)) * t28
+    t34[...] = oe.contract('abc,abd,abd,ed,abf,abeg,hf->ghcd', M_1, A16, t12, W_V, X, M_2, t35, optimize=[(1, 2), (1, 3), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t36 = (-1/(L*math.sqrt(d_K)*n_batch)) * t28
+    t34 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t36, M_2, X, W_V, t12, A16, A16, M_1, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t37 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t38 = t37.view((d_V, d_V, d_V, d_K))
+    t39 = M_1.transpose(-1, -2)
+    t40 = (1/(L*math.sqrt(d_K)*n_batch)) * t39
+    t38[...] = oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t40, t12, A16, t17, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t41 = (-1/(L*math.sqrt(d_K)*n_batch)) * t39
+    t38 += oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t41, t12, A16, A16, t17, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
+    t42 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t43 = t42.view((d_V, d_V, d_V, d_K))
+    t43[...] = oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t40, t12, A16, t17, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t43 += oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t41, t12, A16, A16, t17, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
+    t44 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t44[...] = 0
+    t45 = t44.view((d_V, d_V, d_V, d_V))
+    t46 = t45.diagonal(0, 1, 3)
+    t47 = (1/(L*n_batch)) * t39
+    t46 += oe.contract('abc,abd,abd,aeb->ecd', M_1, A16, t12, t47, optimize=[(1, 2), (0, 1), (0, 1)])
+    t48 = (-1/(L*n_batch)) * t39
+    t45 += oe.contract('abc,acd,acd,ace,acf->bdfe', t48, t12, A16, A16, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
     return H
 
 
@@ -9262,8 +9526,10 @@ def ce_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = W_V.transpose(-1, -2)
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdf,ia->fa', t1, M_2, X, W_V, t11, A15, t16, M_2, X, W_K, optimize=[(4, 5), (2, 6), (0, 1), (1, 2), (0, 4), (0, 3), (2, 3), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdf,ja->fa', t1, M_2, X, W_V, t11, A15, A15, t16, M_2, X, W_K, optimize=[(4, 5), (2, 7), (0, 1), (1, 2), (1, 6), (0, 2), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t17 = (1/(L*d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdf,ia->fa', t17, M_2, X, W_V, t11, A15, t16, M_2, X, W_K, optimize=[(4, 5), (2, 6), (0, 1), (1, 2), (0, 4), (0, 3), (2, 3), (0, 2), (0, 1)])
+    t18 = (-1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdf,ja->fa', t18, M_2, X, W_V, t11, A15, A15, t16, M_2, X, W_K, optimize=[(4, 5), (2, 7), (0, 1), (1, 2), (1, 6), (0, 2), (2, 4), (0, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -9324,8 +9590,10 @@ def ce_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = W_V.transpose(-1, -2)
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t1, M_2, X, W_V, t11, A15, t16, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t1, M_2, X, W_V, t11, A15, A15, t16, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
+    t17 = (1/(L*d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t17, M_2, X, W_V, t11, A15, t16, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t18 = (-1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t18, M_2, X, W_V, t11, A15, A15, t16, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -9388,8 +9656,10 @@ def ce_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = W_V.transpose(-1, -2)
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t1, M_2, X, W_V, t11, A15, t16, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t1, M_2, X, W_V, t11, A15, A15, t16, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
+    t17 = (1/(L*d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t17, M_2, X, W_V, t11, A15, t16, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
+    t18 = (-1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t18, M_2, X, W_V, t11, A15, A15, t16, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -9451,8 +9721,10 @@ def ce_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     t13 = M_1 @ W_V
     t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
     A15 = t14 / t14.sum(-1, keepdim=True)
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t1, M_2, X, W_V, t11, A15, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t1, M_2, X, W_V, t11, A15, A15, M_1, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t16 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t16, M_2, X, W_V, t11, A15, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t17 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t17, M_2, X, W_V, t11, A15, A15, M_1, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -9515,8 +9787,10 @@ def ce_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = W_V.transpose(-1, -2)
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhf,cdi,ia->fa', t1, M_2, X, W_V, t12, A16, t17, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (4, 5), (2, 4), (0, 1), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdif,cdj,ja->fa', t1, M_2, X, W_V, t12, A16, A16, t17, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t18 = (1/(L*d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhf,cdi,ia->fa', t18, M_2, X, W_V, t12, A16, t17, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (4, 5), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t19 = (-1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdif,cdj,ja->fa', t19, M_2, X, W_V, t12, A16, A16, t17, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -9579,8 +9853,10 @@ def ce_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = W_V.transpose(-1, -2)
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t1, M_2, X, W_V, t12, A16, t17, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t1, M_2, X, W_V, t12, A16, A16, t17, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t18 = (1/(L*d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t18, M_2, X, W_V, t12, A16, t17, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t19 = (-1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t19, M_2, X, W_V, t12, A16, A16, t17, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -9645,8 +9921,10 @@ def ce_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = W_V.transpose(-1, -2)
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t1, M_2, X, W_V, t12, A16, t17, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t1, M_2, X, W_V, t12, A16, A16, t17, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
+    t18 = (1/(L*d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t18, M_2, X, W_V, t12, A16, t17, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
+    t19 = (-1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t19, M_2, X, W_V, t12, A16, A16, t17, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -9710,8 +9988,10 @@ def ce_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     t14 = M_1 @ W_V
     t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
     A16 = t15 / t15.sum(-1, keepdim=True)
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh->fahg', t1, M_2, X, W_V, t12, A16, M_1, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t1, M_2, X, W_V, t12, A16, A16, M_1, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t17 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('abc,abd,abd,ed,abf,abeg,hf->ghcd', M_1, A16, t12, W_V, X, M_2, t17, optimize=[(1, 2), (1, 3), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t18 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t18, M_2, X, W_V, t12, A16, A16, M_1, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -9772,8 +10052,10 @@ def ce_causal1__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     t14 = M_1 @ W_V
     t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
     A16 = t15 / t15.sum(-1, keepdim=True)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,acb->bd', t11, t13, A16, M_1, optimize=[(0, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->bd', t11, t13, A16, A16, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t17 = (1/(L*n_batch)) * t11
+    t0[...] = oe.contract('abc,acd,acd,acb->bd', t17, t13, A16, M_1, optimize=[(0, 3), (0, 1), (0, 1)])
+    t18 = (-1/(L*n_batch)) * t11
+    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t18, t13, A16, A16, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -9833,8 +10115,10 @@ def ce_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t17 = W_V.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t11, t13, A16, t17, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t11, t13, A16, A16, t17, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
+    t18 = (1/(L*math.sqrt(d_K)*n_batch)) * t11
+    t0[...] = oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t18, t13, A16, t17, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t19 = (-1/(L*math.sqrt(d_K)*n_batch)) * t11
+    t0 += oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t19, t13, A16, A16, t17, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -9899,8 +10183,10 @@ def ce_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t17 = W_V.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t11, t13, A16, t17, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t11, t13, A16, A16, t17, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
+    t18 = (1/(L*math.sqrt(d_K)*n_batch)) * t11
+    t0[...] = oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t18, t13, A16, t17, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t19 = (-1/(L*math.sqrt(d_K)*n_batch)) * t11
+    t0 += oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t19, t13, A16, A16, t17, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -9964,8 +10250,10 @@ def ce_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     t15 = M_1 @ W_V
     t16 = torch.exp(t15 - t15.amax(-1, keepdim=True))
     A17 = t16 / t16.sum(-1, keepdim=True)
-    t1 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bed', t12, t14, A17, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t12, t14, A17, A17, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t18 = (1/(L*n_batch)) * t12
+    t1 += oe.contract('abc,abd,abd,aeb->ecd', M_1, A17, t14, t18, optimize=[(1, 2), (0, 1), (0, 1)])
+    t19 = (-1/(L*n_batch)) * t12
+    t0 += oe.contract('abc,acd,acd,ace,acf->bdfe', t19, t14, A17, A17, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
     return out
 
 
@@ -10037,46 +10325,52 @@ def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t25 = A * t24
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t3, t25, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, t25, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, t25, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t2, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
-    t26 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t26[...] = 0
-    t27 = t26.view((d_V, d_K, d_V, d_K))
-    t28 = t27.diagonal(0, 1, 3)
-    t29 = t25 @ X
-    t30 = t3 @ t29
-    t31 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t28 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t30, t31, optimize=[(0, 1)])
-    t27 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t2, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
-    t32 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t33 = t32.view((d_V, d_K, d_V, d_V))
+    t26 = (1/(d_K*n_batch)) * t2
+    t1[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t26, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t27 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t27[...] = 0
+    t28 = t27.view((d_V, d_K, d_V, d_K))
+    t29 = t28.diagonal(0, 1, 3)
+    t30 = t25 @ X
+    t31 = t3 @ t30
+    t32 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t33 = (1/(math.sqrt(d_K)*n_batch)) * t32
+    t29 += oe.contract('abc,d->bcd', t31, t33, optimize=[(0, 1)])
+    t28 += oe.contract('ab,cde,cebf,ceg,gh->dafh', t26, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t34 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t35 = t34.view((d_V, d_K, d_V, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t33[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t2, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
-    t34 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t34[...] = 0
-    t35 = t34.view((d_V, d_K, d_V, d_K))
-    t36 = t35.diagonal(0, 1, 3)
-    t37 = t25.transpose(-1, -2)
-    t38 = t37 @ X
-    t39 = t3 @ t38
-    t36 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t39, t31, optimize=[(0, 1)])
-    t40 = W_Q.transpose(-1, -2)
-    t35 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t40, t3, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
-    t41 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t42 = t41.view((d_V, d_K, d_V, d_K))
-    t42[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t40, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t43 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t44 = t43.view((d_V, d_K, d_V, d_V))
-    t44[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t40, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
-    t45 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t46 = t45.view((d_V, d_V, d_V, d_K))
-    t47 = G.transpose(-1, -2)
-    t46[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t47, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
-    t48 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t49 = t48.view((d_V, d_V, d_V, d_K))
-    t49[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t47, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t50 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t50[...] = 0
+    t36 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t35[...] = oe.contract('abc,abd,abef,gf->dgec', G, X, M_2, t36, optimize=[(0, 1), (0, 1), (0, 1)])
+    t37 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t37[...] = 0
+    t38 = t37.view((d_V, d_K, d_V, d_K))
+    t39 = t38.diagonal(0, 1, 3)
+    t40 = t25.transpose(-1, -2)
+    t41 = t40 @ X
+    t42 = t3 @ t41
+    t39 += oe.contract('abc,d->bcd', t42, t33, optimize=[(0, 1)])
+    t43 = W_Q.transpose(-1, -2)
+    t44 = (1/(d_K*n_batch)) * t43
+    t38 += oe.contract('ab,cde,cdfa,cgd,hg->fheb', W_K, X, M_3, t3, t44, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t45 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t46 = t45.view((d_V, d_K, d_V, d_K))
+    t46[...] = oe.contract('ab,cbd,cdef,cdg,gh->eafh', t44, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t47 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t48 = t47.view((d_V, d_K, d_V, d_V))
+    t49 = (1/(math.sqrt(d_K)*n_batch)) * t43
+    t48[...] = oe.contract('ab,cdef,cdb,cdg->faeg', t49, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
+    t50 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t51 = t50.view((d_V, d_V, d_V, d_K))
+    t52 = G.transpose(-1, -2)
+    t53 = (1/(math.sqrt(d_K)*n_batch)) * t52
+    t51[...] = oe.contract('ab,cde,cdfa,cgd->fgeb', W_K, X, M_2, t53, optimize=[(0, 2), (0, 1), (0, 1)])
+    t54 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t55 = t54.view((d_V, d_V, d_V, d_K))
+    t55[...] = oe.contract('abc,acde,acf,fg->dbeg', t53, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    t56 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t56[...] = 0
     return H
 
 
@@ -10262,7 +10556,8 @@ def ce_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t24 = A * t23
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t24, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t24, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t24, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->da', t1, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
+    t25 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cebf,ced,fa->da', t25, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -10343,7 +10638,8 @@ def ce_causal1__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t24 = A * t23
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t24, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t24, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t24, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t1, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t25 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t25, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -10429,10 +10725,12 @@ def ce_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t26 = t25 @ X
     t27 = t2 @ t26
     t28 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t27, t28, optimize=[(0, 1)])
+    t29 = (1/(math.sqrt(d_K)*n_batch)) * t28
+    t1 += oe.contract('abc,d->bcd', t27, t29, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t25, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t25, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t25, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t3, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t30 = (1/(d_K*n_batch)) * t3
+    t0 += oe.contract('ab,cde,cebf,ceg,gh->dafh', t30, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -10512,7 +10810,8 @@ def ce_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t18 = (-1/L) * Y
     t19 = t17 + t18
     G = t19
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t1, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
+    t20 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('abc,abd,abef,gf->dgec', G, X, M_2, t20, optimize=[(0, 1), (0, 1), (0, 1)])
     return out
 
 
@@ -10591,7 +10890,8 @@ def ce_causal1__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
     t25 = A * t24
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t25, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t25, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t25, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->ea', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t26 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cbd,cdee,cdf,fa->ea', t26, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -10677,11 +10977,13 @@ def ce_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t27 = t26 @ X
     t28 = t2 @ t27
     t29 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t28, t29, optimize=[(0, 1)])
-    t30 = W_Q.transpose(-1, -2)
+    t30 = (1/(math.sqrt(d_K)*n_batch)) * t29
+    t1 += oe.contract('abc,d->bcd', t28, t30, optimize=[(0, 1)])
+    t31 = W_Q.transpose(-1, -2)
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t25, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t25, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t25, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t30, t2, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    t32 = (1/(d_K*n_batch)) * t31
+    t0 += oe.contract('ab,cde,cdfa,cgd,hg->fheb', W_K, X, M_3, t2, t32, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -10769,7 +11071,8 @@ def ce_causal1__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t25 = A * t24
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t25, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t25, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t25, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t26 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cbd,cdef,cdg,gh->eafh', t26, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -10849,7 +11152,8 @@ def ce_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t19 = (-1/L) * Y
     t20 = t18 + t19
     G = t20
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t1, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
+    t21 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,cdg->faeg', t21, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -10944,7 +11248,8 @@ def ce_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t20 = G.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t20, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
+    t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
+    t0[...] = oe.contract('ab,cde,cdfa,cgd->fgeb', W_K, X, M_2, t21, optimize=[(0, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -11019,7 +11324,8 @@ def ce_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t20 = G.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t20, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
+    t0[...] = oe.contract('abc,acde,acf,fg->dbeg', t21, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -11119,69 +11425,87 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t25 = A * t24
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t3, t25, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, t25, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, t25, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t2, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t26 = (1/(d_K*n_batch)) * t2
+    t1[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t26, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t26 = torch.exp(t14 - t14.amax(-1, keepdim=True))
-    A27 = t26 / t26.sum(-1, keepdim=True)
-    t1 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t2, M_2, X, W_V, t12, A27, t21, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t1 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t2, M_2, X, W_V, t12, A27, A27, t21, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
-    t28 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t28[...] = 0
-    t29 = t28.view((d_V, d_K, d_V, d_K))
-    t30 = t29.diagonal(0, 1, 3)
-    t31 = t25 @ X
-    t32 = t3 @ t31
-    t33 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t30 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t32, t33, optimize=[(0, 1)])
-    t29 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t2, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
-    t29 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t2, M_2, X, W_V, t12, A27, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t29 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t2, M_2, X, W_V, t12, A27, A27, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
-    t34 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t35 = t34.view((d_V, d_K, d_V, d_V))
-    t35[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t2, M_2, X, W_V, t12, A27, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t35 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t2, M_2, X, W_V, t12, A27, A27, M_1, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t35 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t2, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
-    t36 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t36[...] = 0
-    t37 = t36.view((d_V, d_K, d_V, d_K))
-    t38 = t37.diagonal(0, 1, 3)
-    t39 = t25.transpose(-1, -2)
-    t40 = t39 @ X
-    t41 = t3 @ t40
-    t38 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t41, t33, optimize=[(0, 1)])
-    t42 = W_Q.transpose(-1, -2)
-    t37 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t42, t3, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
-    t37 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t42, M_2, X, W_V, t12, A27, t21, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t37 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t42, M_2, X, W_V, t12, A27, A27, t21, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
-    t43 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t27 = torch.exp(t14 - t14.amax(-1, keepdim=True))
+    A28 = t27 / t27.sum(-1, keepdim=True)
+    t29 = (1/(L*d_K*n_batch)) * t2
+    t1 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t29, M_2, X, W_V, t12, A28, t21, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t30 = (-1/(L*d_K*n_batch)) * t2
+    t1 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t30, M_2, X, W_V, t12, A28, A28, t21, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
+    t31 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t31[...] = 0
+    t32 = t31.view((d_V, d_K, d_V, d_K))
+    t33 = t32.diagonal(0, 1, 3)
+    t34 = t25 @ X
+    t35 = t3 @ t34
+    t36 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t37 = (1/(math.sqrt(d_K)*n_batch)) * t36
+    t33 += oe.contract('abc,d->bcd', t35, t37, optimize=[(0, 1)])
+    t32 += oe.contract('ab,cde,cebf,ceg,gh->dafh', t26, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t32 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t29, M_2, X, W_V, t12, A28, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
+    t32 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t30, M_2, X, W_V, t12, A28, A28, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
+    t38 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t39 = t38.view((d_V, d_K, d_V, d_V))
+    t40 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t39[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t40, M_2, X, W_V, t12, A28, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t41 = (-1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t39 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t41, M_2, X, W_V, t12, A28, A28, M_1, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t42 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t39 += oe.contract('abc,abd,abef,gf->dgec', G, X, M_2, t42, optimize=[(0, 1), (0, 1), (0, 1)])
+    t43 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t43[...] = 0
     t44 = t43.view((d_V, d_K, d_V, d_K))
-    t44[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t42, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t44 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t42, M_2, X, W_V, t12, A27, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
-    t44 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t42, M_2, X, W_V, t12, A27, A27, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
-    t45 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t46 = t45.view((d_V, d_K, d_V, d_V))
-    t46[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh->fahg', t42, M_2, X, W_V, t12, A27, M_1, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
-    t46 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t42, M_2, X, W_V, t12, A27, A27, M_1, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
-    t46 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t42, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
-    t47 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t48 = t47.view((d_V, d_V, d_V, d_K))
-    t49 = G.transpose(-1, -2)
-    t48[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t49, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
-    t50 = M_1.transpose(-1, -2)
-    t48 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t50, t12, A27, t21, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t48 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t50, t12, A27, A27, t21, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
-    t51 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t52 = t51.view((d_V, d_V, d_V, d_K))
-    t52[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t49, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t52 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t50, t12, A27, t21, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t52 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t50, t12, A27, A27, t21, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
-    t53 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t53[...] = 0
-    t54 = t53.view((d_V, d_V, d_V, d_V))
-    t55 = t54.diagonal(0, 1, 3)
-    t55 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bed', t50, t12, A27, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
-    t54 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t50, t12, A27, A27, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t45 = t44.diagonal(0, 1, 3)
+    t46 = t25.transpose(-1, -2)
+    t47 = t46 @ X
+    t48 = t3 @ t47
+    t45 += oe.contract('abc,d->bcd', t48, t37, optimize=[(0, 1)])
+    t49 = W_Q.transpose(-1, -2)
+    t50 = (1/(d_K*n_batch)) * t49
+    t44 += oe.contract('ab,cde,cdfa,cgd,hg->fheb', W_K, X, M_3, t3, t50, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t51 = (1/(L*d_K*n_batch)) * t49
+    t44 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t51, M_2, X, W_V, t12, A28, t21, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t52 = (-1/(L*d_K*n_batch)) * t49
+    t44 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t52, M_2, X, W_V, t12, A28, A28, t21, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t53 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t54 = t53.view((d_V, d_K, d_V, d_K))
+    t54[...] = oe.contract('ab,cbd,cdef,cdg,gh->eafh', t50, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t54 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t51, M_2, X, W_V, t12, A28, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
+    t54 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t52, M_2, X, W_V, t12, A28, A28, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
+    t55 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t56 = t55.view((d_V, d_K, d_V, d_V))
+    t57 = (1/(L*math.sqrt(d_K)*n_batch)) * t49
+    t56[...] = oe.contract('abc,abd,abd,ed,abf,abeg,hf->ghcd', M_1, A28, t12, W_V, X, M_2, t57, optimize=[(1, 2), (1, 3), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t58 = (-1/(L*math.sqrt(d_K)*n_batch)) * t49
+    t56 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t58, M_2, X, W_V, t12, A28, A28, M_1, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t59 = (1/(math.sqrt(d_K)*n_batch)) * t49
+    t56 += oe.contract('ab,cdef,cdb,cdg->faeg', t59, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
+    t60 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t61 = t60.view((d_V, d_V, d_V, d_K))
+    t62 = G.transpose(-1, -2)
+    t63 = (1/(math.sqrt(d_K)*n_batch)) * t62
+    t61[...] = oe.contract('ab,cde,cdfa,cgd->fgeb', W_K, X, M_2, t63, optimize=[(0, 2), (0, 1), (0, 1)])
+    t64 = M_1.transpose(-1, -2)
+    t65 = (1/(L*math.sqrt(d_K)*n_batch)) * t64
+    t61 += oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t65, t12, A28, t21, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t66 = (-1/(L*math.sqrt(d_K)*n_batch)) * t64
+    t61 += oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t66, t12, A28, A28, t21, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
+    t67 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t68 = t67.view((d_V, d_V, d_V, d_K))
+    t68[...] = oe.contract('abc,acde,acf,fg->dbeg', t63, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    t68 += oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t65, t12, A28, t21, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t68 += oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t66, t12, A28, A28, t21, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
+    t69 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t69[...] = 0
+    t70 = t69.view((d_V, d_V, d_V, d_V))
+    t71 = t70.diagonal(0, 1, 3)
+    t72 = (1/(L*n_batch)) * t64
+    t71 += oe.contract('abc,abd,abd,aeb->ecd', M_1, A28, t12, t72, optimize=[(1, 2), (0, 1), (0, 1)])
+    t73 = (-1/(L*n_batch)) * t64
+    t70 += oe.contract('abc,acd,acd,ace,acf->bdfe', t73, t12, A28, A28, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
     return H
 
 
@@ -11385,13 +11709,16 @@ def ce_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t24 = A * t23
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t24, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t24, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t24, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->da', t1, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
+    t25 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cebf,ced,fa->da', t25, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t25 = torch.exp(t13 - t13.amax(-1, keepdim=True))
-    A26 = t25 / t25.sum(-1, keepdim=True)
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdf,ia->fa', t1, M_2, X, W_V, t11, A26, t20, M_2, X, W_K, optimize=[(4, 5), (2, 6), (0, 1), (1, 2), (0, 4), (0, 3), (2, 3), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdf,ja->fa', t1, M_2, X, W_V, t11, A26, A26, t20, M_2, X, W_K, optimize=[(4, 5), (2, 7), (0, 1), (1, 2), (1, 6), (0, 2), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t26 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    A27 = t26 / t26.sum(-1, keepdim=True)
+    t28 = (1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdf,ia->fa', t28, M_2, X, W_V, t11, A27, t20, M_2, X, W_K, optimize=[(4, 5), (2, 6), (0, 1), (1, 2), (0, 4), (0, 3), (2, 3), (0, 2), (0, 1)])
+    t29 = (-1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdf,ja->fa', t29, M_2, X, W_V, t11, A27, A27, t20, M_2, X, W_K, optimize=[(4, 5), (2, 7), (0, 1), (1, 2), (1, 6), (0, 2), (2, 4), (0, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -11476,13 +11803,16 @@ def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t24 = A * t23
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t24, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t24, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t24, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t1, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t25 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t25, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t25 = torch.exp(t13 - t13.amax(-1, keepdim=True))
-    A26 = t25 / t25.sum(-1, keepdim=True)
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t1, M_2, X, W_V, t11, A26, t20, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t1, M_2, X, W_V, t11, A26, A26, t20, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
+    t26 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    A27 = t26 / t26.sum(-1, keepdim=True)
+    t28 = (1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t28, M_2, X, W_V, t11, A27, t20, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t29 = (-1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t29, M_2, X, W_V, t11, A27, A27, t20, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -11572,16 +11902,20 @@ def ce_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t26 = t25 @ X
     t27 = t2 @ t26
     t28 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t27, t28, optimize=[(0, 1)])
+    t29 = (1/(math.sqrt(d_K)*n_batch)) * t28
+    t1 += oe.contract('abc,d->bcd', t27, t29, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t25, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t25, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t25, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t3, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t30 = (1/(d_K*n_batch)) * t3
+    t0 += oe.contract('ab,cde,cebf,ceg,gh->dafh', t30, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t29 = torch.exp(t14 - t14.amax(-1, keepdim=True))
-    A30 = t29 / t29.sum(-1, keepdim=True)
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t3, M_2, X, W_V, t12, A30, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t3, M_2, X, W_V, t12, A30, A30, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
+    t31 = torch.exp(t14 - t14.amax(-1, keepdim=True))
+    A32 = t31 / t31.sum(-1, keepdim=True)
+    t33 = (1/(L*d_K*n_batch)) * t3
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t33, M_2, X, W_V, t12, A32, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
+    t34 = (-1/(L*d_K*n_batch)) * t3
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t34, M_2, X, W_V, t12, A32, A32, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -11659,17 +11993,20 @@ def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t13 = M_1 @ W_V
     t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
     A15 = t14 / t14.sum(-1, keepdim=True)
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t1, M_2, X, W_V, t11, A15, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t1, M_2, X, W_V, t11, A15, A15, M_1, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t16 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t16, M_2, X, W_V, t11, A15, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t17 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t17, M_2, X, W_V, t11, A15, A15, M_1, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
     F = t13
-    t16 = torch.exp(F - F.amax(-1, keepdim=True))
-    A17 = t16 / t16.sum(-1, keepdim=True)
-    t18 = t11 * A17
-    t19 = (1/L) * t18
-    t20 = (-1/L) * Y
-    t21 = t19 + t20
-    G = t21
-    t0 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t1, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
+    t18 = torch.exp(F - F.amax(-1, keepdim=True))
+    A19 = t18 / t18.sum(-1, keepdim=True)
+    t20 = t11 * A19
+    t21 = (1/L) * t20
+    t22 = (-1/L) * Y
+    t23 = t21 + t22
+    G = t23
+    t24 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t0 += oe.contract('abc,abd,abef,gf->dgec', G, X, M_2, t24, optimize=[(0, 1), (0, 1), (0, 1)])
     return out
 
 
@@ -11750,13 +12087,16 @@ def ce_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t25 = A * t24
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t25, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t25, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t25, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->ea', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t26 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cbd,cdee,cdf,fa->ea', t26, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t26 = torch.exp(t14 - t14.amax(-1, keepdim=True))
-    A27 = t26 / t26.sum(-1, keepdim=True)
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhf,cdi,ia->fa', t1, M_2, X, W_V, t12, A27, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (4, 5), (2, 4), (0, 1), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdif,cdj,ja->fa', t1, M_2, X, W_V, t12, A27, A27, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t27 = torch.exp(t14 - t14.amax(-1, keepdim=True))
+    A28 = t27 / t27.sum(-1, keepdim=True)
+    t29 = (1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhf,cdi,ia->fa', t29, M_2, X, W_V, t12, A28, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (4, 5), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t30 = (-1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdif,cdj,ja->fa', t30, M_2, X, W_V, t12, A28, A28, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -11846,17 +12186,21 @@ def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t27 = t26 @ X
     t28 = t2 @ t27
     t29 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t28, t29, optimize=[(0, 1)])
-    t30 = W_Q.transpose(-1, -2)
+    t30 = (1/(math.sqrt(d_K)*n_batch)) * t29
+    t1 += oe.contract('abc,d->bcd', t28, t30, optimize=[(0, 1)])
+    t31 = W_Q.transpose(-1, -2)
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t25, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t25, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t25, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t30, t2, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    t32 = (1/(d_K*n_batch)) * t31
+    t0 += oe.contract('ab,cde,cdfa,cgd,hg->fheb', W_K, X, M_3, t2, t32, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t31 = torch.exp(t14 - t14.amax(-1, keepdim=True))
-    A32 = t31 / t31.sum(-1, keepdim=True)
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t30, M_2, X, W_V, t12, A32, t21, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t30, M_2, X, W_V, t12, A32, A32, t21, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t33 = torch.exp(t14 - t14.amax(-1, keepdim=True))
+    A34 = t33 / t33.sum(-1, keepdim=True)
+    t35 = (1/(L*d_K*n_batch)) * t31
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t35, M_2, X, W_V, t12, A34, t21, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t36 = (-1/(L*d_K*n_batch)) * t31
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t36, M_2, X, W_V, t12, A34, A34, t21, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -11948,13 +12292,16 @@ def ce_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t25 = A * t24
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t25, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t25, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t25, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t26 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cbd,cdef,cdg,gh->eafh', t26, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t26 = torch.exp(t14 - t14.amax(-1, keepdim=True))
-    A27 = t26 / t26.sum(-1, keepdim=True)
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t1, M_2, X, W_V, t12, A27, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t1, M_2, X, W_V, t12, A27, A27, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
+    t27 = torch.exp(t14 - t14.amax(-1, keepdim=True))
+    A28 = t27 / t27.sum(-1, keepdim=True)
+    t29 = (1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t29, M_2, X, W_V, t12, A28, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
+    t30 = (-1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t30, M_2, X, W_V, t12, A28, A28, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -12032,17 +12379,20 @@ def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t14 = M_1 @ W_V
     t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
     A16 = t15 / t15.sum(-1, keepdim=True)
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh->fahg', t1, M_2, X, W_V, t12, A16, M_1, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t1, M_2, X, W_V, t12, A16, A16, M_1, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t17 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('abc,abd,abd,ed,abf,abeg,hf->ghcd', M_1, A16, t12, W_V, X, M_2, t17, optimize=[(1, 2), (1, 3), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t18 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t18, M_2, X, W_V, t12, A16, A16, M_1, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
     F = t14
-    t17 = torch.exp(F - F.amax(-1, keepdim=True))
-    A18 = t17 / t17.sum(-1, keepdim=True)
-    t19 = t12 * A18
-    t20 = (1/L) * t19
-    t21 = (-1/L) * Y
-    t22 = t20 + t21
-    G = t22
-    t0 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t1, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
+    t19 = torch.exp(F - F.amax(-1, keepdim=True))
+    A20 = t19 / t19.sum(-1, keepdim=True)
+    t21 = t12 * A20
+    t22 = (1/L) * t21
+    t23 = (-1/L) * Y
+    t24 = t22 + t23
+    G = t24
+    t25 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t0 += oe.contract('ab,cdef,cdb,cdg->faeg', t25, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -12111,8 +12461,10 @@ def ce_causal1__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     t14 = M_1 @ W_V
     t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
     A16 = t15 / t15.sum(-1, keepdim=True)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,acb->bd', t11, t13, A16, M_1, optimize=[(0, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->bd', t11, t13, A16, A16, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t17 = (1/(L*n_batch)) * t11
+    t0[...] = oe.contract('abc,acd,acd,acb->bd', t17, t13, A16, M_1, optimize=[(0, 3), (0, 1), (0, 1)])
+    t18 = (-1/(L*n_batch)) * t11
+    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t18, t13, A16, A16, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -12177,13 +12529,16 @@ def ce_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t20 = G.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t20, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
-    t21 = M_1.transpose(-1, -2)
-    t22 = torch.exp(t13 - t13.amax(-1, keepdim=True))
-    A23 = t22 / t22.sum(-1, keepdim=True)
-    t24 = W_V.transpose(-1, -2)
-    t0 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t21, t2, A23, t24, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t21, t2, A23, A23, t24, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
+    t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
+    t0[...] = oe.contract('ab,cde,cdfa,cgd->fgeb', W_K, X, M_2, t21, optimize=[(0, 2), (0, 1), (0, 1)])
+    t22 = M_1.transpose(-1, -2)
+    t23 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    A24 = t23 / t23.sum(-1, keepdim=True)
+    t25 = W_V.transpose(-1, -2)
+    t26 = (1/(L*math.sqrt(d_K)*n_batch)) * t22
+    t0 += oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t26, t2, A24, t25, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t27 = (-1/(L*math.sqrt(d_K)*n_batch)) * t22
+    t0 += oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t27, t2, A24, A24, t25, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -12262,13 +12617,16 @@ def ce_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t20 = G.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t20, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t21 = M_1.transpose(-1, -2)
-    t22 = torch.exp(t13 - t13.amax(-1, keepdim=True))
-    A23 = t22 / t22.sum(-1, keepdim=True)
-    t24 = W_V.transpose(-1, -2)
-    t0 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t21, t2, A23, t24, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t21, t2, A23, A23, t24, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
+    t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
+    t0[...] = oe.contract('abc,acde,acf,fg->dbeg', t21, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    t22 = M_1.transpose(-1, -2)
+    t23 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    A24 = t23 / t23.sum(-1, keepdim=True)
+    t25 = W_V.transpose(-1, -2)
+    t26 = (1/(L*math.sqrt(d_K)*n_batch)) * t22
+    t0 += oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t26, t2, A24, t25, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t27 = (-1/(L*math.sqrt(d_K)*n_batch)) * t22
+    t0 += oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t27, t2, A24, A24, t25, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -12341,8 +12699,10 @@ def ce_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     t15 = M_1 @ W_V
     t16 = torch.exp(t15 - t15.amax(-1, keepdim=True))
     A17 = t16 / t16.sum(-1, keepdim=True)
-    t1 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bed', t12, t14, A17, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t12, t14, A17, A17, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t18 = (1/(L*n_batch)) * t12
+    t1 += oe.contract('abc,abd,abd,aeb->ecd', M_1, A17, t14, t18, optimize=[(1, 2), (0, 1), (0, 1)])
+    t19 = (-1/(L*n_batch)) * t12
+    t0 += oe.contract('abc,acd,acd,ace,acf->bdfe', t19, t14, A17, A17, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
     return out
 
 

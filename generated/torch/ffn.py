@@ -76,24 +76,27 @@ def mse_bias0_residual0__hessian__outer(X, W_1, W_2, Y):
     t4 = torch.heaviside(t3, torch.full_like(t3, 0.0))
     t5 = W_2.transpose(-1, -2)
     t6 = W_2 @ t5
-    t1[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,acd,de,ace,acf->bdfe', t2, t4, t6, t4, X, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t7 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t8 = t7.view((d_V, d_ff, d_ff, d_V))
-    t9 = (t3 * torch.heaviside(t3, torch.full_like(t3, 0.0)))
-    t8[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,acd,ace,df->bdef', t2, t4, t9, W_2, optimize=[(0, 1), (0, 2), (0, 1)])
-    t10 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
-    t11 = t10.view((d_ff, d_V, d_V, d_ff))
-    t12 = W_1.transpose(-1, -2)
-    t13 = t12 @ t2
-    t14 = (t13 * torch.heaviside(t13, torch.full_like(t13, 0.0)))
-    t11[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,de,ace,acf->bdfe', t14, t5, t4, X, optimize=[(0, 2), (1, 2), (0, 1)])
-    t15 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t15[...] = 0
-    t16 = t15.view((d_ff, d_V, d_ff, d_V))
-    t17 = t16.diagonal(0, 1, 3)
-    t18 = t14 @ t9
-    t19 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t17 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bcd', t18, t19, optimize=[(0, 1)])
+    t7 = (2/(L*d_V*n_batch)) * t2
+    t1[...] = oe.contract('abc,acd,de,ace,acf->bdfe', t7, t4, t6, t4, X, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t8 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t9 = t8.view((d_V, d_ff, d_ff, d_V))
+    t10 = (t3 * torch.heaviside(t3, torch.full_like(t3, 0.0)))
+    t9[...] = oe.contract('abc,acd,ace,df->bdef', t7, t4, t10, W_2, optimize=[(0, 1), (0, 2), (0, 1)])
+    t11 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
+    t12 = t11.view((d_ff, d_V, d_V, d_ff))
+    t13 = W_1.transpose(-1, -2)
+    t14 = t13 @ t2
+    t15 = (t14 * torch.heaviside(t14, torch.full_like(t14, 0.0)))
+    t16 = (2/(L*d_V*n_batch)) * t15
+    t12[...] = oe.contract('abc,de,ace,acf->bdfe', t16, t5, t4, X, optimize=[(0, 2), (1, 2), (0, 1)])
+    t17 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t17[...] = 0
+    t18 = t17.view((d_ff, d_V, d_ff, d_V))
+    t19 = t18.diagonal(0, 1, 3)
+    t20 = t15 @ t10
+    t21 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t22 = (2/(L*d_V*n_batch)) * t21
+    t19 += oe.contract('abc,d->bcd', t20, t22, optimize=[(0, 1)])
     return H
 
 
@@ -165,7 +168,8 @@ def mse_bias0_residual0__diag__W_1__outer(X, W_1, W_2, Y):
     t3 = torch.heaviside(t2, torch.full_like(t2, 0.0))
     t4 = W_2.transpose(-1, -2)
     t5 = W_2 @ t4
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,acd,dd,acd,acb->bd', t1, t3, t5, t3, X, optimize=[(1, 3), (0, 2), (1, 2), (0, 1)])
+    t6 = (2/(L*d_V*n_batch)) * t1
+    t0[...] = oe.contract('abc,acd,dd,acd,acb->bd', t6, t3, t5, t3, X, optimize=[(1, 3), (0, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -196,7 +200,8 @@ def mse_bias0_residual0__block__W_1__W_1__outer(X, W_1, W_2, Y):
     t3 = torch.heaviside(t2, torch.full_like(t2, 0.0))
     t4 = W_2.transpose(-1, -2)
     t5 = W_2 @ t4
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,acd,de,ace,acf->bdfe', t1, t3, t5, t3, X, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t6 = (2/(L*d_V*n_batch)) * t1
+    t0[...] = oe.contract('abc,acd,de,ace,acf->bdfe', t6, t3, t5, t3, X, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -228,7 +233,8 @@ def mse_bias0_residual0__block__W_1__W_2__outer(X, W_1, W_2, Y):
     t2 = X @ W_1
     t3 = torch.heaviside(t2, torch.full_like(t2, 0.0))
     t4 = (t2 * torch.heaviside(t2, torch.full_like(t2, 0.0)))
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,acd,ace,df->bdef', t1, t3, t4, W_2, optimize=[(0, 1), (0, 2), (0, 1)])
+    t5 = (2/(L*d_V*n_batch)) * t1
+    t0[...] = oe.contract('abc,acd,ace,df->bdef', t5, t3, t4, W_2, optimize=[(0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -263,7 +269,8 @@ def mse_bias0_residual0__diag__W_2__outer(X, W_1, W_2, Y):
     t6 = (t5 * torch.heaviside(t5, torch.full_like(t5, 0.0)))
     t7 = t4 @ t6
     t8 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abb,c->bc', t7, t8, optimize=[(0, 1)])
+    t9 = (2/(L*d_V*n_batch)) * t8
+    t0[...] = oe.contract('abb,c->bc', t7, t9, optimize=[(0, 1)])
     return out
 
 
@@ -298,7 +305,8 @@ def mse_bias0_residual0__block__W_2__W_1__outer(X, W_1, W_2, Y):
     t5 = W_2.transpose(-1, -2)
     t6 = X @ W_1
     t7 = torch.heaviside(t6, torch.full_like(t6, 0.0))
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,de,ace,acf->bdfe', t4, t5, t7, X, optimize=[(0, 2), (1, 2), (0, 1)])
+    t8 = (2/(L*d_V*n_batch)) * t4
+    t0[...] = oe.contract('abc,de,ace,acf->bdfe', t8, t5, t7, X, optimize=[(0, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -338,7 +346,8 @@ def mse_bias0_residual0__block__W_2__W_2__outer(X, W_1, W_2, Y):
     t7 = (t6 * torch.heaviside(t6, torch.full_like(t6, 0.0)))
     t8 = t5 @ t7
     t9 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t1 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bcd', t8, t9, optimize=[(0, 1)])
+    t10 = (2/(L*d_V*n_batch)) * t9
+    t1 += oe.contract('abc,d->bcd', t8, t10, optimize=[(0, 1)])
     return out
 
 
@@ -383,18 +392,20 @@ def mse_bias0_residual0__hessian__functional(X, W_1, W_2, Y):
     t10 = (-2/(L*d_V)) * Y
     t11 = t9 + t10
     G = t11
-    t3 += (1/n_batch) * oe.contract('abc,acd,ace->bed', t4, t6, G, optimize=[(0, 1), (0, 1)])
-    t12 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
-    t12[...] = 0
-    t13 = t12.view((d_ff, d_V, d_V, d_ff))
-    t14 = t13.diagonal(0, 0, 3)
-    t15 = G.transpose(-1, -2)
-    t16 = W_1.transpose(-1, -2)
-    t17 = t16 @ t4
-    t18 = torch.heaviside(t17, torch.full_like(t17, 0.0))
-    t14 += (1/n_batch) * oe.contract('abc,adc,ace->bed', t15, t18, X, optimize=[(0, 1), (0, 1)])
-    t19 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t19[...] = 0
+    t12 = (1/n_batch) * t4
+    t3 += oe.contract('abc,acd,ace->bed', t12, t6, G, optimize=[(0, 1), (0, 1)])
+    t13 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
+    t13[...] = 0
+    t14 = t13.view((d_ff, d_V, d_V, d_ff))
+    t15 = t14.diagonal(0, 0, 3)
+    t16 = G.transpose(-1, -2)
+    t17 = W_1.transpose(-1, -2)
+    t18 = t17 @ t4
+    t19 = torch.heaviside(t18, torch.full_like(t18, 0.0))
+    t20 = (1/n_batch) * t16
+    t15 += oe.contract('abc,adc,ace->bed', t20, t19, X, optimize=[(0, 1), (0, 1)])
+    t21 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t21[...] = 0
     return H
 
 
@@ -515,7 +526,8 @@ def mse_bias0_residual0__block__W_1__W_2__functional(X, W_1, W_2, Y):
     t8 = (-2/(L*d_V)) * Y
     t9 = t7 + t8
     G = t9
-    t1 += (1/n_batch) * oe.contract('abc,acd,ace->bed', t2, t4, G, optimize=[(0, 1), (0, 1)])
+    t10 = (1/n_batch) * t2
+    t1 += oe.contract('abc,acd,ace->bed', t10, t4, G, optimize=[(0, 1), (0, 1)])
     return out
 
 
@@ -583,7 +595,8 @@ def mse_bias0_residual0__block__W_2__W_1__functional(X, W_1, W_2, Y):
     t10 = X.transpose(-1, -2)
     t11 = t9 @ t10
     t12 = torch.heaviside(t11, torch.full_like(t11, 0.0))
-    t1 += (1/n_batch) * oe.contract('abc,adc,ace->bed', t8, t12, X, optimize=[(0, 1), (0, 1)])
+    t13 = (1/n_batch) * t8
+    t1 += oe.contract('abc,adc,ace->bed', t13, t12, X, optimize=[(0, 1), (0, 1)])
     return out
 
 
@@ -645,36 +658,41 @@ def mse_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     t4 = torch.heaviside(t3, torch.full_like(t3, 0.0))
     t5 = W_2.transpose(-1, -2)
     t6 = W_2 @ t5
-    t1[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,acd,de,ace,acf->bdfe', t2, t4, t6, t4, X, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t7 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t8 = t7.view((d_V, d_ff, d_ff, d_V))
-    t9 = (t3 * torch.heaviside(t3, torch.full_like(t3, 0.0)))
-    t8[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,acd,ace,df->bdef', t2, t4, t9, W_2, optimize=[(0, 1), (0, 2), (0, 1)])
-    t10 = t8.diagonal(0, 1, 2)
-    t11 = t9 @ W_2
-    F = t11
-    t12 = (2/(L*d_V)) * F
-    t13 = (-2/(L*d_V)) * Y
-    t14 = t12 + t13
-    G = t14
-    t10 += (1/n_batch) * oe.contract('abc,acd,ace->bed', t2, t4, G, optimize=[(0, 1), (0, 1)])
-    t15 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
-    t16 = t15.view((d_ff, d_V, d_V, d_ff))
-    t17 = W_1.transpose(-1, -2)
-    t18 = t17 @ t2
-    t19 = (t18 * torch.heaviside(t18, torch.full_like(t18, 0.0)))
-    t16[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,de,ace,acf->bdfe', t19, t5, t4, X, optimize=[(0, 2), (1, 2), (0, 1)])
-    t20 = t16.diagonal(0, 0, 3)
-    t21 = G.transpose(-1, -2)
-    t22 = torch.heaviside(t18, torch.full_like(t18, 0.0))
-    t20 += (1/n_batch) * oe.contract('abc,adc,ace->bed', t21, t22, X, optimize=[(0, 1), (0, 1)])
-    t23 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t23[...] = 0
-    t24 = t23.view((d_ff, d_V, d_ff, d_V))
-    t25 = t24.diagonal(0, 1, 3)
-    t26 = t19 @ t9
-    t27 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t25 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bcd', t26, t27, optimize=[(0, 1)])
+    t7 = (2/(L*d_V*n_batch)) * t2
+    t1[...] = oe.contract('abc,acd,de,ace,acf->bdfe', t7, t4, t6, t4, X, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t8 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t9 = t8.view((d_V, d_ff, d_ff, d_V))
+    t10 = (t3 * torch.heaviside(t3, torch.full_like(t3, 0.0)))
+    t9[...] = oe.contract('abc,acd,ace,df->bdef', t7, t4, t10, W_2, optimize=[(0, 1), (0, 2), (0, 1)])
+    t11 = t9.diagonal(0, 1, 2)
+    t12 = t10 @ W_2
+    F = t12
+    t13 = (2/(L*d_V)) * F
+    t14 = (-2/(L*d_V)) * Y
+    t15 = t13 + t14
+    G = t15
+    t16 = (1/n_batch) * t2
+    t11 += oe.contract('abc,acd,ace->bed', t16, t4, G, optimize=[(0, 1), (0, 1)])
+    t17 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
+    t18 = t17.view((d_ff, d_V, d_V, d_ff))
+    t19 = W_1.transpose(-1, -2)
+    t20 = t19 @ t2
+    t21 = (t20 * torch.heaviside(t20, torch.full_like(t20, 0.0)))
+    t22 = (2/(L*d_V*n_batch)) * t21
+    t18[...] = oe.contract('abc,de,ace,acf->bdfe', t22, t5, t4, X, optimize=[(0, 2), (1, 2), (0, 1)])
+    t23 = t18.diagonal(0, 0, 3)
+    t24 = G.transpose(-1, -2)
+    t25 = torch.heaviside(t20, torch.full_like(t20, 0.0))
+    t26 = (1/n_batch) * t24
+    t23 += oe.contract('abc,adc,ace->bed', t26, t25, X, optimize=[(0, 1), (0, 1)])
+    t27 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t27[...] = 0
+    t28 = t27.view((d_ff, d_V, d_ff, d_V))
+    t29 = t28.diagonal(0, 1, 3)
+    t30 = t21 @ t10
+    t31 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t32 = (2/(L*d_V*n_batch)) * t31
+    t29 += oe.contract('abc,d->bcd', t30, t32, optimize=[(0, 1)])
     return H
 
 
@@ -768,7 +786,8 @@ def mse_bias0_residual0__diag__W_1__full(X, W_1, W_2, Y):
     t3 = torch.heaviside(t2, torch.full_like(t2, 0.0))
     t4 = W_2.transpose(-1, -2)
     t5 = W_2 @ t4
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,acd,dd,acd,acb->bd', t1, t3, t5, t3, X, optimize=[(1, 3), (0, 2), (1, 2), (0, 1)])
+    t6 = (2/(L*d_V*n_batch)) * t1
+    t0[...] = oe.contract('abc,acd,dd,acd,acb->bd', t6, t3, t5, t3, X, optimize=[(1, 3), (0, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -799,7 +818,8 @@ def mse_bias0_residual0__block__W_1__W_1__full(X, W_1, W_2, Y):
     t3 = torch.heaviside(t2, torch.full_like(t2, 0.0))
     t4 = W_2.transpose(-1, -2)
     t5 = W_2 @ t4
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,acd,de,ace,acf->bdfe', t1, t3, t5, t3, X, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t6 = (2/(L*d_V*n_batch)) * t1
+    t0[...] = oe.contract('abc,acd,de,ace,acf->bdfe', t6, t3, t5, t3, X, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -831,15 +851,17 @@ def mse_bias0_residual0__block__W_1__W_2__full(X, W_1, W_2, Y):
     t2 = X @ W_1
     t3 = torch.heaviside(t2, torch.full_like(t2, 0.0))
     t4 = (t2 * torch.heaviside(t2, torch.full_like(t2, 0.0)))
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,acd,ace,df->bdef', t1, t3, t4, W_2, optimize=[(0, 1), (0, 2), (0, 1)])
-    t5 = t0.diagonal(0, 1, 2)
-    t6 = t4 @ W_2
-    F = t6
-    t7 = (2/(L*d_V)) * F
-    t8 = (-2/(L*d_V)) * Y
-    t9 = t7 + t8
-    G = t9
-    t5 += (1/n_batch) * oe.contract('abc,acd,ace->bed', t1, t3, G, optimize=[(0, 1), (0, 1)])
+    t5 = (2/(L*d_V*n_batch)) * t1
+    t0[...] = oe.contract('abc,acd,ace,df->bdef', t5, t3, t4, W_2, optimize=[(0, 1), (0, 2), (0, 1)])
+    t6 = t0.diagonal(0, 1, 2)
+    t7 = t4 @ W_2
+    F = t7
+    t8 = (2/(L*d_V)) * F
+    t9 = (-2/(L*d_V)) * Y
+    t10 = t8 + t9
+    G = t10
+    t11 = (1/n_batch) * t1
+    t6 += oe.contract('abc,acd,ace->bed', t11, t3, G, optimize=[(0, 1), (0, 1)])
     return out
 
 
@@ -880,7 +902,8 @@ def mse_bias0_residual0__diag__W_2__full(X, W_1, W_2, Y):
     t6 = (t5 * torch.heaviside(t5, torch.full_like(t5, 0.0)))
     t7 = t4 @ t6
     t8 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abb,c->bc', t7, t8, optimize=[(0, 1)])
+    t9 = (2/(L*d_V*n_batch)) * t8
+    t0[...] = oe.contract('abb,c->bc', t7, t9, optimize=[(0, 1)])
     return out
 
 
@@ -915,18 +938,20 @@ def mse_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
     t5 = W_2.transpose(-1, -2)
     t6 = X @ W_1
     t7 = torch.heaviside(t6, torch.full_like(t6, 0.0))
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,de,ace,acf->bdfe', t4, t5, t7, X, optimize=[(0, 2), (1, 2), (0, 1)])
-    t8 = t0.diagonal(0, 0, 3)
-    t9 = (t6 * torch.heaviside(t6, torch.full_like(t6, 0.0)))
-    t10 = t9 @ W_2
-    F = t10
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = G.transpose(-1, -2)
-    t15 = torch.heaviside(t3, torch.full_like(t3, 0.0))
-    t8 += (1/n_batch) * oe.contract('abc,adc,ace->bed', t14, t15, X, optimize=[(0, 1), (0, 1)])
+    t8 = (2/(L*d_V*n_batch)) * t4
+    t0[...] = oe.contract('abc,de,ace,acf->bdfe', t8, t5, t7, X, optimize=[(0, 2), (1, 2), (0, 1)])
+    t9 = t0.diagonal(0, 0, 3)
+    t10 = (t6 * torch.heaviside(t6, torch.full_like(t6, 0.0)))
+    t11 = t10 @ W_2
+    F = t11
+    t12 = (2/(L*d_V)) * F
+    t13 = (-2/(L*d_V)) * Y
+    t14 = t12 + t13
+    G = t14
+    t15 = G.transpose(-1, -2)
+    t16 = torch.heaviside(t3, torch.full_like(t3, 0.0))
+    t17 = (1/n_batch) * t15
+    t9 += oe.contract('abc,adc,ace->bed', t17, t16, X, optimize=[(0, 1), (0, 1)])
     return out
 
 
@@ -975,7 +1000,8 @@ def mse_bias0_residual0__block__W_2__W_2__full(X, W_1, W_2, Y):
     t7 = (t6 * torch.heaviside(t6, torch.full_like(t6, 0.0)))
     t8 = t5 @ t7
     t9 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t1 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bcd', t8, t9, optimize=[(0, 1)])
+    t10 = (2/(L*d_V*n_batch)) * t9
+    t1 += oe.contract('abc,d->bcd', t8, t10, optimize=[(0, 1)])
     return out
 
 
@@ -1066,25 +1092,29 @@ def ce_bias0_residual0__hessian__outer(X, W_1, W_2, Y):
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = W_2.transpose(-1, -2)
-    t1[...] = (1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,ef,acf,acg->bdgf', t2, t4, W_2, t6, A, t10, t4, X, optimize=[(3, 4), (0, 1), (0, 1), (2, 4), (0, 3), (1, 2), (0, 1)])
-    t1 += (-1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,acf,fg,acg,ach->bdhg', t2, t4, W_2, t6, A, A, t10, t4, X, optimize=[(3, 4), (3, 4), (3, 6), (2, 4), (1, 4), (0, 3), (0, 1), (0, 1)])
-    t11 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t12 = t11.view((d_V, d_ff, d_ff, d_V))
-    t12[...] = (1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,acf->bdfe', t2, t4, W_2, t6, A, t7, optimize=[(3, 4), (0, 1), (1, 2), (1, 2), (0, 1)])
-    t12 += (-1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,acf,acg->bdgf', t2, t4, W_2, t6, A, A, t7, optimize=[(3, 4), (2, 5), (1, 4), (0, 3), (0, 1), (0, 1)])
-    t13 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
-    t14 = t13.view((d_ff, d_V, d_V, d_ff))
-    t15 = W_1.transpose(-1, -2)
-    t16 = t15 @ t2
-    t17 = (t16 * torch.heaviside(t16, torch.full_like(t16, 0.0)))
-    t14[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,de,ace,acf->bdfe', t17, t6, A, t10, t4, X, optimize=[(1, 2), (0, 2), (1, 2), (1, 2), (0, 1)])
-    t14 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acf,acg->bdgf', t17, t6, A, A, t10, t4, X, optimize=[(1, 2), (1, 2), (1, 4), (1, 3), (0, 2), (0, 1)])
-    t18 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t18[...] = 0
-    t19 = t18.view((d_ff, d_V, d_ff, d_V))
-    t20 = t19.diagonal(0, 1, 3)
-    t20 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bed', t17, t6, A, t7, optimize=[(1, 2), (0, 1), (0, 1)])
-    t19 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t17, t6, A, A, t7, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t11 = (1/(L*n_batch)) * t2
+    t1[...] = oe.contract('abc,acd,de,ace,ace,ef,acf,acg->bdgf', t11, t4, W_2, t6, A, t10, t4, X, optimize=[(3, 4), (0, 1), (0, 1), (2, 4), (0, 3), (1, 2), (0, 1)])
+    t12 = (-1/(L*n_batch)) * t2
+    t1 += oe.contract('abc,acd,de,ace,ace,acf,fg,acg,ach->bdhg', t12, t4, W_2, t6, A, A, t10, t4, X, optimize=[(3, 4), (3, 4), (3, 6), (2, 4), (1, 4), (0, 3), (0, 1), (0, 1)])
+    t13 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t14 = t13.view((d_V, d_ff, d_ff, d_V))
+    t14[...] = oe.contract('abc,acd,de,ace,ace,acf->bdfe', t11, t4, W_2, t6, A, t7, optimize=[(3, 4), (0, 1), (1, 2), (1, 2), (0, 1)])
+    t14 += oe.contract('abc,acd,de,ace,ace,acf,acg->bdgf', t12, t4, W_2, t6, A, A, t7, optimize=[(3, 4), (2, 5), (1, 4), (0, 3), (0, 1), (0, 1)])
+    t15 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
+    t16 = t15.view((d_ff, d_V, d_V, d_ff))
+    t17 = W_1.transpose(-1, -2)
+    t18 = t17 @ t2
+    t19 = (t18 * torch.heaviside(t18, torch.full_like(t18, 0.0)))
+    t20 = (1/(L*n_batch)) * t19
+    t16[...] = oe.contract('abc,acd,acd,de,ace,acf->bdfe', t20, t6, A, t10, t4, X, optimize=[(1, 2), (0, 2), (1, 2), (1, 2), (0, 1)])
+    t21 = (-1/(L*n_batch)) * t19
+    t16 += oe.contract('abc,acd,acd,ace,ef,acf,acg->bdgf', t21, t6, A, A, t10, t4, X, optimize=[(1, 2), (1, 2), (1, 4), (1, 3), (0, 2), (0, 1)])
+    t22 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t22[...] = 0
+    t23 = t22.view((d_ff, d_V, d_ff, d_V))
+    t24 = t23.diagonal(0, 1, 3)
+    t24 += oe.contract('abc,abd,abd,aeb->ecd', t7, A, t6, t20, optimize=[(1, 2), (0, 1), (0, 1)])
+    t23 += oe.contract('abc,acd,acd,ace,acf->bdfe', t21, t6, A, A, t7, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
     return H
 
 
@@ -1172,8 +1202,10 @@ def ce_bias0_residual0__diag__W_1__outer(X, W_1, W_2, Y):
     t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = W_2.transpose(-1, -2)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,ed,acd,acb->bd', t1, t3, W_2, t5, A, t9, t3, X, optimize=[(3, 4), (2, 3), (1, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,acf,fd,acd,acb->bd', t1, t3, W_2, t5, A, A, t9, t3, X, optimize=[(3, 4), (1, 5), (0, 4), (1, 2), (2, 4), (0, 1), (1, 2), (0, 1)])
+    t10 = (1/(L*n_batch)) * t1
+    t0[...] = oe.contract('abc,acd,de,ace,ace,ed,acd,acb->bd', t10, t3, W_2, t5, A, t9, t3, X, optimize=[(3, 4), (2, 3), (1, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
+    t11 = (-1/(L*n_batch)) * t1
+    t0 += oe.contract('abc,acd,de,ace,ace,acf,fd,acd,acb->bd', t11, t3, W_2, t5, A, A, t9, t3, X, optimize=[(3, 4), (1, 5), (0, 4), (1, 2), (2, 4), (0, 1), (1, 2), (0, 1)])
     return out
 
 
@@ -1214,8 +1246,10 @@ def ce_bias0_residual0__block__W_1__W_1__outer(X, W_1, W_2, Y):
     t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = W_2.transpose(-1, -2)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,ef,acf,acg->bdgf', t1, t3, W_2, t5, A, t9, t3, X, optimize=[(3, 4), (0, 1), (0, 1), (2, 4), (0, 3), (1, 2), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,acf,fg,acg,ach->bdhg', t1, t3, W_2, t5, A, A, t9, t3, X, optimize=[(3, 4), (3, 4), (3, 6), (2, 4), (1, 4), (0, 3), (0, 1), (0, 1)])
+    t10 = (1/(L*n_batch)) * t1
+    t0[...] = oe.contract('abc,acd,de,ace,ace,ef,acf,acg->bdgf', t10, t3, W_2, t5, A, t9, t3, X, optimize=[(3, 4), (0, 1), (0, 1), (2, 4), (0, 3), (1, 2), (0, 1)])
+    t11 = (-1/(L*n_batch)) * t1
+    t0 += oe.contract('abc,acd,de,ace,ace,acf,fg,acg,ach->bdhg', t11, t3, W_2, t5, A, A, t9, t3, X, optimize=[(3, 4), (3, 4), (3, 6), (2, 4), (1, 4), (0, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -1257,8 +1291,10 @@ def ce_bias0_residual0__block__W_1__W_2__outer(X, W_1, W_2, Y):
     t7 = t6 @ W_2
     t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
     A = t8 / t8.sum(-1, keepdim=True)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,acf->bdfe', t1, t3, W_2, t5, A, t6, optimize=[(3, 4), (0, 1), (1, 2), (1, 2), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,acf,acg->bdgf', t1, t3, W_2, t5, A, A, t6, optimize=[(3, 4), (2, 5), (1, 4), (0, 3), (0, 1), (0, 1)])
+    t9 = (1/(L*n_batch)) * t1
+    t0[...] = oe.contract('abc,acd,de,ace,ace,acf->bdfe', t9, t3, W_2, t5, A, t6, optimize=[(3, 4), (0, 1), (1, 2), (1, 2), (0, 1)])
+    t10 = (-1/(L*n_batch)) * t1
+    t0 += oe.contract('abc,acd,de,ace,ace,acf,acg->bdgf', t10, t3, W_2, t5, A, A, t6, optimize=[(3, 4), (2, 5), (1, 4), (0, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -1301,8 +1337,10 @@ def ce_bias0_residual0__diag__W_2__outer(X, W_1, W_2, Y):
     t9 = t8 @ W_2
     t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
     A = t10 / t10.sum(-1, keepdim=True)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,acb->bd', t4, t6, A, t8, optimize=[(0, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->bd', t4, t6, A, A, t8, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t11 = (1/(L*n_batch)) * t4
+    t0[...] = oe.contract('abc,acd,acd,acb->bd', t11, t6, A, t8, optimize=[(0, 3), (0, 1), (0, 1)])
+    t12 = (-1/(L*n_batch)) * t4
+    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t12, t6, A, A, t8, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -1347,8 +1385,10 @@ def ce_bias0_residual0__block__W_2__W_1__outer(X, W_1, W_2, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = W_2.transpose(-1, -2)
     t12 = torch.heaviside(t7, torch.full_like(t7, 0.0))
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,de,ace,acf->bdfe', t4, t6, A, t11, t12, X, optimize=[(1, 2), (0, 2), (1, 2), (1, 2), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acf,acg->bdgf', t4, t6, A, A, t11, t12, X, optimize=[(1, 2), (1, 2), (1, 4), (1, 3), (0, 2), (0, 1)])
+    t13 = (1/(L*n_batch)) * t4
+    t0[...] = oe.contract('abc,acd,acd,de,ace,acf->bdfe', t13, t6, A, t11, t12, X, optimize=[(1, 2), (0, 2), (1, 2), (1, 2), (0, 1)])
+    t14 = (-1/(L*n_batch)) * t4
+    t0 += oe.contract('abc,acd,acd,ace,ef,acf,acg->bdgf', t14, t6, A, A, t11, t12, X, optimize=[(1, 2), (1, 2), (1, 4), (1, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -1397,8 +1437,10 @@ def ce_bias0_residual0__block__W_2__W_2__outer(X, W_1, W_2, Y):
     t10 = t9 @ W_2
     t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
     A = t11 / t11.sum(-1, keepdim=True)
-    t1 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bed', t5, t7, A, t9, optimize=[(1, 2), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t5, t7, A, A, t9, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t12 = (1/(L*n_batch)) * t5
+    t1 += oe.contract('abc,abd,abd,aeb->ecd', t9, A, t7, t12, optimize=[(1, 2), (0, 1), (0, 1)])
+    t13 = (-1/(L*n_batch)) * t5
+    t0 += oe.contract('abc,acd,acd,ace,acf->bdfe', t13, t7, A, A, t9, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
     return out
 
 
@@ -1452,18 +1494,20 @@ def ce_bias0_residual0__hessian__functional(X, W_1, W_2, Y):
     t14 = (-1/L) * Y
     t15 = t13 + t14
     G = t15
-    t3 += (1/n_batch) * oe.contract('abc,acd,ace->bed', t4, t6, G, optimize=[(0, 1), (0, 1)])
-    t16 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
-    t16[...] = 0
-    t17 = t16.view((d_ff, d_V, d_V, d_ff))
-    t18 = t17.diagonal(0, 0, 3)
-    t19 = G.transpose(-1, -2)
-    t20 = W_1.transpose(-1, -2)
-    t21 = t20 @ t4
-    t22 = torch.heaviside(t21, torch.full_like(t21, 0.0))
-    t18 += (1/n_batch) * oe.contract('abc,adc,ace->bed', t19, t22, X, optimize=[(0, 1), (0, 1)])
-    t23 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t23[...] = 0
+    t16 = (1/n_batch) * t4
+    t3 += oe.contract('abc,acd,ace->bed', t16, t6, G, optimize=[(0, 1), (0, 1)])
+    t17 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
+    t17[...] = 0
+    t18 = t17.view((d_ff, d_V, d_V, d_ff))
+    t19 = t18.diagonal(0, 0, 3)
+    t20 = G.transpose(-1, -2)
+    t21 = W_1.transpose(-1, -2)
+    t22 = t21 @ t4
+    t23 = torch.heaviside(t22, torch.full_like(t22, 0.0))
+    t24 = (1/n_batch) * t20
+    t19 += oe.contract('abc,adc,ace->bed', t24, t23, X, optimize=[(0, 1), (0, 1)])
+    t25 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t25[...] = 0
     return H
 
 
@@ -1599,7 +1643,8 @@ def ce_bias0_residual0__block__W_1__W_2__functional(X, W_1, W_2, Y):
     t12 = (-1/L) * Y
     t13 = t11 + t12
     G = t13
-    t1 += (1/n_batch) * oe.contract('abc,acd,ace->bed', t2, t4, G, optimize=[(0, 1), (0, 1)])
+    t14 = (1/n_batch) * t2
+    t1 += oe.contract('abc,acd,ace->bed', t14, t4, G, optimize=[(0, 1), (0, 1)])
     return out
 
 
@@ -1677,7 +1722,8 @@ def ce_bias0_residual0__block__W_2__W_1__functional(X, W_1, W_2, Y):
     t14 = X.transpose(-1, -2)
     t15 = t13 @ t14
     t16 = torch.heaviside(t15, torch.full_like(t15, 0.0))
-    t1 += (1/n_batch) * oe.contract('abc,adc,ace->bed', t12, t16, X, optimize=[(0, 1), (0, 1)])
+    t17 = (1/n_batch) * t12
+    t1 += oe.contract('abc,adc,ace->bed', t17, t16, X, optimize=[(0, 1), (0, 1)])
     return out
 
 
@@ -1749,39 +1795,45 @@ def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = W_2.transpose(-1, -2)
-    t1[...] = (1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,ef,acf,acg->bdgf', t2, t4, W_2, t6, A, t10, t4, X, optimize=[(3, 4), (0, 1), (0, 1), (2, 4), (0, 3), (1, 2), (0, 1)])
-    t1 += (-1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,acf,fg,acg,ach->bdhg', t2, t4, W_2, t6, A, A, t10, t4, X, optimize=[(3, 4), (3, 4), (3, 6), (2, 4), (1, 4), (0, 3), (0, 1), (0, 1)])
-    t11 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t12 = t11.view((d_V, d_ff, d_ff, d_V))
-    t12[...] = (1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,acf->bdfe', t2, t4, W_2, t6, A, t7, optimize=[(3, 4), (0, 1), (1, 2), (1, 2), (0, 1)])
-    t12 += (-1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,acf,acg->bdgf', t2, t4, W_2, t6, A, A, t7, optimize=[(3, 4), (2, 5), (1, 4), (0, 3), (0, 1), (0, 1)])
-    t13 = t12.diagonal(0, 1, 2)
+    t11 = (1/(L*n_batch)) * t2
+    t1[...] = oe.contract('abc,acd,de,ace,ace,ef,acf,acg->bdgf', t11, t4, W_2, t6, A, t10, t4, X, optimize=[(3, 4), (0, 1), (0, 1), (2, 4), (0, 3), (1, 2), (0, 1)])
+    t12 = (-1/(L*n_batch)) * t2
+    t1 += oe.contract('abc,acd,de,ace,ace,acf,fg,acg,ach->bdhg', t12, t4, W_2, t6, A, A, t10, t4, X, optimize=[(3, 4), (3, 4), (3, 6), (2, 4), (1, 4), (0, 3), (0, 1), (0, 1)])
+    t13 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t14 = t13.view((d_V, d_ff, d_ff, d_V))
+    t14[...] = oe.contract('abc,acd,de,ace,ace,acf->bdfe', t11, t4, W_2, t6, A, t7, optimize=[(3, 4), (0, 1), (1, 2), (1, 2), (0, 1)])
+    t14 += oe.contract('abc,acd,de,ace,ace,acf,acg->bdgf', t12, t4, W_2, t6, A, A, t7, optimize=[(3, 4), (2, 5), (1, 4), (0, 3), (0, 1), (0, 1)])
+    t15 = t14.diagonal(0, 1, 2)
     F = t8
-    t14 = torch.exp(F - F.amax(-1, keepdim=True))
-    A15 = t14 / t14.sum(-1, keepdim=True)
-    t16 = t6 * A15
-    t17 = (1/L) * t16
-    t18 = (-1/L) * Y
-    t19 = t17 + t18
-    G = t19
-    t13 += (1/n_batch) * oe.contract('abc,acd,ace->bed', t2, t4, G, optimize=[(0, 1), (0, 1)])
-    t20 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
-    t21 = t20.view((d_ff, d_V, d_V, d_ff))
-    t22 = W_1.transpose(-1, -2)
-    t23 = t22 @ t2
-    t24 = (t23 * torch.heaviside(t23, torch.full_like(t23, 0.0)))
-    t21[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,de,ace,acf->bdfe', t24, t6, A, t10, t4, X, optimize=[(1, 2), (0, 2), (1, 2), (1, 2), (0, 1)])
-    t21 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acf,acg->bdgf', t24, t6, A, A, t10, t4, X, optimize=[(1, 2), (1, 2), (1, 4), (1, 3), (0, 2), (0, 1)])
-    t25 = t21.diagonal(0, 0, 3)
-    t26 = G.transpose(-1, -2)
-    t27 = torch.heaviside(t23, torch.full_like(t23, 0.0))
-    t25 += (1/n_batch) * oe.contract('abc,adc,ace->bed', t26, t27, X, optimize=[(0, 1), (0, 1)])
-    t28 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t28[...] = 0
-    t29 = t28.view((d_ff, d_V, d_ff, d_V))
-    t30 = t29.diagonal(0, 1, 3)
-    t30 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bed', t24, t6, A, t7, optimize=[(1, 2), (0, 1), (0, 1)])
-    t29 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t24, t6, A, A, t7, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t16 = torch.exp(F - F.amax(-1, keepdim=True))
+    A17 = t16 / t16.sum(-1, keepdim=True)
+    t18 = t6 * A17
+    t19 = (1/L) * t18
+    t20 = (-1/L) * Y
+    t21 = t19 + t20
+    G = t21
+    t22 = (1/n_batch) * t2
+    t15 += oe.contract('abc,acd,ace->bed', t22, t4, G, optimize=[(0, 1), (0, 1)])
+    t23 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
+    t24 = t23.view((d_ff, d_V, d_V, d_ff))
+    t25 = W_1.transpose(-1, -2)
+    t26 = t25 @ t2
+    t27 = (t26 * torch.heaviside(t26, torch.full_like(t26, 0.0)))
+    t28 = (1/(L*n_batch)) * t27
+    t24[...] = oe.contract('abc,acd,acd,de,ace,acf->bdfe', t28, t6, A, t10, t4, X, optimize=[(1, 2), (0, 2), (1, 2), (1, 2), (0, 1)])
+    t29 = (-1/(L*n_batch)) * t27
+    t24 += oe.contract('abc,acd,acd,ace,ef,acf,acg->bdgf', t29, t6, A, A, t10, t4, X, optimize=[(1, 2), (1, 2), (1, 4), (1, 3), (0, 2), (0, 1)])
+    t30 = t24.diagonal(0, 0, 3)
+    t31 = G.transpose(-1, -2)
+    t32 = torch.heaviside(t26, torch.full_like(t26, 0.0))
+    t33 = (1/n_batch) * t31
+    t30 += oe.contract('abc,adc,ace->bed', t33, t32, X, optimize=[(0, 1), (0, 1)])
+    t34 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t34[...] = 0
+    t35 = t34.view((d_ff, d_V, d_ff, d_V))
+    t36 = t35.diagonal(0, 1, 3)
+    t36 += oe.contract('abc,abd,abd,aeb->ecd', t7, A, t6, t28, optimize=[(1, 2), (0, 1), (0, 1)])
+    t35 += oe.contract('abc,acd,acd,ace,acf->bdfe', t29, t6, A, A, t7, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
     return H
 
 
@@ -1893,8 +1945,10 @@ def ce_bias0_residual0__diag__W_1__full(X, W_1, W_2, Y):
     t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = W_2.transpose(-1, -2)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,ed,acd,acb->bd', t1, t3, W_2, t5, A, t9, t3, X, optimize=[(3, 4), (2, 3), (1, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,acf,fd,acd,acb->bd', t1, t3, W_2, t5, A, A, t9, t3, X, optimize=[(3, 4), (1, 5), (0, 4), (1, 2), (2, 4), (0, 1), (1, 2), (0, 1)])
+    t10 = (1/(L*n_batch)) * t1
+    t0[...] = oe.contract('abc,acd,de,ace,ace,ed,acd,acb->bd', t10, t3, W_2, t5, A, t9, t3, X, optimize=[(3, 4), (2, 3), (1, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
+    t11 = (-1/(L*n_batch)) * t1
+    t0 += oe.contract('abc,acd,de,ace,ace,acf,fd,acd,acb->bd', t11, t3, W_2, t5, A, A, t9, t3, X, optimize=[(3, 4), (1, 5), (0, 4), (1, 2), (2, 4), (0, 1), (1, 2), (0, 1)])
     return out
 
 
@@ -1935,8 +1989,10 @@ def ce_bias0_residual0__block__W_1__W_1__full(X, W_1, W_2, Y):
     t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = W_2.transpose(-1, -2)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,ef,acf,acg->bdgf', t1, t3, W_2, t5, A, t9, t3, X, optimize=[(3, 4), (0, 1), (0, 1), (2, 4), (0, 3), (1, 2), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,acf,fg,acg,ach->bdhg', t1, t3, W_2, t5, A, A, t9, t3, X, optimize=[(3, 4), (3, 4), (3, 6), (2, 4), (1, 4), (0, 3), (0, 1), (0, 1)])
+    t10 = (1/(L*n_batch)) * t1
+    t0[...] = oe.contract('abc,acd,de,ace,ace,ef,acf,acg->bdgf', t10, t3, W_2, t5, A, t9, t3, X, optimize=[(3, 4), (0, 1), (0, 1), (2, 4), (0, 3), (1, 2), (0, 1)])
+    t11 = (-1/(L*n_batch)) * t1
+    t0 += oe.contract('abc,acd,de,ace,ace,acf,fg,acg,ach->bdhg', t11, t3, W_2, t5, A, A, t9, t3, X, optimize=[(3, 4), (3, 4), (3, 6), (2, 4), (1, 4), (0, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -1978,18 +2034,21 @@ def ce_bias0_residual0__block__W_1__W_2__full(X, W_1, W_2, Y):
     t7 = t6 @ W_2
     t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
     A = t8 / t8.sum(-1, keepdim=True)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,acf->bdfe', t1, t3, W_2, t5, A, t6, optimize=[(3, 4), (0, 1), (1, 2), (1, 2), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,acf,acg->bdgf', t1, t3, W_2, t5, A, A, t6, optimize=[(3, 4), (2, 5), (1, 4), (0, 3), (0, 1), (0, 1)])
-    t9 = t0.diagonal(0, 1, 2)
+    t9 = (1/(L*n_batch)) * t1
+    t0[...] = oe.contract('abc,acd,de,ace,ace,acf->bdfe', t9, t3, W_2, t5, A, t6, optimize=[(3, 4), (0, 1), (1, 2), (1, 2), (0, 1)])
+    t10 = (-1/(L*n_batch)) * t1
+    t0 += oe.contract('abc,acd,de,ace,ace,acf,acg->bdgf', t10, t3, W_2, t5, A, A, t6, optimize=[(3, 4), (2, 5), (1, 4), (0, 3), (0, 1), (0, 1)])
+    t11 = t0.diagonal(0, 1, 2)
     F = t7
-    t10 = torch.exp(F - F.amax(-1, keepdim=True))
-    A11 = t10 / t10.sum(-1, keepdim=True)
-    t12 = t5 * A11
-    t13 = (1/L) * t12
-    t14 = (-1/L) * Y
-    t15 = t13 + t14
-    G = t15
-    t9 += (1/n_batch) * oe.contract('abc,acd,ace->bed', t1, t3, G, optimize=[(0, 1), (0, 1)])
+    t12 = torch.exp(F - F.amax(-1, keepdim=True))
+    A13 = t12 / t12.sum(-1, keepdim=True)
+    t14 = t5 * A13
+    t15 = (1/L) * t14
+    t16 = (-1/L) * Y
+    t17 = t15 + t16
+    G = t17
+    t18 = (1/n_batch) * t1
+    t11 += oe.contract('abc,acd,ace->bed', t18, t3, G, optimize=[(0, 1), (0, 1)])
     return out
 
 
@@ -2040,8 +2099,10 @@ def ce_bias0_residual0__diag__W_2__full(X, W_1, W_2, Y):
     t9 = t8 @ W_2
     t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
     A = t10 / t10.sum(-1, keepdim=True)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,acb->bd', t4, t6, A, t8, optimize=[(0, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->bd', t4, t6, A, A, t8, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t11 = (1/(L*n_batch)) * t4
+    t0[...] = oe.contract('abc,acd,acd,acb->bd', t11, t6, A, t8, optimize=[(0, 3), (0, 1), (0, 1)])
+    t12 = (-1/(L*n_batch)) * t4
+    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t12, t6, A, A, t8, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -2086,20 +2147,23 @@ def ce_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = W_2.transpose(-1, -2)
     t12 = torch.heaviside(t7, torch.full_like(t7, 0.0))
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,de,ace,acf->bdfe', t4, t6, A, t11, t12, X, optimize=[(1, 2), (0, 2), (1, 2), (1, 2), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acf,acg->bdgf', t4, t6, A, A, t11, t12, X, optimize=[(1, 2), (1, 2), (1, 4), (1, 3), (0, 2), (0, 1)])
-    t13 = t0.diagonal(0, 0, 3)
+    t13 = (1/(L*n_batch)) * t4
+    t0[...] = oe.contract('abc,acd,acd,de,ace,acf->bdfe', t13, t6, A, t11, t12, X, optimize=[(1, 2), (0, 2), (1, 2), (1, 2), (0, 1)])
+    t14 = (-1/(L*n_batch)) * t4
+    t0 += oe.contract('abc,acd,acd,ace,ef,acf,acg->bdgf', t14, t6, A, A, t11, t12, X, optimize=[(1, 2), (1, 2), (1, 4), (1, 3), (0, 2), (0, 1)])
+    t15 = t0.diagonal(0, 0, 3)
     F = t9
-    t14 = torch.exp(F - F.amax(-1, keepdim=True))
-    A15 = t14 / t14.sum(-1, keepdim=True)
-    t16 = t6 * A15
-    t17 = (1/L) * t16
-    t18 = (-1/L) * Y
-    t19 = t17 + t18
-    G = t19
-    t20 = G.transpose(-1, -2)
-    t21 = torch.heaviside(t3, torch.full_like(t3, 0.0))
-    t13 += (1/n_batch) * oe.contract('abc,adc,ace->bed', t20, t21, X, optimize=[(0, 1), (0, 1)])
+    t16 = torch.exp(F - F.amax(-1, keepdim=True))
+    A17 = t16 / t16.sum(-1, keepdim=True)
+    t18 = t6 * A17
+    t19 = (1/L) * t18
+    t20 = (-1/L) * Y
+    t21 = t19 + t20
+    G = t21
+    t22 = G.transpose(-1, -2)
+    t23 = torch.heaviside(t3, torch.full_like(t3, 0.0))
+    t24 = (1/n_batch) * t22
+    t15 += oe.contract('abc,adc,ace->bed', t24, t23, X, optimize=[(0, 1), (0, 1)])
     return out
 
 
@@ -2158,8 +2222,10 @@ def ce_bias0_residual0__block__W_2__W_2__full(X, W_1, W_2, Y):
     t10 = t9 @ W_2
     t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
     A = t11 / t11.sum(-1, keepdim=True)
-    t1 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bed', t5, t7, A, t9, optimize=[(1, 2), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t5, t7, A, A, t9, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t12 = (1/(L*n_batch)) * t5
+    t1 += oe.contract('abc,abd,abd,aeb->ecd', t9, A, t7, t12, optimize=[(1, 2), (0, 1), (0, 1)])
+    t13 = (-1/(L*n_batch)) * t5
+    t0 += oe.contract('abc,acd,acd,ace,acf->bdfe', t13, t7, A, A, t9, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
     return out
 
 

@@ -87,23 +87,26 @@ def mse_causal0__hessian__outer(X, W_QK, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t6 = W_V.transpose(-1, -2)
     t7 = W_V @ t6
-    t1[...] = (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, X, t7, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t8 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t9 = t8.view((d_V, d_V, d_V, d_V))
-    t10 = A @ X
-    M_1 = t10
-    t9[...] = (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,abf,cg->edfg', M_2, X, M_1, W_V, optimize=[(0, 3), (0, 1), (0, 1)])
-    t11 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t12 = t11.view((d_V, d_V, d_V, d_V))
-    t13 = M_1.transpose(-1, -2)
-    t12[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,de,acef,acg->bdgf', t13, t6, M_2, X, optimize=[(0, 3), (0, 1), (0, 1)])
-    t14 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t14[...] = 0
-    t15 = t14.view((d_V, d_V, d_V, d_V))
-    t16 = t15.diagonal(0, 1, 3)
-    t17 = t13 @ M_1
-    t18 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t16 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bcd', t17, t18, optimize=[(0, 1)])
+    t8 = (2/(L*d_V*n_batch)) * X
+    t1[...] = oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, t8, t7, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t9 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t10 = t9.view((d_V, d_V, d_V, d_V))
+    t11 = A @ X
+    M_1 = t11
+    t10[...] = oe.contract('ab,cde,cdf,cdag->fgeb', W_V, M_1, t8, M_2, optimize=[(0, 3), (0, 1), (0, 1)])
+    t12 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t13 = t12.view((d_V, d_V, d_V, d_V))
+    t14 = M_1.transpose(-1, -2)
+    t15 = (2/(L*d_V*n_batch)) * t14
+    t13[...] = oe.contract('abc,de,acef,acg->bdgf', t15, t6, M_2, X, optimize=[(0, 3), (0, 1), (0, 1)])
+    t16 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t16[...] = 0
+    t17 = t16.view((d_V, d_V, d_V, d_V))
+    t18 = t17.diagonal(0, 1, 3)
+    t19 = t14 @ M_1
+    t20 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t21 = (2/(L*d_V*n_batch)) * t20
+    t18 += oe.contract('abc,d->bcd', t19, t21, optimize=[(0, 1)])
     return H
 
 
@@ -186,7 +189,8 @@ def mse_causal0__diag__W_QK__outer(X, W_QK, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t5 = W_V.transpose(-1, -2)
     t6 = W_V @ t5
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,cf,abfd,abe->ed', M_2, X, t6, M_2, X, optimize=[(1, 4), (0, 1), (0, 2), (0, 1)])
+    t7 = (2/(L*d_V*n_batch)) * X
+    t0[...] = oe.contract('abcd,abe,cf,abfd,abe->ed', M_2, t7, t6, M_2, X, optimize=[(1, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -223,7 +227,8 @@ def mse_causal0__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t5 = W_V.transpose(-1, -2)
     t6 = W_V @ t5
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, X, t6, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t7 = (2/(L*d_V*n_batch)) * X
+    t0[...] = oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, t7, t6, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -262,7 +267,8 @@ def mse_causal0__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t5 = A @ X
     M_1 = t5
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,abf,cg->edfg', M_2, X, M_1, W_V, optimize=[(0, 3), (0, 1), (0, 1)])
+    t6 = (2/(L*d_V*n_batch)) * X
+    t0[...] = oe.contract('ab,cde,cdf,cdag->fgeb', W_V, M_1, t6, M_2, optimize=[(0, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -302,7 +308,8 @@ def mse_causal0__diag__W_V__outer(X, W_QK, W_V, Y):
     t6 = M_1.transpose(-1, -2)
     t7 = t6 @ M_1
     t8 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abb,c->bc', t7, t8, optimize=[(0, 1)])
+    t9 = (2/(L*d_V*n_batch)) * t8
+    t0[...] = oe.contract('abb,c->bc', t7, t9, optimize=[(0, 1)])
     return out
 
 
@@ -341,7 +348,8 @@ def mse_causal0__block__W_V__W_QK__outer(X, W_QK, W_V, Y):
     t7 = W_V.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,de,acef,acg->bdgf', t6, t7, M_2, X, optimize=[(0, 3), (0, 1), (0, 1)])
+    t8 = (2/(L*d_V*n_batch)) * t6
+    t0[...] = oe.contract('abc,de,acef,acg->bdgf', t8, t7, M_2, X, optimize=[(0, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -385,7 +393,8 @@ def mse_causal0__block__W_V__W_V__outer(X, W_QK, W_V, Y):
     t7 = M_1.transpose(-1, -2)
     t8 = t7 @ M_1
     t9 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t1 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bcd', t8, t9, optimize=[(0, 1)])
+    t10 = (2/(L*d_V*n_batch)) * t9
+    t1 += oe.contract('abc,d->bcd', t8, t10, optimize=[(0, 1)])
     return out
 
 
@@ -436,18 +445,21 @@ def mse_causal0__hessian__functional(X, W_QK, W_V, Y):
     t15 = A * t14
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t15, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t15, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t15, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1[...] = (1/n_batch) * oe.contract('abc,acde,acf->bdfe', t2, M_3, X, optimize=[(0, 2), (0, 1)])
-    t16 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t17 = t16.view((d_V, d_V, d_V, d_V))
+    t16 = (1/n_batch) * t2
+    t1[...] = oe.contract('abc,acde,acf->bdfe', t16, M_3, X, optimize=[(0, 2), (0, 1)])
+    t17 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t18 = t17.view((d_V, d_V, d_V, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t17[...] = (1/n_batch) * oe.contract('abcd,abe,abf->edcf', M_2, X, G, optimize=[(1, 2), (0, 1)])
-    t18 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t19 = t18.view((d_V, d_V, d_V, d_V))
-    t20 = G.transpose(-1, -2)
-    t19[...] = (1/n_batch) * oe.contract('abc,acde,acf->dbfe', t20, M_2, X, optimize=[(0, 2), (0, 1)])
-    t21 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t21[...] = 0
+    t19 = (1/n_batch) * X
+    t18[...] = oe.contract('abcd,abe,abf->edcf', M_2, t19, G, optimize=[(1, 2), (0, 1)])
+    t20 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t21 = t20.view((d_V, d_V, d_V, d_V))
+    t22 = G.transpose(-1, -2)
+    t23 = (1/n_batch) * t22
+    t21[...] = oe.contract('abc,acde,acf->dbfe', t23, M_2, X, optimize=[(0, 2), (0, 1)])
+    t24 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t24[...] = 0
     return H
 
 
@@ -556,7 +568,8 @@ def mse_causal0__diag__W_QK__functional(X, W_QK, W_V, Y):
     t14 = A * t13
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t1, t14, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t14, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t14, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/n_batch) * oe.contract('abc,acdd,acb->bd', t1, M_3, X, optimize=[(0, 2), (0, 1)])
+    t15 = (1/n_batch) * t1
+    t0[...] = oe.contract('abc,acdd,acb->bd', t15, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -615,7 +628,8 @@ def mse_causal0__block__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t14 = A * t13
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t1, t14, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t14, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t14, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/n_batch) * oe.contract('abc,acde,acf->bdfe', t1, M_3, X, optimize=[(0, 2), (0, 1)])
+    t15 = (1/n_batch) * t1
+    t0[...] = oe.contract('abc,acde,acf->bdfe', t15, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -671,7 +685,8 @@ def mse_causal0__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
     t8 = (-2/(L*d_V)) * Y
     t9 = t7 + t8
     G = t9
-    t0[...] = (1/n_batch) * oe.contract('abcd,abe,abf->edcf', M_2, X, G, optimize=[(1, 2), (0, 1)])
+    t10 = (1/n_batch) * X
+    t0[...] = oe.contract('abcd,abe,abf->edcf', M_2, t10, G, optimize=[(1, 2), (0, 1)])
     return out
 
 
@@ -741,7 +756,8 @@ def mse_causal0__block__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t10 = G.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/n_batch) * oe.contract('abc,acde,acf->dbfe', t10, M_2, X, optimize=[(0, 2), (0, 1)])
+    t11 = (1/n_batch) * t10
+    t0[...] = oe.contract('abc,acde,acf->dbfe', t11, M_2, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -806,39 +822,45 @@ def mse_causal0__hessian__full(X, W_QK, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t6 = W_V.transpose(-1, -2)
     t7 = W_V @ t6
-    t1[...] = (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, X, t7, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t8 = A @ X
-    M_1 = t8
-    t9 = M_1 @ W_V
-    F = t9
-    t10 = (2/(L*d_V)) * F
-    t11 = (-2/(L*d_V)) * Y
-    t12 = t10 + t11
-    G = t12
-    t13 = t6 @ t2
-    t14 = G @ t13
-    t15 = t14 - (A * t14).sum(-1, keepdim=True)
-    t16 = A * t15
+    t8 = (2/(L*d_V*n_batch)) * X
+    t1[...] = oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, t8, t7, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1 @ W_V
+    F = t10
+    t11 = (2/(L*d_V)) * F
+    t12 = (-2/(L*d_V)) * Y
+    t13 = t11 + t12
+    G = t13
+    t14 = t6 @ t2
+    t15 = G @ t14
+    t16 = t15 - (A * t15).sum(-1, keepdim=True)
+    t17 = A * t16
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t16, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t16, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t16, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += (1/n_batch) * oe.contract('abc,acde,acf->bdfe', t2, M_3, X, optimize=[(0, 2), (0, 1)])
-    t17 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t18 = t17.view((d_V, d_V, d_V, d_V))
-    t18[...] = (1/n_batch) * oe.contract('abcd,abe,abf->edcf', M_2, X, G, optimize=[(1, 2), (0, 1)])
-    t18 += (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,abf,cg->edfg', M_2, X, M_1, W_V, optimize=[(0, 3), (0, 1), (0, 1)])
-    t19 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t18 = (1/n_batch) * t2
+    t1 += oe.contract('abc,acde,acf->bdfe', t18, M_3, X, optimize=[(0, 2), (0, 1)])
+    t19 = H[0:d_V**2, d_V**2:2*d_V**2]
     t20 = t19.view((d_V, d_V, d_V, d_V))
-    t21 = G.transpose(-1, -2)
-    t20[...] = (1/n_batch) * oe.contract('abc,acde,acf->dbfe', t21, M_2, X, optimize=[(0, 2), (0, 1)])
-    t22 = M_1.transpose(-1, -2)
-    t20 += (2/(L*d_V*n_batch)) * oe.contract('abc,de,acef,acg->bdgf', t22, t6, M_2, X, optimize=[(0, 3), (0, 1), (0, 1)])
-    t23 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t23[...] = 0
-    t24 = t23.view((d_V, d_V, d_V, d_V))
-    t25 = t24.diagonal(0, 1, 3)
-    t26 = t22 @ M_1
-    t27 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t25 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bcd', t26, t27, optimize=[(0, 1)])
+    t21 = (1/n_batch) * X
+    t20[...] = oe.contract('abcd,abe,abf->edcf', M_2, t21, G, optimize=[(1, 2), (0, 1)])
+    t20 += oe.contract('ab,cde,cdf,cdag->fgeb', W_V, M_1, t8, M_2, optimize=[(0, 3), (0, 1), (0, 1)])
+    t22 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t23 = t22.view((d_V, d_V, d_V, d_V))
+    t24 = G.transpose(-1, -2)
+    t25 = (1/n_batch) * t24
+    t23[...] = oe.contract('abc,acde,acf->dbfe', t25, M_2, X, optimize=[(0, 2), (0, 1)])
+    t26 = M_1.transpose(-1, -2)
+    t27 = (2/(L*d_V*n_batch)) * t26
+    t23 += oe.contract('abc,de,acef,acg->bdgf', t27, t6, M_2, X, optimize=[(0, 3), (0, 1), (0, 1)])
+    t28 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t28[...] = 0
+    t29 = t28.view((d_V, d_V, d_V, d_V))
+    t30 = t29.diagonal(0, 1, 3)
+    t31 = t26 @ M_1
+    t32 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t33 = (2/(L*d_V*n_batch)) * t32
+    t30 += oe.contract('abc,d->bcd', t31, t33, optimize=[(0, 1)])
     return H
 
 
@@ -952,22 +974,24 @@ def mse_causal0__diag__W_QK__full(X, W_QK, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t5 = W_V.transpose(-1, -2)
     t6 = W_V @ t5
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,cf,abfd,abe->ed', M_2, X, t6, M_2, X, optimize=[(1, 4), (0, 1), (0, 2), (0, 1)])
-    t7 = A @ X
-    M_1 = t7
-    t8 = M_1 @ W_V
-    F = t8
-    t9 = (2/(L*d_V)) * F
-    t10 = (-2/(L*d_V)) * Y
-    t11 = t9 + t10
-    G = t11
-    t12 = t5 @ t1
-    t13 = G @ t12
-    t14 = t13 - (A * t13).sum(-1, keepdim=True)
-    t15 = A * t14
+    t7 = (2/(L*d_V*n_batch)) * X
+    t0[...] = oe.contract('abcd,abe,cf,abfd,abe->ed', M_2, t7, t6, M_2, X, optimize=[(1, 4), (0, 1), (0, 2), (0, 1)])
+    t8 = A @ X
+    M_1 = t8
+    t9 = M_1 @ W_V
+    F = t9
+    t10 = (2/(L*d_V)) * F
+    t11 = (-2/(L*d_V)) * Y
+    t12 = t10 + t11
+    G = t12
+    t13 = t5 @ t1
+    t14 = G @ t13
+    t15 = t14 - (A * t14).sum(-1, keepdim=True)
+    t16 = A * t15
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t15, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t15, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t15, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/n_batch) * oe.contract('abc,acdd,acb->bd', t1, M_3, X, optimize=[(0, 2), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t16, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t16, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t16, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t17 = (1/n_batch) * t1
+    t0 += oe.contract('abc,acdd,acb->bd', t17, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -1018,22 +1042,24 @@ def mse_causal0__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t5 = W_V.transpose(-1, -2)
     t6 = W_V @ t5
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, X, t6, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t7 = A @ X
-    M_1 = t7
-    t8 = M_1 @ W_V
-    F = t8
-    t9 = (2/(L*d_V)) * F
-    t10 = (-2/(L*d_V)) * Y
-    t11 = t9 + t10
-    G = t11
-    t12 = t5 @ t1
-    t13 = G @ t12
-    t14 = t13 - (A * t13).sum(-1, keepdim=True)
-    t15 = A * t14
+    t7 = (2/(L*d_V*n_batch)) * X
+    t0[...] = oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, t7, t6, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t8 = A @ X
+    M_1 = t8
+    t9 = M_1 @ W_V
+    F = t9
+    t10 = (2/(L*d_V)) * F
+    t11 = (-2/(L*d_V)) * Y
+    t12 = t10 + t11
+    G = t12
+    t13 = t5 @ t1
+    t14 = G @ t13
+    t15 = t14 - (A * t14).sum(-1, keepdim=True)
+    t16 = A * t15
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t15, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t15, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t15, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/n_batch) * oe.contract('abc,acde,acf->bdfe', t1, M_3, X, optimize=[(0, 2), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t16, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t16, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t16, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t17 = (1/n_batch) * t1
+    t0 += oe.contract('abc,acde,acf->bdfe', t17, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -1092,8 +1118,10 @@ def mse_causal0__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     t8 = (-2/(L*d_V)) * Y
     t9 = t7 + t8
     G = t9
-    t0[...] = (1/n_batch) * oe.contract('abcd,abe,abf->edcf', M_2, X, G, optimize=[(1, 2), (0, 1)])
-    t0 += (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,abf,cg->edfg', M_2, X, M_1, W_V, optimize=[(0, 3), (0, 1), (0, 1)])
+    t10 = (1/n_batch) * X
+    t0[...] = oe.contract('abcd,abe,abf->edcf', M_2, t10, G, optimize=[(1, 2), (0, 1)])
+    t11 = (2/(L*d_V*n_batch)) * X
+    t0 += oe.contract('ab,cde,cdf,cdag->fgeb', W_V, M_1, t11, M_2, optimize=[(0, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -1139,7 +1167,8 @@ def mse_causal0__diag__W_V__full(X, W_QK, W_V, Y):
     t6 = M_1.transpose(-1, -2)
     t7 = t6 @ M_1
     t8 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abb,c->bc', t7, t8, optimize=[(0, 1)])
+    t9 = (2/(L*d_V*n_batch)) * t8
+    t0[...] = oe.contract('abb,c->bc', t7, t9, optimize=[(0, 1)])
     return out
 
 
@@ -1183,10 +1212,12 @@ def mse_causal0__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     t10 = G.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/n_batch) * oe.contract('abc,acde,acf->dbfe', t10, M_2, X, optimize=[(0, 2), (0, 1)])
-    t11 = M_1.transpose(-1, -2)
-    t12 = W_V.transpose(-1, -2)
-    t0 += (2/(L*d_V*n_batch)) * oe.contract('abc,de,acef,acg->bdgf', t11, t12, M_2, X, optimize=[(0, 3), (0, 1), (0, 1)])
+    t11 = (1/n_batch) * t10
+    t0[...] = oe.contract('abc,acde,acf->dbfe', t11, M_2, X, optimize=[(0, 2), (0, 1)])
+    t12 = M_1.transpose(-1, -2)
+    t13 = W_V.transpose(-1, -2)
+    t14 = (2/(L*d_V*n_batch)) * t12
+    t0 += oe.contract('abc,de,acef,acg->bdgf', t14, t13, M_2, X, optimize=[(0, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -1237,7 +1268,8 @@ def mse_causal0__block__W_V__W_V__full(X, W_QK, W_V, Y):
     t7 = M_1.transpose(-1, -2)
     t8 = t7 @ M_1
     t9 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t1 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bcd', t8, t9, optimize=[(0, 1)])
+    t10 = (2/(L*d_V*n_batch)) * t9
+    t1 += oe.contract('abc,d->bcd', t8, t10, optimize=[(0, 1)])
     return out
 
 
@@ -1334,23 +1366,26 @@ def mse_causal1__hessian__outer(X, W_QK, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t8 = W_V.transpose(-1, -2)
     t9 = W_V @ t8
-    t1[...] = (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, X, t9, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t10 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t11 = t10.view((d_V, d_V, d_V, d_V))
-    t12 = A @ X
-    M_1 = t12
-    t11[...] = (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,abf,cg->edfg', M_2, X, M_1, W_V, optimize=[(0, 3), (0, 1), (0, 1)])
-    t13 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t14 = t13.view((d_V, d_V, d_V, d_V))
-    t15 = M_1.transpose(-1, -2)
-    t14[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,de,acef,acg->bdgf', t15, t8, M_2, X, optimize=[(0, 3), (0, 1), (0, 1)])
-    t16 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t16[...] = 0
-    t17 = t16.view((d_V, d_V, d_V, d_V))
-    t18 = t17.diagonal(0, 1, 3)
-    t19 = t15 @ M_1
-    t20 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t18 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bcd', t19, t20, optimize=[(0, 1)])
+    t10 = (2/(L*d_V*n_batch)) * X
+    t1[...] = oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, t10, t9, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t11 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t12 = t11.view((d_V, d_V, d_V, d_V))
+    t13 = A @ X
+    M_1 = t13
+    t12[...] = oe.contract('ab,cde,cdf,cdag->fgeb', W_V, M_1, t10, M_2, optimize=[(0, 3), (0, 1), (0, 1)])
+    t14 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t15 = t14.view((d_V, d_V, d_V, d_V))
+    t16 = M_1.transpose(-1, -2)
+    t17 = (2/(L*d_V*n_batch)) * t16
+    t15[...] = oe.contract('abc,de,acef,acg->bdgf', t17, t8, M_2, X, optimize=[(0, 3), (0, 1), (0, 1)])
+    t18 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t18[...] = 0
+    t19 = t18.view((d_V, d_V, d_V, d_V))
+    t20 = t19.diagonal(0, 1, 3)
+    t21 = t16 @ M_1
+    t22 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t23 = (2/(L*d_V*n_batch)) * t22
+    t20 += oe.contract('abc,d->bcd', t21, t23, optimize=[(0, 1)])
     return H
 
 
@@ -1439,7 +1474,8 @@ def mse_causal1__diag__W_QK__outer(X, W_QK, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t7 = W_V.transpose(-1, -2)
     t8 = W_V @ t7
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,cf,abfd,abe->ed', M_2, X, t8, M_2, X, optimize=[(1, 4), (0, 1), (0, 2), (0, 1)])
+    t9 = (2/(L*d_V*n_batch)) * X
+    t0[...] = oe.contract('abcd,abe,cf,abfd,abe->ed', M_2, t9, t8, M_2, X, optimize=[(1, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -1480,7 +1516,8 @@ def mse_causal1__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t7 = W_V.transpose(-1, -2)
     t8 = W_V @ t7
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, X, t8, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t9 = (2/(L*d_V*n_batch)) * X
+    t0[...] = oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, t9, t8, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -1523,7 +1560,8 @@ def mse_causal1__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t7 = A @ X
     M_1 = t7
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,abf,cg->edfg', M_2, X, M_1, W_V, optimize=[(0, 3), (0, 1), (0, 1)])
+    t8 = (2/(L*d_V*n_batch)) * X
+    t0[...] = oe.contract('ab,cde,cdf,cdag->fgeb', W_V, M_1, t8, M_2, optimize=[(0, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -1567,7 +1605,8 @@ def mse_causal1__diag__W_V__outer(X, W_QK, W_V, Y):
     t8 = M_1.transpose(-1, -2)
     t9 = t8 @ M_1
     t10 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abb,c->bc', t9, t10, optimize=[(0, 1)])
+    t11 = (2/(L*d_V*n_batch)) * t10
+    t0[...] = oe.contract('abb,c->bc', t9, t11, optimize=[(0, 1)])
     return out
 
 
@@ -1610,7 +1649,8 @@ def mse_causal1__block__W_V__W_QK__outer(X, W_QK, W_V, Y):
     t9 = W_V.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,de,acef,acg->bdgf', t8, t9, M_2, X, optimize=[(0, 3), (0, 1), (0, 1)])
+    t10 = (2/(L*d_V*n_batch)) * t8
+    t0[...] = oe.contract('abc,de,acef,acg->bdgf', t10, t9, M_2, X, optimize=[(0, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -1658,7 +1698,8 @@ def mse_causal1__block__W_V__W_V__outer(X, W_QK, W_V, Y):
     t9 = M_1.transpose(-1, -2)
     t10 = t9 @ M_1
     t11 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t1 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bcd', t10, t11, optimize=[(0, 1)])
+    t12 = (2/(L*d_V*n_batch)) * t11
+    t1 += oe.contract('abc,d->bcd', t10, t12, optimize=[(0, 1)])
     return out
 
 
@@ -1713,18 +1754,21 @@ def mse_causal1__hessian__functional(X, W_QK, W_V, Y):
     t17 = A * t16
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1[...] = (1/n_batch) * oe.contract('abc,acde,acf->bdfe', t2, M_3, X, optimize=[(0, 2), (0, 1)])
-    t18 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t19 = t18.view((d_V, d_V, d_V, d_V))
+    t18 = (1/n_batch) * t2
+    t1[...] = oe.contract('abc,acde,acf->bdfe', t18, M_3, X, optimize=[(0, 2), (0, 1)])
+    t19 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t20 = t19.view((d_V, d_V, d_V, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t19[...] = (1/n_batch) * oe.contract('abcd,abe,abf->edcf', M_2, X, G, optimize=[(1, 2), (0, 1)])
-    t20 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t21 = t20.view((d_V, d_V, d_V, d_V))
-    t22 = G.transpose(-1, -2)
-    t21[...] = (1/n_batch) * oe.contract('abc,acde,acf->dbfe', t22, M_2, X, optimize=[(0, 2), (0, 1)])
-    t23 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t23[...] = 0
+    t21 = (1/n_batch) * X
+    t20[...] = oe.contract('abcd,abe,abf->edcf', M_2, t21, G, optimize=[(1, 2), (0, 1)])
+    t22 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t23 = t22.view((d_V, d_V, d_V, d_V))
+    t24 = G.transpose(-1, -2)
+    t25 = (1/n_batch) * t24
+    t23[...] = oe.contract('abc,acde,acf->dbfe', t25, M_2, X, optimize=[(0, 2), (0, 1)])
+    t26 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t26[...] = 0
     return H
 
 
@@ -1839,7 +1883,8 @@ def mse_causal1__diag__W_QK__functional(X, W_QK, W_V, Y):
     t16 = A * t15
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t1, t16, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t16, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t16, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/n_batch) * oe.contract('abc,acdd,acb->bd', t1, M_3, X, optimize=[(0, 2), (0, 1)])
+    t17 = (1/n_batch) * t1
+    t0[...] = oe.contract('abc,acdd,acb->bd', t17, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -1902,7 +1947,8 @@ def mse_causal1__block__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t16 = A * t15
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t1, t16, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t16, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t16, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/n_batch) * oe.contract('abc,acde,acf->bdfe', t1, M_3, X, optimize=[(0, 2), (0, 1)])
+    t17 = (1/n_batch) * t1
+    t0[...] = oe.contract('abc,acde,acf->bdfe', t17, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -1962,7 +2008,8 @@ def mse_causal1__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
     t10 = (-2/(L*d_V)) * Y
     t11 = t9 + t10
     G = t11
-    t0[...] = (1/n_batch) * oe.contract('abcd,abe,abf->edcf', M_2, X, G, optimize=[(1, 2), (0, 1)])
+    t12 = (1/n_batch) * X
+    t0[...] = oe.contract('abcd,abe,abf->edcf', M_2, t12, G, optimize=[(1, 2), (0, 1)])
     return out
 
 
@@ -2036,7 +2083,8 @@ def mse_causal1__block__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t12 = G.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/n_batch) * oe.contract('abc,acde,acf->dbfe', t12, M_2, X, optimize=[(0, 2), (0, 1)])
+    t13 = (1/n_batch) * t12
+    t0[...] = oe.contract('abc,acde,acf->dbfe', t13, M_2, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -2105,39 +2153,45 @@ def mse_causal1__hessian__full(X, W_QK, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t8 = W_V.transpose(-1, -2)
     t9 = W_V @ t8
-    t1[...] = (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, X, t9, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t10 = A @ X
-    M_1 = t10
-    t11 = M_1 @ W_V
-    F = t11
-    t12 = (2/(L*d_V)) * F
-    t13 = (-2/(L*d_V)) * Y
-    t14 = t12 + t13
-    G = t14
-    t15 = t8 @ t2
-    t16 = G @ t15
-    t17 = t16 - (A * t16).sum(-1, keepdim=True)
-    t18 = A * t17
+    t10 = (2/(L*d_V*n_batch)) * X
+    t1[...] = oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, t10, t9, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t11 = A @ X
+    M_1 = t11
+    t12 = M_1 @ W_V
+    F = t12
+    t13 = (2/(L*d_V)) * F
+    t14 = (-2/(L*d_V)) * Y
+    t15 = t13 + t14
+    G = t15
+    t16 = t8 @ t2
+    t17 = G @ t16
+    t18 = t17 - (A * t17).sum(-1, keepdim=True)
+    t19 = A * t18
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += (1/n_batch) * oe.contract('abc,acde,acf->bdfe', t2, M_3, X, optimize=[(0, 2), (0, 1)])
-    t19 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t20 = t19.view((d_V, d_V, d_V, d_V))
-    t20[...] = (1/n_batch) * oe.contract('abcd,abe,abf->edcf', M_2, X, G, optimize=[(1, 2), (0, 1)])
-    t20 += (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,abf,cg->edfg', M_2, X, M_1, W_V, optimize=[(0, 3), (0, 1), (0, 1)])
-    t21 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t19, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t19, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t19, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t20 = (1/n_batch) * t2
+    t1 += oe.contract('abc,acde,acf->bdfe', t20, M_3, X, optimize=[(0, 2), (0, 1)])
+    t21 = H[0:d_V**2, d_V**2:2*d_V**2]
     t22 = t21.view((d_V, d_V, d_V, d_V))
-    t23 = G.transpose(-1, -2)
-    t22[...] = (1/n_batch) * oe.contract('abc,acde,acf->dbfe', t23, M_2, X, optimize=[(0, 2), (0, 1)])
-    t24 = M_1.transpose(-1, -2)
-    t22 += (2/(L*d_V*n_batch)) * oe.contract('abc,de,acef,acg->bdgf', t24, t8, M_2, X, optimize=[(0, 3), (0, 1), (0, 1)])
-    t25 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t25[...] = 0
-    t26 = t25.view((d_V, d_V, d_V, d_V))
-    t27 = t26.diagonal(0, 1, 3)
-    t28 = t24 @ M_1
-    t29 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t27 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bcd', t28, t29, optimize=[(0, 1)])
+    t23 = (1/n_batch) * X
+    t22[...] = oe.contract('abcd,abe,abf->edcf', M_2, t23, G, optimize=[(1, 2), (0, 1)])
+    t22 += oe.contract('ab,cde,cdf,cdag->fgeb', W_V, M_1, t10, M_2, optimize=[(0, 3), (0, 1), (0, 1)])
+    t24 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t25 = t24.view((d_V, d_V, d_V, d_V))
+    t26 = G.transpose(-1, -2)
+    t27 = (1/n_batch) * t26
+    t25[...] = oe.contract('abc,acde,acf->dbfe', t27, M_2, X, optimize=[(0, 2), (0, 1)])
+    t28 = M_1.transpose(-1, -2)
+    t29 = (2/(L*d_V*n_batch)) * t28
+    t25 += oe.contract('abc,de,acef,acg->bdgf', t29, t8, M_2, X, optimize=[(0, 3), (0, 1), (0, 1)])
+    t30 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t30[...] = 0
+    t31 = t30.view((d_V, d_V, d_V, d_V))
+    t32 = t31.diagonal(0, 1, 3)
+    t33 = t28 @ M_1
+    t34 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t35 = (2/(L*d_V*n_batch)) * t34
+    t32 += oe.contract('abc,d->bcd', t33, t35, optimize=[(0, 1)])
     return H
 
 
@@ -2257,22 +2311,24 @@ def mse_causal1__diag__W_QK__full(X, W_QK, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t7 = W_V.transpose(-1, -2)
     t8 = W_V @ t7
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,cf,abfd,abe->ed', M_2, X, t8, M_2, X, optimize=[(1, 4), (0, 1), (0, 2), (0, 1)])
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    F = t10
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = t7 @ t1
-    t15 = G @ t14
-    t16 = t15 - (A * t15).sum(-1, keepdim=True)
-    t17 = A * t16
+    t9 = (2/(L*d_V*n_batch)) * X
+    t0[...] = oe.contract('abcd,abe,cf,abfd,abe->ed', M_2, t9, t8, M_2, X, optimize=[(1, 4), (0, 1), (0, 2), (0, 1)])
+    t10 = A @ X
+    M_1 = t10
+    t11 = M_1 @ W_V
+    F = t11
+    t12 = (2/(L*d_V)) * F
+    t13 = (-2/(L*d_V)) * Y
+    t14 = t12 + t13
+    G = t14
+    t15 = t7 @ t1
+    t16 = G @ t15
+    t17 = t16 - (A * t16).sum(-1, keepdim=True)
+    t18 = A * t17
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/n_batch) * oe.contract('abc,acdd,acb->bd', t1, M_3, X, optimize=[(0, 2), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t19 = (1/n_batch) * t1
+    t0 += oe.contract('abc,acdd,acb->bd', t19, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -2327,22 +2383,24 @@ def mse_causal1__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t7 = W_V.transpose(-1, -2)
     t8 = W_V @ t7
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, X, t8, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    F = t10
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = t7 @ t1
-    t15 = G @ t14
-    t16 = t15 - (A * t15).sum(-1, keepdim=True)
-    t17 = A * t16
+    t9 = (2/(L*d_V*n_batch)) * X
+    t0[...] = oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, t9, t8, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t10 = A @ X
+    M_1 = t10
+    t11 = M_1 @ W_V
+    F = t11
+    t12 = (2/(L*d_V)) * F
+    t13 = (-2/(L*d_V)) * Y
+    t14 = t12 + t13
+    G = t14
+    t15 = t7 @ t1
+    t16 = G @ t15
+    t17 = t16 - (A * t16).sum(-1, keepdim=True)
+    t18 = A * t17
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/n_batch) * oe.contract('abc,acde,acf->bdfe', t1, M_3, X, optimize=[(0, 2), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t19 = (1/n_batch) * t1
+    t0 += oe.contract('abc,acde,acf->bdfe', t19, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -2405,8 +2463,10 @@ def mse_causal1__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     t10 = (-2/(L*d_V)) * Y
     t11 = t9 + t10
     G = t11
-    t0[...] = (1/n_batch) * oe.contract('abcd,abe,abf->edcf', M_2, X, G, optimize=[(1, 2), (0, 1)])
-    t0 += (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,abf,cg->edfg', M_2, X, M_1, W_V, optimize=[(0, 3), (0, 1), (0, 1)])
+    t12 = (1/n_batch) * X
+    t0[...] = oe.contract('abcd,abe,abf->edcf', M_2, t12, G, optimize=[(1, 2), (0, 1)])
+    t13 = (2/(L*d_V*n_batch)) * X
+    t0 += oe.contract('ab,cde,cdf,cdag->fgeb', W_V, M_1, t13, M_2, optimize=[(0, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -2456,7 +2516,8 @@ def mse_causal1__diag__W_V__full(X, W_QK, W_V, Y):
     t8 = M_1.transpose(-1, -2)
     t9 = t8 @ M_1
     t10 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abb,c->bc', t9, t10, optimize=[(0, 1)])
+    t11 = (2/(L*d_V*n_batch)) * t10
+    t0[...] = oe.contract('abb,c->bc', t9, t11, optimize=[(0, 1)])
     return out
 
 
@@ -2504,10 +2565,12 @@ def mse_causal1__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     t12 = G.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/n_batch) * oe.contract('abc,acde,acf->dbfe', t12, M_2, X, optimize=[(0, 2), (0, 1)])
-    t13 = M_1.transpose(-1, -2)
-    t14 = W_V.transpose(-1, -2)
-    t0 += (2/(L*d_V*n_batch)) * oe.contract('abc,de,acef,acg->bdgf', t13, t14, M_2, X, optimize=[(0, 3), (0, 1), (0, 1)])
+    t13 = (1/n_batch) * t12
+    t0[...] = oe.contract('abc,acde,acf->dbfe', t13, M_2, X, optimize=[(0, 2), (0, 1)])
+    t14 = M_1.transpose(-1, -2)
+    t15 = W_V.transpose(-1, -2)
+    t16 = (2/(L*d_V*n_batch)) * t14
+    t0 += oe.contract('abc,de,acef,acg->bdgf', t16, t15, M_2, X, optimize=[(0, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -2562,7 +2625,8 @@ def mse_causal1__block__W_V__W_V__full(X, W_QK, W_V, Y):
     t9 = M_1.transpose(-1, -2)
     t10 = t9 @ M_1
     t11 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t1 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bcd', t10, t11, optimize=[(0, 1)])
+    t12 = (2/(L*d_V*n_batch)) * t11
+    t1 += oe.contract('abc,d->bcd', t10, t12, optimize=[(0, 1)])
     return out
 
 
@@ -2666,23 +2730,27 @@ def ce_causal0__hessian__outer(X, W_QK, W_V, Y):
     t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
     A11 = t10 / t10.sum(-1, keepdim=True)
     t12 = W_V.transpose(-1, -2)
-    t1[...] = (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi->edih', M_2, X, W_V, t7, A11, t12, M_2, X, optimize=[(3, 4), (0, 2), (1, 2), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t1 += (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhi,abj->edji', M_2, X, W_V, t7, A11, A11, t12, M_2, X, optimize=[(3, 4), (0, 2), (5, 6), (1, 2), (1, 4), (0, 2), (0, 2), (0, 1)])
-    t13 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t14 = t13.view((d_V, d_V, d_V, d_V))
-    t14[...] = (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg->edgf', M_2, X, W_V, t7, A11, M_1, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t14 += (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,abh->edhg', M_2, X, W_V, t7, A11, A11, M_1, optimize=[(3, 4), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t15 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t13 = (1/(L*n_batch)) * X
+    t1[...] = oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi->edih', M_2, t13, W_V, t7, A11, t12, M_2, X, optimize=[(3, 4), (0, 2), (1, 2), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t14 = (-1/(L*n_batch)) * X
+    t1 += oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhi,abj->edji', M_2, t14, W_V, t7, A11, A11, t12, M_2, X, optimize=[(3, 4), (0, 2), (5, 6), (1, 2), (1, 4), (0, 2), (0, 2), (0, 1)])
+    t15 = H[0:d_V**2, d_V**2:2*d_V**2]
     t16 = t15.view((d_V, d_V, d_V, d_V))
-    t17 = M_1.transpose(-1, -2)
-    t16[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg->bdgf', t17, t7, A11, t12, M_2, X, optimize=[(1, 2), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t16 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach->bdhg', t17, t7, A11, A11, t12, M_2, X, optimize=[(1, 2), (1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
-    t18 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t18[...] = 0
-    t19 = t18.view((d_V, d_V, d_V, d_V))
-    t20 = t19.diagonal(0, 1, 3)
-    t20 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bed', t17, t7, A11, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
-    t19 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t17, t7, A11, A11, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t16[...] = oe.contract('abc,abd,abd,ed,abf,abeg->fgcd', M_1, A11, t7, W_V, t13, M_2, optimize=[(1, 2), (1, 3), (2, 3), (0, 1), (0, 1)])
+    t16 += oe.contract('abcd,abe,cf,abf,abf,abg,abh->edhg', M_2, t14, W_V, t7, A11, A11, M_1, optimize=[(3, 4), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t17 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t18 = t17.view((d_V, d_V, d_V, d_V))
+    t19 = M_1.transpose(-1, -2)
+    t20 = (1/(L*n_batch)) * t19
+    t18[...] = oe.contract('abc,abde,fd,abf,abf,agb->gfce', X, M_2, t12, A11, t7, t20, optimize=[(3, 4), (1, 2), (2, 3), (0, 1), (0, 1)])
+    t21 = (-1/(L*n_batch)) * t19
+    t18 += oe.contract('abc,acd,acd,ace,ef,acfg,ach->bdhg', t21, t7, A11, A11, t12, M_2, X, optimize=[(1, 2), (1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t22 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t22[...] = 0
+    t23 = t22.view((d_V, d_V, d_V, d_V))
+    t24 = t23.diagonal(0, 1, 3)
+    t24 += oe.contract('abc,abd,abd,aeb->ecd', M_1, A11, t7, t20, optimize=[(1, 2), (0, 1), (0, 1)])
+    t23 += oe.contract('abc,acd,acd,ace,acf->bdfe', t21, t7, A11, A11, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
     return H
 
 
@@ -2782,8 +2850,10 @@ def ce_causal0__diag__W_QK__outer(X, W_QK, W_V, Y):
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A10 = t9 / t9.sum(-1, keepdim=True)
     t11 = W_V.transpose(-1, -2)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,fg,abgd,abe->ed', M_2, X, W_V, t6, A10, t11, M_2, X, optimize=[(3, 4), (1, 5), (0, 1), (0, 1), (2, 3), (0, 2), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhd,abe->ed', M_2, X, W_V, t6, A10, A10, t11, M_2, X, optimize=[(3, 4), (1, 6), (0, 1), (3, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
+    t12 = (1/(L*n_batch)) * X
+    t0[...] = oe.contract('abcd,abe,cf,abf,abf,fg,abgd,abe->ed', M_2, t12, W_V, t6, A10, t11, M_2, X, optimize=[(3, 4), (1, 5), (0, 1), (0, 1), (2, 3), (0, 2), (0, 1)])
+    t13 = (-1/(L*n_batch)) * X
+    t0 += oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhd,abe->ed', M_2, t13, W_V, t6, A10, A10, t11, M_2, X, optimize=[(3, 4), (1, 6), (0, 1), (3, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
     return out
 
 
@@ -2832,8 +2902,10 @@ def ce_causal0__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A10 = t9 / t9.sum(-1, keepdim=True)
     t11 = W_V.transpose(-1, -2)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi->edih', M_2, X, W_V, t6, A10, t11, M_2, X, optimize=[(3, 4), (0, 2), (1, 2), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhi,abj->edji', M_2, X, W_V, t6, A10, A10, t11, M_2, X, optimize=[(3, 4), (0, 2), (5, 6), (1, 2), (1, 4), (0, 2), (0, 2), (0, 1)])
+    t12 = (1/(L*n_batch)) * X
+    t0[...] = oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi->edih', M_2, t12, W_V, t6, A10, t11, M_2, X, optimize=[(3, 4), (0, 2), (1, 2), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t13 = (-1/(L*n_batch)) * X
+    t0 += oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhi,abj->edji', M_2, t13, W_V, t6, A10, A10, t11, M_2, X, optimize=[(3, 4), (0, 2), (5, 6), (1, 2), (1, 4), (0, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -2883,8 +2955,10 @@ def ce_causal0__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     t8 = M_1 @ W_V
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A10 = t9 / t9.sum(-1, keepdim=True)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg->edgf', M_2, X, W_V, t6, A10, M_1, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,abh->edhg', M_2, X, W_V, t6, A10, A10, M_1, optimize=[(3, 4), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t11 = (1/(L*n_batch)) * X
+    t0[...] = oe.contract('abc,abd,abd,ed,abf,abeg->fgcd', M_1, A10, t6, W_V, t11, M_2, optimize=[(1, 2), (1, 3), (2, 3), (0, 1), (0, 1)])
+    t12 = (-1/(L*n_batch)) * X
+    t0 += oe.contract('abcd,abe,cf,abf,abf,abg,abh->edhg', M_2, t12, W_V, t6, A10, A10, M_1, optimize=[(3, 4), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -2932,8 +3006,10 @@ def ce_causal0__diag__W_V__outer(X, W_QK, W_V, Y):
     t9 = M_1 @ W_V
     t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
     A11 = t10 / t10.sum(-1, keepdim=True)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,acb->bd', t6, t8, A11, M_1, optimize=[(0, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->bd', t6, t8, A11, A11, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t12 = (1/(L*n_batch)) * t6
+    t0[...] = oe.contract('abc,acd,acd,acb->bd', t12, t8, A11, M_1, optimize=[(0, 3), (0, 1), (0, 1)])
+    t13 = (-1/(L*n_batch)) * t6
+    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t13, t8, A11, A11, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -2981,8 +3057,10 @@ def ce_causal0__block__W_V__W_QK__outer(X, W_QK, W_V, Y):
     t12 = W_V.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg->bdgf', t6, t8, A11, t12, M_2, X, optimize=[(1, 2), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach->bdhg', t6, t8, A11, A11, t12, M_2, X, optimize=[(1, 2), (1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t13 = (1/(L*n_batch)) * t6
+    t0[...] = oe.contract('abc,abde,fd,abf,abf,agb->gfce', X, M_2, t12, A11, t8, t13, optimize=[(3, 4), (1, 2), (2, 3), (0, 1), (0, 1)])
+    t14 = (-1/(L*n_batch)) * t6
+    t0 += oe.contract('abc,acd,acd,ace,ef,acfg,ach->bdhg', t14, t8, A11, A11, t12, M_2, X, optimize=[(1, 2), (1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -3034,8 +3112,10 @@ def ce_causal0__block__W_V__W_V__outer(X, W_QK, W_V, Y):
     t10 = M_1 @ W_V
     t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
     A12 = t11 / t11.sum(-1, keepdim=True)
-    t1 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bed', t7, t9, A12, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t7, t9, A12, A12, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t13 = (1/(L*n_batch)) * t7
+    t1 += oe.contract('abc,abd,abd,aeb->ecd', M_1, A12, t9, t13, optimize=[(1, 2), (0, 1), (0, 1)])
+    t14 = (-1/(L*n_batch)) * t7
+    t0 += oe.contract('abc,acd,acd,ace,acf->bdfe', t14, t9, A12, A12, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
     return out
 
 
@@ -3095,18 +3175,21 @@ def ce_causal0__hessian__functional(X, W_QK, W_V, Y):
     t20 = A * t19
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1[...] = (1/n_batch) * oe.contract('abc,acde,acf->bdfe', t2, M_3, X, optimize=[(0, 2), (0, 1)])
-    t21 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t22 = t21.view((d_V, d_V, d_V, d_V))
+    t21 = (1/n_batch) * t2
+    t1[...] = oe.contract('abc,acde,acf->bdfe', t21, M_3, X, optimize=[(0, 2), (0, 1)])
+    t22 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t23 = t22.view((d_V, d_V, d_V, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t22[...] = (1/n_batch) * oe.contract('abcd,abe,abf->edcf', M_2, X, G, optimize=[(1, 2), (0, 1)])
-    t23 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t24 = t23.view((d_V, d_V, d_V, d_V))
-    t25 = G.transpose(-1, -2)
-    t24[...] = (1/n_batch) * oe.contract('abc,acde,acf->dbfe', t25, M_2, X, optimize=[(0, 2), (0, 1)])
-    t26 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t26[...] = 0
+    t24 = (1/n_batch) * X
+    t23[...] = oe.contract('abcd,abe,abf->edcf', M_2, t24, G, optimize=[(1, 2), (0, 1)])
+    t25 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t26 = t25.view((d_V, d_V, d_V, d_V))
+    t27 = G.transpose(-1, -2)
+    t28 = (1/n_batch) * t27
+    t26[...] = oe.contract('abc,acde,acf->dbfe', t28, M_2, X, optimize=[(0, 2), (0, 1)])
+    t29 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t29[...] = 0
     return H
 
 
@@ -3230,7 +3313,8 @@ def ce_causal0__diag__W_QK__functional(X, W_QK, W_V, Y):
     t19 = A * t18
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t1, t19, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t19, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t19, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/n_batch) * oe.contract('abc,acdd,acb->bd', t1, M_3, X, optimize=[(0, 2), (0, 1)])
+    t20 = (1/n_batch) * t1
+    t0[...] = oe.contract('abc,acdd,acb->bd', t20, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -3299,7 +3383,8 @@ def ce_causal0__block__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t19 = A * t18
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t1, t19, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t19, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t19, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/n_batch) * oe.contract('abc,acde,acf->bdfe', t1, M_3, X, optimize=[(0, 2), (0, 1)])
+    t20 = (1/n_batch) * t1
+    t0[...] = oe.contract('abc,acde,acf->bdfe', t20, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -3365,7 +3450,8 @@ def ce_causal0__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
     t13 = (-1/L) * Y
     t14 = t12 + t13
     G = t14
-    t0[...] = (1/n_batch) * oe.contract('abcd,abe,abf->edcf', M_2, X, G, optimize=[(1, 2), (0, 1)])
+    t15 = (1/n_batch) * X
+    t0[...] = oe.contract('abcd,abe,abf->edcf', M_2, t15, G, optimize=[(1, 2), (0, 1)])
     return out
 
 
@@ -3445,7 +3531,8 @@ def ce_causal0__block__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t15 = G.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/n_batch) * oe.contract('abc,acde,acf->dbfe', t15, M_2, X, optimize=[(0, 2), (0, 1)])
+    t16 = (1/n_batch) * t15
+    t0[...] = oe.contract('abc,acde,acf->dbfe', t16, M_2, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -3521,41 +3608,48 @@ def ce_causal0__hessian__full(X, W_QK, W_V, Y):
     t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
     A11 = t10 / t10.sum(-1, keepdim=True)
     t12 = W_V.transpose(-1, -2)
-    t1[...] = (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi->edih', M_2, X, W_V, t7, A11, t12, M_2, X, optimize=[(3, 4), (0, 2), (1, 2), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t1 += (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhi,abj->edji', M_2, X, W_V, t7, A11, A11, t12, M_2, X, optimize=[(3, 4), (0, 2), (5, 6), (1, 2), (1, 4), (0, 2), (0, 2), (0, 1)])
+    t13 = (1/(L*n_batch)) * X
+    t1[...] = oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi->edih', M_2, t13, W_V, t7, A11, t12, M_2, X, optimize=[(3, 4), (0, 2), (1, 2), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t14 = (-1/(L*n_batch)) * X
+    t1 += oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhi,abj->edji', M_2, t14, W_V, t7, A11, A11, t12, M_2, X, optimize=[(3, 4), (0, 2), (5, 6), (1, 2), (1, 4), (0, 2), (0, 2), (0, 1)])
     F = t9
-    t13 = torch.exp(F - F.amax(-1, keepdim=True))
-    A14 = t13 / t13.sum(-1, keepdim=True)
-    t15 = t7 * A14
-    t16 = (1/L) * t15
-    t17 = (-1/L) * Y
-    t18 = t16 + t17
-    G = t18
-    t19 = t12 @ t2
-    t20 = G @ t19
-    t21 = t20 - (A * t20).sum(-1, keepdim=True)
-    t22 = A * t21
+    t15 = torch.exp(F - F.amax(-1, keepdim=True))
+    A16 = t15 / t15.sum(-1, keepdim=True)
+    t17 = t7 * A16
+    t18 = (1/L) * t17
+    t19 = (-1/L) * Y
+    t20 = t18 + t19
+    G = t20
+    t21 = t12 @ t2
+    t22 = G @ t21
+    t23 = t22 - (A * t22).sum(-1, keepdim=True)
+    t24 = A * t23
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t22, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t22, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t22, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += (1/n_batch) * oe.contract('abc,acde,acf->bdfe', t2, M_3, X, optimize=[(0, 2), (0, 1)])
-    t23 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t24 = t23.view((d_V, d_V, d_V, d_V))
-    t24[...] = (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg->edgf', M_2, X, W_V, t7, A11, M_1, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t24 += (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,abh->edhg', M_2, X, W_V, t7, A11, A11, M_1, optimize=[(3, 4), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t24 += (1/n_batch) * oe.contract('abcd,abe,abf->edcf', M_2, X, G, optimize=[(1, 2), (0, 1)])
-    t25 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t26 = t25.view((d_V, d_V, d_V, d_V))
-    t27 = G.transpose(-1, -2)
-    t26[...] = (1/n_batch) * oe.contract('abc,acde,acf->dbfe', t27, M_2, X, optimize=[(0, 2), (0, 1)])
-    t28 = M_1.transpose(-1, -2)
-    t26 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg->bdgf', t28, t7, A11, t12, M_2, X, optimize=[(1, 2), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t26 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach->bdhg', t28, t7, A11, A11, t12, M_2, X, optimize=[(1, 2), (1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
-    t29 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t29[...] = 0
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t24, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t24, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t24, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t25 = (1/n_batch) * t2
+    t1 += oe.contract('abc,acde,acf->bdfe', t25, M_3, X, optimize=[(0, 2), (0, 1)])
+    t26 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t27 = t26.view((d_V, d_V, d_V, d_V))
+    t27[...] = oe.contract('abc,abd,abd,ed,abf,abeg->fgcd', M_1, A11, t7, W_V, t13, M_2, optimize=[(1, 2), (1, 3), (2, 3), (0, 1), (0, 1)])
+    t27 += oe.contract('abcd,abe,cf,abf,abf,abg,abh->edhg', M_2, t14, W_V, t7, A11, A11, M_1, optimize=[(3, 4), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t28 = (1/n_batch) * X
+    t27 += oe.contract('abcd,abe,abf->edcf', M_2, t28, G, optimize=[(1, 2), (0, 1)])
+    t29 = H[d_V**2:2*d_V**2, 0:d_V**2]
     t30 = t29.view((d_V, d_V, d_V, d_V))
-    t31 = t30.diagonal(0, 1, 3)
-    t31 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bed', t28, t7, A11, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
-    t30 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t28, t7, A11, A11, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t31 = G.transpose(-1, -2)
+    t32 = (1/n_batch) * t31
+    t30[...] = oe.contract('abc,acde,acf->dbfe', t32, M_2, X, optimize=[(0, 2), (0, 1)])
+    t33 = M_1.transpose(-1, -2)
+    t34 = (1/(L*n_batch)) * t33
+    t30 += oe.contract('abc,abde,fd,abf,abf,agb->gfce', X, M_2, t12, A11, t7, t34, optimize=[(3, 4), (1, 2), (2, 3), (0, 1), (0, 1)])
+    t35 = (-1/(L*n_batch)) * t33
+    t30 += oe.contract('abc,acd,acd,ace,ef,acfg,ach->bdhg', t35, t7, A11, A11, t12, M_2, X, optimize=[(1, 2), (1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t36 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t36[...] = 0
+    t37 = t36.view((d_V, d_V, d_V, d_V))
+    t38 = t37.diagonal(0, 1, 3)
+    t38 += oe.contract('abc,abd,abd,aeb->ecd', M_1, A11, t7, t34, optimize=[(1, 2), (0, 1), (0, 1)])
+    t37 += oe.contract('abc,acd,acd,ace,acf->bdfe', t35, t7, A11, A11, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
     return H
 
 
@@ -3688,23 +3782,26 @@ def ce_causal0__diag__W_QK__full(X, W_QK, W_V, Y):
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A10 = t9 / t9.sum(-1, keepdim=True)
     t11 = W_V.transpose(-1, -2)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,fg,abgd,abe->ed', M_2, X, W_V, t6, A10, t11, M_2, X, optimize=[(3, 4), (1, 5), (0, 1), (0, 1), (2, 3), (0, 2), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhd,abe->ed', M_2, X, W_V, t6, A10, A10, t11, M_2, X, optimize=[(3, 4), (1, 6), (0, 1), (3, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
+    t12 = (1/(L*n_batch)) * X
+    t0[...] = oe.contract('abcd,abe,cf,abf,abf,fg,abgd,abe->ed', M_2, t12, W_V, t6, A10, t11, M_2, X, optimize=[(3, 4), (1, 5), (0, 1), (0, 1), (2, 3), (0, 2), (0, 1)])
+    t13 = (-1/(L*n_batch)) * X
+    t0 += oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhd,abe->ed', M_2, t13, W_V, t6, A10, A10, t11, M_2, X, optimize=[(3, 4), (1, 6), (0, 1), (3, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
     F = t8
-    t12 = torch.exp(F - F.amax(-1, keepdim=True))
-    A13 = t12 / t12.sum(-1, keepdim=True)
-    t14 = t6 * A13
-    t15 = (1/L) * t14
-    t16 = (-1/L) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = t11 @ t1
-    t19 = G @ t18
-    t20 = t19 - (A * t19).sum(-1, keepdim=True)
-    t21 = A * t20
+    t14 = torch.exp(F - F.amax(-1, keepdim=True))
+    A15 = t14 / t14.sum(-1, keepdim=True)
+    t16 = t6 * A15
+    t17 = (1/L) * t16
+    t18 = (-1/L) * Y
+    t19 = t17 + t18
+    G = t19
+    t20 = t11 @ t1
+    t21 = G @ t20
+    t22 = t21 - (A * t21).sum(-1, keepdim=True)
+    t23 = A * t22
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/n_batch) * oe.contract('abc,acdd,acb->bd', t1, M_3, X, optimize=[(0, 2), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t24 = (1/n_batch) * t1
+    t0 += oe.contract('abc,acdd,acb->bd', t24, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -3767,23 +3864,26 @@ def ce_causal0__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A10 = t9 / t9.sum(-1, keepdim=True)
     t11 = W_V.transpose(-1, -2)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi->edih', M_2, X, W_V, t6, A10, t11, M_2, X, optimize=[(3, 4), (0, 2), (1, 2), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhi,abj->edji', M_2, X, W_V, t6, A10, A10, t11, M_2, X, optimize=[(3, 4), (0, 2), (5, 6), (1, 2), (1, 4), (0, 2), (0, 2), (0, 1)])
+    t12 = (1/(L*n_batch)) * X
+    t0[...] = oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi->edih', M_2, t12, W_V, t6, A10, t11, M_2, X, optimize=[(3, 4), (0, 2), (1, 2), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t13 = (-1/(L*n_batch)) * X
+    t0 += oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhi,abj->edji', M_2, t13, W_V, t6, A10, A10, t11, M_2, X, optimize=[(3, 4), (0, 2), (5, 6), (1, 2), (1, 4), (0, 2), (0, 2), (0, 1)])
     F = t8
-    t12 = torch.exp(F - F.amax(-1, keepdim=True))
-    A13 = t12 / t12.sum(-1, keepdim=True)
-    t14 = t6 * A13
-    t15 = (1/L) * t14
-    t16 = (-1/L) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = t11 @ t1
-    t19 = G @ t18
-    t20 = t19 - (A * t19).sum(-1, keepdim=True)
-    t21 = A * t20
+    t14 = torch.exp(F - F.amax(-1, keepdim=True))
+    A15 = t14 / t14.sum(-1, keepdim=True)
+    t16 = t6 * A15
+    t17 = (1/L) * t16
+    t18 = (-1/L) * Y
+    t19 = t17 + t18
+    G = t19
+    t20 = t11 @ t1
+    t21 = G @ t20
+    t22 = t21 - (A * t21).sum(-1, keepdim=True)
+    t23 = A * t22
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/n_batch) * oe.contract('abc,acde,acf->bdfe', t1, M_3, X, optimize=[(0, 2), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t24 = (1/n_batch) * t1
+    t0 += oe.contract('abc,acde,acf->bdfe', t24, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -3847,17 +3947,20 @@ def ce_causal0__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     t8 = M_1 @ W_V
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A10 = t9 / t9.sum(-1, keepdim=True)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg->edgf', M_2, X, W_V, t6, A10, M_1, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,abh->edhg', M_2, X, W_V, t6, A10, A10, M_1, optimize=[(3, 4), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t11 = (1/(L*n_batch)) * X
+    t0[...] = oe.contract('abc,abd,abd,ed,abf,abeg->fgcd', M_1, A10, t6, W_V, t11, M_2, optimize=[(1, 2), (1, 3), (2, 3), (0, 1), (0, 1)])
+    t12 = (-1/(L*n_batch)) * X
+    t0 += oe.contract('abcd,abe,cf,abf,abf,abg,abh->edhg', M_2, t12, W_V, t6, A10, A10, M_1, optimize=[(3, 4), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)])
     F = t8
-    t11 = torch.exp(F - F.amax(-1, keepdim=True))
-    A12 = t11 / t11.sum(-1, keepdim=True)
-    t13 = t6 * A12
-    t14 = (1/L) * t13
-    t15 = (-1/L) * Y
-    t16 = t14 + t15
-    G = t16
-    t0 += (1/n_batch) * oe.contract('abcd,abe,abf->edcf', M_2, X, G, optimize=[(1, 2), (0, 1)])
+    t13 = torch.exp(F - F.amax(-1, keepdim=True))
+    A14 = t13 / t13.sum(-1, keepdim=True)
+    t15 = t6 * A14
+    t16 = (1/L) * t15
+    t17 = (-1/L) * Y
+    t18 = t16 + t17
+    G = t18
+    t19 = (1/n_batch) * X
+    t0 += oe.contract('abcd,abe,abf->edcf', M_2, t19, G, optimize=[(1, 2), (0, 1)])
     return out
 
 
@@ -3913,8 +4016,10 @@ def ce_causal0__diag__W_V__full(X, W_QK, W_V, Y):
     t9 = M_1 @ W_V
     t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
     A11 = t10 / t10.sum(-1, keepdim=True)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,acb->bd', t6, t8, A11, M_1, optimize=[(0, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->bd', t6, t8, A11, A11, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t12 = (1/(L*n_batch)) * t6
+    t0[...] = oe.contract('abc,acd,acd,acb->bd', t12, t8, A11, M_1, optimize=[(0, 3), (0, 1), (0, 1)])
+    t13 = (-1/(L*n_batch)) * t6
+    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t13, t8, A11, A11, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -3967,13 +4072,16 @@ def ce_causal0__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     t15 = G.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/n_batch) * oe.contract('abc,acde,acf->dbfe', t15, M_2, X, optimize=[(0, 2), (0, 1)])
-    t16 = M_1.transpose(-1, -2)
-    t17 = torch.exp(t8 - t8.amax(-1, keepdim=True))
-    A18 = t17 / t17.sum(-1, keepdim=True)
-    t19 = W_V.transpose(-1, -2)
-    t0 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg->bdgf', t16, t2, A18, t19, M_2, X, optimize=[(1, 2), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach->bdhg', t16, t2, A18, A18, t19, M_2, X, optimize=[(1, 2), (1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t16 = (1/n_batch) * t15
+    t0[...] = oe.contract('abc,acde,acf->dbfe', t16, M_2, X, optimize=[(0, 2), (0, 1)])
+    t17 = M_1.transpose(-1, -2)
+    t18 = torch.exp(t8 - t8.amax(-1, keepdim=True))
+    A19 = t18 / t18.sum(-1, keepdim=True)
+    t20 = W_V.transpose(-1, -2)
+    t21 = (1/(L*n_batch)) * t17
+    t0 += oe.contract('abc,abde,fd,abf,abf,agb->gfce', X, M_2, t20, A19, t2, t21, optimize=[(3, 4), (1, 2), (2, 3), (0, 1), (0, 1)])
+    t22 = (-1/(L*n_batch)) * t17
+    t0 += oe.contract('abc,acd,acd,ace,ef,acfg,ach->bdhg', t22, t2, A19, A19, t20, M_2, X, optimize=[(1, 2), (1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -4034,8 +4142,10 @@ def ce_causal0__block__W_V__W_V__full(X, W_QK, W_V, Y):
     t10 = M_1 @ W_V
     t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
     A12 = t11 / t11.sum(-1, keepdim=True)
-    t1 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bed', t7, t9, A12, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t7, t9, A12, A12, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t13 = (1/(L*n_batch)) * t7
+    t1 += oe.contract('abc,abd,abd,aeb->ecd', M_1, A12, t9, t13, optimize=[(1, 2), (0, 1), (0, 1)])
+    t14 = (-1/(L*n_batch)) * t7
+    t0 += oe.contract('abc,acd,acd,ace,acf->bdfe', t14, t9, A12, A12, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
     return out
 
 
@@ -4147,23 +4257,27 @@ def ce_causal1__hessian__outer(X, W_QK, W_V, Y):
     t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = W_V.transpose(-1, -2)
-    t1[...] = (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi->edih', M_2, X, W_V, t9, A13, t14, M_2, X, optimize=[(3, 4), (0, 2), (1, 2), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t1 += (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhi,abj->edji', M_2, X, W_V, t9, A13, A13, t14, M_2, X, optimize=[(3, 4), (0, 2), (5, 6), (1, 2), (1, 4), (0, 2), (0, 2), (0, 1)])
-    t15 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t16 = t15.view((d_V, d_V, d_V, d_V))
-    t16[...] = (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg->edgf', M_2, X, W_V, t9, A13, M_1, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t16 += (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,abh->edhg', M_2, X, W_V, t9, A13, A13, M_1, optimize=[(3, 4), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t17 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t15 = (1/(L*n_batch)) * X
+    t1[...] = oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi->edih', M_2, t15, W_V, t9, A13, t14, M_2, X, optimize=[(3, 4), (0, 2), (1, 2), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t16 = (-1/(L*n_batch)) * X
+    t1 += oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhi,abj->edji', M_2, t16, W_V, t9, A13, A13, t14, M_2, X, optimize=[(3, 4), (0, 2), (5, 6), (1, 2), (1, 4), (0, 2), (0, 2), (0, 1)])
+    t17 = H[0:d_V**2, d_V**2:2*d_V**2]
     t18 = t17.view((d_V, d_V, d_V, d_V))
-    t19 = M_1.transpose(-1, -2)
-    t18[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg->bdgf', t19, t9, A13, t14, M_2, X, optimize=[(1, 2), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t18 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach->bdhg', t19, t9, A13, A13, t14, M_2, X, optimize=[(1, 2), (1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
-    t20 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t20[...] = 0
-    t21 = t20.view((d_V, d_V, d_V, d_V))
-    t22 = t21.diagonal(0, 1, 3)
-    t22 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bed', t19, t9, A13, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
-    t21 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t19, t9, A13, A13, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t18[...] = oe.contract('abc,abd,abd,ed,abf,abeg->fgcd', M_1, A13, t9, W_V, t15, M_2, optimize=[(1, 2), (1, 3), (2, 3), (0, 1), (0, 1)])
+    t18 += oe.contract('abcd,abe,cf,abf,abf,abg,abh->edhg', M_2, t16, W_V, t9, A13, A13, M_1, optimize=[(3, 4), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t19 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t20 = t19.view((d_V, d_V, d_V, d_V))
+    t21 = M_1.transpose(-1, -2)
+    t22 = (1/(L*n_batch)) * t21
+    t20[...] = oe.contract('abc,abde,fd,abf,abf,agb->gfce', X, M_2, t14, A13, t9, t22, optimize=[(3, 4), (1, 2), (2, 3), (0, 1), (0, 1)])
+    t23 = (-1/(L*n_batch)) * t21
+    t20 += oe.contract('abc,acd,acd,ace,ef,acfg,ach->bdhg', t23, t9, A13, A13, t14, M_2, X, optimize=[(1, 2), (1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t24 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t24[...] = 0
+    t25 = t24.view((d_V, d_V, d_V, d_V))
+    t26 = t25.diagonal(0, 1, 3)
+    t26 += oe.contract('abc,abd,abd,aeb->ecd', M_1, A13, t9, t22, optimize=[(1, 2), (0, 1), (0, 1)])
+    t25 += oe.contract('abc,acd,acd,ace,acf->bdfe', t23, t9, A13, A13, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
     return H
 
 
@@ -4269,8 +4383,10 @@ def ce_causal1__diag__W_QK__outer(X, W_QK, W_V, Y):
     t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = W_V.transpose(-1, -2)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,fg,abgd,abe->ed', M_2, X, W_V, t8, A12, t13, M_2, X, optimize=[(3, 4), (1, 5), (0, 1), (0, 1), (2, 3), (0, 2), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhd,abe->ed', M_2, X, W_V, t8, A12, A12, t13, M_2, X, optimize=[(3, 4), (1, 6), (0, 1), (3, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
+    t14 = (1/(L*n_batch)) * X
+    t0[...] = oe.contract('abcd,abe,cf,abf,abf,fg,abgd,abe->ed', M_2, t14, W_V, t8, A12, t13, M_2, X, optimize=[(3, 4), (1, 5), (0, 1), (0, 1), (2, 3), (0, 2), (0, 1)])
+    t15 = (-1/(L*n_batch)) * X
+    t0 += oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhd,abe->ed', M_2, t15, W_V, t8, A12, A12, t13, M_2, X, optimize=[(3, 4), (1, 6), (0, 1), (3, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
     return out
 
 
@@ -4323,8 +4439,10 @@ def ce_causal1__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = W_V.transpose(-1, -2)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi->edih', M_2, X, W_V, t8, A12, t13, M_2, X, optimize=[(3, 4), (0, 2), (1, 2), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhi,abj->edji', M_2, X, W_V, t8, A12, A12, t13, M_2, X, optimize=[(3, 4), (0, 2), (5, 6), (1, 2), (1, 4), (0, 2), (0, 2), (0, 1)])
+    t14 = (1/(L*n_batch)) * X
+    t0[...] = oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi->edih', M_2, t14, W_V, t8, A12, t13, M_2, X, optimize=[(3, 4), (0, 2), (1, 2), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t15 = (-1/(L*n_batch)) * X
+    t0 += oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhi,abj->edji', M_2, t15, W_V, t8, A12, A12, t13, M_2, X, optimize=[(3, 4), (0, 2), (5, 6), (1, 2), (1, 4), (0, 2), (0, 2), (0, 1)])
     return out
 
 
@@ -4378,8 +4496,10 @@ def ce_causal1__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     t10 = M_1 @ W_V
     t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
     A12 = t11 / t11.sum(-1, keepdim=True)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg->edgf', M_2, X, W_V, t8, A12, M_1, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,abh->edhg', M_2, X, W_V, t8, A12, A12, M_1, optimize=[(3, 4), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t13 = (1/(L*n_batch)) * X
+    t0[...] = oe.contract('abc,abd,abd,ed,abf,abeg->fgcd', M_1, A12, t8, W_V, t13, M_2, optimize=[(1, 2), (1, 3), (2, 3), (0, 1), (0, 1)])
+    t14 = (-1/(L*n_batch)) * X
+    t0 += oe.contract('abcd,abe,cf,abf,abf,abg,abh->edhg', M_2, t14, W_V, t8, A12, A12, M_1, optimize=[(3, 4), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -4431,8 +4551,10 @@ def ce_causal1__diag__W_V__outer(X, W_QK, W_V, Y):
     t11 = M_1 @ W_V
     t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A13 = t12 / t12.sum(-1, keepdim=True)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,acb->bd', t8, t10, A13, M_1, optimize=[(0, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->bd', t8, t10, A13, A13, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t14 = (1/(L*n_batch)) * t8
+    t0[...] = oe.contract('abc,acd,acd,acb->bd', t14, t10, A13, M_1, optimize=[(0, 3), (0, 1), (0, 1)])
+    t15 = (-1/(L*n_batch)) * t8
+    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t15, t10, A13, A13, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -4484,8 +4606,10 @@ def ce_causal1__block__W_V__W_QK__outer(X, W_QK, W_V, Y):
     t14 = W_V.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg->bdgf', t8, t10, A13, t14, M_2, X, optimize=[(1, 2), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach->bdhg', t8, t10, A13, A13, t14, M_2, X, optimize=[(1, 2), (1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t15 = (1/(L*n_batch)) * t8
+    t0[...] = oe.contract('abc,abde,fd,abf,abf,agb->gfce', X, M_2, t14, A13, t10, t15, optimize=[(3, 4), (1, 2), (2, 3), (0, 1), (0, 1)])
+    t16 = (-1/(L*n_batch)) * t8
+    t0 += oe.contract('abc,acd,acd,ace,ef,acfg,ach->bdhg', t16, t10, A13, A13, t14, M_2, X, optimize=[(1, 2), (1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -4541,8 +4665,10 @@ def ce_causal1__block__W_V__W_V__outer(X, W_QK, W_V, Y):
     t12 = M_1 @ W_V
     t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
-    t1 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bed', t9, t11, A14, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t9, t11, A14, A14, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t15 = (1/(L*n_batch)) * t9
+    t1 += oe.contract('abc,abd,abd,aeb->ecd', M_1, A14, t11, t15, optimize=[(1, 2), (0, 1), (0, 1)])
+    t16 = (-1/(L*n_batch)) * t9
+    t0 += oe.contract('abc,acd,acd,ace,acf->bdfe', t16, t11, A14, A14, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
     return out
 
 
@@ -4606,18 +4732,21 @@ def ce_causal1__hessian__functional(X, W_QK, W_V, Y):
     t22 = A * t21
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t22, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t22, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t22, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1[...] = (1/n_batch) * oe.contract('abc,acde,acf->bdfe', t2, M_3, X, optimize=[(0, 2), (0, 1)])
-    t23 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t24 = t23.view((d_V, d_V, d_V, d_V))
+    t23 = (1/n_batch) * t2
+    t1[...] = oe.contract('abc,acde,acf->bdfe', t23, M_3, X, optimize=[(0, 2), (0, 1)])
+    t24 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t25 = t24.view((d_V, d_V, d_V, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t24[...] = (1/n_batch) * oe.contract('abcd,abe,abf->edcf', M_2, X, G, optimize=[(1, 2), (0, 1)])
-    t25 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t26 = t25.view((d_V, d_V, d_V, d_V))
-    t27 = G.transpose(-1, -2)
-    t26[...] = (1/n_batch) * oe.contract('abc,acde,acf->dbfe', t27, M_2, X, optimize=[(0, 2), (0, 1)])
-    t28 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t28[...] = 0
+    t26 = (1/n_batch) * X
+    t25[...] = oe.contract('abcd,abe,abf->edcf', M_2, t26, G, optimize=[(1, 2), (0, 1)])
+    t27 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t28 = t27.view((d_V, d_V, d_V, d_V))
+    t29 = G.transpose(-1, -2)
+    t30 = (1/n_batch) * t29
+    t28[...] = oe.contract('abc,acde,acf->dbfe', t30, M_2, X, optimize=[(0, 2), (0, 1)])
+    t31 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t31[...] = 0
     return H
 
 
@@ -4747,7 +4876,8 @@ def ce_causal1__diag__W_QK__functional(X, W_QK, W_V, Y):
     t21 = A * t20
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t1, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/n_batch) * oe.contract('abc,acdd,acb->bd', t1, M_3, X, optimize=[(0, 2), (0, 1)])
+    t22 = (1/n_batch) * t1
+    t0[...] = oe.contract('abc,acdd,acb->bd', t22, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -4820,7 +4950,8 @@ def ce_causal1__block__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t21 = A * t20
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t1, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/n_batch) * oe.contract('abc,acde,acf->bdfe', t1, M_3, X, optimize=[(0, 2), (0, 1)])
+    t22 = (1/n_batch) * t1
+    t0[...] = oe.contract('abc,acde,acf->bdfe', t22, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -4890,7 +5021,8 @@ def ce_causal1__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
     t15 = (-1/L) * Y
     t16 = t14 + t15
     G = t16
-    t0[...] = (1/n_batch) * oe.contract('abcd,abe,abf->edcf', M_2, X, G, optimize=[(1, 2), (0, 1)])
+    t17 = (1/n_batch) * X
+    t0[...] = oe.contract('abcd,abe,abf->edcf', M_2, t17, G, optimize=[(1, 2), (0, 1)])
     return out
 
 
@@ -4974,7 +5106,8 @@ def ce_causal1__block__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t17 = G.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/n_batch) * oe.contract('abc,acde,acf->dbfe', t17, M_2, X, optimize=[(0, 2), (0, 1)])
+    t18 = (1/n_batch) * t17
+    t0[...] = oe.contract('abc,acde,acf->dbfe', t18, M_2, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -5054,41 +5187,48 @@ def ce_causal1__hessian__full(X, W_QK, W_V, Y):
     t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = W_V.transpose(-1, -2)
-    t1[...] = (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi->edih', M_2, X, W_V, t9, A13, t14, M_2, X, optimize=[(3, 4), (0, 2), (1, 2), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t1 += (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhi,abj->edji', M_2, X, W_V, t9, A13, A13, t14, M_2, X, optimize=[(3, 4), (0, 2), (5, 6), (1, 2), (1, 4), (0, 2), (0, 2), (0, 1)])
+    t15 = (1/(L*n_batch)) * X
+    t1[...] = oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi->edih', M_2, t15, W_V, t9, A13, t14, M_2, X, optimize=[(3, 4), (0, 2), (1, 2), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t16 = (-1/(L*n_batch)) * X
+    t1 += oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhi,abj->edji', M_2, t16, W_V, t9, A13, A13, t14, M_2, X, optimize=[(3, 4), (0, 2), (5, 6), (1, 2), (1, 4), (0, 2), (0, 2), (0, 1)])
     F = t11
-    t15 = torch.exp(F - F.amax(-1, keepdim=True))
-    A16 = t15 / t15.sum(-1, keepdim=True)
-    t17 = t9 * A16
-    t18 = (1/L) * t17
-    t19 = (-1/L) * Y
-    t20 = t18 + t19
-    G = t20
-    t21 = t14 @ t2
-    t22 = G @ t21
-    t23 = t22 - (A * t22).sum(-1, keepdim=True)
-    t24 = A * t23
+    t17 = torch.exp(F - F.amax(-1, keepdim=True))
+    A18 = t17 / t17.sum(-1, keepdim=True)
+    t19 = t9 * A18
+    t20 = (1/L) * t19
+    t21 = (-1/L) * Y
+    t22 = t20 + t21
+    G = t22
+    t23 = t14 @ t2
+    t24 = G @ t23
+    t25 = t24 - (A * t24).sum(-1, keepdim=True)
+    t26 = A * t25
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t24, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t24, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t24, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += (1/n_batch) * oe.contract('abc,acde,acf->bdfe', t2, M_3, X, optimize=[(0, 2), (0, 1)])
-    t25 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t26 = t25.view((d_V, d_V, d_V, d_V))
-    t26[...] = (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg->edgf', M_2, X, W_V, t9, A13, M_1, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t26 += (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,abh->edhg', M_2, X, W_V, t9, A13, A13, M_1, optimize=[(3, 4), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t26 += (1/n_batch) * oe.contract('abcd,abe,abf->edcf', M_2, X, G, optimize=[(1, 2), (0, 1)])
-    t27 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t28 = t27.view((d_V, d_V, d_V, d_V))
-    t29 = G.transpose(-1, -2)
-    t28[...] = (1/n_batch) * oe.contract('abc,acde,acf->dbfe', t29, M_2, X, optimize=[(0, 2), (0, 1)])
-    t30 = M_1.transpose(-1, -2)
-    t28 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg->bdgf', t30, t9, A13, t14, M_2, X, optimize=[(1, 2), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t28 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach->bdhg', t30, t9, A13, A13, t14, M_2, X, optimize=[(1, 2), (1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
-    t31 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t31[...] = 0
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t26, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t26, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t26, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t27 = (1/n_batch) * t2
+    t1 += oe.contract('abc,acde,acf->bdfe', t27, M_3, X, optimize=[(0, 2), (0, 1)])
+    t28 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t29 = t28.view((d_V, d_V, d_V, d_V))
+    t29[...] = oe.contract('abc,abd,abd,ed,abf,abeg->fgcd', M_1, A13, t9, W_V, t15, M_2, optimize=[(1, 2), (1, 3), (2, 3), (0, 1), (0, 1)])
+    t29 += oe.contract('abcd,abe,cf,abf,abf,abg,abh->edhg', M_2, t16, W_V, t9, A13, A13, M_1, optimize=[(3, 4), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t30 = (1/n_batch) * X
+    t29 += oe.contract('abcd,abe,abf->edcf', M_2, t30, G, optimize=[(1, 2), (0, 1)])
+    t31 = H[d_V**2:2*d_V**2, 0:d_V**2]
     t32 = t31.view((d_V, d_V, d_V, d_V))
-    t33 = t32.diagonal(0, 1, 3)
-    t33 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bed', t30, t9, A13, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
-    t32 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t30, t9, A13, A13, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t33 = G.transpose(-1, -2)
+    t34 = (1/n_batch) * t33
+    t32[...] = oe.contract('abc,acde,acf->dbfe', t34, M_2, X, optimize=[(0, 2), (0, 1)])
+    t35 = M_1.transpose(-1, -2)
+    t36 = (1/(L*n_batch)) * t35
+    t32 += oe.contract('abc,abde,fd,abf,abf,agb->gfce', X, M_2, t14, A13, t9, t36, optimize=[(3, 4), (1, 2), (2, 3), (0, 1), (0, 1)])
+    t37 = (-1/(L*n_batch)) * t35
+    t32 += oe.contract('abc,acd,acd,ace,ef,acfg,ach->bdhg', t37, t9, A13, A13, t14, M_2, X, optimize=[(1, 2), (1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t38 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t38[...] = 0
+    t39 = t38.view((d_V, d_V, d_V, d_V))
+    t40 = t39.diagonal(0, 1, 3)
+    t40 += oe.contract('abc,abd,abd,aeb->ecd', M_1, A13, t9, t36, optimize=[(1, 2), (0, 1), (0, 1)])
+    t39 += oe.contract('abc,acd,acd,ace,acf->bdfe', t37, t9, A13, A13, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
     return H
 
 
@@ -5227,23 +5367,26 @@ def ce_causal1__diag__W_QK__full(X, W_QK, W_V, Y):
     t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = W_V.transpose(-1, -2)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,fg,abgd,abe->ed', M_2, X, W_V, t8, A12, t13, M_2, X, optimize=[(3, 4), (1, 5), (0, 1), (0, 1), (2, 3), (0, 2), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhd,abe->ed', M_2, X, W_V, t8, A12, A12, t13, M_2, X, optimize=[(3, 4), (1, 6), (0, 1), (3, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
+    t14 = (1/(L*n_batch)) * X
+    t0[...] = oe.contract('abcd,abe,cf,abf,abf,fg,abgd,abe->ed', M_2, t14, W_V, t8, A12, t13, M_2, X, optimize=[(3, 4), (1, 5), (0, 1), (0, 1), (2, 3), (0, 2), (0, 1)])
+    t15 = (-1/(L*n_batch)) * X
+    t0 += oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhd,abe->ed', M_2, t15, W_V, t8, A12, A12, t13, M_2, X, optimize=[(3, 4), (1, 6), (0, 1), (3, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
     F = t10
-    t14 = torch.exp(F - F.amax(-1, keepdim=True))
-    A15 = t14 / t14.sum(-1, keepdim=True)
-    t16 = t8 * A15
-    t17 = (1/L) * t16
-    t18 = (-1/L) * Y
-    t19 = t17 + t18
-    G = t19
-    t20 = t13 @ t1
-    t21 = G @ t20
-    t22 = t21 - (A * t21).sum(-1, keepdim=True)
-    t23 = A * t22
+    t16 = torch.exp(F - F.amax(-1, keepdim=True))
+    A17 = t16 / t16.sum(-1, keepdim=True)
+    t18 = t8 * A17
+    t19 = (1/L) * t18
+    t20 = (-1/L) * Y
+    t21 = t19 + t20
+    G = t21
+    t22 = t13 @ t1
+    t23 = G @ t22
+    t24 = t23 - (A * t23).sum(-1, keepdim=True)
+    t25 = A * t24
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/n_batch) * oe.contract('abc,acdd,acb->bd', t1, M_3, X, optimize=[(0, 2), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t25, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t25, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t25, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t26 = (1/n_batch) * t1
+    t0 += oe.contract('abc,acdd,acb->bd', t26, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -5310,23 +5453,26 @@ def ce_causal1__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = W_V.transpose(-1, -2)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi->edih', M_2, X, W_V, t8, A12, t13, M_2, X, optimize=[(3, 4), (0, 2), (1, 2), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhi,abj->edji', M_2, X, W_V, t8, A12, A12, t13, M_2, X, optimize=[(3, 4), (0, 2), (5, 6), (1, 2), (1, 4), (0, 2), (0, 2), (0, 1)])
+    t14 = (1/(L*n_batch)) * X
+    t0[...] = oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi->edih', M_2, t14, W_V, t8, A12, t13, M_2, X, optimize=[(3, 4), (0, 2), (1, 2), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t15 = (-1/(L*n_batch)) * X
+    t0 += oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhi,abj->edji', M_2, t15, W_V, t8, A12, A12, t13, M_2, X, optimize=[(3, 4), (0, 2), (5, 6), (1, 2), (1, 4), (0, 2), (0, 2), (0, 1)])
     F = t10
-    t14 = torch.exp(F - F.amax(-1, keepdim=True))
-    A15 = t14 / t14.sum(-1, keepdim=True)
-    t16 = t8 * A15
-    t17 = (1/L) * t16
-    t18 = (-1/L) * Y
-    t19 = t17 + t18
-    G = t19
-    t20 = t13 @ t1
-    t21 = G @ t20
-    t22 = t21 - (A * t21).sum(-1, keepdim=True)
-    t23 = A * t22
+    t16 = torch.exp(F - F.amax(-1, keepdim=True))
+    A17 = t16 / t16.sum(-1, keepdim=True)
+    t18 = t8 * A17
+    t19 = (1/L) * t18
+    t20 = (-1/L) * Y
+    t21 = t19 + t20
+    G = t21
+    t22 = t13 @ t1
+    t23 = G @ t22
+    t24 = t23 - (A * t23).sum(-1, keepdim=True)
+    t25 = A * t24
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/n_batch) * oe.contract('abc,acde,acf->bdfe', t1, M_3, X, optimize=[(0, 2), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t25, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t25, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t25, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t26 = (1/n_batch) * t1
+    t0 += oe.contract('abc,acde,acf->bdfe', t26, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -5394,17 +5540,20 @@ def ce_causal1__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     t10 = M_1 @ W_V
     t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
     A12 = t11 / t11.sum(-1, keepdim=True)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg->edgf', M_2, X, W_V, t8, A12, M_1, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,abh->edhg', M_2, X, W_V, t8, A12, A12, M_1, optimize=[(3, 4), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t13 = (1/(L*n_batch)) * X
+    t0[...] = oe.contract('abc,abd,abd,ed,abf,abeg->fgcd', M_1, A12, t8, W_V, t13, M_2, optimize=[(1, 2), (1, 3), (2, 3), (0, 1), (0, 1)])
+    t14 = (-1/(L*n_batch)) * X
+    t0 += oe.contract('abcd,abe,cf,abf,abf,abg,abh->edhg', M_2, t14, W_V, t8, A12, A12, M_1, optimize=[(3, 4), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)])
     F = t10
-    t13 = torch.exp(F - F.amax(-1, keepdim=True))
-    A14 = t13 / t13.sum(-1, keepdim=True)
-    t15 = t8 * A14
-    t16 = (1/L) * t15
-    t17 = (-1/L) * Y
-    t18 = t16 + t17
-    G = t18
-    t0 += (1/n_batch) * oe.contract('abcd,abe,abf->edcf', M_2, X, G, optimize=[(1, 2), (0, 1)])
+    t15 = torch.exp(F - F.amax(-1, keepdim=True))
+    A16 = t15 / t15.sum(-1, keepdim=True)
+    t17 = t8 * A16
+    t18 = (1/L) * t17
+    t19 = (-1/L) * Y
+    t20 = t18 + t19
+    G = t20
+    t21 = (1/n_batch) * X
+    t0 += oe.contract('abcd,abe,abf->edcf', M_2, t21, G, optimize=[(1, 2), (0, 1)])
     return out
 
 
@@ -5464,8 +5613,10 @@ def ce_causal1__diag__W_V__full(X, W_QK, W_V, Y):
     t11 = M_1 @ W_V
     t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A13 = t12 / t12.sum(-1, keepdim=True)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,acb->bd', t8, t10, A13, M_1, optimize=[(0, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->bd', t8, t10, A13, A13, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t14 = (1/(L*n_batch)) * t8
+    t0[...] = oe.contract('abc,acd,acd,acb->bd', t14, t10, A13, M_1, optimize=[(0, 3), (0, 1), (0, 1)])
+    t15 = (-1/(L*n_batch)) * t8
+    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t15, t10, A13, A13, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -5522,13 +5673,16 @@ def ce_causal1__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     t17 = G.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/n_batch) * oe.contract('abc,acde,acf->dbfe', t17, M_2, X, optimize=[(0, 2), (0, 1)])
-    t18 = M_1.transpose(-1, -2)
-    t19 = torch.exp(t10 - t10.amax(-1, keepdim=True))
-    A20 = t19 / t19.sum(-1, keepdim=True)
-    t21 = W_V.transpose(-1, -2)
-    t0 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg->bdgf', t18, t2, A20, t21, M_2, X, optimize=[(1, 2), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach->bdhg', t18, t2, A20, A20, t21, M_2, X, optimize=[(1, 2), (1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t18 = (1/n_batch) * t17
+    t0[...] = oe.contract('abc,acde,acf->dbfe', t18, M_2, X, optimize=[(0, 2), (0, 1)])
+    t19 = M_1.transpose(-1, -2)
+    t20 = torch.exp(t10 - t10.amax(-1, keepdim=True))
+    A21 = t20 / t20.sum(-1, keepdim=True)
+    t22 = W_V.transpose(-1, -2)
+    t23 = (1/(L*n_batch)) * t19
+    t0 += oe.contract('abc,abde,fd,abf,abf,agb->gfce', X, M_2, t22, A21, t2, t23, optimize=[(3, 4), (1, 2), (2, 3), (0, 1), (0, 1)])
+    t24 = (-1/(L*n_batch)) * t19
+    t0 += oe.contract('abc,acd,acd,ace,ef,acfg,ach->bdhg', t24, t2, A21, A21, t22, M_2, X, optimize=[(1, 2), (1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -5593,8 +5747,10 @@ def ce_causal1__block__W_V__W_V__full(X, W_QK, W_V, Y):
     t12 = M_1 @ W_V
     t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
-    t1 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bed', t9, t11, A14, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t9, t11, A14, A14, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t15 = (1/(L*n_batch)) * t9
+    t1 += oe.contract('abc,abd,abd,aeb->ecd', M_1, A14, t11, t15, optimize=[(1, 2), (0, 1), (0, 1)])
+    t16 = (-1/(L*n_batch)) * t9
+    t0 += oe.contract('abc,acd,acd,ace,acf->bdfe', t16, t11, A14, A14, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
     return out
 
 

@@ -165,7 +165,7 @@ class Routine:
             name = self.emit(self.fmt("reshape", name, self.shape(dims)), self.is_batched[name])
         return name, labels
 
-    def network(self, term, outputs, keep_batch=False, summed=()):
+    def network(self, term, outputs, keep_batch=False, summed=(), fold_coef=False):
         """(coef, contraction code, batched) for one term with the given output atoms.
 
         ``summed``: atoms summed over that may sit on no operand (a trace of I gives n).
@@ -190,20 +190,43 @@ class Routine:
         coef = sp.sympify(term.coef)
         if not keep_batch:
             coef = coef / N_BATCH ** len(batch_labels)
+        if fold_coef and coef != 1 and len(ops) > 1:
+            coef, ops = 1, self._fold(coef, ops, labs)
         return coef, self.contract(ops, labs, out), (batched and keep_batch)
 
+    def _fold(self, coef, ops, labs):
+        """Scale the smallest operand instead of the (block-sized) result: one pass fewer."""
+        k = min(range(len(ops)), key=lambda i: (_prod(self._label_size(a) for a in labs[i]), i))
+        ops = list(ops)
+        ops[k] = self.emit(_scaled(self, coef, ops[k]), self.is_batched[ops[k]])
+        return ops
+
     def contract(self, ops, labs, out):
-        """An opt_einsum call with the path chosen now for the representative sizes."""
-        symbols = {}
-        for lab in [lab for ls in labs for lab in ls] + list(out):
-            if lab not in symbols:
-                symbols[lab] = oe.get_symbol(len(symbols))
-        spec = ",".join("".join(symbols[a] for a in ls) for ls in labs)
-        spec += "->" + "".join(symbols[a] for a in out)
-        if len(ops) == 1 and spec.split("->")[0] == spec.split("->")[1]:
-            return ops[0]
-        shapes = tuple(tuple(self._label_size(a) for a in ls) for ls in labs)
-        return f"oe.contract({spec!r}, {', '.join(ops)}, optimize={_path(spec, shapes)!r})"
+        """An opt_einsum call with the path chosen now for the representative sizes.
+
+        The operand order decides the memory layout of the last pairwise product (its
+        left operand's free indices come first); of the given and the reversed order the
+        one whose result already lies in the output's order (or shares the longest
+        innermost run with it) is kept, so writing a block needs no strided transpose.
+        """
+        best = None
+        for order in ([list(range(len(ops)))] +
+                      ([list(range(len(ops)))[::-1]] if len(ops) > 2 else [])):
+            o_labs = [labs[i] for i in order]
+            symbols = {}
+            for lab in [lab for ls in o_labs for lab in ls] + list(out):
+                if lab not in symbols:
+                    symbols[lab] = oe.get_symbol(len(symbols))
+            spec = ",".join("".join(symbols[a] for a in ls) for ls in o_labs)
+            spec += "->" + "".join(symbols[a] for a in out)
+            if len(ops) == 1 and spec.split("->")[0] == spec.split("->")[1]:
+                return ops[0]
+            shapes = tuple(tuple(self._label_size(a) for a in ls) for ls in o_labs)
+            path, score, cost = _path(spec, shapes)
+            if best is None or (score > best[0] and cost <= 1.25 * best[4]):
+                best = (score, spec, [ops[i] for i in order], path, cost)
+        _, spec, o_ops, path, _ = best
+        return f"oe.contract({spec!r}, {', '.join(o_ops)}, optimize={path!r})"
 
     def _label_size(self, lab):
         if isinstance(lab, tuple):
@@ -249,7 +272,7 @@ class Routine:
             order = list(dict.fromkeys(atoms))
             if len(order) < len(atoms):
                 view, order = _diag_view(self, view, atoms)
-            coef, code, _ = self.network(term, order)
+            coef, code, _ = self.network(term, order, fold_coef=True)
             self.line(f"{view}[...] {op} {_scaled(self, coef, code)}" if op == "=" else
                       f"{view} {op} {_scaled(self, coef, code)}")
 
@@ -263,7 +286,29 @@ def _path(spec, shapes):
     """The contraction order for representative shapes (searched for small networks, greedy
     for large ones: the search is exponential and dominated generation time)."""
     optimize = "auto" if len(shapes) <= 4 else "greedy"
-    return list(oe.contract_path(spec, *shapes, shapes=True, optimize=optimize)[0])
+    path, info = oe.contract_path(spec, *shapes, shapes=True, optimize=optimize)
+    return list(path), _layout_score(spec, info.contraction_list[-1]), int(info.opt_cost)
+
+
+def _layout_score(spec, last):
+    """How well the last step's natural result layout matches the output: (exact, run)."""
+    _, idx_rm, einsum_str, _, blas = last
+    out = spec.split("->")[1]
+    if not blas:                      # einsum writes the output order itself
+        return (1, len(out))
+    left, right = einsum_str.split("->")[0].split(",")
+    natural = "".join(a for a in left + right if a not in idx_rm)
+    run = 0
+    while run < min(len(natural), len(out)) and natural[-1 - run] == out[-1 - run]:
+        run += 1
+    return (int(natural == out), run)
+
+
+def _prod(xs):
+    out = 1
+    for x in xs:
+        out *= x
+    return out
 
 
 @lru_cache(maxsize=None)
