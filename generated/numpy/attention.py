@@ -111,41 +111,49 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t1[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t11, M_2, X, t10, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
     t12 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t13 = np.reshape(t12, (d_V, d_K, d_V, d_K), copy=False)
-    t13[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t11, M_2, X, t10, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
-    t14 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t15 = np.reshape(t14, (d_V, d_K, d_V, d_V), copy=False)
-    t16 = A @ X
-    M_1 = t16
-    t17 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
-    t15[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t17, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t18 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t19 = np.reshape(t18, (d_V, d_K, d_V, d_K), copy=False)
-    t20 = np.swapaxes(W_Q, -1, -2)
-    t21 = (2/(L*d_K*d_V*n_batch)) * t20
-    t19[...] = oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t21, M_2, X, t10, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t22 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t23 = np.reshape(t22, (d_V, d_K, d_V, d_K), copy=False)
-    t23[...] = oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t21, M_2, X, t10, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
-    t24 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t25 = np.reshape(t24, (d_V, d_K, d_V, d_V), copy=False)
-    t26 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t20
-    t25[...] = oe.contract('ab,cde,cdf,cdag,hf->gheb', W_V, M_1, X, M_2, t26, optimize=[(0, 3), (1, 2), (0, 2), (0, 1)])
-    t27 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t28 = np.reshape(t27, (d_V, d_V, d_V, d_K), copy=False)
-    t29 = np.swapaxes(M_1, -1, -2)
-    t30 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t29
-    t28[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t30, t9, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t31 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t32 = np.reshape(t31, (d_V, d_V, d_V, d_K), copy=False)
-    t32[...] = oe.contract('abc,de,acef,acg,gh->bdfh', t30, t9, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
-    t33 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t33[...] = 0
-    t34 = np.reshape(t33, (d_V, d_V, d_V, d_V), copy=False)
-    t35 = np.einsum('abcb->abc', t34)
-    t36 = t29 @ M_1
-    t37 = np.ones((d_V,), dtype=X.dtype)
-    t38 = (2/(L*d_V*n_batch)) * t37
-    t35 += oe.contract('abc,d->bdc', t36, t38, optimize=[(0, 1)])
+    t14 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t15 = oe.contract('ab,cdeb,ef,cdfg->agcd', t11, M_2, t10, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t13[...] = oe.contract('abcd,efcd->aefb', t14, t15, optimize=[(0, 1)])
+    t16 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t17 = np.reshape(t16, (d_V, d_K, d_V, d_V), copy=False)
+    t18 = A @ X
+    M_1 = t18
+    t19 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
+    t17[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t19, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t20 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t21 = np.reshape(t20, (d_V, d_K, d_V, d_K), copy=False)
+    t22 = np.swapaxes(W_Q, -1, -2)
+    t23 = (2/(L*d_K*d_V*n_batch)) * t22
+    t21[...] = oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t23, M_2, X, t10, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t24 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t25 = np.reshape(t24, (d_V, d_K, d_V, d_K), copy=False)
+    t26 = oe.contract('ab,cdb,cde,ef->afcd', t23, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t27 = oe.contract('abcd,ce,abef->dfab', M_2, t10, M_2, optimize=[(0, 1), (0, 1)])
+    t25[...] = oe.contract('abcd,efcd->eafb', t26, t27, optimize=[(0, 1)])
+    t28 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t29 = np.reshape(t28, (d_V, d_K, d_V, d_V), copy=False)
+    t30 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t22
+    t31 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t32 = oe.contract('ab,cdb,cde->aecd', t30, X, M_1, optimize=[(0, 1), (0, 1)])
+    t29[...] = oe.contract('abcd,efcd->aefb', t31, t32, optimize=[(0, 1)])
+    t33 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t34 = np.reshape(t33, (d_V, d_V, d_V, d_K), copy=False)
+    t35 = np.swapaxes(M_1, -1, -2)
+    t36 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t35
+    t34[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t36, t9, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t37 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t38 = np.reshape(t37, (d_V, d_V, d_V, d_K), copy=False)
+    t39 = oe.contract('abc,acd,de->beac', t36, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t40 = oe.contract('ab,cdbe->aecd', t9, M_2, optimize=[(0, 1)])
+    t38[...] = oe.contract('abcd,efcd->aefb', t39, t40, optimize=[(0, 1)])
+    t41 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t41[...] = 0
+    t42 = np.reshape(t41, (d_V, d_V, d_V, d_V), copy=False)
+    t43 = np.einsum('abcb->abc', t42)
+    t44 = t35 @ M_1
+    t45 = np.ones((d_V,), dtype=X.dtype)
+    t46 = (2/(L*d_V*n_batch)) * t45
+    t43 += oe.contract('abc,d->bdc', t44, t46, optimize=[(0, 1)])
     return H
 
 
@@ -266,7 +274,9 @@ def mse_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t8 = np.swapaxes(W_V, -1, -2)
     t9 = W_V @ t8
     t10 = (2/(L*d_K*d_V*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdf,ha->fa', t10, M_2, X, t9, M_2, X, W_K, optimize=[(2, 5), (0, 1), (0, 1), (2, 3), (0, 2), (0, 1)])
+    t11 = oe.contract('ab,cdeb,ef,cdfg,ga->acd', t10, M_2, t9, M_2, W_K, optimize=[(0, 1), (0, 1), (1, 2), (0, 1)])
+    t12 = oe.contract('abc,abc->cab', X, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t11, t12, optimize=[(0, 1)])
     return out
 
 
@@ -360,7 +370,9 @@ def mse_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     t8 = np.swapaxes(W_V, -1, -2)
     t9 = W_V @ t8
     t10 = (2/(L*d_K*d_V*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t10, M_2, X, t9, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
+    t11 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t12 = oe.contract('ab,cdeb,ef,cdfg->agcd', t10, M_2, t9, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t11, t12, optimize=[(0, 1)])
     return out
 
 
@@ -457,7 +469,9 @@ def mse_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     t9 = np.swapaxes(W_V, -1, -2)
     t10 = W_V @ t9
     t11 = (2/(L*d_K*d_V*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdef,cdb,eg,cdgf,cdh,ha->fa', t11, M_2, X, t10, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t12 = oe.contract('ab,cdb,cde,ea->acd', t11, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t13 = oe.contract('abcd,ce,abed->dab', M_2, t10, M_2, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t12, t13, optimize=[(0, 1)])
     return out
 
 
@@ -555,7 +569,9 @@ def mse_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t9 = np.swapaxes(W_V, -1, -2)
     t10 = W_V @ t9
     t11 = (2/(L*d_K*d_V*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t11, M_2, X, t10, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t12 = oe.contract('ab,cdb,cde,ef->afcd', t11, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t13 = oe.contract('abcd,ce,abef->dfab', M_2, t10, M_2, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t12, t13, optimize=[(0, 1)])
     return out
 
 
@@ -605,7 +621,9 @@ def mse_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     t9 = A @ X
     M_1 = t9
     t10 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
-    t0[...] = oe.contract('ab,cde,cdf,cdag,hf->gheb', W_V, M_1, X, M_2, t10, optimize=[(0, 3), (1, 2), (0, 2), (0, 1)])
+    t11 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t12 = oe.contract('ab,cdb,cde->aecd', t10, X, M_1, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t11, t12, optimize=[(0, 1)])
     return out
 
 
@@ -755,7 +773,9 @@ def mse_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t11 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t9
-    t0[...] = oe.contract('abc,de,acef,acg,gh->bdfh', t11, t10, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t12 = oe.contract('abc,acd,de->beac', t11, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t13 = oe.contract('ab,cdbe->aecd', t10, M_2, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t12, t13, optimize=[(0, 1)])
     return out
 
 
@@ -878,41 +898,55 @@ def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t25 = np.ones((d_K,), dtype=X.dtype)
     t26 = (1/(math.sqrt(d_K)*n_batch)) * t25
     t22 += oe.contract('abc,d->bdc', t24, t26, optimize=[(0, 1)])
-    t21 += oe.contract('ab,cde,cebf,ceg,gh->dafh', t19, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
-    t27 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t28 = np.reshape(t27, (d_V, d_K, d_V, d_V), copy=False)
+    t27 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t28 = oe.contract('ab,cdbe->aecd', t19, M_3, optimize=[(0, 1)])
+    t21 += oe.contract('abcd,efcd->aefb', t27, t28, optimize=[(0, 1)])
+    t29 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t30 = np.reshape(t29, (d_V, d_K, d_V, d_V), copy=False)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t29 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t28[...] = oe.contract('abc,abd,abef,gf->dgec', G, X, M_2, t29, optimize=[(0, 1), (0, 1), (0, 1)])
-    t30 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t30[...] = 0
-    t31 = np.reshape(t30, (d_V, d_K, d_V, d_K), copy=False)
-    t32 = np.einsum('abcb->abc', t31)
-    t33 = np.swapaxes(t18, -1, -2)
-    t34 = t33 @ X
-    t35 = t3 @ t34
-    t32 += oe.contract('abc,d->bdc', t35, t26, optimize=[(0, 1)])
-    t36 = np.swapaxes(W_Q, -1, -2)
-    t37 = (1/(d_K*n_batch)) * t36
-    t31 += oe.contract('ab,cde,cdfa,cgd,hg->fheb', W_K, X, M_3, t3, t37, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
-    t38 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t39 = np.reshape(t38, (d_V, d_K, d_V, d_K), copy=False)
-    t39[...] = oe.contract('ab,cbd,cdef,cdg,gh->eafh', t37, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t40 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t41 = np.reshape(t40, (d_V, d_K, d_V, d_V), copy=False)
-    t42 = (1/(math.sqrt(d_K)*n_batch)) * t36
-    t41[...] = oe.contract('ab,cdef,cdb,cdg->faeg', t42, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
-    t43 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t44 = np.reshape(t43, (d_V, d_V, d_V, d_K), copy=False)
-    t45 = np.swapaxes(G, -1, -2)
-    t46 = (1/(math.sqrt(d_K)*n_batch)) * t45
-    t44[...] = oe.contract('ab,cde,cdfa,cgd->fgeb', W_K, X, M_2, t46, optimize=[(0, 2), (0, 1), (0, 1)])
-    t47 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t48 = np.reshape(t47, (d_V, d_V, d_V, d_K), copy=False)
-    t48[...] = oe.contract('abc,acde,acf,fg->dbeg', t46, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t49 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t49[...] = 0
+    t31 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t32 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t33 = oe.contract('ab,cdeb->aecd', t31, M_2, optimize=[(0, 1)])
+    t30[...] = oe.contract('abcd,efcd->aefb', t32, t33, optimize=[(0, 1)])
+    t34 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t34[...] = 0
+    t35 = np.reshape(t34, (d_V, d_K, d_V, d_K), copy=False)
+    t36 = np.einsum('abcb->abc', t35)
+    t37 = np.swapaxes(t18, -1, -2)
+    t38 = t37 @ X
+    t39 = t3 @ t38
+    t36 += oe.contract('abc,d->bdc', t39, t26, optimize=[(0, 1)])
+    t40 = np.swapaxes(W_Q, -1, -2)
+    t41 = (1/(d_K*n_batch)) * t40
+    t42 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t43 = oe.contract('ab,cbd,cde->aecd', t41, t3, X, optimize=[(0, 1), (0, 1)])
+    t35 += oe.contract('abcd,efcd->aefb', t42, t43, optimize=[(0, 1)])
+    t44 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t45 = np.reshape(t44, (d_V, d_K, d_V, d_K), copy=False)
+    t46 = oe.contract('ab,cbd,cde,ef->afcd', t41, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t47 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t45[...] = oe.contract('abcd,efcd->eafb', t46, t47, optimize=[(0, 1)])
+    t48 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t49 = np.reshape(t48, (d_V, d_K, d_V, d_V), copy=False)
+    t50 = (1/(math.sqrt(d_K)*n_batch)) * t40
+    t51 = oe.contract('ab,cdb,cde->aecd', t50, X, G, optimize=[(0, 1), (0, 1)])
+    t52 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t49[...] = oe.contract('abcd,efcd->eafb', t51, t52, optimize=[(0, 1)])
+    t53 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t54 = np.reshape(t53, (d_V, d_V, d_V, d_K), copy=False)
+    t55 = np.swapaxes(G, -1, -2)
+    t56 = (1/(math.sqrt(d_K)*n_batch)) * t55
+    t57 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t58 = oe.contract('abc,acd->bdac', t56, X, optimize=[(0, 1)])
+    t54[...] = oe.contract('abcd,efcd->aefb', t57, t58, optimize=[(0, 1)])
+    t59 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t60 = np.reshape(t59, (d_V, d_V, d_V, d_K), copy=False)
+    t61 = oe.contract('abc,acd,de->beac', t56, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t62 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t60[...] = oe.contract('abcd,efcd->eafb', t61, t62, optimize=[(0, 1)])
+    t63 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t63[...] = 0
     return H
 
 
@@ -1078,7 +1112,9 @@ def mse_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t18 = (1/(d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cde,cebf,ced,fa->da', t18, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
+    t19 = oe.contract('ab,cdbe,ea->acd', t18, M_3, W_K, optimize=[(0, 2), (0, 1)])
+    t20 = oe.contract('abc,acb->bac', t2, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -1223,7 +1259,9 @@ def mse_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t23 = (1/(d_K*n_batch)) * t3
-    t0 += oe.contract('ab,cde,cebf,ceg,gh->dafh', t23, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t24 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t25 = oe.contract('ab,cdbe->aecd', t23, M_3, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t24, t25, optimize=[(0, 1)])
     return out
 
 
@@ -1290,7 +1328,9 @@ def mse_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t12 = t10 + t11
     G = t12
     t13 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('abc,abd,abef,gf->dgec', G, X, M_2, t13, optimize=[(0, 1), (0, 1), (0, 1)])
+    t14 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t15 = oe.contract('ab,cdeb->aecd', t13, M_2, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t14, t15, optimize=[(0, 1)])
     return out
 
 
@@ -1434,7 +1474,9 @@ def mse_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t25 = (1/(d_K*n_batch)) * t24
-    t0 += oe.contract('ab,cde,cdfa,cgd,hg->fheb', W_K, X, M_3, t2, t25, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t26 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t27 = oe.contract('ab,cbd,cde->aecd', t25, t2, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t26, t27, optimize=[(0, 1)])
     return out
 
 
@@ -1509,7 +1551,9 @@ def mse_causal0__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t19 = (1/(d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cbd,cdef,cdg,gh->eafh', t19, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t20 = oe.contract('ab,cbd,cde,ef->afcd', t19, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t21 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -1576,7 +1620,9 @@ def mse_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t13 = t11 + t12
     G = t13
     t14 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdef,cdb,cdg->faeg', t14, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
+    t15 = oe.contract('ab,cdb,cde->aecd', t14, X, G, optimize=[(0, 1), (0, 1)])
+    t16 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t15, t16, optimize=[(0, 1)])
     return out
 
 
@@ -1658,7 +1704,9 @@ def mse_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t14 = (1/(math.sqrt(d_K)*n_batch)) * t13
-    t0[...] = oe.contract('ab,cde,cdfa,cgd->fgeb', W_K, X, M_2, t14, optimize=[(0, 2), (0, 1), (0, 1)])
+    t15 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t16 = oe.contract('abc,acd->bdac', t14, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t15, t16, optimize=[(0, 1)])
     return out
 
 
@@ -1720,7 +1768,9 @@ def mse_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t14 = (1/(math.sqrt(d_K)*n_batch)) * t13
-    t0[...] = oe.contract('abc,acde,acf,fg->dbeg', t14, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    t15 = oe.contract('abc,acd,de->beac', t14, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t16 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t15, t16, optimize=[(0, 1)])
     return out
 
 
@@ -1822,57 +1872,79 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t27 = np.ones((d_K,), dtype=X.dtype)
     t28 = (1/(math.sqrt(d_K)*n_batch)) * t27
     t24 += oe.contract('abc,d->bdc', t26, t28, optimize=[(0, 1)])
-    t23 += oe.contract('ab,cde,cebf,ceg,gh->dafh', t19, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
-    t23 += oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t21, M_2, X, t20, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
-    t29 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t30 = np.reshape(t29, (d_V, d_K, d_V, d_V), copy=False)
-    t31 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t30[...] = oe.contract('abc,abd,abef,gf->dgec', G, X, M_2, t31, optimize=[(0, 1), (0, 1), (0, 1)])
-    t32 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
-    t30 += oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t32, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t33 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t33[...] = 0
-    t34 = np.reshape(t33, (d_V, d_K, d_V, d_K), copy=False)
-    t35 = np.einsum('abcb->abc', t34)
-    t36 = np.swapaxes(t18, -1, -2)
-    t37 = t36 @ X
-    t38 = t3 @ t37
-    t35 += oe.contract('abc,d->bdc', t38, t28, optimize=[(0, 1)])
-    t39 = np.swapaxes(W_Q, -1, -2)
-    t40 = (1/(d_K*n_batch)) * t39
-    t34 += oe.contract('ab,cde,cdfa,cgd,hg->fheb', W_K, X, M_3, t3, t40, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
-    t41 = (2/(L*d_K*d_V*n_batch)) * t39
-    t34 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t41, M_2, X, t20, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t42 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t43 = np.reshape(t42, (d_V, d_K, d_V, d_K), copy=False)
-    t43[...] = oe.contract('ab,cbd,cdef,cdg,gh->eafh', t40, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t43 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t41, M_2, X, t20, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
-    t44 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t45 = np.reshape(t44, (d_V, d_K, d_V, d_V), copy=False)
-    t46 = (1/(math.sqrt(d_K)*n_batch)) * t39
-    t45[...] = oe.contract('ab,cdef,cdb,cdg->faeg', t46, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
-    t47 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t39
-    t45 += oe.contract('ab,cde,cdf,cdag,hf->gheb', W_V, M_1, X, M_2, t47, optimize=[(0, 3), (1, 2), (0, 2), (0, 1)])
-    t48 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t49 = np.reshape(t48, (d_V, d_V, d_V, d_K), copy=False)
-    t50 = np.swapaxes(G, -1, -2)
-    t51 = (1/(math.sqrt(d_K)*n_batch)) * t50
-    t49[...] = oe.contract('ab,cde,cdfa,cgd->fgeb', W_K, X, M_2, t51, optimize=[(0, 2), (0, 1), (0, 1)])
-    t52 = np.swapaxes(M_1, -1, -2)
-    t53 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t52
-    t49 += oe.contract('abc,de,acef,acg,fh->bdgh', t53, t14, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t54 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t55 = np.reshape(t54, (d_V, d_V, d_V, d_K), copy=False)
-    t55[...] = oe.contract('abc,acde,acf,fg->dbeg', t51, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t55 += oe.contract('abc,de,acef,acg,gh->bdfh', t53, t14, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
-    t56 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t56[...] = 0
-    t57 = np.reshape(t56, (d_V, d_V, d_V, d_V), copy=False)
-    t58 = np.einsum('abcb->abc', t57)
-    t59 = t52 @ M_1
-    t60 = np.ones((d_V,), dtype=X.dtype)
-    t61 = (2/(L*d_V*n_batch)) * t60
-    t58 += oe.contract('abc,d->bdc', t59, t61, optimize=[(0, 1)])
+    t29 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t30 = oe.contract('ab,cdbe->aecd', t19, M_3, optimize=[(0, 1)])
+    t23 += oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
+    t31 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t32 = oe.contract('ab,cdeb,ef,cdfg->agcd', t21, M_2, t20, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t23 += oe.contract('abcd,efcd->aefb', t31, t32, optimize=[(0, 1)])
+    t33 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t34 = np.reshape(t33, (d_V, d_K, d_V, d_V), copy=False)
+    t35 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t36 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t37 = oe.contract('ab,cdeb->aecd', t35, M_2, optimize=[(0, 1)])
+    t34[...] = oe.contract('abcd,efcd->aefb', t36, t37, optimize=[(0, 1)])
+    t38 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
+    t34 += oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t38, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t39 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t39[...] = 0
+    t40 = np.reshape(t39, (d_V, d_K, d_V, d_K), copy=False)
+    t41 = np.einsum('abcb->abc', t40)
+    t42 = np.swapaxes(t18, -1, -2)
+    t43 = t42 @ X
+    t44 = t3 @ t43
+    t41 += oe.contract('abc,d->bdc', t44, t28, optimize=[(0, 1)])
+    t45 = np.swapaxes(W_Q, -1, -2)
+    t46 = (1/(d_K*n_batch)) * t45
+    t47 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t48 = oe.contract('ab,cbd,cde->aecd', t46, t3, X, optimize=[(0, 1), (0, 1)])
+    t40 += oe.contract('abcd,efcd->aefb', t47, t48, optimize=[(0, 1)])
+    t49 = (2/(L*d_K*d_V*n_batch)) * t45
+    t40 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t49, M_2, X, t20, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t50 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t51 = np.reshape(t50, (d_V, d_K, d_V, d_K), copy=False)
+    t52 = oe.contract('ab,cbd,cde,ef->afcd', t46, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t53 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t51[...] = oe.contract('abcd,efcd->eafb', t52, t53, optimize=[(0, 1)])
+    t54 = oe.contract('ab,cdb,cde,ef->afcd', t49, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t55 = oe.contract('abcd,ce,abef->dfab', M_2, t20, M_2, optimize=[(0, 1), (0, 1)])
+    t51 += oe.contract('abcd,efcd->eafb', t54, t55, optimize=[(0, 1)])
+    t56 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t57 = np.reshape(t56, (d_V, d_K, d_V, d_V), copy=False)
+    t58 = (1/(math.sqrt(d_K)*n_batch)) * t45
+    t59 = oe.contract('ab,cdb,cde->aecd', t58, X, G, optimize=[(0, 1), (0, 1)])
+    t60 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t57[...] = oe.contract('abcd,efcd->eafb', t59, t60, optimize=[(0, 1)])
+    t61 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t45
+    t62 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t63 = oe.contract('ab,cdb,cde->aecd', t61, X, M_1, optimize=[(0, 1), (0, 1)])
+    t57 += oe.contract('abcd,efcd->aefb', t62, t63, optimize=[(0, 1)])
+    t64 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t65 = np.reshape(t64, (d_V, d_V, d_V, d_K), copy=False)
+    t66 = np.swapaxes(G, -1, -2)
+    t67 = (1/(math.sqrt(d_K)*n_batch)) * t66
+    t68 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t69 = oe.contract('abc,acd->bdac', t67, X, optimize=[(0, 1)])
+    t65[...] = oe.contract('abcd,efcd->aefb', t68, t69, optimize=[(0, 1)])
+    t70 = np.swapaxes(M_1, -1, -2)
+    t71 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t70
+    t65 += oe.contract('abc,de,acef,acg,fh->bdgh', t71, t14, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t72 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t73 = np.reshape(t72, (d_V, d_V, d_V, d_K), copy=False)
+    t74 = oe.contract('abc,acd,de->beac', t67, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t75 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t73[...] = oe.contract('abcd,efcd->eafb', t74, t75, optimize=[(0, 1)])
+    t76 = oe.contract('abc,acd,de->beac', t71, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t77 = oe.contract('ab,cdbe->aecd', t14, M_2, optimize=[(0, 1)])
+    t73 += oe.contract('abcd,efcd->aefb', t76, t77, optimize=[(0, 1)])
+    t78 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t78[...] = 0
+    t79 = np.reshape(t78, (d_V, d_V, d_V, d_V), copy=False)
+    t80 = np.einsum('abcb->abc', t79)
+    t81 = t70 @ M_1
+    t82 = np.ones((d_V,), dtype=X.dtype)
+    t83 = (2/(L*d_V*n_batch)) * t82
+    t80 += oe.contract('abc,d->bdc', t81, t83, optimize=[(0, 1)])
     return H
 
 
@@ -2056,12 +2128,16 @@ def mse_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t18 = (1/(d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cde,cebf,ced,fa->da', t18, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
+    t19 = oe.contract('ab,cdbe,ea->acd', t18, M_3, W_K, optimize=[(0, 2), (0, 1)])
+    t20 = oe.contract('abc,acb->bac', t2, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t19, t20, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t19 = W_V @ t13
-    t20 = (2/(L*d_K*d_V*n_batch)) * t1
-    t0 += oe.contract('ab,cdeb,cdf,eg,cdgh,cdf,ha->fa', t20, M_2, X, t19, M_2, X, W_K, optimize=[(2, 5), (0, 1), (0, 1), (2, 3), (0, 2), (0, 1)])
+    t21 = W_V @ t13
+    t22 = (2/(L*d_K*d_V*n_batch)) * t1
+    t23 = oe.contract('ab,cdeb,ef,cdfg,ga->acd', t22, M_2, t21, M_2, W_K, optimize=[(0, 1), (0, 1), (1, 2), (0, 1)])
+    t24 = oe.contract('abc,abc->cab', X, X, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dbc->da', t23, t24, optimize=[(0, 1)])
     return out
 
 
@@ -2217,12 +2293,16 @@ def mse_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t23 = (1/(d_K*n_batch)) * t3
-    t0 += oe.contract('ab,cde,cebf,ceg,gh->dafh', t23, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t24 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t25 = oe.contract('ab,cdbe->aecd', t23, M_3, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t24, t25, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t24 = W_V @ t14
-    t25 = (2/(L*d_K*d_V*n_batch)) * t3
-    t0 += oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t25, M_2, X, t24, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
+    t26 = W_V @ t14
+    t27 = (2/(L*d_K*d_V*n_batch)) * t3
+    t28 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t29 = oe.contract('ab,cdeb,ef,cdfg->agcd', t27, M_2, t26, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t28, t29, optimize=[(0, 1)])
     return out
 
 
@@ -2292,9 +2372,11 @@ def mse_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t12 = t10 + t11
     G = t12
     t13 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('abc,abd,abef,gf->dgec', G, X, M_2, t13, optimize=[(0, 1), (0, 1), (0, 1)])
-    t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
-    t0 += oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t14, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t14 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t15 = oe.contract('ab,cdeb->aecd', t13, M_2, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t14, t15, optimize=[(0, 1)])
+    t16 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t16, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -2365,7 +2447,9 @@ def mse_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t20 = W_V @ t14
     t21 = (2/(L*d_K*d_V*n_batch)) * t1
-    t0 += oe.contract('ab,cdef,cdb,eg,cdgf,cdh,ha->fa', t21, M_2, X, t20, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t22 = oe.contract('ab,cdb,cde,ea->acd', t21, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t23 = oe.contract('abcd,ce,abed->dab', M_2, t20, M_2, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abc,dbc->da', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -2446,12 +2530,14 @@ def mse_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t25 = (1/(d_K*n_batch)) * t24
-    t0 += oe.contract('ab,cde,cdfa,cgd,hg->fheb', W_K, X, M_3, t2, t25, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t26 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t27 = oe.contract('ab,cbd,cde->aecd', t25, t2, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t26, t27, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t26 = W_V @ t14
-    t27 = (2/(L*d_K*d_V*n_batch)) * t24
-    t0 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t27, M_2, X, t26, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t28 = W_V @ t14
+    t29 = (2/(L*d_K*d_V*n_batch)) * t24
+    t0 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t29, M_2, X, t28, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -2529,12 +2615,16 @@ def mse_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t19 = (1/(d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cbd,cdef,cdg,gh->eafh', t19, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t20 = oe.contract('ab,cbd,cde,ef->afcd', t19, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t21 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t20 = W_V @ t14
-    t21 = (2/(L*d_K*d_V*n_batch)) * t1
-    t0 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t21, M_2, X, t20, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t22 = W_V @ t14
+    t23 = (2/(L*d_K*d_V*n_batch)) * t1
+    t24 = oe.contract('ab,cdb,cde,ef->afcd', t23, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t25 = oe.contract('abcd,ce,abef->dfab', M_2, t22, M_2, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t24, t25, optimize=[(0, 1)])
     return out
 
 
@@ -2604,9 +2694,13 @@ def mse_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t13 = t11 + t12
     G = t13
     t14 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdef,cdb,cdg->faeg', t14, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
-    t15 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
-    t0 += oe.contract('ab,cde,cdf,cdag,hf->gheb', W_V, M_1, X, M_2, t15, optimize=[(0, 3), (1, 2), (0, 2), (0, 1)])
+    t15 = oe.contract('ab,cdb,cde->aecd', t14, X, G, optimize=[(0, 1), (0, 1)])
+    t16 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t15, t16, optimize=[(0, 1)])
+    t17 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
+    t18 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t19 = oe.contract('ab,cdb,cde->aecd', t17, X, M_1, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -2715,11 +2809,13 @@ def mse_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t14 = (1/(math.sqrt(d_K)*n_batch)) * t13
-    t0[...] = oe.contract('ab,cde,cdfa,cgd->fgeb', W_K, X, M_2, t14, optimize=[(0, 2), (0, 1), (0, 1)])
-    t15 = np.swapaxes(M_1, -1, -2)
-    t16 = np.swapaxes(W_V, -1, -2)
-    t17 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t15
-    t0 += oe.contract('abc,de,acef,acg,fh->bdgh', t17, t16, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t15 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t16 = oe.contract('abc,acd->bdac', t14, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t15, t16, optimize=[(0, 1)])
+    t17 = np.swapaxes(M_1, -1, -2)
+    t18 = np.swapaxes(W_V, -1, -2)
+    t19 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t17
+    t0 += oe.contract('abc,de,acef,acg,fh->bdgh', t19, t18, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -2783,11 +2879,15 @@ def mse_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t14 = (1/(math.sqrt(d_K)*n_batch)) * t13
-    t0[...] = oe.contract('abc,acde,acf,fg->dbeg', t14, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t15 = np.swapaxes(M_1, -1, -2)
-    t16 = np.swapaxes(W_V, -1, -2)
-    t17 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t15
-    t0 += oe.contract('abc,de,acef,acg,gh->bdfh', t17, t16, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t15 = oe.contract('abc,acd,de->beac', t14, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t16 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t15, t16, optimize=[(0, 1)])
+    t17 = np.swapaxes(M_1, -1, -2)
+    t18 = np.swapaxes(W_V, -1, -2)
+    t19 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t17
+    t20 = oe.contract('abc,acd,de->beac', t19, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t21 = oe.contract('ab,cdbe->aecd', t18, M_2, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -2971,41 +3071,49 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t1[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t13, M_2, X, t12, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
     t14 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t15 = np.reshape(t14, (d_V, d_K, d_V, d_K), copy=False)
-    t15[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t13, M_2, X, t12, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
-    t16 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t17 = np.reshape(t16, (d_V, d_K, d_V, d_V), copy=False)
-    t18 = A @ X
-    M_1 = t18
-    t19 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
-    t17[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t19, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t20 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t21 = np.reshape(t20, (d_V, d_K, d_V, d_K), copy=False)
-    t22 = np.swapaxes(W_Q, -1, -2)
-    t23 = (2/(L*d_K*d_V*n_batch)) * t22
-    t21[...] = oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t23, M_2, X, t12, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t24 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t25 = np.reshape(t24, (d_V, d_K, d_V, d_K), copy=False)
-    t25[...] = oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t23, M_2, X, t12, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
-    t26 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t27 = np.reshape(t26, (d_V, d_K, d_V, d_V), copy=False)
-    t28 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t22
-    t27[...] = oe.contract('ab,cde,cdf,cdag,hf->gheb', W_V, M_1, X, M_2, t28, optimize=[(0, 3), (1, 2), (0, 2), (0, 1)])
-    t29 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t30 = np.reshape(t29, (d_V, d_V, d_V, d_K), copy=False)
-    t31 = np.swapaxes(M_1, -1, -2)
-    t32 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t31
-    t30[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t32, t11, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t33 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t34 = np.reshape(t33, (d_V, d_V, d_V, d_K), copy=False)
-    t34[...] = oe.contract('abc,de,acef,acg,gh->bdfh', t32, t11, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
-    t35 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t35[...] = 0
-    t36 = np.reshape(t35, (d_V, d_V, d_V, d_V), copy=False)
-    t37 = np.einsum('abcb->abc', t36)
-    t38 = t31 @ M_1
-    t39 = np.ones((d_V,), dtype=X.dtype)
-    t40 = (2/(L*d_V*n_batch)) * t39
-    t37 += oe.contract('abc,d->bdc', t38, t40, optimize=[(0, 1)])
+    t16 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t17 = oe.contract('ab,cdeb,ef,cdfg->agcd', t13, M_2, t12, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t15[...] = oe.contract('abcd,efcd->aefb', t16, t17, optimize=[(0, 1)])
+    t18 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t19 = np.reshape(t18, (d_V, d_K, d_V, d_V), copy=False)
+    t20 = A @ X
+    M_1 = t20
+    t21 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
+    t19[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t21, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t22 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t23 = np.reshape(t22, (d_V, d_K, d_V, d_K), copy=False)
+    t24 = np.swapaxes(W_Q, -1, -2)
+    t25 = (2/(L*d_K*d_V*n_batch)) * t24
+    t23[...] = oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t25, M_2, X, t12, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t26 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t27 = np.reshape(t26, (d_V, d_K, d_V, d_K), copy=False)
+    t28 = oe.contract('ab,cdb,cde,ef->afcd', t25, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t29 = oe.contract('abcd,ce,abef->dfab', M_2, t12, M_2, optimize=[(0, 1), (0, 1)])
+    t27[...] = oe.contract('abcd,efcd->eafb', t28, t29, optimize=[(0, 1)])
+    t30 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t31 = np.reshape(t30, (d_V, d_K, d_V, d_V), copy=False)
+    t32 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t24
+    t33 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t34 = oe.contract('ab,cdb,cde->aecd', t32, X, M_1, optimize=[(0, 1), (0, 1)])
+    t31[...] = oe.contract('abcd,efcd->aefb', t33, t34, optimize=[(0, 1)])
+    t35 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t36 = np.reshape(t35, (d_V, d_V, d_V, d_K), copy=False)
+    t37 = np.swapaxes(M_1, -1, -2)
+    t38 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t37
+    t36[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t38, t11, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t39 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t40 = np.reshape(t39, (d_V, d_V, d_V, d_K), copy=False)
+    t41 = oe.contract('abc,acd,de->beac', t38, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t42 = oe.contract('ab,cdbe->aecd', t11, M_2, optimize=[(0, 1)])
+    t40[...] = oe.contract('abcd,efcd->aefb', t41, t42, optimize=[(0, 1)])
+    t43 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t43[...] = 0
+    t44 = np.reshape(t43, (d_V, d_V, d_V, d_V), copy=False)
+    t45 = np.einsum('abcb->abc', t44)
+    t46 = t37 @ M_1
+    t47 = np.ones((d_V,), dtype=X.dtype)
+    t48 = (2/(L*d_V*n_batch)) * t47
+    t45 += oe.contract('abc,d->bdc', t46, t48, optimize=[(0, 1)])
     return H
 
 
@@ -3132,7 +3240,9 @@ def mse_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t10 = np.swapaxes(W_V, -1, -2)
     t11 = W_V @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdf,ha->fa', t12, M_2, X, t11, M_2, X, W_K, optimize=[(2, 5), (0, 1), (0, 1), (2, 3), (0, 2), (0, 1)])
+    t13 = oe.contract('ab,cdeb,ef,cdfg,ga->acd', t12, M_2, t11, M_2, W_K, optimize=[(0, 1), (0, 1), (1, 2), (0, 1)])
+    t14 = oe.contract('abc,abc->cab', X, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t13, t14, optimize=[(0, 1)])
     return out
 
 
@@ -3234,7 +3344,9 @@ def mse_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     t10 = np.swapaxes(W_V, -1, -2)
     t11 = W_V @ t10
     t12 = (2/(L*d_K*d_V*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t12, M_2, X, t11, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
+    t13 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t14 = oe.contract('ab,cdeb,ef,cdfg->agcd', t12, M_2, t11, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t13, t14, optimize=[(0, 1)])
     return out
 
 
@@ -3339,7 +3451,9 @@ def mse_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     t11 = np.swapaxes(W_V, -1, -2)
     t12 = W_V @ t11
     t13 = (2/(L*d_K*d_V*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdef,cdb,eg,cdgf,cdh,ha->fa', t13, M_2, X, t12, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t14 = oe.contract('ab,cdb,cde,ea->acd', t13, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t15 = oe.contract('abcd,ce,abed->dab', M_2, t12, M_2, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t14, t15, optimize=[(0, 1)])
     return out
 
 
@@ -3445,7 +3559,9 @@ def mse_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t11 = np.swapaxes(W_V, -1, -2)
     t12 = W_V @ t11
     t13 = (2/(L*d_K*d_V*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t13, M_2, X, t12, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t14 = oe.contract('ab,cdb,cde,ef->afcd', t13, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t15 = oe.contract('abcd,ce,abef->dfab', M_2, t12, M_2, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t14, t15, optimize=[(0, 1)])
     return out
 
 
@@ -3499,7 +3615,9 @@ def mse_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     t11 = A @ X
     M_1 = t11
     t12 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
-    t0[...] = oe.contract('ab,cde,cdf,cdag,hf->gheb', W_V, M_1, X, M_2, t12, optimize=[(0, 3), (1, 2), (0, 2), (0, 1)])
+    t13 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t14 = oe.contract('ab,cdb,cde->aecd', t12, X, M_1, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t13, t14, optimize=[(0, 1)])
     return out
 
 
@@ -3661,7 +3779,9 @@ def mse_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t11
-    t0[...] = oe.contract('abc,de,acef,acg,gh->bdfh', t13, t12, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t14 = oe.contract('abc,acd,de->beac', t13, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t15 = oe.contract('ab,cdbe->aecd', t12, M_2, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t14, t15, optimize=[(0, 1)])
     return out
 
 
@@ -3792,41 +3912,55 @@ def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t27 = np.ones((d_K,), dtype=X.dtype)
     t28 = (1/(math.sqrt(d_K)*n_batch)) * t27
     t24 += oe.contract('abc,d->bdc', t26, t28, optimize=[(0, 1)])
-    t23 += oe.contract('ab,cde,cebf,ceg,gh->dafh', t21, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
-    t29 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t30 = np.reshape(t29, (d_V, d_K, d_V, d_V), copy=False)
+    t29 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t30 = oe.contract('ab,cdbe->aecd', t21, M_3, optimize=[(0, 1)])
+    t23 += oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
+    t31 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t32 = np.reshape(t31, (d_V, d_K, d_V, d_V), copy=False)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t31 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t30[...] = oe.contract('abc,abd,abef,gf->dgec', G, X, M_2, t31, optimize=[(0, 1), (0, 1), (0, 1)])
-    t32 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t32[...] = 0
-    t33 = np.reshape(t32, (d_V, d_K, d_V, d_K), copy=False)
-    t34 = np.einsum('abcb->abc', t33)
-    t35 = np.swapaxes(t20, -1, -2)
-    t36 = t35 @ X
-    t37 = t3 @ t36
-    t34 += oe.contract('abc,d->bdc', t37, t28, optimize=[(0, 1)])
-    t38 = np.swapaxes(W_Q, -1, -2)
-    t39 = (1/(d_K*n_batch)) * t38
-    t33 += oe.contract('ab,cde,cdfa,cgd,hg->fheb', W_K, X, M_3, t3, t39, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
-    t40 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t41 = np.reshape(t40, (d_V, d_K, d_V, d_K), copy=False)
-    t41[...] = oe.contract('ab,cbd,cdef,cdg,gh->eafh', t39, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t42 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t43 = np.reshape(t42, (d_V, d_K, d_V, d_V), copy=False)
-    t44 = (1/(math.sqrt(d_K)*n_batch)) * t38
-    t43[...] = oe.contract('ab,cdef,cdb,cdg->faeg', t44, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
-    t45 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t46 = np.reshape(t45, (d_V, d_V, d_V, d_K), copy=False)
-    t47 = np.swapaxes(G, -1, -2)
-    t48 = (1/(math.sqrt(d_K)*n_batch)) * t47
-    t46[...] = oe.contract('ab,cde,cdfa,cgd->fgeb', W_K, X, M_2, t48, optimize=[(0, 2), (0, 1), (0, 1)])
-    t49 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t50 = np.reshape(t49, (d_V, d_V, d_V, d_K), copy=False)
-    t50[...] = oe.contract('abc,acde,acf,fg->dbeg', t48, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t51 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t51[...] = 0
+    t33 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t34 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t35 = oe.contract('ab,cdeb->aecd', t33, M_2, optimize=[(0, 1)])
+    t32[...] = oe.contract('abcd,efcd->aefb', t34, t35, optimize=[(0, 1)])
+    t36 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t36[...] = 0
+    t37 = np.reshape(t36, (d_V, d_K, d_V, d_K), copy=False)
+    t38 = np.einsum('abcb->abc', t37)
+    t39 = np.swapaxes(t20, -1, -2)
+    t40 = t39 @ X
+    t41 = t3 @ t40
+    t38 += oe.contract('abc,d->bdc', t41, t28, optimize=[(0, 1)])
+    t42 = np.swapaxes(W_Q, -1, -2)
+    t43 = (1/(d_K*n_batch)) * t42
+    t44 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t45 = oe.contract('ab,cbd,cde->aecd', t43, t3, X, optimize=[(0, 1), (0, 1)])
+    t37 += oe.contract('abcd,efcd->aefb', t44, t45, optimize=[(0, 1)])
+    t46 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t47 = np.reshape(t46, (d_V, d_K, d_V, d_K), copy=False)
+    t48 = oe.contract('ab,cbd,cde,ef->afcd', t43, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t49 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t47[...] = oe.contract('abcd,efcd->eafb', t48, t49, optimize=[(0, 1)])
+    t50 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t51 = np.reshape(t50, (d_V, d_K, d_V, d_V), copy=False)
+    t52 = (1/(math.sqrt(d_K)*n_batch)) * t42
+    t53 = oe.contract('ab,cdb,cde->aecd', t52, X, G, optimize=[(0, 1), (0, 1)])
+    t54 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t51[...] = oe.contract('abcd,efcd->eafb', t53, t54, optimize=[(0, 1)])
+    t55 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t56 = np.reshape(t55, (d_V, d_V, d_V, d_K), copy=False)
+    t57 = np.swapaxes(G, -1, -2)
+    t58 = (1/(math.sqrt(d_K)*n_batch)) * t57
+    t59 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t60 = oe.contract('abc,acd->bdac', t58, X, optimize=[(0, 1)])
+    t56[...] = oe.contract('abcd,efcd->aefb', t59, t60, optimize=[(0, 1)])
+    t61 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t62 = np.reshape(t61, (d_V, d_V, d_V, d_K), copy=False)
+    t63 = oe.contract('abc,acd,de->beac', t58, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t64 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t62[...] = oe.contract('abcd,efcd->eafb', t63, t64, optimize=[(0, 1)])
+    t65 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t65[...] = 0
     return H
 
 
@@ -3998,7 +4132,9 @@ def mse_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t19, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t19, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t19, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t20 = (1/(d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cde,cebf,ced,fa->da', t20, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
+    t21 = oe.contract('ab,cdbe,ea->acd', t20, M_3, W_K, optimize=[(0, 2), (0, 1)])
+    t22 = oe.contract('abc,acb->bac', t2, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -4151,7 +4287,9 @@ def mse_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t25 = (1/(d_K*n_batch)) * t3
-    t0 += oe.contract('ab,cde,cebf,ceg,gh->dafh', t25, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t26 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t27 = oe.contract('ab,cdbe->aecd', t25, M_3, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t26, t27, optimize=[(0, 1)])
     return out
 
 
@@ -4222,7 +4360,9 @@ def mse_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t14 = t12 + t13
     G = t14
     t15 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('abc,abd,abef,gf->dgec', G, X, M_2, t15, optimize=[(0, 1), (0, 1), (0, 1)])
+    t16 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t17 = oe.contract('ab,cdeb->aecd', t15, M_2, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -4374,7 +4514,9 @@ def mse_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t27 = (1/(d_K*n_batch)) * t26
-    t0 += oe.contract('ab,cde,cdfa,cgd,hg->fheb', W_K, X, M_3, t2, t27, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t28 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t29 = oe.contract('ab,cbd,cde->aecd', t27, t2, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t28, t29, optimize=[(0, 1)])
     return out
 
 
@@ -4453,7 +4595,9 @@ def mse_causal1__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t21 = (1/(d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cbd,cdef,cdg,gh->eafh', t21, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t22 = oe.contract('ab,cbd,cde,ef->afcd', t21, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t23 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -4524,7 +4668,9 @@ def mse_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t15 = t13 + t14
     G = t15
     t16 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdef,cdb,cdg->faeg', t16, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
+    t17 = oe.contract('ab,cdb,cde->aecd', t16, X, G, optimize=[(0, 1), (0, 1)])
+    t18 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -4610,7 +4756,9 @@ def mse_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t16 = (1/(math.sqrt(d_K)*n_batch)) * t15
-    t0[...] = oe.contract('ab,cde,cdfa,cgd->fgeb', W_K, X, M_2, t16, optimize=[(0, 2), (0, 1), (0, 1)])
+    t17 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t18 = oe.contract('abc,acd->bdac', t16, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -4676,7 +4824,9 @@ def mse_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t16 = (1/(math.sqrt(d_K)*n_batch)) * t15
-    t0[...] = oe.contract('abc,acde,acf,fg->dbeg', t16, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    t17 = oe.contract('abc,acd,de->beac', t16, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t18 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -4782,57 +4932,79 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t29 = np.ones((d_K,), dtype=X.dtype)
     t30 = (1/(math.sqrt(d_K)*n_batch)) * t29
     t26 += oe.contract('abc,d->bdc', t28, t30, optimize=[(0, 1)])
-    t25 += oe.contract('ab,cde,cebf,ceg,gh->dafh', t21, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
-    t25 += oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t23, M_2, X, t22, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
-    t31 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t32 = np.reshape(t31, (d_V, d_K, d_V, d_V), copy=False)
-    t33 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t32[...] = oe.contract('abc,abd,abef,gf->dgec', G, X, M_2, t33, optimize=[(0, 1), (0, 1), (0, 1)])
-    t34 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
-    t32 += oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t34, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t35 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t35[...] = 0
-    t36 = np.reshape(t35, (d_V, d_K, d_V, d_K), copy=False)
-    t37 = np.einsum('abcb->abc', t36)
-    t38 = np.swapaxes(t20, -1, -2)
-    t39 = t38 @ X
-    t40 = t3 @ t39
-    t37 += oe.contract('abc,d->bdc', t40, t30, optimize=[(0, 1)])
-    t41 = np.swapaxes(W_Q, -1, -2)
-    t42 = (1/(d_K*n_batch)) * t41
-    t36 += oe.contract('ab,cde,cdfa,cgd,hg->fheb', W_K, X, M_3, t3, t42, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
-    t43 = (2/(L*d_K*d_V*n_batch)) * t41
-    t36 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t43, M_2, X, t22, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t44 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t45 = np.reshape(t44, (d_V, d_K, d_V, d_K), copy=False)
-    t45[...] = oe.contract('ab,cbd,cdef,cdg,gh->eafh', t42, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t45 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t43, M_2, X, t22, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
-    t46 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t47 = np.reshape(t46, (d_V, d_K, d_V, d_V), copy=False)
-    t48 = (1/(math.sqrt(d_K)*n_batch)) * t41
-    t47[...] = oe.contract('ab,cdef,cdb,cdg->faeg', t48, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
-    t49 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t41
-    t47 += oe.contract('ab,cde,cdf,cdag,hf->gheb', W_V, M_1, X, M_2, t49, optimize=[(0, 3), (1, 2), (0, 2), (0, 1)])
-    t50 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t51 = np.reshape(t50, (d_V, d_V, d_V, d_K), copy=False)
-    t52 = np.swapaxes(G, -1, -2)
-    t53 = (1/(math.sqrt(d_K)*n_batch)) * t52
-    t51[...] = oe.contract('ab,cde,cdfa,cgd->fgeb', W_K, X, M_2, t53, optimize=[(0, 2), (0, 1), (0, 1)])
-    t54 = np.swapaxes(M_1, -1, -2)
-    t55 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t54
-    t51 += oe.contract('abc,de,acef,acg,fh->bdgh', t55, t16, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t56 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t57 = np.reshape(t56, (d_V, d_V, d_V, d_K), copy=False)
-    t57[...] = oe.contract('abc,acde,acf,fg->dbeg', t53, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t57 += oe.contract('abc,de,acef,acg,gh->bdfh', t55, t16, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
-    t58 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t58[...] = 0
-    t59 = np.reshape(t58, (d_V, d_V, d_V, d_V), copy=False)
-    t60 = np.einsum('abcb->abc', t59)
-    t61 = t54 @ M_1
-    t62 = np.ones((d_V,), dtype=X.dtype)
-    t63 = (2/(L*d_V*n_batch)) * t62
-    t60 += oe.contract('abc,d->bdc', t61, t63, optimize=[(0, 1)])
+    t31 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t32 = oe.contract('ab,cdbe->aecd', t21, M_3, optimize=[(0, 1)])
+    t25 += oe.contract('abcd,efcd->aefb', t31, t32, optimize=[(0, 1)])
+    t33 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t34 = oe.contract('ab,cdeb,ef,cdfg->agcd', t23, M_2, t22, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t25 += oe.contract('abcd,efcd->aefb', t33, t34, optimize=[(0, 1)])
+    t35 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t36 = np.reshape(t35, (d_V, d_K, d_V, d_V), copy=False)
+    t37 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t38 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t39 = oe.contract('ab,cdeb->aecd', t37, M_2, optimize=[(0, 1)])
+    t36[...] = oe.contract('abcd,efcd->aefb', t38, t39, optimize=[(0, 1)])
+    t40 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
+    t36 += oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t40, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t41 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t41[...] = 0
+    t42 = np.reshape(t41, (d_V, d_K, d_V, d_K), copy=False)
+    t43 = np.einsum('abcb->abc', t42)
+    t44 = np.swapaxes(t20, -1, -2)
+    t45 = t44 @ X
+    t46 = t3 @ t45
+    t43 += oe.contract('abc,d->bdc', t46, t30, optimize=[(0, 1)])
+    t47 = np.swapaxes(W_Q, -1, -2)
+    t48 = (1/(d_K*n_batch)) * t47
+    t49 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t50 = oe.contract('ab,cbd,cde->aecd', t48, t3, X, optimize=[(0, 1), (0, 1)])
+    t42 += oe.contract('abcd,efcd->aefb', t49, t50, optimize=[(0, 1)])
+    t51 = (2/(L*d_K*d_V*n_batch)) * t47
+    t42 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t51, M_2, X, t22, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t52 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t53 = np.reshape(t52, (d_V, d_K, d_V, d_K), copy=False)
+    t54 = oe.contract('ab,cbd,cde,ef->afcd', t48, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t55 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t53[...] = oe.contract('abcd,efcd->eafb', t54, t55, optimize=[(0, 1)])
+    t56 = oe.contract('ab,cdb,cde,ef->afcd', t51, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t57 = oe.contract('abcd,ce,abef->dfab', M_2, t22, M_2, optimize=[(0, 1), (0, 1)])
+    t53 += oe.contract('abcd,efcd->eafb', t56, t57, optimize=[(0, 1)])
+    t58 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t59 = np.reshape(t58, (d_V, d_K, d_V, d_V), copy=False)
+    t60 = (1/(math.sqrt(d_K)*n_batch)) * t47
+    t61 = oe.contract('ab,cdb,cde->aecd', t60, X, G, optimize=[(0, 1), (0, 1)])
+    t62 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t59[...] = oe.contract('abcd,efcd->eafb', t61, t62, optimize=[(0, 1)])
+    t63 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t47
+    t64 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t65 = oe.contract('ab,cdb,cde->aecd', t63, X, M_1, optimize=[(0, 1), (0, 1)])
+    t59 += oe.contract('abcd,efcd->aefb', t64, t65, optimize=[(0, 1)])
+    t66 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t67 = np.reshape(t66, (d_V, d_V, d_V, d_K), copy=False)
+    t68 = np.swapaxes(G, -1, -2)
+    t69 = (1/(math.sqrt(d_K)*n_batch)) * t68
+    t70 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t71 = oe.contract('abc,acd->bdac', t69, X, optimize=[(0, 1)])
+    t67[...] = oe.contract('abcd,efcd->aefb', t70, t71, optimize=[(0, 1)])
+    t72 = np.swapaxes(M_1, -1, -2)
+    t73 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t72
+    t67 += oe.contract('abc,de,acef,acg,fh->bdgh', t73, t16, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t74 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t75 = np.reshape(t74, (d_V, d_V, d_V, d_K), copy=False)
+    t76 = oe.contract('abc,acd,de->beac', t69, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t77 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t75[...] = oe.contract('abcd,efcd->eafb', t76, t77, optimize=[(0, 1)])
+    t78 = oe.contract('abc,acd,de->beac', t73, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t79 = oe.contract('ab,cdbe->aecd', t16, M_2, optimize=[(0, 1)])
+    t75 += oe.contract('abcd,efcd->aefb', t78, t79, optimize=[(0, 1)])
+    t80 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t80[...] = 0
+    t81 = np.reshape(t80, (d_V, d_V, d_V, d_V), copy=False)
+    t82 = np.einsum('abcb->abc', t81)
+    t83 = t72 @ M_1
+    t84 = np.ones((d_V,), dtype=X.dtype)
+    t85 = (2/(L*d_V*n_batch)) * t84
+    t82 += oe.contract('abc,d->bdc', t83, t85, optimize=[(0, 1)])
     return H
 
 
@@ -5022,12 +5194,16 @@ def mse_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t19, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t19, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t19, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t20 = (1/(d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cde,cebf,ced,fa->da', t20, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
+    t21 = oe.contract('ab,cdbe,ea->acd', t20, M_3, W_K, optimize=[(0, 2), (0, 1)])
+    t22 = oe.contract('abc,acb->bac', t2, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t21, t22, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t21 = W_V @ t15
-    t22 = (2/(L*d_K*d_V*n_batch)) * t1
-    t0 += oe.contract('ab,cdeb,cdf,eg,cdgh,cdf,ha->fa', t22, M_2, X, t21, M_2, X, W_K, optimize=[(2, 5), (0, 1), (0, 1), (2, 3), (0, 2), (0, 1)])
+    t23 = W_V @ t15
+    t24 = (2/(L*d_K*d_V*n_batch)) * t1
+    t25 = oe.contract('ab,cdeb,ef,cdfg,ga->acd', t24, M_2, t23, M_2, W_K, optimize=[(0, 1), (0, 1), (1, 2), (0, 1)])
+    t26 = oe.contract('abc,abc->cab', X, X, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dbc->da', t25, t26, optimize=[(0, 1)])
     return out
 
 
@@ -5191,12 +5367,16 @@ def mse_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t25 = (1/(d_K*n_batch)) * t3
-    t0 += oe.contract('ab,cde,cebf,ceg,gh->dafh', t25, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t26 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t27 = oe.contract('ab,cdbe->aecd', t25, M_3, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t26, t27, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t26 = W_V @ t16
-    t27 = (2/(L*d_K*d_V*n_batch)) * t3
-    t0 += oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t27, M_2, X, t26, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
+    t28 = W_V @ t16
+    t29 = (2/(L*d_K*d_V*n_batch)) * t3
+    t30 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t31 = oe.contract('ab,cdeb,ef,cdfg->agcd', t29, M_2, t28, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t30, t31, optimize=[(0, 1)])
     return out
 
 
@@ -5270,9 +5450,11 @@ def mse_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t14 = t12 + t13
     G = t14
     t15 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('abc,abd,abef,gf->dgec', G, X, M_2, t15, optimize=[(0, 1), (0, 1), (0, 1)])
-    t16 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
-    t0 += oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t16, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t16 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t17 = oe.contract('ab,cdeb->aecd', t15, M_2, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t16, t17, optimize=[(0, 1)])
+    t18 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t18, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -5347,7 +5529,9 @@ def mse_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t22 = W_V @ t16
     t23 = (2/(L*d_K*d_V*n_batch)) * t1
-    t0 += oe.contract('ab,cdef,cdb,eg,cdgf,cdh,ha->fa', t23, M_2, X, t22, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t24 = oe.contract('ab,cdb,cde,ea->acd', t23, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t25 = oe.contract('abcd,ce,abed->dab', M_2, t22, M_2, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abc,dbc->da', t24, t25, optimize=[(0, 1)])
     return out
 
 
@@ -5432,12 +5616,14 @@ def mse_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t27 = (1/(d_K*n_batch)) * t26
-    t0 += oe.contract('ab,cde,cdfa,cgd,hg->fheb', W_K, X, M_3, t2, t27, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t28 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t29 = oe.contract('ab,cbd,cde->aecd', t27, t2, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t28, t29, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t28 = W_V @ t16
-    t29 = (2/(L*d_K*d_V*n_batch)) * t26
-    t0 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t29, M_2, X, t28, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t30 = W_V @ t16
+    t31 = (2/(L*d_K*d_V*n_batch)) * t26
+    t0 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t31, M_2, X, t30, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -5519,12 +5705,16 @@ def mse_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t21 = (1/(d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cbd,cdef,cdg,gh->eafh', t21, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t22 = oe.contract('ab,cbd,cde,ef->afcd', t21, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t23 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t22 = W_V @ t16
-    t23 = (2/(L*d_K*d_V*n_batch)) * t1
-    t0 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t23, M_2, X, t22, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t24 = W_V @ t16
+    t25 = (2/(L*d_K*d_V*n_batch)) * t1
+    t26 = oe.contract('ab,cdb,cde,ef->afcd', t25, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t27 = oe.contract('abcd,ce,abef->dfab', M_2, t24, M_2, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t26, t27, optimize=[(0, 1)])
     return out
 
 
@@ -5598,9 +5788,13 @@ def mse_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t15 = t13 + t14
     G = t15
     t16 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdef,cdb,cdg->faeg', t16, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
-    t17 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
-    t0 += oe.contract('ab,cde,cdf,cdag,hf->gheb', W_V, M_1, X, M_2, t17, optimize=[(0, 3), (1, 2), (0, 2), (0, 1)])
+    t17 = oe.contract('ab,cdb,cde->aecd', t16, X, G, optimize=[(0, 1), (0, 1)])
+    t18 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
+    t19 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
+    t20 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t21 = oe.contract('ab,cdb,cde->aecd', t19, X, M_1, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -5717,11 +5911,13 @@ def mse_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t16 = (1/(math.sqrt(d_K)*n_batch)) * t15
-    t0[...] = oe.contract('ab,cde,cdfa,cgd->fgeb', W_K, X, M_2, t16, optimize=[(0, 2), (0, 1), (0, 1)])
-    t17 = np.swapaxes(M_1, -1, -2)
-    t18 = np.swapaxes(W_V, -1, -2)
-    t19 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t17
-    t0 += oe.contract('abc,de,acef,acg,fh->bdgh', t19, t18, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t17 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t18 = oe.contract('abc,acd->bdac', t16, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
+    t19 = np.swapaxes(M_1, -1, -2)
+    t20 = np.swapaxes(W_V, -1, -2)
+    t21 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t19
+    t0 += oe.contract('abc,de,acef,acg,fh->bdgh', t21, t20, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -5789,11 +5985,15 @@ def mse_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t16 = (1/(math.sqrt(d_K)*n_batch)) * t15
-    t0[...] = oe.contract('abc,acde,acf,fg->dbeg', t16, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t17 = np.swapaxes(M_1, -1, -2)
-    t18 = np.swapaxes(W_V, -1, -2)
-    t19 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t17
-    t0 += oe.contract('abc,de,acef,acg,gh->bdfh', t19, t18, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t17 = oe.contract('abc,acd,de->beac', t16, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t18 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
+    t19 = np.swapaxes(M_1, -1, -2)
+    t20 = np.swapaxes(W_V, -1, -2)
+    t21 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t19
+    t22 = oe.contract('abc,acd,de->beac', t21, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t23 = oe.contract('ab,cdbe->aecd', t20, M_2, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -5987,53 +6187,79 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t16 = (1/(L*d_K*n_batch)) * t2
     t1[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t16, M_2, X, W_V, t10, A14, t15, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
     t17 = (-1/(L*d_K*n_batch)) * t2
-    t1 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t17, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
-    t18 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t19 = np.reshape(t18, (d_V, d_K, d_V, d_K), copy=False)
-    t19[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t16, M_2, X, W_V, t10, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t19 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t17, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
-    t20 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t21 = np.reshape(t20, (d_V, d_K, d_V, d_V), copy=False)
-    t22 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
-    t21[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t22, M_2, X, W_V, t10, A14, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t23 = (-1/(L*math.sqrt(d_K)*n_batch)) * t2
-    t21 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t23, M_2, X, W_V, t10, A14, A14, M_1, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t24 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t25 = np.reshape(t24, (d_V, d_K, d_V, d_K), copy=False)
-    t26 = np.swapaxes(W_Q, -1, -2)
-    t27 = (1/(L*d_K*n_batch)) * t26
-    t25[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t27, M_2, X, W_V, t10, A14, t15, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t28 = (-1/(L*d_K*n_batch)) * t26
-    t25 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t28, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
-    t29 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t30 = np.reshape(t29, (d_V, d_K, d_V, d_K), copy=False)
-    t30[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t27, M_2, X, W_V, t10, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
-    t30 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t28, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
-    t31 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t32 = np.reshape(t31, (d_V, d_K, d_V, d_V), copy=False)
-    t33 = (1/(L*math.sqrt(d_K)*n_batch)) * t26
-    t32[...] = oe.contract('abc,abd,abd,ed,abf,abeg,hf->ghcd', M_1, A14, t10, W_V, X, M_2, t33, optimize=[(1, 2), (1, 3), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t34 = (-1/(L*math.sqrt(d_K)*n_batch)) * t26
-    t32 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t34, M_2, X, W_V, t10, A14, A14, M_1, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
-    t35 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t36 = np.reshape(t35, (d_V, d_V, d_V, d_K), copy=False)
-    t37 = np.swapaxes(M_1, -1, -2)
-    t38 = (1/(L*math.sqrt(d_K)*n_batch)) * t37
-    t36[...] = oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t38, t10, A14, t15, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t39 = (-1/(L*math.sqrt(d_K)*n_batch)) * t37
-    t36 += oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t39, t10, A14, A14, t15, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
-    t40 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t41 = np.reshape(t40, (d_V, d_V, d_V, d_K), copy=False)
-    t41[...] = oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t38, t10, A14, t15, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t41 += oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t39, t10, A14, A14, t15, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
-    t42 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t42[...] = 0
-    t43 = np.reshape(t42, (d_V, d_V, d_V, d_V), copy=False)
-    t44 = np.einsum('abcb->abc', t43)
-    t45 = (1/(L*n_batch)) * t37
-    t44 += oe.contract('abc,acd,acd,ace->bde', t45, t10, A14, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
-    t46 = (-1/(L*n_batch)) * t37
-    t43 += oe.contract('abc,acd,acd,ace,acf->bdfe', t46, t10, A14, A14, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t18 = oe.contract('abc,cd,abde,ef->fab', A14, t15, M_2, W_K, optimize=[(0, 1), (0, 2), (0, 1)])
+    t19 = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahcd', t17, M_2, X, W_V, t10, A14, X, optimize=[(4, 5), (0, 1), (1, 3), (2, 3), (0, 1), (0, 1)])
+    t1 += oe.contract('abc,defbc->defa', t18, t19, optimize=[(0, 1)])
+    t20 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t21 = np.reshape(t20, (d_V, d_K, d_V, d_K), copy=False)
+    t22 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t23 = oe.contract('ab,cdeb,ef,cdf,cdf,fg,cdgh->ahcd', t16, M_2, W_V, t10, A14, t15, M_2, optimize=[(3, 4), (0, 1), (1, 2), (0, 2), (0, 1), (0, 1)])
+    t21[...] = oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
+    t24 = oe.contract('abc,abd,de,abef,abg,gh->cfhab', X, A14, t15, M_2, X, W_Q, optimize=[(1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t25 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t17, M_2, W_V, t10, A14, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
+    t21 += oe.contract('abcde,fde->afbc', t24, t25, optimize=[(0, 1)])
+    t26 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t27 = np.reshape(t26, (d_V, d_K, d_V, d_V), copy=False)
+    t28 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t27[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t28, M_2, X, W_V, t10, A14, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t29 = (-1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t30 = oe.contract('abc,abd,abe->cedab', X, A14, M_1, optimize=[(0, 1), (0, 1)])
+    t31 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t29, M_2, W_V, t10, A14, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
+    t27 += oe.contract('abcde,fde->afbc', t30, t31, optimize=[(0, 1)])
+    t32 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t33 = np.reshape(t32, (d_V, d_K, d_V, d_K), copy=False)
+    t34 = np.swapaxes(W_Q, -1, -2)
+    t35 = (1/(L*d_K*n_batch)) * t34
+    t33[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t35, M_2, X, W_V, t10, A14, t15, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t36 = (-1/(L*d_K*n_batch)) * t34
+    t37 = oe.contract('ab,cdb,cde,ef,cdfg,cdh,gi->ahicd', t36, X, A14, t15, M_2, X, W_K, optimize=[(0, 1), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t38 = oe.contract('abcd,ce,abe,abe->dab', M_2, W_V, t10, A14, optimize=[(1, 2), (1, 2), (0, 1)])
+    t33 += oe.contract('abcde,fde->fabc', t37, t38, optimize=[(0, 1)])
+    t39 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t40 = np.reshape(t39, (d_V, d_K, d_V, d_K), copy=False)
+    t41 = oe.contract('abc,cd->dab', X, W_Q, optimize=[(0, 1)])
+    t42 = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi->faicd', t35, M_2, X, W_V, t10, A14, t15, M_2, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 2), (1, 2), (0, 1)])
+    t40[...] = oe.contract('abc,defbc->defa', t41, t42, optimize=[(0, 1)])
+    t43 = oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi->faicd', t36, M_2, X, W_V, t10, A14, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 1), (0, 1)])
+    t44 = oe.contract('abc,cd,abde->eab', A14, t15, M_2, optimize=[(0, 1), (0, 1)])
+    t40 += oe.contract('abcde,fde->abfc', t43, t44, optimize=[(0, 1)])
+    t45 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t46 = np.reshape(t45, (d_V, d_K, d_V, d_V), copy=False)
+    t47 = (1/(L*math.sqrt(d_K)*n_batch)) * t34
+    t48 = oe.contract('abcd,ce,abe,abe->deab', M_2, W_V, t10, A14, optimize=[(0, 1), (0, 1), (0, 1)])
+    t49 = oe.contract('ab,cdb,cde->aecd', t47, X, M_1, optimize=[(0, 1), (0, 1)])
+    t46[...] = oe.contract('abcd,efcd->aefb', t48, t49, optimize=[(0, 1)])
+    t50 = (-1/(L*math.sqrt(d_K)*n_batch)) * t34
+    t51 = oe.contract('ab,cdb,cde,cdf->afecd', t50, X, A14, M_1, optimize=[(0, 1), (0, 1), (0, 1)])
+    t46 += oe.contract('abcde,fde->fabc', t51, t38, optimize=[(0, 1)])
+    t52 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t53 = np.reshape(t52, (d_V, d_V, d_V, d_K), copy=False)
+    t54 = np.swapaxes(M_1, -1, -2)
+    t55 = (1/(L*math.sqrt(d_K)*n_batch)) * t54
+    t53[...] = oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t55, t10, A14, t15, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t56 = (-1/(L*math.sqrt(d_K)*n_batch)) * t54
+    t57 = oe.contract('abc,acd,de,acef,fg->bgac', t56, A14, t15, M_2, W_K, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t58 = oe.contract('abc,abc,abd->cdab', t10, A14, X, optimize=[(0, 1), (0, 1)])
+    t53 += oe.contract('abcd,efcd->aefb', t57, t58, optimize=[(0, 1)])
+    t59 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t60 = np.reshape(t59, (d_V, d_V, d_V, d_K), copy=False)
+    t61 = oe.contract('abc,acd,de->beac', t55, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t62 = oe.contract('abc,abc,cd,abde->ceab', t10, A14, t15, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t60[...] = oe.contract('abcd,efcd->aefb', t61, t62, optimize=[(0, 1)])
+    t63 = oe.contract('abc,acd,acd,ace,ef,acfg->bdgac', t56, t10, A14, A14, t15, M_2, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t60 += oe.contract('abc,defbc->defa', t41, t63, optimize=[(0, 1)])
+    t64 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t64[...] = 0
+    t65 = np.reshape(t64, (d_V, d_V, d_V, d_V), copy=False)
+    t66 = np.einsum('abcb->abc', t65)
+    t67 = (1/(L*n_batch)) * t54
+    t68 = oe.contract('abc,acd->bdac', t67, M_1, optimize=[(0, 1)])
+    t69 = oe.contract('abc,abc->cab', t10, A14, optimize=[(0, 1)])
+    t66 += oe.contract('abcd,ecd->aeb', t68, t69, optimize=[(0, 1)])
+    t70 = (-1/(L*n_batch)) * t54
+    t71 = oe.contract('abc,acd->bdac', t70, A14, optimize=[(0, 1)])
+    t72 = oe.contract('abc,abc,abd->cdab', t10, A14, M_1, optimize=[(0, 1), (0, 1)])
+    t65 += oe.contract('abcd,efcd->aefb', t71, t72, optimize=[(0, 1)])
     return H
 
 
@@ -6170,9 +6396,12 @@ def ce_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.swapaxes(W_V, -1, -2)
     t15 = (1/(L*d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdf,ia->fa', t15, M_2, X, W_V, t9, A13, t14, M_2, X, W_K, optimize=[(4, 5), (2, 6), (0, 1), (1, 2), (0, 4), (0, 3), (2, 3), (0, 2), (0, 1)])
-    t16 = (-1/(L*d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdf,ja->fa', t16, M_2, X, W_V, t9, A13, A13, t14, M_2, X, W_K, optimize=[(4, 5), (2, 7), (0, 1), (1, 2), (1, 6), (0, 2), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t16 = oe.contract('ab,cdeb,ef,cdf,cdf,fg,cdgh,ha->acd', t15, M_2, W_V, t9, A13, t14, M_2, W_K, optimize=[(3, 4), (0, 1), (1, 2), (0, 3), (0, 2), (1, 2), (0, 1)])
+    t17 = oe.contract('abc,abc->cab', X, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t16, t17, optimize=[(0, 1)])
+    t18 = (-1/(L*d_K*n_batch)) * t1
+    t19 = oe.contract('ab,cdeb,ef,cdf,cdf,cdg,gh,cdhi,ia->acd', t18, M_2, W_V, t9, A13, A13, t14, M_2, W_K, optimize=[(3, 4), (0, 1), (1, 2), (1, 5), (0, 2), (1, 3), (0, 1), (0, 1)])
+    t0 += oe.contract('abc,dbc->da', t19, t17, optimize=[(0, 1)])
     return out
 
 
@@ -6232,7 +6461,9 @@ def ce_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t15 = (1/(L*d_K*n_batch)) * t1
     t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t15, M_2, X, W_V, t9, A13, t14, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
     t16 = (-1/(L*d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t16, M_2, X, W_V, t9, A13, A13, t14, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
+    t17 = oe.contract('abc,cd,abde,ef->fab', A13, t14, M_2, W_K, optimize=[(0, 1), (0, 2), (0, 1)])
+    t18 = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahcd', t16, M_2, X, W_V, t9, A13, X, optimize=[(4, 5), (0, 1), (1, 3), (2, 3), (0, 1), (0, 1)])
+    t0 += oe.contract('abc,defbc->defa', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -6292,9 +6523,13 @@ def ce_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.swapaxes(W_V, -1, -2)
     t15 = (1/(L*d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t15, M_2, X, W_V, t9, A13, t14, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t16 = (-1/(L*d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t16, M_2, X, W_V, t9, A13, A13, t14, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
+    t16 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t17 = oe.contract('ab,cdeb,ef,cdf,cdf,fg,cdgh->ahcd', t15, M_2, W_V, t9, A13, t14, M_2, optimize=[(3, 4), (0, 1), (1, 2), (0, 2), (0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t16, t17, optimize=[(0, 1)])
+    t18 = (-1/(L*d_K*n_batch)) * t1
+    t19 = oe.contract('abc,abd,de,abef,abg,gh->cfhab', X, A13, t14, M_2, X, W_Q, optimize=[(1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t20 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t18, M_2, W_V, t9, A13, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -6355,7 +6590,9 @@ def ce_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     t14 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t14, M_2, X, W_V, t9, A13, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
     t15 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t15, M_2, X, W_V, t9, A13, A13, M_1, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t16 = oe.contract('abc,abd,abe->cedab', X, A13, M_1, optimize=[(0, 1), (0, 1)])
+    t17 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t15, M_2, W_V, t9, A13, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -6415,9 +6652,13 @@ def ce_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.swapaxes(W_V, -1, -2)
     t16 = (1/(L*d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhf,cdi,ia->fa', t16, M_2, X, W_V, t10, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (4, 5), (2, 4), (0, 1), (0, 2), (0, 1)])
-    t17 = (-1/(L*d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdif,cdj,ja->fa', t17, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t17 = oe.contract('ab,cdb,cde,ea->acd', t16, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t18 = oe.contract('abcd,ce,abe,abe,ef,abfd->dab', M_2, W_V, t10, A14, t15, M_2, optimize=[(2, 3), (0, 1), (0, 1), (1, 2), (0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t17, t18, optimize=[(0, 1)])
+    t19 = (-1/(L*d_K*n_batch)) * t1
+    t20 = oe.contract('ab,cdb,cde,ea->acd', t19, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t21 = oe.contract('abcd,ce,abe,abe,abf,fg,abgd->dab', M_2, W_V, t10, A14, A14, t15, M_2, optimize=[(2, 3), (0, 1), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t0 += oe.contract('abc,dbc->da', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -6479,7 +6720,9 @@ def ce_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t16 = (1/(L*d_K*n_batch)) * t1
     t0[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t16, M_2, X, W_V, t10, A14, t15, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
     t17 = (-1/(L*d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t17, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t18 = oe.contract('ab,cdb,cde,ef,cdfg,cdh,gi->ahicd', t17, X, A14, t15, M_2, X, W_K, optimize=[(0, 1), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t19 = oe.contract('abcd,ce,abe,abe->dab', M_2, W_V, t10, A14, optimize=[(1, 2), (1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->fabc', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -6541,9 +6784,13 @@ def ce_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = np.swapaxes(W_V, -1, -2)
     t16 = (1/(L*d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t16, M_2, X, W_V, t10, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
-    t17 = (-1/(L*d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t17, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
+    t17 = oe.contract('abc,cd->dab', X, W_Q, optimize=[(0, 1)])
+    t18 = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi->faicd', t16, M_2, X, W_V, t10, A14, t15, M_2, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 2), (1, 2), (0, 1)])
+    t0[...] = oe.contract('abc,defbc->defa', t17, t18, optimize=[(0, 1)])
+    t19 = (-1/(L*d_K*n_batch)) * t1
+    t20 = oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi->faicd', t19, M_2, X, W_V, t10, A14, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 1), (0, 1)])
+    t21 = oe.contract('abc,cd,abde->eab', A14, t15, M_2, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcde,fde->abfc', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -6604,9 +6851,13 @@ def ce_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     t13 = np.exp(t12 - t12.max(-1, keepdims=True))
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('abc,abd,abd,ed,abf,abeg,hf->ghcd', M_1, A14, t10, W_V, X, M_2, t15, optimize=[(1, 2), (1, 3), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t16 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t16, M_2, X, W_V, t10, A14, A14, M_1, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t16 = oe.contract('abcd,ce,abe,abe->deab', M_2, W_V, t10, A14, optimize=[(0, 1), (0, 1), (0, 1)])
+    t17 = oe.contract('ab,cdb,cde->aecd', t15, X, M_1, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t16, t17, optimize=[(0, 1)])
+    t18 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t19 = oe.contract('ab,cdb,cde,cdf->afecd', t18, X, A14, M_1, optimize=[(0, 1), (0, 1), (0, 1)])
+    t20 = oe.contract('abcd,ce,abe,abe->dab', M_2, W_V, t10, A14, optimize=[(1, 2), (1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->fabc', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -6664,9 +6915,11 @@ def ce_causal0__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     t13 = np.exp(t12 - t12.max(-1, keepdims=True))
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = (1/(L*n_batch)) * t9
-    t0[...] = oe.contract('abc,acd,acd,acb->bd', t15, t11, A14, M_1, optimize=[(0, 3), (0, 1), (0, 1)])
-    t16 = (-1/(L*n_batch)) * t9
-    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t16, t11, A14, A14, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t16 = oe.contract('abc,abc->cab', t11, A14, optimize=[(0, 1)])
+    t17 = oe.contract('abc,acb->bac', t15, M_1, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t16, t17, optimize=[(0, 1)])
+    t18 = (-1/(L*n_batch)) * t9
+    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t18, t11, A14, A14, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -6725,7 +6978,9 @@ def ce_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t16 = (1/(L*math.sqrt(d_K)*n_batch)) * t9
     t0[...] = oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t16, t11, A14, t15, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
     t17 = (-1/(L*math.sqrt(d_K)*n_batch)) * t9
-    t0 += oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t17, t11, A14, A14, t15, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
+    t18 = oe.contract('abc,acd,de,acef,fg->bgac', t17, A14, t15, M_2, W_K, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t19 = oe.contract('abc,abc,abd->cdab', t11, A14, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -6787,9 +7042,13 @@ def ce_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t16 = (1/(L*math.sqrt(d_K)*n_batch)) * t9
-    t0[...] = oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t16, t11, A14, t15, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t17 = (-1/(L*math.sqrt(d_K)*n_batch)) * t9
-    t0 += oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t17, t11, A14, A14, t15, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
+    t17 = oe.contract('abc,acd,de->beac', t16, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t18 = oe.contract('abc,abc,cd,abde->ceab', t11, A14, t15, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
+    t19 = (-1/(L*math.sqrt(d_K)*n_batch)) * t9
+    t20 = oe.contract('abc,cd->dab', X, W_Q, optimize=[(0, 1)])
+    t21 = oe.contract('abc,acd,acd,ace,ef,acfg->bdgac', t19, t11, A14, A14, t15, M_2, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t0 += oe.contract('abc,defbc->defa', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -6850,9 +7109,13 @@ def ce_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     t14 = np.exp(t13 - t13.max(-1, keepdims=True))
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = (1/(L*n_batch)) * t10
-    t1 += oe.contract('abc,acd,acd,ace->bde', t16, t12, A15, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
-    t17 = (-1/(L*n_batch)) * t10
-    t0 += oe.contract('abc,acd,acd,ace,acf->bdfe', t17, t12, A15, A15, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t17 = oe.contract('abc,acd->bdac', t16, M_1, optimize=[(0, 1)])
+    t18 = oe.contract('abc,abc->cab', t12, A15, optimize=[(0, 1)])
+    t1 += oe.contract('abcd,ecd->aeb', t17, t18, optimize=[(0, 1)])
+    t19 = (-1/(L*n_batch)) * t10
+    t20 = oe.contract('abc,acd->bdac', t19, A15, optimize=[(0, 1)])
+    t21 = oe.contract('abc,abc,abd->cdab', t12, A15, M_1, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -6931,41 +7194,55 @@ def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t30 = np.ones((d_K,), dtype=X.dtype)
     t31 = (1/(math.sqrt(d_K)*n_batch)) * t30
     t27 += oe.contract('abc,d->bdc', t29, t31, optimize=[(0, 1)])
-    t26 += oe.contract('ab,cde,cebf,ceg,gh->dafh', t24, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
-    t32 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t33 = np.reshape(t32, (d_V, d_K, d_V, d_V), copy=False)
+    t32 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t33 = oe.contract('ab,cdbe->aecd', t24, M_3, optimize=[(0, 1)])
+    t26 += oe.contract('abcd,efcd->aefb', t32, t33, optimize=[(0, 1)])
+    t34 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t35 = np.reshape(t34, (d_V, d_K, d_V, d_V), copy=False)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t34 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t33[...] = oe.contract('abc,abd,abef,gf->dgec', G, X, M_2, t34, optimize=[(0, 1), (0, 1), (0, 1)])
-    t35 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t35[...] = 0
-    t36 = np.reshape(t35, (d_V, d_K, d_V, d_K), copy=False)
-    t37 = np.einsum('abcb->abc', t36)
-    t38 = np.swapaxes(t23, -1, -2)
-    t39 = t38 @ X
-    t40 = t3 @ t39
-    t37 += oe.contract('abc,d->bdc', t40, t31, optimize=[(0, 1)])
-    t41 = np.swapaxes(W_Q, -1, -2)
-    t42 = (1/(d_K*n_batch)) * t41
-    t36 += oe.contract('ab,cde,cdfa,cgd,hg->fheb', W_K, X, M_3, t3, t42, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
-    t43 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t44 = np.reshape(t43, (d_V, d_K, d_V, d_K), copy=False)
-    t44[...] = oe.contract('ab,cbd,cdef,cdg,gh->eafh', t42, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t45 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t46 = np.reshape(t45, (d_V, d_K, d_V, d_V), copy=False)
-    t47 = (1/(math.sqrt(d_K)*n_batch)) * t41
-    t46[...] = oe.contract('ab,cdef,cdb,cdg->faeg', t47, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
-    t48 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t49 = np.reshape(t48, (d_V, d_V, d_V, d_K), copy=False)
-    t50 = np.swapaxes(G, -1, -2)
-    t51 = (1/(math.sqrt(d_K)*n_batch)) * t50
-    t49[...] = oe.contract('ab,cde,cdfa,cgd->fgeb', W_K, X, M_2, t51, optimize=[(0, 2), (0, 1), (0, 1)])
-    t52 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t53 = np.reshape(t52, (d_V, d_V, d_V, d_K), copy=False)
-    t53[...] = oe.contract('abc,acde,acf,fg->dbeg', t51, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t54 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t54[...] = 0
+    t36 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t37 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t38 = oe.contract('ab,cdeb->aecd', t36, M_2, optimize=[(0, 1)])
+    t35[...] = oe.contract('abcd,efcd->aefb', t37, t38, optimize=[(0, 1)])
+    t39 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t39[...] = 0
+    t40 = np.reshape(t39, (d_V, d_K, d_V, d_K), copy=False)
+    t41 = np.einsum('abcb->abc', t40)
+    t42 = np.swapaxes(t23, -1, -2)
+    t43 = t42 @ X
+    t44 = t3 @ t43
+    t41 += oe.contract('abc,d->bdc', t44, t31, optimize=[(0, 1)])
+    t45 = np.swapaxes(W_Q, -1, -2)
+    t46 = (1/(d_K*n_batch)) * t45
+    t47 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t48 = oe.contract('ab,cbd,cde->aecd', t46, t3, X, optimize=[(0, 1), (0, 1)])
+    t40 += oe.contract('abcd,efcd->aefb', t47, t48, optimize=[(0, 1)])
+    t49 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t50 = np.reshape(t49, (d_V, d_K, d_V, d_K), copy=False)
+    t51 = oe.contract('ab,cbd,cde,ef->afcd', t46, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t52 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t50[...] = oe.contract('abcd,efcd->eafb', t51, t52, optimize=[(0, 1)])
+    t53 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t54 = np.reshape(t53, (d_V, d_K, d_V, d_V), copy=False)
+    t55 = (1/(math.sqrt(d_K)*n_batch)) * t45
+    t56 = oe.contract('ab,cdb,cde->aecd', t55, X, G, optimize=[(0, 1), (0, 1)])
+    t57 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t54[...] = oe.contract('abcd,efcd->eafb', t56, t57, optimize=[(0, 1)])
+    t58 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t59 = np.reshape(t58, (d_V, d_V, d_V, d_K), copy=False)
+    t60 = np.swapaxes(G, -1, -2)
+    t61 = (1/(math.sqrt(d_K)*n_batch)) * t60
+    t62 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t63 = oe.contract('abc,acd->bdac', t61, X, optimize=[(0, 1)])
+    t59[...] = oe.contract('abcd,efcd->aefb', t62, t63, optimize=[(0, 1)])
+    t64 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t65 = np.reshape(t64, (d_V, d_V, d_V, d_K), copy=False)
+    t66 = oe.contract('abc,acd,de->beac', t61, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t67 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t65[...] = oe.contract('abcd,efcd->eafb', t66, t67, optimize=[(0, 1)])
+    t68 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t68[...] = 0
     return H
 
 
@@ -7146,7 +7423,9 @@ def ce_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t22, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t22, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t22, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t23 = (1/(d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cde,cebf,ced,fa->da', t23, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
+    t24 = oe.contract('ab,cdbe,ea->acd', t23, M_3, W_K, optimize=[(0, 2), (0, 1)])
+    t25 = oe.contract('abc,acb->bac', t2, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t24, t25, optimize=[(0, 1)])
     return out
 
 
@@ -7311,7 +7590,9 @@ def ce_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t28 = (1/(d_K*n_batch)) * t3
-    t0 += oe.contract('ab,cde,cebf,ceg,gh->dafh', t28, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t29 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t30 = oe.contract('ab,cdbe->aecd', t28, M_3, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
     return out
 
 
@@ -7388,7 +7669,9 @@ def ce_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t17 = t15 + t16
     G = t17
     t18 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('abc,abd,abef,gf->dgec', G, X, M_2, t18, optimize=[(0, 1), (0, 1), (0, 1)])
+    t19 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t20 = oe.contract('ab,cdeb->aecd', t18, M_2, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -7552,7 +7835,9 @@ def ce_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t30 = (1/(d_K*n_batch)) * t29
-    t0 += oe.contract('ab,cde,cdfa,cgd,hg->fheb', W_K, X, M_3, t2, t30, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t31 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t32 = oe.contract('ab,cbd,cde->aecd', t30, t2, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t31, t32, optimize=[(0, 1)])
     return out
 
 
@@ -7637,7 +7922,9 @@ def ce_causal0__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t24 = (1/(d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cbd,cdef,cdg,gh->eafh', t24, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t25 = oe.contract('ab,cbd,cde,ef->afcd', t24, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t26 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t25, t26, optimize=[(0, 1)])
     return out
 
 
@@ -7714,7 +8001,9 @@ def ce_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t18 = t16 + t17
     G = t18
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdef,cdb,cdg->faeg', t19, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
+    t20 = oe.contract('ab,cdb,cde->aecd', t19, X, G, optimize=[(0, 1), (0, 1)])
+    t21 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -7806,7 +8095,9 @@ def ce_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t18
-    t0[...] = oe.contract('ab,cde,cdfa,cgd->fgeb', W_K, X, M_2, t19, optimize=[(0, 2), (0, 1), (0, 1)])
+    t20 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t21 = oe.contract('abc,acd->bdac', t19, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -7878,7 +8169,9 @@ def ce_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t18
-    t0[...] = oe.contract('abc,acde,acf,fg->dbeg', t19, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    t20 = oe.contract('abc,acd,de->beac', t19, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t21 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -7983,78 +8276,118 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t27 = (1/(L*d_K*n_batch)) * t2
     t1 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t27, M_2, X, W_V, t10, A26, t19, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
     t28 = (-1/(L*d_K*n_batch)) * t2
-    t1 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t28, M_2, X, W_V, t10, A26, A26, t19, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
-    t29 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t29[...] = 0
-    t30 = np.reshape(t29, (d_V, d_K, d_V, d_K), copy=False)
-    t31 = np.einsum('abcb->abc', t30)
-    t32 = t23 @ X
-    t33 = t3 @ t32
-    t34 = np.ones((d_K,), dtype=X.dtype)
-    t35 = (1/(math.sqrt(d_K)*n_batch)) * t34
-    t31 += oe.contract('abc,d->bdc', t33, t35, optimize=[(0, 1)])
-    t30 += oe.contract('ab,cde,cebf,ceg,gh->dafh', t24, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
-    t30 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t27, M_2, X, W_V, t10, A26, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t30 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t28, M_2, X, W_V, t10, A26, A26, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
-    t36 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t37 = np.reshape(t36, (d_V, d_K, d_V, d_V), copy=False)
-    t38 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
-    t37[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t38, M_2, X, W_V, t10, A26, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t39 = (-1/(L*math.sqrt(d_K)*n_batch)) * t2
-    t37 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t39, M_2, X, W_V, t10, A26, A26, M_1, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t40 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t37 += oe.contract('abc,abd,abef,gf->dgec', G, X, M_2, t40, optimize=[(0, 1), (0, 1), (0, 1)])
-    t41 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t41[...] = 0
-    t42 = np.reshape(t41, (d_V, d_K, d_V, d_K), copy=False)
-    t43 = np.einsum('abcb->abc', t42)
-    t44 = np.swapaxes(t23, -1, -2)
-    t45 = t44 @ X
-    t46 = t3 @ t45
-    t43 += oe.contract('abc,d->bdc', t46, t35, optimize=[(0, 1)])
-    t47 = np.swapaxes(W_Q, -1, -2)
-    t48 = (1/(d_K*n_batch)) * t47
-    t42 += oe.contract('ab,cde,cdfa,cgd,hg->fheb', W_K, X, M_3, t3, t48, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
-    t49 = (1/(L*d_K*n_batch)) * t47
-    t42 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t49, M_2, X, W_V, t10, A26, t19, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t50 = (-1/(L*d_K*n_batch)) * t47
-    t42 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t50, M_2, X, W_V, t10, A26, A26, t19, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
-    t51 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t52 = np.reshape(t51, (d_V, d_K, d_V, d_K), copy=False)
-    t52[...] = oe.contract('ab,cbd,cdef,cdg,gh->eafh', t48, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t52 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t49, M_2, X, W_V, t10, A26, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
-    t52 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t50, M_2, X, W_V, t10, A26, A26, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
-    t53 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t54 = np.reshape(t53, (d_V, d_K, d_V, d_V), copy=False)
-    t55 = (1/(L*math.sqrt(d_K)*n_batch)) * t47
-    t54[...] = oe.contract('abc,abd,abd,ed,abf,abeg,hf->ghcd', M_1, A26, t10, W_V, X, M_2, t55, optimize=[(1, 2), (1, 3), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t56 = (-1/(L*math.sqrt(d_K)*n_batch)) * t47
-    t54 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t56, M_2, X, W_V, t10, A26, A26, M_1, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
-    t57 = (1/(math.sqrt(d_K)*n_batch)) * t47
-    t54 += oe.contract('ab,cdef,cdb,cdg->faeg', t57, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
-    t58 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t59 = np.reshape(t58, (d_V, d_V, d_V, d_K), copy=False)
-    t60 = np.swapaxes(G, -1, -2)
-    t61 = (1/(math.sqrt(d_K)*n_batch)) * t60
-    t59[...] = oe.contract('ab,cde,cdfa,cgd->fgeb', W_K, X, M_2, t61, optimize=[(0, 2), (0, 1), (0, 1)])
-    t62 = np.swapaxes(M_1, -1, -2)
-    t63 = (1/(L*math.sqrt(d_K)*n_batch)) * t62
-    t59 += oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t63, t10, A26, t19, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t64 = (-1/(L*math.sqrt(d_K)*n_batch)) * t62
-    t59 += oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t64, t10, A26, A26, t19, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
-    t65 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t66 = np.reshape(t65, (d_V, d_V, d_V, d_K), copy=False)
-    t66[...] = oe.contract('abc,acde,acf,fg->dbeg', t61, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t66 += oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t63, t10, A26, t19, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t66 += oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t64, t10, A26, A26, t19, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
-    t67 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t67[...] = 0
-    t68 = np.reshape(t67, (d_V, d_V, d_V, d_V), copy=False)
-    t69 = np.einsum('abcb->abc', t68)
-    t70 = (1/(L*n_batch)) * t62
-    t69 += oe.contract('abc,acd,acd,ace->bde', t70, t10, A26, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
-    t71 = (-1/(L*n_batch)) * t62
-    t68 += oe.contract('abc,acd,acd,ace,acf->bdfe', t71, t10, A26, A26, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t29 = oe.contract('abc,cd,abde,ef->fab', A26, t19, M_2, W_K, optimize=[(0, 1), (0, 2), (0, 1)])
+    t30 = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahcd', t28, M_2, X, W_V, t10, A26, X, optimize=[(4, 5), (0, 1), (1, 3), (2, 3), (0, 1), (0, 1)])
+    t1 += oe.contract('abc,defbc->defa', t29, t30, optimize=[(0, 1)])
+    t31 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t31[...] = 0
+    t32 = np.reshape(t31, (d_V, d_K, d_V, d_K), copy=False)
+    t33 = np.einsum('abcb->abc', t32)
+    t34 = t23 @ X
+    t35 = t3 @ t34
+    t36 = np.ones((d_K,), dtype=X.dtype)
+    t37 = (1/(math.sqrt(d_K)*n_batch)) * t36
+    t33 += oe.contract('abc,d->bdc', t35, t37, optimize=[(0, 1)])
+    t38 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t39 = oe.contract('ab,cdbe->aecd', t24, M_3, optimize=[(0, 1)])
+    t32 += oe.contract('abcd,efcd->aefb', t38, t39, optimize=[(0, 1)])
+    t40 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t41 = oe.contract('ab,cdeb,ef,cdf,cdf,fg,cdgh->ahcd', t27, M_2, W_V, t10, A26, t19, M_2, optimize=[(3, 4), (0, 1), (1, 2), (0, 2), (0, 1), (0, 1)])
+    t32 += oe.contract('abcd,efcd->aefb', t40, t41, optimize=[(0, 1)])
+    t42 = oe.contract('abc,abd,de,abef,abg,gh->cfhab', X, A26, t19, M_2, X, W_Q, optimize=[(1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t43 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t28, M_2, W_V, t10, A26, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
+    t32 += oe.contract('abcde,fde->afbc', t42, t43, optimize=[(0, 1)])
+    t44 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t45 = np.reshape(t44, (d_V, d_K, d_V, d_V), copy=False)
+    t46 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t45[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t46, M_2, X, W_V, t10, A26, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t47 = (-1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t48 = oe.contract('abc,abd,abe->cedab', X, A26, M_1, optimize=[(0, 1), (0, 1)])
+    t49 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t47, M_2, W_V, t10, A26, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
+    t45 += oe.contract('abcde,fde->afbc', t48, t49, optimize=[(0, 1)])
+    t50 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t51 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t52 = oe.contract('ab,cdeb->aecd', t50, M_2, optimize=[(0, 1)])
+    t45 += oe.contract('abcd,efcd->aefb', t51, t52, optimize=[(0, 1)])
+    t53 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t53[...] = 0
+    t54 = np.reshape(t53, (d_V, d_K, d_V, d_K), copy=False)
+    t55 = np.einsum('abcb->abc', t54)
+    t56 = np.swapaxes(t23, -1, -2)
+    t57 = t56 @ X
+    t58 = t3 @ t57
+    t55 += oe.contract('abc,d->bdc', t58, t37, optimize=[(0, 1)])
+    t59 = np.swapaxes(W_Q, -1, -2)
+    t60 = (1/(d_K*n_batch)) * t59
+    t61 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t62 = oe.contract('ab,cbd,cde->aecd', t60, t3, X, optimize=[(0, 1), (0, 1)])
+    t54 += oe.contract('abcd,efcd->aefb', t61, t62, optimize=[(0, 1)])
+    t63 = (1/(L*d_K*n_batch)) * t59
+    t54 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t63, M_2, X, W_V, t10, A26, t19, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t64 = (-1/(L*d_K*n_batch)) * t59
+    t65 = oe.contract('ab,cdb,cde,ef,cdfg,cdh,gi->ahicd', t64, X, A26, t19, M_2, X, W_K, optimize=[(0, 1), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t66 = oe.contract('abcd,ce,abe,abe->dab', M_2, W_V, t10, A26, optimize=[(1, 2), (1, 2), (0, 1)])
+    t54 += oe.contract('abcde,fde->fabc', t65, t66, optimize=[(0, 1)])
+    t67 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t68 = np.reshape(t67, (d_V, d_K, d_V, d_K), copy=False)
+    t69 = oe.contract('ab,cbd,cde,ef->afcd', t60, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t70 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t68[...] = oe.contract('abcd,efcd->eafb', t69, t70, optimize=[(0, 1)])
+    t71 = oe.contract('abc,cd->dab', X, W_Q, optimize=[(0, 1)])
+    t72 = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi->faicd', t63, M_2, X, W_V, t10, A26, t19, M_2, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 2), (1, 2), (0, 1)])
+    t68 += oe.contract('abc,defbc->defa', t71, t72, optimize=[(0, 1)])
+    t73 = oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi->faicd', t64, M_2, X, W_V, t10, A26, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 1), (0, 1)])
+    t74 = oe.contract('abc,cd,abde->eab', A26, t19, M_2, optimize=[(0, 1), (0, 1)])
+    t68 += oe.contract('abcde,fde->abfc', t73, t74, optimize=[(0, 1)])
+    t75 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t76 = np.reshape(t75, (d_V, d_K, d_V, d_V), copy=False)
+    t77 = (1/(L*math.sqrt(d_K)*n_batch)) * t59
+    t78 = oe.contract('abcd,ce,abe,abe->deab', M_2, W_V, t10, A26, optimize=[(0, 1), (0, 1), (0, 1)])
+    t79 = oe.contract('ab,cdb,cde->aecd', t77, X, M_1, optimize=[(0, 1), (0, 1)])
+    t76[...] = oe.contract('abcd,efcd->aefb', t78, t79, optimize=[(0, 1)])
+    t80 = (-1/(L*math.sqrt(d_K)*n_batch)) * t59
+    t81 = oe.contract('ab,cdb,cde,cdf->afecd', t80, X, A26, M_1, optimize=[(0, 1), (0, 1), (0, 1)])
+    t76 += oe.contract('abcde,fde->fabc', t81, t66, optimize=[(0, 1)])
+    t82 = (1/(math.sqrt(d_K)*n_batch)) * t59
+    t83 = oe.contract('ab,cdb,cde->aecd', t82, X, G, optimize=[(0, 1), (0, 1)])
+    t84 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t76 += oe.contract('abcd,efcd->eafb', t83, t84, optimize=[(0, 1)])
+    t85 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t86 = np.reshape(t85, (d_V, d_V, d_V, d_K), copy=False)
+    t87 = np.swapaxes(G, -1, -2)
+    t88 = (1/(math.sqrt(d_K)*n_batch)) * t87
+    t89 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t90 = oe.contract('abc,acd->bdac', t88, X, optimize=[(0, 1)])
+    t86[...] = oe.contract('abcd,efcd->aefb', t89, t90, optimize=[(0, 1)])
+    t91 = np.swapaxes(M_1, -1, -2)
+    t92 = (1/(L*math.sqrt(d_K)*n_batch)) * t91
+    t86 += oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t92, t10, A26, t19, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t93 = (-1/(L*math.sqrt(d_K)*n_batch)) * t91
+    t94 = oe.contract('abc,acd,de,acef,fg->bgac', t93, A26, t19, M_2, W_K, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t95 = oe.contract('abc,abc,abd->cdab', t10, A26, X, optimize=[(0, 1), (0, 1)])
+    t86 += oe.contract('abcd,efcd->aefb', t94, t95, optimize=[(0, 1)])
+    t96 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t97 = np.reshape(t96, (d_V, d_V, d_V, d_K), copy=False)
+    t98 = oe.contract('abc,acd,de->beac', t88, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t99 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t97[...] = oe.contract('abcd,efcd->eafb', t98, t99, optimize=[(0, 1)])
+    t100 = oe.contract('abc,acd,de->beac', t92, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t101 = oe.contract('abc,abc,cd,abde->ceab', t10, A26, t19, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t97 += oe.contract('abcd,efcd->aefb', t100, t101, optimize=[(0, 1)])
+    t102 = oe.contract('abc,acd,acd,ace,ef,acfg->bdgac', t93, t10, A26, A26, t19, M_2, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t97 += oe.contract('abc,defbc->defa', t71, t102, optimize=[(0, 1)])
+    t103 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t103[...] = 0
+    t104 = np.reshape(t103, (d_V, d_V, d_V, d_V), copy=False)
+    t105 = np.einsum('abcb->abc', t104)
+    t106 = (1/(L*n_batch)) * t91
+    t107 = oe.contract('abc,acd->bdac', t106, M_1, optimize=[(0, 1)])
+    t108 = oe.contract('abc,abc->cab', t10, A26, optimize=[(0, 1)])
+    t105 += oe.contract('abcd,ecd->aeb', t107, t108, optimize=[(0, 1)])
+    t109 = (-1/(L*n_batch)) * t91
+    t110 = oe.contract('abc,acd->bdac', t109, A26, optimize=[(0, 1)])
+    t111 = oe.contract('abc,abc,abd->cdab', t10, A26, M_1, optimize=[(0, 1), (0, 1)])
+    t104 += oe.contract('abcd,efcd->aefb', t110, t111, optimize=[(0, 1)])
     return H
 
 
@@ -8253,15 +8586,20 @@ def ce_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t22, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t22, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t22, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t23 = (1/(d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cde,cebf,ced,fa->da', t23, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
+    t24 = oe.contract('ab,cdbe,ea->acd', t23, M_3, W_K, optimize=[(0, 2), (0, 1)])
+    t25 = oe.contract('abc,acb->bac', t2, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t24, t25, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t24 = np.exp(t11 - t11.max(-1, keepdims=True))
-    A25 = t24 / t24.sum(-1, keepdims=True)
-    t26 = (1/(L*d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdf,ia->fa', t26, M_2, X, W_V, t9, A25, t18, M_2, X, W_K, optimize=[(4, 5), (2, 6), (0, 1), (1, 2), (0, 4), (0, 3), (2, 3), (0, 2), (0, 1)])
-    t27 = (-1/(L*d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdf,ja->fa', t27, M_2, X, W_V, t9, A25, A25, t18, M_2, X, W_K, optimize=[(4, 5), (2, 7), (0, 1), (1, 2), (1, 6), (0, 2), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t26 = np.exp(t11 - t11.max(-1, keepdims=True))
+    A27 = t26 / t26.sum(-1, keepdims=True)
+    t28 = (1/(L*d_K*n_batch)) * t1
+    t29 = oe.contract('ab,cdeb,ef,cdf,cdf,fg,cdgh,ha->acd', t28, M_2, W_V, t9, A27, t18, M_2, W_K, optimize=[(3, 4), (0, 1), (1, 2), (0, 3), (0, 2), (1, 2), (0, 1)])
+    t30 = oe.contract('abc,abc->cab', X, X, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dbc->da', t29, t30, optimize=[(0, 1)])
+    t31 = (-1/(L*d_K*n_batch)) * t1
+    t32 = oe.contract('ab,cdeb,ef,cdf,cdf,cdg,gh,cdhi,ia->acd', t31, M_2, W_V, t9, A27, A27, t18, M_2, W_K, optimize=[(3, 4), (0, 1), (1, 2), (1, 5), (0, 2), (1, 3), (0, 1), (0, 1)])
+    t0 += oe.contract('abc,dbc->da', t32, t30, optimize=[(0, 1)])
     return out
 
 
@@ -8351,7 +8689,9 @@ def ce_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t26 = (1/(L*d_K*n_batch)) * t1
     t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t26, M_2, X, W_V, t9, A25, t18, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
     t27 = (-1/(L*d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t27, M_2, X, W_V, t9, A25, A25, t18, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
+    t28 = oe.contract('abc,cd,abde,ef->fab', A25, t18, M_2, W_K, optimize=[(0, 1), (0, 2), (0, 1)])
+    t29 = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahcd', t27, M_2, X, W_V, t9, A25, X, optimize=[(4, 5), (0, 1), (1, 3), (2, 3), (0, 1), (0, 1)])
+    t0 += oe.contract('abc,defbc->defa', t28, t29, optimize=[(0, 1)])
     return out
 
 
@@ -8442,15 +8782,21 @@ def ce_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t28 = (1/(d_K*n_batch)) * t3
-    t0 += oe.contract('ab,cde,cebf,ceg,gh->dafh', t28, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t29 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t30 = oe.contract('ab,cdbe->aecd', t28, M_3, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t29 = np.exp(t12 - t12.max(-1, keepdims=True))
-    A30 = t29 / t29.sum(-1, keepdims=True)
-    t31 = (1/(L*d_K*n_batch)) * t3
-    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t31, M_2, X, W_V, t10, A30, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t32 = (-1/(L*d_K*n_batch)) * t3
-    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t32, M_2, X, W_V, t10, A30, A30, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
+    t31 = np.exp(t12 - t12.max(-1, keepdims=True))
+    A32 = t31 / t31.sum(-1, keepdims=True)
+    t33 = (1/(L*d_K*n_batch)) * t3
+    t34 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t35 = oe.contract('ab,cdeb,ef,cdf,cdf,fg,cdgh->ahcd', t33, M_2, W_V, t10, A32, t19, M_2, optimize=[(3, 4), (0, 1), (1, 2), (0, 2), (0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t34, t35, optimize=[(0, 1)])
+    t36 = (-1/(L*d_K*n_batch)) * t3
+    t37 = oe.contract('abc,abd,de,abef,abg,gh->cfhab', X, A32, t19, M_2, X, W_Q, optimize=[(1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t38 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t36, M_2, W_V, t10, A32, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t37, t38, optimize=[(0, 1)])
     return out
 
 
@@ -8527,17 +8873,21 @@ def ce_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t14 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t14, M_2, X, W_V, t9, A13, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
     t15 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t15, M_2, X, W_V, t9, A13, A13, M_1, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t16 = oe.contract('abc,abd,abe->cedab', X, A13, M_1, optimize=[(0, 1), (0, 1)])
+    t17 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t15, M_2, W_V, t9, A13, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t16, t17, optimize=[(0, 1)])
     F = t11
-    t16 = np.exp(F - F.max(-1, keepdims=True))
-    A17 = t16 / t16.sum(-1, keepdims=True)
-    t18 = t9 * A17
-    t19 = (1/L) * t18
-    t20 = (-1/L) * Y
-    t21 = t19 + t20
-    G = t21
-    t22 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t0 += oe.contract('abc,abd,abef,gf->dgec', G, X, M_2, t22, optimize=[(0, 1), (0, 1), (0, 1)])
+    t18 = np.exp(F - F.max(-1, keepdims=True))
+    A19 = t18 / t18.sum(-1, keepdims=True)
+    t20 = t9 * A19
+    t21 = (1/L) * t20
+    t22 = (-1/L) * Y
+    t23 = t21 + t22
+    G = t23
+    t24 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t25 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t26 = oe.contract('ab,cdeb->aecd', t24, M_2, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t25, t26, optimize=[(0, 1)])
     return out
 
 
@@ -8621,9 +8971,13 @@ def ce_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t25 = np.exp(t12 - t12.max(-1, keepdims=True))
     A26 = t25 / t25.sum(-1, keepdims=True)
     t27 = (1/(L*d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhf,cdi,ia->fa', t27, M_2, X, W_V, t10, A26, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (4, 5), (2, 4), (0, 1), (0, 2), (0, 1)])
-    t28 = (-1/(L*d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdif,cdj,ja->fa', t28, M_2, X, W_V, t10, A26, A26, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t28 = oe.contract('ab,cdb,cde,ea->acd', t27, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t29 = oe.contract('abcd,ce,abe,abe,ef,abfd->dab', M_2, W_V, t10, A26, t19, M_2, optimize=[(2, 3), (0, 1), (0, 1), (1, 2), (0, 1)])
+    t0 += oe.contract('abc,dbc->da', t28, t29, optimize=[(0, 1)])
+    t30 = (-1/(L*d_K*n_batch)) * t1
+    t31 = oe.contract('ab,cdb,cde,ea->acd', t30, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t32 = oe.contract('abcd,ce,abe,abe,abf,fg,abgd->dab', M_2, W_V, t10, A26, A26, t19, M_2, optimize=[(2, 3), (0, 1), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t0 += oe.contract('abc,dbc->da', t31, t32, optimize=[(0, 1)])
     return out
 
 
@@ -8715,15 +9069,19 @@ def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t30 = (1/(d_K*n_batch)) * t29
-    t0 += oe.contract('ab,cde,cdfa,cgd,hg->fheb', W_K, X, M_3, t2, t30, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t31 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t32 = oe.contract('ab,cbd,cde->aecd', t30, t2, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t31, t32, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t31 = np.exp(t12 - t12.max(-1, keepdims=True))
-    A32 = t31 / t31.sum(-1, keepdims=True)
-    t33 = (1/(L*d_K*n_batch)) * t29
-    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t33, M_2, X, W_V, t10, A32, t19, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t34 = (-1/(L*d_K*n_batch)) * t29
-    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t34, M_2, X, W_V, t10, A32, A32, t19, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t33 = np.exp(t12 - t12.max(-1, keepdims=True))
+    A34 = t33 / t33.sum(-1, keepdims=True)
+    t35 = (1/(L*d_K*n_batch)) * t29
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t35, M_2, X, W_V, t10, A34, t19, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t36 = (-1/(L*d_K*n_batch)) * t29
+    t37 = oe.contract('ab,cdb,cde,ef,cdfg,cdh,gi->ahicd', t36, X, A34, t19, M_2, X, W_K, optimize=[(0, 1), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t38 = oe.contract('abcd,ce,abe,abe->dab', M_2, W_V, t10, A34, optimize=[(1, 2), (1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->fabc', t37, t38, optimize=[(0, 1)])
     return out
 
 
@@ -8812,15 +9170,21 @@ def ce_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t24 = (1/(d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cbd,cdef,cdg,gh->eafh', t24, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t25 = oe.contract('ab,cbd,cde,ef->afcd', t24, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t26 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t25, t26, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t25 = np.exp(t12 - t12.max(-1, keepdims=True))
-    A26 = t25 / t25.sum(-1, keepdims=True)
-    t27 = (1/(L*d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t27, M_2, X, W_V, t10, A26, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
-    t28 = (-1/(L*d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t28, M_2, X, W_V, t10, A26, A26, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
+    t27 = np.exp(t12 - t12.max(-1, keepdims=True))
+    A28 = t27 / t27.sum(-1, keepdims=True)
+    t29 = (1/(L*d_K*n_batch)) * t1
+    t30 = oe.contract('abc,cd->dab', X, W_Q, optimize=[(0, 1)])
+    t31 = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi->faicd', t29, M_2, X, W_V, t10, A28, t19, M_2, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 2), (1, 2), (0, 1)])
+    t0 += oe.contract('abc,defbc->defa', t30, t31, optimize=[(0, 1)])
+    t32 = (-1/(L*d_K*n_batch)) * t1
+    t33 = oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi->faicd', t32, M_2, X, W_V, t10, A28, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 1), (0, 1)])
+    t34 = oe.contract('abc,cd,abde->eab', A28, t19, M_2, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcde,fde->abfc', t33, t34, optimize=[(0, 1)])
     return out
 
 
@@ -8895,19 +9259,25 @@ def ce_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t13 = np.exp(t12 - t12.max(-1, keepdims=True))
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('abc,abd,abd,ed,abf,abeg,hf->ghcd', M_1, A14, t10, W_V, X, M_2, t15, optimize=[(1, 2), (1, 3), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t16 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t16, M_2, X, W_V, t10, A14, A14, M_1, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t16 = oe.contract('abcd,ce,abe,abe->deab', M_2, W_V, t10, A14, optimize=[(0, 1), (0, 1), (0, 1)])
+    t17 = oe.contract('ab,cdb,cde->aecd', t15, X, M_1, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t16, t17, optimize=[(0, 1)])
+    t18 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t19 = oe.contract('ab,cdb,cde,cdf->afecd', t18, X, A14, M_1, optimize=[(0, 1), (0, 1), (0, 1)])
+    t20 = oe.contract('abcd,ce,abe,abe->dab', M_2, W_V, t10, A14, optimize=[(1, 2), (1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->fabc', t19, t20, optimize=[(0, 1)])
     F = t12
-    t17 = np.exp(F - F.max(-1, keepdims=True))
-    A18 = t17 / t17.sum(-1, keepdims=True)
-    t19 = t10 * A18
-    t20 = (1/L) * t19
-    t21 = (-1/L) * Y
-    t22 = t20 + t21
-    G = t22
-    t23 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t0 += oe.contract('ab,cdef,cdb,cdg->faeg', t23, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
+    t21 = np.exp(F - F.max(-1, keepdims=True))
+    A22 = t21 / t21.sum(-1, keepdims=True)
+    t23 = t10 * A22
+    t24 = (1/L) * t23
+    t25 = (-1/L) * Y
+    t26 = t24 + t25
+    G = t26
+    t27 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t28 = oe.contract('ab,cdb,cde->aecd', t27, X, G, optimize=[(0, 1), (0, 1)])
+    t29 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0 += oe.contract('abcd,efcd->eafb', t28, t29, optimize=[(0, 1)])
     return out
 
 
@@ -8973,9 +9343,11 @@ def ce_causal0__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     t13 = np.exp(t12 - t12.max(-1, keepdims=True))
     A14 = t13 / t13.sum(-1, keepdims=True)
     t15 = (1/(L*n_batch)) * t9
-    t0[...] = oe.contract('abc,acd,acd,acb->bd', t15, t11, A14, M_1, optimize=[(0, 3), (0, 1), (0, 1)])
-    t16 = (-1/(L*n_batch)) * t9
-    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t16, t11, A14, A14, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t16 = oe.contract('abc,abc->cab', t11, A14, optimize=[(0, 1)])
+    t17 = oe.contract('abc,acb->bac', t15, M_1, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t16, t17, optimize=[(0, 1)])
+    t18 = (-1/(L*n_batch)) * t9
+    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t18, t11, A14, A14, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -9037,15 +9409,19 @@ def ce_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t18
-    t0[...] = oe.contract('ab,cde,cdfa,cgd->fgeb', W_K, X, M_2, t19, optimize=[(0, 2), (0, 1), (0, 1)])
-    t20 = np.swapaxes(M_1, -1, -2)
-    t21 = np.exp(t11 - t11.max(-1, keepdims=True))
-    A22 = t21 / t21.sum(-1, keepdims=True)
-    t23 = np.swapaxes(W_V, -1, -2)
-    t24 = (1/(L*math.sqrt(d_K)*n_batch)) * t20
-    t0 += oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t24, t2, A22, t23, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t25 = (-1/(L*math.sqrt(d_K)*n_batch)) * t20
-    t0 += oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t25, t2, A22, A22, t23, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
+    t20 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t21 = oe.contract('abc,acd->bdac', t19, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
+    t22 = np.swapaxes(M_1, -1, -2)
+    t23 = np.exp(t11 - t11.max(-1, keepdims=True))
+    A24 = t23 / t23.sum(-1, keepdims=True)
+    t25 = np.swapaxes(W_V, -1, -2)
+    t26 = (1/(L*math.sqrt(d_K)*n_batch)) * t22
+    t0 += oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t26, t2, A24, t25, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t27 = (-1/(L*math.sqrt(d_K)*n_batch)) * t22
+    t28 = oe.contract('abc,acd,de,acef,fg->bgac', t27, A24, t25, M_2, W_K, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t29 = oe.contract('abc,abc,abd->cdab', t2, A24, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t28, t29, optimize=[(0, 1)])
     return out
 
 
@@ -9121,15 +9497,21 @@ def ce_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t18
-    t0[...] = oe.contract('abc,acde,acf,fg->dbeg', t19, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t20 = np.swapaxes(M_1, -1, -2)
-    t21 = np.exp(t11 - t11.max(-1, keepdims=True))
-    A22 = t21 / t21.sum(-1, keepdims=True)
-    t23 = np.swapaxes(W_V, -1, -2)
-    t24 = (1/(L*math.sqrt(d_K)*n_batch)) * t20
-    t0 += oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t24, t2, A22, t23, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t25 = (-1/(L*math.sqrt(d_K)*n_batch)) * t20
-    t0 += oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t25, t2, A22, A22, t23, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
+    t20 = oe.contract('abc,acd,de->beac', t19, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t21 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
+    t22 = np.swapaxes(M_1, -1, -2)
+    t23 = np.exp(t11 - t11.max(-1, keepdims=True))
+    A24 = t23 / t23.sum(-1, keepdims=True)
+    t25 = np.swapaxes(W_V, -1, -2)
+    t26 = (1/(L*math.sqrt(d_K)*n_batch)) * t22
+    t27 = oe.contract('abc,acd,de->beac', t26, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t28 = oe.contract('abc,abc,cd,abde->ceab', t2, A24, t25, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t27, t28, optimize=[(0, 1)])
+    t29 = (-1/(L*math.sqrt(d_K)*n_batch)) * t22
+    t30 = oe.contract('abc,cd->dab', X, W_Q, optimize=[(0, 1)])
+    t31 = oe.contract('abc,acd,acd,ace,ef,acfg->bdgac', t29, t2, A24, A24, t25, M_2, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t0 += oe.contract('abc,defbc->defa', t30, t31, optimize=[(0, 1)])
     return out
 
 
@@ -9199,9 +9581,13 @@ def ce_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     t14 = np.exp(t13 - t13.max(-1, keepdims=True))
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = (1/(L*n_batch)) * t10
-    t1 += oe.contract('abc,acd,acd,ace->bde', t16, t12, A15, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
-    t17 = (-1/(L*n_batch)) * t10
-    t0 += oe.contract('abc,acd,acd,ace,acf->bdfe', t17, t12, A15, A15, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t17 = oe.contract('abc,acd->bdac', t16, M_1, optimize=[(0, 1)])
+    t18 = oe.contract('abc,abc->cab', t12, A15, optimize=[(0, 1)])
+    t1 += oe.contract('abcd,ecd->aeb', t17, t18, optimize=[(0, 1)])
+    t19 = (-1/(L*n_batch)) * t10
+    t20 = oe.contract('abc,acd->bdac', t19, A15, optimize=[(0, 1)])
+    t21 = oe.contract('abc,abc,abd->cdab', t12, A15, M_1, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -9339,53 +9725,79 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t18 = (1/(L*d_K*n_batch)) * t2
     t1[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t18, M_2, X, W_V, t12, A16, t17, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
     t19 = (-1/(L*d_K*n_batch)) * t2
-    t1 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t19, M_2, X, W_V, t12, A16, A16, t17, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
-    t20 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t21 = np.reshape(t20, (d_V, d_K, d_V, d_K), copy=False)
-    t21[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t18, M_2, X, W_V, t12, A16, t17, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t21 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t19, M_2, X, W_V, t12, A16, A16, t17, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
-    t22 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t23 = np.reshape(t22, (d_V, d_K, d_V, d_V), copy=False)
-    t24 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
-    t23[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t24, M_2, X, W_V, t12, A16, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t25 = (-1/(L*math.sqrt(d_K)*n_batch)) * t2
-    t23 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t25, M_2, X, W_V, t12, A16, A16, M_1, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t26 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t27 = np.reshape(t26, (d_V, d_K, d_V, d_K), copy=False)
-    t28 = np.swapaxes(W_Q, -1, -2)
-    t29 = (1/(L*d_K*n_batch)) * t28
-    t27[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t29, M_2, X, W_V, t12, A16, t17, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t30 = (-1/(L*d_K*n_batch)) * t28
-    t27 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t30, M_2, X, W_V, t12, A16, A16, t17, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
-    t31 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t32 = np.reshape(t31, (d_V, d_K, d_V, d_K), copy=False)
-    t32[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t29, M_2, X, W_V, t12, A16, t17, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
-    t32 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t30, M_2, X, W_V, t12, A16, A16, t17, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
-    t33 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t34 = np.reshape(t33, (d_V, d_K, d_V, d_V), copy=False)
-    t35 = (1/(L*math.sqrt(d_K)*n_batch)) * t28
-    t34[...] = oe.contract('abc,abd,abd,ed,abf,abeg,hf->ghcd', M_1, A16, t12, W_V, X, M_2, t35, optimize=[(1, 2), (1, 3), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t36 = (-1/(L*math.sqrt(d_K)*n_batch)) * t28
-    t34 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t36, M_2, X, W_V, t12, A16, A16, M_1, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
-    t37 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t38 = np.reshape(t37, (d_V, d_V, d_V, d_K), copy=False)
-    t39 = np.swapaxes(M_1, -1, -2)
-    t40 = (1/(L*math.sqrt(d_K)*n_batch)) * t39
-    t38[...] = oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t40, t12, A16, t17, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t41 = (-1/(L*math.sqrt(d_K)*n_batch)) * t39
-    t38 += oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t41, t12, A16, A16, t17, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
-    t42 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t43 = np.reshape(t42, (d_V, d_V, d_V, d_K), copy=False)
-    t43[...] = oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t40, t12, A16, t17, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t43 += oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t41, t12, A16, A16, t17, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
-    t44 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t44[...] = 0
-    t45 = np.reshape(t44, (d_V, d_V, d_V, d_V), copy=False)
-    t46 = np.einsum('abcb->abc', t45)
-    t47 = (1/(L*n_batch)) * t39
-    t46 += oe.contract('abc,acd,acd,ace->bde', t47, t12, A16, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
-    t48 = (-1/(L*n_batch)) * t39
-    t45 += oe.contract('abc,acd,acd,ace,acf->bdfe', t48, t12, A16, A16, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t20 = oe.contract('abc,cd,abde,ef->fab', A16, t17, M_2, W_K, optimize=[(0, 1), (0, 2), (0, 1)])
+    t21 = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahcd', t19, M_2, X, W_V, t12, A16, X, optimize=[(4, 5), (0, 1), (1, 3), (2, 3), (0, 1), (0, 1)])
+    t1 += oe.contract('abc,defbc->defa', t20, t21, optimize=[(0, 1)])
+    t22 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t23 = np.reshape(t22, (d_V, d_K, d_V, d_K), copy=False)
+    t24 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t25 = oe.contract('ab,cdeb,ef,cdf,cdf,fg,cdgh->ahcd', t18, M_2, W_V, t12, A16, t17, M_2, optimize=[(3, 4), (0, 1), (1, 2), (0, 2), (0, 1), (0, 1)])
+    t23[...] = oe.contract('abcd,efcd->aefb', t24, t25, optimize=[(0, 1)])
+    t26 = oe.contract('abc,abd,de,abef,abg,gh->cfhab', X, A16, t17, M_2, X, W_Q, optimize=[(1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t27 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t19, M_2, W_V, t12, A16, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
+    t23 += oe.contract('abcde,fde->afbc', t26, t27, optimize=[(0, 1)])
+    t28 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t29 = np.reshape(t28, (d_V, d_K, d_V, d_V), copy=False)
+    t30 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t29[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t30, M_2, X, W_V, t12, A16, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t31 = (-1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t32 = oe.contract('abc,abd,abe->cedab', X, A16, M_1, optimize=[(0, 1), (0, 1)])
+    t33 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t31, M_2, W_V, t12, A16, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
+    t29 += oe.contract('abcde,fde->afbc', t32, t33, optimize=[(0, 1)])
+    t34 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t35 = np.reshape(t34, (d_V, d_K, d_V, d_K), copy=False)
+    t36 = np.swapaxes(W_Q, -1, -2)
+    t37 = (1/(L*d_K*n_batch)) * t36
+    t35[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t37, M_2, X, W_V, t12, A16, t17, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t38 = (-1/(L*d_K*n_batch)) * t36
+    t39 = oe.contract('ab,cdb,cde,ef,cdfg,cdh,gi->ahicd', t38, X, A16, t17, M_2, X, W_K, optimize=[(0, 1), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t40 = oe.contract('abcd,ce,abe,abe->dab', M_2, W_V, t12, A16, optimize=[(1, 2), (1, 2), (0, 1)])
+    t35 += oe.contract('abcde,fde->fabc', t39, t40, optimize=[(0, 1)])
+    t41 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t42 = np.reshape(t41, (d_V, d_K, d_V, d_K), copy=False)
+    t43 = oe.contract('abc,cd->dab', X, W_Q, optimize=[(0, 1)])
+    t44 = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi->faicd', t37, M_2, X, W_V, t12, A16, t17, M_2, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 2), (1, 2), (0, 1)])
+    t42[...] = oe.contract('abc,defbc->defa', t43, t44, optimize=[(0, 1)])
+    t45 = oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi->faicd', t38, M_2, X, W_V, t12, A16, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 1), (0, 1)])
+    t46 = oe.contract('abc,cd,abde->eab', A16, t17, M_2, optimize=[(0, 1), (0, 1)])
+    t42 += oe.contract('abcde,fde->abfc', t45, t46, optimize=[(0, 1)])
+    t47 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t48 = np.reshape(t47, (d_V, d_K, d_V, d_V), copy=False)
+    t49 = (1/(L*math.sqrt(d_K)*n_batch)) * t36
+    t50 = oe.contract('abcd,ce,abe,abe->deab', M_2, W_V, t12, A16, optimize=[(0, 1), (0, 1), (0, 1)])
+    t51 = oe.contract('ab,cdb,cde->aecd', t49, X, M_1, optimize=[(0, 1), (0, 1)])
+    t48[...] = oe.contract('abcd,efcd->aefb', t50, t51, optimize=[(0, 1)])
+    t52 = (-1/(L*math.sqrt(d_K)*n_batch)) * t36
+    t53 = oe.contract('ab,cdb,cde,cdf->afecd', t52, X, A16, M_1, optimize=[(0, 1), (0, 1), (0, 1)])
+    t48 += oe.contract('abcde,fde->fabc', t53, t40, optimize=[(0, 1)])
+    t54 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t55 = np.reshape(t54, (d_V, d_V, d_V, d_K), copy=False)
+    t56 = np.swapaxes(M_1, -1, -2)
+    t57 = (1/(L*math.sqrt(d_K)*n_batch)) * t56
+    t55[...] = oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t57, t12, A16, t17, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t58 = (-1/(L*math.sqrt(d_K)*n_batch)) * t56
+    t59 = oe.contract('abc,acd,de,acef,fg->bgac', t58, A16, t17, M_2, W_K, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t60 = oe.contract('abc,abc,abd->cdab', t12, A16, X, optimize=[(0, 1), (0, 1)])
+    t55 += oe.contract('abcd,efcd->aefb', t59, t60, optimize=[(0, 1)])
+    t61 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t62 = np.reshape(t61, (d_V, d_V, d_V, d_K), copy=False)
+    t63 = oe.contract('abc,acd,de->beac', t57, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t64 = oe.contract('abc,abc,cd,abde->ceab', t12, A16, t17, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t62[...] = oe.contract('abcd,efcd->aefb', t63, t64, optimize=[(0, 1)])
+    t65 = oe.contract('abc,acd,acd,ace,ef,acfg->bdgac', t58, t12, A16, A16, t17, M_2, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t62 += oe.contract('abc,defbc->defa', t43, t65, optimize=[(0, 1)])
+    t66 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t66[...] = 0
+    t67 = np.reshape(t66, (d_V, d_V, d_V, d_V), copy=False)
+    t68 = np.einsum('abcb->abc', t67)
+    t69 = (1/(L*n_batch)) * t56
+    t70 = oe.contract('abc,acd->bdac', t69, M_1, optimize=[(0, 1)])
+    t71 = oe.contract('abc,abc->cab', t12, A16, optimize=[(0, 1)])
+    t68 += oe.contract('abcd,ecd->aeb', t70, t71, optimize=[(0, 1)])
+    t72 = (-1/(L*n_batch)) * t56
+    t73 = oe.contract('abc,acd->bdac', t72, A16, optimize=[(0, 1)])
+    t74 = oe.contract('abc,abc,abd->cdab', t12, A16, M_1, optimize=[(0, 1), (0, 1)])
+    t67 += oe.contract('abcd,efcd->aefb', t73, t74, optimize=[(0, 1)])
     return H
 
 
@@ -9528,9 +9940,12 @@ def ce_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.swapaxes(W_V, -1, -2)
     t17 = (1/(L*d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdf,ia->fa', t17, M_2, X, W_V, t11, A15, t16, M_2, X, W_K, optimize=[(4, 5), (2, 6), (0, 1), (1, 2), (0, 4), (0, 3), (2, 3), (0, 2), (0, 1)])
-    t18 = (-1/(L*d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdf,ja->fa', t18, M_2, X, W_V, t11, A15, A15, t16, M_2, X, W_K, optimize=[(4, 5), (2, 7), (0, 1), (1, 2), (1, 6), (0, 2), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t18 = oe.contract('ab,cdeb,ef,cdf,cdf,fg,cdgh,ha->acd', t17, M_2, W_V, t11, A15, t16, M_2, W_K, optimize=[(3, 4), (0, 1), (1, 2), (0, 3), (0, 2), (1, 2), (0, 1)])
+    t19 = oe.contract('abc,abc->cab', X, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t18, t19, optimize=[(0, 1)])
+    t20 = (-1/(L*d_K*n_batch)) * t1
+    t21 = oe.contract('ab,cdeb,ef,cdf,cdf,cdg,gh,cdhi,ia->acd', t20, M_2, W_V, t11, A15, A15, t16, M_2, W_K, optimize=[(3, 4), (0, 1), (1, 2), (1, 5), (0, 2), (1, 3), (0, 1), (0, 1)])
+    t0 += oe.contract('abc,dbc->da', t21, t19, optimize=[(0, 1)])
     return out
 
 
@@ -9594,7 +10009,9 @@ def ce_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t17 = (1/(L*d_K*n_batch)) * t1
     t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t17, M_2, X, W_V, t11, A15, t16, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
     t18 = (-1/(L*d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t18, M_2, X, W_V, t11, A15, A15, t16, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
+    t19 = oe.contract('abc,cd,abde,ef->fab', A15, t16, M_2, W_K, optimize=[(0, 1), (0, 2), (0, 1)])
+    t20 = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahcd', t18, M_2, X, W_V, t11, A15, X, optimize=[(4, 5), (0, 1), (1, 3), (2, 3), (0, 1), (0, 1)])
+    t0 += oe.contract('abc,defbc->defa', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -9658,9 +10075,13 @@ def ce_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.swapaxes(W_V, -1, -2)
     t17 = (1/(L*d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t17, M_2, X, W_V, t11, A15, t16, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t18 = (-1/(L*d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t18, M_2, X, W_V, t11, A15, A15, t16, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
+    t18 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t19 = oe.contract('ab,cdeb,ef,cdf,cdf,fg,cdgh->ahcd', t17, M_2, W_V, t11, A15, t16, M_2, optimize=[(3, 4), (0, 1), (1, 2), (0, 2), (0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t18, t19, optimize=[(0, 1)])
+    t20 = (-1/(L*d_K*n_batch)) * t1
+    t21 = oe.contract('abc,abd,de,abef,abg,gh->cfhab', X, A15, t16, M_2, X, W_Q, optimize=[(1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t22 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t20, M_2, W_V, t11, A15, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -9725,7 +10146,9 @@ def ce_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     t16 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t16, M_2, X, W_V, t11, A15, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
     t17 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t17, M_2, X, W_V, t11, A15, A15, M_1, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t18 = oe.contract('abc,abd,abe->cedab', X, A15, M_1, optimize=[(0, 1), (0, 1)])
+    t19 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t17, M_2, W_V, t11, A15, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -9789,9 +10212,13 @@ def ce_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.swapaxes(W_V, -1, -2)
     t18 = (1/(L*d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhf,cdi,ia->fa', t18, M_2, X, W_V, t12, A16, t17, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (4, 5), (2, 4), (0, 1), (0, 2), (0, 1)])
-    t19 = (-1/(L*d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdif,cdj,ja->fa', t19, M_2, X, W_V, t12, A16, A16, t17, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t19 = oe.contract('ab,cdb,cde,ea->acd', t18, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t20 = oe.contract('abcd,ce,abe,abe,ef,abfd->dab', M_2, W_V, t12, A16, t17, M_2, optimize=[(2, 3), (0, 1), (0, 1), (1, 2), (0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t19, t20, optimize=[(0, 1)])
+    t21 = (-1/(L*d_K*n_batch)) * t1
+    t22 = oe.contract('ab,cdb,cde,ea->acd', t21, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t23 = oe.contract('abcd,ce,abe,abe,abf,fg,abgd->dab', M_2, W_V, t12, A16, A16, t17, M_2, optimize=[(2, 3), (0, 1), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t0 += oe.contract('abc,dbc->da', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -9857,7 +10284,9 @@ def ce_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t18 = (1/(L*d_K*n_batch)) * t1
     t0[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t18, M_2, X, W_V, t12, A16, t17, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
     t19 = (-1/(L*d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t19, M_2, X, W_V, t12, A16, A16, t17, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t20 = oe.contract('ab,cdb,cde,ef,cdfg,cdh,gi->ahicd', t19, X, A16, t17, M_2, X, W_K, optimize=[(0, 1), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t21 = oe.contract('abcd,ce,abe,abe->dab', M_2, W_V, t12, A16, optimize=[(1, 2), (1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->fabc', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -9923,9 +10352,13 @@ def ce_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = np.swapaxes(W_V, -1, -2)
     t18 = (1/(L*d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t18, M_2, X, W_V, t12, A16, t17, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
-    t19 = (-1/(L*d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t19, M_2, X, W_V, t12, A16, A16, t17, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
+    t19 = oe.contract('abc,cd->dab', X, W_Q, optimize=[(0, 1)])
+    t20 = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi->faicd', t18, M_2, X, W_V, t12, A16, t17, M_2, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 2), (1, 2), (0, 1)])
+    t0[...] = oe.contract('abc,defbc->defa', t19, t20, optimize=[(0, 1)])
+    t21 = (-1/(L*d_K*n_batch)) * t1
+    t22 = oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi->faicd', t21, M_2, X, W_V, t12, A16, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 1), (0, 1)])
+    t23 = oe.contract('abc,cd,abde->eab', A16, t17, M_2, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcde,fde->abfc', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -9990,9 +10423,13 @@ def ce_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     t15 = np.exp(t14 - t14.max(-1, keepdims=True))
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('abc,abd,abd,ed,abf,abeg,hf->ghcd', M_1, A16, t12, W_V, X, M_2, t17, optimize=[(1, 2), (1, 3), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t18 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t18, M_2, X, W_V, t12, A16, A16, M_1, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t18 = oe.contract('abcd,ce,abe,abe->deab', M_2, W_V, t12, A16, optimize=[(0, 1), (0, 1), (0, 1)])
+    t19 = oe.contract('ab,cdb,cde->aecd', t17, X, M_1, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t18, t19, optimize=[(0, 1)])
+    t20 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t21 = oe.contract('ab,cdb,cde,cdf->afecd', t20, X, A16, M_1, optimize=[(0, 1), (0, 1), (0, 1)])
+    t22 = oe.contract('abcd,ce,abe,abe->dab', M_2, W_V, t12, A16, optimize=[(1, 2), (1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->fabc', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -10054,9 +10491,11 @@ def ce_causal1__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     t15 = np.exp(t14 - t14.max(-1, keepdims=True))
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = (1/(L*n_batch)) * t11
-    t0[...] = oe.contract('abc,acd,acd,acb->bd', t17, t13, A16, M_1, optimize=[(0, 3), (0, 1), (0, 1)])
-    t18 = (-1/(L*n_batch)) * t11
-    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t18, t13, A16, A16, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t18 = oe.contract('abc,abc->cab', t13, A16, optimize=[(0, 1)])
+    t19 = oe.contract('abc,acb->bac', t17, M_1, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t18, t19, optimize=[(0, 1)])
+    t20 = (-1/(L*n_batch)) * t11
+    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t20, t13, A16, A16, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -10119,7 +10558,9 @@ def ce_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t18 = (1/(L*math.sqrt(d_K)*n_batch)) * t11
     t0[...] = oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t18, t13, A16, t17, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
     t19 = (-1/(L*math.sqrt(d_K)*n_batch)) * t11
-    t0 += oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t19, t13, A16, A16, t17, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
+    t20 = oe.contract('abc,acd,de,acef,fg->bgac', t19, A16, t17, M_2, W_K, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t21 = oe.contract('abc,abc,abd->cdab', t13, A16, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -10185,9 +10626,13 @@ def ce_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t18 = (1/(L*math.sqrt(d_K)*n_batch)) * t11
-    t0[...] = oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t18, t13, A16, t17, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t19 = (-1/(L*math.sqrt(d_K)*n_batch)) * t11
-    t0 += oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t19, t13, A16, A16, t17, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
+    t19 = oe.contract('abc,acd,de->beac', t18, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t20 = oe.contract('abc,abc,cd,abde->ceab', t13, A16, t17, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
+    t21 = (-1/(L*math.sqrt(d_K)*n_batch)) * t11
+    t22 = oe.contract('abc,cd->dab', X, W_Q, optimize=[(0, 1)])
+    t23 = oe.contract('abc,acd,acd,ace,ef,acfg->bdgac', t21, t13, A16, A16, t17, M_2, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t0 += oe.contract('abc,defbc->defa', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -10252,9 +10697,13 @@ def ce_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     t16 = np.exp(t15 - t15.max(-1, keepdims=True))
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = (1/(L*n_batch)) * t12
-    t1 += oe.contract('abc,acd,acd,ace->bde', t18, t14, A17, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
-    t19 = (-1/(L*n_batch)) * t12
-    t0 += oe.contract('abc,acd,acd,ace,acf->bdfe', t19, t14, A17, A17, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t19 = oe.contract('abc,acd->bdac', t18, M_1, optimize=[(0, 1)])
+    t20 = oe.contract('abc,abc->cab', t14, A17, optimize=[(0, 1)])
+    t1 += oe.contract('abcd,ecd->aeb', t19, t20, optimize=[(0, 1)])
+    t21 = (-1/(L*n_batch)) * t12
+    t22 = oe.contract('abc,acd->bdac', t21, A17, optimize=[(0, 1)])
+    t23 = oe.contract('abc,abc,abd->cdab', t14, A17, M_1, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -10337,41 +10786,55 @@ def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t32 = np.ones((d_K,), dtype=X.dtype)
     t33 = (1/(math.sqrt(d_K)*n_batch)) * t32
     t29 += oe.contract('abc,d->bdc', t31, t33, optimize=[(0, 1)])
-    t28 += oe.contract('ab,cde,cebf,ceg,gh->dafh', t26, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
-    t34 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t35 = np.reshape(t34, (d_V, d_K, d_V, d_V), copy=False)
+    t34 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t35 = oe.contract('ab,cdbe->aecd', t26, M_3, optimize=[(0, 1)])
+    t28 += oe.contract('abcd,efcd->aefb', t34, t35, optimize=[(0, 1)])
+    t36 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t37 = np.reshape(t36, (d_V, d_K, d_V, d_V), copy=False)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t36 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t35[...] = oe.contract('abc,abd,abef,gf->dgec', G, X, M_2, t36, optimize=[(0, 1), (0, 1), (0, 1)])
-    t37 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t37[...] = 0
-    t38 = np.reshape(t37, (d_V, d_K, d_V, d_K), copy=False)
-    t39 = np.einsum('abcb->abc', t38)
-    t40 = np.swapaxes(t25, -1, -2)
-    t41 = t40 @ X
-    t42 = t3 @ t41
-    t39 += oe.contract('abc,d->bdc', t42, t33, optimize=[(0, 1)])
-    t43 = np.swapaxes(W_Q, -1, -2)
-    t44 = (1/(d_K*n_batch)) * t43
-    t38 += oe.contract('ab,cde,cdfa,cgd,hg->fheb', W_K, X, M_3, t3, t44, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
-    t45 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t46 = np.reshape(t45, (d_V, d_K, d_V, d_K), copy=False)
-    t46[...] = oe.contract('ab,cbd,cdef,cdg,gh->eafh', t44, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t47 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t48 = np.reshape(t47, (d_V, d_K, d_V, d_V), copy=False)
-    t49 = (1/(math.sqrt(d_K)*n_batch)) * t43
-    t48[...] = oe.contract('ab,cdef,cdb,cdg->faeg', t49, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
-    t50 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t51 = np.reshape(t50, (d_V, d_V, d_V, d_K), copy=False)
-    t52 = np.swapaxes(G, -1, -2)
-    t53 = (1/(math.sqrt(d_K)*n_batch)) * t52
-    t51[...] = oe.contract('ab,cde,cdfa,cgd->fgeb', W_K, X, M_2, t53, optimize=[(0, 2), (0, 1), (0, 1)])
-    t54 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t55 = np.reshape(t54, (d_V, d_V, d_V, d_K), copy=False)
-    t55[...] = oe.contract('abc,acde,acf,fg->dbeg', t53, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t56 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t56[...] = 0
+    t38 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t39 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t40 = oe.contract('ab,cdeb->aecd', t38, M_2, optimize=[(0, 1)])
+    t37[...] = oe.contract('abcd,efcd->aefb', t39, t40, optimize=[(0, 1)])
+    t41 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t41[...] = 0
+    t42 = np.reshape(t41, (d_V, d_K, d_V, d_K), copy=False)
+    t43 = np.einsum('abcb->abc', t42)
+    t44 = np.swapaxes(t25, -1, -2)
+    t45 = t44 @ X
+    t46 = t3 @ t45
+    t43 += oe.contract('abc,d->bdc', t46, t33, optimize=[(0, 1)])
+    t47 = np.swapaxes(W_Q, -1, -2)
+    t48 = (1/(d_K*n_batch)) * t47
+    t49 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t50 = oe.contract('ab,cbd,cde->aecd', t48, t3, X, optimize=[(0, 1), (0, 1)])
+    t42 += oe.contract('abcd,efcd->aefb', t49, t50, optimize=[(0, 1)])
+    t51 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t52 = np.reshape(t51, (d_V, d_K, d_V, d_K), copy=False)
+    t53 = oe.contract('ab,cbd,cde,ef->afcd', t48, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t54 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t52[...] = oe.contract('abcd,efcd->eafb', t53, t54, optimize=[(0, 1)])
+    t55 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t56 = np.reshape(t55, (d_V, d_K, d_V, d_V), copy=False)
+    t57 = (1/(math.sqrt(d_K)*n_batch)) * t47
+    t58 = oe.contract('ab,cdb,cde->aecd', t57, X, G, optimize=[(0, 1), (0, 1)])
+    t59 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t56[...] = oe.contract('abcd,efcd->eafb', t58, t59, optimize=[(0, 1)])
+    t60 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t61 = np.reshape(t60, (d_V, d_V, d_V, d_K), copy=False)
+    t62 = np.swapaxes(G, -1, -2)
+    t63 = (1/(math.sqrt(d_K)*n_batch)) * t62
+    t64 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t65 = oe.contract('abc,acd->bdac', t63, X, optimize=[(0, 1)])
+    t61[...] = oe.contract('abcd,efcd->aefb', t64, t65, optimize=[(0, 1)])
+    t66 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t67 = np.reshape(t66, (d_V, d_V, d_V, d_K), copy=False)
+    t68 = oe.contract('abc,acd,de->beac', t63, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t69 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t67[...] = oe.contract('abcd,efcd->eafb', t68, t69, optimize=[(0, 1)])
+    t70 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t70[...] = 0
     return H
 
 
@@ -10558,7 +11021,9 @@ def ce_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t24, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t24, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t24, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t25 = (1/(d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cde,cebf,ced,fa->da', t25, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
+    t26 = oe.contract('ab,cdbe,ea->acd', t25, M_3, W_K, optimize=[(0, 2), (0, 1)])
+    t27 = oe.contract('abc,acb->bac', t2, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t26, t27, optimize=[(0, 1)])
     return out
 
 
@@ -10731,7 +11196,9 @@ def ce_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t25, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t25, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t25, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t30 = (1/(d_K*n_batch)) * t3
-    t0 += oe.contract('ab,cde,cebf,ceg,gh->dafh', t30, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t31 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t32 = oe.contract('ab,cdbe->aecd', t30, M_3, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t31, t32, optimize=[(0, 1)])
     return out
 
 
@@ -10812,7 +11279,9 @@ def ce_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t19 = t17 + t18
     G = t19
     t20 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('abc,abd,abef,gf->dgec', G, X, M_2, t20, optimize=[(0, 1), (0, 1), (0, 1)])
+    t21 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t22 = oe.contract('ab,cdeb->aecd', t20, M_2, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -10984,7 +11453,9 @@ def ce_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t25, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t25, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t25, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t32 = (1/(d_K*n_batch)) * t31
-    t0 += oe.contract('ab,cde,cdfa,cgd,hg->fheb', W_K, X, M_3, t2, t32, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t33 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t34 = oe.contract('ab,cbd,cde->aecd', t32, t2, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t33, t34, optimize=[(0, 1)])
     return out
 
 
@@ -11073,7 +11544,9 @@ def ce_causal1__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t25, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t25, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t25, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t26 = (1/(d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cbd,cdef,cdg,gh->eafh', t26, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t27 = oe.contract('ab,cbd,cde,ef->afcd', t26, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t28 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t27, t28, optimize=[(0, 1)])
     return out
 
 
@@ -11154,7 +11627,9 @@ def ce_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t20 = t18 + t19
     G = t20
     t21 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdef,cdb,cdg->faeg', t21, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
+    t22 = oe.contract('ab,cdb,cde->aecd', t21, X, G, optimize=[(0, 1), (0, 1)])
+    t23 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -11250,7 +11725,9 @@ def ce_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
-    t0[...] = oe.contract('ab,cde,cdfa,cgd->fgeb', W_K, X, M_2, t21, optimize=[(0, 2), (0, 1), (0, 1)])
+    t22 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t23 = oe.contract('abc,acd->bdac', t21, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -11326,7 +11803,9 @@ def ce_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
-    t0[...] = oe.contract('abc,acde,acf,fg->dbeg', t21, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    t22 = oe.contract('abc,acd,de->beac', t21, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t23 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -11435,78 +11914,118 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t29 = (1/(L*d_K*n_batch)) * t2
     t1 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t29, M_2, X, W_V, t12, A28, t21, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
     t30 = (-1/(L*d_K*n_batch)) * t2
-    t1 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t30, M_2, X, W_V, t12, A28, A28, t21, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
-    t31 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t31[...] = 0
-    t32 = np.reshape(t31, (d_V, d_K, d_V, d_K), copy=False)
-    t33 = np.einsum('abcb->abc', t32)
-    t34 = t25 @ X
-    t35 = t3 @ t34
-    t36 = np.ones((d_K,), dtype=X.dtype)
-    t37 = (1/(math.sqrt(d_K)*n_batch)) * t36
-    t33 += oe.contract('abc,d->bdc', t35, t37, optimize=[(0, 1)])
-    t32 += oe.contract('ab,cde,cebf,ceg,gh->dafh', t26, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
-    t32 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t29, M_2, X, W_V, t12, A28, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t32 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t30, M_2, X, W_V, t12, A28, A28, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
-    t38 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t39 = np.reshape(t38, (d_V, d_K, d_V, d_V), copy=False)
-    t40 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
-    t39[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t40, M_2, X, W_V, t12, A28, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t41 = (-1/(L*math.sqrt(d_K)*n_batch)) * t2
-    t39 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t41, M_2, X, W_V, t12, A28, A28, M_1, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t42 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t39 += oe.contract('abc,abd,abef,gf->dgec', G, X, M_2, t42, optimize=[(0, 1), (0, 1), (0, 1)])
-    t43 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t43[...] = 0
-    t44 = np.reshape(t43, (d_V, d_K, d_V, d_K), copy=False)
-    t45 = np.einsum('abcb->abc', t44)
-    t46 = np.swapaxes(t25, -1, -2)
-    t47 = t46 @ X
-    t48 = t3 @ t47
-    t45 += oe.contract('abc,d->bdc', t48, t37, optimize=[(0, 1)])
-    t49 = np.swapaxes(W_Q, -1, -2)
-    t50 = (1/(d_K*n_batch)) * t49
-    t44 += oe.contract('ab,cde,cdfa,cgd,hg->fheb', W_K, X, M_3, t3, t50, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
-    t51 = (1/(L*d_K*n_batch)) * t49
-    t44 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t51, M_2, X, W_V, t12, A28, t21, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t52 = (-1/(L*d_K*n_batch)) * t49
-    t44 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t52, M_2, X, W_V, t12, A28, A28, t21, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
-    t53 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t54 = np.reshape(t53, (d_V, d_K, d_V, d_K), copy=False)
-    t54[...] = oe.contract('ab,cbd,cdef,cdg,gh->eafh', t50, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t54 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t51, M_2, X, W_V, t12, A28, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
-    t54 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t52, M_2, X, W_V, t12, A28, A28, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
-    t55 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t56 = np.reshape(t55, (d_V, d_K, d_V, d_V), copy=False)
-    t57 = (1/(L*math.sqrt(d_K)*n_batch)) * t49
-    t56[...] = oe.contract('abc,abd,abd,ed,abf,abeg,hf->ghcd', M_1, A28, t12, W_V, X, M_2, t57, optimize=[(1, 2), (1, 3), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t58 = (-1/(L*math.sqrt(d_K)*n_batch)) * t49
-    t56 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t58, M_2, X, W_V, t12, A28, A28, M_1, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
-    t59 = (1/(math.sqrt(d_K)*n_batch)) * t49
-    t56 += oe.contract('ab,cdef,cdb,cdg->faeg', t59, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
-    t60 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t61 = np.reshape(t60, (d_V, d_V, d_V, d_K), copy=False)
-    t62 = np.swapaxes(G, -1, -2)
-    t63 = (1/(math.sqrt(d_K)*n_batch)) * t62
-    t61[...] = oe.contract('ab,cde,cdfa,cgd->fgeb', W_K, X, M_2, t63, optimize=[(0, 2), (0, 1), (0, 1)])
-    t64 = np.swapaxes(M_1, -1, -2)
-    t65 = (1/(L*math.sqrt(d_K)*n_batch)) * t64
-    t61 += oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t65, t12, A28, t21, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t66 = (-1/(L*math.sqrt(d_K)*n_batch)) * t64
-    t61 += oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t66, t12, A28, A28, t21, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
-    t67 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t68 = np.reshape(t67, (d_V, d_V, d_V, d_K), copy=False)
-    t68[...] = oe.contract('abc,acde,acf,fg->dbeg', t63, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t68 += oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t65, t12, A28, t21, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t68 += oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t66, t12, A28, A28, t21, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
-    t69 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t69[...] = 0
-    t70 = np.reshape(t69, (d_V, d_V, d_V, d_V), copy=False)
-    t71 = np.einsum('abcb->abc', t70)
-    t72 = (1/(L*n_batch)) * t64
-    t71 += oe.contract('abc,acd,acd,ace->bde', t72, t12, A28, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
-    t73 = (-1/(L*n_batch)) * t64
-    t70 += oe.contract('abc,acd,acd,ace,acf->bdfe', t73, t12, A28, A28, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t31 = oe.contract('abc,cd,abde,ef->fab', A28, t21, M_2, W_K, optimize=[(0, 1), (0, 2), (0, 1)])
+    t32 = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahcd', t30, M_2, X, W_V, t12, A28, X, optimize=[(4, 5), (0, 1), (1, 3), (2, 3), (0, 1), (0, 1)])
+    t1 += oe.contract('abc,defbc->defa', t31, t32, optimize=[(0, 1)])
+    t33 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t33[...] = 0
+    t34 = np.reshape(t33, (d_V, d_K, d_V, d_K), copy=False)
+    t35 = np.einsum('abcb->abc', t34)
+    t36 = t25 @ X
+    t37 = t3 @ t36
+    t38 = np.ones((d_K,), dtype=X.dtype)
+    t39 = (1/(math.sqrt(d_K)*n_batch)) * t38
+    t35 += oe.contract('abc,d->bdc', t37, t39, optimize=[(0, 1)])
+    t40 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t41 = oe.contract('ab,cdbe->aecd', t26, M_3, optimize=[(0, 1)])
+    t34 += oe.contract('abcd,efcd->aefb', t40, t41, optimize=[(0, 1)])
+    t42 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t43 = oe.contract('ab,cdeb,ef,cdf,cdf,fg,cdgh->ahcd', t29, M_2, W_V, t12, A28, t21, M_2, optimize=[(3, 4), (0, 1), (1, 2), (0, 2), (0, 1), (0, 1)])
+    t34 += oe.contract('abcd,efcd->aefb', t42, t43, optimize=[(0, 1)])
+    t44 = oe.contract('abc,abd,de,abef,abg,gh->cfhab', X, A28, t21, M_2, X, W_Q, optimize=[(1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t45 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t30, M_2, W_V, t12, A28, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
+    t34 += oe.contract('abcde,fde->afbc', t44, t45, optimize=[(0, 1)])
+    t46 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t47 = np.reshape(t46, (d_V, d_K, d_V, d_V), copy=False)
+    t48 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t47[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t48, M_2, X, W_V, t12, A28, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t49 = (-1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t50 = oe.contract('abc,abd,abe->cedab', X, A28, M_1, optimize=[(0, 1), (0, 1)])
+    t51 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t49, M_2, W_V, t12, A28, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
+    t47 += oe.contract('abcde,fde->afbc', t50, t51, optimize=[(0, 1)])
+    t52 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t53 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t54 = oe.contract('ab,cdeb->aecd', t52, M_2, optimize=[(0, 1)])
+    t47 += oe.contract('abcd,efcd->aefb', t53, t54, optimize=[(0, 1)])
+    t55 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t55[...] = 0
+    t56 = np.reshape(t55, (d_V, d_K, d_V, d_K), copy=False)
+    t57 = np.einsum('abcb->abc', t56)
+    t58 = np.swapaxes(t25, -1, -2)
+    t59 = t58 @ X
+    t60 = t3 @ t59
+    t57 += oe.contract('abc,d->bdc', t60, t39, optimize=[(0, 1)])
+    t61 = np.swapaxes(W_Q, -1, -2)
+    t62 = (1/(d_K*n_batch)) * t61
+    t63 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t64 = oe.contract('ab,cbd,cde->aecd', t62, t3, X, optimize=[(0, 1), (0, 1)])
+    t56 += oe.contract('abcd,efcd->aefb', t63, t64, optimize=[(0, 1)])
+    t65 = (1/(L*d_K*n_batch)) * t61
+    t56 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t65, M_2, X, W_V, t12, A28, t21, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t66 = (-1/(L*d_K*n_batch)) * t61
+    t67 = oe.contract('ab,cdb,cde,ef,cdfg,cdh,gi->ahicd', t66, X, A28, t21, M_2, X, W_K, optimize=[(0, 1), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t68 = oe.contract('abcd,ce,abe,abe->dab', M_2, W_V, t12, A28, optimize=[(1, 2), (1, 2), (0, 1)])
+    t56 += oe.contract('abcde,fde->fabc', t67, t68, optimize=[(0, 1)])
+    t69 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t70 = np.reshape(t69, (d_V, d_K, d_V, d_K), copy=False)
+    t71 = oe.contract('ab,cbd,cde,ef->afcd', t62, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t72 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t70[...] = oe.contract('abcd,efcd->eafb', t71, t72, optimize=[(0, 1)])
+    t73 = oe.contract('abc,cd->dab', X, W_Q, optimize=[(0, 1)])
+    t74 = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi->faicd', t65, M_2, X, W_V, t12, A28, t21, M_2, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 2), (1, 2), (0, 1)])
+    t70 += oe.contract('abc,defbc->defa', t73, t74, optimize=[(0, 1)])
+    t75 = oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi->faicd', t66, M_2, X, W_V, t12, A28, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 1), (0, 1)])
+    t76 = oe.contract('abc,cd,abde->eab', A28, t21, M_2, optimize=[(0, 1), (0, 1)])
+    t70 += oe.contract('abcde,fde->abfc', t75, t76, optimize=[(0, 1)])
+    t77 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t78 = np.reshape(t77, (d_V, d_K, d_V, d_V), copy=False)
+    t79 = (1/(L*math.sqrt(d_K)*n_batch)) * t61
+    t80 = oe.contract('abcd,ce,abe,abe->deab', M_2, W_V, t12, A28, optimize=[(0, 1), (0, 1), (0, 1)])
+    t81 = oe.contract('ab,cdb,cde->aecd', t79, X, M_1, optimize=[(0, 1), (0, 1)])
+    t78[...] = oe.contract('abcd,efcd->aefb', t80, t81, optimize=[(0, 1)])
+    t82 = (-1/(L*math.sqrt(d_K)*n_batch)) * t61
+    t83 = oe.contract('ab,cdb,cde,cdf->afecd', t82, X, A28, M_1, optimize=[(0, 1), (0, 1), (0, 1)])
+    t78 += oe.contract('abcde,fde->fabc', t83, t68, optimize=[(0, 1)])
+    t84 = (1/(math.sqrt(d_K)*n_batch)) * t61
+    t85 = oe.contract('ab,cdb,cde->aecd', t84, X, G, optimize=[(0, 1), (0, 1)])
+    t86 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t78 += oe.contract('abcd,efcd->eafb', t85, t86, optimize=[(0, 1)])
+    t87 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t88 = np.reshape(t87, (d_V, d_V, d_V, d_K), copy=False)
+    t89 = np.swapaxes(G, -1, -2)
+    t90 = (1/(math.sqrt(d_K)*n_batch)) * t89
+    t91 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t92 = oe.contract('abc,acd->bdac', t90, X, optimize=[(0, 1)])
+    t88[...] = oe.contract('abcd,efcd->aefb', t91, t92, optimize=[(0, 1)])
+    t93 = np.swapaxes(M_1, -1, -2)
+    t94 = (1/(L*math.sqrt(d_K)*n_batch)) * t93
+    t88 += oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t94, t12, A28, t21, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t95 = (-1/(L*math.sqrt(d_K)*n_batch)) * t93
+    t96 = oe.contract('abc,acd,de,acef,fg->bgac', t95, A28, t21, M_2, W_K, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t97 = oe.contract('abc,abc,abd->cdab', t12, A28, X, optimize=[(0, 1), (0, 1)])
+    t88 += oe.contract('abcd,efcd->aefb', t96, t97, optimize=[(0, 1)])
+    t98 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t99 = np.reshape(t98, (d_V, d_V, d_V, d_K), copy=False)
+    t100 = oe.contract('abc,acd,de->beac', t90, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t101 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t99[...] = oe.contract('abcd,efcd->eafb', t100, t101, optimize=[(0, 1)])
+    t102 = oe.contract('abc,acd,de->beac', t94, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t103 = oe.contract('abc,abc,cd,abde->ceab', t12, A28, t21, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t99 += oe.contract('abcd,efcd->aefb', t102, t103, optimize=[(0, 1)])
+    t104 = oe.contract('abc,acd,acd,ace,ef,acfg->bdgac', t95, t12, A28, A28, t21, M_2, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t99 += oe.contract('abc,defbc->defa', t73, t104, optimize=[(0, 1)])
+    t105 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t105[...] = 0
+    t106 = np.reshape(t105, (d_V, d_V, d_V, d_V), copy=False)
+    t107 = np.einsum('abcb->abc', t106)
+    t108 = (1/(L*n_batch)) * t93
+    t109 = oe.contract('abc,acd->bdac', t108, M_1, optimize=[(0, 1)])
+    t110 = oe.contract('abc,abc->cab', t12, A28, optimize=[(0, 1)])
+    t107 += oe.contract('abcd,ecd->aeb', t109, t110, optimize=[(0, 1)])
+    t111 = (-1/(L*n_batch)) * t93
+    t112 = oe.contract('abc,acd->bdac', t111, A28, optimize=[(0, 1)])
+    t113 = oe.contract('abc,abc,abd->cdab', t12, A28, M_1, optimize=[(0, 1), (0, 1)])
+    t106 += oe.contract('abcd,efcd->aefb', t112, t113, optimize=[(0, 1)])
     return H
 
 
@@ -11711,15 +12230,20 @@ def ce_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t24, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t24, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t24, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t25 = (1/(d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cde,cebf,ced,fa->da', t25, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
+    t26 = oe.contract('ab,cdbe,ea->acd', t25, M_3, W_K, optimize=[(0, 2), (0, 1)])
+    t27 = oe.contract('abc,acb->bac', t2, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t26, t27, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t26 = np.exp(t13 - t13.max(-1, keepdims=True))
-    A27 = t26 / t26.sum(-1, keepdims=True)
-    t28 = (1/(L*d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdf,ia->fa', t28, M_2, X, W_V, t11, A27, t20, M_2, X, W_K, optimize=[(4, 5), (2, 6), (0, 1), (1, 2), (0, 4), (0, 3), (2, 3), (0, 2), (0, 1)])
-    t29 = (-1/(L*d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdf,ja->fa', t29, M_2, X, W_V, t11, A27, A27, t20, M_2, X, W_K, optimize=[(4, 5), (2, 7), (0, 1), (1, 2), (1, 6), (0, 2), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t28 = np.exp(t13 - t13.max(-1, keepdims=True))
+    A29 = t28 / t28.sum(-1, keepdims=True)
+    t30 = (1/(L*d_K*n_batch)) * t1
+    t31 = oe.contract('ab,cdeb,ef,cdf,cdf,fg,cdgh,ha->acd', t30, M_2, W_V, t11, A29, t20, M_2, W_K, optimize=[(3, 4), (0, 1), (1, 2), (0, 3), (0, 2), (1, 2), (0, 1)])
+    t32 = oe.contract('abc,abc->cab', X, X, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dbc->da', t31, t32, optimize=[(0, 1)])
+    t33 = (-1/(L*d_K*n_batch)) * t1
+    t34 = oe.contract('ab,cdeb,ef,cdf,cdf,cdg,gh,cdhi,ia->acd', t33, M_2, W_V, t11, A29, A29, t20, M_2, W_K, optimize=[(3, 4), (0, 1), (1, 2), (1, 5), (0, 2), (1, 3), (0, 1), (0, 1)])
+    t0 += oe.contract('abc,dbc->da', t34, t32, optimize=[(0, 1)])
     return out
 
 
@@ -11813,7 +12337,9 @@ def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t28 = (1/(L*d_K*n_batch)) * t1
     t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t28, M_2, X, W_V, t11, A27, t20, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
     t29 = (-1/(L*d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t29, M_2, X, W_V, t11, A27, A27, t20, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
+    t30 = oe.contract('abc,cd,abde,ef->fab', A27, t20, M_2, W_K, optimize=[(0, 1), (0, 2), (0, 1)])
+    t31 = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahcd', t29, M_2, X, W_V, t11, A27, X, optimize=[(4, 5), (0, 1), (1, 3), (2, 3), (0, 1), (0, 1)])
+    t0 += oe.contract('abc,defbc->defa', t30, t31, optimize=[(0, 1)])
     return out
 
 
@@ -11908,15 +12434,21 @@ def ce_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t25, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t25, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t25, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t30 = (1/(d_K*n_batch)) * t3
-    t0 += oe.contract('ab,cde,cebf,ceg,gh->dafh', t30, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t31 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t32 = oe.contract('ab,cdbe->aecd', t30, M_3, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t31, t32, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t31 = np.exp(t14 - t14.max(-1, keepdims=True))
-    A32 = t31 / t31.sum(-1, keepdims=True)
-    t33 = (1/(L*d_K*n_batch)) * t3
-    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t33, M_2, X, W_V, t12, A32, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t34 = (-1/(L*d_K*n_batch)) * t3
-    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t34, M_2, X, W_V, t12, A32, A32, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
+    t33 = np.exp(t14 - t14.max(-1, keepdims=True))
+    A34 = t33 / t33.sum(-1, keepdims=True)
+    t35 = (1/(L*d_K*n_batch)) * t3
+    t36 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t37 = oe.contract('ab,cdeb,ef,cdf,cdf,fg,cdgh->ahcd', t35, M_2, W_V, t12, A34, t21, M_2, optimize=[(3, 4), (0, 1), (1, 2), (0, 2), (0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t36, t37, optimize=[(0, 1)])
+    t38 = (-1/(L*d_K*n_batch)) * t3
+    t39 = oe.contract('abc,abd,de,abef,abg,gh->cfhab', X, A34, t21, M_2, X, W_Q, optimize=[(1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t40 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t38, M_2, W_V, t12, A34, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t39, t40, optimize=[(0, 1)])
     return out
 
 
@@ -11997,17 +12529,21 @@ def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t16 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t16, M_2, X, W_V, t11, A15, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
     t17 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t17, M_2, X, W_V, t11, A15, A15, M_1, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t18 = oe.contract('abc,abd,abe->cedab', X, A15, M_1, optimize=[(0, 1), (0, 1)])
+    t19 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t17, M_2, W_V, t11, A15, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t18, t19, optimize=[(0, 1)])
     F = t13
-    t18 = np.exp(F - F.max(-1, keepdims=True))
-    A19 = t18 / t18.sum(-1, keepdims=True)
-    t20 = t11 * A19
-    t21 = (1/L) * t20
-    t22 = (-1/L) * Y
-    t23 = t21 + t22
-    G = t23
-    t24 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t0 += oe.contract('abc,abd,abef,gf->dgec', G, X, M_2, t24, optimize=[(0, 1), (0, 1), (0, 1)])
+    t20 = np.exp(F - F.max(-1, keepdims=True))
+    A21 = t20 / t20.sum(-1, keepdims=True)
+    t22 = t11 * A21
+    t23 = (1/L) * t22
+    t24 = (-1/L) * Y
+    t25 = t23 + t24
+    G = t25
+    t26 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t27 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t28 = oe.contract('ab,cdeb->aecd', t26, M_2, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t27, t28, optimize=[(0, 1)])
     return out
 
 
@@ -12095,9 +12631,13 @@ def ce_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t27 = np.exp(t14 - t14.max(-1, keepdims=True))
     A28 = t27 / t27.sum(-1, keepdims=True)
     t29 = (1/(L*d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhf,cdi,ia->fa', t29, M_2, X, W_V, t12, A28, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (4, 5), (2, 4), (0, 1), (0, 2), (0, 1)])
-    t30 = (-1/(L*d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdif,cdj,ja->fa', t30, M_2, X, W_V, t12, A28, A28, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t30 = oe.contract('ab,cdb,cde,ea->acd', t29, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t31 = oe.contract('abcd,ce,abe,abe,ef,abfd->dab', M_2, W_V, t12, A28, t21, M_2, optimize=[(2, 3), (0, 1), (0, 1), (1, 2), (0, 1)])
+    t0 += oe.contract('abc,dbc->da', t30, t31, optimize=[(0, 1)])
+    t32 = (-1/(L*d_K*n_batch)) * t1
+    t33 = oe.contract('ab,cdb,cde,ea->acd', t32, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t34 = oe.contract('abcd,ce,abe,abe,abf,fg,abgd->dab', M_2, W_V, t12, A28, A28, t21, M_2, optimize=[(2, 3), (0, 1), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t0 += oe.contract('abc,dbc->da', t33, t34, optimize=[(0, 1)])
     return out
 
 
@@ -12193,15 +12733,19 @@ def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t25, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t25, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t25, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t32 = (1/(d_K*n_batch)) * t31
-    t0 += oe.contract('ab,cde,cdfa,cgd,hg->fheb', W_K, X, M_3, t2, t32, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t33 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t34 = oe.contract('ab,cbd,cde->aecd', t32, t2, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t33, t34, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t33 = np.exp(t14 - t14.max(-1, keepdims=True))
-    A34 = t33 / t33.sum(-1, keepdims=True)
-    t35 = (1/(L*d_K*n_batch)) * t31
-    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t35, M_2, X, W_V, t12, A34, t21, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t36 = (-1/(L*d_K*n_batch)) * t31
-    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t36, M_2, X, W_V, t12, A34, A34, t21, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t35 = np.exp(t14 - t14.max(-1, keepdims=True))
+    A36 = t35 / t35.sum(-1, keepdims=True)
+    t37 = (1/(L*d_K*n_batch)) * t31
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t37, M_2, X, W_V, t12, A36, t21, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t38 = (-1/(L*d_K*n_batch)) * t31
+    t39 = oe.contract('ab,cdb,cde,ef,cdfg,cdh,gi->ahicd', t38, X, A36, t21, M_2, X, W_K, optimize=[(0, 1), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t40 = oe.contract('abcd,ce,abe,abe->dab', M_2, W_V, t12, A36, optimize=[(1, 2), (1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->fabc', t39, t40, optimize=[(0, 1)])
     return out
 
 
@@ -12294,15 +12838,21 @@ def ce_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t25, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t25, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t25, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t26 = (1/(d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cbd,cdef,cdg,gh->eafh', t26, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t27 = oe.contract('ab,cbd,cde,ef->afcd', t26, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t28 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t27, t28, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t27 = np.exp(t14 - t14.max(-1, keepdims=True))
-    A28 = t27 / t27.sum(-1, keepdims=True)
-    t29 = (1/(L*d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t29, M_2, X, W_V, t12, A28, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
-    t30 = (-1/(L*d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t30, M_2, X, W_V, t12, A28, A28, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
+    t29 = np.exp(t14 - t14.max(-1, keepdims=True))
+    A30 = t29 / t29.sum(-1, keepdims=True)
+    t31 = (1/(L*d_K*n_batch)) * t1
+    t32 = oe.contract('abc,cd->dab', X, W_Q, optimize=[(0, 1)])
+    t33 = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi->faicd', t31, M_2, X, W_V, t12, A30, t21, M_2, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 2), (1, 2), (0, 1)])
+    t0 += oe.contract('abc,defbc->defa', t32, t33, optimize=[(0, 1)])
+    t34 = (-1/(L*d_K*n_batch)) * t1
+    t35 = oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi->faicd', t34, M_2, X, W_V, t12, A30, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 1), (0, 1)])
+    t36 = oe.contract('abc,cd,abde->eab', A30, t21, M_2, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcde,fde->abfc', t35, t36, optimize=[(0, 1)])
     return out
 
 
@@ -12381,19 +12931,25 @@ def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t15 = np.exp(t14 - t14.max(-1, keepdims=True))
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('abc,abd,abd,ed,abf,abeg,hf->ghcd', M_1, A16, t12, W_V, X, M_2, t17, optimize=[(1, 2), (1, 3), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t18 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t18, M_2, X, W_V, t12, A16, A16, M_1, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t18 = oe.contract('abcd,ce,abe,abe->deab', M_2, W_V, t12, A16, optimize=[(0, 1), (0, 1), (0, 1)])
+    t19 = oe.contract('ab,cdb,cde->aecd', t17, X, M_1, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t18, t19, optimize=[(0, 1)])
+    t20 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t21 = oe.contract('ab,cdb,cde,cdf->afecd', t20, X, A16, M_1, optimize=[(0, 1), (0, 1), (0, 1)])
+    t22 = oe.contract('abcd,ce,abe,abe->dab', M_2, W_V, t12, A16, optimize=[(1, 2), (1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->fabc', t21, t22, optimize=[(0, 1)])
     F = t14
-    t19 = np.exp(F - F.max(-1, keepdims=True))
-    A20 = t19 / t19.sum(-1, keepdims=True)
-    t21 = t12 * A20
-    t22 = (1/L) * t21
-    t23 = (-1/L) * Y
-    t24 = t22 + t23
-    G = t24
-    t25 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t0 += oe.contract('ab,cdef,cdb,cdg->faeg', t25, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
+    t23 = np.exp(F - F.max(-1, keepdims=True))
+    A24 = t23 / t23.sum(-1, keepdims=True)
+    t25 = t12 * A24
+    t26 = (1/L) * t25
+    t27 = (-1/L) * Y
+    t28 = t26 + t27
+    G = t28
+    t29 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t30 = oe.contract('ab,cdb,cde->aecd', t29, X, G, optimize=[(0, 1), (0, 1)])
+    t31 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0 += oe.contract('abcd,efcd->eafb', t30, t31, optimize=[(0, 1)])
     return out
 
 
@@ -12463,9 +13019,11 @@ def ce_causal1__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     t15 = np.exp(t14 - t14.max(-1, keepdims=True))
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = (1/(L*n_batch)) * t11
-    t0[...] = oe.contract('abc,acd,acd,acb->bd', t17, t13, A16, M_1, optimize=[(0, 3), (0, 1), (0, 1)])
-    t18 = (-1/(L*n_batch)) * t11
-    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t18, t13, A16, A16, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t18 = oe.contract('abc,abc->cab', t13, A16, optimize=[(0, 1)])
+    t19 = oe.contract('abc,acb->bac', t17, M_1, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t18, t19, optimize=[(0, 1)])
+    t20 = (-1/(L*n_batch)) * t11
+    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t20, t13, A16, A16, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -12531,15 +13089,19 @@ def ce_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
-    t0[...] = oe.contract('ab,cde,cdfa,cgd->fgeb', W_K, X, M_2, t21, optimize=[(0, 2), (0, 1), (0, 1)])
-    t22 = np.swapaxes(M_1, -1, -2)
-    t23 = np.exp(t13 - t13.max(-1, keepdims=True))
-    A24 = t23 / t23.sum(-1, keepdims=True)
-    t25 = np.swapaxes(W_V, -1, -2)
-    t26 = (1/(L*math.sqrt(d_K)*n_batch)) * t22
-    t0 += oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t26, t2, A24, t25, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t27 = (-1/(L*math.sqrt(d_K)*n_batch)) * t22
-    t0 += oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t27, t2, A24, A24, t25, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
+    t22 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t23 = oe.contract('abc,acd->bdac', t21, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
+    t24 = np.swapaxes(M_1, -1, -2)
+    t25 = np.exp(t13 - t13.max(-1, keepdims=True))
+    A26 = t25 / t25.sum(-1, keepdims=True)
+    t27 = np.swapaxes(W_V, -1, -2)
+    t28 = (1/(L*math.sqrt(d_K)*n_batch)) * t24
+    t0 += oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t28, t2, A26, t27, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t29 = (-1/(L*math.sqrt(d_K)*n_batch)) * t24
+    t30 = oe.contract('abc,acd,de,acef,fg->bgac', t29, A26, t27, M_2, W_K, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t31 = oe.contract('abc,abc,abd->cdab', t2, A26, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t30, t31, optimize=[(0, 1)])
     return out
 
 
@@ -12619,15 +13181,21 @@ def ce_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
-    t0[...] = oe.contract('abc,acde,acf,fg->dbeg', t21, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t22 = np.swapaxes(M_1, -1, -2)
-    t23 = np.exp(t13 - t13.max(-1, keepdims=True))
-    A24 = t23 / t23.sum(-1, keepdims=True)
-    t25 = np.swapaxes(W_V, -1, -2)
-    t26 = (1/(L*math.sqrt(d_K)*n_batch)) * t22
-    t0 += oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t26, t2, A24, t25, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t27 = (-1/(L*math.sqrt(d_K)*n_batch)) * t22
-    t0 += oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t27, t2, A24, A24, t25, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
+    t22 = oe.contract('abc,acd,de->beac', t21, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t23 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
+    t24 = np.swapaxes(M_1, -1, -2)
+    t25 = np.exp(t13 - t13.max(-1, keepdims=True))
+    A26 = t25 / t25.sum(-1, keepdims=True)
+    t27 = np.swapaxes(W_V, -1, -2)
+    t28 = (1/(L*math.sqrt(d_K)*n_batch)) * t24
+    t29 = oe.contract('abc,acd,de->beac', t28, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t30 = oe.contract('abc,abc,cd,abde->ceab', t2, A26, t27, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
+    t31 = (-1/(L*math.sqrt(d_K)*n_batch)) * t24
+    t32 = oe.contract('abc,cd->dab', X, W_Q, optimize=[(0, 1)])
+    t33 = oe.contract('abc,acd,acd,ace,ef,acfg->bdgac', t31, t2, A26, A26, t27, M_2, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t0 += oe.contract('abc,defbc->defa', t32, t33, optimize=[(0, 1)])
     return out
 
 
@@ -12701,9 +13269,13 @@ def ce_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     t16 = np.exp(t15 - t15.max(-1, keepdims=True))
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = (1/(L*n_batch)) * t12
-    t1 += oe.contract('abc,acd,acd,ace->bde', t18, t14, A17, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
-    t19 = (-1/(L*n_batch)) * t12
-    t0 += oe.contract('abc,acd,acd,ace,acf->bdfe', t19, t14, A17, A17, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t19 = oe.contract('abc,acd->bdac', t18, M_1, optimize=[(0, 1)])
+    t20 = oe.contract('abc,abc->cab', t14, A17, optimize=[(0, 1)])
+    t1 += oe.contract('abcd,ecd->aeb', t19, t20, optimize=[(0, 1)])
+    t21 = (-1/(L*n_batch)) * t12
+    t22 = oe.contract('abc,acd->bdac', t21, A17, optimize=[(0, 1)])
+    t23 = oe.contract('abc,abc,abd->cdab', t14, A17, M_1, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
     return out
 
 

@@ -394,19 +394,21 @@ def mse_bias0_residual0__hessian__functional(X, W_1, W_2, Y):
     t11 = t9 + t10
     G = t11
     t12 = (1/n_batch) * t4
-    t3 += oe.contract('abc,acd,ace->bde', t12, t6, G, optimize=[(0, 1), (0, 1)])
-    t13 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
-    t13[...] = 0
-    t14 = np.reshape(t13, (d_ff, d_V, d_V, d_ff), copy=False)
-    t15 = np.einsum('abca->abc', t14)
-    t16 = np.swapaxes(G, -1, -2)
-    t17 = np.swapaxes(W_1, -1, -2)
-    t18 = t17 @ t4
-    t19 = np.heaviside(t18, 0.0)
-    t20 = (1/n_batch) * t16
-    t15 += oe.contract('abc,adc,ace->dbe', t20, t19, X, optimize=[(0, 1), (0, 1)])
-    t21 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t21[...] = 0
+    t13 = oe.contract('abc->cab', G, optimize=[(0,)])
+    t14 = oe.contract('abc,acd->bdac', t12, t6, optimize=[(0, 1)])
+    t3 += oe.contract('abc,debc->dea', t13, t14, optimize=[(0, 1)])
+    t15 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
+    t15[...] = 0
+    t16 = np.reshape(t15, (d_ff, d_V, d_V, d_ff), copy=False)
+    t17 = np.einsum('abca->abc', t16)
+    t18 = np.swapaxes(G, -1, -2)
+    t19 = np.swapaxes(W_1, -1, -2)
+    t20 = t19 @ t4
+    t21 = np.heaviside(t20, 0.0)
+    t22 = (1/n_batch) * t18
+    t17 += oe.contract('abc,adc,ace->dbe', t22, t21, X, optimize=[(0, 1), (0, 1)])
+    t23 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t23[...] = 0
     return H
 
 
@@ -528,7 +530,9 @@ def mse_bias0_residual0__block__W_1__W_2__functional(X, W_1, W_2, Y):
     t9 = t7 + t8
     G = t9
     t10 = (1/n_batch) * t2
-    t1 += oe.contract('abc,acd,ace->bde', t10, t4, G, optimize=[(0, 1), (0, 1)])
+    t11 = oe.contract('abc->cab', G, optimize=[(0,)])
+    t12 = oe.contract('abc,acd->bdac', t10, t4, optimize=[(0, 1)])
+    t1 += oe.contract('abc,debc->dea', t11, t12, optimize=[(0, 1)])
     return out
 
 
@@ -673,27 +677,29 @@ def mse_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     t15 = t13 + t14
     G = t15
     t16 = (1/n_batch) * t2
-    t11 += oe.contract('abc,acd,ace->bde', t16, t4, G, optimize=[(0, 1), (0, 1)])
-    t17 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
-    t18 = np.reshape(t17, (d_ff, d_V, d_V, d_ff), copy=False)
-    t19 = np.swapaxes(W_1, -1, -2)
-    t20 = t19 @ t2
-    t21 = (t20 * np.heaviside(t20, 0.0))
-    t22 = (2/(L*d_V*n_batch)) * t21
-    t18[...] = oe.contract('abc,de,ace,acf->bdfe', t22, t5, t4, X, optimize=[(0, 2), (1, 2), (0, 1)])
-    t23 = np.einsum('abca->abc', t18)
-    t24 = np.swapaxes(G, -1, -2)
-    t25 = np.heaviside(t20, 0.0)
-    t26 = (1/n_batch) * t24
-    t23 += oe.contract('abc,adc,ace->dbe', t26, t25, X, optimize=[(0, 1), (0, 1)])
-    t27 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t27[...] = 0
-    t28 = np.reshape(t27, (d_ff, d_V, d_ff, d_V), copy=False)
-    t29 = np.einsum('abcb->abc', t28)
-    t30 = t21 @ t10
-    t31 = np.ones((d_V,), dtype=X.dtype)
-    t32 = (2/(L*d_V*n_batch)) * t31
-    t29 += oe.contract('abc,d->bdc', t30, t32, optimize=[(0, 1)])
+    t17 = oe.contract('abc->cab', G, optimize=[(0,)])
+    t18 = oe.contract('abc,acd->bdac', t16, t4, optimize=[(0, 1)])
+    t11 += oe.contract('abc,debc->dea', t17, t18, optimize=[(0, 1)])
+    t19 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
+    t20 = np.reshape(t19, (d_ff, d_V, d_V, d_ff), copy=False)
+    t21 = np.swapaxes(W_1, -1, -2)
+    t22 = t21 @ t2
+    t23 = (t22 * np.heaviside(t22, 0.0))
+    t24 = (2/(L*d_V*n_batch)) * t23
+    t20[...] = oe.contract('abc,de,ace,acf->bdfe', t24, t5, t4, X, optimize=[(0, 2), (1, 2), (0, 1)])
+    t25 = np.einsum('abca->abc', t20)
+    t26 = np.swapaxes(G, -1, -2)
+    t27 = np.heaviside(t22, 0.0)
+    t28 = (1/n_batch) * t26
+    t25 += oe.contract('abc,adc,ace->dbe', t28, t27, X, optimize=[(0, 1), (0, 1)])
+    t29 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t29[...] = 0
+    t30 = np.reshape(t29, (d_ff, d_V, d_ff, d_V), copy=False)
+    t31 = np.einsum('abcb->abc', t30)
+    t32 = t23 @ t10
+    t33 = np.ones((d_V,), dtype=X.dtype)
+    t34 = (2/(L*d_V*n_batch)) * t33
+    t31 += oe.contract('abc,d->bdc', t32, t34, optimize=[(0, 1)])
     return H
 
 
@@ -862,7 +868,9 @@ def mse_bias0_residual0__block__W_1__W_2__full(X, W_1, W_2, Y):
     t10 = t8 + t9
     G = t10
     t11 = (1/n_batch) * t1
-    t6 += oe.contract('abc,acd,ace->bde', t11, t3, G, optimize=[(0, 1), (0, 1)])
+    t12 = oe.contract('abc->cab', G, optimize=[(0,)])
+    t13 = oe.contract('abc,acd->bdac', t11, t3, optimize=[(0, 1)])
+    t6 += oe.contract('abc,debc->dea', t12, t13, optimize=[(0, 1)])
     return out
 
 
@@ -1094,28 +1102,38 @@ def ce_bias0_residual0__hessian__outer(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.swapaxes(W_2, -1, -2)
     t11 = (1/(L*n_batch)) * t2
-    t1[...] = oe.contract('abc,acd,de,ace,ace,ef,acf,acg->bdgf', t11, t4, W_2, t6, A, t10, t4, X, optimize=[(3, 4), (0, 1), (0, 1), (2, 4), (0, 3), (1, 2), (0, 1)])
-    t12 = (-1/(L*n_batch)) * t2
-    t1 += oe.contract('abc,acd,de,ace,ace,acf,fg,acg,ach->bdhg', t12, t4, W_2, t6, A, A, t10, t4, X, optimize=[(3, 4), (3, 4), (3, 6), (2, 4), (1, 4), (0, 3), (0, 1), (0, 1)])
-    t13 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t14 = np.reshape(t13, (d_V, d_ff, d_ff, d_V), copy=False)
-    t14[...] = oe.contract('abc,acd,de,ace,ace,acf->bdfe', t11, t4, W_2, t6, A, t7, optimize=[(3, 4), (0, 1), (1, 2), (1, 2), (0, 1)])
-    t14 += oe.contract('abc,acd,de,ace,ace,acf,acg->bdgf', t12, t4, W_2, t6, A, A, t7, optimize=[(3, 4), (2, 5), (1, 4), (0, 3), (0, 1), (0, 1)])
-    t15 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
-    t16 = np.reshape(t15, (d_ff, d_V, d_V, d_ff), copy=False)
-    t17 = np.swapaxes(W_1, -1, -2)
-    t18 = t17 @ t2
-    t19 = (t18 * np.heaviside(t18, 0.0))
-    t20 = (1/(L*n_batch)) * t19
-    t16[...] = oe.contract('abc,acd,acd,de,ace,acf->bdfe', t20, t6, A, t10, t4, X, optimize=[(1, 2), (0, 2), (1, 2), (1, 2), (0, 1)])
-    t21 = (-1/(L*n_batch)) * t19
-    t16 += oe.contract('abc,acd,acd,ace,ef,acf,acg->bdgf', t21, t6, A, A, t10, t4, X, optimize=[(1, 2), (1, 2), (1, 4), (1, 3), (0, 2), (0, 1)])
-    t22 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t22[...] = 0
-    t23 = np.reshape(t22, (d_ff, d_V, d_ff, d_V), copy=False)
-    t24 = np.einsum('abcb->abc', t23)
-    t24 += oe.contract('abc,acd,acd,ace->bde', t20, t6, A, t7, optimize=[(1, 2), (0, 1), (0, 1)])
-    t23 += oe.contract('abc,acd,acd,ace,acf->bdfe', t21, t6, A, A, t7, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t12 = oe.contract('abc,acd,de,ace,ace,ef,acf->bdfac', t11, t4, W_2, t6, A, t10, t4, optimize=[(3, 4), (2, 3), (3, 4), (0, 1), (0, 1), (0, 1)])
+    t13 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t1[...] = oe.contract('abcde,fde->abfc', t12, t13, optimize=[(0, 1)])
+    t14 = (-1/(L*n_batch)) * t2
+    t15 = oe.contract('abc,cd,abd,abe->edab', A, t10, t4, X, optimize=[(0, 1), (0, 2), (0, 1)])
+    t16 = oe.contract('abc,acd,de,ace,ace->bdac', t14, t4, W_2, t6, A, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)])
+    t1 += oe.contract('abcd,efcd->efab', t15, t16, optimize=[(0, 1)])
+    t17 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t18 = np.reshape(t17, (d_V, d_ff, d_ff, d_V), copy=False)
+    t18[...] = oe.contract('abc,acd,de,ace,ace,acf->bdfe', t11, t4, W_2, t6, A, t7, optimize=[(3, 4), (0, 1), (1, 2), (1, 2), (0, 1)])
+    t19 = oe.contract('abc,abd->dcab', A, t7, optimize=[(0, 1)])
+    t18 += oe.contract('abcd,efcd->efab', t19, t16, optimize=[(0, 1)])
+    t20 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
+    t21 = np.reshape(t20, (d_ff, d_V, d_V, d_ff), copy=False)
+    t22 = np.swapaxes(W_1, -1, -2)
+    t23 = t22 @ t2
+    t24 = (t23 * np.heaviside(t23, 0.0))
+    t25 = (1/(L*n_batch)) * t24
+    t21[...] = oe.contract('abc,acd,acd,de,ace,acf->bdfe', t25, t6, A, t10, t4, X, optimize=[(1, 2), (0, 2), (1, 2), (1, 2), (0, 1)])
+    t26 = (-1/(L*n_batch)) * t24
+    t27 = oe.contract('abc,acd,de,ace,acf->bfeac', t26, A, t10, t4, X, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t28 = oe.contract('abc,abc->cab', t6, A, optimize=[(0, 1)])
+    t21 += oe.contract('abcde,fde->afbc', t27, t28, optimize=[(0, 1)])
+    t29 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t29[...] = 0
+    t30 = np.reshape(t29, (d_ff, d_V, d_ff, d_V), copy=False)
+    t31 = np.einsum('abcb->abc', t30)
+    t32 = oe.contract('abc,acd->bdac', t25, t7, optimize=[(0, 1)])
+    t31 += oe.contract('abcd,ecd->aeb', t32, t28, optimize=[(0, 1)])
+    t33 = oe.contract('abc,acd->bdac', t26, A, optimize=[(0, 1)])
+    t34 = oe.contract('abc,abc,abd->cdab', t6, A, t7, optimize=[(0, 1), (0, 1)])
+    t30 += oe.contract('abcd,efcd->aefb', t33, t34, optimize=[(0, 1)])
     return H
 
 
@@ -1204,9 +1222,13 @@ def ce_bias0_residual0__diag__W_1__outer(X, W_1, W_2, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.swapaxes(W_2, -1, -2)
     t10 = (1/(L*n_batch)) * t1
-    t0[...] = oe.contract('abc,acd,de,ace,ace,ed,acd,acb->bd', t10, t3, W_2, t5, A, t9, t3, X, optimize=[(3, 4), (2, 3), (1, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t11 = (-1/(L*n_batch)) * t1
-    t0 += oe.contract('abc,acd,de,ace,ace,acf,fd,acd,acb->bd', t11, t3, W_2, t5, A, A, t9, t3, X, optimize=[(3, 4), (1, 5), (0, 4), (1, 2), (2, 4), (0, 1), (1, 2), (0, 1)])
+    t11 = oe.contract('abc,cd,abd,abd,dc,abc->cab', t3, W_2, t5, A, t9, t3, optimize=[(2, 3), (1, 2), (0, 1), (0, 1), (0, 1)])
+    t12 = oe.contract('abc,acb->bac', t10, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t11, t12, optimize=[(0, 1)])
+    t13 = (-1/(L*n_batch)) * t1
+    t14 = oe.contract('abc,cd,abd,abd,abe,ec,abc->cab', t3, W_2, t5, A, A, t9, t3, optimize=[(2, 3), (0, 4), (1, 2), (2, 3), (0, 1), (0, 1)])
+    t15 = oe.contract('abc,acb->bac', t13, X, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dbc->da', t14, t15, optimize=[(0, 1)])
     return out
 
 
@@ -1248,9 +1270,13 @@ def ce_bias0_residual0__block__W_1__W_1__outer(X, W_1, W_2, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.swapaxes(W_2, -1, -2)
     t10 = (1/(L*n_batch)) * t1
-    t0[...] = oe.contract('abc,acd,de,ace,ace,ef,acf,acg->bdgf', t10, t3, W_2, t5, A, t9, t3, X, optimize=[(3, 4), (0, 1), (0, 1), (2, 4), (0, 3), (1, 2), (0, 1)])
-    t11 = (-1/(L*n_batch)) * t1
-    t0 += oe.contract('abc,acd,de,ace,ace,acf,fg,acg,ach->bdhg', t11, t3, W_2, t5, A, A, t9, t3, X, optimize=[(3, 4), (3, 4), (3, 6), (2, 4), (1, 4), (0, 3), (0, 1), (0, 1)])
+    t11 = oe.contract('abc,acd,de,ace,ace,ef,acf->bdfac', t10, t3, W_2, t5, A, t9, t3, optimize=[(3, 4), (2, 3), (3, 4), (0, 1), (0, 1), (0, 1)])
+    t12 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t0[...] = oe.contract('abcde,fde->abfc', t11, t12, optimize=[(0, 1)])
+    t13 = (-1/(L*n_batch)) * t1
+    t14 = oe.contract('abc,cd,abd,abe->edab', A, t9, t3, X, optimize=[(0, 1), (0, 2), (0, 1)])
+    t15 = oe.contract('abc,acd,de,ace,ace->bdac', t13, t3, W_2, t5, A, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)])
+    t0 += oe.contract('abcd,efcd->efab', t14, t15, optimize=[(0, 1)])
     return out
 
 
@@ -1295,7 +1321,9 @@ def ce_bias0_residual0__block__W_1__W_2__outer(X, W_1, W_2, Y):
     t9 = (1/(L*n_batch)) * t1
     t0[...] = oe.contract('abc,acd,de,ace,ace,acf->bdfe', t9, t3, W_2, t5, A, t6, optimize=[(3, 4), (0, 1), (1, 2), (1, 2), (0, 1)])
     t10 = (-1/(L*n_batch)) * t1
-    t0 += oe.contract('abc,acd,de,ace,ace,acf,acg->bdgf', t10, t3, W_2, t5, A, A, t6, optimize=[(3, 4), (2, 5), (1, 4), (0, 3), (0, 1), (0, 1)])
+    t11 = oe.contract('abc,abd->dcab', A, t6, optimize=[(0, 1)])
+    t12 = oe.contract('abc,acd,de,ace,ace->bdac', t10, t3, W_2, t5, A, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)])
+    t0 += oe.contract('abcd,efcd->efab', t11, t12, optimize=[(0, 1)])
     return out
 
 
@@ -1339,9 +1367,11 @@ def ce_bias0_residual0__diag__W_2__outer(X, W_1, W_2, Y):
     t10 = np.exp(t9 - t9.max(-1, keepdims=True))
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = (1/(L*n_batch)) * t4
-    t0[...] = oe.contract('abc,acd,acd,acb->bd', t11, t6, A, t8, optimize=[(0, 3), (0, 1), (0, 1)])
-    t12 = (-1/(L*n_batch)) * t4
-    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t12, t6, A, A, t8, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t12 = oe.contract('abc,abc->cab', t6, A, optimize=[(0, 1)])
+    t13 = oe.contract('abc,acb->bac', t11, t8, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t12, t13, optimize=[(0, 1)])
+    t14 = (-1/(L*n_batch)) * t4
+    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t14, t6, A, A, t8, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -1389,7 +1419,9 @@ def ce_bias0_residual0__block__W_2__W_1__outer(X, W_1, W_2, Y):
     t13 = (1/(L*n_batch)) * t4
     t0[...] = oe.contract('abc,acd,acd,de,ace,acf->bdfe', t13, t6, A, t11, t12, X, optimize=[(1, 2), (0, 2), (1, 2), (1, 2), (0, 1)])
     t14 = (-1/(L*n_batch)) * t4
-    t0 += oe.contract('abc,acd,acd,ace,ef,acf,acg->bdgf', t14, t6, A, A, t11, t12, X, optimize=[(1, 2), (1, 2), (1, 4), (1, 3), (0, 2), (0, 1)])
+    t15 = oe.contract('abc,acd,de,ace,acf->bfeac', t14, A, t11, t12, X, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t16 = oe.contract('abc,abc->cab', t6, A, optimize=[(0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t15, t16, optimize=[(0, 1)])
     return out
 
 
@@ -1439,9 +1471,13 @@ def ce_bias0_residual0__block__W_2__W_2__outer(X, W_1, W_2, Y):
     t11 = np.exp(t10 - t10.max(-1, keepdims=True))
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = (1/(L*n_batch)) * t5
-    t1 += oe.contract('abc,acd,acd,ace->bde', t12, t7, A, t9, optimize=[(1, 2), (0, 1), (0, 1)])
-    t13 = (-1/(L*n_batch)) * t5
-    t0 += oe.contract('abc,acd,acd,ace,acf->bdfe', t13, t7, A, A, t9, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t13 = oe.contract('abc,acd->bdac', t12, t9, optimize=[(0, 1)])
+    t14 = oe.contract('abc,abc->cab', t7, A, optimize=[(0, 1)])
+    t1 += oe.contract('abcd,ecd->aeb', t13, t14, optimize=[(0, 1)])
+    t15 = (-1/(L*n_batch)) * t5
+    t16 = oe.contract('abc,acd->bdac', t15, A, optimize=[(0, 1)])
+    t17 = oe.contract('abc,abc,abd->cdab', t7, A, t9, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -1496,19 +1532,21 @@ def ce_bias0_residual0__hessian__functional(X, W_1, W_2, Y):
     t15 = t13 + t14
     G = t15
     t16 = (1/n_batch) * t4
-    t3 += oe.contract('abc,acd,ace->bde', t16, t6, G, optimize=[(0, 1), (0, 1)])
-    t17 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
-    t17[...] = 0
-    t18 = np.reshape(t17, (d_ff, d_V, d_V, d_ff), copy=False)
-    t19 = np.einsum('abca->abc', t18)
-    t20 = np.swapaxes(G, -1, -2)
-    t21 = np.swapaxes(W_1, -1, -2)
-    t22 = t21 @ t4
-    t23 = np.heaviside(t22, 0.0)
-    t24 = (1/n_batch) * t20
-    t19 += oe.contract('abc,adc,ace->dbe', t24, t23, X, optimize=[(0, 1), (0, 1)])
-    t25 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t25[...] = 0
+    t17 = oe.contract('abc->cab', G, optimize=[(0,)])
+    t18 = oe.contract('abc,acd->bdac', t16, t6, optimize=[(0, 1)])
+    t3 += oe.contract('abc,debc->dea', t17, t18, optimize=[(0, 1)])
+    t19 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
+    t19[...] = 0
+    t20 = np.reshape(t19, (d_ff, d_V, d_V, d_ff), copy=False)
+    t21 = np.einsum('abca->abc', t20)
+    t22 = np.swapaxes(G, -1, -2)
+    t23 = np.swapaxes(W_1, -1, -2)
+    t24 = t23 @ t4
+    t25 = np.heaviside(t24, 0.0)
+    t26 = (1/n_batch) * t22
+    t21 += oe.contract('abc,adc,ace->dbe', t26, t25, X, optimize=[(0, 1), (0, 1)])
+    t27 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t27[...] = 0
     return H
 
 
@@ -1645,7 +1683,9 @@ def ce_bias0_residual0__block__W_1__W_2__functional(X, W_1, W_2, Y):
     t13 = t11 + t12
     G = t13
     t14 = (1/n_batch) * t2
-    t1 += oe.contract('abc,acd,ace->bde', t14, t4, G, optimize=[(0, 1), (0, 1)])
+    t15 = oe.contract('abc->cab', G, optimize=[(0,)])
+    t16 = oe.contract('abc,acd->bdac', t14, t4, optimize=[(0, 1)])
+    t1 += oe.contract('abc,debc->dea', t15, t16, optimize=[(0, 1)])
     return out
 
 
@@ -1797,44 +1837,56 @@ def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.swapaxes(W_2, -1, -2)
     t11 = (1/(L*n_batch)) * t2
-    t1[...] = oe.contract('abc,acd,de,ace,ace,ef,acf,acg->bdgf', t11, t4, W_2, t6, A, t10, t4, X, optimize=[(3, 4), (0, 1), (0, 1), (2, 4), (0, 3), (1, 2), (0, 1)])
-    t12 = (-1/(L*n_batch)) * t2
-    t1 += oe.contract('abc,acd,de,ace,ace,acf,fg,acg,ach->bdhg', t12, t4, W_2, t6, A, A, t10, t4, X, optimize=[(3, 4), (3, 4), (3, 6), (2, 4), (1, 4), (0, 3), (0, 1), (0, 1)])
-    t13 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t14 = np.reshape(t13, (d_V, d_ff, d_ff, d_V), copy=False)
-    t14[...] = oe.contract('abc,acd,de,ace,ace,acf->bdfe', t11, t4, W_2, t6, A, t7, optimize=[(3, 4), (0, 1), (1, 2), (1, 2), (0, 1)])
-    t14 += oe.contract('abc,acd,de,ace,ace,acf,acg->bdgf', t12, t4, W_2, t6, A, A, t7, optimize=[(3, 4), (2, 5), (1, 4), (0, 3), (0, 1), (0, 1)])
-    t15 = np.einsum('abbc->abc', t14)
+    t12 = oe.contract('abc,acd,de,ace,ace,ef,acf->bdfac', t11, t4, W_2, t6, A, t10, t4, optimize=[(3, 4), (2, 3), (3, 4), (0, 1), (0, 1), (0, 1)])
+    t13 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t1[...] = oe.contract('abcde,fde->abfc', t12, t13, optimize=[(0, 1)])
+    t14 = (-1/(L*n_batch)) * t2
+    t15 = oe.contract('abc,cd,abd,abe->edab', A, t10, t4, X, optimize=[(0, 1), (0, 2), (0, 1)])
+    t16 = oe.contract('abc,acd,de,ace,ace->bdac', t14, t4, W_2, t6, A, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)])
+    t1 += oe.contract('abcd,efcd->efab', t15, t16, optimize=[(0, 1)])
+    t17 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t18 = np.reshape(t17, (d_V, d_ff, d_ff, d_V), copy=False)
+    t18[...] = oe.contract('abc,acd,de,ace,ace,acf->bdfe', t11, t4, W_2, t6, A, t7, optimize=[(3, 4), (0, 1), (1, 2), (1, 2), (0, 1)])
+    t19 = oe.contract('abc,abd->dcab', A, t7, optimize=[(0, 1)])
+    t18 += oe.contract('abcd,efcd->efab', t19, t16, optimize=[(0, 1)])
+    t20 = np.einsum('abbc->abc', t18)
     F = t8
-    t16 = np.exp(F - F.max(-1, keepdims=True))
-    A17 = t16 / t16.sum(-1, keepdims=True)
-    t18 = t6 * A17
-    t19 = (1/L) * t18
-    t20 = (-1/L) * Y
-    t21 = t19 + t20
-    G = t21
-    t22 = (1/n_batch) * t2
-    t15 += oe.contract('abc,acd,ace->bde', t22, t4, G, optimize=[(0, 1), (0, 1)])
-    t23 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
-    t24 = np.reshape(t23, (d_ff, d_V, d_V, d_ff), copy=False)
-    t25 = np.swapaxes(W_1, -1, -2)
-    t26 = t25 @ t2
-    t27 = (t26 * np.heaviside(t26, 0.0))
-    t28 = (1/(L*n_batch)) * t27
-    t24[...] = oe.contract('abc,acd,acd,de,ace,acf->bdfe', t28, t6, A, t10, t4, X, optimize=[(1, 2), (0, 2), (1, 2), (1, 2), (0, 1)])
-    t29 = (-1/(L*n_batch)) * t27
-    t24 += oe.contract('abc,acd,acd,ace,ef,acf,acg->bdgf', t29, t6, A, A, t10, t4, X, optimize=[(1, 2), (1, 2), (1, 4), (1, 3), (0, 2), (0, 1)])
-    t30 = np.einsum('abca->abc', t24)
-    t31 = np.swapaxes(G, -1, -2)
-    t32 = np.heaviside(t26, 0.0)
-    t33 = (1/n_batch) * t31
-    t30 += oe.contract('abc,adc,ace->dbe', t33, t32, X, optimize=[(0, 1), (0, 1)])
-    t34 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t34[...] = 0
-    t35 = np.reshape(t34, (d_ff, d_V, d_ff, d_V), copy=False)
-    t36 = np.einsum('abcb->abc', t35)
-    t36 += oe.contract('abc,acd,acd,ace->bde', t28, t6, A, t7, optimize=[(1, 2), (0, 1), (0, 1)])
-    t35 += oe.contract('abc,acd,acd,ace,acf->bdfe', t29, t6, A, A, t7, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t21 = np.exp(F - F.max(-1, keepdims=True))
+    A22 = t21 / t21.sum(-1, keepdims=True)
+    t23 = t6 * A22
+    t24 = (1/L) * t23
+    t25 = (-1/L) * Y
+    t26 = t24 + t25
+    G = t26
+    t27 = (1/n_batch) * t2
+    t28 = oe.contract('abc->cab', G, optimize=[(0,)])
+    t29 = oe.contract('abc,acd->bdac', t27, t4, optimize=[(0, 1)])
+    t20 += oe.contract('abc,debc->dea', t28, t29, optimize=[(0, 1)])
+    t30 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
+    t31 = np.reshape(t30, (d_ff, d_V, d_V, d_ff), copy=False)
+    t32 = np.swapaxes(W_1, -1, -2)
+    t33 = t32 @ t2
+    t34 = (t33 * np.heaviside(t33, 0.0))
+    t35 = (1/(L*n_batch)) * t34
+    t31[...] = oe.contract('abc,acd,acd,de,ace,acf->bdfe', t35, t6, A, t10, t4, X, optimize=[(1, 2), (0, 2), (1, 2), (1, 2), (0, 1)])
+    t36 = (-1/(L*n_batch)) * t34
+    t37 = oe.contract('abc,acd,de,ace,acf->bfeac', t36, A, t10, t4, X, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t38 = oe.contract('abc,abc->cab', t6, A, optimize=[(0, 1)])
+    t31 += oe.contract('abcde,fde->afbc', t37, t38, optimize=[(0, 1)])
+    t39 = np.einsum('abca->abc', t31)
+    t40 = np.swapaxes(G, -1, -2)
+    t41 = np.heaviside(t33, 0.0)
+    t42 = (1/n_batch) * t40
+    t39 += oe.contract('abc,adc,ace->dbe', t42, t41, X, optimize=[(0, 1), (0, 1)])
+    t43 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t43[...] = 0
+    t44 = np.reshape(t43, (d_ff, d_V, d_ff, d_V), copy=False)
+    t45 = np.einsum('abcb->abc', t44)
+    t46 = oe.contract('abc,acd->bdac', t35, t7, optimize=[(0, 1)])
+    t45 += oe.contract('abcd,ecd->aeb', t46, t38, optimize=[(0, 1)])
+    t47 = oe.contract('abc,acd->bdac', t36, A, optimize=[(0, 1)])
+    t48 = oe.contract('abc,abc,abd->cdab', t6, A, t7, optimize=[(0, 1), (0, 1)])
+    t44 += oe.contract('abcd,efcd->aefb', t47, t48, optimize=[(0, 1)])
     return H
 
 
@@ -1947,9 +1999,13 @@ def ce_bias0_residual0__diag__W_1__full(X, W_1, W_2, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.swapaxes(W_2, -1, -2)
     t10 = (1/(L*n_batch)) * t1
-    t0[...] = oe.contract('abc,acd,de,ace,ace,ed,acd,acb->bd', t10, t3, W_2, t5, A, t9, t3, X, optimize=[(3, 4), (2, 3), (1, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t11 = (-1/(L*n_batch)) * t1
-    t0 += oe.contract('abc,acd,de,ace,ace,acf,fd,acd,acb->bd', t11, t3, W_2, t5, A, A, t9, t3, X, optimize=[(3, 4), (1, 5), (0, 4), (1, 2), (2, 4), (0, 1), (1, 2), (0, 1)])
+    t11 = oe.contract('abc,cd,abd,abd,dc,abc->cab', t3, W_2, t5, A, t9, t3, optimize=[(2, 3), (1, 2), (0, 1), (0, 1), (0, 1)])
+    t12 = oe.contract('abc,acb->bac', t10, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t11, t12, optimize=[(0, 1)])
+    t13 = (-1/(L*n_batch)) * t1
+    t14 = oe.contract('abc,cd,abd,abd,abe,ec,abc->cab', t3, W_2, t5, A, A, t9, t3, optimize=[(2, 3), (0, 4), (1, 2), (2, 3), (0, 1), (0, 1)])
+    t15 = oe.contract('abc,acb->bac', t13, X, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dbc->da', t14, t15, optimize=[(0, 1)])
     return out
 
 
@@ -1991,9 +2047,13 @@ def ce_bias0_residual0__block__W_1__W_1__full(X, W_1, W_2, Y):
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.swapaxes(W_2, -1, -2)
     t10 = (1/(L*n_batch)) * t1
-    t0[...] = oe.contract('abc,acd,de,ace,ace,ef,acf,acg->bdgf', t10, t3, W_2, t5, A, t9, t3, X, optimize=[(3, 4), (0, 1), (0, 1), (2, 4), (0, 3), (1, 2), (0, 1)])
-    t11 = (-1/(L*n_batch)) * t1
-    t0 += oe.contract('abc,acd,de,ace,ace,acf,fg,acg,ach->bdhg', t11, t3, W_2, t5, A, A, t9, t3, X, optimize=[(3, 4), (3, 4), (3, 6), (2, 4), (1, 4), (0, 3), (0, 1), (0, 1)])
+    t11 = oe.contract('abc,acd,de,ace,ace,ef,acf->bdfac', t10, t3, W_2, t5, A, t9, t3, optimize=[(3, 4), (2, 3), (3, 4), (0, 1), (0, 1), (0, 1)])
+    t12 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t0[...] = oe.contract('abcde,fde->abfc', t11, t12, optimize=[(0, 1)])
+    t13 = (-1/(L*n_batch)) * t1
+    t14 = oe.contract('abc,cd,abd,abe->edab', A, t9, t3, X, optimize=[(0, 1), (0, 2), (0, 1)])
+    t15 = oe.contract('abc,acd,de,ace,ace->bdac', t13, t3, W_2, t5, A, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)])
+    t0 += oe.contract('abcd,efcd->efab', t14, t15, optimize=[(0, 1)])
     return out
 
 
@@ -2038,18 +2098,22 @@ def ce_bias0_residual0__block__W_1__W_2__full(X, W_1, W_2, Y):
     t9 = (1/(L*n_batch)) * t1
     t0[...] = oe.contract('abc,acd,de,ace,ace,acf->bdfe', t9, t3, W_2, t5, A, t6, optimize=[(3, 4), (0, 1), (1, 2), (1, 2), (0, 1)])
     t10 = (-1/(L*n_batch)) * t1
-    t0 += oe.contract('abc,acd,de,ace,ace,acf,acg->bdgf', t10, t3, W_2, t5, A, A, t6, optimize=[(3, 4), (2, 5), (1, 4), (0, 3), (0, 1), (0, 1)])
-    t11 = np.einsum('abbc->abc', t0)
+    t11 = oe.contract('abc,abd->dcab', A, t6, optimize=[(0, 1)])
+    t12 = oe.contract('abc,acd,de,ace,ace->bdac', t10, t3, W_2, t5, A, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)])
+    t0 += oe.contract('abcd,efcd->efab', t11, t12, optimize=[(0, 1)])
+    t13 = np.einsum('abbc->abc', t0)
     F = t7
-    t12 = np.exp(F - F.max(-1, keepdims=True))
-    A13 = t12 / t12.sum(-1, keepdims=True)
-    t14 = t5 * A13
-    t15 = (1/L) * t14
-    t16 = (-1/L) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = (1/n_batch) * t1
-    t11 += oe.contract('abc,acd,ace->bde', t18, t3, G, optimize=[(0, 1), (0, 1)])
+    t14 = np.exp(F - F.max(-1, keepdims=True))
+    A15 = t14 / t14.sum(-1, keepdims=True)
+    t16 = t5 * A15
+    t17 = (1/L) * t16
+    t18 = (-1/L) * Y
+    t19 = t17 + t18
+    G = t19
+    t20 = (1/n_batch) * t1
+    t21 = oe.contract('abc->cab', G, optimize=[(0,)])
+    t22 = oe.contract('abc,acd->bdac', t20, t3, optimize=[(0, 1)])
+    t13 += oe.contract('abc,debc->dea', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -2101,9 +2165,11 @@ def ce_bias0_residual0__diag__W_2__full(X, W_1, W_2, Y):
     t10 = np.exp(t9 - t9.max(-1, keepdims=True))
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = (1/(L*n_batch)) * t4
-    t0[...] = oe.contract('abc,acd,acd,acb->bd', t11, t6, A, t8, optimize=[(0, 3), (0, 1), (0, 1)])
-    t12 = (-1/(L*n_batch)) * t4
-    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t12, t6, A, A, t8, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t12 = oe.contract('abc,abc->cab', t6, A, optimize=[(0, 1)])
+    t13 = oe.contract('abc,acb->bac', t11, t8, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t12, t13, optimize=[(0, 1)])
+    t14 = (-1/(L*n_batch)) * t4
+    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t14, t6, A, A, t8, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -2151,20 +2217,22 @@ def ce_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
     t13 = (1/(L*n_batch)) * t4
     t0[...] = oe.contract('abc,acd,acd,de,ace,acf->bdfe', t13, t6, A, t11, t12, X, optimize=[(1, 2), (0, 2), (1, 2), (1, 2), (0, 1)])
     t14 = (-1/(L*n_batch)) * t4
-    t0 += oe.contract('abc,acd,acd,ace,ef,acf,acg->bdgf', t14, t6, A, A, t11, t12, X, optimize=[(1, 2), (1, 2), (1, 4), (1, 3), (0, 2), (0, 1)])
-    t15 = np.einsum('abca->abc', t0)
+    t15 = oe.contract('abc,acd,de,ace,acf->bfeac', t14, A, t11, t12, X, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t16 = oe.contract('abc,abc->cab', t6, A, optimize=[(0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t15, t16, optimize=[(0, 1)])
+    t17 = np.einsum('abca->abc', t0)
     F = t9
-    t16 = np.exp(F - F.max(-1, keepdims=True))
-    A17 = t16 / t16.sum(-1, keepdims=True)
-    t18 = t6 * A17
-    t19 = (1/L) * t18
-    t20 = (-1/L) * Y
-    t21 = t19 + t20
-    G = t21
-    t22 = np.swapaxes(G, -1, -2)
-    t23 = np.heaviside(t3, 0.0)
-    t24 = (1/n_batch) * t22
-    t15 += oe.contract('abc,adc,ace->dbe', t24, t23, X, optimize=[(0, 1), (0, 1)])
+    t18 = np.exp(F - F.max(-1, keepdims=True))
+    A19 = t18 / t18.sum(-1, keepdims=True)
+    t20 = t6 * A19
+    t21 = (1/L) * t20
+    t22 = (-1/L) * Y
+    t23 = t21 + t22
+    G = t23
+    t24 = np.swapaxes(G, -1, -2)
+    t25 = np.heaviside(t3, 0.0)
+    t26 = (1/n_batch) * t24
+    t17 += oe.contract('abc,adc,ace->dbe', t26, t25, X, optimize=[(0, 1), (0, 1)])
     return out
 
 
@@ -2224,9 +2292,13 @@ def ce_bias0_residual0__block__W_2__W_2__full(X, W_1, W_2, Y):
     t11 = np.exp(t10 - t10.max(-1, keepdims=True))
     A = t11 / t11.sum(-1, keepdims=True)
     t12 = (1/(L*n_batch)) * t5
-    t1 += oe.contract('abc,acd,acd,ace->bde', t12, t7, A, t9, optimize=[(1, 2), (0, 1), (0, 1)])
-    t13 = (-1/(L*n_batch)) * t5
-    t0 += oe.contract('abc,acd,acd,ace,acf->bdfe', t13, t7, A, A, t9, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t13 = oe.contract('abc,acd->bdac', t12, t9, optimize=[(0, 1)])
+    t14 = oe.contract('abc,abc->cab', t7, A, optimize=[(0, 1)])
+    t1 += oe.contract('abcd,ecd->aeb', t13, t14, optimize=[(0, 1)])
+    t15 = (-1/(L*n_batch)) * t5
+    t16 = oe.contract('abc,acd->bdac', t15, A, optimize=[(0, 1)])
+    t17 = oe.contract('abc,abc,abd->cdab', t7, A, t9, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t16, t17, optimize=[(0, 1)])
     return out
 
 

@@ -136,10 +136,13 @@ def mse__hessian__outer(X, Y):
     t2 += oe.contract('ab,cb,bd,cd,cd,de->cae', t7, t25, t7, t13, P_Z, t7, optimize=[(3, 4), (0, 1), (0, 3), (1, 2), (0, 1)])
     t2 += oe.contract('ab,cb,cb,bd,cd->cad', t7, t20, t13, t7, M_Z, optimize=[(1, 2), (0, 3), (0, 2), (0, 1)])
     t26 = (4/(L*d_V**4)) * P_Z
-    t2 += oe.contract('ab,cb,cb,bd,cd,de->cae', t7, t26, t13, t7, M_Z, t7, optimize=[(1, 2), (1, 2), (1, 3), (1, 2), (0, 1)])
+    t27 = oe.contract('ab,ab,bc,ac,cd->adb', t26, t13, t7, M_Z, t7, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
+    t2 += oe.contract('abc,dc->adb', t27, t7, optimize=[(0, 1)])
     t2 += oe.contract('ab,cb,cb->cab', t7, t23, P_Z, optimize=[(1, 2), (0, 1)])
-    t27 = (2/(L*d_V**3)) * P_Z
-    t2 += oe.contract('ab,cb,cb,bd->cad', t7, t27, P_Z, t7, optimize=[(1, 2), (0, 1), (0, 1)])
+    t28 = (2/(L*d_V**3)) * P_Z
+    t29 = oe.contract('ab,bc->acb', t7, t7, optimize=[(0, 1)])
+    t30 = oe.contract('ab,ab->ab', t28, P_Z, optimize=[(0, 1)])
+    t2 += oe.contract('abc,dc->dab', t29, t30, optimize=[(0, 1)])
     return H
 
 
@@ -338,10 +341,13 @@ def mse__block__X__X__outer(X, Y):
     t1 += oe.contract('ab,cb,bd,cd,cd,de->cae', t6, t24, t6, t12, P_Z, t6, optimize=[(3, 4), (0, 1), (0, 3), (1, 2), (0, 1)])
     t1 += oe.contract('ab,cb,cb,bd,cd->cad', t6, t19, t12, t6, M_Z, optimize=[(1, 2), (0, 3), (0, 2), (0, 1)])
     t25 = (4/(L*d_V**4)) * P_Z
-    t1 += oe.contract('ab,cb,cb,bd,cd,de->cae', t6, t25, t12, t6, M_Z, t6, optimize=[(1, 2), (1, 2), (1, 3), (1, 2), (0, 1)])
+    t26 = oe.contract('ab,ab,bc,ac,cd->adb', t25, t12, t6, M_Z, t6, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t26, t6, optimize=[(0, 1)])
     t1 += oe.contract('ab,cb,cb->cab', t6, t22, P_Z, optimize=[(1, 2), (0, 1)])
-    t26 = (2/(L*d_V**3)) * P_Z
-    t1 += oe.contract('ab,cb,cb,bd->cad', t6, t26, P_Z, t6, optimize=[(1, 2), (0, 1), (0, 1)])
+    t27 = (2/(L*d_V**3)) * P_Z
+    t28 = oe.contract('ab,bc->acb', t6, t6, optimize=[(0, 1)])
+    t29 = oe.contract('ab,ab->ab', t27, P_Z, optimize=[(0, 1)])
+    t1 += oe.contract('abc,dc->dab', t28, t29, optimize=[(0, 1)])
     return out
 
 
@@ -432,7 +438,8 @@ def mse__hessian__functional(X, Y):
     t33 = (4/(d_V**4*n_batch)) * M_Z
     t2 += oe.contract('ab,cb,bd,ecd,df,cf,fg->cag', t18, t33, t18, t27, t18, M_Z, t18, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
     t2 += oe.contract('ab,cb,bd,ecd->cad', t18, t20, t18, t17, optimize=[(0, 1), (0, 1), (0, 1)])
-    t2 += oe.contract('ab,cb,bd,ecd,df->caf', t18, t30, t18, t17, t18, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)])
+    t34 = oe.contract('ab,bc,dac,ce->aeb', t30, t18, t17, t18, optimize=[(2, 3), (0, 2), (0, 1)])
+    t2 += oe.contract('abc,dc->adb', t34, t18, optimize=[(0, 1)])
     return H
 
 
@@ -689,7 +696,8 @@ def mse__block__X__X__functional(X, Y):
     t32 = (4/(d_V**4*n_batch)) * M_Z
     t1 += oe.contract('ab,cb,bd,ecd,df,cf,fg->cag', t17, t32, t17, t26, t17, M_Z, t17, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
     t1 += oe.contract('ab,cb,bd,ecd->cad', t17, t19, t17, t16, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += oe.contract('ab,cb,bd,ecd,df->caf', t17, t29, t17, t16, t17, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)])
+    t33 = oe.contract('ab,bc,dac,ce->aeb', t29, t17, t16, t17, optimize=[(2, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t33, t17, optimize=[(0, 1)])
     return out
 
 
@@ -809,19 +817,23 @@ def mse__hessian__full(X, Y):
     t42 = (4/(d_V**4*n_batch)) * M_Z
     t2 += oe.contract('ab,cb,bd,ecd,df,cf,fg->cag', t18, t42, t18, t27, t18, M_Z, t18, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
     t2 += oe.contract('ab,cb,bd,ecd->cad', t18, t20, t18, t17, optimize=[(0, 1), (0, 1), (0, 1)])
-    t2 += oe.contract('ab,cb,bd,ecd,df->caf', t18, t39, t18, t17, t18, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)])
+    t43 = oe.contract('ab,bc,dac,ce->aeb', t39, t18, t17, t18, optimize=[(2, 3), (0, 2), (0, 1)])
+    t2 += oe.contract('abc,dc->adb', t43, t18, optimize=[(0, 1)])
     t2 += oe.contract('ab,cb,bd,cd,cd,de,ce->cae', t18, t32, t18, t30, t30, t18, M_Z, optimize=[(3, 4), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
-    t43 = (8/(L*d_V**5)) * M_Z
-    t2 += oe.contract('ab,cb,bd,cd,cd,de,ce,ef->caf', t18, t43, t18, t30, t30, t18, M_Z, t18, optimize=[(3, 4), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
+    t44 = (8/(L*d_V**5)) * M_Z
+    t2 += oe.contract('ab,cb,bd,cd,cd,de,ce,ef->caf', t18, t44, t18, t30, t30, t18, M_Z, t18, optimize=[(3, 4), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
     t2 += oe.contract('ab,cb,bd,cd,cd->cad', t18, t34, t18, t30, P_Z, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
-    t44 = (4/(L*d_V**4)) * M_Z
-    t2 += oe.contract('ab,cb,bd,cd,cd,de->cae', t18, t44, t18, t30, P_Z, t18, optimize=[(3, 4), (0, 1), (0, 3), (1, 2), (0, 1)])
+    t45 = (4/(L*d_V**4)) * M_Z
+    t2 += oe.contract('ab,cb,bd,cd,cd,de->cae', t18, t45, t18, t30, P_Z, t18, optimize=[(3, 4), (0, 1), (0, 3), (1, 2), (0, 1)])
     t2 += oe.contract('ab,cb,cb,bd,cd->cad', t18, t36, t30, t18, M_Z, optimize=[(1, 2), (0, 3), (0, 2), (0, 1)])
-    t45 = (4/(L*d_V**4)) * P_Z
-    t2 += oe.contract('ab,cb,cb,bd,cd,de->cae', t18, t45, t30, t18, M_Z, t18, optimize=[(1, 2), (1, 2), (1, 3), (1, 2), (0, 1)])
+    t46 = (4/(L*d_V**4)) * P_Z
+    t47 = oe.contract('ab,ab,bc,ac,cd->adb', t46, t30, t18, M_Z, t18, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
+    t2 += oe.contract('abc,dc->adb', t47, t18, optimize=[(0, 1)])
     t2 += oe.contract('ab,cb,cb->cab', t18, t38, P_Z, optimize=[(1, 2), (0, 1)])
-    t46 = (2/(L*d_V**3)) * P_Z
-    t2 += oe.contract('ab,cb,cb,bd->cad', t18, t46, P_Z, t18, optimize=[(1, 2), (0, 1), (0, 1)])
+    t48 = (2/(L*d_V**3)) * P_Z
+    t49 = oe.contract('ab,bc->acb', t18, t18, optimize=[(0, 1)])
+    t50 = oe.contract('ab,ab->ab', t48, P_Z, optimize=[(0, 1)])
+    t2 += oe.contract('abc,dc->dab', t49, t50, optimize=[(0, 1)])
     return H
 
 
@@ -972,19 +984,23 @@ def mse__frobenius_all__full(X, Y):
     t41 = (4/(d_V**4*n_batch)) * M_Z
     t1 += oe.contract('ab,cb,bd,ecd,df,cf,fg->cag', t17, t41, t17, t26, t17, M_Z, t17, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
     t1 += oe.contract('ab,cb,bd,ecd->cad', t17, t19, t17, t16, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += oe.contract('ab,cb,bd,ecd,df->caf', t17, t38, t17, t16, t17, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)])
+    t42 = oe.contract('ab,bc,dac,ce->aeb', t38, t17, t16, t17, optimize=[(2, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t42, t17, optimize=[(0, 1)])
     t1 += oe.contract('ab,cb,bd,cd,cd,de,ce->cae', t17, t31, t17, t29, t29, t17, M_Z, optimize=[(3, 4), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
-    t42 = (8/(L*d_V**5)) * M_Z
-    t1 += oe.contract('ab,cb,bd,cd,cd,de,ce,ef->caf', t17, t42, t17, t29, t29, t17, M_Z, t17, optimize=[(3, 4), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
+    t43 = (8/(L*d_V**5)) * M_Z
+    t1 += oe.contract('ab,cb,bd,cd,cd,de,ce,ef->caf', t17, t43, t17, t29, t29, t17, M_Z, t17, optimize=[(3, 4), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
     t1 += oe.contract('ab,cb,bd,cd,cd->cad', t17, t33, t17, t29, P_Z, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
-    t43 = (4/(L*d_V**4)) * M_Z
-    t1 += oe.contract('ab,cb,bd,cd,cd,de->cae', t17, t43, t17, t29, P_Z, t17, optimize=[(3, 4), (0, 1), (0, 3), (1, 2), (0, 1)])
+    t44 = (4/(L*d_V**4)) * M_Z
+    t1 += oe.contract('ab,cb,bd,cd,cd,de->cae', t17, t44, t17, t29, P_Z, t17, optimize=[(3, 4), (0, 1), (0, 3), (1, 2), (0, 1)])
     t1 += oe.contract('ab,cb,cb,bd,cd->cad', t17, t35, t29, t17, M_Z, optimize=[(1, 2), (0, 3), (0, 2), (0, 1)])
-    t44 = (4/(L*d_V**4)) * P_Z
-    t1 += oe.contract('ab,cb,cb,bd,cd,de->cae', t17, t44, t29, t17, M_Z, t17, optimize=[(1, 2), (1, 2), (1, 3), (1, 2), (0, 1)])
+    t45 = (4/(L*d_V**4)) * P_Z
+    t46 = oe.contract('ab,ab,bc,ac,cd->adb', t45, t29, t17, M_Z, t17, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t46, t17, optimize=[(0, 1)])
     t1 += oe.contract('ab,cb,cb->cab', t17, t37, P_Z, optimize=[(1, 2), (0, 1)])
-    t45 = (2/(L*d_V**3)) * P_Z
-    t1 += oe.contract('ab,cb,cb,bd->cad', t17, t45, P_Z, t17, optimize=[(1, 2), (0, 1), (0, 1)])
+    t47 = (2/(L*d_V**3)) * P_Z
+    t48 = oe.contract('ab,bc->acb', t17, t17, optimize=[(0, 1)])
+    t49 = oe.contract('ab,ab->ab', t47, P_Z, optimize=[(0, 1)])
+    t1 += oe.contract('abc,dc->dab', t48, t49, optimize=[(0, 1)])
     nrm = np.linalg.norm(blk)
     del blk
     return (nrm,)
@@ -1195,19 +1211,23 @@ def mse__block__X__X__full(X, Y):
     t41 = (4/(d_V**4*n_batch)) * M_Z
     t1 += oe.contract('ab,cb,bd,ecd,df,cf,fg->cag', t17, t41, t17, t26, t17, M_Z, t17, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
     t1 += oe.contract('ab,cb,bd,ecd->cad', t17, t19, t17, t16, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += oe.contract('ab,cb,bd,ecd,df->caf', t17, t38, t17, t16, t17, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)])
+    t42 = oe.contract('ab,bc,dac,ce->aeb', t38, t17, t16, t17, optimize=[(2, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t42, t17, optimize=[(0, 1)])
     t1 += oe.contract('ab,cb,bd,cd,cd,de,ce->cae', t17, t31, t17, t29, t29, t17, M_Z, optimize=[(3, 4), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
-    t42 = (8/(L*d_V**5)) * M_Z
-    t1 += oe.contract('ab,cb,bd,cd,cd,de,ce,ef->caf', t17, t42, t17, t29, t29, t17, M_Z, t17, optimize=[(3, 4), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
+    t43 = (8/(L*d_V**5)) * M_Z
+    t1 += oe.contract('ab,cb,bd,cd,cd,de,ce,ef->caf', t17, t43, t17, t29, t29, t17, M_Z, t17, optimize=[(3, 4), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
     t1 += oe.contract('ab,cb,bd,cd,cd->cad', t17, t33, t17, t29, P_Z, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
-    t43 = (4/(L*d_V**4)) * M_Z
-    t1 += oe.contract('ab,cb,bd,cd,cd,de->cae', t17, t43, t17, t29, P_Z, t17, optimize=[(3, 4), (0, 1), (0, 3), (1, 2), (0, 1)])
+    t44 = (4/(L*d_V**4)) * M_Z
+    t1 += oe.contract('ab,cb,bd,cd,cd,de->cae', t17, t44, t17, t29, P_Z, t17, optimize=[(3, 4), (0, 1), (0, 3), (1, 2), (0, 1)])
     t1 += oe.contract('ab,cb,cb,bd,cd->cad', t17, t35, t29, t17, M_Z, optimize=[(1, 2), (0, 3), (0, 2), (0, 1)])
-    t44 = (4/(L*d_V**4)) * P_Z
-    t1 += oe.contract('ab,cb,cb,bd,cd,de->cae', t17, t44, t29, t17, M_Z, t17, optimize=[(1, 2), (1, 2), (1, 3), (1, 2), (0, 1)])
+    t45 = (4/(L*d_V**4)) * P_Z
+    t46 = oe.contract('ab,ab,bc,ac,cd->adb', t45, t29, t17, M_Z, t17, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t46, t17, optimize=[(0, 1)])
     t1 += oe.contract('ab,cb,cb->cab', t17, t37, P_Z, optimize=[(1, 2), (0, 1)])
-    t45 = (2/(L*d_V**3)) * P_Z
-    t1 += oe.contract('ab,cb,cb,bd->cad', t17, t45, P_Z, t17, optimize=[(1, 2), (0, 1), (0, 1)])
+    t47 = (2/(L*d_V**3)) * P_Z
+    t48 = oe.contract('ab,bc->acb', t17, t17, optimize=[(0, 1)])
+    t49 = oe.contract('ab,ab->ab', t47, P_Z, optimize=[(0, 1)])
+    t1 += oe.contract('abc,dc->dab', t48, t49, optimize=[(0, 1)])
     return out
 
 
@@ -1289,19 +1309,23 @@ def mse__frobenius__X__X__full(X, Y):
     t41 = (4/(d_V**4*n_batch)) * M_Z
     t1 += oe.contract('ab,cb,bd,ecd,df,cf,fg->cag', t17, t41, t17, t26, t17, M_Z, t17, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
     t1 += oe.contract('ab,cb,bd,ecd->cad', t17, t19, t17, t16, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += oe.contract('ab,cb,bd,ecd,df->caf', t17, t38, t17, t16, t17, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)])
+    t42 = oe.contract('ab,bc,dac,ce->aeb', t38, t17, t16, t17, optimize=[(2, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t42, t17, optimize=[(0, 1)])
     t1 += oe.contract('ab,cb,bd,cd,cd,de,ce->cae', t17, t31, t17, t29, t29, t17, M_Z, optimize=[(3, 4), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
-    t42 = (8/(L*d_V**5)) * M_Z
-    t1 += oe.contract('ab,cb,bd,cd,cd,de,ce,ef->caf', t17, t42, t17, t29, t29, t17, M_Z, t17, optimize=[(3, 4), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
+    t43 = (8/(L*d_V**5)) * M_Z
+    t1 += oe.contract('ab,cb,bd,cd,cd,de,ce,ef->caf', t17, t43, t17, t29, t29, t17, M_Z, t17, optimize=[(3, 4), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
     t1 += oe.contract('ab,cb,bd,cd,cd->cad', t17, t33, t17, t29, P_Z, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
-    t43 = (4/(L*d_V**4)) * M_Z
-    t1 += oe.contract('ab,cb,bd,cd,cd,de->cae', t17, t43, t17, t29, P_Z, t17, optimize=[(3, 4), (0, 1), (0, 3), (1, 2), (0, 1)])
+    t44 = (4/(L*d_V**4)) * M_Z
+    t1 += oe.contract('ab,cb,bd,cd,cd,de->cae', t17, t44, t17, t29, P_Z, t17, optimize=[(3, 4), (0, 1), (0, 3), (1, 2), (0, 1)])
     t1 += oe.contract('ab,cb,cb,bd,cd->cad', t17, t35, t29, t17, M_Z, optimize=[(1, 2), (0, 3), (0, 2), (0, 1)])
-    t44 = (4/(L*d_V**4)) * P_Z
-    t1 += oe.contract('ab,cb,cb,bd,cd,de->cae', t17, t44, t29, t17, M_Z, t17, optimize=[(1, 2), (1, 2), (1, 3), (1, 2), (0, 1)])
+    t45 = (4/(L*d_V**4)) * P_Z
+    t46 = oe.contract('ab,ab,bc,ac,cd->adb', t45, t29, t17, M_Z, t17, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t46, t17, optimize=[(0, 1)])
     t1 += oe.contract('ab,cb,cb->cab', t17, t37, P_Z, optimize=[(1, 2), (0, 1)])
-    t45 = (2/(L*d_V**3)) * P_Z
-    t1 += oe.contract('ab,cb,cb,bd->cad', t17, t45, P_Z, t17, optimize=[(1, 2), (0, 1), (0, 1)])
+    t47 = (2/(L*d_V**3)) * P_Z
+    t48 = oe.contract('ab,bc->acb', t17, t17, optimize=[(0, 1)])
+    t49 = oe.contract('ab,ab->ab', t47, P_Z, optimize=[(0, 1)])
+    t1 += oe.contract('abc,dc->dab', t48, t49, optimize=[(0, 1)])
     nrm = np.linalg.norm(blk)
     del blk
     return nrm
@@ -1448,28 +1472,29 @@ def ce__hessian__outer(X, Y):
     t2 += oe.contract('ab,bc,dac,ac,ae,ae,ef->abf', t37, t19, t29, A, A, P_Z, t19, optimize=[(4, 5), (2, 3), (2, 3), (1, 2), (0, 2), (0, 1)])
     t2 += oe.contract('ab,cdb,db,db,be,de->dae', t19, t14, t21, t18, t19, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 2), (0, 1)])
     t38 = (2/(L*d_V**3*n_batch)) * A
-    t2 += oe.contract('ab,cdb,db,db,be,de,ef->daf', t19, t14, t38, t18, t19, M_Z, t19, optimize=[(2, 3), (1, 5), (1, 2), (1, 3), (1, 2), (0, 1)])
+    t39 = oe.contract('abc,bc,bc,cd,bd,de->bec', t14, t38, t18, t19, M_Z, t19, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t2 += oe.contract('abc,dc->adb', t39, t19, optimize=[(0, 1)])
     t2 += oe.contract('ab,cdb,db,db->dab', t19, t14, t24, P_Z, optimize=[(1, 2), (1, 2), (0, 1)])
-    t39 = (1/(L*d_V**2*n_batch)) * A
-    t2 += oe.contract('ab,cdb,db,db,be->dae', t19, t14, t39, P_Z, t19, optimize=[(2, 3), (1, 3), (0, 2), (0, 1)])
+    t40 = (1/(L*d_V**2*n_batch)) * A
+    t2 += oe.contract('ab,cdb,db,db,be->dae', t19, t14, t40, P_Z, t19, optimize=[(2, 3), (1, 3), (0, 2), (0, 1)])
     t2 += oe.contract('ab,cdb,db,de,de,ef,df->daf', t19, t14, t26, A, t18, t19, M_Z, optimize=[(3, 4), (1, 2), (1, 3), (1, 3), (0, 1), (0, 1)])
-    t40 = (-2/(L*d_V**3*n_batch)) * A
-    t2 += oe.contract('ab,cdb,db,de,de,ef,df,fg->dag', t19, t14, t40, A, t18, t19, M_Z, t19, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
+    t41 = (-2/(L*d_V**3*n_batch)) * A
+    t2 += oe.contract('ab,cdb,db,de,de,ef,df,fg->dag', t19, t14, t41, A, t18, t19, M_Z, t19, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
     t2 += oe.contract('ab,cdb,db,de,de->dae', t19, t14, t28, A, P_Z, optimize=[(3, 4), (1, 2), (0, 2), (0, 1)])
-    t41 = (-1/(L*d_V**2*n_batch)) * A
-    t2 += oe.contract('ab,cdb,db,de,de,ef->daf', t19, t14, t41, A, P_Z, t19, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t42 = (-1/(L*d_V**2*n_batch)) * A
+    t2 += oe.contract('ab,cdb,db,de,de,ef->daf', t19, t14, t42, A, P_Z, t19, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
     t2 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf->caf', t19, t31, t19, t29, A, t18, t19, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
-    t42 = (4/(L*d_V**4*n_batch)) * M_Z
-    t2 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf,fg->cag', t19, t42, t19, t29, A, t18, t19, M_Z, t19, optimize=[(4, 5), (3, 7), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
+    t43 = (4/(L*d_V**4*n_batch)) * M_Z
+    t2 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf,fg->cag', t19, t43, t19, t29, A, t18, t19, M_Z, t19, optimize=[(4, 5), (3, 7), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
     t2 += oe.contract('ab,cb,bd,ecd,cd,cd->cad', t19, t33, t19, t29, A, P_Z, optimize=[(4, 5), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t43 = (2/(L*d_V**3*n_batch)) * M_Z
-    t2 += oe.contract('ab,cb,bd,ecd,cd,cd,df->caf', t19, t43, t19, t29, A, P_Z, t19, optimize=[(4, 5), (3, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
+    t44 = (2/(L*d_V**3*n_batch)) * M_Z
+    t2 += oe.contract('ab,cb,bd,ecd,cd,cd,df->caf', t19, t44, t19, t29, A, P_Z, t19, optimize=[(4, 5), (3, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
     t2 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg->cag', t19, t35, t19, t29, A, A, t18, t19, M_Z, optimize=[(5, 6), (3, 4), (3, 5), (3, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t44 = (-4/(L*d_V**4*n_batch)) * M_Z
-    t2 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,gh->cah', t19, t44, t19, t29, A, A, t18, t19, M_Z, t19, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t45 = (-4/(L*d_V**4*n_batch)) * M_Z
+    t2 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,gh->cah', t19, t45, t19, t29, A, A, t18, t19, M_Z, t19, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
     t2 += oe.contract('ab,cb,bd,ecd,cd,cf,cf->caf', t19, t37, t19, t29, A, A, P_Z, optimize=[(5, 6), (3, 4), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t45 = (-2/(L*d_V**3*n_batch)) * M_Z
-    t2 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg->cag', t19, t45, t19, t29, A, A, P_Z, t19, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
+    t46 = (-2/(L*d_V**3*n_batch)) * M_Z
+    t2 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg->cag', t19, t46, t19, t29, A, A, P_Z, t19, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
     return H
 
 
@@ -1593,28 +1618,29 @@ def ce__frobenius_all__outer(X, Y):
     t1 += oe.contract('ab,bc,dac,ac,ae,ae,ef->abf', t36, t18, t28, A, A, P_Z, t18, optimize=[(4, 5), (2, 3), (2, 3), (1, 2), (0, 2), (0, 1)])
     t1 += oe.contract('ab,cdb,db,db,be,de->dae', t18, t13, t20, t17, t18, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 2), (0, 1)])
     t37 = (2/(L*d_V**3*n_batch)) * A
-    t1 += oe.contract('ab,cdb,db,db,be,de,ef->daf', t18, t13, t37, t17, t18, M_Z, t18, optimize=[(2, 3), (1, 5), (1, 2), (1, 3), (1, 2), (0, 1)])
+    t38 = oe.contract('abc,bc,bc,cd,bd,de->bec', t13, t37, t17, t18, M_Z, t18, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t38, t18, optimize=[(0, 1)])
     t1 += oe.contract('ab,cdb,db,db->dab', t18, t13, t23, P_Z, optimize=[(1, 2), (1, 2), (0, 1)])
-    t38 = (1/(L*d_V**2*n_batch)) * A
-    t1 += oe.contract('ab,cdb,db,db,be->dae', t18, t13, t38, P_Z, t18, optimize=[(2, 3), (1, 3), (0, 2), (0, 1)])
+    t39 = (1/(L*d_V**2*n_batch)) * A
+    t1 += oe.contract('ab,cdb,db,db,be->dae', t18, t13, t39, P_Z, t18, optimize=[(2, 3), (1, 3), (0, 2), (0, 1)])
     t1 += oe.contract('ab,cdb,db,de,de,ef,df->daf', t18, t13, t25, A, t17, t18, M_Z, optimize=[(3, 4), (1, 2), (1, 3), (1, 3), (0, 1), (0, 1)])
-    t39 = (-2/(L*d_V**3*n_batch)) * A
-    t1 += oe.contract('ab,cdb,db,de,de,ef,df,fg->dag', t18, t13, t39, A, t17, t18, M_Z, t18, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
+    t40 = (-2/(L*d_V**3*n_batch)) * A
+    t1 += oe.contract('ab,cdb,db,de,de,ef,df,fg->dag', t18, t13, t40, A, t17, t18, M_Z, t18, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
     t1 += oe.contract('ab,cdb,db,de,de->dae', t18, t13, t27, A, P_Z, optimize=[(3, 4), (1, 2), (0, 2), (0, 1)])
-    t40 = (-1/(L*d_V**2*n_batch)) * A
-    t1 += oe.contract('ab,cdb,db,de,de,ef->daf', t18, t13, t40, A, P_Z, t18, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t41 = (-1/(L*d_V**2*n_batch)) * A
+    t1 += oe.contract('ab,cdb,db,de,de,ef->daf', t18, t13, t41, A, P_Z, t18, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
     t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf->caf', t18, t30, t18, t28, A, t17, t18, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
-    t41 = (4/(L*d_V**4*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf,fg->cag', t18, t41, t18, t28, A, t17, t18, M_Z, t18, optimize=[(4, 5), (3, 7), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
+    t42 = (4/(L*d_V**4*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf,fg->cag', t18, t42, t18, t28, A, t17, t18, M_Z, t18, optimize=[(4, 5), (3, 7), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
     t1 += oe.contract('ab,cb,bd,ecd,cd,cd->cad', t18, t32, t18, t28, A, P_Z, optimize=[(4, 5), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t42 = (2/(L*d_V**3*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df->caf', t18, t42, t18, t28, A, P_Z, t18, optimize=[(4, 5), (3, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
+    t43 = (2/(L*d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df->caf', t18, t43, t18, t28, A, P_Z, t18, optimize=[(4, 5), (3, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
     t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg->cag', t18, t34, t18, t28, A, A, t17, t18, M_Z, optimize=[(5, 6), (3, 4), (3, 5), (3, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t43 = (-4/(L*d_V**4*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,gh->cah', t18, t43, t18, t28, A, A, t17, t18, M_Z, t18, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t44 = (-4/(L*d_V**4*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,gh->cah', t18, t44, t18, t28, A, A, t17, t18, M_Z, t18, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
     t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf->caf', t18, t36, t18, t28, A, A, P_Z, optimize=[(5, 6), (3, 4), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t44 = (-2/(L*d_V**3*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg->cag', t18, t44, t18, t28, A, A, P_Z, t18, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
+    t45 = (-2/(L*d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg->cag', t18, t45, t18, t28, A, A, P_Z, t18, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
     nrm = np.linalg.norm(blk)
     del blk
     return (nrm,)
@@ -1807,28 +1833,29 @@ def ce__block__X__X__outer(X, Y):
     t1 += oe.contract('ab,bc,dac,ac,ae,ae,ef->abf', t36, t18, t28, A, A, P_Z, t18, optimize=[(4, 5), (2, 3), (2, 3), (1, 2), (0, 2), (0, 1)])
     t1 += oe.contract('ab,cdb,db,db,be,de->dae', t18, t13, t20, t17, t18, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 2), (0, 1)])
     t37 = (2/(L*d_V**3*n_batch)) * A
-    t1 += oe.contract('ab,cdb,db,db,be,de,ef->daf', t18, t13, t37, t17, t18, M_Z, t18, optimize=[(2, 3), (1, 5), (1, 2), (1, 3), (1, 2), (0, 1)])
+    t38 = oe.contract('abc,bc,bc,cd,bd,de->bec', t13, t37, t17, t18, M_Z, t18, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t38, t18, optimize=[(0, 1)])
     t1 += oe.contract('ab,cdb,db,db->dab', t18, t13, t23, P_Z, optimize=[(1, 2), (1, 2), (0, 1)])
-    t38 = (1/(L*d_V**2*n_batch)) * A
-    t1 += oe.contract('ab,cdb,db,db,be->dae', t18, t13, t38, P_Z, t18, optimize=[(2, 3), (1, 3), (0, 2), (0, 1)])
+    t39 = (1/(L*d_V**2*n_batch)) * A
+    t1 += oe.contract('ab,cdb,db,db,be->dae', t18, t13, t39, P_Z, t18, optimize=[(2, 3), (1, 3), (0, 2), (0, 1)])
     t1 += oe.contract('ab,cdb,db,de,de,ef,df->daf', t18, t13, t25, A, t17, t18, M_Z, optimize=[(3, 4), (1, 2), (1, 3), (1, 3), (0, 1), (0, 1)])
-    t39 = (-2/(L*d_V**3*n_batch)) * A
-    t1 += oe.contract('ab,cdb,db,de,de,ef,df,fg->dag', t18, t13, t39, A, t17, t18, M_Z, t18, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
+    t40 = (-2/(L*d_V**3*n_batch)) * A
+    t1 += oe.contract('ab,cdb,db,de,de,ef,df,fg->dag', t18, t13, t40, A, t17, t18, M_Z, t18, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
     t1 += oe.contract('ab,cdb,db,de,de->dae', t18, t13, t27, A, P_Z, optimize=[(3, 4), (1, 2), (0, 2), (0, 1)])
-    t40 = (-1/(L*d_V**2*n_batch)) * A
-    t1 += oe.contract('ab,cdb,db,de,de,ef->daf', t18, t13, t40, A, P_Z, t18, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t41 = (-1/(L*d_V**2*n_batch)) * A
+    t1 += oe.contract('ab,cdb,db,de,de,ef->daf', t18, t13, t41, A, P_Z, t18, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
     t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf->caf', t18, t30, t18, t28, A, t17, t18, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
-    t41 = (4/(L*d_V**4*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf,fg->cag', t18, t41, t18, t28, A, t17, t18, M_Z, t18, optimize=[(4, 5), (3, 7), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
+    t42 = (4/(L*d_V**4*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf,fg->cag', t18, t42, t18, t28, A, t17, t18, M_Z, t18, optimize=[(4, 5), (3, 7), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
     t1 += oe.contract('ab,cb,bd,ecd,cd,cd->cad', t18, t32, t18, t28, A, P_Z, optimize=[(4, 5), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t42 = (2/(L*d_V**3*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df->caf', t18, t42, t18, t28, A, P_Z, t18, optimize=[(4, 5), (3, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
+    t43 = (2/(L*d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df->caf', t18, t43, t18, t28, A, P_Z, t18, optimize=[(4, 5), (3, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
     t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg->cag', t18, t34, t18, t28, A, A, t17, t18, M_Z, optimize=[(5, 6), (3, 4), (3, 5), (3, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t43 = (-4/(L*d_V**4*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,gh->cah', t18, t43, t18, t28, A, A, t17, t18, M_Z, t18, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t44 = (-4/(L*d_V**4*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,gh->cah', t18, t44, t18, t28, A, A, t17, t18, M_Z, t18, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
     t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf->caf', t18, t36, t18, t28, A, A, P_Z, optimize=[(5, 6), (3, 4), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t44 = (-2/(L*d_V**3*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg->cag', t18, t44, t18, t28, A, A, P_Z, t18, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
+    t45 = (-2/(L*d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg->cag', t18, t45, t18, t28, A, A, P_Z, t18, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -1899,28 +1926,29 @@ def ce__frobenius__X__X__outer(X, Y):
     t1 += oe.contract('ab,bc,dac,ac,ae,ae,ef->abf', t36, t18, t28, A, A, P_Z, t18, optimize=[(4, 5), (2, 3), (2, 3), (1, 2), (0, 2), (0, 1)])
     t1 += oe.contract('ab,cdb,db,db,be,de->dae', t18, t13, t20, t17, t18, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 2), (0, 1)])
     t37 = (2/(L*d_V**3*n_batch)) * A
-    t1 += oe.contract('ab,cdb,db,db,be,de,ef->daf', t18, t13, t37, t17, t18, M_Z, t18, optimize=[(2, 3), (1, 5), (1, 2), (1, 3), (1, 2), (0, 1)])
+    t38 = oe.contract('abc,bc,bc,cd,bd,de->bec', t13, t37, t17, t18, M_Z, t18, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t38, t18, optimize=[(0, 1)])
     t1 += oe.contract('ab,cdb,db,db->dab', t18, t13, t23, P_Z, optimize=[(1, 2), (1, 2), (0, 1)])
-    t38 = (1/(L*d_V**2*n_batch)) * A
-    t1 += oe.contract('ab,cdb,db,db,be->dae', t18, t13, t38, P_Z, t18, optimize=[(2, 3), (1, 3), (0, 2), (0, 1)])
+    t39 = (1/(L*d_V**2*n_batch)) * A
+    t1 += oe.contract('ab,cdb,db,db,be->dae', t18, t13, t39, P_Z, t18, optimize=[(2, 3), (1, 3), (0, 2), (0, 1)])
     t1 += oe.contract('ab,cdb,db,de,de,ef,df->daf', t18, t13, t25, A, t17, t18, M_Z, optimize=[(3, 4), (1, 2), (1, 3), (1, 3), (0, 1), (0, 1)])
-    t39 = (-2/(L*d_V**3*n_batch)) * A
-    t1 += oe.contract('ab,cdb,db,de,de,ef,df,fg->dag', t18, t13, t39, A, t17, t18, M_Z, t18, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
+    t40 = (-2/(L*d_V**3*n_batch)) * A
+    t1 += oe.contract('ab,cdb,db,de,de,ef,df,fg->dag', t18, t13, t40, A, t17, t18, M_Z, t18, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
     t1 += oe.contract('ab,cdb,db,de,de->dae', t18, t13, t27, A, P_Z, optimize=[(3, 4), (1, 2), (0, 2), (0, 1)])
-    t40 = (-1/(L*d_V**2*n_batch)) * A
-    t1 += oe.contract('ab,cdb,db,de,de,ef->daf', t18, t13, t40, A, P_Z, t18, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t41 = (-1/(L*d_V**2*n_batch)) * A
+    t1 += oe.contract('ab,cdb,db,de,de,ef->daf', t18, t13, t41, A, P_Z, t18, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
     t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf->caf', t18, t30, t18, t28, A, t17, t18, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
-    t41 = (4/(L*d_V**4*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf,fg->cag', t18, t41, t18, t28, A, t17, t18, M_Z, t18, optimize=[(4, 5), (3, 7), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
+    t42 = (4/(L*d_V**4*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf,fg->cag', t18, t42, t18, t28, A, t17, t18, M_Z, t18, optimize=[(4, 5), (3, 7), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
     t1 += oe.contract('ab,cb,bd,ecd,cd,cd->cad', t18, t32, t18, t28, A, P_Z, optimize=[(4, 5), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t42 = (2/(L*d_V**3*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df->caf', t18, t42, t18, t28, A, P_Z, t18, optimize=[(4, 5), (3, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
+    t43 = (2/(L*d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df->caf', t18, t43, t18, t28, A, P_Z, t18, optimize=[(4, 5), (3, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
     t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg->cag', t18, t34, t18, t28, A, A, t17, t18, M_Z, optimize=[(5, 6), (3, 4), (3, 5), (3, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t43 = (-4/(L*d_V**4*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,gh->cah', t18, t43, t18, t28, A, A, t17, t18, M_Z, t18, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t44 = (-4/(L*d_V**4*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,gh->cah', t18, t44, t18, t28, A, A, t17, t18, M_Z, t18, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
     t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf->caf', t18, t36, t18, t28, A, A, P_Z, optimize=[(5, 6), (3, 4), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t44 = (-2/(L*d_V**3*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg->cag', t18, t44, t18, t28, A, A, P_Z, t18, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
+    t45 = (-2/(L*d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg->cag', t18, t45, t18, t28, A, A, P_Z, t18, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
     nrm = np.linalg.norm(blk)
     del blk
     return nrm
@@ -1993,7 +2021,8 @@ def ce__hessian__functional(X, Y):
     t37 = (4/(d_V**4*n_batch)) * M_Z
     t2 += oe.contract('ab,cb,bd,ecd,df,cf,fg->cag', t22, t37, t22, t31, t22, M_Z, t22, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
     t2 += oe.contract('ab,cb,bd,ecd->cad', t22, t24, t22, t21, optimize=[(0, 1), (0, 1), (0, 1)])
-    t2 += oe.contract('ab,cb,bd,ecd,df->caf', t22, t34, t22, t21, t22, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)])
+    t38 = oe.contract('ab,bc,dac,ce->aeb', t34, t22, t21, t22, optimize=[(2, 3), (0, 2), (0, 1)])
+    t2 += oe.contract('abc,dc->adb', t38, t22, optimize=[(0, 1)])
     return H
 
 
@@ -2275,7 +2304,8 @@ def ce__block__X__X__functional(X, Y):
     t36 = (4/(d_V**4*n_batch)) * M_Z
     t1 += oe.contract('ab,cb,bd,ecd,df,cf,fg->cag', t21, t36, t21, t30, t21, M_Z, t21, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
     t1 += oe.contract('ab,cb,bd,ecd->cad', t21, t23, t21, t20, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += oe.contract('ab,cb,bd,ecd,df->caf', t21, t33, t21, t20, t21, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)])
+    t37 = oe.contract('ab,bc,dac,ce->aeb', t33, t21, t20, t21, optimize=[(2, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t37, t21, optimize=[(0, 1)])
     return out
 
 
@@ -2416,40 +2446,42 @@ def ce__hessian__full(X, Y):
     t2 += oe.contract('ab,bc,dac,ac,ae,ae,ef->abf', t54, t22, t46, A27, A27, P_Z, t22, optimize=[(4, 5), (2, 3), (2, 3), (1, 2), (0, 2), (0, 1)])
     t2 += oe.contract('ab,cdb,db,db,be,de->dae', t22, t25, t30, t28, t22, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 2), (0, 1)])
     t55 = (2/(L*d_V**3*n_batch)) * A27
-    t2 += oe.contract('ab,cdb,db,db,be,de,ef->daf', t22, t25, t55, t28, t22, M_Z, t22, optimize=[(2, 3), (1, 5), (1, 2), (1, 3), (1, 2), (0, 1)])
+    t56 = oe.contract('abc,bc,bc,cd,bd,de->bec', t25, t55, t28, t22, M_Z, t22, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t2 += oe.contract('abc,dc->adb', t56, t22, optimize=[(0, 1)])
     t2 += oe.contract('ab,cdb,db,db->dab', t22, t25, t33, P_Z, optimize=[(1, 2), (1, 2), (0, 1)])
-    t56 = (1/(L*d_V**2*n_batch)) * A27
-    t2 += oe.contract('ab,cdb,db,db,be->dae', t22, t25, t56, P_Z, t22, optimize=[(2, 3), (1, 3), (0, 2), (0, 1)])
+    t57 = (1/(L*d_V**2*n_batch)) * A27
+    t2 += oe.contract('ab,cdb,db,db,be->dae', t22, t25, t57, P_Z, t22, optimize=[(2, 3), (1, 3), (0, 2), (0, 1)])
     t2 += oe.contract('ab,cdb,db,de,de,ef,df->daf', t22, t25, t35, A27, t28, t22, M_Z, optimize=[(3, 4), (1, 2), (1, 3), (1, 3), (0, 1), (0, 1)])
-    t57 = (-2/(L*d_V**3*n_batch)) * A27
-    t2 += oe.contract('ab,cdb,db,de,de,ef,df,fg->dag', t22, t25, t57, A27, t28, t22, M_Z, t22, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
+    t58 = (-2/(L*d_V**3*n_batch)) * A27
+    t2 += oe.contract('ab,cdb,db,de,de,ef,df,fg->dag', t22, t25, t58, A27, t28, t22, M_Z, t22, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
     t2 += oe.contract('ab,cdb,db,de,de->dae', t22, t25, t37, A27, P_Z, optimize=[(3, 4), (1, 2), (0, 2), (0, 1)])
-    t58 = (-1/(L*d_V**2*n_batch)) * A27
-    t2 += oe.contract('ab,cdb,db,de,de,ef->daf', t22, t25, t58, A27, P_Z, t22, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t59 = (-1/(L*d_V**2*n_batch)) * A27
+    t2 += oe.contract('ab,cdb,db,de,de,ef->daf', t22, t25, t59, A27, P_Z, t22, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
     t2 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf->caf', t22, t48, t22, t46, A27, t28, t22, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
-    t59 = (4/(L*d_V**4*n_batch)) * M_Z
-    t2 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf,fg->cag', t22, t59, t22, t46, A27, t28, t22, M_Z, t22, optimize=[(4, 5), (3, 7), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
+    t60 = (4/(L*d_V**4*n_batch)) * M_Z
+    t2 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf,fg->cag', t22, t60, t22, t46, A27, t28, t22, M_Z, t22, optimize=[(4, 5), (3, 7), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
     t2 += oe.contract('ab,cb,bd,ecd,cd,cd->cad', t22, t50, t22, t46, A27, P_Z, optimize=[(4, 5), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t60 = (2/(L*d_V**3*n_batch)) * M_Z
-    t2 += oe.contract('ab,cb,bd,ecd,cd,cd,df->caf', t22, t60, t22, t46, A27, P_Z, t22, optimize=[(4, 5), (3, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
+    t61 = (2/(L*d_V**3*n_batch)) * M_Z
+    t2 += oe.contract('ab,cb,bd,ecd,cd,cd,df->caf', t22, t61, t22, t46, A27, P_Z, t22, optimize=[(4, 5), (3, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
     t2 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg->cag', t22, t52, t22, t46, A27, A27, t28, t22, M_Z, optimize=[(5, 6), (3, 4), (3, 5), (3, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t61 = (-4/(L*d_V**4*n_batch)) * M_Z
-    t2 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,gh->cah', t22, t61, t22, t46, A27, A27, t28, t22, M_Z, t22, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t62 = (-4/(L*d_V**4*n_batch)) * M_Z
+    t2 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,gh->cah', t22, t62, t22, t46, A27, A27, t28, t22, M_Z, t22, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
     t2 += oe.contract('ab,cb,bd,ecd,cd,cf,cf->caf', t22, t54, t22, t46, A27, A27, P_Z, optimize=[(5, 6), (3, 4), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t62 = (-2/(L*d_V**3*n_batch)) * M_Z
-    t2 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg->cag', t22, t62, t22, t46, A27, A27, P_Z, t22, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
+    t63 = (-2/(L*d_V**3*n_batch)) * M_Z
+    t2 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg->cag', t22, t63, t22, t46, A27, A27, P_Z, t22, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
     t2 += oe.contract('ab,cdb,be,de->dae', t22, t21, t22, t24, optimize=[(0, 1), (0, 1), (0, 1)])
-    t63 = (2/(d_V**3*n_batch)) * M_Z
-    t2 += oe.contract('ab,cdb,be,de,ef->daf', t22, t21, t22, t63, t22, optimize=[(0, 1), (0, 3), (0, 2), (0, 1)])
-    t64 = (-2/(d_V**2*n_batch)) * t22
-    t2 += oe.contract('ab,cdb->dab', t64, t40, optimize=[(0, 1)])
-    t65 = (2/(d_V**3*n_batch)) * t22
-    t2 += oe.contract('ab,cdb,be->dae', t65, t40, t22, optimize=[(0, 1), (0, 1)])
+    t64 = (2/(d_V**3*n_batch)) * M_Z
+    t2 += oe.contract('ab,cdb,be,de,ef->daf', t22, t21, t22, t64, t22, optimize=[(0, 1), (0, 3), (0, 2), (0, 1)])
+    t65 = (-2/(d_V**2*n_batch)) * t22
+    t2 += oe.contract('ab,cdb->dab', t65, t40, optimize=[(0, 1)])
+    t66 = (2/(d_V**3*n_batch)) * t22
+    t2 += oe.contract('ab,cdb,be->dae', t66, t40, t22, optimize=[(0, 1), (0, 1)])
     t2 += oe.contract('ab,cb,bd,ecd,df,cf->caf', t22, t45, t22, t43, t22, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t66 = (4/(d_V**4*n_batch)) * M_Z
-    t2 += oe.contract('ab,cb,bd,ecd,df,cf,fg->cag', t22, t66, t22, t43, t22, M_Z, t22, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t67 = (4/(d_V**4*n_batch)) * M_Z
+    t2 += oe.contract('ab,cb,bd,ecd,df,cf,fg->cag', t22, t67, t22, t43, t22, M_Z, t22, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
     t2 += oe.contract('ab,cb,bd,ecd->cad', t22, t24, t22, t21, optimize=[(0, 1), (0, 1), (0, 1)])
-    t2 += oe.contract('ab,cb,bd,ecd,df->caf', t22, t63, t22, t21, t22, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)])
+    t68 = oe.contract('ab,bc,dac,ce->aeb', t64, t22, t21, t22, optimize=[(2, 3), (0, 2), (0, 1)])
+    t2 += oe.contract('abc,dc->adb', t68, t22, optimize=[(0, 1)])
     return H
 
 
@@ -2621,40 +2653,42 @@ def ce__frobenius_all__full(X, Y):
     t1 += oe.contract('ab,bc,dac,ac,ae,ae,ef->abf', t53, t21, t45, A26, A26, P_Z, t21, optimize=[(4, 5), (2, 3), (2, 3), (1, 2), (0, 2), (0, 1)])
     t1 += oe.contract('ab,cdb,db,db,be,de->dae', t21, t24, t29, t27, t21, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 2), (0, 1)])
     t54 = (2/(L*d_V**3*n_batch)) * A26
-    t1 += oe.contract('ab,cdb,db,db,be,de,ef->daf', t21, t24, t54, t27, t21, M_Z, t21, optimize=[(2, 3), (1, 5), (1, 2), (1, 3), (1, 2), (0, 1)])
+    t55 = oe.contract('abc,bc,bc,cd,bd,de->bec', t24, t54, t27, t21, M_Z, t21, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t55, t21, optimize=[(0, 1)])
     t1 += oe.contract('ab,cdb,db,db->dab', t21, t24, t32, P_Z, optimize=[(1, 2), (1, 2), (0, 1)])
-    t55 = (1/(L*d_V**2*n_batch)) * A26
-    t1 += oe.contract('ab,cdb,db,db,be->dae', t21, t24, t55, P_Z, t21, optimize=[(2, 3), (1, 3), (0, 2), (0, 1)])
+    t56 = (1/(L*d_V**2*n_batch)) * A26
+    t1 += oe.contract('ab,cdb,db,db,be->dae', t21, t24, t56, P_Z, t21, optimize=[(2, 3), (1, 3), (0, 2), (0, 1)])
     t1 += oe.contract('ab,cdb,db,de,de,ef,df->daf', t21, t24, t34, A26, t27, t21, M_Z, optimize=[(3, 4), (1, 2), (1, 3), (1, 3), (0, 1), (0, 1)])
-    t56 = (-2/(L*d_V**3*n_batch)) * A26
-    t1 += oe.contract('ab,cdb,db,de,de,ef,df,fg->dag', t21, t24, t56, A26, t27, t21, M_Z, t21, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
+    t57 = (-2/(L*d_V**3*n_batch)) * A26
+    t1 += oe.contract('ab,cdb,db,de,de,ef,df,fg->dag', t21, t24, t57, A26, t27, t21, M_Z, t21, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
     t1 += oe.contract('ab,cdb,db,de,de->dae', t21, t24, t36, A26, P_Z, optimize=[(3, 4), (1, 2), (0, 2), (0, 1)])
-    t57 = (-1/(L*d_V**2*n_batch)) * A26
-    t1 += oe.contract('ab,cdb,db,de,de,ef->daf', t21, t24, t57, A26, P_Z, t21, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t58 = (-1/(L*d_V**2*n_batch)) * A26
+    t1 += oe.contract('ab,cdb,db,de,de,ef->daf', t21, t24, t58, A26, P_Z, t21, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
     t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf->caf', t21, t47, t21, t45, A26, t27, t21, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
-    t58 = (4/(L*d_V**4*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf,fg->cag', t21, t58, t21, t45, A26, t27, t21, M_Z, t21, optimize=[(4, 5), (3, 7), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
+    t59 = (4/(L*d_V**4*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf,fg->cag', t21, t59, t21, t45, A26, t27, t21, M_Z, t21, optimize=[(4, 5), (3, 7), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
     t1 += oe.contract('ab,cb,bd,ecd,cd,cd->cad', t21, t49, t21, t45, A26, P_Z, optimize=[(4, 5), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t59 = (2/(L*d_V**3*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df->caf', t21, t59, t21, t45, A26, P_Z, t21, optimize=[(4, 5), (3, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
+    t60 = (2/(L*d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df->caf', t21, t60, t21, t45, A26, P_Z, t21, optimize=[(4, 5), (3, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
     t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg->cag', t21, t51, t21, t45, A26, A26, t27, t21, M_Z, optimize=[(5, 6), (3, 4), (3, 5), (3, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t60 = (-4/(L*d_V**4*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,gh->cah', t21, t60, t21, t45, A26, A26, t27, t21, M_Z, t21, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t61 = (-4/(L*d_V**4*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,gh->cah', t21, t61, t21, t45, A26, A26, t27, t21, M_Z, t21, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
     t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf->caf', t21, t53, t21, t45, A26, A26, P_Z, optimize=[(5, 6), (3, 4), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t61 = (-2/(L*d_V**3*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg->cag', t21, t61, t21, t45, A26, A26, P_Z, t21, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
+    t62 = (-2/(L*d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg->cag', t21, t62, t21, t45, A26, A26, P_Z, t21, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
     t1 += oe.contract('ab,cdb,be,de->dae', t21, t20, t21, t23, optimize=[(0, 1), (0, 1), (0, 1)])
-    t62 = (2/(d_V**3*n_batch)) * M_Z
-    t1 += oe.contract('ab,cdb,be,de,ef->daf', t21, t20, t21, t62, t21, optimize=[(0, 1), (0, 3), (0, 2), (0, 1)])
-    t63 = (-2/(d_V**2*n_batch)) * t21
-    t1 += oe.contract('ab,cdb->dab', t63, t39, optimize=[(0, 1)])
-    t64 = (2/(d_V**3*n_batch)) * t21
-    t1 += oe.contract('ab,cdb,be->dae', t64, t39, t21, optimize=[(0, 1), (0, 1)])
+    t63 = (2/(d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,cdb,be,de,ef->daf', t21, t20, t21, t63, t21, optimize=[(0, 1), (0, 3), (0, 2), (0, 1)])
+    t64 = (-2/(d_V**2*n_batch)) * t21
+    t1 += oe.contract('ab,cdb->dab', t64, t39, optimize=[(0, 1)])
+    t65 = (2/(d_V**3*n_batch)) * t21
+    t1 += oe.contract('ab,cdb,be->dae', t65, t39, t21, optimize=[(0, 1), (0, 1)])
     t1 += oe.contract('ab,cb,bd,ecd,df,cf->caf', t21, t44, t21, t42, t21, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t65 = (4/(d_V**4*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,df,cf,fg->cag', t21, t65, t21, t42, t21, M_Z, t21, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t66 = (4/(d_V**4*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,df,cf,fg->cag', t21, t66, t21, t42, t21, M_Z, t21, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
     t1 += oe.contract('ab,cb,bd,ecd->cad', t21, t23, t21, t20, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += oe.contract('ab,cb,bd,ecd,df->caf', t21, t62, t21, t20, t21, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)])
+    t67 = oe.contract('ab,bc,dac,ce->aeb', t63, t21, t20, t21, optimize=[(2, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t67, t21, optimize=[(0, 1)])
     nrm = np.linalg.norm(blk)
     del blk
     return (nrm,)
@@ -2927,40 +2961,42 @@ def ce__block__X__X__full(X, Y):
     t1 += oe.contract('ab,bc,dac,ac,ae,ae,ef->abf', t53, t21, t45, A26, A26, P_Z, t21, optimize=[(4, 5), (2, 3), (2, 3), (1, 2), (0, 2), (0, 1)])
     t1 += oe.contract('ab,cdb,db,db,be,de->dae', t21, t24, t29, t27, t21, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 2), (0, 1)])
     t54 = (2/(L*d_V**3*n_batch)) * A26
-    t1 += oe.contract('ab,cdb,db,db,be,de,ef->daf', t21, t24, t54, t27, t21, M_Z, t21, optimize=[(2, 3), (1, 5), (1, 2), (1, 3), (1, 2), (0, 1)])
+    t55 = oe.contract('abc,bc,bc,cd,bd,de->bec', t24, t54, t27, t21, M_Z, t21, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t55, t21, optimize=[(0, 1)])
     t1 += oe.contract('ab,cdb,db,db->dab', t21, t24, t32, P_Z, optimize=[(1, 2), (1, 2), (0, 1)])
-    t55 = (1/(L*d_V**2*n_batch)) * A26
-    t1 += oe.contract('ab,cdb,db,db,be->dae', t21, t24, t55, P_Z, t21, optimize=[(2, 3), (1, 3), (0, 2), (0, 1)])
+    t56 = (1/(L*d_V**2*n_batch)) * A26
+    t1 += oe.contract('ab,cdb,db,db,be->dae', t21, t24, t56, P_Z, t21, optimize=[(2, 3), (1, 3), (0, 2), (0, 1)])
     t1 += oe.contract('ab,cdb,db,de,de,ef,df->daf', t21, t24, t34, A26, t27, t21, M_Z, optimize=[(3, 4), (1, 2), (1, 3), (1, 3), (0, 1), (0, 1)])
-    t56 = (-2/(L*d_V**3*n_batch)) * A26
-    t1 += oe.contract('ab,cdb,db,de,de,ef,df,fg->dag', t21, t24, t56, A26, t27, t21, M_Z, t21, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
+    t57 = (-2/(L*d_V**3*n_batch)) * A26
+    t1 += oe.contract('ab,cdb,db,de,de,ef,df,fg->dag', t21, t24, t57, A26, t27, t21, M_Z, t21, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
     t1 += oe.contract('ab,cdb,db,de,de->dae', t21, t24, t36, A26, P_Z, optimize=[(3, 4), (1, 2), (0, 2), (0, 1)])
-    t57 = (-1/(L*d_V**2*n_batch)) * A26
-    t1 += oe.contract('ab,cdb,db,de,de,ef->daf', t21, t24, t57, A26, P_Z, t21, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t58 = (-1/(L*d_V**2*n_batch)) * A26
+    t1 += oe.contract('ab,cdb,db,de,de,ef->daf', t21, t24, t58, A26, P_Z, t21, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
     t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf->caf', t21, t47, t21, t45, A26, t27, t21, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
-    t58 = (4/(L*d_V**4*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf,fg->cag', t21, t58, t21, t45, A26, t27, t21, M_Z, t21, optimize=[(4, 5), (3, 7), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
+    t59 = (4/(L*d_V**4*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf,fg->cag', t21, t59, t21, t45, A26, t27, t21, M_Z, t21, optimize=[(4, 5), (3, 7), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
     t1 += oe.contract('ab,cb,bd,ecd,cd,cd->cad', t21, t49, t21, t45, A26, P_Z, optimize=[(4, 5), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t59 = (2/(L*d_V**3*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df->caf', t21, t59, t21, t45, A26, P_Z, t21, optimize=[(4, 5), (3, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
+    t60 = (2/(L*d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df->caf', t21, t60, t21, t45, A26, P_Z, t21, optimize=[(4, 5), (3, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
     t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg->cag', t21, t51, t21, t45, A26, A26, t27, t21, M_Z, optimize=[(5, 6), (3, 4), (3, 5), (3, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t60 = (-4/(L*d_V**4*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,gh->cah', t21, t60, t21, t45, A26, A26, t27, t21, M_Z, t21, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t61 = (-4/(L*d_V**4*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,gh->cah', t21, t61, t21, t45, A26, A26, t27, t21, M_Z, t21, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
     t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf->caf', t21, t53, t21, t45, A26, A26, P_Z, optimize=[(5, 6), (3, 4), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t61 = (-2/(L*d_V**3*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg->cag', t21, t61, t21, t45, A26, A26, P_Z, t21, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
+    t62 = (-2/(L*d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg->cag', t21, t62, t21, t45, A26, A26, P_Z, t21, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
     t1 += oe.contract('ab,cdb,be,de->dae', t21, t20, t21, t23, optimize=[(0, 1), (0, 1), (0, 1)])
-    t62 = (2/(d_V**3*n_batch)) * M_Z
-    t1 += oe.contract('ab,cdb,be,de,ef->daf', t21, t20, t21, t62, t21, optimize=[(0, 1), (0, 3), (0, 2), (0, 1)])
-    t63 = (-2/(d_V**2*n_batch)) * t21
-    t1 += oe.contract('ab,cdb->dab', t63, t39, optimize=[(0, 1)])
-    t64 = (2/(d_V**3*n_batch)) * t21
-    t1 += oe.contract('ab,cdb,be->dae', t64, t39, t21, optimize=[(0, 1), (0, 1)])
+    t63 = (2/(d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,cdb,be,de,ef->daf', t21, t20, t21, t63, t21, optimize=[(0, 1), (0, 3), (0, 2), (0, 1)])
+    t64 = (-2/(d_V**2*n_batch)) * t21
+    t1 += oe.contract('ab,cdb->dab', t64, t39, optimize=[(0, 1)])
+    t65 = (2/(d_V**3*n_batch)) * t21
+    t1 += oe.contract('ab,cdb,be->dae', t65, t39, t21, optimize=[(0, 1), (0, 1)])
     t1 += oe.contract('ab,cb,bd,ecd,df,cf->caf', t21, t44, t21, t42, t21, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t65 = (4/(d_V**4*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,df,cf,fg->cag', t21, t65, t21, t42, t21, M_Z, t21, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t66 = (4/(d_V**4*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,df,cf,fg->cag', t21, t66, t21, t42, t21, M_Z, t21, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
     t1 += oe.contract('ab,cb,bd,ecd->cad', t21, t23, t21, t20, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += oe.contract('ab,cb,bd,ecd,df->caf', t21, t62, t21, t20, t21, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)])
+    t67 = oe.contract('ab,bc,dac,ce->aeb', t63, t21, t20, t21, optimize=[(2, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t67, t21, optimize=[(0, 1)])
     return out
 
 
@@ -3058,40 +3094,42 @@ def ce__frobenius__X__X__full(X, Y):
     t1 += oe.contract('ab,bc,dac,ac,ae,ae,ef->abf', t53, t21, t45, A26, A26, P_Z, t21, optimize=[(4, 5), (2, 3), (2, 3), (1, 2), (0, 2), (0, 1)])
     t1 += oe.contract('ab,cdb,db,db,be,de->dae', t21, t24, t29, t27, t21, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 2), (0, 1)])
     t54 = (2/(L*d_V**3*n_batch)) * A26
-    t1 += oe.contract('ab,cdb,db,db,be,de,ef->daf', t21, t24, t54, t27, t21, M_Z, t21, optimize=[(2, 3), (1, 5), (1, 2), (1, 3), (1, 2), (0, 1)])
+    t55 = oe.contract('abc,bc,bc,cd,bd,de->bec', t24, t54, t27, t21, M_Z, t21, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t55, t21, optimize=[(0, 1)])
     t1 += oe.contract('ab,cdb,db,db->dab', t21, t24, t32, P_Z, optimize=[(1, 2), (1, 2), (0, 1)])
-    t55 = (1/(L*d_V**2*n_batch)) * A26
-    t1 += oe.contract('ab,cdb,db,db,be->dae', t21, t24, t55, P_Z, t21, optimize=[(2, 3), (1, 3), (0, 2), (0, 1)])
+    t56 = (1/(L*d_V**2*n_batch)) * A26
+    t1 += oe.contract('ab,cdb,db,db,be->dae', t21, t24, t56, P_Z, t21, optimize=[(2, 3), (1, 3), (0, 2), (0, 1)])
     t1 += oe.contract('ab,cdb,db,de,de,ef,df->daf', t21, t24, t34, A26, t27, t21, M_Z, optimize=[(3, 4), (1, 2), (1, 3), (1, 3), (0, 1), (0, 1)])
-    t56 = (-2/(L*d_V**3*n_batch)) * A26
-    t1 += oe.contract('ab,cdb,db,de,de,ef,df,fg->dag', t21, t24, t56, A26, t27, t21, M_Z, t21, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
+    t57 = (-2/(L*d_V**3*n_batch)) * A26
+    t1 += oe.contract('ab,cdb,db,de,de,ef,df,fg->dag', t21, t24, t57, A26, t27, t21, M_Z, t21, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
     t1 += oe.contract('ab,cdb,db,de,de->dae', t21, t24, t36, A26, P_Z, optimize=[(3, 4), (1, 2), (0, 2), (0, 1)])
-    t57 = (-1/(L*d_V**2*n_batch)) * A26
-    t1 += oe.contract('ab,cdb,db,de,de,ef->daf', t21, t24, t57, A26, P_Z, t21, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t58 = (-1/(L*d_V**2*n_batch)) * A26
+    t1 += oe.contract('ab,cdb,db,de,de,ef->daf', t21, t24, t58, A26, P_Z, t21, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
     t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf->caf', t21, t47, t21, t45, A26, t27, t21, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
-    t58 = (4/(L*d_V**4*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf,fg->cag', t21, t58, t21, t45, A26, t27, t21, M_Z, t21, optimize=[(4, 5), (3, 7), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
+    t59 = (4/(L*d_V**4*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf,fg->cag', t21, t59, t21, t45, A26, t27, t21, M_Z, t21, optimize=[(4, 5), (3, 7), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
     t1 += oe.contract('ab,cb,bd,ecd,cd,cd->cad', t21, t49, t21, t45, A26, P_Z, optimize=[(4, 5), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t59 = (2/(L*d_V**3*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df->caf', t21, t59, t21, t45, A26, P_Z, t21, optimize=[(4, 5), (3, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
+    t60 = (2/(L*d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df->caf', t21, t60, t21, t45, A26, P_Z, t21, optimize=[(4, 5), (3, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
     t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg->cag', t21, t51, t21, t45, A26, A26, t27, t21, M_Z, optimize=[(5, 6), (3, 4), (3, 5), (3, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t60 = (-4/(L*d_V**4*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,gh->cah', t21, t60, t21, t45, A26, A26, t27, t21, M_Z, t21, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t61 = (-4/(L*d_V**4*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,gh->cah', t21, t61, t21, t45, A26, A26, t27, t21, M_Z, t21, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
     t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf->caf', t21, t53, t21, t45, A26, A26, P_Z, optimize=[(5, 6), (3, 4), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t61 = (-2/(L*d_V**3*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg->cag', t21, t61, t21, t45, A26, A26, P_Z, t21, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
+    t62 = (-2/(L*d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg->cag', t21, t62, t21, t45, A26, A26, P_Z, t21, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
     t1 += oe.contract('ab,cdb,be,de->dae', t21, t20, t21, t23, optimize=[(0, 1), (0, 1), (0, 1)])
-    t62 = (2/(d_V**3*n_batch)) * M_Z
-    t1 += oe.contract('ab,cdb,be,de,ef->daf', t21, t20, t21, t62, t21, optimize=[(0, 1), (0, 3), (0, 2), (0, 1)])
-    t63 = (-2/(d_V**2*n_batch)) * t21
-    t1 += oe.contract('ab,cdb->dab', t63, t39, optimize=[(0, 1)])
-    t64 = (2/(d_V**3*n_batch)) * t21
-    t1 += oe.contract('ab,cdb,be->dae', t64, t39, t21, optimize=[(0, 1), (0, 1)])
+    t63 = (2/(d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,cdb,be,de,ef->daf', t21, t20, t21, t63, t21, optimize=[(0, 1), (0, 3), (0, 2), (0, 1)])
+    t64 = (-2/(d_V**2*n_batch)) * t21
+    t1 += oe.contract('ab,cdb->dab', t64, t39, optimize=[(0, 1)])
+    t65 = (2/(d_V**3*n_batch)) * t21
+    t1 += oe.contract('ab,cdb,be->dae', t65, t39, t21, optimize=[(0, 1), (0, 1)])
     t1 += oe.contract('ab,cb,bd,ecd,df,cf->caf', t21, t44, t21, t42, t21, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t65 = (4/(d_V**4*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,df,cf,fg->cag', t21, t65, t21, t42, t21, M_Z, t21, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t66 = (4/(d_V**4*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,df,cf,fg->cag', t21, t66, t21, t42, t21, M_Z, t21, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
     t1 += oe.contract('ab,cb,bd,ecd->cad', t21, t23, t21, t20, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += oe.contract('ab,cb,bd,ecd,df->caf', t21, t62, t21, t20, t21, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)])
+    t67 = oe.contract('ab,bc,dac,ce->aeb', t63, t21, t20, t21, optimize=[(2, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t67, t21, optimize=[(0, 1)])
     nrm = np.linalg.norm(blk)
     del blk
     return nrm

@@ -124,74 +124,86 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
     t1[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t14, M_2, X, t13, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
     t15 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t16 = np.reshape(t15, (d_V, d_K, d_V, d_K), copy=False)
-    t16[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t14, M_2, X, t13, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
-    t17 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t18 = np.reshape(t17, (d_V, d_K, d_V, d_H), copy=False)
-    t19 = A @ X
-    M_1 = t19
-    t20 = W_O @ t9
-    t21 = W_V @ t20
-    t22 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
-    t18[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t22, M_2, X, M_1, t21, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t23 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t24 = np.reshape(t23, (d_V, d_K, d_H, d_V), copy=False)
-    t25 = M_1 @ W_V
-    t26 = W_V @ W_O
-    t24[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t22, M_2, X, t25, t26, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t27 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t28 = np.reshape(t27, (d_V, d_K, d_V, d_K), copy=False)
-    t29 = np.swapaxes(W_Q, -1, -2)
-    t30 = (2/(L*d_K*d_V*n_batch)) * t29
-    t28[...] = oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t30, M_2, X, t13, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t31 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t32 = np.reshape(t31, (d_V, d_K, d_V, d_K), copy=False)
-    t32[...] = oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t30, M_2, X, t13, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
-    t33 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t34 = np.reshape(t33, (d_V, d_K, d_V, d_H), copy=False)
-    t35 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t29
-    t34[...] = oe.contract('ab,cde,cdf,cdag,hf->gheb', t21, M_1, X, M_2, t35, optimize=[(0, 3), (1, 2), (0, 2), (0, 1)])
-    t36 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t37 = np.reshape(t36, (d_V, d_K, d_H, d_V), copy=False)
-    t37[...] = oe.contract('ab,cde,cdf,cdag,hf->gheb', t26, t25, X, M_2, t35, optimize=[(0, 3), (1, 2), (0, 2), (0, 1)])
-    t38 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t39 = np.reshape(t38, (d_V, d_H, d_V, d_K), copy=False)
-    t40 = np.swapaxes(M_1, -1, -2)
-    t41 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t40
-    t39[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t41, t12, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t42 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t43 = np.reshape(t42, (d_V, d_H, d_V, d_K), copy=False)
-    t43[...] = oe.contract('abc,de,acef,acg,gh->bdfh', t41, t12, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
-    t44 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t45 = np.reshape(t44, (d_V, d_H, d_V, d_H), copy=False)
-    t46 = t40 @ M_1
-    t47 = (2/(L*d_V*n_batch)) * t20
-    t45[...] = oe.contract('abc,de->bdce', t46, t47, optimize=[(0, 1)])
-    t48 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t49 = np.reshape(t48, (d_V, d_H, d_H, d_V), copy=False)
-    t50 = t40 @ t25
-    t51 = (2/(L*d_V*n_batch)) * W_O
-    t49[...] = oe.contract('abc,de->bdce', t50, t51, optimize=[(0, 1)])
-    t52 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t53 = np.reshape(t52, (d_H, d_V, d_V, d_K), copy=False)
-    t54 = t10 @ t40
-    t55 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t54
-    t53[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t55, t11, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t56 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t57 = np.reshape(t56, (d_H, d_V, d_V, d_K), copy=False)
-    t57[...] = oe.contract('abc,de,acef,acg,gh->bdfh', t55, t11, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
-    t58 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t59 = np.reshape(t58, (d_H, d_V, d_V, d_H), copy=False)
-    t60 = t54 @ M_1
-    t61 = (2/(L*d_V*n_batch)) * t9
+    t17 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t18 = oe.contract('ab,cdeb,ef,cdfg->agcd', t14, M_2, t13, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t16[...] = oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
+    t19 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t20 = np.reshape(t19, (d_V, d_K, d_V, d_H), copy=False)
+    t21 = A @ X
+    M_1 = t21
+    t22 = W_O @ t9
+    t23 = W_V @ t22
+    t24 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
+    t20[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t24, M_2, X, M_1, t23, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t25 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t26 = np.reshape(t25, (d_V, d_K, d_H, d_V), copy=False)
+    t27 = M_1 @ W_V
+    t28 = W_V @ W_O
+    t26[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t24, M_2, X, t27, t28, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t29 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t30 = np.reshape(t29, (d_V, d_K, d_V, d_K), copy=False)
+    t31 = np.swapaxes(W_Q, -1, -2)
+    t32 = (2/(L*d_K*d_V*n_batch)) * t31
+    t30[...] = oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t32, M_2, X, t13, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t33 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t34 = np.reshape(t33, (d_V, d_K, d_V, d_K), copy=False)
+    t35 = oe.contract('ab,cdb,cde,ef->afcd', t32, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t36 = oe.contract('abcd,ce,abef->dfab', M_2, t13, M_2, optimize=[(0, 1), (0, 1)])
+    t34[...] = oe.contract('abcd,efcd->eafb', t35, t36, optimize=[(0, 1)])
+    t37 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t38 = np.reshape(t37, (d_V, d_K, d_V, d_H), copy=False)
+    t39 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t31
+    t40 = oe.contract('abcd,ce->deab', M_2, t23, optimize=[(0, 1)])
+    t41 = oe.contract('ab,cdb,cde->aecd', t39, X, M_1, optimize=[(0, 1), (0, 1)])
+    t38[...] = oe.contract('abcd,efcd->aefb', t40, t41, optimize=[(0, 1)])
+    t42 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t43 = np.reshape(t42, (d_V, d_K, d_H, d_V), copy=False)
+    t44 = oe.contract('abcd,ce->deab', M_2, t28, optimize=[(0, 1)])
+    t45 = oe.contract('ab,cdb,cde->aecd', t39, X, t27, optimize=[(0, 1), (0, 1)])
+    t43[...] = oe.contract('abcd,efcd->aefb', t44, t45, optimize=[(0, 1)])
+    t46 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t47 = np.reshape(t46, (d_V, d_H, d_V, d_K), copy=False)
+    t48 = np.swapaxes(M_1, -1, -2)
+    t49 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t48
+    t47[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t49, t12, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t50 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t51 = np.reshape(t50, (d_V, d_H, d_V, d_K), copy=False)
+    t52 = oe.contract('abc,acd,de->beac', t49, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t53 = oe.contract('ab,cdbe->aecd', t12, M_2, optimize=[(0, 1)])
+    t51[...] = oe.contract('abcd,efcd->aefb', t52, t53, optimize=[(0, 1)])
+    t54 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t55 = np.reshape(t54, (d_V, d_H, d_V, d_H), copy=False)
+    t56 = t48 @ M_1
+    t57 = (2/(L*d_V*n_batch)) * t22
+    t55[...] = oe.contract('abc,de->bdce', t56, t57, optimize=[(0, 1)])
+    t58 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t59 = np.reshape(t58, (d_V, d_H, d_H, d_V), copy=False)
+    t60 = t48 @ t27
+    t61 = (2/(L*d_V*n_batch)) * W_O
     t59[...] = oe.contract('abc,de->bdce', t60, t61, optimize=[(0, 1)])
-    t62 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t62[...] = 0
-    t63 = np.reshape(t62, (d_H, d_V, d_H, d_V), copy=False)
-    t64 = np.einsum('abcb->abc', t63)
-    t65 = t54 @ t25
-    t66 = np.ones((d_V,), dtype=X.dtype)
-    t67 = (2/(L*d_V*n_batch)) * t66
-    t64 += oe.contract('abc,d->bdc', t65, t67, optimize=[(0, 1)])
+    t62 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t63 = np.reshape(t62, (d_H, d_V, d_V, d_K), copy=False)
+    t64 = t10 @ t48
+    t65 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t64
+    t63[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t65, t11, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t66 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t67 = np.reshape(t66, (d_H, d_V, d_V, d_K), copy=False)
+    t68 = oe.contract('abc,acd,de->beac', t65, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t69 = oe.contract('ab,cdbe->aecd', t11, M_2, optimize=[(0, 1)])
+    t67[...] = oe.contract('abcd,efcd->aefb', t68, t69, optimize=[(0, 1)])
+    t70 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t71 = np.reshape(t70, (d_H, d_V, d_V, d_H), copy=False)
+    t72 = t64 @ M_1
+    t73 = (2/(L*d_V*n_batch)) * t9
+    t71[...] = oe.contract('abc,de->bdce', t72, t73, optimize=[(0, 1)])
+    t74 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t74[...] = 0
+    t75 = np.reshape(t74, (d_H, d_V, d_H, d_V), copy=False)
+    t76 = np.einsum('abcb->abc', t75)
+    t77 = t64 @ t27
+    t78 = np.ones((d_V,), dtype=X.dtype)
+    t79 = (2/(L*d_V*n_batch)) * t78
+    t76 += oe.contract('abc,d->bdc', t77, t79, optimize=[(0, 1)])
     return H
 
 
@@ -353,7 +365,9 @@ def mse_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t11 = W_O @ t10
     t12 = W_V @ t11
     t13 = (2/(L*d_K*d_V*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdf,ha->fa', t13, M_2, X, t12, M_2, X, W_K, optimize=[(2, 5), (0, 1), (0, 1), (2, 3), (0, 2), (0, 1)])
+    t14 = oe.contract('ab,cdeb,ef,cdfg,ga->acd', t13, M_2, t12, M_2, W_K, optimize=[(0, 1), (0, 1), (1, 2), (0, 1)])
+    t15 = oe.contract('abc,abc->cab', X, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t14, t15, optimize=[(0, 1)])
     return out
 
 
@@ -463,7 +477,9 @@ def mse_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     t11 = W_O @ t10
     t12 = W_V @ t11
     t13 = (2/(L*d_K*d_V*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t13, M_2, X, t12, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
+    t14 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t15 = oe.contract('ab,cdeb,ef,cdfg->agcd', t13, M_2, t12, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t14, t15, optimize=[(0, 1)])
     return out
 
 
@@ -630,7 +646,9 @@ def mse_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     t12 = W_O @ t11
     t13 = W_V @ t12
     t14 = (2/(L*d_K*d_V*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdef,cdb,eg,cdgf,cdh,ha->fa', t14, M_2, X, t13, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t15 = oe.contract('ab,cdb,cde,ea->acd', t14, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t16 = oe.contract('abcd,ce,abed->dab', M_2, t13, M_2, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t15, t16, optimize=[(0, 1)])
     return out
 
 
@@ -744,7 +762,9 @@ def mse_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     t12 = W_O @ t11
     t13 = W_V @ t12
     t14 = (2/(L*d_K*d_V*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t14, M_2, X, t13, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t15 = oe.contract('ab,cdb,cde,ef->afcd', t14, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t16 = oe.contract('abcd,ce,abef->dfab', M_2, t13, M_2, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t15, t16, optimize=[(0, 1)])
     return out
 
 
@@ -802,7 +822,9 @@ def mse_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     t11 = W_O @ t10
     t12 = W_V @ t11
     t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
-    t0[...] = oe.contract('ab,cde,cdf,cdag,hf->gheb', t12, M_1, X, M_2, t13, optimize=[(0, 3), (1, 2), (0, 2), (0, 1)])
+    t14 = oe.contract('abcd,ce->deab', M_2, t12, optimize=[(0, 1)])
+    t15 = oe.contract('ab,cdb,cde->aecd', t13, X, M_1, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t14, t15, optimize=[(0, 1)])
     return out
 
 
@@ -859,7 +881,9 @@ def mse_causal0__block__W_K__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     t10 = M_1 @ W_V
     t11 = W_V @ W_O
     t12 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
-    t0[...] = oe.contract('ab,cde,cdf,cdag,hf->gheb', t11, t10, X, M_2, t12, optimize=[(0, 3), (1, 2), (0, 2), (0, 1)])
+    t13 = oe.contract('abcd,ce->deab', M_2, t11, optimize=[(0, 1)])
+    t14 = oe.contract('ab,cdb,cde->aecd', t12, X, t10, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t13, t14, optimize=[(0, 1)])
     return out
 
 
@@ -1029,7 +1053,9 @@ def mse_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t9
-    t0[...] = oe.contract('abc,de,acef,acg,gh->bdfh', t14, t13, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t15 = oe.contract('abc,acd,de->beac', t14, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t16 = oe.contract('ab,cdbe->aecd', t13, M_2, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t15, t16, optimize=[(0, 1)])
     return out
 
 
@@ -1310,7 +1336,9 @@ def mse_causal0__block__W_O__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t11
-    t0[...] = oe.contract('abc,de,acef,acg,gh->bdfh', t14, t13, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t15 = oe.contract('abc,acd,de->beac', t14, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t16 = oe.contract('ab,cdbe->aecd', t13, M_2, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t15, t16, optimize=[(0, 1)])
     return out
 
 
@@ -1505,73 +1533,93 @@ def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, W_O, Y):
     t28 = np.ones((d_K,), dtype=X.dtype)
     t29 = (1/(math.sqrt(d_K)*n_batch)) * t28
     t25 += oe.contract('abc,d->bdc', t27, t29, optimize=[(0, 1)])
-    t24 += oe.contract('ab,cde,cebf,ceg,gh->dafh', t22, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
-    t30 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t31 = np.reshape(t30, (d_V, d_K, d_V, d_H), copy=False)
+    t30 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t31 = oe.contract('ab,cdbe->aecd', t22, M_3, optimize=[(0, 1)])
+    t24 += oe.contract('abcd,efcd->aefb', t30, t31, optimize=[(0, 1)])
+    t32 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t33 = np.reshape(t32, (d_V, d_K, d_V, d_H), copy=False)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t32 = G @ t15
-    t33 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t31[...] = oe.contract('abc,abd,abef,gf->dgec', t32, X, M_2, t33, optimize=[(0, 1), (0, 1), (0, 1)])
-    t34 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t35 = np.reshape(t34, (d_V, d_K, d_H, d_V), copy=False)
-    t35[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fahg', t33, M_2, X, G, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t36 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t36[...] = 0
-    t37 = np.reshape(t36, (d_V, d_K, d_V, d_K), copy=False)
-    t38 = np.einsum('abcb->abc', t37)
-    t39 = np.swapaxes(t21, -1, -2)
-    t40 = t39 @ X
-    t41 = t3 @ t40
-    t38 += oe.contract('abc,d->bdc', t41, t29, optimize=[(0, 1)])
-    t42 = np.swapaxes(W_Q, -1, -2)
-    t43 = (1/(d_K*n_batch)) * t42
-    t37 += oe.contract('ab,cde,cdfa,cgd,hg->fheb', W_K, X, M_3, t3, t43, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
-    t44 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t45 = np.reshape(t44, (d_V, d_K, d_V, d_K), copy=False)
-    t45[...] = oe.contract('ab,cbd,cdef,cdg,gh->eafh', t43, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t46 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t47 = np.reshape(t46, (d_V, d_K, d_V, d_H), copy=False)
-    t48 = (1/(math.sqrt(d_K)*n_batch)) * t42
-    t47[...] = oe.contract('ab,cdef,cdb,cdg->faeg', t48, M_2, X, t32, optimize=[(0, 2), (1, 2), (0, 1)])
-    t49 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t50 = np.reshape(t49, (d_V, d_K, d_H, d_V), copy=False)
-    t50[...] = oe.contract('ab,cdef,cdb,cdg,eh->fahg', t48, M_2, X, G, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
-    t51 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t52 = np.reshape(t51, (d_V, d_H, d_V, d_K), copy=False)
-    t53 = np.swapaxes(G, -1, -2)
-    t54 = W_O @ t53
-    t55 = (1/(math.sqrt(d_K)*n_batch)) * t54
-    t52[...] = oe.contract('ab,cde,cdfa,cgd->fgeb', W_K, X, M_2, t55, optimize=[(0, 2), (0, 1), (0, 1)])
-    t56 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t57 = np.reshape(t56, (d_V, d_H, d_V, d_K), copy=False)
-    t57[...] = oe.contract('abc,acde,acf,fg->dbeg', t55, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t58 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t58[...] = 0
-    t59 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t59[...] = 0
-    t60 = np.reshape(t59, (d_V, d_H, d_H, d_V), copy=False)
-    t61 = np.einsum('abbc->abc', t60)
-    t62 = np.swapaxes(M_1, -1, -2)
-    t63 = t62 @ G
-    t64 = np.ones((d_H,), dtype=X.dtype)
-    t65 = (1/n_batch) * t64
-    t61 += oe.contract('abc,d->bdc', t63, t65, optimize=[(0, 1)])
-    t66 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t67 = np.reshape(t66, (d_H, d_V, d_V, d_K), copy=False)
-    t68 = (1/(math.sqrt(d_K)*n_batch)) * t53
-    t67[...] = oe.contract('abc,de,acef,acg,fh->dbgh', t68, t16, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t69 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t70 = np.reshape(t69, (d_H, d_V, d_V, d_K), copy=False)
-    t70[...] = oe.contract('abc,de,acef,acg,gh->dbfh', t68, t16, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
-    t71 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t71[...] = 0
-    t72 = np.reshape(t71, (d_H, d_V, d_V, d_H), copy=False)
-    t73 = np.einsum('abca->abc', t72)
-    t74 = t53 @ M_1
-    t73 += oe.contract('abc,d->dbc', t74, t65, optimize=[(0, 1)])
-    t75 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t75[...] = 0
+    t34 = G @ t15
+    t35 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t36 = oe.contract('abc,abd->cdab', X, t34, optimize=[(0, 1)])
+    t37 = oe.contract('ab,cdeb->aecd', t35, M_2, optimize=[(0, 1)])
+    t33[...] = oe.contract('abcd,efcd->aefb', t36, t37, optimize=[(0, 1)])
+    t38 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t39 = np.reshape(t38, (d_V, d_K, d_H, d_V), copy=False)
+    t40 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t41 = oe.contract('ab,cdeb,ef->afcd', t35, M_2, W_V, optimize=[(0, 1), (0, 1)])
+    t39[...] = oe.contract('abcd,efcd->aefb', t40, t41, optimize=[(0, 1)])
+    t42 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t42[...] = 0
+    t43 = np.reshape(t42, (d_V, d_K, d_V, d_K), copy=False)
+    t44 = np.einsum('abcb->abc', t43)
+    t45 = np.swapaxes(t21, -1, -2)
+    t46 = t45 @ X
+    t47 = t3 @ t46
+    t44 += oe.contract('abc,d->bdc', t47, t29, optimize=[(0, 1)])
+    t48 = np.swapaxes(W_Q, -1, -2)
+    t49 = (1/(d_K*n_batch)) * t48
+    t50 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t51 = oe.contract('ab,cbd,cde->aecd', t49, t3, X, optimize=[(0, 1), (0, 1)])
+    t43 += oe.contract('abcd,efcd->aefb', t50, t51, optimize=[(0, 1)])
+    t52 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t53 = np.reshape(t52, (d_V, d_K, d_V, d_K), copy=False)
+    t54 = oe.contract('ab,cbd,cde,ef->afcd', t49, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t55 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t53[...] = oe.contract('abcd,efcd->eafb', t54, t55, optimize=[(0, 1)])
+    t56 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t57 = np.reshape(t56, (d_V, d_K, d_V, d_H), copy=False)
+    t58 = (1/(math.sqrt(d_K)*n_batch)) * t48
+    t59 = oe.contract('ab,cdb,cde->aecd', t58, X, t34, optimize=[(0, 1), (0, 1)])
+    t60 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t57[...] = oe.contract('abcd,efcd->eafb', t59, t60, optimize=[(0, 1)])
+    t61 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t62 = np.reshape(t61, (d_V, d_K, d_H, d_V), copy=False)
+    t63 = oe.contract('ab,cdb,cde->aecd', t58, X, G, optimize=[(0, 1), (0, 1)])
+    t64 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t62[...] = oe.contract('abcd,efcd->eafb', t63, t64, optimize=[(0, 1)])
+    t65 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t66 = np.reshape(t65, (d_V, d_H, d_V, d_K), copy=False)
+    t67 = np.swapaxes(G, -1, -2)
+    t68 = W_O @ t67
+    t69 = (1/(math.sqrt(d_K)*n_batch)) * t68
+    t70 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t71 = oe.contract('abc,acd->bdac', t69, X, optimize=[(0, 1)])
+    t66[...] = oe.contract('abcd,efcd->aefb', t70, t71, optimize=[(0, 1)])
+    t72 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t73 = np.reshape(t72, (d_V, d_H, d_V, d_K), copy=False)
+    t74 = oe.contract('abc,acd,de->beac', t69, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t75 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t73[...] = oe.contract('abcd,efcd->eafb', t74, t75, optimize=[(0, 1)])
+    t76 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t76[...] = 0
+    t77 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t77[...] = 0
+    t78 = np.reshape(t77, (d_V, d_H, d_H, d_V), copy=False)
+    t79 = np.einsum('abbc->abc', t78)
+    t80 = np.swapaxes(M_1, -1, -2)
+    t81 = t80 @ G
+    t82 = np.ones((d_H,), dtype=X.dtype)
+    t83 = (1/n_batch) * t82
+    t79 += oe.contract('abc,d->bdc', t81, t83, optimize=[(0, 1)])
+    t84 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t85 = np.reshape(t84, (d_H, d_V, d_V, d_K), copy=False)
+    t86 = (1/(math.sqrt(d_K)*n_batch)) * t67
+    t85[...] = oe.contract('abc,de,acef,acg,fh->dbgh', t86, t16, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t87 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t88 = np.reshape(t87, (d_H, d_V, d_V, d_K), copy=False)
+    t89 = oe.contract('abc,acd,de->beac', t86, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t90 = oe.contract('ab,cdbe->aecd', t16, M_2, optimize=[(0, 1)])
+    t88[...] = oe.contract('abcd,efcd->eafb', t89, t90, optimize=[(0, 1)])
+    t91 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t91[...] = 0
+    t92 = np.reshape(t91, (d_H, d_V, d_V, d_H), copy=False)
+    t93 = np.einsum('abca->abc', t92)
+    t94 = t67 @ M_1
+    t93 += oe.contract('abc,d->dbc', t94, t83, optimize=[(0, 1)])
+    t95 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t95[...] = 0
     return H
 
 
@@ -1782,7 +1830,9 @@ def mse_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t21 = (1/(d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cde,cebf,ced,fa->da', t21, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
+    t22 = oe.contract('ab,cdbe,ea->acd', t21, M_3, W_K, optimize=[(0, 2), (0, 1)])
+    t23 = oe.contract('abc,acb->bac', t2, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -1943,7 +1993,9 @@ def mse_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t26 = (1/(d_K*n_batch)) * t3
-    t0 += oe.contract('ab,cde,cebf,ceg,gh->dafh', t26, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t27 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t28 = oe.contract('ab,cdbe->aecd', t26, M_3, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t27, t28, optimize=[(0, 1)])
     return out
 
 
@@ -2018,7 +2070,9 @@ def mse_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     t14 = np.swapaxes(W_O, -1, -2)
     t15 = G @ t14
     t16 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('abc,abd,abef,gf->dgec', t15, X, M_2, t16, optimize=[(0, 1), (0, 1), (0, 1)])
+    t17 = oe.contract('abc,abd->cdab', X, t15, optimize=[(0, 1)])
+    t18 = oe.contract('ab,cdeb->aecd', t16, M_2, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -2084,7 +2138,9 @@ def mse_causal0__block__W_Q__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     t13 = t11 + t12
     G = t13
     t14 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fahg', t14, M_2, X, G, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t15 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t16 = oe.contract('ab,cdeb,ef->afcd', t14, M_2, W_V, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t15, t16, optimize=[(0, 1)])
     return out
 
 
@@ -2242,7 +2298,9 @@ def mse_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t28 = (1/(d_K*n_batch)) * t27
-    t0 += oe.contract('ab,cde,cdfa,cgd,hg->fheb', W_K, X, M_3, t2, t28, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t29 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t30 = oe.contract('ab,cbd,cde->aecd', t28, t2, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
     return out
 
 
@@ -2325,7 +2383,9 @@ def mse_causal0__block__W_K__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t22 = (1/(d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cbd,cdef,cdg,gh->eafh', t22, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t23 = oe.contract('ab,cbd,cde,ef->afcd', t22, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t24 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t23, t24, optimize=[(0, 1)])
     return out
 
 
@@ -2400,7 +2460,9 @@ def mse_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     t15 = np.swapaxes(W_O, -1, -2)
     t16 = G @ t15
     t17 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdef,cdb,cdg->faeg', t17, M_2, X, t16, optimize=[(0, 2), (1, 2), (0, 1)])
+    t18 = oe.contract('ab,cdb,cde->aecd', t17, X, t16, optimize=[(0, 1), (0, 1)])
+    t19 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -2468,7 +2530,9 @@ def mse_causal0__block__W_K__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     t14 = t12 + t13
     G = t14
     t15 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdef,cdb,cdg,eh->fahg', t15, M_2, X, G, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
+    t16 = oe.contract('ab,cdb,cde->aecd', t15, X, G, optimize=[(0, 1), (0, 1)])
+    t17 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -2557,7 +2621,9 @@ def mse_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t16 = (1/(math.sqrt(d_K)*n_batch)) * t15
-    t0[...] = oe.contract('ab,cde,cdfa,cgd->fgeb', W_K, X, M_2, t16, optimize=[(0, 2), (0, 1), (0, 1)])
+    t17 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t18 = oe.contract('abc,acd->bdac', t16, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -2625,7 +2691,9 @@ def mse_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t16 = (1/(math.sqrt(d_K)*n_batch)) * t15
-    t0[...] = oe.contract('abc,acde,acf,fg->dbeg', t16, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    t17 = oe.contract('abc,acd,de->beac', t16, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t18 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -2872,7 +2940,9 @@ def mse_causal0__block__W_O__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t16 = (1/(math.sqrt(d_K)*n_batch)) * t14
-    t0[...] = oe.contract('abc,de,acef,acg,gh->dbfh', t16, t15, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t17 = oe.contract('abc,acd,de->beac', t16, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t18 = oe.contract('ab,cdbe->aecd', t15, M_2, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -3052,104 +3122,136 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t32 = np.ones((d_K,), dtype=X.dtype)
     t33 = (1/(math.sqrt(d_K)*n_batch)) * t32
     t29 += oe.contract('abc,d->bdc', t31, t33, optimize=[(0, 1)])
-    t28 += oe.contract('ab,cde,cebf,ceg,gh->dafh', t22, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
-    t28 += oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t26, M_2, X, t25, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
-    t34 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t35 = np.reshape(t34, (d_V, d_K, d_V, d_H), copy=False)
-    t36 = G @ t15
-    t37 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t35[...] = oe.contract('abc,abd,abef,gf->dgec', t36, X, M_2, t37, optimize=[(0, 1), (0, 1), (0, 1)])
-    t38 = W_O @ t15
-    t39 = W_V @ t38
-    t40 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
-    t35 += oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t40, M_2, X, M_1, t39, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t41 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t42 = np.reshape(t41, (d_V, d_K, d_H, d_V), copy=False)
-    t43 = W_V @ W_O
-    t42[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t40, M_2, X, t10, t43, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t42 += oe.contract('ab,cdeb,cdf,cdg,eh->fahg', t37, M_2, X, G, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t44 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t44[...] = 0
-    t45 = np.reshape(t44, (d_V, d_K, d_V, d_K), copy=False)
-    t46 = np.einsum('abcb->abc', t45)
-    t47 = np.swapaxes(t21, -1, -2)
-    t48 = t47 @ X
-    t49 = t3 @ t48
-    t46 += oe.contract('abc,d->bdc', t49, t33, optimize=[(0, 1)])
-    t50 = np.swapaxes(W_Q, -1, -2)
-    t51 = (1/(d_K*n_batch)) * t50
-    t45 += oe.contract('ab,cde,cdfa,cgd,hg->fheb', W_K, X, M_3, t3, t51, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
-    t52 = (2/(L*d_K*d_V*n_batch)) * t50
-    t45 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t52, M_2, X, t25, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t53 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t54 = np.reshape(t53, (d_V, d_K, d_V, d_K), copy=False)
-    t54[...] = oe.contract('ab,cbd,cdef,cdg,gh->eafh', t51, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t54 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t52, M_2, X, t25, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
-    t55 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t56 = np.reshape(t55, (d_V, d_K, d_V, d_H), copy=False)
-    t57 = (1/(math.sqrt(d_K)*n_batch)) * t50
-    t56[...] = oe.contract('ab,cdef,cdb,cdg->faeg', t57, M_2, X, t36, optimize=[(0, 2), (1, 2), (0, 1)])
-    t58 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t50
-    t56 += oe.contract('ab,cde,cdf,cdag,hf->gheb', t39, M_1, X, M_2, t58, optimize=[(0, 3), (1, 2), (0, 2), (0, 1)])
-    t59 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t60 = np.reshape(t59, (d_V, d_K, d_H, d_V), copy=False)
-    t60[...] = oe.contract('ab,cde,cdf,cdag,hf->gheb', t43, t10, X, M_2, t58, optimize=[(0, 3), (1, 2), (0, 2), (0, 1)])
-    t60 += oe.contract('ab,cdef,cdb,cdg,eh->fahg', t57, M_2, X, G, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
-    t61 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t62 = np.reshape(t61, (d_V, d_H, d_V, d_K), copy=False)
-    t63 = np.swapaxes(G, -1, -2)
-    t64 = W_O @ t63
-    t65 = (1/(math.sqrt(d_K)*n_batch)) * t64
-    t62[...] = oe.contract('ab,cde,cdfa,cgd->fgeb', W_K, X, M_2, t65, optimize=[(0, 2), (0, 1), (0, 1)])
-    t66 = np.swapaxes(M_1, -1, -2)
-    t67 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t66
-    t62 += oe.contract('abc,de,acef,acg,fh->bdgh', t67, t24, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t68 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t69 = np.reshape(t68, (d_V, d_H, d_V, d_K), copy=False)
-    t69[...] = oe.contract('abc,acde,acf,fg->dbeg', t65, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t69 += oe.contract('abc,de,acef,acg,gh->bdfh', t67, t24, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
-    t70 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t71 = np.reshape(t70, (d_V, d_H, d_V, d_H), copy=False)
-    t72 = t66 @ M_1
-    t73 = (2/(L*d_V*n_batch)) * t38
-    t71[...] = oe.contract('abc,de->bdce', t72, t73, optimize=[(0, 1)])
-    t74 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t75 = np.reshape(t74, (d_V, d_H, d_H, d_V), copy=False)
-    t76 = t66 @ t10
-    t77 = (2/(L*d_V*n_batch)) * W_O
-    t75[...] = oe.contract('abc,de->bdce', t76, t77, optimize=[(0, 1)])
-    t78 = np.einsum('abbc->abc', t75)
-    t79 = t66 @ G
-    t80 = np.ones((d_H,), dtype=X.dtype)
-    t81 = (1/n_batch) * t80
-    t78 += oe.contract('abc,d->bdc', t79, t81, optimize=[(0, 1)])
-    t82 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t83 = np.reshape(t82, (d_H, d_V, d_V, d_K), copy=False)
-    t84 = (1/(math.sqrt(d_K)*n_batch)) * t63
-    t83[...] = oe.contract('abc,de,acef,acg,fh->dbgh', t84, t16, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t85 = t16 @ t66
-    t86 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t85
-    t83 += oe.contract('abc,de,acef,acg,fh->bdgh', t86, t23, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t87 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t88 = np.reshape(t87, (d_H, d_V, d_V, d_K), copy=False)
-    t88[...] = oe.contract('abc,de,acef,acg,gh->dbfh', t84, t16, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
-    t88 += oe.contract('abc,de,acef,acg,gh->bdfh', t86, t23, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
-    t89 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t90 = np.reshape(t89, (d_H, d_V, d_V, d_H), copy=False)
-    t91 = t85 @ M_1
-    t92 = (2/(L*d_V*n_batch)) * t15
-    t90[...] = oe.contract('abc,de->bdce', t91, t92, optimize=[(0, 1)])
-    t93 = np.einsum('abca->abc', t90)
-    t94 = t63 @ M_1
-    t93 += oe.contract('abc,d->dbc', t94, t81, optimize=[(0, 1)])
-    t95 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t95[...] = 0
-    t96 = np.reshape(t95, (d_H, d_V, d_H, d_V), copy=False)
-    t97 = np.einsum('abcb->abc', t96)
-    t98 = t85 @ t10
-    t99 = np.ones((d_V,), dtype=X.dtype)
-    t100 = (2/(L*d_V*n_batch)) * t99
-    t97 += oe.contract('abc,d->bdc', t98, t100, optimize=[(0, 1)])
+    t34 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t35 = oe.contract('ab,cdbe->aecd', t22, M_3, optimize=[(0, 1)])
+    t28 += oe.contract('abcd,efcd->aefb', t34, t35, optimize=[(0, 1)])
+    t36 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t37 = oe.contract('ab,cdeb,ef,cdfg->agcd', t26, M_2, t25, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t28 += oe.contract('abcd,efcd->aefb', t36, t37, optimize=[(0, 1)])
+    t38 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t39 = np.reshape(t38, (d_V, d_K, d_V, d_H), copy=False)
+    t40 = G @ t15
+    t41 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t42 = oe.contract('abc,abd->cdab', X, t40, optimize=[(0, 1)])
+    t43 = oe.contract('ab,cdeb->aecd', t41, M_2, optimize=[(0, 1)])
+    t39[...] = oe.contract('abcd,efcd->aefb', t42, t43, optimize=[(0, 1)])
+    t44 = W_O @ t15
+    t45 = W_V @ t44
+    t46 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
+    t39 += oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t46, M_2, X, M_1, t45, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t47 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t48 = np.reshape(t47, (d_V, d_K, d_H, d_V), copy=False)
+    t49 = W_V @ W_O
+    t48[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t46, M_2, X, t10, t49, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t50 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t51 = oe.contract('ab,cdeb,ef->afcd', t41, M_2, W_V, optimize=[(0, 1), (0, 1)])
+    t48 += oe.contract('abcd,efcd->aefb', t50, t51, optimize=[(0, 1)])
+    t52 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t52[...] = 0
+    t53 = np.reshape(t52, (d_V, d_K, d_V, d_K), copy=False)
+    t54 = np.einsum('abcb->abc', t53)
+    t55 = np.swapaxes(t21, -1, -2)
+    t56 = t55 @ X
+    t57 = t3 @ t56
+    t54 += oe.contract('abc,d->bdc', t57, t33, optimize=[(0, 1)])
+    t58 = np.swapaxes(W_Q, -1, -2)
+    t59 = (1/(d_K*n_batch)) * t58
+    t60 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t61 = oe.contract('ab,cbd,cde->aecd', t59, t3, X, optimize=[(0, 1), (0, 1)])
+    t53 += oe.contract('abcd,efcd->aefb', t60, t61, optimize=[(0, 1)])
+    t62 = (2/(L*d_K*d_V*n_batch)) * t58
+    t53 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t62, M_2, X, t25, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t63 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t64 = np.reshape(t63, (d_V, d_K, d_V, d_K), copy=False)
+    t65 = oe.contract('ab,cbd,cde,ef->afcd', t59, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t66 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t64[...] = oe.contract('abcd,efcd->eafb', t65, t66, optimize=[(0, 1)])
+    t67 = oe.contract('ab,cdb,cde,ef->afcd', t62, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t68 = oe.contract('abcd,ce,abef->dfab', M_2, t25, M_2, optimize=[(0, 1), (0, 1)])
+    t64 += oe.contract('abcd,efcd->eafb', t67, t68, optimize=[(0, 1)])
+    t69 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t70 = np.reshape(t69, (d_V, d_K, d_V, d_H), copy=False)
+    t71 = (1/(math.sqrt(d_K)*n_batch)) * t58
+    t72 = oe.contract('ab,cdb,cde->aecd', t71, X, t40, optimize=[(0, 1), (0, 1)])
+    t73 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t70[...] = oe.contract('abcd,efcd->eafb', t72, t73, optimize=[(0, 1)])
+    t74 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t58
+    t75 = oe.contract('abcd,ce->deab', M_2, t45, optimize=[(0, 1)])
+    t76 = oe.contract('ab,cdb,cde->aecd', t74, X, M_1, optimize=[(0, 1), (0, 1)])
+    t70 += oe.contract('abcd,efcd->aefb', t75, t76, optimize=[(0, 1)])
+    t77 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t78 = np.reshape(t77, (d_V, d_K, d_H, d_V), copy=False)
+    t79 = oe.contract('abcd,ce->deab', M_2, t49, optimize=[(0, 1)])
+    t80 = oe.contract('ab,cdb,cde->aecd', t74, X, t10, optimize=[(0, 1), (0, 1)])
+    t78[...] = oe.contract('abcd,efcd->aefb', t79, t80, optimize=[(0, 1)])
+    t81 = oe.contract('ab,cdb,cde->aecd', t71, X, G, optimize=[(0, 1), (0, 1)])
+    t82 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t78 += oe.contract('abcd,efcd->eafb', t81, t82, optimize=[(0, 1)])
+    t83 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t84 = np.reshape(t83, (d_V, d_H, d_V, d_K), copy=False)
+    t85 = np.swapaxes(G, -1, -2)
+    t86 = W_O @ t85
+    t87 = (1/(math.sqrt(d_K)*n_batch)) * t86
+    t88 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t89 = oe.contract('abc,acd->bdac', t87, X, optimize=[(0, 1)])
+    t84[...] = oe.contract('abcd,efcd->aefb', t88, t89, optimize=[(0, 1)])
+    t90 = np.swapaxes(M_1, -1, -2)
+    t91 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t90
+    t84 += oe.contract('abc,de,acef,acg,fh->bdgh', t91, t24, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t92 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t93 = np.reshape(t92, (d_V, d_H, d_V, d_K), copy=False)
+    t94 = oe.contract('abc,acd,de->beac', t87, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t95 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t93[...] = oe.contract('abcd,efcd->eafb', t94, t95, optimize=[(0, 1)])
+    t96 = oe.contract('abc,acd,de->beac', t91, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t97 = oe.contract('ab,cdbe->aecd', t24, M_2, optimize=[(0, 1)])
+    t93 += oe.contract('abcd,efcd->aefb', t96, t97, optimize=[(0, 1)])
+    t98 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t99 = np.reshape(t98, (d_V, d_H, d_V, d_H), copy=False)
+    t100 = t90 @ M_1
+    t101 = (2/(L*d_V*n_batch)) * t44
+    t99[...] = oe.contract('abc,de->bdce', t100, t101, optimize=[(0, 1)])
+    t102 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t103 = np.reshape(t102, (d_V, d_H, d_H, d_V), copy=False)
+    t104 = t90 @ t10
+    t105 = (2/(L*d_V*n_batch)) * W_O
+    t103[...] = oe.contract('abc,de->bdce', t104, t105, optimize=[(0, 1)])
+    t106 = np.einsum('abbc->abc', t103)
+    t107 = t90 @ G
+    t108 = np.ones((d_H,), dtype=X.dtype)
+    t109 = (1/n_batch) * t108
+    t106 += oe.contract('abc,d->bdc', t107, t109, optimize=[(0, 1)])
+    t110 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t111 = np.reshape(t110, (d_H, d_V, d_V, d_K), copy=False)
+    t112 = (1/(math.sqrt(d_K)*n_batch)) * t85
+    t111[...] = oe.contract('abc,de,acef,acg,fh->dbgh', t112, t16, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t113 = t16 @ t90
+    t114 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t113
+    t111 += oe.contract('abc,de,acef,acg,fh->bdgh', t114, t23, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t115 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t116 = np.reshape(t115, (d_H, d_V, d_V, d_K), copy=False)
+    t117 = oe.contract('abc,acd,de->beac', t112, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t118 = oe.contract('ab,cdbe->aecd', t16, M_2, optimize=[(0, 1)])
+    t116[...] = oe.contract('abcd,efcd->eafb', t117, t118, optimize=[(0, 1)])
+    t119 = oe.contract('abc,acd,de->beac', t114, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t120 = oe.contract('ab,cdbe->aecd', t23, M_2, optimize=[(0, 1)])
+    t116 += oe.contract('abcd,efcd->aefb', t119, t120, optimize=[(0, 1)])
+    t121 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t122 = np.reshape(t121, (d_H, d_V, d_V, d_H), copy=False)
+    t123 = t113 @ M_1
+    t124 = (2/(L*d_V*n_batch)) * t15
+    t122[...] = oe.contract('abc,de->bdce', t123, t124, optimize=[(0, 1)])
+    t125 = np.einsum('abca->abc', t122)
+    t126 = t85 @ M_1
+    t125 += oe.contract('abc,d->dbc', t126, t109, optimize=[(0, 1)])
+    t127 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t127[...] = 0
+    t128 = np.reshape(t127, (d_H, d_V, d_H, d_V), copy=False)
+    t129 = np.einsum('abcb->abc', t128)
+    t130 = t113 @ t10
+    t131 = np.ones((d_V,), dtype=X.dtype)
+    t132 = (2/(L*d_V*n_batch)) * t131
+    t129 += oe.contract('abc,d->bdc', t130, t132, optimize=[(0, 1)])
     return H
 
 
@@ -3393,14 +3495,18 @@ def mse_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t21 = (1/(d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cde,cebf,ced,fa->da', t21, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
+    t22 = oe.contract('ab,cdbe,ea->acd', t21, M_3, W_K, optimize=[(0, 2), (0, 1)])
+    t23 = oe.contract('abc,acb->bac', t2, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t22, t23, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t22 = t14 @ t15
-    t23 = W_O @ t22
-    t24 = W_V @ t23
-    t25 = (2/(L*d_K*d_V*n_batch)) * t1
-    t0 += oe.contract('ab,cdeb,cdf,eg,cdgh,cdf,ha->fa', t25, M_2, X, t24, M_2, X, W_K, optimize=[(2, 5), (0, 1), (0, 1), (2, 3), (0, 2), (0, 1)])
+    t24 = t14 @ t15
+    t25 = W_O @ t24
+    t26 = W_V @ t25
+    t27 = (2/(L*d_K*d_V*n_batch)) * t1
+    t28 = oe.contract('ab,cdeb,ef,cdfg,ga->acd', t27, M_2, t26, M_2, W_K, optimize=[(0, 1), (0, 1), (1, 2), (0, 1)])
+    t29 = oe.contract('abc,abc->cab', X, X, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dbc->da', t28, t29, optimize=[(0, 1)])
     return out
 
 
@@ -3578,14 +3684,18 @@ def mse_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t26 = (1/(d_K*n_batch)) * t3
-    t0 += oe.contract('ab,cde,cebf,ceg,gh->dafh', t26, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t27 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t28 = oe.contract('ab,cdbe->aecd', t26, M_3, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t27, t28, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t27 = t15 @ t16
-    t28 = W_O @ t27
-    t29 = W_V @ t28
-    t30 = (2/(L*d_K*d_V*n_batch)) * t3
-    t0 += oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t30, M_2, X, t29, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
+    t29 = t15 @ t16
+    t30 = W_O @ t29
+    t31 = W_V @ t30
+    t32 = (2/(L*d_K*d_V*n_batch)) * t3
+    t33 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t34 = oe.contract('ab,cdeb,ef,cdfg->agcd', t32, M_2, t31, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t33, t34, optimize=[(0, 1)])
     return out
 
 
@@ -3665,11 +3775,13 @@ def mse_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t14 = np.swapaxes(W_O, -1, -2)
     t15 = G @ t14
     t16 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('abc,abd,abef,gf->dgec', t15, X, M_2, t16, optimize=[(0, 1), (0, 1), (0, 1)])
-    t17 = W_O @ t14
-    t18 = W_V @ t17
-    t19 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
-    t0 += oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t19, M_2, X, M_1, t18, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t17 = oe.contract('abc,abd->cdab', X, t15, optimize=[(0, 1)])
+    t18 = oe.contract('ab,cdeb->aecd', t16, M_2, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
+    t19 = W_O @ t14
+    t20 = W_V @ t19
+    t21 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t21, M_2, X, M_1, t20, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -3740,7 +3852,9 @@ def mse_causal0__block__W_Q__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t15 = t13 + t14
     G = t15
     t16 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t0 += oe.contract('ab,cdeb,cdf,cdg,eh->fahg', t16, M_2, X, G, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t17 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t18 = oe.contract('ab,cdeb,ef->afcd', t16, M_2, W_V, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -3820,7 +3934,9 @@ def mse_causal0__diag__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t24 = W_O @ t23
     t25 = W_V @ t24
     t26 = (2/(L*d_K*d_V*n_batch)) * t1
-    t0 += oe.contract('ab,cdef,cdb,eg,cdgf,cdh,ha->fa', t26, M_2, X, t25, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t27 = oe.contract('ab,cdb,cde,ea->acd', t26, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t28 = oe.contract('abcd,ce,abed->dab', M_2, t25, M_2, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abc,dbc->da', t27, t28, optimize=[(0, 1)])
     return out
 
 
@@ -3911,14 +4027,16 @@ def mse_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t28 = (1/(d_K*n_batch)) * t27
-    t0 += oe.contract('ab,cde,cdfa,cgd,hg->fheb', W_K, X, M_3, t2, t28, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t29 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t30 = oe.contract('ab,cbd,cde->aecd', t28, t2, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t29 = t15 @ t16
-    t30 = W_O @ t29
-    t31 = W_V @ t30
-    t32 = (2/(L*d_K*d_V*n_batch)) * t27
-    t0 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t32, M_2, X, t31, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t31 = t15 @ t16
+    t32 = W_O @ t31
+    t33 = W_V @ t32
+    t34 = (2/(L*d_K*d_V*n_batch)) * t27
+    t0 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t34, M_2, X, t33, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -4006,14 +4124,18 @@ def mse_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t22 = (1/(d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cbd,cdef,cdg,gh->eafh', t22, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t23 = oe.contract('ab,cbd,cde,ef->afcd', t22, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t24 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t23, t24, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t23 = t15 @ t16
-    t24 = W_O @ t23
-    t25 = W_V @ t24
-    t26 = (2/(L*d_K*d_V*n_batch)) * t1
-    t0 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t26, M_2, X, t25, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t25 = t15 @ t16
+    t26 = W_O @ t25
+    t27 = W_V @ t26
+    t28 = (2/(L*d_K*d_V*n_batch)) * t1
+    t29 = oe.contract('ab,cdb,cde,ef->afcd', t28, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t30 = oe.contract('abcd,ce,abef->dfab', M_2, t27, M_2, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t29, t30, optimize=[(0, 1)])
     return out
 
 
@@ -4093,11 +4215,15 @@ def mse_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t15 = np.swapaxes(W_O, -1, -2)
     t16 = G @ t15
     t17 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdef,cdb,cdg->faeg', t17, M_2, X, t16, optimize=[(0, 2), (1, 2), (0, 1)])
-    t18 = W_O @ t15
-    t19 = W_V @ t18
-    t20 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
-    t0 += oe.contract('ab,cde,cdf,cdag,hf->gheb', t19, M_1, X, M_2, t20, optimize=[(0, 3), (1, 2), (0, 2), (0, 1)])
+    t18 = oe.contract('ab,cdb,cde->aecd', t17, X, t16, optimize=[(0, 1), (0, 1)])
+    t19 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t18, t19, optimize=[(0, 1)])
+    t20 = W_O @ t15
+    t21 = W_V @ t20
+    t22 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
+    t23 = oe.contract('abcd,ce->deab', M_2, t21, optimize=[(0, 1)])
+    t24 = oe.contract('ab,cdb,cde->aecd', t22, X, M_1, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t23, t24, optimize=[(0, 1)])
     return out
 
 
@@ -4162,15 +4288,19 @@ def mse_causal0__block__W_K__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t10 = M_1 @ W_V
     t11 = W_V @ W_O
     t12 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
-    t0[...] = oe.contract('ab,cde,cdf,cdag,hf->gheb', t11, t10, X, M_2, t12, optimize=[(0, 3), (1, 2), (0, 2), (0, 1)])
-    t13 = t10 @ W_O
-    F = t13
-    t14 = (2/(L*d_V)) * F
-    t15 = (-2/(L*d_V)) * Y
-    t16 = t14 + t15
-    G = t16
-    t17 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t0 += oe.contract('ab,cdef,cdb,cdg,eh->fahg', t17, M_2, X, G, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
+    t13 = oe.contract('abcd,ce->deab', M_2, t11, optimize=[(0, 1)])
+    t14 = oe.contract('ab,cdb,cde->aecd', t12, X, t10, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t13, t14, optimize=[(0, 1)])
+    t15 = t10 @ W_O
+    F = t15
+    t16 = (2/(L*d_V)) * F
+    t17 = (-2/(L*d_V)) * Y
+    t18 = t16 + t17
+    G = t18
+    t19 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t20 = oe.contract('ab,cdb,cde->aecd', t19, X, G, optimize=[(0, 1), (0, 1)])
+    t21 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -4290,14 +4420,16 @@ def mse_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t16 = (1/(math.sqrt(d_K)*n_batch)) * t15
-    t0[...] = oe.contract('ab,cde,cdfa,cgd->fgeb', W_K, X, M_2, t16, optimize=[(0, 2), (0, 1), (0, 1)])
-    t17 = np.swapaxes(M_1, -1, -2)
-    t18 = np.swapaxes(W_O, -1, -2)
-    t19 = np.swapaxes(W_V, -1, -2)
-    t20 = t18 @ t19
-    t21 = W_O @ t20
-    t22 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t17
-    t0 += oe.contract('abc,de,acef,acg,fh->bdgh', t22, t21, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t17 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t18 = oe.contract('abc,acd->bdac', t16, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
+    t19 = np.swapaxes(M_1, -1, -2)
+    t20 = np.swapaxes(W_O, -1, -2)
+    t21 = np.swapaxes(W_V, -1, -2)
+    t22 = t20 @ t21
+    t23 = W_O @ t22
+    t24 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t19
+    t0 += oe.contract('abc,de,acef,acg,fh->bdgh', t24, t23, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -4370,14 +4502,18 @@ def mse_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t16 = (1/(math.sqrt(d_K)*n_batch)) * t15
-    t0[...] = oe.contract('abc,acde,acf,fg->dbeg', t16, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t17 = np.swapaxes(M_1, -1, -2)
-    t18 = np.swapaxes(W_O, -1, -2)
-    t19 = np.swapaxes(W_V, -1, -2)
-    t20 = t18 @ t19
-    t21 = W_O @ t20
-    t22 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t17
-    t0 += oe.contract('abc,de,acef,acg,gh->bdfh', t22, t21, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t17 = oe.contract('abc,acd,de->beac', t16, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t18 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
+    t19 = np.swapaxes(M_1, -1, -2)
+    t20 = np.swapaxes(W_O, -1, -2)
+    t21 = np.swapaxes(W_V, -1, -2)
+    t22 = t20 @ t21
+    t23 = W_O @ t22
+    t24 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t19
+    t25 = oe.contract('abc,acd,de->beac', t24, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t26 = oe.contract('ab,cdbe->aecd', t23, M_2, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t25, t26, optimize=[(0, 1)])
     return out
 
 
@@ -4707,13 +4843,17 @@ def mse_causal0__block__W_O__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t16 = (1/(math.sqrt(d_K)*n_batch)) * t14
-    t0[...] = oe.contract('abc,de,acef,acg,gh->dbfh', t16, t15, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
-    t17 = np.swapaxes(M_1, -1, -2)
-    t18 = t15 @ t17
-    t19 = np.swapaxes(W_O, -1, -2)
-    t20 = t19 @ t15
-    t21 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t18
-    t0 += oe.contract('abc,de,acef,acg,gh->bdfh', t21, t20, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t17 = oe.contract('abc,acd,de->beac', t16, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t18 = oe.contract('ab,cdbe->aecd', t15, M_2, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
+    t19 = np.swapaxes(M_1, -1, -2)
+    t20 = t15 @ t19
+    t21 = np.swapaxes(W_O, -1, -2)
+    t22 = t21 @ t15
+    t23 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t20
+    t24 = oe.contract('abc,acd,de->beac', t23, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t25 = oe.contract('ab,cdbe->aecd', t22, M_2, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t24, t25, optimize=[(0, 1)])
     return out
 
 
@@ -5001,74 +5141,86 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
     t1[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t16, M_2, X, t15, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
     t17 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t18 = np.reshape(t17, (d_V, d_K, d_V, d_K), copy=False)
-    t18[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t16, M_2, X, t15, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
-    t19 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t20 = np.reshape(t19, (d_V, d_K, d_V, d_H), copy=False)
-    t21 = A @ X
-    M_1 = t21
-    t22 = W_O @ t11
-    t23 = W_V @ t22
-    t24 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
-    t20[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t24, M_2, X, M_1, t23, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t25 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t26 = np.reshape(t25, (d_V, d_K, d_H, d_V), copy=False)
-    t27 = M_1 @ W_V
-    t28 = W_V @ W_O
-    t26[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t24, M_2, X, t27, t28, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t29 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t30 = np.reshape(t29, (d_V, d_K, d_V, d_K), copy=False)
-    t31 = np.swapaxes(W_Q, -1, -2)
-    t32 = (2/(L*d_K*d_V*n_batch)) * t31
-    t30[...] = oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t32, M_2, X, t15, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t33 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t34 = np.reshape(t33, (d_V, d_K, d_V, d_K), copy=False)
-    t34[...] = oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t32, M_2, X, t15, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
-    t35 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t36 = np.reshape(t35, (d_V, d_K, d_V, d_H), copy=False)
-    t37 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t31
-    t36[...] = oe.contract('ab,cde,cdf,cdag,hf->gheb', t23, M_1, X, M_2, t37, optimize=[(0, 3), (1, 2), (0, 2), (0, 1)])
-    t38 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t39 = np.reshape(t38, (d_V, d_K, d_H, d_V), copy=False)
-    t39[...] = oe.contract('ab,cde,cdf,cdag,hf->gheb', t28, t27, X, M_2, t37, optimize=[(0, 3), (1, 2), (0, 2), (0, 1)])
-    t40 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t41 = np.reshape(t40, (d_V, d_H, d_V, d_K), copy=False)
-    t42 = np.swapaxes(M_1, -1, -2)
-    t43 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t42
-    t41[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t43, t14, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t44 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t45 = np.reshape(t44, (d_V, d_H, d_V, d_K), copy=False)
-    t45[...] = oe.contract('abc,de,acef,acg,gh->bdfh', t43, t14, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
-    t46 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t47 = np.reshape(t46, (d_V, d_H, d_V, d_H), copy=False)
-    t48 = t42 @ M_1
-    t49 = (2/(L*d_V*n_batch)) * t22
-    t47[...] = oe.contract('abc,de->bdce', t48, t49, optimize=[(0, 1)])
-    t50 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t51 = np.reshape(t50, (d_V, d_H, d_H, d_V), copy=False)
-    t52 = t42 @ t27
-    t53 = (2/(L*d_V*n_batch)) * W_O
-    t51[...] = oe.contract('abc,de->bdce', t52, t53, optimize=[(0, 1)])
-    t54 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t55 = np.reshape(t54, (d_H, d_V, d_V, d_K), copy=False)
-    t56 = t12 @ t42
-    t57 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t56
-    t55[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t57, t13, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t58 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t59 = np.reshape(t58, (d_H, d_V, d_V, d_K), copy=False)
-    t59[...] = oe.contract('abc,de,acef,acg,gh->bdfh', t57, t13, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
-    t60 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t61 = np.reshape(t60, (d_H, d_V, d_V, d_H), copy=False)
-    t62 = t56 @ M_1
-    t63 = (2/(L*d_V*n_batch)) * t11
+    t19 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t20 = oe.contract('ab,cdeb,ef,cdfg->agcd', t16, M_2, t15, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t18[...] = oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
+    t21 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t22 = np.reshape(t21, (d_V, d_K, d_V, d_H), copy=False)
+    t23 = A @ X
+    M_1 = t23
+    t24 = W_O @ t11
+    t25 = W_V @ t24
+    t26 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
+    t22[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t26, M_2, X, M_1, t25, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t27 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t28 = np.reshape(t27, (d_V, d_K, d_H, d_V), copy=False)
+    t29 = M_1 @ W_V
+    t30 = W_V @ W_O
+    t28[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t26, M_2, X, t29, t30, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t31 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t32 = np.reshape(t31, (d_V, d_K, d_V, d_K), copy=False)
+    t33 = np.swapaxes(W_Q, -1, -2)
+    t34 = (2/(L*d_K*d_V*n_batch)) * t33
+    t32[...] = oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t34, M_2, X, t15, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t35 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t36 = np.reshape(t35, (d_V, d_K, d_V, d_K), copy=False)
+    t37 = oe.contract('ab,cdb,cde,ef->afcd', t34, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t38 = oe.contract('abcd,ce,abef->dfab', M_2, t15, M_2, optimize=[(0, 1), (0, 1)])
+    t36[...] = oe.contract('abcd,efcd->eafb', t37, t38, optimize=[(0, 1)])
+    t39 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t40 = np.reshape(t39, (d_V, d_K, d_V, d_H), copy=False)
+    t41 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t33
+    t42 = oe.contract('abcd,ce->deab', M_2, t25, optimize=[(0, 1)])
+    t43 = oe.contract('ab,cdb,cde->aecd', t41, X, M_1, optimize=[(0, 1), (0, 1)])
+    t40[...] = oe.contract('abcd,efcd->aefb', t42, t43, optimize=[(0, 1)])
+    t44 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t45 = np.reshape(t44, (d_V, d_K, d_H, d_V), copy=False)
+    t46 = oe.contract('abcd,ce->deab', M_2, t30, optimize=[(0, 1)])
+    t47 = oe.contract('ab,cdb,cde->aecd', t41, X, t29, optimize=[(0, 1), (0, 1)])
+    t45[...] = oe.contract('abcd,efcd->aefb', t46, t47, optimize=[(0, 1)])
+    t48 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t49 = np.reshape(t48, (d_V, d_H, d_V, d_K), copy=False)
+    t50 = np.swapaxes(M_1, -1, -2)
+    t51 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t50
+    t49[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t51, t14, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t52 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t53 = np.reshape(t52, (d_V, d_H, d_V, d_K), copy=False)
+    t54 = oe.contract('abc,acd,de->beac', t51, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t55 = oe.contract('ab,cdbe->aecd', t14, M_2, optimize=[(0, 1)])
+    t53[...] = oe.contract('abcd,efcd->aefb', t54, t55, optimize=[(0, 1)])
+    t56 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t57 = np.reshape(t56, (d_V, d_H, d_V, d_H), copy=False)
+    t58 = t50 @ M_1
+    t59 = (2/(L*d_V*n_batch)) * t24
+    t57[...] = oe.contract('abc,de->bdce', t58, t59, optimize=[(0, 1)])
+    t60 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t61 = np.reshape(t60, (d_V, d_H, d_H, d_V), copy=False)
+    t62 = t50 @ t29
+    t63 = (2/(L*d_V*n_batch)) * W_O
     t61[...] = oe.contract('abc,de->bdce', t62, t63, optimize=[(0, 1)])
-    t64 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t64[...] = 0
-    t65 = np.reshape(t64, (d_H, d_V, d_H, d_V), copy=False)
-    t66 = np.einsum('abcb->abc', t65)
-    t67 = t56 @ t27
-    t68 = np.ones((d_V,), dtype=X.dtype)
-    t69 = (2/(L*d_V*n_batch)) * t68
-    t66 += oe.contract('abc,d->bdc', t67, t69, optimize=[(0, 1)])
+    t64 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t65 = np.reshape(t64, (d_H, d_V, d_V, d_K), copy=False)
+    t66 = t12 @ t50
+    t67 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t66
+    t65[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t67, t13, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t68 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t69 = np.reshape(t68, (d_H, d_V, d_V, d_K), copy=False)
+    t70 = oe.contract('abc,acd,de->beac', t67, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t71 = oe.contract('ab,cdbe->aecd', t13, M_2, optimize=[(0, 1)])
+    t69[...] = oe.contract('abcd,efcd->aefb', t70, t71, optimize=[(0, 1)])
+    t72 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t73 = np.reshape(t72, (d_H, d_V, d_V, d_H), copy=False)
+    t74 = t66 @ M_1
+    t75 = (2/(L*d_V*n_batch)) * t11
+    t73[...] = oe.contract('abc,de->bdce', t74, t75, optimize=[(0, 1)])
+    t76 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t76[...] = 0
+    t77 = np.reshape(t76, (d_H, d_V, d_H, d_V), copy=False)
+    t78 = np.einsum('abcb->abc', t77)
+    t79 = t66 @ t29
+    t80 = np.ones((d_V,), dtype=X.dtype)
+    t81 = (2/(L*d_V*n_batch)) * t80
+    t78 += oe.contract('abc,d->bdc', t79, t81, optimize=[(0, 1)])
     return H
 
 
@@ -5236,7 +5388,9 @@ def mse_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t13 = W_O @ t12
     t14 = W_V @ t13
     t15 = (2/(L*d_K*d_V*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdf,ha->fa', t15, M_2, X, t14, M_2, X, W_K, optimize=[(2, 5), (0, 1), (0, 1), (2, 3), (0, 2), (0, 1)])
+    t16 = oe.contract('ab,cdeb,ef,cdfg,ga->acd', t15, M_2, t14, M_2, W_K, optimize=[(0, 1), (0, 1), (1, 2), (0, 1)])
+    t17 = oe.contract('abc,abc->cab', X, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -5354,7 +5508,9 @@ def mse_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     t13 = W_O @ t12
     t14 = W_V @ t13
     t15 = (2/(L*d_K*d_V*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t15, M_2, X, t14, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
+    t16 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t17 = oe.contract('ab,cdeb,ef,cdfg->agcd', t15, M_2, t14, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -5533,7 +5689,9 @@ def mse_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     t14 = W_O @ t13
     t15 = W_V @ t14
     t16 = (2/(L*d_K*d_V*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdef,cdb,eg,cdgf,cdh,ha->fa', t16, M_2, X, t15, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t17 = oe.contract('ab,cdb,cde,ea->acd', t16, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t18 = oe.contract('abcd,ce,abed->dab', M_2, t15, M_2, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -5655,7 +5813,9 @@ def mse_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     t14 = W_O @ t13
     t15 = W_V @ t14
     t16 = (2/(L*d_K*d_V*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t16, M_2, X, t15, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t17 = oe.contract('ab,cdb,cde,ef->afcd', t16, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t18 = oe.contract('abcd,ce,abef->dfab', M_2, t15, M_2, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -5717,7 +5877,9 @@ def mse_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     t13 = W_O @ t12
     t14 = W_V @ t13
     t15 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
-    t0[...] = oe.contract('ab,cde,cdf,cdag,hf->gheb', t14, M_1, X, M_2, t15, optimize=[(0, 3), (1, 2), (0, 2), (0, 1)])
+    t16 = oe.contract('abcd,ce->deab', M_2, t14, optimize=[(0, 1)])
+    t17 = oe.contract('ab,cdb,cde->aecd', t15, X, M_1, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -5778,7 +5940,9 @@ def mse_causal1__block__W_K__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     t12 = M_1 @ W_V
     t13 = W_V @ W_O
     t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
-    t0[...] = oe.contract('ab,cde,cdf,cdag,hf->gheb', t13, t12, X, M_2, t14, optimize=[(0, 3), (1, 2), (0, 2), (0, 1)])
+    t15 = oe.contract('abcd,ce->deab', M_2, t13, optimize=[(0, 1)])
+    t16 = oe.contract('ab,cdb,cde->aecd', t14, X, t12, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t15, t16, optimize=[(0, 1)])
     return out
 
 
@@ -5960,7 +6124,9 @@ def mse_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t16 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t11
-    t0[...] = oe.contract('abc,de,acef,acg,gh->bdfh', t16, t15, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t17 = oe.contract('abc,acd,de->beac', t16, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t18 = oe.contract('ab,cdbe->aecd', t15, M_2, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -6261,7 +6427,9 @@ def mse_causal1__block__W_O__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t16 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t13
-    t0[...] = oe.contract('abc,de,acef,acg,gh->bdfh', t16, t15, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t17 = oe.contract('abc,acd,de->beac', t16, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t18 = oe.contract('ab,cdbe->aecd', t15, M_2, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -6468,73 +6636,93 @@ def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, W_O, Y):
     t30 = np.ones((d_K,), dtype=X.dtype)
     t31 = (1/(math.sqrt(d_K)*n_batch)) * t30
     t27 += oe.contract('abc,d->bdc', t29, t31, optimize=[(0, 1)])
-    t26 += oe.contract('ab,cde,cebf,ceg,gh->dafh', t24, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
-    t32 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t33 = np.reshape(t32, (d_V, d_K, d_V, d_H), copy=False)
+    t32 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t33 = oe.contract('ab,cdbe->aecd', t24, M_3, optimize=[(0, 1)])
+    t26 += oe.contract('abcd,efcd->aefb', t32, t33, optimize=[(0, 1)])
+    t34 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t35 = np.reshape(t34, (d_V, d_K, d_V, d_H), copy=False)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t34 = G @ t17
-    t35 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t33[...] = oe.contract('abc,abd,abef,gf->dgec', t34, X, M_2, t35, optimize=[(0, 1), (0, 1), (0, 1)])
-    t36 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t37 = np.reshape(t36, (d_V, d_K, d_H, d_V), copy=False)
-    t37[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fahg', t35, M_2, X, G, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t38 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t38[...] = 0
-    t39 = np.reshape(t38, (d_V, d_K, d_V, d_K), copy=False)
-    t40 = np.einsum('abcb->abc', t39)
-    t41 = np.swapaxes(t23, -1, -2)
-    t42 = t41 @ X
-    t43 = t3 @ t42
-    t40 += oe.contract('abc,d->bdc', t43, t31, optimize=[(0, 1)])
-    t44 = np.swapaxes(W_Q, -1, -2)
-    t45 = (1/(d_K*n_batch)) * t44
-    t39 += oe.contract('ab,cde,cdfa,cgd,hg->fheb', W_K, X, M_3, t3, t45, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
-    t46 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t47 = np.reshape(t46, (d_V, d_K, d_V, d_K), copy=False)
-    t47[...] = oe.contract('ab,cbd,cdef,cdg,gh->eafh', t45, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t48 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t49 = np.reshape(t48, (d_V, d_K, d_V, d_H), copy=False)
-    t50 = (1/(math.sqrt(d_K)*n_batch)) * t44
-    t49[...] = oe.contract('ab,cdef,cdb,cdg->faeg', t50, M_2, X, t34, optimize=[(0, 2), (1, 2), (0, 1)])
-    t51 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t52 = np.reshape(t51, (d_V, d_K, d_H, d_V), copy=False)
-    t52[...] = oe.contract('ab,cdef,cdb,cdg,eh->fahg', t50, M_2, X, G, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
-    t53 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t54 = np.reshape(t53, (d_V, d_H, d_V, d_K), copy=False)
-    t55 = np.swapaxes(G, -1, -2)
-    t56 = W_O @ t55
-    t57 = (1/(math.sqrt(d_K)*n_batch)) * t56
-    t54[...] = oe.contract('ab,cde,cdfa,cgd->fgeb', W_K, X, M_2, t57, optimize=[(0, 2), (0, 1), (0, 1)])
-    t58 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t59 = np.reshape(t58, (d_V, d_H, d_V, d_K), copy=False)
-    t59[...] = oe.contract('abc,acde,acf,fg->dbeg', t57, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t60 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t60[...] = 0
-    t61 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t61[...] = 0
-    t62 = np.reshape(t61, (d_V, d_H, d_H, d_V), copy=False)
-    t63 = np.einsum('abbc->abc', t62)
-    t64 = np.swapaxes(M_1, -1, -2)
-    t65 = t64 @ G
-    t66 = np.ones((d_H,), dtype=X.dtype)
-    t67 = (1/n_batch) * t66
-    t63 += oe.contract('abc,d->bdc', t65, t67, optimize=[(0, 1)])
-    t68 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t69 = np.reshape(t68, (d_H, d_V, d_V, d_K), copy=False)
-    t70 = (1/(math.sqrt(d_K)*n_batch)) * t55
-    t69[...] = oe.contract('abc,de,acef,acg,fh->dbgh', t70, t18, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t71 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t72 = np.reshape(t71, (d_H, d_V, d_V, d_K), copy=False)
-    t72[...] = oe.contract('abc,de,acef,acg,gh->dbfh', t70, t18, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
-    t73 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t73[...] = 0
-    t74 = np.reshape(t73, (d_H, d_V, d_V, d_H), copy=False)
-    t75 = np.einsum('abca->abc', t74)
-    t76 = t55 @ M_1
-    t75 += oe.contract('abc,d->dbc', t76, t67, optimize=[(0, 1)])
-    t77 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t77[...] = 0
+    t36 = G @ t17
+    t37 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t38 = oe.contract('abc,abd->cdab', X, t36, optimize=[(0, 1)])
+    t39 = oe.contract('ab,cdeb->aecd', t37, M_2, optimize=[(0, 1)])
+    t35[...] = oe.contract('abcd,efcd->aefb', t38, t39, optimize=[(0, 1)])
+    t40 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t41 = np.reshape(t40, (d_V, d_K, d_H, d_V), copy=False)
+    t42 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t43 = oe.contract('ab,cdeb,ef->afcd', t37, M_2, W_V, optimize=[(0, 1), (0, 1)])
+    t41[...] = oe.contract('abcd,efcd->aefb', t42, t43, optimize=[(0, 1)])
+    t44 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t44[...] = 0
+    t45 = np.reshape(t44, (d_V, d_K, d_V, d_K), copy=False)
+    t46 = np.einsum('abcb->abc', t45)
+    t47 = np.swapaxes(t23, -1, -2)
+    t48 = t47 @ X
+    t49 = t3 @ t48
+    t46 += oe.contract('abc,d->bdc', t49, t31, optimize=[(0, 1)])
+    t50 = np.swapaxes(W_Q, -1, -2)
+    t51 = (1/(d_K*n_batch)) * t50
+    t52 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t53 = oe.contract('ab,cbd,cde->aecd', t51, t3, X, optimize=[(0, 1), (0, 1)])
+    t45 += oe.contract('abcd,efcd->aefb', t52, t53, optimize=[(0, 1)])
+    t54 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t55 = np.reshape(t54, (d_V, d_K, d_V, d_K), copy=False)
+    t56 = oe.contract('ab,cbd,cde,ef->afcd', t51, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t57 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t55[...] = oe.contract('abcd,efcd->eafb', t56, t57, optimize=[(0, 1)])
+    t58 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t59 = np.reshape(t58, (d_V, d_K, d_V, d_H), copy=False)
+    t60 = (1/(math.sqrt(d_K)*n_batch)) * t50
+    t61 = oe.contract('ab,cdb,cde->aecd', t60, X, t36, optimize=[(0, 1), (0, 1)])
+    t62 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t59[...] = oe.contract('abcd,efcd->eafb', t61, t62, optimize=[(0, 1)])
+    t63 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t64 = np.reshape(t63, (d_V, d_K, d_H, d_V), copy=False)
+    t65 = oe.contract('ab,cdb,cde->aecd', t60, X, G, optimize=[(0, 1), (0, 1)])
+    t66 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t64[...] = oe.contract('abcd,efcd->eafb', t65, t66, optimize=[(0, 1)])
+    t67 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t68 = np.reshape(t67, (d_V, d_H, d_V, d_K), copy=False)
+    t69 = np.swapaxes(G, -1, -2)
+    t70 = W_O @ t69
+    t71 = (1/(math.sqrt(d_K)*n_batch)) * t70
+    t72 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t73 = oe.contract('abc,acd->bdac', t71, X, optimize=[(0, 1)])
+    t68[...] = oe.contract('abcd,efcd->aefb', t72, t73, optimize=[(0, 1)])
+    t74 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t75 = np.reshape(t74, (d_V, d_H, d_V, d_K), copy=False)
+    t76 = oe.contract('abc,acd,de->beac', t71, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t77 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t75[...] = oe.contract('abcd,efcd->eafb', t76, t77, optimize=[(0, 1)])
+    t78 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t78[...] = 0
+    t79 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t79[...] = 0
+    t80 = np.reshape(t79, (d_V, d_H, d_H, d_V), copy=False)
+    t81 = np.einsum('abbc->abc', t80)
+    t82 = np.swapaxes(M_1, -1, -2)
+    t83 = t82 @ G
+    t84 = np.ones((d_H,), dtype=X.dtype)
+    t85 = (1/n_batch) * t84
+    t81 += oe.contract('abc,d->bdc', t83, t85, optimize=[(0, 1)])
+    t86 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t87 = np.reshape(t86, (d_H, d_V, d_V, d_K), copy=False)
+    t88 = (1/(math.sqrt(d_K)*n_batch)) * t69
+    t87[...] = oe.contract('abc,de,acef,acg,fh->dbgh', t88, t18, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t89 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t90 = np.reshape(t89, (d_H, d_V, d_V, d_K), copy=False)
+    t91 = oe.contract('abc,acd,de->beac', t88, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t92 = oe.contract('ab,cdbe->aecd', t18, M_2, optimize=[(0, 1)])
+    t90[...] = oe.contract('abcd,efcd->eafb', t91, t92, optimize=[(0, 1)])
+    t93 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t93[...] = 0
+    t94 = np.reshape(t93, (d_H, d_V, d_V, d_H), copy=False)
+    t95 = np.einsum('abca->abc', t94)
+    t96 = t69 @ M_1
+    t95 += oe.contract('abc,d->dbc', t96, t85, optimize=[(0, 1)])
+    t97 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t97[...] = 0
     return H
 
 
@@ -6751,7 +6939,9 @@ def mse_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t22, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t22, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t22, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t23 = (1/(d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cde,cebf,ced,fa->da', t23, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
+    t24 = oe.contract('ab,cdbe,ea->acd', t23, M_3, W_K, optimize=[(0, 2), (0, 1)])
+    t25 = oe.contract('abc,acb->bac', t2, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t24, t25, optimize=[(0, 1)])
     return out
 
 
@@ -6920,7 +7110,9 @@ def mse_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t28 = (1/(d_K*n_batch)) * t3
-    t0 += oe.contract('ab,cde,cebf,ceg,gh->dafh', t28, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t29 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t30 = oe.contract('ab,cdbe->aecd', t28, M_3, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
     return out
 
 
@@ -6999,7 +7191,9 @@ def mse_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     t16 = np.swapaxes(W_O, -1, -2)
     t17 = G @ t16
     t18 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('abc,abd,abef,gf->dgec', t17, X, M_2, t18, optimize=[(0, 1), (0, 1), (0, 1)])
+    t19 = oe.contract('abc,abd->cdab', X, t17, optimize=[(0, 1)])
+    t20 = oe.contract('ab,cdeb->aecd', t18, M_2, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -7069,7 +7263,9 @@ def mse_causal1__block__W_Q__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     t15 = t13 + t14
     G = t15
     t16 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fahg', t16, M_2, X, G, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t17 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t18 = oe.contract('ab,cdeb,ef->afcd', t16, M_2, W_V, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -7235,7 +7431,9 @@ def mse_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t30 = (1/(d_K*n_batch)) * t29
-    t0 += oe.contract('ab,cde,cdfa,cgd,hg->fheb', W_K, X, M_3, t2, t30, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t31 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t32 = oe.contract('ab,cbd,cde->aecd', t30, t2, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t31, t32, optimize=[(0, 1)])
     return out
 
 
@@ -7322,7 +7520,9 @@ def mse_causal1__block__W_K__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t24 = (1/(d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cbd,cdef,cdg,gh->eafh', t24, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t25 = oe.contract('ab,cbd,cde,ef->afcd', t24, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t26 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t25, t26, optimize=[(0, 1)])
     return out
 
 
@@ -7401,7 +7601,9 @@ def mse_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     t17 = np.swapaxes(W_O, -1, -2)
     t18 = G @ t17
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdef,cdb,cdg->faeg', t19, M_2, X, t18, optimize=[(0, 2), (1, 2), (0, 1)])
+    t20 = oe.contract('ab,cdb,cde->aecd', t19, X, t18, optimize=[(0, 1), (0, 1)])
+    t21 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -7473,7 +7675,9 @@ def mse_causal1__block__W_K__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     t16 = t14 + t15
     G = t16
     t17 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdef,cdb,cdg,eh->fahg', t17, M_2, X, G, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
+    t18 = oe.contract('ab,cdb,cde->aecd', t17, X, G, optimize=[(0, 1), (0, 1)])
+    t19 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -7566,7 +7770,9 @@ def mse_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t18 = (1/(math.sqrt(d_K)*n_batch)) * t17
-    t0[...] = oe.contract('ab,cde,cdfa,cgd->fgeb', W_K, X, M_2, t18, optimize=[(0, 2), (0, 1), (0, 1)])
+    t19 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t20 = oe.contract('abc,acd->bdac', t18, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -7638,7 +7844,9 @@ def mse_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t18 = (1/(math.sqrt(d_K)*n_batch)) * t17
-    t0[...] = oe.contract('abc,acde,acf,fg->dbeg', t18, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    t19 = oe.contract('abc,acd,de->beac', t18, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t20 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -7897,7 +8105,9 @@ def mse_causal1__block__W_O__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t18 = (1/(math.sqrt(d_K)*n_batch)) * t16
-    t0[...] = oe.contract('abc,de,acef,acg,gh->dbfh', t18, t17, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t19 = oe.contract('abc,acd,de->beac', t18, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t20 = oe.contract('ab,cdbe->aecd', t17, M_2, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -8085,104 +8295,136 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t34 = np.ones((d_K,), dtype=X.dtype)
     t35 = (1/(math.sqrt(d_K)*n_batch)) * t34
     t31 += oe.contract('abc,d->bdc', t33, t35, optimize=[(0, 1)])
-    t30 += oe.contract('ab,cde,cebf,ceg,gh->dafh', t24, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
-    t30 += oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t28, M_2, X, t27, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
-    t36 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t37 = np.reshape(t36, (d_V, d_K, d_V, d_H), copy=False)
-    t38 = G @ t17
-    t39 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t37[...] = oe.contract('abc,abd,abef,gf->dgec', t38, X, M_2, t39, optimize=[(0, 1), (0, 1), (0, 1)])
-    t40 = W_O @ t17
-    t41 = W_V @ t40
-    t42 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
-    t37 += oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t42, M_2, X, M_1, t41, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t43 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t44 = np.reshape(t43, (d_V, d_K, d_H, d_V), copy=False)
-    t45 = W_V @ W_O
-    t44[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t42, M_2, X, t12, t45, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t44 += oe.contract('ab,cdeb,cdf,cdg,eh->fahg', t39, M_2, X, G, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t46 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t46[...] = 0
-    t47 = np.reshape(t46, (d_V, d_K, d_V, d_K), copy=False)
-    t48 = np.einsum('abcb->abc', t47)
-    t49 = np.swapaxes(t23, -1, -2)
-    t50 = t49 @ X
-    t51 = t3 @ t50
-    t48 += oe.contract('abc,d->bdc', t51, t35, optimize=[(0, 1)])
-    t52 = np.swapaxes(W_Q, -1, -2)
-    t53 = (1/(d_K*n_batch)) * t52
-    t47 += oe.contract('ab,cde,cdfa,cgd,hg->fheb', W_K, X, M_3, t3, t53, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
-    t54 = (2/(L*d_K*d_V*n_batch)) * t52
-    t47 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t54, M_2, X, t27, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t55 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t56 = np.reshape(t55, (d_V, d_K, d_V, d_K), copy=False)
-    t56[...] = oe.contract('ab,cbd,cdef,cdg,gh->eafh', t53, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t56 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t54, M_2, X, t27, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
-    t57 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t58 = np.reshape(t57, (d_V, d_K, d_V, d_H), copy=False)
-    t59 = (1/(math.sqrt(d_K)*n_batch)) * t52
-    t58[...] = oe.contract('ab,cdef,cdb,cdg->faeg', t59, M_2, X, t38, optimize=[(0, 2), (1, 2), (0, 1)])
-    t60 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t52
-    t58 += oe.contract('ab,cde,cdf,cdag,hf->gheb', t41, M_1, X, M_2, t60, optimize=[(0, 3), (1, 2), (0, 2), (0, 1)])
-    t61 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t62 = np.reshape(t61, (d_V, d_K, d_H, d_V), copy=False)
-    t62[...] = oe.contract('ab,cde,cdf,cdag,hf->gheb', t45, t12, X, M_2, t60, optimize=[(0, 3), (1, 2), (0, 2), (0, 1)])
-    t62 += oe.contract('ab,cdef,cdb,cdg,eh->fahg', t59, M_2, X, G, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
-    t63 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t64 = np.reshape(t63, (d_V, d_H, d_V, d_K), copy=False)
-    t65 = np.swapaxes(G, -1, -2)
-    t66 = W_O @ t65
-    t67 = (1/(math.sqrt(d_K)*n_batch)) * t66
-    t64[...] = oe.contract('ab,cde,cdfa,cgd->fgeb', W_K, X, M_2, t67, optimize=[(0, 2), (0, 1), (0, 1)])
-    t68 = np.swapaxes(M_1, -1, -2)
-    t69 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t68
-    t64 += oe.contract('abc,de,acef,acg,fh->bdgh', t69, t26, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t70 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t71 = np.reshape(t70, (d_V, d_H, d_V, d_K), copy=False)
-    t71[...] = oe.contract('abc,acde,acf,fg->dbeg', t67, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t71 += oe.contract('abc,de,acef,acg,gh->bdfh', t69, t26, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
-    t72 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t73 = np.reshape(t72, (d_V, d_H, d_V, d_H), copy=False)
-    t74 = t68 @ M_1
-    t75 = (2/(L*d_V*n_batch)) * t40
-    t73[...] = oe.contract('abc,de->bdce', t74, t75, optimize=[(0, 1)])
-    t76 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t77 = np.reshape(t76, (d_V, d_H, d_H, d_V), copy=False)
-    t78 = t68 @ t12
-    t79 = (2/(L*d_V*n_batch)) * W_O
-    t77[...] = oe.contract('abc,de->bdce', t78, t79, optimize=[(0, 1)])
-    t80 = np.einsum('abbc->abc', t77)
-    t81 = t68 @ G
-    t82 = np.ones((d_H,), dtype=X.dtype)
-    t83 = (1/n_batch) * t82
-    t80 += oe.contract('abc,d->bdc', t81, t83, optimize=[(0, 1)])
-    t84 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t85 = np.reshape(t84, (d_H, d_V, d_V, d_K), copy=False)
-    t86 = (1/(math.sqrt(d_K)*n_batch)) * t65
-    t85[...] = oe.contract('abc,de,acef,acg,fh->dbgh', t86, t18, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t87 = t18 @ t68
-    t88 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t87
-    t85 += oe.contract('abc,de,acef,acg,fh->bdgh', t88, t25, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t89 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t90 = np.reshape(t89, (d_H, d_V, d_V, d_K), copy=False)
-    t90[...] = oe.contract('abc,de,acef,acg,gh->dbfh', t86, t18, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
-    t90 += oe.contract('abc,de,acef,acg,gh->bdfh', t88, t25, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
-    t91 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t92 = np.reshape(t91, (d_H, d_V, d_V, d_H), copy=False)
-    t93 = t87 @ M_1
-    t94 = (2/(L*d_V*n_batch)) * t17
-    t92[...] = oe.contract('abc,de->bdce', t93, t94, optimize=[(0, 1)])
-    t95 = np.einsum('abca->abc', t92)
-    t96 = t65 @ M_1
-    t95 += oe.contract('abc,d->dbc', t96, t83, optimize=[(0, 1)])
-    t97 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t97[...] = 0
-    t98 = np.reshape(t97, (d_H, d_V, d_H, d_V), copy=False)
-    t99 = np.einsum('abcb->abc', t98)
-    t100 = t87 @ t12
-    t101 = np.ones((d_V,), dtype=X.dtype)
-    t102 = (2/(L*d_V*n_batch)) * t101
-    t99 += oe.contract('abc,d->bdc', t100, t102, optimize=[(0, 1)])
+    t36 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t37 = oe.contract('ab,cdbe->aecd', t24, M_3, optimize=[(0, 1)])
+    t30 += oe.contract('abcd,efcd->aefb', t36, t37, optimize=[(0, 1)])
+    t38 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t39 = oe.contract('ab,cdeb,ef,cdfg->agcd', t28, M_2, t27, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t30 += oe.contract('abcd,efcd->aefb', t38, t39, optimize=[(0, 1)])
+    t40 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t41 = np.reshape(t40, (d_V, d_K, d_V, d_H), copy=False)
+    t42 = G @ t17
+    t43 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t44 = oe.contract('abc,abd->cdab', X, t42, optimize=[(0, 1)])
+    t45 = oe.contract('ab,cdeb->aecd', t43, M_2, optimize=[(0, 1)])
+    t41[...] = oe.contract('abcd,efcd->aefb', t44, t45, optimize=[(0, 1)])
+    t46 = W_O @ t17
+    t47 = W_V @ t46
+    t48 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
+    t41 += oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t48, M_2, X, M_1, t47, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t49 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t50 = np.reshape(t49, (d_V, d_K, d_H, d_V), copy=False)
+    t51 = W_V @ W_O
+    t50[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t48, M_2, X, t12, t51, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t52 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t53 = oe.contract('ab,cdeb,ef->afcd', t43, M_2, W_V, optimize=[(0, 1), (0, 1)])
+    t50 += oe.contract('abcd,efcd->aefb', t52, t53, optimize=[(0, 1)])
+    t54 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t54[...] = 0
+    t55 = np.reshape(t54, (d_V, d_K, d_V, d_K), copy=False)
+    t56 = np.einsum('abcb->abc', t55)
+    t57 = np.swapaxes(t23, -1, -2)
+    t58 = t57 @ X
+    t59 = t3 @ t58
+    t56 += oe.contract('abc,d->bdc', t59, t35, optimize=[(0, 1)])
+    t60 = np.swapaxes(W_Q, -1, -2)
+    t61 = (1/(d_K*n_batch)) * t60
+    t62 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t63 = oe.contract('ab,cbd,cde->aecd', t61, t3, X, optimize=[(0, 1), (0, 1)])
+    t55 += oe.contract('abcd,efcd->aefb', t62, t63, optimize=[(0, 1)])
+    t64 = (2/(L*d_K*d_V*n_batch)) * t60
+    t55 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t64, M_2, X, t27, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t65 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t66 = np.reshape(t65, (d_V, d_K, d_V, d_K), copy=False)
+    t67 = oe.contract('ab,cbd,cde,ef->afcd', t61, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t68 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t66[...] = oe.contract('abcd,efcd->eafb', t67, t68, optimize=[(0, 1)])
+    t69 = oe.contract('ab,cdb,cde,ef->afcd', t64, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t70 = oe.contract('abcd,ce,abef->dfab', M_2, t27, M_2, optimize=[(0, 1), (0, 1)])
+    t66 += oe.contract('abcd,efcd->eafb', t69, t70, optimize=[(0, 1)])
+    t71 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t72 = np.reshape(t71, (d_V, d_K, d_V, d_H), copy=False)
+    t73 = (1/(math.sqrt(d_K)*n_batch)) * t60
+    t74 = oe.contract('ab,cdb,cde->aecd', t73, X, t42, optimize=[(0, 1), (0, 1)])
+    t75 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t72[...] = oe.contract('abcd,efcd->eafb', t74, t75, optimize=[(0, 1)])
+    t76 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t60
+    t77 = oe.contract('abcd,ce->deab', M_2, t47, optimize=[(0, 1)])
+    t78 = oe.contract('ab,cdb,cde->aecd', t76, X, M_1, optimize=[(0, 1), (0, 1)])
+    t72 += oe.contract('abcd,efcd->aefb', t77, t78, optimize=[(0, 1)])
+    t79 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t80 = np.reshape(t79, (d_V, d_K, d_H, d_V), copy=False)
+    t81 = oe.contract('abcd,ce->deab', M_2, t51, optimize=[(0, 1)])
+    t82 = oe.contract('ab,cdb,cde->aecd', t76, X, t12, optimize=[(0, 1), (0, 1)])
+    t80[...] = oe.contract('abcd,efcd->aefb', t81, t82, optimize=[(0, 1)])
+    t83 = oe.contract('ab,cdb,cde->aecd', t73, X, G, optimize=[(0, 1), (0, 1)])
+    t84 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t80 += oe.contract('abcd,efcd->eafb', t83, t84, optimize=[(0, 1)])
+    t85 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t86 = np.reshape(t85, (d_V, d_H, d_V, d_K), copy=False)
+    t87 = np.swapaxes(G, -1, -2)
+    t88 = W_O @ t87
+    t89 = (1/(math.sqrt(d_K)*n_batch)) * t88
+    t90 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t91 = oe.contract('abc,acd->bdac', t89, X, optimize=[(0, 1)])
+    t86[...] = oe.contract('abcd,efcd->aefb', t90, t91, optimize=[(0, 1)])
+    t92 = np.swapaxes(M_1, -1, -2)
+    t93 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t92
+    t86 += oe.contract('abc,de,acef,acg,fh->bdgh', t93, t26, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t94 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t95 = np.reshape(t94, (d_V, d_H, d_V, d_K), copy=False)
+    t96 = oe.contract('abc,acd,de->beac', t89, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t97 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t95[...] = oe.contract('abcd,efcd->eafb', t96, t97, optimize=[(0, 1)])
+    t98 = oe.contract('abc,acd,de->beac', t93, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t99 = oe.contract('ab,cdbe->aecd', t26, M_2, optimize=[(0, 1)])
+    t95 += oe.contract('abcd,efcd->aefb', t98, t99, optimize=[(0, 1)])
+    t100 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t101 = np.reshape(t100, (d_V, d_H, d_V, d_H), copy=False)
+    t102 = t92 @ M_1
+    t103 = (2/(L*d_V*n_batch)) * t46
+    t101[...] = oe.contract('abc,de->bdce', t102, t103, optimize=[(0, 1)])
+    t104 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t105 = np.reshape(t104, (d_V, d_H, d_H, d_V), copy=False)
+    t106 = t92 @ t12
+    t107 = (2/(L*d_V*n_batch)) * W_O
+    t105[...] = oe.contract('abc,de->bdce', t106, t107, optimize=[(0, 1)])
+    t108 = np.einsum('abbc->abc', t105)
+    t109 = t92 @ G
+    t110 = np.ones((d_H,), dtype=X.dtype)
+    t111 = (1/n_batch) * t110
+    t108 += oe.contract('abc,d->bdc', t109, t111, optimize=[(0, 1)])
+    t112 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t113 = np.reshape(t112, (d_H, d_V, d_V, d_K), copy=False)
+    t114 = (1/(math.sqrt(d_K)*n_batch)) * t87
+    t113[...] = oe.contract('abc,de,acef,acg,fh->dbgh', t114, t18, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t115 = t18 @ t92
+    t116 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t115
+    t113 += oe.contract('abc,de,acef,acg,fh->bdgh', t116, t25, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t117 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t118 = np.reshape(t117, (d_H, d_V, d_V, d_K), copy=False)
+    t119 = oe.contract('abc,acd,de->beac', t114, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t120 = oe.contract('ab,cdbe->aecd', t18, M_2, optimize=[(0, 1)])
+    t118[...] = oe.contract('abcd,efcd->eafb', t119, t120, optimize=[(0, 1)])
+    t121 = oe.contract('abc,acd,de->beac', t116, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t122 = oe.contract('ab,cdbe->aecd', t25, M_2, optimize=[(0, 1)])
+    t118 += oe.contract('abcd,efcd->aefb', t121, t122, optimize=[(0, 1)])
+    t123 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t124 = np.reshape(t123, (d_H, d_V, d_V, d_H), copy=False)
+    t125 = t115 @ M_1
+    t126 = (2/(L*d_V*n_batch)) * t17
+    t124[...] = oe.contract('abc,de->bdce', t125, t126, optimize=[(0, 1)])
+    t127 = np.einsum('abca->abc', t124)
+    t128 = t87 @ M_1
+    t127 += oe.contract('abc,d->dbc', t128, t111, optimize=[(0, 1)])
+    t129 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t129[...] = 0
+    t130 = np.reshape(t129, (d_H, d_V, d_H, d_V), copy=False)
+    t131 = np.einsum('abcb->abc', t130)
+    t132 = t115 @ t12
+    t133 = np.ones((d_V,), dtype=X.dtype)
+    t134 = (2/(L*d_V*n_batch)) * t133
+    t131 += oe.contract('abc,d->bdc', t132, t134, optimize=[(0, 1)])
     return H
 
 
@@ -8432,14 +8674,18 @@ def mse_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t22, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t22, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t22, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t23 = (1/(d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cde,cebf,ced,fa->da', t23, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
+    t24 = oe.contract('ab,cdbe,ea->acd', t23, M_3, W_K, optimize=[(0, 2), (0, 1)])
+    t25 = oe.contract('abc,acb->bac', t2, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t24, t25, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t24 = t16 @ t17
-    t25 = W_O @ t24
-    t26 = W_V @ t25
-    t27 = (2/(L*d_K*d_V*n_batch)) * t1
-    t0 += oe.contract('ab,cdeb,cdf,eg,cdgh,cdf,ha->fa', t27, M_2, X, t26, M_2, X, W_K, optimize=[(2, 5), (0, 1), (0, 1), (2, 3), (0, 2), (0, 1)])
+    t26 = t16 @ t17
+    t27 = W_O @ t26
+    t28 = W_V @ t27
+    t29 = (2/(L*d_K*d_V*n_batch)) * t1
+    t30 = oe.contract('ab,cdeb,ef,cdfg,ga->acd', t29, M_2, t28, M_2, W_K, optimize=[(0, 1), (0, 1), (1, 2), (0, 1)])
+    t31 = oe.contract('abc,abc->cab', X, X, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dbc->da', t30, t31, optimize=[(0, 1)])
     return out
 
 
@@ -8625,14 +8871,18 @@ def mse_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t28 = (1/(d_K*n_batch)) * t3
-    t0 += oe.contract('ab,cde,cebf,ceg,gh->dafh', t28, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t29 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t30 = oe.contract('ab,cdbe->aecd', t28, M_3, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t29 = t17 @ t18
-    t30 = W_O @ t29
-    t31 = W_V @ t30
-    t32 = (2/(L*d_K*d_V*n_batch)) * t3
-    t0 += oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t32, M_2, X, t31, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
+    t31 = t17 @ t18
+    t32 = W_O @ t31
+    t33 = W_V @ t32
+    t34 = (2/(L*d_K*d_V*n_batch)) * t3
+    t35 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t36 = oe.contract('ab,cdeb,ef,cdfg->agcd', t34, M_2, t33, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t35, t36, optimize=[(0, 1)])
     return out
 
 
@@ -8716,11 +8966,13 @@ def mse_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t16 = np.swapaxes(W_O, -1, -2)
     t17 = G @ t16
     t18 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('abc,abd,abef,gf->dgec', t17, X, M_2, t18, optimize=[(0, 1), (0, 1), (0, 1)])
-    t19 = W_O @ t16
-    t20 = W_V @ t19
-    t21 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
-    t0 += oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t21, M_2, X, M_1, t20, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t19 = oe.contract('abc,abd->cdab', X, t17, optimize=[(0, 1)])
+    t20 = oe.contract('ab,cdeb->aecd', t18, M_2, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
+    t21 = W_O @ t16
+    t22 = W_V @ t21
+    t23 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t23, M_2, X, M_1, t22, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -8795,7 +9047,9 @@ def mse_causal1__block__W_Q__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t17 = t15 + t16
     G = t17
     t18 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t0 += oe.contract('ab,cdeb,cdf,cdg,eh->fahg', t18, M_2, X, G, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t19 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t20 = oe.contract('ab,cdeb,ef->afcd', t18, M_2, W_V, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -8879,7 +9133,9 @@ def mse_causal1__diag__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t26 = W_O @ t25
     t27 = W_V @ t26
     t28 = (2/(L*d_K*d_V*n_batch)) * t1
-    t0 += oe.contract('ab,cdef,cdb,eg,cdgf,cdh,ha->fa', t28, M_2, X, t27, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t29 = oe.contract('ab,cdb,cde,ea->acd', t28, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t30 = oe.contract('abcd,ce,abed->dab', M_2, t27, M_2, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abc,dbc->da', t29, t30, optimize=[(0, 1)])
     return out
 
 
@@ -8974,14 +9230,16 @@ def mse_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t30 = (1/(d_K*n_batch)) * t29
-    t0 += oe.contract('ab,cde,cdfa,cgd,hg->fheb', W_K, X, M_3, t2, t30, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t31 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t32 = oe.contract('ab,cbd,cde->aecd', t30, t2, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t31, t32, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t31 = t17 @ t18
-    t32 = W_O @ t31
-    t33 = W_V @ t32
-    t34 = (2/(L*d_K*d_V*n_batch)) * t29
-    t0 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t34, M_2, X, t33, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t33 = t17 @ t18
+    t34 = W_O @ t33
+    t35 = W_V @ t34
+    t36 = (2/(L*d_K*d_V*n_batch)) * t29
+    t0 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t36, M_2, X, t35, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -9073,14 +9331,18 @@ def mse_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t24 = (1/(d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cbd,cdef,cdg,gh->eafh', t24, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t25 = oe.contract('ab,cbd,cde,ef->afcd', t24, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t26 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t25, t26, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t25 = t17 @ t18
-    t26 = W_O @ t25
-    t27 = W_V @ t26
-    t28 = (2/(L*d_K*d_V*n_batch)) * t1
-    t0 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t28, M_2, X, t27, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t27 = t17 @ t18
+    t28 = W_O @ t27
+    t29 = W_V @ t28
+    t30 = (2/(L*d_K*d_V*n_batch)) * t1
+    t31 = oe.contract('ab,cdb,cde,ef->afcd', t30, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t32 = oe.contract('abcd,ce,abef->dfab', M_2, t29, M_2, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t31, t32, optimize=[(0, 1)])
     return out
 
 
@@ -9164,11 +9426,15 @@ def mse_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t17 = np.swapaxes(W_O, -1, -2)
     t18 = G @ t17
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdef,cdb,cdg->faeg', t19, M_2, X, t18, optimize=[(0, 2), (1, 2), (0, 1)])
-    t20 = W_O @ t17
-    t21 = W_V @ t20
-    t22 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
-    t0 += oe.contract('ab,cde,cdf,cdag,hf->gheb', t21, M_1, X, M_2, t22, optimize=[(0, 3), (1, 2), (0, 2), (0, 1)])
+    t20 = oe.contract('ab,cdb,cde->aecd', t19, X, t18, optimize=[(0, 1), (0, 1)])
+    t21 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
+    t22 = W_O @ t17
+    t23 = W_V @ t22
+    t24 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
+    t25 = oe.contract('abcd,ce->deab', M_2, t23, optimize=[(0, 1)])
+    t26 = oe.contract('ab,cdb,cde->aecd', t24, X, M_1, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t25, t26, optimize=[(0, 1)])
     return out
 
 
@@ -9237,15 +9503,19 @@ def mse_causal1__block__W_K__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t12 = M_1 @ W_V
     t13 = W_V @ W_O
     t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
-    t0[...] = oe.contract('ab,cde,cdf,cdag,hf->gheb', t13, t12, X, M_2, t14, optimize=[(0, 3), (1, 2), (0, 2), (0, 1)])
-    t15 = t12 @ W_O
-    F = t15
-    t16 = (2/(L*d_V)) * F
-    t17 = (-2/(L*d_V)) * Y
-    t18 = t16 + t17
-    G = t18
-    t19 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t0 += oe.contract('ab,cdef,cdb,cdg,eh->fahg', t19, M_2, X, G, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
+    t15 = oe.contract('abcd,ce->deab', M_2, t13, optimize=[(0, 1)])
+    t16 = oe.contract('ab,cdb,cde->aecd', t14, X, t12, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t15, t16, optimize=[(0, 1)])
+    t17 = t12 @ W_O
+    F = t17
+    t18 = (2/(L*d_V)) * F
+    t19 = (-2/(L*d_V)) * Y
+    t20 = t18 + t19
+    G = t20
+    t21 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t22 = oe.contract('ab,cdb,cde->aecd', t21, X, G, optimize=[(0, 1), (0, 1)])
+    t23 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -9373,14 +9643,16 @@ def mse_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t18 = (1/(math.sqrt(d_K)*n_batch)) * t17
-    t0[...] = oe.contract('ab,cde,cdfa,cgd->fgeb', W_K, X, M_2, t18, optimize=[(0, 2), (0, 1), (0, 1)])
-    t19 = np.swapaxes(M_1, -1, -2)
-    t20 = np.swapaxes(W_O, -1, -2)
-    t21 = np.swapaxes(W_V, -1, -2)
-    t22 = t20 @ t21
-    t23 = W_O @ t22
-    t24 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t19
-    t0 += oe.contract('abc,de,acef,acg,fh->bdgh', t24, t23, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t19 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t20 = oe.contract('abc,acd->bdac', t18, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
+    t21 = np.swapaxes(M_1, -1, -2)
+    t22 = np.swapaxes(W_O, -1, -2)
+    t23 = np.swapaxes(W_V, -1, -2)
+    t24 = t22 @ t23
+    t25 = W_O @ t24
+    t26 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t21
+    t0 += oe.contract('abc,de,acef,acg,fh->bdgh', t26, t25, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -9457,14 +9729,18 @@ def mse_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t18 = (1/(math.sqrt(d_K)*n_batch)) * t17
-    t0[...] = oe.contract('abc,acde,acf,fg->dbeg', t18, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t19 = np.swapaxes(M_1, -1, -2)
-    t20 = np.swapaxes(W_O, -1, -2)
-    t21 = np.swapaxes(W_V, -1, -2)
-    t22 = t20 @ t21
-    t23 = W_O @ t22
-    t24 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t19
-    t0 += oe.contract('abc,de,acef,acg,gh->bdfh', t24, t23, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t19 = oe.contract('abc,acd,de->beac', t18, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t20 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
+    t21 = np.swapaxes(M_1, -1, -2)
+    t22 = np.swapaxes(W_O, -1, -2)
+    t23 = np.swapaxes(W_V, -1, -2)
+    t24 = t22 @ t23
+    t25 = W_O @ t24
+    t26 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t21
+    t27 = oe.contract('abc,acd,de->beac', t26, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t28 = oe.contract('ab,cdbe->aecd', t25, M_2, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t27, t28, optimize=[(0, 1)])
     return out
 
 
@@ -9814,13 +10090,17 @@ def mse_causal1__block__W_O__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t18 = (1/(math.sqrt(d_K)*n_batch)) * t16
-    t0[...] = oe.contract('abc,de,acef,acg,gh->dbfh', t18, t17, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
-    t19 = np.swapaxes(M_1, -1, -2)
-    t20 = t17 @ t19
-    t21 = np.swapaxes(W_O, -1, -2)
-    t22 = t21 @ t17
-    t23 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t20
-    t0 += oe.contract('abc,de,acef,acg,gh->bdfh', t23, t22, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t19 = oe.contract('abc,acd,de->beac', t18, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t20 = oe.contract('ab,cdbe->aecd', t17, M_2, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
+    t21 = np.swapaxes(M_1, -1, -2)
+    t22 = t17 @ t21
+    t23 = np.swapaxes(W_O, -1, -2)
+    t24 = t23 @ t17
+    t25 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t22
+    t26 = oe.contract('abc,acd,de->beac', t25, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t27 = oe.contract('ab,cdbe->aecd', t24, M_2, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t26, t27, optimize=[(0, 1)])
     return out
 
 
@@ -10123,86 +10403,127 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
     t20 = (1/(L*d_K*n_batch)) * t2
     t1[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t20, M_2, X, t9, t11, A16, t19, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
     t21 = (-1/(L*d_K*n_batch)) * t2
-    t1 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t21, M_2, X, t9, t11, A16, A16, t19, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
-    t22 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t23 = np.reshape(t22, (d_V, d_K, d_V, d_K), copy=False)
-    t23[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t20, M_2, X, t9, t11, A16, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t23 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t21, M_2, X, t9, t11, A16, A16, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
-    t24 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t25 = np.reshape(t24, (d_V, d_K, d_V, d_H), copy=False)
-    t26 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
-    t25[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,gi->fahi', t26, M_2, X, t9, t11, A16, M_1, t17, optimize=[(4, 5), (0, 1), (1, 5), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t27 = (-1/(L*math.sqrt(d_K)*n_batch)) * t2
-    t25 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi,hj->faij', t27, M_2, X, t9, t11, A16, A16, M_1, t17, optimize=[(4, 5), (0, 1), (2, 4), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t28 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t29 = np.reshape(t28, (d_V, d_K, d_H, d_V), copy=False)
-    t29[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t26, M_2, X, t9, t11, A16, t13, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t29 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t27, M_2, X, t9, t11, A16, A16, t13, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t30 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t31 = np.reshape(t30, (d_V, d_K, d_V, d_K), copy=False)
-    t32 = np.swapaxes(W_Q, -1, -2)
-    t33 = (1/(L*d_K*n_batch)) * t32
-    t31[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t33, M_2, X, t9, t11, A16, t19, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t34 = (-1/(L*d_K*n_batch)) * t32
-    t31 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t34, M_2, X, t9, t11, A16, A16, t19, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
-    t35 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t36 = np.reshape(t35, (d_V, d_K, d_V, d_K), copy=False)
-    t36[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t33, M_2, X, t9, t11, A16, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
-    t36 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t34, M_2, X, t9, t11, A16, A16, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
-    t37 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t38 = np.reshape(t37, (d_V, d_K, d_V, d_H), copy=False)
-    t39 = (1/(L*math.sqrt(d_K)*n_batch)) * t32
-    t38[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,gi->fahi', t39, M_2, X, t9, t11, A16, M_1, t17, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (1, 3), (0, 1), (0, 1)])
-    t40 = (-1/(L*math.sqrt(d_K)*n_batch)) * t32
-    t38 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi,hj->faij', t40, M_2, X, t9, t11, A16, A16, M_1, t17, optimize=[(4, 5), (0, 2), (0, 1), (3, 5), (0, 2), (0, 3), (0, 2), (0, 1)])
-    t41 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t42 = np.reshape(t41, (d_V, d_K, d_H, d_V), copy=False)
-    t42[...] = oe.contract('abc,abd,abd,ed,abf,abeg,hf->ghcd', t13, A16, t11, t9, X, M_2, t39, optimize=[(1, 2), (1, 3), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t42 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t40, M_2, X, t9, t11, A16, A16, t13, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
-    t43 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t44 = np.reshape(t43, (d_V, d_H, d_V, d_K), copy=False)
-    t45 = np.swapaxes(M_1, -1, -2)
-    t46 = (1/(L*math.sqrt(d_K)*n_batch)) * t45
-    t44[...] = oe.contract('abc,de,ace,ace,ef,acfg,ach,gi->bdhi', t46, W_O, t11, A16, t19, M_2, X, W_K, optimize=[(2, 3), (2, 3), (3, 5), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t47 = (-1/(L*math.sqrt(d_K)*n_batch)) * t45
-    t44 += oe.contract('abc,de,ace,ace,acf,fg,acgh,aci,hj->bdij', t47, W_O, t11, A16, A16, t19, M_2, X, W_K, optimize=[(2, 3), (2, 3), (2, 6), (1, 4), (2, 3), (0, 2), (0, 2), (0, 1)])
-    t48 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t49 = np.reshape(t48, (d_V, d_H, d_V, d_K), copy=False)
-    t49[...] = oe.contract('abc,de,ace,ace,ef,acfg,ach,hi->bdgi', t46, W_O, t11, A16, t19, M_2, X, W_Q, optimize=[(2, 3), (2, 3), (2, 3), (2, 3), (1, 3), (0, 1), (0, 1)])
-    t49 += oe.contract('abc,de,ace,ace,acf,fg,acgh,aci,ij->bdhj', t47, W_O, t11, A16, A16, t19, M_2, X, W_Q, optimize=[(2, 3), (2, 3), (2, 6), (2, 3), (1, 2), (0, 1), (0, 2), (0, 1)])
-    t50 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t51 = np.reshape(t50, (d_V, d_H, d_V, d_H), copy=False)
-    t52 = (1/(L*n_batch)) * t45
-    t51[...] = oe.contract('ab,cde,cda,cda,fa,cgd->gfeb', t17, M_1, A16, t11, W_O, t52, optimize=[(2, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t53 = (-1/(L*n_batch)) * t45
-    t51 += oe.contract('abc,de,ace,ace,acf,acg,fh->bdgh', t53, W_O, t11, A16, A16, M_1, t17, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 2), (0, 1)])
-    t54 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t55 = np.reshape(t54, (d_V, d_H, d_H, d_V), copy=False)
-    t55[...] = oe.contract('abc,de,ace,ace,acf->bdfe', t52, W_O, t11, A16, t13, optimize=[(2, 3), (0, 2), (1, 2), (0, 1)])
-    t55 += oe.contract('abc,de,ace,ace,acf,acg->bdgf', t53, W_O, t11, A16, A16, t13, optimize=[(2, 3), (1, 4), (0, 1), (0, 2), (0, 1)])
-    t56 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t57 = np.reshape(t56, (d_H, d_V, d_V, d_K), copy=False)
-    t58 = t18 @ t45
-    t59 = (1/(L*math.sqrt(d_K)*n_batch)) * t58
-    t57[...] = oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t59, t11, A16, t19, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t60 = (-1/(L*math.sqrt(d_K)*n_batch)) * t58
-    t57 += oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t60, t11, A16, A16, t19, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
-    t61 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t62 = np.reshape(t61, (d_H, d_V, d_V, d_K), copy=False)
-    t62[...] = oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t59, t11, A16, t19, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t62 += oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t60, t11, A16, A16, t19, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
-    t63 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t64 = np.reshape(t63, (d_H, d_V, d_V, d_H), copy=False)
-    t65 = (1/(L*n_batch)) * t58
-    t64[...] = oe.contract('abc,acd,acd,ace,df->bdef', t65, t11, A16, M_1, t17, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
-    t66 = (-1/(L*n_batch)) * t58
-    t64 += oe.contract('abc,acd,acd,ace,acf,eg->bdfg', t66, t11, A16, A16, M_1, t17, optimize=[(1, 2), (1, 3), (1, 2), (0, 1), (0, 1)])
-    t67 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t67[...] = 0
-    t68 = np.reshape(t67, (d_H, d_V, d_H, d_V), copy=False)
-    t69 = np.einsum('abcb->abc', t68)
-    t69 += oe.contract('abc,acd,acd,ace->bde', t65, t11, A16, t13, optimize=[(1, 2), (0, 1), (0, 1)])
-    t68 += oe.contract('abc,acd,acd,ace,acf->bdfe', t66, t11, A16, A16, t13, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t22 = oe.contract('abc,cd,abde,ef->fab', A16, t19, M_2, W_K, optimize=[(0, 1), (0, 2), (0, 1)])
+    t23 = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahcd', t21, M_2, X, t9, t11, A16, X, optimize=[(4, 5), (0, 1), (1, 3), (2, 3), (0, 1), (0, 1)])
+    t1 += oe.contract('abc,defbc->defa', t22, t23, optimize=[(0, 1)])
+    t24 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t25 = np.reshape(t24, (d_V, d_K, d_V, d_K), copy=False)
+    t26 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t27 = oe.contract('ab,cdeb,ef,cdf,cdf,fg,cdgh->ahcd', t20, M_2, t9, t11, A16, t19, M_2, optimize=[(3, 4), (0, 1), (1, 2), (0, 2), (0, 1), (0, 1)])
+    t25[...] = oe.contract('abcd,efcd->aefb', t26, t27, optimize=[(0, 1)])
+    t28 = oe.contract('abc,abd,de,abef,abg,gh->cfhab', X, A16, t19, M_2, X, W_Q, optimize=[(1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t29 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t21, M_2, t9, t11, A16, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
+    t25 += oe.contract('abcde,fde->afbc', t28, t29, optimize=[(0, 1)])
+    t30 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t31 = np.reshape(t30, (d_V, d_K, d_V, d_H), copy=False)
+    t32 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t31[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,gi->fahi', t32, M_2, X, t9, t11, A16, M_1, t17, optimize=[(4, 5), (0, 1), (1, 5), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t33 = (-1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t34 = oe.contract('abc,abd,abe,df->cefab', X, A16, M_1, t17, optimize=[(0, 2), (0, 1), (0, 1)])
+    t35 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t33, M_2, t9, t11, A16, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
+    t31 += oe.contract('abcde,fde->afbc', t34, t35, optimize=[(0, 1)])
+    t36 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t37 = np.reshape(t36, (d_V, d_K, d_H, d_V), copy=False)
+    t37[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t32, M_2, X, t9, t11, A16, t13, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t38 = oe.contract('abc,abd,abe->cedab', X, A16, t13, optimize=[(0, 1), (0, 1)])
+    t37 += oe.contract('abcde,fde->afbc', t38, t35, optimize=[(0, 1)])
+    t39 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t40 = np.reshape(t39, (d_V, d_K, d_V, d_K), copy=False)
+    t41 = np.swapaxes(W_Q, -1, -2)
+    t42 = (1/(L*d_K*n_batch)) * t41
+    t40[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t42, M_2, X, t9, t11, A16, t19, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t43 = (-1/(L*d_K*n_batch)) * t41
+    t44 = oe.contract('ab,cdb,cde,ef,cdfg,cdh,gi->ahicd', t43, X, A16, t19, M_2, X, W_K, optimize=[(0, 1), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t45 = oe.contract('abcd,ce,abe,abe->dab', M_2, t9, t11, A16, optimize=[(1, 2), (1, 2), (0, 1)])
+    t40 += oe.contract('abcde,fde->fabc', t44, t45, optimize=[(0, 1)])
+    t46 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t47 = np.reshape(t46, (d_V, d_K, d_V, d_K), copy=False)
+    t48 = oe.contract('abc,cd->dab', X, W_Q, optimize=[(0, 1)])
+    t49 = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi->faicd', t42, M_2, X, t9, t11, A16, t19, M_2, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 2), (1, 2), (0, 1)])
+    t47[...] = oe.contract('abc,defbc->defa', t48, t49, optimize=[(0, 1)])
+    t50 = oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi->faicd', t43, M_2, X, t9, t11, A16, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 1), (0, 1)])
+    t51 = oe.contract('abc,cd,abde->eab', A16, t19, M_2, optimize=[(0, 1), (0, 1)])
+    t47 += oe.contract('abcde,fde->abfc', t50, t51, optimize=[(0, 1)])
+    t52 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t53 = np.reshape(t52, (d_V, d_K, d_V, d_H), copy=False)
+    t54 = (1/(L*math.sqrt(d_K)*n_batch)) * t41
+    t53[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,gi->fahi', t54, M_2, X, t9, t11, A16, M_1, t17, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (1, 3), (0, 1), (0, 1)])
+    t55 = (-1/(L*math.sqrt(d_K)*n_batch)) * t41
+    t56 = oe.contract('ab,cdb,cde,cdf,eg->afgcd', t55, X, A16, M_1, t17, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    t53 += oe.contract('abcde,fde->fabc', t56, t45, optimize=[(0, 1)])
+    t57 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t58 = np.reshape(t57, (d_V, d_K, d_H, d_V), copy=False)
+    t59 = oe.contract('abcd,ce,abe,abe->deab', M_2, t9, t11, A16, optimize=[(0, 1), (0, 1), (0, 1)])
+    t60 = oe.contract('ab,cdb,cde->aecd', t54, X, t13, optimize=[(0, 1), (0, 1)])
+    t58[...] = oe.contract('abcd,efcd->aefb', t59, t60, optimize=[(0, 1)])
+    t61 = oe.contract('ab,cdb,cde,cdf->afecd', t55, X, A16, t13, optimize=[(0, 1), (0, 1), (0, 1)])
+    t58 += oe.contract('abcde,fde->fabc', t61, t45, optimize=[(0, 1)])
+    t62 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t63 = np.reshape(t62, (d_V, d_H, d_V, d_K), copy=False)
+    t64 = np.swapaxes(M_1, -1, -2)
+    t65 = (1/(L*math.sqrt(d_K)*n_batch)) * t64
+    t66 = oe.contract('ab,cdb,cdb,be,cdef,fg->agcd', W_O, t11, A16, t19, M_2, W_K, optimize=[(1, 2), (1, 2), (1, 3), (1, 2), (0, 1)])
+    t67 = oe.contract('abc,acd->bdac', t65, X, optimize=[(0, 1)])
+    t63[...] = oe.contract('abcd,efcd->eafb', t66, t67, optimize=[(0, 1)])
+    t68 = (-1/(L*math.sqrt(d_K)*n_batch)) * t64
+    t69 = oe.contract('abc,de,ace,ace,acf->bdfac', t68, W_O, t11, A16, X, optimize=[(2, 3), (1, 3), (0, 1), (0, 1)])
+    t63 += oe.contract('abc,defbc->defa', t22, t69, optimize=[(0, 1)])
+    t70 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t71 = np.reshape(t70, (d_V, d_H, d_V, d_K), copy=False)
+    t72 = oe.contract('abc,acd,de->beac', t65, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t73 = oe.contract('ab,cdb,cdb,be,cdef->afcd', W_O, t11, A16, t19, M_2, optimize=[(1, 2), (1, 2), (1, 2), (0, 1)])
+    t71[...] = oe.contract('abcd,efcd->aefb', t72, t73, optimize=[(0, 1)])
+    t74 = oe.contract('abc,acd,de,acef,acg,gh->bfhac', t68, A16, t19, M_2, X, W_Q, optimize=[(1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t75 = oe.contract('ab,cdb,cdb->acd', W_O, t11, A16, optimize=[(1, 2), (0, 1)])
+    t71 += oe.contract('abcde,fde->afbc', t74, t75, optimize=[(0, 1)])
+    t76 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t77 = np.reshape(t76, (d_V, d_H, d_V, d_H), copy=False)
+    t78 = (1/(L*n_batch)) * t64
+    t79 = oe.contract('ab,bc->acb', W_O, t17, optimize=[(0, 1)])
+    t80 = oe.contract('abc,abd,abd,aeb->ecd', M_1, A16, t11, t78, optimize=[(1, 2), (0, 1), (0, 1)])
+    t77[...] = oe.contract('abc,dec->daeb', t79, t80, optimize=[(0, 1)])
+    t81 = (-1/(L*n_batch)) * t64
+    t82 = oe.contract('abc,acd,ace,df->befac', t81, A16, M_1, t17, optimize=[(0, 2), (0, 1), (0, 1)])
+    t77 += oe.contract('abcde,fde->afbc', t82, t75, optimize=[(0, 1)])
+    t83 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t84 = np.reshape(t83, (d_V, d_H, d_H, d_V), copy=False)
+    t84[...] = oe.contract('abc,de,ace,ace,acf->bdfe', t78, W_O, t11, A16, t13, optimize=[(2, 3), (0, 2), (1, 2), (0, 1)])
+    t85 = oe.contract('abc,acd,ace->bedac', t81, A16, t13, optimize=[(0, 1), (0, 1)])
+    t84 += oe.contract('abcde,fde->afbc', t85, t75, optimize=[(0, 1)])
+    t86 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t87 = np.reshape(t86, (d_H, d_V, d_V, d_K), copy=False)
+    t88 = t18 @ t64
+    t89 = (1/(L*math.sqrt(d_K)*n_batch)) * t88
+    t87[...] = oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t89, t11, A16, t19, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t90 = (-1/(L*math.sqrt(d_K)*n_batch)) * t88
+    t91 = oe.contract('abc,acd,de,acef,fg->bgac', t90, A16, t19, M_2, W_K, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t92 = oe.contract('abc,abc,abd->cdab', t11, A16, X, optimize=[(0, 1), (0, 1)])
+    t87 += oe.contract('abcd,efcd->aefb', t91, t92, optimize=[(0, 1)])
+    t93 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t94 = np.reshape(t93, (d_H, d_V, d_V, d_K), copy=False)
+    t95 = oe.contract('abc,acd,de->beac', t89, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t96 = oe.contract('abc,abc,cd,abde->ceab', t11, A16, t19, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t94[...] = oe.contract('abcd,efcd->aefb', t95, t96, optimize=[(0, 1)])
+    t97 = oe.contract('abc,acd,acd,ace,ef,acfg->bdgac', t90, t11, A16, A16, t19, M_2, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t94 += oe.contract('abc,defbc->defa', t48, t97, optimize=[(0, 1)])
+    t98 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t99 = np.reshape(t98, (d_H, d_V, d_V, d_H), copy=False)
+    t100 = (1/(L*n_batch)) * t88
+    t99[...] = oe.contract('abc,acd,acd,ace,df->bdef', t100, t11, A16, M_1, t17, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
+    t101 = (-1/(L*n_batch)) * t88
+    t102 = oe.contract('abc,acd,de->beac', t101, A16, t17, optimize=[(1, 2), (0, 1)])
+    t103 = oe.contract('abc,abc,abd->cdab', t11, A16, M_1, optimize=[(0, 1), (0, 1)])
+    t99 += oe.contract('abcd,efcd->aefb', t102, t103, optimize=[(0, 1)])
+    t104 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t104[...] = 0
+    t105 = np.reshape(t104, (d_H, d_V, d_H, d_V), copy=False)
+    t106 = np.einsum('abcb->abc', t105)
+    t107 = oe.contract('abc,acd->bdac', t100, t13, optimize=[(0, 1)])
+    t108 = oe.contract('abc,abc->cab', t11, A16, optimize=[(0, 1)])
+    t106 += oe.contract('abcd,ecd->aeb', t107, t108, optimize=[(0, 1)])
+    t109 = oe.contract('abc,acd->bdac', t101, A16, optimize=[(0, 1)])
+    t110 = oe.contract('abc,abc,abd->cdab', t11, A16, t13, optimize=[(0, 1), (0, 1)])
+    t105 += oe.contract('abcd,efcd->aefb', t109, t110, optimize=[(0, 1)])
     return H
 
 
@@ -10375,9 +10696,12 @@ def ce_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t17 = np.swapaxes(W_V, -1, -2)
     t18 = t16 @ t17
     t19 = (1/(L*d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdf,ia->fa', t19, M_2, X, t8, t10, A15, t18, M_2, X, W_K, optimize=[(4, 5), (2, 6), (0, 1), (1, 2), (0, 4), (0, 3), (2, 3), (0, 2), (0, 1)])
-    t20 = (-1/(L*d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdf,ja->fa', t20, M_2, X, t8, t10, A15, A15, t18, M_2, X, W_K, optimize=[(4, 5), (2, 7), (0, 1), (1, 2), (1, 6), (0, 2), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t20 = oe.contract('ab,cdeb,ef,cdf,cdf,fg,cdgh,ha->acd', t19, M_2, t8, t10, A15, t18, M_2, W_K, optimize=[(3, 4), (0, 1), (1, 2), (0, 3), (0, 2), (1, 2), (0, 1)])
+    t21 = oe.contract('abc,abc->cab', X, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t20, t21, optimize=[(0, 1)])
+    t22 = (-1/(L*d_K*n_batch)) * t1
+    t23 = oe.contract('ab,cdeb,ef,cdf,cdf,cdg,gh,cdhi,ia->acd', t22, M_2, t8, t10, A15, A15, t18, M_2, W_K, optimize=[(3, 4), (0, 1), (1, 2), (1, 5), (0, 2), (1, 3), (0, 1), (0, 1)])
+    t0 += oe.contract('abc,dbc->da', t23, t21, optimize=[(0, 1)])
     return out
 
 
@@ -10447,7 +10771,9 @@ def ce_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t19 = (1/(L*d_K*n_batch)) * t1
     t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t19, M_2, X, t8, t10, A15, t18, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
     t20 = (-1/(L*d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t20, M_2, X, t8, t10, A15, A15, t18, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
+    t21 = oe.contract('abc,cd,abde,ef->fab', A15, t18, M_2, W_K, optimize=[(0, 1), (0, 2), (0, 1)])
+    t22 = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahcd', t20, M_2, X, t8, t10, A15, X, optimize=[(4, 5), (0, 1), (1, 3), (2, 3), (0, 1), (0, 1)])
+    t0 += oe.contract('abc,defbc->defa', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -10517,9 +10843,13 @@ def ce_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     t17 = np.swapaxes(W_V, -1, -2)
     t18 = t16 @ t17
     t19 = (1/(L*d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t19, M_2, X, t8, t10, A15, t18, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t20 = (-1/(L*d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t20, M_2, X, t8, t10, A15, A15, t18, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
+    t20 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t21 = oe.contract('ab,cdeb,ef,cdf,cdf,fg,cdgh->ahcd', t19, M_2, t8, t10, A15, t18, M_2, optimize=[(3, 4), (0, 1), (1, 2), (0, 2), (0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
+    t22 = (-1/(L*d_K*n_batch)) * t1
+    t23 = oe.contract('abc,abd,de,abef,abg,gh->cfhab', X, A15, t18, M_2, X, W_Q, optimize=[(1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t24 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t22, M_2, t8, t10, A15, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t23, t24, optimize=[(0, 1)])
     return out
 
 
@@ -10589,7 +10919,9 @@ def ce_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     t17 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,gi->fahi', t17, M_2, X, t8, t10, A15, M_1, t16, optimize=[(4, 5), (0, 1), (1, 5), (3, 4), (2, 3), (0, 1), (0, 1)])
     t18 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi,hj->faij', t18, M_2, X, t8, t10, A15, A15, M_1, t16, optimize=[(4, 5), (0, 1), (2, 4), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t19 = oe.contract('abc,abd,abe,df->cefab', X, A15, M_1, t16, optimize=[(0, 2), (0, 1), (0, 1)])
+    t20 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t18, M_2, t8, t10, A15, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -10656,7 +10988,9 @@ def ce_causal0__block__W_Q__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     t16 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t16, M_2, X, t8, t10, A15, t12, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
     t17 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t17, M_2, X, t8, t10, A15, A15, t12, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t18 = oe.contract('abc,abd,abe->cedab', X, A15, t12, optimize=[(0, 1), (0, 1)])
+    t19 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t17, M_2, t8, t10, A15, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -10724,9 +11058,13 @@ def ce_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     t18 = np.swapaxes(W_V, -1, -2)
     t19 = t17 @ t18
     t20 = (1/(L*d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhf,cdi,ia->fa', t20, M_2, X, t9, t11, A16, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (4, 5), (2, 4), (0, 1), (0, 2), (0, 1)])
-    t21 = (-1/(L*d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdif,cdj,ja->fa', t21, M_2, X, t9, t11, A16, A16, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t21 = oe.contract('ab,cdb,cde,ea->acd', t20, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t22 = oe.contract('abcd,ce,abe,abe,ef,abfd->dab', M_2, t9, t11, A16, t19, M_2, optimize=[(2, 3), (0, 1), (0, 1), (1, 2), (0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t21, t22, optimize=[(0, 1)])
+    t23 = (-1/(L*d_K*n_batch)) * t1
+    t24 = oe.contract('ab,cdb,cde,ea->acd', t23, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t25 = oe.contract('abcd,ce,abe,abe,abf,fg,abgd->dab', M_2, t9, t11, A16, A16, t19, M_2, optimize=[(2, 3), (0, 1), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t0 += oe.contract('abc,dbc->da', t24, t25, optimize=[(0, 1)])
     return out
 
 
@@ -10798,7 +11136,9 @@ def ce_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t20 = (1/(L*d_K*n_batch)) * t1
     t0[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t20, M_2, X, t9, t11, A16, t19, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
     t21 = (-1/(L*d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t21, M_2, X, t9, t11, A16, A16, t19, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t22 = oe.contract('ab,cdb,cde,ef,cdfg,cdh,gi->ahicd', t21, X, A16, t19, M_2, X, W_K, optimize=[(0, 1), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t23 = oe.contract('abcd,ce,abe,abe->dab', M_2, t9, t11, A16, optimize=[(1, 2), (1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->fabc', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -10870,9 +11210,13 @@ def ce_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     t18 = np.swapaxes(W_V, -1, -2)
     t19 = t17 @ t18
     t20 = (1/(L*d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t20, M_2, X, t9, t11, A16, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
-    t21 = (-1/(L*d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t21, M_2, X, t9, t11, A16, A16, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
+    t21 = oe.contract('abc,cd->dab', X, W_Q, optimize=[(0, 1)])
+    t22 = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi->faicd', t20, M_2, X, t9, t11, A16, t19, M_2, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 2), (1, 2), (0, 1)])
+    t0[...] = oe.contract('abc,defbc->defa', t21, t22, optimize=[(0, 1)])
+    t23 = (-1/(L*d_K*n_batch)) * t1
+    t24 = oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi->faicd', t23, M_2, X, t9, t11, A16, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 1), (0, 1)])
+    t25 = oe.contract('abc,cd,abde->eab', A16, t19, M_2, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcde,fde->abfc', t24, t25, optimize=[(0, 1)])
     return out
 
 
@@ -10944,7 +11288,9 @@ def ce_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     t18 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t0[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,gi->fahi', t18, M_2, X, t9, t11, A16, M_1, t17, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (1, 3), (0, 1), (0, 1)])
     t19 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi,hj->faij', t19, M_2, X, t9, t11, A16, A16, M_1, t17, optimize=[(4, 5), (0, 2), (0, 1), (3, 5), (0, 2), (0, 3), (0, 2), (0, 1)])
+    t20 = oe.contract('ab,cdb,cde,cdf,eg->afgcd', t19, X, A16, M_1, t17, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    t21 = oe.contract('abcd,ce,abe,abe->dab', M_2, t9, t11, A16, optimize=[(1, 2), (1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->fabc', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -11011,9 +11357,13 @@ def ce_causal0__block__W_K__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     t15 = np.exp(t14 - t14.max(-1, keepdims=True))
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('abc,abd,abd,ed,abf,abeg,hf->ghcd', t13, A16, t11, t9, X, M_2, t17, optimize=[(1, 2), (1, 3), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t18 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t18, M_2, X, t9, t11, A16, A16, t13, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t18 = oe.contract('abcd,ce,abe,abe->deab', M_2, t9, t11, A16, optimize=[(0, 1), (0, 1), (0, 1)])
+    t19 = oe.contract('ab,cdb,cde->aecd', t17, X, t13, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t18, t19, optimize=[(0, 1)])
+    t20 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t21 = oe.contract('ab,cdb,cde,cdf->afecd', t20, X, A16, t13, optimize=[(0, 1), (0, 1), (0, 1)])
+    t22 = oe.contract('abcd,ce,abe,abe->dab', M_2, t9, t11, A16, optimize=[(1, 2), (1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->fabc', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -11079,7 +11429,9 @@ def ce_causal0__diag__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     t17 = (1/(L*n_batch)) * t9
     t0[...] = oe.contract('abc,de,ace,ace,acb,ed->bd', t17, W_O, t11, A15, M_1, t16, optimize=[(2, 3), (0, 2), (0, 1), (0, 1), (0, 1)])
     t18 = (-1/(L*n_batch)) * t9
-    t0 += oe.contract('abc,de,ace,ace,acf,acb,fd->bd', t18, W_O, t11, A15, A15, M_1, t16, optimize=[(2, 3), (0, 3), (1, 2), (0, 1), (1, 2), (0, 1)])
+    t19 = oe.contract('ab,cdb,cdb,cde,ea->acd', W_O, t11, A15, A15, t16, optimize=[(1, 2), (1, 2), (0, 1), (0, 1)])
+    t20 = oe.contract('abc,acb->bac', t18, M_1, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dbc->da', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -11143,9 +11495,13 @@ def ce_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t19 = (1/(L*math.sqrt(d_K)*n_batch)) * t9
-    t0[...] = oe.contract('abc,de,ace,ace,ef,acfg,ach,gi->bdhi', t19, W_O, t11, A15, t18, M_2, X, W_K, optimize=[(2, 3), (2, 3), (3, 5), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t20 = (-1/(L*math.sqrt(d_K)*n_batch)) * t9
-    t0 += oe.contract('abc,de,ace,ace,acf,fg,acgh,aci,hj->bdij', t20, W_O, t11, A15, A15, t18, M_2, X, W_K, optimize=[(2, 3), (2, 3), (2, 6), (1, 4), (2, 3), (0, 2), (0, 2), (0, 1)])
+    t20 = oe.contract('ab,cdb,cdb,be,cdef,fg->agcd', W_O, t11, A15, t18, M_2, W_K, optimize=[(1, 2), (1, 2), (1, 3), (1, 2), (0, 1)])
+    t21 = oe.contract('abc,acd->bdac', t19, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
+    t22 = (-1/(L*math.sqrt(d_K)*n_batch)) * t9
+    t23 = oe.contract('abc,cd,abde,ef->fab', A15, t18, M_2, W_K, optimize=[(0, 1), (0, 2), (0, 1)])
+    t24 = oe.contract('abc,de,ace,ace,acf->bdfac', t22, W_O, t11, A15, X, optimize=[(2, 3), (1, 3), (0, 1), (0, 1)])
+    t0 += oe.contract('abc,defbc->defa', t23, t24, optimize=[(0, 1)])
     return out
 
 
@@ -11215,9 +11571,13 @@ def ce_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t19 = (1/(L*math.sqrt(d_K)*n_batch)) * t9
-    t0[...] = oe.contract('abc,de,ace,ace,ef,acfg,ach,hi->bdgi', t19, W_O, t11, A15, t18, M_2, X, W_Q, optimize=[(2, 3), (2, 3), (2, 3), (2, 3), (1, 3), (0, 1), (0, 1)])
-    t20 = (-1/(L*math.sqrt(d_K)*n_batch)) * t9
-    t0 += oe.contract('abc,de,ace,ace,acf,fg,acgh,aci,ij->bdhj', t20, W_O, t11, A15, A15, t18, M_2, X, W_Q, optimize=[(2, 3), (2, 3), (2, 6), (2, 3), (1, 2), (0, 1), (0, 2), (0, 1)])
+    t20 = oe.contract('abc,acd,de->beac', t19, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t21 = oe.contract('ab,cdb,cdb,be,cdef->afcd', W_O, t11, A15, t18, M_2, optimize=[(1, 2), (1, 2), (1, 2), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
+    t22 = (-1/(L*math.sqrt(d_K)*n_batch)) * t9
+    t23 = oe.contract('abc,acd,de,acef,acg,gh->bfhac', t22, A15, t18, M_2, X, W_Q, optimize=[(1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t24 = oe.contract('ab,cdb,cdb->acd', W_O, t11, A15, optimize=[(1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t23, t24, optimize=[(0, 1)])
     return out
 
 
@@ -11283,9 +11643,13 @@ def ce_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.swapaxes(W_O, -1, -2)
     t17 = (1/(L*n_batch)) * t9
-    t0[...] = oe.contract('ab,cde,cda,cda,fa,cgd->gfeb', t16, M_1, A15, t11, W_O, t17, optimize=[(2, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t18 = (-1/(L*n_batch)) * t9
-    t0 += oe.contract('abc,de,ace,ace,acf,acg,fh->bdgh', t18, W_O, t11, A15, A15, M_1, t16, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 2), (0, 1)])
+    t18 = oe.contract('ab,bc->acb', W_O, t16, optimize=[(0, 1)])
+    t19 = oe.contract('abc,abd,abd,aeb->ecd', M_1, A15, t11, t17, optimize=[(1, 2), (0, 1), (0, 1)])
+    t0[...] = oe.contract('abc,dec->daeb', t18, t19, optimize=[(0, 1)])
+    t20 = (-1/(L*n_batch)) * t9
+    t21 = oe.contract('abc,acd,ace,df->befac', t20, A15, M_1, t16, optimize=[(0, 2), (0, 1), (0, 1)])
+    t22 = oe.contract('ab,cdb,cdb->acd', W_O, t11, A15, optimize=[(1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -11348,7 +11712,9 @@ def ce_causal0__block__W_V__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     t16 = (1/(L*n_batch)) * t9
     t0[...] = oe.contract('abc,de,ace,ace,acf->bdfe', t16, W_O, t11, A15, t12, optimize=[(2, 3), (0, 2), (1, 2), (0, 1)])
     t17 = (-1/(L*n_batch)) * t9
-    t0 += oe.contract('abc,de,ace,ace,acf,acg->bdgf', t17, W_O, t11, A15, A15, t12, optimize=[(2, 3), (1, 4), (0, 1), (0, 2), (0, 1)])
+    t18 = oe.contract('abc,acd,ace->bedac', t17, A15, t12, optimize=[(0, 1), (0, 1)])
+    t19 = oe.contract('ab,cdb,cdb->acd', W_O, t11, A15, optimize=[(1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -11410,9 +11776,11 @@ def ce_causal0__diag__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     t16 = np.exp(t15 - t15.max(-1, keepdims=True))
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = (1/(L*n_batch)) * t11
-    t0[...] = oe.contract('abc,acd,acd,acb->bd', t18, t13, A17, t14, optimize=[(0, 3), (0, 1), (0, 1)])
-    t19 = (-1/(L*n_batch)) * t11
-    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t19, t13, A17, A17, t14, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t19 = oe.contract('abc,abc->cab', t13, A17, optimize=[(0, 1)])
+    t20 = oe.contract('abc,acb->bac', t18, t14, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t19, t20, optimize=[(0, 1)])
+    t21 = (-1/(L*n_batch)) * t11
+    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t21, t13, A17, A17, t14, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -11480,7 +11848,9 @@ def ce_causal0__block__W_O__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t20 = (1/(L*math.sqrt(d_K)*n_batch)) * t11
     t0[...] = oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t20, t13, A17, t19, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
     t21 = (-1/(L*math.sqrt(d_K)*n_batch)) * t11
-    t0 += oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t21, t13, A17, A17, t19, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
+    t22 = oe.contract('abc,acd,de,acef,fg->bgac', t21, A17, t19, M_2, W_K, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t23 = oe.contract('abc,abc,abd->cdab', t13, A17, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -11552,9 +11922,13 @@ def ce_causal0__block__W_O__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t20 = (1/(L*math.sqrt(d_K)*n_batch)) * t11
-    t0[...] = oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t20, t13, A17, t19, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t21 = (-1/(L*math.sqrt(d_K)*n_batch)) * t11
-    t0 += oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t21, t13, A17, A17, t19, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
+    t21 = oe.contract('abc,acd,de->beac', t20, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t22 = oe.contract('abc,abc,cd,abde->ceab', t13, A17, t19, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t21, t22, optimize=[(0, 1)])
+    t23 = (-1/(L*math.sqrt(d_K)*n_batch)) * t11
+    t24 = oe.contract('abc,cd->dab', X, W_Q, optimize=[(0, 1)])
+    t25 = oe.contract('abc,acd,acd,ace,ef,acfg->bdgac', t23, t13, A17, A17, t19, M_2, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t0 += oe.contract('abc,defbc->defa', t24, t25, optimize=[(0, 1)])
     return out
 
 
@@ -11625,7 +11999,9 @@ def ce_causal0__block__W_O__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     t19 = (1/(L*n_batch)) * t11
     t0[...] = oe.contract('abc,acd,acd,ace,df->bdef', t19, t13, A17, M_1, t18, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
     t20 = (-1/(L*n_batch)) * t11
-    t0 += oe.contract('abc,acd,acd,ace,acf,eg->bdfg', t20, t13, A17, A17, M_1, t18, optimize=[(1, 2), (1, 3), (1, 2), (0, 1), (0, 1)])
+    t21 = oe.contract('abc,acd,de->beac', t20, A17, t18, optimize=[(1, 2), (0, 1)])
+    t22 = oe.contract('abc,abc,abd->cdab', t13, A17, M_1, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -11692,9 +12068,13 @@ def ce_causal0__block__W_O__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     t17 = np.exp(t16 - t16.max(-1, keepdims=True))
     A18 = t17 / t17.sum(-1, keepdims=True)
     t19 = (1/(L*n_batch)) * t12
-    t1 += oe.contract('abc,acd,acd,ace->bde', t19, t14, A18, t15, optimize=[(1, 2), (0, 1), (0, 1)])
-    t20 = (-1/(L*n_batch)) * t12
-    t0 += oe.contract('abc,acd,acd,ace,acf->bdfe', t20, t14, A18, A18, t15, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t20 = oe.contract('abc,acd->bdac', t19, t15, optimize=[(0, 1)])
+    t21 = oe.contract('abc,abc->cab', t14, A18, optimize=[(0, 1)])
+    t1 += oe.contract('abcd,ecd->aeb', t20, t21, optimize=[(0, 1)])
+    t22 = (-1/(L*n_batch)) * t12
+    t23 = oe.contract('abc,acd->bdac', t22, A18, optimize=[(0, 1)])
+    t24 = oe.contract('abc,abc,abd->cdab', t14, A18, t15, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t23, t24, optimize=[(0, 1)])
     return out
 
 
@@ -11781,73 +12161,93 @@ def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, W_O, Y):
     t33 = np.ones((d_K,), dtype=X.dtype)
     t34 = (1/(math.sqrt(d_K)*n_batch)) * t33
     t30 += oe.contract('abc,d->bdc', t32, t34, optimize=[(0, 1)])
-    t29 += oe.contract('ab,cde,cebf,ceg,gh->dafh', t27, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
-    t35 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t36 = np.reshape(t35, (d_V, d_K, d_V, d_H), copy=False)
+    t35 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t36 = oe.contract('ab,cdbe->aecd', t27, M_3, optimize=[(0, 1)])
+    t29 += oe.contract('abcd,efcd->aefb', t35, t36, optimize=[(0, 1)])
+    t37 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t38 = np.reshape(t37, (d_V, d_K, d_V, d_H), copy=False)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t37 = G @ t20
-    t38 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t36[...] = oe.contract('abc,abd,abef,gf->dgec', t37, X, M_2, t38, optimize=[(0, 1), (0, 1), (0, 1)])
-    t39 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t40 = np.reshape(t39, (d_V, d_K, d_H, d_V), copy=False)
-    t40[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fahg', t38, M_2, X, G, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t41 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t41[...] = 0
-    t42 = np.reshape(t41, (d_V, d_K, d_V, d_K), copy=False)
-    t43 = np.einsum('abcb->abc', t42)
-    t44 = np.swapaxes(t26, -1, -2)
-    t45 = t44 @ X
-    t46 = t3 @ t45
-    t43 += oe.contract('abc,d->bdc', t46, t34, optimize=[(0, 1)])
-    t47 = np.swapaxes(W_Q, -1, -2)
-    t48 = (1/(d_K*n_batch)) * t47
-    t42 += oe.contract('ab,cde,cdfa,cgd,hg->fheb', W_K, X, M_3, t3, t48, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
-    t49 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t50 = np.reshape(t49, (d_V, d_K, d_V, d_K), copy=False)
-    t50[...] = oe.contract('ab,cbd,cdef,cdg,gh->eafh', t48, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t51 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t52 = np.reshape(t51, (d_V, d_K, d_V, d_H), copy=False)
-    t53 = (1/(math.sqrt(d_K)*n_batch)) * t47
-    t52[...] = oe.contract('ab,cdef,cdb,cdg->faeg', t53, M_2, X, t37, optimize=[(0, 2), (1, 2), (0, 1)])
-    t54 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t55 = np.reshape(t54, (d_V, d_K, d_H, d_V), copy=False)
-    t55[...] = oe.contract('ab,cdef,cdb,cdg,eh->fahg', t53, M_2, X, G, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
-    t56 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t57 = np.reshape(t56, (d_V, d_H, d_V, d_K), copy=False)
-    t58 = np.swapaxes(G, -1, -2)
-    t59 = W_O @ t58
-    t60 = (1/(math.sqrt(d_K)*n_batch)) * t59
-    t57[...] = oe.contract('ab,cde,cdfa,cgd->fgeb', W_K, X, M_2, t60, optimize=[(0, 2), (0, 1), (0, 1)])
-    t61 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t62 = np.reshape(t61, (d_V, d_H, d_V, d_K), copy=False)
-    t62[...] = oe.contract('abc,acde,acf,fg->dbeg', t60, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t63 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t63[...] = 0
-    t64 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t64[...] = 0
-    t65 = np.reshape(t64, (d_V, d_H, d_H, d_V), copy=False)
-    t66 = np.einsum('abbc->abc', t65)
-    t67 = np.swapaxes(M_1, -1, -2)
-    t68 = t67 @ G
-    t69 = np.ones((d_H,), dtype=X.dtype)
-    t70 = (1/n_batch) * t69
-    t66 += oe.contract('abc,d->bdc', t68, t70, optimize=[(0, 1)])
-    t71 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t72 = np.reshape(t71, (d_H, d_V, d_V, d_K), copy=False)
-    t73 = (1/(math.sqrt(d_K)*n_batch)) * t58
-    t72[...] = oe.contract('abc,de,acef,acg,fh->dbgh', t73, t21, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t74 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t75 = np.reshape(t74, (d_H, d_V, d_V, d_K), copy=False)
-    t75[...] = oe.contract('abc,de,acef,acg,gh->dbfh', t73, t21, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
-    t76 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t76[...] = 0
-    t77 = np.reshape(t76, (d_H, d_V, d_V, d_H), copy=False)
-    t78 = np.einsum('abca->abc', t77)
-    t79 = t58 @ M_1
-    t78 += oe.contract('abc,d->dbc', t79, t70, optimize=[(0, 1)])
-    t80 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t80[...] = 0
+    t39 = G @ t20
+    t40 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t41 = oe.contract('abc,abd->cdab', X, t39, optimize=[(0, 1)])
+    t42 = oe.contract('ab,cdeb->aecd', t40, M_2, optimize=[(0, 1)])
+    t38[...] = oe.contract('abcd,efcd->aefb', t41, t42, optimize=[(0, 1)])
+    t43 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t44 = np.reshape(t43, (d_V, d_K, d_H, d_V), copy=False)
+    t45 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t46 = oe.contract('ab,cdeb,ef->afcd', t40, M_2, W_V, optimize=[(0, 1), (0, 1)])
+    t44[...] = oe.contract('abcd,efcd->aefb', t45, t46, optimize=[(0, 1)])
+    t47 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t47[...] = 0
+    t48 = np.reshape(t47, (d_V, d_K, d_V, d_K), copy=False)
+    t49 = np.einsum('abcb->abc', t48)
+    t50 = np.swapaxes(t26, -1, -2)
+    t51 = t50 @ X
+    t52 = t3 @ t51
+    t49 += oe.contract('abc,d->bdc', t52, t34, optimize=[(0, 1)])
+    t53 = np.swapaxes(W_Q, -1, -2)
+    t54 = (1/(d_K*n_batch)) * t53
+    t55 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t56 = oe.contract('ab,cbd,cde->aecd', t54, t3, X, optimize=[(0, 1), (0, 1)])
+    t48 += oe.contract('abcd,efcd->aefb', t55, t56, optimize=[(0, 1)])
+    t57 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t58 = np.reshape(t57, (d_V, d_K, d_V, d_K), copy=False)
+    t59 = oe.contract('ab,cbd,cde,ef->afcd', t54, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t60 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t58[...] = oe.contract('abcd,efcd->eafb', t59, t60, optimize=[(0, 1)])
+    t61 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t62 = np.reshape(t61, (d_V, d_K, d_V, d_H), copy=False)
+    t63 = (1/(math.sqrt(d_K)*n_batch)) * t53
+    t64 = oe.contract('ab,cdb,cde->aecd', t63, X, t39, optimize=[(0, 1), (0, 1)])
+    t65 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t62[...] = oe.contract('abcd,efcd->eafb', t64, t65, optimize=[(0, 1)])
+    t66 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t67 = np.reshape(t66, (d_V, d_K, d_H, d_V), copy=False)
+    t68 = oe.contract('ab,cdb,cde->aecd', t63, X, G, optimize=[(0, 1), (0, 1)])
+    t69 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t67[...] = oe.contract('abcd,efcd->eafb', t68, t69, optimize=[(0, 1)])
+    t70 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t71 = np.reshape(t70, (d_V, d_H, d_V, d_K), copy=False)
+    t72 = np.swapaxes(G, -1, -2)
+    t73 = W_O @ t72
+    t74 = (1/(math.sqrt(d_K)*n_batch)) * t73
+    t75 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t76 = oe.contract('abc,acd->bdac', t74, X, optimize=[(0, 1)])
+    t71[...] = oe.contract('abcd,efcd->aefb', t75, t76, optimize=[(0, 1)])
+    t77 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t78 = np.reshape(t77, (d_V, d_H, d_V, d_K), copy=False)
+    t79 = oe.contract('abc,acd,de->beac', t74, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t80 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t78[...] = oe.contract('abcd,efcd->eafb', t79, t80, optimize=[(0, 1)])
+    t81 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t81[...] = 0
+    t82 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t82[...] = 0
+    t83 = np.reshape(t82, (d_V, d_H, d_H, d_V), copy=False)
+    t84 = np.einsum('abbc->abc', t83)
+    t85 = np.swapaxes(M_1, -1, -2)
+    t86 = t85 @ G
+    t87 = np.ones((d_H,), dtype=X.dtype)
+    t88 = (1/n_batch) * t87
+    t84 += oe.contract('abc,d->bdc', t86, t88, optimize=[(0, 1)])
+    t89 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t90 = np.reshape(t89, (d_H, d_V, d_V, d_K), copy=False)
+    t91 = (1/(math.sqrt(d_K)*n_batch)) * t72
+    t90[...] = oe.contract('abc,de,acef,acg,fh->dbgh', t91, t21, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t92 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t93 = np.reshape(t92, (d_H, d_V, d_V, d_K), copy=False)
+    t94 = oe.contract('abc,acd,de->beac', t91, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t95 = oe.contract('ab,cdbe->aecd', t21, M_2, optimize=[(0, 1)])
+    t93[...] = oe.contract('abcd,efcd->eafb', t94, t95, optimize=[(0, 1)])
+    t96 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t96[...] = 0
+    t97 = np.reshape(t96, (d_H, d_V, d_V, d_H), copy=False)
+    t98 = np.einsum('abca->abc', t97)
+    t99 = t72 @ M_1
+    t98 += oe.contract('abc,d->dbc', t99, t88, optimize=[(0, 1)])
+    t100 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t100[...] = 0
     return H
 
 
@@ -12073,7 +12473,9 @@ def ce_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t25, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t25, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t25, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t26 = (1/(d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cde,cebf,ced,fa->da', t26, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
+    t27 = oe.contract('ab,cdbe,ea->acd', t26, M_3, W_K, optimize=[(0, 2), (0, 1)])
+    t28 = oe.contract('abc,acb->bac', t2, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t27, t28, optimize=[(0, 1)])
     return out
 
 
@@ -12254,7 +12656,9 @@ def ce_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t26, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t26, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t26, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t31 = (1/(d_K*n_batch)) * t3
-    t0 += oe.contract('ab,cde,cebf,ceg,gh->dafh', t31, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t32 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t33 = oe.contract('ab,cdbe->aecd', t31, M_3, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t32, t33, optimize=[(0, 1)])
     return out
 
 
@@ -12339,7 +12743,9 @@ def ce_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     t19 = np.swapaxes(W_O, -1, -2)
     t20 = G @ t19
     t21 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('abc,abd,abef,gf->dgec', t20, X, M_2, t21, optimize=[(0, 1), (0, 1), (0, 1)])
+    t22 = oe.contract('abc,abd->cdab', X, t20, optimize=[(0, 1)])
+    t23 = oe.contract('ab,cdeb->aecd', t21, M_2, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -12415,7 +12821,9 @@ def ce_causal0__block__W_Q__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     t18 = t16 + t17
     G = t18
     t19 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fahg', t19, M_2, X, G, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t20 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t21 = oe.contract('ab,cdeb,ef->afcd', t19, M_2, W_V, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -12593,7 +13001,9 @@ def ce_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t26, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t26, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t26, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t33 = (1/(d_K*n_batch)) * t32
-    t0 += oe.contract('ab,cde,cdfa,cgd,hg->fheb', W_K, X, M_3, t2, t33, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t34 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t35 = oe.contract('ab,cbd,cde->aecd', t33, t2, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t34, t35, optimize=[(0, 1)])
     return out
 
 
@@ -12686,7 +13096,9 @@ def ce_causal0__block__W_K__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t26, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t26, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t26, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t27 = (1/(d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cbd,cdef,cdg,gh->eafh', t27, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t28 = oe.contract('ab,cbd,cde,ef->afcd', t27, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t29 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t28, t29, optimize=[(0, 1)])
     return out
 
 
@@ -12771,7 +13183,9 @@ def ce_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     t20 = np.swapaxes(W_O, -1, -2)
     t21 = G @ t20
     t22 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdef,cdb,cdg->faeg', t22, M_2, X, t21, optimize=[(0, 2), (1, 2), (0, 1)])
+    t23 = oe.contract('ab,cdb,cde->aecd', t22, X, t21, optimize=[(0, 1), (0, 1)])
+    t24 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t23, t24, optimize=[(0, 1)])
     return out
 
 
@@ -12849,7 +13263,9 @@ def ce_causal0__block__W_K__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     t19 = t17 + t18
     G = t19
     t20 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdef,cdb,cdg,eh->fahg', t20, M_2, X, G, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
+    t21 = oe.contract('ab,cdb,cde->aecd', t20, X, G, optimize=[(0, 1), (0, 1)])
+    t22 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -12948,7 +13364,9 @@ def ce_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
-    t0[...] = oe.contract('ab,cde,cdfa,cgd->fgeb', W_K, X, M_2, t21, optimize=[(0, 2), (0, 1), (0, 1)])
+    t22 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t23 = oe.contract('abc,acd->bdac', t21, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -13026,7 +13444,9 @@ def ce_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
-    t0[...] = oe.contract('abc,acde,acf,fg->dbeg', t21, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    t22 = oe.contract('abc,acd,de->beac', t21, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t23 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -13303,7 +13723,9 @@ def ce_causal0__block__W_O__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t21 = (1/(math.sqrt(d_K)*n_batch)) * t19
-    t0[...] = oe.contract('abc,de,acef,acg,gh->dbfh', t21, t20, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t22 = oe.contract('abc,acd,de->beac', t21, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t23 = oe.contract('ab,cdbe->aecd', t20, M_2, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -13496,128 +13918,189 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t32 = (1/(L*d_K*n_batch)) * t2
     t1 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t32, M_2, X, t28, t10, A30, t31, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
     t33 = (-1/(L*d_K*n_batch)) * t2
-    t1 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t33, M_2, X, t28, t10, A30, A30, t31, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
-    t34 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t34[...] = 0
-    t35 = np.reshape(t34, (d_V, d_K, d_V, d_K), copy=False)
-    t36 = np.einsum('abcb->abc', t35)
-    t37 = t26 @ X
-    t38 = t3 @ t37
-    t39 = np.ones((d_K,), dtype=X.dtype)
-    t40 = (1/(math.sqrt(d_K)*n_batch)) * t39
-    t36 += oe.contract('abc,d->bdc', t38, t40, optimize=[(0, 1)])
-    t35 += oe.contract('ab,cde,cebf,ceg,gh->dafh', t27, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
-    t35 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t32, M_2, X, t28, t10, A30, t31, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t35 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t33, M_2, X, t28, t10, A30, A30, t31, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
-    t41 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t42 = np.reshape(t41, (d_V, d_K, d_V, d_H), copy=False)
-    t43 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
-    t42[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,gi->fahi', t43, M_2, X, t28, t10, A30, M_1, t20, optimize=[(4, 5), (0, 1), (1, 5), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t44 = (-1/(L*math.sqrt(d_K)*n_batch)) * t2
-    t42 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi,hj->faij', t44, M_2, X, t28, t10, A30, A30, M_1, t20, optimize=[(4, 5), (0, 1), (2, 4), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t45 = G @ t20
-    t46 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t42 += oe.contract('abc,abd,abef,gf->dgec', t45, X, M_2, t46, optimize=[(0, 1), (0, 1), (0, 1)])
-    t47 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t48 = np.reshape(t47, (d_V, d_K, d_H, d_V), copy=False)
-    t48[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t43, M_2, X, t28, t10, A30, t12, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t48 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t44, M_2, X, t28, t10, A30, A30, t12, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t48 += oe.contract('ab,cdeb,cdf,cdg,eh->fahg', t46, M_2, X, G, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t49 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t49[...] = 0
-    t50 = np.reshape(t49, (d_V, d_K, d_V, d_K), copy=False)
-    t51 = np.einsum('abcb->abc', t50)
-    t52 = np.swapaxes(t26, -1, -2)
-    t53 = t52 @ X
-    t54 = t3 @ t53
-    t51 += oe.contract('abc,d->bdc', t54, t40, optimize=[(0, 1)])
-    t55 = np.swapaxes(W_Q, -1, -2)
-    t56 = (1/(d_K*n_batch)) * t55
-    t50 += oe.contract('ab,cde,cdfa,cgd,hg->fheb', W_K, X, M_3, t3, t56, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
-    t57 = (1/(L*d_K*n_batch)) * t55
-    t50 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t57, M_2, X, t28, t10, A30, t31, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t58 = (-1/(L*d_K*n_batch)) * t55
-    t50 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t58, M_2, X, t28, t10, A30, A30, t31, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
-    t59 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t60 = np.reshape(t59, (d_V, d_K, d_V, d_K), copy=False)
-    t60[...] = oe.contract('ab,cbd,cdef,cdg,gh->eafh', t56, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t60 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t57, M_2, X, t28, t10, A30, t31, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
-    t60 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t58, M_2, X, t28, t10, A30, A30, t31, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
-    t61 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t62 = np.reshape(t61, (d_V, d_K, d_V, d_H), copy=False)
-    t63 = (1/(L*math.sqrt(d_K)*n_batch)) * t55
-    t62[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,gi->fahi', t63, M_2, X, t28, t10, A30, M_1, t20, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (1, 3), (0, 1), (0, 1)])
-    t64 = (-1/(L*math.sqrt(d_K)*n_batch)) * t55
-    t62 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi,hj->faij', t64, M_2, X, t28, t10, A30, A30, M_1, t20, optimize=[(4, 5), (0, 2), (0, 1), (3, 5), (0, 2), (0, 3), (0, 2), (0, 1)])
-    t65 = (1/(math.sqrt(d_K)*n_batch)) * t55
-    t62 += oe.contract('ab,cdef,cdb,cdg->faeg', t65, M_2, X, t45, optimize=[(0, 2), (1, 2), (0, 1)])
-    t66 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t67 = np.reshape(t66, (d_V, d_K, d_H, d_V), copy=False)
-    t67[...] = oe.contract('abc,abd,abd,ed,abf,abeg,hf->ghcd', t12, A30, t10, t28, X, M_2, t63, optimize=[(1, 2), (1, 3), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t67 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t64, M_2, X, t28, t10, A30, A30, t12, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
-    t67 += oe.contract('ab,cdef,cdb,cdg,eh->fahg', t65, M_2, X, G, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
-    t68 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t69 = np.reshape(t68, (d_V, d_H, d_V, d_K), copy=False)
-    t70 = np.swapaxes(G, -1, -2)
-    t71 = W_O @ t70
-    t72 = (1/(math.sqrt(d_K)*n_batch)) * t71
-    t69[...] = oe.contract('ab,cde,cdfa,cgd->fgeb', W_K, X, M_2, t72, optimize=[(0, 2), (0, 1), (0, 1)])
-    t73 = np.swapaxes(M_1, -1, -2)
-    t74 = (1/(L*math.sqrt(d_K)*n_batch)) * t73
-    t69 += oe.contract('abc,de,ace,ace,ef,acfg,ach,gi->bdhi', t74, W_O, t10, A30, t31, M_2, X, W_K, optimize=[(2, 3), (2, 3), (3, 5), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t75 = (-1/(L*math.sqrt(d_K)*n_batch)) * t73
-    t69 += oe.contract('abc,de,ace,ace,acf,fg,acgh,aci,hj->bdij', t75, W_O, t10, A30, A30, t31, M_2, X, W_K, optimize=[(2, 3), (2, 3), (2, 6), (1, 4), (2, 3), (0, 2), (0, 2), (0, 1)])
-    t76 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t77 = np.reshape(t76, (d_V, d_H, d_V, d_K), copy=False)
-    t77[...] = oe.contract('abc,acde,acf,fg->dbeg', t72, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t77 += oe.contract('abc,de,ace,ace,ef,acfg,ach,hi->bdgi', t74, W_O, t10, A30, t31, M_2, X, W_Q, optimize=[(2, 3), (2, 3), (2, 3), (2, 3), (1, 3), (0, 1), (0, 1)])
-    t77 += oe.contract('abc,de,ace,ace,acf,fg,acgh,aci,ij->bdhj', t75, W_O, t10, A30, A30, t31, M_2, X, W_Q, optimize=[(2, 3), (2, 3), (2, 6), (2, 3), (1, 2), (0, 1), (0, 2), (0, 1)])
-    t78 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t79 = np.reshape(t78, (d_V, d_H, d_V, d_H), copy=False)
-    t80 = (1/(L*n_batch)) * t73
-    t79[...] = oe.contract('ab,cde,cda,cda,fa,cgd->gfeb', t20, M_1, A30, t10, W_O, t80, optimize=[(2, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t81 = (-1/(L*n_batch)) * t73
-    t79 += oe.contract('abc,de,ace,ace,acf,acg,fh->bdgh', t81, W_O, t10, A30, A30, M_1, t20, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 2), (0, 1)])
-    t82 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t82[...] = 0
-    t83 = np.reshape(t82, (d_V, d_H, d_H, d_V), copy=False)
-    t84 = np.einsum('abbc->abc', t83)
-    t85 = t73 @ G
-    t86 = np.ones((d_H,), dtype=X.dtype)
-    t87 = (1/n_batch) * t86
-    t84 += oe.contract('abc,d->bdc', t85, t87, optimize=[(0, 1)])
-    t83 += oe.contract('abc,de,ace,ace,acf->bdfe', t80, W_O, t10, A30, t12, optimize=[(2, 3), (0, 2), (1, 2), (0, 1)])
-    t83 += oe.contract('abc,de,ace,ace,acf,acg->bdgf', t81, W_O, t10, A30, A30, t12, optimize=[(2, 3), (1, 4), (0, 1), (0, 2), (0, 1)])
-    t88 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t89 = np.reshape(t88, (d_H, d_V, d_V, d_K), copy=False)
-    t90 = (1/(math.sqrt(d_K)*n_batch)) * t70
-    t89[...] = oe.contract('abc,de,acef,acg,fh->dbgh', t90, t21, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t91 = t21 @ t73
-    t92 = (1/(L*math.sqrt(d_K)*n_batch)) * t91
-    t89 += oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t92, t10, A30, t31, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t93 = (-1/(L*math.sqrt(d_K)*n_batch)) * t91
-    t89 += oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t93, t10, A30, A30, t31, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
-    t94 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t95 = np.reshape(t94, (d_H, d_V, d_V, d_K), copy=False)
-    t95[...] = oe.contract('abc,de,acef,acg,gh->dbfh', t90, t21, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
-    t95 += oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t92, t10, A30, t31, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t95 += oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t93, t10, A30, A30, t31, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
-    t96 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t96[...] = 0
-    t97 = np.reshape(t96, (d_H, d_V, d_V, d_H), copy=False)
-    t98 = np.einsum('abca->abc', t97)
-    t99 = t70 @ M_1
-    t98 += oe.contract('abc,d->dbc', t99, t87, optimize=[(0, 1)])
-    t100 = (1/(L*n_batch)) * t91
-    t97 += oe.contract('abc,acd,acd,ace,df->bdef', t100, t10, A30, M_1, t20, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
-    t101 = (-1/(L*n_batch)) * t91
-    t97 += oe.contract('abc,acd,acd,ace,acf,eg->bdfg', t101, t10, A30, A30, M_1, t20, optimize=[(1, 2), (1, 3), (1, 2), (0, 1), (0, 1)])
-    t102 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t102[...] = 0
-    t103 = np.reshape(t102, (d_H, d_V, d_H, d_V), copy=False)
-    t104 = np.einsum('abcb->abc', t103)
-    t104 += oe.contract('abc,acd,acd,ace->bde', t100, t10, A30, t12, optimize=[(1, 2), (0, 1), (0, 1)])
-    t103 += oe.contract('abc,acd,acd,ace,acf->bdfe', t101, t10, A30, A30, t12, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t34 = oe.contract('abc,cd,abde,ef->fab', A30, t31, M_2, W_K, optimize=[(0, 1), (0, 2), (0, 1)])
+    t35 = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahcd', t33, M_2, X, t28, t10, A30, X, optimize=[(4, 5), (0, 1), (1, 3), (2, 3), (0, 1), (0, 1)])
+    t1 += oe.contract('abc,defbc->defa', t34, t35, optimize=[(0, 1)])
+    t36 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t36[...] = 0
+    t37 = np.reshape(t36, (d_V, d_K, d_V, d_K), copy=False)
+    t38 = np.einsum('abcb->abc', t37)
+    t39 = t26 @ X
+    t40 = t3 @ t39
+    t41 = np.ones((d_K,), dtype=X.dtype)
+    t42 = (1/(math.sqrt(d_K)*n_batch)) * t41
+    t38 += oe.contract('abc,d->bdc', t40, t42, optimize=[(0, 1)])
+    t43 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t44 = oe.contract('ab,cdbe->aecd', t27, M_3, optimize=[(0, 1)])
+    t37 += oe.contract('abcd,efcd->aefb', t43, t44, optimize=[(0, 1)])
+    t45 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t46 = oe.contract('ab,cdeb,ef,cdf,cdf,fg,cdgh->ahcd', t32, M_2, t28, t10, A30, t31, M_2, optimize=[(3, 4), (0, 1), (1, 2), (0, 2), (0, 1), (0, 1)])
+    t37 += oe.contract('abcd,efcd->aefb', t45, t46, optimize=[(0, 1)])
+    t47 = oe.contract('abc,abd,de,abef,abg,gh->cfhab', X, A30, t31, M_2, X, W_Q, optimize=[(1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t48 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t33, M_2, t28, t10, A30, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
+    t37 += oe.contract('abcde,fde->afbc', t47, t48, optimize=[(0, 1)])
+    t49 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t50 = np.reshape(t49, (d_V, d_K, d_V, d_H), copy=False)
+    t51 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t50[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,gi->fahi', t51, M_2, X, t28, t10, A30, M_1, t20, optimize=[(4, 5), (0, 1), (1, 5), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t52 = (-1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t53 = oe.contract('abc,abd,abe,df->cefab', X, A30, M_1, t20, optimize=[(0, 2), (0, 1), (0, 1)])
+    t54 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t52, M_2, t28, t10, A30, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
+    t50 += oe.contract('abcde,fde->afbc', t53, t54, optimize=[(0, 1)])
+    t55 = G @ t20
+    t56 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t57 = oe.contract('abc,abd->cdab', X, t55, optimize=[(0, 1)])
+    t58 = oe.contract('ab,cdeb->aecd', t56, M_2, optimize=[(0, 1)])
+    t50 += oe.contract('abcd,efcd->aefb', t57, t58, optimize=[(0, 1)])
+    t59 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t60 = np.reshape(t59, (d_V, d_K, d_H, d_V), copy=False)
+    t60[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t51, M_2, X, t28, t10, A30, t12, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t61 = oe.contract('abc,abd,abe->cedab', X, A30, t12, optimize=[(0, 1), (0, 1)])
+    t60 += oe.contract('abcde,fde->afbc', t61, t54, optimize=[(0, 1)])
+    t62 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t63 = oe.contract('ab,cdeb,ef->afcd', t56, M_2, W_V, optimize=[(0, 1), (0, 1)])
+    t60 += oe.contract('abcd,efcd->aefb', t62, t63, optimize=[(0, 1)])
+    t64 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t64[...] = 0
+    t65 = np.reshape(t64, (d_V, d_K, d_V, d_K), copy=False)
+    t66 = np.einsum('abcb->abc', t65)
+    t67 = np.swapaxes(t26, -1, -2)
+    t68 = t67 @ X
+    t69 = t3 @ t68
+    t66 += oe.contract('abc,d->bdc', t69, t42, optimize=[(0, 1)])
+    t70 = np.swapaxes(W_Q, -1, -2)
+    t71 = (1/(d_K*n_batch)) * t70
+    t72 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t73 = oe.contract('ab,cbd,cde->aecd', t71, t3, X, optimize=[(0, 1), (0, 1)])
+    t65 += oe.contract('abcd,efcd->aefb', t72, t73, optimize=[(0, 1)])
+    t74 = (1/(L*d_K*n_batch)) * t70
+    t65 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t74, M_2, X, t28, t10, A30, t31, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t75 = (-1/(L*d_K*n_batch)) * t70
+    t76 = oe.contract('ab,cdb,cde,ef,cdfg,cdh,gi->ahicd', t75, X, A30, t31, M_2, X, W_K, optimize=[(0, 1), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t77 = oe.contract('abcd,ce,abe,abe->dab', M_2, t28, t10, A30, optimize=[(1, 2), (1, 2), (0, 1)])
+    t65 += oe.contract('abcde,fde->fabc', t76, t77, optimize=[(0, 1)])
+    t78 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t79 = np.reshape(t78, (d_V, d_K, d_V, d_K), copy=False)
+    t80 = oe.contract('ab,cbd,cde,ef->afcd', t71, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t81 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t79[...] = oe.contract('abcd,efcd->eafb', t80, t81, optimize=[(0, 1)])
+    t82 = oe.contract('abc,cd->dab', X, W_Q, optimize=[(0, 1)])
+    t83 = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi->faicd', t74, M_2, X, t28, t10, A30, t31, M_2, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 2), (1, 2), (0, 1)])
+    t79 += oe.contract('abc,defbc->defa', t82, t83, optimize=[(0, 1)])
+    t84 = oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi->faicd', t75, M_2, X, t28, t10, A30, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 1), (0, 1)])
+    t85 = oe.contract('abc,cd,abde->eab', A30, t31, M_2, optimize=[(0, 1), (0, 1)])
+    t79 += oe.contract('abcde,fde->abfc', t84, t85, optimize=[(0, 1)])
+    t86 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t87 = np.reshape(t86, (d_V, d_K, d_V, d_H), copy=False)
+    t88 = (1/(L*math.sqrt(d_K)*n_batch)) * t70
+    t87[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,gi->fahi', t88, M_2, X, t28, t10, A30, M_1, t20, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (1, 3), (0, 1), (0, 1)])
+    t89 = (-1/(L*math.sqrt(d_K)*n_batch)) * t70
+    t90 = oe.contract('ab,cdb,cde,cdf,eg->afgcd', t89, X, A30, M_1, t20, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    t87 += oe.contract('abcde,fde->fabc', t90, t77, optimize=[(0, 1)])
+    t91 = (1/(math.sqrt(d_K)*n_batch)) * t70
+    t92 = oe.contract('ab,cdb,cde->aecd', t91, X, t55, optimize=[(0, 1), (0, 1)])
+    t93 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t87 += oe.contract('abcd,efcd->eafb', t92, t93, optimize=[(0, 1)])
+    t94 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t95 = np.reshape(t94, (d_V, d_K, d_H, d_V), copy=False)
+    t96 = oe.contract('abcd,ce,abe,abe->deab', M_2, t28, t10, A30, optimize=[(0, 1), (0, 1), (0, 1)])
+    t97 = oe.contract('ab,cdb,cde->aecd', t88, X, t12, optimize=[(0, 1), (0, 1)])
+    t95[...] = oe.contract('abcd,efcd->aefb', t96, t97, optimize=[(0, 1)])
+    t98 = oe.contract('ab,cdb,cde,cdf->afecd', t89, X, A30, t12, optimize=[(0, 1), (0, 1), (0, 1)])
+    t95 += oe.contract('abcde,fde->fabc', t98, t77, optimize=[(0, 1)])
+    t99 = oe.contract('ab,cdb,cde->aecd', t91, X, G, optimize=[(0, 1), (0, 1)])
+    t100 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t95 += oe.contract('abcd,efcd->eafb', t99, t100, optimize=[(0, 1)])
+    t101 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t102 = np.reshape(t101, (d_V, d_H, d_V, d_K), copy=False)
+    t103 = np.swapaxes(G, -1, -2)
+    t104 = W_O @ t103
+    t105 = (1/(math.sqrt(d_K)*n_batch)) * t104
+    t106 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t107 = oe.contract('abc,acd->bdac', t105, X, optimize=[(0, 1)])
+    t102[...] = oe.contract('abcd,efcd->aefb', t106, t107, optimize=[(0, 1)])
+    t108 = np.swapaxes(M_1, -1, -2)
+    t109 = (1/(L*math.sqrt(d_K)*n_batch)) * t108
+    t110 = oe.contract('ab,cdb,cdb,be,cdef,fg->agcd', W_O, t10, A30, t31, M_2, W_K, optimize=[(1, 2), (1, 2), (1, 3), (1, 2), (0, 1)])
+    t111 = oe.contract('abc,acd->bdac', t109, X, optimize=[(0, 1)])
+    t102 += oe.contract('abcd,efcd->eafb', t110, t111, optimize=[(0, 1)])
+    t112 = (-1/(L*math.sqrt(d_K)*n_batch)) * t108
+    t113 = oe.contract('abc,de,ace,ace,acf->bdfac', t112, W_O, t10, A30, X, optimize=[(2, 3), (1, 3), (0, 1), (0, 1)])
+    t102 += oe.contract('abc,defbc->defa', t34, t113, optimize=[(0, 1)])
+    t114 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t115 = np.reshape(t114, (d_V, d_H, d_V, d_K), copy=False)
+    t116 = oe.contract('abc,acd,de->beac', t105, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t117 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t115[...] = oe.contract('abcd,efcd->eafb', t116, t117, optimize=[(0, 1)])
+    t118 = oe.contract('abc,acd,de->beac', t109, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t119 = oe.contract('ab,cdb,cdb,be,cdef->afcd', W_O, t10, A30, t31, M_2, optimize=[(1, 2), (1, 2), (1, 2), (0, 1)])
+    t115 += oe.contract('abcd,efcd->aefb', t118, t119, optimize=[(0, 1)])
+    t120 = oe.contract('abc,acd,de,acef,acg,gh->bfhac', t112, A30, t31, M_2, X, W_Q, optimize=[(1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t121 = oe.contract('ab,cdb,cdb->acd', W_O, t10, A30, optimize=[(1, 2), (0, 1)])
+    t115 += oe.contract('abcde,fde->afbc', t120, t121, optimize=[(0, 1)])
+    t122 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t123 = np.reshape(t122, (d_V, d_H, d_V, d_H), copy=False)
+    t124 = (1/(L*n_batch)) * t108
+    t125 = oe.contract('ab,bc->acb', W_O, t20, optimize=[(0, 1)])
+    t126 = oe.contract('abc,abd,abd,aeb->ecd', M_1, A30, t10, t124, optimize=[(1, 2), (0, 1), (0, 1)])
+    t123[...] = oe.contract('abc,dec->daeb', t125, t126, optimize=[(0, 1)])
+    t127 = (-1/(L*n_batch)) * t108
+    t128 = oe.contract('abc,acd,ace,df->befac', t127, A30, M_1, t20, optimize=[(0, 2), (0, 1), (0, 1)])
+    t123 += oe.contract('abcde,fde->afbc', t128, t121, optimize=[(0, 1)])
+    t129 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t129[...] = 0
+    t130 = np.reshape(t129, (d_V, d_H, d_H, d_V), copy=False)
+    t131 = np.einsum('abbc->abc', t130)
+    t132 = t108 @ G
+    t133 = np.ones((d_H,), dtype=X.dtype)
+    t134 = (1/n_batch) * t133
+    t131 += oe.contract('abc,d->bdc', t132, t134, optimize=[(0, 1)])
+    t130 += oe.contract('abc,de,ace,ace,acf->bdfe', t124, W_O, t10, A30, t12, optimize=[(2, 3), (0, 2), (1, 2), (0, 1)])
+    t135 = oe.contract('abc,acd,ace->bedac', t127, A30, t12, optimize=[(0, 1), (0, 1)])
+    t130 += oe.contract('abcde,fde->afbc', t135, t121, optimize=[(0, 1)])
+    t136 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t137 = np.reshape(t136, (d_H, d_V, d_V, d_K), copy=False)
+    t138 = (1/(math.sqrt(d_K)*n_batch)) * t103
+    t137[...] = oe.contract('abc,de,acef,acg,fh->dbgh', t138, t21, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t139 = t21 @ t108
+    t140 = (1/(L*math.sqrt(d_K)*n_batch)) * t139
+    t137 += oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t140, t10, A30, t31, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t141 = (-1/(L*math.sqrt(d_K)*n_batch)) * t139
+    t142 = oe.contract('abc,acd,de,acef,fg->bgac', t141, A30, t31, M_2, W_K, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t143 = oe.contract('abc,abc,abd->cdab', t10, A30, X, optimize=[(0, 1), (0, 1)])
+    t137 += oe.contract('abcd,efcd->aefb', t142, t143, optimize=[(0, 1)])
+    t144 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t145 = np.reshape(t144, (d_H, d_V, d_V, d_K), copy=False)
+    t146 = oe.contract('abc,acd,de->beac', t138, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t147 = oe.contract('ab,cdbe->aecd', t21, M_2, optimize=[(0, 1)])
+    t145[...] = oe.contract('abcd,efcd->eafb', t146, t147, optimize=[(0, 1)])
+    t148 = oe.contract('abc,acd,de->beac', t140, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t149 = oe.contract('abc,abc,cd,abde->ceab', t10, A30, t31, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t145 += oe.contract('abcd,efcd->aefb', t148, t149, optimize=[(0, 1)])
+    t150 = oe.contract('abc,acd,acd,ace,ef,acfg->bdgac', t141, t10, A30, A30, t31, M_2, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t145 += oe.contract('abc,defbc->defa', t82, t150, optimize=[(0, 1)])
+    t151 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t151[...] = 0
+    t152 = np.reshape(t151, (d_H, d_V, d_V, d_H), copy=False)
+    t153 = np.einsum('abca->abc', t152)
+    t154 = t103 @ M_1
+    t153 += oe.contract('abc,d->dbc', t154, t134, optimize=[(0, 1)])
+    t155 = (1/(L*n_batch)) * t139
+    t152 += oe.contract('abc,acd,acd,ace,df->bdef', t155, t10, A30, M_1, t20, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
+    t156 = (-1/(L*n_batch)) * t139
+    t157 = oe.contract('abc,acd,de->beac', t156, A30, t20, optimize=[(1, 2), (0, 1)])
+    t158 = oe.contract('abc,abc,abd->cdab', t10, A30, M_1, optimize=[(0, 1), (0, 1)])
+    t152 += oe.contract('abcd,efcd->aefb', t157, t158, optimize=[(0, 1)])
+    t159 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t159[...] = 0
+    t160 = np.reshape(t159, (d_H, d_V, d_H, d_V), copy=False)
+    t161 = np.einsum('abcb->abc', t160)
+    t162 = oe.contract('abc,acd->bdac', t155, t12, optimize=[(0, 1)])
+    t163 = oe.contract('abc,abc->cab', t10, A30, optimize=[(0, 1)])
+    t161 += oe.contract('abcd,ecd->aeb', t162, t163, optimize=[(0, 1)])
+    t164 = oe.contract('abc,acd->bdac', t156, A30, optimize=[(0, 1)])
+    t165 = oe.contract('abc,abc,abd->cdab', t10, A30, t12, optimize=[(0, 1), (0, 1)])
+    t160 += oe.contract('abcd,efcd->aefb', t164, t165, optimize=[(0, 1)])
     return H
 
 
@@ -13869,17 +14352,22 @@ def ce_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t25, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t25, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t25, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t26 = (1/(d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cde,cebf,ced,fa->da', t26, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
+    t27 = oe.contract('ab,cdbe,ea->acd', t26, M_3, W_K, optimize=[(0, 2), (0, 1)])
+    t28 = oe.contract('abc,acb->bac', t2, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t27, t28, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t27 = W_V @ W_O
-    t28 = np.exp(t12 - t12.max(-1, keepdims=True))
-    A29 = t28 / t28.sum(-1, keepdims=True)
-    t30 = t19 @ t20
-    t31 = (1/(L*d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdf,ia->fa', t31, M_2, X, t27, t9, A29, t30, M_2, X, W_K, optimize=[(4, 5), (2, 6), (0, 1), (1, 2), (0, 4), (0, 3), (2, 3), (0, 2), (0, 1)])
-    t32 = (-1/(L*d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdf,ja->fa', t32, M_2, X, t27, t9, A29, A29, t30, M_2, X, W_K, optimize=[(4, 5), (2, 7), (0, 1), (1, 2), (1, 6), (0, 2), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t29 = W_V @ W_O
+    t30 = np.exp(t12 - t12.max(-1, keepdims=True))
+    A31 = t30 / t30.sum(-1, keepdims=True)
+    t32 = t19 @ t20
+    t33 = (1/(L*d_K*n_batch)) * t1
+    t34 = oe.contract('ab,cdeb,ef,cdf,cdf,fg,cdgh,ha->acd', t33, M_2, t29, t9, A31, t32, M_2, W_K, optimize=[(3, 4), (0, 1), (1, 2), (0, 3), (0, 2), (1, 2), (0, 1)])
+    t35 = oe.contract('abc,abc->cab', X, X, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dbc->da', t34, t35, optimize=[(0, 1)])
+    t36 = (-1/(L*d_K*n_batch)) * t1
+    t37 = oe.contract('ab,cdeb,ef,cdf,cdf,cdg,gh,cdhi,ia->acd', t36, M_2, t29, t9, A31, A31, t32, M_2, W_K, optimize=[(3, 4), (0, 1), (1, 2), (1, 5), (0, 2), (1, 3), (0, 1), (0, 1)])
+    t0 += oe.contract('abc,dbc->da', t37, t35, optimize=[(0, 1)])
     return out
 
 
@@ -13981,7 +14469,9 @@ def ce_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t31 = (1/(L*d_K*n_batch)) * t1
     t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t31, M_2, X, t27, t9, A29, t30, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
     t32 = (-1/(L*d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t32, M_2, X, t27, t9, A29, A29, t30, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
+    t33 = oe.contract('abc,cd,abde,ef->fab', A29, t30, M_2, W_K, optimize=[(0, 1), (0, 2), (0, 1)])
+    t34 = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahcd', t32, M_2, X, t27, t9, A29, X, optimize=[(4, 5), (0, 1), (1, 3), (2, 3), (0, 1), (0, 1)])
+    t0 += oe.contract('abc,defbc->defa', t33, t34, optimize=[(0, 1)])
     return out
 
 
@@ -14082,17 +14572,23 @@ def ce_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t26, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t26, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t26, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t31 = (1/(d_K*n_batch)) * t3
-    t0 += oe.contract('ab,cde,cebf,ceg,gh->dafh', t31, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t32 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t33 = oe.contract('ab,cdbe->aecd', t31, M_3, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t32, t33, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t32 = W_V @ W_O
-    t33 = np.exp(t13 - t13.max(-1, keepdims=True))
-    A34 = t33 / t33.sum(-1, keepdims=True)
-    t35 = t20 @ t21
-    t36 = (1/(L*d_K*n_batch)) * t3
-    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t36, M_2, X, t32, t10, A34, t35, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t37 = (-1/(L*d_K*n_batch)) * t3
-    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t37, M_2, X, t32, t10, A34, A34, t35, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
+    t34 = W_V @ W_O
+    t35 = np.exp(t13 - t13.max(-1, keepdims=True))
+    A36 = t35 / t35.sum(-1, keepdims=True)
+    t37 = t20 @ t21
+    t38 = (1/(L*d_K*n_batch)) * t3
+    t39 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t40 = oe.contract('ab,cdeb,ef,cdf,cdf,fg,cdgh->ahcd', t38, M_2, t34, t10, A36, t37, M_2, optimize=[(3, 4), (0, 1), (1, 2), (0, 2), (0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t39, t40, optimize=[(0, 1)])
+    t41 = (-1/(L*d_K*n_batch)) * t3
+    t42 = oe.contract('abc,abd,de,abef,abg,gh->cfhab', X, A36, t37, M_2, X, W_Q, optimize=[(1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t43 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t41, M_2, t34, t10, A36, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t42, t43, optimize=[(0, 1)])
     return out
 
 
@@ -14179,18 +14675,22 @@ def ce_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t17 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,gi->fahi', t17, M_2, X, t8, t10, A15, M_1, t16, optimize=[(4, 5), (0, 1), (1, 5), (3, 4), (2, 3), (0, 1), (0, 1)])
     t18 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi,hj->faij', t18, M_2, X, t8, t10, A15, A15, M_1, t16, optimize=[(4, 5), (0, 1), (2, 4), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t19 = oe.contract('abc,abd,abe,df->cefab', X, A15, M_1, t16, optimize=[(0, 2), (0, 1), (0, 1)])
+    t20 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t18, M_2, t8, t10, A15, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t19, t20, optimize=[(0, 1)])
     F = t13
-    t19 = np.exp(F - F.max(-1, keepdims=True))
-    A20 = t19 / t19.sum(-1, keepdims=True)
-    t21 = t10 * A20
-    t22 = (1/L) * t21
-    t23 = (-1/L) * Y
-    t24 = t22 + t23
-    G = t24
-    t25 = G @ t16
-    t26 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t0 += oe.contract('abc,abd,abef,gf->dgec', t25, X, M_2, t26, optimize=[(0, 1), (0, 1), (0, 1)])
+    t21 = np.exp(F - F.max(-1, keepdims=True))
+    A22 = t21 / t21.sum(-1, keepdims=True)
+    t23 = t10 * A22
+    t24 = (1/L) * t23
+    t25 = (-1/L) * Y
+    t26 = t24 + t25
+    G = t26
+    t27 = G @ t16
+    t28 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t29 = oe.contract('abc,abd->cdab', X, t27, optimize=[(0, 1)])
+    t30 = oe.contract('ab,cdeb->aecd', t28, M_2, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
     return out
 
 
@@ -14266,17 +14766,21 @@ def ce_causal0__block__W_Q__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t16 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t16, M_2, X, t8, t10, A15, t12, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
     t17 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t17, M_2, X, t8, t10, A15, A15, t12, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t18 = oe.contract('abc,abd,abe->cedab', X, A15, t12, optimize=[(0, 1), (0, 1)])
+    t19 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t17, M_2, t8, t10, A15, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t18, t19, optimize=[(0, 1)])
     F = t13
-    t18 = np.exp(F - F.max(-1, keepdims=True))
-    A19 = t18 / t18.sum(-1, keepdims=True)
-    t20 = t10 * A19
-    t21 = (1/L) * t20
-    t22 = (-1/L) * Y
-    t23 = t21 + t22
-    G = t23
-    t24 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t0 += oe.contract('ab,cdeb,cdf,cdg,eh->fahg', t24, M_2, X, G, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t20 = np.exp(F - F.max(-1, keepdims=True))
+    A21 = t20 / t20.sum(-1, keepdims=True)
+    t22 = t10 * A21
+    t23 = (1/L) * t22
+    t24 = (-1/L) * Y
+    t25 = t23 + t24
+    G = t25
+    t26 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t27 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t28 = oe.contract('ab,cdeb,ef->afcd', t26, M_2, W_V, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t27, t28, optimize=[(0, 1)])
     return out
 
 
@@ -14369,9 +14873,13 @@ def ce_causal0__diag__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     A30 = t29 / t29.sum(-1, keepdims=True)
     t31 = t20 @ t21
     t32 = (1/(L*d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhf,cdi,ia->fa', t32, M_2, X, t28, t10, A30, t31, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (4, 5), (2, 4), (0, 1), (0, 2), (0, 1)])
-    t33 = (-1/(L*d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdif,cdj,ja->fa', t33, M_2, X, t28, t10, A30, A30, t31, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t33 = oe.contract('ab,cdb,cde,ea->acd', t32, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t34 = oe.contract('abcd,ce,abe,abe,ef,abfd->dab', M_2, t28, t10, A30, t31, M_2, optimize=[(2, 3), (0, 1), (0, 1), (1, 2), (0, 1)])
+    t0 += oe.contract('abc,dbc->da', t33, t34, optimize=[(0, 1)])
+    t35 = (-1/(L*d_K*n_batch)) * t1
+    t36 = oe.contract('ab,cdb,cde,ea->acd', t35, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t37 = oe.contract('abcd,ce,abe,abe,abf,fg,abgd->dab', M_2, t28, t10, A30, A30, t31, M_2, optimize=[(2, 3), (0, 1), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t0 += oe.contract('abc,dbc->da', t36, t37, optimize=[(0, 1)])
     return out
 
 
@@ -14473,17 +14981,21 @@ def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t26, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t26, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t26, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t33 = (1/(d_K*n_batch)) * t32
-    t0 += oe.contract('ab,cde,cdfa,cgd,hg->fheb', W_K, X, M_3, t2, t33, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t34 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t35 = oe.contract('ab,cbd,cde->aecd', t33, t2, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t34, t35, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t34 = W_V @ W_O
-    t35 = np.exp(t13 - t13.max(-1, keepdims=True))
-    A36 = t35 / t35.sum(-1, keepdims=True)
-    t37 = t20 @ t21
-    t38 = (1/(L*d_K*n_batch)) * t32
-    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t38, M_2, X, t34, t10, A36, t37, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t39 = (-1/(L*d_K*n_batch)) * t32
-    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t39, M_2, X, t34, t10, A36, A36, t37, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t36 = W_V @ W_O
+    t37 = np.exp(t13 - t13.max(-1, keepdims=True))
+    A38 = t37 / t37.sum(-1, keepdims=True)
+    t39 = t20 @ t21
+    t40 = (1/(L*d_K*n_batch)) * t32
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t40, M_2, X, t36, t10, A38, t39, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t41 = (-1/(L*d_K*n_batch)) * t32
+    t42 = oe.contract('ab,cdb,cde,ef,cdfg,cdh,gi->ahicd', t41, X, A38, t39, M_2, X, W_K, optimize=[(0, 1), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t43 = oe.contract('abcd,ce,abe,abe->dab', M_2, t36, t10, A38, optimize=[(1, 2), (1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->fabc', t42, t43, optimize=[(0, 1)])
     return out
 
 
@@ -14582,17 +15094,23 @@ def ce_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t26, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t26, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t26, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t27 = (1/(d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cbd,cdef,cdg,gh->eafh', t27, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t28 = oe.contract('ab,cbd,cde,ef->afcd', t27, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t29 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t28, t29, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t28 = W_V @ W_O
-    t29 = np.exp(t13 - t13.max(-1, keepdims=True))
-    A30 = t29 / t29.sum(-1, keepdims=True)
-    t31 = t20 @ t21
-    t32 = (1/(L*d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t32, M_2, X, t28, t10, A30, t31, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
-    t33 = (-1/(L*d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t33, M_2, X, t28, t10, A30, A30, t31, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
+    t30 = W_V @ W_O
+    t31 = np.exp(t13 - t13.max(-1, keepdims=True))
+    A32 = t31 / t31.sum(-1, keepdims=True)
+    t33 = t20 @ t21
+    t34 = (1/(L*d_K*n_batch)) * t1
+    t35 = oe.contract('abc,cd->dab', X, W_Q, optimize=[(0, 1)])
+    t36 = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi->faicd', t34, M_2, X, t30, t10, A32, t33, M_2, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 2), (1, 2), (0, 1)])
+    t0 += oe.contract('abc,defbc->defa', t35, t36, optimize=[(0, 1)])
+    t37 = (-1/(L*d_K*n_batch)) * t1
+    t38 = oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi->faicd', t37, M_2, X, t30, t10, A32, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 1), (0, 1)])
+    t39 = oe.contract('abc,cd,abde->eab', A32, t33, M_2, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcde,fde->abfc', t38, t39, optimize=[(0, 1)])
     return out
 
 
@@ -14679,18 +15197,22 @@ def ce_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t18 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t0[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,gi->fahi', t18, M_2, X, t9, t11, A16, M_1, t17, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (1, 3), (0, 1), (0, 1)])
     t19 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi,hj->faij', t19, M_2, X, t9, t11, A16, A16, M_1, t17, optimize=[(4, 5), (0, 2), (0, 1), (3, 5), (0, 2), (0, 3), (0, 2), (0, 1)])
+    t20 = oe.contract('ab,cdb,cde,cdf,eg->afgcd', t19, X, A16, M_1, t17, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    t21 = oe.contract('abcd,ce,abe,abe->dab', M_2, t9, t11, A16, optimize=[(1, 2), (1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->fabc', t20, t21, optimize=[(0, 1)])
     F = t14
-    t20 = np.exp(F - F.max(-1, keepdims=True))
-    A21 = t20 / t20.sum(-1, keepdims=True)
-    t22 = t11 * A21
-    t23 = (1/L) * t22
-    t24 = (-1/L) * Y
-    t25 = t23 + t24
-    G = t25
-    t26 = G @ t17
-    t27 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t0 += oe.contract('ab,cdef,cdb,cdg->faeg', t27, M_2, X, t26, optimize=[(0, 2), (1, 2), (0, 1)])
+    t22 = np.exp(F - F.max(-1, keepdims=True))
+    A23 = t22 / t22.sum(-1, keepdims=True)
+    t24 = t11 * A23
+    t25 = (1/L) * t24
+    t26 = (-1/L) * Y
+    t27 = t25 + t26
+    G = t27
+    t28 = G @ t17
+    t29 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t30 = oe.contract('ab,cdb,cde->aecd', t29, X, t28, optimize=[(0, 1), (0, 1)])
+    t31 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0 += oe.contract('abcd,efcd->eafb', t30, t31, optimize=[(0, 1)])
     return out
 
 
@@ -14766,19 +15288,25 @@ def ce_causal0__block__W_K__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t15 = np.exp(t14 - t14.max(-1, keepdims=True))
     A16 = t15 / t15.sum(-1, keepdims=True)
     t17 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('abc,abd,abd,ed,abf,abeg,hf->ghcd', t13, A16, t11, t9, X, M_2, t17, optimize=[(1, 2), (1, 3), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t18 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t18, M_2, X, t9, t11, A16, A16, t13, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t18 = oe.contract('abcd,ce,abe,abe->deab', M_2, t9, t11, A16, optimize=[(0, 1), (0, 1), (0, 1)])
+    t19 = oe.contract('ab,cdb,cde->aecd', t17, X, t13, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t18, t19, optimize=[(0, 1)])
+    t20 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t21 = oe.contract('ab,cdb,cde,cdf->afecd', t20, X, A16, t13, optimize=[(0, 1), (0, 1), (0, 1)])
+    t22 = oe.contract('abcd,ce,abe,abe->dab', M_2, t9, t11, A16, optimize=[(1, 2), (1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->fabc', t21, t22, optimize=[(0, 1)])
     F = t14
-    t19 = np.exp(F - F.max(-1, keepdims=True))
-    A20 = t19 / t19.sum(-1, keepdims=True)
-    t21 = t11 * A20
-    t22 = (1/L) * t21
-    t23 = (-1/L) * Y
-    t24 = t22 + t23
-    G = t24
-    t25 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t0 += oe.contract('ab,cdef,cdb,cdg,eh->fahg', t25, M_2, X, G, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
+    t23 = np.exp(F - F.max(-1, keepdims=True))
+    A24 = t23 / t23.sum(-1, keepdims=True)
+    t25 = t11 * A24
+    t26 = (1/L) * t25
+    t27 = (-1/L) * Y
+    t28 = t26 + t27
+    G = t28
+    t29 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t30 = oe.contract('ab,cdb,cde->aecd', t29, X, G, optimize=[(0, 1), (0, 1)])
+    t31 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t30, t31, optimize=[(0, 1)])
     return out
 
 
@@ -14852,7 +15380,9 @@ def ce_causal0__diag__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t17 = (1/(L*n_batch)) * t9
     t0[...] = oe.contract('abc,de,ace,ace,acb,ed->bd', t17, W_O, t11, A15, M_1, t16, optimize=[(2, 3), (0, 2), (0, 1), (0, 1), (0, 1)])
     t18 = (-1/(L*n_batch)) * t9
-    t0 += oe.contract('abc,de,ace,ace,acf,acb,fd->bd', t18, W_O, t11, A15, A15, M_1, t16, optimize=[(2, 3), (0, 3), (1, 2), (0, 1), (1, 2), (0, 1)])
+    t19 = oe.contract('ab,cdb,cdb,cde,ea->acd', W_O, t11, A15, A15, t16, optimize=[(1, 2), (1, 2), (0, 1), (0, 1)])
+    t20 = oe.contract('abc,acb->bac', t18, M_1, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dbc->da', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -14920,17 +15450,23 @@ def ce_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
-    t0[...] = oe.contract('ab,cde,cdfa,cgd->fgeb', W_K, X, M_2, t21, optimize=[(0, 2), (0, 1), (0, 1)])
-    t22 = np.swapaxes(M_1, -1, -2)
-    t23 = np.exp(t12 - t12.max(-1, keepdims=True))
-    A24 = t23 / t23.sum(-1, keepdims=True)
-    t25 = np.swapaxes(W_O, -1, -2)
-    t26 = np.swapaxes(W_V, -1, -2)
-    t27 = t25 @ t26
-    t28 = (1/(L*math.sqrt(d_K)*n_batch)) * t22
-    t0 += oe.contract('abc,de,ace,ace,ef,acfg,ach,gi->bdhi', t28, W_O, t2, A24, t27, M_2, X, W_K, optimize=[(2, 3), (2, 3), (3, 5), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t29 = (-1/(L*math.sqrt(d_K)*n_batch)) * t22
-    t0 += oe.contract('abc,de,ace,ace,acf,fg,acgh,aci,hj->bdij', t29, W_O, t2, A24, A24, t27, M_2, X, W_K, optimize=[(2, 3), (2, 3), (2, 6), (1, 4), (2, 3), (0, 2), (0, 2), (0, 1)])
+    t22 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t23 = oe.contract('abc,acd->bdac', t21, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
+    t24 = np.swapaxes(M_1, -1, -2)
+    t25 = np.exp(t12 - t12.max(-1, keepdims=True))
+    A26 = t25 / t25.sum(-1, keepdims=True)
+    t27 = np.swapaxes(W_O, -1, -2)
+    t28 = np.swapaxes(W_V, -1, -2)
+    t29 = t27 @ t28
+    t30 = (1/(L*math.sqrt(d_K)*n_batch)) * t24
+    t31 = oe.contract('ab,cdb,cdb,be,cdef,fg->agcd', W_O, t2, A26, t29, M_2, W_K, optimize=[(1, 2), (1, 2), (1, 3), (1, 2), (0, 1)])
+    t32 = oe.contract('abc,acd->bdac', t30, X, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t31, t32, optimize=[(0, 1)])
+    t33 = (-1/(L*math.sqrt(d_K)*n_batch)) * t24
+    t34 = oe.contract('abc,cd,abde,ef->fab', A26, t29, M_2, W_K, optimize=[(0, 1), (0, 2), (0, 1)])
+    t35 = oe.contract('abc,de,ace,ace,acf->bdfac', t33, W_O, t2, A26, X, optimize=[(2, 3), (1, 3), (0, 1), (0, 1)])
+    t0 += oe.contract('abc,defbc->defa', t34, t35, optimize=[(0, 1)])
     return out
 
 
@@ -15014,17 +15550,23 @@ def ce_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
-    t0[...] = oe.contract('abc,acde,acf,fg->dbeg', t21, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t22 = np.swapaxes(M_1, -1, -2)
-    t23 = np.exp(t12 - t12.max(-1, keepdims=True))
-    A24 = t23 / t23.sum(-1, keepdims=True)
-    t25 = np.swapaxes(W_O, -1, -2)
-    t26 = np.swapaxes(W_V, -1, -2)
-    t27 = t25 @ t26
-    t28 = (1/(L*math.sqrt(d_K)*n_batch)) * t22
-    t0 += oe.contract('abc,de,ace,ace,ef,acfg,ach,hi->bdgi', t28, W_O, t2, A24, t27, M_2, X, W_Q, optimize=[(2, 3), (2, 3), (2, 3), (2, 3), (1, 3), (0, 1), (0, 1)])
-    t29 = (-1/(L*math.sqrt(d_K)*n_batch)) * t22
-    t0 += oe.contract('abc,de,ace,ace,acf,fg,acgh,aci,ij->bdhj', t29, W_O, t2, A24, A24, t27, M_2, X, W_Q, optimize=[(2, 3), (2, 3), (2, 6), (2, 3), (1, 2), (0, 1), (0, 2), (0, 1)])
+    t22 = oe.contract('abc,acd,de->beac', t21, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t23 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
+    t24 = np.swapaxes(M_1, -1, -2)
+    t25 = np.exp(t12 - t12.max(-1, keepdims=True))
+    A26 = t25 / t25.sum(-1, keepdims=True)
+    t27 = np.swapaxes(W_O, -1, -2)
+    t28 = np.swapaxes(W_V, -1, -2)
+    t29 = t27 @ t28
+    t30 = (1/(L*math.sqrt(d_K)*n_batch)) * t24
+    t31 = oe.contract('abc,acd,de->beac', t30, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t32 = oe.contract('ab,cdb,cdb,be,cdef->afcd', W_O, t2, A26, t29, M_2, optimize=[(1, 2), (1, 2), (1, 2), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t31, t32, optimize=[(0, 1)])
+    t33 = (-1/(L*math.sqrt(d_K)*n_batch)) * t24
+    t34 = oe.contract('abc,acd,de,acef,acg,gh->bfhac', t33, A26, t29, M_2, X, W_Q, optimize=[(1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t35 = oe.contract('ab,cdb,cdb->acd', W_O, t2, A26, optimize=[(1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t34, t35, optimize=[(0, 1)])
     return out
 
 
@@ -15100,9 +15642,13 @@ def ce_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     A15 = t14 / t14.sum(-1, keepdims=True)
     t16 = np.swapaxes(W_O, -1, -2)
     t17 = (1/(L*n_batch)) * t9
-    t0[...] = oe.contract('ab,cde,cda,cda,fa,cgd->gfeb', t16, M_1, A15, t11, W_O, t17, optimize=[(2, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t18 = (-1/(L*n_batch)) * t9
-    t0 += oe.contract('abc,de,ace,ace,acf,acg,fh->bdgh', t18, W_O, t11, A15, A15, M_1, t16, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 2), (0, 1)])
+    t18 = oe.contract('ab,bc->acb', W_O, t16, optimize=[(0, 1)])
+    t19 = oe.contract('abc,abd,abd,aeb->ecd', M_1, A15, t11, t17, optimize=[(1, 2), (0, 1), (0, 1)])
+    t0[...] = oe.contract('abc,dec->daeb', t18, t19, optimize=[(0, 1)])
+    t20 = (-1/(L*n_batch)) * t9
+    t21 = oe.contract('abc,acd,ace,df->befac', t20, A15, M_1, t16, optimize=[(0, 2), (0, 1), (0, 1)])
+    t22 = oe.contract('ab,cdb,cdb->acd', W_O, t11, A15, optimize=[(1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -15179,7 +15725,9 @@ def ce_causal0__block__W_V__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t26 = (1/(L*n_batch)) * t10
     t0 += oe.contract('abc,de,ace,ace,acf->bdfe', t26, W_O, t12, A25, t13, optimize=[(2, 3), (0, 2), (1, 2), (0, 1)])
     t27 = (-1/(L*n_batch)) * t10
-    t0 += oe.contract('abc,de,ace,ace,acf,acg->bdgf', t27, W_O, t12, A25, A25, t13, optimize=[(2, 3), (1, 4), (0, 1), (0, 2), (0, 1)])
+    t28 = oe.contract('abc,acd,ace->bedac', t27, A25, t13, optimize=[(0, 1), (0, 1)])
+    t29 = oe.contract('ab,cdb,cdb->acd', W_O, t12, A25, optimize=[(1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t28, t29, optimize=[(0, 1)])
     return out
 
 
@@ -15250,9 +15798,11 @@ def ce_causal0__diag__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t16 = np.exp(t15 - t15.max(-1, keepdims=True))
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = (1/(L*n_batch)) * t11
-    t0[...] = oe.contract('abc,acd,acd,acb->bd', t18, t13, A17, t14, optimize=[(0, 3), (0, 1), (0, 1)])
-    t19 = (-1/(L*n_batch)) * t11
-    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t19, t13, A17, A17, t14, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t19 = oe.contract('abc,abc->cab', t13, A17, optimize=[(0, 1)])
+    t20 = oe.contract('abc,acb->bac', t18, t14, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t19, t20, optimize=[(0, 1)])
+    t21 = (-1/(L*n_batch)) * t11
+    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t21, t13, A17, A17, t14, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -15331,7 +15881,9 @@ def ce_causal0__block__W_O__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t28 = (1/(L*math.sqrt(d_K)*n_batch)) * t23
     t0 += oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t28, t2, A25, t27, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
     t29 = (-1/(L*math.sqrt(d_K)*n_batch)) * t23
-    t0 += oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t29, t2, A25, A25, t27, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
+    t30 = oe.contract('abc,acd,de,acef,fg->bgac', t29, A25, t27, M_2, W_K, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t31 = oe.contract('abc,abc,abd->cdab', t2, A25, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t30, t31, optimize=[(0, 1)])
     return out
 
 
@@ -15415,17 +15967,23 @@ def ce_causal0__block__W_O__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t21 = (1/(math.sqrt(d_K)*n_batch)) * t19
-    t0[...] = oe.contract('abc,de,acef,acg,gh->dbfh', t21, t20, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
-    t22 = np.swapaxes(M_1, -1, -2)
-    t23 = t20 @ t22
-    t24 = np.exp(t12 - t12.max(-1, keepdims=True))
-    A25 = t24 / t24.sum(-1, keepdims=True)
-    t26 = np.swapaxes(W_O, -1, -2)
-    t27 = t26 @ t20
-    t28 = (1/(L*math.sqrt(d_K)*n_batch)) * t23
-    t0 += oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t28, t2, A25, t27, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t29 = (-1/(L*math.sqrt(d_K)*n_batch)) * t23
-    t0 += oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t29, t2, A25, A25, t27, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
+    t22 = oe.contract('abc,acd,de->beac', t21, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t23 = oe.contract('ab,cdbe->aecd', t20, M_2, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
+    t24 = np.swapaxes(M_1, -1, -2)
+    t25 = t20 @ t24
+    t26 = np.exp(t12 - t12.max(-1, keepdims=True))
+    A27 = t26 / t26.sum(-1, keepdims=True)
+    t28 = np.swapaxes(W_O, -1, -2)
+    t29 = t28 @ t20
+    t30 = (1/(L*math.sqrt(d_K)*n_batch)) * t25
+    t31 = oe.contract('abc,acd,de->beac', t30, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t32 = oe.contract('abc,abc,cd,abde->ceab', t2, A27, t29, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t31, t32, optimize=[(0, 1)])
+    t33 = (-1/(L*math.sqrt(d_K)*n_batch)) * t25
+    t34 = oe.contract('abc,cd->dab', X, W_Q, optimize=[(0, 1)])
+    t35 = oe.contract('abc,acd,acd,ace,ef,acfg->bdgac', t33, t2, A27, A27, t29, M_2, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t0 += oe.contract('abc,defbc->defa', t34, t35, optimize=[(0, 1)])
     return out
 
 
@@ -15520,7 +16078,9 @@ def ce_causal0__block__W_O__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t30 = (1/(L*n_batch)) * t26
     t0 += oe.contract('abc,acd,acd,ace,df->bdef', t30, t3, A28, M_1, t29, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
     t31 = (-1/(L*n_batch)) * t26
-    t0 += oe.contract('abc,acd,acd,ace,acf,eg->bdfg', t31, t3, A28, A28, M_1, t29, optimize=[(1, 2), (1, 3), (1, 2), (0, 1), (0, 1)])
+    t32 = oe.contract('abc,acd,de->beac', t31, A28, t29, optimize=[(1, 2), (0, 1)])
+    t33 = oe.contract('abc,abc,abd->cdab', t3, A28, M_1, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t32, t33, optimize=[(0, 1)])
     return out
 
 
@@ -15597,9 +16157,13 @@ def ce_causal0__block__W_O__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t17 = np.exp(t16 - t16.max(-1, keepdims=True))
     A18 = t17 / t17.sum(-1, keepdims=True)
     t19 = (1/(L*n_batch)) * t12
-    t1 += oe.contract('abc,acd,acd,ace->bde', t19, t14, A18, t15, optimize=[(1, 2), (0, 1), (0, 1)])
-    t20 = (-1/(L*n_batch)) * t12
-    t0 += oe.contract('abc,acd,acd,ace,acf->bdfe', t20, t14, A18, A18, t15, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t20 = oe.contract('abc,acd->bdac', t19, t15, optimize=[(0, 1)])
+    t21 = oe.contract('abc,abc->cab', t14, A18, optimize=[(0, 1)])
+    t1 += oe.contract('abcd,ecd->aeb', t20, t21, optimize=[(0, 1)])
+    t22 = (-1/(L*n_batch)) * t12
+    t23 = oe.contract('abc,acd->bdac', t22, A18, optimize=[(0, 1)])
+    t24 = oe.contract('abc,abc,abd->cdab', t14, A18, t15, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t23, t24, optimize=[(0, 1)])
     return out
 
 
@@ -15755,86 +16319,127 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
     t22 = (1/(L*d_K*n_batch)) * t2
     t1[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t22, M_2, X, t11, t13, A18, t21, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
     t23 = (-1/(L*d_K*n_batch)) * t2
-    t1 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t23, M_2, X, t11, t13, A18, A18, t21, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
-    t24 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t25 = np.reshape(t24, (d_V, d_K, d_V, d_K), copy=False)
-    t25[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t22, M_2, X, t11, t13, A18, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t25 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t23, M_2, X, t11, t13, A18, A18, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
-    t26 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t27 = np.reshape(t26, (d_V, d_K, d_V, d_H), copy=False)
-    t28 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
-    t27[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,gi->fahi', t28, M_2, X, t11, t13, A18, M_1, t19, optimize=[(4, 5), (0, 1), (1, 5), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t29 = (-1/(L*math.sqrt(d_K)*n_batch)) * t2
-    t27 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi,hj->faij', t29, M_2, X, t11, t13, A18, A18, M_1, t19, optimize=[(4, 5), (0, 1), (2, 4), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t30 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t31 = np.reshape(t30, (d_V, d_K, d_H, d_V), copy=False)
-    t31[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t28, M_2, X, t11, t13, A18, t15, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t31 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t29, M_2, X, t11, t13, A18, A18, t15, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t32 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t33 = np.reshape(t32, (d_V, d_K, d_V, d_K), copy=False)
-    t34 = np.swapaxes(W_Q, -1, -2)
-    t35 = (1/(L*d_K*n_batch)) * t34
-    t33[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t35, M_2, X, t11, t13, A18, t21, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t36 = (-1/(L*d_K*n_batch)) * t34
-    t33 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t36, M_2, X, t11, t13, A18, A18, t21, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
-    t37 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t38 = np.reshape(t37, (d_V, d_K, d_V, d_K), copy=False)
-    t38[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t35, M_2, X, t11, t13, A18, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
-    t38 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t36, M_2, X, t11, t13, A18, A18, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
-    t39 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t40 = np.reshape(t39, (d_V, d_K, d_V, d_H), copy=False)
-    t41 = (1/(L*math.sqrt(d_K)*n_batch)) * t34
-    t40[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,gi->fahi', t41, M_2, X, t11, t13, A18, M_1, t19, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (1, 3), (0, 1), (0, 1)])
-    t42 = (-1/(L*math.sqrt(d_K)*n_batch)) * t34
-    t40 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi,hj->faij', t42, M_2, X, t11, t13, A18, A18, M_1, t19, optimize=[(4, 5), (0, 2), (0, 1), (3, 5), (0, 2), (0, 3), (0, 2), (0, 1)])
-    t43 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t44 = np.reshape(t43, (d_V, d_K, d_H, d_V), copy=False)
-    t44[...] = oe.contract('abc,abd,abd,ed,abf,abeg,hf->ghcd', t15, A18, t13, t11, X, M_2, t41, optimize=[(1, 2), (1, 3), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t44 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t42, M_2, X, t11, t13, A18, A18, t15, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
-    t45 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t46 = np.reshape(t45, (d_V, d_H, d_V, d_K), copy=False)
-    t47 = np.swapaxes(M_1, -1, -2)
-    t48 = (1/(L*math.sqrt(d_K)*n_batch)) * t47
-    t46[...] = oe.contract('abc,de,ace,ace,ef,acfg,ach,gi->bdhi', t48, W_O, t13, A18, t21, M_2, X, W_K, optimize=[(2, 3), (2, 3), (3, 5), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t49 = (-1/(L*math.sqrt(d_K)*n_batch)) * t47
-    t46 += oe.contract('abc,de,ace,ace,acf,fg,acgh,aci,hj->bdij', t49, W_O, t13, A18, A18, t21, M_2, X, W_K, optimize=[(2, 3), (2, 3), (2, 6), (1, 4), (2, 3), (0, 2), (0, 2), (0, 1)])
-    t50 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t51 = np.reshape(t50, (d_V, d_H, d_V, d_K), copy=False)
-    t51[...] = oe.contract('abc,de,ace,ace,ef,acfg,ach,hi->bdgi', t48, W_O, t13, A18, t21, M_2, X, W_Q, optimize=[(2, 3), (2, 3), (2, 3), (2, 3), (1, 3), (0, 1), (0, 1)])
-    t51 += oe.contract('abc,de,ace,ace,acf,fg,acgh,aci,ij->bdhj', t49, W_O, t13, A18, A18, t21, M_2, X, W_Q, optimize=[(2, 3), (2, 3), (2, 6), (2, 3), (1, 2), (0, 1), (0, 2), (0, 1)])
-    t52 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t53 = np.reshape(t52, (d_V, d_H, d_V, d_H), copy=False)
-    t54 = (1/(L*n_batch)) * t47
-    t53[...] = oe.contract('ab,cde,cda,cda,fa,cgd->gfeb', t19, M_1, A18, t13, W_O, t54, optimize=[(2, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t55 = (-1/(L*n_batch)) * t47
-    t53 += oe.contract('abc,de,ace,ace,acf,acg,fh->bdgh', t55, W_O, t13, A18, A18, M_1, t19, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 2), (0, 1)])
-    t56 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t57 = np.reshape(t56, (d_V, d_H, d_H, d_V), copy=False)
-    t57[...] = oe.contract('abc,de,ace,ace,acf->bdfe', t54, W_O, t13, A18, t15, optimize=[(2, 3), (0, 2), (1, 2), (0, 1)])
-    t57 += oe.contract('abc,de,ace,ace,acf,acg->bdgf', t55, W_O, t13, A18, A18, t15, optimize=[(2, 3), (1, 4), (0, 1), (0, 2), (0, 1)])
-    t58 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t59 = np.reshape(t58, (d_H, d_V, d_V, d_K), copy=False)
-    t60 = t20 @ t47
-    t61 = (1/(L*math.sqrt(d_K)*n_batch)) * t60
-    t59[...] = oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t61, t13, A18, t21, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t62 = (-1/(L*math.sqrt(d_K)*n_batch)) * t60
-    t59 += oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t62, t13, A18, A18, t21, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
-    t63 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t64 = np.reshape(t63, (d_H, d_V, d_V, d_K), copy=False)
-    t64[...] = oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t61, t13, A18, t21, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t64 += oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t62, t13, A18, A18, t21, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
-    t65 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t66 = np.reshape(t65, (d_H, d_V, d_V, d_H), copy=False)
-    t67 = (1/(L*n_batch)) * t60
-    t66[...] = oe.contract('abc,acd,acd,ace,df->bdef', t67, t13, A18, M_1, t19, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
-    t68 = (-1/(L*n_batch)) * t60
-    t66 += oe.contract('abc,acd,acd,ace,acf,eg->bdfg', t68, t13, A18, A18, M_1, t19, optimize=[(1, 2), (1, 3), (1, 2), (0, 1), (0, 1)])
-    t69 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t69[...] = 0
-    t70 = np.reshape(t69, (d_H, d_V, d_H, d_V), copy=False)
-    t71 = np.einsum('abcb->abc', t70)
-    t71 += oe.contract('abc,acd,acd,ace->bde', t67, t13, A18, t15, optimize=[(1, 2), (0, 1), (0, 1)])
-    t70 += oe.contract('abc,acd,acd,ace,acf->bdfe', t68, t13, A18, A18, t15, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t24 = oe.contract('abc,cd,abde,ef->fab', A18, t21, M_2, W_K, optimize=[(0, 1), (0, 2), (0, 1)])
+    t25 = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahcd', t23, M_2, X, t11, t13, A18, X, optimize=[(4, 5), (0, 1), (1, 3), (2, 3), (0, 1), (0, 1)])
+    t1 += oe.contract('abc,defbc->defa', t24, t25, optimize=[(0, 1)])
+    t26 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t27 = np.reshape(t26, (d_V, d_K, d_V, d_K), copy=False)
+    t28 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t29 = oe.contract('ab,cdeb,ef,cdf,cdf,fg,cdgh->ahcd', t22, M_2, t11, t13, A18, t21, M_2, optimize=[(3, 4), (0, 1), (1, 2), (0, 2), (0, 1), (0, 1)])
+    t27[...] = oe.contract('abcd,efcd->aefb', t28, t29, optimize=[(0, 1)])
+    t30 = oe.contract('abc,abd,de,abef,abg,gh->cfhab', X, A18, t21, M_2, X, W_Q, optimize=[(1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t31 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t23, M_2, t11, t13, A18, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
+    t27 += oe.contract('abcde,fde->afbc', t30, t31, optimize=[(0, 1)])
+    t32 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t33 = np.reshape(t32, (d_V, d_K, d_V, d_H), copy=False)
+    t34 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t33[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,gi->fahi', t34, M_2, X, t11, t13, A18, M_1, t19, optimize=[(4, 5), (0, 1), (1, 5), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t35 = (-1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t36 = oe.contract('abc,abd,abe,df->cefab', X, A18, M_1, t19, optimize=[(0, 2), (0, 1), (0, 1)])
+    t37 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t35, M_2, t11, t13, A18, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
+    t33 += oe.contract('abcde,fde->afbc', t36, t37, optimize=[(0, 1)])
+    t38 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t39 = np.reshape(t38, (d_V, d_K, d_H, d_V), copy=False)
+    t39[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t34, M_2, X, t11, t13, A18, t15, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t40 = oe.contract('abc,abd,abe->cedab', X, A18, t15, optimize=[(0, 1), (0, 1)])
+    t39 += oe.contract('abcde,fde->afbc', t40, t37, optimize=[(0, 1)])
+    t41 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t42 = np.reshape(t41, (d_V, d_K, d_V, d_K), copy=False)
+    t43 = np.swapaxes(W_Q, -1, -2)
+    t44 = (1/(L*d_K*n_batch)) * t43
+    t42[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t44, M_2, X, t11, t13, A18, t21, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t45 = (-1/(L*d_K*n_batch)) * t43
+    t46 = oe.contract('ab,cdb,cde,ef,cdfg,cdh,gi->ahicd', t45, X, A18, t21, M_2, X, W_K, optimize=[(0, 1), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t47 = oe.contract('abcd,ce,abe,abe->dab', M_2, t11, t13, A18, optimize=[(1, 2), (1, 2), (0, 1)])
+    t42 += oe.contract('abcde,fde->fabc', t46, t47, optimize=[(0, 1)])
+    t48 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t49 = np.reshape(t48, (d_V, d_K, d_V, d_K), copy=False)
+    t50 = oe.contract('abc,cd->dab', X, W_Q, optimize=[(0, 1)])
+    t51 = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi->faicd', t44, M_2, X, t11, t13, A18, t21, M_2, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 2), (1, 2), (0, 1)])
+    t49[...] = oe.contract('abc,defbc->defa', t50, t51, optimize=[(0, 1)])
+    t52 = oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi->faicd', t45, M_2, X, t11, t13, A18, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 1), (0, 1)])
+    t53 = oe.contract('abc,cd,abde->eab', A18, t21, M_2, optimize=[(0, 1), (0, 1)])
+    t49 += oe.contract('abcde,fde->abfc', t52, t53, optimize=[(0, 1)])
+    t54 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t55 = np.reshape(t54, (d_V, d_K, d_V, d_H), copy=False)
+    t56 = (1/(L*math.sqrt(d_K)*n_batch)) * t43
+    t55[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,gi->fahi', t56, M_2, X, t11, t13, A18, M_1, t19, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (1, 3), (0, 1), (0, 1)])
+    t57 = (-1/(L*math.sqrt(d_K)*n_batch)) * t43
+    t58 = oe.contract('ab,cdb,cde,cdf,eg->afgcd', t57, X, A18, M_1, t19, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    t55 += oe.contract('abcde,fde->fabc', t58, t47, optimize=[(0, 1)])
+    t59 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t60 = np.reshape(t59, (d_V, d_K, d_H, d_V), copy=False)
+    t61 = oe.contract('abcd,ce,abe,abe->deab', M_2, t11, t13, A18, optimize=[(0, 1), (0, 1), (0, 1)])
+    t62 = oe.contract('ab,cdb,cde->aecd', t56, X, t15, optimize=[(0, 1), (0, 1)])
+    t60[...] = oe.contract('abcd,efcd->aefb', t61, t62, optimize=[(0, 1)])
+    t63 = oe.contract('ab,cdb,cde,cdf->afecd', t57, X, A18, t15, optimize=[(0, 1), (0, 1), (0, 1)])
+    t60 += oe.contract('abcde,fde->fabc', t63, t47, optimize=[(0, 1)])
+    t64 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t65 = np.reshape(t64, (d_V, d_H, d_V, d_K), copy=False)
+    t66 = np.swapaxes(M_1, -1, -2)
+    t67 = (1/(L*math.sqrt(d_K)*n_batch)) * t66
+    t68 = oe.contract('ab,cdb,cdb,be,cdef,fg->agcd', W_O, t13, A18, t21, M_2, W_K, optimize=[(1, 2), (1, 2), (1, 3), (1, 2), (0, 1)])
+    t69 = oe.contract('abc,acd->bdac', t67, X, optimize=[(0, 1)])
+    t65[...] = oe.contract('abcd,efcd->eafb', t68, t69, optimize=[(0, 1)])
+    t70 = (-1/(L*math.sqrt(d_K)*n_batch)) * t66
+    t71 = oe.contract('abc,de,ace,ace,acf->bdfac', t70, W_O, t13, A18, X, optimize=[(2, 3), (1, 3), (0, 1), (0, 1)])
+    t65 += oe.contract('abc,defbc->defa', t24, t71, optimize=[(0, 1)])
+    t72 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t73 = np.reshape(t72, (d_V, d_H, d_V, d_K), copy=False)
+    t74 = oe.contract('abc,acd,de->beac', t67, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t75 = oe.contract('ab,cdb,cdb,be,cdef->afcd', W_O, t13, A18, t21, M_2, optimize=[(1, 2), (1, 2), (1, 2), (0, 1)])
+    t73[...] = oe.contract('abcd,efcd->aefb', t74, t75, optimize=[(0, 1)])
+    t76 = oe.contract('abc,acd,de,acef,acg,gh->bfhac', t70, A18, t21, M_2, X, W_Q, optimize=[(1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t77 = oe.contract('ab,cdb,cdb->acd', W_O, t13, A18, optimize=[(1, 2), (0, 1)])
+    t73 += oe.contract('abcde,fde->afbc', t76, t77, optimize=[(0, 1)])
+    t78 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t79 = np.reshape(t78, (d_V, d_H, d_V, d_H), copy=False)
+    t80 = (1/(L*n_batch)) * t66
+    t81 = oe.contract('ab,bc->acb', W_O, t19, optimize=[(0, 1)])
+    t82 = oe.contract('abc,abd,abd,aeb->ecd', M_1, A18, t13, t80, optimize=[(1, 2), (0, 1), (0, 1)])
+    t79[...] = oe.contract('abc,dec->daeb', t81, t82, optimize=[(0, 1)])
+    t83 = (-1/(L*n_batch)) * t66
+    t84 = oe.contract('abc,acd,ace,df->befac', t83, A18, M_1, t19, optimize=[(0, 2), (0, 1), (0, 1)])
+    t79 += oe.contract('abcde,fde->afbc', t84, t77, optimize=[(0, 1)])
+    t85 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t86 = np.reshape(t85, (d_V, d_H, d_H, d_V), copy=False)
+    t86[...] = oe.contract('abc,de,ace,ace,acf->bdfe', t80, W_O, t13, A18, t15, optimize=[(2, 3), (0, 2), (1, 2), (0, 1)])
+    t87 = oe.contract('abc,acd,ace->bedac', t83, A18, t15, optimize=[(0, 1), (0, 1)])
+    t86 += oe.contract('abcde,fde->afbc', t87, t77, optimize=[(0, 1)])
+    t88 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t89 = np.reshape(t88, (d_H, d_V, d_V, d_K), copy=False)
+    t90 = t20 @ t66
+    t91 = (1/(L*math.sqrt(d_K)*n_batch)) * t90
+    t89[...] = oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t91, t13, A18, t21, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t92 = (-1/(L*math.sqrt(d_K)*n_batch)) * t90
+    t93 = oe.contract('abc,acd,de,acef,fg->bgac', t92, A18, t21, M_2, W_K, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t94 = oe.contract('abc,abc,abd->cdab', t13, A18, X, optimize=[(0, 1), (0, 1)])
+    t89 += oe.contract('abcd,efcd->aefb', t93, t94, optimize=[(0, 1)])
+    t95 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t96 = np.reshape(t95, (d_H, d_V, d_V, d_K), copy=False)
+    t97 = oe.contract('abc,acd,de->beac', t91, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t98 = oe.contract('abc,abc,cd,abde->ceab', t13, A18, t21, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t96[...] = oe.contract('abcd,efcd->aefb', t97, t98, optimize=[(0, 1)])
+    t99 = oe.contract('abc,acd,acd,ace,ef,acfg->bdgac', t92, t13, A18, A18, t21, M_2, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t96 += oe.contract('abc,defbc->defa', t50, t99, optimize=[(0, 1)])
+    t100 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t101 = np.reshape(t100, (d_H, d_V, d_V, d_H), copy=False)
+    t102 = (1/(L*n_batch)) * t90
+    t101[...] = oe.contract('abc,acd,acd,ace,df->bdef', t102, t13, A18, M_1, t19, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
+    t103 = (-1/(L*n_batch)) * t90
+    t104 = oe.contract('abc,acd,de->beac', t103, A18, t19, optimize=[(1, 2), (0, 1)])
+    t105 = oe.contract('abc,abc,abd->cdab', t13, A18, M_1, optimize=[(0, 1), (0, 1)])
+    t101 += oe.contract('abcd,efcd->aefb', t104, t105, optimize=[(0, 1)])
+    t106 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t106[...] = 0
+    t107 = np.reshape(t106, (d_H, d_V, d_H, d_V), copy=False)
+    t108 = np.einsum('abcb->abc', t107)
+    t109 = oe.contract('abc,acd->bdac', t102, t15, optimize=[(0, 1)])
+    t110 = oe.contract('abc,abc->cab', t13, A18, optimize=[(0, 1)])
+    t108 += oe.contract('abcd,ecd->aeb', t109, t110, optimize=[(0, 1)])
+    t111 = oe.contract('abc,acd->bdac', t103, A18, optimize=[(0, 1)])
+    t112 = oe.contract('abc,abc,abd->cdab', t13, A18, t15, optimize=[(0, 1), (0, 1)])
+    t107 += oe.contract('abcd,efcd->aefb', t111, t112, optimize=[(0, 1)])
     return H
 
 
@@ -16013,9 +16618,12 @@ def ce_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t19 = np.swapaxes(W_V, -1, -2)
     t20 = t18 @ t19
     t21 = (1/(L*d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdf,ia->fa', t21, M_2, X, t10, t12, A17, t20, M_2, X, W_K, optimize=[(4, 5), (2, 6), (0, 1), (1, 2), (0, 4), (0, 3), (2, 3), (0, 2), (0, 1)])
-    t22 = (-1/(L*d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdf,ja->fa', t22, M_2, X, t10, t12, A17, A17, t20, M_2, X, W_K, optimize=[(4, 5), (2, 7), (0, 1), (1, 2), (1, 6), (0, 2), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t22 = oe.contract('ab,cdeb,ef,cdf,cdf,fg,cdgh,ha->acd', t21, M_2, t10, t12, A17, t20, M_2, W_K, optimize=[(3, 4), (0, 1), (1, 2), (0, 3), (0, 2), (1, 2), (0, 1)])
+    t23 = oe.contract('abc,abc->cab', X, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t22, t23, optimize=[(0, 1)])
+    t24 = (-1/(L*d_K*n_batch)) * t1
+    t25 = oe.contract('ab,cdeb,ef,cdf,cdf,cdg,gh,cdhi,ia->acd', t24, M_2, t10, t12, A17, A17, t20, M_2, W_K, optimize=[(3, 4), (0, 1), (1, 2), (1, 5), (0, 2), (1, 3), (0, 1), (0, 1)])
+    t0 += oe.contract('abc,dbc->da', t25, t23, optimize=[(0, 1)])
     return out
 
 
@@ -16089,7 +16697,9 @@ def ce_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t21 = (1/(L*d_K*n_batch)) * t1
     t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t21, M_2, X, t10, t12, A17, t20, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
     t22 = (-1/(L*d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t22, M_2, X, t10, t12, A17, A17, t20, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
+    t23 = oe.contract('abc,cd,abde,ef->fab', A17, t20, M_2, W_K, optimize=[(0, 1), (0, 2), (0, 1)])
+    t24 = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahcd', t22, M_2, X, t10, t12, A17, X, optimize=[(4, 5), (0, 1), (1, 3), (2, 3), (0, 1), (0, 1)])
+    t0 += oe.contract('abc,defbc->defa', t23, t24, optimize=[(0, 1)])
     return out
 
 
@@ -16163,9 +16773,13 @@ def ce_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     t19 = np.swapaxes(W_V, -1, -2)
     t20 = t18 @ t19
     t21 = (1/(L*d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t21, M_2, X, t10, t12, A17, t20, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t22 = (-1/(L*d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t22, M_2, X, t10, t12, A17, A17, t20, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
+    t22 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t23 = oe.contract('ab,cdeb,ef,cdf,cdf,fg,cdgh->ahcd', t21, M_2, t10, t12, A17, t20, M_2, optimize=[(3, 4), (0, 1), (1, 2), (0, 2), (0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
+    t24 = (-1/(L*d_K*n_batch)) * t1
+    t25 = oe.contract('abc,abd,de,abef,abg,gh->cfhab', X, A17, t20, M_2, X, W_Q, optimize=[(1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t26 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t24, M_2, t10, t12, A17, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t25, t26, optimize=[(0, 1)])
     return out
 
 
@@ -16239,7 +16853,9 @@ def ce_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     t19 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,gi->fahi', t19, M_2, X, t10, t12, A17, M_1, t18, optimize=[(4, 5), (0, 1), (1, 5), (3, 4), (2, 3), (0, 1), (0, 1)])
     t20 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi,hj->faij', t20, M_2, X, t10, t12, A17, A17, M_1, t18, optimize=[(4, 5), (0, 1), (2, 4), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t21 = oe.contract('abc,abd,abe,df->cefab', X, A17, M_1, t18, optimize=[(0, 2), (0, 1), (0, 1)])
+    t22 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t20, M_2, t10, t12, A17, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -16310,7 +16926,9 @@ def ce_causal1__block__W_Q__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     t18 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t18, M_2, X, t10, t12, A17, t14, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
     t19 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t19, M_2, X, t10, t12, A17, A17, t14, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t20 = oe.contract('abc,abd,abe->cedab', X, A17, t14, optimize=[(0, 1), (0, 1)])
+    t21 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t19, M_2, t10, t12, A17, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -16382,9 +17000,13 @@ def ce_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     t20 = np.swapaxes(W_V, -1, -2)
     t21 = t19 @ t20
     t22 = (1/(L*d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhf,cdi,ia->fa', t22, M_2, X, t11, t13, A18, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (4, 5), (2, 4), (0, 1), (0, 2), (0, 1)])
-    t23 = (-1/(L*d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdif,cdj,ja->fa', t23, M_2, X, t11, t13, A18, A18, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t23 = oe.contract('ab,cdb,cde,ea->acd', t22, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t24 = oe.contract('abcd,ce,abe,abe,ef,abfd->dab', M_2, t11, t13, A18, t21, M_2, optimize=[(2, 3), (0, 1), (0, 1), (1, 2), (0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t23, t24, optimize=[(0, 1)])
+    t25 = (-1/(L*d_K*n_batch)) * t1
+    t26 = oe.contract('ab,cdb,cde,ea->acd', t25, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t27 = oe.contract('abcd,ce,abe,abe,abf,fg,abgd->dab', M_2, t11, t13, A18, A18, t21, M_2, optimize=[(2, 3), (0, 1), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t0 += oe.contract('abc,dbc->da', t26, t27, optimize=[(0, 1)])
     return out
 
 
@@ -16460,7 +17082,9 @@ def ce_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t22 = (1/(L*d_K*n_batch)) * t1
     t0[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t22, M_2, X, t11, t13, A18, t21, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
     t23 = (-1/(L*d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t23, M_2, X, t11, t13, A18, A18, t21, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t24 = oe.contract('ab,cdb,cde,ef,cdfg,cdh,gi->ahicd', t23, X, A18, t21, M_2, X, W_K, optimize=[(0, 1), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t25 = oe.contract('abcd,ce,abe,abe->dab', M_2, t11, t13, A18, optimize=[(1, 2), (1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->fabc', t24, t25, optimize=[(0, 1)])
     return out
 
 
@@ -16536,9 +17160,13 @@ def ce_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     t20 = np.swapaxes(W_V, -1, -2)
     t21 = t19 @ t20
     t22 = (1/(L*d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t22, M_2, X, t11, t13, A18, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
-    t23 = (-1/(L*d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t23, M_2, X, t11, t13, A18, A18, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
+    t23 = oe.contract('abc,cd->dab', X, W_Q, optimize=[(0, 1)])
+    t24 = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi->faicd', t22, M_2, X, t11, t13, A18, t21, M_2, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 2), (1, 2), (0, 1)])
+    t0[...] = oe.contract('abc,defbc->defa', t23, t24, optimize=[(0, 1)])
+    t25 = (-1/(L*d_K*n_batch)) * t1
+    t26 = oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi->faicd', t25, M_2, X, t11, t13, A18, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 1), (0, 1)])
+    t27 = oe.contract('abc,cd,abde->eab', A18, t21, M_2, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcde,fde->abfc', t26, t27, optimize=[(0, 1)])
     return out
 
 
@@ -16614,7 +17242,9 @@ def ce_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     t20 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t0[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,gi->fahi', t20, M_2, X, t11, t13, A18, M_1, t19, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (1, 3), (0, 1), (0, 1)])
     t21 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi,hj->faij', t21, M_2, X, t11, t13, A18, A18, M_1, t19, optimize=[(4, 5), (0, 2), (0, 1), (3, 5), (0, 2), (0, 3), (0, 2), (0, 1)])
+    t22 = oe.contract('ab,cdb,cde,cdf,eg->afgcd', t21, X, A18, M_1, t19, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    t23 = oe.contract('abcd,ce,abe,abe->dab', M_2, t11, t13, A18, optimize=[(1, 2), (1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->fabc', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -16685,9 +17315,13 @@ def ce_causal1__block__W_K__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     t17 = np.exp(t16 - t16.max(-1, keepdims=True))
     A18 = t17 / t17.sum(-1, keepdims=True)
     t19 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('abc,abd,abd,ed,abf,abeg,hf->ghcd', t15, A18, t13, t11, X, M_2, t19, optimize=[(1, 2), (1, 3), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t20 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t20, M_2, X, t11, t13, A18, A18, t15, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t20 = oe.contract('abcd,ce,abe,abe->deab', M_2, t11, t13, A18, optimize=[(0, 1), (0, 1), (0, 1)])
+    t21 = oe.contract('ab,cdb,cde->aecd', t19, X, t15, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
+    t22 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t23 = oe.contract('ab,cdb,cde,cdf->afecd', t22, X, A18, t15, optimize=[(0, 1), (0, 1), (0, 1)])
+    t24 = oe.contract('abcd,ce,abe,abe->dab', M_2, t11, t13, A18, optimize=[(1, 2), (1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->fabc', t23, t24, optimize=[(0, 1)])
     return out
 
 
@@ -16757,7 +17391,9 @@ def ce_causal1__diag__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     t19 = (1/(L*n_batch)) * t11
     t0[...] = oe.contract('abc,de,ace,ace,acb,ed->bd', t19, W_O, t13, A17, M_1, t18, optimize=[(2, 3), (0, 2), (0, 1), (0, 1), (0, 1)])
     t20 = (-1/(L*n_batch)) * t11
-    t0 += oe.contract('abc,de,ace,ace,acf,acb,fd->bd', t20, W_O, t13, A17, A17, M_1, t18, optimize=[(2, 3), (0, 3), (1, 2), (0, 1), (1, 2), (0, 1)])
+    t21 = oe.contract('ab,cdb,cdb,cde,ea->acd', W_O, t13, A17, A17, t18, optimize=[(1, 2), (1, 2), (0, 1), (0, 1)])
+    t22 = oe.contract('abc,acb->bac', t20, M_1, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dbc->da', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -16825,9 +17461,13 @@ def ce_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t21 = (1/(L*math.sqrt(d_K)*n_batch)) * t11
-    t0[...] = oe.contract('abc,de,ace,ace,ef,acfg,ach,gi->bdhi', t21, W_O, t13, A17, t20, M_2, X, W_K, optimize=[(2, 3), (2, 3), (3, 5), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t22 = (-1/(L*math.sqrt(d_K)*n_batch)) * t11
-    t0 += oe.contract('abc,de,ace,ace,acf,fg,acgh,aci,hj->bdij', t22, W_O, t13, A17, A17, t20, M_2, X, W_K, optimize=[(2, 3), (2, 3), (2, 6), (1, 4), (2, 3), (0, 2), (0, 2), (0, 1)])
+    t22 = oe.contract('ab,cdb,cdb,be,cdef,fg->agcd', W_O, t13, A17, t20, M_2, W_K, optimize=[(1, 2), (1, 2), (1, 3), (1, 2), (0, 1)])
+    t23 = oe.contract('abc,acd->bdac', t21, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
+    t24 = (-1/(L*math.sqrt(d_K)*n_batch)) * t11
+    t25 = oe.contract('abc,cd,abde,ef->fab', A17, t20, M_2, W_K, optimize=[(0, 1), (0, 2), (0, 1)])
+    t26 = oe.contract('abc,de,ace,ace,acf->bdfac', t24, W_O, t13, A17, X, optimize=[(2, 3), (1, 3), (0, 1), (0, 1)])
+    t0 += oe.contract('abc,defbc->defa', t25, t26, optimize=[(0, 1)])
     return out
 
 
@@ -16901,9 +17541,13 @@ def ce_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t21 = (1/(L*math.sqrt(d_K)*n_batch)) * t11
-    t0[...] = oe.contract('abc,de,ace,ace,ef,acfg,ach,hi->bdgi', t21, W_O, t13, A17, t20, M_2, X, W_Q, optimize=[(2, 3), (2, 3), (2, 3), (2, 3), (1, 3), (0, 1), (0, 1)])
-    t22 = (-1/(L*math.sqrt(d_K)*n_batch)) * t11
-    t0 += oe.contract('abc,de,ace,ace,acf,fg,acgh,aci,ij->bdhj', t22, W_O, t13, A17, A17, t20, M_2, X, W_Q, optimize=[(2, 3), (2, 3), (2, 6), (2, 3), (1, 2), (0, 1), (0, 2), (0, 1)])
+    t22 = oe.contract('abc,acd,de->beac', t21, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t23 = oe.contract('ab,cdb,cdb,be,cdef->afcd', W_O, t13, A17, t20, M_2, optimize=[(1, 2), (1, 2), (1, 2), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
+    t24 = (-1/(L*math.sqrt(d_K)*n_batch)) * t11
+    t25 = oe.contract('abc,acd,de,acef,acg,gh->bfhac', t24, A17, t20, M_2, X, W_Q, optimize=[(1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t26 = oe.contract('ab,cdb,cdb->acd', W_O, t13, A17, optimize=[(1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t25, t26, optimize=[(0, 1)])
     return out
 
 
@@ -16973,9 +17617,13 @@ def ce_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = np.swapaxes(W_O, -1, -2)
     t19 = (1/(L*n_batch)) * t11
-    t0[...] = oe.contract('ab,cde,cda,cda,fa,cgd->gfeb', t18, M_1, A17, t13, W_O, t19, optimize=[(2, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t20 = (-1/(L*n_batch)) * t11
-    t0 += oe.contract('abc,de,ace,ace,acf,acg,fh->bdgh', t20, W_O, t13, A17, A17, M_1, t18, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 2), (0, 1)])
+    t20 = oe.contract('ab,bc->acb', W_O, t18, optimize=[(0, 1)])
+    t21 = oe.contract('abc,abd,abd,aeb->ecd', M_1, A17, t13, t19, optimize=[(1, 2), (0, 1), (0, 1)])
+    t0[...] = oe.contract('abc,dec->daeb', t20, t21, optimize=[(0, 1)])
+    t22 = (-1/(L*n_batch)) * t11
+    t23 = oe.contract('abc,acd,ace,df->befac', t22, A17, M_1, t18, optimize=[(0, 2), (0, 1), (0, 1)])
+    t24 = oe.contract('ab,cdb,cdb->acd', W_O, t13, A17, optimize=[(1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t23, t24, optimize=[(0, 1)])
     return out
 
 
@@ -17042,7 +17690,9 @@ def ce_causal1__block__W_V__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     t18 = (1/(L*n_batch)) * t11
     t0[...] = oe.contract('abc,de,ace,ace,acf->bdfe', t18, W_O, t13, A17, t14, optimize=[(2, 3), (0, 2), (1, 2), (0, 1)])
     t19 = (-1/(L*n_batch)) * t11
-    t0 += oe.contract('abc,de,ace,ace,acf,acg->bdgf', t19, W_O, t13, A17, A17, t14, optimize=[(2, 3), (1, 4), (0, 1), (0, 2), (0, 1)])
+    t20 = oe.contract('abc,acd,ace->bedac', t19, A17, t14, optimize=[(0, 1), (0, 1)])
+    t21 = oe.contract('ab,cdb,cdb->acd', W_O, t13, A17, optimize=[(1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -17108,9 +17758,11 @@ def ce_causal1__diag__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     t18 = np.exp(t17 - t17.max(-1, keepdims=True))
     A19 = t18 / t18.sum(-1, keepdims=True)
     t20 = (1/(L*n_batch)) * t13
-    t0[...] = oe.contract('abc,acd,acd,acb->bd', t20, t15, A19, t16, optimize=[(0, 3), (0, 1), (0, 1)])
-    t21 = (-1/(L*n_batch)) * t13
-    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t21, t15, A19, A19, t16, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t21 = oe.contract('abc,abc->cab', t15, A19, optimize=[(0, 1)])
+    t22 = oe.contract('abc,acb->bac', t20, t16, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t21, t22, optimize=[(0, 1)])
+    t23 = (-1/(L*n_batch)) * t13
+    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t23, t15, A19, A19, t16, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -17182,7 +17834,9 @@ def ce_causal1__block__W_O__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t22 = (1/(L*math.sqrt(d_K)*n_batch)) * t13
     t0[...] = oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t22, t15, A19, t21, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
     t23 = (-1/(L*math.sqrt(d_K)*n_batch)) * t13
-    t0 += oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t23, t15, A19, A19, t21, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
+    t24 = oe.contract('abc,acd,de,acef,fg->bgac', t23, A19, t21, M_2, W_K, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t25 = oe.contract('abc,abc,abd->cdab', t15, A19, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t24, t25, optimize=[(0, 1)])
     return out
 
 
@@ -17258,9 +17912,13 @@ def ce_causal1__block__W_O__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t22 = (1/(L*math.sqrt(d_K)*n_batch)) * t13
-    t0[...] = oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t22, t15, A19, t21, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t23 = (-1/(L*math.sqrt(d_K)*n_batch)) * t13
-    t0 += oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t23, t15, A19, A19, t21, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
+    t23 = oe.contract('abc,acd,de->beac', t22, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t24 = oe.contract('abc,abc,cd,abde->ceab', t15, A19, t21, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t23, t24, optimize=[(0, 1)])
+    t25 = (-1/(L*math.sqrt(d_K)*n_batch)) * t13
+    t26 = oe.contract('abc,cd->dab', X, W_Q, optimize=[(0, 1)])
+    t27 = oe.contract('abc,acd,acd,ace,ef,acfg->bdgac', t25, t15, A19, A19, t21, M_2, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t0 += oe.contract('abc,defbc->defa', t26, t27, optimize=[(0, 1)])
     return out
 
 
@@ -17335,7 +17993,9 @@ def ce_causal1__block__W_O__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     t21 = (1/(L*n_batch)) * t13
     t0[...] = oe.contract('abc,acd,acd,ace,df->bdef', t21, t15, A19, M_1, t20, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
     t22 = (-1/(L*n_batch)) * t13
-    t0 += oe.contract('abc,acd,acd,ace,acf,eg->bdfg', t22, t15, A19, A19, M_1, t20, optimize=[(1, 2), (1, 3), (1, 2), (0, 1), (0, 1)])
+    t23 = oe.contract('abc,acd,de->beac', t22, A19, t20, optimize=[(1, 2), (0, 1)])
+    t24 = oe.contract('abc,abc,abd->cdab', t15, A19, M_1, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t23, t24, optimize=[(0, 1)])
     return out
 
 
@@ -17406,9 +18066,13 @@ def ce_causal1__block__W_O__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     t19 = np.exp(t18 - t18.max(-1, keepdims=True))
     A20 = t19 / t19.sum(-1, keepdims=True)
     t21 = (1/(L*n_batch)) * t14
-    t1 += oe.contract('abc,acd,acd,ace->bde', t21, t16, A20, t17, optimize=[(1, 2), (0, 1), (0, 1)])
-    t22 = (-1/(L*n_batch)) * t14
-    t0 += oe.contract('abc,acd,acd,ace,acf->bdfe', t22, t16, A20, A20, t17, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t22 = oe.contract('abc,acd->bdac', t21, t17, optimize=[(0, 1)])
+    t23 = oe.contract('abc,abc->cab', t16, A20, optimize=[(0, 1)])
+    t1 += oe.contract('abcd,ecd->aeb', t22, t23, optimize=[(0, 1)])
+    t24 = (-1/(L*n_batch)) * t14
+    t25 = oe.contract('abc,acd->bdac', t24, A20, optimize=[(0, 1)])
+    t26 = oe.contract('abc,abc,abd->cdab', t16, A20, t17, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t25, t26, optimize=[(0, 1)])
     return out
 
 
@@ -17499,73 +18163,93 @@ def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, W_O, Y):
     t35 = np.ones((d_K,), dtype=X.dtype)
     t36 = (1/(math.sqrt(d_K)*n_batch)) * t35
     t32 += oe.contract('abc,d->bdc', t34, t36, optimize=[(0, 1)])
-    t31 += oe.contract('ab,cde,cebf,ceg,gh->dafh', t29, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
-    t37 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t38 = np.reshape(t37, (d_V, d_K, d_V, d_H), copy=False)
+    t37 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t38 = oe.contract('ab,cdbe->aecd', t29, M_3, optimize=[(0, 1)])
+    t31 += oe.contract('abcd,efcd->aefb', t37, t38, optimize=[(0, 1)])
+    t39 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t40 = np.reshape(t39, (d_V, d_K, d_V, d_H), copy=False)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t39 = G @ t22
-    t40 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t38[...] = oe.contract('abc,abd,abef,gf->dgec', t39, X, M_2, t40, optimize=[(0, 1), (0, 1), (0, 1)])
-    t41 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t42 = np.reshape(t41, (d_V, d_K, d_H, d_V), copy=False)
-    t42[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fahg', t40, M_2, X, G, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t43 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t43[...] = 0
-    t44 = np.reshape(t43, (d_V, d_K, d_V, d_K), copy=False)
-    t45 = np.einsum('abcb->abc', t44)
-    t46 = np.swapaxes(t28, -1, -2)
-    t47 = t46 @ X
-    t48 = t3 @ t47
-    t45 += oe.contract('abc,d->bdc', t48, t36, optimize=[(0, 1)])
-    t49 = np.swapaxes(W_Q, -1, -2)
-    t50 = (1/(d_K*n_batch)) * t49
-    t44 += oe.contract('ab,cde,cdfa,cgd,hg->fheb', W_K, X, M_3, t3, t50, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
-    t51 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t52 = np.reshape(t51, (d_V, d_K, d_V, d_K), copy=False)
-    t52[...] = oe.contract('ab,cbd,cdef,cdg,gh->eafh', t50, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t53 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t54 = np.reshape(t53, (d_V, d_K, d_V, d_H), copy=False)
-    t55 = (1/(math.sqrt(d_K)*n_batch)) * t49
-    t54[...] = oe.contract('ab,cdef,cdb,cdg->faeg', t55, M_2, X, t39, optimize=[(0, 2), (1, 2), (0, 1)])
-    t56 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t57 = np.reshape(t56, (d_V, d_K, d_H, d_V), copy=False)
-    t57[...] = oe.contract('ab,cdef,cdb,cdg,eh->fahg', t55, M_2, X, G, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
-    t58 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t59 = np.reshape(t58, (d_V, d_H, d_V, d_K), copy=False)
-    t60 = np.swapaxes(G, -1, -2)
-    t61 = W_O @ t60
-    t62 = (1/(math.sqrt(d_K)*n_batch)) * t61
-    t59[...] = oe.contract('ab,cde,cdfa,cgd->fgeb', W_K, X, M_2, t62, optimize=[(0, 2), (0, 1), (0, 1)])
-    t63 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t64 = np.reshape(t63, (d_V, d_H, d_V, d_K), copy=False)
-    t64[...] = oe.contract('abc,acde,acf,fg->dbeg', t62, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t65 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t65[...] = 0
-    t66 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t66[...] = 0
-    t67 = np.reshape(t66, (d_V, d_H, d_H, d_V), copy=False)
-    t68 = np.einsum('abbc->abc', t67)
-    t69 = np.swapaxes(M_1, -1, -2)
-    t70 = t69 @ G
-    t71 = np.ones((d_H,), dtype=X.dtype)
-    t72 = (1/n_batch) * t71
-    t68 += oe.contract('abc,d->bdc', t70, t72, optimize=[(0, 1)])
-    t73 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t74 = np.reshape(t73, (d_H, d_V, d_V, d_K), copy=False)
-    t75 = (1/(math.sqrt(d_K)*n_batch)) * t60
-    t74[...] = oe.contract('abc,de,acef,acg,fh->dbgh', t75, t23, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t76 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t77 = np.reshape(t76, (d_H, d_V, d_V, d_K), copy=False)
-    t77[...] = oe.contract('abc,de,acef,acg,gh->dbfh', t75, t23, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
-    t78 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t78[...] = 0
-    t79 = np.reshape(t78, (d_H, d_V, d_V, d_H), copy=False)
-    t80 = np.einsum('abca->abc', t79)
-    t81 = t60 @ M_1
-    t80 += oe.contract('abc,d->dbc', t81, t72, optimize=[(0, 1)])
-    t82 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t82[...] = 0
+    t41 = G @ t22
+    t42 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t43 = oe.contract('abc,abd->cdab', X, t41, optimize=[(0, 1)])
+    t44 = oe.contract('ab,cdeb->aecd', t42, M_2, optimize=[(0, 1)])
+    t40[...] = oe.contract('abcd,efcd->aefb', t43, t44, optimize=[(0, 1)])
+    t45 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t46 = np.reshape(t45, (d_V, d_K, d_H, d_V), copy=False)
+    t47 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t48 = oe.contract('ab,cdeb,ef->afcd', t42, M_2, W_V, optimize=[(0, 1), (0, 1)])
+    t46[...] = oe.contract('abcd,efcd->aefb', t47, t48, optimize=[(0, 1)])
+    t49 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t49[...] = 0
+    t50 = np.reshape(t49, (d_V, d_K, d_V, d_K), copy=False)
+    t51 = np.einsum('abcb->abc', t50)
+    t52 = np.swapaxes(t28, -1, -2)
+    t53 = t52 @ X
+    t54 = t3 @ t53
+    t51 += oe.contract('abc,d->bdc', t54, t36, optimize=[(0, 1)])
+    t55 = np.swapaxes(W_Q, -1, -2)
+    t56 = (1/(d_K*n_batch)) * t55
+    t57 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t58 = oe.contract('ab,cbd,cde->aecd', t56, t3, X, optimize=[(0, 1), (0, 1)])
+    t50 += oe.contract('abcd,efcd->aefb', t57, t58, optimize=[(0, 1)])
+    t59 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t60 = np.reshape(t59, (d_V, d_K, d_V, d_K), copy=False)
+    t61 = oe.contract('ab,cbd,cde,ef->afcd', t56, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t62 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t60[...] = oe.contract('abcd,efcd->eafb', t61, t62, optimize=[(0, 1)])
+    t63 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t64 = np.reshape(t63, (d_V, d_K, d_V, d_H), copy=False)
+    t65 = (1/(math.sqrt(d_K)*n_batch)) * t55
+    t66 = oe.contract('ab,cdb,cde->aecd', t65, X, t41, optimize=[(0, 1), (0, 1)])
+    t67 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t64[...] = oe.contract('abcd,efcd->eafb', t66, t67, optimize=[(0, 1)])
+    t68 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t69 = np.reshape(t68, (d_V, d_K, d_H, d_V), copy=False)
+    t70 = oe.contract('ab,cdb,cde->aecd', t65, X, G, optimize=[(0, 1), (0, 1)])
+    t71 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t69[...] = oe.contract('abcd,efcd->eafb', t70, t71, optimize=[(0, 1)])
+    t72 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t73 = np.reshape(t72, (d_V, d_H, d_V, d_K), copy=False)
+    t74 = np.swapaxes(G, -1, -2)
+    t75 = W_O @ t74
+    t76 = (1/(math.sqrt(d_K)*n_batch)) * t75
+    t77 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t78 = oe.contract('abc,acd->bdac', t76, X, optimize=[(0, 1)])
+    t73[...] = oe.contract('abcd,efcd->aefb', t77, t78, optimize=[(0, 1)])
+    t79 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t80 = np.reshape(t79, (d_V, d_H, d_V, d_K), copy=False)
+    t81 = oe.contract('abc,acd,de->beac', t76, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t82 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t80[...] = oe.contract('abcd,efcd->eafb', t81, t82, optimize=[(0, 1)])
+    t83 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t83[...] = 0
+    t84 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t84[...] = 0
+    t85 = np.reshape(t84, (d_V, d_H, d_H, d_V), copy=False)
+    t86 = np.einsum('abbc->abc', t85)
+    t87 = np.swapaxes(M_1, -1, -2)
+    t88 = t87 @ G
+    t89 = np.ones((d_H,), dtype=X.dtype)
+    t90 = (1/n_batch) * t89
+    t86 += oe.contract('abc,d->bdc', t88, t90, optimize=[(0, 1)])
+    t91 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t92 = np.reshape(t91, (d_H, d_V, d_V, d_K), copy=False)
+    t93 = (1/(math.sqrt(d_K)*n_batch)) * t74
+    t92[...] = oe.contract('abc,de,acef,acg,fh->dbgh', t93, t23, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t94 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t95 = np.reshape(t94, (d_H, d_V, d_V, d_K), copy=False)
+    t96 = oe.contract('abc,acd,de->beac', t93, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t97 = oe.contract('ab,cdbe->aecd', t23, M_2, optimize=[(0, 1)])
+    t95[...] = oe.contract('abcd,efcd->eafb', t96, t97, optimize=[(0, 1)])
+    t98 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t98[...] = 0
+    t99 = np.reshape(t98, (d_H, d_V, d_V, d_H), copy=False)
+    t100 = np.einsum('abca->abc', t99)
+    t101 = t74 @ M_1
+    t100 += oe.contract('abc,d->dbc', t101, t90, optimize=[(0, 1)])
+    t102 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t102[...] = 0
     return H
 
 
@@ -17797,7 +18481,9 @@ def ce_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t27, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t27, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t27, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t28 = (1/(d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cde,cebf,ced,fa->da', t28, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
+    t29 = oe.contract('ab,cdbe,ea->acd', t28, M_3, W_K, optimize=[(0, 2), (0, 1)])
+    t30 = oe.contract('abc,acb->bac', t2, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t29, t30, optimize=[(0, 1)])
     return out
 
 
@@ -17986,7 +18672,9 @@ def ce_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t28, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t28, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t28, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t33 = (1/(d_K*n_batch)) * t3
-    t0 += oe.contract('ab,cde,cebf,ceg,gh->dafh', t33, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t34 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t35 = oe.contract('ab,cdbe->aecd', t33, M_3, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t34, t35, optimize=[(0, 1)])
     return out
 
 
@@ -18075,7 +18763,9 @@ def ce_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     t21 = np.swapaxes(W_O, -1, -2)
     t22 = G @ t21
     t23 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('abc,abd,abef,gf->dgec', t22, X, M_2, t23, optimize=[(0, 1), (0, 1), (0, 1)])
+    t24 = oe.contract('abc,abd->cdab', X, t22, optimize=[(0, 1)])
+    t25 = oe.contract('ab,cdeb->aecd', t23, M_2, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t24, t25, optimize=[(0, 1)])
     return out
 
 
@@ -18155,7 +18845,9 @@ def ce_causal1__block__W_Q__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     t20 = t18 + t19
     G = t20
     t21 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fahg', t21, M_2, X, G, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t22 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t23 = oe.contract('ab,cdeb,ef->afcd', t21, M_2, W_V, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -18341,7 +19033,9 @@ def ce_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t28, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t28, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t28, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t35 = (1/(d_K*n_batch)) * t34
-    t0 += oe.contract('ab,cde,cdfa,cgd,hg->fheb', W_K, X, M_3, t2, t35, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t36 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t37 = oe.contract('ab,cbd,cde->aecd', t35, t2, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t36, t37, optimize=[(0, 1)])
     return out
 
 
@@ -18438,7 +19132,9 @@ def ce_causal1__block__W_K__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t28, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t28, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t28, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t29 = (1/(d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cbd,cdef,cdg,gh->eafh', t29, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t30 = oe.contract('ab,cbd,cde,ef->afcd', t29, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t31 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t30, t31, optimize=[(0, 1)])
     return out
 
 
@@ -18527,7 +19223,9 @@ def ce_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     t22 = np.swapaxes(W_O, -1, -2)
     t23 = G @ t22
     t24 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdef,cdb,cdg->faeg', t24, M_2, X, t23, optimize=[(0, 2), (1, 2), (0, 1)])
+    t25 = oe.contract('ab,cdb,cde->aecd', t24, X, t23, optimize=[(0, 1), (0, 1)])
+    t26 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t25, t26, optimize=[(0, 1)])
     return out
 
 
@@ -18609,7 +19307,9 @@ def ce_causal1__block__W_K__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     t21 = t19 + t20
     G = t21
     t22 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdef,cdb,cdg,eh->fahg', t22, M_2, X, G, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
+    t23 = oe.contract('ab,cdb,cde->aecd', t22, X, G, optimize=[(0, 1), (0, 1)])
+    t24 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t23, t24, optimize=[(0, 1)])
     return out
 
 
@@ -18712,7 +19412,9 @@ def ce_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t23 = (1/(math.sqrt(d_K)*n_batch)) * t22
-    t0[...] = oe.contract('ab,cde,cdfa,cgd->fgeb', W_K, X, M_2, t23, optimize=[(0, 2), (0, 1), (0, 1)])
+    t24 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t25 = oe.contract('abc,acd->bdac', t23, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t24, t25, optimize=[(0, 1)])
     return out
 
 
@@ -18794,7 +19496,9 @@ def ce_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t23 = (1/(math.sqrt(d_K)*n_batch)) * t22
-    t0[...] = oe.contract('abc,acde,acf,fg->dbeg', t23, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    t24 = oe.contract('abc,acd,de->beac', t23, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t25 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t24, t25, optimize=[(0, 1)])
     return out
 
 
@@ -19083,7 +19787,9 @@ def ce_causal1__block__W_O__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t23 = (1/(math.sqrt(d_K)*n_batch)) * t21
-    t0[...] = oe.contract('abc,de,acef,acg,gh->dbfh', t23, t22, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t24 = oe.contract('abc,acd,de->beac', t23, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t25 = oe.contract('ab,cdbe->aecd', t22, M_2, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t24, t25, optimize=[(0, 1)])
     return out
 
 
@@ -19284,128 +19990,189 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t34 = (1/(L*d_K*n_batch)) * t2
     t1 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t34, M_2, X, t30, t12, A32, t33, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
     t35 = (-1/(L*d_K*n_batch)) * t2
-    t1 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t35, M_2, X, t30, t12, A32, A32, t33, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
-    t36 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t36[...] = 0
-    t37 = np.reshape(t36, (d_V, d_K, d_V, d_K), copy=False)
-    t38 = np.einsum('abcb->abc', t37)
-    t39 = t28 @ X
-    t40 = t3 @ t39
-    t41 = np.ones((d_K,), dtype=X.dtype)
-    t42 = (1/(math.sqrt(d_K)*n_batch)) * t41
-    t38 += oe.contract('abc,d->bdc', t40, t42, optimize=[(0, 1)])
-    t37 += oe.contract('ab,cde,cebf,ceg,gh->dafh', t29, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
-    t37 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t34, M_2, X, t30, t12, A32, t33, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t37 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t35, M_2, X, t30, t12, A32, A32, t33, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
-    t43 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t44 = np.reshape(t43, (d_V, d_K, d_V, d_H), copy=False)
-    t45 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
-    t44[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,gi->fahi', t45, M_2, X, t30, t12, A32, M_1, t22, optimize=[(4, 5), (0, 1), (1, 5), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t46 = (-1/(L*math.sqrt(d_K)*n_batch)) * t2
-    t44 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi,hj->faij', t46, M_2, X, t30, t12, A32, A32, M_1, t22, optimize=[(4, 5), (0, 1), (2, 4), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t47 = G @ t22
-    t48 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t44 += oe.contract('abc,abd,abef,gf->dgec', t47, X, M_2, t48, optimize=[(0, 1), (0, 1), (0, 1)])
-    t49 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t50 = np.reshape(t49, (d_V, d_K, d_H, d_V), copy=False)
-    t50[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t45, M_2, X, t30, t12, A32, t14, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t50 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t46, M_2, X, t30, t12, A32, A32, t14, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t50 += oe.contract('ab,cdeb,cdf,cdg,eh->fahg', t48, M_2, X, G, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t51 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t51[...] = 0
-    t52 = np.reshape(t51, (d_V, d_K, d_V, d_K), copy=False)
-    t53 = np.einsum('abcb->abc', t52)
-    t54 = np.swapaxes(t28, -1, -2)
-    t55 = t54 @ X
-    t56 = t3 @ t55
-    t53 += oe.contract('abc,d->bdc', t56, t42, optimize=[(0, 1)])
-    t57 = np.swapaxes(W_Q, -1, -2)
-    t58 = (1/(d_K*n_batch)) * t57
-    t52 += oe.contract('ab,cde,cdfa,cgd,hg->fheb', W_K, X, M_3, t3, t58, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
-    t59 = (1/(L*d_K*n_batch)) * t57
-    t52 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t59, M_2, X, t30, t12, A32, t33, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t60 = (-1/(L*d_K*n_batch)) * t57
-    t52 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t60, M_2, X, t30, t12, A32, A32, t33, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
-    t61 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t62 = np.reshape(t61, (d_V, d_K, d_V, d_K), copy=False)
-    t62[...] = oe.contract('ab,cbd,cdef,cdg,gh->eafh', t58, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t62 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t59, M_2, X, t30, t12, A32, t33, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
-    t62 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t60, M_2, X, t30, t12, A32, A32, t33, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
-    t63 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t64 = np.reshape(t63, (d_V, d_K, d_V, d_H), copy=False)
-    t65 = (1/(L*math.sqrt(d_K)*n_batch)) * t57
-    t64[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,gi->fahi', t65, M_2, X, t30, t12, A32, M_1, t22, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (1, 3), (0, 1), (0, 1)])
-    t66 = (-1/(L*math.sqrt(d_K)*n_batch)) * t57
-    t64 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi,hj->faij', t66, M_2, X, t30, t12, A32, A32, M_1, t22, optimize=[(4, 5), (0, 2), (0, 1), (3, 5), (0, 2), (0, 3), (0, 2), (0, 1)])
-    t67 = (1/(math.sqrt(d_K)*n_batch)) * t57
-    t64 += oe.contract('ab,cdef,cdb,cdg->faeg', t67, M_2, X, t47, optimize=[(0, 2), (1, 2), (0, 1)])
-    t68 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t69 = np.reshape(t68, (d_V, d_K, d_H, d_V), copy=False)
-    t69[...] = oe.contract('abc,abd,abd,ed,abf,abeg,hf->ghcd', t14, A32, t12, t30, X, M_2, t65, optimize=[(1, 2), (1, 3), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t69 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t66, M_2, X, t30, t12, A32, A32, t14, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
-    t69 += oe.contract('ab,cdef,cdb,cdg,eh->fahg', t67, M_2, X, G, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
-    t70 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t71 = np.reshape(t70, (d_V, d_H, d_V, d_K), copy=False)
-    t72 = np.swapaxes(G, -1, -2)
-    t73 = W_O @ t72
-    t74 = (1/(math.sqrt(d_K)*n_batch)) * t73
-    t71[...] = oe.contract('ab,cde,cdfa,cgd->fgeb', W_K, X, M_2, t74, optimize=[(0, 2), (0, 1), (0, 1)])
-    t75 = np.swapaxes(M_1, -1, -2)
-    t76 = (1/(L*math.sqrt(d_K)*n_batch)) * t75
-    t71 += oe.contract('abc,de,ace,ace,ef,acfg,ach,gi->bdhi', t76, W_O, t12, A32, t33, M_2, X, W_K, optimize=[(2, 3), (2, 3), (3, 5), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t77 = (-1/(L*math.sqrt(d_K)*n_batch)) * t75
-    t71 += oe.contract('abc,de,ace,ace,acf,fg,acgh,aci,hj->bdij', t77, W_O, t12, A32, A32, t33, M_2, X, W_K, optimize=[(2, 3), (2, 3), (2, 6), (1, 4), (2, 3), (0, 2), (0, 2), (0, 1)])
-    t78 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t79 = np.reshape(t78, (d_V, d_H, d_V, d_K), copy=False)
-    t79[...] = oe.contract('abc,acde,acf,fg->dbeg', t74, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t79 += oe.contract('abc,de,ace,ace,ef,acfg,ach,hi->bdgi', t76, W_O, t12, A32, t33, M_2, X, W_Q, optimize=[(2, 3), (2, 3), (2, 3), (2, 3), (1, 3), (0, 1), (0, 1)])
-    t79 += oe.contract('abc,de,ace,ace,acf,fg,acgh,aci,ij->bdhj', t77, W_O, t12, A32, A32, t33, M_2, X, W_Q, optimize=[(2, 3), (2, 3), (2, 6), (2, 3), (1, 2), (0, 1), (0, 2), (0, 1)])
-    t80 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t81 = np.reshape(t80, (d_V, d_H, d_V, d_H), copy=False)
-    t82 = (1/(L*n_batch)) * t75
-    t81[...] = oe.contract('ab,cde,cda,cda,fa,cgd->gfeb', t22, M_1, A32, t12, W_O, t82, optimize=[(2, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t83 = (-1/(L*n_batch)) * t75
-    t81 += oe.contract('abc,de,ace,ace,acf,acg,fh->bdgh', t83, W_O, t12, A32, A32, M_1, t22, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 2), (0, 1)])
-    t84 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t84[...] = 0
-    t85 = np.reshape(t84, (d_V, d_H, d_H, d_V), copy=False)
-    t86 = np.einsum('abbc->abc', t85)
-    t87 = t75 @ G
-    t88 = np.ones((d_H,), dtype=X.dtype)
-    t89 = (1/n_batch) * t88
-    t86 += oe.contract('abc,d->bdc', t87, t89, optimize=[(0, 1)])
-    t85 += oe.contract('abc,de,ace,ace,acf->bdfe', t82, W_O, t12, A32, t14, optimize=[(2, 3), (0, 2), (1, 2), (0, 1)])
-    t85 += oe.contract('abc,de,ace,ace,acf,acg->bdgf', t83, W_O, t12, A32, A32, t14, optimize=[(2, 3), (1, 4), (0, 1), (0, 2), (0, 1)])
-    t90 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t91 = np.reshape(t90, (d_H, d_V, d_V, d_K), copy=False)
-    t92 = (1/(math.sqrt(d_K)*n_batch)) * t72
-    t91[...] = oe.contract('abc,de,acef,acg,fh->dbgh', t92, t23, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t93 = t23 @ t75
-    t94 = (1/(L*math.sqrt(d_K)*n_batch)) * t93
-    t91 += oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t94, t12, A32, t33, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t95 = (-1/(L*math.sqrt(d_K)*n_batch)) * t93
-    t91 += oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t95, t12, A32, A32, t33, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
-    t96 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t97 = np.reshape(t96, (d_H, d_V, d_V, d_K), copy=False)
-    t97[...] = oe.contract('abc,de,acef,acg,gh->dbfh', t92, t23, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
-    t97 += oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t94, t12, A32, t33, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t97 += oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t95, t12, A32, A32, t33, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
-    t98 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t98[...] = 0
-    t99 = np.reshape(t98, (d_H, d_V, d_V, d_H), copy=False)
-    t100 = np.einsum('abca->abc', t99)
-    t101 = t72 @ M_1
-    t100 += oe.contract('abc,d->dbc', t101, t89, optimize=[(0, 1)])
-    t102 = (1/(L*n_batch)) * t93
-    t99 += oe.contract('abc,acd,acd,ace,df->bdef', t102, t12, A32, M_1, t22, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
-    t103 = (-1/(L*n_batch)) * t93
-    t99 += oe.contract('abc,acd,acd,ace,acf,eg->bdfg', t103, t12, A32, A32, M_1, t22, optimize=[(1, 2), (1, 3), (1, 2), (0, 1), (0, 1)])
-    t104 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t104[...] = 0
-    t105 = np.reshape(t104, (d_H, d_V, d_H, d_V), copy=False)
-    t106 = np.einsum('abcb->abc', t105)
-    t106 += oe.contract('abc,acd,acd,ace->bde', t102, t12, A32, t14, optimize=[(1, 2), (0, 1), (0, 1)])
-    t105 += oe.contract('abc,acd,acd,ace,acf->bdfe', t103, t12, A32, A32, t14, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t36 = oe.contract('abc,cd,abde,ef->fab', A32, t33, M_2, W_K, optimize=[(0, 1), (0, 2), (0, 1)])
+    t37 = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahcd', t35, M_2, X, t30, t12, A32, X, optimize=[(4, 5), (0, 1), (1, 3), (2, 3), (0, 1), (0, 1)])
+    t1 += oe.contract('abc,defbc->defa', t36, t37, optimize=[(0, 1)])
+    t38 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t38[...] = 0
+    t39 = np.reshape(t38, (d_V, d_K, d_V, d_K), copy=False)
+    t40 = np.einsum('abcb->abc', t39)
+    t41 = t28 @ X
+    t42 = t3 @ t41
+    t43 = np.ones((d_K,), dtype=X.dtype)
+    t44 = (1/(math.sqrt(d_K)*n_batch)) * t43
+    t40 += oe.contract('abc,d->bdc', t42, t44, optimize=[(0, 1)])
+    t45 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t46 = oe.contract('ab,cdbe->aecd', t29, M_3, optimize=[(0, 1)])
+    t39 += oe.contract('abcd,efcd->aefb', t45, t46, optimize=[(0, 1)])
+    t47 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t48 = oe.contract('ab,cdeb,ef,cdf,cdf,fg,cdgh->ahcd', t34, M_2, t30, t12, A32, t33, M_2, optimize=[(3, 4), (0, 1), (1, 2), (0, 2), (0, 1), (0, 1)])
+    t39 += oe.contract('abcd,efcd->aefb', t47, t48, optimize=[(0, 1)])
+    t49 = oe.contract('abc,abd,de,abef,abg,gh->cfhab', X, A32, t33, M_2, X, W_Q, optimize=[(1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t50 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t35, M_2, t30, t12, A32, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
+    t39 += oe.contract('abcde,fde->afbc', t49, t50, optimize=[(0, 1)])
+    t51 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t52 = np.reshape(t51, (d_V, d_K, d_V, d_H), copy=False)
+    t53 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t52[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,gi->fahi', t53, M_2, X, t30, t12, A32, M_1, t22, optimize=[(4, 5), (0, 1), (1, 5), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t54 = (-1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t55 = oe.contract('abc,abd,abe,df->cefab', X, A32, M_1, t22, optimize=[(0, 2), (0, 1), (0, 1)])
+    t56 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t54, M_2, t30, t12, A32, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
+    t52 += oe.contract('abcde,fde->afbc', t55, t56, optimize=[(0, 1)])
+    t57 = G @ t22
+    t58 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t59 = oe.contract('abc,abd->cdab', X, t57, optimize=[(0, 1)])
+    t60 = oe.contract('ab,cdeb->aecd', t58, M_2, optimize=[(0, 1)])
+    t52 += oe.contract('abcd,efcd->aefb', t59, t60, optimize=[(0, 1)])
+    t61 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t62 = np.reshape(t61, (d_V, d_K, d_H, d_V), copy=False)
+    t62[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t53, M_2, X, t30, t12, A32, t14, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t63 = oe.contract('abc,abd,abe->cedab', X, A32, t14, optimize=[(0, 1), (0, 1)])
+    t62 += oe.contract('abcde,fde->afbc', t63, t56, optimize=[(0, 1)])
+    t64 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t65 = oe.contract('ab,cdeb,ef->afcd', t58, M_2, W_V, optimize=[(0, 1), (0, 1)])
+    t62 += oe.contract('abcd,efcd->aefb', t64, t65, optimize=[(0, 1)])
+    t66 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t66[...] = 0
+    t67 = np.reshape(t66, (d_V, d_K, d_V, d_K), copy=False)
+    t68 = np.einsum('abcb->abc', t67)
+    t69 = np.swapaxes(t28, -1, -2)
+    t70 = t69 @ X
+    t71 = t3 @ t70
+    t68 += oe.contract('abc,d->bdc', t71, t44, optimize=[(0, 1)])
+    t72 = np.swapaxes(W_Q, -1, -2)
+    t73 = (1/(d_K*n_batch)) * t72
+    t74 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t75 = oe.contract('ab,cbd,cde->aecd', t73, t3, X, optimize=[(0, 1), (0, 1)])
+    t67 += oe.contract('abcd,efcd->aefb', t74, t75, optimize=[(0, 1)])
+    t76 = (1/(L*d_K*n_batch)) * t72
+    t67 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t76, M_2, X, t30, t12, A32, t33, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t77 = (-1/(L*d_K*n_batch)) * t72
+    t78 = oe.contract('ab,cdb,cde,ef,cdfg,cdh,gi->ahicd', t77, X, A32, t33, M_2, X, W_K, optimize=[(0, 1), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t79 = oe.contract('abcd,ce,abe,abe->dab', M_2, t30, t12, A32, optimize=[(1, 2), (1, 2), (0, 1)])
+    t67 += oe.contract('abcde,fde->fabc', t78, t79, optimize=[(0, 1)])
+    t80 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t81 = np.reshape(t80, (d_V, d_K, d_V, d_K), copy=False)
+    t82 = oe.contract('ab,cbd,cde,ef->afcd', t73, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t83 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t81[...] = oe.contract('abcd,efcd->eafb', t82, t83, optimize=[(0, 1)])
+    t84 = oe.contract('abc,cd->dab', X, W_Q, optimize=[(0, 1)])
+    t85 = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi->faicd', t76, M_2, X, t30, t12, A32, t33, M_2, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 2), (1, 2), (0, 1)])
+    t81 += oe.contract('abc,defbc->defa', t84, t85, optimize=[(0, 1)])
+    t86 = oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi->faicd', t77, M_2, X, t30, t12, A32, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 1), (0, 1)])
+    t87 = oe.contract('abc,cd,abde->eab', A32, t33, M_2, optimize=[(0, 1), (0, 1)])
+    t81 += oe.contract('abcde,fde->abfc', t86, t87, optimize=[(0, 1)])
+    t88 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t89 = np.reshape(t88, (d_V, d_K, d_V, d_H), copy=False)
+    t90 = (1/(L*math.sqrt(d_K)*n_batch)) * t72
+    t89[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,gi->fahi', t90, M_2, X, t30, t12, A32, M_1, t22, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (1, 3), (0, 1), (0, 1)])
+    t91 = (-1/(L*math.sqrt(d_K)*n_batch)) * t72
+    t92 = oe.contract('ab,cdb,cde,cdf,eg->afgcd', t91, X, A32, M_1, t22, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    t89 += oe.contract('abcde,fde->fabc', t92, t79, optimize=[(0, 1)])
+    t93 = (1/(math.sqrt(d_K)*n_batch)) * t72
+    t94 = oe.contract('ab,cdb,cde->aecd', t93, X, t57, optimize=[(0, 1), (0, 1)])
+    t95 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t89 += oe.contract('abcd,efcd->eafb', t94, t95, optimize=[(0, 1)])
+    t96 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t97 = np.reshape(t96, (d_V, d_K, d_H, d_V), copy=False)
+    t98 = oe.contract('abcd,ce,abe,abe->deab', M_2, t30, t12, A32, optimize=[(0, 1), (0, 1), (0, 1)])
+    t99 = oe.contract('ab,cdb,cde->aecd', t90, X, t14, optimize=[(0, 1), (0, 1)])
+    t97[...] = oe.contract('abcd,efcd->aefb', t98, t99, optimize=[(0, 1)])
+    t100 = oe.contract('ab,cdb,cde,cdf->afecd', t91, X, A32, t14, optimize=[(0, 1), (0, 1), (0, 1)])
+    t97 += oe.contract('abcde,fde->fabc', t100, t79, optimize=[(0, 1)])
+    t101 = oe.contract('ab,cdb,cde->aecd', t93, X, G, optimize=[(0, 1), (0, 1)])
+    t102 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t97 += oe.contract('abcd,efcd->eafb', t101, t102, optimize=[(0, 1)])
+    t103 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t104 = np.reshape(t103, (d_V, d_H, d_V, d_K), copy=False)
+    t105 = np.swapaxes(G, -1, -2)
+    t106 = W_O @ t105
+    t107 = (1/(math.sqrt(d_K)*n_batch)) * t106
+    t108 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t109 = oe.contract('abc,acd->bdac', t107, X, optimize=[(0, 1)])
+    t104[...] = oe.contract('abcd,efcd->aefb', t108, t109, optimize=[(0, 1)])
+    t110 = np.swapaxes(M_1, -1, -2)
+    t111 = (1/(L*math.sqrt(d_K)*n_batch)) * t110
+    t112 = oe.contract('ab,cdb,cdb,be,cdef,fg->agcd', W_O, t12, A32, t33, M_2, W_K, optimize=[(1, 2), (1, 2), (1, 3), (1, 2), (0, 1)])
+    t113 = oe.contract('abc,acd->bdac', t111, X, optimize=[(0, 1)])
+    t104 += oe.contract('abcd,efcd->eafb', t112, t113, optimize=[(0, 1)])
+    t114 = (-1/(L*math.sqrt(d_K)*n_batch)) * t110
+    t115 = oe.contract('abc,de,ace,ace,acf->bdfac', t114, W_O, t12, A32, X, optimize=[(2, 3), (1, 3), (0, 1), (0, 1)])
+    t104 += oe.contract('abc,defbc->defa', t36, t115, optimize=[(0, 1)])
+    t116 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t117 = np.reshape(t116, (d_V, d_H, d_V, d_K), copy=False)
+    t118 = oe.contract('abc,acd,de->beac', t107, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t119 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t117[...] = oe.contract('abcd,efcd->eafb', t118, t119, optimize=[(0, 1)])
+    t120 = oe.contract('abc,acd,de->beac', t111, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t121 = oe.contract('ab,cdb,cdb,be,cdef->afcd', W_O, t12, A32, t33, M_2, optimize=[(1, 2), (1, 2), (1, 2), (0, 1)])
+    t117 += oe.contract('abcd,efcd->aefb', t120, t121, optimize=[(0, 1)])
+    t122 = oe.contract('abc,acd,de,acef,acg,gh->bfhac', t114, A32, t33, M_2, X, W_Q, optimize=[(1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t123 = oe.contract('ab,cdb,cdb->acd', W_O, t12, A32, optimize=[(1, 2), (0, 1)])
+    t117 += oe.contract('abcde,fde->afbc', t122, t123, optimize=[(0, 1)])
+    t124 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t125 = np.reshape(t124, (d_V, d_H, d_V, d_H), copy=False)
+    t126 = (1/(L*n_batch)) * t110
+    t127 = oe.contract('ab,bc->acb', W_O, t22, optimize=[(0, 1)])
+    t128 = oe.contract('abc,abd,abd,aeb->ecd', M_1, A32, t12, t126, optimize=[(1, 2), (0, 1), (0, 1)])
+    t125[...] = oe.contract('abc,dec->daeb', t127, t128, optimize=[(0, 1)])
+    t129 = (-1/(L*n_batch)) * t110
+    t130 = oe.contract('abc,acd,ace,df->befac', t129, A32, M_1, t22, optimize=[(0, 2), (0, 1), (0, 1)])
+    t125 += oe.contract('abcde,fde->afbc', t130, t123, optimize=[(0, 1)])
+    t131 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t131[...] = 0
+    t132 = np.reshape(t131, (d_V, d_H, d_H, d_V), copy=False)
+    t133 = np.einsum('abbc->abc', t132)
+    t134 = t110 @ G
+    t135 = np.ones((d_H,), dtype=X.dtype)
+    t136 = (1/n_batch) * t135
+    t133 += oe.contract('abc,d->bdc', t134, t136, optimize=[(0, 1)])
+    t132 += oe.contract('abc,de,ace,ace,acf->bdfe', t126, W_O, t12, A32, t14, optimize=[(2, 3), (0, 2), (1, 2), (0, 1)])
+    t137 = oe.contract('abc,acd,ace->bedac', t129, A32, t14, optimize=[(0, 1), (0, 1)])
+    t132 += oe.contract('abcde,fde->afbc', t137, t123, optimize=[(0, 1)])
+    t138 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t139 = np.reshape(t138, (d_H, d_V, d_V, d_K), copy=False)
+    t140 = (1/(math.sqrt(d_K)*n_batch)) * t105
+    t139[...] = oe.contract('abc,de,acef,acg,fh->dbgh', t140, t23, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t141 = t23 @ t110
+    t142 = (1/(L*math.sqrt(d_K)*n_batch)) * t141
+    t139 += oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t142, t12, A32, t33, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t143 = (-1/(L*math.sqrt(d_K)*n_batch)) * t141
+    t144 = oe.contract('abc,acd,de,acef,fg->bgac', t143, A32, t33, M_2, W_K, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t145 = oe.contract('abc,abc,abd->cdab', t12, A32, X, optimize=[(0, 1), (0, 1)])
+    t139 += oe.contract('abcd,efcd->aefb', t144, t145, optimize=[(0, 1)])
+    t146 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t147 = np.reshape(t146, (d_H, d_V, d_V, d_K), copy=False)
+    t148 = oe.contract('abc,acd,de->beac', t140, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t149 = oe.contract('ab,cdbe->aecd', t23, M_2, optimize=[(0, 1)])
+    t147[...] = oe.contract('abcd,efcd->eafb', t148, t149, optimize=[(0, 1)])
+    t150 = oe.contract('abc,acd,de->beac', t142, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t151 = oe.contract('abc,abc,cd,abde->ceab', t12, A32, t33, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t147 += oe.contract('abcd,efcd->aefb', t150, t151, optimize=[(0, 1)])
+    t152 = oe.contract('abc,acd,acd,ace,ef,acfg->bdgac', t143, t12, A32, A32, t33, M_2, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t147 += oe.contract('abc,defbc->defa', t84, t152, optimize=[(0, 1)])
+    t153 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t153[...] = 0
+    t154 = np.reshape(t153, (d_H, d_V, d_V, d_H), copy=False)
+    t155 = np.einsum('abca->abc', t154)
+    t156 = t105 @ M_1
+    t155 += oe.contract('abc,d->dbc', t156, t136, optimize=[(0, 1)])
+    t157 = (1/(L*n_batch)) * t141
+    t154 += oe.contract('abc,acd,acd,ace,df->bdef', t157, t12, A32, M_1, t22, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
+    t158 = (-1/(L*n_batch)) * t141
+    t159 = oe.contract('abc,acd,de->beac', t158, A32, t22, optimize=[(1, 2), (0, 1)])
+    t160 = oe.contract('abc,abc,abd->cdab', t12, A32, M_1, optimize=[(0, 1), (0, 1)])
+    t154 += oe.contract('abcd,efcd->aefb', t159, t160, optimize=[(0, 1)])
+    t161 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t161[...] = 0
+    t162 = np.reshape(t161, (d_H, d_V, d_H, d_V), copy=False)
+    t163 = np.einsum('abcb->abc', t162)
+    t164 = oe.contract('abc,acd->bdac', t157, t14, optimize=[(0, 1)])
+    t165 = oe.contract('abc,abc->cab', t12, A32, optimize=[(0, 1)])
+    t163 += oe.contract('abcd,ecd->aeb', t164, t165, optimize=[(0, 1)])
+    t166 = oe.contract('abc,acd->bdac', t158, A32, optimize=[(0, 1)])
+    t167 = oe.contract('abc,abc,abd->cdab', t12, A32, t14, optimize=[(0, 1), (0, 1)])
+    t162 += oe.contract('abcd,efcd->aefb', t166, t167, optimize=[(0, 1)])
     return H
 
 
@@ -19663,17 +20430,22 @@ def ce_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t27, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t27, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t27, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t28 = (1/(d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cde,cebf,ced,fa->da', t28, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
+    t29 = oe.contract('ab,cdbe,ea->acd', t28, M_3, W_K, optimize=[(0, 2), (0, 1)])
+    t30 = oe.contract('abc,acb->bac', t2, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t29, t30, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t29 = W_V @ W_O
-    t30 = np.exp(t14 - t14.max(-1, keepdims=True))
-    A31 = t30 / t30.sum(-1, keepdims=True)
-    t32 = t21 @ t22
-    t33 = (1/(L*d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdf,ia->fa', t33, M_2, X, t29, t11, A31, t32, M_2, X, W_K, optimize=[(4, 5), (2, 6), (0, 1), (1, 2), (0, 4), (0, 3), (2, 3), (0, 2), (0, 1)])
-    t34 = (-1/(L*d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdf,ja->fa', t34, M_2, X, t29, t11, A31, A31, t32, M_2, X, W_K, optimize=[(4, 5), (2, 7), (0, 1), (1, 2), (1, 6), (0, 2), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t31 = W_V @ W_O
+    t32 = np.exp(t14 - t14.max(-1, keepdims=True))
+    A33 = t32 / t32.sum(-1, keepdims=True)
+    t34 = t21 @ t22
+    t35 = (1/(L*d_K*n_batch)) * t1
+    t36 = oe.contract('ab,cdeb,ef,cdf,cdf,fg,cdgh,ha->acd', t35, M_2, t31, t11, A33, t34, M_2, W_K, optimize=[(3, 4), (0, 1), (1, 2), (0, 3), (0, 2), (1, 2), (0, 1)])
+    t37 = oe.contract('abc,abc->cab', X, X, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dbc->da', t36, t37, optimize=[(0, 1)])
+    t38 = (-1/(L*d_K*n_batch)) * t1
+    t39 = oe.contract('ab,cdeb,ef,cdf,cdf,cdg,gh,cdhi,ia->acd', t38, M_2, t31, t11, A33, A33, t34, M_2, W_K, optimize=[(3, 4), (0, 1), (1, 2), (1, 5), (0, 2), (1, 3), (0, 1), (0, 1)])
+    t0 += oe.contract('abc,dbc->da', t39, t37, optimize=[(0, 1)])
     return out
 
 
@@ -19779,7 +20551,9 @@ def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t33 = (1/(L*d_K*n_batch)) * t1
     t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t33, M_2, X, t29, t11, A31, t32, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
     t34 = (-1/(L*d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t34, M_2, X, t29, t11, A31, A31, t32, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
+    t35 = oe.contract('abc,cd,abde,ef->fab', A31, t32, M_2, W_K, optimize=[(0, 1), (0, 2), (0, 1)])
+    t36 = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahcd', t34, M_2, X, t29, t11, A31, X, optimize=[(4, 5), (0, 1), (1, 3), (2, 3), (0, 1), (0, 1)])
+    t0 += oe.contract('abc,defbc->defa', t35, t36, optimize=[(0, 1)])
     return out
 
 
@@ -19884,17 +20658,23 @@ def ce_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t28, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t28, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t28, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t33 = (1/(d_K*n_batch)) * t3
-    t0 += oe.contract('ab,cde,cebf,ceg,gh->dafh', t33, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t34 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t35 = oe.contract('ab,cdbe->aecd', t33, M_3, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t34, t35, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t34 = W_V @ W_O
-    t35 = np.exp(t15 - t15.max(-1, keepdims=True))
-    A36 = t35 / t35.sum(-1, keepdims=True)
-    t37 = t22 @ t23
-    t38 = (1/(L*d_K*n_batch)) * t3
-    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t38, M_2, X, t34, t12, A36, t37, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t39 = (-1/(L*d_K*n_batch)) * t3
-    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t39, M_2, X, t34, t12, A36, A36, t37, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
+    t36 = W_V @ W_O
+    t37 = np.exp(t15 - t15.max(-1, keepdims=True))
+    A38 = t37 / t37.sum(-1, keepdims=True)
+    t39 = t22 @ t23
+    t40 = (1/(L*d_K*n_batch)) * t3
+    t41 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t42 = oe.contract('ab,cdeb,ef,cdf,cdf,fg,cdgh->ahcd', t40, M_2, t36, t12, A38, t39, M_2, optimize=[(3, 4), (0, 1), (1, 2), (0, 2), (0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t41, t42, optimize=[(0, 1)])
+    t43 = (-1/(L*d_K*n_batch)) * t3
+    t44 = oe.contract('abc,abd,de,abef,abg,gh->cfhab', X, A38, t39, M_2, X, W_Q, optimize=[(1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t45 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t43, M_2, t36, t12, A38, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t44, t45, optimize=[(0, 1)])
     return out
 
 
@@ -19985,18 +20765,22 @@ def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t19 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,gi->fahi', t19, M_2, X, t10, t12, A17, M_1, t18, optimize=[(4, 5), (0, 1), (1, 5), (3, 4), (2, 3), (0, 1), (0, 1)])
     t20 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi,hj->faij', t20, M_2, X, t10, t12, A17, A17, M_1, t18, optimize=[(4, 5), (0, 1), (2, 4), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t21 = oe.contract('abc,abd,abe,df->cefab', X, A17, M_1, t18, optimize=[(0, 2), (0, 1), (0, 1)])
+    t22 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t20, M_2, t10, t12, A17, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t21, t22, optimize=[(0, 1)])
     F = t15
-    t21 = np.exp(F - F.max(-1, keepdims=True))
-    A22 = t21 / t21.sum(-1, keepdims=True)
-    t23 = t12 * A22
-    t24 = (1/L) * t23
-    t25 = (-1/L) * Y
-    t26 = t24 + t25
-    G = t26
-    t27 = G @ t18
-    t28 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t0 += oe.contract('abc,abd,abef,gf->dgec', t27, X, M_2, t28, optimize=[(0, 1), (0, 1), (0, 1)])
+    t23 = np.exp(F - F.max(-1, keepdims=True))
+    A24 = t23 / t23.sum(-1, keepdims=True)
+    t25 = t12 * A24
+    t26 = (1/L) * t25
+    t27 = (-1/L) * Y
+    t28 = t26 + t27
+    G = t28
+    t29 = G @ t18
+    t30 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t31 = oe.contract('abc,abd->cdab', X, t29, optimize=[(0, 1)])
+    t32 = oe.contract('ab,cdeb->aecd', t30, M_2, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t31, t32, optimize=[(0, 1)])
     return out
 
 
@@ -20076,17 +20860,21 @@ def ce_causal1__block__W_Q__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t18 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t18, M_2, X, t10, t12, A17, t14, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
     t19 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t19, M_2, X, t10, t12, A17, A17, t14, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t20 = oe.contract('abc,abd,abe->cedab', X, A17, t14, optimize=[(0, 1), (0, 1)])
+    t21 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t19, M_2, t10, t12, A17, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t20, t21, optimize=[(0, 1)])
     F = t15
-    t20 = np.exp(F - F.max(-1, keepdims=True))
-    A21 = t20 / t20.sum(-1, keepdims=True)
-    t22 = t12 * A21
-    t23 = (1/L) * t22
-    t24 = (-1/L) * Y
-    t25 = t23 + t24
-    G = t25
-    t26 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t0 += oe.contract('ab,cdeb,cdf,cdg,eh->fahg', t26, M_2, X, G, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t22 = np.exp(F - F.max(-1, keepdims=True))
+    A23 = t22 / t22.sum(-1, keepdims=True)
+    t24 = t12 * A23
+    t25 = (1/L) * t24
+    t26 = (-1/L) * Y
+    t27 = t25 + t26
+    G = t27
+    t28 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t29 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t30 = oe.contract('ab,cdeb,ef->afcd', t28, M_2, W_V, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
     return out
 
 
@@ -20183,9 +20971,13 @@ def ce_causal1__diag__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     A32 = t31 / t31.sum(-1, keepdims=True)
     t33 = t22 @ t23
     t34 = (1/(L*d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhf,cdi,ia->fa', t34, M_2, X, t30, t12, A32, t33, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (4, 5), (2, 4), (0, 1), (0, 2), (0, 1)])
-    t35 = (-1/(L*d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdif,cdj,ja->fa', t35, M_2, X, t30, t12, A32, A32, t33, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t35 = oe.contract('ab,cdb,cde,ea->acd', t34, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t36 = oe.contract('abcd,ce,abe,abe,ef,abfd->dab', M_2, t30, t12, A32, t33, M_2, optimize=[(2, 3), (0, 1), (0, 1), (1, 2), (0, 1)])
+    t0 += oe.contract('abc,dbc->da', t35, t36, optimize=[(0, 1)])
+    t37 = (-1/(L*d_K*n_batch)) * t1
+    t38 = oe.contract('ab,cdb,cde,ea->acd', t37, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t39 = oe.contract('abcd,ce,abe,abe,abf,fg,abgd->dab', M_2, t30, t12, A32, A32, t33, M_2, optimize=[(2, 3), (0, 1), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t0 += oe.contract('abc,dbc->da', t38, t39, optimize=[(0, 1)])
     return out
 
 
@@ -20291,17 +21083,21 @@ def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t28, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t28, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t28, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t35 = (1/(d_K*n_batch)) * t34
-    t0 += oe.contract('ab,cde,cdfa,cgd,hg->fheb', W_K, X, M_3, t2, t35, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t36 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t37 = oe.contract('ab,cbd,cde->aecd', t35, t2, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t36, t37, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t36 = W_V @ W_O
-    t37 = np.exp(t15 - t15.max(-1, keepdims=True))
-    A38 = t37 / t37.sum(-1, keepdims=True)
-    t39 = t22 @ t23
-    t40 = (1/(L*d_K*n_batch)) * t34
-    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t40, M_2, X, t36, t12, A38, t39, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t41 = (-1/(L*d_K*n_batch)) * t34
-    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t41, M_2, X, t36, t12, A38, A38, t39, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t38 = W_V @ W_O
+    t39 = np.exp(t15 - t15.max(-1, keepdims=True))
+    A40 = t39 / t39.sum(-1, keepdims=True)
+    t41 = t22 @ t23
+    t42 = (1/(L*d_K*n_batch)) * t34
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t42, M_2, X, t38, t12, A40, t41, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t43 = (-1/(L*d_K*n_batch)) * t34
+    t44 = oe.contract('ab,cdb,cde,ef,cdfg,cdh,gi->ahicd', t43, X, A40, t41, M_2, X, W_K, optimize=[(0, 1), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t45 = oe.contract('abcd,ce,abe,abe->dab', M_2, t38, t12, A40, optimize=[(1, 2), (1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->fabc', t44, t45, optimize=[(0, 1)])
     return out
 
 
@@ -20404,17 +21200,23 @@ def ce_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t28, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t28, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t28, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t29 = (1/(d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cbd,cdef,cdg,gh->eafh', t29, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t30 = oe.contract('ab,cbd,cde,ef->afcd', t29, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t31 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t30, t31, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t30 = W_V @ W_O
-    t31 = np.exp(t15 - t15.max(-1, keepdims=True))
-    A32 = t31 / t31.sum(-1, keepdims=True)
-    t33 = t22 @ t23
-    t34 = (1/(L*d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t34, M_2, X, t30, t12, A32, t33, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
-    t35 = (-1/(L*d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t35, M_2, X, t30, t12, A32, A32, t33, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
+    t32 = W_V @ W_O
+    t33 = np.exp(t15 - t15.max(-1, keepdims=True))
+    A34 = t33 / t33.sum(-1, keepdims=True)
+    t35 = t22 @ t23
+    t36 = (1/(L*d_K*n_batch)) * t1
+    t37 = oe.contract('abc,cd->dab', X, W_Q, optimize=[(0, 1)])
+    t38 = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi->faicd', t36, M_2, X, t32, t12, A34, t35, M_2, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 2), (1, 2), (0, 1)])
+    t0 += oe.contract('abc,defbc->defa', t37, t38, optimize=[(0, 1)])
+    t39 = (-1/(L*d_K*n_batch)) * t1
+    t40 = oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi->faicd', t39, M_2, X, t32, t12, A34, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 1), (0, 1)])
+    t41 = oe.contract('abc,cd,abde->eab', A34, t35, M_2, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcde,fde->abfc', t40, t41, optimize=[(0, 1)])
     return out
 
 
@@ -20505,18 +21307,22 @@ def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t20 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t0[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,gi->fahi', t20, M_2, X, t11, t13, A18, M_1, t19, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (1, 3), (0, 1), (0, 1)])
     t21 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi,hj->faij', t21, M_2, X, t11, t13, A18, A18, M_1, t19, optimize=[(4, 5), (0, 2), (0, 1), (3, 5), (0, 2), (0, 3), (0, 2), (0, 1)])
+    t22 = oe.contract('ab,cdb,cde,cdf,eg->afgcd', t21, X, A18, M_1, t19, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    t23 = oe.contract('abcd,ce,abe,abe->dab', M_2, t11, t13, A18, optimize=[(1, 2), (1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->fabc', t22, t23, optimize=[(0, 1)])
     F = t16
-    t22 = np.exp(F - F.max(-1, keepdims=True))
-    A23 = t22 / t22.sum(-1, keepdims=True)
-    t24 = t13 * A23
-    t25 = (1/L) * t24
-    t26 = (-1/L) * Y
-    t27 = t25 + t26
-    G = t27
-    t28 = G @ t19
-    t29 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t0 += oe.contract('ab,cdef,cdb,cdg->faeg', t29, M_2, X, t28, optimize=[(0, 2), (1, 2), (0, 1)])
+    t24 = np.exp(F - F.max(-1, keepdims=True))
+    A25 = t24 / t24.sum(-1, keepdims=True)
+    t26 = t13 * A25
+    t27 = (1/L) * t26
+    t28 = (-1/L) * Y
+    t29 = t27 + t28
+    G = t29
+    t30 = G @ t19
+    t31 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t32 = oe.contract('ab,cdb,cde->aecd', t31, X, t30, optimize=[(0, 1), (0, 1)])
+    t33 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0 += oe.contract('abcd,efcd->eafb', t32, t33, optimize=[(0, 1)])
     return out
 
 
@@ -20596,19 +21402,25 @@ def ce_causal1__block__W_K__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t17 = np.exp(t16 - t16.max(-1, keepdims=True))
     A18 = t17 / t17.sum(-1, keepdims=True)
     t19 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('abc,abd,abd,ed,abf,abeg,hf->ghcd', t15, A18, t13, t11, X, M_2, t19, optimize=[(1, 2), (1, 3), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t20 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t20, M_2, X, t11, t13, A18, A18, t15, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t20 = oe.contract('abcd,ce,abe,abe->deab', M_2, t11, t13, A18, optimize=[(0, 1), (0, 1), (0, 1)])
+    t21 = oe.contract('ab,cdb,cde->aecd', t19, X, t15, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
+    t22 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t23 = oe.contract('ab,cdb,cde,cdf->afecd', t22, X, A18, t15, optimize=[(0, 1), (0, 1), (0, 1)])
+    t24 = oe.contract('abcd,ce,abe,abe->dab', M_2, t11, t13, A18, optimize=[(1, 2), (1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->fabc', t23, t24, optimize=[(0, 1)])
     F = t16
-    t21 = np.exp(F - F.max(-1, keepdims=True))
-    A22 = t21 / t21.sum(-1, keepdims=True)
-    t23 = t13 * A22
-    t24 = (1/L) * t23
-    t25 = (-1/L) * Y
-    t26 = t24 + t25
-    G = t26
-    t27 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t0 += oe.contract('ab,cdef,cdb,cdg,eh->fahg', t27, M_2, X, G, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
+    t25 = np.exp(F - F.max(-1, keepdims=True))
+    A26 = t25 / t25.sum(-1, keepdims=True)
+    t27 = t13 * A26
+    t28 = (1/L) * t27
+    t29 = (-1/L) * Y
+    t30 = t28 + t29
+    G = t30
+    t31 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t32 = oe.contract('ab,cdb,cde->aecd', t31, X, G, optimize=[(0, 1), (0, 1)])
+    t33 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t32, t33, optimize=[(0, 1)])
     return out
 
 
@@ -20686,7 +21498,9 @@ def ce_causal1__diag__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t19 = (1/(L*n_batch)) * t11
     t0[...] = oe.contract('abc,de,ace,ace,acb,ed->bd', t19, W_O, t13, A17, M_1, t18, optimize=[(2, 3), (0, 2), (0, 1), (0, 1), (0, 1)])
     t20 = (-1/(L*n_batch)) * t11
-    t0 += oe.contract('abc,de,ace,ace,acf,acb,fd->bd', t20, W_O, t13, A17, A17, M_1, t18, optimize=[(2, 3), (0, 3), (1, 2), (0, 1), (1, 2), (0, 1)])
+    t21 = oe.contract('ab,cdb,cdb,cde,ea->acd', W_O, t13, A17, A17, t18, optimize=[(1, 2), (1, 2), (0, 1), (0, 1)])
+    t22 = oe.contract('abc,acb->bac', t20, M_1, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dbc->da', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -20758,17 +21572,23 @@ def ce_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t23 = (1/(math.sqrt(d_K)*n_batch)) * t22
-    t0[...] = oe.contract('ab,cde,cdfa,cgd->fgeb', W_K, X, M_2, t23, optimize=[(0, 2), (0, 1), (0, 1)])
-    t24 = np.swapaxes(M_1, -1, -2)
-    t25 = np.exp(t14 - t14.max(-1, keepdims=True))
-    A26 = t25 / t25.sum(-1, keepdims=True)
-    t27 = np.swapaxes(W_O, -1, -2)
-    t28 = np.swapaxes(W_V, -1, -2)
-    t29 = t27 @ t28
-    t30 = (1/(L*math.sqrt(d_K)*n_batch)) * t24
-    t0 += oe.contract('abc,de,ace,ace,ef,acfg,ach,gi->bdhi', t30, W_O, t2, A26, t29, M_2, X, W_K, optimize=[(2, 3), (2, 3), (3, 5), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t31 = (-1/(L*math.sqrt(d_K)*n_batch)) * t24
-    t0 += oe.contract('abc,de,ace,ace,acf,fg,acgh,aci,hj->bdij', t31, W_O, t2, A26, A26, t29, M_2, X, W_K, optimize=[(2, 3), (2, 3), (2, 6), (1, 4), (2, 3), (0, 2), (0, 2), (0, 1)])
+    t24 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t25 = oe.contract('abc,acd->bdac', t23, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t24, t25, optimize=[(0, 1)])
+    t26 = np.swapaxes(M_1, -1, -2)
+    t27 = np.exp(t14 - t14.max(-1, keepdims=True))
+    A28 = t27 / t27.sum(-1, keepdims=True)
+    t29 = np.swapaxes(W_O, -1, -2)
+    t30 = np.swapaxes(W_V, -1, -2)
+    t31 = t29 @ t30
+    t32 = (1/(L*math.sqrt(d_K)*n_batch)) * t26
+    t33 = oe.contract('ab,cdb,cdb,be,cdef,fg->agcd', W_O, t2, A28, t31, M_2, W_K, optimize=[(1, 2), (1, 2), (1, 3), (1, 2), (0, 1)])
+    t34 = oe.contract('abc,acd->bdac', t32, X, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t33, t34, optimize=[(0, 1)])
+    t35 = (-1/(L*math.sqrt(d_K)*n_batch)) * t26
+    t36 = oe.contract('abc,cd,abde,ef->fab', A28, t31, M_2, W_K, optimize=[(0, 1), (0, 2), (0, 1)])
+    t37 = oe.contract('abc,de,ace,ace,acf->bdfac', t35, W_O, t2, A28, X, optimize=[(2, 3), (1, 3), (0, 1), (0, 1)])
+    t0 += oe.contract('abc,defbc->defa', t36, t37, optimize=[(0, 1)])
     return out
 
 
@@ -20856,17 +21676,23 @@ def ce_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t23 = (1/(math.sqrt(d_K)*n_batch)) * t22
-    t0[...] = oe.contract('abc,acde,acf,fg->dbeg', t23, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t24 = np.swapaxes(M_1, -1, -2)
-    t25 = np.exp(t14 - t14.max(-1, keepdims=True))
-    A26 = t25 / t25.sum(-1, keepdims=True)
-    t27 = np.swapaxes(W_O, -1, -2)
-    t28 = np.swapaxes(W_V, -1, -2)
-    t29 = t27 @ t28
-    t30 = (1/(L*math.sqrt(d_K)*n_batch)) * t24
-    t0 += oe.contract('abc,de,ace,ace,ef,acfg,ach,hi->bdgi', t30, W_O, t2, A26, t29, M_2, X, W_Q, optimize=[(2, 3), (2, 3), (2, 3), (2, 3), (1, 3), (0, 1), (0, 1)])
-    t31 = (-1/(L*math.sqrt(d_K)*n_batch)) * t24
-    t0 += oe.contract('abc,de,ace,ace,acf,fg,acgh,aci,ij->bdhj', t31, W_O, t2, A26, A26, t29, M_2, X, W_Q, optimize=[(2, 3), (2, 3), (2, 6), (2, 3), (1, 2), (0, 1), (0, 2), (0, 1)])
+    t24 = oe.contract('abc,acd,de->beac', t23, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t25 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t24, t25, optimize=[(0, 1)])
+    t26 = np.swapaxes(M_1, -1, -2)
+    t27 = np.exp(t14 - t14.max(-1, keepdims=True))
+    A28 = t27 / t27.sum(-1, keepdims=True)
+    t29 = np.swapaxes(W_O, -1, -2)
+    t30 = np.swapaxes(W_V, -1, -2)
+    t31 = t29 @ t30
+    t32 = (1/(L*math.sqrt(d_K)*n_batch)) * t26
+    t33 = oe.contract('abc,acd,de->beac', t32, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t34 = oe.contract('ab,cdb,cdb,be,cdef->afcd', W_O, t2, A28, t31, M_2, optimize=[(1, 2), (1, 2), (1, 2), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t33, t34, optimize=[(0, 1)])
+    t35 = (-1/(L*math.sqrt(d_K)*n_batch)) * t26
+    t36 = oe.contract('abc,acd,de,acef,acg,gh->bfhac', t35, A28, t31, M_2, X, W_Q, optimize=[(1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t37 = oe.contract('ab,cdb,cdb->acd', W_O, t2, A28, optimize=[(1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t36, t37, optimize=[(0, 1)])
     return out
 
 
@@ -20946,9 +21772,13 @@ def ce_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     A17 = t16 / t16.sum(-1, keepdims=True)
     t18 = np.swapaxes(W_O, -1, -2)
     t19 = (1/(L*n_batch)) * t11
-    t0[...] = oe.contract('ab,cde,cda,cda,fa,cgd->gfeb', t18, M_1, A17, t13, W_O, t19, optimize=[(2, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t20 = (-1/(L*n_batch)) * t11
-    t0 += oe.contract('abc,de,ace,ace,acf,acg,fh->bdgh', t20, W_O, t13, A17, A17, M_1, t18, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 2), (0, 1)])
+    t20 = oe.contract('ab,bc->acb', W_O, t18, optimize=[(0, 1)])
+    t21 = oe.contract('abc,abd,abd,aeb->ecd', M_1, A17, t13, t19, optimize=[(1, 2), (0, 1), (0, 1)])
+    t0[...] = oe.contract('abc,dec->daeb', t20, t21, optimize=[(0, 1)])
+    t22 = (-1/(L*n_batch)) * t11
+    t23 = oe.contract('abc,acd,ace,df->befac', t22, A17, M_1, t18, optimize=[(0, 2), (0, 1), (0, 1)])
+    t24 = oe.contract('ab,cdb,cdb->acd', W_O, t13, A17, optimize=[(1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t23, t24, optimize=[(0, 1)])
     return out
 
 
@@ -21029,7 +21859,9 @@ def ce_causal1__block__W_V__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t28 = (1/(L*n_batch)) * t12
     t0 += oe.contract('abc,de,ace,ace,acf->bdfe', t28, W_O, t14, A27, t15, optimize=[(2, 3), (0, 2), (1, 2), (0, 1)])
     t29 = (-1/(L*n_batch)) * t12
-    t0 += oe.contract('abc,de,ace,ace,acf,acg->bdgf', t29, W_O, t14, A27, A27, t15, optimize=[(2, 3), (1, 4), (0, 1), (0, 2), (0, 1)])
+    t30 = oe.contract('abc,acd,ace->bedac', t29, A27, t15, optimize=[(0, 1), (0, 1)])
+    t31 = oe.contract('ab,cdb,cdb->acd', W_O, t14, A27, optimize=[(1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t30, t31, optimize=[(0, 1)])
     return out
 
 
@@ -21104,9 +21936,11 @@ def ce_causal1__diag__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t18 = np.exp(t17 - t17.max(-1, keepdims=True))
     A19 = t18 / t18.sum(-1, keepdims=True)
     t20 = (1/(L*n_batch)) * t13
-    t0[...] = oe.contract('abc,acd,acd,acb->bd', t20, t15, A19, t16, optimize=[(0, 3), (0, 1), (0, 1)])
-    t21 = (-1/(L*n_batch)) * t13
-    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t21, t15, A19, A19, t16, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t21 = oe.contract('abc,abc->cab', t15, A19, optimize=[(0, 1)])
+    t22 = oe.contract('abc,acb->bac', t20, t16, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t21, t22, optimize=[(0, 1)])
+    t23 = (-1/(L*n_batch)) * t13
+    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t23, t15, A19, A19, t16, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -21189,7 +22023,9 @@ def ce_causal1__block__W_O__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t30 = (1/(L*math.sqrt(d_K)*n_batch)) * t25
     t0 += oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t30, t2, A27, t29, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
     t31 = (-1/(L*math.sqrt(d_K)*n_batch)) * t25
-    t0 += oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t31, t2, A27, A27, t29, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
+    t32 = oe.contract('abc,acd,de,acef,fg->bgac', t31, A27, t29, M_2, W_K, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t33 = oe.contract('abc,abc,abd->cdab', t2, A27, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t32, t33, optimize=[(0, 1)])
     return out
 
 
@@ -21277,17 +22113,23 @@ def ce_causal1__block__W_O__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t23 = (1/(math.sqrt(d_K)*n_batch)) * t21
-    t0[...] = oe.contract('abc,de,acef,acg,gh->dbfh', t23, t22, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
-    t24 = np.swapaxes(M_1, -1, -2)
-    t25 = t22 @ t24
-    t26 = np.exp(t14 - t14.max(-1, keepdims=True))
-    A27 = t26 / t26.sum(-1, keepdims=True)
-    t28 = np.swapaxes(W_O, -1, -2)
-    t29 = t28 @ t22
-    t30 = (1/(L*math.sqrt(d_K)*n_batch)) * t25
-    t0 += oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t30, t2, A27, t29, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t31 = (-1/(L*math.sqrt(d_K)*n_batch)) * t25
-    t0 += oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t31, t2, A27, A27, t29, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
+    t24 = oe.contract('abc,acd,de->beac', t23, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t25 = oe.contract('ab,cdbe->aecd', t22, M_2, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t24, t25, optimize=[(0, 1)])
+    t26 = np.swapaxes(M_1, -1, -2)
+    t27 = t22 @ t26
+    t28 = np.exp(t14 - t14.max(-1, keepdims=True))
+    A29 = t28 / t28.sum(-1, keepdims=True)
+    t30 = np.swapaxes(W_O, -1, -2)
+    t31 = t30 @ t22
+    t32 = (1/(L*math.sqrt(d_K)*n_batch)) * t27
+    t33 = oe.contract('abc,acd,de->beac', t32, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t34 = oe.contract('abc,abc,cd,abde->ceab', t2, A29, t31, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t33, t34, optimize=[(0, 1)])
+    t35 = (-1/(L*math.sqrt(d_K)*n_batch)) * t27
+    t36 = oe.contract('abc,cd->dab', X, W_Q, optimize=[(0, 1)])
+    t37 = oe.contract('abc,acd,acd,ace,ef,acfg->bdgac', t35, t2, A29, A29, t31, M_2, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t0 += oe.contract('abc,defbc->defa', t36, t37, optimize=[(0, 1)])
     return out
 
 
@@ -21386,7 +22228,9 @@ def ce_causal1__block__W_O__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t32 = (1/(L*n_batch)) * t28
     t0 += oe.contract('abc,acd,acd,ace,df->bdef', t32, t3, A30, M_1, t31, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
     t33 = (-1/(L*n_batch)) * t28
-    t0 += oe.contract('abc,acd,acd,ace,acf,eg->bdfg', t33, t3, A30, A30, M_1, t31, optimize=[(1, 2), (1, 3), (1, 2), (0, 1), (0, 1)])
+    t34 = oe.contract('abc,acd,de->beac', t33, A30, t31, optimize=[(1, 2), (0, 1)])
+    t35 = oe.contract('abc,abc,abd->cdab', t3, A30, M_1, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t34, t35, optimize=[(0, 1)])
     return out
 
 
@@ -21467,9 +22311,13 @@ def ce_causal1__block__W_O__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t19 = np.exp(t18 - t18.max(-1, keepdims=True))
     A20 = t19 / t19.sum(-1, keepdims=True)
     t21 = (1/(L*n_batch)) * t14
-    t1 += oe.contract('abc,acd,acd,ace->bde', t21, t16, A20, t17, optimize=[(1, 2), (0, 1), (0, 1)])
-    t22 = (-1/(L*n_batch)) * t14
-    t0 += oe.contract('abc,acd,acd,ace,acf->bdfe', t22, t16, A20, A20, t17, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t22 = oe.contract('abc,acd->bdac', t21, t17, optimize=[(0, 1)])
+    t23 = oe.contract('abc,abc->cab', t16, A20, optimize=[(0, 1)])
+    t1 += oe.contract('abcd,ecd->aeb', t22, t23, optimize=[(0, 1)])
+    t24 = (-1/(L*n_batch)) * t14
+    t25 = oe.contract('abc,acd->bdac', t24, A20, optimize=[(0, 1)])
+    t26 = oe.contract('abc,abc,abd->cdab', t16, A20, t17, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t25, t26, optimize=[(0, 1)])
     return out
 
 

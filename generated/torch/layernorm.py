@@ -129,16 +129,22 @@ def mse__hessian__outer(X, Y):
     t2 += oe.contract('ab,ab,bc->bca', t23, P_Z, t7, optimize=[(0, 1), (0, 1)])
     t2 += oe.contract('ab,cb,bd,cd,cd,de,ce->aec', t7, t15, t7, t13, t13, t7, M_Z, optimize=[(3, 4), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
     t24 = (8/(L*d_V**5)) * M_Z
-    t2 += oe.contract('ab,cb,bd,cd,cd,de,ce,ef->afc', t7, t24, t7, t13, t13, t7, M_Z, t7, optimize=[(3, 4), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
+    t25 = oe.contract('ab,cb,bd,cd,cd,de,ce->ace', t7, t24, t7, t13, t13, t7, M_Z, optimize=[(3, 4), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
+    t26 = oe.contract('ab->ba', t7, optimize=[(0,)])
+    t2 += oe.contract('abc,dc->adb', t25, t26, optimize=[(0, 1)])
     t2 += oe.contract('ab,cb,bd,cd,cd->adc', t7, t18, t7, t13, P_Z, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
-    t25 = (4/(L*d_V**4)) * M_Z
-    t2 += oe.contract('ab,cb,bd,cd,cd,de->aec', t7, t25, t7, t13, P_Z, t7, optimize=[(3, 4), (0, 1), (0, 3), (1, 2), (0, 1)])
+    t27 = (4/(L*d_V**4)) * M_Z
+    t28 = oe.contract('ab,cb,bd,cd,cd->acd', t7, t27, t7, t13, P_Z, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
+    t2 += oe.contract('abc,dc->adb', t28, t26, optimize=[(0, 1)])
     t2 += oe.contract('ab,cb,cb,bd,cd->adc', t7, t20, t13, t7, M_Z, optimize=[(1, 2), (0, 3), (0, 2), (0, 1)])
-    t26 = (4/(L*d_V**4)) * P_Z
-    t2 += oe.contract('ab,cb,cb,bd,cd,de->aec', t7, t26, t13, t7, M_Z, t7, optimize=[(1, 2), (1, 2), (1, 3), (1, 2), (0, 1)])
+    t29 = (4/(L*d_V**4)) * P_Z
+    t30 = oe.contract('ab,ab,bc,ac,cd->dab', t29, t13, t7, M_Z, t7, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
+    t2 += oe.contract('abc,dc->dab', t30, t7, optimize=[(0, 1)])
     t2 += oe.contract('ab,cb,cb->abc', t7, t23, P_Z, optimize=[(1, 2), (0, 1)])
-    t27 = (2/(L*d_V**3)) * P_Z
-    t2 += oe.contract('ab,ca,ca,da->dbc', t7, P_Z, t27, t7, optimize=[(1, 2), (0, 1), (0, 1)])
+    t31 = (2/(L*d_V**3)) * P_Z
+    t32 = oe.contract('ab,ab->ab', t31, P_Z, optimize=[(0, 1)])
+    t33 = oe.contract('ab,bc->acb', t7, t7, optimize=[(0, 1)])
+    t2 += oe.contract('ab,cdb->cda', t32, t33, optimize=[(0, 1)])
     return H
 
 
@@ -331,16 +337,22 @@ def mse__block__X__X__outer(X, Y):
     t1 += oe.contract('ab,ab,bc->bca', t22, P_Z, t6, optimize=[(0, 1), (0, 1)])
     t1 += oe.contract('ab,cb,bd,cd,cd,de,ce->aec', t6, t14, t6, t12, t12, t6, M_Z, optimize=[(3, 4), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
     t23 = (8/(L*d_V**5)) * M_Z
-    t1 += oe.contract('ab,cb,bd,cd,cd,de,ce,ef->afc', t6, t23, t6, t12, t12, t6, M_Z, t6, optimize=[(3, 4), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
+    t24 = oe.contract('ab,cb,bd,cd,cd,de,ce->ace', t6, t23, t6, t12, t12, t6, M_Z, optimize=[(3, 4), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
+    t25 = oe.contract('ab->ba', t6, optimize=[(0,)])
+    t1 += oe.contract('abc,dc->adb', t24, t25, optimize=[(0, 1)])
     t1 += oe.contract('ab,cb,bd,cd,cd->adc', t6, t17, t6, t12, P_Z, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
-    t24 = (4/(L*d_V**4)) * M_Z
-    t1 += oe.contract('ab,cb,bd,cd,cd,de->aec', t6, t24, t6, t12, P_Z, t6, optimize=[(3, 4), (0, 1), (0, 3), (1, 2), (0, 1)])
+    t26 = (4/(L*d_V**4)) * M_Z
+    t27 = oe.contract('ab,cb,bd,cd,cd->acd', t6, t26, t6, t12, P_Z, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t27, t25, optimize=[(0, 1)])
     t1 += oe.contract('ab,cb,cb,bd,cd->adc', t6, t19, t12, t6, M_Z, optimize=[(1, 2), (0, 3), (0, 2), (0, 1)])
-    t25 = (4/(L*d_V**4)) * P_Z
-    t1 += oe.contract('ab,cb,cb,bd,cd,de->aec', t6, t25, t12, t6, M_Z, t6, optimize=[(1, 2), (1, 2), (1, 3), (1, 2), (0, 1)])
+    t28 = (4/(L*d_V**4)) * P_Z
+    t29 = oe.contract('ab,ab,bc,ac,cd->dab', t28, t12, t6, M_Z, t6, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->dab', t29, t6, optimize=[(0, 1)])
     t1 += oe.contract('ab,cb,cb->abc', t6, t22, P_Z, optimize=[(1, 2), (0, 1)])
-    t26 = (2/(L*d_V**3)) * P_Z
-    t1 += oe.contract('ab,ca,ca,da->dbc', t6, P_Z, t26, t6, optimize=[(1, 2), (0, 1), (0, 1)])
+    t30 = (2/(L*d_V**3)) * P_Z
+    t31 = oe.contract('ab,ab->ab', t30, P_Z, optimize=[(0, 1)])
+    t32 = oe.contract('ab,bc->acb', t6, t6, optimize=[(0, 1)])
+    t1 += oe.contract('ab,cdb->cda', t31, t32, optimize=[(0, 1)])
     return out
 
 
@@ -422,16 +434,21 @@ def mse__hessian__functional(X, Y):
     t2 += oe.contract('ab,bc,dac,ce->bea', t20, t18, t17, t18, optimize=[(2, 3), (0, 2), (0, 1)])
     t2 += oe.contract('ab,cdb,be,de->aed', t18, t17, t18, t20, optimize=[(0, 1), (0, 1), (0, 1)])
     t30 = (2/(d_V**3*n_batch)) * M_Z
-    t2 += oe.contract('ab,cdb,be,de,ef->afd', t18, t17, t18, t30, t18, optimize=[(0, 1), (0, 3), (0, 2), (0, 1)])
-    t31 = (-2/(d_V**2*n_batch)) * t18
-    t2 += oe.contract('ab,cdb->abd', t31, t24, optimize=[(0, 1)])
-    t32 = (2/(d_V**3*n_batch)) * t18
-    t2 += oe.contract('ab,cdb,be->aed', t32, t24, t18, optimize=[(0, 1), (0, 1)])
+    t31 = oe.contract('ab,cdb,be,de->ade', t18, t17, t18, t30, optimize=[(0, 1), (0, 1), (0, 1)])
+    t32 = oe.contract('ab->ba', t18, optimize=[(0,)])
+    t2 += oe.contract('abc,dc->adb', t31, t32, optimize=[(0, 1)])
+    t33 = (-2/(d_V**2*n_batch)) * t18
+    t2 += oe.contract('ab,cdb->abd', t33, t24, optimize=[(0, 1)])
+    t34 = (2/(d_V**3*n_batch)) * t18
+    t35 = oe.contract('ab,cdb->adb', t34, t24, optimize=[(0, 1)])
+    t2 += oe.contract('abc,dc->adb', t35, t32, optimize=[(0, 1)])
     t2 += oe.contract('ab,cb,bd,ecd,df,cf->afc', t18, t29, t18, t27, t18, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t33 = (4/(d_V**4*n_batch)) * M_Z
-    t2 += oe.contract('ab,cb,bd,ecd,df,cf,fg->agc', t18, t33, t18, t27, t18, M_Z, t18, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t36 = (4/(d_V**4*n_batch)) * M_Z
+    t37 = oe.contract('ab,cb,bd,ecd,df,cf->acf', t18, t36, t18, t27, t18, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
+    t2 += oe.contract('abc,dc->adb', t37, t32, optimize=[(0, 1)])
     t2 += oe.contract('ab,cb,bd,ecd->adc', t18, t20, t18, t17, optimize=[(0, 1), (0, 1), (0, 1)])
-    t2 += oe.contract('ab,cb,bd,ecd,df->afc', t18, t30, t18, t17, t18, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)])
+    t38 = oe.contract('ab,bc,dac,ce->eab', t30, t18, t17, t18, optimize=[(2, 3), (0, 2), (0, 1)])
+    t2 += oe.contract('abc,dc->dab', t38, t18, optimize=[(0, 1)])
     return H
 
 
@@ -679,16 +696,21 @@ def mse__block__X__X__functional(X, Y):
     t1 += oe.contract('ab,bc,dac,ce->bea', t19, t17, t16, t17, optimize=[(2, 3), (0, 2), (0, 1)])
     t1 += oe.contract('ab,cdb,be,de->aed', t17, t16, t17, t19, optimize=[(0, 1), (0, 1), (0, 1)])
     t29 = (2/(d_V**3*n_batch)) * M_Z
-    t1 += oe.contract('ab,cdb,be,de,ef->afd', t17, t16, t17, t29, t17, optimize=[(0, 1), (0, 3), (0, 2), (0, 1)])
-    t30 = (-2/(d_V**2*n_batch)) * t17
-    t1 += oe.contract('ab,cdb->abd', t30, t23, optimize=[(0, 1)])
-    t31 = (2/(d_V**3*n_batch)) * t17
-    t1 += oe.contract('ab,cdb,be->aed', t31, t23, t17, optimize=[(0, 1), (0, 1)])
+    t30 = oe.contract('ab,cdb,be,de->ade', t17, t16, t17, t29, optimize=[(0, 1), (0, 1), (0, 1)])
+    t31 = oe.contract('ab->ba', t17, optimize=[(0,)])
+    t1 += oe.contract('abc,dc->adb', t30, t31, optimize=[(0, 1)])
+    t32 = (-2/(d_V**2*n_batch)) * t17
+    t1 += oe.contract('ab,cdb->abd', t32, t23, optimize=[(0, 1)])
+    t33 = (2/(d_V**3*n_batch)) * t17
+    t34 = oe.contract('ab,cdb->adb', t33, t23, optimize=[(0, 1)])
+    t1 += oe.contract('abc,dc->adb', t34, t31, optimize=[(0, 1)])
     t1 += oe.contract('ab,cb,bd,ecd,df,cf->afc', t17, t28, t17, t26, t17, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t32 = (4/(d_V**4*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,df,cf,fg->agc', t17, t32, t17, t26, t17, M_Z, t17, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t35 = (4/(d_V**4*n_batch)) * M_Z
+    t36 = oe.contract('ab,cb,bd,ecd,df,cf->acf', t17, t35, t17, t26, t17, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t36, t31, optimize=[(0, 1)])
     t1 += oe.contract('ab,cb,bd,ecd->adc', t17, t19, t17, t16, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += oe.contract('ab,cb,bd,ecd,df->afc', t17, t29, t17, t16, t17, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)])
+    t37 = oe.contract('ab,bc,dac,ce->eab', t29, t17, t16, t17, optimize=[(2, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->dab', t37, t17, optimize=[(0, 1)])
     return out
 
 
@@ -799,28 +821,38 @@ def mse__hessian__full(X, Y):
     t2 += oe.contract('ab,ab,bc->bca', t38, P_Z, t18, optimize=[(0, 1), (0, 1)])
     t2 += oe.contract('ab,cdb,be,de->aed', t18, t17, t18, t20, optimize=[(0, 1), (0, 1), (0, 1)])
     t39 = (2/(d_V**3*n_batch)) * M_Z
-    t2 += oe.contract('ab,cdb,be,de,ef->afd', t18, t17, t18, t39, t18, optimize=[(0, 1), (0, 3), (0, 2), (0, 1)])
-    t40 = (-2/(d_V**2*n_batch)) * t18
-    t2 += oe.contract('ab,cdb->abd', t40, t24, optimize=[(0, 1)])
-    t41 = (2/(d_V**3*n_batch)) * t18
-    t2 += oe.contract('ab,cdb,be->aed', t41, t24, t18, optimize=[(0, 1), (0, 1)])
+    t40 = oe.contract('ab,cdb,be,de->ade', t18, t17, t18, t39, optimize=[(0, 1), (0, 1), (0, 1)])
+    t41 = oe.contract('ab->ba', t18, optimize=[(0,)])
+    t2 += oe.contract('abc,dc->adb', t40, t41, optimize=[(0, 1)])
+    t42 = (-2/(d_V**2*n_batch)) * t18
+    t2 += oe.contract('ab,cdb->abd', t42, t24, optimize=[(0, 1)])
+    t43 = (2/(d_V**3*n_batch)) * t18
+    t44 = oe.contract('ab,cdb->adb', t43, t24, optimize=[(0, 1)])
+    t2 += oe.contract('abc,dc->adb', t44, t41, optimize=[(0, 1)])
     t2 += oe.contract('ab,cb,bd,ecd,df,cf->afc', t18, t29, t18, t27, t18, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t42 = (4/(d_V**4*n_batch)) * M_Z
-    t2 += oe.contract('ab,cb,bd,ecd,df,cf,fg->agc', t18, t42, t18, t27, t18, M_Z, t18, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t45 = (4/(d_V**4*n_batch)) * M_Z
+    t46 = oe.contract('ab,cb,bd,ecd,df,cf->acf', t18, t45, t18, t27, t18, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
+    t2 += oe.contract('abc,dc->adb', t46, t41, optimize=[(0, 1)])
     t2 += oe.contract('ab,cb,bd,ecd->adc', t18, t20, t18, t17, optimize=[(0, 1), (0, 1), (0, 1)])
-    t2 += oe.contract('ab,cb,bd,ecd,df->afc', t18, t39, t18, t17, t18, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)])
+    t47 = oe.contract('ab,bc,dac,ce->eab', t39, t18, t17, t18, optimize=[(2, 3), (0, 2), (0, 1)])
+    t2 += oe.contract('abc,dc->dab', t47, t18, optimize=[(0, 1)])
     t2 += oe.contract('ab,cb,bd,cd,cd,de,ce->aec', t18, t32, t18, t30, t30, t18, M_Z, optimize=[(3, 4), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
-    t43 = (8/(L*d_V**5)) * M_Z
-    t2 += oe.contract('ab,cb,bd,cd,cd,de,ce,ef->afc', t18, t43, t18, t30, t30, t18, M_Z, t18, optimize=[(3, 4), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
+    t48 = (8/(L*d_V**5)) * M_Z
+    t49 = oe.contract('ab,cb,bd,cd,cd,de,ce->ace', t18, t48, t18, t30, t30, t18, M_Z, optimize=[(3, 4), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
+    t2 += oe.contract('abc,dc->adb', t49, t41, optimize=[(0, 1)])
     t2 += oe.contract('ab,cb,bd,cd,cd->adc', t18, t34, t18, t30, P_Z, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
-    t44 = (4/(L*d_V**4)) * M_Z
-    t2 += oe.contract('ab,cb,bd,cd,cd,de->aec', t18, t44, t18, t30, P_Z, t18, optimize=[(3, 4), (0, 1), (0, 3), (1, 2), (0, 1)])
+    t50 = (4/(L*d_V**4)) * M_Z
+    t51 = oe.contract('ab,cb,bd,cd,cd->acd', t18, t50, t18, t30, P_Z, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
+    t2 += oe.contract('abc,dc->adb', t51, t41, optimize=[(0, 1)])
     t2 += oe.contract('ab,cb,cb,bd,cd->adc', t18, t36, t30, t18, M_Z, optimize=[(1, 2), (0, 3), (0, 2), (0, 1)])
-    t45 = (4/(L*d_V**4)) * P_Z
-    t2 += oe.contract('ab,cb,cb,bd,cd,de->aec', t18, t45, t30, t18, M_Z, t18, optimize=[(1, 2), (1, 2), (1, 3), (1, 2), (0, 1)])
+    t52 = (4/(L*d_V**4)) * P_Z
+    t53 = oe.contract('ab,ab,bc,ac,cd->dab', t52, t30, t18, M_Z, t18, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
+    t2 += oe.contract('abc,dc->dab', t53, t18, optimize=[(0, 1)])
     t2 += oe.contract('ab,cb,cb->abc', t18, t38, P_Z, optimize=[(1, 2), (0, 1)])
-    t46 = (2/(L*d_V**3)) * P_Z
-    t2 += oe.contract('ab,ca,ca,da->dbc', t18, P_Z, t46, t18, optimize=[(1, 2), (0, 1), (0, 1)])
+    t54 = (2/(L*d_V**3)) * P_Z
+    t55 = oe.contract('ab,ab->ab', t54, P_Z, optimize=[(0, 1)])
+    t56 = oe.contract('ab,bc->acb', t18, t18, optimize=[(0, 1)])
+    t2 += oe.contract('ab,cdb->cda', t55, t56, optimize=[(0, 1)])
     return H
 
 
@@ -962,28 +994,38 @@ def mse__frobenius_all__full(X, Y):
     t1 += oe.contract('ab,ab,bc->bca', t37, P_Z, t17, optimize=[(0, 1), (0, 1)])
     t1 += oe.contract('ab,cdb,be,de->aed', t17, t16, t17, t19, optimize=[(0, 1), (0, 1), (0, 1)])
     t38 = (2/(d_V**3*n_batch)) * M_Z
-    t1 += oe.contract('ab,cdb,be,de,ef->afd', t17, t16, t17, t38, t17, optimize=[(0, 1), (0, 3), (0, 2), (0, 1)])
-    t39 = (-2/(d_V**2*n_batch)) * t17
-    t1 += oe.contract('ab,cdb->abd', t39, t23, optimize=[(0, 1)])
-    t40 = (2/(d_V**3*n_batch)) * t17
-    t1 += oe.contract('ab,cdb,be->aed', t40, t23, t17, optimize=[(0, 1), (0, 1)])
+    t39 = oe.contract('ab,cdb,be,de->ade', t17, t16, t17, t38, optimize=[(0, 1), (0, 1), (0, 1)])
+    t40 = oe.contract('ab->ba', t17, optimize=[(0,)])
+    t1 += oe.contract('abc,dc->adb', t39, t40, optimize=[(0, 1)])
+    t41 = (-2/(d_V**2*n_batch)) * t17
+    t1 += oe.contract('ab,cdb->abd', t41, t23, optimize=[(0, 1)])
+    t42 = (2/(d_V**3*n_batch)) * t17
+    t43 = oe.contract('ab,cdb->adb', t42, t23, optimize=[(0, 1)])
+    t1 += oe.contract('abc,dc->adb', t43, t40, optimize=[(0, 1)])
     t1 += oe.contract('ab,cb,bd,ecd,df,cf->afc', t17, t28, t17, t26, t17, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t41 = (4/(d_V**4*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,df,cf,fg->agc', t17, t41, t17, t26, t17, M_Z, t17, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t44 = (4/(d_V**4*n_batch)) * M_Z
+    t45 = oe.contract('ab,cb,bd,ecd,df,cf->acf', t17, t44, t17, t26, t17, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t45, t40, optimize=[(0, 1)])
     t1 += oe.contract('ab,cb,bd,ecd->adc', t17, t19, t17, t16, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += oe.contract('ab,cb,bd,ecd,df->afc', t17, t38, t17, t16, t17, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)])
+    t46 = oe.contract('ab,bc,dac,ce->eab', t38, t17, t16, t17, optimize=[(2, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->dab', t46, t17, optimize=[(0, 1)])
     t1 += oe.contract('ab,cb,bd,cd,cd,de,ce->aec', t17, t31, t17, t29, t29, t17, M_Z, optimize=[(3, 4), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
-    t42 = (8/(L*d_V**5)) * M_Z
-    t1 += oe.contract('ab,cb,bd,cd,cd,de,ce,ef->afc', t17, t42, t17, t29, t29, t17, M_Z, t17, optimize=[(3, 4), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
+    t47 = (8/(L*d_V**5)) * M_Z
+    t48 = oe.contract('ab,cb,bd,cd,cd,de,ce->ace', t17, t47, t17, t29, t29, t17, M_Z, optimize=[(3, 4), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t48, t40, optimize=[(0, 1)])
     t1 += oe.contract('ab,cb,bd,cd,cd->adc', t17, t33, t17, t29, P_Z, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
-    t43 = (4/(L*d_V**4)) * M_Z
-    t1 += oe.contract('ab,cb,bd,cd,cd,de->aec', t17, t43, t17, t29, P_Z, t17, optimize=[(3, 4), (0, 1), (0, 3), (1, 2), (0, 1)])
+    t49 = (4/(L*d_V**4)) * M_Z
+    t50 = oe.contract('ab,cb,bd,cd,cd->acd', t17, t49, t17, t29, P_Z, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t50, t40, optimize=[(0, 1)])
     t1 += oe.contract('ab,cb,cb,bd,cd->adc', t17, t35, t29, t17, M_Z, optimize=[(1, 2), (0, 3), (0, 2), (0, 1)])
-    t44 = (4/(L*d_V**4)) * P_Z
-    t1 += oe.contract('ab,cb,cb,bd,cd,de->aec', t17, t44, t29, t17, M_Z, t17, optimize=[(1, 2), (1, 2), (1, 3), (1, 2), (0, 1)])
+    t51 = (4/(L*d_V**4)) * P_Z
+    t52 = oe.contract('ab,ab,bc,ac,cd->dab', t51, t29, t17, M_Z, t17, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->dab', t52, t17, optimize=[(0, 1)])
     t1 += oe.contract('ab,cb,cb->abc', t17, t37, P_Z, optimize=[(1, 2), (0, 1)])
-    t45 = (2/(L*d_V**3)) * P_Z
-    t1 += oe.contract('ab,ca,ca,da->dbc', t17, P_Z, t45, t17, optimize=[(1, 2), (0, 1), (0, 1)])
+    t53 = (2/(L*d_V**3)) * P_Z
+    t54 = oe.contract('ab,ab->ab', t53, P_Z, optimize=[(0, 1)])
+    t55 = oe.contract('ab,bc->acb', t17, t17, optimize=[(0, 1)])
+    t1 += oe.contract('ab,cdb->cda', t54, t55, optimize=[(0, 1)])
     nrm = torch.linalg.norm(blk)
     del blk
     return (nrm,)
@@ -1185,28 +1227,38 @@ def mse__block__X__X__full(X, Y):
     t1 += oe.contract('ab,ab,bc->bca', t37, P_Z, t17, optimize=[(0, 1), (0, 1)])
     t1 += oe.contract('ab,cdb,be,de->aed', t17, t16, t17, t19, optimize=[(0, 1), (0, 1), (0, 1)])
     t38 = (2/(d_V**3*n_batch)) * M_Z
-    t1 += oe.contract('ab,cdb,be,de,ef->afd', t17, t16, t17, t38, t17, optimize=[(0, 1), (0, 3), (0, 2), (0, 1)])
-    t39 = (-2/(d_V**2*n_batch)) * t17
-    t1 += oe.contract('ab,cdb->abd', t39, t23, optimize=[(0, 1)])
-    t40 = (2/(d_V**3*n_batch)) * t17
-    t1 += oe.contract('ab,cdb,be->aed', t40, t23, t17, optimize=[(0, 1), (0, 1)])
+    t39 = oe.contract('ab,cdb,be,de->ade', t17, t16, t17, t38, optimize=[(0, 1), (0, 1), (0, 1)])
+    t40 = oe.contract('ab->ba', t17, optimize=[(0,)])
+    t1 += oe.contract('abc,dc->adb', t39, t40, optimize=[(0, 1)])
+    t41 = (-2/(d_V**2*n_batch)) * t17
+    t1 += oe.contract('ab,cdb->abd', t41, t23, optimize=[(0, 1)])
+    t42 = (2/(d_V**3*n_batch)) * t17
+    t43 = oe.contract('ab,cdb->adb', t42, t23, optimize=[(0, 1)])
+    t1 += oe.contract('abc,dc->adb', t43, t40, optimize=[(0, 1)])
     t1 += oe.contract('ab,cb,bd,ecd,df,cf->afc', t17, t28, t17, t26, t17, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t41 = (4/(d_V**4*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,df,cf,fg->agc', t17, t41, t17, t26, t17, M_Z, t17, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t44 = (4/(d_V**4*n_batch)) * M_Z
+    t45 = oe.contract('ab,cb,bd,ecd,df,cf->acf', t17, t44, t17, t26, t17, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t45, t40, optimize=[(0, 1)])
     t1 += oe.contract('ab,cb,bd,ecd->adc', t17, t19, t17, t16, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += oe.contract('ab,cb,bd,ecd,df->afc', t17, t38, t17, t16, t17, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)])
+    t46 = oe.contract('ab,bc,dac,ce->eab', t38, t17, t16, t17, optimize=[(2, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->dab', t46, t17, optimize=[(0, 1)])
     t1 += oe.contract('ab,cb,bd,cd,cd,de,ce->aec', t17, t31, t17, t29, t29, t17, M_Z, optimize=[(3, 4), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
-    t42 = (8/(L*d_V**5)) * M_Z
-    t1 += oe.contract('ab,cb,bd,cd,cd,de,ce,ef->afc', t17, t42, t17, t29, t29, t17, M_Z, t17, optimize=[(3, 4), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
+    t47 = (8/(L*d_V**5)) * M_Z
+    t48 = oe.contract('ab,cb,bd,cd,cd,de,ce->ace', t17, t47, t17, t29, t29, t17, M_Z, optimize=[(3, 4), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t48, t40, optimize=[(0, 1)])
     t1 += oe.contract('ab,cb,bd,cd,cd->adc', t17, t33, t17, t29, P_Z, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
-    t43 = (4/(L*d_V**4)) * M_Z
-    t1 += oe.contract('ab,cb,bd,cd,cd,de->aec', t17, t43, t17, t29, P_Z, t17, optimize=[(3, 4), (0, 1), (0, 3), (1, 2), (0, 1)])
+    t49 = (4/(L*d_V**4)) * M_Z
+    t50 = oe.contract('ab,cb,bd,cd,cd->acd', t17, t49, t17, t29, P_Z, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t50, t40, optimize=[(0, 1)])
     t1 += oe.contract('ab,cb,cb,bd,cd->adc', t17, t35, t29, t17, M_Z, optimize=[(1, 2), (0, 3), (0, 2), (0, 1)])
-    t44 = (4/(L*d_V**4)) * P_Z
-    t1 += oe.contract('ab,cb,cb,bd,cd,de->aec', t17, t44, t29, t17, M_Z, t17, optimize=[(1, 2), (1, 2), (1, 3), (1, 2), (0, 1)])
+    t51 = (4/(L*d_V**4)) * P_Z
+    t52 = oe.contract('ab,ab,bc,ac,cd->dab', t51, t29, t17, M_Z, t17, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->dab', t52, t17, optimize=[(0, 1)])
     t1 += oe.contract('ab,cb,cb->abc', t17, t37, P_Z, optimize=[(1, 2), (0, 1)])
-    t45 = (2/(L*d_V**3)) * P_Z
-    t1 += oe.contract('ab,ca,ca,da->dbc', t17, P_Z, t45, t17, optimize=[(1, 2), (0, 1), (0, 1)])
+    t53 = (2/(L*d_V**3)) * P_Z
+    t54 = oe.contract('ab,ab->ab', t53, P_Z, optimize=[(0, 1)])
+    t55 = oe.contract('ab,bc->acb', t17, t17, optimize=[(0, 1)])
+    t1 += oe.contract('ab,cdb->cda', t54, t55, optimize=[(0, 1)])
     return out
 
 
@@ -1279,28 +1331,38 @@ def mse__frobenius__X__X__full(X, Y):
     t1 += oe.contract('ab,ab,bc->bca', t37, P_Z, t17, optimize=[(0, 1), (0, 1)])
     t1 += oe.contract('ab,cdb,be,de->aed', t17, t16, t17, t19, optimize=[(0, 1), (0, 1), (0, 1)])
     t38 = (2/(d_V**3*n_batch)) * M_Z
-    t1 += oe.contract('ab,cdb,be,de,ef->afd', t17, t16, t17, t38, t17, optimize=[(0, 1), (0, 3), (0, 2), (0, 1)])
-    t39 = (-2/(d_V**2*n_batch)) * t17
-    t1 += oe.contract('ab,cdb->abd', t39, t23, optimize=[(0, 1)])
-    t40 = (2/(d_V**3*n_batch)) * t17
-    t1 += oe.contract('ab,cdb,be->aed', t40, t23, t17, optimize=[(0, 1), (0, 1)])
+    t39 = oe.contract('ab,cdb,be,de->ade', t17, t16, t17, t38, optimize=[(0, 1), (0, 1), (0, 1)])
+    t40 = oe.contract('ab->ba', t17, optimize=[(0,)])
+    t1 += oe.contract('abc,dc->adb', t39, t40, optimize=[(0, 1)])
+    t41 = (-2/(d_V**2*n_batch)) * t17
+    t1 += oe.contract('ab,cdb->abd', t41, t23, optimize=[(0, 1)])
+    t42 = (2/(d_V**3*n_batch)) * t17
+    t43 = oe.contract('ab,cdb->adb', t42, t23, optimize=[(0, 1)])
+    t1 += oe.contract('abc,dc->adb', t43, t40, optimize=[(0, 1)])
     t1 += oe.contract('ab,cb,bd,ecd,df,cf->afc', t17, t28, t17, t26, t17, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t41 = (4/(d_V**4*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,df,cf,fg->agc', t17, t41, t17, t26, t17, M_Z, t17, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t44 = (4/(d_V**4*n_batch)) * M_Z
+    t45 = oe.contract('ab,cb,bd,ecd,df,cf->acf', t17, t44, t17, t26, t17, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t45, t40, optimize=[(0, 1)])
     t1 += oe.contract('ab,cb,bd,ecd->adc', t17, t19, t17, t16, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += oe.contract('ab,cb,bd,ecd,df->afc', t17, t38, t17, t16, t17, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)])
+    t46 = oe.contract('ab,bc,dac,ce->eab', t38, t17, t16, t17, optimize=[(2, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->dab', t46, t17, optimize=[(0, 1)])
     t1 += oe.contract('ab,cb,bd,cd,cd,de,ce->aec', t17, t31, t17, t29, t29, t17, M_Z, optimize=[(3, 4), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
-    t42 = (8/(L*d_V**5)) * M_Z
-    t1 += oe.contract('ab,cb,bd,cd,cd,de,ce,ef->afc', t17, t42, t17, t29, t29, t17, M_Z, t17, optimize=[(3, 4), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
+    t47 = (8/(L*d_V**5)) * M_Z
+    t48 = oe.contract('ab,cb,bd,cd,cd,de,ce->ace', t17, t47, t17, t29, t29, t17, M_Z, optimize=[(3, 4), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t48, t40, optimize=[(0, 1)])
     t1 += oe.contract('ab,cb,bd,cd,cd->adc', t17, t33, t17, t29, P_Z, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
-    t43 = (4/(L*d_V**4)) * M_Z
-    t1 += oe.contract('ab,cb,bd,cd,cd,de->aec', t17, t43, t17, t29, P_Z, t17, optimize=[(3, 4), (0, 1), (0, 3), (1, 2), (0, 1)])
+    t49 = (4/(L*d_V**4)) * M_Z
+    t50 = oe.contract('ab,cb,bd,cd,cd->acd', t17, t49, t17, t29, P_Z, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t50, t40, optimize=[(0, 1)])
     t1 += oe.contract('ab,cb,cb,bd,cd->adc', t17, t35, t29, t17, M_Z, optimize=[(1, 2), (0, 3), (0, 2), (0, 1)])
-    t44 = (4/(L*d_V**4)) * P_Z
-    t1 += oe.contract('ab,cb,cb,bd,cd,de->aec', t17, t44, t29, t17, M_Z, t17, optimize=[(1, 2), (1, 2), (1, 3), (1, 2), (0, 1)])
+    t51 = (4/(L*d_V**4)) * P_Z
+    t52 = oe.contract('ab,ab,bc,ac,cd->dab', t51, t29, t17, M_Z, t17, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->dab', t52, t17, optimize=[(0, 1)])
     t1 += oe.contract('ab,cb,cb->abc', t17, t37, P_Z, optimize=[(1, 2), (0, 1)])
-    t45 = (2/(L*d_V**3)) * P_Z
-    t1 += oe.contract('ab,ca,ca,da->dbc', t17, P_Z, t45, t17, optimize=[(1, 2), (0, 1), (0, 1)])
+    t53 = (2/(L*d_V**3)) * P_Z
+    t54 = oe.contract('ab,ab->ab', t53, P_Z, optimize=[(0, 1)])
+    t55 = oe.contract('ab,bc->acb', t17, t17, optimize=[(0, 1)])
+    t1 += oe.contract('ab,cdb->cda', t54, t55, optimize=[(0, 1)])
     nrm = torch.linalg.norm(blk)
     del blk
     return nrm
@@ -1447,28 +1509,33 @@ def ce__hessian__outer(X, Y):
     t2 += oe.contract('ab,bc,dac,ac,ae,ae,ef->bfa', t37, t19, t29, A, A, P_Z, t19, optimize=[(4, 5), (2, 3), (2, 3), (1, 2), (0, 2), (0, 1)])
     t2 += oe.contract('ab,cdb,db,db,be,de->aed', t19, t14, t21, t18, t19, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 2), (0, 1)])
     t38 = (2/(L*d_V**3*n_batch)) * A
-    t2 += oe.contract('ab,cdb,db,db,be,de,ef->afd', t19, t14, t38, t18, t19, M_Z, t19, optimize=[(2, 3), (1, 5), (1, 2), (1, 3), (1, 2), (0, 1)])
+    t39 = oe.contract('abc,bc,bc,cd,bd,de->ebc', t14, t38, t18, t19, M_Z, t19, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t2 += oe.contract('abc,dc->dab', t39, t19, optimize=[(0, 1)])
     t2 += oe.contract('ab,cdb,db,db->abd', t19, t14, t24, P_Z, optimize=[(1, 2), (1, 2), (0, 1)])
-    t39 = (1/(L*d_V**2*n_batch)) * A
-    t2 += oe.contract('ab,cdb,db,db,be->aed', t19, t14, t39, P_Z, t19, optimize=[(2, 3), (1, 3), (0, 2), (0, 1)])
+    t40 = (1/(L*d_V**2*n_batch)) * A
+    t41 = oe.contract('ab,cdb,db,db->adb', t19, t14, t40, P_Z, optimize=[(1, 2), (1, 2), (0, 1)])
+    t42 = oe.contract('ab->ba', t19, optimize=[(0,)])
+    t2 += oe.contract('abc,dc->adb', t41, t42, optimize=[(0, 1)])
     t2 += oe.contract('ab,cdb,db,de,de,ef,df->afd', t19, t14, t26, A, t18, t19, M_Z, optimize=[(3, 4), (1, 2), (1, 3), (1, 3), (0, 1), (0, 1)])
-    t40 = (-2/(L*d_V**3*n_batch)) * A
-    t2 += oe.contract('ab,cdb,db,de,de,ef,df,fg->agd', t19, t14, t40, A, t18, t19, M_Z, t19, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
+    t43 = (-2/(L*d_V**3*n_batch)) * A
+    t2 += oe.contract('ab,cdb,db,de,de,ef,df,fg->agd', t19, t14, t43, A, t18, t19, M_Z, t19, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
     t2 += oe.contract('ab,cdb,db,de,de->aed', t19, t14, t28, A, P_Z, optimize=[(3, 4), (1, 2), (0, 2), (0, 1)])
-    t41 = (-1/(L*d_V**2*n_batch)) * A
-    t2 += oe.contract('ab,cdb,db,de,de,ef->afd', t19, t14, t41, A, P_Z, t19, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t44 = (-1/(L*d_V**2*n_batch)) * A
+    t2 += oe.contract('ab,cdb,db,de,de,ef->afd', t19, t14, t44, A, P_Z, t19, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
     t2 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf->afc', t19, t31, t19, t29, A, t18, t19, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
-    t42 = (4/(L*d_V**4*n_batch)) * M_Z
-    t2 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf,fg->agc', t19, t42, t19, t29, A, t18, t19, M_Z, t19, optimize=[(4, 5), (3, 7), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
+    t45 = (4/(L*d_V**4*n_batch)) * M_Z
+    t46 = oe.contract('ab,cb,bd,ecd,cd,cd,df,cf->acf', t19, t45, t19, t29, A, t18, t19, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
+    t2 += oe.contract('abc,dc->adb', t46, t42, optimize=[(0, 1)])
     t2 += oe.contract('ab,cb,bd,ecd,cd,cd->adc', t19, t33, t19, t29, A, P_Z, optimize=[(4, 5), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t43 = (2/(L*d_V**3*n_batch)) * M_Z
-    t2 += oe.contract('ab,cb,bd,ecd,cd,cd,df->afc', t19, t43, t19, t29, A, P_Z, t19, optimize=[(4, 5), (3, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
+    t47 = (2/(L*d_V**3*n_batch)) * M_Z
+    t48 = oe.contract('ab,cb,bd,ecd,cd,cd->acd', t19, t47, t19, t29, A, P_Z, optimize=[(4, 5), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t2 += oe.contract('abc,dc->adb', t48, t42, optimize=[(0, 1)])
     t2 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg->agc', t19, t35, t19, t29, A, A, t18, t19, M_Z, optimize=[(5, 6), (3, 4), (3, 5), (3, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t44 = (-4/(L*d_V**4*n_batch)) * M_Z
-    t2 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,gh->ahc', t19, t44, t19, t29, A, A, t18, t19, M_Z, t19, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t49 = (-4/(L*d_V**4*n_batch)) * M_Z
+    t2 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,gh->ahc', t19, t49, t19, t29, A, A, t18, t19, M_Z, t19, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
     t2 += oe.contract('ab,cb,bd,ecd,cd,cf,cf->afc', t19, t37, t19, t29, A, A, P_Z, optimize=[(5, 6), (3, 4), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t45 = (-2/(L*d_V**3*n_batch)) * M_Z
-    t2 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg->agc', t19, t45, t19, t29, A, A, P_Z, t19, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
+    t50 = (-2/(L*d_V**3*n_batch)) * M_Z
+    t2 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg->agc', t19, t50, t19, t29, A, A, P_Z, t19, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
     return H
 
 
@@ -1592,28 +1659,33 @@ def ce__frobenius_all__outer(X, Y):
     t1 += oe.contract('ab,bc,dac,ac,ae,ae,ef->bfa', t36, t18, t28, A, A, P_Z, t18, optimize=[(4, 5), (2, 3), (2, 3), (1, 2), (0, 2), (0, 1)])
     t1 += oe.contract('ab,cdb,db,db,be,de->aed', t18, t13, t20, t17, t18, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 2), (0, 1)])
     t37 = (2/(L*d_V**3*n_batch)) * A
-    t1 += oe.contract('ab,cdb,db,db,be,de,ef->afd', t18, t13, t37, t17, t18, M_Z, t18, optimize=[(2, 3), (1, 5), (1, 2), (1, 3), (1, 2), (0, 1)])
+    t38 = oe.contract('abc,bc,bc,cd,bd,de->ebc', t13, t37, t17, t18, M_Z, t18, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t1 += oe.contract('abc,dc->dab', t38, t18, optimize=[(0, 1)])
     t1 += oe.contract('ab,cdb,db,db->abd', t18, t13, t23, P_Z, optimize=[(1, 2), (1, 2), (0, 1)])
-    t38 = (1/(L*d_V**2*n_batch)) * A
-    t1 += oe.contract('ab,cdb,db,db,be->aed', t18, t13, t38, P_Z, t18, optimize=[(2, 3), (1, 3), (0, 2), (0, 1)])
+    t39 = (1/(L*d_V**2*n_batch)) * A
+    t40 = oe.contract('ab,cdb,db,db->adb', t18, t13, t39, P_Z, optimize=[(1, 2), (1, 2), (0, 1)])
+    t41 = oe.contract('ab->ba', t18, optimize=[(0,)])
+    t1 += oe.contract('abc,dc->adb', t40, t41, optimize=[(0, 1)])
     t1 += oe.contract('ab,cdb,db,de,de,ef,df->afd', t18, t13, t25, A, t17, t18, M_Z, optimize=[(3, 4), (1, 2), (1, 3), (1, 3), (0, 1), (0, 1)])
-    t39 = (-2/(L*d_V**3*n_batch)) * A
-    t1 += oe.contract('ab,cdb,db,de,de,ef,df,fg->agd', t18, t13, t39, A, t17, t18, M_Z, t18, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
+    t42 = (-2/(L*d_V**3*n_batch)) * A
+    t1 += oe.contract('ab,cdb,db,de,de,ef,df,fg->agd', t18, t13, t42, A, t17, t18, M_Z, t18, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
     t1 += oe.contract('ab,cdb,db,de,de->aed', t18, t13, t27, A, P_Z, optimize=[(3, 4), (1, 2), (0, 2), (0, 1)])
-    t40 = (-1/(L*d_V**2*n_batch)) * A
-    t1 += oe.contract('ab,cdb,db,de,de,ef->afd', t18, t13, t40, A, P_Z, t18, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t43 = (-1/(L*d_V**2*n_batch)) * A
+    t1 += oe.contract('ab,cdb,db,de,de,ef->afd', t18, t13, t43, A, P_Z, t18, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
     t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf->afc', t18, t30, t18, t28, A, t17, t18, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
-    t41 = (4/(L*d_V**4*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf,fg->agc', t18, t41, t18, t28, A, t17, t18, M_Z, t18, optimize=[(4, 5), (3, 7), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
+    t44 = (4/(L*d_V**4*n_batch)) * M_Z
+    t45 = oe.contract('ab,cb,bd,ecd,cd,cd,df,cf->acf', t18, t44, t18, t28, A, t17, t18, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t45, t41, optimize=[(0, 1)])
     t1 += oe.contract('ab,cb,bd,ecd,cd,cd->adc', t18, t32, t18, t28, A, P_Z, optimize=[(4, 5), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t42 = (2/(L*d_V**3*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df->afc', t18, t42, t18, t28, A, P_Z, t18, optimize=[(4, 5), (3, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
+    t46 = (2/(L*d_V**3*n_batch)) * M_Z
+    t47 = oe.contract('ab,cb,bd,ecd,cd,cd->acd', t18, t46, t18, t28, A, P_Z, optimize=[(4, 5), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t47, t41, optimize=[(0, 1)])
     t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg->agc', t18, t34, t18, t28, A, A, t17, t18, M_Z, optimize=[(5, 6), (3, 4), (3, 5), (3, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t43 = (-4/(L*d_V**4*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,gh->ahc', t18, t43, t18, t28, A, A, t17, t18, M_Z, t18, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t48 = (-4/(L*d_V**4*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,gh->ahc', t18, t48, t18, t28, A, A, t17, t18, M_Z, t18, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
     t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf->afc', t18, t36, t18, t28, A, A, P_Z, optimize=[(5, 6), (3, 4), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t44 = (-2/(L*d_V**3*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg->agc', t18, t44, t18, t28, A, A, P_Z, t18, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
+    t49 = (-2/(L*d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg->agc', t18, t49, t18, t28, A, A, P_Z, t18, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
     nrm = torch.linalg.norm(blk)
     del blk
     return (nrm,)
@@ -1806,28 +1878,33 @@ def ce__block__X__X__outer(X, Y):
     t1 += oe.contract('ab,bc,dac,ac,ae,ae,ef->bfa', t36, t18, t28, A, A, P_Z, t18, optimize=[(4, 5), (2, 3), (2, 3), (1, 2), (0, 2), (0, 1)])
     t1 += oe.contract('ab,cdb,db,db,be,de->aed', t18, t13, t20, t17, t18, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 2), (0, 1)])
     t37 = (2/(L*d_V**3*n_batch)) * A
-    t1 += oe.contract('ab,cdb,db,db,be,de,ef->afd', t18, t13, t37, t17, t18, M_Z, t18, optimize=[(2, 3), (1, 5), (1, 2), (1, 3), (1, 2), (0, 1)])
+    t38 = oe.contract('abc,bc,bc,cd,bd,de->ebc', t13, t37, t17, t18, M_Z, t18, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t1 += oe.contract('abc,dc->dab', t38, t18, optimize=[(0, 1)])
     t1 += oe.contract('ab,cdb,db,db->abd', t18, t13, t23, P_Z, optimize=[(1, 2), (1, 2), (0, 1)])
-    t38 = (1/(L*d_V**2*n_batch)) * A
-    t1 += oe.contract('ab,cdb,db,db,be->aed', t18, t13, t38, P_Z, t18, optimize=[(2, 3), (1, 3), (0, 2), (0, 1)])
+    t39 = (1/(L*d_V**2*n_batch)) * A
+    t40 = oe.contract('ab,cdb,db,db->adb', t18, t13, t39, P_Z, optimize=[(1, 2), (1, 2), (0, 1)])
+    t41 = oe.contract('ab->ba', t18, optimize=[(0,)])
+    t1 += oe.contract('abc,dc->adb', t40, t41, optimize=[(0, 1)])
     t1 += oe.contract('ab,cdb,db,de,de,ef,df->afd', t18, t13, t25, A, t17, t18, M_Z, optimize=[(3, 4), (1, 2), (1, 3), (1, 3), (0, 1), (0, 1)])
-    t39 = (-2/(L*d_V**3*n_batch)) * A
-    t1 += oe.contract('ab,cdb,db,de,de,ef,df,fg->agd', t18, t13, t39, A, t17, t18, M_Z, t18, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
+    t42 = (-2/(L*d_V**3*n_batch)) * A
+    t1 += oe.contract('ab,cdb,db,de,de,ef,df,fg->agd', t18, t13, t42, A, t17, t18, M_Z, t18, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
     t1 += oe.contract('ab,cdb,db,de,de->aed', t18, t13, t27, A, P_Z, optimize=[(3, 4), (1, 2), (0, 2), (0, 1)])
-    t40 = (-1/(L*d_V**2*n_batch)) * A
-    t1 += oe.contract('ab,cdb,db,de,de,ef->afd', t18, t13, t40, A, P_Z, t18, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t43 = (-1/(L*d_V**2*n_batch)) * A
+    t1 += oe.contract('ab,cdb,db,de,de,ef->afd', t18, t13, t43, A, P_Z, t18, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
     t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf->afc', t18, t30, t18, t28, A, t17, t18, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
-    t41 = (4/(L*d_V**4*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf,fg->agc', t18, t41, t18, t28, A, t17, t18, M_Z, t18, optimize=[(4, 5), (3, 7), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
+    t44 = (4/(L*d_V**4*n_batch)) * M_Z
+    t45 = oe.contract('ab,cb,bd,ecd,cd,cd,df,cf->acf', t18, t44, t18, t28, A, t17, t18, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t45, t41, optimize=[(0, 1)])
     t1 += oe.contract('ab,cb,bd,ecd,cd,cd->adc', t18, t32, t18, t28, A, P_Z, optimize=[(4, 5), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t42 = (2/(L*d_V**3*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df->afc', t18, t42, t18, t28, A, P_Z, t18, optimize=[(4, 5), (3, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
+    t46 = (2/(L*d_V**3*n_batch)) * M_Z
+    t47 = oe.contract('ab,cb,bd,ecd,cd,cd->acd', t18, t46, t18, t28, A, P_Z, optimize=[(4, 5), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t47, t41, optimize=[(0, 1)])
     t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg->agc', t18, t34, t18, t28, A, A, t17, t18, M_Z, optimize=[(5, 6), (3, 4), (3, 5), (3, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t43 = (-4/(L*d_V**4*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,gh->ahc', t18, t43, t18, t28, A, A, t17, t18, M_Z, t18, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t48 = (-4/(L*d_V**4*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,gh->ahc', t18, t48, t18, t28, A, A, t17, t18, M_Z, t18, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
     t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf->afc', t18, t36, t18, t28, A, A, P_Z, optimize=[(5, 6), (3, 4), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t44 = (-2/(L*d_V**3*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg->agc', t18, t44, t18, t28, A, A, P_Z, t18, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
+    t49 = (-2/(L*d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg->agc', t18, t49, t18, t28, A, A, P_Z, t18, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -1898,28 +1975,33 @@ def ce__frobenius__X__X__outer(X, Y):
     t1 += oe.contract('ab,bc,dac,ac,ae,ae,ef->bfa', t36, t18, t28, A, A, P_Z, t18, optimize=[(4, 5), (2, 3), (2, 3), (1, 2), (0, 2), (0, 1)])
     t1 += oe.contract('ab,cdb,db,db,be,de->aed', t18, t13, t20, t17, t18, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 2), (0, 1)])
     t37 = (2/(L*d_V**3*n_batch)) * A
-    t1 += oe.contract('ab,cdb,db,db,be,de,ef->afd', t18, t13, t37, t17, t18, M_Z, t18, optimize=[(2, 3), (1, 5), (1, 2), (1, 3), (1, 2), (0, 1)])
+    t38 = oe.contract('abc,bc,bc,cd,bd,de->ebc', t13, t37, t17, t18, M_Z, t18, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t1 += oe.contract('abc,dc->dab', t38, t18, optimize=[(0, 1)])
     t1 += oe.contract('ab,cdb,db,db->abd', t18, t13, t23, P_Z, optimize=[(1, 2), (1, 2), (0, 1)])
-    t38 = (1/(L*d_V**2*n_batch)) * A
-    t1 += oe.contract('ab,cdb,db,db,be->aed', t18, t13, t38, P_Z, t18, optimize=[(2, 3), (1, 3), (0, 2), (0, 1)])
+    t39 = (1/(L*d_V**2*n_batch)) * A
+    t40 = oe.contract('ab,cdb,db,db->adb', t18, t13, t39, P_Z, optimize=[(1, 2), (1, 2), (0, 1)])
+    t41 = oe.contract('ab->ba', t18, optimize=[(0,)])
+    t1 += oe.contract('abc,dc->adb', t40, t41, optimize=[(0, 1)])
     t1 += oe.contract('ab,cdb,db,de,de,ef,df->afd', t18, t13, t25, A, t17, t18, M_Z, optimize=[(3, 4), (1, 2), (1, 3), (1, 3), (0, 1), (0, 1)])
-    t39 = (-2/(L*d_V**3*n_batch)) * A
-    t1 += oe.contract('ab,cdb,db,de,de,ef,df,fg->agd', t18, t13, t39, A, t17, t18, M_Z, t18, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
+    t42 = (-2/(L*d_V**3*n_batch)) * A
+    t1 += oe.contract('ab,cdb,db,de,de,ef,df,fg->agd', t18, t13, t42, A, t17, t18, M_Z, t18, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
     t1 += oe.contract('ab,cdb,db,de,de->aed', t18, t13, t27, A, P_Z, optimize=[(3, 4), (1, 2), (0, 2), (0, 1)])
-    t40 = (-1/(L*d_V**2*n_batch)) * A
-    t1 += oe.contract('ab,cdb,db,de,de,ef->afd', t18, t13, t40, A, P_Z, t18, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t43 = (-1/(L*d_V**2*n_batch)) * A
+    t1 += oe.contract('ab,cdb,db,de,de,ef->afd', t18, t13, t43, A, P_Z, t18, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
     t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf->afc', t18, t30, t18, t28, A, t17, t18, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
-    t41 = (4/(L*d_V**4*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf,fg->agc', t18, t41, t18, t28, A, t17, t18, M_Z, t18, optimize=[(4, 5), (3, 7), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
+    t44 = (4/(L*d_V**4*n_batch)) * M_Z
+    t45 = oe.contract('ab,cb,bd,ecd,cd,cd,df,cf->acf', t18, t44, t18, t28, A, t17, t18, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t45, t41, optimize=[(0, 1)])
     t1 += oe.contract('ab,cb,bd,ecd,cd,cd->adc', t18, t32, t18, t28, A, P_Z, optimize=[(4, 5), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t42 = (2/(L*d_V**3*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df->afc', t18, t42, t18, t28, A, P_Z, t18, optimize=[(4, 5), (3, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
+    t46 = (2/(L*d_V**3*n_batch)) * M_Z
+    t47 = oe.contract('ab,cb,bd,ecd,cd,cd->acd', t18, t46, t18, t28, A, P_Z, optimize=[(4, 5), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t47, t41, optimize=[(0, 1)])
     t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg->agc', t18, t34, t18, t28, A, A, t17, t18, M_Z, optimize=[(5, 6), (3, 4), (3, 5), (3, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t43 = (-4/(L*d_V**4*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,gh->ahc', t18, t43, t18, t28, A, A, t17, t18, M_Z, t18, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t48 = (-4/(L*d_V**4*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,gh->ahc', t18, t48, t18, t28, A, A, t17, t18, M_Z, t18, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
     t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf->afc', t18, t36, t18, t28, A, A, P_Z, optimize=[(5, 6), (3, 4), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t44 = (-2/(L*d_V**3*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg->agc', t18, t44, t18, t28, A, A, P_Z, t18, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
+    t49 = (-2/(L*d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg->agc', t18, t49, t18, t28, A, A, P_Z, t18, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
     nrm = torch.linalg.norm(blk)
     del blk
     return nrm
@@ -1983,16 +2065,21 @@ def ce__hessian__functional(X, Y):
     t2 += oe.contract('ab,bc,dac,ce->bea', t24, t22, t21, t22, optimize=[(2, 3), (0, 2), (0, 1)])
     t2 += oe.contract('ab,cdb,be,de->aed', t22, t21, t22, t24, optimize=[(0, 1), (0, 1), (0, 1)])
     t34 = (2/(d_V**3*n_batch)) * M_Z
-    t2 += oe.contract('ab,cdb,be,de,ef->afd', t22, t21, t22, t34, t22, optimize=[(0, 1), (0, 3), (0, 2), (0, 1)])
-    t35 = (-2/(d_V**2*n_batch)) * t22
-    t2 += oe.contract('ab,cdb->abd', t35, t28, optimize=[(0, 1)])
-    t36 = (2/(d_V**3*n_batch)) * t22
-    t2 += oe.contract('ab,cdb,be->aed', t36, t28, t22, optimize=[(0, 1), (0, 1)])
+    t35 = oe.contract('ab,cdb,be,de->ade', t22, t21, t22, t34, optimize=[(0, 1), (0, 1), (0, 1)])
+    t36 = oe.contract('ab->ba', t22, optimize=[(0,)])
+    t2 += oe.contract('abc,dc->adb', t35, t36, optimize=[(0, 1)])
+    t37 = (-2/(d_V**2*n_batch)) * t22
+    t2 += oe.contract('ab,cdb->abd', t37, t28, optimize=[(0, 1)])
+    t38 = (2/(d_V**3*n_batch)) * t22
+    t39 = oe.contract('ab,cdb->adb', t38, t28, optimize=[(0, 1)])
+    t2 += oe.contract('abc,dc->adb', t39, t36, optimize=[(0, 1)])
     t2 += oe.contract('ab,cb,bd,ecd,df,cf->afc', t22, t33, t22, t31, t22, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t37 = (4/(d_V**4*n_batch)) * M_Z
-    t2 += oe.contract('ab,cb,bd,ecd,df,cf,fg->agc', t22, t37, t22, t31, t22, M_Z, t22, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t40 = (4/(d_V**4*n_batch)) * M_Z
+    t41 = oe.contract('ab,cb,bd,ecd,df,cf->acf', t22, t40, t22, t31, t22, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
+    t2 += oe.contract('abc,dc->adb', t41, t36, optimize=[(0, 1)])
     t2 += oe.contract('ab,cb,bd,ecd->adc', t22, t24, t22, t21, optimize=[(0, 1), (0, 1), (0, 1)])
-    t2 += oe.contract('ab,cb,bd,ecd,df->afc', t22, t34, t22, t21, t22, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)])
+    t42 = oe.contract('ab,bc,dac,ce->eab', t34, t22, t21, t22, optimize=[(2, 3), (0, 2), (0, 1)])
+    t2 += oe.contract('abc,dc->dab', t42, t22, optimize=[(0, 1)])
     return H
 
 
@@ -2265,16 +2352,21 @@ def ce__block__X__X__functional(X, Y):
     t1 += oe.contract('ab,bc,dac,ce->bea', t23, t21, t20, t21, optimize=[(2, 3), (0, 2), (0, 1)])
     t1 += oe.contract('ab,cdb,be,de->aed', t21, t20, t21, t23, optimize=[(0, 1), (0, 1), (0, 1)])
     t33 = (2/(d_V**3*n_batch)) * M_Z
-    t1 += oe.contract('ab,cdb,be,de,ef->afd', t21, t20, t21, t33, t21, optimize=[(0, 1), (0, 3), (0, 2), (0, 1)])
-    t34 = (-2/(d_V**2*n_batch)) * t21
-    t1 += oe.contract('ab,cdb->abd', t34, t27, optimize=[(0, 1)])
-    t35 = (2/(d_V**3*n_batch)) * t21
-    t1 += oe.contract('ab,cdb,be->aed', t35, t27, t21, optimize=[(0, 1), (0, 1)])
+    t34 = oe.contract('ab,cdb,be,de->ade', t21, t20, t21, t33, optimize=[(0, 1), (0, 1), (0, 1)])
+    t35 = oe.contract('ab->ba', t21, optimize=[(0,)])
+    t1 += oe.contract('abc,dc->adb', t34, t35, optimize=[(0, 1)])
+    t36 = (-2/(d_V**2*n_batch)) * t21
+    t1 += oe.contract('ab,cdb->abd', t36, t27, optimize=[(0, 1)])
+    t37 = (2/(d_V**3*n_batch)) * t21
+    t38 = oe.contract('ab,cdb->adb', t37, t27, optimize=[(0, 1)])
+    t1 += oe.contract('abc,dc->adb', t38, t35, optimize=[(0, 1)])
     t1 += oe.contract('ab,cb,bd,ecd,df,cf->afc', t21, t32, t21, t30, t21, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t36 = (4/(d_V**4*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,df,cf,fg->agc', t21, t36, t21, t30, t21, M_Z, t21, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t39 = (4/(d_V**4*n_batch)) * M_Z
+    t40 = oe.contract('ab,cb,bd,ecd,df,cf->acf', t21, t39, t21, t30, t21, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t40, t35, optimize=[(0, 1)])
     t1 += oe.contract('ab,cb,bd,ecd->adc', t21, t23, t21, t20, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += oe.contract('ab,cb,bd,ecd,df->afc', t21, t33, t21, t20, t21, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)])
+    t41 = oe.contract('ab,bc,dac,ce->eab', t33, t21, t20, t21, optimize=[(2, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->dab', t41, t21, optimize=[(0, 1)])
     return out
 
 
@@ -2415,40 +2507,49 @@ def ce__hessian__full(X, Y):
     t2 += oe.contract('ab,bc,dac,ac,ae,ae,ef->bfa', t54, t22, t46, A27, A27, P_Z, t22, optimize=[(4, 5), (2, 3), (2, 3), (1, 2), (0, 2), (0, 1)])
     t2 += oe.contract('ab,cdb,db,db,be,de->aed', t22, t25, t30, t28, t22, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 2), (0, 1)])
     t55 = (2/(L*d_V**3*n_batch)) * A27
-    t2 += oe.contract('ab,cdb,db,db,be,de,ef->afd', t22, t25, t55, t28, t22, M_Z, t22, optimize=[(2, 3), (1, 5), (1, 2), (1, 3), (1, 2), (0, 1)])
+    t56 = oe.contract('abc,bc,bc,cd,bd,de->ebc', t25, t55, t28, t22, M_Z, t22, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t2 += oe.contract('abc,dc->dab', t56, t22, optimize=[(0, 1)])
     t2 += oe.contract('ab,cdb,db,db->abd', t22, t25, t33, P_Z, optimize=[(1, 2), (1, 2), (0, 1)])
-    t56 = (1/(L*d_V**2*n_batch)) * A27
-    t2 += oe.contract('ab,cdb,db,db,be->aed', t22, t25, t56, P_Z, t22, optimize=[(2, 3), (1, 3), (0, 2), (0, 1)])
+    t57 = (1/(L*d_V**2*n_batch)) * A27
+    t58 = oe.contract('ab,cdb,db,db->adb', t22, t25, t57, P_Z, optimize=[(1, 2), (1, 2), (0, 1)])
+    t59 = oe.contract('ab->ba', t22, optimize=[(0,)])
+    t2 += oe.contract('abc,dc->adb', t58, t59, optimize=[(0, 1)])
     t2 += oe.contract('ab,cdb,db,de,de,ef,df->afd', t22, t25, t35, A27, t28, t22, M_Z, optimize=[(3, 4), (1, 2), (1, 3), (1, 3), (0, 1), (0, 1)])
-    t57 = (-2/(L*d_V**3*n_batch)) * A27
-    t2 += oe.contract('ab,cdb,db,de,de,ef,df,fg->agd', t22, t25, t57, A27, t28, t22, M_Z, t22, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
+    t60 = (-2/(L*d_V**3*n_batch)) * A27
+    t2 += oe.contract('ab,cdb,db,de,de,ef,df,fg->agd', t22, t25, t60, A27, t28, t22, M_Z, t22, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
     t2 += oe.contract('ab,cdb,db,de,de->aed', t22, t25, t37, A27, P_Z, optimize=[(3, 4), (1, 2), (0, 2), (0, 1)])
-    t58 = (-1/(L*d_V**2*n_batch)) * A27
-    t2 += oe.contract('ab,cdb,db,de,de,ef->afd', t22, t25, t58, A27, P_Z, t22, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t61 = (-1/(L*d_V**2*n_batch)) * A27
+    t2 += oe.contract('ab,cdb,db,de,de,ef->afd', t22, t25, t61, A27, P_Z, t22, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
     t2 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf->afc', t22, t48, t22, t46, A27, t28, t22, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
-    t59 = (4/(L*d_V**4*n_batch)) * M_Z
-    t2 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf,fg->agc', t22, t59, t22, t46, A27, t28, t22, M_Z, t22, optimize=[(4, 5), (3, 7), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
+    t62 = (4/(L*d_V**4*n_batch)) * M_Z
+    t63 = oe.contract('ab,cb,bd,ecd,cd,cd,df,cf->acf', t22, t62, t22, t46, A27, t28, t22, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
+    t2 += oe.contract('abc,dc->adb', t63, t59, optimize=[(0, 1)])
     t2 += oe.contract('ab,cb,bd,ecd,cd,cd->adc', t22, t50, t22, t46, A27, P_Z, optimize=[(4, 5), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t60 = (2/(L*d_V**3*n_batch)) * M_Z
-    t2 += oe.contract('ab,cb,bd,ecd,cd,cd,df->afc', t22, t60, t22, t46, A27, P_Z, t22, optimize=[(4, 5), (3, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
+    t64 = (2/(L*d_V**3*n_batch)) * M_Z
+    t65 = oe.contract('ab,cb,bd,ecd,cd,cd->acd', t22, t64, t22, t46, A27, P_Z, optimize=[(4, 5), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t2 += oe.contract('abc,dc->adb', t65, t59, optimize=[(0, 1)])
     t2 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg->agc', t22, t52, t22, t46, A27, A27, t28, t22, M_Z, optimize=[(5, 6), (3, 4), (3, 5), (3, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t61 = (-4/(L*d_V**4*n_batch)) * M_Z
-    t2 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,gh->ahc', t22, t61, t22, t46, A27, A27, t28, t22, M_Z, t22, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t66 = (-4/(L*d_V**4*n_batch)) * M_Z
+    t2 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,gh->ahc', t22, t66, t22, t46, A27, A27, t28, t22, M_Z, t22, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
     t2 += oe.contract('ab,cb,bd,ecd,cd,cf,cf->afc', t22, t54, t22, t46, A27, A27, P_Z, optimize=[(5, 6), (3, 4), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t62 = (-2/(L*d_V**3*n_batch)) * M_Z
-    t2 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg->agc', t22, t62, t22, t46, A27, A27, P_Z, t22, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
+    t67 = (-2/(L*d_V**3*n_batch)) * M_Z
+    t2 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg->agc', t22, t67, t22, t46, A27, A27, P_Z, t22, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
     t2 += oe.contract('ab,cdb,be,de->aed', t22, t21, t22, t24, optimize=[(0, 1), (0, 1), (0, 1)])
-    t63 = (2/(d_V**3*n_batch)) * M_Z
-    t2 += oe.contract('ab,cdb,be,de,ef->afd', t22, t21, t22, t63, t22, optimize=[(0, 1), (0, 3), (0, 2), (0, 1)])
-    t64 = (-2/(d_V**2*n_batch)) * t22
-    t2 += oe.contract('ab,cdb->abd', t64, t40, optimize=[(0, 1)])
-    t65 = (2/(d_V**3*n_batch)) * t22
-    t2 += oe.contract('ab,cdb,be->aed', t65, t40, t22, optimize=[(0, 1), (0, 1)])
+    t68 = (2/(d_V**3*n_batch)) * M_Z
+    t69 = oe.contract('ab,cdb,be,de->ade', t22, t21, t22, t68, optimize=[(0, 1), (0, 1), (0, 1)])
+    t2 += oe.contract('abc,dc->adb', t69, t59, optimize=[(0, 1)])
+    t70 = (-2/(d_V**2*n_batch)) * t22
+    t2 += oe.contract('ab,cdb->abd', t70, t40, optimize=[(0, 1)])
+    t71 = (2/(d_V**3*n_batch)) * t22
+    t72 = oe.contract('ab,cdb->adb', t71, t40, optimize=[(0, 1)])
+    t2 += oe.contract('abc,dc->adb', t72, t59, optimize=[(0, 1)])
     t2 += oe.contract('ab,cb,bd,ecd,df,cf->afc', t22, t45, t22, t43, t22, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t66 = (4/(d_V**4*n_batch)) * M_Z
-    t2 += oe.contract('ab,cb,bd,ecd,df,cf,fg->agc', t22, t66, t22, t43, t22, M_Z, t22, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t73 = (4/(d_V**4*n_batch)) * M_Z
+    t74 = oe.contract('ab,cb,bd,ecd,df,cf->acf', t22, t73, t22, t43, t22, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
+    t2 += oe.contract('abc,dc->adb', t74, t59, optimize=[(0, 1)])
     t2 += oe.contract('ab,cb,bd,ecd->adc', t22, t24, t22, t21, optimize=[(0, 1), (0, 1), (0, 1)])
-    t2 += oe.contract('ab,cb,bd,ecd,df->afc', t22, t63, t22, t21, t22, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)])
+    t75 = oe.contract('ab,bc,dac,ce->eab', t68, t22, t21, t22, optimize=[(2, 3), (0, 2), (0, 1)])
+    t2 += oe.contract('abc,dc->dab', t75, t22, optimize=[(0, 1)])
     return H
 
 
@@ -2620,40 +2721,49 @@ def ce__frobenius_all__full(X, Y):
     t1 += oe.contract('ab,bc,dac,ac,ae,ae,ef->bfa', t53, t21, t45, A26, A26, P_Z, t21, optimize=[(4, 5), (2, 3), (2, 3), (1, 2), (0, 2), (0, 1)])
     t1 += oe.contract('ab,cdb,db,db,be,de->aed', t21, t24, t29, t27, t21, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 2), (0, 1)])
     t54 = (2/(L*d_V**3*n_batch)) * A26
-    t1 += oe.contract('ab,cdb,db,db,be,de,ef->afd', t21, t24, t54, t27, t21, M_Z, t21, optimize=[(2, 3), (1, 5), (1, 2), (1, 3), (1, 2), (0, 1)])
+    t55 = oe.contract('abc,bc,bc,cd,bd,de->ebc', t24, t54, t27, t21, M_Z, t21, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t1 += oe.contract('abc,dc->dab', t55, t21, optimize=[(0, 1)])
     t1 += oe.contract('ab,cdb,db,db->abd', t21, t24, t32, P_Z, optimize=[(1, 2), (1, 2), (0, 1)])
-    t55 = (1/(L*d_V**2*n_batch)) * A26
-    t1 += oe.contract('ab,cdb,db,db,be->aed', t21, t24, t55, P_Z, t21, optimize=[(2, 3), (1, 3), (0, 2), (0, 1)])
+    t56 = (1/(L*d_V**2*n_batch)) * A26
+    t57 = oe.contract('ab,cdb,db,db->adb', t21, t24, t56, P_Z, optimize=[(1, 2), (1, 2), (0, 1)])
+    t58 = oe.contract('ab->ba', t21, optimize=[(0,)])
+    t1 += oe.contract('abc,dc->adb', t57, t58, optimize=[(0, 1)])
     t1 += oe.contract('ab,cdb,db,de,de,ef,df->afd', t21, t24, t34, A26, t27, t21, M_Z, optimize=[(3, 4), (1, 2), (1, 3), (1, 3), (0, 1), (0, 1)])
-    t56 = (-2/(L*d_V**3*n_batch)) * A26
-    t1 += oe.contract('ab,cdb,db,de,de,ef,df,fg->agd', t21, t24, t56, A26, t27, t21, M_Z, t21, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
+    t59 = (-2/(L*d_V**3*n_batch)) * A26
+    t1 += oe.contract('ab,cdb,db,de,de,ef,df,fg->agd', t21, t24, t59, A26, t27, t21, M_Z, t21, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
     t1 += oe.contract('ab,cdb,db,de,de->aed', t21, t24, t36, A26, P_Z, optimize=[(3, 4), (1, 2), (0, 2), (0, 1)])
-    t57 = (-1/(L*d_V**2*n_batch)) * A26
-    t1 += oe.contract('ab,cdb,db,de,de,ef->afd', t21, t24, t57, A26, P_Z, t21, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t60 = (-1/(L*d_V**2*n_batch)) * A26
+    t1 += oe.contract('ab,cdb,db,de,de,ef->afd', t21, t24, t60, A26, P_Z, t21, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
     t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf->afc', t21, t47, t21, t45, A26, t27, t21, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
-    t58 = (4/(L*d_V**4*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf,fg->agc', t21, t58, t21, t45, A26, t27, t21, M_Z, t21, optimize=[(4, 5), (3, 7), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
+    t61 = (4/(L*d_V**4*n_batch)) * M_Z
+    t62 = oe.contract('ab,cb,bd,ecd,cd,cd,df,cf->acf', t21, t61, t21, t45, A26, t27, t21, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t62, t58, optimize=[(0, 1)])
     t1 += oe.contract('ab,cb,bd,ecd,cd,cd->adc', t21, t49, t21, t45, A26, P_Z, optimize=[(4, 5), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t59 = (2/(L*d_V**3*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df->afc', t21, t59, t21, t45, A26, P_Z, t21, optimize=[(4, 5), (3, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
+    t63 = (2/(L*d_V**3*n_batch)) * M_Z
+    t64 = oe.contract('ab,cb,bd,ecd,cd,cd->acd', t21, t63, t21, t45, A26, P_Z, optimize=[(4, 5), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t64, t58, optimize=[(0, 1)])
     t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg->agc', t21, t51, t21, t45, A26, A26, t27, t21, M_Z, optimize=[(5, 6), (3, 4), (3, 5), (3, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t60 = (-4/(L*d_V**4*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,gh->ahc', t21, t60, t21, t45, A26, A26, t27, t21, M_Z, t21, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t65 = (-4/(L*d_V**4*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,gh->ahc', t21, t65, t21, t45, A26, A26, t27, t21, M_Z, t21, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
     t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf->afc', t21, t53, t21, t45, A26, A26, P_Z, optimize=[(5, 6), (3, 4), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t61 = (-2/(L*d_V**3*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg->agc', t21, t61, t21, t45, A26, A26, P_Z, t21, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
+    t66 = (-2/(L*d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg->agc', t21, t66, t21, t45, A26, A26, P_Z, t21, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
     t1 += oe.contract('ab,cdb,be,de->aed', t21, t20, t21, t23, optimize=[(0, 1), (0, 1), (0, 1)])
-    t62 = (2/(d_V**3*n_batch)) * M_Z
-    t1 += oe.contract('ab,cdb,be,de,ef->afd', t21, t20, t21, t62, t21, optimize=[(0, 1), (0, 3), (0, 2), (0, 1)])
-    t63 = (-2/(d_V**2*n_batch)) * t21
-    t1 += oe.contract('ab,cdb->abd', t63, t39, optimize=[(0, 1)])
-    t64 = (2/(d_V**3*n_batch)) * t21
-    t1 += oe.contract('ab,cdb,be->aed', t64, t39, t21, optimize=[(0, 1), (0, 1)])
+    t67 = (2/(d_V**3*n_batch)) * M_Z
+    t68 = oe.contract('ab,cdb,be,de->ade', t21, t20, t21, t67, optimize=[(0, 1), (0, 1), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t68, t58, optimize=[(0, 1)])
+    t69 = (-2/(d_V**2*n_batch)) * t21
+    t1 += oe.contract('ab,cdb->abd', t69, t39, optimize=[(0, 1)])
+    t70 = (2/(d_V**3*n_batch)) * t21
+    t71 = oe.contract('ab,cdb->adb', t70, t39, optimize=[(0, 1)])
+    t1 += oe.contract('abc,dc->adb', t71, t58, optimize=[(0, 1)])
     t1 += oe.contract('ab,cb,bd,ecd,df,cf->afc', t21, t44, t21, t42, t21, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t65 = (4/(d_V**4*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,df,cf,fg->agc', t21, t65, t21, t42, t21, M_Z, t21, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t72 = (4/(d_V**4*n_batch)) * M_Z
+    t73 = oe.contract('ab,cb,bd,ecd,df,cf->acf', t21, t72, t21, t42, t21, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t73, t58, optimize=[(0, 1)])
     t1 += oe.contract('ab,cb,bd,ecd->adc', t21, t23, t21, t20, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += oe.contract('ab,cb,bd,ecd,df->afc', t21, t62, t21, t20, t21, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)])
+    t74 = oe.contract('ab,bc,dac,ce->eab', t67, t21, t20, t21, optimize=[(2, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->dab', t74, t21, optimize=[(0, 1)])
     nrm = torch.linalg.norm(blk)
     del blk
     return (nrm,)
@@ -2926,40 +3036,49 @@ def ce__block__X__X__full(X, Y):
     t1 += oe.contract('ab,bc,dac,ac,ae,ae,ef->bfa', t53, t21, t45, A26, A26, P_Z, t21, optimize=[(4, 5), (2, 3), (2, 3), (1, 2), (0, 2), (0, 1)])
     t1 += oe.contract('ab,cdb,db,db,be,de->aed', t21, t24, t29, t27, t21, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 2), (0, 1)])
     t54 = (2/(L*d_V**3*n_batch)) * A26
-    t1 += oe.contract('ab,cdb,db,db,be,de,ef->afd', t21, t24, t54, t27, t21, M_Z, t21, optimize=[(2, 3), (1, 5), (1, 2), (1, 3), (1, 2), (0, 1)])
+    t55 = oe.contract('abc,bc,bc,cd,bd,de->ebc', t24, t54, t27, t21, M_Z, t21, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t1 += oe.contract('abc,dc->dab', t55, t21, optimize=[(0, 1)])
     t1 += oe.contract('ab,cdb,db,db->abd', t21, t24, t32, P_Z, optimize=[(1, 2), (1, 2), (0, 1)])
-    t55 = (1/(L*d_V**2*n_batch)) * A26
-    t1 += oe.contract('ab,cdb,db,db,be->aed', t21, t24, t55, P_Z, t21, optimize=[(2, 3), (1, 3), (0, 2), (0, 1)])
+    t56 = (1/(L*d_V**2*n_batch)) * A26
+    t57 = oe.contract('ab,cdb,db,db->adb', t21, t24, t56, P_Z, optimize=[(1, 2), (1, 2), (0, 1)])
+    t58 = oe.contract('ab->ba', t21, optimize=[(0,)])
+    t1 += oe.contract('abc,dc->adb', t57, t58, optimize=[(0, 1)])
     t1 += oe.contract('ab,cdb,db,de,de,ef,df->afd', t21, t24, t34, A26, t27, t21, M_Z, optimize=[(3, 4), (1, 2), (1, 3), (1, 3), (0, 1), (0, 1)])
-    t56 = (-2/(L*d_V**3*n_batch)) * A26
-    t1 += oe.contract('ab,cdb,db,de,de,ef,df,fg->agd', t21, t24, t56, A26, t27, t21, M_Z, t21, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
+    t59 = (-2/(L*d_V**3*n_batch)) * A26
+    t1 += oe.contract('ab,cdb,db,de,de,ef,df,fg->agd', t21, t24, t59, A26, t27, t21, M_Z, t21, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
     t1 += oe.contract('ab,cdb,db,de,de->aed', t21, t24, t36, A26, P_Z, optimize=[(3, 4), (1, 2), (0, 2), (0, 1)])
-    t57 = (-1/(L*d_V**2*n_batch)) * A26
-    t1 += oe.contract('ab,cdb,db,de,de,ef->afd', t21, t24, t57, A26, P_Z, t21, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t60 = (-1/(L*d_V**2*n_batch)) * A26
+    t1 += oe.contract('ab,cdb,db,de,de,ef->afd', t21, t24, t60, A26, P_Z, t21, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
     t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf->afc', t21, t47, t21, t45, A26, t27, t21, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
-    t58 = (4/(L*d_V**4*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf,fg->agc', t21, t58, t21, t45, A26, t27, t21, M_Z, t21, optimize=[(4, 5), (3, 7), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
+    t61 = (4/(L*d_V**4*n_batch)) * M_Z
+    t62 = oe.contract('ab,cb,bd,ecd,cd,cd,df,cf->acf', t21, t61, t21, t45, A26, t27, t21, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t62, t58, optimize=[(0, 1)])
     t1 += oe.contract('ab,cb,bd,ecd,cd,cd->adc', t21, t49, t21, t45, A26, P_Z, optimize=[(4, 5), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t59 = (2/(L*d_V**3*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df->afc', t21, t59, t21, t45, A26, P_Z, t21, optimize=[(4, 5), (3, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
+    t63 = (2/(L*d_V**3*n_batch)) * M_Z
+    t64 = oe.contract('ab,cb,bd,ecd,cd,cd->acd', t21, t63, t21, t45, A26, P_Z, optimize=[(4, 5), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t64, t58, optimize=[(0, 1)])
     t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg->agc', t21, t51, t21, t45, A26, A26, t27, t21, M_Z, optimize=[(5, 6), (3, 4), (3, 5), (3, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t60 = (-4/(L*d_V**4*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,gh->ahc', t21, t60, t21, t45, A26, A26, t27, t21, M_Z, t21, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t65 = (-4/(L*d_V**4*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,gh->ahc', t21, t65, t21, t45, A26, A26, t27, t21, M_Z, t21, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
     t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf->afc', t21, t53, t21, t45, A26, A26, P_Z, optimize=[(5, 6), (3, 4), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t61 = (-2/(L*d_V**3*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg->agc', t21, t61, t21, t45, A26, A26, P_Z, t21, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
+    t66 = (-2/(L*d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg->agc', t21, t66, t21, t45, A26, A26, P_Z, t21, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
     t1 += oe.contract('ab,cdb,be,de->aed', t21, t20, t21, t23, optimize=[(0, 1), (0, 1), (0, 1)])
-    t62 = (2/(d_V**3*n_batch)) * M_Z
-    t1 += oe.contract('ab,cdb,be,de,ef->afd', t21, t20, t21, t62, t21, optimize=[(0, 1), (0, 3), (0, 2), (0, 1)])
-    t63 = (-2/(d_V**2*n_batch)) * t21
-    t1 += oe.contract('ab,cdb->abd', t63, t39, optimize=[(0, 1)])
-    t64 = (2/(d_V**3*n_batch)) * t21
-    t1 += oe.contract('ab,cdb,be->aed', t64, t39, t21, optimize=[(0, 1), (0, 1)])
+    t67 = (2/(d_V**3*n_batch)) * M_Z
+    t68 = oe.contract('ab,cdb,be,de->ade', t21, t20, t21, t67, optimize=[(0, 1), (0, 1), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t68, t58, optimize=[(0, 1)])
+    t69 = (-2/(d_V**2*n_batch)) * t21
+    t1 += oe.contract('ab,cdb->abd', t69, t39, optimize=[(0, 1)])
+    t70 = (2/(d_V**3*n_batch)) * t21
+    t71 = oe.contract('ab,cdb->adb', t70, t39, optimize=[(0, 1)])
+    t1 += oe.contract('abc,dc->adb', t71, t58, optimize=[(0, 1)])
     t1 += oe.contract('ab,cb,bd,ecd,df,cf->afc', t21, t44, t21, t42, t21, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t65 = (4/(d_V**4*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,df,cf,fg->agc', t21, t65, t21, t42, t21, M_Z, t21, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t72 = (4/(d_V**4*n_batch)) * M_Z
+    t73 = oe.contract('ab,cb,bd,ecd,df,cf->acf', t21, t72, t21, t42, t21, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t73, t58, optimize=[(0, 1)])
     t1 += oe.contract('ab,cb,bd,ecd->adc', t21, t23, t21, t20, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += oe.contract('ab,cb,bd,ecd,df->afc', t21, t62, t21, t20, t21, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)])
+    t74 = oe.contract('ab,bc,dac,ce->eab', t67, t21, t20, t21, optimize=[(2, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->dab', t74, t21, optimize=[(0, 1)])
     return out
 
 
@@ -3057,40 +3176,49 @@ def ce__frobenius__X__X__full(X, Y):
     t1 += oe.contract('ab,bc,dac,ac,ae,ae,ef->bfa', t53, t21, t45, A26, A26, P_Z, t21, optimize=[(4, 5), (2, 3), (2, 3), (1, 2), (0, 2), (0, 1)])
     t1 += oe.contract('ab,cdb,db,db,be,de->aed', t21, t24, t29, t27, t21, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 2), (0, 1)])
     t54 = (2/(L*d_V**3*n_batch)) * A26
-    t1 += oe.contract('ab,cdb,db,db,be,de,ef->afd', t21, t24, t54, t27, t21, M_Z, t21, optimize=[(2, 3), (1, 5), (1, 2), (1, 3), (1, 2), (0, 1)])
+    t55 = oe.contract('abc,bc,bc,cd,bd,de->ebc', t24, t54, t27, t21, M_Z, t21, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t1 += oe.contract('abc,dc->dab', t55, t21, optimize=[(0, 1)])
     t1 += oe.contract('ab,cdb,db,db->abd', t21, t24, t32, P_Z, optimize=[(1, 2), (1, 2), (0, 1)])
-    t55 = (1/(L*d_V**2*n_batch)) * A26
-    t1 += oe.contract('ab,cdb,db,db,be->aed', t21, t24, t55, P_Z, t21, optimize=[(2, 3), (1, 3), (0, 2), (0, 1)])
+    t56 = (1/(L*d_V**2*n_batch)) * A26
+    t57 = oe.contract('ab,cdb,db,db->adb', t21, t24, t56, P_Z, optimize=[(1, 2), (1, 2), (0, 1)])
+    t58 = oe.contract('ab->ba', t21, optimize=[(0,)])
+    t1 += oe.contract('abc,dc->adb', t57, t58, optimize=[(0, 1)])
     t1 += oe.contract('ab,cdb,db,de,de,ef,df->afd', t21, t24, t34, A26, t27, t21, M_Z, optimize=[(3, 4), (1, 2), (1, 3), (1, 3), (0, 1), (0, 1)])
-    t56 = (-2/(L*d_V**3*n_batch)) * A26
-    t1 += oe.contract('ab,cdb,db,de,de,ef,df,fg->agd', t21, t24, t56, A26, t27, t21, M_Z, t21, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
+    t59 = (-2/(L*d_V**3*n_batch)) * A26
+    t1 += oe.contract('ab,cdb,db,de,de,ef,df,fg->agd', t21, t24, t59, A26, t27, t21, M_Z, t21, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
     t1 += oe.contract('ab,cdb,db,de,de->aed', t21, t24, t36, A26, P_Z, optimize=[(3, 4), (1, 2), (0, 2), (0, 1)])
-    t57 = (-1/(L*d_V**2*n_batch)) * A26
-    t1 += oe.contract('ab,cdb,db,de,de,ef->afd', t21, t24, t57, A26, P_Z, t21, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t60 = (-1/(L*d_V**2*n_batch)) * A26
+    t1 += oe.contract('ab,cdb,db,de,de,ef->afd', t21, t24, t60, A26, P_Z, t21, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
     t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf->afc', t21, t47, t21, t45, A26, t27, t21, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
-    t58 = (4/(L*d_V**4*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf,fg->agc', t21, t58, t21, t45, A26, t27, t21, M_Z, t21, optimize=[(4, 5), (3, 7), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
+    t61 = (4/(L*d_V**4*n_batch)) * M_Z
+    t62 = oe.contract('ab,cb,bd,ecd,cd,cd,df,cf->acf', t21, t61, t21, t45, A26, t27, t21, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t62, t58, optimize=[(0, 1)])
     t1 += oe.contract('ab,cb,bd,ecd,cd,cd->adc', t21, t49, t21, t45, A26, P_Z, optimize=[(4, 5), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t59 = (2/(L*d_V**3*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df->afc', t21, t59, t21, t45, A26, P_Z, t21, optimize=[(4, 5), (3, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
+    t63 = (2/(L*d_V**3*n_batch)) * M_Z
+    t64 = oe.contract('ab,cb,bd,ecd,cd,cd->acd', t21, t63, t21, t45, A26, P_Z, optimize=[(4, 5), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t64, t58, optimize=[(0, 1)])
     t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg->agc', t21, t51, t21, t45, A26, A26, t27, t21, M_Z, optimize=[(5, 6), (3, 4), (3, 5), (3, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t60 = (-4/(L*d_V**4*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,gh->ahc', t21, t60, t21, t45, A26, A26, t27, t21, M_Z, t21, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t65 = (-4/(L*d_V**4*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,gh->ahc', t21, t65, t21, t45, A26, A26, t27, t21, M_Z, t21, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
     t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf->afc', t21, t53, t21, t45, A26, A26, P_Z, optimize=[(5, 6), (3, 4), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t61 = (-2/(L*d_V**3*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg->agc', t21, t61, t21, t45, A26, A26, P_Z, t21, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
+    t66 = (-2/(L*d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg->agc', t21, t66, t21, t45, A26, A26, P_Z, t21, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
     t1 += oe.contract('ab,cdb,be,de->aed', t21, t20, t21, t23, optimize=[(0, 1), (0, 1), (0, 1)])
-    t62 = (2/(d_V**3*n_batch)) * M_Z
-    t1 += oe.contract('ab,cdb,be,de,ef->afd', t21, t20, t21, t62, t21, optimize=[(0, 1), (0, 3), (0, 2), (0, 1)])
-    t63 = (-2/(d_V**2*n_batch)) * t21
-    t1 += oe.contract('ab,cdb->abd', t63, t39, optimize=[(0, 1)])
-    t64 = (2/(d_V**3*n_batch)) * t21
-    t1 += oe.contract('ab,cdb,be->aed', t64, t39, t21, optimize=[(0, 1), (0, 1)])
+    t67 = (2/(d_V**3*n_batch)) * M_Z
+    t68 = oe.contract('ab,cdb,be,de->ade', t21, t20, t21, t67, optimize=[(0, 1), (0, 1), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t68, t58, optimize=[(0, 1)])
+    t69 = (-2/(d_V**2*n_batch)) * t21
+    t1 += oe.contract('ab,cdb->abd', t69, t39, optimize=[(0, 1)])
+    t70 = (2/(d_V**3*n_batch)) * t21
+    t71 = oe.contract('ab,cdb->adb', t70, t39, optimize=[(0, 1)])
+    t1 += oe.contract('abc,dc->adb', t71, t58, optimize=[(0, 1)])
     t1 += oe.contract('ab,cb,bd,ecd,df,cf->afc', t21, t44, t21, t42, t21, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t65 = (4/(d_V**4*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,df,cf,fg->agc', t21, t65, t21, t42, t21, M_Z, t21, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t72 = (4/(d_V**4*n_batch)) * M_Z
+    t73 = oe.contract('ab,cb,bd,ecd,df,cf->acf', t21, t72, t21, t42, t21, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t73, t58, optimize=[(0, 1)])
     t1 += oe.contract('ab,cb,bd,ecd->adc', t21, t23, t21, t20, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += oe.contract('ab,cb,bd,ecd,df->afc', t21, t62, t21, t20, t21, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)])
+    t74 = oe.contract('ab,bc,dac,ce->eab', t67, t21, t20, t21, optimize=[(2, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->dab', t74, t21, optimize=[(0, 1)])
     nrm = torch.linalg.norm(blk)
     del blk
     return nrm

@@ -2690,51 +2690,59 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t11 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t12 = t11.view((d_V, d_K, d_V, d_K))
     t13 = X @ W_Q
-    t12[...] = oe.contract('abc,ade,ce,aef,cf,acg,afh->bdhg', t2, t4, t10, t8, Mcausal, t13, X, optimize=[(2, 4), (2, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t14 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t15 = t14.view((d_V, d_K, d_V, d_V))
-    t16 = W_Q @ t4
-    t17 = X @ t16
-    t18 = (1/math.sqrt(d_K)) * t17
-    T = t18
-    t19 = Mcausal * T
-    t20 = t19 @ X
-    t21 = X @ W_V
-    t22 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
-    t15[...] = oe.contract('abc,ade,ce,acf,aeg->bdfg', t2, t4, t22, t20, t21, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t23 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t24 = t23.view((d_V, d_K, d_V, d_K))
-    t25 = W_Q.transpose(-1, -2)
-    t26 = t25 @ t2
-    t27 = Mcausal.transpose(-1, -2)
-    t28 = (2/(L*d_K*d_V*n_batch)) * t27
-    t24[...] = oe.contract('abc,ade,ce,acf,fe,afg,aeh->bdhg', t2, t26, t28, t8, t27, t9, X, optimize=[(2, 4), (2, 5), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t29 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t30 = t29.view((d_V, d_K, d_V, d_K))
-    t30[...] = oe.contract('abc,ade,ce,acf,fe,afg,aeh->bdgh', t2, t26, t28, t8, t27, X, t13, optimize=[(2, 4), (2, 5), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t31 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t32 = t31.view((d_V, d_K, d_V, d_V))
-    t33 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t27
-    t32[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t2, t26, t33, t21, t20, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t34 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t35 = t34.view((d_V, d_V, d_V, d_K))
-    t36 = T.transpose(-1, -2)
-    t37 = t27 * t36
-    t38 = t2 @ t37
-    t35[...] = oe.contract('abc,ade,ce,acf,aeg->bdfg', t38, t6, t22, X, t9, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t39 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t40 = t39.view((d_V, d_V, d_V, d_K))
-    t40[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t38, t6, t22, t13, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t41 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t41[...] = 0
-    t42 = t41.view((d_V, d_V, d_V, d_V))
-    t43 = t42.diagonal(0, 1, 3)
-    t44 = t37 @ t19
-    t45 = t44 @ X
-    t46 = t2 @ t45
-    t47 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t48 = (2/(L*d_V*n_batch)) * t47
-    t43 += oe.contract('abc,d->bcd', t46, t48, optimize=[(0, 1)])
+    t14 = oe.contract('abc,acd->bdac', t2, t13, optimize=[(0, 1)])
+    t15 = oe.contract('abc,dc,ace,de,aef->bfad', t4, t10, t8, Mcausal, X, optimize=[(1, 2), (1, 3), (0, 2), (0, 1)])
+    t12[...] = oe.contract('abcd,efcd->aefb', t14, t15, optimize=[(0, 1)])
+    t16 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t17 = t16.view((d_V, d_K, d_V, d_V))
+    t18 = W_Q @ t4
+    t19 = X @ t18
+    t20 = (1/math.sqrt(d_K)) * t19
+    T = t20
+    t21 = Mcausal * T
+    t22 = t21 @ X
+    t23 = X @ W_V
+    t24 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
+    t25 = oe.contract('abc,acd->bdac', t4, t23, optimize=[(0, 1)])
+    t26 = oe.contract('abc,cd,ace->bead', t2, t24, t22, optimize=[(0, 1), (0, 1)])
+    t17[...] = oe.contract('abcd,efcd->eafb', t25, t26, optimize=[(0, 1)])
+    t27 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t28 = t27.view((d_V, d_K, d_V, d_K))
+    t29 = W_Q.transpose(-1, -2)
+    t30 = t29 @ t2
+    t31 = Mcausal.transpose(-1, -2)
+    t32 = (2/(L*d_K*d_V*n_batch)) * t31
+    t28[...] = oe.contract('abc,ade,ce,acf,fe,afg,aeh->bdhg', t2, t30, t32, t8, t31, t9, X, optimize=[(2, 4), (2, 5), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t33 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t34 = t33.view((d_V, d_K, d_V, d_K))
+    t35 = oe.contract('abc,acd->bdac', t30, t13, optimize=[(0, 1)])
+    t36 = oe.contract('abc,cd,ace,ed,aef->bfad', t2, t32, t8, t31, X, optimize=[(1, 2), (1, 3), (0, 2), (0, 1)])
+    t34[...] = oe.contract('abcd,efcd->eafb', t35, t36, optimize=[(0, 1)])
+    t37 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t38 = t37.view((d_V, d_K, d_V, d_V))
+    t39 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t31
+    t38[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t2, t30, t39, t23, t22, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t40 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t41 = t40.view((d_V, d_V, d_V, d_K))
+    t42 = T.transpose(-1, -2)
+    t43 = t31 * t42
+    t44 = t2 @ t43
+    t45 = oe.contract('abc,acd->bdac', t6, t9, optimize=[(0, 1)])
+    t46 = oe.contract('abc,cd,ace->bead', t44, t24, X, optimize=[(0, 1), (0, 1)])
+    t41[...] = oe.contract('abcd,efcd->eafb', t45, t46, optimize=[(0, 1)])
+    t47 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t48 = t47.view((d_V, d_V, d_V, d_K))
+    t48[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t44, t6, t24, t13, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t49 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t49[...] = 0
+    t50 = t49.view((d_V, d_V, d_V, d_V))
+    t51 = t50.diagonal(0, 1, 3)
+    t52 = t43 @ t21
+    t53 = t52 @ X
+    t54 = t2 @ t53
+    t55 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t56 = (2/(L*d_V*n_batch)) * t55
+    t51 += oe.contract('abc,d->bcd', t54, t56, optimize=[(0, 1)])
     return H
 
 
@@ -2884,7 +2892,9 @@ def mse_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t7 = X @ t6
     t8 = X @ W_K
     t9 = (2/(L*d_K*d_V*n_batch)) * Mcausal
-    t0[...] = oe.contract('abc,ade,ce,aef,cf,acb,afd->bd', t1, t3, t9, t7, Mcausal, X, t8, optimize=[(0, 5), (1, 3), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t10 = oe.contract('abc,dc,ace,de,aeb->bad', t3, t9, t7, Mcausal, t8, optimize=[(1, 2), (1, 3), (0, 2), (0, 1)])
+    t11 = oe.contract('abc,acb->bac', t1, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t10, t11, optimize=[(0, 1)])
     return out
 
 
@@ -2966,7 +2976,9 @@ def mse_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     t7 = X @ t6
     t8 = X @ W_Q
     t9 = (2/(L*d_K*d_V*n_batch)) * Mcausal
-    t0[...] = oe.contract('abc,ade,ce,aef,cf,acg,afh->bdhg', t1, t3, t9, t7, Mcausal, t8, X, optimize=[(2, 4), (2, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t10 = oe.contract('abc,acd->bdac', t1, t8, optimize=[(0, 1)])
+    t11 = oe.contract('abc,dc,ace,de,aef->bfad', t3, t9, t7, Mcausal, X, optimize=[(1, 2), (1, 3), (0, 2), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t10, t11, optimize=[(0, 1)])
     return out
 
 
@@ -3010,7 +3022,9 @@ def mse_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     t8 = t7 @ X
     t9 = X @ W_V
     t10 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
-    t0[...] = oe.contract('abc,ade,ce,acf,aeg->bdfg', t1, t3, t10, t8, t9, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t11 = oe.contract('abc,acd->bdac', t3, t9, optimize=[(0, 1)])
+    t12 = oe.contract('abc,cd,ace->bead', t1, t10, t8, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t11, t12, optimize=[(0, 1)])
     return out
 
 
@@ -3141,7 +3155,9 @@ def mse_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t8 = X @ t7
     t9 = X @ W_Q
     t10 = (2/(L*d_K*d_V*n_batch)) * t4
-    t0[...] = oe.contract('abc,ade,ce,acf,fe,afg,aeh->bdgh', t1, t3, t10, t8, t4, X, t9, optimize=[(2, 4), (2, 5), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t11 = oe.contract('abc,acd->bdac', t3, t9, optimize=[(0, 1)])
+    t12 = oe.contract('abc,cd,ace,ed,aef->bfad', t1, t10, t8, t4, X, optimize=[(1, 2), (1, 3), (0, 2), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t11, t12, optimize=[(0, 1)])
     return out
 
 
@@ -3295,7 +3311,9 @@ def mse_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t12 = t11 @ t1
     t13 = X @ W_K
     t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
-    t0[...] = oe.contract('abc,ade,ce,acf,aeg->bdfg', t10, t12, t14, X, t13, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t15 = oe.contract('abc,acd->bdac', t12, t13, optimize=[(0, 1)])
+    t16 = oe.contract('abc,cd,ace->bead', t10, t14, X, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t15, t16, optimize=[(0, 1)])
     return out
 
 
@@ -3497,17 +3515,20 @@ def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t40 = W_Q.transpose(-1, -2)
     t41 = t40 @ t4
     t42 = (1/(math.sqrt(d_K)*n_batch)) * t33
-    t39[...] = oe.contract('abc,ade,ce,acf,aeg->bdfg', t4, t41, t42, X, G, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t43 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t44 = t43.view((d_V, d_V, d_V, d_K))
-    t45 = X @ W_K
-    t44[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t4, t30, t42, t45, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t46 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t47 = t46.view((d_V, d_V, d_V, d_K))
-    t48 = X @ W_Q
-    t47[...] = oe.contract('abc,ade,ce,acf,aeg->bdfg', t4, t30, t42, X, t48, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t49 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t49[...] = 0
+    t43 = oe.contract('abc,acd->bdac', t41, G, optimize=[(0, 1)])
+    t44 = oe.contract('abc,cd,ace->bead', t4, t42, X, optimize=[(0, 1), (0, 1)])
+    t39[...] = oe.contract('abcd,efcd->eafb', t43, t44, optimize=[(0, 1)])
+    t45 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t46 = t45.view((d_V, d_V, d_V, d_K))
+    t47 = X @ W_K
+    t46[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t4, t30, t42, t47, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t48 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t49 = t48.view((d_V, d_V, d_V, d_K))
+    t50 = X @ W_Q
+    t51 = oe.contract('abc,acd->bdac', t30, t50, optimize=[(0, 1)])
+    t49[...] = oe.contract('abcd,efcd->eafb', t51, t44, optimize=[(0, 1)])
+    t52 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t52[...] = 0
     return H
 
 
@@ -3946,7 +3967,9 @@ def mse_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t15 = t13 + t14
     G = t15
     t16 = (1/(math.sqrt(d_K)*n_batch)) * t4
-    t0[...] = oe.contract('abc,ade,ce,acf,aeg->bdfg', t1, t3, t16, X, G, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t17 = oe.contract('abc,acd->bdac', t3, G, optimize=[(0, 1)])
+    t18 = oe.contract('abc,cd,ace->bead', t1, t16, X, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -4090,7 +4113,9 @@ def mse_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t14 = Mcausal.transpose(-1, -2)
     t15 = X @ W_Q
     t16 = (1/(math.sqrt(d_K)*n_batch)) * t14
-    t0[...] = oe.contract('abc,ade,ce,acf,aeg->bdfg', t1, t13, t16, X, t15, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t17 = oe.contract('abc,acd->bdac', t13, t15, optimize=[(0, 1)])
+    t18 = oe.contract('abc,cd,ace->bead', t1, t16, X, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -4188,60 +4213,71 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t28 = (1/(math.sqrt(d_K)*n_batch)) * t27
     t13 += oe.contract('abc,d->bcd', t26, t28, optimize=[(0, 1)])
     t29 = X @ W_Q
-    t12 += oe.contract('abc,ade,ce,aef,cf,acg,afh->bdhg', t2, t4, t10, t8, Mcausal, t29, X, optimize=[(2, 4), (2, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t30 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t31 = t30.view((d_V, d_K, d_V, d_V))
-    t32 = t17 @ X
-    t33 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
-    t31[...] = oe.contract('abc,ade,ce,acf,aeg->bdfg', t2, t4, t33, t32, t18, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t34 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
-    t31 += oe.contract('abc,ade,ce,acf,aeg->bdgf', t2, t4, t34, G, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t35 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t35[...] = 0
-    t36 = t35.view((d_V, d_K, d_V, d_K))
-    t37 = t36.diagonal(0, 1, 3)
-    t38 = G.transpose(-1, -2)
-    t39 = W_V @ t38
-    t40 = X @ t39
-    t41 = Mcausal.transpose(-1, -2)
-    t42 = t40 * t41
-    t43 = t42 @ X
-    t44 = t2 @ t43
-    t37 += oe.contract('abc,d->bcd', t44, t28, optimize=[(0, 1)])
-    t45 = W_Q.transpose(-1, -2)
-    t46 = t45 @ t2
-    t47 = (2/(L*d_K*d_V*n_batch)) * t41
-    t36 += oe.contract('abc,ade,ce,acf,fe,afg,aeh->bdhg', t2, t46, t47, t8, t41, t9, X, optimize=[(2, 4), (2, 5), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t48 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t49 = t48.view((d_V, d_K, d_V, d_K))
-    t49[...] = oe.contract('abc,ade,ce,acf,fe,afg,aeh->bdgh', t2, t46, t47, t8, t41, X, t29, optimize=[(2, 4), (2, 5), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t50 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t51 = t50.view((d_V, d_K, d_V, d_V))
-    t52 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t41
-    t51[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t2, t46, t52, t18, t32, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t53 = (1/(math.sqrt(d_K)*n_batch)) * t41
-    t51 += oe.contract('abc,ade,ce,acf,aeg->bdfg', t2, t46, t53, X, G, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t54 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t55 = t54.view((d_V, d_V, d_V, d_K))
-    t56 = T.transpose(-1, -2)
-    t57 = t41 * t56
-    t58 = t2 @ t57
-    t55[...] = oe.contract('abc,ade,ce,acf,aeg->bdfg', t58, t6, t33, X, t9, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t55 += oe.contract('abc,ade,ce,acf,aeg->bdgf', t2, t38, t53, t9, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t59 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t60 = t59.view((d_V, d_V, d_V, d_K))
-    t60[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t58, t6, t33, t29, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t60 += oe.contract('abc,ade,ce,acf,aeg->bdfg', t2, t38, t53, X, t29, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t61 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t61[...] = 0
-    t62 = t61.view((d_V, d_V, d_V, d_V))
-    t63 = t62.diagonal(0, 1, 3)
-    t64 = t57 @ t17
-    t65 = t64 @ X
+    t30 = oe.contract('abc,acd->bdac', t2, t29, optimize=[(0, 1)])
+    t31 = oe.contract('abc,dc,ace,de,aef->bfad', t4, t10, t8, Mcausal, X, optimize=[(1, 2), (1, 3), (0, 2), (0, 1)])
+    t12 += oe.contract('abcd,efcd->aefb', t30, t31, optimize=[(0, 1)])
+    t32 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t33 = t32.view((d_V, d_K, d_V, d_V))
+    t34 = t17 @ X
+    t35 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
+    t36 = oe.contract('abc,acd->bdac', t4, t18, optimize=[(0, 1)])
+    t37 = oe.contract('abc,cd,ace->bead', t2, t35, t34, optimize=[(0, 1), (0, 1)])
+    t33[...] = oe.contract('abcd,efcd->eafb', t36, t37, optimize=[(0, 1)])
+    t38 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
+    t33 += oe.contract('abc,ade,ce,acf,aeg->bdgf', t2, t4, t38, G, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t39 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t39[...] = 0
+    t40 = t39.view((d_V, d_K, d_V, d_K))
+    t41 = t40.diagonal(0, 1, 3)
+    t42 = G.transpose(-1, -2)
+    t43 = W_V @ t42
+    t44 = X @ t43
+    t45 = Mcausal.transpose(-1, -2)
+    t46 = t44 * t45
+    t47 = t46 @ X
+    t48 = t2 @ t47
+    t41 += oe.contract('abc,d->bcd', t48, t28, optimize=[(0, 1)])
+    t49 = W_Q.transpose(-1, -2)
+    t50 = t49 @ t2
+    t51 = (2/(L*d_K*d_V*n_batch)) * t45
+    t40 += oe.contract('abc,ade,ce,acf,fe,afg,aeh->bdhg', t2, t50, t51, t8, t45, t9, X, optimize=[(2, 4), (2, 5), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t52 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t53 = t52.view((d_V, d_K, d_V, d_K))
+    t54 = oe.contract('abc,acd->bdac', t50, t29, optimize=[(0, 1)])
+    t55 = oe.contract('abc,cd,ace,ed,aef->bfad', t2, t51, t8, t45, X, optimize=[(1, 2), (1, 3), (0, 2), (0, 1)])
+    t53[...] = oe.contract('abcd,efcd->eafb', t54, t55, optimize=[(0, 1)])
+    t56 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t57 = t56.view((d_V, d_K, d_V, d_V))
+    t58 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t45
+    t57[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t2, t50, t58, t18, t34, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t59 = (1/(math.sqrt(d_K)*n_batch)) * t45
+    t60 = oe.contract('abc,acd->bdac', t50, G, optimize=[(0, 1)])
+    t61 = oe.contract('abc,cd,ace->bead', t2, t59, X, optimize=[(0, 1), (0, 1)])
+    t57 += oe.contract('abcd,efcd->eafb', t60, t61, optimize=[(0, 1)])
+    t62 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t63 = t62.view((d_V, d_V, d_V, d_K))
+    t64 = T.transpose(-1, -2)
+    t65 = t45 * t64
     t66 = t2 @ t65
-    t67 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t68 = (2/(L*d_V*n_batch)) * t67
-    t63 += oe.contract('abc,d->bcd', t66, t68, optimize=[(0, 1)])
+    t67 = oe.contract('abc,acd->bdac', t6, t9, optimize=[(0, 1)])
+    t68 = oe.contract('abc,cd,ace->bead', t66, t35, X, optimize=[(0, 1), (0, 1)])
+    t63[...] = oe.contract('abcd,efcd->eafb', t67, t68, optimize=[(0, 1)])
+    t63 += oe.contract('abc,ade,ce,acf,aeg->bdgf', t2, t42, t59, t9, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t69 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t70 = t69.view((d_V, d_V, d_V, d_K))
+    t70[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t66, t6, t35, t29, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t71 = oe.contract('abc,acd->bdac', t42, t29, optimize=[(0, 1)])
+    t70 += oe.contract('abcd,efcd->eafb', t71, t61, optimize=[(0, 1)])
+    t72 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t72[...] = 0
+    t73 = t72.view((d_V, d_V, d_V, d_V))
+    t74 = t73.diagonal(0, 1, 3)
+    t75 = t65 @ t17
+    t76 = t75 @ X
+    t77 = t2 @ t76
+    t78 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t79 = (2/(L*d_V*n_batch)) * t78
+    t74 += oe.contract('abc,d->bcd', t77, t79, optimize=[(0, 1)])
     return H
 
 
@@ -4443,7 +4479,9 @@ def mse_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t7 = X @ t6
     t8 = X @ W_K
     t9 = (2/(L*d_K*d_V*n_batch)) * Mcausal
-    t0[...] = oe.contract('abc,ade,ce,aef,cf,acb,afd->bd', t1, t3, t9, t7, Mcausal, X, t8, optimize=[(0, 5), (1, 3), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t10 = oe.contract('abc,dc,ace,de,aeb->bad', t3, t9, t7, Mcausal, t8, optimize=[(1, 2), (1, 3), (0, 2), (0, 1)])
+    t11 = oe.contract('abc,acb->bac', t1, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t10, t11, optimize=[(0, 1)])
     return out
 
 
@@ -4546,7 +4584,9 @@ def mse_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t23 = X @ t22
     t24 = X @ W_Q
     t25 = (2/(L*d_K*d_V*n_batch)) * Mcausal
-    t0 += oe.contract('abc,ade,ce,aef,cf,acg,afh->bdhg', t2, t4, t25, t23, Mcausal, t24, X, optimize=[(2, 4), (2, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t26 = oe.contract('abc,acd->bdac', t2, t24, optimize=[(0, 1)])
+    t27 = oe.contract('abc,dc,ace,de,aef->bfad', t4, t25, t23, Mcausal, X, optimize=[(1, 2), (1, 3), (0, 2), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t26, t27, optimize=[(0, 1)])
     return out
 
 
@@ -4606,15 +4646,17 @@ def mse_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t8 = t7 @ X
     t9 = X @ W_V
     t10 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
-    t0[...] = oe.contract('abc,ade,ce,acf,aeg->bdfg', t1, t3, t10, t8, t9, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t11 = t7 @ t9
-    F = t11
-    t12 = (2/(L*d_V)) * F
-    t13 = (-2/(L*d_V)) * Y
-    t14 = t12 + t13
-    G = t14
-    t15 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
-    t0 += oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t3, t15, G, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t11 = oe.contract('abc,acd->bdac', t3, t9, optimize=[(0, 1)])
+    t12 = oe.contract('abc,cd,ace->bead', t1, t10, t8, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t11, t12, optimize=[(0, 1)])
+    t13 = t7 @ t9
+    F = t13
+    t14 = (2/(L*d_V)) * F
+    t15 = (-2/(L*d_V)) * Y
+    t16 = t14 + t15
+    G = t16
+    t17 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
+    t0 += oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t3, t17, G, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -4796,7 +4838,9 @@ def mse_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t8 = X @ t7
     t9 = X @ W_Q
     t10 = (2/(L*d_K*d_V*n_batch)) * t4
-    t0[...] = oe.contract('abc,ade,ce,acf,fe,afg,aeh->bdgh', t1, t3, t10, t8, t4, X, t9, optimize=[(2, 4), (2, 5), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t11 = oe.contract('abc,acd->bdac', t3, t9, optimize=[(0, 1)])
+    t12 = oe.contract('abc,cd,ace,ed,aef->bfad', t1, t10, t8, t4, X, optimize=[(1, 2), (1, 3), (0, 2), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t11, t12, optimize=[(0, 1)])
     return out
 
 
@@ -4852,7 +4896,9 @@ def mse_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t17 = t15 + t16
     G = t17
     t18 = (1/(math.sqrt(d_K)*n_batch)) * t4
-    t0 += oe.contract('abc,ade,ce,acf,aeg->bdfg', t1, t3, t18, X, G, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t19 = oe.contract('abc,acd->bdac', t3, G, optimize=[(0, 1)])
+    t20 = oe.contract('abc,cd,ace->bead', t1, t18, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -4964,18 +5010,20 @@ def mse_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t12 = t11 @ t1
     t13 = X @ W_K
     t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
-    t0[...] = oe.contract('abc,ade,ce,acf,aeg->bdfg', t10, t12, t14, X, t13, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t15 = Mcausal * T
-    t16 = X @ W_V
-    t17 = t15 @ t16
-    F = t17
-    t18 = (2/(L*d_V)) * F
-    t19 = (-2/(L*d_V)) * Y
-    t20 = t18 + t19
-    G = t20
-    t21 = G.transpose(-1, -2)
-    t22 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t0 += oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t21, t22, t13, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t15 = oe.contract('abc,acd->bdac', t12, t13, optimize=[(0, 1)])
+    t16 = oe.contract('abc,cd,ace->bead', t10, t14, X, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t15, t16, optimize=[(0, 1)])
+    t17 = Mcausal * T
+    t18 = X @ W_V
+    t19 = t17 @ t18
+    F = t19
+    t20 = (2/(L*d_V)) * F
+    t21 = (-2/(L*d_V)) * Y
+    t22 = t20 + t21
+    G = t22
+    t23 = G.transpose(-1, -2)
+    t24 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t0 += oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t23, t24, t13, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -5049,7 +5097,9 @@ def mse_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     G = t20
     t21 = G.transpose(-1, -2)
     t22 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t0 += oe.contract('abc,ade,ce,acf,aeg->bdfg', t1, t21, t22, X, t13, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t23 = oe.contract('abc,acd->bdac', t21, t13, optimize=[(0, 1)])
+    t24 = oe.contract('abc,cd,ace->bead', t1, t22, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t23, t24, optimize=[(0, 1)])
     return out
 
 
@@ -5244,62 +5294,80 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t18 = (1/(L*d_K*n_batch)) * t2
     t1[...] = oe.contract('abc,ade,ace,ace,acf,aeg->bdfg', t18, t6, t8, A, X, t17, optimize=[(2, 3), (1, 4), (2, 3), (0, 1), (0, 1)])
     t19 = (-1/(L*d_K*n_batch)) * t2
-    t1 += oe.contract('abc,ade,ace,ace,acf,acg,afh->bdgh', t19, t6, t8, A, A, X, t17, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 2), (0, 1)])
-    t20 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t21 = t20.view((d_V, d_K, d_V, d_K))
-    t22 = X @ W_Q
-    t23 = t15 @ X
-    t21[...] = oe.contract('abc,ade,ace,ace,acf,aeg->bdgf', t18, t6, t8, A, t22, t23, optimize=[(2, 3), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t21 += oe.contract('abc,ade,ace,ace,acf,acg,afh->bdhg', t19, t6, t8, A, A, t22, t23, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 2), (0, 1)])
-    t24 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t25 = t24.view((d_V, d_K, d_V, d_V))
-    t26 = T @ X
-    t27 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
-    t25[...] = oe.contract('abc,ade,ace,ace,acf->bdfe', t27, t6, t8, A, t26, optimize=[(2, 3), (0, 2), (1, 2), (0, 1)])
-    t28 = (-1/(L*math.sqrt(d_K)*n_batch)) * t2
-    t25 += oe.contract('abc,ade,ace,ace,acf,acg->bdgf', t28, t6, t8, A, A, t26, optimize=[(2, 3), (1, 4), (0, 1), (0, 2), (0, 1)])
-    t29 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t30 = t29.view((d_V, d_K, d_V, d_K))
-    t31 = t2 @ t5
-    t32 = W_Q.transpose(-1, -2)
-    t33 = t32 @ t2
-    t34 = Y.transpose(-1, -2)
-    t35 = t34.sum(-2, keepdim=True)
-    t36 = t35.expand(*t35.shape[:-2], d_V, t35.shape[-1])
-    t37 = (1/(L*d_K*n_batch)) * t33
-    t30[...] = oe.contract('abc,ade,ace,aec,aef,acg->bdfg', t31, t37, t36, A, X, t17, optimize=[(2, 3), (0, 4), (2, 3), (0, 1), (0, 1)])
-    t38 = (-1/(L*d_K*n_batch)) * t33
-    t30 += oe.contract('abc,ade,ace,aec,aef,aeg,afh->bdgh', t31, t38, t36, A, A, X, t17, optimize=[(2, 3), (2, 4), (0, 3), (0, 2), (0, 2), (0, 1)])
-    t39 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t40 = t39.view((d_V, d_K, d_V, d_K))
-    t40[...] = oe.contract('abc,ade,ace,aec,aef,acg->bdgf', t31, t37, t36, A, t22, t23, optimize=[(2, 3), (0, 4), (2, 3), (0, 1), (0, 1)])
-    t40 += oe.contract('abc,ade,ace,aec,aef,aeg,afh->bdhg', t31, t38, t36, A, A, t22, t23, optimize=[(2, 3), (2, 4), (0, 3), (0, 2), (0, 2), (0, 1)])
-    t41 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t42 = t41.view((d_V, d_K, d_V, d_V))
-    t43 = (1/(L*math.sqrt(d_K)*n_batch)) * t33
-    t42[...] = oe.contract('abc,ade,ace,aec,aef->bdfc', t31, t43, t36, A, t26, optimize=[(2, 3), (1, 2), (1, 2), (0, 1)])
-    t44 = (-1/(L*math.sqrt(d_K)*n_batch)) * t33
-    t42 += oe.contract('abc,ade,ace,aec,aef,aeg->bdgf', t31, t44, t36, A, A, t26, optimize=[(2, 3), (0, 4), (0, 1), (0, 2), (0, 1)])
-    t45 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t46 = t45.view((d_V, d_V, d_V, d_K))
-    t47 = T.transpose(-1, -2)
-    t48 = t2 @ t47
-    t49 = (1/(L*math.sqrt(d_K)*n_batch)) * t48
-    t46[...] = oe.contract('abc,acd,acd,ace,adf->bdef', t49, t8, A, X, t17, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
-    t50 = (-1/(L*math.sqrt(d_K)*n_batch)) * t48
-    t46 += oe.contract('abc,acd,acd,ace,acf,aeg->bdfg', t50, t8, A, A, X, t17, optimize=[(1, 2), (1, 3), (1, 2), (0, 1), (0, 1)])
-    t51 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t52 = t51.view((d_V, d_V, d_V, d_K))
-    t52[...] = oe.contract('abc,acd,acd,ace,adf->bdfe', t49, t8, A, t22, t23, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
-    t52 += oe.contract('abc,acd,acd,ace,acf,aeg->bdgf', t50, t8, A, A, t22, t23, optimize=[(1, 2), (1, 3), (1, 2), (0, 1), (0, 1)])
-    t53 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t53[...] = 0
-    t54 = t53.view((d_V, d_V, d_V, d_V))
-    t55 = t54.diagonal(0, 1, 3)
-    t56 = (1/(L*n_batch)) * t48
-    t55 += oe.contract('abc,abd,abd,aeb->ecd', t26, A, t8, t56, optimize=[(1, 2), (0, 1), (0, 1)])
-    t57 = (-1/(L*n_batch)) * t48
-    t54 += oe.contract('abc,acd,acd,ace,acf->bdfe', t57, t8, A, A, t26, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t20 = oe.contract('abc,acd,ace,adf->befac', t19, A, X, t17, optimize=[(0, 2), (0, 1), (0, 1)])
+    t21 = oe.contract('abc,adc,adc->bad', t6, t8, A, optimize=[(1, 2), (0, 1)])
+    t1 += oe.contract('abcde,fde->afbc', t20, t21, optimize=[(0, 1)])
+    t22 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t23 = t22.view((d_V, d_K, d_V, d_K))
+    t24 = X @ W_Q
+    t25 = t15 @ X
+    t26 = oe.contract('abc,acd->bdac', t18, t24, optimize=[(0, 1)])
+    t27 = oe.contract('abc,adc,adc,ace->bead', t6, t8, A, t25, optimize=[(1, 2), (0, 1), (0, 1)])
+    t23[...] = oe.contract('abcd,efcd->aefb', t26, t27, optimize=[(0, 1)])
+    t28 = oe.contract('abc,acd,ace,adf->bfeac', t19, A, t24, t25, optimize=[(0, 2), (0, 1), (0, 1)])
+    t23 += oe.contract('abcde,fde->afbc', t28, t21, optimize=[(0, 1)])
+    t29 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t30 = t29.view((d_V, d_K, d_V, d_V))
+    t31 = T @ X
+    t32 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t30[...] = oe.contract('abc,ade,ace,ace,acf->bdfe', t32, t6, t8, A, t31, optimize=[(2, 3), (0, 2), (1, 2), (0, 1)])
+    t33 = (-1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t34 = oe.contract('abc,acd,ace->bedac', t33, A, t31, optimize=[(0, 1), (0, 1)])
+    t30 += oe.contract('abcde,fde->afbc', t34, t21, optimize=[(0, 1)])
+    t35 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t36 = t35.view((d_V, d_K, d_V, d_K))
+    t37 = t2 @ t5
+    t38 = W_Q.transpose(-1, -2)
+    t39 = t38 @ t2
+    t40 = Y.transpose(-1, -2)
+    t41 = t40.sum(-2, keepdim=True)
+    t42 = t41.expand(*t41.shape[:-2], d_V, t41.shape[-1])
+    t43 = (1/(L*d_K*n_batch)) * t39
+    t36[...] = oe.contract('abc,ade,ace,aec,aef,acg->bdfg', t37, t43, t42, A, X, t17, optimize=[(2, 3), (0, 4), (2, 3), (0, 1), (0, 1)])
+    t44 = (-1/(L*d_K*n_batch)) * t39
+    t45 = oe.contract('abc,acd,ace,adf->befac', t44, A, X, t17, optimize=[(0, 2), (0, 1), (0, 1)])
+    t46 = oe.contract('abc,acd,adc->bad', t37, t42, A, optimize=[(1, 2), (0, 1)])
+    t36 += oe.contract('abcde,fde->fabc', t45, t46, optimize=[(0, 1)])
+    t47 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t48 = t47.view((d_V, d_K, d_V, d_K))
+    t49 = oe.contract('abc,acd->bdac', t43, t24, optimize=[(0, 1)])
+    t50 = oe.contract('abc,acd,adc,ace->bead', t37, t42, A, t25, optimize=[(1, 2), (0, 1), (0, 1)])
+    t48[...] = oe.contract('abcd,efcd->eafb', t49, t50, optimize=[(0, 1)])
+    t51 = oe.contract('abc,acd,ace,adf->bfeac', t44, A, t24, t25, optimize=[(0, 2), (0, 1), (0, 1)])
+    t48 += oe.contract('abcde,fde->fabc', t51, t46, optimize=[(0, 1)])
+    t52 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t53 = t52.view((d_V, d_K, d_V, d_V))
+    t54 = (1/(L*math.sqrt(d_K)*n_batch)) * t39
+    t53[...] = oe.contract('abc,ade,ace,aec,aef->bdfc', t37, t54, t42, A, t31, optimize=[(2, 3), (1, 2), (1, 2), (0, 1)])
+    t55 = (-1/(L*math.sqrt(d_K)*n_batch)) * t39
+    t56 = oe.contract('abc,acd,ace->bedac', t55, A, t31, optimize=[(0, 1), (0, 1)])
+    t53 += oe.contract('abcde,fde->fabc', t56, t46, optimize=[(0, 1)])
+    t57 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t58 = t57.view((d_V, d_V, d_V, d_K))
+    t59 = T.transpose(-1, -2)
+    t60 = t2 @ t59
+    t61 = (1/(L*math.sqrt(d_K)*n_batch)) * t60
+    t58[...] = oe.contract('abc,acd,acd,ace,adf->bdef', t61, t8, A, X, t17, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
+    t62 = (-1/(L*math.sqrt(d_K)*n_batch)) * t60
+    t63 = oe.contract('abc,acd,ade->beac', t62, A, t17, optimize=[(1, 2), (0, 1)])
+    t64 = oe.contract('abc,abc,abd->cdab', t8, A, X, optimize=[(0, 1), (0, 1)])
+    t58 += oe.contract('abcd,efcd->aefb', t63, t64, optimize=[(0, 1)])
+    t65 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t66 = t65.view((d_V, d_V, d_V, d_K))
+    t66[...] = oe.contract('abc,acd,acd,ace,adf->bdfe', t61, t8, A, t24, t25, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
+    t66 += oe.contract('abc,acd,acd,ace,acf,aeg->bdgf', t62, t8, A, A, t24, t25, optimize=[(1, 2), (1, 3), (1, 2), (0, 1), (0, 1)])
+    t67 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t67[...] = 0
+    t68 = t67.view((d_V, d_V, d_V, d_V))
+    t69 = t68.diagonal(0, 1, 3)
+    t70 = (1/(L*n_batch)) * t60
+    t71 = oe.contract('abc,abc->cab', t8, A, optimize=[(0, 1)])
+    t72 = oe.contract('abc,acd->bdac', t70, t31, optimize=[(0, 1)])
+    t69 += oe.contract('abc,debc->dea', t71, t72, optimize=[(0, 1)])
+    t73 = (-1/(L*n_batch)) * t60
+    t74 = oe.contract('abc,acd->bdac', t73, A, optimize=[(0, 1)])
+    t75 = oe.contract('abc,abc,abd->cdab', t8, A, t31, optimize=[(0, 1), (0, 1)])
+    t68 += oe.contract('abcd,efcd->aefb', t74, t75, optimize=[(0, 1)])
     return H
 
 
@@ -5446,9 +5514,13 @@ def ce_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t15 = X @ W_K
     t16 = t14 @ t15
     t17 = (1/(L*d_K*n_batch)) * t1
-    t0[...] = oe.contract('abc,ade,ace,ace,acb,aed->bd', t17, t5, t7, A, X, t16, optimize=[(2, 3), (0, 2), (0, 1), (0, 2), (0, 1)])
-    t18 = (-1/(L*d_K*n_batch)) * t1
-    t0 += oe.contract('abc,ade,ace,ace,acf,acb,afd->bd', t18, t5, t7, A, A, X, t16, optimize=[(2, 3), (0, 3), (1, 2), (0, 1), (1, 2), (0, 1)])
+    t18 = oe.contract('abc,adc,adc,acb->bad', t5, t7, A, t16, optimize=[(0, 3), (0, 1), (0, 1)])
+    t19 = oe.contract('abc,acb->bac', t17, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t18, t19, optimize=[(0, 1)])
+    t20 = (-1/(L*d_K*n_batch)) * t1
+    t21 = oe.contract('abc,adc,adc,ade,aeb->bad', t5, t7, A, A, t16, optimize=[(1, 2), (1, 2), (0, 1), (0, 1)])
+    t22 = oe.contract('abc,acb->bac', t20, X, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dbc->da', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -5508,7 +5580,9 @@ def ce_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t17 = (1/(L*d_K*n_batch)) * t1
     t0[...] = oe.contract('abc,ade,ace,ace,acf,aeg->bdfg', t17, t5, t7, A, X, t16, optimize=[(2, 3), (1, 4), (2, 3), (0, 1), (0, 1)])
     t18 = (-1/(L*d_K*n_batch)) * t1
-    t0 += oe.contract('abc,ade,ace,ace,acf,acg,afh->bdgh', t18, t5, t7, A, A, X, t16, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 2), (0, 1)])
+    t19 = oe.contract('abc,acd,ace,adf->befac', t18, A, X, t16, optimize=[(0, 2), (0, 1), (0, 1)])
+    t20 = oe.contract('abc,adc,adc->bad', t5, t7, A, optimize=[(1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -5568,9 +5642,13 @@ def ce_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     t15 = t14 @ t1
     t16 = t15 @ X
     t17 = (1/(L*d_K*n_batch)) * t1
-    t0[...] = oe.contract('abc,ade,ace,ace,acf,aeg->bdgf', t17, t5, t7, A, t13, t16, optimize=[(2, 3), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t18 = (-1/(L*d_K*n_batch)) * t1
-    t0 += oe.contract('abc,ade,ace,ace,acf,acg,afh->bdhg', t18, t5, t7, A, A, t13, t16, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 2), (0, 1)])
+    t18 = oe.contract('abc,acd->bdac', t17, t13, optimize=[(0, 1)])
+    t19 = oe.contract('abc,adc,adc,ace->bead', t5, t7, A, t16, optimize=[(1, 2), (0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t18, t19, optimize=[(0, 1)])
+    t20 = (-1/(L*d_K*n_batch)) * t1
+    t21 = oe.contract('abc,acd,ace,adf->bfeac', t20, A, t13, t16, optimize=[(0, 2), (0, 1), (0, 1)])
+    t22 = oe.contract('abc,adc,adc->bad', t5, t7, A, optimize=[(1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -5629,7 +5707,9 @@ def ce_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     t14 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t0[...] = oe.contract('abc,ade,ace,ace,acf->bdfe', t14, t5, t7, A, t13, optimize=[(2, 3), (0, 2), (1, 2), (0, 1)])
     t15 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t0 += oe.contract('abc,ade,ace,ace,acf,acg->bdgf', t15, t5, t7, A, A, t13, optimize=[(2, 3), (1, 4), (0, 1), (0, 2), (0, 1)])
+    t16 = oe.contract('abc,acd,ace->bedac', t15, A, t13, optimize=[(0, 1), (0, 1)])
+    t17 = oe.contract('abc,adc,adc->bad', t5, t7, A, optimize=[(1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -5757,7 +5837,9 @@ def ce_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t20 = (1/(L*d_K*n_batch)) * t5
     t0[...] = oe.contract('abc,ade,ace,aec,aef,acg->bdfg', t3, t20, t8, A, X, t19, optimize=[(2, 3), (0, 4), (2, 3), (0, 1), (0, 1)])
     t21 = (-1/(L*d_K*n_batch)) * t5
-    t0 += oe.contract('abc,ade,ace,aec,aef,aeg,afh->bdgh', t3, t21, t8, A, A, X, t19, optimize=[(2, 3), (2, 4), (0, 3), (0, 2), (0, 2), (0, 1)])
+    t22 = oe.contract('abc,acd,ace,adf->befac', t21, A, X, t19, optimize=[(0, 2), (0, 1), (0, 1)])
+    t23 = oe.contract('abc,acd,adc->bad', t3, t8, A, optimize=[(1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->fabc', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -5823,9 +5905,13 @@ def ce_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t18 = t17 @ t1
     t19 = t18 @ X
     t20 = (1/(L*d_K*n_batch)) * t5
-    t0[...] = oe.contract('abc,ade,ace,aec,aef,acg->bdgf', t3, t20, t8, A, t16, t19, optimize=[(2, 3), (0, 4), (2, 3), (0, 1), (0, 1)])
-    t21 = (-1/(L*d_K*n_batch)) * t5
-    t0 += oe.contract('abc,ade,ace,aec,aef,aeg,afh->bdhg', t3, t21, t8, A, A, t16, t19, optimize=[(2, 3), (2, 4), (0, 3), (0, 2), (0, 2), (0, 1)])
+    t21 = oe.contract('abc,acd->bdac', t20, t16, optimize=[(0, 1)])
+    t22 = oe.contract('abc,acd,adc,ace->bead', t3, t8, A, t19, optimize=[(1, 2), (0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
+    t23 = (-1/(L*d_K*n_batch)) * t5
+    t24 = oe.contract('abc,acd,ace,adf->bfeac', t23, A, t16, t19, optimize=[(0, 2), (0, 1), (0, 1)])
+    t25 = oe.contract('abc,acd,adc->bad', t3, t8, A, optimize=[(1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->fabc', t24, t25, optimize=[(0, 1)])
     return out
 
 
@@ -5890,7 +5976,9 @@ def ce_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     t17 = (1/(L*math.sqrt(d_K)*n_batch)) * t5
     t0[...] = oe.contract('abc,ade,ace,aec,aef->bdfc', t3, t17, t8, A, t16, optimize=[(2, 3), (1, 2), (1, 2), (0, 1)])
     t18 = (-1/(L*math.sqrt(d_K)*n_batch)) * t5
-    t0 += oe.contract('abc,ade,ace,aec,aef,aeg->bdgf', t3, t18, t8, A, A, t16, optimize=[(2, 3), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t19 = oe.contract('abc,acd,ace->bedac', t18, A, t16, optimize=[(0, 1), (0, 1)])
+    t20 = oe.contract('abc,acd,adc->bad', t3, t8, A, optimize=[(1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->fabc', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -5948,9 +6036,11 @@ def ce_causal0__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdim=True)
     t14 = T @ X
     t15 = (1/(L*n_batch)) * t8
-    t0[...] = oe.contract('abc,acd,acd,acb->bd', t15, t10, A, t14, optimize=[(0, 3), (0, 1), (0, 1)])
-    t16 = (-1/(L*n_batch)) * t8
-    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t16, t10, A, A, t14, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t16 = oe.contract('abc,abc->cab', t10, A, optimize=[(0, 1)])
+    t17 = oe.contract('abc,acb->bac', t15, t14, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t16, t17, optimize=[(0, 1)])
+    t18 = (-1/(L*n_batch)) * t8
+    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t18, t10, A, A, t14, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -6009,7 +6099,9 @@ def ce_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t18 = (1/(L*math.sqrt(d_K)*n_batch)) * t8
     t0[...] = oe.contract('abc,acd,acd,ace,adf->bdef', t18, t10, A, X, t17, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
     t19 = (-1/(L*math.sqrt(d_K)*n_batch)) * t8
-    t0 += oe.contract('abc,acd,acd,ace,acf,aeg->bdfg', t19, t10, A, A, X, t17, optimize=[(1, 2), (1, 3), (1, 2), (0, 1), (0, 1)])
+    t20 = oe.contract('abc,acd,ade->beac', t19, A, t17, optimize=[(1, 2), (0, 1)])
+    t21 = oe.contract('abc,abc,abd->cdab', t10, A, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -6134,9 +6226,13 @@ def ce_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = T @ X
     t16 = (1/(L*n_batch)) * t9
-    t1 += oe.contract('abc,abd,abd,aeb->ecd', t15, A, t11, t16, optimize=[(1, 2), (0, 1), (0, 1)])
-    t17 = (-1/(L*n_batch)) * t9
-    t0 += oe.contract('abc,acd,acd,ace,acf->bdfe', t17, t11, A, A, t15, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t17 = oe.contract('abc,abc->cab', t11, A, optimize=[(0, 1)])
+    t18 = oe.contract('abc,acd->bdac', t16, t15, optimize=[(0, 1)])
+    t1 += oe.contract('abc,debc->dea', t17, t18, optimize=[(0, 1)])
+    t19 = (-1/(L*n_batch)) * t9
+    t20 = oe.contract('abc,acd->bdac', t19, A, optimize=[(0, 1)])
+    t21 = oe.contract('abc,abc,abd->cdab', t11, A, t15, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -6957,100 +7053,118 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t18 = (1/(L*d_K*n_batch)) * t2
     t1[...] = oe.contract('abc,ade,ace,ace,acf,aeg->bdfg', t18, t6, t8, A, X, t17, optimize=[(2, 3), (1, 4), (2, 3), (0, 1), (0, 1)])
     t19 = (-1/(L*d_K*n_batch)) * t2
-    t1 += oe.contract('abc,ade,ace,ace,acf,acg,afh->bdgh', t19, t6, t8, A, A, X, t17, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 2), (0, 1)])
-    t20 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t20[...] = 0
-    t21 = t20.view((d_V, d_K, d_V, d_K))
-    t22 = t21.diagonal(0, 1, 3)
+    t20 = oe.contract('abc,acd,ace,adf->befac', t19, A, X, t17, optimize=[(0, 2), (0, 1), (0, 1)])
+    t21 = oe.contract('abc,adc,adc->bad', t6, t8, A, optimize=[(1, 2), (0, 1)])
+    t1 += oe.contract('abcde,fde->afbc', t20, t21, optimize=[(0, 1)])
+    t22 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t22[...] = 0
+    t23 = t22.view((d_V, d_K, d_V, d_K))
+    t24 = t23.diagonal(0, 1, 3)
     F = t12
-    t23 = torch.exp(F - F.amax(-1, keepdim=True))
-    A24 = t23 / t23.sum(-1, keepdim=True)
-    t25 = t8 * A24
-    t26 = (1/L) * t25
-    t27 = (-1/L) * Y
-    t28 = t26 + t27
-    G = t28
-    t29 = G @ t15
-    t30 = t29 @ X
-    t31 = t2 @ t30
-    t32 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t33 = (1/(math.sqrt(d_K)*n_batch)) * t32
-    t22 += oe.contract('abc,d->bcd', t31, t33, optimize=[(0, 1)])
-    t34 = X @ W_Q
-    t35 = t15 @ X
-    t21 += oe.contract('abc,ade,ace,ace,acf,aeg->bdgf', t18, t6, t8, A, t34, t35, optimize=[(2, 3), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t21 += oe.contract('abc,ade,ace,ace,acf,acg,afh->bdhg', t19, t6, t8, A, A, t34, t35, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 2), (0, 1)])
-    t36 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t37 = t36.view((d_V, d_K, d_V, d_V))
-    t38 = t2 @ G
-    t39 = t4 @ X
-    t40 = (1/(math.sqrt(d_K)*n_batch)) * t38
-    t37[...] = oe.contract('abc,ade->bdec', t40, t39, optimize=[(0, 1)])
-    t41 = T @ X
-    t42 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
-    t37 += oe.contract('abc,ade,ace,ace,acf->bdfe', t42, t6, t8, A, t41, optimize=[(2, 3), (0, 2), (1, 2), (0, 1)])
-    t43 = (-1/(L*math.sqrt(d_K)*n_batch)) * t2
-    t37 += oe.contract('abc,ade,ace,ace,acf,acg->bdgf', t43, t6, t8, A, A, t41, optimize=[(2, 3), (1, 4), (0, 1), (0, 2), (0, 1)])
-    t44 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t44[...] = 0
-    t45 = t44.view((d_V, d_K, d_V, d_K))
-    t46 = t45.diagonal(0, 1, 3)
-    t47 = G.transpose(-1, -2)
-    t48 = W_V @ t47
-    t49 = X @ t48
-    t50 = t49 @ X
-    t51 = t2 @ t50
-    t46 += oe.contract('abc,d->bcd', t51, t33, optimize=[(0, 1)])
-    t52 = t2 @ t5
-    t53 = W_Q.transpose(-1, -2)
-    t54 = t53 @ t2
-    t55 = Y.transpose(-1, -2)
-    t56 = t55.sum(-2, keepdim=True)
-    t57 = t56.expand(*t56.shape[:-2], d_V, t56.shape[-1])
-    t58 = (1/(L*d_K*n_batch)) * t54
-    t45 += oe.contract('abc,ade,ace,aec,aef,acg->bdfg', t52, t58, t57, A, X, t17, optimize=[(2, 3), (0, 4), (2, 3), (0, 1), (0, 1)])
-    t59 = (-1/(L*d_K*n_batch)) * t54
-    t45 += oe.contract('abc,ade,ace,aec,aef,aeg,afh->bdgh', t52, t59, t57, A, A, X, t17, optimize=[(2, 3), (2, 4), (0, 3), (0, 2), (0, 2), (0, 1)])
-    t60 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t61 = t60.view((d_V, d_K, d_V, d_K))
-    t61[...] = oe.contract('abc,ade,ace,aec,aef,acg->bdgf', t52, t58, t57, A, t34, t35, optimize=[(2, 3), (0, 4), (2, 3), (0, 1), (0, 1)])
-    t61 += oe.contract('abc,ade,ace,aec,aef,aeg,afh->bdhg', t52, t59, t57, A, A, t34, t35, optimize=[(2, 3), (2, 4), (0, 3), (0, 2), (0, 2), (0, 1)])
-    t62 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t63 = t62.view((d_V, d_K, d_V, d_V))
-    t64 = t2 @ X
-    t65 = t54 @ G
-    t66 = (1/(math.sqrt(d_K)*n_batch)) * t64
-    t63[...] = oe.contract('abc,ade->bdce', t66, t65, optimize=[(0, 1)])
-    t67 = (1/(L*math.sqrt(d_K)*n_batch)) * t54
-    t63 += oe.contract('abc,ade,ace,aec,aef->bdfc', t52, t67, t57, A, t41, optimize=[(2, 3), (1, 2), (1, 2), (0, 1)])
-    t68 = (-1/(L*math.sqrt(d_K)*n_batch)) * t54
-    t63 += oe.contract('abc,ade,ace,aec,aef,aeg->bdgf', t52, t68, t57, A, A, t41, optimize=[(2, 3), (0, 4), (0, 1), (0, 2), (0, 1)])
-    t69 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t70 = t69.view((d_V, d_V, d_V, d_K))
-    t71 = T.transpose(-1, -2)
-    t72 = t2 @ t71
-    t73 = (1/(L*math.sqrt(d_K)*n_batch)) * t72
-    t70[...] = oe.contract('abc,acd,acd,ace,adf->bdef', t73, t8, A, X, t17, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
-    t74 = (-1/(L*math.sqrt(d_K)*n_batch)) * t72
-    t70 += oe.contract('abc,acd,acd,ace,acf,aeg->bdfg', t74, t8, A, A, X, t17, optimize=[(1, 2), (1, 3), (1, 2), (0, 1), (0, 1)])
-    t75 = t2 @ t16
-    t76 = t47 @ X
+    t25 = torch.exp(F - F.amax(-1, keepdim=True))
+    A26 = t25 / t25.sum(-1, keepdim=True)
+    t27 = t8 * A26
+    t28 = (1/L) * t27
+    t29 = (-1/L) * Y
+    t30 = t28 + t29
+    G = t30
+    t31 = G @ t15
+    t32 = t31 @ X
+    t33 = t2 @ t32
+    t34 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t35 = (1/(math.sqrt(d_K)*n_batch)) * t34
+    t24 += oe.contract('abc,d->bcd', t33, t35, optimize=[(0, 1)])
+    t36 = X @ W_Q
+    t37 = t15 @ X
+    t38 = oe.contract('abc,acd->bdac', t18, t36, optimize=[(0, 1)])
+    t39 = oe.contract('abc,adc,adc,ace->bead', t6, t8, A, t37, optimize=[(1, 2), (0, 1), (0, 1)])
+    t23 += oe.contract('abcd,efcd->aefb', t38, t39, optimize=[(0, 1)])
+    t40 = oe.contract('abc,acd,ace,adf->bfeac', t19, A, t36, t37, optimize=[(0, 2), (0, 1), (0, 1)])
+    t23 += oe.contract('abcde,fde->afbc', t40, t21, optimize=[(0, 1)])
+    t41 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t42 = t41.view((d_V, d_K, d_V, d_V))
+    t43 = t2 @ G
+    t44 = t4 @ X
+    t45 = (1/(math.sqrt(d_K)*n_batch)) * t43
+    t42[...] = oe.contract('abc,ade->bdec', t45, t44, optimize=[(0, 1)])
+    t46 = T @ X
+    t47 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t42 += oe.contract('abc,ade,ace,ace,acf->bdfe', t47, t6, t8, A, t46, optimize=[(2, 3), (0, 2), (1, 2), (0, 1)])
+    t48 = (-1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t49 = oe.contract('abc,acd,ace->bedac', t48, A, t46, optimize=[(0, 1), (0, 1)])
+    t42 += oe.contract('abcde,fde->afbc', t49, t21, optimize=[(0, 1)])
+    t50 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t50[...] = 0
+    t51 = t50.view((d_V, d_K, d_V, d_K))
+    t52 = t51.diagonal(0, 1, 3)
+    t53 = G.transpose(-1, -2)
+    t54 = W_V @ t53
+    t55 = X @ t54
+    t56 = t55 @ X
+    t57 = t2 @ t56
+    t52 += oe.contract('abc,d->bcd', t57, t35, optimize=[(0, 1)])
+    t58 = t2 @ t5
+    t59 = W_Q.transpose(-1, -2)
+    t60 = t59 @ t2
+    t61 = Y.transpose(-1, -2)
+    t62 = t61.sum(-2, keepdim=True)
+    t63 = t62.expand(*t62.shape[:-2], d_V, t62.shape[-1])
+    t64 = (1/(L*d_K*n_batch)) * t60
+    t51 += oe.contract('abc,ade,ace,aec,aef,acg->bdfg', t58, t64, t63, A, X, t17, optimize=[(2, 3), (0, 4), (2, 3), (0, 1), (0, 1)])
+    t65 = (-1/(L*d_K*n_batch)) * t60
+    t66 = oe.contract('abc,acd,ace,adf->befac', t65, A, X, t17, optimize=[(0, 2), (0, 1), (0, 1)])
+    t67 = oe.contract('abc,acd,adc->bad', t58, t63, A, optimize=[(1, 2), (0, 1)])
+    t51 += oe.contract('abcde,fde->fabc', t66, t67, optimize=[(0, 1)])
+    t68 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t69 = t68.view((d_V, d_K, d_V, d_K))
+    t70 = oe.contract('abc,acd->bdac', t64, t36, optimize=[(0, 1)])
+    t71 = oe.contract('abc,acd,adc,ace->bead', t58, t63, A, t37, optimize=[(1, 2), (0, 1), (0, 1)])
+    t69[...] = oe.contract('abcd,efcd->eafb', t70, t71, optimize=[(0, 1)])
+    t72 = oe.contract('abc,acd,ace,adf->bfeac', t65, A, t36, t37, optimize=[(0, 2), (0, 1), (0, 1)])
+    t69 += oe.contract('abcde,fde->fabc', t72, t67, optimize=[(0, 1)])
+    t73 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t74 = t73.view((d_V, d_K, d_V, d_V))
+    t75 = t2 @ X
+    t76 = t60 @ G
     t77 = (1/(math.sqrt(d_K)*n_batch)) * t75
-    t70 += oe.contract('abc,ade->bdec', t77, t76, optimize=[(0, 1)])
-    t78 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t79 = t78.view((d_V, d_V, d_V, d_K))
-    t80 = t47 @ t34
-    t79[...] = oe.contract('abc,ade->bdce', t66, t80, optimize=[(0, 1)])
-    t79 += oe.contract('abc,acd,acd,ace,adf->bdfe', t73, t8, A, t34, t35, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
-    t79 += oe.contract('abc,acd,acd,ace,acf,aeg->bdgf', t74, t8, A, A, t34, t35, optimize=[(1, 2), (1, 3), (1, 2), (0, 1), (0, 1)])
-    t81 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t81[...] = 0
-    t82 = t81.view((d_V, d_V, d_V, d_V))
-    t83 = t82.diagonal(0, 1, 3)
-    t84 = (1/(L*n_batch)) * t72
-    t83 += oe.contract('abc,abd,abd,aeb->ecd', t41, A, t8, t84, optimize=[(1, 2), (0, 1), (0, 1)])
-    t85 = (-1/(L*n_batch)) * t72
-    t82 += oe.contract('abc,acd,acd,ace,acf->bdfe', t85, t8, A, A, t41, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t74[...] = oe.contract('abc,ade->bdce', t77, t76, optimize=[(0, 1)])
+    t78 = (1/(L*math.sqrt(d_K)*n_batch)) * t60
+    t74 += oe.contract('abc,ade,ace,aec,aef->bdfc', t58, t78, t63, A, t46, optimize=[(2, 3), (1, 2), (1, 2), (0, 1)])
+    t79 = (-1/(L*math.sqrt(d_K)*n_batch)) * t60
+    t80 = oe.contract('abc,acd,ace->bedac', t79, A, t46, optimize=[(0, 1), (0, 1)])
+    t74 += oe.contract('abcde,fde->fabc', t80, t67, optimize=[(0, 1)])
+    t81 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t82 = t81.view((d_V, d_V, d_V, d_K))
+    t83 = T.transpose(-1, -2)
+    t84 = t2 @ t83
+    t85 = (1/(L*math.sqrt(d_K)*n_batch)) * t84
+    t82[...] = oe.contract('abc,acd,acd,ace,adf->bdef', t85, t8, A, X, t17, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
+    t86 = (-1/(L*math.sqrt(d_K)*n_batch)) * t84
+    t87 = oe.contract('abc,acd,ade->beac', t86, A, t17, optimize=[(1, 2), (0, 1)])
+    t88 = oe.contract('abc,abc,abd->cdab', t8, A, X, optimize=[(0, 1), (0, 1)])
+    t82 += oe.contract('abcd,efcd->aefb', t87, t88, optimize=[(0, 1)])
+    t89 = t2 @ t16
+    t90 = t53 @ X
+    t91 = (1/(math.sqrt(d_K)*n_batch)) * t89
+    t82 += oe.contract('abc,ade->bdec', t91, t90, optimize=[(0, 1)])
+    t92 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t93 = t92.view((d_V, d_V, d_V, d_K))
+    t94 = t53 @ t36
+    t93[...] = oe.contract('abc,ade->bdce', t77, t94, optimize=[(0, 1)])
+    t93 += oe.contract('abc,acd,acd,ace,adf->bdfe', t85, t8, A, t36, t37, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
+    t93 += oe.contract('abc,acd,acd,ace,acf,aeg->bdgf', t86, t8, A, A, t36, t37, optimize=[(1, 2), (1, 3), (1, 2), (0, 1), (0, 1)])
+    t95 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t95[...] = 0
+    t96 = t95.view((d_V, d_V, d_V, d_V))
+    t97 = t96.diagonal(0, 1, 3)
+    t98 = (1/(L*n_batch)) * t84
+    t99 = oe.contract('abc,abc->cab', t8, A, optimize=[(0, 1)])
+    t100 = oe.contract('abc,acd->bdac', t98, t46, optimize=[(0, 1)])
+    t97 += oe.contract('abc,debc->dea', t99, t100, optimize=[(0, 1)])
+    t101 = (-1/(L*n_batch)) * t84
+    t102 = oe.contract('abc,acd->bdac', t101, A, optimize=[(0, 1)])
+    t103 = oe.contract('abc,abc,abd->cdab', t8, A, t46, optimize=[(0, 1), (0, 1)])
+    t96 += oe.contract('abcd,efcd->aefb', t102, t103, optimize=[(0, 1)])
     return H
 
 
@@ -7267,9 +7381,13 @@ def ce_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t15 = X @ W_K
     t16 = t14 @ t15
     t17 = (1/(L*d_K*n_batch)) * t1
-    t0[...] = oe.contract('abc,ade,ace,ace,acb,aed->bd', t17, t5, t7, A, X, t16, optimize=[(2, 3), (0, 2), (0, 1), (0, 2), (0, 1)])
-    t18 = (-1/(L*d_K*n_batch)) * t1
-    t0 += oe.contract('abc,ade,ace,ace,acf,acb,afd->bd', t18, t5, t7, A, A, X, t16, optimize=[(2, 3), (0, 3), (1, 2), (0, 1), (1, 2), (0, 1)])
+    t18 = oe.contract('abc,adc,adc,acb->bad', t5, t7, A, t16, optimize=[(0, 3), (0, 1), (0, 1)])
+    t19 = oe.contract('abc,acb->bac', t17, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t18, t19, optimize=[(0, 1)])
+    t20 = (-1/(L*d_K*n_batch)) * t1
+    t21 = oe.contract('abc,adc,adc,ade,aeb->bad', t5, t7, A, A, t16, optimize=[(1, 2), (1, 2), (0, 1), (0, 1)])
+    t22 = oe.contract('abc,acb->bac', t20, X, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dbc->da', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -7329,7 +7447,9 @@ def ce_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t17 = (1/(L*d_K*n_batch)) * t1
     t0[...] = oe.contract('abc,ade,ace,ace,acf,aeg->bdfg', t17, t5, t7, A, X, t16, optimize=[(2, 3), (1, 4), (2, 3), (0, 1), (0, 1)])
     t18 = (-1/(L*d_K*n_batch)) * t1
-    t0 += oe.contract('abc,ade,ace,ace,acf,acg,afh->bdgh', t18, t5, t7, A, A, X, t16, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 2), (0, 1)])
+    t19 = oe.contract('abc,acd,ace,adf->befac', t18, A, X, t16, optimize=[(0, 2), (0, 1), (0, 1)])
+    t20 = oe.contract('abc,adc,adc->bad', t5, t7, A, optimize=[(1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -7405,9 +7525,13 @@ def ce_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t27 = X @ W_Q
     t28 = t18 @ X
     t29 = (1/(L*d_K*n_batch)) * t2
-    t0 += oe.contract('abc,ade,ace,ace,acf,aeg->bdgf', t29, t24, t4, A26, t27, t28, optimize=[(2, 3), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t30 = (-1/(L*d_K*n_batch)) * t2
-    t0 += oe.contract('abc,ade,ace,ace,acf,acg,afh->bdhg', t30, t24, t4, A26, A26, t27, t28, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 2), (0, 1)])
+    t30 = oe.contract('abc,acd->bdac', t29, t27, optimize=[(0, 1)])
+    t31 = oe.contract('abc,adc,adc,ace->bead', t24, t4, A26, t28, optimize=[(1, 2), (0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t30, t31, optimize=[(0, 1)])
+    t32 = (-1/(L*d_K*n_batch)) * t2
+    t33 = oe.contract('abc,acd,ace,adf->bfeac', t32, A26, t27, t28, optimize=[(0, 2), (0, 1), (0, 1)])
+    t34 = oe.contract('abc,adc,adc->bad', t24, t4, A26, optimize=[(1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t33, t34, optimize=[(0, 1)])
     return out
 
 
@@ -7489,7 +7613,9 @@ def ce_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t23 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
     t0 += oe.contract('abc,ade,ace,ace,acf->bdfe', t23, t19, t3, A21, t22, optimize=[(2, 3), (0, 2), (1, 2), (0, 1)])
     t24 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t0 += oe.contract('abc,ade,ace,ace,acf,acg->bdgf', t24, t19, t3, A21, A21, t22, optimize=[(2, 3), (1, 4), (0, 1), (0, 2), (0, 1)])
+    t25 = oe.contract('abc,acd,ace->bedac', t24, A21, t22, optimize=[(0, 1), (0, 1)])
+    t26 = oe.contract('abc,adc,adc->bad', t19, t3, A21, optimize=[(1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t25, t26, optimize=[(0, 1)])
     return out
 
 
@@ -7647,7 +7773,9 @@ def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t36 = (1/(L*d_K*n_batch)) * t26
     t0 += oe.contract('abc,ade,ace,aec,aef,acg->bdfg', t24, t36, t29, A31, X, t35, optimize=[(2, 3), (0, 4), (2, 3), (0, 1), (0, 1)])
     t37 = (-1/(L*d_K*n_batch)) * t26
-    t0 += oe.contract('abc,ade,ace,aec,aef,aeg,afh->bdgh', t24, t37, t29, A31, A31, X, t35, optimize=[(2, 3), (2, 4), (0, 3), (0, 2), (0, 2), (0, 1)])
+    t38 = oe.contract('abc,acd,ace,adf->befac', t37, A31, X, t35, optimize=[(0, 2), (0, 1), (0, 1)])
+    t39 = oe.contract('abc,acd,adc->bad', t24, t29, A31, optimize=[(1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->fabc', t38, t39, optimize=[(0, 1)])
     return out
 
 
@@ -7728,9 +7856,13 @@ def ce_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t18 = t17 @ t1
     t19 = t18 @ X
     t20 = (1/(L*d_K*n_batch)) * t5
-    t0[...] = oe.contract('abc,ade,ace,aec,aef,acg->bdgf', t3, t20, t8, A, t16, t19, optimize=[(2, 3), (0, 4), (2, 3), (0, 1), (0, 1)])
-    t21 = (-1/(L*d_K*n_batch)) * t5
-    t0 += oe.contract('abc,ade,ace,aec,aef,aeg,afh->bdhg', t3, t21, t8, A, A, t16, t19, optimize=[(2, 3), (2, 4), (0, 3), (0, 2), (0, 2), (0, 1)])
+    t21 = oe.contract('abc,acd->bdac', t20, t16, optimize=[(0, 1)])
+    t22 = oe.contract('abc,acd,adc,ace->bead', t3, t8, A, t19, optimize=[(1, 2), (0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
+    t23 = (-1/(L*d_K*n_batch)) * t5
+    t24 = oe.contract('abc,acd,ace,adf->bfeac', t23, A, t16, t19, optimize=[(0, 2), (0, 1), (0, 1)])
+    t25 = oe.contract('abc,acd,adc->bad', t3, t8, A, optimize=[(1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->fabc', t24, t25, optimize=[(0, 1)])
     return out
 
 
@@ -7809,7 +7941,9 @@ def ce_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t28 = (1/(L*math.sqrt(d_K)*n_batch)) * t18
     t0 += oe.contract('abc,ade,ace,aec,aef->bdfc', t21, t28, t24, A26, t27, optimize=[(2, 3), (1, 2), (1, 2), (0, 1)])
     t29 = (-1/(L*math.sqrt(d_K)*n_batch)) * t18
-    t0 += oe.contract('abc,ade,ace,aec,aef,aeg->bdgf', t21, t29, t24, A26, A26, t27, optimize=[(2, 3), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t30 = oe.contract('abc,acd,ace->bedac', t29, A26, t27, optimize=[(0, 1), (0, 1)])
+    t31 = oe.contract('abc,acd,adc->bad', t21, t24, A26, optimize=[(1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->fabc', t30, t31, optimize=[(0, 1)])
     return out
 
 
@@ -7879,9 +8013,11 @@ def ce_causal0__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t13 / t13.sum(-1, keepdim=True)
     t14 = T @ X
     t15 = (1/(L*n_batch)) * t8
-    t0[...] = oe.contract('abc,acd,acd,acb->bd', t15, t10, A, t14, optimize=[(0, 3), (0, 1), (0, 1)])
-    t16 = (-1/(L*n_batch)) * t8
-    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t16, t10, A, A, t14, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t16 = oe.contract('abc,abc->cab', t10, A, optimize=[(0, 1)])
+    t17 = oe.contract('abc,acb->bac', t15, t14, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t16, t17, optimize=[(0, 1)])
+    t18 = (-1/(L*n_batch)) * t8
+    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t18, t10, A, A, t14, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -7940,20 +8076,22 @@ def ce_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t18 = (1/(L*math.sqrt(d_K)*n_batch)) * t8
     t0[...] = oe.contract('abc,acd,acd,ace,adf->bdef', t18, t10, A, X, t17, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
     t19 = (-1/(L*math.sqrt(d_K)*n_batch)) * t8
-    t0 += oe.contract('abc,acd,acd,ace,acf,aeg->bdfg', t19, t10, A, A, X, t17, optimize=[(1, 2), (1, 3), (1, 2), (0, 1), (0, 1)])
-    t20 = t1 @ t16
+    t20 = oe.contract('abc,acd,ade->beac', t19, A, t17, optimize=[(1, 2), (0, 1)])
+    t21 = oe.contract('abc,abc,abd->cdab', t10, A, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
+    t22 = t1 @ t16
     F = t12
-    t21 = torch.exp(F - F.amax(-1, keepdim=True))
-    A22 = t21 / t21.sum(-1, keepdim=True)
-    t23 = t10 * A22
-    t24 = (1/L) * t23
-    t25 = (-1/L) * Y
-    t26 = t24 + t25
-    G = t26
-    t27 = G.transpose(-1, -2)
-    t28 = t27 @ X
-    t29 = (1/(math.sqrt(d_K)*n_batch)) * t20
-    t0 += oe.contract('abc,ade->bdec', t29, t28, optimize=[(0, 1)])
+    t23 = torch.exp(F - F.amax(-1, keepdim=True))
+    A24 = t23 / t23.sum(-1, keepdim=True)
+    t25 = t10 * A24
+    t26 = (1/L) * t25
+    t27 = (-1/L) * Y
+    t28 = t26 + t27
+    G = t28
+    t29 = G.transpose(-1, -2)
+    t30 = t29 @ X
+    t31 = (1/(math.sqrt(d_K)*n_batch)) * t22
+    t0 += oe.contract('abc,ade->bdec', t31, t30, optimize=[(0, 1)])
     return out
 
 
@@ -8113,9 +8251,13 @@ def ce_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = T @ X
     t16 = (1/(L*n_batch)) * t9
-    t1 += oe.contract('abc,abd,abd,aeb->ecd', t15, A, t11, t16, optimize=[(1, 2), (0, 1), (0, 1)])
-    t17 = (-1/(L*n_batch)) * t9
-    t0 += oe.contract('abc,acd,acd,ace,acf->bdfe', t17, t11, A, A, t15, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t17 = oe.contract('abc,abc->cab', t11, A, optimize=[(0, 1)])
+    t18 = oe.contract('abc,acd->bdac', t16, t15, optimize=[(0, 1)])
+    t1 += oe.contract('abc,debc->dea', t17, t18, optimize=[(0, 1)])
+    t19 = (-1/(L*n_batch)) * t9
+    t20 = oe.contract('abc,acd->bdac', t19, A, optimize=[(0, 1)])
+    t21 = oe.contract('abc,abc,abd->cdab', t11, A, t15, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -8253,60 +8395,85 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t17 = (1/(L*d_K*n_batch)) * Mcausal
     t1[...] = oe.contract('abc,ade,ce,aef,acf,acf,afg,cg,ach,agi->bdhi', t2, t4, t17, t5, t7, A, t15, Mcausal, X, t16, optimize=[(4, 5), (2, 5), (2, 3), (4, 6), (4, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
     t18 = (-1/(L*d_K*n_batch)) * Mcausal
-    t1 += oe.contract('abc,ade,ce,aef,acf,acf,acg,agh,ch,aci,ahj->bdij', t2, t4, t18, t5, t7, A, A, t15, Mcausal, X, t16, optimize=[(4, 5), (4, 5), (3, 7), (3, 6), (4, 6), (2, 4), (1, 4), (0, 3), (0, 2), (0, 1)])
-    t19 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t20 = t19.view((d_V, d_K, d_V, d_K))
-    t21 = X @ W_Q
-    t20[...] = oe.contract('abc,ade,ce,aef,acf,acf,afg,cg,ach,agi->bdih', t2, t4, t17, t5, t7, A, t15, Mcausal, t21, X, optimize=[(4, 5), (2, 5), (2, 3), (4, 6), (4, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t20 += oe.contract('abc,ade,ce,aef,acf,acf,acg,agh,ch,aci,ahj->bdji', t2, t4, t18, t5, t7, A, A, t15, Mcausal, t21, X, optimize=[(4, 5), (4, 5), (3, 7), (3, 6), (4, 6), (2, 4), (1, 4), (0, 3), (0, 2), (0, 1)])
-    t22 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t23 = t22.view((d_V, d_K, d_V, d_V))
-    t24 = t11 @ X
-    t25 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t23[...] = oe.contract('abc,ade,ce,aef,acf,acf,acg->bdgf', t2, t4, t25, t5, t7, A, t24, optimize=[(4, 5), (3, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
-    t26 = (-1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t23 += oe.contract('abc,ade,ce,aef,acf,acf,acg,ach->bdhg', t2, t4, t26, t5, t7, A, A, t24, optimize=[(4, 5), (3, 6), (2, 5), (1, 4), (0, 1), (0, 2), (0, 1)])
-    t27 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t28 = t27.view((d_V, d_K, d_V, d_K))
-    t29 = W_Q.transpose(-1, -2)
-    t30 = t29 @ t2
-    t31 = Mcausal.transpose(-1, -2)
-    t32 = Y.transpose(-1, -2)
-    t33 = t32.sum(-2, keepdim=True)
-    t34 = t33.expand(*t33.shape[:-2], d_V, t33.shape[-1])
-    t35 = (1/(L*d_K*n_batch)) * t31
-    t28[...] = oe.contract('abc,ade,ce,acf,afe,aef,afg,eg,aeh,agi->bdhi', t2, t30, t35, t5, t34, A, t15, Mcausal, X, t16, optimize=[(4, 5), (2, 5), (2, 3), (4, 6), (4, 5), (0, 4), (2, 3), (0, 1), (0, 1)])
-    t36 = (-1/(L*d_K*n_batch)) * t31
-    t28 += oe.contract('abc,ade,ce,acf,afe,aef,aeg,agh,eh,aei,ahj->bdij', t2, t30, t36, t5, t34, A, A, t15, Mcausal, X, t16, optimize=[(4, 5), (4, 5), (3, 7), (3, 6), (4, 6), (2, 4), (0, 4), (0, 3), (0, 2), (0, 1)])
-    t37 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t19 = oe.contract('abc,acd,bd,ade->eab', A, t15, Mcausal, t16, optimize=[(0, 1), (0, 2), (0, 1)])
+    t20 = oe.contract('abc,ade,ce,aef,acf,acf,acg->bdgac', t2, t4, t18, t5, t7, A, X, optimize=[(4, 5), (3, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
+    t1 += oe.contract('abc,defbc->defa', t19, t20, optimize=[(0, 1)])
+    t21 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t22 = t21.view((d_V, d_K, d_V, d_K))
+    t23 = X @ W_Q
+    t24 = oe.contract('abc,acd->bdac', t2, t23, optimize=[(0, 1)])
+    t25 = oe.contract('abc,dc,ace,ade,ade,aef,df,afg->bgad', t4, t17, t5, t7, A, t15, Mcausal, X, optimize=[(3, 4), (2, 3), (4, 5), (1, 4), (1, 3), (0, 2), (0, 1)])
+    t22[...] = oe.contract('abcd,efcd->aefb', t24, t25, optimize=[(0, 1)])
+    t26 = oe.contract('abc,ade,ce,aef,acf,acf,acg->bdgac', t2, t4, t18, t5, t7, A, t23, optimize=[(4, 5), (3, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
+    t27 = oe.contract('abc,acd,bd,ade->eab', A, t15, Mcausal, X, optimize=[(0, 1), (0, 2), (0, 1)])
+    t22 += oe.contract('abcde,fde->abfc', t26, t27, optimize=[(0, 1)])
+    t28 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t29 = t28.view((d_V, d_K, d_V, d_V))
+    t30 = t11 @ X
+    t31 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
+    t32 = oe.contract('abc,dc,ace,ade,ade->bead', t4, t31, t5, t7, A, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
+    t33 = oe.contract('abc,acd->bdac', t2, t30, optimize=[(0, 1)])
+    t29[...] = oe.contract('abcd,efcd->eafb', t32, t33, optimize=[(0, 1)])
+    t34 = (-1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
+    t35 = oe.contract('abc,acd,ace->bedac', t2, A, t30, optimize=[(0, 1), (0, 1)])
+    t36 = oe.contract('abc,dc,ace,ade,ade->bad', t4, t34, t5, t7, A, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)])
+    t29 += oe.contract('abcde,fde->afbc', t35, t36, optimize=[(0, 1)])
+    t37 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t38 = t37.view((d_V, d_K, d_V, d_K))
-    t38[...] = oe.contract('abc,ade,ce,acf,afe,aef,afg,eg,aeh,agi->bdih', t2, t30, t35, t5, t34, A, t15, Mcausal, t21, X, optimize=[(4, 5), (2, 5), (2, 3), (4, 6), (4, 5), (0, 4), (2, 3), (0, 1), (0, 1)])
-    t38 += oe.contract('abc,ade,ce,acf,afe,aef,aeg,agh,eh,aei,ahj->bdji', t2, t30, t36, t5, t34, A, A, t15, Mcausal, t21, X, optimize=[(4, 5), (4, 5), (3, 7), (3, 6), (4, 6), (2, 4), (0, 4), (0, 3), (0, 2), (0, 1)])
-    t39 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t40 = t39.view((d_V, d_K, d_V, d_V))
-    t41 = (1/(L*math.sqrt(d_K)*n_batch)) * t31
-    t40[...] = oe.contract('abc,ade,ce,acf,afe,aef,aeg->bdgf', t2, t30, t41, t5, t34, A, t24, optimize=[(4, 5), (3, 5), (2, 4), (0, 3), (0, 1), (0, 1)])
-    t42 = (-1/(L*math.sqrt(d_K)*n_batch)) * t31
-    t40 += oe.contract('abc,ade,ce,acf,afe,aef,aeg,aeh->bdhg', t2, t30, t42, t5, t34, A, A, t24, optimize=[(4, 5), (3, 6), (2, 5), (0, 4), (0, 1), (0, 2), (0, 1)])
-    t43 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t44 = t43.view((d_V, d_V, d_V, d_K))
-    t45 = T.transpose(-1, -2)
-    t46 = t31 * t45
-    t47 = t2 @ t46
-    t44[...] = oe.contract('abc,acd,acd,ade,ce,acf,aeg->bdfg', t47, t7, A, t15, t25, X, t16, optimize=[(1, 2), (1, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t44 += oe.contract('abc,acd,acd,ace,aef,cf,acg,afh->bdgh', t47, t7, A, A, t15, t26, X, t16, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
-    t48 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t49 = t48.view((d_V, d_V, d_V, d_K))
-    t49[...] = oe.contract('abc,acd,acd,ade,ce,acf,aeg->bdgf', t47, t7, A, t15, t25, t21, X, optimize=[(1, 2), (1, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t49 += oe.contract('abc,acd,acd,ace,aef,cf,acg,afh->bdhg', t47, t7, A, A, t15, t26, t21, X, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
-    t50 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t50[...] = 0
-    t51 = t50.view((d_V, d_V, d_V, d_V))
-    t52 = t51.diagonal(0, 1, 3)
-    t53 = (1/(L*n_batch)) * t47
-    t52 += oe.contract('abc,abd,abd,aeb->ecd', t24, A, t7, t53, optimize=[(1, 2), (0, 1), (0, 1)])
-    t54 = (-1/(L*n_batch)) * t47
-    t51 += oe.contract('abc,acd,acd,ace,acf->bdfe', t54, t7, A, A, t24, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t39 = W_Q.transpose(-1, -2)
+    t40 = t39 @ t2
+    t41 = Mcausal.transpose(-1, -2)
+    t42 = Y.transpose(-1, -2)
+    t43 = t42.sum(-2, keepdim=True)
+    t44 = t43.expand(*t43.shape[:-2], d_V, t43.shape[-1])
+    t45 = (1/(L*d_K*n_batch)) * t41
+    t38[...] = oe.contract('abc,ade,ce,acf,afe,aef,afg,eg,aeh,agi->bdhi', t2, t40, t45, t5, t44, A, t15, Mcausal, X, t16, optimize=[(4, 5), (2, 5), (2, 3), (4, 6), (4, 5), (0, 4), (2, 3), (0, 1), (0, 1)])
+    t46 = (-1/(L*d_K*n_batch)) * t41
+    t38 += oe.contract('abc,ade,ce,acf,afe,aef,aeg,agh,eh,aei,ahj->bdij', t2, t40, t46, t5, t44, A, A, t15, Mcausal, X, t16, optimize=[(4, 5), (4, 5), (3, 7), (3, 6), (4, 6), (2, 4), (0, 4), (0, 3), (0, 2), (0, 1)])
+    t47 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t48 = t47.view((d_V, d_K, d_V, d_K))
+    t49 = oe.contract('abc,acd->bdac', t40, t23, optimize=[(0, 1)])
+    t50 = oe.contract('abc,cd,ace,aed,ade,aef,df,afg->bgad', t2, t45, t5, t44, A, t15, Mcausal, X, optimize=[(3, 4), (2, 3), (4, 5), (1, 4), (1, 3), (0, 2), (0, 1)])
+    t48[...] = oe.contract('abcd,efcd->eafb', t49, t50, optimize=[(0, 1)])
+    t51 = oe.contract('abc,ade,ce,acf,afe,aef,aeg->bdgae', t2, t40, t46, t5, t44, A, t23, optimize=[(4, 5), (3, 5), (2, 4), (0, 3), (0, 1), (0, 1)])
+    t48 += oe.contract('abcde,fde->abfc', t51, t27, optimize=[(0, 1)])
+    t52 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t53 = t52.view((d_V, d_K, d_V, d_V))
+    t54 = (1/(L*math.sqrt(d_K)*n_batch)) * t41
+    t55 = oe.contract('abc,cd,ace,aed,ade->bead', t2, t54, t5, t44, A, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
+    t56 = oe.contract('abc,acd->bdac', t40, t30, optimize=[(0, 1)])
+    t53[...] = oe.contract('abcd,efcd->aefb', t55, t56, optimize=[(0, 1)])
+    t57 = (-1/(L*math.sqrt(d_K)*n_batch)) * t41
+    t58 = oe.contract('abc,acd,ace->bedac', t40, A, t30, optimize=[(0, 1), (0, 1)])
+    t59 = oe.contract('abc,cd,ace,aed,ade->bad', t2, t57, t5, t44, A, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)])
+    t53 += oe.contract('abcde,fde->fabc', t58, t59, optimize=[(0, 1)])
+    t60 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t61 = t60.view((d_V, d_V, d_V, d_K))
+    t62 = T.transpose(-1, -2)
+    t63 = t41 * t62
+    t64 = t2 @ t63
+    t61[...] = oe.contract('abc,acd,acd,ade,ce,acf,aeg->bdfg', t64, t7, A, t15, t31, X, t16, optimize=[(1, 2), (1, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t65 = oe.contract('abc,acd,ade,ce,aef->bfac', t64, A, t15, t34, t16, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t66 = oe.contract('abc,abc,abd->cdab', t7, A, X, optimize=[(0, 1), (0, 1)])
+    t61 += oe.contract('abcd,efcd->aefb', t65, t66, optimize=[(0, 1)])
+    t67 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t68 = t67.view((d_V, d_V, d_V, d_K))
+    t69 = oe.contract('abc,acd->bdac', t64, t23, optimize=[(0, 1)])
+    t70 = oe.contract('abc,abc,acd,bd,ade->ceab', t7, A, t15, t31, X, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
+    t68[...] = oe.contract('abcd,efcd->aefb', t69, t70, optimize=[(0, 1)])
+    t68 += oe.contract('abc,acd,acd,ace,aef,cf,acg,afh->bdhg', t64, t7, A, A, t15, t34, t23, X, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
+    t71 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t71[...] = 0
+    t72 = t71.view((d_V, d_V, d_V, d_V))
+    t73 = t72.diagonal(0, 1, 3)
+    t74 = (1/(L*n_batch)) * t64
+    t75 = oe.contract('abc,abc->cab', t7, A, optimize=[(0, 1)])
+    t76 = oe.contract('abc,acd->bdac', t74, t30, optimize=[(0, 1)])
+    t73 += oe.contract('abc,debc->dea', t75, t76, optimize=[(0, 1)])
+    t77 = (-1/(L*n_batch)) * t64
+    t78 = oe.contract('abc,acd->bdac', t77, A, optimize=[(0, 1)])
+    t79 = oe.contract('abc,abc,abd->cdab', t7, A, t30, optimize=[(0, 1), (0, 1)])
+    t72 += oe.contract('abcd,efcd->aefb', t78, t79, optimize=[(0, 1)])
     return H
 
 
@@ -8460,9 +8627,12 @@ def ce_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t14 = t13 @ t1
     t15 = X @ W_K
     t16 = (1/(L*d_K*n_batch)) * Mcausal
-    t0[...] = oe.contract('abc,ade,ce,aef,acf,acf,afg,cg,acb,agd->bd', t1, t3, t16, t4, t6, A, t14, Mcausal, X, t15, optimize=[(4, 5), (0, 6), (1, 4), (1, 2), (2, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
-    t17 = (-1/(L*d_K*n_batch)) * Mcausal
-    t0 += oe.contract('abc,ade,ce,aef,acf,acf,acg,agh,ch,acb,ahd->bd', t1, t3, t17, t4, t6, A, A, t14, Mcausal, X, t15, optimize=[(4, 5), (0, 7), (3, 4), (2, 5), (2, 5), (2, 5), (1, 3), (0, 3), (1, 2), (0, 1)])
+    t17 = oe.contract('abc,dc,ace,ade,ade,aef,df,afb->bad', t3, t16, t4, t6, A, t14, Mcausal, t15, optimize=[(3, 4), (2, 3), (4, 5), (1, 4), (1, 3), (0, 2), (0, 1)])
+    t18 = oe.contract('abc,acb->bac', t1, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t17, t18, optimize=[(0, 1)])
+    t19 = (-1/(L*d_K*n_batch)) * Mcausal
+    t20 = oe.contract('abc,dc,ace,ade,ade,adf,afg,dg,agb->bad', t3, t19, t4, t6, A, A, t14, Mcausal, t15, optimize=[(3, 4), (3, 4), (2, 5), (2, 4), (2, 4), (1, 2), (0, 2), (0, 1)])
+    t0 += oe.contract('abc,dbc->da', t20, t18, optimize=[(0, 1)])
     return out
 
 
@@ -8522,7 +8692,9 @@ def ce_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t16 = (1/(L*d_K*n_batch)) * Mcausal
     t0[...] = oe.contract('abc,ade,ce,aef,acf,acf,afg,cg,ach,agi->bdhi', t1, t3, t16, t4, t6, A, t14, Mcausal, X, t15, optimize=[(4, 5), (2, 5), (2, 3), (4, 6), (4, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
     t17 = (-1/(L*d_K*n_batch)) * Mcausal
-    t0 += oe.contract('abc,ade,ce,aef,acf,acf,acg,agh,ch,aci,ahj->bdij', t1, t3, t17, t4, t6, A, A, t14, Mcausal, X, t15, optimize=[(4, 5), (4, 5), (3, 7), (3, 6), (4, 6), (2, 4), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t18 = oe.contract('abc,acd,bd,ade->eab', A, t14, Mcausal, t15, optimize=[(0, 1), (0, 2), (0, 1)])
+    t19 = oe.contract('abc,ade,ce,aef,acf,acf,acg->bdgac', t1, t3, t17, t4, t6, A, X, optimize=[(4, 5), (3, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
+    t0 += oe.contract('abc,defbc->defa', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -8582,9 +8754,13 @@ def ce_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     t14 = t13 @ t1
     t15 = X @ W_Q
     t16 = (1/(L*d_K*n_batch)) * Mcausal
-    t0[...] = oe.contract('abc,ade,ce,aef,acf,acf,afg,cg,ach,agi->bdih', t1, t3, t16, t4, t6, A, t14, Mcausal, t15, X, optimize=[(4, 5), (2, 5), (2, 3), (4, 6), (4, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t17 = (-1/(L*d_K*n_batch)) * Mcausal
-    t0 += oe.contract('abc,ade,ce,aef,acf,acf,acg,agh,ch,aci,ahj->bdji', t1, t3, t17, t4, t6, A, A, t14, Mcausal, t15, X, optimize=[(4, 5), (4, 5), (3, 7), (3, 6), (4, 6), (2, 4), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t17 = oe.contract('abc,acd->bdac', t1, t15, optimize=[(0, 1)])
+    t18 = oe.contract('abc,dc,ace,ade,ade,aef,df,afg->bgad', t3, t16, t4, t6, A, t14, Mcausal, X, optimize=[(3, 4), (2, 3), (4, 5), (1, 4), (1, 3), (0, 2), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
+    t19 = (-1/(L*d_K*n_batch)) * Mcausal
+    t20 = oe.contract('abc,ade,ce,aef,acf,acf,acg->bdgac', t1, t3, t19, t4, t6, A, t15, optimize=[(4, 5), (3, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
+    t21 = oe.contract('abc,acd,bd,ade->eab', A, t14, Mcausal, X, optimize=[(0, 1), (0, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->abfc', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -8642,9 +8818,13 @@ def ce_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = t10 @ X
     t14 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t0[...] = oe.contract('abc,ade,ce,aef,acf,acf,acg->bdgf', t1, t3, t14, t4, t6, A, t13, optimize=[(4, 5), (3, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
-    t15 = (-1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t0 += oe.contract('abc,ade,ce,aef,acf,acf,acg,ach->bdhg', t1, t3, t15, t4, t6, A, A, t13, optimize=[(4, 5), (3, 6), (2, 5), (1, 4), (0, 1), (0, 2), (0, 1)])
+    t15 = oe.contract('abc,dc,ace,ade,ade->bead', t3, t14, t4, t6, A, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
+    t16 = oe.contract('abc,acd->bdac', t1, t13, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t15, t16, optimize=[(0, 1)])
+    t17 = (-1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
+    t18 = oe.contract('abc,acd,ace->bedac', t1, A, t13, optimize=[(0, 1), (0, 1)])
+    t19 = oe.contract('abc,dc,ace,ade,ade->bad', t3, t17, t4, t6, A, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -8844,9 +9024,13 @@ def ce_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t18 = t17 @ t1
     t19 = X @ W_Q
     t20 = (1/(L*d_K*n_batch)) * t4
-    t0[...] = oe.contract('abc,ade,ce,acf,afe,aef,afg,eg,aeh,agi->bdih', t1, t3, t20, t5, t8, A, t18, Mcausal, t19, X, optimize=[(4, 5), (2, 5), (2, 3), (4, 6), (4, 5), (0, 4), (2, 3), (0, 1), (0, 1)])
-    t21 = (-1/(L*d_K*n_batch)) * t4
-    t0 += oe.contract('abc,ade,ce,acf,afe,aef,aeg,agh,eh,aei,ahj->bdji', t1, t3, t21, t5, t8, A, A, t18, Mcausal, t19, X, optimize=[(4, 5), (4, 5), (3, 7), (3, 6), (4, 6), (2, 4), (0, 4), (0, 3), (0, 2), (0, 1)])
+    t21 = oe.contract('abc,acd->bdac', t3, t19, optimize=[(0, 1)])
+    t22 = oe.contract('abc,cd,ace,aed,ade,aef,df,afg->bgad', t1, t20, t5, t8, A, t18, Mcausal, X, optimize=[(3, 4), (2, 3), (4, 5), (1, 4), (1, 3), (0, 2), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
+    t23 = (-1/(L*d_K*n_batch)) * t4
+    t24 = oe.contract('abc,ade,ce,acf,afe,aef,aeg->bdgae', t1, t3, t23, t5, t8, A, t19, optimize=[(4, 5), (3, 5), (2, 4), (0, 3), (0, 1), (0, 1)])
+    t25 = oe.contract('abc,acd,bd,ade->eab', A, t18, Mcausal, X, optimize=[(0, 1), (0, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->abfc', t24, t25, optimize=[(0, 1)])
     return out
 
 
@@ -8912,9 +9096,13 @@ def ce_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t16 / t16.sum(-1, keepdim=True)
     t17 = t14 @ X
     t18 = (1/(L*math.sqrt(d_K)*n_batch)) * t4
-    t0[...] = oe.contract('abc,ade,ce,acf,afe,aef,aeg->bdgf', t1, t3, t18, t5, t8, A, t17, optimize=[(4, 5), (3, 5), (2, 4), (0, 3), (0, 1), (0, 1)])
-    t19 = (-1/(L*math.sqrt(d_K)*n_batch)) * t4
-    t0 += oe.contract('abc,ade,ce,acf,afe,aef,aeg,aeh->bdhg', t1, t3, t19, t5, t8, A, A, t17, optimize=[(4, 5), (3, 6), (2, 5), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t19 = oe.contract('abc,cd,ace,aed,ade->bead', t1, t18, t5, t8, A, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
+    t20 = oe.contract('abc,acd->bdac', t3, t17, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
+    t21 = (-1/(L*math.sqrt(d_K)*n_batch)) * t4
+    t22 = oe.contract('abc,acd,ace->bedac', t3, A, t17, optimize=[(0, 1), (0, 1)])
+    t23 = oe.contract('abc,cd,ace,aed,ade->bad', t1, t21, t5, t8, A, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->fabc', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -8978,9 +9166,11 @@ def ce_causal1__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t16 / t16.sum(-1, keepdim=True)
     t17 = t13 @ X
     t18 = (1/(L*n_batch)) * t10
-    t0[...] = oe.contract('abc,acd,acd,acb->bd', t18, t12, A, t17, optimize=[(0, 3), (0, 1), (0, 1)])
-    t19 = (-1/(L*n_batch)) * t10
-    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t19, t12, A, A, t17, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t19 = oe.contract('abc,abc->cab', t12, A, optimize=[(0, 1)])
+    t20 = oe.contract('abc,acb->bac', t18, t17, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t19, t20, optimize=[(0, 1)])
+    t21 = (-1/(L*n_batch)) * t10
+    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t21, t12, A, A, t17, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -9046,7 +9236,9 @@ def ce_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t20 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
     t0[...] = oe.contract('abc,acd,acd,ade,ce,acf,aeg->bdfg', t10, t12, A, t18, t20, X, t19, optimize=[(1, 2), (1, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
     t21 = (-1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t0 += oe.contract('abc,acd,acd,ace,aef,cf,acg,afh->bdgh', t10, t12, A, A, t18, t21, X, t19, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
+    t22 = oe.contract('abc,acd,ade,ce,aef->bfac', t10, A, t18, t21, t19, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t23 = oe.contract('abc,abc,abd->cdab', t12, A, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -9114,9 +9306,11 @@ def ce_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t18 = t17 @ t1
     t19 = X @ W_Q
     t20 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t0[...] = oe.contract('abc,acd,acd,ade,ce,acf,aeg->bdgf', t10, t12, A, t18, t20, t19, X, optimize=[(1, 2), (1, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t21 = (-1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t0 += oe.contract('abc,acd,acd,ace,aef,cf,acg,afh->bdhg', t10, t12, A, A, t18, t21, t19, X, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
+    t21 = oe.contract('abc,acd->bdac', t10, t19, optimize=[(0, 1)])
+    t22 = oe.contract('abc,abc,acd,bd,ade->ceab', t12, A, t18, t20, X, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t21, t22, optimize=[(0, 1)])
+    t23 = (-1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
+    t0 += oe.contract('abc,acd,acd,ace,aef,cf,acg,afh->bdhg', t10, t12, A, A, t18, t23, t19, X, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -9184,9 +9378,13 @@ def ce_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     A = t17 / t17.sum(-1, keepdim=True)
     t18 = t14 @ X
     t19 = (1/(L*n_batch)) * t11
-    t1 += oe.contract('abc,abd,abd,aeb->ecd', t18, A, t13, t19, optimize=[(1, 2), (0, 1), (0, 1)])
-    t20 = (-1/(L*n_batch)) * t11
-    t0 += oe.contract('abc,acd,acd,ace,acf->bdfe', t20, t13, A, A, t18, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t20 = oe.contract('abc,abc->cab', t13, A, optimize=[(0, 1)])
+    t21 = oe.contract('abc,acd->bdac', t19, t18, optimize=[(0, 1)])
+    t1 += oe.contract('abc,debc->dea', t20, t21, optimize=[(0, 1)])
+    t22 = (-1/(L*n_batch)) * t11
+    t23 = oe.contract('abc,acd->bdac', t22, A, optimize=[(0, 1)])
+    t24 = oe.contract('abc,abc,abd->cdab', t13, A, t18, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t23, t24, optimize=[(0, 1)])
     return out
 
 
@@ -9287,17 +9485,20 @@ def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t44 = W_Q.transpose(-1, -2)
     t45 = t44 @ t4
     t46 = (1/(math.sqrt(d_K)*n_batch)) * t37
-    t43[...] = oe.contract('abc,ade,ce,acf,aeg->bdfg', t4, t45, t46, X, G, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t47 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t48 = t47.view((d_V, d_V, d_V, d_K))
-    t49 = X @ W_K
-    t48[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t4, t34, t46, t49, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t50 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t51 = t50.view((d_V, d_V, d_V, d_K))
-    t52 = X @ W_Q
-    t51[...] = oe.contract('abc,ade,ce,acf,aeg->bdfg', t4, t34, t46, X, t52, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t53 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t53[...] = 0
+    t47 = oe.contract('abc,acd->bdac', t45, G, optimize=[(0, 1)])
+    t48 = oe.contract('abc,cd,ace->bead', t4, t46, X, optimize=[(0, 1), (0, 1)])
+    t43[...] = oe.contract('abcd,efcd->eafb', t47, t48, optimize=[(0, 1)])
+    t49 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t50 = t49.view((d_V, d_V, d_V, d_K))
+    t51 = X @ W_K
+    t50[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t4, t34, t46, t51, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t52 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t53 = t52.view((d_V, d_V, d_V, d_K))
+    t54 = X @ W_Q
+    t55 = oe.contract('abc,acd->bdac', t34, t54, optimize=[(0, 1)])
+    t53[...] = oe.contract('abcd,efcd->eafb', t55, t48, optimize=[(0, 1)])
+    t56 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t56[...] = 0
     return H
 
 
@@ -9781,7 +9982,9 @@ def ce_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t19 = t17 + t18
     G = t19
     t20 = (1/(math.sqrt(d_K)*n_batch)) * t4
-    t0[...] = oe.contract('abc,ade,ce,acf,aeg->bdfg', t1, t3, t20, X, G, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t21 = oe.contract('abc,acd->bdac', t3, G, optimize=[(0, 1)])
+    t22 = oe.contract('abc,cd,ace->bead', t1, t20, X, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -9945,7 +10148,9 @@ def ce_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t18 = Mcausal.transpose(-1, -2)
     t19 = X @ W_Q
     t20 = (1/(math.sqrt(d_K)*n_batch)) * t18
-    t0[...] = oe.contract('abc,ade,ce,acf,aeg->bdfg', t1, t17, t20, X, t19, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t21 = oe.contract('abc,acd->bdac', t17, t19, optimize=[(0, 1)])
+    t22 = oe.contract('abc,cd,ace->bead', t1, t20, X, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -10034,92 +10239,120 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t17 = (1/(L*d_K*n_batch)) * Mcausal
     t1[...] = oe.contract('abc,ade,ce,aef,acf,acf,afg,cg,ach,agi->bdhi', t2, t4, t17, t5, t7, A, t15, Mcausal, X, t16, optimize=[(4, 5), (2, 5), (2, 3), (4, 6), (4, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
     t18 = (-1/(L*d_K*n_batch)) * Mcausal
-    t1 += oe.contract('abc,ade,ce,aef,acf,acf,acg,agh,ch,aci,ahj->bdij', t2, t4, t18, t5, t7, A, A, t15, Mcausal, X, t16, optimize=[(4, 5), (4, 5), (3, 7), (3, 6), (4, 6), (2, 4), (1, 4), (0, 3), (0, 2), (0, 1)])
-    t19 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t19[...] = 0
-    t20 = t19.view((d_V, d_K, d_V, d_K))
-    t21 = t20.diagonal(0, 1, 3)
+    t19 = oe.contract('abc,acd,bd,ade->eab', A, t15, Mcausal, t16, optimize=[(0, 1), (0, 2), (0, 1)])
+    t20 = oe.contract('abc,ade,ce,aef,acf,acf,acg->bdgac', t2, t4, t18, t5, t7, A, X, optimize=[(4, 5), (3, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
+    t1 += oe.contract('abc,defbc->defa', t19, t20, optimize=[(0, 1)])
+    t21 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t21[...] = 0
+    t22 = t21.view((d_V, d_K, d_V, d_K))
+    t23 = t22.diagonal(0, 1, 3)
     F = t12
-    t22 = torch.exp(F - F.amax(-1, keepdim=True))
-    A23 = t22 / t22.sum(-1, keepdim=True)
-    t24 = t7 * A23
-    t25 = (1/L) * t24
-    t26 = (-1/L) * Y
-    t27 = t25 + t26
-    G = t27
-    t28 = G @ t15
-    t29 = Mcausal * t28
-    t30 = t29 @ X
-    t31 = t2 @ t30
-    t32 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t33 = (1/(math.sqrt(d_K)*n_batch)) * t32
-    t21 += oe.contract('abc,d->bcd', t31, t33, optimize=[(0, 1)])
-    t34 = X @ W_Q
-    t20 += oe.contract('abc,ade,ce,aef,acf,acf,afg,cg,ach,agi->bdih', t2, t4, t17, t5, t7, A, t15, Mcausal, t34, X, optimize=[(4, 5), (2, 5), (2, 3), (4, 6), (4, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t20 += oe.contract('abc,ade,ce,aef,acf,acf,acg,agh,ch,aci,ahj->bdji', t2, t4, t18, t5, t7, A, A, t15, Mcausal, t34, X, optimize=[(4, 5), (4, 5), (3, 7), (3, 6), (4, 6), (2, 4), (1, 4), (0, 3), (0, 2), (0, 1)])
-    t35 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t36 = t35.view((d_V, d_K, d_V, d_V))
-    t37 = t11 @ X
-    t38 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t36[...] = oe.contract('abc,ade,ce,aef,acf,acf,acg->bdgf', t2, t4, t38, t5, t7, A, t37, optimize=[(4, 5), (3, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
-    t39 = (-1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t36 += oe.contract('abc,ade,ce,aef,acf,acf,acg,ach->bdhg', t2, t4, t39, t5, t7, A, A, t37, optimize=[(4, 5), (3, 6), (2, 5), (1, 4), (0, 1), (0, 2), (0, 1)])
-    t40 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
-    t36 += oe.contract('abc,ade,ce,acf,aeg->bdgf', t2, t4, t40, G, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t41 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t41[...] = 0
-    t42 = t41.view((d_V, d_K, d_V, d_K))
-    t43 = t42.diagonal(0, 1, 3)
-    t44 = G.transpose(-1, -2)
-    t45 = W_V @ t44
-    t46 = X @ t45
-    t47 = Mcausal.transpose(-1, -2)
-    t48 = t46 * t47
-    t49 = t48 @ X
-    t50 = t2 @ t49
-    t43 += oe.contract('abc,d->bcd', t50, t33, optimize=[(0, 1)])
-    t51 = W_Q.transpose(-1, -2)
-    t52 = t51 @ t2
-    t53 = Y.transpose(-1, -2)
-    t54 = t53.sum(-2, keepdim=True)
-    t55 = t54.expand(*t54.shape[:-2], d_V, t54.shape[-1])
-    t56 = (1/(L*d_K*n_batch)) * t47
-    t42 += oe.contract('abc,ade,ce,acf,afe,aef,afg,eg,aeh,agi->bdhi', t2, t52, t56, t5, t55, A, t15, Mcausal, X, t16, optimize=[(4, 5), (2, 5), (2, 3), (4, 6), (4, 5), (0, 4), (2, 3), (0, 1), (0, 1)])
-    t57 = (-1/(L*d_K*n_batch)) * t47
-    t42 += oe.contract('abc,ade,ce,acf,afe,aef,aeg,agh,eh,aei,ahj->bdij', t2, t52, t57, t5, t55, A, A, t15, Mcausal, X, t16, optimize=[(4, 5), (4, 5), (3, 7), (3, 6), (4, 6), (2, 4), (0, 4), (0, 3), (0, 2), (0, 1)])
-    t58 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t59 = t58.view((d_V, d_K, d_V, d_K))
-    t59[...] = oe.contract('abc,ade,ce,acf,afe,aef,afg,eg,aeh,agi->bdih', t2, t52, t56, t5, t55, A, t15, Mcausal, t34, X, optimize=[(4, 5), (2, 5), (2, 3), (4, 6), (4, 5), (0, 4), (2, 3), (0, 1), (0, 1)])
-    t59 += oe.contract('abc,ade,ce,acf,afe,aef,aeg,agh,eh,aei,ahj->bdji', t2, t52, t57, t5, t55, A, A, t15, Mcausal, t34, X, optimize=[(4, 5), (4, 5), (3, 7), (3, 6), (4, 6), (2, 4), (0, 4), (0, 3), (0, 2), (0, 1)])
-    t60 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t61 = t60.view((d_V, d_K, d_V, d_V))
-    t62 = (1/(L*math.sqrt(d_K)*n_batch)) * t47
-    t61[...] = oe.contract('abc,ade,ce,acf,afe,aef,aeg->bdgf', t2, t52, t62, t5, t55, A, t37, optimize=[(4, 5), (3, 5), (2, 4), (0, 3), (0, 1), (0, 1)])
-    t63 = (-1/(L*math.sqrt(d_K)*n_batch)) * t47
-    t61 += oe.contract('abc,ade,ce,acf,afe,aef,aeg,aeh->bdhg', t2, t52, t63, t5, t55, A, A, t37, optimize=[(4, 5), (3, 6), (2, 5), (0, 4), (0, 1), (0, 2), (0, 1)])
-    t64 = (1/(math.sqrt(d_K)*n_batch)) * t47
-    t61 += oe.contract('abc,ade,ce,acf,aeg->bdfg', t2, t52, t64, X, G, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t65 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t66 = t65.view((d_V, d_V, d_V, d_K))
-    t67 = T.transpose(-1, -2)
-    t68 = t47 * t67
-    t69 = t2 @ t68
-    t66[...] = oe.contract('abc,acd,acd,ade,ce,acf,aeg->bdfg', t69, t7, A, t15, t38, X, t16, optimize=[(1, 2), (1, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t66 += oe.contract('abc,acd,acd,ace,aef,cf,acg,afh->bdgh', t69, t7, A, A, t15, t39, X, t16, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
-    t66 += oe.contract('abc,ade,ce,acf,aeg->bdgf', t2, t44, t64, t16, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t70 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t71 = t70.view((d_V, d_V, d_V, d_K))
-    t71[...] = oe.contract('abc,acd,acd,ade,ce,acf,aeg->bdgf', t69, t7, A, t15, t38, t34, X, optimize=[(1, 2), (1, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t71 += oe.contract('abc,acd,acd,ace,aef,cf,acg,afh->bdhg', t69, t7, A, A, t15, t39, t34, X, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
-    t71 += oe.contract('abc,ade,ce,acf,aeg->bdfg', t2, t44, t64, X, t34, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t72 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t72[...] = 0
-    t73 = t72.view((d_V, d_V, d_V, d_V))
-    t74 = t73.diagonal(0, 1, 3)
-    t75 = (1/(L*n_batch)) * t69
-    t74 += oe.contract('abc,abd,abd,aeb->ecd', t37, A, t7, t75, optimize=[(1, 2), (0, 1), (0, 1)])
-    t76 = (-1/(L*n_batch)) * t69
-    t73 += oe.contract('abc,acd,acd,ace,acf->bdfe', t76, t7, A, A, t37, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t24 = torch.exp(F - F.amax(-1, keepdim=True))
+    A25 = t24 / t24.sum(-1, keepdim=True)
+    t26 = t7 * A25
+    t27 = (1/L) * t26
+    t28 = (-1/L) * Y
+    t29 = t27 + t28
+    G = t29
+    t30 = G @ t15
+    t31 = Mcausal * t30
+    t32 = t31 @ X
+    t33 = t2 @ t32
+    t34 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t35 = (1/(math.sqrt(d_K)*n_batch)) * t34
+    t23 += oe.contract('abc,d->bcd', t33, t35, optimize=[(0, 1)])
+    t36 = X @ W_Q
+    t37 = oe.contract('abc,acd->bdac', t2, t36, optimize=[(0, 1)])
+    t38 = oe.contract('abc,dc,ace,ade,ade,aef,df,afg->bgad', t4, t17, t5, t7, A, t15, Mcausal, X, optimize=[(3, 4), (2, 3), (4, 5), (1, 4), (1, 3), (0, 2), (0, 1)])
+    t22 += oe.contract('abcd,efcd->aefb', t37, t38, optimize=[(0, 1)])
+    t39 = oe.contract('abc,ade,ce,aef,acf,acf,acg->bdgac', t2, t4, t18, t5, t7, A, t36, optimize=[(4, 5), (3, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
+    t40 = oe.contract('abc,acd,bd,ade->eab', A, t15, Mcausal, X, optimize=[(0, 1), (0, 2), (0, 1)])
+    t22 += oe.contract('abcde,fde->abfc', t39, t40, optimize=[(0, 1)])
+    t41 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t42 = t41.view((d_V, d_K, d_V, d_V))
+    t43 = t11 @ X
+    t44 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
+    t45 = oe.contract('abc,dc,ace,ade,ade->bead', t4, t44, t5, t7, A, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
+    t46 = oe.contract('abc,acd->bdac', t2, t43, optimize=[(0, 1)])
+    t42[...] = oe.contract('abcd,efcd->eafb', t45, t46, optimize=[(0, 1)])
+    t47 = (-1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
+    t48 = oe.contract('abc,acd,ace->bedac', t2, A, t43, optimize=[(0, 1), (0, 1)])
+    t49 = oe.contract('abc,dc,ace,ade,ade->bad', t4, t47, t5, t7, A, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)])
+    t42 += oe.contract('abcde,fde->afbc', t48, t49, optimize=[(0, 1)])
+    t50 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
+    t42 += oe.contract('abc,ade,ce,acf,aeg->bdgf', t2, t4, t50, G, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t51 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t51[...] = 0
+    t52 = t51.view((d_V, d_K, d_V, d_K))
+    t53 = t52.diagonal(0, 1, 3)
+    t54 = G.transpose(-1, -2)
+    t55 = W_V @ t54
+    t56 = X @ t55
+    t57 = Mcausal.transpose(-1, -2)
+    t58 = t56 * t57
+    t59 = t58 @ X
+    t60 = t2 @ t59
+    t53 += oe.contract('abc,d->bcd', t60, t35, optimize=[(0, 1)])
+    t61 = W_Q.transpose(-1, -2)
+    t62 = t61 @ t2
+    t63 = Y.transpose(-1, -2)
+    t64 = t63.sum(-2, keepdim=True)
+    t65 = t64.expand(*t64.shape[:-2], d_V, t64.shape[-1])
+    t66 = (1/(L*d_K*n_batch)) * t57
+    t52 += oe.contract('abc,ade,ce,acf,afe,aef,afg,eg,aeh,agi->bdhi', t2, t62, t66, t5, t65, A, t15, Mcausal, X, t16, optimize=[(4, 5), (2, 5), (2, 3), (4, 6), (4, 5), (0, 4), (2, 3), (0, 1), (0, 1)])
+    t67 = (-1/(L*d_K*n_batch)) * t57
+    t52 += oe.contract('abc,ade,ce,acf,afe,aef,aeg,agh,eh,aei,ahj->bdij', t2, t62, t67, t5, t65, A, A, t15, Mcausal, X, t16, optimize=[(4, 5), (4, 5), (3, 7), (3, 6), (4, 6), (2, 4), (0, 4), (0, 3), (0, 2), (0, 1)])
+    t68 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t69 = t68.view((d_V, d_K, d_V, d_K))
+    t70 = oe.contract('abc,acd->bdac', t62, t36, optimize=[(0, 1)])
+    t71 = oe.contract('abc,cd,ace,aed,ade,aef,df,afg->bgad', t2, t66, t5, t65, A, t15, Mcausal, X, optimize=[(3, 4), (2, 3), (4, 5), (1, 4), (1, 3), (0, 2), (0, 1)])
+    t69[...] = oe.contract('abcd,efcd->eafb', t70, t71, optimize=[(0, 1)])
+    t72 = oe.contract('abc,ade,ce,acf,afe,aef,aeg->bdgae', t2, t62, t67, t5, t65, A, t36, optimize=[(4, 5), (3, 5), (2, 4), (0, 3), (0, 1), (0, 1)])
+    t69 += oe.contract('abcde,fde->abfc', t72, t40, optimize=[(0, 1)])
+    t73 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t74 = t73.view((d_V, d_K, d_V, d_V))
+    t75 = (1/(L*math.sqrt(d_K)*n_batch)) * t57
+    t76 = oe.contract('abc,cd,ace,aed,ade->bead', t2, t75, t5, t65, A, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
+    t77 = oe.contract('abc,acd->bdac', t62, t43, optimize=[(0, 1)])
+    t74[...] = oe.contract('abcd,efcd->aefb', t76, t77, optimize=[(0, 1)])
+    t78 = (-1/(L*math.sqrt(d_K)*n_batch)) * t57
+    t79 = oe.contract('abc,acd,ace->bedac', t62, A, t43, optimize=[(0, 1), (0, 1)])
+    t80 = oe.contract('abc,cd,ace,aed,ade->bad', t2, t78, t5, t65, A, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)])
+    t74 += oe.contract('abcde,fde->fabc', t79, t80, optimize=[(0, 1)])
+    t81 = (1/(math.sqrt(d_K)*n_batch)) * t57
+    t82 = oe.contract('abc,acd->bdac', t62, G, optimize=[(0, 1)])
+    t83 = oe.contract('abc,cd,ace->bead', t2, t81, X, optimize=[(0, 1), (0, 1)])
+    t74 += oe.contract('abcd,efcd->eafb', t82, t83, optimize=[(0, 1)])
+    t84 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t85 = t84.view((d_V, d_V, d_V, d_K))
+    t86 = T.transpose(-1, -2)
+    t87 = t57 * t86
+    t88 = t2 @ t87
+    t85[...] = oe.contract('abc,acd,acd,ade,ce,acf,aeg->bdfg', t88, t7, A, t15, t44, X, t16, optimize=[(1, 2), (1, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t89 = oe.contract('abc,acd,ade,ce,aef->bfac', t88, A, t15, t47, t16, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t90 = oe.contract('abc,abc,abd->cdab', t7, A, X, optimize=[(0, 1), (0, 1)])
+    t85 += oe.contract('abcd,efcd->aefb', t89, t90, optimize=[(0, 1)])
+    t85 += oe.contract('abc,ade,ce,acf,aeg->bdgf', t2, t54, t81, t16, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t91 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t92 = t91.view((d_V, d_V, d_V, d_K))
+    t93 = oe.contract('abc,acd->bdac', t88, t36, optimize=[(0, 1)])
+    t94 = oe.contract('abc,abc,acd,bd,ade->ceab', t7, A, t15, t44, X, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
+    t92[...] = oe.contract('abcd,efcd->aefb', t93, t94, optimize=[(0, 1)])
+    t92 += oe.contract('abc,acd,acd,ace,aef,cf,acg,afh->bdhg', t88, t7, A, A, t15, t47, t36, X, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
+    t95 = oe.contract('abc,acd->bdac', t54, t36, optimize=[(0, 1)])
+    t92 += oe.contract('abcd,efcd->eafb', t95, t83, optimize=[(0, 1)])
+    t96 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t96[...] = 0
+    t97 = t96.view((d_V, d_V, d_V, d_V))
+    t98 = t97.diagonal(0, 1, 3)
+    t99 = (1/(L*n_batch)) * t88
+    t100 = oe.contract('abc,abc->cab', t7, A, optimize=[(0, 1)])
+    t101 = oe.contract('abc,acd->bdac', t99, t43, optimize=[(0, 1)])
+    t98 += oe.contract('abc,debc->dea', t100, t101, optimize=[(0, 1)])
+    t102 = (-1/(L*n_batch)) * t88
+    t103 = oe.contract('abc,acd->bdac', t102, A, optimize=[(0, 1)])
+    t104 = oe.contract('abc,abc,abd->cdab', t7, A, t43, optimize=[(0, 1), (0, 1)])
+    t97 += oe.contract('abcd,efcd->aefb', t103, t104, optimize=[(0, 1)])
     return H
 
 
@@ -10339,9 +10572,12 @@ def ce_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t14 = t13 @ t1
     t15 = X @ W_K
     t16 = (1/(L*d_K*n_batch)) * Mcausal
-    t0[...] = oe.contract('abc,ade,ce,aef,acf,acf,afg,cg,acb,agd->bd', t1, t3, t16, t4, t6, A, t14, Mcausal, X, t15, optimize=[(4, 5), (0, 6), (1, 4), (1, 2), (2, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
-    t17 = (-1/(L*d_K*n_batch)) * Mcausal
-    t0 += oe.contract('abc,ade,ce,aef,acf,acf,acg,agh,ch,acb,ahd->bd', t1, t3, t17, t4, t6, A, A, t14, Mcausal, X, t15, optimize=[(4, 5), (0, 7), (3, 4), (2, 5), (2, 5), (2, 5), (1, 3), (0, 3), (1, 2), (0, 1)])
+    t17 = oe.contract('abc,dc,ace,ade,ade,aef,df,afb->bad', t3, t16, t4, t6, A, t14, Mcausal, t15, optimize=[(3, 4), (2, 3), (4, 5), (1, 4), (1, 3), (0, 2), (0, 1)])
+    t18 = oe.contract('abc,acb->bac', t1, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t17, t18, optimize=[(0, 1)])
+    t19 = (-1/(L*d_K*n_batch)) * Mcausal
+    t20 = oe.contract('abc,dc,ace,ade,ade,adf,afg,dg,agb->bad', t3, t19, t4, t6, A, A, t14, Mcausal, t15, optimize=[(3, 4), (3, 4), (2, 5), (2, 4), (2, 4), (1, 2), (0, 2), (0, 1)])
+    t0 += oe.contract('abc,dbc->da', t20, t18, optimize=[(0, 1)])
     return out
 
 
@@ -10401,7 +10637,9 @@ def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t16 = (1/(L*d_K*n_batch)) * Mcausal
     t0[...] = oe.contract('abc,ade,ce,aef,acf,acf,afg,cg,ach,agi->bdhi', t1, t3, t16, t4, t6, A, t14, Mcausal, X, t15, optimize=[(4, 5), (2, 5), (2, 3), (4, 6), (4, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
     t17 = (-1/(L*d_K*n_batch)) * Mcausal
-    t0 += oe.contract('abc,ade,ce,aef,acf,acf,acg,agh,ch,aci,ahj->bdij', t1, t3, t17, t4, t6, A, A, t14, Mcausal, X, t15, optimize=[(4, 5), (4, 5), (3, 7), (3, 6), (4, 6), (2, 4), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t18 = oe.contract('abc,acd,bd,ade->eab', A, t14, Mcausal, t15, optimize=[(0, 1), (0, 2), (0, 1)])
+    t19 = oe.contract('abc,ade,ce,aef,acf,acf,acg->bdgac', t1, t3, t17, t4, t6, A, X, optimize=[(4, 5), (3, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
+    t0 += oe.contract('abc,defbc->defa', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -10478,9 +10716,13 @@ def ce_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     A27 = t26 / t26.sum(-1, keepdim=True)
     t28 = X @ W_Q
     t29 = (1/(L*d_K*n_batch)) * Mcausal
-    t0 += oe.contract('abc,ade,ce,aef,acf,acf,afg,cg,ach,agi->bdih', t2, t6, t29, t11, t4, A27, t19, Mcausal, t28, X, optimize=[(4, 5), (2, 5), (2, 3), (4, 6), (4, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t30 = (-1/(L*d_K*n_batch)) * Mcausal
-    t0 += oe.contract('abc,ade,ce,aef,acf,acf,acg,agh,ch,aci,ahj->bdji', t2, t6, t30, t11, t4, A27, A27, t19, Mcausal, t28, X, optimize=[(4, 5), (4, 5), (3, 7), (3, 6), (4, 6), (2, 4), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t30 = oe.contract('abc,acd->bdac', t2, t28, optimize=[(0, 1)])
+    t31 = oe.contract('abc,dc,ace,ade,ade,aef,df,afg->bgad', t6, t29, t11, t4, A27, t19, Mcausal, X, optimize=[(3, 4), (2, 3), (4, 5), (1, 4), (1, 3), (0, 2), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t30, t31, optimize=[(0, 1)])
+    t32 = (-1/(L*d_K*n_batch)) * Mcausal
+    t33 = oe.contract('abc,ade,ce,aef,acf,acf,acg->bdgac', t2, t6, t32, t11, t4, A27, t28, optimize=[(4, 5), (3, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
+    t34 = oe.contract('abc,acd,bd,ade->eab', A27, t19, Mcausal, X, optimize=[(0, 1), (0, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->abfc', t33, t34, optimize=[(0, 1)])
     return out
 
 
@@ -10550,19 +10792,23 @@ def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = t10 @ X
     t14 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t0[...] = oe.contract('abc,ade,ce,aef,acf,acf,acg->bdgf', t1, t3, t14, t4, t6, A, t13, optimize=[(4, 5), (3, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
-    t15 = (-1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t0 += oe.contract('abc,ade,ce,aef,acf,acf,acg,ach->bdhg', t1, t3, t15, t4, t6, A, A, t13, optimize=[(4, 5), (3, 6), (2, 5), (1, 4), (0, 1), (0, 2), (0, 1)])
+    t15 = oe.contract('abc,dc,ace,ade,ade->bead', t3, t14, t4, t6, A, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
+    t16 = oe.contract('abc,acd->bdac', t1, t13, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t15, t16, optimize=[(0, 1)])
+    t17 = (-1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
+    t18 = oe.contract('abc,acd,ace->bedac', t1, A, t13, optimize=[(0, 1), (0, 1)])
+    t19 = oe.contract('abc,dc,ace,ade,ade->bad', t3, t17, t4, t6, A, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t18, t19, optimize=[(0, 1)])
     F = t11
-    t16 = torch.exp(F - F.amax(-1, keepdim=True))
-    A17 = t16 / t16.sum(-1, keepdim=True)
-    t18 = t6 * A17
-    t19 = (1/L) * t18
-    t20 = (-1/L) * Y
-    t21 = t19 + t20
-    G = t21
-    t22 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
-    t0 += oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t3, t22, G, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t20 = torch.exp(F - F.amax(-1, keepdim=True))
+    A21 = t20 / t20.sum(-1, keepdim=True)
+    t22 = t6 * A21
+    t23 = (1/L) * t22
+    t24 = (-1/L) * Y
+    t25 = t23 + t24
+    G = t25
+    t26 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
+    t0 += oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t3, t26, G, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -10807,9 +11053,13 @@ def ce_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t18 = t17 @ t1
     t19 = X @ W_Q
     t20 = (1/(L*d_K*n_batch)) * t4
-    t0[...] = oe.contract('abc,ade,ce,acf,afe,aef,afg,eg,aeh,agi->bdih', t1, t3, t20, t5, t8, A, t18, Mcausal, t19, X, optimize=[(4, 5), (2, 5), (2, 3), (4, 6), (4, 5), (0, 4), (2, 3), (0, 1), (0, 1)])
-    t21 = (-1/(L*d_K*n_batch)) * t4
-    t0 += oe.contract('abc,ade,ce,acf,afe,aef,aeg,agh,eh,aei,ahj->bdji', t1, t3, t21, t5, t8, A, A, t18, Mcausal, t19, X, optimize=[(4, 5), (4, 5), (3, 7), (3, 6), (4, 6), (2, 4), (0, 4), (0, 3), (0, 2), (0, 1)])
+    t21 = oe.contract('abc,acd->bdac', t3, t19, optimize=[(0, 1)])
+    t22 = oe.contract('abc,cd,ace,aed,ade,aef,df,afg->bgad', t1, t20, t5, t8, A, t18, Mcausal, X, optimize=[(3, 4), (2, 3), (4, 5), (1, 4), (1, 3), (0, 2), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
+    t23 = (-1/(L*d_K*n_batch)) * t4
+    t24 = oe.contract('abc,ade,ce,acf,afe,aef,aeg->bdgae', t1, t3, t23, t5, t8, A, t19, optimize=[(4, 5), (3, 5), (2, 4), (0, 3), (0, 1), (0, 1)])
+    t25 = oe.contract('abc,acd,bd,ade->eab', A, t18, Mcausal, X, optimize=[(0, 1), (0, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->abfc', t24, t25, optimize=[(0, 1)])
     return out
 
 
@@ -10875,21 +11125,27 @@ def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t16 / t16.sum(-1, keepdim=True)
     t17 = t14 @ X
     t18 = (1/(L*math.sqrt(d_K)*n_batch)) * t4
-    t0[...] = oe.contract('abc,ade,ce,acf,afe,aef,aeg->bdgf', t1, t3, t18, t5, t8, A, t17, optimize=[(4, 5), (3, 5), (2, 4), (0, 3), (0, 1), (0, 1)])
-    t19 = (-1/(L*math.sqrt(d_K)*n_batch)) * t4
-    t0 += oe.contract('abc,ade,ce,acf,afe,aef,aeg,aeh->bdhg', t1, t3, t19, t5, t8, A, A, t17, optimize=[(4, 5), (3, 6), (2, 5), (0, 4), (0, 1), (0, 2), (0, 1)])
-    t20 = Y.sum(-1, keepdim=True)
-    t21 = t20.expand(*t20.shape[:-1], d_V)
+    t19 = oe.contract('abc,cd,ace,aed,ade->bead', t1, t18, t5, t8, A, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
+    t20 = oe.contract('abc,acd->bdac', t3, t17, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
+    t21 = (-1/(L*math.sqrt(d_K)*n_batch)) * t4
+    t22 = oe.contract('abc,acd,ace->bedac', t3, A, t17, optimize=[(0, 1), (0, 1)])
+    t23 = oe.contract('abc,cd,ace,aed,ade->bad', t1, t21, t5, t8, A, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->fabc', t22, t23, optimize=[(0, 1)])
+    t24 = Y.sum(-1, keepdim=True)
+    t25 = t24.expand(*t24.shape[:-1], d_V)
     F = t15
-    t22 = torch.exp(F - F.amax(-1, keepdim=True))
-    A23 = t22 / t22.sum(-1, keepdim=True)
-    t24 = t21 * A23
-    t25 = (1/L) * t24
-    t26 = (-1/L) * Y
-    t27 = t25 + t26
-    G = t27
-    t28 = (1/(math.sqrt(d_K)*n_batch)) * t4
-    t0 += oe.contract('abc,ade,ce,acf,aeg->bdfg', t1, t3, t28, X, G, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t26 = torch.exp(F - F.amax(-1, keepdim=True))
+    A27 = t26 / t26.sum(-1, keepdim=True)
+    t28 = t25 * A27
+    t29 = (1/L) * t28
+    t30 = (-1/L) * Y
+    t31 = t29 + t30
+    G = t31
+    t32 = (1/(math.sqrt(d_K)*n_batch)) * t4
+    t33 = oe.contract('abc,acd->bdac', t3, G, optimize=[(0, 1)])
+    t34 = oe.contract('abc,cd,ace->bead', t1, t32, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t33, t34, optimize=[(0, 1)])
     return out
 
 
@@ -10963,9 +11219,11 @@ def ce_causal1__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t16 / t16.sum(-1, keepdim=True)
     t17 = t13 @ X
     t18 = (1/(L*n_batch)) * t10
-    t0[...] = oe.contract('abc,acd,acd,acb->bd', t18, t12, A, t17, optimize=[(0, 3), (0, 1), (0, 1)])
-    t19 = (-1/(L*n_batch)) * t10
-    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t19, t12, A, A, t17, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t19 = oe.contract('abc,abc->cab', t12, A, optimize=[(0, 1)])
+    t20 = oe.contract('abc,acb->bac', t18, t17, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t19, t20, optimize=[(0, 1)])
+    t21 = (-1/(L*n_batch)) * t10
+    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t21, t12, A, A, t17, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -11031,18 +11289,20 @@ def ce_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t20 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
     t0[...] = oe.contract('abc,acd,acd,ade,ce,acf,aeg->bdfg', t10, t12, A, t18, t20, X, t19, optimize=[(1, 2), (1, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
     t21 = (-1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t0 += oe.contract('abc,acd,acd,ace,aef,cf,acg,afh->bdgh', t10, t12, A, A, t18, t21, X, t19, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
+    t22 = oe.contract('abc,acd,ade,ce,aef->bfac', t10, A, t18, t21, t19, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t23 = oe.contract('abc,abc,abd->cdab', t12, A, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
     F = t15
-    t22 = torch.exp(F - F.amax(-1, keepdim=True))
-    A23 = t22 / t22.sum(-1, keepdim=True)
-    t24 = t12 * A23
-    t25 = (1/L) * t24
-    t26 = (-1/L) * Y
-    t27 = t25 + t26
-    G = t27
-    t28 = G.transpose(-1, -2)
-    t29 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t0 += oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t28, t29, t19, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t24 = torch.exp(F - F.amax(-1, keepdim=True))
+    A25 = t24 / t24.sum(-1, keepdim=True)
+    t26 = t12 * A25
+    t27 = (1/L) * t26
+    t28 = (-1/L) * Y
+    t29 = t27 + t28
+    G = t29
+    t30 = G.transpose(-1, -2)
+    t31 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t0 += oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t30, t31, t19, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -11119,20 +11379,24 @@ def ce_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t18 = t17 @ t1
     t19 = X @ W_Q
     t20 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t0[...] = oe.contract('abc,acd,acd,ade,ce,acf,aeg->bdgf', t10, t12, A, t18, t20, t19, X, optimize=[(1, 2), (1, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t21 = (-1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t0 += oe.contract('abc,acd,acd,ace,aef,cf,acg,afh->bdhg', t10, t12, A, A, t18, t21, t19, X, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
+    t21 = oe.contract('abc,acd->bdac', t10, t19, optimize=[(0, 1)])
+    t22 = oe.contract('abc,abc,acd,bd,ade->ceab', t12, A, t18, t20, X, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t21, t22, optimize=[(0, 1)])
+    t23 = (-1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
+    t0 += oe.contract('abc,acd,acd,ace,aef,cf,acg,afh->bdhg', t10, t12, A, A, t18, t23, t19, X, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
     F = t15
-    t22 = torch.exp(F - F.amax(-1, keepdim=True))
-    A23 = t22 / t22.sum(-1, keepdim=True)
-    t24 = t12 * A23
-    t25 = (1/L) * t24
-    t26 = (-1/L) * Y
-    t27 = t25 + t26
-    G = t27
-    t28 = G.transpose(-1, -2)
-    t29 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t0 += oe.contract('abc,ade,ce,acf,aeg->bdfg', t1, t28, t29, X, t19, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t24 = torch.exp(F - F.amax(-1, keepdim=True))
+    A25 = t24 / t24.sum(-1, keepdim=True)
+    t26 = t12 * A25
+    t27 = (1/L) * t26
+    t28 = (-1/L) * Y
+    t29 = t27 + t28
+    G = t29
+    t30 = G.transpose(-1, -2)
+    t31 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t32 = oe.contract('abc,acd->bdac', t30, t19, optimize=[(0, 1)])
+    t33 = oe.contract('abc,cd,ace->bead', t1, t31, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t32, t33, optimize=[(0, 1)])
     return out
 
 
@@ -11209,9 +11473,13 @@ def ce_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     A = t17 / t17.sum(-1, keepdim=True)
     t18 = t14 @ X
     t19 = (1/(L*n_batch)) * t11
-    t1 += oe.contract('abc,abd,abd,aeb->ecd', t18, A, t13, t19, optimize=[(1, 2), (0, 1), (0, 1)])
-    t20 = (-1/(L*n_batch)) * t11
-    t0 += oe.contract('abc,acd,acd,ace,acf->bdfe', t20, t13, A, A, t18, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t20 = oe.contract('abc,abc->cab', t13, A, optimize=[(0, 1)])
+    t21 = oe.contract('abc,acd->bdac', t19, t18, optimize=[(0, 1)])
+    t1 += oe.contract('abc,debc->dea', t20, t21, optimize=[(0, 1)])
+    t22 = (-1/(L*n_batch)) * t11
+    t23 = oe.contract('abc,acd->bdac', t22, A, optimize=[(0, 1)])
+    t24 = oe.contract('abc,abc,abd->cdab', t13, A, t18, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t23, t24, optimize=[(0, 1)])
     return out
 
 

@@ -192,7 +192,8 @@ class Routine:
             coef = coef / N_BATCH ** len(batch_labels)
         if fold_coef and coef != 1 and len(ops) > 1:
             coef, ops = 1, self._fold(coef, ops, labs)
-        return coef, self.contract(ops, labs, out), (batched and keep_batch)
+        code = self.split_contract(ops, labs, out) if fold_coef else None
+        return coef, code or self.contract(ops, labs, out), (batched and keep_batch)
 
     def _fold(self, coef, ops, labs):
         """Scale the smallest operand instead of the (block-sized) result: one pass fewer."""
@@ -227,6 +228,50 @@ class Routine:
                 best = (score, spec, [ops[i] for i in order], path, cost)
         _, spec, o_ops, path, _ = best
         return f"oe.contract({spec!r}, {', '.join(o_ops)}, optimize={path!r})"
+
+    def split_contract(self, ops, labs, out):
+        """A block-sized product whose last GEMM writes straight in the output's layout.
+
+        opt_einsum's last step puts the newest intermediate's free indices first, so the
+        result often needs a strided transpose (its innermost axis outermost in the block)
+        that costs several times the contraction.  Here the two halves of the last step
+        are contracted first and the final product is emitted with the operand whose free
+        indices end the output on the right; ``None`` when nothing is gained.
+        """
+        if len(ops) < 3:
+            return None
+        shapes = tuple(tuple(self._label_size(a) for a in ls) for ls in labs)
+        path, score, _ = _path(_spec(labs, out), shapes)
+        if score[0]:
+            return None
+        halves = _last_halves(len(ops), path)
+        frees = []
+        for h in halves:
+            inside = {a for i in h for a in labs[i]}
+            outside = {a for i in range(len(ops)) if i not in h for a in labs[i]}
+            shared = [a for a in dict.fromkeys(lab for i in h for lab in labs[i])
+                      if a in outside and a not in out]
+            frees.append([a for a in out if a in inside] + shared)
+        if set(frees[0]) & set(frees[1]) & set(out):
+            return None                       # a Hadamard-like last step: no GEMM
+        best = None
+        for left, right in ((0, 1), (1, 0)):
+            natural = [a for a in frees[left] + frees[right] if a in out]
+            run = _suffix(natural, list(out))
+            if best is None or run > best[0]:
+                best = (run, left, right)
+        if best[0] <= score[1]:
+            return None
+        names = []
+        for k in (best[2], best[1]):          # opt_einsum pops the second operand first
+            h = halves[k]
+            if len(h) == 1 and list(labs[h[0]]) == frees[k]:
+                names.append(ops[h[0]])
+            else:
+                names.append(self.emit(self.contract([ops[i] for i in h], [labs[i] for i in h],
+                                                     frees[k]), False))
+        fspec = _spec([frees[best[2]], frees[best[1]]], out)
+        return f"oe.contract({fspec!r}, {names[0]}, {names[1]}, optimize=[(0, 1)])"
 
     def _label_size(self, lab):
         if isinstance(lab, tuple):
@@ -279,6 +324,33 @@ class Routine:
     def scalar(self, networks):
         """Σ coef · contraction for scalar networks."""
         return _sum(self, networks) if networks else "0.0"
+
+
+def _spec(labs, out):
+    """The einsum string of operands labelled ``labs`` with output ``out``."""
+    symbols = {}
+    for lab in [lab for ls in labs for lab in ls] + list(out):
+        if lab not in symbols:
+            symbols[lab] = oe.get_symbol(len(symbols))
+    spec = ",".join("".join(symbols[a] for a in ls) for ls in labs)
+    return spec + "->" + "".join(symbols[a] for a in out)
+
+
+def _last_halves(n, path):
+    """The two groups of operand positions that opt_einsum's last step multiplies."""
+    groups = [[i] for i in range(n)]
+    for step in path[:-1]:
+        merged = sorted(i for k in sorted(step, reverse=True) for i in groups.pop(k))
+        groups.append(merged)
+    return groups
+
+
+def _suffix(a, b):
+    """Length of the common tail of two sequences (the innermost axes that already agree)."""
+    run = 0
+    while run < min(len(a), len(b)) and a[-1 - run] == b[-1 - run]:
+        run += 1
+    return run
 
 
 @lru_cache(maxsize=None)
