@@ -77,24 +77,27 @@ def mse_bias0_residual0__hessian__outer(X, W_1, W_2, Y):
     t4 = np.heaviside(t3, 0.0)
     t5 = np.swapaxes(W_2, -1, -2)
     t6 = W_2 @ t5
-    t1[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,acd,de,ace,acf->bdfe', t2, t4, t6, t4, X, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t7 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t8 = np.reshape(t7, (d_V, d_ff, d_ff, d_V), copy=False)
-    t9 = (t3 * np.heaviside(t3, 0.0))
-    t8[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,acd,ace,df->bdef', t2, t4, t9, W_2, optimize=[(0, 1), (0, 2), (0, 1)])
-    t10 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
-    t11 = np.reshape(t10, (d_ff, d_V, d_V, d_ff), copy=False)
-    t12 = np.swapaxes(W_1, -1, -2)
-    t13 = t12 @ t2
-    t14 = (t13 * np.heaviside(t13, 0.0))
-    t11[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,de,ace,acf->bdfe', t14, t5, t4, X, optimize=[(0, 2), (1, 2), (0, 1)])
-    t15 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t15[...] = 0
-    t16 = np.reshape(t15, (d_ff, d_V, d_ff, d_V), copy=False)
-    t17 = np.einsum('abcb->abc', t16)
-    t18 = t14 @ t9
-    t19 = np.ones((d_V,), dtype=X.dtype)
-    t17 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bdc', t18, t19, optimize=[(0, 1)])
+    t7 = (2/(L*d_V*n_batch)) * t2
+    t1[...] = oe.contract('abc,acd,de,ace,acf->bdfe', t7, t4, t6, t4, X, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t8 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t9 = np.reshape(t8, (d_V, d_ff, d_ff, d_V), copy=False)
+    t10 = (t3 * np.heaviside(t3, 0.0))
+    t9[...] = oe.contract('abc,acd,ace,df->bdef', t7, t4, t10, W_2, optimize=[(0, 1), (0, 2), (0, 1)])
+    t11 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
+    t12 = np.reshape(t11, (d_ff, d_V, d_V, d_ff), copy=False)
+    t13 = np.swapaxes(W_1, -1, -2)
+    t14 = t13 @ t2
+    t15 = (t14 * np.heaviside(t14, 0.0))
+    t16 = (2/(L*d_V*n_batch)) * t15
+    t12[...] = oe.contract('abc,de,ace,acf->bdfe', t16, t5, t4, X, optimize=[(0, 2), (1, 2), (0, 1)])
+    t17 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t17[...] = 0
+    t18 = np.reshape(t17, (d_ff, d_V, d_ff, d_V), copy=False)
+    t19 = np.einsum('abcb->abc', t18)
+    t20 = t15 @ t10
+    t21 = np.ones((d_V,), dtype=X.dtype)
+    t22 = (2/(L*d_V*n_batch)) * t21
+    t19 += oe.contract('abc,d->bdc', t20, t22, optimize=[(0, 1)])
     return H
 
 
@@ -166,7 +169,8 @@ def mse_bias0_residual0__diag__W_1__outer(X, W_1, W_2, Y):
     t3 = np.heaviside(t2, 0.0)
     t4 = np.swapaxes(W_2, -1, -2)
     t5 = W_2 @ t4
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,acd,dd,acd,acb->bd', t1, t3, t5, t3, X, optimize=[(1, 3), (0, 2), (1, 2), (0, 1)])
+    t6 = (2/(L*d_V*n_batch)) * t1
+    t0[...] = oe.contract('abc,acd,dd,acd,acb->bd', t6, t3, t5, t3, X, optimize=[(1, 3), (0, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -197,7 +201,8 @@ def mse_bias0_residual0__block__W_1__W_1__outer(X, W_1, W_2, Y):
     t3 = np.heaviside(t2, 0.0)
     t4 = np.swapaxes(W_2, -1, -2)
     t5 = W_2 @ t4
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,acd,de,ace,acf->bdfe', t1, t3, t5, t3, X, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t6 = (2/(L*d_V*n_batch)) * t1
+    t0[...] = oe.contract('abc,acd,de,ace,acf->bdfe', t6, t3, t5, t3, X, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -229,7 +234,8 @@ def mse_bias0_residual0__block__W_1__W_2__outer(X, W_1, W_2, Y):
     t2 = X @ W_1
     t3 = np.heaviside(t2, 0.0)
     t4 = (t2 * np.heaviside(t2, 0.0))
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,acd,ace,df->bdef', t1, t3, t4, W_2, optimize=[(0, 1), (0, 2), (0, 1)])
+    t5 = (2/(L*d_V*n_batch)) * t1
+    t0[...] = oe.contract('abc,acd,ace,df->bdef', t5, t3, t4, W_2, optimize=[(0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -264,7 +270,8 @@ def mse_bias0_residual0__diag__W_2__outer(X, W_1, W_2, Y):
     t6 = (t5 * np.heaviside(t5, 0.0))
     t7 = t4 @ t6
     t8 = np.ones((d_V,), dtype=X.dtype)
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abb,c->bc', t7, t8, optimize=[(0, 1)])
+    t9 = (2/(L*d_V*n_batch)) * t8
+    t0[...] = oe.contract('abb,c->bc', t7, t9, optimize=[(0, 1)])
     return out
 
 
@@ -299,7 +306,8 @@ def mse_bias0_residual0__block__W_2__W_1__outer(X, W_1, W_2, Y):
     t5 = np.swapaxes(W_2, -1, -2)
     t6 = X @ W_1
     t7 = np.heaviside(t6, 0.0)
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,de,ace,acf->bdfe', t4, t5, t7, X, optimize=[(0, 2), (1, 2), (0, 1)])
+    t8 = (2/(L*d_V*n_batch)) * t4
+    t0[...] = oe.contract('abc,de,ace,acf->bdfe', t8, t5, t7, X, optimize=[(0, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -339,7 +347,8 @@ def mse_bias0_residual0__block__W_2__W_2__outer(X, W_1, W_2, Y):
     t7 = (t6 * np.heaviside(t6, 0.0))
     t8 = t5 @ t7
     t9 = np.ones((d_V,), dtype=X.dtype)
-    t1 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bdc', t8, t9, optimize=[(0, 1)])
+    t10 = (2/(L*d_V*n_batch)) * t9
+    t1 += oe.contract('abc,d->bdc', t8, t10, optimize=[(0, 1)])
     return out
 
 
@@ -384,18 +393,22 @@ def mse_bias0_residual0__hessian__functional(X, W_1, W_2, Y):
     t10 = (-2/(L*d_V)) * Y
     t11 = t9 + t10
     G = t11
-    t3 += (1/n_batch) * oe.contract('abc,acd,ace->bde', t4, t6, G, optimize=[(0, 1), (0, 1)])
-    t12 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
-    t12[...] = 0
-    t13 = np.reshape(t12, (d_ff, d_V, d_V, d_ff), copy=False)
-    t14 = np.einsum('abca->abc', t13)
-    t15 = np.swapaxes(G, -1, -2)
-    t16 = np.swapaxes(W_1, -1, -2)
-    t17 = t16 @ t4
-    t18 = np.heaviside(t17, 0.0)
-    t14 += (1/n_batch) * oe.contract('abc,adc,ace->dbe', t15, t18, X, optimize=[(0, 1), (0, 1)])
-    t19 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t19[...] = 0
+    t12 = (1/n_batch) * t4
+    t13 = oe.contract('abc->cab', G, optimize=[(0,)])
+    t14 = oe.contract('abc,acd->bdac', t12, t6, optimize=[(0, 1)])
+    t3 += oe.contract('abc,debc->dea', t13, t14, optimize=[(0, 1)])
+    t15 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
+    t15[...] = 0
+    t16 = np.reshape(t15, (d_ff, d_V, d_V, d_ff), copy=False)
+    t17 = np.einsum('abca->abc', t16)
+    t18 = np.swapaxes(G, -1, -2)
+    t19 = np.swapaxes(W_1, -1, -2)
+    t20 = t19 @ t4
+    t21 = np.heaviside(t20, 0.0)
+    t22 = (1/n_batch) * t18
+    t17 += oe.contract('abc,adc,ace->dbe', t22, t21, X, optimize=[(0, 1), (0, 1)])
+    t23 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t23[...] = 0
     return H
 
 
@@ -516,7 +529,10 @@ def mse_bias0_residual0__block__W_1__W_2__functional(X, W_1, W_2, Y):
     t8 = (-2/(L*d_V)) * Y
     t9 = t7 + t8
     G = t9
-    t1 += (1/n_batch) * oe.contract('abc,acd,ace->bde', t2, t4, G, optimize=[(0, 1), (0, 1)])
+    t10 = (1/n_batch) * t2
+    t11 = oe.contract('abc->cab', G, optimize=[(0,)])
+    t12 = oe.contract('abc,acd->bdac', t10, t4, optimize=[(0, 1)])
+    t1 += oe.contract('abc,debc->dea', t11, t12, optimize=[(0, 1)])
     return out
 
 
@@ -584,7 +600,8 @@ def mse_bias0_residual0__block__W_2__W_1__functional(X, W_1, W_2, Y):
     t10 = np.swapaxes(X, -1, -2)
     t11 = t9 @ t10
     t12 = np.heaviside(t11, 0.0)
-    t1 += (1/n_batch) * oe.contract('abc,adc,ace->dbe', t8, t12, X, optimize=[(0, 1), (0, 1)])
+    t13 = (1/n_batch) * t8
+    t1 += oe.contract('abc,adc,ace->dbe', t13, t12, X, optimize=[(0, 1), (0, 1)])
     return out
 
 
@@ -646,36 +663,43 @@ def mse_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     t4 = np.heaviside(t3, 0.0)
     t5 = np.swapaxes(W_2, -1, -2)
     t6 = W_2 @ t5
-    t1[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,acd,de,ace,acf->bdfe', t2, t4, t6, t4, X, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t7 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t8 = np.reshape(t7, (d_V, d_ff, d_ff, d_V), copy=False)
-    t9 = (t3 * np.heaviside(t3, 0.0))
-    t8[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,acd,ace,df->bdef', t2, t4, t9, W_2, optimize=[(0, 1), (0, 2), (0, 1)])
-    t10 = np.einsum('abbc->abc', t8)
-    t11 = t9 @ W_2
-    F = t11
-    t12 = (2/(L*d_V)) * F
-    t13 = (-2/(L*d_V)) * Y
-    t14 = t12 + t13
-    G = t14
-    t10 += (1/n_batch) * oe.contract('abc,acd,ace->bde', t2, t4, G, optimize=[(0, 1), (0, 1)])
-    t15 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
-    t16 = np.reshape(t15, (d_ff, d_V, d_V, d_ff), copy=False)
-    t17 = np.swapaxes(W_1, -1, -2)
-    t18 = t17 @ t2
-    t19 = (t18 * np.heaviside(t18, 0.0))
-    t16[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,de,ace,acf->bdfe', t19, t5, t4, X, optimize=[(0, 2), (1, 2), (0, 1)])
-    t20 = np.einsum('abca->abc', t16)
-    t21 = np.swapaxes(G, -1, -2)
-    t22 = np.heaviside(t18, 0.0)
-    t20 += (1/n_batch) * oe.contract('abc,adc,ace->dbe', t21, t22, X, optimize=[(0, 1), (0, 1)])
-    t23 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t23[...] = 0
-    t24 = np.reshape(t23, (d_ff, d_V, d_ff, d_V), copy=False)
-    t25 = np.einsum('abcb->abc', t24)
-    t26 = t19 @ t9
-    t27 = np.ones((d_V,), dtype=X.dtype)
-    t25 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bdc', t26, t27, optimize=[(0, 1)])
+    t7 = (2/(L*d_V*n_batch)) * t2
+    t1[...] = oe.contract('abc,acd,de,ace,acf->bdfe', t7, t4, t6, t4, X, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t8 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t9 = np.reshape(t8, (d_V, d_ff, d_ff, d_V), copy=False)
+    t10 = (t3 * np.heaviside(t3, 0.0))
+    t9[...] = oe.contract('abc,acd,ace,df->bdef', t7, t4, t10, W_2, optimize=[(0, 1), (0, 2), (0, 1)])
+    t11 = np.einsum('abbc->abc', t9)
+    t12 = t10 @ W_2
+    F = t12
+    t13 = (2/(L*d_V)) * F
+    t14 = (-2/(L*d_V)) * Y
+    t15 = t13 + t14
+    G = t15
+    t16 = (1/n_batch) * t2
+    t17 = oe.contract('abc->cab', G, optimize=[(0,)])
+    t18 = oe.contract('abc,acd->bdac', t16, t4, optimize=[(0, 1)])
+    t11 += oe.contract('abc,debc->dea', t17, t18, optimize=[(0, 1)])
+    t19 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
+    t20 = np.reshape(t19, (d_ff, d_V, d_V, d_ff), copy=False)
+    t21 = np.swapaxes(W_1, -1, -2)
+    t22 = t21 @ t2
+    t23 = (t22 * np.heaviside(t22, 0.0))
+    t24 = (2/(L*d_V*n_batch)) * t23
+    t20[...] = oe.contract('abc,de,ace,acf->bdfe', t24, t5, t4, X, optimize=[(0, 2), (1, 2), (0, 1)])
+    t25 = np.einsum('abca->abc', t20)
+    t26 = np.swapaxes(G, -1, -2)
+    t27 = np.heaviside(t22, 0.0)
+    t28 = (1/n_batch) * t26
+    t25 += oe.contract('abc,adc,ace->dbe', t28, t27, X, optimize=[(0, 1), (0, 1)])
+    t29 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t29[...] = 0
+    t30 = np.reshape(t29, (d_ff, d_V, d_ff, d_V), copy=False)
+    t31 = np.einsum('abcb->abc', t30)
+    t32 = t23 @ t10
+    t33 = np.ones((d_V,), dtype=X.dtype)
+    t34 = (2/(L*d_V*n_batch)) * t33
+    t31 += oe.contract('abc,d->bdc', t32, t34, optimize=[(0, 1)])
     return H
 
 
@@ -769,7 +793,8 @@ def mse_bias0_residual0__diag__W_1__full(X, W_1, W_2, Y):
     t3 = np.heaviside(t2, 0.0)
     t4 = np.swapaxes(W_2, -1, -2)
     t5 = W_2 @ t4
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,acd,dd,acd,acb->bd', t1, t3, t5, t3, X, optimize=[(1, 3), (0, 2), (1, 2), (0, 1)])
+    t6 = (2/(L*d_V*n_batch)) * t1
+    t0[...] = oe.contract('abc,acd,dd,acd,acb->bd', t6, t3, t5, t3, X, optimize=[(1, 3), (0, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -800,7 +825,8 @@ def mse_bias0_residual0__block__W_1__W_1__full(X, W_1, W_2, Y):
     t3 = np.heaviside(t2, 0.0)
     t4 = np.swapaxes(W_2, -1, -2)
     t5 = W_2 @ t4
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,acd,de,ace,acf->bdfe', t1, t3, t5, t3, X, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t6 = (2/(L*d_V*n_batch)) * t1
+    t0[...] = oe.contract('abc,acd,de,ace,acf->bdfe', t6, t3, t5, t3, X, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -832,15 +858,19 @@ def mse_bias0_residual0__block__W_1__W_2__full(X, W_1, W_2, Y):
     t2 = X @ W_1
     t3 = np.heaviside(t2, 0.0)
     t4 = (t2 * np.heaviside(t2, 0.0))
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,acd,ace,df->bdef', t1, t3, t4, W_2, optimize=[(0, 1), (0, 2), (0, 1)])
-    t5 = np.einsum('abbc->abc', t0)
-    t6 = t4 @ W_2
-    F = t6
-    t7 = (2/(L*d_V)) * F
-    t8 = (-2/(L*d_V)) * Y
-    t9 = t7 + t8
-    G = t9
-    t5 += (1/n_batch) * oe.contract('abc,acd,ace->bde', t1, t3, G, optimize=[(0, 1), (0, 1)])
+    t5 = (2/(L*d_V*n_batch)) * t1
+    t0[...] = oe.contract('abc,acd,ace,df->bdef', t5, t3, t4, W_2, optimize=[(0, 1), (0, 2), (0, 1)])
+    t6 = np.einsum('abbc->abc', t0)
+    t7 = t4 @ W_2
+    F = t7
+    t8 = (2/(L*d_V)) * F
+    t9 = (-2/(L*d_V)) * Y
+    t10 = t8 + t9
+    G = t10
+    t11 = (1/n_batch) * t1
+    t12 = oe.contract('abc->cab', G, optimize=[(0,)])
+    t13 = oe.contract('abc,acd->bdac', t11, t3, optimize=[(0, 1)])
+    t6 += oe.contract('abc,debc->dea', t12, t13, optimize=[(0, 1)])
     return out
 
 
@@ -881,7 +911,8 @@ def mse_bias0_residual0__diag__W_2__full(X, W_1, W_2, Y):
     t6 = (t5 * np.heaviside(t5, 0.0))
     t7 = t4 @ t6
     t8 = np.ones((d_V,), dtype=X.dtype)
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abb,c->bc', t7, t8, optimize=[(0, 1)])
+    t9 = (2/(L*d_V*n_batch)) * t8
+    t0[...] = oe.contract('abb,c->bc', t7, t9, optimize=[(0, 1)])
     return out
 
 
@@ -916,18 +947,20 @@ def mse_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
     t5 = np.swapaxes(W_2, -1, -2)
     t6 = X @ W_1
     t7 = np.heaviside(t6, 0.0)
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,de,ace,acf->bdfe', t4, t5, t7, X, optimize=[(0, 2), (1, 2), (0, 1)])
-    t8 = np.einsum('abca->abc', t0)
-    t9 = (t6 * np.heaviside(t6, 0.0))
-    t10 = t9 @ W_2
-    F = t10
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = np.swapaxes(G, -1, -2)
-    t15 = np.heaviside(t3, 0.0)
-    t8 += (1/n_batch) * oe.contract('abc,adc,ace->dbe', t14, t15, X, optimize=[(0, 1), (0, 1)])
+    t8 = (2/(L*d_V*n_batch)) * t4
+    t0[...] = oe.contract('abc,de,ace,acf->bdfe', t8, t5, t7, X, optimize=[(0, 2), (1, 2), (0, 1)])
+    t9 = np.einsum('abca->abc', t0)
+    t10 = (t6 * np.heaviside(t6, 0.0))
+    t11 = t10 @ W_2
+    F = t11
+    t12 = (2/(L*d_V)) * F
+    t13 = (-2/(L*d_V)) * Y
+    t14 = t12 + t13
+    G = t14
+    t15 = np.swapaxes(G, -1, -2)
+    t16 = np.heaviside(t3, 0.0)
+    t17 = (1/n_batch) * t15
+    t9 += oe.contract('abc,adc,ace->dbe', t17, t16, X, optimize=[(0, 1), (0, 1)])
     return out
 
 
@@ -976,7 +1009,8 @@ def mse_bias0_residual0__block__W_2__W_2__full(X, W_1, W_2, Y):
     t7 = (t6 * np.heaviside(t6, 0.0))
     t8 = t5 @ t7
     t9 = np.ones((d_V,), dtype=X.dtype)
-    t1 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bdc', t8, t9, optimize=[(0, 1)])
+    t10 = (2/(L*d_V*n_batch)) * t9
+    t1 += oe.contract('abc,d->bdc', t8, t10, optimize=[(0, 1)])
     return out
 
 
@@ -1067,25 +1101,39 @@ def ce_bias0_residual0__hessian__outer(X, W_1, W_2, Y):
     t9 = np.exp(t8 - t8.max(-1, keepdims=True))
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.swapaxes(W_2, -1, -2)
-    t1[...] = (1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,ef,acf,acg->bdgf', t2, t4, W_2, t6, A, t10, t4, X, optimize=[(3, 4), (0, 1), (0, 1), (2, 4), (0, 3), (1, 2), (0, 1)])
-    t1 += (-1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,acf,fg,acg,ach->bdhg', t2, t4, W_2, t6, A, A, t10, t4, X, optimize=[(3, 4), (3, 4), (3, 6), (2, 4), (1, 4), (0, 3), (0, 1), (0, 1)])
-    t11 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t12 = np.reshape(t11, (d_V, d_ff, d_ff, d_V), copy=False)
-    t12[...] = (1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,acf->bdfe', t2, t4, W_2, t6, A, t7, optimize=[(3, 4), (0, 1), (1, 2), (1, 2), (0, 1)])
-    t12 += (-1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,acf,acg->bdgf', t2, t4, W_2, t6, A, A, t7, optimize=[(3, 4), (2, 5), (1, 4), (0, 3), (0, 1), (0, 1)])
-    t13 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
-    t14 = np.reshape(t13, (d_ff, d_V, d_V, d_ff), copy=False)
-    t15 = np.swapaxes(W_1, -1, -2)
-    t16 = t15 @ t2
-    t17 = (t16 * np.heaviside(t16, 0.0))
-    t14[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,de,ace,acf->bdfe', t17, t6, A, t10, t4, X, optimize=[(1, 2), (0, 2), (1, 2), (1, 2), (0, 1)])
-    t14 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acf,acg->bdgf', t17, t6, A, A, t10, t4, X, optimize=[(1, 2), (1, 2), (1, 4), (1, 3), (0, 2), (0, 1)])
-    t18 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t18[...] = 0
-    t19 = np.reshape(t18, (d_ff, d_V, d_ff, d_V), copy=False)
-    t20 = np.einsum('abcb->abc', t19)
-    t20 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bde', t17, t6, A, t7, optimize=[(1, 2), (0, 1), (0, 1)])
-    t19 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t17, t6, A, A, t7, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t11 = (1/(L*n_batch)) * t2
+    t12 = oe.contract('abc,acd,de,ace,ace,ef,acf->bdfac', t11, t4, W_2, t6, A, t10, t4, optimize=[(3, 4), (2, 3), (3, 4), (0, 1), (0, 1), (0, 1)])
+    t13 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t1[...] = oe.contract('abcde,fde->abfc', t12, t13, optimize=[(0, 1)])
+    t14 = (-1/(L*n_batch)) * t2
+    t15 = oe.contract('abc,cd,abd,abe->edab', A, t10, t4, X, optimize=[(0, 1), (0, 2), (0, 1)])
+    t16 = oe.contract('abc,acd,de,ace,ace->bdac', t14, t4, W_2, t6, A, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)])
+    t1 += oe.contract('abcd,efcd->efab', t15, t16, optimize=[(0, 1)])
+    t17 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t18 = np.reshape(t17, (d_V, d_ff, d_ff, d_V), copy=False)
+    t18[...] = oe.contract('abc,acd,de,ace,ace,acf->bdfe', t11, t4, W_2, t6, A, t7, optimize=[(3, 4), (0, 1), (1, 2), (1, 2), (0, 1)])
+    t19 = oe.contract('abc,abd->dcab', A, t7, optimize=[(0, 1)])
+    t18 += oe.contract('abcd,efcd->efab', t19, t16, optimize=[(0, 1)])
+    t20 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
+    t21 = np.reshape(t20, (d_ff, d_V, d_V, d_ff), copy=False)
+    t22 = np.swapaxes(W_1, -1, -2)
+    t23 = t22 @ t2
+    t24 = (t23 * np.heaviside(t23, 0.0))
+    t25 = (1/(L*n_batch)) * t24
+    t21[...] = oe.contract('abc,acd,acd,de,ace,acf->bdfe', t25, t6, A, t10, t4, X, optimize=[(1, 2), (0, 2), (1, 2), (1, 2), (0, 1)])
+    t26 = (-1/(L*n_batch)) * t24
+    t27 = oe.contract('abc,acd,de,ace,acf->bfeac', t26, A, t10, t4, X, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t28 = oe.contract('abc,abc->cab', t6, A, optimize=[(0, 1)])
+    t21 += oe.contract('abcde,fde->afbc', t27, t28, optimize=[(0, 1)])
+    t29 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t29[...] = 0
+    t30 = np.reshape(t29, (d_ff, d_V, d_ff, d_V), copy=False)
+    t31 = np.einsum('abcb->abc', t30)
+    t32 = oe.contract('abc,acd->bdac', t25, t7, optimize=[(0, 1)])
+    t31 += oe.contract('abcd,ecd->aeb', t32, t28, optimize=[(0, 1)])
+    t33 = oe.contract('abc,acd->bdac', t26, A, optimize=[(0, 1)])
+    t34 = oe.contract('abc,abc,abd->cdab', t6, A, t7, optimize=[(0, 1), (0, 1)])
+    t30 += oe.contract('abcd,efcd->aefb', t33, t34, optimize=[(0, 1)])
     return H
 
 
@@ -1173,8 +1221,14 @@ def ce_bias0_residual0__diag__W_1__outer(X, W_1, W_2, Y):
     t8 = np.exp(t7 - t7.max(-1, keepdims=True))
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.swapaxes(W_2, -1, -2)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,ed,acd,acb->bd', t1, t3, W_2, t5, A, t9, t3, X, optimize=[(3, 4), (2, 3), (1, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,acf,fd,acd,acb->bd', t1, t3, W_2, t5, A, A, t9, t3, X, optimize=[(3, 4), (1, 5), (0, 4), (1, 2), (2, 4), (0, 1), (1, 2), (0, 1)])
+    t10 = (1/(L*n_batch)) * t1
+    t11 = oe.contract('abc,cd,abd,abd,dc,abc->cab', t3, W_2, t5, A, t9, t3, optimize=[(2, 3), (1, 2), (0, 1), (0, 1), (0, 1)])
+    t12 = oe.contract('abc,acb->bac', t10, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t11, t12, optimize=[(0, 1)])
+    t13 = (-1/(L*n_batch)) * t1
+    t14 = oe.contract('abc,cd,abd,abd,abe,ec,abc->cab', t3, W_2, t5, A, A, t9, t3, optimize=[(2, 3), (0, 4), (1, 2), (2, 3), (0, 1), (0, 1)])
+    t15 = oe.contract('abc,acb->bac', t13, X, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dbc->da', t14, t15, optimize=[(0, 1)])
     return out
 
 
@@ -1215,8 +1269,14 @@ def ce_bias0_residual0__block__W_1__W_1__outer(X, W_1, W_2, Y):
     t8 = np.exp(t7 - t7.max(-1, keepdims=True))
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.swapaxes(W_2, -1, -2)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,ef,acf,acg->bdgf', t1, t3, W_2, t5, A, t9, t3, X, optimize=[(3, 4), (0, 1), (0, 1), (2, 4), (0, 3), (1, 2), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,acf,fg,acg,ach->bdhg', t1, t3, W_2, t5, A, A, t9, t3, X, optimize=[(3, 4), (3, 4), (3, 6), (2, 4), (1, 4), (0, 3), (0, 1), (0, 1)])
+    t10 = (1/(L*n_batch)) * t1
+    t11 = oe.contract('abc,acd,de,ace,ace,ef,acf->bdfac', t10, t3, W_2, t5, A, t9, t3, optimize=[(3, 4), (2, 3), (3, 4), (0, 1), (0, 1), (0, 1)])
+    t12 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t0[...] = oe.contract('abcde,fde->abfc', t11, t12, optimize=[(0, 1)])
+    t13 = (-1/(L*n_batch)) * t1
+    t14 = oe.contract('abc,cd,abd,abe->edab', A, t9, t3, X, optimize=[(0, 1), (0, 2), (0, 1)])
+    t15 = oe.contract('abc,acd,de,ace,ace->bdac', t13, t3, W_2, t5, A, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)])
+    t0 += oe.contract('abcd,efcd->efab', t14, t15, optimize=[(0, 1)])
     return out
 
 
@@ -1258,8 +1318,12 @@ def ce_bias0_residual0__block__W_1__W_2__outer(X, W_1, W_2, Y):
     t7 = t6 @ W_2
     t8 = np.exp(t7 - t7.max(-1, keepdims=True))
     A = t8 / t8.sum(-1, keepdims=True)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,acf->bdfe', t1, t3, W_2, t5, A, t6, optimize=[(3, 4), (0, 1), (1, 2), (1, 2), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,acf,acg->bdgf', t1, t3, W_2, t5, A, A, t6, optimize=[(3, 4), (2, 5), (1, 4), (0, 3), (0, 1), (0, 1)])
+    t9 = (1/(L*n_batch)) * t1
+    t0[...] = oe.contract('abc,acd,de,ace,ace,acf->bdfe', t9, t3, W_2, t5, A, t6, optimize=[(3, 4), (0, 1), (1, 2), (1, 2), (0, 1)])
+    t10 = (-1/(L*n_batch)) * t1
+    t11 = oe.contract('abc,abd->dcab', A, t6, optimize=[(0, 1)])
+    t12 = oe.contract('abc,acd,de,ace,ace->bdac', t10, t3, W_2, t5, A, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)])
+    t0 += oe.contract('abcd,efcd->efab', t11, t12, optimize=[(0, 1)])
     return out
 
 
@@ -1302,8 +1366,12 @@ def ce_bias0_residual0__diag__W_2__outer(X, W_1, W_2, Y):
     t9 = t8 @ W_2
     t10 = np.exp(t9 - t9.max(-1, keepdims=True))
     A = t10 / t10.sum(-1, keepdims=True)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,acb->bd', t4, t6, A, t8, optimize=[(0, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->bd', t4, t6, A, A, t8, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t11 = (1/(L*n_batch)) * t4
+    t12 = oe.contract('abc,abc->cab', t6, A, optimize=[(0, 1)])
+    t13 = oe.contract('abc,acb->bac', t11, t8, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t12, t13, optimize=[(0, 1)])
+    t14 = (-1/(L*n_batch)) * t4
+    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t14, t6, A, A, t8, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -1348,8 +1416,12 @@ def ce_bias0_residual0__block__W_2__W_1__outer(X, W_1, W_2, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.swapaxes(W_2, -1, -2)
     t12 = np.heaviside(t7, 0.0)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,de,ace,acf->bdfe', t4, t6, A, t11, t12, X, optimize=[(1, 2), (0, 2), (1, 2), (1, 2), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acf,acg->bdgf', t4, t6, A, A, t11, t12, X, optimize=[(1, 2), (1, 2), (1, 4), (1, 3), (0, 2), (0, 1)])
+    t13 = (1/(L*n_batch)) * t4
+    t0[...] = oe.contract('abc,acd,acd,de,ace,acf->bdfe', t13, t6, A, t11, t12, X, optimize=[(1, 2), (0, 2), (1, 2), (1, 2), (0, 1)])
+    t14 = (-1/(L*n_batch)) * t4
+    t15 = oe.contract('abc,acd,de,ace,acf->bfeac', t14, A, t11, t12, X, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t16 = oe.contract('abc,abc->cab', t6, A, optimize=[(0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t15, t16, optimize=[(0, 1)])
     return out
 
 
@@ -1398,8 +1470,14 @@ def ce_bias0_residual0__block__W_2__W_2__outer(X, W_1, W_2, Y):
     t10 = t9 @ W_2
     t11 = np.exp(t10 - t10.max(-1, keepdims=True))
     A = t11 / t11.sum(-1, keepdims=True)
-    t1 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bde', t5, t7, A, t9, optimize=[(1, 2), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t5, t7, A, A, t9, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t12 = (1/(L*n_batch)) * t5
+    t13 = oe.contract('abc,acd->bdac', t12, t9, optimize=[(0, 1)])
+    t14 = oe.contract('abc,abc->cab', t7, A, optimize=[(0, 1)])
+    t1 += oe.contract('abcd,ecd->aeb', t13, t14, optimize=[(0, 1)])
+    t15 = (-1/(L*n_batch)) * t5
+    t16 = oe.contract('abc,acd->bdac', t15, A, optimize=[(0, 1)])
+    t17 = oe.contract('abc,abc,abd->cdab', t7, A, t9, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -1453,18 +1531,22 @@ def ce_bias0_residual0__hessian__functional(X, W_1, W_2, Y):
     t14 = (-1/L) * Y
     t15 = t13 + t14
     G = t15
-    t3 += (1/n_batch) * oe.contract('abc,acd,ace->bde', t4, t6, G, optimize=[(0, 1), (0, 1)])
-    t16 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
-    t16[...] = 0
-    t17 = np.reshape(t16, (d_ff, d_V, d_V, d_ff), copy=False)
-    t18 = np.einsum('abca->abc', t17)
-    t19 = np.swapaxes(G, -1, -2)
-    t20 = np.swapaxes(W_1, -1, -2)
-    t21 = t20 @ t4
-    t22 = np.heaviside(t21, 0.0)
-    t18 += (1/n_batch) * oe.contract('abc,adc,ace->dbe', t19, t22, X, optimize=[(0, 1), (0, 1)])
-    t23 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t23[...] = 0
+    t16 = (1/n_batch) * t4
+    t17 = oe.contract('abc->cab', G, optimize=[(0,)])
+    t18 = oe.contract('abc,acd->bdac', t16, t6, optimize=[(0, 1)])
+    t3 += oe.contract('abc,debc->dea', t17, t18, optimize=[(0, 1)])
+    t19 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
+    t19[...] = 0
+    t20 = np.reshape(t19, (d_ff, d_V, d_V, d_ff), copy=False)
+    t21 = np.einsum('abca->abc', t20)
+    t22 = np.swapaxes(G, -1, -2)
+    t23 = np.swapaxes(W_1, -1, -2)
+    t24 = t23 @ t4
+    t25 = np.heaviside(t24, 0.0)
+    t26 = (1/n_batch) * t22
+    t21 += oe.contract('abc,adc,ace->dbe', t26, t25, X, optimize=[(0, 1), (0, 1)])
+    t27 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t27[...] = 0
     return H
 
 
@@ -1600,7 +1682,10 @@ def ce_bias0_residual0__block__W_1__W_2__functional(X, W_1, W_2, Y):
     t12 = (-1/L) * Y
     t13 = t11 + t12
     G = t13
-    t1 += (1/n_batch) * oe.contract('abc,acd,ace->bde', t2, t4, G, optimize=[(0, 1), (0, 1)])
+    t14 = (1/n_batch) * t2
+    t15 = oe.contract('abc->cab', G, optimize=[(0,)])
+    t16 = oe.contract('abc,acd->bdac', t14, t4, optimize=[(0, 1)])
+    t1 += oe.contract('abc,debc->dea', t15, t16, optimize=[(0, 1)])
     return out
 
 
@@ -1678,7 +1763,8 @@ def ce_bias0_residual0__block__W_2__W_1__functional(X, W_1, W_2, Y):
     t14 = np.swapaxes(X, -1, -2)
     t15 = t13 @ t14
     t16 = np.heaviside(t15, 0.0)
-    t1 += (1/n_batch) * oe.contract('abc,adc,ace->dbe', t12, t16, X, optimize=[(0, 1), (0, 1)])
+    t17 = (1/n_batch) * t12
+    t1 += oe.contract('abc,adc,ace->dbe', t17, t16, X, optimize=[(0, 1), (0, 1)])
     return out
 
 
@@ -1750,39 +1836,57 @@ def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     t9 = np.exp(t8 - t8.max(-1, keepdims=True))
     A = t9 / t9.sum(-1, keepdims=True)
     t10 = np.swapaxes(W_2, -1, -2)
-    t1[...] = (1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,ef,acf,acg->bdgf', t2, t4, W_2, t6, A, t10, t4, X, optimize=[(3, 4), (0, 1), (0, 1), (2, 4), (0, 3), (1, 2), (0, 1)])
-    t1 += (-1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,acf,fg,acg,ach->bdhg', t2, t4, W_2, t6, A, A, t10, t4, X, optimize=[(3, 4), (3, 4), (3, 6), (2, 4), (1, 4), (0, 3), (0, 1), (0, 1)])
-    t11 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t12 = np.reshape(t11, (d_V, d_ff, d_ff, d_V), copy=False)
-    t12[...] = (1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,acf->bdfe', t2, t4, W_2, t6, A, t7, optimize=[(3, 4), (0, 1), (1, 2), (1, 2), (0, 1)])
-    t12 += (-1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,acf,acg->bdgf', t2, t4, W_2, t6, A, A, t7, optimize=[(3, 4), (2, 5), (1, 4), (0, 3), (0, 1), (0, 1)])
-    t13 = np.einsum('abbc->abc', t12)
+    t11 = (1/(L*n_batch)) * t2
+    t12 = oe.contract('abc,acd,de,ace,ace,ef,acf->bdfac', t11, t4, W_2, t6, A, t10, t4, optimize=[(3, 4), (2, 3), (3, 4), (0, 1), (0, 1), (0, 1)])
+    t13 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t1[...] = oe.contract('abcde,fde->abfc', t12, t13, optimize=[(0, 1)])
+    t14 = (-1/(L*n_batch)) * t2
+    t15 = oe.contract('abc,cd,abd,abe->edab', A, t10, t4, X, optimize=[(0, 1), (0, 2), (0, 1)])
+    t16 = oe.contract('abc,acd,de,ace,ace->bdac', t14, t4, W_2, t6, A, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)])
+    t1 += oe.contract('abcd,efcd->efab', t15, t16, optimize=[(0, 1)])
+    t17 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t18 = np.reshape(t17, (d_V, d_ff, d_ff, d_V), copy=False)
+    t18[...] = oe.contract('abc,acd,de,ace,ace,acf->bdfe', t11, t4, W_2, t6, A, t7, optimize=[(3, 4), (0, 1), (1, 2), (1, 2), (0, 1)])
+    t19 = oe.contract('abc,abd->dcab', A, t7, optimize=[(0, 1)])
+    t18 += oe.contract('abcd,efcd->efab', t19, t16, optimize=[(0, 1)])
+    t20 = np.einsum('abbc->abc', t18)
     F = t8
-    t14 = np.exp(F - F.max(-1, keepdims=True))
-    A15 = t14 / t14.sum(-1, keepdims=True)
-    t16 = t6 * A15
-    t17 = (1/L) * t16
-    t18 = (-1/L) * Y
-    t19 = t17 + t18
-    G = t19
-    t13 += (1/n_batch) * oe.contract('abc,acd,ace->bde', t2, t4, G, optimize=[(0, 1), (0, 1)])
-    t20 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
-    t21 = np.reshape(t20, (d_ff, d_V, d_V, d_ff), copy=False)
-    t22 = np.swapaxes(W_1, -1, -2)
-    t23 = t22 @ t2
-    t24 = (t23 * np.heaviside(t23, 0.0))
-    t21[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,de,ace,acf->bdfe', t24, t6, A, t10, t4, X, optimize=[(1, 2), (0, 2), (1, 2), (1, 2), (0, 1)])
-    t21 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acf,acg->bdgf', t24, t6, A, A, t10, t4, X, optimize=[(1, 2), (1, 2), (1, 4), (1, 3), (0, 2), (0, 1)])
-    t25 = np.einsum('abca->abc', t21)
-    t26 = np.swapaxes(G, -1, -2)
-    t27 = np.heaviside(t23, 0.0)
-    t25 += (1/n_batch) * oe.contract('abc,adc,ace->dbe', t26, t27, X, optimize=[(0, 1), (0, 1)])
-    t28 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t28[...] = 0
-    t29 = np.reshape(t28, (d_ff, d_V, d_ff, d_V), copy=False)
-    t30 = np.einsum('abcb->abc', t29)
-    t30 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bde', t24, t6, A, t7, optimize=[(1, 2), (0, 1), (0, 1)])
-    t29 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t24, t6, A, A, t7, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t21 = np.exp(F - F.max(-1, keepdims=True))
+    A22 = t21 / t21.sum(-1, keepdims=True)
+    t23 = t6 * A22
+    t24 = (1/L) * t23
+    t25 = (-1/L) * Y
+    t26 = t24 + t25
+    G = t26
+    t27 = (1/n_batch) * t2
+    t28 = oe.contract('abc->cab', G, optimize=[(0,)])
+    t29 = oe.contract('abc,acd->bdac', t27, t4, optimize=[(0, 1)])
+    t20 += oe.contract('abc,debc->dea', t28, t29, optimize=[(0, 1)])
+    t30 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
+    t31 = np.reshape(t30, (d_ff, d_V, d_V, d_ff), copy=False)
+    t32 = np.swapaxes(W_1, -1, -2)
+    t33 = t32 @ t2
+    t34 = (t33 * np.heaviside(t33, 0.0))
+    t35 = (1/(L*n_batch)) * t34
+    t31[...] = oe.contract('abc,acd,acd,de,ace,acf->bdfe', t35, t6, A, t10, t4, X, optimize=[(1, 2), (0, 2), (1, 2), (1, 2), (0, 1)])
+    t36 = (-1/(L*n_batch)) * t34
+    t37 = oe.contract('abc,acd,de,ace,acf->bfeac', t36, A, t10, t4, X, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t38 = oe.contract('abc,abc->cab', t6, A, optimize=[(0, 1)])
+    t31 += oe.contract('abcde,fde->afbc', t37, t38, optimize=[(0, 1)])
+    t39 = np.einsum('abca->abc', t31)
+    t40 = np.swapaxes(G, -1, -2)
+    t41 = np.heaviside(t33, 0.0)
+    t42 = (1/n_batch) * t40
+    t39 += oe.contract('abc,adc,ace->dbe', t42, t41, X, optimize=[(0, 1), (0, 1)])
+    t43 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t43[...] = 0
+    t44 = np.reshape(t43, (d_ff, d_V, d_ff, d_V), copy=False)
+    t45 = np.einsum('abcb->abc', t44)
+    t46 = oe.contract('abc,acd->bdac', t35, t7, optimize=[(0, 1)])
+    t45 += oe.contract('abcd,ecd->aeb', t46, t38, optimize=[(0, 1)])
+    t47 = oe.contract('abc,acd->bdac', t36, A, optimize=[(0, 1)])
+    t48 = oe.contract('abc,abc,abd->cdab', t6, A, t7, optimize=[(0, 1), (0, 1)])
+    t44 += oe.contract('abcd,efcd->aefb', t47, t48, optimize=[(0, 1)])
     return H
 
 
@@ -1894,8 +1998,14 @@ def ce_bias0_residual0__diag__W_1__full(X, W_1, W_2, Y):
     t8 = np.exp(t7 - t7.max(-1, keepdims=True))
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.swapaxes(W_2, -1, -2)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,ed,acd,acb->bd', t1, t3, W_2, t5, A, t9, t3, X, optimize=[(3, 4), (2, 3), (1, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,acf,fd,acd,acb->bd', t1, t3, W_2, t5, A, A, t9, t3, X, optimize=[(3, 4), (1, 5), (0, 4), (1, 2), (2, 4), (0, 1), (1, 2), (0, 1)])
+    t10 = (1/(L*n_batch)) * t1
+    t11 = oe.contract('abc,cd,abd,abd,dc,abc->cab', t3, W_2, t5, A, t9, t3, optimize=[(2, 3), (1, 2), (0, 1), (0, 1), (0, 1)])
+    t12 = oe.contract('abc,acb->bac', t10, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t11, t12, optimize=[(0, 1)])
+    t13 = (-1/(L*n_batch)) * t1
+    t14 = oe.contract('abc,cd,abd,abd,abe,ec,abc->cab', t3, W_2, t5, A, A, t9, t3, optimize=[(2, 3), (0, 4), (1, 2), (2, 3), (0, 1), (0, 1)])
+    t15 = oe.contract('abc,acb->bac', t13, X, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dbc->da', t14, t15, optimize=[(0, 1)])
     return out
 
 
@@ -1936,8 +2046,14 @@ def ce_bias0_residual0__block__W_1__W_1__full(X, W_1, W_2, Y):
     t8 = np.exp(t7 - t7.max(-1, keepdims=True))
     A = t8 / t8.sum(-1, keepdims=True)
     t9 = np.swapaxes(W_2, -1, -2)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,ef,acf,acg->bdgf', t1, t3, W_2, t5, A, t9, t3, X, optimize=[(3, 4), (0, 1), (0, 1), (2, 4), (0, 3), (1, 2), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,acf,fg,acg,ach->bdhg', t1, t3, W_2, t5, A, A, t9, t3, X, optimize=[(3, 4), (3, 4), (3, 6), (2, 4), (1, 4), (0, 3), (0, 1), (0, 1)])
+    t10 = (1/(L*n_batch)) * t1
+    t11 = oe.contract('abc,acd,de,ace,ace,ef,acf->bdfac', t10, t3, W_2, t5, A, t9, t3, optimize=[(3, 4), (2, 3), (3, 4), (0, 1), (0, 1), (0, 1)])
+    t12 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t0[...] = oe.contract('abcde,fde->abfc', t11, t12, optimize=[(0, 1)])
+    t13 = (-1/(L*n_batch)) * t1
+    t14 = oe.contract('abc,cd,abd,abe->edab', A, t9, t3, X, optimize=[(0, 1), (0, 2), (0, 1)])
+    t15 = oe.contract('abc,acd,de,ace,ace->bdac', t13, t3, W_2, t5, A, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)])
+    t0 += oe.contract('abcd,efcd->efab', t14, t15, optimize=[(0, 1)])
     return out
 
 
@@ -1979,18 +2095,25 @@ def ce_bias0_residual0__block__W_1__W_2__full(X, W_1, W_2, Y):
     t7 = t6 @ W_2
     t8 = np.exp(t7 - t7.max(-1, keepdims=True))
     A = t8 / t8.sum(-1, keepdims=True)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,acf->bdfe', t1, t3, W_2, t5, A, t6, optimize=[(3, 4), (0, 1), (1, 2), (1, 2), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,acf,acg->bdgf', t1, t3, W_2, t5, A, A, t6, optimize=[(3, 4), (2, 5), (1, 4), (0, 3), (0, 1), (0, 1)])
-    t9 = np.einsum('abbc->abc', t0)
+    t9 = (1/(L*n_batch)) * t1
+    t0[...] = oe.contract('abc,acd,de,ace,ace,acf->bdfe', t9, t3, W_2, t5, A, t6, optimize=[(3, 4), (0, 1), (1, 2), (1, 2), (0, 1)])
+    t10 = (-1/(L*n_batch)) * t1
+    t11 = oe.contract('abc,abd->dcab', A, t6, optimize=[(0, 1)])
+    t12 = oe.contract('abc,acd,de,ace,ace->bdac', t10, t3, W_2, t5, A, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)])
+    t0 += oe.contract('abcd,efcd->efab', t11, t12, optimize=[(0, 1)])
+    t13 = np.einsum('abbc->abc', t0)
     F = t7
-    t10 = np.exp(F - F.max(-1, keepdims=True))
-    A11 = t10 / t10.sum(-1, keepdims=True)
-    t12 = t5 * A11
-    t13 = (1/L) * t12
-    t14 = (-1/L) * Y
-    t15 = t13 + t14
-    G = t15
-    t9 += (1/n_batch) * oe.contract('abc,acd,ace->bde', t1, t3, G, optimize=[(0, 1), (0, 1)])
+    t14 = np.exp(F - F.max(-1, keepdims=True))
+    A15 = t14 / t14.sum(-1, keepdims=True)
+    t16 = t5 * A15
+    t17 = (1/L) * t16
+    t18 = (-1/L) * Y
+    t19 = t17 + t18
+    G = t19
+    t20 = (1/n_batch) * t1
+    t21 = oe.contract('abc->cab', G, optimize=[(0,)])
+    t22 = oe.contract('abc,acd->bdac', t20, t3, optimize=[(0, 1)])
+    t13 += oe.contract('abc,debc->dea', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -2041,8 +2164,12 @@ def ce_bias0_residual0__diag__W_2__full(X, W_1, W_2, Y):
     t9 = t8 @ W_2
     t10 = np.exp(t9 - t9.max(-1, keepdims=True))
     A = t10 / t10.sum(-1, keepdims=True)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,acb->bd', t4, t6, A, t8, optimize=[(0, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->bd', t4, t6, A, A, t8, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t11 = (1/(L*n_batch)) * t4
+    t12 = oe.contract('abc,abc->cab', t6, A, optimize=[(0, 1)])
+    t13 = oe.contract('abc,acb->bac', t11, t8, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t12, t13, optimize=[(0, 1)])
+    t14 = (-1/(L*n_batch)) * t4
+    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t14, t6, A, A, t8, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -2087,20 +2214,25 @@ def ce_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
     A = t10 / t10.sum(-1, keepdims=True)
     t11 = np.swapaxes(W_2, -1, -2)
     t12 = np.heaviside(t7, 0.0)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,de,ace,acf->bdfe', t4, t6, A, t11, t12, X, optimize=[(1, 2), (0, 2), (1, 2), (1, 2), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acf,acg->bdgf', t4, t6, A, A, t11, t12, X, optimize=[(1, 2), (1, 2), (1, 4), (1, 3), (0, 2), (0, 1)])
-    t13 = np.einsum('abca->abc', t0)
+    t13 = (1/(L*n_batch)) * t4
+    t0[...] = oe.contract('abc,acd,acd,de,ace,acf->bdfe', t13, t6, A, t11, t12, X, optimize=[(1, 2), (0, 2), (1, 2), (1, 2), (0, 1)])
+    t14 = (-1/(L*n_batch)) * t4
+    t15 = oe.contract('abc,acd,de,ace,acf->bfeac', t14, A, t11, t12, X, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t16 = oe.contract('abc,abc->cab', t6, A, optimize=[(0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t15, t16, optimize=[(0, 1)])
+    t17 = np.einsum('abca->abc', t0)
     F = t9
-    t14 = np.exp(F - F.max(-1, keepdims=True))
-    A15 = t14 / t14.sum(-1, keepdims=True)
-    t16 = t6 * A15
-    t17 = (1/L) * t16
-    t18 = (-1/L) * Y
-    t19 = t17 + t18
-    G = t19
-    t20 = np.swapaxes(G, -1, -2)
-    t21 = np.heaviside(t3, 0.0)
-    t13 += (1/n_batch) * oe.contract('abc,adc,ace->dbe', t20, t21, X, optimize=[(0, 1), (0, 1)])
+    t18 = np.exp(F - F.max(-1, keepdims=True))
+    A19 = t18 / t18.sum(-1, keepdims=True)
+    t20 = t6 * A19
+    t21 = (1/L) * t20
+    t22 = (-1/L) * Y
+    t23 = t21 + t22
+    G = t23
+    t24 = np.swapaxes(G, -1, -2)
+    t25 = np.heaviside(t3, 0.0)
+    t26 = (1/n_batch) * t24
+    t17 += oe.contract('abc,adc,ace->dbe', t26, t25, X, optimize=[(0, 1), (0, 1)])
     return out
 
 
@@ -2159,8 +2291,14 @@ def ce_bias0_residual0__block__W_2__W_2__full(X, W_1, W_2, Y):
     t10 = t9 @ W_2
     t11 = np.exp(t10 - t10.max(-1, keepdims=True))
     A = t11 / t11.sum(-1, keepdims=True)
-    t1 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bde', t5, t7, A, t9, optimize=[(1, 2), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t5, t7, A, A, t9, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t12 = (1/(L*n_batch)) * t5
+    t13 = oe.contract('abc,acd->bdac', t12, t9, optimize=[(0, 1)])
+    t14 = oe.contract('abc,abc->cab', t7, A, optimize=[(0, 1)])
+    t1 += oe.contract('abcd,ecd->aeb', t13, t14, optimize=[(0, 1)])
+    t15 = (-1/(L*n_batch)) * t5
+    t16 = oe.contract('abc,acd->bdac', t15, A, optimize=[(0, 1)])
+    t17 = oe.contract('abc,abc,abd->cdab', t7, A, t9, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t16, t17, optimize=[(0, 1)])
     return out
 
 

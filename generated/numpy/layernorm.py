@@ -109,25 +109,40 @@ def mse__hessian__outer(X, Y):
     sigma2_Z = t11
     t12 = (-0.5 * (sigma2_Z ** -1.5))
     t13 = t12 * M_Z
-    t2 += (8/(L*d_V**3)) * oe.contract('ab,bc,ac,ac,cd,ad->abd', M_Z, t7, t13, t13, t7, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 1), (0, 1)])
-    t2 += (-8/(L*d_V**4)) * oe.contract('ab,bc,ac,ac,cd,ad,de->abe', M_Z, t7, t13, t13, t7, M_Z, t7, optimize=[(2, 3), (2, 3), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t14 = (sigma2_Z ** -0.5)
-    P_Z = t14
-    t2 += (4/(L*d_V**2)) * oe.contract('ab,bc,ac,ac->abc', M_Z, t7, t13, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t2 += (-4/(L*d_V**3)) * oe.contract('ab,bc,ac,ac,cd->abd', M_Z, t7, t13, P_Z, t7, optimize=[(2, 3), (1, 3), (1, 2), (0, 1)])
-    t2 += (4/(L*d_V**2)) * oe.contract('ab,ab,bc,ac->abc', P_Z, t13, t7, M_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t2 += (-4/(L*d_V**3)) * oe.contract('ab,ab,bc,ac,cd->abd', P_Z, t13, t7, M_Z, t7, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
-    t15 = np.einsum('abab->ab', t1)
-    t15 += (2/(L*d_V)) * oe.contract('ab,ab->ab', P_Z, P_Z, optimize=[(0, 1)])
-    t2 += (-2/(L*d_V**2)) * oe.contract('ab,ab,bc->abc', P_Z, P_Z, t7, optimize=[(0, 1), (0, 1)])
-    t2 += (-8/(L*d_V**4)) * oe.contract('ab,cb,bd,cd,cd,de,ce->cae', t7, M_Z, t7, t13, t13, t7, M_Z, optimize=[(3, 4), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
-    t2 += (8/(L*d_V**5)) * oe.contract('ab,cb,bd,cd,cd,de,ce,ef->caf', t7, M_Z, t7, t13, t13, t7, M_Z, t7, optimize=[(3, 4), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
-    t2 += (-4/(L*d_V**3)) * oe.contract('ab,cb,bd,cd,cd->cad', t7, M_Z, t7, t13, P_Z, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
-    t2 += (4/(L*d_V**4)) * oe.contract('ab,cb,bd,cd,cd,de->cae', t7, M_Z, t7, t13, P_Z, t7, optimize=[(3, 4), (0, 1), (0, 3), (1, 2), (0, 1)])
-    t2 += (-4/(L*d_V**3)) * oe.contract('ab,cb,cb,bd,cd->cad', t7, P_Z, t13, t7, M_Z, optimize=[(1, 2), (0, 3), (0, 2), (0, 1)])
-    t2 += (4/(L*d_V**4)) * oe.contract('ab,cb,cb,bd,cd,de->cae', t7, P_Z, t13, t7, M_Z, t7, optimize=[(1, 2), (1, 2), (1, 3), (1, 2), (0, 1)])
-    t2 += (-2/(L*d_V**2)) * oe.contract('ab,cb,cb->cab', t7, P_Z, P_Z, optimize=[(1, 2), (0, 1)])
-    t2 += (2/(L*d_V**3)) * oe.contract('ab,cb,cb,bd->cad', t7, P_Z, P_Z, t7, optimize=[(1, 2), (0, 1), (0, 1)])
+    t14 = (8/(L*d_V**3)) * M_Z
+    t2 += oe.contract('ab,bc,ac,ac,cd,ad->abd', t14, t7, t13, t13, t7, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 1), (0, 1)])
+    t15 = (-8/(L*d_V**4)) * M_Z
+    t2 += oe.contract('ab,bc,ac,ac,cd,ad,de->abe', t15, t7, t13, t13, t7, M_Z, t7, optimize=[(2, 3), (2, 3), (2, 4), (2, 3), (1, 2), (0, 1)])
+    t16 = (sigma2_Z ** -0.5)
+    P_Z = t16
+    t17 = (4/(L*d_V**2)) * M_Z
+    t2 += oe.contract('ab,bc,ac,ac->abc', t17, t7, t13, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
+    t18 = (-4/(L*d_V**3)) * M_Z
+    t2 += oe.contract('ab,bc,ac,ac,cd->abd', t18, t7, t13, P_Z, t7, optimize=[(2, 3), (1, 3), (1, 2), (0, 1)])
+    t19 = (4/(L*d_V**2)) * P_Z
+    t2 += oe.contract('ab,ab,bc,ac->abc', t19, t13, t7, M_Z, optimize=[(0, 1), (0, 1), (0, 1)])
+    t20 = (-4/(L*d_V**3)) * P_Z
+    t2 += oe.contract('ab,ab,bc,ac,cd->abd', t20, t13, t7, M_Z, t7, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
+    t21 = np.einsum('abab->ab', t1)
+    t22 = (2/(L*d_V)) * P_Z
+    t21 += oe.contract('ab,ab->ab', t22, P_Z, optimize=[(0, 1)])
+    t23 = (-2/(L*d_V**2)) * P_Z
+    t2 += oe.contract('ab,ab,bc->abc', t23, P_Z, t7, optimize=[(0, 1), (0, 1)])
+    t2 += oe.contract('ab,cb,bd,cd,cd,de,ce->cae', t7, t15, t7, t13, t13, t7, M_Z, optimize=[(3, 4), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
+    t24 = (8/(L*d_V**5)) * M_Z
+    t2 += oe.contract('ab,cb,bd,cd,cd,de,ce,ef->caf', t7, t24, t7, t13, t13, t7, M_Z, t7, optimize=[(3, 4), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
+    t2 += oe.contract('ab,cb,bd,cd,cd->cad', t7, t18, t7, t13, P_Z, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
+    t25 = (4/(L*d_V**4)) * M_Z
+    t2 += oe.contract('ab,cb,bd,cd,cd,de->cae', t7, t25, t7, t13, P_Z, t7, optimize=[(3, 4), (0, 1), (0, 3), (1, 2), (0, 1)])
+    t2 += oe.contract('ab,cb,cb,bd,cd->cad', t7, t20, t13, t7, M_Z, optimize=[(1, 2), (0, 3), (0, 2), (0, 1)])
+    t26 = (4/(L*d_V**4)) * P_Z
+    t27 = oe.contract('ab,ab,bc,ac,cd->adb', t26, t13, t7, M_Z, t7, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
+    t2 += oe.contract('abc,dc->adb', t27, t7, optimize=[(0, 1)])
+    t2 += oe.contract('ab,cb,cb->cab', t7, t23, P_Z, optimize=[(1, 2), (0, 1)])
+    t28 = (2/(L*d_V**3)) * P_Z
+    t29 = oe.contract('ab,bc->acb', t7, t7, optimize=[(0, 1)])
+    t30 = oe.contract('ab,ab->ab', t28, P_Z, optimize=[(0, 1)])
+    t2 += oe.contract('abc,dc->dab', t29, t30, optimize=[(0, 1)])
     return H
 
 
@@ -221,24 +236,36 @@ def mse__diag__X__outer(X, Y):
     sigma2_Z = t9
     t10 = (-0.5 * (sigma2_Z ** -1.5))
     t11 = t10 * M_Z
-    t0[...] = (8/(L*d_V**3)) * oe.contract('ab,bc,ac,ac,cb,ab->ab', M_Z, t5, t11, t11, t5, M_Z, optimize=[(2, 3), (1, 2), (0, 1), (0, 1), (0, 1)])
-    t0 += (-8/(L*d_V**4)) * oe.contract('ab,bc,ac,ac,cd,ad,db->ab', M_Z, t5, t11, t11, t5, M_Z, t5, optimize=[(2, 3), (2, 3), (2, 4), (1, 3), (1, 2), (0, 1)])
-    t12 = (sigma2_Z ** -0.5)
-    P_Z = t12
-    t0 += (4/(L*d_V**2)) * oe.contract('ab,bb,ab,ab->ab', M_Z, t5, t11, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (-4/(L*d_V**3)) * oe.contract('ab,bc,ac,ac,cb->ab', M_Z, t5, t11, P_Z, t5, optimize=[(2, 3), (1, 2), (1, 2), (0, 1)])
-    t0 += (4/(L*d_V**2)) * oe.contract('ab,ab,bb,ab->ab', P_Z, t11, t5, M_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (-4/(L*d_V**3)) * oe.contract('ab,ab,bc,ac,cb->ab', P_Z, t11, t5, M_Z, t5, optimize=[(0, 1), (0, 2), (0, 2), (0, 1)])
-    t0 += (2/(L*d_V)) * oe.contract('ab,ab->ab', P_Z, P_Z, optimize=[(0, 1)])
-    t0 += (-2/(L*d_V**2)) * oe.contract('ab,ab,bb->ab', P_Z, P_Z, t5, optimize=[(0, 1), (0, 1)])
-    t0 += (-8/(L*d_V**4)) * oe.contract('ab,cb,bd,cd,cd,da,ca->ca', t5, M_Z, t5, t11, t11, t5, M_Z, optimize=[(3, 4), (0, 1), (0, 4), (0, 3), (1, 2), (0, 1)])
-    t0 += (8/(L*d_V**5)) * oe.contract('ab,cb,bd,cd,cd,de,ce,ea->ca', t5, M_Z, t5, t11, t11, t5, M_Z, t5, optimize=[(3, 4), (0, 1), (0, 5), (3, 4), (0, 3), (1, 2), (0, 1)])
-    t0 += (-4/(L*d_V**3)) * oe.contract('ab,cb,ba,ca,ca->ca', t5, M_Z, t5, t11, P_Z, optimize=[(0, 2), (1, 2), (0, 1), (0, 1)])
-    t0 += (4/(L*d_V**4)) * oe.contract('ab,cb,bd,cd,cd,da->ca', t5, M_Z, t5, t11, P_Z, t5, optimize=[(3, 4), (0, 1), (0, 3), (0, 2), (0, 1)])
-    t0 += (-4/(L*d_V**3)) * oe.contract('ab,cb,cb,ba,ca->ca', t5, P_Z, t11, t5, M_Z, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
-    t0 += (4/(L*d_V**4)) * oe.contract('ab,cb,cb,bd,cd,da->ca', t5, P_Z, t11, t5, M_Z, t5, optimize=[(1, 2), (1, 2), (1, 3), (0, 2), (0, 1)])
-    t0 += (-2/(L*d_V**2)) * oe.contract('aa,ba,ba->ba', t5, P_Z, P_Z, optimize=[(0, 1), (0, 1)])
-    t0 += (2/(L*d_V**3)) * oe.contract('ab,cb,cb,ba->ca', t5, P_Z, P_Z, t5, optimize=[(0, 3), (0, 1), (0, 1)])
+    t12 = (8/(L*d_V**3)) * M_Z
+    t0[...] = oe.contract('ab,bc,ac,ac,cb,ab->ab', t12, t5, t11, t11, t5, M_Z, optimize=[(2, 3), (1, 2), (0, 1), (0, 1), (0, 1)])
+    t13 = (-8/(L*d_V**4)) * M_Z
+    t0 += oe.contract('ab,bc,ac,ac,cd,ad,db->ab', t13, t5, t11, t11, t5, M_Z, t5, optimize=[(2, 3), (2, 3), (2, 4), (1, 3), (1, 2), (0, 1)])
+    t14 = (sigma2_Z ** -0.5)
+    P_Z = t14
+    t15 = (4/(L*d_V**2)) * M_Z
+    t0 += oe.contract('ab,bb,ab,ab->ab', t15, t5, t11, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
+    t16 = (-4/(L*d_V**3)) * M_Z
+    t0 += oe.contract('ab,bc,ac,ac,cb->ab', t16, t5, t11, P_Z, t5, optimize=[(2, 3), (1, 2), (1, 2), (0, 1)])
+    t17 = (4/(L*d_V**2)) * P_Z
+    t0 += oe.contract('ab,ab,bb,ab->ab', t17, t11, t5, M_Z, optimize=[(0, 1), (0, 1), (0, 1)])
+    t18 = (-4/(L*d_V**3)) * P_Z
+    t0 += oe.contract('ab,ab,bc,ac,cb->ab', t18, t11, t5, M_Z, t5, optimize=[(0, 1), (0, 2), (0, 2), (0, 1)])
+    t19 = (2/(L*d_V)) * P_Z
+    t0 += oe.contract('ab,ab->ab', t19, P_Z, optimize=[(0, 1)])
+    t20 = (-2/(L*d_V**2)) * P_Z
+    t0 += oe.contract('ab,ab,bb->ab', t20, P_Z, t5, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('ab,cb,bd,cd,cd,da,ca->ca', t5, t13, t5, t11, t11, t5, M_Z, optimize=[(3, 4), (0, 1), (0, 4), (0, 3), (1, 2), (0, 1)])
+    t21 = (8/(L*d_V**5)) * M_Z
+    t0 += oe.contract('ab,cb,bd,cd,cd,de,ce,ea->ca', t5, t21, t5, t11, t11, t5, M_Z, t5, optimize=[(3, 4), (0, 1), (0, 5), (3, 4), (0, 3), (1, 2), (0, 1)])
+    t0 += oe.contract('ab,cb,ba,ca,ca->ca', t5, t16, t5, t11, P_Z, optimize=[(0, 2), (1, 2), (0, 1), (0, 1)])
+    t22 = (4/(L*d_V**4)) * M_Z
+    t0 += oe.contract('ab,cb,bd,cd,cd,da->ca', t5, t22, t5, t11, P_Z, t5, optimize=[(3, 4), (0, 1), (0, 3), (0, 2), (0, 1)])
+    t0 += oe.contract('ab,cb,cb,ba,ca->ca', t5, t18, t11, t5, M_Z, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
+    t23 = (4/(L*d_V**4)) * P_Z
+    t0 += oe.contract('ab,cb,cb,bd,cd,da->ca', t5, t23, t11, t5, M_Z, t5, optimize=[(1, 2), (1, 2), (1, 3), (0, 2), (0, 1)])
+    t0 += oe.contract('aa,ba,ba->ba', t5, t20, P_Z, optimize=[(0, 1), (0, 1)])
+    t24 = (2/(L*d_V**3)) * P_Z
+    t0 += oe.contract('ab,cb,cb,ba->ca', t5, t24, P_Z, t5, optimize=[(0, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -287,25 +314,40 @@ def mse__block__X__X__outer(X, Y):
     sigma2_Z = t10
     t11 = (-0.5 * (sigma2_Z ** -1.5))
     t12 = t11 * M_Z
-    t1 += (8/(L*d_V**3)) * oe.contract('ab,bc,ac,ac,cd,ad->abd', M_Z, t6, t12, t12, t6, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 1), (0, 1)])
-    t1 += (-8/(L*d_V**4)) * oe.contract('ab,bc,ac,ac,cd,ad,de->abe', M_Z, t6, t12, t12, t6, M_Z, t6, optimize=[(2, 3), (2, 3), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t13 = (sigma2_Z ** -0.5)
-    P_Z = t13
-    t1 += (4/(L*d_V**2)) * oe.contract('ab,bc,ac,ac->abc', M_Z, t6, t12, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += (-4/(L*d_V**3)) * oe.contract('ab,bc,ac,ac,cd->abd', M_Z, t6, t12, P_Z, t6, optimize=[(2, 3), (1, 3), (1, 2), (0, 1)])
-    t1 += (4/(L*d_V**2)) * oe.contract('ab,ab,bc,ac->abc', P_Z, t12, t6, M_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += (-4/(L*d_V**3)) * oe.contract('ab,ab,bc,ac,cd->abd', P_Z, t12, t6, M_Z, t6, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
-    t14 = np.einsum('abab->ab', t0)
-    t14 += (2/(L*d_V)) * oe.contract('ab,ab->ab', P_Z, P_Z, optimize=[(0, 1)])
-    t1 += (-2/(L*d_V**2)) * oe.contract('ab,ab,bc->abc', P_Z, P_Z, t6, optimize=[(0, 1), (0, 1)])
-    t1 += (-8/(L*d_V**4)) * oe.contract('ab,cb,bd,cd,cd,de,ce->cae', t6, M_Z, t6, t12, t12, t6, M_Z, optimize=[(3, 4), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
-    t1 += (8/(L*d_V**5)) * oe.contract('ab,cb,bd,cd,cd,de,ce,ef->caf', t6, M_Z, t6, t12, t12, t6, M_Z, t6, optimize=[(3, 4), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
-    t1 += (-4/(L*d_V**3)) * oe.contract('ab,cb,bd,cd,cd->cad', t6, M_Z, t6, t12, P_Z, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
-    t1 += (4/(L*d_V**4)) * oe.contract('ab,cb,bd,cd,cd,de->cae', t6, M_Z, t6, t12, P_Z, t6, optimize=[(3, 4), (0, 1), (0, 3), (1, 2), (0, 1)])
-    t1 += (-4/(L*d_V**3)) * oe.contract('ab,cb,cb,bd,cd->cad', t6, P_Z, t12, t6, M_Z, optimize=[(1, 2), (0, 3), (0, 2), (0, 1)])
-    t1 += (4/(L*d_V**4)) * oe.contract('ab,cb,cb,bd,cd,de->cae', t6, P_Z, t12, t6, M_Z, t6, optimize=[(1, 2), (1, 2), (1, 3), (1, 2), (0, 1)])
-    t1 += (-2/(L*d_V**2)) * oe.contract('ab,cb,cb->cab', t6, P_Z, P_Z, optimize=[(1, 2), (0, 1)])
-    t1 += (2/(L*d_V**3)) * oe.contract('ab,cb,cb,bd->cad', t6, P_Z, P_Z, t6, optimize=[(1, 2), (0, 1), (0, 1)])
+    t13 = (8/(L*d_V**3)) * M_Z
+    t1 += oe.contract('ab,bc,ac,ac,cd,ad->abd', t13, t6, t12, t12, t6, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 1), (0, 1)])
+    t14 = (-8/(L*d_V**4)) * M_Z
+    t1 += oe.contract('ab,bc,ac,ac,cd,ad,de->abe', t14, t6, t12, t12, t6, M_Z, t6, optimize=[(2, 3), (2, 3), (2, 4), (2, 3), (1, 2), (0, 1)])
+    t15 = (sigma2_Z ** -0.5)
+    P_Z = t15
+    t16 = (4/(L*d_V**2)) * M_Z
+    t1 += oe.contract('ab,bc,ac,ac->abc', t16, t6, t12, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
+    t17 = (-4/(L*d_V**3)) * M_Z
+    t1 += oe.contract('ab,bc,ac,ac,cd->abd', t17, t6, t12, P_Z, t6, optimize=[(2, 3), (1, 3), (1, 2), (0, 1)])
+    t18 = (4/(L*d_V**2)) * P_Z
+    t1 += oe.contract('ab,ab,bc,ac->abc', t18, t12, t6, M_Z, optimize=[(0, 1), (0, 1), (0, 1)])
+    t19 = (-4/(L*d_V**3)) * P_Z
+    t1 += oe.contract('ab,ab,bc,ac,cd->abd', t19, t12, t6, M_Z, t6, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
+    t20 = np.einsum('abab->ab', t0)
+    t21 = (2/(L*d_V)) * P_Z
+    t20 += oe.contract('ab,ab->ab', t21, P_Z, optimize=[(0, 1)])
+    t22 = (-2/(L*d_V**2)) * P_Z
+    t1 += oe.contract('ab,ab,bc->abc', t22, P_Z, t6, optimize=[(0, 1), (0, 1)])
+    t1 += oe.contract('ab,cb,bd,cd,cd,de,ce->cae', t6, t14, t6, t12, t12, t6, M_Z, optimize=[(3, 4), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
+    t23 = (8/(L*d_V**5)) * M_Z
+    t1 += oe.contract('ab,cb,bd,cd,cd,de,ce,ef->caf', t6, t23, t6, t12, t12, t6, M_Z, t6, optimize=[(3, 4), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('ab,cb,bd,cd,cd->cad', t6, t17, t6, t12, P_Z, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
+    t24 = (4/(L*d_V**4)) * M_Z
+    t1 += oe.contract('ab,cb,bd,cd,cd,de->cae', t6, t24, t6, t12, P_Z, t6, optimize=[(3, 4), (0, 1), (0, 3), (1, 2), (0, 1)])
+    t1 += oe.contract('ab,cb,cb,bd,cd->cad', t6, t19, t12, t6, M_Z, optimize=[(1, 2), (0, 3), (0, 2), (0, 1)])
+    t25 = (4/(L*d_V**4)) * P_Z
+    t26 = oe.contract('ab,ab,bc,ac,cd->adb', t25, t12, t6, M_Z, t6, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t26, t6, optimize=[(0, 1)])
+    t1 += oe.contract('ab,cb,cb->cab', t6, t22, P_Z, optimize=[(1, 2), (0, 1)])
+    t27 = (2/(L*d_V**3)) * P_Z
+    t28 = oe.contract('ab,bc->acb', t6, t6, optimize=[(0, 1)])
+    t29 = oe.contract('ab,ab->ab', t27, P_Z, optimize=[(0, 1)])
+    t1 += oe.contract('abc,dc->dab', t28, t29, optimize=[(0, 1)])
     return out
 
 
@@ -366,28 +408,38 @@ def mse__hessian__functional(X, Y):
     G = t16
     t17 = t11 * G
     t18 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t2 += (2/(d_V*n_batch)) * oe.contract('abc,cd,bd->bcd', t17, t18, M_Z, optimize=[(0, 1), (0, 1)])
-    t2 += (-2/(d_V**2*n_batch)) * oe.contract('abc,cd,bd,de->bce', t17, t18, M_Z, t18, optimize=[(0, 1), (0, 1), (0, 1)])
-    t19 = np.einsum('abab->ab', t1)
-    t20 = t11 * G * M_Z
-    t21 = t20.sum(-1, keepdims=True)
-    t22 = np.broadcast_to(t21, t21.shape[:-1] + (d_V,))
-    t19 += (2/(d_V*n_batch)) * oe.contract('abc->bc', t22, optimize=[(0,)])
-    t2 += (-2/(d_V**2*n_batch)) * oe.contract('abc,cd->bcd', t22, t18, optimize=[(0, 1)])
-    t23 = (0.75 * (sigma2_Z ** -2.5))
-    t24 = t23 * G * M_Z
-    t2 += (4/(d_V**2*n_batch)) * oe.contract('ab,bc,dac,ce,ae->abe', M_Z, t18, t24, t18, M_Z, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
-    t2 += (-4/(d_V**3*n_batch)) * oe.contract('ab,bc,dac,ce,ae,ef->abf', M_Z, t18, t24, t18, M_Z, t18, optimize=[(1, 2), (1, 4), (1, 3), (1, 2), (0, 1)])
-    t2 += (2/(d_V*n_batch)) * oe.contract('ab,bc,dac->abc', M_Z, t18, t17, optimize=[(0, 1), (0, 1)])
-    t2 += (-2/(d_V**2*n_batch)) * oe.contract('ab,bc,dac,ce->abe', M_Z, t18, t17, t18, optimize=[(2, 3), (0, 2), (0, 1)])
-    t2 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cdb,be,de->dae', t18, t17, t18, M_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t2 += (2/(d_V**3*n_batch)) * oe.contract('ab,cdb,be,de,ef->daf', t18, t17, t18, M_Z, t18, optimize=[(0, 1), (0, 3), (0, 2), (0, 1)])
-    t2 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cdb->dab', t18, t22, optimize=[(0, 1)])
-    t2 += (2/(d_V**3*n_batch)) * oe.contract('ab,cdb,be->dae', t18, t22, t18, optimize=[(0, 1), (0, 1)])
-    t2 += (-4/(d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,df,cf->caf', t18, M_Z, t18, t24, t18, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t2 += (4/(d_V**4*n_batch)) * oe.contract('ab,cb,bd,ecd,df,cf,fg->cag', t18, M_Z, t18, t24, t18, M_Z, t18, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
-    t2 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cb,bd,ecd->cad', t18, M_Z, t18, t17, optimize=[(0, 1), (0, 1), (0, 1)])
-    t2 += (2/(d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,df->caf', t18, M_Z, t18, t17, t18, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)])
+    t19 = (2/(d_V*n_batch)) * M_Z
+    t2 += oe.contract('abc,cd,bd->bcd', t17, t18, t19, optimize=[(0, 1), (0, 1)])
+    t20 = (-2/(d_V**2*n_batch)) * M_Z
+    t2 += oe.contract('abc,cd,bd,de->bce', t17, t18, t20, t18, optimize=[(0, 1), (0, 1), (0, 1)])
+    t21 = np.einsum('abab->ab', t1)
+    t22 = t11 * G * M_Z
+    t23 = t22.sum(-1, keepdims=True)
+    t24 = np.broadcast_to(t23, t23.shape[:-1] + (d_V,))
+    t21 += (2/(d_V*n_batch)) * oe.contract('abc->bc', t24, optimize=[(0,)])
+    t25 = (-2/(d_V**2*n_batch)) * t24
+    t2 += oe.contract('abc,cd->bcd', t25, t18, optimize=[(0, 1)])
+    t26 = (0.75 * (sigma2_Z ** -2.5))
+    t27 = t26 * G * M_Z
+    t28 = (4/(d_V**2*n_batch)) * M_Z
+    t2 += oe.contract('ab,bc,dac,ce,ae->abe', t28, t18, t27, t18, M_Z, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t29 = (-4/(d_V**3*n_batch)) * M_Z
+    t2 += oe.contract('ab,bc,dac,ce,ae,ef->abf', t29, t18, t27, t18, M_Z, t18, optimize=[(1, 2), (1, 4), (1, 3), (1, 2), (0, 1)])
+    t2 += oe.contract('ab,bc,dac->abc', t19, t18, t17, optimize=[(0, 1), (0, 1)])
+    t2 += oe.contract('ab,bc,dac,ce->abe', t20, t18, t17, t18, optimize=[(2, 3), (0, 2), (0, 1)])
+    t2 += oe.contract('ab,cdb,be,de->dae', t18, t17, t18, t20, optimize=[(0, 1), (0, 1), (0, 1)])
+    t30 = (2/(d_V**3*n_batch)) * M_Z
+    t2 += oe.contract('ab,cdb,be,de,ef->daf', t18, t17, t18, t30, t18, optimize=[(0, 1), (0, 3), (0, 2), (0, 1)])
+    t31 = (-2/(d_V**2*n_batch)) * t18
+    t2 += oe.contract('ab,cdb->dab', t31, t24, optimize=[(0, 1)])
+    t32 = (2/(d_V**3*n_batch)) * t18
+    t2 += oe.contract('ab,cdb,be->dae', t32, t24, t18, optimize=[(0, 1), (0, 1)])
+    t2 += oe.contract('ab,cb,bd,ecd,df,cf->caf', t18, t29, t18, t27, t18, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
+    t33 = (4/(d_V**4*n_batch)) * M_Z
+    t2 += oe.contract('ab,cb,bd,ecd,df,cf,fg->cag', t18, t33, t18, t27, t18, M_Z, t18, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t2 += oe.contract('ab,cb,bd,ecd->cad', t18, t20, t18, t17, optimize=[(0, 1), (0, 1), (0, 1)])
+    t34 = oe.contract('ab,bc,dac,ce->aeb', t30, t18, t17, t18, optimize=[(2, 3), (0, 2), (0, 1)])
+    t2 += oe.contract('abc,dc->adb', t34, t18, optimize=[(0, 1)])
     return H
 
 
@@ -515,27 +567,36 @@ def mse__diag__X__functional(X, Y):
     G = t14
     t15 = t9 * G
     t16 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t0[...] = (2/(d_V*n_batch)) * oe.contract('abc,cc,bc->bc', t15, t16, M_Z, optimize=[(0, 1), (0, 1)])
-    t0 += (-2/(d_V**2*n_batch)) * oe.contract('abc,cd,bd,dc->bc', t15, t16, M_Z, t16, optimize=[(1, 2), (1, 2), (0, 1)])
-    t17 = t9 * G * M_Z
-    t18 = t17.sum(-1, keepdims=True)
-    t19 = np.broadcast_to(t18, t18.shape[:-1] + (d_V,))
-    t0 += (2/(d_V*n_batch)) * oe.contract('abc->bc', t19, optimize=[(0,)])
-    t0 += (-2/(d_V**2*n_batch)) * oe.contract('abc,cc->bc', t19, t16, optimize=[(0, 1)])
-    t20 = (0.75 * (sigma2_Z ** -2.5))
-    t21 = t20 * G * M_Z
-    t0 += (4/(d_V**2*n_batch)) * oe.contract('ab,bc,dac,cb,ab->ab', M_Z, t16, t21, t16, M_Z, optimize=[(1, 3), (0, 2), (0, 1), (0, 1)])
-    t0 += (-4/(d_V**3*n_batch)) * oe.contract('ab,bc,dac,ce,ae,eb->ab', M_Z, t16, t21, t16, M_Z, t16, optimize=[(1, 2), (1, 4), (2, 3), (1, 2), (0, 1)])
-    t0 += (2/(d_V*n_batch)) * oe.contract('ab,bb,cab->ab', M_Z, t16, t15, optimize=[(0, 1), (0, 1)])
-    t0 += (-2/(d_V**2*n_batch)) * oe.contract('ab,bc,dac,cb->ab', M_Z, t16, t15, t16, optimize=[(1, 3), (0, 2), (0, 1)])
-    t0 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cdb,ba,da->da', t16, t15, t16, M_Z, optimize=[(0, 1), (0, 2), (0, 1)])
-    t0 += (2/(d_V**3*n_batch)) * oe.contract('ab,cdb,be,de,ea->da', t16, t15, t16, M_Z, t16, optimize=[(0, 1), (0, 3), (1, 2), (0, 1)])
-    t0 += (-2/(d_V**2*n_batch)) * oe.contract('aa,bca->ca', t16, t19, optimize=[(0, 1)])
-    t0 += (2/(d_V**3*n_batch)) * oe.contract('ab,cdb,ba->da', t16, t19, t16, optimize=[(0, 1), (0, 1)])
-    t0 += (-4/(d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,da,ca->ca', t16, M_Z, t16, t21, t16, M_Z, optimize=[(2, 3), (2, 4), (0, 3), (0, 2), (0, 1)])
-    t0 += (4/(d_V**4*n_batch)) * oe.contract('ab,cb,bd,ecd,df,cf,fa->ca', t16, M_Z, t16, t21, t16, M_Z, t16, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (1, 2), (0, 1)])
-    t0 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cb,ba,dca->ca', t16, M_Z, t16, t15, optimize=[(0, 2), (0, 2), (0, 1)])
-    t0 += (2/(d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,da->ca', t16, M_Z, t16, t15, t16, optimize=[(2, 3), (2, 3), (0, 2), (0, 1)])
+    t17 = (2/(d_V*n_batch)) * M_Z
+    t0[...] = oe.contract('abc,cc,bc->bc', t15, t16, t17, optimize=[(0, 1), (0, 1)])
+    t18 = (-2/(d_V**2*n_batch)) * M_Z
+    t0 += oe.contract('abc,cd,bd,dc->bc', t15, t16, t18, t16, optimize=[(1, 2), (1, 2), (0, 1)])
+    t19 = t9 * G * M_Z
+    t20 = t19.sum(-1, keepdims=True)
+    t21 = np.broadcast_to(t20, t20.shape[:-1] + (d_V,))
+    t0 += (2/(d_V*n_batch)) * oe.contract('abc->bc', t21, optimize=[(0,)])
+    t22 = (-2/(d_V**2*n_batch)) * t21
+    t0 += oe.contract('abc,cc->bc', t22, t16, optimize=[(0, 1)])
+    t23 = (0.75 * (sigma2_Z ** -2.5))
+    t24 = t23 * G * M_Z
+    t25 = (4/(d_V**2*n_batch)) * M_Z
+    t0 += oe.contract('ab,bc,dac,cb,ab->ab', t25, t16, t24, t16, M_Z, optimize=[(1, 3), (0, 2), (0, 1), (0, 1)])
+    t26 = (-4/(d_V**3*n_batch)) * M_Z
+    t0 += oe.contract('ab,bc,dac,ce,ae,eb->ab', t26, t16, t24, t16, M_Z, t16, optimize=[(1, 2), (1, 4), (2, 3), (1, 2), (0, 1)])
+    t0 += oe.contract('ab,bb,cab->ab', t17, t16, t15, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('ab,bc,dac,cb->ab', t18, t16, t15, t16, optimize=[(1, 3), (0, 2), (0, 1)])
+    t0 += oe.contract('ab,cdb,ba,da->da', t16, t15, t16, t18, optimize=[(0, 1), (0, 2), (0, 1)])
+    t27 = (2/(d_V**3*n_batch)) * M_Z
+    t0 += oe.contract('ab,cdb,be,de,ea->da', t16, t15, t16, t27, t16, optimize=[(0, 1), (0, 3), (1, 2), (0, 1)])
+    t28 = (-2/(d_V**2*n_batch)) * t16
+    t0 += oe.contract('aa,bca->ca', t28, t21, optimize=[(0, 1)])
+    t29 = (2/(d_V**3*n_batch)) * t16
+    t0 += oe.contract('ab,cdb,ba->da', t29, t21, t16, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('ab,cb,bd,ecd,da,ca->ca', t16, t26, t16, t24, t16, M_Z, optimize=[(2, 3), (2, 4), (0, 3), (0, 2), (0, 1)])
+    t30 = (4/(d_V**4*n_batch)) * M_Z
+    t0 += oe.contract('ab,cb,bd,ecd,df,cf,fa->ca', t16, t30, t16, t24, t16, M_Z, t16, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (1, 2), (0, 1)])
+    t0 += oe.contract('ab,cb,ba,dca->ca', t16, t18, t16, t15, optimize=[(0, 2), (0, 2), (0, 1)])
+    t0 += oe.contract('ab,cb,bd,ecd,da->ca', t16, t27, t16, t15, t16, optimize=[(2, 3), (2, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -605,28 +666,38 @@ def mse__block__X__X__functional(X, Y):
     G = t15
     t16 = t10 * G
     t17 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t1 += (2/(d_V*n_batch)) * oe.contract('abc,cd,bd->bcd', t16, t17, M_Z, optimize=[(0, 1), (0, 1)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('abc,cd,bd,de->bce', t16, t17, M_Z, t17, optimize=[(0, 1), (0, 1), (0, 1)])
-    t18 = np.einsum('abab->ab', t0)
-    t19 = t10 * G * M_Z
-    t20 = t19.sum(-1, keepdims=True)
-    t21 = np.broadcast_to(t20, t20.shape[:-1] + (d_V,))
-    t18 += (2/(d_V*n_batch)) * oe.contract('abc->bc', t21, optimize=[(0,)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('abc,cd->bcd', t21, t17, optimize=[(0, 1)])
-    t22 = (0.75 * (sigma2_Z ** -2.5))
-    t23 = t22 * G * M_Z
-    t1 += (4/(d_V**2*n_batch)) * oe.contract('ab,bc,dac,ce,ae->abe', M_Z, t17, t23, t17, M_Z, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
-    t1 += (-4/(d_V**3*n_batch)) * oe.contract('ab,bc,dac,ce,ae,ef->abf', M_Z, t17, t23, t17, M_Z, t17, optimize=[(1, 2), (1, 4), (1, 3), (1, 2), (0, 1)])
-    t1 += (2/(d_V*n_batch)) * oe.contract('ab,bc,dac->abc', M_Z, t17, t16, optimize=[(0, 1), (0, 1)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('ab,bc,dac,ce->abe', M_Z, t17, t16, t17, optimize=[(2, 3), (0, 2), (0, 1)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cdb,be,de->dae', t17, t16, t17, M_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += (2/(d_V**3*n_batch)) * oe.contract('ab,cdb,be,de,ef->daf', t17, t16, t17, M_Z, t17, optimize=[(0, 1), (0, 3), (0, 2), (0, 1)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cdb->dab', t17, t21, optimize=[(0, 1)])
-    t1 += (2/(d_V**3*n_batch)) * oe.contract('ab,cdb,be->dae', t17, t21, t17, optimize=[(0, 1), (0, 1)])
-    t1 += (-4/(d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,df,cf->caf', t17, M_Z, t17, t23, t17, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t1 += (4/(d_V**4*n_batch)) * oe.contract('ab,cb,bd,ecd,df,cf,fg->cag', t17, M_Z, t17, t23, t17, M_Z, t17, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cb,bd,ecd->cad', t17, M_Z, t17, t16, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += (2/(d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,df->caf', t17, M_Z, t17, t16, t17, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)])
+    t18 = (2/(d_V*n_batch)) * M_Z
+    t1 += oe.contract('abc,cd,bd->bcd', t16, t17, t18, optimize=[(0, 1), (0, 1)])
+    t19 = (-2/(d_V**2*n_batch)) * M_Z
+    t1 += oe.contract('abc,cd,bd,de->bce', t16, t17, t19, t17, optimize=[(0, 1), (0, 1), (0, 1)])
+    t20 = np.einsum('abab->ab', t0)
+    t21 = t10 * G * M_Z
+    t22 = t21.sum(-1, keepdims=True)
+    t23 = np.broadcast_to(t22, t22.shape[:-1] + (d_V,))
+    t20 += (2/(d_V*n_batch)) * oe.contract('abc->bc', t23, optimize=[(0,)])
+    t24 = (-2/(d_V**2*n_batch)) * t23
+    t1 += oe.contract('abc,cd->bcd', t24, t17, optimize=[(0, 1)])
+    t25 = (0.75 * (sigma2_Z ** -2.5))
+    t26 = t25 * G * M_Z
+    t27 = (4/(d_V**2*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ce,ae->abe', t27, t17, t26, t17, M_Z, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t28 = (-4/(d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ce,ae,ef->abf', t28, t17, t26, t17, M_Z, t17, optimize=[(1, 2), (1, 4), (1, 3), (1, 2), (0, 1)])
+    t1 += oe.contract('ab,bc,dac->abc', t18, t17, t16, optimize=[(0, 1), (0, 1)])
+    t1 += oe.contract('ab,bc,dac,ce->abe', t19, t17, t16, t17, optimize=[(2, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('ab,cdb,be,de->dae', t17, t16, t17, t19, optimize=[(0, 1), (0, 1), (0, 1)])
+    t29 = (2/(d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,cdb,be,de,ef->daf', t17, t16, t17, t29, t17, optimize=[(0, 1), (0, 3), (0, 2), (0, 1)])
+    t30 = (-2/(d_V**2*n_batch)) * t17
+    t1 += oe.contract('ab,cdb->dab', t30, t23, optimize=[(0, 1)])
+    t31 = (2/(d_V**3*n_batch)) * t17
+    t1 += oe.contract('ab,cdb,be->dae', t31, t23, t17, optimize=[(0, 1), (0, 1)])
+    t1 += oe.contract('ab,cb,bd,ecd,df,cf->caf', t17, t28, t17, t26, t17, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
+    t32 = (4/(d_V**4*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,df,cf,fg->cag', t17, t32, t17, t26, t17, M_Z, t17, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('ab,cb,bd,ecd->cad', t17, t19, t17, t16, optimize=[(0, 1), (0, 1), (0, 1)])
+    t33 = oe.contract('ab,bc,dac,ce->aeb', t29, t17, t16, t17, optimize=[(2, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t33, t17, optimize=[(0, 1)])
     return out
 
 
@@ -699,45 +770,70 @@ def mse__hessian__full(X, Y):
     G = t16
     t17 = t11 * G
     t18 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t2 += (2/(d_V*n_batch)) * oe.contract('abc,cd,bd->bcd', t17, t18, M_Z, optimize=[(0, 1), (0, 1)])
-    t2 += (-2/(d_V**2*n_batch)) * oe.contract('abc,cd,bd,de->bce', t17, t18, M_Z, t18, optimize=[(0, 1), (0, 1), (0, 1)])
-    t19 = np.einsum('abab->ab', t1)
-    t20 = t11 * G * M_Z
-    t21 = t20.sum(-1, keepdims=True)
-    t22 = np.broadcast_to(t21, t21.shape[:-1] + (d_V,))
-    t19 += (2/(d_V*n_batch)) * oe.contract('abc->bc', t22, optimize=[(0,)])
-    t2 += (-2/(d_V**2*n_batch)) * oe.contract('abc,cd->bcd', t22, t18, optimize=[(0, 1)])
-    t23 = (0.75 * (sigma2_Z ** -2.5))
-    t24 = t23 * G * M_Z
-    t2 += (4/(d_V**2*n_batch)) * oe.contract('ab,bc,dac,ce,ae->abe', M_Z, t18, t24, t18, M_Z, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
-    t2 += (-4/(d_V**3*n_batch)) * oe.contract('ab,bc,dac,ce,ae,ef->abf', M_Z, t18, t24, t18, M_Z, t18, optimize=[(1, 2), (1, 4), (1, 3), (1, 2), (0, 1)])
-    t2 += (2/(d_V*n_batch)) * oe.contract('ab,bc,dac->abc', M_Z, t18, t17, optimize=[(0, 1), (0, 1)])
-    t2 += (-2/(d_V**2*n_batch)) * oe.contract('ab,bc,dac,ce->abe', M_Z, t18, t17, t18, optimize=[(2, 3), (0, 2), (0, 1)])
-    t25 = t11 * M_Z
-    t2 += (8/(L*d_V**3)) * oe.contract('ab,bc,ac,ac,cd,ad->abd', M_Z, t18, t25, t25, t18, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 1), (0, 1)])
-    t2 += (-8/(L*d_V**4)) * oe.contract('ab,bc,ac,ac,cd,ad,de->abe', M_Z, t18, t25, t25, t18, M_Z, t18, optimize=[(2, 3), (2, 3), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t2 += (4/(L*d_V**2)) * oe.contract('ab,bc,ac,ac->abc', M_Z, t18, t25, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t2 += (-4/(L*d_V**3)) * oe.contract('ab,bc,ac,ac,cd->abd', M_Z, t18, t25, P_Z, t18, optimize=[(2, 3), (1, 3), (1, 2), (0, 1)])
-    t2 += (4/(L*d_V**2)) * oe.contract('ab,ab,bc,ac->abc', P_Z, t25, t18, M_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t2 += (-4/(L*d_V**3)) * oe.contract('ab,ab,bc,ac,cd->abd', P_Z, t25, t18, M_Z, t18, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
-    t19 += (2/(L*d_V)) * oe.contract('ab,ab->ab', P_Z, P_Z, optimize=[(0, 1)])
-    t2 += (-2/(L*d_V**2)) * oe.contract('ab,ab,bc->abc', P_Z, P_Z, t18, optimize=[(0, 1), (0, 1)])
-    t2 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cdb,be,de->dae', t18, t17, t18, M_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t2 += (2/(d_V**3*n_batch)) * oe.contract('ab,cdb,be,de,ef->daf', t18, t17, t18, M_Z, t18, optimize=[(0, 1), (0, 3), (0, 2), (0, 1)])
-    t2 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cdb->dab', t18, t22, optimize=[(0, 1)])
-    t2 += (2/(d_V**3*n_batch)) * oe.contract('ab,cdb,be->dae', t18, t22, t18, optimize=[(0, 1), (0, 1)])
-    t2 += (-4/(d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,df,cf->caf', t18, M_Z, t18, t24, t18, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t2 += (4/(d_V**4*n_batch)) * oe.contract('ab,cb,bd,ecd,df,cf,fg->cag', t18, M_Z, t18, t24, t18, M_Z, t18, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
-    t2 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cb,bd,ecd->cad', t18, M_Z, t18, t17, optimize=[(0, 1), (0, 1), (0, 1)])
-    t2 += (2/(d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,df->caf', t18, M_Z, t18, t17, t18, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)])
-    t2 += (-8/(L*d_V**4)) * oe.contract('ab,cb,bd,cd,cd,de,ce->cae', t18, M_Z, t18, t25, t25, t18, M_Z, optimize=[(3, 4), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
-    t2 += (8/(L*d_V**5)) * oe.contract('ab,cb,bd,cd,cd,de,ce,ef->caf', t18, M_Z, t18, t25, t25, t18, M_Z, t18, optimize=[(3, 4), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
-    t2 += (-4/(L*d_V**3)) * oe.contract('ab,cb,bd,cd,cd->cad', t18, M_Z, t18, t25, P_Z, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
-    t2 += (4/(L*d_V**4)) * oe.contract('ab,cb,bd,cd,cd,de->cae', t18, M_Z, t18, t25, P_Z, t18, optimize=[(3, 4), (0, 1), (0, 3), (1, 2), (0, 1)])
-    t2 += (-4/(L*d_V**3)) * oe.contract('ab,cb,cb,bd,cd->cad', t18, P_Z, t25, t18, M_Z, optimize=[(1, 2), (0, 3), (0, 2), (0, 1)])
-    t2 += (4/(L*d_V**4)) * oe.contract('ab,cb,cb,bd,cd,de->cae', t18, P_Z, t25, t18, M_Z, t18, optimize=[(1, 2), (1, 2), (1, 3), (1, 2), (0, 1)])
-    t2 += (-2/(L*d_V**2)) * oe.contract('ab,cb,cb->cab', t18, P_Z, P_Z, optimize=[(1, 2), (0, 1)])
-    t2 += (2/(L*d_V**3)) * oe.contract('ab,cb,cb,bd->cad', t18, P_Z, P_Z, t18, optimize=[(1, 2), (0, 1), (0, 1)])
+    t19 = (2/(d_V*n_batch)) * M_Z
+    t2 += oe.contract('abc,cd,bd->bcd', t17, t18, t19, optimize=[(0, 1), (0, 1)])
+    t20 = (-2/(d_V**2*n_batch)) * M_Z
+    t2 += oe.contract('abc,cd,bd,de->bce', t17, t18, t20, t18, optimize=[(0, 1), (0, 1), (0, 1)])
+    t21 = np.einsum('abab->ab', t1)
+    t22 = t11 * G * M_Z
+    t23 = t22.sum(-1, keepdims=True)
+    t24 = np.broadcast_to(t23, t23.shape[:-1] + (d_V,))
+    t21 += (2/(d_V*n_batch)) * oe.contract('abc->bc', t24, optimize=[(0,)])
+    t25 = (-2/(d_V**2*n_batch)) * t24
+    t2 += oe.contract('abc,cd->bcd', t25, t18, optimize=[(0, 1)])
+    t26 = (0.75 * (sigma2_Z ** -2.5))
+    t27 = t26 * G * M_Z
+    t28 = (4/(d_V**2*n_batch)) * M_Z
+    t2 += oe.contract('ab,bc,dac,ce,ae->abe', t28, t18, t27, t18, M_Z, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t29 = (-4/(d_V**3*n_batch)) * M_Z
+    t2 += oe.contract('ab,bc,dac,ce,ae,ef->abf', t29, t18, t27, t18, M_Z, t18, optimize=[(1, 2), (1, 4), (1, 3), (1, 2), (0, 1)])
+    t2 += oe.contract('ab,bc,dac->abc', t19, t18, t17, optimize=[(0, 1), (0, 1)])
+    t2 += oe.contract('ab,bc,dac,ce->abe', t20, t18, t17, t18, optimize=[(2, 3), (0, 2), (0, 1)])
+    t30 = t11 * M_Z
+    t31 = (8/(L*d_V**3)) * M_Z
+    t2 += oe.contract('ab,bc,ac,ac,cd,ad->abd', t31, t18, t30, t30, t18, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 1), (0, 1)])
+    t32 = (-8/(L*d_V**4)) * M_Z
+    t2 += oe.contract('ab,bc,ac,ac,cd,ad,de->abe', t32, t18, t30, t30, t18, M_Z, t18, optimize=[(2, 3), (2, 3), (2, 4), (2, 3), (1, 2), (0, 1)])
+    t33 = (4/(L*d_V**2)) * M_Z
+    t2 += oe.contract('ab,bc,ac,ac->abc', t33, t18, t30, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
+    t34 = (-4/(L*d_V**3)) * M_Z
+    t2 += oe.contract('ab,bc,ac,ac,cd->abd', t34, t18, t30, P_Z, t18, optimize=[(2, 3), (1, 3), (1, 2), (0, 1)])
+    t35 = (4/(L*d_V**2)) * P_Z
+    t2 += oe.contract('ab,ab,bc,ac->abc', t35, t30, t18, M_Z, optimize=[(0, 1), (0, 1), (0, 1)])
+    t36 = (-4/(L*d_V**3)) * P_Z
+    t2 += oe.contract('ab,ab,bc,ac,cd->abd', t36, t30, t18, M_Z, t18, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
+    t37 = (2/(L*d_V)) * P_Z
+    t21 += oe.contract('ab,ab->ab', t37, P_Z, optimize=[(0, 1)])
+    t38 = (-2/(L*d_V**2)) * P_Z
+    t2 += oe.contract('ab,ab,bc->abc', t38, P_Z, t18, optimize=[(0, 1), (0, 1)])
+    t2 += oe.contract('ab,cdb,be,de->dae', t18, t17, t18, t20, optimize=[(0, 1), (0, 1), (0, 1)])
+    t39 = (2/(d_V**3*n_batch)) * M_Z
+    t2 += oe.contract('ab,cdb,be,de,ef->daf', t18, t17, t18, t39, t18, optimize=[(0, 1), (0, 3), (0, 2), (0, 1)])
+    t40 = (-2/(d_V**2*n_batch)) * t18
+    t2 += oe.contract('ab,cdb->dab', t40, t24, optimize=[(0, 1)])
+    t41 = (2/(d_V**3*n_batch)) * t18
+    t2 += oe.contract('ab,cdb,be->dae', t41, t24, t18, optimize=[(0, 1), (0, 1)])
+    t2 += oe.contract('ab,cb,bd,ecd,df,cf->caf', t18, t29, t18, t27, t18, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
+    t42 = (4/(d_V**4*n_batch)) * M_Z
+    t2 += oe.contract('ab,cb,bd,ecd,df,cf,fg->cag', t18, t42, t18, t27, t18, M_Z, t18, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t2 += oe.contract('ab,cb,bd,ecd->cad', t18, t20, t18, t17, optimize=[(0, 1), (0, 1), (0, 1)])
+    t43 = oe.contract('ab,bc,dac,ce->aeb', t39, t18, t17, t18, optimize=[(2, 3), (0, 2), (0, 1)])
+    t2 += oe.contract('abc,dc->adb', t43, t18, optimize=[(0, 1)])
+    t2 += oe.contract('ab,cb,bd,cd,cd,de,ce->cae', t18, t32, t18, t30, t30, t18, M_Z, optimize=[(3, 4), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
+    t44 = (8/(L*d_V**5)) * M_Z
+    t2 += oe.contract('ab,cb,bd,cd,cd,de,ce,ef->caf', t18, t44, t18, t30, t30, t18, M_Z, t18, optimize=[(3, 4), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
+    t2 += oe.contract('ab,cb,bd,cd,cd->cad', t18, t34, t18, t30, P_Z, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
+    t45 = (4/(L*d_V**4)) * M_Z
+    t2 += oe.contract('ab,cb,bd,cd,cd,de->cae', t18, t45, t18, t30, P_Z, t18, optimize=[(3, 4), (0, 1), (0, 3), (1, 2), (0, 1)])
+    t2 += oe.contract('ab,cb,cb,bd,cd->cad', t18, t36, t30, t18, M_Z, optimize=[(1, 2), (0, 3), (0, 2), (0, 1)])
+    t46 = (4/(L*d_V**4)) * P_Z
+    t47 = oe.contract('ab,ab,bc,ac,cd->adb', t46, t30, t18, M_Z, t18, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
+    t2 += oe.contract('abc,dc->adb', t47, t18, optimize=[(0, 1)])
+    t2 += oe.contract('ab,cb,cb->cab', t18, t38, P_Z, optimize=[(1, 2), (0, 1)])
+    t48 = (2/(L*d_V**3)) * P_Z
+    t49 = oe.contract('ab,bc->acb', t18, t18, optimize=[(0, 1)])
+    t50 = oe.contract('ab,ab->ab', t48, P_Z, optimize=[(0, 1)])
+    t2 += oe.contract('abc,dc->dab', t49, t50, optimize=[(0, 1)])
     return H
 
 
@@ -841,45 +937,70 @@ def mse__frobenius_all__full(X, Y):
     G = t15
     t16 = t10 * G
     t17 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t1 += (2/(d_V*n_batch)) * oe.contract('abc,cd,bd->bcd', t16, t17, M_Z, optimize=[(0, 1), (0, 1)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('abc,cd,bd,de->bce', t16, t17, M_Z, t17, optimize=[(0, 1), (0, 1), (0, 1)])
-    t18 = np.einsum('abab->ab', t0)
-    t19 = t10 * G * M_Z
-    t20 = t19.sum(-1, keepdims=True)
-    t21 = np.broadcast_to(t20, t20.shape[:-1] + (d_V,))
-    t18 += (2/(d_V*n_batch)) * oe.contract('abc->bc', t21, optimize=[(0,)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('abc,cd->bcd', t21, t17, optimize=[(0, 1)])
-    t22 = (0.75 * (sigma2_Z ** -2.5))
-    t23 = t22 * G * M_Z
-    t1 += (4/(d_V**2*n_batch)) * oe.contract('ab,bc,dac,ce,ae->abe', M_Z, t17, t23, t17, M_Z, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
-    t1 += (-4/(d_V**3*n_batch)) * oe.contract('ab,bc,dac,ce,ae,ef->abf', M_Z, t17, t23, t17, M_Z, t17, optimize=[(1, 2), (1, 4), (1, 3), (1, 2), (0, 1)])
-    t1 += (2/(d_V*n_batch)) * oe.contract('ab,bc,dac->abc', M_Z, t17, t16, optimize=[(0, 1), (0, 1)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('ab,bc,dac,ce->abe', M_Z, t17, t16, t17, optimize=[(2, 3), (0, 2), (0, 1)])
-    t24 = t10 * M_Z
-    t1 += (8/(L*d_V**3)) * oe.contract('ab,bc,ac,ac,cd,ad->abd', M_Z, t17, t24, t24, t17, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 1), (0, 1)])
-    t1 += (-8/(L*d_V**4)) * oe.contract('ab,bc,ac,ac,cd,ad,de->abe', M_Z, t17, t24, t24, t17, M_Z, t17, optimize=[(2, 3), (2, 3), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t1 += (4/(L*d_V**2)) * oe.contract('ab,bc,ac,ac->abc', M_Z, t17, t24, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += (-4/(L*d_V**3)) * oe.contract('ab,bc,ac,ac,cd->abd', M_Z, t17, t24, P_Z, t17, optimize=[(2, 3), (1, 3), (1, 2), (0, 1)])
-    t1 += (4/(L*d_V**2)) * oe.contract('ab,ab,bc,ac->abc', P_Z, t24, t17, M_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += (-4/(L*d_V**3)) * oe.contract('ab,ab,bc,ac,cd->abd', P_Z, t24, t17, M_Z, t17, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
-    t18 += (2/(L*d_V)) * oe.contract('ab,ab->ab', P_Z, P_Z, optimize=[(0, 1)])
-    t1 += (-2/(L*d_V**2)) * oe.contract('ab,ab,bc->abc', P_Z, P_Z, t17, optimize=[(0, 1), (0, 1)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cdb,be,de->dae', t17, t16, t17, M_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += (2/(d_V**3*n_batch)) * oe.contract('ab,cdb,be,de,ef->daf', t17, t16, t17, M_Z, t17, optimize=[(0, 1), (0, 3), (0, 2), (0, 1)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cdb->dab', t17, t21, optimize=[(0, 1)])
-    t1 += (2/(d_V**3*n_batch)) * oe.contract('ab,cdb,be->dae', t17, t21, t17, optimize=[(0, 1), (0, 1)])
-    t1 += (-4/(d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,df,cf->caf', t17, M_Z, t17, t23, t17, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t1 += (4/(d_V**4*n_batch)) * oe.contract('ab,cb,bd,ecd,df,cf,fg->cag', t17, M_Z, t17, t23, t17, M_Z, t17, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cb,bd,ecd->cad', t17, M_Z, t17, t16, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += (2/(d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,df->caf', t17, M_Z, t17, t16, t17, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)])
-    t1 += (-8/(L*d_V**4)) * oe.contract('ab,cb,bd,cd,cd,de,ce->cae', t17, M_Z, t17, t24, t24, t17, M_Z, optimize=[(3, 4), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
-    t1 += (8/(L*d_V**5)) * oe.contract('ab,cb,bd,cd,cd,de,ce,ef->caf', t17, M_Z, t17, t24, t24, t17, M_Z, t17, optimize=[(3, 4), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
-    t1 += (-4/(L*d_V**3)) * oe.contract('ab,cb,bd,cd,cd->cad', t17, M_Z, t17, t24, P_Z, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
-    t1 += (4/(L*d_V**4)) * oe.contract('ab,cb,bd,cd,cd,de->cae', t17, M_Z, t17, t24, P_Z, t17, optimize=[(3, 4), (0, 1), (0, 3), (1, 2), (0, 1)])
-    t1 += (-4/(L*d_V**3)) * oe.contract('ab,cb,cb,bd,cd->cad', t17, P_Z, t24, t17, M_Z, optimize=[(1, 2), (0, 3), (0, 2), (0, 1)])
-    t1 += (4/(L*d_V**4)) * oe.contract('ab,cb,cb,bd,cd,de->cae', t17, P_Z, t24, t17, M_Z, t17, optimize=[(1, 2), (1, 2), (1, 3), (1, 2), (0, 1)])
-    t1 += (-2/(L*d_V**2)) * oe.contract('ab,cb,cb->cab', t17, P_Z, P_Z, optimize=[(1, 2), (0, 1)])
-    t1 += (2/(L*d_V**3)) * oe.contract('ab,cb,cb,bd->cad', t17, P_Z, P_Z, t17, optimize=[(1, 2), (0, 1), (0, 1)])
+    t18 = (2/(d_V*n_batch)) * M_Z
+    t1 += oe.contract('abc,cd,bd->bcd', t16, t17, t18, optimize=[(0, 1), (0, 1)])
+    t19 = (-2/(d_V**2*n_batch)) * M_Z
+    t1 += oe.contract('abc,cd,bd,de->bce', t16, t17, t19, t17, optimize=[(0, 1), (0, 1), (0, 1)])
+    t20 = np.einsum('abab->ab', t0)
+    t21 = t10 * G * M_Z
+    t22 = t21.sum(-1, keepdims=True)
+    t23 = np.broadcast_to(t22, t22.shape[:-1] + (d_V,))
+    t20 += (2/(d_V*n_batch)) * oe.contract('abc->bc', t23, optimize=[(0,)])
+    t24 = (-2/(d_V**2*n_batch)) * t23
+    t1 += oe.contract('abc,cd->bcd', t24, t17, optimize=[(0, 1)])
+    t25 = (0.75 * (sigma2_Z ** -2.5))
+    t26 = t25 * G * M_Z
+    t27 = (4/(d_V**2*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ce,ae->abe', t27, t17, t26, t17, M_Z, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t28 = (-4/(d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ce,ae,ef->abf', t28, t17, t26, t17, M_Z, t17, optimize=[(1, 2), (1, 4), (1, 3), (1, 2), (0, 1)])
+    t1 += oe.contract('ab,bc,dac->abc', t18, t17, t16, optimize=[(0, 1), (0, 1)])
+    t1 += oe.contract('ab,bc,dac,ce->abe', t19, t17, t16, t17, optimize=[(2, 3), (0, 2), (0, 1)])
+    t29 = t10 * M_Z
+    t30 = (8/(L*d_V**3)) * M_Z
+    t1 += oe.contract('ab,bc,ac,ac,cd,ad->abd', t30, t17, t29, t29, t17, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 1), (0, 1)])
+    t31 = (-8/(L*d_V**4)) * M_Z
+    t1 += oe.contract('ab,bc,ac,ac,cd,ad,de->abe', t31, t17, t29, t29, t17, M_Z, t17, optimize=[(2, 3), (2, 3), (2, 4), (2, 3), (1, 2), (0, 1)])
+    t32 = (4/(L*d_V**2)) * M_Z
+    t1 += oe.contract('ab,bc,ac,ac->abc', t32, t17, t29, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
+    t33 = (-4/(L*d_V**3)) * M_Z
+    t1 += oe.contract('ab,bc,ac,ac,cd->abd', t33, t17, t29, P_Z, t17, optimize=[(2, 3), (1, 3), (1, 2), (0, 1)])
+    t34 = (4/(L*d_V**2)) * P_Z
+    t1 += oe.contract('ab,ab,bc,ac->abc', t34, t29, t17, M_Z, optimize=[(0, 1), (0, 1), (0, 1)])
+    t35 = (-4/(L*d_V**3)) * P_Z
+    t1 += oe.contract('ab,ab,bc,ac,cd->abd', t35, t29, t17, M_Z, t17, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
+    t36 = (2/(L*d_V)) * P_Z
+    t20 += oe.contract('ab,ab->ab', t36, P_Z, optimize=[(0, 1)])
+    t37 = (-2/(L*d_V**2)) * P_Z
+    t1 += oe.contract('ab,ab,bc->abc', t37, P_Z, t17, optimize=[(0, 1), (0, 1)])
+    t1 += oe.contract('ab,cdb,be,de->dae', t17, t16, t17, t19, optimize=[(0, 1), (0, 1), (0, 1)])
+    t38 = (2/(d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,cdb,be,de,ef->daf', t17, t16, t17, t38, t17, optimize=[(0, 1), (0, 3), (0, 2), (0, 1)])
+    t39 = (-2/(d_V**2*n_batch)) * t17
+    t1 += oe.contract('ab,cdb->dab', t39, t23, optimize=[(0, 1)])
+    t40 = (2/(d_V**3*n_batch)) * t17
+    t1 += oe.contract('ab,cdb,be->dae', t40, t23, t17, optimize=[(0, 1), (0, 1)])
+    t1 += oe.contract('ab,cb,bd,ecd,df,cf->caf', t17, t28, t17, t26, t17, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
+    t41 = (4/(d_V**4*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,df,cf,fg->cag', t17, t41, t17, t26, t17, M_Z, t17, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('ab,cb,bd,ecd->cad', t17, t19, t17, t16, optimize=[(0, 1), (0, 1), (0, 1)])
+    t42 = oe.contract('ab,bc,dac,ce->aeb', t38, t17, t16, t17, optimize=[(2, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t42, t17, optimize=[(0, 1)])
+    t1 += oe.contract('ab,cb,bd,cd,cd,de,ce->cae', t17, t31, t17, t29, t29, t17, M_Z, optimize=[(3, 4), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
+    t43 = (8/(L*d_V**5)) * M_Z
+    t1 += oe.contract('ab,cb,bd,cd,cd,de,ce,ef->caf', t17, t43, t17, t29, t29, t17, M_Z, t17, optimize=[(3, 4), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('ab,cb,bd,cd,cd->cad', t17, t33, t17, t29, P_Z, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
+    t44 = (4/(L*d_V**4)) * M_Z
+    t1 += oe.contract('ab,cb,bd,cd,cd,de->cae', t17, t44, t17, t29, P_Z, t17, optimize=[(3, 4), (0, 1), (0, 3), (1, 2), (0, 1)])
+    t1 += oe.contract('ab,cb,cb,bd,cd->cad', t17, t35, t29, t17, M_Z, optimize=[(1, 2), (0, 3), (0, 2), (0, 1)])
+    t45 = (4/(L*d_V**4)) * P_Z
+    t46 = oe.contract('ab,ab,bc,ac,cd->adb', t45, t29, t17, M_Z, t17, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t46, t17, optimize=[(0, 1)])
+    t1 += oe.contract('ab,cb,cb->cab', t17, t37, P_Z, optimize=[(1, 2), (0, 1)])
+    t47 = (2/(L*d_V**3)) * P_Z
+    t48 = oe.contract('ab,bc->acb', t17, t17, optimize=[(0, 1)])
+    t49 = oe.contract('ab,ab->ab', t47, P_Z, optimize=[(0, 1)])
+    t1 += oe.contract('abc,dc->dab', t48, t49, optimize=[(0, 1)])
     nrm = np.linalg.norm(blk)
     del blk
     return (nrm,)
@@ -914,44 +1035,65 @@ def mse__diag__X__full(X, Y):
     G = t14
     t15 = t9 * G
     t16 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t0[...] = (2/(d_V*n_batch)) * oe.contract('abc,cc,bc->bc', t15, t16, M_Z, optimize=[(0, 1), (0, 1)])
-    t0 += (-2/(d_V**2*n_batch)) * oe.contract('abc,cd,bd,dc->bc', t15, t16, M_Z, t16, optimize=[(1, 2), (1, 2), (0, 1)])
-    t17 = t9 * G * M_Z
-    t18 = t17.sum(-1, keepdims=True)
-    t19 = np.broadcast_to(t18, t18.shape[:-1] + (d_V,))
-    t0 += (2/(d_V*n_batch)) * oe.contract('abc->bc', t19, optimize=[(0,)])
-    t0 += (-2/(d_V**2*n_batch)) * oe.contract('abc,cc->bc', t19, t16, optimize=[(0, 1)])
-    t20 = (0.75 * (sigma2_Z ** -2.5))
-    t21 = t20 * G * M_Z
-    t0 += (4/(d_V**2*n_batch)) * oe.contract('ab,bc,dac,cb,ab->ab', M_Z, t16, t21, t16, M_Z, optimize=[(1, 3), (0, 2), (0, 1), (0, 1)])
-    t0 += (-4/(d_V**3*n_batch)) * oe.contract('ab,bc,dac,ce,ae,eb->ab', M_Z, t16, t21, t16, M_Z, t16, optimize=[(1, 2), (1, 4), (2, 3), (1, 2), (0, 1)])
-    t0 += (2/(d_V*n_batch)) * oe.contract('ab,bb,cab->ab', M_Z, t16, t15, optimize=[(0, 1), (0, 1)])
-    t0 += (-2/(d_V**2*n_batch)) * oe.contract('ab,bc,dac,cb->ab', M_Z, t16, t15, t16, optimize=[(1, 3), (0, 2), (0, 1)])
-    t22 = t9 * M_Z
-    t0 += (8/(L*d_V**3)) * oe.contract('ab,bc,ac,ac,cb,ab->ab', M_Z, t16, t22, t22, t16, M_Z, optimize=[(2, 3), (1, 2), (0, 1), (0, 1), (0, 1)])
-    t0 += (-8/(L*d_V**4)) * oe.contract('ab,bc,ac,ac,cd,ad,db->ab', M_Z, t16, t22, t22, t16, M_Z, t16, optimize=[(2, 3), (2, 3), (2, 4), (1, 3), (1, 2), (0, 1)])
-    t0 += (4/(L*d_V**2)) * oe.contract('ab,bb,ab,ab->ab', M_Z, t16, t22, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (-4/(L*d_V**3)) * oe.contract('ab,bc,ac,ac,cb->ab', M_Z, t16, t22, P_Z, t16, optimize=[(2, 3), (1, 2), (1, 2), (0, 1)])
-    t0 += (4/(L*d_V**2)) * oe.contract('ab,ab,bb,ab->ab', P_Z, t22, t16, M_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (-4/(L*d_V**3)) * oe.contract('ab,ab,bc,ac,cb->ab', P_Z, t22, t16, M_Z, t16, optimize=[(0, 1), (0, 2), (0, 2), (0, 1)])
-    t0 += (2/(L*d_V)) * oe.contract('ab,ab->ab', P_Z, P_Z, optimize=[(0, 1)])
-    t0 += (-2/(L*d_V**2)) * oe.contract('ab,ab,bb->ab', P_Z, P_Z, t16, optimize=[(0, 1), (0, 1)])
-    t0 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cdb,ba,da->da', t16, t15, t16, M_Z, optimize=[(0, 1), (0, 2), (0, 1)])
-    t0 += (2/(d_V**3*n_batch)) * oe.contract('ab,cdb,be,de,ea->da', t16, t15, t16, M_Z, t16, optimize=[(0, 1), (0, 3), (1, 2), (0, 1)])
-    t0 += (-2/(d_V**2*n_batch)) * oe.contract('aa,bca->ca', t16, t19, optimize=[(0, 1)])
-    t0 += (2/(d_V**3*n_batch)) * oe.contract('ab,cdb,ba->da', t16, t19, t16, optimize=[(0, 1), (0, 1)])
-    t0 += (-4/(d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,da,ca->ca', t16, M_Z, t16, t21, t16, M_Z, optimize=[(2, 3), (2, 4), (0, 3), (0, 2), (0, 1)])
-    t0 += (4/(d_V**4*n_batch)) * oe.contract('ab,cb,bd,ecd,df,cf,fa->ca', t16, M_Z, t16, t21, t16, M_Z, t16, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (1, 2), (0, 1)])
-    t0 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cb,ba,dca->ca', t16, M_Z, t16, t15, optimize=[(0, 2), (0, 2), (0, 1)])
-    t0 += (2/(d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,da->ca', t16, M_Z, t16, t15, t16, optimize=[(2, 3), (2, 3), (0, 2), (0, 1)])
-    t0 += (-8/(L*d_V**4)) * oe.contract('ab,cb,bd,cd,cd,da,ca->ca', t16, M_Z, t16, t22, t22, t16, M_Z, optimize=[(3, 4), (0, 1), (0, 4), (0, 3), (1, 2), (0, 1)])
-    t0 += (8/(L*d_V**5)) * oe.contract('ab,cb,bd,cd,cd,de,ce,ea->ca', t16, M_Z, t16, t22, t22, t16, M_Z, t16, optimize=[(3, 4), (0, 1), (0, 5), (3, 4), (0, 3), (1, 2), (0, 1)])
-    t0 += (-4/(L*d_V**3)) * oe.contract('ab,cb,ba,ca,ca->ca', t16, M_Z, t16, t22, P_Z, optimize=[(0, 2), (1, 2), (0, 1), (0, 1)])
-    t0 += (4/(L*d_V**4)) * oe.contract('ab,cb,bd,cd,cd,da->ca', t16, M_Z, t16, t22, P_Z, t16, optimize=[(3, 4), (0, 1), (0, 3), (0, 2), (0, 1)])
-    t0 += (-4/(L*d_V**3)) * oe.contract('ab,cb,cb,ba,ca->ca', t16, P_Z, t22, t16, M_Z, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
-    t0 += (4/(L*d_V**4)) * oe.contract('ab,cb,cb,bd,cd,da->ca', t16, P_Z, t22, t16, M_Z, t16, optimize=[(1, 2), (1, 2), (1, 3), (0, 2), (0, 1)])
-    t0 += (-2/(L*d_V**2)) * oe.contract('aa,ba,ba->ba', t16, P_Z, P_Z, optimize=[(0, 1), (0, 1)])
-    t0 += (2/(L*d_V**3)) * oe.contract('ab,cb,cb,ba->ca', t16, P_Z, P_Z, t16, optimize=[(0, 3), (0, 1), (0, 1)])
+    t17 = (2/(d_V*n_batch)) * M_Z
+    t0[...] = oe.contract('abc,cc,bc->bc', t15, t16, t17, optimize=[(0, 1), (0, 1)])
+    t18 = (-2/(d_V**2*n_batch)) * M_Z
+    t0 += oe.contract('abc,cd,bd,dc->bc', t15, t16, t18, t16, optimize=[(1, 2), (1, 2), (0, 1)])
+    t19 = t9 * G * M_Z
+    t20 = t19.sum(-1, keepdims=True)
+    t21 = np.broadcast_to(t20, t20.shape[:-1] + (d_V,))
+    t0 += (2/(d_V*n_batch)) * oe.contract('abc->bc', t21, optimize=[(0,)])
+    t22 = (-2/(d_V**2*n_batch)) * t21
+    t0 += oe.contract('abc,cc->bc', t22, t16, optimize=[(0, 1)])
+    t23 = (0.75 * (sigma2_Z ** -2.5))
+    t24 = t23 * G * M_Z
+    t25 = (4/(d_V**2*n_batch)) * M_Z
+    t0 += oe.contract('ab,bc,dac,cb,ab->ab', t25, t16, t24, t16, M_Z, optimize=[(1, 3), (0, 2), (0, 1), (0, 1)])
+    t26 = (-4/(d_V**3*n_batch)) * M_Z
+    t0 += oe.contract('ab,bc,dac,ce,ae,eb->ab', t26, t16, t24, t16, M_Z, t16, optimize=[(1, 2), (1, 4), (2, 3), (1, 2), (0, 1)])
+    t0 += oe.contract('ab,bb,cab->ab', t17, t16, t15, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('ab,bc,dac,cb->ab', t18, t16, t15, t16, optimize=[(1, 3), (0, 2), (0, 1)])
+    t27 = t9 * M_Z
+    t28 = (8/(L*d_V**3)) * M_Z
+    t0 += oe.contract('ab,bc,ac,ac,cb,ab->ab', t28, t16, t27, t27, t16, M_Z, optimize=[(2, 3), (1, 2), (0, 1), (0, 1), (0, 1)])
+    t29 = (-8/(L*d_V**4)) * M_Z
+    t0 += oe.contract('ab,bc,ac,ac,cd,ad,db->ab', t29, t16, t27, t27, t16, M_Z, t16, optimize=[(2, 3), (2, 3), (2, 4), (1, 3), (1, 2), (0, 1)])
+    t30 = (4/(L*d_V**2)) * M_Z
+    t0 += oe.contract('ab,bb,ab,ab->ab', t30, t16, t27, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
+    t31 = (-4/(L*d_V**3)) * M_Z
+    t0 += oe.contract('ab,bc,ac,ac,cb->ab', t31, t16, t27, P_Z, t16, optimize=[(2, 3), (1, 2), (1, 2), (0, 1)])
+    t32 = (4/(L*d_V**2)) * P_Z
+    t0 += oe.contract('ab,ab,bb,ab->ab', t32, t27, t16, M_Z, optimize=[(0, 1), (0, 1), (0, 1)])
+    t33 = (-4/(L*d_V**3)) * P_Z
+    t0 += oe.contract('ab,ab,bc,ac,cb->ab', t33, t27, t16, M_Z, t16, optimize=[(0, 1), (0, 2), (0, 2), (0, 1)])
+    t34 = (2/(L*d_V)) * P_Z
+    t0 += oe.contract('ab,ab->ab', t34, P_Z, optimize=[(0, 1)])
+    t35 = (-2/(L*d_V**2)) * P_Z
+    t0 += oe.contract('ab,ab,bb->ab', t35, P_Z, t16, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('ab,cdb,ba,da->da', t16, t15, t16, t18, optimize=[(0, 1), (0, 2), (0, 1)])
+    t36 = (2/(d_V**3*n_batch)) * M_Z
+    t0 += oe.contract('ab,cdb,be,de,ea->da', t16, t15, t16, t36, t16, optimize=[(0, 1), (0, 3), (1, 2), (0, 1)])
+    t37 = (-2/(d_V**2*n_batch)) * t16
+    t0 += oe.contract('aa,bca->ca', t37, t21, optimize=[(0, 1)])
+    t38 = (2/(d_V**3*n_batch)) * t16
+    t0 += oe.contract('ab,cdb,ba->da', t38, t21, t16, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('ab,cb,bd,ecd,da,ca->ca', t16, t26, t16, t24, t16, M_Z, optimize=[(2, 3), (2, 4), (0, 3), (0, 2), (0, 1)])
+    t39 = (4/(d_V**4*n_batch)) * M_Z
+    t0 += oe.contract('ab,cb,bd,ecd,df,cf,fa->ca', t16, t39, t16, t24, t16, M_Z, t16, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (1, 2), (0, 1)])
+    t0 += oe.contract('ab,cb,ba,dca->ca', t16, t18, t16, t15, optimize=[(0, 2), (0, 2), (0, 1)])
+    t0 += oe.contract('ab,cb,bd,ecd,da->ca', t16, t36, t16, t15, t16, optimize=[(2, 3), (2, 3), (0, 2), (0, 1)])
+    t0 += oe.contract('ab,cb,bd,cd,cd,da,ca->ca', t16, t29, t16, t27, t27, t16, M_Z, optimize=[(3, 4), (0, 1), (0, 4), (0, 3), (1, 2), (0, 1)])
+    t40 = (8/(L*d_V**5)) * M_Z
+    t0 += oe.contract('ab,cb,bd,cd,cd,de,ce,ea->ca', t16, t40, t16, t27, t27, t16, M_Z, t16, optimize=[(3, 4), (0, 1), (0, 5), (3, 4), (0, 3), (1, 2), (0, 1)])
+    t0 += oe.contract('ab,cb,ba,ca,ca->ca', t16, t31, t16, t27, P_Z, optimize=[(0, 2), (1, 2), (0, 1), (0, 1)])
+    t41 = (4/(L*d_V**4)) * M_Z
+    t0 += oe.contract('ab,cb,bd,cd,cd,da->ca', t16, t41, t16, t27, P_Z, t16, optimize=[(3, 4), (0, 1), (0, 3), (0, 2), (0, 1)])
+    t0 += oe.contract('ab,cb,cb,ba,ca->ca', t16, t33, t27, t16, M_Z, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
+    t42 = (4/(L*d_V**4)) * P_Z
+    t0 += oe.contract('ab,cb,cb,bd,cd,da->ca', t16, t42, t27, t16, M_Z, t16, optimize=[(1, 2), (1, 2), (1, 3), (0, 2), (0, 1)])
+    t0 += oe.contract('aa,ba,ba->ba', t16, t35, P_Z, optimize=[(0, 1), (0, 1)])
+    t43 = (2/(L*d_V**3)) * P_Z
+    t0 += oe.contract('ab,cb,cb,ba->ca', t16, t43, P_Z, t16, optimize=[(0, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -1022,45 +1164,70 @@ def mse__block__X__X__full(X, Y):
     G = t15
     t16 = t10 * G
     t17 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t1 += (2/(d_V*n_batch)) * oe.contract('abc,cd,bd->bcd', t16, t17, M_Z, optimize=[(0, 1), (0, 1)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('abc,cd,bd,de->bce', t16, t17, M_Z, t17, optimize=[(0, 1), (0, 1), (0, 1)])
-    t18 = np.einsum('abab->ab', t0)
-    t19 = t10 * G * M_Z
-    t20 = t19.sum(-1, keepdims=True)
-    t21 = np.broadcast_to(t20, t20.shape[:-1] + (d_V,))
-    t18 += (2/(d_V*n_batch)) * oe.contract('abc->bc', t21, optimize=[(0,)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('abc,cd->bcd', t21, t17, optimize=[(0, 1)])
-    t22 = (0.75 * (sigma2_Z ** -2.5))
-    t23 = t22 * G * M_Z
-    t1 += (4/(d_V**2*n_batch)) * oe.contract('ab,bc,dac,ce,ae->abe', M_Z, t17, t23, t17, M_Z, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
-    t1 += (-4/(d_V**3*n_batch)) * oe.contract('ab,bc,dac,ce,ae,ef->abf', M_Z, t17, t23, t17, M_Z, t17, optimize=[(1, 2), (1, 4), (1, 3), (1, 2), (0, 1)])
-    t1 += (2/(d_V*n_batch)) * oe.contract('ab,bc,dac->abc', M_Z, t17, t16, optimize=[(0, 1), (0, 1)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('ab,bc,dac,ce->abe', M_Z, t17, t16, t17, optimize=[(2, 3), (0, 2), (0, 1)])
-    t24 = t10 * M_Z
-    t1 += (8/(L*d_V**3)) * oe.contract('ab,bc,ac,ac,cd,ad->abd', M_Z, t17, t24, t24, t17, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 1), (0, 1)])
-    t1 += (-8/(L*d_V**4)) * oe.contract('ab,bc,ac,ac,cd,ad,de->abe', M_Z, t17, t24, t24, t17, M_Z, t17, optimize=[(2, 3), (2, 3), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t1 += (4/(L*d_V**2)) * oe.contract('ab,bc,ac,ac->abc', M_Z, t17, t24, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += (-4/(L*d_V**3)) * oe.contract('ab,bc,ac,ac,cd->abd', M_Z, t17, t24, P_Z, t17, optimize=[(2, 3), (1, 3), (1, 2), (0, 1)])
-    t1 += (4/(L*d_V**2)) * oe.contract('ab,ab,bc,ac->abc', P_Z, t24, t17, M_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += (-4/(L*d_V**3)) * oe.contract('ab,ab,bc,ac,cd->abd', P_Z, t24, t17, M_Z, t17, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
-    t18 += (2/(L*d_V)) * oe.contract('ab,ab->ab', P_Z, P_Z, optimize=[(0, 1)])
-    t1 += (-2/(L*d_V**2)) * oe.contract('ab,ab,bc->abc', P_Z, P_Z, t17, optimize=[(0, 1), (0, 1)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cdb,be,de->dae', t17, t16, t17, M_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += (2/(d_V**3*n_batch)) * oe.contract('ab,cdb,be,de,ef->daf', t17, t16, t17, M_Z, t17, optimize=[(0, 1), (0, 3), (0, 2), (0, 1)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cdb->dab', t17, t21, optimize=[(0, 1)])
-    t1 += (2/(d_V**3*n_batch)) * oe.contract('ab,cdb,be->dae', t17, t21, t17, optimize=[(0, 1), (0, 1)])
-    t1 += (-4/(d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,df,cf->caf', t17, M_Z, t17, t23, t17, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t1 += (4/(d_V**4*n_batch)) * oe.contract('ab,cb,bd,ecd,df,cf,fg->cag', t17, M_Z, t17, t23, t17, M_Z, t17, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cb,bd,ecd->cad', t17, M_Z, t17, t16, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += (2/(d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,df->caf', t17, M_Z, t17, t16, t17, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)])
-    t1 += (-8/(L*d_V**4)) * oe.contract('ab,cb,bd,cd,cd,de,ce->cae', t17, M_Z, t17, t24, t24, t17, M_Z, optimize=[(3, 4), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
-    t1 += (8/(L*d_V**5)) * oe.contract('ab,cb,bd,cd,cd,de,ce,ef->caf', t17, M_Z, t17, t24, t24, t17, M_Z, t17, optimize=[(3, 4), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
-    t1 += (-4/(L*d_V**3)) * oe.contract('ab,cb,bd,cd,cd->cad', t17, M_Z, t17, t24, P_Z, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
-    t1 += (4/(L*d_V**4)) * oe.contract('ab,cb,bd,cd,cd,de->cae', t17, M_Z, t17, t24, P_Z, t17, optimize=[(3, 4), (0, 1), (0, 3), (1, 2), (0, 1)])
-    t1 += (-4/(L*d_V**3)) * oe.contract('ab,cb,cb,bd,cd->cad', t17, P_Z, t24, t17, M_Z, optimize=[(1, 2), (0, 3), (0, 2), (0, 1)])
-    t1 += (4/(L*d_V**4)) * oe.contract('ab,cb,cb,bd,cd,de->cae', t17, P_Z, t24, t17, M_Z, t17, optimize=[(1, 2), (1, 2), (1, 3), (1, 2), (0, 1)])
-    t1 += (-2/(L*d_V**2)) * oe.contract('ab,cb,cb->cab', t17, P_Z, P_Z, optimize=[(1, 2), (0, 1)])
-    t1 += (2/(L*d_V**3)) * oe.contract('ab,cb,cb,bd->cad', t17, P_Z, P_Z, t17, optimize=[(1, 2), (0, 1), (0, 1)])
+    t18 = (2/(d_V*n_batch)) * M_Z
+    t1 += oe.contract('abc,cd,bd->bcd', t16, t17, t18, optimize=[(0, 1), (0, 1)])
+    t19 = (-2/(d_V**2*n_batch)) * M_Z
+    t1 += oe.contract('abc,cd,bd,de->bce', t16, t17, t19, t17, optimize=[(0, 1), (0, 1), (0, 1)])
+    t20 = np.einsum('abab->ab', t0)
+    t21 = t10 * G * M_Z
+    t22 = t21.sum(-1, keepdims=True)
+    t23 = np.broadcast_to(t22, t22.shape[:-1] + (d_V,))
+    t20 += (2/(d_V*n_batch)) * oe.contract('abc->bc', t23, optimize=[(0,)])
+    t24 = (-2/(d_V**2*n_batch)) * t23
+    t1 += oe.contract('abc,cd->bcd', t24, t17, optimize=[(0, 1)])
+    t25 = (0.75 * (sigma2_Z ** -2.5))
+    t26 = t25 * G * M_Z
+    t27 = (4/(d_V**2*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ce,ae->abe', t27, t17, t26, t17, M_Z, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t28 = (-4/(d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ce,ae,ef->abf', t28, t17, t26, t17, M_Z, t17, optimize=[(1, 2), (1, 4), (1, 3), (1, 2), (0, 1)])
+    t1 += oe.contract('ab,bc,dac->abc', t18, t17, t16, optimize=[(0, 1), (0, 1)])
+    t1 += oe.contract('ab,bc,dac,ce->abe', t19, t17, t16, t17, optimize=[(2, 3), (0, 2), (0, 1)])
+    t29 = t10 * M_Z
+    t30 = (8/(L*d_V**3)) * M_Z
+    t1 += oe.contract('ab,bc,ac,ac,cd,ad->abd', t30, t17, t29, t29, t17, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 1), (0, 1)])
+    t31 = (-8/(L*d_V**4)) * M_Z
+    t1 += oe.contract('ab,bc,ac,ac,cd,ad,de->abe', t31, t17, t29, t29, t17, M_Z, t17, optimize=[(2, 3), (2, 3), (2, 4), (2, 3), (1, 2), (0, 1)])
+    t32 = (4/(L*d_V**2)) * M_Z
+    t1 += oe.contract('ab,bc,ac,ac->abc', t32, t17, t29, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
+    t33 = (-4/(L*d_V**3)) * M_Z
+    t1 += oe.contract('ab,bc,ac,ac,cd->abd', t33, t17, t29, P_Z, t17, optimize=[(2, 3), (1, 3), (1, 2), (0, 1)])
+    t34 = (4/(L*d_V**2)) * P_Z
+    t1 += oe.contract('ab,ab,bc,ac->abc', t34, t29, t17, M_Z, optimize=[(0, 1), (0, 1), (0, 1)])
+    t35 = (-4/(L*d_V**3)) * P_Z
+    t1 += oe.contract('ab,ab,bc,ac,cd->abd', t35, t29, t17, M_Z, t17, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
+    t36 = (2/(L*d_V)) * P_Z
+    t20 += oe.contract('ab,ab->ab', t36, P_Z, optimize=[(0, 1)])
+    t37 = (-2/(L*d_V**2)) * P_Z
+    t1 += oe.contract('ab,ab,bc->abc', t37, P_Z, t17, optimize=[(0, 1), (0, 1)])
+    t1 += oe.contract('ab,cdb,be,de->dae', t17, t16, t17, t19, optimize=[(0, 1), (0, 1), (0, 1)])
+    t38 = (2/(d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,cdb,be,de,ef->daf', t17, t16, t17, t38, t17, optimize=[(0, 1), (0, 3), (0, 2), (0, 1)])
+    t39 = (-2/(d_V**2*n_batch)) * t17
+    t1 += oe.contract('ab,cdb->dab', t39, t23, optimize=[(0, 1)])
+    t40 = (2/(d_V**3*n_batch)) * t17
+    t1 += oe.contract('ab,cdb,be->dae', t40, t23, t17, optimize=[(0, 1), (0, 1)])
+    t1 += oe.contract('ab,cb,bd,ecd,df,cf->caf', t17, t28, t17, t26, t17, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
+    t41 = (4/(d_V**4*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,df,cf,fg->cag', t17, t41, t17, t26, t17, M_Z, t17, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('ab,cb,bd,ecd->cad', t17, t19, t17, t16, optimize=[(0, 1), (0, 1), (0, 1)])
+    t42 = oe.contract('ab,bc,dac,ce->aeb', t38, t17, t16, t17, optimize=[(2, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t42, t17, optimize=[(0, 1)])
+    t1 += oe.contract('ab,cb,bd,cd,cd,de,ce->cae', t17, t31, t17, t29, t29, t17, M_Z, optimize=[(3, 4), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
+    t43 = (8/(L*d_V**5)) * M_Z
+    t1 += oe.contract('ab,cb,bd,cd,cd,de,ce,ef->caf', t17, t43, t17, t29, t29, t17, M_Z, t17, optimize=[(3, 4), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('ab,cb,bd,cd,cd->cad', t17, t33, t17, t29, P_Z, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
+    t44 = (4/(L*d_V**4)) * M_Z
+    t1 += oe.contract('ab,cb,bd,cd,cd,de->cae', t17, t44, t17, t29, P_Z, t17, optimize=[(3, 4), (0, 1), (0, 3), (1, 2), (0, 1)])
+    t1 += oe.contract('ab,cb,cb,bd,cd->cad', t17, t35, t29, t17, M_Z, optimize=[(1, 2), (0, 3), (0, 2), (0, 1)])
+    t45 = (4/(L*d_V**4)) * P_Z
+    t46 = oe.contract('ab,ab,bc,ac,cd->adb', t45, t29, t17, M_Z, t17, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t46, t17, optimize=[(0, 1)])
+    t1 += oe.contract('ab,cb,cb->cab', t17, t37, P_Z, optimize=[(1, 2), (0, 1)])
+    t47 = (2/(L*d_V**3)) * P_Z
+    t48 = oe.contract('ab,bc->acb', t17, t17, optimize=[(0, 1)])
+    t49 = oe.contract('ab,ab->ab', t47, P_Z, optimize=[(0, 1)])
+    t1 += oe.contract('abc,dc->dab', t48, t49, optimize=[(0, 1)])
     return out
 
 
@@ -1095,45 +1262,70 @@ def mse__frobenius__X__X__full(X, Y):
     G = t15
     t16 = t10 * G
     t17 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t1 += (2/(d_V*n_batch)) * oe.contract('abc,cd,bd->bcd', t16, t17, M_Z, optimize=[(0, 1), (0, 1)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('abc,cd,bd,de->bce', t16, t17, M_Z, t17, optimize=[(0, 1), (0, 1), (0, 1)])
-    t18 = np.einsum('abab->ab', t0)
-    t19 = t10 * G * M_Z
-    t20 = t19.sum(-1, keepdims=True)
-    t21 = np.broadcast_to(t20, t20.shape[:-1] + (d_V,))
-    t18 += (2/(d_V*n_batch)) * oe.contract('abc->bc', t21, optimize=[(0,)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('abc,cd->bcd', t21, t17, optimize=[(0, 1)])
-    t22 = (0.75 * (sigma2_Z ** -2.5))
-    t23 = t22 * G * M_Z
-    t1 += (4/(d_V**2*n_batch)) * oe.contract('ab,bc,dac,ce,ae->abe', M_Z, t17, t23, t17, M_Z, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
-    t1 += (-4/(d_V**3*n_batch)) * oe.contract('ab,bc,dac,ce,ae,ef->abf', M_Z, t17, t23, t17, M_Z, t17, optimize=[(1, 2), (1, 4), (1, 3), (1, 2), (0, 1)])
-    t1 += (2/(d_V*n_batch)) * oe.contract('ab,bc,dac->abc', M_Z, t17, t16, optimize=[(0, 1), (0, 1)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('ab,bc,dac,ce->abe', M_Z, t17, t16, t17, optimize=[(2, 3), (0, 2), (0, 1)])
-    t24 = t10 * M_Z
-    t1 += (8/(L*d_V**3)) * oe.contract('ab,bc,ac,ac,cd,ad->abd', M_Z, t17, t24, t24, t17, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 1), (0, 1)])
-    t1 += (-8/(L*d_V**4)) * oe.contract('ab,bc,ac,ac,cd,ad,de->abe', M_Z, t17, t24, t24, t17, M_Z, t17, optimize=[(2, 3), (2, 3), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t1 += (4/(L*d_V**2)) * oe.contract('ab,bc,ac,ac->abc', M_Z, t17, t24, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += (-4/(L*d_V**3)) * oe.contract('ab,bc,ac,ac,cd->abd', M_Z, t17, t24, P_Z, t17, optimize=[(2, 3), (1, 3), (1, 2), (0, 1)])
-    t1 += (4/(L*d_V**2)) * oe.contract('ab,ab,bc,ac->abc', P_Z, t24, t17, M_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += (-4/(L*d_V**3)) * oe.contract('ab,ab,bc,ac,cd->abd', P_Z, t24, t17, M_Z, t17, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
-    t18 += (2/(L*d_V)) * oe.contract('ab,ab->ab', P_Z, P_Z, optimize=[(0, 1)])
-    t1 += (-2/(L*d_V**2)) * oe.contract('ab,ab,bc->abc', P_Z, P_Z, t17, optimize=[(0, 1), (0, 1)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cdb,be,de->dae', t17, t16, t17, M_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += (2/(d_V**3*n_batch)) * oe.contract('ab,cdb,be,de,ef->daf', t17, t16, t17, M_Z, t17, optimize=[(0, 1), (0, 3), (0, 2), (0, 1)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cdb->dab', t17, t21, optimize=[(0, 1)])
-    t1 += (2/(d_V**3*n_batch)) * oe.contract('ab,cdb,be->dae', t17, t21, t17, optimize=[(0, 1), (0, 1)])
-    t1 += (-4/(d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,df,cf->caf', t17, M_Z, t17, t23, t17, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t1 += (4/(d_V**4*n_batch)) * oe.contract('ab,cb,bd,ecd,df,cf,fg->cag', t17, M_Z, t17, t23, t17, M_Z, t17, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cb,bd,ecd->cad', t17, M_Z, t17, t16, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += (2/(d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,df->caf', t17, M_Z, t17, t16, t17, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)])
-    t1 += (-8/(L*d_V**4)) * oe.contract('ab,cb,bd,cd,cd,de,ce->cae', t17, M_Z, t17, t24, t24, t17, M_Z, optimize=[(3, 4), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
-    t1 += (8/(L*d_V**5)) * oe.contract('ab,cb,bd,cd,cd,de,ce,ef->caf', t17, M_Z, t17, t24, t24, t17, M_Z, t17, optimize=[(3, 4), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
-    t1 += (-4/(L*d_V**3)) * oe.contract('ab,cb,bd,cd,cd->cad', t17, M_Z, t17, t24, P_Z, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
-    t1 += (4/(L*d_V**4)) * oe.contract('ab,cb,bd,cd,cd,de->cae', t17, M_Z, t17, t24, P_Z, t17, optimize=[(3, 4), (0, 1), (0, 3), (1, 2), (0, 1)])
-    t1 += (-4/(L*d_V**3)) * oe.contract('ab,cb,cb,bd,cd->cad', t17, P_Z, t24, t17, M_Z, optimize=[(1, 2), (0, 3), (0, 2), (0, 1)])
-    t1 += (4/(L*d_V**4)) * oe.contract('ab,cb,cb,bd,cd,de->cae', t17, P_Z, t24, t17, M_Z, t17, optimize=[(1, 2), (1, 2), (1, 3), (1, 2), (0, 1)])
-    t1 += (-2/(L*d_V**2)) * oe.contract('ab,cb,cb->cab', t17, P_Z, P_Z, optimize=[(1, 2), (0, 1)])
-    t1 += (2/(L*d_V**3)) * oe.contract('ab,cb,cb,bd->cad', t17, P_Z, P_Z, t17, optimize=[(1, 2), (0, 1), (0, 1)])
+    t18 = (2/(d_V*n_batch)) * M_Z
+    t1 += oe.contract('abc,cd,bd->bcd', t16, t17, t18, optimize=[(0, 1), (0, 1)])
+    t19 = (-2/(d_V**2*n_batch)) * M_Z
+    t1 += oe.contract('abc,cd,bd,de->bce', t16, t17, t19, t17, optimize=[(0, 1), (0, 1), (0, 1)])
+    t20 = np.einsum('abab->ab', t0)
+    t21 = t10 * G * M_Z
+    t22 = t21.sum(-1, keepdims=True)
+    t23 = np.broadcast_to(t22, t22.shape[:-1] + (d_V,))
+    t20 += (2/(d_V*n_batch)) * oe.contract('abc->bc', t23, optimize=[(0,)])
+    t24 = (-2/(d_V**2*n_batch)) * t23
+    t1 += oe.contract('abc,cd->bcd', t24, t17, optimize=[(0, 1)])
+    t25 = (0.75 * (sigma2_Z ** -2.5))
+    t26 = t25 * G * M_Z
+    t27 = (4/(d_V**2*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ce,ae->abe', t27, t17, t26, t17, M_Z, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t28 = (-4/(d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ce,ae,ef->abf', t28, t17, t26, t17, M_Z, t17, optimize=[(1, 2), (1, 4), (1, 3), (1, 2), (0, 1)])
+    t1 += oe.contract('ab,bc,dac->abc', t18, t17, t16, optimize=[(0, 1), (0, 1)])
+    t1 += oe.contract('ab,bc,dac,ce->abe', t19, t17, t16, t17, optimize=[(2, 3), (0, 2), (0, 1)])
+    t29 = t10 * M_Z
+    t30 = (8/(L*d_V**3)) * M_Z
+    t1 += oe.contract('ab,bc,ac,ac,cd,ad->abd', t30, t17, t29, t29, t17, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 1), (0, 1)])
+    t31 = (-8/(L*d_V**4)) * M_Z
+    t1 += oe.contract('ab,bc,ac,ac,cd,ad,de->abe', t31, t17, t29, t29, t17, M_Z, t17, optimize=[(2, 3), (2, 3), (2, 4), (2, 3), (1, 2), (0, 1)])
+    t32 = (4/(L*d_V**2)) * M_Z
+    t1 += oe.contract('ab,bc,ac,ac->abc', t32, t17, t29, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
+    t33 = (-4/(L*d_V**3)) * M_Z
+    t1 += oe.contract('ab,bc,ac,ac,cd->abd', t33, t17, t29, P_Z, t17, optimize=[(2, 3), (1, 3), (1, 2), (0, 1)])
+    t34 = (4/(L*d_V**2)) * P_Z
+    t1 += oe.contract('ab,ab,bc,ac->abc', t34, t29, t17, M_Z, optimize=[(0, 1), (0, 1), (0, 1)])
+    t35 = (-4/(L*d_V**3)) * P_Z
+    t1 += oe.contract('ab,ab,bc,ac,cd->abd', t35, t29, t17, M_Z, t17, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
+    t36 = (2/(L*d_V)) * P_Z
+    t20 += oe.contract('ab,ab->ab', t36, P_Z, optimize=[(0, 1)])
+    t37 = (-2/(L*d_V**2)) * P_Z
+    t1 += oe.contract('ab,ab,bc->abc', t37, P_Z, t17, optimize=[(0, 1), (0, 1)])
+    t1 += oe.contract('ab,cdb,be,de->dae', t17, t16, t17, t19, optimize=[(0, 1), (0, 1), (0, 1)])
+    t38 = (2/(d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,cdb,be,de,ef->daf', t17, t16, t17, t38, t17, optimize=[(0, 1), (0, 3), (0, 2), (0, 1)])
+    t39 = (-2/(d_V**2*n_batch)) * t17
+    t1 += oe.contract('ab,cdb->dab', t39, t23, optimize=[(0, 1)])
+    t40 = (2/(d_V**3*n_batch)) * t17
+    t1 += oe.contract('ab,cdb,be->dae', t40, t23, t17, optimize=[(0, 1), (0, 1)])
+    t1 += oe.contract('ab,cb,bd,ecd,df,cf->caf', t17, t28, t17, t26, t17, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
+    t41 = (4/(d_V**4*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,df,cf,fg->cag', t17, t41, t17, t26, t17, M_Z, t17, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('ab,cb,bd,ecd->cad', t17, t19, t17, t16, optimize=[(0, 1), (0, 1), (0, 1)])
+    t42 = oe.contract('ab,bc,dac,ce->aeb', t38, t17, t16, t17, optimize=[(2, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t42, t17, optimize=[(0, 1)])
+    t1 += oe.contract('ab,cb,bd,cd,cd,de,ce->cae', t17, t31, t17, t29, t29, t17, M_Z, optimize=[(3, 4), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
+    t43 = (8/(L*d_V**5)) * M_Z
+    t1 += oe.contract('ab,cb,bd,cd,cd,de,ce,ef->caf', t17, t43, t17, t29, t29, t17, M_Z, t17, optimize=[(3, 4), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('ab,cb,bd,cd,cd->cad', t17, t33, t17, t29, P_Z, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
+    t44 = (4/(L*d_V**4)) * M_Z
+    t1 += oe.contract('ab,cb,bd,cd,cd,de->cae', t17, t44, t17, t29, P_Z, t17, optimize=[(3, 4), (0, 1), (0, 3), (1, 2), (0, 1)])
+    t1 += oe.contract('ab,cb,cb,bd,cd->cad', t17, t35, t29, t17, M_Z, optimize=[(1, 2), (0, 3), (0, 2), (0, 1)])
+    t45 = (4/(L*d_V**4)) * P_Z
+    t46 = oe.contract('ab,ab,bc,ac,cd->adb', t45, t29, t17, M_Z, t17, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t46, t17, optimize=[(0, 1)])
+    t1 += oe.contract('ab,cb,cb->cab', t17, t37, P_Z, optimize=[(1, 2), (0, 1)])
+    t47 = (2/(L*d_V**3)) * P_Z
+    t48 = oe.contract('ab,bc->acb', t17, t17, optimize=[(0, 1)])
+    t49 = oe.contract('ab,ab->ab', t47, P_Z, optimize=[(0, 1)])
+    t1 += oe.contract('abc,dc->dab', t48, t49, optimize=[(0, 1)])
     nrm = np.linalg.norm(blk)
     del blk
     return nrm
@@ -1244,40 +1436,65 @@ def ce__hessian__outer(X, Y):
     t17 = (-0.5 * (sigma2_Z ** -1.5))
     t18 = t17 * M_Z
     t19 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t2 += (2/(L*d_V*n_batch)) * oe.contract('abc,bc,bc,cd,bd->bcd', t14, A, t18, t19, M_Z, optimize=[(1, 2), (0, 2), (0, 1), (0, 1)])
-    t2 += (-2/(L*d_V**2*n_batch)) * oe.contract('abc,bc,bc,cd,bd,de->bce', t14, A, t18, t19, M_Z, t19, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
-    t20 = np.einsum('abab->ab', t1)
-    t20 += (1/(L*n_batch)) * oe.contract('abc,bc,bc->bc', t14, A, P_Z, optimize=[(0, 1), (0, 1)])
-    t2 += (-1/(L*d_V*n_batch)) * oe.contract('abc,bc,bc,cd->bcd', t14, A, P_Z, t19, optimize=[(0, 1), (0, 2), (0, 1)])
-    t2 += (-2/(L*d_V*n_batch)) * oe.contract('abc,bc,bd,bd,de,be->bce', t14, A, A, t18, t19, M_Z, optimize=[(2, 3), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t2 += (2/(L*d_V**2*n_batch)) * oe.contract('abc,bc,bd,bd,de,be,ef->bcf', t14, A, A, t18, t19, M_Z, t19, optimize=[(2, 3), (2, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t2 += (-1/(L*n_batch)) * oe.contract('abc,bc,bd,bd->bcd', t14, A, A, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t2 += (1/(L*d_V*n_batch)) * oe.contract('abc,bc,bd,bd,de->bce', t14, A, A, P_Z, t19, optimize=[(2, 3), (2, 3), (0, 1), (0, 1)])
-    t21 = t17 * t4 * M_Z
-    t2 += (4/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ac,ce,ae->abe', M_Z, t19, t21, A, t18, t19, M_Z, optimize=[(3, 4), (2, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
-    t2 += (-4/(L*d_V**3*n_batch)) * oe.contract('ab,bc,dac,ac,ac,ce,ae,ef->abf', M_Z, t19, t21, A, t18, t19, M_Z, t19, optimize=[(3, 4), (2, 6), (2, 3), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t2 += (2/(L*d_V*n_batch)) * oe.contract('ab,bc,dac,ac,ac->abc', M_Z, t19, t21, A, P_Z, optimize=[(3, 4), (0, 2), (0, 1), (0, 1)])
-    t2 += (-2/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ac,ce->abe', M_Z, t19, t21, A, P_Z, t19, optimize=[(3, 4), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t2 += (-4/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae,ef,af->abf', M_Z, t19, t21, A, A, t18, t19, M_Z, optimize=[(4, 5), (2, 3), (2, 4), (2, 4), (1, 2), (0, 2), (0, 1)])
-    t2 += (4/(L*d_V**3*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae,ef,af,fg->abg', M_Z, t19, t21, A, A, t18, t19, M_Z, t19, optimize=[(4, 5), (2, 3), (2, 5), (2, 5), (1, 3), (0, 3), (0, 1), (0, 1)])
-    t2 += (-2/(L*d_V*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae->abe', M_Z, t19, t21, A, A, P_Z, optimize=[(4, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t2 += (2/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae,ef->abf', M_Z, t19, t21, A, A, P_Z, t19, optimize=[(4, 5), (2, 3), (2, 3), (1, 2), (0, 2), (0, 1)])
-    t2 += (-2/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,db,be,de->dae', t19, t14, A, t18, t19, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 2), (0, 1)])
-    t2 += (2/(L*d_V**3*n_batch)) * oe.contract('ab,cdb,db,db,be,de,ef->daf', t19, t14, A, t18, t19, M_Z, t19, optimize=[(2, 3), (1, 5), (1, 2), (1, 3), (1, 2), (0, 1)])
-    t2 += (-1/(L*d_V*n_batch)) * oe.contract('ab,cdb,db,db->dab', t19, t14, A, P_Z, optimize=[(1, 2), (1, 2), (0, 1)])
-    t2 += (1/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,db,be->dae', t19, t14, A, P_Z, t19, optimize=[(2, 3), (1, 3), (0, 2), (0, 1)])
-    t2 += (2/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,de,de,ef,df->daf', t19, t14, A, A, t18, t19, M_Z, optimize=[(3, 4), (1, 2), (1, 3), (1, 3), (0, 1), (0, 1)])
-    t2 += (-2/(L*d_V**3*n_batch)) * oe.contract('ab,cdb,db,de,de,ef,df,fg->dag', t19, t14, A, A, t18, t19, M_Z, t19, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
-    t2 += (1/(L*d_V*n_batch)) * oe.contract('ab,cdb,db,de,de->dae', t19, t14, A, A, P_Z, optimize=[(3, 4), (1, 2), (0, 2), (0, 1)])
-    t2 += (-1/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,de,de,ef->daf', t19, t14, A, A, P_Z, t19, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t2 += (-4/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd,df,cf->caf', t19, M_Z, t19, t21, A, t18, t19, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
-    t2 += (4/(L*d_V**4*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd,df,cf,fg->cag', t19, M_Z, t19, t21, A, t18, t19, M_Z, t19, optimize=[(4, 5), (3, 7), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
-    t2 += (-2/(L*d_V**2*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd->cad', t19, M_Z, t19, t21, A, P_Z, optimize=[(4, 5), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t2 += (2/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd,df->caf', t19, M_Z, t19, t21, A, P_Z, t19, optimize=[(4, 5), (3, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
-    t2 += (4/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg->cag', t19, M_Z, t19, t21, A, A, t18, t19, M_Z, optimize=[(5, 6), (3, 4), (3, 5), (3, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t2 += (-4/(L*d_V**4*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,gh->cah', t19, M_Z, t19, t21, A, A, t18, t19, M_Z, t19, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
-    t2 += (2/(L*d_V**2*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf->caf', t19, M_Z, t19, t21, A, A, P_Z, optimize=[(5, 6), (3, 4), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t2 += (-2/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg->cag', t19, M_Z, t19, t21, A, A, P_Z, t19, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
+    t20 = (2/(L*d_V*n_batch)) * A
+    t2 += oe.contract('abc,bc,bc,cd,bd->bcd', t14, t20, t18, t19, M_Z, optimize=[(1, 2), (0, 2), (0, 1), (0, 1)])
+    t21 = (-2/(L*d_V**2*n_batch)) * A
+    t2 += oe.contract('abc,bc,bc,cd,bd,de->bce', t14, t21, t18, t19, M_Z, t19, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t22 = np.einsum('abab->ab', t1)
+    t23 = (1/(L*n_batch)) * A
+    t22 += oe.contract('abc,bc,bc->bc', t14, t23, P_Z, optimize=[(0, 1), (0, 1)])
+    t24 = (-1/(L*d_V*n_batch)) * A
+    t2 += oe.contract('abc,bc,bc,cd->bcd', t14, t24, P_Z, t19, optimize=[(0, 1), (0, 2), (0, 1)])
+    t25 = (-2/(L*d_V*n_batch)) * A
+    t2 += oe.contract('abc,bc,bd,bd,de,be->bce', t14, t25, A, t18, t19, M_Z, optimize=[(2, 3), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t26 = (2/(L*d_V**2*n_batch)) * A
+    t2 += oe.contract('abc,bc,bd,bd,de,be,ef->bcf', t14, t26, A, t18, t19, M_Z, t19, optimize=[(2, 3), (2, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t27 = (-1/(L*n_batch)) * A
+    t2 += oe.contract('abc,bc,bd,bd->bcd', t14, t27, A, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
+    t28 = (1/(L*d_V*n_batch)) * A
+    t2 += oe.contract('abc,bc,bd,bd,de->bce', t14, t28, A, P_Z, t19, optimize=[(2, 3), (2, 3), (0, 1), (0, 1)])
+    t29 = t17 * t4 * M_Z
+    t30 = (4/(L*d_V**2*n_batch)) * M_Z
+    t2 += oe.contract('ab,bc,dac,ac,ac,ce,ae->abe', t30, t19, t29, A, t18, t19, M_Z, optimize=[(3, 4), (2, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
+    t31 = (-4/(L*d_V**3*n_batch)) * M_Z
+    t2 += oe.contract('ab,bc,dac,ac,ac,ce,ae,ef->abf', t31, t19, t29, A, t18, t19, M_Z, t19, optimize=[(3, 4), (2, 6), (2, 3), (2, 4), (2, 3), (1, 2), (0, 1)])
+    t32 = (2/(L*d_V*n_batch)) * M_Z
+    t2 += oe.contract('ab,bc,dac,ac,ac->abc', t32, t19, t29, A, P_Z, optimize=[(3, 4), (0, 2), (0, 1), (0, 1)])
+    t33 = (-2/(L*d_V**2*n_batch)) * M_Z
+    t2 += oe.contract('ab,bc,dac,ac,ac,ce->abe', t33, t19, t29, A, P_Z, t19, optimize=[(3, 4), (2, 4), (2, 3), (1, 2), (0, 1)])
+    t34 = (-4/(L*d_V**2*n_batch)) * M_Z
+    t2 += oe.contract('ab,bc,dac,ac,ae,ae,ef,af->abf', t34, t19, t29, A, A, t18, t19, M_Z, optimize=[(4, 5), (2, 3), (2, 4), (2, 4), (1, 2), (0, 2), (0, 1)])
+    t35 = (4/(L*d_V**3*n_batch)) * M_Z
+    t2 += oe.contract('ab,bc,dac,ac,ae,ae,ef,af,fg->abg', t35, t19, t29, A, A, t18, t19, M_Z, t19, optimize=[(4, 5), (2, 3), (2, 5), (2, 5), (1, 3), (0, 3), (0, 1), (0, 1)])
+    t36 = (-2/(L*d_V*n_batch)) * M_Z
+    t2 += oe.contract('ab,bc,dac,ac,ae,ae->abe', t36, t19, t29, A, A, P_Z, optimize=[(4, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
+    t37 = (2/(L*d_V**2*n_batch)) * M_Z
+    t2 += oe.contract('ab,bc,dac,ac,ae,ae,ef->abf', t37, t19, t29, A, A, P_Z, t19, optimize=[(4, 5), (2, 3), (2, 3), (1, 2), (0, 2), (0, 1)])
+    t2 += oe.contract('ab,cdb,db,db,be,de->dae', t19, t14, t21, t18, t19, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 2), (0, 1)])
+    t38 = (2/(L*d_V**3*n_batch)) * A
+    t39 = oe.contract('abc,bc,bc,cd,bd,de->bec', t14, t38, t18, t19, M_Z, t19, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t2 += oe.contract('abc,dc->adb', t39, t19, optimize=[(0, 1)])
+    t2 += oe.contract('ab,cdb,db,db->dab', t19, t14, t24, P_Z, optimize=[(1, 2), (1, 2), (0, 1)])
+    t40 = (1/(L*d_V**2*n_batch)) * A
+    t2 += oe.contract('ab,cdb,db,db,be->dae', t19, t14, t40, P_Z, t19, optimize=[(2, 3), (1, 3), (0, 2), (0, 1)])
+    t2 += oe.contract('ab,cdb,db,de,de,ef,df->daf', t19, t14, t26, A, t18, t19, M_Z, optimize=[(3, 4), (1, 2), (1, 3), (1, 3), (0, 1), (0, 1)])
+    t41 = (-2/(L*d_V**3*n_batch)) * A
+    t2 += oe.contract('ab,cdb,db,de,de,ef,df,fg->dag', t19, t14, t41, A, t18, t19, M_Z, t19, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
+    t2 += oe.contract('ab,cdb,db,de,de->dae', t19, t14, t28, A, P_Z, optimize=[(3, 4), (1, 2), (0, 2), (0, 1)])
+    t42 = (-1/(L*d_V**2*n_batch)) * A
+    t2 += oe.contract('ab,cdb,db,de,de,ef->daf', t19, t14, t42, A, P_Z, t19, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t2 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf->caf', t19, t31, t19, t29, A, t18, t19, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
+    t43 = (4/(L*d_V**4*n_batch)) * M_Z
+    t2 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf,fg->cag', t19, t43, t19, t29, A, t18, t19, M_Z, t19, optimize=[(4, 5), (3, 7), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
+    t2 += oe.contract('ab,cb,bd,ecd,cd,cd->cad', t19, t33, t19, t29, A, P_Z, optimize=[(4, 5), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t44 = (2/(L*d_V**3*n_batch)) * M_Z
+    t2 += oe.contract('ab,cb,bd,ecd,cd,cd,df->caf', t19, t44, t19, t29, A, P_Z, t19, optimize=[(4, 5), (3, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
+    t2 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg->cag', t19, t35, t19, t29, A, A, t18, t19, M_Z, optimize=[(5, 6), (3, 4), (3, 5), (3, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
+    t45 = (-4/(L*d_V**4*n_batch)) * M_Z
+    t2 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,gh->cah', t19, t45, t19, t29, A, A, t18, t19, M_Z, t19, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t2 += oe.contract('ab,cb,bd,ecd,cd,cf,cf->caf', t19, t37, t19, t29, A, A, P_Z, optimize=[(5, 6), (3, 4), (2, 4), (1, 3), (0, 2), (0, 1)])
+    t46 = (-2/(L*d_V**3*n_batch)) * M_Z
+    t2 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg->cag', t19, t46, t19, t29, A, A, P_Z, t19, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
     return H
 
 
@@ -1365,40 +1582,65 @@ def ce__frobenius_all__outer(X, Y):
     t16 = (-0.5 * (sigma2_Z ** -1.5))
     t17 = t16 * M_Z
     t18 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t1 += (2/(L*d_V*n_batch)) * oe.contract('abc,bc,bc,cd,bd->bcd', t13, A, t17, t18, M_Z, optimize=[(1, 2), (0, 2), (0, 1), (0, 1)])
-    t1 += (-2/(L*d_V**2*n_batch)) * oe.contract('abc,bc,bc,cd,bd,de->bce', t13, A, t17, t18, M_Z, t18, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
-    t19 = np.einsum('abab->ab', t0)
-    t19 += (1/(L*n_batch)) * oe.contract('abc,bc,bc->bc', t13, A, P_Z, optimize=[(0, 1), (0, 1)])
-    t1 += (-1/(L*d_V*n_batch)) * oe.contract('abc,bc,bc,cd->bcd', t13, A, P_Z, t18, optimize=[(0, 1), (0, 2), (0, 1)])
-    t1 += (-2/(L*d_V*n_batch)) * oe.contract('abc,bc,bd,bd,de,be->bce', t13, A, A, t17, t18, M_Z, optimize=[(2, 3), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t1 += (2/(L*d_V**2*n_batch)) * oe.contract('abc,bc,bd,bd,de,be,ef->bcf', t13, A, A, t17, t18, M_Z, t18, optimize=[(2, 3), (2, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t1 += (-1/(L*n_batch)) * oe.contract('abc,bc,bd,bd->bcd', t13, A, A, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += (1/(L*d_V*n_batch)) * oe.contract('abc,bc,bd,bd,de->bce', t13, A, A, P_Z, t18, optimize=[(2, 3), (2, 3), (0, 1), (0, 1)])
-    t20 = t16 * t3 * M_Z
-    t1 += (4/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ac,ce,ae->abe', M_Z, t18, t20, A, t17, t18, M_Z, optimize=[(3, 4), (2, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
-    t1 += (-4/(L*d_V**3*n_batch)) * oe.contract('ab,bc,dac,ac,ac,ce,ae,ef->abf', M_Z, t18, t20, A, t17, t18, M_Z, t18, optimize=[(3, 4), (2, 6), (2, 3), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t1 += (2/(L*d_V*n_batch)) * oe.contract('ab,bc,dac,ac,ac->abc', M_Z, t18, t20, A, P_Z, optimize=[(3, 4), (0, 2), (0, 1), (0, 1)])
-    t1 += (-2/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ac,ce->abe', M_Z, t18, t20, A, P_Z, t18, optimize=[(3, 4), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t1 += (-4/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae,ef,af->abf', M_Z, t18, t20, A, A, t17, t18, M_Z, optimize=[(4, 5), (2, 3), (2, 4), (2, 4), (1, 2), (0, 2), (0, 1)])
-    t1 += (4/(L*d_V**3*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae,ef,af,fg->abg', M_Z, t18, t20, A, A, t17, t18, M_Z, t18, optimize=[(4, 5), (2, 3), (2, 5), (2, 5), (1, 3), (0, 3), (0, 1), (0, 1)])
-    t1 += (-2/(L*d_V*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae->abe', M_Z, t18, t20, A, A, P_Z, optimize=[(4, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t1 += (2/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae,ef->abf', M_Z, t18, t20, A, A, P_Z, t18, optimize=[(4, 5), (2, 3), (2, 3), (1, 2), (0, 2), (0, 1)])
-    t1 += (-2/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,db,be,de->dae', t18, t13, A, t17, t18, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 2), (0, 1)])
-    t1 += (2/(L*d_V**3*n_batch)) * oe.contract('ab,cdb,db,db,be,de,ef->daf', t18, t13, A, t17, t18, M_Z, t18, optimize=[(2, 3), (1, 5), (1, 2), (1, 3), (1, 2), (0, 1)])
-    t1 += (-1/(L*d_V*n_batch)) * oe.contract('ab,cdb,db,db->dab', t18, t13, A, P_Z, optimize=[(1, 2), (1, 2), (0, 1)])
-    t1 += (1/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,db,be->dae', t18, t13, A, P_Z, t18, optimize=[(2, 3), (1, 3), (0, 2), (0, 1)])
-    t1 += (2/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,de,de,ef,df->daf', t18, t13, A, A, t17, t18, M_Z, optimize=[(3, 4), (1, 2), (1, 3), (1, 3), (0, 1), (0, 1)])
-    t1 += (-2/(L*d_V**3*n_batch)) * oe.contract('ab,cdb,db,de,de,ef,df,fg->dag', t18, t13, A, A, t17, t18, M_Z, t18, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
-    t1 += (1/(L*d_V*n_batch)) * oe.contract('ab,cdb,db,de,de->dae', t18, t13, A, A, P_Z, optimize=[(3, 4), (1, 2), (0, 2), (0, 1)])
-    t1 += (-1/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,de,de,ef->daf', t18, t13, A, A, P_Z, t18, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t1 += (-4/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd,df,cf->caf', t18, M_Z, t18, t20, A, t17, t18, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
-    t1 += (4/(L*d_V**4*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd,df,cf,fg->cag', t18, M_Z, t18, t20, A, t17, t18, M_Z, t18, optimize=[(4, 5), (3, 7), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
-    t1 += (-2/(L*d_V**2*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd->cad', t18, M_Z, t18, t20, A, P_Z, optimize=[(4, 5), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t1 += (2/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd,df->caf', t18, M_Z, t18, t20, A, P_Z, t18, optimize=[(4, 5), (3, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
-    t1 += (4/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg->cag', t18, M_Z, t18, t20, A, A, t17, t18, M_Z, optimize=[(5, 6), (3, 4), (3, 5), (3, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t1 += (-4/(L*d_V**4*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,gh->cah', t18, M_Z, t18, t20, A, A, t17, t18, M_Z, t18, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
-    t1 += (2/(L*d_V**2*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf->caf', t18, M_Z, t18, t20, A, A, P_Z, optimize=[(5, 6), (3, 4), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t1 += (-2/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg->cag', t18, M_Z, t18, t20, A, A, P_Z, t18, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
+    t19 = (2/(L*d_V*n_batch)) * A
+    t1 += oe.contract('abc,bc,bc,cd,bd->bcd', t13, t19, t17, t18, M_Z, optimize=[(1, 2), (0, 2), (0, 1), (0, 1)])
+    t20 = (-2/(L*d_V**2*n_batch)) * A
+    t1 += oe.contract('abc,bc,bc,cd,bd,de->bce', t13, t20, t17, t18, M_Z, t18, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t21 = np.einsum('abab->ab', t0)
+    t22 = (1/(L*n_batch)) * A
+    t21 += oe.contract('abc,bc,bc->bc', t13, t22, P_Z, optimize=[(0, 1), (0, 1)])
+    t23 = (-1/(L*d_V*n_batch)) * A
+    t1 += oe.contract('abc,bc,bc,cd->bcd', t13, t23, P_Z, t18, optimize=[(0, 1), (0, 2), (0, 1)])
+    t24 = (-2/(L*d_V*n_batch)) * A
+    t1 += oe.contract('abc,bc,bd,bd,de,be->bce', t13, t24, A, t17, t18, M_Z, optimize=[(2, 3), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t25 = (2/(L*d_V**2*n_batch)) * A
+    t1 += oe.contract('abc,bc,bd,bd,de,be,ef->bcf', t13, t25, A, t17, t18, M_Z, t18, optimize=[(2, 3), (2, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t26 = (-1/(L*n_batch)) * A
+    t1 += oe.contract('abc,bc,bd,bd->bcd', t13, t26, A, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
+    t27 = (1/(L*d_V*n_batch)) * A
+    t1 += oe.contract('abc,bc,bd,bd,de->bce', t13, t27, A, P_Z, t18, optimize=[(2, 3), (2, 3), (0, 1), (0, 1)])
+    t28 = t16 * t3 * M_Z
+    t29 = (4/(L*d_V**2*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ac,ce,ae->abe', t29, t18, t28, A, t17, t18, M_Z, optimize=[(3, 4), (2, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
+    t30 = (-4/(L*d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ac,ce,ae,ef->abf', t30, t18, t28, A, t17, t18, M_Z, t18, optimize=[(3, 4), (2, 6), (2, 3), (2, 4), (2, 3), (1, 2), (0, 1)])
+    t31 = (2/(L*d_V*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ac->abc', t31, t18, t28, A, P_Z, optimize=[(3, 4), (0, 2), (0, 1), (0, 1)])
+    t32 = (-2/(L*d_V**2*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ac,ce->abe', t32, t18, t28, A, P_Z, t18, optimize=[(3, 4), (2, 4), (2, 3), (1, 2), (0, 1)])
+    t33 = (-4/(L*d_V**2*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ae,ae,ef,af->abf', t33, t18, t28, A, A, t17, t18, M_Z, optimize=[(4, 5), (2, 3), (2, 4), (2, 4), (1, 2), (0, 2), (0, 1)])
+    t34 = (4/(L*d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ae,ae,ef,af,fg->abg', t34, t18, t28, A, A, t17, t18, M_Z, t18, optimize=[(4, 5), (2, 3), (2, 5), (2, 5), (1, 3), (0, 3), (0, 1), (0, 1)])
+    t35 = (-2/(L*d_V*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ae,ae->abe', t35, t18, t28, A, A, P_Z, optimize=[(4, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
+    t36 = (2/(L*d_V**2*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ae,ae,ef->abf', t36, t18, t28, A, A, P_Z, t18, optimize=[(4, 5), (2, 3), (2, 3), (1, 2), (0, 2), (0, 1)])
+    t1 += oe.contract('ab,cdb,db,db,be,de->dae', t18, t13, t20, t17, t18, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 2), (0, 1)])
+    t37 = (2/(L*d_V**3*n_batch)) * A
+    t38 = oe.contract('abc,bc,bc,cd,bd,de->bec', t13, t37, t17, t18, M_Z, t18, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t38, t18, optimize=[(0, 1)])
+    t1 += oe.contract('ab,cdb,db,db->dab', t18, t13, t23, P_Z, optimize=[(1, 2), (1, 2), (0, 1)])
+    t39 = (1/(L*d_V**2*n_batch)) * A
+    t1 += oe.contract('ab,cdb,db,db,be->dae', t18, t13, t39, P_Z, t18, optimize=[(2, 3), (1, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('ab,cdb,db,de,de,ef,df->daf', t18, t13, t25, A, t17, t18, M_Z, optimize=[(3, 4), (1, 2), (1, 3), (1, 3), (0, 1), (0, 1)])
+    t40 = (-2/(L*d_V**3*n_batch)) * A
+    t1 += oe.contract('ab,cdb,db,de,de,ef,df,fg->dag', t18, t13, t40, A, t17, t18, M_Z, t18, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
+    t1 += oe.contract('ab,cdb,db,de,de->dae', t18, t13, t27, A, P_Z, optimize=[(3, 4), (1, 2), (0, 2), (0, 1)])
+    t41 = (-1/(L*d_V**2*n_batch)) * A
+    t1 += oe.contract('ab,cdb,db,de,de,ef->daf', t18, t13, t41, A, P_Z, t18, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf->caf', t18, t30, t18, t28, A, t17, t18, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
+    t42 = (4/(L*d_V**4*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf,fg->cag', t18, t42, t18, t28, A, t17, t18, M_Z, t18, optimize=[(4, 5), (3, 7), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cd->cad', t18, t32, t18, t28, A, P_Z, optimize=[(4, 5), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t43 = (2/(L*d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df->caf', t18, t43, t18, t28, A, P_Z, t18, optimize=[(4, 5), (3, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg->cag', t18, t34, t18, t28, A, A, t17, t18, M_Z, optimize=[(5, 6), (3, 4), (3, 5), (3, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
+    t44 = (-4/(L*d_V**4*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,gh->cah', t18, t44, t18, t28, A, A, t17, t18, M_Z, t18, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf->caf', t18, t36, t18, t28, A, A, P_Z, optimize=[(5, 6), (3, 4), (2, 4), (1, 3), (0, 2), (0, 1)])
+    t45 = (-2/(L*d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg->cag', t18, t45, t18, t28, A, A, P_Z, t18, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
     nrm = np.linalg.norm(blk)
     del blk
     return (nrm,)
@@ -1433,39 +1675,63 @@ def ce__diag__X__outer(X, Y):
     t15 = (-0.5 * (sigma2_Z ** -1.5))
     t16 = t15 * M_Z
     t17 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,bc,bc,cc,bc->bc', t12, A, t16, t17, M_Z, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t0 += (-2/(L*d_V**2*n_batch)) * oe.contract('abc,bc,bc,cd,bd,dc->bc', t12, A, t16, t17, M_Z, t17, optimize=[(1, 2), (1, 3), (1, 3), (1, 2), (0, 1)])
-    t0 += (1/(L*n_batch)) * oe.contract('abc,bc,bc->bc', t12, A, P_Z, optimize=[(0, 1), (0, 1)])
-    t0 += (-1/(L*d_V*n_batch)) * oe.contract('abc,bc,bc,cc->bc', t12, A, P_Z, t17, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (-2/(L*d_V*n_batch)) * oe.contract('abc,bc,bd,bd,dc,bc->bc', t12, A, A, t16, t17, M_Z, optimize=[(2, 3), (1, 3), (1, 2), (1, 2), (0, 1)])
-    t0 += (2/(L*d_V**2*n_batch)) * oe.contract('abc,bc,bd,bd,de,be,ec->bc', t12, A, A, t16, t17, M_Z, t17, optimize=[(2, 3), (2, 5), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,bc,bc,bc->bc', t12, A, A, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(L*d_V*n_batch)) * oe.contract('abc,bc,bd,bd,dc->bc', t12, A, A, P_Z, t17, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)])
-    t18 = t15 * t2 * M_Z
-    t0 += (4/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ac,cb,ab->ab', M_Z, t17, t18, A, t16, t17, M_Z, optimize=[(3, 4), (1, 3), (0, 2), (0, 1), (0, 2), (0, 1)])
-    t0 += (-4/(L*d_V**3*n_batch)) * oe.contract('ab,bc,dac,ac,ac,ce,ae,eb->ab', M_Z, t17, t18, A, t16, t17, M_Z, t17, optimize=[(3, 4), (2, 6), (2, 3), (2, 4), (1, 3), (1, 2), (0, 1)])
-    t0 += (2/(L*d_V*n_batch)) * oe.contract('ab,bb,cab,ab,ab->ab', M_Z, t17, t18, A, P_Z, optimize=[(0, 3), (2, 3), (0, 1), (0, 1)])
-    t0 += (-2/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ac,cb->ab', M_Z, t17, t18, A, P_Z, t17, optimize=[(3, 4), (1, 3), (1, 2), (1, 2), (0, 1)])
-    t0 += (-4/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae,eb,ab->ab', M_Z, t17, t18, A, A, t16, t17, M_Z, optimize=[(4, 5), (0, 5), (1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
-    t0 += (4/(L*d_V**3*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae,ef,af,fb->ab', M_Z, t17, t18, A, A, t16, t17, M_Z, t17, optimize=[(4, 5), (2, 3), (2, 5), (2, 5), (1, 3), (0, 3), (0, 1), (0, 1)])
-    t0 += (-2/(L*d_V*n_batch)) * oe.contract('ab,bc,dac,ac,ab,ab->ab', M_Z, t17, t18, A, A, P_Z, optimize=[(0, 4), (3, 4), (1, 2), (0, 2), (0, 1)])
-    t0 += (2/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae,eb->ab', M_Z, t17, t18, A, A, P_Z, t17, optimize=[(4, 5), (2, 3), (2, 3), (0, 3), (0, 1), (0, 1)])
-    t0 += (-2/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,db,ba,da->da', t17, t12, A, t16, t17, M_Z, optimize=[(2, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
-    t0 += (2/(L*d_V**3*n_batch)) * oe.contract('ab,cdb,db,db,be,de,ea->da', t17, t12, A, t16, t17, M_Z, t17, optimize=[(2, 3), (1, 5), (1, 2), (1, 3), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_V*n_batch)) * oe.contract('aa,bca,ca,ca->ca', t17, t12, A, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,db,ba->da', t17, t12, A, P_Z, t17, optimize=[(2, 3), (0, 2), (0, 1), (0, 1)])
-    t0 += (2/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,de,de,ea,da->da', t17, t12, A, A, t16, t17, M_Z, optimize=[(3, 4), (1, 2), (1, 3), (1, 3), (0, 1), (0, 1)])
-    t0 += (-2/(L*d_V**3*n_batch)) * oe.contract('ab,cdb,db,de,de,ef,df,fa->da', t17, t12, A, A, t16, t17, M_Z, t17, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
-    t0 += (1/(L*d_V*n_batch)) * oe.contract('ab,cdb,db,da,da->da', t17, t12, A, A, P_Z, optimize=[(3, 4), (1, 2), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,de,de,ea->da', t17, t12, A, A, P_Z, t17, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t0 += (-4/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd,da,ca->ca', t17, M_Z, t17, t18, A, t16, t17, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (0, 3), (1, 2), (0, 1)])
-    t0 += (4/(L*d_V**4*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd,df,cf,fa->ca', t17, M_Z, t17, t18, A, t16, t17, M_Z, t17, optimize=[(4, 5), (3, 7), (0, 1), (0, 5), (3, 4), (0, 3), (1, 2), (0, 1)])
-    t0 += (-2/(L*d_V**2*n_batch)) * oe.contract('ab,cb,ba,dca,ca,ca->ca', t17, M_Z, t17, t18, A, P_Z, optimize=[(0, 2), (2, 3), (0, 2), (1, 2), (0, 1)])
-    t0 += (2/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd,da->ca', t17, M_Z, t17, t18, A, P_Z, t17, optimize=[(4, 5), (3, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
-    t0 += (4/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf,fa,ca->ca', t17, M_Z, t17, t18, A, A, t16, t17, M_Z, optimize=[(5, 6), (3, 4), (3, 5), (3, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t0 += (-4/(L*d_V**4*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,ga->ca', t17, M_Z, t17, t18, A, A, t16, t17, M_Z, t17, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
-    t0 += (2/(L*d_V**2*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,ca,ca->ca', t17, M_Z, t17, t18, A, A, P_Z, optimize=[(5, 6), (3, 4), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t0 += (-2/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf,fa->ca', t17, M_Z, t17, t18, A, A, P_Z, t17, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
+    t18 = (2/(L*d_V*n_batch)) * A
+    t0[...] = oe.contract('abc,bc,bc,cc,bc->bc', t12, t18, t16, t17, M_Z, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t19 = (-2/(L*d_V**2*n_batch)) * A
+    t0 += oe.contract('abc,bc,bc,cd,bd,dc->bc', t12, t19, t16, t17, M_Z, t17, optimize=[(1, 2), (1, 3), (1, 3), (1, 2), (0, 1)])
+    t20 = (1/(L*n_batch)) * A
+    t0 += oe.contract('abc,bc,bc->bc', t12, t20, P_Z, optimize=[(0, 1), (0, 1)])
+    t21 = (-1/(L*d_V*n_batch)) * A
+    t0 += oe.contract('abc,bc,bc,cc->bc', t12, t21, P_Z, t17, optimize=[(0, 1), (0, 1), (0, 1)])
+    t22 = (-2/(L*d_V*n_batch)) * A
+    t0 += oe.contract('abc,bc,bd,bd,dc,bc->bc', t12, t22, A, t16, t17, M_Z, optimize=[(2, 3), (1, 3), (1, 2), (1, 2), (0, 1)])
+    t23 = (2/(L*d_V**2*n_batch)) * A
+    t0 += oe.contract('abc,bc,bd,bd,de,be,ec->bc', t12, t23, A, t16, t17, M_Z, t17, optimize=[(2, 3), (2, 5), (2, 4), (2, 3), (1, 2), (0, 1)])
+    t24 = (-1/(L*n_batch)) * A
+    t0 += oe.contract('abc,bc,bc,bc->bc', t12, t24, A, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
+    t25 = (1/(L*d_V*n_batch)) * A
+    t0 += oe.contract('abc,bc,bd,bd,dc->bc', t12, t25, A, P_Z, t17, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)])
+    t26 = t15 * t2 * M_Z
+    t27 = (4/(L*d_V**2*n_batch)) * M_Z
+    t0 += oe.contract('ab,bc,dac,ac,ac,cb,ab->ab', t27, t17, t26, A, t16, t17, M_Z, optimize=[(3, 4), (1, 3), (0, 2), (0, 1), (0, 2), (0, 1)])
+    t28 = (-4/(L*d_V**3*n_batch)) * M_Z
+    t0 += oe.contract('ab,bc,dac,ac,ac,ce,ae,eb->ab', t28, t17, t26, A, t16, t17, M_Z, t17, optimize=[(3, 4), (2, 6), (2, 3), (2, 4), (1, 3), (1, 2), (0, 1)])
+    t29 = (2/(L*d_V*n_batch)) * M_Z
+    t0 += oe.contract('ab,bb,cab,ab,ab->ab', t29, t17, t26, A, P_Z, optimize=[(0, 3), (2, 3), (0, 1), (0, 1)])
+    t30 = (-2/(L*d_V**2*n_batch)) * M_Z
+    t0 += oe.contract('ab,bc,dac,ac,ac,cb->ab', t30, t17, t26, A, P_Z, t17, optimize=[(3, 4), (1, 3), (1, 2), (1, 2), (0, 1)])
+    t31 = (-4/(L*d_V**2*n_batch)) * M_Z
+    t0 += oe.contract('ab,bc,dac,ac,ae,ae,eb,ab->ab', t31, t17, t26, A, A, t16, t17, M_Z, optimize=[(4, 5), (0, 5), (1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t32 = (4/(L*d_V**3*n_batch)) * M_Z
+    t0 += oe.contract('ab,bc,dac,ac,ae,ae,ef,af,fb->ab', t32, t17, t26, A, A, t16, t17, M_Z, t17, optimize=[(4, 5), (2, 3), (2, 5), (2, 5), (1, 3), (0, 3), (0, 1), (0, 1)])
+    t33 = (-2/(L*d_V*n_batch)) * M_Z
+    t0 += oe.contract('ab,bc,dac,ac,ab,ab->ab', t33, t17, t26, A, A, P_Z, optimize=[(0, 4), (3, 4), (1, 2), (0, 2), (0, 1)])
+    t34 = (2/(L*d_V**2*n_batch)) * M_Z
+    t0 += oe.contract('ab,bc,dac,ac,ae,ae,eb->ab', t34, t17, t26, A, A, P_Z, t17, optimize=[(4, 5), (2, 3), (2, 3), (0, 3), (0, 1), (0, 1)])
+    t0 += oe.contract('ab,cdb,db,db,ba,da->da', t17, t12, t19, t16, t17, M_Z, optimize=[(2, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t35 = (2/(L*d_V**3*n_batch)) * A
+    t0 += oe.contract('ab,cdb,db,db,be,de,ea->da', t17, t12, t35, t16, t17, M_Z, t17, optimize=[(2, 3), (1, 5), (1, 2), (1, 3), (0, 2), (0, 1)])
+    t0 += oe.contract('aa,bca,ca,ca->ca', t17, t12, t21, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
+    t36 = (1/(L*d_V**2*n_batch)) * A
+    t0 += oe.contract('ab,cdb,db,db,ba->da', t17, t12, t36, P_Z, t17, optimize=[(2, 3), (0, 2), (0, 1), (0, 1)])
+    t0 += oe.contract('ab,cdb,db,de,de,ea,da->da', t17, t12, t23, A, t16, t17, M_Z, optimize=[(3, 4), (1, 2), (1, 3), (1, 3), (0, 1), (0, 1)])
+    t37 = (-2/(L*d_V**3*n_batch)) * A
+    t0 += oe.contract('ab,cdb,db,de,de,ef,df,fa->da', t17, t12, t37, A, t16, t17, M_Z, t17, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
+    t0 += oe.contract('ab,cdb,db,da,da->da', t17, t12, t25, A, P_Z, optimize=[(3, 4), (1, 2), (0, 2), (0, 1)])
+    t38 = (-1/(L*d_V**2*n_batch)) * A
+    t0 += oe.contract('ab,cdb,db,de,de,ea->da', t17, t12, t38, A, P_Z, t17, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t0 += oe.contract('ab,cb,bd,ecd,cd,cd,da,ca->ca', t17, t28, t17, t26, A, t16, t17, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (0, 3), (1, 2), (0, 1)])
+    t39 = (4/(L*d_V**4*n_batch)) * M_Z
+    t0 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf,fa->ca', t17, t39, t17, t26, A, t16, t17, M_Z, t17, optimize=[(4, 5), (3, 7), (0, 1), (0, 5), (3, 4), (0, 3), (1, 2), (0, 1)])
+    t0 += oe.contract('ab,cb,ba,dca,ca,ca->ca', t17, t30, t17, t26, A, P_Z, optimize=[(0, 2), (2, 3), (0, 2), (1, 2), (0, 1)])
+    t40 = (2/(L*d_V**3*n_batch)) * M_Z
+    t0 += oe.contract('ab,cb,bd,ecd,cd,cd,da->ca', t17, t40, t17, t26, A, P_Z, t17, optimize=[(4, 5), (3, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
+    t0 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fa,ca->ca', t17, t32, t17, t26, A, A, t16, t17, M_Z, optimize=[(5, 6), (3, 4), (3, 5), (3, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
+    t41 = (-4/(L*d_V**4*n_batch)) * M_Z
+    t0 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,ga->ca', t17, t41, t17, t26, A, A, t16, t17, M_Z, t17, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t0 += oe.contract('ab,cb,bd,ecd,cd,ca,ca->ca', t17, t34, t17, t26, A, A, P_Z, optimize=[(5, 6), (3, 4), (2, 4), (1, 3), (0, 2), (0, 1)])
+    t42 = (-2/(L*d_V**3*n_batch)) * M_Z
+    t0 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fa->ca', t17, t42, t17, t26, A, A, P_Z, t17, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -1531,40 +1797,65 @@ def ce__block__X__X__outer(X, Y):
     t16 = (-0.5 * (sigma2_Z ** -1.5))
     t17 = t16 * M_Z
     t18 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t1 += (2/(L*d_V*n_batch)) * oe.contract('abc,bc,bc,cd,bd->bcd', t13, A, t17, t18, M_Z, optimize=[(1, 2), (0, 2), (0, 1), (0, 1)])
-    t1 += (-2/(L*d_V**2*n_batch)) * oe.contract('abc,bc,bc,cd,bd,de->bce', t13, A, t17, t18, M_Z, t18, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
-    t19 = np.einsum('abab->ab', t0)
-    t19 += (1/(L*n_batch)) * oe.contract('abc,bc,bc->bc', t13, A, P_Z, optimize=[(0, 1), (0, 1)])
-    t1 += (-1/(L*d_V*n_batch)) * oe.contract('abc,bc,bc,cd->bcd', t13, A, P_Z, t18, optimize=[(0, 1), (0, 2), (0, 1)])
-    t1 += (-2/(L*d_V*n_batch)) * oe.contract('abc,bc,bd,bd,de,be->bce', t13, A, A, t17, t18, M_Z, optimize=[(2, 3), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t1 += (2/(L*d_V**2*n_batch)) * oe.contract('abc,bc,bd,bd,de,be,ef->bcf', t13, A, A, t17, t18, M_Z, t18, optimize=[(2, 3), (2, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t1 += (-1/(L*n_batch)) * oe.contract('abc,bc,bd,bd->bcd', t13, A, A, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += (1/(L*d_V*n_batch)) * oe.contract('abc,bc,bd,bd,de->bce', t13, A, A, P_Z, t18, optimize=[(2, 3), (2, 3), (0, 1), (0, 1)])
-    t20 = t16 * t3 * M_Z
-    t1 += (4/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ac,ce,ae->abe', M_Z, t18, t20, A, t17, t18, M_Z, optimize=[(3, 4), (2, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
-    t1 += (-4/(L*d_V**3*n_batch)) * oe.contract('ab,bc,dac,ac,ac,ce,ae,ef->abf', M_Z, t18, t20, A, t17, t18, M_Z, t18, optimize=[(3, 4), (2, 6), (2, 3), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t1 += (2/(L*d_V*n_batch)) * oe.contract('ab,bc,dac,ac,ac->abc', M_Z, t18, t20, A, P_Z, optimize=[(3, 4), (0, 2), (0, 1), (0, 1)])
-    t1 += (-2/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ac,ce->abe', M_Z, t18, t20, A, P_Z, t18, optimize=[(3, 4), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t1 += (-4/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae,ef,af->abf', M_Z, t18, t20, A, A, t17, t18, M_Z, optimize=[(4, 5), (2, 3), (2, 4), (2, 4), (1, 2), (0, 2), (0, 1)])
-    t1 += (4/(L*d_V**3*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae,ef,af,fg->abg', M_Z, t18, t20, A, A, t17, t18, M_Z, t18, optimize=[(4, 5), (2, 3), (2, 5), (2, 5), (1, 3), (0, 3), (0, 1), (0, 1)])
-    t1 += (-2/(L*d_V*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae->abe', M_Z, t18, t20, A, A, P_Z, optimize=[(4, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t1 += (2/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae,ef->abf', M_Z, t18, t20, A, A, P_Z, t18, optimize=[(4, 5), (2, 3), (2, 3), (1, 2), (0, 2), (0, 1)])
-    t1 += (-2/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,db,be,de->dae', t18, t13, A, t17, t18, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 2), (0, 1)])
-    t1 += (2/(L*d_V**3*n_batch)) * oe.contract('ab,cdb,db,db,be,de,ef->daf', t18, t13, A, t17, t18, M_Z, t18, optimize=[(2, 3), (1, 5), (1, 2), (1, 3), (1, 2), (0, 1)])
-    t1 += (-1/(L*d_V*n_batch)) * oe.contract('ab,cdb,db,db->dab', t18, t13, A, P_Z, optimize=[(1, 2), (1, 2), (0, 1)])
-    t1 += (1/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,db,be->dae', t18, t13, A, P_Z, t18, optimize=[(2, 3), (1, 3), (0, 2), (0, 1)])
-    t1 += (2/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,de,de,ef,df->daf', t18, t13, A, A, t17, t18, M_Z, optimize=[(3, 4), (1, 2), (1, 3), (1, 3), (0, 1), (0, 1)])
-    t1 += (-2/(L*d_V**3*n_batch)) * oe.contract('ab,cdb,db,de,de,ef,df,fg->dag', t18, t13, A, A, t17, t18, M_Z, t18, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
-    t1 += (1/(L*d_V*n_batch)) * oe.contract('ab,cdb,db,de,de->dae', t18, t13, A, A, P_Z, optimize=[(3, 4), (1, 2), (0, 2), (0, 1)])
-    t1 += (-1/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,de,de,ef->daf', t18, t13, A, A, P_Z, t18, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t1 += (-4/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd,df,cf->caf', t18, M_Z, t18, t20, A, t17, t18, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
-    t1 += (4/(L*d_V**4*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd,df,cf,fg->cag', t18, M_Z, t18, t20, A, t17, t18, M_Z, t18, optimize=[(4, 5), (3, 7), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
-    t1 += (-2/(L*d_V**2*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd->cad', t18, M_Z, t18, t20, A, P_Z, optimize=[(4, 5), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t1 += (2/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd,df->caf', t18, M_Z, t18, t20, A, P_Z, t18, optimize=[(4, 5), (3, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
-    t1 += (4/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg->cag', t18, M_Z, t18, t20, A, A, t17, t18, M_Z, optimize=[(5, 6), (3, 4), (3, 5), (3, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t1 += (-4/(L*d_V**4*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,gh->cah', t18, M_Z, t18, t20, A, A, t17, t18, M_Z, t18, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
-    t1 += (2/(L*d_V**2*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf->caf', t18, M_Z, t18, t20, A, A, P_Z, optimize=[(5, 6), (3, 4), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t1 += (-2/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg->cag', t18, M_Z, t18, t20, A, A, P_Z, t18, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
+    t19 = (2/(L*d_V*n_batch)) * A
+    t1 += oe.contract('abc,bc,bc,cd,bd->bcd', t13, t19, t17, t18, M_Z, optimize=[(1, 2), (0, 2), (0, 1), (0, 1)])
+    t20 = (-2/(L*d_V**2*n_batch)) * A
+    t1 += oe.contract('abc,bc,bc,cd,bd,de->bce', t13, t20, t17, t18, M_Z, t18, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t21 = np.einsum('abab->ab', t0)
+    t22 = (1/(L*n_batch)) * A
+    t21 += oe.contract('abc,bc,bc->bc', t13, t22, P_Z, optimize=[(0, 1), (0, 1)])
+    t23 = (-1/(L*d_V*n_batch)) * A
+    t1 += oe.contract('abc,bc,bc,cd->bcd', t13, t23, P_Z, t18, optimize=[(0, 1), (0, 2), (0, 1)])
+    t24 = (-2/(L*d_V*n_batch)) * A
+    t1 += oe.contract('abc,bc,bd,bd,de,be->bce', t13, t24, A, t17, t18, M_Z, optimize=[(2, 3), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t25 = (2/(L*d_V**2*n_batch)) * A
+    t1 += oe.contract('abc,bc,bd,bd,de,be,ef->bcf', t13, t25, A, t17, t18, M_Z, t18, optimize=[(2, 3), (2, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t26 = (-1/(L*n_batch)) * A
+    t1 += oe.contract('abc,bc,bd,bd->bcd', t13, t26, A, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
+    t27 = (1/(L*d_V*n_batch)) * A
+    t1 += oe.contract('abc,bc,bd,bd,de->bce', t13, t27, A, P_Z, t18, optimize=[(2, 3), (2, 3), (0, 1), (0, 1)])
+    t28 = t16 * t3 * M_Z
+    t29 = (4/(L*d_V**2*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ac,ce,ae->abe', t29, t18, t28, A, t17, t18, M_Z, optimize=[(3, 4), (2, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
+    t30 = (-4/(L*d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ac,ce,ae,ef->abf', t30, t18, t28, A, t17, t18, M_Z, t18, optimize=[(3, 4), (2, 6), (2, 3), (2, 4), (2, 3), (1, 2), (0, 1)])
+    t31 = (2/(L*d_V*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ac->abc', t31, t18, t28, A, P_Z, optimize=[(3, 4), (0, 2), (0, 1), (0, 1)])
+    t32 = (-2/(L*d_V**2*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ac,ce->abe', t32, t18, t28, A, P_Z, t18, optimize=[(3, 4), (2, 4), (2, 3), (1, 2), (0, 1)])
+    t33 = (-4/(L*d_V**2*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ae,ae,ef,af->abf', t33, t18, t28, A, A, t17, t18, M_Z, optimize=[(4, 5), (2, 3), (2, 4), (2, 4), (1, 2), (0, 2), (0, 1)])
+    t34 = (4/(L*d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ae,ae,ef,af,fg->abg', t34, t18, t28, A, A, t17, t18, M_Z, t18, optimize=[(4, 5), (2, 3), (2, 5), (2, 5), (1, 3), (0, 3), (0, 1), (0, 1)])
+    t35 = (-2/(L*d_V*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ae,ae->abe', t35, t18, t28, A, A, P_Z, optimize=[(4, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
+    t36 = (2/(L*d_V**2*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ae,ae,ef->abf', t36, t18, t28, A, A, P_Z, t18, optimize=[(4, 5), (2, 3), (2, 3), (1, 2), (0, 2), (0, 1)])
+    t1 += oe.contract('ab,cdb,db,db,be,de->dae', t18, t13, t20, t17, t18, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 2), (0, 1)])
+    t37 = (2/(L*d_V**3*n_batch)) * A
+    t38 = oe.contract('abc,bc,bc,cd,bd,de->bec', t13, t37, t17, t18, M_Z, t18, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t38, t18, optimize=[(0, 1)])
+    t1 += oe.contract('ab,cdb,db,db->dab', t18, t13, t23, P_Z, optimize=[(1, 2), (1, 2), (0, 1)])
+    t39 = (1/(L*d_V**2*n_batch)) * A
+    t1 += oe.contract('ab,cdb,db,db,be->dae', t18, t13, t39, P_Z, t18, optimize=[(2, 3), (1, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('ab,cdb,db,de,de,ef,df->daf', t18, t13, t25, A, t17, t18, M_Z, optimize=[(3, 4), (1, 2), (1, 3), (1, 3), (0, 1), (0, 1)])
+    t40 = (-2/(L*d_V**3*n_batch)) * A
+    t1 += oe.contract('ab,cdb,db,de,de,ef,df,fg->dag', t18, t13, t40, A, t17, t18, M_Z, t18, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
+    t1 += oe.contract('ab,cdb,db,de,de->dae', t18, t13, t27, A, P_Z, optimize=[(3, 4), (1, 2), (0, 2), (0, 1)])
+    t41 = (-1/(L*d_V**2*n_batch)) * A
+    t1 += oe.contract('ab,cdb,db,de,de,ef->daf', t18, t13, t41, A, P_Z, t18, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf->caf', t18, t30, t18, t28, A, t17, t18, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
+    t42 = (4/(L*d_V**4*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf,fg->cag', t18, t42, t18, t28, A, t17, t18, M_Z, t18, optimize=[(4, 5), (3, 7), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cd->cad', t18, t32, t18, t28, A, P_Z, optimize=[(4, 5), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t43 = (2/(L*d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df->caf', t18, t43, t18, t28, A, P_Z, t18, optimize=[(4, 5), (3, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg->cag', t18, t34, t18, t28, A, A, t17, t18, M_Z, optimize=[(5, 6), (3, 4), (3, 5), (3, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
+    t44 = (-4/(L*d_V**4*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,gh->cah', t18, t44, t18, t28, A, A, t17, t18, M_Z, t18, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf->caf', t18, t36, t18, t28, A, A, P_Z, optimize=[(5, 6), (3, 4), (2, 4), (1, 3), (0, 2), (0, 1)])
+    t45 = (-2/(L*d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg->cag', t18, t45, t18, t28, A, A, P_Z, t18, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -1599,40 +1890,65 @@ def ce__frobenius__X__X__outer(X, Y):
     t16 = (-0.5 * (sigma2_Z ** -1.5))
     t17 = t16 * M_Z
     t18 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t1 += (2/(L*d_V*n_batch)) * oe.contract('abc,bc,bc,cd,bd->bcd', t13, A, t17, t18, M_Z, optimize=[(1, 2), (0, 2), (0, 1), (0, 1)])
-    t1 += (-2/(L*d_V**2*n_batch)) * oe.contract('abc,bc,bc,cd,bd,de->bce', t13, A, t17, t18, M_Z, t18, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
-    t19 = np.einsum('abab->ab', t0)
-    t19 += (1/(L*n_batch)) * oe.contract('abc,bc,bc->bc', t13, A, P_Z, optimize=[(0, 1), (0, 1)])
-    t1 += (-1/(L*d_V*n_batch)) * oe.contract('abc,bc,bc,cd->bcd', t13, A, P_Z, t18, optimize=[(0, 1), (0, 2), (0, 1)])
-    t1 += (-2/(L*d_V*n_batch)) * oe.contract('abc,bc,bd,bd,de,be->bce', t13, A, A, t17, t18, M_Z, optimize=[(2, 3), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t1 += (2/(L*d_V**2*n_batch)) * oe.contract('abc,bc,bd,bd,de,be,ef->bcf', t13, A, A, t17, t18, M_Z, t18, optimize=[(2, 3), (2, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t1 += (-1/(L*n_batch)) * oe.contract('abc,bc,bd,bd->bcd', t13, A, A, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += (1/(L*d_V*n_batch)) * oe.contract('abc,bc,bd,bd,de->bce', t13, A, A, P_Z, t18, optimize=[(2, 3), (2, 3), (0, 1), (0, 1)])
-    t20 = t16 * t3 * M_Z
-    t1 += (4/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ac,ce,ae->abe', M_Z, t18, t20, A, t17, t18, M_Z, optimize=[(3, 4), (2, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
-    t1 += (-4/(L*d_V**3*n_batch)) * oe.contract('ab,bc,dac,ac,ac,ce,ae,ef->abf', M_Z, t18, t20, A, t17, t18, M_Z, t18, optimize=[(3, 4), (2, 6), (2, 3), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t1 += (2/(L*d_V*n_batch)) * oe.contract('ab,bc,dac,ac,ac->abc', M_Z, t18, t20, A, P_Z, optimize=[(3, 4), (0, 2), (0, 1), (0, 1)])
-    t1 += (-2/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ac,ce->abe', M_Z, t18, t20, A, P_Z, t18, optimize=[(3, 4), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t1 += (-4/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae,ef,af->abf', M_Z, t18, t20, A, A, t17, t18, M_Z, optimize=[(4, 5), (2, 3), (2, 4), (2, 4), (1, 2), (0, 2), (0, 1)])
-    t1 += (4/(L*d_V**3*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae,ef,af,fg->abg', M_Z, t18, t20, A, A, t17, t18, M_Z, t18, optimize=[(4, 5), (2, 3), (2, 5), (2, 5), (1, 3), (0, 3), (0, 1), (0, 1)])
-    t1 += (-2/(L*d_V*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae->abe', M_Z, t18, t20, A, A, P_Z, optimize=[(4, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t1 += (2/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae,ef->abf', M_Z, t18, t20, A, A, P_Z, t18, optimize=[(4, 5), (2, 3), (2, 3), (1, 2), (0, 2), (0, 1)])
-    t1 += (-2/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,db,be,de->dae', t18, t13, A, t17, t18, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 2), (0, 1)])
-    t1 += (2/(L*d_V**3*n_batch)) * oe.contract('ab,cdb,db,db,be,de,ef->daf', t18, t13, A, t17, t18, M_Z, t18, optimize=[(2, 3), (1, 5), (1, 2), (1, 3), (1, 2), (0, 1)])
-    t1 += (-1/(L*d_V*n_batch)) * oe.contract('ab,cdb,db,db->dab', t18, t13, A, P_Z, optimize=[(1, 2), (1, 2), (0, 1)])
-    t1 += (1/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,db,be->dae', t18, t13, A, P_Z, t18, optimize=[(2, 3), (1, 3), (0, 2), (0, 1)])
-    t1 += (2/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,de,de,ef,df->daf', t18, t13, A, A, t17, t18, M_Z, optimize=[(3, 4), (1, 2), (1, 3), (1, 3), (0, 1), (0, 1)])
-    t1 += (-2/(L*d_V**3*n_batch)) * oe.contract('ab,cdb,db,de,de,ef,df,fg->dag', t18, t13, A, A, t17, t18, M_Z, t18, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
-    t1 += (1/(L*d_V*n_batch)) * oe.contract('ab,cdb,db,de,de->dae', t18, t13, A, A, P_Z, optimize=[(3, 4), (1, 2), (0, 2), (0, 1)])
-    t1 += (-1/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,de,de,ef->daf', t18, t13, A, A, P_Z, t18, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t1 += (-4/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd,df,cf->caf', t18, M_Z, t18, t20, A, t17, t18, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
-    t1 += (4/(L*d_V**4*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd,df,cf,fg->cag', t18, M_Z, t18, t20, A, t17, t18, M_Z, t18, optimize=[(4, 5), (3, 7), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
-    t1 += (-2/(L*d_V**2*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd->cad', t18, M_Z, t18, t20, A, P_Z, optimize=[(4, 5), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t1 += (2/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd,df->caf', t18, M_Z, t18, t20, A, P_Z, t18, optimize=[(4, 5), (3, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
-    t1 += (4/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg->cag', t18, M_Z, t18, t20, A, A, t17, t18, M_Z, optimize=[(5, 6), (3, 4), (3, 5), (3, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t1 += (-4/(L*d_V**4*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,gh->cah', t18, M_Z, t18, t20, A, A, t17, t18, M_Z, t18, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
-    t1 += (2/(L*d_V**2*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf->caf', t18, M_Z, t18, t20, A, A, P_Z, optimize=[(5, 6), (3, 4), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t1 += (-2/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg->cag', t18, M_Z, t18, t20, A, A, P_Z, t18, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
+    t19 = (2/(L*d_V*n_batch)) * A
+    t1 += oe.contract('abc,bc,bc,cd,bd->bcd', t13, t19, t17, t18, M_Z, optimize=[(1, 2), (0, 2), (0, 1), (0, 1)])
+    t20 = (-2/(L*d_V**2*n_batch)) * A
+    t1 += oe.contract('abc,bc,bc,cd,bd,de->bce', t13, t20, t17, t18, M_Z, t18, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t21 = np.einsum('abab->ab', t0)
+    t22 = (1/(L*n_batch)) * A
+    t21 += oe.contract('abc,bc,bc->bc', t13, t22, P_Z, optimize=[(0, 1), (0, 1)])
+    t23 = (-1/(L*d_V*n_batch)) * A
+    t1 += oe.contract('abc,bc,bc,cd->bcd', t13, t23, P_Z, t18, optimize=[(0, 1), (0, 2), (0, 1)])
+    t24 = (-2/(L*d_V*n_batch)) * A
+    t1 += oe.contract('abc,bc,bd,bd,de,be->bce', t13, t24, A, t17, t18, M_Z, optimize=[(2, 3), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t25 = (2/(L*d_V**2*n_batch)) * A
+    t1 += oe.contract('abc,bc,bd,bd,de,be,ef->bcf', t13, t25, A, t17, t18, M_Z, t18, optimize=[(2, 3), (2, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t26 = (-1/(L*n_batch)) * A
+    t1 += oe.contract('abc,bc,bd,bd->bcd', t13, t26, A, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
+    t27 = (1/(L*d_V*n_batch)) * A
+    t1 += oe.contract('abc,bc,bd,bd,de->bce', t13, t27, A, P_Z, t18, optimize=[(2, 3), (2, 3), (0, 1), (0, 1)])
+    t28 = t16 * t3 * M_Z
+    t29 = (4/(L*d_V**2*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ac,ce,ae->abe', t29, t18, t28, A, t17, t18, M_Z, optimize=[(3, 4), (2, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
+    t30 = (-4/(L*d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ac,ce,ae,ef->abf', t30, t18, t28, A, t17, t18, M_Z, t18, optimize=[(3, 4), (2, 6), (2, 3), (2, 4), (2, 3), (1, 2), (0, 1)])
+    t31 = (2/(L*d_V*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ac->abc', t31, t18, t28, A, P_Z, optimize=[(3, 4), (0, 2), (0, 1), (0, 1)])
+    t32 = (-2/(L*d_V**2*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ac,ce->abe', t32, t18, t28, A, P_Z, t18, optimize=[(3, 4), (2, 4), (2, 3), (1, 2), (0, 1)])
+    t33 = (-4/(L*d_V**2*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ae,ae,ef,af->abf', t33, t18, t28, A, A, t17, t18, M_Z, optimize=[(4, 5), (2, 3), (2, 4), (2, 4), (1, 2), (0, 2), (0, 1)])
+    t34 = (4/(L*d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ae,ae,ef,af,fg->abg', t34, t18, t28, A, A, t17, t18, M_Z, t18, optimize=[(4, 5), (2, 3), (2, 5), (2, 5), (1, 3), (0, 3), (0, 1), (0, 1)])
+    t35 = (-2/(L*d_V*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ae,ae->abe', t35, t18, t28, A, A, P_Z, optimize=[(4, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
+    t36 = (2/(L*d_V**2*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ae,ae,ef->abf', t36, t18, t28, A, A, P_Z, t18, optimize=[(4, 5), (2, 3), (2, 3), (1, 2), (0, 2), (0, 1)])
+    t1 += oe.contract('ab,cdb,db,db,be,de->dae', t18, t13, t20, t17, t18, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 2), (0, 1)])
+    t37 = (2/(L*d_V**3*n_batch)) * A
+    t38 = oe.contract('abc,bc,bc,cd,bd,de->bec', t13, t37, t17, t18, M_Z, t18, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t38, t18, optimize=[(0, 1)])
+    t1 += oe.contract('ab,cdb,db,db->dab', t18, t13, t23, P_Z, optimize=[(1, 2), (1, 2), (0, 1)])
+    t39 = (1/(L*d_V**2*n_batch)) * A
+    t1 += oe.contract('ab,cdb,db,db,be->dae', t18, t13, t39, P_Z, t18, optimize=[(2, 3), (1, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('ab,cdb,db,de,de,ef,df->daf', t18, t13, t25, A, t17, t18, M_Z, optimize=[(3, 4), (1, 2), (1, 3), (1, 3), (0, 1), (0, 1)])
+    t40 = (-2/(L*d_V**3*n_batch)) * A
+    t1 += oe.contract('ab,cdb,db,de,de,ef,df,fg->dag', t18, t13, t40, A, t17, t18, M_Z, t18, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
+    t1 += oe.contract('ab,cdb,db,de,de->dae', t18, t13, t27, A, P_Z, optimize=[(3, 4), (1, 2), (0, 2), (0, 1)])
+    t41 = (-1/(L*d_V**2*n_batch)) * A
+    t1 += oe.contract('ab,cdb,db,de,de,ef->daf', t18, t13, t41, A, P_Z, t18, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf->caf', t18, t30, t18, t28, A, t17, t18, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
+    t42 = (4/(L*d_V**4*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf,fg->cag', t18, t42, t18, t28, A, t17, t18, M_Z, t18, optimize=[(4, 5), (3, 7), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cd->cad', t18, t32, t18, t28, A, P_Z, optimize=[(4, 5), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t43 = (2/(L*d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df->caf', t18, t43, t18, t28, A, P_Z, t18, optimize=[(4, 5), (3, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg->cag', t18, t34, t18, t28, A, A, t17, t18, M_Z, optimize=[(5, 6), (3, 4), (3, 5), (3, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
+    t44 = (-4/(L*d_V**4*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,gh->cah', t18, t44, t18, t28, A, A, t17, t18, M_Z, t18, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf->caf', t18, t36, t18, t28, A, A, P_Z, optimize=[(5, 6), (3, 4), (2, 4), (1, 3), (0, 2), (0, 1)])
+    t45 = (-2/(L*d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg->cag', t18, t45, t18, t28, A, A, P_Z, t18, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
     nrm = np.linalg.norm(blk)
     del blk
     return nrm
@@ -1675,28 +1991,38 @@ def ce__hessian__functional(X, Y):
     G = t20
     t21 = t11 * G
     t22 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t2 += (2/(d_V*n_batch)) * oe.contract('abc,cd,bd->bcd', t21, t22, M_Z, optimize=[(0, 1), (0, 1)])
-    t2 += (-2/(d_V**2*n_batch)) * oe.contract('abc,cd,bd,de->bce', t21, t22, M_Z, t22, optimize=[(0, 1), (0, 1), (0, 1)])
-    t23 = np.einsum('abab->ab', t1)
-    t24 = t11 * G * M_Z
-    t25 = t24.sum(-1, keepdims=True)
-    t26 = np.broadcast_to(t25, t25.shape[:-1] + (d_V,))
-    t23 += (2/(d_V*n_batch)) * oe.contract('abc->bc', t26, optimize=[(0,)])
-    t2 += (-2/(d_V**2*n_batch)) * oe.contract('abc,cd->bcd', t26, t22, optimize=[(0, 1)])
-    t27 = (0.75 * (sigma2_Z ** -2.5))
-    t28 = t27 * G * M_Z
-    t2 += (4/(d_V**2*n_batch)) * oe.contract('ab,bc,dac,ce,ae->abe', M_Z, t22, t28, t22, M_Z, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
-    t2 += (-4/(d_V**3*n_batch)) * oe.contract('ab,bc,dac,ce,ae,ef->abf', M_Z, t22, t28, t22, M_Z, t22, optimize=[(1, 2), (1, 4), (1, 3), (1, 2), (0, 1)])
-    t2 += (2/(d_V*n_batch)) * oe.contract('ab,bc,dac->abc', M_Z, t22, t21, optimize=[(0, 1), (0, 1)])
-    t2 += (-2/(d_V**2*n_batch)) * oe.contract('ab,bc,dac,ce->abe', M_Z, t22, t21, t22, optimize=[(2, 3), (0, 2), (0, 1)])
-    t2 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cdb,be,de->dae', t22, t21, t22, M_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t2 += (2/(d_V**3*n_batch)) * oe.contract('ab,cdb,be,de,ef->daf', t22, t21, t22, M_Z, t22, optimize=[(0, 1), (0, 3), (0, 2), (0, 1)])
-    t2 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cdb->dab', t22, t26, optimize=[(0, 1)])
-    t2 += (2/(d_V**3*n_batch)) * oe.contract('ab,cdb,be->dae', t22, t26, t22, optimize=[(0, 1), (0, 1)])
-    t2 += (-4/(d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,df,cf->caf', t22, M_Z, t22, t28, t22, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t2 += (4/(d_V**4*n_batch)) * oe.contract('ab,cb,bd,ecd,df,cf,fg->cag', t22, M_Z, t22, t28, t22, M_Z, t22, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
-    t2 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cb,bd,ecd->cad', t22, M_Z, t22, t21, optimize=[(0, 1), (0, 1), (0, 1)])
-    t2 += (2/(d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,df->caf', t22, M_Z, t22, t21, t22, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)])
+    t23 = (2/(d_V*n_batch)) * M_Z
+    t2 += oe.contract('abc,cd,bd->bcd', t21, t22, t23, optimize=[(0, 1), (0, 1)])
+    t24 = (-2/(d_V**2*n_batch)) * M_Z
+    t2 += oe.contract('abc,cd,bd,de->bce', t21, t22, t24, t22, optimize=[(0, 1), (0, 1), (0, 1)])
+    t25 = np.einsum('abab->ab', t1)
+    t26 = t11 * G * M_Z
+    t27 = t26.sum(-1, keepdims=True)
+    t28 = np.broadcast_to(t27, t27.shape[:-1] + (d_V,))
+    t25 += (2/(d_V*n_batch)) * oe.contract('abc->bc', t28, optimize=[(0,)])
+    t29 = (-2/(d_V**2*n_batch)) * t28
+    t2 += oe.contract('abc,cd->bcd', t29, t22, optimize=[(0, 1)])
+    t30 = (0.75 * (sigma2_Z ** -2.5))
+    t31 = t30 * G * M_Z
+    t32 = (4/(d_V**2*n_batch)) * M_Z
+    t2 += oe.contract('ab,bc,dac,ce,ae->abe', t32, t22, t31, t22, M_Z, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t33 = (-4/(d_V**3*n_batch)) * M_Z
+    t2 += oe.contract('ab,bc,dac,ce,ae,ef->abf', t33, t22, t31, t22, M_Z, t22, optimize=[(1, 2), (1, 4), (1, 3), (1, 2), (0, 1)])
+    t2 += oe.contract('ab,bc,dac->abc', t23, t22, t21, optimize=[(0, 1), (0, 1)])
+    t2 += oe.contract('ab,bc,dac,ce->abe', t24, t22, t21, t22, optimize=[(2, 3), (0, 2), (0, 1)])
+    t2 += oe.contract('ab,cdb,be,de->dae', t22, t21, t22, t24, optimize=[(0, 1), (0, 1), (0, 1)])
+    t34 = (2/(d_V**3*n_batch)) * M_Z
+    t2 += oe.contract('ab,cdb,be,de,ef->daf', t22, t21, t22, t34, t22, optimize=[(0, 1), (0, 3), (0, 2), (0, 1)])
+    t35 = (-2/(d_V**2*n_batch)) * t22
+    t2 += oe.contract('ab,cdb->dab', t35, t28, optimize=[(0, 1)])
+    t36 = (2/(d_V**3*n_batch)) * t22
+    t2 += oe.contract('ab,cdb,be->dae', t36, t28, t22, optimize=[(0, 1), (0, 1)])
+    t2 += oe.contract('ab,cb,bd,ecd,df,cf->caf', t22, t33, t22, t31, t22, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
+    t37 = (4/(d_V**4*n_batch)) * M_Z
+    t2 += oe.contract('ab,cb,bd,ecd,df,cf,fg->cag', t22, t37, t22, t31, t22, M_Z, t22, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t2 += oe.contract('ab,cb,bd,ecd->cad', t22, t24, t22, t21, optimize=[(0, 1), (0, 1), (0, 1)])
+    t38 = oe.contract('ab,bc,dac,ce->aeb', t34, t22, t21, t22, optimize=[(2, 3), (0, 2), (0, 1)])
+    t2 += oe.contract('abc,dc->adb', t38, t22, optimize=[(0, 1)])
     return H
 
 
@@ -1839,27 +2165,36 @@ def ce__diag__X__functional(X, Y):
     G = t18
     t19 = t9 * G
     t20 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t0[...] = (2/(d_V*n_batch)) * oe.contract('abc,cc,bc->bc', t19, t20, M_Z, optimize=[(0, 1), (0, 1)])
-    t0 += (-2/(d_V**2*n_batch)) * oe.contract('abc,cd,bd,dc->bc', t19, t20, M_Z, t20, optimize=[(1, 2), (1, 2), (0, 1)])
-    t21 = t9 * G * M_Z
-    t22 = t21.sum(-1, keepdims=True)
-    t23 = np.broadcast_to(t22, t22.shape[:-1] + (d_V,))
-    t0 += (2/(d_V*n_batch)) * oe.contract('abc->bc', t23, optimize=[(0,)])
-    t0 += (-2/(d_V**2*n_batch)) * oe.contract('abc,cc->bc', t23, t20, optimize=[(0, 1)])
-    t24 = (0.75 * (sigma2_Z ** -2.5))
-    t25 = t24 * G * M_Z
-    t0 += (4/(d_V**2*n_batch)) * oe.contract('ab,bc,dac,cb,ab->ab', M_Z, t20, t25, t20, M_Z, optimize=[(1, 3), (0, 2), (0, 1), (0, 1)])
-    t0 += (-4/(d_V**3*n_batch)) * oe.contract('ab,bc,dac,ce,ae,eb->ab', M_Z, t20, t25, t20, M_Z, t20, optimize=[(1, 2), (1, 4), (2, 3), (1, 2), (0, 1)])
-    t0 += (2/(d_V*n_batch)) * oe.contract('ab,bb,cab->ab', M_Z, t20, t19, optimize=[(0, 1), (0, 1)])
-    t0 += (-2/(d_V**2*n_batch)) * oe.contract('ab,bc,dac,cb->ab', M_Z, t20, t19, t20, optimize=[(1, 3), (0, 2), (0, 1)])
-    t0 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cdb,ba,da->da', t20, t19, t20, M_Z, optimize=[(0, 1), (0, 2), (0, 1)])
-    t0 += (2/(d_V**3*n_batch)) * oe.contract('ab,cdb,be,de,ea->da', t20, t19, t20, M_Z, t20, optimize=[(0, 1), (0, 3), (1, 2), (0, 1)])
-    t0 += (-2/(d_V**2*n_batch)) * oe.contract('aa,bca->ca', t20, t23, optimize=[(0, 1)])
-    t0 += (2/(d_V**3*n_batch)) * oe.contract('ab,cdb,ba->da', t20, t23, t20, optimize=[(0, 1), (0, 1)])
-    t0 += (-4/(d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,da,ca->ca', t20, M_Z, t20, t25, t20, M_Z, optimize=[(2, 3), (2, 4), (0, 3), (0, 2), (0, 1)])
-    t0 += (4/(d_V**4*n_batch)) * oe.contract('ab,cb,bd,ecd,df,cf,fa->ca', t20, M_Z, t20, t25, t20, M_Z, t20, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (1, 2), (0, 1)])
-    t0 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cb,ba,dca->ca', t20, M_Z, t20, t19, optimize=[(0, 2), (0, 2), (0, 1)])
-    t0 += (2/(d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,da->ca', t20, M_Z, t20, t19, t20, optimize=[(2, 3), (2, 3), (0, 2), (0, 1)])
+    t21 = (2/(d_V*n_batch)) * M_Z
+    t0[...] = oe.contract('abc,cc,bc->bc', t19, t20, t21, optimize=[(0, 1), (0, 1)])
+    t22 = (-2/(d_V**2*n_batch)) * M_Z
+    t0 += oe.contract('abc,cd,bd,dc->bc', t19, t20, t22, t20, optimize=[(1, 2), (1, 2), (0, 1)])
+    t23 = t9 * G * M_Z
+    t24 = t23.sum(-1, keepdims=True)
+    t25 = np.broadcast_to(t24, t24.shape[:-1] + (d_V,))
+    t0 += (2/(d_V*n_batch)) * oe.contract('abc->bc', t25, optimize=[(0,)])
+    t26 = (-2/(d_V**2*n_batch)) * t25
+    t0 += oe.contract('abc,cc->bc', t26, t20, optimize=[(0, 1)])
+    t27 = (0.75 * (sigma2_Z ** -2.5))
+    t28 = t27 * G * M_Z
+    t29 = (4/(d_V**2*n_batch)) * M_Z
+    t0 += oe.contract('ab,bc,dac,cb,ab->ab', t29, t20, t28, t20, M_Z, optimize=[(1, 3), (0, 2), (0, 1), (0, 1)])
+    t30 = (-4/(d_V**3*n_batch)) * M_Z
+    t0 += oe.contract('ab,bc,dac,ce,ae,eb->ab', t30, t20, t28, t20, M_Z, t20, optimize=[(1, 2), (1, 4), (2, 3), (1, 2), (0, 1)])
+    t0 += oe.contract('ab,bb,cab->ab', t21, t20, t19, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('ab,bc,dac,cb->ab', t22, t20, t19, t20, optimize=[(1, 3), (0, 2), (0, 1)])
+    t0 += oe.contract('ab,cdb,ba,da->da', t20, t19, t20, t22, optimize=[(0, 1), (0, 2), (0, 1)])
+    t31 = (2/(d_V**3*n_batch)) * M_Z
+    t0 += oe.contract('ab,cdb,be,de,ea->da', t20, t19, t20, t31, t20, optimize=[(0, 1), (0, 3), (1, 2), (0, 1)])
+    t32 = (-2/(d_V**2*n_batch)) * t20
+    t0 += oe.contract('aa,bca->ca', t32, t25, optimize=[(0, 1)])
+    t33 = (2/(d_V**3*n_batch)) * t20
+    t0 += oe.contract('ab,cdb,ba->da', t33, t25, t20, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('ab,cb,bd,ecd,da,ca->ca', t20, t30, t20, t28, t20, M_Z, optimize=[(2, 3), (2, 4), (0, 3), (0, 2), (0, 1)])
+    t34 = (4/(d_V**4*n_batch)) * M_Z
+    t0 += oe.contract('ab,cb,bd,ecd,df,cf,fa->ca', t20, t34, t20, t28, t20, M_Z, t20, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (1, 2), (0, 1)])
+    t0 += oe.contract('ab,cb,ba,dca->ca', t20, t22, t20, t19, optimize=[(0, 2), (0, 2), (0, 1)])
+    t0 += oe.contract('ab,cb,bd,ecd,da->ca', t20, t31, t20, t19, t20, optimize=[(2, 3), (2, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -1939,28 +2274,38 @@ def ce__block__X__X__functional(X, Y):
     G = t19
     t20 = t10 * G
     t21 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t1 += (2/(d_V*n_batch)) * oe.contract('abc,cd,bd->bcd', t20, t21, M_Z, optimize=[(0, 1), (0, 1)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('abc,cd,bd,de->bce', t20, t21, M_Z, t21, optimize=[(0, 1), (0, 1), (0, 1)])
-    t22 = np.einsum('abab->ab', t0)
-    t23 = t10 * G * M_Z
-    t24 = t23.sum(-1, keepdims=True)
-    t25 = np.broadcast_to(t24, t24.shape[:-1] + (d_V,))
-    t22 += (2/(d_V*n_batch)) * oe.contract('abc->bc', t25, optimize=[(0,)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('abc,cd->bcd', t25, t21, optimize=[(0, 1)])
-    t26 = (0.75 * (sigma2_Z ** -2.5))
-    t27 = t26 * G * M_Z
-    t1 += (4/(d_V**2*n_batch)) * oe.contract('ab,bc,dac,ce,ae->abe', M_Z, t21, t27, t21, M_Z, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
-    t1 += (-4/(d_V**3*n_batch)) * oe.contract('ab,bc,dac,ce,ae,ef->abf', M_Z, t21, t27, t21, M_Z, t21, optimize=[(1, 2), (1, 4), (1, 3), (1, 2), (0, 1)])
-    t1 += (2/(d_V*n_batch)) * oe.contract('ab,bc,dac->abc', M_Z, t21, t20, optimize=[(0, 1), (0, 1)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('ab,bc,dac,ce->abe', M_Z, t21, t20, t21, optimize=[(2, 3), (0, 2), (0, 1)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cdb,be,de->dae', t21, t20, t21, M_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += (2/(d_V**3*n_batch)) * oe.contract('ab,cdb,be,de,ef->daf', t21, t20, t21, M_Z, t21, optimize=[(0, 1), (0, 3), (0, 2), (0, 1)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cdb->dab', t21, t25, optimize=[(0, 1)])
-    t1 += (2/(d_V**3*n_batch)) * oe.contract('ab,cdb,be->dae', t21, t25, t21, optimize=[(0, 1), (0, 1)])
-    t1 += (-4/(d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,df,cf->caf', t21, M_Z, t21, t27, t21, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t1 += (4/(d_V**4*n_batch)) * oe.contract('ab,cb,bd,ecd,df,cf,fg->cag', t21, M_Z, t21, t27, t21, M_Z, t21, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cb,bd,ecd->cad', t21, M_Z, t21, t20, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += (2/(d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,df->caf', t21, M_Z, t21, t20, t21, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)])
+    t22 = (2/(d_V*n_batch)) * M_Z
+    t1 += oe.contract('abc,cd,bd->bcd', t20, t21, t22, optimize=[(0, 1), (0, 1)])
+    t23 = (-2/(d_V**2*n_batch)) * M_Z
+    t1 += oe.contract('abc,cd,bd,de->bce', t20, t21, t23, t21, optimize=[(0, 1), (0, 1), (0, 1)])
+    t24 = np.einsum('abab->ab', t0)
+    t25 = t10 * G * M_Z
+    t26 = t25.sum(-1, keepdims=True)
+    t27 = np.broadcast_to(t26, t26.shape[:-1] + (d_V,))
+    t24 += (2/(d_V*n_batch)) * oe.contract('abc->bc', t27, optimize=[(0,)])
+    t28 = (-2/(d_V**2*n_batch)) * t27
+    t1 += oe.contract('abc,cd->bcd', t28, t21, optimize=[(0, 1)])
+    t29 = (0.75 * (sigma2_Z ** -2.5))
+    t30 = t29 * G * M_Z
+    t31 = (4/(d_V**2*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ce,ae->abe', t31, t21, t30, t21, M_Z, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t32 = (-4/(d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ce,ae,ef->abf', t32, t21, t30, t21, M_Z, t21, optimize=[(1, 2), (1, 4), (1, 3), (1, 2), (0, 1)])
+    t1 += oe.contract('ab,bc,dac->abc', t22, t21, t20, optimize=[(0, 1), (0, 1)])
+    t1 += oe.contract('ab,bc,dac,ce->abe', t23, t21, t20, t21, optimize=[(2, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('ab,cdb,be,de->dae', t21, t20, t21, t23, optimize=[(0, 1), (0, 1), (0, 1)])
+    t33 = (2/(d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,cdb,be,de,ef->daf', t21, t20, t21, t33, t21, optimize=[(0, 1), (0, 3), (0, 2), (0, 1)])
+    t34 = (-2/(d_V**2*n_batch)) * t21
+    t1 += oe.contract('ab,cdb->dab', t34, t27, optimize=[(0, 1)])
+    t35 = (2/(d_V**3*n_batch)) * t21
+    t1 += oe.contract('ab,cdb,be->dae', t35, t27, t21, optimize=[(0, 1), (0, 1)])
+    t1 += oe.contract('ab,cb,bd,ecd,df,cf->caf', t21, t32, t21, t30, t21, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
+    t36 = (4/(d_V**4*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,df,cf,fg->cag', t21, t36, t21, t30, t21, M_Z, t21, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('ab,cb,bd,ecd->cad', t21, t23, t21, t20, optimize=[(0, 1), (0, 1), (0, 1)])
+    t37 = oe.contract('ab,bc,dac,ce->aeb', t33, t21, t20, t21, optimize=[(2, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t37, t21, optimize=[(0, 1)])
     return out
 
 
@@ -2043,65 +2388,100 @@ def ce__hessian__full(X, Y):
     G = t20
     t21 = t11 * G
     t22 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t2 += (2/(d_V*n_batch)) * oe.contract('abc,cd,bd->bcd', t21, t22, M_Z, optimize=[(0, 1), (0, 1)])
-    t2 += (-2/(d_V**2*n_batch)) * oe.contract('abc,cd,bd,de->bce', t21, t22, M_Z, t22, optimize=[(0, 1), (0, 1), (0, 1)])
-    t23 = t13 * P_Z
-    t24 = np.exp(Z - Z.max(-1, keepdims=True))
-    A25 = t24 / t24.sum(-1, keepdims=True)
-    t26 = t11 * M_Z
-    t2 += (2/(L*d_V*n_batch)) * oe.contract('abc,bc,bc,cd,bd->bcd', t23, A25, t26, t22, M_Z, optimize=[(1, 2), (0, 2), (0, 1), (0, 1)])
-    t2 += (-2/(L*d_V**2*n_batch)) * oe.contract('abc,bc,bc,cd,bd,de->bce', t23, A25, t26, t22, M_Z, t22, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
-    t27 = np.einsum('abab->ab', t1)
-    t27 += (1/(L*n_batch)) * oe.contract('abc,bc,bc->bc', t23, A25, P_Z, optimize=[(0, 1), (0, 1)])
-    t2 += (-1/(L*d_V*n_batch)) * oe.contract('abc,bc,bc,cd->bcd', t23, A25, P_Z, t22, optimize=[(0, 1), (0, 2), (0, 1)])
-    t2 += (-2/(L*d_V*n_batch)) * oe.contract('abc,bc,bd,bd,de,be->bce', t23, A25, A25, t26, t22, M_Z, optimize=[(2, 3), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t2 += (2/(L*d_V**2*n_batch)) * oe.contract('abc,bc,bd,bd,de,be,ef->bcf', t23, A25, A25, t26, t22, M_Z, t22, optimize=[(2, 3), (2, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t2 += (-1/(L*n_batch)) * oe.contract('abc,bc,bd,bd->bcd', t23, A25, A25, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t2 += (1/(L*d_V*n_batch)) * oe.contract('abc,bc,bd,bd,de->bce', t23, A25, A25, P_Z, t22, optimize=[(2, 3), (2, 3), (0, 1), (0, 1)])
-    t28 = t11 * G * M_Z
-    t29 = t28.sum(-1, keepdims=True)
-    t30 = np.broadcast_to(t29, t29.shape[:-1] + (d_V,))
-    t27 += (2/(d_V*n_batch)) * oe.contract('abc->bc', t30, optimize=[(0,)])
-    t2 += (-2/(d_V**2*n_batch)) * oe.contract('abc,cd->bcd', t30, t22, optimize=[(0, 1)])
-    t31 = (0.75 * (sigma2_Z ** -2.5))
-    t32 = t31 * G * M_Z
-    t2 += (4/(d_V**2*n_batch)) * oe.contract('ab,bc,dac,ce,ae->abe', M_Z, t22, t32, t22, M_Z, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
-    t2 += (-4/(d_V**3*n_batch)) * oe.contract('ab,bc,dac,ce,ae,ef->abf', M_Z, t22, t32, t22, M_Z, t22, optimize=[(1, 2), (1, 4), (1, 3), (1, 2), (0, 1)])
-    t2 += (2/(d_V*n_batch)) * oe.contract('ab,bc,dac->abc', M_Z, t22, t21, optimize=[(0, 1), (0, 1)])
-    t2 += (-2/(d_V**2*n_batch)) * oe.contract('ab,bc,dac,ce->abe', M_Z, t22, t21, t22, optimize=[(2, 3), (0, 2), (0, 1)])
-    t33 = t11 * t13 * M_Z
-    t2 += (4/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ac,ce,ae->abe', M_Z, t22, t33, A25, t26, t22, M_Z, optimize=[(3, 4), (2, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
-    t2 += (-4/(L*d_V**3*n_batch)) * oe.contract('ab,bc,dac,ac,ac,ce,ae,ef->abf', M_Z, t22, t33, A25, t26, t22, M_Z, t22, optimize=[(3, 4), (2, 6), (2, 3), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t2 += (2/(L*d_V*n_batch)) * oe.contract('ab,bc,dac,ac,ac->abc', M_Z, t22, t33, A25, P_Z, optimize=[(3, 4), (0, 2), (0, 1), (0, 1)])
-    t2 += (-2/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ac,ce->abe', M_Z, t22, t33, A25, P_Z, t22, optimize=[(3, 4), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t2 += (-4/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae,ef,af->abf', M_Z, t22, t33, A25, A25, t26, t22, M_Z, optimize=[(4, 5), (2, 3), (2, 4), (2, 4), (1, 2), (0, 2), (0, 1)])
-    t2 += (4/(L*d_V**3*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae,ef,af,fg->abg', M_Z, t22, t33, A25, A25, t26, t22, M_Z, t22, optimize=[(4, 5), (2, 3), (2, 5), (2, 5), (1, 3), (0, 3), (0, 1), (0, 1)])
-    t2 += (-2/(L*d_V*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae->abe', M_Z, t22, t33, A25, A25, P_Z, optimize=[(4, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t2 += (2/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae,ef->abf', M_Z, t22, t33, A25, A25, P_Z, t22, optimize=[(4, 5), (2, 3), (2, 3), (1, 2), (0, 2), (0, 1)])
-    t2 += (-2/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,db,be,de->dae', t22, t23, A25, t26, t22, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 2), (0, 1)])
-    t2 += (2/(L*d_V**3*n_batch)) * oe.contract('ab,cdb,db,db,be,de,ef->daf', t22, t23, A25, t26, t22, M_Z, t22, optimize=[(2, 3), (1, 5), (1, 2), (1, 3), (1, 2), (0, 1)])
-    t2 += (-1/(L*d_V*n_batch)) * oe.contract('ab,cdb,db,db->dab', t22, t23, A25, P_Z, optimize=[(1, 2), (1, 2), (0, 1)])
-    t2 += (1/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,db,be->dae', t22, t23, A25, P_Z, t22, optimize=[(2, 3), (1, 3), (0, 2), (0, 1)])
-    t2 += (2/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,de,de,ef,df->daf', t22, t23, A25, A25, t26, t22, M_Z, optimize=[(3, 4), (1, 2), (1, 3), (1, 3), (0, 1), (0, 1)])
-    t2 += (-2/(L*d_V**3*n_batch)) * oe.contract('ab,cdb,db,de,de,ef,df,fg->dag', t22, t23, A25, A25, t26, t22, M_Z, t22, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
-    t2 += (1/(L*d_V*n_batch)) * oe.contract('ab,cdb,db,de,de->dae', t22, t23, A25, A25, P_Z, optimize=[(3, 4), (1, 2), (0, 2), (0, 1)])
-    t2 += (-1/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,de,de,ef->daf', t22, t23, A25, A25, P_Z, t22, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t2 += (-4/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd,df,cf->caf', t22, M_Z, t22, t33, A25, t26, t22, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
-    t2 += (4/(L*d_V**4*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd,df,cf,fg->cag', t22, M_Z, t22, t33, A25, t26, t22, M_Z, t22, optimize=[(4, 5), (3, 7), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
-    t2 += (-2/(L*d_V**2*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd->cad', t22, M_Z, t22, t33, A25, P_Z, optimize=[(4, 5), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t2 += (2/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd,df->caf', t22, M_Z, t22, t33, A25, P_Z, t22, optimize=[(4, 5), (3, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
-    t2 += (4/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg->cag', t22, M_Z, t22, t33, A25, A25, t26, t22, M_Z, optimize=[(5, 6), (3, 4), (3, 5), (3, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t2 += (-4/(L*d_V**4*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,gh->cah', t22, M_Z, t22, t33, A25, A25, t26, t22, M_Z, t22, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
-    t2 += (2/(L*d_V**2*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf->caf', t22, M_Z, t22, t33, A25, A25, P_Z, optimize=[(5, 6), (3, 4), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t2 += (-2/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg->cag', t22, M_Z, t22, t33, A25, A25, P_Z, t22, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t2 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cdb,be,de->dae', t22, t21, t22, M_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t2 += (2/(d_V**3*n_batch)) * oe.contract('ab,cdb,be,de,ef->daf', t22, t21, t22, M_Z, t22, optimize=[(0, 1), (0, 3), (0, 2), (0, 1)])
-    t2 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cdb->dab', t22, t30, optimize=[(0, 1)])
-    t2 += (2/(d_V**3*n_batch)) * oe.contract('ab,cdb,be->dae', t22, t30, t22, optimize=[(0, 1), (0, 1)])
-    t2 += (-4/(d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,df,cf->caf', t22, M_Z, t22, t32, t22, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t2 += (4/(d_V**4*n_batch)) * oe.contract('ab,cb,bd,ecd,df,cf,fg->cag', t22, M_Z, t22, t32, t22, M_Z, t22, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
-    t2 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cb,bd,ecd->cad', t22, M_Z, t22, t21, optimize=[(0, 1), (0, 1), (0, 1)])
-    t2 += (2/(d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,df->caf', t22, M_Z, t22, t21, t22, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)])
+    t23 = (2/(d_V*n_batch)) * M_Z
+    t2 += oe.contract('abc,cd,bd->bcd', t21, t22, t23, optimize=[(0, 1), (0, 1)])
+    t24 = (-2/(d_V**2*n_batch)) * M_Z
+    t2 += oe.contract('abc,cd,bd,de->bce', t21, t22, t24, t22, optimize=[(0, 1), (0, 1), (0, 1)])
+    t25 = t13 * P_Z
+    t26 = np.exp(Z - Z.max(-1, keepdims=True))
+    A27 = t26 / t26.sum(-1, keepdims=True)
+    t28 = t11 * M_Z
+    t29 = (2/(L*d_V*n_batch)) * A27
+    t2 += oe.contract('abc,bc,bc,cd,bd->bcd', t25, t29, t28, t22, M_Z, optimize=[(1, 2), (0, 2), (0, 1), (0, 1)])
+    t30 = (-2/(L*d_V**2*n_batch)) * A27
+    t2 += oe.contract('abc,bc,bc,cd,bd,de->bce', t25, t30, t28, t22, M_Z, t22, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t31 = np.einsum('abab->ab', t1)
+    t32 = (1/(L*n_batch)) * A27
+    t31 += oe.contract('abc,bc,bc->bc', t25, t32, P_Z, optimize=[(0, 1), (0, 1)])
+    t33 = (-1/(L*d_V*n_batch)) * A27
+    t2 += oe.contract('abc,bc,bc,cd->bcd', t25, t33, P_Z, t22, optimize=[(0, 1), (0, 2), (0, 1)])
+    t34 = (-2/(L*d_V*n_batch)) * A27
+    t2 += oe.contract('abc,bc,bd,bd,de,be->bce', t25, t34, A27, t28, t22, M_Z, optimize=[(2, 3), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t35 = (2/(L*d_V**2*n_batch)) * A27
+    t2 += oe.contract('abc,bc,bd,bd,de,be,ef->bcf', t25, t35, A27, t28, t22, M_Z, t22, optimize=[(2, 3), (2, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t36 = (-1/(L*n_batch)) * A27
+    t2 += oe.contract('abc,bc,bd,bd->bcd', t25, t36, A27, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
+    t37 = (1/(L*d_V*n_batch)) * A27
+    t2 += oe.contract('abc,bc,bd,bd,de->bce', t25, t37, A27, P_Z, t22, optimize=[(2, 3), (2, 3), (0, 1), (0, 1)])
+    t38 = t11 * G * M_Z
+    t39 = t38.sum(-1, keepdims=True)
+    t40 = np.broadcast_to(t39, t39.shape[:-1] + (d_V,))
+    t31 += (2/(d_V*n_batch)) * oe.contract('abc->bc', t40, optimize=[(0,)])
+    t41 = (-2/(d_V**2*n_batch)) * t40
+    t2 += oe.contract('abc,cd->bcd', t41, t22, optimize=[(0, 1)])
+    t42 = (0.75 * (sigma2_Z ** -2.5))
+    t43 = t42 * G * M_Z
+    t44 = (4/(d_V**2*n_batch)) * M_Z
+    t2 += oe.contract('ab,bc,dac,ce,ae->abe', t44, t22, t43, t22, M_Z, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t45 = (-4/(d_V**3*n_batch)) * M_Z
+    t2 += oe.contract('ab,bc,dac,ce,ae,ef->abf', t45, t22, t43, t22, M_Z, t22, optimize=[(1, 2), (1, 4), (1, 3), (1, 2), (0, 1)])
+    t2 += oe.contract('ab,bc,dac->abc', t23, t22, t21, optimize=[(0, 1), (0, 1)])
+    t2 += oe.contract('ab,bc,dac,ce->abe', t24, t22, t21, t22, optimize=[(2, 3), (0, 2), (0, 1)])
+    t46 = t11 * t13 * M_Z
+    t47 = (4/(L*d_V**2*n_batch)) * M_Z
+    t2 += oe.contract('ab,bc,dac,ac,ac,ce,ae->abe', t47, t22, t46, A27, t28, t22, M_Z, optimize=[(3, 4), (2, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
+    t48 = (-4/(L*d_V**3*n_batch)) * M_Z
+    t2 += oe.contract('ab,bc,dac,ac,ac,ce,ae,ef->abf', t48, t22, t46, A27, t28, t22, M_Z, t22, optimize=[(3, 4), (2, 6), (2, 3), (2, 4), (2, 3), (1, 2), (0, 1)])
+    t49 = (2/(L*d_V*n_batch)) * M_Z
+    t2 += oe.contract('ab,bc,dac,ac,ac->abc', t49, t22, t46, A27, P_Z, optimize=[(3, 4), (0, 2), (0, 1), (0, 1)])
+    t50 = (-2/(L*d_V**2*n_batch)) * M_Z
+    t2 += oe.contract('ab,bc,dac,ac,ac,ce->abe', t50, t22, t46, A27, P_Z, t22, optimize=[(3, 4), (2, 4), (2, 3), (1, 2), (0, 1)])
+    t51 = (-4/(L*d_V**2*n_batch)) * M_Z
+    t2 += oe.contract('ab,bc,dac,ac,ae,ae,ef,af->abf', t51, t22, t46, A27, A27, t28, t22, M_Z, optimize=[(4, 5), (2, 3), (2, 4), (2, 4), (1, 2), (0, 2), (0, 1)])
+    t52 = (4/(L*d_V**3*n_batch)) * M_Z
+    t2 += oe.contract('ab,bc,dac,ac,ae,ae,ef,af,fg->abg', t52, t22, t46, A27, A27, t28, t22, M_Z, t22, optimize=[(4, 5), (2, 3), (2, 5), (2, 5), (1, 3), (0, 3), (0, 1), (0, 1)])
+    t53 = (-2/(L*d_V*n_batch)) * M_Z
+    t2 += oe.contract('ab,bc,dac,ac,ae,ae->abe', t53, t22, t46, A27, A27, P_Z, optimize=[(4, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
+    t54 = (2/(L*d_V**2*n_batch)) * M_Z
+    t2 += oe.contract('ab,bc,dac,ac,ae,ae,ef->abf', t54, t22, t46, A27, A27, P_Z, t22, optimize=[(4, 5), (2, 3), (2, 3), (1, 2), (0, 2), (0, 1)])
+    t2 += oe.contract('ab,cdb,db,db,be,de->dae', t22, t25, t30, t28, t22, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 2), (0, 1)])
+    t55 = (2/(L*d_V**3*n_batch)) * A27
+    t56 = oe.contract('abc,bc,bc,cd,bd,de->bec', t25, t55, t28, t22, M_Z, t22, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t2 += oe.contract('abc,dc->adb', t56, t22, optimize=[(0, 1)])
+    t2 += oe.contract('ab,cdb,db,db->dab', t22, t25, t33, P_Z, optimize=[(1, 2), (1, 2), (0, 1)])
+    t57 = (1/(L*d_V**2*n_batch)) * A27
+    t2 += oe.contract('ab,cdb,db,db,be->dae', t22, t25, t57, P_Z, t22, optimize=[(2, 3), (1, 3), (0, 2), (0, 1)])
+    t2 += oe.contract('ab,cdb,db,de,de,ef,df->daf', t22, t25, t35, A27, t28, t22, M_Z, optimize=[(3, 4), (1, 2), (1, 3), (1, 3), (0, 1), (0, 1)])
+    t58 = (-2/(L*d_V**3*n_batch)) * A27
+    t2 += oe.contract('ab,cdb,db,de,de,ef,df,fg->dag', t22, t25, t58, A27, t28, t22, M_Z, t22, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
+    t2 += oe.contract('ab,cdb,db,de,de->dae', t22, t25, t37, A27, P_Z, optimize=[(3, 4), (1, 2), (0, 2), (0, 1)])
+    t59 = (-1/(L*d_V**2*n_batch)) * A27
+    t2 += oe.contract('ab,cdb,db,de,de,ef->daf', t22, t25, t59, A27, P_Z, t22, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t2 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf->caf', t22, t48, t22, t46, A27, t28, t22, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
+    t60 = (4/(L*d_V**4*n_batch)) * M_Z
+    t2 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf,fg->cag', t22, t60, t22, t46, A27, t28, t22, M_Z, t22, optimize=[(4, 5), (3, 7), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
+    t2 += oe.contract('ab,cb,bd,ecd,cd,cd->cad', t22, t50, t22, t46, A27, P_Z, optimize=[(4, 5), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t61 = (2/(L*d_V**3*n_batch)) * M_Z
+    t2 += oe.contract('ab,cb,bd,ecd,cd,cd,df->caf', t22, t61, t22, t46, A27, P_Z, t22, optimize=[(4, 5), (3, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
+    t2 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg->cag', t22, t52, t22, t46, A27, A27, t28, t22, M_Z, optimize=[(5, 6), (3, 4), (3, 5), (3, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
+    t62 = (-4/(L*d_V**4*n_batch)) * M_Z
+    t2 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,gh->cah', t22, t62, t22, t46, A27, A27, t28, t22, M_Z, t22, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t2 += oe.contract('ab,cb,bd,ecd,cd,cf,cf->caf', t22, t54, t22, t46, A27, A27, P_Z, optimize=[(5, 6), (3, 4), (2, 4), (1, 3), (0, 2), (0, 1)])
+    t63 = (-2/(L*d_V**3*n_batch)) * M_Z
+    t2 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg->cag', t22, t63, t22, t46, A27, A27, P_Z, t22, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
+    t2 += oe.contract('ab,cdb,be,de->dae', t22, t21, t22, t24, optimize=[(0, 1), (0, 1), (0, 1)])
+    t64 = (2/(d_V**3*n_batch)) * M_Z
+    t2 += oe.contract('ab,cdb,be,de,ef->daf', t22, t21, t22, t64, t22, optimize=[(0, 1), (0, 3), (0, 2), (0, 1)])
+    t65 = (-2/(d_V**2*n_batch)) * t22
+    t2 += oe.contract('ab,cdb->dab', t65, t40, optimize=[(0, 1)])
+    t66 = (2/(d_V**3*n_batch)) * t22
+    t2 += oe.contract('ab,cdb,be->dae', t66, t40, t22, optimize=[(0, 1), (0, 1)])
+    t2 += oe.contract('ab,cb,bd,ecd,df,cf->caf', t22, t45, t22, t43, t22, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
+    t67 = (4/(d_V**4*n_batch)) * M_Z
+    t2 += oe.contract('ab,cb,bd,ecd,df,cf,fg->cag', t22, t67, t22, t43, t22, M_Z, t22, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t2 += oe.contract('ab,cb,bd,ecd->cad', t22, t24, t22, t21, optimize=[(0, 1), (0, 1), (0, 1)])
+    t68 = oe.contract('ab,bc,dac,ce->aeb', t64, t22, t21, t22, optimize=[(2, 3), (0, 2), (0, 1)])
+    t2 += oe.contract('abc,dc->adb', t68, t22, optimize=[(0, 1)])
     return H
 
 
@@ -2215,65 +2595,100 @@ def ce__frobenius_all__full(X, Y):
     G = t19
     t20 = t10 * G
     t21 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t1 += (2/(d_V*n_batch)) * oe.contract('abc,cd,bd->bcd', t20, t21, M_Z, optimize=[(0, 1), (0, 1)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('abc,cd,bd,de->bce', t20, t21, M_Z, t21, optimize=[(0, 1), (0, 1), (0, 1)])
-    t22 = t12 * P_Z
-    t23 = np.exp(Z - Z.max(-1, keepdims=True))
-    A24 = t23 / t23.sum(-1, keepdims=True)
-    t25 = t10 * M_Z
-    t1 += (2/(L*d_V*n_batch)) * oe.contract('abc,bc,bc,cd,bd->bcd', t22, A24, t25, t21, M_Z, optimize=[(1, 2), (0, 2), (0, 1), (0, 1)])
-    t1 += (-2/(L*d_V**2*n_batch)) * oe.contract('abc,bc,bc,cd,bd,de->bce', t22, A24, t25, t21, M_Z, t21, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
-    t26 = np.einsum('abab->ab', t0)
-    t26 += (1/(L*n_batch)) * oe.contract('abc,bc,bc->bc', t22, A24, P_Z, optimize=[(0, 1), (0, 1)])
-    t1 += (-1/(L*d_V*n_batch)) * oe.contract('abc,bc,bc,cd->bcd', t22, A24, P_Z, t21, optimize=[(0, 1), (0, 2), (0, 1)])
-    t1 += (-2/(L*d_V*n_batch)) * oe.contract('abc,bc,bd,bd,de,be->bce', t22, A24, A24, t25, t21, M_Z, optimize=[(2, 3), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t1 += (2/(L*d_V**2*n_batch)) * oe.contract('abc,bc,bd,bd,de,be,ef->bcf', t22, A24, A24, t25, t21, M_Z, t21, optimize=[(2, 3), (2, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t1 += (-1/(L*n_batch)) * oe.contract('abc,bc,bd,bd->bcd', t22, A24, A24, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += (1/(L*d_V*n_batch)) * oe.contract('abc,bc,bd,bd,de->bce', t22, A24, A24, P_Z, t21, optimize=[(2, 3), (2, 3), (0, 1), (0, 1)])
-    t27 = t10 * G * M_Z
-    t28 = t27.sum(-1, keepdims=True)
-    t29 = np.broadcast_to(t28, t28.shape[:-1] + (d_V,))
-    t26 += (2/(d_V*n_batch)) * oe.contract('abc->bc', t29, optimize=[(0,)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('abc,cd->bcd', t29, t21, optimize=[(0, 1)])
-    t30 = (0.75 * (sigma2_Z ** -2.5))
-    t31 = t30 * G * M_Z
-    t1 += (4/(d_V**2*n_batch)) * oe.contract('ab,bc,dac,ce,ae->abe', M_Z, t21, t31, t21, M_Z, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
-    t1 += (-4/(d_V**3*n_batch)) * oe.contract('ab,bc,dac,ce,ae,ef->abf', M_Z, t21, t31, t21, M_Z, t21, optimize=[(1, 2), (1, 4), (1, 3), (1, 2), (0, 1)])
-    t1 += (2/(d_V*n_batch)) * oe.contract('ab,bc,dac->abc', M_Z, t21, t20, optimize=[(0, 1), (0, 1)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('ab,bc,dac,ce->abe', M_Z, t21, t20, t21, optimize=[(2, 3), (0, 2), (0, 1)])
-    t32 = t10 * t12 * M_Z
-    t1 += (4/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ac,ce,ae->abe', M_Z, t21, t32, A24, t25, t21, M_Z, optimize=[(3, 4), (2, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
-    t1 += (-4/(L*d_V**3*n_batch)) * oe.contract('ab,bc,dac,ac,ac,ce,ae,ef->abf', M_Z, t21, t32, A24, t25, t21, M_Z, t21, optimize=[(3, 4), (2, 6), (2, 3), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t1 += (2/(L*d_V*n_batch)) * oe.contract('ab,bc,dac,ac,ac->abc', M_Z, t21, t32, A24, P_Z, optimize=[(3, 4), (0, 2), (0, 1), (0, 1)])
-    t1 += (-2/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ac,ce->abe', M_Z, t21, t32, A24, P_Z, t21, optimize=[(3, 4), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t1 += (-4/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae,ef,af->abf', M_Z, t21, t32, A24, A24, t25, t21, M_Z, optimize=[(4, 5), (2, 3), (2, 4), (2, 4), (1, 2), (0, 2), (0, 1)])
-    t1 += (4/(L*d_V**3*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae,ef,af,fg->abg', M_Z, t21, t32, A24, A24, t25, t21, M_Z, t21, optimize=[(4, 5), (2, 3), (2, 5), (2, 5), (1, 3), (0, 3), (0, 1), (0, 1)])
-    t1 += (-2/(L*d_V*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae->abe', M_Z, t21, t32, A24, A24, P_Z, optimize=[(4, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t1 += (2/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae,ef->abf', M_Z, t21, t32, A24, A24, P_Z, t21, optimize=[(4, 5), (2, 3), (2, 3), (1, 2), (0, 2), (0, 1)])
-    t1 += (-2/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,db,be,de->dae', t21, t22, A24, t25, t21, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 2), (0, 1)])
-    t1 += (2/(L*d_V**3*n_batch)) * oe.contract('ab,cdb,db,db,be,de,ef->daf', t21, t22, A24, t25, t21, M_Z, t21, optimize=[(2, 3), (1, 5), (1, 2), (1, 3), (1, 2), (0, 1)])
-    t1 += (-1/(L*d_V*n_batch)) * oe.contract('ab,cdb,db,db->dab', t21, t22, A24, P_Z, optimize=[(1, 2), (1, 2), (0, 1)])
-    t1 += (1/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,db,be->dae', t21, t22, A24, P_Z, t21, optimize=[(2, 3), (1, 3), (0, 2), (0, 1)])
-    t1 += (2/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,de,de,ef,df->daf', t21, t22, A24, A24, t25, t21, M_Z, optimize=[(3, 4), (1, 2), (1, 3), (1, 3), (0, 1), (0, 1)])
-    t1 += (-2/(L*d_V**3*n_batch)) * oe.contract('ab,cdb,db,de,de,ef,df,fg->dag', t21, t22, A24, A24, t25, t21, M_Z, t21, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
-    t1 += (1/(L*d_V*n_batch)) * oe.contract('ab,cdb,db,de,de->dae', t21, t22, A24, A24, P_Z, optimize=[(3, 4), (1, 2), (0, 2), (0, 1)])
-    t1 += (-1/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,de,de,ef->daf', t21, t22, A24, A24, P_Z, t21, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t1 += (-4/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd,df,cf->caf', t21, M_Z, t21, t32, A24, t25, t21, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
-    t1 += (4/(L*d_V**4*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd,df,cf,fg->cag', t21, M_Z, t21, t32, A24, t25, t21, M_Z, t21, optimize=[(4, 5), (3, 7), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
-    t1 += (-2/(L*d_V**2*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd->cad', t21, M_Z, t21, t32, A24, P_Z, optimize=[(4, 5), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t1 += (2/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd,df->caf', t21, M_Z, t21, t32, A24, P_Z, t21, optimize=[(4, 5), (3, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
-    t1 += (4/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg->cag', t21, M_Z, t21, t32, A24, A24, t25, t21, M_Z, optimize=[(5, 6), (3, 4), (3, 5), (3, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t1 += (-4/(L*d_V**4*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,gh->cah', t21, M_Z, t21, t32, A24, A24, t25, t21, M_Z, t21, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
-    t1 += (2/(L*d_V**2*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf->caf', t21, M_Z, t21, t32, A24, A24, P_Z, optimize=[(5, 6), (3, 4), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t1 += (-2/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg->cag', t21, M_Z, t21, t32, A24, A24, P_Z, t21, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cdb,be,de->dae', t21, t20, t21, M_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += (2/(d_V**3*n_batch)) * oe.contract('ab,cdb,be,de,ef->daf', t21, t20, t21, M_Z, t21, optimize=[(0, 1), (0, 3), (0, 2), (0, 1)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cdb->dab', t21, t29, optimize=[(0, 1)])
-    t1 += (2/(d_V**3*n_batch)) * oe.contract('ab,cdb,be->dae', t21, t29, t21, optimize=[(0, 1), (0, 1)])
-    t1 += (-4/(d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,df,cf->caf', t21, M_Z, t21, t31, t21, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t1 += (4/(d_V**4*n_batch)) * oe.contract('ab,cb,bd,ecd,df,cf,fg->cag', t21, M_Z, t21, t31, t21, M_Z, t21, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cb,bd,ecd->cad', t21, M_Z, t21, t20, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += (2/(d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,df->caf', t21, M_Z, t21, t20, t21, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)])
+    t22 = (2/(d_V*n_batch)) * M_Z
+    t1 += oe.contract('abc,cd,bd->bcd', t20, t21, t22, optimize=[(0, 1), (0, 1)])
+    t23 = (-2/(d_V**2*n_batch)) * M_Z
+    t1 += oe.contract('abc,cd,bd,de->bce', t20, t21, t23, t21, optimize=[(0, 1), (0, 1), (0, 1)])
+    t24 = t12 * P_Z
+    t25 = np.exp(Z - Z.max(-1, keepdims=True))
+    A26 = t25 / t25.sum(-1, keepdims=True)
+    t27 = t10 * M_Z
+    t28 = (2/(L*d_V*n_batch)) * A26
+    t1 += oe.contract('abc,bc,bc,cd,bd->bcd', t24, t28, t27, t21, M_Z, optimize=[(1, 2), (0, 2), (0, 1), (0, 1)])
+    t29 = (-2/(L*d_V**2*n_batch)) * A26
+    t1 += oe.contract('abc,bc,bc,cd,bd,de->bce', t24, t29, t27, t21, M_Z, t21, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t30 = np.einsum('abab->ab', t0)
+    t31 = (1/(L*n_batch)) * A26
+    t30 += oe.contract('abc,bc,bc->bc', t24, t31, P_Z, optimize=[(0, 1), (0, 1)])
+    t32 = (-1/(L*d_V*n_batch)) * A26
+    t1 += oe.contract('abc,bc,bc,cd->bcd', t24, t32, P_Z, t21, optimize=[(0, 1), (0, 2), (0, 1)])
+    t33 = (-2/(L*d_V*n_batch)) * A26
+    t1 += oe.contract('abc,bc,bd,bd,de,be->bce', t24, t33, A26, t27, t21, M_Z, optimize=[(2, 3), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t34 = (2/(L*d_V**2*n_batch)) * A26
+    t1 += oe.contract('abc,bc,bd,bd,de,be,ef->bcf', t24, t34, A26, t27, t21, M_Z, t21, optimize=[(2, 3), (2, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t35 = (-1/(L*n_batch)) * A26
+    t1 += oe.contract('abc,bc,bd,bd->bcd', t24, t35, A26, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
+    t36 = (1/(L*d_V*n_batch)) * A26
+    t1 += oe.contract('abc,bc,bd,bd,de->bce', t24, t36, A26, P_Z, t21, optimize=[(2, 3), (2, 3), (0, 1), (0, 1)])
+    t37 = t10 * G * M_Z
+    t38 = t37.sum(-1, keepdims=True)
+    t39 = np.broadcast_to(t38, t38.shape[:-1] + (d_V,))
+    t30 += (2/(d_V*n_batch)) * oe.contract('abc->bc', t39, optimize=[(0,)])
+    t40 = (-2/(d_V**2*n_batch)) * t39
+    t1 += oe.contract('abc,cd->bcd', t40, t21, optimize=[(0, 1)])
+    t41 = (0.75 * (sigma2_Z ** -2.5))
+    t42 = t41 * G * M_Z
+    t43 = (4/(d_V**2*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ce,ae->abe', t43, t21, t42, t21, M_Z, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t44 = (-4/(d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ce,ae,ef->abf', t44, t21, t42, t21, M_Z, t21, optimize=[(1, 2), (1, 4), (1, 3), (1, 2), (0, 1)])
+    t1 += oe.contract('ab,bc,dac->abc', t22, t21, t20, optimize=[(0, 1), (0, 1)])
+    t1 += oe.contract('ab,bc,dac,ce->abe', t23, t21, t20, t21, optimize=[(2, 3), (0, 2), (0, 1)])
+    t45 = t10 * t12 * M_Z
+    t46 = (4/(L*d_V**2*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ac,ce,ae->abe', t46, t21, t45, A26, t27, t21, M_Z, optimize=[(3, 4), (2, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
+    t47 = (-4/(L*d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ac,ce,ae,ef->abf', t47, t21, t45, A26, t27, t21, M_Z, t21, optimize=[(3, 4), (2, 6), (2, 3), (2, 4), (2, 3), (1, 2), (0, 1)])
+    t48 = (2/(L*d_V*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ac->abc', t48, t21, t45, A26, P_Z, optimize=[(3, 4), (0, 2), (0, 1), (0, 1)])
+    t49 = (-2/(L*d_V**2*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ac,ce->abe', t49, t21, t45, A26, P_Z, t21, optimize=[(3, 4), (2, 4), (2, 3), (1, 2), (0, 1)])
+    t50 = (-4/(L*d_V**2*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ae,ae,ef,af->abf', t50, t21, t45, A26, A26, t27, t21, M_Z, optimize=[(4, 5), (2, 3), (2, 4), (2, 4), (1, 2), (0, 2), (0, 1)])
+    t51 = (4/(L*d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ae,ae,ef,af,fg->abg', t51, t21, t45, A26, A26, t27, t21, M_Z, t21, optimize=[(4, 5), (2, 3), (2, 5), (2, 5), (1, 3), (0, 3), (0, 1), (0, 1)])
+    t52 = (-2/(L*d_V*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ae,ae->abe', t52, t21, t45, A26, A26, P_Z, optimize=[(4, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
+    t53 = (2/(L*d_V**2*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ae,ae,ef->abf', t53, t21, t45, A26, A26, P_Z, t21, optimize=[(4, 5), (2, 3), (2, 3), (1, 2), (0, 2), (0, 1)])
+    t1 += oe.contract('ab,cdb,db,db,be,de->dae', t21, t24, t29, t27, t21, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 2), (0, 1)])
+    t54 = (2/(L*d_V**3*n_batch)) * A26
+    t55 = oe.contract('abc,bc,bc,cd,bd,de->bec', t24, t54, t27, t21, M_Z, t21, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t55, t21, optimize=[(0, 1)])
+    t1 += oe.contract('ab,cdb,db,db->dab', t21, t24, t32, P_Z, optimize=[(1, 2), (1, 2), (0, 1)])
+    t56 = (1/(L*d_V**2*n_batch)) * A26
+    t1 += oe.contract('ab,cdb,db,db,be->dae', t21, t24, t56, P_Z, t21, optimize=[(2, 3), (1, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('ab,cdb,db,de,de,ef,df->daf', t21, t24, t34, A26, t27, t21, M_Z, optimize=[(3, 4), (1, 2), (1, 3), (1, 3), (0, 1), (0, 1)])
+    t57 = (-2/(L*d_V**3*n_batch)) * A26
+    t1 += oe.contract('ab,cdb,db,de,de,ef,df,fg->dag', t21, t24, t57, A26, t27, t21, M_Z, t21, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
+    t1 += oe.contract('ab,cdb,db,de,de->dae', t21, t24, t36, A26, P_Z, optimize=[(3, 4), (1, 2), (0, 2), (0, 1)])
+    t58 = (-1/(L*d_V**2*n_batch)) * A26
+    t1 += oe.contract('ab,cdb,db,de,de,ef->daf', t21, t24, t58, A26, P_Z, t21, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf->caf', t21, t47, t21, t45, A26, t27, t21, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
+    t59 = (4/(L*d_V**4*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf,fg->cag', t21, t59, t21, t45, A26, t27, t21, M_Z, t21, optimize=[(4, 5), (3, 7), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cd->cad', t21, t49, t21, t45, A26, P_Z, optimize=[(4, 5), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t60 = (2/(L*d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df->caf', t21, t60, t21, t45, A26, P_Z, t21, optimize=[(4, 5), (3, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg->cag', t21, t51, t21, t45, A26, A26, t27, t21, M_Z, optimize=[(5, 6), (3, 4), (3, 5), (3, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
+    t61 = (-4/(L*d_V**4*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,gh->cah', t21, t61, t21, t45, A26, A26, t27, t21, M_Z, t21, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf->caf', t21, t53, t21, t45, A26, A26, P_Z, optimize=[(5, 6), (3, 4), (2, 4), (1, 3), (0, 2), (0, 1)])
+    t62 = (-2/(L*d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg->cag', t21, t62, t21, t45, A26, A26, P_Z, t21, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('ab,cdb,be,de->dae', t21, t20, t21, t23, optimize=[(0, 1), (0, 1), (0, 1)])
+    t63 = (2/(d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,cdb,be,de,ef->daf', t21, t20, t21, t63, t21, optimize=[(0, 1), (0, 3), (0, 2), (0, 1)])
+    t64 = (-2/(d_V**2*n_batch)) * t21
+    t1 += oe.contract('ab,cdb->dab', t64, t39, optimize=[(0, 1)])
+    t65 = (2/(d_V**3*n_batch)) * t21
+    t1 += oe.contract('ab,cdb,be->dae', t65, t39, t21, optimize=[(0, 1), (0, 1)])
+    t1 += oe.contract('ab,cb,bd,ecd,df,cf->caf', t21, t44, t21, t42, t21, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
+    t66 = (4/(d_V**4*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,df,cf,fg->cag', t21, t66, t21, t42, t21, M_Z, t21, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('ab,cb,bd,ecd->cad', t21, t23, t21, t20, optimize=[(0, 1), (0, 1), (0, 1)])
+    t67 = oe.contract('ab,bc,dac,ce->aeb', t63, t21, t20, t21, optimize=[(2, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t67, t21, optimize=[(0, 1)])
     nrm = np.linalg.norm(blk)
     del blk
     return (nrm,)
@@ -2313,64 +2728,97 @@ def ce__diag__X__full(X, Y):
     G = t18
     t19 = t9 * G
     t20 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t0[...] = (2/(d_V*n_batch)) * oe.contract('abc,cc,bc->bc', t19, t20, M_Z, optimize=[(0, 1), (0, 1)])
-    t0 += (-2/(d_V**2*n_batch)) * oe.contract('abc,cd,bd,dc->bc', t19, t20, M_Z, t20, optimize=[(1, 2), (1, 2), (0, 1)])
-    t21 = t11 * P_Z
-    t22 = np.exp(Z - Z.max(-1, keepdims=True))
-    A23 = t22 / t22.sum(-1, keepdims=True)
-    t24 = t9 * M_Z
-    t0 += (2/(L*d_V*n_batch)) * oe.contract('abc,bc,bc,cc,bc->bc', t21, A23, t24, t20, M_Z, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t0 += (-2/(L*d_V**2*n_batch)) * oe.contract('abc,bc,bc,cd,bd,dc->bc', t21, A23, t24, t20, M_Z, t20, optimize=[(1, 2), (1, 3), (1, 3), (1, 2), (0, 1)])
-    t0 += (1/(L*n_batch)) * oe.contract('abc,bc,bc->bc', t21, A23, P_Z, optimize=[(0, 1), (0, 1)])
-    t0 += (-1/(L*d_V*n_batch)) * oe.contract('abc,bc,bc,cc->bc', t21, A23, P_Z, t20, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (-2/(L*d_V*n_batch)) * oe.contract('abc,bc,bd,bd,dc,bc->bc', t21, A23, A23, t24, t20, M_Z, optimize=[(2, 3), (1, 3), (1, 2), (1, 2), (0, 1)])
-    t0 += (2/(L*d_V**2*n_batch)) * oe.contract('abc,bc,bd,bd,de,be,ec->bc', t21, A23, A23, t24, t20, M_Z, t20, optimize=[(2, 3), (2, 5), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,bc,bc,bc->bc', t21, A23, A23, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(L*d_V*n_batch)) * oe.contract('abc,bc,bd,bd,dc->bc', t21, A23, A23, P_Z, t20, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)])
-    t25 = t9 * G * M_Z
-    t26 = t25.sum(-1, keepdims=True)
-    t27 = np.broadcast_to(t26, t26.shape[:-1] + (d_V,))
-    t0 += (2/(d_V*n_batch)) * oe.contract('abc->bc', t27, optimize=[(0,)])
-    t0 += (-2/(d_V**2*n_batch)) * oe.contract('abc,cc->bc', t27, t20, optimize=[(0, 1)])
-    t28 = (0.75 * (sigma2_Z ** -2.5))
-    t29 = t28 * G * M_Z
-    t0 += (4/(d_V**2*n_batch)) * oe.contract('ab,bc,dac,cb,ab->ab', M_Z, t20, t29, t20, M_Z, optimize=[(1, 3), (0, 2), (0, 1), (0, 1)])
-    t0 += (-4/(d_V**3*n_batch)) * oe.contract('ab,bc,dac,ce,ae,eb->ab', M_Z, t20, t29, t20, M_Z, t20, optimize=[(1, 2), (1, 4), (2, 3), (1, 2), (0, 1)])
-    t0 += (2/(d_V*n_batch)) * oe.contract('ab,bb,cab->ab', M_Z, t20, t19, optimize=[(0, 1), (0, 1)])
-    t0 += (-2/(d_V**2*n_batch)) * oe.contract('ab,bc,dac,cb->ab', M_Z, t20, t19, t20, optimize=[(1, 3), (0, 2), (0, 1)])
-    t30 = t9 * t11 * M_Z
-    t0 += (4/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ac,cb,ab->ab', M_Z, t20, t30, A23, t24, t20, M_Z, optimize=[(3, 4), (1, 3), (0, 2), (0, 1), (0, 2), (0, 1)])
-    t0 += (-4/(L*d_V**3*n_batch)) * oe.contract('ab,bc,dac,ac,ac,ce,ae,eb->ab', M_Z, t20, t30, A23, t24, t20, M_Z, t20, optimize=[(3, 4), (2, 6), (2, 3), (2, 4), (1, 3), (1, 2), (0, 1)])
-    t0 += (2/(L*d_V*n_batch)) * oe.contract('ab,bb,cab,ab,ab->ab', M_Z, t20, t30, A23, P_Z, optimize=[(0, 3), (2, 3), (0, 1), (0, 1)])
-    t0 += (-2/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ac,cb->ab', M_Z, t20, t30, A23, P_Z, t20, optimize=[(3, 4), (1, 3), (1, 2), (1, 2), (0, 1)])
-    t0 += (-4/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae,eb,ab->ab', M_Z, t20, t30, A23, A23, t24, t20, M_Z, optimize=[(4, 5), (0, 5), (1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
-    t0 += (4/(L*d_V**3*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae,ef,af,fb->ab', M_Z, t20, t30, A23, A23, t24, t20, M_Z, t20, optimize=[(4, 5), (2, 3), (2, 5), (2, 5), (1, 3), (0, 3), (0, 1), (0, 1)])
-    t0 += (-2/(L*d_V*n_batch)) * oe.contract('ab,bc,dac,ac,ab,ab->ab', M_Z, t20, t30, A23, A23, P_Z, optimize=[(0, 4), (3, 4), (1, 2), (0, 2), (0, 1)])
-    t0 += (2/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae,eb->ab', M_Z, t20, t30, A23, A23, P_Z, t20, optimize=[(4, 5), (2, 3), (2, 3), (0, 3), (0, 1), (0, 1)])
-    t0 += (-2/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,db,ba,da->da', t20, t21, A23, t24, t20, M_Z, optimize=[(2, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
-    t0 += (2/(L*d_V**3*n_batch)) * oe.contract('ab,cdb,db,db,be,de,ea->da', t20, t21, A23, t24, t20, M_Z, t20, optimize=[(2, 3), (1, 5), (1, 2), (1, 3), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_V*n_batch)) * oe.contract('aa,bca,ca,ca->ca', t20, t21, A23, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,db,ba->da', t20, t21, A23, P_Z, t20, optimize=[(2, 3), (0, 2), (0, 1), (0, 1)])
-    t0 += (2/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,de,de,ea,da->da', t20, t21, A23, A23, t24, t20, M_Z, optimize=[(3, 4), (1, 2), (1, 3), (1, 3), (0, 1), (0, 1)])
-    t0 += (-2/(L*d_V**3*n_batch)) * oe.contract('ab,cdb,db,de,de,ef,df,fa->da', t20, t21, A23, A23, t24, t20, M_Z, t20, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
-    t0 += (1/(L*d_V*n_batch)) * oe.contract('ab,cdb,db,da,da->da', t20, t21, A23, A23, P_Z, optimize=[(3, 4), (1, 2), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,de,de,ea->da', t20, t21, A23, A23, P_Z, t20, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t0 += (-4/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd,da,ca->ca', t20, M_Z, t20, t30, A23, t24, t20, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (0, 3), (1, 2), (0, 1)])
-    t0 += (4/(L*d_V**4*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd,df,cf,fa->ca', t20, M_Z, t20, t30, A23, t24, t20, M_Z, t20, optimize=[(4, 5), (3, 7), (0, 1), (0, 5), (3, 4), (0, 3), (1, 2), (0, 1)])
-    t0 += (-2/(L*d_V**2*n_batch)) * oe.contract('ab,cb,ba,dca,ca,ca->ca', t20, M_Z, t20, t30, A23, P_Z, optimize=[(0, 2), (2, 3), (0, 2), (1, 2), (0, 1)])
-    t0 += (2/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd,da->ca', t20, M_Z, t20, t30, A23, P_Z, t20, optimize=[(4, 5), (3, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
-    t0 += (4/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf,fa,ca->ca', t20, M_Z, t20, t30, A23, A23, t24, t20, M_Z, optimize=[(5, 6), (3, 4), (3, 5), (3, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t0 += (-4/(L*d_V**4*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,ga->ca', t20, M_Z, t20, t30, A23, A23, t24, t20, M_Z, t20, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
-    t0 += (2/(L*d_V**2*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,ca,ca->ca', t20, M_Z, t20, t30, A23, A23, P_Z, optimize=[(5, 6), (3, 4), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t0 += (-2/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf,fa->ca', t20, M_Z, t20, t30, A23, A23, P_Z, t20, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t0 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cdb,ba,da->da', t20, t19, t20, M_Z, optimize=[(0, 1), (0, 2), (0, 1)])
-    t0 += (2/(d_V**3*n_batch)) * oe.contract('ab,cdb,be,de,ea->da', t20, t19, t20, M_Z, t20, optimize=[(0, 1), (0, 3), (1, 2), (0, 1)])
-    t0 += (-2/(d_V**2*n_batch)) * oe.contract('aa,bca->ca', t20, t27, optimize=[(0, 1)])
-    t0 += (2/(d_V**3*n_batch)) * oe.contract('ab,cdb,ba->da', t20, t27, t20, optimize=[(0, 1), (0, 1)])
-    t0 += (-4/(d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,da,ca->ca', t20, M_Z, t20, t29, t20, M_Z, optimize=[(2, 3), (2, 4), (0, 3), (0, 2), (0, 1)])
-    t0 += (4/(d_V**4*n_batch)) * oe.contract('ab,cb,bd,ecd,df,cf,fa->ca', t20, M_Z, t20, t29, t20, M_Z, t20, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (1, 2), (0, 1)])
-    t0 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cb,ba,dca->ca', t20, M_Z, t20, t19, optimize=[(0, 2), (0, 2), (0, 1)])
-    t0 += (2/(d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,da->ca', t20, M_Z, t20, t19, t20, optimize=[(2, 3), (2, 3), (0, 2), (0, 1)])
+    t21 = (2/(d_V*n_batch)) * M_Z
+    t0[...] = oe.contract('abc,cc,bc->bc', t19, t20, t21, optimize=[(0, 1), (0, 1)])
+    t22 = (-2/(d_V**2*n_batch)) * M_Z
+    t0 += oe.contract('abc,cd,bd,dc->bc', t19, t20, t22, t20, optimize=[(1, 2), (1, 2), (0, 1)])
+    t23 = t11 * P_Z
+    t24 = np.exp(Z - Z.max(-1, keepdims=True))
+    A25 = t24 / t24.sum(-1, keepdims=True)
+    t26 = t9 * M_Z
+    t27 = (2/(L*d_V*n_batch)) * A25
+    t0 += oe.contract('abc,bc,bc,cc,bc->bc', t23, t27, t26, t20, M_Z, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t28 = (-2/(L*d_V**2*n_batch)) * A25
+    t0 += oe.contract('abc,bc,bc,cd,bd,dc->bc', t23, t28, t26, t20, M_Z, t20, optimize=[(1, 2), (1, 3), (1, 3), (1, 2), (0, 1)])
+    t29 = (1/(L*n_batch)) * A25
+    t0 += oe.contract('abc,bc,bc->bc', t23, t29, P_Z, optimize=[(0, 1), (0, 1)])
+    t30 = (-1/(L*d_V*n_batch)) * A25
+    t0 += oe.contract('abc,bc,bc,cc->bc', t23, t30, P_Z, t20, optimize=[(0, 1), (0, 1), (0, 1)])
+    t31 = (-2/(L*d_V*n_batch)) * A25
+    t0 += oe.contract('abc,bc,bd,bd,dc,bc->bc', t23, t31, A25, t26, t20, M_Z, optimize=[(2, 3), (1, 3), (1, 2), (1, 2), (0, 1)])
+    t32 = (2/(L*d_V**2*n_batch)) * A25
+    t0 += oe.contract('abc,bc,bd,bd,de,be,ec->bc', t23, t32, A25, t26, t20, M_Z, t20, optimize=[(2, 3), (2, 5), (2, 4), (2, 3), (1, 2), (0, 1)])
+    t33 = (-1/(L*n_batch)) * A25
+    t0 += oe.contract('abc,bc,bc,bc->bc', t23, t33, A25, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
+    t34 = (1/(L*d_V*n_batch)) * A25
+    t0 += oe.contract('abc,bc,bd,bd,dc->bc', t23, t34, A25, P_Z, t20, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)])
+    t35 = t9 * G * M_Z
+    t36 = t35.sum(-1, keepdims=True)
+    t37 = np.broadcast_to(t36, t36.shape[:-1] + (d_V,))
+    t0 += (2/(d_V*n_batch)) * oe.contract('abc->bc', t37, optimize=[(0,)])
+    t38 = (-2/(d_V**2*n_batch)) * t37
+    t0 += oe.contract('abc,cc->bc', t38, t20, optimize=[(0, 1)])
+    t39 = (0.75 * (sigma2_Z ** -2.5))
+    t40 = t39 * G * M_Z
+    t41 = (4/(d_V**2*n_batch)) * M_Z
+    t0 += oe.contract('ab,bc,dac,cb,ab->ab', t41, t20, t40, t20, M_Z, optimize=[(1, 3), (0, 2), (0, 1), (0, 1)])
+    t42 = (-4/(d_V**3*n_batch)) * M_Z
+    t0 += oe.contract('ab,bc,dac,ce,ae,eb->ab', t42, t20, t40, t20, M_Z, t20, optimize=[(1, 2), (1, 4), (2, 3), (1, 2), (0, 1)])
+    t0 += oe.contract('ab,bb,cab->ab', t21, t20, t19, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('ab,bc,dac,cb->ab', t22, t20, t19, t20, optimize=[(1, 3), (0, 2), (0, 1)])
+    t43 = t9 * t11 * M_Z
+    t44 = (4/(L*d_V**2*n_batch)) * M_Z
+    t0 += oe.contract('ab,bc,dac,ac,ac,cb,ab->ab', t44, t20, t43, A25, t26, t20, M_Z, optimize=[(3, 4), (1, 3), (0, 2), (0, 1), (0, 2), (0, 1)])
+    t45 = (-4/(L*d_V**3*n_batch)) * M_Z
+    t0 += oe.contract('ab,bc,dac,ac,ac,ce,ae,eb->ab', t45, t20, t43, A25, t26, t20, M_Z, t20, optimize=[(3, 4), (2, 6), (2, 3), (2, 4), (1, 3), (1, 2), (0, 1)])
+    t46 = (2/(L*d_V*n_batch)) * M_Z
+    t0 += oe.contract('ab,bb,cab,ab,ab->ab', t46, t20, t43, A25, P_Z, optimize=[(0, 3), (2, 3), (0, 1), (0, 1)])
+    t47 = (-2/(L*d_V**2*n_batch)) * M_Z
+    t0 += oe.contract('ab,bc,dac,ac,ac,cb->ab', t47, t20, t43, A25, P_Z, t20, optimize=[(3, 4), (1, 3), (1, 2), (1, 2), (0, 1)])
+    t48 = (-4/(L*d_V**2*n_batch)) * M_Z
+    t0 += oe.contract('ab,bc,dac,ac,ae,ae,eb,ab->ab', t48, t20, t43, A25, A25, t26, t20, M_Z, optimize=[(4, 5), (0, 5), (1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t49 = (4/(L*d_V**3*n_batch)) * M_Z
+    t0 += oe.contract('ab,bc,dac,ac,ae,ae,ef,af,fb->ab', t49, t20, t43, A25, A25, t26, t20, M_Z, t20, optimize=[(4, 5), (2, 3), (2, 5), (2, 5), (1, 3), (0, 3), (0, 1), (0, 1)])
+    t50 = (-2/(L*d_V*n_batch)) * M_Z
+    t0 += oe.contract('ab,bc,dac,ac,ab,ab->ab', t50, t20, t43, A25, A25, P_Z, optimize=[(0, 4), (3, 4), (1, 2), (0, 2), (0, 1)])
+    t51 = (2/(L*d_V**2*n_batch)) * M_Z
+    t0 += oe.contract('ab,bc,dac,ac,ae,ae,eb->ab', t51, t20, t43, A25, A25, P_Z, t20, optimize=[(4, 5), (2, 3), (2, 3), (0, 3), (0, 1), (0, 1)])
+    t0 += oe.contract('ab,cdb,db,db,ba,da->da', t20, t23, t28, t26, t20, M_Z, optimize=[(2, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t52 = (2/(L*d_V**3*n_batch)) * A25
+    t0 += oe.contract('ab,cdb,db,db,be,de,ea->da', t20, t23, t52, t26, t20, M_Z, t20, optimize=[(2, 3), (1, 5), (1, 2), (1, 3), (0, 2), (0, 1)])
+    t0 += oe.contract('aa,bca,ca,ca->ca', t20, t23, t30, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
+    t53 = (1/(L*d_V**2*n_batch)) * A25
+    t0 += oe.contract('ab,cdb,db,db,ba->da', t20, t23, t53, P_Z, t20, optimize=[(2, 3), (0, 2), (0, 1), (0, 1)])
+    t0 += oe.contract('ab,cdb,db,de,de,ea,da->da', t20, t23, t32, A25, t26, t20, M_Z, optimize=[(3, 4), (1, 2), (1, 3), (1, 3), (0, 1), (0, 1)])
+    t54 = (-2/(L*d_V**3*n_batch)) * A25
+    t0 += oe.contract('ab,cdb,db,de,de,ef,df,fa->da', t20, t23, t54, A25, t26, t20, M_Z, t20, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
+    t0 += oe.contract('ab,cdb,db,da,da->da', t20, t23, t34, A25, P_Z, optimize=[(3, 4), (1, 2), (0, 2), (0, 1)])
+    t55 = (-1/(L*d_V**2*n_batch)) * A25
+    t0 += oe.contract('ab,cdb,db,de,de,ea->da', t20, t23, t55, A25, P_Z, t20, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t0 += oe.contract('ab,cb,bd,ecd,cd,cd,da,ca->ca', t20, t45, t20, t43, A25, t26, t20, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (0, 3), (1, 2), (0, 1)])
+    t56 = (4/(L*d_V**4*n_batch)) * M_Z
+    t0 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf,fa->ca', t20, t56, t20, t43, A25, t26, t20, M_Z, t20, optimize=[(4, 5), (3, 7), (0, 1), (0, 5), (3, 4), (0, 3), (1, 2), (0, 1)])
+    t0 += oe.contract('ab,cb,ba,dca,ca,ca->ca', t20, t47, t20, t43, A25, P_Z, optimize=[(0, 2), (2, 3), (0, 2), (1, 2), (0, 1)])
+    t57 = (2/(L*d_V**3*n_batch)) * M_Z
+    t0 += oe.contract('ab,cb,bd,ecd,cd,cd,da->ca', t20, t57, t20, t43, A25, P_Z, t20, optimize=[(4, 5), (3, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
+    t0 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fa,ca->ca', t20, t49, t20, t43, A25, A25, t26, t20, M_Z, optimize=[(5, 6), (3, 4), (3, 5), (3, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
+    t58 = (-4/(L*d_V**4*n_batch)) * M_Z
+    t0 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,ga->ca', t20, t58, t20, t43, A25, A25, t26, t20, M_Z, t20, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t0 += oe.contract('ab,cb,bd,ecd,cd,ca,ca->ca', t20, t51, t20, t43, A25, A25, P_Z, optimize=[(5, 6), (3, 4), (2, 4), (1, 3), (0, 2), (0, 1)])
+    t59 = (-2/(L*d_V**3*n_batch)) * M_Z
+    t0 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fa->ca', t20, t59, t20, t43, A25, A25, P_Z, t20, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
+    t0 += oe.contract('ab,cdb,ba,da->da', t20, t19, t20, t22, optimize=[(0, 1), (0, 2), (0, 1)])
+    t60 = (2/(d_V**3*n_batch)) * M_Z
+    t0 += oe.contract('ab,cdb,be,de,ea->da', t20, t19, t20, t60, t20, optimize=[(0, 1), (0, 3), (1, 2), (0, 1)])
+    t61 = (-2/(d_V**2*n_batch)) * t20
+    t0 += oe.contract('aa,bca->ca', t61, t37, optimize=[(0, 1)])
+    t62 = (2/(d_V**3*n_batch)) * t20
+    t0 += oe.contract('ab,cdb,ba->da', t62, t37, t20, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('ab,cb,bd,ecd,da,ca->ca', t20, t42, t20, t40, t20, M_Z, optimize=[(2, 3), (2, 4), (0, 3), (0, 2), (0, 1)])
+    t63 = (4/(d_V**4*n_batch)) * M_Z
+    t0 += oe.contract('ab,cb,bd,ecd,df,cf,fa->ca', t20, t63, t20, t40, t20, M_Z, t20, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (1, 2), (0, 1)])
+    t0 += oe.contract('ab,cb,ba,dca->ca', t20, t22, t20, t19, optimize=[(0, 2), (0, 2), (0, 1)])
+    t0 += oe.contract('ab,cb,bd,ecd,da->ca', t20, t60, t20, t19, t20, optimize=[(2, 3), (2, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -2455,65 +2903,100 @@ def ce__block__X__X__full(X, Y):
     G = t19
     t20 = t10 * G
     t21 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t1 += (2/(d_V*n_batch)) * oe.contract('abc,cd,bd->bcd', t20, t21, M_Z, optimize=[(0, 1), (0, 1)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('abc,cd,bd,de->bce', t20, t21, M_Z, t21, optimize=[(0, 1), (0, 1), (0, 1)])
-    t22 = t12 * P_Z
-    t23 = np.exp(Z - Z.max(-1, keepdims=True))
-    A24 = t23 / t23.sum(-1, keepdims=True)
-    t25 = t10 * M_Z
-    t1 += (2/(L*d_V*n_batch)) * oe.contract('abc,bc,bc,cd,bd->bcd', t22, A24, t25, t21, M_Z, optimize=[(1, 2), (0, 2), (0, 1), (0, 1)])
-    t1 += (-2/(L*d_V**2*n_batch)) * oe.contract('abc,bc,bc,cd,bd,de->bce', t22, A24, t25, t21, M_Z, t21, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
-    t26 = np.einsum('abab->ab', t0)
-    t26 += (1/(L*n_batch)) * oe.contract('abc,bc,bc->bc', t22, A24, P_Z, optimize=[(0, 1), (0, 1)])
-    t1 += (-1/(L*d_V*n_batch)) * oe.contract('abc,bc,bc,cd->bcd', t22, A24, P_Z, t21, optimize=[(0, 1), (0, 2), (0, 1)])
-    t1 += (-2/(L*d_V*n_batch)) * oe.contract('abc,bc,bd,bd,de,be->bce', t22, A24, A24, t25, t21, M_Z, optimize=[(2, 3), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t1 += (2/(L*d_V**2*n_batch)) * oe.contract('abc,bc,bd,bd,de,be,ef->bcf', t22, A24, A24, t25, t21, M_Z, t21, optimize=[(2, 3), (2, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t1 += (-1/(L*n_batch)) * oe.contract('abc,bc,bd,bd->bcd', t22, A24, A24, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += (1/(L*d_V*n_batch)) * oe.contract('abc,bc,bd,bd,de->bce', t22, A24, A24, P_Z, t21, optimize=[(2, 3), (2, 3), (0, 1), (0, 1)])
-    t27 = t10 * G * M_Z
-    t28 = t27.sum(-1, keepdims=True)
-    t29 = np.broadcast_to(t28, t28.shape[:-1] + (d_V,))
-    t26 += (2/(d_V*n_batch)) * oe.contract('abc->bc', t29, optimize=[(0,)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('abc,cd->bcd', t29, t21, optimize=[(0, 1)])
-    t30 = (0.75 * (sigma2_Z ** -2.5))
-    t31 = t30 * G * M_Z
-    t1 += (4/(d_V**2*n_batch)) * oe.contract('ab,bc,dac,ce,ae->abe', M_Z, t21, t31, t21, M_Z, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
-    t1 += (-4/(d_V**3*n_batch)) * oe.contract('ab,bc,dac,ce,ae,ef->abf', M_Z, t21, t31, t21, M_Z, t21, optimize=[(1, 2), (1, 4), (1, 3), (1, 2), (0, 1)])
-    t1 += (2/(d_V*n_batch)) * oe.contract('ab,bc,dac->abc', M_Z, t21, t20, optimize=[(0, 1), (0, 1)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('ab,bc,dac,ce->abe', M_Z, t21, t20, t21, optimize=[(2, 3), (0, 2), (0, 1)])
-    t32 = t10 * t12 * M_Z
-    t1 += (4/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ac,ce,ae->abe', M_Z, t21, t32, A24, t25, t21, M_Z, optimize=[(3, 4), (2, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
-    t1 += (-4/(L*d_V**3*n_batch)) * oe.contract('ab,bc,dac,ac,ac,ce,ae,ef->abf', M_Z, t21, t32, A24, t25, t21, M_Z, t21, optimize=[(3, 4), (2, 6), (2, 3), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t1 += (2/(L*d_V*n_batch)) * oe.contract('ab,bc,dac,ac,ac->abc', M_Z, t21, t32, A24, P_Z, optimize=[(3, 4), (0, 2), (0, 1), (0, 1)])
-    t1 += (-2/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ac,ce->abe', M_Z, t21, t32, A24, P_Z, t21, optimize=[(3, 4), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t1 += (-4/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae,ef,af->abf', M_Z, t21, t32, A24, A24, t25, t21, M_Z, optimize=[(4, 5), (2, 3), (2, 4), (2, 4), (1, 2), (0, 2), (0, 1)])
-    t1 += (4/(L*d_V**3*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae,ef,af,fg->abg', M_Z, t21, t32, A24, A24, t25, t21, M_Z, t21, optimize=[(4, 5), (2, 3), (2, 5), (2, 5), (1, 3), (0, 3), (0, 1), (0, 1)])
-    t1 += (-2/(L*d_V*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae->abe', M_Z, t21, t32, A24, A24, P_Z, optimize=[(4, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t1 += (2/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae,ef->abf', M_Z, t21, t32, A24, A24, P_Z, t21, optimize=[(4, 5), (2, 3), (2, 3), (1, 2), (0, 2), (0, 1)])
-    t1 += (-2/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,db,be,de->dae', t21, t22, A24, t25, t21, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 2), (0, 1)])
-    t1 += (2/(L*d_V**3*n_batch)) * oe.contract('ab,cdb,db,db,be,de,ef->daf', t21, t22, A24, t25, t21, M_Z, t21, optimize=[(2, 3), (1, 5), (1, 2), (1, 3), (1, 2), (0, 1)])
-    t1 += (-1/(L*d_V*n_batch)) * oe.contract('ab,cdb,db,db->dab', t21, t22, A24, P_Z, optimize=[(1, 2), (1, 2), (0, 1)])
-    t1 += (1/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,db,be->dae', t21, t22, A24, P_Z, t21, optimize=[(2, 3), (1, 3), (0, 2), (0, 1)])
-    t1 += (2/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,de,de,ef,df->daf', t21, t22, A24, A24, t25, t21, M_Z, optimize=[(3, 4), (1, 2), (1, 3), (1, 3), (0, 1), (0, 1)])
-    t1 += (-2/(L*d_V**3*n_batch)) * oe.contract('ab,cdb,db,de,de,ef,df,fg->dag', t21, t22, A24, A24, t25, t21, M_Z, t21, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
-    t1 += (1/(L*d_V*n_batch)) * oe.contract('ab,cdb,db,de,de->dae', t21, t22, A24, A24, P_Z, optimize=[(3, 4), (1, 2), (0, 2), (0, 1)])
-    t1 += (-1/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,de,de,ef->daf', t21, t22, A24, A24, P_Z, t21, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t1 += (-4/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd,df,cf->caf', t21, M_Z, t21, t32, A24, t25, t21, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
-    t1 += (4/(L*d_V**4*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd,df,cf,fg->cag', t21, M_Z, t21, t32, A24, t25, t21, M_Z, t21, optimize=[(4, 5), (3, 7), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
-    t1 += (-2/(L*d_V**2*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd->cad', t21, M_Z, t21, t32, A24, P_Z, optimize=[(4, 5), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t1 += (2/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd,df->caf', t21, M_Z, t21, t32, A24, P_Z, t21, optimize=[(4, 5), (3, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
-    t1 += (4/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg->cag', t21, M_Z, t21, t32, A24, A24, t25, t21, M_Z, optimize=[(5, 6), (3, 4), (3, 5), (3, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t1 += (-4/(L*d_V**4*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,gh->cah', t21, M_Z, t21, t32, A24, A24, t25, t21, M_Z, t21, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
-    t1 += (2/(L*d_V**2*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf->caf', t21, M_Z, t21, t32, A24, A24, P_Z, optimize=[(5, 6), (3, 4), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t1 += (-2/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg->cag', t21, M_Z, t21, t32, A24, A24, P_Z, t21, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cdb,be,de->dae', t21, t20, t21, M_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += (2/(d_V**3*n_batch)) * oe.contract('ab,cdb,be,de,ef->daf', t21, t20, t21, M_Z, t21, optimize=[(0, 1), (0, 3), (0, 2), (0, 1)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cdb->dab', t21, t29, optimize=[(0, 1)])
-    t1 += (2/(d_V**3*n_batch)) * oe.contract('ab,cdb,be->dae', t21, t29, t21, optimize=[(0, 1), (0, 1)])
-    t1 += (-4/(d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,df,cf->caf', t21, M_Z, t21, t31, t21, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t1 += (4/(d_V**4*n_batch)) * oe.contract('ab,cb,bd,ecd,df,cf,fg->cag', t21, M_Z, t21, t31, t21, M_Z, t21, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cb,bd,ecd->cad', t21, M_Z, t21, t20, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += (2/(d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,df->caf', t21, M_Z, t21, t20, t21, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)])
+    t22 = (2/(d_V*n_batch)) * M_Z
+    t1 += oe.contract('abc,cd,bd->bcd', t20, t21, t22, optimize=[(0, 1), (0, 1)])
+    t23 = (-2/(d_V**2*n_batch)) * M_Z
+    t1 += oe.contract('abc,cd,bd,de->bce', t20, t21, t23, t21, optimize=[(0, 1), (0, 1), (0, 1)])
+    t24 = t12 * P_Z
+    t25 = np.exp(Z - Z.max(-1, keepdims=True))
+    A26 = t25 / t25.sum(-1, keepdims=True)
+    t27 = t10 * M_Z
+    t28 = (2/(L*d_V*n_batch)) * A26
+    t1 += oe.contract('abc,bc,bc,cd,bd->bcd', t24, t28, t27, t21, M_Z, optimize=[(1, 2), (0, 2), (0, 1), (0, 1)])
+    t29 = (-2/(L*d_V**2*n_batch)) * A26
+    t1 += oe.contract('abc,bc,bc,cd,bd,de->bce', t24, t29, t27, t21, M_Z, t21, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t30 = np.einsum('abab->ab', t0)
+    t31 = (1/(L*n_batch)) * A26
+    t30 += oe.contract('abc,bc,bc->bc', t24, t31, P_Z, optimize=[(0, 1), (0, 1)])
+    t32 = (-1/(L*d_V*n_batch)) * A26
+    t1 += oe.contract('abc,bc,bc,cd->bcd', t24, t32, P_Z, t21, optimize=[(0, 1), (0, 2), (0, 1)])
+    t33 = (-2/(L*d_V*n_batch)) * A26
+    t1 += oe.contract('abc,bc,bd,bd,de,be->bce', t24, t33, A26, t27, t21, M_Z, optimize=[(2, 3), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t34 = (2/(L*d_V**2*n_batch)) * A26
+    t1 += oe.contract('abc,bc,bd,bd,de,be,ef->bcf', t24, t34, A26, t27, t21, M_Z, t21, optimize=[(2, 3), (2, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t35 = (-1/(L*n_batch)) * A26
+    t1 += oe.contract('abc,bc,bd,bd->bcd', t24, t35, A26, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
+    t36 = (1/(L*d_V*n_batch)) * A26
+    t1 += oe.contract('abc,bc,bd,bd,de->bce', t24, t36, A26, P_Z, t21, optimize=[(2, 3), (2, 3), (0, 1), (0, 1)])
+    t37 = t10 * G * M_Z
+    t38 = t37.sum(-1, keepdims=True)
+    t39 = np.broadcast_to(t38, t38.shape[:-1] + (d_V,))
+    t30 += (2/(d_V*n_batch)) * oe.contract('abc->bc', t39, optimize=[(0,)])
+    t40 = (-2/(d_V**2*n_batch)) * t39
+    t1 += oe.contract('abc,cd->bcd', t40, t21, optimize=[(0, 1)])
+    t41 = (0.75 * (sigma2_Z ** -2.5))
+    t42 = t41 * G * M_Z
+    t43 = (4/(d_V**2*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ce,ae->abe', t43, t21, t42, t21, M_Z, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t44 = (-4/(d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ce,ae,ef->abf', t44, t21, t42, t21, M_Z, t21, optimize=[(1, 2), (1, 4), (1, 3), (1, 2), (0, 1)])
+    t1 += oe.contract('ab,bc,dac->abc', t22, t21, t20, optimize=[(0, 1), (0, 1)])
+    t1 += oe.contract('ab,bc,dac,ce->abe', t23, t21, t20, t21, optimize=[(2, 3), (0, 2), (0, 1)])
+    t45 = t10 * t12 * M_Z
+    t46 = (4/(L*d_V**2*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ac,ce,ae->abe', t46, t21, t45, A26, t27, t21, M_Z, optimize=[(3, 4), (2, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
+    t47 = (-4/(L*d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ac,ce,ae,ef->abf', t47, t21, t45, A26, t27, t21, M_Z, t21, optimize=[(3, 4), (2, 6), (2, 3), (2, 4), (2, 3), (1, 2), (0, 1)])
+    t48 = (2/(L*d_V*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ac->abc', t48, t21, t45, A26, P_Z, optimize=[(3, 4), (0, 2), (0, 1), (0, 1)])
+    t49 = (-2/(L*d_V**2*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ac,ce->abe', t49, t21, t45, A26, P_Z, t21, optimize=[(3, 4), (2, 4), (2, 3), (1, 2), (0, 1)])
+    t50 = (-4/(L*d_V**2*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ae,ae,ef,af->abf', t50, t21, t45, A26, A26, t27, t21, M_Z, optimize=[(4, 5), (2, 3), (2, 4), (2, 4), (1, 2), (0, 2), (0, 1)])
+    t51 = (4/(L*d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ae,ae,ef,af,fg->abg', t51, t21, t45, A26, A26, t27, t21, M_Z, t21, optimize=[(4, 5), (2, 3), (2, 5), (2, 5), (1, 3), (0, 3), (0, 1), (0, 1)])
+    t52 = (-2/(L*d_V*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ae,ae->abe', t52, t21, t45, A26, A26, P_Z, optimize=[(4, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
+    t53 = (2/(L*d_V**2*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ae,ae,ef->abf', t53, t21, t45, A26, A26, P_Z, t21, optimize=[(4, 5), (2, 3), (2, 3), (1, 2), (0, 2), (0, 1)])
+    t1 += oe.contract('ab,cdb,db,db,be,de->dae', t21, t24, t29, t27, t21, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 2), (0, 1)])
+    t54 = (2/(L*d_V**3*n_batch)) * A26
+    t55 = oe.contract('abc,bc,bc,cd,bd,de->bec', t24, t54, t27, t21, M_Z, t21, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t55, t21, optimize=[(0, 1)])
+    t1 += oe.contract('ab,cdb,db,db->dab', t21, t24, t32, P_Z, optimize=[(1, 2), (1, 2), (0, 1)])
+    t56 = (1/(L*d_V**2*n_batch)) * A26
+    t1 += oe.contract('ab,cdb,db,db,be->dae', t21, t24, t56, P_Z, t21, optimize=[(2, 3), (1, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('ab,cdb,db,de,de,ef,df->daf', t21, t24, t34, A26, t27, t21, M_Z, optimize=[(3, 4), (1, 2), (1, 3), (1, 3), (0, 1), (0, 1)])
+    t57 = (-2/(L*d_V**3*n_batch)) * A26
+    t1 += oe.contract('ab,cdb,db,de,de,ef,df,fg->dag', t21, t24, t57, A26, t27, t21, M_Z, t21, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
+    t1 += oe.contract('ab,cdb,db,de,de->dae', t21, t24, t36, A26, P_Z, optimize=[(3, 4), (1, 2), (0, 2), (0, 1)])
+    t58 = (-1/(L*d_V**2*n_batch)) * A26
+    t1 += oe.contract('ab,cdb,db,de,de,ef->daf', t21, t24, t58, A26, P_Z, t21, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf->caf', t21, t47, t21, t45, A26, t27, t21, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
+    t59 = (4/(L*d_V**4*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf,fg->cag', t21, t59, t21, t45, A26, t27, t21, M_Z, t21, optimize=[(4, 5), (3, 7), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cd->cad', t21, t49, t21, t45, A26, P_Z, optimize=[(4, 5), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t60 = (2/(L*d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df->caf', t21, t60, t21, t45, A26, P_Z, t21, optimize=[(4, 5), (3, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg->cag', t21, t51, t21, t45, A26, A26, t27, t21, M_Z, optimize=[(5, 6), (3, 4), (3, 5), (3, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
+    t61 = (-4/(L*d_V**4*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,gh->cah', t21, t61, t21, t45, A26, A26, t27, t21, M_Z, t21, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf->caf', t21, t53, t21, t45, A26, A26, P_Z, optimize=[(5, 6), (3, 4), (2, 4), (1, 3), (0, 2), (0, 1)])
+    t62 = (-2/(L*d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg->cag', t21, t62, t21, t45, A26, A26, P_Z, t21, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('ab,cdb,be,de->dae', t21, t20, t21, t23, optimize=[(0, 1), (0, 1), (0, 1)])
+    t63 = (2/(d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,cdb,be,de,ef->daf', t21, t20, t21, t63, t21, optimize=[(0, 1), (0, 3), (0, 2), (0, 1)])
+    t64 = (-2/(d_V**2*n_batch)) * t21
+    t1 += oe.contract('ab,cdb->dab', t64, t39, optimize=[(0, 1)])
+    t65 = (2/(d_V**3*n_batch)) * t21
+    t1 += oe.contract('ab,cdb,be->dae', t65, t39, t21, optimize=[(0, 1), (0, 1)])
+    t1 += oe.contract('ab,cb,bd,ecd,df,cf->caf', t21, t44, t21, t42, t21, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
+    t66 = (4/(d_V**4*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,df,cf,fg->cag', t21, t66, t21, t42, t21, M_Z, t21, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('ab,cb,bd,ecd->cad', t21, t23, t21, t20, optimize=[(0, 1), (0, 1), (0, 1)])
+    t67 = oe.contract('ab,bc,dac,ce->aeb', t63, t21, t20, t21, optimize=[(2, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t67, t21, optimize=[(0, 1)])
     return out
 
 
@@ -2553,65 +3036,100 @@ def ce__frobenius__X__X__full(X, Y):
     G = t19
     t20 = t10 * G
     t21 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t1 += (2/(d_V*n_batch)) * oe.contract('abc,cd,bd->bcd', t20, t21, M_Z, optimize=[(0, 1), (0, 1)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('abc,cd,bd,de->bce', t20, t21, M_Z, t21, optimize=[(0, 1), (0, 1), (0, 1)])
-    t22 = t12 * P_Z
-    t23 = np.exp(Z - Z.max(-1, keepdims=True))
-    A24 = t23 / t23.sum(-1, keepdims=True)
-    t25 = t10 * M_Z
-    t1 += (2/(L*d_V*n_batch)) * oe.contract('abc,bc,bc,cd,bd->bcd', t22, A24, t25, t21, M_Z, optimize=[(1, 2), (0, 2), (0, 1), (0, 1)])
-    t1 += (-2/(L*d_V**2*n_batch)) * oe.contract('abc,bc,bc,cd,bd,de->bce', t22, A24, t25, t21, M_Z, t21, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
-    t26 = np.einsum('abab->ab', t0)
-    t26 += (1/(L*n_batch)) * oe.contract('abc,bc,bc->bc', t22, A24, P_Z, optimize=[(0, 1), (0, 1)])
-    t1 += (-1/(L*d_V*n_batch)) * oe.contract('abc,bc,bc,cd->bcd', t22, A24, P_Z, t21, optimize=[(0, 1), (0, 2), (0, 1)])
-    t1 += (-2/(L*d_V*n_batch)) * oe.contract('abc,bc,bd,bd,de,be->bce', t22, A24, A24, t25, t21, M_Z, optimize=[(2, 3), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t1 += (2/(L*d_V**2*n_batch)) * oe.contract('abc,bc,bd,bd,de,be,ef->bcf', t22, A24, A24, t25, t21, M_Z, t21, optimize=[(2, 3), (2, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t1 += (-1/(L*n_batch)) * oe.contract('abc,bc,bd,bd->bcd', t22, A24, A24, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += (1/(L*d_V*n_batch)) * oe.contract('abc,bc,bd,bd,de->bce', t22, A24, A24, P_Z, t21, optimize=[(2, 3), (2, 3), (0, 1), (0, 1)])
-    t27 = t10 * G * M_Z
-    t28 = t27.sum(-1, keepdims=True)
-    t29 = np.broadcast_to(t28, t28.shape[:-1] + (d_V,))
-    t26 += (2/(d_V*n_batch)) * oe.contract('abc->bc', t29, optimize=[(0,)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('abc,cd->bcd', t29, t21, optimize=[(0, 1)])
-    t30 = (0.75 * (sigma2_Z ** -2.5))
-    t31 = t30 * G * M_Z
-    t1 += (4/(d_V**2*n_batch)) * oe.contract('ab,bc,dac,ce,ae->abe', M_Z, t21, t31, t21, M_Z, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
-    t1 += (-4/(d_V**3*n_batch)) * oe.contract('ab,bc,dac,ce,ae,ef->abf', M_Z, t21, t31, t21, M_Z, t21, optimize=[(1, 2), (1, 4), (1, 3), (1, 2), (0, 1)])
-    t1 += (2/(d_V*n_batch)) * oe.contract('ab,bc,dac->abc', M_Z, t21, t20, optimize=[(0, 1), (0, 1)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('ab,bc,dac,ce->abe', M_Z, t21, t20, t21, optimize=[(2, 3), (0, 2), (0, 1)])
-    t32 = t10 * t12 * M_Z
-    t1 += (4/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ac,ce,ae->abe', M_Z, t21, t32, A24, t25, t21, M_Z, optimize=[(3, 4), (2, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
-    t1 += (-4/(L*d_V**3*n_batch)) * oe.contract('ab,bc,dac,ac,ac,ce,ae,ef->abf', M_Z, t21, t32, A24, t25, t21, M_Z, t21, optimize=[(3, 4), (2, 6), (2, 3), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t1 += (2/(L*d_V*n_batch)) * oe.contract('ab,bc,dac,ac,ac->abc', M_Z, t21, t32, A24, P_Z, optimize=[(3, 4), (0, 2), (0, 1), (0, 1)])
-    t1 += (-2/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ac,ce->abe', M_Z, t21, t32, A24, P_Z, t21, optimize=[(3, 4), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t1 += (-4/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae,ef,af->abf', M_Z, t21, t32, A24, A24, t25, t21, M_Z, optimize=[(4, 5), (2, 3), (2, 4), (2, 4), (1, 2), (0, 2), (0, 1)])
-    t1 += (4/(L*d_V**3*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae,ef,af,fg->abg', M_Z, t21, t32, A24, A24, t25, t21, M_Z, t21, optimize=[(4, 5), (2, 3), (2, 5), (2, 5), (1, 3), (0, 3), (0, 1), (0, 1)])
-    t1 += (-2/(L*d_V*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae->abe', M_Z, t21, t32, A24, A24, P_Z, optimize=[(4, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t1 += (2/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae,ef->abf', M_Z, t21, t32, A24, A24, P_Z, t21, optimize=[(4, 5), (2, 3), (2, 3), (1, 2), (0, 2), (0, 1)])
-    t1 += (-2/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,db,be,de->dae', t21, t22, A24, t25, t21, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 2), (0, 1)])
-    t1 += (2/(L*d_V**3*n_batch)) * oe.contract('ab,cdb,db,db,be,de,ef->daf', t21, t22, A24, t25, t21, M_Z, t21, optimize=[(2, 3), (1, 5), (1, 2), (1, 3), (1, 2), (0, 1)])
-    t1 += (-1/(L*d_V*n_batch)) * oe.contract('ab,cdb,db,db->dab', t21, t22, A24, P_Z, optimize=[(1, 2), (1, 2), (0, 1)])
-    t1 += (1/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,db,be->dae', t21, t22, A24, P_Z, t21, optimize=[(2, 3), (1, 3), (0, 2), (0, 1)])
-    t1 += (2/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,de,de,ef,df->daf', t21, t22, A24, A24, t25, t21, M_Z, optimize=[(3, 4), (1, 2), (1, 3), (1, 3), (0, 1), (0, 1)])
-    t1 += (-2/(L*d_V**3*n_batch)) * oe.contract('ab,cdb,db,de,de,ef,df,fg->dag', t21, t22, A24, A24, t25, t21, M_Z, t21, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
-    t1 += (1/(L*d_V*n_batch)) * oe.contract('ab,cdb,db,de,de->dae', t21, t22, A24, A24, P_Z, optimize=[(3, 4), (1, 2), (0, 2), (0, 1)])
-    t1 += (-1/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,de,de,ef->daf', t21, t22, A24, A24, P_Z, t21, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t1 += (-4/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd,df,cf->caf', t21, M_Z, t21, t32, A24, t25, t21, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
-    t1 += (4/(L*d_V**4*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd,df,cf,fg->cag', t21, M_Z, t21, t32, A24, t25, t21, M_Z, t21, optimize=[(4, 5), (3, 7), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
-    t1 += (-2/(L*d_V**2*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd->cad', t21, M_Z, t21, t32, A24, P_Z, optimize=[(4, 5), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t1 += (2/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd,df->caf', t21, M_Z, t21, t32, A24, P_Z, t21, optimize=[(4, 5), (3, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
-    t1 += (4/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg->cag', t21, M_Z, t21, t32, A24, A24, t25, t21, M_Z, optimize=[(5, 6), (3, 4), (3, 5), (3, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t1 += (-4/(L*d_V**4*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,gh->cah', t21, M_Z, t21, t32, A24, A24, t25, t21, M_Z, t21, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
-    t1 += (2/(L*d_V**2*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf->caf', t21, M_Z, t21, t32, A24, A24, P_Z, optimize=[(5, 6), (3, 4), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t1 += (-2/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg->cag', t21, M_Z, t21, t32, A24, A24, P_Z, t21, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cdb,be,de->dae', t21, t20, t21, M_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += (2/(d_V**3*n_batch)) * oe.contract('ab,cdb,be,de,ef->daf', t21, t20, t21, M_Z, t21, optimize=[(0, 1), (0, 3), (0, 2), (0, 1)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cdb->dab', t21, t29, optimize=[(0, 1)])
-    t1 += (2/(d_V**3*n_batch)) * oe.contract('ab,cdb,be->dae', t21, t29, t21, optimize=[(0, 1), (0, 1)])
-    t1 += (-4/(d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,df,cf->caf', t21, M_Z, t21, t31, t21, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t1 += (4/(d_V**4*n_batch)) * oe.contract('ab,cb,bd,ecd,df,cf,fg->cag', t21, M_Z, t21, t31, t21, M_Z, t21, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cb,bd,ecd->cad', t21, M_Z, t21, t20, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += (2/(d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,df->caf', t21, M_Z, t21, t20, t21, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)])
+    t22 = (2/(d_V*n_batch)) * M_Z
+    t1 += oe.contract('abc,cd,bd->bcd', t20, t21, t22, optimize=[(0, 1), (0, 1)])
+    t23 = (-2/(d_V**2*n_batch)) * M_Z
+    t1 += oe.contract('abc,cd,bd,de->bce', t20, t21, t23, t21, optimize=[(0, 1), (0, 1), (0, 1)])
+    t24 = t12 * P_Z
+    t25 = np.exp(Z - Z.max(-1, keepdims=True))
+    A26 = t25 / t25.sum(-1, keepdims=True)
+    t27 = t10 * M_Z
+    t28 = (2/(L*d_V*n_batch)) * A26
+    t1 += oe.contract('abc,bc,bc,cd,bd->bcd', t24, t28, t27, t21, M_Z, optimize=[(1, 2), (0, 2), (0, 1), (0, 1)])
+    t29 = (-2/(L*d_V**2*n_batch)) * A26
+    t1 += oe.contract('abc,bc,bc,cd,bd,de->bce', t24, t29, t27, t21, M_Z, t21, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t30 = np.einsum('abab->ab', t0)
+    t31 = (1/(L*n_batch)) * A26
+    t30 += oe.contract('abc,bc,bc->bc', t24, t31, P_Z, optimize=[(0, 1), (0, 1)])
+    t32 = (-1/(L*d_V*n_batch)) * A26
+    t1 += oe.contract('abc,bc,bc,cd->bcd', t24, t32, P_Z, t21, optimize=[(0, 1), (0, 2), (0, 1)])
+    t33 = (-2/(L*d_V*n_batch)) * A26
+    t1 += oe.contract('abc,bc,bd,bd,de,be->bce', t24, t33, A26, t27, t21, M_Z, optimize=[(2, 3), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t34 = (2/(L*d_V**2*n_batch)) * A26
+    t1 += oe.contract('abc,bc,bd,bd,de,be,ef->bcf', t24, t34, A26, t27, t21, M_Z, t21, optimize=[(2, 3), (2, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t35 = (-1/(L*n_batch)) * A26
+    t1 += oe.contract('abc,bc,bd,bd->bcd', t24, t35, A26, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
+    t36 = (1/(L*d_V*n_batch)) * A26
+    t1 += oe.contract('abc,bc,bd,bd,de->bce', t24, t36, A26, P_Z, t21, optimize=[(2, 3), (2, 3), (0, 1), (0, 1)])
+    t37 = t10 * G * M_Z
+    t38 = t37.sum(-1, keepdims=True)
+    t39 = np.broadcast_to(t38, t38.shape[:-1] + (d_V,))
+    t30 += (2/(d_V*n_batch)) * oe.contract('abc->bc', t39, optimize=[(0,)])
+    t40 = (-2/(d_V**2*n_batch)) * t39
+    t1 += oe.contract('abc,cd->bcd', t40, t21, optimize=[(0, 1)])
+    t41 = (0.75 * (sigma2_Z ** -2.5))
+    t42 = t41 * G * M_Z
+    t43 = (4/(d_V**2*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ce,ae->abe', t43, t21, t42, t21, M_Z, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t44 = (-4/(d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ce,ae,ef->abf', t44, t21, t42, t21, M_Z, t21, optimize=[(1, 2), (1, 4), (1, 3), (1, 2), (0, 1)])
+    t1 += oe.contract('ab,bc,dac->abc', t22, t21, t20, optimize=[(0, 1), (0, 1)])
+    t1 += oe.contract('ab,bc,dac,ce->abe', t23, t21, t20, t21, optimize=[(2, 3), (0, 2), (0, 1)])
+    t45 = t10 * t12 * M_Z
+    t46 = (4/(L*d_V**2*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ac,ce,ae->abe', t46, t21, t45, A26, t27, t21, M_Z, optimize=[(3, 4), (2, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
+    t47 = (-4/(L*d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ac,ce,ae,ef->abf', t47, t21, t45, A26, t27, t21, M_Z, t21, optimize=[(3, 4), (2, 6), (2, 3), (2, 4), (2, 3), (1, 2), (0, 1)])
+    t48 = (2/(L*d_V*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ac->abc', t48, t21, t45, A26, P_Z, optimize=[(3, 4), (0, 2), (0, 1), (0, 1)])
+    t49 = (-2/(L*d_V**2*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ac,ce->abe', t49, t21, t45, A26, P_Z, t21, optimize=[(3, 4), (2, 4), (2, 3), (1, 2), (0, 1)])
+    t50 = (-4/(L*d_V**2*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ae,ae,ef,af->abf', t50, t21, t45, A26, A26, t27, t21, M_Z, optimize=[(4, 5), (2, 3), (2, 4), (2, 4), (1, 2), (0, 2), (0, 1)])
+    t51 = (4/(L*d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ae,ae,ef,af,fg->abg', t51, t21, t45, A26, A26, t27, t21, M_Z, t21, optimize=[(4, 5), (2, 3), (2, 5), (2, 5), (1, 3), (0, 3), (0, 1), (0, 1)])
+    t52 = (-2/(L*d_V*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ae,ae->abe', t52, t21, t45, A26, A26, P_Z, optimize=[(4, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
+    t53 = (2/(L*d_V**2*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ae,ae,ef->abf', t53, t21, t45, A26, A26, P_Z, t21, optimize=[(4, 5), (2, 3), (2, 3), (1, 2), (0, 2), (0, 1)])
+    t1 += oe.contract('ab,cdb,db,db,be,de->dae', t21, t24, t29, t27, t21, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 2), (0, 1)])
+    t54 = (2/(L*d_V**3*n_batch)) * A26
+    t55 = oe.contract('abc,bc,bc,cd,bd,de->bec', t24, t54, t27, t21, M_Z, t21, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t55, t21, optimize=[(0, 1)])
+    t1 += oe.contract('ab,cdb,db,db->dab', t21, t24, t32, P_Z, optimize=[(1, 2), (1, 2), (0, 1)])
+    t56 = (1/(L*d_V**2*n_batch)) * A26
+    t1 += oe.contract('ab,cdb,db,db,be->dae', t21, t24, t56, P_Z, t21, optimize=[(2, 3), (1, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('ab,cdb,db,de,de,ef,df->daf', t21, t24, t34, A26, t27, t21, M_Z, optimize=[(3, 4), (1, 2), (1, 3), (1, 3), (0, 1), (0, 1)])
+    t57 = (-2/(L*d_V**3*n_batch)) * A26
+    t1 += oe.contract('ab,cdb,db,de,de,ef,df,fg->dag', t21, t24, t57, A26, t27, t21, M_Z, t21, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
+    t1 += oe.contract('ab,cdb,db,de,de->dae', t21, t24, t36, A26, P_Z, optimize=[(3, 4), (1, 2), (0, 2), (0, 1)])
+    t58 = (-1/(L*d_V**2*n_batch)) * A26
+    t1 += oe.contract('ab,cdb,db,de,de,ef->daf', t21, t24, t58, A26, P_Z, t21, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf->caf', t21, t47, t21, t45, A26, t27, t21, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
+    t59 = (4/(L*d_V**4*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf,fg->cag', t21, t59, t21, t45, A26, t27, t21, M_Z, t21, optimize=[(4, 5), (3, 7), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cd->cad', t21, t49, t21, t45, A26, P_Z, optimize=[(4, 5), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t60 = (2/(L*d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df->caf', t21, t60, t21, t45, A26, P_Z, t21, optimize=[(4, 5), (3, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg->cag', t21, t51, t21, t45, A26, A26, t27, t21, M_Z, optimize=[(5, 6), (3, 4), (3, 5), (3, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
+    t61 = (-4/(L*d_V**4*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,gh->cah', t21, t61, t21, t45, A26, A26, t27, t21, M_Z, t21, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf->caf', t21, t53, t21, t45, A26, A26, P_Z, optimize=[(5, 6), (3, 4), (2, 4), (1, 3), (0, 2), (0, 1)])
+    t62 = (-2/(L*d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg->cag', t21, t62, t21, t45, A26, A26, P_Z, t21, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('ab,cdb,be,de->dae', t21, t20, t21, t23, optimize=[(0, 1), (0, 1), (0, 1)])
+    t63 = (2/(d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,cdb,be,de,ef->daf', t21, t20, t21, t63, t21, optimize=[(0, 1), (0, 3), (0, 2), (0, 1)])
+    t64 = (-2/(d_V**2*n_batch)) * t21
+    t1 += oe.contract('ab,cdb->dab', t64, t39, optimize=[(0, 1)])
+    t65 = (2/(d_V**3*n_batch)) * t21
+    t1 += oe.contract('ab,cdb,be->dae', t65, t39, t21, optimize=[(0, 1), (0, 1)])
+    t1 += oe.contract('ab,cb,bd,ecd,df,cf->caf', t21, t44, t21, t42, t21, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
+    t66 = (4/(d_V**4*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,df,cf,fg->cag', t21, t66, t21, t42, t21, M_Z, t21, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('ab,cb,bd,ecd->cad', t21, t23, t21, t20, optimize=[(0, 1), (0, 1), (0, 1)])
+    t67 = oe.contract('ab,bc,dac,ce->aeb', t63, t21, t20, t21, optimize=[(2, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t67, t21, optimize=[(0, 1)])
     nrm = np.linalg.norm(blk)
     del blk
     return nrm

@@ -104,64 +104,73 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t10 = X @ W_K
     t11 = t9 @ t10
     t12 = t6 @ t11
-    t1[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade->bdce', t3, t12, optimize=[(0, 1)])
-    t13 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t14 = np.reshape(t13, (d_V, d_K, d_V, d_K), copy=False)
-    t15 = X @ W_Q
-    t16 = t2 @ t15
-    t17 = t9 @ X
-    t18 = t6 @ t17
-    t14[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade->bdec', t16, t18, optimize=[(0, 1)])
-    t19 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t20 = np.reshape(t19, (d_V, d_K, d_V, d_V), copy=False)
-    t21 = W_Q @ t6
-    t22 = X @ t21
-    t23 = (1/math.sqrt(d_K)) * t22
-    T = t23
-    t24 = T @ X
-    t25 = t2 @ t24
-    t26 = X @ W_V
-    t27 = t6 @ t26
-    t20[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,ade->bdce', t25, t27, optimize=[(0, 1)])
-    t28 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t29 = np.reshape(t28, (d_V, d_K, d_V, d_K), copy=False)
-    t30 = t2 @ t11
-    t31 = np.swapaxes(W_Q, -1, -2)
-    t32 = t31 @ t2
-    t33 = t32 @ X
-    t29[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade->bdec', t30, t33, optimize=[(0, 1)])
-    t34 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t35 = np.reshape(t34, (d_V, d_K, d_V, d_K), copy=False)
-    t36 = t2 @ t17
-    t37 = t32 @ t15
-    t35[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade->bdce', t36, t37, optimize=[(0, 1)])
-    t38 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t39 = np.reshape(t38, (d_V, d_K, d_V, d_V), copy=False)
-    t40 = t2 @ t26
-    t41 = t32 @ t24
-    t39[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,ade->bdec', t40, t41, optimize=[(0, 1)])
-    t42 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t43 = np.reshape(t42, (d_V, d_V, d_V, d_K), copy=False)
-    t44 = np.swapaxes(T, -1, -2)
-    t45 = t44 @ X
-    t46 = t2 @ t45
-    t47 = t7 @ t10
-    t43[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,ade->bdce', t46, t47, optimize=[(0, 1)])
-    t48 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t13 = (2/(L*d_K*d_V*n_batch)) * t3
+    t1[...] = oe.contract('abc,ade->bdce', t13, t12, optimize=[(0, 1)])
+    t14 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t15 = np.reshape(t14, (d_V, d_K, d_V, d_K), copy=False)
+    t16 = X @ W_Q
+    t17 = t2 @ t16
+    t18 = t9 @ X
+    t19 = t6 @ t18
+    t20 = (2/(L*d_K*d_V*n_batch)) * t17
+    t15[...] = oe.contract('abc,ade->bdec', t20, t19, optimize=[(0, 1)])
+    t21 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t22 = np.reshape(t21, (d_V, d_K, d_V, d_V), copy=False)
+    t23 = W_Q @ t6
+    t24 = X @ t23
+    t25 = (1/math.sqrt(d_K)) * t24
+    T = t25
+    t26 = T @ X
+    t27 = t2 @ t26
+    t28 = X @ W_V
+    t29 = t6 @ t28
+    t30 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t27
+    t22[...] = oe.contract('abc,ade->bdce', t30, t29, optimize=[(0, 1)])
+    t31 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t32 = np.reshape(t31, (d_V, d_K, d_V, d_K), copy=False)
+    t33 = t2 @ t11
+    t34 = np.swapaxes(W_Q, -1, -2)
+    t35 = t34 @ t2
+    t36 = t35 @ X
+    t37 = (2/(L*d_K*d_V*n_batch)) * t33
+    t32[...] = oe.contract('abc,ade->bdec', t37, t36, optimize=[(0, 1)])
+    t38 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t39 = np.reshape(t38, (d_V, d_K, d_V, d_K), copy=False)
+    t40 = t2 @ t18
+    t41 = t35 @ t16
+    t42 = (2/(L*d_K*d_V*n_batch)) * t40
+    t39[...] = oe.contract('abc,ade->bdce', t42, t41, optimize=[(0, 1)])
+    t43 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t44 = np.reshape(t43, (d_V, d_K, d_V, d_V), copy=False)
+    t45 = t2 @ t28
+    t46 = t35 @ t26
+    t47 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t45
+    t44[...] = oe.contract('abc,ade->bdec', t47, t46, optimize=[(0, 1)])
+    t48 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t49 = np.reshape(t48, (d_V, d_V, d_V, d_K), copy=False)
-    t50 = t44 @ t15
-    t51 = t2 @ t50
-    t52 = t7 @ X
-    t49[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,ade->bdec', t51, t52, optimize=[(0, 1)])
-    t53 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t53[...] = 0
-    t54 = np.reshape(t53, (d_V, d_V, d_V, d_V), copy=False)
-    t55 = np.einsum('abcb->abc', t54)
-    t56 = t44 @ T
-    t57 = t56 @ X
+    t50 = np.swapaxes(T, -1, -2)
+    t51 = t50 @ X
+    t52 = t2 @ t51
+    t53 = t7 @ t10
+    t54 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t52
+    t49[...] = oe.contract('abc,ade->bdce', t54, t53, optimize=[(0, 1)])
+    t55 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t56 = np.reshape(t55, (d_V, d_V, d_V, d_K), copy=False)
+    t57 = t50 @ t16
     t58 = t2 @ t57
-    t59 = np.ones((d_V,), dtype=X.dtype)
-    t55 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bdc', t58, t59, optimize=[(0, 1)])
+    t59 = t7 @ X
+    t60 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t58
+    t56[...] = oe.contract('abc,ade->bdec', t60, t59, optimize=[(0, 1)])
+    t61 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t61[...] = 0
+    t62 = np.reshape(t61, (d_V, d_V, d_V, d_V), copy=False)
+    t63 = np.einsum('abcb->abc', t62)
+    t64 = t50 @ T
+    t65 = t64 @ X
+    t66 = t2 @ t65
+    t67 = np.ones((d_V,), dtype=X.dtype)
+    t68 = (2/(L*d_V*n_batch)) * t67
+    t63 += oe.contract('abc,d->bdc', t66, t68, optimize=[(0, 1)])
     return H
 
 
@@ -319,7 +328,8 @@ def mse_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t9 = X @ W_K
     t10 = t8 @ t9
     t11 = t5 @ t10
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('abb,acc->bc', t2, t11, optimize=[(0, 1)])
+    t12 = (2/(L*d_K*d_V*n_batch)) * t2
+    t0[...] = oe.contract('abb,acc->bc', t12, t11, optimize=[(0, 1)])
     return out
 
 
@@ -362,7 +372,8 @@ def mse_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t9 = X @ W_K
     t10 = t8 @ t9
     t11 = t5 @ t10
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade->bdce', t2, t11, optimize=[(0, 1)])
+    t12 = (2/(L*d_K*d_V*n_batch)) * t2
+    t0[...] = oe.contract('abc,ade->bdce', t12, t11, optimize=[(0, 1)])
     return out
 
 
@@ -407,7 +418,8 @@ def mse_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     t9 = X @ t8
     t10 = t9 @ X
     t11 = t6 @ t10
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade->bdec', t3, t11, optimize=[(0, 1)])
+    t12 = (2/(L*d_K*d_V*n_batch)) * t3
+    t0[...] = oe.contract('abc,ade->bdec', t12, t11, optimize=[(0, 1)])
     return out
 
 
@@ -452,7 +464,8 @@ def mse_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     t8 = t1 @ t7
     t9 = X @ W_V
     t10 = t3 @ t9
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,ade->bdce', t8, t10, optimize=[(0, 1)])
+    t11 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t8
+    t0[...] = oe.contract('abc,ade->bdce', t11, t10, optimize=[(0, 1)])
     return out
 
 
@@ -497,7 +510,8 @@ def mse_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     t9 = t8 @ t1
     t10 = X @ W_Q
     t11 = t9 @ t10
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('abb,acc->bc', t7, t11, optimize=[(0, 1)])
+    t12 = (2/(L*d_K*d_V*n_batch)) * t7
+    t0[...] = oe.contract('abb,acc->bc', t12, t11, optimize=[(0, 1)])
     return out
 
 
@@ -540,7 +554,8 @@ def mse_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t9 = np.swapaxes(W_Q, -1, -2)
     t10 = t9 @ t1
     t11 = t10 @ X
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade->bdec', t8, t11, optimize=[(0, 1)])
+    t12 = (2/(L*d_K*d_V*n_batch)) * t8
+    t0[...] = oe.contract('abc,ade->bdec', t12, t11, optimize=[(0, 1)])
     return out
 
 
@@ -585,7 +600,8 @@ def mse_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t9 = t8 @ t1
     t10 = X @ W_Q
     t11 = t9 @ t10
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade->bdce', t7, t11, optimize=[(0, 1)])
+    t12 = (2/(L*d_K*d_V*n_batch)) * t7
+    t0[...] = oe.contract('abc,ade->bdce', t12, t11, optimize=[(0, 1)])
     return out
 
 
@@ -632,7 +648,8 @@ def mse_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     t10 = t4 @ t1
     t11 = T @ X
     t12 = t10 @ t11
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,ade->bdec', t3, t12, optimize=[(0, 1)])
+    t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t3
+    t0[...] = oe.contract('abc,ade->bdec', t13, t12, optimize=[(0, 1)])
     return out
 
 
@@ -680,7 +697,8 @@ def mse_causal0__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     t9 = t8 @ X
     t10 = t1 @ t9
     t11 = np.ones((d_V,), dtype=X.dtype)
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abb,c->bc', t10, t11, optimize=[(0, 1)])
+    t12 = (2/(L*d_V*n_batch)) * t11
+    t0[...] = oe.contract('abb,c->bc', t10, t12, optimize=[(0, 1)])
     return out
 
 
@@ -726,7 +744,8 @@ def mse_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t11 = t10 @ t1
     t12 = X @ W_K
     t13 = t11 @ t12
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,ade->bdce', t9, t13, optimize=[(0, 1)])
+    t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t9
+    t0[...] = oe.contract('abc,ade->bdce', t14, t13, optimize=[(0, 1)])
     return out
 
 
@@ -777,7 +796,8 @@ def mse_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t11 = np.swapaxes(W_V, -1, -2)
     t12 = t11 @ t1
     t13 = t12 @ X
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,ade->bdec', t10, t13, optimize=[(0, 1)])
+    t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t10
+    t0[...] = oe.contract('abc,ade->bdec', t14, t13, optimize=[(0, 1)])
     return out
 
 
@@ -828,7 +848,8 @@ def mse_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     t10 = t9 @ X
     t11 = t2 @ t10
     t12 = np.ones((d_V,), dtype=X.dtype)
-    t1 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bdc', t11, t12, optimize=[(0, 1)])
+    t13 = (2/(L*d_V*n_batch)) * t12
+    t1 += oe.contract('abc,d->bdc', t11, t13, optimize=[(0, 1)])
     return out
 
 
@@ -887,44 +908,48 @@ def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t18 = t17 @ X
     t19 = t4 @ t18
     t20 = np.ones((d_K,), dtype=X.dtype)
-    t3 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t19, t20, optimize=[(0, 1)])
-    t21 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t22 = np.reshape(t21, (d_V, d_K, d_V, d_V), copy=False)
-    t23 = t4 @ G
-    t24 = t6 @ X
-    t22[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade->bdec', t23, t24, optimize=[(0, 1)])
-    t25 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t25[...] = 0
-    t26 = np.reshape(t25, (d_V, d_K, d_V, d_K), copy=False)
-    t27 = np.einsum('abcb->abc', t26)
-    t28 = np.swapaxes(G, -1, -2)
-    t29 = W_V @ t28
-    t30 = X @ t29
-    t31 = t30 @ X
-    t32 = t4 @ t31
-    t27 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t32, t20, optimize=[(0, 1)])
-    t33 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t33[...] = 0
-    t34 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t35 = np.reshape(t34, (d_V, d_K, d_V, d_V), copy=False)
-    t36 = t4 @ X
-    t37 = np.swapaxes(W_Q, -1, -2)
-    t38 = t37 @ t4
-    t39 = t38 @ G
-    t35[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade->bdce', t36, t39, optimize=[(0, 1)])
-    t40 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t41 = np.reshape(t40, (d_V, d_V, d_V, d_K), copy=False)
-    t42 = X @ W_K
-    t43 = t4 @ t42
-    t44 = t28 @ X
-    t41[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade->bdec', t43, t44, optimize=[(0, 1)])
-    t45 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t46 = np.reshape(t45, (d_V, d_V, d_V, d_K), copy=False)
-    t47 = X @ W_Q
-    t48 = t28 @ t47
-    t46[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade->bdce', t36, t48, optimize=[(0, 1)])
-    t49 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t49[...] = 0
+    t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
+    t3 += oe.contract('abc,d->bdc', t19, t21, optimize=[(0, 1)])
+    t22 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t23 = np.reshape(t22, (d_V, d_K, d_V, d_V), copy=False)
+    t24 = t4 @ G
+    t25 = t6 @ X
+    t26 = (1/(math.sqrt(d_K)*n_batch)) * t24
+    t23[...] = oe.contract('abc,ade->bdec', t26, t25, optimize=[(0, 1)])
+    t27 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t27[...] = 0
+    t28 = np.reshape(t27, (d_V, d_K, d_V, d_K), copy=False)
+    t29 = np.einsum('abcb->abc', t28)
+    t30 = np.swapaxes(G, -1, -2)
+    t31 = W_V @ t30
+    t32 = X @ t31
+    t33 = t32 @ X
+    t34 = t4 @ t33
+    t29 += oe.contract('abc,d->bdc', t34, t21, optimize=[(0, 1)])
+    t35 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t35[...] = 0
+    t36 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t37 = np.reshape(t36, (d_V, d_K, d_V, d_V), copy=False)
+    t38 = t4 @ X
+    t39 = np.swapaxes(W_Q, -1, -2)
+    t40 = t39 @ t4
+    t41 = t40 @ G
+    t42 = (1/(math.sqrt(d_K)*n_batch)) * t38
+    t37[...] = oe.contract('abc,ade->bdce', t42, t41, optimize=[(0, 1)])
+    t43 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t44 = np.reshape(t43, (d_V, d_V, d_V, d_K), copy=False)
+    t45 = X @ W_K
+    t46 = t4 @ t45
+    t47 = t30 @ X
+    t48 = (1/(math.sqrt(d_K)*n_batch)) * t46
+    t44[...] = oe.contract('abc,ade->bdec', t48, t47, optimize=[(0, 1)])
+    t49 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t50 = np.reshape(t49, (d_V, d_V, d_V, d_K), copy=False)
+    t51 = X @ W_Q
+    t52 = t30 @ t51
+    t50[...] = oe.contract('abc,ade->bdce', t42, t52, optimize=[(0, 1)])
+    t53 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t53[...] = 0
     return H
 
 
@@ -1119,7 +1144,8 @@ def mse_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t16 = t15 @ X
     t17 = t2 @ t16
     t18 = np.ones((d_K,), dtype=X.dtype)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t17, t18, optimize=[(0, 1)])
+    t19 = (1/(math.sqrt(d_K)*n_batch)) * t18
+    t1 += oe.contract('abc,d->bdc', t17, t19, optimize=[(0, 1)])
     return out
 
 
@@ -1177,7 +1203,8 @@ def mse_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     G = t11
     t12 = t1 @ G
     t13 = t3 @ X
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade->bdec', t12, t13, optimize=[(0, 1)])
+    t14 = (1/(math.sqrt(d_K)*n_batch)) * t12
+    t0[...] = oe.contract('abc,ade->bdec', t14, t13, optimize=[(0, 1)])
     return out
 
 
@@ -1258,7 +1285,8 @@ def mse_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t16 = t15 @ X
     t17 = t2 @ t16
     t18 = np.ones((d_K,), dtype=X.dtype)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t17, t18, optimize=[(0, 1)])
+    t19 = (1/(math.sqrt(d_K)*n_batch)) * t18
+    t1 += oe.contract('abc,d->bdc', t17, t19, optimize=[(0, 1)])
     return out
 
 
@@ -1338,7 +1366,8 @@ def mse_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     G = t13
     t14 = t3 @ t1
     t15 = t14 @ G
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade->bdce', t2, t15, optimize=[(0, 1)])
+    t16 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t0[...] = oe.contract('abc,ade->bdce', t16, t15, optimize=[(0, 1)])
     return out
 
 
@@ -1417,7 +1446,8 @@ def mse_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     G = t13
     t14 = np.swapaxes(G, -1, -2)
     t15 = t14 @ X
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade->bdec', t3, t15, optimize=[(0, 1)])
+    t16 = (1/(math.sqrt(d_K)*n_batch)) * t3
+    t0[...] = oe.contract('abc,ade->bdec', t16, t15, optimize=[(0, 1)])
     return out
 
 
@@ -1476,7 +1506,8 @@ def mse_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t13 = np.swapaxes(G, -1, -2)
     t14 = X @ W_Q
     t15 = t13 @ t14
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade->bdce', t2, t15, optimize=[(0, 1)])
+    t16 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t0[...] = oe.contract('abc,ade->bdce', t16, t15, optimize=[(0, 1)])
     return out
 
 
@@ -1549,95 +1580,108 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t10 = X @ W_K
     t11 = t9 @ t10
     t12 = t6 @ t11
-    t1[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade->bdce', t3, t12, optimize=[(0, 1)])
-    t13 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t13[...] = 0
-    t14 = np.reshape(t13, (d_V, d_K, d_V, d_K), copy=False)
-    t15 = np.einsum('abcb->abc', t14)
-    t16 = W_Q @ t6
-    t17 = X @ t16
-    t18 = (1/math.sqrt(d_K)) * t17
-    T = t18
-    t19 = X @ W_V
-    t20 = T @ t19
-    F = t20
-    t21 = (2/(L*d_V)) * F
-    t22 = (-2/(L*d_V)) * Y
-    t23 = t21 + t22
-    G = t23
-    t24 = G @ t7
-    t25 = t24 @ X
-    t26 = t2 @ t25
-    t27 = np.ones((d_K,), dtype=X.dtype)
-    t15 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t26, t27, optimize=[(0, 1)])
-    t28 = X @ W_Q
-    t29 = t2 @ t28
-    t30 = t9 @ X
-    t31 = t6 @ t30
-    t14 += (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade->bdec', t29, t31, optimize=[(0, 1)])
-    t32 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t33 = np.reshape(t32, (d_V, d_K, d_V, d_V), copy=False)
-    t34 = T @ X
-    t35 = t2 @ t34
-    t36 = t6 @ t19
-    t33[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,ade->bdce', t35, t36, optimize=[(0, 1)])
-    t37 = t2 @ G
-    t38 = t6 @ X
-    t33 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade->bdec', t37, t38, optimize=[(0, 1)])
-    t39 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t39[...] = 0
-    t40 = np.reshape(t39, (d_V, d_K, d_V, d_K), copy=False)
-    t41 = np.einsum('abcb->abc', t40)
-    t42 = np.swapaxes(G, -1, -2)
-    t43 = W_V @ t42
-    t44 = X @ t43
-    t45 = t44 @ X
-    t46 = t2 @ t45
-    t41 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t46, t27, optimize=[(0, 1)])
-    t47 = t2 @ t11
-    t48 = np.swapaxes(W_Q, -1, -2)
-    t49 = t48 @ t2
+    t13 = (2/(L*d_K*d_V*n_batch)) * t3
+    t1[...] = oe.contract('abc,ade->bdce', t13, t12, optimize=[(0, 1)])
+    t14 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t14[...] = 0
+    t15 = np.reshape(t14, (d_V, d_K, d_V, d_K), copy=False)
+    t16 = np.einsum('abcb->abc', t15)
+    t17 = W_Q @ t6
+    t18 = X @ t17
+    t19 = (1/math.sqrt(d_K)) * t18
+    T = t19
+    t20 = X @ W_V
+    t21 = T @ t20
+    F = t21
+    t22 = (2/(L*d_V)) * F
+    t23 = (-2/(L*d_V)) * Y
+    t24 = t22 + t23
+    G = t24
+    t25 = G @ t7
+    t26 = t25 @ X
+    t27 = t2 @ t26
+    t28 = np.ones((d_K,), dtype=X.dtype)
+    t29 = (1/(math.sqrt(d_K)*n_batch)) * t28
+    t16 += oe.contract('abc,d->bdc', t27, t29, optimize=[(0, 1)])
+    t30 = X @ W_Q
+    t31 = t2 @ t30
+    t32 = t9 @ X
+    t33 = t6 @ t32
+    t34 = (2/(L*d_K*d_V*n_batch)) * t31
+    t15 += oe.contract('abc,ade->bdec', t34, t33, optimize=[(0, 1)])
+    t35 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t36 = np.reshape(t35, (d_V, d_K, d_V, d_V), copy=False)
+    t37 = T @ X
+    t38 = t2 @ t37
+    t39 = t6 @ t20
+    t40 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t38
+    t36[...] = oe.contract('abc,ade->bdce', t40, t39, optimize=[(0, 1)])
+    t41 = t2 @ G
+    t42 = t6 @ X
+    t43 = (1/(math.sqrt(d_K)*n_batch)) * t41
+    t36 += oe.contract('abc,ade->bdec', t43, t42, optimize=[(0, 1)])
+    t44 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t44[...] = 0
+    t45 = np.reshape(t44, (d_V, d_K, d_V, d_K), copy=False)
+    t46 = np.einsum('abcb->abc', t45)
+    t47 = np.swapaxes(G, -1, -2)
+    t48 = W_V @ t47
+    t49 = X @ t48
     t50 = t49 @ X
-    t40 += (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade->bdec', t47, t50, optimize=[(0, 1)])
-    t51 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t52 = np.reshape(t51, (d_V, d_K, d_V, d_K), copy=False)
-    t53 = t2 @ t30
-    t54 = t49 @ t28
-    t52[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade->bdce', t53, t54, optimize=[(0, 1)])
-    t55 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t56 = np.reshape(t55, (d_V, d_K, d_V, d_V), copy=False)
-    t57 = t49 @ G
-    t56[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade->bdce', t3, t57, optimize=[(0, 1)])
-    t58 = t2 @ t19
-    t59 = t49 @ t34
-    t56 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,ade->bdec', t58, t59, optimize=[(0, 1)])
-    t60 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t61 = np.reshape(t60, (d_V, d_V, d_V, d_K), copy=False)
-    t62 = np.swapaxes(T, -1, -2)
-    t63 = t62 @ X
-    t64 = t2 @ t63
-    t65 = t7 @ t10
-    t61[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,ade->bdce', t64, t65, optimize=[(0, 1)])
-    t66 = t2 @ t10
-    t67 = t42 @ X
-    t61 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade->bdec', t66, t67, optimize=[(0, 1)])
-    t68 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t69 = np.reshape(t68, (d_V, d_V, d_V, d_K), copy=False)
-    t70 = t42 @ t28
-    t69[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade->bdce', t3, t70, optimize=[(0, 1)])
-    t71 = t62 @ t28
-    t72 = t2 @ t71
-    t73 = t7 @ X
-    t69 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,ade->bdec', t72, t73, optimize=[(0, 1)])
-    t74 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t74[...] = 0
-    t75 = np.reshape(t74, (d_V, d_V, d_V, d_V), copy=False)
-    t76 = np.einsum('abcb->abc', t75)
-    t77 = t62 @ T
-    t78 = t77 @ X
-    t79 = t2 @ t78
-    t80 = np.ones((d_V,), dtype=X.dtype)
-    t76 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bdc', t79, t80, optimize=[(0, 1)])
+    t51 = t2 @ t50
+    t46 += oe.contract('abc,d->bdc', t51, t29, optimize=[(0, 1)])
+    t52 = t2 @ t11
+    t53 = np.swapaxes(W_Q, -1, -2)
+    t54 = t53 @ t2
+    t55 = t54 @ X
+    t56 = (2/(L*d_K*d_V*n_batch)) * t52
+    t45 += oe.contract('abc,ade->bdec', t56, t55, optimize=[(0, 1)])
+    t57 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t58 = np.reshape(t57, (d_V, d_K, d_V, d_K), copy=False)
+    t59 = t2 @ t32
+    t60 = t54 @ t30
+    t61 = (2/(L*d_K*d_V*n_batch)) * t59
+    t58[...] = oe.contract('abc,ade->bdce', t61, t60, optimize=[(0, 1)])
+    t62 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t63 = np.reshape(t62, (d_V, d_K, d_V, d_V), copy=False)
+    t64 = t54 @ G
+    t65 = (1/(math.sqrt(d_K)*n_batch)) * t3
+    t63[...] = oe.contract('abc,ade->bdce', t65, t64, optimize=[(0, 1)])
+    t66 = t2 @ t20
+    t67 = t54 @ t37
+    t68 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t66
+    t63 += oe.contract('abc,ade->bdec', t68, t67, optimize=[(0, 1)])
+    t69 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t70 = np.reshape(t69, (d_V, d_V, d_V, d_K), copy=False)
+    t71 = np.swapaxes(T, -1, -2)
+    t72 = t71 @ X
+    t73 = t2 @ t72
+    t74 = t7 @ t10
+    t75 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t73
+    t70[...] = oe.contract('abc,ade->bdce', t75, t74, optimize=[(0, 1)])
+    t76 = t2 @ t10
+    t77 = t47 @ X
+    t78 = (1/(math.sqrt(d_K)*n_batch)) * t76
+    t70 += oe.contract('abc,ade->bdec', t78, t77, optimize=[(0, 1)])
+    t79 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t80 = np.reshape(t79, (d_V, d_V, d_V, d_K), copy=False)
+    t81 = t47 @ t30
+    t80[...] = oe.contract('abc,ade->bdce', t65, t81, optimize=[(0, 1)])
+    t82 = t71 @ t30
+    t83 = t2 @ t82
+    t84 = t7 @ X
+    t85 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t83
+    t80 += oe.contract('abc,ade->bdec', t85, t84, optimize=[(0, 1)])
+    t86 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t86[...] = 0
+    t87 = np.reshape(t86, (d_V, d_V, d_V, d_V), copy=False)
+    t88 = np.einsum('abcb->abc', t87)
+    t89 = t71 @ T
+    t90 = t89 @ X
+    t91 = t2 @ t90
+    t92 = np.ones((d_V,), dtype=X.dtype)
+    t93 = (2/(L*d_V*n_batch)) * t92
+    t88 += oe.contract('abc,d->bdc', t91, t93, optimize=[(0, 1)])
     return H
 
 
@@ -1851,7 +1895,8 @@ def mse_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t9 = X @ W_K
     t10 = t8 @ t9
     t11 = t5 @ t10
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('abb,acc->bc', t2, t11, optimize=[(0, 1)])
+    t12 = (2/(L*d_K*d_V*n_batch)) * t2
+    t0[...] = oe.contract('abb,acc->bc', t12, t11, optimize=[(0, 1)])
     return out
 
 
@@ -1894,7 +1939,8 @@ def mse_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t9 = X @ W_K
     t10 = t8 @ t9
     t11 = t5 @ t10
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade->bdce', t2, t11, optimize=[(0, 1)])
+    t12 = (2/(L*d_K*d_V*n_batch)) * t2
+    t0[...] = oe.contract('abc,ade->bdce', t12, t11, optimize=[(0, 1)])
     return out
 
 
@@ -1950,14 +1996,16 @@ def mse_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t16 = t15 @ X
     t17 = t2 @ t16
     t18 = np.ones((d_K,), dtype=X.dtype)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t17, t18, optimize=[(0, 1)])
-    t19 = X @ W_Q
-    t20 = t2 @ t19
-    t21 = W_V @ t14
-    t22 = X @ t21
-    t23 = t22 @ X
-    t24 = t4 @ t23
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade->bdec', t20, t24, optimize=[(0, 1)])
+    t19 = (1/(math.sqrt(d_K)*n_batch)) * t18
+    t1 += oe.contract('abc,d->bdc', t17, t19, optimize=[(0, 1)])
+    t20 = X @ W_Q
+    t21 = t2 @ t20
+    t22 = W_V @ t14
+    t23 = X @ t22
+    t24 = t23 @ X
+    t25 = t4 @ t24
+    t26 = (2/(L*d_K*d_V*n_batch)) * t21
+    t0 += oe.contract('abc,ade->bdec', t26, t25, optimize=[(0, 1)])
     return out
 
 
@@ -2016,16 +2064,18 @@ def mse_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t8 = t1 @ t7
     t9 = X @ W_V
     t10 = t3 @ t9
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,ade->bdce', t8, t10, optimize=[(0, 1)])
-    t11 = T @ t9
-    F = t11
-    t12 = (2/(L*d_V)) * F
-    t13 = (-2/(L*d_V)) * Y
-    t14 = t12 + t13
-    G = t14
-    t15 = t1 @ G
-    t16 = t3 @ X
-    t0 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade->bdec', t15, t16, optimize=[(0, 1)])
+    t11 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t8
+    t0[...] = oe.contract('abc,ade->bdce', t11, t10, optimize=[(0, 1)])
+    t12 = T @ t9
+    F = t12
+    t13 = (2/(L*d_V)) * F
+    t14 = (-2/(L*d_V)) * Y
+    t15 = t13 + t14
+    G = t15
+    t16 = t1 @ G
+    t17 = t3 @ X
+    t18 = (1/(math.sqrt(d_K)*n_batch)) * t16
+    t0 += oe.contract('abc,ade->bdec', t18, t17, optimize=[(0, 1)])
     return out
 
 
@@ -2078,7 +2128,8 @@ def mse_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t9 = t8 @ t1
     t10 = X @ W_Q
     t11 = t9 @ t10
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('abb,acc->bc', t7, t11, optimize=[(0, 1)])
+    t12 = (2/(L*d_K*d_V*n_batch)) * t7
+    t0[...] = oe.contract('abb,acc->bc', t12, t11, optimize=[(0, 1)])
     return out
 
 
@@ -2132,18 +2183,20 @@ def mse_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t16 = t15 @ X
     t17 = t2 @ t16
     t18 = np.ones((d_K,), dtype=X.dtype)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t17, t18, optimize=[(0, 1)])
-    t19 = np.swapaxes(W_V, -1, -2)
-    t20 = t19 @ t2
-    t21 = W_V @ t20
-    t22 = X @ t21
-    t23 = X @ W_K
-    t24 = t22 @ t23
-    t25 = t2 @ t24
-    t26 = np.swapaxes(W_Q, -1, -2)
-    t27 = t26 @ t2
-    t28 = t27 @ X
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade->bdec', t25, t28, optimize=[(0, 1)])
+    t19 = (1/(math.sqrt(d_K)*n_batch)) * t18
+    t1 += oe.contract('abc,d->bdc', t17, t19, optimize=[(0, 1)])
+    t20 = np.swapaxes(W_V, -1, -2)
+    t21 = t20 @ t2
+    t22 = W_V @ t21
+    t23 = X @ t22
+    t24 = X @ W_K
+    t25 = t23 @ t24
+    t26 = t2 @ t25
+    t27 = np.swapaxes(W_Q, -1, -2)
+    t28 = t27 @ t2
+    t29 = t28 @ X
+    t30 = (2/(L*d_K*d_V*n_batch)) * t26
+    t0 += oe.contract('abc,ade->bdec', t30, t29, optimize=[(0, 1)])
     return out
 
 
@@ -2206,7 +2259,8 @@ def mse_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t9 = t8 @ t1
     t10 = X @ W_Q
     t11 = t9 @ t10
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade->bdce', t7, t11, optimize=[(0, 1)])
+    t12 = (2/(L*d_K*d_V*n_batch)) * t7
+    t0[...] = oe.contract('abc,ade->bdce', t12, t11, optimize=[(0, 1)])
     return out
 
 
@@ -2258,11 +2312,13 @@ def mse_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     G = t13
     t14 = t3 @ t1
     t15 = t14 @ G
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade->bdce', t2, t15, optimize=[(0, 1)])
-    t16 = t1 @ t9
-    t17 = T @ X
-    t18 = t14 @ t17
-    t0 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,ade->bdec', t16, t18, optimize=[(0, 1)])
+    t16 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t0[...] = oe.contract('abc,ade->bdce', t16, t15, optimize=[(0, 1)])
+    t17 = t1 @ t9
+    t18 = T @ X
+    t19 = t14 @ t18
+    t20 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t17
+    t0 += oe.contract('abc,ade->bdec', t20, t19, optimize=[(0, 1)])
     return out
 
 
@@ -2318,7 +2374,8 @@ def mse_causal0__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     t9 = t8 @ X
     t10 = t1 @ t9
     t11 = np.ones((d_V,), dtype=X.dtype)
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abb,c->bc', t10, t11, optimize=[(0, 1)])
+    t12 = (2/(L*d_V*n_batch)) * t11
+    t0[...] = oe.contract('abb,c->bc', t10, t12, optimize=[(0, 1)])
     return out
 
 
@@ -2364,18 +2421,20 @@ def mse_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t11 = t10 @ t1
     t12 = X @ W_K
     t13 = t11 @ t12
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,ade->bdce', t9, t13, optimize=[(0, 1)])
-    t14 = t1 @ t12
-    t15 = X @ W_V
-    t16 = T @ t15
-    F = t16
-    t17 = (2/(L*d_V)) * F
-    t18 = (-2/(L*d_V)) * Y
-    t19 = t17 + t18
-    G = t19
-    t20 = np.swapaxes(G, -1, -2)
-    t21 = t20 @ X
-    t0 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade->bdec', t14, t21, optimize=[(0, 1)])
+    t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t9
+    t0[...] = oe.contract('abc,ade->bdce', t14, t13, optimize=[(0, 1)])
+    t15 = t1 @ t12
+    t16 = X @ W_V
+    t17 = T @ t16
+    F = t17
+    t18 = (2/(L*d_V)) * F
+    t19 = (-2/(L*d_V)) * Y
+    t20 = t18 + t19
+    G = t20
+    t21 = np.swapaxes(G, -1, -2)
+    t22 = t21 @ X
+    t23 = (1/(math.sqrt(d_K)*n_batch)) * t15
+    t0 += oe.contract('abc,ade->bdec', t23, t22, optimize=[(0, 1)])
     return out
 
 
@@ -2440,14 +2499,16 @@ def mse_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t13 = np.swapaxes(G, -1, -2)
     t14 = X @ W_Q
     t15 = t13 @ t14
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade->bdce', t2, t15, optimize=[(0, 1)])
-    t16 = np.swapaxes(T, -1, -2)
-    t17 = t16 @ t14
-    t18 = t1 @ t17
-    t19 = np.swapaxes(W_V, -1, -2)
-    t20 = t19 @ t1
-    t21 = t20 @ X
-    t0 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,ade->bdec', t18, t21, optimize=[(0, 1)])
+    t16 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t0[...] = oe.contract('abc,ade->bdce', t16, t15, optimize=[(0, 1)])
+    t17 = np.swapaxes(T, -1, -2)
+    t18 = t17 @ t14
+    t19 = t1 @ t18
+    t20 = np.swapaxes(W_V, -1, -2)
+    t21 = t20 @ t1
+    t22 = t21 @ X
+    t23 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t19
+    t0 += oe.contract('abc,ade->bdec', t23, t22, optimize=[(0, 1)])
     return out
 
 
@@ -2508,7 +2569,8 @@ def mse_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     t10 = t9 @ X
     t11 = t2 @ t10
     t12 = np.ones((d_V,), dtype=X.dtype)
-    t1 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bdc', t11, t12, optimize=[(0, 1)])
+    t13 = (2/(L*d_V*n_batch)) * t12
+    t1 += oe.contract('abc,d->bdc', t11, t13, optimize=[(0, 1)])
     return out
 
 
@@ -2624,51 +2686,64 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t7 = W_V @ t6
     t8 = X @ t7
     t9 = X @ W_K
-    t1[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade,ce,aef,cf,acg,afh->bdgh', t2, t4, Mcausal, t8, Mcausal, X, t9, optimize=[(2, 4), (2, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t10 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t11 = np.reshape(t10, (d_V, d_K, d_V, d_K), copy=False)
-    t12 = X @ W_Q
-    t11[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade,ce,aef,cf,acg,afh->bdhg', t2, t4, Mcausal, t8, Mcausal, t12, X, optimize=[(2, 4), (2, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t13 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t14 = np.reshape(t13, (d_V, d_K, d_V, d_V), copy=False)
-    t15 = W_Q @ t4
-    t16 = X @ t15
-    t17 = (1/math.sqrt(d_K)) * t16
-    T = t17
-    t18 = Mcausal * T
-    t19 = t18 @ X
-    t20 = X @ W_V
-    t14[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdfg', t2, t4, Mcausal, t19, t20, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t21 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t22 = np.reshape(t21, (d_V, d_K, d_V, d_K), copy=False)
-    t23 = np.swapaxes(W_Q, -1, -2)
-    t24 = t23 @ t2
-    t25 = np.swapaxes(Mcausal, -1, -2)
-    t22[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade,ce,acf,fe,afg,aeh->bdhg', t2, t24, t25, t8, t25, t9, X, optimize=[(2, 4), (2, 5), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t26 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t27 = np.reshape(t26, (d_V, d_K, d_V, d_K), copy=False)
-    t27[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade,ce,acf,fe,afg,aeh->bdgh', t2, t24, t25, t8, t25, X, t12, optimize=[(2, 4), (2, 5), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t28 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t29 = np.reshape(t28, (d_V, d_K, d_V, d_V), copy=False)
-    t29[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdgf', t2, t24, t25, t20, t19, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t30 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t31 = np.reshape(t30, (d_V, d_V, d_V, d_K), copy=False)
-    t32 = np.swapaxes(T, -1, -2)
-    t33 = t25 * t32
-    t34 = t2 @ t33
-    t31[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdfg', t34, t6, Mcausal, X, t9, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t35 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t36 = np.reshape(t35, (d_V, d_V, d_V, d_K), copy=False)
-    t36[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdgf', t34, t6, Mcausal, t12, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t37 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t37[...] = 0
-    t38 = np.reshape(t37, (d_V, d_V, d_V, d_V), copy=False)
-    t39 = np.einsum('abcb->abc', t38)
-    t40 = t33 @ t18
-    t41 = t40 @ X
-    t42 = t2 @ t41
-    t43 = np.ones((d_V,), dtype=X.dtype)
-    t39 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bdc', t42, t43, optimize=[(0, 1)])
+    t10 = (2/(L*d_K*d_V*n_batch)) * Mcausal
+    t1[...] = oe.contract('abc,ade,ce,aef,cf,acg,afh->bdgh', t2, t4, t10, t8, Mcausal, X, t9, optimize=[(2, 4), (2, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t11 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t12 = np.reshape(t11, (d_V, d_K, d_V, d_K), copy=False)
+    t13 = X @ W_Q
+    t14 = oe.contract('abc,acd->bdac', t2, t13, optimize=[(0, 1)])
+    t15 = oe.contract('abc,dc,ace,de,aef->bfad', t4, t10, t8, Mcausal, X, optimize=[(1, 2), (1, 3), (0, 2), (0, 1)])
+    t12[...] = oe.contract('abcd,efcd->aefb', t14, t15, optimize=[(0, 1)])
+    t16 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t17 = np.reshape(t16, (d_V, d_K, d_V, d_V), copy=False)
+    t18 = W_Q @ t4
+    t19 = X @ t18
+    t20 = (1/math.sqrt(d_K)) * t19
+    T = t20
+    t21 = Mcausal * T
+    t22 = t21 @ X
+    t23 = X @ W_V
+    t24 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
+    t25 = oe.contract('abc,acd->bdac', t4, t23, optimize=[(0, 1)])
+    t26 = oe.contract('abc,cd,ace->bead', t2, t24, t22, optimize=[(0, 1), (0, 1)])
+    t17[...] = oe.contract('abcd,efcd->eafb', t25, t26, optimize=[(0, 1)])
+    t27 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t28 = np.reshape(t27, (d_V, d_K, d_V, d_K), copy=False)
+    t29 = np.swapaxes(W_Q, -1, -2)
+    t30 = t29 @ t2
+    t31 = np.swapaxes(Mcausal, -1, -2)
+    t32 = (2/(L*d_K*d_V*n_batch)) * t31
+    t28[...] = oe.contract('abc,ade,ce,acf,fe,afg,aeh->bdhg', t2, t30, t32, t8, t31, t9, X, optimize=[(2, 4), (2, 5), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t33 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t34 = np.reshape(t33, (d_V, d_K, d_V, d_K), copy=False)
+    t35 = oe.contract('abc,acd->bdac', t30, t13, optimize=[(0, 1)])
+    t36 = oe.contract('abc,cd,ace,ed,aef->bfad', t2, t32, t8, t31, X, optimize=[(1, 2), (1, 3), (0, 2), (0, 1)])
+    t34[...] = oe.contract('abcd,efcd->eafb', t35, t36, optimize=[(0, 1)])
+    t37 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t38 = np.reshape(t37, (d_V, d_K, d_V, d_V), copy=False)
+    t39 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t31
+    t38[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t2, t30, t39, t23, t22, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t40 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t41 = np.reshape(t40, (d_V, d_V, d_V, d_K), copy=False)
+    t42 = np.swapaxes(T, -1, -2)
+    t43 = t31 * t42
+    t44 = t2 @ t43
+    t45 = oe.contract('abc,acd->bdac', t6, t9, optimize=[(0, 1)])
+    t46 = oe.contract('abc,cd,ace->bead', t44, t24, X, optimize=[(0, 1), (0, 1)])
+    t41[...] = oe.contract('abcd,efcd->eafb', t45, t46, optimize=[(0, 1)])
+    t47 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t48 = np.reshape(t47, (d_V, d_V, d_V, d_K), copy=False)
+    t48[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t44, t6, t24, t13, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t49 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t49[...] = 0
+    t50 = np.reshape(t49, (d_V, d_V, d_V, d_V), copy=False)
+    t51 = np.einsum('abcb->abc', t50)
+    t52 = t43 @ t21
+    t53 = t52 @ X
+    t54 = t2 @ t53
+    t55 = np.ones((d_V,), dtype=X.dtype)
+    t56 = (2/(L*d_V*n_batch)) * t55
+    t51 += oe.contract('abc,d->bdc', t54, t56, optimize=[(0, 1)])
     return H
 
 
@@ -2817,7 +2892,10 @@ def mse_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t6 = W_V @ t5
     t7 = X @ t6
     t8 = X @ W_K
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade,ce,aef,cf,acb,afd->bd', t1, t3, Mcausal, t7, Mcausal, X, t8, optimize=[(0, 5), (1, 3), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t9 = (2/(L*d_K*d_V*n_batch)) * Mcausal
+    t10 = oe.contract('abc,dc,ace,de,aeb->bad', t3, t9, t7, Mcausal, t8, optimize=[(1, 2), (1, 3), (0, 2), (0, 1)])
+    t11 = oe.contract('abc,acb->bac', t1, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t10, t11, optimize=[(0, 1)])
     return out
 
 
@@ -2856,7 +2934,8 @@ def mse_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t6 = W_V @ t5
     t7 = X @ t6
     t8 = X @ W_K
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade,ce,aef,cf,acg,afh->bdgh', t1, t3, Mcausal, t7, Mcausal, X, t8, optimize=[(2, 4), (2, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t9 = (2/(L*d_K*d_V*n_batch)) * Mcausal
+    t0[...] = oe.contract('abc,ade,ce,aef,cf,acg,afh->bdgh', t1, t3, t9, t7, Mcausal, X, t8, optimize=[(2, 4), (2, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -2897,7 +2976,10 @@ def mse_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     t6 = W_V @ t5
     t7 = X @ t6
     t8 = X @ W_Q
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade,ce,aef,cf,acg,afh->bdhg', t1, t3, Mcausal, t7, Mcausal, t8, X, optimize=[(2, 4), (2, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t9 = (2/(L*d_K*d_V*n_batch)) * Mcausal
+    t10 = oe.contract('abc,acd->bdac', t1, t8, optimize=[(0, 1)])
+    t11 = oe.contract('abc,dc,ace,de,aef->bfad', t3, t9, t7, Mcausal, X, optimize=[(1, 2), (1, 3), (0, 2), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t10, t11, optimize=[(0, 1)])
     return out
 
 
@@ -2940,7 +3022,10 @@ def mse_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     t7 = Mcausal * T
     t8 = t7 @ X
     t9 = X @ W_V
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdfg', t1, t3, Mcausal, t8, t9, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t10 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
+    t11 = oe.contract('abc,acd->bdac', t3, t9, optimize=[(0, 1)])
+    t12 = oe.contract('abc,cd,ace->bead', t1, t10, t8, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t11, t12, optimize=[(0, 1)])
     return out
 
 
@@ -2984,7 +3069,8 @@ def mse_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     t7 = W_V @ t6
     t8 = X @ t7
     t9 = X @ W_Q
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade,ce,acf,fe,afb,aed->bd', t1, t3, t4, t8, t4, X, t9, optimize=[(1, 6), (1, 3), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t10 = (2/(L*d_K*d_V*n_batch)) * t4
+    t0[...] = oe.contract('abc,ade,ce,acf,fe,afb,aed->bd', t1, t3, t10, t8, t4, X, t9, optimize=[(1, 6), (1, 3), (1, 4), (0, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -3025,7 +3111,8 @@ def mse_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t7 = W_V @ t6
     t8 = X @ t7
     t9 = X @ W_K
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade,ce,acf,fe,afg,aeh->bdhg', t1, t3, t4, t8, t4, t9, X, optimize=[(2, 4), (2, 5), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t10 = (2/(L*d_K*d_V*n_batch)) * t4
+    t0[...] = oe.contract('abc,ade,ce,acf,fe,afg,aeh->bdhg', t1, t3, t10, t8, t4, t9, X, optimize=[(2, 4), (2, 5), (0, 4), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -3068,7 +3155,10 @@ def mse_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t7 = W_V @ t6
     t8 = X @ t7
     t9 = X @ W_Q
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade,ce,acf,fe,afg,aeh->bdgh', t1, t3, t4, t8, t4, X, t9, optimize=[(2, 4), (2, 5), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t10 = (2/(L*d_K*d_V*n_batch)) * t4
+    t11 = oe.contract('abc,acd->bdac', t3, t9, optimize=[(0, 1)])
+    t12 = oe.contract('abc,cd,ace,ed,aef->bfad', t1, t10, t8, t4, X, optimize=[(1, 2), (1, 3), (0, 2), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t11, t12, optimize=[(0, 1)])
     return out
 
 
@@ -3115,7 +3205,8 @@ def mse_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     T = t10
     t11 = Mcausal * T
     t12 = t11 @ X
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t3, t4, t5, t12, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t4
+    t0[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t3, t13, t5, t12, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -3168,7 +3259,8 @@ def mse_causal1__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     t12 = t11 @ X
     t13 = t1 @ t12
     t14 = np.ones((d_V,), dtype=X.dtype)
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abb,c->bc', t13, t14, optimize=[(0, 1)])
+    t15 = (2/(L*d_V*n_batch)) * t14
+    t0[...] = oe.contract('abb,c->bc', t13, t15, optimize=[(0, 1)])
     return out
 
 
@@ -3219,7 +3311,10 @@ def mse_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t11 = np.swapaxes(W_V, -1, -2)
     t12 = t11 @ t1
     t13 = X @ W_K
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdfg', t10, t12, Mcausal, X, t13, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
+    t15 = oe.contract('abc,acd->bdac', t12, t13, optimize=[(0, 1)])
+    t16 = oe.contract('abc,cd,ace->bead', t10, t14, X, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t15, t16, optimize=[(0, 1)])
     return out
 
 
@@ -3272,7 +3367,8 @@ def mse_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t11 = np.swapaxes(W_V, -1, -2)
     t12 = t11 @ t1
     t13 = X @ W_Q
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdgf', t10, t12, Mcausal, t13, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
+    t0[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t10, t12, t14, t13, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -3328,7 +3424,8 @@ def mse_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     t13 = t12 @ X
     t14 = t2 @ t13
     t15 = np.ones((d_V,), dtype=X.dtype)
-    t1 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bdc', t14, t15, optimize=[(0, 1)])
+    t16 = (2/(L*d_V*n_batch)) * t15
+    t1 += oe.contract('abc,d->bdc', t14, t16, optimize=[(0, 1)])
     return out
 
 
@@ -3394,39 +3491,45 @@ def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t20 = t19 @ X
     t21 = t4 @ t20
     t22 = np.ones((d_K,), dtype=X.dtype)
-    t3 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t21, t22, optimize=[(0, 1)])
-    t23 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t24 = np.reshape(t23, (d_V, d_K, d_V, d_V), copy=False)
-    t24[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdgf', t4, t6, Mcausal, G, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t25 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t25[...] = 0
-    t26 = np.reshape(t25, (d_V, d_K, d_V, d_K), copy=False)
-    t27 = np.einsum('abcb->abc', t26)
-    t28 = np.swapaxes(G, -1, -2)
-    t29 = W_V @ t28
-    t30 = X @ t29
-    t31 = np.swapaxes(Mcausal, -1, -2)
-    t32 = t30 * t31
-    t33 = t32 @ X
-    t34 = t4 @ t33
-    t27 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t34, t22, optimize=[(0, 1)])
-    t35 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t35[...] = 0
-    t36 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t37 = np.reshape(t36, (d_V, d_K, d_V, d_V), copy=False)
-    t38 = np.swapaxes(W_Q, -1, -2)
-    t39 = t38 @ t4
-    t37[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdfg', t4, t39, t31, X, G, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t40 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t41 = np.reshape(t40, (d_V, d_V, d_V, d_K), copy=False)
-    t42 = X @ W_K
-    t41[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdgf', t4, t28, t31, t42, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t43 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t44 = np.reshape(t43, (d_V, d_V, d_V, d_K), copy=False)
-    t45 = X @ W_Q
-    t44[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdfg', t4, t28, t31, X, t45, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t46 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t46[...] = 0
+    t23 = (1/(math.sqrt(d_K)*n_batch)) * t22
+    t3 += oe.contract('abc,d->bdc', t21, t23, optimize=[(0, 1)])
+    t24 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t25 = np.reshape(t24, (d_V, d_K, d_V, d_V), copy=False)
+    t26 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
+    t25[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t4, t6, t26, G, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t27 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t27[...] = 0
+    t28 = np.reshape(t27, (d_V, d_K, d_V, d_K), copy=False)
+    t29 = np.einsum('abcb->abc', t28)
+    t30 = np.swapaxes(G, -1, -2)
+    t31 = W_V @ t30
+    t32 = X @ t31
+    t33 = np.swapaxes(Mcausal, -1, -2)
+    t34 = t32 * t33
+    t35 = t34 @ X
+    t36 = t4 @ t35
+    t29 += oe.contract('abc,d->bdc', t36, t23, optimize=[(0, 1)])
+    t37 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t37[...] = 0
+    t38 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t39 = np.reshape(t38, (d_V, d_K, d_V, d_V), copy=False)
+    t40 = np.swapaxes(W_Q, -1, -2)
+    t41 = t40 @ t4
+    t42 = (1/(math.sqrt(d_K)*n_batch)) * t33
+    t43 = oe.contract('abc,acd->bdac', t41, G, optimize=[(0, 1)])
+    t44 = oe.contract('abc,cd,ace->bead', t4, t42, X, optimize=[(0, 1), (0, 1)])
+    t39[...] = oe.contract('abcd,efcd->eafb', t43, t44, optimize=[(0, 1)])
+    t45 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t46 = np.reshape(t45, (d_V, d_V, d_V, d_K), copy=False)
+    t47 = X @ W_K
+    t46[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t4, t30, t42, t47, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t48 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t49 = np.reshape(t48, (d_V, d_V, d_V, d_K), copy=False)
+    t50 = X @ W_Q
+    t51 = oe.contract('abc,acd->bdac', t30, t50, optimize=[(0, 1)])
+    t49[...] = oe.contract('abcd,efcd->eafb', t51, t44, optimize=[(0, 1)])
+    t52 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t52[...] = 0
     return H
 
 
@@ -3630,7 +3733,8 @@ def mse_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t18 = t17 @ X
     t19 = t2 @ t18
     t20 = np.ones((d_K,), dtype=X.dtype)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t19, t20, optimize=[(0, 1)])
+    t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
+    t1 += oe.contract('abc,d->bdc', t19, t21, optimize=[(0, 1)])
     return out
 
 
@@ -3691,7 +3795,8 @@ def mse_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t11 = (-2/(L*d_V)) * Y
     t12 = t10 + t11
     G = t12
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t3, Mcausal, G, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t13 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
+    t0[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t3, t13, G, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -3776,7 +3881,8 @@ def mse_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t19 = t18 @ X
     t20 = t2 @ t19
     t21 = np.ones((d_K,), dtype=X.dtype)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t20, t21, optimize=[(0, 1)])
+    t22 = (1/(math.sqrt(d_K)*n_batch)) * t21
+    t1 += oe.contract('abc,d->bdc', t20, t22, optimize=[(0, 1)])
     return out
 
 
@@ -3861,7 +3967,10 @@ def mse_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t14 = (-2/(L*d_V)) * Y
     t15 = t13 + t14
     G = t15
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdfg', t1, t3, t4, X, G, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t16 = (1/(math.sqrt(d_K)*n_batch)) * t4
+    t17 = oe.contract('abc,acd->bdac', t3, G, optimize=[(0, 1)])
+    t18 = oe.contract('abc,cd,ace->bead', t1, t16, X, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -3942,7 +4051,8 @@ def mse_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t13 = np.swapaxes(G, -1, -2)
     t14 = np.swapaxes(Mcausal, -1, -2)
     t15 = X @ W_K
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t13, t14, t15, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t16 = (1/(math.sqrt(d_K)*n_batch)) * t14
+    t0[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t13, t16, t15, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -4003,7 +4113,10 @@ def mse_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t13 = np.swapaxes(G, -1, -2)
     t14 = np.swapaxes(Mcausal, -1, -2)
     t15 = X @ W_Q
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdfg', t1, t13, t14, X, t15, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t16 = (1/(math.sqrt(d_K)*n_batch)) * t14
+    t17 = oe.contract('abc,acd->bdac', t13, t15, optimize=[(0, 1)])
+    t18 = oe.contract('abc,cd,ace->bead', t1, t16, X, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -4075,78 +4188,97 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t7 = W_V @ t6
     t8 = X @ t7
     t9 = X @ W_K
-    t1[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade,ce,aef,cf,acg,afh->bdgh', t2, t4, Mcausal, t8, Mcausal, X, t9, optimize=[(2, 4), (2, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t10 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t10[...] = 0
-    t11 = np.reshape(t10, (d_V, d_K, d_V, d_K), copy=False)
-    t12 = np.einsum('abcb->abc', t11)
-    t13 = W_Q @ t4
-    t14 = X @ t13
-    t15 = (1/math.sqrt(d_K)) * t14
-    T = t15
-    t16 = Mcausal * T
-    t17 = X @ W_V
-    t18 = t16 @ t17
-    F = t18
-    t19 = (2/(L*d_V)) * F
-    t20 = (-2/(L*d_V)) * Y
-    t21 = t19 + t20
-    G = t21
-    t22 = G @ t6
-    t23 = Mcausal * t22
-    t24 = t23 @ X
-    t25 = t2 @ t24
-    t26 = np.ones((d_K,), dtype=X.dtype)
-    t12 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t25, t26, optimize=[(0, 1)])
-    t27 = X @ W_Q
-    t11 += (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade,ce,aef,cf,acg,afh->bdhg', t2, t4, Mcausal, t8, Mcausal, t27, X, optimize=[(2, 4), (2, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t28 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t29 = np.reshape(t28, (d_V, d_K, d_V, d_V), copy=False)
-    t30 = t16 @ X
-    t29[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdfg', t2, t4, Mcausal, t30, t17, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t29 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdgf', t2, t4, Mcausal, G, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t31 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t31[...] = 0
-    t32 = np.reshape(t31, (d_V, d_K, d_V, d_K), copy=False)
-    t33 = np.einsum('abcb->abc', t32)
-    t34 = np.swapaxes(G, -1, -2)
-    t35 = W_V @ t34
-    t36 = X @ t35
-    t37 = np.swapaxes(Mcausal, -1, -2)
-    t38 = t36 * t37
-    t39 = t38 @ X
-    t40 = t2 @ t39
-    t33 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t40, t26, optimize=[(0, 1)])
-    t41 = np.swapaxes(W_Q, -1, -2)
-    t42 = t41 @ t2
-    t32 += (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade,ce,acf,fe,afg,aeh->bdhg', t2, t42, t37, t8, t37, t9, X, optimize=[(2, 4), (2, 5), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t43 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t44 = np.reshape(t43, (d_V, d_K, d_V, d_K), copy=False)
-    t44[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade,ce,acf,fe,afg,aeh->bdgh', t2, t42, t37, t8, t37, X, t27, optimize=[(2, 4), (2, 5), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t45 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t46 = np.reshape(t45, (d_V, d_K, d_V, d_V), copy=False)
-    t46[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdgf', t2, t42, t37, t17, t30, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t46 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdfg', t2, t42, t37, X, G, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t47 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t48 = np.reshape(t47, (d_V, d_V, d_V, d_K), copy=False)
-    t49 = np.swapaxes(T, -1, -2)
-    t50 = t37 * t49
-    t51 = t2 @ t50
-    t48[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdfg', t51, t6, Mcausal, X, t9, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t48 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdgf', t2, t34, t37, t9, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t52 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t53 = np.reshape(t52, (d_V, d_V, d_V, d_K), copy=False)
-    t53[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdgf', t51, t6, Mcausal, t27, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t53 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdfg', t2, t34, t37, X, t27, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t54 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t54[...] = 0
-    t55 = np.reshape(t54, (d_V, d_V, d_V, d_V), copy=False)
-    t56 = np.einsum('abcb->abc', t55)
-    t57 = t50 @ t16
-    t58 = t57 @ X
-    t59 = t2 @ t58
-    t60 = np.ones((d_V,), dtype=X.dtype)
-    t56 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bdc', t59, t60, optimize=[(0, 1)])
+    t10 = (2/(L*d_K*d_V*n_batch)) * Mcausal
+    t1[...] = oe.contract('abc,ade,ce,aef,cf,acg,afh->bdgh', t2, t4, t10, t8, Mcausal, X, t9, optimize=[(2, 4), (2, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t11 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t11[...] = 0
+    t12 = np.reshape(t11, (d_V, d_K, d_V, d_K), copy=False)
+    t13 = np.einsum('abcb->abc', t12)
+    t14 = W_Q @ t4
+    t15 = X @ t14
+    t16 = (1/math.sqrt(d_K)) * t15
+    T = t16
+    t17 = Mcausal * T
+    t18 = X @ W_V
+    t19 = t17 @ t18
+    F = t19
+    t20 = (2/(L*d_V)) * F
+    t21 = (-2/(L*d_V)) * Y
+    t22 = t20 + t21
+    G = t22
+    t23 = G @ t6
+    t24 = Mcausal * t23
+    t25 = t24 @ X
+    t26 = t2 @ t25
+    t27 = np.ones((d_K,), dtype=X.dtype)
+    t28 = (1/(math.sqrt(d_K)*n_batch)) * t27
+    t13 += oe.contract('abc,d->bdc', t26, t28, optimize=[(0, 1)])
+    t29 = X @ W_Q
+    t30 = oe.contract('abc,acd->bdac', t2, t29, optimize=[(0, 1)])
+    t31 = oe.contract('abc,dc,ace,de,aef->bfad', t4, t10, t8, Mcausal, X, optimize=[(1, 2), (1, 3), (0, 2), (0, 1)])
+    t12 += oe.contract('abcd,efcd->aefb', t30, t31, optimize=[(0, 1)])
+    t32 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t33 = np.reshape(t32, (d_V, d_K, d_V, d_V), copy=False)
+    t34 = t17 @ X
+    t35 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
+    t36 = oe.contract('abc,acd->bdac', t4, t18, optimize=[(0, 1)])
+    t37 = oe.contract('abc,cd,ace->bead', t2, t35, t34, optimize=[(0, 1), (0, 1)])
+    t33[...] = oe.contract('abcd,efcd->eafb', t36, t37, optimize=[(0, 1)])
+    t38 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
+    t33 += oe.contract('abc,ade,ce,acf,aeg->bdgf', t2, t4, t38, G, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t39 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t39[...] = 0
+    t40 = np.reshape(t39, (d_V, d_K, d_V, d_K), copy=False)
+    t41 = np.einsum('abcb->abc', t40)
+    t42 = np.swapaxes(G, -1, -2)
+    t43 = W_V @ t42
+    t44 = X @ t43
+    t45 = np.swapaxes(Mcausal, -1, -2)
+    t46 = t44 * t45
+    t47 = t46 @ X
+    t48 = t2 @ t47
+    t41 += oe.contract('abc,d->bdc', t48, t28, optimize=[(0, 1)])
+    t49 = np.swapaxes(W_Q, -1, -2)
+    t50 = t49 @ t2
+    t51 = (2/(L*d_K*d_V*n_batch)) * t45
+    t40 += oe.contract('abc,ade,ce,acf,fe,afg,aeh->bdhg', t2, t50, t51, t8, t45, t9, X, optimize=[(2, 4), (2, 5), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t52 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t53 = np.reshape(t52, (d_V, d_K, d_V, d_K), copy=False)
+    t54 = oe.contract('abc,acd->bdac', t50, t29, optimize=[(0, 1)])
+    t55 = oe.contract('abc,cd,ace,ed,aef->bfad', t2, t51, t8, t45, X, optimize=[(1, 2), (1, 3), (0, 2), (0, 1)])
+    t53[...] = oe.contract('abcd,efcd->eafb', t54, t55, optimize=[(0, 1)])
+    t56 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t57 = np.reshape(t56, (d_V, d_K, d_V, d_V), copy=False)
+    t58 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t45
+    t57[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t2, t50, t58, t18, t34, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t59 = (1/(math.sqrt(d_K)*n_batch)) * t45
+    t60 = oe.contract('abc,acd->bdac', t50, G, optimize=[(0, 1)])
+    t61 = oe.contract('abc,cd,ace->bead', t2, t59, X, optimize=[(0, 1), (0, 1)])
+    t57 += oe.contract('abcd,efcd->eafb', t60, t61, optimize=[(0, 1)])
+    t62 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t63 = np.reshape(t62, (d_V, d_V, d_V, d_K), copy=False)
+    t64 = np.swapaxes(T, -1, -2)
+    t65 = t45 * t64
+    t66 = t2 @ t65
+    t67 = oe.contract('abc,acd->bdac', t6, t9, optimize=[(0, 1)])
+    t68 = oe.contract('abc,cd,ace->bead', t66, t35, X, optimize=[(0, 1), (0, 1)])
+    t63[...] = oe.contract('abcd,efcd->eafb', t67, t68, optimize=[(0, 1)])
+    t63 += oe.contract('abc,ade,ce,acf,aeg->bdgf', t2, t42, t59, t9, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t69 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t70 = np.reshape(t69, (d_V, d_V, d_V, d_K), copy=False)
+    t70[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t66, t6, t35, t29, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t71 = oe.contract('abc,acd->bdac', t42, t29, optimize=[(0, 1)])
+    t70 += oe.contract('abcd,efcd->eafb', t71, t61, optimize=[(0, 1)])
+    t72 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t72[...] = 0
+    t73 = np.reshape(t72, (d_V, d_V, d_V, d_V), copy=False)
+    t74 = np.einsum('abcb->abc', t73)
+    t75 = t65 @ t17
+    t76 = t75 @ X
+    t77 = t2 @ t76
+    t78 = np.ones((d_V,), dtype=X.dtype)
+    t79 = (2/(L*d_V*n_batch)) * t78
+    t74 += oe.contract('abc,d->bdc', t77, t79, optimize=[(0, 1)])
     return H
 
 
@@ -4347,7 +4479,10 @@ def mse_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t6 = W_V @ t5
     t7 = X @ t6
     t8 = X @ W_K
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade,ce,aef,cf,acb,afd->bd', t1, t3, Mcausal, t7, Mcausal, X, t8, optimize=[(0, 5), (1, 3), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t9 = (2/(L*d_K*d_V*n_batch)) * Mcausal
+    t10 = oe.contract('abc,dc,ace,de,aeb->bad', t3, t9, t7, Mcausal, t8, optimize=[(1, 2), (1, 3), (0, 2), (0, 1)])
+    t11 = oe.contract('abc,acb->bac', t1, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t10, t11, optimize=[(0, 1)])
     return out
 
 
@@ -4386,7 +4521,8 @@ def mse_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t6 = W_V @ t5
     t7 = X @ t6
     t8 = X @ W_K
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade,ce,aef,cf,acg,afh->bdgh', t1, t3, Mcausal, t7, Mcausal, X, t8, optimize=[(2, 4), (2, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t9 = (2/(L*d_K*d_V*n_batch)) * Mcausal
+    t0[...] = oe.contract('abc,ade,ce,aef,cf,acg,afh->bdgh', t1, t3, t9, t7, Mcausal, X, t8, optimize=[(2, 4), (2, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -4443,11 +4579,15 @@ def mse_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t18 = t17 @ X
     t19 = t2 @ t18
     t20 = np.ones((d_K,), dtype=X.dtype)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t19, t20, optimize=[(0, 1)])
-    t21 = W_V @ t15
-    t22 = X @ t21
-    t23 = X @ W_Q
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade,ce,aef,cf,acg,afh->bdhg', t2, t4, Mcausal, t22, Mcausal, t23, X, optimize=[(2, 4), (2, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
+    t1 += oe.contract('abc,d->bdc', t19, t21, optimize=[(0, 1)])
+    t22 = W_V @ t15
+    t23 = X @ t22
+    t24 = X @ W_Q
+    t25 = (2/(L*d_K*d_V*n_batch)) * Mcausal
+    t26 = oe.contract('abc,acd->bdac', t2, t24, optimize=[(0, 1)])
+    t27 = oe.contract('abc,dc,ace,de,aef->bfad', t4, t25, t23, Mcausal, X, optimize=[(1, 2), (1, 3), (0, 2), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t26, t27, optimize=[(0, 1)])
     return out
 
 
@@ -4506,14 +4646,18 @@ def mse_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t7 = Mcausal * T
     t8 = t7 @ X
     t9 = X @ W_V
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdfg', t1, t3, Mcausal, t8, t9, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t10 = t7 @ t9
-    F = t10
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t0 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t3, Mcausal, G, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t10 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
+    t11 = oe.contract('abc,acd->bdac', t3, t9, optimize=[(0, 1)])
+    t12 = oe.contract('abc,cd,ace->bead', t1, t10, t8, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t11, t12, optimize=[(0, 1)])
+    t13 = t7 @ t9
+    F = t13
+    t14 = (2/(L*d_V)) * F
+    t15 = (-2/(L*d_V)) * Y
+    t16 = t14 + t15
+    G = t16
+    t17 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
+    t0 += oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t3, t17, G, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -4563,7 +4707,8 @@ def mse_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t7 = W_V @ t6
     t8 = X @ t7
     t9 = X @ W_Q
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade,ce,acf,fe,afb,aed->bd', t1, t3, t4, t8, t4, X, t9, optimize=[(1, 6), (1, 3), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t10 = (2/(L*d_K*d_V*n_batch)) * t4
+    t0[...] = oe.contract('abc,ade,ce,acf,fe,afb,aed->bd', t1, t3, t10, t8, t4, X, t9, optimize=[(1, 6), (1, 3), (1, 4), (0, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -4620,15 +4765,17 @@ def mse_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t19 = t18 @ X
     t20 = t2 @ t19
     t21 = np.ones((d_K,), dtype=X.dtype)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t20, t21, optimize=[(0, 1)])
-    t22 = np.swapaxes(W_Q, -1, -2)
-    t23 = t22 @ t2
-    t24 = np.swapaxes(W_V, -1, -2)
-    t25 = t24 @ t2
-    t26 = W_V @ t25
-    t27 = X @ t26
-    t28 = X @ W_K
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade,ce,acf,fe,afg,aeh->bdhg', t2, t23, t17, t27, t17, t28, X, optimize=[(2, 4), (2, 5), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t22 = (1/(math.sqrt(d_K)*n_batch)) * t21
+    t1 += oe.contract('abc,d->bdc', t20, t22, optimize=[(0, 1)])
+    t23 = np.swapaxes(W_Q, -1, -2)
+    t24 = t23 @ t2
+    t25 = np.swapaxes(W_V, -1, -2)
+    t26 = t25 @ t2
+    t27 = W_V @ t26
+    t28 = X @ t27
+    t29 = X @ W_K
+    t30 = (2/(L*d_K*d_V*n_batch)) * t17
+    t0 += oe.contract('abc,ade,ce,acf,fe,afg,aeh->bdhg', t2, t24, t30, t28, t17, t29, X, optimize=[(2, 4), (2, 5), (0, 4), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -4691,7 +4838,10 @@ def mse_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t7 = W_V @ t6
     t8 = X @ t7
     t9 = X @ W_Q
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade,ce,acf,fe,afg,aeh->bdgh', t1, t3, t4, t8, t4, X, t9, optimize=[(2, 4), (2, 5), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t10 = (2/(L*d_K*d_V*n_batch)) * t4
+    t11 = oe.contract('abc,acd->bdac', t3, t9, optimize=[(0, 1)])
+    t12 = oe.contract('abc,cd,ace,ed,aef->bfad', t1, t10, t8, t4, X, optimize=[(1, 2), (1, 3), (0, 2), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t11, t12, optimize=[(0, 1)])
     return out
 
 
@@ -4738,14 +4888,18 @@ def mse_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     T = t10
     t11 = Mcausal * T
     t12 = t11 @ X
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t3, t4, t5, t12, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t13 = t11 @ t5
-    F = t13
-    t14 = (2/(L*d_V)) * F
-    t15 = (-2/(L*d_V)) * Y
-    t16 = t14 + t15
-    G = t16
-    t0 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdfg', t1, t3, t4, X, G, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t4
+    t0[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t3, t13, t5, t12, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t14 = t11 @ t5
+    F = t14
+    t15 = (2/(L*d_V)) * F
+    t16 = (-2/(L*d_V)) * Y
+    t17 = t15 + t16
+    G = t17
+    t18 = (1/(math.sqrt(d_K)*n_batch)) * t4
+    t19 = oe.contract('abc,acd->bdac', t3, G, optimize=[(0, 1)])
+    t20 = oe.contract('abc,cd,ace->bead', t1, t18, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -4804,7 +4958,8 @@ def mse_causal1__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     t12 = t11 @ X
     t13 = t1 @ t12
     t14 = np.ones((d_V,), dtype=X.dtype)
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abb,c->bc', t13, t14, optimize=[(0, 1)])
+    t15 = (2/(L*d_V*n_batch)) * t14
+    t0[...] = oe.contract('abb,c->bc', t13, t15, optimize=[(0, 1)])
     return out
 
 
@@ -4855,17 +5010,21 @@ def mse_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t11 = np.swapaxes(W_V, -1, -2)
     t12 = t11 @ t1
     t13 = X @ W_K
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdfg', t10, t12, Mcausal, X, t13, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t14 = Mcausal * T
-    t15 = X @ W_V
-    t16 = t14 @ t15
-    F = t16
-    t17 = (2/(L*d_V)) * F
-    t18 = (-2/(L*d_V)) * Y
-    t19 = t17 + t18
-    G = t19
-    t20 = np.swapaxes(G, -1, -2)
-    t0 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t20, t2, t13, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
+    t15 = oe.contract('abc,acd->bdac', t12, t13, optimize=[(0, 1)])
+    t16 = oe.contract('abc,cd,ace->bead', t10, t14, X, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t15, t16, optimize=[(0, 1)])
+    t17 = Mcausal * T
+    t18 = X @ W_V
+    t19 = t17 @ t18
+    F = t19
+    t20 = (2/(L*d_V)) * F
+    t21 = (-2/(L*d_V)) * Y
+    t22 = t20 + t21
+    G = t22
+    t23 = np.swapaxes(G, -1, -2)
+    t24 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t0 += oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t23, t24, t13, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -4927,17 +5086,21 @@ def mse_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t11 = np.swapaxes(W_V, -1, -2)
     t12 = t11 @ t1
     t13 = X @ W_Q
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdgf', t10, t12, Mcausal, t13, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t14 = Mcausal * T
-    t15 = X @ W_V
-    t16 = t14 @ t15
-    F = t16
-    t17 = (2/(L*d_V)) * F
-    t18 = (-2/(L*d_V)) * Y
-    t19 = t17 + t18
-    G = t19
-    t20 = np.swapaxes(G, -1, -2)
-    t0 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdfg', t1, t20, t2, X, t13, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
+    t0[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t10, t12, t14, t13, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t15 = Mcausal * T
+    t16 = X @ W_V
+    t17 = t15 @ t16
+    F = t17
+    t18 = (2/(L*d_V)) * F
+    t19 = (-2/(L*d_V)) * Y
+    t20 = t18 + t19
+    G = t20
+    t21 = np.swapaxes(G, -1, -2)
+    t22 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t23 = oe.contract('abc,acd->bdac', t21, t13, optimize=[(0, 1)])
+    t24 = oe.contract('abc,cd,ace->bead', t1, t22, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t23, t24, optimize=[(0, 1)])
     return out
 
 
@@ -5002,7 +5165,8 @@ def mse_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     t13 = t12 @ X
     t14 = t2 @ t13
     t15 = np.ones((d_V,), dtype=X.dtype)
-    t1 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bdc', t14, t15, optimize=[(0, 1)])
+    t16 = (2/(L*d_V*n_batch)) * t15
+    t1 += oe.contract('abc,d->bdc', t14, t16, optimize=[(0, 1)])
     return out
 
 
@@ -5128,53 +5292,83 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t15 = t14 @ t2
     t16 = X @ W_K
     t17 = t15 @ t16
-    t1[...] = (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,ace,acf,aeg->bdfg', t2, t6, t8, A, X, t17, optimize=[(2, 3), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t1 += (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,ace,acf,acg,afh->bdgh', t2, t6, t8, A, A, X, t17, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 2), (0, 1)])
-    t18 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t19 = np.reshape(t18, (d_V, d_K, d_V, d_K), copy=False)
-    t20 = X @ W_Q
-    t21 = t15 @ X
-    t19[...] = (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,ace,acf,aeg->bdgf', t2, t6, t8, A, t20, t21, optimize=[(2, 3), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t19 += (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,ace,acf,acg,afh->bdhg', t2, t6, t8, A, A, t20, t21, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 2), (0, 1)])
-    t22 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t23 = np.reshape(t22, (d_V, d_K, d_V, d_V), copy=False)
-    t24 = T @ X
-    t23[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ace,ace,acf->bdfe', t2, t6, t8, A, t24, optimize=[(2, 3), (0, 2), (1, 2), (0, 1)])
-    t23 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ace,ace,acf,acg->bdgf', t2, t6, t8, A, A, t24, optimize=[(2, 3), (1, 4), (0, 1), (0, 2), (0, 1)])
-    t25 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t26 = np.reshape(t25, (d_V, d_K, d_V, d_K), copy=False)
-    t27 = t2 @ t5
-    t28 = np.swapaxes(W_Q, -1, -2)
-    t29 = t28 @ t2
-    t30 = np.swapaxes(Y, -1, -2)
-    t31 = t30.sum(-2, keepdims=True)
-    t32 = np.broadcast_to(t31, t31.shape[:-2] + (d_V, t31.shape[-1]))
-    t26[...] = (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,aec,aef,acg->bdfg', t27, t29, t32, A, X, t17, optimize=[(2, 3), (0, 4), (2, 3), (0, 1), (0, 1)])
-    t26 += (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,aec,aef,aeg,afh->bdgh', t27, t29, t32, A, A, X, t17, optimize=[(2, 3), (2, 4), (0, 3), (0, 2), (0, 2), (0, 1)])
-    t33 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t34 = np.reshape(t33, (d_V, d_K, d_V, d_K), copy=False)
-    t34[...] = (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,aec,aef,acg->bdgf', t27, t29, t32, A, t20, t21, optimize=[(2, 3), (0, 4), (2, 3), (0, 1), (0, 1)])
-    t34 += (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,aec,aef,aeg,afh->bdhg', t27, t29, t32, A, A, t20, t21, optimize=[(2, 3), (2, 4), (0, 3), (0, 2), (0, 2), (0, 1)])
-    t35 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t36 = np.reshape(t35, (d_V, d_K, d_V, d_V), copy=False)
-    t36[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ace,aec,aef->bdfc', t27, t29, t32, A, t24, optimize=[(2, 3), (1, 2), (1, 2), (0, 1)])
-    t36 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ace,aec,aef,aeg->bdgf', t27, t29, t32, A, A, t24, optimize=[(2, 3), (0, 4), (0, 1), (0, 2), (0, 1)])
-    t37 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t38 = np.reshape(t37, (d_V, d_V, d_V, d_K), copy=False)
-    t39 = np.swapaxes(T, -1, -2)
-    t40 = t2 @ t39
-    t38[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,adf->bdef', t40, t8, A, X, t17, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
-    t38 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,acf,aeg->bdfg', t40, t8, A, A, X, t17, optimize=[(1, 2), (1, 3), (1, 2), (0, 1), (0, 1)])
-    t41 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t42 = np.reshape(t41, (d_V, d_V, d_V, d_K), copy=False)
-    t42[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,adf->bdfe', t40, t8, A, t20, t21, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
-    t42 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,acf,aeg->bdgf', t40, t8, A, A, t20, t21, optimize=[(1, 2), (1, 3), (1, 2), (0, 1), (0, 1)])
-    t43 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t43[...] = 0
-    t44 = np.reshape(t43, (d_V, d_V, d_V, d_V), copy=False)
-    t45 = np.einsum('abcb->abc', t44)
-    t45 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bde', t40, t8, A, t24, optimize=[(1, 2), (0, 1), (0, 1)])
-    t44 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t40, t8, A, A, t24, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t18 = (1/(L*d_K*n_batch)) * t2
+    t1[...] = oe.contract('abc,ade,ace,ace,acf,aeg->bdfg', t18, t6, t8, A, X, t17, optimize=[(2, 3), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t19 = (-1/(L*d_K*n_batch)) * t2
+    t20 = oe.contract('abc,acd,ace,adf->befac', t19, A, X, t17, optimize=[(0, 2), (0, 1), (0, 1)])
+    t21 = oe.contract('abc,adc,adc->bad', t6, t8, A, optimize=[(1, 2), (0, 1)])
+    t1 += oe.contract('abcde,fde->afbc', t20, t21, optimize=[(0, 1)])
+    t22 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t23 = np.reshape(t22, (d_V, d_K, d_V, d_K), copy=False)
+    t24 = X @ W_Q
+    t25 = t15 @ X
+    t26 = oe.contract('abc,acd->bdac', t18, t24, optimize=[(0, 1)])
+    t27 = oe.contract('abc,adc,adc,ace->bead', t6, t8, A, t25, optimize=[(1, 2), (0, 1), (0, 1)])
+    t23[...] = oe.contract('abcd,efcd->aefb', t26, t27, optimize=[(0, 1)])
+    t28 = oe.contract('abc,acd,ace,adf->bfeac', t19, A, t24, t25, optimize=[(0, 2), (0, 1), (0, 1)])
+    t23 += oe.contract('abcde,fde->afbc', t28, t21, optimize=[(0, 1)])
+    t29 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t30 = np.reshape(t29, (d_V, d_K, d_V, d_V), copy=False)
+    t31 = T @ X
+    t32 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t30[...] = oe.contract('abc,ade,ace,ace,acf->bdfe', t32, t6, t8, A, t31, optimize=[(2, 3), (0, 2), (1, 2), (0, 1)])
+    t33 = (-1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t34 = oe.contract('abc,acd,ace->bedac', t33, A, t31, optimize=[(0, 1), (0, 1)])
+    t30 += oe.contract('abcde,fde->afbc', t34, t21, optimize=[(0, 1)])
+    t35 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t36 = np.reshape(t35, (d_V, d_K, d_V, d_K), copy=False)
+    t37 = t2 @ t5
+    t38 = np.swapaxes(W_Q, -1, -2)
+    t39 = t38 @ t2
+    t40 = np.swapaxes(Y, -1, -2)
+    t41 = t40.sum(-2, keepdims=True)
+    t42 = np.broadcast_to(t41, t41.shape[:-2] + (d_V, t41.shape[-1]))
+    t43 = (1/(L*d_K*n_batch)) * t39
+    t36[...] = oe.contract('abc,ade,ace,aec,aef,acg->bdfg', t37, t43, t42, A, X, t17, optimize=[(2, 3), (0, 4), (2, 3), (0, 1), (0, 1)])
+    t44 = (-1/(L*d_K*n_batch)) * t39
+    t45 = oe.contract('abc,acd,ace,adf->befac', t44, A, X, t17, optimize=[(0, 2), (0, 1), (0, 1)])
+    t46 = oe.contract('abc,acd,adc->bad', t37, t42, A, optimize=[(1, 2), (0, 1)])
+    t36 += oe.contract('abcde,fde->fabc', t45, t46, optimize=[(0, 1)])
+    t47 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t48 = np.reshape(t47, (d_V, d_K, d_V, d_K), copy=False)
+    t49 = oe.contract('abc,acd->bdac', t43, t24, optimize=[(0, 1)])
+    t50 = oe.contract('abc,acd,adc,ace->bead', t37, t42, A, t25, optimize=[(1, 2), (0, 1), (0, 1)])
+    t48[...] = oe.contract('abcd,efcd->eafb', t49, t50, optimize=[(0, 1)])
+    t51 = oe.contract('abc,acd,ace,adf->bfeac', t44, A, t24, t25, optimize=[(0, 2), (0, 1), (0, 1)])
+    t48 += oe.contract('abcde,fde->fabc', t51, t46, optimize=[(0, 1)])
+    t52 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t53 = np.reshape(t52, (d_V, d_K, d_V, d_V), copy=False)
+    t54 = (1/(L*math.sqrt(d_K)*n_batch)) * t39
+    t53[...] = oe.contract('abc,ade,ace,aec,aef->bdfc', t37, t54, t42, A, t31, optimize=[(2, 3), (1, 2), (1, 2), (0, 1)])
+    t55 = (-1/(L*math.sqrt(d_K)*n_batch)) * t39
+    t56 = oe.contract('abc,acd,ace->bedac', t55, A, t31, optimize=[(0, 1), (0, 1)])
+    t53 += oe.contract('abcde,fde->fabc', t56, t46, optimize=[(0, 1)])
+    t57 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t58 = np.reshape(t57, (d_V, d_V, d_V, d_K), copy=False)
+    t59 = np.swapaxes(T, -1, -2)
+    t60 = t2 @ t59
+    t61 = (1/(L*math.sqrt(d_K)*n_batch)) * t60
+    t58[...] = oe.contract('abc,acd,acd,ace,adf->bdef', t61, t8, A, X, t17, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
+    t62 = (-1/(L*math.sqrt(d_K)*n_batch)) * t60
+    t63 = oe.contract('abc,acd,ade->beac', t62, A, t17, optimize=[(1, 2), (0, 1)])
+    t64 = oe.contract('abc,abc,abd->cdab', t8, A, X, optimize=[(0, 1), (0, 1)])
+    t58 += oe.contract('abcd,efcd->aefb', t63, t64, optimize=[(0, 1)])
+    t65 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t66 = np.reshape(t65, (d_V, d_V, d_V, d_K), copy=False)
+    t66[...] = oe.contract('abc,acd,acd,ace,adf->bdfe', t61, t8, A, t24, t25, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
+    t66 += oe.contract('abc,acd,acd,ace,acf,aeg->bdgf', t62, t8, A, A, t24, t25, optimize=[(1, 2), (1, 3), (1, 2), (0, 1), (0, 1)])
+    t67 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t67[...] = 0
+    t68 = np.reshape(t67, (d_V, d_V, d_V, d_V), copy=False)
+    t69 = np.einsum('abcb->abc', t68)
+    t70 = (1/(L*n_batch)) * t60
+    t71 = oe.contract('abc,acd->bdac', t70, t31, optimize=[(0, 1)])
+    t72 = oe.contract('abc,abc->cab', t8, A, optimize=[(0, 1)])
+    t69 += oe.contract('abcd,ecd->aeb', t71, t72, optimize=[(0, 1)])
+    t73 = (-1/(L*n_batch)) * t60
+    t74 = oe.contract('abc,acd->bdac', t73, A, optimize=[(0, 1)])
+    t75 = oe.contract('abc,abc,abd->cdab', t8, A, t31, optimize=[(0, 1), (0, 1)])
+    t68 += oe.contract('abcd,efcd->aefb', t74, t75, optimize=[(0, 1)])
     return H
 
 
@@ -5320,8 +5514,14 @@ def ce_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t14 = t13 @ t1
     t15 = X @ W_K
     t16 = t14 @ t15
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,ace,acb,aed->bd', t1, t5, t7, A, X, t16, optimize=[(2, 3), (0, 2), (0, 1), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,ace,acf,acb,afd->bd', t1, t5, t7, A, A, X, t16, optimize=[(2, 3), (0, 3), (1, 2), (0, 1), (1, 2), (0, 1)])
+    t17 = (1/(L*d_K*n_batch)) * t1
+    t18 = oe.contract('abc,adc,adc,acb->bad', t5, t7, A, t16, optimize=[(0, 3), (0, 1), (0, 1)])
+    t19 = oe.contract('abc,acb->bac', t17, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t18, t19, optimize=[(0, 1)])
+    t20 = (-1/(L*d_K*n_batch)) * t1
+    t21 = oe.contract('abc,adc,adc,ade,aeb->bad', t5, t7, A, A, t16, optimize=[(1, 2), (1, 2), (0, 1), (0, 1)])
+    t22 = oe.contract('abc,acb->bac', t20, X, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dbc->da', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -5378,8 +5578,12 @@ def ce_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t14 = t13 @ t1
     t15 = X @ W_K
     t16 = t14 @ t15
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,ace,acf,aeg->bdfg', t1, t5, t7, A, X, t16, optimize=[(2, 3), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,ace,acf,acg,afh->bdgh', t1, t5, t7, A, A, X, t16, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 2), (0, 1)])
+    t17 = (1/(L*d_K*n_batch)) * t1
+    t0[...] = oe.contract('abc,ade,ace,ace,acf,aeg->bdfg', t17, t5, t7, A, X, t16, optimize=[(2, 3), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t18 = (-1/(L*d_K*n_batch)) * t1
+    t19 = oe.contract('abc,acd,ace,adf->befac', t18, A, X, t16, optimize=[(0, 2), (0, 1), (0, 1)])
+    t20 = oe.contract('abc,adc,adc->bad', t5, t7, A, optimize=[(1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -5438,8 +5642,14 @@ def ce_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     t14 = np.swapaxes(W_V, -1, -2)
     t15 = t14 @ t1
     t16 = t15 @ X
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,ace,acf,aeg->bdgf', t1, t5, t7, A, t13, t16, optimize=[(2, 3), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,ace,acf,acg,afh->bdhg', t1, t5, t7, A, A, t13, t16, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 2), (0, 1)])
+    t17 = (1/(L*d_K*n_batch)) * t1
+    t18 = oe.contract('abc,acd->bdac', t17, t13, optimize=[(0, 1)])
+    t19 = oe.contract('abc,adc,adc,ace->bead', t5, t7, A, t16, optimize=[(1, 2), (0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t18, t19, optimize=[(0, 1)])
+    t20 = (-1/(L*d_K*n_batch)) * t1
+    t21 = oe.contract('abc,acd,ace,adf->bfeac', t20, A, t13, t16, optimize=[(0, 2), (0, 1), (0, 1)])
+    t22 = oe.contract('abc,adc,adc->bad', t5, t7, A, optimize=[(1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -5495,8 +5705,12 @@ def ce_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     t12 = np.exp(t11 - t11.max(-1, keepdims=True))
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = T @ X
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ace,ace,acf->bdfe', t1, t5, t7, A, t13, optimize=[(2, 3), (0, 2), (1, 2), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ace,ace,acf,acg->bdgf', t1, t5, t7, A, A, t13, optimize=[(2, 3), (1, 4), (0, 1), (0, 2), (0, 1)])
+    t14 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('abc,ade,ace,ace,acf->bdfe', t14, t5, t7, A, t13, optimize=[(2, 3), (0, 2), (1, 2), (0, 1)])
+    t15 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t16 = oe.contract('abc,acd,ace->bedac', t15, A, t13, optimize=[(0, 1), (0, 1)])
+    t17 = oe.contract('abc,adc,adc->bad', t5, t7, A, optimize=[(1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -5555,8 +5769,10 @@ def ce_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     t17 = np.swapaxes(W_V, -1, -2)
     t18 = t17 @ t1
     t19 = t18 @ X
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,aec,aed,acb->bd', t3, t5, t8, A, t16, t19, optimize=[(2, 3), (1, 2), (0, 1), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,aec,aef,aed,afb->bd', t3, t5, t8, A, A, t16, t19, optimize=[(2, 3), (1, 3), (1, 2), (0, 1), (1, 2), (0, 1)])
+    t20 = (1/(L*d_K*n_batch)) * t5
+    t0[...] = oe.contract('abc,ade,ace,aec,aed,acb->bd', t3, t20, t8, A, t16, t19, optimize=[(2, 3), (1, 2), (0, 1), (0, 2), (0, 1)])
+    t21 = (-1/(L*d_K*n_batch)) * t5
+    t0 += oe.contract('abc,ade,ace,aec,aef,aed,afb->bd', t3, t21, t8, A, A, t16, t19, optimize=[(2, 3), (1, 3), (1, 2), (0, 1), (1, 2), (0, 1)])
     return out
 
 
@@ -5619,8 +5835,12 @@ def ce_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t17 = t16 @ t1
     t18 = X @ W_K
     t19 = t17 @ t18
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,aec,aef,acg->bdfg', t3, t5, t8, A, X, t19, optimize=[(2, 3), (0, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,aec,aef,aeg,afh->bdgh', t3, t5, t8, A, A, X, t19, optimize=[(2, 3), (2, 4), (0, 3), (0, 2), (0, 2), (0, 1)])
+    t20 = (1/(L*d_K*n_batch)) * t5
+    t0[...] = oe.contract('abc,ade,ace,aec,aef,acg->bdfg', t3, t20, t8, A, X, t19, optimize=[(2, 3), (0, 4), (2, 3), (0, 1), (0, 1)])
+    t21 = (-1/(L*d_K*n_batch)) * t5
+    t22 = oe.contract('abc,acd,ace,adf->befac', t21, A, X, t19, optimize=[(0, 2), (0, 1), (0, 1)])
+    t23 = oe.contract('abc,acd,adc->bad', t3, t8, A, optimize=[(1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->fabc', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -5685,8 +5905,14 @@ def ce_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t17 = np.swapaxes(W_V, -1, -2)
     t18 = t17 @ t1
     t19 = t18 @ X
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,aec,aef,acg->bdgf', t3, t5, t8, A, t16, t19, optimize=[(2, 3), (0, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,aec,aef,aeg,afh->bdhg', t3, t5, t8, A, A, t16, t19, optimize=[(2, 3), (2, 4), (0, 3), (0, 2), (0, 2), (0, 1)])
+    t20 = (1/(L*d_K*n_batch)) * t5
+    t21 = oe.contract('abc,acd->bdac', t20, t16, optimize=[(0, 1)])
+    t22 = oe.contract('abc,acd,adc,ace->bead', t3, t8, A, t19, optimize=[(1, 2), (0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
+    t23 = (-1/(L*d_K*n_batch)) * t5
+    t24 = oe.contract('abc,acd,ace,adf->bfeac', t23, A, t16, t19, optimize=[(0, 2), (0, 1), (0, 1)])
+    t25 = oe.contract('abc,acd,adc->bad', t3, t8, A, optimize=[(1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->fabc', t24, t25, optimize=[(0, 1)])
     return out
 
 
@@ -5748,8 +5974,12 @@ def ce_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     t15 = np.exp(t14 - t14.max(-1, keepdims=True))
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = T @ X
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ace,aec,aef->bdfc', t3, t5, t8, A, t16, optimize=[(2, 3), (1, 2), (1, 2), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ace,aec,aef,aeg->bdgf', t3, t5, t8, A, A, t16, optimize=[(2, 3), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t17 = (1/(L*math.sqrt(d_K)*n_batch)) * t5
+    t0[...] = oe.contract('abc,ade,ace,aec,aef->bdfc', t3, t17, t8, A, t16, optimize=[(2, 3), (1, 2), (1, 2), (0, 1)])
+    t18 = (-1/(L*math.sqrt(d_K)*n_batch)) * t5
+    t19 = oe.contract('abc,acd,ace->bedac', t18, A, t16, optimize=[(0, 1), (0, 1)])
+    t20 = oe.contract('abc,acd,adc->bad', t3, t8, A, optimize=[(1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->fabc', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -5806,8 +6036,12 @@ def ce_causal0__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     t13 = np.exp(t12 - t12.max(-1, keepdims=True))
     A = t13 / t13.sum(-1, keepdims=True)
     t14 = T @ X
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,acb->bd', t8, t10, A, t14, optimize=[(0, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->bd', t8, t10, A, A, t14, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t15 = (1/(L*n_batch)) * t8
+    t16 = oe.contract('abc,abc->cab', t10, A, optimize=[(0, 1)])
+    t17 = oe.contract('abc,acb->bac', t15, t14, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t16, t17, optimize=[(0, 1)])
+    t18 = (-1/(L*n_batch)) * t8
+    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t18, t10, A, A, t14, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -5863,8 +6097,12 @@ def ce_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t15 = t14 @ t1
     t16 = X @ W_K
     t17 = t15 @ t16
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,adf->bdef', t8, t10, A, X, t17, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,acf,aeg->bdfg', t8, t10, A, A, X, t17, optimize=[(1, 2), (1, 3), (1, 2), (0, 1), (0, 1)])
+    t18 = (1/(L*math.sqrt(d_K)*n_batch)) * t8
+    t0[...] = oe.contract('abc,acd,acd,ace,adf->bdef', t18, t10, A, X, t17, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
+    t19 = (-1/(L*math.sqrt(d_K)*n_batch)) * t8
+    t20 = oe.contract('abc,acd,ade->beac', t19, A, t17, optimize=[(1, 2), (0, 1)])
+    t21 = oe.contract('abc,abc,abd->cdab', t10, A, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -5925,8 +6163,10 @@ def ce_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t15 = np.swapaxes(W_V, -1, -2)
     t16 = t15 @ t1
     t17 = t16 @ X
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,adf->bdfe', t8, t10, A, t14, t17, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,acf,aeg->bdgf', t8, t10, A, A, t14, t17, optimize=[(1, 2), (1, 3), (1, 2), (0, 1), (0, 1)])
+    t18 = (1/(L*math.sqrt(d_K)*n_batch)) * t8
+    t0[...] = oe.contract('abc,acd,acd,ace,adf->bdfe', t18, t10, A, t14, t17, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
+    t19 = (-1/(L*math.sqrt(d_K)*n_batch)) * t8
+    t0 += oe.contract('abc,acd,acd,ace,acf,aeg->bdgf', t19, t10, A, A, t14, t17, optimize=[(1, 2), (1, 3), (1, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -5986,8 +6226,14 @@ def ce_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     t14 = np.exp(t13 - t13.max(-1, keepdims=True))
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = T @ X
-    t1 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bde', t9, t11, A, t15, optimize=[(1, 2), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t9, t11, A, A, t15, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t16 = (1/(L*n_batch)) * t9
+    t17 = oe.contract('abc,acd->bdac', t16, t15, optimize=[(0, 1)])
+    t18 = oe.contract('abc,abc->cab', t11, A, optimize=[(0, 1)])
+    t1 += oe.contract('abcd,ecd->aeb', t17, t18, optimize=[(0, 1)])
+    t19 = (-1/(L*n_batch)) * t9
+    t20 = oe.contract('abc,acd->bdac', t19, A, optimize=[(0, 1)])
+    t21 = oe.contract('abc,abc,abd->cdab', t11, A, t15, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -6056,44 +6302,48 @@ def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t22 = t21 @ X
     t23 = t4 @ t22
     t24 = np.ones((d_K,), dtype=X.dtype)
-    t3 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t23, t24, optimize=[(0, 1)])
-    t25 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t26 = np.reshape(t25, (d_V, d_K, d_V, d_V), copy=False)
-    t27 = t4 @ G
-    t28 = t8 @ X
-    t26[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade->bdec', t27, t28, optimize=[(0, 1)])
-    t29 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t29[...] = 0
-    t30 = np.reshape(t29, (d_V, d_K, d_V, d_K), copy=False)
-    t31 = np.einsum('abcb->abc', t30)
-    t32 = np.swapaxes(G, -1, -2)
-    t33 = W_V @ t32
-    t34 = X @ t33
-    t35 = t34 @ X
-    t36 = t4 @ t35
-    t31 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t36, t24, optimize=[(0, 1)])
-    t37 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t37[...] = 0
-    t38 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t39 = np.reshape(t38, (d_V, d_K, d_V, d_V), copy=False)
-    t40 = t4 @ X
-    t41 = np.swapaxes(W_Q, -1, -2)
-    t42 = t41 @ t4
-    t43 = t42 @ G
-    t39[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade->bdce', t40, t43, optimize=[(0, 1)])
-    t44 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t45 = np.reshape(t44, (d_V, d_V, d_V, d_K), copy=False)
-    t46 = X @ W_K
-    t47 = t4 @ t46
-    t48 = t32 @ X
-    t45[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade->bdec', t47, t48, optimize=[(0, 1)])
-    t49 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t50 = np.reshape(t49, (d_V, d_V, d_V, d_K), copy=False)
-    t51 = X @ W_Q
-    t52 = t32 @ t51
-    t50[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade->bdce', t40, t52, optimize=[(0, 1)])
-    t53 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t53[...] = 0
+    t25 = (1/(math.sqrt(d_K)*n_batch)) * t24
+    t3 += oe.contract('abc,d->bdc', t23, t25, optimize=[(0, 1)])
+    t26 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t27 = np.reshape(t26, (d_V, d_K, d_V, d_V), copy=False)
+    t28 = t4 @ G
+    t29 = t8 @ X
+    t30 = (1/(math.sqrt(d_K)*n_batch)) * t28
+    t27[...] = oe.contract('abc,ade->bdec', t30, t29, optimize=[(0, 1)])
+    t31 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t31[...] = 0
+    t32 = np.reshape(t31, (d_V, d_K, d_V, d_K), copy=False)
+    t33 = np.einsum('abcb->abc', t32)
+    t34 = np.swapaxes(G, -1, -2)
+    t35 = W_V @ t34
+    t36 = X @ t35
+    t37 = t36 @ X
+    t38 = t4 @ t37
+    t33 += oe.contract('abc,d->bdc', t38, t25, optimize=[(0, 1)])
+    t39 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t39[...] = 0
+    t40 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t41 = np.reshape(t40, (d_V, d_K, d_V, d_V), copy=False)
+    t42 = t4 @ X
+    t43 = np.swapaxes(W_Q, -1, -2)
+    t44 = t43 @ t4
+    t45 = t44 @ G
+    t46 = (1/(math.sqrt(d_K)*n_batch)) * t42
+    t41[...] = oe.contract('abc,ade->bdce', t46, t45, optimize=[(0, 1)])
+    t47 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t48 = np.reshape(t47, (d_V, d_V, d_V, d_K), copy=False)
+    t49 = X @ W_K
+    t50 = t4 @ t49
+    t51 = t34 @ X
+    t52 = (1/(math.sqrt(d_K)*n_batch)) * t50
+    t48[...] = oe.contract('abc,ade->bdec', t52, t51, optimize=[(0, 1)])
+    t53 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t54 = np.reshape(t53, (d_V, d_V, d_V, d_K), copy=False)
+    t55 = X @ W_Q
+    t56 = t34 @ t55
+    t54[...] = oe.contract('abc,ade->bdce', t46, t56, optimize=[(0, 1)])
+    t57 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t57[...] = 0
     return H
 
 
@@ -6303,7 +6553,8 @@ def ce_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t20 = t19 @ X
     t21 = t2 @ t20
     t22 = np.ones((d_K,), dtype=X.dtype)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t21, t22, optimize=[(0, 1)])
+    t23 = (1/(math.sqrt(d_K)*n_batch)) * t22
+    t1 += oe.contract('abc,d->bdc', t21, t23, optimize=[(0, 1)])
     return out
 
 
@@ -6371,7 +6622,8 @@ def ce_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     G = t15
     t16 = t1 @ G
     t17 = t5 @ X
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade->bdec', t16, t17, optimize=[(0, 1)])
+    t18 = (1/(math.sqrt(d_K)*n_batch)) * t16
+    t0[...] = oe.contract('abc,ade->bdec', t18, t17, optimize=[(0, 1)])
     return out
 
 
@@ -6462,7 +6714,8 @@ def ce_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t20 = t19 @ X
     t21 = t2 @ t20
     t22 = np.ones((d_K,), dtype=X.dtype)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t21, t22, optimize=[(0, 1)])
+    t23 = (1/(math.sqrt(d_K)*n_batch)) * t22
+    t1 += oe.contract('abc,d->bdc', t21, t23, optimize=[(0, 1)])
     return out
 
 
@@ -6552,7 +6805,8 @@ def ce_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     G = t17
     t18 = t3 @ t1
     t19 = t18 @ G
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade->bdce', t2, t19, optimize=[(0, 1)])
+    t20 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t0[...] = oe.contract('abc,ade->bdce', t20, t19, optimize=[(0, 1)])
     return out
 
 
@@ -6641,7 +6895,8 @@ def ce_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     G = t17
     t18 = np.swapaxes(G, -1, -2)
     t19 = t18 @ X
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade->bdec', t3, t19, optimize=[(0, 1)])
+    t20 = (1/(math.sqrt(d_K)*n_batch)) * t3
+    t0[...] = oe.contract('abc,ade->bdec', t20, t19, optimize=[(0, 1)])
     return out
 
 
@@ -6710,7 +6965,8 @@ def ce_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t17 = np.swapaxes(G, -1, -2)
     t18 = X @ W_Q
     t19 = t17 @ t18
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade->bdce', t2, t19, optimize=[(0, 1)])
+    t20 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t0[...] = oe.contract('abc,ade->bdce', t20, t19, optimize=[(0, 1)])
     return out
 
 
@@ -6795,87 +7051,121 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t15 = t14 @ t2
     t16 = X @ W_K
     t17 = t15 @ t16
-    t1[...] = (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,ace,acf,aeg->bdfg', t2, t6, t8, A, X, t17, optimize=[(2, 3), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t1 += (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,ace,acf,acg,afh->bdgh', t2, t6, t8, A, A, X, t17, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 2), (0, 1)])
-    t18 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t18[...] = 0
-    t19 = np.reshape(t18, (d_V, d_K, d_V, d_K), copy=False)
-    t20 = np.einsum('abcb->abc', t19)
+    t18 = (1/(L*d_K*n_batch)) * t2
+    t1[...] = oe.contract('abc,ade,ace,ace,acf,aeg->bdfg', t18, t6, t8, A, X, t17, optimize=[(2, 3), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t19 = (-1/(L*d_K*n_batch)) * t2
+    t20 = oe.contract('abc,acd,ace,adf->befac', t19, A, X, t17, optimize=[(0, 2), (0, 1), (0, 1)])
+    t21 = oe.contract('abc,adc,adc->bad', t6, t8, A, optimize=[(1, 2), (0, 1)])
+    t1 += oe.contract('abcde,fde->afbc', t20, t21, optimize=[(0, 1)])
+    t22 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t22[...] = 0
+    t23 = np.reshape(t22, (d_V, d_K, d_V, d_K), copy=False)
+    t24 = np.einsum('abcb->abc', t23)
     F = t12
-    t21 = np.exp(F - F.max(-1, keepdims=True))
-    A22 = t21 / t21.sum(-1, keepdims=True)
-    t23 = t8 * A22
-    t24 = (1/L) * t23
-    t25 = (-1/L) * Y
-    t26 = t24 + t25
-    G = t26
-    t27 = G @ t15
-    t28 = t27 @ X
-    t29 = t2 @ t28
-    t30 = np.ones((d_K,), dtype=X.dtype)
-    t20 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t29, t30, optimize=[(0, 1)])
-    t31 = X @ W_Q
-    t32 = t15 @ X
-    t19 += (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,ace,acf,aeg->bdgf', t2, t6, t8, A, t31, t32, optimize=[(2, 3), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t19 += (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,ace,acf,acg,afh->bdhg', t2, t6, t8, A, A, t31, t32, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 2), (0, 1)])
-    t33 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t34 = np.reshape(t33, (d_V, d_K, d_V, d_V), copy=False)
-    t35 = t2 @ G
-    t36 = t4 @ X
-    t34[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade->bdec', t35, t36, optimize=[(0, 1)])
-    t37 = T @ X
-    t34 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ace,ace,acf->bdfe', t2, t6, t8, A, t37, optimize=[(2, 3), (0, 2), (1, 2), (0, 1)])
-    t34 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ace,ace,acf,acg->bdgf', t2, t6, t8, A, A, t37, optimize=[(2, 3), (1, 4), (0, 1), (0, 2), (0, 1)])
-    t38 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t38[...] = 0
-    t39 = np.reshape(t38, (d_V, d_K, d_V, d_K), copy=False)
-    t40 = np.einsum('abcb->abc', t39)
-    t41 = np.swapaxes(G, -1, -2)
-    t42 = W_V @ t41
-    t43 = X @ t42
-    t44 = t43 @ X
-    t45 = t2 @ t44
-    t40 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t45, t30, optimize=[(0, 1)])
-    t46 = t2 @ t5
-    t47 = np.swapaxes(W_Q, -1, -2)
-    t48 = t47 @ t2
-    t49 = np.swapaxes(Y, -1, -2)
-    t50 = t49.sum(-2, keepdims=True)
-    t51 = np.broadcast_to(t50, t50.shape[:-2] + (d_V, t50.shape[-1]))
-    t39 += (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,aec,aef,acg->bdfg', t46, t48, t51, A, X, t17, optimize=[(2, 3), (0, 4), (2, 3), (0, 1), (0, 1)])
-    t39 += (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,aec,aef,aeg,afh->bdgh', t46, t48, t51, A, A, X, t17, optimize=[(2, 3), (2, 4), (0, 3), (0, 2), (0, 2), (0, 1)])
-    t52 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t53 = np.reshape(t52, (d_V, d_K, d_V, d_K), copy=False)
-    t53[...] = (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,aec,aef,acg->bdgf', t46, t48, t51, A, t31, t32, optimize=[(2, 3), (0, 4), (2, 3), (0, 1), (0, 1)])
-    t53 += (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,aec,aef,aeg,afh->bdhg', t46, t48, t51, A, A, t31, t32, optimize=[(2, 3), (2, 4), (0, 3), (0, 2), (0, 2), (0, 1)])
-    t54 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t55 = np.reshape(t54, (d_V, d_K, d_V, d_V), copy=False)
-    t56 = t2 @ X
-    t57 = t48 @ G
-    t55[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade->bdce', t56, t57, optimize=[(0, 1)])
-    t55 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ace,aec,aef->bdfc', t46, t48, t51, A, t37, optimize=[(2, 3), (1, 2), (1, 2), (0, 1)])
-    t55 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ace,aec,aef,aeg->bdgf', t46, t48, t51, A, A, t37, optimize=[(2, 3), (0, 4), (0, 1), (0, 2), (0, 1)])
-    t58 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t59 = np.reshape(t58, (d_V, d_V, d_V, d_K), copy=False)
-    t60 = np.swapaxes(T, -1, -2)
-    t61 = t2 @ t60
-    t59[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,adf->bdef', t61, t8, A, X, t17, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
-    t59 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,acf,aeg->bdfg', t61, t8, A, A, X, t17, optimize=[(1, 2), (1, 3), (1, 2), (0, 1), (0, 1)])
-    t62 = t2 @ t16
-    t63 = t41 @ X
-    t59 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade->bdec', t62, t63, optimize=[(0, 1)])
-    t64 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t65 = np.reshape(t64, (d_V, d_V, d_V, d_K), copy=False)
-    t66 = t41 @ t31
-    t65[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade->bdce', t56, t66, optimize=[(0, 1)])
-    t65 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,adf->bdfe', t61, t8, A, t31, t32, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
-    t65 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,acf,aeg->bdgf', t61, t8, A, A, t31, t32, optimize=[(1, 2), (1, 3), (1, 2), (0, 1), (0, 1)])
-    t67 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t67[...] = 0
-    t68 = np.reshape(t67, (d_V, d_V, d_V, d_V), copy=False)
-    t69 = np.einsum('abcb->abc', t68)
-    t69 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bde', t61, t8, A, t37, optimize=[(1, 2), (0, 1), (0, 1)])
-    t68 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t61, t8, A, A, t37, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t25 = np.exp(F - F.max(-1, keepdims=True))
+    A26 = t25 / t25.sum(-1, keepdims=True)
+    t27 = t8 * A26
+    t28 = (1/L) * t27
+    t29 = (-1/L) * Y
+    t30 = t28 + t29
+    G = t30
+    t31 = G @ t15
+    t32 = t31 @ X
+    t33 = t2 @ t32
+    t34 = np.ones((d_K,), dtype=X.dtype)
+    t35 = (1/(math.sqrt(d_K)*n_batch)) * t34
+    t24 += oe.contract('abc,d->bdc', t33, t35, optimize=[(0, 1)])
+    t36 = X @ W_Q
+    t37 = t15 @ X
+    t38 = oe.contract('abc,acd->bdac', t18, t36, optimize=[(0, 1)])
+    t39 = oe.contract('abc,adc,adc,ace->bead', t6, t8, A, t37, optimize=[(1, 2), (0, 1), (0, 1)])
+    t23 += oe.contract('abcd,efcd->aefb', t38, t39, optimize=[(0, 1)])
+    t40 = oe.contract('abc,acd,ace,adf->bfeac', t19, A, t36, t37, optimize=[(0, 2), (0, 1), (0, 1)])
+    t23 += oe.contract('abcde,fde->afbc', t40, t21, optimize=[(0, 1)])
+    t41 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t42 = np.reshape(t41, (d_V, d_K, d_V, d_V), copy=False)
+    t43 = t2 @ G
+    t44 = t4 @ X
+    t45 = (1/(math.sqrt(d_K)*n_batch)) * t43
+    t42[...] = oe.contract('abc,ade->bdec', t45, t44, optimize=[(0, 1)])
+    t46 = T @ X
+    t47 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t42 += oe.contract('abc,ade,ace,ace,acf->bdfe', t47, t6, t8, A, t46, optimize=[(2, 3), (0, 2), (1, 2), (0, 1)])
+    t48 = (-1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t49 = oe.contract('abc,acd,ace->bedac', t48, A, t46, optimize=[(0, 1), (0, 1)])
+    t42 += oe.contract('abcde,fde->afbc', t49, t21, optimize=[(0, 1)])
+    t50 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t50[...] = 0
+    t51 = np.reshape(t50, (d_V, d_K, d_V, d_K), copy=False)
+    t52 = np.einsum('abcb->abc', t51)
+    t53 = np.swapaxes(G, -1, -2)
+    t54 = W_V @ t53
+    t55 = X @ t54
+    t56 = t55 @ X
+    t57 = t2 @ t56
+    t52 += oe.contract('abc,d->bdc', t57, t35, optimize=[(0, 1)])
+    t58 = t2 @ t5
+    t59 = np.swapaxes(W_Q, -1, -2)
+    t60 = t59 @ t2
+    t61 = np.swapaxes(Y, -1, -2)
+    t62 = t61.sum(-2, keepdims=True)
+    t63 = np.broadcast_to(t62, t62.shape[:-2] + (d_V, t62.shape[-1]))
+    t64 = (1/(L*d_K*n_batch)) * t60
+    t51 += oe.contract('abc,ade,ace,aec,aef,acg->bdfg', t58, t64, t63, A, X, t17, optimize=[(2, 3), (0, 4), (2, 3), (0, 1), (0, 1)])
+    t65 = (-1/(L*d_K*n_batch)) * t60
+    t66 = oe.contract('abc,acd,ace,adf->befac', t65, A, X, t17, optimize=[(0, 2), (0, 1), (0, 1)])
+    t67 = oe.contract('abc,acd,adc->bad', t58, t63, A, optimize=[(1, 2), (0, 1)])
+    t51 += oe.contract('abcde,fde->fabc', t66, t67, optimize=[(0, 1)])
+    t68 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t69 = np.reshape(t68, (d_V, d_K, d_V, d_K), copy=False)
+    t70 = oe.contract('abc,acd->bdac', t64, t36, optimize=[(0, 1)])
+    t71 = oe.contract('abc,acd,adc,ace->bead', t58, t63, A, t37, optimize=[(1, 2), (0, 1), (0, 1)])
+    t69[...] = oe.contract('abcd,efcd->eafb', t70, t71, optimize=[(0, 1)])
+    t72 = oe.contract('abc,acd,ace,adf->bfeac', t65, A, t36, t37, optimize=[(0, 2), (0, 1), (0, 1)])
+    t69 += oe.contract('abcde,fde->fabc', t72, t67, optimize=[(0, 1)])
+    t73 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t74 = np.reshape(t73, (d_V, d_K, d_V, d_V), copy=False)
+    t75 = t2 @ X
+    t76 = t60 @ G
+    t77 = (1/(math.sqrt(d_K)*n_batch)) * t75
+    t74[...] = oe.contract('abc,ade->bdce', t77, t76, optimize=[(0, 1)])
+    t78 = (1/(L*math.sqrt(d_K)*n_batch)) * t60
+    t74 += oe.contract('abc,ade,ace,aec,aef->bdfc', t58, t78, t63, A, t46, optimize=[(2, 3), (1, 2), (1, 2), (0, 1)])
+    t79 = (-1/(L*math.sqrt(d_K)*n_batch)) * t60
+    t80 = oe.contract('abc,acd,ace->bedac', t79, A, t46, optimize=[(0, 1), (0, 1)])
+    t74 += oe.contract('abcde,fde->fabc', t80, t67, optimize=[(0, 1)])
+    t81 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t82 = np.reshape(t81, (d_V, d_V, d_V, d_K), copy=False)
+    t83 = np.swapaxes(T, -1, -2)
+    t84 = t2 @ t83
+    t85 = (1/(L*math.sqrt(d_K)*n_batch)) * t84
+    t82[...] = oe.contract('abc,acd,acd,ace,adf->bdef', t85, t8, A, X, t17, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
+    t86 = (-1/(L*math.sqrt(d_K)*n_batch)) * t84
+    t87 = oe.contract('abc,acd,ade->beac', t86, A, t17, optimize=[(1, 2), (0, 1)])
+    t88 = oe.contract('abc,abc,abd->cdab', t8, A, X, optimize=[(0, 1), (0, 1)])
+    t82 += oe.contract('abcd,efcd->aefb', t87, t88, optimize=[(0, 1)])
+    t89 = t2 @ t16
+    t90 = t53 @ X
+    t91 = (1/(math.sqrt(d_K)*n_batch)) * t89
+    t82 += oe.contract('abc,ade->bdec', t91, t90, optimize=[(0, 1)])
+    t92 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t93 = np.reshape(t92, (d_V, d_V, d_V, d_K), copy=False)
+    t94 = t53 @ t36
+    t93[...] = oe.contract('abc,ade->bdce', t77, t94, optimize=[(0, 1)])
+    t93 += oe.contract('abc,acd,acd,ace,adf->bdfe', t85, t8, A, t36, t37, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
+    t93 += oe.contract('abc,acd,acd,ace,acf,aeg->bdgf', t86, t8, A, A, t36, t37, optimize=[(1, 2), (1, 3), (1, 2), (0, 1), (0, 1)])
+    t95 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t95[...] = 0
+    t96 = np.reshape(t95, (d_V, d_V, d_V, d_V), copy=False)
+    t97 = np.einsum('abcb->abc', t96)
+    t98 = (1/(L*n_batch)) * t84
+    t99 = oe.contract('abc,acd->bdac', t98, t46, optimize=[(0, 1)])
+    t100 = oe.contract('abc,abc->cab', t8, A, optimize=[(0, 1)])
+    t97 += oe.contract('abcd,ecd->aeb', t99, t100, optimize=[(0, 1)])
+    t101 = (-1/(L*n_batch)) * t84
+    t102 = oe.contract('abc,acd->bdac', t101, A, optimize=[(0, 1)])
+    t103 = oe.contract('abc,abc,abd->cdab', t8, A, t46, optimize=[(0, 1), (0, 1)])
+    t96 += oe.contract('abcd,efcd->aefb', t102, t103, optimize=[(0, 1)])
     return H
 
 
@@ -7091,8 +7381,14 @@ def ce_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t14 = t13 @ t1
     t15 = X @ W_K
     t16 = t14 @ t15
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,ace,acb,aed->bd', t1, t5, t7, A, X, t16, optimize=[(2, 3), (0, 2), (0, 1), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,ace,acf,acb,afd->bd', t1, t5, t7, A, A, X, t16, optimize=[(2, 3), (0, 3), (1, 2), (0, 1), (1, 2), (0, 1)])
+    t17 = (1/(L*d_K*n_batch)) * t1
+    t18 = oe.contract('abc,adc,adc,acb->bad', t5, t7, A, t16, optimize=[(0, 3), (0, 1), (0, 1)])
+    t19 = oe.contract('abc,acb->bac', t17, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t18, t19, optimize=[(0, 1)])
+    t20 = (-1/(L*d_K*n_batch)) * t1
+    t21 = oe.contract('abc,adc,adc,ade,aeb->bad', t5, t7, A, A, t16, optimize=[(1, 2), (1, 2), (0, 1), (0, 1)])
+    t22 = oe.contract('abc,acb->bac', t20, X, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dbc->da', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -7149,8 +7445,12 @@ def ce_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t14 = t13 @ t1
     t15 = X @ W_K
     t16 = t14 @ t15
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,ace,acf,aeg->bdfg', t1, t5, t7, A, X, t16, optimize=[(2, 3), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,ace,acf,acg,afh->bdgh', t1, t5, t7, A, A, X, t16, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 2), (0, 1)])
+    t17 = (1/(L*d_K*n_batch)) * t1
+    t0[...] = oe.contract('abc,ade,ace,ace,acf,aeg->bdfg', t17, t5, t7, A, X, t16, optimize=[(2, 3), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t18 = (-1/(L*d_K*n_batch)) * t1
+    t19 = oe.contract('abc,acd,ace,adf->befac', t18, A, X, t16, optimize=[(0, 2), (0, 1), (0, 1)])
+    t20 = oe.contract('abc,adc,adc->bad', t5, t7, A, optimize=[(1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -7218,14 +7518,21 @@ def ce_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t20 = t19 @ X
     t21 = t2 @ t20
     t22 = np.ones((d_K,), dtype=X.dtype)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t21, t22, optimize=[(0, 1)])
-    t23 = t6 @ t10
-    t24 = np.exp(t11 - t11.max(-1, keepdims=True))
-    A25 = t24 / t24.sum(-1, keepdims=True)
-    t26 = X @ W_Q
-    t27 = t18 @ X
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,ace,acf,aeg->bdgf', t2, t23, t4, A25, t26, t27, optimize=[(2, 3), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,ace,acf,acg,afh->bdhg', t2, t23, t4, A25, A25, t26, t27, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 2), (0, 1)])
+    t23 = (1/(math.sqrt(d_K)*n_batch)) * t22
+    t1 += oe.contract('abc,d->bdc', t21, t23, optimize=[(0, 1)])
+    t24 = t6 @ t10
+    t25 = np.exp(t11 - t11.max(-1, keepdims=True))
+    A26 = t25 / t25.sum(-1, keepdims=True)
+    t27 = X @ W_Q
+    t28 = t18 @ X
+    t29 = (1/(L*d_K*n_batch)) * t2
+    t30 = oe.contract('abc,acd->bdac', t29, t27, optimize=[(0, 1)])
+    t31 = oe.contract('abc,adc,adc,ace->bead', t24, t4, A26, t28, optimize=[(1, 2), (0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t30, t31, optimize=[(0, 1)])
+    t32 = (-1/(L*d_K*n_batch)) * t2
+    t33 = oe.contract('abc,acd,ace,adf->bfeac', t32, A26, t27, t28, optimize=[(0, 2), (0, 1), (0, 1)])
+    t34 = oe.contract('abc,adc,adc->bad', t24, t4, A26, optimize=[(1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t33, t34, optimize=[(0, 1)])
     return out
 
 
@@ -7298,13 +7605,18 @@ def ce_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     G = t15
     t16 = t1 @ G
     t17 = t5 @ X
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade->bdec', t16, t17, optimize=[(0, 1)])
-    t18 = t5 @ t9
-    t19 = np.exp(t10 - t10.max(-1, keepdims=True))
-    A20 = t19 / t19.sum(-1, keepdims=True)
-    t21 = T @ X
-    t0 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ace,ace,acf->bdfe', t1, t18, t3, A20, t21, optimize=[(2, 3), (0, 2), (1, 2), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ace,ace,acf,acg->bdgf', t1, t18, t3, A20, A20, t21, optimize=[(2, 3), (1, 4), (0, 1), (0, 2), (0, 1)])
+    t18 = (1/(math.sqrt(d_K)*n_batch)) * t16
+    t0[...] = oe.contract('abc,ade->bdec', t18, t17, optimize=[(0, 1)])
+    t19 = t5 @ t9
+    t20 = np.exp(t10 - t10.max(-1, keepdims=True))
+    A21 = t20 / t20.sum(-1, keepdims=True)
+    t22 = T @ X
+    t23 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0 += oe.contract('abc,ade,ace,ace,acf->bdfe', t23, t19, t3, A21, t22, optimize=[(2, 3), (0, 2), (1, 2), (0, 1)])
+    t24 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t25 = oe.contract('abc,acd,ace->bedac', t24, A21, t22, optimize=[(0, 1), (0, 1)])
+    t26 = oe.contract('abc,adc,adc->bad', t19, t3, A21, optimize=[(1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t25, t26, optimize=[(0, 1)])
     return out
 
 
@@ -7373,8 +7685,10 @@ def ce_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t17 = np.swapaxes(W_V, -1, -2)
     t18 = t17 @ t1
     t19 = t18 @ X
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,aec,aed,acb->bd', t3, t5, t8, A, t16, t19, optimize=[(2, 3), (1, 2), (0, 1), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,aec,aef,aed,afb->bd', t3, t5, t8, A, A, t16, t19, optimize=[(2, 3), (1, 3), (1, 2), (0, 1), (1, 2), (0, 1)])
+    t20 = (1/(L*d_K*n_batch)) * t5
+    t0[...] = oe.contract('abc,ade,ace,aec,aed,acb->bd', t3, t20, t8, A, t16, t19, optimize=[(2, 3), (1, 2), (0, 1), (0, 2), (0, 1)])
+    t21 = (-1/(L*d_K*n_batch)) * t5
+    t0 += oe.contract('abc,ade,ace,aec,aef,aed,afb->bd', t3, t21, t8, A, A, t16, t19, optimize=[(2, 3), (1, 3), (1, 2), (0, 1), (1, 2), (0, 1)])
     return out
 
 
@@ -7443,21 +7757,26 @@ def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t20 = t19 @ X
     t21 = t2 @ t20
     t22 = np.ones((d_K,), dtype=X.dtype)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t21, t22, optimize=[(0, 1)])
-    t23 = t2 @ t10
-    t24 = np.swapaxes(W_Q, -1, -2)
-    t25 = t24 @ t2
-    t26 = np.swapaxes(Y, -1, -2)
-    t27 = t26.sum(-2, keepdims=True)
-    t28 = np.broadcast_to(t27, t27.shape[:-2] + (d_V, t27.shape[-1]))
-    t29 = np.exp(t11 - t11.max(-1, keepdims=True))
-    A30 = t29 / t29.sum(-1, keepdims=True)
-    t31 = np.swapaxes(W_V, -1, -2)
-    t32 = t31 @ t2
-    t33 = X @ W_K
-    t34 = t32 @ t33
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,aec,aef,acg->bdfg', t23, t25, t28, A30, X, t34, optimize=[(2, 3), (0, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,aec,aef,aeg,afh->bdgh', t23, t25, t28, A30, A30, X, t34, optimize=[(2, 3), (2, 4), (0, 3), (0, 2), (0, 2), (0, 1)])
+    t23 = (1/(math.sqrt(d_K)*n_batch)) * t22
+    t1 += oe.contract('abc,d->bdc', t21, t23, optimize=[(0, 1)])
+    t24 = t2 @ t10
+    t25 = np.swapaxes(W_Q, -1, -2)
+    t26 = t25 @ t2
+    t27 = np.swapaxes(Y, -1, -2)
+    t28 = t27.sum(-2, keepdims=True)
+    t29 = np.broadcast_to(t28, t28.shape[:-2] + (d_V, t28.shape[-1]))
+    t30 = np.exp(t11 - t11.max(-1, keepdims=True))
+    A31 = t30 / t30.sum(-1, keepdims=True)
+    t32 = np.swapaxes(W_V, -1, -2)
+    t33 = t32 @ t2
+    t34 = X @ W_K
+    t35 = t33 @ t34
+    t36 = (1/(L*d_K*n_batch)) * t26
+    t0 += oe.contract('abc,ade,ace,aec,aef,acg->bdfg', t24, t36, t29, A31, X, t35, optimize=[(2, 3), (0, 4), (2, 3), (0, 1), (0, 1)])
+    t37 = (-1/(L*d_K*n_batch)) * t26
+    t38 = oe.contract('abc,acd,ace,adf->befac', t37, A31, X, t35, optimize=[(0, 2), (0, 1), (0, 1)])
+    t39 = oe.contract('abc,acd,adc->bad', t24, t29, A31, optimize=[(1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->fabc', t38, t39, optimize=[(0, 1)])
     return out
 
 
@@ -7537,8 +7856,14 @@ def ce_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t17 = np.swapaxes(W_V, -1, -2)
     t18 = t17 @ t1
     t19 = t18 @ X
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,aec,aef,acg->bdgf', t3, t5, t8, A, t16, t19, optimize=[(2, 3), (0, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,aec,aef,aeg,afh->bdhg', t3, t5, t8, A, A, t16, t19, optimize=[(2, 3), (2, 4), (0, 3), (0, 2), (0, 2), (0, 1)])
+    t20 = (1/(L*d_K*n_batch)) * t5
+    t21 = oe.contract('abc,acd->bdac', t20, t16, optimize=[(0, 1)])
+    t22 = oe.contract('abc,acd,adc,ace->bead', t3, t8, A, t19, optimize=[(1, 2), (0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
+    t23 = (-1/(L*d_K*n_batch)) * t5
+    t24 = oe.contract('abc,acd,ace,adf->bfeac', t23, A, t16, t19, optimize=[(0, 2), (0, 1), (0, 1)])
+    t25 = oe.contract('abc,acd,adc->bad', t3, t8, A, optimize=[(1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->fabc', t24, t25, optimize=[(0, 1)])
     return out
 
 
@@ -7605,16 +7930,21 @@ def ce_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     G = t17
     t18 = t3 @ t1
     t19 = t18 @ G
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade->bdce', t2, t19, optimize=[(0, 1)])
-    t20 = t1 @ t11
-    t21 = np.swapaxes(Y, -1, -2)
-    t22 = t21.sum(-2, keepdims=True)
-    t23 = np.broadcast_to(t22, t22.shape[:-2] + (d_V, t22.shape[-1]))
-    t24 = np.exp(t12 - t12.max(-1, keepdims=True))
-    A25 = t24 / t24.sum(-1, keepdims=True)
-    t26 = T @ X
-    t0 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ace,aec,aef->bdfc', t20, t18, t23, A25, t26, optimize=[(2, 3), (1, 2), (1, 2), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ace,aec,aef,aeg->bdgf', t20, t18, t23, A25, A25, t26, optimize=[(2, 3), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t20 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t0[...] = oe.contract('abc,ade->bdce', t20, t19, optimize=[(0, 1)])
+    t21 = t1 @ t11
+    t22 = np.swapaxes(Y, -1, -2)
+    t23 = t22.sum(-2, keepdims=True)
+    t24 = np.broadcast_to(t23, t23.shape[:-2] + (d_V, t23.shape[-1]))
+    t25 = np.exp(t12 - t12.max(-1, keepdims=True))
+    A26 = t25 / t25.sum(-1, keepdims=True)
+    t27 = T @ X
+    t28 = (1/(L*math.sqrt(d_K)*n_batch)) * t18
+    t0 += oe.contract('abc,ade,ace,aec,aef->bdfc', t21, t28, t24, A26, t27, optimize=[(2, 3), (1, 2), (1, 2), (0, 1)])
+    t29 = (-1/(L*math.sqrt(d_K)*n_batch)) * t18
+    t30 = oe.contract('abc,acd,ace->bedac', t29, A26, t27, optimize=[(0, 1), (0, 1)])
+    t31 = oe.contract('abc,acd,adc->bad', t21, t24, A26, optimize=[(1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->fabc', t30, t31, optimize=[(0, 1)])
     return out
 
 
@@ -7683,8 +8013,12 @@ def ce_causal0__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     t13 = np.exp(t12 - t12.max(-1, keepdims=True))
     A = t13 / t13.sum(-1, keepdims=True)
     t14 = T @ X
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,acb->bd', t8, t10, A, t14, optimize=[(0, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->bd', t8, t10, A, A, t14, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t15 = (1/(L*n_batch)) * t8
+    t16 = oe.contract('abc,abc->cab', t10, A, optimize=[(0, 1)])
+    t17 = oe.contract('abc,acb->bac', t15, t14, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t16, t17, optimize=[(0, 1)])
+    t18 = (-1/(L*n_batch)) * t8
+    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t18, t10, A, A, t14, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -7740,20 +8074,25 @@ def ce_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t15 = t14 @ t1
     t16 = X @ W_K
     t17 = t15 @ t16
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,adf->bdef', t8, t10, A, X, t17, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,acf,aeg->bdfg', t8, t10, A, A, X, t17, optimize=[(1, 2), (1, 3), (1, 2), (0, 1), (0, 1)])
-    t18 = t1 @ t16
+    t18 = (1/(L*math.sqrt(d_K)*n_batch)) * t8
+    t0[...] = oe.contract('abc,acd,acd,ace,adf->bdef', t18, t10, A, X, t17, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
+    t19 = (-1/(L*math.sqrt(d_K)*n_batch)) * t8
+    t20 = oe.contract('abc,acd,ade->beac', t19, A, t17, optimize=[(1, 2), (0, 1)])
+    t21 = oe.contract('abc,abc,abd->cdab', t10, A, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
+    t22 = t1 @ t16
     F = t12
-    t19 = np.exp(F - F.max(-1, keepdims=True))
-    A20 = t19 / t19.sum(-1, keepdims=True)
-    t21 = t10 * A20
-    t22 = (1/L) * t21
-    t23 = (-1/L) * Y
-    t24 = t22 + t23
-    G = t24
-    t25 = np.swapaxes(G, -1, -2)
-    t26 = t25 @ X
-    t0 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade->bdec', t18, t26, optimize=[(0, 1)])
+    t23 = np.exp(F - F.max(-1, keepdims=True))
+    A24 = t23 / t23.sum(-1, keepdims=True)
+    t25 = t10 * A24
+    t26 = (1/L) * t25
+    t27 = (-1/L) * Y
+    t28 = t26 + t27
+    G = t28
+    t29 = np.swapaxes(G, -1, -2)
+    t30 = t29 @ X
+    t31 = (1/(math.sqrt(d_K)*n_batch)) * t22
+    t0 += oe.contract('abc,ade->bdec', t31, t30, optimize=[(0, 1)])
     return out
 
 
@@ -7829,16 +8168,19 @@ def ce_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t17 = np.swapaxes(G, -1, -2)
     t18 = X @ W_Q
     t19 = t17 @ t18
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade->bdce', t2, t19, optimize=[(0, 1)])
-    t20 = np.swapaxes(T, -1, -2)
-    t21 = t1 @ t20
-    t22 = np.exp(t11 - t11.max(-1, keepdims=True))
-    A23 = t22 / t22.sum(-1, keepdims=True)
-    t24 = np.swapaxes(W_V, -1, -2)
-    t25 = t24 @ t1
-    t26 = t25 @ X
-    t0 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,adf->bdfe', t21, t4, A23, t18, t26, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,acf,aeg->bdgf', t21, t4, A23, A23, t18, t26, optimize=[(1, 2), (1, 3), (1, 2), (0, 1), (0, 1)])
+    t20 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t0[...] = oe.contract('abc,ade->bdce', t20, t19, optimize=[(0, 1)])
+    t21 = np.swapaxes(T, -1, -2)
+    t22 = t1 @ t21
+    t23 = np.exp(t11 - t11.max(-1, keepdims=True))
+    A24 = t23 / t23.sum(-1, keepdims=True)
+    t25 = np.swapaxes(W_V, -1, -2)
+    t26 = t25 @ t1
+    t27 = t26 @ X
+    t28 = (1/(L*math.sqrt(d_K)*n_batch)) * t22
+    t0 += oe.contract('abc,acd,acd,ace,adf->bdfe', t28, t4, A24, t18, t27, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
+    t29 = (-1/(L*math.sqrt(d_K)*n_batch)) * t22
+    t0 += oe.contract('abc,acd,acd,ace,acf,aeg->bdgf', t29, t4, A24, A24, t18, t27, optimize=[(1, 2), (1, 3), (1, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -7909,8 +8251,14 @@ def ce_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     t14 = np.exp(t13 - t13.max(-1, keepdims=True))
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = T @ X
-    t1 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bde', t9, t11, A, t15, optimize=[(1, 2), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t9, t11, A, A, t15, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t16 = (1/(L*n_batch)) * t9
+    t17 = oe.contract('abc,acd->bdac', t16, t15, optimize=[(0, 1)])
+    t18 = oe.contract('abc,abc->cab', t11, A, optimize=[(0, 1)])
+    t1 += oe.contract('abcd,ecd->aeb', t17, t18, optimize=[(0, 1)])
+    t19 = (-1/(L*n_batch)) * t9
+    t20 = oe.contract('abc,acd->bdac', t19, A, optimize=[(0, 1)])
+    t21 = oe.contract('abc,abc,abd->cdab', t11, A, t15, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -8045,53 +8393,88 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t14 = np.swapaxes(W_V, -1, -2)
     t15 = t14 @ t2
     t16 = X @ W_K
-    t1[...] = (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,aef,acf,acf,afg,cg,ach,agi->bdhi', t2, t4, Mcausal, t5, t7, A, t15, Mcausal, X, t16, optimize=[(4, 5), (2, 5), (2, 3), (4, 6), (4, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t1 += (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,aef,acf,acf,acg,agh,ch,aci,ahj->bdij', t2, t4, Mcausal, t5, t7, A, A, t15, Mcausal, X, t16, optimize=[(4, 5), (4, 5), (3, 7), (3, 6), (4, 6), (2, 4), (1, 4), (0, 3), (0, 2), (0, 1)])
-    t17 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t18 = np.reshape(t17, (d_V, d_K, d_V, d_K), copy=False)
-    t19 = X @ W_Q
-    t18[...] = (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,aef,acf,acf,afg,cg,ach,agi->bdih', t2, t4, Mcausal, t5, t7, A, t15, Mcausal, t19, X, optimize=[(4, 5), (2, 5), (2, 3), (4, 6), (4, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t18 += (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,aef,acf,acf,acg,agh,ch,aci,ahj->bdji', t2, t4, Mcausal, t5, t7, A, A, t15, Mcausal, t19, X, optimize=[(4, 5), (4, 5), (3, 7), (3, 6), (4, 6), (2, 4), (1, 4), (0, 3), (0, 2), (0, 1)])
-    t20 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t21 = np.reshape(t20, (d_V, d_K, d_V, d_V), copy=False)
-    t22 = t11 @ X
-    t21[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,aef,acf,acf,acg->bdgf', t2, t4, Mcausal, t5, t7, A, t22, optimize=[(4, 5), (3, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
-    t21 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,aef,acf,acf,acg,ach->bdhg', t2, t4, Mcausal, t5, t7, A, A, t22, optimize=[(4, 5), (3, 6), (2, 5), (1, 4), (0, 1), (0, 2), (0, 1)])
-    t23 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t24 = np.reshape(t23, (d_V, d_K, d_V, d_K), copy=False)
-    t25 = np.swapaxes(W_Q, -1, -2)
-    t26 = t25 @ t2
-    t27 = np.swapaxes(Mcausal, -1, -2)
-    t28 = np.swapaxes(Y, -1, -2)
-    t29 = t28.sum(-2, keepdims=True)
-    t30 = np.broadcast_to(t29, t29.shape[:-2] + (d_V, t29.shape[-1]))
-    t24[...] = (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,acf,afe,aef,afg,eg,aeh,agi->bdhi', t2, t26, t27, t5, t30, A, t15, Mcausal, X, t16, optimize=[(4, 5), (2, 5), (2, 3), (4, 6), (4, 5), (0, 4), (2, 3), (0, 1), (0, 1)])
-    t24 += (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,acf,afe,aef,aeg,agh,eh,aei,ahj->bdij', t2, t26, t27, t5, t30, A, A, t15, Mcausal, X, t16, optimize=[(4, 5), (4, 5), (3, 7), (3, 6), (4, 6), (2, 4), (0, 4), (0, 3), (0, 2), (0, 1)])
-    t31 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t32 = np.reshape(t31, (d_V, d_K, d_V, d_K), copy=False)
-    t32[...] = (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,acf,afe,aef,afg,eg,aeh,agi->bdih', t2, t26, t27, t5, t30, A, t15, Mcausal, t19, X, optimize=[(4, 5), (2, 5), (2, 3), (4, 6), (4, 5), (0, 4), (2, 3), (0, 1), (0, 1)])
-    t32 += (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,acf,afe,aef,aeg,agh,eh,aei,ahj->bdji', t2, t26, t27, t5, t30, A, A, t15, Mcausal, t19, X, optimize=[(4, 5), (4, 5), (3, 7), (3, 6), (4, 6), (2, 4), (0, 4), (0, 3), (0, 2), (0, 1)])
-    t33 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t34 = np.reshape(t33, (d_V, d_K, d_V, d_V), copy=False)
-    t34[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,acf,afe,aef,aeg->bdgf', t2, t26, t27, t5, t30, A, t22, optimize=[(4, 5), (3, 5), (2, 4), (0, 3), (0, 1), (0, 1)])
-    t34 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,acf,afe,aef,aeg,aeh->bdhg', t2, t26, t27, t5, t30, A, A, t22, optimize=[(4, 5), (3, 6), (2, 5), (0, 4), (0, 1), (0, 2), (0, 1)])
-    t35 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t36 = np.reshape(t35, (d_V, d_V, d_V, d_K), copy=False)
-    t37 = np.swapaxes(T, -1, -2)
-    t38 = t27 * t37
-    t39 = t2 @ t38
-    t36[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ade,ce,acf,aeg->bdfg', t39, t7, A, t15, Mcausal, X, t16, optimize=[(1, 2), (1, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t36 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,aef,cf,acg,afh->bdgh', t39, t7, A, A, t15, Mcausal, X, t16, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
-    t40 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t41 = np.reshape(t40, (d_V, d_V, d_V, d_K), copy=False)
-    t41[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ade,ce,acf,aeg->bdgf', t39, t7, A, t15, Mcausal, t19, X, optimize=[(1, 2), (1, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t41 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,aef,cf,acg,afh->bdhg', t39, t7, A, A, t15, Mcausal, t19, X, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
-    t42 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t42[...] = 0
-    t43 = np.reshape(t42, (d_V, d_V, d_V, d_V), copy=False)
-    t44 = np.einsum('abcb->abc', t43)
-    t44 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bde', t39, t7, A, t22, optimize=[(1, 2), (0, 1), (0, 1)])
-    t43 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t39, t7, A, A, t22, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t17 = (1/(L*d_K*n_batch)) * Mcausal
+    t1[...] = oe.contract('abc,ade,ce,aef,acf,acf,afg,cg,ach,agi->bdhi', t2, t4, t17, t5, t7, A, t15, Mcausal, X, t16, optimize=[(4, 5), (2, 5), (2, 3), (4, 6), (4, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t18 = (-1/(L*d_K*n_batch)) * Mcausal
+    t19 = oe.contract('abc,acd,bd,ade->eab', A, t15, Mcausal, t16, optimize=[(0, 1), (0, 2), (0, 1)])
+    t20 = oe.contract('abc,ade,ce,aef,acf,acf,acg->bdgac', t2, t4, t18, t5, t7, A, X, optimize=[(4, 5), (3, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
+    t1 += oe.contract('abc,defbc->defa', t19, t20, optimize=[(0, 1)])
+    t21 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t22 = np.reshape(t21, (d_V, d_K, d_V, d_K), copy=False)
+    t23 = X @ W_Q
+    t24 = oe.contract('abc,acd->bdac', t2, t23, optimize=[(0, 1)])
+    t25 = oe.contract('abc,dc,ace,ade,ade,aef,df,afg->bgad', t4, t17, t5, t7, A, t15, Mcausal, X, optimize=[(3, 4), (2, 3), (4, 5), (1, 4), (1, 3), (0, 2), (0, 1)])
+    t22[...] = oe.contract('abcd,efcd->aefb', t24, t25, optimize=[(0, 1)])
+    t26 = oe.contract('abc,ade,ce,aef,acf,acf,acg->bdgac', t2, t4, t18, t5, t7, A, t23, optimize=[(4, 5), (3, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
+    t27 = oe.contract('abc,acd,bd,ade->eab', A, t15, Mcausal, X, optimize=[(0, 1), (0, 2), (0, 1)])
+    t22 += oe.contract('abcde,fde->abfc', t26, t27, optimize=[(0, 1)])
+    t28 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t29 = np.reshape(t28, (d_V, d_K, d_V, d_V), copy=False)
+    t30 = t11 @ X
+    t31 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
+    t32 = oe.contract('abc,dc,ace,ade,ade->bead', t4, t31, t5, t7, A, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
+    t33 = oe.contract('abc,acd->bdac', t2, t30, optimize=[(0, 1)])
+    t29[...] = oe.contract('abcd,efcd->eafb', t32, t33, optimize=[(0, 1)])
+    t34 = (-1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
+    t35 = oe.contract('abc,acd,ace->bedac', t2, A, t30, optimize=[(0, 1), (0, 1)])
+    t36 = oe.contract('abc,dc,ace,ade,ade->bad', t4, t34, t5, t7, A, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)])
+    t29 += oe.contract('abcde,fde->afbc', t35, t36, optimize=[(0, 1)])
+    t37 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t38 = np.reshape(t37, (d_V, d_K, d_V, d_K), copy=False)
+    t39 = np.swapaxes(W_Q, -1, -2)
+    t40 = t39 @ t2
+    t41 = np.swapaxes(Mcausal, -1, -2)
+    t42 = np.swapaxes(Y, -1, -2)
+    t43 = t42.sum(-2, keepdims=True)
+    t44 = np.broadcast_to(t43, t43.shape[:-2] + (d_V, t43.shape[-1]))
+    t45 = (1/(L*d_K*n_batch)) * t41
+    t38[...] = oe.contract('abc,ade,ce,acf,afe,aef,afg,eg,aeh,agi->bdhi', t2, t40, t45, t5, t44, A, t15, Mcausal, X, t16, optimize=[(4, 5), (2, 5), (2, 3), (4, 6), (4, 5), (0, 4), (2, 3), (0, 1), (0, 1)])
+    t46 = (-1/(L*d_K*n_batch)) * t41
+    t38 += oe.contract('abc,ade,ce,acf,afe,aef,aeg,agh,eh,aei,ahj->bdij', t2, t40, t46, t5, t44, A, A, t15, Mcausal, X, t16, optimize=[(4, 5), (4, 5), (3, 7), (3, 6), (4, 6), (2, 4), (0, 4), (0, 3), (0, 2), (0, 1)])
+    t47 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t48 = np.reshape(t47, (d_V, d_K, d_V, d_K), copy=False)
+    t49 = oe.contract('abc,acd->bdac', t40, t23, optimize=[(0, 1)])
+    t50 = oe.contract('abc,cd,ace,aed,ade,aef,df,afg->bgad', t2, t45, t5, t44, A, t15, Mcausal, X, optimize=[(3, 4), (2, 3), (4, 5), (1, 4), (1, 3), (0, 2), (0, 1)])
+    t48[...] = oe.contract('abcd,efcd->eafb', t49, t50, optimize=[(0, 1)])
+    t51 = oe.contract('abc,ade,ce,acf,afe,aef,aeg->bdgae', t2, t40, t46, t5, t44, A, t23, optimize=[(4, 5), (3, 5), (2, 4), (0, 3), (0, 1), (0, 1)])
+    t48 += oe.contract('abcde,fde->abfc', t51, t27, optimize=[(0, 1)])
+    t52 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t53 = np.reshape(t52, (d_V, d_K, d_V, d_V), copy=False)
+    t54 = (1/(L*math.sqrt(d_K)*n_batch)) * t41
+    t55 = oe.contract('abc,cd,ace,aed,ade->bead', t2, t54, t5, t44, A, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
+    t56 = oe.contract('abc,acd->bdac', t40, t30, optimize=[(0, 1)])
+    t53[...] = oe.contract('abcd,efcd->aefb', t55, t56, optimize=[(0, 1)])
+    t57 = (-1/(L*math.sqrt(d_K)*n_batch)) * t41
+    t58 = oe.contract('abc,acd,ace->bedac', t40, A, t30, optimize=[(0, 1), (0, 1)])
+    t59 = oe.contract('abc,cd,ace,aed,ade->bad', t2, t57, t5, t44, A, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)])
+    t53 += oe.contract('abcde,fde->fabc', t58, t59, optimize=[(0, 1)])
+    t60 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t61 = np.reshape(t60, (d_V, d_V, d_V, d_K), copy=False)
+    t62 = np.swapaxes(T, -1, -2)
+    t63 = t41 * t62
+    t64 = t2 @ t63
+    t61[...] = oe.contract('abc,acd,acd,ade,ce,acf,aeg->bdfg', t64, t7, A, t15, t31, X, t16, optimize=[(1, 2), (1, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t65 = oe.contract('abc,acd,ade,ce,aef->bfac', t64, A, t15, t34, t16, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t66 = oe.contract('abc,abc,abd->cdab', t7, A, X, optimize=[(0, 1), (0, 1)])
+    t61 += oe.contract('abcd,efcd->aefb', t65, t66, optimize=[(0, 1)])
+    t67 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t68 = np.reshape(t67, (d_V, d_V, d_V, d_K), copy=False)
+    t69 = oe.contract('abc,acd->bdac', t64, t23, optimize=[(0, 1)])
+    t70 = oe.contract('abc,abc,acd,bd,ade->ceab', t7, A, t15, t31, X, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
+    t68[...] = oe.contract('abcd,efcd->aefb', t69, t70, optimize=[(0, 1)])
+    t68 += oe.contract('abc,acd,acd,ace,aef,cf,acg,afh->bdhg', t64, t7, A, A, t15, t34, t23, X, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
+    t71 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t71[...] = 0
+    t72 = np.reshape(t71, (d_V, d_V, d_V, d_V), copy=False)
+    t73 = np.einsum('abcb->abc', t72)
+    t74 = (1/(L*n_batch)) * t64
+    t75 = oe.contract('abc,acd->bdac', t74, t30, optimize=[(0, 1)])
+    t76 = oe.contract('abc,abc->cab', t7, A, optimize=[(0, 1)])
+    t73 += oe.contract('abcd,ecd->aeb', t75, t76, optimize=[(0, 1)])
+    t77 = (-1/(L*n_batch)) * t64
+    t78 = oe.contract('abc,acd->bdac', t77, A, optimize=[(0, 1)])
+    t79 = oe.contract('abc,abc,abd->cdab', t7, A, t30, optimize=[(0, 1), (0, 1)])
+    t72 += oe.contract('abcd,efcd->aefb', t78, t79, optimize=[(0, 1)])
     return H
 
 
@@ -8244,8 +8627,13 @@ def ce_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t13 = np.swapaxes(W_V, -1, -2)
     t14 = t13 @ t1
     t15 = X @ W_K
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,aef,acf,acf,afg,cg,acb,agd->bd', t1, t3, Mcausal, t4, t6, A, t14, Mcausal, X, t15, optimize=[(4, 5), (0, 6), (1, 4), (1, 2), (2, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,aef,acf,acf,acg,agh,ch,acb,ahd->bd', t1, t3, Mcausal, t4, t6, A, A, t14, Mcausal, X, t15, optimize=[(4, 5), (0, 7), (3, 4), (2, 5), (2, 5), (2, 5), (1, 3), (0, 3), (1, 2), (0, 1)])
+    t16 = (1/(L*d_K*n_batch)) * Mcausal
+    t17 = oe.contract('abc,dc,ace,ade,ade,aef,df,afb->bad', t3, t16, t4, t6, A, t14, Mcausal, t15, optimize=[(3, 4), (2, 3), (4, 5), (1, 4), (1, 3), (0, 2), (0, 1)])
+    t18 = oe.contract('abc,acb->bac', t1, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t17, t18, optimize=[(0, 1)])
+    t19 = (-1/(L*d_K*n_batch)) * Mcausal
+    t20 = oe.contract('abc,dc,ace,ade,ade,adf,afg,dg,agb->bad', t3, t19, t4, t6, A, A, t14, Mcausal, t15, optimize=[(3, 4), (3, 4), (2, 5), (2, 4), (2, 4), (1, 2), (0, 2), (0, 1)])
+    t0 += oe.contract('abc,dbc->da', t20, t18, optimize=[(0, 1)])
     return out
 
 
@@ -8302,8 +8690,12 @@ def ce_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t13 = np.swapaxes(W_V, -1, -2)
     t14 = t13 @ t1
     t15 = X @ W_K
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,aef,acf,acf,afg,cg,ach,agi->bdhi', t1, t3, Mcausal, t4, t6, A, t14, Mcausal, X, t15, optimize=[(4, 5), (2, 5), (2, 3), (4, 6), (4, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,aef,acf,acf,acg,agh,ch,aci,ahj->bdij', t1, t3, Mcausal, t4, t6, A, A, t14, Mcausal, X, t15, optimize=[(4, 5), (4, 5), (3, 7), (3, 6), (4, 6), (2, 4), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t16 = (1/(L*d_K*n_batch)) * Mcausal
+    t0[...] = oe.contract('abc,ade,ce,aef,acf,acf,afg,cg,ach,agi->bdhi', t1, t3, t16, t4, t6, A, t14, Mcausal, X, t15, optimize=[(4, 5), (2, 5), (2, 3), (4, 6), (4, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t17 = (-1/(L*d_K*n_batch)) * Mcausal
+    t18 = oe.contract('abc,acd,bd,ade->eab', A, t14, Mcausal, t15, optimize=[(0, 1), (0, 2), (0, 1)])
+    t19 = oe.contract('abc,ade,ce,aef,acf,acf,acg->bdgac', t1, t3, t17, t4, t6, A, X, optimize=[(4, 5), (3, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
+    t0 += oe.contract('abc,defbc->defa', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -8362,8 +8754,14 @@ def ce_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     t13 = np.swapaxes(W_V, -1, -2)
     t14 = t13 @ t1
     t15 = X @ W_Q
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,aef,acf,acf,afg,cg,ach,agi->bdih', t1, t3, Mcausal, t4, t6, A, t14, Mcausal, t15, X, optimize=[(4, 5), (2, 5), (2, 3), (4, 6), (4, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,aef,acf,acf,acg,agh,ch,aci,ahj->bdji', t1, t3, Mcausal, t4, t6, A, A, t14, Mcausal, t15, X, optimize=[(4, 5), (4, 5), (3, 7), (3, 6), (4, 6), (2, 4), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t16 = (1/(L*d_K*n_batch)) * Mcausal
+    t17 = oe.contract('abc,acd->bdac', t1, t15, optimize=[(0, 1)])
+    t18 = oe.contract('abc,dc,ace,ade,ade,aef,df,afg->bgad', t3, t16, t4, t6, A, t14, Mcausal, X, optimize=[(3, 4), (2, 3), (4, 5), (1, 4), (1, 3), (0, 2), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
+    t19 = (-1/(L*d_K*n_batch)) * Mcausal
+    t20 = oe.contract('abc,ade,ce,aef,acf,acf,acg->bdgac', t1, t3, t19, t4, t6, A, t15, optimize=[(4, 5), (3, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
+    t21 = oe.contract('abc,acd,bd,ade->eab', A, t14, Mcausal, X, optimize=[(0, 1), (0, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->abfc', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -8420,8 +8818,14 @@ def ce_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     t12 = np.exp(t11 - t11.max(-1, keepdims=True))
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = t10 @ X
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,aef,acf,acf,acg->bdgf', t1, t3, Mcausal, t4, t6, A, t13, optimize=[(4, 5), (3, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,aef,acf,acf,acg,ach->bdhg', t1, t3, Mcausal, t4, t6, A, A, t13, optimize=[(4, 5), (3, 6), (2, 5), (1, 4), (0, 1), (0, 2), (0, 1)])
+    t14 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
+    t15 = oe.contract('abc,dc,ace,ade,ade->bead', t3, t14, t4, t6, A, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
+    t16 = oe.contract('abc,acd->bdac', t1, t13, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t15, t16, optimize=[(0, 1)])
+    t17 = (-1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
+    t18 = oe.contract('abc,acd,ace->bedac', t1, A, t13, optimize=[(0, 1), (0, 1)])
+    t19 = oe.contract('abc,dc,ace,ade,ade->bad', t3, t17, t4, t6, A, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -8482,8 +8886,10 @@ def ce_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     t17 = np.swapaxes(W_V, -1, -2)
     t18 = t17 @ t1
     t19 = X @ W_Q
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,acf,afe,aef,afg,eg,aed,agb->bd', t1, t3, t4, t5, t8, A, t18, Mcausal, t19, X, optimize=[(4, 5), (1, 6), (1, 4), (1, 2), (2, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,acf,afe,aef,aeg,agh,eh,aed,ahb->bd', t1, t3, t4, t5, t8, A, A, t18, Mcausal, t19, X, optimize=[(4, 5), (1, 7), (3, 4), (2, 5), (2, 5), (2, 5), (1, 3), (0, 3), (1, 2), (0, 1)])
+    t20 = (1/(L*d_K*n_batch)) * t4
+    t0[...] = oe.contract('abc,ade,ce,acf,afe,aef,afg,eg,aed,agb->bd', t1, t3, t20, t5, t8, A, t18, Mcausal, t19, X, optimize=[(4, 5), (1, 6), (1, 4), (1, 2), (2, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
+    t21 = (-1/(L*d_K*n_batch)) * t4
+    t0 += oe.contract('abc,ade,ce,acf,afe,aef,aeg,agh,eh,aed,ahb->bd', t1, t3, t21, t5, t8, A, A, t18, Mcausal, t19, X, optimize=[(4, 5), (1, 7), (3, 4), (2, 5), (2, 5), (2, 5), (1, 3), (0, 3), (1, 2), (0, 1)])
     return out
 
 
@@ -8548,8 +8954,10 @@ def ce_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t17 = np.swapaxes(W_V, -1, -2)
     t18 = t17 @ t1
     t19 = X @ W_K
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,acf,afe,aef,afg,eg,aeh,agi->bdhi', t1, t3, t4, t5, t8, A, t18, Mcausal, X, t19, optimize=[(4, 5), (2, 5), (2, 3), (4, 6), (4, 5), (0, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,acf,afe,aef,aeg,agh,eh,aei,ahj->bdij', t1, t3, t4, t5, t8, A, A, t18, Mcausal, X, t19, optimize=[(4, 5), (4, 5), (3, 7), (3, 6), (4, 6), (2, 4), (0, 4), (0, 3), (0, 2), (0, 1)])
+    t20 = (1/(L*d_K*n_batch)) * t4
+    t0[...] = oe.contract('abc,ade,ce,acf,afe,aef,afg,eg,aeh,agi->bdhi', t1, t3, t20, t5, t8, A, t18, Mcausal, X, t19, optimize=[(4, 5), (2, 5), (2, 3), (4, 6), (4, 5), (0, 4), (2, 3), (0, 1), (0, 1)])
+    t21 = (-1/(L*d_K*n_batch)) * t4
+    t0 += oe.contract('abc,ade,ce,acf,afe,aef,aeg,agh,eh,aei,ahj->bdij', t1, t3, t21, t5, t8, A, A, t18, Mcausal, X, t19, optimize=[(4, 5), (4, 5), (3, 7), (3, 6), (4, 6), (2, 4), (0, 4), (0, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -8616,8 +9024,14 @@ def ce_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t17 = np.swapaxes(W_V, -1, -2)
     t18 = t17 @ t1
     t19 = X @ W_Q
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,acf,afe,aef,afg,eg,aeh,agi->bdih', t1, t3, t4, t5, t8, A, t18, Mcausal, t19, X, optimize=[(4, 5), (2, 5), (2, 3), (4, 6), (4, 5), (0, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,acf,afe,aef,aeg,agh,eh,aei,ahj->bdji', t1, t3, t4, t5, t8, A, A, t18, Mcausal, t19, X, optimize=[(4, 5), (4, 5), (3, 7), (3, 6), (4, 6), (2, 4), (0, 4), (0, 3), (0, 2), (0, 1)])
+    t20 = (1/(L*d_K*n_batch)) * t4
+    t21 = oe.contract('abc,acd->bdac', t3, t19, optimize=[(0, 1)])
+    t22 = oe.contract('abc,cd,ace,aed,ade,aef,df,afg->bgad', t1, t20, t5, t8, A, t18, Mcausal, X, optimize=[(3, 4), (2, 3), (4, 5), (1, 4), (1, 3), (0, 2), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
+    t23 = (-1/(L*d_K*n_batch)) * t4
+    t24 = oe.contract('abc,ade,ce,acf,afe,aef,aeg->bdgae', t1, t3, t23, t5, t8, A, t19, optimize=[(4, 5), (3, 5), (2, 4), (0, 3), (0, 1), (0, 1)])
+    t25 = oe.contract('abc,acd,bd,ade->eab', A, t18, Mcausal, X, optimize=[(0, 1), (0, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->abfc', t24, t25, optimize=[(0, 1)])
     return out
 
 
@@ -8682,8 +9096,14 @@ def ce_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     t16 = np.exp(t15 - t15.max(-1, keepdims=True))
     A = t16 / t16.sum(-1, keepdims=True)
     t17 = t14 @ X
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,acf,afe,aef,aeg->bdgf', t1, t3, t4, t5, t8, A, t17, optimize=[(4, 5), (3, 5), (2, 4), (0, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,acf,afe,aef,aeg,aeh->bdhg', t1, t3, t4, t5, t8, A, A, t17, optimize=[(4, 5), (3, 6), (2, 5), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t18 = (1/(L*math.sqrt(d_K)*n_batch)) * t4
+    t19 = oe.contract('abc,cd,ace,aed,ade->bead', t1, t18, t5, t8, A, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
+    t20 = oe.contract('abc,acd->bdac', t3, t17, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
+    t21 = (-1/(L*math.sqrt(d_K)*n_batch)) * t4
+    t22 = oe.contract('abc,acd,ace->bedac', t3, A, t17, optimize=[(0, 1), (0, 1)])
+    t23 = oe.contract('abc,cd,ace,aed,ade->bad', t1, t21, t5, t8, A, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->fabc', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -8746,8 +9166,12 @@ def ce_causal1__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     t16 = np.exp(t15 - t15.max(-1, keepdims=True))
     A = t16 / t16.sum(-1, keepdims=True)
     t17 = t13 @ X
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,acb->bd', t10, t12, A, t17, optimize=[(0, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->bd', t10, t12, A, A, t17, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t18 = (1/(L*n_batch)) * t10
+    t19 = oe.contract('abc,abc->cab', t12, A, optimize=[(0, 1)])
+    t20 = oe.contract('abc,acb->bac', t18, t17, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t19, t20, optimize=[(0, 1)])
+    t21 = (-1/(L*n_batch)) * t10
+    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t21, t12, A, A, t17, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -8810,8 +9234,12 @@ def ce_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t17 = np.swapaxes(W_V, -1, -2)
     t18 = t17 @ t1
     t19 = X @ W_K
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ade,ce,acf,aeg->bdfg', t10, t12, A, t18, Mcausal, X, t19, optimize=[(1, 2), (1, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,aef,cf,acg,afh->bdgh', t10, t12, A, A, t18, Mcausal, X, t19, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
+    t20 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
+    t0[...] = oe.contract('abc,acd,acd,ade,ce,acf,aeg->bdfg', t10, t12, A, t18, t20, X, t19, optimize=[(1, 2), (1, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t21 = (-1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
+    t22 = oe.contract('abc,acd,ade,ce,aef->bfac', t10, A, t18, t21, t19, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t23 = oe.contract('abc,abc,abd->cdab', t12, A, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -8878,8 +9306,12 @@ def ce_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t17 = np.swapaxes(W_V, -1, -2)
     t18 = t17 @ t1
     t19 = X @ W_Q
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ade,ce,acf,aeg->bdgf', t10, t12, A, t18, Mcausal, t19, X, optimize=[(1, 2), (1, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,aef,cf,acg,afh->bdhg', t10, t12, A, A, t18, Mcausal, t19, X, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
+    t20 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
+    t21 = oe.contract('abc,acd->bdac', t10, t19, optimize=[(0, 1)])
+    t22 = oe.contract('abc,abc,acd,bd,ade->ceab', t12, A, t18, t20, X, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t21, t22, optimize=[(0, 1)])
+    t23 = (-1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
+    t0 += oe.contract('abc,acd,acd,ace,aef,cf,acg,afh->bdhg', t10, t12, A, A, t18, t23, t19, X, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -8946,8 +9378,14 @@ def ce_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     t17 = np.exp(t16 - t16.max(-1, keepdims=True))
     A = t17 / t17.sum(-1, keepdims=True)
     t18 = t14 @ X
-    t1 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bde', t11, t13, A, t18, optimize=[(1, 2), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t11, t13, A, A, t18, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t19 = (1/(L*n_batch)) * t11
+    t20 = oe.contract('abc,acd->bdac', t19, t18, optimize=[(0, 1)])
+    t21 = oe.contract('abc,abc->cab', t13, A, optimize=[(0, 1)])
+    t1 += oe.contract('abcd,ecd->aeb', t20, t21, optimize=[(0, 1)])
+    t22 = (-1/(L*n_batch)) * t11
+    t23 = oe.contract('abc,acd->bdac', t22, A, optimize=[(0, 1)])
+    t24 = oe.contract('abc,abc,abd->cdab', t13, A, t18, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t23, t24, optimize=[(0, 1)])
     return out
 
 
@@ -9023,39 +9461,45 @@ def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t24 = t23 @ X
     t25 = t4 @ t24
     t26 = np.ones((d_K,), dtype=X.dtype)
-    t3 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t25, t26, optimize=[(0, 1)])
-    t27 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t28 = np.reshape(t27, (d_V, d_K, d_V, d_V), copy=False)
-    t28[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdgf', t4, t8, Mcausal, G, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t29 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t29[...] = 0
-    t30 = np.reshape(t29, (d_V, d_K, d_V, d_K), copy=False)
-    t31 = np.einsum('abcb->abc', t30)
-    t32 = np.swapaxes(G, -1, -2)
-    t33 = W_V @ t32
-    t34 = X @ t33
-    t35 = np.swapaxes(Mcausal, -1, -2)
-    t36 = t34 * t35
-    t37 = t36 @ X
-    t38 = t4 @ t37
-    t31 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t38, t26, optimize=[(0, 1)])
-    t39 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t39[...] = 0
-    t40 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t41 = np.reshape(t40, (d_V, d_K, d_V, d_V), copy=False)
-    t42 = np.swapaxes(W_Q, -1, -2)
-    t43 = t42 @ t4
-    t41[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdfg', t4, t43, t35, X, G, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t44 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t45 = np.reshape(t44, (d_V, d_V, d_V, d_K), copy=False)
-    t46 = X @ W_K
-    t45[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdgf', t4, t32, t35, t46, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t47 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t48 = np.reshape(t47, (d_V, d_V, d_V, d_K), copy=False)
-    t49 = X @ W_Q
-    t48[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdfg', t4, t32, t35, X, t49, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t50 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t50[...] = 0
+    t27 = (1/(math.sqrt(d_K)*n_batch)) * t26
+    t3 += oe.contract('abc,d->bdc', t25, t27, optimize=[(0, 1)])
+    t28 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t29 = np.reshape(t28, (d_V, d_K, d_V, d_V), copy=False)
+    t30 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
+    t29[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t4, t8, t30, G, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t31 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t31[...] = 0
+    t32 = np.reshape(t31, (d_V, d_K, d_V, d_K), copy=False)
+    t33 = np.einsum('abcb->abc', t32)
+    t34 = np.swapaxes(G, -1, -2)
+    t35 = W_V @ t34
+    t36 = X @ t35
+    t37 = np.swapaxes(Mcausal, -1, -2)
+    t38 = t36 * t37
+    t39 = t38 @ X
+    t40 = t4 @ t39
+    t33 += oe.contract('abc,d->bdc', t40, t27, optimize=[(0, 1)])
+    t41 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t41[...] = 0
+    t42 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t43 = np.reshape(t42, (d_V, d_K, d_V, d_V), copy=False)
+    t44 = np.swapaxes(W_Q, -1, -2)
+    t45 = t44 @ t4
+    t46 = (1/(math.sqrt(d_K)*n_batch)) * t37
+    t47 = oe.contract('abc,acd->bdac', t45, G, optimize=[(0, 1)])
+    t48 = oe.contract('abc,cd,ace->bead', t4, t46, X, optimize=[(0, 1), (0, 1)])
+    t43[...] = oe.contract('abcd,efcd->eafb', t47, t48, optimize=[(0, 1)])
+    t49 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t50 = np.reshape(t49, (d_V, d_V, d_V, d_K), copy=False)
+    t51 = X @ W_K
+    t50[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t4, t34, t46, t51, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t52 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t53 = np.reshape(t52, (d_V, d_V, d_V, d_K), copy=False)
+    t54 = X @ W_Q
+    t55 = oe.contract('abc,acd->bdac', t34, t54, optimize=[(0, 1)])
+    t53[...] = oe.contract('abcd,efcd->eafb', t55, t48, optimize=[(0, 1)])
+    t56 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t56[...] = 0
     return H
 
 
@@ -9274,7 +9718,8 @@ def ce_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t22 = t21 @ X
     t23 = t2 @ t22
     t24 = np.ones((d_K,), dtype=X.dtype)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t23, t24, optimize=[(0, 1)])
+    t25 = (1/(math.sqrt(d_K)*n_batch)) * t24
+    t1 += oe.contract('abc,d->bdc', t23, t25, optimize=[(0, 1)])
     return out
 
 
@@ -9345,7 +9790,8 @@ def ce_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t15 = (-1/L) * Y
     t16 = t14 + t15
     G = t16
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t3, Mcausal, G, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t17 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
+    t0[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t3, t17, G, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -9440,7 +9886,8 @@ def ce_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t23 = t22 @ X
     t24 = t2 @ t23
     t25 = np.ones((d_K,), dtype=X.dtype)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t24, t25, optimize=[(0, 1)])
+    t26 = (1/(math.sqrt(d_K)*n_batch)) * t25
+    t1 += oe.contract('abc,d->bdc', t24, t26, optimize=[(0, 1)])
     return out
 
 
@@ -9535,7 +9982,10 @@ def ce_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t18 = (-1/L) * Y
     t19 = t17 + t18
     G = t19
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdfg', t1, t3, t4, X, G, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t20 = (1/(math.sqrt(d_K)*n_batch)) * t4
+    t21 = oe.contract('abc,acd->bdac', t3, G, optimize=[(0, 1)])
+    t22 = oe.contract('abc,cd,ace->bead', t1, t20, X, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -9626,7 +10076,8 @@ def ce_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t17 = np.swapaxes(G, -1, -2)
     t18 = np.swapaxes(Mcausal, -1, -2)
     t19 = X @ W_K
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t17, t18, t19, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t20 = (1/(math.sqrt(d_K)*n_batch)) * t18
+    t0[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t17, t20, t19, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -9697,7 +10148,10 @@ def ce_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t17 = np.swapaxes(G, -1, -2)
     t18 = np.swapaxes(Mcausal, -1, -2)
     t19 = X @ W_Q
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdfg', t1, t17, t18, X, t19, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t20 = (1/(math.sqrt(d_K)*n_batch)) * t18
+    t21 = oe.contract('abc,acd->bdac', t17, t19, optimize=[(0, 1)])
+    t22 = oe.contract('abc,cd,ace->bead', t1, t20, X, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -9783,82 +10237,123 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t14 = np.swapaxes(W_V, -1, -2)
     t15 = t14 @ t2
     t16 = X @ W_K
-    t1[...] = (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,aef,acf,acf,afg,cg,ach,agi->bdhi', t2, t4, Mcausal, t5, t7, A, t15, Mcausal, X, t16, optimize=[(4, 5), (2, 5), (2, 3), (4, 6), (4, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t1 += (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,aef,acf,acf,acg,agh,ch,aci,ahj->bdij', t2, t4, Mcausal, t5, t7, A, A, t15, Mcausal, X, t16, optimize=[(4, 5), (4, 5), (3, 7), (3, 6), (4, 6), (2, 4), (1, 4), (0, 3), (0, 2), (0, 1)])
-    t17 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t17[...] = 0
-    t18 = np.reshape(t17, (d_V, d_K, d_V, d_K), copy=False)
-    t19 = np.einsum('abcb->abc', t18)
+    t17 = (1/(L*d_K*n_batch)) * Mcausal
+    t1[...] = oe.contract('abc,ade,ce,aef,acf,acf,afg,cg,ach,agi->bdhi', t2, t4, t17, t5, t7, A, t15, Mcausal, X, t16, optimize=[(4, 5), (2, 5), (2, 3), (4, 6), (4, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t18 = (-1/(L*d_K*n_batch)) * Mcausal
+    t19 = oe.contract('abc,acd,bd,ade->eab', A, t15, Mcausal, t16, optimize=[(0, 1), (0, 2), (0, 1)])
+    t20 = oe.contract('abc,ade,ce,aef,acf,acf,acg->bdgac', t2, t4, t18, t5, t7, A, X, optimize=[(4, 5), (3, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
+    t1 += oe.contract('abc,defbc->defa', t19, t20, optimize=[(0, 1)])
+    t21 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t21[...] = 0
+    t22 = np.reshape(t21, (d_V, d_K, d_V, d_K), copy=False)
+    t23 = np.einsum('abcb->abc', t22)
     F = t12
-    t20 = np.exp(F - F.max(-1, keepdims=True))
-    A21 = t20 / t20.sum(-1, keepdims=True)
-    t22 = t7 * A21
-    t23 = (1/L) * t22
-    t24 = (-1/L) * Y
-    t25 = t23 + t24
-    G = t25
-    t26 = G @ t15
-    t27 = Mcausal * t26
-    t28 = t27 @ X
-    t29 = t2 @ t28
-    t30 = np.ones((d_K,), dtype=X.dtype)
-    t19 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t29, t30, optimize=[(0, 1)])
-    t31 = X @ W_Q
-    t18 += (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,aef,acf,acf,afg,cg,ach,agi->bdih', t2, t4, Mcausal, t5, t7, A, t15, Mcausal, t31, X, optimize=[(4, 5), (2, 5), (2, 3), (4, 6), (4, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t18 += (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,aef,acf,acf,acg,agh,ch,aci,ahj->bdji', t2, t4, Mcausal, t5, t7, A, A, t15, Mcausal, t31, X, optimize=[(4, 5), (4, 5), (3, 7), (3, 6), (4, 6), (2, 4), (1, 4), (0, 3), (0, 2), (0, 1)])
-    t32 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t33 = np.reshape(t32, (d_V, d_K, d_V, d_V), copy=False)
-    t34 = t11 @ X
-    t33[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,aef,acf,acf,acg->bdgf', t2, t4, Mcausal, t5, t7, A, t34, optimize=[(4, 5), (3, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
-    t33 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,aef,acf,acf,acg,ach->bdhg', t2, t4, Mcausal, t5, t7, A, A, t34, optimize=[(4, 5), (3, 6), (2, 5), (1, 4), (0, 1), (0, 2), (0, 1)])
-    t33 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdgf', t2, t4, Mcausal, G, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t35 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t35[...] = 0
-    t36 = np.reshape(t35, (d_V, d_K, d_V, d_K), copy=False)
-    t37 = np.einsum('abcb->abc', t36)
-    t38 = np.swapaxes(G, -1, -2)
-    t39 = W_V @ t38
-    t40 = X @ t39
-    t41 = np.swapaxes(Mcausal, -1, -2)
-    t42 = t40 * t41
-    t43 = t42 @ X
-    t44 = t2 @ t43
-    t37 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t44, t30, optimize=[(0, 1)])
-    t45 = np.swapaxes(W_Q, -1, -2)
-    t46 = t45 @ t2
-    t47 = np.swapaxes(Y, -1, -2)
-    t48 = t47.sum(-2, keepdims=True)
-    t49 = np.broadcast_to(t48, t48.shape[:-2] + (d_V, t48.shape[-1]))
-    t36 += (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,acf,afe,aef,afg,eg,aeh,agi->bdhi', t2, t46, t41, t5, t49, A, t15, Mcausal, X, t16, optimize=[(4, 5), (2, 5), (2, 3), (4, 6), (4, 5), (0, 4), (2, 3), (0, 1), (0, 1)])
-    t36 += (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,acf,afe,aef,aeg,agh,eh,aei,ahj->bdij', t2, t46, t41, t5, t49, A, A, t15, Mcausal, X, t16, optimize=[(4, 5), (4, 5), (3, 7), (3, 6), (4, 6), (2, 4), (0, 4), (0, 3), (0, 2), (0, 1)])
-    t50 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t51 = np.reshape(t50, (d_V, d_K, d_V, d_K), copy=False)
-    t51[...] = (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,acf,afe,aef,afg,eg,aeh,agi->bdih', t2, t46, t41, t5, t49, A, t15, Mcausal, t31, X, optimize=[(4, 5), (2, 5), (2, 3), (4, 6), (4, 5), (0, 4), (2, 3), (0, 1), (0, 1)])
-    t51 += (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,acf,afe,aef,aeg,agh,eh,aei,ahj->bdji', t2, t46, t41, t5, t49, A, A, t15, Mcausal, t31, X, optimize=[(4, 5), (4, 5), (3, 7), (3, 6), (4, 6), (2, 4), (0, 4), (0, 3), (0, 2), (0, 1)])
-    t52 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t53 = np.reshape(t52, (d_V, d_K, d_V, d_V), copy=False)
-    t53[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,acf,afe,aef,aeg->bdgf', t2, t46, t41, t5, t49, A, t34, optimize=[(4, 5), (3, 5), (2, 4), (0, 3), (0, 1), (0, 1)])
-    t53 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,acf,afe,aef,aeg,aeh->bdhg', t2, t46, t41, t5, t49, A, A, t34, optimize=[(4, 5), (3, 6), (2, 5), (0, 4), (0, 1), (0, 2), (0, 1)])
-    t53 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdfg', t2, t46, t41, X, G, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t54 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t55 = np.reshape(t54, (d_V, d_V, d_V, d_K), copy=False)
-    t56 = np.swapaxes(T, -1, -2)
-    t57 = t41 * t56
-    t58 = t2 @ t57
-    t55[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ade,ce,acf,aeg->bdfg', t58, t7, A, t15, Mcausal, X, t16, optimize=[(1, 2), (1, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t55 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,aef,cf,acg,afh->bdgh', t58, t7, A, A, t15, Mcausal, X, t16, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
-    t55 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdgf', t2, t38, t41, t16, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t59 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t60 = np.reshape(t59, (d_V, d_V, d_V, d_K), copy=False)
-    t60[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ade,ce,acf,aeg->bdgf', t58, t7, A, t15, Mcausal, t31, X, optimize=[(1, 2), (1, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t60 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,aef,cf,acg,afh->bdhg', t58, t7, A, A, t15, Mcausal, t31, X, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
-    t60 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdfg', t2, t38, t41, X, t31, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t61 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t61[...] = 0
-    t62 = np.reshape(t61, (d_V, d_V, d_V, d_V), copy=False)
-    t63 = np.einsum('abcb->abc', t62)
-    t63 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bde', t58, t7, A, t34, optimize=[(1, 2), (0, 1), (0, 1)])
-    t62 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t58, t7, A, A, t34, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t24 = np.exp(F - F.max(-1, keepdims=True))
+    A25 = t24 / t24.sum(-1, keepdims=True)
+    t26 = t7 * A25
+    t27 = (1/L) * t26
+    t28 = (-1/L) * Y
+    t29 = t27 + t28
+    G = t29
+    t30 = G @ t15
+    t31 = Mcausal * t30
+    t32 = t31 @ X
+    t33 = t2 @ t32
+    t34 = np.ones((d_K,), dtype=X.dtype)
+    t35 = (1/(math.sqrt(d_K)*n_batch)) * t34
+    t23 += oe.contract('abc,d->bdc', t33, t35, optimize=[(0, 1)])
+    t36 = X @ W_Q
+    t37 = oe.contract('abc,acd->bdac', t2, t36, optimize=[(0, 1)])
+    t38 = oe.contract('abc,dc,ace,ade,ade,aef,df,afg->bgad', t4, t17, t5, t7, A, t15, Mcausal, X, optimize=[(3, 4), (2, 3), (4, 5), (1, 4), (1, 3), (0, 2), (0, 1)])
+    t22 += oe.contract('abcd,efcd->aefb', t37, t38, optimize=[(0, 1)])
+    t39 = oe.contract('abc,ade,ce,aef,acf,acf,acg->bdgac', t2, t4, t18, t5, t7, A, t36, optimize=[(4, 5), (3, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
+    t40 = oe.contract('abc,acd,bd,ade->eab', A, t15, Mcausal, X, optimize=[(0, 1), (0, 2), (0, 1)])
+    t22 += oe.contract('abcde,fde->abfc', t39, t40, optimize=[(0, 1)])
+    t41 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t42 = np.reshape(t41, (d_V, d_K, d_V, d_V), copy=False)
+    t43 = t11 @ X
+    t44 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
+    t45 = oe.contract('abc,dc,ace,ade,ade->bead', t4, t44, t5, t7, A, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
+    t46 = oe.contract('abc,acd->bdac', t2, t43, optimize=[(0, 1)])
+    t42[...] = oe.contract('abcd,efcd->eafb', t45, t46, optimize=[(0, 1)])
+    t47 = (-1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
+    t48 = oe.contract('abc,acd,ace->bedac', t2, A, t43, optimize=[(0, 1), (0, 1)])
+    t49 = oe.contract('abc,dc,ace,ade,ade->bad', t4, t47, t5, t7, A, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)])
+    t42 += oe.contract('abcde,fde->afbc', t48, t49, optimize=[(0, 1)])
+    t50 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
+    t42 += oe.contract('abc,ade,ce,acf,aeg->bdgf', t2, t4, t50, G, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t51 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t51[...] = 0
+    t52 = np.reshape(t51, (d_V, d_K, d_V, d_K), copy=False)
+    t53 = np.einsum('abcb->abc', t52)
+    t54 = np.swapaxes(G, -1, -2)
+    t55 = W_V @ t54
+    t56 = X @ t55
+    t57 = np.swapaxes(Mcausal, -1, -2)
+    t58 = t56 * t57
+    t59 = t58 @ X
+    t60 = t2 @ t59
+    t53 += oe.contract('abc,d->bdc', t60, t35, optimize=[(0, 1)])
+    t61 = np.swapaxes(W_Q, -1, -2)
+    t62 = t61 @ t2
+    t63 = np.swapaxes(Y, -1, -2)
+    t64 = t63.sum(-2, keepdims=True)
+    t65 = np.broadcast_to(t64, t64.shape[:-2] + (d_V, t64.shape[-1]))
+    t66 = (1/(L*d_K*n_batch)) * t57
+    t52 += oe.contract('abc,ade,ce,acf,afe,aef,afg,eg,aeh,agi->bdhi', t2, t62, t66, t5, t65, A, t15, Mcausal, X, t16, optimize=[(4, 5), (2, 5), (2, 3), (4, 6), (4, 5), (0, 4), (2, 3), (0, 1), (0, 1)])
+    t67 = (-1/(L*d_K*n_batch)) * t57
+    t52 += oe.contract('abc,ade,ce,acf,afe,aef,aeg,agh,eh,aei,ahj->bdij', t2, t62, t67, t5, t65, A, A, t15, Mcausal, X, t16, optimize=[(4, 5), (4, 5), (3, 7), (3, 6), (4, 6), (2, 4), (0, 4), (0, 3), (0, 2), (0, 1)])
+    t68 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t69 = np.reshape(t68, (d_V, d_K, d_V, d_K), copy=False)
+    t70 = oe.contract('abc,acd->bdac', t62, t36, optimize=[(0, 1)])
+    t71 = oe.contract('abc,cd,ace,aed,ade,aef,df,afg->bgad', t2, t66, t5, t65, A, t15, Mcausal, X, optimize=[(3, 4), (2, 3), (4, 5), (1, 4), (1, 3), (0, 2), (0, 1)])
+    t69[...] = oe.contract('abcd,efcd->eafb', t70, t71, optimize=[(0, 1)])
+    t72 = oe.contract('abc,ade,ce,acf,afe,aef,aeg->bdgae', t2, t62, t67, t5, t65, A, t36, optimize=[(4, 5), (3, 5), (2, 4), (0, 3), (0, 1), (0, 1)])
+    t69 += oe.contract('abcde,fde->abfc', t72, t40, optimize=[(0, 1)])
+    t73 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t74 = np.reshape(t73, (d_V, d_K, d_V, d_V), copy=False)
+    t75 = (1/(L*math.sqrt(d_K)*n_batch)) * t57
+    t76 = oe.contract('abc,cd,ace,aed,ade->bead', t2, t75, t5, t65, A, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
+    t77 = oe.contract('abc,acd->bdac', t62, t43, optimize=[(0, 1)])
+    t74[...] = oe.contract('abcd,efcd->aefb', t76, t77, optimize=[(0, 1)])
+    t78 = (-1/(L*math.sqrt(d_K)*n_batch)) * t57
+    t79 = oe.contract('abc,acd,ace->bedac', t62, A, t43, optimize=[(0, 1), (0, 1)])
+    t80 = oe.contract('abc,cd,ace,aed,ade->bad', t2, t78, t5, t65, A, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)])
+    t74 += oe.contract('abcde,fde->fabc', t79, t80, optimize=[(0, 1)])
+    t81 = (1/(math.sqrt(d_K)*n_batch)) * t57
+    t82 = oe.contract('abc,acd->bdac', t62, G, optimize=[(0, 1)])
+    t83 = oe.contract('abc,cd,ace->bead', t2, t81, X, optimize=[(0, 1), (0, 1)])
+    t74 += oe.contract('abcd,efcd->eafb', t82, t83, optimize=[(0, 1)])
+    t84 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t85 = np.reshape(t84, (d_V, d_V, d_V, d_K), copy=False)
+    t86 = np.swapaxes(T, -1, -2)
+    t87 = t57 * t86
+    t88 = t2 @ t87
+    t85[...] = oe.contract('abc,acd,acd,ade,ce,acf,aeg->bdfg', t88, t7, A, t15, t44, X, t16, optimize=[(1, 2), (1, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t89 = oe.contract('abc,acd,ade,ce,aef->bfac', t88, A, t15, t47, t16, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t90 = oe.contract('abc,abc,abd->cdab', t7, A, X, optimize=[(0, 1), (0, 1)])
+    t85 += oe.contract('abcd,efcd->aefb', t89, t90, optimize=[(0, 1)])
+    t85 += oe.contract('abc,ade,ce,acf,aeg->bdgf', t2, t54, t81, t16, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t91 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t92 = np.reshape(t91, (d_V, d_V, d_V, d_K), copy=False)
+    t93 = oe.contract('abc,acd->bdac', t88, t36, optimize=[(0, 1)])
+    t94 = oe.contract('abc,abc,acd,bd,ade->ceab', t7, A, t15, t44, X, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
+    t92[...] = oe.contract('abcd,efcd->aefb', t93, t94, optimize=[(0, 1)])
+    t92 += oe.contract('abc,acd,acd,ace,aef,cf,acg,afh->bdhg', t88, t7, A, A, t15, t47, t36, X, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
+    t95 = oe.contract('abc,acd->bdac', t54, t36, optimize=[(0, 1)])
+    t92 += oe.contract('abcd,efcd->eafb', t95, t83, optimize=[(0, 1)])
+    t96 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t96[...] = 0
+    t97 = np.reshape(t96, (d_V, d_V, d_V, d_V), copy=False)
+    t98 = np.einsum('abcb->abc', t97)
+    t99 = (1/(L*n_batch)) * t88
+    t100 = oe.contract('abc,acd->bdac', t99, t43, optimize=[(0, 1)])
+    t101 = oe.contract('abc,abc->cab', t7, A, optimize=[(0, 1)])
+    t98 += oe.contract('abcd,ecd->aeb', t100, t101, optimize=[(0, 1)])
+    t102 = (-1/(L*n_batch)) * t88
+    t103 = oe.contract('abc,acd->bdac', t102, A, optimize=[(0, 1)])
+    t104 = oe.contract('abc,abc,abd->cdab', t7, A, t43, optimize=[(0, 1), (0, 1)])
+    t97 += oe.contract('abcd,efcd->aefb', t103, t104, optimize=[(0, 1)])
     return H
 
 
@@ -10077,8 +10572,13 @@ def ce_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t13 = np.swapaxes(W_V, -1, -2)
     t14 = t13 @ t1
     t15 = X @ W_K
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,aef,acf,acf,afg,cg,acb,agd->bd', t1, t3, Mcausal, t4, t6, A, t14, Mcausal, X, t15, optimize=[(4, 5), (0, 6), (1, 4), (1, 2), (2, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,aef,acf,acf,acg,agh,ch,acb,ahd->bd', t1, t3, Mcausal, t4, t6, A, A, t14, Mcausal, X, t15, optimize=[(4, 5), (0, 7), (3, 4), (2, 5), (2, 5), (2, 5), (1, 3), (0, 3), (1, 2), (0, 1)])
+    t16 = (1/(L*d_K*n_batch)) * Mcausal
+    t17 = oe.contract('abc,dc,ace,ade,ade,aef,df,afb->bad', t3, t16, t4, t6, A, t14, Mcausal, t15, optimize=[(3, 4), (2, 3), (4, 5), (1, 4), (1, 3), (0, 2), (0, 1)])
+    t18 = oe.contract('abc,acb->bac', t1, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t17, t18, optimize=[(0, 1)])
+    t19 = (-1/(L*d_K*n_batch)) * Mcausal
+    t20 = oe.contract('abc,dc,ace,ade,ade,adf,afg,dg,agb->bad', t3, t19, t4, t6, A, A, t14, Mcausal, t15, optimize=[(3, 4), (3, 4), (2, 5), (2, 4), (2, 4), (1, 2), (0, 2), (0, 1)])
+    t0 += oe.contract('abc,dbc->da', t20, t18, optimize=[(0, 1)])
     return out
 
 
@@ -10135,8 +10635,12 @@ def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t13 = np.swapaxes(W_V, -1, -2)
     t14 = t13 @ t1
     t15 = X @ W_K
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,aef,acf,acf,afg,cg,ach,agi->bdhi', t1, t3, Mcausal, t4, t6, A, t14, Mcausal, X, t15, optimize=[(4, 5), (2, 5), (2, 3), (4, 6), (4, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,aef,acf,acf,acg,agh,ch,aci,ahj->bdij', t1, t3, Mcausal, t4, t6, A, A, t14, Mcausal, X, t15, optimize=[(4, 5), (4, 5), (3, 7), (3, 6), (4, 6), (2, 4), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t16 = (1/(L*d_K*n_batch)) * Mcausal
+    t0[...] = oe.contract('abc,ade,ce,aef,acf,acf,afg,cg,ach,agi->bdhi', t1, t3, t16, t4, t6, A, t14, Mcausal, X, t15, optimize=[(4, 5), (2, 5), (2, 3), (4, 6), (4, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t17 = (-1/(L*d_K*n_batch)) * Mcausal
+    t18 = oe.contract('abc,acd,bd,ade->eab', A, t14, Mcausal, t15, optimize=[(0, 1), (0, 2), (0, 1)])
+    t19 = oe.contract('abc,ade,ce,aef,acf,acf,acg->bdgac', t1, t3, t17, t4, t6, A, X, optimize=[(4, 5), (3, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
+    t0 += oe.contract('abc,defbc->defa', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -10207,12 +10711,19 @@ def ce_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t22 = t21 @ X
     t23 = t2 @ t22
     t24 = np.ones((d_K,), dtype=X.dtype)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t23, t24, optimize=[(0, 1)])
-    t25 = np.exp(t12 - t12.max(-1, keepdims=True))
-    A26 = t25 / t25.sum(-1, keepdims=True)
-    t27 = X @ W_Q
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,aef,acf,acf,afg,cg,ach,agi->bdih', t2, t6, Mcausal, t11, t4, A26, t19, Mcausal, t27, X, optimize=[(4, 5), (2, 5), (2, 3), (4, 6), (4, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,aef,acf,acf,acg,agh,ch,aci,ahj->bdji', t2, t6, Mcausal, t11, t4, A26, A26, t19, Mcausal, t27, X, optimize=[(4, 5), (4, 5), (3, 7), (3, 6), (4, 6), (2, 4), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t25 = (1/(math.sqrt(d_K)*n_batch)) * t24
+    t1 += oe.contract('abc,d->bdc', t23, t25, optimize=[(0, 1)])
+    t26 = np.exp(t12 - t12.max(-1, keepdims=True))
+    A27 = t26 / t26.sum(-1, keepdims=True)
+    t28 = X @ W_Q
+    t29 = (1/(L*d_K*n_batch)) * Mcausal
+    t30 = oe.contract('abc,acd->bdac', t2, t28, optimize=[(0, 1)])
+    t31 = oe.contract('abc,dc,ace,ade,ade,aef,df,afg->bgad', t6, t29, t11, t4, A27, t19, Mcausal, X, optimize=[(3, 4), (2, 3), (4, 5), (1, 4), (1, 3), (0, 2), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t30, t31, optimize=[(0, 1)])
+    t32 = (-1/(L*d_K*n_batch)) * Mcausal
+    t33 = oe.contract('abc,ade,ce,aef,acf,acf,acg->bdgac', t2, t6, t32, t11, t4, A27, t28, optimize=[(4, 5), (3, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
+    t34 = oe.contract('abc,acd,bd,ade->eab', A27, t19, Mcausal, X, optimize=[(0, 1), (0, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->abfc', t33, t34, optimize=[(0, 1)])
     return out
 
 
@@ -10281,17 +10792,24 @@ def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t12 = np.exp(t11 - t11.max(-1, keepdims=True))
     A = t12 / t12.sum(-1, keepdims=True)
     t13 = t10 @ X
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,aef,acf,acf,acg->bdgf', t1, t3, Mcausal, t4, t6, A, t13, optimize=[(4, 5), (3, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,aef,acf,acf,acg,ach->bdhg', t1, t3, Mcausal, t4, t6, A, A, t13, optimize=[(4, 5), (3, 6), (2, 5), (1, 4), (0, 1), (0, 2), (0, 1)])
+    t14 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
+    t15 = oe.contract('abc,dc,ace,ade,ade->bead', t3, t14, t4, t6, A, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
+    t16 = oe.contract('abc,acd->bdac', t1, t13, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t15, t16, optimize=[(0, 1)])
+    t17 = (-1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
+    t18 = oe.contract('abc,acd,ace->bedac', t1, A, t13, optimize=[(0, 1), (0, 1)])
+    t19 = oe.contract('abc,dc,ace,ade,ade->bad', t3, t17, t4, t6, A, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t18, t19, optimize=[(0, 1)])
     F = t11
-    t14 = np.exp(F - F.max(-1, keepdims=True))
-    A15 = t14 / t14.sum(-1, keepdims=True)
-    t16 = t6 * A15
-    t17 = (1/L) * t16
-    t18 = (-1/L) * Y
-    t19 = t17 + t18
-    G = t19
-    t0 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t3, Mcausal, G, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t20 = np.exp(F - F.max(-1, keepdims=True))
+    A21 = t20 / t20.sum(-1, keepdims=True)
+    t22 = t6 * A21
+    t23 = (1/L) * t22
+    t24 = (-1/L) * Y
+    t25 = t23 + t24
+    G = t25
+    t26 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
+    t0 += oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t3, t26, G, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -10360,8 +10878,10 @@ def ce_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t17 = np.swapaxes(W_V, -1, -2)
     t18 = t17 @ t1
     t19 = X @ W_Q
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,acf,afe,aef,afg,eg,aed,agb->bd', t1, t3, t4, t5, t8, A, t18, Mcausal, t19, X, optimize=[(4, 5), (1, 6), (1, 4), (1, 2), (2, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,acf,afe,aef,aeg,agh,eh,aed,ahb->bd', t1, t3, t4, t5, t8, A, A, t18, Mcausal, t19, X, optimize=[(4, 5), (1, 7), (3, 4), (2, 5), (2, 5), (2, 5), (1, 3), (0, 3), (1, 2), (0, 1)])
+    t20 = (1/(L*d_K*n_batch)) * t4
+    t0[...] = oe.contract('abc,ade,ce,acf,afe,aef,afg,eg,aed,agb->bd', t1, t3, t20, t5, t8, A, t18, Mcausal, t19, X, optimize=[(4, 5), (1, 6), (1, 4), (1, 2), (2, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
+    t21 = (-1/(L*d_K*n_batch)) * t4
+    t0 += oe.contract('abc,ade,ce,acf,afe,aef,aeg,agh,eh,aed,ahb->bd', t1, t3, t21, t5, t8, A, A, t18, Mcausal, t19, X, optimize=[(4, 5), (1, 7), (3, 4), (2, 5), (2, 5), (2, 5), (1, 3), (0, 3), (1, 2), (0, 1)])
     return out
 
 
@@ -10435,19 +10955,22 @@ def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t23 = t22 @ X
     t24 = t2 @ t23
     t25 = np.ones((d_K,), dtype=X.dtype)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bdc', t24, t25, optimize=[(0, 1)])
-    t26 = np.swapaxes(W_Q, -1, -2)
-    t27 = t26 @ t2
-    t28 = np.swapaxes(Y, -1, -2)
-    t29 = t28.sum(-2, keepdims=True)
-    t30 = np.broadcast_to(t29, t29.shape[:-2] + (d_V, t29.shape[-1]))
-    t31 = np.exp(t12 - t12.max(-1, keepdims=True))
-    A32 = t31 / t31.sum(-1, keepdims=True)
-    t33 = np.swapaxes(W_V, -1, -2)
-    t34 = t33 @ t2
-    t35 = X @ W_K
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,acf,afe,aef,afg,eg,aeh,agi->bdhi', t2, t27, t21, t11, t30, A32, t34, Mcausal, X, t35, optimize=[(4, 5), (2, 5), (2, 3), (4, 6), (4, 5), (0, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,acf,afe,aef,aeg,agh,eh,aei,ahj->bdij', t2, t27, t21, t11, t30, A32, A32, t34, Mcausal, X, t35, optimize=[(4, 5), (4, 5), (3, 7), (3, 6), (4, 6), (2, 4), (0, 4), (0, 3), (0, 2), (0, 1)])
+    t26 = (1/(math.sqrt(d_K)*n_batch)) * t25
+    t1 += oe.contract('abc,d->bdc', t24, t26, optimize=[(0, 1)])
+    t27 = np.swapaxes(W_Q, -1, -2)
+    t28 = t27 @ t2
+    t29 = np.swapaxes(Y, -1, -2)
+    t30 = t29.sum(-2, keepdims=True)
+    t31 = np.broadcast_to(t30, t30.shape[:-2] + (d_V, t30.shape[-1]))
+    t32 = np.exp(t12 - t12.max(-1, keepdims=True))
+    A33 = t32 / t32.sum(-1, keepdims=True)
+    t34 = np.swapaxes(W_V, -1, -2)
+    t35 = t34 @ t2
+    t36 = X @ W_K
+    t37 = (1/(L*d_K*n_batch)) * t21
+    t0 += oe.contract('abc,ade,ce,acf,afe,aef,afg,eg,aeh,agi->bdhi', t2, t28, t37, t11, t31, A33, t35, Mcausal, X, t36, optimize=[(4, 5), (2, 5), (2, 3), (4, 6), (4, 5), (0, 4), (2, 3), (0, 1), (0, 1)])
+    t38 = (-1/(L*d_K*n_batch)) * t21
+    t0 += oe.contract('abc,ade,ce,acf,afe,aef,aeg,agh,eh,aei,ahj->bdij', t2, t28, t38, t11, t31, A33, A33, t35, Mcausal, X, t36, optimize=[(4, 5), (4, 5), (3, 7), (3, 6), (4, 6), (2, 4), (0, 4), (0, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -10530,8 +11053,14 @@ def ce_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t17 = np.swapaxes(W_V, -1, -2)
     t18 = t17 @ t1
     t19 = X @ W_Q
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,acf,afe,aef,afg,eg,aeh,agi->bdih', t1, t3, t4, t5, t8, A, t18, Mcausal, t19, X, optimize=[(4, 5), (2, 5), (2, 3), (4, 6), (4, 5), (0, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,acf,afe,aef,aeg,agh,eh,aei,ahj->bdji', t1, t3, t4, t5, t8, A, A, t18, Mcausal, t19, X, optimize=[(4, 5), (4, 5), (3, 7), (3, 6), (4, 6), (2, 4), (0, 4), (0, 3), (0, 2), (0, 1)])
+    t20 = (1/(L*d_K*n_batch)) * t4
+    t21 = oe.contract('abc,acd->bdac', t3, t19, optimize=[(0, 1)])
+    t22 = oe.contract('abc,cd,ace,aed,ade,aef,df,afg->bgad', t1, t20, t5, t8, A, t18, Mcausal, X, optimize=[(3, 4), (2, 3), (4, 5), (1, 4), (1, 3), (0, 2), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
+    t23 = (-1/(L*d_K*n_batch)) * t4
+    t24 = oe.contract('abc,ade,ce,acf,afe,aef,aeg->bdgae', t1, t3, t23, t5, t8, A, t19, optimize=[(4, 5), (3, 5), (2, 4), (0, 3), (0, 1), (0, 1)])
+    t25 = oe.contract('abc,acd,bd,ade->eab', A, t18, Mcausal, X, optimize=[(0, 1), (0, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->abfc', t24, t25, optimize=[(0, 1)])
     return out
 
 
@@ -10596,19 +11125,28 @@ def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t16 = np.exp(t15 - t15.max(-1, keepdims=True))
     A = t16 / t16.sum(-1, keepdims=True)
     t17 = t14 @ X
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,acf,afe,aef,aeg->bdgf', t1, t3, t4, t5, t8, A, t17, optimize=[(4, 5), (3, 5), (2, 4), (0, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,acf,afe,aef,aeg,aeh->bdhg', t1, t3, t4, t5, t8, A, A, t17, optimize=[(4, 5), (3, 6), (2, 5), (0, 4), (0, 1), (0, 2), (0, 1)])
-    t18 = Y.sum(-1, keepdims=True)
-    t19 = np.broadcast_to(t18, t18.shape[:-1] + (d_V,))
+    t18 = (1/(L*math.sqrt(d_K)*n_batch)) * t4
+    t19 = oe.contract('abc,cd,ace,aed,ade->bead', t1, t18, t5, t8, A, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
+    t20 = oe.contract('abc,acd->bdac', t3, t17, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
+    t21 = (-1/(L*math.sqrt(d_K)*n_batch)) * t4
+    t22 = oe.contract('abc,acd,ace->bedac', t3, A, t17, optimize=[(0, 1), (0, 1)])
+    t23 = oe.contract('abc,cd,ace,aed,ade->bad', t1, t21, t5, t8, A, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->fabc', t22, t23, optimize=[(0, 1)])
+    t24 = Y.sum(-1, keepdims=True)
+    t25 = np.broadcast_to(t24, t24.shape[:-1] + (d_V,))
     F = t15
-    t20 = np.exp(F - F.max(-1, keepdims=True))
-    A21 = t20 / t20.sum(-1, keepdims=True)
-    t22 = t19 * A21
-    t23 = (1/L) * t22
-    t24 = (-1/L) * Y
-    t25 = t23 + t24
-    G = t25
-    t0 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdfg', t1, t3, t4, X, G, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t26 = np.exp(F - F.max(-1, keepdims=True))
+    A27 = t26 / t26.sum(-1, keepdims=True)
+    t28 = t25 * A27
+    t29 = (1/L) * t28
+    t30 = (-1/L) * Y
+    t31 = t29 + t30
+    G = t31
+    t32 = (1/(math.sqrt(d_K)*n_batch)) * t4
+    t33 = oe.contract('abc,acd->bdac', t3, G, optimize=[(0, 1)])
+    t34 = oe.contract('abc,cd,ace->bead', t1, t32, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t33, t34, optimize=[(0, 1)])
     return out
 
 
@@ -10681,8 +11219,12 @@ def ce_causal1__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     t16 = np.exp(t15 - t15.max(-1, keepdims=True))
     A = t16 / t16.sum(-1, keepdims=True)
     t17 = t13 @ X
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,acb->bd', t10, t12, A, t17, optimize=[(0, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->bd', t10, t12, A, A, t17, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t18 = (1/(L*n_batch)) * t10
+    t19 = oe.contract('abc,abc->cab', t12, A, optimize=[(0, 1)])
+    t20 = oe.contract('abc,acb->bac', t18, t17, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t19, t20, optimize=[(0, 1)])
+    t21 = (-1/(L*n_batch)) * t10
+    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t21, t12, A, A, t17, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -10745,18 +11287,23 @@ def ce_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t17 = np.swapaxes(W_V, -1, -2)
     t18 = t17 @ t1
     t19 = X @ W_K
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ade,ce,acf,aeg->bdfg', t10, t12, A, t18, Mcausal, X, t19, optimize=[(1, 2), (1, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,aef,cf,acg,afh->bdgh', t10, t12, A, A, t18, Mcausal, X, t19, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
+    t20 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
+    t0[...] = oe.contract('abc,acd,acd,ade,ce,acf,aeg->bdfg', t10, t12, A, t18, t20, X, t19, optimize=[(1, 2), (1, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t21 = (-1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
+    t22 = oe.contract('abc,acd,ade,ce,aef->bfac', t10, A, t18, t21, t19, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t23 = oe.contract('abc,abc,abd->cdab', t12, A, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
     F = t15
-    t20 = np.exp(F - F.max(-1, keepdims=True))
-    A21 = t20 / t20.sum(-1, keepdims=True)
-    t22 = t12 * A21
-    t23 = (1/L) * t22
-    t24 = (-1/L) * Y
-    t25 = t23 + t24
-    G = t25
-    t26 = np.swapaxes(G, -1, -2)
-    t0 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t26, t2, t19, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t24 = np.exp(F - F.max(-1, keepdims=True))
+    A25 = t24 / t24.sum(-1, keepdims=True)
+    t26 = t12 * A25
+    t27 = (1/L) * t26
+    t28 = (-1/L) * Y
+    t29 = t27 + t28
+    G = t29
+    t30 = np.swapaxes(G, -1, -2)
+    t31 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t0 += oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t30, t31, t19, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -10832,18 +11379,25 @@ def ce_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t17 = np.swapaxes(W_V, -1, -2)
     t18 = t17 @ t1
     t19 = X @ W_Q
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ade,ce,acf,aeg->bdgf', t10, t12, A, t18, Mcausal, t19, X, optimize=[(1, 2), (1, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,aef,cf,acg,afh->bdhg', t10, t12, A, A, t18, Mcausal, t19, X, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
+    t20 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
+    t21 = oe.contract('abc,acd->bdac', t10, t19, optimize=[(0, 1)])
+    t22 = oe.contract('abc,abc,acd,bd,ade->ceab', t12, A, t18, t20, X, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t21, t22, optimize=[(0, 1)])
+    t23 = (-1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
+    t0 += oe.contract('abc,acd,acd,ace,aef,cf,acg,afh->bdhg', t10, t12, A, A, t18, t23, t19, X, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
     F = t15
-    t20 = np.exp(F - F.max(-1, keepdims=True))
-    A21 = t20 / t20.sum(-1, keepdims=True)
-    t22 = t12 * A21
-    t23 = (1/L) * t22
-    t24 = (-1/L) * Y
-    t25 = t23 + t24
-    G = t25
-    t26 = np.swapaxes(G, -1, -2)
-    t0 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdfg', t1, t26, t2, X, t19, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t24 = np.exp(F - F.max(-1, keepdims=True))
+    A25 = t24 / t24.sum(-1, keepdims=True)
+    t26 = t12 * A25
+    t27 = (1/L) * t26
+    t28 = (-1/L) * Y
+    t29 = t27 + t28
+    G = t29
+    t30 = np.swapaxes(G, -1, -2)
+    t31 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t32 = oe.contract('abc,acd->bdac', t30, t19, optimize=[(0, 1)])
+    t33 = oe.contract('abc,cd,ace->bead', t1, t31, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t32, t33, optimize=[(0, 1)])
     return out
 
 
@@ -10919,8 +11473,14 @@ def ce_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     t17 = np.exp(t16 - t16.max(-1, keepdims=True))
     A = t17 / t17.sum(-1, keepdims=True)
     t18 = t14 @ X
-    t1 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bde', t11, t13, A, t18, optimize=[(1, 2), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t11, t13, A, A, t18, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t19 = (1/(L*n_batch)) * t11
+    t20 = oe.contract('abc,acd->bdac', t19, t18, optimize=[(0, 1)])
+    t21 = oe.contract('abc,abc->cab', t13, A, optimize=[(0, 1)])
+    t1 += oe.contract('abcd,ecd->aeb', t20, t21, optimize=[(0, 1)])
+    t22 = (-1/(L*n_batch)) * t11
+    t23 = oe.contract('abc,acd->bdac', t22, A, optimize=[(0, 1)])
+    t24 = oe.contract('abc,abc,abd->cdab', t13, A, t18, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t23, t24, optimize=[(0, 1)])
     return out
 
 

@@ -88,23 +88,30 @@ def mse_causal0__hessian__outer(X, W_QK, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t6 = np.swapaxes(W_V, -1, -2)
     t7 = W_V @ t6
-    t1[...] = (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, X, t7, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t8 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t9 = np.reshape(t8, (d_V, d_V, d_V, d_V), copy=False)
-    t10 = A @ X
-    M_1 = t10
-    t9[...] = (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,abf,cg->edfg', M_2, X, M_1, W_V, optimize=[(0, 3), (0, 1), (0, 1)])
-    t11 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t12 = np.reshape(t11, (d_V, d_V, d_V, d_V), copy=False)
-    t13 = np.swapaxes(M_1, -1, -2)
-    t12[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,de,acef,acg->bdgf', t13, t6, M_2, X, optimize=[(0, 3), (0, 1), (0, 1)])
-    t14 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t14[...] = 0
+    t8 = (2/(L*d_V*n_batch)) * X
+    t1[...] = oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, t8, t7, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t9 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t10 = np.reshape(t9, (d_V, d_V, d_V, d_V), copy=False)
+    t11 = A @ X
+    M_1 = t11
+    t12 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t13 = oe.contract('abc,abd->cdab', t8, M_1, optimize=[(0, 1)])
+    t10[...] = oe.contract('abcd,efcd->eafb', t12, t13, optimize=[(0, 1)])
+    t14 = H[d_V**2:2*d_V**2, 0:d_V**2]
     t15 = np.reshape(t14, (d_V, d_V, d_V, d_V), copy=False)
-    t16 = np.einsum('abcb->abc', t15)
-    t17 = t13 @ M_1
-    t18 = np.ones((d_V,), dtype=X.dtype)
-    t16 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bdc', t17, t18, optimize=[(0, 1)])
+    t16 = np.swapaxes(M_1, -1, -2)
+    t17 = (2/(L*d_V*n_batch)) * t16
+    t18 = oe.contract('ab,cdbe->aecd', t6, M_2, optimize=[(0, 1)])
+    t19 = oe.contract('abc,acd->bdac', t17, X, optimize=[(0, 1)])
+    t15[...] = oe.contract('abcd,efcd->eafb', t18, t19, optimize=[(0, 1)])
+    t20 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t20[...] = 0
+    t21 = np.reshape(t20, (d_V, d_V, d_V, d_V), copy=False)
+    t22 = np.einsum('abcb->abc', t21)
+    t23 = t16 @ M_1
+    t24 = np.ones((d_V,), dtype=X.dtype)
+    t25 = (2/(L*d_V*n_batch)) * t24
+    t22 += oe.contract('abc,d->bdc', t23, t25, optimize=[(0, 1)])
     return H
 
 
@@ -187,7 +194,10 @@ def mse_causal0__diag__W_QK__outer(X, W_QK, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t5 = np.swapaxes(W_V, -1, -2)
     t6 = W_V @ t5
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,cf,abfd,abe->ed', M_2, X, t6, M_2, X, optimize=[(1, 4), (0, 1), (0, 2), (0, 1)])
+    t7 = (2/(L*d_V*n_batch)) * X
+    t8 = oe.contract('abcd,ce,abed->dab', M_2, t6, M_2, optimize=[(0, 1), (0, 1)])
+    t9 = oe.contract('abc,abc->cab', t7, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t8, t9, optimize=[(0, 1)])
     return out
 
 
@@ -224,7 +234,8 @@ def mse_causal0__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t5 = np.swapaxes(W_V, -1, -2)
     t6 = W_V @ t5
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, X, t6, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t7 = (2/(L*d_V*n_batch)) * X
+    t0[...] = oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, t7, t6, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -263,7 +274,10 @@ def mse_causal0__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t5 = A @ X
     M_1 = t5
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,abf,cg->edfg', M_2, X, M_1, W_V, optimize=[(0, 3), (0, 1), (0, 1)])
+    t6 = (2/(L*d_V*n_batch)) * X
+    t7 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t8 = oe.contract('abc,abd->cdab', t6, M_1, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t7, t8, optimize=[(0, 1)])
     return out
 
 
@@ -303,7 +317,8 @@ def mse_causal0__diag__W_V__outer(X, W_QK, W_V, Y):
     t6 = np.swapaxes(M_1, -1, -2)
     t7 = t6 @ M_1
     t8 = np.ones((d_V,), dtype=X.dtype)
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abb,c->bc', t7, t8, optimize=[(0, 1)])
+    t9 = (2/(L*d_V*n_batch)) * t8
+    t0[...] = oe.contract('abb,c->bc', t7, t9, optimize=[(0, 1)])
     return out
 
 
@@ -342,7 +357,10 @@ def mse_causal0__block__W_V__W_QK__outer(X, W_QK, W_V, Y):
     t7 = np.swapaxes(W_V, -1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,de,acef,acg->bdgf', t6, t7, M_2, X, optimize=[(0, 3), (0, 1), (0, 1)])
+    t8 = (2/(L*d_V*n_batch)) * t6
+    t9 = oe.contract('ab,cdbe->aecd', t7, M_2, optimize=[(0, 1)])
+    t10 = oe.contract('abc,acd->bdac', t8, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t9, t10, optimize=[(0, 1)])
     return out
 
 
@@ -386,7 +404,8 @@ def mse_causal0__block__W_V__W_V__outer(X, W_QK, W_V, Y):
     t7 = np.swapaxes(M_1, -1, -2)
     t8 = t7 @ M_1
     t9 = np.ones((d_V,), dtype=X.dtype)
-    t1 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bdc', t8, t9, optimize=[(0, 1)])
+    t10 = (2/(L*d_V*n_batch)) * t9
+    t1 += oe.contract('abc,d->bdc', t8, t10, optimize=[(0, 1)])
     return out
 
 
@@ -437,18 +456,23 @@ def mse_causal0__hessian__functional(X, W_QK, W_V, Y):
     t15 = A * t14
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t15, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t15, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t15, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1[...] = (1/n_batch) * oe.contract('abc,acde,acf->bdfe', t2, M_3, X, optimize=[(0, 2), (0, 1)])
-    t16 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t17 = np.reshape(t16, (d_V, d_V, d_V, d_V), copy=False)
+    t16 = (1/n_batch) * t2
+    t1[...] = oe.contract('abc,acde,acf->bdfe', t16, M_3, X, optimize=[(0, 2), (0, 1)])
+    t17 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t18 = np.reshape(t17, (d_V, d_V, d_V, d_V), copy=False)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t17[...] = (1/n_batch) * oe.contract('abcd,abe,abf->edcf', M_2, X, G, optimize=[(1, 2), (0, 1)])
-    t18 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t19 = np.reshape(t18, (d_V, d_V, d_V, d_V), copy=False)
-    t20 = np.swapaxes(G, -1, -2)
-    t19[...] = (1/n_batch) * oe.contract('abc,acde,acf->dbfe', t20, M_2, X, optimize=[(0, 2), (0, 1)])
-    t21 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t21[...] = 0
+    t19 = (1/n_batch) * X
+    t20 = oe.contract('abc,abd->cdab', t19, G, optimize=[(0, 1)])
+    t21 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t18[...] = oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
+    t22 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t23 = np.reshape(t22, (d_V, d_V, d_V, d_V), copy=False)
+    t24 = np.swapaxes(G, -1, -2)
+    t25 = (1/n_batch) * t24
+    t23[...] = oe.contract('abc,acde,acf->dbfe', t25, M_2, X, optimize=[(0, 2), (0, 1)])
+    t26 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t26[...] = 0
     return H
 
 
@@ -557,7 +581,8 @@ def mse_causal0__diag__W_QK__functional(X, W_QK, W_V, Y):
     t14 = A * t13
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t1, t14, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t14, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t14, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/n_batch) * oe.contract('abc,acdd,acb->bd', t1, M_3, X, optimize=[(0, 2), (0, 1)])
+    t15 = (1/n_batch) * t1
+    t0[...] = oe.contract('abc,acdd,acb->bd', t15, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -616,7 +641,8 @@ def mse_causal0__block__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t14 = A * t13
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t1, t14, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t14, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t14, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/n_batch) * oe.contract('abc,acde,acf->bdfe', t1, M_3, X, optimize=[(0, 2), (0, 1)])
+    t15 = (1/n_batch) * t1
+    t0[...] = oe.contract('abc,acde,acf->bdfe', t15, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -672,7 +698,10 @@ def mse_causal0__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
     t8 = (-2/(L*d_V)) * Y
     t9 = t7 + t8
     G = t9
-    t0[...] = (1/n_batch) * oe.contract('abcd,abe,abf->edcf', M_2, X, G, optimize=[(1, 2), (0, 1)])
+    t10 = (1/n_batch) * X
+    t11 = oe.contract('abc,abd->cdab', t10, G, optimize=[(0, 1)])
+    t12 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t11, t12, optimize=[(0, 1)])
     return out
 
 
@@ -742,7 +771,8 @@ def mse_causal0__block__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t10 = np.swapaxes(G, -1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/n_batch) * oe.contract('abc,acde,acf->dbfe', t10, M_2, X, optimize=[(0, 2), (0, 1)])
+    t11 = (1/n_batch) * t10
+    t0[...] = oe.contract('abc,acde,acf->dbfe', t11, M_2, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -807,39 +837,51 @@ def mse_causal0__hessian__full(X, W_QK, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t6 = np.swapaxes(W_V, -1, -2)
     t7 = W_V @ t6
-    t1[...] = (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, X, t7, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t8 = A @ X
-    M_1 = t8
-    t9 = M_1 @ W_V
-    F = t9
-    t10 = (2/(L*d_V)) * F
-    t11 = (-2/(L*d_V)) * Y
-    t12 = t10 + t11
-    G = t12
-    t13 = t6 @ t2
-    t14 = G @ t13
-    t15 = t14 - (A * t14).sum(-1, keepdims=True)
-    t16 = A * t15
+    t8 = (2/(L*d_V*n_batch)) * X
+    t1[...] = oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, t8, t7, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1 @ W_V
+    F = t10
+    t11 = (2/(L*d_V)) * F
+    t12 = (-2/(L*d_V)) * Y
+    t13 = t11 + t12
+    G = t13
+    t14 = t6 @ t2
+    t15 = G @ t14
+    t16 = t15 - (A * t15).sum(-1, keepdims=True)
+    t17 = A * t16
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t16, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t16, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t16, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += (1/n_batch) * oe.contract('abc,acde,acf->bdfe', t2, M_3, X, optimize=[(0, 2), (0, 1)])
-    t17 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t18 = np.reshape(t17, (d_V, d_V, d_V, d_V), copy=False)
-    t18[...] = (1/n_batch) * oe.contract('abcd,abe,abf->edcf', M_2, X, G, optimize=[(1, 2), (0, 1)])
-    t18 += (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,abf,cg->edfg', M_2, X, M_1, W_V, optimize=[(0, 3), (0, 1), (0, 1)])
-    t19 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t18 = (1/n_batch) * t2
+    t1 += oe.contract('abc,acde,acf->bdfe', t18, M_3, X, optimize=[(0, 2), (0, 1)])
+    t19 = H[0:d_V**2, d_V**2:2*d_V**2]
     t20 = np.reshape(t19, (d_V, d_V, d_V, d_V), copy=False)
-    t21 = np.swapaxes(G, -1, -2)
-    t20[...] = (1/n_batch) * oe.contract('abc,acde,acf->dbfe', t21, M_2, X, optimize=[(0, 2), (0, 1)])
-    t22 = np.swapaxes(M_1, -1, -2)
-    t20 += (2/(L*d_V*n_batch)) * oe.contract('abc,de,acef,acg->bdgf', t22, t6, M_2, X, optimize=[(0, 3), (0, 1), (0, 1)])
-    t23 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t23[...] = 0
-    t24 = np.reshape(t23, (d_V, d_V, d_V, d_V), copy=False)
-    t25 = np.einsum('abcb->abc', t24)
-    t26 = t22 @ M_1
-    t27 = np.ones((d_V,), dtype=X.dtype)
-    t25 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bdc', t26, t27, optimize=[(0, 1)])
+    t21 = (1/n_batch) * X
+    t22 = oe.contract('abc,abd->cdab', t21, G, optimize=[(0, 1)])
+    t23 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t20[...] = oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
+    t24 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t25 = oe.contract('abc,abd->cdab', t8, M_1, optimize=[(0, 1)])
+    t20 += oe.contract('abcd,efcd->eafb', t24, t25, optimize=[(0, 1)])
+    t26 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t27 = np.reshape(t26, (d_V, d_V, d_V, d_V), copy=False)
+    t28 = np.swapaxes(G, -1, -2)
+    t29 = (1/n_batch) * t28
+    t27[...] = oe.contract('abc,acde,acf->dbfe', t29, M_2, X, optimize=[(0, 2), (0, 1)])
+    t30 = np.swapaxes(M_1, -1, -2)
+    t31 = (2/(L*d_V*n_batch)) * t30
+    t32 = oe.contract('ab,cdbe->aecd', t6, M_2, optimize=[(0, 1)])
+    t33 = oe.contract('abc,acd->bdac', t31, X, optimize=[(0, 1)])
+    t27 += oe.contract('abcd,efcd->eafb', t32, t33, optimize=[(0, 1)])
+    t34 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t34[...] = 0
+    t35 = np.reshape(t34, (d_V, d_V, d_V, d_V), copy=False)
+    t36 = np.einsum('abcb->abc', t35)
+    t37 = t30 @ M_1
+    t38 = np.ones((d_V,), dtype=X.dtype)
+    t39 = (2/(L*d_V*n_batch)) * t38
+    t36 += oe.contract('abc,d->bdc', t37, t39, optimize=[(0, 1)])
     return H
 
 
@@ -953,22 +995,26 @@ def mse_causal0__diag__W_QK__full(X, W_QK, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t5 = np.swapaxes(W_V, -1, -2)
     t6 = W_V @ t5
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,cf,abfd,abe->ed', M_2, X, t6, M_2, X, optimize=[(1, 4), (0, 1), (0, 2), (0, 1)])
-    t7 = A @ X
-    M_1 = t7
-    t8 = M_1 @ W_V
-    F = t8
-    t9 = (2/(L*d_V)) * F
-    t10 = (-2/(L*d_V)) * Y
-    t11 = t9 + t10
-    G = t11
-    t12 = t5 @ t1
-    t13 = G @ t12
-    t14 = t13 - (A * t13).sum(-1, keepdims=True)
-    t15 = A * t14
+    t7 = (2/(L*d_V*n_batch)) * X
+    t8 = oe.contract('abcd,ce,abed->dab', M_2, t6, M_2, optimize=[(0, 1), (0, 1)])
+    t9 = oe.contract('abc,abc->cab', t7, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t8, t9, optimize=[(0, 1)])
+    t10 = A @ X
+    M_1 = t10
+    t11 = M_1 @ W_V
+    F = t11
+    t12 = (2/(L*d_V)) * F
+    t13 = (-2/(L*d_V)) * Y
+    t14 = t12 + t13
+    G = t14
+    t15 = t5 @ t1
+    t16 = G @ t15
+    t17 = t16 - (A * t16).sum(-1, keepdims=True)
+    t18 = A * t17
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t15, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t15, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t15, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/n_batch) * oe.contract('abc,acdd,acb->bd', t1, M_3, X, optimize=[(0, 2), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t19 = (1/n_batch) * t1
+    t0 += oe.contract('abc,acdd,acb->bd', t19, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -1019,22 +1065,24 @@ def mse_causal0__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t5 = np.swapaxes(W_V, -1, -2)
     t6 = W_V @ t5
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, X, t6, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t7 = A @ X
-    M_1 = t7
-    t8 = M_1 @ W_V
-    F = t8
-    t9 = (2/(L*d_V)) * F
-    t10 = (-2/(L*d_V)) * Y
-    t11 = t9 + t10
-    G = t11
-    t12 = t5 @ t1
-    t13 = G @ t12
-    t14 = t13 - (A * t13).sum(-1, keepdims=True)
-    t15 = A * t14
+    t7 = (2/(L*d_V*n_batch)) * X
+    t0[...] = oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, t7, t6, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t8 = A @ X
+    M_1 = t8
+    t9 = M_1 @ W_V
+    F = t9
+    t10 = (2/(L*d_V)) * F
+    t11 = (-2/(L*d_V)) * Y
+    t12 = t10 + t11
+    G = t12
+    t13 = t5 @ t1
+    t14 = G @ t13
+    t15 = t14 - (A * t14).sum(-1, keepdims=True)
+    t16 = A * t15
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t15, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t15, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t15, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/n_batch) * oe.contract('abc,acde,acf->bdfe', t1, M_3, X, optimize=[(0, 2), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t16, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t16, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t16, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t17 = (1/n_batch) * t1
+    t0 += oe.contract('abc,acde,acf->bdfe', t17, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -1093,8 +1141,14 @@ def mse_causal0__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     t8 = (-2/(L*d_V)) * Y
     t9 = t7 + t8
     G = t9
-    t0[...] = (1/n_batch) * oe.contract('abcd,abe,abf->edcf', M_2, X, G, optimize=[(1, 2), (0, 1)])
-    t0 += (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,abf,cg->edfg', M_2, X, M_1, W_V, optimize=[(0, 3), (0, 1), (0, 1)])
+    t10 = (1/n_batch) * X
+    t11 = oe.contract('abc,abd->cdab', t10, G, optimize=[(0, 1)])
+    t12 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t11, t12, optimize=[(0, 1)])
+    t13 = (2/(L*d_V*n_batch)) * X
+    t14 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t15 = oe.contract('abc,abd->cdab', t13, M_1, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t14, t15, optimize=[(0, 1)])
     return out
 
 
@@ -1140,7 +1194,8 @@ def mse_causal0__diag__W_V__full(X, W_QK, W_V, Y):
     t6 = np.swapaxes(M_1, -1, -2)
     t7 = t6 @ M_1
     t8 = np.ones((d_V,), dtype=X.dtype)
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abb,c->bc', t7, t8, optimize=[(0, 1)])
+    t9 = (2/(L*d_V*n_batch)) * t8
+    t0[...] = oe.contract('abb,c->bc', t7, t9, optimize=[(0, 1)])
     return out
 
 
@@ -1184,10 +1239,14 @@ def mse_causal0__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     t10 = np.swapaxes(G, -1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/n_batch) * oe.contract('abc,acde,acf->dbfe', t10, M_2, X, optimize=[(0, 2), (0, 1)])
-    t11 = np.swapaxes(M_1, -1, -2)
-    t12 = np.swapaxes(W_V, -1, -2)
-    t0 += (2/(L*d_V*n_batch)) * oe.contract('abc,de,acef,acg->bdgf', t11, t12, M_2, X, optimize=[(0, 3), (0, 1), (0, 1)])
+    t11 = (1/n_batch) * t10
+    t0[...] = oe.contract('abc,acde,acf->dbfe', t11, M_2, X, optimize=[(0, 2), (0, 1)])
+    t12 = np.swapaxes(M_1, -1, -2)
+    t13 = np.swapaxes(W_V, -1, -2)
+    t14 = (2/(L*d_V*n_batch)) * t12
+    t15 = oe.contract('ab,cdbe->aecd', t13, M_2, optimize=[(0, 1)])
+    t16 = oe.contract('abc,acd->bdac', t14, X, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t15, t16, optimize=[(0, 1)])
     return out
 
 
@@ -1238,7 +1297,8 @@ def mse_causal0__block__W_V__W_V__full(X, W_QK, W_V, Y):
     t7 = np.swapaxes(M_1, -1, -2)
     t8 = t7 @ M_1
     t9 = np.ones((d_V,), dtype=X.dtype)
-    t1 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bdc', t8, t9, optimize=[(0, 1)])
+    t10 = (2/(L*d_V*n_batch)) * t9
+    t1 += oe.contract('abc,d->bdc', t8, t10, optimize=[(0, 1)])
     return out
 
 
@@ -1335,23 +1395,30 @@ def mse_causal1__hessian__outer(X, W_QK, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t8 = np.swapaxes(W_V, -1, -2)
     t9 = W_V @ t8
-    t1[...] = (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, X, t9, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t10 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t11 = np.reshape(t10, (d_V, d_V, d_V, d_V), copy=False)
-    t12 = A @ X
-    M_1 = t12
-    t11[...] = (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,abf,cg->edfg', M_2, X, M_1, W_V, optimize=[(0, 3), (0, 1), (0, 1)])
-    t13 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t14 = np.reshape(t13, (d_V, d_V, d_V, d_V), copy=False)
-    t15 = np.swapaxes(M_1, -1, -2)
-    t14[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,de,acef,acg->bdgf', t15, t8, M_2, X, optimize=[(0, 3), (0, 1), (0, 1)])
-    t16 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t16[...] = 0
+    t10 = (2/(L*d_V*n_batch)) * X
+    t1[...] = oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, t10, t9, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t11 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t12 = np.reshape(t11, (d_V, d_V, d_V, d_V), copy=False)
+    t13 = A @ X
+    M_1 = t13
+    t14 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t15 = oe.contract('abc,abd->cdab', t10, M_1, optimize=[(0, 1)])
+    t12[...] = oe.contract('abcd,efcd->eafb', t14, t15, optimize=[(0, 1)])
+    t16 = H[d_V**2:2*d_V**2, 0:d_V**2]
     t17 = np.reshape(t16, (d_V, d_V, d_V, d_V), copy=False)
-    t18 = np.einsum('abcb->abc', t17)
-    t19 = t15 @ M_1
-    t20 = np.ones((d_V,), dtype=X.dtype)
-    t18 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bdc', t19, t20, optimize=[(0, 1)])
+    t18 = np.swapaxes(M_1, -1, -2)
+    t19 = (2/(L*d_V*n_batch)) * t18
+    t20 = oe.contract('ab,cdbe->aecd', t8, M_2, optimize=[(0, 1)])
+    t21 = oe.contract('abc,acd->bdac', t19, X, optimize=[(0, 1)])
+    t17[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
+    t22 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t22[...] = 0
+    t23 = np.reshape(t22, (d_V, d_V, d_V, d_V), copy=False)
+    t24 = np.einsum('abcb->abc', t23)
+    t25 = t18 @ M_1
+    t26 = np.ones((d_V,), dtype=X.dtype)
+    t27 = (2/(L*d_V*n_batch)) * t26
+    t24 += oe.contract('abc,d->bdc', t25, t27, optimize=[(0, 1)])
     return H
 
 
@@ -1440,7 +1507,10 @@ def mse_causal1__diag__W_QK__outer(X, W_QK, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t7 = np.swapaxes(W_V, -1, -2)
     t8 = W_V @ t7
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,cf,abfd,abe->ed', M_2, X, t8, M_2, X, optimize=[(1, 4), (0, 1), (0, 2), (0, 1)])
+    t9 = (2/(L*d_V*n_batch)) * X
+    t10 = oe.contract('abcd,ce,abed->dab', M_2, t8, M_2, optimize=[(0, 1), (0, 1)])
+    t11 = oe.contract('abc,abc->cab', t9, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t10, t11, optimize=[(0, 1)])
     return out
 
 
@@ -1481,7 +1551,8 @@ def mse_causal1__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t7 = np.swapaxes(W_V, -1, -2)
     t8 = W_V @ t7
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, X, t8, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t9 = (2/(L*d_V*n_batch)) * X
+    t0[...] = oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, t9, t8, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -1524,7 +1595,10 @@ def mse_causal1__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t7 = A @ X
     M_1 = t7
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,abf,cg->edfg', M_2, X, M_1, W_V, optimize=[(0, 3), (0, 1), (0, 1)])
+    t8 = (2/(L*d_V*n_batch)) * X
+    t9 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t10 = oe.contract('abc,abd->cdab', t8, M_1, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t9, t10, optimize=[(0, 1)])
     return out
 
 
@@ -1568,7 +1642,8 @@ def mse_causal1__diag__W_V__outer(X, W_QK, W_V, Y):
     t8 = np.swapaxes(M_1, -1, -2)
     t9 = t8 @ M_1
     t10 = np.ones((d_V,), dtype=X.dtype)
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abb,c->bc', t9, t10, optimize=[(0, 1)])
+    t11 = (2/(L*d_V*n_batch)) * t10
+    t0[...] = oe.contract('abb,c->bc', t9, t11, optimize=[(0, 1)])
     return out
 
 
@@ -1611,7 +1686,10 @@ def mse_causal1__block__W_V__W_QK__outer(X, W_QK, W_V, Y):
     t9 = np.swapaxes(W_V, -1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,de,acef,acg->bdgf', t8, t9, M_2, X, optimize=[(0, 3), (0, 1), (0, 1)])
+    t10 = (2/(L*d_V*n_batch)) * t8
+    t11 = oe.contract('ab,cdbe->aecd', t9, M_2, optimize=[(0, 1)])
+    t12 = oe.contract('abc,acd->bdac', t10, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t11, t12, optimize=[(0, 1)])
     return out
 
 
@@ -1659,7 +1737,8 @@ def mse_causal1__block__W_V__W_V__outer(X, W_QK, W_V, Y):
     t9 = np.swapaxes(M_1, -1, -2)
     t10 = t9 @ M_1
     t11 = np.ones((d_V,), dtype=X.dtype)
-    t1 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bdc', t10, t11, optimize=[(0, 1)])
+    t12 = (2/(L*d_V*n_batch)) * t11
+    t1 += oe.contract('abc,d->bdc', t10, t12, optimize=[(0, 1)])
     return out
 
 
@@ -1714,18 +1793,23 @@ def mse_causal1__hessian__functional(X, W_QK, W_V, Y):
     t17 = A * t16
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1[...] = (1/n_batch) * oe.contract('abc,acde,acf->bdfe', t2, M_3, X, optimize=[(0, 2), (0, 1)])
-    t18 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t19 = np.reshape(t18, (d_V, d_V, d_V, d_V), copy=False)
+    t18 = (1/n_batch) * t2
+    t1[...] = oe.contract('abc,acde,acf->bdfe', t18, M_3, X, optimize=[(0, 2), (0, 1)])
+    t19 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t20 = np.reshape(t19, (d_V, d_V, d_V, d_V), copy=False)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t19[...] = (1/n_batch) * oe.contract('abcd,abe,abf->edcf', M_2, X, G, optimize=[(1, 2), (0, 1)])
-    t20 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t21 = np.reshape(t20, (d_V, d_V, d_V, d_V), copy=False)
-    t22 = np.swapaxes(G, -1, -2)
-    t21[...] = (1/n_batch) * oe.contract('abc,acde,acf->dbfe', t22, M_2, X, optimize=[(0, 2), (0, 1)])
-    t23 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t23[...] = 0
+    t21 = (1/n_batch) * X
+    t22 = oe.contract('abc,abd->cdab', t21, G, optimize=[(0, 1)])
+    t23 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t20[...] = oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
+    t24 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t25 = np.reshape(t24, (d_V, d_V, d_V, d_V), copy=False)
+    t26 = np.swapaxes(G, -1, -2)
+    t27 = (1/n_batch) * t26
+    t25[...] = oe.contract('abc,acde,acf->dbfe', t27, M_2, X, optimize=[(0, 2), (0, 1)])
+    t28 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t28[...] = 0
     return H
 
 
@@ -1840,7 +1924,8 @@ def mse_causal1__diag__W_QK__functional(X, W_QK, W_V, Y):
     t16 = A * t15
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t1, t16, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t16, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t16, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/n_batch) * oe.contract('abc,acdd,acb->bd', t1, M_3, X, optimize=[(0, 2), (0, 1)])
+    t17 = (1/n_batch) * t1
+    t0[...] = oe.contract('abc,acdd,acb->bd', t17, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -1903,7 +1988,8 @@ def mse_causal1__block__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t16 = A * t15
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t1, t16, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t16, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t16, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/n_batch) * oe.contract('abc,acde,acf->bdfe', t1, M_3, X, optimize=[(0, 2), (0, 1)])
+    t17 = (1/n_batch) * t1
+    t0[...] = oe.contract('abc,acde,acf->bdfe', t17, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -1963,7 +2049,10 @@ def mse_causal1__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
     t10 = (-2/(L*d_V)) * Y
     t11 = t9 + t10
     G = t11
-    t0[...] = (1/n_batch) * oe.contract('abcd,abe,abf->edcf', M_2, X, G, optimize=[(1, 2), (0, 1)])
+    t12 = (1/n_batch) * X
+    t13 = oe.contract('abc,abd->cdab', t12, G, optimize=[(0, 1)])
+    t14 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t13, t14, optimize=[(0, 1)])
     return out
 
 
@@ -2037,7 +2126,8 @@ def mse_causal1__block__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t12 = np.swapaxes(G, -1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/n_batch) * oe.contract('abc,acde,acf->dbfe', t12, M_2, X, optimize=[(0, 2), (0, 1)])
+    t13 = (1/n_batch) * t12
+    t0[...] = oe.contract('abc,acde,acf->dbfe', t13, M_2, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -2106,39 +2196,51 @@ def mse_causal1__hessian__full(X, W_QK, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t8 = np.swapaxes(W_V, -1, -2)
     t9 = W_V @ t8
-    t1[...] = (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, X, t9, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t10 = A @ X
-    M_1 = t10
-    t11 = M_1 @ W_V
-    F = t11
-    t12 = (2/(L*d_V)) * F
-    t13 = (-2/(L*d_V)) * Y
-    t14 = t12 + t13
-    G = t14
-    t15 = t8 @ t2
-    t16 = G @ t15
-    t17 = t16 - (A * t16).sum(-1, keepdims=True)
-    t18 = A * t17
+    t10 = (2/(L*d_V*n_batch)) * X
+    t1[...] = oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, t10, t9, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t11 = A @ X
+    M_1 = t11
+    t12 = M_1 @ W_V
+    F = t12
+    t13 = (2/(L*d_V)) * F
+    t14 = (-2/(L*d_V)) * Y
+    t15 = t13 + t14
+    G = t15
+    t16 = t8 @ t2
+    t17 = G @ t16
+    t18 = t17 - (A * t17).sum(-1, keepdims=True)
+    t19 = A * t18
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += (1/n_batch) * oe.contract('abc,acde,acf->bdfe', t2, M_3, X, optimize=[(0, 2), (0, 1)])
-    t19 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t20 = np.reshape(t19, (d_V, d_V, d_V, d_V), copy=False)
-    t20[...] = (1/n_batch) * oe.contract('abcd,abe,abf->edcf', M_2, X, G, optimize=[(1, 2), (0, 1)])
-    t20 += (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,abf,cg->edfg', M_2, X, M_1, W_V, optimize=[(0, 3), (0, 1), (0, 1)])
-    t21 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t19, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t19, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t19, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t20 = (1/n_batch) * t2
+    t1 += oe.contract('abc,acde,acf->bdfe', t20, M_3, X, optimize=[(0, 2), (0, 1)])
+    t21 = H[0:d_V**2, d_V**2:2*d_V**2]
     t22 = np.reshape(t21, (d_V, d_V, d_V, d_V), copy=False)
-    t23 = np.swapaxes(G, -1, -2)
-    t22[...] = (1/n_batch) * oe.contract('abc,acde,acf->dbfe', t23, M_2, X, optimize=[(0, 2), (0, 1)])
-    t24 = np.swapaxes(M_1, -1, -2)
-    t22 += (2/(L*d_V*n_batch)) * oe.contract('abc,de,acef,acg->bdgf', t24, t8, M_2, X, optimize=[(0, 3), (0, 1), (0, 1)])
-    t25 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t25[...] = 0
-    t26 = np.reshape(t25, (d_V, d_V, d_V, d_V), copy=False)
-    t27 = np.einsum('abcb->abc', t26)
-    t28 = t24 @ M_1
-    t29 = np.ones((d_V,), dtype=X.dtype)
-    t27 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bdc', t28, t29, optimize=[(0, 1)])
+    t23 = (1/n_batch) * X
+    t24 = oe.contract('abc,abd->cdab', t23, G, optimize=[(0, 1)])
+    t25 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t22[...] = oe.contract('abcd,efcd->aefb', t24, t25, optimize=[(0, 1)])
+    t26 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t27 = oe.contract('abc,abd->cdab', t10, M_1, optimize=[(0, 1)])
+    t22 += oe.contract('abcd,efcd->eafb', t26, t27, optimize=[(0, 1)])
+    t28 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t29 = np.reshape(t28, (d_V, d_V, d_V, d_V), copy=False)
+    t30 = np.swapaxes(G, -1, -2)
+    t31 = (1/n_batch) * t30
+    t29[...] = oe.contract('abc,acde,acf->dbfe', t31, M_2, X, optimize=[(0, 2), (0, 1)])
+    t32 = np.swapaxes(M_1, -1, -2)
+    t33 = (2/(L*d_V*n_batch)) * t32
+    t34 = oe.contract('ab,cdbe->aecd', t8, M_2, optimize=[(0, 1)])
+    t35 = oe.contract('abc,acd->bdac', t33, X, optimize=[(0, 1)])
+    t29 += oe.contract('abcd,efcd->eafb', t34, t35, optimize=[(0, 1)])
+    t36 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t36[...] = 0
+    t37 = np.reshape(t36, (d_V, d_V, d_V, d_V), copy=False)
+    t38 = np.einsum('abcb->abc', t37)
+    t39 = t32 @ M_1
+    t40 = np.ones((d_V,), dtype=X.dtype)
+    t41 = (2/(L*d_V*n_batch)) * t40
+    t38 += oe.contract('abc,d->bdc', t39, t41, optimize=[(0, 1)])
     return H
 
 
@@ -2258,22 +2360,26 @@ def mse_causal1__diag__W_QK__full(X, W_QK, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t7 = np.swapaxes(W_V, -1, -2)
     t8 = W_V @ t7
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,cf,abfd,abe->ed', M_2, X, t8, M_2, X, optimize=[(1, 4), (0, 1), (0, 2), (0, 1)])
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    F = t10
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = t7 @ t1
-    t15 = G @ t14
-    t16 = t15 - (A * t15).sum(-1, keepdims=True)
-    t17 = A * t16
+    t9 = (2/(L*d_V*n_batch)) * X
+    t10 = oe.contract('abcd,ce,abed->dab', M_2, t8, M_2, optimize=[(0, 1), (0, 1)])
+    t11 = oe.contract('abc,abc->cab', t9, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t10, t11, optimize=[(0, 1)])
+    t12 = A @ X
+    M_1 = t12
+    t13 = M_1 @ W_V
+    F = t13
+    t14 = (2/(L*d_V)) * F
+    t15 = (-2/(L*d_V)) * Y
+    t16 = t14 + t15
+    G = t16
+    t17 = t7 @ t1
+    t18 = G @ t17
+    t19 = t18 - (A * t18).sum(-1, keepdims=True)
+    t20 = A * t19
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/n_batch) * oe.contract('abc,acdd,acb->bd', t1, M_3, X, optimize=[(0, 2), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t21 = (1/n_batch) * t1
+    t0 += oe.contract('abc,acdd,acb->bd', t21, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -2328,22 +2434,24 @@ def mse_causal1__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t7 = np.swapaxes(W_V, -1, -2)
     t8 = W_V @ t7
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, X, t8, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    F = t10
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = t7 @ t1
-    t15 = G @ t14
-    t16 = t15 - (A * t15).sum(-1, keepdims=True)
-    t17 = A * t16
+    t9 = (2/(L*d_V*n_batch)) * X
+    t0[...] = oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, t9, t8, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t10 = A @ X
+    M_1 = t10
+    t11 = M_1 @ W_V
+    F = t11
+    t12 = (2/(L*d_V)) * F
+    t13 = (-2/(L*d_V)) * Y
+    t14 = t12 + t13
+    G = t14
+    t15 = t7 @ t1
+    t16 = G @ t15
+    t17 = t16 - (A * t16).sum(-1, keepdims=True)
+    t18 = A * t17
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/n_batch) * oe.contract('abc,acde,acf->bdfe', t1, M_3, X, optimize=[(0, 2), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t19 = (1/n_batch) * t1
+    t0 += oe.contract('abc,acde,acf->bdfe', t19, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -2406,8 +2514,14 @@ def mse_causal1__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     t10 = (-2/(L*d_V)) * Y
     t11 = t9 + t10
     G = t11
-    t0[...] = (1/n_batch) * oe.contract('abcd,abe,abf->edcf', M_2, X, G, optimize=[(1, 2), (0, 1)])
-    t0 += (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,abf,cg->edfg', M_2, X, M_1, W_V, optimize=[(0, 3), (0, 1), (0, 1)])
+    t12 = (1/n_batch) * X
+    t13 = oe.contract('abc,abd->cdab', t12, G, optimize=[(0, 1)])
+    t14 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t13, t14, optimize=[(0, 1)])
+    t15 = (2/(L*d_V*n_batch)) * X
+    t16 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t17 = oe.contract('abc,abd->cdab', t15, M_1, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -2457,7 +2571,8 @@ def mse_causal1__diag__W_V__full(X, W_QK, W_V, Y):
     t8 = np.swapaxes(M_1, -1, -2)
     t9 = t8 @ M_1
     t10 = np.ones((d_V,), dtype=X.dtype)
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abb,c->bc', t9, t10, optimize=[(0, 1)])
+    t11 = (2/(L*d_V*n_batch)) * t10
+    t0[...] = oe.contract('abb,c->bc', t9, t11, optimize=[(0, 1)])
     return out
 
 
@@ -2505,10 +2620,14 @@ def mse_causal1__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     t12 = np.swapaxes(G, -1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/n_batch) * oe.contract('abc,acde,acf->dbfe', t12, M_2, X, optimize=[(0, 2), (0, 1)])
-    t13 = np.swapaxes(M_1, -1, -2)
-    t14 = np.swapaxes(W_V, -1, -2)
-    t0 += (2/(L*d_V*n_batch)) * oe.contract('abc,de,acef,acg->bdgf', t13, t14, M_2, X, optimize=[(0, 3), (0, 1), (0, 1)])
+    t13 = (1/n_batch) * t12
+    t0[...] = oe.contract('abc,acde,acf->dbfe', t13, M_2, X, optimize=[(0, 2), (0, 1)])
+    t14 = np.swapaxes(M_1, -1, -2)
+    t15 = np.swapaxes(W_V, -1, -2)
+    t16 = (2/(L*d_V*n_batch)) * t14
+    t17 = oe.contract('ab,cdbe->aecd', t15, M_2, optimize=[(0, 1)])
+    t18 = oe.contract('abc,acd->bdac', t16, X, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -2563,7 +2682,8 @@ def mse_causal1__block__W_V__W_V__full(X, W_QK, W_V, Y):
     t9 = np.swapaxes(M_1, -1, -2)
     t10 = t9 @ M_1
     t11 = np.ones((d_V,), dtype=X.dtype)
-    t1 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bdc', t10, t11, optimize=[(0, 1)])
+    t12 = (2/(L*d_V*n_batch)) * t11
+    t1 += oe.contract('abc,d->bdc', t10, t12, optimize=[(0, 1)])
     return out
 
 
@@ -2667,23 +2787,41 @@ def ce_causal0__hessian__outer(X, W_QK, W_V, Y):
     t10 = np.exp(t9 - t9.max(-1, keepdims=True))
     A11 = t10 / t10.sum(-1, keepdims=True)
     t12 = np.swapaxes(W_V, -1, -2)
-    t1[...] = (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi->edih', M_2, X, W_V, t7, A11, t12, M_2, X, optimize=[(3, 4), (0, 2), (1, 2), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t1 += (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhi,abj->edji', M_2, X, W_V, t7, A11, A11, t12, M_2, X, optimize=[(3, 4), (0, 2), (5, 6), (1, 2), (1, 4), (0, 2), (0, 2), (0, 1)])
-    t13 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t14 = np.reshape(t13, (d_V, d_V, d_V, d_V), copy=False)
-    t14[...] = (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg->edgf', M_2, X, W_V, t7, A11, M_1, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t14 += (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,abh->edhg', M_2, X, W_V, t7, A11, A11, M_1, optimize=[(3, 4), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t15 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t16 = np.reshape(t15, (d_V, d_V, d_V, d_V), copy=False)
-    t17 = np.swapaxes(M_1, -1, -2)
-    t16[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg->bdgf', t17, t7, A11, t12, M_2, X, optimize=[(1, 2), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t16 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach->bdhg', t17, t7, A11, A11, t12, M_2, X, optimize=[(1, 2), (1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
-    t18 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t18[...] = 0
-    t19 = np.reshape(t18, (d_V, d_V, d_V, d_V), copy=False)
-    t20 = np.einsum('abcb->abc', t19)
-    t20 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bde', t17, t7, A11, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
-    t19 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t17, t7, A11, A11, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t13 = (1/(L*n_batch)) * X
+    t1[...] = oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi->edih', M_2, t13, W_V, t7, A11, t12, M_2, X, optimize=[(3, 4), (0, 2), (1, 2), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t14 = (-1/(L*n_batch)) * X
+    t15 = oe.contract('abc,cd,abde->eab', A11, t12, M_2, optimize=[(0, 1), (0, 1)])
+    t16 = oe.contract('abcd,abe,cf,abf,abf,abg->edgab', M_2, t14, W_V, t7, A11, X, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t1 += oe.contract('abc,defbc->defa', t15, t16, optimize=[(0, 1)])
+    t17 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t18 = np.reshape(t17, (d_V, d_V, d_V, d_V), copy=False)
+    t19 = oe.contract('abcd,ce,abe,abe->deab', M_2, W_V, t7, A11, optimize=[(0, 1), (0, 1), (0, 1)])
+    t20 = oe.contract('abc,abd->cdab', t13, M_1, optimize=[(0, 1)])
+    t18[...] = oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
+    t21 = oe.contract('abc,abd,abe->cedab', t14, A11, M_1, optimize=[(0, 1), (0, 1)])
+    t22 = oe.contract('abcd,ce,abe,abe->dab', M_2, W_V, t7, A11, optimize=[(1, 2), (1, 2), (0, 1)])
+    t18 += oe.contract('abcde,fde->afbc', t21, t22, optimize=[(0, 1)])
+    t23 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t24 = np.reshape(t23, (d_V, d_V, d_V, d_V), copy=False)
+    t25 = np.swapaxes(M_1, -1, -2)
+    t26 = (1/(L*n_batch)) * t25
+    t27 = oe.contract('abc,abc,cd,abde->ceab', t7, A11, t12, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t28 = oe.contract('abc,acd->bdac', t26, X, optimize=[(0, 1)])
+    t24[...] = oe.contract('abcd,efcd->eafb', t27, t28, optimize=[(0, 1)])
+    t29 = (-1/(L*n_batch)) * t25
+    t30 = oe.contract('abc,acd,de,acef->bfac', t29, A11, t12, M_2, optimize=[(1, 2), (1, 2), (0, 1)])
+    t31 = oe.contract('abc,abc,abd->cdab', t7, A11, X, optimize=[(0, 1), (0, 1)])
+    t24 += oe.contract('abcd,efcd->aefb', t30, t31, optimize=[(0, 1)])
+    t32 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t32[...] = 0
+    t33 = np.reshape(t32, (d_V, d_V, d_V, d_V), copy=False)
+    t34 = np.einsum('abcb->abc', t33)
+    t35 = oe.contract('abc,acd->bdac', t26, M_1, optimize=[(0, 1)])
+    t36 = oe.contract('abc,abc->cab', t7, A11, optimize=[(0, 1)])
+    t34 += oe.contract('abcd,ecd->aeb', t35, t36, optimize=[(0, 1)])
+    t37 = oe.contract('abc,acd->bdac', t29, A11, optimize=[(0, 1)])
+    t38 = oe.contract('abc,abc,abd->cdab', t7, A11, M_1, optimize=[(0, 1), (0, 1)])
+    t33 += oe.contract('abcd,efcd->aefb', t37, t38, optimize=[(0, 1)])
     return H
 
 
@@ -2783,8 +2921,14 @@ def ce_causal0__diag__W_QK__outer(X, W_QK, W_V, Y):
     t9 = np.exp(t8 - t8.max(-1, keepdims=True))
     A10 = t9 / t9.sum(-1, keepdims=True)
     t11 = np.swapaxes(W_V, -1, -2)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,fg,abgd,abe->ed', M_2, X, W_V, t6, A10, t11, M_2, X, optimize=[(3, 4), (1, 5), (0, 1), (0, 1), (2, 3), (0, 2), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhd,abe->ed', M_2, X, W_V, t6, A10, A10, t11, M_2, X, optimize=[(3, 4), (1, 6), (0, 1), (3, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
+    t12 = (1/(L*n_batch)) * X
+    t13 = oe.contract('abcd,ce,abe,abe,ef,abfd->dab', M_2, W_V, t6, A10, t11, M_2, optimize=[(2, 3), (0, 1), (0, 1), (1, 2), (0, 1)])
+    t14 = oe.contract('abc,abc->cab', t12, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t13, t14, optimize=[(0, 1)])
+    t15 = (-1/(L*n_batch)) * X
+    t16 = oe.contract('abcd,ce,abe,abe,abf,fg,abgd->dab', M_2, W_V, t6, A10, A10, t11, M_2, optimize=[(2, 3), (0, 1), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t17 = oe.contract('abc,abc->cab', t15, X, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dbc->da', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -2833,8 +2977,12 @@ def ce_causal0__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     t9 = np.exp(t8 - t8.max(-1, keepdims=True))
     A10 = t9 / t9.sum(-1, keepdims=True)
     t11 = np.swapaxes(W_V, -1, -2)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi->edih', M_2, X, W_V, t6, A10, t11, M_2, X, optimize=[(3, 4), (0, 2), (1, 2), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhi,abj->edji', M_2, X, W_V, t6, A10, A10, t11, M_2, X, optimize=[(3, 4), (0, 2), (5, 6), (1, 2), (1, 4), (0, 2), (0, 2), (0, 1)])
+    t12 = (1/(L*n_batch)) * X
+    t0[...] = oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi->edih', M_2, t12, W_V, t6, A10, t11, M_2, X, optimize=[(3, 4), (0, 2), (1, 2), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t13 = (-1/(L*n_batch)) * X
+    t14 = oe.contract('abc,cd,abde->eab', A10, t11, M_2, optimize=[(0, 1), (0, 1)])
+    t15 = oe.contract('abcd,abe,cf,abf,abf,abg->edgab', M_2, t13, W_V, t6, A10, X, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t0 += oe.contract('abc,defbc->defa', t14, t15, optimize=[(0, 1)])
     return out
 
 
@@ -2884,8 +3032,14 @@ def ce_causal0__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     t8 = M_1 @ W_V
     t9 = np.exp(t8 - t8.max(-1, keepdims=True))
     A10 = t9 / t9.sum(-1, keepdims=True)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg->edgf', M_2, X, W_V, t6, A10, M_1, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,abh->edhg', M_2, X, W_V, t6, A10, A10, M_1, optimize=[(3, 4), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t11 = (1/(L*n_batch)) * X
+    t12 = oe.contract('abcd,ce,abe,abe->deab', M_2, W_V, t6, A10, optimize=[(0, 1), (0, 1), (0, 1)])
+    t13 = oe.contract('abc,abd->cdab', t11, M_1, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t12, t13, optimize=[(0, 1)])
+    t14 = (-1/(L*n_batch)) * X
+    t15 = oe.contract('abc,abd,abe->cedab', t14, A10, M_1, optimize=[(0, 1), (0, 1)])
+    t16 = oe.contract('abcd,ce,abe,abe->dab', M_2, W_V, t6, A10, optimize=[(1, 2), (1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t15, t16, optimize=[(0, 1)])
     return out
 
 
@@ -2933,8 +3087,12 @@ def ce_causal0__diag__W_V__outer(X, W_QK, W_V, Y):
     t9 = M_1 @ W_V
     t10 = np.exp(t9 - t9.max(-1, keepdims=True))
     A11 = t10 / t10.sum(-1, keepdims=True)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,acb->bd', t6, t8, A11, M_1, optimize=[(0, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->bd', t6, t8, A11, A11, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t12 = (1/(L*n_batch)) * t6
+    t13 = oe.contract('abc,abc->cab', t8, A11, optimize=[(0, 1)])
+    t14 = oe.contract('abc,acb->bac', t12, M_1, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t13, t14, optimize=[(0, 1)])
+    t15 = (-1/(L*n_batch)) * t6
+    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t15, t8, A11, A11, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -2982,8 +3140,14 @@ def ce_causal0__block__W_V__W_QK__outer(X, W_QK, W_V, Y):
     t12 = np.swapaxes(W_V, -1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg->bdgf', t6, t8, A11, t12, M_2, X, optimize=[(1, 2), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach->bdhg', t6, t8, A11, A11, t12, M_2, X, optimize=[(1, 2), (1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t13 = (1/(L*n_batch)) * t6
+    t14 = oe.contract('abc,abc,cd,abde->ceab', t8, A11, t12, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t15 = oe.contract('abc,acd->bdac', t13, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t14, t15, optimize=[(0, 1)])
+    t16 = (-1/(L*n_batch)) * t6
+    t17 = oe.contract('abc,acd,de,acef->bfac', t16, A11, t12, M_2, optimize=[(1, 2), (1, 2), (0, 1)])
+    t18 = oe.contract('abc,abc,abd->cdab', t8, A11, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -3035,8 +3199,14 @@ def ce_causal0__block__W_V__W_V__outer(X, W_QK, W_V, Y):
     t10 = M_1 @ W_V
     t11 = np.exp(t10 - t10.max(-1, keepdims=True))
     A12 = t11 / t11.sum(-1, keepdims=True)
-    t1 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bde', t7, t9, A12, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t7, t9, A12, A12, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t13 = (1/(L*n_batch)) * t7
+    t14 = oe.contract('abc,acd->bdac', t13, M_1, optimize=[(0, 1)])
+    t15 = oe.contract('abc,abc->cab', t9, A12, optimize=[(0, 1)])
+    t1 += oe.contract('abcd,ecd->aeb', t14, t15, optimize=[(0, 1)])
+    t16 = (-1/(L*n_batch)) * t7
+    t17 = oe.contract('abc,acd->bdac', t16, A12, optimize=[(0, 1)])
+    t18 = oe.contract('abc,abc,abd->cdab', t9, A12, M_1, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -3096,18 +3266,23 @@ def ce_causal0__hessian__functional(X, W_QK, W_V, Y):
     t20 = A * t19
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1[...] = (1/n_batch) * oe.contract('abc,acde,acf->bdfe', t2, M_3, X, optimize=[(0, 2), (0, 1)])
-    t21 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t22 = np.reshape(t21, (d_V, d_V, d_V, d_V), copy=False)
+    t21 = (1/n_batch) * t2
+    t1[...] = oe.contract('abc,acde,acf->bdfe', t21, M_3, X, optimize=[(0, 2), (0, 1)])
+    t22 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t23 = np.reshape(t22, (d_V, d_V, d_V, d_V), copy=False)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t22[...] = (1/n_batch) * oe.contract('abcd,abe,abf->edcf', M_2, X, G, optimize=[(1, 2), (0, 1)])
-    t23 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t24 = np.reshape(t23, (d_V, d_V, d_V, d_V), copy=False)
-    t25 = np.swapaxes(G, -1, -2)
-    t24[...] = (1/n_batch) * oe.contract('abc,acde,acf->dbfe', t25, M_2, X, optimize=[(0, 2), (0, 1)])
-    t26 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t26[...] = 0
+    t24 = (1/n_batch) * X
+    t25 = oe.contract('abc,abd->cdab', t24, G, optimize=[(0, 1)])
+    t26 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t23[...] = oe.contract('abcd,efcd->aefb', t25, t26, optimize=[(0, 1)])
+    t27 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t28 = np.reshape(t27, (d_V, d_V, d_V, d_V), copy=False)
+    t29 = np.swapaxes(G, -1, -2)
+    t30 = (1/n_batch) * t29
+    t28[...] = oe.contract('abc,acde,acf->dbfe', t30, M_2, X, optimize=[(0, 2), (0, 1)])
+    t31 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t31[...] = 0
     return H
 
 
@@ -3231,7 +3406,8 @@ def ce_causal0__diag__W_QK__functional(X, W_QK, W_V, Y):
     t19 = A * t18
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t1, t19, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t19, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t19, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/n_batch) * oe.contract('abc,acdd,acb->bd', t1, M_3, X, optimize=[(0, 2), (0, 1)])
+    t20 = (1/n_batch) * t1
+    t0[...] = oe.contract('abc,acdd,acb->bd', t20, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -3300,7 +3476,8 @@ def ce_causal0__block__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t19 = A * t18
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t1, t19, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t19, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t19, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/n_batch) * oe.contract('abc,acde,acf->bdfe', t1, M_3, X, optimize=[(0, 2), (0, 1)])
+    t20 = (1/n_batch) * t1
+    t0[...] = oe.contract('abc,acde,acf->bdfe', t20, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -3366,7 +3543,10 @@ def ce_causal0__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
     t13 = (-1/L) * Y
     t14 = t12 + t13
     G = t14
-    t0[...] = (1/n_batch) * oe.contract('abcd,abe,abf->edcf', M_2, X, G, optimize=[(1, 2), (0, 1)])
+    t15 = (1/n_batch) * X
+    t16 = oe.contract('abc,abd->cdab', t15, G, optimize=[(0, 1)])
+    t17 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -3446,7 +3626,8 @@ def ce_causal0__block__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t15 = np.swapaxes(G, -1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/n_batch) * oe.contract('abc,acde,acf->dbfe', t15, M_2, X, optimize=[(0, 2), (0, 1)])
+    t16 = (1/n_batch) * t15
+    t0[...] = oe.contract('abc,acde,acf->dbfe', t16, M_2, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -3522,41 +3703,64 @@ def ce_causal0__hessian__full(X, W_QK, W_V, Y):
     t10 = np.exp(t9 - t9.max(-1, keepdims=True))
     A11 = t10 / t10.sum(-1, keepdims=True)
     t12 = np.swapaxes(W_V, -1, -2)
-    t1[...] = (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi->edih', M_2, X, W_V, t7, A11, t12, M_2, X, optimize=[(3, 4), (0, 2), (1, 2), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t1 += (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhi,abj->edji', M_2, X, W_V, t7, A11, A11, t12, M_2, X, optimize=[(3, 4), (0, 2), (5, 6), (1, 2), (1, 4), (0, 2), (0, 2), (0, 1)])
+    t13 = (1/(L*n_batch)) * X
+    t1[...] = oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi->edih', M_2, t13, W_V, t7, A11, t12, M_2, X, optimize=[(3, 4), (0, 2), (1, 2), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t14 = (-1/(L*n_batch)) * X
+    t15 = oe.contract('abc,cd,abde->eab', A11, t12, M_2, optimize=[(0, 1), (0, 1)])
+    t16 = oe.contract('abcd,abe,cf,abf,abf,abg->edgab', M_2, t14, W_V, t7, A11, X, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t1 += oe.contract('abc,defbc->defa', t15, t16, optimize=[(0, 1)])
     F = t9
-    t13 = np.exp(F - F.max(-1, keepdims=True))
-    A14 = t13 / t13.sum(-1, keepdims=True)
-    t15 = t7 * A14
-    t16 = (1/L) * t15
-    t17 = (-1/L) * Y
-    t18 = t16 + t17
-    G = t18
-    t19 = t12 @ t2
-    t20 = G @ t19
-    t21 = t20 - (A * t20).sum(-1, keepdims=True)
-    t22 = A * t21
+    t17 = np.exp(F - F.max(-1, keepdims=True))
+    A18 = t17 / t17.sum(-1, keepdims=True)
+    t19 = t7 * A18
+    t20 = (1/L) * t19
+    t21 = (-1/L) * Y
+    t22 = t20 + t21
+    G = t22
+    t23 = t12 @ t2
+    t24 = G @ t23
+    t25 = t24 - (A * t24).sum(-1, keepdims=True)
+    t26 = A * t25
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t22, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t22, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t22, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += (1/n_batch) * oe.contract('abc,acde,acf->bdfe', t2, M_3, X, optimize=[(0, 2), (0, 1)])
-    t23 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t24 = np.reshape(t23, (d_V, d_V, d_V, d_V), copy=False)
-    t24[...] = (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg->edgf', M_2, X, W_V, t7, A11, M_1, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t24 += (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,abh->edhg', M_2, X, W_V, t7, A11, A11, M_1, optimize=[(3, 4), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t24 += (1/n_batch) * oe.contract('abcd,abe,abf->edcf', M_2, X, G, optimize=[(1, 2), (0, 1)])
-    t25 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t26 = np.reshape(t25, (d_V, d_V, d_V, d_V), copy=False)
-    t27 = np.swapaxes(G, -1, -2)
-    t26[...] = (1/n_batch) * oe.contract('abc,acde,acf->dbfe', t27, M_2, X, optimize=[(0, 2), (0, 1)])
-    t28 = np.swapaxes(M_1, -1, -2)
-    t26 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg->bdgf', t28, t7, A11, t12, M_2, X, optimize=[(1, 2), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t26 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach->bdhg', t28, t7, A11, A11, t12, M_2, X, optimize=[(1, 2), (1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
-    t29 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t29[...] = 0
-    t30 = np.reshape(t29, (d_V, d_V, d_V, d_V), copy=False)
-    t31 = np.einsum('abcb->abc', t30)
-    t31 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bde', t28, t7, A11, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
-    t30 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t28, t7, A11, A11, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t26, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t26, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t26, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t27 = (1/n_batch) * t2
+    t1 += oe.contract('abc,acde,acf->bdfe', t27, M_3, X, optimize=[(0, 2), (0, 1)])
+    t28 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t29 = np.reshape(t28, (d_V, d_V, d_V, d_V), copy=False)
+    t30 = oe.contract('abcd,ce,abe,abe->deab', M_2, W_V, t7, A11, optimize=[(0, 1), (0, 1), (0, 1)])
+    t31 = oe.contract('abc,abd->cdab', t13, M_1, optimize=[(0, 1)])
+    t29[...] = oe.contract('abcd,efcd->eafb', t30, t31, optimize=[(0, 1)])
+    t32 = oe.contract('abc,abd,abe->cedab', t14, A11, M_1, optimize=[(0, 1), (0, 1)])
+    t33 = oe.contract('abcd,ce,abe,abe->dab', M_2, W_V, t7, A11, optimize=[(1, 2), (1, 2), (0, 1)])
+    t29 += oe.contract('abcde,fde->afbc', t32, t33, optimize=[(0, 1)])
+    t34 = (1/n_batch) * X
+    t35 = oe.contract('abc,abd->cdab', t34, G, optimize=[(0, 1)])
+    t36 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t29 += oe.contract('abcd,efcd->aefb', t35, t36, optimize=[(0, 1)])
+    t37 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t38 = np.reshape(t37, (d_V, d_V, d_V, d_V), copy=False)
+    t39 = np.swapaxes(G, -1, -2)
+    t40 = (1/n_batch) * t39
+    t38[...] = oe.contract('abc,acde,acf->dbfe', t40, M_2, X, optimize=[(0, 2), (0, 1)])
+    t41 = np.swapaxes(M_1, -1, -2)
+    t42 = (1/(L*n_batch)) * t41
+    t43 = oe.contract('abc,abc,cd,abde->ceab', t7, A11, t12, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t44 = oe.contract('abc,acd->bdac', t42, X, optimize=[(0, 1)])
+    t38 += oe.contract('abcd,efcd->eafb', t43, t44, optimize=[(0, 1)])
+    t45 = (-1/(L*n_batch)) * t41
+    t46 = oe.contract('abc,acd,de,acef->bfac', t45, A11, t12, M_2, optimize=[(1, 2), (1, 2), (0, 1)])
+    t47 = oe.contract('abc,abc,abd->cdab', t7, A11, X, optimize=[(0, 1), (0, 1)])
+    t38 += oe.contract('abcd,efcd->aefb', t46, t47, optimize=[(0, 1)])
+    t48 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t48[...] = 0
+    t49 = np.reshape(t48, (d_V, d_V, d_V, d_V), copy=False)
+    t50 = np.einsum('abcb->abc', t49)
+    t51 = oe.contract('abc,acd->bdac', t42, M_1, optimize=[(0, 1)])
+    t52 = oe.contract('abc,abc->cab', t7, A11, optimize=[(0, 1)])
+    t50 += oe.contract('abcd,ecd->aeb', t51, t52, optimize=[(0, 1)])
+    t53 = oe.contract('abc,acd->bdac', t45, A11, optimize=[(0, 1)])
+    t54 = oe.contract('abc,abc,abd->cdab', t7, A11, M_1, optimize=[(0, 1), (0, 1)])
+    t49 += oe.contract('abcd,efcd->aefb', t53, t54, optimize=[(0, 1)])
     return H
 
 
@@ -3689,23 +3893,30 @@ def ce_causal0__diag__W_QK__full(X, W_QK, W_V, Y):
     t9 = np.exp(t8 - t8.max(-1, keepdims=True))
     A10 = t9 / t9.sum(-1, keepdims=True)
     t11 = np.swapaxes(W_V, -1, -2)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,fg,abgd,abe->ed', M_2, X, W_V, t6, A10, t11, M_2, X, optimize=[(3, 4), (1, 5), (0, 1), (0, 1), (2, 3), (0, 2), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhd,abe->ed', M_2, X, W_V, t6, A10, A10, t11, M_2, X, optimize=[(3, 4), (1, 6), (0, 1), (3, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
+    t12 = (1/(L*n_batch)) * X
+    t13 = oe.contract('abcd,ce,abe,abe,ef,abfd->dab', M_2, W_V, t6, A10, t11, M_2, optimize=[(2, 3), (0, 1), (0, 1), (1, 2), (0, 1)])
+    t14 = oe.contract('abc,abc->cab', t12, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t13, t14, optimize=[(0, 1)])
+    t15 = (-1/(L*n_batch)) * X
+    t16 = oe.contract('abcd,ce,abe,abe,abf,fg,abgd->dab', M_2, W_V, t6, A10, A10, t11, M_2, optimize=[(2, 3), (0, 1), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t17 = oe.contract('abc,abc->cab', t15, X, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dbc->da', t16, t17, optimize=[(0, 1)])
     F = t8
-    t12 = np.exp(F - F.max(-1, keepdims=True))
-    A13 = t12 / t12.sum(-1, keepdims=True)
-    t14 = t6 * A13
-    t15 = (1/L) * t14
-    t16 = (-1/L) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = t11 @ t1
-    t19 = G @ t18
-    t20 = t19 - (A * t19).sum(-1, keepdims=True)
-    t21 = A * t20
+    t18 = np.exp(F - F.max(-1, keepdims=True))
+    A19 = t18 / t18.sum(-1, keepdims=True)
+    t20 = t6 * A19
+    t21 = (1/L) * t20
+    t22 = (-1/L) * Y
+    t23 = t21 + t22
+    G = t23
+    t24 = t11 @ t1
+    t25 = G @ t24
+    t26 = t25 - (A * t25).sum(-1, keepdims=True)
+    t27 = A * t26
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/n_batch) * oe.contract('abc,acdd,acb->bd', t1, M_3, X, optimize=[(0, 2), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t27, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t27, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t27, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t28 = (1/n_batch) * t1
+    t0 += oe.contract('abc,acdd,acb->bd', t28, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -3768,23 +3979,28 @@ def ce_causal0__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     t9 = np.exp(t8 - t8.max(-1, keepdims=True))
     A10 = t9 / t9.sum(-1, keepdims=True)
     t11 = np.swapaxes(W_V, -1, -2)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi->edih', M_2, X, W_V, t6, A10, t11, M_2, X, optimize=[(3, 4), (0, 2), (1, 2), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhi,abj->edji', M_2, X, W_V, t6, A10, A10, t11, M_2, X, optimize=[(3, 4), (0, 2), (5, 6), (1, 2), (1, 4), (0, 2), (0, 2), (0, 1)])
+    t12 = (1/(L*n_batch)) * X
+    t0[...] = oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi->edih', M_2, t12, W_V, t6, A10, t11, M_2, X, optimize=[(3, 4), (0, 2), (1, 2), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t13 = (-1/(L*n_batch)) * X
+    t14 = oe.contract('abc,cd,abde->eab', A10, t11, M_2, optimize=[(0, 1), (0, 1)])
+    t15 = oe.contract('abcd,abe,cf,abf,abf,abg->edgab', M_2, t13, W_V, t6, A10, X, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t0 += oe.contract('abc,defbc->defa', t14, t15, optimize=[(0, 1)])
     F = t8
-    t12 = np.exp(F - F.max(-1, keepdims=True))
-    A13 = t12 / t12.sum(-1, keepdims=True)
-    t14 = t6 * A13
-    t15 = (1/L) * t14
-    t16 = (-1/L) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = t11 @ t1
-    t19 = G @ t18
-    t20 = t19 - (A * t19).sum(-1, keepdims=True)
-    t21 = A * t20
+    t16 = np.exp(F - F.max(-1, keepdims=True))
+    A17 = t16 / t16.sum(-1, keepdims=True)
+    t18 = t6 * A17
+    t19 = (1/L) * t18
+    t20 = (-1/L) * Y
+    t21 = t19 + t20
+    G = t21
+    t22 = t11 @ t1
+    t23 = G @ t22
+    t24 = t23 - (A * t23).sum(-1, keepdims=True)
+    t25 = A * t24
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/n_batch) * oe.contract('abc,acde,acf->bdfe', t1, M_3, X, optimize=[(0, 2), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t25, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t25, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t25, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t26 = (1/n_batch) * t1
+    t0 += oe.contract('abc,acde,acf->bdfe', t26, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -3848,17 +4064,26 @@ def ce_causal0__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     t8 = M_1 @ W_V
     t9 = np.exp(t8 - t8.max(-1, keepdims=True))
     A10 = t9 / t9.sum(-1, keepdims=True)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg->edgf', M_2, X, W_V, t6, A10, M_1, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,abh->edhg', M_2, X, W_V, t6, A10, A10, M_1, optimize=[(3, 4), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t11 = (1/(L*n_batch)) * X
+    t12 = oe.contract('abcd,ce,abe,abe->deab', M_2, W_V, t6, A10, optimize=[(0, 1), (0, 1), (0, 1)])
+    t13 = oe.contract('abc,abd->cdab', t11, M_1, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t12, t13, optimize=[(0, 1)])
+    t14 = (-1/(L*n_batch)) * X
+    t15 = oe.contract('abc,abd,abe->cedab', t14, A10, M_1, optimize=[(0, 1), (0, 1)])
+    t16 = oe.contract('abcd,ce,abe,abe->dab', M_2, W_V, t6, A10, optimize=[(1, 2), (1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t15, t16, optimize=[(0, 1)])
     F = t8
-    t11 = np.exp(F - F.max(-1, keepdims=True))
-    A12 = t11 / t11.sum(-1, keepdims=True)
-    t13 = t6 * A12
-    t14 = (1/L) * t13
-    t15 = (-1/L) * Y
-    t16 = t14 + t15
-    G = t16
-    t0 += (1/n_batch) * oe.contract('abcd,abe,abf->edcf', M_2, X, G, optimize=[(1, 2), (0, 1)])
+    t17 = np.exp(F - F.max(-1, keepdims=True))
+    A18 = t17 / t17.sum(-1, keepdims=True)
+    t19 = t6 * A18
+    t20 = (1/L) * t19
+    t21 = (-1/L) * Y
+    t22 = t20 + t21
+    G = t22
+    t23 = (1/n_batch) * X
+    t24 = oe.contract('abc,abd->cdab', t23, G, optimize=[(0, 1)])
+    t25 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0 += oe.contract('abcd,efcd->aefb', t24, t25, optimize=[(0, 1)])
     return out
 
 
@@ -3914,8 +4139,12 @@ def ce_causal0__diag__W_V__full(X, W_QK, W_V, Y):
     t9 = M_1 @ W_V
     t10 = np.exp(t9 - t9.max(-1, keepdims=True))
     A11 = t10 / t10.sum(-1, keepdims=True)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,acb->bd', t6, t8, A11, M_1, optimize=[(0, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->bd', t6, t8, A11, A11, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t12 = (1/(L*n_batch)) * t6
+    t13 = oe.contract('abc,abc->cab', t8, A11, optimize=[(0, 1)])
+    t14 = oe.contract('abc,acb->bac', t12, M_1, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t13, t14, optimize=[(0, 1)])
+    t15 = (-1/(L*n_batch)) * t6
+    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t15, t8, A11, A11, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -3968,13 +4197,20 @@ def ce_causal0__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     t15 = np.swapaxes(G, -1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/n_batch) * oe.contract('abc,acde,acf->dbfe', t15, M_2, X, optimize=[(0, 2), (0, 1)])
-    t16 = np.swapaxes(M_1, -1, -2)
-    t17 = np.exp(t8 - t8.max(-1, keepdims=True))
-    A18 = t17 / t17.sum(-1, keepdims=True)
-    t19 = np.swapaxes(W_V, -1, -2)
-    t0 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg->bdgf', t16, t2, A18, t19, M_2, X, optimize=[(1, 2), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach->bdhg', t16, t2, A18, A18, t19, M_2, X, optimize=[(1, 2), (1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t16 = (1/n_batch) * t15
+    t0[...] = oe.contract('abc,acde,acf->dbfe', t16, M_2, X, optimize=[(0, 2), (0, 1)])
+    t17 = np.swapaxes(M_1, -1, -2)
+    t18 = np.exp(t8 - t8.max(-1, keepdims=True))
+    A19 = t18 / t18.sum(-1, keepdims=True)
+    t20 = np.swapaxes(W_V, -1, -2)
+    t21 = (1/(L*n_batch)) * t17
+    t22 = oe.contract('abc,abc,cd,abde->ceab', t2, A19, t20, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t23 = oe.contract('abc,acd->bdac', t21, X, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
+    t24 = (-1/(L*n_batch)) * t17
+    t25 = oe.contract('abc,acd,de,acef->bfac', t24, A19, t20, M_2, optimize=[(1, 2), (1, 2), (0, 1)])
+    t26 = oe.contract('abc,abc,abd->cdab', t2, A19, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t25, t26, optimize=[(0, 1)])
     return out
 
 
@@ -4035,8 +4271,14 @@ def ce_causal0__block__W_V__W_V__full(X, W_QK, W_V, Y):
     t10 = M_1 @ W_V
     t11 = np.exp(t10 - t10.max(-1, keepdims=True))
     A12 = t11 / t11.sum(-1, keepdims=True)
-    t1 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bde', t7, t9, A12, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t7, t9, A12, A12, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t13 = (1/(L*n_batch)) * t7
+    t14 = oe.contract('abc,acd->bdac', t13, M_1, optimize=[(0, 1)])
+    t15 = oe.contract('abc,abc->cab', t9, A12, optimize=[(0, 1)])
+    t1 += oe.contract('abcd,ecd->aeb', t14, t15, optimize=[(0, 1)])
+    t16 = (-1/(L*n_batch)) * t7
+    t17 = oe.contract('abc,acd->bdac', t16, A12, optimize=[(0, 1)])
+    t18 = oe.contract('abc,abc,abd->cdab', t9, A12, M_1, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -4148,23 +4390,41 @@ def ce_causal1__hessian__outer(X, W_QK, W_V, Y):
     t12 = np.exp(t11 - t11.max(-1, keepdims=True))
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.swapaxes(W_V, -1, -2)
-    t1[...] = (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi->edih', M_2, X, W_V, t9, A13, t14, M_2, X, optimize=[(3, 4), (0, 2), (1, 2), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t1 += (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhi,abj->edji', M_2, X, W_V, t9, A13, A13, t14, M_2, X, optimize=[(3, 4), (0, 2), (5, 6), (1, 2), (1, 4), (0, 2), (0, 2), (0, 1)])
-    t15 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t16 = np.reshape(t15, (d_V, d_V, d_V, d_V), copy=False)
-    t16[...] = (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg->edgf', M_2, X, W_V, t9, A13, M_1, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t16 += (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,abh->edhg', M_2, X, W_V, t9, A13, A13, M_1, optimize=[(3, 4), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t17 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t18 = np.reshape(t17, (d_V, d_V, d_V, d_V), copy=False)
-    t19 = np.swapaxes(M_1, -1, -2)
-    t18[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg->bdgf', t19, t9, A13, t14, M_2, X, optimize=[(1, 2), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t18 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach->bdhg', t19, t9, A13, A13, t14, M_2, X, optimize=[(1, 2), (1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
-    t20 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t20[...] = 0
-    t21 = np.reshape(t20, (d_V, d_V, d_V, d_V), copy=False)
-    t22 = np.einsum('abcb->abc', t21)
-    t22 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bde', t19, t9, A13, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
-    t21 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t19, t9, A13, A13, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t15 = (1/(L*n_batch)) * X
+    t1[...] = oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi->edih', M_2, t15, W_V, t9, A13, t14, M_2, X, optimize=[(3, 4), (0, 2), (1, 2), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t16 = (-1/(L*n_batch)) * X
+    t17 = oe.contract('abc,cd,abde->eab', A13, t14, M_2, optimize=[(0, 1), (0, 1)])
+    t18 = oe.contract('abcd,abe,cf,abf,abf,abg->edgab', M_2, t16, W_V, t9, A13, X, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t1 += oe.contract('abc,defbc->defa', t17, t18, optimize=[(0, 1)])
+    t19 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t20 = np.reshape(t19, (d_V, d_V, d_V, d_V), copy=False)
+    t21 = oe.contract('abcd,ce,abe,abe->deab', M_2, W_V, t9, A13, optimize=[(0, 1), (0, 1), (0, 1)])
+    t22 = oe.contract('abc,abd->cdab', t15, M_1, optimize=[(0, 1)])
+    t20[...] = oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
+    t23 = oe.contract('abc,abd,abe->cedab', t16, A13, M_1, optimize=[(0, 1), (0, 1)])
+    t24 = oe.contract('abcd,ce,abe,abe->dab', M_2, W_V, t9, A13, optimize=[(1, 2), (1, 2), (0, 1)])
+    t20 += oe.contract('abcde,fde->afbc', t23, t24, optimize=[(0, 1)])
+    t25 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t26 = np.reshape(t25, (d_V, d_V, d_V, d_V), copy=False)
+    t27 = np.swapaxes(M_1, -1, -2)
+    t28 = (1/(L*n_batch)) * t27
+    t29 = oe.contract('abc,abc,cd,abde->ceab', t9, A13, t14, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t30 = oe.contract('abc,acd->bdac', t28, X, optimize=[(0, 1)])
+    t26[...] = oe.contract('abcd,efcd->eafb', t29, t30, optimize=[(0, 1)])
+    t31 = (-1/(L*n_batch)) * t27
+    t32 = oe.contract('abc,acd,de,acef->bfac', t31, A13, t14, M_2, optimize=[(1, 2), (1, 2), (0, 1)])
+    t33 = oe.contract('abc,abc,abd->cdab', t9, A13, X, optimize=[(0, 1), (0, 1)])
+    t26 += oe.contract('abcd,efcd->aefb', t32, t33, optimize=[(0, 1)])
+    t34 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t34[...] = 0
+    t35 = np.reshape(t34, (d_V, d_V, d_V, d_V), copy=False)
+    t36 = np.einsum('abcb->abc', t35)
+    t37 = oe.contract('abc,acd->bdac', t28, M_1, optimize=[(0, 1)])
+    t38 = oe.contract('abc,abc->cab', t9, A13, optimize=[(0, 1)])
+    t36 += oe.contract('abcd,ecd->aeb', t37, t38, optimize=[(0, 1)])
+    t39 = oe.contract('abc,acd->bdac', t31, A13, optimize=[(0, 1)])
+    t40 = oe.contract('abc,abc,abd->cdab', t9, A13, M_1, optimize=[(0, 1), (0, 1)])
+    t35 += oe.contract('abcd,efcd->aefb', t39, t40, optimize=[(0, 1)])
     return H
 
 
@@ -4270,8 +4530,14 @@ def ce_causal1__diag__W_QK__outer(X, W_QK, W_V, Y):
     t11 = np.exp(t10 - t10.max(-1, keepdims=True))
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.swapaxes(W_V, -1, -2)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,fg,abgd,abe->ed', M_2, X, W_V, t8, A12, t13, M_2, X, optimize=[(3, 4), (1, 5), (0, 1), (0, 1), (2, 3), (0, 2), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhd,abe->ed', M_2, X, W_V, t8, A12, A12, t13, M_2, X, optimize=[(3, 4), (1, 6), (0, 1), (3, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
+    t14 = (1/(L*n_batch)) * X
+    t15 = oe.contract('abcd,ce,abe,abe,ef,abfd->dab', M_2, W_V, t8, A12, t13, M_2, optimize=[(2, 3), (0, 1), (0, 1), (1, 2), (0, 1)])
+    t16 = oe.contract('abc,abc->cab', t14, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t15, t16, optimize=[(0, 1)])
+    t17 = (-1/(L*n_batch)) * X
+    t18 = oe.contract('abcd,ce,abe,abe,abf,fg,abgd->dab', M_2, W_V, t8, A12, A12, t13, M_2, optimize=[(2, 3), (0, 1), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t19 = oe.contract('abc,abc->cab', t17, X, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dbc->da', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -4324,8 +4590,12 @@ def ce_causal1__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     t11 = np.exp(t10 - t10.max(-1, keepdims=True))
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.swapaxes(W_V, -1, -2)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi->edih', M_2, X, W_V, t8, A12, t13, M_2, X, optimize=[(3, 4), (0, 2), (1, 2), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhi,abj->edji', M_2, X, W_V, t8, A12, A12, t13, M_2, X, optimize=[(3, 4), (0, 2), (5, 6), (1, 2), (1, 4), (0, 2), (0, 2), (0, 1)])
+    t14 = (1/(L*n_batch)) * X
+    t0[...] = oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi->edih', M_2, t14, W_V, t8, A12, t13, M_2, X, optimize=[(3, 4), (0, 2), (1, 2), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t15 = (-1/(L*n_batch)) * X
+    t16 = oe.contract('abc,cd,abde->eab', A12, t13, M_2, optimize=[(0, 1), (0, 1)])
+    t17 = oe.contract('abcd,abe,cf,abf,abf,abg->edgab', M_2, t15, W_V, t8, A12, X, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t0 += oe.contract('abc,defbc->defa', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -4379,8 +4649,14 @@ def ce_causal1__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     t10 = M_1 @ W_V
     t11 = np.exp(t10 - t10.max(-1, keepdims=True))
     A12 = t11 / t11.sum(-1, keepdims=True)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg->edgf', M_2, X, W_V, t8, A12, M_1, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,abh->edhg', M_2, X, W_V, t8, A12, A12, M_1, optimize=[(3, 4), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t13 = (1/(L*n_batch)) * X
+    t14 = oe.contract('abcd,ce,abe,abe->deab', M_2, W_V, t8, A12, optimize=[(0, 1), (0, 1), (0, 1)])
+    t15 = oe.contract('abc,abd->cdab', t13, M_1, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t14, t15, optimize=[(0, 1)])
+    t16 = (-1/(L*n_batch)) * X
+    t17 = oe.contract('abc,abd,abe->cedab', t16, A12, M_1, optimize=[(0, 1), (0, 1)])
+    t18 = oe.contract('abcd,ce,abe,abe->dab', M_2, W_V, t8, A12, optimize=[(1, 2), (1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -4432,8 +4708,12 @@ def ce_causal1__diag__W_V__outer(X, W_QK, W_V, Y):
     t11 = M_1 @ W_V
     t12 = np.exp(t11 - t11.max(-1, keepdims=True))
     A13 = t12 / t12.sum(-1, keepdims=True)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,acb->bd', t8, t10, A13, M_1, optimize=[(0, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->bd', t8, t10, A13, A13, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t14 = (1/(L*n_batch)) * t8
+    t15 = oe.contract('abc,abc->cab', t10, A13, optimize=[(0, 1)])
+    t16 = oe.contract('abc,acb->bac', t14, M_1, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t15, t16, optimize=[(0, 1)])
+    t17 = (-1/(L*n_batch)) * t8
+    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t17, t10, A13, A13, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -4485,8 +4765,14 @@ def ce_causal1__block__W_V__W_QK__outer(X, W_QK, W_V, Y):
     t14 = np.swapaxes(W_V, -1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg->bdgf', t8, t10, A13, t14, M_2, X, optimize=[(1, 2), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach->bdhg', t8, t10, A13, A13, t14, M_2, X, optimize=[(1, 2), (1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t15 = (1/(L*n_batch)) * t8
+    t16 = oe.contract('abc,abc,cd,abde->ceab', t10, A13, t14, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t17 = oe.contract('abc,acd->bdac', t15, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
+    t18 = (-1/(L*n_batch)) * t8
+    t19 = oe.contract('abc,acd,de,acef->bfac', t18, A13, t14, M_2, optimize=[(1, 2), (1, 2), (0, 1)])
+    t20 = oe.contract('abc,abc,abd->cdab', t10, A13, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -4542,8 +4828,14 @@ def ce_causal1__block__W_V__W_V__outer(X, W_QK, W_V, Y):
     t12 = M_1 @ W_V
     t13 = np.exp(t12 - t12.max(-1, keepdims=True))
     A14 = t13 / t13.sum(-1, keepdims=True)
-    t1 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bde', t9, t11, A14, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t9, t11, A14, A14, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t15 = (1/(L*n_batch)) * t9
+    t16 = oe.contract('abc,acd->bdac', t15, M_1, optimize=[(0, 1)])
+    t17 = oe.contract('abc,abc->cab', t11, A14, optimize=[(0, 1)])
+    t1 += oe.contract('abcd,ecd->aeb', t16, t17, optimize=[(0, 1)])
+    t18 = (-1/(L*n_batch)) * t9
+    t19 = oe.contract('abc,acd->bdac', t18, A14, optimize=[(0, 1)])
+    t20 = oe.contract('abc,abc,abd->cdab', t11, A14, M_1, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -4607,18 +4899,23 @@ def ce_causal1__hessian__functional(X, W_QK, W_V, Y):
     t22 = A * t21
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t22, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t22, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t22, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1[...] = (1/n_batch) * oe.contract('abc,acde,acf->bdfe', t2, M_3, X, optimize=[(0, 2), (0, 1)])
-    t23 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t24 = np.reshape(t23, (d_V, d_V, d_V, d_V), copy=False)
+    t23 = (1/n_batch) * t2
+    t1[...] = oe.contract('abc,acde,acf->bdfe', t23, M_3, X, optimize=[(0, 2), (0, 1)])
+    t24 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t25 = np.reshape(t24, (d_V, d_V, d_V, d_V), copy=False)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t24[...] = (1/n_batch) * oe.contract('abcd,abe,abf->edcf', M_2, X, G, optimize=[(1, 2), (0, 1)])
-    t25 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t26 = np.reshape(t25, (d_V, d_V, d_V, d_V), copy=False)
-    t27 = np.swapaxes(G, -1, -2)
-    t26[...] = (1/n_batch) * oe.contract('abc,acde,acf->dbfe', t27, M_2, X, optimize=[(0, 2), (0, 1)])
-    t28 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t28[...] = 0
+    t26 = (1/n_batch) * X
+    t27 = oe.contract('abc,abd->cdab', t26, G, optimize=[(0, 1)])
+    t28 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t25[...] = oe.contract('abcd,efcd->aefb', t27, t28, optimize=[(0, 1)])
+    t29 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t30 = np.reshape(t29, (d_V, d_V, d_V, d_V), copy=False)
+    t31 = np.swapaxes(G, -1, -2)
+    t32 = (1/n_batch) * t31
+    t30[...] = oe.contract('abc,acde,acf->dbfe', t32, M_2, X, optimize=[(0, 2), (0, 1)])
+    t33 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t33[...] = 0
     return H
 
 
@@ -4748,7 +5045,8 @@ def ce_causal1__diag__W_QK__functional(X, W_QK, W_V, Y):
     t21 = A * t20
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t1, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/n_batch) * oe.contract('abc,acdd,acb->bd', t1, M_3, X, optimize=[(0, 2), (0, 1)])
+    t22 = (1/n_batch) * t1
+    t0[...] = oe.contract('abc,acdd,acb->bd', t22, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -4821,7 +5119,8 @@ def ce_causal1__block__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t21 = A * t20
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t1, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/n_batch) * oe.contract('abc,acde,acf->bdfe', t1, M_3, X, optimize=[(0, 2), (0, 1)])
+    t22 = (1/n_batch) * t1
+    t0[...] = oe.contract('abc,acde,acf->bdfe', t22, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -4891,7 +5190,10 @@ def ce_causal1__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
     t15 = (-1/L) * Y
     t16 = t14 + t15
     G = t16
-    t0[...] = (1/n_batch) * oe.contract('abcd,abe,abf->edcf', M_2, X, G, optimize=[(1, 2), (0, 1)])
+    t17 = (1/n_batch) * X
+    t18 = oe.contract('abc,abd->cdab', t17, G, optimize=[(0, 1)])
+    t19 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -4975,7 +5277,8 @@ def ce_causal1__block__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t17 = np.swapaxes(G, -1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/n_batch) * oe.contract('abc,acde,acf->dbfe', t17, M_2, X, optimize=[(0, 2), (0, 1)])
+    t18 = (1/n_batch) * t17
+    t0[...] = oe.contract('abc,acde,acf->dbfe', t18, M_2, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -5055,41 +5358,64 @@ def ce_causal1__hessian__full(X, W_QK, W_V, Y):
     t12 = np.exp(t11 - t11.max(-1, keepdims=True))
     A13 = t12 / t12.sum(-1, keepdims=True)
     t14 = np.swapaxes(W_V, -1, -2)
-    t1[...] = (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi->edih', M_2, X, W_V, t9, A13, t14, M_2, X, optimize=[(3, 4), (0, 2), (1, 2), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t1 += (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhi,abj->edji', M_2, X, W_V, t9, A13, A13, t14, M_2, X, optimize=[(3, 4), (0, 2), (5, 6), (1, 2), (1, 4), (0, 2), (0, 2), (0, 1)])
+    t15 = (1/(L*n_batch)) * X
+    t1[...] = oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi->edih', M_2, t15, W_V, t9, A13, t14, M_2, X, optimize=[(3, 4), (0, 2), (1, 2), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t16 = (-1/(L*n_batch)) * X
+    t17 = oe.contract('abc,cd,abde->eab', A13, t14, M_2, optimize=[(0, 1), (0, 1)])
+    t18 = oe.contract('abcd,abe,cf,abf,abf,abg->edgab', M_2, t16, W_V, t9, A13, X, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t1 += oe.contract('abc,defbc->defa', t17, t18, optimize=[(0, 1)])
     F = t11
-    t15 = np.exp(F - F.max(-1, keepdims=True))
-    A16 = t15 / t15.sum(-1, keepdims=True)
-    t17 = t9 * A16
-    t18 = (1/L) * t17
-    t19 = (-1/L) * Y
-    t20 = t18 + t19
-    G = t20
-    t21 = t14 @ t2
-    t22 = G @ t21
-    t23 = t22 - (A * t22).sum(-1, keepdims=True)
-    t24 = A * t23
+    t19 = np.exp(F - F.max(-1, keepdims=True))
+    A20 = t19 / t19.sum(-1, keepdims=True)
+    t21 = t9 * A20
+    t22 = (1/L) * t21
+    t23 = (-1/L) * Y
+    t24 = t22 + t23
+    G = t24
+    t25 = t14 @ t2
+    t26 = G @ t25
+    t27 = t26 - (A * t26).sum(-1, keepdims=True)
+    t28 = A * t27
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t24, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t24, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t24, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += (1/n_batch) * oe.contract('abc,acde,acf->bdfe', t2, M_3, X, optimize=[(0, 2), (0, 1)])
-    t25 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t26 = np.reshape(t25, (d_V, d_V, d_V, d_V), copy=False)
-    t26[...] = (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg->edgf', M_2, X, W_V, t9, A13, M_1, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t26 += (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,abh->edhg', M_2, X, W_V, t9, A13, A13, M_1, optimize=[(3, 4), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t26 += (1/n_batch) * oe.contract('abcd,abe,abf->edcf', M_2, X, G, optimize=[(1, 2), (0, 1)])
-    t27 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t28 = np.reshape(t27, (d_V, d_V, d_V, d_V), copy=False)
-    t29 = np.swapaxes(G, -1, -2)
-    t28[...] = (1/n_batch) * oe.contract('abc,acde,acf->dbfe', t29, M_2, X, optimize=[(0, 2), (0, 1)])
-    t30 = np.swapaxes(M_1, -1, -2)
-    t28 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg->bdgf', t30, t9, A13, t14, M_2, X, optimize=[(1, 2), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t28 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach->bdhg', t30, t9, A13, A13, t14, M_2, X, optimize=[(1, 2), (1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
-    t31 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t31[...] = 0
-    t32 = np.reshape(t31, (d_V, d_V, d_V, d_V), copy=False)
-    t33 = np.einsum('abcb->abc', t32)
-    t33 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bde', t30, t9, A13, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
-    t32 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t30, t9, A13, A13, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t28, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t28, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t28, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t29 = (1/n_batch) * t2
+    t1 += oe.contract('abc,acde,acf->bdfe', t29, M_3, X, optimize=[(0, 2), (0, 1)])
+    t30 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t31 = np.reshape(t30, (d_V, d_V, d_V, d_V), copy=False)
+    t32 = oe.contract('abcd,ce,abe,abe->deab', M_2, W_V, t9, A13, optimize=[(0, 1), (0, 1), (0, 1)])
+    t33 = oe.contract('abc,abd->cdab', t15, M_1, optimize=[(0, 1)])
+    t31[...] = oe.contract('abcd,efcd->eafb', t32, t33, optimize=[(0, 1)])
+    t34 = oe.contract('abc,abd,abe->cedab', t16, A13, M_1, optimize=[(0, 1), (0, 1)])
+    t35 = oe.contract('abcd,ce,abe,abe->dab', M_2, W_V, t9, A13, optimize=[(1, 2), (1, 2), (0, 1)])
+    t31 += oe.contract('abcde,fde->afbc', t34, t35, optimize=[(0, 1)])
+    t36 = (1/n_batch) * X
+    t37 = oe.contract('abc,abd->cdab', t36, G, optimize=[(0, 1)])
+    t38 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t31 += oe.contract('abcd,efcd->aefb', t37, t38, optimize=[(0, 1)])
+    t39 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t40 = np.reshape(t39, (d_V, d_V, d_V, d_V), copy=False)
+    t41 = np.swapaxes(G, -1, -2)
+    t42 = (1/n_batch) * t41
+    t40[...] = oe.contract('abc,acde,acf->dbfe', t42, M_2, X, optimize=[(0, 2), (0, 1)])
+    t43 = np.swapaxes(M_1, -1, -2)
+    t44 = (1/(L*n_batch)) * t43
+    t45 = oe.contract('abc,abc,cd,abde->ceab', t9, A13, t14, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t46 = oe.contract('abc,acd->bdac', t44, X, optimize=[(0, 1)])
+    t40 += oe.contract('abcd,efcd->eafb', t45, t46, optimize=[(0, 1)])
+    t47 = (-1/(L*n_batch)) * t43
+    t48 = oe.contract('abc,acd,de,acef->bfac', t47, A13, t14, M_2, optimize=[(1, 2), (1, 2), (0, 1)])
+    t49 = oe.contract('abc,abc,abd->cdab', t9, A13, X, optimize=[(0, 1), (0, 1)])
+    t40 += oe.contract('abcd,efcd->aefb', t48, t49, optimize=[(0, 1)])
+    t50 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t50[...] = 0
+    t51 = np.reshape(t50, (d_V, d_V, d_V, d_V), copy=False)
+    t52 = np.einsum('abcb->abc', t51)
+    t53 = oe.contract('abc,acd->bdac', t44, M_1, optimize=[(0, 1)])
+    t54 = oe.contract('abc,abc->cab', t9, A13, optimize=[(0, 1)])
+    t52 += oe.contract('abcd,ecd->aeb', t53, t54, optimize=[(0, 1)])
+    t55 = oe.contract('abc,acd->bdac', t47, A13, optimize=[(0, 1)])
+    t56 = oe.contract('abc,abc,abd->cdab', t9, A13, M_1, optimize=[(0, 1), (0, 1)])
+    t51 += oe.contract('abcd,efcd->aefb', t55, t56, optimize=[(0, 1)])
     return H
 
 
@@ -5228,23 +5554,30 @@ def ce_causal1__diag__W_QK__full(X, W_QK, W_V, Y):
     t11 = np.exp(t10 - t10.max(-1, keepdims=True))
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.swapaxes(W_V, -1, -2)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,fg,abgd,abe->ed', M_2, X, W_V, t8, A12, t13, M_2, X, optimize=[(3, 4), (1, 5), (0, 1), (0, 1), (2, 3), (0, 2), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhd,abe->ed', M_2, X, W_V, t8, A12, A12, t13, M_2, X, optimize=[(3, 4), (1, 6), (0, 1), (3, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
+    t14 = (1/(L*n_batch)) * X
+    t15 = oe.contract('abcd,ce,abe,abe,ef,abfd->dab', M_2, W_V, t8, A12, t13, M_2, optimize=[(2, 3), (0, 1), (0, 1), (1, 2), (0, 1)])
+    t16 = oe.contract('abc,abc->cab', t14, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t15, t16, optimize=[(0, 1)])
+    t17 = (-1/(L*n_batch)) * X
+    t18 = oe.contract('abcd,ce,abe,abe,abf,fg,abgd->dab', M_2, W_V, t8, A12, A12, t13, M_2, optimize=[(2, 3), (0, 1), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t19 = oe.contract('abc,abc->cab', t17, X, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dbc->da', t18, t19, optimize=[(0, 1)])
     F = t10
-    t14 = np.exp(F - F.max(-1, keepdims=True))
-    A15 = t14 / t14.sum(-1, keepdims=True)
-    t16 = t8 * A15
-    t17 = (1/L) * t16
-    t18 = (-1/L) * Y
-    t19 = t17 + t18
-    G = t19
-    t20 = t13 @ t1
-    t21 = G @ t20
-    t22 = t21 - (A * t21).sum(-1, keepdims=True)
-    t23 = A * t22
+    t20 = np.exp(F - F.max(-1, keepdims=True))
+    A21 = t20 / t20.sum(-1, keepdims=True)
+    t22 = t8 * A21
+    t23 = (1/L) * t22
+    t24 = (-1/L) * Y
+    t25 = t23 + t24
+    G = t25
+    t26 = t13 @ t1
+    t27 = G @ t26
+    t28 = t27 - (A * t27).sum(-1, keepdims=True)
+    t29 = A * t28
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/n_batch) * oe.contract('abc,acdd,acb->bd', t1, M_3, X, optimize=[(0, 2), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t29, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t29, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t29, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t30 = (1/n_batch) * t1
+    t0 += oe.contract('abc,acdd,acb->bd', t30, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -5311,23 +5644,28 @@ def ce_causal1__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     t11 = np.exp(t10 - t10.max(-1, keepdims=True))
     A12 = t11 / t11.sum(-1, keepdims=True)
     t13 = np.swapaxes(W_V, -1, -2)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi->edih', M_2, X, W_V, t8, A12, t13, M_2, X, optimize=[(3, 4), (0, 2), (1, 2), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhi,abj->edji', M_2, X, W_V, t8, A12, A12, t13, M_2, X, optimize=[(3, 4), (0, 2), (5, 6), (1, 2), (1, 4), (0, 2), (0, 2), (0, 1)])
+    t14 = (1/(L*n_batch)) * X
+    t0[...] = oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi->edih', M_2, t14, W_V, t8, A12, t13, M_2, X, optimize=[(3, 4), (0, 2), (1, 2), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t15 = (-1/(L*n_batch)) * X
+    t16 = oe.contract('abc,cd,abde->eab', A12, t13, M_2, optimize=[(0, 1), (0, 1)])
+    t17 = oe.contract('abcd,abe,cf,abf,abf,abg->edgab', M_2, t15, W_V, t8, A12, X, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t0 += oe.contract('abc,defbc->defa', t16, t17, optimize=[(0, 1)])
     F = t10
-    t14 = np.exp(F - F.max(-1, keepdims=True))
-    A15 = t14 / t14.sum(-1, keepdims=True)
-    t16 = t8 * A15
-    t17 = (1/L) * t16
-    t18 = (-1/L) * Y
-    t19 = t17 + t18
-    G = t19
-    t20 = t13 @ t1
-    t21 = G @ t20
-    t22 = t21 - (A * t21).sum(-1, keepdims=True)
-    t23 = A * t22
+    t18 = np.exp(F - F.max(-1, keepdims=True))
+    A19 = t18 / t18.sum(-1, keepdims=True)
+    t20 = t8 * A19
+    t21 = (1/L) * t20
+    t22 = (-1/L) * Y
+    t23 = t21 + t22
+    G = t23
+    t24 = t13 @ t1
+    t25 = G @ t24
+    t26 = t25 - (A * t25).sum(-1, keepdims=True)
+    t27 = A * t26
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/n_batch) * oe.contract('abc,acde,acf->bdfe', t1, M_3, X, optimize=[(0, 2), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t27, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t27, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t27, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t28 = (1/n_batch) * t1
+    t0 += oe.contract('abc,acde,acf->bdfe', t28, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -5395,17 +5733,26 @@ def ce_causal1__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     t10 = M_1 @ W_V
     t11 = np.exp(t10 - t10.max(-1, keepdims=True))
     A12 = t11 / t11.sum(-1, keepdims=True)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg->edgf', M_2, X, W_V, t8, A12, M_1, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,abh->edhg', M_2, X, W_V, t8, A12, A12, M_1, optimize=[(3, 4), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t13 = (1/(L*n_batch)) * X
+    t14 = oe.contract('abcd,ce,abe,abe->deab', M_2, W_V, t8, A12, optimize=[(0, 1), (0, 1), (0, 1)])
+    t15 = oe.contract('abc,abd->cdab', t13, M_1, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t14, t15, optimize=[(0, 1)])
+    t16 = (-1/(L*n_batch)) * X
+    t17 = oe.contract('abc,abd,abe->cedab', t16, A12, M_1, optimize=[(0, 1), (0, 1)])
+    t18 = oe.contract('abcd,ce,abe,abe->dab', M_2, W_V, t8, A12, optimize=[(1, 2), (1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t17, t18, optimize=[(0, 1)])
     F = t10
-    t13 = np.exp(F - F.max(-1, keepdims=True))
-    A14 = t13 / t13.sum(-1, keepdims=True)
-    t15 = t8 * A14
-    t16 = (1/L) * t15
-    t17 = (-1/L) * Y
-    t18 = t16 + t17
-    G = t18
-    t0 += (1/n_batch) * oe.contract('abcd,abe,abf->edcf', M_2, X, G, optimize=[(1, 2), (0, 1)])
+    t19 = np.exp(F - F.max(-1, keepdims=True))
+    A20 = t19 / t19.sum(-1, keepdims=True)
+    t21 = t8 * A20
+    t22 = (1/L) * t21
+    t23 = (-1/L) * Y
+    t24 = t22 + t23
+    G = t24
+    t25 = (1/n_batch) * X
+    t26 = oe.contract('abc,abd->cdab', t25, G, optimize=[(0, 1)])
+    t27 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0 += oe.contract('abcd,efcd->aefb', t26, t27, optimize=[(0, 1)])
     return out
 
 
@@ -5465,8 +5812,12 @@ def ce_causal1__diag__W_V__full(X, W_QK, W_V, Y):
     t11 = M_1 @ W_V
     t12 = np.exp(t11 - t11.max(-1, keepdims=True))
     A13 = t12 / t12.sum(-1, keepdims=True)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,acb->bd', t8, t10, A13, M_1, optimize=[(0, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->bd', t8, t10, A13, A13, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t14 = (1/(L*n_batch)) * t8
+    t15 = oe.contract('abc,abc->cab', t10, A13, optimize=[(0, 1)])
+    t16 = oe.contract('abc,acb->bac', t14, M_1, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t15, t16, optimize=[(0, 1)])
+    t17 = (-1/(L*n_batch)) * t8
+    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t17, t10, A13, A13, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -5523,13 +5874,20 @@ def ce_causal1__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     t17 = np.swapaxes(G, -1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/n_batch) * oe.contract('abc,acde,acf->dbfe', t17, M_2, X, optimize=[(0, 2), (0, 1)])
-    t18 = np.swapaxes(M_1, -1, -2)
-    t19 = np.exp(t10 - t10.max(-1, keepdims=True))
-    A20 = t19 / t19.sum(-1, keepdims=True)
-    t21 = np.swapaxes(W_V, -1, -2)
-    t0 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg->bdgf', t18, t2, A20, t21, M_2, X, optimize=[(1, 2), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach->bdhg', t18, t2, A20, A20, t21, M_2, X, optimize=[(1, 2), (1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t18 = (1/n_batch) * t17
+    t0[...] = oe.contract('abc,acde,acf->dbfe', t18, M_2, X, optimize=[(0, 2), (0, 1)])
+    t19 = np.swapaxes(M_1, -1, -2)
+    t20 = np.exp(t10 - t10.max(-1, keepdims=True))
+    A21 = t20 / t20.sum(-1, keepdims=True)
+    t22 = np.swapaxes(W_V, -1, -2)
+    t23 = (1/(L*n_batch)) * t19
+    t24 = oe.contract('abc,abc,cd,abde->ceab', t2, A21, t22, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t25 = oe.contract('abc,acd->bdac', t23, X, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t24, t25, optimize=[(0, 1)])
+    t26 = (-1/(L*n_batch)) * t19
+    t27 = oe.contract('abc,acd,de,acef->bfac', t26, A21, t22, M_2, optimize=[(1, 2), (1, 2), (0, 1)])
+    t28 = oe.contract('abc,abc,abd->cdab', t2, A21, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t27, t28, optimize=[(0, 1)])
     return out
 
 
@@ -5594,8 +5952,14 @@ def ce_causal1__block__W_V__W_V__full(X, W_QK, W_V, Y):
     t12 = M_1 @ W_V
     t13 = np.exp(t12 - t12.max(-1, keepdims=True))
     A14 = t13 / t13.sum(-1, keepdims=True)
-    t1 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bde', t9, t11, A14, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t9, t11, A14, A14, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t15 = (1/(L*n_batch)) * t9
+    t16 = oe.contract('abc,acd->bdac', t15, M_1, optimize=[(0, 1)])
+    t17 = oe.contract('abc,abc->cab', t11, A14, optimize=[(0, 1)])
+    t1 += oe.contract('abcd,ecd->aeb', t16, t17, optimize=[(0, 1)])
+    t18 = (-1/(L*n_batch)) * t9
+    t19 = oe.contract('abc,acd->bdac', t18, A14, optimize=[(0, 1)])
+    t20 = oe.contract('abc,abc,abd->cdab', t11, A14, M_1, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
     return out
 
 

@@ -106,39 +106,53 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t9 = W_V.transpose(-1, -2)
     t10 = W_V @ t9
-    t1[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t2, M_2, X, t10, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t11 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t12 = t11.view((d_V, d_K, d_V, d_K))
-    t12[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t2, M_2, X, t10, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
-    t13 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t14 = t13.view((d_V, d_K, d_V, d_V))
-    t15 = A @ X
-    M_1 = t15
-    t14[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t2, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t16 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t17 = t16.view((d_V, d_K, d_V, d_K))
-    t18 = W_Q.transpose(-1, -2)
-    t17[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t18, M_2, X, t10, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t19 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t20 = t19.view((d_V, d_K, d_V, d_K))
-    t20[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t18, M_2, X, t10, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
-    t21 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t22 = t21.view((d_V, d_K, d_V, d_V))
-    t22[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fagh', t18, M_2, X, M_1, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
-    t23 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t24 = t23.view((d_V, d_V, d_V, d_K))
-    t25 = M_1.transpose(-1, -2)
-    t24[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,fh->bdgh', t25, t9, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t26 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t27 = t26.view((d_V, d_V, d_V, d_K))
-    t27[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,gh->bdfh', t25, t9, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
-    t28 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t28[...] = 0
-    t29 = t28.view((d_V, d_V, d_V, d_V))
-    t30 = t29.diagonal(0, 1, 3)
-    t31 = t25 @ M_1
-    t32 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t30 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bcd', t31, t32, optimize=[(0, 1)])
+    t11 = (2/(L*d_K*d_V*n_batch)) * t2
+    t1[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t11, M_2, X, t10, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t12 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t13 = t12.view((d_V, d_K, d_V, d_K))
+    t14 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t15 = oe.contract('ab,cdeb,ef,cdfg->agcd', t11, M_2, t10, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t13[...] = oe.contract('abcd,efcd->aefb', t14, t15, optimize=[(0, 1)])
+    t16 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t17 = t16.view((d_V, d_K, d_V, d_V))
+    t18 = A @ X
+    M_1 = t18
+    t19 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
+    t17[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t19, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t20 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t21 = t20.view((d_V, d_K, d_V, d_K))
+    t22 = W_Q.transpose(-1, -2)
+    t23 = (2/(L*d_K*d_V*n_batch)) * t22
+    t21[...] = oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t23, M_2, X, t10, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t24 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t25 = t24.view((d_V, d_K, d_V, d_K))
+    t26 = oe.contract('ab,cdb,cde,ef->afcd', t23, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t27 = oe.contract('abcd,ce,abef->dfab', M_2, t10, M_2, optimize=[(0, 1), (0, 1)])
+    t25[...] = oe.contract('abcd,efcd->eafb', t26, t27, optimize=[(0, 1)])
+    t28 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t29 = t28.view((d_V, d_K, d_V, d_V))
+    t30 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t22
+    t31 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t32 = oe.contract('ab,cdb,cde->aecd', t30, X, M_1, optimize=[(0, 1), (0, 1)])
+    t29[...] = oe.contract('abcd,efcd->aefb', t31, t32, optimize=[(0, 1)])
+    t33 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t34 = t33.view((d_V, d_V, d_V, d_K))
+    t35 = M_1.transpose(-1, -2)
+    t36 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t35
+    t34[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t36, t9, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t37 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t38 = t37.view((d_V, d_V, d_V, d_K))
+    t39 = oe.contract('abc,acd,de->beac', t36, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t40 = oe.contract('ab,cdbe->aecd', t9, M_2, optimize=[(0, 1)])
+    t38[...] = oe.contract('abcd,efcd->aefb', t39, t40, optimize=[(0, 1)])
+    t41 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t41[...] = 0
+    t42 = t41.view((d_V, d_V, d_V, d_V))
+    t43 = t42.diagonal(0, 1, 3)
+    t44 = t35 @ M_1
+    t45 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t46 = (2/(L*d_V*n_batch)) * t45
+    t43 += oe.contract('abc,d->bcd', t44, t46, optimize=[(0, 1)])
     return H
 
 
@@ -258,7 +272,10 @@ def mse_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t8 = W_V.transpose(-1, -2)
     t9 = W_V @ t8
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdf,ha->fa', t1, M_2, X, t9, M_2, X, W_K, optimize=[(2, 5), (0, 1), (0, 1), (2, 3), (0, 2), (0, 1)])
+    t10 = (2/(L*d_K*d_V*n_batch)) * t1
+    t11 = oe.contract('ab,cdeb,ef,cdfg,ga->acd', t10, M_2, t9, M_2, W_K, optimize=[(0, 1), (0, 1), (1, 2), (0, 1)])
+    t12 = oe.contract('abc,abc->cab', X, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t11, t12, optimize=[(0, 1)])
     return out
 
 
@@ -303,7 +320,8 @@ def mse_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t8 = W_V.transpose(-1, -2)
     t9 = W_V @ t8
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t1, M_2, X, t9, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t10 = (2/(L*d_K*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t10, M_2, X, t9, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -350,7 +368,10 @@ def mse_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t8 = W_V.transpose(-1, -2)
     t9 = W_V @ t8
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t1, M_2, X, t9, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
+    t10 = (2/(L*d_K*d_V*n_batch)) * t1
+    t11 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t12 = oe.contract('ab,cdeb,ef,cdfg->agcd', t10, M_2, t9, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t11, t12, optimize=[(0, 1)])
     return out
 
 
@@ -397,7 +418,8 @@ def mse_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t8 = A @ X
     M_1 = t8
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t1, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t9 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t9, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -445,7 +467,10 @@ def mse_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t9 = W_V.transpose(-1, -2)
     t10 = W_V @ t9
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgf,cdh,ha->fa', t1, M_2, X, t10, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t11 = (2/(L*d_K*d_V*n_batch)) * t1
+    t12 = oe.contract('ab,cdb,cde,ea->acd', t11, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t13 = oe.contract('abcd,ce,abed->dab', M_2, t10, M_2, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t12, t13, optimize=[(0, 1)])
     return out
 
 
@@ -492,7 +517,8 @@ def mse_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t9 = W_V.transpose(-1, -2)
     t10 = W_V @ t9
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t1, M_2, X, t10, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t11 = (2/(L*d_K*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t11, M_2, X, t10, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -541,7 +567,10 @@ def mse_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t9 = W_V.transpose(-1, -2)
     t10 = W_V @ t9
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t1, M_2, X, t10, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t11 = (2/(L*d_K*d_V*n_batch)) * t1
+    t12 = oe.contract('ab,cdb,cde,ef->afcd', t11, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t13 = oe.contract('abcd,ce,abef->dfab', M_2, t10, M_2, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t12, t13, optimize=[(0, 1)])
     return out
 
 
@@ -590,7 +619,10 @@ def mse_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t9 = A @ X
     M_1 = t9
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fagh', t1, M_2, X, M_1, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
+    t10 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
+    t11 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t12 = oe.contract('ab,cdb,cde->aecd', t10, X, M_1, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t11, t12, optimize=[(0, 1)])
     return out
 
 
@@ -639,7 +671,8 @@ def mse_causal0__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     t9 = M_1.transpose(-1, -2)
     t10 = t9 @ M_1
     t11 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abb,c->bc', t10, t11, optimize=[(0, 1)])
+    t12 = (2/(L*d_V*n_batch)) * t11
+    t0[...] = oe.contract('abb,c->bc', t10, t12, optimize=[(0, 1)])
     return out
 
 
@@ -686,7 +719,8 @@ def mse_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t10 = W_V.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,fh->bdgh', t9, t10, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t11 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t9
+    t0[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t11, t10, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -737,7 +771,10 @@ def mse_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t10 = W_V.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,gh->bdfh', t9, t10, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t11 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t9
+    t12 = oe.contract('abc,acd,de->beac', t11, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t13 = oe.contract('ab,cdbe->aecd', t10, M_2, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t12, t13, optimize=[(0, 1)])
     return out
 
 
@@ -789,7 +826,8 @@ def mse_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     t10 = M_1.transpose(-1, -2)
     t11 = t10 @ M_1
     t12 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t1 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bcd', t11, t12, optimize=[(0, 1)])
+    t13 = (2/(L*d_V*n_batch)) * t12
+    t1 += oe.contract('abc,d->bcd', t11, t13, optimize=[(0, 1)])
     return out
 
 
@@ -848,46 +886,66 @@ def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t18 = A * t17
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t3, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t2, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
-    t19 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t19[...] = 0
-    t20 = t19.view((d_V, d_K, d_V, d_K))
-    t21 = t20.diagonal(0, 1, 3)
-    t22 = t18 @ X
-    t23 = t3 @ t22
-    t24 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t21 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t23, t24, optimize=[(0, 1)])
-    t20 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t2, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
-    t25 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t26 = t25.view((d_V, d_K, d_V, d_V))
+    t19 = (1/(d_K*n_batch)) * t2
+    t1[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t19, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t20 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t20[...] = 0
+    t21 = t20.view((d_V, d_K, d_V, d_K))
+    t22 = t21.diagonal(0, 1, 3)
+    t23 = t18 @ X
+    t24 = t3 @ t23
+    t25 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t26 = (1/(math.sqrt(d_K)*n_batch)) * t25
+    t22 += oe.contract('abc,d->bcd', t24, t26, optimize=[(0, 1)])
+    t27 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t28 = oe.contract('ab,cdbe->aecd', t19, M_3, optimize=[(0, 1)])
+    t21 += oe.contract('abcd,efcd->aefb', t27, t28, optimize=[(0, 1)])
+    t29 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t30 = t29.view((d_V, d_K, d_V, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t26[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t2, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
-    t27 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t27[...] = 0
-    t28 = t27.view((d_V, d_K, d_V, d_K))
-    t29 = t28.diagonal(0, 1, 3)
-    t30 = t18.transpose(-1, -2)
-    t31 = t30 @ X
-    t32 = t3 @ t31
-    t29 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t32, t24, optimize=[(0, 1)])
-    t33 = W_Q.transpose(-1, -2)
-    t28 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t33, t3, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
-    t34 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t31 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t32 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t33 = oe.contract('ab,cdeb->aecd', t31, M_2, optimize=[(0, 1)])
+    t30[...] = oe.contract('abcd,efcd->aefb', t32, t33, optimize=[(0, 1)])
+    t34 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t34[...] = 0
     t35 = t34.view((d_V, d_K, d_V, d_K))
-    t35[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t33, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t36 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t37 = t36.view((d_V, d_K, d_V, d_V))
-    t37[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t33, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
-    t38 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t39 = t38.view((d_V, d_V, d_V, d_K))
-    t40 = G.transpose(-1, -2)
-    t39[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t40, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
-    t41 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t42 = t41.view((d_V, d_V, d_V, d_K))
-    t42[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t40, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t43 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t43[...] = 0
+    t36 = t35.diagonal(0, 1, 3)
+    t37 = t18.transpose(-1, -2)
+    t38 = t37 @ X
+    t39 = t3 @ t38
+    t36 += oe.contract('abc,d->bcd', t39, t26, optimize=[(0, 1)])
+    t40 = W_Q.transpose(-1, -2)
+    t41 = (1/(d_K*n_batch)) * t40
+    t42 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t43 = oe.contract('ab,cbd,cde->aecd', t41, t3, X, optimize=[(0, 1), (0, 1)])
+    t35 += oe.contract('abcd,efcd->aefb', t42, t43, optimize=[(0, 1)])
+    t44 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t45 = t44.view((d_V, d_K, d_V, d_K))
+    t46 = oe.contract('ab,cbd,cde,ef->afcd', t41, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t47 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t45[...] = oe.contract('abcd,efcd->eafb', t46, t47, optimize=[(0, 1)])
+    t48 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t49 = t48.view((d_V, d_K, d_V, d_V))
+    t50 = (1/(math.sqrt(d_K)*n_batch)) * t40
+    t51 = oe.contract('ab,cdb,cde->aecd', t50, X, G, optimize=[(0, 1), (0, 1)])
+    t52 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t49[...] = oe.contract('abcd,efcd->eafb', t51, t52, optimize=[(0, 1)])
+    t53 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t54 = t53.view((d_V, d_V, d_V, d_K))
+    t55 = G.transpose(-1, -2)
+    t56 = (1/(math.sqrt(d_K)*n_batch)) * t55
+    t57 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t58 = oe.contract('abc,acd->bdac', t56, X, optimize=[(0, 1)])
+    t54[...] = oe.contract('abcd,efcd->aefb', t57, t58, optimize=[(0, 1)])
+    t59 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t60 = t59.view((d_V, d_V, d_V, d_K))
+    t61 = oe.contract('abc,acd,de->beac', t56, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t62 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t60[...] = oe.contract('abcd,efcd->eafb', t61, t62, optimize=[(0, 1)])
+    t63 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t63[...] = 0
     return H
 
 
@@ -1052,7 +1110,10 @@ def mse_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t17 = A * t16
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->da', t1, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
+    t18 = (1/(d_K*n_batch)) * t1
+    t19 = oe.contract('ab,cdbe,ea->acd', t18, M_3, W_K, optimize=[(0, 2), (0, 1)])
+    t20 = oe.contract('abc,acb->bac', t2, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -1119,7 +1180,8 @@ def mse_causal0__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t17 = A * t16
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t1, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t18 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t18, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -1191,10 +1253,14 @@ def mse_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t19 = t18 @ X
     t20 = t2 @ t19
     t21 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t20, t21, optimize=[(0, 1)])
+    t22 = (1/(math.sqrt(d_K)*n_batch)) * t21
+    t1 += oe.contract('abc,d->bcd', t20, t22, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t3, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t23 = (1/(d_K*n_batch)) * t3
+    t24 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t25 = oe.contract('ab,cdbe->aecd', t23, M_3, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t24, t25, optimize=[(0, 1)])
     return out
 
 
@@ -1260,7 +1326,10 @@ def mse_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t11 = (-2/(L*d_V)) * Y
     t12 = t10 + t11
     G = t12
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t1, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
+    t13 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t14 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t15 = oe.contract('ab,cdeb->aecd', t13, M_2, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t14, t15, optimize=[(0, 1)])
     return out
 
 
@@ -1325,7 +1394,8 @@ def mse_causal0__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
     t18 = A * t17
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->ea', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t19 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cbd,cdee,cdf,fa->ea', t19, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -1397,11 +1467,15 @@ def mse_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t20 = t19 @ X
     t21 = t2 @ t20
     t22 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t21, t22, optimize=[(0, 1)])
-    t23 = W_Q.transpose(-1, -2)
+    t23 = (1/(math.sqrt(d_K)*n_batch)) * t22
+    t1 += oe.contract('abc,d->bcd', t21, t23, optimize=[(0, 1)])
+    t24 = W_Q.transpose(-1, -2)
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t23, t2, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    t25 = (1/(d_K*n_batch)) * t24
+    t26 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t27 = oe.contract('ab,cbd,cde->aecd', t25, t2, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t26, t27, optimize=[(0, 1)])
     return out
 
 
@@ -1475,7 +1549,10 @@ def mse_causal0__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t18 = A * t17
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t19 = (1/(d_K*n_batch)) * t1
+    t20 = oe.contract('ab,cbd,cde,ef->afcd', t19, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t21 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -1541,7 +1618,10 @@ def mse_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t12 = (-2/(L*d_V)) * Y
     t13 = t11 + t12
     G = t13
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t1, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
+    t14 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t15 = oe.contract('ab,cdb,cde->aecd', t14, X, G, optimize=[(0, 1), (0, 1)])
+    t16 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t15, t16, optimize=[(0, 1)])
     return out
 
 
@@ -1622,7 +1702,10 @@ def mse_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t13 = G.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t13, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
+    t14 = (1/(math.sqrt(d_K)*n_batch)) * t13
+    t15 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t16 = oe.contract('abc,acd->bdac', t14, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t15, t16, optimize=[(0, 1)])
     return out
 
 
@@ -1683,7 +1766,10 @@ def mse_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t13 = G.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t13, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    t14 = (1/(math.sqrt(d_K)*n_batch)) * t13
+    t15 = oe.contract('abc,acd,de->beac', t14, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t16 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t15, t16, optimize=[(0, 1)])
     return out
 
 
@@ -1769,61 +1855,95 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t18 = A * t17
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t3, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t2, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t19 = (1/(d_K*n_batch)) * t2
+    t1[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t19, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t19 = W_V @ t14
-    t1 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t2, M_2, X, t19, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t20 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t20[...] = 0
-    t21 = t20.view((d_V, d_K, d_V, d_K))
-    t22 = t21.diagonal(0, 1, 3)
-    t23 = t18 @ X
-    t24 = t3 @ t23
-    t25 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t22 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t24, t25, optimize=[(0, 1)])
-    t21 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t2, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
-    t21 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t2, M_2, X, t19, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
-    t26 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t27 = t26.view((d_V, d_K, d_V, d_V))
-    t27[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t2, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
-    t27 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t2, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t28 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t28[...] = 0
-    t29 = t28.view((d_V, d_K, d_V, d_K))
-    t30 = t29.diagonal(0, 1, 3)
-    t31 = t18.transpose(-1, -2)
-    t32 = t31 @ X
-    t33 = t3 @ t32
-    t30 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t33, t25, optimize=[(0, 1)])
-    t34 = W_Q.transpose(-1, -2)
-    t29 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t34, t3, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
-    t29 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t34, M_2, X, t19, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t35 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t36 = t35.view((d_V, d_K, d_V, d_K))
-    t36[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t34, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t36 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t34, M_2, X, t19, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
-    t37 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t38 = t37.view((d_V, d_K, d_V, d_V))
-    t38[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t34, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
-    t38 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fagh', t34, M_2, X, M_1, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
-    t39 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t40 = t39.view((d_V, d_V, d_V, d_K))
-    t41 = G.transpose(-1, -2)
-    t40[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t41, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
-    t42 = M_1.transpose(-1, -2)
-    t40 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,fh->bdgh', t42, t14, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t43 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t44 = t43.view((d_V, d_V, d_V, d_K))
-    t44[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t41, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t44 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,gh->bdfh', t42, t14, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
-    t45 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t45[...] = 0
-    t46 = t45.view((d_V, d_V, d_V, d_V))
-    t47 = t46.diagonal(0, 1, 3)
-    t48 = t42 @ M_1
-    t49 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t47 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bcd', t48, t49, optimize=[(0, 1)])
+    t20 = W_V @ t14
+    t21 = (2/(L*d_K*d_V*n_batch)) * t2
+    t1 += oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t21, M_2, X, t20, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t22 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t22[...] = 0
+    t23 = t22.view((d_V, d_K, d_V, d_K))
+    t24 = t23.diagonal(0, 1, 3)
+    t25 = t18 @ X
+    t26 = t3 @ t25
+    t27 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t28 = (1/(math.sqrt(d_K)*n_batch)) * t27
+    t24 += oe.contract('abc,d->bcd', t26, t28, optimize=[(0, 1)])
+    t29 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t30 = oe.contract('ab,cdbe->aecd', t19, M_3, optimize=[(0, 1)])
+    t23 += oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
+    t31 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t32 = oe.contract('ab,cdeb,ef,cdfg->agcd', t21, M_2, t20, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t23 += oe.contract('abcd,efcd->aefb', t31, t32, optimize=[(0, 1)])
+    t33 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t34 = t33.view((d_V, d_K, d_V, d_V))
+    t35 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t36 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t37 = oe.contract('ab,cdeb->aecd', t35, M_2, optimize=[(0, 1)])
+    t34[...] = oe.contract('abcd,efcd->aefb', t36, t37, optimize=[(0, 1)])
+    t38 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
+    t34 += oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t38, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t39 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t39[...] = 0
+    t40 = t39.view((d_V, d_K, d_V, d_K))
+    t41 = t40.diagonal(0, 1, 3)
+    t42 = t18.transpose(-1, -2)
+    t43 = t42 @ X
+    t44 = t3 @ t43
+    t41 += oe.contract('abc,d->bcd', t44, t28, optimize=[(0, 1)])
+    t45 = W_Q.transpose(-1, -2)
+    t46 = (1/(d_K*n_batch)) * t45
+    t47 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t48 = oe.contract('ab,cbd,cde->aecd', t46, t3, X, optimize=[(0, 1), (0, 1)])
+    t40 += oe.contract('abcd,efcd->aefb', t47, t48, optimize=[(0, 1)])
+    t49 = (2/(L*d_K*d_V*n_batch)) * t45
+    t40 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t49, M_2, X, t20, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t50 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t51 = t50.view((d_V, d_K, d_V, d_K))
+    t52 = oe.contract('ab,cbd,cde,ef->afcd', t46, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t53 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t51[...] = oe.contract('abcd,efcd->eafb', t52, t53, optimize=[(0, 1)])
+    t54 = oe.contract('ab,cdb,cde,ef->afcd', t49, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t55 = oe.contract('abcd,ce,abef->dfab', M_2, t20, M_2, optimize=[(0, 1), (0, 1)])
+    t51 += oe.contract('abcd,efcd->eafb', t54, t55, optimize=[(0, 1)])
+    t56 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t57 = t56.view((d_V, d_K, d_V, d_V))
+    t58 = (1/(math.sqrt(d_K)*n_batch)) * t45
+    t59 = oe.contract('ab,cdb,cde->aecd', t58, X, G, optimize=[(0, 1), (0, 1)])
+    t60 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t57[...] = oe.contract('abcd,efcd->eafb', t59, t60, optimize=[(0, 1)])
+    t61 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t45
+    t62 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t63 = oe.contract('ab,cdb,cde->aecd', t61, X, M_1, optimize=[(0, 1), (0, 1)])
+    t57 += oe.contract('abcd,efcd->aefb', t62, t63, optimize=[(0, 1)])
+    t64 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t65 = t64.view((d_V, d_V, d_V, d_K))
+    t66 = G.transpose(-1, -2)
+    t67 = (1/(math.sqrt(d_K)*n_batch)) * t66
+    t68 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t69 = oe.contract('abc,acd->bdac', t67, X, optimize=[(0, 1)])
+    t65[...] = oe.contract('abcd,efcd->aefb', t68, t69, optimize=[(0, 1)])
+    t70 = M_1.transpose(-1, -2)
+    t71 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t70
+    t65 += oe.contract('abc,de,acef,acg,fh->bdgh', t71, t14, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t72 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t73 = t72.view((d_V, d_V, d_V, d_K))
+    t74 = oe.contract('abc,acd,de->beac', t67, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t75 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t73[...] = oe.contract('abcd,efcd->eafb', t74, t75, optimize=[(0, 1)])
+    t76 = oe.contract('abc,acd,de->beac', t71, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t77 = oe.contract('ab,cdbe->aecd', t14, M_2, optimize=[(0, 1)])
+    t73 += oe.contract('abcd,efcd->aefb', t76, t77, optimize=[(0, 1)])
+    t78 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t78[...] = 0
+    t79 = t78.view((d_V, d_V, d_V, d_V))
+    t80 = t79.diagonal(0, 1, 3)
+    t81 = t70 @ M_1
+    t82 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t83 = (2/(L*d_V*n_batch)) * t82
+    t80 += oe.contract('abc,d->bcd', t81, t83, optimize=[(0, 1)])
     return H
 
 
@@ -2006,11 +2126,17 @@ def mse_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t17 = A * t16
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->da', t1, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
+    t18 = (1/(d_K*n_batch)) * t1
+    t19 = oe.contract('ab,cdbe,ea->acd', t18, M_3, W_K, optimize=[(0, 2), (0, 1)])
+    t20 = oe.contract('abc,acb->bac', t2, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t19, t20, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t18 = W_V @ t13
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdf,ha->fa', t1, M_2, X, t18, M_2, X, W_K, optimize=[(2, 5), (0, 1), (0, 1), (2, 3), (0, 2), (0, 1)])
+    t21 = W_V @ t13
+    t22 = (2/(L*d_K*d_V*n_batch)) * t1
+    t23 = oe.contract('ab,cdeb,ef,cdfg,ga->acd', t22, M_2, t21, M_2, W_K, optimize=[(0, 1), (0, 1), (1, 2), (0, 1)])
+    t24 = oe.contract('abc,abc->cab', X, X, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dbc->da', t23, t24, optimize=[(0, 1)])
     return out
 
 
@@ -2080,11 +2206,13 @@ def mse_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t17 = A * t16
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t1, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t18 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t18, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t18 = W_V @ t13
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t1, M_2, X, t18, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t19 = W_V @ t13
+    t20 = (2/(L*d_K*d_V*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t20, M_2, X, t19, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -2159,14 +2287,21 @@ def mse_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t19 = t18 @ X
     t20 = t2 @ t19
     t21 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t20, t21, optimize=[(0, 1)])
+    t22 = (1/(math.sqrt(d_K)*n_batch)) * t21
+    t1 += oe.contract('abc,d->bcd', t20, t22, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t3, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t23 = (1/(d_K*n_batch)) * t3
+    t24 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t25 = oe.contract('ab,cdbe->aecd', t23, M_3, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t24, t25, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t22 = W_V @ t14
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t3, M_2, X, t22, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
+    t26 = W_V @ t14
+    t27 = (2/(L*d_K*d_V*n_batch)) * t3
+    t28 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t29 = oe.contract('ab,cdeb,ef,cdfg->agcd', t27, M_2, t26, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t28, t29, optimize=[(0, 1)])
     return out
 
 
@@ -2235,8 +2370,12 @@ def mse_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t11 = (-2/(L*d_V)) * Y
     t12 = t10 + t11
     G = t12
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t1, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t1, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t13 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t14 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t15 = oe.contract('ab,cdeb->aecd', t13, M_2, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t14, t15, optimize=[(0, 1)])
+    t16 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t16, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -2301,11 +2440,15 @@ def mse_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t18 = A * t17
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->ea', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t19 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cbd,cdee,cdf,fa->ea', t19, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t19 = W_V @ t14
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgf,cdh,ha->fa', t1, M_2, X, t19, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t20 = W_V @ t14
+    t21 = (2/(L*d_K*d_V*n_batch)) * t1
+    t22 = oe.contract('ab,cdb,cde,ea->acd', t21, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t23 = oe.contract('abcd,ce,abed->dab', M_2, t20, M_2, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abc,dbc->da', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -2380,15 +2523,20 @@ def mse_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t20 = t19 @ X
     t21 = t2 @ t20
     t22 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t21, t22, optimize=[(0, 1)])
-    t23 = W_Q.transpose(-1, -2)
+    t23 = (1/(math.sqrt(d_K)*n_batch)) * t22
+    t1 += oe.contract('abc,d->bcd', t21, t23, optimize=[(0, 1)])
+    t24 = W_Q.transpose(-1, -2)
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t23, t2, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    t25 = (1/(d_K*n_batch)) * t24
+    t26 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t27 = oe.contract('ab,cbd,cde->aecd', t25, t2, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t26, t27, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t24 = W_V @ t14
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t23, M_2, X, t24, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t28 = W_V @ t14
+    t29 = (2/(L*d_K*d_V*n_batch)) * t24
+    t0 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t29, M_2, X, t28, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -2465,11 +2613,17 @@ def mse_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t18 = A * t17
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t19 = (1/(d_K*n_batch)) * t1
+    t20 = oe.contract('ab,cbd,cde,ef->afcd', t19, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t21 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t19 = W_V @ t14
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t1, M_2, X, t19, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t22 = W_V @ t14
+    t23 = (2/(L*d_K*d_V*n_batch)) * t1
+    t24 = oe.contract('ab,cdb,cde,ef->afcd', t23, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t25 = oe.contract('abcd,ce,abef->dfab', M_2, t22, M_2, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t24, t25, optimize=[(0, 1)])
     return out
 
 
@@ -2538,8 +2692,14 @@ def mse_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t12 = (-2/(L*d_V)) * Y
     t13 = t11 + t12
     G = t13
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t1, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
-    t0 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fagh', t1, M_2, X, M_1, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
+    t14 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t15 = oe.contract('ab,cdb,cde->aecd', t14, X, G, optimize=[(0, 1), (0, 1)])
+    t16 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t15, t16, optimize=[(0, 1)])
+    t17 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
+    t18 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t19 = oe.contract('ab,cdb,cde->aecd', t17, X, M_1, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -2594,7 +2754,8 @@ def mse_causal0__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     t9 = M_1.transpose(-1, -2)
     t10 = t9 @ M_1
     t11 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abb,c->bc', t10, t11, optimize=[(0, 1)])
+    t12 = (2/(L*d_V*n_batch)) * t11
+    t0[...] = oe.contract('abb,c->bc', t10, t12, optimize=[(0, 1)])
     return out
 
 
@@ -2646,10 +2807,14 @@ def mse_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t13 = G.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t13, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
-    t14 = M_1.transpose(-1, -2)
-    t15 = W_V.transpose(-1, -2)
-    t0 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,fh->bdgh', t14, t15, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t14 = (1/(math.sqrt(d_K)*n_batch)) * t13
+    t15 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t16 = oe.contract('abc,acd->bdac', t14, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t15, t16, optimize=[(0, 1)])
+    t17 = M_1.transpose(-1, -2)
+    t18 = W_V.transpose(-1, -2)
+    t19 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t17
+    t0 += oe.contract('abc,de,acef,acg,fh->bdgh', t19, t18, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -2712,10 +2877,16 @@ def mse_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t13 = G.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t13, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t14 = M_1.transpose(-1, -2)
-    t15 = W_V.transpose(-1, -2)
-    t0 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,gh->bdfh', t14, t15, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t14 = (1/(math.sqrt(d_K)*n_batch)) * t13
+    t15 = oe.contract('abc,acd,de->beac', t14, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t16 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t15, t16, optimize=[(0, 1)])
+    t17 = M_1.transpose(-1, -2)
+    t18 = W_V.transpose(-1, -2)
+    t19 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t17
+    t20 = oe.contract('abc,acd,de->beac', t19, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t21 = oe.contract('ab,cdbe->aecd', t18, M_2, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -2774,7 +2945,8 @@ def mse_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     t10 = M_1.transpose(-1, -2)
     t11 = t10 @ M_1
     t12 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t1 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bcd', t11, t12, optimize=[(0, 1)])
+    t13 = (2/(L*d_V*n_batch)) * t12
+    t1 += oe.contract('abc,d->bcd', t11, t13, optimize=[(0, 1)])
     return out
 
 
@@ -2894,39 +3066,53 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t11 = W_V.transpose(-1, -2)
     t12 = W_V @ t11
-    t1[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t2, M_2, X, t12, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t13 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t14 = t13.view((d_V, d_K, d_V, d_K))
-    t14[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t2, M_2, X, t12, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
-    t15 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t16 = t15.view((d_V, d_K, d_V, d_V))
-    t17 = A @ X
-    M_1 = t17
-    t16[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t2, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t18 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t19 = t18.view((d_V, d_K, d_V, d_K))
-    t20 = W_Q.transpose(-1, -2)
-    t19[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t20, M_2, X, t12, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t21 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t22 = t21.view((d_V, d_K, d_V, d_K))
-    t22[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t20, M_2, X, t12, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
-    t23 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t24 = t23.view((d_V, d_K, d_V, d_V))
-    t24[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fagh', t20, M_2, X, M_1, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
-    t25 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t26 = t25.view((d_V, d_V, d_V, d_K))
-    t27 = M_1.transpose(-1, -2)
-    t26[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,fh->bdgh', t27, t11, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t28 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t29 = t28.view((d_V, d_V, d_V, d_K))
-    t29[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,gh->bdfh', t27, t11, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
-    t30 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t30[...] = 0
-    t31 = t30.view((d_V, d_V, d_V, d_V))
-    t32 = t31.diagonal(0, 1, 3)
-    t33 = t27 @ M_1
-    t34 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t32 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bcd', t33, t34, optimize=[(0, 1)])
+    t13 = (2/(L*d_K*d_V*n_batch)) * t2
+    t1[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t13, M_2, X, t12, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t14 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t15 = t14.view((d_V, d_K, d_V, d_K))
+    t16 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t17 = oe.contract('ab,cdeb,ef,cdfg->agcd', t13, M_2, t12, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t15[...] = oe.contract('abcd,efcd->aefb', t16, t17, optimize=[(0, 1)])
+    t18 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t19 = t18.view((d_V, d_K, d_V, d_V))
+    t20 = A @ X
+    M_1 = t20
+    t21 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
+    t19[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t21, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t22 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t23 = t22.view((d_V, d_K, d_V, d_K))
+    t24 = W_Q.transpose(-1, -2)
+    t25 = (2/(L*d_K*d_V*n_batch)) * t24
+    t23[...] = oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t25, M_2, X, t12, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t26 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t27 = t26.view((d_V, d_K, d_V, d_K))
+    t28 = oe.contract('ab,cdb,cde,ef->afcd', t25, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t29 = oe.contract('abcd,ce,abef->dfab', M_2, t12, M_2, optimize=[(0, 1), (0, 1)])
+    t27[...] = oe.contract('abcd,efcd->eafb', t28, t29, optimize=[(0, 1)])
+    t30 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t31 = t30.view((d_V, d_K, d_V, d_V))
+    t32 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t24
+    t33 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t34 = oe.contract('ab,cdb,cde->aecd', t32, X, M_1, optimize=[(0, 1), (0, 1)])
+    t31[...] = oe.contract('abcd,efcd->aefb', t33, t34, optimize=[(0, 1)])
+    t35 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t36 = t35.view((d_V, d_V, d_V, d_K))
+    t37 = M_1.transpose(-1, -2)
+    t38 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t37
+    t36[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t38, t11, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t39 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t40 = t39.view((d_V, d_V, d_V, d_K))
+    t41 = oe.contract('abc,acd,de->beac', t38, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t42 = oe.contract('ab,cdbe->aecd', t11, M_2, optimize=[(0, 1)])
+    t40[...] = oe.contract('abcd,efcd->aefb', t41, t42, optimize=[(0, 1)])
+    t43 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t43[...] = 0
+    t44 = t43.view((d_V, d_V, d_V, d_V))
+    t45 = t44.diagonal(0, 1, 3)
+    t46 = t37 @ M_1
+    t47 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t48 = (2/(L*d_V*n_batch)) * t47
+    t45 += oe.contract('abc,d->bcd', t46, t48, optimize=[(0, 1)])
     return H
 
 
@@ -3052,7 +3238,10 @@ def mse_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t10 = W_V.transpose(-1, -2)
     t11 = W_V @ t10
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdf,ha->fa', t1, M_2, X, t11, M_2, X, W_K, optimize=[(2, 5), (0, 1), (0, 1), (2, 3), (0, 2), (0, 1)])
+    t12 = (2/(L*d_K*d_V*n_batch)) * t1
+    t13 = oe.contract('ab,cdeb,ef,cdfg,ga->acd', t12, M_2, t11, M_2, W_K, optimize=[(0, 1), (0, 1), (1, 2), (0, 1)])
+    t14 = oe.contract('abc,abc->cab', X, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t13, t14, optimize=[(0, 1)])
     return out
 
 
@@ -3101,7 +3290,8 @@ def mse_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t10 = W_V.transpose(-1, -2)
     t11 = W_V @ t10
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t1, M_2, X, t11, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t12 = (2/(L*d_K*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t12, M_2, X, t11, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -3152,7 +3342,10 @@ def mse_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t10 = W_V.transpose(-1, -2)
     t11 = W_V @ t10
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t1, M_2, X, t11, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
+    t12 = (2/(L*d_K*d_V*n_batch)) * t1
+    t13 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t14 = oe.contract('ab,cdeb,ef,cdfg->agcd', t12, M_2, t11, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t13, t14, optimize=[(0, 1)])
     return out
 
 
@@ -3203,7 +3396,8 @@ def mse_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t10 = A @ X
     M_1 = t10
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t1, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t11 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t11, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -3255,7 +3449,10 @@ def mse_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t11 = W_V.transpose(-1, -2)
     t12 = W_V @ t11
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgf,cdh,ha->fa', t1, M_2, X, t12, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t13 = (2/(L*d_K*d_V*n_batch)) * t1
+    t14 = oe.contract('ab,cdb,cde,ea->acd', t13, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t15 = oe.contract('abcd,ce,abed->dab', M_2, t12, M_2, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t14, t15, optimize=[(0, 1)])
     return out
 
 
@@ -3306,7 +3503,8 @@ def mse_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t11 = W_V.transpose(-1, -2)
     t12 = W_V @ t11
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t1, M_2, X, t12, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t13 = (2/(L*d_K*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t13, M_2, X, t12, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -3359,7 +3557,10 @@ def mse_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t11 = W_V.transpose(-1, -2)
     t12 = W_V @ t11
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t1, M_2, X, t12, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t13 = (2/(L*d_K*d_V*n_batch)) * t1
+    t14 = oe.contract('ab,cdb,cde,ef->afcd', t13, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t15 = oe.contract('abcd,ce,abef->dfab', M_2, t12, M_2, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t14, t15, optimize=[(0, 1)])
     return out
 
 
@@ -3412,7 +3613,10 @@ def mse_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t11 = A @ X
     M_1 = t11
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fagh', t1, M_2, X, M_1, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
+    t12 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
+    t13 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t14 = oe.contract('ab,cdb,cde->aecd', t12, X, M_1, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t13, t14, optimize=[(0, 1)])
     return out
 
 
@@ -3465,7 +3669,8 @@ def mse_causal1__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     t11 = M_1.transpose(-1, -2)
     t12 = t11 @ M_1
     t13 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abb,c->bc', t12, t13, optimize=[(0, 1)])
+    t14 = (2/(L*d_V*n_batch)) * t13
+    t0[...] = oe.contract('abb,c->bc', t12, t14, optimize=[(0, 1)])
     return out
 
 
@@ -3516,7 +3721,8 @@ def mse_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t12 = W_V.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,fh->bdgh', t11, t12, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t11
+    t0[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t13, t12, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -3571,7 +3777,10 @@ def mse_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t12 = W_V.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,gh->bdfh', t11, t12, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t11
+    t14 = oe.contract('abc,acd,de->beac', t13, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t15 = oe.contract('ab,cdbe->aecd', t12, M_2, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t14, t15, optimize=[(0, 1)])
     return out
 
 
@@ -3627,7 +3836,8 @@ def mse_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     t12 = M_1.transpose(-1, -2)
     t13 = t12 @ M_1
     t14 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t1 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bcd', t13, t14, optimize=[(0, 1)])
+    t15 = (2/(L*d_V*n_batch)) * t14
+    t1 += oe.contract('abc,d->bcd', t13, t15, optimize=[(0, 1)])
     return out
 
 
@@ -3690,46 +3900,66 @@ def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t20 = A * t19
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t3, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t2, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
-    t21 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t21[...] = 0
-    t22 = t21.view((d_V, d_K, d_V, d_K))
-    t23 = t22.diagonal(0, 1, 3)
-    t24 = t20 @ X
-    t25 = t3 @ t24
-    t26 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t23 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t25, t26, optimize=[(0, 1)])
-    t22 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t2, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
-    t27 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t28 = t27.view((d_V, d_K, d_V, d_V))
+    t21 = (1/(d_K*n_batch)) * t2
+    t1[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t21, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t22 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t22[...] = 0
+    t23 = t22.view((d_V, d_K, d_V, d_K))
+    t24 = t23.diagonal(0, 1, 3)
+    t25 = t20 @ X
+    t26 = t3 @ t25
+    t27 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t28 = (1/(math.sqrt(d_K)*n_batch)) * t27
+    t24 += oe.contract('abc,d->bcd', t26, t28, optimize=[(0, 1)])
+    t29 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t30 = oe.contract('ab,cdbe->aecd', t21, M_3, optimize=[(0, 1)])
+    t23 += oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
+    t31 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t32 = t31.view((d_V, d_K, d_V, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t28[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t2, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
-    t29 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t29[...] = 0
-    t30 = t29.view((d_V, d_K, d_V, d_K))
-    t31 = t30.diagonal(0, 1, 3)
-    t32 = t20.transpose(-1, -2)
-    t33 = t32 @ X
-    t34 = t3 @ t33
-    t31 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t34, t26, optimize=[(0, 1)])
-    t35 = W_Q.transpose(-1, -2)
-    t30 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t35, t3, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
-    t36 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t33 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t34 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t35 = oe.contract('ab,cdeb->aecd', t33, M_2, optimize=[(0, 1)])
+    t32[...] = oe.contract('abcd,efcd->aefb', t34, t35, optimize=[(0, 1)])
+    t36 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t36[...] = 0
     t37 = t36.view((d_V, d_K, d_V, d_K))
-    t37[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t35, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t38 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t39 = t38.view((d_V, d_K, d_V, d_V))
-    t39[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t35, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
-    t40 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t41 = t40.view((d_V, d_V, d_V, d_K))
-    t42 = G.transpose(-1, -2)
-    t41[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t42, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
-    t43 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t44 = t43.view((d_V, d_V, d_V, d_K))
-    t44[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t42, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t45 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t45[...] = 0
+    t38 = t37.diagonal(0, 1, 3)
+    t39 = t20.transpose(-1, -2)
+    t40 = t39 @ X
+    t41 = t3 @ t40
+    t38 += oe.contract('abc,d->bcd', t41, t28, optimize=[(0, 1)])
+    t42 = W_Q.transpose(-1, -2)
+    t43 = (1/(d_K*n_batch)) * t42
+    t44 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t45 = oe.contract('ab,cbd,cde->aecd', t43, t3, X, optimize=[(0, 1), (0, 1)])
+    t37 += oe.contract('abcd,efcd->aefb', t44, t45, optimize=[(0, 1)])
+    t46 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t47 = t46.view((d_V, d_K, d_V, d_K))
+    t48 = oe.contract('ab,cbd,cde,ef->afcd', t43, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t49 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t47[...] = oe.contract('abcd,efcd->eafb', t48, t49, optimize=[(0, 1)])
+    t50 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t51 = t50.view((d_V, d_K, d_V, d_V))
+    t52 = (1/(math.sqrt(d_K)*n_batch)) * t42
+    t53 = oe.contract('ab,cdb,cde->aecd', t52, X, G, optimize=[(0, 1), (0, 1)])
+    t54 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t51[...] = oe.contract('abcd,efcd->eafb', t53, t54, optimize=[(0, 1)])
+    t55 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t56 = t55.view((d_V, d_V, d_V, d_K))
+    t57 = G.transpose(-1, -2)
+    t58 = (1/(math.sqrt(d_K)*n_batch)) * t57
+    t59 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t60 = oe.contract('abc,acd->bdac', t58, X, optimize=[(0, 1)])
+    t56[...] = oe.contract('abcd,efcd->aefb', t59, t60, optimize=[(0, 1)])
+    t61 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t62 = t61.view((d_V, d_V, d_V, d_K))
+    t63 = oe.contract('abc,acd,de->beac', t58, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t64 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t62[...] = oe.contract('abcd,efcd->eafb', t63, t64, optimize=[(0, 1)])
+    t65 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t65[...] = 0
     return H
 
 
@@ -3900,7 +4130,10 @@ def mse_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t19 = A * t18
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t19, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t19, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t19, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->da', t1, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
+    t20 = (1/(d_K*n_batch)) * t1
+    t21 = oe.contract('ab,cdbe,ea->acd', t20, M_3, W_K, optimize=[(0, 2), (0, 1)])
+    t22 = oe.contract('abc,acb->bac', t2, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -3971,7 +4204,8 @@ def mse_causal1__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t19 = A * t18
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t19, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t19, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t19, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t1, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t20 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t20, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -4047,10 +4281,14 @@ def mse_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t21 = t20 @ X
     t22 = t2 @ t21
     t23 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t22, t23, optimize=[(0, 1)])
+    t24 = (1/(math.sqrt(d_K)*n_batch)) * t23
+    t1 += oe.contract('abc,d->bcd', t22, t24, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t3, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t25 = (1/(d_K*n_batch)) * t3
+    t26 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t27 = oe.contract('ab,cdbe->aecd', t25, M_3, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t26, t27, optimize=[(0, 1)])
     return out
 
 
@@ -4120,7 +4358,10 @@ def mse_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t13 = (-2/(L*d_V)) * Y
     t14 = t12 + t13
     G = t14
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t1, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
+    t15 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t16 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t17 = oe.contract('ab,cdeb->aecd', t15, M_2, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -4189,7 +4430,8 @@ def mse_causal1__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
     t20 = A * t19
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->ea', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t21 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cbd,cdee,cdf,fa->ea', t21, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -4265,11 +4507,15 @@ def mse_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t22 = t21 @ X
     t23 = t2 @ t22
     t24 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t23, t24, optimize=[(0, 1)])
-    t25 = W_Q.transpose(-1, -2)
+    t25 = (1/(math.sqrt(d_K)*n_batch)) * t24
+    t1 += oe.contract('abc,d->bcd', t23, t25, optimize=[(0, 1)])
+    t26 = W_Q.transpose(-1, -2)
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t25, t2, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    t27 = (1/(d_K*n_batch)) * t26
+    t28 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t29 = oe.contract('ab,cbd,cde->aecd', t27, t2, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t28, t29, optimize=[(0, 1)])
     return out
 
 
@@ -4347,7 +4593,10 @@ def mse_causal1__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t20 = A * t19
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t21 = (1/(d_K*n_batch)) * t1
+    t22 = oe.contract('ab,cbd,cde,ef->afcd', t21, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t23 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -4417,7 +4666,10 @@ def mse_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t14 = (-2/(L*d_V)) * Y
     t15 = t13 + t14
     G = t15
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t1, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
+    t16 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t17 = oe.contract('ab,cdb,cde->aecd', t16, X, G, optimize=[(0, 1), (0, 1)])
+    t18 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -4502,7 +4754,10 @@ def mse_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t15 = G.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t15, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
+    t16 = (1/(math.sqrt(d_K)*n_batch)) * t15
+    t17 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t18 = oe.contract('abc,acd->bdac', t16, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -4567,7 +4822,10 @@ def mse_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t15 = G.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t15, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    t16 = (1/(math.sqrt(d_K)*n_batch)) * t15
+    t17 = oe.contract('abc,acd,de->beac', t16, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t18 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -4657,61 +4915,95 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t20 = A * t19
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t3, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t2, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t21 = (1/(d_K*n_batch)) * t2
+    t1[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t21, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t21 = W_V @ t16
-    t1 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t2, M_2, X, t21, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t22 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t22[...] = 0
-    t23 = t22.view((d_V, d_K, d_V, d_K))
-    t24 = t23.diagonal(0, 1, 3)
-    t25 = t20 @ X
-    t26 = t3 @ t25
-    t27 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t24 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t26, t27, optimize=[(0, 1)])
-    t23 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t2, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
-    t23 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t2, M_2, X, t21, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
-    t28 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t29 = t28.view((d_V, d_K, d_V, d_V))
-    t29[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t2, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
-    t29 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t2, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t30 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t30[...] = 0
-    t31 = t30.view((d_V, d_K, d_V, d_K))
-    t32 = t31.diagonal(0, 1, 3)
-    t33 = t20.transpose(-1, -2)
-    t34 = t33 @ X
-    t35 = t3 @ t34
-    t32 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t35, t27, optimize=[(0, 1)])
-    t36 = W_Q.transpose(-1, -2)
-    t31 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t36, t3, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
-    t31 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t36, M_2, X, t21, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t37 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t38 = t37.view((d_V, d_K, d_V, d_K))
-    t38[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t36, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t38 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t36, M_2, X, t21, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
-    t39 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t40 = t39.view((d_V, d_K, d_V, d_V))
-    t40[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t36, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
-    t40 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fagh', t36, M_2, X, M_1, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
-    t41 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t42 = t41.view((d_V, d_V, d_V, d_K))
-    t43 = G.transpose(-1, -2)
-    t42[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t43, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
-    t44 = M_1.transpose(-1, -2)
-    t42 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,fh->bdgh', t44, t16, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t45 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t46 = t45.view((d_V, d_V, d_V, d_K))
-    t46[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t43, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t46 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,gh->bdfh', t44, t16, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
-    t47 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t47[...] = 0
-    t48 = t47.view((d_V, d_V, d_V, d_V))
-    t49 = t48.diagonal(0, 1, 3)
-    t50 = t44 @ M_1
-    t51 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t49 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bcd', t50, t51, optimize=[(0, 1)])
+    t22 = W_V @ t16
+    t23 = (2/(L*d_K*d_V*n_batch)) * t2
+    t1 += oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t23, M_2, X, t22, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t24 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t24[...] = 0
+    t25 = t24.view((d_V, d_K, d_V, d_K))
+    t26 = t25.diagonal(0, 1, 3)
+    t27 = t20 @ X
+    t28 = t3 @ t27
+    t29 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t30 = (1/(math.sqrt(d_K)*n_batch)) * t29
+    t26 += oe.contract('abc,d->bcd', t28, t30, optimize=[(0, 1)])
+    t31 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t32 = oe.contract('ab,cdbe->aecd', t21, M_3, optimize=[(0, 1)])
+    t25 += oe.contract('abcd,efcd->aefb', t31, t32, optimize=[(0, 1)])
+    t33 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t34 = oe.contract('ab,cdeb,ef,cdfg->agcd', t23, M_2, t22, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t25 += oe.contract('abcd,efcd->aefb', t33, t34, optimize=[(0, 1)])
+    t35 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t36 = t35.view((d_V, d_K, d_V, d_V))
+    t37 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t38 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t39 = oe.contract('ab,cdeb->aecd', t37, M_2, optimize=[(0, 1)])
+    t36[...] = oe.contract('abcd,efcd->aefb', t38, t39, optimize=[(0, 1)])
+    t40 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
+    t36 += oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t40, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t41 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t41[...] = 0
+    t42 = t41.view((d_V, d_K, d_V, d_K))
+    t43 = t42.diagonal(0, 1, 3)
+    t44 = t20.transpose(-1, -2)
+    t45 = t44 @ X
+    t46 = t3 @ t45
+    t43 += oe.contract('abc,d->bcd', t46, t30, optimize=[(0, 1)])
+    t47 = W_Q.transpose(-1, -2)
+    t48 = (1/(d_K*n_batch)) * t47
+    t49 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t50 = oe.contract('ab,cbd,cde->aecd', t48, t3, X, optimize=[(0, 1), (0, 1)])
+    t42 += oe.contract('abcd,efcd->aefb', t49, t50, optimize=[(0, 1)])
+    t51 = (2/(L*d_K*d_V*n_batch)) * t47
+    t42 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t51, M_2, X, t22, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t52 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t53 = t52.view((d_V, d_K, d_V, d_K))
+    t54 = oe.contract('ab,cbd,cde,ef->afcd', t48, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t55 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t53[...] = oe.contract('abcd,efcd->eafb', t54, t55, optimize=[(0, 1)])
+    t56 = oe.contract('ab,cdb,cde,ef->afcd', t51, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t57 = oe.contract('abcd,ce,abef->dfab', M_2, t22, M_2, optimize=[(0, 1), (0, 1)])
+    t53 += oe.contract('abcd,efcd->eafb', t56, t57, optimize=[(0, 1)])
+    t58 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t59 = t58.view((d_V, d_K, d_V, d_V))
+    t60 = (1/(math.sqrt(d_K)*n_batch)) * t47
+    t61 = oe.contract('ab,cdb,cde->aecd', t60, X, G, optimize=[(0, 1), (0, 1)])
+    t62 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t59[...] = oe.contract('abcd,efcd->eafb', t61, t62, optimize=[(0, 1)])
+    t63 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t47
+    t64 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t65 = oe.contract('ab,cdb,cde->aecd', t63, X, M_1, optimize=[(0, 1), (0, 1)])
+    t59 += oe.contract('abcd,efcd->aefb', t64, t65, optimize=[(0, 1)])
+    t66 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t67 = t66.view((d_V, d_V, d_V, d_K))
+    t68 = G.transpose(-1, -2)
+    t69 = (1/(math.sqrt(d_K)*n_batch)) * t68
+    t70 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t71 = oe.contract('abc,acd->bdac', t69, X, optimize=[(0, 1)])
+    t67[...] = oe.contract('abcd,efcd->aefb', t70, t71, optimize=[(0, 1)])
+    t72 = M_1.transpose(-1, -2)
+    t73 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t72
+    t67 += oe.contract('abc,de,acef,acg,fh->bdgh', t73, t16, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t74 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t75 = t74.view((d_V, d_V, d_V, d_K))
+    t76 = oe.contract('abc,acd,de->beac', t69, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t77 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t75[...] = oe.contract('abcd,efcd->eafb', t76, t77, optimize=[(0, 1)])
+    t78 = oe.contract('abc,acd,de->beac', t73, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t79 = oe.contract('ab,cdbe->aecd', t16, M_2, optimize=[(0, 1)])
+    t75 += oe.contract('abcd,efcd->aefb', t78, t79, optimize=[(0, 1)])
+    t80 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t80[...] = 0
+    t81 = t80.view((d_V, d_V, d_V, d_V))
+    t82 = t81.diagonal(0, 1, 3)
+    t83 = t72 @ M_1
+    t84 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t85 = (2/(L*d_V*n_batch)) * t84
+    t82 += oe.contract('abc,d->bcd', t83, t85, optimize=[(0, 1)])
     return H
 
 
@@ -4900,11 +5192,17 @@ def mse_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t19 = A * t18
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t19, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t19, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t19, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->da', t1, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
+    t20 = (1/(d_K*n_batch)) * t1
+    t21 = oe.contract('ab,cdbe,ea->acd', t20, M_3, W_K, optimize=[(0, 2), (0, 1)])
+    t22 = oe.contract('abc,acb->bac', t2, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t21, t22, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t20 = W_V @ t15
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdf,ha->fa', t1, M_2, X, t20, M_2, X, W_K, optimize=[(2, 5), (0, 1), (0, 1), (2, 3), (0, 2), (0, 1)])
+    t23 = W_V @ t15
+    t24 = (2/(L*d_K*d_V*n_batch)) * t1
+    t25 = oe.contract('ab,cdeb,ef,cdfg,ga->acd', t24, M_2, t23, M_2, W_K, optimize=[(0, 1), (0, 1), (1, 2), (0, 1)])
+    t26 = oe.contract('abc,abc->cab', X, X, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dbc->da', t25, t26, optimize=[(0, 1)])
     return out
 
 
@@ -4978,11 +5276,13 @@ def mse_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t19 = A * t18
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t19, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t19, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t19, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t1, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t20 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t20, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t20 = W_V @ t15
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t1, M_2, X, t20, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t21 = W_V @ t15
+    t22 = (2/(L*d_K*d_V*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t22, M_2, X, t21, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -5061,14 +5361,21 @@ def mse_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t21 = t20 @ X
     t22 = t2 @ t21
     t23 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t22, t23, optimize=[(0, 1)])
+    t24 = (1/(math.sqrt(d_K)*n_batch)) * t23
+    t1 += oe.contract('abc,d->bcd', t22, t24, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t3, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t25 = (1/(d_K*n_batch)) * t3
+    t26 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t27 = oe.contract('ab,cdbe->aecd', t25, M_3, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t26, t27, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t24 = W_V @ t16
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t3, M_2, X, t24, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
+    t28 = W_V @ t16
+    t29 = (2/(L*d_K*d_V*n_batch)) * t3
+    t30 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t31 = oe.contract('ab,cdeb,ef,cdfg->agcd', t29, M_2, t28, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t30, t31, optimize=[(0, 1)])
     return out
 
 
@@ -5141,8 +5448,12 @@ def mse_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t13 = (-2/(L*d_V)) * Y
     t14 = t12 + t13
     G = t14
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t1, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t1, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t15 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t16 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t17 = oe.contract('ab,cdeb->aecd', t15, M_2, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t16, t17, optimize=[(0, 1)])
+    t18 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t18, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -5211,11 +5522,15 @@ def mse_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t20 = A * t19
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->ea', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t21 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cbd,cdee,cdf,fa->ea', t21, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t21 = W_V @ t16
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgf,cdh,ha->fa', t1, M_2, X, t21, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t22 = W_V @ t16
+    t23 = (2/(L*d_K*d_V*n_batch)) * t1
+    t24 = oe.contract('ab,cdb,cde,ea->acd', t23, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t25 = oe.contract('abcd,ce,abed->dab', M_2, t22, M_2, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abc,dbc->da', t24, t25, optimize=[(0, 1)])
     return out
 
 
@@ -5294,15 +5609,20 @@ def mse_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t22 = t21 @ X
     t23 = t2 @ t22
     t24 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t23, t24, optimize=[(0, 1)])
-    t25 = W_Q.transpose(-1, -2)
+    t25 = (1/(math.sqrt(d_K)*n_batch)) * t24
+    t1 += oe.contract('abc,d->bcd', t23, t25, optimize=[(0, 1)])
+    t26 = W_Q.transpose(-1, -2)
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t25, t2, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    t27 = (1/(d_K*n_batch)) * t26
+    t28 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t29 = oe.contract('ab,cbd,cde->aecd', t27, t2, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t28, t29, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t26 = W_V @ t16
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t25, M_2, X, t26, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t30 = W_V @ t16
+    t31 = (2/(L*d_K*d_V*n_batch)) * t26
+    t0 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t31, M_2, X, t30, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -5383,11 +5703,17 @@ def mse_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t20 = A * t19
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t21 = (1/(d_K*n_batch)) * t1
+    t22 = oe.contract('ab,cbd,cde,ef->afcd', t21, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t23 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t21 = W_V @ t16
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t1, M_2, X, t21, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t24 = W_V @ t16
+    t25 = (2/(L*d_K*d_V*n_batch)) * t1
+    t26 = oe.contract('ab,cdb,cde,ef->afcd', t25, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t27 = oe.contract('abcd,ce,abef->dfab', M_2, t24, M_2, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t26, t27, optimize=[(0, 1)])
     return out
 
 
@@ -5460,8 +5786,14 @@ def mse_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t14 = (-2/(L*d_V)) * Y
     t15 = t13 + t14
     G = t15
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t1, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
-    t0 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fagh', t1, M_2, X, M_1, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
+    t16 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t17 = oe.contract('ab,cdb,cde->aecd', t16, X, G, optimize=[(0, 1), (0, 1)])
+    t18 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
+    t19 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
+    t20 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t21 = oe.contract('ab,cdb,cde->aecd', t19, X, M_1, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -5520,7 +5852,8 @@ def mse_causal1__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     t11 = M_1.transpose(-1, -2)
     t12 = t11 @ M_1
     t13 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abb,c->bc', t12, t13, optimize=[(0, 1)])
+    t14 = (2/(L*d_V*n_batch)) * t13
+    t0[...] = oe.contract('abb,c->bc', t12, t14, optimize=[(0, 1)])
     return out
 
 
@@ -5576,10 +5909,14 @@ def mse_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t15 = G.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t15, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
-    t16 = M_1.transpose(-1, -2)
-    t17 = W_V.transpose(-1, -2)
-    t0 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,fh->bdgh', t16, t17, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t16 = (1/(math.sqrt(d_K)*n_batch)) * t15
+    t17 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t18 = oe.contract('abc,acd->bdac', t16, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
+    t19 = M_1.transpose(-1, -2)
+    t20 = W_V.transpose(-1, -2)
+    t21 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t19
+    t0 += oe.contract('abc,de,acef,acg,fh->bdgh', t21, t20, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -5646,10 +5983,16 @@ def mse_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t15 = G.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t15, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t16 = M_1.transpose(-1, -2)
-    t17 = W_V.transpose(-1, -2)
-    t0 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,gh->bdfh', t16, t17, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t16 = (1/(math.sqrt(d_K)*n_batch)) * t15
+    t17 = oe.contract('abc,acd,de->beac', t16, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t18 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
+    t19 = M_1.transpose(-1, -2)
+    t20 = W_V.transpose(-1, -2)
+    t21 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t19
+    t22 = oe.contract('abc,acd,de->beac', t21, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t23 = oe.contract('ab,cdbe->aecd', t20, M_2, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -5712,7 +6055,8 @@ def mse_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     t12 = M_1.transpose(-1, -2)
     t13 = t12 @ M_1
     t14 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t1 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bcd', t13, t14, optimize=[(0, 1)])
+    t15 = (2/(L*d_V*n_batch)) * t14
+    t1 += oe.contract('abc,d->bcd', t13, t15, optimize=[(0, 1)])
     return out
 
 
@@ -5839,44 +6183,82 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = W_V.transpose(-1, -2)
-    t1[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t2, M_2, X, W_V, t10, A14, t15, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t1 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t2, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
-    t16 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t17 = t16.view((d_V, d_K, d_V, d_K))
-    t17[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t2, M_2, X, W_V, t10, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t17 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t2, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
-    t18 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t19 = t18.view((d_V, d_K, d_V, d_V))
-    t19[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t2, M_2, X, W_V, t10, A14, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t19 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t2, M_2, X, W_V, t10, A14, A14, M_1, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t20 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t16 = (1/(L*d_K*n_batch)) * t2
+    t1[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t16, M_2, X, W_V, t10, A14, t15, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t17 = (-1/(L*d_K*n_batch)) * t2
+    t18 = oe.contract('abc,cd,abde,ef->fab', A14, t15, M_2, W_K, optimize=[(0, 1), (0, 2), (0, 1)])
+    t19 = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahcd', t17, M_2, X, W_V, t10, A14, X, optimize=[(4, 5), (0, 1), (1, 3), (2, 3), (0, 1), (0, 1)])
+    t1 += oe.contract('abc,defbc->defa', t18, t19, optimize=[(0, 1)])
+    t20 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t21 = t20.view((d_V, d_K, d_V, d_K))
-    t22 = W_Q.transpose(-1, -2)
-    t21[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t22, M_2, X, W_V, t10, A14, t15, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t21 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t22, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
-    t23 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t24 = t23.view((d_V, d_K, d_V, d_K))
-    t24[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t22, M_2, X, W_V, t10, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
-    t24 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t22, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
-    t25 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t26 = t25.view((d_V, d_K, d_V, d_V))
-    t26[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh->fahg', t22, M_2, X, W_V, t10, A14, M_1, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
-    t26 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t22, M_2, X, W_V, t10, A14, A14, M_1, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
-    t27 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t28 = t27.view((d_V, d_V, d_V, d_K))
-    t29 = M_1.transpose(-1, -2)
-    t28[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t29, t10, A14, t15, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t28 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t29, t10, A14, A14, t15, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
-    t30 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t31 = t30.view((d_V, d_V, d_V, d_K))
-    t31[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t29, t10, A14, t15, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t31 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t29, t10, A14, A14, t15, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
-    t32 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t32[...] = 0
-    t33 = t32.view((d_V, d_V, d_V, d_V))
-    t34 = t33.diagonal(0, 1, 3)
-    t34 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bed', t29, t10, A14, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
-    t33 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t29, t10, A14, A14, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t22 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t23 = oe.contract('ab,cdeb,ef,cdf,cdf,fg,cdgh->ahcd', t16, M_2, W_V, t10, A14, t15, M_2, optimize=[(3, 4), (0, 1), (1, 2), (0, 2), (0, 1), (0, 1)])
+    t21[...] = oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
+    t24 = oe.contract('abc,abd,de,abef,abg,gh->cfhab', X, A14, t15, M_2, X, W_Q, optimize=[(1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t25 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t17, M_2, W_V, t10, A14, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
+    t21 += oe.contract('abcde,fde->afbc', t24, t25, optimize=[(0, 1)])
+    t26 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t27 = t26.view((d_V, d_K, d_V, d_V))
+    t28 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t27[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t28, M_2, X, W_V, t10, A14, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t29 = (-1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t30 = oe.contract('abc,abd,abe->cedab', X, A14, M_1, optimize=[(0, 1), (0, 1)])
+    t31 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t29, M_2, W_V, t10, A14, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
+    t27 += oe.contract('abcde,fde->afbc', t30, t31, optimize=[(0, 1)])
+    t32 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t33 = t32.view((d_V, d_K, d_V, d_K))
+    t34 = W_Q.transpose(-1, -2)
+    t35 = (1/(L*d_K*n_batch)) * t34
+    t33[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t35, M_2, X, W_V, t10, A14, t15, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t36 = (-1/(L*d_K*n_batch)) * t34
+    t37 = oe.contract('ab,cdb,cde,ef,cdfg,cdh,gi->ahicd', t36, X, A14, t15, M_2, X, W_K, optimize=[(0, 1), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t38 = oe.contract('abcd,ce,abe,abe->dab', M_2, W_V, t10, A14, optimize=[(1, 2), (1, 2), (0, 1)])
+    t33 += oe.contract('abcde,fde->fabc', t37, t38, optimize=[(0, 1)])
+    t39 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t40 = t39.view((d_V, d_K, d_V, d_K))
+    t41 = oe.contract('abc,cd->dab', X, W_Q, optimize=[(0, 1)])
+    t42 = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi->faicd', t35, M_2, X, W_V, t10, A14, t15, M_2, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 2), (1, 2), (0, 1)])
+    t40[...] = oe.contract('abc,defbc->defa', t41, t42, optimize=[(0, 1)])
+    t43 = oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi->faicd', t36, M_2, X, W_V, t10, A14, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 1), (0, 1)])
+    t44 = oe.contract('abc,cd,abde->eab', A14, t15, M_2, optimize=[(0, 1), (0, 1)])
+    t40 += oe.contract('abcde,fde->abfc', t43, t44, optimize=[(0, 1)])
+    t45 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t46 = t45.view((d_V, d_K, d_V, d_V))
+    t47 = (1/(L*math.sqrt(d_K)*n_batch)) * t34
+    t48 = oe.contract('abcd,ce,abe,abe->deab', M_2, W_V, t10, A14, optimize=[(0, 1), (0, 1), (0, 1)])
+    t49 = oe.contract('ab,cdb,cde->aecd', t47, X, M_1, optimize=[(0, 1), (0, 1)])
+    t46[...] = oe.contract('abcd,efcd->aefb', t48, t49, optimize=[(0, 1)])
+    t50 = (-1/(L*math.sqrt(d_K)*n_batch)) * t34
+    t51 = oe.contract('ab,cdb,cde,cdf->afecd', t50, X, A14, M_1, optimize=[(0, 1), (0, 1), (0, 1)])
+    t46 += oe.contract('abcde,fde->fabc', t51, t38, optimize=[(0, 1)])
+    t52 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t53 = t52.view((d_V, d_V, d_V, d_K))
+    t54 = M_1.transpose(-1, -2)
+    t55 = (1/(L*math.sqrt(d_K)*n_batch)) * t54
+    t53[...] = oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t55, t10, A14, t15, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t56 = (-1/(L*math.sqrt(d_K)*n_batch)) * t54
+    t57 = oe.contract('abc,acd,de,acef,fg->bgac', t56, A14, t15, M_2, W_K, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t58 = oe.contract('abc,abc,abd->cdab', t10, A14, X, optimize=[(0, 1), (0, 1)])
+    t53 += oe.contract('abcd,efcd->aefb', t57, t58, optimize=[(0, 1)])
+    t59 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t60 = t59.view((d_V, d_V, d_V, d_K))
+    t61 = oe.contract('abc,acd,de->beac', t55, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t62 = oe.contract('abc,abc,cd,abde->ceab', t10, A14, t15, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t60[...] = oe.contract('abcd,efcd->aefb', t61, t62, optimize=[(0, 1)])
+    t63 = oe.contract('abc,acd,acd,ace,ef,acfg->bdgac', t56, t10, A14, A14, t15, M_2, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t60 += oe.contract('abc,defbc->defa', t41, t63, optimize=[(0, 1)])
+    t64 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t64[...] = 0
+    t65 = t64.view((d_V, d_V, d_V, d_V))
+    t66 = t65.diagonal(0, 1, 3)
+    t67 = (1/(L*n_batch)) * t54
+    t68 = oe.contract('abc,abc->cab', t10, A14, optimize=[(0, 1)])
+    t69 = oe.contract('abc,acd->bdac', t67, M_1, optimize=[(0, 1)])
+    t66 += oe.contract('abc,debc->dea', t68, t69, optimize=[(0, 1)])
+    t70 = (-1/(L*n_batch)) * t54
+    t71 = oe.contract('abc,acd->bdac', t70, A14, optimize=[(0, 1)])
+    t72 = oe.contract('abc,abc,abd->cdab', t10, A14, M_1, optimize=[(0, 1), (0, 1)])
+    t65 += oe.contract('abcd,efcd->aefb', t71, t72, optimize=[(0, 1)])
     return H
 
 
@@ -6012,8 +6394,13 @@ def ce_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = W_V.transpose(-1, -2)
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdf,ia->fa', t1, M_2, X, W_V, t9, A13, t14, M_2, X, W_K, optimize=[(4, 5), (2, 6), (0, 1), (1, 2), (0, 4), (0, 3), (2, 3), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdf,ja->fa', t1, M_2, X, W_V, t9, A13, A13, t14, M_2, X, W_K, optimize=[(4, 5), (2, 7), (0, 1), (1, 2), (1, 6), (0, 2), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t15 = (1/(L*d_K*n_batch)) * t1
+    t16 = oe.contract('ab,cdeb,ef,cdf,cdf,fg,cdgh,ha->acd', t15, M_2, W_V, t9, A13, t14, M_2, W_K, optimize=[(3, 4), (0, 1), (1, 2), (0, 3), (0, 2), (1, 2), (0, 1)])
+    t17 = oe.contract('abc,abc->cab', X, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t16, t17, optimize=[(0, 1)])
+    t18 = (-1/(L*d_K*n_batch)) * t1
+    t19 = oe.contract('ab,cdeb,ef,cdf,cdf,cdg,gh,cdhi,ia->acd', t18, M_2, W_V, t9, A13, A13, t14, M_2, W_K, optimize=[(3, 4), (0, 1), (1, 2), (1, 5), (0, 2), (1, 3), (0, 1), (0, 1)])
+    t0 += oe.contract('abc,dbc->da', t19, t17, optimize=[(0, 1)])
     return out
 
 
@@ -6070,8 +6457,12 @@ def ce_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = W_V.transpose(-1, -2)
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t1, M_2, X, W_V, t9, A13, t14, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t1, M_2, X, W_V, t9, A13, A13, t14, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
+    t15 = (1/(L*d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t15, M_2, X, W_V, t9, A13, t14, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t16 = (-1/(L*d_K*n_batch)) * t1
+    t17 = oe.contract('abc,cd,abde,ef->fab', A13, t14, M_2, W_K, optimize=[(0, 1), (0, 2), (0, 1)])
+    t18 = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahcd', t16, M_2, X, W_V, t9, A13, X, optimize=[(4, 5), (0, 1), (1, 3), (2, 3), (0, 1), (0, 1)])
+    t0 += oe.contract('abc,defbc->defa', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -6130,8 +6521,14 @@ def ce_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = W_V.transpose(-1, -2)
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t1, M_2, X, W_V, t9, A13, t14, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t1, M_2, X, W_V, t9, A13, A13, t14, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
+    t15 = (1/(L*d_K*n_batch)) * t1
+    t16 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t17 = oe.contract('ab,cdeb,ef,cdf,cdf,fg,cdgh->ahcd', t15, M_2, W_V, t9, A13, t14, M_2, optimize=[(3, 4), (0, 1), (1, 2), (0, 2), (0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t16, t17, optimize=[(0, 1)])
+    t18 = (-1/(L*d_K*n_batch)) * t1
+    t19 = oe.contract('abc,abd,de,abef,abg,gh->cfhab', X, A13, t14, M_2, X, W_Q, optimize=[(1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t20 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t18, M_2, W_V, t9, A13, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -6189,8 +6586,12 @@ def ce_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     t11 = M_1 @ W_V
     t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A13 = t12 / t12.sum(-1, keepdim=True)
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t1, M_2, X, W_V, t9, A13, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t1, M_2, X, W_V, t9, A13, A13, M_1, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t14 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t14, M_2, X, W_V, t9, A13, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t15 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t16 = oe.contract('abc,abd,abe->cedab', X, A13, M_1, optimize=[(0, 1), (0, 1)])
+    t17 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t15, M_2, W_V, t9, A13, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -6249,8 +6650,14 @@ def ce_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = W_V.transpose(-1, -2)
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhf,cdi,ia->fa', t1, M_2, X, W_V, t10, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (4, 5), (2, 4), (0, 1), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdif,cdj,ja->fa', t1, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t16 = (1/(L*d_K*n_batch)) * t1
+    t17 = oe.contract('ab,cdb,cde,ea->acd', t16, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t18 = oe.contract('abcd,ce,abe,abe,ef,abfd->dab', M_2, W_V, t10, A14, t15, M_2, optimize=[(2, 3), (0, 1), (0, 1), (1, 2), (0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t17, t18, optimize=[(0, 1)])
+    t19 = (-1/(L*d_K*n_batch)) * t1
+    t20 = oe.contract('ab,cdb,cde,ea->acd', t19, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t21 = oe.contract('abcd,ce,abe,abe,abf,fg,abgd->dab', M_2, W_V, t10, A14, A14, t15, M_2, optimize=[(2, 3), (0, 1), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t0 += oe.contract('abc,dbc->da', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -6309,8 +6716,12 @@ def ce_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = W_V.transpose(-1, -2)
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t1, M_2, X, W_V, t10, A14, t15, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t1, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t16 = (1/(L*d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t16, M_2, X, W_V, t10, A14, t15, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t17 = (-1/(L*d_K*n_batch)) * t1
+    t18 = oe.contract('ab,cdb,cde,ef,cdfg,cdh,gi->ahicd', t17, X, A14, t15, M_2, X, W_K, optimize=[(0, 1), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t19 = oe.contract('abcd,ce,abe,abe->dab', M_2, W_V, t10, A14, optimize=[(1, 2), (1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->fabc', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -6371,8 +6782,14 @@ def ce_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
     t15 = W_V.transpose(-1, -2)
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t1, M_2, X, W_V, t10, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t1, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
+    t16 = (1/(L*d_K*n_batch)) * t1
+    t17 = oe.contract('abc,cd->dab', X, W_Q, optimize=[(0, 1)])
+    t18 = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi->faicd', t16, M_2, X, W_V, t10, A14, t15, M_2, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 2), (1, 2), (0, 1)])
+    t0[...] = oe.contract('abc,defbc->defa', t17, t18, optimize=[(0, 1)])
+    t19 = (-1/(L*d_K*n_batch)) * t1
+    t20 = oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi->faicd', t19, M_2, X, W_V, t10, A14, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 1), (0, 1)])
+    t21 = oe.contract('abc,cd,abde->eab', A14, t15, M_2, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcde,fde->abfc', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -6432,8 +6849,14 @@ def ce_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     t12 = M_1 @ W_V
     t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh->fahg', t1, M_2, X, W_V, t10, A14, M_1, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t1, M_2, X, W_V, t10, A14, A14, M_1, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t15 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t16 = oe.contract('abcd,ce,abe,abe->deab', M_2, W_V, t10, A14, optimize=[(0, 1), (0, 1), (0, 1)])
+    t17 = oe.contract('ab,cdb,cde->aecd', t15, X, M_1, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t16, t17, optimize=[(0, 1)])
+    t18 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t19 = oe.contract('ab,cdb,cde,cdf->afecd', t18, X, A14, M_1, optimize=[(0, 1), (0, 1), (0, 1)])
+    t20 = oe.contract('abcd,ce,abe,abe->dab', M_2, W_V, t10, A14, optimize=[(1, 2), (1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->fabc', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -6490,8 +6913,12 @@ def ce_causal0__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     t12 = M_1 @ W_V
     t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,acb->bd', t9, t11, A14, M_1, optimize=[(0, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->bd', t9, t11, A14, A14, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t15 = (1/(L*n_batch)) * t9
+    t16 = oe.contract('abc,abc->cab', t11, A14, optimize=[(0, 1)])
+    t17 = oe.contract('abc,acb->bac', t15, M_1, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t16, t17, optimize=[(0, 1)])
+    t18 = (-1/(L*n_batch)) * t9
+    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t18, t11, A14, A14, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -6547,8 +6974,12 @@ def ce_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t15 = W_V.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t9, t11, A14, t15, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t9, t11, A14, A14, t15, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
+    t16 = (1/(L*math.sqrt(d_K)*n_batch)) * t9
+    t0[...] = oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t16, t11, A14, t15, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t17 = (-1/(L*math.sqrt(d_K)*n_batch)) * t9
+    t18 = oe.contract('abc,acd,de,acef,fg->bgac', t17, A14, t15, M_2, W_K, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t19 = oe.contract('abc,abc,abd->cdab', t11, A14, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -6609,8 +7040,14 @@ def ce_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t15 = W_V.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t9, t11, A14, t15, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t9, t11, A14, A14, t15, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
+    t16 = (1/(L*math.sqrt(d_K)*n_batch)) * t9
+    t17 = oe.contract('abc,acd,de->beac', t16, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t18 = oe.contract('abc,abc,cd,abde->ceab', t11, A14, t15, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
+    t19 = (-1/(L*math.sqrt(d_K)*n_batch)) * t9
+    t20 = oe.contract('abc,cd->dab', X, W_Q, optimize=[(0, 1)])
+    t21 = oe.contract('abc,acd,acd,ace,ef,acfg->bdgac', t19, t11, A14, A14, t15, M_2, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t0 += oe.contract('abc,defbc->defa', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -6670,8 +7107,14 @@ def ce_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     t13 = M_1 @ W_V
     t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
     A15 = t14 / t14.sum(-1, keepdim=True)
-    t1 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bed', t10, t12, A15, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t10, t12, A15, A15, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t16 = (1/(L*n_batch)) * t10
+    t17 = oe.contract('abc,abc->cab', t12, A15, optimize=[(0, 1)])
+    t18 = oe.contract('abc,acd->bdac', t16, M_1, optimize=[(0, 1)])
+    t1 += oe.contract('abc,debc->dea', t17, t18, optimize=[(0, 1)])
+    t19 = (-1/(L*n_batch)) * t10
+    t20 = oe.contract('abc,acd->bdac', t19, A15, optimize=[(0, 1)])
+    t21 = oe.contract('abc,abc,abd->cdab', t12, A15, M_1, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -6739,46 +7182,66 @@ def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t23 = A * t22
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t3, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t2, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
-    t24 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t24[...] = 0
-    t25 = t24.view((d_V, d_K, d_V, d_K))
-    t26 = t25.diagonal(0, 1, 3)
-    t27 = t23 @ X
-    t28 = t3 @ t27
-    t29 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t26 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t28, t29, optimize=[(0, 1)])
-    t25 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t2, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
-    t30 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t31 = t30.view((d_V, d_K, d_V, d_V))
+    t24 = (1/(d_K*n_batch)) * t2
+    t1[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t24, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t25 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t25[...] = 0
+    t26 = t25.view((d_V, d_K, d_V, d_K))
+    t27 = t26.diagonal(0, 1, 3)
+    t28 = t23 @ X
+    t29 = t3 @ t28
+    t30 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t31 = (1/(math.sqrt(d_K)*n_batch)) * t30
+    t27 += oe.contract('abc,d->bcd', t29, t31, optimize=[(0, 1)])
+    t32 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t33 = oe.contract('ab,cdbe->aecd', t24, M_3, optimize=[(0, 1)])
+    t26 += oe.contract('abcd,efcd->aefb', t32, t33, optimize=[(0, 1)])
+    t34 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t35 = t34.view((d_V, d_K, d_V, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t31[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t2, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
-    t32 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t32[...] = 0
-    t33 = t32.view((d_V, d_K, d_V, d_K))
-    t34 = t33.diagonal(0, 1, 3)
-    t35 = t23.transpose(-1, -2)
-    t36 = t35 @ X
-    t37 = t3 @ t36
-    t34 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t37, t29, optimize=[(0, 1)])
-    t38 = W_Q.transpose(-1, -2)
-    t33 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t38, t3, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
-    t39 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t36 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t37 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t38 = oe.contract('ab,cdeb->aecd', t36, M_2, optimize=[(0, 1)])
+    t35[...] = oe.contract('abcd,efcd->aefb', t37, t38, optimize=[(0, 1)])
+    t39 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t39[...] = 0
     t40 = t39.view((d_V, d_K, d_V, d_K))
-    t40[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t38, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t41 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t42 = t41.view((d_V, d_K, d_V, d_V))
-    t42[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t38, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
-    t43 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t44 = t43.view((d_V, d_V, d_V, d_K))
-    t45 = G.transpose(-1, -2)
-    t44[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t45, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
-    t46 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t47 = t46.view((d_V, d_V, d_V, d_K))
-    t47[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t45, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t48 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t48[...] = 0
+    t41 = t40.diagonal(0, 1, 3)
+    t42 = t23.transpose(-1, -2)
+    t43 = t42 @ X
+    t44 = t3 @ t43
+    t41 += oe.contract('abc,d->bcd', t44, t31, optimize=[(0, 1)])
+    t45 = W_Q.transpose(-1, -2)
+    t46 = (1/(d_K*n_batch)) * t45
+    t47 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t48 = oe.contract('ab,cbd,cde->aecd', t46, t3, X, optimize=[(0, 1), (0, 1)])
+    t40 += oe.contract('abcd,efcd->aefb', t47, t48, optimize=[(0, 1)])
+    t49 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t50 = t49.view((d_V, d_K, d_V, d_K))
+    t51 = oe.contract('ab,cbd,cde,ef->afcd', t46, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t52 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t50[...] = oe.contract('abcd,efcd->eafb', t51, t52, optimize=[(0, 1)])
+    t53 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t54 = t53.view((d_V, d_K, d_V, d_V))
+    t55 = (1/(math.sqrt(d_K)*n_batch)) * t45
+    t56 = oe.contract('ab,cdb,cde->aecd', t55, X, G, optimize=[(0, 1), (0, 1)])
+    t57 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t54[...] = oe.contract('abcd,efcd->eafb', t56, t57, optimize=[(0, 1)])
+    t58 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t59 = t58.view((d_V, d_V, d_V, d_K))
+    t60 = G.transpose(-1, -2)
+    t61 = (1/(math.sqrt(d_K)*n_batch)) * t60
+    t62 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t63 = oe.contract('abc,acd->bdac', t61, X, optimize=[(0, 1)])
+    t59[...] = oe.contract('abcd,efcd->aefb', t62, t63, optimize=[(0, 1)])
+    t64 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t65 = t64.view((d_V, d_V, d_V, d_K))
+    t66 = oe.contract('abc,acd,de->beac', t61, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t67 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t65[...] = oe.contract('abcd,efcd->eafb', t66, t67, optimize=[(0, 1)])
+    t68 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t68[...] = 0
     return H
 
 
@@ -6958,7 +7421,10 @@ def ce_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t22 = A * t21
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t22, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t22, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t22, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->da', t1, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
+    t23 = (1/(d_K*n_batch)) * t1
+    t24 = oe.contract('ab,cdbe,ea->acd', t23, M_3, W_K, optimize=[(0, 2), (0, 1)])
+    t25 = oe.contract('abc,acb->bac', t2, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t24, t25, optimize=[(0, 1)])
     return out
 
 
@@ -7035,7 +7501,8 @@ def ce_causal0__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t22 = A * t21
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t22, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t22, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t22, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t1, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t23 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t23, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -7117,10 +7584,14 @@ def ce_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t24 = t23 @ X
     t25 = t2 @ t24
     t26 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t25, t26, optimize=[(0, 1)])
+    t27 = (1/(math.sqrt(d_K)*n_batch)) * t26
+    t1 += oe.contract('abc,d->bcd', t25, t27, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t3, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t28 = (1/(d_K*n_batch)) * t3
+    t29 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t30 = oe.contract('ab,cdbe->aecd', t28, M_3, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
     return out
 
 
@@ -7196,7 +7667,10 @@ def ce_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t16 = (-1/L) * Y
     t17 = t15 + t16
     G = t17
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t1, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
+    t18 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t19 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t20 = oe.contract('ab,cdeb->aecd', t18, M_2, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -7271,7 +7745,8 @@ def ce_causal0__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
     t23 = A * t22
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->ea', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t24 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cbd,cdee,cdf,fa->ea', t24, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -7353,11 +7828,15 @@ def ce_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t25 = t24 @ X
     t26 = t2 @ t25
     t27 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t26, t27, optimize=[(0, 1)])
-    t28 = W_Q.transpose(-1, -2)
+    t28 = (1/(math.sqrt(d_K)*n_batch)) * t27
+    t1 += oe.contract('abc,d->bcd', t26, t28, optimize=[(0, 1)])
+    t29 = W_Q.transpose(-1, -2)
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t28, t2, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    t30 = (1/(d_K*n_batch)) * t29
+    t31 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t32 = oe.contract('ab,cbd,cde->aecd', t30, t2, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t31, t32, optimize=[(0, 1)])
     return out
 
 
@@ -7441,7 +7920,10 @@ def ce_causal0__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t23 = A * t22
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t24 = (1/(d_K*n_batch)) * t1
+    t25 = oe.contract('ab,cbd,cde,ef->afcd', t24, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t26 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t25, t26, optimize=[(0, 1)])
     return out
 
 
@@ -7517,7 +7999,10 @@ def ce_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t17 = (-1/L) * Y
     t18 = t16 + t17
     G = t18
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t1, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
+    t19 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t20 = oe.contract('ab,cdb,cde->aecd', t19, X, G, optimize=[(0, 1), (0, 1)])
+    t21 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -7608,7 +8093,10 @@ def ce_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t18 = G.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t18, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
+    t19 = (1/(math.sqrt(d_K)*n_batch)) * t18
+    t20 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t21 = oe.contract('abc,acd->bdac', t19, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -7679,7 +8167,10 @@ def ce_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t18 = G.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t18, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    t19 = (1/(math.sqrt(d_K)*n_batch)) * t18
+    t20 = oe.contract('abc,acd,de->beac', t19, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t21 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -7775,69 +8266,127 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t23 = A * t22
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t3, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t2, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t24 = (1/(d_K*n_batch)) * t2
+    t1[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t24, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t24 = torch.exp(t12 - t12.amax(-1, keepdim=True))
-    A25 = t24 / t24.sum(-1, keepdim=True)
-    t1 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t2, M_2, X, W_V, t10, A25, t19, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t1 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t2, M_2, X, W_V, t10, A25, A25, t19, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
-    t26 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t26[...] = 0
-    t27 = t26.view((d_V, d_K, d_V, d_K))
-    t28 = t27.diagonal(0, 1, 3)
-    t29 = t23 @ X
-    t30 = t3 @ t29
-    t31 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t28 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t30, t31, optimize=[(0, 1)])
-    t27 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t2, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
-    t27 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t2, M_2, X, W_V, t10, A25, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t27 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t2, M_2, X, W_V, t10, A25, A25, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
-    t32 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t33 = t32.view((d_V, d_K, d_V, d_V))
-    t33[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t2, M_2, X, W_V, t10, A25, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t33 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t2, M_2, X, W_V, t10, A25, A25, M_1, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t33 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t2, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
-    t34 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t34[...] = 0
-    t35 = t34.view((d_V, d_K, d_V, d_K))
-    t36 = t35.diagonal(0, 1, 3)
-    t37 = t23.transpose(-1, -2)
-    t38 = t37 @ X
-    t39 = t3 @ t38
-    t36 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t39, t31, optimize=[(0, 1)])
-    t40 = W_Q.transpose(-1, -2)
-    t35 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t40, t3, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
-    t35 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t40, M_2, X, W_V, t10, A25, t19, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t35 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t40, M_2, X, W_V, t10, A25, A25, t19, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
-    t41 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t42 = t41.view((d_V, d_K, d_V, d_K))
-    t42[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t40, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t42 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t40, M_2, X, W_V, t10, A25, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
-    t42 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t40, M_2, X, W_V, t10, A25, A25, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
-    t43 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t44 = t43.view((d_V, d_K, d_V, d_V))
-    t44[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh->fahg', t40, M_2, X, W_V, t10, A25, M_1, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
-    t44 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t40, M_2, X, W_V, t10, A25, A25, M_1, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
-    t44 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t40, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
-    t45 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t46 = t45.view((d_V, d_V, d_V, d_K))
-    t47 = G.transpose(-1, -2)
-    t46[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t47, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
-    t48 = M_1.transpose(-1, -2)
-    t46 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t48, t10, A25, t19, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t46 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t48, t10, A25, A25, t19, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
-    t49 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t50 = t49.view((d_V, d_V, d_V, d_K))
-    t50[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t47, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t50 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t48, t10, A25, t19, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t50 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t48, t10, A25, A25, t19, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
-    t51 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t51[...] = 0
-    t52 = t51.view((d_V, d_V, d_V, d_V))
-    t53 = t52.diagonal(0, 1, 3)
-    t53 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bed', t48, t10, A25, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
-    t52 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t48, t10, A25, A25, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t25 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A26 = t25 / t25.sum(-1, keepdim=True)
+    t27 = (1/(L*d_K*n_batch)) * t2
+    t1 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t27, M_2, X, W_V, t10, A26, t19, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t28 = (-1/(L*d_K*n_batch)) * t2
+    t29 = oe.contract('abc,cd,abde,ef->fab', A26, t19, M_2, W_K, optimize=[(0, 1), (0, 2), (0, 1)])
+    t30 = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahcd', t28, M_2, X, W_V, t10, A26, X, optimize=[(4, 5), (0, 1), (1, 3), (2, 3), (0, 1), (0, 1)])
+    t1 += oe.contract('abc,defbc->defa', t29, t30, optimize=[(0, 1)])
+    t31 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t31[...] = 0
+    t32 = t31.view((d_V, d_K, d_V, d_K))
+    t33 = t32.diagonal(0, 1, 3)
+    t34 = t23 @ X
+    t35 = t3 @ t34
+    t36 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t37 = (1/(math.sqrt(d_K)*n_batch)) * t36
+    t33 += oe.contract('abc,d->bcd', t35, t37, optimize=[(0, 1)])
+    t38 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t39 = oe.contract('ab,cdbe->aecd', t24, M_3, optimize=[(0, 1)])
+    t32 += oe.contract('abcd,efcd->aefb', t38, t39, optimize=[(0, 1)])
+    t40 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t41 = oe.contract('ab,cdeb,ef,cdf,cdf,fg,cdgh->ahcd', t27, M_2, W_V, t10, A26, t19, M_2, optimize=[(3, 4), (0, 1), (1, 2), (0, 2), (0, 1), (0, 1)])
+    t32 += oe.contract('abcd,efcd->aefb', t40, t41, optimize=[(0, 1)])
+    t42 = oe.contract('abc,abd,de,abef,abg,gh->cfhab', X, A26, t19, M_2, X, W_Q, optimize=[(1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t43 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t28, M_2, W_V, t10, A26, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
+    t32 += oe.contract('abcde,fde->afbc', t42, t43, optimize=[(0, 1)])
+    t44 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t45 = t44.view((d_V, d_K, d_V, d_V))
+    t46 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t45[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t46, M_2, X, W_V, t10, A26, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t47 = (-1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t48 = oe.contract('abc,abd,abe->cedab', X, A26, M_1, optimize=[(0, 1), (0, 1)])
+    t49 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t47, M_2, W_V, t10, A26, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
+    t45 += oe.contract('abcde,fde->afbc', t48, t49, optimize=[(0, 1)])
+    t50 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t51 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t52 = oe.contract('ab,cdeb->aecd', t50, M_2, optimize=[(0, 1)])
+    t45 += oe.contract('abcd,efcd->aefb', t51, t52, optimize=[(0, 1)])
+    t53 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t53[...] = 0
+    t54 = t53.view((d_V, d_K, d_V, d_K))
+    t55 = t54.diagonal(0, 1, 3)
+    t56 = t23.transpose(-1, -2)
+    t57 = t56 @ X
+    t58 = t3 @ t57
+    t55 += oe.contract('abc,d->bcd', t58, t37, optimize=[(0, 1)])
+    t59 = W_Q.transpose(-1, -2)
+    t60 = (1/(d_K*n_batch)) * t59
+    t61 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t62 = oe.contract('ab,cbd,cde->aecd', t60, t3, X, optimize=[(0, 1), (0, 1)])
+    t54 += oe.contract('abcd,efcd->aefb', t61, t62, optimize=[(0, 1)])
+    t63 = (1/(L*d_K*n_batch)) * t59
+    t54 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t63, M_2, X, W_V, t10, A26, t19, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t64 = (-1/(L*d_K*n_batch)) * t59
+    t65 = oe.contract('ab,cdb,cde,ef,cdfg,cdh,gi->ahicd', t64, X, A26, t19, M_2, X, W_K, optimize=[(0, 1), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t66 = oe.contract('abcd,ce,abe,abe->dab', M_2, W_V, t10, A26, optimize=[(1, 2), (1, 2), (0, 1)])
+    t54 += oe.contract('abcde,fde->fabc', t65, t66, optimize=[(0, 1)])
+    t67 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t68 = t67.view((d_V, d_K, d_V, d_K))
+    t69 = oe.contract('ab,cbd,cde,ef->afcd', t60, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t70 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t68[...] = oe.contract('abcd,efcd->eafb', t69, t70, optimize=[(0, 1)])
+    t71 = oe.contract('abc,cd->dab', X, W_Q, optimize=[(0, 1)])
+    t72 = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi->faicd', t63, M_2, X, W_V, t10, A26, t19, M_2, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 2), (1, 2), (0, 1)])
+    t68 += oe.contract('abc,defbc->defa', t71, t72, optimize=[(0, 1)])
+    t73 = oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi->faicd', t64, M_2, X, W_V, t10, A26, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 1), (0, 1)])
+    t74 = oe.contract('abc,cd,abde->eab', A26, t19, M_2, optimize=[(0, 1), (0, 1)])
+    t68 += oe.contract('abcde,fde->abfc', t73, t74, optimize=[(0, 1)])
+    t75 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t76 = t75.view((d_V, d_K, d_V, d_V))
+    t77 = (1/(L*math.sqrt(d_K)*n_batch)) * t59
+    t78 = oe.contract('abcd,ce,abe,abe->deab', M_2, W_V, t10, A26, optimize=[(0, 1), (0, 1), (0, 1)])
+    t79 = oe.contract('ab,cdb,cde->aecd', t77, X, M_1, optimize=[(0, 1), (0, 1)])
+    t76[...] = oe.contract('abcd,efcd->aefb', t78, t79, optimize=[(0, 1)])
+    t80 = (-1/(L*math.sqrt(d_K)*n_batch)) * t59
+    t81 = oe.contract('ab,cdb,cde,cdf->afecd', t80, X, A26, M_1, optimize=[(0, 1), (0, 1), (0, 1)])
+    t76 += oe.contract('abcde,fde->fabc', t81, t66, optimize=[(0, 1)])
+    t82 = (1/(math.sqrt(d_K)*n_batch)) * t59
+    t83 = oe.contract('ab,cdb,cde->aecd', t82, X, G, optimize=[(0, 1), (0, 1)])
+    t84 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t76 += oe.contract('abcd,efcd->eafb', t83, t84, optimize=[(0, 1)])
+    t85 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t86 = t85.view((d_V, d_V, d_V, d_K))
+    t87 = G.transpose(-1, -2)
+    t88 = (1/(math.sqrt(d_K)*n_batch)) * t87
+    t89 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t90 = oe.contract('abc,acd->bdac', t88, X, optimize=[(0, 1)])
+    t86[...] = oe.contract('abcd,efcd->aefb', t89, t90, optimize=[(0, 1)])
+    t91 = M_1.transpose(-1, -2)
+    t92 = (1/(L*math.sqrt(d_K)*n_batch)) * t91
+    t86 += oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t92, t10, A26, t19, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t93 = (-1/(L*math.sqrt(d_K)*n_batch)) * t91
+    t94 = oe.contract('abc,acd,de,acef,fg->bgac', t93, A26, t19, M_2, W_K, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t95 = oe.contract('abc,abc,abd->cdab', t10, A26, X, optimize=[(0, 1), (0, 1)])
+    t86 += oe.contract('abcd,efcd->aefb', t94, t95, optimize=[(0, 1)])
+    t96 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t97 = t96.view((d_V, d_V, d_V, d_K))
+    t98 = oe.contract('abc,acd,de->beac', t88, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t99 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t97[...] = oe.contract('abcd,efcd->eafb', t98, t99, optimize=[(0, 1)])
+    t100 = oe.contract('abc,acd,de->beac', t92, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t101 = oe.contract('abc,abc,cd,abde->ceab', t10, A26, t19, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t97 += oe.contract('abcd,efcd->aefb', t100, t101, optimize=[(0, 1)])
+    t102 = oe.contract('abc,acd,acd,ace,ef,acfg->bdgac', t93, t10, A26, A26, t19, M_2, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t97 += oe.contract('abc,defbc->defa', t71, t102, optimize=[(0, 1)])
+    t103 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t103[...] = 0
+    t104 = t103.view((d_V, d_V, d_V, d_V))
+    t105 = t104.diagonal(0, 1, 3)
+    t106 = (1/(L*n_batch)) * t91
+    t107 = oe.contract('abc,abc->cab', t10, A26, optimize=[(0, 1)])
+    t108 = oe.contract('abc,acd->bdac', t106, M_1, optimize=[(0, 1)])
+    t105 += oe.contract('abc,debc->dea', t107, t108, optimize=[(0, 1)])
+    t109 = (-1/(L*n_batch)) * t91
+    t110 = oe.contract('abc,acd->bdac', t109, A26, optimize=[(0, 1)])
+    t111 = oe.contract('abc,abc,abd->cdab', t10, A26, M_1, optimize=[(0, 1), (0, 1)])
+    t104 += oe.contract('abcd,efcd->aefb', t110, t111, optimize=[(0, 1)])
     return H
 
 
@@ -8035,13 +8584,21 @@ def ce_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t22 = A * t21
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t22, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t22, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t22, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->da', t1, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
+    t23 = (1/(d_K*n_batch)) * t1
+    t24 = oe.contract('ab,cdbe,ea->acd', t23, M_3, W_K, optimize=[(0, 2), (0, 1)])
+    t25 = oe.contract('abc,acb->bac', t2, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t24, t25, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t23 = torch.exp(t11 - t11.amax(-1, keepdim=True))
-    A24 = t23 / t23.sum(-1, keepdim=True)
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdf,ia->fa', t1, M_2, X, W_V, t9, A24, t18, M_2, X, W_K, optimize=[(4, 5), (2, 6), (0, 1), (1, 2), (0, 4), (0, 3), (2, 3), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdf,ja->fa', t1, M_2, X, W_V, t9, A24, A24, t18, M_2, X, W_K, optimize=[(4, 5), (2, 7), (0, 1), (1, 2), (1, 6), (0, 2), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t26 = torch.exp(t11 - t11.amax(-1, keepdim=True))
+    A27 = t26 / t26.sum(-1, keepdim=True)
+    t28 = (1/(L*d_K*n_batch)) * t1
+    t29 = oe.contract('ab,cdeb,ef,cdf,cdf,fg,cdgh,ha->acd', t28, M_2, W_V, t9, A27, t18, M_2, W_K, optimize=[(3, 4), (0, 1), (1, 2), (0, 3), (0, 2), (1, 2), (0, 1)])
+    t30 = oe.contract('abc,abc->cab', X, X, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dbc->da', t29, t30, optimize=[(0, 1)])
+    t31 = (-1/(L*d_K*n_batch)) * t1
+    t32 = oe.contract('ab,cdeb,ef,cdf,cdf,cdg,gh,cdhi,ia->acd', t31, M_2, W_V, t9, A27, A27, t18, M_2, W_K, optimize=[(3, 4), (0, 1), (1, 2), (1, 5), (0, 2), (1, 3), (0, 1), (0, 1)])
+    t0 += oe.contract('abc,dbc->da', t32, t30, optimize=[(0, 1)])
     return out
 
 
@@ -8122,13 +8679,18 @@ def ce_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t22 = A * t21
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t22, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t22, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t22, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t1, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t23 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t23, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t23 = torch.exp(t11 - t11.amax(-1, keepdim=True))
-    A24 = t23 / t23.sum(-1, keepdim=True)
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t1, M_2, X, W_V, t9, A24, t18, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t1, M_2, X, W_V, t9, A24, A24, t18, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
+    t24 = torch.exp(t11 - t11.amax(-1, keepdim=True))
+    A25 = t24 / t24.sum(-1, keepdim=True)
+    t26 = (1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t26, M_2, X, W_V, t9, A25, t18, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t27 = (-1/(L*d_K*n_batch)) * t1
+    t28 = oe.contract('abc,cd,abde,ef->fab', A25, t18, M_2, W_K, optimize=[(0, 1), (0, 2), (0, 1)])
+    t29 = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahcd', t27, M_2, X, W_V, t9, A25, X, optimize=[(4, 5), (0, 1), (1, 3), (2, 3), (0, 1), (0, 1)])
+    t0 += oe.contract('abc,defbc->defa', t28, t29, optimize=[(0, 1)])
     return out
 
 
@@ -8214,16 +8776,26 @@ def ce_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t24 = t23 @ X
     t25 = t2 @ t24
     t26 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t25, t26, optimize=[(0, 1)])
+    t27 = (1/(math.sqrt(d_K)*n_batch)) * t26
+    t1 += oe.contract('abc,d->bcd', t25, t27, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t3, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t28 = (1/(d_K*n_batch)) * t3
+    t29 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t30 = oe.contract('ab,cdbe->aecd', t28, M_3, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t27 = torch.exp(t12 - t12.amax(-1, keepdim=True))
-    A28 = t27 / t27.sum(-1, keepdim=True)
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t3, M_2, X, W_V, t10, A28, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t3, M_2, X, W_V, t10, A28, A28, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
+    t31 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A32 = t31 / t31.sum(-1, keepdim=True)
+    t33 = (1/(L*d_K*n_batch)) * t3
+    t34 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t35 = oe.contract('ab,cdeb,ef,cdf,cdf,fg,cdgh->ahcd', t33, M_2, W_V, t10, A32, t19, M_2, optimize=[(3, 4), (0, 1), (1, 2), (0, 2), (0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t34, t35, optimize=[(0, 1)])
+    t36 = (-1/(L*d_K*n_batch)) * t3
+    t37 = oe.contract('abc,abd,de,abef,abg,gh->cfhab', X, A32, t19, M_2, X, W_Q, optimize=[(1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t38 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t36, M_2, W_V, t10, A32, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t37, t38, optimize=[(0, 1)])
     return out
 
 
@@ -8297,17 +8869,24 @@ def ce_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t11 = M_1 @ W_V
     t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A13 = t12 / t12.sum(-1, keepdim=True)
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t1, M_2, X, W_V, t9, A13, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t1, M_2, X, W_V, t9, A13, A13, M_1, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t14 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t14, M_2, X, W_V, t9, A13, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t15 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t16 = oe.contract('abc,abd,abe->cedab', X, A13, M_1, optimize=[(0, 1), (0, 1)])
+    t17 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t15, M_2, W_V, t9, A13, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t16, t17, optimize=[(0, 1)])
     F = t11
-    t14 = torch.exp(F - F.amax(-1, keepdim=True))
-    A15 = t14 / t14.sum(-1, keepdim=True)
-    t16 = t9 * A15
-    t17 = (1/L) * t16
-    t18 = (-1/L) * Y
-    t19 = t17 + t18
-    G = t19
-    t0 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t1, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
+    t18 = torch.exp(F - F.amax(-1, keepdim=True))
+    A19 = t18 / t18.sum(-1, keepdim=True)
+    t20 = t9 * A19
+    t21 = (1/L) * t20
+    t22 = (-1/L) * Y
+    t23 = t21 + t22
+    G = t23
+    t24 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t25 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t26 = oe.contract('ab,cdeb->aecd', t24, M_2, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t25, t26, optimize=[(0, 1)])
     return out
 
 
@@ -8384,13 +8963,20 @@ def ce_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t23 = A * t22
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->ea', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t24 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cbd,cdee,cdf,fa->ea', t24, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t24 = torch.exp(t12 - t12.amax(-1, keepdim=True))
-    A25 = t24 / t24.sum(-1, keepdim=True)
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhf,cdi,ia->fa', t1, M_2, X, W_V, t10, A25, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (4, 5), (2, 4), (0, 1), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdif,cdj,ja->fa', t1, M_2, X, W_V, t10, A25, A25, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t25 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A26 = t25 / t25.sum(-1, keepdim=True)
+    t27 = (1/(L*d_K*n_batch)) * t1
+    t28 = oe.contract('ab,cdb,cde,ea->acd', t27, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t29 = oe.contract('abcd,ce,abe,abe,ef,abfd->dab', M_2, W_V, t10, A26, t19, M_2, optimize=[(2, 3), (0, 1), (0, 1), (1, 2), (0, 1)])
+    t0 += oe.contract('abc,dbc->da', t28, t29, optimize=[(0, 1)])
+    t30 = (-1/(L*d_K*n_batch)) * t1
+    t31 = oe.contract('ab,cdb,cde,ea->acd', t30, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t32 = oe.contract('abcd,ce,abe,abe,abf,fg,abgd->dab', M_2, W_V, t10, A26, A26, t19, M_2, optimize=[(2, 3), (0, 1), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t0 += oe.contract('abc,dbc->da', t31, t32, optimize=[(0, 1)])
     return out
 
 
@@ -8476,17 +9062,25 @@ def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t25 = t24 @ X
     t26 = t2 @ t25
     t27 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t26, t27, optimize=[(0, 1)])
-    t28 = W_Q.transpose(-1, -2)
+    t28 = (1/(math.sqrt(d_K)*n_batch)) * t27
+    t1 += oe.contract('abc,d->bcd', t26, t28, optimize=[(0, 1)])
+    t29 = W_Q.transpose(-1, -2)
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t28, t2, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    t30 = (1/(d_K*n_batch)) * t29
+    t31 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t32 = oe.contract('ab,cbd,cde->aecd', t30, t2, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t31, t32, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t29 = torch.exp(t12 - t12.amax(-1, keepdim=True))
-    A30 = t29 / t29.sum(-1, keepdim=True)
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t28, M_2, X, W_V, t10, A30, t19, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t28, M_2, X, W_V, t10, A30, A30, t19, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t33 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A34 = t33 / t33.sum(-1, keepdim=True)
+    t35 = (1/(L*d_K*n_batch)) * t29
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t35, M_2, X, W_V, t10, A34, t19, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t36 = (-1/(L*d_K*n_batch)) * t29
+    t37 = oe.contract('ab,cdb,cde,ef,cdfg,cdh,gi->ahicd', t36, X, A34, t19, M_2, X, W_K, optimize=[(0, 1), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t38 = oe.contract('abcd,ce,abe,abe->dab', M_2, W_V, t10, A34, optimize=[(1, 2), (1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->fabc', t37, t38, optimize=[(0, 1)])
     return out
 
 
@@ -8574,13 +9168,22 @@ def ce_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t23 = A * t22
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t24 = (1/(d_K*n_batch)) * t1
+    t25 = oe.contract('ab,cbd,cde,ef->afcd', t24, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t26 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t25, t26, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t24 = torch.exp(t12 - t12.amax(-1, keepdim=True))
-    A25 = t24 / t24.sum(-1, keepdim=True)
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t1, M_2, X, W_V, t10, A25, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t1, M_2, X, W_V, t10, A25, A25, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
+    t27 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A28 = t27 / t27.sum(-1, keepdim=True)
+    t29 = (1/(L*d_K*n_batch)) * t1
+    t30 = oe.contract('abc,cd->dab', X, W_Q, optimize=[(0, 1)])
+    t31 = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi->faicd', t29, M_2, X, W_V, t10, A28, t19, M_2, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 2), (1, 2), (0, 1)])
+    t0 += oe.contract('abc,defbc->defa', t30, t31, optimize=[(0, 1)])
+    t32 = (-1/(L*d_K*n_batch)) * t1
+    t33 = oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi->faicd', t32, M_2, X, W_V, t10, A28, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 1), (0, 1)])
+    t34 = oe.contract('abc,cd,abde->eab', A28, t19, M_2, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcde,fde->abfc', t33, t34, optimize=[(0, 1)])
     return out
 
 
@@ -8654,17 +9257,26 @@ def ce_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t12 = M_1 @ W_V
     t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh->fahg', t1, M_2, X, W_V, t10, A14, M_1, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t1, M_2, X, W_V, t10, A14, A14, M_1, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t15 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t16 = oe.contract('abcd,ce,abe,abe->deab', M_2, W_V, t10, A14, optimize=[(0, 1), (0, 1), (0, 1)])
+    t17 = oe.contract('ab,cdb,cde->aecd', t15, X, M_1, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t16, t17, optimize=[(0, 1)])
+    t18 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t19 = oe.contract('ab,cdb,cde,cdf->afecd', t18, X, A14, M_1, optimize=[(0, 1), (0, 1), (0, 1)])
+    t20 = oe.contract('abcd,ce,abe,abe->dab', M_2, W_V, t10, A14, optimize=[(1, 2), (1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->fabc', t19, t20, optimize=[(0, 1)])
     F = t12
-    t15 = torch.exp(F - F.amax(-1, keepdim=True))
-    A16 = t15 / t15.sum(-1, keepdim=True)
-    t17 = t10 * A16
-    t18 = (1/L) * t17
-    t19 = (-1/L) * Y
-    t20 = t18 + t19
-    G = t20
-    t0 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t1, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
+    t21 = torch.exp(F - F.amax(-1, keepdim=True))
+    A22 = t21 / t21.sum(-1, keepdim=True)
+    t23 = t10 * A22
+    t24 = (1/L) * t23
+    t25 = (-1/L) * Y
+    t26 = t24 + t25
+    G = t26
+    t27 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t28 = oe.contract('ab,cdb,cde->aecd', t27, X, G, optimize=[(0, 1), (0, 1)])
+    t29 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0 += oe.contract('abcd,efcd->eafb', t28, t29, optimize=[(0, 1)])
     return out
 
 
@@ -8729,8 +9341,12 @@ def ce_causal0__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     t12 = M_1 @ W_V
     t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,acb->bd', t9, t11, A14, M_1, optimize=[(0, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->bd', t9, t11, A14, A14, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t15 = (1/(L*n_batch)) * t9
+    t16 = oe.contract('abc,abc->cab', t11, A14, optimize=[(0, 1)])
+    t17 = oe.contract('abc,acb->bac', t15, M_1, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t16, t17, optimize=[(0, 1)])
+    t18 = (-1/(L*n_batch)) * t9
+    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t18, t11, A14, A14, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -8791,13 +9407,20 @@ def ce_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t18 = G.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t18, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
-    t19 = M_1.transpose(-1, -2)
-    t20 = torch.exp(t11 - t11.amax(-1, keepdim=True))
-    A21 = t20 / t20.sum(-1, keepdim=True)
-    t22 = W_V.transpose(-1, -2)
-    t0 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t19, t2, A21, t22, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t19, t2, A21, A21, t22, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
+    t19 = (1/(math.sqrt(d_K)*n_batch)) * t18
+    t20 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t21 = oe.contract('abc,acd->bdac', t19, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
+    t22 = M_1.transpose(-1, -2)
+    t23 = torch.exp(t11 - t11.amax(-1, keepdim=True))
+    A24 = t23 / t23.sum(-1, keepdim=True)
+    t25 = W_V.transpose(-1, -2)
+    t26 = (1/(L*math.sqrt(d_K)*n_batch)) * t22
+    t0 += oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t26, t2, A24, t25, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t27 = (-1/(L*math.sqrt(d_K)*n_batch)) * t22
+    t28 = oe.contract('abc,acd,de,acef,fg->bgac', t27, A24, t25, M_2, W_K, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t29 = oe.contract('abc,abc,abd->cdab', t2, A24, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t28, t29, optimize=[(0, 1)])
     return out
 
 
@@ -8872,13 +9495,22 @@ def ce_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t18 = G.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t18, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t19 = M_1.transpose(-1, -2)
-    t20 = torch.exp(t11 - t11.amax(-1, keepdim=True))
-    A21 = t20 / t20.sum(-1, keepdim=True)
-    t22 = W_V.transpose(-1, -2)
-    t0 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t19, t2, A21, t22, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t19, t2, A21, A21, t22, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
+    t19 = (1/(math.sqrt(d_K)*n_batch)) * t18
+    t20 = oe.contract('abc,acd,de->beac', t19, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t21 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
+    t22 = M_1.transpose(-1, -2)
+    t23 = torch.exp(t11 - t11.amax(-1, keepdim=True))
+    A24 = t23 / t23.sum(-1, keepdim=True)
+    t25 = W_V.transpose(-1, -2)
+    t26 = (1/(L*math.sqrt(d_K)*n_batch)) * t22
+    t27 = oe.contract('abc,acd,de->beac', t26, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t28 = oe.contract('abc,abc,cd,abde->ceab', t2, A24, t25, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t27, t28, optimize=[(0, 1)])
+    t29 = (-1/(L*math.sqrt(d_K)*n_batch)) * t22
+    t30 = oe.contract('abc,cd->dab', X, W_Q, optimize=[(0, 1)])
+    t31 = oe.contract('abc,acd,acd,ace,ef,acfg->bdgac', t29, t2, A24, A24, t25, M_2, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t0 += oe.contract('abc,defbc->defa', t30, t31, optimize=[(0, 1)])
     return out
 
 
@@ -8947,8 +9579,14 @@ def ce_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     t13 = M_1 @ W_V
     t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
     A15 = t14 / t14.sum(-1, keepdim=True)
-    t1 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bed', t10, t12, A15, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t10, t12, A15, A15, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t16 = (1/(L*n_batch)) * t10
+    t17 = oe.contract('abc,abc->cab', t12, A15, optimize=[(0, 1)])
+    t18 = oe.contract('abc,acd->bdac', t16, M_1, optimize=[(0, 1)])
+    t1 += oe.contract('abc,debc->dea', t17, t18, optimize=[(0, 1)])
+    t19 = (-1/(L*n_batch)) * t10
+    t20 = oe.contract('abc,acd->bdac', t19, A15, optimize=[(0, 1)])
+    t21 = oe.contract('abc,abc,abd->cdab', t12, A15, M_1, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -9083,44 +9721,82 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = W_V.transpose(-1, -2)
-    t1[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t2, M_2, X, W_V, t12, A16, t17, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t1 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t2, M_2, X, W_V, t12, A16, A16, t17, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
-    t18 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t19 = t18.view((d_V, d_K, d_V, d_K))
-    t19[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t2, M_2, X, W_V, t12, A16, t17, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t19 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t2, M_2, X, W_V, t12, A16, A16, t17, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
-    t20 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t21 = t20.view((d_V, d_K, d_V, d_V))
-    t21[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t2, M_2, X, W_V, t12, A16, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t21 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t2, M_2, X, W_V, t12, A16, A16, M_1, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t22 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t18 = (1/(L*d_K*n_batch)) * t2
+    t1[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t18, M_2, X, W_V, t12, A16, t17, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t19 = (-1/(L*d_K*n_batch)) * t2
+    t20 = oe.contract('abc,cd,abde,ef->fab', A16, t17, M_2, W_K, optimize=[(0, 1), (0, 2), (0, 1)])
+    t21 = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahcd', t19, M_2, X, W_V, t12, A16, X, optimize=[(4, 5), (0, 1), (1, 3), (2, 3), (0, 1), (0, 1)])
+    t1 += oe.contract('abc,defbc->defa', t20, t21, optimize=[(0, 1)])
+    t22 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t23 = t22.view((d_V, d_K, d_V, d_K))
-    t24 = W_Q.transpose(-1, -2)
-    t23[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t24, M_2, X, W_V, t12, A16, t17, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t23 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t24, M_2, X, W_V, t12, A16, A16, t17, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
-    t25 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t26 = t25.view((d_V, d_K, d_V, d_K))
-    t26[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t24, M_2, X, W_V, t12, A16, t17, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
-    t26 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t24, M_2, X, W_V, t12, A16, A16, t17, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
-    t27 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t28 = t27.view((d_V, d_K, d_V, d_V))
-    t28[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh->fahg', t24, M_2, X, W_V, t12, A16, M_1, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
-    t28 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t24, M_2, X, W_V, t12, A16, A16, M_1, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
-    t29 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t30 = t29.view((d_V, d_V, d_V, d_K))
-    t31 = M_1.transpose(-1, -2)
-    t30[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t31, t12, A16, t17, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t30 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t31, t12, A16, A16, t17, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
-    t32 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t33 = t32.view((d_V, d_V, d_V, d_K))
-    t33[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t31, t12, A16, t17, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t33 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t31, t12, A16, A16, t17, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
-    t34 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t34[...] = 0
-    t35 = t34.view((d_V, d_V, d_V, d_V))
-    t36 = t35.diagonal(0, 1, 3)
-    t36 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bed', t31, t12, A16, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
-    t35 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t31, t12, A16, A16, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t24 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t25 = oe.contract('ab,cdeb,ef,cdf,cdf,fg,cdgh->ahcd', t18, M_2, W_V, t12, A16, t17, M_2, optimize=[(3, 4), (0, 1), (1, 2), (0, 2), (0, 1), (0, 1)])
+    t23[...] = oe.contract('abcd,efcd->aefb', t24, t25, optimize=[(0, 1)])
+    t26 = oe.contract('abc,abd,de,abef,abg,gh->cfhab', X, A16, t17, M_2, X, W_Q, optimize=[(1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t27 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t19, M_2, W_V, t12, A16, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
+    t23 += oe.contract('abcde,fde->afbc', t26, t27, optimize=[(0, 1)])
+    t28 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t29 = t28.view((d_V, d_K, d_V, d_V))
+    t30 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t29[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t30, M_2, X, W_V, t12, A16, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t31 = (-1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t32 = oe.contract('abc,abd,abe->cedab', X, A16, M_1, optimize=[(0, 1), (0, 1)])
+    t33 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t31, M_2, W_V, t12, A16, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
+    t29 += oe.contract('abcde,fde->afbc', t32, t33, optimize=[(0, 1)])
+    t34 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t35 = t34.view((d_V, d_K, d_V, d_K))
+    t36 = W_Q.transpose(-1, -2)
+    t37 = (1/(L*d_K*n_batch)) * t36
+    t35[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t37, M_2, X, W_V, t12, A16, t17, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t38 = (-1/(L*d_K*n_batch)) * t36
+    t39 = oe.contract('ab,cdb,cde,ef,cdfg,cdh,gi->ahicd', t38, X, A16, t17, M_2, X, W_K, optimize=[(0, 1), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t40 = oe.contract('abcd,ce,abe,abe->dab', M_2, W_V, t12, A16, optimize=[(1, 2), (1, 2), (0, 1)])
+    t35 += oe.contract('abcde,fde->fabc', t39, t40, optimize=[(0, 1)])
+    t41 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t42 = t41.view((d_V, d_K, d_V, d_K))
+    t43 = oe.contract('abc,cd->dab', X, W_Q, optimize=[(0, 1)])
+    t44 = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi->faicd', t37, M_2, X, W_V, t12, A16, t17, M_2, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 2), (1, 2), (0, 1)])
+    t42[...] = oe.contract('abc,defbc->defa', t43, t44, optimize=[(0, 1)])
+    t45 = oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi->faicd', t38, M_2, X, W_V, t12, A16, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 1), (0, 1)])
+    t46 = oe.contract('abc,cd,abde->eab', A16, t17, M_2, optimize=[(0, 1), (0, 1)])
+    t42 += oe.contract('abcde,fde->abfc', t45, t46, optimize=[(0, 1)])
+    t47 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t48 = t47.view((d_V, d_K, d_V, d_V))
+    t49 = (1/(L*math.sqrt(d_K)*n_batch)) * t36
+    t50 = oe.contract('abcd,ce,abe,abe->deab', M_2, W_V, t12, A16, optimize=[(0, 1), (0, 1), (0, 1)])
+    t51 = oe.contract('ab,cdb,cde->aecd', t49, X, M_1, optimize=[(0, 1), (0, 1)])
+    t48[...] = oe.contract('abcd,efcd->aefb', t50, t51, optimize=[(0, 1)])
+    t52 = (-1/(L*math.sqrt(d_K)*n_batch)) * t36
+    t53 = oe.contract('ab,cdb,cde,cdf->afecd', t52, X, A16, M_1, optimize=[(0, 1), (0, 1), (0, 1)])
+    t48 += oe.contract('abcde,fde->fabc', t53, t40, optimize=[(0, 1)])
+    t54 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t55 = t54.view((d_V, d_V, d_V, d_K))
+    t56 = M_1.transpose(-1, -2)
+    t57 = (1/(L*math.sqrt(d_K)*n_batch)) * t56
+    t55[...] = oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t57, t12, A16, t17, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t58 = (-1/(L*math.sqrt(d_K)*n_batch)) * t56
+    t59 = oe.contract('abc,acd,de,acef,fg->bgac', t58, A16, t17, M_2, W_K, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t60 = oe.contract('abc,abc,abd->cdab', t12, A16, X, optimize=[(0, 1), (0, 1)])
+    t55 += oe.contract('abcd,efcd->aefb', t59, t60, optimize=[(0, 1)])
+    t61 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t62 = t61.view((d_V, d_V, d_V, d_K))
+    t63 = oe.contract('abc,acd,de->beac', t57, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t64 = oe.contract('abc,abc,cd,abde->ceab', t12, A16, t17, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t62[...] = oe.contract('abcd,efcd->aefb', t63, t64, optimize=[(0, 1)])
+    t65 = oe.contract('abc,acd,acd,ace,ef,acfg->bdgac', t58, t12, A16, A16, t17, M_2, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t62 += oe.contract('abc,defbc->defa', t43, t65, optimize=[(0, 1)])
+    t66 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t66[...] = 0
+    t67 = t66.view((d_V, d_V, d_V, d_V))
+    t68 = t67.diagonal(0, 1, 3)
+    t69 = (1/(L*n_batch)) * t56
+    t70 = oe.contract('abc,abc->cab', t12, A16, optimize=[(0, 1)])
+    t71 = oe.contract('abc,acd->bdac', t69, M_1, optimize=[(0, 1)])
+    t68 += oe.contract('abc,debc->dea', t70, t71, optimize=[(0, 1)])
+    t72 = (-1/(L*n_batch)) * t56
+    t73 = oe.contract('abc,acd->bdac', t72, A16, optimize=[(0, 1)])
+    t74 = oe.contract('abc,abc,abd->cdab', t12, A16, M_1, optimize=[(0, 1), (0, 1)])
+    t67 += oe.contract('abcd,efcd->aefb', t73, t74, optimize=[(0, 1)])
     return H
 
 
@@ -9262,8 +9938,13 @@ def ce_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = W_V.transpose(-1, -2)
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdf,ia->fa', t1, M_2, X, W_V, t11, A15, t16, M_2, X, W_K, optimize=[(4, 5), (2, 6), (0, 1), (1, 2), (0, 4), (0, 3), (2, 3), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdf,ja->fa', t1, M_2, X, W_V, t11, A15, A15, t16, M_2, X, W_K, optimize=[(4, 5), (2, 7), (0, 1), (1, 2), (1, 6), (0, 2), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t17 = (1/(L*d_K*n_batch)) * t1
+    t18 = oe.contract('ab,cdeb,ef,cdf,cdf,fg,cdgh,ha->acd', t17, M_2, W_V, t11, A15, t16, M_2, W_K, optimize=[(3, 4), (0, 1), (1, 2), (0, 3), (0, 2), (1, 2), (0, 1)])
+    t19 = oe.contract('abc,abc->cab', X, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t18, t19, optimize=[(0, 1)])
+    t20 = (-1/(L*d_K*n_batch)) * t1
+    t21 = oe.contract('ab,cdeb,ef,cdf,cdf,cdg,gh,cdhi,ia->acd', t20, M_2, W_V, t11, A15, A15, t16, M_2, W_K, optimize=[(3, 4), (0, 1), (1, 2), (1, 5), (0, 2), (1, 3), (0, 1), (0, 1)])
+    t0 += oe.contract('abc,dbc->da', t21, t19, optimize=[(0, 1)])
     return out
 
 
@@ -9324,8 +10005,12 @@ def ce_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = W_V.transpose(-1, -2)
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t1, M_2, X, W_V, t11, A15, t16, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t1, M_2, X, W_V, t11, A15, A15, t16, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
+    t17 = (1/(L*d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t17, M_2, X, W_V, t11, A15, t16, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t18 = (-1/(L*d_K*n_batch)) * t1
+    t19 = oe.contract('abc,cd,abde,ef->fab', A15, t16, M_2, W_K, optimize=[(0, 1), (0, 2), (0, 1)])
+    t20 = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahcd', t18, M_2, X, W_V, t11, A15, X, optimize=[(4, 5), (0, 1), (1, 3), (2, 3), (0, 1), (0, 1)])
+    t0 += oe.contract('abc,defbc->defa', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -9388,8 +10073,14 @@ def ce_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = W_V.transpose(-1, -2)
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t1, M_2, X, W_V, t11, A15, t16, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t1, M_2, X, W_V, t11, A15, A15, t16, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
+    t17 = (1/(L*d_K*n_batch)) * t1
+    t18 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t19 = oe.contract('ab,cdeb,ef,cdf,cdf,fg,cdgh->ahcd', t17, M_2, W_V, t11, A15, t16, M_2, optimize=[(3, 4), (0, 1), (1, 2), (0, 2), (0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t18, t19, optimize=[(0, 1)])
+    t20 = (-1/(L*d_K*n_batch)) * t1
+    t21 = oe.contract('abc,abd,de,abef,abg,gh->cfhab', X, A15, t16, M_2, X, W_Q, optimize=[(1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t22 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t20, M_2, W_V, t11, A15, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -9451,8 +10142,12 @@ def ce_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     t13 = M_1 @ W_V
     t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
     A15 = t14 / t14.sum(-1, keepdim=True)
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t1, M_2, X, W_V, t11, A15, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t1, M_2, X, W_V, t11, A15, A15, M_1, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t16 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t16, M_2, X, W_V, t11, A15, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t17 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t18 = oe.contract('abc,abd,abe->cedab', X, A15, M_1, optimize=[(0, 1), (0, 1)])
+    t19 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t17, M_2, W_V, t11, A15, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -9515,8 +10210,14 @@ def ce_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = W_V.transpose(-1, -2)
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhf,cdi,ia->fa', t1, M_2, X, W_V, t12, A16, t17, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (4, 5), (2, 4), (0, 1), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdif,cdj,ja->fa', t1, M_2, X, W_V, t12, A16, A16, t17, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t18 = (1/(L*d_K*n_batch)) * t1
+    t19 = oe.contract('ab,cdb,cde,ea->acd', t18, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t20 = oe.contract('abcd,ce,abe,abe,ef,abfd->dab', M_2, W_V, t12, A16, t17, M_2, optimize=[(2, 3), (0, 1), (0, 1), (1, 2), (0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t19, t20, optimize=[(0, 1)])
+    t21 = (-1/(L*d_K*n_batch)) * t1
+    t22 = oe.contract('ab,cdb,cde,ea->acd', t21, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t23 = oe.contract('abcd,ce,abe,abe,abf,fg,abgd->dab', M_2, W_V, t12, A16, A16, t17, M_2, optimize=[(2, 3), (0, 1), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t0 += oe.contract('abc,dbc->da', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -9579,8 +10280,12 @@ def ce_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = W_V.transpose(-1, -2)
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t1, M_2, X, W_V, t12, A16, t17, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t1, M_2, X, W_V, t12, A16, A16, t17, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t18 = (1/(L*d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t18, M_2, X, W_V, t12, A16, t17, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t19 = (-1/(L*d_K*n_batch)) * t1
+    t20 = oe.contract('ab,cdb,cde,ef,cdfg,cdh,gi->ahicd', t19, X, A16, t17, M_2, X, W_K, optimize=[(0, 1), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t21 = oe.contract('abcd,ce,abe,abe->dab', M_2, W_V, t12, A16, optimize=[(1, 2), (1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->fabc', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -9645,8 +10350,14 @@ def ce_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = W_V.transpose(-1, -2)
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t1, M_2, X, W_V, t12, A16, t17, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t1, M_2, X, W_V, t12, A16, A16, t17, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
+    t18 = (1/(L*d_K*n_batch)) * t1
+    t19 = oe.contract('abc,cd->dab', X, W_Q, optimize=[(0, 1)])
+    t20 = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi->faicd', t18, M_2, X, W_V, t12, A16, t17, M_2, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 2), (1, 2), (0, 1)])
+    t0[...] = oe.contract('abc,defbc->defa', t19, t20, optimize=[(0, 1)])
+    t21 = (-1/(L*d_K*n_batch)) * t1
+    t22 = oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi->faicd', t21, M_2, X, W_V, t12, A16, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 1), (0, 1)])
+    t23 = oe.contract('abc,cd,abde->eab', A16, t17, M_2, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcde,fde->abfc', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -9710,8 +10421,14 @@ def ce_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     t14 = M_1 @ W_V
     t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
     A16 = t15 / t15.sum(-1, keepdim=True)
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh->fahg', t1, M_2, X, W_V, t12, A16, M_1, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t1, M_2, X, W_V, t12, A16, A16, M_1, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t17 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t18 = oe.contract('abcd,ce,abe,abe->deab', M_2, W_V, t12, A16, optimize=[(0, 1), (0, 1), (0, 1)])
+    t19 = oe.contract('ab,cdb,cde->aecd', t17, X, M_1, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t18, t19, optimize=[(0, 1)])
+    t20 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t21 = oe.contract('ab,cdb,cde,cdf->afecd', t20, X, A16, M_1, optimize=[(0, 1), (0, 1), (0, 1)])
+    t22 = oe.contract('abcd,ce,abe,abe->dab', M_2, W_V, t12, A16, optimize=[(1, 2), (1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->fabc', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -9772,8 +10489,12 @@ def ce_causal1__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     t14 = M_1 @ W_V
     t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
     A16 = t15 / t15.sum(-1, keepdim=True)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,acb->bd', t11, t13, A16, M_1, optimize=[(0, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->bd', t11, t13, A16, A16, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t17 = (1/(L*n_batch)) * t11
+    t18 = oe.contract('abc,abc->cab', t13, A16, optimize=[(0, 1)])
+    t19 = oe.contract('abc,acb->bac', t17, M_1, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t18, t19, optimize=[(0, 1)])
+    t20 = (-1/(L*n_batch)) * t11
+    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t20, t13, A16, A16, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -9833,8 +10554,12 @@ def ce_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t17 = W_V.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t11, t13, A16, t17, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t11, t13, A16, A16, t17, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
+    t18 = (1/(L*math.sqrt(d_K)*n_batch)) * t11
+    t0[...] = oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t18, t13, A16, t17, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t19 = (-1/(L*math.sqrt(d_K)*n_batch)) * t11
+    t20 = oe.contract('abc,acd,de,acef,fg->bgac', t19, A16, t17, M_2, W_K, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t21 = oe.contract('abc,abc,abd->cdab', t13, A16, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -9899,8 +10624,14 @@ def ce_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t17 = W_V.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t11, t13, A16, t17, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t11, t13, A16, A16, t17, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
+    t18 = (1/(L*math.sqrt(d_K)*n_batch)) * t11
+    t19 = oe.contract('abc,acd,de->beac', t18, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t20 = oe.contract('abc,abc,cd,abde->ceab', t13, A16, t17, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
+    t21 = (-1/(L*math.sqrt(d_K)*n_batch)) * t11
+    t22 = oe.contract('abc,cd->dab', X, W_Q, optimize=[(0, 1)])
+    t23 = oe.contract('abc,acd,acd,ace,ef,acfg->bdgac', t21, t13, A16, A16, t17, M_2, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t0 += oe.contract('abc,defbc->defa', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -9964,8 +10695,14 @@ def ce_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     t15 = M_1 @ W_V
     t16 = torch.exp(t15 - t15.amax(-1, keepdim=True))
     A17 = t16 / t16.sum(-1, keepdim=True)
-    t1 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bed', t12, t14, A17, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t12, t14, A17, A17, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t18 = (1/(L*n_batch)) * t12
+    t19 = oe.contract('abc,abc->cab', t14, A17, optimize=[(0, 1)])
+    t20 = oe.contract('abc,acd->bdac', t18, M_1, optimize=[(0, 1)])
+    t1 += oe.contract('abc,debc->dea', t19, t20, optimize=[(0, 1)])
+    t21 = (-1/(L*n_batch)) * t12
+    t22 = oe.contract('abc,acd->bdac', t21, A17, optimize=[(0, 1)])
+    t23 = oe.contract('abc,abc,abd->cdab', t14, A17, M_1, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -10037,46 +10774,66 @@ def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t25 = A * t24
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t3, t25, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, t25, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, t25, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t2, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
-    t26 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t26[...] = 0
-    t27 = t26.view((d_V, d_K, d_V, d_K))
-    t28 = t27.diagonal(0, 1, 3)
-    t29 = t25 @ X
-    t30 = t3 @ t29
-    t31 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t28 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t30, t31, optimize=[(0, 1)])
-    t27 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t2, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
-    t32 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t33 = t32.view((d_V, d_K, d_V, d_V))
+    t26 = (1/(d_K*n_batch)) * t2
+    t1[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t26, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t27 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t27[...] = 0
+    t28 = t27.view((d_V, d_K, d_V, d_K))
+    t29 = t28.diagonal(0, 1, 3)
+    t30 = t25 @ X
+    t31 = t3 @ t30
+    t32 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t33 = (1/(math.sqrt(d_K)*n_batch)) * t32
+    t29 += oe.contract('abc,d->bcd', t31, t33, optimize=[(0, 1)])
+    t34 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t35 = oe.contract('ab,cdbe->aecd', t26, M_3, optimize=[(0, 1)])
+    t28 += oe.contract('abcd,efcd->aefb', t34, t35, optimize=[(0, 1)])
+    t36 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t37 = t36.view((d_V, d_K, d_V, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t33[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t2, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
-    t34 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t34[...] = 0
-    t35 = t34.view((d_V, d_K, d_V, d_K))
-    t36 = t35.diagonal(0, 1, 3)
-    t37 = t25.transpose(-1, -2)
-    t38 = t37 @ X
-    t39 = t3 @ t38
-    t36 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t39, t31, optimize=[(0, 1)])
-    t40 = W_Q.transpose(-1, -2)
-    t35 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t40, t3, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
-    t41 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t38 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t39 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t40 = oe.contract('ab,cdeb->aecd', t38, M_2, optimize=[(0, 1)])
+    t37[...] = oe.contract('abcd,efcd->aefb', t39, t40, optimize=[(0, 1)])
+    t41 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t41[...] = 0
     t42 = t41.view((d_V, d_K, d_V, d_K))
-    t42[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t40, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t43 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t44 = t43.view((d_V, d_K, d_V, d_V))
-    t44[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t40, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
-    t45 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t46 = t45.view((d_V, d_V, d_V, d_K))
-    t47 = G.transpose(-1, -2)
-    t46[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t47, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
-    t48 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t49 = t48.view((d_V, d_V, d_V, d_K))
-    t49[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t47, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t50 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t50[...] = 0
+    t43 = t42.diagonal(0, 1, 3)
+    t44 = t25.transpose(-1, -2)
+    t45 = t44 @ X
+    t46 = t3 @ t45
+    t43 += oe.contract('abc,d->bcd', t46, t33, optimize=[(0, 1)])
+    t47 = W_Q.transpose(-1, -2)
+    t48 = (1/(d_K*n_batch)) * t47
+    t49 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t50 = oe.contract('ab,cbd,cde->aecd', t48, t3, X, optimize=[(0, 1), (0, 1)])
+    t42 += oe.contract('abcd,efcd->aefb', t49, t50, optimize=[(0, 1)])
+    t51 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t52 = t51.view((d_V, d_K, d_V, d_K))
+    t53 = oe.contract('ab,cbd,cde,ef->afcd', t48, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t54 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t52[...] = oe.contract('abcd,efcd->eafb', t53, t54, optimize=[(0, 1)])
+    t55 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t56 = t55.view((d_V, d_K, d_V, d_V))
+    t57 = (1/(math.sqrt(d_K)*n_batch)) * t47
+    t58 = oe.contract('ab,cdb,cde->aecd', t57, X, G, optimize=[(0, 1), (0, 1)])
+    t59 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t56[...] = oe.contract('abcd,efcd->eafb', t58, t59, optimize=[(0, 1)])
+    t60 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t61 = t60.view((d_V, d_V, d_V, d_K))
+    t62 = G.transpose(-1, -2)
+    t63 = (1/(math.sqrt(d_K)*n_batch)) * t62
+    t64 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t65 = oe.contract('abc,acd->bdac', t63, X, optimize=[(0, 1)])
+    t61[...] = oe.contract('abcd,efcd->aefb', t64, t65, optimize=[(0, 1)])
+    t66 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t67 = t66.view((d_V, d_V, d_V, d_K))
+    t68 = oe.contract('abc,acd,de->beac', t63, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t69 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t67[...] = oe.contract('abcd,efcd->eafb', t68, t69, optimize=[(0, 1)])
+    t70 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t70[...] = 0
     return H
 
 
@@ -10262,7 +11019,10 @@ def ce_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t24 = A * t23
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t24, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t24, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t24, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->da', t1, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
+    t25 = (1/(d_K*n_batch)) * t1
+    t26 = oe.contract('ab,cdbe,ea->acd', t25, M_3, W_K, optimize=[(0, 2), (0, 1)])
+    t27 = oe.contract('abc,acb->bac', t2, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t26, t27, optimize=[(0, 1)])
     return out
 
 
@@ -10343,7 +11103,8 @@ def ce_causal1__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t24 = A * t23
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t24, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t24, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t24, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t1, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t25 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t25, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -10429,10 +11190,14 @@ def ce_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t26 = t25 @ X
     t27 = t2 @ t26
     t28 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t27, t28, optimize=[(0, 1)])
+    t29 = (1/(math.sqrt(d_K)*n_batch)) * t28
+    t1 += oe.contract('abc,d->bcd', t27, t29, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t25, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t25, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t25, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t3, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t30 = (1/(d_K*n_batch)) * t3
+    t31 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t32 = oe.contract('ab,cdbe->aecd', t30, M_3, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t31, t32, optimize=[(0, 1)])
     return out
 
 
@@ -10512,7 +11277,10 @@ def ce_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t18 = (-1/L) * Y
     t19 = t17 + t18
     G = t19
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t1, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
+    t20 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t21 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t22 = oe.contract('ab,cdeb->aecd', t20, M_2, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -10591,7 +11359,8 @@ def ce_causal1__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
     t25 = A * t24
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t25, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t25, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t25, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->ea', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t26 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cbd,cdee,cdf,fa->ea', t26, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -10677,11 +11446,15 @@ def ce_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t27 = t26 @ X
     t28 = t2 @ t27
     t29 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t28, t29, optimize=[(0, 1)])
-    t30 = W_Q.transpose(-1, -2)
+    t30 = (1/(math.sqrt(d_K)*n_batch)) * t29
+    t1 += oe.contract('abc,d->bcd', t28, t30, optimize=[(0, 1)])
+    t31 = W_Q.transpose(-1, -2)
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t25, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t25, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t25, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t30, t2, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    t32 = (1/(d_K*n_batch)) * t31
+    t33 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t34 = oe.contract('ab,cbd,cde->aecd', t32, t2, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t33, t34, optimize=[(0, 1)])
     return out
 
 
@@ -10769,7 +11542,10 @@ def ce_causal1__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t25 = A * t24
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t25, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t25, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t25, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t26 = (1/(d_K*n_batch)) * t1
+    t27 = oe.contract('ab,cbd,cde,ef->afcd', t26, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t28 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t27, t28, optimize=[(0, 1)])
     return out
 
 
@@ -10849,7 +11625,10 @@ def ce_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t19 = (-1/L) * Y
     t20 = t18 + t19
     G = t20
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t1, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
+    t21 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t22 = oe.contract('ab,cdb,cde->aecd', t21, X, G, optimize=[(0, 1), (0, 1)])
+    t23 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -10944,7 +11723,10 @@ def ce_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t20 = G.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t20, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
+    t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
+    t22 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t23 = oe.contract('abc,acd->bdac', t21, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -11019,7 +11801,10 @@ def ce_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t20 = G.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t20, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
+    t22 = oe.contract('abc,acd,de->beac', t21, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t23 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -11119,69 +11904,127 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t25 = A * t24
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t3, t25, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, t25, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, t25, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t2, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t26 = (1/(d_K*n_batch)) * t2
+    t1[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t26, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t26 = torch.exp(t14 - t14.amax(-1, keepdim=True))
-    A27 = t26 / t26.sum(-1, keepdim=True)
-    t1 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t2, M_2, X, W_V, t12, A27, t21, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t1 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t2, M_2, X, W_V, t12, A27, A27, t21, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
-    t28 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t28[...] = 0
-    t29 = t28.view((d_V, d_K, d_V, d_K))
-    t30 = t29.diagonal(0, 1, 3)
-    t31 = t25 @ X
-    t32 = t3 @ t31
-    t33 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t30 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t32, t33, optimize=[(0, 1)])
-    t29 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t2, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
-    t29 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t2, M_2, X, W_V, t12, A27, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t29 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t2, M_2, X, W_V, t12, A27, A27, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
-    t34 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t35 = t34.view((d_V, d_K, d_V, d_V))
-    t35[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t2, M_2, X, W_V, t12, A27, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t35 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t2, M_2, X, W_V, t12, A27, A27, M_1, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t35 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t2, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
-    t36 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t36[...] = 0
-    t37 = t36.view((d_V, d_K, d_V, d_K))
-    t38 = t37.diagonal(0, 1, 3)
-    t39 = t25.transpose(-1, -2)
-    t40 = t39 @ X
-    t41 = t3 @ t40
-    t38 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t41, t33, optimize=[(0, 1)])
-    t42 = W_Q.transpose(-1, -2)
-    t37 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t42, t3, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
-    t37 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t42, M_2, X, W_V, t12, A27, t21, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t37 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t42, M_2, X, W_V, t12, A27, A27, t21, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
-    t43 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t44 = t43.view((d_V, d_K, d_V, d_K))
-    t44[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t42, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t44 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t42, M_2, X, W_V, t12, A27, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
-    t44 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t42, M_2, X, W_V, t12, A27, A27, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
-    t45 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t46 = t45.view((d_V, d_K, d_V, d_V))
-    t46[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh->fahg', t42, M_2, X, W_V, t12, A27, M_1, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
-    t46 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t42, M_2, X, W_V, t12, A27, A27, M_1, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
-    t46 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t42, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
-    t47 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t48 = t47.view((d_V, d_V, d_V, d_K))
-    t49 = G.transpose(-1, -2)
-    t48[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t49, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
-    t50 = M_1.transpose(-1, -2)
-    t48 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t50, t12, A27, t21, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t48 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t50, t12, A27, A27, t21, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
-    t51 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t52 = t51.view((d_V, d_V, d_V, d_K))
-    t52[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t49, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t52 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t50, t12, A27, t21, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t52 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t50, t12, A27, A27, t21, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
-    t53 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t53[...] = 0
-    t54 = t53.view((d_V, d_V, d_V, d_V))
-    t55 = t54.diagonal(0, 1, 3)
-    t55 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bed', t50, t12, A27, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
-    t54 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t50, t12, A27, A27, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t27 = torch.exp(t14 - t14.amax(-1, keepdim=True))
+    A28 = t27 / t27.sum(-1, keepdim=True)
+    t29 = (1/(L*d_K*n_batch)) * t2
+    t1 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t29, M_2, X, W_V, t12, A28, t21, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t30 = (-1/(L*d_K*n_batch)) * t2
+    t31 = oe.contract('abc,cd,abde,ef->fab', A28, t21, M_2, W_K, optimize=[(0, 1), (0, 2), (0, 1)])
+    t32 = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahcd', t30, M_2, X, W_V, t12, A28, X, optimize=[(4, 5), (0, 1), (1, 3), (2, 3), (0, 1), (0, 1)])
+    t1 += oe.contract('abc,defbc->defa', t31, t32, optimize=[(0, 1)])
+    t33 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t33[...] = 0
+    t34 = t33.view((d_V, d_K, d_V, d_K))
+    t35 = t34.diagonal(0, 1, 3)
+    t36 = t25 @ X
+    t37 = t3 @ t36
+    t38 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t39 = (1/(math.sqrt(d_K)*n_batch)) * t38
+    t35 += oe.contract('abc,d->bcd', t37, t39, optimize=[(0, 1)])
+    t40 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t41 = oe.contract('ab,cdbe->aecd', t26, M_3, optimize=[(0, 1)])
+    t34 += oe.contract('abcd,efcd->aefb', t40, t41, optimize=[(0, 1)])
+    t42 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t43 = oe.contract('ab,cdeb,ef,cdf,cdf,fg,cdgh->ahcd', t29, M_2, W_V, t12, A28, t21, M_2, optimize=[(3, 4), (0, 1), (1, 2), (0, 2), (0, 1), (0, 1)])
+    t34 += oe.contract('abcd,efcd->aefb', t42, t43, optimize=[(0, 1)])
+    t44 = oe.contract('abc,abd,de,abef,abg,gh->cfhab', X, A28, t21, M_2, X, W_Q, optimize=[(1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t45 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t30, M_2, W_V, t12, A28, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
+    t34 += oe.contract('abcde,fde->afbc', t44, t45, optimize=[(0, 1)])
+    t46 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t47 = t46.view((d_V, d_K, d_V, d_V))
+    t48 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t47[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t48, M_2, X, W_V, t12, A28, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t49 = (-1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t50 = oe.contract('abc,abd,abe->cedab', X, A28, M_1, optimize=[(0, 1), (0, 1)])
+    t51 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t49, M_2, W_V, t12, A28, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
+    t47 += oe.contract('abcde,fde->afbc', t50, t51, optimize=[(0, 1)])
+    t52 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t53 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t54 = oe.contract('ab,cdeb->aecd', t52, M_2, optimize=[(0, 1)])
+    t47 += oe.contract('abcd,efcd->aefb', t53, t54, optimize=[(0, 1)])
+    t55 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t55[...] = 0
+    t56 = t55.view((d_V, d_K, d_V, d_K))
+    t57 = t56.diagonal(0, 1, 3)
+    t58 = t25.transpose(-1, -2)
+    t59 = t58 @ X
+    t60 = t3 @ t59
+    t57 += oe.contract('abc,d->bcd', t60, t39, optimize=[(0, 1)])
+    t61 = W_Q.transpose(-1, -2)
+    t62 = (1/(d_K*n_batch)) * t61
+    t63 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t64 = oe.contract('ab,cbd,cde->aecd', t62, t3, X, optimize=[(0, 1), (0, 1)])
+    t56 += oe.contract('abcd,efcd->aefb', t63, t64, optimize=[(0, 1)])
+    t65 = (1/(L*d_K*n_batch)) * t61
+    t56 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t65, M_2, X, W_V, t12, A28, t21, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t66 = (-1/(L*d_K*n_batch)) * t61
+    t67 = oe.contract('ab,cdb,cde,ef,cdfg,cdh,gi->ahicd', t66, X, A28, t21, M_2, X, W_K, optimize=[(0, 1), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t68 = oe.contract('abcd,ce,abe,abe->dab', M_2, W_V, t12, A28, optimize=[(1, 2), (1, 2), (0, 1)])
+    t56 += oe.contract('abcde,fde->fabc', t67, t68, optimize=[(0, 1)])
+    t69 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t70 = t69.view((d_V, d_K, d_V, d_K))
+    t71 = oe.contract('ab,cbd,cde,ef->afcd', t62, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t72 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t70[...] = oe.contract('abcd,efcd->eafb', t71, t72, optimize=[(0, 1)])
+    t73 = oe.contract('abc,cd->dab', X, W_Q, optimize=[(0, 1)])
+    t74 = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi->faicd', t65, M_2, X, W_V, t12, A28, t21, M_2, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 2), (1, 2), (0, 1)])
+    t70 += oe.contract('abc,defbc->defa', t73, t74, optimize=[(0, 1)])
+    t75 = oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi->faicd', t66, M_2, X, W_V, t12, A28, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 1), (0, 1)])
+    t76 = oe.contract('abc,cd,abde->eab', A28, t21, M_2, optimize=[(0, 1), (0, 1)])
+    t70 += oe.contract('abcde,fde->abfc', t75, t76, optimize=[(0, 1)])
+    t77 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t78 = t77.view((d_V, d_K, d_V, d_V))
+    t79 = (1/(L*math.sqrt(d_K)*n_batch)) * t61
+    t80 = oe.contract('abcd,ce,abe,abe->deab', M_2, W_V, t12, A28, optimize=[(0, 1), (0, 1), (0, 1)])
+    t81 = oe.contract('ab,cdb,cde->aecd', t79, X, M_1, optimize=[(0, 1), (0, 1)])
+    t78[...] = oe.contract('abcd,efcd->aefb', t80, t81, optimize=[(0, 1)])
+    t82 = (-1/(L*math.sqrt(d_K)*n_batch)) * t61
+    t83 = oe.contract('ab,cdb,cde,cdf->afecd', t82, X, A28, M_1, optimize=[(0, 1), (0, 1), (0, 1)])
+    t78 += oe.contract('abcde,fde->fabc', t83, t68, optimize=[(0, 1)])
+    t84 = (1/(math.sqrt(d_K)*n_batch)) * t61
+    t85 = oe.contract('ab,cdb,cde->aecd', t84, X, G, optimize=[(0, 1), (0, 1)])
+    t86 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t78 += oe.contract('abcd,efcd->eafb', t85, t86, optimize=[(0, 1)])
+    t87 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t88 = t87.view((d_V, d_V, d_V, d_K))
+    t89 = G.transpose(-1, -2)
+    t90 = (1/(math.sqrt(d_K)*n_batch)) * t89
+    t91 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t92 = oe.contract('abc,acd->bdac', t90, X, optimize=[(0, 1)])
+    t88[...] = oe.contract('abcd,efcd->aefb', t91, t92, optimize=[(0, 1)])
+    t93 = M_1.transpose(-1, -2)
+    t94 = (1/(L*math.sqrt(d_K)*n_batch)) * t93
+    t88 += oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t94, t12, A28, t21, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t95 = (-1/(L*math.sqrt(d_K)*n_batch)) * t93
+    t96 = oe.contract('abc,acd,de,acef,fg->bgac', t95, A28, t21, M_2, W_K, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t97 = oe.contract('abc,abc,abd->cdab', t12, A28, X, optimize=[(0, 1), (0, 1)])
+    t88 += oe.contract('abcd,efcd->aefb', t96, t97, optimize=[(0, 1)])
+    t98 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t99 = t98.view((d_V, d_V, d_V, d_K))
+    t100 = oe.contract('abc,acd,de->beac', t90, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t101 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t99[...] = oe.contract('abcd,efcd->eafb', t100, t101, optimize=[(0, 1)])
+    t102 = oe.contract('abc,acd,de->beac', t94, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t103 = oe.contract('abc,abc,cd,abde->ceab', t12, A28, t21, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t99 += oe.contract('abcd,efcd->aefb', t102, t103, optimize=[(0, 1)])
+    t104 = oe.contract('abc,acd,acd,ace,ef,acfg->bdgac', t95, t12, A28, A28, t21, M_2, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t99 += oe.contract('abc,defbc->defa', t73, t104, optimize=[(0, 1)])
+    t105 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t105[...] = 0
+    t106 = t105.view((d_V, d_V, d_V, d_V))
+    t107 = t106.diagonal(0, 1, 3)
+    t108 = (1/(L*n_batch)) * t93
+    t109 = oe.contract('abc,abc->cab', t12, A28, optimize=[(0, 1)])
+    t110 = oe.contract('abc,acd->bdac', t108, M_1, optimize=[(0, 1)])
+    t107 += oe.contract('abc,debc->dea', t109, t110, optimize=[(0, 1)])
+    t111 = (-1/(L*n_batch)) * t93
+    t112 = oe.contract('abc,acd->bdac', t111, A28, optimize=[(0, 1)])
+    t113 = oe.contract('abc,abc,abd->cdab', t12, A28, M_1, optimize=[(0, 1), (0, 1)])
+    t106 += oe.contract('abcd,efcd->aefb', t112, t113, optimize=[(0, 1)])
     return H
 
 
@@ -11385,13 +12228,21 @@ def ce_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t24 = A * t23
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t24, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t24, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t24, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->da', t1, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
+    t25 = (1/(d_K*n_batch)) * t1
+    t26 = oe.contract('ab,cdbe,ea->acd', t25, M_3, W_K, optimize=[(0, 2), (0, 1)])
+    t27 = oe.contract('abc,acb->bac', t2, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t26, t27, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t25 = torch.exp(t13 - t13.amax(-1, keepdim=True))
-    A26 = t25 / t25.sum(-1, keepdim=True)
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdf,ia->fa', t1, M_2, X, W_V, t11, A26, t20, M_2, X, W_K, optimize=[(4, 5), (2, 6), (0, 1), (1, 2), (0, 4), (0, 3), (2, 3), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdf,ja->fa', t1, M_2, X, W_V, t11, A26, A26, t20, M_2, X, W_K, optimize=[(4, 5), (2, 7), (0, 1), (1, 2), (1, 6), (0, 2), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t28 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    A29 = t28 / t28.sum(-1, keepdim=True)
+    t30 = (1/(L*d_K*n_batch)) * t1
+    t31 = oe.contract('ab,cdeb,ef,cdf,cdf,fg,cdgh,ha->acd', t30, M_2, W_V, t11, A29, t20, M_2, W_K, optimize=[(3, 4), (0, 1), (1, 2), (0, 3), (0, 2), (1, 2), (0, 1)])
+    t32 = oe.contract('abc,abc->cab', X, X, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dbc->da', t31, t32, optimize=[(0, 1)])
+    t33 = (-1/(L*d_K*n_batch)) * t1
+    t34 = oe.contract('ab,cdeb,ef,cdf,cdf,cdg,gh,cdhi,ia->acd', t33, M_2, W_V, t11, A29, A29, t20, M_2, W_K, optimize=[(3, 4), (0, 1), (1, 2), (1, 5), (0, 2), (1, 3), (0, 1), (0, 1)])
+    t0 += oe.contract('abc,dbc->da', t34, t32, optimize=[(0, 1)])
     return out
 
 
@@ -11476,13 +12327,18 @@ def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t24 = A * t23
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t24, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t24, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t24, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t1, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t25 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t25, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t25 = torch.exp(t13 - t13.amax(-1, keepdim=True))
-    A26 = t25 / t25.sum(-1, keepdim=True)
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t1, M_2, X, W_V, t11, A26, t20, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t1, M_2, X, W_V, t11, A26, A26, t20, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
+    t26 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    A27 = t26 / t26.sum(-1, keepdim=True)
+    t28 = (1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t28, M_2, X, W_V, t11, A27, t20, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t29 = (-1/(L*d_K*n_batch)) * t1
+    t30 = oe.contract('abc,cd,abde,ef->fab', A27, t20, M_2, W_K, optimize=[(0, 1), (0, 2), (0, 1)])
+    t31 = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahcd', t29, M_2, X, W_V, t11, A27, X, optimize=[(4, 5), (0, 1), (1, 3), (2, 3), (0, 1), (0, 1)])
+    t0 += oe.contract('abc,defbc->defa', t30, t31, optimize=[(0, 1)])
     return out
 
 
@@ -11572,16 +12428,26 @@ def ce_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t26 = t25 @ X
     t27 = t2 @ t26
     t28 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t27, t28, optimize=[(0, 1)])
+    t29 = (1/(math.sqrt(d_K)*n_batch)) * t28
+    t1 += oe.contract('abc,d->bcd', t27, t29, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t25, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t25, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t25, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t3, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t30 = (1/(d_K*n_batch)) * t3
+    t31 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t32 = oe.contract('ab,cdbe->aecd', t30, M_3, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t31, t32, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t29 = torch.exp(t14 - t14.amax(-1, keepdim=True))
-    A30 = t29 / t29.sum(-1, keepdim=True)
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t3, M_2, X, W_V, t12, A30, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t3, M_2, X, W_V, t12, A30, A30, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
+    t33 = torch.exp(t14 - t14.amax(-1, keepdim=True))
+    A34 = t33 / t33.sum(-1, keepdim=True)
+    t35 = (1/(L*d_K*n_batch)) * t3
+    t36 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t37 = oe.contract('ab,cdeb,ef,cdf,cdf,fg,cdgh->ahcd', t35, M_2, W_V, t12, A34, t21, M_2, optimize=[(3, 4), (0, 1), (1, 2), (0, 2), (0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t36, t37, optimize=[(0, 1)])
+    t38 = (-1/(L*d_K*n_batch)) * t3
+    t39 = oe.contract('abc,abd,de,abef,abg,gh->cfhab', X, A34, t21, M_2, X, W_Q, optimize=[(1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t40 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t38, M_2, W_V, t12, A34, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t39, t40, optimize=[(0, 1)])
     return out
 
 
@@ -11659,17 +12525,24 @@ def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t13 = M_1 @ W_V
     t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
     A15 = t14 / t14.sum(-1, keepdim=True)
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t1, M_2, X, W_V, t11, A15, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t1, M_2, X, W_V, t11, A15, A15, M_1, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t16 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t16, M_2, X, W_V, t11, A15, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t17 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t18 = oe.contract('abc,abd,abe->cedab', X, A15, M_1, optimize=[(0, 1), (0, 1)])
+    t19 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t17, M_2, W_V, t11, A15, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t18, t19, optimize=[(0, 1)])
     F = t13
-    t16 = torch.exp(F - F.amax(-1, keepdim=True))
-    A17 = t16 / t16.sum(-1, keepdim=True)
-    t18 = t11 * A17
-    t19 = (1/L) * t18
-    t20 = (-1/L) * Y
-    t21 = t19 + t20
-    G = t21
-    t0 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t1, M_2, X, G, optimize=[(0, 1), (0, 1), (0, 1)])
+    t20 = torch.exp(F - F.amax(-1, keepdim=True))
+    A21 = t20 / t20.sum(-1, keepdim=True)
+    t22 = t11 * A21
+    t23 = (1/L) * t22
+    t24 = (-1/L) * Y
+    t25 = t23 + t24
+    G = t25
+    t26 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t27 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t28 = oe.contract('ab,cdeb->aecd', t26, M_2, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t27, t28, optimize=[(0, 1)])
     return out
 
 
@@ -11750,13 +12623,20 @@ def ce_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t25 = A * t24
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t25, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t25, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t25, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->ea', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t26 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cbd,cdee,cdf,fa->ea', t26, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t26 = torch.exp(t14 - t14.amax(-1, keepdim=True))
-    A27 = t26 / t26.sum(-1, keepdim=True)
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhf,cdi,ia->fa', t1, M_2, X, W_V, t12, A27, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (4, 5), (2, 4), (0, 1), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdif,cdj,ja->fa', t1, M_2, X, W_V, t12, A27, A27, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t27 = torch.exp(t14 - t14.amax(-1, keepdim=True))
+    A28 = t27 / t27.sum(-1, keepdim=True)
+    t29 = (1/(L*d_K*n_batch)) * t1
+    t30 = oe.contract('ab,cdb,cde,ea->acd', t29, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t31 = oe.contract('abcd,ce,abe,abe,ef,abfd->dab', M_2, W_V, t12, A28, t21, M_2, optimize=[(2, 3), (0, 1), (0, 1), (1, 2), (0, 1)])
+    t0 += oe.contract('abc,dbc->da', t30, t31, optimize=[(0, 1)])
+    t32 = (-1/(L*d_K*n_batch)) * t1
+    t33 = oe.contract('ab,cdb,cde,ea->acd', t32, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t34 = oe.contract('abcd,ce,abe,abe,abf,fg,abgd->dab', M_2, W_V, t12, A28, A28, t21, M_2, optimize=[(2, 3), (0, 1), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t0 += oe.contract('abc,dbc->da', t33, t34, optimize=[(0, 1)])
     return out
 
 
@@ -11846,17 +12726,25 @@ def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t27 = t26 @ X
     t28 = t2 @ t27
     t29 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t28, t29, optimize=[(0, 1)])
-    t30 = W_Q.transpose(-1, -2)
+    t30 = (1/(math.sqrt(d_K)*n_batch)) * t29
+    t1 += oe.contract('abc,d->bcd', t28, t30, optimize=[(0, 1)])
+    t31 = W_Q.transpose(-1, -2)
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t25, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t25, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t25, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t30, t2, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    t32 = (1/(d_K*n_batch)) * t31
+    t33 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t34 = oe.contract('ab,cbd,cde->aecd', t32, t2, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t33, t34, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t31 = torch.exp(t14 - t14.amax(-1, keepdim=True))
-    A32 = t31 / t31.sum(-1, keepdim=True)
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t30, M_2, X, W_V, t12, A32, t21, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t30, M_2, X, W_V, t12, A32, A32, t21, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t35 = torch.exp(t14 - t14.amax(-1, keepdim=True))
+    A36 = t35 / t35.sum(-1, keepdim=True)
+    t37 = (1/(L*d_K*n_batch)) * t31
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t37, M_2, X, W_V, t12, A36, t21, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t38 = (-1/(L*d_K*n_batch)) * t31
+    t39 = oe.contract('ab,cdb,cde,ef,cdfg,cdh,gi->ahicd', t38, X, A36, t21, M_2, X, W_K, optimize=[(0, 1), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t40 = oe.contract('abcd,ce,abe,abe->dab', M_2, W_V, t12, A36, optimize=[(1, 2), (1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->fabc', t39, t40, optimize=[(0, 1)])
     return out
 
 
@@ -11948,13 +12836,22 @@ def ce_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t25 = A * t24
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t25, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t25, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t25, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t26 = (1/(d_K*n_batch)) * t1
+    t27 = oe.contract('ab,cbd,cde,ef->afcd', t26, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t28 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t27, t28, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t26 = torch.exp(t14 - t14.amax(-1, keepdim=True))
-    A27 = t26 / t26.sum(-1, keepdim=True)
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t1, M_2, X, W_V, t12, A27, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t1, M_2, X, W_V, t12, A27, A27, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
+    t29 = torch.exp(t14 - t14.amax(-1, keepdim=True))
+    A30 = t29 / t29.sum(-1, keepdim=True)
+    t31 = (1/(L*d_K*n_batch)) * t1
+    t32 = oe.contract('abc,cd->dab', X, W_Q, optimize=[(0, 1)])
+    t33 = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi->faicd', t31, M_2, X, W_V, t12, A30, t21, M_2, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 2), (1, 2), (0, 1)])
+    t0 += oe.contract('abc,defbc->defa', t32, t33, optimize=[(0, 1)])
+    t34 = (-1/(L*d_K*n_batch)) * t1
+    t35 = oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi->faicd', t34, M_2, X, W_V, t12, A30, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 1), (0, 1)])
+    t36 = oe.contract('abc,cd,abde->eab', A30, t21, M_2, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcde,fde->abfc', t35, t36, optimize=[(0, 1)])
     return out
 
 
@@ -12032,17 +12929,26 @@ def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t14 = M_1 @ W_V
     t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
     A16 = t15 / t15.sum(-1, keepdim=True)
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh->fahg', t1, M_2, X, W_V, t12, A16, M_1, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t1, M_2, X, W_V, t12, A16, A16, M_1, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t17 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t18 = oe.contract('abcd,ce,abe,abe->deab', M_2, W_V, t12, A16, optimize=[(0, 1), (0, 1), (0, 1)])
+    t19 = oe.contract('ab,cdb,cde->aecd', t17, X, M_1, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t18, t19, optimize=[(0, 1)])
+    t20 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t21 = oe.contract('ab,cdb,cde,cdf->afecd', t20, X, A16, M_1, optimize=[(0, 1), (0, 1), (0, 1)])
+    t22 = oe.contract('abcd,ce,abe,abe->dab', M_2, W_V, t12, A16, optimize=[(1, 2), (1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->fabc', t21, t22, optimize=[(0, 1)])
     F = t14
-    t17 = torch.exp(F - F.amax(-1, keepdim=True))
-    A18 = t17 / t17.sum(-1, keepdim=True)
-    t19 = t12 * A18
-    t20 = (1/L) * t19
-    t21 = (-1/L) * Y
-    t22 = t20 + t21
-    G = t22
-    t0 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t1, M_2, X, G, optimize=[(0, 2), (1, 2), (0, 1)])
+    t23 = torch.exp(F - F.amax(-1, keepdim=True))
+    A24 = t23 / t23.sum(-1, keepdim=True)
+    t25 = t12 * A24
+    t26 = (1/L) * t25
+    t27 = (-1/L) * Y
+    t28 = t26 + t27
+    G = t28
+    t29 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t30 = oe.contract('ab,cdb,cde->aecd', t29, X, G, optimize=[(0, 1), (0, 1)])
+    t31 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0 += oe.contract('abcd,efcd->eafb', t30, t31, optimize=[(0, 1)])
     return out
 
 
@@ -12111,8 +13017,12 @@ def ce_causal1__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     t14 = M_1 @ W_V
     t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
     A16 = t15 / t15.sum(-1, keepdim=True)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,acb->bd', t11, t13, A16, M_1, optimize=[(0, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->bd', t11, t13, A16, A16, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t17 = (1/(L*n_batch)) * t11
+    t18 = oe.contract('abc,abc->cab', t13, A16, optimize=[(0, 1)])
+    t19 = oe.contract('abc,acb->bac', t17, M_1, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t18, t19, optimize=[(0, 1)])
+    t20 = (-1/(L*n_batch)) * t11
+    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t20, t13, A16, A16, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -12177,13 +13087,20 @@ def ce_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t20 = G.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t20, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
-    t21 = M_1.transpose(-1, -2)
-    t22 = torch.exp(t13 - t13.amax(-1, keepdim=True))
-    A23 = t22 / t22.sum(-1, keepdim=True)
-    t24 = W_V.transpose(-1, -2)
-    t0 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t21, t2, A23, t24, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t21, t2, A23, A23, t24, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
+    t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
+    t22 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t23 = oe.contract('abc,acd->bdac', t21, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
+    t24 = M_1.transpose(-1, -2)
+    t25 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    A26 = t25 / t25.sum(-1, keepdim=True)
+    t27 = W_V.transpose(-1, -2)
+    t28 = (1/(L*math.sqrt(d_K)*n_batch)) * t24
+    t0 += oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t28, t2, A26, t27, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t29 = (-1/(L*math.sqrt(d_K)*n_batch)) * t24
+    t30 = oe.contract('abc,acd,de,acef,fg->bgac', t29, A26, t27, M_2, W_K, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t31 = oe.contract('abc,abc,abd->cdab', t2, A26, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t30, t31, optimize=[(0, 1)])
     return out
 
 
@@ -12262,13 +13179,22 @@ def ce_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t20 = G.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t20, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t21 = M_1.transpose(-1, -2)
-    t22 = torch.exp(t13 - t13.amax(-1, keepdim=True))
-    A23 = t22 / t22.sum(-1, keepdim=True)
-    t24 = W_V.transpose(-1, -2)
-    t0 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t21, t2, A23, t24, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t21, t2, A23, A23, t24, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
+    t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
+    t22 = oe.contract('abc,acd,de->beac', t21, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t23 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
+    t24 = M_1.transpose(-1, -2)
+    t25 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    A26 = t25 / t25.sum(-1, keepdim=True)
+    t27 = W_V.transpose(-1, -2)
+    t28 = (1/(L*math.sqrt(d_K)*n_batch)) * t24
+    t29 = oe.contract('abc,acd,de->beac', t28, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t30 = oe.contract('abc,abc,cd,abde->ceab', t2, A26, t27, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
+    t31 = (-1/(L*math.sqrt(d_K)*n_batch)) * t24
+    t32 = oe.contract('abc,cd->dab', X, W_Q, optimize=[(0, 1)])
+    t33 = oe.contract('abc,acd,acd,ace,ef,acfg->bdgac', t31, t2, A26, A26, t27, M_2, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t0 += oe.contract('abc,defbc->defa', t32, t33, optimize=[(0, 1)])
     return out
 
 
@@ -12341,8 +13267,14 @@ def ce_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     t15 = M_1 @ W_V
     t16 = torch.exp(t15 - t15.amax(-1, keepdim=True))
     A17 = t16 / t16.sum(-1, keepdim=True)
-    t1 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bed', t12, t14, A17, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t12, t14, A17, A17, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t18 = (1/(L*n_batch)) * t12
+    t19 = oe.contract('abc,abc->cab', t14, A17, optimize=[(0, 1)])
+    t20 = oe.contract('abc,acd->bdac', t18, M_1, optimize=[(0, 1)])
+    t1 += oe.contract('abc,debc->dea', t19, t20, optimize=[(0, 1)])
+    t21 = (-1/(L*n_batch)) * t12
+    t22 = oe.contract('abc,acd->bdac', t21, A17, optimize=[(0, 1)])
+    t23 = oe.contract('abc,abc,abd->cdab', t14, A17, M_1, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
     return out
 
 

@@ -76,24 +76,27 @@ def mse_bias0_residual0__hessian__outer(X, W_1, W_2, Y):
     t4 = torch.heaviside(t3, torch.full_like(t3, 0.0))
     t5 = W_2.transpose(-1, -2)
     t6 = W_2 @ t5
-    t1[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,acd,de,ace,acf->bdfe', t2, t4, t6, t4, X, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t7 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t8 = t7.view((d_V, d_ff, d_ff, d_V))
-    t9 = (t3 * torch.heaviside(t3, torch.full_like(t3, 0.0)))
-    t8[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,acd,ace,df->bdef', t2, t4, t9, W_2, optimize=[(0, 1), (0, 2), (0, 1)])
-    t10 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
-    t11 = t10.view((d_ff, d_V, d_V, d_ff))
-    t12 = W_1.transpose(-1, -2)
-    t13 = t12 @ t2
-    t14 = (t13 * torch.heaviside(t13, torch.full_like(t13, 0.0)))
-    t11[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,de,ace,acf->bdfe', t14, t5, t4, X, optimize=[(0, 2), (1, 2), (0, 1)])
-    t15 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t15[...] = 0
-    t16 = t15.view((d_ff, d_V, d_ff, d_V))
-    t17 = t16.diagonal(0, 1, 3)
-    t18 = t14 @ t9
-    t19 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t17 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bcd', t18, t19, optimize=[(0, 1)])
+    t7 = (2/(L*d_V*n_batch)) * t2
+    t1[...] = oe.contract('abc,acd,de,ace,acf->bdfe', t7, t4, t6, t4, X, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t8 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t9 = t8.view((d_V, d_ff, d_ff, d_V))
+    t10 = (t3 * torch.heaviside(t3, torch.full_like(t3, 0.0)))
+    t9[...] = oe.contract('abc,acd,ace,df->bdef', t7, t4, t10, W_2, optimize=[(0, 1), (0, 2), (0, 1)])
+    t11 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
+    t12 = t11.view((d_ff, d_V, d_V, d_ff))
+    t13 = W_1.transpose(-1, -2)
+    t14 = t13 @ t2
+    t15 = (t14 * torch.heaviside(t14, torch.full_like(t14, 0.0)))
+    t16 = (2/(L*d_V*n_batch)) * t15
+    t12[...] = oe.contract('abc,de,ace,acf->bdfe', t16, t5, t4, X, optimize=[(0, 2), (1, 2), (0, 1)])
+    t17 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t17[...] = 0
+    t18 = t17.view((d_ff, d_V, d_ff, d_V))
+    t19 = t18.diagonal(0, 1, 3)
+    t20 = t15 @ t10
+    t21 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t22 = (2/(L*d_V*n_batch)) * t21
+    t19 += oe.contract('abc,d->bcd', t20, t22, optimize=[(0, 1)])
     return H
 
 
@@ -165,7 +168,8 @@ def mse_bias0_residual0__diag__W_1__outer(X, W_1, W_2, Y):
     t3 = torch.heaviside(t2, torch.full_like(t2, 0.0))
     t4 = W_2.transpose(-1, -2)
     t5 = W_2 @ t4
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,acd,dd,acd,acb->bd', t1, t3, t5, t3, X, optimize=[(1, 3), (0, 2), (1, 2), (0, 1)])
+    t6 = (2/(L*d_V*n_batch)) * t1
+    t0[...] = oe.contract('abc,acd,dd,acd,acb->bd', t6, t3, t5, t3, X, optimize=[(1, 3), (0, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -196,7 +200,8 @@ def mse_bias0_residual0__block__W_1__W_1__outer(X, W_1, W_2, Y):
     t3 = torch.heaviside(t2, torch.full_like(t2, 0.0))
     t4 = W_2.transpose(-1, -2)
     t5 = W_2 @ t4
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,acd,de,ace,acf->bdfe', t1, t3, t5, t3, X, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t6 = (2/(L*d_V*n_batch)) * t1
+    t0[...] = oe.contract('abc,acd,de,ace,acf->bdfe', t6, t3, t5, t3, X, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -228,7 +233,8 @@ def mse_bias0_residual0__block__W_1__W_2__outer(X, W_1, W_2, Y):
     t2 = X @ W_1
     t3 = torch.heaviside(t2, torch.full_like(t2, 0.0))
     t4 = (t2 * torch.heaviside(t2, torch.full_like(t2, 0.0)))
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,acd,ace,df->bdef', t1, t3, t4, W_2, optimize=[(0, 1), (0, 2), (0, 1)])
+    t5 = (2/(L*d_V*n_batch)) * t1
+    t0[...] = oe.contract('abc,acd,ace,df->bdef', t5, t3, t4, W_2, optimize=[(0, 1), (0, 2), (0, 1)])
     return out
 
 
@@ -263,7 +269,8 @@ def mse_bias0_residual0__diag__W_2__outer(X, W_1, W_2, Y):
     t6 = (t5 * torch.heaviside(t5, torch.full_like(t5, 0.0)))
     t7 = t4 @ t6
     t8 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abb,c->bc', t7, t8, optimize=[(0, 1)])
+    t9 = (2/(L*d_V*n_batch)) * t8
+    t0[...] = oe.contract('abb,c->bc', t7, t9, optimize=[(0, 1)])
     return out
 
 
@@ -298,7 +305,8 @@ def mse_bias0_residual0__block__W_2__W_1__outer(X, W_1, W_2, Y):
     t5 = W_2.transpose(-1, -2)
     t6 = X @ W_1
     t7 = torch.heaviside(t6, torch.full_like(t6, 0.0))
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,de,ace,acf->bdfe', t4, t5, t7, X, optimize=[(0, 2), (1, 2), (0, 1)])
+    t8 = (2/(L*d_V*n_batch)) * t4
+    t0[...] = oe.contract('abc,de,ace,acf->bdfe', t8, t5, t7, X, optimize=[(0, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -338,7 +346,8 @@ def mse_bias0_residual0__block__W_2__W_2__outer(X, W_1, W_2, Y):
     t7 = (t6 * torch.heaviside(t6, torch.full_like(t6, 0.0)))
     t8 = t5 @ t7
     t9 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t1 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bcd', t8, t9, optimize=[(0, 1)])
+    t10 = (2/(L*d_V*n_batch)) * t9
+    t1 += oe.contract('abc,d->bcd', t8, t10, optimize=[(0, 1)])
     return out
 
 
@@ -383,18 +392,24 @@ def mse_bias0_residual0__hessian__functional(X, W_1, W_2, Y):
     t10 = (-2/(L*d_V)) * Y
     t11 = t9 + t10
     G = t11
-    t3 += (1/n_batch) * oe.contract('abc,acd,ace->bed', t4, t6, G, optimize=[(0, 1), (0, 1)])
-    t12 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
-    t12[...] = 0
-    t13 = t12.view((d_ff, d_V, d_V, d_ff))
-    t14 = t13.diagonal(0, 0, 3)
-    t15 = G.transpose(-1, -2)
-    t16 = W_1.transpose(-1, -2)
-    t17 = t16 @ t4
-    t18 = torch.heaviside(t17, torch.full_like(t17, 0.0))
-    t14 += (1/n_batch) * oe.contract('abc,adc,ace->bed', t15, t18, X, optimize=[(0, 1), (0, 1)])
-    t19 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t19[...] = 0
+    t12 = (1/n_batch) * t4
+    t13 = oe.contract('abc,acd->bdac', t12, t6, optimize=[(0, 1)])
+    t14 = oe.contract('abc->cab', G, optimize=[(0,)])
+    t3 += oe.contract('abcd,ecd->aeb', t13, t14, optimize=[(0, 1)])
+    t15 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
+    t15[...] = 0
+    t16 = t15.view((d_ff, d_V, d_V, d_ff))
+    t17 = t16.diagonal(0, 0, 3)
+    t18 = G.transpose(-1, -2)
+    t19 = W_1.transpose(-1, -2)
+    t20 = t19 @ t4
+    t21 = torch.heaviside(t20, torch.full_like(t20, 0.0))
+    t22 = (1/n_batch) * t18
+    t23 = oe.contract('abc,adc->bdac', t22, t21, optimize=[(0, 1)])
+    t24 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t17 += oe.contract('abcd,ecd->aeb', t23, t24, optimize=[(0, 1)])
+    t25 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t25[...] = 0
     return H
 
 
@@ -515,7 +530,10 @@ def mse_bias0_residual0__block__W_1__W_2__functional(X, W_1, W_2, Y):
     t8 = (-2/(L*d_V)) * Y
     t9 = t7 + t8
     G = t9
-    t1 += (1/n_batch) * oe.contract('abc,acd,ace->bed', t2, t4, G, optimize=[(0, 1), (0, 1)])
+    t10 = (1/n_batch) * t2
+    t11 = oe.contract('abc,acd->bdac', t10, t4, optimize=[(0, 1)])
+    t12 = oe.contract('abc->cab', G, optimize=[(0,)])
+    t1 += oe.contract('abcd,ecd->aeb', t11, t12, optimize=[(0, 1)])
     return out
 
 
@@ -583,7 +601,10 @@ def mse_bias0_residual0__block__W_2__W_1__functional(X, W_1, W_2, Y):
     t10 = X.transpose(-1, -2)
     t11 = t9 @ t10
     t12 = torch.heaviside(t11, torch.full_like(t11, 0.0))
-    t1 += (1/n_batch) * oe.contract('abc,adc,ace->bed', t8, t12, X, optimize=[(0, 1), (0, 1)])
+    t13 = (1/n_batch) * t8
+    t14 = oe.contract('abc,adc->bdac', t13, t12, optimize=[(0, 1)])
+    t15 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t1 += oe.contract('abcd,ecd->aeb', t14, t15, optimize=[(0, 1)])
     return out
 
 
@@ -645,36 +666,45 @@ def mse_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     t4 = torch.heaviside(t3, torch.full_like(t3, 0.0))
     t5 = W_2.transpose(-1, -2)
     t6 = W_2 @ t5
-    t1[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,acd,de,ace,acf->bdfe', t2, t4, t6, t4, X, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t7 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t8 = t7.view((d_V, d_ff, d_ff, d_V))
-    t9 = (t3 * torch.heaviside(t3, torch.full_like(t3, 0.0)))
-    t8[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,acd,ace,df->bdef', t2, t4, t9, W_2, optimize=[(0, 1), (0, 2), (0, 1)])
-    t10 = t8.diagonal(0, 1, 2)
-    t11 = t9 @ W_2
-    F = t11
-    t12 = (2/(L*d_V)) * F
-    t13 = (-2/(L*d_V)) * Y
-    t14 = t12 + t13
-    G = t14
-    t10 += (1/n_batch) * oe.contract('abc,acd,ace->bed', t2, t4, G, optimize=[(0, 1), (0, 1)])
-    t15 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
-    t16 = t15.view((d_ff, d_V, d_V, d_ff))
-    t17 = W_1.transpose(-1, -2)
-    t18 = t17 @ t2
-    t19 = (t18 * torch.heaviside(t18, torch.full_like(t18, 0.0)))
-    t16[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,de,ace,acf->bdfe', t19, t5, t4, X, optimize=[(0, 2), (1, 2), (0, 1)])
-    t20 = t16.diagonal(0, 0, 3)
-    t21 = G.transpose(-1, -2)
-    t22 = torch.heaviside(t18, torch.full_like(t18, 0.0))
-    t20 += (1/n_batch) * oe.contract('abc,adc,ace->bed', t21, t22, X, optimize=[(0, 1), (0, 1)])
-    t23 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t23[...] = 0
-    t24 = t23.view((d_ff, d_V, d_ff, d_V))
-    t25 = t24.diagonal(0, 1, 3)
-    t26 = t19 @ t9
-    t27 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t25 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bcd', t26, t27, optimize=[(0, 1)])
+    t7 = (2/(L*d_V*n_batch)) * t2
+    t1[...] = oe.contract('abc,acd,de,ace,acf->bdfe', t7, t4, t6, t4, X, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t8 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t9 = t8.view((d_V, d_ff, d_ff, d_V))
+    t10 = (t3 * torch.heaviside(t3, torch.full_like(t3, 0.0)))
+    t9[...] = oe.contract('abc,acd,ace,df->bdef', t7, t4, t10, W_2, optimize=[(0, 1), (0, 2), (0, 1)])
+    t11 = t9.diagonal(0, 1, 2)
+    t12 = t10 @ W_2
+    F = t12
+    t13 = (2/(L*d_V)) * F
+    t14 = (-2/(L*d_V)) * Y
+    t15 = t13 + t14
+    G = t15
+    t16 = (1/n_batch) * t2
+    t17 = oe.contract('abc,acd->bdac', t16, t4, optimize=[(0, 1)])
+    t18 = oe.contract('abc->cab', G, optimize=[(0,)])
+    t11 += oe.contract('abcd,ecd->aeb', t17, t18, optimize=[(0, 1)])
+    t19 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
+    t20 = t19.view((d_ff, d_V, d_V, d_ff))
+    t21 = W_1.transpose(-1, -2)
+    t22 = t21 @ t2
+    t23 = (t22 * torch.heaviside(t22, torch.full_like(t22, 0.0)))
+    t24 = (2/(L*d_V*n_batch)) * t23
+    t20[...] = oe.contract('abc,de,ace,acf->bdfe', t24, t5, t4, X, optimize=[(0, 2), (1, 2), (0, 1)])
+    t25 = t20.diagonal(0, 0, 3)
+    t26 = G.transpose(-1, -2)
+    t27 = torch.heaviside(t22, torch.full_like(t22, 0.0))
+    t28 = (1/n_batch) * t26
+    t29 = oe.contract('abc,adc->bdac', t28, t27, optimize=[(0, 1)])
+    t30 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t25 += oe.contract('abcd,ecd->aeb', t29, t30, optimize=[(0, 1)])
+    t31 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t31[...] = 0
+    t32 = t31.view((d_ff, d_V, d_ff, d_V))
+    t33 = t32.diagonal(0, 1, 3)
+    t34 = t23 @ t10
+    t35 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t36 = (2/(L*d_V*n_batch)) * t35
+    t33 += oe.contract('abc,d->bcd', t34, t36, optimize=[(0, 1)])
     return H
 
 
@@ -768,7 +798,8 @@ def mse_bias0_residual0__diag__W_1__full(X, W_1, W_2, Y):
     t3 = torch.heaviside(t2, torch.full_like(t2, 0.0))
     t4 = W_2.transpose(-1, -2)
     t5 = W_2 @ t4
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,acd,dd,acd,acb->bd', t1, t3, t5, t3, X, optimize=[(1, 3), (0, 2), (1, 2), (0, 1)])
+    t6 = (2/(L*d_V*n_batch)) * t1
+    t0[...] = oe.contract('abc,acd,dd,acd,acb->bd', t6, t3, t5, t3, X, optimize=[(1, 3), (0, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -799,7 +830,8 @@ def mse_bias0_residual0__block__W_1__W_1__full(X, W_1, W_2, Y):
     t3 = torch.heaviside(t2, torch.full_like(t2, 0.0))
     t4 = W_2.transpose(-1, -2)
     t5 = W_2 @ t4
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,acd,de,ace,acf->bdfe', t1, t3, t5, t3, X, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t6 = (2/(L*d_V*n_batch)) * t1
+    t0[...] = oe.contract('abc,acd,de,ace,acf->bdfe', t6, t3, t5, t3, X, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -831,15 +863,19 @@ def mse_bias0_residual0__block__W_1__W_2__full(X, W_1, W_2, Y):
     t2 = X @ W_1
     t3 = torch.heaviside(t2, torch.full_like(t2, 0.0))
     t4 = (t2 * torch.heaviside(t2, torch.full_like(t2, 0.0)))
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,acd,ace,df->bdef', t1, t3, t4, W_2, optimize=[(0, 1), (0, 2), (0, 1)])
-    t5 = t0.diagonal(0, 1, 2)
-    t6 = t4 @ W_2
-    F = t6
-    t7 = (2/(L*d_V)) * F
-    t8 = (-2/(L*d_V)) * Y
-    t9 = t7 + t8
-    G = t9
-    t5 += (1/n_batch) * oe.contract('abc,acd,ace->bed', t1, t3, G, optimize=[(0, 1), (0, 1)])
+    t5 = (2/(L*d_V*n_batch)) * t1
+    t0[...] = oe.contract('abc,acd,ace,df->bdef', t5, t3, t4, W_2, optimize=[(0, 1), (0, 2), (0, 1)])
+    t6 = t0.diagonal(0, 1, 2)
+    t7 = t4 @ W_2
+    F = t7
+    t8 = (2/(L*d_V)) * F
+    t9 = (-2/(L*d_V)) * Y
+    t10 = t8 + t9
+    G = t10
+    t11 = (1/n_batch) * t1
+    t12 = oe.contract('abc,acd->bdac', t11, t3, optimize=[(0, 1)])
+    t13 = oe.contract('abc->cab', G, optimize=[(0,)])
+    t6 += oe.contract('abcd,ecd->aeb', t12, t13, optimize=[(0, 1)])
     return out
 
 
@@ -880,7 +916,8 @@ def mse_bias0_residual0__diag__W_2__full(X, W_1, W_2, Y):
     t6 = (t5 * torch.heaviside(t5, torch.full_like(t5, 0.0)))
     t7 = t4 @ t6
     t8 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abb,c->bc', t7, t8, optimize=[(0, 1)])
+    t9 = (2/(L*d_V*n_batch)) * t8
+    t0[...] = oe.contract('abb,c->bc', t7, t9, optimize=[(0, 1)])
     return out
 
 
@@ -915,18 +952,22 @@ def mse_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
     t5 = W_2.transpose(-1, -2)
     t6 = X @ W_1
     t7 = torch.heaviside(t6, torch.full_like(t6, 0.0))
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,de,ace,acf->bdfe', t4, t5, t7, X, optimize=[(0, 2), (1, 2), (0, 1)])
-    t8 = t0.diagonal(0, 0, 3)
-    t9 = (t6 * torch.heaviside(t6, torch.full_like(t6, 0.0)))
-    t10 = t9 @ W_2
-    F = t10
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = G.transpose(-1, -2)
-    t15 = torch.heaviside(t3, torch.full_like(t3, 0.0))
-    t8 += (1/n_batch) * oe.contract('abc,adc,ace->bed', t14, t15, X, optimize=[(0, 1), (0, 1)])
+    t8 = (2/(L*d_V*n_batch)) * t4
+    t0[...] = oe.contract('abc,de,ace,acf->bdfe', t8, t5, t7, X, optimize=[(0, 2), (1, 2), (0, 1)])
+    t9 = t0.diagonal(0, 0, 3)
+    t10 = (t6 * torch.heaviside(t6, torch.full_like(t6, 0.0)))
+    t11 = t10 @ W_2
+    F = t11
+    t12 = (2/(L*d_V)) * F
+    t13 = (-2/(L*d_V)) * Y
+    t14 = t12 + t13
+    G = t14
+    t15 = G.transpose(-1, -2)
+    t16 = torch.heaviside(t3, torch.full_like(t3, 0.0))
+    t17 = (1/n_batch) * t15
+    t18 = oe.contract('abc,adc->bdac', t17, t16, optimize=[(0, 1)])
+    t19 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t9 += oe.contract('abcd,ecd->aeb', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -975,7 +1016,8 @@ def mse_bias0_residual0__block__W_2__W_2__full(X, W_1, W_2, Y):
     t7 = (t6 * torch.heaviside(t6, torch.full_like(t6, 0.0)))
     t8 = t5 @ t7
     t9 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t1 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bcd', t8, t9, optimize=[(0, 1)])
+    t10 = (2/(L*d_V*n_batch)) * t9
+    t1 += oe.contract('abc,d->bcd', t8, t10, optimize=[(0, 1)])
     return out
 
 
@@ -1066,25 +1108,39 @@ def ce_bias0_residual0__hessian__outer(X, W_1, W_2, Y):
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = W_2.transpose(-1, -2)
-    t1[...] = (1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,ef,acf,acg->bdgf', t2, t4, W_2, t6, A, t10, t4, X, optimize=[(3, 4), (0, 1), (0, 1), (2, 4), (0, 3), (1, 2), (0, 1)])
-    t1 += (-1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,acf,fg,acg,ach->bdhg', t2, t4, W_2, t6, A, A, t10, t4, X, optimize=[(3, 4), (3, 4), (3, 6), (2, 4), (1, 4), (0, 3), (0, 1), (0, 1)])
-    t11 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t12 = t11.view((d_V, d_ff, d_ff, d_V))
-    t12[...] = (1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,acf->bdfe', t2, t4, W_2, t6, A, t7, optimize=[(3, 4), (0, 1), (1, 2), (1, 2), (0, 1)])
-    t12 += (-1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,acf,acg->bdgf', t2, t4, W_2, t6, A, A, t7, optimize=[(3, 4), (2, 5), (1, 4), (0, 3), (0, 1), (0, 1)])
-    t13 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
-    t14 = t13.view((d_ff, d_V, d_V, d_ff))
-    t15 = W_1.transpose(-1, -2)
-    t16 = t15 @ t2
-    t17 = (t16 * torch.heaviside(t16, torch.full_like(t16, 0.0)))
-    t14[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,de,ace,acf->bdfe', t17, t6, A, t10, t4, X, optimize=[(1, 2), (0, 2), (1, 2), (1, 2), (0, 1)])
-    t14 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acf,acg->bdgf', t17, t6, A, A, t10, t4, X, optimize=[(1, 2), (1, 2), (1, 4), (1, 3), (0, 2), (0, 1)])
-    t18 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t18[...] = 0
-    t19 = t18.view((d_ff, d_V, d_ff, d_V))
-    t20 = t19.diagonal(0, 1, 3)
-    t20 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bed', t17, t6, A, t7, optimize=[(1, 2), (0, 1), (0, 1)])
-    t19 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t17, t6, A, A, t7, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t11 = (1/(L*n_batch)) * t2
+    t12 = oe.contract('abc,acd,de,ace,ace,ef,acf->bdfac', t11, t4, W_2, t6, A, t10, t4, optimize=[(3, 4), (2, 3), (3, 4), (0, 1), (0, 1), (0, 1)])
+    t13 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t1[...] = oe.contract('abcde,fde->abfc', t12, t13, optimize=[(0, 1)])
+    t14 = (-1/(L*n_batch)) * t2
+    t15 = oe.contract('abc,cd,abd,abe->edab', A, t10, t4, X, optimize=[(0, 1), (0, 2), (0, 1)])
+    t16 = oe.contract('abc,acd,de,ace,ace->bdac', t14, t4, W_2, t6, A, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)])
+    t1 += oe.contract('abcd,efcd->efab', t15, t16, optimize=[(0, 1)])
+    t17 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t18 = t17.view((d_V, d_ff, d_ff, d_V))
+    t18[...] = oe.contract('abc,acd,de,ace,ace,acf->bdfe', t11, t4, W_2, t6, A, t7, optimize=[(3, 4), (0, 1), (1, 2), (1, 2), (0, 1)])
+    t19 = oe.contract('abc,abd->dcab', A, t7, optimize=[(0, 1)])
+    t18 += oe.contract('abcd,efcd->efab', t19, t16, optimize=[(0, 1)])
+    t20 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
+    t21 = t20.view((d_ff, d_V, d_V, d_ff))
+    t22 = W_1.transpose(-1, -2)
+    t23 = t22 @ t2
+    t24 = (t23 * torch.heaviside(t23, torch.full_like(t23, 0.0)))
+    t25 = (1/(L*n_batch)) * t24
+    t21[...] = oe.contract('abc,acd,acd,de,ace,acf->bdfe', t25, t6, A, t10, t4, X, optimize=[(1, 2), (0, 2), (1, 2), (1, 2), (0, 1)])
+    t26 = (-1/(L*n_batch)) * t24
+    t27 = oe.contract('abc,acd,de,ace,acf->bfeac', t26, A, t10, t4, X, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t28 = oe.contract('abc,abc->cab', t6, A, optimize=[(0, 1)])
+    t21 += oe.contract('abcde,fde->afbc', t27, t28, optimize=[(0, 1)])
+    t29 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t29[...] = 0
+    t30 = t29.view((d_ff, d_V, d_ff, d_V))
+    t31 = t30.diagonal(0, 1, 3)
+    t32 = oe.contract('abc,acd->bdac', t25, t7, optimize=[(0, 1)])
+    t31 += oe.contract('abc,debc->dea', t28, t32, optimize=[(0, 1)])
+    t33 = oe.contract('abc,acd->bdac', t26, A, optimize=[(0, 1)])
+    t34 = oe.contract('abc,abc,abd->cdab', t6, A, t7, optimize=[(0, 1), (0, 1)])
+    t30 += oe.contract('abcd,efcd->aefb', t33, t34, optimize=[(0, 1)])
     return H
 
 
@@ -1172,8 +1228,14 @@ def ce_bias0_residual0__diag__W_1__outer(X, W_1, W_2, Y):
     t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = W_2.transpose(-1, -2)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,ed,acd,acb->bd', t1, t3, W_2, t5, A, t9, t3, X, optimize=[(3, 4), (2, 3), (1, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,acf,fd,acd,acb->bd', t1, t3, W_2, t5, A, A, t9, t3, X, optimize=[(3, 4), (1, 5), (0, 4), (1, 2), (2, 4), (0, 1), (1, 2), (0, 1)])
+    t10 = (1/(L*n_batch)) * t1
+    t11 = oe.contract('abc,cd,abd,abd,dc,abc->cab', t3, W_2, t5, A, t9, t3, optimize=[(2, 3), (1, 2), (0, 1), (0, 1), (0, 1)])
+    t12 = oe.contract('abc,acb->bac', t10, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t11, t12, optimize=[(0, 1)])
+    t13 = (-1/(L*n_batch)) * t1
+    t14 = oe.contract('abc,cd,abd,abd,abe,ec,abc->cab', t3, W_2, t5, A, A, t9, t3, optimize=[(2, 3), (0, 4), (1, 2), (2, 3), (0, 1), (0, 1)])
+    t15 = oe.contract('abc,acb->bac', t13, X, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dbc->da', t14, t15, optimize=[(0, 1)])
     return out
 
 
@@ -1214,8 +1276,14 @@ def ce_bias0_residual0__block__W_1__W_1__outer(X, W_1, W_2, Y):
     t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = W_2.transpose(-1, -2)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,ef,acf,acg->bdgf', t1, t3, W_2, t5, A, t9, t3, X, optimize=[(3, 4), (0, 1), (0, 1), (2, 4), (0, 3), (1, 2), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,acf,fg,acg,ach->bdhg', t1, t3, W_2, t5, A, A, t9, t3, X, optimize=[(3, 4), (3, 4), (3, 6), (2, 4), (1, 4), (0, 3), (0, 1), (0, 1)])
+    t10 = (1/(L*n_batch)) * t1
+    t11 = oe.contract('abc,acd,de,ace,ace,ef,acf->bdfac', t10, t3, W_2, t5, A, t9, t3, optimize=[(3, 4), (2, 3), (3, 4), (0, 1), (0, 1), (0, 1)])
+    t12 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t0[...] = oe.contract('abcde,fde->abfc', t11, t12, optimize=[(0, 1)])
+    t13 = (-1/(L*n_batch)) * t1
+    t14 = oe.contract('abc,cd,abd,abe->edab', A, t9, t3, X, optimize=[(0, 1), (0, 2), (0, 1)])
+    t15 = oe.contract('abc,acd,de,ace,ace->bdac', t13, t3, W_2, t5, A, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)])
+    t0 += oe.contract('abcd,efcd->efab', t14, t15, optimize=[(0, 1)])
     return out
 
 
@@ -1257,8 +1325,12 @@ def ce_bias0_residual0__block__W_1__W_2__outer(X, W_1, W_2, Y):
     t7 = t6 @ W_2
     t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
     A = t8 / t8.sum(-1, keepdim=True)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,acf->bdfe', t1, t3, W_2, t5, A, t6, optimize=[(3, 4), (0, 1), (1, 2), (1, 2), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,acf,acg->bdgf', t1, t3, W_2, t5, A, A, t6, optimize=[(3, 4), (2, 5), (1, 4), (0, 3), (0, 1), (0, 1)])
+    t9 = (1/(L*n_batch)) * t1
+    t0[...] = oe.contract('abc,acd,de,ace,ace,acf->bdfe', t9, t3, W_2, t5, A, t6, optimize=[(3, 4), (0, 1), (1, 2), (1, 2), (0, 1)])
+    t10 = (-1/(L*n_batch)) * t1
+    t11 = oe.contract('abc,abd->dcab', A, t6, optimize=[(0, 1)])
+    t12 = oe.contract('abc,acd,de,ace,ace->bdac', t10, t3, W_2, t5, A, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)])
+    t0 += oe.contract('abcd,efcd->efab', t11, t12, optimize=[(0, 1)])
     return out
 
 
@@ -1301,8 +1373,12 @@ def ce_bias0_residual0__diag__W_2__outer(X, W_1, W_2, Y):
     t9 = t8 @ W_2
     t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
     A = t10 / t10.sum(-1, keepdim=True)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,acb->bd', t4, t6, A, t8, optimize=[(0, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->bd', t4, t6, A, A, t8, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t11 = (1/(L*n_batch)) * t4
+    t12 = oe.contract('abc,abc->cab', t6, A, optimize=[(0, 1)])
+    t13 = oe.contract('abc,acb->bac', t11, t8, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t12, t13, optimize=[(0, 1)])
+    t14 = (-1/(L*n_batch)) * t4
+    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t14, t6, A, A, t8, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -1347,8 +1423,12 @@ def ce_bias0_residual0__block__W_2__W_1__outer(X, W_1, W_2, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = W_2.transpose(-1, -2)
     t12 = torch.heaviside(t7, torch.full_like(t7, 0.0))
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,de,ace,acf->bdfe', t4, t6, A, t11, t12, X, optimize=[(1, 2), (0, 2), (1, 2), (1, 2), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acf,acg->bdgf', t4, t6, A, A, t11, t12, X, optimize=[(1, 2), (1, 2), (1, 4), (1, 3), (0, 2), (0, 1)])
+    t13 = (1/(L*n_batch)) * t4
+    t0[...] = oe.contract('abc,acd,acd,de,ace,acf->bdfe', t13, t6, A, t11, t12, X, optimize=[(1, 2), (0, 2), (1, 2), (1, 2), (0, 1)])
+    t14 = (-1/(L*n_batch)) * t4
+    t15 = oe.contract('abc,acd,de,ace,acf->bfeac', t14, A, t11, t12, X, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t16 = oe.contract('abc,abc->cab', t6, A, optimize=[(0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t15, t16, optimize=[(0, 1)])
     return out
 
 
@@ -1397,8 +1477,14 @@ def ce_bias0_residual0__block__W_2__W_2__outer(X, W_1, W_2, Y):
     t10 = t9 @ W_2
     t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
     A = t11 / t11.sum(-1, keepdim=True)
-    t1 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bed', t5, t7, A, t9, optimize=[(1, 2), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t5, t7, A, A, t9, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t12 = (1/(L*n_batch)) * t5
+    t13 = oe.contract('abc,abc->cab', t7, A, optimize=[(0, 1)])
+    t14 = oe.contract('abc,acd->bdac', t12, t9, optimize=[(0, 1)])
+    t1 += oe.contract('abc,debc->dea', t13, t14, optimize=[(0, 1)])
+    t15 = (-1/(L*n_batch)) * t5
+    t16 = oe.contract('abc,acd->bdac', t15, A, optimize=[(0, 1)])
+    t17 = oe.contract('abc,abc,abd->cdab', t7, A, t9, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -1452,18 +1538,24 @@ def ce_bias0_residual0__hessian__functional(X, W_1, W_2, Y):
     t14 = (-1/L) * Y
     t15 = t13 + t14
     G = t15
-    t3 += (1/n_batch) * oe.contract('abc,acd,ace->bed', t4, t6, G, optimize=[(0, 1), (0, 1)])
-    t16 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
-    t16[...] = 0
-    t17 = t16.view((d_ff, d_V, d_V, d_ff))
-    t18 = t17.diagonal(0, 0, 3)
-    t19 = G.transpose(-1, -2)
-    t20 = W_1.transpose(-1, -2)
-    t21 = t20 @ t4
-    t22 = torch.heaviside(t21, torch.full_like(t21, 0.0))
-    t18 += (1/n_batch) * oe.contract('abc,adc,ace->bed', t19, t22, X, optimize=[(0, 1), (0, 1)])
-    t23 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t23[...] = 0
+    t16 = (1/n_batch) * t4
+    t17 = oe.contract('abc,acd->bdac', t16, t6, optimize=[(0, 1)])
+    t18 = oe.contract('abc->cab', G, optimize=[(0,)])
+    t3 += oe.contract('abcd,ecd->aeb', t17, t18, optimize=[(0, 1)])
+    t19 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
+    t19[...] = 0
+    t20 = t19.view((d_ff, d_V, d_V, d_ff))
+    t21 = t20.diagonal(0, 0, 3)
+    t22 = G.transpose(-1, -2)
+    t23 = W_1.transpose(-1, -2)
+    t24 = t23 @ t4
+    t25 = torch.heaviside(t24, torch.full_like(t24, 0.0))
+    t26 = (1/n_batch) * t22
+    t27 = oe.contract('abc,adc->bdac', t26, t25, optimize=[(0, 1)])
+    t28 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t21 += oe.contract('abcd,ecd->aeb', t27, t28, optimize=[(0, 1)])
+    t29 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t29[...] = 0
     return H
 
 
@@ -1599,7 +1691,10 @@ def ce_bias0_residual0__block__W_1__W_2__functional(X, W_1, W_2, Y):
     t12 = (-1/L) * Y
     t13 = t11 + t12
     G = t13
-    t1 += (1/n_batch) * oe.contract('abc,acd,ace->bed', t2, t4, G, optimize=[(0, 1), (0, 1)])
+    t14 = (1/n_batch) * t2
+    t15 = oe.contract('abc,acd->bdac', t14, t4, optimize=[(0, 1)])
+    t16 = oe.contract('abc->cab', G, optimize=[(0,)])
+    t1 += oe.contract('abcd,ecd->aeb', t15, t16, optimize=[(0, 1)])
     return out
 
 
@@ -1677,7 +1772,10 @@ def ce_bias0_residual0__block__W_2__W_1__functional(X, W_1, W_2, Y):
     t14 = X.transpose(-1, -2)
     t15 = t13 @ t14
     t16 = torch.heaviside(t15, torch.full_like(t15, 0.0))
-    t1 += (1/n_batch) * oe.contract('abc,adc,ace->bed', t12, t16, X, optimize=[(0, 1), (0, 1)])
+    t17 = (1/n_batch) * t12
+    t18 = oe.contract('abc,adc->bdac', t17, t16, optimize=[(0, 1)])
+    t19 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t1 += oe.contract('abcd,ecd->aeb', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -1749,39 +1847,58 @@ def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = W_2.transpose(-1, -2)
-    t1[...] = (1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,ef,acf,acg->bdgf', t2, t4, W_2, t6, A, t10, t4, X, optimize=[(3, 4), (0, 1), (0, 1), (2, 4), (0, 3), (1, 2), (0, 1)])
-    t1 += (-1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,acf,fg,acg,ach->bdhg', t2, t4, W_2, t6, A, A, t10, t4, X, optimize=[(3, 4), (3, 4), (3, 6), (2, 4), (1, 4), (0, 3), (0, 1), (0, 1)])
-    t11 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t12 = t11.view((d_V, d_ff, d_ff, d_V))
-    t12[...] = (1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,acf->bdfe', t2, t4, W_2, t6, A, t7, optimize=[(3, 4), (0, 1), (1, 2), (1, 2), (0, 1)])
-    t12 += (-1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,acf,acg->bdgf', t2, t4, W_2, t6, A, A, t7, optimize=[(3, 4), (2, 5), (1, 4), (0, 3), (0, 1), (0, 1)])
-    t13 = t12.diagonal(0, 1, 2)
+    t11 = (1/(L*n_batch)) * t2
+    t12 = oe.contract('abc,acd,de,ace,ace,ef,acf->bdfac', t11, t4, W_2, t6, A, t10, t4, optimize=[(3, 4), (2, 3), (3, 4), (0, 1), (0, 1), (0, 1)])
+    t13 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t1[...] = oe.contract('abcde,fde->abfc', t12, t13, optimize=[(0, 1)])
+    t14 = (-1/(L*n_batch)) * t2
+    t15 = oe.contract('abc,cd,abd,abe->edab', A, t10, t4, X, optimize=[(0, 1), (0, 2), (0, 1)])
+    t16 = oe.contract('abc,acd,de,ace,ace->bdac', t14, t4, W_2, t6, A, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)])
+    t1 += oe.contract('abcd,efcd->efab', t15, t16, optimize=[(0, 1)])
+    t17 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t18 = t17.view((d_V, d_ff, d_ff, d_V))
+    t18[...] = oe.contract('abc,acd,de,ace,ace,acf->bdfe', t11, t4, W_2, t6, A, t7, optimize=[(3, 4), (0, 1), (1, 2), (1, 2), (0, 1)])
+    t19 = oe.contract('abc,abd->dcab', A, t7, optimize=[(0, 1)])
+    t18 += oe.contract('abcd,efcd->efab', t19, t16, optimize=[(0, 1)])
+    t20 = t18.diagonal(0, 1, 2)
     F = t8
-    t14 = torch.exp(F - F.amax(-1, keepdim=True))
-    A15 = t14 / t14.sum(-1, keepdim=True)
-    t16 = t6 * A15
-    t17 = (1/L) * t16
-    t18 = (-1/L) * Y
-    t19 = t17 + t18
-    G = t19
-    t13 += (1/n_batch) * oe.contract('abc,acd,ace->bed', t2, t4, G, optimize=[(0, 1), (0, 1)])
-    t20 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
-    t21 = t20.view((d_ff, d_V, d_V, d_ff))
-    t22 = W_1.transpose(-1, -2)
-    t23 = t22 @ t2
-    t24 = (t23 * torch.heaviside(t23, torch.full_like(t23, 0.0)))
-    t21[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,de,ace,acf->bdfe', t24, t6, A, t10, t4, X, optimize=[(1, 2), (0, 2), (1, 2), (1, 2), (0, 1)])
-    t21 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acf,acg->bdgf', t24, t6, A, A, t10, t4, X, optimize=[(1, 2), (1, 2), (1, 4), (1, 3), (0, 2), (0, 1)])
-    t25 = t21.diagonal(0, 0, 3)
-    t26 = G.transpose(-1, -2)
-    t27 = torch.heaviside(t23, torch.full_like(t23, 0.0))
-    t25 += (1/n_batch) * oe.contract('abc,adc,ace->bed', t26, t27, X, optimize=[(0, 1), (0, 1)])
-    t28 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t28[...] = 0
-    t29 = t28.view((d_ff, d_V, d_ff, d_V))
-    t30 = t29.diagonal(0, 1, 3)
-    t30 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bed', t24, t6, A, t7, optimize=[(1, 2), (0, 1), (0, 1)])
-    t29 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t24, t6, A, A, t7, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t21 = torch.exp(F - F.amax(-1, keepdim=True))
+    A22 = t21 / t21.sum(-1, keepdim=True)
+    t23 = t6 * A22
+    t24 = (1/L) * t23
+    t25 = (-1/L) * Y
+    t26 = t24 + t25
+    G = t26
+    t27 = (1/n_batch) * t2
+    t28 = oe.contract('abc,acd->bdac', t27, t4, optimize=[(0, 1)])
+    t29 = oe.contract('abc->cab', G, optimize=[(0,)])
+    t20 += oe.contract('abcd,ecd->aeb', t28, t29, optimize=[(0, 1)])
+    t30 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
+    t31 = t30.view((d_ff, d_V, d_V, d_ff))
+    t32 = W_1.transpose(-1, -2)
+    t33 = t32 @ t2
+    t34 = (t33 * torch.heaviside(t33, torch.full_like(t33, 0.0)))
+    t35 = (1/(L*n_batch)) * t34
+    t31[...] = oe.contract('abc,acd,acd,de,ace,acf->bdfe', t35, t6, A, t10, t4, X, optimize=[(1, 2), (0, 2), (1, 2), (1, 2), (0, 1)])
+    t36 = (-1/(L*n_batch)) * t34
+    t37 = oe.contract('abc,acd,de,ace,acf->bfeac', t36, A, t10, t4, X, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t38 = oe.contract('abc,abc->cab', t6, A, optimize=[(0, 1)])
+    t31 += oe.contract('abcde,fde->afbc', t37, t38, optimize=[(0, 1)])
+    t39 = t31.diagonal(0, 0, 3)
+    t40 = G.transpose(-1, -2)
+    t41 = torch.heaviside(t33, torch.full_like(t33, 0.0))
+    t42 = (1/n_batch) * t40
+    t43 = oe.contract('abc,adc->bdac', t42, t41, optimize=[(0, 1)])
+    t39 += oe.contract('abcd,ecd->aeb', t43, t13, optimize=[(0, 1)])
+    t44 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t44[...] = 0
+    t45 = t44.view((d_ff, d_V, d_ff, d_V))
+    t46 = t45.diagonal(0, 1, 3)
+    t47 = oe.contract('abc,acd->bdac', t35, t7, optimize=[(0, 1)])
+    t46 += oe.contract('abc,debc->dea', t38, t47, optimize=[(0, 1)])
+    t48 = oe.contract('abc,acd->bdac', t36, A, optimize=[(0, 1)])
+    t49 = oe.contract('abc,abc,abd->cdab', t6, A, t7, optimize=[(0, 1), (0, 1)])
+    t45 += oe.contract('abcd,efcd->aefb', t48, t49, optimize=[(0, 1)])
     return H
 
 
@@ -1893,8 +2010,14 @@ def ce_bias0_residual0__diag__W_1__full(X, W_1, W_2, Y):
     t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = W_2.transpose(-1, -2)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,ed,acd,acb->bd', t1, t3, W_2, t5, A, t9, t3, X, optimize=[(3, 4), (2, 3), (1, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,acf,fd,acd,acb->bd', t1, t3, W_2, t5, A, A, t9, t3, X, optimize=[(3, 4), (1, 5), (0, 4), (1, 2), (2, 4), (0, 1), (1, 2), (0, 1)])
+    t10 = (1/(L*n_batch)) * t1
+    t11 = oe.contract('abc,cd,abd,abd,dc,abc->cab', t3, W_2, t5, A, t9, t3, optimize=[(2, 3), (1, 2), (0, 1), (0, 1), (0, 1)])
+    t12 = oe.contract('abc,acb->bac', t10, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t11, t12, optimize=[(0, 1)])
+    t13 = (-1/(L*n_batch)) * t1
+    t14 = oe.contract('abc,cd,abd,abd,abe,ec,abc->cab', t3, W_2, t5, A, A, t9, t3, optimize=[(2, 3), (0, 4), (1, 2), (2, 3), (0, 1), (0, 1)])
+    t15 = oe.contract('abc,acb->bac', t13, X, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dbc->da', t14, t15, optimize=[(0, 1)])
     return out
 
 
@@ -1935,8 +2058,14 @@ def ce_bias0_residual0__block__W_1__W_1__full(X, W_1, W_2, Y):
     t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = W_2.transpose(-1, -2)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,ef,acf,acg->bdgf', t1, t3, W_2, t5, A, t9, t3, X, optimize=[(3, 4), (0, 1), (0, 1), (2, 4), (0, 3), (1, 2), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,acf,fg,acg,ach->bdhg', t1, t3, W_2, t5, A, A, t9, t3, X, optimize=[(3, 4), (3, 4), (3, 6), (2, 4), (1, 4), (0, 3), (0, 1), (0, 1)])
+    t10 = (1/(L*n_batch)) * t1
+    t11 = oe.contract('abc,acd,de,ace,ace,ef,acf->bdfac', t10, t3, W_2, t5, A, t9, t3, optimize=[(3, 4), (2, 3), (3, 4), (0, 1), (0, 1), (0, 1)])
+    t12 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t0[...] = oe.contract('abcde,fde->abfc', t11, t12, optimize=[(0, 1)])
+    t13 = (-1/(L*n_batch)) * t1
+    t14 = oe.contract('abc,cd,abd,abe->edab', A, t9, t3, X, optimize=[(0, 1), (0, 2), (0, 1)])
+    t15 = oe.contract('abc,acd,de,ace,ace->bdac', t13, t3, W_2, t5, A, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)])
+    t0 += oe.contract('abcd,efcd->efab', t14, t15, optimize=[(0, 1)])
     return out
 
 
@@ -1978,18 +2107,25 @@ def ce_bias0_residual0__block__W_1__W_2__full(X, W_1, W_2, Y):
     t7 = t6 @ W_2
     t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
     A = t8 / t8.sum(-1, keepdim=True)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,acf->bdfe', t1, t3, W_2, t5, A, t6, optimize=[(3, 4), (0, 1), (1, 2), (1, 2), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,acf,acg->bdgf', t1, t3, W_2, t5, A, A, t6, optimize=[(3, 4), (2, 5), (1, 4), (0, 3), (0, 1), (0, 1)])
-    t9 = t0.diagonal(0, 1, 2)
+    t9 = (1/(L*n_batch)) * t1
+    t0[...] = oe.contract('abc,acd,de,ace,ace,acf->bdfe', t9, t3, W_2, t5, A, t6, optimize=[(3, 4), (0, 1), (1, 2), (1, 2), (0, 1)])
+    t10 = (-1/(L*n_batch)) * t1
+    t11 = oe.contract('abc,abd->dcab', A, t6, optimize=[(0, 1)])
+    t12 = oe.contract('abc,acd,de,ace,ace->bdac', t10, t3, W_2, t5, A, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)])
+    t0 += oe.contract('abcd,efcd->efab', t11, t12, optimize=[(0, 1)])
+    t13 = t0.diagonal(0, 1, 2)
     F = t7
-    t10 = torch.exp(F - F.amax(-1, keepdim=True))
-    A11 = t10 / t10.sum(-1, keepdim=True)
-    t12 = t5 * A11
-    t13 = (1/L) * t12
-    t14 = (-1/L) * Y
-    t15 = t13 + t14
-    G = t15
-    t9 += (1/n_batch) * oe.contract('abc,acd,ace->bed', t1, t3, G, optimize=[(0, 1), (0, 1)])
+    t14 = torch.exp(F - F.amax(-1, keepdim=True))
+    A15 = t14 / t14.sum(-1, keepdim=True)
+    t16 = t5 * A15
+    t17 = (1/L) * t16
+    t18 = (-1/L) * Y
+    t19 = t17 + t18
+    G = t19
+    t20 = (1/n_batch) * t1
+    t21 = oe.contract('abc,acd->bdac', t20, t3, optimize=[(0, 1)])
+    t22 = oe.contract('abc->cab', G, optimize=[(0,)])
+    t13 += oe.contract('abcd,ecd->aeb', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -2040,8 +2176,12 @@ def ce_bias0_residual0__diag__W_2__full(X, W_1, W_2, Y):
     t9 = t8 @ W_2
     t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
     A = t10 / t10.sum(-1, keepdim=True)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,acb->bd', t4, t6, A, t8, optimize=[(0, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->bd', t4, t6, A, A, t8, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t11 = (1/(L*n_batch)) * t4
+    t12 = oe.contract('abc,abc->cab', t6, A, optimize=[(0, 1)])
+    t13 = oe.contract('abc,acb->bac', t11, t8, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t12, t13, optimize=[(0, 1)])
+    t14 = (-1/(L*n_batch)) * t4
+    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t14, t6, A, A, t8, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -2086,20 +2226,27 @@ def ce_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
     A = t10 / t10.sum(-1, keepdim=True)
     t11 = W_2.transpose(-1, -2)
     t12 = torch.heaviside(t7, torch.full_like(t7, 0.0))
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,de,ace,acf->bdfe', t4, t6, A, t11, t12, X, optimize=[(1, 2), (0, 2), (1, 2), (1, 2), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acf,acg->bdgf', t4, t6, A, A, t11, t12, X, optimize=[(1, 2), (1, 2), (1, 4), (1, 3), (0, 2), (0, 1)])
-    t13 = t0.diagonal(0, 0, 3)
+    t13 = (1/(L*n_batch)) * t4
+    t0[...] = oe.contract('abc,acd,acd,de,ace,acf->bdfe', t13, t6, A, t11, t12, X, optimize=[(1, 2), (0, 2), (1, 2), (1, 2), (0, 1)])
+    t14 = (-1/(L*n_batch)) * t4
+    t15 = oe.contract('abc,acd,de,ace,acf->bfeac', t14, A, t11, t12, X, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t16 = oe.contract('abc,abc->cab', t6, A, optimize=[(0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t15, t16, optimize=[(0, 1)])
+    t17 = t0.diagonal(0, 0, 3)
     F = t9
-    t14 = torch.exp(F - F.amax(-1, keepdim=True))
-    A15 = t14 / t14.sum(-1, keepdim=True)
-    t16 = t6 * A15
-    t17 = (1/L) * t16
-    t18 = (-1/L) * Y
-    t19 = t17 + t18
-    G = t19
-    t20 = G.transpose(-1, -2)
-    t21 = torch.heaviside(t3, torch.full_like(t3, 0.0))
-    t13 += (1/n_batch) * oe.contract('abc,adc,ace->bed', t20, t21, X, optimize=[(0, 1), (0, 1)])
+    t18 = torch.exp(F - F.amax(-1, keepdim=True))
+    A19 = t18 / t18.sum(-1, keepdim=True)
+    t20 = t6 * A19
+    t21 = (1/L) * t20
+    t22 = (-1/L) * Y
+    t23 = t21 + t22
+    G = t23
+    t24 = G.transpose(-1, -2)
+    t25 = torch.heaviside(t3, torch.full_like(t3, 0.0))
+    t26 = (1/n_batch) * t24
+    t27 = oe.contract('abc,adc->bdac', t26, t25, optimize=[(0, 1)])
+    t28 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t17 += oe.contract('abcd,ecd->aeb', t27, t28, optimize=[(0, 1)])
     return out
 
 
@@ -2158,8 +2305,14 @@ def ce_bias0_residual0__block__W_2__W_2__full(X, W_1, W_2, Y):
     t10 = t9 @ W_2
     t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
     A = t11 / t11.sum(-1, keepdim=True)
-    t1 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bed', t5, t7, A, t9, optimize=[(1, 2), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t5, t7, A, A, t9, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t12 = (1/(L*n_batch)) * t5
+    t13 = oe.contract('abc,abc->cab', t7, A, optimize=[(0, 1)])
+    t14 = oe.contract('abc,acd->bdac', t12, t9, optimize=[(0, 1)])
+    t1 += oe.contract('abc,debc->dea', t13, t14, optimize=[(0, 1)])
+    t15 = (-1/(L*n_batch)) * t5
+    t16 = oe.contract('abc,acd->bdac', t15, A, optimize=[(0, 1)])
+    t17 = oe.contract('abc,abc,abd->cdab', t7, A, t9, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t16, t17, optimize=[(0, 1)])
     return out
 
 

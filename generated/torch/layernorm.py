@@ -108,25 +108,43 @@ def mse__hessian__outer(X, Y):
     sigma2_Z = t11
     t12 = (-0.5 * (sigma2_Z ** -1.5))
     t13 = t12 * M_Z
-    t2 += (8/(L*d_V**3)) * oe.contract('ab,bc,ac,ac,cd,ad->bda', M_Z, t7, t13, t13, t7, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 1), (0, 1)])
-    t2 += (-8/(L*d_V**4)) * oe.contract('ab,bc,ac,ac,cd,ad,de->bea', M_Z, t7, t13, t13, t7, M_Z, t7, optimize=[(2, 3), (2, 3), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t14 = (sigma2_Z ** -0.5)
-    P_Z = t14
-    t2 += (4/(L*d_V**2)) * oe.contract('ab,bc,ac,ac->bca', M_Z, t7, t13, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t2 += (-4/(L*d_V**3)) * oe.contract('ab,bc,ac,ac,cd->bda', M_Z, t7, t13, P_Z, t7, optimize=[(2, 3), (1, 3), (1, 2), (0, 1)])
-    t2 += (4/(L*d_V**2)) * oe.contract('ab,ab,bc,ac->bca', P_Z, t13, t7, M_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t2 += (-4/(L*d_V**3)) * oe.contract('ab,ab,bc,ac,cd->bda', P_Z, t13, t7, M_Z, t7, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
-    t15 = t1.diagonal(0, 0, 2).diagonal(0, 0, 1)
-    t15 += (2/(L*d_V)) * oe.contract('ab,ab->ab', P_Z, P_Z, optimize=[(0, 1)])
-    t2 += (-2/(L*d_V**2)) * oe.contract('ab,ab,bc->bca', P_Z, P_Z, t7, optimize=[(0, 1), (0, 1)])
-    t2 += (-8/(L*d_V**4)) * oe.contract('ab,cb,bd,cd,cd,de,ce->aec', t7, M_Z, t7, t13, t13, t7, M_Z, optimize=[(3, 4), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
-    t2 += (8/(L*d_V**5)) * oe.contract('ab,cb,bd,cd,cd,de,ce,ef->afc', t7, M_Z, t7, t13, t13, t7, M_Z, t7, optimize=[(3, 4), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
-    t2 += (-4/(L*d_V**3)) * oe.contract('ab,cb,bd,cd,cd->adc', t7, M_Z, t7, t13, P_Z, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
-    t2 += (4/(L*d_V**4)) * oe.contract('ab,cb,bd,cd,cd,de->aec', t7, M_Z, t7, t13, P_Z, t7, optimize=[(3, 4), (0, 1), (0, 3), (1, 2), (0, 1)])
-    t2 += (-4/(L*d_V**3)) * oe.contract('ab,cb,cb,bd,cd->adc', t7, P_Z, t13, t7, M_Z, optimize=[(1, 2), (0, 3), (0, 2), (0, 1)])
-    t2 += (4/(L*d_V**4)) * oe.contract('ab,cb,cb,bd,cd,de->aec', t7, P_Z, t13, t7, M_Z, t7, optimize=[(1, 2), (1, 2), (1, 3), (1, 2), (0, 1)])
-    t2 += (-2/(L*d_V**2)) * oe.contract('ab,cb,cb->abc', t7, P_Z, P_Z, optimize=[(1, 2), (0, 1)])
-    t2 += (2/(L*d_V**3)) * oe.contract('ab,cb,cb,bd->adc', t7, P_Z, P_Z, t7, optimize=[(1, 2), (0, 1), (0, 1)])
+    t14 = (8/(L*d_V**3)) * M_Z
+    t2 += oe.contract('ab,bc,ac,ac,cd,ad->bda', t14, t7, t13, t13, t7, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 1), (0, 1)])
+    t15 = (-8/(L*d_V**4)) * M_Z
+    t2 += oe.contract('ab,bc,ac,ac,cd,ad,de->bea', t15, t7, t13, t13, t7, M_Z, t7, optimize=[(2, 3), (2, 3), (2, 4), (2, 3), (1, 2), (0, 1)])
+    t16 = (sigma2_Z ** -0.5)
+    P_Z = t16
+    t17 = (4/(L*d_V**2)) * M_Z
+    t2 += oe.contract('ab,bc,ac,ac->bca', t17, t7, t13, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
+    t18 = (-4/(L*d_V**3)) * M_Z
+    t2 += oe.contract('ab,bc,ac,ac,cd->bda', t18, t7, t13, P_Z, t7, optimize=[(2, 3), (1, 3), (1, 2), (0, 1)])
+    t19 = (4/(L*d_V**2)) * P_Z
+    t2 += oe.contract('ab,ab,bc,ac->bca', t19, t13, t7, M_Z, optimize=[(0, 1), (0, 1), (0, 1)])
+    t20 = (-4/(L*d_V**3)) * P_Z
+    t2 += oe.contract('ab,ab,bc,ac,cd->bda', t20, t13, t7, M_Z, t7, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
+    t21 = t1.diagonal(0, 0, 2).diagonal(0, 0, 1)
+    t22 = (2/(L*d_V)) * P_Z
+    t21 += oe.contract('ab,ab->ab', t22, P_Z, optimize=[(0, 1)])
+    t23 = (-2/(L*d_V**2)) * P_Z
+    t2 += oe.contract('ab,ab,bc->bca', t23, P_Z, t7, optimize=[(0, 1), (0, 1)])
+    t2 += oe.contract('ab,cb,bd,cd,cd,de,ce->aec', t7, t15, t7, t13, t13, t7, M_Z, optimize=[(3, 4), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
+    t24 = (8/(L*d_V**5)) * M_Z
+    t25 = oe.contract('ab,cb,bd,cd,cd,de,ce->ace', t7, t24, t7, t13, t13, t7, M_Z, optimize=[(3, 4), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
+    t26 = oe.contract('ab->ba', t7, optimize=[(0,)])
+    t2 += oe.contract('abc,dc->adb', t25, t26, optimize=[(0, 1)])
+    t2 += oe.contract('ab,cb,bd,cd,cd->adc', t7, t18, t7, t13, P_Z, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
+    t27 = (4/(L*d_V**4)) * M_Z
+    t28 = oe.contract('ab,cb,bd,cd,cd->acd', t7, t27, t7, t13, P_Z, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
+    t2 += oe.contract('abc,dc->adb', t28, t26, optimize=[(0, 1)])
+    t2 += oe.contract('ab,cb,cb,bd,cd->adc', t7, t20, t13, t7, M_Z, optimize=[(1, 2), (0, 3), (0, 2), (0, 1)])
+    t29 = (4/(L*d_V**4)) * P_Z
+    t30 = oe.contract('ab,ab,bc,ac,cd->dab', t29, t13, t7, M_Z, t7, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
+    t2 += oe.contract('abc,dc->dab', t30, t7, optimize=[(0, 1)])
+    t2 += oe.contract('ab,cb,cb->abc', t7, t23, P_Z, optimize=[(1, 2), (0, 1)])
+    t31 = (2/(L*d_V**3)) * P_Z
+    t32 = oe.contract('ab,ab->ab', t31, P_Z, optimize=[(0, 1)])
+    t33 = oe.contract('ab,bc->acb', t7, t7, optimize=[(0, 1)])
+    t2 += oe.contract('ab,cdb->cda', t32, t33, optimize=[(0, 1)])
     return H
 
 
@@ -220,24 +238,36 @@ def mse__diag__X__outer(X, Y):
     sigma2_Z = t9
     t10 = (-0.5 * (sigma2_Z ** -1.5))
     t11 = t10 * M_Z
-    t0[...] = (8/(L*d_V**3)) * oe.contract('ab,bc,ac,ac,cb,ab->ab', M_Z, t5, t11, t11, t5, M_Z, optimize=[(2, 3), (1, 2), (0, 1), (0, 1), (0, 1)])
-    t0 += (-8/(L*d_V**4)) * oe.contract('ab,bc,ac,ac,cd,ad,db->ab', M_Z, t5, t11, t11, t5, M_Z, t5, optimize=[(2, 3), (2, 3), (2, 4), (1, 3), (1, 2), (0, 1)])
-    t12 = (sigma2_Z ** -0.5)
-    P_Z = t12
-    t0 += (4/(L*d_V**2)) * oe.contract('ab,bb,ab,ab->ab', M_Z, t5, t11, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (-4/(L*d_V**3)) * oe.contract('ab,bc,ac,ac,cb->ab', M_Z, t5, t11, P_Z, t5, optimize=[(2, 3), (1, 2), (1, 2), (0, 1)])
-    t0 += (4/(L*d_V**2)) * oe.contract('ab,ab,bb,ab->ab', P_Z, t11, t5, M_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (-4/(L*d_V**3)) * oe.contract('ab,ab,bc,ac,cb->ab', P_Z, t11, t5, M_Z, t5, optimize=[(0, 1), (0, 2), (0, 2), (0, 1)])
-    t0 += (2/(L*d_V)) * oe.contract('ab,ab->ab', P_Z, P_Z, optimize=[(0, 1)])
-    t0 += (-2/(L*d_V**2)) * oe.contract('ab,ab,bb->ab', P_Z, P_Z, t5, optimize=[(0, 1), (0, 1)])
-    t0 += (-8/(L*d_V**4)) * oe.contract('ab,cb,bd,cd,cd,da,ca->ca', t5, M_Z, t5, t11, t11, t5, M_Z, optimize=[(3, 4), (0, 1), (0, 4), (0, 3), (1, 2), (0, 1)])
-    t0 += (8/(L*d_V**5)) * oe.contract('ab,cb,bd,cd,cd,de,ce,ea->ca', t5, M_Z, t5, t11, t11, t5, M_Z, t5, optimize=[(3, 4), (0, 1), (0, 5), (3, 4), (0, 3), (1, 2), (0, 1)])
-    t0 += (-4/(L*d_V**3)) * oe.contract('ab,cb,ba,ca,ca->ca', t5, M_Z, t5, t11, P_Z, optimize=[(0, 2), (1, 2), (0, 1), (0, 1)])
-    t0 += (4/(L*d_V**4)) * oe.contract('ab,cb,bd,cd,cd,da->ca', t5, M_Z, t5, t11, P_Z, t5, optimize=[(3, 4), (0, 1), (0, 3), (0, 2), (0, 1)])
-    t0 += (-4/(L*d_V**3)) * oe.contract('ab,cb,cb,ba,ca->ca', t5, P_Z, t11, t5, M_Z, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
-    t0 += (4/(L*d_V**4)) * oe.contract('ab,cb,cb,bd,cd,da->ca', t5, P_Z, t11, t5, M_Z, t5, optimize=[(1, 2), (1, 2), (1, 3), (0, 2), (0, 1)])
-    t0 += (-2/(L*d_V**2)) * oe.contract('aa,ba,ba->ba', t5, P_Z, P_Z, optimize=[(0, 1), (0, 1)])
-    t0 += (2/(L*d_V**3)) * oe.contract('ab,cb,cb,ba->ca', t5, P_Z, P_Z, t5, optimize=[(0, 3), (0, 1), (0, 1)])
+    t12 = (8/(L*d_V**3)) * M_Z
+    t0[...] = oe.contract('ab,bc,ac,ac,cb,ab->ab', t12, t5, t11, t11, t5, M_Z, optimize=[(2, 3), (1, 2), (0, 1), (0, 1), (0, 1)])
+    t13 = (-8/(L*d_V**4)) * M_Z
+    t0 += oe.contract('ab,bc,ac,ac,cd,ad,db->ab', t13, t5, t11, t11, t5, M_Z, t5, optimize=[(2, 3), (2, 3), (2, 4), (1, 3), (1, 2), (0, 1)])
+    t14 = (sigma2_Z ** -0.5)
+    P_Z = t14
+    t15 = (4/(L*d_V**2)) * M_Z
+    t0 += oe.contract('ab,bb,ab,ab->ab', t15, t5, t11, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
+    t16 = (-4/(L*d_V**3)) * M_Z
+    t0 += oe.contract('ab,bc,ac,ac,cb->ab', t16, t5, t11, P_Z, t5, optimize=[(2, 3), (1, 2), (1, 2), (0, 1)])
+    t17 = (4/(L*d_V**2)) * P_Z
+    t0 += oe.contract('ab,ab,bb,ab->ab', t17, t11, t5, M_Z, optimize=[(0, 1), (0, 1), (0, 1)])
+    t18 = (-4/(L*d_V**3)) * P_Z
+    t0 += oe.contract('ab,ab,bc,ac,cb->ab', t18, t11, t5, M_Z, t5, optimize=[(0, 1), (0, 2), (0, 2), (0, 1)])
+    t19 = (2/(L*d_V)) * P_Z
+    t0 += oe.contract('ab,ab->ab', t19, P_Z, optimize=[(0, 1)])
+    t20 = (-2/(L*d_V**2)) * P_Z
+    t0 += oe.contract('ab,ab,bb->ab', t20, P_Z, t5, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('ab,cb,bd,cd,cd,da,ca->ca', t5, t13, t5, t11, t11, t5, M_Z, optimize=[(3, 4), (0, 1), (0, 4), (0, 3), (1, 2), (0, 1)])
+    t21 = (8/(L*d_V**5)) * M_Z
+    t0 += oe.contract('ab,cb,bd,cd,cd,de,ce,ea->ca', t5, t21, t5, t11, t11, t5, M_Z, t5, optimize=[(3, 4), (0, 1), (0, 5), (3, 4), (0, 3), (1, 2), (0, 1)])
+    t0 += oe.contract('ab,cb,ba,ca,ca->ca', t5, t16, t5, t11, P_Z, optimize=[(0, 2), (1, 2), (0, 1), (0, 1)])
+    t22 = (4/(L*d_V**4)) * M_Z
+    t0 += oe.contract('ab,cb,bd,cd,cd,da->ca', t5, t22, t5, t11, P_Z, t5, optimize=[(3, 4), (0, 1), (0, 3), (0, 2), (0, 1)])
+    t0 += oe.contract('ab,cb,cb,ba,ca->ca', t5, t18, t11, t5, M_Z, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
+    t23 = (4/(L*d_V**4)) * P_Z
+    t0 += oe.contract('ab,cb,cb,bd,cd,da->ca', t5, t23, t11, t5, M_Z, t5, optimize=[(1, 2), (1, 2), (1, 3), (0, 2), (0, 1)])
+    t0 += oe.contract('aa,ba,ba->ba', t5, t20, P_Z, optimize=[(0, 1), (0, 1)])
+    t24 = (2/(L*d_V**3)) * P_Z
+    t0 += oe.contract('ab,cb,cb,ba->ca', t5, t24, P_Z, t5, optimize=[(0, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -286,25 +316,43 @@ def mse__block__X__X__outer(X, Y):
     sigma2_Z = t10
     t11 = (-0.5 * (sigma2_Z ** -1.5))
     t12 = t11 * M_Z
-    t1 += (8/(L*d_V**3)) * oe.contract('ab,bc,ac,ac,cd,ad->bda', M_Z, t6, t12, t12, t6, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 1), (0, 1)])
-    t1 += (-8/(L*d_V**4)) * oe.contract('ab,bc,ac,ac,cd,ad,de->bea', M_Z, t6, t12, t12, t6, M_Z, t6, optimize=[(2, 3), (2, 3), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t13 = (sigma2_Z ** -0.5)
-    P_Z = t13
-    t1 += (4/(L*d_V**2)) * oe.contract('ab,bc,ac,ac->bca', M_Z, t6, t12, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += (-4/(L*d_V**3)) * oe.contract('ab,bc,ac,ac,cd->bda', M_Z, t6, t12, P_Z, t6, optimize=[(2, 3), (1, 3), (1, 2), (0, 1)])
-    t1 += (4/(L*d_V**2)) * oe.contract('ab,ab,bc,ac->bca', P_Z, t12, t6, M_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += (-4/(L*d_V**3)) * oe.contract('ab,ab,bc,ac,cd->bda', P_Z, t12, t6, M_Z, t6, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
-    t14 = t0.diagonal(0, 0, 2).diagonal(0, 0, 1)
-    t14 += (2/(L*d_V)) * oe.contract('ab,ab->ab', P_Z, P_Z, optimize=[(0, 1)])
-    t1 += (-2/(L*d_V**2)) * oe.contract('ab,ab,bc->bca', P_Z, P_Z, t6, optimize=[(0, 1), (0, 1)])
-    t1 += (-8/(L*d_V**4)) * oe.contract('ab,cb,bd,cd,cd,de,ce->aec', t6, M_Z, t6, t12, t12, t6, M_Z, optimize=[(3, 4), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
-    t1 += (8/(L*d_V**5)) * oe.contract('ab,cb,bd,cd,cd,de,ce,ef->afc', t6, M_Z, t6, t12, t12, t6, M_Z, t6, optimize=[(3, 4), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
-    t1 += (-4/(L*d_V**3)) * oe.contract('ab,cb,bd,cd,cd->adc', t6, M_Z, t6, t12, P_Z, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
-    t1 += (4/(L*d_V**4)) * oe.contract('ab,cb,bd,cd,cd,de->aec', t6, M_Z, t6, t12, P_Z, t6, optimize=[(3, 4), (0, 1), (0, 3), (1, 2), (0, 1)])
-    t1 += (-4/(L*d_V**3)) * oe.contract('ab,cb,cb,bd,cd->adc', t6, P_Z, t12, t6, M_Z, optimize=[(1, 2), (0, 3), (0, 2), (0, 1)])
-    t1 += (4/(L*d_V**4)) * oe.contract('ab,cb,cb,bd,cd,de->aec', t6, P_Z, t12, t6, M_Z, t6, optimize=[(1, 2), (1, 2), (1, 3), (1, 2), (0, 1)])
-    t1 += (-2/(L*d_V**2)) * oe.contract('ab,cb,cb->abc', t6, P_Z, P_Z, optimize=[(1, 2), (0, 1)])
-    t1 += (2/(L*d_V**3)) * oe.contract('ab,cb,cb,bd->adc', t6, P_Z, P_Z, t6, optimize=[(1, 2), (0, 1), (0, 1)])
+    t13 = (8/(L*d_V**3)) * M_Z
+    t1 += oe.contract('ab,bc,ac,ac,cd,ad->bda', t13, t6, t12, t12, t6, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 1), (0, 1)])
+    t14 = (-8/(L*d_V**4)) * M_Z
+    t1 += oe.contract('ab,bc,ac,ac,cd,ad,de->bea', t14, t6, t12, t12, t6, M_Z, t6, optimize=[(2, 3), (2, 3), (2, 4), (2, 3), (1, 2), (0, 1)])
+    t15 = (sigma2_Z ** -0.5)
+    P_Z = t15
+    t16 = (4/(L*d_V**2)) * M_Z
+    t1 += oe.contract('ab,bc,ac,ac->bca', t16, t6, t12, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
+    t17 = (-4/(L*d_V**3)) * M_Z
+    t1 += oe.contract('ab,bc,ac,ac,cd->bda', t17, t6, t12, P_Z, t6, optimize=[(2, 3), (1, 3), (1, 2), (0, 1)])
+    t18 = (4/(L*d_V**2)) * P_Z
+    t1 += oe.contract('ab,ab,bc,ac->bca', t18, t12, t6, M_Z, optimize=[(0, 1), (0, 1), (0, 1)])
+    t19 = (-4/(L*d_V**3)) * P_Z
+    t1 += oe.contract('ab,ab,bc,ac,cd->bda', t19, t12, t6, M_Z, t6, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
+    t20 = t0.diagonal(0, 0, 2).diagonal(0, 0, 1)
+    t21 = (2/(L*d_V)) * P_Z
+    t20 += oe.contract('ab,ab->ab', t21, P_Z, optimize=[(0, 1)])
+    t22 = (-2/(L*d_V**2)) * P_Z
+    t1 += oe.contract('ab,ab,bc->bca', t22, P_Z, t6, optimize=[(0, 1), (0, 1)])
+    t1 += oe.contract('ab,cb,bd,cd,cd,de,ce->aec', t6, t14, t6, t12, t12, t6, M_Z, optimize=[(3, 4), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
+    t23 = (8/(L*d_V**5)) * M_Z
+    t24 = oe.contract('ab,cb,bd,cd,cd,de,ce->ace', t6, t23, t6, t12, t12, t6, M_Z, optimize=[(3, 4), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
+    t25 = oe.contract('ab->ba', t6, optimize=[(0,)])
+    t1 += oe.contract('abc,dc->adb', t24, t25, optimize=[(0, 1)])
+    t1 += oe.contract('ab,cb,bd,cd,cd->adc', t6, t17, t6, t12, P_Z, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
+    t26 = (4/(L*d_V**4)) * M_Z
+    t27 = oe.contract('ab,cb,bd,cd,cd->acd', t6, t26, t6, t12, P_Z, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t27, t25, optimize=[(0, 1)])
+    t1 += oe.contract('ab,cb,cb,bd,cd->adc', t6, t19, t12, t6, M_Z, optimize=[(1, 2), (0, 3), (0, 2), (0, 1)])
+    t28 = (4/(L*d_V**4)) * P_Z
+    t29 = oe.contract('ab,ab,bc,ac,cd->dab', t28, t12, t6, M_Z, t6, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->dab', t29, t6, optimize=[(0, 1)])
+    t1 += oe.contract('ab,cb,cb->abc', t6, t22, P_Z, optimize=[(1, 2), (0, 1)])
+    t30 = (2/(L*d_V**3)) * P_Z
+    t31 = oe.contract('ab,ab->ab', t30, P_Z, optimize=[(0, 1)])
+    t32 = oe.contract('ab,bc->acb', t6, t6, optimize=[(0, 1)])
+    t1 += oe.contract('ab,cdb->cda', t31, t32, optimize=[(0, 1)])
     return out
 
 
@@ -365,28 +413,42 @@ def mse__hessian__functional(X, Y):
     G = t16
     t17 = t11 * G
     t18 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
-    t2 += (2/(d_V*n_batch)) * oe.contract('abc,cd,bd->cdb', t17, t18, M_Z, optimize=[(0, 1), (0, 1)])
-    t2 += (-2/(d_V**2*n_batch)) * oe.contract('abc,cd,bd,de->ceb', t17, t18, M_Z, t18, optimize=[(0, 1), (0, 1), (0, 1)])
-    t19 = t1.diagonal(0, 0, 2).diagonal(0, 0, 1)
-    t20 = t11 * G * M_Z
-    t21 = t20.sum(-1, keepdim=True)
-    t22 = t21.expand(*t21.shape[:-1], d_V)
-    t19 += (2/(d_V*n_batch)) * oe.contract('abc->bc', t22, optimize=[(0,)])
-    t2 += (-2/(d_V**2*n_batch)) * oe.contract('abc,cd->cdb', t22, t18, optimize=[(0, 1)])
-    t23 = (0.75 * (sigma2_Z ** -2.5))
-    t24 = t23 * G * M_Z
-    t2 += (4/(d_V**2*n_batch)) * oe.contract('ab,bc,dac,ce,ae->bea', M_Z, t18, t24, t18, M_Z, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
-    t2 += (-4/(d_V**3*n_batch)) * oe.contract('ab,bc,dac,ce,ae,ef->bfa', M_Z, t18, t24, t18, M_Z, t18, optimize=[(1, 2), (1, 4), (1, 3), (1, 2), (0, 1)])
-    t2 += (2/(d_V*n_batch)) * oe.contract('ab,bc,dac->bca', M_Z, t18, t17, optimize=[(0, 1), (0, 1)])
-    t2 += (-2/(d_V**2*n_batch)) * oe.contract('ab,bc,dac,ce->bea', M_Z, t18, t17, t18, optimize=[(2, 3), (0, 2), (0, 1)])
-    t2 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cdb,be,de->aed', t18, t17, t18, M_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t2 += (2/(d_V**3*n_batch)) * oe.contract('ab,cdb,be,de,ef->afd', t18, t17, t18, M_Z, t18, optimize=[(0, 1), (0, 3), (0, 2), (0, 1)])
-    t2 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cdb->abd', t18, t22, optimize=[(0, 1)])
-    t2 += (2/(d_V**3*n_batch)) * oe.contract('ab,cdb,be->aed', t18, t22, t18, optimize=[(0, 1), (0, 1)])
-    t2 += (-4/(d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,df,cf->afc', t18, M_Z, t18, t24, t18, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t2 += (4/(d_V**4*n_batch)) * oe.contract('ab,cb,bd,ecd,df,cf,fg->agc', t18, M_Z, t18, t24, t18, M_Z, t18, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
-    t2 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cb,bd,ecd->adc', t18, M_Z, t18, t17, optimize=[(0, 1), (0, 1), (0, 1)])
-    t2 += (2/(d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,df->afc', t18, M_Z, t18, t17, t18, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)])
+    t19 = (2/(d_V*n_batch)) * M_Z
+    t2 += oe.contract('abc,cd,bd->cdb', t17, t18, t19, optimize=[(0, 1), (0, 1)])
+    t20 = (-2/(d_V**2*n_batch)) * M_Z
+    t2 += oe.contract('abc,cd,bd,de->ceb', t17, t18, t20, t18, optimize=[(0, 1), (0, 1), (0, 1)])
+    t21 = t1.diagonal(0, 0, 2).diagonal(0, 0, 1)
+    t22 = t11 * G * M_Z
+    t23 = t22.sum(-1, keepdim=True)
+    t24 = t23.expand(*t23.shape[:-1], d_V)
+    t21 += (2/(d_V*n_batch)) * oe.contract('abc->bc', t24, optimize=[(0,)])
+    t25 = (-2/(d_V**2*n_batch)) * t24
+    t2 += oe.contract('abc,cd->cdb', t25, t18, optimize=[(0, 1)])
+    t26 = (0.75 * (sigma2_Z ** -2.5))
+    t27 = t26 * G * M_Z
+    t28 = (4/(d_V**2*n_batch)) * M_Z
+    t2 += oe.contract('ab,bc,dac,ce,ae->bea', t28, t18, t27, t18, M_Z, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t29 = (-4/(d_V**3*n_batch)) * M_Z
+    t2 += oe.contract('ab,bc,dac,ce,ae,ef->bfa', t29, t18, t27, t18, M_Z, t18, optimize=[(1, 2), (1, 4), (1, 3), (1, 2), (0, 1)])
+    t2 += oe.contract('ab,bc,dac->bca', t19, t18, t17, optimize=[(0, 1), (0, 1)])
+    t2 += oe.contract('ab,bc,dac,ce->bea', t20, t18, t17, t18, optimize=[(2, 3), (0, 2), (0, 1)])
+    t2 += oe.contract('ab,cdb,be,de->aed', t18, t17, t18, t20, optimize=[(0, 1), (0, 1), (0, 1)])
+    t30 = (2/(d_V**3*n_batch)) * M_Z
+    t31 = oe.contract('ab,cdb,be,de->ade', t18, t17, t18, t30, optimize=[(0, 1), (0, 1), (0, 1)])
+    t32 = oe.contract('ab->ba', t18, optimize=[(0,)])
+    t2 += oe.contract('abc,dc->adb', t31, t32, optimize=[(0, 1)])
+    t33 = (-2/(d_V**2*n_batch)) * t18
+    t2 += oe.contract('ab,cdb->abd', t33, t24, optimize=[(0, 1)])
+    t34 = (2/(d_V**3*n_batch)) * t18
+    t35 = oe.contract('ab,cdb->adb', t34, t24, optimize=[(0, 1)])
+    t2 += oe.contract('abc,dc->adb', t35, t32, optimize=[(0, 1)])
+    t2 += oe.contract('ab,cb,bd,ecd,df,cf->afc', t18, t29, t18, t27, t18, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
+    t36 = (4/(d_V**4*n_batch)) * M_Z
+    t37 = oe.contract('ab,cb,bd,ecd,df,cf->acf', t18, t36, t18, t27, t18, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
+    t2 += oe.contract('abc,dc->adb', t37, t32, optimize=[(0, 1)])
+    t2 += oe.contract('ab,cb,bd,ecd->adc', t18, t20, t18, t17, optimize=[(0, 1), (0, 1), (0, 1)])
+    t38 = oe.contract('ab,bc,dac,ce->eab', t30, t18, t17, t18, optimize=[(2, 3), (0, 2), (0, 1)])
+    t2 += oe.contract('abc,dc->dab', t38, t18, optimize=[(0, 1)])
     return H
 
 
@@ -514,27 +576,36 @@ def mse__diag__X__functional(X, Y):
     G = t14
     t15 = t9 * G
     t16 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
-    t0[...] = (2/(d_V*n_batch)) * oe.contract('abc,cc,bc->bc', t15, t16, M_Z, optimize=[(0, 1), (0, 1)])
-    t0 += (-2/(d_V**2*n_batch)) * oe.contract('abc,cd,bd,dc->bc', t15, t16, M_Z, t16, optimize=[(1, 2), (1, 2), (0, 1)])
-    t17 = t9 * G * M_Z
-    t18 = t17.sum(-1, keepdim=True)
-    t19 = t18.expand(*t18.shape[:-1], d_V)
-    t0 += (2/(d_V*n_batch)) * oe.contract('abc->bc', t19, optimize=[(0,)])
-    t0 += (-2/(d_V**2*n_batch)) * oe.contract('abc,cc->bc', t19, t16, optimize=[(0, 1)])
-    t20 = (0.75 * (sigma2_Z ** -2.5))
-    t21 = t20 * G * M_Z
-    t0 += (4/(d_V**2*n_batch)) * oe.contract('ab,bc,dac,cb,ab->ab', M_Z, t16, t21, t16, M_Z, optimize=[(1, 3), (0, 2), (0, 1), (0, 1)])
-    t0 += (-4/(d_V**3*n_batch)) * oe.contract('ab,bc,dac,ce,ae,eb->ab', M_Z, t16, t21, t16, M_Z, t16, optimize=[(1, 2), (1, 4), (2, 3), (1, 2), (0, 1)])
-    t0 += (2/(d_V*n_batch)) * oe.contract('ab,bb,cab->ab', M_Z, t16, t15, optimize=[(0, 1), (0, 1)])
-    t0 += (-2/(d_V**2*n_batch)) * oe.contract('ab,bc,dac,cb->ab', M_Z, t16, t15, t16, optimize=[(1, 3), (0, 2), (0, 1)])
-    t0 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cdb,ba,da->da', t16, t15, t16, M_Z, optimize=[(0, 1), (0, 2), (0, 1)])
-    t0 += (2/(d_V**3*n_batch)) * oe.contract('ab,cdb,be,de,ea->da', t16, t15, t16, M_Z, t16, optimize=[(0, 1), (0, 3), (1, 2), (0, 1)])
-    t0 += (-2/(d_V**2*n_batch)) * oe.contract('aa,bca->ca', t16, t19, optimize=[(0, 1)])
-    t0 += (2/(d_V**3*n_batch)) * oe.contract('ab,cdb,ba->da', t16, t19, t16, optimize=[(0, 1), (0, 1)])
-    t0 += (-4/(d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,da,ca->ca', t16, M_Z, t16, t21, t16, M_Z, optimize=[(2, 3), (2, 4), (0, 3), (0, 2), (0, 1)])
-    t0 += (4/(d_V**4*n_batch)) * oe.contract('ab,cb,bd,ecd,df,cf,fa->ca', t16, M_Z, t16, t21, t16, M_Z, t16, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (1, 2), (0, 1)])
-    t0 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cb,ba,dca->ca', t16, M_Z, t16, t15, optimize=[(0, 2), (0, 2), (0, 1)])
-    t0 += (2/(d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,da->ca', t16, M_Z, t16, t15, t16, optimize=[(2, 3), (2, 3), (0, 2), (0, 1)])
+    t17 = (2/(d_V*n_batch)) * M_Z
+    t0[...] = oe.contract('abc,cc,bc->bc', t15, t16, t17, optimize=[(0, 1), (0, 1)])
+    t18 = (-2/(d_V**2*n_batch)) * M_Z
+    t0 += oe.contract('abc,cd,bd,dc->bc', t15, t16, t18, t16, optimize=[(1, 2), (1, 2), (0, 1)])
+    t19 = t9 * G * M_Z
+    t20 = t19.sum(-1, keepdim=True)
+    t21 = t20.expand(*t20.shape[:-1], d_V)
+    t0 += (2/(d_V*n_batch)) * oe.contract('abc->bc', t21, optimize=[(0,)])
+    t22 = (-2/(d_V**2*n_batch)) * t21
+    t0 += oe.contract('abc,cc->bc', t22, t16, optimize=[(0, 1)])
+    t23 = (0.75 * (sigma2_Z ** -2.5))
+    t24 = t23 * G * M_Z
+    t25 = (4/(d_V**2*n_batch)) * M_Z
+    t0 += oe.contract('ab,bc,dac,cb,ab->ab', t25, t16, t24, t16, M_Z, optimize=[(1, 3), (0, 2), (0, 1), (0, 1)])
+    t26 = (-4/(d_V**3*n_batch)) * M_Z
+    t0 += oe.contract('ab,bc,dac,ce,ae,eb->ab', t26, t16, t24, t16, M_Z, t16, optimize=[(1, 2), (1, 4), (2, 3), (1, 2), (0, 1)])
+    t0 += oe.contract('ab,bb,cab->ab', t17, t16, t15, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('ab,bc,dac,cb->ab', t18, t16, t15, t16, optimize=[(1, 3), (0, 2), (0, 1)])
+    t0 += oe.contract('ab,cdb,ba,da->da', t16, t15, t16, t18, optimize=[(0, 1), (0, 2), (0, 1)])
+    t27 = (2/(d_V**3*n_batch)) * M_Z
+    t0 += oe.contract('ab,cdb,be,de,ea->da', t16, t15, t16, t27, t16, optimize=[(0, 1), (0, 3), (1, 2), (0, 1)])
+    t28 = (-2/(d_V**2*n_batch)) * t16
+    t0 += oe.contract('aa,bca->ca', t28, t21, optimize=[(0, 1)])
+    t29 = (2/(d_V**3*n_batch)) * t16
+    t0 += oe.contract('ab,cdb,ba->da', t29, t21, t16, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('ab,cb,bd,ecd,da,ca->ca', t16, t26, t16, t24, t16, M_Z, optimize=[(2, 3), (2, 4), (0, 3), (0, 2), (0, 1)])
+    t30 = (4/(d_V**4*n_batch)) * M_Z
+    t0 += oe.contract('ab,cb,bd,ecd,df,cf,fa->ca', t16, t30, t16, t24, t16, M_Z, t16, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (1, 2), (0, 1)])
+    t0 += oe.contract('ab,cb,ba,dca->ca', t16, t18, t16, t15, optimize=[(0, 2), (0, 2), (0, 1)])
+    t0 += oe.contract('ab,cb,bd,ecd,da->ca', t16, t27, t16, t15, t16, optimize=[(2, 3), (2, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -604,28 +675,42 @@ def mse__block__X__X__functional(X, Y):
     G = t15
     t16 = t10 * G
     t17 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
-    t1 += (2/(d_V*n_batch)) * oe.contract('abc,cd,bd->cdb', t16, t17, M_Z, optimize=[(0, 1), (0, 1)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('abc,cd,bd,de->ceb', t16, t17, M_Z, t17, optimize=[(0, 1), (0, 1), (0, 1)])
-    t18 = t0.diagonal(0, 0, 2).diagonal(0, 0, 1)
-    t19 = t10 * G * M_Z
-    t20 = t19.sum(-1, keepdim=True)
-    t21 = t20.expand(*t20.shape[:-1], d_V)
-    t18 += (2/(d_V*n_batch)) * oe.contract('abc->bc', t21, optimize=[(0,)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('abc,cd->cdb', t21, t17, optimize=[(0, 1)])
-    t22 = (0.75 * (sigma2_Z ** -2.5))
-    t23 = t22 * G * M_Z
-    t1 += (4/(d_V**2*n_batch)) * oe.contract('ab,bc,dac,ce,ae->bea', M_Z, t17, t23, t17, M_Z, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
-    t1 += (-4/(d_V**3*n_batch)) * oe.contract('ab,bc,dac,ce,ae,ef->bfa', M_Z, t17, t23, t17, M_Z, t17, optimize=[(1, 2), (1, 4), (1, 3), (1, 2), (0, 1)])
-    t1 += (2/(d_V*n_batch)) * oe.contract('ab,bc,dac->bca', M_Z, t17, t16, optimize=[(0, 1), (0, 1)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('ab,bc,dac,ce->bea', M_Z, t17, t16, t17, optimize=[(2, 3), (0, 2), (0, 1)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cdb,be,de->aed', t17, t16, t17, M_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += (2/(d_V**3*n_batch)) * oe.contract('ab,cdb,be,de,ef->afd', t17, t16, t17, M_Z, t17, optimize=[(0, 1), (0, 3), (0, 2), (0, 1)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cdb->abd', t17, t21, optimize=[(0, 1)])
-    t1 += (2/(d_V**3*n_batch)) * oe.contract('ab,cdb,be->aed', t17, t21, t17, optimize=[(0, 1), (0, 1)])
-    t1 += (-4/(d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,df,cf->afc', t17, M_Z, t17, t23, t17, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t1 += (4/(d_V**4*n_batch)) * oe.contract('ab,cb,bd,ecd,df,cf,fg->agc', t17, M_Z, t17, t23, t17, M_Z, t17, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cb,bd,ecd->adc', t17, M_Z, t17, t16, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += (2/(d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,df->afc', t17, M_Z, t17, t16, t17, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)])
+    t18 = (2/(d_V*n_batch)) * M_Z
+    t1 += oe.contract('abc,cd,bd->cdb', t16, t17, t18, optimize=[(0, 1), (0, 1)])
+    t19 = (-2/(d_V**2*n_batch)) * M_Z
+    t1 += oe.contract('abc,cd,bd,de->ceb', t16, t17, t19, t17, optimize=[(0, 1), (0, 1), (0, 1)])
+    t20 = t0.diagonal(0, 0, 2).diagonal(0, 0, 1)
+    t21 = t10 * G * M_Z
+    t22 = t21.sum(-1, keepdim=True)
+    t23 = t22.expand(*t22.shape[:-1], d_V)
+    t20 += (2/(d_V*n_batch)) * oe.contract('abc->bc', t23, optimize=[(0,)])
+    t24 = (-2/(d_V**2*n_batch)) * t23
+    t1 += oe.contract('abc,cd->cdb', t24, t17, optimize=[(0, 1)])
+    t25 = (0.75 * (sigma2_Z ** -2.5))
+    t26 = t25 * G * M_Z
+    t27 = (4/(d_V**2*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ce,ae->bea', t27, t17, t26, t17, M_Z, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t28 = (-4/(d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ce,ae,ef->bfa', t28, t17, t26, t17, M_Z, t17, optimize=[(1, 2), (1, 4), (1, 3), (1, 2), (0, 1)])
+    t1 += oe.contract('ab,bc,dac->bca', t18, t17, t16, optimize=[(0, 1), (0, 1)])
+    t1 += oe.contract('ab,bc,dac,ce->bea', t19, t17, t16, t17, optimize=[(2, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('ab,cdb,be,de->aed', t17, t16, t17, t19, optimize=[(0, 1), (0, 1), (0, 1)])
+    t29 = (2/(d_V**3*n_batch)) * M_Z
+    t30 = oe.contract('ab,cdb,be,de->ade', t17, t16, t17, t29, optimize=[(0, 1), (0, 1), (0, 1)])
+    t31 = oe.contract('ab->ba', t17, optimize=[(0,)])
+    t1 += oe.contract('abc,dc->adb', t30, t31, optimize=[(0, 1)])
+    t32 = (-2/(d_V**2*n_batch)) * t17
+    t1 += oe.contract('ab,cdb->abd', t32, t23, optimize=[(0, 1)])
+    t33 = (2/(d_V**3*n_batch)) * t17
+    t34 = oe.contract('ab,cdb->adb', t33, t23, optimize=[(0, 1)])
+    t1 += oe.contract('abc,dc->adb', t34, t31, optimize=[(0, 1)])
+    t1 += oe.contract('ab,cb,bd,ecd,df,cf->afc', t17, t28, t17, t26, t17, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
+    t35 = (4/(d_V**4*n_batch)) * M_Z
+    t36 = oe.contract('ab,cb,bd,ecd,df,cf->acf', t17, t35, t17, t26, t17, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t36, t31, optimize=[(0, 1)])
+    t1 += oe.contract('ab,cb,bd,ecd->adc', t17, t19, t17, t16, optimize=[(0, 1), (0, 1), (0, 1)])
+    t37 = oe.contract('ab,bc,dac,ce->eab', t29, t17, t16, t17, optimize=[(2, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->dab', t37, t17, optimize=[(0, 1)])
     return out
 
 
@@ -698,45 +783,76 @@ def mse__hessian__full(X, Y):
     G = t16
     t17 = t11 * G
     t18 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
-    t2 += (2/(d_V*n_batch)) * oe.contract('abc,cd,bd->cdb', t17, t18, M_Z, optimize=[(0, 1), (0, 1)])
-    t2 += (-2/(d_V**2*n_batch)) * oe.contract('abc,cd,bd,de->ceb', t17, t18, M_Z, t18, optimize=[(0, 1), (0, 1), (0, 1)])
-    t19 = t1.diagonal(0, 0, 2).diagonal(0, 0, 1)
-    t20 = t11 * G * M_Z
-    t21 = t20.sum(-1, keepdim=True)
-    t22 = t21.expand(*t21.shape[:-1], d_V)
-    t19 += (2/(d_V*n_batch)) * oe.contract('abc->bc', t22, optimize=[(0,)])
-    t2 += (-2/(d_V**2*n_batch)) * oe.contract('abc,cd->cdb', t22, t18, optimize=[(0, 1)])
-    t23 = (0.75 * (sigma2_Z ** -2.5))
-    t24 = t23 * G * M_Z
-    t2 += (4/(d_V**2*n_batch)) * oe.contract('ab,bc,dac,ce,ae->bea', M_Z, t18, t24, t18, M_Z, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
-    t2 += (-4/(d_V**3*n_batch)) * oe.contract('ab,bc,dac,ce,ae,ef->bfa', M_Z, t18, t24, t18, M_Z, t18, optimize=[(1, 2), (1, 4), (1, 3), (1, 2), (0, 1)])
-    t2 += (2/(d_V*n_batch)) * oe.contract('ab,bc,dac->bca', M_Z, t18, t17, optimize=[(0, 1), (0, 1)])
-    t2 += (-2/(d_V**2*n_batch)) * oe.contract('ab,bc,dac,ce->bea', M_Z, t18, t17, t18, optimize=[(2, 3), (0, 2), (0, 1)])
-    t25 = t11 * M_Z
-    t2 += (8/(L*d_V**3)) * oe.contract('ab,bc,ac,ac,cd,ad->bda', M_Z, t18, t25, t25, t18, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 1), (0, 1)])
-    t2 += (-8/(L*d_V**4)) * oe.contract('ab,bc,ac,ac,cd,ad,de->bea', M_Z, t18, t25, t25, t18, M_Z, t18, optimize=[(2, 3), (2, 3), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t2 += (4/(L*d_V**2)) * oe.contract('ab,bc,ac,ac->bca', M_Z, t18, t25, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t2 += (-4/(L*d_V**3)) * oe.contract('ab,bc,ac,ac,cd->bda', M_Z, t18, t25, P_Z, t18, optimize=[(2, 3), (1, 3), (1, 2), (0, 1)])
-    t2 += (4/(L*d_V**2)) * oe.contract('ab,ab,bc,ac->bca', P_Z, t25, t18, M_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t2 += (-4/(L*d_V**3)) * oe.contract('ab,ab,bc,ac,cd->bda', P_Z, t25, t18, M_Z, t18, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
-    t19 += (2/(L*d_V)) * oe.contract('ab,ab->ab', P_Z, P_Z, optimize=[(0, 1)])
-    t2 += (-2/(L*d_V**2)) * oe.contract('ab,ab,bc->bca', P_Z, P_Z, t18, optimize=[(0, 1), (0, 1)])
-    t2 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cdb,be,de->aed', t18, t17, t18, M_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t2 += (2/(d_V**3*n_batch)) * oe.contract('ab,cdb,be,de,ef->afd', t18, t17, t18, M_Z, t18, optimize=[(0, 1), (0, 3), (0, 2), (0, 1)])
-    t2 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cdb->abd', t18, t22, optimize=[(0, 1)])
-    t2 += (2/(d_V**3*n_batch)) * oe.contract('ab,cdb,be->aed', t18, t22, t18, optimize=[(0, 1), (0, 1)])
-    t2 += (-4/(d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,df,cf->afc', t18, M_Z, t18, t24, t18, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t2 += (4/(d_V**4*n_batch)) * oe.contract('ab,cb,bd,ecd,df,cf,fg->agc', t18, M_Z, t18, t24, t18, M_Z, t18, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
-    t2 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cb,bd,ecd->adc', t18, M_Z, t18, t17, optimize=[(0, 1), (0, 1), (0, 1)])
-    t2 += (2/(d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,df->afc', t18, M_Z, t18, t17, t18, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)])
-    t2 += (-8/(L*d_V**4)) * oe.contract('ab,cb,bd,cd,cd,de,ce->aec', t18, M_Z, t18, t25, t25, t18, M_Z, optimize=[(3, 4), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
-    t2 += (8/(L*d_V**5)) * oe.contract('ab,cb,bd,cd,cd,de,ce,ef->afc', t18, M_Z, t18, t25, t25, t18, M_Z, t18, optimize=[(3, 4), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
-    t2 += (-4/(L*d_V**3)) * oe.contract('ab,cb,bd,cd,cd->adc', t18, M_Z, t18, t25, P_Z, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
-    t2 += (4/(L*d_V**4)) * oe.contract('ab,cb,bd,cd,cd,de->aec', t18, M_Z, t18, t25, P_Z, t18, optimize=[(3, 4), (0, 1), (0, 3), (1, 2), (0, 1)])
-    t2 += (-4/(L*d_V**3)) * oe.contract('ab,cb,cb,bd,cd->adc', t18, P_Z, t25, t18, M_Z, optimize=[(1, 2), (0, 3), (0, 2), (0, 1)])
-    t2 += (4/(L*d_V**4)) * oe.contract('ab,cb,cb,bd,cd,de->aec', t18, P_Z, t25, t18, M_Z, t18, optimize=[(1, 2), (1, 2), (1, 3), (1, 2), (0, 1)])
-    t2 += (-2/(L*d_V**2)) * oe.contract('ab,cb,cb->abc', t18, P_Z, P_Z, optimize=[(1, 2), (0, 1)])
-    t2 += (2/(L*d_V**3)) * oe.contract('ab,cb,cb,bd->adc', t18, P_Z, P_Z, t18, optimize=[(1, 2), (0, 1), (0, 1)])
+    t19 = (2/(d_V*n_batch)) * M_Z
+    t2 += oe.contract('abc,cd,bd->cdb', t17, t18, t19, optimize=[(0, 1), (0, 1)])
+    t20 = (-2/(d_V**2*n_batch)) * M_Z
+    t2 += oe.contract('abc,cd,bd,de->ceb', t17, t18, t20, t18, optimize=[(0, 1), (0, 1), (0, 1)])
+    t21 = t1.diagonal(0, 0, 2).diagonal(0, 0, 1)
+    t22 = t11 * G * M_Z
+    t23 = t22.sum(-1, keepdim=True)
+    t24 = t23.expand(*t23.shape[:-1], d_V)
+    t21 += (2/(d_V*n_batch)) * oe.contract('abc->bc', t24, optimize=[(0,)])
+    t25 = (-2/(d_V**2*n_batch)) * t24
+    t2 += oe.contract('abc,cd->cdb', t25, t18, optimize=[(0, 1)])
+    t26 = (0.75 * (sigma2_Z ** -2.5))
+    t27 = t26 * G * M_Z
+    t28 = (4/(d_V**2*n_batch)) * M_Z
+    t2 += oe.contract('ab,bc,dac,ce,ae->bea', t28, t18, t27, t18, M_Z, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t29 = (-4/(d_V**3*n_batch)) * M_Z
+    t2 += oe.contract('ab,bc,dac,ce,ae,ef->bfa', t29, t18, t27, t18, M_Z, t18, optimize=[(1, 2), (1, 4), (1, 3), (1, 2), (0, 1)])
+    t2 += oe.contract('ab,bc,dac->bca', t19, t18, t17, optimize=[(0, 1), (0, 1)])
+    t2 += oe.contract('ab,bc,dac,ce->bea', t20, t18, t17, t18, optimize=[(2, 3), (0, 2), (0, 1)])
+    t30 = t11 * M_Z
+    t31 = (8/(L*d_V**3)) * M_Z
+    t2 += oe.contract('ab,bc,ac,ac,cd,ad->bda', t31, t18, t30, t30, t18, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 1), (0, 1)])
+    t32 = (-8/(L*d_V**4)) * M_Z
+    t2 += oe.contract('ab,bc,ac,ac,cd,ad,de->bea', t32, t18, t30, t30, t18, M_Z, t18, optimize=[(2, 3), (2, 3), (2, 4), (2, 3), (1, 2), (0, 1)])
+    t33 = (4/(L*d_V**2)) * M_Z
+    t2 += oe.contract('ab,bc,ac,ac->bca', t33, t18, t30, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
+    t34 = (-4/(L*d_V**3)) * M_Z
+    t2 += oe.contract('ab,bc,ac,ac,cd->bda', t34, t18, t30, P_Z, t18, optimize=[(2, 3), (1, 3), (1, 2), (0, 1)])
+    t35 = (4/(L*d_V**2)) * P_Z
+    t2 += oe.contract('ab,ab,bc,ac->bca', t35, t30, t18, M_Z, optimize=[(0, 1), (0, 1), (0, 1)])
+    t36 = (-4/(L*d_V**3)) * P_Z
+    t2 += oe.contract('ab,ab,bc,ac,cd->bda', t36, t30, t18, M_Z, t18, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
+    t37 = (2/(L*d_V)) * P_Z
+    t21 += oe.contract('ab,ab->ab', t37, P_Z, optimize=[(0, 1)])
+    t38 = (-2/(L*d_V**2)) * P_Z
+    t2 += oe.contract('ab,ab,bc->bca', t38, P_Z, t18, optimize=[(0, 1), (0, 1)])
+    t2 += oe.contract('ab,cdb,be,de->aed', t18, t17, t18, t20, optimize=[(0, 1), (0, 1), (0, 1)])
+    t39 = (2/(d_V**3*n_batch)) * M_Z
+    t40 = oe.contract('ab,cdb,be,de->ade', t18, t17, t18, t39, optimize=[(0, 1), (0, 1), (0, 1)])
+    t41 = oe.contract('ab->ba', t18, optimize=[(0,)])
+    t2 += oe.contract('abc,dc->adb', t40, t41, optimize=[(0, 1)])
+    t42 = (-2/(d_V**2*n_batch)) * t18
+    t2 += oe.contract('ab,cdb->abd', t42, t24, optimize=[(0, 1)])
+    t43 = (2/(d_V**3*n_batch)) * t18
+    t44 = oe.contract('ab,cdb->adb', t43, t24, optimize=[(0, 1)])
+    t2 += oe.contract('abc,dc->adb', t44, t41, optimize=[(0, 1)])
+    t2 += oe.contract('ab,cb,bd,ecd,df,cf->afc', t18, t29, t18, t27, t18, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
+    t45 = (4/(d_V**4*n_batch)) * M_Z
+    t46 = oe.contract('ab,cb,bd,ecd,df,cf->acf', t18, t45, t18, t27, t18, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
+    t2 += oe.contract('abc,dc->adb', t46, t41, optimize=[(0, 1)])
+    t2 += oe.contract('ab,cb,bd,ecd->adc', t18, t20, t18, t17, optimize=[(0, 1), (0, 1), (0, 1)])
+    t47 = oe.contract('ab,bc,dac,ce->eab', t39, t18, t17, t18, optimize=[(2, 3), (0, 2), (0, 1)])
+    t2 += oe.contract('abc,dc->dab', t47, t18, optimize=[(0, 1)])
+    t2 += oe.contract('ab,cb,bd,cd,cd,de,ce->aec', t18, t32, t18, t30, t30, t18, M_Z, optimize=[(3, 4), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
+    t48 = (8/(L*d_V**5)) * M_Z
+    t49 = oe.contract('ab,cb,bd,cd,cd,de,ce->ace', t18, t48, t18, t30, t30, t18, M_Z, optimize=[(3, 4), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
+    t2 += oe.contract('abc,dc->adb', t49, t41, optimize=[(0, 1)])
+    t2 += oe.contract('ab,cb,bd,cd,cd->adc', t18, t34, t18, t30, P_Z, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
+    t50 = (4/(L*d_V**4)) * M_Z
+    t51 = oe.contract('ab,cb,bd,cd,cd->acd', t18, t50, t18, t30, P_Z, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
+    t2 += oe.contract('abc,dc->adb', t51, t41, optimize=[(0, 1)])
+    t2 += oe.contract('ab,cb,cb,bd,cd->adc', t18, t36, t30, t18, M_Z, optimize=[(1, 2), (0, 3), (0, 2), (0, 1)])
+    t52 = (4/(L*d_V**4)) * P_Z
+    t53 = oe.contract('ab,ab,bc,ac,cd->dab', t52, t30, t18, M_Z, t18, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
+    t2 += oe.contract('abc,dc->dab', t53, t18, optimize=[(0, 1)])
+    t2 += oe.contract('ab,cb,cb->abc', t18, t38, P_Z, optimize=[(1, 2), (0, 1)])
+    t54 = (2/(L*d_V**3)) * P_Z
+    t55 = oe.contract('ab,ab->ab', t54, P_Z, optimize=[(0, 1)])
+    t56 = oe.contract('ab,bc->acb', t18, t18, optimize=[(0, 1)])
+    t2 += oe.contract('ab,cdb->cda', t55, t56, optimize=[(0, 1)])
     return H
 
 
@@ -840,45 +956,76 @@ def mse__frobenius_all__full(X, Y):
     G = t15
     t16 = t10 * G
     t17 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
-    t1 += (2/(d_V*n_batch)) * oe.contract('abc,cd,bd->cdb', t16, t17, M_Z, optimize=[(0, 1), (0, 1)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('abc,cd,bd,de->ceb', t16, t17, M_Z, t17, optimize=[(0, 1), (0, 1), (0, 1)])
-    t18 = t0.diagonal(0, 0, 2).diagonal(0, 0, 1)
-    t19 = t10 * G * M_Z
-    t20 = t19.sum(-1, keepdim=True)
-    t21 = t20.expand(*t20.shape[:-1], d_V)
-    t18 += (2/(d_V*n_batch)) * oe.contract('abc->bc', t21, optimize=[(0,)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('abc,cd->cdb', t21, t17, optimize=[(0, 1)])
-    t22 = (0.75 * (sigma2_Z ** -2.5))
-    t23 = t22 * G * M_Z
-    t1 += (4/(d_V**2*n_batch)) * oe.contract('ab,bc,dac,ce,ae->bea', M_Z, t17, t23, t17, M_Z, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
-    t1 += (-4/(d_V**3*n_batch)) * oe.contract('ab,bc,dac,ce,ae,ef->bfa', M_Z, t17, t23, t17, M_Z, t17, optimize=[(1, 2), (1, 4), (1, 3), (1, 2), (0, 1)])
-    t1 += (2/(d_V*n_batch)) * oe.contract('ab,bc,dac->bca', M_Z, t17, t16, optimize=[(0, 1), (0, 1)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('ab,bc,dac,ce->bea', M_Z, t17, t16, t17, optimize=[(2, 3), (0, 2), (0, 1)])
-    t24 = t10 * M_Z
-    t1 += (8/(L*d_V**3)) * oe.contract('ab,bc,ac,ac,cd,ad->bda', M_Z, t17, t24, t24, t17, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 1), (0, 1)])
-    t1 += (-8/(L*d_V**4)) * oe.contract('ab,bc,ac,ac,cd,ad,de->bea', M_Z, t17, t24, t24, t17, M_Z, t17, optimize=[(2, 3), (2, 3), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t1 += (4/(L*d_V**2)) * oe.contract('ab,bc,ac,ac->bca', M_Z, t17, t24, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += (-4/(L*d_V**3)) * oe.contract('ab,bc,ac,ac,cd->bda', M_Z, t17, t24, P_Z, t17, optimize=[(2, 3), (1, 3), (1, 2), (0, 1)])
-    t1 += (4/(L*d_V**2)) * oe.contract('ab,ab,bc,ac->bca', P_Z, t24, t17, M_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += (-4/(L*d_V**3)) * oe.contract('ab,ab,bc,ac,cd->bda', P_Z, t24, t17, M_Z, t17, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
-    t18 += (2/(L*d_V)) * oe.contract('ab,ab->ab', P_Z, P_Z, optimize=[(0, 1)])
-    t1 += (-2/(L*d_V**2)) * oe.contract('ab,ab,bc->bca', P_Z, P_Z, t17, optimize=[(0, 1), (0, 1)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cdb,be,de->aed', t17, t16, t17, M_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += (2/(d_V**3*n_batch)) * oe.contract('ab,cdb,be,de,ef->afd', t17, t16, t17, M_Z, t17, optimize=[(0, 1), (0, 3), (0, 2), (0, 1)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cdb->abd', t17, t21, optimize=[(0, 1)])
-    t1 += (2/(d_V**3*n_batch)) * oe.contract('ab,cdb,be->aed', t17, t21, t17, optimize=[(0, 1), (0, 1)])
-    t1 += (-4/(d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,df,cf->afc', t17, M_Z, t17, t23, t17, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t1 += (4/(d_V**4*n_batch)) * oe.contract('ab,cb,bd,ecd,df,cf,fg->agc', t17, M_Z, t17, t23, t17, M_Z, t17, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cb,bd,ecd->adc', t17, M_Z, t17, t16, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += (2/(d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,df->afc', t17, M_Z, t17, t16, t17, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)])
-    t1 += (-8/(L*d_V**4)) * oe.contract('ab,cb,bd,cd,cd,de,ce->aec', t17, M_Z, t17, t24, t24, t17, M_Z, optimize=[(3, 4), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
-    t1 += (8/(L*d_V**5)) * oe.contract('ab,cb,bd,cd,cd,de,ce,ef->afc', t17, M_Z, t17, t24, t24, t17, M_Z, t17, optimize=[(3, 4), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
-    t1 += (-4/(L*d_V**3)) * oe.contract('ab,cb,bd,cd,cd->adc', t17, M_Z, t17, t24, P_Z, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
-    t1 += (4/(L*d_V**4)) * oe.contract('ab,cb,bd,cd,cd,de->aec', t17, M_Z, t17, t24, P_Z, t17, optimize=[(3, 4), (0, 1), (0, 3), (1, 2), (0, 1)])
-    t1 += (-4/(L*d_V**3)) * oe.contract('ab,cb,cb,bd,cd->adc', t17, P_Z, t24, t17, M_Z, optimize=[(1, 2), (0, 3), (0, 2), (0, 1)])
-    t1 += (4/(L*d_V**4)) * oe.contract('ab,cb,cb,bd,cd,de->aec', t17, P_Z, t24, t17, M_Z, t17, optimize=[(1, 2), (1, 2), (1, 3), (1, 2), (0, 1)])
-    t1 += (-2/(L*d_V**2)) * oe.contract('ab,cb,cb->abc', t17, P_Z, P_Z, optimize=[(1, 2), (0, 1)])
-    t1 += (2/(L*d_V**3)) * oe.contract('ab,cb,cb,bd->adc', t17, P_Z, P_Z, t17, optimize=[(1, 2), (0, 1), (0, 1)])
+    t18 = (2/(d_V*n_batch)) * M_Z
+    t1 += oe.contract('abc,cd,bd->cdb', t16, t17, t18, optimize=[(0, 1), (0, 1)])
+    t19 = (-2/(d_V**2*n_batch)) * M_Z
+    t1 += oe.contract('abc,cd,bd,de->ceb', t16, t17, t19, t17, optimize=[(0, 1), (0, 1), (0, 1)])
+    t20 = t0.diagonal(0, 0, 2).diagonal(0, 0, 1)
+    t21 = t10 * G * M_Z
+    t22 = t21.sum(-1, keepdim=True)
+    t23 = t22.expand(*t22.shape[:-1], d_V)
+    t20 += (2/(d_V*n_batch)) * oe.contract('abc->bc', t23, optimize=[(0,)])
+    t24 = (-2/(d_V**2*n_batch)) * t23
+    t1 += oe.contract('abc,cd->cdb', t24, t17, optimize=[(0, 1)])
+    t25 = (0.75 * (sigma2_Z ** -2.5))
+    t26 = t25 * G * M_Z
+    t27 = (4/(d_V**2*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ce,ae->bea', t27, t17, t26, t17, M_Z, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t28 = (-4/(d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ce,ae,ef->bfa', t28, t17, t26, t17, M_Z, t17, optimize=[(1, 2), (1, 4), (1, 3), (1, 2), (0, 1)])
+    t1 += oe.contract('ab,bc,dac->bca', t18, t17, t16, optimize=[(0, 1), (0, 1)])
+    t1 += oe.contract('ab,bc,dac,ce->bea', t19, t17, t16, t17, optimize=[(2, 3), (0, 2), (0, 1)])
+    t29 = t10 * M_Z
+    t30 = (8/(L*d_V**3)) * M_Z
+    t1 += oe.contract('ab,bc,ac,ac,cd,ad->bda', t30, t17, t29, t29, t17, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 1), (0, 1)])
+    t31 = (-8/(L*d_V**4)) * M_Z
+    t1 += oe.contract('ab,bc,ac,ac,cd,ad,de->bea', t31, t17, t29, t29, t17, M_Z, t17, optimize=[(2, 3), (2, 3), (2, 4), (2, 3), (1, 2), (0, 1)])
+    t32 = (4/(L*d_V**2)) * M_Z
+    t1 += oe.contract('ab,bc,ac,ac->bca', t32, t17, t29, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
+    t33 = (-4/(L*d_V**3)) * M_Z
+    t1 += oe.contract('ab,bc,ac,ac,cd->bda', t33, t17, t29, P_Z, t17, optimize=[(2, 3), (1, 3), (1, 2), (0, 1)])
+    t34 = (4/(L*d_V**2)) * P_Z
+    t1 += oe.contract('ab,ab,bc,ac->bca', t34, t29, t17, M_Z, optimize=[(0, 1), (0, 1), (0, 1)])
+    t35 = (-4/(L*d_V**3)) * P_Z
+    t1 += oe.contract('ab,ab,bc,ac,cd->bda', t35, t29, t17, M_Z, t17, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
+    t36 = (2/(L*d_V)) * P_Z
+    t20 += oe.contract('ab,ab->ab', t36, P_Z, optimize=[(0, 1)])
+    t37 = (-2/(L*d_V**2)) * P_Z
+    t1 += oe.contract('ab,ab,bc->bca', t37, P_Z, t17, optimize=[(0, 1), (0, 1)])
+    t1 += oe.contract('ab,cdb,be,de->aed', t17, t16, t17, t19, optimize=[(0, 1), (0, 1), (0, 1)])
+    t38 = (2/(d_V**3*n_batch)) * M_Z
+    t39 = oe.contract('ab,cdb,be,de->ade', t17, t16, t17, t38, optimize=[(0, 1), (0, 1), (0, 1)])
+    t40 = oe.contract('ab->ba', t17, optimize=[(0,)])
+    t1 += oe.contract('abc,dc->adb', t39, t40, optimize=[(0, 1)])
+    t41 = (-2/(d_V**2*n_batch)) * t17
+    t1 += oe.contract('ab,cdb->abd', t41, t23, optimize=[(0, 1)])
+    t42 = (2/(d_V**3*n_batch)) * t17
+    t43 = oe.contract('ab,cdb->adb', t42, t23, optimize=[(0, 1)])
+    t1 += oe.contract('abc,dc->adb', t43, t40, optimize=[(0, 1)])
+    t1 += oe.contract('ab,cb,bd,ecd,df,cf->afc', t17, t28, t17, t26, t17, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
+    t44 = (4/(d_V**4*n_batch)) * M_Z
+    t45 = oe.contract('ab,cb,bd,ecd,df,cf->acf', t17, t44, t17, t26, t17, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t45, t40, optimize=[(0, 1)])
+    t1 += oe.contract('ab,cb,bd,ecd->adc', t17, t19, t17, t16, optimize=[(0, 1), (0, 1), (0, 1)])
+    t46 = oe.contract('ab,bc,dac,ce->eab', t38, t17, t16, t17, optimize=[(2, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->dab', t46, t17, optimize=[(0, 1)])
+    t1 += oe.contract('ab,cb,bd,cd,cd,de,ce->aec', t17, t31, t17, t29, t29, t17, M_Z, optimize=[(3, 4), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
+    t47 = (8/(L*d_V**5)) * M_Z
+    t48 = oe.contract('ab,cb,bd,cd,cd,de,ce->ace', t17, t47, t17, t29, t29, t17, M_Z, optimize=[(3, 4), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t48, t40, optimize=[(0, 1)])
+    t1 += oe.contract('ab,cb,bd,cd,cd->adc', t17, t33, t17, t29, P_Z, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
+    t49 = (4/(L*d_V**4)) * M_Z
+    t50 = oe.contract('ab,cb,bd,cd,cd->acd', t17, t49, t17, t29, P_Z, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t50, t40, optimize=[(0, 1)])
+    t1 += oe.contract('ab,cb,cb,bd,cd->adc', t17, t35, t29, t17, M_Z, optimize=[(1, 2), (0, 3), (0, 2), (0, 1)])
+    t51 = (4/(L*d_V**4)) * P_Z
+    t52 = oe.contract('ab,ab,bc,ac,cd->dab', t51, t29, t17, M_Z, t17, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->dab', t52, t17, optimize=[(0, 1)])
+    t1 += oe.contract('ab,cb,cb->abc', t17, t37, P_Z, optimize=[(1, 2), (0, 1)])
+    t53 = (2/(L*d_V**3)) * P_Z
+    t54 = oe.contract('ab,ab->ab', t53, P_Z, optimize=[(0, 1)])
+    t55 = oe.contract('ab,bc->acb', t17, t17, optimize=[(0, 1)])
+    t1 += oe.contract('ab,cdb->cda', t54, t55, optimize=[(0, 1)])
     nrm = torch.linalg.norm(blk)
     del blk
     return (nrm,)
@@ -913,44 +1060,65 @@ def mse__diag__X__full(X, Y):
     G = t14
     t15 = t9 * G
     t16 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
-    t0[...] = (2/(d_V*n_batch)) * oe.contract('abc,cc,bc->bc', t15, t16, M_Z, optimize=[(0, 1), (0, 1)])
-    t0 += (-2/(d_V**2*n_batch)) * oe.contract('abc,cd,bd,dc->bc', t15, t16, M_Z, t16, optimize=[(1, 2), (1, 2), (0, 1)])
-    t17 = t9 * G * M_Z
-    t18 = t17.sum(-1, keepdim=True)
-    t19 = t18.expand(*t18.shape[:-1], d_V)
-    t0 += (2/(d_V*n_batch)) * oe.contract('abc->bc', t19, optimize=[(0,)])
-    t0 += (-2/(d_V**2*n_batch)) * oe.contract('abc,cc->bc', t19, t16, optimize=[(0, 1)])
-    t20 = (0.75 * (sigma2_Z ** -2.5))
-    t21 = t20 * G * M_Z
-    t0 += (4/(d_V**2*n_batch)) * oe.contract('ab,bc,dac,cb,ab->ab', M_Z, t16, t21, t16, M_Z, optimize=[(1, 3), (0, 2), (0, 1), (0, 1)])
-    t0 += (-4/(d_V**3*n_batch)) * oe.contract('ab,bc,dac,ce,ae,eb->ab', M_Z, t16, t21, t16, M_Z, t16, optimize=[(1, 2), (1, 4), (2, 3), (1, 2), (0, 1)])
-    t0 += (2/(d_V*n_batch)) * oe.contract('ab,bb,cab->ab', M_Z, t16, t15, optimize=[(0, 1), (0, 1)])
-    t0 += (-2/(d_V**2*n_batch)) * oe.contract('ab,bc,dac,cb->ab', M_Z, t16, t15, t16, optimize=[(1, 3), (0, 2), (0, 1)])
-    t22 = t9 * M_Z
-    t0 += (8/(L*d_V**3)) * oe.contract('ab,bc,ac,ac,cb,ab->ab', M_Z, t16, t22, t22, t16, M_Z, optimize=[(2, 3), (1, 2), (0, 1), (0, 1), (0, 1)])
-    t0 += (-8/(L*d_V**4)) * oe.contract('ab,bc,ac,ac,cd,ad,db->ab', M_Z, t16, t22, t22, t16, M_Z, t16, optimize=[(2, 3), (2, 3), (2, 4), (1, 3), (1, 2), (0, 1)])
-    t0 += (4/(L*d_V**2)) * oe.contract('ab,bb,ab,ab->ab', M_Z, t16, t22, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (-4/(L*d_V**3)) * oe.contract('ab,bc,ac,ac,cb->ab', M_Z, t16, t22, P_Z, t16, optimize=[(2, 3), (1, 2), (1, 2), (0, 1)])
-    t0 += (4/(L*d_V**2)) * oe.contract('ab,ab,bb,ab->ab', P_Z, t22, t16, M_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (-4/(L*d_V**3)) * oe.contract('ab,ab,bc,ac,cb->ab', P_Z, t22, t16, M_Z, t16, optimize=[(0, 1), (0, 2), (0, 2), (0, 1)])
-    t0 += (2/(L*d_V)) * oe.contract('ab,ab->ab', P_Z, P_Z, optimize=[(0, 1)])
-    t0 += (-2/(L*d_V**2)) * oe.contract('ab,ab,bb->ab', P_Z, P_Z, t16, optimize=[(0, 1), (0, 1)])
-    t0 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cdb,ba,da->da', t16, t15, t16, M_Z, optimize=[(0, 1), (0, 2), (0, 1)])
-    t0 += (2/(d_V**3*n_batch)) * oe.contract('ab,cdb,be,de,ea->da', t16, t15, t16, M_Z, t16, optimize=[(0, 1), (0, 3), (1, 2), (0, 1)])
-    t0 += (-2/(d_V**2*n_batch)) * oe.contract('aa,bca->ca', t16, t19, optimize=[(0, 1)])
-    t0 += (2/(d_V**3*n_batch)) * oe.contract('ab,cdb,ba->da', t16, t19, t16, optimize=[(0, 1), (0, 1)])
-    t0 += (-4/(d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,da,ca->ca', t16, M_Z, t16, t21, t16, M_Z, optimize=[(2, 3), (2, 4), (0, 3), (0, 2), (0, 1)])
-    t0 += (4/(d_V**4*n_batch)) * oe.contract('ab,cb,bd,ecd,df,cf,fa->ca', t16, M_Z, t16, t21, t16, M_Z, t16, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (1, 2), (0, 1)])
-    t0 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cb,ba,dca->ca', t16, M_Z, t16, t15, optimize=[(0, 2), (0, 2), (0, 1)])
-    t0 += (2/(d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,da->ca', t16, M_Z, t16, t15, t16, optimize=[(2, 3), (2, 3), (0, 2), (0, 1)])
-    t0 += (-8/(L*d_V**4)) * oe.contract('ab,cb,bd,cd,cd,da,ca->ca', t16, M_Z, t16, t22, t22, t16, M_Z, optimize=[(3, 4), (0, 1), (0, 4), (0, 3), (1, 2), (0, 1)])
-    t0 += (8/(L*d_V**5)) * oe.contract('ab,cb,bd,cd,cd,de,ce,ea->ca', t16, M_Z, t16, t22, t22, t16, M_Z, t16, optimize=[(3, 4), (0, 1), (0, 5), (3, 4), (0, 3), (1, 2), (0, 1)])
-    t0 += (-4/(L*d_V**3)) * oe.contract('ab,cb,ba,ca,ca->ca', t16, M_Z, t16, t22, P_Z, optimize=[(0, 2), (1, 2), (0, 1), (0, 1)])
-    t0 += (4/(L*d_V**4)) * oe.contract('ab,cb,bd,cd,cd,da->ca', t16, M_Z, t16, t22, P_Z, t16, optimize=[(3, 4), (0, 1), (0, 3), (0, 2), (0, 1)])
-    t0 += (-4/(L*d_V**3)) * oe.contract('ab,cb,cb,ba,ca->ca', t16, P_Z, t22, t16, M_Z, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
-    t0 += (4/(L*d_V**4)) * oe.contract('ab,cb,cb,bd,cd,da->ca', t16, P_Z, t22, t16, M_Z, t16, optimize=[(1, 2), (1, 2), (1, 3), (0, 2), (0, 1)])
-    t0 += (-2/(L*d_V**2)) * oe.contract('aa,ba,ba->ba', t16, P_Z, P_Z, optimize=[(0, 1), (0, 1)])
-    t0 += (2/(L*d_V**3)) * oe.contract('ab,cb,cb,ba->ca', t16, P_Z, P_Z, t16, optimize=[(0, 3), (0, 1), (0, 1)])
+    t17 = (2/(d_V*n_batch)) * M_Z
+    t0[...] = oe.contract('abc,cc,bc->bc', t15, t16, t17, optimize=[(0, 1), (0, 1)])
+    t18 = (-2/(d_V**2*n_batch)) * M_Z
+    t0 += oe.contract('abc,cd,bd,dc->bc', t15, t16, t18, t16, optimize=[(1, 2), (1, 2), (0, 1)])
+    t19 = t9 * G * M_Z
+    t20 = t19.sum(-1, keepdim=True)
+    t21 = t20.expand(*t20.shape[:-1], d_V)
+    t0 += (2/(d_V*n_batch)) * oe.contract('abc->bc', t21, optimize=[(0,)])
+    t22 = (-2/(d_V**2*n_batch)) * t21
+    t0 += oe.contract('abc,cc->bc', t22, t16, optimize=[(0, 1)])
+    t23 = (0.75 * (sigma2_Z ** -2.5))
+    t24 = t23 * G * M_Z
+    t25 = (4/(d_V**2*n_batch)) * M_Z
+    t0 += oe.contract('ab,bc,dac,cb,ab->ab', t25, t16, t24, t16, M_Z, optimize=[(1, 3), (0, 2), (0, 1), (0, 1)])
+    t26 = (-4/(d_V**3*n_batch)) * M_Z
+    t0 += oe.contract('ab,bc,dac,ce,ae,eb->ab', t26, t16, t24, t16, M_Z, t16, optimize=[(1, 2), (1, 4), (2, 3), (1, 2), (0, 1)])
+    t0 += oe.contract('ab,bb,cab->ab', t17, t16, t15, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('ab,bc,dac,cb->ab', t18, t16, t15, t16, optimize=[(1, 3), (0, 2), (0, 1)])
+    t27 = t9 * M_Z
+    t28 = (8/(L*d_V**3)) * M_Z
+    t0 += oe.contract('ab,bc,ac,ac,cb,ab->ab', t28, t16, t27, t27, t16, M_Z, optimize=[(2, 3), (1, 2), (0, 1), (0, 1), (0, 1)])
+    t29 = (-8/(L*d_V**4)) * M_Z
+    t0 += oe.contract('ab,bc,ac,ac,cd,ad,db->ab', t29, t16, t27, t27, t16, M_Z, t16, optimize=[(2, 3), (2, 3), (2, 4), (1, 3), (1, 2), (0, 1)])
+    t30 = (4/(L*d_V**2)) * M_Z
+    t0 += oe.contract('ab,bb,ab,ab->ab', t30, t16, t27, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
+    t31 = (-4/(L*d_V**3)) * M_Z
+    t0 += oe.contract('ab,bc,ac,ac,cb->ab', t31, t16, t27, P_Z, t16, optimize=[(2, 3), (1, 2), (1, 2), (0, 1)])
+    t32 = (4/(L*d_V**2)) * P_Z
+    t0 += oe.contract('ab,ab,bb,ab->ab', t32, t27, t16, M_Z, optimize=[(0, 1), (0, 1), (0, 1)])
+    t33 = (-4/(L*d_V**3)) * P_Z
+    t0 += oe.contract('ab,ab,bc,ac,cb->ab', t33, t27, t16, M_Z, t16, optimize=[(0, 1), (0, 2), (0, 2), (0, 1)])
+    t34 = (2/(L*d_V)) * P_Z
+    t0 += oe.contract('ab,ab->ab', t34, P_Z, optimize=[(0, 1)])
+    t35 = (-2/(L*d_V**2)) * P_Z
+    t0 += oe.contract('ab,ab,bb->ab', t35, P_Z, t16, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('ab,cdb,ba,da->da', t16, t15, t16, t18, optimize=[(0, 1), (0, 2), (0, 1)])
+    t36 = (2/(d_V**3*n_batch)) * M_Z
+    t0 += oe.contract('ab,cdb,be,de,ea->da', t16, t15, t16, t36, t16, optimize=[(0, 1), (0, 3), (1, 2), (0, 1)])
+    t37 = (-2/(d_V**2*n_batch)) * t16
+    t0 += oe.contract('aa,bca->ca', t37, t21, optimize=[(0, 1)])
+    t38 = (2/(d_V**3*n_batch)) * t16
+    t0 += oe.contract('ab,cdb,ba->da', t38, t21, t16, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('ab,cb,bd,ecd,da,ca->ca', t16, t26, t16, t24, t16, M_Z, optimize=[(2, 3), (2, 4), (0, 3), (0, 2), (0, 1)])
+    t39 = (4/(d_V**4*n_batch)) * M_Z
+    t0 += oe.contract('ab,cb,bd,ecd,df,cf,fa->ca', t16, t39, t16, t24, t16, M_Z, t16, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (1, 2), (0, 1)])
+    t0 += oe.contract('ab,cb,ba,dca->ca', t16, t18, t16, t15, optimize=[(0, 2), (0, 2), (0, 1)])
+    t0 += oe.contract('ab,cb,bd,ecd,da->ca', t16, t36, t16, t15, t16, optimize=[(2, 3), (2, 3), (0, 2), (0, 1)])
+    t0 += oe.contract('ab,cb,bd,cd,cd,da,ca->ca', t16, t29, t16, t27, t27, t16, M_Z, optimize=[(3, 4), (0, 1), (0, 4), (0, 3), (1, 2), (0, 1)])
+    t40 = (8/(L*d_V**5)) * M_Z
+    t0 += oe.contract('ab,cb,bd,cd,cd,de,ce,ea->ca', t16, t40, t16, t27, t27, t16, M_Z, t16, optimize=[(3, 4), (0, 1), (0, 5), (3, 4), (0, 3), (1, 2), (0, 1)])
+    t0 += oe.contract('ab,cb,ba,ca,ca->ca', t16, t31, t16, t27, P_Z, optimize=[(0, 2), (1, 2), (0, 1), (0, 1)])
+    t41 = (4/(L*d_V**4)) * M_Z
+    t0 += oe.contract('ab,cb,bd,cd,cd,da->ca', t16, t41, t16, t27, P_Z, t16, optimize=[(3, 4), (0, 1), (0, 3), (0, 2), (0, 1)])
+    t0 += oe.contract('ab,cb,cb,ba,ca->ca', t16, t33, t27, t16, M_Z, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
+    t42 = (4/(L*d_V**4)) * P_Z
+    t0 += oe.contract('ab,cb,cb,bd,cd,da->ca', t16, t42, t27, t16, M_Z, t16, optimize=[(1, 2), (1, 2), (1, 3), (0, 2), (0, 1)])
+    t0 += oe.contract('aa,ba,ba->ba', t16, t35, P_Z, optimize=[(0, 1), (0, 1)])
+    t43 = (2/(L*d_V**3)) * P_Z
+    t0 += oe.contract('ab,cb,cb,ba->ca', t16, t43, P_Z, t16, optimize=[(0, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -1021,45 +1189,76 @@ def mse__block__X__X__full(X, Y):
     G = t15
     t16 = t10 * G
     t17 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
-    t1 += (2/(d_V*n_batch)) * oe.contract('abc,cd,bd->cdb', t16, t17, M_Z, optimize=[(0, 1), (0, 1)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('abc,cd,bd,de->ceb', t16, t17, M_Z, t17, optimize=[(0, 1), (0, 1), (0, 1)])
-    t18 = t0.diagonal(0, 0, 2).diagonal(0, 0, 1)
-    t19 = t10 * G * M_Z
-    t20 = t19.sum(-1, keepdim=True)
-    t21 = t20.expand(*t20.shape[:-1], d_V)
-    t18 += (2/(d_V*n_batch)) * oe.contract('abc->bc', t21, optimize=[(0,)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('abc,cd->cdb', t21, t17, optimize=[(0, 1)])
-    t22 = (0.75 * (sigma2_Z ** -2.5))
-    t23 = t22 * G * M_Z
-    t1 += (4/(d_V**2*n_batch)) * oe.contract('ab,bc,dac,ce,ae->bea', M_Z, t17, t23, t17, M_Z, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
-    t1 += (-4/(d_V**3*n_batch)) * oe.contract('ab,bc,dac,ce,ae,ef->bfa', M_Z, t17, t23, t17, M_Z, t17, optimize=[(1, 2), (1, 4), (1, 3), (1, 2), (0, 1)])
-    t1 += (2/(d_V*n_batch)) * oe.contract('ab,bc,dac->bca', M_Z, t17, t16, optimize=[(0, 1), (0, 1)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('ab,bc,dac,ce->bea', M_Z, t17, t16, t17, optimize=[(2, 3), (0, 2), (0, 1)])
-    t24 = t10 * M_Z
-    t1 += (8/(L*d_V**3)) * oe.contract('ab,bc,ac,ac,cd,ad->bda', M_Z, t17, t24, t24, t17, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 1), (0, 1)])
-    t1 += (-8/(L*d_V**4)) * oe.contract('ab,bc,ac,ac,cd,ad,de->bea', M_Z, t17, t24, t24, t17, M_Z, t17, optimize=[(2, 3), (2, 3), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t1 += (4/(L*d_V**2)) * oe.contract('ab,bc,ac,ac->bca', M_Z, t17, t24, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += (-4/(L*d_V**3)) * oe.contract('ab,bc,ac,ac,cd->bda', M_Z, t17, t24, P_Z, t17, optimize=[(2, 3), (1, 3), (1, 2), (0, 1)])
-    t1 += (4/(L*d_V**2)) * oe.contract('ab,ab,bc,ac->bca', P_Z, t24, t17, M_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += (-4/(L*d_V**3)) * oe.contract('ab,ab,bc,ac,cd->bda', P_Z, t24, t17, M_Z, t17, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
-    t18 += (2/(L*d_V)) * oe.contract('ab,ab->ab', P_Z, P_Z, optimize=[(0, 1)])
-    t1 += (-2/(L*d_V**2)) * oe.contract('ab,ab,bc->bca', P_Z, P_Z, t17, optimize=[(0, 1), (0, 1)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cdb,be,de->aed', t17, t16, t17, M_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += (2/(d_V**3*n_batch)) * oe.contract('ab,cdb,be,de,ef->afd', t17, t16, t17, M_Z, t17, optimize=[(0, 1), (0, 3), (0, 2), (0, 1)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cdb->abd', t17, t21, optimize=[(0, 1)])
-    t1 += (2/(d_V**3*n_batch)) * oe.contract('ab,cdb,be->aed', t17, t21, t17, optimize=[(0, 1), (0, 1)])
-    t1 += (-4/(d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,df,cf->afc', t17, M_Z, t17, t23, t17, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t1 += (4/(d_V**4*n_batch)) * oe.contract('ab,cb,bd,ecd,df,cf,fg->agc', t17, M_Z, t17, t23, t17, M_Z, t17, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cb,bd,ecd->adc', t17, M_Z, t17, t16, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += (2/(d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,df->afc', t17, M_Z, t17, t16, t17, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)])
-    t1 += (-8/(L*d_V**4)) * oe.contract('ab,cb,bd,cd,cd,de,ce->aec', t17, M_Z, t17, t24, t24, t17, M_Z, optimize=[(3, 4), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
-    t1 += (8/(L*d_V**5)) * oe.contract('ab,cb,bd,cd,cd,de,ce,ef->afc', t17, M_Z, t17, t24, t24, t17, M_Z, t17, optimize=[(3, 4), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
-    t1 += (-4/(L*d_V**3)) * oe.contract('ab,cb,bd,cd,cd->adc', t17, M_Z, t17, t24, P_Z, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
-    t1 += (4/(L*d_V**4)) * oe.contract('ab,cb,bd,cd,cd,de->aec', t17, M_Z, t17, t24, P_Z, t17, optimize=[(3, 4), (0, 1), (0, 3), (1, 2), (0, 1)])
-    t1 += (-4/(L*d_V**3)) * oe.contract('ab,cb,cb,bd,cd->adc', t17, P_Z, t24, t17, M_Z, optimize=[(1, 2), (0, 3), (0, 2), (0, 1)])
-    t1 += (4/(L*d_V**4)) * oe.contract('ab,cb,cb,bd,cd,de->aec', t17, P_Z, t24, t17, M_Z, t17, optimize=[(1, 2), (1, 2), (1, 3), (1, 2), (0, 1)])
-    t1 += (-2/(L*d_V**2)) * oe.contract('ab,cb,cb->abc', t17, P_Z, P_Z, optimize=[(1, 2), (0, 1)])
-    t1 += (2/(L*d_V**3)) * oe.contract('ab,cb,cb,bd->adc', t17, P_Z, P_Z, t17, optimize=[(1, 2), (0, 1), (0, 1)])
+    t18 = (2/(d_V*n_batch)) * M_Z
+    t1 += oe.contract('abc,cd,bd->cdb', t16, t17, t18, optimize=[(0, 1), (0, 1)])
+    t19 = (-2/(d_V**2*n_batch)) * M_Z
+    t1 += oe.contract('abc,cd,bd,de->ceb', t16, t17, t19, t17, optimize=[(0, 1), (0, 1), (0, 1)])
+    t20 = t0.diagonal(0, 0, 2).diagonal(0, 0, 1)
+    t21 = t10 * G * M_Z
+    t22 = t21.sum(-1, keepdim=True)
+    t23 = t22.expand(*t22.shape[:-1], d_V)
+    t20 += (2/(d_V*n_batch)) * oe.contract('abc->bc', t23, optimize=[(0,)])
+    t24 = (-2/(d_V**2*n_batch)) * t23
+    t1 += oe.contract('abc,cd->cdb', t24, t17, optimize=[(0, 1)])
+    t25 = (0.75 * (sigma2_Z ** -2.5))
+    t26 = t25 * G * M_Z
+    t27 = (4/(d_V**2*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ce,ae->bea', t27, t17, t26, t17, M_Z, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t28 = (-4/(d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ce,ae,ef->bfa', t28, t17, t26, t17, M_Z, t17, optimize=[(1, 2), (1, 4), (1, 3), (1, 2), (0, 1)])
+    t1 += oe.contract('ab,bc,dac->bca', t18, t17, t16, optimize=[(0, 1), (0, 1)])
+    t1 += oe.contract('ab,bc,dac,ce->bea', t19, t17, t16, t17, optimize=[(2, 3), (0, 2), (0, 1)])
+    t29 = t10 * M_Z
+    t30 = (8/(L*d_V**3)) * M_Z
+    t1 += oe.contract('ab,bc,ac,ac,cd,ad->bda', t30, t17, t29, t29, t17, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 1), (0, 1)])
+    t31 = (-8/(L*d_V**4)) * M_Z
+    t1 += oe.contract('ab,bc,ac,ac,cd,ad,de->bea', t31, t17, t29, t29, t17, M_Z, t17, optimize=[(2, 3), (2, 3), (2, 4), (2, 3), (1, 2), (0, 1)])
+    t32 = (4/(L*d_V**2)) * M_Z
+    t1 += oe.contract('ab,bc,ac,ac->bca', t32, t17, t29, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
+    t33 = (-4/(L*d_V**3)) * M_Z
+    t1 += oe.contract('ab,bc,ac,ac,cd->bda', t33, t17, t29, P_Z, t17, optimize=[(2, 3), (1, 3), (1, 2), (0, 1)])
+    t34 = (4/(L*d_V**2)) * P_Z
+    t1 += oe.contract('ab,ab,bc,ac->bca', t34, t29, t17, M_Z, optimize=[(0, 1), (0, 1), (0, 1)])
+    t35 = (-4/(L*d_V**3)) * P_Z
+    t1 += oe.contract('ab,ab,bc,ac,cd->bda', t35, t29, t17, M_Z, t17, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
+    t36 = (2/(L*d_V)) * P_Z
+    t20 += oe.contract('ab,ab->ab', t36, P_Z, optimize=[(0, 1)])
+    t37 = (-2/(L*d_V**2)) * P_Z
+    t1 += oe.contract('ab,ab,bc->bca', t37, P_Z, t17, optimize=[(0, 1), (0, 1)])
+    t1 += oe.contract('ab,cdb,be,de->aed', t17, t16, t17, t19, optimize=[(0, 1), (0, 1), (0, 1)])
+    t38 = (2/(d_V**3*n_batch)) * M_Z
+    t39 = oe.contract('ab,cdb,be,de->ade', t17, t16, t17, t38, optimize=[(0, 1), (0, 1), (0, 1)])
+    t40 = oe.contract('ab->ba', t17, optimize=[(0,)])
+    t1 += oe.contract('abc,dc->adb', t39, t40, optimize=[(0, 1)])
+    t41 = (-2/(d_V**2*n_batch)) * t17
+    t1 += oe.contract('ab,cdb->abd', t41, t23, optimize=[(0, 1)])
+    t42 = (2/(d_V**3*n_batch)) * t17
+    t43 = oe.contract('ab,cdb->adb', t42, t23, optimize=[(0, 1)])
+    t1 += oe.contract('abc,dc->adb', t43, t40, optimize=[(0, 1)])
+    t1 += oe.contract('ab,cb,bd,ecd,df,cf->afc', t17, t28, t17, t26, t17, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
+    t44 = (4/(d_V**4*n_batch)) * M_Z
+    t45 = oe.contract('ab,cb,bd,ecd,df,cf->acf', t17, t44, t17, t26, t17, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t45, t40, optimize=[(0, 1)])
+    t1 += oe.contract('ab,cb,bd,ecd->adc', t17, t19, t17, t16, optimize=[(0, 1), (0, 1), (0, 1)])
+    t46 = oe.contract('ab,bc,dac,ce->eab', t38, t17, t16, t17, optimize=[(2, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->dab', t46, t17, optimize=[(0, 1)])
+    t1 += oe.contract('ab,cb,bd,cd,cd,de,ce->aec', t17, t31, t17, t29, t29, t17, M_Z, optimize=[(3, 4), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
+    t47 = (8/(L*d_V**5)) * M_Z
+    t48 = oe.contract('ab,cb,bd,cd,cd,de,ce->ace', t17, t47, t17, t29, t29, t17, M_Z, optimize=[(3, 4), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t48, t40, optimize=[(0, 1)])
+    t1 += oe.contract('ab,cb,bd,cd,cd->adc', t17, t33, t17, t29, P_Z, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
+    t49 = (4/(L*d_V**4)) * M_Z
+    t50 = oe.contract('ab,cb,bd,cd,cd->acd', t17, t49, t17, t29, P_Z, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t50, t40, optimize=[(0, 1)])
+    t1 += oe.contract('ab,cb,cb,bd,cd->adc', t17, t35, t29, t17, M_Z, optimize=[(1, 2), (0, 3), (0, 2), (0, 1)])
+    t51 = (4/(L*d_V**4)) * P_Z
+    t52 = oe.contract('ab,ab,bc,ac,cd->dab', t51, t29, t17, M_Z, t17, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->dab', t52, t17, optimize=[(0, 1)])
+    t1 += oe.contract('ab,cb,cb->abc', t17, t37, P_Z, optimize=[(1, 2), (0, 1)])
+    t53 = (2/(L*d_V**3)) * P_Z
+    t54 = oe.contract('ab,ab->ab', t53, P_Z, optimize=[(0, 1)])
+    t55 = oe.contract('ab,bc->acb', t17, t17, optimize=[(0, 1)])
+    t1 += oe.contract('ab,cdb->cda', t54, t55, optimize=[(0, 1)])
     return out
 
 
@@ -1094,45 +1293,76 @@ def mse__frobenius__X__X__full(X, Y):
     G = t15
     t16 = t10 * G
     t17 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
-    t1 += (2/(d_V*n_batch)) * oe.contract('abc,cd,bd->cdb', t16, t17, M_Z, optimize=[(0, 1), (0, 1)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('abc,cd,bd,de->ceb', t16, t17, M_Z, t17, optimize=[(0, 1), (0, 1), (0, 1)])
-    t18 = t0.diagonal(0, 0, 2).diagonal(0, 0, 1)
-    t19 = t10 * G * M_Z
-    t20 = t19.sum(-1, keepdim=True)
-    t21 = t20.expand(*t20.shape[:-1], d_V)
-    t18 += (2/(d_V*n_batch)) * oe.contract('abc->bc', t21, optimize=[(0,)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('abc,cd->cdb', t21, t17, optimize=[(0, 1)])
-    t22 = (0.75 * (sigma2_Z ** -2.5))
-    t23 = t22 * G * M_Z
-    t1 += (4/(d_V**2*n_batch)) * oe.contract('ab,bc,dac,ce,ae->bea', M_Z, t17, t23, t17, M_Z, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
-    t1 += (-4/(d_V**3*n_batch)) * oe.contract('ab,bc,dac,ce,ae,ef->bfa', M_Z, t17, t23, t17, M_Z, t17, optimize=[(1, 2), (1, 4), (1, 3), (1, 2), (0, 1)])
-    t1 += (2/(d_V*n_batch)) * oe.contract('ab,bc,dac->bca', M_Z, t17, t16, optimize=[(0, 1), (0, 1)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('ab,bc,dac,ce->bea', M_Z, t17, t16, t17, optimize=[(2, 3), (0, 2), (0, 1)])
-    t24 = t10 * M_Z
-    t1 += (8/(L*d_V**3)) * oe.contract('ab,bc,ac,ac,cd,ad->bda', M_Z, t17, t24, t24, t17, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 1), (0, 1)])
-    t1 += (-8/(L*d_V**4)) * oe.contract('ab,bc,ac,ac,cd,ad,de->bea', M_Z, t17, t24, t24, t17, M_Z, t17, optimize=[(2, 3), (2, 3), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t1 += (4/(L*d_V**2)) * oe.contract('ab,bc,ac,ac->bca', M_Z, t17, t24, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += (-4/(L*d_V**3)) * oe.contract('ab,bc,ac,ac,cd->bda', M_Z, t17, t24, P_Z, t17, optimize=[(2, 3), (1, 3), (1, 2), (0, 1)])
-    t1 += (4/(L*d_V**2)) * oe.contract('ab,ab,bc,ac->bca', P_Z, t24, t17, M_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += (-4/(L*d_V**3)) * oe.contract('ab,ab,bc,ac,cd->bda', P_Z, t24, t17, M_Z, t17, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
-    t18 += (2/(L*d_V)) * oe.contract('ab,ab->ab', P_Z, P_Z, optimize=[(0, 1)])
-    t1 += (-2/(L*d_V**2)) * oe.contract('ab,ab,bc->bca', P_Z, P_Z, t17, optimize=[(0, 1), (0, 1)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cdb,be,de->aed', t17, t16, t17, M_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += (2/(d_V**3*n_batch)) * oe.contract('ab,cdb,be,de,ef->afd', t17, t16, t17, M_Z, t17, optimize=[(0, 1), (0, 3), (0, 2), (0, 1)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cdb->abd', t17, t21, optimize=[(0, 1)])
-    t1 += (2/(d_V**3*n_batch)) * oe.contract('ab,cdb,be->aed', t17, t21, t17, optimize=[(0, 1), (0, 1)])
-    t1 += (-4/(d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,df,cf->afc', t17, M_Z, t17, t23, t17, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t1 += (4/(d_V**4*n_batch)) * oe.contract('ab,cb,bd,ecd,df,cf,fg->agc', t17, M_Z, t17, t23, t17, M_Z, t17, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cb,bd,ecd->adc', t17, M_Z, t17, t16, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += (2/(d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,df->afc', t17, M_Z, t17, t16, t17, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)])
-    t1 += (-8/(L*d_V**4)) * oe.contract('ab,cb,bd,cd,cd,de,ce->aec', t17, M_Z, t17, t24, t24, t17, M_Z, optimize=[(3, 4), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
-    t1 += (8/(L*d_V**5)) * oe.contract('ab,cb,bd,cd,cd,de,ce,ef->afc', t17, M_Z, t17, t24, t24, t17, M_Z, t17, optimize=[(3, 4), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
-    t1 += (-4/(L*d_V**3)) * oe.contract('ab,cb,bd,cd,cd->adc', t17, M_Z, t17, t24, P_Z, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
-    t1 += (4/(L*d_V**4)) * oe.contract('ab,cb,bd,cd,cd,de->aec', t17, M_Z, t17, t24, P_Z, t17, optimize=[(3, 4), (0, 1), (0, 3), (1, 2), (0, 1)])
-    t1 += (-4/(L*d_V**3)) * oe.contract('ab,cb,cb,bd,cd->adc', t17, P_Z, t24, t17, M_Z, optimize=[(1, 2), (0, 3), (0, 2), (0, 1)])
-    t1 += (4/(L*d_V**4)) * oe.contract('ab,cb,cb,bd,cd,de->aec', t17, P_Z, t24, t17, M_Z, t17, optimize=[(1, 2), (1, 2), (1, 3), (1, 2), (0, 1)])
-    t1 += (-2/(L*d_V**2)) * oe.contract('ab,cb,cb->abc', t17, P_Z, P_Z, optimize=[(1, 2), (0, 1)])
-    t1 += (2/(L*d_V**3)) * oe.contract('ab,cb,cb,bd->adc', t17, P_Z, P_Z, t17, optimize=[(1, 2), (0, 1), (0, 1)])
+    t18 = (2/(d_V*n_batch)) * M_Z
+    t1 += oe.contract('abc,cd,bd->cdb', t16, t17, t18, optimize=[(0, 1), (0, 1)])
+    t19 = (-2/(d_V**2*n_batch)) * M_Z
+    t1 += oe.contract('abc,cd,bd,de->ceb', t16, t17, t19, t17, optimize=[(0, 1), (0, 1), (0, 1)])
+    t20 = t0.diagonal(0, 0, 2).diagonal(0, 0, 1)
+    t21 = t10 * G * M_Z
+    t22 = t21.sum(-1, keepdim=True)
+    t23 = t22.expand(*t22.shape[:-1], d_V)
+    t20 += (2/(d_V*n_batch)) * oe.contract('abc->bc', t23, optimize=[(0,)])
+    t24 = (-2/(d_V**2*n_batch)) * t23
+    t1 += oe.contract('abc,cd->cdb', t24, t17, optimize=[(0, 1)])
+    t25 = (0.75 * (sigma2_Z ** -2.5))
+    t26 = t25 * G * M_Z
+    t27 = (4/(d_V**2*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ce,ae->bea', t27, t17, t26, t17, M_Z, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t28 = (-4/(d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ce,ae,ef->bfa', t28, t17, t26, t17, M_Z, t17, optimize=[(1, 2), (1, 4), (1, 3), (1, 2), (0, 1)])
+    t1 += oe.contract('ab,bc,dac->bca', t18, t17, t16, optimize=[(0, 1), (0, 1)])
+    t1 += oe.contract('ab,bc,dac,ce->bea', t19, t17, t16, t17, optimize=[(2, 3), (0, 2), (0, 1)])
+    t29 = t10 * M_Z
+    t30 = (8/(L*d_V**3)) * M_Z
+    t1 += oe.contract('ab,bc,ac,ac,cd,ad->bda', t30, t17, t29, t29, t17, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 1), (0, 1)])
+    t31 = (-8/(L*d_V**4)) * M_Z
+    t1 += oe.contract('ab,bc,ac,ac,cd,ad,de->bea', t31, t17, t29, t29, t17, M_Z, t17, optimize=[(2, 3), (2, 3), (2, 4), (2, 3), (1, 2), (0, 1)])
+    t32 = (4/(L*d_V**2)) * M_Z
+    t1 += oe.contract('ab,bc,ac,ac->bca', t32, t17, t29, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
+    t33 = (-4/(L*d_V**3)) * M_Z
+    t1 += oe.contract('ab,bc,ac,ac,cd->bda', t33, t17, t29, P_Z, t17, optimize=[(2, 3), (1, 3), (1, 2), (0, 1)])
+    t34 = (4/(L*d_V**2)) * P_Z
+    t1 += oe.contract('ab,ab,bc,ac->bca', t34, t29, t17, M_Z, optimize=[(0, 1), (0, 1), (0, 1)])
+    t35 = (-4/(L*d_V**3)) * P_Z
+    t1 += oe.contract('ab,ab,bc,ac,cd->bda', t35, t29, t17, M_Z, t17, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
+    t36 = (2/(L*d_V)) * P_Z
+    t20 += oe.contract('ab,ab->ab', t36, P_Z, optimize=[(0, 1)])
+    t37 = (-2/(L*d_V**2)) * P_Z
+    t1 += oe.contract('ab,ab,bc->bca', t37, P_Z, t17, optimize=[(0, 1), (0, 1)])
+    t1 += oe.contract('ab,cdb,be,de->aed', t17, t16, t17, t19, optimize=[(0, 1), (0, 1), (0, 1)])
+    t38 = (2/(d_V**3*n_batch)) * M_Z
+    t39 = oe.contract('ab,cdb,be,de->ade', t17, t16, t17, t38, optimize=[(0, 1), (0, 1), (0, 1)])
+    t40 = oe.contract('ab->ba', t17, optimize=[(0,)])
+    t1 += oe.contract('abc,dc->adb', t39, t40, optimize=[(0, 1)])
+    t41 = (-2/(d_V**2*n_batch)) * t17
+    t1 += oe.contract('ab,cdb->abd', t41, t23, optimize=[(0, 1)])
+    t42 = (2/(d_V**3*n_batch)) * t17
+    t43 = oe.contract('ab,cdb->adb', t42, t23, optimize=[(0, 1)])
+    t1 += oe.contract('abc,dc->adb', t43, t40, optimize=[(0, 1)])
+    t1 += oe.contract('ab,cb,bd,ecd,df,cf->afc', t17, t28, t17, t26, t17, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
+    t44 = (4/(d_V**4*n_batch)) * M_Z
+    t45 = oe.contract('ab,cb,bd,ecd,df,cf->acf', t17, t44, t17, t26, t17, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t45, t40, optimize=[(0, 1)])
+    t1 += oe.contract('ab,cb,bd,ecd->adc', t17, t19, t17, t16, optimize=[(0, 1), (0, 1), (0, 1)])
+    t46 = oe.contract('ab,bc,dac,ce->eab', t38, t17, t16, t17, optimize=[(2, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->dab', t46, t17, optimize=[(0, 1)])
+    t1 += oe.contract('ab,cb,bd,cd,cd,de,ce->aec', t17, t31, t17, t29, t29, t17, M_Z, optimize=[(3, 4), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
+    t47 = (8/(L*d_V**5)) * M_Z
+    t48 = oe.contract('ab,cb,bd,cd,cd,de,ce->ace', t17, t47, t17, t29, t29, t17, M_Z, optimize=[(3, 4), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t48, t40, optimize=[(0, 1)])
+    t1 += oe.contract('ab,cb,bd,cd,cd->adc', t17, t33, t17, t29, P_Z, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
+    t49 = (4/(L*d_V**4)) * M_Z
+    t50 = oe.contract('ab,cb,bd,cd,cd->acd', t17, t49, t17, t29, P_Z, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t50, t40, optimize=[(0, 1)])
+    t1 += oe.contract('ab,cb,cb,bd,cd->adc', t17, t35, t29, t17, M_Z, optimize=[(1, 2), (0, 3), (0, 2), (0, 1)])
+    t51 = (4/(L*d_V**4)) * P_Z
+    t52 = oe.contract('ab,ab,bc,ac,cd->dab', t51, t29, t17, M_Z, t17, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->dab', t52, t17, optimize=[(0, 1)])
+    t1 += oe.contract('ab,cb,cb->abc', t17, t37, P_Z, optimize=[(1, 2), (0, 1)])
+    t53 = (2/(L*d_V**3)) * P_Z
+    t54 = oe.contract('ab,ab->ab', t53, P_Z, optimize=[(0, 1)])
+    t55 = oe.contract('ab,bc->acb', t17, t17, optimize=[(0, 1)])
+    t1 += oe.contract('ab,cdb->cda', t54, t55, optimize=[(0, 1)])
     nrm = torch.linalg.norm(blk)
     del blk
     return nrm
@@ -1243,40 +1473,69 @@ def ce__hessian__outer(X, Y):
     t17 = (-0.5 * (sigma2_Z ** -1.5))
     t18 = t17 * M_Z
     t19 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
-    t2 += (2/(L*d_V*n_batch)) * oe.contract('abc,bc,bc,cd,bd->cdb', t14, A, t18, t19, M_Z, optimize=[(1, 2), (0, 2), (0, 1), (0, 1)])
-    t2 += (-2/(L*d_V**2*n_batch)) * oe.contract('abc,bc,bc,cd,bd,de->ceb', t14, A, t18, t19, M_Z, t19, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
-    t20 = t1.diagonal(0, 0, 2).diagonal(0, 0, 1)
-    t20 += (1/(L*n_batch)) * oe.contract('abc,bc,bc->bc', t14, A, P_Z, optimize=[(0, 1), (0, 1)])
-    t2 += (-1/(L*d_V*n_batch)) * oe.contract('abc,bc,bc,cd->cdb', t14, A, P_Z, t19, optimize=[(0, 1), (0, 2), (0, 1)])
-    t2 += (-2/(L*d_V*n_batch)) * oe.contract('abc,bc,bd,bd,de,be->ceb', t14, A, A, t18, t19, M_Z, optimize=[(2, 3), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t2 += (2/(L*d_V**2*n_batch)) * oe.contract('abc,bc,bd,bd,de,be,ef->cfb', t14, A, A, t18, t19, M_Z, t19, optimize=[(2, 3), (2, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t2 += (-1/(L*n_batch)) * oe.contract('abc,bc,bd,bd->cdb', t14, A, A, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t2 += (1/(L*d_V*n_batch)) * oe.contract('abc,bc,bd,bd,de->ceb', t14, A, A, P_Z, t19, optimize=[(2, 3), (2, 3), (0, 1), (0, 1)])
-    t21 = t17 * t4 * M_Z
-    t2 += (4/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ac,ce,ae->bea', M_Z, t19, t21, A, t18, t19, M_Z, optimize=[(3, 4), (2, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
-    t2 += (-4/(L*d_V**3*n_batch)) * oe.contract('ab,bc,dac,ac,ac,ce,ae,ef->bfa', M_Z, t19, t21, A, t18, t19, M_Z, t19, optimize=[(3, 4), (2, 6), (2, 3), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t2 += (2/(L*d_V*n_batch)) * oe.contract('ab,bc,dac,ac,ac->bca', M_Z, t19, t21, A, P_Z, optimize=[(3, 4), (0, 2), (0, 1), (0, 1)])
-    t2 += (-2/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ac,ce->bea', M_Z, t19, t21, A, P_Z, t19, optimize=[(3, 4), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t2 += (-4/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae,ef,af->bfa', M_Z, t19, t21, A, A, t18, t19, M_Z, optimize=[(4, 5), (2, 3), (2, 4), (2, 4), (1, 2), (0, 2), (0, 1)])
-    t2 += (4/(L*d_V**3*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae,ef,af,fg->bga', M_Z, t19, t21, A, A, t18, t19, M_Z, t19, optimize=[(4, 5), (2, 3), (2, 5), (2, 5), (1, 3), (0, 3), (0, 1), (0, 1)])
-    t2 += (-2/(L*d_V*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae->bea', M_Z, t19, t21, A, A, P_Z, optimize=[(4, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t2 += (2/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae,ef->bfa', M_Z, t19, t21, A, A, P_Z, t19, optimize=[(4, 5), (2, 3), (2, 3), (1, 2), (0, 2), (0, 1)])
-    t2 += (-2/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,db,be,de->aed', t19, t14, A, t18, t19, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 2), (0, 1)])
-    t2 += (2/(L*d_V**3*n_batch)) * oe.contract('ab,cdb,db,db,be,de,ef->afd', t19, t14, A, t18, t19, M_Z, t19, optimize=[(2, 3), (1, 5), (1, 2), (1, 3), (1, 2), (0, 1)])
-    t2 += (-1/(L*d_V*n_batch)) * oe.contract('ab,cdb,db,db->abd', t19, t14, A, P_Z, optimize=[(1, 2), (1, 2), (0, 1)])
-    t2 += (1/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,db,be->aed', t19, t14, A, P_Z, t19, optimize=[(2, 3), (1, 3), (0, 2), (0, 1)])
-    t2 += (2/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,de,de,ef,df->afd', t19, t14, A, A, t18, t19, M_Z, optimize=[(3, 4), (1, 2), (1, 3), (1, 3), (0, 1), (0, 1)])
-    t2 += (-2/(L*d_V**3*n_batch)) * oe.contract('ab,cdb,db,de,de,ef,df,fg->agd', t19, t14, A, A, t18, t19, M_Z, t19, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
-    t2 += (1/(L*d_V*n_batch)) * oe.contract('ab,cdb,db,de,de->aed', t19, t14, A, A, P_Z, optimize=[(3, 4), (1, 2), (0, 2), (0, 1)])
-    t2 += (-1/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,de,de,ef->afd', t19, t14, A, A, P_Z, t19, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t2 += (-4/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd,df,cf->afc', t19, M_Z, t19, t21, A, t18, t19, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
-    t2 += (4/(L*d_V**4*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd,df,cf,fg->agc', t19, M_Z, t19, t21, A, t18, t19, M_Z, t19, optimize=[(4, 5), (3, 7), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
-    t2 += (-2/(L*d_V**2*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd->adc', t19, M_Z, t19, t21, A, P_Z, optimize=[(4, 5), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t2 += (2/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd,df->afc', t19, M_Z, t19, t21, A, P_Z, t19, optimize=[(4, 5), (3, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
-    t2 += (4/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg->agc', t19, M_Z, t19, t21, A, A, t18, t19, M_Z, optimize=[(5, 6), (3, 4), (3, 5), (3, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t2 += (-4/(L*d_V**4*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,gh->ahc', t19, M_Z, t19, t21, A, A, t18, t19, M_Z, t19, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
-    t2 += (2/(L*d_V**2*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf->afc', t19, M_Z, t19, t21, A, A, P_Z, optimize=[(5, 6), (3, 4), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t2 += (-2/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg->agc', t19, M_Z, t19, t21, A, A, P_Z, t19, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
+    t20 = (2/(L*d_V*n_batch)) * A
+    t2 += oe.contract('abc,bc,bc,cd,bd->cdb', t14, t20, t18, t19, M_Z, optimize=[(1, 2), (0, 2), (0, 1), (0, 1)])
+    t21 = (-2/(L*d_V**2*n_batch)) * A
+    t2 += oe.contract('abc,bc,bc,cd,bd,de->ceb', t14, t21, t18, t19, M_Z, t19, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t22 = t1.diagonal(0, 0, 2).diagonal(0, 0, 1)
+    t23 = (1/(L*n_batch)) * A
+    t22 += oe.contract('abc,bc,bc->bc', t14, t23, P_Z, optimize=[(0, 1), (0, 1)])
+    t24 = (-1/(L*d_V*n_batch)) * A
+    t2 += oe.contract('abc,bc,bc,cd->cdb', t14, t24, P_Z, t19, optimize=[(0, 1), (0, 2), (0, 1)])
+    t25 = (-2/(L*d_V*n_batch)) * A
+    t2 += oe.contract('abc,bc,bd,bd,de,be->ceb', t14, t25, A, t18, t19, M_Z, optimize=[(2, 3), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t26 = (2/(L*d_V**2*n_batch)) * A
+    t2 += oe.contract('abc,bc,bd,bd,de,be,ef->cfb', t14, t26, A, t18, t19, M_Z, t19, optimize=[(2, 3), (2, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t27 = (-1/(L*n_batch)) * A
+    t2 += oe.contract('abc,bc,bd,bd->cdb', t14, t27, A, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
+    t28 = (1/(L*d_V*n_batch)) * A
+    t2 += oe.contract('abc,bc,bd,bd,de->ceb', t14, t28, A, P_Z, t19, optimize=[(2, 3), (2, 3), (0, 1), (0, 1)])
+    t29 = t17 * t4 * M_Z
+    t30 = (4/(L*d_V**2*n_batch)) * M_Z
+    t2 += oe.contract('ab,bc,dac,ac,ac,ce,ae->bea', t30, t19, t29, A, t18, t19, M_Z, optimize=[(3, 4), (2, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
+    t31 = (-4/(L*d_V**3*n_batch)) * M_Z
+    t2 += oe.contract('ab,bc,dac,ac,ac,ce,ae,ef->bfa', t31, t19, t29, A, t18, t19, M_Z, t19, optimize=[(3, 4), (2, 6), (2, 3), (2, 4), (2, 3), (1, 2), (0, 1)])
+    t32 = (2/(L*d_V*n_batch)) * M_Z
+    t2 += oe.contract('ab,bc,dac,ac,ac->bca', t32, t19, t29, A, P_Z, optimize=[(3, 4), (0, 2), (0, 1), (0, 1)])
+    t33 = (-2/(L*d_V**2*n_batch)) * M_Z
+    t2 += oe.contract('ab,bc,dac,ac,ac,ce->bea', t33, t19, t29, A, P_Z, t19, optimize=[(3, 4), (2, 4), (2, 3), (1, 2), (0, 1)])
+    t34 = (-4/(L*d_V**2*n_batch)) * M_Z
+    t2 += oe.contract('ab,bc,dac,ac,ae,ae,ef,af->bfa', t34, t19, t29, A, A, t18, t19, M_Z, optimize=[(4, 5), (2, 3), (2, 4), (2, 4), (1, 2), (0, 2), (0, 1)])
+    t35 = (4/(L*d_V**3*n_batch)) * M_Z
+    t2 += oe.contract('ab,bc,dac,ac,ae,ae,ef,af,fg->bga', t35, t19, t29, A, A, t18, t19, M_Z, t19, optimize=[(4, 5), (2, 3), (2, 5), (2, 5), (1, 3), (0, 3), (0, 1), (0, 1)])
+    t36 = (-2/(L*d_V*n_batch)) * M_Z
+    t2 += oe.contract('ab,bc,dac,ac,ae,ae->bea', t36, t19, t29, A, A, P_Z, optimize=[(4, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
+    t37 = (2/(L*d_V**2*n_batch)) * M_Z
+    t2 += oe.contract('ab,bc,dac,ac,ae,ae,ef->bfa', t37, t19, t29, A, A, P_Z, t19, optimize=[(4, 5), (2, 3), (2, 3), (1, 2), (0, 2), (0, 1)])
+    t2 += oe.contract('ab,cdb,db,db,be,de->aed', t19, t14, t21, t18, t19, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 2), (0, 1)])
+    t38 = (2/(L*d_V**3*n_batch)) * A
+    t39 = oe.contract('abc,bc,bc,cd,bd,de->ebc', t14, t38, t18, t19, M_Z, t19, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t2 += oe.contract('abc,dc->dab', t39, t19, optimize=[(0, 1)])
+    t2 += oe.contract('ab,cdb,db,db->abd', t19, t14, t24, P_Z, optimize=[(1, 2), (1, 2), (0, 1)])
+    t40 = (1/(L*d_V**2*n_batch)) * A
+    t41 = oe.contract('ab,cdb,db,db->adb', t19, t14, t40, P_Z, optimize=[(1, 2), (1, 2), (0, 1)])
+    t42 = oe.contract('ab->ba', t19, optimize=[(0,)])
+    t2 += oe.contract('abc,dc->adb', t41, t42, optimize=[(0, 1)])
+    t2 += oe.contract('ab,cdb,db,de,de,ef,df->afd', t19, t14, t26, A, t18, t19, M_Z, optimize=[(3, 4), (1, 2), (1, 3), (1, 3), (0, 1), (0, 1)])
+    t43 = (-2/(L*d_V**3*n_batch)) * A
+    t2 += oe.contract('ab,cdb,db,de,de,ef,df,fg->agd', t19, t14, t43, A, t18, t19, M_Z, t19, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
+    t2 += oe.contract('ab,cdb,db,de,de->aed', t19, t14, t28, A, P_Z, optimize=[(3, 4), (1, 2), (0, 2), (0, 1)])
+    t44 = (-1/(L*d_V**2*n_batch)) * A
+    t2 += oe.contract('ab,cdb,db,de,de,ef->afd', t19, t14, t44, A, P_Z, t19, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t2 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf->afc', t19, t31, t19, t29, A, t18, t19, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
+    t45 = (4/(L*d_V**4*n_batch)) * M_Z
+    t46 = oe.contract('ab,cb,bd,ecd,cd,cd,df,cf->acf', t19, t45, t19, t29, A, t18, t19, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
+    t2 += oe.contract('abc,dc->adb', t46, t42, optimize=[(0, 1)])
+    t2 += oe.contract('ab,cb,bd,ecd,cd,cd->adc', t19, t33, t19, t29, A, P_Z, optimize=[(4, 5), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t47 = (2/(L*d_V**3*n_batch)) * M_Z
+    t48 = oe.contract('ab,cb,bd,ecd,cd,cd->acd', t19, t47, t19, t29, A, P_Z, optimize=[(4, 5), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t2 += oe.contract('abc,dc->adb', t48, t42, optimize=[(0, 1)])
+    t2 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg->agc', t19, t35, t19, t29, A, A, t18, t19, M_Z, optimize=[(5, 6), (3, 4), (3, 5), (3, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
+    t49 = (-4/(L*d_V**4*n_batch)) * M_Z
+    t2 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,gh->ahc', t19, t49, t19, t29, A, A, t18, t19, M_Z, t19, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t2 += oe.contract('ab,cb,bd,ecd,cd,cf,cf->afc', t19, t37, t19, t29, A, A, P_Z, optimize=[(5, 6), (3, 4), (2, 4), (1, 3), (0, 2), (0, 1)])
+    t50 = (-2/(L*d_V**3*n_batch)) * M_Z
+    t2 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg->agc', t19, t50, t19, t29, A, A, P_Z, t19, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
     return H
 
 
@@ -1364,40 +1623,69 @@ def ce__frobenius_all__outer(X, Y):
     t16 = (-0.5 * (sigma2_Z ** -1.5))
     t17 = t16 * M_Z
     t18 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
-    t1 += (2/(L*d_V*n_batch)) * oe.contract('abc,bc,bc,cd,bd->cdb', t13, A, t17, t18, M_Z, optimize=[(1, 2), (0, 2), (0, 1), (0, 1)])
-    t1 += (-2/(L*d_V**2*n_batch)) * oe.contract('abc,bc,bc,cd,bd,de->ceb', t13, A, t17, t18, M_Z, t18, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
-    t19 = t0.diagonal(0, 0, 2).diagonal(0, 0, 1)
-    t19 += (1/(L*n_batch)) * oe.contract('abc,bc,bc->bc', t13, A, P_Z, optimize=[(0, 1), (0, 1)])
-    t1 += (-1/(L*d_V*n_batch)) * oe.contract('abc,bc,bc,cd->cdb', t13, A, P_Z, t18, optimize=[(0, 1), (0, 2), (0, 1)])
-    t1 += (-2/(L*d_V*n_batch)) * oe.contract('abc,bc,bd,bd,de,be->ceb', t13, A, A, t17, t18, M_Z, optimize=[(2, 3), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t1 += (2/(L*d_V**2*n_batch)) * oe.contract('abc,bc,bd,bd,de,be,ef->cfb', t13, A, A, t17, t18, M_Z, t18, optimize=[(2, 3), (2, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t1 += (-1/(L*n_batch)) * oe.contract('abc,bc,bd,bd->cdb', t13, A, A, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += (1/(L*d_V*n_batch)) * oe.contract('abc,bc,bd,bd,de->ceb', t13, A, A, P_Z, t18, optimize=[(2, 3), (2, 3), (0, 1), (0, 1)])
-    t20 = t16 * t3 * M_Z
-    t1 += (4/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ac,ce,ae->bea', M_Z, t18, t20, A, t17, t18, M_Z, optimize=[(3, 4), (2, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
-    t1 += (-4/(L*d_V**3*n_batch)) * oe.contract('ab,bc,dac,ac,ac,ce,ae,ef->bfa', M_Z, t18, t20, A, t17, t18, M_Z, t18, optimize=[(3, 4), (2, 6), (2, 3), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t1 += (2/(L*d_V*n_batch)) * oe.contract('ab,bc,dac,ac,ac->bca', M_Z, t18, t20, A, P_Z, optimize=[(3, 4), (0, 2), (0, 1), (0, 1)])
-    t1 += (-2/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ac,ce->bea', M_Z, t18, t20, A, P_Z, t18, optimize=[(3, 4), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t1 += (-4/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae,ef,af->bfa', M_Z, t18, t20, A, A, t17, t18, M_Z, optimize=[(4, 5), (2, 3), (2, 4), (2, 4), (1, 2), (0, 2), (0, 1)])
-    t1 += (4/(L*d_V**3*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae,ef,af,fg->bga', M_Z, t18, t20, A, A, t17, t18, M_Z, t18, optimize=[(4, 5), (2, 3), (2, 5), (2, 5), (1, 3), (0, 3), (0, 1), (0, 1)])
-    t1 += (-2/(L*d_V*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae->bea', M_Z, t18, t20, A, A, P_Z, optimize=[(4, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t1 += (2/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae,ef->bfa', M_Z, t18, t20, A, A, P_Z, t18, optimize=[(4, 5), (2, 3), (2, 3), (1, 2), (0, 2), (0, 1)])
-    t1 += (-2/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,db,be,de->aed', t18, t13, A, t17, t18, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 2), (0, 1)])
-    t1 += (2/(L*d_V**3*n_batch)) * oe.contract('ab,cdb,db,db,be,de,ef->afd', t18, t13, A, t17, t18, M_Z, t18, optimize=[(2, 3), (1, 5), (1, 2), (1, 3), (1, 2), (0, 1)])
-    t1 += (-1/(L*d_V*n_batch)) * oe.contract('ab,cdb,db,db->abd', t18, t13, A, P_Z, optimize=[(1, 2), (1, 2), (0, 1)])
-    t1 += (1/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,db,be->aed', t18, t13, A, P_Z, t18, optimize=[(2, 3), (1, 3), (0, 2), (0, 1)])
-    t1 += (2/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,de,de,ef,df->afd', t18, t13, A, A, t17, t18, M_Z, optimize=[(3, 4), (1, 2), (1, 3), (1, 3), (0, 1), (0, 1)])
-    t1 += (-2/(L*d_V**3*n_batch)) * oe.contract('ab,cdb,db,de,de,ef,df,fg->agd', t18, t13, A, A, t17, t18, M_Z, t18, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
-    t1 += (1/(L*d_V*n_batch)) * oe.contract('ab,cdb,db,de,de->aed', t18, t13, A, A, P_Z, optimize=[(3, 4), (1, 2), (0, 2), (0, 1)])
-    t1 += (-1/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,de,de,ef->afd', t18, t13, A, A, P_Z, t18, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t1 += (-4/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd,df,cf->afc', t18, M_Z, t18, t20, A, t17, t18, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
-    t1 += (4/(L*d_V**4*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd,df,cf,fg->agc', t18, M_Z, t18, t20, A, t17, t18, M_Z, t18, optimize=[(4, 5), (3, 7), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
-    t1 += (-2/(L*d_V**2*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd->adc', t18, M_Z, t18, t20, A, P_Z, optimize=[(4, 5), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t1 += (2/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd,df->afc', t18, M_Z, t18, t20, A, P_Z, t18, optimize=[(4, 5), (3, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
-    t1 += (4/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg->agc', t18, M_Z, t18, t20, A, A, t17, t18, M_Z, optimize=[(5, 6), (3, 4), (3, 5), (3, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t1 += (-4/(L*d_V**4*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,gh->ahc', t18, M_Z, t18, t20, A, A, t17, t18, M_Z, t18, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
-    t1 += (2/(L*d_V**2*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf->afc', t18, M_Z, t18, t20, A, A, P_Z, optimize=[(5, 6), (3, 4), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t1 += (-2/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg->agc', t18, M_Z, t18, t20, A, A, P_Z, t18, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
+    t19 = (2/(L*d_V*n_batch)) * A
+    t1 += oe.contract('abc,bc,bc,cd,bd->cdb', t13, t19, t17, t18, M_Z, optimize=[(1, 2), (0, 2), (0, 1), (0, 1)])
+    t20 = (-2/(L*d_V**2*n_batch)) * A
+    t1 += oe.contract('abc,bc,bc,cd,bd,de->ceb', t13, t20, t17, t18, M_Z, t18, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t21 = t0.diagonal(0, 0, 2).diagonal(0, 0, 1)
+    t22 = (1/(L*n_batch)) * A
+    t21 += oe.contract('abc,bc,bc->bc', t13, t22, P_Z, optimize=[(0, 1), (0, 1)])
+    t23 = (-1/(L*d_V*n_batch)) * A
+    t1 += oe.contract('abc,bc,bc,cd->cdb', t13, t23, P_Z, t18, optimize=[(0, 1), (0, 2), (0, 1)])
+    t24 = (-2/(L*d_V*n_batch)) * A
+    t1 += oe.contract('abc,bc,bd,bd,de,be->ceb', t13, t24, A, t17, t18, M_Z, optimize=[(2, 3), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t25 = (2/(L*d_V**2*n_batch)) * A
+    t1 += oe.contract('abc,bc,bd,bd,de,be,ef->cfb', t13, t25, A, t17, t18, M_Z, t18, optimize=[(2, 3), (2, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t26 = (-1/(L*n_batch)) * A
+    t1 += oe.contract('abc,bc,bd,bd->cdb', t13, t26, A, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
+    t27 = (1/(L*d_V*n_batch)) * A
+    t1 += oe.contract('abc,bc,bd,bd,de->ceb', t13, t27, A, P_Z, t18, optimize=[(2, 3), (2, 3), (0, 1), (0, 1)])
+    t28 = t16 * t3 * M_Z
+    t29 = (4/(L*d_V**2*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ac,ce,ae->bea', t29, t18, t28, A, t17, t18, M_Z, optimize=[(3, 4), (2, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
+    t30 = (-4/(L*d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ac,ce,ae,ef->bfa', t30, t18, t28, A, t17, t18, M_Z, t18, optimize=[(3, 4), (2, 6), (2, 3), (2, 4), (2, 3), (1, 2), (0, 1)])
+    t31 = (2/(L*d_V*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ac->bca', t31, t18, t28, A, P_Z, optimize=[(3, 4), (0, 2), (0, 1), (0, 1)])
+    t32 = (-2/(L*d_V**2*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ac,ce->bea', t32, t18, t28, A, P_Z, t18, optimize=[(3, 4), (2, 4), (2, 3), (1, 2), (0, 1)])
+    t33 = (-4/(L*d_V**2*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ae,ae,ef,af->bfa', t33, t18, t28, A, A, t17, t18, M_Z, optimize=[(4, 5), (2, 3), (2, 4), (2, 4), (1, 2), (0, 2), (0, 1)])
+    t34 = (4/(L*d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ae,ae,ef,af,fg->bga', t34, t18, t28, A, A, t17, t18, M_Z, t18, optimize=[(4, 5), (2, 3), (2, 5), (2, 5), (1, 3), (0, 3), (0, 1), (0, 1)])
+    t35 = (-2/(L*d_V*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ae,ae->bea', t35, t18, t28, A, A, P_Z, optimize=[(4, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
+    t36 = (2/(L*d_V**2*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ae,ae,ef->bfa', t36, t18, t28, A, A, P_Z, t18, optimize=[(4, 5), (2, 3), (2, 3), (1, 2), (0, 2), (0, 1)])
+    t1 += oe.contract('ab,cdb,db,db,be,de->aed', t18, t13, t20, t17, t18, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 2), (0, 1)])
+    t37 = (2/(L*d_V**3*n_batch)) * A
+    t38 = oe.contract('abc,bc,bc,cd,bd,de->ebc', t13, t37, t17, t18, M_Z, t18, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t1 += oe.contract('abc,dc->dab', t38, t18, optimize=[(0, 1)])
+    t1 += oe.contract('ab,cdb,db,db->abd', t18, t13, t23, P_Z, optimize=[(1, 2), (1, 2), (0, 1)])
+    t39 = (1/(L*d_V**2*n_batch)) * A
+    t40 = oe.contract('ab,cdb,db,db->adb', t18, t13, t39, P_Z, optimize=[(1, 2), (1, 2), (0, 1)])
+    t41 = oe.contract('ab->ba', t18, optimize=[(0,)])
+    t1 += oe.contract('abc,dc->adb', t40, t41, optimize=[(0, 1)])
+    t1 += oe.contract('ab,cdb,db,de,de,ef,df->afd', t18, t13, t25, A, t17, t18, M_Z, optimize=[(3, 4), (1, 2), (1, 3), (1, 3), (0, 1), (0, 1)])
+    t42 = (-2/(L*d_V**3*n_batch)) * A
+    t1 += oe.contract('ab,cdb,db,de,de,ef,df,fg->agd', t18, t13, t42, A, t17, t18, M_Z, t18, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
+    t1 += oe.contract('ab,cdb,db,de,de->aed', t18, t13, t27, A, P_Z, optimize=[(3, 4), (1, 2), (0, 2), (0, 1)])
+    t43 = (-1/(L*d_V**2*n_batch)) * A
+    t1 += oe.contract('ab,cdb,db,de,de,ef->afd', t18, t13, t43, A, P_Z, t18, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf->afc', t18, t30, t18, t28, A, t17, t18, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
+    t44 = (4/(L*d_V**4*n_batch)) * M_Z
+    t45 = oe.contract('ab,cb,bd,ecd,cd,cd,df,cf->acf', t18, t44, t18, t28, A, t17, t18, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t45, t41, optimize=[(0, 1)])
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cd->adc', t18, t32, t18, t28, A, P_Z, optimize=[(4, 5), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t46 = (2/(L*d_V**3*n_batch)) * M_Z
+    t47 = oe.contract('ab,cb,bd,ecd,cd,cd->acd', t18, t46, t18, t28, A, P_Z, optimize=[(4, 5), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t47, t41, optimize=[(0, 1)])
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg->agc', t18, t34, t18, t28, A, A, t17, t18, M_Z, optimize=[(5, 6), (3, 4), (3, 5), (3, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
+    t48 = (-4/(L*d_V**4*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,gh->ahc', t18, t48, t18, t28, A, A, t17, t18, M_Z, t18, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf->afc', t18, t36, t18, t28, A, A, P_Z, optimize=[(5, 6), (3, 4), (2, 4), (1, 3), (0, 2), (0, 1)])
+    t49 = (-2/(L*d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg->agc', t18, t49, t18, t28, A, A, P_Z, t18, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
     nrm = torch.linalg.norm(blk)
     del blk
     return (nrm,)
@@ -1432,39 +1720,63 @@ def ce__diag__X__outer(X, Y):
     t15 = (-0.5 * (sigma2_Z ** -1.5))
     t16 = t15 * M_Z
     t17 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,bc,bc,cc,bc->bc', t12, A, t16, t17, M_Z, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t0 += (-2/(L*d_V**2*n_batch)) * oe.contract('abc,bc,bc,cd,bd,dc->bc', t12, A, t16, t17, M_Z, t17, optimize=[(1, 2), (1, 3), (1, 3), (1, 2), (0, 1)])
-    t0 += (1/(L*n_batch)) * oe.contract('abc,bc,bc->bc', t12, A, P_Z, optimize=[(0, 1), (0, 1)])
-    t0 += (-1/(L*d_V*n_batch)) * oe.contract('abc,bc,bc,cc->bc', t12, A, P_Z, t17, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (-2/(L*d_V*n_batch)) * oe.contract('abc,bc,bd,bd,dc,bc->bc', t12, A, A, t16, t17, M_Z, optimize=[(2, 3), (1, 3), (1, 2), (1, 2), (0, 1)])
-    t0 += (2/(L*d_V**2*n_batch)) * oe.contract('abc,bc,bd,bd,de,be,ec->bc', t12, A, A, t16, t17, M_Z, t17, optimize=[(2, 3), (2, 5), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,bc,bc,bc->bc', t12, A, A, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(L*d_V*n_batch)) * oe.contract('abc,bc,bd,bd,dc->bc', t12, A, A, P_Z, t17, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)])
-    t18 = t15 * t2 * M_Z
-    t0 += (4/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ac,cb,ab->ab', M_Z, t17, t18, A, t16, t17, M_Z, optimize=[(3, 4), (1, 3), (0, 2), (0, 1), (0, 2), (0, 1)])
-    t0 += (-4/(L*d_V**3*n_batch)) * oe.contract('ab,bc,dac,ac,ac,ce,ae,eb->ab', M_Z, t17, t18, A, t16, t17, M_Z, t17, optimize=[(3, 4), (2, 6), (2, 3), (2, 4), (1, 3), (1, 2), (0, 1)])
-    t0 += (2/(L*d_V*n_batch)) * oe.contract('ab,bb,cab,ab,ab->ab', M_Z, t17, t18, A, P_Z, optimize=[(0, 3), (2, 3), (0, 1), (0, 1)])
-    t0 += (-2/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ac,cb->ab', M_Z, t17, t18, A, P_Z, t17, optimize=[(3, 4), (1, 3), (1, 2), (1, 2), (0, 1)])
-    t0 += (-4/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae,eb,ab->ab', M_Z, t17, t18, A, A, t16, t17, M_Z, optimize=[(4, 5), (0, 5), (1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
-    t0 += (4/(L*d_V**3*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae,ef,af,fb->ab', M_Z, t17, t18, A, A, t16, t17, M_Z, t17, optimize=[(4, 5), (2, 3), (2, 5), (2, 5), (1, 3), (0, 3), (0, 1), (0, 1)])
-    t0 += (-2/(L*d_V*n_batch)) * oe.contract('ab,bc,dac,ac,ab,ab->ab', M_Z, t17, t18, A, A, P_Z, optimize=[(0, 4), (3, 4), (1, 2), (0, 2), (0, 1)])
-    t0 += (2/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae,eb->ab', M_Z, t17, t18, A, A, P_Z, t17, optimize=[(4, 5), (2, 3), (2, 3), (0, 3), (0, 1), (0, 1)])
-    t0 += (-2/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,db,ba,da->da', t17, t12, A, t16, t17, M_Z, optimize=[(2, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
-    t0 += (2/(L*d_V**3*n_batch)) * oe.contract('ab,cdb,db,db,be,de,ea->da', t17, t12, A, t16, t17, M_Z, t17, optimize=[(2, 3), (1, 5), (1, 2), (1, 3), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_V*n_batch)) * oe.contract('aa,bca,ca,ca->ca', t17, t12, A, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,db,ba->da', t17, t12, A, P_Z, t17, optimize=[(2, 3), (0, 2), (0, 1), (0, 1)])
-    t0 += (2/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,de,de,ea,da->da', t17, t12, A, A, t16, t17, M_Z, optimize=[(3, 4), (1, 2), (1, 3), (1, 3), (0, 1), (0, 1)])
-    t0 += (-2/(L*d_V**3*n_batch)) * oe.contract('ab,cdb,db,de,de,ef,df,fa->da', t17, t12, A, A, t16, t17, M_Z, t17, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
-    t0 += (1/(L*d_V*n_batch)) * oe.contract('ab,cdb,db,da,da->da', t17, t12, A, A, P_Z, optimize=[(3, 4), (1, 2), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,de,de,ea->da', t17, t12, A, A, P_Z, t17, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t0 += (-4/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd,da,ca->ca', t17, M_Z, t17, t18, A, t16, t17, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (0, 3), (1, 2), (0, 1)])
-    t0 += (4/(L*d_V**4*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd,df,cf,fa->ca', t17, M_Z, t17, t18, A, t16, t17, M_Z, t17, optimize=[(4, 5), (3, 7), (0, 1), (0, 5), (3, 4), (0, 3), (1, 2), (0, 1)])
-    t0 += (-2/(L*d_V**2*n_batch)) * oe.contract('ab,cb,ba,dca,ca,ca->ca', t17, M_Z, t17, t18, A, P_Z, optimize=[(0, 2), (2, 3), (0, 2), (1, 2), (0, 1)])
-    t0 += (2/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd,da->ca', t17, M_Z, t17, t18, A, P_Z, t17, optimize=[(4, 5), (3, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
-    t0 += (4/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf,fa,ca->ca', t17, M_Z, t17, t18, A, A, t16, t17, M_Z, optimize=[(5, 6), (3, 4), (3, 5), (3, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t0 += (-4/(L*d_V**4*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,ga->ca', t17, M_Z, t17, t18, A, A, t16, t17, M_Z, t17, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
-    t0 += (2/(L*d_V**2*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,ca,ca->ca', t17, M_Z, t17, t18, A, A, P_Z, optimize=[(5, 6), (3, 4), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t0 += (-2/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf,fa->ca', t17, M_Z, t17, t18, A, A, P_Z, t17, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
+    t18 = (2/(L*d_V*n_batch)) * A
+    t0[...] = oe.contract('abc,bc,bc,cc,bc->bc', t12, t18, t16, t17, M_Z, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t19 = (-2/(L*d_V**2*n_batch)) * A
+    t0 += oe.contract('abc,bc,bc,cd,bd,dc->bc', t12, t19, t16, t17, M_Z, t17, optimize=[(1, 2), (1, 3), (1, 3), (1, 2), (0, 1)])
+    t20 = (1/(L*n_batch)) * A
+    t0 += oe.contract('abc,bc,bc->bc', t12, t20, P_Z, optimize=[(0, 1), (0, 1)])
+    t21 = (-1/(L*d_V*n_batch)) * A
+    t0 += oe.contract('abc,bc,bc,cc->bc', t12, t21, P_Z, t17, optimize=[(0, 1), (0, 1), (0, 1)])
+    t22 = (-2/(L*d_V*n_batch)) * A
+    t0 += oe.contract('abc,bc,bd,bd,dc,bc->bc', t12, t22, A, t16, t17, M_Z, optimize=[(2, 3), (1, 3), (1, 2), (1, 2), (0, 1)])
+    t23 = (2/(L*d_V**2*n_batch)) * A
+    t0 += oe.contract('abc,bc,bd,bd,de,be,ec->bc', t12, t23, A, t16, t17, M_Z, t17, optimize=[(2, 3), (2, 5), (2, 4), (2, 3), (1, 2), (0, 1)])
+    t24 = (-1/(L*n_batch)) * A
+    t0 += oe.contract('abc,bc,bc,bc->bc', t12, t24, A, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
+    t25 = (1/(L*d_V*n_batch)) * A
+    t0 += oe.contract('abc,bc,bd,bd,dc->bc', t12, t25, A, P_Z, t17, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)])
+    t26 = t15 * t2 * M_Z
+    t27 = (4/(L*d_V**2*n_batch)) * M_Z
+    t0 += oe.contract('ab,bc,dac,ac,ac,cb,ab->ab', t27, t17, t26, A, t16, t17, M_Z, optimize=[(3, 4), (1, 3), (0, 2), (0, 1), (0, 2), (0, 1)])
+    t28 = (-4/(L*d_V**3*n_batch)) * M_Z
+    t0 += oe.contract('ab,bc,dac,ac,ac,ce,ae,eb->ab', t28, t17, t26, A, t16, t17, M_Z, t17, optimize=[(3, 4), (2, 6), (2, 3), (2, 4), (1, 3), (1, 2), (0, 1)])
+    t29 = (2/(L*d_V*n_batch)) * M_Z
+    t0 += oe.contract('ab,bb,cab,ab,ab->ab', t29, t17, t26, A, P_Z, optimize=[(0, 3), (2, 3), (0, 1), (0, 1)])
+    t30 = (-2/(L*d_V**2*n_batch)) * M_Z
+    t0 += oe.contract('ab,bc,dac,ac,ac,cb->ab', t30, t17, t26, A, P_Z, t17, optimize=[(3, 4), (1, 3), (1, 2), (1, 2), (0, 1)])
+    t31 = (-4/(L*d_V**2*n_batch)) * M_Z
+    t0 += oe.contract('ab,bc,dac,ac,ae,ae,eb,ab->ab', t31, t17, t26, A, A, t16, t17, M_Z, optimize=[(4, 5), (0, 5), (1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t32 = (4/(L*d_V**3*n_batch)) * M_Z
+    t0 += oe.contract('ab,bc,dac,ac,ae,ae,ef,af,fb->ab', t32, t17, t26, A, A, t16, t17, M_Z, t17, optimize=[(4, 5), (2, 3), (2, 5), (2, 5), (1, 3), (0, 3), (0, 1), (0, 1)])
+    t33 = (-2/(L*d_V*n_batch)) * M_Z
+    t0 += oe.contract('ab,bc,dac,ac,ab,ab->ab', t33, t17, t26, A, A, P_Z, optimize=[(0, 4), (3, 4), (1, 2), (0, 2), (0, 1)])
+    t34 = (2/(L*d_V**2*n_batch)) * M_Z
+    t0 += oe.contract('ab,bc,dac,ac,ae,ae,eb->ab', t34, t17, t26, A, A, P_Z, t17, optimize=[(4, 5), (2, 3), (2, 3), (0, 3), (0, 1), (0, 1)])
+    t0 += oe.contract('ab,cdb,db,db,ba,da->da', t17, t12, t19, t16, t17, M_Z, optimize=[(2, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t35 = (2/(L*d_V**3*n_batch)) * A
+    t0 += oe.contract('ab,cdb,db,db,be,de,ea->da', t17, t12, t35, t16, t17, M_Z, t17, optimize=[(2, 3), (1, 5), (1, 2), (1, 3), (0, 2), (0, 1)])
+    t0 += oe.contract('aa,bca,ca,ca->ca', t17, t12, t21, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
+    t36 = (1/(L*d_V**2*n_batch)) * A
+    t0 += oe.contract('ab,cdb,db,db,ba->da', t17, t12, t36, P_Z, t17, optimize=[(2, 3), (0, 2), (0, 1), (0, 1)])
+    t0 += oe.contract('ab,cdb,db,de,de,ea,da->da', t17, t12, t23, A, t16, t17, M_Z, optimize=[(3, 4), (1, 2), (1, 3), (1, 3), (0, 1), (0, 1)])
+    t37 = (-2/(L*d_V**3*n_batch)) * A
+    t0 += oe.contract('ab,cdb,db,de,de,ef,df,fa->da', t17, t12, t37, A, t16, t17, M_Z, t17, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
+    t0 += oe.contract('ab,cdb,db,da,da->da', t17, t12, t25, A, P_Z, optimize=[(3, 4), (1, 2), (0, 2), (0, 1)])
+    t38 = (-1/(L*d_V**2*n_batch)) * A
+    t0 += oe.contract('ab,cdb,db,de,de,ea->da', t17, t12, t38, A, P_Z, t17, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t0 += oe.contract('ab,cb,bd,ecd,cd,cd,da,ca->ca', t17, t28, t17, t26, A, t16, t17, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (0, 3), (1, 2), (0, 1)])
+    t39 = (4/(L*d_V**4*n_batch)) * M_Z
+    t0 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf,fa->ca', t17, t39, t17, t26, A, t16, t17, M_Z, t17, optimize=[(4, 5), (3, 7), (0, 1), (0, 5), (3, 4), (0, 3), (1, 2), (0, 1)])
+    t0 += oe.contract('ab,cb,ba,dca,ca,ca->ca', t17, t30, t17, t26, A, P_Z, optimize=[(0, 2), (2, 3), (0, 2), (1, 2), (0, 1)])
+    t40 = (2/(L*d_V**3*n_batch)) * M_Z
+    t0 += oe.contract('ab,cb,bd,ecd,cd,cd,da->ca', t17, t40, t17, t26, A, P_Z, t17, optimize=[(4, 5), (3, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
+    t0 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fa,ca->ca', t17, t32, t17, t26, A, A, t16, t17, M_Z, optimize=[(5, 6), (3, 4), (3, 5), (3, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
+    t41 = (-4/(L*d_V**4*n_batch)) * M_Z
+    t0 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,ga->ca', t17, t41, t17, t26, A, A, t16, t17, M_Z, t17, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t0 += oe.contract('ab,cb,bd,ecd,cd,ca,ca->ca', t17, t34, t17, t26, A, A, P_Z, optimize=[(5, 6), (3, 4), (2, 4), (1, 3), (0, 2), (0, 1)])
+    t42 = (-2/(L*d_V**3*n_batch)) * M_Z
+    t0 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fa->ca', t17, t42, t17, t26, A, A, P_Z, t17, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -1530,40 +1842,69 @@ def ce__block__X__X__outer(X, Y):
     t16 = (-0.5 * (sigma2_Z ** -1.5))
     t17 = t16 * M_Z
     t18 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
-    t1 += (2/(L*d_V*n_batch)) * oe.contract('abc,bc,bc,cd,bd->cdb', t13, A, t17, t18, M_Z, optimize=[(1, 2), (0, 2), (0, 1), (0, 1)])
-    t1 += (-2/(L*d_V**2*n_batch)) * oe.contract('abc,bc,bc,cd,bd,de->ceb', t13, A, t17, t18, M_Z, t18, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
-    t19 = t0.diagonal(0, 0, 2).diagonal(0, 0, 1)
-    t19 += (1/(L*n_batch)) * oe.contract('abc,bc,bc->bc', t13, A, P_Z, optimize=[(0, 1), (0, 1)])
-    t1 += (-1/(L*d_V*n_batch)) * oe.contract('abc,bc,bc,cd->cdb', t13, A, P_Z, t18, optimize=[(0, 1), (0, 2), (0, 1)])
-    t1 += (-2/(L*d_V*n_batch)) * oe.contract('abc,bc,bd,bd,de,be->ceb', t13, A, A, t17, t18, M_Z, optimize=[(2, 3), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t1 += (2/(L*d_V**2*n_batch)) * oe.contract('abc,bc,bd,bd,de,be,ef->cfb', t13, A, A, t17, t18, M_Z, t18, optimize=[(2, 3), (2, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t1 += (-1/(L*n_batch)) * oe.contract('abc,bc,bd,bd->cdb', t13, A, A, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += (1/(L*d_V*n_batch)) * oe.contract('abc,bc,bd,bd,de->ceb', t13, A, A, P_Z, t18, optimize=[(2, 3), (2, 3), (0, 1), (0, 1)])
-    t20 = t16 * t3 * M_Z
-    t1 += (4/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ac,ce,ae->bea', M_Z, t18, t20, A, t17, t18, M_Z, optimize=[(3, 4), (2, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
-    t1 += (-4/(L*d_V**3*n_batch)) * oe.contract('ab,bc,dac,ac,ac,ce,ae,ef->bfa', M_Z, t18, t20, A, t17, t18, M_Z, t18, optimize=[(3, 4), (2, 6), (2, 3), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t1 += (2/(L*d_V*n_batch)) * oe.contract('ab,bc,dac,ac,ac->bca', M_Z, t18, t20, A, P_Z, optimize=[(3, 4), (0, 2), (0, 1), (0, 1)])
-    t1 += (-2/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ac,ce->bea', M_Z, t18, t20, A, P_Z, t18, optimize=[(3, 4), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t1 += (-4/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae,ef,af->bfa', M_Z, t18, t20, A, A, t17, t18, M_Z, optimize=[(4, 5), (2, 3), (2, 4), (2, 4), (1, 2), (0, 2), (0, 1)])
-    t1 += (4/(L*d_V**3*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae,ef,af,fg->bga', M_Z, t18, t20, A, A, t17, t18, M_Z, t18, optimize=[(4, 5), (2, 3), (2, 5), (2, 5), (1, 3), (0, 3), (0, 1), (0, 1)])
-    t1 += (-2/(L*d_V*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae->bea', M_Z, t18, t20, A, A, P_Z, optimize=[(4, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t1 += (2/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae,ef->bfa', M_Z, t18, t20, A, A, P_Z, t18, optimize=[(4, 5), (2, 3), (2, 3), (1, 2), (0, 2), (0, 1)])
-    t1 += (-2/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,db,be,de->aed', t18, t13, A, t17, t18, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 2), (0, 1)])
-    t1 += (2/(L*d_V**3*n_batch)) * oe.contract('ab,cdb,db,db,be,de,ef->afd', t18, t13, A, t17, t18, M_Z, t18, optimize=[(2, 3), (1, 5), (1, 2), (1, 3), (1, 2), (0, 1)])
-    t1 += (-1/(L*d_V*n_batch)) * oe.contract('ab,cdb,db,db->abd', t18, t13, A, P_Z, optimize=[(1, 2), (1, 2), (0, 1)])
-    t1 += (1/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,db,be->aed', t18, t13, A, P_Z, t18, optimize=[(2, 3), (1, 3), (0, 2), (0, 1)])
-    t1 += (2/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,de,de,ef,df->afd', t18, t13, A, A, t17, t18, M_Z, optimize=[(3, 4), (1, 2), (1, 3), (1, 3), (0, 1), (0, 1)])
-    t1 += (-2/(L*d_V**3*n_batch)) * oe.contract('ab,cdb,db,de,de,ef,df,fg->agd', t18, t13, A, A, t17, t18, M_Z, t18, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
-    t1 += (1/(L*d_V*n_batch)) * oe.contract('ab,cdb,db,de,de->aed', t18, t13, A, A, P_Z, optimize=[(3, 4), (1, 2), (0, 2), (0, 1)])
-    t1 += (-1/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,de,de,ef->afd', t18, t13, A, A, P_Z, t18, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t1 += (-4/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd,df,cf->afc', t18, M_Z, t18, t20, A, t17, t18, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
-    t1 += (4/(L*d_V**4*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd,df,cf,fg->agc', t18, M_Z, t18, t20, A, t17, t18, M_Z, t18, optimize=[(4, 5), (3, 7), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
-    t1 += (-2/(L*d_V**2*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd->adc', t18, M_Z, t18, t20, A, P_Z, optimize=[(4, 5), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t1 += (2/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd,df->afc', t18, M_Z, t18, t20, A, P_Z, t18, optimize=[(4, 5), (3, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
-    t1 += (4/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg->agc', t18, M_Z, t18, t20, A, A, t17, t18, M_Z, optimize=[(5, 6), (3, 4), (3, 5), (3, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t1 += (-4/(L*d_V**4*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,gh->ahc', t18, M_Z, t18, t20, A, A, t17, t18, M_Z, t18, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
-    t1 += (2/(L*d_V**2*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf->afc', t18, M_Z, t18, t20, A, A, P_Z, optimize=[(5, 6), (3, 4), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t1 += (-2/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg->agc', t18, M_Z, t18, t20, A, A, P_Z, t18, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
+    t19 = (2/(L*d_V*n_batch)) * A
+    t1 += oe.contract('abc,bc,bc,cd,bd->cdb', t13, t19, t17, t18, M_Z, optimize=[(1, 2), (0, 2), (0, 1), (0, 1)])
+    t20 = (-2/(L*d_V**2*n_batch)) * A
+    t1 += oe.contract('abc,bc,bc,cd,bd,de->ceb', t13, t20, t17, t18, M_Z, t18, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t21 = t0.diagonal(0, 0, 2).diagonal(0, 0, 1)
+    t22 = (1/(L*n_batch)) * A
+    t21 += oe.contract('abc,bc,bc->bc', t13, t22, P_Z, optimize=[(0, 1), (0, 1)])
+    t23 = (-1/(L*d_V*n_batch)) * A
+    t1 += oe.contract('abc,bc,bc,cd->cdb', t13, t23, P_Z, t18, optimize=[(0, 1), (0, 2), (0, 1)])
+    t24 = (-2/(L*d_V*n_batch)) * A
+    t1 += oe.contract('abc,bc,bd,bd,de,be->ceb', t13, t24, A, t17, t18, M_Z, optimize=[(2, 3), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t25 = (2/(L*d_V**2*n_batch)) * A
+    t1 += oe.contract('abc,bc,bd,bd,de,be,ef->cfb', t13, t25, A, t17, t18, M_Z, t18, optimize=[(2, 3), (2, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t26 = (-1/(L*n_batch)) * A
+    t1 += oe.contract('abc,bc,bd,bd->cdb', t13, t26, A, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
+    t27 = (1/(L*d_V*n_batch)) * A
+    t1 += oe.contract('abc,bc,bd,bd,de->ceb', t13, t27, A, P_Z, t18, optimize=[(2, 3), (2, 3), (0, 1), (0, 1)])
+    t28 = t16 * t3 * M_Z
+    t29 = (4/(L*d_V**2*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ac,ce,ae->bea', t29, t18, t28, A, t17, t18, M_Z, optimize=[(3, 4), (2, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
+    t30 = (-4/(L*d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ac,ce,ae,ef->bfa', t30, t18, t28, A, t17, t18, M_Z, t18, optimize=[(3, 4), (2, 6), (2, 3), (2, 4), (2, 3), (1, 2), (0, 1)])
+    t31 = (2/(L*d_V*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ac->bca', t31, t18, t28, A, P_Z, optimize=[(3, 4), (0, 2), (0, 1), (0, 1)])
+    t32 = (-2/(L*d_V**2*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ac,ce->bea', t32, t18, t28, A, P_Z, t18, optimize=[(3, 4), (2, 4), (2, 3), (1, 2), (0, 1)])
+    t33 = (-4/(L*d_V**2*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ae,ae,ef,af->bfa', t33, t18, t28, A, A, t17, t18, M_Z, optimize=[(4, 5), (2, 3), (2, 4), (2, 4), (1, 2), (0, 2), (0, 1)])
+    t34 = (4/(L*d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ae,ae,ef,af,fg->bga', t34, t18, t28, A, A, t17, t18, M_Z, t18, optimize=[(4, 5), (2, 3), (2, 5), (2, 5), (1, 3), (0, 3), (0, 1), (0, 1)])
+    t35 = (-2/(L*d_V*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ae,ae->bea', t35, t18, t28, A, A, P_Z, optimize=[(4, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
+    t36 = (2/(L*d_V**2*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ae,ae,ef->bfa', t36, t18, t28, A, A, P_Z, t18, optimize=[(4, 5), (2, 3), (2, 3), (1, 2), (0, 2), (0, 1)])
+    t1 += oe.contract('ab,cdb,db,db,be,de->aed', t18, t13, t20, t17, t18, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 2), (0, 1)])
+    t37 = (2/(L*d_V**3*n_batch)) * A
+    t38 = oe.contract('abc,bc,bc,cd,bd,de->ebc', t13, t37, t17, t18, M_Z, t18, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t1 += oe.contract('abc,dc->dab', t38, t18, optimize=[(0, 1)])
+    t1 += oe.contract('ab,cdb,db,db->abd', t18, t13, t23, P_Z, optimize=[(1, 2), (1, 2), (0, 1)])
+    t39 = (1/(L*d_V**2*n_batch)) * A
+    t40 = oe.contract('ab,cdb,db,db->adb', t18, t13, t39, P_Z, optimize=[(1, 2), (1, 2), (0, 1)])
+    t41 = oe.contract('ab->ba', t18, optimize=[(0,)])
+    t1 += oe.contract('abc,dc->adb', t40, t41, optimize=[(0, 1)])
+    t1 += oe.contract('ab,cdb,db,de,de,ef,df->afd', t18, t13, t25, A, t17, t18, M_Z, optimize=[(3, 4), (1, 2), (1, 3), (1, 3), (0, 1), (0, 1)])
+    t42 = (-2/(L*d_V**3*n_batch)) * A
+    t1 += oe.contract('ab,cdb,db,de,de,ef,df,fg->agd', t18, t13, t42, A, t17, t18, M_Z, t18, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
+    t1 += oe.contract('ab,cdb,db,de,de->aed', t18, t13, t27, A, P_Z, optimize=[(3, 4), (1, 2), (0, 2), (0, 1)])
+    t43 = (-1/(L*d_V**2*n_batch)) * A
+    t1 += oe.contract('ab,cdb,db,de,de,ef->afd', t18, t13, t43, A, P_Z, t18, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf->afc', t18, t30, t18, t28, A, t17, t18, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
+    t44 = (4/(L*d_V**4*n_batch)) * M_Z
+    t45 = oe.contract('ab,cb,bd,ecd,cd,cd,df,cf->acf', t18, t44, t18, t28, A, t17, t18, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t45, t41, optimize=[(0, 1)])
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cd->adc', t18, t32, t18, t28, A, P_Z, optimize=[(4, 5), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t46 = (2/(L*d_V**3*n_batch)) * M_Z
+    t47 = oe.contract('ab,cb,bd,ecd,cd,cd->acd', t18, t46, t18, t28, A, P_Z, optimize=[(4, 5), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t47, t41, optimize=[(0, 1)])
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg->agc', t18, t34, t18, t28, A, A, t17, t18, M_Z, optimize=[(5, 6), (3, 4), (3, 5), (3, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
+    t48 = (-4/(L*d_V**4*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,gh->ahc', t18, t48, t18, t28, A, A, t17, t18, M_Z, t18, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf->afc', t18, t36, t18, t28, A, A, P_Z, optimize=[(5, 6), (3, 4), (2, 4), (1, 3), (0, 2), (0, 1)])
+    t49 = (-2/(L*d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg->agc', t18, t49, t18, t28, A, A, P_Z, t18, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -1598,40 +1939,69 @@ def ce__frobenius__X__X__outer(X, Y):
     t16 = (-0.5 * (sigma2_Z ** -1.5))
     t17 = t16 * M_Z
     t18 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
-    t1 += (2/(L*d_V*n_batch)) * oe.contract('abc,bc,bc,cd,bd->cdb', t13, A, t17, t18, M_Z, optimize=[(1, 2), (0, 2), (0, 1), (0, 1)])
-    t1 += (-2/(L*d_V**2*n_batch)) * oe.contract('abc,bc,bc,cd,bd,de->ceb', t13, A, t17, t18, M_Z, t18, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
-    t19 = t0.diagonal(0, 0, 2).diagonal(0, 0, 1)
-    t19 += (1/(L*n_batch)) * oe.contract('abc,bc,bc->bc', t13, A, P_Z, optimize=[(0, 1), (0, 1)])
-    t1 += (-1/(L*d_V*n_batch)) * oe.contract('abc,bc,bc,cd->cdb', t13, A, P_Z, t18, optimize=[(0, 1), (0, 2), (0, 1)])
-    t1 += (-2/(L*d_V*n_batch)) * oe.contract('abc,bc,bd,bd,de,be->ceb', t13, A, A, t17, t18, M_Z, optimize=[(2, 3), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t1 += (2/(L*d_V**2*n_batch)) * oe.contract('abc,bc,bd,bd,de,be,ef->cfb', t13, A, A, t17, t18, M_Z, t18, optimize=[(2, 3), (2, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t1 += (-1/(L*n_batch)) * oe.contract('abc,bc,bd,bd->cdb', t13, A, A, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += (1/(L*d_V*n_batch)) * oe.contract('abc,bc,bd,bd,de->ceb', t13, A, A, P_Z, t18, optimize=[(2, 3), (2, 3), (0, 1), (0, 1)])
-    t20 = t16 * t3 * M_Z
-    t1 += (4/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ac,ce,ae->bea', M_Z, t18, t20, A, t17, t18, M_Z, optimize=[(3, 4), (2, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
-    t1 += (-4/(L*d_V**3*n_batch)) * oe.contract('ab,bc,dac,ac,ac,ce,ae,ef->bfa', M_Z, t18, t20, A, t17, t18, M_Z, t18, optimize=[(3, 4), (2, 6), (2, 3), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t1 += (2/(L*d_V*n_batch)) * oe.contract('ab,bc,dac,ac,ac->bca', M_Z, t18, t20, A, P_Z, optimize=[(3, 4), (0, 2), (0, 1), (0, 1)])
-    t1 += (-2/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ac,ce->bea', M_Z, t18, t20, A, P_Z, t18, optimize=[(3, 4), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t1 += (-4/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae,ef,af->bfa', M_Z, t18, t20, A, A, t17, t18, M_Z, optimize=[(4, 5), (2, 3), (2, 4), (2, 4), (1, 2), (0, 2), (0, 1)])
-    t1 += (4/(L*d_V**3*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae,ef,af,fg->bga', M_Z, t18, t20, A, A, t17, t18, M_Z, t18, optimize=[(4, 5), (2, 3), (2, 5), (2, 5), (1, 3), (0, 3), (0, 1), (0, 1)])
-    t1 += (-2/(L*d_V*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae->bea', M_Z, t18, t20, A, A, P_Z, optimize=[(4, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t1 += (2/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae,ef->bfa', M_Z, t18, t20, A, A, P_Z, t18, optimize=[(4, 5), (2, 3), (2, 3), (1, 2), (0, 2), (0, 1)])
-    t1 += (-2/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,db,be,de->aed', t18, t13, A, t17, t18, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 2), (0, 1)])
-    t1 += (2/(L*d_V**3*n_batch)) * oe.contract('ab,cdb,db,db,be,de,ef->afd', t18, t13, A, t17, t18, M_Z, t18, optimize=[(2, 3), (1, 5), (1, 2), (1, 3), (1, 2), (0, 1)])
-    t1 += (-1/(L*d_V*n_batch)) * oe.contract('ab,cdb,db,db->abd', t18, t13, A, P_Z, optimize=[(1, 2), (1, 2), (0, 1)])
-    t1 += (1/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,db,be->aed', t18, t13, A, P_Z, t18, optimize=[(2, 3), (1, 3), (0, 2), (0, 1)])
-    t1 += (2/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,de,de,ef,df->afd', t18, t13, A, A, t17, t18, M_Z, optimize=[(3, 4), (1, 2), (1, 3), (1, 3), (0, 1), (0, 1)])
-    t1 += (-2/(L*d_V**3*n_batch)) * oe.contract('ab,cdb,db,de,de,ef,df,fg->agd', t18, t13, A, A, t17, t18, M_Z, t18, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
-    t1 += (1/(L*d_V*n_batch)) * oe.contract('ab,cdb,db,de,de->aed', t18, t13, A, A, P_Z, optimize=[(3, 4), (1, 2), (0, 2), (0, 1)])
-    t1 += (-1/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,de,de,ef->afd', t18, t13, A, A, P_Z, t18, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t1 += (-4/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd,df,cf->afc', t18, M_Z, t18, t20, A, t17, t18, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
-    t1 += (4/(L*d_V**4*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd,df,cf,fg->agc', t18, M_Z, t18, t20, A, t17, t18, M_Z, t18, optimize=[(4, 5), (3, 7), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
-    t1 += (-2/(L*d_V**2*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd->adc', t18, M_Z, t18, t20, A, P_Z, optimize=[(4, 5), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t1 += (2/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd,df->afc', t18, M_Z, t18, t20, A, P_Z, t18, optimize=[(4, 5), (3, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
-    t1 += (4/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg->agc', t18, M_Z, t18, t20, A, A, t17, t18, M_Z, optimize=[(5, 6), (3, 4), (3, 5), (3, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t1 += (-4/(L*d_V**4*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,gh->ahc', t18, M_Z, t18, t20, A, A, t17, t18, M_Z, t18, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
-    t1 += (2/(L*d_V**2*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf->afc', t18, M_Z, t18, t20, A, A, P_Z, optimize=[(5, 6), (3, 4), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t1 += (-2/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg->agc', t18, M_Z, t18, t20, A, A, P_Z, t18, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
+    t19 = (2/(L*d_V*n_batch)) * A
+    t1 += oe.contract('abc,bc,bc,cd,bd->cdb', t13, t19, t17, t18, M_Z, optimize=[(1, 2), (0, 2), (0, 1), (0, 1)])
+    t20 = (-2/(L*d_V**2*n_batch)) * A
+    t1 += oe.contract('abc,bc,bc,cd,bd,de->ceb', t13, t20, t17, t18, M_Z, t18, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t21 = t0.diagonal(0, 0, 2).diagonal(0, 0, 1)
+    t22 = (1/(L*n_batch)) * A
+    t21 += oe.contract('abc,bc,bc->bc', t13, t22, P_Z, optimize=[(0, 1), (0, 1)])
+    t23 = (-1/(L*d_V*n_batch)) * A
+    t1 += oe.contract('abc,bc,bc,cd->cdb', t13, t23, P_Z, t18, optimize=[(0, 1), (0, 2), (0, 1)])
+    t24 = (-2/(L*d_V*n_batch)) * A
+    t1 += oe.contract('abc,bc,bd,bd,de,be->ceb', t13, t24, A, t17, t18, M_Z, optimize=[(2, 3), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t25 = (2/(L*d_V**2*n_batch)) * A
+    t1 += oe.contract('abc,bc,bd,bd,de,be,ef->cfb', t13, t25, A, t17, t18, M_Z, t18, optimize=[(2, 3), (2, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t26 = (-1/(L*n_batch)) * A
+    t1 += oe.contract('abc,bc,bd,bd->cdb', t13, t26, A, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
+    t27 = (1/(L*d_V*n_batch)) * A
+    t1 += oe.contract('abc,bc,bd,bd,de->ceb', t13, t27, A, P_Z, t18, optimize=[(2, 3), (2, 3), (0, 1), (0, 1)])
+    t28 = t16 * t3 * M_Z
+    t29 = (4/(L*d_V**2*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ac,ce,ae->bea', t29, t18, t28, A, t17, t18, M_Z, optimize=[(3, 4), (2, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
+    t30 = (-4/(L*d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ac,ce,ae,ef->bfa', t30, t18, t28, A, t17, t18, M_Z, t18, optimize=[(3, 4), (2, 6), (2, 3), (2, 4), (2, 3), (1, 2), (0, 1)])
+    t31 = (2/(L*d_V*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ac->bca', t31, t18, t28, A, P_Z, optimize=[(3, 4), (0, 2), (0, 1), (0, 1)])
+    t32 = (-2/(L*d_V**2*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ac,ce->bea', t32, t18, t28, A, P_Z, t18, optimize=[(3, 4), (2, 4), (2, 3), (1, 2), (0, 1)])
+    t33 = (-4/(L*d_V**2*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ae,ae,ef,af->bfa', t33, t18, t28, A, A, t17, t18, M_Z, optimize=[(4, 5), (2, 3), (2, 4), (2, 4), (1, 2), (0, 2), (0, 1)])
+    t34 = (4/(L*d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ae,ae,ef,af,fg->bga', t34, t18, t28, A, A, t17, t18, M_Z, t18, optimize=[(4, 5), (2, 3), (2, 5), (2, 5), (1, 3), (0, 3), (0, 1), (0, 1)])
+    t35 = (-2/(L*d_V*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ae,ae->bea', t35, t18, t28, A, A, P_Z, optimize=[(4, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
+    t36 = (2/(L*d_V**2*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ae,ae,ef->bfa', t36, t18, t28, A, A, P_Z, t18, optimize=[(4, 5), (2, 3), (2, 3), (1, 2), (0, 2), (0, 1)])
+    t1 += oe.contract('ab,cdb,db,db,be,de->aed', t18, t13, t20, t17, t18, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 2), (0, 1)])
+    t37 = (2/(L*d_V**3*n_batch)) * A
+    t38 = oe.contract('abc,bc,bc,cd,bd,de->ebc', t13, t37, t17, t18, M_Z, t18, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t1 += oe.contract('abc,dc->dab', t38, t18, optimize=[(0, 1)])
+    t1 += oe.contract('ab,cdb,db,db->abd', t18, t13, t23, P_Z, optimize=[(1, 2), (1, 2), (0, 1)])
+    t39 = (1/(L*d_V**2*n_batch)) * A
+    t40 = oe.contract('ab,cdb,db,db->adb', t18, t13, t39, P_Z, optimize=[(1, 2), (1, 2), (0, 1)])
+    t41 = oe.contract('ab->ba', t18, optimize=[(0,)])
+    t1 += oe.contract('abc,dc->adb', t40, t41, optimize=[(0, 1)])
+    t1 += oe.contract('ab,cdb,db,de,de,ef,df->afd', t18, t13, t25, A, t17, t18, M_Z, optimize=[(3, 4), (1, 2), (1, 3), (1, 3), (0, 1), (0, 1)])
+    t42 = (-2/(L*d_V**3*n_batch)) * A
+    t1 += oe.contract('ab,cdb,db,de,de,ef,df,fg->agd', t18, t13, t42, A, t17, t18, M_Z, t18, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
+    t1 += oe.contract('ab,cdb,db,de,de->aed', t18, t13, t27, A, P_Z, optimize=[(3, 4), (1, 2), (0, 2), (0, 1)])
+    t43 = (-1/(L*d_V**2*n_batch)) * A
+    t1 += oe.contract('ab,cdb,db,de,de,ef->afd', t18, t13, t43, A, P_Z, t18, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf->afc', t18, t30, t18, t28, A, t17, t18, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
+    t44 = (4/(L*d_V**4*n_batch)) * M_Z
+    t45 = oe.contract('ab,cb,bd,ecd,cd,cd,df,cf->acf', t18, t44, t18, t28, A, t17, t18, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t45, t41, optimize=[(0, 1)])
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cd->adc', t18, t32, t18, t28, A, P_Z, optimize=[(4, 5), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t46 = (2/(L*d_V**3*n_batch)) * M_Z
+    t47 = oe.contract('ab,cb,bd,ecd,cd,cd->acd', t18, t46, t18, t28, A, P_Z, optimize=[(4, 5), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t47, t41, optimize=[(0, 1)])
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg->agc', t18, t34, t18, t28, A, A, t17, t18, M_Z, optimize=[(5, 6), (3, 4), (3, 5), (3, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
+    t48 = (-4/(L*d_V**4*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,gh->ahc', t18, t48, t18, t28, A, A, t17, t18, M_Z, t18, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf->afc', t18, t36, t18, t28, A, A, P_Z, optimize=[(5, 6), (3, 4), (2, 4), (1, 3), (0, 2), (0, 1)])
+    t49 = (-2/(L*d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg->agc', t18, t49, t18, t28, A, A, P_Z, t18, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
     nrm = torch.linalg.norm(blk)
     del blk
     return nrm
@@ -1674,28 +2044,42 @@ def ce__hessian__functional(X, Y):
     G = t20
     t21 = t11 * G
     t22 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
-    t2 += (2/(d_V*n_batch)) * oe.contract('abc,cd,bd->cdb', t21, t22, M_Z, optimize=[(0, 1), (0, 1)])
-    t2 += (-2/(d_V**2*n_batch)) * oe.contract('abc,cd,bd,de->ceb', t21, t22, M_Z, t22, optimize=[(0, 1), (0, 1), (0, 1)])
-    t23 = t1.diagonal(0, 0, 2).diagonal(0, 0, 1)
-    t24 = t11 * G * M_Z
-    t25 = t24.sum(-1, keepdim=True)
-    t26 = t25.expand(*t25.shape[:-1], d_V)
-    t23 += (2/(d_V*n_batch)) * oe.contract('abc->bc', t26, optimize=[(0,)])
-    t2 += (-2/(d_V**2*n_batch)) * oe.contract('abc,cd->cdb', t26, t22, optimize=[(0, 1)])
-    t27 = (0.75 * (sigma2_Z ** -2.5))
-    t28 = t27 * G * M_Z
-    t2 += (4/(d_V**2*n_batch)) * oe.contract('ab,bc,dac,ce,ae->bea', M_Z, t22, t28, t22, M_Z, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
-    t2 += (-4/(d_V**3*n_batch)) * oe.contract('ab,bc,dac,ce,ae,ef->bfa', M_Z, t22, t28, t22, M_Z, t22, optimize=[(1, 2), (1, 4), (1, 3), (1, 2), (0, 1)])
-    t2 += (2/(d_V*n_batch)) * oe.contract('ab,bc,dac->bca', M_Z, t22, t21, optimize=[(0, 1), (0, 1)])
-    t2 += (-2/(d_V**2*n_batch)) * oe.contract('ab,bc,dac,ce->bea', M_Z, t22, t21, t22, optimize=[(2, 3), (0, 2), (0, 1)])
-    t2 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cdb,be,de->aed', t22, t21, t22, M_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t2 += (2/(d_V**3*n_batch)) * oe.contract('ab,cdb,be,de,ef->afd', t22, t21, t22, M_Z, t22, optimize=[(0, 1), (0, 3), (0, 2), (0, 1)])
-    t2 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cdb->abd', t22, t26, optimize=[(0, 1)])
-    t2 += (2/(d_V**3*n_batch)) * oe.contract('ab,cdb,be->aed', t22, t26, t22, optimize=[(0, 1), (0, 1)])
-    t2 += (-4/(d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,df,cf->afc', t22, M_Z, t22, t28, t22, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t2 += (4/(d_V**4*n_batch)) * oe.contract('ab,cb,bd,ecd,df,cf,fg->agc', t22, M_Z, t22, t28, t22, M_Z, t22, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
-    t2 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cb,bd,ecd->adc', t22, M_Z, t22, t21, optimize=[(0, 1), (0, 1), (0, 1)])
-    t2 += (2/(d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,df->afc', t22, M_Z, t22, t21, t22, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)])
+    t23 = (2/(d_V*n_batch)) * M_Z
+    t2 += oe.contract('abc,cd,bd->cdb', t21, t22, t23, optimize=[(0, 1), (0, 1)])
+    t24 = (-2/(d_V**2*n_batch)) * M_Z
+    t2 += oe.contract('abc,cd,bd,de->ceb', t21, t22, t24, t22, optimize=[(0, 1), (0, 1), (0, 1)])
+    t25 = t1.diagonal(0, 0, 2).diagonal(0, 0, 1)
+    t26 = t11 * G * M_Z
+    t27 = t26.sum(-1, keepdim=True)
+    t28 = t27.expand(*t27.shape[:-1], d_V)
+    t25 += (2/(d_V*n_batch)) * oe.contract('abc->bc', t28, optimize=[(0,)])
+    t29 = (-2/(d_V**2*n_batch)) * t28
+    t2 += oe.contract('abc,cd->cdb', t29, t22, optimize=[(0, 1)])
+    t30 = (0.75 * (sigma2_Z ** -2.5))
+    t31 = t30 * G * M_Z
+    t32 = (4/(d_V**2*n_batch)) * M_Z
+    t2 += oe.contract('ab,bc,dac,ce,ae->bea', t32, t22, t31, t22, M_Z, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t33 = (-4/(d_V**3*n_batch)) * M_Z
+    t2 += oe.contract('ab,bc,dac,ce,ae,ef->bfa', t33, t22, t31, t22, M_Z, t22, optimize=[(1, 2), (1, 4), (1, 3), (1, 2), (0, 1)])
+    t2 += oe.contract('ab,bc,dac->bca', t23, t22, t21, optimize=[(0, 1), (0, 1)])
+    t2 += oe.contract('ab,bc,dac,ce->bea', t24, t22, t21, t22, optimize=[(2, 3), (0, 2), (0, 1)])
+    t2 += oe.contract('ab,cdb,be,de->aed', t22, t21, t22, t24, optimize=[(0, 1), (0, 1), (0, 1)])
+    t34 = (2/(d_V**3*n_batch)) * M_Z
+    t35 = oe.contract('ab,cdb,be,de->ade', t22, t21, t22, t34, optimize=[(0, 1), (0, 1), (0, 1)])
+    t36 = oe.contract('ab->ba', t22, optimize=[(0,)])
+    t2 += oe.contract('abc,dc->adb', t35, t36, optimize=[(0, 1)])
+    t37 = (-2/(d_V**2*n_batch)) * t22
+    t2 += oe.contract('ab,cdb->abd', t37, t28, optimize=[(0, 1)])
+    t38 = (2/(d_V**3*n_batch)) * t22
+    t39 = oe.contract('ab,cdb->adb', t38, t28, optimize=[(0, 1)])
+    t2 += oe.contract('abc,dc->adb', t39, t36, optimize=[(0, 1)])
+    t2 += oe.contract('ab,cb,bd,ecd,df,cf->afc', t22, t33, t22, t31, t22, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
+    t40 = (4/(d_V**4*n_batch)) * M_Z
+    t41 = oe.contract('ab,cb,bd,ecd,df,cf->acf', t22, t40, t22, t31, t22, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
+    t2 += oe.contract('abc,dc->adb', t41, t36, optimize=[(0, 1)])
+    t2 += oe.contract('ab,cb,bd,ecd->adc', t22, t24, t22, t21, optimize=[(0, 1), (0, 1), (0, 1)])
+    t42 = oe.contract('ab,bc,dac,ce->eab', t34, t22, t21, t22, optimize=[(2, 3), (0, 2), (0, 1)])
+    t2 += oe.contract('abc,dc->dab', t42, t22, optimize=[(0, 1)])
     return H
 
 
@@ -1838,27 +2222,36 @@ def ce__diag__X__functional(X, Y):
     G = t18
     t19 = t9 * G
     t20 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
-    t0[...] = (2/(d_V*n_batch)) * oe.contract('abc,cc,bc->bc', t19, t20, M_Z, optimize=[(0, 1), (0, 1)])
-    t0 += (-2/(d_V**2*n_batch)) * oe.contract('abc,cd,bd,dc->bc', t19, t20, M_Z, t20, optimize=[(1, 2), (1, 2), (0, 1)])
-    t21 = t9 * G * M_Z
-    t22 = t21.sum(-1, keepdim=True)
-    t23 = t22.expand(*t22.shape[:-1], d_V)
-    t0 += (2/(d_V*n_batch)) * oe.contract('abc->bc', t23, optimize=[(0,)])
-    t0 += (-2/(d_V**2*n_batch)) * oe.contract('abc,cc->bc', t23, t20, optimize=[(0, 1)])
-    t24 = (0.75 * (sigma2_Z ** -2.5))
-    t25 = t24 * G * M_Z
-    t0 += (4/(d_V**2*n_batch)) * oe.contract('ab,bc,dac,cb,ab->ab', M_Z, t20, t25, t20, M_Z, optimize=[(1, 3), (0, 2), (0, 1), (0, 1)])
-    t0 += (-4/(d_V**3*n_batch)) * oe.contract('ab,bc,dac,ce,ae,eb->ab', M_Z, t20, t25, t20, M_Z, t20, optimize=[(1, 2), (1, 4), (2, 3), (1, 2), (0, 1)])
-    t0 += (2/(d_V*n_batch)) * oe.contract('ab,bb,cab->ab', M_Z, t20, t19, optimize=[(0, 1), (0, 1)])
-    t0 += (-2/(d_V**2*n_batch)) * oe.contract('ab,bc,dac,cb->ab', M_Z, t20, t19, t20, optimize=[(1, 3), (0, 2), (0, 1)])
-    t0 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cdb,ba,da->da', t20, t19, t20, M_Z, optimize=[(0, 1), (0, 2), (0, 1)])
-    t0 += (2/(d_V**3*n_batch)) * oe.contract('ab,cdb,be,de,ea->da', t20, t19, t20, M_Z, t20, optimize=[(0, 1), (0, 3), (1, 2), (0, 1)])
-    t0 += (-2/(d_V**2*n_batch)) * oe.contract('aa,bca->ca', t20, t23, optimize=[(0, 1)])
-    t0 += (2/(d_V**3*n_batch)) * oe.contract('ab,cdb,ba->da', t20, t23, t20, optimize=[(0, 1), (0, 1)])
-    t0 += (-4/(d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,da,ca->ca', t20, M_Z, t20, t25, t20, M_Z, optimize=[(2, 3), (2, 4), (0, 3), (0, 2), (0, 1)])
-    t0 += (4/(d_V**4*n_batch)) * oe.contract('ab,cb,bd,ecd,df,cf,fa->ca', t20, M_Z, t20, t25, t20, M_Z, t20, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (1, 2), (0, 1)])
-    t0 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cb,ba,dca->ca', t20, M_Z, t20, t19, optimize=[(0, 2), (0, 2), (0, 1)])
-    t0 += (2/(d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,da->ca', t20, M_Z, t20, t19, t20, optimize=[(2, 3), (2, 3), (0, 2), (0, 1)])
+    t21 = (2/(d_V*n_batch)) * M_Z
+    t0[...] = oe.contract('abc,cc,bc->bc', t19, t20, t21, optimize=[(0, 1), (0, 1)])
+    t22 = (-2/(d_V**2*n_batch)) * M_Z
+    t0 += oe.contract('abc,cd,bd,dc->bc', t19, t20, t22, t20, optimize=[(1, 2), (1, 2), (0, 1)])
+    t23 = t9 * G * M_Z
+    t24 = t23.sum(-1, keepdim=True)
+    t25 = t24.expand(*t24.shape[:-1], d_V)
+    t0 += (2/(d_V*n_batch)) * oe.contract('abc->bc', t25, optimize=[(0,)])
+    t26 = (-2/(d_V**2*n_batch)) * t25
+    t0 += oe.contract('abc,cc->bc', t26, t20, optimize=[(0, 1)])
+    t27 = (0.75 * (sigma2_Z ** -2.5))
+    t28 = t27 * G * M_Z
+    t29 = (4/(d_V**2*n_batch)) * M_Z
+    t0 += oe.contract('ab,bc,dac,cb,ab->ab', t29, t20, t28, t20, M_Z, optimize=[(1, 3), (0, 2), (0, 1), (0, 1)])
+    t30 = (-4/(d_V**3*n_batch)) * M_Z
+    t0 += oe.contract('ab,bc,dac,ce,ae,eb->ab', t30, t20, t28, t20, M_Z, t20, optimize=[(1, 2), (1, 4), (2, 3), (1, 2), (0, 1)])
+    t0 += oe.contract('ab,bb,cab->ab', t21, t20, t19, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('ab,bc,dac,cb->ab', t22, t20, t19, t20, optimize=[(1, 3), (0, 2), (0, 1)])
+    t0 += oe.contract('ab,cdb,ba,da->da', t20, t19, t20, t22, optimize=[(0, 1), (0, 2), (0, 1)])
+    t31 = (2/(d_V**3*n_batch)) * M_Z
+    t0 += oe.contract('ab,cdb,be,de,ea->da', t20, t19, t20, t31, t20, optimize=[(0, 1), (0, 3), (1, 2), (0, 1)])
+    t32 = (-2/(d_V**2*n_batch)) * t20
+    t0 += oe.contract('aa,bca->ca', t32, t25, optimize=[(0, 1)])
+    t33 = (2/(d_V**3*n_batch)) * t20
+    t0 += oe.contract('ab,cdb,ba->da', t33, t25, t20, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('ab,cb,bd,ecd,da,ca->ca', t20, t30, t20, t28, t20, M_Z, optimize=[(2, 3), (2, 4), (0, 3), (0, 2), (0, 1)])
+    t34 = (4/(d_V**4*n_batch)) * M_Z
+    t0 += oe.contract('ab,cb,bd,ecd,df,cf,fa->ca', t20, t34, t20, t28, t20, M_Z, t20, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (1, 2), (0, 1)])
+    t0 += oe.contract('ab,cb,ba,dca->ca', t20, t22, t20, t19, optimize=[(0, 2), (0, 2), (0, 1)])
+    t0 += oe.contract('ab,cb,bd,ecd,da->ca', t20, t31, t20, t19, t20, optimize=[(2, 3), (2, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -1938,28 +2331,42 @@ def ce__block__X__X__functional(X, Y):
     G = t19
     t20 = t10 * G
     t21 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
-    t1 += (2/(d_V*n_batch)) * oe.contract('abc,cd,bd->cdb', t20, t21, M_Z, optimize=[(0, 1), (0, 1)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('abc,cd,bd,de->ceb', t20, t21, M_Z, t21, optimize=[(0, 1), (0, 1), (0, 1)])
-    t22 = t0.diagonal(0, 0, 2).diagonal(0, 0, 1)
-    t23 = t10 * G * M_Z
-    t24 = t23.sum(-1, keepdim=True)
-    t25 = t24.expand(*t24.shape[:-1], d_V)
-    t22 += (2/(d_V*n_batch)) * oe.contract('abc->bc', t25, optimize=[(0,)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('abc,cd->cdb', t25, t21, optimize=[(0, 1)])
-    t26 = (0.75 * (sigma2_Z ** -2.5))
-    t27 = t26 * G * M_Z
-    t1 += (4/(d_V**2*n_batch)) * oe.contract('ab,bc,dac,ce,ae->bea', M_Z, t21, t27, t21, M_Z, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
-    t1 += (-4/(d_V**3*n_batch)) * oe.contract('ab,bc,dac,ce,ae,ef->bfa', M_Z, t21, t27, t21, M_Z, t21, optimize=[(1, 2), (1, 4), (1, 3), (1, 2), (0, 1)])
-    t1 += (2/(d_V*n_batch)) * oe.contract('ab,bc,dac->bca', M_Z, t21, t20, optimize=[(0, 1), (0, 1)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('ab,bc,dac,ce->bea', M_Z, t21, t20, t21, optimize=[(2, 3), (0, 2), (0, 1)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cdb,be,de->aed', t21, t20, t21, M_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += (2/(d_V**3*n_batch)) * oe.contract('ab,cdb,be,de,ef->afd', t21, t20, t21, M_Z, t21, optimize=[(0, 1), (0, 3), (0, 2), (0, 1)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cdb->abd', t21, t25, optimize=[(0, 1)])
-    t1 += (2/(d_V**3*n_batch)) * oe.contract('ab,cdb,be->aed', t21, t25, t21, optimize=[(0, 1), (0, 1)])
-    t1 += (-4/(d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,df,cf->afc', t21, M_Z, t21, t27, t21, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t1 += (4/(d_V**4*n_batch)) * oe.contract('ab,cb,bd,ecd,df,cf,fg->agc', t21, M_Z, t21, t27, t21, M_Z, t21, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cb,bd,ecd->adc', t21, M_Z, t21, t20, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += (2/(d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,df->afc', t21, M_Z, t21, t20, t21, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)])
+    t22 = (2/(d_V*n_batch)) * M_Z
+    t1 += oe.contract('abc,cd,bd->cdb', t20, t21, t22, optimize=[(0, 1), (0, 1)])
+    t23 = (-2/(d_V**2*n_batch)) * M_Z
+    t1 += oe.contract('abc,cd,bd,de->ceb', t20, t21, t23, t21, optimize=[(0, 1), (0, 1), (0, 1)])
+    t24 = t0.diagonal(0, 0, 2).diagonal(0, 0, 1)
+    t25 = t10 * G * M_Z
+    t26 = t25.sum(-1, keepdim=True)
+    t27 = t26.expand(*t26.shape[:-1], d_V)
+    t24 += (2/(d_V*n_batch)) * oe.contract('abc->bc', t27, optimize=[(0,)])
+    t28 = (-2/(d_V**2*n_batch)) * t27
+    t1 += oe.contract('abc,cd->cdb', t28, t21, optimize=[(0, 1)])
+    t29 = (0.75 * (sigma2_Z ** -2.5))
+    t30 = t29 * G * M_Z
+    t31 = (4/(d_V**2*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ce,ae->bea', t31, t21, t30, t21, M_Z, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t32 = (-4/(d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ce,ae,ef->bfa', t32, t21, t30, t21, M_Z, t21, optimize=[(1, 2), (1, 4), (1, 3), (1, 2), (0, 1)])
+    t1 += oe.contract('ab,bc,dac->bca', t22, t21, t20, optimize=[(0, 1), (0, 1)])
+    t1 += oe.contract('ab,bc,dac,ce->bea', t23, t21, t20, t21, optimize=[(2, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('ab,cdb,be,de->aed', t21, t20, t21, t23, optimize=[(0, 1), (0, 1), (0, 1)])
+    t33 = (2/(d_V**3*n_batch)) * M_Z
+    t34 = oe.contract('ab,cdb,be,de->ade', t21, t20, t21, t33, optimize=[(0, 1), (0, 1), (0, 1)])
+    t35 = oe.contract('ab->ba', t21, optimize=[(0,)])
+    t1 += oe.contract('abc,dc->adb', t34, t35, optimize=[(0, 1)])
+    t36 = (-2/(d_V**2*n_batch)) * t21
+    t1 += oe.contract('ab,cdb->abd', t36, t27, optimize=[(0, 1)])
+    t37 = (2/(d_V**3*n_batch)) * t21
+    t38 = oe.contract('ab,cdb->adb', t37, t27, optimize=[(0, 1)])
+    t1 += oe.contract('abc,dc->adb', t38, t35, optimize=[(0, 1)])
+    t1 += oe.contract('ab,cb,bd,ecd,df,cf->afc', t21, t32, t21, t30, t21, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
+    t39 = (4/(d_V**4*n_batch)) * M_Z
+    t40 = oe.contract('ab,cb,bd,ecd,df,cf->acf', t21, t39, t21, t30, t21, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t40, t35, optimize=[(0, 1)])
+    t1 += oe.contract('ab,cb,bd,ecd->adc', t21, t23, t21, t20, optimize=[(0, 1), (0, 1), (0, 1)])
+    t41 = oe.contract('ab,bc,dac,ce->eab', t33, t21, t20, t21, optimize=[(2, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->dab', t41, t21, optimize=[(0, 1)])
     return out
 
 
@@ -2042,65 +2449,107 @@ def ce__hessian__full(X, Y):
     G = t20
     t21 = t11 * G
     t22 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
-    t2 += (2/(d_V*n_batch)) * oe.contract('abc,cd,bd->cdb', t21, t22, M_Z, optimize=[(0, 1), (0, 1)])
-    t2 += (-2/(d_V**2*n_batch)) * oe.contract('abc,cd,bd,de->ceb', t21, t22, M_Z, t22, optimize=[(0, 1), (0, 1), (0, 1)])
-    t23 = t13 * P_Z
-    t24 = torch.exp(Z - Z.amax(-1, keepdim=True))
-    A25 = t24 / t24.sum(-1, keepdim=True)
-    t26 = t11 * M_Z
-    t2 += (2/(L*d_V*n_batch)) * oe.contract('abc,bc,bc,cd,bd->cdb', t23, A25, t26, t22, M_Z, optimize=[(1, 2), (0, 2), (0, 1), (0, 1)])
-    t2 += (-2/(L*d_V**2*n_batch)) * oe.contract('abc,bc,bc,cd,bd,de->ceb', t23, A25, t26, t22, M_Z, t22, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
-    t27 = t1.diagonal(0, 0, 2).diagonal(0, 0, 1)
-    t27 += (1/(L*n_batch)) * oe.contract('abc,bc,bc->bc', t23, A25, P_Z, optimize=[(0, 1), (0, 1)])
-    t2 += (-1/(L*d_V*n_batch)) * oe.contract('abc,bc,bc,cd->cdb', t23, A25, P_Z, t22, optimize=[(0, 1), (0, 2), (0, 1)])
-    t2 += (-2/(L*d_V*n_batch)) * oe.contract('abc,bc,bd,bd,de,be->ceb', t23, A25, A25, t26, t22, M_Z, optimize=[(2, 3), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t2 += (2/(L*d_V**2*n_batch)) * oe.contract('abc,bc,bd,bd,de,be,ef->cfb', t23, A25, A25, t26, t22, M_Z, t22, optimize=[(2, 3), (2, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t2 += (-1/(L*n_batch)) * oe.contract('abc,bc,bd,bd->cdb', t23, A25, A25, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t2 += (1/(L*d_V*n_batch)) * oe.contract('abc,bc,bd,bd,de->ceb', t23, A25, A25, P_Z, t22, optimize=[(2, 3), (2, 3), (0, 1), (0, 1)])
-    t28 = t11 * G * M_Z
-    t29 = t28.sum(-1, keepdim=True)
-    t30 = t29.expand(*t29.shape[:-1], d_V)
-    t27 += (2/(d_V*n_batch)) * oe.contract('abc->bc', t30, optimize=[(0,)])
-    t2 += (-2/(d_V**2*n_batch)) * oe.contract('abc,cd->cdb', t30, t22, optimize=[(0, 1)])
-    t31 = (0.75 * (sigma2_Z ** -2.5))
-    t32 = t31 * G * M_Z
-    t2 += (4/(d_V**2*n_batch)) * oe.contract('ab,bc,dac,ce,ae->bea', M_Z, t22, t32, t22, M_Z, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
-    t2 += (-4/(d_V**3*n_batch)) * oe.contract('ab,bc,dac,ce,ae,ef->bfa', M_Z, t22, t32, t22, M_Z, t22, optimize=[(1, 2), (1, 4), (1, 3), (1, 2), (0, 1)])
-    t2 += (2/(d_V*n_batch)) * oe.contract('ab,bc,dac->bca', M_Z, t22, t21, optimize=[(0, 1), (0, 1)])
-    t2 += (-2/(d_V**2*n_batch)) * oe.contract('ab,bc,dac,ce->bea', M_Z, t22, t21, t22, optimize=[(2, 3), (0, 2), (0, 1)])
-    t33 = t11 * t13 * M_Z
-    t2 += (4/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ac,ce,ae->bea', M_Z, t22, t33, A25, t26, t22, M_Z, optimize=[(3, 4), (2, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
-    t2 += (-4/(L*d_V**3*n_batch)) * oe.contract('ab,bc,dac,ac,ac,ce,ae,ef->bfa', M_Z, t22, t33, A25, t26, t22, M_Z, t22, optimize=[(3, 4), (2, 6), (2, 3), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t2 += (2/(L*d_V*n_batch)) * oe.contract('ab,bc,dac,ac,ac->bca', M_Z, t22, t33, A25, P_Z, optimize=[(3, 4), (0, 2), (0, 1), (0, 1)])
-    t2 += (-2/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ac,ce->bea', M_Z, t22, t33, A25, P_Z, t22, optimize=[(3, 4), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t2 += (-4/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae,ef,af->bfa', M_Z, t22, t33, A25, A25, t26, t22, M_Z, optimize=[(4, 5), (2, 3), (2, 4), (2, 4), (1, 2), (0, 2), (0, 1)])
-    t2 += (4/(L*d_V**3*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae,ef,af,fg->bga', M_Z, t22, t33, A25, A25, t26, t22, M_Z, t22, optimize=[(4, 5), (2, 3), (2, 5), (2, 5), (1, 3), (0, 3), (0, 1), (0, 1)])
-    t2 += (-2/(L*d_V*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae->bea', M_Z, t22, t33, A25, A25, P_Z, optimize=[(4, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t2 += (2/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae,ef->bfa', M_Z, t22, t33, A25, A25, P_Z, t22, optimize=[(4, 5), (2, 3), (2, 3), (1, 2), (0, 2), (0, 1)])
-    t2 += (-2/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,db,be,de->aed', t22, t23, A25, t26, t22, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 2), (0, 1)])
-    t2 += (2/(L*d_V**3*n_batch)) * oe.contract('ab,cdb,db,db,be,de,ef->afd', t22, t23, A25, t26, t22, M_Z, t22, optimize=[(2, 3), (1, 5), (1, 2), (1, 3), (1, 2), (0, 1)])
-    t2 += (-1/(L*d_V*n_batch)) * oe.contract('ab,cdb,db,db->abd', t22, t23, A25, P_Z, optimize=[(1, 2), (1, 2), (0, 1)])
-    t2 += (1/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,db,be->aed', t22, t23, A25, P_Z, t22, optimize=[(2, 3), (1, 3), (0, 2), (0, 1)])
-    t2 += (2/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,de,de,ef,df->afd', t22, t23, A25, A25, t26, t22, M_Z, optimize=[(3, 4), (1, 2), (1, 3), (1, 3), (0, 1), (0, 1)])
-    t2 += (-2/(L*d_V**3*n_batch)) * oe.contract('ab,cdb,db,de,de,ef,df,fg->agd', t22, t23, A25, A25, t26, t22, M_Z, t22, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
-    t2 += (1/(L*d_V*n_batch)) * oe.contract('ab,cdb,db,de,de->aed', t22, t23, A25, A25, P_Z, optimize=[(3, 4), (1, 2), (0, 2), (0, 1)])
-    t2 += (-1/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,de,de,ef->afd', t22, t23, A25, A25, P_Z, t22, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t2 += (-4/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd,df,cf->afc', t22, M_Z, t22, t33, A25, t26, t22, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
-    t2 += (4/(L*d_V**4*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd,df,cf,fg->agc', t22, M_Z, t22, t33, A25, t26, t22, M_Z, t22, optimize=[(4, 5), (3, 7), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
-    t2 += (-2/(L*d_V**2*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd->adc', t22, M_Z, t22, t33, A25, P_Z, optimize=[(4, 5), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t2 += (2/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd,df->afc', t22, M_Z, t22, t33, A25, P_Z, t22, optimize=[(4, 5), (3, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
-    t2 += (4/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg->agc', t22, M_Z, t22, t33, A25, A25, t26, t22, M_Z, optimize=[(5, 6), (3, 4), (3, 5), (3, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t2 += (-4/(L*d_V**4*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,gh->ahc', t22, M_Z, t22, t33, A25, A25, t26, t22, M_Z, t22, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
-    t2 += (2/(L*d_V**2*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf->afc', t22, M_Z, t22, t33, A25, A25, P_Z, optimize=[(5, 6), (3, 4), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t2 += (-2/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg->agc', t22, M_Z, t22, t33, A25, A25, P_Z, t22, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t2 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cdb,be,de->aed', t22, t21, t22, M_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t2 += (2/(d_V**3*n_batch)) * oe.contract('ab,cdb,be,de,ef->afd', t22, t21, t22, M_Z, t22, optimize=[(0, 1), (0, 3), (0, 2), (0, 1)])
-    t2 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cdb->abd', t22, t30, optimize=[(0, 1)])
-    t2 += (2/(d_V**3*n_batch)) * oe.contract('ab,cdb,be->aed', t22, t30, t22, optimize=[(0, 1), (0, 1)])
-    t2 += (-4/(d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,df,cf->afc', t22, M_Z, t22, t32, t22, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t2 += (4/(d_V**4*n_batch)) * oe.contract('ab,cb,bd,ecd,df,cf,fg->agc', t22, M_Z, t22, t32, t22, M_Z, t22, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
-    t2 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cb,bd,ecd->adc', t22, M_Z, t22, t21, optimize=[(0, 1), (0, 1), (0, 1)])
-    t2 += (2/(d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,df->afc', t22, M_Z, t22, t21, t22, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)])
+    t23 = (2/(d_V*n_batch)) * M_Z
+    t2 += oe.contract('abc,cd,bd->cdb', t21, t22, t23, optimize=[(0, 1), (0, 1)])
+    t24 = (-2/(d_V**2*n_batch)) * M_Z
+    t2 += oe.contract('abc,cd,bd,de->ceb', t21, t22, t24, t22, optimize=[(0, 1), (0, 1), (0, 1)])
+    t25 = t13 * P_Z
+    t26 = torch.exp(Z - Z.amax(-1, keepdim=True))
+    A27 = t26 / t26.sum(-1, keepdim=True)
+    t28 = t11 * M_Z
+    t29 = (2/(L*d_V*n_batch)) * A27
+    t2 += oe.contract('abc,bc,bc,cd,bd->cdb', t25, t29, t28, t22, M_Z, optimize=[(1, 2), (0, 2), (0, 1), (0, 1)])
+    t30 = (-2/(L*d_V**2*n_batch)) * A27
+    t2 += oe.contract('abc,bc,bc,cd,bd,de->ceb', t25, t30, t28, t22, M_Z, t22, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t31 = t1.diagonal(0, 0, 2).diagonal(0, 0, 1)
+    t32 = (1/(L*n_batch)) * A27
+    t31 += oe.contract('abc,bc,bc->bc', t25, t32, P_Z, optimize=[(0, 1), (0, 1)])
+    t33 = (-1/(L*d_V*n_batch)) * A27
+    t2 += oe.contract('abc,bc,bc,cd->cdb', t25, t33, P_Z, t22, optimize=[(0, 1), (0, 2), (0, 1)])
+    t34 = (-2/(L*d_V*n_batch)) * A27
+    t2 += oe.contract('abc,bc,bd,bd,de,be->ceb', t25, t34, A27, t28, t22, M_Z, optimize=[(2, 3), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t35 = (2/(L*d_V**2*n_batch)) * A27
+    t2 += oe.contract('abc,bc,bd,bd,de,be,ef->cfb', t25, t35, A27, t28, t22, M_Z, t22, optimize=[(2, 3), (2, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t36 = (-1/(L*n_batch)) * A27
+    t2 += oe.contract('abc,bc,bd,bd->cdb', t25, t36, A27, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
+    t37 = (1/(L*d_V*n_batch)) * A27
+    t2 += oe.contract('abc,bc,bd,bd,de->ceb', t25, t37, A27, P_Z, t22, optimize=[(2, 3), (2, 3), (0, 1), (0, 1)])
+    t38 = t11 * G * M_Z
+    t39 = t38.sum(-1, keepdim=True)
+    t40 = t39.expand(*t39.shape[:-1], d_V)
+    t31 += (2/(d_V*n_batch)) * oe.contract('abc->bc', t40, optimize=[(0,)])
+    t41 = (-2/(d_V**2*n_batch)) * t40
+    t2 += oe.contract('abc,cd->cdb', t41, t22, optimize=[(0, 1)])
+    t42 = (0.75 * (sigma2_Z ** -2.5))
+    t43 = t42 * G * M_Z
+    t44 = (4/(d_V**2*n_batch)) * M_Z
+    t2 += oe.contract('ab,bc,dac,ce,ae->bea', t44, t22, t43, t22, M_Z, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t45 = (-4/(d_V**3*n_batch)) * M_Z
+    t2 += oe.contract('ab,bc,dac,ce,ae,ef->bfa', t45, t22, t43, t22, M_Z, t22, optimize=[(1, 2), (1, 4), (1, 3), (1, 2), (0, 1)])
+    t2 += oe.contract('ab,bc,dac->bca', t23, t22, t21, optimize=[(0, 1), (0, 1)])
+    t2 += oe.contract('ab,bc,dac,ce->bea', t24, t22, t21, t22, optimize=[(2, 3), (0, 2), (0, 1)])
+    t46 = t11 * t13 * M_Z
+    t47 = (4/(L*d_V**2*n_batch)) * M_Z
+    t2 += oe.contract('ab,bc,dac,ac,ac,ce,ae->bea', t47, t22, t46, A27, t28, t22, M_Z, optimize=[(3, 4), (2, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
+    t48 = (-4/(L*d_V**3*n_batch)) * M_Z
+    t2 += oe.contract('ab,bc,dac,ac,ac,ce,ae,ef->bfa', t48, t22, t46, A27, t28, t22, M_Z, t22, optimize=[(3, 4), (2, 6), (2, 3), (2, 4), (2, 3), (1, 2), (0, 1)])
+    t49 = (2/(L*d_V*n_batch)) * M_Z
+    t2 += oe.contract('ab,bc,dac,ac,ac->bca', t49, t22, t46, A27, P_Z, optimize=[(3, 4), (0, 2), (0, 1), (0, 1)])
+    t50 = (-2/(L*d_V**2*n_batch)) * M_Z
+    t2 += oe.contract('ab,bc,dac,ac,ac,ce->bea', t50, t22, t46, A27, P_Z, t22, optimize=[(3, 4), (2, 4), (2, 3), (1, 2), (0, 1)])
+    t51 = (-4/(L*d_V**2*n_batch)) * M_Z
+    t2 += oe.contract('ab,bc,dac,ac,ae,ae,ef,af->bfa', t51, t22, t46, A27, A27, t28, t22, M_Z, optimize=[(4, 5), (2, 3), (2, 4), (2, 4), (1, 2), (0, 2), (0, 1)])
+    t52 = (4/(L*d_V**3*n_batch)) * M_Z
+    t2 += oe.contract('ab,bc,dac,ac,ae,ae,ef,af,fg->bga', t52, t22, t46, A27, A27, t28, t22, M_Z, t22, optimize=[(4, 5), (2, 3), (2, 5), (2, 5), (1, 3), (0, 3), (0, 1), (0, 1)])
+    t53 = (-2/(L*d_V*n_batch)) * M_Z
+    t2 += oe.contract('ab,bc,dac,ac,ae,ae->bea', t53, t22, t46, A27, A27, P_Z, optimize=[(4, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
+    t54 = (2/(L*d_V**2*n_batch)) * M_Z
+    t2 += oe.contract('ab,bc,dac,ac,ae,ae,ef->bfa', t54, t22, t46, A27, A27, P_Z, t22, optimize=[(4, 5), (2, 3), (2, 3), (1, 2), (0, 2), (0, 1)])
+    t2 += oe.contract('ab,cdb,db,db,be,de->aed', t22, t25, t30, t28, t22, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 2), (0, 1)])
+    t55 = (2/(L*d_V**3*n_batch)) * A27
+    t56 = oe.contract('abc,bc,bc,cd,bd,de->ebc', t25, t55, t28, t22, M_Z, t22, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t2 += oe.contract('abc,dc->dab', t56, t22, optimize=[(0, 1)])
+    t2 += oe.contract('ab,cdb,db,db->abd', t22, t25, t33, P_Z, optimize=[(1, 2), (1, 2), (0, 1)])
+    t57 = (1/(L*d_V**2*n_batch)) * A27
+    t58 = oe.contract('ab,cdb,db,db->adb', t22, t25, t57, P_Z, optimize=[(1, 2), (1, 2), (0, 1)])
+    t59 = oe.contract('ab->ba', t22, optimize=[(0,)])
+    t2 += oe.contract('abc,dc->adb', t58, t59, optimize=[(0, 1)])
+    t2 += oe.contract('ab,cdb,db,de,de,ef,df->afd', t22, t25, t35, A27, t28, t22, M_Z, optimize=[(3, 4), (1, 2), (1, 3), (1, 3), (0, 1), (0, 1)])
+    t60 = (-2/(L*d_V**3*n_batch)) * A27
+    t2 += oe.contract('ab,cdb,db,de,de,ef,df,fg->agd', t22, t25, t60, A27, t28, t22, M_Z, t22, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
+    t2 += oe.contract('ab,cdb,db,de,de->aed', t22, t25, t37, A27, P_Z, optimize=[(3, 4), (1, 2), (0, 2), (0, 1)])
+    t61 = (-1/(L*d_V**2*n_batch)) * A27
+    t2 += oe.contract('ab,cdb,db,de,de,ef->afd', t22, t25, t61, A27, P_Z, t22, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t2 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf->afc', t22, t48, t22, t46, A27, t28, t22, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
+    t62 = (4/(L*d_V**4*n_batch)) * M_Z
+    t63 = oe.contract('ab,cb,bd,ecd,cd,cd,df,cf->acf', t22, t62, t22, t46, A27, t28, t22, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
+    t2 += oe.contract('abc,dc->adb', t63, t59, optimize=[(0, 1)])
+    t2 += oe.contract('ab,cb,bd,ecd,cd,cd->adc', t22, t50, t22, t46, A27, P_Z, optimize=[(4, 5), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t64 = (2/(L*d_V**3*n_batch)) * M_Z
+    t65 = oe.contract('ab,cb,bd,ecd,cd,cd->acd', t22, t64, t22, t46, A27, P_Z, optimize=[(4, 5), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t2 += oe.contract('abc,dc->adb', t65, t59, optimize=[(0, 1)])
+    t2 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg->agc', t22, t52, t22, t46, A27, A27, t28, t22, M_Z, optimize=[(5, 6), (3, 4), (3, 5), (3, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
+    t66 = (-4/(L*d_V**4*n_batch)) * M_Z
+    t2 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,gh->ahc', t22, t66, t22, t46, A27, A27, t28, t22, M_Z, t22, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t2 += oe.contract('ab,cb,bd,ecd,cd,cf,cf->afc', t22, t54, t22, t46, A27, A27, P_Z, optimize=[(5, 6), (3, 4), (2, 4), (1, 3), (0, 2), (0, 1)])
+    t67 = (-2/(L*d_V**3*n_batch)) * M_Z
+    t2 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg->agc', t22, t67, t22, t46, A27, A27, P_Z, t22, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
+    t2 += oe.contract('ab,cdb,be,de->aed', t22, t21, t22, t24, optimize=[(0, 1), (0, 1), (0, 1)])
+    t68 = (2/(d_V**3*n_batch)) * M_Z
+    t69 = oe.contract('ab,cdb,be,de->ade', t22, t21, t22, t68, optimize=[(0, 1), (0, 1), (0, 1)])
+    t2 += oe.contract('abc,dc->adb', t69, t59, optimize=[(0, 1)])
+    t70 = (-2/(d_V**2*n_batch)) * t22
+    t2 += oe.contract('ab,cdb->abd', t70, t40, optimize=[(0, 1)])
+    t71 = (2/(d_V**3*n_batch)) * t22
+    t72 = oe.contract('ab,cdb->adb', t71, t40, optimize=[(0, 1)])
+    t2 += oe.contract('abc,dc->adb', t72, t59, optimize=[(0, 1)])
+    t2 += oe.contract('ab,cb,bd,ecd,df,cf->afc', t22, t45, t22, t43, t22, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
+    t73 = (4/(d_V**4*n_batch)) * M_Z
+    t74 = oe.contract('ab,cb,bd,ecd,df,cf->acf', t22, t73, t22, t43, t22, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
+    t2 += oe.contract('abc,dc->adb', t74, t59, optimize=[(0, 1)])
+    t2 += oe.contract('ab,cb,bd,ecd->adc', t22, t24, t22, t21, optimize=[(0, 1), (0, 1), (0, 1)])
+    t75 = oe.contract('ab,bc,dac,ce->eab', t68, t22, t21, t22, optimize=[(2, 3), (0, 2), (0, 1)])
+    t2 += oe.contract('abc,dc->dab', t75, t22, optimize=[(0, 1)])
     return H
 
 
@@ -2214,65 +2663,107 @@ def ce__frobenius_all__full(X, Y):
     G = t19
     t20 = t10 * G
     t21 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
-    t1 += (2/(d_V*n_batch)) * oe.contract('abc,cd,bd->cdb', t20, t21, M_Z, optimize=[(0, 1), (0, 1)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('abc,cd,bd,de->ceb', t20, t21, M_Z, t21, optimize=[(0, 1), (0, 1), (0, 1)])
-    t22 = t12 * P_Z
-    t23 = torch.exp(Z - Z.amax(-1, keepdim=True))
-    A24 = t23 / t23.sum(-1, keepdim=True)
-    t25 = t10 * M_Z
-    t1 += (2/(L*d_V*n_batch)) * oe.contract('abc,bc,bc,cd,bd->cdb', t22, A24, t25, t21, M_Z, optimize=[(1, 2), (0, 2), (0, 1), (0, 1)])
-    t1 += (-2/(L*d_V**2*n_batch)) * oe.contract('abc,bc,bc,cd,bd,de->ceb', t22, A24, t25, t21, M_Z, t21, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
-    t26 = t0.diagonal(0, 0, 2).diagonal(0, 0, 1)
-    t26 += (1/(L*n_batch)) * oe.contract('abc,bc,bc->bc', t22, A24, P_Z, optimize=[(0, 1), (0, 1)])
-    t1 += (-1/(L*d_V*n_batch)) * oe.contract('abc,bc,bc,cd->cdb', t22, A24, P_Z, t21, optimize=[(0, 1), (0, 2), (0, 1)])
-    t1 += (-2/(L*d_V*n_batch)) * oe.contract('abc,bc,bd,bd,de,be->ceb', t22, A24, A24, t25, t21, M_Z, optimize=[(2, 3), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t1 += (2/(L*d_V**2*n_batch)) * oe.contract('abc,bc,bd,bd,de,be,ef->cfb', t22, A24, A24, t25, t21, M_Z, t21, optimize=[(2, 3), (2, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t1 += (-1/(L*n_batch)) * oe.contract('abc,bc,bd,bd->cdb', t22, A24, A24, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += (1/(L*d_V*n_batch)) * oe.contract('abc,bc,bd,bd,de->ceb', t22, A24, A24, P_Z, t21, optimize=[(2, 3), (2, 3), (0, 1), (0, 1)])
-    t27 = t10 * G * M_Z
-    t28 = t27.sum(-1, keepdim=True)
-    t29 = t28.expand(*t28.shape[:-1], d_V)
-    t26 += (2/(d_V*n_batch)) * oe.contract('abc->bc', t29, optimize=[(0,)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('abc,cd->cdb', t29, t21, optimize=[(0, 1)])
-    t30 = (0.75 * (sigma2_Z ** -2.5))
-    t31 = t30 * G * M_Z
-    t1 += (4/(d_V**2*n_batch)) * oe.contract('ab,bc,dac,ce,ae->bea', M_Z, t21, t31, t21, M_Z, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
-    t1 += (-4/(d_V**3*n_batch)) * oe.contract('ab,bc,dac,ce,ae,ef->bfa', M_Z, t21, t31, t21, M_Z, t21, optimize=[(1, 2), (1, 4), (1, 3), (1, 2), (0, 1)])
-    t1 += (2/(d_V*n_batch)) * oe.contract('ab,bc,dac->bca', M_Z, t21, t20, optimize=[(0, 1), (0, 1)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('ab,bc,dac,ce->bea', M_Z, t21, t20, t21, optimize=[(2, 3), (0, 2), (0, 1)])
-    t32 = t10 * t12 * M_Z
-    t1 += (4/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ac,ce,ae->bea', M_Z, t21, t32, A24, t25, t21, M_Z, optimize=[(3, 4), (2, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
-    t1 += (-4/(L*d_V**3*n_batch)) * oe.contract('ab,bc,dac,ac,ac,ce,ae,ef->bfa', M_Z, t21, t32, A24, t25, t21, M_Z, t21, optimize=[(3, 4), (2, 6), (2, 3), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t1 += (2/(L*d_V*n_batch)) * oe.contract('ab,bc,dac,ac,ac->bca', M_Z, t21, t32, A24, P_Z, optimize=[(3, 4), (0, 2), (0, 1), (0, 1)])
-    t1 += (-2/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ac,ce->bea', M_Z, t21, t32, A24, P_Z, t21, optimize=[(3, 4), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t1 += (-4/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae,ef,af->bfa', M_Z, t21, t32, A24, A24, t25, t21, M_Z, optimize=[(4, 5), (2, 3), (2, 4), (2, 4), (1, 2), (0, 2), (0, 1)])
-    t1 += (4/(L*d_V**3*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae,ef,af,fg->bga', M_Z, t21, t32, A24, A24, t25, t21, M_Z, t21, optimize=[(4, 5), (2, 3), (2, 5), (2, 5), (1, 3), (0, 3), (0, 1), (0, 1)])
-    t1 += (-2/(L*d_V*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae->bea', M_Z, t21, t32, A24, A24, P_Z, optimize=[(4, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t1 += (2/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae,ef->bfa', M_Z, t21, t32, A24, A24, P_Z, t21, optimize=[(4, 5), (2, 3), (2, 3), (1, 2), (0, 2), (0, 1)])
-    t1 += (-2/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,db,be,de->aed', t21, t22, A24, t25, t21, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 2), (0, 1)])
-    t1 += (2/(L*d_V**3*n_batch)) * oe.contract('ab,cdb,db,db,be,de,ef->afd', t21, t22, A24, t25, t21, M_Z, t21, optimize=[(2, 3), (1, 5), (1, 2), (1, 3), (1, 2), (0, 1)])
-    t1 += (-1/(L*d_V*n_batch)) * oe.contract('ab,cdb,db,db->abd', t21, t22, A24, P_Z, optimize=[(1, 2), (1, 2), (0, 1)])
-    t1 += (1/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,db,be->aed', t21, t22, A24, P_Z, t21, optimize=[(2, 3), (1, 3), (0, 2), (0, 1)])
-    t1 += (2/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,de,de,ef,df->afd', t21, t22, A24, A24, t25, t21, M_Z, optimize=[(3, 4), (1, 2), (1, 3), (1, 3), (0, 1), (0, 1)])
-    t1 += (-2/(L*d_V**3*n_batch)) * oe.contract('ab,cdb,db,de,de,ef,df,fg->agd', t21, t22, A24, A24, t25, t21, M_Z, t21, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
-    t1 += (1/(L*d_V*n_batch)) * oe.contract('ab,cdb,db,de,de->aed', t21, t22, A24, A24, P_Z, optimize=[(3, 4), (1, 2), (0, 2), (0, 1)])
-    t1 += (-1/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,de,de,ef->afd', t21, t22, A24, A24, P_Z, t21, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t1 += (-4/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd,df,cf->afc', t21, M_Z, t21, t32, A24, t25, t21, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
-    t1 += (4/(L*d_V**4*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd,df,cf,fg->agc', t21, M_Z, t21, t32, A24, t25, t21, M_Z, t21, optimize=[(4, 5), (3, 7), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
-    t1 += (-2/(L*d_V**2*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd->adc', t21, M_Z, t21, t32, A24, P_Z, optimize=[(4, 5), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t1 += (2/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd,df->afc', t21, M_Z, t21, t32, A24, P_Z, t21, optimize=[(4, 5), (3, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
-    t1 += (4/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg->agc', t21, M_Z, t21, t32, A24, A24, t25, t21, M_Z, optimize=[(5, 6), (3, 4), (3, 5), (3, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t1 += (-4/(L*d_V**4*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,gh->ahc', t21, M_Z, t21, t32, A24, A24, t25, t21, M_Z, t21, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
-    t1 += (2/(L*d_V**2*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf->afc', t21, M_Z, t21, t32, A24, A24, P_Z, optimize=[(5, 6), (3, 4), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t1 += (-2/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg->agc', t21, M_Z, t21, t32, A24, A24, P_Z, t21, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cdb,be,de->aed', t21, t20, t21, M_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += (2/(d_V**3*n_batch)) * oe.contract('ab,cdb,be,de,ef->afd', t21, t20, t21, M_Z, t21, optimize=[(0, 1), (0, 3), (0, 2), (0, 1)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cdb->abd', t21, t29, optimize=[(0, 1)])
-    t1 += (2/(d_V**3*n_batch)) * oe.contract('ab,cdb,be->aed', t21, t29, t21, optimize=[(0, 1), (0, 1)])
-    t1 += (-4/(d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,df,cf->afc', t21, M_Z, t21, t31, t21, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t1 += (4/(d_V**4*n_batch)) * oe.contract('ab,cb,bd,ecd,df,cf,fg->agc', t21, M_Z, t21, t31, t21, M_Z, t21, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cb,bd,ecd->adc', t21, M_Z, t21, t20, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += (2/(d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,df->afc', t21, M_Z, t21, t20, t21, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)])
+    t22 = (2/(d_V*n_batch)) * M_Z
+    t1 += oe.contract('abc,cd,bd->cdb', t20, t21, t22, optimize=[(0, 1), (0, 1)])
+    t23 = (-2/(d_V**2*n_batch)) * M_Z
+    t1 += oe.contract('abc,cd,bd,de->ceb', t20, t21, t23, t21, optimize=[(0, 1), (0, 1), (0, 1)])
+    t24 = t12 * P_Z
+    t25 = torch.exp(Z - Z.amax(-1, keepdim=True))
+    A26 = t25 / t25.sum(-1, keepdim=True)
+    t27 = t10 * M_Z
+    t28 = (2/(L*d_V*n_batch)) * A26
+    t1 += oe.contract('abc,bc,bc,cd,bd->cdb', t24, t28, t27, t21, M_Z, optimize=[(1, 2), (0, 2), (0, 1), (0, 1)])
+    t29 = (-2/(L*d_V**2*n_batch)) * A26
+    t1 += oe.contract('abc,bc,bc,cd,bd,de->ceb', t24, t29, t27, t21, M_Z, t21, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t30 = t0.diagonal(0, 0, 2).diagonal(0, 0, 1)
+    t31 = (1/(L*n_batch)) * A26
+    t30 += oe.contract('abc,bc,bc->bc', t24, t31, P_Z, optimize=[(0, 1), (0, 1)])
+    t32 = (-1/(L*d_V*n_batch)) * A26
+    t1 += oe.contract('abc,bc,bc,cd->cdb', t24, t32, P_Z, t21, optimize=[(0, 1), (0, 2), (0, 1)])
+    t33 = (-2/(L*d_V*n_batch)) * A26
+    t1 += oe.contract('abc,bc,bd,bd,de,be->ceb', t24, t33, A26, t27, t21, M_Z, optimize=[(2, 3), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t34 = (2/(L*d_V**2*n_batch)) * A26
+    t1 += oe.contract('abc,bc,bd,bd,de,be,ef->cfb', t24, t34, A26, t27, t21, M_Z, t21, optimize=[(2, 3), (2, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t35 = (-1/(L*n_batch)) * A26
+    t1 += oe.contract('abc,bc,bd,bd->cdb', t24, t35, A26, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
+    t36 = (1/(L*d_V*n_batch)) * A26
+    t1 += oe.contract('abc,bc,bd,bd,de->ceb', t24, t36, A26, P_Z, t21, optimize=[(2, 3), (2, 3), (0, 1), (0, 1)])
+    t37 = t10 * G * M_Z
+    t38 = t37.sum(-1, keepdim=True)
+    t39 = t38.expand(*t38.shape[:-1], d_V)
+    t30 += (2/(d_V*n_batch)) * oe.contract('abc->bc', t39, optimize=[(0,)])
+    t40 = (-2/(d_V**2*n_batch)) * t39
+    t1 += oe.contract('abc,cd->cdb', t40, t21, optimize=[(0, 1)])
+    t41 = (0.75 * (sigma2_Z ** -2.5))
+    t42 = t41 * G * M_Z
+    t43 = (4/(d_V**2*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ce,ae->bea', t43, t21, t42, t21, M_Z, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t44 = (-4/(d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ce,ae,ef->bfa', t44, t21, t42, t21, M_Z, t21, optimize=[(1, 2), (1, 4), (1, 3), (1, 2), (0, 1)])
+    t1 += oe.contract('ab,bc,dac->bca', t22, t21, t20, optimize=[(0, 1), (0, 1)])
+    t1 += oe.contract('ab,bc,dac,ce->bea', t23, t21, t20, t21, optimize=[(2, 3), (0, 2), (0, 1)])
+    t45 = t10 * t12 * M_Z
+    t46 = (4/(L*d_V**2*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ac,ce,ae->bea', t46, t21, t45, A26, t27, t21, M_Z, optimize=[(3, 4), (2, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
+    t47 = (-4/(L*d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ac,ce,ae,ef->bfa', t47, t21, t45, A26, t27, t21, M_Z, t21, optimize=[(3, 4), (2, 6), (2, 3), (2, 4), (2, 3), (1, 2), (0, 1)])
+    t48 = (2/(L*d_V*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ac->bca', t48, t21, t45, A26, P_Z, optimize=[(3, 4), (0, 2), (0, 1), (0, 1)])
+    t49 = (-2/(L*d_V**2*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ac,ce->bea', t49, t21, t45, A26, P_Z, t21, optimize=[(3, 4), (2, 4), (2, 3), (1, 2), (0, 1)])
+    t50 = (-4/(L*d_V**2*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ae,ae,ef,af->bfa', t50, t21, t45, A26, A26, t27, t21, M_Z, optimize=[(4, 5), (2, 3), (2, 4), (2, 4), (1, 2), (0, 2), (0, 1)])
+    t51 = (4/(L*d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ae,ae,ef,af,fg->bga', t51, t21, t45, A26, A26, t27, t21, M_Z, t21, optimize=[(4, 5), (2, 3), (2, 5), (2, 5), (1, 3), (0, 3), (0, 1), (0, 1)])
+    t52 = (-2/(L*d_V*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ae,ae->bea', t52, t21, t45, A26, A26, P_Z, optimize=[(4, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
+    t53 = (2/(L*d_V**2*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ae,ae,ef->bfa', t53, t21, t45, A26, A26, P_Z, t21, optimize=[(4, 5), (2, 3), (2, 3), (1, 2), (0, 2), (0, 1)])
+    t1 += oe.contract('ab,cdb,db,db,be,de->aed', t21, t24, t29, t27, t21, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 2), (0, 1)])
+    t54 = (2/(L*d_V**3*n_batch)) * A26
+    t55 = oe.contract('abc,bc,bc,cd,bd,de->ebc', t24, t54, t27, t21, M_Z, t21, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t1 += oe.contract('abc,dc->dab', t55, t21, optimize=[(0, 1)])
+    t1 += oe.contract('ab,cdb,db,db->abd', t21, t24, t32, P_Z, optimize=[(1, 2), (1, 2), (0, 1)])
+    t56 = (1/(L*d_V**2*n_batch)) * A26
+    t57 = oe.contract('ab,cdb,db,db->adb', t21, t24, t56, P_Z, optimize=[(1, 2), (1, 2), (0, 1)])
+    t58 = oe.contract('ab->ba', t21, optimize=[(0,)])
+    t1 += oe.contract('abc,dc->adb', t57, t58, optimize=[(0, 1)])
+    t1 += oe.contract('ab,cdb,db,de,de,ef,df->afd', t21, t24, t34, A26, t27, t21, M_Z, optimize=[(3, 4), (1, 2), (1, 3), (1, 3), (0, 1), (0, 1)])
+    t59 = (-2/(L*d_V**3*n_batch)) * A26
+    t1 += oe.contract('ab,cdb,db,de,de,ef,df,fg->agd', t21, t24, t59, A26, t27, t21, M_Z, t21, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
+    t1 += oe.contract('ab,cdb,db,de,de->aed', t21, t24, t36, A26, P_Z, optimize=[(3, 4), (1, 2), (0, 2), (0, 1)])
+    t60 = (-1/(L*d_V**2*n_batch)) * A26
+    t1 += oe.contract('ab,cdb,db,de,de,ef->afd', t21, t24, t60, A26, P_Z, t21, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf->afc', t21, t47, t21, t45, A26, t27, t21, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
+    t61 = (4/(L*d_V**4*n_batch)) * M_Z
+    t62 = oe.contract('ab,cb,bd,ecd,cd,cd,df,cf->acf', t21, t61, t21, t45, A26, t27, t21, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t62, t58, optimize=[(0, 1)])
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cd->adc', t21, t49, t21, t45, A26, P_Z, optimize=[(4, 5), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t63 = (2/(L*d_V**3*n_batch)) * M_Z
+    t64 = oe.contract('ab,cb,bd,ecd,cd,cd->acd', t21, t63, t21, t45, A26, P_Z, optimize=[(4, 5), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t64, t58, optimize=[(0, 1)])
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg->agc', t21, t51, t21, t45, A26, A26, t27, t21, M_Z, optimize=[(5, 6), (3, 4), (3, 5), (3, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
+    t65 = (-4/(L*d_V**4*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,gh->ahc', t21, t65, t21, t45, A26, A26, t27, t21, M_Z, t21, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf->afc', t21, t53, t21, t45, A26, A26, P_Z, optimize=[(5, 6), (3, 4), (2, 4), (1, 3), (0, 2), (0, 1)])
+    t66 = (-2/(L*d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg->agc', t21, t66, t21, t45, A26, A26, P_Z, t21, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('ab,cdb,be,de->aed', t21, t20, t21, t23, optimize=[(0, 1), (0, 1), (0, 1)])
+    t67 = (2/(d_V**3*n_batch)) * M_Z
+    t68 = oe.contract('ab,cdb,be,de->ade', t21, t20, t21, t67, optimize=[(0, 1), (0, 1), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t68, t58, optimize=[(0, 1)])
+    t69 = (-2/(d_V**2*n_batch)) * t21
+    t1 += oe.contract('ab,cdb->abd', t69, t39, optimize=[(0, 1)])
+    t70 = (2/(d_V**3*n_batch)) * t21
+    t71 = oe.contract('ab,cdb->adb', t70, t39, optimize=[(0, 1)])
+    t1 += oe.contract('abc,dc->adb', t71, t58, optimize=[(0, 1)])
+    t1 += oe.contract('ab,cb,bd,ecd,df,cf->afc', t21, t44, t21, t42, t21, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
+    t72 = (4/(d_V**4*n_batch)) * M_Z
+    t73 = oe.contract('ab,cb,bd,ecd,df,cf->acf', t21, t72, t21, t42, t21, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t73, t58, optimize=[(0, 1)])
+    t1 += oe.contract('ab,cb,bd,ecd->adc', t21, t23, t21, t20, optimize=[(0, 1), (0, 1), (0, 1)])
+    t74 = oe.contract('ab,bc,dac,ce->eab', t67, t21, t20, t21, optimize=[(2, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->dab', t74, t21, optimize=[(0, 1)])
     nrm = torch.linalg.norm(blk)
     del blk
     return (nrm,)
@@ -2312,64 +2803,97 @@ def ce__diag__X__full(X, Y):
     G = t18
     t19 = t9 * G
     t20 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
-    t0[...] = (2/(d_V*n_batch)) * oe.contract('abc,cc,bc->bc', t19, t20, M_Z, optimize=[(0, 1), (0, 1)])
-    t0 += (-2/(d_V**2*n_batch)) * oe.contract('abc,cd,bd,dc->bc', t19, t20, M_Z, t20, optimize=[(1, 2), (1, 2), (0, 1)])
-    t21 = t11 * P_Z
-    t22 = torch.exp(Z - Z.amax(-1, keepdim=True))
-    A23 = t22 / t22.sum(-1, keepdim=True)
-    t24 = t9 * M_Z
-    t0 += (2/(L*d_V*n_batch)) * oe.contract('abc,bc,bc,cc,bc->bc', t21, A23, t24, t20, M_Z, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t0 += (-2/(L*d_V**2*n_batch)) * oe.contract('abc,bc,bc,cd,bd,dc->bc', t21, A23, t24, t20, M_Z, t20, optimize=[(1, 2), (1, 3), (1, 3), (1, 2), (0, 1)])
-    t0 += (1/(L*n_batch)) * oe.contract('abc,bc,bc->bc', t21, A23, P_Z, optimize=[(0, 1), (0, 1)])
-    t0 += (-1/(L*d_V*n_batch)) * oe.contract('abc,bc,bc,cc->bc', t21, A23, P_Z, t20, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (-2/(L*d_V*n_batch)) * oe.contract('abc,bc,bd,bd,dc,bc->bc', t21, A23, A23, t24, t20, M_Z, optimize=[(2, 3), (1, 3), (1, 2), (1, 2), (0, 1)])
-    t0 += (2/(L*d_V**2*n_batch)) * oe.contract('abc,bc,bd,bd,de,be,ec->bc', t21, A23, A23, t24, t20, M_Z, t20, optimize=[(2, 3), (2, 5), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,bc,bc,bc->bc', t21, A23, A23, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(L*d_V*n_batch)) * oe.contract('abc,bc,bd,bd,dc->bc', t21, A23, A23, P_Z, t20, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)])
-    t25 = t9 * G * M_Z
-    t26 = t25.sum(-1, keepdim=True)
-    t27 = t26.expand(*t26.shape[:-1], d_V)
-    t0 += (2/(d_V*n_batch)) * oe.contract('abc->bc', t27, optimize=[(0,)])
-    t0 += (-2/(d_V**2*n_batch)) * oe.contract('abc,cc->bc', t27, t20, optimize=[(0, 1)])
-    t28 = (0.75 * (sigma2_Z ** -2.5))
-    t29 = t28 * G * M_Z
-    t0 += (4/(d_V**2*n_batch)) * oe.contract('ab,bc,dac,cb,ab->ab', M_Z, t20, t29, t20, M_Z, optimize=[(1, 3), (0, 2), (0, 1), (0, 1)])
-    t0 += (-4/(d_V**3*n_batch)) * oe.contract('ab,bc,dac,ce,ae,eb->ab', M_Z, t20, t29, t20, M_Z, t20, optimize=[(1, 2), (1, 4), (2, 3), (1, 2), (0, 1)])
-    t0 += (2/(d_V*n_batch)) * oe.contract('ab,bb,cab->ab', M_Z, t20, t19, optimize=[(0, 1), (0, 1)])
-    t0 += (-2/(d_V**2*n_batch)) * oe.contract('ab,bc,dac,cb->ab', M_Z, t20, t19, t20, optimize=[(1, 3), (0, 2), (0, 1)])
-    t30 = t9 * t11 * M_Z
-    t0 += (4/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ac,cb,ab->ab', M_Z, t20, t30, A23, t24, t20, M_Z, optimize=[(3, 4), (1, 3), (0, 2), (0, 1), (0, 2), (0, 1)])
-    t0 += (-4/(L*d_V**3*n_batch)) * oe.contract('ab,bc,dac,ac,ac,ce,ae,eb->ab', M_Z, t20, t30, A23, t24, t20, M_Z, t20, optimize=[(3, 4), (2, 6), (2, 3), (2, 4), (1, 3), (1, 2), (0, 1)])
-    t0 += (2/(L*d_V*n_batch)) * oe.contract('ab,bb,cab,ab,ab->ab', M_Z, t20, t30, A23, P_Z, optimize=[(0, 3), (2, 3), (0, 1), (0, 1)])
-    t0 += (-2/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ac,cb->ab', M_Z, t20, t30, A23, P_Z, t20, optimize=[(3, 4), (1, 3), (1, 2), (1, 2), (0, 1)])
-    t0 += (-4/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae,eb,ab->ab', M_Z, t20, t30, A23, A23, t24, t20, M_Z, optimize=[(4, 5), (0, 5), (1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
-    t0 += (4/(L*d_V**3*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae,ef,af,fb->ab', M_Z, t20, t30, A23, A23, t24, t20, M_Z, t20, optimize=[(4, 5), (2, 3), (2, 5), (2, 5), (1, 3), (0, 3), (0, 1), (0, 1)])
-    t0 += (-2/(L*d_V*n_batch)) * oe.contract('ab,bc,dac,ac,ab,ab->ab', M_Z, t20, t30, A23, A23, P_Z, optimize=[(0, 4), (3, 4), (1, 2), (0, 2), (0, 1)])
-    t0 += (2/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae,eb->ab', M_Z, t20, t30, A23, A23, P_Z, t20, optimize=[(4, 5), (2, 3), (2, 3), (0, 3), (0, 1), (0, 1)])
-    t0 += (-2/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,db,ba,da->da', t20, t21, A23, t24, t20, M_Z, optimize=[(2, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
-    t0 += (2/(L*d_V**3*n_batch)) * oe.contract('ab,cdb,db,db,be,de,ea->da', t20, t21, A23, t24, t20, M_Z, t20, optimize=[(2, 3), (1, 5), (1, 2), (1, 3), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_V*n_batch)) * oe.contract('aa,bca,ca,ca->ca', t20, t21, A23, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,db,ba->da', t20, t21, A23, P_Z, t20, optimize=[(2, 3), (0, 2), (0, 1), (0, 1)])
-    t0 += (2/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,de,de,ea,da->da', t20, t21, A23, A23, t24, t20, M_Z, optimize=[(3, 4), (1, 2), (1, 3), (1, 3), (0, 1), (0, 1)])
-    t0 += (-2/(L*d_V**3*n_batch)) * oe.contract('ab,cdb,db,de,de,ef,df,fa->da', t20, t21, A23, A23, t24, t20, M_Z, t20, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
-    t0 += (1/(L*d_V*n_batch)) * oe.contract('ab,cdb,db,da,da->da', t20, t21, A23, A23, P_Z, optimize=[(3, 4), (1, 2), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,de,de,ea->da', t20, t21, A23, A23, P_Z, t20, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t0 += (-4/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd,da,ca->ca', t20, M_Z, t20, t30, A23, t24, t20, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (0, 3), (1, 2), (0, 1)])
-    t0 += (4/(L*d_V**4*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd,df,cf,fa->ca', t20, M_Z, t20, t30, A23, t24, t20, M_Z, t20, optimize=[(4, 5), (3, 7), (0, 1), (0, 5), (3, 4), (0, 3), (1, 2), (0, 1)])
-    t0 += (-2/(L*d_V**2*n_batch)) * oe.contract('ab,cb,ba,dca,ca,ca->ca', t20, M_Z, t20, t30, A23, P_Z, optimize=[(0, 2), (2, 3), (0, 2), (1, 2), (0, 1)])
-    t0 += (2/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd,da->ca', t20, M_Z, t20, t30, A23, P_Z, t20, optimize=[(4, 5), (3, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
-    t0 += (4/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf,fa,ca->ca', t20, M_Z, t20, t30, A23, A23, t24, t20, M_Z, optimize=[(5, 6), (3, 4), (3, 5), (3, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t0 += (-4/(L*d_V**4*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,ga->ca', t20, M_Z, t20, t30, A23, A23, t24, t20, M_Z, t20, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
-    t0 += (2/(L*d_V**2*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,ca,ca->ca', t20, M_Z, t20, t30, A23, A23, P_Z, optimize=[(5, 6), (3, 4), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t0 += (-2/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf,fa->ca', t20, M_Z, t20, t30, A23, A23, P_Z, t20, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t0 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cdb,ba,da->da', t20, t19, t20, M_Z, optimize=[(0, 1), (0, 2), (0, 1)])
-    t0 += (2/(d_V**3*n_batch)) * oe.contract('ab,cdb,be,de,ea->da', t20, t19, t20, M_Z, t20, optimize=[(0, 1), (0, 3), (1, 2), (0, 1)])
-    t0 += (-2/(d_V**2*n_batch)) * oe.contract('aa,bca->ca', t20, t27, optimize=[(0, 1)])
-    t0 += (2/(d_V**3*n_batch)) * oe.contract('ab,cdb,ba->da', t20, t27, t20, optimize=[(0, 1), (0, 1)])
-    t0 += (-4/(d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,da,ca->ca', t20, M_Z, t20, t29, t20, M_Z, optimize=[(2, 3), (2, 4), (0, 3), (0, 2), (0, 1)])
-    t0 += (4/(d_V**4*n_batch)) * oe.contract('ab,cb,bd,ecd,df,cf,fa->ca', t20, M_Z, t20, t29, t20, M_Z, t20, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (1, 2), (0, 1)])
-    t0 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cb,ba,dca->ca', t20, M_Z, t20, t19, optimize=[(0, 2), (0, 2), (0, 1)])
-    t0 += (2/(d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,da->ca', t20, M_Z, t20, t19, t20, optimize=[(2, 3), (2, 3), (0, 2), (0, 1)])
+    t21 = (2/(d_V*n_batch)) * M_Z
+    t0[...] = oe.contract('abc,cc,bc->bc', t19, t20, t21, optimize=[(0, 1), (0, 1)])
+    t22 = (-2/(d_V**2*n_batch)) * M_Z
+    t0 += oe.contract('abc,cd,bd,dc->bc', t19, t20, t22, t20, optimize=[(1, 2), (1, 2), (0, 1)])
+    t23 = t11 * P_Z
+    t24 = torch.exp(Z - Z.amax(-1, keepdim=True))
+    A25 = t24 / t24.sum(-1, keepdim=True)
+    t26 = t9 * M_Z
+    t27 = (2/(L*d_V*n_batch)) * A25
+    t0 += oe.contract('abc,bc,bc,cc,bc->bc', t23, t27, t26, t20, M_Z, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t28 = (-2/(L*d_V**2*n_batch)) * A25
+    t0 += oe.contract('abc,bc,bc,cd,bd,dc->bc', t23, t28, t26, t20, M_Z, t20, optimize=[(1, 2), (1, 3), (1, 3), (1, 2), (0, 1)])
+    t29 = (1/(L*n_batch)) * A25
+    t0 += oe.contract('abc,bc,bc->bc', t23, t29, P_Z, optimize=[(0, 1), (0, 1)])
+    t30 = (-1/(L*d_V*n_batch)) * A25
+    t0 += oe.contract('abc,bc,bc,cc->bc', t23, t30, P_Z, t20, optimize=[(0, 1), (0, 1), (0, 1)])
+    t31 = (-2/(L*d_V*n_batch)) * A25
+    t0 += oe.contract('abc,bc,bd,bd,dc,bc->bc', t23, t31, A25, t26, t20, M_Z, optimize=[(2, 3), (1, 3), (1, 2), (1, 2), (0, 1)])
+    t32 = (2/(L*d_V**2*n_batch)) * A25
+    t0 += oe.contract('abc,bc,bd,bd,de,be,ec->bc', t23, t32, A25, t26, t20, M_Z, t20, optimize=[(2, 3), (2, 5), (2, 4), (2, 3), (1, 2), (0, 1)])
+    t33 = (-1/(L*n_batch)) * A25
+    t0 += oe.contract('abc,bc,bc,bc->bc', t23, t33, A25, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
+    t34 = (1/(L*d_V*n_batch)) * A25
+    t0 += oe.contract('abc,bc,bd,bd,dc->bc', t23, t34, A25, P_Z, t20, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)])
+    t35 = t9 * G * M_Z
+    t36 = t35.sum(-1, keepdim=True)
+    t37 = t36.expand(*t36.shape[:-1], d_V)
+    t0 += (2/(d_V*n_batch)) * oe.contract('abc->bc', t37, optimize=[(0,)])
+    t38 = (-2/(d_V**2*n_batch)) * t37
+    t0 += oe.contract('abc,cc->bc', t38, t20, optimize=[(0, 1)])
+    t39 = (0.75 * (sigma2_Z ** -2.5))
+    t40 = t39 * G * M_Z
+    t41 = (4/(d_V**2*n_batch)) * M_Z
+    t0 += oe.contract('ab,bc,dac,cb,ab->ab', t41, t20, t40, t20, M_Z, optimize=[(1, 3), (0, 2), (0, 1), (0, 1)])
+    t42 = (-4/(d_V**3*n_batch)) * M_Z
+    t0 += oe.contract('ab,bc,dac,ce,ae,eb->ab', t42, t20, t40, t20, M_Z, t20, optimize=[(1, 2), (1, 4), (2, 3), (1, 2), (0, 1)])
+    t0 += oe.contract('ab,bb,cab->ab', t21, t20, t19, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('ab,bc,dac,cb->ab', t22, t20, t19, t20, optimize=[(1, 3), (0, 2), (0, 1)])
+    t43 = t9 * t11 * M_Z
+    t44 = (4/(L*d_V**2*n_batch)) * M_Z
+    t0 += oe.contract('ab,bc,dac,ac,ac,cb,ab->ab', t44, t20, t43, A25, t26, t20, M_Z, optimize=[(3, 4), (1, 3), (0, 2), (0, 1), (0, 2), (0, 1)])
+    t45 = (-4/(L*d_V**3*n_batch)) * M_Z
+    t0 += oe.contract('ab,bc,dac,ac,ac,ce,ae,eb->ab', t45, t20, t43, A25, t26, t20, M_Z, t20, optimize=[(3, 4), (2, 6), (2, 3), (2, 4), (1, 3), (1, 2), (0, 1)])
+    t46 = (2/(L*d_V*n_batch)) * M_Z
+    t0 += oe.contract('ab,bb,cab,ab,ab->ab', t46, t20, t43, A25, P_Z, optimize=[(0, 3), (2, 3), (0, 1), (0, 1)])
+    t47 = (-2/(L*d_V**2*n_batch)) * M_Z
+    t0 += oe.contract('ab,bc,dac,ac,ac,cb->ab', t47, t20, t43, A25, P_Z, t20, optimize=[(3, 4), (1, 3), (1, 2), (1, 2), (0, 1)])
+    t48 = (-4/(L*d_V**2*n_batch)) * M_Z
+    t0 += oe.contract('ab,bc,dac,ac,ae,ae,eb,ab->ab', t48, t20, t43, A25, A25, t26, t20, M_Z, optimize=[(4, 5), (0, 5), (1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t49 = (4/(L*d_V**3*n_batch)) * M_Z
+    t0 += oe.contract('ab,bc,dac,ac,ae,ae,ef,af,fb->ab', t49, t20, t43, A25, A25, t26, t20, M_Z, t20, optimize=[(4, 5), (2, 3), (2, 5), (2, 5), (1, 3), (0, 3), (0, 1), (0, 1)])
+    t50 = (-2/(L*d_V*n_batch)) * M_Z
+    t0 += oe.contract('ab,bc,dac,ac,ab,ab->ab', t50, t20, t43, A25, A25, P_Z, optimize=[(0, 4), (3, 4), (1, 2), (0, 2), (0, 1)])
+    t51 = (2/(L*d_V**2*n_batch)) * M_Z
+    t0 += oe.contract('ab,bc,dac,ac,ae,ae,eb->ab', t51, t20, t43, A25, A25, P_Z, t20, optimize=[(4, 5), (2, 3), (2, 3), (0, 3), (0, 1), (0, 1)])
+    t0 += oe.contract('ab,cdb,db,db,ba,da->da', t20, t23, t28, t26, t20, M_Z, optimize=[(2, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t52 = (2/(L*d_V**3*n_batch)) * A25
+    t0 += oe.contract('ab,cdb,db,db,be,de,ea->da', t20, t23, t52, t26, t20, M_Z, t20, optimize=[(2, 3), (1, 5), (1, 2), (1, 3), (0, 2), (0, 1)])
+    t0 += oe.contract('aa,bca,ca,ca->ca', t20, t23, t30, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
+    t53 = (1/(L*d_V**2*n_batch)) * A25
+    t0 += oe.contract('ab,cdb,db,db,ba->da', t20, t23, t53, P_Z, t20, optimize=[(2, 3), (0, 2), (0, 1), (0, 1)])
+    t0 += oe.contract('ab,cdb,db,de,de,ea,da->da', t20, t23, t32, A25, t26, t20, M_Z, optimize=[(3, 4), (1, 2), (1, 3), (1, 3), (0, 1), (0, 1)])
+    t54 = (-2/(L*d_V**3*n_batch)) * A25
+    t0 += oe.contract('ab,cdb,db,de,de,ef,df,fa->da', t20, t23, t54, A25, t26, t20, M_Z, t20, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
+    t0 += oe.contract('ab,cdb,db,da,da->da', t20, t23, t34, A25, P_Z, optimize=[(3, 4), (1, 2), (0, 2), (0, 1)])
+    t55 = (-1/(L*d_V**2*n_batch)) * A25
+    t0 += oe.contract('ab,cdb,db,de,de,ea->da', t20, t23, t55, A25, P_Z, t20, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t0 += oe.contract('ab,cb,bd,ecd,cd,cd,da,ca->ca', t20, t45, t20, t43, A25, t26, t20, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (0, 3), (1, 2), (0, 1)])
+    t56 = (4/(L*d_V**4*n_batch)) * M_Z
+    t0 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf,fa->ca', t20, t56, t20, t43, A25, t26, t20, M_Z, t20, optimize=[(4, 5), (3, 7), (0, 1), (0, 5), (3, 4), (0, 3), (1, 2), (0, 1)])
+    t0 += oe.contract('ab,cb,ba,dca,ca,ca->ca', t20, t47, t20, t43, A25, P_Z, optimize=[(0, 2), (2, 3), (0, 2), (1, 2), (0, 1)])
+    t57 = (2/(L*d_V**3*n_batch)) * M_Z
+    t0 += oe.contract('ab,cb,bd,ecd,cd,cd,da->ca', t20, t57, t20, t43, A25, P_Z, t20, optimize=[(4, 5), (3, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
+    t0 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fa,ca->ca', t20, t49, t20, t43, A25, A25, t26, t20, M_Z, optimize=[(5, 6), (3, 4), (3, 5), (3, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
+    t58 = (-4/(L*d_V**4*n_batch)) * M_Z
+    t0 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,ga->ca', t20, t58, t20, t43, A25, A25, t26, t20, M_Z, t20, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t0 += oe.contract('ab,cb,bd,ecd,cd,ca,ca->ca', t20, t51, t20, t43, A25, A25, P_Z, optimize=[(5, 6), (3, 4), (2, 4), (1, 3), (0, 2), (0, 1)])
+    t59 = (-2/(L*d_V**3*n_batch)) * M_Z
+    t0 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fa->ca', t20, t59, t20, t43, A25, A25, P_Z, t20, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
+    t0 += oe.contract('ab,cdb,ba,da->da', t20, t19, t20, t22, optimize=[(0, 1), (0, 2), (0, 1)])
+    t60 = (2/(d_V**3*n_batch)) * M_Z
+    t0 += oe.contract('ab,cdb,be,de,ea->da', t20, t19, t20, t60, t20, optimize=[(0, 1), (0, 3), (1, 2), (0, 1)])
+    t61 = (-2/(d_V**2*n_batch)) * t20
+    t0 += oe.contract('aa,bca->ca', t61, t37, optimize=[(0, 1)])
+    t62 = (2/(d_V**3*n_batch)) * t20
+    t0 += oe.contract('ab,cdb,ba->da', t62, t37, t20, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('ab,cb,bd,ecd,da,ca->ca', t20, t42, t20, t40, t20, M_Z, optimize=[(2, 3), (2, 4), (0, 3), (0, 2), (0, 1)])
+    t63 = (4/(d_V**4*n_batch)) * M_Z
+    t0 += oe.contract('ab,cb,bd,ecd,df,cf,fa->ca', t20, t63, t20, t40, t20, M_Z, t20, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (1, 2), (0, 1)])
+    t0 += oe.contract('ab,cb,ba,dca->ca', t20, t22, t20, t19, optimize=[(0, 2), (0, 2), (0, 1)])
+    t0 += oe.contract('ab,cb,bd,ecd,da->ca', t20, t60, t20, t19, t20, optimize=[(2, 3), (2, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -2454,65 +2978,107 @@ def ce__block__X__X__full(X, Y):
     G = t19
     t20 = t10 * G
     t21 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
-    t1 += (2/(d_V*n_batch)) * oe.contract('abc,cd,bd->cdb', t20, t21, M_Z, optimize=[(0, 1), (0, 1)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('abc,cd,bd,de->ceb', t20, t21, M_Z, t21, optimize=[(0, 1), (0, 1), (0, 1)])
-    t22 = t12 * P_Z
-    t23 = torch.exp(Z - Z.amax(-1, keepdim=True))
-    A24 = t23 / t23.sum(-1, keepdim=True)
-    t25 = t10 * M_Z
-    t1 += (2/(L*d_V*n_batch)) * oe.contract('abc,bc,bc,cd,bd->cdb', t22, A24, t25, t21, M_Z, optimize=[(1, 2), (0, 2), (0, 1), (0, 1)])
-    t1 += (-2/(L*d_V**2*n_batch)) * oe.contract('abc,bc,bc,cd,bd,de->ceb', t22, A24, t25, t21, M_Z, t21, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
-    t26 = t0.diagonal(0, 0, 2).diagonal(0, 0, 1)
-    t26 += (1/(L*n_batch)) * oe.contract('abc,bc,bc->bc', t22, A24, P_Z, optimize=[(0, 1), (0, 1)])
-    t1 += (-1/(L*d_V*n_batch)) * oe.contract('abc,bc,bc,cd->cdb', t22, A24, P_Z, t21, optimize=[(0, 1), (0, 2), (0, 1)])
-    t1 += (-2/(L*d_V*n_batch)) * oe.contract('abc,bc,bd,bd,de,be->ceb', t22, A24, A24, t25, t21, M_Z, optimize=[(2, 3), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t1 += (2/(L*d_V**2*n_batch)) * oe.contract('abc,bc,bd,bd,de,be,ef->cfb', t22, A24, A24, t25, t21, M_Z, t21, optimize=[(2, 3), (2, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t1 += (-1/(L*n_batch)) * oe.contract('abc,bc,bd,bd->cdb', t22, A24, A24, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += (1/(L*d_V*n_batch)) * oe.contract('abc,bc,bd,bd,de->ceb', t22, A24, A24, P_Z, t21, optimize=[(2, 3), (2, 3), (0, 1), (0, 1)])
-    t27 = t10 * G * M_Z
-    t28 = t27.sum(-1, keepdim=True)
-    t29 = t28.expand(*t28.shape[:-1], d_V)
-    t26 += (2/(d_V*n_batch)) * oe.contract('abc->bc', t29, optimize=[(0,)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('abc,cd->cdb', t29, t21, optimize=[(0, 1)])
-    t30 = (0.75 * (sigma2_Z ** -2.5))
-    t31 = t30 * G * M_Z
-    t1 += (4/(d_V**2*n_batch)) * oe.contract('ab,bc,dac,ce,ae->bea', M_Z, t21, t31, t21, M_Z, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
-    t1 += (-4/(d_V**3*n_batch)) * oe.contract('ab,bc,dac,ce,ae,ef->bfa', M_Z, t21, t31, t21, M_Z, t21, optimize=[(1, 2), (1, 4), (1, 3), (1, 2), (0, 1)])
-    t1 += (2/(d_V*n_batch)) * oe.contract('ab,bc,dac->bca', M_Z, t21, t20, optimize=[(0, 1), (0, 1)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('ab,bc,dac,ce->bea', M_Z, t21, t20, t21, optimize=[(2, 3), (0, 2), (0, 1)])
-    t32 = t10 * t12 * M_Z
-    t1 += (4/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ac,ce,ae->bea', M_Z, t21, t32, A24, t25, t21, M_Z, optimize=[(3, 4), (2, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
-    t1 += (-4/(L*d_V**3*n_batch)) * oe.contract('ab,bc,dac,ac,ac,ce,ae,ef->bfa', M_Z, t21, t32, A24, t25, t21, M_Z, t21, optimize=[(3, 4), (2, 6), (2, 3), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t1 += (2/(L*d_V*n_batch)) * oe.contract('ab,bc,dac,ac,ac->bca', M_Z, t21, t32, A24, P_Z, optimize=[(3, 4), (0, 2), (0, 1), (0, 1)])
-    t1 += (-2/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ac,ce->bea', M_Z, t21, t32, A24, P_Z, t21, optimize=[(3, 4), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t1 += (-4/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae,ef,af->bfa', M_Z, t21, t32, A24, A24, t25, t21, M_Z, optimize=[(4, 5), (2, 3), (2, 4), (2, 4), (1, 2), (0, 2), (0, 1)])
-    t1 += (4/(L*d_V**3*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae,ef,af,fg->bga', M_Z, t21, t32, A24, A24, t25, t21, M_Z, t21, optimize=[(4, 5), (2, 3), (2, 5), (2, 5), (1, 3), (0, 3), (0, 1), (0, 1)])
-    t1 += (-2/(L*d_V*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae->bea', M_Z, t21, t32, A24, A24, P_Z, optimize=[(4, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t1 += (2/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae,ef->bfa', M_Z, t21, t32, A24, A24, P_Z, t21, optimize=[(4, 5), (2, 3), (2, 3), (1, 2), (0, 2), (0, 1)])
-    t1 += (-2/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,db,be,de->aed', t21, t22, A24, t25, t21, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 2), (0, 1)])
-    t1 += (2/(L*d_V**3*n_batch)) * oe.contract('ab,cdb,db,db,be,de,ef->afd', t21, t22, A24, t25, t21, M_Z, t21, optimize=[(2, 3), (1, 5), (1, 2), (1, 3), (1, 2), (0, 1)])
-    t1 += (-1/(L*d_V*n_batch)) * oe.contract('ab,cdb,db,db->abd', t21, t22, A24, P_Z, optimize=[(1, 2), (1, 2), (0, 1)])
-    t1 += (1/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,db,be->aed', t21, t22, A24, P_Z, t21, optimize=[(2, 3), (1, 3), (0, 2), (0, 1)])
-    t1 += (2/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,de,de,ef,df->afd', t21, t22, A24, A24, t25, t21, M_Z, optimize=[(3, 4), (1, 2), (1, 3), (1, 3), (0, 1), (0, 1)])
-    t1 += (-2/(L*d_V**3*n_batch)) * oe.contract('ab,cdb,db,de,de,ef,df,fg->agd', t21, t22, A24, A24, t25, t21, M_Z, t21, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
-    t1 += (1/(L*d_V*n_batch)) * oe.contract('ab,cdb,db,de,de->aed', t21, t22, A24, A24, P_Z, optimize=[(3, 4), (1, 2), (0, 2), (0, 1)])
-    t1 += (-1/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,de,de,ef->afd', t21, t22, A24, A24, P_Z, t21, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t1 += (-4/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd,df,cf->afc', t21, M_Z, t21, t32, A24, t25, t21, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
-    t1 += (4/(L*d_V**4*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd,df,cf,fg->agc', t21, M_Z, t21, t32, A24, t25, t21, M_Z, t21, optimize=[(4, 5), (3, 7), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
-    t1 += (-2/(L*d_V**2*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd->adc', t21, M_Z, t21, t32, A24, P_Z, optimize=[(4, 5), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t1 += (2/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd,df->afc', t21, M_Z, t21, t32, A24, P_Z, t21, optimize=[(4, 5), (3, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
-    t1 += (4/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg->agc', t21, M_Z, t21, t32, A24, A24, t25, t21, M_Z, optimize=[(5, 6), (3, 4), (3, 5), (3, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t1 += (-4/(L*d_V**4*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,gh->ahc', t21, M_Z, t21, t32, A24, A24, t25, t21, M_Z, t21, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
-    t1 += (2/(L*d_V**2*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf->afc', t21, M_Z, t21, t32, A24, A24, P_Z, optimize=[(5, 6), (3, 4), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t1 += (-2/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg->agc', t21, M_Z, t21, t32, A24, A24, P_Z, t21, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cdb,be,de->aed', t21, t20, t21, M_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += (2/(d_V**3*n_batch)) * oe.contract('ab,cdb,be,de,ef->afd', t21, t20, t21, M_Z, t21, optimize=[(0, 1), (0, 3), (0, 2), (0, 1)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cdb->abd', t21, t29, optimize=[(0, 1)])
-    t1 += (2/(d_V**3*n_batch)) * oe.contract('ab,cdb,be->aed', t21, t29, t21, optimize=[(0, 1), (0, 1)])
-    t1 += (-4/(d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,df,cf->afc', t21, M_Z, t21, t31, t21, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t1 += (4/(d_V**4*n_batch)) * oe.contract('ab,cb,bd,ecd,df,cf,fg->agc', t21, M_Z, t21, t31, t21, M_Z, t21, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cb,bd,ecd->adc', t21, M_Z, t21, t20, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += (2/(d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,df->afc', t21, M_Z, t21, t20, t21, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)])
+    t22 = (2/(d_V*n_batch)) * M_Z
+    t1 += oe.contract('abc,cd,bd->cdb', t20, t21, t22, optimize=[(0, 1), (0, 1)])
+    t23 = (-2/(d_V**2*n_batch)) * M_Z
+    t1 += oe.contract('abc,cd,bd,de->ceb', t20, t21, t23, t21, optimize=[(0, 1), (0, 1), (0, 1)])
+    t24 = t12 * P_Z
+    t25 = torch.exp(Z - Z.amax(-1, keepdim=True))
+    A26 = t25 / t25.sum(-1, keepdim=True)
+    t27 = t10 * M_Z
+    t28 = (2/(L*d_V*n_batch)) * A26
+    t1 += oe.contract('abc,bc,bc,cd,bd->cdb', t24, t28, t27, t21, M_Z, optimize=[(1, 2), (0, 2), (0, 1), (0, 1)])
+    t29 = (-2/(L*d_V**2*n_batch)) * A26
+    t1 += oe.contract('abc,bc,bc,cd,bd,de->ceb', t24, t29, t27, t21, M_Z, t21, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t30 = t0.diagonal(0, 0, 2).diagonal(0, 0, 1)
+    t31 = (1/(L*n_batch)) * A26
+    t30 += oe.contract('abc,bc,bc->bc', t24, t31, P_Z, optimize=[(0, 1), (0, 1)])
+    t32 = (-1/(L*d_V*n_batch)) * A26
+    t1 += oe.contract('abc,bc,bc,cd->cdb', t24, t32, P_Z, t21, optimize=[(0, 1), (0, 2), (0, 1)])
+    t33 = (-2/(L*d_V*n_batch)) * A26
+    t1 += oe.contract('abc,bc,bd,bd,de,be->ceb', t24, t33, A26, t27, t21, M_Z, optimize=[(2, 3), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t34 = (2/(L*d_V**2*n_batch)) * A26
+    t1 += oe.contract('abc,bc,bd,bd,de,be,ef->cfb', t24, t34, A26, t27, t21, M_Z, t21, optimize=[(2, 3), (2, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t35 = (-1/(L*n_batch)) * A26
+    t1 += oe.contract('abc,bc,bd,bd->cdb', t24, t35, A26, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
+    t36 = (1/(L*d_V*n_batch)) * A26
+    t1 += oe.contract('abc,bc,bd,bd,de->ceb', t24, t36, A26, P_Z, t21, optimize=[(2, 3), (2, 3), (0, 1), (0, 1)])
+    t37 = t10 * G * M_Z
+    t38 = t37.sum(-1, keepdim=True)
+    t39 = t38.expand(*t38.shape[:-1], d_V)
+    t30 += (2/(d_V*n_batch)) * oe.contract('abc->bc', t39, optimize=[(0,)])
+    t40 = (-2/(d_V**2*n_batch)) * t39
+    t1 += oe.contract('abc,cd->cdb', t40, t21, optimize=[(0, 1)])
+    t41 = (0.75 * (sigma2_Z ** -2.5))
+    t42 = t41 * G * M_Z
+    t43 = (4/(d_V**2*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ce,ae->bea', t43, t21, t42, t21, M_Z, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t44 = (-4/(d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ce,ae,ef->bfa', t44, t21, t42, t21, M_Z, t21, optimize=[(1, 2), (1, 4), (1, 3), (1, 2), (0, 1)])
+    t1 += oe.contract('ab,bc,dac->bca', t22, t21, t20, optimize=[(0, 1), (0, 1)])
+    t1 += oe.contract('ab,bc,dac,ce->bea', t23, t21, t20, t21, optimize=[(2, 3), (0, 2), (0, 1)])
+    t45 = t10 * t12 * M_Z
+    t46 = (4/(L*d_V**2*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ac,ce,ae->bea', t46, t21, t45, A26, t27, t21, M_Z, optimize=[(3, 4), (2, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
+    t47 = (-4/(L*d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ac,ce,ae,ef->bfa', t47, t21, t45, A26, t27, t21, M_Z, t21, optimize=[(3, 4), (2, 6), (2, 3), (2, 4), (2, 3), (1, 2), (0, 1)])
+    t48 = (2/(L*d_V*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ac->bca', t48, t21, t45, A26, P_Z, optimize=[(3, 4), (0, 2), (0, 1), (0, 1)])
+    t49 = (-2/(L*d_V**2*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ac,ce->bea', t49, t21, t45, A26, P_Z, t21, optimize=[(3, 4), (2, 4), (2, 3), (1, 2), (0, 1)])
+    t50 = (-4/(L*d_V**2*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ae,ae,ef,af->bfa', t50, t21, t45, A26, A26, t27, t21, M_Z, optimize=[(4, 5), (2, 3), (2, 4), (2, 4), (1, 2), (0, 2), (0, 1)])
+    t51 = (4/(L*d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ae,ae,ef,af,fg->bga', t51, t21, t45, A26, A26, t27, t21, M_Z, t21, optimize=[(4, 5), (2, 3), (2, 5), (2, 5), (1, 3), (0, 3), (0, 1), (0, 1)])
+    t52 = (-2/(L*d_V*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ae,ae->bea', t52, t21, t45, A26, A26, P_Z, optimize=[(4, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
+    t53 = (2/(L*d_V**2*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ae,ae,ef->bfa', t53, t21, t45, A26, A26, P_Z, t21, optimize=[(4, 5), (2, 3), (2, 3), (1, 2), (0, 2), (0, 1)])
+    t1 += oe.contract('ab,cdb,db,db,be,de->aed', t21, t24, t29, t27, t21, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 2), (0, 1)])
+    t54 = (2/(L*d_V**3*n_batch)) * A26
+    t55 = oe.contract('abc,bc,bc,cd,bd,de->ebc', t24, t54, t27, t21, M_Z, t21, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t1 += oe.contract('abc,dc->dab', t55, t21, optimize=[(0, 1)])
+    t1 += oe.contract('ab,cdb,db,db->abd', t21, t24, t32, P_Z, optimize=[(1, 2), (1, 2), (0, 1)])
+    t56 = (1/(L*d_V**2*n_batch)) * A26
+    t57 = oe.contract('ab,cdb,db,db->adb', t21, t24, t56, P_Z, optimize=[(1, 2), (1, 2), (0, 1)])
+    t58 = oe.contract('ab->ba', t21, optimize=[(0,)])
+    t1 += oe.contract('abc,dc->adb', t57, t58, optimize=[(0, 1)])
+    t1 += oe.contract('ab,cdb,db,de,de,ef,df->afd', t21, t24, t34, A26, t27, t21, M_Z, optimize=[(3, 4), (1, 2), (1, 3), (1, 3), (0, 1), (0, 1)])
+    t59 = (-2/(L*d_V**3*n_batch)) * A26
+    t1 += oe.contract('ab,cdb,db,de,de,ef,df,fg->agd', t21, t24, t59, A26, t27, t21, M_Z, t21, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
+    t1 += oe.contract('ab,cdb,db,de,de->aed', t21, t24, t36, A26, P_Z, optimize=[(3, 4), (1, 2), (0, 2), (0, 1)])
+    t60 = (-1/(L*d_V**2*n_batch)) * A26
+    t1 += oe.contract('ab,cdb,db,de,de,ef->afd', t21, t24, t60, A26, P_Z, t21, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf->afc', t21, t47, t21, t45, A26, t27, t21, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
+    t61 = (4/(L*d_V**4*n_batch)) * M_Z
+    t62 = oe.contract('ab,cb,bd,ecd,cd,cd,df,cf->acf', t21, t61, t21, t45, A26, t27, t21, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t62, t58, optimize=[(0, 1)])
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cd->adc', t21, t49, t21, t45, A26, P_Z, optimize=[(4, 5), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t63 = (2/(L*d_V**3*n_batch)) * M_Z
+    t64 = oe.contract('ab,cb,bd,ecd,cd,cd->acd', t21, t63, t21, t45, A26, P_Z, optimize=[(4, 5), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t64, t58, optimize=[(0, 1)])
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg->agc', t21, t51, t21, t45, A26, A26, t27, t21, M_Z, optimize=[(5, 6), (3, 4), (3, 5), (3, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
+    t65 = (-4/(L*d_V**4*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,gh->ahc', t21, t65, t21, t45, A26, A26, t27, t21, M_Z, t21, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf->afc', t21, t53, t21, t45, A26, A26, P_Z, optimize=[(5, 6), (3, 4), (2, 4), (1, 3), (0, 2), (0, 1)])
+    t66 = (-2/(L*d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg->agc', t21, t66, t21, t45, A26, A26, P_Z, t21, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('ab,cdb,be,de->aed', t21, t20, t21, t23, optimize=[(0, 1), (0, 1), (0, 1)])
+    t67 = (2/(d_V**3*n_batch)) * M_Z
+    t68 = oe.contract('ab,cdb,be,de->ade', t21, t20, t21, t67, optimize=[(0, 1), (0, 1), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t68, t58, optimize=[(0, 1)])
+    t69 = (-2/(d_V**2*n_batch)) * t21
+    t1 += oe.contract('ab,cdb->abd', t69, t39, optimize=[(0, 1)])
+    t70 = (2/(d_V**3*n_batch)) * t21
+    t71 = oe.contract('ab,cdb->adb', t70, t39, optimize=[(0, 1)])
+    t1 += oe.contract('abc,dc->adb', t71, t58, optimize=[(0, 1)])
+    t1 += oe.contract('ab,cb,bd,ecd,df,cf->afc', t21, t44, t21, t42, t21, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
+    t72 = (4/(d_V**4*n_batch)) * M_Z
+    t73 = oe.contract('ab,cb,bd,ecd,df,cf->acf', t21, t72, t21, t42, t21, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t73, t58, optimize=[(0, 1)])
+    t1 += oe.contract('ab,cb,bd,ecd->adc', t21, t23, t21, t20, optimize=[(0, 1), (0, 1), (0, 1)])
+    t74 = oe.contract('ab,bc,dac,ce->eab', t67, t21, t20, t21, optimize=[(2, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->dab', t74, t21, optimize=[(0, 1)])
     return out
 
 
@@ -2552,65 +3118,107 @@ def ce__frobenius__X__X__full(X, Y):
     G = t19
     t20 = t10 * G
     t21 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
-    t1 += (2/(d_V*n_batch)) * oe.contract('abc,cd,bd->cdb', t20, t21, M_Z, optimize=[(0, 1), (0, 1)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('abc,cd,bd,de->ceb', t20, t21, M_Z, t21, optimize=[(0, 1), (0, 1), (0, 1)])
-    t22 = t12 * P_Z
-    t23 = torch.exp(Z - Z.amax(-1, keepdim=True))
-    A24 = t23 / t23.sum(-1, keepdim=True)
-    t25 = t10 * M_Z
-    t1 += (2/(L*d_V*n_batch)) * oe.contract('abc,bc,bc,cd,bd->cdb', t22, A24, t25, t21, M_Z, optimize=[(1, 2), (0, 2), (0, 1), (0, 1)])
-    t1 += (-2/(L*d_V**2*n_batch)) * oe.contract('abc,bc,bc,cd,bd,de->ceb', t22, A24, t25, t21, M_Z, t21, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
-    t26 = t0.diagonal(0, 0, 2).diagonal(0, 0, 1)
-    t26 += (1/(L*n_batch)) * oe.contract('abc,bc,bc->bc', t22, A24, P_Z, optimize=[(0, 1), (0, 1)])
-    t1 += (-1/(L*d_V*n_batch)) * oe.contract('abc,bc,bc,cd->cdb', t22, A24, P_Z, t21, optimize=[(0, 1), (0, 2), (0, 1)])
-    t1 += (-2/(L*d_V*n_batch)) * oe.contract('abc,bc,bd,bd,de,be->ceb', t22, A24, A24, t25, t21, M_Z, optimize=[(2, 3), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t1 += (2/(L*d_V**2*n_batch)) * oe.contract('abc,bc,bd,bd,de,be,ef->cfb', t22, A24, A24, t25, t21, M_Z, t21, optimize=[(2, 3), (2, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t1 += (-1/(L*n_batch)) * oe.contract('abc,bc,bd,bd->cdb', t22, A24, A24, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += (1/(L*d_V*n_batch)) * oe.contract('abc,bc,bd,bd,de->ceb', t22, A24, A24, P_Z, t21, optimize=[(2, 3), (2, 3), (0, 1), (0, 1)])
-    t27 = t10 * G * M_Z
-    t28 = t27.sum(-1, keepdim=True)
-    t29 = t28.expand(*t28.shape[:-1], d_V)
-    t26 += (2/(d_V*n_batch)) * oe.contract('abc->bc', t29, optimize=[(0,)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('abc,cd->cdb', t29, t21, optimize=[(0, 1)])
-    t30 = (0.75 * (sigma2_Z ** -2.5))
-    t31 = t30 * G * M_Z
-    t1 += (4/(d_V**2*n_batch)) * oe.contract('ab,bc,dac,ce,ae->bea', M_Z, t21, t31, t21, M_Z, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
-    t1 += (-4/(d_V**3*n_batch)) * oe.contract('ab,bc,dac,ce,ae,ef->bfa', M_Z, t21, t31, t21, M_Z, t21, optimize=[(1, 2), (1, 4), (1, 3), (1, 2), (0, 1)])
-    t1 += (2/(d_V*n_batch)) * oe.contract('ab,bc,dac->bca', M_Z, t21, t20, optimize=[(0, 1), (0, 1)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('ab,bc,dac,ce->bea', M_Z, t21, t20, t21, optimize=[(2, 3), (0, 2), (0, 1)])
-    t32 = t10 * t12 * M_Z
-    t1 += (4/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ac,ce,ae->bea', M_Z, t21, t32, A24, t25, t21, M_Z, optimize=[(3, 4), (2, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
-    t1 += (-4/(L*d_V**3*n_batch)) * oe.contract('ab,bc,dac,ac,ac,ce,ae,ef->bfa', M_Z, t21, t32, A24, t25, t21, M_Z, t21, optimize=[(3, 4), (2, 6), (2, 3), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t1 += (2/(L*d_V*n_batch)) * oe.contract('ab,bc,dac,ac,ac->bca', M_Z, t21, t32, A24, P_Z, optimize=[(3, 4), (0, 2), (0, 1), (0, 1)])
-    t1 += (-2/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ac,ce->bea', M_Z, t21, t32, A24, P_Z, t21, optimize=[(3, 4), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t1 += (-4/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae,ef,af->bfa', M_Z, t21, t32, A24, A24, t25, t21, M_Z, optimize=[(4, 5), (2, 3), (2, 4), (2, 4), (1, 2), (0, 2), (0, 1)])
-    t1 += (4/(L*d_V**3*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae,ef,af,fg->bga', M_Z, t21, t32, A24, A24, t25, t21, M_Z, t21, optimize=[(4, 5), (2, 3), (2, 5), (2, 5), (1, 3), (0, 3), (0, 1), (0, 1)])
-    t1 += (-2/(L*d_V*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae->bea', M_Z, t21, t32, A24, A24, P_Z, optimize=[(4, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t1 += (2/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae,ef->bfa', M_Z, t21, t32, A24, A24, P_Z, t21, optimize=[(4, 5), (2, 3), (2, 3), (1, 2), (0, 2), (0, 1)])
-    t1 += (-2/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,db,be,de->aed', t21, t22, A24, t25, t21, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 2), (0, 1)])
-    t1 += (2/(L*d_V**3*n_batch)) * oe.contract('ab,cdb,db,db,be,de,ef->afd', t21, t22, A24, t25, t21, M_Z, t21, optimize=[(2, 3), (1, 5), (1, 2), (1, 3), (1, 2), (0, 1)])
-    t1 += (-1/(L*d_V*n_batch)) * oe.contract('ab,cdb,db,db->abd', t21, t22, A24, P_Z, optimize=[(1, 2), (1, 2), (0, 1)])
-    t1 += (1/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,db,be->aed', t21, t22, A24, P_Z, t21, optimize=[(2, 3), (1, 3), (0, 2), (0, 1)])
-    t1 += (2/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,de,de,ef,df->afd', t21, t22, A24, A24, t25, t21, M_Z, optimize=[(3, 4), (1, 2), (1, 3), (1, 3), (0, 1), (0, 1)])
-    t1 += (-2/(L*d_V**3*n_batch)) * oe.contract('ab,cdb,db,de,de,ef,df,fg->agd', t21, t22, A24, A24, t25, t21, M_Z, t21, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
-    t1 += (1/(L*d_V*n_batch)) * oe.contract('ab,cdb,db,de,de->aed', t21, t22, A24, A24, P_Z, optimize=[(3, 4), (1, 2), (0, 2), (0, 1)])
-    t1 += (-1/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,de,de,ef->afd', t21, t22, A24, A24, P_Z, t21, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t1 += (-4/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd,df,cf->afc', t21, M_Z, t21, t32, A24, t25, t21, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
-    t1 += (4/(L*d_V**4*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd,df,cf,fg->agc', t21, M_Z, t21, t32, A24, t25, t21, M_Z, t21, optimize=[(4, 5), (3, 7), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
-    t1 += (-2/(L*d_V**2*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd->adc', t21, M_Z, t21, t32, A24, P_Z, optimize=[(4, 5), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t1 += (2/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd,df->afc', t21, M_Z, t21, t32, A24, P_Z, t21, optimize=[(4, 5), (3, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
-    t1 += (4/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg->agc', t21, M_Z, t21, t32, A24, A24, t25, t21, M_Z, optimize=[(5, 6), (3, 4), (3, 5), (3, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t1 += (-4/(L*d_V**4*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,gh->ahc', t21, M_Z, t21, t32, A24, A24, t25, t21, M_Z, t21, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
-    t1 += (2/(L*d_V**2*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf->afc', t21, M_Z, t21, t32, A24, A24, P_Z, optimize=[(5, 6), (3, 4), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t1 += (-2/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg->agc', t21, M_Z, t21, t32, A24, A24, P_Z, t21, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cdb,be,de->aed', t21, t20, t21, M_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += (2/(d_V**3*n_batch)) * oe.contract('ab,cdb,be,de,ef->afd', t21, t20, t21, M_Z, t21, optimize=[(0, 1), (0, 3), (0, 2), (0, 1)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cdb->abd', t21, t29, optimize=[(0, 1)])
-    t1 += (2/(d_V**3*n_batch)) * oe.contract('ab,cdb,be->aed', t21, t29, t21, optimize=[(0, 1), (0, 1)])
-    t1 += (-4/(d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,df,cf->afc', t21, M_Z, t21, t31, t21, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t1 += (4/(d_V**4*n_batch)) * oe.contract('ab,cb,bd,ecd,df,cf,fg->agc', t21, M_Z, t21, t31, t21, M_Z, t21, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
-    t1 += (-2/(d_V**2*n_batch)) * oe.contract('ab,cb,bd,ecd->adc', t21, M_Z, t21, t20, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += (2/(d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,df->afc', t21, M_Z, t21, t20, t21, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)])
+    t22 = (2/(d_V*n_batch)) * M_Z
+    t1 += oe.contract('abc,cd,bd->cdb', t20, t21, t22, optimize=[(0, 1), (0, 1)])
+    t23 = (-2/(d_V**2*n_batch)) * M_Z
+    t1 += oe.contract('abc,cd,bd,de->ceb', t20, t21, t23, t21, optimize=[(0, 1), (0, 1), (0, 1)])
+    t24 = t12 * P_Z
+    t25 = torch.exp(Z - Z.amax(-1, keepdim=True))
+    A26 = t25 / t25.sum(-1, keepdim=True)
+    t27 = t10 * M_Z
+    t28 = (2/(L*d_V*n_batch)) * A26
+    t1 += oe.contract('abc,bc,bc,cd,bd->cdb', t24, t28, t27, t21, M_Z, optimize=[(1, 2), (0, 2), (0, 1), (0, 1)])
+    t29 = (-2/(L*d_V**2*n_batch)) * A26
+    t1 += oe.contract('abc,bc,bc,cd,bd,de->ceb', t24, t29, t27, t21, M_Z, t21, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t30 = t0.diagonal(0, 0, 2).diagonal(0, 0, 1)
+    t31 = (1/(L*n_batch)) * A26
+    t30 += oe.contract('abc,bc,bc->bc', t24, t31, P_Z, optimize=[(0, 1), (0, 1)])
+    t32 = (-1/(L*d_V*n_batch)) * A26
+    t1 += oe.contract('abc,bc,bc,cd->cdb', t24, t32, P_Z, t21, optimize=[(0, 1), (0, 2), (0, 1)])
+    t33 = (-2/(L*d_V*n_batch)) * A26
+    t1 += oe.contract('abc,bc,bd,bd,de,be->ceb', t24, t33, A26, t27, t21, M_Z, optimize=[(2, 3), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t34 = (2/(L*d_V**2*n_batch)) * A26
+    t1 += oe.contract('abc,bc,bd,bd,de,be,ef->cfb', t24, t34, A26, t27, t21, M_Z, t21, optimize=[(2, 3), (2, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t35 = (-1/(L*n_batch)) * A26
+    t1 += oe.contract('abc,bc,bd,bd->cdb', t24, t35, A26, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
+    t36 = (1/(L*d_V*n_batch)) * A26
+    t1 += oe.contract('abc,bc,bd,bd,de->ceb', t24, t36, A26, P_Z, t21, optimize=[(2, 3), (2, 3), (0, 1), (0, 1)])
+    t37 = t10 * G * M_Z
+    t38 = t37.sum(-1, keepdim=True)
+    t39 = t38.expand(*t38.shape[:-1], d_V)
+    t30 += (2/(d_V*n_batch)) * oe.contract('abc->bc', t39, optimize=[(0,)])
+    t40 = (-2/(d_V**2*n_batch)) * t39
+    t1 += oe.contract('abc,cd->cdb', t40, t21, optimize=[(0, 1)])
+    t41 = (0.75 * (sigma2_Z ** -2.5))
+    t42 = t41 * G * M_Z
+    t43 = (4/(d_V**2*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ce,ae->bea', t43, t21, t42, t21, M_Z, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t44 = (-4/(d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ce,ae,ef->bfa', t44, t21, t42, t21, M_Z, t21, optimize=[(1, 2), (1, 4), (1, 3), (1, 2), (0, 1)])
+    t1 += oe.contract('ab,bc,dac->bca', t22, t21, t20, optimize=[(0, 1), (0, 1)])
+    t1 += oe.contract('ab,bc,dac,ce->bea', t23, t21, t20, t21, optimize=[(2, 3), (0, 2), (0, 1)])
+    t45 = t10 * t12 * M_Z
+    t46 = (4/(L*d_V**2*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ac,ce,ae->bea', t46, t21, t45, A26, t27, t21, M_Z, optimize=[(3, 4), (2, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
+    t47 = (-4/(L*d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ac,ce,ae,ef->bfa', t47, t21, t45, A26, t27, t21, M_Z, t21, optimize=[(3, 4), (2, 6), (2, 3), (2, 4), (2, 3), (1, 2), (0, 1)])
+    t48 = (2/(L*d_V*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ac->bca', t48, t21, t45, A26, P_Z, optimize=[(3, 4), (0, 2), (0, 1), (0, 1)])
+    t49 = (-2/(L*d_V**2*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ac,ce->bea', t49, t21, t45, A26, P_Z, t21, optimize=[(3, 4), (2, 4), (2, 3), (1, 2), (0, 1)])
+    t50 = (-4/(L*d_V**2*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ae,ae,ef,af->bfa', t50, t21, t45, A26, A26, t27, t21, M_Z, optimize=[(4, 5), (2, 3), (2, 4), (2, 4), (1, 2), (0, 2), (0, 1)])
+    t51 = (4/(L*d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ae,ae,ef,af,fg->bga', t51, t21, t45, A26, A26, t27, t21, M_Z, t21, optimize=[(4, 5), (2, 3), (2, 5), (2, 5), (1, 3), (0, 3), (0, 1), (0, 1)])
+    t52 = (-2/(L*d_V*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ae,ae->bea', t52, t21, t45, A26, A26, P_Z, optimize=[(4, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
+    t53 = (2/(L*d_V**2*n_batch)) * M_Z
+    t1 += oe.contract('ab,bc,dac,ac,ae,ae,ef->bfa', t53, t21, t45, A26, A26, P_Z, t21, optimize=[(4, 5), (2, 3), (2, 3), (1, 2), (0, 2), (0, 1)])
+    t1 += oe.contract('ab,cdb,db,db,be,de->aed', t21, t24, t29, t27, t21, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 2), (0, 1)])
+    t54 = (2/(L*d_V**3*n_batch)) * A26
+    t55 = oe.contract('abc,bc,bc,cd,bd,de->ebc', t24, t54, t27, t21, M_Z, t21, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t1 += oe.contract('abc,dc->dab', t55, t21, optimize=[(0, 1)])
+    t1 += oe.contract('ab,cdb,db,db->abd', t21, t24, t32, P_Z, optimize=[(1, 2), (1, 2), (0, 1)])
+    t56 = (1/(L*d_V**2*n_batch)) * A26
+    t57 = oe.contract('ab,cdb,db,db->adb', t21, t24, t56, P_Z, optimize=[(1, 2), (1, 2), (0, 1)])
+    t58 = oe.contract('ab->ba', t21, optimize=[(0,)])
+    t1 += oe.contract('abc,dc->adb', t57, t58, optimize=[(0, 1)])
+    t1 += oe.contract('ab,cdb,db,de,de,ef,df->afd', t21, t24, t34, A26, t27, t21, M_Z, optimize=[(3, 4), (1, 2), (1, 3), (1, 3), (0, 1), (0, 1)])
+    t59 = (-2/(L*d_V**3*n_batch)) * A26
+    t1 += oe.contract('ab,cdb,db,de,de,ef,df,fg->agd', t21, t24, t59, A26, t27, t21, M_Z, t21, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
+    t1 += oe.contract('ab,cdb,db,de,de->aed', t21, t24, t36, A26, P_Z, optimize=[(3, 4), (1, 2), (0, 2), (0, 1)])
+    t60 = (-1/(L*d_V**2*n_batch)) * A26
+    t1 += oe.contract('ab,cdb,db,de,de,ef->afd', t21, t24, t60, A26, P_Z, t21, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf->afc', t21, t47, t21, t45, A26, t27, t21, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
+    t61 = (4/(L*d_V**4*n_batch)) * M_Z
+    t62 = oe.contract('ab,cb,bd,ecd,cd,cd,df,cf->acf', t21, t61, t21, t45, A26, t27, t21, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t62, t58, optimize=[(0, 1)])
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cd->adc', t21, t49, t21, t45, A26, P_Z, optimize=[(4, 5), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t63 = (2/(L*d_V**3*n_batch)) * M_Z
+    t64 = oe.contract('ab,cb,bd,ecd,cd,cd->acd', t21, t63, t21, t45, A26, P_Z, optimize=[(4, 5), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t64, t58, optimize=[(0, 1)])
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg->agc', t21, t51, t21, t45, A26, A26, t27, t21, M_Z, optimize=[(5, 6), (3, 4), (3, 5), (3, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
+    t65 = (-4/(L*d_V**4*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,gh->ahc', t21, t65, t21, t45, A26, A26, t27, t21, M_Z, t21, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf->afc', t21, t53, t21, t45, A26, A26, P_Z, optimize=[(5, 6), (3, 4), (2, 4), (1, 3), (0, 2), (0, 1)])
+    t66 = (-2/(L*d_V**3*n_batch)) * M_Z
+    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg->agc', t21, t66, t21, t45, A26, A26, P_Z, t21, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('ab,cdb,be,de->aed', t21, t20, t21, t23, optimize=[(0, 1), (0, 1), (0, 1)])
+    t67 = (2/(d_V**3*n_batch)) * M_Z
+    t68 = oe.contract('ab,cdb,be,de->ade', t21, t20, t21, t67, optimize=[(0, 1), (0, 1), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t68, t58, optimize=[(0, 1)])
+    t69 = (-2/(d_V**2*n_batch)) * t21
+    t1 += oe.contract('ab,cdb->abd', t69, t39, optimize=[(0, 1)])
+    t70 = (2/(d_V**3*n_batch)) * t21
+    t71 = oe.contract('ab,cdb->adb', t70, t39, optimize=[(0, 1)])
+    t1 += oe.contract('abc,dc->adb', t71, t58, optimize=[(0, 1)])
+    t1 += oe.contract('ab,cb,bd,ecd,df,cf->afc', t21, t44, t21, t42, t21, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
+    t72 = (4/(d_V**4*n_batch)) * M_Z
+    t73 = oe.contract('ab,cb,bd,ecd,df,cf->acf', t21, t72, t21, t42, t21, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->adb', t73, t58, optimize=[(0, 1)])
+    t1 += oe.contract('ab,cb,bd,ecd->adc', t21, t23, t21, t20, optimize=[(0, 1), (0, 1), (0, 1)])
+    t74 = oe.contract('ab,bc,dac,ce->eab', t67, t21, t20, t21, optimize=[(2, 3), (0, 2), (0, 1)])
+    t1 += oe.contract('abc,dc->dab', t74, t21, optimize=[(0, 1)])
     nrm = torch.linalg.norm(blk)
     del blk
     return nrm

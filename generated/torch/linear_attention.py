@@ -103,64 +103,73 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t10 = X @ W_K
     t11 = t9 @ t10
     t12 = t6 @ t11
-    t1[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade->bdce', t3, t12, optimize=[(0, 1)])
-    t13 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t14 = t13.view((d_V, d_K, d_V, d_K))
-    t15 = X @ W_Q
-    t16 = t2 @ t15
-    t17 = t9 @ X
-    t18 = t6 @ t17
-    t14[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade->bdec', t16, t18, optimize=[(0, 1)])
-    t19 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t20 = t19.view((d_V, d_K, d_V, d_V))
-    t21 = W_Q @ t6
-    t22 = X @ t21
-    t23 = (1/math.sqrt(d_K)) * t22
-    T = t23
-    t24 = T @ X
-    t25 = t2 @ t24
-    t26 = X @ W_V
-    t27 = t6 @ t26
-    t20[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,ade->bdce', t25, t27, optimize=[(0, 1)])
-    t28 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t29 = t28.view((d_V, d_K, d_V, d_K))
-    t30 = t2 @ t11
-    t31 = W_Q.transpose(-1, -2)
-    t32 = t31 @ t2
-    t33 = t32 @ X
-    t29[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade->bdec', t30, t33, optimize=[(0, 1)])
-    t34 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t35 = t34.view((d_V, d_K, d_V, d_K))
-    t36 = t2 @ t17
-    t37 = t32 @ t15
-    t35[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade->bdce', t36, t37, optimize=[(0, 1)])
-    t38 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t39 = t38.view((d_V, d_K, d_V, d_V))
-    t40 = t2 @ t26
-    t41 = t32 @ t24
-    t39[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,ade->bdec', t40, t41, optimize=[(0, 1)])
-    t42 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t43 = t42.view((d_V, d_V, d_V, d_K))
-    t44 = T.transpose(-1, -2)
-    t45 = t44 @ X
-    t46 = t2 @ t45
-    t47 = t7 @ t10
-    t43[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,ade->bdce', t46, t47, optimize=[(0, 1)])
-    t48 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t13 = (2/(L*d_K*d_V*n_batch)) * t3
+    t1[...] = oe.contract('abc,ade->bdce', t13, t12, optimize=[(0, 1)])
+    t14 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t15 = t14.view((d_V, d_K, d_V, d_K))
+    t16 = X @ W_Q
+    t17 = t2 @ t16
+    t18 = t9 @ X
+    t19 = t6 @ t18
+    t20 = (2/(L*d_K*d_V*n_batch)) * t17
+    t15[...] = oe.contract('abc,ade->bdec', t20, t19, optimize=[(0, 1)])
+    t21 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t22 = t21.view((d_V, d_K, d_V, d_V))
+    t23 = W_Q @ t6
+    t24 = X @ t23
+    t25 = (1/math.sqrt(d_K)) * t24
+    T = t25
+    t26 = T @ X
+    t27 = t2 @ t26
+    t28 = X @ W_V
+    t29 = t6 @ t28
+    t30 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t27
+    t22[...] = oe.contract('abc,ade->bdce', t30, t29, optimize=[(0, 1)])
+    t31 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t32 = t31.view((d_V, d_K, d_V, d_K))
+    t33 = t2 @ t11
+    t34 = W_Q.transpose(-1, -2)
+    t35 = t34 @ t2
+    t36 = t35 @ X
+    t37 = (2/(L*d_K*d_V*n_batch)) * t33
+    t32[...] = oe.contract('abc,ade->bdec', t37, t36, optimize=[(0, 1)])
+    t38 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t39 = t38.view((d_V, d_K, d_V, d_K))
+    t40 = t2 @ t18
+    t41 = t35 @ t16
+    t42 = (2/(L*d_K*d_V*n_batch)) * t40
+    t39[...] = oe.contract('abc,ade->bdce', t42, t41, optimize=[(0, 1)])
+    t43 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t44 = t43.view((d_V, d_K, d_V, d_V))
+    t45 = t2 @ t28
+    t46 = t35 @ t26
+    t47 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t45
+    t44[...] = oe.contract('abc,ade->bdec', t47, t46, optimize=[(0, 1)])
+    t48 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t49 = t48.view((d_V, d_V, d_V, d_K))
-    t50 = t44 @ t15
-    t51 = t2 @ t50
-    t52 = t7 @ X
-    t49[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,ade->bdec', t51, t52, optimize=[(0, 1)])
-    t53 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t53[...] = 0
-    t54 = t53.view((d_V, d_V, d_V, d_V))
-    t55 = t54.diagonal(0, 1, 3)
-    t56 = t44 @ T
-    t57 = t56 @ X
+    t50 = T.transpose(-1, -2)
+    t51 = t50 @ X
+    t52 = t2 @ t51
+    t53 = t7 @ t10
+    t54 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t52
+    t49[...] = oe.contract('abc,ade->bdce', t54, t53, optimize=[(0, 1)])
+    t55 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t56 = t55.view((d_V, d_V, d_V, d_K))
+    t57 = t50 @ t16
     t58 = t2 @ t57
-    t59 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t55 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bcd', t58, t59, optimize=[(0, 1)])
+    t59 = t7 @ X
+    t60 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t58
+    t56[...] = oe.contract('abc,ade->bdec', t60, t59, optimize=[(0, 1)])
+    t61 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t61[...] = 0
+    t62 = t61.view((d_V, d_V, d_V, d_V))
+    t63 = t62.diagonal(0, 1, 3)
+    t64 = t50 @ T
+    t65 = t64 @ X
+    t66 = t2 @ t65
+    t67 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t68 = (2/(L*d_V*n_batch)) * t67
+    t63 += oe.contract('abc,d->bcd', t66, t68, optimize=[(0, 1)])
     return H
 
 
@@ -318,7 +327,8 @@ def mse_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t9 = X @ W_K
     t10 = t8 @ t9
     t11 = t5 @ t10
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('abb,acc->bc', t2, t11, optimize=[(0, 1)])
+    t12 = (2/(L*d_K*d_V*n_batch)) * t2
+    t0[...] = oe.contract('abb,acc->bc', t12, t11, optimize=[(0, 1)])
     return out
 
 
@@ -361,7 +371,8 @@ def mse_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t9 = X @ W_K
     t10 = t8 @ t9
     t11 = t5 @ t10
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade->bdce', t2, t11, optimize=[(0, 1)])
+    t12 = (2/(L*d_K*d_V*n_batch)) * t2
+    t0[...] = oe.contract('abc,ade->bdce', t12, t11, optimize=[(0, 1)])
     return out
 
 
@@ -406,7 +417,8 @@ def mse_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     t9 = X @ t8
     t10 = t9 @ X
     t11 = t6 @ t10
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade->bdec', t3, t11, optimize=[(0, 1)])
+    t12 = (2/(L*d_K*d_V*n_batch)) * t3
+    t0[...] = oe.contract('abc,ade->bdec', t12, t11, optimize=[(0, 1)])
     return out
 
 
@@ -451,7 +463,8 @@ def mse_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     t8 = t1 @ t7
     t9 = X @ W_V
     t10 = t3 @ t9
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,ade->bdce', t8, t10, optimize=[(0, 1)])
+    t11 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t8
+    t0[...] = oe.contract('abc,ade->bdce', t11, t10, optimize=[(0, 1)])
     return out
 
 
@@ -496,7 +509,8 @@ def mse_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     t9 = t8 @ t1
     t10 = X @ W_Q
     t11 = t9 @ t10
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('abb,acc->bc', t7, t11, optimize=[(0, 1)])
+    t12 = (2/(L*d_K*d_V*n_batch)) * t7
+    t0[...] = oe.contract('abb,acc->bc', t12, t11, optimize=[(0, 1)])
     return out
 
 
@@ -539,7 +553,8 @@ def mse_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t9 = W_Q.transpose(-1, -2)
     t10 = t9 @ t1
     t11 = t10 @ X
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade->bdec', t8, t11, optimize=[(0, 1)])
+    t12 = (2/(L*d_K*d_V*n_batch)) * t8
+    t0[...] = oe.contract('abc,ade->bdec', t12, t11, optimize=[(0, 1)])
     return out
 
 
@@ -584,7 +599,8 @@ def mse_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t9 = t8 @ t1
     t10 = X @ W_Q
     t11 = t9 @ t10
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade->bdce', t7, t11, optimize=[(0, 1)])
+    t12 = (2/(L*d_K*d_V*n_batch)) * t7
+    t0[...] = oe.contract('abc,ade->bdce', t12, t11, optimize=[(0, 1)])
     return out
 
 
@@ -631,7 +647,8 @@ def mse_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     t10 = t4 @ t1
     t11 = T @ X
     t12 = t10 @ t11
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,ade->bdec', t3, t12, optimize=[(0, 1)])
+    t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t3
+    t0[...] = oe.contract('abc,ade->bdec', t13, t12, optimize=[(0, 1)])
     return out
 
 
@@ -679,7 +696,8 @@ def mse_causal0__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     t9 = t8 @ X
     t10 = t1 @ t9
     t11 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abb,c->bc', t10, t11, optimize=[(0, 1)])
+    t12 = (2/(L*d_V*n_batch)) * t11
+    t0[...] = oe.contract('abb,c->bc', t10, t12, optimize=[(0, 1)])
     return out
 
 
@@ -725,7 +743,8 @@ def mse_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t11 = t10 @ t1
     t12 = X @ W_K
     t13 = t11 @ t12
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,ade->bdce', t9, t13, optimize=[(0, 1)])
+    t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t9
+    t0[...] = oe.contract('abc,ade->bdce', t14, t13, optimize=[(0, 1)])
     return out
 
 
@@ -776,7 +795,8 @@ def mse_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t11 = W_V.transpose(-1, -2)
     t12 = t11 @ t1
     t13 = t12 @ X
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,ade->bdec', t10, t13, optimize=[(0, 1)])
+    t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t10
+    t0[...] = oe.contract('abc,ade->bdec', t14, t13, optimize=[(0, 1)])
     return out
 
 
@@ -827,7 +847,8 @@ def mse_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     t10 = t9 @ X
     t11 = t2 @ t10
     t12 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t1 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bcd', t11, t12, optimize=[(0, 1)])
+    t13 = (2/(L*d_V*n_batch)) * t12
+    t1 += oe.contract('abc,d->bcd', t11, t13, optimize=[(0, 1)])
     return out
 
 
@@ -886,44 +907,48 @@ def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t18 = t17 @ X
     t19 = t4 @ t18
     t20 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t3 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t19, t20, optimize=[(0, 1)])
-    t21 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t22 = t21.view((d_V, d_K, d_V, d_V))
-    t23 = t4 @ G
-    t24 = t6 @ X
-    t22[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade->bdec', t23, t24, optimize=[(0, 1)])
-    t25 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t25[...] = 0
-    t26 = t25.view((d_V, d_K, d_V, d_K))
-    t27 = t26.diagonal(0, 1, 3)
-    t28 = G.transpose(-1, -2)
-    t29 = W_V @ t28
-    t30 = X @ t29
-    t31 = t30 @ X
-    t32 = t4 @ t31
-    t27 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t32, t20, optimize=[(0, 1)])
-    t33 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t33[...] = 0
-    t34 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t35 = t34.view((d_V, d_K, d_V, d_V))
-    t36 = t4 @ X
-    t37 = W_Q.transpose(-1, -2)
-    t38 = t37 @ t4
-    t39 = t38 @ G
-    t35[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade->bdce', t36, t39, optimize=[(0, 1)])
-    t40 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t41 = t40.view((d_V, d_V, d_V, d_K))
-    t42 = X @ W_K
-    t43 = t4 @ t42
-    t44 = t28 @ X
-    t41[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade->bdec', t43, t44, optimize=[(0, 1)])
-    t45 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t46 = t45.view((d_V, d_V, d_V, d_K))
-    t47 = X @ W_Q
-    t48 = t28 @ t47
-    t46[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade->bdce', t36, t48, optimize=[(0, 1)])
-    t49 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t49[...] = 0
+    t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
+    t3 += oe.contract('abc,d->bcd', t19, t21, optimize=[(0, 1)])
+    t22 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t23 = t22.view((d_V, d_K, d_V, d_V))
+    t24 = t4 @ G
+    t25 = t6 @ X
+    t26 = (1/(math.sqrt(d_K)*n_batch)) * t24
+    t23[...] = oe.contract('abc,ade->bdec', t26, t25, optimize=[(0, 1)])
+    t27 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t27[...] = 0
+    t28 = t27.view((d_V, d_K, d_V, d_K))
+    t29 = t28.diagonal(0, 1, 3)
+    t30 = G.transpose(-1, -2)
+    t31 = W_V @ t30
+    t32 = X @ t31
+    t33 = t32 @ X
+    t34 = t4 @ t33
+    t29 += oe.contract('abc,d->bcd', t34, t21, optimize=[(0, 1)])
+    t35 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t35[...] = 0
+    t36 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t37 = t36.view((d_V, d_K, d_V, d_V))
+    t38 = t4 @ X
+    t39 = W_Q.transpose(-1, -2)
+    t40 = t39 @ t4
+    t41 = t40 @ G
+    t42 = (1/(math.sqrt(d_K)*n_batch)) * t38
+    t37[...] = oe.contract('abc,ade->bdce', t42, t41, optimize=[(0, 1)])
+    t43 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t44 = t43.view((d_V, d_V, d_V, d_K))
+    t45 = X @ W_K
+    t46 = t4 @ t45
+    t47 = t30 @ X
+    t48 = (1/(math.sqrt(d_K)*n_batch)) * t46
+    t44[...] = oe.contract('abc,ade->bdec', t48, t47, optimize=[(0, 1)])
+    t49 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t50 = t49.view((d_V, d_V, d_V, d_K))
+    t51 = X @ W_Q
+    t52 = t30 @ t51
+    t50[...] = oe.contract('abc,ade->bdce', t42, t52, optimize=[(0, 1)])
+    t53 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t53[...] = 0
     return H
 
 
@@ -1118,7 +1143,8 @@ def mse_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t16 = t15 @ X
     t17 = t2 @ t16
     t18 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t17, t18, optimize=[(0, 1)])
+    t19 = (1/(math.sqrt(d_K)*n_batch)) * t18
+    t1 += oe.contract('abc,d->bcd', t17, t19, optimize=[(0, 1)])
     return out
 
 
@@ -1176,7 +1202,8 @@ def mse_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     G = t11
     t12 = t1 @ G
     t13 = t3 @ X
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade->bdec', t12, t13, optimize=[(0, 1)])
+    t14 = (1/(math.sqrt(d_K)*n_batch)) * t12
+    t0[...] = oe.contract('abc,ade->bdec', t14, t13, optimize=[(0, 1)])
     return out
 
 
@@ -1257,7 +1284,8 @@ def mse_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t16 = t15 @ X
     t17 = t2 @ t16
     t18 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t17, t18, optimize=[(0, 1)])
+    t19 = (1/(math.sqrt(d_K)*n_batch)) * t18
+    t1 += oe.contract('abc,d->bcd', t17, t19, optimize=[(0, 1)])
     return out
 
 
@@ -1337,7 +1365,8 @@ def mse_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     G = t13
     t14 = t3 @ t1
     t15 = t14 @ G
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade->bdce', t2, t15, optimize=[(0, 1)])
+    t16 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t0[...] = oe.contract('abc,ade->bdce', t16, t15, optimize=[(0, 1)])
     return out
 
 
@@ -1416,7 +1445,8 @@ def mse_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     G = t13
     t14 = G.transpose(-1, -2)
     t15 = t14 @ X
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade->bdec', t3, t15, optimize=[(0, 1)])
+    t16 = (1/(math.sqrt(d_K)*n_batch)) * t3
+    t0[...] = oe.contract('abc,ade->bdec', t16, t15, optimize=[(0, 1)])
     return out
 
 
@@ -1475,7 +1505,8 @@ def mse_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t13 = G.transpose(-1, -2)
     t14 = X @ W_Q
     t15 = t13 @ t14
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade->bdce', t2, t15, optimize=[(0, 1)])
+    t16 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t0[...] = oe.contract('abc,ade->bdce', t16, t15, optimize=[(0, 1)])
     return out
 
 
@@ -1548,95 +1579,108 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t10 = X @ W_K
     t11 = t9 @ t10
     t12 = t6 @ t11
-    t1[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade->bdce', t3, t12, optimize=[(0, 1)])
-    t13 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t13[...] = 0
-    t14 = t13.view((d_V, d_K, d_V, d_K))
-    t15 = t14.diagonal(0, 1, 3)
-    t16 = W_Q @ t6
-    t17 = X @ t16
-    t18 = (1/math.sqrt(d_K)) * t17
-    T = t18
-    t19 = X @ W_V
-    t20 = T @ t19
-    F = t20
-    t21 = (2/(L*d_V)) * F
-    t22 = (-2/(L*d_V)) * Y
-    t23 = t21 + t22
-    G = t23
-    t24 = G @ t7
-    t25 = t24 @ X
-    t26 = t2 @ t25
-    t27 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t15 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t26, t27, optimize=[(0, 1)])
-    t28 = X @ W_Q
-    t29 = t2 @ t28
-    t30 = t9 @ X
-    t31 = t6 @ t30
-    t14 += (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade->bdec', t29, t31, optimize=[(0, 1)])
-    t32 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t33 = t32.view((d_V, d_K, d_V, d_V))
-    t34 = T @ X
-    t35 = t2 @ t34
-    t36 = t6 @ t19
-    t33[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,ade->bdce', t35, t36, optimize=[(0, 1)])
-    t37 = t2 @ G
-    t38 = t6 @ X
-    t33 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade->bdec', t37, t38, optimize=[(0, 1)])
-    t39 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t39[...] = 0
-    t40 = t39.view((d_V, d_K, d_V, d_K))
-    t41 = t40.diagonal(0, 1, 3)
-    t42 = G.transpose(-1, -2)
-    t43 = W_V @ t42
-    t44 = X @ t43
-    t45 = t44 @ X
-    t46 = t2 @ t45
-    t41 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t46, t27, optimize=[(0, 1)])
-    t47 = t2 @ t11
-    t48 = W_Q.transpose(-1, -2)
-    t49 = t48 @ t2
+    t13 = (2/(L*d_K*d_V*n_batch)) * t3
+    t1[...] = oe.contract('abc,ade->bdce', t13, t12, optimize=[(0, 1)])
+    t14 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t14[...] = 0
+    t15 = t14.view((d_V, d_K, d_V, d_K))
+    t16 = t15.diagonal(0, 1, 3)
+    t17 = W_Q @ t6
+    t18 = X @ t17
+    t19 = (1/math.sqrt(d_K)) * t18
+    T = t19
+    t20 = X @ W_V
+    t21 = T @ t20
+    F = t21
+    t22 = (2/(L*d_V)) * F
+    t23 = (-2/(L*d_V)) * Y
+    t24 = t22 + t23
+    G = t24
+    t25 = G @ t7
+    t26 = t25 @ X
+    t27 = t2 @ t26
+    t28 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t29 = (1/(math.sqrt(d_K)*n_batch)) * t28
+    t16 += oe.contract('abc,d->bcd', t27, t29, optimize=[(0, 1)])
+    t30 = X @ W_Q
+    t31 = t2 @ t30
+    t32 = t9 @ X
+    t33 = t6 @ t32
+    t34 = (2/(L*d_K*d_V*n_batch)) * t31
+    t15 += oe.contract('abc,ade->bdec', t34, t33, optimize=[(0, 1)])
+    t35 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t36 = t35.view((d_V, d_K, d_V, d_V))
+    t37 = T @ X
+    t38 = t2 @ t37
+    t39 = t6 @ t20
+    t40 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t38
+    t36[...] = oe.contract('abc,ade->bdce', t40, t39, optimize=[(0, 1)])
+    t41 = t2 @ G
+    t42 = t6 @ X
+    t43 = (1/(math.sqrt(d_K)*n_batch)) * t41
+    t36 += oe.contract('abc,ade->bdec', t43, t42, optimize=[(0, 1)])
+    t44 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t44[...] = 0
+    t45 = t44.view((d_V, d_K, d_V, d_K))
+    t46 = t45.diagonal(0, 1, 3)
+    t47 = G.transpose(-1, -2)
+    t48 = W_V @ t47
+    t49 = X @ t48
     t50 = t49 @ X
-    t40 += (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade->bdec', t47, t50, optimize=[(0, 1)])
-    t51 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t52 = t51.view((d_V, d_K, d_V, d_K))
-    t53 = t2 @ t30
-    t54 = t49 @ t28
-    t52[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade->bdce', t53, t54, optimize=[(0, 1)])
-    t55 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t56 = t55.view((d_V, d_K, d_V, d_V))
-    t57 = t49 @ G
-    t56[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade->bdce', t3, t57, optimize=[(0, 1)])
-    t58 = t2 @ t19
-    t59 = t49 @ t34
-    t56 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,ade->bdec', t58, t59, optimize=[(0, 1)])
-    t60 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t61 = t60.view((d_V, d_V, d_V, d_K))
-    t62 = T.transpose(-1, -2)
-    t63 = t62 @ X
-    t64 = t2 @ t63
-    t65 = t7 @ t10
-    t61[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,ade->bdce', t64, t65, optimize=[(0, 1)])
-    t66 = t2 @ t10
-    t67 = t42 @ X
-    t61 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade->bdec', t66, t67, optimize=[(0, 1)])
-    t68 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t69 = t68.view((d_V, d_V, d_V, d_K))
-    t70 = t42 @ t28
-    t69[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade->bdce', t3, t70, optimize=[(0, 1)])
-    t71 = t62 @ t28
-    t72 = t2 @ t71
-    t73 = t7 @ X
-    t69 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,ade->bdec', t72, t73, optimize=[(0, 1)])
-    t74 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t74[...] = 0
-    t75 = t74.view((d_V, d_V, d_V, d_V))
-    t76 = t75.diagonal(0, 1, 3)
-    t77 = t62 @ T
-    t78 = t77 @ X
-    t79 = t2 @ t78
-    t80 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t76 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bcd', t79, t80, optimize=[(0, 1)])
+    t51 = t2 @ t50
+    t46 += oe.contract('abc,d->bcd', t51, t29, optimize=[(0, 1)])
+    t52 = t2 @ t11
+    t53 = W_Q.transpose(-1, -2)
+    t54 = t53 @ t2
+    t55 = t54 @ X
+    t56 = (2/(L*d_K*d_V*n_batch)) * t52
+    t45 += oe.contract('abc,ade->bdec', t56, t55, optimize=[(0, 1)])
+    t57 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t58 = t57.view((d_V, d_K, d_V, d_K))
+    t59 = t2 @ t32
+    t60 = t54 @ t30
+    t61 = (2/(L*d_K*d_V*n_batch)) * t59
+    t58[...] = oe.contract('abc,ade->bdce', t61, t60, optimize=[(0, 1)])
+    t62 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t63 = t62.view((d_V, d_K, d_V, d_V))
+    t64 = t54 @ G
+    t65 = (1/(math.sqrt(d_K)*n_batch)) * t3
+    t63[...] = oe.contract('abc,ade->bdce', t65, t64, optimize=[(0, 1)])
+    t66 = t2 @ t20
+    t67 = t54 @ t37
+    t68 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t66
+    t63 += oe.contract('abc,ade->bdec', t68, t67, optimize=[(0, 1)])
+    t69 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t70 = t69.view((d_V, d_V, d_V, d_K))
+    t71 = T.transpose(-1, -2)
+    t72 = t71 @ X
+    t73 = t2 @ t72
+    t74 = t7 @ t10
+    t75 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t73
+    t70[...] = oe.contract('abc,ade->bdce', t75, t74, optimize=[(0, 1)])
+    t76 = t2 @ t10
+    t77 = t47 @ X
+    t78 = (1/(math.sqrt(d_K)*n_batch)) * t76
+    t70 += oe.contract('abc,ade->bdec', t78, t77, optimize=[(0, 1)])
+    t79 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t80 = t79.view((d_V, d_V, d_V, d_K))
+    t81 = t47 @ t30
+    t80[...] = oe.contract('abc,ade->bdce', t65, t81, optimize=[(0, 1)])
+    t82 = t71 @ t30
+    t83 = t2 @ t82
+    t84 = t7 @ X
+    t85 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t83
+    t80 += oe.contract('abc,ade->bdec', t85, t84, optimize=[(0, 1)])
+    t86 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t86[...] = 0
+    t87 = t86.view((d_V, d_V, d_V, d_V))
+    t88 = t87.diagonal(0, 1, 3)
+    t89 = t71 @ T
+    t90 = t89 @ X
+    t91 = t2 @ t90
+    t92 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t93 = (2/(L*d_V*n_batch)) * t92
+    t88 += oe.contract('abc,d->bcd', t91, t93, optimize=[(0, 1)])
     return H
 
 
@@ -1850,7 +1894,8 @@ def mse_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t9 = X @ W_K
     t10 = t8 @ t9
     t11 = t5 @ t10
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('abb,acc->bc', t2, t11, optimize=[(0, 1)])
+    t12 = (2/(L*d_K*d_V*n_batch)) * t2
+    t0[...] = oe.contract('abb,acc->bc', t12, t11, optimize=[(0, 1)])
     return out
 
 
@@ -1893,7 +1938,8 @@ def mse_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t9 = X @ W_K
     t10 = t8 @ t9
     t11 = t5 @ t10
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade->bdce', t2, t11, optimize=[(0, 1)])
+    t12 = (2/(L*d_K*d_V*n_batch)) * t2
+    t0[...] = oe.contract('abc,ade->bdce', t12, t11, optimize=[(0, 1)])
     return out
 
 
@@ -1949,14 +1995,16 @@ def mse_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t16 = t15 @ X
     t17 = t2 @ t16
     t18 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t17, t18, optimize=[(0, 1)])
-    t19 = X @ W_Q
-    t20 = t2 @ t19
-    t21 = W_V @ t14
-    t22 = X @ t21
-    t23 = t22 @ X
-    t24 = t4 @ t23
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade->bdec', t20, t24, optimize=[(0, 1)])
+    t19 = (1/(math.sqrt(d_K)*n_batch)) * t18
+    t1 += oe.contract('abc,d->bcd', t17, t19, optimize=[(0, 1)])
+    t20 = X @ W_Q
+    t21 = t2 @ t20
+    t22 = W_V @ t14
+    t23 = X @ t22
+    t24 = t23 @ X
+    t25 = t4 @ t24
+    t26 = (2/(L*d_K*d_V*n_batch)) * t21
+    t0 += oe.contract('abc,ade->bdec', t26, t25, optimize=[(0, 1)])
     return out
 
 
@@ -2015,16 +2063,18 @@ def mse_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t8 = t1 @ t7
     t9 = X @ W_V
     t10 = t3 @ t9
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,ade->bdce', t8, t10, optimize=[(0, 1)])
-    t11 = T @ t9
-    F = t11
-    t12 = (2/(L*d_V)) * F
-    t13 = (-2/(L*d_V)) * Y
-    t14 = t12 + t13
-    G = t14
-    t15 = t1 @ G
-    t16 = t3 @ X
-    t0 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade->bdec', t15, t16, optimize=[(0, 1)])
+    t11 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t8
+    t0[...] = oe.contract('abc,ade->bdce', t11, t10, optimize=[(0, 1)])
+    t12 = T @ t9
+    F = t12
+    t13 = (2/(L*d_V)) * F
+    t14 = (-2/(L*d_V)) * Y
+    t15 = t13 + t14
+    G = t15
+    t16 = t1 @ G
+    t17 = t3 @ X
+    t18 = (1/(math.sqrt(d_K)*n_batch)) * t16
+    t0 += oe.contract('abc,ade->bdec', t18, t17, optimize=[(0, 1)])
     return out
 
 
@@ -2077,7 +2127,8 @@ def mse_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t9 = t8 @ t1
     t10 = X @ W_Q
     t11 = t9 @ t10
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('abb,acc->bc', t7, t11, optimize=[(0, 1)])
+    t12 = (2/(L*d_K*d_V*n_batch)) * t7
+    t0[...] = oe.contract('abb,acc->bc', t12, t11, optimize=[(0, 1)])
     return out
 
 
@@ -2131,18 +2182,20 @@ def mse_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t16 = t15 @ X
     t17 = t2 @ t16
     t18 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t17, t18, optimize=[(0, 1)])
-    t19 = W_V.transpose(-1, -2)
-    t20 = t19 @ t2
-    t21 = W_V @ t20
-    t22 = X @ t21
-    t23 = X @ W_K
-    t24 = t22 @ t23
-    t25 = t2 @ t24
-    t26 = W_Q.transpose(-1, -2)
-    t27 = t26 @ t2
-    t28 = t27 @ X
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade->bdec', t25, t28, optimize=[(0, 1)])
+    t19 = (1/(math.sqrt(d_K)*n_batch)) * t18
+    t1 += oe.contract('abc,d->bcd', t17, t19, optimize=[(0, 1)])
+    t20 = W_V.transpose(-1, -2)
+    t21 = t20 @ t2
+    t22 = W_V @ t21
+    t23 = X @ t22
+    t24 = X @ W_K
+    t25 = t23 @ t24
+    t26 = t2 @ t25
+    t27 = W_Q.transpose(-1, -2)
+    t28 = t27 @ t2
+    t29 = t28 @ X
+    t30 = (2/(L*d_K*d_V*n_batch)) * t26
+    t0 += oe.contract('abc,ade->bdec', t30, t29, optimize=[(0, 1)])
     return out
 
 
@@ -2205,7 +2258,8 @@ def mse_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t9 = t8 @ t1
     t10 = X @ W_Q
     t11 = t9 @ t10
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade->bdce', t7, t11, optimize=[(0, 1)])
+    t12 = (2/(L*d_K*d_V*n_batch)) * t7
+    t0[...] = oe.contract('abc,ade->bdce', t12, t11, optimize=[(0, 1)])
     return out
 
 
@@ -2257,11 +2311,13 @@ def mse_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     G = t13
     t14 = t3 @ t1
     t15 = t14 @ G
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade->bdce', t2, t15, optimize=[(0, 1)])
-    t16 = t1 @ t9
-    t17 = T @ X
-    t18 = t14 @ t17
-    t0 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,ade->bdec', t16, t18, optimize=[(0, 1)])
+    t16 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t0[...] = oe.contract('abc,ade->bdce', t16, t15, optimize=[(0, 1)])
+    t17 = t1 @ t9
+    t18 = T @ X
+    t19 = t14 @ t18
+    t20 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t17
+    t0 += oe.contract('abc,ade->bdec', t20, t19, optimize=[(0, 1)])
     return out
 
 
@@ -2317,7 +2373,8 @@ def mse_causal0__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     t9 = t8 @ X
     t10 = t1 @ t9
     t11 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abb,c->bc', t10, t11, optimize=[(0, 1)])
+    t12 = (2/(L*d_V*n_batch)) * t11
+    t0[...] = oe.contract('abb,c->bc', t10, t12, optimize=[(0, 1)])
     return out
 
 
@@ -2363,18 +2420,20 @@ def mse_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t11 = t10 @ t1
     t12 = X @ W_K
     t13 = t11 @ t12
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,ade->bdce', t9, t13, optimize=[(0, 1)])
-    t14 = t1 @ t12
-    t15 = X @ W_V
-    t16 = T @ t15
-    F = t16
-    t17 = (2/(L*d_V)) * F
-    t18 = (-2/(L*d_V)) * Y
-    t19 = t17 + t18
-    G = t19
-    t20 = G.transpose(-1, -2)
-    t21 = t20 @ X
-    t0 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade->bdec', t14, t21, optimize=[(0, 1)])
+    t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t9
+    t0[...] = oe.contract('abc,ade->bdce', t14, t13, optimize=[(0, 1)])
+    t15 = t1 @ t12
+    t16 = X @ W_V
+    t17 = T @ t16
+    F = t17
+    t18 = (2/(L*d_V)) * F
+    t19 = (-2/(L*d_V)) * Y
+    t20 = t18 + t19
+    G = t20
+    t21 = G.transpose(-1, -2)
+    t22 = t21 @ X
+    t23 = (1/(math.sqrt(d_K)*n_batch)) * t15
+    t0 += oe.contract('abc,ade->bdec', t23, t22, optimize=[(0, 1)])
     return out
 
 
@@ -2439,14 +2498,16 @@ def mse_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t13 = G.transpose(-1, -2)
     t14 = X @ W_Q
     t15 = t13 @ t14
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade->bdce', t2, t15, optimize=[(0, 1)])
-    t16 = T.transpose(-1, -2)
-    t17 = t16 @ t14
-    t18 = t1 @ t17
-    t19 = W_V.transpose(-1, -2)
-    t20 = t19 @ t1
-    t21 = t20 @ X
-    t0 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,ade->bdec', t18, t21, optimize=[(0, 1)])
+    t16 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t0[...] = oe.contract('abc,ade->bdce', t16, t15, optimize=[(0, 1)])
+    t17 = T.transpose(-1, -2)
+    t18 = t17 @ t14
+    t19 = t1 @ t18
+    t20 = W_V.transpose(-1, -2)
+    t21 = t20 @ t1
+    t22 = t21 @ X
+    t23 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t19
+    t0 += oe.contract('abc,ade->bdec', t23, t22, optimize=[(0, 1)])
     return out
 
 
@@ -2507,7 +2568,8 @@ def mse_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     t10 = t9 @ X
     t11 = t2 @ t10
     t12 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t1 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bcd', t11, t12, optimize=[(0, 1)])
+    t13 = (2/(L*d_V*n_batch)) * t12
+    t1 += oe.contract('abc,d->bcd', t11, t13, optimize=[(0, 1)])
     return out
 
 
@@ -2623,51 +2685,64 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t7 = W_V @ t6
     t8 = X @ t7
     t9 = X @ W_K
-    t1[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade,ce,aef,cf,acg,afh->bdgh', t2, t4, Mcausal, t8, Mcausal, X, t9, optimize=[(2, 4), (2, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t10 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t11 = t10.view((d_V, d_K, d_V, d_K))
-    t12 = X @ W_Q
-    t11[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade,ce,aef,cf,acg,afh->bdhg', t2, t4, Mcausal, t8, Mcausal, t12, X, optimize=[(2, 4), (2, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t13 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t14 = t13.view((d_V, d_K, d_V, d_V))
-    t15 = W_Q @ t4
-    t16 = X @ t15
-    t17 = (1/math.sqrt(d_K)) * t16
-    T = t17
-    t18 = Mcausal * T
-    t19 = t18 @ X
-    t20 = X @ W_V
-    t14[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdfg', t2, t4, Mcausal, t19, t20, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t21 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t22 = t21.view((d_V, d_K, d_V, d_K))
-    t23 = W_Q.transpose(-1, -2)
-    t24 = t23 @ t2
-    t25 = Mcausal.transpose(-1, -2)
-    t22[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade,ce,acf,fe,afg,aeh->bdhg', t2, t24, t25, t8, t25, t9, X, optimize=[(2, 4), (2, 5), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t26 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t27 = t26.view((d_V, d_K, d_V, d_K))
-    t27[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade,ce,acf,fe,afg,aeh->bdgh', t2, t24, t25, t8, t25, X, t12, optimize=[(2, 4), (2, 5), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t28 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t29 = t28.view((d_V, d_K, d_V, d_V))
-    t29[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdgf', t2, t24, t25, t20, t19, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t30 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t31 = t30.view((d_V, d_V, d_V, d_K))
-    t32 = T.transpose(-1, -2)
-    t33 = t25 * t32
-    t34 = t2 @ t33
-    t31[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdfg', t34, t6, Mcausal, X, t9, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t35 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t36 = t35.view((d_V, d_V, d_V, d_K))
-    t36[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdgf', t34, t6, Mcausal, t12, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t37 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t37[...] = 0
-    t38 = t37.view((d_V, d_V, d_V, d_V))
-    t39 = t38.diagonal(0, 1, 3)
-    t40 = t33 @ t18
-    t41 = t40 @ X
-    t42 = t2 @ t41
-    t43 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t39 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bcd', t42, t43, optimize=[(0, 1)])
+    t10 = (2/(L*d_K*d_V*n_batch)) * Mcausal
+    t1[...] = oe.contract('abc,ade,ce,aef,cf,acg,afh->bdgh', t2, t4, t10, t8, Mcausal, X, t9, optimize=[(2, 4), (2, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t11 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t12 = t11.view((d_V, d_K, d_V, d_K))
+    t13 = X @ W_Q
+    t14 = oe.contract('abc,acd->bdac', t2, t13, optimize=[(0, 1)])
+    t15 = oe.contract('abc,dc,ace,de,aef->bfad', t4, t10, t8, Mcausal, X, optimize=[(1, 2), (1, 3), (0, 2), (0, 1)])
+    t12[...] = oe.contract('abcd,efcd->aefb', t14, t15, optimize=[(0, 1)])
+    t16 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t17 = t16.view((d_V, d_K, d_V, d_V))
+    t18 = W_Q @ t4
+    t19 = X @ t18
+    t20 = (1/math.sqrt(d_K)) * t19
+    T = t20
+    t21 = Mcausal * T
+    t22 = t21 @ X
+    t23 = X @ W_V
+    t24 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
+    t25 = oe.contract('abc,acd->bdac', t4, t23, optimize=[(0, 1)])
+    t26 = oe.contract('abc,cd,ace->bead', t2, t24, t22, optimize=[(0, 1), (0, 1)])
+    t17[...] = oe.contract('abcd,efcd->eafb', t25, t26, optimize=[(0, 1)])
+    t27 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t28 = t27.view((d_V, d_K, d_V, d_K))
+    t29 = W_Q.transpose(-1, -2)
+    t30 = t29 @ t2
+    t31 = Mcausal.transpose(-1, -2)
+    t32 = (2/(L*d_K*d_V*n_batch)) * t31
+    t28[...] = oe.contract('abc,ade,ce,acf,fe,afg,aeh->bdhg', t2, t30, t32, t8, t31, t9, X, optimize=[(2, 4), (2, 5), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t33 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t34 = t33.view((d_V, d_K, d_V, d_K))
+    t35 = oe.contract('abc,acd->bdac', t30, t13, optimize=[(0, 1)])
+    t36 = oe.contract('abc,cd,ace,ed,aef->bfad', t2, t32, t8, t31, X, optimize=[(1, 2), (1, 3), (0, 2), (0, 1)])
+    t34[...] = oe.contract('abcd,efcd->eafb', t35, t36, optimize=[(0, 1)])
+    t37 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t38 = t37.view((d_V, d_K, d_V, d_V))
+    t39 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t31
+    t38[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t2, t30, t39, t23, t22, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t40 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t41 = t40.view((d_V, d_V, d_V, d_K))
+    t42 = T.transpose(-1, -2)
+    t43 = t31 * t42
+    t44 = t2 @ t43
+    t45 = oe.contract('abc,acd->bdac', t6, t9, optimize=[(0, 1)])
+    t46 = oe.contract('abc,cd,ace->bead', t44, t24, X, optimize=[(0, 1), (0, 1)])
+    t41[...] = oe.contract('abcd,efcd->eafb', t45, t46, optimize=[(0, 1)])
+    t47 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t48 = t47.view((d_V, d_V, d_V, d_K))
+    t48[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t44, t6, t24, t13, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t49 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t49[...] = 0
+    t50 = t49.view((d_V, d_V, d_V, d_V))
+    t51 = t50.diagonal(0, 1, 3)
+    t52 = t43 @ t21
+    t53 = t52 @ X
+    t54 = t2 @ t53
+    t55 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t56 = (2/(L*d_V*n_batch)) * t55
+    t51 += oe.contract('abc,d->bcd', t54, t56, optimize=[(0, 1)])
     return H
 
 
@@ -2816,7 +2891,10 @@ def mse_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t6 = W_V @ t5
     t7 = X @ t6
     t8 = X @ W_K
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade,ce,aef,cf,acb,afd->bd', t1, t3, Mcausal, t7, Mcausal, X, t8, optimize=[(0, 5), (1, 3), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t9 = (2/(L*d_K*d_V*n_batch)) * Mcausal
+    t10 = oe.contract('abc,dc,ace,de,aeb->bad', t3, t9, t7, Mcausal, t8, optimize=[(1, 2), (1, 3), (0, 2), (0, 1)])
+    t11 = oe.contract('abc,acb->bac', t1, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t10, t11, optimize=[(0, 1)])
     return out
 
 
@@ -2855,7 +2933,8 @@ def mse_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t6 = W_V @ t5
     t7 = X @ t6
     t8 = X @ W_K
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade,ce,aef,cf,acg,afh->bdgh', t1, t3, Mcausal, t7, Mcausal, X, t8, optimize=[(2, 4), (2, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t9 = (2/(L*d_K*d_V*n_batch)) * Mcausal
+    t0[...] = oe.contract('abc,ade,ce,aef,cf,acg,afh->bdgh', t1, t3, t9, t7, Mcausal, X, t8, optimize=[(2, 4), (2, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -2896,7 +2975,10 @@ def mse_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     t6 = W_V @ t5
     t7 = X @ t6
     t8 = X @ W_Q
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade,ce,aef,cf,acg,afh->bdhg', t1, t3, Mcausal, t7, Mcausal, t8, X, optimize=[(2, 4), (2, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t9 = (2/(L*d_K*d_V*n_batch)) * Mcausal
+    t10 = oe.contract('abc,acd->bdac', t1, t8, optimize=[(0, 1)])
+    t11 = oe.contract('abc,dc,ace,de,aef->bfad', t3, t9, t7, Mcausal, X, optimize=[(1, 2), (1, 3), (0, 2), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t10, t11, optimize=[(0, 1)])
     return out
 
 
@@ -2939,7 +3021,10 @@ def mse_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     t7 = Mcausal * T
     t8 = t7 @ X
     t9 = X @ W_V
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdfg', t1, t3, Mcausal, t8, t9, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t10 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
+    t11 = oe.contract('abc,acd->bdac', t3, t9, optimize=[(0, 1)])
+    t12 = oe.contract('abc,cd,ace->bead', t1, t10, t8, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t11, t12, optimize=[(0, 1)])
     return out
 
 
@@ -2983,7 +3068,8 @@ def mse_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     t7 = W_V @ t6
     t8 = X @ t7
     t9 = X @ W_Q
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade,ce,acf,fe,afb,aed->bd', t1, t3, t4, t8, t4, X, t9, optimize=[(1, 6), (1, 3), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t10 = (2/(L*d_K*d_V*n_batch)) * t4
+    t0[...] = oe.contract('abc,ade,ce,acf,fe,afb,aed->bd', t1, t3, t10, t8, t4, X, t9, optimize=[(1, 6), (1, 3), (1, 4), (0, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -3024,7 +3110,8 @@ def mse_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t7 = W_V @ t6
     t8 = X @ t7
     t9 = X @ W_K
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade,ce,acf,fe,afg,aeh->bdhg', t1, t3, t4, t8, t4, t9, X, optimize=[(2, 4), (2, 5), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t10 = (2/(L*d_K*d_V*n_batch)) * t4
+    t0[...] = oe.contract('abc,ade,ce,acf,fe,afg,aeh->bdhg', t1, t3, t10, t8, t4, t9, X, optimize=[(2, 4), (2, 5), (0, 4), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -3067,7 +3154,10 @@ def mse_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t7 = W_V @ t6
     t8 = X @ t7
     t9 = X @ W_Q
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade,ce,acf,fe,afg,aeh->bdgh', t1, t3, t4, t8, t4, X, t9, optimize=[(2, 4), (2, 5), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t10 = (2/(L*d_K*d_V*n_batch)) * t4
+    t11 = oe.contract('abc,acd->bdac', t3, t9, optimize=[(0, 1)])
+    t12 = oe.contract('abc,cd,ace,ed,aef->bfad', t1, t10, t8, t4, X, optimize=[(1, 2), (1, 3), (0, 2), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t11, t12, optimize=[(0, 1)])
     return out
 
 
@@ -3114,7 +3204,8 @@ def mse_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     T = t10
     t11 = Mcausal * T
     t12 = t11 @ X
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t3, t4, t5, t12, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t4
+    t0[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t3, t13, t5, t12, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -3167,7 +3258,8 @@ def mse_causal1__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     t12 = t11 @ X
     t13 = t1 @ t12
     t14 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abb,c->bc', t13, t14, optimize=[(0, 1)])
+    t15 = (2/(L*d_V*n_batch)) * t14
+    t0[...] = oe.contract('abb,c->bc', t13, t15, optimize=[(0, 1)])
     return out
 
 
@@ -3218,7 +3310,10 @@ def mse_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t11 = W_V.transpose(-1, -2)
     t12 = t11 @ t1
     t13 = X @ W_K
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdfg', t10, t12, Mcausal, X, t13, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
+    t15 = oe.contract('abc,acd->bdac', t12, t13, optimize=[(0, 1)])
+    t16 = oe.contract('abc,cd,ace->bead', t10, t14, X, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t15, t16, optimize=[(0, 1)])
     return out
 
 
@@ -3271,7 +3366,8 @@ def mse_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t11 = W_V.transpose(-1, -2)
     t12 = t11 @ t1
     t13 = X @ W_Q
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdgf', t10, t12, Mcausal, t13, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
+    t0[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t10, t12, t14, t13, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -3327,7 +3423,8 @@ def mse_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     t13 = t12 @ X
     t14 = t2 @ t13
     t15 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t1 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bcd', t14, t15, optimize=[(0, 1)])
+    t16 = (2/(L*d_V*n_batch)) * t15
+    t1 += oe.contract('abc,d->bcd', t14, t16, optimize=[(0, 1)])
     return out
 
 
@@ -3393,39 +3490,45 @@ def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t20 = t19 @ X
     t21 = t4 @ t20
     t22 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t3 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t21, t22, optimize=[(0, 1)])
-    t23 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t24 = t23.view((d_V, d_K, d_V, d_V))
-    t24[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdgf', t4, t6, Mcausal, G, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t25 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t25[...] = 0
-    t26 = t25.view((d_V, d_K, d_V, d_K))
-    t27 = t26.diagonal(0, 1, 3)
-    t28 = G.transpose(-1, -2)
-    t29 = W_V @ t28
-    t30 = X @ t29
-    t31 = Mcausal.transpose(-1, -2)
-    t32 = t30 * t31
-    t33 = t32 @ X
-    t34 = t4 @ t33
-    t27 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t34, t22, optimize=[(0, 1)])
-    t35 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t35[...] = 0
-    t36 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t37 = t36.view((d_V, d_K, d_V, d_V))
-    t38 = W_Q.transpose(-1, -2)
-    t39 = t38 @ t4
-    t37[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdfg', t4, t39, t31, X, G, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t40 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t41 = t40.view((d_V, d_V, d_V, d_K))
-    t42 = X @ W_K
-    t41[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdgf', t4, t28, t31, t42, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t43 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t44 = t43.view((d_V, d_V, d_V, d_K))
-    t45 = X @ W_Q
-    t44[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdfg', t4, t28, t31, X, t45, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t46 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t46[...] = 0
+    t23 = (1/(math.sqrt(d_K)*n_batch)) * t22
+    t3 += oe.contract('abc,d->bcd', t21, t23, optimize=[(0, 1)])
+    t24 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t25 = t24.view((d_V, d_K, d_V, d_V))
+    t26 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
+    t25[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t4, t6, t26, G, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t27 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t27[...] = 0
+    t28 = t27.view((d_V, d_K, d_V, d_K))
+    t29 = t28.diagonal(0, 1, 3)
+    t30 = G.transpose(-1, -2)
+    t31 = W_V @ t30
+    t32 = X @ t31
+    t33 = Mcausal.transpose(-1, -2)
+    t34 = t32 * t33
+    t35 = t34 @ X
+    t36 = t4 @ t35
+    t29 += oe.contract('abc,d->bcd', t36, t23, optimize=[(0, 1)])
+    t37 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t37[...] = 0
+    t38 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t39 = t38.view((d_V, d_K, d_V, d_V))
+    t40 = W_Q.transpose(-1, -2)
+    t41 = t40 @ t4
+    t42 = (1/(math.sqrt(d_K)*n_batch)) * t33
+    t43 = oe.contract('abc,acd->bdac', t41, G, optimize=[(0, 1)])
+    t44 = oe.contract('abc,cd,ace->bead', t4, t42, X, optimize=[(0, 1), (0, 1)])
+    t39[...] = oe.contract('abcd,efcd->eafb', t43, t44, optimize=[(0, 1)])
+    t45 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t46 = t45.view((d_V, d_V, d_V, d_K))
+    t47 = X @ W_K
+    t46[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t4, t30, t42, t47, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t48 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t49 = t48.view((d_V, d_V, d_V, d_K))
+    t50 = X @ W_Q
+    t51 = oe.contract('abc,acd->bdac', t30, t50, optimize=[(0, 1)])
+    t49[...] = oe.contract('abcd,efcd->eafb', t51, t44, optimize=[(0, 1)])
+    t52 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t52[...] = 0
     return H
 
 
@@ -3629,7 +3732,8 @@ def mse_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t18 = t17 @ X
     t19 = t2 @ t18
     t20 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t19, t20, optimize=[(0, 1)])
+    t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
+    t1 += oe.contract('abc,d->bcd', t19, t21, optimize=[(0, 1)])
     return out
 
 
@@ -3690,7 +3794,8 @@ def mse_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t11 = (-2/(L*d_V)) * Y
     t12 = t10 + t11
     G = t12
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t3, Mcausal, G, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t13 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
+    t0[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t3, t13, G, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -3775,7 +3880,8 @@ def mse_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t19 = t18 @ X
     t20 = t2 @ t19
     t21 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t20, t21, optimize=[(0, 1)])
+    t22 = (1/(math.sqrt(d_K)*n_batch)) * t21
+    t1 += oe.contract('abc,d->bcd', t20, t22, optimize=[(0, 1)])
     return out
 
 
@@ -3860,7 +3966,10 @@ def mse_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t14 = (-2/(L*d_V)) * Y
     t15 = t13 + t14
     G = t15
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdfg', t1, t3, t4, X, G, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t16 = (1/(math.sqrt(d_K)*n_batch)) * t4
+    t17 = oe.contract('abc,acd->bdac', t3, G, optimize=[(0, 1)])
+    t18 = oe.contract('abc,cd,ace->bead', t1, t16, X, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -3941,7 +4050,8 @@ def mse_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t13 = G.transpose(-1, -2)
     t14 = Mcausal.transpose(-1, -2)
     t15 = X @ W_K
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t13, t14, t15, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t16 = (1/(math.sqrt(d_K)*n_batch)) * t14
+    t0[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t13, t16, t15, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -4002,7 +4112,10 @@ def mse_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t13 = G.transpose(-1, -2)
     t14 = Mcausal.transpose(-1, -2)
     t15 = X @ W_Q
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdfg', t1, t13, t14, X, t15, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t16 = (1/(math.sqrt(d_K)*n_batch)) * t14
+    t17 = oe.contract('abc,acd->bdac', t13, t15, optimize=[(0, 1)])
+    t18 = oe.contract('abc,cd,ace->bead', t1, t16, X, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -4074,78 +4187,97 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t7 = W_V @ t6
     t8 = X @ t7
     t9 = X @ W_K
-    t1[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade,ce,aef,cf,acg,afh->bdgh', t2, t4, Mcausal, t8, Mcausal, X, t9, optimize=[(2, 4), (2, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t10 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t10[...] = 0
-    t11 = t10.view((d_V, d_K, d_V, d_K))
-    t12 = t11.diagonal(0, 1, 3)
-    t13 = W_Q @ t4
-    t14 = X @ t13
-    t15 = (1/math.sqrt(d_K)) * t14
-    T = t15
-    t16 = Mcausal * T
-    t17 = X @ W_V
-    t18 = t16 @ t17
-    F = t18
-    t19 = (2/(L*d_V)) * F
-    t20 = (-2/(L*d_V)) * Y
-    t21 = t19 + t20
-    G = t21
-    t22 = G @ t6
-    t23 = Mcausal * t22
-    t24 = t23 @ X
-    t25 = t2 @ t24
-    t26 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t12 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t25, t26, optimize=[(0, 1)])
-    t27 = X @ W_Q
-    t11 += (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade,ce,aef,cf,acg,afh->bdhg', t2, t4, Mcausal, t8, Mcausal, t27, X, optimize=[(2, 4), (2, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t28 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t29 = t28.view((d_V, d_K, d_V, d_V))
-    t30 = t16 @ X
-    t29[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdfg', t2, t4, Mcausal, t30, t17, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t29 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdgf', t2, t4, Mcausal, G, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t31 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t31[...] = 0
-    t32 = t31.view((d_V, d_K, d_V, d_K))
-    t33 = t32.diagonal(0, 1, 3)
-    t34 = G.transpose(-1, -2)
-    t35 = W_V @ t34
-    t36 = X @ t35
-    t37 = Mcausal.transpose(-1, -2)
-    t38 = t36 * t37
-    t39 = t38 @ X
-    t40 = t2 @ t39
-    t33 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t40, t26, optimize=[(0, 1)])
-    t41 = W_Q.transpose(-1, -2)
-    t42 = t41 @ t2
-    t32 += (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade,ce,acf,fe,afg,aeh->bdhg', t2, t42, t37, t8, t37, t9, X, optimize=[(2, 4), (2, 5), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t43 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t44 = t43.view((d_V, d_K, d_V, d_K))
-    t44[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade,ce,acf,fe,afg,aeh->bdgh', t2, t42, t37, t8, t37, X, t27, optimize=[(2, 4), (2, 5), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t45 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t46 = t45.view((d_V, d_K, d_V, d_V))
-    t46[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdgf', t2, t42, t37, t17, t30, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t46 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdfg', t2, t42, t37, X, G, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t47 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t48 = t47.view((d_V, d_V, d_V, d_K))
-    t49 = T.transpose(-1, -2)
-    t50 = t37 * t49
-    t51 = t2 @ t50
-    t48[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdfg', t51, t6, Mcausal, X, t9, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t48 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdgf', t2, t34, t37, t9, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t52 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t53 = t52.view((d_V, d_V, d_V, d_K))
-    t53[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdgf', t51, t6, Mcausal, t27, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t53 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdfg', t2, t34, t37, X, t27, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t54 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t54[...] = 0
-    t55 = t54.view((d_V, d_V, d_V, d_V))
-    t56 = t55.diagonal(0, 1, 3)
-    t57 = t50 @ t16
-    t58 = t57 @ X
-    t59 = t2 @ t58
-    t60 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t56 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bcd', t59, t60, optimize=[(0, 1)])
+    t10 = (2/(L*d_K*d_V*n_batch)) * Mcausal
+    t1[...] = oe.contract('abc,ade,ce,aef,cf,acg,afh->bdgh', t2, t4, t10, t8, Mcausal, X, t9, optimize=[(2, 4), (2, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t11 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t11[...] = 0
+    t12 = t11.view((d_V, d_K, d_V, d_K))
+    t13 = t12.diagonal(0, 1, 3)
+    t14 = W_Q @ t4
+    t15 = X @ t14
+    t16 = (1/math.sqrt(d_K)) * t15
+    T = t16
+    t17 = Mcausal * T
+    t18 = X @ W_V
+    t19 = t17 @ t18
+    F = t19
+    t20 = (2/(L*d_V)) * F
+    t21 = (-2/(L*d_V)) * Y
+    t22 = t20 + t21
+    G = t22
+    t23 = G @ t6
+    t24 = Mcausal * t23
+    t25 = t24 @ X
+    t26 = t2 @ t25
+    t27 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t28 = (1/(math.sqrt(d_K)*n_batch)) * t27
+    t13 += oe.contract('abc,d->bcd', t26, t28, optimize=[(0, 1)])
+    t29 = X @ W_Q
+    t30 = oe.contract('abc,acd->bdac', t2, t29, optimize=[(0, 1)])
+    t31 = oe.contract('abc,dc,ace,de,aef->bfad', t4, t10, t8, Mcausal, X, optimize=[(1, 2), (1, 3), (0, 2), (0, 1)])
+    t12 += oe.contract('abcd,efcd->aefb', t30, t31, optimize=[(0, 1)])
+    t32 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t33 = t32.view((d_V, d_K, d_V, d_V))
+    t34 = t17 @ X
+    t35 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
+    t36 = oe.contract('abc,acd->bdac', t4, t18, optimize=[(0, 1)])
+    t37 = oe.contract('abc,cd,ace->bead', t2, t35, t34, optimize=[(0, 1), (0, 1)])
+    t33[...] = oe.contract('abcd,efcd->eafb', t36, t37, optimize=[(0, 1)])
+    t38 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
+    t33 += oe.contract('abc,ade,ce,acf,aeg->bdgf', t2, t4, t38, G, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t39 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t39[...] = 0
+    t40 = t39.view((d_V, d_K, d_V, d_K))
+    t41 = t40.diagonal(0, 1, 3)
+    t42 = G.transpose(-1, -2)
+    t43 = W_V @ t42
+    t44 = X @ t43
+    t45 = Mcausal.transpose(-1, -2)
+    t46 = t44 * t45
+    t47 = t46 @ X
+    t48 = t2 @ t47
+    t41 += oe.contract('abc,d->bcd', t48, t28, optimize=[(0, 1)])
+    t49 = W_Q.transpose(-1, -2)
+    t50 = t49 @ t2
+    t51 = (2/(L*d_K*d_V*n_batch)) * t45
+    t40 += oe.contract('abc,ade,ce,acf,fe,afg,aeh->bdhg', t2, t50, t51, t8, t45, t9, X, optimize=[(2, 4), (2, 5), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t52 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t53 = t52.view((d_V, d_K, d_V, d_K))
+    t54 = oe.contract('abc,acd->bdac', t50, t29, optimize=[(0, 1)])
+    t55 = oe.contract('abc,cd,ace,ed,aef->bfad', t2, t51, t8, t45, X, optimize=[(1, 2), (1, 3), (0, 2), (0, 1)])
+    t53[...] = oe.contract('abcd,efcd->eafb', t54, t55, optimize=[(0, 1)])
+    t56 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t57 = t56.view((d_V, d_K, d_V, d_V))
+    t58 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t45
+    t57[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t2, t50, t58, t18, t34, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t59 = (1/(math.sqrt(d_K)*n_batch)) * t45
+    t60 = oe.contract('abc,acd->bdac', t50, G, optimize=[(0, 1)])
+    t61 = oe.contract('abc,cd,ace->bead', t2, t59, X, optimize=[(0, 1), (0, 1)])
+    t57 += oe.contract('abcd,efcd->eafb', t60, t61, optimize=[(0, 1)])
+    t62 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t63 = t62.view((d_V, d_V, d_V, d_K))
+    t64 = T.transpose(-1, -2)
+    t65 = t45 * t64
+    t66 = t2 @ t65
+    t67 = oe.contract('abc,acd->bdac', t6, t9, optimize=[(0, 1)])
+    t68 = oe.contract('abc,cd,ace->bead', t66, t35, X, optimize=[(0, 1), (0, 1)])
+    t63[...] = oe.contract('abcd,efcd->eafb', t67, t68, optimize=[(0, 1)])
+    t63 += oe.contract('abc,ade,ce,acf,aeg->bdgf', t2, t42, t59, t9, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t69 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t70 = t69.view((d_V, d_V, d_V, d_K))
+    t70[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t66, t6, t35, t29, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t71 = oe.contract('abc,acd->bdac', t42, t29, optimize=[(0, 1)])
+    t70 += oe.contract('abcd,efcd->eafb', t71, t61, optimize=[(0, 1)])
+    t72 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t72[...] = 0
+    t73 = t72.view((d_V, d_V, d_V, d_V))
+    t74 = t73.diagonal(0, 1, 3)
+    t75 = t65 @ t17
+    t76 = t75 @ X
+    t77 = t2 @ t76
+    t78 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t79 = (2/(L*d_V*n_batch)) * t78
+    t74 += oe.contract('abc,d->bcd', t77, t79, optimize=[(0, 1)])
     return H
 
 
@@ -4346,7 +4478,10 @@ def mse_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t6 = W_V @ t5
     t7 = X @ t6
     t8 = X @ W_K
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade,ce,aef,cf,acb,afd->bd', t1, t3, Mcausal, t7, Mcausal, X, t8, optimize=[(0, 5), (1, 3), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t9 = (2/(L*d_K*d_V*n_batch)) * Mcausal
+    t10 = oe.contract('abc,dc,ace,de,aeb->bad', t3, t9, t7, Mcausal, t8, optimize=[(1, 2), (1, 3), (0, 2), (0, 1)])
+    t11 = oe.contract('abc,acb->bac', t1, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t10, t11, optimize=[(0, 1)])
     return out
 
 
@@ -4385,7 +4520,8 @@ def mse_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t6 = W_V @ t5
     t7 = X @ t6
     t8 = X @ W_K
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade,ce,aef,cf,acg,afh->bdgh', t1, t3, Mcausal, t7, Mcausal, X, t8, optimize=[(2, 4), (2, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t9 = (2/(L*d_K*d_V*n_batch)) * Mcausal
+    t0[...] = oe.contract('abc,ade,ce,aef,cf,acg,afh->bdgh', t1, t3, t9, t7, Mcausal, X, t8, optimize=[(2, 4), (2, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -4442,11 +4578,15 @@ def mse_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t18 = t17 @ X
     t19 = t2 @ t18
     t20 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t19, t20, optimize=[(0, 1)])
-    t21 = W_V @ t15
-    t22 = X @ t21
-    t23 = X @ W_Q
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade,ce,aef,cf,acg,afh->bdhg', t2, t4, Mcausal, t22, Mcausal, t23, X, optimize=[(2, 4), (2, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
+    t1 += oe.contract('abc,d->bcd', t19, t21, optimize=[(0, 1)])
+    t22 = W_V @ t15
+    t23 = X @ t22
+    t24 = X @ W_Q
+    t25 = (2/(L*d_K*d_V*n_batch)) * Mcausal
+    t26 = oe.contract('abc,acd->bdac', t2, t24, optimize=[(0, 1)])
+    t27 = oe.contract('abc,dc,ace,de,aef->bfad', t4, t25, t23, Mcausal, X, optimize=[(1, 2), (1, 3), (0, 2), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t26, t27, optimize=[(0, 1)])
     return out
 
 
@@ -4505,14 +4645,18 @@ def mse_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t7 = Mcausal * T
     t8 = t7 @ X
     t9 = X @ W_V
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdfg', t1, t3, Mcausal, t8, t9, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t10 = t7 @ t9
-    F = t10
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t0 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t3, Mcausal, G, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t10 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
+    t11 = oe.contract('abc,acd->bdac', t3, t9, optimize=[(0, 1)])
+    t12 = oe.contract('abc,cd,ace->bead', t1, t10, t8, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t11, t12, optimize=[(0, 1)])
+    t13 = t7 @ t9
+    F = t13
+    t14 = (2/(L*d_V)) * F
+    t15 = (-2/(L*d_V)) * Y
+    t16 = t14 + t15
+    G = t16
+    t17 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
+    t0 += oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t3, t17, G, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -4562,7 +4706,8 @@ def mse_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t7 = W_V @ t6
     t8 = X @ t7
     t9 = X @ W_Q
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade,ce,acf,fe,afb,aed->bd', t1, t3, t4, t8, t4, X, t9, optimize=[(1, 6), (1, 3), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t10 = (2/(L*d_K*d_V*n_batch)) * t4
+    t0[...] = oe.contract('abc,ade,ce,acf,fe,afb,aed->bd', t1, t3, t10, t8, t4, X, t9, optimize=[(1, 6), (1, 3), (1, 4), (0, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -4619,15 +4764,17 @@ def mse_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t19 = t18 @ X
     t20 = t2 @ t19
     t21 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t20, t21, optimize=[(0, 1)])
-    t22 = W_Q.transpose(-1, -2)
-    t23 = t22 @ t2
-    t24 = W_V.transpose(-1, -2)
-    t25 = t24 @ t2
-    t26 = W_V @ t25
-    t27 = X @ t26
-    t28 = X @ W_K
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade,ce,acf,fe,afg,aeh->bdhg', t2, t23, t17, t27, t17, t28, X, optimize=[(2, 4), (2, 5), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t22 = (1/(math.sqrt(d_K)*n_batch)) * t21
+    t1 += oe.contract('abc,d->bcd', t20, t22, optimize=[(0, 1)])
+    t23 = W_Q.transpose(-1, -2)
+    t24 = t23 @ t2
+    t25 = W_V.transpose(-1, -2)
+    t26 = t25 @ t2
+    t27 = W_V @ t26
+    t28 = X @ t27
+    t29 = X @ W_K
+    t30 = (2/(L*d_K*d_V*n_batch)) * t17
+    t0 += oe.contract('abc,ade,ce,acf,fe,afg,aeh->bdhg', t2, t24, t30, t28, t17, t29, X, optimize=[(2, 4), (2, 5), (0, 4), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -4690,7 +4837,10 @@ def mse_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t7 = W_V @ t6
     t8 = X @ t7
     t9 = X @ W_Q
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('abc,ade,ce,acf,fe,afg,aeh->bdgh', t1, t3, t4, t8, t4, X, t9, optimize=[(2, 4), (2, 5), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t10 = (2/(L*d_K*d_V*n_batch)) * t4
+    t11 = oe.contract('abc,acd->bdac', t3, t9, optimize=[(0, 1)])
+    t12 = oe.contract('abc,cd,ace,ed,aef->bfad', t1, t10, t8, t4, X, optimize=[(1, 2), (1, 3), (0, 2), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t11, t12, optimize=[(0, 1)])
     return out
 
 
@@ -4737,14 +4887,18 @@ def mse_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     T = t10
     t11 = Mcausal * T
     t12 = t11 @ X
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t3, t4, t5, t12, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t13 = t11 @ t5
-    F = t13
-    t14 = (2/(L*d_V)) * F
-    t15 = (-2/(L*d_V)) * Y
-    t16 = t14 + t15
-    G = t16
-    t0 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdfg', t1, t3, t4, X, G, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t4
+    t0[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t3, t13, t5, t12, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t14 = t11 @ t5
+    F = t14
+    t15 = (2/(L*d_V)) * F
+    t16 = (-2/(L*d_V)) * Y
+    t17 = t15 + t16
+    G = t17
+    t18 = (1/(math.sqrt(d_K)*n_batch)) * t4
+    t19 = oe.contract('abc,acd->bdac', t3, G, optimize=[(0, 1)])
+    t20 = oe.contract('abc,cd,ace->bead', t1, t18, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -4803,7 +4957,8 @@ def mse_causal1__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     t12 = t11 @ X
     t13 = t1 @ t12
     t14 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abb,c->bc', t13, t14, optimize=[(0, 1)])
+    t15 = (2/(L*d_V*n_batch)) * t14
+    t0[...] = oe.contract('abb,c->bc', t13, t15, optimize=[(0, 1)])
     return out
 
 
@@ -4854,17 +5009,21 @@ def mse_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t11 = W_V.transpose(-1, -2)
     t12 = t11 @ t1
     t13 = X @ W_K
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdfg', t10, t12, Mcausal, X, t13, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t14 = Mcausal * T
-    t15 = X @ W_V
-    t16 = t14 @ t15
-    F = t16
-    t17 = (2/(L*d_V)) * F
-    t18 = (-2/(L*d_V)) * Y
-    t19 = t17 + t18
-    G = t19
-    t20 = G.transpose(-1, -2)
-    t0 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t20, t2, t13, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
+    t15 = oe.contract('abc,acd->bdac', t12, t13, optimize=[(0, 1)])
+    t16 = oe.contract('abc,cd,ace->bead', t10, t14, X, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t15, t16, optimize=[(0, 1)])
+    t17 = Mcausal * T
+    t18 = X @ W_V
+    t19 = t17 @ t18
+    F = t19
+    t20 = (2/(L*d_V)) * F
+    t21 = (-2/(L*d_V)) * Y
+    t22 = t20 + t21
+    G = t22
+    t23 = G.transpose(-1, -2)
+    t24 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t0 += oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t23, t24, t13, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -4926,17 +5085,21 @@ def mse_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t11 = W_V.transpose(-1, -2)
     t12 = t11 @ t1
     t13 = X @ W_Q
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdgf', t10, t12, Mcausal, t13, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t14 = Mcausal * T
-    t15 = X @ W_V
-    t16 = t14 @ t15
-    F = t16
-    t17 = (2/(L*d_V)) * F
-    t18 = (-2/(L*d_V)) * Y
-    t19 = t17 + t18
-    G = t19
-    t20 = G.transpose(-1, -2)
-    t0 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdfg', t1, t20, t2, X, t13, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
+    t0[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t10, t12, t14, t13, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t15 = Mcausal * T
+    t16 = X @ W_V
+    t17 = t15 @ t16
+    F = t17
+    t18 = (2/(L*d_V)) * F
+    t19 = (-2/(L*d_V)) * Y
+    t20 = t18 + t19
+    G = t20
+    t21 = G.transpose(-1, -2)
+    t22 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t23 = oe.contract('abc,acd->bdac', t21, t13, optimize=[(0, 1)])
+    t24 = oe.contract('abc,cd,ace->bead', t1, t22, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t23, t24, optimize=[(0, 1)])
     return out
 
 
@@ -5001,7 +5164,8 @@ def mse_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     t13 = t12 @ X
     t14 = t2 @ t13
     t15 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t1 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bcd', t14, t15, optimize=[(0, 1)])
+    t16 = (2/(L*d_V*n_batch)) * t15
+    t1 += oe.contract('abc,d->bcd', t14, t16, optimize=[(0, 1)])
     return out
 
 
@@ -5127,53 +5291,83 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t15 = t14 @ t2
     t16 = X @ W_K
     t17 = t15 @ t16
-    t1[...] = (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,ace,acf,aeg->bdfg', t2, t6, t8, A, X, t17, optimize=[(2, 3), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t1 += (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,ace,acf,acg,afh->bdgh', t2, t6, t8, A, A, X, t17, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 2), (0, 1)])
-    t18 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t19 = t18.view((d_V, d_K, d_V, d_K))
-    t20 = X @ W_Q
-    t21 = t15 @ X
-    t19[...] = (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,ace,acf,aeg->bdgf', t2, t6, t8, A, t20, t21, optimize=[(2, 3), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t19 += (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,ace,acf,acg,afh->bdhg', t2, t6, t8, A, A, t20, t21, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 2), (0, 1)])
-    t22 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t23 = t22.view((d_V, d_K, d_V, d_V))
-    t24 = T @ X
-    t23[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ace,ace,acf->bdfe', t2, t6, t8, A, t24, optimize=[(2, 3), (0, 2), (1, 2), (0, 1)])
-    t23 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ace,ace,acf,acg->bdgf', t2, t6, t8, A, A, t24, optimize=[(2, 3), (1, 4), (0, 1), (0, 2), (0, 1)])
-    t25 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t26 = t25.view((d_V, d_K, d_V, d_K))
-    t27 = t2 @ t5
-    t28 = W_Q.transpose(-1, -2)
-    t29 = t28 @ t2
-    t30 = Y.transpose(-1, -2)
-    t31 = t30.sum(-2, keepdim=True)
-    t32 = t31.expand(*t31.shape[:-2], d_V, t31.shape[-1])
-    t26[...] = (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,aec,aef,acg->bdfg', t27, t29, t32, A, X, t17, optimize=[(2, 3), (0, 4), (2, 3), (0, 1), (0, 1)])
-    t26 += (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,aec,aef,aeg,afh->bdgh', t27, t29, t32, A, A, X, t17, optimize=[(2, 3), (2, 4), (0, 3), (0, 2), (0, 2), (0, 1)])
-    t33 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t34 = t33.view((d_V, d_K, d_V, d_K))
-    t34[...] = (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,aec,aef,acg->bdgf', t27, t29, t32, A, t20, t21, optimize=[(2, 3), (0, 4), (2, 3), (0, 1), (0, 1)])
-    t34 += (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,aec,aef,aeg,afh->bdhg', t27, t29, t32, A, A, t20, t21, optimize=[(2, 3), (2, 4), (0, 3), (0, 2), (0, 2), (0, 1)])
-    t35 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t36 = t35.view((d_V, d_K, d_V, d_V))
-    t36[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ace,aec,aef->bdfc', t27, t29, t32, A, t24, optimize=[(2, 3), (1, 2), (1, 2), (0, 1)])
-    t36 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ace,aec,aef,aeg->bdgf', t27, t29, t32, A, A, t24, optimize=[(2, 3), (0, 4), (0, 1), (0, 2), (0, 1)])
-    t37 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t38 = t37.view((d_V, d_V, d_V, d_K))
-    t39 = T.transpose(-1, -2)
-    t40 = t2 @ t39
-    t38[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,adf->bdef', t40, t8, A, X, t17, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
-    t38 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,acf,aeg->bdfg', t40, t8, A, A, X, t17, optimize=[(1, 2), (1, 3), (1, 2), (0, 1), (0, 1)])
-    t41 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t42 = t41.view((d_V, d_V, d_V, d_K))
-    t42[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,adf->bdfe', t40, t8, A, t20, t21, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
-    t42 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,acf,aeg->bdgf', t40, t8, A, A, t20, t21, optimize=[(1, 2), (1, 3), (1, 2), (0, 1), (0, 1)])
-    t43 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t43[...] = 0
-    t44 = t43.view((d_V, d_V, d_V, d_V))
-    t45 = t44.diagonal(0, 1, 3)
-    t45 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bed', t40, t8, A, t24, optimize=[(1, 2), (0, 1), (0, 1)])
-    t44 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t40, t8, A, A, t24, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t18 = (1/(L*d_K*n_batch)) * t2
+    t1[...] = oe.contract('abc,ade,ace,ace,acf,aeg->bdfg', t18, t6, t8, A, X, t17, optimize=[(2, 3), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t19 = (-1/(L*d_K*n_batch)) * t2
+    t20 = oe.contract('abc,acd,ace,adf->befac', t19, A, X, t17, optimize=[(0, 2), (0, 1), (0, 1)])
+    t21 = oe.contract('abc,adc,adc->bad', t6, t8, A, optimize=[(1, 2), (0, 1)])
+    t1 += oe.contract('abcde,fde->afbc', t20, t21, optimize=[(0, 1)])
+    t22 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t23 = t22.view((d_V, d_K, d_V, d_K))
+    t24 = X @ W_Q
+    t25 = t15 @ X
+    t26 = oe.contract('abc,acd->bdac', t18, t24, optimize=[(0, 1)])
+    t27 = oe.contract('abc,adc,adc,ace->bead', t6, t8, A, t25, optimize=[(1, 2), (0, 1), (0, 1)])
+    t23[...] = oe.contract('abcd,efcd->aefb', t26, t27, optimize=[(0, 1)])
+    t28 = oe.contract('abc,acd,ace,adf->bfeac', t19, A, t24, t25, optimize=[(0, 2), (0, 1), (0, 1)])
+    t23 += oe.contract('abcde,fde->afbc', t28, t21, optimize=[(0, 1)])
+    t29 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t30 = t29.view((d_V, d_K, d_V, d_V))
+    t31 = T @ X
+    t32 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t30[...] = oe.contract('abc,ade,ace,ace,acf->bdfe', t32, t6, t8, A, t31, optimize=[(2, 3), (0, 2), (1, 2), (0, 1)])
+    t33 = (-1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t34 = oe.contract('abc,acd,ace->bedac', t33, A, t31, optimize=[(0, 1), (0, 1)])
+    t30 += oe.contract('abcde,fde->afbc', t34, t21, optimize=[(0, 1)])
+    t35 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t36 = t35.view((d_V, d_K, d_V, d_K))
+    t37 = t2 @ t5
+    t38 = W_Q.transpose(-1, -2)
+    t39 = t38 @ t2
+    t40 = Y.transpose(-1, -2)
+    t41 = t40.sum(-2, keepdim=True)
+    t42 = t41.expand(*t41.shape[:-2], d_V, t41.shape[-1])
+    t43 = (1/(L*d_K*n_batch)) * t39
+    t36[...] = oe.contract('abc,ade,ace,aec,aef,acg->bdfg', t37, t43, t42, A, X, t17, optimize=[(2, 3), (0, 4), (2, 3), (0, 1), (0, 1)])
+    t44 = (-1/(L*d_K*n_batch)) * t39
+    t45 = oe.contract('abc,acd,ace,adf->befac', t44, A, X, t17, optimize=[(0, 2), (0, 1), (0, 1)])
+    t46 = oe.contract('abc,acd,adc->bad', t37, t42, A, optimize=[(1, 2), (0, 1)])
+    t36 += oe.contract('abcde,fde->fabc', t45, t46, optimize=[(0, 1)])
+    t47 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t48 = t47.view((d_V, d_K, d_V, d_K))
+    t49 = oe.contract('abc,acd->bdac', t43, t24, optimize=[(0, 1)])
+    t50 = oe.contract('abc,acd,adc,ace->bead', t37, t42, A, t25, optimize=[(1, 2), (0, 1), (0, 1)])
+    t48[...] = oe.contract('abcd,efcd->eafb', t49, t50, optimize=[(0, 1)])
+    t51 = oe.contract('abc,acd,ace,adf->bfeac', t44, A, t24, t25, optimize=[(0, 2), (0, 1), (0, 1)])
+    t48 += oe.contract('abcde,fde->fabc', t51, t46, optimize=[(0, 1)])
+    t52 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t53 = t52.view((d_V, d_K, d_V, d_V))
+    t54 = (1/(L*math.sqrt(d_K)*n_batch)) * t39
+    t53[...] = oe.contract('abc,ade,ace,aec,aef->bdfc', t37, t54, t42, A, t31, optimize=[(2, 3), (1, 2), (1, 2), (0, 1)])
+    t55 = (-1/(L*math.sqrt(d_K)*n_batch)) * t39
+    t56 = oe.contract('abc,acd,ace->bedac', t55, A, t31, optimize=[(0, 1), (0, 1)])
+    t53 += oe.contract('abcde,fde->fabc', t56, t46, optimize=[(0, 1)])
+    t57 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t58 = t57.view((d_V, d_V, d_V, d_K))
+    t59 = T.transpose(-1, -2)
+    t60 = t2 @ t59
+    t61 = (1/(L*math.sqrt(d_K)*n_batch)) * t60
+    t58[...] = oe.contract('abc,acd,acd,ace,adf->bdef', t61, t8, A, X, t17, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
+    t62 = (-1/(L*math.sqrt(d_K)*n_batch)) * t60
+    t63 = oe.contract('abc,acd,ade->beac', t62, A, t17, optimize=[(1, 2), (0, 1)])
+    t64 = oe.contract('abc,abc,abd->cdab', t8, A, X, optimize=[(0, 1), (0, 1)])
+    t58 += oe.contract('abcd,efcd->aefb', t63, t64, optimize=[(0, 1)])
+    t65 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t66 = t65.view((d_V, d_V, d_V, d_K))
+    t66[...] = oe.contract('abc,acd,acd,ace,adf->bdfe', t61, t8, A, t24, t25, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
+    t66 += oe.contract('abc,acd,acd,ace,acf,aeg->bdgf', t62, t8, A, A, t24, t25, optimize=[(1, 2), (1, 3), (1, 2), (0, 1), (0, 1)])
+    t67 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t67[...] = 0
+    t68 = t67.view((d_V, d_V, d_V, d_V))
+    t69 = t68.diagonal(0, 1, 3)
+    t70 = (1/(L*n_batch)) * t60
+    t71 = oe.contract('abc,abc->cab', t8, A, optimize=[(0, 1)])
+    t72 = oe.contract('abc,acd->bdac', t70, t31, optimize=[(0, 1)])
+    t69 += oe.contract('abc,debc->dea', t71, t72, optimize=[(0, 1)])
+    t73 = (-1/(L*n_batch)) * t60
+    t74 = oe.contract('abc,acd->bdac', t73, A, optimize=[(0, 1)])
+    t75 = oe.contract('abc,abc,abd->cdab', t8, A, t31, optimize=[(0, 1), (0, 1)])
+    t68 += oe.contract('abcd,efcd->aefb', t74, t75, optimize=[(0, 1)])
     return H
 
 
@@ -5319,8 +5513,14 @@ def ce_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t14 = t13 @ t1
     t15 = X @ W_K
     t16 = t14 @ t15
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,ace,acb,aed->bd', t1, t5, t7, A, X, t16, optimize=[(2, 3), (0, 2), (0, 1), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,ace,acf,acb,afd->bd', t1, t5, t7, A, A, X, t16, optimize=[(2, 3), (0, 3), (1, 2), (0, 1), (1, 2), (0, 1)])
+    t17 = (1/(L*d_K*n_batch)) * t1
+    t18 = oe.contract('abc,adc,adc,acb->bad', t5, t7, A, t16, optimize=[(0, 3), (0, 1), (0, 1)])
+    t19 = oe.contract('abc,acb->bac', t17, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t18, t19, optimize=[(0, 1)])
+    t20 = (-1/(L*d_K*n_batch)) * t1
+    t21 = oe.contract('abc,adc,adc,ade,aeb->bad', t5, t7, A, A, t16, optimize=[(1, 2), (1, 2), (0, 1), (0, 1)])
+    t22 = oe.contract('abc,acb->bac', t20, X, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dbc->da', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -5377,8 +5577,12 @@ def ce_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t14 = t13 @ t1
     t15 = X @ W_K
     t16 = t14 @ t15
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,ace,acf,aeg->bdfg', t1, t5, t7, A, X, t16, optimize=[(2, 3), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,ace,acf,acg,afh->bdgh', t1, t5, t7, A, A, X, t16, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 2), (0, 1)])
+    t17 = (1/(L*d_K*n_batch)) * t1
+    t0[...] = oe.contract('abc,ade,ace,ace,acf,aeg->bdfg', t17, t5, t7, A, X, t16, optimize=[(2, 3), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t18 = (-1/(L*d_K*n_batch)) * t1
+    t19 = oe.contract('abc,acd,ace,adf->befac', t18, A, X, t16, optimize=[(0, 2), (0, 1), (0, 1)])
+    t20 = oe.contract('abc,adc,adc->bad', t5, t7, A, optimize=[(1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -5437,8 +5641,14 @@ def ce_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     t14 = W_V.transpose(-1, -2)
     t15 = t14 @ t1
     t16 = t15 @ X
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,ace,acf,aeg->bdgf', t1, t5, t7, A, t13, t16, optimize=[(2, 3), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,ace,acf,acg,afh->bdhg', t1, t5, t7, A, A, t13, t16, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 2), (0, 1)])
+    t17 = (1/(L*d_K*n_batch)) * t1
+    t18 = oe.contract('abc,acd->bdac', t17, t13, optimize=[(0, 1)])
+    t19 = oe.contract('abc,adc,adc,ace->bead', t5, t7, A, t16, optimize=[(1, 2), (0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t18, t19, optimize=[(0, 1)])
+    t20 = (-1/(L*d_K*n_batch)) * t1
+    t21 = oe.contract('abc,acd,ace,adf->bfeac', t20, A, t13, t16, optimize=[(0, 2), (0, 1), (0, 1)])
+    t22 = oe.contract('abc,adc,adc->bad', t5, t7, A, optimize=[(1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -5494,8 +5704,12 @@ def ce_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = T @ X
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ace,ace,acf->bdfe', t1, t5, t7, A, t13, optimize=[(2, 3), (0, 2), (1, 2), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ace,ace,acf,acg->bdgf', t1, t5, t7, A, A, t13, optimize=[(2, 3), (1, 4), (0, 1), (0, 2), (0, 1)])
+    t14 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('abc,ade,ace,ace,acf->bdfe', t14, t5, t7, A, t13, optimize=[(2, 3), (0, 2), (1, 2), (0, 1)])
+    t15 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t16 = oe.contract('abc,acd,ace->bedac', t15, A, t13, optimize=[(0, 1), (0, 1)])
+    t17 = oe.contract('abc,adc,adc->bad', t5, t7, A, optimize=[(1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -5554,8 +5768,10 @@ def ce_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     t17 = W_V.transpose(-1, -2)
     t18 = t17 @ t1
     t19 = t18 @ X
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,aec,aed,acb->bd', t3, t5, t8, A, t16, t19, optimize=[(2, 3), (1, 2), (0, 1), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,aec,aef,aed,afb->bd', t3, t5, t8, A, A, t16, t19, optimize=[(2, 3), (1, 3), (1, 2), (0, 1), (1, 2), (0, 1)])
+    t20 = (1/(L*d_K*n_batch)) * t5
+    t0[...] = oe.contract('abc,ade,ace,aec,aed,acb->bd', t3, t20, t8, A, t16, t19, optimize=[(2, 3), (1, 2), (0, 1), (0, 2), (0, 1)])
+    t21 = (-1/(L*d_K*n_batch)) * t5
+    t0 += oe.contract('abc,ade,ace,aec,aef,aed,afb->bd', t3, t21, t8, A, A, t16, t19, optimize=[(2, 3), (1, 3), (1, 2), (0, 1), (1, 2), (0, 1)])
     return out
 
 
@@ -5618,8 +5834,12 @@ def ce_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t17 = t16 @ t1
     t18 = X @ W_K
     t19 = t17 @ t18
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,aec,aef,acg->bdfg', t3, t5, t8, A, X, t19, optimize=[(2, 3), (0, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,aec,aef,aeg,afh->bdgh', t3, t5, t8, A, A, X, t19, optimize=[(2, 3), (2, 4), (0, 3), (0, 2), (0, 2), (0, 1)])
+    t20 = (1/(L*d_K*n_batch)) * t5
+    t0[...] = oe.contract('abc,ade,ace,aec,aef,acg->bdfg', t3, t20, t8, A, X, t19, optimize=[(2, 3), (0, 4), (2, 3), (0, 1), (0, 1)])
+    t21 = (-1/(L*d_K*n_batch)) * t5
+    t22 = oe.contract('abc,acd,ace,adf->befac', t21, A, X, t19, optimize=[(0, 2), (0, 1), (0, 1)])
+    t23 = oe.contract('abc,acd,adc->bad', t3, t8, A, optimize=[(1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->fabc', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -5684,8 +5904,14 @@ def ce_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t17 = W_V.transpose(-1, -2)
     t18 = t17 @ t1
     t19 = t18 @ X
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,aec,aef,acg->bdgf', t3, t5, t8, A, t16, t19, optimize=[(2, 3), (0, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,aec,aef,aeg,afh->bdhg', t3, t5, t8, A, A, t16, t19, optimize=[(2, 3), (2, 4), (0, 3), (0, 2), (0, 2), (0, 1)])
+    t20 = (1/(L*d_K*n_batch)) * t5
+    t21 = oe.contract('abc,acd->bdac', t20, t16, optimize=[(0, 1)])
+    t22 = oe.contract('abc,acd,adc,ace->bead', t3, t8, A, t19, optimize=[(1, 2), (0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
+    t23 = (-1/(L*d_K*n_batch)) * t5
+    t24 = oe.contract('abc,acd,ace,adf->bfeac', t23, A, t16, t19, optimize=[(0, 2), (0, 1), (0, 1)])
+    t25 = oe.contract('abc,acd,adc->bad', t3, t8, A, optimize=[(1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->fabc', t24, t25, optimize=[(0, 1)])
     return out
 
 
@@ -5747,8 +5973,12 @@ def ce_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
     A = t15 / t15.sum(-1, keepdim=True)
     t16 = T @ X
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ace,aec,aef->bdfc', t3, t5, t8, A, t16, optimize=[(2, 3), (1, 2), (1, 2), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ace,aec,aef,aeg->bdgf', t3, t5, t8, A, A, t16, optimize=[(2, 3), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t17 = (1/(L*math.sqrt(d_K)*n_batch)) * t5
+    t0[...] = oe.contract('abc,ade,ace,aec,aef->bdfc', t3, t17, t8, A, t16, optimize=[(2, 3), (1, 2), (1, 2), (0, 1)])
+    t18 = (-1/(L*math.sqrt(d_K)*n_batch)) * t5
+    t19 = oe.contract('abc,acd,ace->bedac', t18, A, t16, optimize=[(0, 1), (0, 1)])
+    t20 = oe.contract('abc,acd,adc->bad', t3, t8, A, optimize=[(1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->fabc', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -5805,8 +6035,12 @@ def ce_causal0__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
     A = t13 / t13.sum(-1, keepdim=True)
     t14 = T @ X
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,acb->bd', t8, t10, A, t14, optimize=[(0, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->bd', t8, t10, A, A, t14, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t15 = (1/(L*n_batch)) * t8
+    t16 = oe.contract('abc,abc->cab', t10, A, optimize=[(0, 1)])
+    t17 = oe.contract('abc,acb->bac', t15, t14, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t16, t17, optimize=[(0, 1)])
+    t18 = (-1/(L*n_batch)) * t8
+    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t18, t10, A, A, t14, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -5862,8 +6096,12 @@ def ce_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t15 = t14 @ t1
     t16 = X @ W_K
     t17 = t15 @ t16
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,adf->bdef', t8, t10, A, X, t17, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,acf,aeg->bdfg', t8, t10, A, A, X, t17, optimize=[(1, 2), (1, 3), (1, 2), (0, 1), (0, 1)])
+    t18 = (1/(L*math.sqrt(d_K)*n_batch)) * t8
+    t0[...] = oe.contract('abc,acd,acd,ace,adf->bdef', t18, t10, A, X, t17, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
+    t19 = (-1/(L*math.sqrt(d_K)*n_batch)) * t8
+    t20 = oe.contract('abc,acd,ade->beac', t19, A, t17, optimize=[(1, 2), (0, 1)])
+    t21 = oe.contract('abc,abc,abd->cdab', t10, A, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -5924,8 +6162,10 @@ def ce_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t15 = W_V.transpose(-1, -2)
     t16 = t15 @ t1
     t17 = t16 @ X
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,adf->bdfe', t8, t10, A, t14, t17, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,acf,aeg->bdgf', t8, t10, A, A, t14, t17, optimize=[(1, 2), (1, 3), (1, 2), (0, 1), (0, 1)])
+    t18 = (1/(L*math.sqrt(d_K)*n_batch)) * t8
+    t0[...] = oe.contract('abc,acd,acd,ace,adf->bdfe', t18, t10, A, t14, t17, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
+    t19 = (-1/(L*math.sqrt(d_K)*n_batch)) * t8
+    t0 += oe.contract('abc,acd,acd,ace,acf,aeg->bdgf', t19, t10, A, A, t14, t17, optimize=[(1, 2), (1, 3), (1, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -5985,8 +6225,14 @@ def ce_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = T @ X
-    t1 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bed', t9, t11, A, t15, optimize=[(1, 2), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t9, t11, A, A, t15, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t16 = (1/(L*n_batch)) * t9
+    t17 = oe.contract('abc,abc->cab', t11, A, optimize=[(0, 1)])
+    t18 = oe.contract('abc,acd->bdac', t16, t15, optimize=[(0, 1)])
+    t1 += oe.contract('abc,debc->dea', t17, t18, optimize=[(0, 1)])
+    t19 = (-1/(L*n_batch)) * t9
+    t20 = oe.contract('abc,acd->bdac', t19, A, optimize=[(0, 1)])
+    t21 = oe.contract('abc,abc,abd->cdab', t11, A, t15, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -6055,44 +6301,48 @@ def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t22 = t21 @ X
     t23 = t4 @ t22
     t24 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t3 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t23, t24, optimize=[(0, 1)])
-    t25 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t26 = t25.view((d_V, d_K, d_V, d_V))
-    t27 = t4 @ G
-    t28 = t8 @ X
-    t26[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade->bdec', t27, t28, optimize=[(0, 1)])
-    t29 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t29[...] = 0
-    t30 = t29.view((d_V, d_K, d_V, d_K))
-    t31 = t30.diagonal(0, 1, 3)
-    t32 = G.transpose(-1, -2)
-    t33 = W_V @ t32
-    t34 = X @ t33
-    t35 = t34 @ X
-    t36 = t4 @ t35
-    t31 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t36, t24, optimize=[(0, 1)])
-    t37 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t37[...] = 0
-    t38 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t39 = t38.view((d_V, d_K, d_V, d_V))
-    t40 = t4 @ X
-    t41 = W_Q.transpose(-1, -2)
-    t42 = t41 @ t4
-    t43 = t42 @ G
-    t39[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade->bdce', t40, t43, optimize=[(0, 1)])
-    t44 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t45 = t44.view((d_V, d_V, d_V, d_K))
-    t46 = X @ W_K
-    t47 = t4 @ t46
-    t48 = t32 @ X
-    t45[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade->bdec', t47, t48, optimize=[(0, 1)])
-    t49 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t50 = t49.view((d_V, d_V, d_V, d_K))
-    t51 = X @ W_Q
-    t52 = t32 @ t51
-    t50[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade->bdce', t40, t52, optimize=[(0, 1)])
-    t53 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t53[...] = 0
+    t25 = (1/(math.sqrt(d_K)*n_batch)) * t24
+    t3 += oe.contract('abc,d->bcd', t23, t25, optimize=[(0, 1)])
+    t26 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t27 = t26.view((d_V, d_K, d_V, d_V))
+    t28 = t4 @ G
+    t29 = t8 @ X
+    t30 = (1/(math.sqrt(d_K)*n_batch)) * t28
+    t27[...] = oe.contract('abc,ade->bdec', t30, t29, optimize=[(0, 1)])
+    t31 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t31[...] = 0
+    t32 = t31.view((d_V, d_K, d_V, d_K))
+    t33 = t32.diagonal(0, 1, 3)
+    t34 = G.transpose(-1, -2)
+    t35 = W_V @ t34
+    t36 = X @ t35
+    t37 = t36 @ X
+    t38 = t4 @ t37
+    t33 += oe.contract('abc,d->bcd', t38, t25, optimize=[(0, 1)])
+    t39 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t39[...] = 0
+    t40 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t41 = t40.view((d_V, d_K, d_V, d_V))
+    t42 = t4 @ X
+    t43 = W_Q.transpose(-1, -2)
+    t44 = t43 @ t4
+    t45 = t44 @ G
+    t46 = (1/(math.sqrt(d_K)*n_batch)) * t42
+    t41[...] = oe.contract('abc,ade->bdce', t46, t45, optimize=[(0, 1)])
+    t47 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t48 = t47.view((d_V, d_V, d_V, d_K))
+    t49 = X @ W_K
+    t50 = t4 @ t49
+    t51 = t34 @ X
+    t52 = (1/(math.sqrt(d_K)*n_batch)) * t50
+    t48[...] = oe.contract('abc,ade->bdec', t52, t51, optimize=[(0, 1)])
+    t53 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t54 = t53.view((d_V, d_V, d_V, d_K))
+    t55 = X @ W_Q
+    t56 = t34 @ t55
+    t54[...] = oe.contract('abc,ade->bdce', t46, t56, optimize=[(0, 1)])
+    t57 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t57[...] = 0
     return H
 
 
@@ -6302,7 +6552,8 @@ def ce_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t20 = t19 @ X
     t21 = t2 @ t20
     t22 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t21, t22, optimize=[(0, 1)])
+    t23 = (1/(math.sqrt(d_K)*n_batch)) * t22
+    t1 += oe.contract('abc,d->bcd', t21, t23, optimize=[(0, 1)])
     return out
 
 
@@ -6370,7 +6621,8 @@ def ce_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     G = t15
     t16 = t1 @ G
     t17 = t5 @ X
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade->bdec', t16, t17, optimize=[(0, 1)])
+    t18 = (1/(math.sqrt(d_K)*n_batch)) * t16
+    t0[...] = oe.contract('abc,ade->bdec', t18, t17, optimize=[(0, 1)])
     return out
 
 
@@ -6461,7 +6713,8 @@ def ce_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t20 = t19 @ X
     t21 = t2 @ t20
     t22 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t21, t22, optimize=[(0, 1)])
+    t23 = (1/(math.sqrt(d_K)*n_batch)) * t22
+    t1 += oe.contract('abc,d->bcd', t21, t23, optimize=[(0, 1)])
     return out
 
 
@@ -6551,7 +6804,8 @@ def ce_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     G = t17
     t18 = t3 @ t1
     t19 = t18 @ G
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade->bdce', t2, t19, optimize=[(0, 1)])
+    t20 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t0[...] = oe.contract('abc,ade->bdce', t20, t19, optimize=[(0, 1)])
     return out
 
 
@@ -6640,7 +6894,8 @@ def ce_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     G = t17
     t18 = G.transpose(-1, -2)
     t19 = t18 @ X
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade->bdec', t3, t19, optimize=[(0, 1)])
+    t20 = (1/(math.sqrt(d_K)*n_batch)) * t3
+    t0[...] = oe.contract('abc,ade->bdec', t20, t19, optimize=[(0, 1)])
     return out
 
 
@@ -6709,7 +6964,8 @@ def ce_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t17 = G.transpose(-1, -2)
     t18 = X @ W_Q
     t19 = t17 @ t18
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade->bdce', t2, t19, optimize=[(0, 1)])
+    t20 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t0[...] = oe.contract('abc,ade->bdce', t20, t19, optimize=[(0, 1)])
     return out
 
 
@@ -6794,87 +7050,121 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t15 = t14 @ t2
     t16 = X @ W_K
     t17 = t15 @ t16
-    t1[...] = (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,ace,acf,aeg->bdfg', t2, t6, t8, A, X, t17, optimize=[(2, 3), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t1 += (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,ace,acf,acg,afh->bdgh', t2, t6, t8, A, A, X, t17, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 2), (0, 1)])
-    t18 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t18[...] = 0
-    t19 = t18.view((d_V, d_K, d_V, d_K))
-    t20 = t19.diagonal(0, 1, 3)
+    t18 = (1/(L*d_K*n_batch)) * t2
+    t1[...] = oe.contract('abc,ade,ace,ace,acf,aeg->bdfg', t18, t6, t8, A, X, t17, optimize=[(2, 3), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t19 = (-1/(L*d_K*n_batch)) * t2
+    t20 = oe.contract('abc,acd,ace,adf->befac', t19, A, X, t17, optimize=[(0, 2), (0, 1), (0, 1)])
+    t21 = oe.contract('abc,adc,adc->bad', t6, t8, A, optimize=[(1, 2), (0, 1)])
+    t1 += oe.contract('abcde,fde->afbc', t20, t21, optimize=[(0, 1)])
+    t22 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t22[...] = 0
+    t23 = t22.view((d_V, d_K, d_V, d_K))
+    t24 = t23.diagonal(0, 1, 3)
     F = t12
-    t21 = torch.exp(F - F.amax(-1, keepdim=True))
-    A22 = t21 / t21.sum(-1, keepdim=True)
-    t23 = t8 * A22
-    t24 = (1/L) * t23
-    t25 = (-1/L) * Y
-    t26 = t24 + t25
-    G = t26
-    t27 = G @ t15
-    t28 = t27 @ X
-    t29 = t2 @ t28
-    t30 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t20 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t29, t30, optimize=[(0, 1)])
-    t31 = X @ W_Q
-    t32 = t15 @ X
-    t19 += (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,ace,acf,aeg->bdgf', t2, t6, t8, A, t31, t32, optimize=[(2, 3), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t19 += (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,ace,acf,acg,afh->bdhg', t2, t6, t8, A, A, t31, t32, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 2), (0, 1)])
-    t33 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t34 = t33.view((d_V, d_K, d_V, d_V))
-    t35 = t2 @ G
-    t36 = t4 @ X
-    t34[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade->bdec', t35, t36, optimize=[(0, 1)])
-    t37 = T @ X
-    t34 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ace,ace,acf->bdfe', t2, t6, t8, A, t37, optimize=[(2, 3), (0, 2), (1, 2), (0, 1)])
-    t34 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ace,ace,acf,acg->bdgf', t2, t6, t8, A, A, t37, optimize=[(2, 3), (1, 4), (0, 1), (0, 2), (0, 1)])
-    t38 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t38[...] = 0
-    t39 = t38.view((d_V, d_K, d_V, d_K))
-    t40 = t39.diagonal(0, 1, 3)
-    t41 = G.transpose(-1, -2)
-    t42 = W_V @ t41
-    t43 = X @ t42
-    t44 = t43 @ X
-    t45 = t2 @ t44
-    t40 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t45, t30, optimize=[(0, 1)])
-    t46 = t2 @ t5
-    t47 = W_Q.transpose(-1, -2)
-    t48 = t47 @ t2
-    t49 = Y.transpose(-1, -2)
-    t50 = t49.sum(-2, keepdim=True)
-    t51 = t50.expand(*t50.shape[:-2], d_V, t50.shape[-1])
-    t39 += (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,aec,aef,acg->bdfg', t46, t48, t51, A, X, t17, optimize=[(2, 3), (0, 4), (2, 3), (0, 1), (0, 1)])
-    t39 += (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,aec,aef,aeg,afh->bdgh', t46, t48, t51, A, A, X, t17, optimize=[(2, 3), (2, 4), (0, 3), (0, 2), (0, 2), (0, 1)])
-    t52 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t53 = t52.view((d_V, d_K, d_V, d_K))
-    t53[...] = (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,aec,aef,acg->bdgf', t46, t48, t51, A, t31, t32, optimize=[(2, 3), (0, 4), (2, 3), (0, 1), (0, 1)])
-    t53 += (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,aec,aef,aeg,afh->bdhg', t46, t48, t51, A, A, t31, t32, optimize=[(2, 3), (2, 4), (0, 3), (0, 2), (0, 2), (0, 1)])
-    t54 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t55 = t54.view((d_V, d_K, d_V, d_V))
-    t56 = t2 @ X
-    t57 = t48 @ G
-    t55[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade->bdce', t56, t57, optimize=[(0, 1)])
-    t55 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ace,aec,aef->bdfc', t46, t48, t51, A, t37, optimize=[(2, 3), (1, 2), (1, 2), (0, 1)])
-    t55 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ace,aec,aef,aeg->bdgf', t46, t48, t51, A, A, t37, optimize=[(2, 3), (0, 4), (0, 1), (0, 2), (0, 1)])
-    t58 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t59 = t58.view((d_V, d_V, d_V, d_K))
-    t60 = T.transpose(-1, -2)
-    t61 = t2 @ t60
-    t59[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,adf->bdef', t61, t8, A, X, t17, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
-    t59 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,acf,aeg->bdfg', t61, t8, A, A, X, t17, optimize=[(1, 2), (1, 3), (1, 2), (0, 1), (0, 1)])
-    t62 = t2 @ t16
-    t63 = t41 @ X
-    t59 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade->bdec', t62, t63, optimize=[(0, 1)])
-    t64 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t65 = t64.view((d_V, d_V, d_V, d_K))
-    t66 = t41 @ t31
-    t65[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade->bdce', t56, t66, optimize=[(0, 1)])
-    t65 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,adf->bdfe', t61, t8, A, t31, t32, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
-    t65 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,acf,aeg->bdgf', t61, t8, A, A, t31, t32, optimize=[(1, 2), (1, 3), (1, 2), (0, 1), (0, 1)])
-    t67 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t67[...] = 0
-    t68 = t67.view((d_V, d_V, d_V, d_V))
-    t69 = t68.diagonal(0, 1, 3)
-    t69 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bed', t61, t8, A, t37, optimize=[(1, 2), (0, 1), (0, 1)])
-    t68 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t61, t8, A, A, t37, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t25 = torch.exp(F - F.amax(-1, keepdim=True))
+    A26 = t25 / t25.sum(-1, keepdim=True)
+    t27 = t8 * A26
+    t28 = (1/L) * t27
+    t29 = (-1/L) * Y
+    t30 = t28 + t29
+    G = t30
+    t31 = G @ t15
+    t32 = t31 @ X
+    t33 = t2 @ t32
+    t34 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t35 = (1/(math.sqrt(d_K)*n_batch)) * t34
+    t24 += oe.contract('abc,d->bcd', t33, t35, optimize=[(0, 1)])
+    t36 = X @ W_Q
+    t37 = t15 @ X
+    t38 = oe.contract('abc,acd->bdac', t18, t36, optimize=[(0, 1)])
+    t39 = oe.contract('abc,adc,adc,ace->bead', t6, t8, A, t37, optimize=[(1, 2), (0, 1), (0, 1)])
+    t23 += oe.contract('abcd,efcd->aefb', t38, t39, optimize=[(0, 1)])
+    t40 = oe.contract('abc,acd,ace,adf->bfeac', t19, A, t36, t37, optimize=[(0, 2), (0, 1), (0, 1)])
+    t23 += oe.contract('abcde,fde->afbc', t40, t21, optimize=[(0, 1)])
+    t41 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t42 = t41.view((d_V, d_K, d_V, d_V))
+    t43 = t2 @ G
+    t44 = t4 @ X
+    t45 = (1/(math.sqrt(d_K)*n_batch)) * t43
+    t42[...] = oe.contract('abc,ade->bdec', t45, t44, optimize=[(0, 1)])
+    t46 = T @ X
+    t47 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t42 += oe.contract('abc,ade,ace,ace,acf->bdfe', t47, t6, t8, A, t46, optimize=[(2, 3), (0, 2), (1, 2), (0, 1)])
+    t48 = (-1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t49 = oe.contract('abc,acd,ace->bedac', t48, A, t46, optimize=[(0, 1), (0, 1)])
+    t42 += oe.contract('abcde,fde->afbc', t49, t21, optimize=[(0, 1)])
+    t50 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t50[...] = 0
+    t51 = t50.view((d_V, d_K, d_V, d_K))
+    t52 = t51.diagonal(0, 1, 3)
+    t53 = G.transpose(-1, -2)
+    t54 = W_V @ t53
+    t55 = X @ t54
+    t56 = t55 @ X
+    t57 = t2 @ t56
+    t52 += oe.contract('abc,d->bcd', t57, t35, optimize=[(0, 1)])
+    t58 = t2 @ t5
+    t59 = W_Q.transpose(-1, -2)
+    t60 = t59 @ t2
+    t61 = Y.transpose(-1, -2)
+    t62 = t61.sum(-2, keepdim=True)
+    t63 = t62.expand(*t62.shape[:-2], d_V, t62.shape[-1])
+    t64 = (1/(L*d_K*n_batch)) * t60
+    t51 += oe.contract('abc,ade,ace,aec,aef,acg->bdfg', t58, t64, t63, A, X, t17, optimize=[(2, 3), (0, 4), (2, 3), (0, 1), (0, 1)])
+    t65 = (-1/(L*d_K*n_batch)) * t60
+    t66 = oe.contract('abc,acd,ace,adf->befac', t65, A, X, t17, optimize=[(0, 2), (0, 1), (0, 1)])
+    t67 = oe.contract('abc,acd,adc->bad', t58, t63, A, optimize=[(1, 2), (0, 1)])
+    t51 += oe.contract('abcde,fde->fabc', t66, t67, optimize=[(0, 1)])
+    t68 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t69 = t68.view((d_V, d_K, d_V, d_K))
+    t70 = oe.contract('abc,acd->bdac', t64, t36, optimize=[(0, 1)])
+    t71 = oe.contract('abc,acd,adc,ace->bead', t58, t63, A, t37, optimize=[(1, 2), (0, 1), (0, 1)])
+    t69[...] = oe.contract('abcd,efcd->eafb', t70, t71, optimize=[(0, 1)])
+    t72 = oe.contract('abc,acd,ace,adf->bfeac', t65, A, t36, t37, optimize=[(0, 2), (0, 1), (0, 1)])
+    t69 += oe.contract('abcde,fde->fabc', t72, t67, optimize=[(0, 1)])
+    t73 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t74 = t73.view((d_V, d_K, d_V, d_V))
+    t75 = t2 @ X
+    t76 = t60 @ G
+    t77 = (1/(math.sqrt(d_K)*n_batch)) * t75
+    t74[...] = oe.contract('abc,ade->bdce', t77, t76, optimize=[(0, 1)])
+    t78 = (1/(L*math.sqrt(d_K)*n_batch)) * t60
+    t74 += oe.contract('abc,ade,ace,aec,aef->bdfc', t58, t78, t63, A, t46, optimize=[(2, 3), (1, 2), (1, 2), (0, 1)])
+    t79 = (-1/(L*math.sqrt(d_K)*n_batch)) * t60
+    t80 = oe.contract('abc,acd,ace->bedac', t79, A, t46, optimize=[(0, 1), (0, 1)])
+    t74 += oe.contract('abcde,fde->fabc', t80, t67, optimize=[(0, 1)])
+    t81 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t82 = t81.view((d_V, d_V, d_V, d_K))
+    t83 = T.transpose(-1, -2)
+    t84 = t2 @ t83
+    t85 = (1/(L*math.sqrt(d_K)*n_batch)) * t84
+    t82[...] = oe.contract('abc,acd,acd,ace,adf->bdef', t85, t8, A, X, t17, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
+    t86 = (-1/(L*math.sqrt(d_K)*n_batch)) * t84
+    t87 = oe.contract('abc,acd,ade->beac', t86, A, t17, optimize=[(1, 2), (0, 1)])
+    t88 = oe.contract('abc,abc,abd->cdab', t8, A, X, optimize=[(0, 1), (0, 1)])
+    t82 += oe.contract('abcd,efcd->aefb', t87, t88, optimize=[(0, 1)])
+    t89 = t2 @ t16
+    t90 = t53 @ X
+    t91 = (1/(math.sqrt(d_K)*n_batch)) * t89
+    t82 += oe.contract('abc,ade->bdec', t91, t90, optimize=[(0, 1)])
+    t92 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t93 = t92.view((d_V, d_V, d_V, d_K))
+    t94 = t53 @ t36
+    t93[...] = oe.contract('abc,ade->bdce', t77, t94, optimize=[(0, 1)])
+    t93 += oe.contract('abc,acd,acd,ace,adf->bdfe', t85, t8, A, t36, t37, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
+    t93 += oe.contract('abc,acd,acd,ace,acf,aeg->bdgf', t86, t8, A, A, t36, t37, optimize=[(1, 2), (1, 3), (1, 2), (0, 1), (0, 1)])
+    t95 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t95[...] = 0
+    t96 = t95.view((d_V, d_V, d_V, d_V))
+    t97 = t96.diagonal(0, 1, 3)
+    t98 = (1/(L*n_batch)) * t84
+    t99 = oe.contract('abc,abc->cab', t8, A, optimize=[(0, 1)])
+    t100 = oe.contract('abc,acd->bdac', t98, t46, optimize=[(0, 1)])
+    t97 += oe.contract('abc,debc->dea', t99, t100, optimize=[(0, 1)])
+    t101 = (-1/(L*n_batch)) * t84
+    t102 = oe.contract('abc,acd->bdac', t101, A, optimize=[(0, 1)])
+    t103 = oe.contract('abc,abc,abd->cdab', t8, A, t46, optimize=[(0, 1), (0, 1)])
+    t96 += oe.contract('abcd,efcd->aefb', t102, t103, optimize=[(0, 1)])
     return H
 
 
@@ -7090,8 +7380,14 @@ def ce_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t14 = t13 @ t1
     t15 = X @ W_K
     t16 = t14 @ t15
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,ace,acb,aed->bd', t1, t5, t7, A, X, t16, optimize=[(2, 3), (0, 2), (0, 1), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,ace,acf,acb,afd->bd', t1, t5, t7, A, A, X, t16, optimize=[(2, 3), (0, 3), (1, 2), (0, 1), (1, 2), (0, 1)])
+    t17 = (1/(L*d_K*n_batch)) * t1
+    t18 = oe.contract('abc,adc,adc,acb->bad', t5, t7, A, t16, optimize=[(0, 3), (0, 1), (0, 1)])
+    t19 = oe.contract('abc,acb->bac', t17, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t18, t19, optimize=[(0, 1)])
+    t20 = (-1/(L*d_K*n_batch)) * t1
+    t21 = oe.contract('abc,adc,adc,ade,aeb->bad', t5, t7, A, A, t16, optimize=[(1, 2), (1, 2), (0, 1), (0, 1)])
+    t22 = oe.contract('abc,acb->bac', t20, X, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dbc->da', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -7148,8 +7444,12 @@ def ce_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t14 = t13 @ t1
     t15 = X @ W_K
     t16 = t14 @ t15
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,ace,acf,aeg->bdfg', t1, t5, t7, A, X, t16, optimize=[(2, 3), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,ace,acf,acg,afh->bdgh', t1, t5, t7, A, A, X, t16, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 2), (0, 1)])
+    t17 = (1/(L*d_K*n_batch)) * t1
+    t0[...] = oe.contract('abc,ade,ace,ace,acf,aeg->bdfg', t17, t5, t7, A, X, t16, optimize=[(2, 3), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t18 = (-1/(L*d_K*n_batch)) * t1
+    t19 = oe.contract('abc,acd,ace,adf->befac', t18, A, X, t16, optimize=[(0, 2), (0, 1), (0, 1)])
+    t20 = oe.contract('abc,adc,adc->bad', t5, t7, A, optimize=[(1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -7217,14 +7517,21 @@ def ce_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t20 = t19 @ X
     t21 = t2 @ t20
     t22 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t21, t22, optimize=[(0, 1)])
-    t23 = t6 @ t10
-    t24 = torch.exp(t11 - t11.amax(-1, keepdim=True))
-    A25 = t24 / t24.sum(-1, keepdim=True)
-    t26 = X @ W_Q
-    t27 = t18 @ X
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,ace,acf,aeg->bdgf', t2, t23, t4, A25, t26, t27, optimize=[(2, 3), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,ace,acf,acg,afh->bdhg', t2, t23, t4, A25, A25, t26, t27, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 2), (0, 1)])
+    t23 = (1/(math.sqrt(d_K)*n_batch)) * t22
+    t1 += oe.contract('abc,d->bcd', t21, t23, optimize=[(0, 1)])
+    t24 = t6 @ t10
+    t25 = torch.exp(t11 - t11.amax(-1, keepdim=True))
+    A26 = t25 / t25.sum(-1, keepdim=True)
+    t27 = X @ W_Q
+    t28 = t18 @ X
+    t29 = (1/(L*d_K*n_batch)) * t2
+    t30 = oe.contract('abc,acd->bdac', t29, t27, optimize=[(0, 1)])
+    t31 = oe.contract('abc,adc,adc,ace->bead', t24, t4, A26, t28, optimize=[(1, 2), (0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t30, t31, optimize=[(0, 1)])
+    t32 = (-1/(L*d_K*n_batch)) * t2
+    t33 = oe.contract('abc,acd,ace,adf->bfeac', t32, A26, t27, t28, optimize=[(0, 2), (0, 1), (0, 1)])
+    t34 = oe.contract('abc,adc,adc->bad', t24, t4, A26, optimize=[(1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t33, t34, optimize=[(0, 1)])
     return out
 
 
@@ -7297,13 +7604,18 @@ def ce_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     G = t15
     t16 = t1 @ G
     t17 = t5 @ X
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade->bdec', t16, t17, optimize=[(0, 1)])
-    t18 = t5 @ t9
-    t19 = torch.exp(t10 - t10.amax(-1, keepdim=True))
-    A20 = t19 / t19.sum(-1, keepdim=True)
-    t21 = T @ X
-    t0 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ace,ace,acf->bdfe', t1, t18, t3, A20, t21, optimize=[(2, 3), (0, 2), (1, 2), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ace,ace,acf,acg->bdgf', t1, t18, t3, A20, A20, t21, optimize=[(2, 3), (1, 4), (0, 1), (0, 2), (0, 1)])
+    t18 = (1/(math.sqrt(d_K)*n_batch)) * t16
+    t0[...] = oe.contract('abc,ade->bdec', t18, t17, optimize=[(0, 1)])
+    t19 = t5 @ t9
+    t20 = torch.exp(t10 - t10.amax(-1, keepdim=True))
+    A21 = t20 / t20.sum(-1, keepdim=True)
+    t22 = T @ X
+    t23 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0 += oe.contract('abc,ade,ace,ace,acf->bdfe', t23, t19, t3, A21, t22, optimize=[(2, 3), (0, 2), (1, 2), (0, 1)])
+    t24 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t25 = oe.contract('abc,acd,ace->bedac', t24, A21, t22, optimize=[(0, 1), (0, 1)])
+    t26 = oe.contract('abc,adc,adc->bad', t19, t3, A21, optimize=[(1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t25, t26, optimize=[(0, 1)])
     return out
 
 
@@ -7372,8 +7684,10 @@ def ce_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t17 = W_V.transpose(-1, -2)
     t18 = t17 @ t1
     t19 = t18 @ X
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,aec,aed,acb->bd', t3, t5, t8, A, t16, t19, optimize=[(2, 3), (1, 2), (0, 1), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,aec,aef,aed,afb->bd', t3, t5, t8, A, A, t16, t19, optimize=[(2, 3), (1, 3), (1, 2), (0, 1), (1, 2), (0, 1)])
+    t20 = (1/(L*d_K*n_batch)) * t5
+    t0[...] = oe.contract('abc,ade,ace,aec,aed,acb->bd', t3, t20, t8, A, t16, t19, optimize=[(2, 3), (1, 2), (0, 1), (0, 2), (0, 1)])
+    t21 = (-1/(L*d_K*n_batch)) * t5
+    t0 += oe.contract('abc,ade,ace,aec,aef,aed,afb->bd', t3, t21, t8, A, A, t16, t19, optimize=[(2, 3), (1, 3), (1, 2), (0, 1), (1, 2), (0, 1)])
     return out
 
 
@@ -7442,21 +7756,26 @@ def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t20 = t19 @ X
     t21 = t2 @ t20
     t22 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t21, t22, optimize=[(0, 1)])
-    t23 = t2 @ t10
-    t24 = W_Q.transpose(-1, -2)
-    t25 = t24 @ t2
-    t26 = Y.transpose(-1, -2)
-    t27 = t26.sum(-2, keepdim=True)
-    t28 = t27.expand(*t27.shape[:-2], d_V, t27.shape[-1])
-    t29 = torch.exp(t11 - t11.amax(-1, keepdim=True))
-    A30 = t29 / t29.sum(-1, keepdim=True)
-    t31 = W_V.transpose(-1, -2)
-    t32 = t31 @ t2
-    t33 = X @ W_K
-    t34 = t32 @ t33
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,aec,aef,acg->bdfg', t23, t25, t28, A30, X, t34, optimize=[(2, 3), (0, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,aec,aef,aeg,afh->bdgh', t23, t25, t28, A30, A30, X, t34, optimize=[(2, 3), (2, 4), (0, 3), (0, 2), (0, 2), (0, 1)])
+    t23 = (1/(math.sqrt(d_K)*n_batch)) * t22
+    t1 += oe.contract('abc,d->bcd', t21, t23, optimize=[(0, 1)])
+    t24 = t2 @ t10
+    t25 = W_Q.transpose(-1, -2)
+    t26 = t25 @ t2
+    t27 = Y.transpose(-1, -2)
+    t28 = t27.sum(-2, keepdim=True)
+    t29 = t28.expand(*t28.shape[:-2], d_V, t28.shape[-1])
+    t30 = torch.exp(t11 - t11.amax(-1, keepdim=True))
+    A31 = t30 / t30.sum(-1, keepdim=True)
+    t32 = W_V.transpose(-1, -2)
+    t33 = t32 @ t2
+    t34 = X @ W_K
+    t35 = t33 @ t34
+    t36 = (1/(L*d_K*n_batch)) * t26
+    t0 += oe.contract('abc,ade,ace,aec,aef,acg->bdfg', t24, t36, t29, A31, X, t35, optimize=[(2, 3), (0, 4), (2, 3), (0, 1), (0, 1)])
+    t37 = (-1/(L*d_K*n_batch)) * t26
+    t38 = oe.contract('abc,acd,ace,adf->befac', t37, A31, X, t35, optimize=[(0, 2), (0, 1), (0, 1)])
+    t39 = oe.contract('abc,acd,adc->bad', t24, t29, A31, optimize=[(1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->fabc', t38, t39, optimize=[(0, 1)])
     return out
 
 
@@ -7536,8 +7855,14 @@ def ce_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t17 = W_V.transpose(-1, -2)
     t18 = t17 @ t1
     t19 = t18 @ X
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,aec,aef,acg->bdgf', t3, t5, t8, A, t16, t19, optimize=[(2, 3), (0, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,aec,aef,aeg,afh->bdhg', t3, t5, t8, A, A, t16, t19, optimize=[(2, 3), (2, 4), (0, 3), (0, 2), (0, 2), (0, 1)])
+    t20 = (1/(L*d_K*n_batch)) * t5
+    t21 = oe.contract('abc,acd->bdac', t20, t16, optimize=[(0, 1)])
+    t22 = oe.contract('abc,acd,adc,ace->bead', t3, t8, A, t19, optimize=[(1, 2), (0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
+    t23 = (-1/(L*d_K*n_batch)) * t5
+    t24 = oe.contract('abc,acd,ace,adf->bfeac', t23, A, t16, t19, optimize=[(0, 2), (0, 1), (0, 1)])
+    t25 = oe.contract('abc,acd,adc->bad', t3, t8, A, optimize=[(1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->fabc', t24, t25, optimize=[(0, 1)])
     return out
 
 
@@ -7604,16 +7929,21 @@ def ce_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     G = t17
     t18 = t3 @ t1
     t19 = t18 @ G
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade->bdce', t2, t19, optimize=[(0, 1)])
-    t20 = t1 @ t11
-    t21 = Y.transpose(-1, -2)
-    t22 = t21.sum(-2, keepdim=True)
-    t23 = t22.expand(*t22.shape[:-2], d_V, t22.shape[-1])
-    t24 = torch.exp(t12 - t12.amax(-1, keepdim=True))
-    A25 = t24 / t24.sum(-1, keepdim=True)
-    t26 = T @ X
-    t0 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ace,aec,aef->bdfc', t20, t18, t23, A25, t26, optimize=[(2, 3), (1, 2), (1, 2), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ace,aec,aef,aeg->bdgf', t20, t18, t23, A25, A25, t26, optimize=[(2, 3), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t20 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t0[...] = oe.contract('abc,ade->bdce', t20, t19, optimize=[(0, 1)])
+    t21 = t1 @ t11
+    t22 = Y.transpose(-1, -2)
+    t23 = t22.sum(-2, keepdim=True)
+    t24 = t23.expand(*t23.shape[:-2], d_V, t23.shape[-1])
+    t25 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A26 = t25 / t25.sum(-1, keepdim=True)
+    t27 = T @ X
+    t28 = (1/(L*math.sqrt(d_K)*n_batch)) * t18
+    t0 += oe.contract('abc,ade,ace,aec,aef->bdfc', t21, t28, t24, A26, t27, optimize=[(2, 3), (1, 2), (1, 2), (0, 1)])
+    t29 = (-1/(L*math.sqrt(d_K)*n_batch)) * t18
+    t30 = oe.contract('abc,acd,ace->bedac', t29, A26, t27, optimize=[(0, 1), (0, 1)])
+    t31 = oe.contract('abc,acd,adc->bad', t21, t24, A26, optimize=[(1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->fabc', t30, t31, optimize=[(0, 1)])
     return out
 
 
@@ -7682,8 +8012,12 @@ def ce_causal0__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
     A = t13 / t13.sum(-1, keepdim=True)
     t14 = T @ X
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,acb->bd', t8, t10, A, t14, optimize=[(0, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->bd', t8, t10, A, A, t14, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t15 = (1/(L*n_batch)) * t8
+    t16 = oe.contract('abc,abc->cab', t10, A, optimize=[(0, 1)])
+    t17 = oe.contract('abc,acb->bac', t15, t14, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t16, t17, optimize=[(0, 1)])
+    t18 = (-1/(L*n_batch)) * t8
+    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t18, t10, A, A, t14, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -7739,20 +8073,25 @@ def ce_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t15 = t14 @ t1
     t16 = X @ W_K
     t17 = t15 @ t16
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,adf->bdef', t8, t10, A, X, t17, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,acf,aeg->bdfg', t8, t10, A, A, X, t17, optimize=[(1, 2), (1, 3), (1, 2), (0, 1), (0, 1)])
-    t18 = t1 @ t16
+    t18 = (1/(L*math.sqrt(d_K)*n_batch)) * t8
+    t0[...] = oe.contract('abc,acd,acd,ace,adf->bdef', t18, t10, A, X, t17, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
+    t19 = (-1/(L*math.sqrt(d_K)*n_batch)) * t8
+    t20 = oe.contract('abc,acd,ade->beac', t19, A, t17, optimize=[(1, 2), (0, 1)])
+    t21 = oe.contract('abc,abc,abd->cdab', t10, A, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
+    t22 = t1 @ t16
     F = t12
-    t19 = torch.exp(F - F.amax(-1, keepdim=True))
-    A20 = t19 / t19.sum(-1, keepdim=True)
-    t21 = t10 * A20
-    t22 = (1/L) * t21
-    t23 = (-1/L) * Y
-    t24 = t22 + t23
-    G = t24
-    t25 = G.transpose(-1, -2)
-    t26 = t25 @ X
-    t0 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade->bdec', t18, t26, optimize=[(0, 1)])
+    t23 = torch.exp(F - F.amax(-1, keepdim=True))
+    A24 = t23 / t23.sum(-1, keepdim=True)
+    t25 = t10 * A24
+    t26 = (1/L) * t25
+    t27 = (-1/L) * Y
+    t28 = t26 + t27
+    G = t28
+    t29 = G.transpose(-1, -2)
+    t30 = t29 @ X
+    t31 = (1/(math.sqrt(d_K)*n_batch)) * t22
+    t0 += oe.contract('abc,ade->bdec', t31, t30, optimize=[(0, 1)])
     return out
 
 
@@ -7828,16 +8167,19 @@ def ce_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t17 = G.transpose(-1, -2)
     t18 = X @ W_Q
     t19 = t17 @ t18
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade->bdce', t2, t19, optimize=[(0, 1)])
-    t20 = T.transpose(-1, -2)
-    t21 = t1 @ t20
-    t22 = torch.exp(t11 - t11.amax(-1, keepdim=True))
-    A23 = t22 / t22.sum(-1, keepdim=True)
-    t24 = W_V.transpose(-1, -2)
-    t25 = t24 @ t1
-    t26 = t25 @ X
-    t0 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,adf->bdfe', t21, t4, A23, t18, t26, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,acf,aeg->bdgf', t21, t4, A23, A23, t18, t26, optimize=[(1, 2), (1, 3), (1, 2), (0, 1), (0, 1)])
+    t20 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t0[...] = oe.contract('abc,ade->bdce', t20, t19, optimize=[(0, 1)])
+    t21 = T.transpose(-1, -2)
+    t22 = t1 @ t21
+    t23 = torch.exp(t11 - t11.amax(-1, keepdim=True))
+    A24 = t23 / t23.sum(-1, keepdim=True)
+    t25 = W_V.transpose(-1, -2)
+    t26 = t25 @ t1
+    t27 = t26 @ X
+    t28 = (1/(L*math.sqrt(d_K)*n_batch)) * t22
+    t0 += oe.contract('abc,acd,acd,ace,adf->bdfe', t28, t4, A24, t18, t27, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
+    t29 = (-1/(L*math.sqrt(d_K)*n_batch)) * t22
+    t0 += oe.contract('abc,acd,acd,ace,acf,aeg->bdgf', t29, t4, A24, A24, t18, t27, optimize=[(1, 2), (1, 3), (1, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -7908,8 +8250,14 @@ def ce_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
     A = t14 / t14.sum(-1, keepdim=True)
     t15 = T @ X
-    t1 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bed', t9, t11, A, t15, optimize=[(1, 2), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t9, t11, A, A, t15, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t16 = (1/(L*n_batch)) * t9
+    t17 = oe.contract('abc,abc->cab', t11, A, optimize=[(0, 1)])
+    t18 = oe.contract('abc,acd->bdac', t16, t15, optimize=[(0, 1)])
+    t1 += oe.contract('abc,debc->dea', t17, t18, optimize=[(0, 1)])
+    t19 = (-1/(L*n_batch)) * t9
+    t20 = oe.contract('abc,acd->bdac', t19, A, optimize=[(0, 1)])
+    t21 = oe.contract('abc,abc,abd->cdab', t11, A, t15, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -8044,53 +8392,88 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t14 = W_V.transpose(-1, -2)
     t15 = t14 @ t2
     t16 = X @ W_K
-    t1[...] = (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,aef,acf,acf,afg,cg,ach,agi->bdhi', t2, t4, Mcausal, t5, t7, A, t15, Mcausal, X, t16, optimize=[(4, 5), (2, 5), (2, 3), (4, 6), (4, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t1 += (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,aef,acf,acf,acg,agh,ch,aci,ahj->bdij', t2, t4, Mcausal, t5, t7, A, A, t15, Mcausal, X, t16, optimize=[(4, 5), (4, 5), (3, 7), (3, 6), (4, 6), (2, 4), (1, 4), (0, 3), (0, 2), (0, 1)])
-    t17 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t18 = t17.view((d_V, d_K, d_V, d_K))
-    t19 = X @ W_Q
-    t18[...] = (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,aef,acf,acf,afg,cg,ach,agi->bdih', t2, t4, Mcausal, t5, t7, A, t15, Mcausal, t19, X, optimize=[(4, 5), (2, 5), (2, 3), (4, 6), (4, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t18 += (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,aef,acf,acf,acg,agh,ch,aci,ahj->bdji', t2, t4, Mcausal, t5, t7, A, A, t15, Mcausal, t19, X, optimize=[(4, 5), (4, 5), (3, 7), (3, 6), (4, 6), (2, 4), (1, 4), (0, 3), (0, 2), (0, 1)])
-    t20 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t21 = t20.view((d_V, d_K, d_V, d_V))
-    t22 = t11 @ X
-    t21[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,aef,acf,acf,acg->bdgf', t2, t4, Mcausal, t5, t7, A, t22, optimize=[(4, 5), (3, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
-    t21 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,aef,acf,acf,acg,ach->bdhg', t2, t4, Mcausal, t5, t7, A, A, t22, optimize=[(4, 5), (3, 6), (2, 5), (1, 4), (0, 1), (0, 2), (0, 1)])
-    t23 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t24 = t23.view((d_V, d_K, d_V, d_K))
-    t25 = W_Q.transpose(-1, -2)
-    t26 = t25 @ t2
-    t27 = Mcausal.transpose(-1, -2)
-    t28 = Y.transpose(-1, -2)
-    t29 = t28.sum(-2, keepdim=True)
-    t30 = t29.expand(*t29.shape[:-2], d_V, t29.shape[-1])
-    t24[...] = (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,acf,afe,aef,afg,eg,aeh,agi->bdhi', t2, t26, t27, t5, t30, A, t15, Mcausal, X, t16, optimize=[(4, 5), (2, 5), (2, 3), (4, 6), (4, 5), (0, 4), (2, 3), (0, 1), (0, 1)])
-    t24 += (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,acf,afe,aef,aeg,agh,eh,aei,ahj->bdij', t2, t26, t27, t5, t30, A, A, t15, Mcausal, X, t16, optimize=[(4, 5), (4, 5), (3, 7), (3, 6), (4, 6), (2, 4), (0, 4), (0, 3), (0, 2), (0, 1)])
-    t31 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t32 = t31.view((d_V, d_K, d_V, d_K))
-    t32[...] = (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,acf,afe,aef,afg,eg,aeh,agi->bdih', t2, t26, t27, t5, t30, A, t15, Mcausal, t19, X, optimize=[(4, 5), (2, 5), (2, 3), (4, 6), (4, 5), (0, 4), (2, 3), (0, 1), (0, 1)])
-    t32 += (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,acf,afe,aef,aeg,agh,eh,aei,ahj->bdji', t2, t26, t27, t5, t30, A, A, t15, Mcausal, t19, X, optimize=[(4, 5), (4, 5), (3, 7), (3, 6), (4, 6), (2, 4), (0, 4), (0, 3), (0, 2), (0, 1)])
-    t33 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t34 = t33.view((d_V, d_K, d_V, d_V))
-    t34[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,acf,afe,aef,aeg->bdgf', t2, t26, t27, t5, t30, A, t22, optimize=[(4, 5), (3, 5), (2, 4), (0, 3), (0, 1), (0, 1)])
-    t34 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,acf,afe,aef,aeg,aeh->bdhg', t2, t26, t27, t5, t30, A, A, t22, optimize=[(4, 5), (3, 6), (2, 5), (0, 4), (0, 1), (0, 2), (0, 1)])
-    t35 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t36 = t35.view((d_V, d_V, d_V, d_K))
-    t37 = T.transpose(-1, -2)
-    t38 = t27 * t37
-    t39 = t2 @ t38
-    t36[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ade,ce,acf,aeg->bdfg', t39, t7, A, t15, Mcausal, X, t16, optimize=[(1, 2), (1, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t36 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,aef,cf,acg,afh->bdgh', t39, t7, A, A, t15, Mcausal, X, t16, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
-    t40 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t41 = t40.view((d_V, d_V, d_V, d_K))
-    t41[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ade,ce,acf,aeg->bdgf', t39, t7, A, t15, Mcausal, t19, X, optimize=[(1, 2), (1, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t41 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,aef,cf,acg,afh->bdhg', t39, t7, A, A, t15, Mcausal, t19, X, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
-    t42 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t42[...] = 0
-    t43 = t42.view((d_V, d_V, d_V, d_V))
-    t44 = t43.diagonal(0, 1, 3)
-    t44 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bed', t39, t7, A, t22, optimize=[(1, 2), (0, 1), (0, 1)])
-    t43 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t39, t7, A, A, t22, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t17 = (1/(L*d_K*n_batch)) * Mcausal
+    t1[...] = oe.contract('abc,ade,ce,aef,acf,acf,afg,cg,ach,agi->bdhi', t2, t4, t17, t5, t7, A, t15, Mcausal, X, t16, optimize=[(4, 5), (2, 5), (2, 3), (4, 6), (4, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t18 = (-1/(L*d_K*n_batch)) * Mcausal
+    t19 = oe.contract('abc,acd,bd,ade->eab', A, t15, Mcausal, t16, optimize=[(0, 1), (0, 2), (0, 1)])
+    t20 = oe.contract('abc,ade,ce,aef,acf,acf,acg->bdgac', t2, t4, t18, t5, t7, A, X, optimize=[(4, 5), (3, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
+    t1 += oe.contract('abc,defbc->defa', t19, t20, optimize=[(0, 1)])
+    t21 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t22 = t21.view((d_V, d_K, d_V, d_K))
+    t23 = X @ W_Q
+    t24 = oe.contract('abc,acd->bdac', t2, t23, optimize=[(0, 1)])
+    t25 = oe.contract('abc,dc,ace,ade,ade,aef,df,afg->bgad', t4, t17, t5, t7, A, t15, Mcausal, X, optimize=[(3, 4), (2, 3), (4, 5), (1, 4), (1, 3), (0, 2), (0, 1)])
+    t22[...] = oe.contract('abcd,efcd->aefb', t24, t25, optimize=[(0, 1)])
+    t26 = oe.contract('abc,ade,ce,aef,acf,acf,acg->bdgac', t2, t4, t18, t5, t7, A, t23, optimize=[(4, 5), (3, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
+    t27 = oe.contract('abc,acd,bd,ade->eab', A, t15, Mcausal, X, optimize=[(0, 1), (0, 2), (0, 1)])
+    t22 += oe.contract('abcde,fde->abfc', t26, t27, optimize=[(0, 1)])
+    t28 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t29 = t28.view((d_V, d_K, d_V, d_V))
+    t30 = t11 @ X
+    t31 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
+    t32 = oe.contract('abc,dc,ace,ade,ade->bead', t4, t31, t5, t7, A, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
+    t33 = oe.contract('abc,acd->bdac', t2, t30, optimize=[(0, 1)])
+    t29[...] = oe.contract('abcd,efcd->eafb', t32, t33, optimize=[(0, 1)])
+    t34 = (-1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
+    t35 = oe.contract('abc,acd,ace->bedac', t2, A, t30, optimize=[(0, 1), (0, 1)])
+    t36 = oe.contract('abc,dc,ace,ade,ade->bad', t4, t34, t5, t7, A, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)])
+    t29 += oe.contract('abcde,fde->afbc', t35, t36, optimize=[(0, 1)])
+    t37 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t38 = t37.view((d_V, d_K, d_V, d_K))
+    t39 = W_Q.transpose(-1, -2)
+    t40 = t39 @ t2
+    t41 = Mcausal.transpose(-1, -2)
+    t42 = Y.transpose(-1, -2)
+    t43 = t42.sum(-2, keepdim=True)
+    t44 = t43.expand(*t43.shape[:-2], d_V, t43.shape[-1])
+    t45 = (1/(L*d_K*n_batch)) * t41
+    t38[...] = oe.contract('abc,ade,ce,acf,afe,aef,afg,eg,aeh,agi->bdhi', t2, t40, t45, t5, t44, A, t15, Mcausal, X, t16, optimize=[(4, 5), (2, 5), (2, 3), (4, 6), (4, 5), (0, 4), (2, 3), (0, 1), (0, 1)])
+    t46 = (-1/(L*d_K*n_batch)) * t41
+    t38 += oe.contract('abc,ade,ce,acf,afe,aef,aeg,agh,eh,aei,ahj->bdij', t2, t40, t46, t5, t44, A, A, t15, Mcausal, X, t16, optimize=[(4, 5), (4, 5), (3, 7), (3, 6), (4, 6), (2, 4), (0, 4), (0, 3), (0, 2), (0, 1)])
+    t47 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t48 = t47.view((d_V, d_K, d_V, d_K))
+    t49 = oe.contract('abc,acd->bdac', t40, t23, optimize=[(0, 1)])
+    t50 = oe.contract('abc,cd,ace,aed,ade,aef,df,afg->bgad', t2, t45, t5, t44, A, t15, Mcausal, X, optimize=[(3, 4), (2, 3), (4, 5), (1, 4), (1, 3), (0, 2), (0, 1)])
+    t48[...] = oe.contract('abcd,efcd->eafb', t49, t50, optimize=[(0, 1)])
+    t51 = oe.contract('abc,ade,ce,acf,afe,aef,aeg->bdgae', t2, t40, t46, t5, t44, A, t23, optimize=[(4, 5), (3, 5), (2, 4), (0, 3), (0, 1), (0, 1)])
+    t48 += oe.contract('abcde,fde->abfc', t51, t27, optimize=[(0, 1)])
+    t52 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t53 = t52.view((d_V, d_K, d_V, d_V))
+    t54 = (1/(L*math.sqrt(d_K)*n_batch)) * t41
+    t55 = oe.contract('abc,cd,ace,aed,ade->bead', t2, t54, t5, t44, A, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
+    t56 = oe.contract('abc,acd->bdac', t40, t30, optimize=[(0, 1)])
+    t53[...] = oe.contract('abcd,efcd->aefb', t55, t56, optimize=[(0, 1)])
+    t57 = (-1/(L*math.sqrt(d_K)*n_batch)) * t41
+    t58 = oe.contract('abc,acd,ace->bedac', t40, A, t30, optimize=[(0, 1), (0, 1)])
+    t59 = oe.contract('abc,cd,ace,aed,ade->bad', t2, t57, t5, t44, A, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)])
+    t53 += oe.contract('abcde,fde->fabc', t58, t59, optimize=[(0, 1)])
+    t60 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t61 = t60.view((d_V, d_V, d_V, d_K))
+    t62 = T.transpose(-1, -2)
+    t63 = t41 * t62
+    t64 = t2 @ t63
+    t61[...] = oe.contract('abc,acd,acd,ade,ce,acf,aeg->bdfg', t64, t7, A, t15, t31, X, t16, optimize=[(1, 2), (1, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t65 = oe.contract('abc,acd,ade,ce,aef->bfac', t64, A, t15, t34, t16, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t66 = oe.contract('abc,abc,abd->cdab', t7, A, X, optimize=[(0, 1), (0, 1)])
+    t61 += oe.contract('abcd,efcd->aefb', t65, t66, optimize=[(0, 1)])
+    t67 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t68 = t67.view((d_V, d_V, d_V, d_K))
+    t69 = oe.contract('abc,acd->bdac', t64, t23, optimize=[(0, 1)])
+    t70 = oe.contract('abc,abc,acd,bd,ade->ceab', t7, A, t15, t31, X, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
+    t68[...] = oe.contract('abcd,efcd->aefb', t69, t70, optimize=[(0, 1)])
+    t68 += oe.contract('abc,acd,acd,ace,aef,cf,acg,afh->bdhg', t64, t7, A, A, t15, t34, t23, X, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
+    t71 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t71[...] = 0
+    t72 = t71.view((d_V, d_V, d_V, d_V))
+    t73 = t72.diagonal(0, 1, 3)
+    t74 = (1/(L*n_batch)) * t64
+    t75 = oe.contract('abc,abc->cab', t7, A, optimize=[(0, 1)])
+    t76 = oe.contract('abc,acd->bdac', t74, t30, optimize=[(0, 1)])
+    t73 += oe.contract('abc,debc->dea', t75, t76, optimize=[(0, 1)])
+    t77 = (-1/(L*n_batch)) * t64
+    t78 = oe.contract('abc,acd->bdac', t77, A, optimize=[(0, 1)])
+    t79 = oe.contract('abc,abc,abd->cdab', t7, A, t30, optimize=[(0, 1), (0, 1)])
+    t72 += oe.contract('abcd,efcd->aefb', t78, t79, optimize=[(0, 1)])
     return H
 
 
@@ -8243,8 +8626,13 @@ def ce_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t13 = W_V.transpose(-1, -2)
     t14 = t13 @ t1
     t15 = X @ W_K
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,aef,acf,acf,afg,cg,acb,agd->bd', t1, t3, Mcausal, t4, t6, A, t14, Mcausal, X, t15, optimize=[(4, 5), (0, 6), (1, 4), (1, 2), (2, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,aef,acf,acf,acg,agh,ch,acb,ahd->bd', t1, t3, Mcausal, t4, t6, A, A, t14, Mcausal, X, t15, optimize=[(4, 5), (0, 7), (3, 4), (2, 5), (2, 5), (2, 5), (1, 3), (0, 3), (1, 2), (0, 1)])
+    t16 = (1/(L*d_K*n_batch)) * Mcausal
+    t17 = oe.contract('abc,dc,ace,ade,ade,aef,df,afb->bad', t3, t16, t4, t6, A, t14, Mcausal, t15, optimize=[(3, 4), (2, 3), (4, 5), (1, 4), (1, 3), (0, 2), (0, 1)])
+    t18 = oe.contract('abc,acb->bac', t1, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t17, t18, optimize=[(0, 1)])
+    t19 = (-1/(L*d_K*n_batch)) * Mcausal
+    t20 = oe.contract('abc,dc,ace,ade,ade,adf,afg,dg,agb->bad', t3, t19, t4, t6, A, A, t14, Mcausal, t15, optimize=[(3, 4), (3, 4), (2, 5), (2, 4), (2, 4), (1, 2), (0, 2), (0, 1)])
+    t0 += oe.contract('abc,dbc->da', t20, t18, optimize=[(0, 1)])
     return out
 
 
@@ -8301,8 +8689,12 @@ def ce_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t13 = W_V.transpose(-1, -2)
     t14 = t13 @ t1
     t15 = X @ W_K
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,aef,acf,acf,afg,cg,ach,agi->bdhi', t1, t3, Mcausal, t4, t6, A, t14, Mcausal, X, t15, optimize=[(4, 5), (2, 5), (2, 3), (4, 6), (4, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,aef,acf,acf,acg,agh,ch,aci,ahj->bdij', t1, t3, Mcausal, t4, t6, A, A, t14, Mcausal, X, t15, optimize=[(4, 5), (4, 5), (3, 7), (3, 6), (4, 6), (2, 4), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t16 = (1/(L*d_K*n_batch)) * Mcausal
+    t0[...] = oe.contract('abc,ade,ce,aef,acf,acf,afg,cg,ach,agi->bdhi', t1, t3, t16, t4, t6, A, t14, Mcausal, X, t15, optimize=[(4, 5), (2, 5), (2, 3), (4, 6), (4, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t17 = (-1/(L*d_K*n_batch)) * Mcausal
+    t18 = oe.contract('abc,acd,bd,ade->eab', A, t14, Mcausal, t15, optimize=[(0, 1), (0, 2), (0, 1)])
+    t19 = oe.contract('abc,ade,ce,aef,acf,acf,acg->bdgac', t1, t3, t17, t4, t6, A, X, optimize=[(4, 5), (3, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
+    t0 += oe.contract('abc,defbc->defa', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -8361,8 +8753,14 @@ def ce_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     t13 = W_V.transpose(-1, -2)
     t14 = t13 @ t1
     t15 = X @ W_Q
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,aef,acf,acf,afg,cg,ach,agi->bdih', t1, t3, Mcausal, t4, t6, A, t14, Mcausal, t15, X, optimize=[(4, 5), (2, 5), (2, 3), (4, 6), (4, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,aef,acf,acf,acg,agh,ch,aci,ahj->bdji', t1, t3, Mcausal, t4, t6, A, A, t14, Mcausal, t15, X, optimize=[(4, 5), (4, 5), (3, 7), (3, 6), (4, 6), (2, 4), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t16 = (1/(L*d_K*n_batch)) * Mcausal
+    t17 = oe.contract('abc,acd->bdac', t1, t15, optimize=[(0, 1)])
+    t18 = oe.contract('abc,dc,ace,ade,ade,aef,df,afg->bgad', t3, t16, t4, t6, A, t14, Mcausal, X, optimize=[(3, 4), (2, 3), (4, 5), (1, 4), (1, 3), (0, 2), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
+    t19 = (-1/(L*d_K*n_batch)) * Mcausal
+    t20 = oe.contract('abc,ade,ce,aef,acf,acf,acg->bdgac', t1, t3, t19, t4, t6, A, t15, optimize=[(4, 5), (3, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
+    t21 = oe.contract('abc,acd,bd,ade->eab', A, t14, Mcausal, X, optimize=[(0, 1), (0, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->abfc', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -8419,8 +8817,14 @@ def ce_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = t10 @ X
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,aef,acf,acf,acg->bdgf', t1, t3, Mcausal, t4, t6, A, t13, optimize=[(4, 5), (3, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,aef,acf,acf,acg,ach->bdhg', t1, t3, Mcausal, t4, t6, A, A, t13, optimize=[(4, 5), (3, 6), (2, 5), (1, 4), (0, 1), (0, 2), (0, 1)])
+    t14 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
+    t15 = oe.contract('abc,dc,ace,ade,ade->bead', t3, t14, t4, t6, A, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
+    t16 = oe.contract('abc,acd->bdac', t1, t13, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t15, t16, optimize=[(0, 1)])
+    t17 = (-1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
+    t18 = oe.contract('abc,acd,ace->bedac', t1, A, t13, optimize=[(0, 1), (0, 1)])
+    t19 = oe.contract('abc,dc,ace,ade,ade->bad', t3, t17, t4, t6, A, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -8481,8 +8885,10 @@ def ce_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     t17 = W_V.transpose(-1, -2)
     t18 = t17 @ t1
     t19 = X @ W_Q
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,acf,afe,aef,afg,eg,aed,agb->bd', t1, t3, t4, t5, t8, A, t18, Mcausal, t19, X, optimize=[(4, 5), (1, 6), (1, 4), (1, 2), (2, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,acf,afe,aef,aeg,agh,eh,aed,ahb->bd', t1, t3, t4, t5, t8, A, A, t18, Mcausal, t19, X, optimize=[(4, 5), (1, 7), (3, 4), (2, 5), (2, 5), (2, 5), (1, 3), (0, 3), (1, 2), (0, 1)])
+    t20 = (1/(L*d_K*n_batch)) * t4
+    t0[...] = oe.contract('abc,ade,ce,acf,afe,aef,afg,eg,aed,agb->bd', t1, t3, t20, t5, t8, A, t18, Mcausal, t19, X, optimize=[(4, 5), (1, 6), (1, 4), (1, 2), (2, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
+    t21 = (-1/(L*d_K*n_batch)) * t4
+    t0 += oe.contract('abc,ade,ce,acf,afe,aef,aeg,agh,eh,aed,ahb->bd', t1, t3, t21, t5, t8, A, A, t18, Mcausal, t19, X, optimize=[(4, 5), (1, 7), (3, 4), (2, 5), (2, 5), (2, 5), (1, 3), (0, 3), (1, 2), (0, 1)])
     return out
 
 
@@ -8547,8 +8953,10 @@ def ce_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t17 = W_V.transpose(-1, -2)
     t18 = t17 @ t1
     t19 = X @ W_K
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,acf,afe,aef,afg,eg,aeh,agi->bdhi', t1, t3, t4, t5, t8, A, t18, Mcausal, X, t19, optimize=[(4, 5), (2, 5), (2, 3), (4, 6), (4, 5), (0, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,acf,afe,aef,aeg,agh,eh,aei,ahj->bdij', t1, t3, t4, t5, t8, A, A, t18, Mcausal, X, t19, optimize=[(4, 5), (4, 5), (3, 7), (3, 6), (4, 6), (2, 4), (0, 4), (0, 3), (0, 2), (0, 1)])
+    t20 = (1/(L*d_K*n_batch)) * t4
+    t0[...] = oe.contract('abc,ade,ce,acf,afe,aef,afg,eg,aeh,agi->bdhi', t1, t3, t20, t5, t8, A, t18, Mcausal, X, t19, optimize=[(4, 5), (2, 5), (2, 3), (4, 6), (4, 5), (0, 4), (2, 3), (0, 1), (0, 1)])
+    t21 = (-1/(L*d_K*n_batch)) * t4
+    t0 += oe.contract('abc,ade,ce,acf,afe,aef,aeg,agh,eh,aei,ahj->bdij', t1, t3, t21, t5, t8, A, A, t18, Mcausal, X, t19, optimize=[(4, 5), (4, 5), (3, 7), (3, 6), (4, 6), (2, 4), (0, 4), (0, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -8615,8 +9023,14 @@ def ce_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t17 = W_V.transpose(-1, -2)
     t18 = t17 @ t1
     t19 = X @ W_Q
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,acf,afe,aef,afg,eg,aeh,agi->bdih', t1, t3, t4, t5, t8, A, t18, Mcausal, t19, X, optimize=[(4, 5), (2, 5), (2, 3), (4, 6), (4, 5), (0, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,acf,afe,aef,aeg,agh,eh,aei,ahj->bdji', t1, t3, t4, t5, t8, A, A, t18, Mcausal, t19, X, optimize=[(4, 5), (4, 5), (3, 7), (3, 6), (4, 6), (2, 4), (0, 4), (0, 3), (0, 2), (0, 1)])
+    t20 = (1/(L*d_K*n_batch)) * t4
+    t21 = oe.contract('abc,acd->bdac', t3, t19, optimize=[(0, 1)])
+    t22 = oe.contract('abc,cd,ace,aed,ade,aef,df,afg->bgad', t1, t20, t5, t8, A, t18, Mcausal, X, optimize=[(3, 4), (2, 3), (4, 5), (1, 4), (1, 3), (0, 2), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
+    t23 = (-1/(L*d_K*n_batch)) * t4
+    t24 = oe.contract('abc,ade,ce,acf,afe,aef,aeg->bdgae', t1, t3, t23, t5, t8, A, t19, optimize=[(4, 5), (3, 5), (2, 4), (0, 3), (0, 1), (0, 1)])
+    t25 = oe.contract('abc,acd,bd,ade->eab', A, t18, Mcausal, X, optimize=[(0, 1), (0, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->abfc', t24, t25, optimize=[(0, 1)])
     return out
 
 
@@ -8681,8 +9095,14 @@ def ce_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     t16 = torch.exp(t15 - t15.amax(-1, keepdim=True))
     A = t16 / t16.sum(-1, keepdim=True)
     t17 = t14 @ X
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,acf,afe,aef,aeg->bdgf', t1, t3, t4, t5, t8, A, t17, optimize=[(4, 5), (3, 5), (2, 4), (0, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,acf,afe,aef,aeg,aeh->bdhg', t1, t3, t4, t5, t8, A, A, t17, optimize=[(4, 5), (3, 6), (2, 5), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t18 = (1/(L*math.sqrt(d_K)*n_batch)) * t4
+    t19 = oe.contract('abc,cd,ace,aed,ade->bead', t1, t18, t5, t8, A, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
+    t20 = oe.contract('abc,acd->bdac', t3, t17, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
+    t21 = (-1/(L*math.sqrt(d_K)*n_batch)) * t4
+    t22 = oe.contract('abc,acd,ace->bedac', t3, A, t17, optimize=[(0, 1), (0, 1)])
+    t23 = oe.contract('abc,cd,ace,aed,ade->bad', t1, t21, t5, t8, A, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->fabc', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -8745,8 +9165,12 @@ def ce_causal1__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     t16 = torch.exp(t15 - t15.amax(-1, keepdim=True))
     A = t16 / t16.sum(-1, keepdim=True)
     t17 = t13 @ X
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,acb->bd', t10, t12, A, t17, optimize=[(0, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->bd', t10, t12, A, A, t17, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t18 = (1/(L*n_batch)) * t10
+    t19 = oe.contract('abc,abc->cab', t12, A, optimize=[(0, 1)])
+    t20 = oe.contract('abc,acb->bac', t18, t17, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t19, t20, optimize=[(0, 1)])
+    t21 = (-1/(L*n_batch)) * t10
+    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t21, t12, A, A, t17, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -8809,8 +9233,12 @@ def ce_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t17 = W_V.transpose(-1, -2)
     t18 = t17 @ t1
     t19 = X @ W_K
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ade,ce,acf,aeg->bdfg', t10, t12, A, t18, Mcausal, X, t19, optimize=[(1, 2), (1, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,aef,cf,acg,afh->bdgh', t10, t12, A, A, t18, Mcausal, X, t19, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
+    t20 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
+    t0[...] = oe.contract('abc,acd,acd,ade,ce,acf,aeg->bdfg', t10, t12, A, t18, t20, X, t19, optimize=[(1, 2), (1, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t21 = (-1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
+    t22 = oe.contract('abc,acd,ade,ce,aef->bfac', t10, A, t18, t21, t19, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t23 = oe.contract('abc,abc,abd->cdab', t12, A, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -8877,8 +9305,12 @@ def ce_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t17 = W_V.transpose(-1, -2)
     t18 = t17 @ t1
     t19 = X @ W_Q
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ade,ce,acf,aeg->bdgf', t10, t12, A, t18, Mcausal, t19, X, optimize=[(1, 2), (1, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,aef,cf,acg,afh->bdhg', t10, t12, A, A, t18, Mcausal, t19, X, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
+    t20 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
+    t21 = oe.contract('abc,acd->bdac', t10, t19, optimize=[(0, 1)])
+    t22 = oe.contract('abc,abc,acd,bd,ade->ceab', t12, A, t18, t20, X, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t21, t22, optimize=[(0, 1)])
+    t23 = (-1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
+    t0 += oe.contract('abc,acd,acd,ace,aef,cf,acg,afh->bdhg', t10, t12, A, A, t18, t23, t19, X, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -8945,8 +9377,14 @@ def ce_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     t17 = torch.exp(t16 - t16.amax(-1, keepdim=True))
     A = t17 / t17.sum(-1, keepdim=True)
     t18 = t14 @ X
-    t1 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bed', t11, t13, A, t18, optimize=[(1, 2), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t11, t13, A, A, t18, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t19 = (1/(L*n_batch)) * t11
+    t20 = oe.contract('abc,abc->cab', t13, A, optimize=[(0, 1)])
+    t21 = oe.contract('abc,acd->bdac', t19, t18, optimize=[(0, 1)])
+    t1 += oe.contract('abc,debc->dea', t20, t21, optimize=[(0, 1)])
+    t22 = (-1/(L*n_batch)) * t11
+    t23 = oe.contract('abc,acd->bdac', t22, A, optimize=[(0, 1)])
+    t24 = oe.contract('abc,abc,abd->cdab', t13, A, t18, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t23, t24, optimize=[(0, 1)])
     return out
 
 
@@ -9022,39 +9460,45 @@ def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t24 = t23 @ X
     t25 = t4 @ t24
     t26 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t3 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t25, t26, optimize=[(0, 1)])
-    t27 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t28 = t27.view((d_V, d_K, d_V, d_V))
-    t28[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdgf', t4, t8, Mcausal, G, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t29 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t29[...] = 0
-    t30 = t29.view((d_V, d_K, d_V, d_K))
-    t31 = t30.diagonal(0, 1, 3)
-    t32 = G.transpose(-1, -2)
-    t33 = W_V @ t32
-    t34 = X @ t33
-    t35 = Mcausal.transpose(-1, -2)
-    t36 = t34 * t35
-    t37 = t36 @ X
-    t38 = t4 @ t37
-    t31 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t38, t26, optimize=[(0, 1)])
-    t39 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t39[...] = 0
-    t40 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t41 = t40.view((d_V, d_K, d_V, d_V))
-    t42 = W_Q.transpose(-1, -2)
-    t43 = t42 @ t4
-    t41[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdfg', t4, t43, t35, X, G, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t44 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t45 = t44.view((d_V, d_V, d_V, d_K))
-    t46 = X @ W_K
-    t45[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdgf', t4, t32, t35, t46, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t47 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t48 = t47.view((d_V, d_V, d_V, d_K))
-    t49 = X @ W_Q
-    t48[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdfg', t4, t32, t35, X, t49, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t50 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t50[...] = 0
+    t27 = (1/(math.sqrt(d_K)*n_batch)) * t26
+    t3 += oe.contract('abc,d->bcd', t25, t27, optimize=[(0, 1)])
+    t28 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t29 = t28.view((d_V, d_K, d_V, d_V))
+    t30 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
+    t29[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t4, t8, t30, G, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t31 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t31[...] = 0
+    t32 = t31.view((d_V, d_K, d_V, d_K))
+    t33 = t32.diagonal(0, 1, 3)
+    t34 = G.transpose(-1, -2)
+    t35 = W_V @ t34
+    t36 = X @ t35
+    t37 = Mcausal.transpose(-1, -2)
+    t38 = t36 * t37
+    t39 = t38 @ X
+    t40 = t4 @ t39
+    t33 += oe.contract('abc,d->bcd', t40, t27, optimize=[(0, 1)])
+    t41 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t41[...] = 0
+    t42 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t43 = t42.view((d_V, d_K, d_V, d_V))
+    t44 = W_Q.transpose(-1, -2)
+    t45 = t44 @ t4
+    t46 = (1/(math.sqrt(d_K)*n_batch)) * t37
+    t47 = oe.contract('abc,acd->bdac', t45, G, optimize=[(0, 1)])
+    t48 = oe.contract('abc,cd,ace->bead', t4, t46, X, optimize=[(0, 1), (0, 1)])
+    t43[...] = oe.contract('abcd,efcd->eafb', t47, t48, optimize=[(0, 1)])
+    t49 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t50 = t49.view((d_V, d_V, d_V, d_K))
+    t51 = X @ W_K
+    t50[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t4, t34, t46, t51, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t52 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t53 = t52.view((d_V, d_V, d_V, d_K))
+    t54 = X @ W_Q
+    t55 = oe.contract('abc,acd->bdac', t34, t54, optimize=[(0, 1)])
+    t53[...] = oe.contract('abcd,efcd->eafb', t55, t48, optimize=[(0, 1)])
+    t56 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t56[...] = 0
     return H
 
 
@@ -9273,7 +9717,8 @@ def ce_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t22 = t21 @ X
     t23 = t2 @ t22
     t24 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t23, t24, optimize=[(0, 1)])
+    t25 = (1/(math.sqrt(d_K)*n_batch)) * t24
+    t1 += oe.contract('abc,d->bcd', t23, t25, optimize=[(0, 1)])
     return out
 
 
@@ -9344,7 +9789,8 @@ def ce_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t15 = (-1/L) * Y
     t16 = t14 + t15
     G = t16
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t3, Mcausal, G, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t17 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
+    t0[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t3, t17, G, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -9439,7 +9885,8 @@ def ce_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t23 = t22 @ X
     t24 = t2 @ t23
     t25 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t24, t25, optimize=[(0, 1)])
+    t26 = (1/(math.sqrt(d_K)*n_batch)) * t25
+    t1 += oe.contract('abc,d->bcd', t24, t26, optimize=[(0, 1)])
     return out
 
 
@@ -9534,7 +9981,10 @@ def ce_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t18 = (-1/L) * Y
     t19 = t17 + t18
     G = t19
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdfg', t1, t3, t4, X, G, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t20 = (1/(math.sqrt(d_K)*n_batch)) * t4
+    t21 = oe.contract('abc,acd->bdac', t3, G, optimize=[(0, 1)])
+    t22 = oe.contract('abc,cd,ace->bead', t1, t20, X, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -9625,7 +10075,8 @@ def ce_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t17 = G.transpose(-1, -2)
     t18 = Mcausal.transpose(-1, -2)
     t19 = X @ W_K
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t17, t18, t19, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t20 = (1/(math.sqrt(d_K)*n_batch)) * t18
+    t0[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t17, t20, t19, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -9696,7 +10147,10 @@ def ce_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t17 = G.transpose(-1, -2)
     t18 = Mcausal.transpose(-1, -2)
     t19 = X @ W_Q
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdfg', t1, t17, t18, X, t19, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t20 = (1/(math.sqrt(d_K)*n_batch)) * t18
+    t21 = oe.contract('abc,acd->bdac', t17, t19, optimize=[(0, 1)])
+    t22 = oe.contract('abc,cd,ace->bead', t1, t20, X, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -9782,82 +10236,123 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t14 = W_V.transpose(-1, -2)
     t15 = t14 @ t2
     t16 = X @ W_K
-    t1[...] = (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,aef,acf,acf,afg,cg,ach,agi->bdhi', t2, t4, Mcausal, t5, t7, A, t15, Mcausal, X, t16, optimize=[(4, 5), (2, 5), (2, 3), (4, 6), (4, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t1 += (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,aef,acf,acf,acg,agh,ch,aci,ahj->bdij', t2, t4, Mcausal, t5, t7, A, A, t15, Mcausal, X, t16, optimize=[(4, 5), (4, 5), (3, 7), (3, 6), (4, 6), (2, 4), (1, 4), (0, 3), (0, 2), (0, 1)])
-    t17 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t17[...] = 0
-    t18 = t17.view((d_V, d_K, d_V, d_K))
-    t19 = t18.diagonal(0, 1, 3)
+    t17 = (1/(L*d_K*n_batch)) * Mcausal
+    t1[...] = oe.contract('abc,ade,ce,aef,acf,acf,afg,cg,ach,agi->bdhi', t2, t4, t17, t5, t7, A, t15, Mcausal, X, t16, optimize=[(4, 5), (2, 5), (2, 3), (4, 6), (4, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t18 = (-1/(L*d_K*n_batch)) * Mcausal
+    t19 = oe.contract('abc,acd,bd,ade->eab', A, t15, Mcausal, t16, optimize=[(0, 1), (0, 2), (0, 1)])
+    t20 = oe.contract('abc,ade,ce,aef,acf,acf,acg->bdgac', t2, t4, t18, t5, t7, A, X, optimize=[(4, 5), (3, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
+    t1 += oe.contract('abc,defbc->defa', t19, t20, optimize=[(0, 1)])
+    t21 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t21[...] = 0
+    t22 = t21.view((d_V, d_K, d_V, d_K))
+    t23 = t22.diagonal(0, 1, 3)
     F = t12
-    t20 = torch.exp(F - F.amax(-1, keepdim=True))
-    A21 = t20 / t20.sum(-1, keepdim=True)
-    t22 = t7 * A21
-    t23 = (1/L) * t22
-    t24 = (-1/L) * Y
-    t25 = t23 + t24
-    G = t25
-    t26 = G @ t15
-    t27 = Mcausal * t26
-    t28 = t27 @ X
-    t29 = t2 @ t28
-    t30 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t19 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t29, t30, optimize=[(0, 1)])
-    t31 = X @ W_Q
-    t18 += (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,aef,acf,acf,afg,cg,ach,agi->bdih', t2, t4, Mcausal, t5, t7, A, t15, Mcausal, t31, X, optimize=[(4, 5), (2, 5), (2, 3), (4, 6), (4, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t18 += (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,aef,acf,acf,acg,agh,ch,aci,ahj->bdji', t2, t4, Mcausal, t5, t7, A, A, t15, Mcausal, t31, X, optimize=[(4, 5), (4, 5), (3, 7), (3, 6), (4, 6), (2, 4), (1, 4), (0, 3), (0, 2), (0, 1)])
-    t32 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t33 = t32.view((d_V, d_K, d_V, d_V))
-    t34 = t11 @ X
-    t33[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,aef,acf,acf,acg->bdgf', t2, t4, Mcausal, t5, t7, A, t34, optimize=[(4, 5), (3, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
-    t33 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,aef,acf,acf,acg,ach->bdhg', t2, t4, Mcausal, t5, t7, A, A, t34, optimize=[(4, 5), (3, 6), (2, 5), (1, 4), (0, 1), (0, 2), (0, 1)])
-    t33 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdgf', t2, t4, Mcausal, G, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t35 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t35[...] = 0
-    t36 = t35.view((d_V, d_K, d_V, d_K))
-    t37 = t36.diagonal(0, 1, 3)
-    t38 = G.transpose(-1, -2)
-    t39 = W_V @ t38
-    t40 = X @ t39
-    t41 = Mcausal.transpose(-1, -2)
-    t42 = t40 * t41
-    t43 = t42 @ X
-    t44 = t2 @ t43
-    t37 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t44, t30, optimize=[(0, 1)])
-    t45 = W_Q.transpose(-1, -2)
-    t46 = t45 @ t2
-    t47 = Y.transpose(-1, -2)
-    t48 = t47.sum(-2, keepdim=True)
-    t49 = t48.expand(*t48.shape[:-2], d_V, t48.shape[-1])
-    t36 += (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,acf,afe,aef,afg,eg,aeh,agi->bdhi', t2, t46, t41, t5, t49, A, t15, Mcausal, X, t16, optimize=[(4, 5), (2, 5), (2, 3), (4, 6), (4, 5), (0, 4), (2, 3), (0, 1), (0, 1)])
-    t36 += (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,acf,afe,aef,aeg,agh,eh,aei,ahj->bdij', t2, t46, t41, t5, t49, A, A, t15, Mcausal, X, t16, optimize=[(4, 5), (4, 5), (3, 7), (3, 6), (4, 6), (2, 4), (0, 4), (0, 3), (0, 2), (0, 1)])
-    t50 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t51 = t50.view((d_V, d_K, d_V, d_K))
-    t51[...] = (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,acf,afe,aef,afg,eg,aeh,agi->bdih', t2, t46, t41, t5, t49, A, t15, Mcausal, t31, X, optimize=[(4, 5), (2, 5), (2, 3), (4, 6), (4, 5), (0, 4), (2, 3), (0, 1), (0, 1)])
-    t51 += (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,acf,afe,aef,aeg,agh,eh,aei,ahj->bdji', t2, t46, t41, t5, t49, A, A, t15, Mcausal, t31, X, optimize=[(4, 5), (4, 5), (3, 7), (3, 6), (4, 6), (2, 4), (0, 4), (0, 3), (0, 2), (0, 1)])
-    t52 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t53 = t52.view((d_V, d_K, d_V, d_V))
-    t53[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,acf,afe,aef,aeg->bdgf', t2, t46, t41, t5, t49, A, t34, optimize=[(4, 5), (3, 5), (2, 4), (0, 3), (0, 1), (0, 1)])
-    t53 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,acf,afe,aef,aeg,aeh->bdhg', t2, t46, t41, t5, t49, A, A, t34, optimize=[(4, 5), (3, 6), (2, 5), (0, 4), (0, 1), (0, 2), (0, 1)])
-    t53 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdfg', t2, t46, t41, X, G, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t54 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t55 = t54.view((d_V, d_V, d_V, d_K))
-    t56 = T.transpose(-1, -2)
-    t57 = t41 * t56
-    t58 = t2 @ t57
-    t55[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ade,ce,acf,aeg->bdfg', t58, t7, A, t15, Mcausal, X, t16, optimize=[(1, 2), (1, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t55 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,aef,cf,acg,afh->bdgh', t58, t7, A, A, t15, Mcausal, X, t16, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
-    t55 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdgf', t2, t38, t41, t16, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t59 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t60 = t59.view((d_V, d_V, d_V, d_K))
-    t60[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ade,ce,acf,aeg->bdgf', t58, t7, A, t15, Mcausal, t31, X, optimize=[(1, 2), (1, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t60 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,aef,cf,acg,afh->bdhg', t58, t7, A, A, t15, Mcausal, t31, X, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
-    t60 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdfg', t2, t38, t41, X, t31, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t61 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t61[...] = 0
-    t62 = t61.view((d_V, d_V, d_V, d_V))
-    t63 = t62.diagonal(0, 1, 3)
-    t63 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bed', t58, t7, A, t34, optimize=[(1, 2), (0, 1), (0, 1)])
-    t62 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t58, t7, A, A, t34, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t24 = torch.exp(F - F.amax(-1, keepdim=True))
+    A25 = t24 / t24.sum(-1, keepdim=True)
+    t26 = t7 * A25
+    t27 = (1/L) * t26
+    t28 = (-1/L) * Y
+    t29 = t27 + t28
+    G = t29
+    t30 = G @ t15
+    t31 = Mcausal * t30
+    t32 = t31 @ X
+    t33 = t2 @ t32
+    t34 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t35 = (1/(math.sqrt(d_K)*n_batch)) * t34
+    t23 += oe.contract('abc,d->bcd', t33, t35, optimize=[(0, 1)])
+    t36 = X @ W_Q
+    t37 = oe.contract('abc,acd->bdac', t2, t36, optimize=[(0, 1)])
+    t38 = oe.contract('abc,dc,ace,ade,ade,aef,df,afg->bgad', t4, t17, t5, t7, A, t15, Mcausal, X, optimize=[(3, 4), (2, 3), (4, 5), (1, 4), (1, 3), (0, 2), (0, 1)])
+    t22 += oe.contract('abcd,efcd->aefb', t37, t38, optimize=[(0, 1)])
+    t39 = oe.contract('abc,ade,ce,aef,acf,acf,acg->bdgac', t2, t4, t18, t5, t7, A, t36, optimize=[(4, 5), (3, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
+    t40 = oe.contract('abc,acd,bd,ade->eab', A, t15, Mcausal, X, optimize=[(0, 1), (0, 2), (0, 1)])
+    t22 += oe.contract('abcde,fde->abfc', t39, t40, optimize=[(0, 1)])
+    t41 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t42 = t41.view((d_V, d_K, d_V, d_V))
+    t43 = t11 @ X
+    t44 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
+    t45 = oe.contract('abc,dc,ace,ade,ade->bead', t4, t44, t5, t7, A, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
+    t46 = oe.contract('abc,acd->bdac', t2, t43, optimize=[(0, 1)])
+    t42[...] = oe.contract('abcd,efcd->eafb', t45, t46, optimize=[(0, 1)])
+    t47 = (-1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
+    t48 = oe.contract('abc,acd,ace->bedac', t2, A, t43, optimize=[(0, 1), (0, 1)])
+    t49 = oe.contract('abc,dc,ace,ade,ade->bad', t4, t47, t5, t7, A, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)])
+    t42 += oe.contract('abcde,fde->afbc', t48, t49, optimize=[(0, 1)])
+    t50 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
+    t42 += oe.contract('abc,ade,ce,acf,aeg->bdgf', t2, t4, t50, G, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t51 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t51[...] = 0
+    t52 = t51.view((d_V, d_K, d_V, d_K))
+    t53 = t52.diagonal(0, 1, 3)
+    t54 = G.transpose(-1, -2)
+    t55 = W_V @ t54
+    t56 = X @ t55
+    t57 = Mcausal.transpose(-1, -2)
+    t58 = t56 * t57
+    t59 = t58 @ X
+    t60 = t2 @ t59
+    t53 += oe.contract('abc,d->bcd', t60, t35, optimize=[(0, 1)])
+    t61 = W_Q.transpose(-1, -2)
+    t62 = t61 @ t2
+    t63 = Y.transpose(-1, -2)
+    t64 = t63.sum(-2, keepdim=True)
+    t65 = t64.expand(*t64.shape[:-2], d_V, t64.shape[-1])
+    t66 = (1/(L*d_K*n_batch)) * t57
+    t52 += oe.contract('abc,ade,ce,acf,afe,aef,afg,eg,aeh,agi->bdhi', t2, t62, t66, t5, t65, A, t15, Mcausal, X, t16, optimize=[(4, 5), (2, 5), (2, 3), (4, 6), (4, 5), (0, 4), (2, 3), (0, 1), (0, 1)])
+    t67 = (-1/(L*d_K*n_batch)) * t57
+    t52 += oe.contract('abc,ade,ce,acf,afe,aef,aeg,agh,eh,aei,ahj->bdij', t2, t62, t67, t5, t65, A, A, t15, Mcausal, X, t16, optimize=[(4, 5), (4, 5), (3, 7), (3, 6), (4, 6), (2, 4), (0, 4), (0, 3), (0, 2), (0, 1)])
+    t68 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t69 = t68.view((d_V, d_K, d_V, d_K))
+    t70 = oe.contract('abc,acd->bdac', t62, t36, optimize=[(0, 1)])
+    t71 = oe.contract('abc,cd,ace,aed,ade,aef,df,afg->bgad', t2, t66, t5, t65, A, t15, Mcausal, X, optimize=[(3, 4), (2, 3), (4, 5), (1, 4), (1, 3), (0, 2), (0, 1)])
+    t69[...] = oe.contract('abcd,efcd->eafb', t70, t71, optimize=[(0, 1)])
+    t72 = oe.contract('abc,ade,ce,acf,afe,aef,aeg->bdgae', t2, t62, t67, t5, t65, A, t36, optimize=[(4, 5), (3, 5), (2, 4), (0, 3), (0, 1), (0, 1)])
+    t69 += oe.contract('abcde,fde->abfc', t72, t40, optimize=[(0, 1)])
+    t73 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t74 = t73.view((d_V, d_K, d_V, d_V))
+    t75 = (1/(L*math.sqrt(d_K)*n_batch)) * t57
+    t76 = oe.contract('abc,cd,ace,aed,ade->bead', t2, t75, t5, t65, A, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
+    t77 = oe.contract('abc,acd->bdac', t62, t43, optimize=[(0, 1)])
+    t74[...] = oe.contract('abcd,efcd->aefb', t76, t77, optimize=[(0, 1)])
+    t78 = (-1/(L*math.sqrt(d_K)*n_batch)) * t57
+    t79 = oe.contract('abc,acd,ace->bedac', t62, A, t43, optimize=[(0, 1), (0, 1)])
+    t80 = oe.contract('abc,cd,ace,aed,ade->bad', t2, t78, t5, t65, A, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)])
+    t74 += oe.contract('abcde,fde->fabc', t79, t80, optimize=[(0, 1)])
+    t81 = (1/(math.sqrt(d_K)*n_batch)) * t57
+    t82 = oe.contract('abc,acd->bdac', t62, G, optimize=[(0, 1)])
+    t83 = oe.contract('abc,cd,ace->bead', t2, t81, X, optimize=[(0, 1), (0, 1)])
+    t74 += oe.contract('abcd,efcd->eafb', t82, t83, optimize=[(0, 1)])
+    t84 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t85 = t84.view((d_V, d_V, d_V, d_K))
+    t86 = T.transpose(-1, -2)
+    t87 = t57 * t86
+    t88 = t2 @ t87
+    t85[...] = oe.contract('abc,acd,acd,ade,ce,acf,aeg->bdfg', t88, t7, A, t15, t44, X, t16, optimize=[(1, 2), (1, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t89 = oe.contract('abc,acd,ade,ce,aef->bfac', t88, A, t15, t47, t16, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t90 = oe.contract('abc,abc,abd->cdab', t7, A, X, optimize=[(0, 1), (0, 1)])
+    t85 += oe.contract('abcd,efcd->aefb', t89, t90, optimize=[(0, 1)])
+    t85 += oe.contract('abc,ade,ce,acf,aeg->bdgf', t2, t54, t81, t16, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t91 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t92 = t91.view((d_V, d_V, d_V, d_K))
+    t93 = oe.contract('abc,acd->bdac', t88, t36, optimize=[(0, 1)])
+    t94 = oe.contract('abc,abc,acd,bd,ade->ceab', t7, A, t15, t44, X, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
+    t92[...] = oe.contract('abcd,efcd->aefb', t93, t94, optimize=[(0, 1)])
+    t92 += oe.contract('abc,acd,acd,ace,aef,cf,acg,afh->bdhg', t88, t7, A, A, t15, t47, t36, X, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
+    t95 = oe.contract('abc,acd->bdac', t54, t36, optimize=[(0, 1)])
+    t92 += oe.contract('abcd,efcd->eafb', t95, t83, optimize=[(0, 1)])
+    t96 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t96[...] = 0
+    t97 = t96.view((d_V, d_V, d_V, d_V))
+    t98 = t97.diagonal(0, 1, 3)
+    t99 = (1/(L*n_batch)) * t88
+    t100 = oe.contract('abc,abc->cab', t7, A, optimize=[(0, 1)])
+    t101 = oe.contract('abc,acd->bdac', t99, t43, optimize=[(0, 1)])
+    t98 += oe.contract('abc,debc->dea', t100, t101, optimize=[(0, 1)])
+    t102 = (-1/(L*n_batch)) * t88
+    t103 = oe.contract('abc,acd->bdac', t102, A, optimize=[(0, 1)])
+    t104 = oe.contract('abc,abc,abd->cdab', t7, A, t43, optimize=[(0, 1), (0, 1)])
+    t97 += oe.contract('abcd,efcd->aefb', t103, t104, optimize=[(0, 1)])
     return H
 
 
@@ -10076,8 +10571,13 @@ def ce_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t13 = W_V.transpose(-1, -2)
     t14 = t13 @ t1
     t15 = X @ W_K
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,aef,acf,acf,afg,cg,acb,agd->bd', t1, t3, Mcausal, t4, t6, A, t14, Mcausal, X, t15, optimize=[(4, 5), (0, 6), (1, 4), (1, 2), (2, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,aef,acf,acf,acg,agh,ch,acb,ahd->bd', t1, t3, Mcausal, t4, t6, A, A, t14, Mcausal, X, t15, optimize=[(4, 5), (0, 7), (3, 4), (2, 5), (2, 5), (2, 5), (1, 3), (0, 3), (1, 2), (0, 1)])
+    t16 = (1/(L*d_K*n_batch)) * Mcausal
+    t17 = oe.contract('abc,dc,ace,ade,ade,aef,df,afb->bad', t3, t16, t4, t6, A, t14, Mcausal, t15, optimize=[(3, 4), (2, 3), (4, 5), (1, 4), (1, 3), (0, 2), (0, 1)])
+    t18 = oe.contract('abc,acb->bac', t1, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t17, t18, optimize=[(0, 1)])
+    t19 = (-1/(L*d_K*n_batch)) * Mcausal
+    t20 = oe.contract('abc,dc,ace,ade,ade,adf,afg,dg,agb->bad', t3, t19, t4, t6, A, A, t14, Mcausal, t15, optimize=[(3, 4), (3, 4), (2, 5), (2, 4), (2, 4), (1, 2), (0, 2), (0, 1)])
+    t0 += oe.contract('abc,dbc->da', t20, t18, optimize=[(0, 1)])
     return out
 
 
@@ -10134,8 +10634,12 @@ def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t13 = W_V.transpose(-1, -2)
     t14 = t13 @ t1
     t15 = X @ W_K
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,aef,acf,acf,afg,cg,ach,agi->bdhi', t1, t3, Mcausal, t4, t6, A, t14, Mcausal, X, t15, optimize=[(4, 5), (2, 5), (2, 3), (4, 6), (4, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,aef,acf,acf,acg,agh,ch,aci,ahj->bdij', t1, t3, Mcausal, t4, t6, A, A, t14, Mcausal, X, t15, optimize=[(4, 5), (4, 5), (3, 7), (3, 6), (4, 6), (2, 4), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t16 = (1/(L*d_K*n_batch)) * Mcausal
+    t0[...] = oe.contract('abc,ade,ce,aef,acf,acf,afg,cg,ach,agi->bdhi', t1, t3, t16, t4, t6, A, t14, Mcausal, X, t15, optimize=[(4, 5), (2, 5), (2, 3), (4, 6), (4, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t17 = (-1/(L*d_K*n_batch)) * Mcausal
+    t18 = oe.contract('abc,acd,bd,ade->eab', A, t14, Mcausal, t15, optimize=[(0, 1), (0, 2), (0, 1)])
+    t19 = oe.contract('abc,ade,ce,aef,acf,acf,acg->bdgac', t1, t3, t17, t4, t6, A, X, optimize=[(4, 5), (3, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
+    t0 += oe.contract('abc,defbc->defa', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -10206,12 +10710,19 @@ def ce_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t22 = t21 @ X
     t23 = t2 @ t22
     t24 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t23, t24, optimize=[(0, 1)])
-    t25 = torch.exp(t12 - t12.amax(-1, keepdim=True))
-    A26 = t25 / t25.sum(-1, keepdim=True)
-    t27 = X @ W_Q
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,aef,acf,acf,afg,cg,ach,agi->bdih', t2, t6, Mcausal, t11, t4, A26, t19, Mcausal, t27, X, optimize=[(4, 5), (2, 5), (2, 3), (4, 6), (4, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,aef,acf,acf,acg,agh,ch,aci,ahj->bdji', t2, t6, Mcausal, t11, t4, A26, A26, t19, Mcausal, t27, X, optimize=[(4, 5), (4, 5), (3, 7), (3, 6), (4, 6), (2, 4), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t25 = (1/(math.sqrt(d_K)*n_batch)) * t24
+    t1 += oe.contract('abc,d->bcd', t23, t25, optimize=[(0, 1)])
+    t26 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A27 = t26 / t26.sum(-1, keepdim=True)
+    t28 = X @ W_Q
+    t29 = (1/(L*d_K*n_batch)) * Mcausal
+    t30 = oe.contract('abc,acd->bdac', t2, t28, optimize=[(0, 1)])
+    t31 = oe.contract('abc,dc,ace,ade,ade,aef,df,afg->bgad', t6, t29, t11, t4, A27, t19, Mcausal, X, optimize=[(3, 4), (2, 3), (4, 5), (1, 4), (1, 3), (0, 2), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t30, t31, optimize=[(0, 1)])
+    t32 = (-1/(L*d_K*n_batch)) * Mcausal
+    t33 = oe.contract('abc,ade,ce,aef,acf,acf,acg->bdgac', t2, t6, t32, t11, t4, A27, t28, optimize=[(4, 5), (3, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
+    t34 = oe.contract('abc,acd,bd,ade->eab', A27, t19, Mcausal, X, optimize=[(0, 1), (0, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->abfc', t33, t34, optimize=[(0, 1)])
     return out
 
 
@@ -10280,17 +10791,24 @@ def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A = t12 / t12.sum(-1, keepdim=True)
     t13 = t10 @ X
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,aef,acf,acf,acg->bdgf', t1, t3, Mcausal, t4, t6, A, t13, optimize=[(4, 5), (3, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,aef,acf,acf,acg,ach->bdhg', t1, t3, Mcausal, t4, t6, A, A, t13, optimize=[(4, 5), (3, 6), (2, 5), (1, 4), (0, 1), (0, 2), (0, 1)])
+    t14 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
+    t15 = oe.contract('abc,dc,ace,ade,ade->bead', t3, t14, t4, t6, A, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
+    t16 = oe.contract('abc,acd->bdac', t1, t13, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t15, t16, optimize=[(0, 1)])
+    t17 = (-1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
+    t18 = oe.contract('abc,acd,ace->bedac', t1, A, t13, optimize=[(0, 1), (0, 1)])
+    t19 = oe.contract('abc,dc,ace,ade,ade->bad', t3, t17, t4, t6, A, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t18, t19, optimize=[(0, 1)])
     F = t11
-    t14 = torch.exp(F - F.amax(-1, keepdim=True))
-    A15 = t14 / t14.sum(-1, keepdim=True)
-    t16 = t6 * A15
-    t17 = (1/L) * t16
-    t18 = (-1/L) * Y
-    t19 = t17 + t18
-    G = t19
-    t0 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t3, Mcausal, G, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t20 = torch.exp(F - F.amax(-1, keepdim=True))
+    A21 = t20 / t20.sum(-1, keepdim=True)
+    t22 = t6 * A21
+    t23 = (1/L) * t22
+    t24 = (-1/L) * Y
+    t25 = t23 + t24
+    G = t25
+    t26 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
+    t0 += oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t3, t26, G, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -10359,8 +10877,10 @@ def ce_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t17 = W_V.transpose(-1, -2)
     t18 = t17 @ t1
     t19 = X @ W_Q
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,acf,afe,aef,afg,eg,aed,agb->bd', t1, t3, t4, t5, t8, A, t18, Mcausal, t19, X, optimize=[(4, 5), (1, 6), (1, 4), (1, 2), (2, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,acf,afe,aef,aeg,agh,eh,aed,ahb->bd', t1, t3, t4, t5, t8, A, A, t18, Mcausal, t19, X, optimize=[(4, 5), (1, 7), (3, 4), (2, 5), (2, 5), (2, 5), (1, 3), (0, 3), (1, 2), (0, 1)])
+    t20 = (1/(L*d_K*n_batch)) * t4
+    t0[...] = oe.contract('abc,ade,ce,acf,afe,aef,afg,eg,aed,agb->bd', t1, t3, t20, t5, t8, A, t18, Mcausal, t19, X, optimize=[(4, 5), (1, 6), (1, 4), (1, 2), (2, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
+    t21 = (-1/(L*d_K*n_batch)) * t4
+    t0 += oe.contract('abc,ade,ce,acf,afe,aef,aeg,agh,eh,aed,ahb->bd', t1, t3, t21, t5, t8, A, A, t18, Mcausal, t19, X, optimize=[(4, 5), (1, 7), (3, 4), (2, 5), (2, 5), (2, 5), (1, 3), (0, 3), (1, 2), (0, 1)])
     return out
 
 
@@ -10434,19 +10954,22 @@ def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t23 = t22 @ X
     t24 = t2 @ t23
     t25 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t24, t25, optimize=[(0, 1)])
-    t26 = W_Q.transpose(-1, -2)
-    t27 = t26 @ t2
-    t28 = Y.transpose(-1, -2)
-    t29 = t28.sum(-2, keepdim=True)
-    t30 = t29.expand(*t29.shape[:-2], d_V, t29.shape[-1])
-    t31 = torch.exp(t12 - t12.amax(-1, keepdim=True))
-    A32 = t31 / t31.sum(-1, keepdim=True)
-    t33 = W_V.transpose(-1, -2)
-    t34 = t33 @ t2
-    t35 = X @ W_K
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,acf,afe,aef,afg,eg,aeh,agi->bdhi', t2, t27, t21, t11, t30, A32, t34, Mcausal, X, t35, optimize=[(4, 5), (2, 5), (2, 3), (4, 6), (4, 5), (0, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,acf,afe,aef,aeg,agh,eh,aei,ahj->bdij', t2, t27, t21, t11, t30, A32, A32, t34, Mcausal, X, t35, optimize=[(4, 5), (4, 5), (3, 7), (3, 6), (4, 6), (2, 4), (0, 4), (0, 3), (0, 2), (0, 1)])
+    t26 = (1/(math.sqrt(d_K)*n_batch)) * t25
+    t1 += oe.contract('abc,d->bcd', t24, t26, optimize=[(0, 1)])
+    t27 = W_Q.transpose(-1, -2)
+    t28 = t27 @ t2
+    t29 = Y.transpose(-1, -2)
+    t30 = t29.sum(-2, keepdim=True)
+    t31 = t30.expand(*t30.shape[:-2], d_V, t30.shape[-1])
+    t32 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A33 = t32 / t32.sum(-1, keepdim=True)
+    t34 = W_V.transpose(-1, -2)
+    t35 = t34 @ t2
+    t36 = X @ W_K
+    t37 = (1/(L*d_K*n_batch)) * t21
+    t0 += oe.contract('abc,ade,ce,acf,afe,aef,afg,eg,aeh,agi->bdhi', t2, t28, t37, t11, t31, A33, t35, Mcausal, X, t36, optimize=[(4, 5), (2, 5), (2, 3), (4, 6), (4, 5), (0, 4), (2, 3), (0, 1), (0, 1)])
+    t38 = (-1/(L*d_K*n_batch)) * t21
+    t0 += oe.contract('abc,ade,ce,acf,afe,aef,aeg,agh,eh,aei,ahj->bdij', t2, t28, t38, t11, t31, A33, A33, t35, Mcausal, X, t36, optimize=[(4, 5), (4, 5), (3, 7), (3, 6), (4, 6), (2, 4), (0, 4), (0, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -10529,8 +11052,14 @@ def ce_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t17 = W_V.transpose(-1, -2)
     t18 = t17 @ t1
     t19 = X @ W_Q
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,acf,afe,aef,afg,eg,aeh,agi->bdih', t1, t3, t4, t5, t8, A, t18, Mcausal, t19, X, optimize=[(4, 5), (2, 5), (2, 3), (4, 6), (4, 5), (0, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,acf,afe,aef,aeg,agh,eh,aei,ahj->bdji', t1, t3, t4, t5, t8, A, A, t18, Mcausal, t19, X, optimize=[(4, 5), (4, 5), (3, 7), (3, 6), (4, 6), (2, 4), (0, 4), (0, 3), (0, 2), (0, 1)])
+    t20 = (1/(L*d_K*n_batch)) * t4
+    t21 = oe.contract('abc,acd->bdac', t3, t19, optimize=[(0, 1)])
+    t22 = oe.contract('abc,cd,ace,aed,ade,aef,df,afg->bgad', t1, t20, t5, t8, A, t18, Mcausal, X, optimize=[(3, 4), (2, 3), (4, 5), (1, 4), (1, 3), (0, 2), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
+    t23 = (-1/(L*d_K*n_batch)) * t4
+    t24 = oe.contract('abc,ade,ce,acf,afe,aef,aeg->bdgae', t1, t3, t23, t5, t8, A, t19, optimize=[(4, 5), (3, 5), (2, 4), (0, 3), (0, 1), (0, 1)])
+    t25 = oe.contract('abc,acd,bd,ade->eab', A, t18, Mcausal, X, optimize=[(0, 1), (0, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->abfc', t24, t25, optimize=[(0, 1)])
     return out
 
 
@@ -10595,19 +11124,28 @@ def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t16 = torch.exp(t15 - t15.amax(-1, keepdim=True))
     A = t16 / t16.sum(-1, keepdim=True)
     t17 = t14 @ X
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,acf,afe,aef,aeg->bdgf', t1, t3, t4, t5, t8, A, t17, optimize=[(4, 5), (3, 5), (2, 4), (0, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,acf,afe,aef,aeg,aeh->bdhg', t1, t3, t4, t5, t8, A, A, t17, optimize=[(4, 5), (3, 6), (2, 5), (0, 4), (0, 1), (0, 2), (0, 1)])
-    t18 = Y.sum(-1, keepdim=True)
-    t19 = t18.expand(*t18.shape[:-1], d_V)
+    t18 = (1/(L*math.sqrt(d_K)*n_batch)) * t4
+    t19 = oe.contract('abc,cd,ace,aed,ade->bead', t1, t18, t5, t8, A, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
+    t20 = oe.contract('abc,acd->bdac', t3, t17, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
+    t21 = (-1/(L*math.sqrt(d_K)*n_batch)) * t4
+    t22 = oe.contract('abc,acd,ace->bedac', t3, A, t17, optimize=[(0, 1), (0, 1)])
+    t23 = oe.contract('abc,cd,ace,aed,ade->bad', t1, t21, t5, t8, A, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->fabc', t22, t23, optimize=[(0, 1)])
+    t24 = Y.sum(-1, keepdim=True)
+    t25 = t24.expand(*t24.shape[:-1], d_V)
     F = t15
-    t20 = torch.exp(F - F.amax(-1, keepdim=True))
-    A21 = t20 / t20.sum(-1, keepdim=True)
-    t22 = t19 * A21
-    t23 = (1/L) * t22
-    t24 = (-1/L) * Y
-    t25 = t23 + t24
-    G = t25
-    t0 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdfg', t1, t3, t4, X, G, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t26 = torch.exp(F - F.amax(-1, keepdim=True))
+    A27 = t26 / t26.sum(-1, keepdim=True)
+    t28 = t25 * A27
+    t29 = (1/L) * t28
+    t30 = (-1/L) * Y
+    t31 = t29 + t30
+    G = t31
+    t32 = (1/(math.sqrt(d_K)*n_batch)) * t4
+    t33 = oe.contract('abc,acd->bdac', t3, G, optimize=[(0, 1)])
+    t34 = oe.contract('abc,cd,ace->bead', t1, t32, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t33, t34, optimize=[(0, 1)])
     return out
 
 
@@ -10680,8 +11218,12 @@ def ce_causal1__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     t16 = torch.exp(t15 - t15.amax(-1, keepdim=True))
     A = t16 / t16.sum(-1, keepdim=True)
     t17 = t13 @ X
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,acb->bd', t10, t12, A, t17, optimize=[(0, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->bd', t10, t12, A, A, t17, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t18 = (1/(L*n_batch)) * t10
+    t19 = oe.contract('abc,abc->cab', t12, A, optimize=[(0, 1)])
+    t20 = oe.contract('abc,acb->bac', t18, t17, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t19, t20, optimize=[(0, 1)])
+    t21 = (-1/(L*n_batch)) * t10
+    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t21, t12, A, A, t17, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -10744,18 +11286,23 @@ def ce_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t17 = W_V.transpose(-1, -2)
     t18 = t17 @ t1
     t19 = X @ W_K
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ade,ce,acf,aeg->bdfg', t10, t12, A, t18, Mcausal, X, t19, optimize=[(1, 2), (1, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,aef,cf,acg,afh->bdgh', t10, t12, A, A, t18, Mcausal, X, t19, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
+    t20 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
+    t0[...] = oe.contract('abc,acd,acd,ade,ce,acf,aeg->bdfg', t10, t12, A, t18, t20, X, t19, optimize=[(1, 2), (1, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t21 = (-1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
+    t22 = oe.contract('abc,acd,ade,ce,aef->bfac', t10, A, t18, t21, t19, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t23 = oe.contract('abc,abc,abd->cdab', t12, A, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
     F = t15
-    t20 = torch.exp(F - F.amax(-1, keepdim=True))
-    A21 = t20 / t20.sum(-1, keepdim=True)
-    t22 = t12 * A21
-    t23 = (1/L) * t22
-    t24 = (-1/L) * Y
-    t25 = t23 + t24
-    G = t25
-    t26 = G.transpose(-1, -2)
-    t0 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t26, t2, t19, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t24 = torch.exp(F - F.amax(-1, keepdim=True))
+    A25 = t24 / t24.sum(-1, keepdim=True)
+    t26 = t12 * A25
+    t27 = (1/L) * t26
+    t28 = (-1/L) * Y
+    t29 = t27 + t28
+    G = t29
+    t30 = G.transpose(-1, -2)
+    t31 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t0 += oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t30, t31, t19, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -10831,18 +11378,25 @@ def ce_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t17 = W_V.transpose(-1, -2)
     t18 = t17 @ t1
     t19 = X @ W_Q
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ade,ce,acf,aeg->bdgf', t10, t12, A, t18, Mcausal, t19, X, optimize=[(1, 2), (1, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,aef,cf,acg,afh->bdhg', t10, t12, A, A, t18, Mcausal, t19, X, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
+    t20 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
+    t21 = oe.contract('abc,acd->bdac', t10, t19, optimize=[(0, 1)])
+    t22 = oe.contract('abc,abc,acd,bd,ade->ceab', t12, A, t18, t20, X, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t21, t22, optimize=[(0, 1)])
+    t23 = (-1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
+    t0 += oe.contract('abc,acd,acd,ace,aef,cf,acg,afh->bdhg', t10, t12, A, A, t18, t23, t19, X, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
     F = t15
-    t20 = torch.exp(F - F.amax(-1, keepdim=True))
-    A21 = t20 / t20.sum(-1, keepdim=True)
-    t22 = t12 * A21
-    t23 = (1/L) * t22
-    t24 = (-1/L) * Y
-    t25 = t23 + t24
-    G = t25
-    t26 = G.transpose(-1, -2)
-    t0 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,ade,ce,acf,aeg->bdfg', t1, t26, t2, X, t19, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t24 = torch.exp(F - F.amax(-1, keepdim=True))
+    A25 = t24 / t24.sum(-1, keepdim=True)
+    t26 = t12 * A25
+    t27 = (1/L) * t26
+    t28 = (-1/L) * Y
+    t29 = t27 + t28
+    G = t29
+    t30 = G.transpose(-1, -2)
+    t31 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t32 = oe.contract('abc,acd->bdac', t30, t19, optimize=[(0, 1)])
+    t33 = oe.contract('abc,cd,ace->bead', t1, t31, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t32, t33, optimize=[(0, 1)])
     return out
 
 
@@ -10918,8 +11472,14 @@ def ce_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     t17 = torch.exp(t16 - t16.amax(-1, keepdim=True))
     A = t17 / t17.sum(-1, keepdim=True)
     t18 = t14 @ X
-    t1 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bed', t11, t13, A, t18, optimize=[(1, 2), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t11, t13, A, A, t18, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t19 = (1/(L*n_batch)) * t11
+    t20 = oe.contract('abc,abc->cab', t13, A, optimize=[(0, 1)])
+    t21 = oe.contract('abc,acd->bdac', t19, t18, optimize=[(0, 1)])
+    t1 += oe.contract('abc,debc->dea', t20, t21, optimize=[(0, 1)])
+    t22 = (-1/(L*n_batch)) * t11
+    t23 = oe.contract('abc,acd->bdac', t22, A, optimize=[(0, 1)])
+    t24 = oe.contract('abc,abc,abd->cdab', t13, A, t18, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t23, t24, optimize=[(0, 1)])
     return out
 
 

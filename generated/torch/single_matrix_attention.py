@@ -87,23 +87,30 @@ def mse_causal0__hessian__outer(X, W_QK, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t6 = W_V.transpose(-1, -2)
     t7 = W_V @ t6
-    t1[...] = (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, X, t7, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t8 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t9 = t8.view((d_V, d_V, d_V, d_V))
-    t10 = A @ X
-    M_1 = t10
-    t9[...] = (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,abf,cg->edfg', M_2, X, M_1, W_V, optimize=[(0, 3), (0, 1), (0, 1)])
-    t11 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t12 = t11.view((d_V, d_V, d_V, d_V))
-    t13 = M_1.transpose(-1, -2)
-    t12[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,de,acef,acg->bdgf', t13, t6, M_2, X, optimize=[(0, 3), (0, 1), (0, 1)])
-    t14 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t14[...] = 0
+    t8 = (2/(L*d_V*n_batch)) * X
+    t1[...] = oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, t8, t7, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t9 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t10 = t9.view((d_V, d_V, d_V, d_V))
+    t11 = A @ X
+    M_1 = t11
+    t12 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t13 = oe.contract('abc,abd->cdab', t8, M_1, optimize=[(0, 1)])
+    t10[...] = oe.contract('abcd,efcd->eafb', t12, t13, optimize=[(0, 1)])
+    t14 = H[d_V**2:2*d_V**2, 0:d_V**2]
     t15 = t14.view((d_V, d_V, d_V, d_V))
-    t16 = t15.diagonal(0, 1, 3)
-    t17 = t13 @ M_1
-    t18 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t16 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bcd', t17, t18, optimize=[(0, 1)])
+    t16 = M_1.transpose(-1, -2)
+    t17 = (2/(L*d_V*n_batch)) * t16
+    t18 = oe.contract('ab,cdbe->aecd', t6, M_2, optimize=[(0, 1)])
+    t19 = oe.contract('abc,acd->bdac', t17, X, optimize=[(0, 1)])
+    t15[...] = oe.contract('abcd,efcd->eafb', t18, t19, optimize=[(0, 1)])
+    t20 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t20[...] = 0
+    t21 = t20.view((d_V, d_V, d_V, d_V))
+    t22 = t21.diagonal(0, 1, 3)
+    t23 = t16 @ M_1
+    t24 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t25 = (2/(L*d_V*n_batch)) * t24
+    t22 += oe.contract('abc,d->bcd', t23, t25, optimize=[(0, 1)])
     return H
 
 
@@ -186,7 +193,10 @@ def mse_causal0__diag__W_QK__outer(X, W_QK, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t5 = W_V.transpose(-1, -2)
     t6 = W_V @ t5
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,cf,abfd,abe->ed', M_2, X, t6, M_2, X, optimize=[(1, 4), (0, 1), (0, 2), (0, 1)])
+    t7 = (2/(L*d_V*n_batch)) * X
+    t8 = oe.contract('abcd,ce,abed->dab', M_2, t6, M_2, optimize=[(0, 1), (0, 1)])
+    t9 = oe.contract('abc,abc->cab', t7, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t8, t9, optimize=[(0, 1)])
     return out
 
 
@@ -223,7 +233,8 @@ def mse_causal0__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t5 = W_V.transpose(-1, -2)
     t6 = W_V @ t5
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, X, t6, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t7 = (2/(L*d_V*n_batch)) * X
+    t0[...] = oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, t7, t6, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -262,7 +273,10 @@ def mse_causal0__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t5 = A @ X
     M_1 = t5
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,abf,cg->edfg', M_2, X, M_1, W_V, optimize=[(0, 3), (0, 1), (0, 1)])
+    t6 = (2/(L*d_V*n_batch)) * X
+    t7 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t8 = oe.contract('abc,abd->cdab', t6, M_1, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t7, t8, optimize=[(0, 1)])
     return out
 
 
@@ -302,7 +316,8 @@ def mse_causal0__diag__W_V__outer(X, W_QK, W_V, Y):
     t6 = M_1.transpose(-1, -2)
     t7 = t6 @ M_1
     t8 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abb,c->bc', t7, t8, optimize=[(0, 1)])
+    t9 = (2/(L*d_V*n_batch)) * t8
+    t0[...] = oe.contract('abb,c->bc', t7, t9, optimize=[(0, 1)])
     return out
 
 
@@ -341,7 +356,10 @@ def mse_causal0__block__W_V__W_QK__outer(X, W_QK, W_V, Y):
     t7 = W_V.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,de,acef,acg->bdgf', t6, t7, M_2, X, optimize=[(0, 3), (0, 1), (0, 1)])
+    t8 = (2/(L*d_V*n_batch)) * t6
+    t9 = oe.contract('ab,cdbe->aecd', t7, M_2, optimize=[(0, 1)])
+    t10 = oe.contract('abc,acd->bdac', t8, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t9, t10, optimize=[(0, 1)])
     return out
 
 
@@ -385,7 +403,8 @@ def mse_causal0__block__W_V__W_V__outer(X, W_QK, W_V, Y):
     t7 = M_1.transpose(-1, -2)
     t8 = t7 @ M_1
     t9 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t1 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bcd', t8, t9, optimize=[(0, 1)])
+    t10 = (2/(L*d_V*n_batch)) * t9
+    t1 += oe.contract('abc,d->bcd', t8, t10, optimize=[(0, 1)])
     return out
 
 
@@ -436,18 +455,23 @@ def mse_causal0__hessian__functional(X, W_QK, W_V, Y):
     t15 = A * t14
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t15, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t15, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t15, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1[...] = (1/n_batch) * oe.contract('abc,acde,acf->bdfe', t2, M_3, X, optimize=[(0, 2), (0, 1)])
-    t16 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t17 = t16.view((d_V, d_V, d_V, d_V))
+    t16 = (1/n_batch) * t2
+    t1[...] = oe.contract('abc,acde,acf->bdfe', t16, M_3, X, optimize=[(0, 2), (0, 1)])
+    t17 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t18 = t17.view((d_V, d_V, d_V, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t17[...] = (1/n_batch) * oe.contract('abcd,abe,abf->edcf', M_2, X, G, optimize=[(1, 2), (0, 1)])
-    t18 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t19 = t18.view((d_V, d_V, d_V, d_V))
-    t20 = G.transpose(-1, -2)
-    t19[...] = (1/n_batch) * oe.contract('abc,acde,acf->dbfe', t20, M_2, X, optimize=[(0, 2), (0, 1)])
-    t21 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t21[...] = 0
+    t19 = (1/n_batch) * X
+    t20 = oe.contract('abc,abd->cdab', t19, G, optimize=[(0, 1)])
+    t21 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t18[...] = oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
+    t22 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t23 = t22.view((d_V, d_V, d_V, d_V))
+    t24 = G.transpose(-1, -2)
+    t25 = (1/n_batch) * t24
+    t23[...] = oe.contract('abc,acde,acf->dbfe', t25, M_2, X, optimize=[(0, 2), (0, 1)])
+    t26 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t26[...] = 0
     return H
 
 
@@ -556,7 +580,8 @@ def mse_causal0__diag__W_QK__functional(X, W_QK, W_V, Y):
     t14 = A * t13
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t1, t14, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t14, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t14, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/n_batch) * oe.contract('abc,acdd,acb->bd', t1, M_3, X, optimize=[(0, 2), (0, 1)])
+    t15 = (1/n_batch) * t1
+    t0[...] = oe.contract('abc,acdd,acb->bd', t15, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -615,7 +640,8 @@ def mse_causal0__block__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t14 = A * t13
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t1, t14, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t14, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t14, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/n_batch) * oe.contract('abc,acde,acf->bdfe', t1, M_3, X, optimize=[(0, 2), (0, 1)])
+    t15 = (1/n_batch) * t1
+    t0[...] = oe.contract('abc,acde,acf->bdfe', t15, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -671,7 +697,10 @@ def mse_causal0__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
     t8 = (-2/(L*d_V)) * Y
     t9 = t7 + t8
     G = t9
-    t0[...] = (1/n_batch) * oe.contract('abcd,abe,abf->edcf', M_2, X, G, optimize=[(1, 2), (0, 1)])
+    t10 = (1/n_batch) * X
+    t11 = oe.contract('abc,abd->cdab', t10, G, optimize=[(0, 1)])
+    t12 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t11, t12, optimize=[(0, 1)])
     return out
 
 
@@ -741,7 +770,8 @@ def mse_causal0__block__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t10 = G.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/n_batch) * oe.contract('abc,acde,acf->dbfe', t10, M_2, X, optimize=[(0, 2), (0, 1)])
+    t11 = (1/n_batch) * t10
+    t0[...] = oe.contract('abc,acde,acf->dbfe', t11, M_2, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -806,39 +836,51 @@ def mse_causal0__hessian__full(X, W_QK, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t6 = W_V.transpose(-1, -2)
     t7 = W_V @ t6
-    t1[...] = (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, X, t7, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t8 = A @ X
-    M_1 = t8
-    t9 = M_1 @ W_V
-    F = t9
-    t10 = (2/(L*d_V)) * F
-    t11 = (-2/(L*d_V)) * Y
-    t12 = t10 + t11
-    G = t12
-    t13 = t6 @ t2
-    t14 = G @ t13
-    t15 = t14 - (A * t14).sum(-1, keepdim=True)
-    t16 = A * t15
+    t8 = (2/(L*d_V*n_batch)) * X
+    t1[...] = oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, t8, t7, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1 @ W_V
+    F = t10
+    t11 = (2/(L*d_V)) * F
+    t12 = (-2/(L*d_V)) * Y
+    t13 = t11 + t12
+    G = t13
+    t14 = t6 @ t2
+    t15 = G @ t14
+    t16 = t15 - (A * t15).sum(-1, keepdim=True)
+    t17 = A * t16
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t16, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t16, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t16, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += (1/n_batch) * oe.contract('abc,acde,acf->bdfe', t2, M_3, X, optimize=[(0, 2), (0, 1)])
-    t17 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t18 = t17.view((d_V, d_V, d_V, d_V))
-    t18[...] = (1/n_batch) * oe.contract('abcd,abe,abf->edcf', M_2, X, G, optimize=[(1, 2), (0, 1)])
-    t18 += (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,abf,cg->edfg', M_2, X, M_1, W_V, optimize=[(0, 3), (0, 1), (0, 1)])
-    t19 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t18 = (1/n_batch) * t2
+    t1 += oe.contract('abc,acde,acf->bdfe', t18, M_3, X, optimize=[(0, 2), (0, 1)])
+    t19 = H[0:d_V**2, d_V**2:2*d_V**2]
     t20 = t19.view((d_V, d_V, d_V, d_V))
-    t21 = G.transpose(-1, -2)
-    t20[...] = (1/n_batch) * oe.contract('abc,acde,acf->dbfe', t21, M_2, X, optimize=[(0, 2), (0, 1)])
-    t22 = M_1.transpose(-1, -2)
-    t20 += (2/(L*d_V*n_batch)) * oe.contract('abc,de,acef,acg->bdgf', t22, t6, M_2, X, optimize=[(0, 3), (0, 1), (0, 1)])
-    t23 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t23[...] = 0
-    t24 = t23.view((d_V, d_V, d_V, d_V))
-    t25 = t24.diagonal(0, 1, 3)
-    t26 = t22 @ M_1
-    t27 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t25 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bcd', t26, t27, optimize=[(0, 1)])
+    t21 = (1/n_batch) * X
+    t22 = oe.contract('abc,abd->cdab', t21, G, optimize=[(0, 1)])
+    t23 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t20[...] = oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
+    t24 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t25 = oe.contract('abc,abd->cdab', t8, M_1, optimize=[(0, 1)])
+    t20 += oe.contract('abcd,efcd->eafb', t24, t25, optimize=[(0, 1)])
+    t26 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t27 = t26.view((d_V, d_V, d_V, d_V))
+    t28 = G.transpose(-1, -2)
+    t29 = (1/n_batch) * t28
+    t27[...] = oe.contract('abc,acde,acf->dbfe', t29, M_2, X, optimize=[(0, 2), (0, 1)])
+    t30 = M_1.transpose(-1, -2)
+    t31 = (2/(L*d_V*n_batch)) * t30
+    t32 = oe.contract('ab,cdbe->aecd', t6, M_2, optimize=[(0, 1)])
+    t33 = oe.contract('abc,acd->bdac', t31, X, optimize=[(0, 1)])
+    t27 += oe.contract('abcd,efcd->eafb', t32, t33, optimize=[(0, 1)])
+    t34 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t34[...] = 0
+    t35 = t34.view((d_V, d_V, d_V, d_V))
+    t36 = t35.diagonal(0, 1, 3)
+    t37 = t30 @ M_1
+    t38 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t39 = (2/(L*d_V*n_batch)) * t38
+    t36 += oe.contract('abc,d->bcd', t37, t39, optimize=[(0, 1)])
     return H
 
 
@@ -952,22 +994,26 @@ def mse_causal0__diag__W_QK__full(X, W_QK, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t5 = W_V.transpose(-1, -2)
     t6 = W_V @ t5
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,cf,abfd,abe->ed', M_2, X, t6, M_2, X, optimize=[(1, 4), (0, 1), (0, 2), (0, 1)])
-    t7 = A @ X
-    M_1 = t7
-    t8 = M_1 @ W_V
-    F = t8
-    t9 = (2/(L*d_V)) * F
-    t10 = (-2/(L*d_V)) * Y
-    t11 = t9 + t10
-    G = t11
-    t12 = t5 @ t1
-    t13 = G @ t12
-    t14 = t13 - (A * t13).sum(-1, keepdim=True)
-    t15 = A * t14
+    t7 = (2/(L*d_V*n_batch)) * X
+    t8 = oe.contract('abcd,ce,abed->dab', M_2, t6, M_2, optimize=[(0, 1), (0, 1)])
+    t9 = oe.contract('abc,abc->cab', t7, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t8, t9, optimize=[(0, 1)])
+    t10 = A @ X
+    M_1 = t10
+    t11 = M_1 @ W_V
+    F = t11
+    t12 = (2/(L*d_V)) * F
+    t13 = (-2/(L*d_V)) * Y
+    t14 = t12 + t13
+    G = t14
+    t15 = t5 @ t1
+    t16 = G @ t15
+    t17 = t16 - (A * t16).sum(-1, keepdim=True)
+    t18 = A * t17
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t15, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t15, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t15, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/n_batch) * oe.contract('abc,acdd,acb->bd', t1, M_3, X, optimize=[(0, 2), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t19 = (1/n_batch) * t1
+    t0 += oe.contract('abc,acdd,acb->bd', t19, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -1018,22 +1064,24 @@ def mse_causal0__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t5 = W_V.transpose(-1, -2)
     t6 = W_V @ t5
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, X, t6, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t7 = A @ X
-    M_1 = t7
-    t8 = M_1 @ W_V
-    F = t8
-    t9 = (2/(L*d_V)) * F
-    t10 = (-2/(L*d_V)) * Y
-    t11 = t9 + t10
-    G = t11
-    t12 = t5 @ t1
-    t13 = G @ t12
-    t14 = t13 - (A * t13).sum(-1, keepdim=True)
-    t15 = A * t14
+    t7 = (2/(L*d_V*n_batch)) * X
+    t0[...] = oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, t7, t6, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t8 = A @ X
+    M_1 = t8
+    t9 = M_1 @ W_V
+    F = t9
+    t10 = (2/(L*d_V)) * F
+    t11 = (-2/(L*d_V)) * Y
+    t12 = t10 + t11
+    G = t12
+    t13 = t5 @ t1
+    t14 = G @ t13
+    t15 = t14 - (A * t14).sum(-1, keepdim=True)
+    t16 = A * t15
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t15, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t15, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t15, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/n_batch) * oe.contract('abc,acde,acf->bdfe', t1, M_3, X, optimize=[(0, 2), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t16, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t16, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t16, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t17 = (1/n_batch) * t1
+    t0 += oe.contract('abc,acde,acf->bdfe', t17, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -1092,8 +1140,14 @@ def mse_causal0__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     t8 = (-2/(L*d_V)) * Y
     t9 = t7 + t8
     G = t9
-    t0[...] = (1/n_batch) * oe.contract('abcd,abe,abf->edcf', M_2, X, G, optimize=[(1, 2), (0, 1)])
-    t0 += (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,abf,cg->edfg', M_2, X, M_1, W_V, optimize=[(0, 3), (0, 1), (0, 1)])
+    t10 = (1/n_batch) * X
+    t11 = oe.contract('abc,abd->cdab', t10, G, optimize=[(0, 1)])
+    t12 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t11, t12, optimize=[(0, 1)])
+    t13 = (2/(L*d_V*n_batch)) * X
+    t14 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t15 = oe.contract('abc,abd->cdab', t13, M_1, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t14, t15, optimize=[(0, 1)])
     return out
 
 
@@ -1139,7 +1193,8 @@ def mse_causal0__diag__W_V__full(X, W_QK, W_V, Y):
     t6 = M_1.transpose(-1, -2)
     t7 = t6 @ M_1
     t8 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abb,c->bc', t7, t8, optimize=[(0, 1)])
+    t9 = (2/(L*d_V*n_batch)) * t8
+    t0[...] = oe.contract('abb,c->bc', t7, t9, optimize=[(0, 1)])
     return out
 
 
@@ -1183,10 +1238,14 @@ def mse_causal0__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     t10 = G.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/n_batch) * oe.contract('abc,acde,acf->dbfe', t10, M_2, X, optimize=[(0, 2), (0, 1)])
-    t11 = M_1.transpose(-1, -2)
-    t12 = W_V.transpose(-1, -2)
-    t0 += (2/(L*d_V*n_batch)) * oe.contract('abc,de,acef,acg->bdgf', t11, t12, M_2, X, optimize=[(0, 3), (0, 1), (0, 1)])
+    t11 = (1/n_batch) * t10
+    t0[...] = oe.contract('abc,acde,acf->dbfe', t11, M_2, X, optimize=[(0, 2), (0, 1)])
+    t12 = M_1.transpose(-1, -2)
+    t13 = W_V.transpose(-1, -2)
+    t14 = (2/(L*d_V*n_batch)) * t12
+    t15 = oe.contract('ab,cdbe->aecd', t13, M_2, optimize=[(0, 1)])
+    t16 = oe.contract('abc,acd->bdac', t14, X, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t15, t16, optimize=[(0, 1)])
     return out
 
 
@@ -1237,7 +1296,8 @@ def mse_causal0__block__W_V__W_V__full(X, W_QK, W_V, Y):
     t7 = M_1.transpose(-1, -2)
     t8 = t7 @ M_1
     t9 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t1 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bcd', t8, t9, optimize=[(0, 1)])
+    t10 = (2/(L*d_V*n_batch)) * t9
+    t1 += oe.contract('abc,d->bcd', t8, t10, optimize=[(0, 1)])
     return out
 
 
@@ -1334,23 +1394,30 @@ def mse_causal1__hessian__outer(X, W_QK, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t8 = W_V.transpose(-1, -2)
     t9 = W_V @ t8
-    t1[...] = (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, X, t9, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t10 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t11 = t10.view((d_V, d_V, d_V, d_V))
-    t12 = A @ X
-    M_1 = t12
-    t11[...] = (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,abf,cg->edfg', M_2, X, M_1, W_V, optimize=[(0, 3), (0, 1), (0, 1)])
-    t13 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t14 = t13.view((d_V, d_V, d_V, d_V))
-    t15 = M_1.transpose(-1, -2)
-    t14[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,de,acef,acg->bdgf', t15, t8, M_2, X, optimize=[(0, 3), (0, 1), (0, 1)])
-    t16 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t16[...] = 0
+    t10 = (2/(L*d_V*n_batch)) * X
+    t1[...] = oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, t10, t9, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t11 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t12 = t11.view((d_V, d_V, d_V, d_V))
+    t13 = A @ X
+    M_1 = t13
+    t14 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t15 = oe.contract('abc,abd->cdab', t10, M_1, optimize=[(0, 1)])
+    t12[...] = oe.contract('abcd,efcd->eafb', t14, t15, optimize=[(0, 1)])
+    t16 = H[d_V**2:2*d_V**2, 0:d_V**2]
     t17 = t16.view((d_V, d_V, d_V, d_V))
-    t18 = t17.diagonal(0, 1, 3)
-    t19 = t15 @ M_1
-    t20 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t18 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bcd', t19, t20, optimize=[(0, 1)])
+    t18 = M_1.transpose(-1, -2)
+    t19 = (2/(L*d_V*n_batch)) * t18
+    t20 = oe.contract('ab,cdbe->aecd', t8, M_2, optimize=[(0, 1)])
+    t21 = oe.contract('abc,acd->bdac', t19, X, optimize=[(0, 1)])
+    t17[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
+    t22 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t22[...] = 0
+    t23 = t22.view((d_V, d_V, d_V, d_V))
+    t24 = t23.diagonal(0, 1, 3)
+    t25 = t18 @ M_1
+    t26 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t27 = (2/(L*d_V*n_batch)) * t26
+    t24 += oe.contract('abc,d->bcd', t25, t27, optimize=[(0, 1)])
     return H
 
 
@@ -1439,7 +1506,10 @@ def mse_causal1__diag__W_QK__outer(X, W_QK, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t7 = W_V.transpose(-1, -2)
     t8 = W_V @ t7
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,cf,abfd,abe->ed', M_2, X, t8, M_2, X, optimize=[(1, 4), (0, 1), (0, 2), (0, 1)])
+    t9 = (2/(L*d_V*n_batch)) * X
+    t10 = oe.contract('abcd,ce,abed->dab', M_2, t8, M_2, optimize=[(0, 1), (0, 1)])
+    t11 = oe.contract('abc,abc->cab', t9, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t10, t11, optimize=[(0, 1)])
     return out
 
 
@@ -1480,7 +1550,8 @@ def mse_causal1__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t7 = W_V.transpose(-1, -2)
     t8 = W_V @ t7
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, X, t8, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t9 = (2/(L*d_V*n_batch)) * X
+    t0[...] = oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, t9, t8, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -1523,7 +1594,10 @@ def mse_causal1__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t7 = A @ X
     M_1 = t7
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,abf,cg->edfg', M_2, X, M_1, W_V, optimize=[(0, 3), (0, 1), (0, 1)])
+    t8 = (2/(L*d_V*n_batch)) * X
+    t9 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t10 = oe.contract('abc,abd->cdab', t8, M_1, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t9, t10, optimize=[(0, 1)])
     return out
 
 
@@ -1567,7 +1641,8 @@ def mse_causal1__diag__W_V__outer(X, W_QK, W_V, Y):
     t8 = M_1.transpose(-1, -2)
     t9 = t8 @ M_1
     t10 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abb,c->bc', t9, t10, optimize=[(0, 1)])
+    t11 = (2/(L*d_V*n_batch)) * t10
+    t0[...] = oe.contract('abb,c->bc', t9, t11, optimize=[(0, 1)])
     return out
 
 
@@ -1610,7 +1685,10 @@ def mse_causal1__block__W_V__W_QK__outer(X, W_QK, W_V, Y):
     t9 = W_V.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,de,acef,acg->bdgf', t8, t9, M_2, X, optimize=[(0, 3), (0, 1), (0, 1)])
+    t10 = (2/(L*d_V*n_batch)) * t8
+    t11 = oe.contract('ab,cdbe->aecd', t9, M_2, optimize=[(0, 1)])
+    t12 = oe.contract('abc,acd->bdac', t10, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t11, t12, optimize=[(0, 1)])
     return out
 
 
@@ -1658,7 +1736,8 @@ def mse_causal1__block__W_V__W_V__outer(X, W_QK, W_V, Y):
     t9 = M_1.transpose(-1, -2)
     t10 = t9 @ M_1
     t11 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t1 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bcd', t10, t11, optimize=[(0, 1)])
+    t12 = (2/(L*d_V*n_batch)) * t11
+    t1 += oe.contract('abc,d->bcd', t10, t12, optimize=[(0, 1)])
     return out
 
 
@@ -1713,18 +1792,23 @@ def mse_causal1__hessian__functional(X, W_QK, W_V, Y):
     t17 = A * t16
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1[...] = (1/n_batch) * oe.contract('abc,acde,acf->bdfe', t2, M_3, X, optimize=[(0, 2), (0, 1)])
-    t18 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t19 = t18.view((d_V, d_V, d_V, d_V))
+    t18 = (1/n_batch) * t2
+    t1[...] = oe.contract('abc,acde,acf->bdfe', t18, M_3, X, optimize=[(0, 2), (0, 1)])
+    t19 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t20 = t19.view((d_V, d_V, d_V, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t19[...] = (1/n_batch) * oe.contract('abcd,abe,abf->edcf', M_2, X, G, optimize=[(1, 2), (0, 1)])
-    t20 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t21 = t20.view((d_V, d_V, d_V, d_V))
-    t22 = G.transpose(-1, -2)
-    t21[...] = (1/n_batch) * oe.contract('abc,acde,acf->dbfe', t22, M_2, X, optimize=[(0, 2), (0, 1)])
-    t23 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t23[...] = 0
+    t21 = (1/n_batch) * X
+    t22 = oe.contract('abc,abd->cdab', t21, G, optimize=[(0, 1)])
+    t23 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t20[...] = oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
+    t24 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t25 = t24.view((d_V, d_V, d_V, d_V))
+    t26 = G.transpose(-1, -2)
+    t27 = (1/n_batch) * t26
+    t25[...] = oe.contract('abc,acde,acf->dbfe', t27, M_2, X, optimize=[(0, 2), (0, 1)])
+    t28 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t28[...] = 0
     return H
 
 
@@ -1839,7 +1923,8 @@ def mse_causal1__diag__W_QK__functional(X, W_QK, W_V, Y):
     t16 = A * t15
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t1, t16, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t16, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t16, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/n_batch) * oe.contract('abc,acdd,acb->bd', t1, M_3, X, optimize=[(0, 2), (0, 1)])
+    t17 = (1/n_batch) * t1
+    t0[...] = oe.contract('abc,acdd,acb->bd', t17, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -1902,7 +1987,8 @@ def mse_causal1__block__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t16 = A * t15
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t1, t16, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t16, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t16, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/n_batch) * oe.contract('abc,acde,acf->bdfe', t1, M_3, X, optimize=[(0, 2), (0, 1)])
+    t17 = (1/n_batch) * t1
+    t0[...] = oe.contract('abc,acde,acf->bdfe', t17, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -1962,7 +2048,10 @@ def mse_causal1__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
     t10 = (-2/(L*d_V)) * Y
     t11 = t9 + t10
     G = t11
-    t0[...] = (1/n_batch) * oe.contract('abcd,abe,abf->edcf', M_2, X, G, optimize=[(1, 2), (0, 1)])
+    t12 = (1/n_batch) * X
+    t13 = oe.contract('abc,abd->cdab', t12, G, optimize=[(0, 1)])
+    t14 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t13, t14, optimize=[(0, 1)])
     return out
 
 
@@ -2036,7 +2125,8 @@ def mse_causal1__block__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t12 = G.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/n_batch) * oe.contract('abc,acde,acf->dbfe', t12, M_2, X, optimize=[(0, 2), (0, 1)])
+    t13 = (1/n_batch) * t12
+    t0[...] = oe.contract('abc,acde,acf->dbfe', t13, M_2, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -2105,39 +2195,51 @@ def mse_causal1__hessian__full(X, W_QK, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t8 = W_V.transpose(-1, -2)
     t9 = W_V @ t8
-    t1[...] = (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, X, t9, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t10 = A @ X
-    M_1 = t10
-    t11 = M_1 @ W_V
-    F = t11
-    t12 = (2/(L*d_V)) * F
-    t13 = (-2/(L*d_V)) * Y
-    t14 = t12 + t13
-    G = t14
-    t15 = t8 @ t2
-    t16 = G @ t15
-    t17 = t16 - (A * t16).sum(-1, keepdim=True)
-    t18 = A * t17
+    t10 = (2/(L*d_V*n_batch)) * X
+    t1[...] = oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, t10, t9, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t11 = A @ X
+    M_1 = t11
+    t12 = M_1 @ W_V
+    F = t12
+    t13 = (2/(L*d_V)) * F
+    t14 = (-2/(L*d_V)) * Y
+    t15 = t13 + t14
+    G = t15
+    t16 = t8 @ t2
+    t17 = G @ t16
+    t18 = t17 - (A * t17).sum(-1, keepdim=True)
+    t19 = A * t18
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += (1/n_batch) * oe.contract('abc,acde,acf->bdfe', t2, M_3, X, optimize=[(0, 2), (0, 1)])
-    t19 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t20 = t19.view((d_V, d_V, d_V, d_V))
-    t20[...] = (1/n_batch) * oe.contract('abcd,abe,abf->edcf', M_2, X, G, optimize=[(1, 2), (0, 1)])
-    t20 += (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,abf,cg->edfg', M_2, X, M_1, W_V, optimize=[(0, 3), (0, 1), (0, 1)])
-    t21 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t19, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t19, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t19, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t20 = (1/n_batch) * t2
+    t1 += oe.contract('abc,acde,acf->bdfe', t20, M_3, X, optimize=[(0, 2), (0, 1)])
+    t21 = H[0:d_V**2, d_V**2:2*d_V**2]
     t22 = t21.view((d_V, d_V, d_V, d_V))
-    t23 = G.transpose(-1, -2)
-    t22[...] = (1/n_batch) * oe.contract('abc,acde,acf->dbfe', t23, M_2, X, optimize=[(0, 2), (0, 1)])
-    t24 = M_1.transpose(-1, -2)
-    t22 += (2/(L*d_V*n_batch)) * oe.contract('abc,de,acef,acg->bdgf', t24, t8, M_2, X, optimize=[(0, 3), (0, 1), (0, 1)])
-    t25 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t25[...] = 0
-    t26 = t25.view((d_V, d_V, d_V, d_V))
-    t27 = t26.diagonal(0, 1, 3)
-    t28 = t24 @ M_1
-    t29 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t27 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bcd', t28, t29, optimize=[(0, 1)])
+    t23 = (1/n_batch) * X
+    t24 = oe.contract('abc,abd->cdab', t23, G, optimize=[(0, 1)])
+    t25 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t22[...] = oe.contract('abcd,efcd->aefb', t24, t25, optimize=[(0, 1)])
+    t26 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t27 = oe.contract('abc,abd->cdab', t10, M_1, optimize=[(0, 1)])
+    t22 += oe.contract('abcd,efcd->eafb', t26, t27, optimize=[(0, 1)])
+    t28 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t29 = t28.view((d_V, d_V, d_V, d_V))
+    t30 = G.transpose(-1, -2)
+    t31 = (1/n_batch) * t30
+    t29[...] = oe.contract('abc,acde,acf->dbfe', t31, M_2, X, optimize=[(0, 2), (0, 1)])
+    t32 = M_1.transpose(-1, -2)
+    t33 = (2/(L*d_V*n_batch)) * t32
+    t34 = oe.contract('ab,cdbe->aecd', t8, M_2, optimize=[(0, 1)])
+    t35 = oe.contract('abc,acd->bdac', t33, X, optimize=[(0, 1)])
+    t29 += oe.contract('abcd,efcd->eafb', t34, t35, optimize=[(0, 1)])
+    t36 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t36[...] = 0
+    t37 = t36.view((d_V, d_V, d_V, d_V))
+    t38 = t37.diagonal(0, 1, 3)
+    t39 = t32 @ M_1
+    t40 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t41 = (2/(L*d_V*n_batch)) * t40
+    t38 += oe.contract('abc,d->bcd', t39, t41, optimize=[(0, 1)])
     return H
 
 
@@ -2257,22 +2359,26 @@ def mse_causal1__diag__W_QK__full(X, W_QK, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t7 = W_V.transpose(-1, -2)
     t8 = W_V @ t7
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,cf,abfd,abe->ed', M_2, X, t8, M_2, X, optimize=[(1, 4), (0, 1), (0, 2), (0, 1)])
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    F = t10
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = t7 @ t1
-    t15 = G @ t14
-    t16 = t15 - (A * t15).sum(-1, keepdim=True)
-    t17 = A * t16
+    t9 = (2/(L*d_V*n_batch)) * X
+    t10 = oe.contract('abcd,ce,abed->dab', M_2, t8, M_2, optimize=[(0, 1), (0, 1)])
+    t11 = oe.contract('abc,abc->cab', t9, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t10, t11, optimize=[(0, 1)])
+    t12 = A @ X
+    M_1 = t12
+    t13 = M_1 @ W_V
+    F = t13
+    t14 = (2/(L*d_V)) * F
+    t15 = (-2/(L*d_V)) * Y
+    t16 = t14 + t15
+    G = t16
+    t17 = t7 @ t1
+    t18 = G @ t17
+    t19 = t18 - (A * t18).sum(-1, keepdim=True)
+    t20 = A * t19
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/n_batch) * oe.contract('abc,acdd,acb->bd', t1, M_3, X, optimize=[(0, 2), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t21 = (1/n_batch) * t1
+    t0 += oe.contract('abc,acdd,acb->bd', t21, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -2327,22 +2433,24 @@ def mse_causal1__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
     t7 = W_V.transpose(-1, -2)
     t8 = W_V @ t7
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, X, t8, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    F = t10
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = t7 @ t1
-    t15 = G @ t14
-    t16 = t15 - (A * t15).sum(-1, keepdim=True)
-    t17 = A * t16
+    t9 = (2/(L*d_V*n_batch)) * X
+    t0[...] = oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, t9, t8, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t10 = A @ X
+    M_1 = t10
+    t11 = M_1 @ W_V
+    F = t11
+    t12 = (2/(L*d_V)) * F
+    t13 = (-2/(L*d_V)) * Y
+    t14 = t12 + t13
+    G = t14
+    t15 = t7 @ t1
+    t16 = G @ t15
+    t17 = t16 - (A * t16).sum(-1, keepdim=True)
+    t18 = A * t17
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/n_batch) * oe.contract('abc,acde,acf->bdfe', t1, M_3, X, optimize=[(0, 2), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t19 = (1/n_batch) * t1
+    t0 += oe.contract('abc,acde,acf->bdfe', t19, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -2405,8 +2513,14 @@ def mse_causal1__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     t10 = (-2/(L*d_V)) * Y
     t11 = t9 + t10
     G = t11
-    t0[...] = (1/n_batch) * oe.contract('abcd,abe,abf->edcf', M_2, X, G, optimize=[(1, 2), (0, 1)])
-    t0 += (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,abf,cg->edfg', M_2, X, M_1, W_V, optimize=[(0, 3), (0, 1), (0, 1)])
+    t12 = (1/n_batch) * X
+    t13 = oe.contract('abc,abd->cdab', t12, G, optimize=[(0, 1)])
+    t14 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t13, t14, optimize=[(0, 1)])
+    t15 = (2/(L*d_V*n_batch)) * X
+    t16 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t17 = oe.contract('abc,abd->cdab', t15, M_1, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -2456,7 +2570,8 @@ def mse_causal1__diag__W_V__full(X, W_QK, W_V, Y):
     t8 = M_1.transpose(-1, -2)
     t9 = t8 @ M_1
     t10 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abb,c->bc', t9, t10, optimize=[(0, 1)])
+    t11 = (2/(L*d_V*n_batch)) * t10
+    t0[...] = oe.contract('abb,c->bc', t9, t11, optimize=[(0, 1)])
     return out
 
 
@@ -2504,10 +2619,14 @@ def mse_causal1__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     t12 = G.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/n_batch) * oe.contract('abc,acde,acf->dbfe', t12, M_2, X, optimize=[(0, 2), (0, 1)])
-    t13 = M_1.transpose(-1, -2)
-    t14 = W_V.transpose(-1, -2)
-    t0 += (2/(L*d_V*n_batch)) * oe.contract('abc,de,acef,acg->bdgf', t13, t14, M_2, X, optimize=[(0, 3), (0, 1), (0, 1)])
+    t13 = (1/n_batch) * t12
+    t0[...] = oe.contract('abc,acde,acf->dbfe', t13, M_2, X, optimize=[(0, 2), (0, 1)])
+    t14 = M_1.transpose(-1, -2)
+    t15 = W_V.transpose(-1, -2)
+    t16 = (2/(L*d_V*n_batch)) * t14
+    t17 = oe.contract('ab,cdbe->aecd', t15, M_2, optimize=[(0, 1)])
+    t18 = oe.contract('abc,acd->bdac', t16, X, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -2562,7 +2681,8 @@ def mse_causal1__block__W_V__W_V__full(X, W_QK, W_V, Y):
     t9 = M_1.transpose(-1, -2)
     t10 = t9 @ M_1
     t11 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t1 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bcd', t10, t11, optimize=[(0, 1)])
+    t12 = (2/(L*d_V*n_batch)) * t11
+    t1 += oe.contract('abc,d->bcd', t10, t12, optimize=[(0, 1)])
     return out
 
 
@@ -2666,23 +2786,41 @@ def ce_causal0__hessian__outer(X, W_QK, W_V, Y):
     t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
     A11 = t10 / t10.sum(-1, keepdim=True)
     t12 = W_V.transpose(-1, -2)
-    t1[...] = (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi->edih', M_2, X, W_V, t7, A11, t12, M_2, X, optimize=[(3, 4), (0, 2), (1, 2), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t1 += (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhi,abj->edji', M_2, X, W_V, t7, A11, A11, t12, M_2, X, optimize=[(3, 4), (0, 2), (5, 6), (1, 2), (1, 4), (0, 2), (0, 2), (0, 1)])
-    t13 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t14 = t13.view((d_V, d_V, d_V, d_V))
-    t14[...] = (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg->edgf', M_2, X, W_V, t7, A11, M_1, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t14 += (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,abh->edhg', M_2, X, W_V, t7, A11, A11, M_1, optimize=[(3, 4), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t15 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t16 = t15.view((d_V, d_V, d_V, d_V))
-    t17 = M_1.transpose(-1, -2)
-    t16[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg->bdgf', t17, t7, A11, t12, M_2, X, optimize=[(1, 2), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t16 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach->bdhg', t17, t7, A11, A11, t12, M_2, X, optimize=[(1, 2), (1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
-    t18 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t18[...] = 0
-    t19 = t18.view((d_V, d_V, d_V, d_V))
-    t20 = t19.diagonal(0, 1, 3)
-    t20 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bed', t17, t7, A11, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
-    t19 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t17, t7, A11, A11, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t13 = (1/(L*n_batch)) * X
+    t1[...] = oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi->edih', M_2, t13, W_V, t7, A11, t12, M_2, X, optimize=[(3, 4), (0, 2), (1, 2), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t14 = (-1/(L*n_batch)) * X
+    t15 = oe.contract('abc,cd,abde->eab', A11, t12, M_2, optimize=[(0, 1), (0, 1)])
+    t16 = oe.contract('abcd,abe,cf,abf,abf,abg->edgab', M_2, t14, W_V, t7, A11, X, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t1 += oe.contract('abc,defbc->defa', t15, t16, optimize=[(0, 1)])
+    t17 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t18 = t17.view((d_V, d_V, d_V, d_V))
+    t19 = oe.contract('abcd,ce,abe,abe->deab', M_2, W_V, t7, A11, optimize=[(0, 1), (0, 1), (0, 1)])
+    t20 = oe.contract('abc,abd->cdab', t13, M_1, optimize=[(0, 1)])
+    t18[...] = oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
+    t21 = oe.contract('abc,abd,abe->cedab', t14, A11, M_1, optimize=[(0, 1), (0, 1)])
+    t22 = oe.contract('abcd,ce,abe,abe->dab', M_2, W_V, t7, A11, optimize=[(1, 2), (1, 2), (0, 1)])
+    t18 += oe.contract('abcde,fde->afbc', t21, t22, optimize=[(0, 1)])
+    t23 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t24 = t23.view((d_V, d_V, d_V, d_V))
+    t25 = M_1.transpose(-1, -2)
+    t26 = (1/(L*n_batch)) * t25
+    t27 = oe.contract('abc,abc,cd,abde->ceab', t7, A11, t12, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t28 = oe.contract('abc,acd->bdac', t26, X, optimize=[(0, 1)])
+    t24[...] = oe.contract('abcd,efcd->eafb', t27, t28, optimize=[(0, 1)])
+    t29 = (-1/(L*n_batch)) * t25
+    t30 = oe.contract('abc,acd,de,acef->bfac', t29, A11, t12, M_2, optimize=[(1, 2), (1, 2), (0, 1)])
+    t31 = oe.contract('abc,abc,abd->cdab', t7, A11, X, optimize=[(0, 1), (0, 1)])
+    t24 += oe.contract('abcd,efcd->aefb', t30, t31, optimize=[(0, 1)])
+    t32 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t32[...] = 0
+    t33 = t32.view((d_V, d_V, d_V, d_V))
+    t34 = t33.diagonal(0, 1, 3)
+    t35 = oe.contract('abc,abc->cab', t7, A11, optimize=[(0, 1)])
+    t36 = oe.contract('abc,acd->bdac', t26, M_1, optimize=[(0, 1)])
+    t34 += oe.contract('abc,debc->dea', t35, t36, optimize=[(0, 1)])
+    t37 = oe.contract('abc,acd->bdac', t29, A11, optimize=[(0, 1)])
+    t38 = oe.contract('abc,abc,abd->cdab', t7, A11, M_1, optimize=[(0, 1), (0, 1)])
+    t33 += oe.contract('abcd,efcd->aefb', t37, t38, optimize=[(0, 1)])
     return H
 
 
@@ -2782,8 +2920,14 @@ def ce_causal0__diag__W_QK__outer(X, W_QK, W_V, Y):
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A10 = t9 / t9.sum(-1, keepdim=True)
     t11 = W_V.transpose(-1, -2)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,fg,abgd,abe->ed', M_2, X, W_V, t6, A10, t11, M_2, X, optimize=[(3, 4), (1, 5), (0, 1), (0, 1), (2, 3), (0, 2), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhd,abe->ed', M_2, X, W_V, t6, A10, A10, t11, M_2, X, optimize=[(3, 4), (1, 6), (0, 1), (3, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
+    t12 = (1/(L*n_batch)) * X
+    t13 = oe.contract('abcd,ce,abe,abe,ef,abfd->dab', M_2, W_V, t6, A10, t11, M_2, optimize=[(2, 3), (0, 1), (0, 1), (1, 2), (0, 1)])
+    t14 = oe.contract('abc,abc->cab', t12, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t13, t14, optimize=[(0, 1)])
+    t15 = (-1/(L*n_batch)) * X
+    t16 = oe.contract('abcd,ce,abe,abe,abf,fg,abgd->dab', M_2, W_V, t6, A10, A10, t11, M_2, optimize=[(2, 3), (0, 1), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t17 = oe.contract('abc,abc->cab', t15, X, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dbc->da', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -2832,8 +2976,12 @@ def ce_causal0__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A10 = t9 / t9.sum(-1, keepdim=True)
     t11 = W_V.transpose(-1, -2)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi->edih', M_2, X, W_V, t6, A10, t11, M_2, X, optimize=[(3, 4), (0, 2), (1, 2), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhi,abj->edji', M_2, X, W_V, t6, A10, A10, t11, M_2, X, optimize=[(3, 4), (0, 2), (5, 6), (1, 2), (1, 4), (0, 2), (0, 2), (0, 1)])
+    t12 = (1/(L*n_batch)) * X
+    t0[...] = oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi->edih', M_2, t12, W_V, t6, A10, t11, M_2, X, optimize=[(3, 4), (0, 2), (1, 2), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t13 = (-1/(L*n_batch)) * X
+    t14 = oe.contract('abc,cd,abde->eab', A10, t11, M_2, optimize=[(0, 1), (0, 1)])
+    t15 = oe.contract('abcd,abe,cf,abf,abf,abg->edgab', M_2, t13, W_V, t6, A10, X, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t0 += oe.contract('abc,defbc->defa', t14, t15, optimize=[(0, 1)])
     return out
 
 
@@ -2883,8 +3031,14 @@ def ce_causal0__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     t8 = M_1 @ W_V
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A10 = t9 / t9.sum(-1, keepdim=True)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg->edgf', M_2, X, W_V, t6, A10, M_1, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,abh->edhg', M_2, X, W_V, t6, A10, A10, M_1, optimize=[(3, 4), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t11 = (1/(L*n_batch)) * X
+    t12 = oe.contract('abcd,ce,abe,abe->deab', M_2, W_V, t6, A10, optimize=[(0, 1), (0, 1), (0, 1)])
+    t13 = oe.contract('abc,abd->cdab', t11, M_1, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t12, t13, optimize=[(0, 1)])
+    t14 = (-1/(L*n_batch)) * X
+    t15 = oe.contract('abc,abd,abe->cedab', t14, A10, M_1, optimize=[(0, 1), (0, 1)])
+    t16 = oe.contract('abcd,ce,abe,abe->dab', M_2, W_V, t6, A10, optimize=[(1, 2), (1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t15, t16, optimize=[(0, 1)])
     return out
 
 
@@ -2932,8 +3086,12 @@ def ce_causal0__diag__W_V__outer(X, W_QK, W_V, Y):
     t9 = M_1 @ W_V
     t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
     A11 = t10 / t10.sum(-1, keepdim=True)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,acb->bd', t6, t8, A11, M_1, optimize=[(0, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->bd', t6, t8, A11, A11, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t12 = (1/(L*n_batch)) * t6
+    t13 = oe.contract('abc,abc->cab', t8, A11, optimize=[(0, 1)])
+    t14 = oe.contract('abc,acb->bac', t12, M_1, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t13, t14, optimize=[(0, 1)])
+    t15 = (-1/(L*n_batch)) * t6
+    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t15, t8, A11, A11, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -2981,8 +3139,14 @@ def ce_causal0__block__W_V__W_QK__outer(X, W_QK, W_V, Y):
     t12 = W_V.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg->bdgf', t6, t8, A11, t12, M_2, X, optimize=[(1, 2), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach->bdhg', t6, t8, A11, A11, t12, M_2, X, optimize=[(1, 2), (1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t13 = (1/(L*n_batch)) * t6
+    t14 = oe.contract('abc,abc,cd,abde->ceab', t8, A11, t12, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t15 = oe.contract('abc,acd->bdac', t13, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t14, t15, optimize=[(0, 1)])
+    t16 = (-1/(L*n_batch)) * t6
+    t17 = oe.contract('abc,acd,de,acef->bfac', t16, A11, t12, M_2, optimize=[(1, 2), (1, 2), (0, 1)])
+    t18 = oe.contract('abc,abc,abd->cdab', t8, A11, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -3034,8 +3198,14 @@ def ce_causal0__block__W_V__W_V__outer(X, W_QK, W_V, Y):
     t10 = M_1 @ W_V
     t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
     A12 = t11 / t11.sum(-1, keepdim=True)
-    t1 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bed', t7, t9, A12, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t7, t9, A12, A12, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t13 = (1/(L*n_batch)) * t7
+    t14 = oe.contract('abc,abc->cab', t9, A12, optimize=[(0, 1)])
+    t15 = oe.contract('abc,acd->bdac', t13, M_1, optimize=[(0, 1)])
+    t1 += oe.contract('abc,debc->dea', t14, t15, optimize=[(0, 1)])
+    t16 = (-1/(L*n_batch)) * t7
+    t17 = oe.contract('abc,acd->bdac', t16, A12, optimize=[(0, 1)])
+    t18 = oe.contract('abc,abc,abd->cdab', t9, A12, M_1, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -3095,18 +3265,23 @@ def ce_causal0__hessian__functional(X, W_QK, W_V, Y):
     t20 = A * t19
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1[...] = (1/n_batch) * oe.contract('abc,acde,acf->bdfe', t2, M_3, X, optimize=[(0, 2), (0, 1)])
-    t21 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t22 = t21.view((d_V, d_V, d_V, d_V))
+    t21 = (1/n_batch) * t2
+    t1[...] = oe.contract('abc,acde,acf->bdfe', t21, M_3, X, optimize=[(0, 2), (0, 1)])
+    t22 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t23 = t22.view((d_V, d_V, d_V, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t22[...] = (1/n_batch) * oe.contract('abcd,abe,abf->edcf', M_2, X, G, optimize=[(1, 2), (0, 1)])
-    t23 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t24 = t23.view((d_V, d_V, d_V, d_V))
-    t25 = G.transpose(-1, -2)
-    t24[...] = (1/n_batch) * oe.contract('abc,acde,acf->dbfe', t25, M_2, X, optimize=[(0, 2), (0, 1)])
-    t26 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t26[...] = 0
+    t24 = (1/n_batch) * X
+    t25 = oe.contract('abc,abd->cdab', t24, G, optimize=[(0, 1)])
+    t26 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t23[...] = oe.contract('abcd,efcd->aefb', t25, t26, optimize=[(0, 1)])
+    t27 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t28 = t27.view((d_V, d_V, d_V, d_V))
+    t29 = G.transpose(-1, -2)
+    t30 = (1/n_batch) * t29
+    t28[...] = oe.contract('abc,acde,acf->dbfe', t30, M_2, X, optimize=[(0, 2), (0, 1)])
+    t31 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t31[...] = 0
     return H
 
 
@@ -3230,7 +3405,8 @@ def ce_causal0__diag__W_QK__functional(X, W_QK, W_V, Y):
     t19 = A * t18
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t1, t19, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t19, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t19, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/n_batch) * oe.contract('abc,acdd,acb->bd', t1, M_3, X, optimize=[(0, 2), (0, 1)])
+    t20 = (1/n_batch) * t1
+    t0[...] = oe.contract('abc,acdd,acb->bd', t20, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -3299,7 +3475,8 @@ def ce_causal0__block__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t19 = A * t18
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t1, t19, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t19, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t19, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/n_batch) * oe.contract('abc,acde,acf->bdfe', t1, M_3, X, optimize=[(0, 2), (0, 1)])
+    t20 = (1/n_batch) * t1
+    t0[...] = oe.contract('abc,acde,acf->bdfe', t20, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -3365,7 +3542,10 @@ def ce_causal0__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
     t13 = (-1/L) * Y
     t14 = t12 + t13
     G = t14
-    t0[...] = (1/n_batch) * oe.contract('abcd,abe,abf->edcf', M_2, X, G, optimize=[(1, 2), (0, 1)])
+    t15 = (1/n_batch) * X
+    t16 = oe.contract('abc,abd->cdab', t15, G, optimize=[(0, 1)])
+    t17 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -3445,7 +3625,8 @@ def ce_causal0__block__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t15 = G.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/n_batch) * oe.contract('abc,acde,acf->dbfe', t15, M_2, X, optimize=[(0, 2), (0, 1)])
+    t16 = (1/n_batch) * t15
+    t0[...] = oe.contract('abc,acde,acf->dbfe', t16, M_2, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -3521,41 +3702,64 @@ def ce_causal0__hessian__full(X, W_QK, W_V, Y):
     t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
     A11 = t10 / t10.sum(-1, keepdim=True)
     t12 = W_V.transpose(-1, -2)
-    t1[...] = (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi->edih', M_2, X, W_V, t7, A11, t12, M_2, X, optimize=[(3, 4), (0, 2), (1, 2), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t1 += (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhi,abj->edji', M_2, X, W_V, t7, A11, A11, t12, M_2, X, optimize=[(3, 4), (0, 2), (5, 6), (1, 2), (1, 4), (0, 2), (0, 2), (0, 1)])
+    t13 = (1/(L*n_batch)) * X
+    t1[...] = oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi->edih', M_2, t13, W_V, t7, A11, t12, M_2, X, optimize=[(3, 4), (0, 2), (1, 2), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t14 = (-1/(L*n_batch)) * X
+    t15 = oe.contract('abc,cd,abde->eab', A11, t12, M_2, optimize=[(0, 1), (0, 1)])
+    t16 = oe.contract('abcd,abe,cf,abf,abf,abg->edgab', M_2, t14, W_V, t7, A11, X, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t1 += oe.contract('abc,defbc->defa', t15, t16, optimize=[(0, 1)])
     F = t9
-    t13 = torch.exp(F - F.amax(-1, keepdim=True))
-    A14 = t13 / t13.sum(-1, keepdim=True)
-    t15 = t7 * A14
-    t16 = (1/L) * t15
-    t17 = (-1/L) * Y
-    t18 = t16 + t17
-    G = t18
-    t19 = t12 @ t2
-    t20 = G @ t19
-    t21 = t20 - (A * t20).sum(-1, keepdim=True)
-    t22 = A * t21
+    t17 = torch.exp(F - F.amax(-1, keepdim=True))
+    A18 = t17 / t17.sum(-1, keepdim=True)
+    t19 = t7 * A18
+    t20 = (1/L) * t19
+    t21 = (-1/L) * Y
+    t22 = t20 + t21
+    G = t22
+    t23 = t12 @ t2
+    t24 = G @ t23
+    t25 = t24 - (A * t24).sum(-1, keepdim=True)
+    t26 = A * t25
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t22, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t22, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t22, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += (1/n_batch) * oe.contract('abc,acde,acf->bdfe', t2, M_3, X, optimize=[(0, 2), (0, 1)])
-    t23 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t24 = t23.view((d_V, d_V, d_V, d_V))
-    t24[...] = (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg->edgf', M_2, X, W_V, t7, A11, M_1, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t24 += (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,abh->edhg', M_2, X, W_V, t7, A11, A11, M_1, optimize=[(3, 4), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t24 += (1/n_batch) * oe.contract('abcd,abe,abf->edcf', M_2, X, G, optimize=[(1, 2), (0, 1)])
-    t25 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t26 = t25.view((d_V, d_V, d_V, d_V))
-    t27 = G.transpose(-1, -2)
-    t26[...] = (1/n_batch) * oe.contract('abc,acde,acf->dbfe', t27, M_2, X, optimize=[(0, 2), (0, 1)])
-    t28 = M_1.transpose(-1, -2)
-    t26 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg->bdgf', t28, t7, A11, t12, M_2, X, optimize=[(1, 2), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t26 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach->bdhg', t28, t7, A11, A11, t12, M_2, X, optimize=[(1, 2), (1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
-    t29 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t29[...] = 0
-    t30 = t29.view((d_V, d_V, d_V, d_V))
-    t31 = t30.diagonal(0, 1, 3)
-    t31 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bed', t28, t7, A11, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
-    t30 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t28, t7, A11, A11, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t26, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t26, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t26, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t27 = (1/n_batch) * t2
+    t1 += oe.contract('abc,acde,acf->bdfe', t27, M_3, X, optimize=[(0, 2), (0, 1)])
+    t28 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t29 = t28.view((d_V, d_V, d_V, d_V))
+    t30 = oe.contract('abcd,ce,abe,abe->deab', M_2, W_V, t7, A11, optimize=[(0, 1), (0, 1), (0, 1)])
+    t31 = oe.contract('abc,abd->cdab', t13, M_1, optimize=[(0, 1)])
+    t29[...] = oe.contract('abcd,efcd->eafb', t30, t31, optimize=[(0, 1)])
+    t32 = oe.contract('abc,abd,abe->cedab', t14, A11, M_1, optimize=[(0, 1), (0, 1)])
+    t33 = oe.contract('abcd,ce,abe,abe->dab', M_2, W_V, t7, A11, optimize=[(1, 2), (1, 2), (0, 1)])
+    t29 += oe.contract('abcde,fde->afbc', t32, t33, optimize=[(0, 1)])
+    t34 = (1/n_batch) * X
+    t35 = oe.contract('abc,abd->cdab', t34, G, optimize=[(0, 1)])
+    t36 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t29 += oe.contract('abcd,efcd->aefb', t35, t36, optimize=[(0, 1)])
+    t37 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t38 = t37.view((d_V, d_V, d_V, d_V))
+    t39 = G.transpose(-1, -2)
+    t40 = (1/n_batch) * t39
+    t38[...] = oe.contract('abc,acde,acf->dbfe', t40, M_2, X, optimize=[(0, 2), (0, 1)])
+    t41 = M_1.transpose(-1, -2)
+    t42 = (1/(L*n_batch)) * t41
+    t43 = oe.contract('abc,abc,cd,abde->ceab', t7, A11, t12, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t44 = oe.contract('abc,acd->bdac', t42, X, optimize=[(0, 1)])
+    t38 += oe.contract('abcd,efcd->eafb', t43, t44, optimize=[(0, 1)])
+    t45 = (-1/(L*n_batch)) * t41
+    t46 = oe.contract('abc,acd,de,acef->bfac', t45, A11, t12, M_2, optimize=[(1, 2), (1, 2), (0, 1)])
+    t47 = oe.contract('abc,abc,abd->cdab', t7, A11, X, optimize=[(0, 1), (0, 1)])
+    t38 += oe.contract('abcd,efcd->aefb', t46, t47, optimize=[(0, 1)])
+    t48 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t48[...] = 0
+    t49 = t48.view((d_V, d_V, d_V, d_V))
+    t50 = t49.diagonal(0, 1, 3)
+    t51 = oe.contract('abc,abc->cab', t7, A11, optimize=[(0, 1)])
+    t52 = oe.contract('abc,acd->bdac', t42, M_1, optimize=[(0, 1)])
+    t50 += oe.contract('abc,debc->dea', t51, t52, optimize=[(0, 1)])
+    t53 = oe.contract('abc,acd->bdac', t45, A11, optimize=[(0, 1)])
+    t54 = oe.contract('abc,abc,abd->cdab', t7, A11, M_1, optimize=[(0, 1), (0, 1)])
+    t49 += oe.contract('abcd,efcd->aefb', t53, t54, optimize=[(0, 1)])
     return H
 
 
@@ -3688,23 +3892,30 @@ def ce_causal0__diag__W_QK__full(X, W_QK, W_V, Y):
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A10 = t9 / t9.sum(-1, keepdim=True)
     t11 = W_V.transpose(-1, -2)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,fg,abgd,abe->ed', M_2, X, W_V, t6, A10, t11, M_2, X, optimize=[(3, 4), (1, 5), (0, 1), (0, 1), (2, 3), (0, 2), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhd,abe->ed', M_2, X, W_V, t6, A10, A10, t11, M_2, X, optimize=[(3, 4), (1, 6), (0, 1), (3, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
+    t12 = (1/(L*n_batch)) * X
+    t13 = oe.contract('abcd,ce,abe,abe,ef,abfd->dab', M_2, W_V, t6, A10, t11, M_2, optimize=[(2, 3), (0, 1), (0, 1), (1, 2), (0, 1)])
+    t14 = oe.contract('abc,abc->cab', t12, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t13, t14, optimize=[(0, 1)])
+    t15 = (-1/(L*n_batch)) * X
+    t16 = oe.contract('abcd,ce,abe,abe,abf,fg,abgd->dab', M_2, W_V, t6, A10, A10, t11, M_2, optimize=[(2, 3), (0, 1), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t17 = oe.contract('abc,abc->cab', t15, X, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dbc->da', t16, t17, optimize=[(0, 1)])
     F = t8
-    t12 = torch.exp(F - F.amax(-1, keepdim=True))
-    A13 = t12 / t12.sum(-1, keepdim=True)
-    t14 = t6 * A13
-    t15 = (1/L) * t14
-    t16 = (-1/L) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = t11 @ t1
-    t19 = G @ t18
-    t20 = t19 - (A * t19).sum(-1, keepdim=True)
-    t21 = A * t20
+    t18 = torch.exp(F - F.amax(-1, keepdim=True))
+    A19 = t18 / t18.sum(-1, keepdim=True)
+    t20 = t6 * A19
+    t21 = (1/L) * t20
+    t22 = (-1/L) * Y
+    t23 = t21 + t22
+    G = t23
+    t24 = t11 @ t1
+    t25 = G @ t24
+    t26 = t25 - (A * t25).sum(-1, keepdim=True)
+    t27 = A * t26
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/n_batch) * oe.contract('abc,acdd,acb->bd', t1, M_3, X, optimize=[(0, 2), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t27, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t27, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t27, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t28 = (1/n_batch) * t1
+    t0 += oe.contract('abc,acdd,acb->bd', t28, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -3767,23 +3978,28 @@ def ce_causal0__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A10 = t9 / t9.sum(-1, keepdim=True)
     t11 = W_V.transpose(-1, -2)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi->edih', M_2, X, W_V, t6, A10, t11, M_2, X, optimize=[(3, 4), (0, 2), (1, 2), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhi,abj->edji', M_2, X, W_V, t6, A10, A10, t11, M_2, X, optimize=[(3, 4), (0, 2), (5, 6), (1, 2), (1, 4), (0, 2), (0, 2), (0, 1)])
+    t12 = (1/(L*n_batch)) * X
+    t0[...] = oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi->edih', M_2, t12, W_V, t6, A10, t11, M_2, X, optimize=[(3, 4), (0, 2), (1, 2), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t13 = (-1/(L*n_batch)) * X
+    t14 = oe.contract('abc,cd,abde->eab', A10, t11, M_2, optimize=[(0, 1), (0, 1)])
+    t15 = oe.contract('abcd,abe,cf,abf,abf,abg->edgab', M_2, t13, W_V, t6, A10, X, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t0 += oe.contract('abc,defbc->defa', t14, t15, optimize=[(0, 1)])
     F = t8
-    t12 = torch.exp(F - F.amax(-1, keepdim=True))
-    A13 = t12 / t12.sum(-1, keepdim=True)
-    t14 = t6 * A13
-    t15 = (1/L) * t14
-    t16 = (-1/L) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = t11 @ t1
-    t19 = G @ t18
-    t20 = t19 - (A * t19).sum(-1, keepdim=True)
-    t21 = A * t20
+    t16 = torch.exp(F - F.amax(-1, keepdim=True))
+    A17 = t16 / t16.sum(-1, keepdim=True)
+    t18 = t6 * A17
+    t19 = (1/L) * t18
+    t20 = (-1/L) * Y
+    t21 = t19 + t20
+    G = t21
+    t22 = t11 @ t1
+    t23 = G @ t22
+    t24 = t23 - (A * t23).sum(-1, keepdim=True)
+    t25 = A * t24
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/n_batch) * oe.contract('abc,acde,acf->bdfe', t1, M_3, X, optimize=[(0, 2), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t25, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t25, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t25, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t26 = (1/n_batch) * t1
+    t0 += oe.contract('abc,acde,acf->bdfe', t26, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -3847,17 +4063,26 @@ def ce_causal0__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     t8 = M_1 @ W_V
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A10 = t9 / t9.sum(-1, keepdim=True)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg->edgf', M_2, X, W_V, t6, A10, M_1, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,abh->edhg', M_2, X, W_V, t6, A10, A10, M_1, optimize=[(3, 4), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t11 = (1/(L*n_batch)) * X
+    t12 = oe.contract('abcd,ce,abe,abe->deab', M_2, W_V, t6, A10, optimize=[(0, 1), (0, 1), (0, 1)])
+    t13 = oe.contract('abc,abd->cdab', t11, M_1, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t12, t13, optimize=[(0, 1)])
+    t14 = (-1/(L*n_batch)) * X
+    t15 = oe.contract('abc,abd,abe->cedab', t14, A10, M_1, optimize=[(0, 1), (0, 1)])
+    t16 = oe.contract('abcd,ce,abe,abe->dab', M_2, W_V, t6, A10, optimize=[(1, 2), (1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t15, t16, optimize=[(0, 1)])
     F = t8
-    t11 = torch.exp(F - F.amax(-1, keepdim=True))
-    A12 = t11 / t11.sum(-1, keepdim=True)
-    t13 = t6 * A12
-    t14 = (1/L) * t13
-    t15 = (-1/L) * Y
-    t16 = t14 + t15
-    G = t16
-    t0 += (1/n_batch) * oe.contract('abcd,abe,abf->edcf', M_2, X, G, optimize=[(1, 2), (0, 1)])
+    t17 = torch.exp(F - F.amax(-1, keepdim=True))
+    A18 = t17 / t17.sum(-1, keepdim=True)
+    t19 = t6 * A18
+    t20 = (1/L) * t19
+    t21 = (-1/L) * Y
+    t22 = t20 + t21
+    G = t22
+    t23 = (1/n_batch) * X
+    t24 = oe.contract('abc,abd->cdab', t23, G, optimize=[(0, 1)])
+    t25 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0 += oe.contract('abcd,efcd->aefb', t24, t25, optimize=[(0, 1)])
     return out
 
 
@@ -3913,8 +4138,12 @@ def ce_causal0__diag__W_V__full(X, W_QK, W_V, Y):
     t9 = M_1 @ W_V
     t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
     A11 = t10 / t10.sum(-1, keepdim=True)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,acb->bd', t6, t8, A11, M_1, optimize=[(0, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->bd', t6, t8, A11, A11, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t12 = (1/(L*n_batch)) * t6
+    t13 = oe.contract('abc,abc->cab', t8, A11, optimize=[(0, 1)])
+    t14 = oe.contract('abc,acb->bac', t12, M_1, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t13, t14, optimize=[(0, 1)])
+    t15 = (-1/(L*n_batch)) * t6
+    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t15, t8, A11, A11, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -3967,13 +4196,20 @@ def ce_causal0__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     t15 = G.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/n_batch) * oe.contract('abc,acde,acf->dbfe', t15, M_2, X, optimize=[(0, 2), (0, 1)])
-    t16 = M_1.transpose(-1, -2)
-    t17 = torch.exp(t8 - t8.amax(-1, keepdim=True))
-    A18 = t17 / t17.sum(-1, keepdim=True)
-    t19 = W_V.transpose(-1, -2)
-    t0 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg->bdgf', t16, t2, A18, t19, M_2, X, optimize=[(1, 2), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach->bdhg', t16, t2, A18, A18, t19, M_2, X, optimize=[(1, 2), (1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t16 = (1/n_batch) * t15
+    t0[...] = oe.contract('abc,acde,acf->dbfe', t16, M_2, X, optimize=[(0, 2), (0, 1)])
+    t17 = M_1.transpose(-1, -2)
+    t18 = torch.exp(t8 - t8.amax(-1, keepdim=True))
+    A19 = t18 / t18.sum(-1, keepdim=True)
+    t20 = W_V.transpose(-1, -2)
+    t21 = (1/(L*n_batch)) * t17
+    t22 = oe.contract('abc,abc,cd,abde->ceab', t2, A19, t20, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t23 = oe.contract('abc,acd->bdac', t21, X, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
+    t24 = (-1/(L*n_batch)) * t17
+    t25 = oe.contract('abc,acd,de,acef->bfac', t24, A19, t20, M_2, optimize=[(1, 2), (1, 2), (0, 1)])
+    t26 = oe.contract('abc,abc,abd->cdab', t2, A19, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t25, t26, optimize=[(0, 1)])
     return out
 
 
@@ -4034,8 +4270,14 @@ def ce_causal0__block__W_V__W_V__full(X, W_QK, W_V, Y):
     t10 = M_1 @ W_V
     t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
     A12 = t11 / t11.sum(-1, keepdim=True)
-    t1 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bed', t7, t9, A12, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t7, t9, A12, A12, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t13 = (1/(L*n_batch)) * t7
+    t14 = oe.contract('abc,abc->cab', t9, A12, optimize=[(0, 1)])
+    t15 = oe.contract('abc,acd->bdac', t13, M_1, optimize=[(0, 1)])
+    t1 += oe.contract('abc,debc->dea', t14, t15, optimize=[(0, 1)])
+    t16 = (-1/(L*n_batch)) * t7
+    t17 = oe.contract('abc,acd->bdac', t16, A12, optimize=[(0, 1)])
+    t18 = oe.contract('abc,abc,abd->cdab', t9, A12, M_1, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -4147,23 +4389,41 @@ def ce_causal1__hessian__outer(X, W_QK, W_V, Y):
     t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = W_V.transpose(-1, -2)
-    t1[...] = (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi->edih', M_2, X, W_V, t9, A13, t14, M_2, X, optimize=[(3, 4), (0, 2), (1, 2), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t1 += (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhi,abj->edji', M_2, X, W_V, t9, A13, A13, t14, M_2, X, optimize=[(3, 4), (0, 2), (5, 6), (1, 2), (1, 4), (0, 2), (0, 2), (0, 1)])
-    t15 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t16 = t15.view((d_V, d_V, d_V, d_V))
-    t16[...] = (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg->edgf', M_2, X, W_V, t9, A13, M_1, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t16 += (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,abh->edhg', M_2, X, W_V, t9, A13, A13, M_1, optimize=[(3, 4), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t17 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t18 = t17.view((d_V, d_V, d_V, d_V))
-    t19 = M_1.transpose(-1, -2)
-    t18[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg->bdgf', t19, t9, A13, t14, M_2, X, optimize=[(1, 2), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t18 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach->bdhg', t19, t9, A13, A13, t14, M_2, X, optimize=[(1, 2), (1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
-    t20 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t20[...] = 0
-    t21 = t20.view((d_V, d_V, d_V, d_V))
-    t22 = t21.diagonal(0, 1, 3)
-    t22 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bed', t19, t9, A13, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
-    t21 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t19, t9, A13, A13, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t15 = (1/(L*n_batch)) * X
+    t1[...] = oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi->edih', M_2, t15, W_V, t9, A13, t14, M_2, X, optimize=[(3, 4), (0, 2), (1, 2), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t16 = (-1/(L*n_batch)) * X
+    t17 = oe.contract('abc,cd,abde->eab', A13, t14, M_2, optimize=[(0, 1), (0, 1)])
+    t18 = oe.contract('abcd,abe,cf,abf,abf,abg->edgab', M_2, t16, W_V, t9, A13, X, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t1 += oe.contract('abc,defbc->defa', t17, t18, optimize=[(0, 1)])
+    t19 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t20 = t19.view((d_V, d_V, d_V, d_V))
+    t21 = oe.contract('abcd,ce,abe,abe->deab', M_2, W_V, t9, A13, optimize=[(0, 1), (0, 1), (0, 1)])
+    t22 = oe.contract('abc,abd->cdab', t15, M_1, optimize=[(0, 1)])
+    t20[...] = oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
+    t23 = oe.contract('abc,abd,abe->cedab', t16, A13, M_1, optimize=[(0, 1), (0, 1)])
+    t24 = oe.contract('abcd,ce,abe,abe->dab', M_2, W_V, t9, A13, optimize=[(1, 2), (1, 2), (0, 1)])
+    t20 += oe.contract('abcde,fde->afbc', t23, t24, optimize=[(0, 1)])
+    t25 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t26 = t25.view((d_V, d_V, d_V, d_V))
+    t27 = M_1.transpose(-1, -2)
+    t28 = (1/(L*n_batch)) * t27
+    t29 = oe.contract('abc,abc,cd,abde->ceab', t9, A13, t14, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t30 = oe.contract('abc,acd->bdac', t28, X, optimize=[(0, 1)])
+    t26[...] = oe.contract('abcd,efcd->eafb', t29, t30, optimize=[(0, 1)])
+    t31 = (-1/(L*n_batch)) * t27
+    t32 = oe.contract('abc,acd,de,acef->bfac', t31, A13, t14, M_2, optimize=[(1, 2), (1, 2), (0, 1)])
+    t33 = oe.contract('abc,abc,abd->cdab', t9, A13, X, optimize=[(0, 1), (0, 1)])
+    t26 += oe.contract('abcd,efcd->aefb', t32, t33, optimize=[(0, 1)])
+    t34 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t34[...] = 0
+    t35 = t34.view((d_V, d_V, d_V, d_V))
+    t36 = t35.diagonal(0, 1, 3)
+    t37 = oe.contract('abc,abc->cab', t9, A13, optimize=[(0, 1)])
+    t38 = oe.contract('abc,acd->bdac', t28, M_1, optimize=[(0, 1)])
+    t36 += oe.contract('abc,debc->dea', t37, t38, optimize=[(0, 1)])
+    t39 = oe.contract('abc,acd->bdac', t31, A13, optimize=[(0, 1)])
+    t40 = oe.contract('abc,abc,abd->cdab', t9, A13, M_1, optimize=[(0, 1), (0, 1)])
+    t35 += oe.contract('abcd,efcd->aefb', t39, t40, optimize=[(0, 1)])
     return H
 
 
@@ -4269,8 +4529,14 @@ def ce_causal1__diag__W_QK__outer(X, W_QK, W_V, Y):
     t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = W_V.transpose(-1, -2)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,fg,abgd,abe->ed', M_2, X, W_V, t8, A12, t13, M_2, X, optimize=[(3, 4), (1, 5), (0, 1), (0, 1), (2, 3), (0, 2), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhd,abe->ed', M_2, X, W_V, t8, A12, A12, t13, M_2, X, optimize=[(3, 4), (1, 6), (0, 1), (3, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
+    t14 = (1/(L*n_batch)) * X
+    t15 = oe.contract('abcd,ce,abe,abe,ef,abfd->dab', M_2, W_V, t8, A12, t13, M_2, optimize=[(2, 3), (0, 1), (0, 1), (1, 2), (0, 1)])
+    t16 = oe.contract('abc,abc->cab', t14, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t15, t16, optimize=[(0, 1)])
+    t17 = (-1/(L*n_batch)) * X
+    t18 = oe.contract('abcd,ce,abe,abe,abf,fg,abgd->dab', M_2, W_V, t8, A12, A12, t13, M_2, optimize=[(2, 3), (0, 1), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t19 = oe.contract('abc,abc->cab', t17, X, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dbc->da', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -4323,8 +4589,12 @@ def ce_causal1__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = W_V.transpose(-1, -2)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi->edih', M_2, X, W_V, t8, A12, t13, M_2, X, optimize=[(3, 4), (0, 2), (1, 2), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhi,abj->edji', M_2, X, W_V, t8, A12, A12, t13, M_2, X, optimize=[(3, 4), (0, 2), (5, 6), (1, 2), (1, 4), (0, 2), (0, 2), (0, 1)])
+    t14 = (1/(L*n_batch)) * X
+    t0[...] = oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi->edih', M_2, t14, W_V, t8, A12, t13, M_2, X, optimize=[(3, 4), (0, 2), (1, 2), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t15 = (-1/(L*n_batch)) * X
+    t16 = oe.contract('abc,cd,abde->eab', A12, t13, M_2, optimize=[(0, 1), (0, 1)])
+    t17 = oe.contract('abcd,abe,cf,abf,abf,abg->edgab', M_2, t15, W_V, t8, A12, X, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t0 += oe.contract('abc,defbc->defa', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -4378,8 +4648,14 @@ def ce_causal1__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     t10 = M_1 @ W_V
     t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
     A12 = t11 / t11.sum(-1, keepdim=True)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg->edgf', M_2, X, W_V, t8, A12, M_1, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,abh->edhg', M_2, X, W_V, t8, A12, A12, M_1, optimize=[(3, 4), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t13 = (1/(L*n_batch)) * X
+    t14 = oe.contract('abcd,ce,abe,abe->deab', M_2, W_V, t8, A12, optimize=[(0, 1), (0, 1), (0, 1)])
+    t15 = oe.contract('abc,abd->cdab', t13, M_1, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t14, t15, optimize=[(0, 1)])
+    t16 = (-1/(L*n_batch)) * X
+    t17 = oe.contract('abc,abd,abe->cedab', t16, A12, M_1, optimize=[(0, 1), (0, 1)])
+    t18 = oe.contract('abcd,ce,abe,abe->dab', M_2, W_V, t8, A12, optimize=[(1, 2), (1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -4431,8 +4707,12 @@ def ce_causal1__diag__W_V__outer(X, W_QK, W_V, Y):
     t11 = M_1 @ W_V
     t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A13 = t12 / t12.sum(-1, keepdim=True)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,acb->bd', t8, t10, A13, M_1, optimize=[(0, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->bd', t8, t10, A13, A13, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t14 = (1/(L*n_batch)) * t8
+    t15 = oe.contract('abc,abc->cab', t10, A13, optimize=[(0, 1)])
+    t16 = oe.contract('abc,acb->bac', t14, M_1, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t15, t16, optimize=[(0, 1)])
+    t17 = (-1/(L*n_batch)) * t8
+    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t17, t10, A13, A13, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -4484,8 +4764,14 @@ def ce_causal1__block__W_V__W_QK__outer(X, W_QK, W_V, Y):
     t14 = W_V.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg->bdgf', t8, t10, A13, t14, M_2, X, optimize=[(1, 2), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach->bdhg', t8, t10, A13, A13, t14, M_2, X, optimize=[(1, 2), (1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t15 = (1/(L*n_batch)) * t8
+    t16 = oe.contract('abc,abc,cd,abde->ceab', t10, A13, t14, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t17 = oe.contract('abc,acd->bdac', t15, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
+    t18 = (-1/(L*n_batch)) * t8
+    t19 = oe.contract('abc,acd,de,acef->bfac', t18, A13, t14, M_2, optimize=[(1, 2), (1, 2), (0, 1)])
+    t20 = oe.contract('abc,abc,abd->cdab', t10, A13, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -4541,8 +4827,14 @@ def ce_causal1__block__W_V__W_V__outer(X, W_QK, W_V, Y):
     t12 = M_1 @ W_V
     t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
-    t1 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bed', t9, t11, A14, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t9, t11, A14, A14, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t15 = (1/(L*n_batch)) * t9
+    t16 = oe.contract('abc,abc->cab', t11, A14, optimize=[(0, 1)])
+    t17 = oe.contract('abc,acd->bdac', t15, M_1, optimize=[(0, 1)])
+    t1 += oe.contract('abc,debc->dea', t16, t17, optimize=[(0, 1)])
+    t18 = (-1/(L*n_batch)) * t9
+    t19 = oe.contract('abc,acd->bdac', t18, A14, optimize=[(0, 1)])
+    t20 = oe.contract('abc,abc,abd->cdab', t11, A14, M_1, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -4606,18 +4898,23 @@ def ce_causal1__hessian__functional(X, W_QK, W_V, Y):
     t22 = A * t21
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t22, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t22, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t22, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1[...] = (1/n_batch) * oe.contract('abc,acde,acf->bdfe', t2, M_3, X, optimize=[(0, 2), (0, 1)])
-    t23 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t24 = t23.view((d_V, d_V, d_V, d_V))
+    t23 = (1/n_batch) * t2
+    t1[...] = oe.contract('abc,acde,acf->bdfe', t23, M_3, X, optimize=[(0, 2), (0, 1)])
+    t24 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t25 = t24.view((d_V, d_V, d_V, d_V))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t24[...] = (1/n_batch) * oe.contract('abcd,abe,abf->edcf', M_2, X, G, optimize=[(1, 2), (0, 1)])
-    t25 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t26 = t25.view((d_V, d_V, d_V, d_V))
-    t27 = G.transpose(-1, -2)
-    t26[...] = (1/n_batch) * oe.contract('abc,acde,acf->dbfe', t27, M_2, X, optimize=[(0, 2), (0, 1)])
-    t28 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t28[...] = 0
+    t26 = (1/n_batch) * X
+    t27 = oe.contract('abc,abd->cdab', t26, G, optimize=[(0, 1)])
+    t28 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t25[...] = oe.contract('abcd,efcd->aefb', t27, t28, optimize=[(0, 1)])
+    t29 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t30 = t29.view((d_V, d_V, d_V, d_V))
+    t31 = G.transpose(-1, -2)
+    t32 = (1/n_batch) * t31
+    t30[...] = oe.contract('abc,acde,acf->dbfe', t32, M_2, X, optimize=[(0, 2), (0, 1)])
+    t33 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t33[...] = 0
     return H
 
 
@@ -4747,7 +5044,8 @@ def ce_causal1__diag__W_QK__functional(X, W_QK, W_V, Y):
     t21 = A * t20
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t1, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/n_batch) * oe.contract('abc,acdd,acb->bd', t1, M_3, X, optimize=[(0, 2), (0, 1)])
+    t22 = (1/n_batch) * t1
+    t0[...] = oe.contract('abc,acdd,acb->bd', t22, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -4820,7 +5118,8 @@ def ce_causal1__block__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t21 = A * t20
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t1, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/n_batch) * oe.contract('abc,acde,acf->bdfe', t1, M_3, X, optimize=[(0, 2), (0, 1)])
+    t22 = (1/n_batch) * t1
+    t0[...] = oe.contract('abc,acde,acf->bdfe', t22, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -4890,7 +5189,10 @@ def ce_causal1__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
     t15 = (-1/L) * Y
     t16 = t14 + t15
     G = t16
-    t0[...] = (1/n_batch) * oe.contract('abcd,abe,abf->edcf', M_2, X, G, optimize=[(1, 2), (0, 1)])
+    t17 = (1/n_batch) * X
+    t18 = oe.contract('abc,abd->cdab', t17, G, optimize=[(0, 1)])
+    t19 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -4974,7 +5276,8 @@ def ce_causal1__block__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t17 = G.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/n_batch) * oe.contract('abc,acde,acf->dbfe', t17, M_2, X, optimize=[(0, 2), (0, 1)])
+    t18 = (1/n_batch) * t17
+    t0[...] = oe.contract('abc,acde,acf->dbfe', t18, M_2, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -5054,41 +5357,64 @@ def ce_causal1__hessian__full(X, W_QK, W_V, Y):
     t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A13 = t12 / t12.sum(-1, keepdim=True)
     t14 = W_V.transpose(-1, -2)
-    t1[...] = (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi->edih', M_2, X, W_V, t9, A13, t14, M_2, X, optimize=[(3, 4), (0, 2), (1, 2), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t1 += (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhi,abj->edji', M_2, X, W_V, t9, A13, A13, t14, M_2, X, optimize=[(3, 4), (0, 2), (5, 6), (1, 2), (1, 4), (0, 2), (0, 2), (0, 1)])
+    t15 = (1/(L*n_batch)) * X
+    t1[...] = oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi->edih', M_2, t15, W_V, t9, A13, t14, M_2, X, optimize=[(3, 4), (0, 2), (1, 2), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t16 = (-1/(L*n_batch)) * X
+    t17 = oe.contract('abc,cd,abde->eab', A13, t14, M_2, optimize=[(0, 1), (0, 1)])
+    t18 = oe.contract('abcd,abe,cf,abf,abf,abg->edgab', M_2, t16, W_V, t9, A13, X, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t1 += oe.contract('abc,defbc->defa', t17, t18, optimize=[(0, 1)])
     F = t11
-    t15 = torch.exp(F - F.amax(-1, keepdim=True))
-    A16 = t15 / t15.sum(-1, keepdim=True)
-    t17 = t9 * A16
-    t18 = (1/L) * t17
-    t19 = (-1/L) * Y
-    t20 = t18 + t19
-    G = t20
-    t21 = t14 @ t2
-    t22 = G @ t21
-    t23 = t22 - (A * t22).sum(-1, keepdim=True)
-    t24 = A * t23
+    t19 = torch.exp(F - F.amax(-1, keepdim=True))
+    A20 = t19 / t19.sum(-1, keepdim=True)
+    t21 = t9 * A20
+    t22 = (1/L) * t21
+    t23 = (-1/L) * Y
+    t24 = t22 + t23
+    G = t24
+    t25 = t14 @ t2
+    t26 = G @ t25
+    t27 = t26 - (A * t26).sum(-1, keepdim=True)
+    t28 = A * t27
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t24, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t24, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t24, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += (1/n_batch) * oe.contract('abc,acde,acf->bdfe', t2, M_3, X, optimize=[(0, 2), (0, 1)])
-    t25 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t26 = t25.view((d_V, d_V, d_V, d_V))
-    t26[...] = (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg->edgf', M_2, X, W_V, t9, A13, M_1, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t26 += (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,abh->edhg', M_2, X, W_V, t9, A13, A13, M_1, optimize=[(3, 4), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t26 += (1/n_batch) * oe.contract('abcd,abe,abf->edcf', M_2, X, G, optimize=[(1, 2), (0, 1)])
-    t27 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t28 = t27.view((d_V, d_V, d_V, d_V))
-    t29 = G.transpose(-1, -2)
-    t28[...] = (1/n_batch) * oe.contract('abc,acde,acf->dbfe', t29, M_2, X, optimize=[(0, 2), (0, 1)])
-    t30 = M_1.transpose(-1, -2)
-    t28 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg->bdgf', t30, t9, A13, t14, M_2, X, optimize=[(1, 2), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t28 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach->bdhg', t30, t9, A13, A13, t14, M_2, X, optimize=[(1, 2), (1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
-    t31 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t31[...] = 0
-    t32 = t31.view((d_V, d_V, d_V, d_V))
-    t33 = t32.diagonal(0, 1, 3)
-    t33 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bed', t30, t9, A13, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
-    t32 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t30, t9, A13, A13, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t2, t28, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t28, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t28, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t29 = (1/n_batch) * t2
+    t1 += oe.contract('abc,acde,acf->bdfe', t29, M_3, X, optimize=[(0, 2), (0, 1)])
+    t30 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t31 = t30.view((d_V, d_V, d_V, d_V))
+    t32 = oe.contract('abcd,ce,abe,abe->deab', M_2, W_V, t9, A13, optimize=[(0, 1), (0, 1), (0, 1)])
+    t33 = oe.contract('abc,abd->cdab', t15, M_1, optimize=[(0, 1)])
+    t31[...] = oe.contract('abcd,efcd->eafb', t32, t33, optimize=[(0, 1)])
+    t34 = oe.contract('abc,abd,abe->cedab', t16, A13, M_1, optimize=[(0, 1), (0, 1)])
+    t35 = oe.contract('abcd,ce,abe,abe->dab', M_2, W_V, t9, A13, optimize=[(1, 2), (1, 2), (0, 1)])
+    t31 += oe.contract('abcde,fde->afbc', t34, t35, optimize=[(0, 1)])
+    t36 = (1/n_batch) * X
+    t37 = oe.contract('abc,abd->cdab', t36, G, optimize=[(0, 1)])
+    t38 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t31 += oe.contract('abcd,efcd->aefb', t37, t38, optimize=[(0, 1)])
+    t39 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t40 = t39.view((d_V, d_V, d_V, d_V))
+    t41 = G.transpose(-1, -2)
+    t42 = (1/n_batch) * t41
+    t40[...] = oe.contract('abc,acde,acf->dbfe', t42, M_2, X, optimize=[(0, 2), (0, 1)])
+    t43 = M_1.transpose(-1, -2)
+    t44 = (1/(L*n_batch)) * t43
+    t45 = oe.contract('abc,abc,cd,abde->ceab', t9, A13, t14, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t46 = oe.contract('abc,acd->bdac', t44, X, optimize=[(0, 1)])
+    t40 += oe.contract('abcd,efcd->eafb', t45, t46, optimize=[(0, 1)])
+    t47 = (-1/(L*n_batch)) * t43
+    t48 = oe.contract('abc,acd,de,acef->bfac', t47, A13, t14, M_2, optimize=[(1, 2), (1, 2), (0, 1)])
+    t49 = oe.contract('abc,abc,abd->cdab', t9, A13, X, optimize=[(0, 1), (0, 1)])
+    t40 += oe.contract('abcd,efcd->aefb', t48, t49, optimize=[(0, 1)])
+    t50 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t50[...] = 0
+    t51 = t50.view((d_V, d_V, d_V, d_V))
+    t52 = t51.diagonal(0, 1, 3)
+    t53 = oe.contract('abc,abc->cab', t9, A13, optimize=[(0, 1)])
+    t54 = oe.contract('abc,acd->bdac', t44, M_1, optimize=[(0, 1)])
+    t52 += oe.contract('abc,debc->dea', t53, t54, optimize=[(0, 1)])
+    t55 = oe.contract('abc,acd->bdac', t47, A13, optimize=[(0, 1)])
+    t56 = oe.contract('abc,abc,abd->cdab', t9, A13, M_1, optimize=[(0, 1), (0, 1)])
+    t51 += oe.contract('abcd,efcd->aefb', t55, t56, optimize=[(0, 1)])
     return H
 
 
@@ -5227,23 +5553,30 @@ def ce_causal1__diag__W_QK__full(X, W_QK, W_V, Y):
     t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = W_V.transpose(-1, -2)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,fg,abgd,abe->ed', M_2, X, W_V, t8, A12, t13, M_2, X, optimize=[(3, 4), (1, 5), (0, 1), (0, 1), (2, 3), (0, 2), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhd,abe->ed', M_2, X, W_V, t8, A12, A12, t13, M_2, X, optimize=[(3, 4), (1, 6), (0, 1), (3, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
+    t14 = (1/(L*n_batch)) * X
+    t15 = oe.contract('abcd,ce,abe,abe,ef,abfd->dab', M_2, W_V, t8, A12, t13, M_2, optimize=[(2, 3), (0, 1), (0, 1), (1, 2), (0, 1)])
+    t16 = oe.contract('abc,abc->cab', t14, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t15, t16, optimize=[(0, 1)])
+    t17 = (-1/(L*n_batch)) * X
+    t18 = oe.contract('abcd,ce,abe,abe,abf,fg,abgd->dab', M_2, W_V, t8, A12, A12, t13, M_2, optimize=[(2, 3), (0, 1), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t19 = oe.contract('abc,abc->cab', t17, X, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dbc->da', t18, t19, optimize=[(0, 1)])
     F = t10
-    t14 = torch.exp(F - F.amax(-1, keepdim=True))
-    A15 = t14 / t14.sum(-1, keepdim=True)
-    t16 = t8 * A15
-    t17 = (1/L) * t16
-    t18 = (-1/L) * Y
-    t19 = t17 + t18
-    G = t19
-    t20 = t13 @ t1
-    t21 = G @ t20
-    t22 = t21 - (A * t21).sum(-1, keepdim=True)
-    t23 = A * t22
+    t20 = torch.exp(F - F.amax(-1, keepdim=True))
+    A21 = t20 / t20.sum(-1, keepdim=True)
+    t22 = t8 * A21
+    t23 = (1/L) * t22
+    t24 = (-1/L) * Y
+    t25 = t23 + t24
+    G = t25
+    t26 = t13 @ t1
+    t27 = G @ t26
+    t28 = t27 - (A * t27).sum(-1, keepdim=True)
+    t29 = A * t28
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/n_batch) * oe.contract('abc,acdd,acb->bd', t1, M_3, X, optimize=[(0, 2), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t29, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t29, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t29, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t30 = (1/n_batch) * t1
+    t0 += oe.contract('abc,acdd,acb->bd', t30, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -5310,23 +5643,28 @@ def ce_causal1__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
     A12 = t11 / t11.sum(-1, keepdim=True)
     t13 = W_V.transpose(-1, -2)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi->edih', M_2, X, W_V, t8, A12, t13, M_2, X, optimize=[(3, 4), (0, 2), (1, 2), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhi,abj->edji', M_2, X, W_V, t8, A12, A12, t13, M_2, X, optimize=[(3, 4), (0, 2), (5, 6), (1, 2), (1, 4), (0, 2), (0, 2), (0, 1)])
+    t14 = (1/(L*n_batch)) * X
+    t0[...] = oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi->edih', M_2, t14, W_V, t8, A12, t13, M_2, X, optimize=[(3, 4), (0, 2), (1, 2), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t15 = (-1/(L*n_batch)) * X
+    t16 = oe.contract('abc,cd,abde->eab', A12, t13, M_2, optimize=[(0, 1), (0, 1)])
+    t17 = oe.contract('abcd,abe,cf,abf,abf,abg->edgab', M_2, t15, W_V, t8, A12, X, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t0 += oe.contract('abc,defbc->defa', t16, t17, optimize=[(0, 1)])
     F = t10
-    t14 = torch.exp(F - F.amax(-1, keepdim=True))
-    A15 = t14 / t14.sum(-1, keepdim=True)
-    t16 = t8 * A15
-    t17 = (1/L) * t16
-    t18 = (-1/L) * Y
-    t19 = t17 + t18
-    G = t19
-    t20 = t13 @ t1
-    t21 = G @ t20
-    t22 = t21 - (A * t21).sum(-1, keepdim=True)
-    t23 = A * t22
+    t18 = torch.exp(F - F.amax(-1, keepdim=True))
+    A19 = t18 / t18.sum(-1, keepdim=True)
+    t20 = t8 * A19
+    t21 = (1/L) * t20
+    t22 = (-1/L) * Y
+    t23 = t21 + t22
+    G = t23
+    t24 = t13 @ t1
+    t25 = G @ t24
+    t26 = t25 - (A * t25).sum(-1, keepdim=True)
+    t27 = A * t26
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/n_batch) * oe.contract('abc,acde,acf->bdfe', t1, M_3, X, optimize=[(0, 2), (0, 1)])
+    M_3 = oe.contract('abc,adc,ace->adbe', t1, t27, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t27, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t27, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t28 = (1/n_batch) * t1
+    t0 += oe.contract('abc,acde,acf->bdfe', t28, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -5394,17 +5732,26 @@ def ce_causal1__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     t10 = M_1 @ W_V
     t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
     A12 = t11 / t11.sum(-1, keepdim=True)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg->edgf', M_2, X, W_V, t8, A12, M_1, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,abh->edhg', M_2, X, W_V, t8, A12, A12, M_1, optimize=[(3, 4), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t13 = (1/(L*n_batch)) * X
+    t14 = oe.contract('abcd,ce,abe,abe->deab', M_2, W_V, t8, A12, optimize=[(0, 1), (0, 1), (0, 1)])
+    t15 = oe.contract('abc,abd->cdab', t13, M_1, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t14, t15, optimize=[(0, 1)])
+    t16 = (-1/(L*n_batch)) * X
+    t17 = oe.contract('abc,abd,abe->cedab', t16, A12, M_1, optimize=[(0, 1), (0, 1)])
+    t18 = oe.contract('abcd,ce,abe,abe->dab', M_2, W_V, t8, A12, optimize=[(1, 2), (1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t17, t18, optimize=[(0, 1)])
     F = t10
-    t13 = torch.exp(F - F.amax(-1, keepdim=True))
-    A14 = t13 / t13.sum(-1, keepdim=True)
-    t15 = t8 * A14
-    t16 = (1/L) * t15
-    t17 = (-1/L) * Y
-    t18 = t16 + t17
-    G = t18
-    t0 += (1/n_batch) * oe.contract('abcd,abe,abf->edcf', M_2, X, G, optimize=[(1, 2), (0, 1)])
+    t19 = torch.exp(F - F.amax(-1, keepdim=True))
+    A20 = t19 / t19.sum(-1, keepdim=True)
+    t21 = t8 * A20
+    t22 = (1/L) * t21
+    t23 = (-1/L) * Y
+    t24 = t22 + t23
+    G = t24
+    t25 = (1/n_batch) * X
+    t26 = oe.contract('abc,abd->cdab', t25, G, optimize=[(0, 1)])
+    t27 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0 += oe.contract('abcd,efcd->aefb', t26, t27, optimize=[(0, 1)])
     return out
 
 
@@ -5464,8 +5811,12 @@ def ce_causal1__diag__W_V__full(X, W_QK, W_V, Y):
     t11 = M_1 @ W_V
     t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A13 = t12 / t12.sum(-1, keepdim=True)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,acb->bd', t8, t10, A13, M_1, optimize=[(0, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->bd', t8, t10, A13, A13, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t14 = (1/(L*n_batch)) * t8
+    t15 = oe.contract('abc,abc->cab', t10, A13, optimize=[(0, 1)])
+    t16 = oe.contract('abc,acb->bac', t14, M_1, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t15, t16, optimize=[(0, 1)])
+    t17 = (-1/(L*n_batch)) * t8
+    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t17, t10, A13, A13, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -5522,13 +5873,20 @@ def ce_causal1__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     t17 = G.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/n_batch) * oe.contract('abc,acde,acf->dbfe', t17, M_2, X, optimize=[(0, 2), (0, 1)])
-    t18 = M_1.transpose(-1, -2)
-    t19 = torch.exp(t10 - t10.amax(-1, keepdim=True))
-    A20 = t19 / t19.sum(-1, keepdim=True)
-    t21 = W_V.transpose(-1, -2)
-    t0 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg->bdgf', t18, t2, A20, t21, M_2, X, optimize=[(1, 2), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach->bdhg', t18, t2, A20, A20, t21, M_2, X, optimize=[(1, 2), (1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t18 = (1/n_batch) * t17
+    t0[...] = oe.contract('abc,acde,acf->dbfe', t18, M_2, X, optimize=[(0, 2), (0, 1)])
+    t19 = M_1.transpose(-1, -2)
+    t20 = torch.exp(t10 - t10.amax(-1, keepdim=True))
+    A21 = t20 / t20.sum(-1, keepdim=True)
+    t22 = W_V.transpose(-1, -2)
+    t23 = (1/(L*n_batch)) * t19
+    t24 = oe.contract('abc,abc,cd,abde->ceab', t2, A21, t22, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t25 = oe.contract('abc,acd->bdac', t23, X, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t24, t25, optimize=[(0, 1)])
+    t26 = (-1/(L*n_batch)) * t19
+    t27 = oe.contract('abc,acd,de,acef->bfac', t26, A21, t22, M_2, optimize=[(1, 2), (1, 2), (0, 1)])
+    t28 = oe.contract('abc,abc,abd->cdab', t2, A21, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t27, t28, optimize=[(0, 1)])
     return out
 
 
@@ -5593,8 +5951,14 @@ def ce_causal1__block__W_V__W_V__full(X, W_QK, W_V, Y):
     t12 = M_1 @ W_V
     t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
-    t1 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bed', t9, t11, A14, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t9, t11, A14, A14, M_1, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t15 = (1/(L*n_batch)) * t9
+    t16 = oe.contract('abc,abc->cab', t11, A14, optimize=[(0, 1)])
+    t17 = oe.contract('abc,acd->bdac', t15, M_1, optimize=[(0, 1)])
+    t1 += oe.contract('abc,debc->dea', t16, t17, optimize=[(0, 1)])
+    t18 = (-1/(L*n_batch)) * t9
+    t19 = oe.contract('abc,acd->bdac', t18, A14, optimize=[(0, 1)])
+    t20 = oe.contract('abc,abc,abd->cdab', t11, A14, M_1, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
     return out
 
 

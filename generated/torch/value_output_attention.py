@@ -119,68 +119,90 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
     t11 = t9 @ t10
     t12 = W_O @ t11
     t13 = W_V @ t12
-    t1[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t2, M_2, X, t13, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t14 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t15 = t14.view((d_V, d_K, d_V, d_K))
-    t15[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t2, M_2, X, t13, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
-    t16 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t17 = t16.view((d_V, d_K, d_V, d_H))
-    t18 = A @ X
-    M_1 = t18
-    t19 = W_O @ t9
-    t20 = W_V @ t19
-    t17[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t2, M_2, X, M_1, t20, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t21 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t22 = t21.view((d_V, d_K, d_H, d_V))
-    t23 = M_1 @ W_V
-    t24 = W_V @ W_O
-    t22[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t2, M_2, X, t23, t24, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t25 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t26 = t25.view((d_V, d_K, d_V, d_K))
-    t27 = W_Q.transpose(-1, -2)
-    t26[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t27, M_2, X, t13, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t28 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t29 = t28.view((d_V, d_K, d_V, d_K))
-    t29[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t27, M_2, X, t13, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
-    t30 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t31 = t30.view((d_V, d_K, d_V, d_H))
-    t31[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fagh', t27, M_2, X, M_1, t20, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
-    t32 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t33 = t32.view((d_V, d_K, d_H, d_V))
-    t33[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fagh', t27, M_2, X, t23, t24, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
-    t34 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t35 = t34.view((d_V, d_H, d_V, d_K))
-    t36 = M_1.transpose(-1, -2)
-    t35[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,fh->bdgh', t36, t12, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t37 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t38 = t37.view((d_V, d_H, d_V, d_K))
-    t38[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,gh->bdfh', t36, t12, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
-    t39 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t40 = t39.view((d_V, d_H, d_V, d_H))
-    t41 = t36 @ M_1
-    t40[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,de->bdce', t41, t19, optimize=[(0, 1)])
-    t42 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t43 = t42.view((d_V, d_H, d_H, d_V))
-    t44 = t36 @ t23
-    t43[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,de->bdce', t44, W_O, optimize=[(0, 1)])
-    t45 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t46 = t45.view((d_H, d_V, d_V, d_K))
-    t47 = t10 @ t36
-    t46[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,fh->bdgh', t47, t11, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t48 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t49 = t48.view((d_H, d_V, d_V, d_K))
-    t49[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,gh->bdfh', t47, t11, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
-    t50 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t51 = t50.view((d_H, d_V, d_V, d_H))
-    t52 = t47 @ M_1
-    t51[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,de->bdce', t52, t9, optimize=[(0, 1)])
-    t53 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t53[...] = 0
-    t54 = t53.view((d_H, d_V, d_H, d_V))
-    t55 = t54.diagonal(0, 1, 3)
-    t56 = t47 @ t23
-    t57 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t55 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bcd', t56, t57, optimize=[(0, 1)])
+    t14 = (2/(L*d_K*d_V*n_batch)) * t2
+    t1[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t14, M_2, X, t13, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t15 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t16 = t15.view((d_V, d_K, d_V, d_K))
+    t17 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t18 = oe.contract('ab,cdeb,ef,cdfg->agcd', t14, M_2, t13, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t16[...] = oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
+    t19 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t20 = t19.view((d_V, d_K, d_V, d_H))
+    t21 = A @ X
+    M_1 = t21
+    t22 = W_O @ t9
+    t23 = W_V @ t22
+    t24 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
+    t20[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t24, M_2, X, M_1, t23, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t25 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t26 = t25.view((d_V, d_K, d_H, d_V))
+    t27 = M_1 @ W_V
+    t28 = W_V @ W_O
+    t26[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t24, M_2, X, t27, t28, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t29 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t30 = t29.view((d_V, d_K, d_V, d_K))
+    t31 = W_Q.transpose(-1, -2)
+    t32 = (2/(L*d_K*d_V*n_batch)) * t31
+    t30[...] = oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t32, M_2, X, t13, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t33 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t34 = t33.view((d_V, d_K, d_V, d_K))
+    t35 = oe.contract('ab,cdb,cde,ef->afcd', t32, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t36 = oe.contract('abcd,ce,abef->dfab', M_2, t13, M_2, optimize=[(0, 1), (0, 1)])
+    t34[...] = oe.contract('abcd,efcd->eafb', t35, t36, optimize=[(0, 1)])
+    t37 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t38 = t37.view((d_V, d_K, d_V, d_H))
+    t39 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t31
+    t40 = oe.contract('abcd,ce->deab', M_2, t23, optimize=[(0, 1)])
+    t41 = oe.contract('ab,cdb,cde->aecd', t39, X, M_1, optimize=[(0, 1), (0, 1)])
+    t38[...] = oe.contract('abcd,efcd->aefb', t40, t41, optimize=[(0, 1)])
+    t42 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t43 = t42.view((d_V, d_K, d_H, d_V))
+    t44 = oe.contract('abcd,ce->deab', M_2, t28, optimize=[(0, 1)])
+    t45 = oe.contract('ab,cdb,cde->aecd', t39, X, t27, optimize=[(0, 1), (0, 1)])
+    t43[...] = oe.contract('abcd,efcd->aefb', t44, t45, optimize=[(0, 1)])
+    t46 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t47 = t46.view((d_V, d_H, d_V, d_K))
+    t48 = M_1.transpose(-1, -2)
+    t49 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t48
+    t47[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t49, t12, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t50 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t51 = t50.view((d_V, d_H, d_V, d_K))
+    t52 = oe.contract('abc,acd,de->beac', t49, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t53 = oe.contract('ab,cdbe->aecd', t12, M_2, optimize=[(0, 1)])
+    t51[...] = oe.contract('abcd,efcd->aefb', t52, t53, optimize=[(0, 1)])
+    t54 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t55 = t54.view((d_V, d_H, d_V, d_H))
+    t56 = t48 @ M_1
+    t57 = (2/(L*d_V*n_batch)) * t22
+    t55[...] = oe.contract('abc,de->bdce', t56, t57, optimize=[(0, 1)])
+    t58 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t59 = t58.view((d_V, d_H, d_H, d_V))
+    t60 = t48 @ t27
+    t61 = (2/(L*d_V*n_batch)) * W_O
+    t59[...] = oe.contract('abc,de->bdce', t60, t61, optimize=[(0, 1)])
+    t62 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t63 = t62.view((d_H, d_V, d_V, d_K))
+    t64 = t10 @ t48
+    t65 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t64
+    t63[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t65, t11, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t66 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t67 = t66.view((d_H, d_V, d_V, d_K))
+    t68 = oe.contract('abc,acd,de->beac', t65, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t69 = oe.contract('ab,cdbe->aecd', t11, M_2, optimize=[(0, 1)])
+    t67[...] = oe.contract('abcd,efcd->aefb', t68, t69, optimize=[(0, 1)])
+    t70 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t71 = t70.view((d_H, d_V, d_V, d_H))
+    t72 = t64 @ M_1
+    t73 = (2/(L*d_V*n_batch)) * t9
+    t71[...] = oe.contract('abc,de->bdce', t72, t73, optimize=[(0, 1)])
+    t74 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t74[...] = 0
+    t75 = t74.view((d_H, d_V, d_H, d_V))
+    t76 = t75.diagonal(0, 1, 3)
+    t77 = t64 @ t27
+    t78 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t79 = (2/(L*d_V*n_batch)) * t78
+    t76 += oe.contract('abc,d->bcd', t77, t79, optimize=[(0, 1)])
     return H
 
 
@@ -341,7 +363,10 @@ def mse_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t10 = t8 @ t9
     t11 = W_O @ t10
     t12 = W_V @ t11
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdf,ha->fa', t1, M_2, X, t12, M_2, X, W_K, optimize=[(2, 5), (0, 1), (0, 1), (2, 3), (0, 2), (0, 1)])
+    t13 = (2/(L*d_K*d_V*n_batch)) * t1
+    t14 = oe.contract('ab,cdeb,ef,cdfg,ga->acd', t13, M_2, t12, M_2, W_K, optimize=[(0, 1), (0, 1), (1, 2), (0, 1)])
+    t15 = oe.contract('abc,abc->cab', X, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t14, t15, optimize=[(0, 1)])
     return out
 
 
@@ -394,7 +419,8 @@ def mse_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t10 = t8 @ t9
     t11 = W_O @ t10
     t12 = W_V @ t11
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t1, M_2, X, t12, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t13 = (2/(L*d_K*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t13, M_2, X, t12, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -449,7 +475,10 @@ def mse_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     t10 = t8 @ t9
     t11 = W_O @ t10
     t12 = W_V @ t11
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t1, M_2, X, t12, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
+    t13 = (2/(L*d_K*d_V*n_batch)) * t1
+    t14 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t15 = oe.contract('ab,cdeb,ef,cdfg->agcd', t13, M_2, t12, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t14, t15, optimize=[(0, 1)])
     return out
 
 
@@ -504,7 +533,8 @@ def mse_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     t9 = W_O.transpose(-1, -2)
     t10 = W_O @ t9
     t11 = W_V @ t10
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t1, M_2, X, M_1, t11, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t12 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t12, M_2, X, M_1, t11, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -558,7 +588,8 @@ def mse_causal0__block__W_Q__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     M_1 = t8
     t9 = M_1 @ W_V
     t10 = W_V @ W_O
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t1, M_2, X, t9, t10, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t11 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t11, M_2, X, t9, t10, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -613,7 +644,10 @@ def mse_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     t11 = t9 @ t10
     t12 = W_O @ t11
     t13 = W_V @ t12
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgf,cdh,ha->fa', t1, M_2, X, t13, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t14 = (2/(L*d_K*d_V*n_batch)) * t1
+    t15 = oe.contract('ab,cdb,cde,ea->acd', t14, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t16 = oe.contract('abcd,ce,abed->dab', M_2, t13, M_2, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t15, t16, optimize=[(0, 1)])
     return out
 
 
@@ -668,7 +702,8 @@ def mse_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t11 = t9 @ t10
     t12 = W_O @ t11
     t13 = W_V @ t12
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t1, M_2, X, t13, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t14 = (2/(L*d_K*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t14, M_2, X, t13, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -725,7 +760,10 @@ def mse_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     t11 = t9 @ t10
     t12 = W_O @ t11
     t13 = W_V @ t12
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t1, M_2, X, t13, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t14 = (2/(L*d_K*d_V*n_batch)) * t1
+    t15 = oe.contract('ab,cdb,cde,ef->afcd', t14, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t16 = oe.contract('abcd,ce,abef->dfab', M_2, t13, M_2, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t15, t16, optimize=[(0, 1)])
     return out
 
 
@@ -782,7 +820,10 @@ def mse_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     t10 = W_O.transpose(-1, -2)
     t11 = W_O @ t10
     t12 = W_V @ t11
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fagh', t1, M_2, X, M_1, t12, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
+    t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
+    t14 = oe.contract('abcd,ce->deab', M_2, t12, optimize=[(0, 1)])
+    t15 = oe.contract('ab,cdb,cde->aecd', t13, X, M_1, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t14, t15, optimize=[(0, 1)])
     return out
 
 
@@ -838,7 +879,10 @@ def mse_causal0__block__W_K__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     M_1 = t9
     t10 = M_1 @ W_V
     t11 = W_V @ W_O
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fagh', t1, M_2, X, t10, t11, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
+    t12 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
+    t13 = oe.contract('abcd,ce->deab', M_2, t11, optimize=[(0, 1)])
+    t14 = oe.contract('ab,cdb,cde->aecd', t12, X, t10, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t13, t14, optimize=[(0, 1)])
     return out
 
 
@@ -892,7 +936,8 @@ def mse_causal0__diag__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     t10 = t9 @ M_1
     t11 = W_O.transpose(-1, -2)
     t12 = W_O @ t11
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abb,cc->bc', t10, t12, optimize=[(0, 1)])
+    t13 = (2/(L*d_V*n_batch)) * t12
+    t0[...] = oe.contract('abb,cc->bc', t10, t13, optimize=[(0, 1)])
     return out
 
 
@@ -946,7 +991,8 @@ def mse_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t13 = W_O @ t12
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,fh->bdgh', t9, t13, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t9
+    t0[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t14, t13, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -1005,7 +1051,10 @@ def mse_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     t13 = W_O @ t12
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,gh->bdfh', t9, t13, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t9
+    t15 = oe.contract('abc,acd,de->beac', t14, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t16 = oe.contract('ab,cdbe->aecd', t13, M_2, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t15, t16, optimize=[(0, 1)])
     return out
 
 
@@ -1061,7 +1110,8 @@ def mse_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     t10 = t9 @ M_1
     t11 = W_O.transpose(-1, -2)
     t12 = W_O @ t11
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,de->bdce', t10, t12, optimize=[(0, 1)])
+    t13 = (2/(L*d_V*n_batch)) * t12
+    t0[...] = oe.contract('abc,de->bdce', t10, t13, optimize=[(0, 1)])
     return out
 
 
@@ -1113,7 +1163,8 @@ def mse_causal0__block__W_V__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     t9 = M_1.transpose(-1, -2)
     t10 = M_1 @ W_V
     t11 = t9 @ t10
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,de->bdce', t11, W_O, optimize=[(0, 1)])
+    t12 = (2/(L*d_V*n_batch)) * W_O
+    t0[...] = oe.contract('abc,de->bdce', t11, t12, optimize=[(0, 1)])
     return out
 
 
@@ -1167,7 +1218,8 @@ def mse_causal0__diag__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     t12 = M_1 @ W_V
     t13 = t11 @ t12
     t14 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abb,c->bc', t13, t14, optimize=[(0, 1)])
+    t15 = (2/(L*d_V*n_batch)) * t14
+    t0[...] = oe.contract('abb,c->bc', t13, t15, optimize=[(0, 1)])
     return out
 
 
@@ -1222,7 +1274,8 @@ def mse_causal0__block__W_O__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t13 = t12 @ t1
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,fh->bdgh', t11, t13, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t11
+    t0[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t14, t13, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -1281,7 +1334,10 @@ def mse_causal0__block__W_O__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     t13 = t12 @ t1
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,gh->bdfh', t11, t13, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t11
+    t15 = oe.contract('abc,acd,de->beac', t14, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t16 = oe.contract('ab,cdbe->aecd', t13, M_2, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t15, t16, optimize=[(0, 1)])
     return out
 
 
@@ -1338,7 +1394,8 @@ def mse_causal0__block__W_O__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     t11 = t1 @ t10
     t12 = t11 @ M_1
     t13 = W_O.transpose(-1, -2)
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,de->bdce', t12, t13, optimize=[(0, 1)])
+    t14 = (2/(L*d_V*n_batch)) * t13
+    t0[...] = oe.contract('abc,de->bdce', t12, t14, optimize=[(0, 1)])
     return out
 
 
@@ -1396,7 +1453,8 @@ def mse_causal0__block__W_O__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     t13 = M_1 @ W_V
     t14 = t12 @ t13
     t15 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t1 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bcd', t14, t15, optimize=[(0, 1)])
+    t16 = (2/(L*d_V*n_batch)) * t15
+    t1 += oe.contract('abc,d->bcd', t14, t16, optimize=[(0, 1)])
     return out
 
 
@@ -1463,76 +1521,104 @@ def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, W_O, Y):
     t21 = A * t20
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t3, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t2, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
-    t22 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t22[...] = 0
-    t23 = t22.view((d_V, d_K, d_V, d_K))
-    t24 = t23.diagonal(0, 1, 3)
-    t25 = t21 @ X
-    t26 = t3 @ t25
-    t27 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t24 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t26, t27, optimize=[(0, 1)])
-    t23 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t2, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
-    t28 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t29 = t28.view((d_V, d_K, d_V, d_H))
+    t22 = (1/(d_K*n_batch)) * t2
+    t1[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t22, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t23 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t23[...] = 0
+    t24 = t23.view((d_V, d_K, d_V, d_K))
+    t25 = t24.diagonal(0, 1, 3)
+    t26 = t21 @ X
+    t27 = t3 @ t26
+    t28 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t29 = (1/(math.sqrt(d_K)*n_batch)) * t28
+    t25 += oe.contract('abc,d->bcd', t27, t29, optimize=[(0, 1)])
+    t30 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t31 = oe.contract('ab,cdbe->aecd', t22, M_3, optimize=[(0, 1)])
+    t24 += oe.contract('abcd,efcd->aefb', t30, t31, optimize=[(0, 1)])
+    t32 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t33 = t32.view((d_V, d_K, d_V, d_H))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t30 = G @ t15
-    t29[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t2, M_2, X, t30, optimize=[(0, 1), (0, 1), (0, 1)])
-    t31 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t32 = t31.view((d_V, d_K, d_H, d_V))
-    t32[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fahg', t2, M_2, X, G, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t33 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t33[...] = 0
-    t34 = t33.view((d_V, d_K, d_V, d_K))
-    t35 = t34.diagonal(0, 1, 3)
-    t36 = t21.transpose(-1, -2)
-    t37 = t36 @ X
-    t38 = t3 @ t37
-    t35 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t38, t27, optimize=[(0, 1)])
-    t39 = W_Q.transpose(-1, -2)
-    t34 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t39, t3, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
-    t40 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t41 = t40.view((d_V, d_K, d_V, d_K))
-    t41[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t39, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t42 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t43 = t42.view((d_V, d_K, d_V, d_H))
-    t43[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t39, M_2, X, t30, optimize=[(0, 2), (1, 2), (0, 1)])
-    t44 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t45 = t44.view((d_V, d_K, d_H, d_V))
-    t45[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fahg', t39, M_2, X, G, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
-    t46 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t47 = t46.view((d_V, d_H, d_V, d_K))
-    t48 = G.transpose(-1, -2)
-    t49 = W_O @ t48
-    t47[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t49, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
-    t50 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t51 = t50.view((d_V, d_H, d_V, d_K))
-    t51[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t49, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t52 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t52[...] = 0
-    t53 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t53[...] = 0
-    t54 = t53.view((d_V, d_H, d_H, d_V))
-    t55 = t54.diagonal(0, 1, 2)
-    t56 = M_1.transpose(-1, -2)
-    t57 = t56 @ G
-    t58 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
-    t55 += (1/n_batch) * oe.contract('abc,d->bcd', t57, t58, optimize=[(0, 1)])
-    t59 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t60 = t59.view((d_H, d_V, d_V, d_K))
-    t60[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,acef,acg,fh->dbgh', t48, t16, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t61 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t62 = t61.view((d_H, d_V, d_V, d_K))
-    t62[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,acef,acg,gh->dbfh', t48, t16, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
-    t63 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t63[...] = 0
-    t64 = t63.view((d_H, d_V, d_V, d_H))
-    t65 = t64.diagonal(0, 0, 3)
-    t66 = t48 @ M_1
-    t65 += (1/n_batch) * oe.contract('abc,d->bcd', t66, t58, optimize=[(0, 1)])
-    t67 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t67[...] = 0
+    t34 = G @ t15
+    t35 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t36 = oe.contract('abc,abd->cdab', X, t34, optimize=[(0, 1)])
+    t37 = oe.contract('ab,cdeb->aecd', t35, M_2, optimize=[(0, 1)])
+    t33[...] = oe.contract('abcd,efcd->aefb', t36, t37, optimize=[(0, 1)])
+    t38 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t39 = t38.view((d_V, d_K, d_H, d_V))
+    t40 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t41 = oe.contract('ab,cdeb,ef->afcd', t35, M_2, W_V, optimize=[(0, 1), (0, 1)])
+    t39[...] = oe.contract('abcd,efcd->aefb', t40, t41, optimize=[(0, 1)])
+    t42 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t42[...] = 0
+    t43 = t42.view((d_V, d_K, d_V, d_K))
+    t44 = t43.diagonal(0, 1, 3)
+    t45 = t21.transpose(-1, -2)
+    t46 = t45 @ X
+    t47 = t3 @ t46
+    t44 += oe.contract('abc,d->bcd', t47, t29, optimize=[(0, 1)])
+    t48 = W_Q.transpose(-1, -2)
+    t49 = (1/(d_K*n_batch)) * t48
+    t50 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t51 = oe.contract('ab,cbd,cde->aecd', t49, t3, X, optimize=[(0, 1), (0, 1)])
+    t43 += oe.contract('abcd,efcd->aefb', t50, t51, optimize=[(0, 1)])
+    t52 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t53 = t52.view((d_V, d_K, d_V, d_K))
+    t54 = oe.contract('ab,cbd,cde,ef->afcd', t49, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t55 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t53[...] = oe.contract('abcd,efcd->eafb', t54, t55, optimize=[(0, 1)])
+    t56 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t57 = t56.view((d_V, d_K, d_V, d_H))
+    t58 = (1/(math.sqrt(d_K)*n_batch)) * t48
+    t59 = oe.contract('ab,cdb,cde->aecd', t58, X, t34, optimize=[(0, 1), (0, 1)])
+    t60 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t57[...] = oe.contract('abcd,efcd->eafb', t59, t60, optimize=[(0, 1)])
+    t61 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t62 = t61.view((d_V, d_K, d_H, d_V))
+    t63 = oe.contract('ab,cdb,cde->aecd', t58, X, G, optimize=[(0, 1), (0, 1)])
+    t64 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t62[...] = oe.contract('abcd,efcd->eafb', t63, t64, optimize=[(0, 1)])
+    t65 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t66 = t65.view((d_V, d_H, d_V, d_K))
+    t67 = G.transpose(-1, -2)
+    t68 = W_O @ t67
+    t69 = (1/(math.sqrt(d_K)*n_batch)) * t68
+    t70 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t71 = oe.contract('abc,acd->bdac', t69, X, optimize=[(0, 1)])
+    t66[...] = oe.contract('abcd,efcd->aefb', t70, t71, optimize=[(0, 1)])
+    t72 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t73 = t72.view((d_V, d_H, d_V, d_K))
+    t74 = oe.contract('abc,acd,de->beac', t69, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t75 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t73[...] = oe.contract('abcd,efcd->eafb', t74, t75, optimize=[(0, 1)])
+    t76 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t76[...] = 0
+    t77 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t77[...] = 0
+    t78 = t77.view((d_V, d_H, d_H, d_V))
+    t79 = t78.diagonal(0, 1, 2)
+    t80 = M_1.transpose(-1, -2)
+    t81 = t80 @ G
+    t82 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
+    t83 = (1/n_batch) * t82
+    t79 += oe.contract('abc,d->bcd', t81, t83, optimize=[(0, 1)])
+    t84 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t85 = t84.view((d_H, d_V, d_V, d_K))
+    t86 = (1/(math.sqrt(d_K)*n_batch)) * t67
+    t85[...] = oe.contract('abc,de,acef,acg,fh->dbgh', t86, t16, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t87 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t88 = t87.view((d_H, d_V, d_V, d_K))
+    t89 = oe.contract('abc,acd,de->beac', t86, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t90 = oe.contract('ab,cdbe->aecd', t16, M_2, optimize=[(0, 1)])
+    t88[...] = oe.contract('abcd,efcd->eafb', t89, t90, optimize=[(0, 1)])
+    t91 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t91[...] = 0
+    t92 = t91.view((d_H, d_V, d_V, d_H))
+    t93 = t92.diagonal(0, 0, 3)
+    t94 = t67 @ M_1
+    t93 += oe.contract('abc,d->bcd', t94, t83, optimize=[(0, 1)])
+    t95 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t95[...] = 0
     return H
 
 
@@ -1742,7 +1828,10 @@ def mse_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t20 = A * t19
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->da', t1, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
+    t21 = (1/(d_K*n_batch)) * t1
+    t22 = oe.contract('ab,cdbe,ea->acd', t21, M_3, W_K, optimize=[(0, 2), (0, 1)])
+    t23 = oe.contract('abc,acb->bac', t2, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -1817,7 +1906,8 @@ def mse_causal0__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t20 = A * t19
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t1, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t21 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t21, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -1897,10 +1987,14 @@ def mse_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t22 = t21 @ X
     t23 = t2 @ t22
     t24 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t23, t24, optimize=[(0, 1)])
+    t25 = (1/(math.sqrt(d_K)*n_batch)) * t24
+    t1 += oe.contract('abc,d->bcd', t23, t25, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t3, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t26 = (1/(d_K*n_batch)) * t3
+    t27 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t28 = oe.contract('ab,cdbe->aecd', t26, M_3, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t27, t28, optimize=[(0, 1)])
     return out
 
 
@@ -1974,7 +2068,10 @@ def mse_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     G = t13
     t14 = W_O.transpose(-1, -2)
     t15 = G @ t14
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t1, M_2, X, t15, optimize=[(0, 1), (0, 1), (0, 1)])
+    t16 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t17 = oe.contract('abc,abd->cdab', X, t15, optimize=[(0, 1)])
+    t18 = oe.contract('ab,cdeb->aecd', t16, M_2, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -2039,7 +2136,10 @@ def mse_causal0__block__W_Q__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     t12 = (-2/(L*d_V)) * Y
     t13 = t11 + t12
     G = t13
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fahg', t1, M_2, X, G, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t14 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t15 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t16 = oe.contract('ab,cdeb,ef->afcd', t14, M_2, W_V, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t15, t16, optimize=[(0, 1)])
     return out
 
 
@@ -2110,7 +2210,8 @@ def mse_causal0__diag__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t21 = A * t20
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->ea', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t22 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cbd,cdee,cdf,fa->ea', t22, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -2190,11 +2291,15 @@ def mse_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t23 = t22 @ X
     t24 = t2 @ t23
     t25 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t24, t25, optimize=[(0, 1)])
-    t26 = W_Q.transpose(-1, -2)
+    t26 = (1/(math.sqrt(d_K)*n_batch)) * t25
+    t1 += oe.contract('abc,d->bcd', t24, t26, optimize=[(0, 1)])
+    t27 = W_Q.transpose(-1, -2)
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t26, t2, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    t28 = (1/(d_K*n_batch)) * t27
+    t29 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t30 = oe.contract('ab,cbd,cde->aecd', t28, t2, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
     return out
 
 
@@ -2276,7 +2381,10 @@ def mse_causal0__block__W_K__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t21 = A * t20
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t22 = (1/(d_K*n_batch)) * t1
+    t23 = oe.contract('ab,cbd,cde,ef->afcd', t22, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t24 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t23, t24, optimize=[(0, 1)])
     return out
 
 
@@ -2350,7 +2458,10 @@ def mse_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     G = t14
     t15 = W_O.transpose(-1, -2)
     t16 = G @ t15
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t1, M_2, X, t16, optimize=[(0, 2), (1, 2), (0, 1)])
+    t17 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t18 = oe.contract('ab,cdb,cde->aecd', t17, X, t16, optimize=[(0, 1), (0, 1)])
+    t19 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -2417,7 +2528,10 @@ def mse_causal0__block__W_K__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     t13 = (-2/(L*d_V)) * Y
     t14 = t12 + t13
     G = t14
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fahg', t1, M_2, X, G, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
+    t15 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t16 = oe.contract('ab,cdb,cde->aecd', t15, X, G, optimize=[(0, 1), (0, 1)])
+    t17 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -2505,7 +2619,10 @@ def mse_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t15 = W_O @ t14
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t15, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
+    t16 = (1/(math.sqrt(d_K)*n_batch)) * t15
+    t17 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t18 = oe.contract('abc,acd->bdac', t16, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -2572,7 +2689,10 @@ def mse_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t15 = W_O @ t14
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t15, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    t16 = (1/(math.sqrt(d_K)*n_batch)) * t15
+    t17 = oe.contract('abc,acd,de->beac', t16, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t18 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -2662,7 +2782,8 @@ def mse_causal0__block__W_V__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     G = t15
     t16 = t10 @ G
     t17 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
-    t1 += (1/n_batch) * oe.contract('abc,d->bcd', t16, t17, optimize=[(0, 1)])
+    t18 = (1/n_batch) * t17
+    t1 += oe.contract('abc,d->bcd', t16, t18, optimize=[(0, 1)])
     return out
 
 
@@ -2749,7 +2870,8 @@ def mse_causal0__block__W_O__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t15 = W_V.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,acef,acg,fh->dbgh', t14, t15, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t16 = (1/(math.sqrt(d_K)*n_batch)) * t14
+    t0[...] = oe.contract('abc,de,acef,acg,fh->dbgh', t16, t15, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -2816,7 +2938,10 @@ def mse_causal0__block__W_O__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t15 = W_V.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,acef,acg,gh->dbfh', t14, t15, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t16 = (1/(math.sqrt(d_K)*n_batch)) * t14
+    t17 = oe.contract('abc,acd,de->beac', t16, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t18 = oe.contract('ab,cdbe->aecd', t15, M_2, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -2884,7 +3009,8 @@ def mse_causal0__block__W_O__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     t15 = G.transpose(-1, -2)
     t16 = t15 @ M_1
     t17 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
-    t1 += (1/n_batch) * oe.contract('abc,d->bcd', t16, t17, optimize=[(0, 1)])
+    t18 = (1/n_batch) * t17
+    t1 += oe.contract('abc,d->bcd', t16, t18, optimize=[(0, 1)])
     return out
 
 
@@ -2977,104 +3103,154 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t21 = A * t20
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t3, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t2, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t22 = (1/(d_K*n_batch)) * t2
+    t1[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t22, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t22 = t15 @ t16
-    t23 = W_O @ t22
-    t24 = W_V @ t23
-    t1 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t2, M_2, X, t24, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t25 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t25[...] = 0
-    t26 = t25.view((d_V, d_K, d_V, d_K))
-    t27 = t26.diagonal(0, 1, 3)
-    t28 = t21 @ X
-    t29 = t3 @ t28
-    t30 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t27 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t29, t30, optimize=[(0, 1)])
-    t26 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t2, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
-    t26 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t2, M_2, X, t24, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
-    t31 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t32 = t31.view((d_V, d_K, d_V, d_H))
-    t33 = G @ t15
-    t32[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t2, M_2, X, t33, optimize=[(0, 1), (0, 1), (0, 1)])
-    t34 = W_O @ t15
-    t35 = W_V @ t34
-    t32 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t2, M_2, X, M_1, t35, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t36 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t37 = t36.view((d_V, d_K, d_H, d_V))
-    t38 = W_V @ W_O
-    t37[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t2, M_2, X, t10, t38, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t37 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fahg', t2, M_2, X, G, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t39 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t39[...] = 0
-    t40 = t39.view((d_V, d_K, d_V, d_K))
-    t41 = t40.diagonal(0, 1, 3)
-    t42 = t21.transpose(-1, -2)
-    t43 = t42 @ X
-    t44 = t3 @ t43
-    t41 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t44, t30, optimize=[(0, 1)])
-    t45 = W_Q.transpose(-1, -2)
-    t40 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t45, t3, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
-    t40 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t45, M_2, X, t24, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t46 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t47 = t46.view((d_V, d_K, d_V, d_K))
-    t47[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t45, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t47 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t45, M_2, X, t24, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
-    t48 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t49 = t48.view((d_V, d_K, d_V, d_H))
-    t49[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t45, M_2, X, t33, optimize=[(0, 2), (1, 2), (0, 1)])
-    t49 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fagh', t45, M_2, X, M_1, t35, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
-    t50 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t51 = t50.view((d_V, d_K, d_H, d_V))
-    t51[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fagh', t45, M_2, X, t10, t38, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
-    t51 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fahg', t45, M_2, X, G, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
-    t52 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t53 = t52.view((d_V, d_H, d_V, d_K))
-    t54 = G.transpose(-1, -2)
-    t55 = W_O @ t54
-    t53[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t55, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
-    t56 = M_1.transpose(-1, -2)
-    t53 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,fh->bdgh', t56, t23, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t57 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t58 = t57.view((d_V, d_H, d_V, d_K))
-    t58[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t55, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t58 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,gh->bdfh', t56, t23, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
-    t59 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t60 = t59.view((d_V, d_H, d_V, d_H))
-    t61 = t56 @ M_1
-    t60[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,de->bdce', t61, t34, optimize=[(0, 1)])
-    t62 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t63 = t62.view((d_V, d_H, d_H, d_V))
-    t64 = t56 @ t10
-    t63[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,de->bdce', t64, W_O, optimize=[(0, 1)])
-    t65 = t63.diagonal(0, 1, 2)
-    t66 = t56 @ G
-    t67 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
-    t65 += (1/n_batch) * oe.contract('abc,d->bcd', t66, t67, optimize=[(0, 1)])
-    t68 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t69 = t68.view((d_H, d_V, d_V, d_K))
-    t69[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,acef,acg,fh->dbgh', t54, t16, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t70 = t16 @ t56
-    t69 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,fh->bdgh', t70, t22, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t71 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t72 = t71.view((d_H, d_V, d_V, d_K))
-    t72[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,acef,acg,gh->dbfh', t54, t16, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
-    t72 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,gh->bdfh', t70, t22, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
-    t73 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t74 = t73.view((d_H, d_V, d_V, d_H))
-    t75 = t70 @ M_1
-    t74[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,de->bdce', t75, t15, optimize=[(0, 1)])
-    t76 = t74.diagonal(0, 0, 3)
-    t77 = t54 @ M_1
-    t76 += (1/n_batch) * oe.contract('abc,d->bcd', t77, t67, optimize=[(0, 1)])
-    t78 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t78[...] = 0
-    t79 = t78.view((d_H, d_V, d_H, d_V))
-    t80 = t79.diagonal(0, 1, 3)
-    t81 = t70 @ t10
-    t82 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t80 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bcd', t81, t82, optimize=[(0, 1)])
+    t23 = t15 @ t16
+    t24 = W_O @ t23
+    t25 = W_V @ t24
+    t26 = (2/(L*d_K*d_V*n_batch)) * t2
+    t1 += oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t26, M_2, X, t25, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t27 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t27[...] = 0
+    t28 = t27.view((d_V, d_K, d_V, d_K))
+    t29 = t28.diagonal(0, 1, 3)
+    t30 = t21 @ X
+    t31 = t3 @ t30
+    t32 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t33 = (1/(math.sqrt(d_K)*n_batch)) * t32
+    t29 += oe.contract('abc,d->bcd', t31, t33, optimize=[(0, 1)])
+    t34 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t35 = oe.contract('ab,cdbe->aecd', t22, M_3, optimize=[(0, 1)])
+    t28 += oe.contract('abcd,efcd->aefb', t34, t35, optimize=[(0, 1)])
+    t36 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t37 = oe.contract('ab,cdeb,ef,cdfg->agcd', t26, M_2, t25, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t28 += oe.contract('abcd,efcd->aefb', t36, t37, optimize=[(0, 1)])
+    t38 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t39 = t38.view((d_V, d_K, d_V, d_H))
+    t40 = G @ t15
+    t41 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t42 = oe.contract('abc,abd->cdab', X, t40, optimize=[(0, 1)])
+    t43 = oe.contract('ab,cdeb->aecd', t41, M_2, optimize=[(0, 1)])
+    t39[...] = oe.contract('abcd,efcd->aefb', t42, t43, optimize=[(0, 1)])
+    t44 = W_O @ t15
+    t45 = W_V @ t44
+    t46 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
+    t39 += oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t46, M_2, X, M_1, t45, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t47 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t48 = t47.view((d_V, d_K, d_H, d_V))
+    t49 = W_V @ W_O
+    t48[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t46, M_2, X, t10, t49, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t50 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t51 = oe.contract('ab,cdeb,ef->afcd', t41, M_2, W_V, optimize=[(0, 1), (0, 1)])
+    t48 += oe.contract('abcd,efcd->aefb', t50, t51, optimize=[(0, 1)])
+    t52 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t52[...] = 0
+    t53 = t52.view((d_V, d_K, d_V, d_K))
+    t54 = t53.diagonal(0, 1, 3)
+    t55 = t21.transpose(-1, -2)
+    t56 = t55 @ X
+    t57 = t3 @ t56
+    t54 += oe.contract('abc,d->bcd', t57, t33, optimize=[(0, 1)])
+    t58 = W_Q.transpose(-1, -2)
+    t59 = (1/(d_K*n_batch)) * t58
+    t60 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t61 = oe.contract('ab,cbd,cde->aecd', t59, t3, X, optimize=[(0, 1), (0, 1)])
+    t53 += oe.contract('abcd,efcd->aefb', t60, t61, optimize=[(0, 1)])
+    t62 = (2/(L*d_K*d_V*n_batch)) * t58
+    t53 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t62, M_2, X, t25, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t63 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t64 = t63.view((d_V, d_K, d_V, d_K))
+    t65 = oe.contract('ab,cbd,cde,ef->afcd', t59, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t66 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t64[...] = oe.contract('abcd,efcd->eafb', t65, t66, optimize=[(0, 1)])
+    t67 = oe.contract('ab,cdb,cde,ef->afcd', t62, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t68 = oe.contract('abcd,ce,abef->dfab', M_2, t25, M_2, optimize=[(0, 1), (0, 1)])
+    t64 += oe.contract('abcd,efcd->eafb', t67, t68, optimize=[(0, 1)])
+    t69 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t70 = t69.view((d_V, d_K, d_V, d_H))
+    t71 = (1/(math.sqrt(d_K)*n_batch)) * t58
+    t72 = oe.contract('ab,cdb,cde->aecd', t71, X, t40, optimize=[(0, 1), (0, 1)])
+    t73 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t70[...] = oe.contract('abcd,efcd->eafb', t72, t73, optimize=[(0, 1)])
+    t74 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t58
+    t75 = oe.contract('abcd,ce->deab', M_2, t45, optimize=[(0, 1)])
+    t76 = oe.contract('ab,cdb,cde->aecd', t74, X, M_1, optimize=[(0, 1), (0, 1)])
+    t70 += oe.contract('abcd,efcd->aefb', t75, t76, optimize=[(0, 1)])
+    t77 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t78 = t77.view((d_V, d_K, d_H, d_V))
+    t79 = oe.contract('abcd,ce->deab', M_2, t49, optimize=[(0, 1)])
+    t80 = oe.contract('ab,cdb,cde->aecd', t74, X, t10, optimize=[(0, 1), (0, 1)])
+    t78[...] = oe.contract('abcd,efcd->aefb', t79, t80, optimize=[(0, 1)])
+    t81 = oe.contract('ab,cdb,cde->aecd', t71, X, G, optimize=[(0, 1), (0, 1)])
+    t82 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t78 += oe.contract('abcd,efcd->eafb', t81, t82, optimize=[(0, 1)])
+    t83 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t84 = t83.view((d_V, d_H, d_V, d_K))
+    t85 = G.transpose(-1, -2)
+    t86 = W_O @ t85
+    t87 = (1/(math.sqrt(d_K)*n_batch)) * t86
+    t88 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t89 = oe.contract('abc,acd->bdac', t87, X, optimize=[(0, 1)])
+    t84[...] = oe.contract('abcd,efcd->aefb', t88, t89, optimize=[(0, 1)])
+    t90 = M_1.transpose(-1, -2)
+    t91 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t90
+    t84 += oe.contract('abc,de,acef,acg,fh->bdgh', t91, t24, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t92 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t93 = t92.view((d_V, d_H, d_V, d_K))
+    t94 = oe.contract('abc,acd,de->beac', t87, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t95 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t93[...] = oe.contract('abcd,efcd->eafb', t94, t95, optimize=[(0, 1)])
+    t96 = oe.contract('abc,acd,de->beac', t91, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t97 = oe.contract('ab,cdbe->aecd', t24, M_2, optimize=[(0, 1)])
+    t93 += oe.contract('abcd,efcd->aefb', t96, t97, optimize=[(0, 1)])
+    t98 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t99 = t98.view((d_V, d_H, d_V, d_H))
+    t100 = t90 @ M_1
+    t101 = (2/(L*d_V*n_batch)) * t44
+    t99[...] = oe.contract('abc,de->bdce', t100, t101, optimize=[(0, 1)])
+    t102 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t103 = t102.view((d_V, d_H, d_H, d_V))
+    t104 = t90 @ t10
+    t105 = (2/(L*d_V*n_batch)) * W_O
+    t103[...] = oe.contract('abc,de->bdce', t104, t105, optimize=[(0, 1)])
+    t106 = t103.diagonal(0, 1, 2)
+    t107 = t90 @ G
+    t108 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
+    t109 = (1/n_batch) * t108
+    t106 += oe.contract('abc,d->bcd', t107, t109, optimize=[(0, 1)])
+    t110 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t111 = t110.view((d_H, d_V, d_V, d_K))
+    t112 = (1/(math.sqrt(d_K)*n_batch)) * t85
+    t111[...] = oe.contract('abc,de,acef,acg,fh->dbgh', t112, t16, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t113 = t16 @ t90
+    t114 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t113
+    t111 += oe.contract('abc,de,acef,acg,fh->bdgh', t114, t23, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t115 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t116 = t115.view((d_H, d_V, d_V, d_K))
+    t117 = oe.contract('abc,acd,de->beac', t112, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t118 = oe.contract('ab,cdbe->aecd', t16, M_2, optimize=[(0, 1)])
+    t116[...] = oe.contract('abcd,efcd->eafb', t117, t118, optimize=[(0, 1)])
+    t119 = oe.contract('abc,acd,de->beac', t114, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t120 = oe.contract('ab,cdbe->aecd', t23, M_2, optimize=[(0, 1)])
+    t116 += oe.contract('abcd,efcd->aefb', t119, t120, optimize=[(0, 1)])
+    t121 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t122 = t121.view((d_H, d_V, d_V, d_H))
+    t123 = t113 @ M_1
+    t124 = (2/(L*d_V*n_batch)) * t15
+    t122[...] = oe.contract('abc,de->bdce', t123, t124, optimize=[(0, 1)])
+    t125 = t122.diagonal(0, 0, 3)
+    t126 = t85 @ M_1
+    t125 += oe.contract('abc,d->bcd', t126, t109, optimize=[(0, 1)])
+    t127 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t127[...] = 0
+    t128 = t127.view((d_H, d_V, d_H, d_V))
+    t129 = t128.diagonal(0, 1, 3)
+    t130 = t113 @ t10
+    t131 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t132 = (2/(L*d_V*n_batch)) * t131
+    t129 += oe.contract('abc,d->bcd', t130, t132, optimize=[(0, 1)])
     return H
 
 
@@ -3317,13 +3493,19 @@ def mse_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t20 = A * t19
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->da', t1, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
+    t21 = (1/(d_K*n_batch)) * t1
+    t22 = oe.contract('ab,cdbe,ea->acd', t21, M_3, W_K, optimize=[(0, 2), (0, 1)])
+    t23 = oe.contract('abc,acb->bac', t2, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t22, t23, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t21 = t14 @ t15
-    t22 = W_O @ t21
-    t23 = W_V @ t22
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdf,ha->fa', t1, M_2, X, t23, M_2, X, W_K, optimize=[(2, 5), (0, 1), (0, 1), (2, 3), (0, 2), (0, 1)])
+    t24 = t14 @ t15
+    t25 = W_O @ t24
+    t26 = W_V @ t25
+    t27 = (2/(L*d_K*d_V*n_batch)) * t1
+    t28 = oe.contract('ab,cdeb,ef,cdfg,ga->acd', t27, M_2, t26, M_2, W_K, optimize=[(0, 1), (0, 1), (1, 2), (0, 1)])
+    t29 = oe.contract('abc,abc->cab', X, X, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dbc->da', t28, t29, optimize=[(0, 1)])
     return out
 
 
@@ -3403,13 +3585,15 @@ def mse_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t20 = A * t19
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t1, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t21 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t21, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t21 = t14 @ t15
-    t22 = W_O @ t21
-    t23 = W_V @ t22
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t1, M_2, X, t23, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t22 = t14 @ t15
+    t23 = W_O @ t22
+    t24 = W_V @ t23
+    t25 = (2/(L*d_K*d_V*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t25, M_2, X, t24, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -3494,16 +3678,23 @@ def mse_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t22 = t21 @ X
     t23 = t2 @ t22
     t24 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t23, t24, optimize=[(0, 1)])
+    t25 = (1/(math.sqrt(d_K)*n_batch)) * t24
+    t1 += oe.contract('abc,d->bcd', t23, t25, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t3, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t26 = (1/(d_K*n_batch)) * t3
+    t27 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t28 = oe.contract('ab,cdbe->aecd', t26, M_3, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t27, t28, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t25 = t15 @ t16
-    t26 = W_O @ t25
-    t27 = W_V @ t26
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t3, M_2, X, t27, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
+    t29 = t15 @ t16
+    t30 = W_O @ t29
+    t31 = W_V @ t30
+    t32 = (2/(L*d_K*d_V*n_batch)) * t3
+    t33 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t34 = oe.contract('ab,cdeb,ef,cdfg->agcd', t32, M_2, t31, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t33, t34, optimize=[(0, 1)])
     return out
 
 
@@ -3582,10 +3773,14 @@ def mse_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     G = t13
     t14 = W_O.transpose(-1, -2)
     t15 = G @ t14
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t1, M_2, X, t15, optimize=[(0, 1), (0, 1), (0, 1)])
-    t16 = W_O @ t14
-    t17 = W_V @ t16
-    t0 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t1, M_2, X, M_1, t17, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t16 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t17 = oe.contract('abc,abd->cdab', X, t15, optimize=[(0, 1)])
+    t18 = oe.contract('ab,cdeb->aecd', t16, M_2, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
+    t19 = W_O @ t14
+    t20 = W_V @ t19
+    t21 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t21, M_2, X, M_1, t20, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -3647,14 +3842,18 @@ def mse_causal0__block__W_Q__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     M_1 = t8
     t9 = M_1 @ W_V
     t10 = W_V @ W_O
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t1, M_2, X, t9, t10, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t11 = t9 @ W_O
-    F = t11
-    t12 = (2/(L*d_V)) * F
-    t13 = (-2/(L*d_V)) * Y
-    t14 = t12 + t13
-    G = t14
-    t0 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fahg', t1, M_2, X, G, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t11 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t11, M_2, X, t9, t10, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t12 = t9 @ W_O
+    F = t12
+    t13 = (2/(L*d_V)) * F
+    t14 = (-2/(L*d_V)) * Y
+    t15 = t13 + t14
+    G = t15
+    t16 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t17 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t18 = oe.contract('ab,cdeb,ef->afcd', t16, M_2, W_V, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -3726,13 +3925,17 @@ def mse_causal0__diag__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t21 = A * t20
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->ea', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t22 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cbd,cdee,cdf,fa->ea', t22, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t22 = t15 @ t16
-    t23 = W_O @ t22
-    t24 = W_V @ t23
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgf,cdh,ha->fa', t1, M_2, X, t24, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t23 = t15 @ t16
+    t24 = W_O @ t23
+    t25 = W_V @ t24
+    t26 = (2/(L*d_K*d_V*n_batch)) * t1
+    t27 = oe.contract('ab,cdb,cde,ea->acd', t26, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t28 = oe.contract('abcd,ce,abed->dab', M_2, t25, M_2, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abc,dbc->da', t27, t28, optimize=[(0, 1)])
     return out
 
 
@@ -3817,17 +4020,22 @@ def mse_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t23 = t22 @ X
     t24 = t2 @ t23
     t25 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t24, t25, optimize=[(0, 1)])
-    t26 = W_Q.transpose(-1, -2)
+    t26 = (1/(math.sqrt(d_K)*n_batch)) * t25
+    t1 += oe.contract('abc,d->bcd', t24, t26, optimize=[(0, 1)])
+    t27 = W_Q.transpose(-1, -2)
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t26, t2, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    t28 = (1/(d_K*n_batch)) * t27
+    t29 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t30 = oe.contract('ab,cbd,cde->aecd', t28, t2, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t27 = t15 @ t16
-    t28 = W_O @ t27
-    t29 = W_V @ t28
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t26, M_2, X, t29, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t31 = t15 @ t16
+    t32 = W_O @ t31
+    t33 = W_V @ t32
+    t34 = (2/(L*d_K*d_V*n_batch)) * t27
+    t0 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t34, M_2, X, t33, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -3914,13 +4122,19 @@ def mse_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t21 = A * t20
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t22 = (1/(d_K*n_batch)) * t1
+    t23 = oe.contract('ab,cbd,cde,ef->afcd', t22, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t24 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t23, t24, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t22 = t15 @ t16
-    t23 = W_O @ t22
-    t24 = W_V @ t23
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t1, M_2, X, t24, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t25 = t15 @ t16
+    t26 = W_O @ t25
+    t27 = W_V @ t26
+    t28 = (2/(L*d_K*d_V*n_batch)) * t1
+    t29 = oe.contract('ab,cdb,cde,ef->afcd', t28, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t30 = oe.contract('abcd,ce,abef->dfab', M_2, t27, M_2, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t29, t30, optimize=[(0, 1)])
     return out
 
 
@@ -3999,10 +4213,16 @@ def mse_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     G = t14
     t15 = W_O.transpose(-1, -2)
     t16 = G @ t15
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t1, M_2, X, t16, optimize=[(0, 2), (1, 2), (0, 1)])
-    t17 = W_O @ t15
-    t18 = W_V @ t17
-    t0 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fagh', t1, M_2, X, M_1, t18, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
+    t17 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t18 = oe.contract('ab,cdb,cde->aecd', t17, X, t16, optimize=[(0, 1), (0, 1)])
+    t19 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t18, t19, optimize=[(0, 1)])
+    t20 = W_O @ t15
+    t21 = W_V @ t20
+    t22 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
+    t23 = oe.contract('abcd,ce->deab', M_2, t21, optimize=[(0, 1)])
+    t24 = oe.contract('ab,cdb,cde->aecd', t22, X, M_1, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t23, t24, optimize=[(0, 1)])
     return out
 
 
@@ -4066,14 +4286,20 @@ def mse_causal0__block__W_K__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     M_1 = t9
     t10 = M_1 @ W_V
     t11 = W_V @ W_O
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fagh', t1, M_2, X, t10, t11, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
-    t12 = t10 @ W_O
-    F = t12
-    t13 = (2/(L*d_V)) * F
-    t14 = (-2/(L*d_V)) * Y
-    t15 = t13 + t14
-    G = t15
-    t0 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fahg', t1, M_2, X, G, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
+    t12 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
+    t13 = oe.contract('abcd,ce->deab', M_2, t11, optimize=[(0, 1)])
+    t14 = oe.contract('ab,cdb,cde->aecd', t12, X, t10, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t13, t14, optimize=[(0, 1)])
+    t15 = t10 @ W_O
+    F = t15
+    t16 = (2/(L*d_V)) * F
+    t17 = (-2/(L*d_V)) * Y
+    t18 = t16 + t17
+    G = t18
+    t19 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t20 = oe.contract('ab,cdb,cde->aecd', t19, X, G, optimize=[(0, 1), (0, 1)])
+    t21 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -4133,7 +4359,8 @@ def mse_causal0__diag__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t10 = t9 @ M_1
     t11 = W_O.transpose(-1, -2)
     t12 = W_O @ t11
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abb,cc->bc', t10, t12, optimize=[(0, 1)])
+    t13 = (2/(L*d_V*n_batch)) * t12
+    t0[...] = oe.contract('abb,cc->bc', t10, t13, optimize=[(0, 1)])
     return out
 
 
@@ -4191,13 +4418,17 @@ def mse_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t15 = W_O @ t14
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t15, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
-    t16 = M_1.transpose(-1, -2)
-    t17 = W_O.transpose(-1, -2)
-    t18 = W_V.transpose(-1, -2)
-    t19 = t17 @ t18
-    t20 = W_O @ t19
-    t0 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,fh->bdgh', t16, t20, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t16 = (1/(math.sqrt(d_K)*n_batch)) * t15
+    t17 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t18 = oe.contract('abc,acd->bdac', t16, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
+    t19 = M_1.transpose(-1, -2)
+    t20 = W_O.transpose(-1, -2)
+    t21 = W_V.transpose(-1, -2)
+    t22 = t20 @ t21
+    t23 = W_O @ t22
+    t24 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t19
+    t0 += oe.contract('abc,de,acef,acg,fh->bdgh', t24, t23, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -4269,13 +4500,19 @@ def mse_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t15 = W_O @ t14
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t15, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t16 = M_1.transpose(-1, -2)
-    t17 = W_O.transpose(-1, -2)
-    t18 = W_V.transpose(-1, -2)
-    t19 = t17 @ t18
-    t20 = W_O @ t19
-    t0 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,gh->bdfh', t16, t20, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t16 = (1/(math.sqrt(d_K)*n_batch)) * t15
+    t17 = oe.contract('abc,acd,de->beac', t16, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t18 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
+    t19 = M_1.transpose(-1, -2)
+    t20 = W_O.transpose(-1, -2)
+    t21 = W_V.transpose(-1, -2)
+    t22 = t20 @ t21
+    t23 = W_O @ t22
+    t24 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t19
+    t25 = oe.contract('abc,acd,de->beac', t24, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t26 = oe.contract('ab,cdbe->aecd', t23, M_2, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t25, t26, optimize=[(0, 1)])
     return out
 
 
@@ -4340,7 +4577,8 @@ def mse_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t10 = t9 @ M_1
     t11 = W_O.transpose(-1, -2)
     t12 = W_O @ t11
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,de->bdce', t10, t12, optimize=[(0, 1)])
+    t13 = (2/(L*d_V*n_batch)) * t12
+    t0[...] = oe.contract('abc,de->bdce', t10, t13, optimize=[(0, 1)])
     return out
 
 
@@ -4392,17 +4630,19 @@ def mse_causal0__block__W_V__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t9 = M_1.transpose(-1, -2)
     t10 = M_1 @ W_V
     t11 = t9 @ t10
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,de->bdce', t11, W_O, optimize=[(0, 1)])
-    t12 = t0.diagonal(0, 1, 2)
-    t13 = t10 @ W_O
-    F = t13
-    t14 = (2/(L*d_V)) * F
-    t15 = (-2/(L*d_V)) * Y
-    t16 = t14 + t15
-    G = t16
-    t17 = t9 @ G
-    t18 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
-    t12 += (1/n_batch) * oe.contract('abc,d->bcd', t17, t18, optimize=[(0, 1)])
+    t12 = (2/(L*d_V*n_batch)) * W_O
+    t0[...] = oe.contract('abc,de->bdce', t11, t12, optimize=[(0, 1)])
+    t13 = t0.diagonal(0, 1, 2)
+    t14 = t10 @ W_O
+    F = t14
+    t15 = (2/(L*d_V)) * F
+    t16 = (-2/(L*d_V)) * Y
+    t17 = t15 + t16
+    G = t17
+    t18 = t9 @ G
+    t19 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
+    t20 = (1/n_batch) * t19
+    t13 += oe.contract('abc,d->bcd', t18, t20, optimize=[(0, 1)])
     return out
 
 
@@ -4463,7 +4703,8 @@ def mse_causal0__diag__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t12 = M_1 @ W_V
     t13 = t11 @ t12
     t14 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abb,c->bc', t13, t14, optimize=[(0, 1)])
+    t15 = (2/(L*d_V*n_batch)) * t14
+    t0[...] = oe.contract('abb,c->bc', t13, t15, optimize=[(0, 1)])
     return out
 
 
@@ -4522,12 +4763,14 @@ def mse_causal0__block__W_O__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t15 = W_V.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,acef,acg,fh->dbgh', t14, t15, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t16 = M_1.transpose(-1, -2)
-    t17 = t15 @ t16
-    t18 = W_O.transpose(-1, -2)
-    t19 = t18 @ t15
-    t0 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,fh->bdgh', t17, t19, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t16 = (1/(math.sqrt(d_K)*n_batch)) * t14
+    t0[...] = oe.contract('abc,de,acef,acg,fh->dbgh', t16, t15, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t17 = M_1.transpose(-1, -2)
+    t18 = t15 @ t17
+    t19 = W_O.transpose(-1, -2)
+    t20 = t19 @ t15
+    t21 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t18
+    t0 += oe.contract('abc,de,acef,acg,fh->bdgh', t21, t20, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -4598,12 +4841,18 @@ def mse_causal0__block__W_O__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t15 = W_V.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,acef,acg,gh->dbfh', t14, t15, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
-    t16 = M_1.transpose(-1, -2)
-    t17 = t15 @ t16
-    t18 = W_O.transpose(-1, -2)
-    t19 = t18 @ t15
-    t0 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,gh->bdfh', t17, t19, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t16 = (1/(math.sqrt(d_K)*n_batch)) * t14
+    t17 = oe.contract('abc,acd,de->beac', t16, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t18 = oe.contract('ab,cdbe->aecd', t15, M_2, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
+    t19 = M_1.transpose(-1, -2)
+    t20 = t15 @ t19
+    t21 = W_O.transpose(-1, -2)
+    t22 = t21 @ t15
+    t23 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t20
+    t24 = oe.contract('abc,acd,de->beac', t23, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t25 = oe.contract('ab,cdbe->aecd', t22, M_2, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t24, t25, optimize=[(0, 1)])
     return out
 
 
@@ -4668,19 +4917,21 @@ def mse_causal0__block__W_O__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t11 = t1 @ t10
     t12 = t11 @ M_1
     t13 = W_O.transpose(-1, -2)
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,de->bdce', t12, t13, optimize=[(0, 1)])
-    t14 = t0.diagonal(0, 0, 3)
-    t15 = M_1 @ W_V
-    t16 = t15 @ W_O
-    F = t16
-    t17 = (2/(L*d_V)) * F
-    t18 = (-2/(L*d_V)) * Y
-    t19 = t17 + t18
-    G = t19
-    t20 = G.transpose(-1, -2)
-    t21 = t20 @ M_1
-    t22 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
-    t14 += (1/n_batch) * oe.contract('abc,d->bcd', t21, t22, optimize=[(0, 1)])
+    t14 = (2/(L*d_V*n_batch)) * t13
+    t0[...] = oe.contract('abc,de->bdce', t12, t14, optimize=[(0, 1)])
+    t15 = t0.diagonal(0, 0, 3)
+    t16 = M_1 @ W_V
+    t17 = t16 @ W_O
+    F = t17
+    t18 = (2/(L*d_V)) * F
+    t19 = (-2/(L*d_V)) * Y
+    t20 = t18 + t19
+    G = t20
+    t21 = G.transpose(-1, -2)
+    t22 = t21 @ M_1
+    t23 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
+    t24 = (1/n_batch) * t23
+    t15 += oe.contract('abc,d->bcd', t22, t24, optimize=[(0, 1)])
     return out
 
 
@@ -4747,7 +4998,8 @@ def mse_causal0__block__W_O__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t13 = M_1 @ W_V
     t14 = t12 @ t13
     t15 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t1 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bcd', t14, t15, optimize=[(0, 1)])
+    t16 = (2/(L*d_V*n_batch)) * t15
+    t1 += oe.contract('abc,d->bcd', t14, t16, optimize=[(0, 1)])
     return out
 
 
@@ -4884,68 +5136,90 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
     t13 = t11 @ t12
     t14 = W_O @ t13
     t15 = W_V @ t14
-    t1[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t2, M_2, X, t15, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t16 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t17 = t16.view((d_V, d_K, d_V, d_K))
-    t17[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t2, M_2, X, t15, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
-    t18 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t19 = t18.view((d_V, d_K, d_V, d_H))
-    t20 = A @ X
-    M_1 = t20
-    t21 = W_O @ t11
-    t22 = W_V @ t21
-    t19[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t2, M_2, X, M_1, t22, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t23 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t24 = t23.view((d_V, d_K, d_H, d_V))
-    t25 = M_1 @ W_V
-    t26 = W_V @ W_O
-    t24[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t2, M_2, X, t25, t26, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t27 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t28 = t27.view((d_V, d_K, d_V, d_K))
-    t29 = W_Q.transpose(-1, -2)
-    t28[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t29, M_2, X, t15, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t30 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t31 = t30.view((d_V, d_K, d_V, d_K))
-    t31[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t29, M_2, X, t15, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
-    t32 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t33 = t32.view((d_V, d_K, d_V, d_H))
-    t33[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fagh', t29, M_2, X, M_1, t22, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
-    t34 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t35 = t34.view((d_V, d_K, d_H, d_V))
-    t35[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fagh', t29, M_2, X, t25, t26, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
-    t36 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t37 = t36.view((d_V, d_H, d_V, d_K))
-    t38 = M_1.transpose(-1, -2)
-    t37[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,fh->bdgh', t38, t14, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t39 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t40 = t39.view((d_V, d_H, d_V, d_K))
-    t40[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,gh->bdfh', t38, t14, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
-    t41 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t42 = t41.view((d_V, d_H, d_V, d_H))
-    t43 = t38 @ M_1
-    t42[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,de->bdce', t43, t21, optimize=[(0, 1)])
-    t44 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t45 = t44.view((d_V, d_H, d_H, d_V))
-    t46 = t38 @ t25
-    t45[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,de->bdce', t46, W_O, optimize=[(0, 1)])
-    t47 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t48 = t47.view((d_H, d_V, d_V, d_K))
-    t49 = t12 @ t38
-    t48[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,fh->bdgh', t49, t13, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t50 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t51 = t50.view((d_H, d_V, d_V, d_K))
-    t51[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,gh->bdfh', t49, t13, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
-    t52 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t53 = t52.view((d_H, d_V, d_V, d_H))
-    t54 = t49 @ M_1
-    t53[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,de->bdce', t54, t11, optimize=[(0, 1)])
-    t55 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t55[...] = 0
-    t56 = t55.view((d_H, d_V, d_H, d_V))
-    t57 = t56.diagonal(0, 1, 3)
-    t58 = t49 @ t25
-    t59 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t57 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bcd', t58, t59, optimize=[(0, 1)])
+    t16 = (2/(L*d_K*d_V*n_batch)) * t2
+    t1[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t16, M_2, X, t15, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t17 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t18 = t17.view((d_V, d_K, d_V, d_K))
+    t19 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t20 = oe.contract('ab,cdeb,ef,cdfg->agcd', t16, M_2, t15, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t18[...] = oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
+    t21 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t22 = t21.view((d_V, d_K, d_V, d_H))
+    t23 = A @ X
+    M_1 = t23
+    t24 = W_O @ t11
+    t25 = W_V @ t24
+    t26 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
+    t22[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t26, M_2, X, M_1, t25, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t27 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t28 = t27.view((d_V, d_K, d_H, d_V))
+    t29 = M_1 @ W_V
+    t30 = W_V @ W_O
+    t28[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t26, M_2, X, t29, t30, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t31 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t32 = t31.view((d_V, d_K, d_V, d_K))
+    t33 = W_Q.transpose(-1, -2)
+    t34 = (2/(L*d_K*d_V*n_batch)) * t33
+    t32[...] = oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t34, M_2, X, t15, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t35 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t36 = t35.view((d_V, d_K, d_V, d_K))
+    t37 = oe.contract('ab,cdb,cde,ef->afcd', t34, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t38 = oe.contract('abcd,ce,abef->dfab', M_2, t15, M_2, optimize=[(0, 1), (0, 1)])
+    t36[...] = oe.contract('abcd,efcd->eafb', t37, t38, optimize=[(0, 1)])
+    t39 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t40 = t39.view((d_V, d_K, d_V, d_H))
+    t41 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t33
+    t42 = oe.contract('abcd,ce->deab', M_2, t25, optimize=[(0, 1)])
+    t43 = oe.contract('ab,cdb,cde->aecd', t41, X, M_1, optimize=[(0, 1), (0, 1)])
+    t40[...] = oe.contract('abcd,efcd->aefb', t42, t43, optimize=[(0, 1)])
+    t44 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t45 = t44.view((d_V, d_K, d_H, d_V))
+    t46 = oe.contract('abcd,ce->deab', M_2, t30, optimize=[(0, 1)])
+    t47 = oe.contract('ab,cdb,cde->aecd', t41, X, t29, optimize=[(0, 1), (0, 1)])
+    t45[...] = oe.contract('abcd,efcd->aefb', t46, t47, optimize=[(0, 1)])
+    t48 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t49 = t48.view((d_V, d_H, d_V, d_K))
+    t50 = M_1.transpose(-1, -2)
+    t51 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t50
+    t49[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t51, t14, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t52 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t53 = t52.view((d_V, d_H, d_V, d_K))
+    t54 = oe.contract('abc,acd,de->beac', t51, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t55 = oe.contract('ab,cdbe->aecd', t14, M_2, optimize=[(0, 1)])
+    t53[...] = oe.contract('abcd,efcd->aefb', t54, t55, optimize=[(0, 1)])
+    t56 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t57 = t56.view((d_V, d_H, d_V, d_H))
+    t58 = t50 @ M_1
+    t59 = (2/(L*d_V*n_batch)) * t24
+    t57[...] = oe.contract('abc,de->bdce', t58, t59, optimize=[(0, 1)])
+    t60 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t61 = t60.view((d_V, d_H, d_H, d_V))
+    t62 = t50 @ t29
+    t63 = (2/(L*d_V*n_batch)) * W_O
+    t61[...] = oe.contract('abc,de->bdce', t62, t63, optimize=[(0, 1)])
+    t64 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t65 = t64.view((d_H, d_V, d_V, d_K))
+    t66 = t12 @ t50
+    t67 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t66
+    t65[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t67, t13, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t68 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t69 = t68.view((d_H, d_V, d_V, d_K))
+    t70 = oe.contract('abc,acd,de->beac', t67, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t71 = oe.contract('ab,cdbe->aecd', t13, M_2, optimize=[(0, 1)])
+    t69[...] = oe.contract('abcd,efcd->aefb', t70, t71, optimize=[(0, 1)])
+    t72 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t73 = t72.view((d_H, d_V, d_V, d_H))
+    t74 = t66 @ M_1
+    t75 = (2/(L*d_V*n_batch)) * t11
+    t73[...] = oe.contract('abc,de->bdce', t74, t75, optimize=[(0, 1)])
+    t76 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t76[...] = 0
+    t77 = t76.view((d_H, d_V, d_H, d_V))
+    t78 = t77.diagonal(0, 1, 3)
+    t79 = t66 @ t29
+    t80 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t81 = (2/(L*d_V*n_batch)) * t80
+    t78 += oe.contract('abc,d->bcd', t79, t81, optimize=[(0, 1)])
     return H
 
 
@@ -5112,7 +5386,10 @@ def mse_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t12 = t10 @ t11
     t13 = W_O @ t12
     t14 = W_V @ t13
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdf,ha->fa', t1, M_2, X, t14, M_2, X, W_K, optimize=[(2, 5), (0, 1), (0, 1), (2, 3), (0, 2), (0, 1)])
+    t15 = (2/(L*d_K*d_V*n_batch)) * t1
+    t16 = oe.contract('ab,cdeb,ef,cdfg,ga->acd', t15, M_2, t14, M_2, W_K, optimize=[(0, 1), (0, 1), (1, 2), (0, 1)])
+    t17 = oe.contract('abc,abc->cab', X, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -5169,7 +5446,8 @@ def mse_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t12 = t10 @ t11
     t13 = W_O @ t12
     t14 = W_V @ t13
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t1, M_2, X, t14, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t15 = (2/(L*d_K*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t15, M_2, X, t14, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -5228,7 +5506,10 @@ def mse_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     t12 = t10 @ t11
     t13 = W_O @ t12
     t14 = W_V @ t13
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t1, M_2, X, t14, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
+    t15 = (2/(L*d_K*d_V*n_batch)) * t1
+    t16 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t17 = oe.contract('ab,cdeb,ef,cdfg->agcd', t15, M_2, t14, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -5287,7 +5568,8 @@ def mse_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     t11 = W_O.transpose(-1, -2)
     t12 = W_O @ t11
     t13 = W_V @ t12
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t1, M_2, X, M_1, t13, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t14, M_2, X, M_1, t13, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -5345,7 +5627,8 @@ def mse_causal1__block__W_Q__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     M_1 = t10
     t11 = M_1 @ W_V
     t12 = W_V @ W_O
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t1, M_2, X, t11, t12, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t13, M_2, X, t11, t12, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -5404,7 +5687,10 @@ def mse_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     t13 = t11 @ t12
     t14 = W_O @ t13
     t15 = W_V @ t14
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgf,cdh,ha->fa', t1, M_2, X, t15, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t16 = (2/(L*d_K*d_V*n_batch)) * t1
+    t17 = oe.contract('ab,cdb,cde,ea->acd', t16, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t18 = oe.contract('abcd,ce,abed->dab', M_2, t15, M_2, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -5463,7 +5749,8 @@ def mse_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t13 = t11 @ t12
     t14 = W_O @ t13
     t15 = W_V @ t14
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t1, M_2, X, t15, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t16 = (2/(L*d_K*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t16, M_2, X, t15, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -5524,7 +5811,10 @@ def mse_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     t13 = t11 @ t12
     t14 = W_O @ t13
     t15 = W_V @ t14
-    t0[...] = (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t1, M_2, X, t15, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t16 = (2/(L*d_K*d_V*n_batch)) * t1
+    t17 = oe.contract('ab,cdb,cde,ef->afcd', t16, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t18 = oe.contract('abcd,ce,abef->dfab', M_2, t15, M_2, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -5585,7 +5875,10 @@ def mse_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     t12 = W_O.transpose(-1, -2)
     t13 = W_O @ t12
     t14 = W_V @ t13
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fagh', t1, M_2, X, M_1, t14, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
+    t15 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
+    t16 = oe.contract('abcd,ce->deab', M_2, t14, optimize=[(0, 1)])
+    t17 = oe.contract('ab,cdb,cde->aecd', t15, X, M_1, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -5645,7 +5938,10 @@ def mse_causal1__block__W_K__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     M_1 = t11
     t12 = M_1 @ W_V
     t13 = W_V @ W_O
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fagh', t1, M_2, X, t12, t13, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
+    t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
+    t15 = oe.contract('abcd,ce->deab', M_2, t13, optimize=[(0, 1)])
+    t16 = oe.contract('ab,cdb,cde->aecd', t14, X, t12, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t15, t16, optimize=[(0, 1)])
     return out
 
 
@@ -5703,7 +5999,8 @@ def mse_causal1__diag__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     t12 = t11 @ M_1
     t13 = W_O.transpose(-1, -2)
     t14 = W_O @ t13
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abb,cc->bc', t12, t14, optimize=[(0, 1)])
+    t15 = (2/(L*d_V*n_batch)) * t14
+    t0[...] = oe.contract('abb,cc->bc', t12, t15, optimize=[(0, 1)])
     return out
 
 
@@ -5761,7 +6058,8 @@ def mse_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t15 = W_O @ t14
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,fh->bdgh', t11, t15, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t16 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t11
+    t0[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t16, t15, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -5824,7 +6122,10 @@ def mse_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     t15 = W_O @ t14
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,gh->bdfh', t11, t15, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t16 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t11
+    t17 = oe.contract('abc,acd,de->beac', t16, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t18 = oe.contract('ab,cdbe->aecd', t15, M_2, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -5884,7 +6185,8 @@ def mse_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     t12 = t11 @ M_1
     t13 = W_O.transpose(-1, -2)
     t14 = W_O @ t13
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,de->bdce', t12, t14, optimize=[(0, 1)])
+    t15 = (2/(L*d_V*n_batch)) * t14
+    t0[...] = oe.contract('abc,de->bdce', t12, t15, optimize=[(0, 1)])
     return out
 
 
@@ -5940,7 +6242,8 @@ def mse_causal1__block__W_V__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     t11 = M_1.transpose(-1, -2)
     t12 = M_1 @ W_V
     t13 = t11 @ t12
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,de->bdce', t13, W_O, optimize=[(0, 1)])
+    t14 = (2/(L*d_V*n_batch)) * W_O
+    t0[...] = oe.contract('abc,de->bdce', t13, t14, optimize=[(0, 1)])
     return out
 
 
@@ -5998,7 +6301,8 @@ def mse_causal1__diag__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     t14 = M_1 @ W_V
     t15 = t13 @ t14
     t16 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abb,c->bc', t15, t16, optimize=[(0, 1)])
+    t17 = (2/(L*d_V*n_batch)) * t16
+    t0[...] = oe.contract('abb,c->bc', t15, t17, optimize=[(0, 1)])
     return out
 
 
@@ -6057,7 +6361,8 @@ def mse_causal1__block__W_O__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t15 = t14 @ t1
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,fh->bdgh', t13, t15, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t16 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t13
+    t0[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t16, t15, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -6120,7 +6425,10 @@ def mse_causal1__block__W_O__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     t15 = t14 @ t1
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,gh->bdfh', t13, t15, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t16 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t13
+    t17 = oe.contract('abc,acd,de->beac', t16, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t18 = oe.contract('ab,cdbe->aecd', t15, M_2, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -6181,7 +6489,8 @@ def mse_causal1__block__W_O__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     t13 = t1 @ t12
     t14 = t13 @ M_1
     t15 = W_O.transpose(-1, -2)
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,de->bdce', t14, t15, optimize=[(0, 1)])
+    t16 = (2/(L*d_V*n_batch)) * t15
+    t0[...] = oe.contract('abc,de->bdce', t14, t16, optimize=[(0, 1)])
     return out
 
 
@@ -6243,7 +6552,8 @@ def mse_causal1__block__W_O__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     t15 = M_1 @ W_V
     t16 = t14 @ t15
     t17 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t1 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bcd', t16, t17, optimize=[(0, 1)])
+    t18 = (2/(L*d_V*n_batch)) * t17
+    t1 += oe.contract('abc,d->bcd', t16, t18, optimize=[(0, 1)])
     return out
 
 
@@ -6314,76 +6624,104 @@ def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, W_O, Y):
     t23 = A * t22
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t3, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t2, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
-    t24 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t24[...] = 0
-    t25 = t24.view((d_V, d_K, d_V, d_K))
-    t26 = t25.diagonal(0, 1, 3)
-    t27 = t23 @ X
-    t28 = t3 @ t27
-    t29 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t26 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t28, t29, optimize=[(0, 1)])
-    t25 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t2, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
-    t30 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t31 = t30.view((d_V, d_K, d_V, d_H))
+    t24 = (1/(d_K*n_batch)) * t2
+    t1[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t24, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t25 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t25[...] = 0
+    t26 = t25.view((d_V, d_K, d_V, d_K))
+    t27 = t26.diagonal(0, 1, 3)
+    t28 = t23 @ X
+    t29 = t3 @ t28
+    t30 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t31 = (1/(math.sqrt(d_K)*n_batch)) * t30
+    t27 += oe.contract('abc,d->bcd', t29, t31, optimize=[(0, 1)])
+    t32 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t33 = oe.contract('ab,cdbe->aecd', t24, M_3, optimize=[(0, 1)])
+    t26 += oe.contract('abcd,efcd->aefb', t32, t33, optimize=[(0, 1)])
+    t34 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t35 = t34.view((d_V, d_K, d_V, d_H))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t32 = G @ t17
-    t31[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t2, M_2, X, t32, optimize=[(0, 1), (0, 1), (0, 1)])
-    t33 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t34 = t33.view((d_V, d_K, d_H, d_V))
-    t34[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fahg', t2, M_2, X, G, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t35 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t35[...] = 0
-    t36 = t35.view((d_V, d_K, d_V, d_K))
-    t37 = t36.diagonal(0, 1, 3)
-    t38 = t23.transpose(-1, -2)
-    t39 = t38 @ X
-    t40 = t3 @ t39
-    t37 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t40, t29, optimize=[(0, 1)])
-    t41 = W_Q.transpose(-1, -2)
-    t36 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t41, t3, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
-    t42 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t43 = t42.view((d_V, d_K, d_V, d_K))
-    t43[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t41, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t44 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t45 = t44.view((d_V, d_K, d_V, d_H))
-    t45[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t41, M_2, X, t32, optimize=[(0, 2), (1, 2), (0, 1)])
-    t46 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t47 = t46.view((d_V, d_K, d_H, d_V))
-    t47[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fahg', t41, M_2, X, G, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
-    t48 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t49 = t48.view((d_V, d_H, d_V, d_K))
-    t50 = G.transpose(-1, -2)
-    t51 = W_O @ t50
-    t49[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t51, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
-    t52 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t53 = t52.view((d_V, d_H, d_V, d_K))
-    t53[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t51, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t54 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t54[...] = 0
-    t55 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t55[...] = 0
-    t56 = t55.view((d_V, d_H, d_H, d_V))
-    t57 = t56.diagonal(0, 1, 2)
-    t58 = M_1.transpose(-1, -2)
-    t59 = t58 @ G
-    t60 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
-    t57 += (1/n_batch) * oe.contract('abc,d->bcd', t59, t60, optimize=[(0, 1)])
-    t61 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t62 = t61.view((d_H, d_V, d_V, d_K))
-    t62[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,acef,acg,fh->dbgh', t50, t18, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t63 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t64 = t63.view((d_H, d_V, d_V, d_K))
-    t64[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,acef,acg,gh->dbfh', t50, t18, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
-    t65 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t65[...] = 0
-    t66 = t65.view((d_H, d_V, d_V, d_H))
-    t67 = t66.diagonal(0, 0, 3)
-    t68 = t50 @ M_1
-    t67 += (1/n_batch) * oe.contract('abc,d->bcd', t68, t60, optimize=[(0, 1)])
-    t69 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t69[...] = 0
+    t36 = G @ t17
+    t37 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t38 = oe.contract('abc,abd->cdab', X, t36, optimize=[(0, 1)])
+    t39 = oe.contract('ab,cdeb->aecd', t37, M_2, optimize=[(0, 1)])
+    t35[...] = oe.contract('abcd,efcd->aefb', t38, t39, optimize=[(0, 1)])
+    t40 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t41 = t40.view((d_V, d_K, d_H, d_V))
+    t42 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t43 = oe.contract('ab,cdeb,ef->afcd', t37, M_2, W_V, optimize=[(0, 1), (0, 1)])
+    t41[...] = oe.contract('abcd,efcd->aefb', t42, t43, optimize=[(0, 1)])
+    t44 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t44[...] = 0
+    t45 = t44.view((d_V, d_K, d_V, d_K))
+    t46 = t45.diagonal(0, 1, 3)
+    t47 = t23.transpose(-1, -2)
+    t48 = t47 @ X
+    t49 = t3 @ t48
+    t46 += oe.contract('abc,d->bcd', t49, t31, optimize=[(0, 1)])
+    t50 = W_Q.transpose(-1, -2)
+    t51 = (1/(d_K*n_batch)) * t50
+    t52 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t53 = oe.contract('ab,cbd,cde->aecd', t51, t3, X, optimize=[(0, 1), (0, 1)])
+    t45 += oe.contract('abcd,efcd->aefb', t52, t53, optimize=[(0, 1)])
+    t54 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t55 = t54.view((d_V, d_K, d_V, d_K))
+    t56 = oe.contract('ab,cbd,cde,ef->afcd', t51, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t57 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t55[...] = oe.contract('abcd,efcd->eafb', t56, t57, optimize=[(0, 1)])
+    t58 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t59 = t58.view((d_V, d_K, d_V, d_H))
+    t60 = (1/(math.sqrt(d_K)*n_batch)) * t50
+    t61 = oe.contract('ab,cdb,cde->aecd', t60, X, t36, optimize=[(0, 1), (0, 1)])
+    t62 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t59[...] = oe.contract('abcd,efcd->eafb', t61, t62, optimize=[(0, 1)])
+    t63 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t64 = t63.view((d_V, d_K, d_H, d_V))
+    t65 = oe.contract('ab,cdb,cde->aecd', t60, X, G, optimize=[(0, 1), (0, 1)])
+    t66 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t64[...] = oe.contract('abcd,efcd->eafb', t65, t66, optimize=[(0, 1)])
+    t67 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t68 = t67.view((d_V, d_H, d_V, d_K))
+    t69 = G.transpose(-1, -2)
+    t70 = W_O @ t69
+    t71 = (1/(math.sqrt(d_K)*n_batch)) * t70
+    t72 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t73 = oe.contract('abc,acd->bdac', t71, X, optimize=[(0, 1)])
+    t68[...] = oe.contract('abcd,efcd->aefb', t72, t73, optimize=[(0, 1)])
+    t74 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t75 = t74.view((d_V, d_H, d_V, d_K))
+    t76 = oe.contract('abc,acd,de->beac', t71, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t77 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t75[...] = oe.contract('abcd,efcd->eafb', t76, t77, optimize=[(0, 1)])
+    t78 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t78[...] = 0
+    t79 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t79[...] = 0
+    t80 = t79.view((d_V, d_H, d_H, d_V))
+    t81 = t80.diagonal(0, 1, 2)
+    t82 = M_1.transpose(-1, -2)
+    t83 = t82 @ G
+    t84 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
+    t85 = (1/n_batch) * t84
+    t81 += oe.contract('abc,d->bcd', t83, t85, optimize=[(0, 1)])
+    t86 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t87 = t86.view((d_H, d_V, d_V, d_K))
+    t88 = (1/(math.sqrt(d_K)*n_batch)) * t69
+    t87[...] = oe.contract('abc,de,acef,acg,fh->dbgh', t88, t18, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t89 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t90 = t89.view((d_H, d_V, d_V, d_K))
+    t91 = oe.contract('abc,acd,de->beac', t88, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t92 = oe.contract('ab,cdbe->aecd', t18, M_2, optimize=[(0, 1)])
+    t90[...] = oe.contract('abcd,efcd->eafb', t91, t92, optimize=[(0, 1)])
+    t93 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t93[...] = 0
+    t94 = t93.view((d_H, d_V, d_V, d_H))
+    t95 = t94.diagonal(0, 0, 3)
+    t96 = t69 @ M_1
+    t95 += oe.contract('abc,d->bcd', t96, t85, optimize=[(0, 1)])
+    t97 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t97[...] = 0
     return H
 
 
@@ -6599,7 +6937,10 @@ def mse_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t22 = A * t21
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t22, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t22, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t22, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->da', t1, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
+    t23 = (1/(d_K*n_batch)) * t1
+    t24 = oe.contract('ab,cdbe,ea->acd', t23, M_3, W_K, optimize=[(0, 2), (0, 1)])
+    t25 = oe.contract('abc,acb->bac', t2, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t24, t25, optimize=[(0, 1)])
     return out
 
 
@@ -6678,7 +7019,8 @@ def mse_causal1__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t22 = A * t21
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t22, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t22, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t22, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t1, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t23 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t23, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -6762,10 +7104,14 @@ def mse_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t24 = t23 @ X
     t25 = t2 @ t24
     t26 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t25, t26, optimize=[(0, 1)])
+    t27 = (1/(math.sqrt(d_K)*n_batch)) * t26
+    t1 += oe.contract('abc,d->bcd', t25, t27, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t3, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t28 = (1/(d_K*n_batch)) * t3
+    t29 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t30 = oe.contract('ab,cdbe->aecd', t28, M_3, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
     return out
 
 
@@ -6843,7 +7189,10 @@ def mse_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     G = t15
     t16 = W_O.transpose(-1, -2)
     t17 = G @ t16
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t1, M_2, X, t17, optimize=[(0, 1), (0, 1), (0, 1)])
+    t18 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t19 = oe.contract('abc,abd->cdab', X, t17, optimize=[(0, 1)])
+    t20 = oe.contract('ab,cdeb->aecd', t18, M_2, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -6912,7 +7261,10 @@ def mse_causal1__block__W_Q__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     t14 = (-2/(L*d_V)) * Y
     t15 = t13 + t14
     G = t15
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fahg', t1, M_2, X, G, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t16 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t17 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t18 = oe.contract('ab,cdeb,ef->afcd', t16, M_2, W_V, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -6987,7 +7339,8 @@ def mse_causal1__diag__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t23 = A * t22
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->ea', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t24 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cbd,cdee,cdf,fa->ea', t24, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -7071,11 +7424,15 @@ def mse_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t25 = t24 @ X
     t26 = t2 @ t25
     t27 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t26, t27, optimize=[(0, 1)])
-    t28 = W_Q.transpose(-1, -2)
+    t28 = (1/(math.sqrt(d_K)*n_batch)) * t27
+    t1 += oe.contract('abc,d->bcd', t26, t28, optimize=[(0, 1)])
+    t29 = W_Q.transpose(-1, -2)
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t28, t2, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    t30 = (1/(d_K*n_batch)) * t29
+    t31 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t32 = oe.contract('ab,cbd,cde->aecd', t30, t2, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t31, t32, optimize=[(0, 1)])
     return out
 
 
@@ -7161,7 +7518,10 @@ def mse_causal1__block__W_K__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t23 = A * t22
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t24 = (1/(d_K*n_batch)) * t1
+    t25 = oe.contract('ab,cbd,cde,ef->afcd', t24, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t26 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t25, t26, optimize=[(0, 1)])
     return out
 
 
@@ -7239,7 +7599,10 @@ def mse_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     G = t16
     t17 = W_O.transpose(-1, -2)
     t18 = G @ t17
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t1, M_2, X, t18, optimize=[(0, 2), (1, 2), (0, 1)])
+    t19 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t20 = oe.contract('ab,cdb,cde->aecd', t19, X, t18, optimize=[(0, 1), (0, 1)])
+    t21 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -7310,7 +7673,10 @@ def mse_causal1__block__W_K__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     t15 = (-2/(L*d_V)) * Y
     t16 = t14 + t15
     G = t16
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fahg', t1, M_2, X, G, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
+    t17 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t18 = oe.contract('ab,cdb,cde->aecd', t17, X, G, optimize=[(0, 1), (0, 1)])
+    t19 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -7402,7 +7768,10 @@ def mse_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t17 = W_O @ t16
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t17, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
+    t18 = (1/(math.sqrt(d_K)*n_batch)) * t17
+    t19 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t20 = oe.contract('abc,acd->bdac', t18, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -7473,7 +7842,10 @@ def mse_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t17 = W_O @ t16
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t17, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    t18 = (1/(math.sqrt(d_K)*n_batch)) * t17
+    t19 = oe.contract('abc,acd,de->beac', t18, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t20 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -7567,7 +7939,8 @@ def mse_causal1__block__W_V__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     G = t17
     t18 = t12 @ G
     t19 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
-    t1 += (1/n_batch) * oe.contract('abc,d->bcd', t18, t19, optimize=[(0, 1)])
+    t20 = (1/n_batch) * t19
+    t1 += oe.contract('abc,d->bcd', t18, t20, optimize=[(0, 1)])
     return out
 
 
@@ -7658,7 +8031,8 @@ def mse_causal1__block__W_O__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t17 = W_V.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,acef,acg,fh->dbgh', t16, t17, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t18 = (1/(math.sqrt(d_K)*n_batch)) * t16
+    t0[...] = oe.contract('abc,de,acef,acg,fh->dbgh', t18, t17, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -7729,7 +8103,10 @@ def mse_causal1__block__W_O__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t17 = W_V.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,acef,acg,gh->dbfh', t16, t17, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t18 = (1/(math.sqrt(d_K)*n_batch)) * t16
+    t19 = oe.contract('abc,acd,de->beac', t18, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t20 = oe.contract('ab,cdbe->aecd', t17, M_2, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -7801,7 +8178,8 @@ def mse_causal1__block__W_O__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     t17 = G.transpose(-1, -2)
     t18 = t17 @ M_1
     t19 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
-    t1 += (1/n_batch) * oe.contract('abc,d->bcd', t18, t19, optimize=[(0, 1)])
+    t20 = (1/n_batch) * t19
+    t1 += oe.contract('abc,d->bcd', t18, t20, optimize=[(0, 1)])
     return out
 
 
@@ -7898,104 +8276,154 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t23 = A * t22
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t3, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t2, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t24 = (1/(d_K*n_batch)) * t2
+    t1[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t24, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t24 = t17 @ t18
-    t25 = W_O @ t24
-    t26 = W_V @ t25
-    t1 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t2, M_2, X, t26, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t27 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t27[...] = 0
-    t28 = t27.view((d_V, d_K, d_V, d_K))
-    t29 = t28.diagonal(0, 1, 3)
-    t30 = t23 @ X
-    t31 = t3 @ t30
-    t32 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t29 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t31, t32, optimize=[(0, 1)])
-    t28 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t2, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
-    t28 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t2, M_2, X, t26, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
-    t33 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t34 = t33.view((d_V, d_K, d_V, d_H))
-    t35 = G @ t17
-    t34[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t2, M_2, X, t35, optimize=[(0, 1), (0, 1), (0, 1)])
-    t36 = W_O @ t17
-    t37 = W_V @ t36
-    t34 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t2, M_2, X, M_1, t37, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t38 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t39 = t38.view((d_V, d_K, d_H, d_V))
-    t40 = W_V @ W_O
-    t39[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t2, M_2, X, t12, t40, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t39 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fahg', t2, M_2, X, G, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t41 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t41[...] = 0
-    t42 = t41.view((d_V, d_K, d_V, d_K))
-    t43 = t42.diagonal(0, 1, 3)
-    t44 = t23.transpose(-1, -2)
-    t45 = t44 @ X
-    t46 = t3 @ t45
-    t43 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t46, t32, optimize=[(0, 1)])
-    t47 = W_Q.transpose(-1, -2)
-    t42 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t47, t3, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
-    t42 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t47, M_2, X, t26, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t48 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t49 = t48.view((d_V, d_K, d_V, d_K))
-    t49[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t47, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t49 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t47, M_2, X, t26, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
-    t50 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t51 = t50.view((d_V, d_K, d_V, d_H))
-    t51[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t47, M_2, X, t35, optimize=[(0, 2), (1, 2), (0, 1)])
-    t51 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fagh', t47, M_2, X, M_1, t37, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
-    t52 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t53 = t52.view((d_V, d_K, d_H, d_V))
-    t53[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fagh', t47, M_2, X, t12, t40, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
-    t53 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fahg', t47, M_2, X, G, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
-    t54 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t55 = t54.view((d_V, d_H, d_V, d_K))
-    t56 = G.transpose(-1, -2)
-    t57 = W_O @ t56
-    t55[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t57, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
-    t58 = M_1.transpose(-1, -2)
-    t55 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,fh->bdgh', t58, t25, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t59 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t60 = t59.view((d_V, d_H, d_V, d_K))
-    t60[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t57, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t60 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,gh->bdfh', t58, t25, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
-    t61 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t62 = t61.view((d_V, d_H, d_V, d_H))
-    t63 = t58 @ M_1
-    t62[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,de->bdce', t63, t36, optimize=[(0, 1)])
-    t64 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t65 = t64.view((d_V, d_H, d_H, d_V))
-    t66 = t58 @ t12
-    t65[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,de->bdce', t66, W_O, optimize=[(0, 1)])
-    t67 = t65.diagonal(0, 1, 2)
-    t68 = t58 @ G
-    t69 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
-    t67 += (1/n_batch) * oe.contract('abc,d->bcd', t68, t69, optimize=[(0, 1)])
-    t70 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t71 = t70.view((d_H, d_V, d_V, d_K))
-    t71[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,acef,acg,fh->dbgh', t56, t18, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t72 = t18 @ t58
-    t71 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,fh->bdgh', t72, t24, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t73 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t74 = t73.view((d_H, d_V, d_V, d_K))
-    t74[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,acef,acg,gh->dbfh', t56, t18, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
-    t74 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,gh->bdfh', t72, t24, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
-    t75 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t76 = t75.view((d_H, d_V, d_V, d_H))
-    t77 = t72 @ M_1
-    t76[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,de->bdce', t77, t17, optimize=[(0, 1)])
-    t78 = t76.diagonal(0, 0, 3)
-    t79 = t56 @ M_1
-    t78 += (1/n_batch) * oe.contract('abc,d->bcd', t79, t69, optimize=[(0, 1)])
-    t80 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t80[...] = 0
-    t81 = t80.view((d_H, d_V, d_H, d_V))
-    t82 = t81.diagonal(0, 1, 3)
-    t83 = t72 @ t12
-    t84 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t82 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bcd', t83, t84, optimize=[(0, 1)])
+    t25 = t17 @ t18
+    t26 = W_O @ t25
+    t27 = W_V @ t26
+    t28 = (2/(L*d_K*d_V*n_batch)) * t2
+    t1 += oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t28, M_2, X, t27, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t29 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t29[...] = 0
+    t30 = t29.view((d_V, d_K, d_V, d_K))
+    t31 = t30.diagonal(0, 1, 3)
+    t32 = t23 @ X
+    t33 = t3 @ t32
+    t34 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t35 = (1/(math.sqrt(d_K)*n_batch)) * t34
+    t31 += oe.contract('abc,d->bcd', t33, t35, optimize=[(0, 1)])
+    t36 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t37 = oe.contract('ab,cdbe->aecd', t24, M_3, optimize=[(0, 1)])
+    t30 += oe.contract('abcd,efcd->aefb', t36, t37, optimize=[(0, 1)])
+    t38 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t39 = oe.contract('ab,cdeb,ef,cdfg->agcd', t28, M_2, t27, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t30 += oe.contract('abcd,efcd->aefb', t38, t39, optimize=[(0, 1)])
+    t40 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t41 = t40.view((d_V, d_K, d_V, d_H))
+    t42 = G @ t17
+    t43 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t44 = oe.contract('abc,abd->cdab', X, t42, optimize=[(0, 1)])
+    t45 = oe.contract('ab,cdeb->aecd', t43, M_2, optimize=[(0, 1)])
+    t41[...] = oe.contract('abcd,efcd->aefb', t44, t45, optimize=[(0, 1)])
+    t46 = W_O @ t17
+    t47 = W_V @ t46
+    t48 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
+    t41 += oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t48, M_2, X, M_1, t47, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t49 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t50 = t49.view((d_V, d_K, d_H, d_V))
+    t51 = W_V @ W_O
+    t50[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t48, M_2, X, t12, t51, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t52 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t53 = oe.contract('ab,cdeb,ef->afcd', t43, M_2, W_V, optimize=[(0, 1), (0, 1)])
+    t50 += oe.contract('abcd,efcd->aefb', t52, t53, optimize=[(0, 1)])
+    t54 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t54[...] = 0
+    t55 = t54.view((d_V, d_K, d_V, d_K))
+    t56 = t55.diagonal(0, 1, 3)
+    t57 = t23.transpose(-1, -2)
+    t58 = t57 @ X
+    t59 = t3 @ t58
+    t56 += oe.contract('abc,d->bcd', t59, t35, optimize=[(0, 1)])
+    t60 = W_Q.transpose(-1, -2)
+    t61 = (1/(d_K*n_batch)) * t60
+    t62 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t63 = oe.contract('ab,cbd,cde->aecd', t61, t3, X, optimize=[(0, 1), (0, 1)])
+    t55 += oe.contract('abcd,efcd->aefb', t62, t63, optimize=[(0, 1)])
+    t64 = (2/(L*d_K*d_V*n_batch)) * t60
+    t55 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t64, M_2, X, t27, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t65 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t66 = t65.view((d_V, d_K, d_V, d_K))
+    t67 = oe.contract('ab,cbd,cde,ef->afcd', t61, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t68 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t66[...] = oe.contract('abcd,efcd->eafb', t67, t68, optimize=[(0, 1)])
+    t69 = oe.contract('ab,cdb,cde,ef->afcd', t64, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t70 = oe.contract('abcd,ce,abef->dfab', M_2, t27, M_2, optimize=[(0, 1), (0, 1)])
+    t66 += oe.contract('abcd,efcd->eafb', t69, t70, optimize=[(0, 1)])
+    t71 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t72 = t71.view((d_V, d_K, d_V, d_H))
+    t73 = (1/(math.sqrt(d_K)*n_batch)) * t60
+    t74 = oe.contract('ab,cdb,cde->aecd', t73, X, t42, optimize=[(0, 1), (0, 1)])
+    t75 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t72[...] = oe.contract('abcd,efcd->eafb', t74, t75, optimize=[(0, 1)])
+    t76 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t60
+    t77 = oe.contract('abcd,ce->deab', M_2, t47, optimize=[(0, 1)])
+    t78 = oe.contract('ab,cdb,cde->aecd', t76, X, M_1, optimize=[(0, 1), (0, 1)])
+    t72 += oe.contract('abcd,efcd->aefb', t77, t78, optimize=[(0, 1)])
+    t79 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t80 = t79.view((d_V, d_K, d_H, d_V))
+    t81 = oe.contract('abcd,ce->deab', M_2, t51, optimize=[(0, 1)])
+    t82 = oe.contract('ab,cdb,cde->aecd', t76, X, t12, optimize=[(0, 1), (0, 1)])
+    t80[...] = oe.contract('abcd,efcd->aefb', t81, t82, optimize=[(0, 1)])
+    t83 = oe.contract('ab,cdb,cde->aecd', t73, X, G, optimize=[(0, 1), (0, 1)])
+    t84 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t80 += oe.contract('abcd,efcd->eafb', t83, t84, optimize=[(0, 1)])
+    t85 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t86 = t85.view((d_V, d_H, d_V, d_K))
+    t87 = G.transpose(-1, -2)
+    t88 = W_O @ t87
+    t89 = (1/(math.sqrt(d_K)*n_batch)) * t88
+    t90 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t91 = oe.contract('abc,acd->bdac', t89, X, optimize=[(0, 1)])
+    t86[...] = oe.contract('abcd,efcd->aefb', t90, t91, optimize=[(0, 1)])
+    t92 = M_1.transpose(-1, -2)
+    t93 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t92
+    t86 += oe.contract('abc,de,acef,acg,fh->bdgh', t93, t26, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t94 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t95 = t94.view((d_V, d_H, d_V, d_K))
+    t96 = oe.contract('abc,acd,de->beac', t89, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t97 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t95[...] = oe.contract('abcd,efcd->eafb', t96, t97, optimize=[(0, 1)])
+    t98 = oe.contract('abc,acd,de->beac', t93, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t99 = oe.contract('ab,cdbe->aecd', t26, M_2, optimize=[(0, 1)])
+    t95 += oe.contract('abcd,efcd->aefb', t98, t99, optimize=[(0, 1)])
+    t100 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t101 = t100.view((d_V, d_H, d_V, d_H))
+    t102 = t92 @ M_1
+    t103 = (2/(L*d_V*n_batch)) * t46
+    t101[...] = oe.contract('abc,de->bdce', t102, t103, optimize=[(0, 1)])
+    t104 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t105 = t104.view((d_V, d_H, d_H, d_V))
+    t106 = t92 @ t12
+    t107 = (2/(L*d_V*n_batch)) * W_O
+    t105[...] = oe.contract('abc,de->bdce', t106, t107, optimize=[(0, 1)])
+    t108 = t105.diagonal(0, 1, 2)
+    t109 = t92 @ G
+    t110 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
+    t111 = (1/n_batch) * t110
+    t108 += oe.contract('abc,d->bcd', t109, t111, optimize=[(0, 1)])
+    t112 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t113 = t112.view((d_H, d_V, d_V, d_K))
+    t114 = (1/(math.sqrt(d_K)*n_batch)) * t87
+    t113[...] = oe.contract('abc,de,acef,acg,fh->dbgh', t114, t18, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t115 = t18 @ t92
+    t116 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t115
+    t113 += oe.contract('abc,de,acef,acg,fh->bdgh', t116, t25, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t117 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t118 = t117.view((d_H, d_V, d_V, d_K))
+    t119 = oe.contract('abc,acd,de->beac', t114, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t120 = oe.contract('ab,cdbe->aecd', t18, M_2, optimize=[(0, 1)])
+    t118[...] = oe.contract('abcd,efcd->eafb', t119, t120, optimize=[(0, 1)])
+    t121 = oe.contract('abc,acd,de->beac', t116, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t122 = oe.contract('ab,cdbe->aecd', t25, M_2, optimize=[(0, 1)])
+    t118 += oe.contract('abcd,efcd->aefb', t121, t122, optimize=[(0, 1)])
+    t123 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t124 = t123.view((d_H, d_V, d_V, d_H))
+    t125 = t115 @ M_1
+    t126 = (2/(L*d_V*n_batch)) * t17
+    t124[...] = oe.contract('abc,de->bdce', t125, t126, optimize=[(0, 1)])
+    t127 = t124.diagonal(0, 0, 3)
+    t128 = t87 @ M_1
+    t127 += oe.contract('abc,d->bcd', t128, t111, optimize=[(0, 1)])
+    t129 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t129[...] = 0
+    t130 = t129.view((d_H, d_V, d_H, d_V))
+    t131 = t130.diagonal(0, 1, 3)
+    t132 = t115 @ t12
+    t133 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t134 = (2/(L*d_V*n_batch)) * t133
+    t131 += oe.contract('abc,d->bcd', t132, t134, optimize=[(0, 1)])
     return H
 
 
@@ -8244,13 +8672,19 @@ def mse_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t22 = A * t21
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t22, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t22, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t22, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->da', t1, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
+    t23 = (1/(d_K*n_batch)) * t1
+    t24 = oe.contract('ab,cdbe,ea->acd', t23, M_3, W_K, optimize=[(0, 2), (0, 1)])
+    t25 = oe.contract('abc,acb->bac', t2, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t24, t25, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t23 = t16 @ t17
-    t24 = W_O @ t23
-    t25 = W_V @ t24
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdf,ha->fa', t1, M_2, X, t25, M_2, X, W_K, optimize=[(2, 5), (0, 1), (0, 1), (2, 3), (0, 2), (0, 1)])
+    t26 = t16 @ t17
+    t27 = W_O @ t26
+    t28 = W_V @ t27
+    t29 = (2/(L*d_K*d_V*n_batch)) * t1
+    t30 = oe.contract('ab,cdeb,ef,cdfg,ga->acd', t29, M_2, t28, M_2, W_K, optimize=[(0, 1), (0, 1), (1, 2), (0, 1)])
+    t31 = oe.contract('abc,abc->cab', X, X, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dbc->da', t30, t31, optimize=[(0, 1)])
     return out
 
 
@@ -8334,13 +8768,15 @@ def mse_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t22 = A * t21
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t22, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t22, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t22, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t1, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t23 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t23, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t23 = t16 @ t17
-    t24 = W_O @ t23
-    t25 = W_V @ t24
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t1, M_2, X, t25, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t24 = t16 @ t17
+    t25 = W_O @ t24
+    t26 = W_V @ t25
+    t27 = (2/(L*d_K*d_V*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t27, M_2, X, t26, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -8429,16 +8865,23 @@ def mse_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t24 = t23 @ X
     t25 = t2 @ t24
     t26 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t25, t26, optimize=[(0, 1)])
+    t27 = (1/(math.sqrt(d_K)*n_batch)) * t26
+    t1 += oe.contract('abc,d->bcd', t25, t27, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t3, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t28 = (1/(d_K*n_batch)) * t3
+    t29 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t30 = oe.contract('ab,cdbe->aecd', t28, M_3, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t27 = t17 @ t18
-    t28 = W_O @ t27
-    t29 = W_V @ t28
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij->fahj', t3, M_2, X, t29, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (3, 4), (1, 2), (0, 2), (0, 1)])
+    t31 = t17 @ t18
+    t32 = W_O @ t31
+    t33 = W_V @ t32
+    t34 = (2/(L*d_K*d_V*n_batch)) * t3
+    t35 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t36 = oe.contract('ab,cdeb,ef,cdfg->agcd', t34, M_2, t33, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t35, t36, optimize=[(0, 1)])
     return out
 
 
@@ -8521,10 +8964,14 @@ def mse_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     G = t15
     t16 = W_O.transpose(-1, -2)
     t17 = G @ t16
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t1, M_2, X, t17, optimize=[(0, 1), (0, 1), (0, 1)])
-    t18 = W_O @ t16
-    t19 = W_V @ t18
-    t0 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t1, M_2, X, M_1, t19, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t18 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t19 = oe.contract('abc,abd->cdab', X, t17, optimize=[(0, 1)])
+    t20 = oe.contract('ab,cdeb->aecd', t18, M_2, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
+    t21 = W_O @ t16
+    t22 = W_V @ t21
+    t23 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t23, M_2, X, M_1, t22, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -8590,14 +9037,18 @@ def mse_causal1__block__W_Q__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     M_1 = t10
     t11 = M_1 @ W_V
     t12 = W_V @ W_O
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t1, M_2, X, t11, t12, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t13 = t11 @ W_O
-    F = t13
-    t14 = (2/(L*d_V)) * F
-    t15 = (-2/(L*d_V)) * Y
-    t16 = t14 + t15
-    G = t16
-    t0 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fahg', t1, M_2, X, G, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t13, M_2, X, t11, t12, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t14 = t11 @ W_O
+    F = t14
+    t15 = (2/(L*d_V)) * F
+    t16 = (-2/(L*d_V)) * Y
+    t17 = t15 + t16
+    G = t17
+    t18 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t19 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t20 = oe.contract('ab,cdeb,ef->afcd', t18, M_2, W_V, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -8673,13 +9124,17 @@ def mse_causal1__diag__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t23 = A * t22
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->ea', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t24 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cbd,cdee,cdf,fa->ea', t24, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t24 = t17 @ t18
-    t25 = W_O @ t24
-    t26 = W_V @ t25
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgf,cdh,ha->fa', t1, M_2, X, t26, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t25 = t17 @ t18
+    t26 = W_O @ t25
+    t27 = W_V @ t26
+    t28 = (2/(L*d_K*d_V*n_batch)) * t1
+    t29 = oe.contract('ab,cdb,cde,ea->acd', t28, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t30 = oe.contract('abcd,ce,abed->dab', M_2, t27, M_2, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abc,dbc->da', t29, t30, optimize=[(0, 1)])
     return out
 
 
@@ -8768,17 +9223,22 @@ def mse_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t25 = t24 @ X
     t26 = t2 @ t25
     t27 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t26, t27, optimize=[(0, 1)])
-    t28 = W_Q.transpose(-1, -2)
+    t28 = (1/(math.sqrt(d_K)*n_batch)) * t27
+    t1 += oe.contract('abc,d->bcd', t26, t28, optimize=[(0, 1)])
+    t29 = W_Q.transpose(-1, -2)
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t28, t2, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    t30 = (1/(d_K*n_batch)) * t29
+    t31 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t32 = oe.contract('ab,cbd,cde->aecd', t30, t2, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t31, t32, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t29 = t17 @ t18
-    t30 = W_O @ t29
-    t31 = W_V @ t30
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t28, M_2, X, t31, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t33 = t17 @ t18
+    t34 = W_O @ t33
+    t35 = W_V @ t34
+    t36 = (2/(L*d_K*d_V*n_batch)) * t29
+    t0 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t36, M_2, X, t35, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -8869,13 +9329,19 @@ def mse_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t23 = A * t22
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t24 = (1/(d_K*n_batch)) * t1
+    t25 = oe.contract('ab,cbd,cde,ef->afcd', t24, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t26 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t25, t26, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t24 = t17 @ t18
-    t25 = W_O @ t24
-    t26 = W_V @ t25
-    t0 += (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij->fahj', t1, M_2, X, t26, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 4), (0, 1), (0, 2), (0, 1)])
+    t27 = t17 @ t18
+    t28 = W_O @ t27
+    t29 = W_V @ t28
+    t30 = (2/(L*d_K*d_V*n_batch)) * t1
+    t31 = oe.contract('ab,cdb,cde,ef->afcd', t30, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t32 = oe.contract('abcd,ce,abef->dfab', M_2, t29, M_2, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t31, t32, optimize=[(0, 1)])
     return out
 
 
@@ -8958,10 +9424,16 @@ def mse_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     G = t16
     t17 = W_O.transpose(-1, -2)
     t18 = G @ t17
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t1, M_2, X, t18, optimize=[(0, 2), (1, 2), (0, 1)])
-    t19 = W_O @ t17
-    t20 = W_V @ t19
-    t0 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fagh', t1, M_2, X, M_1, t20, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
+    t19 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t20 = oe.contract('ab,cdb,cde->aecd', t19, X, t18, optimize=[(0, 1), (0, 1)])
+    t21 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
+    t22 = W_O @ t17
+    t23 = W_V @ t22
+    t24 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
+    t25 = oe.contract('abcd,ce->deab', M_2, t23, optimize=[(0, 1)])
+    t26 = oe.contract('ab,cdb,cde->aecd', t24, X, M_1, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t25, t26, optimize=[(0, 1)])
     return out
 
 
@@ -9029,14 +9501,20 @@ def mse_causal1__block__W_K__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     M_1 = t11
     t12 = M_1 @ W_V
     t13 = W_V @ W_O
-    t0[...] = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fagh', t1, M_2, X, t12, t13, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
-    t14 = t12 @ W_O
-    F = t14
-    t15 = (2/(L*d_V)) * F
-    t16 = (-2/(L*d_V)) * Y
-    t17 = t15 + t16
-    G = t17
-    t0 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fahg', t1, M_2, X, G, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
+    t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
+    t15 = oe.contract('abcd,ce->deab', M_2, t13, optimize=[(0, 1)])
+    t16 = oe.contract('ab,cdb,cde->aecd', t14, X, t12, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t15, t16, optimize=[(0, 1)])
+    t17 = t12 @ W_O
+    F = t17
+    t18 = (2/(L*d_V)) * F
+    t19 = (-2/(L*d_V)) * Y
+    t20 = t18 + t19
+    G = t20
+    t21 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t22 = oe.contract('ab,cdb,cde->aecd', t21, X, G, optimize=[(0, 1), (0, 1)])
+    t23 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -9100,7 +9578,8 @@ def mse_causal1__diag__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t12 = t11 @ M_1
     t13 = W_O.transpose(-1, -2)
     t14 = W_O @ t13
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abb,cc->bc', t12, t14, optimize=[(0, 1)])
+    t15 = (2/(L*d_V*n_batch)) * t14
+    t0[...] = oe.contract('abb,cc->bc', t12, t15, optimize=[(0, 1)])
     return out
 
 
@@ -9162,13 +9641,17 @@ def mse_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t17 = W_O @ t16
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t17, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
-    t18 = M_1.transpose(-1, -2)
-    t19 = W_O.transpose(-1, -2)
-    t20 = W_V.transpose(-1, -2)
-    t21 = t19 @ t20
-    t22 = W_O @ t21
-    t0 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,fh->bdgh', t18, t22, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t18 = (1/(math.sqrt(d_K)*n_batch)) * t17
+    t19 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t20 = oe.contract('abc,acd->bdac', t18, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
+    t21 = M_1.transpose(-1, -2)
+    t22 = W_O.transpose(-1, -2)
+    t23 = W_V.transpose(-1, -2)
+    t24 = t22 @ t23
+    t25 = W_O @ t24
+    t26 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t21
+    t0 += oe.contract('abc,de,acef,acg,fh->bdgh', t26, t25, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -9244,13 +9727,19 @@ def mse_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t17 = W_O @ t16
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t17, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t18 = M_1.transpose(-1, -2)
-    t19 = W_O.transpose(-1, -2)
-    t20 = W_V.transpose(-1, -2)
-    t21 = t19 @ t20
-    t22 = W_O @ t21
-    t0 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,gh->bdfh', t18, t22, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t18 = (1/(math.sqrt(d_K)*n_batch)) * t17
+    t19 = oe.contract('abc,acd,de->beac', t18, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t20 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
+    t21 = M_1.transpose(-1, -2)
+    t22 = W_O.transpose(-1, -2)
+    t23 = W_V.transpose(-1, -2)
+    t24 = t22 @ t23
+    t25 = W_O @ t24
+    t26 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t21
+    t27 = oe.contract('abc,acd,de->beac', t26, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t28 = oe.contract('ab,cdbe->aecd', t25, M_2, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t27, t28, optimize=[(0, 1)])
     return out
 
 
@@ -9319,7 +9808,8 @@ def mse_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t12 = t11 @ M_1
     t13 = W_O.transpose(-1, -2)
     t14 = W_O @ t13
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,de->bdce', t12, t14, optimize=[(0, 1)])
+    t15 = (2/(L*d_V*n_batch)) * t14
+    t0[...] = oe.contract('abc,de->bdce', t12, t15, optimize=[(0, 1)])
     return out
 
 
@@ -9375,17 +9865,19 @@ def mse_causal1__block__W_V__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t11 = M_1.transpose(-1, -2)
     t12 = M_1 @ W_V
     t13 = t11 @ t12
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,de->bdce', t13, W_O, optimize=[(0, 1)])
-    t14 = t0.diagonal(0, 1, 2)
-    t15 = t12 @ W_O
-    F = t15
-    t16 = (2/(L*d_V)) * F
-    t17 = (-2/(L*d_V)) * Y
-    t18 = t16 + t17
-    G = t18
-    t19 = t11 @ G
-    t20 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
-    t14 += (1/n_batch) * oe.contract('abc,d->bcd', t19, t20, optimize=[(0, 1)])
+    t14 = (2/(L*d_V*n_batch)) * W_O
+    t0[...] = oe.contract('abc,de->bdce', t13, t14, optimize=[(0, 1)])
+    t15 = t0.diagonal(0, 1, 2)
+    t16 = t12 @ W_O
+    F = t16
+    t17 = (2/(L*d_V)) * F
+    t18 = (-2/(L*d_V)) * Y
+    t19 = t17 + t18
+    G = t19
+    t20 = t11 @ G
+    t21 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
+    t22 = (1/n_batch) * t21
+    t15 += oe.contract('abc,d->bcd', t20, t22, optimize=[(0, 1)])
     return out
 
 
@@ -9450,7 +9942,8 @@ def mse_causal1__diag__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t14 = M_1 @ W_V
     t15 = t13 @ t14
     t16 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abb,c->bc', t15, t16, optimize=[(0, 1)])
+    t17 = (2/(L*d_V*n_batch)) * t16
+    t0[...] = oe.contract('abb,c->bc', t15, t17, optimize=[(0, 1)])
     return out
 
 
@@ -9513,12 +10006,14 @@ def mse_causal1__block__W_O__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t17 = W_V.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,acef,acg,fh->dbgh', t16, t17, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t18 = M_1.transpose(-1, -2)
-    t19 = t17 @ t18
-    t20 = W_O.transpose(-1, -2)
-    t21 = t20 @ t17
-    t0 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,fh->bdgh', t19, t21, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t18 = (1/(math.sqrt(d_K)*n_batch)) * t16
+    t0[...] = oe.contract('abc,de,acef,acg,fh->dbgh', t18, t17, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t19 = M_1.transpose(-1, -2)
+    t20 = t17 @ t19
+    t21 = W_O.transpose(-1, -2)
+    t22 = t21 @ t17
+    t23 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t20
+    t0 += oe.contract('abc,de,acef,acg,fh->bdgh', t23, t22, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -9593,12 +10088,18 @@ def mse_causal1__block__W_O__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t17 = W_V.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,acef,acg,gh->dbfh', t16, t17, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
-    t18 = M_1.transpose(-1, -2)
-    t19 = t17 @ t18
-    t20 = W_O.transpose(-1, -2)
-    t21 = t20 @ t17
-    t0 += (2/(L*math.sqrt(d_K)*d_V*n_batch)) * oe.contract('abc,de,acef,acg,gh->bdfh', t19, t21, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t18 = (1/(math.sqrt(d_K)*n_batch)) * t16
+    t19 = oe.contract('abc,acd,de->beac', t18, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t20 = oe.contract('ab,cdbe->aecd', t17, M_2, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
+    t21 = M_1.transpose(-1, -2)
+    t22 = t17 @ t21
+    t23 = W_O.transpose(-1, -2)
+    t24 = t23 @ t17
+    t25 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t22
+    t26 = oe.contract('abc,acd,de->beac', t25, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t27 = oe.contract('ab,cdbe->aecd', t24, M_2, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t26, t27, optimize=[(0, 1)])
     return out
 
 
@@ -9667,19 +10168,21 @@ def mse_causal1__block__W_O__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t13 = t1 @ t12
     t14 = t13 @ M_1
     t15 = W_O.transpose(-1, -2)
-    t0[...] = (2/(L*d_V*n_batch)) * oe.contract('abc,de->bdce', t14, t15, optimize=[(0, 1)])
-    t16 = t0.diagonal(0, 0, 3)
-    t17 = M_1 @ W_V
-    t18 = t17 @ W_O
-    F = t18
-    t19 = (2/(L*d_V)) * F
-    t20 = (-2/(L*d_V)) * Y
-    t21 = t19 + t20
-    G = t21
-    t22 = G.transpose(-1, -2)
-    t23 = t22 @ M_1
-    t24 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
-    t16 += (1/n_batch) * oe.contract('abc,d->bcd', t23, t24, optimize=[(0, 1)])
+    t16 = (2/(L*d_V*n_batch)) * t15
+    t0[...] = oe.contract('abc,de->bdce', t14, t16, optimize=[(0, 1)])
+    t17 = t0.diagonal(0, 0, 3)
+    t18 = M_1 @ W_V
+    t19 = t18 @ W_O
+    F = t19
+    t20 = (2/(L*d_V)) * F
+    t21 = (-2/(L*d_V)) * Y
+    t22 = t20 + t21
+    G = t22
+    t23 = G.transpose(-1, -2)
+    t24 = t23 @ M_1
+    t25 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
+    t26 = (1/n_batch) * t25
+    t17 += oe.contract('abc,d->bcd', t24, t26, optimize=[(0, 1)])
     return out
 
 
@@ -9750,7 +10253,8 @@ def mse_causal1__block__W_O__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t15 = M_1 @ W_V
     t16 = t14 @ t15
     t17 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t1 += (2/(L*d_V*n_batch)) * oe.contract('abc,d->bcd', t16, t17, optimize=[(0, 1)])
+    t18 = (2/(L*d_V*n_batch)) * t17
+    t1 += oe.contract('abc,d->bcd', t16, t18, optimize=[(0, 1)])
     return out
 
 
@@ -9895,73 +10399,130 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
     t17 = W_O.transpose(-1, -2)
     t18 = W_V.transpose(-1, -2)
     t19 = t17 @ t18
-    t1[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t2, M_2, X, t9, t11, A16, t19, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t1 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t2, M_2, X, t9, t11, A16, A16, t19, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
-    t20 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t21 = t20.view((d_V, d_K, d_V, d_K))
-    t21[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t2, M_2, X, t9, t11, A16, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t21 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t2, M_2, X, t9, t11, A16, A16, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
-    t22 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t23 = t22.view((d_V, d_K, d_V, d_H))
-    t23[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,gi->fahi', t2, M_2, X, t9, t11, A16, M_1, t17, optimize=[(4, 5), (0, 1), (1, 5), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t23 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi,hj->faij', t2, M_2, X, t9, t11, A16, A16, M_1, t17, optimize=[(4, 5), (0, 1), (2, 4), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t24 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t25 = t24.view((d_V, d_K, d_H, d_V))
-    t25[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t2, M_2, X, t9, t11, A16, t13, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t25 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t2, M_2, X, t9, t11, A16, A16, t13, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t26 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t27 = t26.view((d_V, d_K, d_V, d_K))
-    t28 = W_Q.transpose(-1, -2)
-    t27[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t28, M_2, X, t9, t11, A16, t19, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t27 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t28, M_2, X, t9, t11, A16, A16, t19, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
-    t29 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t30 = t29.view((d_V, d_K, d_V, d_K))
-    t30[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t28, M_2, X, t9, t11, A16, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
-    t30 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t28, M_2, X, t9, t11, A16, A16, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
-    t31 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t32 = t31.view((d_V, d_K, d_V, d_H))
-    t32[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,gi->fahi', t28, M_2, X, t9, t11, A16, M_1, t17, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (1, 3), (0, 1), (0, 1)])
-    t32 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi,hj->faij', t28, M_2, X, t9, t11, A16, A16, M_1, t17, optimize=[(4, 5), (0, 2), (0, 1), (3, 5), (0, 2), (0, 3), (0, 2), (0, 1)])
-    t33 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t34 = t33.view((d_V, d_K, d_H, d_V))
-    t34[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh->fahg', t28, M_2, X, t9, t11, A16, t13, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
-    t34 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t28, M_2, X, t9, t11, A16, A16, t13, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
-    t35 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t36 = t35.view((d_V, d_H, d_V, d_K))
-    t37 = M_1.transpose(-1, -2)
-    t36[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,ace,ace,ef,acfg,ach,gi->bdhi', t37, W_O, t11, A16, t19, M_2, X, W_K, optimize=[(2, 3), (2, 3), (3, 5), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t36 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,ace,ace,acf,fg,acgh,aci,hj->bdij', t37, W_O, t11, A16, A16, t19, M_2, X, W_K, optimize=[(2, 3), (2, 3), (2, 6), (1, 4), (2, 3), (0, 2), (0, 2), (0, 1)])
-    t38 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t39 = t38.view((d_V, d_H, d_V, d_K))
-    t39[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,ace,ace,ef,acfg,ach,hi->bdgi', t37, W_O, t11, A16, t19, M_2, X, W_Q, optimize=[(2, 3), (2, 3), (2, 3), (2, 3), (1, 3), (0, 1), (0, 1)])
-    t39 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,ace,ace,acf,fg,acgh,aci,ij->bdhj', t37, W_O, t11, A16, A16, t19, M_2, X, W_Q, optimize=[(2, 3), (2, 3), (2, 6), (2, 3), (1, 2), (0, 1), (0, 2), (0, 1)])
-    t40 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t41 = t40.view((d_V, d_H, d_V, d_H))
-    t41[...] = (1/(L*n_batch)) * oe.contract('abc,de,ace,ace,acf,eg->bdfg', t37, W_O, t11, A16, M_1, t17, optimize=[(2, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t41 += (-1/(L*n_batch)) * oe.contract('abc,de,ace,ace,acf,acg,fh->bdgh', t37, W_O, t11, A16, A16, M_1, t17, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 2), (0, 1)])
-    t42 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t43 = t42.view((d_V, d_H, d_H, d_V))
-    t43[...] = (1/(L*n_batch)) * oe.contract('abc,de,ace,ace,acf->bdfe', t37, W_O, t11, A16, t13, optimize=[(2, 3), (0, 2), (1, 2), (0, 1)])
-    t43 += (-1/(L*n_batch)) * oe.contract('abc,de,ace,ace,acf,acg->bdgf', t37, W_O, t11, A16, A16, t13, optimize=[(2, 3), (1, 4), (0, 1), (0, 2), (0, 1)])
-    t44 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t45 = t44.view((d_H, d_V, d_V, d_K))
-    t46 = t18 @ t37
-    t45[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t46, t11, A16, t19, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t45 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t46, t11, A16, A16, t19, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
-    t47 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t48 = t47.view((d_H, d_V, d_V, d_K))
-    t48[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t46, t11, A16, t19, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t48 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t46, t11, A16, A16, t19, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
-    t49 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t50 = t49.view((d_H, d_V, d_V, d_H))
-    t50[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,df->bdef', t46, t11, A16, M_1, t17, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
-    t50 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf,eg->bdfg', t46, t11, A16, A16, M_1, t17, optimize=[(1, 2), (1, 3), (1, 2), (0, 1), (0, 1)])
-    t51 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t51[...] = 0
-    t52 = t51.view((d_H, d_V, d_H, d_V))
-    t53 = t52.diagonal(0, 1, 3)
-    t53 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bed', t46, t11, A16, t13, optimize=[(1, 2), (0, 1), (0, 1)])
-    t52 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t46, t11, A16, A16, t13, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t20 = (1/(L*d_K*n_batch)) * t2
+    t1[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t20, M_2, X, t9, t11, A16, t19, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t21 = (-1/(L*d_K*n_batch)) * t2
+    t22 = oe.contract('abc,cd,abde,ef->fab', A16, t19, M_2, W_K, optimize=[(0, 1), (0, 2), (0, 1)])
+    t23 = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahcd', t21, M_2, X, t9, t11, A16, X, optimize=[(4, 5), (0, 1), (1, 3), (2, 3), (0, 1), (0, 1)])
+    t1 += oe.contract('abc,defbc->defa', t22, t23, optimize=[(0, 1)])
+    t24 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t25 = t24.view((d_V, d_K, d_V, d_K))
+    t26 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t27 = oe.contract('ab,cdeb,ef,cdf,cdf,fg,cdgh->ahcd', t20, M_2, t9, t11, A16, t19, M_2, optimize=[(3, 4), (0, 1), (1, 2), (0, 2), (0, 1), (0, 1)])
+    t25[...] = oe.contract('abcd,efcd->aefb', t26, t27, optimize=[(0, 1)])
+    t28 = oe.contract('abc,abd,de,abef,abg,gh->cfhab', X, A16, t19, M_2, X, W_Q, optimize=[(1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t29 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t21, M_2, t9, t11, A16, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
+    t25 += oe.contract('abcde,fde->afbc', t28, t29, optimize=[(0, 1)])
+    t30 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t31 = t30.view((d_V, d_K, d_V, d_H))
+    t32 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t31[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,gi->fahi', t32, M_2, X, t9, t11, A16, M_1, t17, optimize=[(4, 5), (0, 1), (1, 5), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t33 = (-1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t34 = oe.contract('abc,abd,abe,df->cefab', X, A16, M_1, t17, optimize=[(0, 2), (0, 1), (0, 1)])
+    t35 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t33, M_2, t9, t11, A16, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
+    t31 += oe.contract('abcde,fde->afbc', t34, t35, optimize=[(0, 1)])
+    t36 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t37 = t36.view((d_V, d_K, d_H, d_V))
+    t37[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t32, M_2, X, t9, t11, A16, t13, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t38 = oe.contract('abc,abd,abe->cedab', X, A16, t13, optimize=[(0, 1), (0, 1)])
+    t37 += oe.contract('abcde,fde->afbc', t38, t35, optimize=[(0, 1)])
+    t39 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t40 = t39.view((d_V, d_K, d_V, d_K))
+    t41 = W_Q.transpose(-1, -2)
+    t42 = (1/(L*d_K*n_batch)) * t41
+    t40[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t42, M_2, X, t9, t11, A16, t19, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t43 = (-1/(L*d_K*n_batch)) * t41
+    t44 = oe.contract('ab,cdb,cde,ef,cdfg,cdh,gi->ahicd', t43, X, A16, t19, M_2, X, W_K, optimize=[(0, 1), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t45 = oe.contract('abcd,ce,abe,abe->dab', M_2, t9, t11, A16, optimize=[(1, 2), (1, 2), (0, 1)])
+    t40 += oe.contract('abcde,fde->fabc', t44, t45, optimize=[(0, 1)])
+    t46 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t47 = t46.view((d_V, d_K, d_V, d_K))
+    t48 = oe.contract('abc,cd->dab', X, W_Q, optimize=[(0, 1)])
+    t49 = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi->faicd', t42, M_2, X, t9, t11, A16, t19, M_2, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 2), (1, 2), (0, 1)])
+    t47[...] = oe.contract('abc,defbc->defa', t48, t49, optimize=[(0, 1)])
+    t50 = oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi->faicd', t43, M_2, X, t9, t11, A16, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 1), (0, 1)])
+    t51 = oe.contract('abc,cd,abde->eab', A16, t19, M_2, optimize=[(0, 1), (0, 1)])
+    t47 += oe.contract('abcde,fde->abfc', t50, t51, optimize=[(0, 1)])
+    t52 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t53 = t52.view((d_V, d_K, d_V, d_H))
+    t54 = (1/(L*math.sqrt(d_K)*n_batch)) * t41
+    t53[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,gi->fahi', t54, M_2, X, t9, t11, A16, M_1, t17, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (1, 3), (0, 1), (0, 1)])
+    t55 = (-1/(L*math.sqrt(d_K)*n_batch)) * t41
+    t56 = oe.contract('ab,cdb,cde,cdf,eg->afgcd', t55, X, A16, M_1, t17, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    t53 += oe.contract('abcde,fde->fabc', t56, t45, optimize=[(0, 1)])
+    t57 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t58 = t57.view((d_V, d_K, d_H, d_V))
+    t59 = oe.contract('abcd,ce,abe,abe->deab', M_2, t9, t11, A16, optimize=[(0, 1), (0, 1), (0, 1)])
+    t60 = oe.contract('ab,cdb,cde->aecd', t54, X, t13, optimize=[(0, 1), (0, 1)])
+    t58[...] = oe.contract('abcd,efcd->aefb', t59, t60, optimize=[(0, 1)])
+    t61 = oe.contract('ab,cdb,cde,cdf->afecd', t55, X, A16, t13, optimize=[(0, 1), (0, 1), (0, 1)])
+    t58 += oe.contract('abcde,fde->fabc', t61, t45, optimize=[(0, 1)])
+    t62 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t63 = t62.view((d_V, d_H, d_V, d_K))
+    t64 = M_1.transpose(-1, -2)
+    t65 = (1/(L*math.sqrt(d_K)*n_batch)) * t64
+    t66 = oe.contract('ab,cdb,cdb,be,cdef,fg->agcd', W_O, t11, A16, t19, M_2, W_K, optimize=[(1, 2), (1, 2), (1, 3), (1, 2), (0, 1)])
+    t67 = oe.contract('abc,acd->bdac', t65, X, optimize=[(0, 1)])
+    t63[...] = oe.contract('abcd,efcd->eafb', t66, t67, optimize=[(0, 1)])
+    t68 = (-1/(L*math.sqrt(d_K)*n_batch)) * t64
+    t69 = oe.contract('abc,de,ace,ace,acf->bdfac', t68, W_O, t11, A16, X, optimize=[(2, 3), (1, 3), (0, 1), (0, 1)])
+    t63 += oe.contract('abc,defbc->defa', t22, t69, optimize=[(0, 1)])
+    t70 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t71 = t70.view((d_V, d_H, d_V, d_K))
+    t72 = oe.contract('abc,acd,de->beac', t65, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t73 = oe.contract('ab,cdb,cdb,be,cdef->afcd', W_O, t11, A16, t19, M_2, optimize=[(1, 2), (1, 2), (1, 2), (0, 1)])
+    t71[...] = oe.contract('abcd,efcd->aefb', t72, t73, optimize=[(0, 1)])
+    t74 = oe.contract('abc,acd,de,acef,acg,gh->bfhac', t68, A16, t19, M_2, X, W_Q, optimize=[(1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t75 = oe.contract('ab,cdb,cdb->acd', W_O, t11, A16, optimize=[(1, 2), (0, 1)])
+    t71 += oe.contract('abcde,fde->afbc', t74, t75, optimize=[(0, 1)])
+    t76 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t77 = t76.view((d_V, d_H, d_V, d_H))
+    t78 = (1/(L*n_batch)) * t64
+    t79 = oe.contract('ab,bc->acb', W_O, t17, optimize=[(0, 1)])
+    t80 = oe.contract('abc,abd,abd,aeb->ecd', M_1, A16, t11, t78, optimize=[(1, 2), (0, 1), (0, 1)])
+    t77[...] = oe.contract('abc,dec->daeb', t79, t80, optimize=[(0, 1)])
+    t81 = (-1/(L*n_batch)) * t64
+    t82 = oe.contract('abc,acd,ace,df->befac', t81, A16, M_1, t17, optimize=[(0, 2), (0, 1), (0, 1)])
+    t77 += oe.contract('abcde,fde->afbc', t82, t75, optimize=[(0, 1)])
+    t83 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t84 = t83.view((d_V, d_H, d_H, d_V))
+    t84[...] = oe.contract('abc,de,ace,ace,acf->bdfe', t78, W_O, t11, A16, t13, optimize=[(2, 3), (0, 2), (1, 2), (0, 1)])
+    t85 = oe.contract('abc,acd,ace->bedac', t81, A16, t13, optimize=[(0, 1), (0, 1)])
+    t84 += oe.contract('abcde,fde->afbc', t85, t75, optimize=[(0, 1)])
+    t86 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t87 = t86.view((d_H, d_V, d_V, d_K))
+    t88 = t18 @ t64
+    t89 = (1/(L*math.sqrt(d_K)*n_batch)) * t88
+    t87[...] = oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t89, t11, A16, t19, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t90 = (-1/(L*math.sqrt(d_K)*n_batch)) * t88
+    t91 = oe.contract('abc,acd,de,acef,fg->bgac', t90, A16, t19, M_2, W_K, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t92 = oe.contract('abc,abc,abd->cdab', t11, A16, X, optimize=[(0, 1), (0, 1)])
+    t87 += oe.contract('abcd,efcd->aefb', t91, t92, optimize=[(0, 1)])
+    t93 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t94 = t93.view((d_H, d_V, d_V, d_K))
+    t95 = oe.contract('abc,acd,de->beac', t89, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t96 = oe.contract('abc,abc,cd,abde->ceab', t11, A16, t19, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t94[...] = oe.contract('abcd,efcd->aefb', t95, t96, optimize=[(0, 1)])
+    t97 = oe.contract('abc,acd,acd,ace,ef,acfg->bdgac', t90, t11, A16, A16, t19, M_2, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t94 += oe.contract('abc,defbc->defa', t48, t97, optimize=[(0, 1)])
+    t98 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t99 = t98.view((d_H, d_V, d_V, d_H))
+    t100 = (1/(L*n_batch)) * t88
+    t99[...] = oe.contract('abc,acd,acd,ace,df->bdef', t100, t11, A16, M_1, t17, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
+    t101 = (-1/(L*n_batch)) * t88
+    t102 = oe.contract('abc,acd,de->beac', t101, A16, t17, optimize=[(1, 2), (0, 1)])
+    t103 = oe.contract('abc,abc,abd->cdab', t11, A16, M_1, optimize=[(0, 1), (0, 1)])
+    t99 += oe.contract('abcd,efcd->aefb', t102, t103, optimize=[(0, 1)])
+    t104 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t104[...] = 0
+    t105 = t104.view((d_H, d_V, d_H, d_V))
+    t106 = t105.diagonal(0, 1, 3)
+    t107 = oe.contract('abc,abc->cab', t11, A16, optimize=[(0, 1)])
+    t108 = oe.contract('abc,acd->bdac', t100, t13, optimize=[(0, 1)])
+    t106 += oe.contract('abc,debc->dea', t107, t108, optimize=[(0, 1)])
+    t109 = oe.contract('abc,acd->bdac', t101, A16, optimize=[(0, 1)])
+    t110 = oe.contract('abc,abc,abd->cdab', t11, A16, t13, optimize=[(0, 1), (0, 1)])
+    t105 += oe.contract('abcd,efcd->aefb', t109, t110, optimize=[(0, 1)])
     return H
 
 
@@ -10133,8 +10694,13 @@ def ce_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t16 = W_O.transpose(-1, -2)
     t17 = W_V.transpose(-1, -2)
     t18 = t16 @ t17
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdf,ia->fa', t1, M_2, X, t8, t10, A15, t18, M_2, X, W_K, optimize=[(4, 5), (2, 6), (0, 1), (1, 2), (0, 4), (0, 3), (2, 3), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdf,ja->fa', t1, M_2, X, t8, t10, A15, A15, t18, M_2, X, W_K, optimize=[(4, 5), (2, 7), (0, 1), (1, 2), (1, 6), (0, 2), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t19 = (1/(L*d_K*n_batch)) * t1
+    t20 = oe.contract('ab,cdeb,ef,cdf,cdf,fg,cdgh,ha->acd', t19, M_2, t8, t10, A15, t18, M_2, W_K, optimize=[(3, 4), (0, 1), (1, 2), (0, 3), (0, 2), (1, 2), (0, 1)])
+    t21 = oe.contract('abc,abc->cab', X, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t20, t21, optimize=[(0, 1)])
+    t22 = (-1/(L*d_K*n_batch)) * t1
+    t23 = oe.contract('ab,cdeb,ef,cdf,cdf,cdg,gh,cdhi,ia->acd', t22, M_2, t8, t10, A15, A15, t18, M_2, W_K, optimize=[(3, 4), (0, 1), (1, 2), (1, 5), (0, 2), (1, 3), (0, 1), (0, 1)])
+    t0 += oe.contract('abc,dbc->da', t23, t21, optimize=[(0, 1)])
     return out
 
 
@@ -10201,8 +10767,12 @@ def ce_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t16 = W_O.transpose(-1, -2)
     t17 = W_V.transpose(-1, -2)
     t18 = t16 @ t17
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t1, M_2, X, t8, t10, A15, t18, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t1, M_2, X, t8, t10, A15, A15, t18, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
+    t19 = (1/(L*d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t19, M_2, X, t8, t10, A15, t18, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t20 = (-1/(L*d_K*n_batch)) * t1
+    t21 = oe.contract('abc,cd,abde,ef->fab', A15, t18, M_2, W_K, optimize=[(0, 1), (0, 2), (0, 1)])
+    t22 = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahcd', t20, M_2, X, t8, t10, A15, X, optimize=[(4, 5), (0, 1), (1, 3), (2, 3), (0, 1), (0, 1)])
+    t0 += oe.contract('abc,defbc->defa', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -10271,8 +10841,14 @@ def ce_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     t16 = W_O.transpose(-1, -2)
     t17 = W_V.transpose(-1, -2)
     t18 = t16 @ t17
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t1, M_2, X, t8, t10, A15, t18, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t1, M_2, X, t8, t10, A15, A15, t18, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
+    t19 = (1/(L*d_K*n_batch)) * t1
+    t20 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t21 = oe.contract('ab,cdeb,ef,cdf,cdf,fg,cdgh->ahcd', t19, M_2, t8, t10, A15, t18, M_2, optimize=[(3, 4), (0, 1), (1, 2), (0, 2), (0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
+    t22 = (-1/(L*d_K*n_batch)) * t1
+    t23 = oe.contract('abc,abd,de,abef,abg,gh->cfhab', X, A15, t18, M_2, X, W_Q, optimize=[(1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t24 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t22, M_2, t8, t10, A15, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t23, t24, optimize=[(0, 1)])
     return out
 
 
@@ -10339,8 +10915,12 @@ def ce_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = W_O.transpose(-1, -2)
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,gi->fahi', t1, M_2, X, t8, t10, A15, M_1, t16, optimize=[(4, 5), (0, 1), (1, 5), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi,hj->faij', t1, M_2, X, t8, t10, A15, A15, M_1, t16, optimize=[(4, 5), (0, 1), (2, 4), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t17 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,gi->fahi', t17, M_2, X, t8, t10, A15, M_1, t16, optimize=[(4, 5), (0, 1), (1, 5), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t18 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t19 = oe.contract('abc,abd,abe,df->cefab', X, A15, M_1, t16, optimize=[(0, 2), (0, 1), (0, 1)])
+    t20 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t18, M_2, t8, t10, A15, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -10404,8 +10984,12 @@ def ce_causal0__block__W_Q__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     t13 = t12 @ W_O
     t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
     A15 = t14 / t14.sum(-1, keepdim=True)
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t1, M_2, X, t8, t10, A15, t12, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t1, M_2, X, t8, t10, A15, A15, t12, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t16 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t16, M_2, X, t8, t10, A15, t12, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t17 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t18 = oe.contract('abc,abd,abe->cedab', X, A15, t12, optimize=[(0, 1), (0, 1)])
+    t19 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t17, M_2, t8, t10, A15, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -10472,8 +11056,14 @@ def ce_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     t17 = W_O.transpose(-1, -2)
     t18 = W_V.transpose(-1, -2)
     t19 = t17 @ t18
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhf,cdi,ia->fa', t1, M_2, X, t9, t11, A16, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (4, 5), (2, 4), (0, 1), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdif,cdj,ja->fa', t1, M_2, X, t9, t11, A16, A16, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t20 = (1/(L*d_K*n_batch)) * t1
+    t21 = oe.contract('ab,cdb,cde,ea->acd', t20, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t22 = oe.contract('abcd,ce,abe,abe,ef,abfd->dab', M_2, t9, t11, A16, t19, M_2, optimize=[(2, 3), (0, 1), (0, 1), (1, 2), (0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t21, t22, optimize=[(0, 1)])
+    t23 = (-1/(L*d_K*n_batch)) * t1
+    t24 = oe.contract('ab,cdb,cde,ea->acd', t23, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t25 = oe.contract('abcd,ce,abe,abe,abf,fg,abgd->dab', M_2, t9, t11, A16, A16, t19, M_2, optimize=[(2, 3), (0, 1), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t0 += oe.contract('abc,dbc->da', t24, t25, optimize=[(0, 1)])
     return out
 
 
@@ -10542,8 +11132,12 @@ def ce_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t17 = W_O.transpose(-1, -2)
     t18 = W_V.transpose(-1, -2)
     t19 = t17 @ t18
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t1, M_2, X, t9, t11, A16, t19, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t1, M_2, X, t9, t11, A16, A16, t19, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t20 = (1/(L*d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t20, M_2, X, t9, t11, A16, t19, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t21 = (-1/(L*d_K*n_batch)) * t1
+    t22 = oe.contract('ab,cdb,cde,ef,cdfg,cdh,gi->ahicd', t21, X, A16, t19, M_2, X, W_K, optimize=[(0, 1), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t23 = oe.contract('abcd,ce,abe,abe->dab', M_2, t9, t11, A16, optimize=[(1, 2), (1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->fabc', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -10614,8 +11208,14 @@ def ce_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     t17 = W_O.transpose(-1, -2)
     t18 = W_V.transpose(-1, -2)
     t19 = t17 @ t18
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t1, M_2, X, t9, t11, A16, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t1, M_2, X, t9, t11, A16, A16, t19, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
+    t20 = (1/(L*d_K*n_batch)) * t1
+    t21 = oe.contract('abc,cd->dab', X, W_Q, optimize=[(0, 1)])
+    t22 = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi->faicd', t20, M_2, X, t9, t11, A16, t19, M_2, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 2), (1, 2), (0, 1)])
+    t0[...] = oe.contract('abc,defbc->defa', t21, t22, optimize=[(0, 1)])
+    t23 = (-1/(L*d_K*n_batch)) * t1
+    t24 = oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi->faicd', t23, M_2, X, t9, t11, A16, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 1), (0, 1)])
+    t25 = oe.contract('abc,cd,abde->eab', A16, t19, M_2, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcde,fde->abfc', t24, t25, optimize=[(0, 1)])
     return out
 
 
@@ -10684,8 +11284,12 @@ def ce_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = W_O.transpose(-1, -2)
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,gi->fahi', t1, M_2, X, t9, t11, A16, M_1, t17, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (1, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi,hj->faij', t1, M_2, X, t9, t11, A16, A16, M_1, t17, optimize=[(4, 5), (0, 2), (0, 1), (3, 5), (0, 2), (0, 3), (0, 2), (0, 1)])
+    t18 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,gi->fahi', t18, M_2, X, t9, t11, A16, M_1, t17, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (1, 3), (0, 1), (0, 1)])
+    t19 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t20 = oe.contract('ab,cdb,cde,cdf,eg->afgcd', t19, X, A16, M_1, t17, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    t21 = oe.contract('abcd,ce,abe,abe->dab', M_2, t9, t11, A16, optimize=[(1, 2), (1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->fabc', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -10751,8 +11355,14 @@ def ce_causal0__block__W_K__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     t14 = t13 @ W_O
     t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
     A16 = t15 / t15.sum(-1, keepdim=True)
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh->fahg', t1, M_2, X, t9, t11, A16, t13, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t1, M_2, X, t9, t11, A16, A16, t13, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t17 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t18 = oe.contract('abcd,ce,abe,abe->deab', M_2, t9, t11, A16, optimize=[(0, 1), (0, 1), (0, 1)])
+    t19 = oe.contract('ab,cdb,cde->aecd', t17, X, t13, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t18, t19, optimize=[(0, 1)])
+    t20 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t21 = oe.contract('ab,cdb,cde,cdf->afecd', t20, X, A16, t13, optimize=[(0, 1), (0, 1), (0, 1)])
+    t22 = oe.contract('abcd,ce,abe,abe->dab', M_2, t9, t11, A16, optimize=[(1, 2), (1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->fabc', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -10815,8 +11425,12 @@ def ce_causal0__diag__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = W_O.transpose(-1, -2)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,de,ace,ace,acb,ed->bd', t9, W_O, t11, A15, M_1, t16, optimize=[(2, 3), (0, 2), (0, 1), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,de,ace,ace,acf,acb,fd->bd', t9, W_O, t11, A15, A15, M_1, t16, optimize=[(2, 3), (0, 3), (1, 2), (0, 1), (1, 2), (0, 1)])
+    t17 = (1/(L*n_batch)) * t9
+    t0[...] = oe.contract('abc,de,ace,ace,acb,ed->bd', t17, W_O, t11, A15, M_1, t16, optimize=[(2, 3), (0, 2), (0, 1), (0, 1), (0, 1)])
+    t18 = (-1/(L*n_batch)) * t9
+    t19 = oe.contract('ab,cdb,cdb,cde,ea->acd', W_O, t11, A15, A15, t16, optimize=[(1, 2), (1, 2), (0, 1), (0, 1)])
+    t20 = oe.contract('abc,acb->bac', t18, M_1, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dbc->da', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -10879,8 +11493,14 @@ def ce_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t18 = t16 @ t17
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,ace,ace,ef,acfg,ach,gi->bdhi', t9, W_O, t11, A15, t18, M_2, X, W_K, optimize=[(2, 3), (2, 3), (3, 5), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,ace,ace,acf,fg,acgh,aci,hj->bdij', t9, W_O, t11, A15, A15, t18, M_2, X, W_K, optimize=[(2, 3), (2, 3), (2, 6), (1, 4), (2, 3), (0, 2), (0, 2), (0, 1)])
+    t19 = (1/(L*math.sqrt(d_K)*n_batch)) * t9
+    t20 = oe.contract('ab,cdb,cdb,be,cdef,fg->agcd', W_O, t11, A15, t18, M_2, W_K, optimize=[(1, 2), (1, 2), (1, 3), (1, 2), (0, 1)])
+    t21 = oe.contract('abc,acd->bdac', t19, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
+    t22 = (-1/(L*math.sqrt(d_K)*n_batch)) * t9
+    t23 = oe.contract('abc,cd,abde,ef->fab', A15, t18, M_2, W_K, optimize=[(0, 1), (0, 2), (0, 1)])
+    t24 = oe.contract('abc,de,ace,ace,acf->bdfac', t22, W_O, t11, A15, X, optimize=[(2, 3), (1, 3), (0, 1), (0, 1)])
+    t0 += oe.contract('abc,defbc->defa', t23, t24, optimize=[(0, 1)])
     return out
 
 
@@ -10949,8 +11569,14 @@ def ce_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     t18 = t16 @ t17
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,ace,ace,ef,acfg,ach,hi->bdgi', t9, W_O, t11, A15, t18, M_2, X, W_Q, optimize=[(2, 3), (2, 3), (2, 3), (2, 3), (1, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,ace,ace,acf,fg,acgh,aci,ij->bdhj', t9, W_O, t11, A15, A15, t18, M_2, X, W_Q, optimize=[(2, 3), (2, 3), (2, 6), (2, 3), (1, 2), (0, 1), (0, 2), (0, 1)])
+    t19 = (1/(L*math.sqrt(d_K)*n_batch)) * t9
+    t20 = oe.contract('abc,acd,de->beac', t19, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t21 = oe.contract('ab,cdb,cdb,be,cdef->afcd', W_O, t11, A15, t18, M_2, optimize=[(1, 2), (1, 2), (1, 2), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
+    t22 = (-1/(L*math.sqrt(d_K)*n_batch)) * t9
+    t23 = oe.contract('abc,acd,de,acef,acg,gh->bfhac', t22, A15, t18, M_2, X, W_Q, optimize=[(1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t24 = oe.contract('ab,cdb,cdb->acd', W_O, t11, A15, optimize=[(1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t23, t24, optimize=[(0, 1)])
     return out
 
 
@@ -11015,8 +11641,14 @@ def ce_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = W_O.transpose(-1, -2)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,de,ace,ace,acf,eg->bdfg', t9, W_O, t11, A15, M_1, t16, optimize=[(2, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,de,ace,ace,acf,acg,fh->bdgh', t9, W_O, t11, A15, A15, M_1, t16, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 2), (0, 1)])
+    t17 = (1/(L*n_batch)) * t9
+    t18 = oe.contract('ab,bc->acb', W_O, t16, optimize=[(0, 1)])
+    t19 = oe.contract('abc,abd,abd,aeb->ecd', M_1, A15, t11, t17, optimize=[(1, 2), (0, 1), (0, 1)])
+    t0[...] = oe.contract('abc,dec->daeb', t18, t19, optimize=[(0, 1)])
+    t20 = (-1/(L*n_batch)) * t9
+    t21 = oe.contract('abc,acd,ace,df->befac', t20, A15, M_1, t16, optimize=[(0, 2), (0, 1), (0, 1)])
+    t22 = oe.contract('ab,cdb,cdb->acd', W_O, t11, A15, optimize=[(1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -11076,8 +11708,12 @@ def ce_causal0__block__W_V__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     t13 = t12 @ W_O
     t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
     A15 = t14 / t14.sum(-1, keepdim=True)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,de,ace,ace,acf->bdfe', t9, W_O, t11, A15, t12, optimize=[(2, 3), (0, 2), (1, 2), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,de,ace,ace,acf,acg->bdgf', t9, W_O, t11, A15, A15, t12, optimize=[(2, 3), (1, 4), (0, 1), (0, 2), (0, 1)])
+    t16 = (1/(L*n_batch)) * t9
+    t0[...] = oe.contract('abc,de,ace,ace,acf->bdfe', t16, W_O, t11, A15, t12, optimize=[(2, 3), (0, 2), (1, 2), (0, 1)])
+    t17 = (-1/(L*n_batch)) * t9
+    t18 = oe.contract('abc,acd,ace->bedac', t17, A15, t12, optimize=[(0, 1), (0, 1)])
+    t19 = oe.contract('ab,cdb,cdb->acd', W_O, t11, A15, optimize=[(1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -11138,8 +11774,12 @@ def ce_causal0__diag__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     t15 = t14 @ W_O
     t16 = torch.exp(t15 - t15.amax(-1, keepdim=True))
     A17 = t16 / t16.sum(-1, keepdim=True)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,acb->bd', t11, t13, A17, t14, optimize=[(0, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->bd', t11, t13, A17, A17, t14, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t18 = (1/(L*n_batch)) * t11
+    t19 = oe.contract('abc,abc->cab', t13, A17, optimize=[(0, 1)])
+    t20 = oe.contract('abc,acb->bac', t18, t14, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t19, t20, optimize=[(0, 1)])
+    t21 = (-1/(L*n_batch)) * t11
+    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t21, t13, A17, A17, t14, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -11204,8 +11844,12 @@ def ce_causal0__block__W_O__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t19 = t18 @ t1
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t11, t13, A17, t19, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t11, t13, A17, A17, t19, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
+    t20 = (1/(L*math.sqrt(d_K)*n_batch)) * t11
+    t0[...] = oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t20, t13, A17, t19, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t21 = (-1/(L*math.sqrt(d_K)*n_batch)) * t11
+    t22 = oe.contract('abc,acd,de,acef,fg->bgac', t21, A17, t19, M_2, W_K, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t23 = oe.contract('abc,abc,abd->cdab', t13, A17, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -11276,8 +11920,14 @@ def ce_causal0__block__W_O__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     t19 = t18 @ t1
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t11, t13, A17, t19, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t11, t13, A17, A17, t19, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
+    t20 = (1/(L*math.sqrt(d_K)*n_batch)) * t11
+    t21 = oe.contract('abc,acd,de->beac', t20, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t22 = oe.contract('abc,abc,cd,abde->ceab', t13, A17, t19, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t21, t22, optimize=[(0, 1)])
+    t23 = (-1/(L*math.sqrt(d_K)*n_batch)) * t11
+    t24 = oe.contract('abc,cd->dab', X, W_Q, optimize=[(0, 1)])
+    t25 = oe.contract('abc,acd,acd,ace,ef,acfg->bdgac', t23, t13, A17, A17, t19, M_2, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t0 += oe.contract('abc,defbc->defa', t24, t25, optimize=[(0, 1)])
     return out
 
 
@@ -11345,8 +11995,12 @@ def ce_causal0__block__W_O__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     t16 = torch.exp(t15 - t15.amax(-1, keepdim=True))
     A17 = t16 / t16.sum(-1, keepdim=True)
     t18 = W_O.transpose(-1, -2)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,df->bdef', t11, t13, A17, M_1, t18, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf,eg->bdfg', t11, t13, A17, A17, M_1, t18, optimize=[(1, 2), (1, 3), (1, 2), (0, 1), (0, 1)])
+    t19 = (1/(L*n_batch)) * t11
+    t0[...] = oe.contract('abc,acd,acd,ace,df->bdef', t19, t13, A17, M_1, t18, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
+    t20 = (-1/(L*n_batch)) * t11
+    t21 = oe.contract('abc,acd,de->beac', t20, A17, t18, optimize=[(1, 2), (0, 1)])
+    t22 = oe.contract('abc,abc,abd->cdab', t13, A17, M_1, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -11412,8 +12066,14 @@ def ce_causal0__block__W_O__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     t16 = t15 @ W_O
     t17 = torch.exp(t16 - t16.amax(-1, keepdim=True))
     A18 = t17 / t17.sum(-1, keepdim=True)
-    t1 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bed', t12, t14, A18, t15, optimize=[(1, 2), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t12, t14, A18, A18, t15, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t19 = (1/(L*n_batch)) * t12
+    t20 = oe.contract('abc,abc->cab', t14, A18, optimize=[(0, 1)])
+    t21 = oe.contract('abc,acd->bdac', t19, t15, optimize=[(0, 1)])
+    t1 += oe.contract('abc,debc->dea', t20, t21, optimize=[(0, 1)])
+    t22 = (-1/(L*n_batch)) * t12
+    t23 = oe.contract('abc,acd->bdac', t22, A18, optimize=[(0, 1)])
+    t24 = oe.contract('abc,abc,abd->cdab', t14, A18, t15, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t23, t24, optimize=[(0, 1)])
     return out
 
 
@@ -11489,76 +12149,104 @@ def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, W_O, Y):
     t26 = A * t25
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t3, t26, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, t26, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, t26, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t2, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
-    t27 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t27[...] = 0
-    t28 = t27.view((d_V, d_K, d_V, d_K))
-    t29 = t28.diagonal(0, 1, 3)
-    t30 = t26 @ X
-    t31 = t3 @ t30
-    t32 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t29 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t31, t32, optimize=[(0, 1)])
-    t28 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t2, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
-    t33 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t34 = t33.view((d_V, d_K, d_V, d_H))
+    t27 = (1/(d_K*n_batch)) * t2
+    t1[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t27, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t28 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t28[...] = 0
+    t29 = t28.view((d_V, d_K, d_V, d_K))
+    t30 = t29.diagonal(0, 1, 3)
+    t31 = t26 @ X
+    t32 = t3 @ t31
+    t33 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t34 = (1/(math.sqrt(d_K)*n_batch)) * t33
+    t30 += oe.contract('abc,d->bcd', t32, t34, optimize=[(0, 1)])
+    t35 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t36 = oe.contract('ab,cdbe->aecd', t27, M_3, optimize=[(0, 1)])
+    t29 += oe.contract('abcd,efcd->aefb', t35, t36, optimize=[(0, 1)])
+    t37 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t38 = t37.view((d_V, d_K, d_V, d_H))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t35 = G @ t20
-    t34[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t2, M_2, X, t35, optimize=[(0, 1), (0, 1), (0, 1)])
-    t36 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t37 = t36.view((d_V, d_K, d_H, d_V))
-    t37[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fahg', t2, M_2, X, G, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t38 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t38[...] = 0
-    t39 = t38.view((d_V, d_K, d_V, d_K))
-    t40 = t39.diagonal(0, 1, 3)
-    t41 = t26.transpose(-1, -2)
-    t42 = t41 @ X
-    t43 = t3 @ t42
-    t40 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t43, t32, optimize=[(0, 1)])
-    t44 = W_Q.transpose(-1, -2)
-    t39 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t44, t3, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
-    t45 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t46 = t45.view((d_V, d_K, d_V, d_K))
-    t46[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t44, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t47 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t48 = t47.view((d_V, d_K, d_V, d_H))
-    t48[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t44, M_2, X, t35, optimize=[(0, 2), (1, 2), (0, 1)])
-    t49 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t50 = t49.view((d_V, d_K, d_H, d_V))
-    t50[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fahg', t44, M_2, X, G, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
-    t51 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t52 = t51.view((d_V, d_H, d_V, d_K))
-    t53 = G.transpose(-1, -2)
-    t54 = W_O @ t53
-    t52[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t54, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
-    t55 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t56 = t55.view((d_V, d_H, d_V, d_K))
-    t56[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t54, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t57 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t57[...] = 0
-    t58 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t58[...] = 0
-    t59 = t58.view((d_V, d_H, d_H, d_V))
-    t60 = t59.diagonal(0, 1, 2)
-    t61 = M_1.transpose(-1, -2)
-    t62 = t61 @ G
-    t63 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
-    t60 += (1/n_batch) * oe.contract('abc,d->bcd', t62, t63, optimize=[(0, 1)])
-    t64 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t65 = t64.view((d_H, d_V, d_V, d_K))
-    t65[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,acef,acg,fh->dbgh', t53, t21, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t66 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t67 = t66.view((d_H, d_V, d_V, d_K))
-    t67[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,acef,acg,gh->dbfh', t53, t21, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
-    t68 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t68[...] = 0
-    t69 = t68.view((d_H, d_V, d_V, d_H))
-    t70 = t69.diagonal(0, 0, 3)
-    t71 = t53 @ M_1
-    t70 += (1/n_batch) * oe.contract('abc,d->bcd', t71, t63, optimize=[(0, 1)])
-    t72 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t72[...] = 0
+    t39 = G @ t20
+    t40 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t41 = oe.contract('abc,abd->cdab', X, t39, optimize=[(0, 1)])
+    t42 = oe.contract('ab,cdeb->aecd', t40, M_2, optimize=[(0, 1)])
+    t38[...] = oe.contract('abcd,efcd->aefb', t41, t42, optimize=[(0, 1)])
+    t43 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t44 = t43.view((d_V, d_K, d_H, d_V))
+    t45 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t46 = oe.contract('ab,cdeb,ef->afcd', t40, M_2, W_V, optimize=[(0, 1), (0, 1)])
+    t44[...] = oe.contract('abcd,efcd->aefb', t45, t46, optimize=[(0, 1)])
+    t47 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t47[...] = 0
+    t48 = t47.view((d_V, d_K, d_V, d_K))
+    t49 = t48.diagonal(0, 1, 3)
+    t50 = t26.transpose(-1, -2)
+    t51 = t50 @ X
+    t52 = t3 @ t51
+    t49 += oe.contract('abc,d->bcd', t52, t34, optimize=[(0, 1)])
+    t53 = W_Q.transpose(-1, -2)
+    t54 = (1/(d_K*n_batch)) * t53
+    t55 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t56 = oe.contract('ab,cbd,cde->aecd', t54, t3, X, optimize=[(0, 1), (0, 1)])
+    t48 += oe.contract('abcd,efcd->aefb', t55, t56, optimize=[(0, 1)])
+    t57 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t58 = t57.view((d_V, d_K, d_V, d_K))
+    t59 = oe.contract('ab,cbd,cde,ef->afcd', t54, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t60 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t58[...] = oe.contract('abcd,efcd->eafb', t59, t60, optimize=[(0, 1)])
+    t61 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t62 = t61.view((d_V, d_K, d_V, d_H))
+    t63 = (1/(math.sqrt(d_K)*n_batch)) * t53
+    t64 = oe.contract('ab,cdb,cde->aecd', t63, X, t39, optimize=[(0, 1), (0, 1)])
+    t65 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t62[...] = oe.contract('abcd,efcd->eafb', t64, t65, optimize=[(0, 1)])
+    t66 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t67 = t66.view((d_V, d_K, d_H, d_V))
+    t68 = oe.contract('ab,cdb,cde->aecd', t63, X, G, optimize=[(0, 1), (0, 1)])
+    t69 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t67[...] = oe.contract('abcd,efcd->eafb', t68, t69, optimize=[(0, 1)])
+    t70 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t71 = t70.view((d_V, d_H, d_V, d_K))
+    t72 = G.transpose(-1, -2)
+    t73 = W_O @ t72
+    t74 = (1/(math.sqrt(d_K)*n_batch)) * t73
+    t75 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t76 = oe.contract('abc,acd->bdac', t74, X, optimize=[(0, 1)])
+    t71[...] = oe.contract('abcd,efcd->aefb', t75, t76, optimize=[(0, 1)])
+    t77 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t78 = t77.view((d_V, d_H, d_V, d_K))
+    t79 = oe.contract('abc,acd,de->beac', t74, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t80 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t78[...] = oe.contract('abcd,efcd->eafb', t79, t80, optimize=[(0, 1)])
+    t81 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t81[...] = 0
+    t82 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t82[...] = 0
+    t83 = t82.view((d_V, d_H, d_H, d_V))
+    t84 = t83.diagonal(0, 1, 2)
+    t85 = M_1.transpose(-1, -2)
+    t86 = t85 @ G
+    t87 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
+    t88 = (1/n_batch) * t87
+    t84 += oe.contract('abc,d->bcd', t86, t88, optimize=[(0, 1)])
+    t89 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t90 = t89.view((d_H, d_V, d_V, d_K))
+    t91 = (1/(math.sqrt(d_K)*n_batch)) * t72
+    t90[...] = oe.contract('abc,de,acef,acg,fh->dbgh', t91, t21, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t92 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t93 = t92.view((d_H, d_V, d_V, d_K))
+    t94 = oe.contract('abc,acd,de->beac', t91, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t95 = oe.contract('ab,cdbe->aecd', t21, M_2, optimize=[(0, 1)])
+    t93[...] = oe.contract('abcd,efcd->eafb', t94, t95, optimize=[(0, 1)])
+    t96 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t96[...] = 0
+    t97 = t96.view((d_H, d_V, d_V, d_H))
+    t98 = t97.diagonal(0, 0, 3)
+    t99 = t72 @ M_1
+    t98 += oe.contract('abc,d->bcd', t99, t88, optimize=[(0, 1)])
+    t100 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t100[...] = 0
     return H
 
 
@@ -11783,7 +12471,10 @@ def ce_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t25 = A * t24
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t25, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t25, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t25, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->da', t1, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
+    t26 = (1/(d_K*n_batch)) * t1
+    t27 = oe.contract('ab,cdbe,ea->acd', t26, M_3, W_K, optimize=[(0, 2), (0, 1)])
+    t28 = oe.contract('abc,acb->bac', t2, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t27, t28, optimize=[(0, 1)])
     return out
 
 
@@ -11868,7 +12559,8 @@ def ce_causal0__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t25 = A * t24
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t25, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t25, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t25, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t1, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t26 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t26, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -11958,10 +12650,14 @@ def ce_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t27 = t26 @ X
     t28 = t2 @ t27
     t29 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t28, t29, optimize=[(0, 1)])
+    t30 = (1/(math.sqrt(d_K)*n_batch)) * t29
+    t1 += oe.contract('abc,d->bcd', t28, t30, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t26, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t26, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t26, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t3, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t31 = (1/(d_K*n_batch)) * t3
+    t32 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t33 = oe.contract('ab,cdbe->aecd', t31, M_3, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t32, t33, optimize=[(0, 1)])
     return out
 
 
@@ -12045,7 +12741,10 @@ def ce_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     G = t18
     t19 = W_O.transpose(-1, -2)
     t20 = G @ t19
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t1, M_2, X, t20, optimize=[(0, 1), (0, 1), (0, 1)])
+    t21 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t22 = oe.contract('abc,abd->cdab', X, t20, optimize=[(0, 1)])
+    t23 = oe.contract('ab,cdeb->aecd', t21, M_2, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -12120,7 +12819,10 @@ def ce_causal0__block__W_Q__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     t17 = (-1/L) * Y
     t18 = t16 + t17
     G = t18
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fahg', t1, M_2, X, G, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t19 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t20 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t21 = oe.contract('ab,cdeb,ef->afcd', t19, M_2, W_V, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -12201,7 +12903,8 @@ def ce_causal0__diag__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t26 = A * t25
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t26, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t26, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t26, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->ea', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t27 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cbd,cdee,cdf,fa->ea', t27, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -12291,11 +12994,15 @@ def ce_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t28 = t27 @ X
     t29 = t2 @ t28
     t30 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t29, t30, optimize=[(0, 1)])
-    t31 = W_Q.transpose(-1, -2)
+    t31 = (1/(math.sqrt(d_K)*n_batch)) * t30
+    t1 += oe.contract('abc,d->bcd', t29, t31, optimize=[(0, 1)])
+    t32 = W_Q.transpose(-1, -2)
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t26, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t26, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t26, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t31, t2, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    t33 = (1/(d_K*n_batch)) * t32
+    t34 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t35 = oe.contract('ab,cbd,cde->aecd', t33, t2, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t34, t35, optimize=[(0, 1)])
     return out
 
 
@@ -12387,7 +13094,10 @@ def ce_causal0__block__W_K__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t26 = A * t25
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t26, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t26, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t26, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t27 = (1/(d_K*n_batch)) * t1
+    t28 = oe.contract('ab,cbd,cde,ef->afcd', t27, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t29 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t28, t29, optimize=[(0, 1)])
     return out
 
 
@@ -12471,7 +13181,10 @@ def ce_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     G = t19
     t20 = W_O.transpose(-1, -2)
     t21 = G @ t20
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t1, M_2, X, t21, optimize=[(0, 2), (1, 2), (0, 1)])
+    t22 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t23 = oe.contract('ab,cdb,cde->aecd', t22, X, t21, optimize=[(0, 1), (0, 1)])
+    t24 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t23, t24, optimize=[(0, 1)])
     return out
 
 
@@ -12548,7 +13261,10 @@ def ce_causal0__block__W_K__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     t18 = (-1/L) * Y
     t19 = t17 + t18
     G = t19
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fahg', t1, M_2, X, G, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
+    t20 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t21 = oe.contract('ab,cdb,cde->aecd', t20, X, G, optimize=[(0, 1), (0, 1)])
+    t22 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -12646,7 +13362,10 @@ def ce_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t20 = W_O @ t19
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t20, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
+    t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
+    t22 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t23 = oe.contract('abc,acd->bdac', t21, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -12723,7 +13442,10 @@ def ce_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t20 = W_O @ t19
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t20, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
+    t22 = oe.contract('abc,acd,de->beac', t21, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t23 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -12823,7 +13545,8 @@ def ce_causal0__block__W_V__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     G = t20
     t21 = t10 @ G
     t22 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
-    t1 += (1/n_batch) * oe.contract('abc,d->bcd', t21, t22, optimize=[(0, 1)])
+    t23 = (1/n_batch) * t22
+    t1 += oe.contract('abc,d->bcd', t21, t23, optimize=[(0, 1)])
     return out
 
 
@@ -12920,7 +13643,8 @@ def ce_causal0__block__W_O__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t20 = W_V.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,acef,acg,fh->dbgh', t19, t20, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t21 = (1/(math.sqrt(d_K)*n_batch)) * t19
+    t0[...] = oe.contract('abc,de,acef,acg,fh->dbgh', t21, t20, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -12997,7 +13721,10 @@ def ce_causal0__block__W_O__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t20 = W_V.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,acef,acg,gh->dbfh', t19, t20, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t21 = (1/(math.sqrt(d_K)*n_batch)) * t19
+    t22 = oe.contract('abc,acd,de->beac', t21, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t23 = oe.contract('ab,cdbe->aecd', t20, M_2, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -13075,7 +13802,8 @@ def ce_causal0__block__W_O__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     t20 = G.transpose(-1, -2)
     t21 = t20 @ M_1
     t22 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
-    t1 += (1/n_batch) * oe.contract('abc,d->bcd', t21, t22, optimize=[(0, 1)])
+    t23 = (1/n_batch) * t22
+    t1 += oe.contract('abc,d->bcd', t21, t23, optimize=[(0, 1)])
     return out
 
 
@@ -13178,115 +13906,200 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t26 = A * t25
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t3, t26, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, t26, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, t26, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t2, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t27 = (1/(d_K*n_batch)) * t2
+    t1[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t27, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t27 = W_V @ W_O
-    t28 = torch.exp(t13 - t13.amax(-1, keepdim=True))
-    A29 = t28 / t28.sum(-1, keepdim=True)
-    t30 = t20 @ t21
-    t1 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t2, M_2, X, t27, t10, A29, t30, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t1 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t2, M_2, X, t27, t10, A29, A29, t30, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
-    t31 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t31[...] = 0
-    t32 = t31.view((d_V, d_K, d_V, d_K))
-    t33 = t32.diagonal(0, 1, 3)
-    t34 = t26 @ X
-    t35 = t3 @ t34
-    t36 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t33 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t35, t36, optimize=[(0, 1)])
-    t32 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t2, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
-    t32 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t2, M_2, X, t27, t10, A29, t30, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t32 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t2, M_2, X, t27, t10, A29, A29, t30, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
-    t37 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t38 = t37.view((d_V, d_K, d_V, d_H))
-    t38[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,gi->fahi', t2, M_2, X, t27, t10, A29, M_1, t20, optimize=[(4, 5), (0, 1), (1, 5), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t38 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi,hj->faij', t2, M_2, X, t27, t10, A29, A29, M_1, t20, optimize=[(4, 5), (0, 1), (2, 4), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t39 = G @ t20
-    t38 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t2, M_2, X, t39, optimize=[(0, 1), (0, 1), (0, 1)])
-    t40 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t41 = t40.view((d_V, d_K, d_H, d_V))
-    t41[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t2, M_2, X, t27, t10, A29, t12, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t41 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t2, M_2, X, t27, t10, A29, A29, t12, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t41 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fahg', t2, M_2, X, G, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t42 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t42[...] = 0
-    t43 = t42.view((d_V, d_K, d_V, d_K))
-    t44 = t43.diagonal(0, 1, 3)
-    t45 = t26.transpose(-1, -2)
-    t46 = t45 @ X
-    t47 = t3 @ t46
-    t44 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t47, t36, optimize=[(0, 1)])
-    t48 = W_Q.transpose(-1, -2)
-    t43 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t48, t3, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
-    t43 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t48, M_2, X, t27, t10, A29, t30, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t43 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t48, M_2, X, t27, t10, A29, A29, t30, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
-    t49 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t50 = t49.view((d_V, d_K, d_V, d_K))
-    t50[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t48, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t50 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t48, M_2, X, t27, t10, A29, t30, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
-    t50 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t48, M_2, X, t27, t10, A29, A29, t30, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
-    t51 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t52 = t51.view((d_V, d_K, d_V, d_H))
-    t52[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,gi->fahi', t48, M_2, X, t27, t10, A29, M_1, t20, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (1, 3), (0, 1), (0, 1)])
-    t52 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi,hj->faij', t48, M_2, X, t27, t10, A29, A29, M_1, t20, optimize=[(4, 5), (0, 2), (0, 1), (3, 5), (0, 2), (0, 3), (0, 2), (0, 1)])
-    t52 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t48, M_2, X, t39, optimize=[(0, 2), (1, 2), (0, 1)])
-    t53 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t54 = t53.view((d_V, d_K, d_H, d_V))
-    t54[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh->fahg', t48, M_2, X, t27, t10, A29, t12, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
-    t54 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t48, M_2, X, t27, t10, A29, A29, t12, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
-    t54 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fahg', t48, M_2, X, G, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
-    t55 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t56 = t55.view((d_V, d_H, d_V, d_K))
-    t57 = G.transpose(-1, -2)
-    t58 = W_O @ t57
-    t56[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t58, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
-    t59 = M_1.transpose(-1, -2)
-    t56 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,ace,ace,ef,acfg,ach,gi->bdhi', t59, W_O, t10, A29, t30, M_2, X, W_K, optimize=[(2, 3), (2, 3), (3, 5), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t56 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,ace,ace,acf,fg,acgh,aci,hj->bdij', t59, W_O, t10, A29, A29, t30, M_2, X, W_K, optimize=[(2, 3), (2, 3), (2, 6), (1, 4), (2, 3), (0, 2), (0, 2), (0, 1)])
-    t60 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t61 = t60.view((d_V, d_H, d_V, d_K))
-    t61[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t58, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t61 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,ace,ace,ef,acfg,ach,hi->bdgi', t59, W_O, t10, A29, t30, M_2, X, W_Q, optimize=[(2, 3), (2, 3), (2, 3), (2, 3), (1, 3), (0, 1), (0, 1)])
-    t61 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,ace,ace,acf,fg,acgh,aci,ij->bdhj', t59, W_O, t10, A29, A29, t30, M_2, X, W_Q, optimize=[(2, 3), (2, 3), (2, 6), (2, 3), (1, 2), (0, 1), (0, 2), (0, 1)])
-    t62 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t63 = t62.view((d_V, d_H, d_V, d_H))
-    t63[...] = (1/(L*n_batch)) * oe.contract('abc,de,ace,ace,acf,eg->bdfg', t59, W_O, t10, A29, M_1, t20, optimize=[(2, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t63 += (-1/(L*n_batch)) * oe.contract('abc,de,ace,ace,acf,acg,fh->bdgh', t59, W_O, t10, A29, A29, M_1, t20, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 2), (0, 1)])
-    t64 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t28 = W_V @ W_O
+    t29 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    A30 = t29 / t29.sum(-1, keepdim=True)
+    t31 = t20 @ t21
+    t32 = (1/(L*d_K*n_batch)) * t2
+    t1 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t32, M_2, X, t28, t10, A30, t31, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t33 = (-1/(L*d_K*n_batch)) * t2
+    t34 = oe.contract('abc,cd,abde,ef->fab', A30, t31, M_2, W_K, optimize=[(0, 1), (0, 2), (0, 1)])
+    t35 = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahcd', t33, M_2, X, t28, t10, A30, X, optimize=[(4, 5), (0, 1), (1, 3), (2, 3), (0, 1), (0, 1)])
+    t1 += oe.contract('abc,defbc->defa', t34, t35, optimize=[(0, 1)])
+    t36 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t36[...] = 0
+    t37 = t36.view((d_V, d_K, d_V, d_K))
+    t38 = t37.diagonal(0, 1, 3)
+    t39 = t26 @ X
+    t40 = t3 @ t39
+    t41 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t42 = (1/(math.sqrt(d_K)*n_batch)) * t41
+    t38 += oe.contract('abc,d->bcd', t40, t42, optimize=[(0, 1)])
+    t43 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t44 = oe.contract('ab,cdbe->aecd', t27, M_3, optimize=[(0, 1)])
+    t37 += oe.contract('abcd,efcd->aefb', t43, t44, optimize=[(0, 1)])
+    t45 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t46 = oe.contract('ab,cdeb,ef,cdf,cdf,fg,cdgh->ahcd', t32, M_2, t28, t10, A30, t31, M_2, optimize=[(3, 4), (0, 1), (1, 2), (0, 2), (0, 1), (0, 1)])
+    t37 += oe.contract('abcd,efcd->aefb', t45, t46, optimize=[(0, 1)])
+    t47 = oe.contract('abc,abd,de,abef,abg,gh->cfhab', X, A30, t31, M_2, X, W_Q, optimize=[(1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t48 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t33, M_2, t28, t10, A30, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
+    t37 += oe.contract('abcde,fde->afbc', t47, t48, optimize=[(0, 1)])
+    t49 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t50 = t49.view((d_V, d_K, d_V, d_H))
+    t51 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t50[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,gi->fahi', t51, M_2, X, t28, t10, A30, M_1, t20, optimize=[(4, 5), (0, 1), (1, 5), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t52 = (-1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t53 = oe.contract('abc,abd,abe,df->cefab', X, A30, M_1, t20, optimize=[(0, 2), (0, 1), (0, 1)])
+    t54 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t52, M_2, t28, t10, A30, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
+    t50 += oe.contract('abcde,fde->afbc', t53, t54, optimize=[(0, 1)])
+    t55 = G @ t20
+    t56 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t57 = oe.contract('abc,abd->cdab', X, t55, optimize=[(0, 1)])
+    t58 = oe.contract('ab,cdeb->aecd', t56, M_2, optimize=[(0, 1)])
+    t50 += oe.contract('abcd,efcd->aefb', t57, t58, optimize=[(0, 1)])
+    t59 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t60 = t59.view((d_V, d_K, d_H, d_V))
+    t60[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t51, M_2, X, t28, t10, A30, t12, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t61 = oe.contract('abc,abd,abe->cedab', X, A30, t12, optimize=[(0, 1), (0, 1)])
+    t60 += oe.contract('abcde,fde->afbc', t61, t54, optimize=[(0, 1)])
+    t62 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t63 = oe.contract('ab,cdeb,ef->afcd', t56, M_2, W_V, optimize=[(0, 1), (0, 1)])
+    t60 += oe.contract('abcd,efcd->aefb', t62, t63, optimize=[(0, 1)])
+    t64 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t64[...] = 0
-    t65 = t64.view((d_V, d_H, d_H, d_V))
-    t66 = t65.diagonal(0, 1, 2)
-    t67 = t59 @ G
-    t68 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
-    t66 += (1/n_batch) * oe.contract('abc,d->bcd', t67, t68, optimize=[(0, 1)])
-    t65 += (1/(L*n_batch)) * oe.contract('abc,de,ace,ace,acf->bdfe', t59, W_O, t10, A29, t12, optimize=[(2, 3), (0, 2), (1, 2), (0, 1)])
-    t65 += (-1/(L*n_batch)) * oe.contract('abc,de,ace,ace,acf,acg->bdgf', t59, W_O, t10, A29, A29, t12, optimize=[(2, 3), (1, 4), (0, 1), (0, 2), (0, 1)])
-    t69 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t70 = t69.view((d_H, d_V, d_V, d_K))
-    t70[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,acef,acg,fh->dbgh', t57, t21, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t71 = t21 @ t59
-    t70 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t71, t10, A29, t30, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t70 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t71, t10, A29, A29, t30, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
-    t72 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t73 = t72.view((d_H, d_V, d_V, d_K))
-    t73[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,acef,acg,gh->dbfh', t57, t21, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
-    t73 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t71, t10, A29, t30, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t73 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t71, t10, A29, A29, t30, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
-    t74 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t74[...] = 0
-    t75 = t74.view((d_H, d_V, d_V, d_H))
-    t76 = t75.diagonal(0, 0, 3)
-    t77 = t57 @ M_1
-    t76 += (1/n_batch) * oe.contract('abc,d->bcd', t77, t68, optimize=[(0, 1)])
-    t75 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,df->bdef', t71, t10, A29, M_1, t20, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
-    t75 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf,eg->bdfg', t71, t10, A29, A29, M_1, t20, optimize=[(1, 2), (1, 3), (1, 2), (0, 1), (0, 1)])
-    t78 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t78[...] = 0
-    t79 = t78.view((d_H, d_V, d_H, d_V))
-    t80 = t79.diagonal(0, 1, 3)
-    t80 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bed', t71, t10, A29, t12, optimize=[(1, 2), (0, 1), (0, 1)])
-    t79 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t71, t10, A29, A29, t12, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t65 = t64.view((d_V, d_K, d_V, d_K))
+    t66 = t65.diagonal(0, 1, 3)
+    t67 = t26.transpose(-1, -2)
+    t68 = t67 @ X
+    t69 = t3 @ t68
+    t66 += oe.contract('abc,d->bcd', t69, t42, optimize=[(0, 1)])
+    t70 = W_Q.transpose(-1, -2)
+    t71 = (1/(d_K*n_batch)) * t70
+    t72 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t73 = oe.contract('ab,cbd,cde->aecd', t71, t3, X, optimize=[(0, 1), (0, 1)])
+    t65 += oe.contract('abcd,efcd->aefb', t72, t73, optimize=[(0, 1)])
+    t74 = (1/(L*d_K*n_batch)) * t70
+    t65 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t74, M_2, X, t28, t10, A30, t31, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t75 = (-1/(L*d_K*n_batch)) * t70
+    t76 = oe.contract('ab,cdb,cde,ef,cdfg,cdh,gi->ahicd', t75, X, A30, t31, M_2, X, W_K, optimize=[(0, 1), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t77 = oe.contract('abcd,ce,abe,abe->dab', M_2, t28, t10, A30, optimize=[(1, 2), (1, 2), (0, 1)])
+    t65 += oe.contract('abcde,fde->fabc', t76, t77, optimize=[(0, 1)])
+    t78 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t79 = t78.view((d_V, d_K, d_V, d_K))
+    t80 = oe.contract('ab,cbd,cde,ef->afcd', t71, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t81 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t79[...] = oe.contract('abcd,efcd->eafb', t80, t81, optimize=[(0, 1)])
+    t82 = oe.contract('abc,cd->dab', X, W_Q, optimize=[(0, 1)])
+    t83 = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi->faicd', t74, M_2, X, t28, t10, A30, t31, M_2, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 2), (1, 2), (0, 1)])
+    t79 += oe.contract('abc,defbc->defa', t82, t83, optimize=[(0, 1)])
+    t84 = oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi->faicd', t75, M_2, X, t28, t10, A30, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 1), (0, 1)])
+    t85 = oe.contract('abc,cd,abde->eab', A30, t31, M_2, optimize=[(0, 1), (0, 1)])
+    t79 += oe.contract('abcde,fde->abfc', t84, t85, optimize=[(0, 1)])
+    t86 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t87 = t86.view((d_V, d_K, d_V, d_H))
+    t88 = (1/(L*math.sqrt(d_K)*n_batch)) * t70
+    t87[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,gi->fahi', t88, M_2, X, t28, t10, A30, M_1, t20, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (1, 3), (0, 1), (0, 1)])
+    t89 = (-1/(L*math.sqrt(d_K)*n_batch)) * t70
+    t90 = oe.contract('ab,cdb,cde,cdf,eg->afgcd', t89, X, A30, M_1, t20, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    t87 += oe.contract('abcde,fde->fabc', t90, t77, optimize=[(0, 1)])
+    t91 = (1/(math.sqrt(d_K)*n_batch)) * t70
+    t92 = oe.contract('ab,cdb,cde->aecd', t91, X, t55, optimize=[(0, 1), (0, 1)])
+    t93 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t87 += oe.contract('abcd,efcd->eafb', t92, t93, optimize=[(0, 1)])
+    t94 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t95 = t94.view((d_V, d_K, d_H, d_V))
+    t96 = oe.contract('abcd,ce,abe,abe->deab', M_2, t28, t10, A30, optimize=[(0, 1), (0, 1), (0, 1)])
+    t97 = oe.contract('ab,cdb,cde->aecd', t88, X, t12, optimize=[(0, 1), (0, 1)])
+    t95[...] = oe.contract('abcd,efcd->aefb', t96, t97, optimize=[(0, 1)])
+    t98 = oe.contract('ab,cdb,cde,cdf->afecd', t89, X, A30, t12, optimize=[(0, 1), (0, 1), (0, 1)])
+    t95 += oe.contract('abcde,fde->fabc', t98, t77, optimize=[(0, 1)])
+    t99 = oe.contract('ab,cdb,cde->aecd', t91, X, G, optimize=[(0, 1), (0, 1)])
+    t100 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t95 += oe.contract('abcd,efcd->eafb', t99, t100, optimize=[(0, 1)])
+    t101 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t102 = t101.view((d_V, d_H, d_V, d_K))
+    t103 = G.transpose(-1, -2)
+    t104 = W_O @ t103
+    t105 = (1/(math.sqrt(d_K)*n_batch)) * t104
+    t106 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t107 = oe.contract('abc,acd->bdac', t105, X, optimize=[(0, 1)])
+    t102[...] = oe.contract('abcd,efcd->aefb', t106, t107, optimize=[(0, 1)])
+    t108 = M_1.transpose(-1, -2)
+    t109 = (1/(L*math.sqrt(d_K)*n_batch)) * t108
+    t110 = oe.contract('ab,cdb,cdb,be,cdef,fg->agcd', W_O, t10, A30, t31, M_2, W_K, optimize=[(1, 2), (1, 2), (1, 3), (1, 2), (0, 1)])
+    t111 = oe.contract('abc,acd->bdac', t109, X, optimize=[(0, 1)])
+    t102 += oe.contract('abcd,efcd->eafb', t110, t111, optimize=[(0, 1)])
+    t112 = (-1/(L*math.sqrt(d_K)*n_batch)) * t108
+    t113 = oe.contract('abc,de,ace,ace,acf->bdfac', t112, W_O, t10, A30, X, optimize=[(2, 3), (1, 3), (0, 1), (0, 1)])
+    t102 += oe.contract('abc,defbc->defa', t34, t113, optimize=[(0, 1)])
+    t114 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t115 = t114.view((d_V, d_H, d_V, d_K))
+    t116 = oe.contract('abc,acd,de->beac', t105, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t117 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t115[...] = oe.contract('abcd,efcd->eafb', t116, t117, optimize=[(0, 1)])
+    t118 = oe.contract('abc,acd,de->beac', t109, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t119 = oe.contract('ab,cdb,cdb,be,cdef->afcd', W_O, t10, A30, t31, M_2, optimize=[(1, 2), (1, 2), (1, 2), (0, 1)])
+    t115 += oe.contract('abcd,efcd->aefb', t118, t119, optimize=[(0, 1)])
+    t120 = oe.contract('abc,acd,de,acef,acg,gh->bfhac', t112, A30, t31, M_2, X, W_Q, optimize=[(1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t121 = oe.contract('ab,cdb,cdb->acd', W_O, t10, A30, optimize=[(1, 2), (0, 1)])
+    t115 += oe.contract('abcde,fde->afbc', t120, t121, optimize=[(0, 1)])
+    t122 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t123 = t122.view((d_V, d_H, d_V, d_H))
+    t124 = (1/(L*n_batch)) * t108
+    t125 = oe.contract('ab,bc->acb', W_O, t20, optimize=[(0, 1)])
+    t126 = oe.contract('abc,abd,abd,aeb->ecd', M_1, A30, t10, t124, optimize=[(1, 2), (0, 1), (0, 1)])
+    t123[...] = oe.contract('abc,dec->daeb', t125, t126, optimize=[(0, 1)])
+    t127 = (-1/(L*n_batch)) * t108
+    t128 = oe.contract('abc,acd,ace,df->befac', t127, A30, M_1, t20, optimize=[(0, 2), (0, 1), (0, 1)])
+    t123 += oe.contract('abcde,fde->afbc', t128, t121, optimize=[(0, 1)])
+    t129 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t129[...] = 0
+    t130 = t129.view((d_V, d_H, d_H, d_V))
+    t131 = t130.diagonal(0, 1, 2)
+    t132 = t108 @ G
+    t133 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
+    t134 = (1/n_batch) * t133
+    t131 += oe.contract('abc,d->bcd', t132, t134, optimize=[(0, 1)])
+    t130 += oe.contract('abc,de,ace,ace,acf->bdfe', t124, W_O, t10, A30, t12, optimize=[(2, 3), (0, 2), (1, 2), (0, 1)])
+    t135 = oe.contract('abc,acd,ace->bedac', t127, A30, t12, optimize=[(0, 1), (0, 1)])
+    t130 += oe.contract('abcde,fde->afbc', t135, t121, optimize=[(0, 1)])
+    t136 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t137 = t136.view((d_H, d_V, d_V, d_K))
+    t138 = (1/(math.sqrt(d_K)*n_batch)) * t103
+    t137[...] = oe.contract('abc,de,acef,acg,fh->dbgh', t138, t21, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t139 = t21 @ t108
+    t140 = (1/(L*math.sqrt(d_K)*n_batch)) * t139
+    t137 += oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t140, t10, A30, t31, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t141 = (-1/(L*math.sqrt(d_K)*n_batch)) * t139
+    t142 = oe.contract('abc,acd,de,acef,fg->bgac', t141, A30, t31, M_2, W_K, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t143 = oe.contract('abc,abc,abd->cdab', t10, A30, X, optimize=[(0, 1), (0, 1)])
+    t137 += oe.contract('abcd,efcd->aefb', t142, t143, optimize=[(0, 1)])
+    t144 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t145 = t144.view((d_H, d_V, d_V, d_K))
+    t146 = oe.contract('abc,acd,de->beac', t138, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t147 = oe.contract('ab,cdbe->aecd', t21, M_2, optimize=[(0, 1)])
+    t145[...] = oe.contract('abcd,efcd->eafb', t146, t147, optimize=[(0, 1)])
+    t148 = oe.contract('abc,acd,de->beac', t140, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t149 = oe.contract('abc,abc,cd,abde->ceab', t10, A30, t31, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t145 += oe.contract('abcd,efcd->aefb', t148, t149, optimize=[(0, 1)])
+    t150 = oe.contract('abc,acd,acd,ace,ef,acfg->bdgac', t141, t10, A30, A30, t31, M_2, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t145 += oe.contract('abc,defbc->defa', t82, t150, optimize=[(0, 1)])
+    t151 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t151[...] = 0
+    t152 = t151.view((d_H, d_V, d_V, d_H))
+    t153 = t152.diagonal(0, 0, 3)
+    t154 = t103 @ M_1
+    t153 += oe.contract('abc,d->bcd', t154, t134, optimize=[(0, 1)])
+    t155 = (1/(L*n_batch)) * t139
+    t152 += oe.contract('abc,acd,acd,ace,df->bdef', t155, t10, A30, M_1, t20, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
+    t156 = (-1/(L*n_batch)) * t139
+    t157 = oe.contract('abc,acd,de->beac', t156, A30, t20, optimize=[(1, 2), (0, 1)])
+    t158 = oe.contract('abc,abc,abd->cdab', t10, A30, M_1, optimize=[(0, 1), (0, 1)])
+    t152 += oe.contract('abcd,efcd->aefb', t157, t158, optimize=[(0, 1)])
+    t159 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t159[...] = 0
+    t160 = t159.view((d_H, d_V, d_H, d_V))
+    t161 = t160.diagonal(0, 1, 3)
+    t162 = oe.contract('abc,abc->cab', t10, A30, optimize=[(0, 1)])
+    t163 = oe.contract('abc,acd->bdac', t155, t12, optimize=[(0, 1)])
+    t161 += oe.contract('abc,debc->dea', t162, t163, optimize=[(0, 1)])
+    t164 = oe.contract('abc,acd->bdac', t156, A30, optimize=[(0, 1)])
+    t165 = oe.contract('abc,abc,abd->cdab', t10, A30, t12, optimize=[(0, 1), (0, 1)])
+    t160 += oe.contract('abcd,efcd->aefb', t164, t165, optimize=[(0, 1)])
     return H
 
 
@@ -13537,15 +14350,23 @@ def ce_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t25 = A * t24
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t25, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t25, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t25, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->da', t1, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
+    t26 = (1/(d_K*n_batch)) * t1
+    t27 = oe.contract('ab,cdbe,ea->acd', t26, M_3, W_K, optimize=[(0, 2), (0, 1)])
+    t28 = oe.contract('abc,acb->bac', t2, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t27, t28, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t26 = W_V @ W_O
-    t27 = torch.exp(t12 - t12.amax(-1, keepdim=True))
-    A28 = t27 / t27.sum(-1, keepdim=True)
-    t29 = t19 @ t20
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdf,ia->fa', t1, M_2, X, t26, t9, A28, t29, M_2, X, W_K, optimize=[(4, 5), (2, 6), (0, 1), (1, 2), (0, 4), (0, 3), (2, 3), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdf,ja->fa', t1, M_2, X, t26, t9, A28, A28, t29, M_2, X, W_K, optimize=[(4, 5), (2, 7), (0, 1), (1, 2), (1, 6), (0, 2), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t29 = W_V @ W_O
+    t30 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A31 = t30 / t30.sum(-1, keepdim=True)
+    t32 = t19 @ t20
+    t33 = (1/(L*d_K*n_batch)) * t1
+    t34 = oe.contract('ab,cdeb,ef,cdf,cdf,fg,cdgh,ha->acd', t33, M_2, t29, t9, A31, t32, M_2, W_K, optimize=[(3, 4), (0, 1), (1, 2), (0, 3), (0, 2), (1, 2), (0, 1)])
+    t35 = oe.contract('abc,abc->cab', X, X, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dbc->da', t34, t35, optimize=[(0, 1)])
+    t36 = (-1/(L*d_K*n_batch)) * t1
+    t37 = oe.contract('ab,cdeb,ef,cdf,cdf,cdg,gh,cdhi,ia->acd', t36, M_2, t29, t9, A31, A31, t32, M_2, W_K, optimize=[(3, 4), (0, 1), (1, 2), (1, 5), (0, 2), (1, 3), (0, 1), (0, 1)])
+    t0 += oe.contract('abc,dbc->da', t37, t35, optimize=[(0, 1)])
     return out
 
 
@@ -13636,15 +14457,20 @@ def ce_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t25 = A * t24
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t25, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t25, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t25, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t1, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t26 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t26, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t26 = W_V @ W_O
-    t27 = torch.exp(t12 - t12.amax(-1, keepdim=True))
-    A28 = t27 / t27.sum(-1, keepdim=True)
-    t29 = t19 @ t20
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t1, M_2, X, t26, t9, A28, t29, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t1, M_2, X, t26, t9, A28, A28, t29, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
+    t27 = W_V @ W_O
+    t28 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A29 = t28 / t28.sum(-1, keepdim=True)
+    t30 = t19 @ t20
+    t31 = (1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t31, M_2, X, t27, t9, A29, t30, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t32 = (-1/(L*d_K*n_batch)) * t1
+    t33 = oe.contract('abc,cd,abde,ef->fab', A29, t30, M_2, W_K, optimize=[(0, 1), (0, 2), (0, 1)])
+    t34 = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahcd', t32, M_2, X, t27, t9, A29, X, optimize=[(4, 5), (0, 1), (1, 3), (2, 3), (0, 1), (0, 1)])
+    t0 += oe.contract('abc,defbc->defa', t33, t34, optimize=[(0, 1)])
     return out
 
 
@@ -13740,18 +14566,28 @@ def ce_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t27 = t26 @ X
     t28 = t2 @ t27
     t29 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t28, t29, optimize=[(0, 1)])
+    t30 = (1/(math.sqrt(d_K)*n_batch)) * t29
+    t1 += oe.contract('abc,d->bcd', t28, t30, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t26, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t26, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t26, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t3, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t31 = (1/(d_K*n_batch)) * t3
+    t32 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t33 = oe.contract('ab,cdbe->aecd', t31, M_3, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t32, t33, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t30 = W_V @ W_O
-    t31 = torch.exp(t13 - t13.amax(-1, keepdim=True))
-    A32 = t31 / t31.sum(-1, keepdim=True)
-    t33 = t20 @ t21
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t3, M_2, X, t30, t10, A32, t33, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t3, M_2, X, t30, t10, A32, A32, t33, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
+    t34 = W_V @ W_O
+    t35 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    A36 = t35 / t35.sum(-1, keepdim=True)
+    t37 = t20 @ t21
+    t38 = (1/(L*d_K*n_batch)) * t3
+    t39 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t40 = oe.contract('ab,cdeb,ef,cdf,cdf,fg,cdgh->ahcd', t38, M_2, t34, t10, A36, t37, M_2, optimize=[(3, 4), (0, 1), (1, 2), (0, 2), (0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t39, t40, optimize=[(0, 1)])
+    t41 = (-1/(L*d_K*n_batch)) * t3
+    t42 = oe.contract('abc,abd,de,abef,abg,gh->cfhab', X, A36, t37, M_2, X, W_Q, optimize=[(1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t43 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t41, M_2, t34, t10, A36, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t42, t43, optimize=[(0, 1)])
     return out
 
 
@@ -13835,18 +14671,25 @@ def ce_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = W_O.transpose(-1, -2)
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,gi->fahi', t1, M_2, X, t8, t10, A15, M_1, t16, optimize=[(4, 5), (0, 1), (1, 5), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi,hj->faij', t1, M_2, X, t8, t10, A15, A15, M_1, t16, optimize=[(4, 5), (0, 1), (2, 4), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t17 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,gi->fahi', t17, M_2, X, t8, t10, A15, M_1, t16, optimize=[(4, 5), (0, 1), (1, 5), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t18 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t19 = oe.contract('abc,abd,abe,df->cefab', X, A15, M_1, t16, optimize=[(0, 2), (0, 1), (0, 1)])
+    t20 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t18, M_2, t8, t10, A15, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t19, t20, optimize=[(0, 1)])
     F = t13
-    t17 = torch.exp(F - F.amax(-1, keepdim=True))
-    A18 = t17 / t17.sum(-1, keepdim=True)
-    t19 = t10 * A18
-    t20 = (1/L) * t19
-    t21 = (-1/L) * Y
-    t22 = t20 + t21
-    G = t22
-    t23 = G @ t16
-    t0 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t1, M_2, X, t23, optimize=[(0, 1), (0, 1), (0, 1)])
+    t21 = torch.exp(F - F.amax(-1, keepdim=True))
+    A22 = t21 / t21.sum(-1, keepdim=True)
+    t23 = t10 * A22
+    t24 = (1/L) * t23
+    t25 = (-1/L) * Y
+    t26 = t24 + t25
+    G = t26
+    t27 = G @ t16
+    t28 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t29 = oe.contract('abc,abd->cdab', X, t27, optimize=[(0, 1)])
+    t30 = oe.contract('ab,cdeb->aecd', t28, M_2, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
     return out
 
 
@@ -13919,17 +14762,24 @@ def ce_causal0__block__W_Q__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t13 = t12 @ W_O
     t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
     A15 = t14 / t14.sum(-1, keepdim=True)
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t1, M_2, X, t8, t10, A15, t12, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t1, M_2, X, t8, t10, A15, A15, t12, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t16 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t16, M_2, X, t8, t10, A15, t12, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t17 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t18 = oe.contract('abc,abd,abe->cedab', X, A15, t12, optimize=[(0, 1), (0, 1)])
+    t19 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t17, M_2, t8, t10, A15, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t18, t19, optimize=[(0, 1)])
     F = t13
-    t16 = torch.exp(F - F.amax(-1, keepdim=True))
-    A17 = t16 / t16.sum(-1, keepdim=True)
-    t18 = t10 * A17
-    t19 = (1/L) * t18
-    t20 = (-1/L) * Y
-    t21 = t19 + t20
-    G = t21
-    t0 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fahg', t1, M_2, X, G, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t20 = torch.exp(F - F.amax(-1, keepdim=True))
+    A21 = t20 / t20.sum(-1, keepdim=True)
+    t22 = t10 * A21
+    t23 = (1/L) * t22
+    t24 = (-1/L) * Y
+    t25 = t23 + t24
+    G = t25
+    t26 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t27 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t28 = oe.contract('ab,cdeb,ef->afcd', t26, M_2, W_V, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t27, t28, optimize=[(0, 1)])
     return out
 
 
@@ -14013,15 +14863,22 @@ def ce_causal0__diag__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t26 = A * t25
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t26, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t26, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t26, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->ea', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t27 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cbd,cdee,cdf,fa->ea', t27, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t27 = W_V @ W_O
-    t28 = torch.exp(t13 - t13.amax(-1, keepdim=True))
-    A29 = t28 / t28.sum(-1, keepdim=True)
-    t30 = t20 @ t21
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhf,cdi,ia->fa', t1, M_2, X, t27, t10, A29, t30, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (4, 5), (2, 4), (0, 1), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdif,cdj,ja->fa', t1, M_2, X, t27, t10, A29, A29, t30, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t28 = W_V @ W_O
+    t29 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    A30 = t29 / t29.sum(-1, keepdim=True)
+    t31 = t20 @ t21
+    t32 = (1/(L*d_K*n_batch)) * t1
+    t33 = oe.contract('ab,cdb,cde,ea->acd', t32, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t34 = oe.contract('abcd,ce,abe,abe,ef,abfd->dab', M_2, t28, t10, A30, t31, M_2, optimize=[(2, 3), (0, 1), (0, 1), (1, 2), (0, 1)])
+    t0 += oe.contract('abc,dbc->da', t33, t34, optimize=[(0, 1)])
+    t35 = (-1/(L*d_K*n_batch)) * t1
+    t36 = oe.contract('ab,cdb,cde,ea->acd', t35, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t37 = oe.contract('abcd,ce,abe,abe,abf,fg,abgd->dab', M_2, t28, t10, A30, A30, t31, M_2, optimize=[(2, 3), (0, 1), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t0 += oe.contract('abc,dbc->da', t36, t37, optimize=[(0, 1)])
     return out
 
 
@@ -14117,19 +14974,27 @@ def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t28 = t27 @ X
     t29 = t2 @ t28
     t30 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t29, t30, optimize=[(0, 1)])
-    t31 = W_Q.transpose(-1, -2)
+    t31 = (1/(math.sqrt(d_K)*n_batch)) * t30
+    t1 += oe.contract('abc,d->bcd', t29, t31, optimize=[(0, 1)])
+    t32 = W_Q.transpose(-1, -2)
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t26, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t26, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t26, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t31, t2, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    t33 = (1/(d_K*n_batch)) * t32
+    t34 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t35 = oe.contract('ab,cbd,cde->aecd', t33, t2, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t34, t35, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t32 = W_V @ W_O
-    t33 = torch.exp(t13 - t13.amax(-1, keepdim=True))
-    A34 = t33 / t33.sum(-1, keepdim=True)
-    t35 = t20 @ t21
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t31, M_2, X, t32, t10, A34, t35, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t31, M_2, X, t32, t10, A34, A34, t35, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t36 = W_V @ W_O
+    t37 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    A38 = t37 / t37.sum(-1, keepdim=True)
+    t39 = t20 @ t21
+    t40 = (1/(L*d_K*n_batch)) * t32
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t40, M_2, X, t36, t10, A38, t39, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t41 = (-1/(L*d_K*n_batch)) * t32
+    t42 = oe.contract('ab,cdb,cde,ef,cdfg,cdh,gi->ahicd', t41, X, A38, t39, M_2, X, W_K, optimize=[(0, 1), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t43 = oe.contract('abcd,ce,abe,abe->dab', M_2, t36, t10, A38, optimize=[(1, 2), (1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->fabc', t42, t43, optimize=[(0, 1)])
     return out
 
 
@@ -14227,15 +15092,24 @@ def ce_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t26 = A * t25
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t26, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t26, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t26, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t27 = (1/(d_K*n_batch)) * t1
+    t28 = oe.contract('ab,cbd,cde,ef->afcd', t27, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t29 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t28, t29, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t27 = W_V @ W_O
-    t28 = torch.exp(t13 - t13.amax(-1, keepdim=True))
-    A29 = t28 / t28.sum(-1, keepdim=True)
-    t30 = t20 @ t21
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t1, M_2, X, t27, t10, A29, t30, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t1, M_2, X, t27, t10, A29, A29, t30, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
+    t30 = W_V @ W_O
+    t31 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    A32 = t31 / t31.sum(-1, keepdim=True)
+    t33 = t20 @ t21
+    t34 = (1/(L*d_K*n_batch)) * t1
+    t35 = oe.contract('abc,cd->dab', X, W_Q, optimize=[(0, 1)])
+    t36 = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi->faicd', t34, M_2, X, t30, t10, A32, t33, M_2, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 2), (1, 2), (0, 1)])
+    t0 += oe.contract('abc,defbc->defa', t35, t36, optimize=[(0, 1)])
+    t37 = (-1/(L*d_K*n_batch)) * t1
+    t38 = oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi->faicd', t37, M_2, X, t30, t10, A32, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 1), (0, 1)])
+    t39 = oe.contract('abc,cd,abde->eab', A32, t33, M_2, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcde,fde->abfc', t38, t39, optimize=[(0, 1)])
     return out
 
 
@@ -14319,18 +15193,25 @@ def ce_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
     A16 = t15 / t15.sum(-1, keepdim=True)
     t17 = W_O.transpose(-1, -2)
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,gi->fahi', t1, M_2, X, t9, t11, A16, M_1, t17, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (1, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi,hj->faij', t1, M_2, X, t9, t11, A16, A16, M_1, t17, optimize=[(4, 5), (0, 2), (0, 1), (3, 5), (0, 2), (0, 3), (0, 2), (0, 1)])
+    t18 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,gi->fahi', t18, M_2, X, t9, t11, A16, M_1, t17, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (1, 3), (0, 1), (0, 1)])
+    t19 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t20 = oe.contract('ab,cdb,cde,cdf,eg->afgcd', t19, X, A16, M_1, t17, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    t21 = oe.contract('abcd,ce,abe,abe->dab', M_2, t9, t11, A16, optimize=[(1, 2), (1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->fabc', t20, t21, optimize=[(0, 1)])
     F = t14
-    t18 = torch.exp(F - F.amax(-1, keepdim=True))
-    A19 = t18 / t18.sum(-1, keepdim=True)
-    t20 = t11 * A19
-    t21 = (1/L) * t20
-    t22 = (-1/L) * Y
-    t23 = t21 + t22
-    G = t23
-    t24 = G @ t17
-    t0 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t1, M_2, X, t24, optimize=[(0, 2), (1, 2), (0, 1)])
+    t22 = torch.exp(F - F.amax(-1, keepdim=True))
+    A23 = t22 / t22.sum(-1, keepdim=True)
+    t24 = t11 * A23
+    t25 = (1/L) * t24
+    t26 = (-1/L) * Y
+    t27 = t25 + t26
+    G = t27
+    t28 = G @ t17
+    t29 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t30 = oe.contract('ab,cdb,cde->aecd', t29, X, t28, optimize=[(0, 1), (0, 1)])
+    t31 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0 += oe.contract('abcd,efcd->eafb', t30, t31, optimize=[(0, 1)])
     return out
 
 
@@ -14405,17 +15286,26 @@ def ce_causal0__block__W_K__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t14 = t13 @ W_O
     t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
     A16 = t15 / t15.sum(-1, keepdim=True)
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh->fahg', t1, M_2, X, t9, t11, A16, t13, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t1, M_2, X, t9, t11, A16, A16, t13, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t17 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t18 = oe.contract('abcd,ce,abe,abe->deab', M_2, t9, t11, A16, optimize=[(0, 1), (0, 1), (0, 1)])
+    t19 = oe.contract('ab,cdb,cde->aecd', t17, X, t13, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t18, t19, optimize=[(0, 1)])
+    t20 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t21 = oe.contract('ab,cdb,cde,cdf->afecd', t20, X, A16, t13, optimize=[(0, 1), (0, 1), (0, 1)])
+    t22 = oe.contract('abcd,ce,abe,abe->dab', M_2, t9, t11, A16, optimize=[(1, 2), (1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->fabc', t21, t22, optimize=[(0, 1)])
     F = t14
-    t17 = torch.exp(F - F.amax(-1, keepdim=True))
-    A18 = t17 / t17.sum(-1, keepdim=True)
-    t19 = t11 * A18
-    t20 = (1/L) * t19
-    t21 = (-1/L) * Y
-    t22 = t20 + t21
-    G = t22
-    t0 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fahg', t1, M_2, X, G, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
+    t23 = torch.exp(F - F.amax(-1, keepdim=True))
+    A24 = t23 / t23.sum(-1, keepdim=True)
+    t25 = t11 * A24
+    t26 = (1/L) * t25
+    t27 = (-1/L) * Y
+    t28 = t26 + t27
+    G = t28
+    t29 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t30 = oe.contract('ab,cdb,cde->aecd', t29, X, G, optimize=[(0, 1), (0, 1)])
+    t31 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t30, t31, optimize=[(0, 1)])
     return out
 
 
@@ -14486,8 +15376,12 @@ def ce_causal0__diag__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = W_O.transpose(-1, -2)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,de,ace,ace,acb,ed->bd', t9, W_O, t11, A15, M_1, t16, optimize=[(2, 3), (0, 2), (0, 1), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,de,ace,ace,acf,acb,fd->bd', t9, W_O, t11, A15, A15, M_1, t16, optimize=[(2, 3), (0, 3), (1, 2), (0, 1), (1, 2), (0, 1)])
+    t17 = (1/(L*n_batch)) * t9
+    t0[...] = oe.contract('abc,de,ace,ace,acb,ed->bd', t17, W_O, t11, A15, M_1, t16, optimize=[(2, 3), (0, 2), (0, 1), (0, 1), (0, 1)])
+    t18 = (-1/(L*n_batch)) * t9
+    t19 = oe.contract('ab,cdb,cdb,cde,ea->acd', W_O, t11, A15, A15, t16, optimize=[(1, 2), (1, 2), (0, 1), (0, 1)])
+    t20 = oe.contract('abc,acb->bac', t18, M_1, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dbc->da', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -14554,15 +15448,24 @@ def ce_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t20 = W_O @ t19
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t20, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
-    t21 = M_1.transpose(-1, -2)
-    t22 = torch.exp(t12 - t12.amax(-1, keepdim=True))
-    A23 = t22 / t22.sum(-1, keepdim=True)
-    t24 = W_O.transpose(-1, -2)
-    t25 = W_V.transpose(-1, -2)
-    t26 = t24 @ t25
-    t0 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,ace,ace,ef,acfg,ach,gi->bdhi', t21, W_O, t2, A23, t26, M_2, X, W_K, optimize=[(2, 3), (2, 3), (3, 5), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,ace,ace,acf,fg,acgh,aci,hj->bdij', t21, W_O, t2, A23, A23, t26, M_2, X, W_K, optimize=[(2, 3), (2, 3), (2, 6), (1, 4), (2, 3), (0, 2), (0, 2), (0, 1)])
+    t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
+    t22 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t23 = oe.contract('abc,acd->bdac', t21, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
+    t24 = M_1.transpose(-1, -2)
+    t25 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A26 = t25 / t25.sum(-1, keepdim=True)
+    t27 = W_O.transpose(-1, -2)
+    t28 = W_V.transpose(-1, -2)
+    t29 = t27 @ t28
+    t30 = (1/(L*math.sqrt(d_K)*n_batch)) * t24
+    t31 = oe.contract('ab,cdb,cdb,be,cdef,fg->agcd', W_O, t2, A26, t29, M_2, W_K, optimize=[(1, 2), (1, 2), (1, 3), (1, 2), (0, 1)])
+    t32 = oe.contract('abc,acd->bdac', t30, X, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t31, t32, optimize=[(0, 1)])
+    t33 = (-1/(L*math.sqrt(d_K)*n_batch)) * t24
+    t34 = oe.contract('abc,cd,abde,ef->fab', A26, t29, M_2, W_K, optimize=[(0, 1), (0, 2), (0, 1)])
+    t35 = oe.contract('abc,de,ace,ace,acf->bdfac', t33, W_O, t2, A26, X, optimize=[(2, 3), (1, 3), (0, 1), (0, 1)])
+    t0 += oe.contract('abc,defbc->defa', t34, t35, optimize=[(0, 1)])
     return out
 
 
@@ -14645,15 +15548,24 @@ def ce_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t20 = W_O @ t19
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t20, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t21 = M_1.transpose(-1, -2)
-    t22 = torch.exp(t12 - t12.amax(-1, keepdim=True))
-    A23 = t22 / t22.sum(-1, keepdim=True)
-    t24 = W_O.transpose(-1, -2)
-    t25 = W_V.transpose(-1, -2)
-    t26 = t24 @ t25
-    t0 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,ace,ace,ef,acfg,ach,hi->bdgi', t21, W_O, t2, A23, t26, M_2, X, W_Q, optimize=[(2, 3), (2, 3), (2, 3), (2, 3), (1, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,ace,ace,acf,fg,acgh,aci,ij->bdhj', t21, W_O, t2, A23, A23, t26, M_2, X, W_Q, optimize=[(2, 3), (2, 3), (2, 6), (2, 3), (1, 2), (0, 1), (0, 2), (0, 1)])
+    t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
+    t22 = oe.contract('abc,acd,de->beac', t21, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t23 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
+    t24 = M_1.transpose(-1, -2)
+    t25 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A26 = t25 / t25.sum(-1, keepdim=True)
+    t27 = W_O.transpose(-1, -2)
+    t28 = W_V.transpose(-1, -2)
+    t29 = t27 @ t28
+    t30 = (1/(L*math.sqrt(d_K)*n_batch)) * t24
+    t31 = oe.contract('abc,acd,de->beac', t30, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t32 = oe.contract('ab,cdb,cdb,be,cdef->afcd', W_O, t2, A26, t29, M_2, optimize=[(1, 2), (1, 2), (1, 2), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t31, t32, optimize=[(0, 1)])
+    t33 = (-1/(L*math.sqrt(d_K)*n_batch)) * t24
+    t34 = oe.contract('abc,acd,de,acef,acg,gh->bfhac', t33, A26, t29, M_2, X, W_Q, optimize=[(1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t35 = oe.contract('ab,cdb,cdb->acd', W_O, t2, A26, optimize=[(1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t34, t35, optimize=[(0, 1)])
     return out
 
 
@@ -14728,8 +15640,14 @@ def ce_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
     A15 = t14 / t14.sum(-1, keepdim=True)
     t16 = W_O.transpose(-1, -2)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,de,ace,ace,acf,eg->bdfg', t9, W_O, t11, A15, M_1, t16, optimize=[(2, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,de,ace,ace,acf,acg,fh->bdgh', t9, W_O, t11, A15, A15, M_1, t16, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 2), (0, 1)])
+    t17 = (1/(L*n_batch)) * t9
+    t18 = oe.contract('ab,bc->acb', W_O, t16, optimize=[(0, 1)])
+    t19 = oe.contract('abc,abd,abd,aeb->ecd', M_1, A15, t11, t17, optimize=[(1, 2), (0, 1), (0, 1)])
+    t0[...] = oe.contract('abc,dec->daeb', t18, t19, optimize=[(0, 1)])
+    t20 = (-1/(L*n_batch)) * t9
+    t21 = oe.contract('abc,acd,ace,df->befac', t20, A15, M_1, t16, optimize=[(0, 2), (0, 1), (0, 1)])
+    t22 = oe.contract('ab,cdb,cdb->acd', W_O, t11, A15, optimize=[(1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -14799,11 +15717,16 @@ def ce_causal0__block__W_V__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     G = t20
     t21 = t10 @ G
     t22 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
-    t1 += (1/n_batch) * oe.contract('abc,d->bcd', t21, t22, optimize=[(0, 1)])
-    t23 = torch.exp(t14 - t14.amax(-1, keepdim=True))
-    A24 = t23 / t23.sum(-1, keepdim=True)
-    t0 += (1/(L*n_batch)) * oe.contract('abc,de,ace,ace,acf->bdfe', t10, W_O, t12, A24, t13, optimize=[(2, 3), (0, 2), (1, 2), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,de,ace,ace,acf,acg->bdgf', t10, W_O, t12, A24, A24, t13, optimize=[(2, 3), (1, 4), (0, 1), (0, 2), (0, 1)])
+    t23 = (1/n_batch) * t22
+    t1 += oe.contract('abc,d->bcd', t21, t23, optimize=[(0, 1)])
+    t24 = torch.exp(t14 - t14.amax(-1, keepdim=True))
+    A25 = t24 / t24.sum(-1, keepdim=True)
+    t26 = (1/(L*n_batch)) * t10
+    t0 += oe.contract('abc,de,ace,ace,acf->bdfe', t26, W_O, t12, A25, t13, optimize=[(2, 3), (0, 2), (1, 2), (0, 1)])
+    t27 = (-1/(L*n_batch)) * t10
+    t28 = oe.contract('abc,acd,ace->bedac', t27, A25, t13, optimize=[(0, 1), (0, 1)])
+    t29 = oe.contract('ab,cdb,cdb->acd', W_O, t12, A25, optimize=[(1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t28, t29, optimize=[(0, 1)])
     return out
 
 
@@ -14873,8 +15796,12 @@ def ce_causal0__diag__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t15 = t14 @ W_O
     t16 = torch.exp(t15 - t15.amax(-1, keepdim=True))
     A17 = t16 / t16.sum(-1, keepdim=True)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,acb->bd', t11, t13, A17, t14, optimize=[(0, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->bd', t11, t13, A17, A17, t14, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t18 = (1/(L*n_batch)) * t11
+    t19 = oe.contract('abc,abc->cab', t13, A17, optimize=[(0, 1)])
+    t20 = oe.contract('abc,acb->bac', t18, t14, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t19, t20, optimize=[(0, 1)])
+    t21 = (-1/(L*n_batch)) * t11
+    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t21, t13, A17, A17, t14, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -14942,15 +15869,20 @@ def ce_causal0__block__W_O__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t20 = W_V.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,acef,acg,fh->dbgh', t19, t20, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t21 = M_1.transpose(-1, -2)
-    t22 = t20 @ t21
-    t23 = torch.exp(t12 - t12.amax(-1, keepdim=True))
-    A24 = t23 / t23.sum(-1, keepdim=True)
-    t25 = W_O.transpose(-1, -2)
-    t26 = t25 @ t20
-    t0 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t22, t2, A24, t26, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t22, t2, A24, A24, t26, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
+    t21 = (1/(math.sqrt(d_K)*n_batch)) * t19
+    t0[...] = oe.contract('abc,de,acef,acg,fh->dbgh', t21, t20, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t22 = M_1.transpose(-1, -2)
+    t23 = t20 @ t22
+    t24 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A25 = t24 / t24.sum(-1, keepdim=True)
+    t26 = W_O.transpose(-1, -2)
+    t27 = t26 @ t20
+    t28 = (1/(L*math.sqrt(d_K)*n_batch)) * t23
+    t0 += oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t28, t2, A25, t27, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t29 = (-1/(L*math.sqrt(d_K)*n_batch)) * t23
+    t30 = oe.contract('abc,acd,de,acef,fg->bgac', t29, A25, t27, M_2, W_K, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t31 = oe.contract('abc,abc,abd->cdab', t2, A25, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t30, t31, optimize=[(0, 1)])
     return out
 
 
@@ -15033,15 +15965,24 @@ def ce_causal0__block__W_O__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t20 = W_V.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,acef,acg,gh->dbfh', t19, t20, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
-    t21 = M_1.transpose(-1, -2)
-    t22 = t20 @ t21
-    t23 = torch.exp(t12 - t12.amax(-1, keepdim=True))
-    A24 = t23 / t23.sum(-1, keepdim=True)
-    t25 = W_O.transpose(-1, -2)
-    t26 = t25 @ t20
-    t0 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t22, t2, A24, t26, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t22, t2, A24, A24, t26, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
+    t21 = (1/(math.sqrt(d_K)*n_batch)) * t19
+    t22 = oe.contract('abc,acd,de->beac', t21, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t23 = oe.contract('ab,cdbe->aecd', t20, M_2, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
+    t24 = M_1.transpose(-1, -2)
+    t25 = t20 @ t24
+    t26 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A27 = t26 / t26.sum(-1, keepdim=True)
+    t28 = W_O.transpose(-1, -2)
+    t29 = t28 @ t20
+    t30 = (1/(L*math.sqrt(d_K)*n_batch)) * t25
+    t31 = oe.contract('abc,acd,de->beac', t30, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t32 = oe.contract('abc,abc,cd,abde->ceab', t2, A27, t29, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t31, t32, optimize=[(0, 1)])
+    t33 = (-1/(L*math.sqrt(d_K)*n_batch)) * t25
+    t34 = oe.contract('abc,cd->dab', X, W_Q, optimize=[(0, 1)])
+    t35 = oe.contract('abc,acd,acd,ace,ef,acfg->bdgac', t33, t2, A27, A27, t29, M_2, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t0 += oe.contract('abc,defbc->defa', t34, t35, optimize=[(0, 1)])
     return out
 
 
@@ -15125,15 +16066,20 @@ def ce_causal0__block__W_O__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t20 = G.transpose(-1, -2)
     t21 = t20 @ M_1
     t22 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
-    t1 += (1/n_batch) * oe.contract('abc,d->bcd', t21, t22, optimize=[(0, 1)])
-    t23 = W_V.transpose(-1, -2)
-    t24 = M_1.transpose(-1, -2)
-    t25 = t23 @ t24
-    t26 = torch.exp(t13 - t13.amax(-1, keepdim=True))
-    A27 = t26 / t26.sum(-1, keepdim=True)
-    t28 = W_O.transpose(-1, -2)
-    t0 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,df->bdef', t25, t3, A27, M_1, t28, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf,eg->bdfg', t25, t3, A27, A27, M_1, t28, optimize=[(1, 2), (1, 3), (1, 2), (0, 1), (0, 1)])
+    t23 = (1/n_batch) * t22
+    t1 += oe.contract('abc,d->bcd', t21, t23, optimize=[(0, 1)])
+    t24 = W_V.transpose(-1, -2)
+    t25 = M_1.transpose(-1, -2)
+    t26 = t24 @ t25
+    t27 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    A28 = t27 / t27.sum(-1, keepdim=True)
+    t29 = W_O.transpose(-1, -2)
+    t30 = (1/(L*n_batch)) * t26
+    t0 += oe.contract('abc,acd,acd,ace,df->bdef', t30, t3, A28, M_1, t29, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
+    t31 = (-1/(L*n_batch)) * t26
+    t32 = oe.contract('abc,acd,de->beac', t31, A28, t29, optimize=[(1, 2), (0, 1)])
+    t33 = oe.contract('abc,abc,abd->cdab', t3, A28, M_1, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t32, t33, optimize=[(0, 1)])
     return out
 
 
@@ -15209,8 +16155,14 @@ def ce_causal0__block__W_O__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t16 = t15 @ W_O
     t17 = torch.exp(t16 - t16.amax(-1, keepdim=True))
     A18 = t17 / t17.sum(-1, keepdim=True)
-    t1 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bed', t12, t14, A18, t15, optimize=[(1, 2), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t12, t14, A18, A18, t15, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t19 = (1/(L*n_batch)) * t12
+    t20 = oe.contract('abc,abc->cab', t14, A18, optimize=[(0, 1)])
+    t21 = oe.contract('abc,acd->bdac', t19, t15, optimize=[(0, 1)])
+    t1 += oe.contract('abc,debc->dea', t20, t21, optimize=[(0, 1)])
+    t22 = (-1/(L*n_batch)) * t12
+    t23 = oe.contract('abc,acd->bdac', t22, A18, optimize=[(0, 1)])
+    t24 = oe.contract('abc,abc,abd->cdab', t14, A18, t15, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t23, t24, optimize=[(0, 1)])
     return out
 
 
@@ -15363,73 +16315,130 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
     t19 = W_O.transpose(-1, -2)
     t20 = W_V.transpose(-1, -2)
     t21 = t19 @ t20
-    t1[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t2, M_2, X, t11, t13, A18, t21, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t1 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t2, M_2, X, t11, t13, A18, A18, t21, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
-    t22 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t23 = t22.view((d_V, d_K, d_V, d_K))
-    t23[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t2, M_2, X, t11, t13, A18, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t23 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t2, M_2, X, t11, t13, A18, A18, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
-    t24 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t25 = t24.view((d_V, d_K, d_V, d_H))
-    t25[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,gi->fahi', t2, M_2, X, t11, t13, A18, M_1, t19, optimize=[(4, 5), (0, 1), (1, 5), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t25 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi,hj->faij', t2, M_2, X, t11, t13, A18, A18, M_1, t19, optimize=[(4, 5), (0, 1), (2, 4), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t26 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t27 = t26.view((d_V, d_K, d_H, d_V))
-    t27[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t2, M_2, X, t11, t13, A18, t15, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t27 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t2, M_2, X, t11, t13, A18, A18, t15, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t28 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t29 = t28.view((d_V, d_K, d_V, d_K))
-    t30 = W_Q.transpose(-1, -2)
-    t29[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t30, M_2, X, t11, t13, A18, t21, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t29 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t30, M_2, X, t11, t13, A18, A18, t21, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
-    t31 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t32 = t31.view((d_V, d_K, d_V, d_K))
-    t32[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t30, M_2, X, t11, t13, A18, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
-    t32 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t30, M_2, X, t11, t13, A18, A18, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
-    t33 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t34 = t33.view((d_V, d_K, d_V, d_H))
-    t34[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,gi->fahi', t30, M_2, X, t11, t13, A18, M_1, t19, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (1, 3), (0, 1), (0, 1)])
-    t34 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi,hj->faij', t30, M_2, X, t11, t13, A18, A18, M_1, t19, optimize=[(4, 5), (0, 2), (0, 1), (3, 5), (0, 2), (0, 3), (0, 2), (0, 1)])
-    t35 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t36 = t35.view((d_V, d_K, d_H, d_V))
-    t36[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh->fahg', t30, M_2, X, t11, t13, A18, t15, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
-    t36 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t30, M_2, X, t11, t13, A18, A18, t15, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
-    t37 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t38 = t37.view((d_V, d_H, d_V, d_K))
-    t39 = M_1.transpose(-1, -2)
-    t38[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,ace,ace,ef,acfg,ach,gi->bdhi', t39, W_O, t13, A18, t21, M_2, X, W_K, optimize=[(2, 3), (2, 3), (3, 5), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t38 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,ace,ace,acf,fg,acgh,aci,hj->bdij', t39, W_O, t13, A18, A18, t21, M_2, X, W_K, optimize=[(2, 3), (2, 3), (2, 6), (1, 4), (2, 3), (0, 2), (0, 2), (0, 1)])
-    t40 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t41 = t40.view((d_V, d_H, d_V, d_K))
-    t41[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,ace,ace,ef,acfg,ach,hi->bdgi', t39, W_O, t13, A18, t21, M_2, X, W_Q, optimize=[(2, 3), (2, 3), (2, 3), (2, 3), (1, 3), (0, 1), (0, 1)])
-    t41 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,ace,ace,acf,fg,acgh,aci,ij->bdhj', t39, W_O, t13, A18, A18, t21, M_2, X, W_Q, optimize=[(2, 3), (2, 3), (2, 6), (2, 3), (1, 2), (0, 1), (0, 2), (0, 1)])
-    t42 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t43 = t42.view((d_V, d_H, d_V, d_H))
-    t43[...] = (1/(L*n_batch)) * oe.contract('abc,de,ace,ace,acf,eg->bdfg', t39, W_O, t13, A18, M_1, t19, optimize=[(2, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t43 += (-1/(L*n_batch)) * oe.contract('abc,de,ace,ace,acf,acg,fh->bdgh', t39, W_O, t13, A18, A18, M_1, t19, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 2), (0, 1)])
-    t44 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t45 = t44.view((d_V, d_H, d_H, d_V))
-    t45[...] = (1/(L*n_batch)) * oe.contract('abc,de,ace,ace,acf->bdfe', t39, W_O, t13, A18, t15, optimize=[(2, 3), (0, 2), (1, 2), (0, 1)])
-    t45 += (-1/(L*n_batch)) * oe.contract('abc,de,ace,ace,acf,acg->bdgf', t39, W_O, t13, A18, A18, t15, optimize=[(2, 3), (1, 4), (0, 1), (0, 2), (0, 1)])
-    t46 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t47 = t46.view((d_H, d_V, d_V, d_K))
-    t48 = t20 @ t39
-    t47[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t48, t13, A18, t21, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t47 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t48, t13, A18, A18, t21, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
-    t49 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t50 = t49.view((d_H, d_V, d_V, d_K))
-    t50[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t48, t13, A18, t21, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t50 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t48, t13, A18, A18, t21, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
-    t51 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t52 = t51.view((d_H, d_V, d_V, d_H))
-    t52[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,df->bdef', t48, t13, A18, M_1, t19, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
-    t52 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf,eg->bdfg', t48, t13, A18, A18, M_1, t19, optimize=[(1, 2), (1, 3), (1, 2), (0, 1), (0, 1)])
-    t53 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t53[...] = 0
-    t54 = t53.view((d_H, d_V, d_H, d_V))
-    t55 = t54.diagonal(0, 1, 3)
-    t55 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bed', t48, t13, A18, t15, optimize=[(1, 2), (0, 1), (0, 1)])
-    t54 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t48, t13, A18, A18, t15, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t22 = (1/(L*d_K*n_batch)) * t2
+    t1[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t22, M_2, X, t11, t13, A18, t21, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t23 = (-1/(L*d_K*n_batch)) * t2
+    t24 = oe.contract('abc,cd,abde,ef->fab', A18, t21, M_2, W_K, optimize=[(0, 1), (0, 2), (0, 1)])
+    t25 = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahcd', t23, M_2, X, t11, t13, A18, X, optimize=[(4, 5), (0, 1), (1, 3), (2, 3), (0, 1), (0, 1)])
+    t1 += oe.contract('abc,defbc->defa', t24, t25, optimize=[(0, 1)])
+    t26 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t27 = t26.view((d_V, d_K, d_V, d_K))
+    t28 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t29 = oe.contract('ab,cdeb,ef,cdf,cdf,fg,cdgh->ahcd', t22, M_2, t11, t13, A18, t21, M_2, optimize=[(3, 4), (0, 1), (1, 2), (0, 2), (0, 1), (0, 1)])
+    t27[...] = oe.contract('abcd,efcd->aefb', t28, t29, optimize=[(0, 1)])
+    t30 = oe.contract('abc,abd,de,abef,abg,gh->cfhab', X, A18, t21, M_2, X, W_Q, optimize=[(1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t31 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t23, M_2, t11, t13, A18, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
+    t27 += oe.contract('abcde,fde->afbc', t30, t31, optimize=[(0, 1)])
+    t32 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t33 = t32.view((d_V, d_K, d_V, d_H))
+    t34 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t33[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,gi->fahi', t34, M_2, X, t11, t13, A18, M_1, t19, optimize=[(4, 5), (0, 1), (1, 5), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t35 = (-1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t36 = oe.contract('abc,abd,abe,df->cefab', X, A18, M_1, t19, optimize=[(0, 2), (0, 1), (0, 1)])
+    t37 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t35, M_2, t11, t13, A18, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
+    t33 += oe.contract('abcde,fde->afbc', t36, t37, optimize=[(0, 1)])
+    t38 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t39 = t38.view((d_V, d_K, d_H, d_V))
+    t39[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t34, M_2, X, t11, t13, A18, t15, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t40 = oe.contract('abc,abd,abe->cedab', X, A18, t15, optimize=[(0, 1), (0, 1)])
+    t39 += oe.contract('abcde,fde->afbc', t40, t37, optimize=[(0, 1)])
+    t41 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t42 = t41.view((d_V, d_K, d_V, d_K))
+    t43 = W_Q.transpose(-1, -2)
+    t44 = (1/(L*d_K*n_batch)) * t43
+    t42[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t44, M_2, X, t11, t13, A18, t21, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t45 = (-1/(L*d_K*n_batch)) * t43
+    t46 = oe.contract('ab,cdb,cde,ef,cdfg,cdh,gi->ahicd', t45, X, A18, t21, M_2, X, W_K, optimize=[(0, 1), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t47 = oe.contract('abcd,ce,abe,abe->dab', M_2, t11, t13, A18, optimize=[(1, 2), (1, 2), (0, 1)])
+    t42 += oe.contract('abcde,fde->fabc', t46, t47, optimize=[(0, 1)])
+    t48 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t49 = t48.view((d_V, d_K, d_V, d_K))
+    t50 = oe.contract('abc,cd->dab', X, W_Q, optimize=[(0, 1)])
+    t51 = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi->faicd', t44, M_2, X, t11, t13, A18, t21, M_2, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 2), (1, 2), (0, 1)])
+    t49[...] = oe.contract('abc,defbc->defa', t50, t51, optimize=[(0, 1)])
+    t52 = oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi->faicd', t45, M_2, X, t11, t13, A18, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 1), (0, 1)])
+    t53 = oe.contract('abc,cd,abde->eab', A18, t21, M_2, optimize=[(0, 1), (0, 1)])
+    t49 += oe.contract('abcde,fde->abfc', t52, t53, optimize=[(0, 1)])
+    t54 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t55 = t54.view((d_V, d_K, d_V, d_H))
+    t56 = (1/(L*math.sqrt(d_K)*n_batch)) * t43
+    t55[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,gi->fahi', t56, M_2, X, t11, t13, A18, M_1, t19, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (1, 3), (0, 1), (0, 1)])
+    t57 = (-1/(L*math.sqrt(d_K)*n_batch)) * t43
+    t58 = oe.contract('ab,cdb,cde,cdf,eg->afgcd', t57, X, A18, M_1, t19, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    t55 += oe.contract('abcde,fde->fabc', t58, t47, optimize=[(0, 1)])
+    t59 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t60 = t59.view((d_V, d_K, d_H, d_V))
+    t61 = oe.contract('abcd,ce,abe,abe->deab', M_2, t11, t13, A18, optimize=[(0, 1), (0, 1), (0, 1)])
+    t62 = oe.contract('ab,cdb,cde->aecd', t56, X, t15, optimize=[(0, 1), (0, 1)])
+    t60[...] = oe.contract('abcd,efcd->aefb', t61, t62, optimize=[(0, 1)])
+    t63 = oe.contract('ab,cdb,cde,cdf->afecd', t57, X, A18, t15, optimize=[(0, 1), (0, 1), (0, 1)])
+    t60 += oe.contract('abcde,fde->fabc', t63, t47, optimize=[(0, 1)])
+    t64 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t65 = t64.view((d_V, d_H, d_V, d_K))
+    t66 = M_1.transpose(-1, -2)
+    t67 = (1/(L*math.sqrt(d_K)*n_batch)) * t66
+    t68 = oe.contract('ab,cdb,cdb,be,cdef,fg->agcd', W_O, t13, A18, t21, M_2, W_K, optimize=[(1, 2), (1, 2), (1, 3), (1, 2), (0, 1)])
+    t69 = oe.contract('abc,acd->bdac', t67, X, optimize=[(0, 1)])
+    t65[...] = oe.contract('abcd,efcd->eafb', t68, t69, optimize=[(0, 1)])
+    t70 = (-1/(L*math.sqrt(d_K)*n_batch)) * t66
+    t71 = oe.contract('abc,de,ace,ace,acf->bdfac', t70, W_O, t13, A18, X, optimize=[(2, 3), (1, 3), (0, 1), (0, 1)])
+    t65 += oe.contract('abc,defbc->defa', t24, t71, optimize=[(0, 1)])
+    t72 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t73 = t72.view((d_V, d_H, d_V, d_K))
+    t74 = oe.contract('abc,acd,de->beac', t67, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t75 = oe.contract('ab,cdb,cdb,be,cdef->afcd', W_O, t13, A18, t21, M_2, optimize=[(1, 2), (1, 2), (1, 2), (0, 1)])
+    t73[...] = oe.contract('abcd,efcd->aefb', t74, t75, optimize=[(0, 1)])
+    t76 = oe.contract('abc,acd,de,acef,acg,gh->bfhac', t70, A18, t21, M_2, X, W_Q, optimize=[(1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t77 = oe.contract('ab,cdb,cdb->acd', W_O, t13, A18, optimize=[(1, 2), (0, 1)])
+    t73 += oe.contract('abcde,fde->afbc', t76, t77, optimize=[(0, 1)])
+    t78 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t79 = t78.view((d_V, d_H, d_V, d_H))
+    t80 = (1/(L*n_batch)) * t66
+    t81 = oe.contract('ab,bc->acb', W_O, t19, optimize=[(0, 1)])
+    t82 = oe.contract('abc,abd,abd,aeb->ecd', M_1, A18, t13, t80, optimize=[(1, 2), (0, 1), (0, 1)])
+    t79[...] = oe.contract('abc,dec->daeb', t81, t82, optimize=[(0, 1)])
+    t83 = (-1/(L*n_batch)) * t66
+    t84 = oe.contract('abc,acd,ace,df->befac', t83, A18, M_1, t19, optimize=[(0, 2), (0, 1), (0, 1)])
+    t79 += oe.contract('abcde,fde->afbc', t84, t77, optimize=[(0, 1)])
+    t85 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t86 = t85.view((d_V, d_H, d_H, d_V))
+    t86[...] = oe.contract('abc,de,ace,ace,acf->bdfe', t80, W_O, t13, A18, t15, optimize=[(2, 3), (0, 2), (1, 2), (0, 1)])
+    t87 = oe.contract('abc,acd,ace->bedac', t83, A18, t15, optimize=[(0, 1), (0, 1)])
+    t86 += oe.contract('abcde,fde->afbc', t87, t77, optimize=[(0, 1)])
+    t88 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t89 = t88.view((d_H, d_V, d_V, d_K))
+    t90 = t20 @ t66
+    t91 = (1/(L*math.sqrt(d_K)*n_batch)) * t90
+    t89[...] = oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t91, t13, A18, t21, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t92 = (-1/(L*math.sqrt(d_K)*n_batch)) * t90
+    t93 = oe.contract('abc,acd,de,acef,fg->bgac', t92, A18, t21, M_2, W_K, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t94 = oe.contract('abc,abc,abd->cdab', t13, A18, X, optimize=[(0, 1), (0, 1)])
+    t89 += oe.contract('abcd,efcd->aefb', t93, t94, optimize=[(0, 1)])
+    t95 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t96 = t95.view((d_H, d_V, d_V, d_K))
+    t97 = oe.contract('abc,acd,de->beac', t91, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t98 = oe.contract('abc,abc,cd,abde->ceab', t13, A18, t21, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t96[...] = oe.contract('abcd,efcd->aefb', t97, t98, optimize=[(0, 1)])
+    t99 = oe.contract('abc,acd,acd,ace,ef,acfg->bdgac', t92, t13, A18, A18, t21, M_2, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t96 += oe.contract('abc,defbc->defa', t50, t99, optimize=[(0, 1)])
+    t100 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t101 = t100.view((d_H, d_V, d_V, d_H))
+    t102 = (1/(L*n_batch)) * t90
+    t101[...] = oe.contract('abc,acd,acd,ace,df->bdef', t102, t13, A18, M_1, t19, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
+    t103 = (-1/(L*n_batch)) * t90
+    t104 = oe.contract('abc,acd,de->beac', t103, A18, t19, optimize=[(1, 2), (0, 1)])
+    t105 = oe.contract('abc,abc,abd->cdab', t13, A18, M_1, optimize=[(0, 1), (0, 1)])
+    t101 += oe.contract('abcd,efcd->aefb', t104, t105, optimize=[(0, 1)])
+    t106 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t106[...] = 0
+    t107 = t106.view((d_H, d_V, d_H, d_V))
+    t108 = t107.diagonal(0, 1, 3)
+    t109 = oe.contract('abc,abc->cab', t13, A18, optimize=[(0, 1)])
+    t110 = oe.contract('abc,acd->bdac', t102, t15, optimize=[(0, 1)])
+    t108 += oe.contract('abc,debc->dea', t109, t110, optimize=[(0, 1)])
+    t111 = oe.contract('abc,acd->bdac', t103, A18, optimize=[(0, 1)])
+    t112 = oe.contract('abc,abc,abd->cdab', t13, A18, t15, optimize=[(0, 1), (0, 1)])
+    t107 += oe.contract('abcd,efcd->aefb', t111, t112, optimize=[(0, 1)])
     return H
 
 
@@ -15607,8 +16616,13 @@ def ce_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t18 = W_O.transpose(-1, -2)
     t19 = W_V.transpose(-1, -2)
     t20 = t18 @ t19
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdf,ia->fa', t1, M_2, X, t10, t12, A17, t20, M_2, X, W_K, optimize=[(4, 5), (2, 6), (0, 1), (1, 2), (0, 4), (0, 3), (2, 3), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdf,ja->fa', t1, M_2, X, t10, t12, A17, A17, t20, M_2, X, W_K, optimize=[(4, 5), (2, 7), (0, 1), (1, 2), (1, 6), (0, 2), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t21 = (1/(L*d_K*n_batch)) * t1
+    t22 = oe.contract('ab,cdeb,ef,cdf,cdf,fg,cdgh,ha->acd', t21, M_2, t10, t12, A17, t20, M_2, W_K, optimize=[(3, 4), (0, 1), (1, 2), (0, 3), (0, 2), (1, 2), (0, 1)])
+    t23 = oe.contract('abc,abc->cab', X, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t22, t23, optimize=[(0, 1)])
+    t24 = (-1/(L*d_K*n_batch)) * t1
+    t25 = oe.contract('ab,cdeb,ef,cdf,cdf,cdg,gh,cdhi,ia->acd', t24, M_2, t10, t12, A17, A17, t20, M_2, W_K, optimize=[(3, 4), (0, 1), (1, 2), (1, 5), (0, 2), (1, 3), (0, 1), (0, 1)])
+    t0 += oe.contract('abc,dbc->da', t25, t23, optimize=[(0, 1)])
     return out
 
 
@@ -15679,8 +16693,12 @@ def ce_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t18 = W_O.transpose(-1, -2)
     t19 = W_V.transpose(-1, -2)
     t20 = t18 @ t19
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t1, M_2, X, t10, t12, A17, t20, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t1, M_2, X, t10, t12, A17, A17, t20, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
+    t21 = (1/(L*d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t21, M_2, X, t10, t12, A17, t20, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t22 = (-1/(L*d_K*n_batch)) * t1
+    t23 = oe.contract('abc,cd,abde,ef->fab', A17, t20, M_2, W_K, optimize=[(0, 1), (0, 2), (0, 1)])
+    t24 = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahcd', t22, M_2, X, t10, t12, A17, X, optimize=[(4, 5), (0, 1), (1, 3), (2, 3), (0, 1), (0, 1)])
+    t0 += oe.contract('abc,defbc->defa', t23, t24, optimize=[(0, 1)])
     return out
 
 
@@ -15753,8 +16771,14 @@ def ce_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     t18 = W_O.transpose(-1, -2)
     t19 = W_V.transpose(-1, -2)
     t20 = t18 @ t19
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t1, M_2, X, t10, t12, A17, t20, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t1, M_2, X, t10, t12, A17, A17, t20, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
+    t21 = (1/(L*d_K*n_batch)) * t1
+    t22 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t23 = oe.contract('ab,cdeb,ef,cdf,cdf,fg,cdgh->ahcd', t21, M_2, t10, t12, A17, t20, M_2, optimize=[(3, 4), (0, 1), (1, 2), (0, 2), (0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
+    t24 = (-1/(L*d_K*n_batch)) * t1
+    t25 = oe.contract('abc,abd,de,abef,abg,gh->cfhab', X, A17, t20, M_2, X, W_Q, optimize=[(1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t26 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t24, M_2, t10, t12, A17, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t25, t26, optimize=[(0, 1)])
     return out
 
 
@@ -15825,8 +16849,12 @@ def ce_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     t16 = torch.exp(t15 - t15.amax(-1, keepdim=True))
     A17 = t16 / t16.sum(-1, keepdim=True)
     t18 = W_O.transpose(-1, -2)
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,gi->fahi', t1, M_2, X, t10, t12, A17, M_1, t18, optimize=[(4, 5), (0, 1), (1, 5), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi,hj->faij', t1, M_2, X, t10, t12, A17, A17, M_1, t18, optimize=[(4, 5), (0, 1), (2, 4), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t19 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,gi->fahi', t19, M_2, X, t10, t12, A17, M_1, t18, optimize=[(4, 5), (0, 1), (1, 5), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t20 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t21 = oe.contract('abc,abd,abe,df->cefab', X, A17, M_1, t18, optimize=[(0, 2), (0, 1), (0, 1)])
+    t22 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t20, M_2, t10, t12, A17, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -15894,8 +16922,12 @@ def ce_causal1__block__W_Q__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     t15 = t14 @ W_O
     t16 = torch.exp(t15 - t15.amax(-1, keepdim=True))
     A17 = t16 / t16.sum(-1, keepdim=True)
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t1, M_2, X, t10, t12, A17, t14, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t1, M_2, X, t10, t12, A17, A17, t14, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t18 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t18, M_2, X, t10, t12, A17, t14, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t19 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t20 = oe.contract('abc,abd,abe->cedab', X, A17, t14, optimize=[(0, 1), (0, 1)])
+    t21 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t19, M_2, t10, t12, A17, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -15966,8 +16998,14 @@ def ce_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     t19 = W_O.transpose(-1, -2)
     t20 = W_V.transpose(-1, -2)
     t21 = t19 @ t20
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhf,cdi,ia->fa', t1, M_2, X, t11, t13, A18, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (4, 5), (2, 4), (0, 1), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdif,cdj,ja->fa', t1, M_2, X, t11, t13, A18, A18, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t22 = (1/(L*d_K*n_batch)) * t1
+    t23 = oe.contract('ab,cdb,cde,ea->acd', t22, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t24 = oe.contract('abcd,ce,abe,abe,ef,abfd->dab', M_2, t11, t13, A18, t21, M_2, optimize=[(2, 3), (0, 1), (0, 1), (1, 2), (0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t23, t24, optimize=[(0, 1)])
+    t25 = (-1/(L*d_K*n_batch)) * t1
+    t26 = oe.contract('ab,cdb,cde,ea->acd', t25, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t27 = oe.contract('abcd,ce,abe,abe,abf,fg,abgd->dab', M_2, t11, t13, A18, A18, t21, M_2, optimize=[(2, 3), (0, 1), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t0 += oe.contract('abc,dbc->da', t26, t27, optimize=[(0, 1)])
     return out
 
 
@@ -16040,8 +17078,12 @@ def ce_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t19 = W_O.transpose(-1, -2)
     t20 = W_V.transpose(-1, -2)
     t21 = t19 @ t20
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t1, M_2, X, t11, t13, A18, t21, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t1, M_2, X, t11, t13, A18, A18, t21, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t22 = (1/(L*d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t22, M_2, X, t11, t13, A18, t21, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t23 = (-1/(L*d_K*n_batch)) * t1
+    t24 = oe.contract('ab,cdb,cde,ef,cdfg,cdh,gi->ahicd', t23, X, A18, t21, M_2, X, W_K, optimize=[(0, 1), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t25 = oe.contract('abcd,ce,abe,abe->dab', M_2, t11, t13, A18, optimize=[(1, 2), (1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->fabc', t24, t25, optimize=[(0, 1)])
     return out
 
 
@@ -16116,8 +17158,14 @@ def ce_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     t19 = W_O.transpose(-1, -2)
     t20 = W_V.transpose(-1, -2)
     t21 = t19 @ t20
-    t0[...] = (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t1, M_2, X, t11, t13, A18, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t1, M_2, X, t11, t13, A18, A18, t21, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
+    t22 = (1/(L*d_K*n_batch)) * t1
+    t23 = oe.contract('abc,cd->dab', X, W_Q, optimize=[(0, 1)])
+    t24 = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi->faicd', t22, M_2, X, t11, t13, A18, t21, M_2, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 2), (1, 2), (0, 1)])
+    t0[...] = oe.contract('abc,defbc->defa', t23, t24, optimize=[(0, 1)])
+    t25 = (-1/(L*d_K*n_batch)) * t1
+    t26 = oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi->faicd', t25, M_2, X, t11, t13, A18, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 1), (0, 1)])
+    t27 = oe.contract('abc,cd,abde->eab', A18, t21, M_2, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcde,fde->abfc', t26, t27, optimize=[(0, 1)])
     return out
 
 
@@ -16190,8 +17238,12 @@ def ce_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     t17 = torch.exp(t16 - t16.amax(-1, keepdim=True))
     A18 = t17 / t17.sum(-1, keepdim=True)
     t19 = W_O.transpose(-1, -2)
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,gi->fahi', t1, M_2, X, t11, t13, A18, M_1, t19, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (1, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi,hj->faij', t1, M_2, X, t11, t13, A18, A18, M_1, t19, optimize=[(4, 5), (0, 2), (0, 1), (3, 5), (0, 2), (0, 3), (0, 2), (0, 1)])
+    t20 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,gi->fahi', t20, M_2, X, t11, t13, A18, M_1, t19, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (1, 3), (0, 1), (0, 1)])
+    t21 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t22 = oe.contract('ab,cdb,cde,cdf,eg->afgcd', t21, X, A18, M_1, t19, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    t23 = oe.contract('abcd,ce,abe,abe->dab', M_2, t11, t13, A18, optimize=[(1, 2), (1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->fabc', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -16261,8 +17313,14 @@ def ce_causal1__block__W_K__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     t16 = t15 @ W_O
     t17 = torch.exp(t16 - t16.amax(-1, keepdim=True))
     A18 = t17 / t17.sum(-1, keepdim=True)
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh->fahg', t1, M_2, X, t11, t13, A18, t15, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t1, M_2, X, t11, t13, A18, A18, t15, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t19 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t20 = oe.contract('abcd,ce,abe,abe->deab', M_2, t11, t13, A18, optimize=[(0, 1), (0, 1), (0, 1)])
+    t21 = oe.contract('ab,cdb,cde->aecd', t19, X, t15, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
+    t22 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t23 = oe.contract('ab,cdb,cde,cdf->afecd', t22, X, A18, t15, optimize=[(0, 1), (0, 1), (0, 1)])
+    t24 = oe.contract('abcd,ce,abe,abe->dab', M_2, t11, t13, A18, optimize=[(1, 2), (1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->fabc', t23, t24, optimize=[(0, 1)])
     return out
 
 
@@ -16329,8 +17387,12 @@ def ce_causal1__diag__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     t16 = torch.exp(t15 - t15.amax(-1, keepdim=True))
     A17 = t16 / t16.sum(-1, keepdim=True)
     t18 = W_O.transpose(-1, -2)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,de,ace,ace,acb,ed->bd', t11, W_O, t13, A17, M_1, t18, optimize=[(2, 3), (0, 2), (0, 1), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,de,ace,ace,acf,acb,fd->bd', t11, W_O, t13, A17, A17, M_1, t18, optimize=[(2, 3), (0, 3), (1, 2), (0, 1), (1, 2), (0, 1)])
+    t19 = (1/(L*n_batch)) * t11
+    t0[...] = oe.contract('abc,de,ace,ace,acb,ed->bd', t19, W_O, t13, A17, M_1, t18, optimize=[(2, 3), (0, 2), (0, 1), (0, 1), (0, 1)])
+    t20 = (-1/(L*n_batch)) * t11
+    t21 = oe.contract('ab,cdb,cdb,cde,ea->acd', W_O, t13, A17, A17, t18, optimize=[(1, 2), (1, 2), (0, 1), (0, 1)])
+    t22 = oe.contract('abc,acb->bac', t20, M_1, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dbc->da', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -16397,8 +17459,14 @@ def ce_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t20 = t18 @ t19
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,ace,ace,ef,acfg,ach,gi->bdhi', t11, W_O, t13, A17, t20, M_2, X, W_K, optimize=[(2, 3), (2, 3), (3, 5), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,ace,ace,acf,fg,acgh,aci,hj->bdij', t11, W_O, t13, A17, A17, t20, M_2, X, W_K, optimize=[(2, 3), (2, 3), (2, 6), (1, 4), (2, 3), (0, 2), (0, 2), (0, 1)])
+    t21 = (1/(L*math.sqrt(d_K)*n_batch)) * t11
+    t22 = oe.contract('ab,cdb,cdb,be,cdef,fg->agcd', W_O, t13, A17, t20, M_2, W_K, optimize=[(1, 2), (1, 2), (1, 3), (1, 2), (0, 1)])
+    t23 = oe.contract('abc,acd->bdac', t21, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
+    t24 = (-1/(L*math.sqrt(d_K)*n_batch)) * t11
+    t25 = oe.contract('abc,cd,abde,ef->fab', A17, t20, M_2, W_K, optimize=[(0, 1), (0, 2), (0, 1)])
+    t26 = oe.contract('abc,de,ace,ace,acf->bdfac', t24, W_O, t13, A17, X, optimize=[(2, 3), (1, 3), (0, 1), (0, 1)])
+    t0 += oe.contract('abc,defbc->defa', t25, t26, optimize=[(0, 1)])
     return out
 
 
@@ -16471,8 +17539,14 @@ def ce_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     t20 = t18 @ t19
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,ace,ace,ef,acfg,ach,hi->bdgi', t11, W_O, t13, A17, t20, M_2, X, W_Q, optimize=[(2, 3), (2, 3), (2, 3), (2, 3), (1, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,ace,ace,acf,fg,acgh,aci,ij->bdhj', t11, W_O, t13, A17, A17, t20, M_2, X, W_Q, optimize=[(2, 3), (2, 3), (2, 6), (2, 3), (1, 2), (0, 1), (0, 2), (0, 1)])
+    t21 = (1/(L*math.sqrt(d_K)*n_batch)) * t11
+    t22 = oe.contract('abc,acd,de->beac', t21, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t23 = oe.contract('ab,cdb,cdb,be,cdef->afcd', W_O, t13, A17, t20, M_2, optimize=[(1, 2), (1, 2), (1, 2), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
+    t24 = (-1/(L*math.sqrt(d_K)*n_batch)) * t11
+    t25 = oe.contract('abc,acd,de,acef,acg,gh->bfhac', t24, A17, t20, M_2, X, W_Q, optimize=[(1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t26 = oe.contract('ab,cdb,cdb->acd', W_O, t13, A17, optimize=[(1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t25, t26, optimize=[(0, 1)])
     return out
 
 
@@ -16541,8 +17615,14 @@ def ce_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     t16 = torch.exp(t15 - t15.amax(-1, keepdim=True))
     A17 = t16 / t16.sum(-1, keepdim=True)
     t18 = W_O.transpose(-1, -2)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,de,ace,ace,acf,eg->bdfg', t11, W_O, t13, A17, M_1, t18, optimize=[(2, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,de,ace,ace,acf,acg,fh->bdgh', t11, W_O, t13, A17, A17, M_1, t18, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 2), (0, 1)])
+    t19 = (1/(L*n_batch)) * t11
+    t20 = oe.contract('ab,bc->acb', W_O, t18, optimize=[(0, 1)])
+    t21 = oe.contract('abc,abd,abd,aeb->ecd', M_1, A17, t13, t19, optimize=[(1, 2), (0, 1), (0, 1)])
+    t0[...] = oe.contract('abc,dec->daeb', t20, t21, optimize=[(0, 1)])
+    t22 = (-1/(L*n_batch)) * t11
+    t23 = oe.contract('abc,acd,ace,df->befac', t22, A17, M_1, t18, optimize=[(0, 2), (0, 1), (0, 1)])
+    t24 = oe.contract('ab,cdb,cdb->acd', W_O, t13, A17, optimize=[(1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t23, t24, optimize=[(0, 1)])
     return out
 
 
@@ -16606,8 +17686,12 @@ def ce_causal1__block__W_V__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     t15 = t14 @ W_O
     t16 = torch.exp(t15 - t15.amax(-1, keepdim=True))
     A17 = t16 / t16.sum(-1, keepdim=True)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,de,ace,ace,acf->bdfe', t11, W_O, t13, A17, t14, optimize=[(2, 3), (0, 2), (1, 2), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,de,ace,ace,acf,acg->bdgf', t11, W_O, t13, A17, A17, t14, optimize=[(2, 3), (1, 4), (0, 1), (0, 2), (0, 1)])
+    t18 = (1/(L*n_batch)) * t11
+    t0[...] = oe.contract('abc,de,ace,ace,acf->bdfe', t18, W_O, t13, A17, t14, optimize=[(2, 3), (0, 2), (1, 2), (0, 1)])
+    t19 = (-1/(L*n_batch)) * t11
+    t20 = oe.contract('abc,acd,ace->bedac', t19, A17, t14, optimize=[(0, 1), (0, 1)])
+    t21 = oe.contract('ab,cdb,cdb->acd', W_O, t13, A17, optimize=[(1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -16672,8 +17756,12 @@ def ce_causal1__diag__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     t17 = t16 @ W_O
     t18 = torch.exp(t17 - t17.amax(-1, keepdim=True))
     A19 = t18 / t18.sum(-1, keepdim=True)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,acb->bd', t13, t15, A19, t16, optimize=[(0, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->bd', t13, t15, A19, A19, t16, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t20 = (1/(L*n_batch)) * t13
+    t21 = oe.contract('abc,abc->cab', t15, A19, optimize=[(0, 1)])
+    t22 = oe.contract('abc,acb->bac', t20, t16, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t21, t22, optimize=[(0, 1)])
+    t23 = (-1/(L*n_batch)) * t13
+    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t23, t15, A19, A19, t16, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -16742,8 +17830,12 @@ def ce_causal1__block__W_O__W_Q__outer(X, W_Q, W_K, W_V, W_O, Y):
     t21 = t20 @ t1
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t13, t15, A19, t21, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t13, t15, A19, A19, t21, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
+    t22 = (1/(L*math.sqrt(d_K)*n_batch)) * t13
+    t0[...] = oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t22, t15, A19, t21, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t23 = (-1/(L*math.sqrt(d_K)*n_batch)) * t13
+    t24 = oe.contract('abc,acd,de,acef,fg->bgac', t23, A19, t21, M_2, W_K, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t25 = oe.contract('abc,abc,abd->cdab', t15, A19, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t24, t25, optimize=[(0, 1)])
     return out
 
 
@@ -16818,8 +17910,14 @@ def ce_causal1__block__W_O__W_K__outer(X, W_Q, W_K, W_V, W_O, Y):
     t21 = t20 @ t1
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t13, t15, A19, t21, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t13, t15, A19, A19, t21, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
+    t22 = (1/(L*math.sqrt(d_K)*n_batch)) * t13
+    t23 = oe.contract('abc,acd,de->beac', t22, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t24 = oe.contract('abc,abc,cd,abde->ceab', t15, A19, t21, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t23, t24, optimize=[(0, 1)])
+    t25 = (-1/(L*math.sqrt(d_K)*n_batch)) * t13
+    t26 = oe.contract('abc,cd->dab', X, W_Q, optimize=[(0, 1)])
+    t27 = oe.contract('abc,acd,acd,ace,ef,acfg->bdgac', t25, t15, A19, A19, t21, M_2, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t0 += oe.contract('abc,defbc->defa', t26, t27, optimize=[(0, 1)])
     return out
 
 
@@ -16891,8 +17989,12 @@ def ce_causal1__block__W_O__W_V__outer(X, W_Q, W_K, W_V, W_O, Y):
     t18 = torch.exp(t17 - t17.amax(-1, keepdim=True))
     A19 = t18 / t18.sum(-1, keepdim=True)
     t20 = W_O.transpose(-1, -2)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,df->bdef', t13, t15, A19, M_1, t20, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf,eg->bdfg', t13, t15, A19, A19, M_1, t20, optimize=[(1, 2), (1, 3), (1, 2), (0, 1), (0, 1)])
+    t21 = (1/(L*n_batch)) * t13
+    t0[...] = oe.contract('abc,acd,acd,ace,df->bdef', t21, t15, A19, M_1, t20, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
+    t22 = (-1/(L*n_batch)) * t13
+    t23 = oe.contract('abc,acd,de->beac', t22, A19, t20, optimize=[(1, 2), (0, 1)])
+    t24 = oe.contract('abc,abc,abd->cdab', t15, A19, M_1, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t23, t24, optimize=[(0, 1)])
     return out
 
 
@@ -16962,8 +18064,14 @@ def ce_causal1__block__W_O__W_O__outer(X, W_Q, W_K, W_V, W_O, Y):
     t18 = t17 @ W_O
     t19 = torch.exp(t18 - t18.amax(-1, keepdim=True))
     A20 = t19 / t19.sum(-1, keepdim=True)
-    t1 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bed', t14, t16, A20, t17, optimize=[(1, 2), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t14, t16, A20, A20, t17, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t21 = (1/(L*n_batch)) * t14
+    t22 = oe.contract('abc,abc->cab', t16, A20, optimize=[(0, 1)])
+    t23 = oe.contract('abc,acd->bdac', t21, t17, optimize=[(0, 1)])
+    t1 += oe.contract('abc,debc->dea', t22, t23, optimize=[(0, 1)])
+    t24 = (-1/(L*n_batch)) * t14
+    t25 = oe.contract('abc,acd->bdac', t24, A20, optimize=[(0, 1)])
+    t26 = oe.contract('abc,abc,abd->cdab', t16, A20, t17, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t25, t26, optimize=[(0, 1)])
     return out
 
 
@@ -17043,76 +18151,104 @@ def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, W_O, Y):
     t28 = A * t27
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t3, t28, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, t28, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, t28, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t2, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
-    t29 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t29[...] = 0
-    t30 = t29.view((d_V, d_K, d_V, d_K))
-    t31 = t30.diagonal(0, 1, 3)
-    t32 = t28 @ X
-    t33 = t3 @ t32
-    t34 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t31 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t33, t34, optimize=[(0, 1)])
-    t30 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t2, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
-    t35 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t36 = t35.view((d_V, d_K, d_V, d_H))
+    t29 = (1/(d_K*n_batch)) * t2
+    t1[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t29, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t30 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t30[...] = 0
+    t31 = t30.view((d_V, d_K, d_V, d_K))
+    t32 = t31.diagonal(0, 1, 3)
+    t33 = t28 @ X
+    t34 = t3 @ t33
+    t35 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t36 = (1/(math.sqrt(d_K)*n_batch)) * t35
+    t32 += oe.contract('abc,d->bcd', t34, t36, optimize=[(0, 1)])
+    t37 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t38 = oe.contract('ab,cdbe->aecd', t29, M_3, optimize=[(0, 1)])
+    t31 += oe.contract('abcd,efcd->aefb', t37, t38, optimize=[(0, 1)])
+    t39 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t40 = t39.view((d_V, d_K, d_V, d_H))
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t37 = G @ t22
-    t36[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t2, M_2, X, t37, optimize=[(0, 1), (0, 1), (0, 1)])
-    t38 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t39 = t38.view((d_V, d_K, d_H, d_V))
-    t39[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fahg', t2, M_2, X, G, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t40 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t40[...] = 0
-    t41 = t40.view((d_V, d_K, d_V, d_K))
-    t42 = t41.diagonal(0, 1, 3)
-    t43 = t28.transpose(-1, -2)
-    t44 = t43 @ X
-    t45 = t3 @ t44
-    t42 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t45, t34, optimize=[(0, 1)])
-    t46 = W_Q.transpose(-1, -2)
-    t41 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t46, t3, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
-    t47 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t48 = t47.view((d_V, d_K, d_V, d_K))
-    t48[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t46, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t49 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t50 = t49.view((d_V, d_K, d_V, d_H))
-    t50[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t46, M_2, X, t37, optimize=[(0, 2), (1, 2), (0, 1)])
-    t51 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t52 = t51.view((d_V, d_K, d_H, d_V))
-    t52[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fahg', t46, M_2, X, G, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
-    t53 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t54 = t53.view((d_V, d_H, d_V, d_K))
-    t55 = G.transpose(-1, -2)
-    t56 = W_O @ t55
-    t54[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t56, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
-    t57 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t58 = t57.view((d_V, d_H, d_V, d_K))
-    t58[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t56, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t59 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t59[...] = 0
-    t60 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t60[...] = 0
-    t61 = t60.view((d_V, d_H, d_H, d_V))
-    t62 = t61.diagonal(0, 1, 2)
-    t63 = M_1.transpose(-1, -2)
-    t64 = t63 @ G
-    t65 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
-    t62 += (1/n_batch) * oe.contract('abc,d->bcd', t64, t65, optimize=[(0, 1)])
-    t66 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t67 = t66.view((d_H, d_V, d_V, d_K))
-    t67[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,acef,acg,fh->dbgh', t55, t23, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t68 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t69 = t68.view((d_H, d_V, d_V, d_K))
-    t69[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,acef,acg,gh->dbfh', t55, t23, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
-    t70 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t70[...] = 0
-    t71 = t70.view((d_H, d_V, d_V, d_H))
-    t72 = t71.diagonal(0, 0, 3)
-    t73 = t55 @ M_1
-    t72 += (1/n_batch) * oe.contract('abc,d->bcd', t73, t65, optimize=[(0, 1)])
-    t74 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t74[...] = 0
+    t41 = G @ t22
+    t42 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t43 = oe.contract('abc,abd->cdab', X, t41, optimize=[(0, 1)])
+    t44 = oe.contract('ab,cdeb->aecd', t42, M_2, optimize=[(0, 1)])
+    t40[...] = oe.contract('abcd,efcd->aefb', t43, t44, optimize=[(0, 1)])
+    t45 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t46 = t45.view((d_V, d_K, d_H, d_V))
+    t47 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t48 = oe.contract('ab,cdeb,ef->afcd', t42, M_2, W_V, optimize=[(0, 1), (0, 1)])
+    t46[...] = oe.contract('abcd,efcd->aefb', t47, t48, optimize=[(0, 1)])
+    t49 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t49[...] = 0
+    t50 = t49.view((d_V, d_K, d_V, d_K))
+    t51 = t50.diagonal(0, 1, 3)
+    t52 = t28.transpose(-1, -2)
+    t53 = t52 @ X
+    t54 = t3 @ t53
+    t51 += oe.contract('abc,d->bcd', t54, t36, optimize=[(0, 1)])
+    t55 = W_Q.transpose(-1, -2)
+    t56 = (1/(d_K*n_batch)) * t55
+    t57 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t58 = oe.contract('ab,cbd,cde->aecd', t56, t3, X, optimize=[(0, 1), (0, 1)])
+    t50 += oe.contract('abcd,efcd->aefb', t57, t58, optimize=[(0, 1)])
+    t59 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t60 = t59.view((d_V, d_K, d_V, d_K))
+    t61 = oe.contract('ab,cbd,cde,ef->afcd', t56, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t62 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t60[...] = oe.contract('abcd,efcd->eafb', t61, t62, optimize=[(0, 1)])
+    t63 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t64 = t63.view((d_V, d_K, d_V, d_H))
+    t65 = (1/(math.sqrt(d_K)*n_batch)) * t55
+    t66 = oe.contract('ab,cdb,cde->aecd', t65, X, t41, optimize=[(0, 1), (0, 1)])
+    t67 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t64[...] = oe.contract('abcd,efcd->eafb', t66, t67, optimize=[(0, 1)])
+    t68 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t69 = t68.view((d_V, d_K, d_H, d_V))
+    t70 = oe.contract('ab,cdb,cde->aecd', t65, X, G, optimize=[(0, 1), (0, 1)])
+    t71 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t69[...] = oe.contract('abcd,efcd->eafb', t70, t71, optimize=[(0, 1)])
+    t72 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t73 = t72.view((d_V, d_H, d_V, d_K))
+    t74 = G.transpose(-1, -2)
+    t75 = W_O @ t74
+    t76 = (1/(math.sqrt(d_K)*n_batch)) * t75
+    t77 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t78 = oe.contract('abc,acd->bdac', t76, X, optimize=[(0, 1)])
+    t73[...] = oe.contract('abcd,efcd->aefb', t77, t78, optimize=[(0, 1)])
+    t79 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t80 = t79.view((d_V, d_H, d_V, d_K))
+    t81 = oe.contract('abc,acd,de->beac', t76, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t82 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t80[...] = oe.contract('abcd,efcd->eafb', t81, t82, optimize=[(0, 1)])
+    t83 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t83[...] = 0
+    t84 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t84[...] = 0
+    t85 = t84.view((d_V, d_H, d_H, d_V))
+    t86 = t85.diagonal(0, 1, 2)
+    t87 = M_1.transpose(-1, -2)
+    t88 = t87 @ G
+    t89 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
+    t90 = (1/n_batch) * t89
+    t86 += oe.contract('abc,d->bcd', t88, t90, optimize=[(0, 1)])
+    t91 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t92 = t91.view((d_H, d_V, d_V, d_K))
+    t93 = (1/(math.sqrt(d_K)*n_batch)) * t74
+    t92[...] = oe.contract('abc,de,acef,acg,fh->dbgh', t93, t23, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t94 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t95 = t94.view((d_H, d_V, d_V, d_K))
+    t96 = oe.contract('abc,acd,de->beac', t93, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t97 = oe.contract('ab,cdbe->aecd', t23, M_2, optimize=[(0, 1)])
+    t95[...] = oe.contract('abcd,efcd->eafb', t96, t97, optimize=[(0, 1)])
+    t98 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t98[...] = 0
+    t99 = t98.view((d_H, d_V, d_V, d_H))
+    t100 = t99.diagonal(0, 0, 3)
+    t101 = t74 @ M_1
+    t100 += oe.contract('abc,d->bcd', t101, t90, optimize=[(0, 1)])
+    t102 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t102[...] = 0
     return H
 
 
@@ -17343,7 +18479,10 @@ def ce_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t27 = A * t26
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t27, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t27, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t27, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->da', t1, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
+    t28 = (1/(d_K*n_batch)) * t1
+    t29 = oe.contract('ab,cdbe,ea->acd', t28, M_3, W_K, optimize=[(0, 2), (0, 1)])
+    t30 = oe.contract('abc,acb->bac', t2, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t29, t30, optimize=[(0, 1)])
     return out
 
 
@@ -17432,7 +18571,8 @@ def ce_causal1__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t27 = A * t26
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t27, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t27, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t27, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t1, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t28 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t28, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -17526,10 +18666,14 @@ def ce_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t29 = t28 @ X
     t30 = t2 @ t29
     t31 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t30, t31, optimize=[(0, 1)])
+    t32 = (1/(math.sqrt(d_K)*n_batch)) * t31
+    t1 += oe.contract('abc,d->bcd', t30, t32, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t28, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t28, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t28, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t3, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t33 = (1/(d_K*n_batch)) * t3
+    t34 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t35 = oe.contract('ab,cdbe->aecd', t33, M_3, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t34, t35, optimize=[(0, 1)])
     return out
 
 
@@ -17617,7 +18761,10 @@ def ce_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     G = t20
     t21 = W_O.transpose(-1, -2)
     t22 = G @ t21
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t1, M_2, X, t22, optimize=[(0, 1), (0, 1), (0, 1)])
+    t23 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t24 = oe.contract('abc,abd->cdab', X, t22, optimize=[(0, 1)])
+    t25 = oe.contract('ab,cdeb->aecd', t23, M_2, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t24, t25, optimize=[(0, 1)])
     return out
 
 
@@ -17696,7 +18843,10 @@ def ce_causal1__block__W_Q__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     t19 = (-1/L) * Y
     t20 = t18 + t19
     G = t20
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fahg', t1, M_2, X, G, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t21 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t22 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t23 = oe.contract('ab,cdeb,ef->afcd', t21, M_2, W_V, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -17781,7 +18931,8 @@ def ce_causal1__diag__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t28 = A * t27
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t28, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t28, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t28, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->ea', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t29 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cbd,cdee,cdf,fa->ea', t29, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -17875,11 +19026,15 @@ def ce_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t30 = t29 @ X
     t31 = t2 @ t30
     t32 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t31, t32, optimize=[(0, 1)])
-    t33 = W_Q.transpose(-1, -2)
+    t33 = (1/(math.sqrt(d_K)*n_batch)) * t32
+    t1 += oe.contract('abc,d->bcd', t31, t33, optimize=[(0, 1)])
+    t34 = W_Q.transpose(-1, -2)
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t28, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t28, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t28, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t33, t2, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    t35 = (1/(d_K*n_batch)) * t34
+    t36 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t37 = oe.contract('ab,cbd,cde->aecd', t35, t2, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t36, t37, optimize=[(0, 1)])
     return out
 
 
@@ -17975,7 +19130,10 @@ def ce_causal1__block__W_K__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t28 = A * t27
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t28, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t28, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t28, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t29 = (1/(d_K*n_batch)) * t1
+    t30 = oe.contract('ab,cbd,cde,ef->afcd', t29, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t31 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t30, t31, optimize=[(0, 1)])
     return out
 
 
@@ -18063,7 +19221,10 @@ def ce_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     G = t21
     t22 = W_O.transpose(-1, -2)
     t23 = G @ t22
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t1, M_2, X, t23, optimize=[(0, 2), (1, 2), (0, 1)])
+    t24 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t25 = oe.contract('ab,cdb,cde->aecd', t24, X, t23, optimize=[(0, 1), (0, 1)])
+    t26 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t25, t26, optimize=[(0, 1)])
     return out
 
 
@@ -18144,7 +19305,10 @@ def ce_causal1__block__W_K__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     t20 = (-1/L) * Y
     t21 = t19 + t20
     G = t21
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fahg', t1, M_2, X, G, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
+    t22 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t23 = oe.contract('ab,cdb,cde->aecd', t22, X, G, optimize=[(0, 1), (0, 1)])
+    t24 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t23, t24, optimize=[(0, 1)])
     return out
 
 
@@ -18246,7 +19410,10 @@ def ce_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t22 = W_O @ t21
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t22, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
+    t23 = (1/(math.sqrt(d_K)*n_batch)) * t22
+    t24 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t25 = oe.contract('abc,acd->bdac', t23, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t24, t25, optimize=[(0, 1)])
     return out
 
 
@@ -18327,7 +19494,10 @@ def ce_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t22 = W_O @ t21
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t22, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
+    t23 = (1/(math.sqrt(d_K)*n_batch)) * t22
+    t24 = oe.contract('abc,acd,de->beac', t23, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t25 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t24, t25, optimize=[(0, 1)])
     return out
 
 
@@ -18431,7 +19601,8 @@ def ce_causal1__block__W_V__W_O__functional(X, W_Q, W_K, W_V, W_O, Y):
     G = t22
     t23 = t12 @ G
     t24 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
-    t1 += (1/n_batch) * oe.contract('abc,d->bcd', t23, t24, optimize=[(0, 1)])
+    t25 = (1/n_batch) * t24
+    t1 += oe.contract('abc,d->bcd', t23, t25, optimize=[(0, 1)])
     return out
 
 
@@ -18532,7 +19703,8 @@ def ce_causal1__block__W_O__W_Q__functional(X, W_Q, W_K, W_V, W_O, Y):
     t22 = W_V.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,acef,acg,fh->dbgh', t21, t22, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t23 = (1/(math.sqrt(d_K)*n_batch)) * t21
+    t0[...] = oe.contract('abc,de,acef,acg,fh->dbgh', t23, t22, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -18613,7 +19785,10 @@ def ce_causal1__block__W_O__W_K__functional(X, W_Q, W_K, W_V, W_O, Y):
     t22 = W_V.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,acef,acg,gh->dbfh', t21, t22, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
+    t23 = (1/(math.sqrt(d_K)*n_batch)) * t21
+    t24 = oe.contract('abc,acd,de->beac', t23, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t25 = oe.contract('ab,cdbe->aecd', t22, M_2, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t24, t25, optimize=[(0, 1)])
     return out
 
 
@@ -18695,7 +19870,8 @@ def ce_causal1__block__W_O__W_V__functional(X, W_Q, W_K, W_V, W_O, Y):
     t22 = G.transpose(-1, -2)
     t23 = t22 @ M_1
     t24 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
-    t1 += (1/n_batch) * oe.contract('abc,d->bcd', t23, t24, optimize=[(0, 1)])
+    t25 = (1/n_batch) * t24
+    t1 += oe.contract('abc,d->bcd', t23, t25, optimize=[(0, 1)])
     return out
 
 
@@ -18802,115 +19978,200 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, W_O, Y):
     t28 = A * t27
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t3, t28, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, t28, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, t28, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t2, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t29 = (1/(d_K*n_batch)) * t2
+    t1[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t29, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t29 = W_V @ W_O
-    t30 = torch.exp(t15 - t15.amax(-1, keepdim=True))
-    A31 = t30 / t30.sum(-1, keepdim=True)
-    t32 = t22 @ t23
-    t1 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t2, M_2, X, t29, t12, A31, t32, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t1 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t2, M_2, X, t29, t12, A31, A31, t32, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
-    t33 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t33[...] = 0
-    t34 = t33.view((d_V, d_K, d_V, d_K))
-    t35 = t34.diagonal(0, 1, 3)
-    t36 = t28 @ X
-    t37 = t3 @ t36
-    t38 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t35 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t37, t38, optimize=[(0, 1)])
-    t34 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t2, t3, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
-    t34 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t2, M_2, X, t29, t12, A31, t32, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t34 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t2, M_2, X, t29, t12, A31, A31, t32, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
-    t39 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t40 = t39.view((d_V, d_K, d_V, d_H))
-    t40[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,gi->fahi', t2, M_2, X, t29, t12, A31, M_1, t22, optimize=[(4, 5), (0, 1), (1, 5), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t40 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi,hj->faij', t2, M_2, X, t29, t12, A31, A31, M_1, t22, optimize=[(4, 5), (0, 1), (2, 4), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t41 = G @ t22
-    t40 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t2, M_2, X, t41, optimize=[(0, 1), (0, 1), (0, 1)])
-    t42 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t43 = t42.view((d_V, d_K, d_H, d_V))
-    t43[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t2, M_2, X, t29, t12, A31, t14, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t43 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t2, M_2, X, t29, t12, A31, A31, t14, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t43 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fahg', t2, M_2, X, G, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t44 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t44[...] = 0
-    t45 = t44.view((d_V, d_K, d_V, d_K))
-    t46 = t45.diagonal(0, 1, 3)
-    t47 = t28.transpose(-1, -2)
-    t48 = t47 @ X
-    t49 = t3 @ t48
-    t46 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t49, t38, optimize=[(0, 1)])
-    t50 = W_Q.transpose(-1, -2)
-    t45 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t50, t3, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
-    t45 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t50, M_2, X, t29, t12, A31, t32, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t45 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t50, M_2, X, t29, t12, A31, A31, t32, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
-    t51 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t52 = t51.view((d_V, d_K, d_V, d_K))
-    t52[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t50, t3, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
-    t52 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t50, M_2, X, t29, t12, A31, t32, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
-    t52 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t50, M_2, X, t29, t12, A31, A31, t32, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
-    t53 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t54 = t53.view((d_V, d_K, d_V, d_H))
-    t54[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,gi->fahi', t50, M_2, X, t29, t12, A31, M_1, t22, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (1, 3), (0, 1), (0, 1)])
-    t54 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi,hj->faij', t50, M_2, X, t29, t12, A31, A31, M_1, t22, optimize=[(4, 5), (0, 2), (0, 1), (3, 5), (0, 2), (0, 3), (0, 2), (0, 1)])
-    t54 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t50, M_2, X, t41, optimize=[(0, 2), (1, 2), (0, 1)])
-    t55 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t56 = t55.view((d_V, d_K, d_H, d_V))
-    t56[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh->fahg', t50, M_2, X, t29, t12, A31, t14, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
-    t56 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t50, M_2, X, t29, t12, A31, A31, t14, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
-    t56 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fahg', t50, M_2, X, G, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
-    t57 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t58 = t57.view((d_V, d_H, d_V, d_K))
-    t59 = G.transpose(-1, -2)
-    t60 = W_O @ t59
-    t58[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t60, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
-    t61 = M_1.transpose(-1, -2)
-    t58 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,ace,ace,ef,acfg,ach,gi->bdhi', t61, W_O, t12, A31, t32, M_2, X, W_K, optimize=[(2, 3), (2, 3), (3, 5), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t58 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,ace,ace,acf,fg,acgh,aci,hj->bdij', t61, W_O, t12, A31, A31, t32, M_2, X, W_K, optimize=[(2, 3), (2, 3), (2, 6), (1, 4), (2, 3), (0, 2), (0, 2), (0, 1)])
-    t62 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t63 = t62.view((d_V, d_H, d_V, d_K))
-    t63[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t60, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t63 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,ace,ace,ef,acfg,ach,hi->bdgi', t61, W_O, t12, A31, t32, M_2, X, W_Q, optimize=[(2, 3), (2, 3), (2, 3), (2, 3), (1, 3), (0, 1), (0, 1)])
-    t63 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,ace,ace,acf,fg,acgh,aci,ij->bdhj', t61, W_O, t12, A31, A31, t32, M_2, X, W_Q, optimize=[(2, 3), (2, 3), (2, 6), (2, 3), (1, 2), (0, 1), (0, 2), (0, 1)])
-    t64 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t65 = t64.view((d_V, d_H, d_V, d_H))
-    t65[...] = (1/(L*n_batch)) * oe.contract('abc,de,ace,ace,acf,eg->bdfg', t61, W_O, t12, A31, M_1, t22, optimize=[(2, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t65 += (-1/(L*n_batch)) * oe.contract('abc,de,ace,ace,acf,acg,fh->bdgh', t61, W_O, t12, A31, A31, M_1, t22, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 2), (0, 1)])
-    t66 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t30 = W_V @ W_O
+    t31 = torch.exp(t15 - t15.amax(-1, keepdim=True))
+    A32 = t31 / t31.sum(-1, keepdim=True)
+    t33 = t22 @ t23
+    t34 = (1/(L*d_K*n_batch)) * t2
+    t1 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t34, M_2, X, t30, t12, A32, t33, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t35 = (-1/(L*d_K*n_batch)) * t2
+    t36 = oe.contract('abc,cd,abde,ef->fab', A32, t33, M_2, W_K, optimize=[(0, 1), (0, 2), (0, 1)])
+    t37 = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahcd', t35, M_2, X, t30, t12, A32, X, optimize=[(4, 5), (0, 1), (1, 3), (2, 3), (0, 1), (0, 1)])
+    t1 += oe.contract('abc,defbc->defa', t36, t37, optimize=[(0, 1)])
+    t38 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t38[...] = 0
+    t39 = t38.view((d_V, d_K, d_V, d_K))
+    t40 = t39.diagonal(0, 1, 3)
+    t41 = t28 @ X
+    t42 = t3 @ t41
+    t43 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t44 = (1/(math.sqrt(d_K)*n_batch)) * t43
+    t40 += oe.contract('abc,d->bcd', t42, t44, optimize=[(0, 1)])
+    t45 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t46 = oe.contract('ab,cdbe->aecd', t29, M_3, optimize=[(0, 1)])
+    t39 += oe.contract('abcd,efcd->aefb', t45, t46, optimize=[(0, 1)])
+    t47 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t48 = oe.contract('ab,cdeb,ef,cdf,cdf,fg,cdgh->ahcd', t34, M_2, t30, t12, A32, t33, M_2, optimize=[(3, 4), (0, 1), (1, 2), (0, 2), (0, 1), (0, 1)])
+    t39 += oe.contract('abcd,efcd->aefb', t47, t48, optimize=[(0, 1)])
+    t49 = oe.contract('abc,abd,de,abef,abg,gh->cfhab', X, A32, t33, M_2, X, W_Q, optimize=[(1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t50 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t35, M_2, t30, t12, A32, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
+    t39 += oe.contract('abcde,fde->afbc', t49, t50, optimize=[(0, 1)])
+    t51 = H[0:d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t52 = t51.view((d_V, d_K, d_V, d_H))
+    t53 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t52[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,gi->fahi', t53, M_2, X, t30, t12, A32, M_1, t22, optimize=[(4, 5), (0, 1), (1, 5), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t54 = (-1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t55 = oe.contract('abc,abd,abe,df->cefab', X, A32, M_1, t22, optimize=[(0, 2), (0, 1), (0, 1)])
+    t56 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t54, M_2, t30, t12, A32, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
+    t52 += oe.contract('abcde,fde->afbc', t55, t56, optimize=[(0, 1)])
+    t57 = G @ t22
+    t58 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t59 = oe.contract('abc,abd->cdab', X, t57, optimize=[(0, 1)])
+    t60 = oe.contract('ab,cdeb->aecd', t58, M_2, optimize=[(0, 1)])
+    t52 += oe.contract('abcd,efcd->aefb', t59, t60, optimize=[(0, 1)])
+    t61 = H[0:d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t62 = t61.view((d_V, d_K, d_H, d_V))
+    t62[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t53, M_2, X, t30, t12, A32, t14, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t63 = oe.contract('abc,abd,abe->cedab', X, A32, t14, optimize=[(0, 1), (0, 1)])
+    t62 += oe.contract('abcde,fde->afbc', t63, t56, optimize=[(0, 1)])
+    t64 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t65 = oe.contract('ab,cdeb,ef->afcd', t58, M_2, W_V, optimize=[(0, 1), (0, 1)])
+    t62 += oe.contract('abcd,efcd->aefb', t64, t65, optimize=[(0, 1)])
+    t66 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t66[...] = 0
-    t67 = t66.view((d_V, d_H, d_H, d_V))
-    t68 = t67.diagonal(0, 1, 2)
-    t69 = t61 @ G
-    t70 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
-    t68 += (1/n_batch) * oe.contract('abc,d->bcd', t69, t70, optimize=[(0, 1)])
-    t67 += (1/(L*n_batch)) * oe.contract('abc,de,ace,ace,acf->bdfe', t61, W_O, t12, A31, t14, optimize=[(2, 3), (0, 2), (1, 2), (0, 1)])
-    t67 += (-1/(L*n_batch)) * oe.contract('abc,de,ace,ace,acf,acg->bdgf', t61, W_O, t12, A31, A31, t14, optimize=[(2, 3), (1, 4), (0, 1), (0, 2), (0, 1)])
-    t71 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
-    t72 = t71.view((d_H, d_V, d_V, d_K))
-    t72[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,acef,acg,fh->dbgh', t59, t23, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t73 = t23 @ t61
-    t72 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t73, t12, A31, t32, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t72 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t73, t12, A31, A31, t32, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
-    t74 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t75 = t74.view((d_H, d_V, d_V, d_K))
-    t75[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,acef,acg,gh->dbfh', t59, t23, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
-    t75 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t73, t12, A31, t32, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t75 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t73, t12, A31, A31, t32, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
-    t76 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
-    t76[...] = 0
-    t77 = t76.view((d_H, d_V, d_V, d_H))
-    t78 = t77.diagonal(0, 0, 3)
-    t79 = t59 @ M_1
-    t78 += (1/n_batch) * oe.contract('abc,d->bcd', t79, t70, optimize=[(0, 1)])
-    t77 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,df->bdef', t73, t12, A31, M_1, t22, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
-    t77 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf,eg->bdfg', t73, t12, A31, A31, M_1, t22, optimize=[(1, 2), (1, 3), (1, 2), (0, 1), (0, 1)])
-    t80 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
-    t80[...] = 0
-    t81 = t80.view((d_H, d_V, d_H, d_V))
-    t82 = t81.diagonal(0, 1, 3)
-    t82 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bed', t73, t12, A31, t14, optimize=[(1, 2), (0, 1), (0, 1)])
-    t81 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t73, t12, A31, A31, t14, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t67 = t66.view((d_V, d_K, d_V, d_K))
+    t68 = t67.diagonal(0, 1, 3)
+    t69 = t28.transpose(-1, -2)
+    t70 = t69 @ X
+    t71 = t3 @ t70
+    t68 += oe.contract('abc,d->bcd', t71, t44, optimize=[(0, 1)])
+    t72 = W_Q.transpose(-1, -2)
+    t73 = (1/(d_K*n_batch)) * t72
+    t74 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t75 = oe.contract('ab,cbd,cde->aecd', t73, t3, X, optimize=[(0, 1), (0, 1)])
+    t67 += oe.contract('abcd,efcd->aefb', t74, t75, optimize=[(0, 1)])
+    t76 = (1/(L*d_K*n_batch)) * t72
+    t67 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t76, M_2, X, t30, t12, A32, t33, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t77 = (-1/(L*d_K*n_batch)) * t72
+    t78 = oe.contract('ab,cdb,cde,ef,cdfg,cdh,gi->ahicd', t77, X, A32, t33, M_2, X, W_K, optimize=[(0, 1), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t79 = oe.contract('abcd,ce,abe,abe->dab', M_2, t30, t12, A32, optimize=[(1, 2), (1, 2), (0, 1)])
+    t67 += oe.contract('abcde,fde->fabc', t78, t79, optimize=[(0, 1)])
+    t80 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t81 = t80.view((d_V, d_K, d_V, d_K))
+    t82 = oe.contract('ab,cbd,cde,ef->afcd', t73, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t83 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t81[...] = oe.contract('abcd,efcd->eafb', t82, t83, optimize=[(0, 1)])
+    t84 = oe.contract('abc,cd->dab', X, W_Q, optimize=[(0, 1)])
+    t85 = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi->faicd', t76, M_2, X, t30, t12, A32, t33, M_2, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 2), (1, 2), (0, 1)])
+    t81 += oe.contract('abc,defbc->defa', t84, t85, optimize=[(0, 1)])
+    t86 = oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi->faicd', t77, M_2, X, t30, t12, A32, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 1), (0, 1)])
+    t87 = oe.contract('abc,cd,abde->eab', A32, t33, M_2, optimize=[(0, 1), (0, 1)])
+    t81 += oe.contract('abcde,fde->abfc', t86, t87, optimize=[(0, 1)])
+    t88 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t89 = t88.view((d_V, d_K, d_V, d_H))
+    t90 = (1/(L*math.sqrt(d_K)*n_batch)) * t72
+    t89[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,gi->fahi', t90, M_2, X, t30, t12, A32, M_1, t22, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (1, 3), (0, 1), (0, 1)])
+    t91 = (-1/(L*math.sqrt(d_K)*n_batch)) * t72
+    t92 = oe.contract('ab,cdb,cde,cdf,eg->afgcd', t91, X, A32, M_1, t22, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    t89 += oe.contract('abcde,fde->fabc', t92, t79, optimize=[(0, 1)])
+    t93 = (1/(math.sqrt(d_K)*n_batch)) * t72
+    t94 = oe.contract('ab,cdb,cde->aecd', t93, X, t57, optimize=[(0, 1), (0, 1)])
+    t95 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t89 += oe.contract('abcd,efcd->eafb', t94, t95, optimize=[(0, 1)])
+    t96 = H[d_K*d_V:2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t97 = t96.view((d_V, d_K, d_H, d_V))
+    t98 = oe.contract('abcd,ce,abe,abe->deab', M_2, t30, t12, A32, optimize=[(0, 1), (0, 1), (0, 1)])
+    t99 = oe.contract('ab,cdb,cde->aecd', t90, X, t14, optimize=[(0, 1), (0, 1)])
+    t97[...] = oe.contract('abcd,efcd->aefb', t98, t99, optimize=[(0, 1)])
+    t100 = oe.contract('ab,cdb,cde,cdf->afecd', t91, X, A32, t14, optimize=[(0, 1), (0, 1), (0, 1)])
+    t97 += oe.contract('abcde,fde->fabc', t100, t79, optimize=[(0, 1)])
+    t101 = oe.contract('ab,cdb,cde->aecd', t93, X, G, optimize=[(0, 1), (0, 1)])
+    t102 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t97 += oe.contract('abcd,efcd->eafb', t101, t102, optimize=[(0, 1)])
+    t103 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t104 = t103.view((d_V, d_H, d_V, d_K))
+    t105 = G.transpose(-1, -2)
+    t106 = W_O @ t105
+    t107 = (1/(math.sqrt(d_K)*n_batch)) * t106
+    t108 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t109 = oe.contract('abc,acd->bdac', t107, X, optimize=[(0, 1)])
+    t104[...] = oe.contract('abcd,efcd->aefb', t108, t109, optimize=[(0, 1)])
+    t110 = M_1.transpose(-1, -2)
+    t111 = (1/(L*math.sqrt(d_K)*n_batch)) * t110
+    t112 = oe.contract('ab,cdb,cdb,be,cdef,fg->agcd', W_O, t12, A32, t33, M_2, W_K, optimize=[(1, 2), (1, 2), (1, 3), (1, 2), (0, 1)])
+    t113 = oe.contract('abc,acd->bdac', t111, X, optimize=[(0, 1)])
+    t104 += oe.contract('abcd,efcd->eafb', t112, t113, optimize=[(0, 1)])
+    t114 = (-1/(L*math.sqrt(d_K)*n_batch)) * t110
+    t115 = oe.contract('abc,de,ace,ace,acf->bdfac', t114, W_O, t12, A32, X, optimize=[(2, 3), (1, 3), (0, 1), (0, 1)])
+    t104 += oe.contract('abc,defbc->defa', t36, t115, optimize=[(0, 1)])
+    t116 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t117 = t116.view((d_V, d_H, d_V, d_K))
+    t118 = oe.contract('abc,acd,de->beac', t107, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t119 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t117[...] = oe.contract('abcd,efcd->eafb', t118, t119, optimize=[(0, 1)])
+    t120 = oe.contract('abc,acd,de->beac', t111, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t121 = oe.contract('ab,cdb,cdb,be,cdef->afcd', W_O, t12, A32, t33, M_2, optimize=[(1, 2), (1, 2), (1, 2), (0, 1)])
+    t117 += oe.contract('abcd,efcd->aefb', t120, t121, optimize=[(0, 1)])
+    t122 = oe.contract('abc,acd,de,acef,acg,gh->bfhac', t114, A32, t33, M_2, X, W_Q, optimize=[(1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t123 = oe.contract('ab,cdb,cdb->acd', W_O, t12, A32, optimize=[(1, 2), (0, 1)])
+    t117 += oe.contract('abcde,fde->afbc', t122, t123, optimize=[(0, 1)])
+    t124 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t125 = t124.view((d_V, d_H, d_V, d_H))
+    t126 = (1/(L*n_batch)) * t110
+    t127 = oe.contract('ab,bc->acb', W_O, t22, optimize=[(0, 1)])
+    t128 = oe.contract('abc,abd,abd,aeb->ecd', M_1, A32, t12, t126, optimize=[(1, 2), (0, 1), (0, 1)])
+    t125[...] = oe.contract('abc,dec->daeb', t127, t128, optimize=[(0, 1)])
+    t129 = (-1/(L*n_batch)) * t110
+    t130 = oe.contract('abc,acd,ace,df->befac', t129, A32, M_1, t22, optimize=[(0, 2), (0, 1), (0, 1)])
+    t125 += oe.contract('abcde,fde->afbc', t130, t123, optimize=[(0, 1)])
+    t131 = H[2*d_K*d_V:d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t131[...] = 0
+    t132 = t131.view((d_V, d_H, d_H, d_V))
+    t133 = t132.diagonal(0, 1, 2)
+    t134 = t110 @ G
+    t135 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
+    t136 = (1/n_batch) * t135
+    t133 += oe.contract('abc,d->bcd', t134, t136, optimize=[(0, 1)])
+    t132 += oe.contract('abc,de,ace,ace,acf->bdfe', t126, W_O, t12, A32, t14, optimize=[(2, 3), (0, 2), (1, 2), (0, 1)])
+    t137 = oe.contract('abc,acd,ace->bedac', t129, A32, t14, optimize=[(0, 1), (0, 1)])
+    t132 += oe.contract('abcde,fde->afbc', t137, t123, optimize=[(0, 1)])
+    t138 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 0:d_K*d_V]
+    t139 = t138.view((d_H, d_V, d_V, d_K))
+    t140 = (1/(math.sqrt(d_K)*n_batch)) * t105
+    t139[...] = oe.contract('abc,de,acef,acg,fh->dbgh', t140, t23, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t141 = t23 @ t110
+    t142 = (1/(L*math.sqrt(d_K)*n_batch)) * t141
+    t139 += oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t142, t12, A32, t33, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t143 = (-1/(L*math.sqrt(d_K)*n_batch)) * t141
+    t144 = oe.contract('abc,acd,de,acef,fg->bgac', t143, A32, t33, M_2, W_K, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t145 = oe.contract('abc,abc,abd->cdab', t12, A32, X, optimize=[(0, 1), (0, 1)])
+    t139 += oe.contract('abcd,efcd->aefb', t144, t145, optimize=[(0, 1)])
+    t146 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t147 = t146.view((d_H, d_V, d_V, d_K))
+    t148 = oe.contract('abc,acd,de->beac', t140, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t149 = oe.contract('ab,cdbe->aecd', t23, M_2, optimize=[(0, 1)])
+    t147[...] = oe.contract('abcd,efcd->eafb', t148, t149, optimize=[(0, 1)])
+    t150 = oe.contract('abc,acd,de->beac', t142, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t151 = oe.contract('abc,abc,cd,abde->ceab', t12, A32, t33, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t147 += oe.contract('abcd,efcd->aefb', t150, t151, optimize=[(0, 1)])
+    t152 = oe.contract('abc,acd,acd,ace,ef,acfg->bdgac', t143, t12, A32, A32, t33, M_2, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t147 += oe.contract('abc,defbc->defa', t84, t152, optimize=[(0, 1)])
+    t153 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, 2*d_K*d_V:d_H*d_V + 2*d_K*d_V]
+    t153[...] = 0
+    t154 = t153.view((d_H, d_V, d_V, d_H))
+    t155 = t154.diagonal(0, 0, 3)
+    t156 = t105 @ M_1
+    t155 += oe.contract('abc,d->bcd', t156, t136, optimize=[(0, 1)])
+    t157 = (1/(L*n_batch)) * t141
+    t154 += oe.contract('abc,acd,acd,ace,df->bdef', t157, t12, A32, M_1, t22, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
+    t158 = (-1/(L*n_batch)) * t141
+    t159 = oe.contract('abc,acd,de->beac', t158, A32, t22, optimize=[(1, 2), (0, 1)])
+    t160 = oe.contract('abc,abc,abd->cdab', t12, A32, M_1, optimize=[(0, 1), (0, 1)])
+    t154 += oe.contract('abcd,efcd->aefb', t159, t160, optimize=[(0, 1)])
+    t161 = H[d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V, d_H*d_V + 2*d_K*d_V:2*d_H*d_V + 2*d_K*d_V]
+    t161[...] = 0
+    t162 = t161.view((d_H, d_V, d_H, d_V))
+    t163 = t162.diagonal(0, 1, 3)
+    t164 = oe.contract('abc,abc->cab', t12, A32, optimize=[(0, 1)])
+    t165 = oe.contract('abc,acd->bdac', t157, t14, optimize=[(0, 1)])
+    t163 += oe.contract('abc,debc->dea', t164, t165, optimize=[(0, 1)])
+    t166 = oe.contract('abc,acd->bdac', t158, A32, optimize=[(0, 1)])
+    t167 = oe.contract('abc,abc,abd->cdab', t12, A32, t14, optimize=[(0, 1), (0, 1)])
+    t162 += oe.contract('abcd,efcd->aefb', t166, t167, optimize=[(0, 1)])
     return H
 
 
@@ -19167,15 +20428,23 @@ def ce_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t27 = A * t26
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t27, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t27, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t27, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->da', t1, t2, M_3, X, W_K, optimize=[(1, 3), (0, 1), (0, 2), (0, 1)])
+    t28 = (1/(d_K*n_batch)) * t1
+    t29 = oe.contract('ab,cdbe,ea->acd', t28, M_3, W_K, optimize=[(0, 2), (0, 1)])
+    t30 = oe.contract('abc,acb->bac', t2, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t29, t30, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t28 = W_V @ W_O
-    t29 = torch.exp(t14 - t14.amax(-1, keepdim=True))
-    A30 = t29 / t29.sum(-1, keepdim=True)
-    t31 = t21 @ t22
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdf,ia->fa', t1, M_2, X, t28, t11, A30, t31, M_2, X, W_K, optimize=[(4, 5), (2, 6), (0, 1), (1, 2), (0, 4), (0, 3), (2, 3), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdf,ja->fa', t1, M_2, X, t28, t11, A30, A30, t31, M_2, X, W_K, optimize=[(4, 5), (2, 7), (0, 1), (1, 2), (1, 6), (0, 2), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t31 = W_V @ W_O
+    t32 = torch.exp(t14 - t14.amax(-1, keepdim=True))
+    A33 = t32 / t32.sum(-1, keepdim=True)
+    t34 = t21 @ t22
+    t35 = (1/(L*d_K*n_batch)) * t1
+    t36 = oe.contract('ab,cdeb,ef,cdf,cdf,fg,cdgh,ha->acd', t35, M_2, t31, t11, A33, t34, M_2, W_K, optimize=[(3, 4), (0, 1), (1, 2), (0, 3), (0, 2), (1, 2), (0, 1)])
+    t37 = oe.contract('abc,abc->cab', X, X, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dbc->da', t36, t37, optimize=[(0, 1)])
+    t38 = (-1/(L*d_K*n_batch)) * t1
+    t39 = oe.contract('ab,cdeb,ef,cdf,cdf,cdg,gh,cdhi,ia->acd', t38, M_2, t31, t11, A33, A33, t34, M_2, W_K, optimize=[(3, 4), (0, 1), (1, 2), (1, 5), (0, 2), (1, 3), (0, 1), (0, 1)])
+    t0 += oe.contract('abc,dbc->da', t39, t37, optimize=[(0, 1)])
     return out
 
 
@@ -19270,15 +20539,20 @@ def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t27 = A * t26
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t27, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t27, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t27, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,fh->dagh', t1, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t28 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t28, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t28 = W_V @ W_O
-    t29 = torch.exp(t14 - t14.amax(-1, keepdim=True))
-    A30 = t29 / t29.sum(-1, keepdim=True)
-    t31 = t21 @ t22
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t1, M_2, X, t28, t11, A30, t31, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t1, M_2, X, t28, t11, A30, A30, t31, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (1, 4), (3, 5), (2, 3), (0, 2), (0, 2), (0, 1)])
+    t29 = W_V @ W_O
+    t30 = torch.exp(t14 - t14.amax(-1, keepdim=True))
+    A31 = t30 / t30.sum(-1, keepdim=True)
+    t32 = t21 @ t22
+    t33 = (1/(L*d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t33, M_2, X, t29, t11, A31, t32, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
+    t34 = (-1/(L*d_K*n_batch)) * t1
+    t35 = oe.contract('abc,cd,abde,ef->fab', A31, t32, M_2, W_K, optimize=[(0, 1), (0, 2), (0, 1)])
+    t36 = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahcd', t34, M_2, X, t29, t11, A31, X, optimize=[(4, 5), (0, 1), (1, 3), (2, 3), (0, 1), (0, 1)])
+    t0 += oe.contract('abc,defbc->defa', t35, t36, optimize=[(0, 1)])
     return out
 
 
@@ -19378,18 +20652,28 @@ def ce_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t29 = t28 @ X
     t30 = t2 @ t29
     t31 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t30, t31, optimize=[(0, 1)])
+    t32 = (1/(math.sqrt(d_K)*n_batch)) * t31
+    t1 += oe.contract('abc,d->bcd', t30, t32, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t28, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t28, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t28, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ceg,gh->dafh', t3, t2, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1)])
+    t33 = (1/(d_K*n_batch)) * t3
+    t34 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t35 = oe.contract('ab,cdbe->aecd', t33, M_3, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t34, t35, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t32 = W_V @ W_O
-    t33 = torch.exp(t15 - t15.amax(-1, keepdim=True))
-    A34 = t33 / t33.sum(-1, keepdim=True)
-    t35 = t22 @ t23
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t3, M_2, X, t32, t12, A34, t35, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 3), (1, 3), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t3, M_2, X, t32, t12, A34, A34, t35, M_2, X, W_Q, optimize=[(4, 5), (0, 1), (2, 3), (2, 7), (2, 3), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
+    t36 = W_V @ W_O
+    t37 = torch.exp(t15 - t15.amax(-1, keepdim=True))
+    A38 = t37 / t37.sum(-1, keepdim=True)
+    t39 = t22 @ t23
+    t40 = (1/(L*d_K*n_batch)) * t3
+    t41 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t42 = oe.contract('ab,cdeb,ef,cdf,cdf,fg,cdgh->ahcd', t40, M_2, t36, t12, A38, t39, M_2, optimize=[(3, 4), (0, 1), (1, 2), (0, 2), (0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t41, t42, optimize=[(0, 1)])
+    t43 = (-1/(L*d_K*n_batch)) * t3
+    t44 = oe.contract('abc,abd,de,abef,abg,gh->cfhab', X, A38, t39, M_2, X, W_Q, optimize=[(1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t45 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t43, M_2, t36, t12, A38, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t44, t45, optimize=[(0, 1)])
     return out
 
 
@@ -19477,18 +20761,25 @@ def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t16 = torch.exp(t15 - t15.amax(-1, keepdim=True))
     A17 = t16 / t16.sum(-1, keepdim=True)
     t18 = W_O.transpose(-1, -2)
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,gi->fahi', t1, M_2, X, t10, t12, A17, M_1, t18, optimize=[(4, 5), (0, 1), (1, 5), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi,hj->faij', t1, M_2, X, t10, t12, A17, A17, M_1, t18, optimize=[(4, 5), (0, 1), (2, 4), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t19 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,gi->fahi', t19, M_2, X, t10, t12, A17, M_1, t18, optimize=[(4, 5), (0, 1), (1, 5), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t20 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t21 = oe.contract('abc,abd,abe,df->cefab', X, A17, M_1, t18, optimize=[(0, 2), (0, 1), (0, 1)])
+    t22 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t20, M_2, t10, t12, A17, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t21, t22, optimize=[(0, 1)])
     F = t15
-    t19 = torch.exp(F - F.amax(-1, keepdim=True))
-    A20 = t19 / t19.sum(-1, keepdim=True)
-    t21 = t12 * A20
-    t22 = (1/L) * t21
-    t23 = (-1/L) * Y
-    t24 = t22 + t23
-    G = t24
-    t25 = G @ t18
-    t0 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg->faeg', t1, M_2, X, t25, optimize=[(0, 1), (0, 1), (0, 1)])
+    t23 = torch.exp(F - F.amax(-1, keepdim=True))
+    A24 = t23 / t23.sum(-1, keepdim=True)
+    t25 = t12 * A24
+    t26 = (1/L) * t25
+    t27 = (-1/L) * Y
+    t28 = t26 + t27
+    G = t28
+    t29 = G @ t18
+    t30 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t31 = oe.contract('abc,abd->cdab', X, t29, optimize=[(0, 1)])
+    t32 = oe.contract('ab,cdeb->aecd', t30, M_2, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t31, t32, optimize=[(0, 1)])
     return out
 
 
@@ -19565,17 +20856,24 @@ def ce_causal1__block__W_Q__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t15 = t14 @ W_O
     t16 = torch.exp(t15 - t15.amax(-1, keepdim=True))
     A17 = t16 / t16.sum(-1, keepdim=True)
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t1, M_2, X, t10, t12, A17, t14, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi->faih', t1, M_2, X, t10, t12, A17, A17, t14, optimize=[(4, 5), (0, 1), (1, 4), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t18 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t18, M_2, X, t10, t12, A17, t14, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t19 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t20 = oe.contract('abc,abd,abe->cedab', X, A17, t14, optimize=[(0, 1), (0, 1)])
+    t21 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t19, M_2, t10, t12, A17, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t20, t21, optimize=[(0, 1)])
     F = t15
-    t18 = torch.exp(F - F.amax(-1, keepdim=True))
-    A19 = t18 / t18.sum(-1, keepdim=True)
-    t20 = t12 * A19
-    t21 = (1/L) * t20
-    t22 = (-1/L) * Y
-    t23 = t21 + t22
-    G = t23
-    t0 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdeb,cdf,cdg,eh->fahg', t1, M_2, X, G, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t22 = torch.exp(F - F.amax(-1, keepdim=True))
+    A23 = t22 / t22.sum(-1, keepdim=True)
+    t24 = t12 * A23
+    t25 = (1/L) * t24
+    t26 = (-1/L) * Y
+    t27 = t25 + t26
+    G = t27
+    t28 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t29 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t30 = oe.contract('ab,cdeb,ef->afcd', t28, M_2, W_V, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
     return out
 
 
@@ -19663,15 +20961,22 @@ def ce_causal1__diag__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t28 = A * t27
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t28, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t28, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t28, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->ea', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t29 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cbd,cdee,cdf,fa->ea', t29, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t29 = W_V @ W_O
-    t30 = torch.exp(t15 - t15.amax(-1, keepdim=True))
-    A31 = t30 / t30.sum(-1, keepdim=True)
-    t32 = t22 @ t23
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhf,cdi,ia->fa', t1, M_2, X, t29, t12, A31, t32, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (4, 5), (2, 4), (0, 1), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdif,cdj,ja->fa', t1, M_2, X, t29, t12, A31, A31, t32, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t30 = W_V @ W_O
+    t31 = torch.exp(t15 - t15.amax(-1, keepdim=True))
+    A32 = t31 / t31.sum(-1, keepdim=True)
+    t33 = t22 @ t23
+    t34 = (1/(L*d_K*n_batch)) * t1
+    t35 = oe.contract('ab,cdb,cde,ea->acd', t34, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t36 = oe.contract('abcd,ce,abe,abe,ef,abfd->dab', M_2, t30, t12, A32, t33, M_2, optimize=[(2, 3), (0, 1), (0, 1), (1, 2), (0, 1)])
+    t0 += oe.contract('abc,dbc->da', t35, t36, optimize=[(0, 1)])
+    t37 = (-1/(L*d_K*n_batch)) * t1
+    t38 = oe.contract('ab,cdb,cde,ea->acd', t37, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t39 = oe.contract('abcd,ce,abe,abe,abf,fg,abgd->dab', M_2, t30, t12, A32, A32, t33, M_2, optimize=[(2, 3), (0, 1), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t0 += oe.contract('abc,dbc->da', t38, t39, optimize=[(0, 1)])
     return out
 
 
@@ -19771,19 +21076,27 @@ def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t30 = t29 @ X
     t31 = t2 @ t30
     t32 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t1 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,d->bcd', t31, t32, optimize=[(0, 1)])
-    t33 = W_Q.transpose(-1, -2)
+    t33 = (1/(math.sqrt(d_K)*n_batch)) * t32
+    t1 += oe.contract('abc,d->bcd', t31, t33, optimize=[(0, 1)])
+    t34 = W_Q.transpose(-1, -2)
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t28, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t28, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t28, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,fh->eagh', t33, t2, M_3, X, W_K, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    t35 = (1/(d_K*n_batch)) * t34
+    t36 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t37 = oe.contract('ab,cbd,cde->aecd', t35, t2, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t36, t37, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t34 = W_V @ W_O
-    t35 = torch.exp(t15 - t15.amax(-1, keepdim=True))
-    A36 = t35 / t35.sum(-1, keepdim=True)
-    t37 = t22 @ t23
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t33, M_2, X, t34, t12, A36, t37, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl->fakl', t33, M_2, X, t34, t12, A36, A36, t37, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
+    t38 = W_V @ W_O
+    t39 = torch.exp(t15 - t15.amax(-1, keepdim=True))
+    A40 = t39 / t39.sum(-1, keepdim=True)
+    t41 = t22 @ t23
+    t42 = (1/(L*d_K*n_batch)) * t34
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t42, M_2, X, t38, t12, A40, t41, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t43 = (-1/(L*d_K*n_batch)) * t34
+    t44 = oe.contract('ab,cdb,cde,ef,cdfg,cdh,gi->ahicd', t43, X, A40, t41, M_2, X, W_K, optimize=[(0, 1), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t45 = oe.contract('abcd,ce,abe,abe->dab', M_2, t38, t12, A40, optimize=[(1, 2), (1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->fabc', t44, t45, optimize=[(0, 1)])
     return out
 
 
@@ -19885,15 +21198,24 @@ def ce_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t28 = A * t27
     # M_3: compact tensor ('L', 'd_V', 'd_V')
     M_3 = oe.contract('abc,adc,ace->adbe', t2, t28, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t28, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t28, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdef,cdg,gh->eafh', t1, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t29 = (1/(d_K*n_batch)) * t1
+    t30 = oe.contract('ab,cbd,cde,ef->afcd', t29, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t31 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t30, t31, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t29 = W_V @ W_O
-    t30 = torch.exp(t15 - t15.amax(-1, keepdim=True))
-    A31 = t30 / t30.sum(-1, keepdim=True)
-    t32 = t22 @ t23
-    t0 += (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk->faik', t1, M_2, X, t29, t12, A31, t32, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (1, 3), (0, 2), (0, 1)])
-    t0 += (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl->fajl', t1, M_2, X, t29, t12, A31, A31, t32, M_2, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (5, 7), (0, 1), (0, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
+    t32 = W_V @ W_O
+    t33 = torch.exp(t15 - t15.amax(-1, keepdim=True))
+    A34 = t33 / t33.sum(-1, keepdim=True)
+    t35 = t22 @ t23
+    t36 = (1/(L*d_K*n_batch)) * t1
+    t37 = oe.contract('abc,cd->dab', X, W_Q, optimize=[(0, 1)])
+    t38 = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi->faicd', t36, M_2, X, t32, t12, A34, t35, M_2, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 2), (1, 2), (0, 1)])
+    t0 += oe.contract('abc,defbc->defa', t37, t38, optimize=[(0, 1)])
+    t39 = (-1/(L*d_K*n_batch)) * t1
+    t40 = oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi->faicd', t39, M_2, X, t32, t12, A34, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 1), (0, 1)])
+    t41 = oe.contract('abc,cd,abde->eab', A34, t35, M_2, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcde,fde->abfc', t40, t41, optimize=[(0, 1)])
     return out
 
 
@@ -19981,18 +21303,25 @@ def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t17 = torch.exp(t16 - t16.amax(-1, keepdim=True))
     A18 = t17 / t17.sum(-1, keepdim=True)
     t19 = W_O.transpose(-1, -2)
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,gi->fahi', t1, M_2, X, t11, t13, A18, M_1, t19, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (1, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi,hj->faij', t1, M_2, X, t11, t13, A18, A18, M_1, t19, optimize=[(4, 5), (0, 2), (0, 1), (3, 5), (0, 2), (0, 3), (0, 2), (0, 1)])
+    t20 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,gi->fahi', t20, M_2, X, t11, t13, A18, M_1, t19, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (1, 3), (0, 1), (0, 1)])
+    t21 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t22 = oe.contract('ab,cdb,cde,cdf,eg->afgcd', t21, X, A18, M_1, t19, optimize=[(0, 1), (0, 2), (0, 1), (0, 1)])
+    t23 = oe.contract('abcd,ce,abe,abe->dab', M_2, t11, t13, A18, optimize=[(1, 2), (1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->fabc', t22, t23, optimize=[(0, 1)])
     F = t16
-    t20 = torch.exp(F - F.amax(-1, keepdim=True))
-    A21 = t20 / t20.sum(-1, keepdim=True)
-    t22 = t13 * A21
-    t23 = (1/L) * t22
-    t24 = (-1/L) * Y
-    t25 = t23 + t24
-    G = t25
-    t26 = G @ t19
-    t0 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg->faeg', t1, M_2, X, t26, optimize=[(0, 2), (1, 2), (0, 1)])
+    t24 = torch.exp(F - F.amax(-1, keepdim=True))
+    A25 = t24 / t24.sum(-1, keepdim=True)
+    t26 = t13 * A25
+    t27 = (1/L) * t26
+    t28 = (-1/L) * Y
+    t29 = t27 + t28
+    G = t29
+    t30 = G @ t19
+    t31 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t32 = oe.contract('ab,cdb,cde->aecd', t31, X, t30, optimize=[(0, 1), (0, 1)])
+    t33 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0 += oe.contract('abcd,efcd->eafb', t32, t33, optimize=[(0, 1)])
     return out
 
 
@@ -20071,17 +21400,26 @@ def ce_causal1__block__W_K__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t16 = t15 @ W_O
     t17 = torch.exp(t16 - t16.amax(-1, keepdim=True))
     A18 = t17 / t17.sum(-1, keepdim=True)
-    t0[...] = (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh->fahg', t1, M_2, X, t11, t13, A18, t15, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi->faih', t1, M_2, X, t11, t13, A18, A18, t15, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t19 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t20 = oe.contract('abcd,ce,abe,abe->deab', M_2, t11, t13, A18, optimize=[(0, 1), (0, 1), (0, 1)])
+    t21 = oe.contract('ab,cdb,cde->aecd', t19, X, t15, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
+    t22 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t23 = oe.contract('ab,cdb,cde,cdf->afecd', t22, X, A18, t15, optimize=[(0, 1), (0, 1), (0, 1)])
+    t24 = oe.contract('abcd,ce,abe,abe->dab', M_2, t11, t13, A18, optimize=[(1, 2), (1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->fabc', t23, t24, optimize=[(0, 1)])
     F = t16
-    t19 = torch.exp(F - F.amax(-1, keepdim=True))
-    A20 = t19 / t19.sum(-1, keepdim=True)
-    t21 = t13 * A20
-    t22 = (1/L) * t21
-    t23 = (-1/L) * Y
-    t24 = t22 + t23
-    G = t24
-    t0 += (1/(math.sqrt(d_K)*n_batch)) * oe.contract('ab,cdef,cdb,cdg,eh->fahg', t1, M_2, X, G, W_V, optimize=[(0, 2), (0, 2), (0, 1), (0, 1)])
+    t25 = torch.exp(F - F.amax(-1, keepdim=True))
+    A26 = t25 / t25.sum(-1, keepdim=True)
+    t27 = t13 * A26
+    t28 = (1/L) * t27
+    t29 = (-1/L) * Y
+    t30 = t28 + t29
+    G = t30
+    t31 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t32 = oe.contract('ab,cdb,cde->aecd', t31, X, G, optimize=[(0, 1), (0, 1)])
+    t33 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t32, t33, optimize=[(0, 1)])
     return out
 
 
@@ -20156,8 +21494,12 @@ def ce_causal1__diag__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t16 = torch.exp(t15 - t15.amax(-1, keepdim=True))
     A17 = t16 / t16.sum(-1, keepdim=True)
     t18 = W_O.transpose(-1, -2)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,de,ace,ace,acb,ed->bd', t11, W_O, t13, A17, M_1, t18, optimize=[(2, 3), (0, 2), (0, 1), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,de,ace,ace,acf,acb,fd->bd', t11, W_O, t13, A17, A17, M_1, t18, optimize=[(2, 3), (0, 3), (1, 2), (0, 1), (1, 2), (0, 1)])
+    t19 = (1/(L*n_batch)) * t11
+    t0[...] = oe.contract('abc,de,ace,ace,acb,ed->bd', t19, W_O, t13, A17, M_1, t18, optimize=[(2, 3), (0, 2), (0, 1), (0, 1), (0, 1)])
+    t20 = (-1/(L*n_batch)) * t11
+    t21 = oe.contract('ab,cdb,cdb,cde,ea->acd', W_O, t13, A17, A17, t18, optimize=[(1, 2), (1, 2), (0, 1), (0, 1)])
+    t22 = oe.contract('abc,acb->bac', t20, M_1, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dbc->da', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -20228,15 +21570,24 @@ def ce_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t22 = W_O @ t21
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,eg->dbfg', t22, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1)])
-    t23 = M_1.transpose(-1, -2)
-    t24 = torch.exp(t14 - t14.amax(-1, keepdim=True))
-    A25 = t24 / t24.sum(-1, keepdim=True)
-    t26 = W_O.transpose(-1, -2)
-    t27 = W_V.transpose(-1, -2)
-    t28 = t26 @ t27
-    t0 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,ace,ace,ef,acfg,ach,gi->bdhi', t23, W_O, t2, A25, t28, M_2, X, W_K, optimize=[(2, 3), (2, 3), (3, 5), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,ace,ace,acf,fg,acgh,aci,hj->bdij', t23, W_O, t2, A25, A25, t28, M_2, X, W_K, optimize=[(2, 3), (2, 3), (2, 6), (1, 4), (2, 3), (0, 2), (0, 2), (0, 1)])
+    t23 = (1/(math.sqrt(d_K)*n_batch)) * t22
+    t24 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t25 = oe.contract('abc,acd->bdac', t23, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t24, t25, optimize=[(0, 1)])
+    t26 = M_1.transpose(-1, -2)
+    t27 = torch.exp(t14 - t14.amax(-1, keepdim=True))
+    A28 = t27 / t27.sum(-1, keepdim=True)
+    t29 = W_O.transpose(-1, -2)
+    t30 = W_V.transpose(-1, -2)
+    t31 = t29 @ t30
+    t32 = (1/(L*math.sqrt(d_K)*n_batch)) * t26
+    t33 = oe.contract('ab,cdb,cdb,be,cdef,fg->agcd', W_O, t2, A28, t31, M_2, W_K, optimize=[(1, 2), (1, 2), (1, 3), (1, 2), (0, 1)])
+    t34 = oe.contract('abc,acd->bdac', t32, X, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t33, t34, optimize=[(0, 1)])
+    t35 = (-1/(L*math.sqrt(d_K)*n_batch)) * t26
+    t36 = oe.contract('abc,cd,abde,ef->fab', A28, t31, M_2, W_K, optimize=[(0, 1), (0, 2), (0, 1)])
+    t37 = oe.contract('abc,de,ace,ace,acf->bdfac', t35, W_O, t2, A28, X, optimize=[(2, 3), (1, 3), (0, 1), (0, 1)])
+    t0 += oe.contract('abc,defbc->defa', t36, t37, optimize=[(0, 1)])
     return out
 
 
@@ -20323,15 +21674,24 @@ def ce_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t22 = W_O @ t21
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,acde,acf,fg->dbeg', t22, M_2, X, W_Q, optimize=[(2, 3), (0, 2), (0, 1)])
-    t23 = M_1.transpose(-1, -2)
-    t24 = torch.exp(t14 - t14.amax(-1, keepdim=True))
-    A25 = t24 / t24.sum(-1, keepdim=True)
-    t26 = W_O.transpose(-1, -2)
-    t27 = W_V.transpose(-1, -2)
-    t28 = t26 @ t27
-    t0 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,ace,ace,ef,acfg,ach,hi->bdgi', t23, W_O, t2, A25, t28, M_2, X, W_Q, optimize=[(2, 3), (2, 3), (2, 3), (2, 3), (1, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,ace,ace,acf,fg,acgh,aci,ij->bdhj', t23, W_O, t2, A25, A25, t28, M_2, X, W_Q, optimize=[(2, 3), (2, 3), (2, 6), (2, 3), (1, 2), (0, 1), (0, 2), (0, 1)])
+    t23 = (1/(math.sqrt(d_K)*n_batch)) * t22
+    t24 = oe.contract('abc,acd,de->beac', t23, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t25 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t24, t25, optimize=[(0, 1)])
+    t26 = M_1.transpose(-1, -2)
+    t27 = torch.exp(t14 - t14.amax(-1, keepdim=True))
+    A28 = t27 / t27.sum(-1, keepdim=True)
+    t29 = W_O.transpose(-1, -2)
+    t30 = W_V.transpose(-1, -2)
+    t31 = t29 @ t30
+    t32 = (1/(L*math.sqrt(d_K)*n_batch)) * t26
+    t33 = oe.contract('abc,acd,de->beac', t32, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t34 = oe.contract('ab,cdb,cdb,be,cdef->afcd', W_O, t2, A28, t31, M_2, optimize=[(1, 2), (1, 2), (1, 2), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t33, t34, optimize=[(0, 1)])
+    t35 = (-1/(L*math.sqrt(d_K)*n_batch)) * t26
+    t36 = oe.contract('abc,acd,de,acef,acg,gh->bfhac', t35, A28, t31, M_2, X, W_Q, optimize=[(1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
+    t37 = oe.contract('ab,cdb,cdb->acd', W_O, t2, A28, optimize=[(1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t36, t37, optimize=[(0, 1)])
     return out
 
 
@@ -20410,8 +21770,14 @@ def ce_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t16 = torch.exp(t15 - t15.amax(-1, keepdim=True))
     A17 = t16 / t16.sum(-1, keepdim=True)
     t18 = W_O.transpose(-1, -2)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,de,ace,ace,acf,eg->bdfg', t11, W_O, t13, A17, M_1, t18, optimize=[(2, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,de,ace,ace,acf,acg,fh->bdgh', t11, W_O, t13, A17, A17, M_1, t18, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 2), (0, 1)])
+    t19 = (1/(L*n_batch)) * t11
+    t20 = oe.contract('ab,bc->acb', W_O, t18, optimize=[(0, 1)])
+    t21 = oe.contract('abc,abd,abd,aeb->ecd', M_1, A17, t13, t19, optimize=[(1, 2), (0, 1), (0, 1)])
+    t0[...] = oe.contract('abc,dec->daeb', t20, t21, optimize=[(0, 1)])
+    t22 = (-1/(L*n_batch)) * t11
+    t23 = oe.contract('abc,acd,ace,df->befac', t22, A17, M_1, t18, optimize=[(0, 2), (0, 1), (0, 1)])
+    t24 = oe.contract('ab,cdb,cdb->acd', W_O, t13, A17, optimize=[(1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t23, t24, optimize=[(0, 1)])
     return out
 
 
@@ -20485,11 +21851,16 @@ def ce_causal1__block__W_V__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     G = t22
     t23 = t12 @ G
     t24 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
-    t1 += (1/n_batch) * oe.contract('abc,d->bcd', t23, t24, optimize=[(0, 1)])
-    t25 = torch.exp(t16 - t16.amax(-1, keepdim=True))
-    A26 = t25 / t25.sum(-1, keepdim=True)
-    t0 += (1/(L*n_batch)) * oe.contract('abc,de,ace,ace,acf->bdfe', t12, W_O, t14, A26, t15, optimize=[(2, 3), (0, 2), (1, 2), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,de,ace,ace,acf,acg->bdgf', t12, W_O, t14, A26, A26, t15, optimize=[(2, 3), (1, 4), (0, 1), (0, 2), (0, 1)])
+    t25 = (1/n_batch) * t24
+    t1 += oe.contract('abc,d->bcd', t23, t25, optimize=[(0, 1)])
+    t26 = torch.exp(t16 - t16.amax(-1, keepdim=True))
+    A27 = t26 / t26.sum(-1, keepdim=True)
+    t28 = (1/(L*n_batch)) * t12
+    t0 += oe.contract('abc,de,ace,ace,acf->bdfe', t28, W_O, t14, A27, t15, optimize=[(2, 3), (0, 2), (1, 2), (0, 1)])
+    t29 = (-1/(L*n_batch)) * t12
+    t30 = oe.contract('abc,acd,ace->bedac', t29, A27, t15, optimize=[(0, 1), (0, 1)])
+    t31 = oe.contract('ab,cdb,cdb->acd', W_O, t14, A27, optimize=[(1, 2), (0, 1)])
+    t0 += oe.contract('abcde,fde->afbc', t30, t31, optimize=[(0, 1)])
     return out
 
 
@@ -20563,8 +21934,12 @@ def ce_causal1__diag__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t17 = t16 @ W_O
     t18 = torch.exp(t17 - t17.amax(-1, keepdim=True))
     A19 = t18 / t18.sum(-1, keepdim=True)
-    t0[...] = (1/(L*n_batch)) * oe.contract('abc,acd,acd,acb->bd', t13, t15, A19, t16, optimize=[(0, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->bd', t13, t15, A19, A19, t16, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t20 = (1/(L*n_batch)) * t13
+    t21 = oe.contract('abc,abc->cab', t15, A19, optimize=[(0, 1)])
+    t22 = oe.contract('abc,acb->bac', t20, t16, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t21, t22, optimize=[(0, 1)])
+    t23 = (-1/(L*n_batch)) * t13
+    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t23, t15, A19, A19, t16, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -20636,15 +22011,20 @@ def ce_causal1__block__W_O__W_Q__full(X, W_Q, W_K, W_V, W_O, Y):
     t22 = W_V.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,acef,acg,fh->dbgh', t21, t22, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t23 = M_1.transpose(-1, -2)
-    t24 = t22 @ t23
-    t25 = torch.exp(t14 - t14.amax(-1, keepdim=True))
-    A26 = t25 / t25.sum(-1, keepdim=True)
-    t27 = W_O.transpose(-1, -2)
-    t28 = t27 @ t22
-    t0 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t24, t2, A26, t28, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi->bdhi', t24, t2, A26, A26, t28, M_2, X, W_K, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
+    t23 = (1/(math.sqrt(d_K)*n_batch)) * t21
+    t0[...] = oe.contract('abc,de,acef,acg,fh->dbgh', t23, t22, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t24 = M_1.transpose(-1, -2)
+    t25 = t22 @ t24
+    t26 = torch.exp(t14 - t14.amax(-1, keepdim=True))
+    A27 = t26 / t26.sum(-1, keepdim=True)
+    t28 = W_O.transpose(-1, -2)
+    t29 = t28 @ t22
+    t30 = (1/(L*math.sqrt(d_K)*n_batch)) * t25
+    t0 += oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t30, t2, A27, t29, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t31 = (-1/(L*math.sqrt(d_K)*n_batch)) * t25
+    t32 = oe.contract('abc,acd,de,acef,fg->bgac', t31, A27, t29, M_2, W_K, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t33 = oe.contract('abc,abc,abd->cdab', t2, A27, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t32, t33, optimize=[(0, 1)])
     return out
 
 
@@ -20731,15 +22111,24 @@ def ce_causal1__block__W_O__W_K__full(X, W_Q, W_K, W_V, W_O, Y):
     t22 = W_V.transpose(-1, -2)
     # M_2: compact tensor ('L', 'd_V', 'd_V')
     M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/(math.sqrt(d_K)*n_batch)) * oe.contract('abc,de,acef,acg,gh->dbfh', t21, t22, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 2), (0, 1)])
-    t23 = M_1.transpose(-1, -2)
-    t24 = t22 @ t23
-    t25 = torch.exp(t14 - t14.amax(-1, keepdim=True))
-    A26 = t25 / t25.sum(-1, keepdim=True)
-    t27 = W_O.transpose(-1, -2)
-    t28 = t27 @ t22
-    t0 += (1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,de,acef,acg,gh->bdfh', t24, t2, A26, t28, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t0 += (-1/(L*math.sqrt(d_K)*n_batch)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi->bdgi', t24, t2, A26, A26, t28, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (1, 5), (1, 2), (0, 2), (0, 2), (0, 1)])
+    t23 = (1/(math.sqrt(d_K)*n_batch)) * t21
+    t24 = oe.contract('abc,acd,de->beac', t23, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t25 = oe.contract('ab,cdbe->aecd', t22, M_2, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t24, t25, optimize=[(0, 1)])
+    t26 = M_1.transpose(-1, -2)
+    t27 = t22 @ t26
+    t28 = torch.exp(t14 - t14.amax(-1, keepdim=True))
+    A29 = t28 / t28.sum(-1, keepdim=True)
+    t30 = W_O.transpose(-1, -2)
+    t31 = t30 @ t22
+    t32 = (1/(L*math.sqrt(d_K)*n_batch)) * t27
+    t33 = oe.contract('abc,acd,de->beac', t32, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t34 = oe.contract('abc,abc,cd,abde->ceab', t2, A29, t31, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t33, t34, optimize=[(0, 1)])
+    t35 = (-1/(L*math.sqrt(d_K)*n_batch)) * t27
+    t36 = oe.contract('abc,cd->dab', X, W_Q, optimize=[(0, 1)])
+    t37 = oe.contract('abc,acd,acd,ace,ef,acfg->bdgac', t35, t2, A29, A29, t31, M_2, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
+    t0 += oe.contract('abc,defbc->defa', t36, t37, optimize=[(0, 1)])
     return out
 
 
@@ -20827,15 +22216,20 @@ def ce_causal1__block__W_O__W_V__full(X, W_Q, W_K, W_V, W_O, Y):
     t22 = G.transpose(-1, -2)
     t23 = t22 @ M_1
     t24 = torch.ones((d_H,), dtype=X.dtype, device=X.device)
-    t1 += (1/n_batch) * oe.contract('abc,d->bcd', t23, t24, optimize=[(0, 1)])
-    t25 = W_V.transpose(-1, -2)
-    t26 = M_1.transpose(-1, -2)
-    t27 = t25 @ t26
-    t28 = torch.exp(t15 - t15.amax(-1, keepdim=True))
-    A29 = t28 / t28.sum(-1, keepdim=True)
-    t30 = W_O.transpose(-1, -2)
-    t0 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,df->bdef', t27, t3, A29, M_1, t30, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf,eg->bdfg', t27, t3, A29, A29, M_1, t30, optimize=[(1, 2), (1, 3), (1, 2), (0, 1), (0, 1)])
+    t25 = (1/n_batch) * t24
+    t1 += oe.contract('abc,d->bcd', t23, t25, optimize=[(0, 1)])
+    t26 = W_V.transpose(-1, -2)
+    t27 = M_1.transpose(-1, -2)
+    t28 = t26 @ t27
+    t29 = torch.exp(t15 - t15.amax(-1, keepdim=True))
+    A30 = t29 / t29.sum(-1, keepdim=True)
+    t31 = W_O.transpose(-1, -2)
+    t32 = (1/(L*n_batch)) * t28
+    t0 += oe.contract('abc,acd,acd,ace,df->bdef', t32, t3, A30, M_1, t31, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
+    t33 = (-1/(L*n_batch)) * t28
+    t34 = oe.contract('abc,acd,de->beac', t33, A30, t31, optimize=[(1, 2), (0, 1)])
+    t35 = oe.contract('abc,abc,abd->cdab', t3, A30, M_1, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t34, t35, optimize=[(0, 1)])
     return out
 
 
@@ -20915,8 +22309,14 @@ def ce_causal1__block__W_O__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t18 = t17 @ W_O
     t19 = torch.exp(t18 - t18.amax(-1, keepdim=True))
     A20 = t19 / t19.sum(-1, keepdim=True)
-    t1 += (1/(L*n_batch)) * oe.contract('abc,acd,acd,ace->bed', t14, t16, A20, t17, optimize=[(1, 2), (0, 1), (0, 1)])
-    t0 += (-1/(L*n_batch)) * oe.contract('abc,acd,acd,ace,acf->bdfe', t14, t16, A20, A20, t17, optimize=[(1, 2), (0, 1), (0, 1), (0, 1)])
+    t21 = (1/(L*n_batch)) * t14
+    t22 = oe.contract('abc,abc->cab', t16, A20, optimize=[(0, 1)])
+    t23 = oe.contract('abc,acd->bdac', t21, t17, optimize=[(0, 1)])
+    t1 += oe.contract('abc,debc->dea', t22, t23, optimize=[(0, 1)])
+    t24 = (-1/(L*n_batch)) * t14
+    t25 = oe.contract('abc,acd->bdac', t24, A20, optimize=[(0, 1)])
+    t26 = oe.contract('abc,abc,abd->cdab', t16, A20, t17, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t25, t26, optimize=[(0, 1)])
     return out
 
 

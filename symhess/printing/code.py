@@ -165,7 +165,7 @@ class Routine:
             name = self.emit(self.fmt("reshape", name, self.shape(dims)), self.is_batched[name])
         return name, labels
 
-    def network(self, term, outputs, keep_batch=False, summed=()):
+    def network(self, term, outputs, keep_batch=False, summed=(), fold_coef=False):
         """(coef, contraction code, batched) for one term with the given output atoms.
 
         ``summed``: atoms summed over that may sit on no operand (a trace of I gives n).
@@ -190,20 +190,88 @@ class Routine:
         coef = sp.sympify(term.coef)
         if not keep_batch:
             coef = coef / N_BATCH ** len(batch_labels)
-        return coef, self.contract(ops, labs, out), (batched and keep_batch)
+        if fold_coef and coef != 1 and len(ops) > 1:
+            coef, ops = 1, self._fold(coef, ops, labs)
+        code = self.split_contract(ops, labs, out) if fold_coef else None
+        return coef, code or self.contract(ops, labs, out), (batched and keep_batch)
+
+    def _fold(self, coef, ops, labs):
+        """Scale the smallest operand instead of the (block-sized) result: one pass fewer."""
+        k = min(range(len(ops)), key=lambda i: (_prod(self._label_size(a) for a in labs[i]), i))
+        ops = list(ops)
+        ops[k] = self.emit(_scaled(self, coef, ops[k]), self.is_batched[ops[k]])
+        return ops
 
     def contract(self, ops, labs, out):
-        """An opt_einsum call with the path chosen now for the representative sizes."""
-        symbols = {}
-        for lab in [lab for ls in labs for lab in ls] + list(out):
-            if lab not in symbols:
-                symbols[lab] = oe.get_symbol(len(symbols))
-        spec = ",".join("".join(symbols[a] for a in ls) for ls in labs)
-        spec += "->" + "".join(symbols[a] for a in out)
-        if len(ops) == 1 and spec.split("->")[0] == spec.split("->")[1]:
-            return ops[0]
+        """An opt_einsum call with the path chosen now for the representative sizes.
+
+        The operand order decides the memory layout of the last pairwise product (its
+        left operand's free indices come first); of the given and the reversed order the
+        one whose result already lies in the output's order (or shares the longest
+        innermost run with it) is kept, so writing a block needs no strided transpose.
+        """
+        best = None
+        for order in ([list(range(len(ops)))] +
+                      ([list(range(len(ops)))[::-1]] if len(ops) > 2 else [])):
+            o_labs = [labs[i] for i in order]
+            symbols = {}
+            for lab in [lab for ls in o_labs for lab in ls] + list(out):
+                if lab not in symbols:
+                    symbols[lab] = oe.get_symbol(len(symbols))
+            spec = ",".join("".join(symbols[a] for a in ls) for ls in o_labs)
+            spec += "->" + "".join(symbols[a] for a in out)
+            if len(ops) == 1 and spec.split("->")[0] == spec.split("->")[1]:
+                return ops[0]
+            shapes = tuple(tuple(self._label_size(a) for a in ls) for ls in o_labs)
+            path, score, cost = _path(spec, shapes)
+            if best is None or (score > best[0] and cost <= 1.25 * best[4]):
+                best = (score, spec, [ops[i] for i in order], path, cost)
+        _, spec, o_ops, path, _ = best
+        return f"oe.contract({spec!r}, {', '.join(o_ops)}, optimize={path!r})"
+
+    def split_contract(self, ops, labs, out):
+        """A block-sized product whose last GEMM writes straight in the output's layout.
+
+        opt_einsum's last step puts the newest intermediate's free indices first, so the
+        result often needs a strided transpose (its innermost axis outermost in the block)
+        that costs several times the contraction.  Here the two halves of the last step
+        are contracted first and the final product is emitted with the operand whose free
+        indices end the output on the right; ``None`` when nothing is gained.
+        """
+        if len(ops) < 3:
+            return None
         shapes = tuple(tuple(self._label_size(a) for a in ls) for ls in labs)
-        return f"oe.contract({spec!r}, {', '.join(ops)}, optimize={_path(spec, shapes)!r})"
+        path, score, _ = _path(_spec(labs, out), shapes)
+        if score[0]:
+            return None
+        halves = _last_halves(len(ops), path)
+        frees = []
+        for h in halves:
+            inside = {a for i in h for a in labs[i]}
+            outside = {a for i in range(len(ops)) if i not in h for a in labs[i]}
+            shared = [a for a in dict.fromkeys(lab for i in h for lab in labs[i])
+                      if a in outside and a not in out]
+            frees.append([a for a in out if a in inside] + shared)
+        if set(frees[0]) & set(frees[1]) & set(out):
+            return None                       # a Hadamard-like last step: no GEMM
+        best = None
+        for left, right in ((0, 1), (1, 0)):
+            natural = [a for a in frees[left] + frees[right] if a in out]
+            run = _suffix(natural, list(out))
+            if best is None or run > best[0]:
+                best = (run, left, right)
+        if best[0] <= score[1]:
+            return None
+        names = []
+        for k in (best[2], best[1]):          # opt_einsum pops the second operand first
+            h = halves[k]
+            if len(h) == 1 and list(labs[h[0]]) == frees[k]:
+                names.append(ops[h[0]])
+            else:
+                names.append(self.emit(self.contract([ops[i] for i in h], [labs[i] for i in h],
+                                                     frees[k]), False))
+        fspec = _spec([frees[best[2]], frees[best[1]]], out)
+        return f"oe.contract({fspec!r}, {names[0]}, {names[1]}, optimize=[(0, 1)])"
 
     def _label_size(self, lab):
         if isinstance(lab, tuple):
@@ -249,7 +317,7 @@ class Routine:
             order = list(dict.fromkeys(atoms))
             if len(order) < len(atoms):
                 view, order = _diag_view(self, view, atoms)
-            coef, code, _ = self.network(term, order)
+            coef, code, _ = self.network(term, order, fold_coef=True)
             self.line(f"{view}[...] {op} {_scaled(self, coef, code)}" if op == "=" else
                       f"{view} {op} {_scaled(self, coef, code)}")
 
@@ -258,12 +326,61 @@ class Routine:
         return _sum(self, networks) if networks else "0.0"
 
 
+def _spec(labs, out):
+    """The einsum string of operands labelled ``labs`` with output ``out``."""
+    symbols = {}
+    for lab in [lab for ls in labs for lab in ls] + list(out):
+        if lab not in symbols:
+            symbols[lab] = oe.get_symbol(len(symbols))
+    spec = ",".join("".join(symbols[a] for a in ls) for ls in labs)
+    return spec + "->" + "".join(symbols[a] for a in out)
+
+
+def _last_halves(n, path):
+    """The two groups of operand positions that opt_einsum's last step multiplies."""
+    groups = [[i] for i in range(n)]
+    for step in path[:-1]:
+        merged = sorted(i for k in sorted(step, reverse=True) for i in groups.pop(k))
+        groups.append(merged)
+    return groups
+
+
+def _suffix(a, b):
+    """Length of the common tail of two sequences (the innermost axes that already agree)."""
+    run = 0
+    while run < min(len(a), len(b)) and a[-1 - run] == b[-1 - run]:
+        run += 1
+    return run
+
+
 @lru_cache(maxsize=None)
 def _path(spec, shapes):
     """The contraction order for representative shapes (searched for small networks, greedy
     for large ones: the search is exponential and dominated generation time)."""
     optimize = "auto" if len(shapes) <= 4 else "greedy"
-    return list(oe.contract_path(spec, *shapes, shapes=True, optimize=optimize)[0])
+    path, info = oe.contract_path(spec, *shapes, shapes=True, optimize=optimize)
+    return list(path), _layout_score(spec, info.contraction_list[-1]), int(info.opt_cost)
+
+
+def _layout_score(spec, last):
+    """How well the last step's natural result layout matches the output: (exact, run)."""
+    _, idx_rm, einsum_str, _, blas = last
+    out = spec.split("->")[1]
+    if not blas:                      # einsum writes the output order itself
+        return (1, len(out))
+    left, right = einsum_str.split("->")[0].split(",")
+    natural = "".join(a for a in left + right if a not in idx_rm)
+    run = 0
+    while run < min(len(natural), len(out)) and natural[-1 - run] == out[-1 - run]:
+        run += 1
+    return (int(natural == out), run)
+
+
+def _prod(xs):
+    out = 1
+    for x in xs:
+        out *= x
+    return out
 
 
 @lru_cache(maxsize=None)
