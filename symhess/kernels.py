@@ -136,7 +136,17 @@ class Kernel:
         order = self._data + list(self.params) + [n for n in self.names
                                                   if n not in self._data and n not in self.params]
         bind_dims([self._vars[n] for n in order], shapes)   # data first: it fixes the sizes
+        self._run_layer_checks(arrays)
         return arrays
+
+    def _run_layer_checks(self, arrays):
+        """The layer's own value checks (e.g. zero-variance LayerNorm rows), per sequence."""
+        if not self.layer.checks:
+            return
+        host = {n: (a.detach().cpu().numpy() if hasattr(a, "detach") else a) for n, a in arrays.items()}
+        n_seq = max((host[n].shape[0] for n in self._data), default=1)
+        for i in range(n_seq):
+            self.layer.validate({n: (a[i] if n in self._data else a) for n, a in host.items()})
 
     def _param(self, p):
         if p not in self.params:
