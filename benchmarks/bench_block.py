@@ -22,20 +22,7 @@ from pathlib import Path
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import symhess as sh  # noqa: E402
-from symhess.hessian import PARTS  # noqa: E402
-
-
-def derive_all(layer_name, loss, **options):
-    lay = sh.layer(layer_name, **options)
-    d = sh.derive(lay, loss)
-    n = 0
-    for p in lay.param_names:
-        for q in lay.param_names:
-            for part in PARTS:
-                d.block(p, q, part).latex()
-                n += 1
-    return n
+from benchmarks.bench_derive import derive_all  # noqa: E402
 
 
 def main():
@@ -45,7 +32,7 @@ def main():
             times = []
             for _ in range(3):
                 t0 = time.perf_counter()
-                n = derive_all(name, loss)
+                n = derive_all(name, loss, {})
                 times.append(time.perf_counter() - t0)
             print(f"{name:<16}{loss:<6}{n:>7}{n // 3:>7}{times[0]:>11.2f}{min(times):>15.2f}", flush=True)
     if importlib.util.find_spec("symhess.codegen") is None:

@@ -156,8 +156,7 @@ class Derivation:
         if not f_hole.depends_on(hole):   # else the split would silently give Zero
             raise ValueError(f"intermediate {at!r} is not a node of the output (canonicalisation "
                              f"merged it into a larger product); declare it with expr.named(...)")
-        g_full = E.substitute(self.output_gradient.inner, {})
-        g_node = adjoint(differential(f_hole, {hole: dn}), dn, g_full)
+        g_node = adjoint(differential(f_hole, {hole: dn}), dn, self.output_gradient.inner)
         g_node = E.named(E.substitute(g_node, {hole: node}), f"G_{at}",
                          rf"\frac{{\partial\ell}}{{\partial\mathbf {at}}}", frozen=True)
         w = self.param(p)
