@@ -146,7 +146,8 @@ class Variant:
     def routine(self, extra=()):
         variables = dict(self.vars)
         variables.update({v.name: v for v in extra})
-        return Routine(self.t, variables, self.batched, self.symbols, lowering=self.low.lw)
+        return Routine(self.t, variables, self.batched, self.symbols, lowering=self.low.lw,
+                       sizes=self.d.layer.typical_sizes)
 
     def header(self, rt):
         """Bind every dimension (and the batch size) from the argument shapes."""
@@ -268,7 +269,7 @@ class Variant:
             for t2 in terms[i:]:
                 pair = _pair(rt.lw, t1, t2, r, c)
                 outer = rt.lw.resolve(pair, r) + rt.lw.resolve(pair, c)
-                coef, code, _ = rt.network(pair, [], summed=outer)
+                coef, code, _ = rt.network(pair, [], summed=outer, search=True)
                 nets.append((coef * (1 if t1 is t2 else 2), code))
         s = rt.emit(rt.scalar(nets), True)
         return rt.emit(rt.fmt("sqrt_pos", s), True)

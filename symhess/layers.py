@@ -28,6 +28,9 @@ class Layer:
     options: dict = field(default_factory=dict)
     description: str = ""
     checks: tuple = ()
+    # sizes the layer is typically run at ({"L": 18, "d": 128, "batch": 64}); code generation
+    # chooses its contraction orders for them (a Frobenius pairing's cost grows with batch²)
+    typical_sizes: dict = field(default_factory=dict)
 
     def __post_init__(self):
         object.__setattr__(self, "params", tuple(self.params))

@@ -29,16 +29,19 @@ BATCH = ("batch", 0)
 N_BATCH = sp.Symbol("n_batch", positive=True, integer=True)   # the number of sequences
 
 
-def representative_sizes(symbols, batch=4):
-    """Sizes used to choose contraction orders at generation time (L short, widths wide)."""
-    env = {s: (16 if s.name in ("L", "N") else 64) for s in symbols}
-    return env, batch
+def representative_sizes(symbols, hint=None, batch=4):
+    """Sizes used to choose contraction orders at generation time: the layer's typical sizes
+    where it declares them (``hint``, with "batch" for the number of sequences), else L short
+    and widths wide."""
+    hint = dict(hint or {})
+    env = {s: int(hint.get(s.name, 16 if s.name in ("L", "N") else 64)) for s in symbols}
+    return env, int(hint.get("batch", batch))
 
 
 class Routine:
     """The statements of one generated function and the printer that fills them."""
 
-    def __init__(self, target, variables, batched, symbols, lowering=None):
+    def __init__(self, target, variables, batched, symbols, lowering=None, sizes=None):
         self.t = target
         self.variables = variables            # name -> Var (arguments)
         self.batched_vars = set(batched)      # names of arguments with a batch axis
@@ -50,7 +53,7 @@ class Routine:
         self.count = 0
         self.lw = lowering or Lowering()
         self.inter = {}                       # Named -> compact tensor name
-        self.env, self.batch_size = representative_sizes(symbols)
+        self.env, self.batch_size = representative_sizes(symbols, sizes)
         self.like = next((n for n in variables if n in self.batched_vars), next(iter(variables)))
         for n in variables:
             self.is_batched[n] = n in self.batched_vars
@@ -150,6 +153,8 @@ class Routine:
         ref = factor.ref
         if isinstance(ref, tuple) and ref[0] == "ones":
             return self.emit(self.fmt("ones", self.shape(sizes)), False), atoms
+        if isinstance(ref, tuple) and ref[0] == "eye":
+            return self._eye(sizes, atoms)
         if isinstance(ref, tuple) and ref[0] == "inter":
             name, axis_sizes = self.intermediate(ref[1])
             natural = list(axis_sizes)
@@ -165,7 +170,7 @@ class Routine:
             name = self.emit(self.fmt("reshape", name, self.shape(dims)), self.is_batched[name])
         return name, labels
 
-    def network(self, term, outputs, keep_batch=False, summed=(), fold_coef=False):
+    def network(self, term, outputs, keep_batch=False, summed=(), fold_coef=False, search=False):
         """(coef, contraction code, batched) for one term with the given output atoms.
 
         ``summed``: atoms summed over that may sit on no operand (a trace of I gives n).
@@ -193,7 +198,7 @@ class Routine:
         if fold_coef and coef != 1 and len(ops) > 1:
             coef, ops = 1, self._fold(coef, ops, labs)
         code = self.split_contract(ops, labs, out) if fold_coef else None
-        return coef, code or self.contract(ops, labs, out), (batched and keep_batch)
+        return coef, code or self.contract(ops, labs, out, search), (batched and keep_batch)
 
     def _fold(self, coef, ops, labs):
         """Scale the smallest operand instead of the (block-sized) result: one pass fewer."""
@@ -202,7 +207,7 @@ class Routine:
         ops[k] = self.emit(_scaled(self, coef, ops[k]), self.is_batched[ops[k]])
         return ops
 
-    def contract(self, ops, labs, out):
+    def contract(self, ops, labs, out, search=False):
         """An opt_einsum call with the path chosen now for the representative sizes.
 
         The operand order decides the memory layout of the last pairwise product (its
@@ -223,7 +228,7 @@ class Routine:
             if len(ops) == 1 and spec.split("->")[0] == spec.split("->")[1]:
                 return ops[0]
             shapes = tuple(tuple(self._label_size(a) for a in ls) for ls in o_labs)
-            path, score, cost = _path(spec, shapes)
+            path, score, cost = _path(spec, shapes, search)
             if best is None or (score > best[0] and cost <= 1.25 * best[4]):
                 best = (score, spec, [ops[i] for i in order], path, cost)
         _, spec, o_ops, path, _ = best
@@ -273,6 +278,15 @@ class Routine:
         fspec = _spec([frees[best[2]], frees[best[1]]], out)
         return f"oe.contract({fspec!r}, {names[0]}, {names[1]}, optimize=[(0, 1)])"
 
+    def _eye(self, sizes, atoms):
+        """δ between two (possibly refined) label groups: an identity reshaped to the atoms."""
+        half = len(atoms) // 2
+        n = _prod(sizes[:half]) if half else sizes[0]
+        name = self.emit(self.fmt("eye", self.size(n)), False)
+        if len(atoms) > 2:
+            name = self.emit(self.fmt("reshape", name, self.shape(sizes)), False)
+        return name, atoms
+
     def _label_size(self, lab):
         if isinstance(lab, tuple):
             return self.batch_size
@@ -289,8 +303,9 @@ class Routine:
             parts.append((c, code))
             batched |= b
         rhs = _sum(self, parts)
-        name = self.emit(rhs, batched, hint=node.name,
-                         comment=f"{node.name}: compact tensor {tuple(str(s) for s in inter.axis_sizes)}")
+        label = node.name if isinstance(node, E.Named) else _compact_label(node)
+        name = self.emit(rhs, batched, hint=label,
+                         comment=f"{label}: compact tensor {tuple(str(s) for s in inter.axis_sizes)}")
         self.inter[node] = (name, inter.axis_sizes)
         return self.inter[node]
 
@@ -326,6 +341,11 @@ class Routine:
         return _sum(self, networks) if networks else "0.0"
 
 
+def _compact_label(node):
+    """A variable hint for an unnamed compact node (a sum or a softmax derivative)."""
+    return {"SoftmaxJac": "dA", "SoftmaxHess": "d2A"}.get(type(node).__name__, "S")
+
+
 def _spec(labs, out):
     """The einsum string of operands labelled ``labs`` with output ``out``."""
     symbols = {}
@@ -353,12 +373,33 @@ def _suffix(a, b):
     return run
 
 
+# networks above this many flops (at the representative sizes) get the dynamic-programming
+# search as well: greedy can miss the Gram-matrix order of a Frobenius pairing by 10×
+DP_FLOPS = 10 ** 9
+DP_MAX_OPERANDS = 32
+
+
 @lru_cache(maxsize=None)
-def _path(spec, shapes):
-    """The contraction order for representative shapes (searched for small networks, greedy
-    for large ones: the search is exponential and dominated generation time)."""
-    optimize = "auto" if len(shapes) <= 4 else "greedy"
-    path, info = oe.contract_path(spec, *shapes, shapes=True, optimize=optimize)
+def _path(spec, shapes, search=False):
+    """The contraction order for representative shapes: an exhaustive search for small
+    networks; for large ones the cheaper of greedy and branch-1, and with ``search`` (the
+    Frobenius pairings, whose cost grows with batch²) for expensive ones also opt_einsum's
+    dynamic programming (all deterministic)."""
+    if len(shapes) <= 4:
+        candidates = ["auto"]
+    else:
+        candidates = ["greedy", "branch-1"]
+    best = None
+    for optimize in candidates:
+        path, info = oe.contract_path(spec, *shapes, shapes=True, optimize=optimize)
+        if best is None or info.opt_cost < best[1].opt_cost:
+            best = (path, info)
+    if search and best[1].opt_cost > DP_FLOPS and 4 < len(shapes) <= DP_MAX_OPERANDS:
+        path, info = oe.contract_path(spec, *shapes, shapes=True,
+                                      optimize=oe.DynamicProgramming(minimize="flops"))
+        if info.opt_cost < best[1].opt_cost:
+            best = (path, info)
+    path, info = best
     return list(path), _layout_score(spec, info.contraction_list[-1]), int(info.opt_cost)
 
 

@@ -219,7 +219,116 @@ def _scale(lw, n, rows, cols, t):
 
 @_rule(E.Add)
 def _add(lw, n, rows, cols, t):
-    """A + B: the terms of both (each with its own identifications)."""
+    """A + B: common outer factors pulled out (P A Q + P B Q = P (A + B) Q), then one compact
+    factor when the remaining sum collapses, else the terms of both."""
+    f = factored(n)
+    if f is not n:
+        return lw._lower(f, rows, cols, t)
+    return _compactable(lw, n, rows, cols, t, _add_terms)
+
+
+def _chain(n):
+    """(coefficient, factors) of a scaled product; any other node is a one-factor chain."""
+    coef = sp.Integer(1)
+    while isinstance(n, E.Scale):
+        coef, n = coef * n.coef, n.args[0]
+    return coef, (list(n.args) if isinstance(n, E.MatMul) else [n])
+
+
+@lru_cache(maxsize=None)
+def factored(n):
+    """Σ_t c_t P F_t Q as P (Σ_t c_t F_t) Q with the longest common prefix P and suffix Q.
+
+    Distributivity read backwards: the sum is then lowered once, between its shared factors,
+    instead of once per term through the whole product (and it may become a compact factor).
+    Kronecker factors are peeled by the mixed-product rule, (A ⊗ B C) = (I ⊗ B)(A ⊗ C), so a
+    common part inside them moves out too.
+    """
+    chains = [list(_chain(a)) for a in n.args]
+    pre, suf = [], []
+    while True:
+        if _peel_whole(chains, pre, suf) | _peel_kron(chains, pre, front=True) | \
+                _peel_kron(chains, suf, front=False):
+            continue
+        break
+    if not pre and not suf:
+        return n
+    size = suf[0].rows if suf else pre[-1].cols
+    mids = [E.scale(c, E.matmul(*f) if f else E.identity(size)) for c, f in chains]
+    return E.matmul(*pre, E.add(*mids), *suf)
+
+
+def _peel_whole(chains, pre, suf):
+    """Move factors every chain starts (ends) with into ``pre`` (``suf``)."""
+    moved = False
+    while all(c and c[0] == chains[0][1][0] for _, c in chains) and \
+            sum(len(c) for _, c in chains) > len(chains):
+        pre.append(chains[0][1][0])
+        for ch in chains:
+            ch[1] = ch[1][1:]
+        moved = True
+    while all(c and c[-1] == chains[0][1][-1] for _, c in chains) and \
+            sum(len(c) for _, c in chains) > len(chains):
+        suf.insert(0, chains[0][1][-1])
+        for ch in chains:
+            ch[1] = ch[1][:-1]
+        moved = True
+    return moved
+
+
+def _peel_kron(chains, out, front):
+    """(A ⊗ B_t C) for all t → (A ⊗ B_t)(I ⊗ C): the common slot tails (heads) move to ``out``."""
+    if not all(c for _, c in chains):
+        return False
+    ends = [c[0] if front else c[-1] for _, c in chains]
+    if not all(isinstance(k, E.Kron) and len(k.args) == len(ends[0].args) for k in ends):
+        return False
+    side = (lambda a: a.rows) if front else (lambda a: a.cols)
+    if any(side(a) != side(b) for k in ends for a, b in zip(k.args, ends[0].args)):
+        return False
+    slots = [[_chain(k.args[s]) for k in ends] for s in range(len(ends[0].args))]
+    common = []
+    for slot in slots:
+        lists = [f for _, f in slot]
+        m = 0
+        while all(len(f) > m for f in lists) and \
+                all((f[m] if front else f[-1 - m]) == (lists[0][m] if front else lists[0][-1 - m])
+                    for f in lists):
+            m += 1
+        common.append(m)
+    def part_of(slot, m):
+        f0 = slot[0][1]
+        return f0[:m] if front else f0[len(f0) - m:]
+    if not any(not isinstance(x, E.Identity) for slot, m in zip(slots, common)
+               for x in part_of(slot, m)):
+        return False                  # only identities in common: nothing to move
+    shared, rests = [], [[] for _ in chains]
+    for s, (slot, m) in enumerate(zip(slots, common)):
+        f0 = slot[0][1]
+        part = f0[:m] if front else f0[len(f0) - m:]
+        arg = ends[0].args[s]
+        shared.append(E.matmul(*part) if part else E.identity(arg.rows if front else arg.cols))
+        for t, (c, f) in enumerate(slot):
+            rest = f[m:] if front else f[:len(f) - m]
+            size = (part[-1].cols if front else part[0].rows) if part else (arg.cols if front else arg.rows)
+            rests[t].append(E.matmul(*rest) if rest else E.identity(size))
+            chains[t][0] = chains[t][0] * c
+    head = E.kron(*shared)
+    if front:
+        out.append(head)
+    else:
+        out.insert(0, head)
+    for t, ch in enumerate(chains):
+        new = E.kron(*rests[t])
+        c0, new = _chain(new)
+        ch[0] = ch[0] * c0
+        body = [x for x in new if not isinstance(x, E.Identity)]
+        ch[1] = (body + ch[1][1:]) if front else (ch[1][:-1] + body)
+    return True
+
+
+def _add_terms(lw, n, rows, cols, t):
+    """The terms of every summand (each with its own identifications)."""
     return [out for a in n.args for out in lw._lower(a, rows, cols, t.copy())]
 
 
@@ -339,6 +448,11 @@ def _row_blocks(lw, a, rows, cols, t):
 
 @_rule(E.SoftmaxJac)
 def _softmax_jac(lw, n, rows, cols, t):
+    """∂A/∂T as one compact L×L×L factor (see ``_softmax_jac_terms``)."""
+    return _compactable(lw, n, rows, cols, t, _softmax_jac_terms)
+
+
+def _softmax_jac_terms(lw, n, rows, cols, t):
     """blockdiag_i(diag(a_i) − a_i a_iᵀ): δ_jk A[i,j] − A[i,j] A[i,k]."""
     a = n.args[0]
     t, i, j, k = _row_blocks(lw, a, rows, cols, t)
@@ -350,6 +464,11 @@ def _softmax_jac(lw, n, rows, cols, t):
 
 @_rule(E.SoftmaxHess)
 def _softmax_hess(lw, n, rows, cols, t):
+    """∂²A/∂T²[E] as one compact L×L×L factor (see ``_softmax_hess_terms``)."""
+    return _compactable(lw, n, rows, cols, t, _softmax_hess_terms)
+
+
+def _softmax_hess_terms(lw, n, rows, cols, t):
     """blockdiag_i(diag(u_i) − u_i a_iᵀ − a_i u_iᵀ), u = dA[E] = A∘(E − rowsum(A∘E))."""
     a, e = n.args
     u = E.softmax_diff(a, e)
@@ -386,6 +505,11 @@ def _named(lw, n, rows, cols, t):
     inter = lw.intermediate(n)
     if inter is None:
         return lw._lower(n.inner, rows, cols, t)
+    return _use_intermediate(lw, n, inter, rows, cols, t)
+
+
+def _use_intermediate(lw, n, inter, rows, cols, t):
+    """One factor over the compact tensor's axes, identified with the caller's labels."""
     t = t.copy()
     rg = lw.split(t, rows, inter.row_sizes)
     cg = lw.split(t, cols, inter.col_sizes)
@@ -395,33 +519,100 @@ def _named(lw, n, rows, cols, t):
     return [t.copy(factors=t.factors + (Factor(("inter", n), tuple(axes)),))]
 
 
+def _compactable(lw, n, rows, cols, t, rule):
+    """A multi-term node (a sum, ∂A/∂T, ∂²A/∂T²[E]) kept as one compact factor when its terms
+    share identifications (a block-diagonal sum stays an L×d×d tensor instead of being
+    distributed through every product it sits in); otherwise its terms, via ``rule``."""
+    inter = lw.intermediate(n)
+    if inter is None:
+        return rule(lw, n, rows, cols, t)
+    return _use_intermediate(lw, n, inter, rows, cols, t)
+
+
+def _merge_sizes(a, b):
+    """The finest common refinement of two factorisations of one size, or None."""
+    a, b, out = list(a), list(b), []
+    while a and b:
+        x, y = sp.sympify(a.pop(0)), sp.sympify(b.pop(0))
+        if x == y or sp.expand(x - y) == 0:
+            out.append(x)
+        elif _divides(y, x) is not None:
+            out.append(y)
+            a.insert(0, _divides(y, x))
+        elif _divides(x, y) is not None:
+            out.append(x)
+            b.insert(0, _divides(x, y))
+        else:
+            return None
+    return out if not (a or b) else None
+
+
+def _inner_terms(lw, n, rows, cols):
+    inner = n.inner if isinstance(n, E.Named) else n
+    return lw._lower(inner, list(rows), list(cols), Term())
+
+
 def _intermediate(lw, n):
-    """Analyse a structured Named: compact when all its terms share a collapsing pattern."""
+    """Analyse a structured node: compact when its terms share at least one identification.
+
+    Each term's row/column atoms are brought to one common refinement (re-lowering with
+    pre-split labels); two positions share a compact axis when every term identifies them
+    (the meet of the terms' patterns).  A term that identifies more (an identity term next
+    to a product term) gets an explicit identity operand for the extra identification.
+    """
     if n in lw.intermediates:
         return lw.intermediates[n]
     lw.intermediates[n] = None       # inline while analysing (and if anything fails)
     if not lw.compact:
         return None
-    rows, cols = lw.labels.fresh(n.rows), lw.labels.fresh(n.cols)
-    terms = lw._lower(n.inner, rows, cols, Term())
-    if not terms:
+    row_sizes, col_sizes = [n.rows], [n.cols]
+    for _ in range(4):
+        rows = [lab for s in row_sizes for lab in lw.labels.fresh(s)]
+        cols = [lab for s in col_sizes for lab in lw.labels.fresh(s)]
+        try:
+            terms = _inner_terms(lw, n, rows, cols)
+        except NotImplementedError:
+            return None
+        if not terms or (len(terms) == 1 and not isinstance(n, E.Named)):
+            return None
+        atoms = [(lw.resolve(t, rows), lw.resolve(t, cols)) for t in terms]
+        sizes = [([lw.labels.size[a] for a in ra], [lw.labels.size[a] for a in ca]) for ra, ca in atoms]
+        new_r, new_c = sizes[0][0], sizes[0][1]
+        for sr, sc in sizes[1:]:
+            new_r, new_c = _merge_sizes(new_r, sr), _merge_sizes(new_c, sc)
+            if new_r is None or new_c is None:
+                return None
+        if all(len(sr) == len(new_r) and len(sc) == len(new_c) for sr, sc in sizes):
+            break
+        row_sizes, col_sizes = new_r, new_c
+    else:
         return None
-    shapes = set()
-    outputs = []
-    for term in terms:
-        ra, ca = lw.resolve(term, rows), lw.resolve(term, cols)
-        order = list(dict.fromkeys(ra + ca))
-        pos = (tuple(order.index(a) for a in ra), tuple(order.index(a) for a in ca))
-        sizes = (tuple(lw.labels.size[a] for a in ra), tuple(lw.labels.size[a] for a in ca))
-        shapes.add((pos, sizes))
-        outputs.append(order)
-    if len(shapes) != 1:
+    if any(len(sr) != len(new_r) or len(sc) != len(new_c) for sr, sc in sizes):
         return None
-    (pos, sizes), = shapes
-    if len(outputs[0]) == len(pos[0]) + len(pos[1]):
-        return None                  # nothing collapses: inlining is as cheap
-    axis_sizes = tuple(lw.labels.size[a] for a in outputs[0])
-    inter = Intermediate(n, sizes[0], sizes[1], pos, axis_sizes, terms, outputs)
+    n_row = len(new_r)
+    positions = [ra + ca for ra, ca in atoms]
+    keys = [tuple(p[k] for p in positions) for k in range(len(positions[0]))]
+    classes = list(dict.fromkeys(keys))
+    if len(classes) == len(keys):
+        return None                  # nothing collapses: distributing is as cheap
+    pos = [classes.index(k) for k in keys]
+    axis_sizes = tuple((list(new_r) + list(new_c))[keys.index(k)] for k in classes)
+    outputs, out_terms = [], []
+    for ti, term in enumerate(terms):
+        term = term.copy()
+        seen, outs = set(), []
+        for k in classes:
+            a = k[ti]
+            if a in seen:            # this term identifies two compact axes: δ as an operand
+                b = lw.labels.new(lw.labels.size[a])
+                term.factors = term.factors + (Factor(("eye",), (a, b)),)
+                a = b
+            seen.add(a)
+            outs.append(a)
+        outputs.append(outs)
+        out_terms.append(term)
+    inter = Intermediate(n, tuple(new_r), tuple(new_c), (tuple(pos[:n_row]), tuple(pos[n_row:])),
+                         axis_sizes, out_terms, outputs)
     lw.intermediates[n] = inter
     return inter
 
