@@ -1,0 +1,193 @@
+"""Common sub-expressions for LaTeX: name large recurring sub-expressions once.
+
+Blocks of deep layers (two LayerNorms, attention and an FFN chained) repeat the same
+large sub-expressions (a LayerNorm Jacobian, an attention Jacobian …) many times, so
+printed in full a single term runs to hundreds of thousands of characters.  This pass
+works on the *printed* DAG (the nodes the LaTeX printer actually descends into; equal
+nodes are shared because ``Expr`` hashes structurally):
+
+1. print every root once with a memoising printer that records, for every node, the
+   nodes it prints (``children``) and so how often each node is printed (``uses``);
+2. visit nodes children-first and reprint each with the names chosen so far; a node
+   whose LaTeX is longer than ``max_chars`` gets its longest printed children named
+   until it fits; a node printed at least twice whose LaTeX is longer than
+   ``min_chars`` is named itself;
+3. number the names in dependency order (children first) and print each definition
+   in terms of the names before it.
+
+Every name is a plain substitution (the symbol stands for exactly its definition), so
+substituting the definitions back gives the original expression (see ``expand``).
+Everything is ordered by the printing order, never by hashes: the output is
+byte-identical run to run.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sympy as sp
+
+from .. import expr as E
+from .base import Printer
+from .latex import LatexPrinter
+
+MIN_CHARS = 160    # a recurring sub-expression shorter than this stays inline
+MAX_CHARS = 1200   # no printed line (term or definition) longer than this, where avoidable
+_PLACEHOLDER = r"\mathcal J_{000}"  # same length as a final symbol while choosing
+
+
+@dataclass(frozen=True)
+class Shared:
+    """A named sub-expression ``symbol := tex``; ``var`` is the symbol as a placeholder variable."""
+
+    symbol: str
+    node: E.Expr
+    tex: str
+    var: E.Var
+
+class _MemoPrinter(LatexPrinter):
+    """LaTeX printer that prints each node once and records the nodes each node prints."""
+
+    def __init__(self, names):
+        super().__init__(names)
+        self.memo, self.children, self.order, self._stack = {}, {}, [], []
+
+    def doprint(self, node) -> str:
+        if self._stack:
+            self.children.setdefault(self._stack[-1], []).append(node)
+        if node in self.names:
+            return self.names[node]
+        if node not in self.memo:
+            self._stack.append(node)
+            try:
+                self.memo[node] = Printer.doprint(self, node)
+            finally:
+                self._stack.pop()
+            self.order.append(node)
+        return self.memo[node]
+
+    def forget(self, node):
+        self.memo.pop(node, None)
+
+
+def _is_operator(node) -> bool:
+    """A Kronecker-view operator: a dimension is a product (e.g. L d_V)."""
+    return any(isinstance(sp.sympify(d), sp.Mul) for d in node.shape)
+
+
+def _symbol(letter, k) -> str:
+    return rf"\mathcal {letter}_{{{k}}}"
+
+
+class _Chooser:
+    """Greedy bottom-up choice of the nodes to name (see the module docstring)."""
+
+    def __init__(self, roots, names, min_chars, max_chars):
+        self.base = dict(names or {})
+        self.min_chars, self.max_chars = min_chars, max_chars
+        rec = _MemoPrinter(self.base)
+        for r in roots:
+            rec.doprint(r)
+        self.children, self.order = rec.children, rec.order
+        self.uses = {}
+        for kids in rec.children.values():
+            for k in kids:
+                self.uses[k] = self.uses.get(k, 0) + 1
+        for r in roots:
+            self.uses[r] = self.uses.get(r, 0) + 1
+        for node in self.order:  # Aᵀ prints A: a use of Aᵀ is a use of A
+            if isinstance(node, E.Transpose):
+                a = node.args[0]
+                self.uses[a] = self.uses.get(a, 0) + self.uses.get(node, 0) - 1
+        self.printer = _MemoPrinter(dict(self.base))
+        self.chosen = {}
+
+    def eligible(self, node) -> bool:
+        return (bool(node.args) and not isinstance(node, (E.Named, E.Transpose))
+                and node not in self.base and node not in self.chosen)
+
+    def name(self, node):
+        self.chosen[node] = True
+        self.printer.names[node] = _PLACEHOLDER
+        self.printer.forget(node)
+
+    def tex(self, node) -> str:
+        return self.printer.doprint(node) if node not in self.chosen else _PLACEHOLDER
+
+    def _target(self, child):
+        """The node to name for a printed child (Aᵀ is named through A)."""
+        if isinstance(child, E.Transpose) and self.eligible(child.args[0]):
+            return child.args[0]
+        return child if self.eligible(child) else None
+
+    def shrink(self, node):
+        """Name node's longest printed children until node prints within max_chars."""
+        while len(self.tex(node)) > self.max_chars:
+            best, best_len = None, len(_PLACEHOLDER) + 8
+            for child in dict.fromkeys(self.children.get(node, ())):
+                target = self._target(child)
+                if target is not None and len(self.tex(target)) > best_len:
+                    best, best_len = target, len(self.tex(target))
+            if best is None:
+                return
+            self.name(best)
+            for child in self.children.get(node, ()):
+                if isinstance(child, E.Transpose) and child.args[0] is best:
+                    self.printer.forget(child)
+            self.printer.forget(node)
+
+    def run(self):
+        for node in self.order:
+            if not self.eligible(node) and not isinstance(node, E.Transpose):
+                continue
+            self.shrink(node)
+            if self.eligible(node) and self.uses.get(node, 0) >= 2 and len(self.tex(node)) > self.min_chars:
+                self.name(node)
+        return [n for n in self.order if n in self.chosen]
+
+
+def share(roots, names=None, min_chars=MIN_CHARS, max_chars=MAX_CHARS):
+    """(definitions, names): the named sub-expressions of ``roots`` and the printer names.
+
+    ``names`` are the symbols already in use (a layer's intermediates); the returned
+    ``names`` extend them with the new symbols, so ``latex(root, names)`` prints a root
+    in terms of the definitions.  Definitions are in dependency order.
+    """
+    roots = list(dict.fromkeys(roots))
+    chosen = _Chooser(roots, names, min_chars, max_chars).run()
+    out_names = dict(names or {})
+    counts = {"J": 0, "S": 0}
+    for node in chosen:
+        letter = "J" if _is_operator(node) else "S"
+        counts[letter] += 1
+        out_names[node] = _symbol(letter, counts[letter])
+    printer = LatexPrinter(out_names)
+    defs = [Shared(out_names[n], n, Printer.doprint(printer, n),
+                   E.Var(f"cse_{i}", n.rows, n.cols, "placeholder", out_names[n]))
+            for i, n in enumerate(chosen)]
+    return defs, out_names
+
+
+def named_form(expr, definitions, names=None):
+    """``expr`` with every named sub-expression replaced by its placeholder variable.
+
+    Nodes in ``names`` (printed as symbols, never descended into) are kept whole.
+    """
+    mapping = {n: n for n in (names or {})}
+    mapping.update({d.node: d.var for d in definitions})
+    if expr in mapping and mapping[expr] is not expr:
+        return mapping[expr]
+    return E.substitute(expr, mapping)
+
+
+def definition_form(shared, definitions, names=None):
+    """The right-hand side of one definition in terms of the other placeholders."""
+    mapping = {n: n for n in (names or {})}
+    mapping.update({d.node: d.var for d in definitions if d is not shared})
+    return shared.node.rebuild(tuple(E.substitute(a, mapping) for a in shared.node.args))
+
+
+def expand(expr, definitions, names=None):
+    """Substitute the definitions back (latest first) into a named form."""
+    for d in reversed(definitions):
+        expr = E.substitute(expr, {d.var: definition_form(d, definitions, names)})
+    return expr
