@@ -10,10 +10,9 @@ from pathlib import Path
 import jinja2
 
 from . import __version__
-from . import expr as E
 from .hessian import derive
 from .printing.latex import bold_name
-from .printing.latex_cse import share
+from .printing.latex_cse import share_if_long, terms
 from .simplify import DEFINITIONS, simplify
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
@@ -35,16 +34,11 @@ def template_env() -> jinja2.Environment:
 MAX_TERM_CHARS = 4000  # wider terms exceed TeX's largest dimension even before scaling
 
 
-def _split(expr):
-    """The terms of a block (one per printed line)."""
-    return list(expr.args) if isinstance(expr, E.Add) else [expr]
-
-
 def _terms(block, p, q, names=None):
     """A block's LaTeX, one line per term of a sum; a term too long to typeset is summarised."""
     names = block.derivation.latex_names if names is None else names
     out = []
-    for t in _split(block.expr):
+    for t in terms(block.expr):
         tex = t.latex(names)
         if len(tex) > MAX_TERM_CHARS:
             cmd = f"symhess derive {block.derivation.layer.name} --block {p},{q}".replace("_", "\\_")
@@ -53,19 +47,12 @@ def _terms(block, p, q, names=None):
     return out
 
 
-def shared_names(blocks, names):
-    """(definitions, names) naming recurring sub-expressions, only where some term is too long."""
-    terms = [t for b in blocks for t in _split(b.expr)]
-    if all(len(t.latex(names)) <= MAX_TERM_CHARS for t in terms):
-        return [], names
-    return share(terms, names)
-
-
 def _section(lay, loss):
     d = derive(lay, loss)
     pairs = [(p, q) for p in lay.param_names for q in lay.param_names]
     parts = {(p, q): (d.block(p, q, "outer"), d.block(p, q, "functional")) for p, q in pairs}
-    shared, tex_names = shared_names([b for bs in parts.values() for b in bs], d.latex_names)
+    shared, tex_names = share_if_long([b.expr for bs in parts.values() for b in bs], d.latex_names,
+                                      MAX_TERM_CHARS)
     blocks, named = [], {}
     for p, q in pairs:
         bo, bf = parts[p, q]

@@ -22,6 +22,7 @@ byte-identical run to run.
 """
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import sympy as sp
@@ -167,27 +168,63 @@ def share(roots, names=None, min_chars=MIN_CHARS, max_chars=MAX_CHARS):
     return defs, out_names
 
 
-def named_form(expr, definitions, names=None):
-    """``expr`` with every named sub-expression replaced by its placeholder variable.
+def terms(expr):
+    """The terms of a sum (each printed on its own line by the report)."""
+    return list(expr.args) if isinstance(expr, E.Add) else [expr]
 
-    Nodes in ``names`` (printed as symbols, never descended into) are kept whole.
+
+def share_if_long(exprs, names=None, limit=4000):
+    """``share`` over the terms of ``exprs`` when some term prints longer than ``limit``, else ([], names)."""
+    names = dict(names or {})
+    ts = [t for e in exprs for t in terms(e)]
+    if all(len(LatexPrinter(names).doprint(t)) <= limit for t in ts):
+        return [], names
+    return share(ts, names)
+
+
+def _rebuilt(expr, args):
+    """``expr`` over new args, node for node (no re-canonicalisation)."""
+    if all(a is b for a, b in zip(args, expr.args)):
+        return expr
+    out = copy.copy(expr)
+    out.args, out._hash, out._key, out._free = args, None, None, None
+    return out
+
+
+def _replace(expr, mapping, memo):
+    """``expr`` with sub-expressions replaced, keeping the shape of the tree.
+
+    ``E.substitute`` rebuilds through the factories, which re-sort sums by their new
+    operands; here nothing is re-canonicalised, so the result prints exactly as
+    ``expr`` printed with the names.
     """
-    mapping = {n: n for n in (names or {})}
-    mapping.update({d.node: d.var for d in definitions})
-    if expr in mapping and mapping[expr] is not expr:
+    if expr in mapping:
         return mapping[expr]
-    return E.substitute(expr, mapping)
+    if expr not in memo:
+        memo[expr] = _rebuilt(expr, tuple(_replace(a, mapping, memo) for a in expr.args))
+    return memo[expr]
+
+
+def _mapping(definitions, names, skip=None):
+    mapping = {n: n for n in (names or {})}   # symbols already: never descended into
+    mapping.update({d.node: d.var for d in definitions if d is not skip})
+    return mapping
+
+
+def named_form(expr, definitions, names=None):
+    """``expr`` with every named sub-expression replaced by its placeholder variable."""
+    return _replace(expr, _mapping(definitions, names), {})
 
 
 def definition_form(shared, definitions, names=None):
     """The right-hand side of one definition in terms of the other placeholders."""
-    mapping = {n: n for n in (names or {})}
-    mapping.update({d.node: d.var for d in definitions if d is not shared})
-    return shared.node.rebuild(tuple(E.substitute(a, mapping) for a in shared.node.args))
+    mapping, memo = _mapping(definitions, names, skip=shared), {}
+    return _rebuilt(shared.node, tuple(_replace(a, mapping, memo) for a in shared.node.args))
 
 
 def expand(expr, definitions, names=None):
-    """Substitute the definitions back (latest first) into a named form."""
-    for d in reversed(definitions):
-        expr = E.substitute(expr, {d.var: definition_form(d, definitions, names)})
-    return expr
+    """Substitute the definition forms back (in dependency order) into a named form."""
+    full = {}
+    for d in definitions:
+        full[d.var] = _replace(definition_form(d, definitions, names), full, {})
+    return _replace(expr, full, {})
