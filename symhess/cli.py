@@ -97,10 +97,11 @@ def cmd_derive(args):
             raise CLIError(f"unknown part {part!r}; valid: {', '.join(PARTS)}, all")
     shared, names = [], d.latex_names
     if args.format == "latex":  # name recurring sub-expressions where some term is too long
-        from .printing.latex_cse import share_if_long
+        from .printing.latex_cse import jacobian_names, share_if_long
         from .report import MAX_TERM_CHARS
         shared, names = share_if_long([d.block(p, q, part).expr for p, q in _pairs(lay, args.block)
-                                       for part in parts], names, MAX_TERM_CHARS)
+                                       for part in parts], names, MAX_TERM_CHARS,
+                                      hints=lambda: jacobian_names(d))
     for s in shared:
         print(f"{s.symbol} := {s.tex}")
     for p, q in _pairs(lay, args.block):

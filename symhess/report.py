@@ -12,7 +12,7 @@ import jinja2
 from . import __version__
 from .hessian import derive
 from .printing.latex import bold_name
-from .printing.latex_cse import share_if_long, terms
+from .printing.latex_cse import jacobian_names, share_if_long, terms
 from .simplify import DEFINITIONS, simplify
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
@@ -52,7 +52,7 @@ def _section(lay, loss):
     pairs = [(p, q) for p in lay.param_names for q in lay.param_names]
     parts = {(p, q): (d.block(p, q, "outer"), d.block(p, q, "functional")) for p, q in pairs}
     shared, tex_names = share_if_long([b.expr for bs in parts.values() for b in bs], d.latex_names,
-                                      MAX_TERM_CHARS)
+                                      MAX_TERM_CHARS, hints=lambda: jacobian_names(d))
     blocks, named = [], {}
     for p, q in pairs:
         bo, bf = parts[p, q]

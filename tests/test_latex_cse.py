@@ -1,6 +1,5 @@
 """Shared sub-expressions in LaTeX (symhess.printing.latex_cse): readable full-block reports."""
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -28,7 +27,7 @@ def post_ln():
     d = sh.derive(sh.layer("post_ln_block"), "mse")
     blocks = [d.block(p, q, part) for p in PARAMS for q in PARAMS for part in ("outer", "functional")]
     terms = [t for b in blocks for t in C.terms(b.expr)]
-    defs, names = C.share(terms, d.latex_names)
+    defs, names = C.share(terms, d.latex_names, hints=C.jacobian_names(d))
     return d, terms, defs, names
 
 
@@ -44,11 +43,18 @@ def test_full_block_terms_fit_after_naming(post_ln):
 
 def test_definitions_are_in_dependency_order(post_ln):
     _, _, defs, _ = post_ln
-    seen = set()
-    for s in defs:
-        used = set(re.findall(r"\\mathcal [JS]_\{\d+\}", s.tex))
-        assert s.symbol not in used and used <= seen, s.symbol
-        seen.add(s.symbol)
+    for i, s in enumerate(defs):
+        assert not any(later.symbol in s.tex for later in defs[i:]), s.symbol
+
+
+def test_recurring_jacobians_are_named_by_what_they_are(post_ln):
+    """∂vec_r Y/∂vec_r W_Q (a LayerNorm output w.r.t. a weight) recurs: it is named so."""
+    d, _, defs, _ = post_ln
+    symbols = {s.symbol: s for s in defs}
+    s = symbols[r"\frac{\partial \mathbf Y}{\partial \mathbf W_{Q}}"]
+    assert C.jacobian_names(d)[s.node] == s.symbol
+    numbered = [x for x in defs if x.symbol.startswith(r"\mathcal")]
+    assert len(numbered) == len({x.symbol for x in numbered}) and len(numbered) < len(defs)
 
 
 def test_printed_names_are_exactly_substitutions(post_ln):
@@ -120,7 +126,7 @@ def test_naming_is_deterministic_across_processes():
     a, b = _derive_cli(1), _derive_cli(2)
     assert a == b
     lines = a.decode().splitlines()
-    assert lines[0].startswith(r"\mathcal J_{1} := ")
+    assert " := " in lines[0] and lines[-1].startswith(r"\mathbf H(")
     assert max(map(len, lines)) <= MAX_TERM_CHARS
 
 
@@ -129,6 +135,7 @@ def test_post_ln_report_compiles_without_summaries(tmp_path):
     out = write_report(sh.layer("post_ln_block"), tmp_path / "post.tex", losses=("mse",), pdf=True)
     text = out.read_text()
     assert "LaTeX characters; print it with" not in text and "Shared sub-expressions" in text
+    assert r"\frac{\partial \mathbf Y}{\partial \mathbf W_{Q}} := " in text
     assert max(len(line) for line in text.splitlines()) <= MAX_TERM_CHARS
     assert text.count(r"\mathbf H_o(") == 25 and text.count(r"\mathbf H_f(") == 25
     pdf = out.with_suffix(".pdf").read_bytes()

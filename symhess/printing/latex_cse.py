@@ -32,6 +32,7 @@ from .base import Printer
 from .latex import LatexPrinter
 
 MIN_CHARS = 160    # a recurring sub-expression shorter than this stays inline
+HINT_CHARS = 80    # a sub-expression with a meaningful name (a Jacobian) is named above this
 MAX_CHARS = 1200   # no printed line (term or definition) longer than this, where avoidable
 _PLACEHOLDER = r"\mathcal J_{000}"  # same length as a final symbol while choosing
 
@@ -82,8 +83,9 @@ def _symbol(letter, k) -> str:
 class _Chooser:
     """Greedy bottom-up choice of the nodes to name (see the module docstring)."""
 
-    def __init__(self, roots, names, min_chars, max_chars):
+    def __init__(self, roots, names, min_chars, max_chars, hints=None):
         self.base = dict(names or {})
+        self.hints = dict(hints or {})
         self.min_chars, self.max_chars = min_chars, max_chars
         rec = _MemoPrinter(self.base)
         for r in roots:
@@ -106,13 +108,13 @@ class _Chooser:
         return (bool(node.args) and not isinstance(node, (E.Named, E.Transpose))
                 and node not in self.base and node not in self.chosen)
 
-    def name(self, node):
-        self.chosen[node] = True
-        self.printer.names[node] = _PLACEHOLDER
+    def name(self, node, symbol=None):
+        self.chosen[node] = symbol
+        self.printer.names[node] = symbol or _PLACEHOLDER
         self.printer.forget(node)
 
     def tex(self, node) -> str:
-        return self.printer.doprint(node) if node not in self.chosen else _PLACEHOLDER
+        return self.printer.doprint(node) if node not in self.chosen else self.printer.names[node]
 
     def _target(self, child):
         """The node to name for a printed child (Aᵀ is named through A)."""
@@ -141,26 +143,34 @@ class _Chooser:
             if not self.eligible(node) and not isinstance(node, E.Transpose):
                 continue
             self.shrink(node)
-            if self.eligible(node) and self.uses.get(node, 0) >= 2 and len(self.tex(node)) > self.min_chars:
+            if not self.eligible(node):
+                continue
+            if node in self.hints and len(self.tex(node)) > HINT_CHARS:
+                self.name(node, self.hints[node])
+            elif self.uses.get(node, 0) >= 2 and len(self.tex(node)) > self.min_chars:
                 self.name(node)
-        return [n for n in self.order if n in self.chosen]
+        return {n: self.chosen[n] for n in self.order if n in self.chosen}
 
 
-def share(roots, names=None, min_chars=MIN_CHARS, max_chars=MAX_CHARS):
+def share(roots, names=None, min_chars=MIN_CHARS, max_chars=MAX_CHARS, hints=None):
     """(definitions, names): the named sub-expressions of ``roots`` and the printer names.
 
     ``names`` are the symbols already in use (a layer's intermediates); the returned
     ``names`` extend them with the new symbols, so ``latex(root, names)`` prints a root
-    in terms of the definitions.  Definitions are in dependency order.
+    in terms of the definitions.  Definitions are in dependency order.  ``hints`` gives
+    meaningful symbols for some nodes (see ``jacobian_names``); the rest are numbered
+    \\mathcal J_k (Kronecker-view operators) and \\mathcal S_k (matrices).
     """
     roots = list(dict.fromkeys(roots))
-    chosen = _Chooser(roots, names, min_chars, max_chars).run()
+    chosen = _Chooser(roots, names, min_chars, max_chars, hints).run()
     out_names = dict(names or {})
     counts = {"J": 0, "S": 0}
-    for node in chosen:
-        letter = "J" if _is_operator(node) else "S"
-        counts[letter] += 1
-        out_names[node] = _symbol(letter, counts[letter])
+    for node, symbol in chosen.items():
+        if symbol is None:
+            letter = "J" if _is_operator(node) else "S"
+            counts[letter] += 1
+            symbol = _symbol(letter, counts[letter])
+        out_names[node] = symbol
     printer = LatexPrinter(out_names)
     defs = [Shared(out_names[n], n, Printer.doprint(printer, n),
                    E.Var(f"cse_{i}", n.rows, n.cols, "placeholder", out_names[n]))
@@ -168,18 +178,45 @@ def share(roots, names=None, min_chars=MIN_CHARS, max_chars=MAX_CHARS):
     return defs, out_names
 
 
+def jacobian_names(derivation) -> dict:
+    """{∂vec_r N/∂vec_r W: symbol} for the layer's intermediates N (and its output F) and parameters W.
+
+    The Kronecker-view Jacobians as the engine derives them (``vec_jacobian`` of the
+    differential, display-simplified); where one recurs inside a block it is named by
+    what it is rather than by a number.
+    """
+    from ..kron import vec_jacobian
+    from ..rules import differential
+    from ..simplify import simplify
+    from .latex import bold_name
+
+    lay, out = derivation.layer, {}
+    for p in lay.params:
+        wrt = rf"\partial {p.latex()}"
+        out.setdefault(derivation.jacobian(p.name), rf"\frac{{\partial\mathbf F}}{{{wrt}}}")
+        for key, node in lay.intermediates.items():
+            if node.depends_on(p):
+                dp = E.Var(f"d{p.name}", p.rows, p.cols, "direction")
+                jac = simplify(vec_jacobian(differential(node, {p: dp}), dp), lay)
+                out.setdefault(jac, rf"\frac{{\partial {bold_name(key)}}}{{{wrt}}}")
+    return out
+
+
 def terms(expr):
     """The terms of a sum (each printed on its own line by the report)."""
     return list(expr.args) if isinstance(expr, E.Add) else [expr]
 
 
-def share_if_long(exprs, names=None, limit=4000):
-    """``share`` over the terms of ``exprs`` when some term prints longer than ``limit``, else ([], names)."""
+def share_if_long(exprs, names=None, limit=4000, hints=None):
+    """``share`` over the terms of ``exprs`` when some term prints longer than ``limit``, else ([], names).
+
+    ``hints`` may be a callable (e.g. ``lambda: jacobian_names(d)``), called only when needed.
+    """
     names = dict(names or {})
     ts = [t for e in exprs for t in terms(e)]
     if all(len(LatexPrinter(names).doprint(t)) <= limit for t in ts):
         return [], names
-    return share(ts, names)
+    return share(ts, names, hints=hints() if callable(hints) else hints)
 
 
 def _rebuilt(expr, args):
