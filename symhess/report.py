@@ -13,6 +13,7 @@ from . import __version__
 from .hessian import derive
 from .printing.latex import bold_name
 from .printing.latex_cse import jacobian_names, share_if_long, terms
+from .printing.latex_cse import latex as shared_latex
 from .simplify import DEFINITIONS, simplify
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
@@ -34,12 +35,12 @@ def template_env() -> jinja2.Environment:
 MAX_TERM_CHARS = 4000  # wider terms exceed TeX's largest dimension even before scaling
 
 
-def _terms(block, p, q, names=None):
+def _terms(block, p, q, names=None, shared=()):
     """A block's LaTeX, one line per term of a sum; a term too long to typeset is summarised."""
     names = block.derivation.latex_names if names is None else names
     out = []
     for t in terms(block.expr):
-        tex = t.latex(names)
+        tex = shared_latex(t, names, shared)
         if len(tex) > MAX_TERM_CHARS:
             cmd = f"symhess derive {block.derivation.layer.name} --block {p},{q}".replace("_", "\\_")
             tex = rf"\text{{[a term of {len(tex):,} LaTeX characters; print it with \texttt{{{cmd}}}]}}"
@@ -60,7 +61,8 @@ def _section(lay, loss):
             for n in b.definitions():
                 named.setdefault(n.name, n)
         blocks.append({"p": lay.param(p).latex(), "q": lay.param(q).latex(),
-                       "outer": _terms(bo, p, q, tex_names), "functional": _terms(bf, p, q, tex_names)})
+                       "outer": _terms(bo, p, q, tex_names, shared),
+                       "functional": _terms(bf, p, q, tex_names, shared)})
     names = d.latex_names
     defs = [{"lhs": n.latex(names), "rhs": n.inner.latex(names), "note": DEFINITIONS.get(n.name)}
             for n in named.values()]

@@ -34,7 +34,7 @@ def post_ln():
 def test_full_block_terms_fit_after_naming(post_ln):
     d, terms, defs, names = post_ln
     before = max(len(C._MemoPrinter(d.latex_names).doprint(t)) for t in terms)
-    after = max(len(latex(t, names)) for t in terms)
+    after = max(len(C.latex(t, names, defs)) for t in terms)
     longest_def = max(len(s.tex) for s in defs)
     assert before > 100_000  # the chain rule through two LayerNorms: unreadable in full
     assert after <= C.MAX_CHARS and longest_def <= C.MAX_CHARS
@@ -61,7 +61,7 @@ def test_printed_names_are_exactly_substitutions(post_ln):
     """Printing with the names = printing the expression with each node replaced by its symbol."""
     d, terms, defs, names = post_ln
     for t in terms[::7]:
-        assert latex(C.named_form(t, defs, d.latex_names), d.latex_names) == latex(t, names)
+        assert latex(C.named_form(t, defs, d.latex_names), d.latex_names) == C.latex(t, names, defs)
     for s in defs[::5]:
         assert latex(C.definition_form(s, defs, d.latex_names), d.latex_names) == s.tex
 

@@ -152,34 +152,129 @@ class _Chooser:
         return {n: self.chosen[n] for n in self.order if n in self.chosen}
 
 
-def share(roots, names=None, min_chars=MIN_CHARS, max_chars=MAX_CHARS, hints=None):
-    """(definitions, names): the named sub-expressions of ``roots`` and the printer names.
+class SharedPrinter(LatexPrinter):
+    """LaTeX printer that writes named sums inside larger sums (A + B + C with S := A + B → S + C).
 
-    ``names`` are the symbols already in use (a layer's intermediates); the returned
-    ``names`` extend them with the new symbols, so ``latex(root, names)`` prints a root
-    in terms of the definitions.  Definitions are in dependency order.  ``hints`` gives
-    meaningful symbols for some nodes (see ``jacobian_names``); the rest are numbered
-    \\mathcal J_k (Kronecker-view operators) and \\mathcal S_k (matrices).
+    ``used`` collects the named nodes printed (the dependencies of a definition).
     """
-    roots = list(dict.fromkeys(roots))
-    chosen = _Chooser(roots, names, min_chars, max_chars, hints).run()
-    out_names = dict(names or {})
-    counts = {"J": 0, "S": 0}
-    for node, symbol in chosen.items():
+
+    def __init__(self, names, sums=()):
+        super().__init__(names)
+        self.sums, self.used = list(sums), {}
+
+    def doprint(self, node) -> str:
+        if node in self.names:
+            self.used[node] = True
+        return super().doprint(node)
+
+    def paren(self, node, parent_precedence) -> str:
+        if node in self.names:
+            self.used[node] = True
+        return super().paren(node, parent_precedence)
+
+    def _print_Add(self, n):
+        items = _fold(n, self.sums)
+        out = self.doprint(items[0])
+        for t in items[1:]:
+            s = self.doprint(t)
+            out += self.minus + s[1:] if s.startswith("-") else self.plus + s
+        return out
+
+
+def _fold(node, sums):
+    """The terms of a sum, every named sum whose terms it all has taken as one term (in place of its first)."""
+    items = list(node.args)
+    for s in sums:
+        if len(s.args) >= len(items) or s == node:
+            continue
+        where = {a: i for i, a in enumerate(items)}
+        if all(a in where for a in s.args):
+            first = min(where[a] for a in s.args)
+            drop = set(s.args)
+            items = [s if i == first else a for i, a in enumerate(items) if i == first or a not in drop]
+    return items
+
+
+def _sums(nodes):
+    """The named sums, largest first (so a sum folds before the sums inside it)."""
+    adds = [n for n in nodes if isinstance(n, E.Add)]
+    return sorted(adds, key=lambda n: -len(n.args))
+
+
+def _symbols(chosen, order):
+    """Symbols for the chosen nodes: hinted ones keep theirs, the rest numbered in ``order``."""
+    out, counts = {}, {"J": 0, "S": 0}
+    for node in order:
+        symbol = chosen[node]
         if symbol is None:
             letter = "J" if _is_operator(node) else "S"
             counts[letter] += 1
             symbol = _symbol(letter, counts[letter])
-        out_names[node] = symbol
-    printer = LatexPrinter(out_names)
+        out[node] = symbol
+    return out
+
+
+def _dependency_order(chosen, names, sums):
+    """The chosen nodes, each after the names its definition prints (stable otherwise)."""
+    provisional = {**names, **_symbols(chosen, list(chosen))}
+    deps = {}
+    for node in chosen:
+        printer = SharedPrinter(provisional, sums)
+        Printer.doprint(printer, node)
+        deps[node] = [u for u in printer.used if u in chosen and u is not node]
+    order, done = [], set()
+
+    def visit(node):
+        if node not in done:
+            done.add(node)
+            for u in deps[node]:
+                visit(u)
+            order.append(node)
+    for node in chosen:
+        visit(node)
+    return order
+
+
+def share(roots, names=None, min_chars=MIN_CHARS, max_chars=MAX_CHARS, hints=None):
+    """(definitions, names): the named sub-expressions of ``roots`` and the printer names.
+
+    ``names`` are the symbols already in use (a layer's intermediates); the returned
+    ``names`` extend them with the new symbols, so ``latex(root, names, definitions)``
+    prints a root in terms of the definitions.  Definitions are in dependency order.
+    ``hints`` gives meaningful symbols for some nodes (see ``jacobian_names``); the rest
+    are numbered \\mathcal J_k (Kronecker-view operators) and \\mathcal S_k (matrices).
+    """
+    roots = list(dict.fromkeys(roots))
+    names = dict(names or {})
+    chosen = _Chooser(roots, names, min_chars, max_chars, hints).run()
+    sums = _sums(chosen)
+    order = _dependency_order(chosen, names, sums)
+    out_names = {**names, **_symbols(chosen, order)}
+    printer = SharedPrinter(out_names, sums)
     defs = [Shared(out_names[n], n, Printer.doprint(printer, n),
                    E.Var(f"cse_{i}", n.rows, n.cols, "placeholder", out_names[n]))
-            for i, n in enumerate(chosen)]
+            for i, n in enumerate(order)]
     return defs, out_names
 
 
+def latex(expr, names=None, definitions=()) -> str:
+    """LaTeX of ``expr`` in terms of the names (named sums folded into larger sums)."""
+    return SharedPrinter(names, _sums(d.node for d in definitions)).doprint(expr)
+
+
+def _named_quantities(lay):
+    """(tex, node) for the layer's intermediates and the named nodes of its output (M_Y, P_Z …)."""
+    from .latex import bold_name
+
+    out = {bold_name(k): node for k, node in lay.intermediates.items()}
+    for node in E.walk(lay.output):
+        if isinstance(node, E.Named) and not node.frozen and len(node.args) == 1:
+            out.setdefault(node.tex, node)
+    return out
+
+
 def jacobian_names(derivation) -> dict:
-    """{∂vec_r N/∂vec_r W: symbol} for the layer's intermediates N (and its output F) and parameters W.
+    """{∂vec_r N/∂vec_r W: symbol} for the layer's named quantities N (and output F) and parameters W.
 
     The Kronecker-view Jacobians as the engine derives them (``vec_jacobian`` of the
     differential, display-simplified); where one recurs inside a block it is named by
@@ -188,17 +283,17 @@ def jacobian_names(derivation) -> dict:
     from ..kron import vec_jacobian
     from ..rules import differential
     from ..simplify import simplify
-    from .latex import bold_name
 
     lay, out = derivation.layer, {}
+    quantities = _named_quantities(lay)
     for p in lay.params:
         wrt = rf"\partial {p.latex()}"
-        out.setdefault(derivation.jacobian(p.name), rf"\frac{{\partial\mathbf F}}{{{wrt}}}")
-        for key, node in lay.intermediates.items():
+        out.setdefault(derivation.jacobian(p.name), rf"\frac{{\partial \mathbf F}}{{{wrt}}}")
+        dp = E.Var(f"d{p.name}", p.rows, p.cols, "direction")
+        for tex, node in quantities.items():
             if node.depends_on(p):
-                dp = E.Var(f"d{p.name}", p.rows, p.cols, "direction")
                 jac = simplify(vec_jacobian(differential(node, {p: dp}), dp), lay)
-                out.setdefault(jac, rf"\frac{{\partial {bold_name(key)}}}{{{wrt}}}")
+                out.setdefault(jac, rf"\frac{{\partial {tex}}}{{{wrt}}}")
     return out
 
 
@@ -221,47 +316,66 @@ def share_if_long(exprs, names=None, limit=4000, hints=None):
 
 def _rebuilt(expr, args):
     """``expr`` over new args, node for node (no re-canonicalisation)."""
-    if all(a is b for a, b in zip(args, expr.args)):
+    if len(args) == len(expr.args) and all(a is b for a, b in zip(args, expr.args)):
         return expr
     out = copy.copy(expr)
     out.args, out._hash, out._key, out._free = args, None, None, None
     return out
 
 
-def _replace(expr, mapping, memo):
+def _replace(expr, mapping, memo, sums=()):
     """``expr`` with sub-expressions replaced, keeping the shape of the tree.
 
     ``E.substitute`` rebuilds through the factories, which re-sort sums by their new
-    operands; here nothing is re-canonicalised, so the result prints exactly as
-    ``expr`` printed with the names.
+    operands; here nothing is re-canonicalised (named sums are folded as the printer
+    folds them), so the result prints exactly as ``expr`` printed with the names.
     """
     if expr in mapping:
         return mapping[expr]
     if expr not in memo:
-        memo[expr] = _rebuilt(expr, tuple(_replace(a, mapping, memo) for a in expr.args))
+        args = _fold(expr, sums) if isinstance(expr, E.Add) else expr.args
+        memo[expr] = _rebuilt(expr, tuple(_replace(a, mapping, memo, sums) for a in args))
     return memo[expr]
 
 
 def _mapping(definitions, names, skip=None):
     mapping = {n: n for n in (names or {})}   # symbols already: never descended into
     mapping.update({d.node: d.var for d in definitions if d is not skip})
+    mapping.pop(skip.node if skip is not None else None, None)
     return mapping
 
 
 def named_form(expr, definitions, names=None):
     """``expr`` with every named sub-expression replaced by its placeholder variable."""
-    return _replace(expr, _mapping(definitions, names), {})
+    sums = _sums(d.node for d in definitions)
+    return _replace(expr, _mapping(definitions, names), {}, sums)
 
 
 def definition_form(shared, definitions, names=None):
     """The right-hand side of one definition in terms of the other placeholders."""
     mapping, memo = _mapping(definitions, names, skip=shared), {}
-    return _rebuilt(shared.node, tuple(_replace(a, mapping, memo) for a in shared.node.args))
+    sums = _sums(d.node for d in definitions)
+    node = shared.node
+    args = _fold(node, sums) if isinstance(node, E.Add) else node.args
+    return _rebuilt(node, tuple(_replace(a, mapping, memo, sums) for a in args))
+
+
+def _substitute_back(expr, mapping, memo):
+    """Replace placeholders; a sum that had a named sum folded in is flattened again."""
+    if expr in mapping:
+        return mapping[expr]
+    if expr not in memo:
+        args = tuple(_substitute_back(a, mapping, memo) for a in expr.args)
+        if isinstance(expr, E.Add) and any(isinstance(a, E.Add) for a in args):
+            memo[expr] = E.add(*args)
+        else:
+            memo[expr] = _rebuilt(expr, args)
+    return memo[expr]
 
 
 def expand(expr, definitions, names=None):
     """Substitute the definition forms back (in dependency order) into a named form."""
     full = {}
     for d in definitions:
-        full[d.var] = _replace(definition_form(d, definitions, names), full, {})
-    return _replace(expr, full, {})
+        full[d.var] = _substitute_back(definition_form(d, definitions, names), full, {})
+    return _substitute_back(expr, full, {})
