@@ -12,8 +12,11 @@ nodes are shared because ``Expr`` hashes structurally):
    whose LaTeX is longer than ``max_chars`` gets its longest printed children named
    until it fits; a node printed at least twice whose LaTeX is longer than
    ``min_chars`` is named itself;
-3. number the names in dependency order (children first) and print each definition
-   in terms of the names before it.
+3. a node that is the Kronecker Jacobian of one of the layer's named quantities w.r.t.
+   a parameter (``jacobian_names``) is named by what it is (∂Y/∂W_Q), the rest are
+   numbered; a named sum inside a larger sum is written as its symbol;
+4. order the definitions so each comes after the names it uses, and print each in
+   terms of the names before it.
 
 Every name is a plain substitution (the symbol stands for exactly its definition), so
 substituting the definitions back gives the original expression (see ``expand``).
@@ -45,6 +48,7 @@ class Shared:
     node: E.Expr
     tex: str
     var: E.Var
+
 
 class _MemoPrinter(LatexPrinter):
     """LaTeX printer that prints each node once and records the nodes each node prints."""
@@ -134,7 +138,7 @@ class _Chooser:
                 return
             self.name(best)
             for child in self.children.get(node, ()):
-                if isinstance(child, E.Transpose) and child.args[0] is best:
+                if isinstance(child, E.Transpose) and child.args[0] == best:
                     self.printer.forget(child)
             self.printer.forget(node)
 
