@@ -95,11 +95,21 @@ def cmd_derive(args):
     for part in parts:
         if part not in PARTS:
             raise CLIError(f"unknown part {part!r}; valid: {', '.join(PARTS)}, all")
+    shared, names = [], d.latex_names
+    if args.format == "latex":  # name recurring sub-expressions where some term is too long
+        from .printing.latex_cse import jacobian_names, latex, share_if_long
+        from .report import MAX_TERM_CHARS
+        shared, names = share_if_long([d.block(p, q, part).expr for p, q in _pairs(lay, args.block)
+                                       for part in parts], names, MAX_TERM_CHARS,
+                                      hints=lambda: jacobian_names(d))
+    for s in shared:
+        print(f"{s.symbol} := {s.tex}")
     for p, q in _pairs(lay, args.block):
         for part in parts:
             b = d.block(p, q, part)
             if args.format == "latex":
-                print(f"{block_label(lay, p, q, part)} = {b.latex()}")
+                tex = latex(b.expr, names, shared) if shared else b.latex()
+                print(f"{block_label(lay, p, q, part)} = {tex}")
             else:
                 print(f"H_{part}({p}, {q}) = {b.text()}")
     if args.format == "latex" and args.definitions:

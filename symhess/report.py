@@ -10,9 +10,10 @@ from pathlib import Path
 import jinja2
 
 from . import __version__
-from . import expr as E
 from .hessian import derive
 from .printing.latex import bold_name
+from .printing.latex_cse import jacobian_names, share_if_long, terms
+from .printing.latex_cse import latex as shared_latex
 from .simplify import DEFINITIONS, simplify
 
 TEMPLATES = Path(__file__).resolve().parent.parent / "templates"
@@ -34,14 +35,12 @@ def template_env() -> jinja2.Environment:
 MAX_TERM_CHARS = 4000  # wider terms exceed TeX's largest dimension even before scaling
 
 
-def _terms(block, p, q):
+def _terms(block, p, q, names=None, shared=()):
     """A block's LaTeX, one line per term of a sum; a term too long to typeset is summarised."""
-    e = block.expr
-    terms = list(e.args) if isinstance(e, E.Add) else [e]
-    names = block.derivation.latex_names
+    names = block.derivation.latex_names if names is None else names
     out = []
-    for t in terms:
-        tex = t.latex(names)
+    for t in terms(block.expr):
+        tex = shared_latex(t, names, shared)
         if len(tex) > MAX_TERM_CHARS:
             cmd = f"symhess derive {block.derivation.layer.name} --block {p},{q}".replace("_", "\\_")
             tex = rf"\text{{[a term of {len(tex):,} LaTeX characters; print it with \texttt{{{cmd}}}]}}"
@@ -51,16 +50,19 @@ def _terms(block, p, q):
 
 def _section(lay, loss):
     d = derive(lay, loss)
-    names = lay.param_names
+    pairs = [(p, q) for p in lay.param_names for q in lay.param_names]
+    parts = {(p, q): (d.block(p, q, "outer"), d.block(p, q, "functional")) for p, q in pairs}
+    shared, tex_names = share_if_long([b.expr for bs in parts.values() for b in bs], d.latex_names,
+                                      MAX_TERM_CHARS, hints=lambda: jacobian_names(d))
     blocks, named = [], {}
-    for p in names:
-        for q in names:
-            bo, bf = d.block(p, q, "outer"), d.block(p, q, "functional")
-            for b in (bo, bf):
-                for n in b.definitions():
-                    named.setdefault(n.name, n)
-            blocks.append({"p": lay.param(p).latex(), "q": lay.param(q).latex(),
-                           "outer": _terms(bo, p, q), "functional": _terms(bf, p, q)})
+    for p, q in pairs:
+        bo, bf = parts[p, q]
+        for b in (bo, bf):
+            for n in b.definitions():
+                named.setdefault(n.name, n)
+        blocks.append({"p": lay.param(p).latex(), "q": lay.param(q).latex(),
+                       "outer": _terms(bo, p, q, tex_names, shared),
+                       "functional": _terms(bf, p, q, tex_names, shared)})
     names = d.latex_names
     defs = [{"lhs": n.latex(names), "rhs": n.inner.latex(names), "note": DEFINITIONS.get(n.name)}
             for n in named.values()]
@@ -68,7 +70,8 @@ def _section(lay, loss):
              for k, v in lay.intermediates.items()]
     fp = d._loss_parts[0]
     return {"title": LOSS_TITLES.get(loss, r"\texttt{" + loss.replace("_", r"\_") + "}"), "loss": d._loss_fn(fp, d.Y).latex(),
-            "blocks": blocks, "definitions": inter + defs}
+            "blocks": blocks, "definitions": inter + defs,
+            "shared": [{"lhs": s.symbol, "rhs": s.tex} for s in shared]}
 
 
 def render_report(lay, losses=("mse", "ce")) -> str:

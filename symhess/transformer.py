@@ -31,6 +31,7 @@ from .evaluate import InputError, evaluate
 from .adjoint import adjoint
 from .kron import vec_jacobian
 from .layers import Layer, attention, register_layer
+from .printing.latex import bold_name
 from .rules import differential
 
 ACTIVATIONS = ("relu", "gelu")
@@ -126,7 +127,7 @@ def layer_norm(U, eps=0, gamma=None, beta=None, label="Y"):
         # one column of the (row-constant) variance matrix is the row variance
         col = E.matmul(var, E.ones(d, 1)) * (1 / d)
         check = ZeroVarianceCheck(label, U, col)
-    return E.named(out, label, rf"\mathbf {label}" if len(label) == 1 else label), check
+    return E.named(out, label, bold_name(label)), check  # N_1 → \mathbf N_{1}, a TeX symbol
 
 
 def _affine_vars(affine, d, tag):
