@@ -123,8 +123,8 @@ def main(argv=None):
         layernorm(8, 16, 2, 1)
         ffn(4, 8, 16, 2, 1)
     else:
-        layernorm(64, 128, 10, 3)
-        ffn(32, 64, 256, 10, 3)
+        layernorm(64, 128, 5, 2)
+        ffn(32, 64, 256, 5, 2)
 
 
 if __name__ == "__main__":

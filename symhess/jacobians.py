@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import sympy as sp
 
+from . import expr as E
 from .printing.code import Routine, _scaled
 
 JAC_KEY = "jacobian"
@@ -202,9 +203,74 @@ def write_terms(rt, target, batched, jobs, zeroed=False):
         dims = (["n_batch"] if batched else []) + [rt.size(rt.lw.labels.size[a]) for a in atoms]
         view = rt.emit(rt.fmt("view", target, "(" + ", ".join(dims) + ",)"), False)
         view, order = _diag(rt, view, atoms)
+        term = strip_ones(rt, term, order)
+        if k == 0 and _outer(rt, term, order, view, batched):
+            continue
         coef, code, _ = rt.network(term, order, keep_batch=True, fold_coef=True)
         rhs = _scaled(rt, coef, code)
         rt.line(f"{view}[...] = {rhs}" if k == 0 else f"{view} += {rhs}")
+
+
+def _is_ones(ref):
+    return (isinstance(ref, tuple) and ref[0] == "ones") or isinstance(ref, E.Ones)
+
+
+def strip_ones(rt, term, outputs):
+    """The term without its all-ones operands (they only broadcast or count).
+
+    A ones operand makes einsum carry a label it would otherwise not see; multiplied into
+    a network it can force a path through a huge intermediate (Σ_c 1[a,c] M[i,c] 1[c,b]
+    contracted as an (i, a, b, c) array).  Labels left on no operand are broadcast by
+    ``Routine.network`` (outputs) or summed as a size factor (the rest).
+    """
+    keep = [f for f in term.factors if not _is_ones(f.ref)]
+    if len(keep) == len(term.factors) or not keep:
+        return term
+    seen = {a for f in keep for a in rt.lw.resolve(term, f.labels)} | set(outputs)
+    coef = sp.sympify(term.coef)
+    gone = {a for f in term.factors if _is_ones(f.ref) for a in rt.lw.resolve(term, f.labels)}
+    for a in gone - seen:
+        coef = coef * rt.lw.labels.size[a]
+    return term.copy(factors=tuple(keep), coef=coef)
+
+
+def _outer(rt, term, order, view, batched):
+    """Write a network without summed indices as one broadcast product into ``view``.
+
+    opt_einsum's last step of such a product (e.g. X[i,b] · C[i,a,k] → J[i,a,b,k]) is a
+    batched GEMM whose result is then permuted into the output: two passes over the
+    block.  Here both halves are contracted first (small), then multiplied with
+    ``out=view`` (one pass).  False when the term sums an index or has one operand.
+    """
+    labs = [rt.lw.resolve(term, f.labels) for f in term.factors]
+    if len(labs) < 2 or any(a not in order for ls in labs for a in ls):
+        return False
+    # the largest operand alone against the rest (contracted together: still small)
+    sizes = [_size(rt, ls) for ls in labs]
+    big = max(range(len(labs)), key=lambda i: (sizes[i], -i))
+    halves = [[big], [i for i in range(len(labs)) if i != big]]
+    parts = []
+    coef = sp.sympify(term.coef)
+    for n, h in enumerate(halves):
+        atoms = [a for a in order if any(a in labs[i] for i in h)]
+        sub = term.copy(factors=tuple(term.factors[i] for i in h),
+                        coef=coef if n == 1 else sp.Integer(1))
+        c, code, b = rt.network(sub, atoms, keep_batch=True)
+        name = rt.emit(_scaled(rt, c, code), b)
+        idx = ([":"] if b else []) + [(":" if a in atoms else "None") for a in order]
+        if not b and batched:
+            idx = ["None"] + idx
+        parts.append(f"{name}[{', '.join(idx)}]")
+    fn = "np.multiply" if rt.t["name"] == "numpy" else "torch.mul"
+    rt.line(f"{fn}({parts[0]}, {parts[1]}, out={view})")
+    return True
+
+
+def _size(rt, labels):
+    out = 1
+    for a in labels:
+        out *= rt._label_size(a)
+    return out
 
 
 def _any_batched(rt, terms):
@@ -282,6 +348,7 @@ def _factors(rt, term, axis_atoms):
     if len(set(axis_atoms)) < len(axis_atoms):
         return None
     keep = set(axis_atoms)
+    term = strip_ones(rt, term, axis_atoms)
     term = term.copy()
     term.labels_resolved = [rt.lw.resolve(term, f.labels) for f in term.factors]
     groups = components(term, keep)

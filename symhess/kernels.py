@@ -266,6 +266,12 @@ class Kernel:
         return self._call(("frobenius", self._param(p), self._param(q), part), values)[0]
 
 
+@lru_cache(maxsize=None)
+def _size(text, env):
+    """A dimension expression (as text) at the bound sizes; parsed once."""
+    return int(sp.sympify(text).subs(dict(env)))
+
+
 class CompactJacobian:
     """A Jacobian in its compact layout: J[rows, cols] = Π_f factors[f][axes_f] where the
     positions that share a compact axis agree, and 0 elsewhere (``symhess.jacobians.Layout``).
@@ -276,7 +282,8 @@ class CompactJacobian:
     """
 
     def __init__(self, backend, layout, factors, dims, batched):
-        ev = lambda s: int(sp.sympify(s).subs(dims))
+        env = tuple(sorted(dims.items()))
+        ev = lambda s: _size(s, env)
         self.backend, self.factors, self.batched = backend, factors, batched
         self.axes = tuple(tuple(ax) for ax in layout["factors"])
         self.row_axes, self.col_axes = tuple(layout["row_axes"]), tuple(layout["col_axes"])

@@ -1043,7 +1043,9 @@ def bias0_residual0__jacobian__W_1(X, W_1, W_2):
     t2 = np.heaviside(t1, 0.0)
     out = np.empty((n_batch, L*d_V, d_V*d_ff,), dtype=X.dtype)
     t3 = np.reshape(out, (n_batch, L, d_V, d_V, d_ff,), copy=False)
-    t3[...] = oe.contract('ab,cdb,cde->cdaeb', t0, t2, X, optimize=[(0, 1), (0, 1)])
+    t4 = t0
+    t5 = oe.contract('abc,abd->abdc', t2, X, optimize=[(0, 1)])
+    np.multiply(t4[None, None, :, None, :], t5[:, :, None, :, :], out=t3)
     return out
 
 

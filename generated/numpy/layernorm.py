@@ -1353,14 +1353,16 @@ def jacobian__X(X):
     out = np.zeros((L*d_V, L*d_V,), dtype=X.dtype)
     t12 = np.reshape(out, (L, d_V, L, d_V,), copy=False)
     t13 = np.einsum('...abac->...abc', t12)
-    t14 = (2/d_V) * t9
-    t13[...] = oe.contract('ab,bc,ac->abc', t14, t10, M_Z, optimize=[(0, 1), (0, 1)])
-    t15 = (-2/d_V**2) * t9
-    t13 += oe.contract('ab,bc,ac,cd->abd', t15, t10, M_Z, t10, optimize=[(2, 3), (0, 2), (0, 1)])
-    t16 = np.einsum('...abab->...ab', t12)
-    t16 += P_Z
-    t17 = (-1/d_V) * P_Z
-    t13 += oe.contract('ab,bc->abc', t17, t10, optimize=[(0, 1)])
+    t14 = t9
+    t15 = (2/d_V) * M_Z
+    np.multiply(t14[:, :, None], t15[:, None, :], out=t13)
+    t16 = np.ones((d_V,), dtype=X.dtype)
+    t17 = (-2/d_V**2) * t16
+    t13 += oe.contract('ab,ac,d->abd', t9, M_Z, t17, optimize=[(0, 1), (0, 1)])
+    t18 = np.einsum('...abab->...ab', t12)
+    t18 += P_Z
+    t19 = (-1/d_V) * t16
+    t13 += oe.contract('ab,c->abc', P_Z, t19, optimize=[(0, 1)])
     return out
 
 
@@ -1385,14 +1387,16 @@ def jacobian_compact__X(X):
     P_Z = t11
     J = np.empty((L, d_V, d_V,), dtype=X.dtype)
     t12 = np.reshape(J, (L, d_V, d_V,), copy=False)
-    t13 = (2/d_V) * t9
-    t12[...] = oe.contract('ab,bc,ac->abc', t13, t10, M_Z, optimize=[(0, 1), (0, 1)])
-    t14 = (-2/d_V**2) * t9
-    t12 += oe.contract('ab,bc,ac,cd->abd', t14, t10, M_Z, t10, optimize=[(2, 3), (0, 2), (0, 1)])
-    t15 = (-1/d_V) * P_Z
-    t12 += oe.contract('ab,bc->abc', t15, t10, optimize=[(0, 1)])
-    t16 = np.einsum('...abb->...ab', t12)
-    t16 += P_Z
+    t13 = t9
+    t14 = (2/d_V) * M_Z
+    np.multiply(t13[:, :, None], t14[:, None, :], out=t12)
+    t15 = np.ones((d_V,), dtype=X.dtype)
+    t16 = (-2/d_V**2) * t15
+    t12 += oe.contract('ab,ac,d->abd', t9, M_Z, t16, optimize=[(0, 1), (0, 1)])
+    t17 = (-1/d_V) * t15
+    t12 += oe.contract('ab,c->abc', P_Z, t17, optimize=[(0, 1)])
+    t18 = np.einsum('...abb->...ab', t12)
+    t18 += P_Z
     return (J,)
 
 

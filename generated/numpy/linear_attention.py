@@ -2609,8 +2609,9 @@ def causal0__jacobian__W_Q(X, W_Q, W_K, W_V):
     t3 = t1 @ t2
     t4 = X @ W_K
     t5 = t3 @ t4
-    t6 = (1/math.sqrt(d_K)) * X
-    t0[...] = oe.contract('abc,ade->abdce', t6, t5, optimize=[(0, 1)])
+    t6 = t5
+    t7 = (1/math.sqrt(d_K)) * X
+    np.multiply(t6[:, None, :, None, :], t7[:, :, None, :, None], out=t0)
     return out
 
 
@@ -2643,8 +2644,9 @@ def causal0__jacobian__W_K(X, W_Q, W_K, W_V):
     t3 = np.swapaxes(X, -1, -2)
     t4 = t2 @ t3
     t5 = t4 @ X
-    t6 = (1/math.sqrt(d_K)) * t0
-    t1[...] = oe.contract('abc,ade->abdec', t6, t5, optimize=[(0, 1)])
+    t6 = t5
+    t7 = (1/math.sqrt(d_K)) * t0
+    np.multiply(t6[:, None, :, :, None], t7[:, :, None, None, :], out=t1)
     return out
 
 

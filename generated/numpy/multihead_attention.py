@@ -17459,7 +17459,9 @@ def causal0__jacobian__W_V1(X, W_Q1, W_K1, W_V1, W_O1, W_Q2, W_K2, W_V2, W_O2):
     out = np.empty((n_batch, L*d_V, d_H*d_V,), dtype=X.dtype)
     t8 = np.reshape(out, (n_batch, L, d_V, d_V, d_H,), copy=False)
     t9 = np.swapaxes(W_O1, -1, -2)
-    t8[...] = oe.contract('abc,de->abdce', M_1, t9, optimize=[(0, 1)])
+    t10 = t9
+    t11 = M_1
+    np.multiply(t10[None, None, :, None, :], t11[:, :, None, :, None], out=t8)
     return out
 
 
@@ -17658,7 +17660,9 @@ def causal0__jacobian__W_V2(X, W_Q1, W_K1, W_V1, W_O1, W_Q2, W_K2, W_V2, W_O2):
     out = np.empty((n_batch, L*d_V, d_H*d_V,), dtype=X.dtype)
     t8 = np.reshape(out, (n_batch, L, d_V, d_V, d_H,), copy=False)
     t9 = np.swapaxes(W_O2, -1, -2)
-    t8[...] = oe.contract('abc,de->abdce', M_1, t9, optimize=[(0, 1)])
+    t10 = t9
+    t11 = M_1
+    np.multiply(t10[None, None, :, None, :], t11[:, :, None, :, None], out=t8)
     return out
 
 
@@ -36175,7 +36179,9 @@ def causal1__jacobian__W_V1(X, W_Q1, W_K1, W_V1, W_O1, W_Q2, W_K2, W_V2, W_O2):
     out = np.empty((n_batch, L*d_V, d_H*d_V,), dtype=X.dtype)
     t10 = np.reshape(out, (n_batch, L, d_V, d_V, d_H,), copy=False)
     t11 = np.swapaxes(W_O1, -1, -2)
-    t10[...] = oe.contract('abc,de->abdce', M_1, t11, optimize=[(0, 1)])
+    t12 = t11
+    t13 = M_1
+    np.multiply(t12[None, None, :, None, :], t13[:, :, None, :, None], out=t10)
     return out
 
 
@@ -36390,7 +36396,9 @@ def causal1__jacobian__W_V2(X, W_Q1, W_K1, W_V1, W_O1, W_Q2, W_K2, W_V2, W_O2):
     out = np.empty((n_batch, L*d_V, d_H*d_V,), dtype=X.dtype)
     t10 = np.reshape(out, (n_batch, L, d_V, d_V, d_H,), copy=False)
     t11 = np.swapaxes(W_O2, -1, -2)
-    t10[...] = oe.contract('abc,de->abdce', M_1, t11, optimize=[(0, 1)])
+    t12 = t11
+    t13 = M_1
+    np.multiply(t12[None, None, :, None, :], t13[:, :, None, :, None], out=t10)
     return out
 
 

@@ -1050,7 +1050,9 @@ def bias0_residual0__jacobian__W_1(X, W_1, W_2):
     t2 = torch.heaviside(t1, torch.full_like(t1, 0.0))
     out = torch.empty((n_batch, L*d_V, d_V*d_ff,), dtype=X.dtype, device=X.device)
     t3 = out.view((n_batch, L, d_V, d_V, d_ff,))
-    t3[...] = oe.contract('ab,cdb,cde->cdaeb', t0, t2, X, optimize=[(0, 1), (0, 1)])
+    t4 = t0
+    t5 = oe.contract('abc,abd->abdc', t2, X, optimize=[(0, 1)])
+    torch.mul(t4[None, None, :, None, :], t5[:, :, None, :, :], out=t3)
     return out
 
 

@@ -1390,14 +1390,17 @@ def jacobian__X(X):
     out = torch.zeros((L*d_V, L*d_V,), dtype=X.dtype, device=X.device)
     t12 = out.view((L, d_V, L, d_V,))
     t13 = t12.diagonal(0, -4, -2)
-    t14 = (2/d_V) * t9
-    t13[...] = oe.contract('ab,bc,ac->bca', t14, t10, M_Z, optimize=[(0, 1), (0, 1)])
-    t15 = (-2/d_V**2) * t9
-    t13 += oe.contract('ab,bc,ac,cd->bda', t15, t10, M_Z, t10, optimize=[(2, 3), (0, 2), (0, 1)])
-    t16 = t12.diagonal(0, -4, -2).diagonal(0, -3, -2)
-    t16 += P_Z
-    t17 = (-1/d_V) * P_Z
-    t13 += oe.contract('ab,bc->bca', t17, t10, optimize=[(0, 1)])
+    t14 = oe.contract('ab->ba', t9, optimize=[(0,)])
+    t15 = (2/d_V) * oe.contract('ab->ba', M_Z, optimize=[(0,)])
+    torch.mul(t14[:, None, :], t15[None, :, :], out=t13)
+    t16 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t17 = (-2/d_V**2) * t16
+    t18 = oe.contract('ab,ac->ba', t9, M_Z, optimize=[(0, 1)])
+    t13 += oe.contract('ab,c->acb', t18, t17, optimize=[(0, 1)])
+    t19 = t12.diagonal(0, -4, -2).diagonal(0, -3, -2)
+    t19 += P_Z
+    t20 = (-1/d_V) * t16
+    t13 += oe.contract('ab,c->bca', P_Z, t20, optimize=[(0, 1)])
     return out
 
 
@@ -1422,14 +1425,16 @@ def jacobian_compact__X(X):
     P_Z = t11
     J = torch.empty((L, d_V, d_V,), dtype=X.dtype, device=X.device)
     t12 = J.view((L, d_V, d_V,))
-    t13 = (2/d_V) * t9
-    t12[...] = oe.contract('ab,bc,ac->abc', t13, t10, M_Z, optimize=[(0, 1), (0, 1)])
-    t14 = (-2/d_V**2) * t9
-    t12 += oe.contract('ab,bc,ac,cd->abd', t14, t10, M_Z, t10, optimize=[(2, 3), (0, 2), (0, 1)])
-    t15 = (-1/d_V) * P_Z
-    t12 += oe.contract('ab,bc->abc', t15, t10, optimize=[(0, 1)])
-    t16 = t12.diagonal(0, -2, -1)
-    t16 += P_Z
+    t13 = t9
+    t14 = (2/d_V) * M_Z
+    torch.mul(t13[:, :, None], t14[:, None, :], out=t12)
+    t15 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t16 = (-2/d_V**2) * t15
+    t12 += oe.contract('ab,ac,d->abd', t9, M_Z, t16, optimize=[(0, 1), (0, 1)])
+    t17 = (-1/d_V) * t15
+    t12 += oe.contract('ab,c->abc', P_Z, t17, optimize=[(0, 1)])
+    t18 = t12.diagonal(0, -2, -1)
+    t18 += P_Z
     return (J,)
 
 

@@ -17458,7 +17458,9 @@ def causal0__jacobian__W_V1(X, W_Q1, W_K1, W_V1, W_O1, W_Q2, W_K2, W_V2, W_O2):
     out = torch.empty((n_batch, L*d_V, d_H*d_V,), dtype=X.dtype, device=X.device)
     t8 = out.view((n_batch, L, d_V, d_V, d_H,))
     t9 = W_O1.transpose(-1, -2)
-    t8[...] = oe.contract('abc,de->abdce', M_1, t9, optimize=[(0, 1)])
+    t10 = t9
+    t11 = M_1
+    torch.mul(t10[None, None, :, None, :], t11[:, :, None, :, None], out=t8)
     return out
 
 
@@ -17657,7 +17659,9 @@ def causal0__jacobian__W_V2(X, W_Q1, W_K1, W_V1, W_O1, W_Q2, W_K2, W_V2, W_O2):
     out = torch.empty((n_batch, L*d_V, d_H*d_V,), dtype=X.dtype, device=X.device)
     t8 = out.view((n_batch, L, d_V, d_V, d_H,))
     t9 = W_O2.transpose(-1, -2)
-    t8[...] = oe.contract('abc,de->abdce', M_1, t9, optimize=[(0, 1)])
+    t10 = t9
+    t11 = M_1
+    torch.mul(t10[None, None, :, None, :], t11[:, :, None, :, None], out=t8)
     return out
 
 
@@ -36174,7 +36178,9 @@ def causal1__jacobian__W_V1(X, W_Q1, W_K1, W_V1, W_O1, W_Q2, W_K2, W_V2, W_O2):
     out = torch.empty((n_batch, L*d_V, d_H*d_V,), dtype=X.dtype, device=X.device)
     t10 = out.view((n_batch, L, d_V, d_V, d_H,))
     t11 = W_O1.transpose(-1, -2)
-    t10[...] = oe.contract('abc,de->abdce', M_1, t11, optimize=[(0, 1)])
+    t12 = t11
+    t13 = M_1
+    torch.mul(t12[None, None, :, None, :], t13[:, :, None, :, None], out=t10)
     return out
 
 
@@ -36389,7 +36395,9 @@ def causal1__jacobian__W_V2(X, W_Q1, W_K1, W_V1, W_O1, W_Q2, W_K2, W_V2, W_O2):
     out = torch.empty((n_batch, L*d_V, d_H*d_V,), dtype=X.dtype, device=X.device)
     t10 = out.view((n_batch, L, d_V, d_V, d_H,))
     t11 = W_O2.transpose(-1, -2)
-    t10[...] = oe.contract('abc,de->abdce', M_1, t11, optimize=[(0, 1)])
+    t12 = t11
+    t13 = M_1
+    torch.mul(t12[None, None, :, None, :], t13[:, :, None, :, None], out=t10)
     return out
 
 
