@@ -21,6 +21,7 @@ import jinja2
 import sympy as sp
 
 from . import expr as E
+from . import jacobians
 from .hessian import PARTS, derive
 from .layers import LAYERS, layer as get_layer, layer_options
 from .losses import LOSSES
@@ -338,10 +339,17 @@ def render_module(layer_name, backend, only=None) -> str:
     from . import __version__
     target = TARGETS[backend]
     functions, vs = [], []
+    jac = {}        # options -> Jacobian table entries (loss-independent: printed once)
     for loss, options in (only or variants(layer_name)):
         tag = variant_tag(loss, options)
         fns, table = Variant(lowered(layer_name, loss, options), target, tag).all()
         functions.extend(fns)
+        if options not in jac:
+            jtag = variant_tag("", options).lstrip("_")
+            jfns, jac[options] = jacobians.routines(
+                Variant(lowered(layer_name, loss, options), target, jtag))
+            functions.extend(jfns)
+        table = table + jac[options]
         vs.append({"tag": tag, "loss": loss, "options": dict(options),
                    "key": repr((loss, options)), "table": table})
     description = " ".join((get_layer(layer_name).description or "").split())

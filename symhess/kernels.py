@@ -10,6 +10,7 @@ from __future__ import annotations
 from functools import lru_cache
 
 import numpy as np
+import sympy as sp
 
 from . import codegen
 from .evaluate import InputError, bind_dims
@@ -96,17 +97,21 @@ class Kernel:
             raise InputError(f"{name} has dtype {x.dtype}; expected float32 or float64")
         return x
 
-    def _prepare(self, values):
+    def _prepare(self, values, optional=()):
+        """Validated arrays (data with a batch axis); ``optional`` names may be absent."""
         if not isinstance(values, dict):
             raise InputError(f"values must be a dict of arrays by name ({', '.join(self.names)})")
         unknown = sorted(set(values) - set(self.names))
         if unknown:
             raise InputError(f"unknown value name(s) {', '.join(unknown)} for layer "
                              f"{self.layer.name!r}; valid: {', '.join(self.names)}")
-        missing = [n for n in self.names if n not in values]
+        needed = [n for n in self.names if n not in optional]
+        missing = [n for n in needed if n not in values]
         if missing:
-            raise InputError(f"missing value(s) {', '.join(missing)}; needed: {', '.join(self.names)}")
-        arrays = {n: self._array(n, values[n]) for n in self.names}
+            raise InputError(f"missing value(s) {', '.join(missing)}; needed: {', '.join(needed)}")
+        names = [n for n in self.names if n in values]
+        data = [n for n in self._data if n in values]
+        arrays = {n: self._array(n, values[n]) for n in names}
         dtypes = {str(a.dtype) for a in arrays.values()}
         if len(dtypes) > 1:
             desc = ", ".join(f"{n}: {a.dtype}" for n, a in arrays.items())
@@ -118,7 +123,7 @@ class Kernel:
                 raise InputError(f"all values must be on one device, got {desc}")
         batch = {}
         for n, a in arrays.items():
-            if n in self._data:
+            if n in data:
                 if a.ndim == 2:
                     arrays[n] = a[None]
                 elif a.ndim == 3:
@@ -129,13 +134,13 @@ class Kernel:
             elif a.ndim != 2:
                 raise InputError(f"{n} must be a 2-D array of shape {_declared(self._vars[n])}, "
                                  f"got shape {tuple(a.shape)}")
-        if len(set(batch.values())) > 1 or (batch and len(batch) < len(self._data)):
-            desc = ", ".join(f"{n}: {tuple(arrays[n].shape)}" for n in self._data)
+        if len(set(batch.values())) > 1 or (batch and len(batch) < len(data)):
+            desc = ", ".join(f"{n}: {tuple(arrays[n].shape)}" for n in data)
             raise InputError(f"the data values need the same leading batch size, got {desc}")
         shapes = {n: _Shape(a.shape[-2:]) for n, a in arrays.items()}
-        order = self._data + list(self.params) + [n for n in self.names
-                                                  if n not in self._data and n not in self.params]
-        bind_dims([self._vars[n] for n in order], shapes)   # data first: it fixes the sizes
+        order = data + list(self.params) + [n for n in names
+                                            if n not in data and n not in self.params]
+        self._dims = bind_dims([self._vars[n] for n in order], shapes)   # data first: it fixes the sizes
         self._run_layer_checks(arrays)
         return arrays
 
@@ -144,9 +149,10 @@ class Kernel:
         if not self.layer.checks:
             return
         host = {n: (a.detach().cpu().numpy() if hasattr(a, "detach") else a) for n, a in arrays.items()}
-        n_seq = max((host[n].shape[0] for n in self._data), default=1)
+        data = [n for n in self._data if n in host]
+        n_seq = max((host[n].shape[0] for n in data), default=1)
         for i in range(n_seq):
-            self.layer.validate({n: (a[i] if n in self._data else a) for n, a in host.items()})
+            self.layer.validate({n: (a[i] if n in data else a) for n, a in host.items()})
 
     def _param(self, p):
         if p not in self.params:
@@ -220,10 +226,119 @@ class Kernel:
         pairs = [(p, q) for p in self.params for q in self.params]
         return dict(zip(pairs, norms))
 
+    def jacobian(self, values, p, compact=False):
+        """∂vec_r F/∂vec_r W_p per sequence (not a batch mean); the target Y is not needed.
+
+        Dense (``compact=False``): shape (numel F, numel W_p), or (N, numel F, numel W_p)
+        when the data carry a batch axis of N sequences (a Jacobian that does not read the
+        data is broadcast, as a read-only view).  ``compact=True``: a ``CompactJacobian``
+        whose layout is derived from the index structure (``symhess.jacobians``), e.g. the
+        LayerNorm input Jacobian as J[i, a, b] = ∂F[i, a]/∂X[i, b] (L × d × d) and the FFN
+        W_1 Jacobian as the factors X[i, b], σ'(H)[i, k], W_2[k, a]; ``.dense()`` expands it.
+        """
+        p = self._param(p)
+        arrays = self._prepare(values, optional=("Y",))
+        data = [n for n in self._data if n != "Y"]
+        per_seq = any(np.ndim(values[n]) == 3 for n in data)
+        n_seq = arrays[data[0]].shape[0] if data else 1
+        args = {n: a for n, a in arrays.items() if n != "Y"}
+        layout = self._fns[("jacobian_layout", p)]
+        dims = {s.name: v for s, v in self._dims.items()}
+        if not compact:
+            return self._per_seq(self._fns[("jacobian", p)](**args), 2, per_seq, n_seq)
+        factors = self._fns[("jacobian_compact", p)](**args)
+        factors = tuple(self._per_seq(f, len(ax), per_seq, n_seq)
+                        for f, ax in zip(factors, layout["factors"]))
+        return CompactJacobian(self.backend, layout, factors, dims, per_seq)
+
+    def _per_seq(self, a, ndim, per_seq, n_seq):
+        """One array per sequence when the data are batched, none otherwise."""
+        if a.ndim == ndim + 1 and not per_seq:
+            return a[0]
+        if a.ndim == ndim and per_seq:
+            shape = (n_seq,) + tuple(a.shape)
+            return a.expand(*shape) if self.backend == "torch" else np.broadcast_to(a, shape)
+        return a
+
     def frobenius_norm(self, values, p, q, part="full"):
         """‖H_part(p, q)‖_F, exact, without building the block."""
         check_part(part)
         return self._call(("frobenius", self._param(p), self._param(q), part), values)[0]
+
+
+@lru_cache(maxsize=None)
+def _size(text, env):
+    """A dimension expression (as text) at the bound sizes; parsed once."""
+    return int(sp.sympify(text).subs(dict(env)))
+
+
+class CompactJacobian:
+    """A Jacobian in its compact layout: J[rows, cols] = Π_f factors[f][axes_f] where the
+    positions that share a compact axis agree, and 0 elsewhere (``symhess.jacobians.Layout``).
+
+    ``row_axes[k]``: the compact axis of F's k-th index atom; ``col_axes[k]``: that of
+    W_p's; ``shape``: the compact shape; ``axes[f]``: the compact axes of ``factors[f]``
+    (after a leading batch axis when ``batched``).  Axes on no factor carry the value 1.
+    """
+
+    def __init__(self, backend, layout, factors, dims, batched):
+        env = tuple(sorted(dims.items()))
+        ev = lambda s: _size(s, env)
+        self.backend, self.factors, self.batched = backend, factors, batched
+        self.axes = tuple(tuple(ax) for ax in layout["factors"])
+        self.row_axes, self.col_axes = tuple(layout["row_axes"]), tuple(layout["col_axes"])
+        self.row_sizes = tuple(ev(s) for s in layout["row_sizes"])
+        self.col_sizes = tuple(ev(s) for s in layout["col_sizes"])
+        self.shape = tuple(ev(s) for s in layout["axis_sizes"])
+
+    def __repr__(self):
+        return (f"<CompactJacobian shape {self.shape}, rows → axes {self.row_axes}, "
+                f"columns → axes {self.col_axes}, factors over {self.axes}>")
+
+    def _lib(self):
+        if self.backend == "torch":
+            import torch
+            return torch
+        return np
+
+    def tensor(self):
+        """The compact tensor Π_f factors[f] broadcast over all compact axes."""
+        lib = self._lib()
+        letters = "abcdefghijklmnopqrstuvwxyz"
+        b = "Z" if self.batched else ""
+        ops, specs = list(self.factors), [b + "".join(letters[a] for a in ax) for ax in self.axes]
+        like = self.factors[0]
+        ones = lib.ones(self.shape, dtype=like.dtype, **({"device": like.device} if lib is not np else {}))
+        ops.append(ones)
+        specs.append(letters[:len(self.shape)])
+        out = (b if self.batched else "") + letters[:len(self.shape)]
+        return lib.einsum(",".join(specs) + "->" + out, *ops)
+
+    def dense(self):
+        """The dense (numel F × numel W_p) Jacobian (per sequence when batched)."""
+        lib = self._lib()
+        c = self.tensor()
+        lead = tuple(c.shape[:1]) if self.batched else ()
+        sizes = self.row_sizes + self.col_sizes
+        if lib is np:
+            out = np.zeros(lead + sizes, dtype=c.dtype)
+        else:
+            out = lib.zeros(lead + sizes, dtype=c.dtype, device=c.device)
+        positions = self.row_axes + self.col_axes
+        strides = [0] * len(self.shape)
+        step = 1
+        for k in reversed(range(len(sizes))):      # element strides of the C-ordered dense
+            strides[positions[k]] += step
+            step *= sizes[k]
+        lead_s = (step,) if self.batched else ()
+        if lib is np:
+            view = np.lib.stride_tricks.as_strided(
+                out, lead + self.shape, tuple(s * out.itemsize for s in lead_s + tuple(strides)))
+        else:
+            view = out.as_strided(lead + self.shape, lead_s + tuple(strides))
+        view[...] = c
+        r = int(np.prod(self.row_sizes))
+        return out.reshape(lead + (r, -1))
 
 
 def _declared(var):

@@ -2974,6 +2974,142 @@ def mse_causal0__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     return t11
 
 
+def causal0__jacobian__W_Q(X, W_Q, W_K, W_V):
+    """∂vec_r F/∂vec_r W_Q: dense (numel F × numel W_Q); with data, one Jacobian per sequence (leading batch axis), not a mean."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = np.swapaxes(W_V, -1, -2)
+    t1 = np.swapaxes(X, -1, -2)
+    t2 = np.swapaxes(W_K, -1, -2)
+    t3 = t2 @ t1
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = np.exp(t6 - t6.max(-1, keepdims=True))
+    A = t7 / t7.sum(-1, keepdims=True)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    out = np.empty((n_batch, L*d_V, d_K*d_V,), dtype=X.dtype)
+    t8 = np.reshape(out, (n_batch, L, d_V, d_V, d_K,), copy=False)
+    t9 = (1/math.sqrt(d_K)) * t0
+    t8[...] = oe.contract('ab,cdbe,cdf,eg->cdafg', t9, M_2, X, W_K, optimize=[(0, 1), (1, 2), (0, 1)])
+    return out
+
+
+def causal0__jacobian_compact__W_Q(X, W_Q, W_K, W_V):
+    """∂vec_r F/∂vec_r W_Q, compact (L × d_V × d_V × d_K; row atoms → axes (0, 1), W_Q atoms → axes (2, 3)); factors over axes ((0, 1, 3), (0, 2)); per sequence."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = np.swapaxes(W_V, -1, -2)
+    t1 = np.swapaxes(X, -1, -2)
+    t2 = np.swapaxes(W_K, -1, -2)
+    t3 = t2 @ t1
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = np.exp(t6 - t6.max(-1, keepdims=True))
+    A = t7 / t7.sum(-1, keepdims=True)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    J = oe.contract('ab,cdbe,ef->cdaf', t0, M_2, W_K, optimize=[(0, 1), (0, 1)])
+    J8 = (1/math.sqrt(d_K)) * X
+    return (J, J8, )
+
+
+def causal0__jacobian__W_K(X, W_Q, W_K, W_V):
+    """∂vec_r F/∂vec_r W_K: dense (numel F × numel W_K); with data, one Jacobian per sequence (leading batch axis), not a mean."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = np.swapaxes(W_V, -1, -2)
+    t1 = np.swapaxes(X, -1, -2)
+    t2 = np.swapaxes(W_K, -1, -2)
+    t3 = t2 @ t1
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = np.exp(t6 - t6.max(-1, keepdims=True))
+    A = t7 / t7.sum(-1, keepdims=True)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    out = np.empty((n_batch, L*d_V, d_K*d_V,), dtype=X.dtype)
+    t8 = np.reshape(out, (n_batch, L, d_V, d_V, d_K,), copy=False)
+    t9 = (1/math.sqrt(d_K)) * t0
+    t8[...] = oe.contract('ab,cdbe,cdf,fg->cdaeg', t9, M_2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    return out
+
+
+def causal0__jacobian_compact__W_K(X, W_Q, W_K, W_V):
+    """∂vec_r F/∂vec_r W_K, compact (L × d_V × d_V × d_K; row atoms → axes (0, 1), W_K atoms → axes (2, 3)); factors over axes ((0, 1, 2), (0, 3)); per sequence."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = np.swapaxes(W_V, -1, -2)
+    t1 = np.swapaxes(X, -1, -2)
+    t2 = np.swapaxes(W_K, -1, -2)
+    t3 = t2 @ t1
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = np.exp(t6 - t6.max(-1, keepdims=True))
+    A = t7 / t7.sum(-1, keepdims=True)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    J = oe.contract('ab,cdbe->cdae', t0, M_2, optimize=[(0, 1)])
+    J8 = (1/math.sqrt(d_K)) * oe.contract('abc,cd->abd', X, W_Q, optimize=[(0, 1)])
+    return (J, J8, )
+
+
+def causal0__jacobian__W_V(X, W_Q, W_K, W_V):
+    """∂vec_r F/∂vec_r W_V: dense (numel F × numel W_V); with data, one Jacobian per sequence (leading batch axis), not a mean."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = np.swapaxes(W_K, -1, -2)
+    t1 = np.swapaxes(X, -1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = np.exp(t5 - t5.max(-1, keepdims=True))
+    A = t6 / t6.sum(-1, keepdims=True)
+    t7 = A @ X
+    M_1 = t7
+    out = np.zeros((n_batch, L*d_V, d_V**2,), dtype=X.dtype)
+    t8 = np.reshape(out, (n_batch, L, d_V, d_V, d_V,), copy=False)
+    t9 = np.einsum('...abcb->...abc', t8)
+    t10 = np.ones((d_V,), dtype=X.dtype)
+    t9[...] = oe.contract('abc,d->abdc', M_1, t10, optimize=[(0, 1)])
+    return out
+
+
+def causal0__jacobian_compact__W_V(X, W_Q, W_K, W_V):
+    """∂vec_r F/∂vec_r W_V, compact (L × d_V × d_V; row atoms → axes (0, 1), W_V atoms → axes (2, 1)); factors over axes ((0, 2),); per sequence."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = np.swapaxes(W_K, -1, -2)
+    t1 = np.swapaxes(X, -1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = np.exp(t5 - t5.max(-1, keepdims=True))
+    A = t6 / t6.sum(-1, keepdims=True)
+    t7 = A @ X
+    M_1 = t7
+    J = M_1
+    return (J, )
+
+
 def mse_causal1__loss(X, W_Q, W_K, W_V, Y):
     """The loss, batch mean."""
     L = X.shape[-2]
@@ -6084,6 +6220,154 @@ def mse_causal1__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     t12 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t11, t11, optimize=[(0, 1)])
     t13 = np.sqrt(np.maximum(t12, 0.0))
     return t13
+
+
+def causal1__jacobian__W_Q(X, W_Q, W_K, W_V):
+    """∂vec_r F/∂vec_r W_Q: dense (numel F × numel W_Q); with data, one Jacobian per sequence (leading batch axis), not a mean."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = np.swapaxes(W_V, -1, -2)
+    t1 = np.swapaxes(X, -1, -2)
+    t2 = np.swapaxes(W_K, -1, -2)
+    t3 = t2 @ t1
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = np.triu(np.ones((L, L), dtype=bool), 1)
+    t8 = np.where(t7, -math.inf, t6)
+    t9 = np.exp(t8 - t8.max(-1, keepdims=True))
+    A = t9 / t9.sum(-1, keepdims=True)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    out = np.empty((n_batch, L*d_V, d_K*d_V,), dtype=X.dtype)
+    t10 = np.reshape(out, (n_batch, L, d_V, d_V, d_K,), copy=False)
+    t11 = (1/math.sqrt(d_K)) * t0
+    t10[...] = oe.contract('ab,cdbe,cdf,eg->cdafg', t11, M_2, X, W_K, optimize=[(0, 1), (1, 2), (0, 1)])
+    return out
+
+
+def causal1__jacobian_compact__W_Q(X, W_Q, W_K, W_V):
+    """∂vec_r F/∂vec_r W_Q, compact (L × d_V × d_V × d_K; row atoms → axes (0, 1), W_Q atoms → axes (2, 3)); factors over axes ((0, 1, 3), (0, 2)); per sequence."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = np.swapaxes(W_V, -1, -2)
+    t1 = np.swapaxes(X, -1, -2)
+    t2 = np.swapaxes(W_K, -1, -2)
+    t3 = t2 @ t1
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = np.triu(np.ones((L, L), dtype=bool), 1)
+    t8 = np.where(t7, -math.inf, t6)
+    t9 = np.exp(t8 - t8.max(-1, keepdims=True))
+    A = t9 / t9.sum(-1, keepdims=True)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    J = oe.contract('ab,cdbe,ef->cdaf', t0, M_2, W_K, optimize=[(0, 1), (0, 1)])
+    J10 = (1/math.sqrt(d_K)) * X
+    return (J, J10, )
+
+
+def causal1__jacobian__W_K(X, W_Q, W_K, W_V):
+    """∂vec_r F/∂vec_r W_K: dense (numel F × numel W_K); with data, one Jacobian per sequence (leading batch axis), not a mean."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = np.swapaxes(W_V, -1, -2)
+    t1 = np.swapaxes(X, -1, -2)
+    t2 = np.swapaxes(W_K, -1, -2)
+    t3 = t2 @ t1
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = np.triu(np.ones((L, L), dtype=bool), 1)
+    t8 = np.where(t7, -math.inf, t6)
+    t9 = np.exp(t8 - t8.max(-1, keepdims=True))
+    A = t9 / t9.sum(-1, keepdims=True)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    out = np.empty((n_batch, L*d_V, d_K*d_V,), dtype=X.dtype)
+    t10 = np.reshape(out, (n_batch, L, d_V, d_V, d_K,), copy=False)
+    t11 = (1/math.sqrt(d_K)) * t0
+    t10[...] = oe.contract('ab,cdbe,cdf,fg->cdaeg', t11, M_2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    return out
+
+
+def causal1__jacobian_compact__W_K(X, W_Q, W_K, W_V):
+    """∂vec_r F/∂vec_r W_K, compact (L × d_V × d_V × d_K; row atoms → axes (0, 1), W_K atoms → axes (2, 3)); factors over axes ((0, 1, 2), (0, 3)); per sequence."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = np.swapaxes(W_V, -1, -2)
+    t1 = np.swapaxes(X, -1, -2)
+    t2 = np.swapaxes(W_K, -1, -2)
+    t3 = t2 @ t1
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = np.triu(np.ones((L, L), dtype=bool), 1)
+    t8 = np.where(t7, -math.inf, t6)
+    t9 = np.exp(t8 - t8.max(-1, keepdims=True))
+    A = t9 / t9.sum(-1, keepdims=True)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    J = oe.contract('ab,cdbe->cdae', t0, M_2, optimize=[(0, 1)])
+    J10 = (1/math.sqrt(d_K)) * oe.contract('abc,cd->abd', X, W_Q, optimize=[(0, 1)])
+    return (J, J10, )
+
+
+def causal1__jacobian__W_V(X, W_Q, W_K, W_V):
+    """∂vec_r F/∂vec_r W_V: dense (numel F × numel W_V); with data, one Jacobian per sequence (leading batch axis), not a mean."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = np.swapaxes(W_K, -1, -2)
+    t1 = np.swapaxes(X, -1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = np.triu(np.ones((L, L), dtype=bool), 1)
+    t7 = np.where(t6, -math.inf, t5)
+    t8 = np.exp(t7 - t7.max(-1, keepdims=True))
+    A = t8 / t8.sum(-1, keepdims=True)
+    t9 = A @ X
+    M_1 = t9
+    out = np.zeros((n_batch, L*d_V, d_V**2,), dtype=X.dtype)
+    t10 = np.reshape(out, (n_batch, L, d_V, d_V, d_V,), copy=False)
+    t11 = np.einsum('...abcb->...abc', t10)
+    t12 = np.ones((d_V,), dtype=X.dtype)
+    t11[...] = oe.contract('abc,d->abdc', M_1, t12, optimize=[(0, 1)])
+    return out
+
+
+def causal1__jacobian_compact__W_V(X, W_Q, W_K, W_V):
+    """∂vec_r F/∂vec_r W_V, compact (L × d_V × d_V; row atoms → axes (0, 1), W_V atoms → axes (2, 1)); factors over axes ((0, 2),); per sequence."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = np.swapaxes(W_K, -1, -2)
+    t1 = np.swapaxes(X, -1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = np.triu(np.ones((L, L), dtype=bool), 1)
+    t7 = np.where(t6, -math.inf, t5)
+    t8 = np.exp(t7 - t7.max(-1, keepdims=True))
+    A = t8 / t8.sum(-1, keepdims=True)
+    t9 = A @ X
+    M_1 = t9
+    J = M_1
+    return (J, )
 
 
 def ce_causal0__loss(X, W_Q, W_K, W_V, Y):
@@ -13393,6 +13677,15 @@ VARIANTS = {
         ('frobenius', 'W_V', 'W_K', 'full'): mse_causal0__frobenius__W_V__W_K__full,
         ('block', 'W_V', 'W_V', 'full'): mse_causal0__block__W_V__W_V__full,
         ('frobenius', 'W_V', 'W_V', 'full'): mse_causal0__frobenius__W_V__W_V__full,
+        ('jacobian', 'W_Q'): causal0__jacobian__W_Q,
+        ('jacobian_compact', 'W_Q'): causal0__jacobian_compact__W_Q,
+        ('jacobian_layout', 'W_Q'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 3), (0, 2))},
+        ('jacobian', 'W_K'): causal0__jacobian__W_K,
+        ('jacobian_compact', 'W_K'): causal0__jacobian_compact__W_K,
+        ('jacobian_layout', 'W_K'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 2), (0, 3))},
+        ('jacobian', 'W_V'): causal0__jacobian__W_V,
+        ('jacobian_compact', 'W_V'): causal0__jacobian_compact__W_V,
+        ('jacobian_layout', 'W_V'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_V'), 'row_axes': (0, 1), 'col_axes': (2, 1), 'axis_sizes': ('L', 'd_V', 'd_V'), 'factors': ((0, 2),)},
     },
     ('mse', (('causal', True), ('scale', None))): {
         ('loss',): mse_causal1__loss,
@@ -13478,6 +13771,15 @@ VARIANTS = {
         ('frobenius', 'W_V', 'W_K', 'full'): mse_causal1__frobenius__W_V__W_K__full,
         ('block', 'W_V', 'W_V', 'full'): mse_causal1__block__W_V__W_V__full,
         ('frobenius', 'W_V', 'W_V', 'full'): mse_causal1__frobenius__W_V__W_V__full,
+        ('jacobian', 'W_Q'): causal1__jacobian__W_Q,
+        ('jacobian_compact', 'W_Q'): causal1__jacobian_compact__W_Q,
+        ('jacobian_layout', 'W_Q'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 3), (0, 2))},
+        ('jacobian', 'W_K'): causal1__jacobian__W_K,
+        ('jacobian_compact', 'W_K'): causal1__jacobian_compact__W_K,
+        ('jacobian_layout', 'W_K'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 2), (0, 3))},
+        ('jacobian', 'W_V'): causal1__jacobian__W_V,
+        ('jacobian_compact', 'W_V'): causal1__jacobian_compact__W_V,
+        ('jacobian_layout', 'W_V'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_V'), 'row_axes': (0, 1), 'col_axes': (2, 1), 'axis_sizes': ('L', 'd_V', 'd_V'), 'factors': ((0, 2),)},
     },
     ('ce', (('causal', False), ('scale', None))): {
         ('loss',): ce_causal0__loss,
@@ -13563,6 +13865,15 @@ VARIANTS = {
         ('frobenius', 'W_V', 'W_K', 'full'): ce_causal0__frobenius__W_V__W_K__full,
         ('block', 'W_V', 'W_V', 'full'): ce_causal0__block__W_V__W_V__full,
         ('frobenius', 'W_V', 'W_V', 'full'): ce_causal0__frobenius__W_V__W_V__full,
+        ('jacobian', 'W_Q'): causal0__jacobian__W_Q,
+        ('jacobian_compact', 'W_Q'): causal0__jacobian_compact__W_Q,
+        ('jacobian_layout', 'W_Q'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 3), (0, 2))},
+        ('jacobian', 'W_K'): causal0__jacobian__W_K,
+        ('jacobian_compact', 'W_K'): causal0__jacobian_compact__W_K,
+        ('jacobian_layout', 'W_K'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 2), (0, 3))},
+        ('jacobian', 'W_V'): causal0__jacobian__W_V,
+        ('jacobian_compact', 'W_V'): causal0__jacobian_compact__W_V,
+        ('jacobian_layout', 'W_V'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_V'), 'row_axes': (0, 1), 'col_axes': (2, 1), 'axis_sizes': ('L', 'd_V', 'd_V'), 'factors': ((0, 2),)},
     },
     ('ce', (('causal', True), ('scale', None))): {
         ('loss',): ce_causal1__loss,
@@ -13648,5 +13959,14 @@ VARIANTS = {
         ('frobenius', 'W_V', 'W_K', 'full'): ce_causal1__frobenius__W_V__W_K__full,
         ('block', 'W_V', 'W_V', 'full'): ce_causal1__block__W_V__W_V__full,
         ('frobenius', 'W_V', 'W_V', 'full'): ce_causal1__frobenius__W_V__W_V__full,
+        ('jacobian', 'W_Q'): causal1__jacobian__W_Q,
+        ('jacobian_compact', 'W_Q'): causal1__jacobian_compact__W_Q,
+        ('jacobian_layout', 'W_Q'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 3), (0, 2))},
+        ('jacobian', 'W_K'): causal1__jacobian__W_K,
+        ('jacobian_compact', 'W_K'): causal1__jacobian_compact__W_K,
+        ('jacobian_layout', 'W_K'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 2), (0, 3))},
+        ('jacobian', 'W_V'): causal1__jacobian__W_V,
+        ('jacobian_compact', 'W_V'): causal1__jacobian_compact__W_V,
+        ('jacobian_layout', 'W_V'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_V'), 'row_axes': (0, 1), 'col_axes': (2, 1), 'axis_sizes': ('L', 'd_V', 'd_V'), 'factors': ((0, 2),)},
     },
 }

@@ -2596,6 +2596,116 @@ def mse_causal0__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     return t11
 
 
+def causal0__jacobian__W_Q(X, W_Q, W_K, W_V):
+    """∂vec_r F/∂vec_r W_Q: dense (numel F × numel W_Q); with data, one Jacobian per sequence (leading batch axis), not a mean."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    out = np.empty((n_batch, L*d_V, d_K*d_V,), dtype=X.dtype)
+    t0 = np.reshape(out, (n_batch, L, d_V, d_V, d_K,), copy=False)
+    t1 = np.swapaxes(W_V, -1, -2)
+    t2 = np.swapaxes(X, -1, -2)
+    t3 = t1 @ t2
+    t4 = X @ W_K
+    t5 = t3 @ t4
+    t6 = t5
+    t7 = (1/math.sqrt(d_K)) * X
+    np.multiply(t6[:, None, :, None, :], t7[:, :, None, :, None], out=t0)
+    return out
+
+
+def causal0__jacobian_compact__W_Q(X, W_Q, W_K, W_V):
+    """∂vec_r F/∂vec_r W_Q, compact (L × d_V × d_V × d_K; row atoms → axes (0, 1), W_Q atoms → axes (2, 3)); factors over axes ((0, 2), (1, 3)); per sequence."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    J = (1/math.sqrt(d_K)) * X
+    t0 = np.swapaxes(W_V, -1, -2)
+    t1 = np.swapaxes(X, -1, -2)
+    t2 = t0 @ t1
+    t3 = X @ W_K
+    t4 = t2 @ t3
+    J5 = t4
+    return (J, J5, )
+
+
+def causal0__jacobian__W_K(X, W_Q, W_K, W_V):
+    """∂vec_r F/∂vec_r W_K: dense (numel F × numel W_K); with data, one Jacobian per sequence (leading batch axis), not a mean."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X @ W_Q
+    out = np.empty((n_batch, L*d_V, d_K*d_V,), dtype=X.dtype)
+    t1 = np.reshape(out, (n_batch, L, d_V, d_V, d_K,), copy=False)
+    t2 = np.swapaxes(W_V, -1, -2)
+    t3 = np.swapaxes(X, -1, -2)
+    t4 = t2 @ t3
+    t5 = t4 @ X
+    t6 = t5
+    t7 = (1/math.sqrt(d_K)) * t0
+    np.multiply(t6[:, None, :, :, None], t7[:, :, None, None, :], out=t1)
+    return out
+
+
+def causal0__jacobian_compact__W_K(X, W_Q, W_K, W_V):
+    """∂vec_r F/∂vec_r W_K, compact (L × d_V × d_V × d_K; row atoms → axes (0, 1), W_K atoms → axes (2, 3)); factors over axes ((0, 3), (1, 2)); per sequence."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X @ W_Q
+    J = (1/math.sqrt(d_K)) * t0
+    t1 = np.swapaxes(W_V, -1, -2)
+    t2 = np.swapaxes(X, -1, -2)
+    t3 = t1 @ t2
+    t4 = t3 @ X
+    J5 = t4
+    return (J, J5, )
+
+
+def causal0__jacobian__W_V(X, W_Q, W_K, W_V):
+    """∂vec_r F/∂vec_r W_V: dense (numel F × numel W_V); with data, one Jacobian per sequence (leading batch axis), not a mean."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = np.swapaxes(W_K, -1, -2)
+    t1 = np.swapaxes(X, -1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    T = t5
+    t6 = T @ X
+    out = np.zeros((n_batch, L*d_V, d_V**2,), dtype=X.dtype)
+    t7 = np.reshape(out, (n_batch, L, d_V, d_V, d_V,), copy=False)
+    t8 = np.einsum('...abcb->...abc', t7)
+    t9 = np.ones((d_V,), dtype=X.dtype)
+    t8[...] = oe.contract('abc,d->abdc', t6, t9, optimize=[(0, 1)])
+    return out
+
+
+def causal0__jacobian_compact__W_V(X, W_Q, W_K, W_V):
+    """∂vec_r F/∂vec_r W_V, compact (L × d_V × d_V; row atoms → axes (0, 1), W_V atoms → axes (2, 1)); factors over axes ((0, 2),); per sequence."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = np.swapaxes(W_K, -1, -2)
+    t1 = np.swapaxes(X, -1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    T = t5
+    t6 = T @ X
+    J = t6
+    return (J, )
+
+
 def mse_causal1__loss(X, W_Q, W_K, W_V, Y):
     """The loss, batch mean."""
     L = X.shape[-2]
@@ -5194,6 +5304,118 @@ def mse_causal1__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     t13 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t12, t12, optimize=[(0, 1)])
     t14 = np.sqrt(np.maximum(t13, 0.0))
     return t14
+
+
+def causal1__jacobian__W_Q(X, W_Q, W_K, W_V):
+    """∂vec_r F/∂vec_r W_Q: dense (numel F × numel W_Q); with data, one Jacobian per sequence (leading batch axis), not a mean."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = np.swapaxes(W_V, -1, -2)
+    t1 = np.swapaxes(X, -1, -2)
+    t2 = t0 @ t1
+    out = np.empty((n_batch, L*d_V, d_K*d_V,), dtype=X.dtype)
+    t3 = np.reshape(out, (n_batch, L, d_V, d_V, d_K,), copy=False)
+    Mcausal = np.tril(np.ones((L, L), dtype=X.dtype))
+    t4 = X @ W_K
+    t5 = (1/math.sqrt(d_K)) * Mcausal
+    t3[...] = oe.contract('abc,dc,ade,acf->adbef', t2, t5, X, t4, optimize=[(0, 1), (1, 2), (0, 1)])
+    return out
+
+
+def causal1__jacobian_compact__W_Q(X, W_Q, W_K, W_V):
+    """∂vec_r F/∂vec_r W_Q, compact (L × d_V × d_V × d_K; row atoms → axes (0, 1), W_Q atoms → axes (2, 3)); factors over axes ((0, 1, 3), (0, 2)); per sequence."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = np.swapaxes(W_V, -1, -2)
+    t1 = np.swapaxes(X, -1, -2)
+    t2 = t0 @ t1
+    Mcausal = np.tril(np.ones((L, L), dtype=X.dtype))
+    t3 = X @ W_K
+    J = oe.contract('abc,dc,ace->adbe', t2, Mcausal, t3, optimize=[(0, 1), (0, 1)])
+    J4 = (1/math.sqrt(d_K)) * X
+    return (J, J4, )
+
+
+def causal1__jacobian__W_K(X, W_Q, W_K, W_V):
+    """∂vec_r F/∂vec_r W_K: dense (numel F × numel W_K); with data, one Jacobian per sequence (leading batch axis), not a mean."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = np.swapaxes(W_V, -1, -2)
+    t1 = np.swapaxes(X, -1, -2)
+    t2 = t0 @ t1
+    out = np.empty((n_batch, L*d_V, d_K*d_V,), dtype=X.dtype)
+    t3 = np.reshape(out, (n_batch, L, d_V, d_V, d_K,), copy=False)
+    Mcausal = np.tril(np.ones((L, L), dtype=X.dtype))
+    t4 = X @ W_Q
+    t5 = (1/math.sqrt(d_K)) * Mcausal
+    t3[...] = oe.contract('abc,dc,ade,acf->adbfe', t2, t5, t4, X, optimize=[(0, 1), (1, 2), (0, 1)])
+    return out
+
+
+def causal1__jacobian_compact__W_K(X, W_Q, W_K, W_V):
+    """∂vec_r F/∂vec_r W_K, compact (L × d_V × d_V × d_K; row atoms → axes (0, 1), W_K atoms → axes (2, 3)); factors over axes ((0, 1, 2), (0, 3)); per sequence."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = np.swapaxes(W_V, -1, -2)
+    t1 = np.swapaxes(X, -1, -2)
+    t2 = t0 @ t1
+    Mcausal = np.tril(np.ones((L, L), dtype=X.dtype))
+    J = oe.contract('abc,dc,ace->adbe', t2, Mcausal, X, optimize=[(0, 1), (0, 1)])
+    t3 = X @ W_Q
+    J4 = (1/math.sqrt(d_K)) * t3
+    return (J, J4, )
+
+
+def causal1__jacobian__W_V(X, W_Q, W_K, W_V):
+    """∂vec_r F/∂vec_r W_V: dense (numel F × numel W_V); with data, one Jacobian per sequence (leading batch axis), not a mean."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    Mcausal = np.tril(np.ones((L, L), dtype=X.dtype))
+    t0 = np.swapaxes(W_K, -1, -2)
+    t1 = np.swapaxes(X, -1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    T = t5
+    t6 = Mcausal * T
+    t7 = t6 @ X
+    out = np.zeros((n_batch, L*d_V, d_V**2,), dtype=X.dtype)
+    t8 = np.reshape(out, (n_batch, L, d_V, d_V, d_V,), copy=False)
+    t9 = np.einsum('...abcb->...abc', t8)
+    t10 = np.ones((d_V,), dtype=X.dtype)
+    t9[...] = oe.contract('abc,d->abdc', t7, t10, optimize=[(0, 1)])
+    return out
+
+
+def causal1__jacobian_compact__W_V(X, W_Q, W_K, W_V):
+    """∂vec_r F/∂vec_r W_V, compact (L × d_V × d_V; row atoms → axes (0, 1), W_V atoms → axes (2, 1)); factors over axes ((0, 2),); per sequence."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    Mcausal = np.tril(np.ones((L, L), dtype=X.dtype))
+    t0 = np.swapaxes(W_K, -1, -2)
+    t1 = np.swapaxes(X, -1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    T = t5
+    t6 = Mcausal * T
+    t7 = t6 @ X
+    J = t7
+    return (J, )
 
 
 def ce_causal0__loss(X, W_Q, W_K, W_V, Y):
@@ -11600,6 +11822,15 @@ VARIANTS = {
         ('frobenius', 'W_V', 'W_K', 'full'): mse_causal0__frobenius__W_V__W_K__full,
         ('block', 'W_V', 'W_V', 'full'): mse_causal0__block__W_V__W_V__full,
         ('frobenius', 'W_V', 'W_V', 'full'): mse_causal0__frobenius__W_V__W_V__full,
+        ('jacobian', 'W_Q'): causal0__jacobian__W_Q,
+        ('jacobian_compact', 'W_Q'): causal0__jacobian_compact__W_Q,
+        ('jacobian_layout', 'W_Q'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 2), (1, 3))},
+        ('jacobian', 'W_K'): causal0__jacobian__W_K,
+        ('jacobian_compact', 'W_K'): causal0__jacobian_compact__W_K,
+        ('jacobian_layout', 'W_K'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 3), (1, 2))},
+        ('jacobian', 'W_V'): causal0__jacobian__W_V,
+        ('jacobian_compact', 'W_V'): causal0__jacobian_compact__W_V,
+        ('jacobian_layout', 'W_V'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_V'), 'row_axes': (0, 1), 'col_axes': (2, 1), 'axis_sizes': ('L', 'd_V', 'd_V'), 'factors': ((0, 2),)},
     },
     ('mse', (('causal', True), ('scale', None))): {
         ('loss',): mse_causal1__loss,
@@ -11685,6 +11916,15 @@ VARIANTS = {
         ('frobenius', 'W_V', 'W_K', 'full'): mse_causal1__frobenius__W_V__W_K__full,
         ('block', 'W_V', 'W_V', 'full'): mse_causal1__block__W_V__W_V__full,
         ('frobenius', 'W_V', 'W_V', 'full'): mse_causal1__frobenius__W_V__W_V__full,
+        ('jacobian', 'W_Q'): causal1__jacobian__W_Q,
+        ('jacobian_compact', 'W_Q'): causal1__jacobian_compact__W_Q,
+        ('jacobian_layout', 'W_Q'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 3), (0, 2))},
+        ('jacobian', 'W_K'): causal1__jacobian__W_K,
+        ('jacobian_compact', 'W_K'): causal1__jacobian_compact__W_K,
+        ('jacobian_layout', 'W_K'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 2), (0, 3))},
+        ('jacobian', 'W_V'): causal1__jacobian__W_V,
+        ('jacobian_compact', 'W_V'): causal1__jacobian_compact__W_V,
+        ('jacobian_layout', 'W_V'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_V'), 'row_axes': (0, 1), 'col_axes': (2, 1), 'axis_sizes': ('L', 'd_V', 'd_V'), 'factors': ((0, 2),)},
     },
     ('ce', (('causal', False), ('scale', None))): {
         ('loss',): ce_causal0__loss,
@@ -11770,6 +12010,15 @@ VARIANTS = {
         ('frobenius', 'W_V', 'W_K', 'full'): ce_causal0__frobenius__W_V__W_K__full,
         ('block', 'W_V', 'W_V', 'full'): ce_causal0__block__W_V__W_V__full,
         ('frobenius', 'W_V', 'W_V', 'full'): ce_causal0__frobenius__W_V__W_V__full,
+        ('jacobian', 'W_Q'): causal0__jacobian__W_Q,
+        ('jacobian_compact', 'W_Q'): causal0__jacobian_compact__W_Q,
+        ('jacobian_layout', 'W_Q'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 2), (1, 3))},
+        ('jacobian', 'W_K'): causal0__jacobian__W_K,
+        ('jacobian_compact', 'W_K'): causal0__jacobian_compact__W_K,
+        ('jacobian_layout', 'W_K'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 3), (1, 2))},
+        ('jacobian', 'W_V'): causal0__jacobian__W_V,
+        ('jacobian_compact', 'W_V'): causal0__jacobian_compact__W_V,
+        ('jacobian_layout', 'W_V'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_V'), 'row_axes': (0, 1), 'col_axes': (2, 1), 'axis_sizes': ('L', 'd_V', 'd_V'), 'factors': ((0, 2),)},
     },
     ('ce', (('causal', True), ('scale', None))): {
         ('loss',): ce_causal1__loss,
@@ -11855,5 +12104,14 @@ VARIANTS = {
         ('frobenius', 'W_V', 'W_K', 'full'): ce_causal1__frobenius__W_V__W_K__full,
         ('block', 'W_V', 'W_V', 'full'): ce_causal1__block__W_V__W_V__full,
         ('frobenius', 'W_V', 'W_V', 'full'): ce_causal1__frobenius__W_V__W_V__full,
+        ('jacobian', 'W_Q'): causal1__jacobian__W_Q,
+        ('jacobian_compact', 'W_Q'): causal1__jacobian_compact__W_Q,
+        ('jacobian_layout', 'W_Q'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 3), (0, 2))},
+        ('jacobian', 'W_K'): causal1__jacobian__W_K,
+        ('jacobian_compact', 'W_K'): causal1__jacobian_compact__W_K,
+        ('jacobian_layout', 'W_K'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 2), (0, 3))},
+        ('jacobian', 'W_V'): causal1__jacobian__W_V,
+        ('jacobian_compact', 'W_V'): causal1__jacobian_compact__W_V,
+        ('jacobian_layout', 'W_V'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_V'), 'row_axes': (0, 1), 'col_axes': (2, 1), 'axis_sizes': ('L', 'd_V', 'd_V'), 'factors': ((0, 2),)},
     },
 }

@@ -1321,6 +1321,79 @@ def mse_causal0__frobenius__W_V__W_V__full(X, W_QK, W_V, Y):
     return t8
 
 
+def causal0__jacobian__W_QK(X, W_QK, W_V):
+    """∂vec_r F/∂vec_r W_QK: dense (numel F × numel W_QK); with data, one Jacobian per sequence (leading batch axis), not a mean."""
+    L = X.shape[-2]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = np.swapaxes(W_V, -1, -2)
+    t1 = np.swapaxes(X, -1, -2)
+    t2 = W_QK @ t1
+    t3 = X @ t2
+    t4 = np.exp(t3 - t3.max(-1, keepdims=True))
+    A = t4 / t4.sum(-1, keepdims=True)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    out = np.empty((n_batch, L*d_V, d_V**2,), dtype=X.dtype)
+    t5 = np.reshape(out, (n_batch, L, d_V, d_V, d_V,), copy=False)
+    t5[...] = oe.contract('ab,cdbe,cdf->cdafe', t0, M_2, X, optimize=[(0, 1), (0, 1)])
+    return out
+
+
+def causal0__jacobian_compact__W_QK(X, W_QK, W_V):
+    """∂vec_r F/∂vec_r W_QK, compact (L × d_V × d_V × d_V; row atoms → axes (0, 1), W_QK atoms → axes (2, 3)); factors over axes ((0, 1, 3), (0, 2)); per sequence."""
+    L = X.shape[-2]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = np.swapaxes(W_V, -1, -2)
+    t1 = np.swapaxes(X, -1, -2)
+    t2 = W_QK @ t1
+    t3 = X @ t2
+    t4 = np.exp(t3 - t3.max(-1, keepdims=True))
+    A = t4 / t4.sum(-1, keepdims=True)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    J = oe.contract('ab,cdbe->cdae', t0, M_2, optimize=[(0, 1)])
+    J5 = X
+    return (J, J5, )
+
+
+def causal0__jacobian__W_V(X, W_QK, W_V):
+    """∂vec_r F/∂vec_r W_V: dense (numel F × numel W_V); with data, one Jacobian per sequence (leading batch axis), not a mean."""
+    L = X.shape[-2]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = np.swapaxes(X, -1, -2)
+    t1 = W_QK @ t0
+    t2 = X @ t1
+    t3 = np.exp(t2 - t2.max(-1, keepdims=True))
+    A = t3 / t3.sum(-1, keepdims=True)
+    t4 = A @ X
+    M_1 = t4
+    out = np.zeros((n_batch, L*d_V, d_V**2,), dtype=X.dtype)
+    t5 = np.reshape(out, (n_batch, L, d_V, d_V, d_V,), copy=False)
+    t6 = np.einsum('...abcb->...abc', t5)
+    t7 = np.ones((d_V,), dtype=X.dtype)
+    t6[...] = oe.contract('abc,d->abdc', M_1, t7, optimize=[(0, 1)])
+    return out
+
+
+def causal0__jacobian_compact__W_V(X, W_QK, W_V):
+    """∂vec_r F/∂vec_r W_V, compact (L × d_V × d_V; row atoms → axes (0, 1), W_V atoms → axes (2, 1)); factors over axes ((0, 2),); per sequence."""
+    L = X.shape[-2]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = np.swapaxes(X, -1, -2)
+    t1 = W_QK @ t0
+    t2 = X @ t1
+    t3 = np.exp(t2 - t2.max(-1, keepdims=True))
+    A = t3 / t3.sum(-1, keepdims=True)
+    t4 = A @ X
+    M_1 = t4
+    J = M_1
+    return (J, )
+
+
 def mse_causal1__loss(X, W_QK, W_V, Y):
     """The loss, batch mean."""
     L = X.shape[-2]
@@ -2706,6 +2779,87 @@ def mse_causal1__frobenius__W_V__W_V__full(X, W_QK, W_V, Y):
     t9 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t8, t8, optimize=[(0, 1)])
     t10 = np.sqrt(np.maximum(t9, 0.0))
     return t10
+
+
+def causal1__jacobian__W_QK(X, W_QK, W_V):
+    """∂vec_r F/∂vec_r W_QK: dense (numel F × numel W_QK); with data, one Jacobian per sequence (leading batch axis), not a mean."""
+    L = X.shape[-2]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = np.swapaxes(W_V, -1, -2)
+    t1 = np.swapaxes(X, -1, -2)
+    t2 = W_QK @ t1
+    t3 = X @ t2
+    t4 = np.triu(np.ones((L, L), dtype=bool), 1)
+    t5 = np.where(t4, -math.inf, t3)
+    t6 = np.exp(t5 - t5.max(-1, keepdims=True))
+    A = t6 / t6.sum(-1, keepdims=True)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    out = np.empty((n_batch, L*d_V, d_V**2,), dtype=X.dtype)
+    t7 = np.reshape(out, (n_batch, L, d_V, d_V, d_V,), copy=False)
+    t7[...] = oe.contract('ab,cdbe,cdf->cdafe', t0, M_2, X, optimize=[(0, 1), (0, 1)])
+    return out
+
+
+def causal1__jacobian_compact__W_QK(X, W_QK, W_V):
+    """∂vec_r F/∂vec_r W_QK, compact (L × d_V × d_V × d_V; row atoms → axes (0, 1), W_QK atoms → axes (2, 3)); factors over axes ((0, 1, 3), (0, 2)); per sequence."""
+    L = X.shape[-2]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = np.swapaxes(W_V, -1, -2)
+    t1 = np.swapaxes(X, -1, -2)
+    t2 = W_QK @ t1
+    t3 = X @ t2
+    t4 = np.triu(np.ones((L, L), dtype=bool), 1)
+    t5 = np.where(t4, -math.inf, t3)
+    t6 = np.exp(t5 - t5.max(-1, keepdims=True))
+    A = t6 / t6.sum(-1, keepdims=True)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    J = oe.contract('ab,cdbe->cdae', t0, M_2, optimize=[(0, 1)])
+    J7 = X
+    return (J, J7, )
+
+
+def causal1__jacobian__W_V(X, W_QK, W_V):
+    """∂vec_r F/∂vec_r W_V: dense (numel F × numel W_V); with data, one Jacobian per sequence (leading batch axis), not a mean."""
+    L = X.shape[-2]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = np.swapaxes(X, -1, -2)
+    t1 = W_QK @ t0
+    t2 = X @ t1
+    t3 = np.triu(np.ones((L, L), dtype=bool), 1)
+    t4 = np.where(t3, -math.inf, t2)
+    t5 = np.exp(t4 - t4.max(-1, keepdims=True))
+    A = t5 / t5.sum(-1, keepdims=True)
+    t6 = A @ X
+    M_1 = t6
+    out = np.zeros((n_batch, L*d_V, d_V**2,), dtype=X.dtype)
+    t7 = np.reshape(out, (n_batch, L, d_V, d_V, d_V,), copy=False)
+    t8 = np.einsum('...abcb->...abc', t7)
+    t9 = np.ones((d_V,), dtype=X.dtype)
+    t8[...] = oe.contract('abc,d->abdc', M_1, t9, optimize=[(0, 1)])
+    return out
+
+
+def causal1__jacobian_compact__W_V(X, W_QK, W_V):
+    """∂vec_r F/∂vec_r W_V, compact (L × d_V × d_V; row atoms → axes (0, 1), W_V atoms → axes (2, 1)); factors over axes ((0, 2),); per sequence."""
+    L = X.shape[-2]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = np.swapaxes(X, -1, -2)
+    t1 = W_QK @ t0
+    t2 = X @ t1
+    t3 = np.triu(np.ones((L, L), dtype=bool), 1)
+    t4 = np.where(t3, -math.inf, t2)
+    t5 = np.exp(t4 - t4.max(-1, keepdims=True))
+    A = t5 / t5.sum(-1, keepdims=True)
+    t6 = A @ X
+    M_1 = t6
+    J = M_1
+    return (J, )
 
 
 def ce_causal0__loss(X, W_QK, W_V, Y):
@@ -6037,6 +6191,12 @@ VARIANTS = {
         ('frobenius', 'W_V', 'W_QK', 'full'): mse_causal0__frobenius__W_V__W_QK__full,
         ('block', 'W_V', 'W_V', 'full'): mse_causal0__block__W_V__W_V__full,
         ('frobenius', 'W_V', 'W_V', 'full'): mse_causal0__frobenius__W_V__W_V__full,
+        ('jacobian', 'W_QK'): causal0__jacobian__W_QK,
+        ('jacobian_compact', 'W_QK'): causal0__jacobian_compact__W_QK,
+        ('jacobian_layout', 'W_QK'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_V'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_V'), 'factors': ((0, 1, 3), (0, 2))},
+        ('jacobian', 'W_V'): causal0__jacobian__W_V,
+        ('jacobian_compact', 'W_V'): causal0__jacobian_compact__W_V,
+        ('jacobian_layout', 'W_V'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_V'), 'row_axes': (0, 1), 'col_axes': (2, 1), 'axis_sizes': ('L', 'd_V', 'd_V'), 'factors': ((0, 2),)},
     },
     ('mse', (('causal', True), ('d_K', None), ('scale', None))): {
         ('loss',): mse_causal1__loss,
@@ -6086,6 +6246,12 @@ VARIANTS = {
         ('frobenius', 'W_V', 'W_QK', 'full'): mse_causal1__frobenius__W_V__W_QK__full,
         ('block', 'W_V', 'W_V', 'full'): mse_causal1__block__W_V__W_V__full,
         ('frobenius', 'W_V', 'W_V', 'full'): mse_causal1__frobenius__W_V__W_V__full,
+        ('jacobian', 'W_QK'): causal1__jacobian__W_QK,
+        ('jacobian_compact', 'W_QK'): causal1__jacobian_compact__W_QK,
+        ('jacobian_layout', 'W_QK'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_V'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_V'), 'factors': ((0, 1, 3), (0, 2))},
+        ('jacobian', 'W_V'): causal1__jacobian__W_V,
+        ('jacobian_compact', 'W_V'): causal1__jacobian_compact__W_V,
+        ('jacobian_layout', 'W_V'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_V'), 'row_axes': (0, 1), 'col_axes': (2, 1), 'axis_sizes': ('L', 'd_V', 'd_V'), 'factors': ((0, 2),)},
     },
     ('ce', (('causal', False), ('d_K', None), ('scale', None))): {
         ('loss',): ce_causal0__loss,
@@ -6135,6 +6301,12 @@ VARIANTS = {
         ('frobenius', 'W_V', 'W_QK', 'full'): ce_causal0__frobenius__W_V__W_QK__full,
         ('block', 'W_V', 'W_V', 'full'): ce_causal0__block__W_V__W_V__full,
         ('frobenius', 'W_V', 'W_V', 'full'): ce_causal0__frobenius__W_V__W_V__full,
+        ('jacobian', 'W_QK'): causal0__jacobian__W_QK,
+        ('jacobian_compact', 'W_QK'): causal0__jacobian_compact__W_QK,
+        ('jacobian_layout', 'W_QK'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_V'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_V'), 'factors': ((0, 1, 3), (0, 2))},
+        ('jacobian', 'W_V'): causal0__jacobian__W_V,
+        ('jacobian_compact', 'W_V'): causal0__jacobian_compact__W_V,
+        ('jacobian_layout', 'W_V'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_V'), 'row_axes': (0, 1), 'col_axes': (2, 1), 'axis_sizes': ('L', 'd_V', 'd_V'), 'factors': ((0, 2),)},
     },
     ('ce', (('causal', True), ('d_K', None), ('scale', None))): {
         ('loss',): ce_causal1__loss,
@@ -6184,5 +6356,11 @@ VARIANTS = {
         ('frobenius', 'W_V', 'W_QK', 'full'): ce_causal1__frobenius__W_V__W_QK__full,
         ('block', 'W_V', 'W_V', 'full'): ce_causal1__block__W_V__W_V__full,
         ('frobenius', 'W_V', 'W_V', 'full'): ce_causal1__frobenius__W_V__W_V__full,
+        ('jacobian', 'W_QK'): causal1__jacobian__W_QK,
+        ('jacobian_compact', 'W_QK'): causal1__jacobian_compact__W_QK,
+        ('jacobian_layout', 'W_QK'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_V'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_V'), 'factors': ((0, 1, 3), (0, 2))},
+        ('jacobian', 'W_V'): causal1__jacobian__W_V,
+        ('jacobian_compact', 'W_V'): causal1__jacobian_compact__W_V,
+        ('jacobian_layout', 'W_V'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_V'), 'row_axes': (0, 1), 'col_axes': (2, 1), 'axis_sizes': ('L', 'd_V', 'd_V'), 'factors': ((0, 2),)},
     },
 }

@@ -1039,6 +1039,66 @@ def mse_bias0_residual0__frobenius__W_2__W_2__full(X, W_1, W_2, Y):
     return t8
 
 
+def bias0_residual0__jacobian__W_1(X, W_1, W_2):
+    """∂vec_r F/∂vec_r W_1: dense (numel F × numel W_1); with data, one Jacobian per sequence (leading batch axis), not a mean."""
+    L = X.shape[-2]
+    d_V = X.shape[-1]
+    d_ff = W_1.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_2.transpose(-1, -2)
+    t1 = X @ W_1
+    t2 = torch.heaviside(t1, torch.full_like(t1, 0.0))
+    out = torch.empty((n_batch, L*d_V, d_V*d_ff,), dtype=X.dtype, device=X.device)
+    t3 = out.view((n_batch, L, d_V, d_V, d_ff,))
+    t4 = t0
+    t5 = oe.contract('abc,abd->abdc', t2, X, optimize=[(0, 1)])
+    torch.mul(t4[None, None, :, None, :], t5[:, :, None, :, :], out=t3)
+    return out
+
+
+def bias0_residual0__jacobian_compact__W_1(X, W_1, W_2):
+    """∂vec_r F/∂vec_r W_1, compact (L × d_V × d_V × d_ff; row atoms → axes (0, 1), W_1 atoms → axes (2, 3)); factors over axes ((1, 3), (0, 3), (0, 2)); per sequence."""
+    L = X.shape[-2]
+    d_V = X.shape[-1]
+    d_ff = W_1.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_2.transpose(-1, -2)
+    J = t0
+    t1 = X @ W_1
+    t2 = torch.heaviside(t1, torch.full_like(t1, 0.0))
+    J3 = t2
+    J4 = X
+    return (J, J3, J4, )
+
+
+def bias0_residual0__jacobian__W_2(X, W_1, W_2):
+    """∂vec_r F/∂vec_r W_2: dense (numel F × numel W_2); with data, one Jacobian per sequence (leading batch axis), not a mean."""
+    L = X.shape[-2]
+    d_V = X.shape[-1]
+    d_ff = W_1.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X @ W_1
+    t1 = (t0 * torch.heaviside(t0, torch.full_like(t0, 0.0)))
+    out = torch.zeros((n_batch, L*d_V, d_V*d_ff,), dtype=X.dtype, device=X.device)
+    t2 = out.view((n_batch, L, d_V, d_ff, d_V,))
+    t3 = t2.diagonal(0, -3, -1)
+    t4 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t3[...] = oe.contract('abc,d->abcd', t1, t4, optimize=[(0, 1)])
+    return out
+
+
+def bias0_residual0__jacobian_compact__W_2(X, W_1, W_2):
+    """∂vec_r F/∂vec_r W_2, compact (L × d_V × d_ff; row atoms → axes (0, 1), W_2 atoms → axes (2, 1)); factors over axes ((0, 2),); per sequence."""
+    L = X.shape[-2]
+    d_V = X.shape[-1]
+    d_ff = W_1.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X @ W_1
+    t1 = (t0 * torch.heaviside(t0, torch.full_like(t0, 0.0)))
+    J = t1
+    return (J, )
+
+
 def ce_bias0_residual0__loss(X, W_1, W_2, Y):
     """The loss, batch mean."""
     L = X.shape[-2]
@@ -2387,6 +2447,12 @@ VARIANTS = {
         ('frobenius', 'W_2', 'W_1', 'full'): mse_bias0_residual0__frobenius__W_2__W_1__full,
         ('block', 'W_2', 'W_2', 'full'): mse_bias0_residual0__block__W_2__W_2__full,
         ('frobenius', 'W_2', 'W_2', 'full'): mse_bias0_residual0__frobenius__W_2__W_2__full,
+        ('jacobian', 'W_1'): bias0_residual0__jacobian__W_1,
+        ('jacobian_compact', 'W_1'): bias0_residual0__jacobian_compact__W_1,
+        ('jacobian_layout', 'W_1'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_ff'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_ff'), 'factors': ((1, 3), (0, 3), (0, 2))},
+        ('jacobian', 'W_2'): bias0_residual0__jacobian__W_2,
+        ('jacobian_compact', 'W_2'): bias0_residual0__jacobian_compact__W_2,
+        ('jacobian_layout', 'W_2'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_ff', 'd_V'), 'row_axes': (0, 1), 'col_axes': (2, 1), 'axis_sizes': ('L', 'd_V', 'd_ff'), 'factors': ((0, 2),)},
     },
     ('ce', (('activation', 'relu'), ('bias', False), ('residual', False))): {
         ('loss',): ce_bias0_residual0__loss,
@@ -2436,5 +2502,11 @@ VARIANTS = {
         ('frobenius', 'W_2', 'W_1', 'full'): ce_bias0_residual0__frobenius__W_2__W_1__full,
         ('block', 'W_2', 'W_2', 'full'): ce_bias0_residual0__block__W_2__W_2__full,
         ('frobenius', 'W_2', 'W_2', 'full'): ce_bias0_residual0__frobenius__W_2__W_2__full,
+        ('jacobian', 'W_1'): bias0_residual0__jacobian__W_1,
+        ('jacobian_compact', 'W_1'): bias0_residual0__jacobian_compact__W_1,
+        ('jacobian_layout', 'W_1'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_ff'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_ff'), 'factors': ((1, 3), (0, 3), (0, 2))},
+        ('jacobian', 'W_2'): bias0_residual0__jacobian__W_2,
+        ('jacobian_compact', 'W_2'): bias0_residual0__jacobian_compact__W_2,
+        ('jacobian_layout', 'W_2'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_ff', 'd_V'), 'row_axes': (0, 1), 'col_axes': (2, 1), 'axis_sizes': ('L', 'd_V', 'd_ff'), 'factors': ((0, 2),)},
     },
 }

@@ -1368,6 +1368,76 @@ def mse__frobenius__X__X__full(X, Y):
     return nrm
 
 
+def jacobian__X(X):
+    """∂vec_r F/∂vec_r X: dense (numel F × numel X); with data, one Jacobian per sequence (leading batch axis), not a mean."""
+    L = X.shape[-2]
+    d_V = X.shape[-1]
+    t0 = X.sum(-1, keepdim=True)
+    t1 = t0.expand(*t0.shape[:-1], d_V)
+    t2 = (-1/d_V) * t1
+    t3 = t2 + X
+    M_Z = t3
+    t4 = M_Z * M_Z
+    t5 = t4.sum(-1, keepdim=True)
+    t6 = t5.expand(*t5.shape[:-1], d_V)
+    t7 = (1/d_V) * t6
+    sigma2_Z = t7
+    t8 = (-0.5 * (sigma2_Z ** -1.5))
+    t9 = t8 * M_Z
+    t10 = torch.ones((d_V, d_V), dtype=X.dtype, device=X.device)
+    t11 = (sigma2_Z ** -0.5)
+    P_Z = t11
+    out = torch.zeros((L*d_V, L*d_V,), dtype=X.dtype, device=X.device)
+    t12 = out.view((L, d_V, L, d_V,))
+    t13 = t12.diagonal(0, -4, -2)
+    t14 = oe.contract('ab->ba', t9, optimize=[(0,)])
+    t15 = (2/d_V) * oe.contract('ab->ba', M_Z, optimize=[(0,)])
+    torch.mul(t14[:, None, :], t15[None, :, :], out=t13)
+    t16 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t17 = (-2/d_V**2) * t16
+    t18 = oe.contract('ab,ac->ba', t9, M_Z, optimize=[(0, 1)])
+    t13 += oe.contract('ab,c->acb', t18, t17, optimize=[(0, 1)])
+    t19 = t12.diagonal(0, -4, -2).diagonal(0, -3, -2)
+    t19 += P_Z
+    t20 = (-1/d_V) * t16
+    t13 += oe.contract('ab,c->bca', P_Z, t20, optimize=[(0, 1)])
+    return out
+
+
+def jacobian_compact__X(X):
+    """∂vec_r F/∂vec_r X, compact (L × d_V × d_V; row atoms → axes (0, 1), X atoms → axes (0, 2)); factors over axes ((0, 1, 2),); per sequence."""
+    L = X.shape[-2]
+    d_V = X.shape[-1]
+    t0 = X.sum(-1, keepdim=True)
+    t1 = t0.expand(*t0.shape[:-1], d_V)
+    t2 = (-1/d_V) * t1
+    t3 = t2 + X
+    M_Z = t3
+    t4 = M_Z * M_Z
+    t5 = t4.sum(-1, keepdim=True)
+    t6 = t5.expand(*t5.shape[:-1], d_V)
+    t7 = (1/d_V) * t6
+    sigma2_Z = t7
+    t8 = (-0.5 * (sigma2_Z ** -1.5))
+    t9 = t8 * M_Z
+    t10 = torch.ones((d_V, d_V), dtype=X.dtype, device=X.device)
+    t11 = (sigma2_Z ** -0.5)
+    P_Z = t11
+    J = torch.empty((L, d_V, d_V,), dtype=X.dtype, device=X.device)
+    t12 = J.view((L, d_V, d_V,))
+    t13 = t9
+    t14 = (2/d_V) * M_Z
+    torch.mul(t13[:, :, None], t14[:, None, :], out=t12)
+    t15 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t16 = (-2/d_V**2) * t15
+    t12 += oe.contract('ab,ac,d->abd', t9, M_Z, t16, optimize=[(0, 1), (0, 1)])
+    t17 = (-1/d_V) * t15
+    t12 += oe.contract('ab,c->abc', P_Z, t17, optimize=[(0, 1)])
+    t18 = t12.diagonal(0, -2, -1)
+    t18 += P_Z
+    return (J,)
+
+
 def ce__loss(X, Y):
     """The loss, batch mean."""
     L = X.shape[-2]
@@ -3249,6 +3319,9 @@ VARIANTS = {
         ('trace', 'X', 'full'): mse__trace__X__full,
         ('block', 'X', 'X', 'full'): mse__block__X__X__full,
         ('frobenius', 'X', 'X', 'full'): mse__frobenius__X__X__full,
+        ('jacobian', 'X'): jacobian__X,
+        ('jacobian_compact', 'X'): jacobian_compact__X,
+        ('jacobian_layout', 'X'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('L', 'd_V'), 'row_axes': (0, 1), 'col_axes': (0, 2), 'axis_sizes': ('L', 'd_V', 'd_V'), 'factors': ((0, 1, 2),)},
     },
     ('ce', (('affine', 'none'), ('eps', 0))): {
         ('loss',): ce__loss,
@@ -3274,5 +3347,8 @@ VARIANTS = {
         ('trace', 'X', 'full'): ce__trace__X__full,
         ('block', 'X', 'X', 'full'): ce__block__X__X__full,
         ('frobenius', 'X', 'X', 'full'): ce__frobenius__X__X__full,
+        ('jacobian', 'X'): jacobian__X,
+        ('jacobian_compact', 'X'): jacobian_compact__X,
+        ('jacobian_layout', 'X'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('L', 'd_V'), 'row_axes': (0, 1), 'col_axes': (0, 2), 'axis_sizes': ('L', 'd_V', 'd_V'), 'factors': ((0, 1, 2),)},
     },
 }

@@ -1320,6 +1320,79 @@ def mse_causal0__frobenius__W_V__W_V__full(X, W_QK, W_V, Y):
     return t8
 
 
+def causal0__jacobian__W_QK(X, W_QK, W_V):
+    """∂vec_r F/∂vec_r W_QK: dense (numel F × numel W_QK); with data, one Jacobian per sequence (leading batch axis), not a mean."""
+    L = X.shape[-2]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_V.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = W_QK @ t1
+    t3 = X @ t2
+    t4 = torch.exp(t3 - t3.amax(-1, keepdim=True))
+    A = t4 / t4.sum(-1, keepdim=True)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    out = torch.empty((n_batch, L*d_V, d_V**2,), dtype=X.dtype, device=X.device)
+    t5 = out.view((n_batch, L, d_V, d_V, d_V,))
+    t5[...] = oe.contract('ab,cdbe,cdf->cdafe', t0, M_2, X, optimize=[(0, 1), (0, 1)])
+    return out
+
+
+def causal0__jacobian_compact__W_QK(X, W_QK, W_V):
+    """∂vec_r F/∂vec_r W_QK, compact (L × d_V × d_V × d_V; row atoms → axes (0, 1), W_QK atoms → axes (2, 3)); factors over axes ((0, 1, 3), (0, 2)); per sequence."""
+    L = X.shape[-2]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_V.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = W_QK @ t1
+    t3 = X @ t2
+    t4 = torch.exp(t3 - t3.amax(-1, keepdim=True))
+    A = t4 / t4.sum(-1, keepdim=True)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    J = oe.contract('ab,cdbe->cdae', t0, M_2, optimize=[(0, 1)])
+    J5 = X
+    return (J, J5, )
+
+
+def causal0__jacobian__W_V(X, W_QK, W_V):
+    """∂vec_r F/∂vec_r W_V: dense (numel F × numel W_V); with data, one Jacobian per sequence (leading batch axis), not a mean."""
+    L = X.shape[-2]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.transpose(-1, -2)
+    t1 = W_QK @ t0
+    t2 = X @ t1
+    t3 = torch.exp(t2 - t2.amax(-1, keepdim=True))
+    A = t3 / t3.sum(-1, keepdim=True)
+    t4 = A @ X
+    M_1 = t4
+    out = torch.zeros((n_batch, L*d_V, d_V**2,), dtype=X.dtype, device=X.device)
+    t5 = out.view((n_batch, L, d_V, d_V, d_V,))
+    t6 = t5.diagonal(0, -3, -1)
+    t7 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t6[...] = oe.contract('abc,d->abcd', M_1, t7, optimize=[(0, 1)])
+    return out
+
+
+def causal0__jacobian_compact__W_V(X, W_QK, W_V):
+    """∂vec_r F/∂vec_r W_V, compact (L × d_V × d_V; row atoms → axes (0, 1), W_V atoms → axes (2, 1)); factors over axes ((0, 2),); per sequence."""
+    L = X.shape[-2]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.transpose(-1, -2)
+    t1 = W_QK @ t0
+    t2 = X @ t1
+    t3 = torch.exp(t2 - t2.amax(-1, keepdim=True))
+    A = t3 / t3.sum(-1, keepdim=True)
+    t4 = A @ X
+    M_1 = t4
+    J = M_1
+    return (J, )
+
+
 def mse_causal1__loss(X, W_QK, W_V, Y):
     """The loss, batch mean."""
     L = X.shape[-2]
@@ -2705,6 +2778,87 @@ def mse_causal1__frobenius__W_V__W_V__full(X, W_QK, W_V, Y):
     t9 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t8, t8, optimize=[(0, 1)])
     t10 = torch.sqrt(torch.clamp(t9, min=0.0))
     return t10
+
+
+def causal1__jacobian__W_QK(X, W_QK, W_V):
+    """∂vec_r F/∂vec_r W_QK: dense (numel F × numel W_QK); with data, one Jacobian per sequence (leading batch axis), not a mean."""
+    L = X.shape[-2]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_V.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = W_QK @ t1
+    t3 = X @ t2
+    t4 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t5 = torch.where(t4, -math.inf, t3)
+    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
+    A = t6 / t6.sum(-1, keepdim=True)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    out = torch.empty((n_batch, L*d_V, d_V**2,), dtype=X.dtype, device=X.device)
+    t7 = out.view((n_batch, L, d_V, d_V, d_V,))
+    t7[...] = oe.contract('ab,cdbe,cdf->cdafe', t0, M_2, X, optimize=[(0, 1), (0, 1)])
+    return out
+
+
+def causal1__jacobian_compact__W_QK(X, W_QK, W_V):
+    """∂vec_r F/∂vec_r W_QK, compact (L × d_V × d_V × d_V; row atoms → axes (0, 1), W_QK atoms → axes (2, 3)); factors over axes ((0, 1, 3), (0, 2)); per sequence."""
+    L = X.shape[-2]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_V.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = W_QK @ t1
+    t3 = X @ t2
+    t4 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t5 = torch.where(t4, -math.inf, t3)
+    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
+    A = t6 / t6.sum(-1, keepdim=True)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    J = oe.contract('ab,cdbe->cdae', t0, M_2, optimize=[(0, 1)])
+    J7 = X
+    return (J, J7, )
+
+
+def causal1__jacobian__W_V(X, W_QK, W_V):
+    """∂vec_r F/∂vec_r W_V: dense (numel F × numel W_V); with data, one Jacobian per sequence (leading batch axis), not a mean."""
+    L = X.shape[-2]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.transpose(-1, -2)
+    t1 = W_QK @ t0
+    t2 = X @ t1
+    t3 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t4 = torch.where(t3, -math.inf, t2)
+    t5 = torch.exp(t4 - t4.amax(-1, keepdim=True))
+    A = t5 / t5.sum(-1, keepdim=True)
+    t6 = A @ X
+    M_1 = t6
+    out = torch.zeros((n_batch, L*d_V, d_V**2,), dtype=X.dtype, device=X.device)
+    t7 = out.view((n_batch, L, d_V, d_V, d_V,))
+    t8 = t7.diagonal(0, -3, -1)
+    t9 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t8[...] = oe.contract('abc,d->abcd', M_1, t9, optimize=[(0, 1)])
+    return out
+
+
+def causal1__jacobian_compact__W_V(X, W_QK, W_V):
+    """∂vec_r F/∂vec_r W_V, compact (L × d_V × d_V; row atoms → axes (0, 1), W_V atoms → axes (2, 1)); factors over axes ((0, 2),); per sequence."""
+    L = X.shape[-2]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.transpose(-1, -2)
+    t1 = W_QK @ t0
+    t2 = X @ t1
+    t3 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t4 = torch.where(t3, -math.inf, t2)
+    t5 = torch.exp(t4 - t4.amax(-1, keepdim=True))
+    A = t5 / t5.sum(-1, keepdim=True)
+    t6 = A @ X
+    M_1 = t6
+    J = M_1
+    return (J, )
 
 
 def ce_causal0__loss(X, W_QK, W_V, Y):
@@ -6036,6 +6190,12 @@ VARIANTS = {
         ('frobenius', 'W_V', 'W_QK', 'full'): mse_causal0__frobenius__W_V__W_QK__full,
         ('block', 'W_V', 'W_V', 'full'): mse_causal0__block__W_V__W_V__full,
         ('frobenius', 'W_V', 'W_V', 'full'): mse_causal0__frobenius__W_V__W_V__full,
+        ('jacobian', 'W_QK'): causal0__jacobian__W_QK,
+        ('jacobian_compact', 'W_QK'): causal0__jacobian_compact__W_QK,
+        ('jacobian_layout', 'W_QK'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_V'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_V'), 'factors': ((0, 1, 3), (0, 2))},
+        ('jacobian', 'W_V'): causal0__jacobian__W_V,
+        ('jacobian_compact', 'W_V'): causal0__jacobian_compact__W_V,
+        ('jacobian_layout', 'W_V'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_V'), 'row_axes': (0, 1), 'col_axes': (2, 1), 'axis_sizes': ('L', 'd_V', 'd_V'), 'factors': ((0, 2),)},
     },
     ('mse', (('causal', True), ('d_K', None), ('scale', None))): {
         ('loss',): mse_causal1__loss,
@@ -6085,6 +6245,12 @@ VARIANTS = {
         ('frobenius', 'W_V', 'W_QK', 'full'): mse_causal1__frobenius__W_V__W_QK__full,
         ('block', 'W_V', 'W_V', 'full'): mse_causal1__block__W_V__W_V__full,
         ('frobenius', 'W_V', 'W_V', 'full'): mse_causal1__frobenius__W_V__W_V__full,
+        ('jacobian', 'W_QK'): causal1__jacobian__W_QK,
+        ('jacobian_compact', 'W_QK'): causal1__jacobian_compact__W_QK,
+        ('jacobian_layout', 'W_QK'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_V'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_V'), 'factors': ((0, 1, 3), (0, 2))},
+        ('jacobian', 'W_V'): causal1__jacobian__W_V,
+        ('jacobian_compact', 'W_V'): causal1__jacobian_compact__W_V,
+        ('jacobian_layout', 'W_V'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_V'), 'row_axes': (0, 1), 'col_axes': (2, 1), 'axis_sizes': ('L', 'd_V', 'd_V'), 'factors': ((0, 2),)},
     },
     ('ce', (('causal', False), ('d_K', None), ('scale', None))): {
         ('loss',): ce_causal0__loss,
@@ -6134,6 +6300,12 @@ VARIANTS = {
         ('frobenius', 'W_V', 'W_QK', 'full'): ce_causal0__frobenius__W_V__W_QK__full,
         ('block', 'W_V', 'W_V', 'full'): ce_causal0__block__W_V__W_V__full,
         ('frobenius', 'W_V', 'W_V', 'full'): ce_causal0__frobenius__W_V__W_V__full,
+        ('jacobian', 'W_QK'): causal0__jacobian__W_QK,
+        ('jacobian_compact', 'W_QK'): causal0__jacobian_compact__W_QK,
+        ('jacobian_layout', 'W_QK'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_V'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_V'), 'factors': ((0, 1, 3), (0, 2))},
+        ('jacobian', 'W_V'): causal0__jacobian__W_V,
+        ('jacobian_compact', 'W_V'): causal0__jacobian_compact__W_V,
+        ('jacobian_layout', 'W_V'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_V'), 'row_axes': (0, 1), 'col_axes': (2, 1), 'axis_sizes': ('L', 'd_V', 'd_V'), 'factors': ((0, 2),)},
     },
     ('ce', (('causal', True), ('d_K', None), ('scale', None))): {
         ('loss',): ce_causal1__loss,
@@ -6183,5 +6355,11 @@ VARIANTS = {
         ('frobenius', 'W_V', 'W_QK', 'full'): ce_causal1__frobenius__W_V__W_QK__full,
         ('block', 'W_V', 'W_V', 'full'): ce_causal1__block__W_V__W_V__full,
         ('frobenius', 'W_V', 'W_V', 'full'): ce_causal1__frobenius__W_V__W_V__full,
+        ('jacobian', 'W_QK'): causal1__jacobian__W_QK,
+        ('jacobian_compact', 'W_QK'): causal1__jacobian_compact__W_QK,
+        ('jacobian_layout', 'W_QK'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_V'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_V'), 'factors': ((0, 1, 3), (0, 2))},
+        ('jacobian', 'W_V'): causal1__jacobian__W_V,
+        ('jacobian_compact', 'W_V'): causal1__jacobian_compact__W_V,
+        ('jacobian_layout', 'W_V'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_V'), 'row_axes': (0, 1), 'col_axes': (2, 1), 'axis_sizes': ('L', 'd_V', 'd_V'), 'factors': ((0, 2),)},
     },
 }

@@ -5030,6 +5030,207 @@ def mse_causal0__frobenius__W_O__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     return t14
 
 
+def causal0__jacobian__W_Q(X, W_Q, W_K, W_V, W_O):
+    """∂vec_r F/∂vec_r W_Q: dense (numel F × numel W_Q); with data, one Jacobian per sequence (leading batch axis), not a mean."""
+    L = X.shape[-2]
+    d_H = W_V.shape[-1]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_O.transpose(-1, -2)
+    t1 = W_V.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = X.transpose(-1, -2)
+    t4 = W_K.transpose(-1, -2)
+    t5 = t4 @ t3
+    t6 = W_Q @ t5
+    t7 = X @ t6
+    t8 = (1/math.sqrt(d_K)) * t7
+    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
+    A = t9 / t9.sum(-1, keepdim=True)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    out = torch.empty((n_batch, L*d_V, d_K*d_V,), dtype=X.dtype, device=X.device)
+    t10 = out.view((n_batch, L, d_V, d_V, d_K,))
+    t11 = (1/math.sqrt(d_K)) * t2
+    t10[...] = oe.contract('ab,cdbe,cdf,eg->cdafg', t11, M_2, X, W_K, optimize=[(0, 1), (1, 2), (0, 1)])
+    return out
+
+
+def causal0__jacobian_compact__W_Q(X, W_Q, W_K, W_V, W_O):
+    """∂vec_r F/∂vec_r W_Q, compact (L × d_V × d_V × d_K; row atoms → axes (0, 1), W_Q atoms → axes (2, 3)); factors over axes ((0, 1, 3), (0, 2)); per sequence."""
+    L = X.shape[-2]
+    d_H = W_V.shape[-1]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_O.transpose(-1, -2)
+    t1 = W_V.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = X.transpose(-1, -2)
+    t4 = W_K.transpose(-1, -2)
+    t5 = t4 @ t3
+    t6 = W_Q @ t5
+    t7 = X @ t6
+    t8 = (1/math.sqrt(d_K)) * t7
+    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
+    A = t9 / t9.sum(-1, keepdim=True)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    J = oe.contract('ab,cdbe,ef->cdaf', t2, M_2, W_K, optimize=[(0, 1), (0, 1)])
+    J10 = (1/math.sqrt(d_K)) * X
+    return (J, J10, )
+
+
+def causal0__jacobian__W_K(X, W_Q, W_K, W_V, W_O):
+    """∂vec_r F/∂vec_r W_K: dense (numel F × numel W_K); with data, one Jacobian per sequence (leading batch axis), not a mean."""
+    L = X.shape[-2]
+    d_H = W_V.shape[-1]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_O.transpose(-1, -2)
+    t1 = W_V.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = X.transpose(-1, -2)
+    t4 = W_K.transpose(-1, -2)
+    t5 = t4 @ t3
+    t6 = W_Q @ t5
+    t7 = X @ t6
+    t8 = (1/math.sqrt(d_K)) * t7
+    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
+    A = t9 / t9.sum(-1, keepdim=True)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    out = torch.empty((n_batch, L*d_V, d_K*d_V,), dtype=X.dtype, device=X.device)
+    t10 = out.view((n_batch, L, d_V, d_V, d_K,))
+    t11 = (1/math.sqrt(d_K)) * t2
+    t10[...] = oe.contract('ab,cdbe,cdf,fg->cdaeg', t11, M_2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    return out
+
+
+def causal0__jacobian_compact__W_K(X, W_Q, W_K, W_V, W_O):
+    """∂vec_r F/∂vec_r W_K, compact (L × d_V × d_V × d_K; row atoms → axes (0, 1), W_K atoms → axes (2, 3)); factors over axes ((0, 1, 2), (0, 3)); per sequence."""
+    L = X.shape[-2]
+    d_H = W_V.shape[-1]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_O.transpose(-1, -2)
+    t1 = W_V.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = X.transpose(-1, -2)
+    t4 = W_K.transpose(-1, -2)
+    t5 = t4 @ t3
+    t6 = W_Q @ t5
+    t7 = X @ t6
+    t8 = (1/math.sqrt(d_K)) * t7
+    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
+    A = t9 / t9.sum(-1, keepdim=True)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    J = oe.contract('ab,cdbe->cdae', t2, M_2, optimize=[(0, 1)])
+    J10 = (1/math.sqrt(d_K)) * oe.contract('abc,cd->abd', X, W_Q, optimize=[(0, 1)])
+    return (J, J10, )
+
+
+def causal0__jacobian__W_V(X, W_Q, W_K, W_V, W_O):
+    """∂vec_r F/∂vec_r W_V: dense (numel F × numel W_V); with data, one Jacobian per sequence (leading batch axis), not a mean."""
+    L = X.shape[-2]
+    d_H = W_V.shape[-1]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_K.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
+    A = t6 / t6.sum(-1, keepdim=True)
+    t7 = A @ X
+    M_1 = t7
+    out = torch.empty((n_batch, L*d_V, d_H*d_V,), dtype=X.dtype, device=X.device)
+    t8 = out.view((n_batch, L, d_V, d_V, d_H,))
+    t9 = W_O.transpose(-1, -2)
+    t10 = t9
+    t11 = M_1
+    torch.mul(t10[None, None, :, None, :], t11[:, :, None, :, None], out=t8)
+    return out
+
+
+def causal0__jacobian_compact__W_V(X, W_Q, W_K, W_V, W_O):
+    """∂vec_r F/∂vec_r W_V, compact (L × d_V × d_V × d_H; row atoms → axes (0, 1), W_V atoms → axes (2, 3)); factors over axes ((0, 2), (1, 3)); per sequence."""
+    L = X.shape[-2]
+    d_H = W_V.shape[-1]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_K.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
+    A = t6 / t6.sum(-1, keepdim=True)
+    t7 = A @ X
+    M_1 = t7
+    J = M_1
+    t8 = W_O.transpose(-1, -2)
+    J9 = t8
+    return (J, J9, )
+
+
+def causal0__jacobian__W_O(X, W_Q, W_K, W_V, W_O):
+    """∂vec_r F/∂vec_r W_O: dense (numel F × numel W_O); with data, one Jacobian per sequence (leading batch axis), not a mean."""
+    L = X.shape[-2]
+    d_H = W_V.shape[-1]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_K.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
+    A = t6 / t6.sum(-1, keepdim=True)
+    t7 = A @ X
+    M_1 = t7
+    t8 = M_1 @ W_V
+    out = torch.zeros((n_batch, L*d_V, d_H*d_V,), dtype=X.dtype, device=X.device)
+    t9 = out.view((n_batch, L, d_V, d_H, d_V,))
+    t10 = t9.diagonal(0, -3, -1)
+    t11 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t10[...] = oe.contract('abc,d->abcd', t8, t11, optimize=[(0, 1)])
+    return out
+
+
+def causal0__jacobian_compact__W_O(X, W_Q, W_K, W_V, W_O):
+    """∂vec_r F/∂vec_r W_O, compact (L × d_V × d_H; row atoms → axes (0, 1), W_O atoms → axes (2, 1)); factors over axes ((0, 2),); per sequence."""
+    L = X.shape[-2]
+    d_H = W_V.shape[-1]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_K.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
+    A = t6 / t6.sum(-1, keepdim=True)
+    t7 = A @ X
+    M_1 = t7
+    t8 = M_1 @ W_V
+    J = t8
+    return (J, )
+
+
 def mse_causal1__loss(X, W_Q, W_K, W_V, W_O, Y):
     """The loss, batch mean."""
     L = X.shape[-2]
@@ -10285,6 +10486,223 @@ def mse_causal1__frobenius__W_O__W_O__full(X, W_Q, W_K, W_V, W_O, Y):
     t15 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t14, t14, optimize=[(0, 1)])
     t16 = torch.sqrt(torch.clamp(t15, min=0.0))
     return t16
+
+
+def causal1__jacobian__W_Q(X, W_Q, W_K, W_V, W_O):
+    """∂vec_r F/∂vec_r W_Q: dense (numel F × numel W_Q); with data, one Jacobian per sequence (leading batch axis), not a mean."""
+    L = X.shape[-2]
+    d_H = W_V.shape[-1]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_O.transpose(-1, -2)
+    t1 = W_V.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = X.transpose(-1, -2)
+    t4 = W_K.transpose(-1, -2)
+    t5 = t4 @ t3
+    t6 = W_Q @ t5
+    t7 = X @ t6
+    t8 = (1/math.sqrt(d_K)) * t7
+    t9 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t10 = torch.where(t9, -math.inf, t8)
+    t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
+    A = t11 / t11.sum(-1, keepdim=True)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    out = torch.empty((n_batch, L*d_V, d_K*d_V,), dtype=X.dtype, device=X.device)
+    t12 = out.view((n_batch, L, d_V, d_V, d_K,))
+    t13 = (1/math.sqrt(d_K)) * t2
+    t12[...] = oe.contract('ab,cdbe,cdf,eg->cdafg', t13, M_2, X, W_K, optimize=[(0, 1), (1, 2), (0, 1)])
+    return out
+
+
+def causal1__jacobian_compact__W_Q(X, W_Q, W_K, W_V, W_O):
+    """∂vec_r F/∂vec_r W_Q, compact (L × d_V × d_V × d_K; row atoms → axes (0, 1), W_Q atoms → axes (2, 3)); factors over axes ((0, 1, 3), (0, 2)); per sequence."""
+    L = X.shape[-2]
+    d_H = W_V.shape[-1]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_O.transpose(-1, -2)
+    t1 = W_V.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = X.transpose(-1, -2)
+    t4 = W_K.transpose(-1, -2)
+    t5 = t4 @ t3
+    t6 = W_Q @ t5
+    t7 = X @ t6
+    t8 = (1/math.sqrt(d_K)) * t7
+    t9 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t10 = torch.where(t9, -math.inf, t8)
+    t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
+    A = t11 / t11.sum(-1, keepdim=True)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    J = oe.contract('ab,cdbe,ef->cdaf', t2, M_2, W_K, optimize=[(0, 1), (0, 1)])
+    J12 = (1/math.sqrt(d_K)) * X
+    return (J, J12, )
+
+
+def causal1__jacobian__W_K(X, W_Q, W_K, W_V, W_O):
+    """∂vec_r F/∂vec_r W_K: dense (numel F × numel W_K); with data, one Jacobian per sequence (leading batch axis), not a mean."""
+    L = X.shape[-2]
+    d_H = W_V.shape[-1]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_O.transpose(-1, -2)
+    t1 = W_V.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = X.transpose(-1, -2)
+    t4 = W_K.transpose(-1, -2)
+    t5 = t4 @ t3
+    t6 = W_Q @ t5
+    t7 = X @ t6
+    t8 = (1/math.sqrt(d_K)) * t7
+    t9 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t10 = torch.where(t9, -math.inf, t8)
+    t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
+    A = t11 / t11.sum(-1, keepdim=True)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    out = torch.empty((n_batch, L*d_V, d_K*d_V,), dtype=X.dtype, device=X.device)
+    t12 = out.view((n_batch, L, d_V, d_V, d_K,))
+    t13 = (1/math.sqrt(d_K)) * t2
+    t12[...] = oe.contract('ab,cdbe,cdf,fg->cdaeg', t13, M_2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    return out
+
+
+def causal1__jacobian_compact__W_K(X, W_Q, W_K, W_V, W_O):
+    """∂vec_r F/∂vec_r W_K, compact (L × d_V × d_V × d_K; row atoms → axes (0, 1), W_K atoms → axes (2, 3)); factors over axes ((0, 1, 2), (0, 3)); per sequence."""
+    L = X.shape[-2]
+    d_H = W_V.shape[-1]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_O.transpose(-1, -2)
+    t1 = W_V.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = X.transpose(-1, -2)
+    t4 = W_K.transpose(-1, -2)
+    t5 = t4 @ t3
+    t6 = W_Q @ t5
+    t7 = X @ t6
+    t8 = (1/math.sqrt(d_K)) * t7
+    t9 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t10 = torch.where(t9, -math.inf, t8)
+    t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
+    A = t11 / t11.sum(-1, keepdim=True)
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    J = oe.contract('ab,cdbe->cdae', t2, M_2, optimize=[(0, 1)])
+    J12 = (1/math.sqrt(d_K)) * oe.contract('abc,cd->abd', X, W_Q, optimize=[(0, 1)])
+    return (J, J12, )
+
+
+def causal1__jacobian__W_V(X, W_Q, W_K, W_V, W_O):
+    """∂vec_r F/∂vec_r W_V: dense (numel F × numel W_V); with data, one Jacobian per sequence (leading batch axis), not a mean."""
+    L = X.shape[-2]
+    d_H = W_V.shape[-1]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_K.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t7 = torch.where(t6, -math.inf, t5)
+    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    A = t8 / t8.sum(-1, keepdim=True)
+    t9 = A @ X
+    M_1 = t9
+    out = torch.empty((n_batch, L*d_V, d_H*d_V,), dtype=X.dtype, device=X.device)
+    t10 = out.view((n_batch, L, d_V, d_V, d_H,))
+    t11 = W_O.transpose(-1, -2)
+    t12 = t11
+    t13 = M_1
+    torch.mul(t12[None, None, :, None, :], t13[:, :, None, :, None], out=t10)
+    return out
+
+
+def causal1__jacobian_compact__W_V(X, W_Q, W_K, W_V, W_O):
+    """∂vec_r F/∂vec_r W_V, compact (L × d_V × d_V × d_H; row atoms → axes (0, 1), W_V atoms → axes (2, 3)); factors over axes ((0, 2), (1, 3)); per sequence."""
+    L = X.shape[-2]
+    d_H = W_V.shape[-1]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_K.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t7 = torch.where(t6, -math.inf, t5)
+    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    A = t8 / t8.sum(-1, keepdim=True)
+    t9 = A @ X
+    M_1 = t9
+    J = M_1
+    t10 = W_O.transpose(-1, -2)
+    J11 = t10
+    return (J, J11, )
+
+
+def causal1__jacobian__W_O(X, W_Q, W_K, W_V, W_O):
+    """∂vec_r F/∂vec_r W_O: dense (numel F × numel W_O); with data, one Jacobian per sequence (leading batch axis), not a mean."""
+    L = X.shape[-2]
+    d_H = W_V.shape[-1]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_K.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t7 = torch.where(t6, -math.inf, t5)
+    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    A = t8 / t8.sum(-1, keepdim=True)
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1 @ W_V
+    out = torch.zeros((n_batch, L*d_V, d_H*d_V,), dtype=X.dtype, device=X.device)
+    t11 = out.view((n_batch, L, d_V, d_H, d_V,))
+    t12 = t11.diagonal(0, -3, -1)
+    t13 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t12[...] = oe.contract('abc,d->abcd', t10, t13, optimize=[(0, 1)])
+    return out
+
+
+def causal1__jacobian_compact__W_O(X, W_Q, W_K, W_V, W_O):
+    """∂vec_r F/∂vec_r W_O, compact (L × d_V × d_H; row atoms → axes (0, 1), W_O atoms → axes (2, 1)); factors over axes ((0, 2),); per sequence."""
+    L = X.shape[-2]
+    d_H = W_V.shape[-1]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_K.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t7 = torch.where(t6, -math.inf, t5)
+    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    A = t8 / t8.sum(-1, keepdim=True)
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1 @ W_V
+    J = t10
+    return (J, )
 
 
 def ce_causal0__loss(X, W_Q, W_K, W_V, W_O, Y):
@@ -22486,6 +22904,18 @@ VARIANTS = {
         ('frobenius', 'W_O', 'W_V', 'full'): mse_causal0__frobenius__W_O__W_V__full,
         ('block', 'W_O', 'W_O', 'full'): mse_causal0__block__W_O__W_O__full,
         ('frobenius', 'W_O', 'W_O', 'full'): mse_causal0__frobenius__W_O__W_O__full,
+        ('jacobian', 'W_Q'): causal0__jacobian__W_Q,
+        ('jacobian_compact', 'W_Q'): causal0__jacobian_compact__W_Q,
+        ('jacobian_layout', 'W_Q'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 3), (0, 2))},
+        ('jacobian', 'W_K'): causal0__jacobian__W_K,
+        ('jacobian_compact', 'W_K'): causal0__jacobian_compact__W_K,
+        ('jacobian_layout', 'W_K'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 2), (0, 3))},
+        ('jacobian', 'W_V'): causal0__jacobian__W_V,
+        ('jacobian_compact', 'W_V'): causal0__jacobian_compact__W_V,
+        ('jacobian_layout', 'W_V'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_H'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_H'), 'factors': ((0, 2), (1, 3))},
+        ('jacobian', 'W_O'): causal0__jacobian__W_O,
+        ('jacobian_compact', 'W_O'): causal0__jacobian_compact__W_O,
+        ('jacobian_layout', 'W_O'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_H', 'd_V'), 'row_axes': (0, 1), 'col_axes': (2, 1), 'axis_sizes': ('L', 'd_V', 'd_H'), 'factors': ((0, 2),)},
     },
     ('mse', (('causal', True), ('scale', None))): {
         ('loss',): mse_causal1__loss,
@@ -22619,6 +23049,18 @@ VARIANTS = {
         ('frobenius', 'W_O', 'W_V', 'full'): mse_causal1__frobenius__W_O__W_V__full,
         ('block', 'W_O', 'W_O', 'full'): mse_causal1__block__W_O__W_O__full,
         ('frobenius', 'W_O', 'W_O', 'full'): mse_causal1__frobenius__W_O__W_O__full,
+        ('jacobian', 'W_Q'): causal1__jacobian__W_Q,
+        ('jacobian_compact', 'W_Q'): causal1__jacobian_compact__W_Q,
+        ('jacobian_layout', 'W_Q'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 3), (0, 2))},
+        ('jacobian', 'W_K'): causal1__jacobian__W_K,
+        ('jacobian_compact', 'W_K'): causal1__jacobian_compact__W_K,
+        ('jacobian_layout', 'W_K'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 2), (0, 3))},
+        ('jacobian', 'W_V'): causal1__jacobian__W_V,
+        ('jacobian_compact', 'W_V'): causal1__jacobian_compact__W_V,
+        ('jacobian_layout', 'W_V'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_H'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_H'), 'factors': ((0, 2), (1, 3))},
+        ('jacobian', 'W_O'): causal1__jacobian__W_O,
+        ('jacobian_compact', 'W_O'): causal1__jacobian_compact__W_O,
+        ('jacobian_layout', 'W_O'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_H', 'd_V'), 'row_axes': (0, 1), 'col_axes': (2, 1), 'axis_sizes': ('L', 'd_V', 'd_H'), 'factors': ((0, 2),)},
     },
     ('ce', (('causal', False), ('scale', None))): {
         ('loss',): ce_causal0__loss,
@@ -22752,6 +23194,18 @@ VARIANTS = {
         ('frobenius', 'W_O', 'W_V', 'full'): ce_causal0__frobenius__W_O__W_V__full,
         ('block', 'W_O', 'W_O', 'full'): ce_causal0__block__W_O__W_O__full,
         ('frobenius', 'W_O', 'W_O', 'full'): ce_causal0__frobenius__W_O__W_O__full,
+        ('jacobian', 'W_Q'): causal0__jacobian__W_Q,
+        ('jacobian_compact', 'W_Q'): causal0__jacobian_compact__W_Q,
+        ('jacobian_layout', 'W_Q'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 3), (0, 2))},
+        ('jacobian', 'W_K'): causal0__jacobian__W_K,
+        ('jacobian_compact', 'W_K'): causal0__jacobian_compact__W_K,
+        ('jacobian_layout', 'W_K'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 2), (0, 3))},
+        ('jacobian', 'W_V'): causal0__jacobian__W_V,
+        ('jacobian_compact', 'W_V'): causal0__jacobian_compact__W_V,
+        ('jacobian_layout', 'W_V'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_H'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_H'), 'factors': ((0, 2), (1, 3))},
+        ('jacobian', 'W_O'): causal0__jacobian__W_O,
+        ('jacobian_compact', 'W_O'): causal0__jacobian_compact__W_O,
+        ('jacobian_layout', 'W_O'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_H', 'd_V'), 'row_axes': (0, 1), 'col_axes': (2, 1), 'axis_sizes': ('L', 'd_V', 'd_H'), 'factors': ((0, 2),)},
     },
     ('ce', (('causal', True), ('scale', None))): {
         ('loss',): ce_causal1__loss,
@@ -22885,5 +23339,17 @@ VARIANTS = {
         ('frobenius', 'W_O', 'W_V', 'full'): ce_causal1__frobenius__W_O__W_V__full,
         ('block', 'W_O', 'W_O', 'full'): ce_causal1__block__W_O__W_O__full,
         ('frobenius', 'W_O', 'W_O', 'full'): ce_causal1__frobenius__W_O__W_O__full,
+        ('jacobian', 'W_Q'): causal1__jacobian__W_Q,
+        ('jacobian_compact', 'W_Q'): causal1__jacobian_compact__W_Q,
+        ('jacobian_layout', 'W_Q'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 3), (0, 2))},
+        ('jacobian', 'W_K'): causal1__jacobian__W_K,
+        ('jacobian_compact', 'W_K'): causal1__jacobian_compact__W_K,
+        ('jacobian_layout', 'W_K'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 2), (0, 3))},
+        ('jacobian', 'W_V'): causal1__jacobian__W_V,
+        ('jacobian_compact', 'W_V'): causal1__jacobian_compact__W_V,
+        ('jacobian_layout', 'W_V'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_H'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_H'), 'factors': ((0, 2), (1, 3))},
+        ('jacobian', 'W_O'): causal1__jacobian__W_O,
+        ('jacobian_compact', 'W_O'): causal1__jacobian_compact__W_O,
+        ('jacobian_layout', 'W_O'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_H', 'd_V'), 'row_axes': (0, 1), 'col_axes': (2, 1), 'axis_sizes': ('L', 'd_V', 'd_H'), 'factors': ((0, 2),)},
     },
 }

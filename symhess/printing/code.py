@@ -158,14 +158,17 @@ class Routine:
         if isinstance(ref, tuple) and ref[0] == "inter":
             name, axis_sizes = self.intermediate(ref[1])
             natural = list(axis_sizes)
+            stored = len(natural)
         else:
             name = self.mat(ref)
             natural = [ref.rows, ref.cols]
             natural = [d for d in natural if sp.sympify(d) != 1]
+            stored = 2                # a vector leaf is stored as an (n × 1) matrix
         labels = list(atoms)
         if self.is_batched[name]:
             labels = [side_labels] + labels
-        if len(sizes) != len(natural) or any(sp.expand(a - b) != 0 for a, b in zip(sizes, natural)):
+        if (len(sizes) != stored or len(sizes) != len(natural)
+                or any(sp.expand(a - b) != 0 for a, b in zip(sizes, natural))):
             dims = ([-1] if self.is_batched[name] else []) + sizes
             name = self.emit(self.fmt("reshape", name, self.shape(dims)), self.is_batched[name])
         return name, labels
@@ -215,6 +218,8 @@ class Routine:
         one whose result already lies in the output's order (or shares the longest
         innermost run with it) is kept, so writing a block needs no strided transpose.
         """
+        if not ops:                   # a pure product of deltas (⟨I, I⟩): the coefficient
+            return "1.0"
         best = None
         for order in ([list(range(len(ops)))] +
                       ([list(range(len(ops)))[::-1]] if len(ops) > 2 else [])):
@@ -652,7 +657,7 @@ def scalar_code(target, expr, arg):
     def p(e):
         if e == scalarfn.x:
             return arg
-        if e.is_Number:
+        if e.is_number:               # constants such as sqrt(2) (torch.sqrt wants a tensor)
             return repr(float(e))
         if e is sp.pi:
             return "math.pi"
