@@ -285,27 +285,85 @@ class Variant:
         rt.line(f"del {tmp}")
         return norm
 
-    def all(self):
-        names = self.d.layer.param_names
-        fns, table = [], []
+    def frobenius_split(self, p, q):
+        """(‖H_o‖, ‖H_f‖, ‖H‖) of one block from the pairings of the two parts' terms:
+        ‖H‖² = ‖H_o‖² + ‖H_f‖² + 2⟨H_o, H_f⟩, so the full block costs one cross term more."""
+        rt = self.routine()
+        sq = {}
+        parts = {part: self.low.terms(p, q, part) for part in ("outer", "functional")}
+        if any(len(t) > PAIRWISE_MAX_TERMS for t, _, _ in parts.values()):
+            return self._frobenius_split_dense(rt, p, q, parts)
+        for a, b in (("outer", "outer"), ("functional", "functional"), ("outer", "functional")):
+            (ta, r, c), (tb, r2, c2) = parts[a], parts[b]
+            nets = []
+            for i, t1 in enumerate(ta):
+                for j, t2 in enumerate(tb):
+                    if a == b and j < i:
+                        continue
+                    t2 = _relabel(rt.lw, t2, r2 + c2, r + c)
+                    pair = _pair(rt.lw, t1, t2, r, c)
+                    outer = rt.lw.resolve(pair, r) + rt.lw.resolve(pair, c)
+                    coef, code, _ = rt.network(pair, [], summed=outer, search=True)
+                    nets.append((coef * (1 if (a == b and i == j) else 2), code))
+            sq[(a, b)] = rt.emit(rt.scalar(nets), True) if nets else "0.0"
+        o, f, x = sq[("outer", "outer")], sq[("functional", "functional")], sq[("outer", "functional")]
+        full = rt.emit(f"{o} + {f} + {x}", True)
+        outs = [rt.emit(rt.fmt("sqrt_pos", v), True) if v != "0.0" else "0.0" for v in (o, f, full)]
+        return self.function(f"frobenius_split__{p}__{q}", rt, "(" + ", ".join(outs) + ",)",
+                             f"(‖H_o({p}, {q})‖_F, ‖H_f({p}, {q})‖_F, ‖H({p}, {q})‖_F), exact, "
+                             "from the parts' pairings (no block built).")
 
-        def add(key, fn):
+    def _frobenius_split_dense(self, rt, p, q, parts):
+        """The split norms of a block with many terms: both parts built densely, then freed."""
+        blocks = {}
+        for part, (terms, r, c) in parts.items():
+            blocks[part] = rt.fresh("blk")
+            rt.line(f"{blocks[part]} = {rt.fmt('empty', rt.shape((self.numel(p), self.numel(q))))}")
+            rt.dense_into(blocks[part], terms, r, c, fresh=True)
+        o, f = blocks["outer"], blocks["functional"]
+        outs = [rt.emit(rt.fmt("norm", x), False) for x in (o, f, f"({o} + {f})")]
+        rt.line(f"del {o}, {f}")
+        return self.function(f"frobenius_split__{p}__{q}", rt, "(" + ", ".join(outs) + ",)",
+                             f"(‖H_o({p}, {q})‖_F, ‖H_f({p}, {q})‖_F, ‖H({p}, {q})‖_F), exact, "
+                             "from dense temporaries (the parts have many terms).")
+
+    def keys(self):
+        """Every routine key of the variant, in the order of the generated module."""
+        names = self.d.layer.param_names
+        out = [("loss",), ("gradient",)]
+        for part in PARTS:
+            out += [("hessian", part), ("hvp", part), ("frobenius_all", part)]
+            for p in names:
+                out += [("diag", p, part), ("trace", p, part)]
+                for q in names:
+                    out += [("block", p, q, part), ("frobenius", p, q, part)]
+        out += [("frobenius_split", p, q) for p in names for q in names]
+        return out
+
+    def make(self, key):
+        """The generated function of one routine key."""
+        kind, args = key[0], key[1:]
+        return {"loss": self.loss, "gradient": self.gradient, "hessian": self.hessian,
+                "hvp": self.hvp, "frobenius_all": self.frobenius_all, "diag": self.diag,
+                "trace": self.trace, "block": self.block, "frobenius": self.frobenius,
+                "frobenius_split": self.frobenius_split}[kind](*args)
+
+    def all(self):
+        fns, table = [], []
+        for key in self.keys():
+            fn = self.make(key)
             fns.append(fn)
             table.append((repr(key), fn.name))
-
-        add(("loss",), self.loss())
-        add(("gradient",), self.gradient())
-        for part in PARTS:
-            add(("hessian", part), self.hessian(part))
-            add(("hvp", part), self.hvp(part))
-            add(("frobenius_all", part), self.frobenius_all(part))
-            for p in names:
-                add(("diag", p, part), self.diag(p, part))
-                add(("trace", p, part), self.trace(p, part))
-                for q in names:
-                    add(("block", p, q, part), self.block(p, q, part))
-                    add(("frobenius", p, q, part), self.frobenius(p, q, part))
         return fns, table
+
+
+def _relabel(lw, t, old, new):
+    """A term lowered against labels ``old`` re-expressed over ``new`` (same sizes)."""
+    if list(old) == list(new):
+        return t
+    t = t.copy()
+    lw.unify(t, list(new), list(old))
+    return t
 
 
 def _pair(lw, t1, t2, r, c):
@@ -356,6 +414,27 @@ def render_module(layer_name, backend, only=None) -> str:
     return _env().get_template("kernels.py.j2").render(
         version=__version__, backend=backend, layer=layer_name, description=description,
         variants=vs, functions=functions, imports=target["imports"])
+
+
+def render_routine(layer_name, backend, loss, options, key):
+    """One routine of one variant, rendered and executed in memory (on-demand layers)."""
+    from . import __version__
+    target = TARGETS[backend]
+    tag = variant_tag(loss, options)
+    low = lowered(layer_name, loss, options)
+    if key[0].startswith("jacobian"):
+        fns, table = jacobians.routines(Variant(low, target, variant_tag("", options).lstrip("_")))
+    else:
+        fn = Variant(low, target, tag).make(key)
+        fns, table = [fn], [(repr(key), fn.name)]
+    src = _env().get_template("kernels.py.j2").render(
+        version=__version__, backend=backend, layer=layer_name, description="",
+        variants=[{"tag": tag, "loss": loss, "options": dict(options),
+                   "key": repr((loss, options)), "table": table}],
+        functions=fns, imports=target["imports"])
+    ns = {"__name__": f"symhess_inline_{backend}_{layer_name}"}
+    exec(compile(src, f"<symhess {backend} {layer_name} {key}>", "exec"), ns)
+    return ns["VARIANTS"][(loss, options)]
 
 
 def render_all():

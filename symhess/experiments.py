@@ -158,6 +158,7 @@ class Experiment:
         self.cfg = cfg
         self.derivation = derive(layer("addition_block", attention=cfg.attention, norm=cfg.norm), cfg.loss)
         self._cols = {}
+        self._kernel = None
 
     def columns_for(self, p, part):
         if (p, part) not in self._cols:
@@ -205,8 +206,23 @@ class Experiment:
                              else cols.columns(vals, O, Y, dirs, env))
             yield out
 
+    def kernel(self):
+        """The generated torch kernels of this configuration's model (rendered on first use)."""
+        if self._kernel is None:
+            from .kernels import kernel
+            self._kernel = kernel("addition_block", "torch", self.cfg.loss,
+                                  attention=self.cfg.attention, norm=self.cfg.norm)
+        return self._kernel
+
     def frobenius_norms(self, p, sigma, seed):
-        """{part: ‖H_part(p, p)‖_F} exact, with H = H_o + H_f, reduced chunk by chunk."""
+        """{part: ‖H_part(p, p)‖_F} exact, from the generated structure-aware reduction: the
+        block's index networks paired with themselves (Σ over pairs of sequences), no block."""
+        vals, O, Y, _ = self.tensors(sigma, seed)
+        norms = self.kernel().frobenius_split(dict(vals, O=O, Y=Y), p, p)
+        return {part: float(v) for part, v in norms.items()}
+
+    def frobenius_norms_by_columns(self, p, sigma, seed):
+        """{part: ‖H_part(p, p)‖_F} from block columns H e_i (the slow cross-check route)."""
         sq = dict.fromkeys(PARTS, 0.0)
         for cols in self.iter_columns(p, sigma, seed):
             full = cols["outer"] + cols["functional"]

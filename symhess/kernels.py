@@ -45,10 +45,23 @@ def _table(backend, name, loss, options):
     mod = _generated_module(backend, name)
     if mod is not None and (loss, options) in mod["VARIANTS"]:
         return mod["VARIANTS"][(loss, options)]
-    src = codegen.render_module(name, backend, only=[(loss, options)])
-    ns = {"__name__": f"symhess_inline_{backend}_{name}"}
-    exec(compile(src, f"<symhess {backend} kernels for {name}>", "exec"), ns)
-    return ns["VARIANTS"][(loss, options)]
+    return _LazyTable(backend, name, loss, options)
+
+
+class _LazyTable(dict):
+    """Routines of a variant that is not committed, each rendered in memory on first use
+    (a large layer's whole module takes minutes to print; one routine takes seconds)."""
+
+    def __init__(self, backend, name, loss, options):
+        super().__init__()
+        self.spec = (name, backend, loss, options)
+
+    def __missing__(self, key):
+        name, backend, loss, options = self.spec
+        self.update(codegen.render_routine(name, backend, loss, options, key))
+        if key not in self:
+            raise KeyError(f"no generated routine {key!r} for layer {name!r}")
+        return self[key]
 
 
 def kernel(name, backend="numpy", loss="mse", **options) -> "Kernel":
@@ -259,6 +272,12 @@ class Kernel:
             shape = (n_seq,) + tuple(a.shape)
             return a.expand(*shape) if self.backend == "torch" else np.broadcast_to(a, shape)
         return a
+
+    def frobenius_split(self, values, p, q):
+        """{part: ‖H_part(p, q)‖_F} for outer, functional and full from one routine: the
+        full norm costs only the cross term ⟨H_o, H_f⟩ more."""
+        out = self._call(("frobenius_split", self._param(p), self._param(q)), values)[0]
+        return dict(zip(("outer", "functional", "full"), out))
 
     def frobenius_norm(self, values, p, q, part="full"):
         """‖H_part(p, q)‖_F, exact, without building the block."""

@@ -83,6 +83,17 @@ def test_engine_kronecker_block_agrees_with_columns():
         assert np.linalg.norm(got - ref) <= 1e-12 * np.linalg.norm(ref)
 
 
+@pytest.mark.parametrize("attention,norm", [("softmax", "none"), ("linear", "none"), ("softmax", "pre")])
+def test_generated_frobenius_split_agrees_with_columns(attention, norm):
+    """The scaling sweep's norms (generated pairings, no block) equal the block columns' norms."""
+    exp = Experiment(Config(attention=attention, norm=norm, **dict(SMALL, batch=3)))
+    for p in ("W_Q", "W_V"):
+        got = exp.frobenius_norms(p, 0.6, 1)
+        ref = exp.frobenius_norms_by_columns(p, 0.6, 1)
+        for part in ("outer", "functional", "full"):
+            assert abs(got[part] - ref[part]) <= 1e-10 * max(ref["full"], ref["outer"]), (p, part)
+
+
 SIGMAS = list(10 ** np.linspace(-2.5, -1, 4))
 
 

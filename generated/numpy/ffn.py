@@ -140,7 +140,7 @@ def mse_bias0_residual0__frobenius_all__outer(X, W_1, W_2, Y):
     t2 = np.heaviside(t1, 0.0)
     t3 = np.swapaxes(W_2, -1, -2)
     t4 = W_2 @ t3
-    t5 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acf,gbh,ghd,de,ghe,ghf->', t0, t2, t4, t2, X, t0, t2, t4, t2, X, optimize=[(2, 7), (0, 4), (2, 5), (5, 6), (0, 1), (2, 4), (0, 3), (0, 2), (0, 1)])
+    t5 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acf,gbh,ghd,de,ghe,ghf->', t0, t2, t4, t2, X, t0, t2, t4, t2, X, optimize=[(2, 7), (0, 4), (2, 5), (5, 6), (0, 1), (2, 4), (0, 1), (1, 2), (0, 1)])
     t6 = np.sqrt(np.maximum(t5, 0.0))
     t7 = (t1 * np.heaviside(t1, 0.0))
     t8 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,ace,df,gbh,ghd,ghe,df->', t0, t2, t7, W_2, t0, t2, t7, W_2, optimize=[(3, 7), (0, 3), (1, 3), (3, 4), (0, 2), (1, 2), (0, 1)])
@@ -217,7 +217,7 @@ def mse_bias0_residual0__frobenius__W_1__W_1__outer(X, W_1, W_2, Y):
     t2 = np.heaviside(t1, 0.0)
     t3 = np.swapaxes(W_2, -1, -2)
     t4 = W_2 @ t3
-    t5 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acf,gbh,ghd,de,ghe,ghf->', t0, t2, t4, t2, X, t0, t2, t4, t2, X, optimize=[(2, 7), (0, 4), (2, 5), (5, 6), (0, 1), (2, 4), (0, 3), (0, 2), (0, 1)])
+    t5 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acf,gbh,ghd,de,ghe,ghf->', t0, t2, t4, t2, X, t0, t2, t4, t2, X, optimize=[(2, 7), (0, 4), (2, 5), (5, 6), (0, 1), (2, 4), (0, 1), (1, 2), (0, 1)])
     t6 = np.sqrt(np.maximum(t5, 0.0))
     return t6
 
@@ -756,7 +756,7 @@ def mse_bias0_residual0__frobenius_all__full(X, W_1, W_2, Y):
     t2 = np.heaviside(t1, 0.0)
     t3 = np.swapaxes(W_2, -1, -2)
     t4 = W_2 @ t3
-    t5 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acf,gbh,ghd,de,ghe,ghf->', t0, t2, t4, t2, X, t0, t2, t4, t2, X, optimize=[(2, 7), (0, 4), (2, 5), (5, 6), (0, 1), (2, 4), (0, 3), (0, 2), (0, 1)])
+    t5 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acf,gbh,ghd,de,ghe,ghf->', t0, t2, t4, t2, X, t0, t2, t4, t2, X, optimize=[(2, 7), (0, 4), (2, 5), (5, 6), (0, 1), (2, 4), (0, 1), (1, 2), (0, 1)])
     t6 = np.sqrt(np.maximum(t5, 0.0))
     t7 = (t1 * np.heaviside(t1, 0.0))
     t8 = t7 @ W_2
@@ -841,7 +841,7 @@ def mse_bias0_residual0__frobenius__W_1__W_1__full(X, W_1, W_2, Y):
     t2 = np.heaviside(t1, 0.0)
     t3 = np.swapaxes(W_2, -1, -2)
     t4 = W_2 @ t3
-    t5 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acf,gbh,ghd,de,ghe,ghf->', t0, t2, t4, t2, X, t0, t2, t4, t2, X, optimize=[(2, 7), (0, 4), (2, 5), (5, 6), (0, 1), (2, 4), (0, 3), (0, 2), (0, 1)])
+    t5 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acf,gbh,ghd,de,ghe,ghf->', t0, t2, t4, t2, X, t0, t2, t4, t2, X, optimize=[(2, 7), (0, 4), (2, 5), (5, 6), (0, 1), (2, 4), (0, 1), (1, 2), (0, 1)])
     t6 = np.sqrt(np.maximum(t5, 0.0))
     return t6
 
@@ -1032,6 +1032,102 @@ def mse_bias0_residual0__frobenius__W_2__W_2__full(X, W_1, W_2, Y):
     return t8
 
 
+def mse_bias0_residual0__frobenius_split__W_1__W_1(X, W_1, W_2, Y):
+    """(‖H_o(W_1, W_1)‖_F, ‖H_f(W_1, W_1)‖_F, ‖H(W_1, W_1)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_V = X.shape[-1]
+    d_ff = W_1.shape[-1]
+    n_batch = X.shape[0]
+    t0 = np.swapaxes(X, -1, -2)
+    t1 = X @ W_1
+    t2 = np.heaviside(t1, 0.0)
+    t3 = np.swapaxes(W_2, -1, -2)
+    t4 = W_2 @ t3
+    t5 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acf,gbh,ghd,de,ghe,ghf->', t0, t2, t4, t2, X, t0, t2, t4, t2, X, optimize=[(2, 7), (0, 4), (2, 5), (5, 6), (0, 1), (2, 4), (0, 1), (1, 2), (0, 1)])
+    t6 = t5 + 0.0 + 0.0
+    t7 = np.sqrt(np.maximum(t5, 0.0))
+    t8 = np.sqrt(np.maximum(t6, 0.0))
+    return (t7, 0.0, t8,)
+
+
+def mse_bias0_residual0__frobenius_split__W_1__W_2(X, W_1, W_2, Y):
+    """(‖H_o(W_1, W_2)‖_F, ‖H_f(W_1, W_2)‖_F, ‖H(W_1, W_2)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_V = X.shape[-1]
+    d_ff = W_1.shape[-1]
+    n_batch = X.shape[0]
+    t0 = np.swapaxes(X, -1, -2)
+    t1 = X @ W_1
+    t2 = np.heaviside(t1, 0.0)
+    t3 = (t1 * np.heaviside(t1, 0.0))
+    t4 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,ace,df,gbh,ghd,ghe,df->', t0, t2, t3, W_2, t0, t2, t3, W_2, optimize=[(3, 7), (0, 3), (1, 3), (3, 4), (0, 2), (1, 2), (0, 1)])
+    t5 = t3 @ W_2
+    F = t5
+    t6 = (2/(L*d_V)) * F
+    t7 = (-2/(L*d_V)) * Y
+    t8 = t6 + t7
+    G = t8
+    t9 = (n_batch**(-2)) * oe.contract('abc,acd,ace,fbg,fgd,fge->', t0, t2, G, t0, t2, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t10 = (4/(L*d_V*n_batch**2)) * oe.contract('abc,acd,acd,de,fbg,fgd,fge->', t0, t2, t3, W_2, t0, t2, G, optimize=[(1, 2), (0, 2), (0, 2), (0, 3), (0, 1), (0, 1)])
+    t11 = t4 + t9 + t10
+    t12 = np.sqrt(np.maximum(t4, 0.0))
+    t13 = np.sqrt(np.maximum(t9, 0.0))
+    t14 = np.sqrt(np.maximum(t11, 0.0))
+    return (t12, t13, t14,)
+
+
+def mse_bias0_residual0__frobenius_split__W_2__W_1(X, W_1, W_2, Y):
+    """(‖H_o(W_2, W_1)‖_F, ‖H_f(W_2, W_1)‖_F, ‖H(W_2, W_1)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_V = X.shape[-1]
+    d_ff = W_1.shape[-1]
+    n_batch = X.shape[0]
+    t0 = np.swapaxes(W_1, -1, -2)
+    t1 = np.swapaxes(X, -1, -2)
+    t2 = t0 @ t1
+    t3 = (t2 * np.heaviside(t2, 0.0))
+    t4 = np.swapaxes(W_2, -1, -2)
+    t5 = X @ W_1
+    t6 = np.heaviside(t5, 0.0)
+    t7 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,ace,acf,gbh,de,ghe,ghf->', t3, t4, t6, X, t3, t4, t6, X, optimize=[(1, 5), (0, 3), (1, 3), (3, 4), (0, 2), (1, 2), (0, 1)])
+    t8 = (t5 * np.heaviside(t5, 0.0))
+    t9 = t8 @ W_2
+    F = t9
+    t10 = (2/(L*d_V)) * F
+    t11 = (-2/(L*d_V)) * Y
+    t12 = t10 + t11
+    G = t12
+    t13 = np.swapaxes(G, -1, -2)
+    t14 = np.heaviside(t2, 0.0)
+    t15 = (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t13, t14, X, t13, t14, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t16 = (4/(L*d_V*n_batch**2)) * oe.contract('abc,db,acb,ace,fdg,fbg,fge->', t3, t4, t6, X, t13, t14, X, optimize=[(0, 2), (0, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
+    t17 = t7 + t15 + t16
+    t18 = np.sqrt(np.maximum(t7, 0.0))
+    t19 = np.sqrt(np.maximum(t15, 0.0))
+    t20 = np.sqrt(np.maximum(t17, 0.0))
+    return (t18, t19, t20,)
+
+
+def mse_bias0_residual0__frobenius_split__W_2__W_2(X, W_1, W_2, Y):
+    """(‖H_o(W_2, W_2)‖_F, ‖H_f(W_2, W_2)‖_F, ‖H(W_2, W_2)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_V = X.shape[-1]
+    d_ff = W_1.shape[-1]
+    n_batch = X.shape[0]
+    t0 = np.swapaxes(W_1, -1, -2)
+    t1 = np.swapaxes(X, -1, -2)
+    t2 = t0 @ t1
+    t3 = (t2 * np.heaviside(t2, 0.0))
+    t4 = X @ W_1
+    t5 = (t4 * np.heaviside(t4, 0.0))
+    t6 = t3 @ t5
+    t7 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t6, t6, optimize=[(0, 1)])
+    t8 = t7 + 0.0 + 0.0
+    t9 = np.sqrt(np.maximum(t7, 0.0))
+    t10 = np.sqrt(np.maximum(t8, 0.0))
+    return (t9, 0.0, t10,)
+
+
 def bias0_residual0__jacobian__W_1(X, W_1, W_2):
     """∂vec_r F/∂vec_r W_1: dense (numel F × numel W_1); with data, one Jacobian per sequence (leading batch axis), not a mean."""
     L = X.shape[-2]
@@ -1160,40 +1256,30 @@ def ce_bias0_residual0__hessian__outer(X, W_1, W_2, Y):
     t8 = t7 @ W_2
     t9 = np.exp(t8 - t8.max(-1, keepdims=True))
     A = t9 / t9.sum(-1, keepdims=True)
-    t10 = np.swapaxes(W_2, -1, -2)
-    t11 = (1/(L*n_batch)) * t2
-    t12 = oe.contract('abc,acd,de,ace,ace,ef,acf->bdfac', t11, t4, W_2, t6, A, t10, t4, optimize=[(3, 4), (2, 3), (3, 4), (0, 1), (0, 1), (0, 1)])
-    t13 = oe.contract('abc->cab', X, optimize=[(0,)])
-    t1[...] = oe.contract('abcde,fde->abfc', t12, t13, optimize=[(0, 1)])
-    t14 = (-1/(L*n_batch)) * t2
-    t15 = oe.contract('abc,cd,abd,abe->edab', A, t10, t4, X, optimize=[(0, 1), (0, 2), (0, 1)])
-    t16 = oe.contract('abc,acd,de,ace,ace->bdac', t14, t4, W_2, t6, A, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)])
-    t1 += oe.contract('abcd,efcd->efab', t15, t16, optimize=[(0, 1)])
-    t17 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t18 = np.reshape(t17, (d_V, d_ff, d_ff, d_V), copy=False)
-    t18[...] = oe.contract('abc,acd,de,ace,ace,acf->bdfe', t11, t4, W_2, t6, A, t7, optimize=[(3, 4), (0, 1), (1, 2), (1, 2), (0, 1)])
-    t19 = oe.contract('abc,abd->dcab', A, t7, optimize=[(0, 1)])
-    t18 += oe.contract('abcd,efcd->efab', t19, t16, optimize=[(0, 1)])
-    t20 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
-    t21 = np.reshape(t20, (d_ff, d_V, d_V, d_ff), copy=False)
-    t22 = np.swapaxes(W_1, -1, -2)
-    t23 = t22 @ t2
-    t24 = (t23 * np.heaviside(t23, 0.0))
-    t25 = (1/(L*n_batch)) * t24
-    t21[...] = oe.contract('abc,acd,acd,de,ace,acf->bdfe', t25, t6, A, t10, t4, X, optimize=[(1, 2), (0, 2), (1, 2), (1, 2), (0, 1)])
-    t26 = (-1/(L*n_batch)) * t24
-    t27 = oe.contract('abc,acd,de,ace,acf->bfeac', t26, A, t10, t4, X, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
-    t28 = oe.contract('abc,abc->cab', t6, A, optimize=[(0, 1)])
-    t21 += oe.contract('abcde,fde->afbc', t27, t28, optimize=[(0, 1)])
-    t29 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t29[...] = 0
-    t30 = np.reshape(t29, (d_ff, d_V, d_ff, d_V), copy=False)
-    t31 = np.einsum('abcb->abc', t30)
-    t32 = oe.contract('abc,acd->bdac', t25, t7, optimize=[(0, 1)])
-    t31 += oe.contract('abcd,ecd->aeb', t32, t28, optimize=[(0, 1)])
-    t33 = oe.contract('abc,acd->bdac', t26, A, optimize=[(0, 1)])
-    t34 = oe.contract('abc,abc,abd->cdab', t6, A, t7, optimize=[(0, 1), (0, 1)])
-    t30 += oe.contract('abcd,efcd->aefb', t33, t34, optimize=[(0, 1)])
+    t10 = np.eye(d_V, dtype=X.dtype)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t11 = np.swapaxes(W_2, -1, -2)
+    t12 = (1/(L*n_batch)) * t2
+    t13 = oe.contract('abc,acd,de,ace,acef,fg,acg->bdgac', t12, t4, W_2, t6, dA, t11, t4, optimize=[(3, 4), (3, 5), (2, 4), (0, 1), (0, 1), (0, 1)])
+    t14 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t1[...] = oe.contract('abcde,fde->abfc', t13, t14, optimize=[(0, 1)])
+    t15 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t16 = np.reshape(t15, (d_V, d_ff, d_ff, d_V), copy=False)
+    t17 = oe.contract('abc,acd,de,ace,acef->bdfac', t12, t4, W_2, t6, dA, optimize=[(3, 4), (2, 3), (0, 1), (0, 1)])
+    t18 = oe.contract('abc->cab', t7, optimize=[(0,)])
+    t16[...] = oe.contract('abcde,fde->abfc', t17, t18, optimize=[(0, 1)])
+    t19 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
+    t20 = np.reshape(t19, (d_ff, d_V, d_V, d_ff), copy=False)
+    t21 = np.swapaxes(W_1, -1, -2)
+    t22 = t21 @ t2
+    t23 = (t22 * np.heaviside(t22, 0.0))
+    t24 = (1/(L*n_batch)) * t23
+    t25 = oe.contract('abc,acd,acde,ef,acf->bdfac', t24, t6, dA, t11, t4, optimize=[(2, 3), (0, 1), (0, 1), (0, 1)])
+    t20[...] = oe.contract('abcde,fde->abfc', t25, t14, optimize=[(0, 1)])
+    t26 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t27 = np.reshape(t26, (d_ff, d_V, d_ff, d_V), copy=False)
+    t27[...] = oe.contract('abc,acd,acde,acf->bdfe', t24, t6, dA, t7, optimize=[(1, 2), (0, 1), (0, 1)])
     return H
 
 
@@ -1248,19 +1334,22 @@ def ce_bias0_residual0__frobenius_all__outer(X, W_1, W_2, Y):
     t6 = t5 @ W_2
     t7 = np.exp(t6 - t6.max(-1, keepdims=True))
     A = t7 / t7.sum(-1, keepdims=True)
-    t8 = np.swapaxes(W_2, -1, -2)
-    t9 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,ace,ef,acf,acg,hbi,hid,dj,hij,hij,jf,hif,hig->', t0, t2, W_2, t4, A, t8, t2, X, t0, t2, W_2, t4, A, t8, t2, X, optimize=[(3, 4), (9, 10), (0, 6), (4, 9), (10, 11), (0, 1), (6, 9), (0, 8), (0, 7), (5, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,ace,ef,acf,acg,hbi,hid,dj,hij,hij,hik,kf,hif,hig->', t0, t2, W_2, t4, A, t8, t2, X, t0, t2, W_2, t4, A, A, t8, t2, X, optimize=[(3, 4), (9, 10), (0, 6), (7, 8), (7, 12), (4, 7), (8, 10), (5, 7), (4, 8), (0, 1), (2, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,ace,acf,fg,acg,ach,ibj,ijd,dk,ijk,ijk,ijl,lg,ijg,ijh->', t0, t2, W_2, t4, A, A, t8, t2, X, t0, t2, W_2, t4, A, A, t8, t2, X, optimize=[(3, 4), (10, 11), (3, 4), (3, 14), (0, 4), (5, 6), (5, 11), (2, 5), (7, 9), (1, 4), (0, 7), (1, 2), (0, 5), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t10 = np.sqrt(np.maximum(t9, 0.0))
-    t11 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,ace,acf,gbh,ghd,de,ghe,ghe,ghf->', t0, t2, W_2, t4, A, t5, t0, t2, W_2, t4, A, t5, optimize=[(3, 4), (2, 6), (5, 6), (0, 3), (1, 3), (5, 6), (0, 1), (1, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,ace,acf,gbh,ghd,di,ghi,ghi,ghe,ghf->', t0, t2, W_2, t4, A, t5, t0, t2, W_2, t4, A, A, t5, optimize=[(3, 4), (7, 8), (0, 4), (2, 6), (7, 8), (3, 6), (2, 6), (0, 1), (1, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,ace,acf,acg,hbi,hid,dj,hij,hij,hif,hig->', t0, t2, W_2, t4, A, A, t5, t0, t2, W_2, t4, A, A, t5, optimize=[(3, 4), (8, 9), (0, 5), (2, 6), (8, 9), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (0, 1), (0, 1)])
-    t12 = np.sqrt(np.maximum(t11, 0.0))
-    t13 = np.swapaxes(W_1, -1, -2)
-    t14 = t13 @ t0
-    t15 = (t14 * np.heaviside(t14, 0.0))
-    t16 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,de,ace,acf,gbh,ghd,ghd,de,ghe,ghf->', t15, t4, A, t8, t2, X, t15, t4, A, t8, t2, X, optimize=[(1, 2), (5, 6), (1, 5), (0, 3), (1, 3), (5, 6), (0, 1), (2, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,de,ace,acf,gbh,ghd,ghd,ghi,ie,ghe,ghf->', t15, t4, A, t8, t2, X, t15, t4, A, A, t8, t2, X, optimize=[(1, 2), (5, 6), (0, 4), (3, 4), (3, 8), (2, 3), (4, 6), (0, 1), (0, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,ef,acf,acg,hbi,hid,hid,hij,jf,hif,hig->', t15, t4, A, A, t8, t2, X, t15, t4, A, A, t8, t2, X, optimize=[(1, 2), (6, 7), (1, 2), (1, 10), (0, 2), (1, 2), (1, 7), (0, 1), (3, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t17 = np.sqrt(np.maximum(t16, 0.0))
-    t18 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fge->', t15, t4, A, t5, t15, t4, A, t5, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fgd,fge->', t15, t4, A, t5, t15, t4, A, A, t5, optimize=[(1, 2), (3, 4), (3, 6), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,acf,gbh,ghd,ghd,ghe,ghf->', t15, t4, A, A, t5, t15, t4, A, A, t5, optimize=[(1, 2), (4, 5), (0, 3), (0, 2), (4, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t19 = np.sqrt(np.maximum(t18, 0.0))
-    return (t10, t12, t17, t19,)
+    t8 = np.eye(d_V, dtype=X.dtype)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t9 = np.swapaxes(W_2, -1, -2)
+    t10 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acef,fg,acg,ach,ibj,ijd,dk,ijk,ijkl,lg,ijg,ijh->', t0, t2, W_2, t4, dA, t9, t2, X, t0, t2, W_2, t4, dA, t9, t2, X, optimize=[(3, 4), (3, 14), (0, 5), (6, 7), (6, 11), (3, 7), (7, 9), (1, 6), (3, 5), (0, 5), (1, 4), (3, 4), (0, 3), (0, 2), (0, 1)])
+    t11 = np.sqrt(np.maximum(t10, 0.0))
+    t12 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acef,acg,hbi,hid,dj,hij,hijf,hig->', t0, t2, W_2, t4, dA, t5, t0, t2, W_2, t4, dA, t5, optimize=[(3, 4), (7, 8), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)])
+    t13 = np.sqrt(np.maximum(t12, 0.0))
+    t14 = np.swapaxes(W_1, -1, -2)
+    t15 = t14 @ t0
+    t16 = (t15 * np.heaviside(t15, 0.0))
+    t17 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acf,acg,hbi,hid,hidj,jf,hif,hig->', t16, t4, dA, t9, t2, X, t16, t4, dA, t9, t2, X, optimize=[(1, 2), (5, 6), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)])
+    t18 = np.sqrt(np.maximum(t17, 0.0))
+    t19 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t16, t4, dA, t5, t16, t4, dA, t5, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
+    t20 = np.sqrt(np.maximum(t19, 0.0))
+    return (t11, t13, t18, t20,)
 
 
 def ce_bias0_residual0__diag__W_1__outer(X, W_1, W_2, Y):
@@ -1280,15 +1369,12 @@ def ce_bias0_residual0__diag__W_1__outer(X, W_1, W_2, Y):
     t7 = t6 @ W_2
     t8 = np.exp(t7 - t7.max(-1, keepdims=True))
     A = t8 / t8.sum(-1, keepdims=True)
-    t9 = np.swapaxes(W_2, -1, -2)
-    t10 = (1/(L*n_batch)) * t1
-    t11 = oe.contract('abc,cd,abd,abd,dc,abc->cab', t3, W_2, t5, A, t9, t3, optimize=[(2, 3), (1, 2), (0, 1), (0, 1), (0, 1)])
-    t12 = oe.contract('abc,acb->bac', t10, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t11, t12, optimize=[(0, 1)])
-    t13 = (-1/(L*n_batch)) * t1
-    t14 = oe.contract('abc,cd,abd,abd,abe,ec,abc->cab', t3, W_2, t5, A, A, t9, t3, optimize=[(2, 3), (0, 4), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t15 = oe.contract('abc,acb->bac', t13, X, optimize=[(0, 1)])
-    t0 += oe.contract('abc,dbc->da', t14, t15, optimize=[(0, 1)])
+    t9 = np.eye(d_V, dtype=X.dtype)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t10 = np.swapaxes(W_2, -1, -2)
+    t11 = (1/(L*n_batch)) * t1
+    t0[...] = oe.contract('abc,acd,de,ace,acef,fd,acd,acb->bd', t11, t3, W_2, t5, dA, t10, t3, X, optimize=[(0, 7), (0, 5), (1, 2), (0, 1), (0, 1), (0, 1), (0, 1)])
     return out
 
 
@@ -1307,8 +1393,11 @@ def ce_bias0_residual0__trace__W_1__outer(X, W_1, W_2, Y):
     t6 = t5 @ W_2
     t7 = np.exp(t6 - t6.max(-1, keepdims=True))
     A = t7 / t7.sum(-1, keepdims=True)
-    t8 = np.swapaxes(W_2, -1, -2)
-    return (1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,ed,acd,acb->', t0, t2, W_2, t4, A, t8, t2, X, optimize=[(3, 4), (2, 3), (1, 2), (0, 1), (0, 1), (0, 2), (0, 1)]) + (-1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,acf,fd,acd,acb->', t0, t2, W_2, t4, A, A, t8, t2, X, optimize=[(3, 4), (1, 5), (0, 4), (1, 2), (2, 4), (0, 1), (1, 2), (0, 1)])
+    t8 = np.eye(d_V, dtype=X.dtype)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t9 = np.swapaxes(W_2, -1, -2)
+    return (1/(L*n_batch)) * oe.contract('abc,acd,de,ace,acef,fd,acd,acb->', t0, t2, W_2, t4, dA, t9, t2, X, optimize=[(0, 7), (0, 5), (1, 2), (2, 3), (0, 1), (0, 2), (0, 1)])
 
 
 def ce_bias0_residual0__block__W_1__W_1__outer(X, W_1, W_2, Y):
@@ -1328,15 +1417,14 @@ def ce_bias0_residual0__block__W_1__W_1__outer(X, W_1, W_2, Y):
     t7 = t6 @ W_2
     t8 = np.exp(t7 - t7.max(-1, keepdims=True))
     A = t8 / t8.sum(-1, keepdims=True)
-    t9 = np.swapaxes(W_2, -1, -2)
-    t10 = (1/(L*n_batch)) * t1
-    t11 = oe.contract('abc,acd,de,ace,ace,ef,acf->bdfac', t10, t3, W_2, t5, A, t9, t3, optimize=[(3, 4), (2, 3), (3, 4), (0, 1), (0, 1), (0, 1)])
-    t12 = oe.contract('abc->cab', X, optimize=[(0,)])
-    t0[...] = oe.contract('abcde,fde->abfc', t11, t12, optimize=[(0, 1)])
-    t13 = (-1/(L*n_batch)) * t1
-    t14 = oe.contract('abc,cd,abd,abe->edab', A, t9, t3, X, optimize=[(0, 1), (0, 2), (0, 1)])
-    t15 = oe.contract('abc,acd,de,ace,ace->bdac', t13, t3, W_2, t5, A, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)])
-    t0 += oe.contract('abcd,efcd->efab', t14, t15, optimize=[(0, 1)])
+    t9 = np.eye(d_V, dtype=X.dtype)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t10 = np.swapaxes(W_2, -1, -2)
+    t11 = (1/(L*n_batch)) * t1
+    t12 = oe.contract('abc,acd,de,ace,acef,fg,acg->bdgac', t11, t3, W_2, t5, dA, t10, t3, optimize=[(3, 4), (3, 5), (2, 4), (0, 1), (0, 1), (0, 1)])
+    t13 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t0[...] = oe.contract('abcde,fde->abfc', t12, t13, optimize=[(0, 1)])
     return out
 
 
@@ -1355,10 +1443,13 @@ def ce_bias0_residual0__frobenius__W_1__W_1__outer(X, W_1, W_2, Y):
     t6 = t5 @ W_2
     t7 = np.exp(t6 - t6.max(-1, keepdims=True))
     A = t7 / t7.sum(-1, keepdims=True)
-    t8 = np.swapaxes(W_2, -1, -2)
-    t9 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,ace,ef,acf,acg,hbi,hid,dj,hij,hij,jf,hif,hig->', t0, t2, W_2, t4, A, t8, t2, X, t0, t2, W_2, t4, A, t8, t2, X, optimize=[(3, 4), (9, 10), (0, 6), (4, 9), (10, 11), (0, 1), (6, 9), (0, 8), (0, 7), (5, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,ace,ef,acf,acg,hbi,hid,dj,hij,hij,hik,kf,hif,hig->', t0, t2, W_2, t4, A, t8, t2, X, t0, t2, W_2, t4, A, A, t8, t2, X, optimize=[(3, 4), (9, 10), (0, 6), (7, 8), (7, 12), (4, 7), (8, 10), (5, 7), (4, 8), (0, 1), (2, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,ace,acf,fg,acg,ach,ibj,ijd,dk,ijk,ijk,ijl,lg,ijg,ijh->', t0, t2, W_2, t4, A, A, t8, t2, X, t0, t2, W_2, t4, A, A, t8, t2, X, optimize=[(3, 4), (10, 11), (3, 4), (3, 14), (0, 4), (5, 6), (5, 11), (2, 5), (7, 9), (1, 4), (0, 7), (1, 2), (0, 5), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t10 = np.sqrt(np.maximum(t9, 0.0))
-    return t10
+    t8 = np.eye(d_V, dtype=X.dtype)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t9 = np.swapaxes(W_2, -1, -2)
+    t10 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acef,fg,acg,ach,ibj,ijd,dk,ijk,ijkl,lg,ijg,ijh->', t0, t2, W_2, t4, dA, t9, t2, X, t0, t2, W_2, t4, dA, t9, t2, X, optimize=[(3, 4), (3, 14), (0, 5), (6, 7), (6, 11), (3, 7), (7, 9), (1, 6), (3, 5), (0, 5), (1, 4), (3, 4), (0, 3), (0, 2), (0, 1)])
+    t11 = np.sqrt(np.maximum(t10, 0.0))
+    return t11
 
 
 def ce_bias0_residual0__block__W_1__W_2__outer(X, W_1, W_2, Y):
@@ -1378,12 +1469,13 @@ def ce_bias0_residual0__block__W_1__W_2__outer(X, W_1, W_2, Y):
     t7 = t6 @ W_2
     t8 = np.exp(t7 - t7.max(-1, keepdims=True))
     A = t8 / t8.sum(-1, keepdims=True)
-    t9 = (1/(L*n_batch)) * t1
-    t0[...] = oe.contract('abc,acd,de,ace,ace,acf->bdfe', t9, t3, W_2, t5, A, t6, optimize=[(3, 4), (0, 1), (1, 2), (1, 2), (0, 1)])
-    t10 = (-1/(L*n_batch)) * t1
-    t11 = oe.contract('abc,abd->dcab', A, t6, optimize=[(0, 1)])
-    t12 = oe.contract('abc,acd,de,ace,ace->bdac', t10, t3, W_2, t5, A, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)])
-    t0 += oe.contract('abcd,efcd->efab', t11, t12, optimize=[(0, 1)])
+    t9 = np.eye(d_V, dtype=X.dtype)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t10 = (1/(L*n_batch)) * t1
+    t11 = oe.contract('abc,acd,de,ace,acef->bdfac', t10, t3, W_2, t5, dA, optimize=[(3, 4), (2, 3), (0, 1), (0, 1)])
+    t12 = oe.contract('abc->cab', t6, optimize=[(0,)])
+    t0[...] = oe.contract('abcde,fde->abfc', t11, t12, optimize=[(0, 1)])
     return out
 
 
@@ -1402,9 +1494,12 @@ def ce_bias0_residual0__frobenius__W_1__W_2__outer(X, W_1, W_2, Y):
     t6 = t5 @ W_2
     t7 = np.exp(t6 - t6.max(-1, keepdims=True))
     A = t7 / t7.sum(-1, keepdims=True)
-    t8 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,ace,acf,gbh,ghd,de,ghe,ghe,ghf->', t0, t2, W_2, t4, A, t5, t0, t2, W_2, t4, A, t5, optimize=[(3, 4), (2, 6), (5, 6), (0, 3), (1, 3), (5, 6), (0, 1), (1, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,ace,acf,gbh,ghd,di,ghi,ghi,ghe,ghf->', t0, t2, W_2, t4, A, t5, t0, t2, W_2, t4, A, A, t5, optimize=[(3, 4), (7, 8), (0, 4), (2, 6), (7, 8), (3, 6), (2, 6), (0, 1), (1, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,ace,acf,acg,hbi,hid,dj,hij,hij,hif,hig->', t0, t2, W_2, t4, A, A, t5, t0, t2, W_2, t4, A, A, t5, optimize=[(3, 4), (8, 9), (0, 5), (2, 6), (8, 9), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (0, 1), (0, 1)])
-    t9 = np.sqrt(np.maximum(t8, 0.0))
-    return t9
+    t8 = np.eye(d_V, dtype=X.dtype)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t9 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acef,acg,hbi,hid,dj,hij,hijf,hig->', t0, t2, W_2, t4, dA, t5, t0, t2, W_2, t4, dA, t5, optimize=[(3, 4), (7, 8), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)])
+    t10 = np.sqrt(np.maximum(t9, 0.0))
+    return t10
 
 
 def ce_bias0_residual0__diag__W_2__outer(X, W_1, W_2, Y):
@@ -1426,12 +1521,13 @@ def ce_bias0_residual0__diag__W_2__outer(X, W_1, W_2, Y):
     t9 = t8 @ W_2
     t10 = np.exp(t9 - t9.max(-1, keepdims=True))
     A = t10 / t10.sum(-1, keepdims=True)
-    t11 = (1/(L*n_batch)) * t4
-    t12 = oe.contract('abc,abc->cab', t6, A, optimize=[(0, 1)])
-    t13 = oe.contract('abc,acb->bac', t11, t8, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t12, t13, optimize=[(0, 1)])
-    t14 = (-1/(L*n_batch)) * t4
-    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t14, t6, A, A, t8, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t11 = np.eye(d_V, dtype=X.dtype)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t12 = (1/(L*n_batch)) * t4
+    t13 = oe.contract('abc,abcc->cab', t6, dA, optimize=[(0, 1)])
+    t14 = oe.contract('abc,acb->bac', t12, t8, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t13, t14, optimize=[(0, 1)])
     return out
 
 
@@ -1452,7 +1548,10 @@ def ce_bias0_residual0__trace__W_2__outer(X, W_1, W_2, Y):
     t8 = t7 @ W_2
     t9 = np.exp(t8 - t8.max(-1, keepdims=True))
     A = t9 / t9.sum(-1, keepdims=True)
-    return (1/(L*n_batch)) * oe.contract('abc,acd,acd,acb->', t3, t5, A, t7, optimize=[(0, 3), (0, 1), (0, 1)]) + (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->', t3, t5, A, A, t7, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t10 = np.eye(d_V, dtype=X.dtype)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    return (1/(L*n_batch)) * oe.contract('abc,acd,acdd,acb->', t3, t5, dA, t7, optimize=[(0, 3), (0, 1), (0, 1)])
 
 
 def ce_bias0_residual0__block__W_2__W_1__outer(X, W_1, W_2, Y):
@@ -1474,14 +1573,15 @@ def ce_bias0_residual0__block__W_2__W_1__outer(X, W_1, W_2, Y):
     t9 = t8 @ W_2
     t10 = np.exp(t9 - t9.max(-1, keepdims=True))
     A = t10 / t10.sum(-1, keepdims=True)
-    t11 = np.swapaxes(W_2, -1, -2)
-    t12 = np.heaviside(t7, 0.0)
-    t13 = (1/(L*n_batch)) * t4
-    t0[...] = oe.contract('abc,acd,acd,de,ace,acf->bdfe', t13, t6, A, t11, t12, X, optimize=[(1, 2), (0, 2), (1, 2), (1, 2), (0, 1)])
-    t14 = (-1/(L*n_batch)) * t4
-    t15 = oe.contract('abc,acd,de,ace,acf->bfeac', t14, A, t11, t12, X, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
-    t16 = oe.contract('abc,abc->cab', t6, A, optimize=[(0, 1)])
-    t0 += oe.contract('abcde,fde->afbc', t15, t16, optimize=[(0, 1)])
+    t11 = np.eye(d_V, dtype=X.dtype)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t12 = np.swapaxes(W_2, -1, -2)
+    t13 = np.heaviside(t7, 0.0)
+    t14 = (1/(L*n_batch)) * t4
+    t15 = oe.contract('abc,acd,acde,ef,acf->bdfac', t14, t6, dA, t12, t13, optimize=[(2, 3), (0, 1), (0, 1), (0, 1)])
+    t16 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t0[...] = oe.contract('abcde,fde->abfc', t15, t16, optimize=[(0, 1)])
     return out
 
 
@@ -1502,11 +1602,14 @@ def ce_bias0_residual0__frobenius__W_2__W_1__outer(X, W_1, W_2, Y):
     t8 = t7 @ W_2
     t9 = np.exp(t8 - t8.max(-1, keepdims=True))
     A = t9 / t9.sum(-1, keepdims=True)
-    t10 = np.swapaxes(W_2, -1, -2)
-    t11 = np.heaviside(t6, 0.0)
-    t12 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,de,ace,acf,gbh,ghd,ghd,de,ghe,ghf->', t3, t5, A, t10, t11, X, t3, t5, A, t10, t11, X, optimize=[(1, 2), (5, 6), (1, 5), (0, 3), (1, 3), (5, 6), (0, 1), (2, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,de,ace,acf,gbh,ghd,ghd,ghi,ie,ghe,ghf->', t3, t5, A, t10, t11, X, t3, t5, A, A, t10, t11, X, optimize=[(1, 2), (5, 6), (0, 4), (3, 4), (3, 8), (2, 3), (4, 6), (0, 1), (0, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,ef,acf,acg,hbi,hid,hid,hij,jf,hif,hig->', t3, t5, A, A, t10, t11, X, t3, t5, A, A, t10, t11, X, optimize=[(1, 2), (6, 7), (1, 2), (1, 10), (0, 2), (1, 2), (1, 7), (0, 1), (3, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t13 = np.sqrt(np.maximum(t12, 0.0))
-    return t13
+    t10 = np.eye(d_V, dtype=X.dtype)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t11 = np.swapaxes(W_2, -1, -2)
+    t12 = np.heaviside(t6, 0.0)
+    t13 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acf,acg,hbi,hid,hidj,jf,hif,hig->', t3, t5, dA, t11, t12, X, t3, t5, dA, t11, t12, X, optimize=[(1, 2), (5, 6), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)])
+    t14 = np.sqrt(np.maximum(t13, 0.0))
+    return t14
 
 
 def ce_bias0_residual0__block__W_2__W_2__outer(X, W_1, W_2, Y):
@@ -1516,28 +1619,23 @@ def ce_bias0_residual0__block__W_2__W_2__outer(X, W_1, W_2, Y):
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
     out = np.empty((d_V*d_ff, d_V*d_ff), dtype=X.dtype)
-    out[...] = 0
     t0 = np.reshape(out, (d_ff, d_V, d_ff, d_V), copy=False)
-    t1 = np.einsum('abcb->abc', t0)
-    t2 = np.swapaxes(W_1, -1, -2)
-    t3 = np.swapaxes(X, -1, -2)
-    t4 = t2 @ t3
-    t5 = (t4 * np.heaviside(t4, 0.0))
-    t6 = Y.sum(-1, keepdims=True)
-    t7 = np.broadcast_to(t6, t6.shape[:-1] + (d_V,))
-    t8 = X @ W_1
-    t9 = (t8 * np.heaviside(t8, 0.0))
-    t10 = t9 @ W_2
-    t11 = np.exp(t10 - t10.max(-1, keepdims=True))
-    A = t11 / t11.sum(-1, keepdims=True)
-    t12 = (1/(L*n_batch)) * t5
-    t13 = oe.contract('abc,acd->bdac', t12, t9, optimize=[(0, 1)])
-    t14 = oe.contract('abc,abc->cab', t7, A, optimize=[(0, 1)])
-    t1 += oe.contract('abcd,ecd->aeb', t13, t14, optimize=[(0, 1)])
-    t15 = (-1/(L*n_batch)) * t5
-    t16 = oe.contract('abc,acd->bdac', t15, A, optimize=[(0, 1)])
-    t17 = oe.contract('abc,abc,abd->cdab', t7, A, t9, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t16, t17, optimize=[(0, 1)])
+    t1 = np.swapaxes(W_1, -1, -2)
+    t2 = np.swapaxes(X, -1, -2)
+    t3 = t1 @ t2
+    t4 = (t3 * np.heaviside(t3, 0.0))
+    t5 = Y.sum(-1, keepdims=True)
+    t6 = np.broadcast_to(t5, t5.shape[:-1] + (d_V,))
+    t7 = X @ W_1
+    t8 = (t7 * np.heaviside(t7, 0.0))
+    t9 = t8 @ W_2
+    t10 = np.exp(t9 - t9.max(-1, keepdims=True))
+    A = t10 / t10.sum(-1, keepdims=True)
+    t11 = np.eye(d_V, dtype=X.dtype)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t12 = (1/(L*n_batch)) * t4
+    t0[...] = oe.contract('abc,acd,acde,acf->bdfe', t12, t6, dA, t8, optimize=[(1, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -1558,9 +1656,12 @@ def ce_bias0_residual0__frobenius__W_2__W_2__outer(X, W_1, W_2, Y):
     t8 = t7 @ W_2
     t9 = np.exp(t8 - t8.max(-1, keepdims=True))
     A = t9 / t9.sum(-1, keepdims=True)
-    t10 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fge->', t3, t5, A, t7, t3, t5, A, t7, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fgd,fge->', t3, t5, A, t7, t3, t5, A, A, t7, optimize=[(1, 2), (3, 4), (3, 6), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,acf,gbh,ghd,ghd,ghe,ghf->', t3, t5, A, A, t7, t3, t5, A, A, t7, optimize=[(1, 2), (4, 5), (0, 3), (0, 2), (4, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t11 = np.sqrt(np.maximum(t10, 0.0))
-    return t11
+    t10 = np.eye(d_V, dtype=X.dtype)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t11 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t3, t5, dA, t7, t3, t5, dA, t7, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
+    t12 = np.sqrt(np.maximum(t11, 0.0))
+    return t12
 
 
 def ce_bias0_residual0__hessian__functional(X, W_1, W_2, Y):
@@ -1895,58 +1996,48 @@ def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     t8 = t7 @ W_2
     t9 = np.exp(t8 - t8.max(-1, keepdims=True))
     A = t9 / t9.sum(-1, keepdims=True)
-    t10 = np.swapaxes(W_2, -1, -2)
-    t11 = (1/(L*n_batch)) * t2
-    t12 = oe.contract('abc,acd,de,ace,ace,ef,acf->bdfac', t11, t4, W_2, t6, A, t10, t4, optimize=[(3, 4), (2, 3), (3, 4), (0, 1), (0, 1), (0, 1)])
-    t13 = oe.contract('abc->cab', X, optimize=[(0,)])
-    t1[...] = oe.contract('abcde,fde->abfc', t12, t13, optimize=[(0, 1)])
-    t14 = (-1/(L*n_batch)) * t2
-    t15 = oe.contract('abc,cd,abd,abe->edab', A, t10, t4, X, optimize=[(0, 1), (0, 2), (0, 1)])
-    t16 = oe.contract('abc,acd,de,ace,ace->bdac', t14, t4, W_2, t6, A, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)])
-    t1 += oe.contract('abcd,efcd->efab', t15, t16, optimize=[(0, 1)])
-    t17 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t18 = np.reshape(t17, (d_V, d_ff, d_ff, d_V), copy=False)
-    t18[...] = oe.contract('abc,acd,de,ace,ace,acf->bdfe', t11, t4, W_2, t6, A, t7, optimize=[(3, 4), (0, 1), (1, 2), (1, 2), (0, 1)])
-    t19 = oe.contract('abc,abd->dcab', A, t7, optimize=[(0, 1)])
-    t18 += oe.contract('abcd,efcd->efab', t19, t16, optimize=[(0, 1)])
-    t20 = np.einsum('abbc->abc', t18)
+    t10 = np.eye(d_V, dtype=X.dtype)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t11 = np.swapaxes(W_2, -1, -2)
+    t12 = (1/(L*n_batch)) * t2
+    t13 = oe.contract('abc,acd,de,ace,acef,fg,acg->bdgac', t12, t4, W_2, t6, dA, t11, t4, optimize=[(3, 4), (3, 5), (2, 4), (0, 1), (0, 1), (0, 1)])
+    t14 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t1[...] = oe.contract('abcde,fde->abfc', t13, t14, optimize=[(0, 1)])
+    t15 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t16 = np.reshape(t15, (d_V, d_ff, d_ff, d_V), copy=False)
+    t17 = oe.contract('abc,acd,de,ace,acef->bdfac', t12, t4, W_2, t6, dA, optimize=[(3, 4), (2, 3), (0, 1), (0, 1)])
+    t18 = oe.contract('abc->cab', t7, optimize=[(0,)])
+    t16[...] = oe.contract('abcde,fde->abfc', t17, t18, optimize=[(0, 1)])
+    t19 = np.einsum('abbc->abc', t16)
     F = t8
-    t21 = np.exp(F - F.max(-1, keepdims=True))
-    A22 = t21 / t21.sum(-1, keepdims=True)
-    t23 = t6 * A22
-    t24 = (1/L) * t23
-    t25 = (-1/L) * Y
-    t26 = t24 + t25
-    G = t26
-    t27 = (1/n_batch) * t2
-    t28 = oe.contract('abc->cab', G, optimize=[(0,)])
-    t29 = oe.contract('abc,acd->bdac', t27, t4, optimize=[(0, 1)])
-    t20 += oe.contract('abc,debc->dea', t28, t29, optimize=[(0, 1)])
-    t30 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
-    t31 = np.reshape(t30, (d_ff, d_V, d_V, d_ff), copy=False)
-    t32 = np.swapaxes(W_1, -1, -2)
-    t33 = t32 @ t2
-    t34 = (t33 * np.heaviside(t33, 0.0))
-    t35 = (1/(L*n_batch)) * t34
-    t31[...] = oe.contract('abc,acd,acd,de,ace,acf->bdfe', t35, t6, A, t10, t4, X, optimize=[(1, 2), (0, 2), (1, 2), (1, 2), (0, 1)])
-    t36 = (-1/(L*n_batch)) * t34
-    t37 = oe.contract('abc,acd,de,ace,acf->bfeac', t36, A, t10, t4, X, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
-    t38 = oe.contract('abc,abc->cab', t6, A, optimize=[(0, 1)])
-    t31 += oe.contract('abcde,fde->afbc', t37, t38, optimize=[(0, 1)])
-    t39 = np.einsum('abca->abc', t31)
-    t40 = np.swapaxes(G, -1, -2)
-    t41 = np.heaviside(t33, 0.0)
-    t42 = (1/n_batch) * t40
-    t39 += oe.contract('abc,adc,ace->dbe', t42, t41, X, optimize=[(0, 1), (0, 1)])
-    t43 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t43[...] = 0
-    t44 = np.reshape(t43, (d_ff, d_V, d_ff, d_V), copy=False)
-    t45 = np.einsum('abcb->abc', t44)
-    t46 = oe.contract('abc,acd->bdac', t35, t7, optimize=[(0, 1)])
-    t45 += oe.contract('abcd,ecd->aeb', t46, t38, optimize=[(0, 1)])
-    t47 = oe.contract('abc,acd->bdac', t36, A, optimize=[(0, 1)])
-    t48 = oe.contract('abc,abc,abd->cdab', t6, A, t7, optimize=[(0, 1), (0, 1)])
-    t44 += oe.contract('abcd,efcd->aefb', t47, t48, optimize=[(0, 1)])
+    t20 = np.exp(F - F.max(-1, keepdims=True))
+    A21 = t20 / t20.sum(-1, keepdims=True)
+    t22 = t6 * A21
+    t23 = (1/L) * t22
+    t24 = (-1/L) * Y
+    t25 = t23 + t24
+    G = t25
+    t26 = (1/n_batch) * t2
+    t27 = oe.contract('abc->cab', G, optimize=[(0,)])
+    t28 = oe.contract('abc,acd->bdac', t26, t4, optimize=[(0, 1)])
+    t19 += oe.contract('abc,debc->dea', t27, t28, optimize=[(0, 1)])
+    t29 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
+    t30 = np.reshape(t29, (d_ff, d_V, d_V, d_ff), copy=False)
+    t31 = np.swapaxes(W_1, -1, -2)
+    t32 = t31 @ t2
+    t33 = (t32 * np.heaviside(t32, 0.0))
+    t34 = (1/(L*n_batch)) * t33
+    t35 = oe.contract('abc,acd,acde,ef,acf->bdfac', t34, t6, dA, t11, t4, optimize=[(2, 3), (0, 1), (0, 1), (0, 1)])
+    t30[...] = oe.contract('abcde,fde->abfc', t35, t14, optimize=[(0, 1)])
+    t36 = np.einsum('abca->abc', t30)
+    t37 = np.swapaxes(G, -1, -2)
+    t38 = np.heaviside(t32, 0.0)
+    t39 = (1/n_batch) * t37
+    t36 += oe.contract('abc,adc,ace->dbe', t39, t38, X, optimize=[(0, 1), (0, 1)])
+    t40 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t41 = np.reshape(t40, (d_ff, d_V, d_ff, d_V), copy=False)
+    t41[...] = oe.contract('abc,acd,acde,acf->bdfe', t34, t6, dA, t7, optimize=[(1, 2), (0, 1), (0, 1)])
     return H
 
 
@@ -2015,29 +2106,32 @@ def ce_bias0_residual0__frobenius_all__full(X, W_1, W_2, Y):
     t6 = t5 @ W_2
     t7 = np.exp(t6 - t6.max(-1, keepdims=True))
     A = t7 / t7.sum(-1, keepdims=True)
-    t8 = np.swapaxes(W_2, -1, -2)
-    t9 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,ace,ef,acf,acg,hbi,hid,dj,hij,hij,jf,hif,hig->', t0, t2, W_2, t4, A, t8, t2, X, t0, t2, W_2, t4, A, t8, t2, X, optimize=[(3, 4), (9, 10), (0, 6), (4, 9), (10, 11), (0, 1), (6, 9), (0, 8), (0, 7), (5, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,ace,ef,acf,acg,hbi,hid,dj,hij,hij,hik,kf,hif,hig->', t0, t2, W_2, t4, A, t8, t2, X, t0, t2, W_2, t4, A, A, t8, t2, X, optimize=[(3, 4), (9, 10), (0, 6), (7, 8), (7, 12), (4, 7), (8, 10), (5, 7), (4, 8), (0, 1), (2, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,ace,acf,fg,acg,ach,ibj,ijd,dk,ijk,ijk,ijl,lg,ijg,ijh->', t0, t2, W_2, t4, A, A, t8, t2, X, t0, t2, W_2, t4, A, A, t8, t2, X, optimize=[(3, 4), (10, 11), (3, 4), (3, 14), (0, 4), (5, 6), (5, 11), (2, 5), (7, 9), (1, 4), (0, 7), (1, 2), (0, 5), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t10 = np.sqrt(np.maximum(t9, 0.0))
+    t8 = np.eye(d_V, dtype=X.dtype)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t9 = np.swapaxes(W_2, -1, -2)
+    t10 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acef,fg,acg,ach,ibj,ijd,dk,ijk,ijkl,lg,ijg,ijh->', t0, t2, W_2, t4, dA, t9, t2, X, t0, t2, W_2, t4, dA, t9, t2, X, optimize=[(3, 4), (3, 14), (0, 5), (6, 7), (6, 11), (3, 7), (7, 9), (1, 6), (3, 5), (0, 5), (1, 4), (3, 4), (0, 3), (0, 2), (0, 1)])
+    t11 = np.sqrt(np.maximum(t10, 0.0))
     F = t6
-    t11 = np.exp(F - F.max(-1, keepdims=True))
-    A12 = t11 / t11.sum(-1, keepdims=True)
-    t13 = t4 * A12
-    t14 = (1/L) * t13
-    t15 = (-1/L) * Y
-    t16 = t14 + t15
-    G = t16
-    t17 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,ace,acf,gbh,ghd,de,ghe,ghe,ghf->', t0, t2, W_2, t4, A, t5, t0, t2, W_2, t4, A, t5, optimize=[(3, 4), (2, 6), (5, 6), (0, 3), (1, 3), (5, 6), (0, 1), (1, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,ace,acf,gbh,ghd,di,ghi,ghi,ghe,ghf->', t0, t2, W_2, t4, A, t5, t0, t2, W_2, t4, A, A, t5, optimize=[(3, 4), (7, 8), (0, 4), (2, 6), (7, 8), (3, 6), (2, 6), (0, 1), (1, 4), (0, 3), (0, 2), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abc,acd,de,ace,ace,acd,fbg,fgd,fge->', t0, t2, W_2, t4, A, t5, t0, t2, G, optimize=[(3, 4), (1, 3), (0, 2), (0, 1), (0, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,ace,acf,acg,hbi,hid,dj,hij,hij,hif,hig->', t0, t2, W_2, t4, A, A, t5, t0, t2, W_2, t4, A, A, t5, optimize=[(3, 4), (8, 9), (0, 5), (2, 6), (8, 9), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (0, 1), (0, 1)]) + (-2/(L*n_batch**2)) * oe.contract('abc,acd,de,ace,ace,acf,acd,gbh,ghd,ghf->', t0, t2, W_2, t4, A, A, t5, t0, t2, G, optimize=[(3, 4), (1, 4), (0, 3), (1, 3), (4, 5), (0, 2), (1, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acd,ace,fbg,fgd,fge->', t0, t2, G, t0, t2, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t18 = np.sqrt(np.maximum(t17, 0.0))
-    t19 = np.swapaxes(W_1, -1, -2)
-    t20 = t19 @ t0
-    t21 = (t20 * np.heaviside(t20, 0.0))
-    t22 = np.swapaxes(G, -1, -2)
-    t23 = np.heaviside(t20, 0.0)
-    t24 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,de,ace,acf,gbh,ghd,ghd,de,ghe,ghf->', t21, t4, A, t8, t2, X, t21, t4, A, t8, t2, X, optimize=[(1, 2), (5, 6), (1, 5), (0, 3), (1, 3), (5, 6), (0, 1), (2, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,de,ace,acf,gbh,ghd,ghd,ghi,ie,ghe,ghf->', t21, t4, A, t8, t2, X, t21, t4, A, A, t8, t2, X, optimize=[(1, 2), (5, 6), (0, 4), (3, 4), (3, 8), (2, 3), (4, 6), (0, 1), (0, 4), (0, 3), (0, 2), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abc,acd,acd,db,acb,ace,fdg,fbg,fge->', t21, t4, A, t8, t2, X, t22, t23, X, optimize=[(1, 2), (0, 2), (1, 4), (0, 1), (0, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,ef,acf,acg,hbi,hid,hid,hij,jf,hif,hig->', t21, t4, A, A, t8, t2, X, t21, t4, A, A, t8, t2, X, optimize=[(1, 2), (6, 7), (1, 2), (1, 10), (0, 2), (1, 2), (1, 7), (0, 1), (3, 5), (0, 1), (2, 3), (0, 1), (0, 1)]) + (-2/(L*n_batch**2)) * oe.contract('abc,acd,acd,ace,eb,acb,acf,gdh,gbh,ghf->', t21, t4, A, A, t8, t2, X, t22, t23, X, optimize=[(1, 2), (0, 3), (0, 1), (5, 6), (0, 3), (0, 2), (2, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t22, t23, X, t22, t23, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t25 = np.sqrt(np.maximum(t24, 0.0))
-    t26 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fge->', t21, t4, A, t5, t21, t4, A, t5, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fgd,fge->', t21, t4, A, t5, t21, t4, A, A, t5, optimize=[(1, 2), (3, 4), (3, 6), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,acf,gbh,ghd,ghd,ghe,ghf->', t21, t4, A, A, t5, t21, t4, A, A, t5, optimize=[(1, 2), (4, 5), (0, 3), (0, 2), (4, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t27 = np.sqrt(np.maximum(t26, 0.0))
-    return (t10, t18, t25, t27,)
+    t12 = np.exp(F - F.max(-1, keepdims=True))
+    A13 = t12 / t12.sum(-1, keepdims=True)
+    t14 = t4 * A13
+    t15 = (1/L) * t14
+    t16 = (-1/L) * Y
+    t17 = t15 + t16
+    G = t17
+    t18 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acef,acg,hbi,hid,dj,hij,hijf,hig->', t0, t2, W_2, t4, dA, t5, t0, t2, W_2, t4, dA, t5, optimize=[(3, 4), (7, 8), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abc,acd,de,ace,acef,acd,gbh,ghd,ghf->', t0, t2, W_2, t4, dA, t5, t0, t2, G, optimize=[(1, 5), (2, 3), (0, 2), (2, 4), (0, 4), (0, 3), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acd,ace,fbg,fgd,fge->', t0, t2, G, t0, t2, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t19 = np.sqrt(np.maximum(t18, 0.0))
+    t20 = np.swapaxes(W_1, -1, -2)
+    t21 = t20 @ t0
+    t22 = (t21 * np.heaviside(t21, 0.0))
+    t23 = np.swapaxes(G, -1, -2)
+    t24 = np.heaviside(t21, 0.0)
+    t25 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acf,acg,hbi,hid,hidj,jf,hif,hig->', t22, t4, dA, t9, t2, X, t22, t4, dA, t9, t2, X, optimize=[(1, 2), (5, 6), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abc,acd,acde,eb,acb,acf,gdh,gbh,ghf->', t22, t4, dA, t9, t2, X, t23, t24, X, optimize=[(0, 4), (0, 1), (0, 6), (0, 3), (0, 3), (0, 3), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t23, t24, X, t23, t24, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t26 = np.sqrt(np.maximum(t25, 0.0))
+    t27 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t22, t4, dA, t5, t22, t4, dA, t5, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
+    t28 = np.sqrt(np.maximum(t27, 0.0))
+    return (t11, t19, t26, t28,)
 
 
 def ce_bias0_residual0__diag__W_1__full(X, W_1, W_2, Y):
@@ -2057,15 +2151,12 @@ def ce_bias0_residual0__diag__W_1__full(X, W_1, W_2, Y):
     t7 = t6 @ W_2
     t8 = np.exp(t7 - t7.max(-1, keepdims=True))
     A = t8 / t8.sum(-1, keepdims=True)
-    t9 = np.swapaxes(W_2, -1, -2)
-    t10 = (1/(L*n_batch)) * t1
-    t11 = oe.contract('abc,cd,abd,abd,dc,abc->cab', t3, W_2, t5, A, t9, t3, optimize=[(2, 3), (1, 2), (0, 1), (0, 1), (0, 1)])
-    t12 = oe.contract('abc,acb->bac', t10, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t11, t12, optimize=[(0, 1)])
-    t13 = (-1/(L*n_batch)) * t1
-    t14 = oe.contract('abc,cd,abd,abd,abe,ec,abc->cab', t3, W_2, t5, A, A, t9, t3, optimize=[(2, 3), (0, 4), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t15 = oe.contract('abc,acb->bac', t13, X, optimize=[(0, 1)])
-    t0 += oe.contract('abc,dbc->da', t14, t15, optimize=[(0, 1)])
+    t9 = np.eye(d_V, dtype=X.dtype)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t10 = np.swapaxes(W_2, -1, -2)
+    t11 = (1/(L*n_batch)) * t1
+    t0[...] = oe.contract('abc,acd,de,ace,acef,fd,acd,acb->bd', t11, t3, W_2, t5, dA, t10, t3, X, optimize=[(0, 7), (0, 5), (1, 2), (0, 1), (0, 1), (0, 1), (0, 1)])
     return out
 
 
@@ -2084,8 +2175,11 @@ def ce_bias0_residual0__trace__W_1__full(X, W_1, W_2, Y):
     t6 = t5 @ W_2
     t7 = np.exp(t6 - t6.max(-1, keepdims=True))
     A = t7 / t7.sum(-1, keepdims=True)
-    t8 = np.swapaxes(W_2, -1, -2)
-    return (1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,ed,acd,acb->', t0, t2, W_2, t4, A, t8, t2, X, optimize=[(3, 4), (2, 3), (1, 2), (0, 1), (0, 1), (0, 2), (0, 1)]) + (-1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,acf,fd,acd,acb->', t0, t2, W_2, t4, A, A, t8, t2, X, optimize=[(3, 4), (1, 5), (0, 4), (1, 2), (2, 4), (0, 1), (1, 2), (0, 1)])
+    t8 = np.eye(d_V, dtype=X.dtype)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t9 = np.swapaxes(W_2, -1, -2)
+    return (1/(L*n_batch)) * oe.contract('abc,acd,de,ace,acef,fd,acd,acb->', t0, t2, W_2, t4, dA, t9, t2, X, optimize=[(0, 7), (0, 5), (1, 2), (2, 3), (0, 1), (0, 2), (0, 1)])
 
 
 def ce_bias0_residual0__block__W_1__W_1__full(X, W_1, W_2, Y):
@@ -2105,15 +2199,14 @@ def ce_bias0_residual0__block__W_1__W_1__full(X, W_1, W_2, Y):
     t7 = t6 @ W_2
     t8 = np.exp(t7 - t7.max(-1, keepdims=True))
     A = t8 / t8.sum(-1, keepdims=True)
-    t9 = np.swapaxes(W_2, -1, -2)
-    t10 = (1/(L*n_batch)) * t1
-    t11 = oe.contract('abc,acd,de,ace,ace,ef,acf->bdfac', t10, t3, W_2, t5, A, t9, t3, optimize=[(3, 4), (2, 3), (3, 4), (0, 1), (0, 1), (0, 1)])
-    t12 = oe.contract('abc->cab', X, optimize=[(0,)])
-    t0[...] = oe.contract('abcde,fde->abfc', t11, t12, optimize=[(0, 1)])
-    t13 = (-1/(L*n_batch)) * t1
-    t14 = oe.contract('abc,cd,abd,abe->edab', A, t9, t3, X, optimize=[(0, 1), (0, 2), (0, 1)])
-    t15 = oe.contract('abc,acd,de,ace,ace->bdac', t13, t3, W_2, t5, A, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)])
-    t0 += oe.contract('abcd,efcd->efab', t14, t15, optimize=[(0, 1)])
+    t9 = np.eye(d_V, dtype=X.dtype)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t10 = np.swapaxes(W_2, -1, -2)
+    t11 = (1/(L*n_batch)) * t1
+    t12 = oe.contract('abc,acd,de,ace,acef,fg,acg->bdgac', t11, t3, W_2, t5, dA, t10, t3, optimize=[(3, 4), (3, 5), (2, 4), (0, 1), (0, 1), (0, 1)])
+    t13 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t0[...] = oe.contract('abcde,fde->abfc', t12, t13, optimize=[(0, 1)])
     return out
 
 
@@ -2132,10 +2225,13 @@ def ce_bias0_residual0__frobenius__W_1__W_1__full(X, W_1, W_2, Y):
     t6 = t5 @ W_2
     t7 = np.exp(t6 - t6.max(-1, keepdims=True))
     A = t7 / t7.sum(-1, keepdims=True)
-    t8 = np.swapaxes(W_2, -1, -2)
-    t9 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,ace,ef,acf,acg,hbi,hid,dj,hij,hij,jf,hif,hig->', t0, t2, W_2, t4, A, t8, t2, X, t0, t2, W_2, t4, A, t8, t2, X, optimize=[(3, 4), (9, 10), (0, 6), (4, 9), (10, 11), (0, 1), (6, 9), (0, 8), (0, 7), (5, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,ace,ef,acf,acg,hbi,hid,dj,hij,hij,hik,kf,hif,hig->', t0, t2, W_2, t4, A, t8, t2, X, t0, t2, W_2, t4, A, A, t8, t2, X, optimize=[(3, 4), (9, 10), (0, 6), (7, 8), (7, 12), (4, 7), (8, 10), (5, 7), (4, 8), (0, 1), (2, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,ace,acf,fg,acg,ach,ibj,ijd,dk,ijk,ijk,ijl,lg,ijg,ijh->', t0, t2, W_2, t4, A, A, t8, t2, X, t0, t2, W_2, t4, A, A, t8, t2, X, optimize=[(3, 4), (10, 11), (3, 4), (3, 14), (0, 4), (5, 6), (5, 11), (2, 5), (7, 9), (1, 4), (0, 7), (1, 2), (0, 5), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t10 = np.sqrt(np.maximum(t9, 0.0))
-    return t10
+    t8 = np.eye(d_V, dtype=X.dtype)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t9 = np.swapaxes(W_2, -1, -2)
+    t10 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acef,fg,acg,ach,ibj,ijd,dk,ijk,ijkl,lg,ijg,ijh->', t0, t2, W_2, t4, dA, t9, t2, X, t0, t2, W_2, t4, dA, t9, t2, X, optimize=[(3, 4), (3, 14), (0, 5), (6, 7), (6, 11), (3, 7), (7, 9), (1, 6), (3, 5), (0, 5), (1, 4), (3, 4), (0, 3), (0, 2), (0, 1)])
+    t11 = np.sqrt(np.maximum(t10, 0.0))
+    return t11
 
 
 def ce_bias0_residual0__block__W_1__W_2__full(X, W_1, W_2, Y):
@@ -2155,12 +2251,13 @@ def ce_bias0_residual0__block__W_1__W_2__full(X, W_1, W_2, Y):
     t7 = t6 @ W_2
     t8 = np.exp(t7 - t7.max(-1, keepdims=True))
     A = t8 / t8.sum(-1, keepdims=True)
-    t9 = (1/(L*n_batch)) * t1
-    t0[...] = oe.contract('abc,acd,de,ace,ace,acf->bdfe', t9, t3, W_2, t5, A, t6, optimize=[(3, 4), (0, 1), (1, 2), (1, 2), (0, 1)])
-    t10 = (-1/(L*n_batch)) * t1
-    t11 = oe.contract('abc,abd->dcab', A, t6, optimize=[(0, 1)])
-    t12 = oe.contract('abc,acd,de,ace,ace->bdac', t10, t3, W_2, t5, A, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)])
-    t0 += oe.contract('abcd,efcd->efab', t11, t12, optimize=[(0, 1)])
+    t9 = np.eye(d_V, dtype=X.dtype)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t10 = (1/(L*n_batch)) * t1
+    t11 = oe.contract('abc,acd,de,ace,acef->bdfac', t10, t3, W_2, t5, dA, optimize=[(3, 4), (2, 3), (0, 1), (0, 1)])
+    t12 = oe.contract('abc->cab', t6, optimize=[(0,)])
+    t0[...] = oe.contract('abcde,fde->abfc', t11, t12, optimize=[(0, 1)])
     t13 = np.einsum('abbc->abc', t0)
     F = t7
     t14 = np.exp(F - F.max(-1, keepdims=True))
@@ -2192,17 +2289,20 @@ def ce_bias0_residual0__frobenius__W_1__W_2__full(X, W_1, W_2, Y):
     t6 = t5 @ W_2
     t7 = np.exp(t6 - t6.max(-1, keepdims=True))
     A = t7 / t7.sum(-1, keepdims=True)
+    t8 = np.eye(d_V, dtype=X.dtype)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     F = t6
-    t8 = np.exp(F - F.max(-1, keepdims=True))
-    A9 = t8 / t8.sum(-1, keepdims=True)
-    t10 = t4 * A9
-    t11 = (1/L) * t10
-    t12 = (-1/L) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,ace,acf,gbh,ghd,de,ghe,ghe,ghf->', t0, t2, W_2, t4, A, t5, t0, t2, W_2, t4, A, t5, optimize=[(3, 4), (2, 6), (5, 6), (0, 3), (1, 3), (5, 6), (0, 1), (1, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,ace,acf,gbh,ghd,di,ghi,ghi,ghe,ghf->', t0, t2, W_2, t4, A, t5, t0, t2, W_2, t4, A, A, t5, optimize=[(3, 4), (7, 8), (0, 4), (2, 6), (7, 8), (3, 6), (2, 6), (0, 1), (1, 4), (0, 3), (0, 2), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abc,acd,de,ace,ace,acd,fbg,fgd,fge->', t0, t2, W_2, t4, A, t5, t0, t2, G, optimize=[(3, 4), (1, 3), (0, 2), (0, 1), (0, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,ace,acf,acg,hbi,hid,dj,hij,hij,hif,hig->', t0, t2, W_2, t4, A, A, t5, t0, t2, W_2, t4, A, A, t5, optimize=[(3, 4), (8, 9), (0, 5), (2, 6), (8, 9), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (0, 1), (0, 1)]) + (-2/(L*n_batch**2)) * oe.contract('abc,acd,de,ace,ace,acf,acd,gbh,ghd,ghf->', t0, t2, W_2, t4, A, A, t5, t0, t2, G, optimize=[(3, 4), (1, 4), (0, 3), (1, 3), (4, 5), (0, 2), (1, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acd,ace,fbg,fgd,fge->', t0, t2, G, t0, t2, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t15 = np.sqrt(np.maximum(t14, 0.0))
-    return t15
+    t9 = np.exp(F - F.max(-1, keepdims=True))
+    A10 = t9 / t9.sum(-1, keepdims=True)
+    t11 = t4 * A10
+    t12 = (1/L) * t11
+    t13 = (-1/L) * Y
+    t14 = t12 + t13
+    G = t14
+    t15 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acef,acg,hbi,hid,dj,hij,hijf,hig->', t0, t2, W_2, t4, dA, t5, t0, t2, W_2, t4, dA, t5, optimize=[(3, 4), (7, 8), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abc,acd,de,ace,acef,acd,gbh,ghd,ghf->', t0, t2, W_2, t4, dA, t5, t0, t2, G, optimize=[(1, 5), (2, 3), (0, 2), (2, 4), (0, 4), (0, 3), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acd,ace,fbg,fgd,fge->', t0, t2, G, t0, t2, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t16 = np.sqrt(np.maximum(t15, 0.0))
+    return t16
 
 
 def ce_bias0_residual0__diag__W_2__full(X, W_1, W_2, Y):
@@ -2224,12 +2324,13 @@ def ce_bias0_residual0__diag__W_2__full(X, W_1, W_2, Y):
     t9 = t8 @ W_2
     t10 = np.exp(t9 - t9.max(-1, keepdims=True))
     A = t10 / t10.sum(-1, keepdims=True)
-    t11 = (1/(L*n_batch)) * t4
-    t12 = oe.contract('abc,abc->cab', t6, A, optimize=[(0, 1)])
-    t13 = oe.contract('abc,acb->bac', t11, t8, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t12, t13, optimize=[(0, 1)])
-    t14 = (-1/(L*n_batch)) * t4
-    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t14, t6, A, A, t8, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t11 = np.eye(d_V, dtype=X.dtype)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t12 = (1/(L*n_batch)) * t4
+    t13 = oe.contract('abc,abcc->cab', t6, dA, optimize=[(0, 1)])
+    t14 = oe.contract('abc,acb->bac', t12, t8, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t13, t14, optimize=[(0, 1)])
     return out
 
 
@@ -2250,7 +2351,10 @@ def ce_bias0_residual0__trace__W_2__full(X, W_1, W_2, Y):
     t8 = t7 @ W_2
     t9 = np.exp(t8 - t8.max(-1, keepdims=True))
     A = t9 / t9.sum(-1, keepdims=True)
-    return (1/(L*n_batch)) * oe.contract('abc,acd,acd,acb->', t3, t5, A, t7, optimize=[(0, 3), (0, 1), (0, 1)]) + (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->', t3, t5, A, A, t7, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t10 = np.eye(d_V, dtype=X.dtype)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    return (1/(L*n_batch)) * oe.contract('abc,acd,acdd,acb->', t3, t5, dA, t7, optimize=[(0, 3), (0, 1), (0, 1)])
 
 
 def ce_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
@@ -2272,14 +2376,15 @@ def ce_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
     t9 = t8 @ W_2
     t10 = np.exp(t9 - t9.max(-1, keepdims=True))
     A = t10 / t10.sum(-1, keepdims=True)
-    t11 = np.swapaxes(W_2, -1, -2)
-    t12 = np.heaviside(t7, 0.0)
-    t13 = (1/(L*n_batch)) * t4
-    t0[...] = oe.contract('abc,acd,acd,de,ace,acf->bdfe', t13, t6, A, t11, t12, X, optimize=[(1, 2), (0, 2), (1, 2), (1, 2), (0, 1)])
-    t14 = (-1/(L*n_batch)) * t4
-    t15 = oe.contract('abc,acd,de,ace,acf->bfeac', t14, A, t11, t12, X, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
-    t16 = oe.contract('abc,abc->cab', t6, A, optimize=[(0, 1)])
-    t0 += oe.contract('abcde,fde->afbc', t15, t16, optimize=[(0, 1)])
+    t11 = np.eye(d_V, dtype=X.dtype)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t12 = np.swapaxes(W_2, -1, -2)
+    t13 = np.heaviside(t7, 0.0)
+    t14 = (1/(L*n_batch)) * t4
+    t15 = oe.contract('abc,acd,acde,ef,acf->bdfac', t14, t6, dA, t12, t13, optimize=[(2, 3), (0, 1), (0, 1), (0, 1)])
+    t16 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t0[...] = oe.contract('abcde,fde->abfc', t15, t16, optimize=[(0, 1)])
     t17 = np.einsum('abca->abc', t0)
     F = t9
     t18 = np.exp(F - F.max(-1, keepdims=True))
@@ -2313,21 +2418,24 @@ def ce_bias0_residual0__frobenius__W_2__W_1__full(X, W_1, W_2, Y):
     t8 = t7 @ W_2
     t9 = np.exp(t8 - t8.max(-1, keepdims=True))
     A = t9 / t9.sum(-1, keepdims=True)
-    t10 = np.swapaxes(W_2, -1, -2)
-    t11 = np.heaviside(t6, 0.0)
+    t10 = np.eye(d_V, dtype=X.dtype)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t11 = np.swapaxes(W_2, -1, -2)
+    t12 = np.heaviside(t6, 0.0)
     F = t8
-    t12 = np.exp(F - F.max(-1, keepdims=True))
-    A13 = t12 / t12.sum(-1, keepdims=True)
-    t14 = t5 * A13
-    t15 = (1/L) * t14
-    t16 = (-1/L) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = np.swapaxes(G, -1, -2)
-    t19 = np.heaviside(t2, 0.0)
-    t20 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,de,ace,acf,gbh,ghd,ghd,de,ghe,ghf->', t3, t5, A, t10, t11, X, t3, t5, A, t10, t11, X, optimize=[(1, 2), (5, 6), (1, 5), (0, 3), (1, 3), (5, 6), (0, 1), (2, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,de,ace,acf,gbh,ghd,ghd,ghi,ie,ghe,ghf->', t3, t5, A, t10, t11, X, t3, t5, A, A, t10, t11, X, optimize=[(1, 2), (5, 6), (0, 4), (3, 4), (3, 8), (2, 3), (4, 6), (0, 1), (0, 4), (0, 3), (0, 2), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abc,acd,acd,db,acb,ace,fdg,fbg,fge->', t3, t5, A, t10, t11, X, t18, t19, X, optimize=[(1, 2), (0, 2), (1, 4), (0, 1), (0, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,ef,acf,acg,hbi,hid,hid,hij,jf,hif,hig->', t3, t5, A, A, t10, t11, X, t3, t5, A, A, t10, t11, X, optimize=[(1, 2), (6, 7), (1, 2), (1, 10), (0, 2), (1, 2), (1, 7), (0, 1), (3, 5), (0, 1), (2, 3), (0, 1), (0, 1)]) + (-2/(L*n_batch**2)) * oe.contract('abc,acd,acd,ace,eb,acb,acf,gdh,gbh,ghf->', t3, t5, A, A, t10, t11, X, t18, t19, X, optimize=[(1, 2), (0, 3), (0, 1), (5, 6), (0, 3), (0, 2), (2, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t18, t19, X, t18, t19, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t21 = np.sqrt(np.maximum(t20, 0.0))
-    return t21
+    t13 = np.exp(F - F.max(-1, keepdims=True))
+    A14 = t13 / t13.sum(-1, keepdims=True)
+    t15 = t5 * A14
+    t16 = (1/L) * t15
+    t17 = (-1/L) * Y
+    t18 = t16 + t17
+    G = t18
+    t19 = np.swapaxes(G, -1, -2)
+    t20 = np.heaviside(t2, 0.0)
+    t21 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acf,acg,hbi,hid,hidj,jf,hif,hig->', t3, t5, dA, t11, t12, X, t3, t5, dA, t11, t12, X, optimize=[(1, 2), (5, 6), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abc,acd,acde,eb,acb,acf,gdh,gbh,ghf->', t3, t5, dA, t11, t12, X, t19, t20, X, optimize=[(0, 4), (0, 1), (0, 6), (0, 3), (0, 3), (0, 3), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t19, t20, X, t19, t20, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t22 = np.sqrt(np.maximum(t21, 0.0))
+    return t22
 
 
 def ce_bias0_residual0__block__W_2__W_2__full(X, W_1, W_2, Y):
@@ -2337,28 +2445,23 @@ def ce_bias0_residual0__block__W_2__W_2__full(X, W_1, W_2, Y):
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
     out = np.empty((d_V*d_ff, d_V*d_ff), dtype=X.dtype)
-    out[...] = 0
     t0 = np.reshape(out, (d_ff, d_V, d_ff, d_V), copy=False)
-    t1 = np.einsum('abcb->abc', t0)
-    t2 = np.swapaxes(W_1, -1, -2)
-    t3 = np.swapaxes(X, -1, -2)
-    t4 = t2 @ t3
-    t5 = (t4 * np.heaviside(t4, 0.0))
-    t6 = Y.sum(-1, keepdims=True)
-    t7 = np.broadcast_to(t6, t6.shape[:-1] + (d_V,))
-    t8 = X @ W_1
-    t9 = (t8 * np.heaviside(t8, 0.0))
-    t10 = t9 @ W_2
-    t11 = np.exp(t10 - t10.max(-1, keepdims=True))
-    A = t11 / t11.sum(-1, keepdims=True)
-    t12 = (1/(L*n_batch)) * t5
-    t13 = oe.contract('abc,acd->bdac', t12, t9, optimize=[(0, 1)])
-    t14 = oe.contract('abc,abc->cab', t7, A, optimize=[(0, 1)])
-    t1 += oe.contract('abcd,ecd->aeb', t13, t14, optimize=[(0, 1)])
-    t15 = (-1/(L*n_batch)) * t5
-    t16 = oe.contract('abc,acd->bdac', t15, A, optimize=[(0, 1)])
-    t17 = oe.contract('abc,abc,abd->cdab', t7, A, t9, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t16, t17, optimize=[(0, 1)])
+    t1 = np.swapaxes(W_1, -1, -2)
+    t2 = np.swapaxes(X, -1, -2)
+    t3 = t1 @ t2
+    t4 = (t3 * np.heaviside(t3, 0.0))
+    t5 = Y.sum(-1, keepdims=True)
+    t6 = np.broadcast_to(t5, t5.shape[:-1] + (d_V,))
+    t7 = X @ W_1
+    t8 = (t7 * np.heaviside(t7, 0.0))
+    t9 = t8 @ W_2
+    t10 = np.exp(t9 - t9.max(-1, keepdims=True))
+    A = t10 / t10.sum(-1, keepdims=True)
+    t11 = np.eye(d_V, dtype=X.dtype)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t12 = (1/(L*n_batch)) * t4
+    t0[...] = oe.contract('abc,acd,acde,acf->bdfe', t12, t6, dA, t8, optimize=[(1, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -2379,9 +2482,143 @@ def ce_bias0_residual0__frobenius__W_2__W_2__full(X, W_1, W_2, Y):
     t8 = t7 @ W_2
     t9 = np.exp(t8 - t8.max(-1, keepdims=True))
     A = t9 / t9.sum(-1, keepdims=True)
-    t10 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fge->', t3, t5, A, t7, t3, t5, A, t7, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fgd,fge->', t3, t5, A, t7, t3, t5, A, A, t7, optimize=[(1, 2), (3, 4), (3, 6), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,acf,gbh,ghd,ghd,ghe,ghf->', t3, t5, A, A, t7, t3, t5, A, A, t7, optimize=[(1, 2), (4, 5), (0, 3), (0, 2), (4, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t11 = np.sqrt(np.maximum(t10, 0.0))
-    return t11
+    t10 = np.eye(d_V, dtype=X.dtype)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t11 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t3, t5, dA, t7, t3, t5, dA, t7, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
+    t12 = np.sqrt(np.maximum(t11, 0.0))
+    return t12
+
+
+def ce_bias0_residual0__frobenius_split__W_1__W_1(X, W_1, W_2, Y):
+    """(‖H_o(W_1, W_1)‖_F, ‖H_f(W_1, W_1)‖_F, ‖H(W_1, W_1)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_V = X.shape[-1]
+    d_ff = W_1.shape[-1]
+    n_batch = X.shape[0]
+    t0 = np.swapaxes(X, -1, -2)
+    t1 = X @ W_1
+    t2 = np.heaviside(t1, 0.0)
+    t3 = Y.sum(-1, keepdims=True)
+    t4 = np.broadcast_to(t3, t3.shape[:-1] + (d_V,))
+    t5 = (t1 * np.heaviside(t1, 0.0))
+    t6 = t5 @ W_2
+    t7 = np.exp(t6 - t6.max(-1, keepdims=True))
+    A = t7 / t7.sum(-1, keepdims=True)
+    t8 = np.eye(d_V, dtype=X.dtype)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t9 = np.swapaxes(W_2, -1, -2)
+    t10 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acef,fg,acg,ach,ibj,ijd,dk,ijk,ijkl,lg,ijg,ijh->', t0, t2, W_2, t4, dA, t9, t2, X, t0, t2, W_2, t4, dA, t9, t2, X, optimize=[(3, 4), (3, 14), (0, 5), (6, 7), (6, 11), (3, 7), (7, 9), (1, 6), (3, 5), (0, 5), (1, 4), (3, 4), (0, 3), (0, 2), (0, 1)])
+    t11 = t10 + 0.0 + 0.0
+    t12 = np.sqrt(np.maximum(t10, 0.0))
+    t13 = np.sqrt(np.maximum(t11, 0.0))
+    return (t12, 0.0, t13,)
+
+
+def ce_bias0_residual0__frobenius_split__W_1__W_2(X, W_1, W_2, Y):
+    """(‖H_o(W_1, W_2)‖_F, ‖H_f(W_1, W_2)‖_F, ‖H(W_1, W_2)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_V = X.shape[-1]
+    d_ff = W_1.shape[-1]
+    n_batch = X.shape[0]
+    t0 = np.swapaxes(X, -1, -2)
+    t1 = X @ W_1
+    t2 = np.heaviside(t1, 0.0)
+    t3 = Y.sum(-1, keepdims=True)
+    t4 = np.broadcast_to(t3, t3.shape[:-1] + (d_V,))
+    t5 = (t1 * np.heaviside(t1, 0.0))
+    t6 = t5 @ W_2
+    t7 = np.exp(t6 - t6.max(-1, keepdims=True))
+    A = t7 / t7.sum(-1, keepdims=True)
+    t8 = np.eye(d_V, dtype=X.dtype)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t9 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acef,acg,hbi,hid,dj,hij,hijf,hig->', t0, t2, W_2, t4, dA, t5, t0, t2, W_2, t4, dA, t5, optimize=[(3, 4), (7, 8), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)])
+    F = t6
+    t10 = np.exp(F - F.max(-1, keepdims=True))
+    A11 = t10 / t10.sum(-1, keepdims=True)
+    t12 = t4 * A11
+    t13 = (1/L) * t12
+    t14 = (-1/L) * Y
+    t15 = t13 + t14
+    G = t15
+    t16 = (n_batch**(-2)) * oe.contract('abc,acd,ace,fbg,fgd,fge->', t0, t2, G, t0, t2, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t17 = (2/(L*n_batch**2)) * oe.contract('abc,acd,de,ace,acef,acd,gbh,ghd,ghf->', t0, t2, W_2, t4, dA, t5, t0, t2, G, optimize=[(1, 5), (2, 3), (0, 2), (2, 4), (0, 4), (0, 3), (0, 2), (0, 1)])
+    t18 = t9 + t16 + t17
+    t19 = np.sqrt(np.maximum(t9, 0.0))
+    t20 = np.sqrt(np.maximum(t16, 0.0))
+    t21 = np.sqrt(np.maximum(t18, 0.0))
+    return (t19, t20, t21,)
+
+
+def ce_bias0_residual0__frobenius_split__W_2__W_1(X, W_1, W_2, Y):
+    """(‖H_o(W_2, W_1)‖_F, ‖H_f(W_2, W_1)‖_F, ‖H(W_2, W_1)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_V = X.shape[-1]
+    d_ff = W_1.shape[-1]
+    n_batch = X.shape[0]
+    t0 = np.swapaxes(W_1, -1, -2)
+    t1 = np.swapaxes(X, -1, -2)
+    t2 = t0 @ t1
+    t3 = (t2 * np.heaviside(t2, 0.0))
+    t4 = Y.sum(-1, keepdims=True)
+    t5 = np.broadcast_to(t4, t4.shape[:-1] + (d_V,))
+    t6 = X @ W_1
+    t7 = (t6 * np.heaviside(t6, 0.0))
+    t8 = t7 @ W_2
+    t9 = np.exp(t8 - t8.max(-1, keepdims=True))
+    A = t9 / t9.sum(-1, keepdims=True)
+    t10 = np.eye(d_V, dtype=X.dtype)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t11 = np.swapaxes(W_2, -1, -2)
+    t12 = np.heaviside(t6, 0.0)
+    t13 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acf,acg,hbi,hid,hidj,jf,hif,hig->', t3, t5, dA, t11, t12, X, t3, t5, dA, t11, t12, X, optimize=[(1, 2), (5, 6), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)])
+    F = t8
+    t14 = np.exp(F - F.max(-1, keepdims=True))
+    A15 = t14 / t14.sum(-1, keepdims=True)
+    t16 = t5 * A15
+    t17 = (1/L) * t16
+    t18 = (-1/L) * Y
+    t19 = t17 + t18
+    G = t19
+    t20 = np.swapaxes(G, -1, -2)
+    t21 = np.heaviside(t2, 0.0)
+    t22 = (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t20, t21, X, t20, t21, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t23 = (2/(L*n_batch**2)) * oe.contract('abc,acd,acde,eb,acb,acf,gdh,gbh,ghf->', t3, t5, dA, t11, t12, X, t20, t21, X, optimize=[(0, 4), (0, 1), (0, 6), (0, 3), (0, 3), (0, 3), (0, 2), (0, 1)])
+    t24 = t13 + t22 + t23
+    t25 = np.sqrt(np.maximum(t13, 0.0))
+    t26 = np.sqrt(np.maximum(t22, 0.0))
+    t27 = np.sqrt(np.maximum(t24, 0.0))
+    return (t25, t26, t27,)
+
+
+def ce_bias0_residual0__frobenius_split__W_2__W_2(X, W_1, W_2, Y):
+    """(‖H_o(W_2, W_2)‖_F, ‖H_f(W_2, W_2)‖_F, ‖H(W_2, W_2)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_V = X.shape[-1]
+    d_ff = W_1.shape[-1]
+    n_batch = X.shape[0]
+    t0 = np.swapaxes(W_1, -1, -2)
+    t1 = np.swapaxes(X, -1, -2)
+    t2 = t0 @ t1
+    t3 = (t2 * np.heaviside(t2, 0.0))
+    t4 = Y.sum(-1, keepdims=True)
+    t5 = np.broadcast_to(t4, t4.shape[:-1] + (d_V,))
+    t6 = X @ W_1
+    t7 = (t6 * np.heaviside(t6, 0.0))
+    t8 = t7 @ W_2
+    t9 = np.exp(t8 - t8.max(-1, keepdims=True))
+    A = t9 / t9.sum(-1, keepdims=True)
+    t10 = np.eye(d_V, dtype=X.dtype)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t11 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t3, t5, dA, t7, t3, t5, dA, t7, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
+    t12 = t11 + 0.0 + 0.0
+    t13 = np.sqrt(np.maximum(t11, 0.0))
+    t14 = np.sqrt(np.maximum(t12, 0.0))
+    return (t13, 0.0, t14,)
 
 
 VARIANTS = {
@@ -2433,6 +2670,10 @@ VARIANTS = {
         ('frobenius', 'W_2', 'W_1', 'full'): mse_bias0_residual0__frobenius__W_2__W_1__full,
         ('block', 'W_2', 'W_2', 'full'): mse_bias0_residual0__block__W_2__W_2__full,
         ('frobenius', 'W_2', 'W_2', 'full'): mse_bias0_residual0__frobenius__W_2__W_2__full,
+        ('frobenius_split', 'W_1', 'W_1'): mse_bias0_residual0__frobenius_split__W_1__W_1,
+        ('frobenius_split', 'W_1', 'W_2'): mse_bias0_residual0__frobenius_split__W_1__W_2,
+        ('frobenius_split', 'W_2', 'W_1'): mse_bias0_residual0__frobenius_split__W_2__W_1,
+        ('frobenius_split', 'W_2', 'W_2'): mse_bias0_residual0__frobenius_split__W_2__W_2,
         ('jacobian', 'W_1'): bias0_residual0__jacobian__W_1,
         ('jacobian_compact', 'W_1'): bias0_residual0__jacobian_compact__W_1,
         ('jacobian_layout', 'W_1'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_ff'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_ff'), 'factors': ((1, 3), (0, 3), (0, 2))},
@@ -2488,6 +2729,10 @@ VARIANTS = {
         ('frobenius', 'W_2', 'W_1', 'full'): ce_bias0_residual0__frobenius__W_2__W_1__full,
         ('block', 'W_2', 'W_2', 'full'): ce_bias0_residual0__block__W_2__W_2__full,
         ('frobenius', 'W_2', 'W_2', 'full'): ce_bias0_residual0__frobenius__W_2__W_2__full,
+        ('frobenius_split', 'W_1', 'W_1'): ce_bias0_residual0__frobenius_split__W_1__W_1,
+        ('frobenius_split', 'W_1', 'W_2'): ce_bias0_residual0__frobenius_split__W_1__W_2,
+        ('frobenius_split', 'W_2', 'W_1'): ce_bias0_residual0__frobenius_split__W_2__W_1,
+        ('frobenius_split', 'W_2', 'W_2'): ce_bias0_residual0__frobenius_split__W_2__W_2,
         ('jacobian', 'W_1'): bias0_residual0__jacobian__W_1,
         ('jacobian_compact', 'W_1'): bias0_residual0__jacobian_compact__W_1,
         ('jacobian_layout', 'W_1'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_ff'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_ff'), 'factors': ((1, 3), (0, 3), (0, 2))},

@@ -109,40 +109,19 @@ def mse__hessian__outer(X, Y):
     sigma2_Z = t11
     t12 = (-0.5 * (sigma2_Z ** -1.5))
     t13 = t12 * M_Z
-    t14 = (8/(L*d_V**3)) * M_Z
-    t2 += oe.contract('ab,bc,ac,ac,cd,ad->abd', t14, t7, t13, t13, t7, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 1), (0, 1)])
-    t15 = (-8/(L*d_V**4)) * M_Z
-    t2 += oe.contract('ab,bc,ac,ac,cd,ad,de->abe', t15, t7, t13, t13, t7, M_Z, t7, optimize=[(2, 3), (2, 3), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t16 = (sigma2_Z ** -0.5)
-    P_Z = t16
-    t17 = (4/(L*d_V**2)) * M_Z
-    t2 += oe.contract('ab,bc,ac,ac->abc', t17, t7, t13, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t18 = (-4/(L*d_V**3)) * M_Z
-    t2 += oe.contract('ab,bc,ac,ac,cd->abd', t18, t7, t13, P_Z, t7, optimize=[(2, 3), (1, 3), (1, 2), (0, 1)])
-    t19 = (4/(L*d_V**2)) * P_Z
-    t2 += oe.contract('ab,ab,bc,ac->abc', t19, t13, t7, M_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t20 = (-4/(L*d_V**3)) * P_Z
-    t2 += oe.contract('ab,ab,bc,ac,cd->abd', t20, t13, t7, M_Z, t7, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
-    t21 = np.einsum('abab->ab', t1)
-    t22 = (2/(L*d_V)) * P_Z
-    t21 += oe.contract('ab,ab->ab', t22, P_Z, optimize=[(0, 1)])
-    t23 = (-2/(L*d_V**2)) * P_Z
-    t2 += oe.contract('ab,ab,bc->abc', t23, P_Z, t7, optimize=[(0, 1), (0, 1)])
-    t2 += oe.contract('ab,cb,bd,cd,cd,de,ce->cae', t7, t15, t7, t13, t13, t7, M_Z, optimize=[(3, 4), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
-    t24 = (8/(L*d_V**5)) * M_Z
-    t2 += oe.contract('ab,cb,bd,cd,cd,de,ce,ef->caf', t7, t24, t7, t13, t13, t7, M_Z, t7, optimize=[(3, 4), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
-    t2 += oe.contract('ab,cb,bd,cd,cd->cad', t7, t18, t7, t13, P_Z, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
-    t25 = (4/(L*d_V**4)) * M_Z
-    t2 += oe.contract('ab,cb,bd,cd,cd,de->cae', t7, t25, t7, t13, P_Z, t7, optimize=[(3, 4), (0, 1), (0, 3), (1, 2), (0, 1)])
-    t2 += oe.contract('ab,cb,cb,bd,cd->cad', t7, t20, t13, t7, M_Z, optimize=[(1, 2), (0, 3), (0, 2), (0, 1)])
-    t26 = (4/(L*d_V**4)) * P_Z
-    t27 = oe.contract('ab,ab,bc,ac,cd->adb', t26, t13, t7, M_Z, t7, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
-    t2 += oe.contract('abc,dc->adb', t27, t7, optimize=[(0, 1)])
-    t2 += oe.contract('ab,cb,cb->cab', t7, t23, P_Z, optimize=[(1, 2), (0, 1)])
-    t28 = (2/(L*d_V**3)) * P_Z
-    t29 = oe.contract('ab,bc->acb', t7, t7, optimize=[(0, 1)])
-    t30 = oe.contract('ab,ab->ab', t28, P_Z, optimize=[(0, 1)])
-    t2 += oe.contract('abc,dc->dab', t29, t30, optimize=[(0, 1)])
+    t14 = (sigma2_Z ** -0.5)
+    P_Z = t14
+    t15 = np.eye(d_V, dtype=Y.dtype)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S = (2/(L*d_V)) * oe.contract('ab,bc->abc', P_Z, t15, optimize=[(0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac->abc', t13, t7, M_Z, optimize=[(0, 1), (0, 1)])
+    t16 = np.ones((L,), dtype=Y.dtype)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S17 = oe.contract('ab,c->cab', t15, t16, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t7, t16, optimize=[(0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S18 = (-1/d_V) * oe.contract('ab,bc->abc', P_Z, t15, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,ac->abc', M_Z, t7, t13, optimize=[(0, 1), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S19 = (2/d_V) * oe.contract('ab,bc,ac,acd,ade->abe', M_Z, t7, t13, S, S17, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,abc,acd->abd', P_Z, S, S17, optimize=[(0, 1), (0, 1)]) + oe.contract('ab,cbd,cde,cef->caf', t7, S18, S, S17, optimize=[(0, 1), (0, 1), (0, 1)])
+    t2 += S19
     return H
 
 
@@ -211,9 +190,19 @@ def mse__frobenius_all__outer(X, Y):
     t10 = t9 * M_Z
     t11 = (sigma2_Z ** -0.5)
     P_Z = t11
-    t12 = (64/(L**2*d_V**6)) * oe.contract('ab,bc,ac,ac,cd,ad,ab,be,ae,ae,ed,ad->', M_Z, t4, t10, t10, t4, M_Z, M_Z, t4, t10, t10, t4, M_Z, optimize=[(2, 3), (0, 4), (4, 5), (2, 5), (0, 4), (0, 6), (2, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-128/(L**2*d_V**7)) * oe.contract('ab,bc,ac,ac,cd,ad,ab,be,ae,ae,ef,af,fd->', M_Z, t4, t10, t10, t4, M_Z, M_Z, t4, t10, t10, t4, M_Z, t4, optimize=[(2, 3), (0, 4), (4, 5), (1, 2), (4, 8), (3, 7), (2, 6), (2, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (64/(L**2*d_V**5)) * oe.contract('ab,bc,ac,ac,cd,ad,ab,bd,ad,ad->', M_Z, t4, t10, t10, t4, M_Z, M_Z, t4, t10, P_Z, optimize=[(2, 3), (0, 4), (2, 4), (3, 6), (0, 3), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-64/(L**2*d_V**6)) * oe.contract('ab,bc,ac,ac,cd,ad,ab,be,ae,ae,ed->', M_Z, t4, t10, t10, t4, M_Z, M_Z, t4, t10, P_Z, t4, optimize=[(2, 3), (0, 4), (4, 5), (1, 2), (2, 6), (2, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (64/(L**2*d_V**5)) * oe.contract('ab,bc,ac,ac,cd,ad,ab,ab,bd,ad->', M_Z, t4, t10, t10, t4, M_Z, P_Z, t10, t4, M_Z, optimize=[(2, 3), (0, 4), (3, 7), (2, 4), (0, 3), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-64/(L**2*d_V**6)) * oe.contract('ab,bc,ac,ac,cd,ad,ab,ab,be,ae,ed->', M_Z, t4, t10, t10, t4, M_Z, P_Z, t10, t4, M_Z, t4, optimize=[(2, 3), (0, 4), (3, 8), (1, 2), (3, 6), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)]) + (32/(L**2*d_V**4)) * oe.contract('ab,bc,ac,ac,cb,ab,ab,ab->', M_Z, t4, t10, t10, t4, M_Z, P_Z, P_Z, optimize=[(2, 3), (1, 2), (0, 1), (0, 4), (0, 3), (0, 1), (0, 1)]) + (-32/(L**2*d_V**5)) * oe.contract('ab,bc,ac,ac,cd,ad,ab,ab,bd->', M_Z, t4, t10, t10, t4, M_Z, P_Z, P_Z, t4, optimize=[(2, 3), (0, 4), (3, 6), (1, 2), (1, 4), (0, 3), (0, 2), (0, 1)]) + (-128/(L**2*d_V**7)) * oe.contract('ab,bc,ac,ac,cd,ad,be,ae,ef,af,af,fd,ad->', M_Z, t4, t10, t10, t4, M_Z, t4, M_Z, t4, t10, t10, t4, M_Z, optimize=[(2, 3), (7, 8), (3, 8), (0, 1), (1, 8), (1, 7), (1, 6), (2, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (128/(L**2*d_V**8)) * oe.contract('ab,bc,ac,ac,cd,ad,be,ae,ef,af,af,fg,ag,gd->', M_Z, t4, t10, t10, t4, M_Z, t4, M_Z, t4, t10, t10, t4, M_Z, t4, optimize=[(2, 3), (7, 8), (0, 1), (2, 10), (2, 9), (2, 8), (5, 7), (0, 6), (0, 5), (2, 4), (0, 3), (0, 2), (0, 1)]) + (-64/(L**2*d_V**6)) * oe.contract('ab,bc,ac,ac,cd,ad,be,ae,ed,ad,ad->', M_Z, t4, t10, t10, t4, M_Z, t4, M_Z, t4, t10, P_Z, optimize=[(2, 3), (3, 7), (6, 8), (0, 1), (1, 6), (1, 5), (1, 4), (0, 3), (0, 2), (0, 1)]) + (64/(L**2*d_V**7)) * oe.contract('ab,bc,ac,ac,cd,ad,be,ae,ef,af,af,fd->', M_Z, t4, t10, t10, t4, M_Z, t4, M_Z, t4, t10, P_Z, t4, optimize=[(2, 3), (7, 8), (0, 1), (2, 8), (2, 7), (2, 6), (3, 5), (0, 4), (1, 3), (0, 2), (0, 1)]) + (-64/(L**2*d_V**6)) * oe.contract('ab,bc,ac,ac,cd,ad,be,ae,ae,ed,ad->', M_Z, t4, t10, t10, t4, M_Z, t4, P_Z, t10, t4, M_Z, optimize=[(2, 3), (5, 6), (3, 6), (0, 1), (1, 6), (2, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (64/(L**2*d_V**7)) * oe.contract('ab,bc,ac,ac,cd,ad,be,ae,ae,ef,af,fd->', M_Z, t4, t10, t10, t4, M_Z, t4, P_Z, t10, t4, M_Z, t4, optimize=[(2, 3), (5, 6), (0, 1), (2, 8), (5, 7), (0, 6), (0, 5), (2, 4), (0, 3), (0, 2), (0, 1)]) + (-32/(L**2*d_V**5)) * oe.contract('ab,bc,ac,ac,cd,ad,bd,ad,ad->', M_Z, t4, t10, t10, t4, M_Z, t4, P_Z, P_Z, optimize=[(2, 3), (3, 5), (4, 6), (0, 1), (1, 4), (0, 3), (0, 2), (0, 1)]) + (32/(L**2*d_V**6)) * oe.contract('ab,bc,ac,ac,cd,ad,be,ae,ae,ed->', M_Z, t4, t10, t10, t4, M_Z, t4, P_Z, P_Z, t4, optimize=[(2, 3), (5, 6), (0, 1), (2, 6), (3, 5), (0, 4), (1, 3), (0, 2), (0, 1)]) + (64/(L**2*d_V**8)) * oe.contract('ab,bc,ac,ac,cd,ad,de,ab,bf,af,af,fg,ag,ge->', M_Z, t4, t10, t10, t4, M_Z, t4, M_Z, t4, t10, t10, t4, M_Z, t4, optimize=[(2, 3), (0, 5), (5, 6), (3, 7), (1, 2), (7, 8), (3, 7), (2, 6), (2, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-64/(L**2*d_V**6)) * oe.contract('ab,bc,ac,ac,cd,ad,de,ab,be,ae,ae->', M_Z, t4, t10, t10, t4, M_Z, t4, M_Z, t4, t10, P_Z, optimize=[(2, 3), (0, 5), (5, 6), (1, 2), (1, 6), (2, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (64/(L**2*d_V**7)) * oe.contract('ab,bc,ac,ac,cd,ad,de,ab,bf,af,af,fe->', M_Z, t4, t10, t10, t4, M_Z, t4, M_Z, t4, t10, P_Z, t4, optimize=[(2, 3), (0, 5), (5, 6), (3, 5), (1, 2), (5, 6), (2, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-64/(L**2*d_V**6)) * oe.contract('ab,bc,ac,ac,cd,ad,de,ab,ab,be,ae->', M_Z, t4, t10, t10, t4, M_Z, t4, P_Z, t10, t4, M_Z, optimize=[(2, 3), (0, 5), (4, 8), (1, 2), (1, 6), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)]) + (64/(L**2*d_V**7)) * oe.contract('ab,bc,ac,ac,cd,ad,de,ab,ab,bf,af,fe->', M_Z, t4, t10, t10, t4, M_Z, t4, P_Z, t10, t4, M_Z, t4, optimize=[(2, 3), (0, 5), (4, 9), (3, 6), (1, 2), (5, 6), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)]) + (-32/(L**2*d_V**5)) * oe.contract('ab,bc,ac,ac,cd,ad,db,ab,ab->', M_Z, t4, t10, t10, t4, M_Z, t4, P_Z, P_Z, optimize=[(2, 3), (0, 5), (4, 6), (1, 2), (1, 4), (0, 3), (0, 2), (0, 1)]) + (32/(L**2*d_V**6)) * oe.contract('ab,bc,ac,ac,cd,ad,de,ab,ab,be->', M_Z, t4, t10, t10, t4, M_Z, t4, P_Z, P_Z, t4, optimize=[(2, 3), (0, 5), (4, 7), (3, 4), (1, 2), (3, 4), (0, 3), (0, 2), (0, 1)]) + (128/(L**2*d_V**8)) * oe.contract('ab,bc,ac,ac,cd,ad,de,bf,af,fg,ag,ag,ge,ae->', M_Z, t4, t10, t10, t4, M_Z, t4, t4, M_Z, t4, t10, t10, t4, M_Z, optimize=[(2, 3), (8, 9), (0, 1), (3, 10), (3, 9), (3, 8), (5, 7), (0, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-128/(L**2*d_V**9)) * oe.contract('ab,bc,ac,ac,cd,ad,de,bf,af,fg,ag,ag,gh,ah,he->', M_Z, t4, t10, t10, t4, M_Z, t4, t4, M_Z, t4, t10, t10, t4, M_Z, t4, optimize=[(2, 3), (8, 9), (4, 10), (0, 1), (2, 10), (2, 9), (2, 8), (4, 7), (0, 6), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)]) + (64/(L**2*d_V**7)) * oe.contract('ab,bc,ac,ac,cd,ad,de,bf,af,fe,ae,ae->', M_Z, t4, t10, t10, t4, M_Z, t4, t4, M_Z, t4, t10, P_Z, optimize=[(2, 3), (8, 9), (0, 1), (3, 8), (3, 7), (3, 6), (3, 5), (0, 4), (1, 3), (0, 2), (0, 1)]) + (-64/(L**2*d_V**8)) * oe.contract('ab,bc,ac,ac,cd,ad,de,bf,af,fg,ag,ag,ge->', M_Z, t4, t10, t10, t4, M_Z, t4, t4, M_Z, t4, t10, P_Z, t4, optimize=[(2, 3), (8, 9), (4, 8), (0, 1), (2, 8), (2, 7), (2, 6), (2, 5), (0, 4), (2, 3), (0, 2), (0, 1)]) + (64/(L**2*d_V**7)) * oe.contract('ab,bc,ac,ac,cd,ad,de,bf,af,af,fe,ae->', M_Z, t4, t10, t10, t4, M_Z, t4, t4, P_Z, t10, t4, M_Z, optimize=[(2, 3), (6, 7), (0, 1), (3, 8), (5, 7), (0, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-64/(L**2*d_V**8)) * oe.contract('ab,bc,ac,ac,cd,ad,de,bf,af,af,fg,ag,ge->', M_Z, t4, t10, t10, t4, M_Z, t4, t4, P_Z, t10, t4, M_Z, t4, optimize=[(2, 3), (6, 7), (4, 8), (0, 1), (2, 8), (4, 7), (0, 6), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)]) + (32/(L**2*d_V**6)) * oe.contract('ab,bc,ac,ac,cd,ad,de,be,ae,ae->', M_Z, t4, t10, t10, t4, M_Z, t4, t4, P_Z, P_Z, optimize=[(2, 3), (6, 7), (0, 1), (3, 6), (3, 5), (0, 4), (1, 3), (0, 2), (0, 1)]) + (-32/(L**2*d_V**7)) * oe.contract('ab,bc,ac,ac,cd,ad,de,bf,af,af,fe->', M_Z, t4, t10, t10, t4, M_Z, t4, t4, P_Z, P_Z, t4, optimize=[(2, 3), (6, 7), (4, 6), (0, 1), (2, 6), (2, 5), (0, 4), (2, 3), (0, 2), (0, 1)]) + (16/(L**2*d_V**4)) * oe.contract('ab,bc,ac,ac,ab,bc,ac,ac->', M_Z, t4, t10, P_Z, M_Z, t4, t10, P_Z, optimize=[(2, 3), (0, 2), (0, 1), (0, 2), (0, 3), (0, 1), (0, 1)]) + (-32/(L**2*d_V**5)) * oe.contract('ab,bc,ac,ac,ab,bd,ad,ad,dc->', M_Z, t4, t10, P_Z, M_Z, t4, t10, P_Z, t4, optimize=[(2, 3), (0, 2), (2, 3), (0, 3), (1, 4), (0, 3), (0, 2), (0, 1)]) + (32/(L**2*d_V**4)) * oe.contract('ab,bc,ac,ac,ab,ab,bc,ac->', M_Z, t4, t10, P_Z, P_Z, t10, t4, M_Z, optimize=[(2, 3), (0, 2), (1, 5), (0, 1), (0, 1), (0, 1), (0, 1)]) + (-32/(L**2*d_V**5)) * oe.contract('ab,bc,ac,ac,ab,ab,bd,ad,dc->', M_Z, t4, t10, P_Z, P_Z, t10, t4, M_Z, t4, optimize=[(2, 3), (0, 2), (1, 6), (1, 2), (1, 4), (0, 3), (0, 2), (0, 1)]) + (16/(L**2*d_V**3)) * oe.contract('ab,bb,ab,ab,ab,ab->', M_Z, t4, t10, P_Z, P_Z, P_Z, optimize=[(0, 2), (1, 4), (1, 3), (1, 2), (0, 1)]) + (-16/(L**2*d_V**4)) * oe.contract('ab,bc,ac,ac,ab,ab,bc->', M_Z, t4, t10, P_Z, P_Z, P_Z, t4, optimize=[(2, 3), (0, 2), (1, 4), (0, 1), (0, 2), (0, 1)]) + (-64/(L**2*d_V**6)) * oe.contract('ab,bc,ac,ac,bd,ad,de,ae,ae,ec,ac->', M_Z, t4, t10, P_Z, t4, M_Z, t4, t10, t10, t4, M_Z, optimize=[(2, 3), (5, 6), (6, 7), (0, 1), (0, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (64/(L**2*d_V**7)) * oe.contract('ab,bc,ac,ac,bd,ad,de,ae,ae,ef,af,fc->', M_Z, t4, t10, P_Z, t4, M_Z, t4, t10, t10, t4, M_Z, t4, optimize=[(2, 3), (5, 6), (0, 1), (0, 8), (0, 7), (0, 6), (3, 5), (2, 4), (0, 3), (0, 2), (0, 1)]) + (-32/(L**2*d_V**5)) * oe.contract('ab,bc,ac,ac,bd,ad,dc,ac,ac->', M_Z, t4, t10, P_Z, t4, M_Z, t4, t10, P_Z, optimize=[(2, 3), (5, 7), (5, 6), (0, 1), (0, 4), (1, 3), (0, 2), (0, 1)]) + (32/(L**2*d_V**6)) * oe.contract('ab,bc,ac,ac,bd,ad,de,ae,ae,ec->', M_Z, t4, t10, P_Z, t4, M_Z, t4, t10, P_Z, t4, optimize=[(2, 3), (5, 6), (0, 1), (0, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-32/(L**2*d_V**5)) * oe.contract('ab,bc,ac,ac,bd,ad,ad,dc,ac->', M_Z, t4, t10, P_Z, t4, P_Z, t10, t4, M_Z, optimize=[(2, 3), (3, 4), (4, 5), (0, 1), (0, 4), (0, 3), (0, 2), (0, 1)]) + (32/(L**2*d_V**6)) * oe.contract('ab,bc,ac,ac,bd,ad,ad,de,ae,ec->', M_Z, t4, t10, P_Z, t4, P_Z, t10, t4, M_Z, t4, optimize=[(2, 3), (3, 4), (0, 1), (0, 6), (3, 5), (2, 4), (0, 3), (0, 2), (0, 1)]) + (-16/(L**2*d_V**4)) * oe.contract('ab,bc,ac,ac,bc,ac,ac->', M_Z, t4, t10, P_Z, t4, P_Z, P_Z, optimize=[(2, 3), (1, 2), (1, 3), (1, 3), (0, 1), (0, 1)]) + (16/(L**2*d_V**5)) * oe.contract('ab,bc,ac,ac,bd,ad,ad,dc->', M_Z, t4, t10, P_Z, t4, P_Z, P_Z, t4, optimize=[(2, 3), (3, 4), (0, 1), (0, 4), (0, 3), (0, 2), (0, 1)]) + (16/(L**2*d_V**6)) * oe.contract('ab,bc,ac,ac,cd,ab,be,ae,ae,ed->', M_Z, t4, t10, P_Z, t4, M_Z, t4, t10, P_Z, t4, optimize=[(2, 3), (0, 3), (3, 4), (1, 3), (0, 2), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-32/(L**2*d_V**5)) * oe.contract('ab,bc,ac,ac,cd,ab,ab,bd,ad->', M_Z, t4, t10, P_Z, t4, P_Z, t10, t4, M_Z, optimize=[(2, 3), (0, 3), (2, 6), (1, 3), (1, 4), (0, 3), (0, 2), (0, 1)]) + (32/(L**2*d_V**6)) * oe.contract('ab,bc,ac,ac,cd,ab,ab,be,ae,ed->', M_Z, t4, t10, P_Z, t4, P_Z, t10, t4, M_Z, t4, optimize=[(2, 3), (0, 3), (2, 7), (1, 4), (1, 2), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-16/(L**2*d_V**4)) * oe.contract('ab,bc,ac,ac,cb,ab,ab->', M_Z, t4, t10, P_Z, t4, P_Z, P_Z, optimize=[(2, 3), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)]) + (16/(L**2*d_V**5)) * oe.contract('ab,bc,ac,ac,cd,ab,ab,bd->', M_Z, t4, t10, P_Z, t4, P_Z, P_Z, t4, optimize=[(2, 3), (0, 3), (2, 5), (1, 2), (0, 3), (0, 2), (0, 1)]) + (64/(L**2*d_V**7)) * oe.contract('ab,bc,ac,ac,cd,be,ae,ef,af,af,fd,ad->', M_Z, t4, t10, P_Z, t4, t4, M_Z, t4, t10, t10, t4, M_Z, optimize=[(2, 3), (6, 7), (0, 1), (1, 8), (1, 7), (1, 6), (3, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-64/(L**2*d_V**8)) * oe.contract('ab,bc,ac,ac,cd,be,ae,ef,af,af,fg,ag,gd->', M_Z, t4, t10, P_Z, t4, t4, M_Z, t4, t10, t10, t4, M_Z, t4, optimize=[(2, 3), (6, 7), (2, 8), (0, 1), (0, 8), (0, 7), (0, 6), (2, 5), (3, 4), (0, 3), (0, 2), (0, 1)]) + (32/(L**2*d_V**6)) * oe.contract('ab,bc,ac,ac,cd,be,ae,ed,ad,ad->', M_Z, t4, t10, P_Z, t4, t4, M_Z, t4, t10, P_Z, optimize=[(2, 3), (6, 7), (0, 1), (1, 6), (1, 5), (1, 4), (0, 3), (0, 2), (0, 1)]) + (-32/(L**2*d_V**7)) * oe.contract('ab,bc,ac,ac,cd,be,ae,ef,af,af,fd->', M_Z, t4, t10, P_Z, t4, t4, M_Z, t4, t10, P_Z, t4, optimize=[(2, 3), (6, 7), (2, 6), (0, 1), (0, 6), (0, 5), (0, 4), (2, 3), (0, 2), (0, 1)]) + (32/(L**2*d_V**6)) * oe.contract('ab,bc,ac,ac,cd,be,ae,ae,ed,ad->', M_Z, t4, t10, P_Z, t4, t4, P_Z, t10, t4, M_Z, optimize=[(2, 3), (4, 5), (0, 1), (1, 6), (3, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-32/(L**2*d_V**7)) * oe.contract('ab,bc,ac,ac,cd,be,ae,ae,ef,af,fd->', M_Z, t4, t10, P_Z, t4, t4, P_Z, t10, t4, M_Z, t4, optimize=[(2, 3), (4, 5), (2, 6), (0, 1), (0, 6), (2, 5), (3, 4), (0, 3), (0, 2), (0, 1)]) + (16/(L**2*d_V**5)) * oe.contract('ab,bc,ac,ac,cd,bd,ad,ad->', M_Z, t4, t10, P_Z, t4, t4, P_Z, P_Z, optimize=[(2, 3), (4, 5), (0, 1), (1, 4), (0, 3), (0, 2), (0, 1)]) + (-16/(L**2*d_V**6)) * oe.contract('ab,bc,ac,ac,cd,be,ae,ae,ed->', M_Z, t4, t10, P_Z, t4, t4, P_Z, P_Z, t4, optimize=[(2, 3), (4, 5), (2, 4), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)]) + (16/(L**2*d_V**4)) * oe.contract('ab,ab,bc,ac,ab,ab,bc,ac->', P_Z, t10, t4, M_Z, P_Z, t10, t4, M_Z, optimize=[(0, 1), (2, 6), (2, 5), (0, 2), (0, 1), (0, 1), (0, 1)]) + (-32/(L**2*d_V**5)) * oe.contract('ab,ab,bc,ac,ab,ab,bd,ad,dc->', P_Z, t10, t4, M_Z, P_Z, t10, t4, M_Z, t4, optimize=[(0, 1), (2, 7), (2, 6), (0, 1), (2, 4), (0, 3), (0, 2), (0, 1)]) + (16/(L**2*d_V**3)) * oe.contract('ab,ab,bb,ab,ab,ab->', P_Z, t10, t4, M_Z, P_Z, P_Z, optimize=[(0, 1), (1, 4), (1, 3), (1, 2), (0, 1)]) + (-16/(L**2*d_V**4)) * oe.contract('ab,ab,bc,ac,ab,ab,bc->', P_Z, t10, t4, M_Z, P_Z, P_Z, t4, optimize=[(0, 1), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)]) + (-64/(L**2*d_V**6)) * oe.contract('ab,ab,bc,ac,bd,ad,de,ae,ae,ec,ac->', P_Z, t10, t4, M_Z, t4, M_Z, t4, t10, t10, t4, M_Z, optimize=[(0, 1), (5, 6), (1, 6), (1, 2), (1, 6), (2, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (64/(L**2*d_V**7)) * oe.contract('ab,ab,bc,ac,bd,ad,de,ae,ae,ef,af,fc->', P_Z, t10, t4, M_Z, t4, M_Z, t4, t10, t10, t4, M_Z, t4, optimize=[(0, 1), (5, 6), (0, 1), (5, 8), (4, 7), (3, 6), (3, 5), (0, 4), (1, 3), (0, 2), (0, 1)]) + (-32/(L**2*d_V**5)) * oe.contract('ab,ab,bc,ac,bd,ad,dc,ac,ac->', P_Z, t10, t4, M_Z, t4, M_Z, t4, t10, P_Z, optimize=[(0, 1), (1, 5), (4, 6), (1, 2), (1, 4), (0, 3), (0, 2), (0, 1)]) + (32/(L**2*d_V**6)) * oe.contract('ab,ab,bc,ac,bd,ad,de,ae,ae,ec->', P_Z, t10, t4, M_Z, t4, M_Z, t4, t10, P_Z, t4, optimize=[(0, 1), (5, 6), (0, 1), (3, 6), (3, 5), (0, 4), (1, 3), (0, 2), (0, 1)]) + (-32/(L**2*d_V**5)) * oe.contract('ab,ab,bc,ac,bd,ad,ad,dc,ac->', P_Z, t10, t4, M_Z, t4, P_Z, t10, t4, M_Z, optimize=[(0, 1), (3, 4), (1, 4), (0, 3), (0, 4), (0, 3), (0, 2), (0, 1)]) + (32/(L**2*d_V**6)) * oe.contract('ab,ab,bc,ac,bd,ad,ad,de,ae,ec->', P_Z, t10, t4, M_Z, t4, P_Z, t10, t4, M_Z, t4, optimize=[(0, 1), (3, 4), (0, 1), (3, 6), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)]) + (-16/(L**2*d_V**4)) * oe.contract('ab,ab,bc,ac,bc,ac,ac->', P_Z, t10, t4, M_Z, t4, P_Z, P_Z, optimize=[(0, 1), (0, 2), (0, 1), (0, 3), (0, 1), (0, 1)]) + (16/(L**2*d_V**5)) * oe.contract('ab,ab,bc,ac,bd,ad,ad,dc->', P_Z, t10, t4, M_Z, t4, P_Z, P_Z, t4, optimize=[(0, 1), (3, 4), (0, 1), (1, 4), (0, 3), (0, 2), (0, 1)]) + (16/(L**2*d_V**6)) * oe.contract('ab,ab,bc,ac,cd,ab,ab,be,ae,ed->', P_Z, t10, t4, M_Z, t4, P_Z, t10, t4, M_Z, t4, optimize=[(0, 1), (3, 8), (3, 7), (2, 5), (0, 1), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-16/(L**2*d_V**4)) * oe.contract('ab,ab,bc,ac,cb,ab,ab->', P_Z, t10, t4, M_Z, t4, P_Z, P_Z, optimize=[(0, 1), (0, 2), (1, 3), (1, 3), (0, 1), (0, 1)]) + (16/(L**2*d_V**5)) * oe.contract('ab,ab,bc,ac,cd,ab,ab,bd->', P_Z, t10, t4, M_Z, t4, P_Z, P_Z, t4, optimize=[(0, 1), (3, 6), (3, 5), (2, 3), (0, 3), (0, 2), (0, 1)]) + (64/(L**2*d_V**7)) * oe.contract('ab,ab,bc,ac,cd,be,ae,ef,af,af,fd,ad->', P_Z, t10, t4, M_Z, t4, t4, M_Z, t4, t10, t10, t4, M_Z, optimize=[(0, 1), (6, 7), (0, 1), (0, 8), (4, 7), (3, 6), (3, 5), (0, 4), (1, 3), (0, 2), (0, 1)]) + (-64/(L**2*d_V**8)) * oe.contract('ab,ab,bc,ac,cd,be,ae,ef,af,af,fg,ag,gd->', P_Z, t10, t4, M_Z, t4, t4, M_Z, t4, t10, t10, t4, M_Z, t4, optimize=[(0, 1), (6, 7), (2, 8), (0, 1), (7, 8), (4, 7), (3, 6), (3, 5), (0, 4), (1, 3), (0, 2), (0, 1)]) + (32/(L**2*d_V**6)) * oe.contract('ab,ab,bc,ac,cd,be,ae,ed,ad,ad->', P_Z, t10, t4, M_Z, t4, t4, M_Z, t4, t10, P_Z, optimize=[(0, 1), (6, 7), (0, 1), (0, 6), (3, 5), (0, 4), (1, 3), (0, 2), (0, 1)]) + (-32/(L**2*d_V**7)) * oe.contract('ab,ab,bc,ac,cd,be,ae,ef,af,af,fd->', P_Z, t10, t4, M_Z, t4, t4, M_Z, t4, t10, P_Z, t4, optimize=[(0, 1), (6, 7), (2, 6), (0, 1), (5, 6), (3, 5), (0, 4), (1, 3), (0, 2), (0, 1)]) + (32/(L**2*d_V**6)) * oe.contract('ab,ab,bc,ac,cd,be,ae,ae,ed,ad->', P_Z, t10, t4, M_Z, t4, t4, P_Z, t10, t4, M_Z, optimize=[(0, 1), (4, 5), (0, 1), (0, 6), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)]) + (-32/(L**2*d_V**7)) * oe.contract('ab,ab,bc,ac,cd,be,ae,ae,ef,af,fd->', P_Z, t10, t4, M_Z, t4, t4, P_Z, t10, t4, M_Z, t4, optimize=[(0, 1), (4, 5), (2, 6), (0, 1), (5, 6), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)]) + (16/(L**2*d_V**5)) * oe.contract('ab,ab,bc,ac,cd,bd,ad,ad->', P_Z, t10, t4, M_Z, t4, t4, P_Z, P_Z, optimize=[(0, 1), (4, 5), (0, 1), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-16/(L**2*d_V**6)) * oe.contract('ab,ab,bc,ac,cd,be,ae,ae,ed->', P_Z, t10, t4, M_Z, t4, t4, P_Z, P_Z, t4, optimize=[(0, 1), (4, 5), (2, 4), (0, 1), (3, 4), (0, 3), (0, 2), (0, 1)]) + (4/(L**2*d_V**2)) * oe.contract('ab,ab,ab,ab->', P_Z, P_Z, P_Z, P_Z, optimize=[(0, 1), (0, 1), (0, 1)]) + (-8/(L**2*d_V**3)) * oe.contract('ab,ab,ab,ab,bb->', P_Z, P_Z, P_Z, P_Z, t4, optimize=[(0, 1), (0, 3), (0, 2), (0, 1)]) + (-32/(L**2*d_V**5)) * oe.contract('ab,ab,bc,ac,cd,ad,ad,db,ab->', P_Z, P_Z, t4, M_Z, t4, t10, t10, t4, M_Z, optimize=[(0, 1), (3, 4), (4, 5), (0, 1), (0, 4), (0, 3), (0, 2), (0, 1)]) + (32/(L**2*d_V**6)) * oe.contract('ab,ab,bc,ac,cd,ad,ad,de,ae,eb->', P_Z, P_Z, t4, M_Z, t4, t10, t10, t4, M_Z, t4, optimize=[(0, 1), (3, 4), (0, 1), (0, 6), (3, 5), (2, 4), (0, 3), (0, 2), (0, 1)]) + (-16/(L**2*d_V**4)) * oe.contract('ab,ab,bc,ac,cb,ab,ab->', P_Z, P_Z, t4, M_Z, t4, t10, P_Z, optimize=[(0, 1), (0, 2), (1, 3), (1, 3), (0, 1), (0, 1)]) + (16/(L**2*d_V**5)) * oe.contract('ab,ab,bc,ac,cd,ad,ad,db->', P_Z, P_Z, t4, M_Z, t4, t10, P_Z, t4, optimize=[(0, 1), (3, 4), (0, 1), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-16/(L**2*d_V**4)) * oe.contract('ab,ab,bc,ac,ac,cb,ab->', P_Z, P_Z, t4, P_Z, t10, t4, M_Z, optimize=[(0, 1), (1, 2), (0, 1), (0, 1), (0, 1), (0, 1)]) + (16/(L**2*d_V**5)) * oe.contract('ab,ab,bc,ac,ac,cd,ad,db->', P_Z, P_Z, t4, P_Z, t10, t4, M_Z, t4, optimize=[(0, 1), (1, 2), (1, 2), (1, 4), (0, 3), (0, 2), (0, 1)]) + (-8/(L**2*d_V**3)) * oe.contract('ab,ab,bb,ab,ab->', P_Z, P_Z, t4, P_Z, P_Z, optimize=[(0, 1), (1, 3), (1, 2), (0, 1)]) + (8/(L**2*d_V**4)) * oe.contract('ab,ab,bc,ac,ac,cb->', P_Z, P_Z, t4, P_Z, P_Z, t4, optimize=[(0, 1), (1, 2), (0, 1), (0, 2), (0, 1)]) + (4/(L**2*d_V**4)) * oe.contract('ab,ab,bc,ab,ab,bc->', P_Z, P_Z, t4, P_Z, P_Z, t4, optimize=[(0, 1), (1, 4), (1, 3), (0, 1), (0, 1)]) + (32/(L**2*d_V**6)) * oe.contract('ab,ab,bc,bd,ad,de,ae,ae,ec,ac->', P_Z, P_Z, t4, t4, M_Z, t4, t10, t10, t4, M_Z, optimize=[(0, 1), (4, 5), (1, 2), (1, 6), (3, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-32/(L**2*d_V**7)) * oe.contract('ab,ab,bc,bd,ad,de,ae,ae,ef,af,fc->', P_Z, P_Z, t4, t4, M_Z, t4, t10, t10, t4, M_Z, t4, optimize=[(0, 1), (4, 5), (0, 6), (0, 1), (0, 6), (2, 5), (3, 4), (0, 3), (0, 2), (0, 1)]) + (16/(L**2*d_V**5)) * oe.contract('ab,ab,bc,bd,ad,dc,ac,ac->', P_Z, P_Z, t4, t4, M_Z, t4, t10, P_Z, optimize=[(0, 1), (4, 5), (1, 2), (1, 4), (0, 3), (0, 2), (0, 1)]) + (-16/(L**2*d_V**6)) * oe.contract('ab,ab,bc,bd,ad,de,ae,ae,ec->', P_Z, P_Z, t4, t4, M_Z, t4, t10, P_Z, t4, optimize=[(0, 1), (4, 5), (0, 4), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)]) + (16/(L**2*d_V**5)) * oe.contract('ab,ab,bc,bd,ad,ad,dc,ac->', P_Z, P_Z, t4, t4, P_Z, t10, t4, M_Z, optimize=[(0, 1), (2, 3), (0, 3), (1, 4), (0, 3), (0, 2), (0, 1)]) + (-16/(L**2*d_V**6)) * oe.contract('ab,ab,bc,bd,ad,ad,de,ae,ec->', P_Z, P_Z, t4, t4, P_Z, t10, t4, M_Z, t4, optimize=[(0, 1), (2, 3), (0, 4), (1, 2), (3, 4), (0, 3), (0, 2), (0, 1)]) + (8/(L**2*d_V**4)) * oe.contract('ab,ab,bc,bc,ac,ac->', P_Z, P_Z, t4, t4, P_Z, P_Z, optimize=[(0, 1), (0, 1), (0, 1), (0, 1), (0, 1)]) + (-8/(L**2*d_V**5)) * oe.contract('ab,ab,bc,bd,ad,ad,dc->', P_Z, P_Z, t4, t4, P_Z, P_Z, t4, optimize=[(0, 1), (2, 3), (0, 2), (0, 3), (0, 2), (0, 1)]) + (64/(L**2*d_V**8)) * oe.contract('ab,cb,bd,cd,cd,de,ce,af,cf,fg,cg,cg,ge,ce->', t4, M_Z, t4, t10, t10, t4, M_Z, t4, M_Z, t4, t10, t10, t4, M_Z, optimize=[(3, 4), (8, 9), (4, 9), (0, 4), (0, 1), (7, 8), (1, 7), (1, 6), (2, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-128/(L**2*d_V**9)) * oe.contract('ab,cb,bd,cd,cd,de,ce,af,cf,fg,cg,cg,gh,ch,he->', t4, M_Z, t4, t10, t10, t4, M_Z, t4, M_Z, t4, t10, t10, t4, M_Z, t4, optimize=[(3, 4), (8, 9), (0, 5), (0, 1), (9, 10), (2, 9), (2, 8), (5, 7), (0, 6), (0, 5), (2, 4), (0, 3), (0, 2), (0, 1)]) + (64/(L**2*d_V**7)) * oe.contract('ab,cb,bd,cd,cd,de,ce,af,cf,fe,ce,ce->', t4, M_Z, t4, t10, t10, t4, M_Z, t4, M_Z, t4, t10, P_Z, optimize=[(3, 4), (4, 8), (7, 9), (0, 4), (0, 1), (5, 6), (1, 5), (1, 4), (0, 3), (0, 2), (0, 1)]) + (-64/(L**2*d_V**8)) * oe.contract('ab,cb,bd,cd,cd,de,ce,af,cf,fg,cg,cg,ge->', t4, M_Z, t4, t10, t10, t4, M_Z, t4, M_Z, t4, t10, P_Z, t4, optimize=[(3, 4), (8, 9), (0, 5), (0, 1), (7, 8), (2, 7), (2, 6), (3, 5), (0, 4), (1, 3), (0, 2), (0, 1)]) + (64/(L**2*d_V**7)) * oe.contract('ab,cb,bd,cd,cd,de,ce,af,cf,cf,fe,ce->', t4, M_Z, t4, t10, t10, t4, M_Z, t4, P_Z, t10, t4, M_Z, optimize=[(3, 4), (6, 7), (4, 7), (0, 4), (0, 1), (5, 6), (2, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-64/(L**2*d_V**8)) * oe.contract('ab,cb,bd,cd,cd,de,ce,af,cf,cf,fg,cg,ge->', t4, M_Z, t4, t10, t10, t4, M_Z, t4, P_Z, t10, t4, M_Z, t4, optimize=[(3, 4), (6, 7), (0, 5), (0, 1), (7, 8), (5, 7), (0, 6), (0, 5), (2, 4), (0, 3), (0, 2), (0, 1)]) + (32/(L**2*d_V**6)) * oe.contract('ab,cb,bd,cd,cd,de,ce,ae,ce,ce->', t4, M_Z, t4, t10, t10, t4, M_Z, t4, P_Z, P_Z, optimize=[(3, 4), (4, 6), (5, 7), (0, 4), (0, 1), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-32/(L**2*d_V**7)) * oe.contract('ab,cb,bd,cd,cd,de,ce,af,cf,cf,fe->', t4, M_Z, t4, t10, t10, t4, M_Z, t4, P_Z, P_Z, t4, optimize=[(3, 4), (6, 7), (0, 5), (0, 1), (5, 6), (3, 5), (0, 4), (1, 3), (0, 2), (0, 1)]) + (64/(L**2*d_V**10)) * oe.contract('ab,cb,bd,cd,cd,de,ce,ef,ag,cg,gh,ch,ch,hi,ci,if->', t4, M_Z, t4, t10, t10, t4, M_Z, t4, t4, M_Z, t4, t10, t10, t4, M_Z, t4, optimize=[(3, 4), (9, 10), (0, 6), (4, 9), (0, 1), (8, 10), (2, 9), (2, 8), (4, 7), (0, 6), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-64/(L**2*d_V**8)) * oe.contract('ab,cb,bd,cd,cd,de,ce,ef,ag,cg,gf,cf,cf->', t4, M_Z, t4, t10, t10, t4, M_Z, t4, t4, M_Z, t4, t10, P_Z, optimize=[(3, 4), (9, 10), (0, 6), (0, 1), (7, 8), (3, 7), (3, 6), (3, 5), (0, 4), (1, 3), (0, 2), (0, 1)]) + (64/(L**2*d_V**9)) * oe.contract('ab,cb,bd,cd,cd,de,ce,ef,ag,cg,gh,ch,ch,hf->', t4, M_Z, t4, t10, t10, t4, M_Z, t4, t4, M_Z, t4, t10, P_Z, t4, optimize=[(3, 4), (9, 10), (0, 6), (4, 7), (0, 1), (6, 8), (2, 7), (2, 6), (2, 5), (0, 4), (2, 3), (0, 2), (0, 1)]) + (-64/(L**2*d_V**8)) * oe.contract('ab,cb,bd,cd,cd,de,ce,ef,ag,cg,cg,gf,cf->', t4, M_Z, t4, t10, t10, t4, M_Z, t4, t4, P_Z, t10, t4, M_Z, optimize=[(3, 4), (7, 8), (0, 6), (0, 1), (7, 8), (5, 7), (0, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (64/(L**2*d_V**9)) * oe.contract('ab,cb,bd,cd,cd,de,ce,ef,ag,cg,cg,gh,ch,hf->', t4, M_Z, t4, t10, t10, t4, M_Z, t4, t4, P_Z, t10, t4, M_Z, t4, optimize=[(3, 4), (7, 8), (0, 6), (4, 7), (0, 1), (6, 8), (4, 7), (0, 6), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-32/(L**2*d_V**7)) * oe.contract('ab,cb,bd,cd,cd,de,ce,ef,af,cf,cf->', t4, M_Z, t4, t10, t10, t4, M_Z, t4, t4, P_Z, P_Z, optimize=[(3, 4), (7, 8), (0, 6), (0, 1), (5, 6), (3, 5), (0, 4), (1, 3), (0, 2), (0, 1)]) + (32/(L**2*d_V**8)) * oe.contract('ab,cb,bd,cd,cd,de,ce,ef,ag,cg,cg,gf->', t4, M_Z, t4, t10, t10, t4, M_Z, t4, t4, P_Z, P_Z, t4, optimize=[(3, 4), (7, 8), (0, 6), (4, 5), (0, 1), (4, 6), (2, 5), (0, 4), (2, 3), (0, 2), (0, 1)]) + (16/(L**2*d_V**6)) * oe.contract('ab,cb,bd,cd,cd,ae,ce,ed,cd,cd->', t4, M_Z, t4, t10, P_Z, t4, M_Z, t4, t10, P_Z, optimize=[(3, 4), (6, 8), (6, 7), (0, 3), (0, 1), (3, 4), (1, 3), (0, 2), (0, 1)]) + (-32/(L**2*d_V**7)) * oe.contract('ab,cb,bd,cd,cd,ae,ce,ef,cf,cf,fd->', t4, M_Z, t4, t10, P_Z, t4, M_Z, t4, t10, P_Z, t4, optimize=[(3, 4), (6, 7), (0, 3), (0, 1), (5, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (32/(L**2*d_V**6)) * oe.contract('ab,cb,bd,cd,cd,ae,ce,ce,ed,cd->', t4, M_Z, t4, t10, P_Z, t4, P_Z, t10, t4, M_Z, optimize=[(3, 4), (4, 5), (5, 6), (0, 3), (0, 1), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-32/(L**2*d_V**7)) * oe.contract('ab,cb,bd,cd,cd,ae,ce,ce,ef,cf,fd->', t4, M_Z, t4, t10, P_Z, t4, P_Z, t10, t4, M_Z, t4, optimize=[(3, 4), (4, 5), (0, 3), (0, 1), (5, 6), (3, 5), (2, 4), (0, 3), (0, 2), (0, 1)]) + (16/(L**2*d_V**5)) * oe.contract('ab,cb,bd,cd,cd,ad,cd,cd->', t4, M_Z, t4, t10, P_Z, t4, P_Z, P_Z, optimize=[(3, 4), (4, 6), (4, 5), (0, 3), (1, 3), (0, 2), (0, 1)]) + (-16/(L**2*d_V**6)) * oe.contract('ab,cb,bd,cd,cd,ae,ce,ce,ed->', t4, M_Z, t4, t10, P_Z, t4, P_Z, P_Z, t4, optimize=[(3, 4), (4, 5), (0, 3), (0, 1), (3, 4), (0, 3), (0, 2), (0, 1)]) + (16/(L**2*d_V**8)) * oe.contract('ab,cb,bd,cd,cd,de,af,cf,fg,cg,cg,ge->', t4, M_Z, t4, t10, P_Z, t4, t4, M_Z, t4, t10, P_Z, t4, optimize=[(3, 4), (7, 8), (0, 4), (2, 5), (0, 1), (4, 6), (0, 5), (0, 4), (2, 3), (0, 2), (0, 1)]) + (-32/(L**2*d_V**7)) * oe.contract('ab,cb,bd,cd,cd,de,af,cf,cf,fe,ce->', t4, M_Z, t4, t10, P_Z, t4, t4, P_Z, t10, t4, M_Z, optimize=[(3, 4), (5, 6), (0, 4), (0, 1), (5, 6), (3, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (32/(L**2*d_V**8)) * oe.contract('ab,cb,bd,cd,cd,de,af,cf,cf,fg,cg,ge->', t4, M_Z, t4, t10, P_Z, t4, t4, P_Z, t10, t4, M_Z, t4, optimize=[(3, 4), (5, 6), (0, 4), (2, 5), (0, 1), (4, 6), (2, 5), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-16/(L**2*d_V**6)) * oe.contract('ab,cb,bd,cd,cd,de,ae,ce,ce->', t4, M_Z, t4, t10, P_Z, t4, t4, P_Z, P_Z, optimize=[(3, 4), (5, 6), (0, 4), (0, 1), (3, 4), (0, 3), (0, 2), (0, 1)]) + (16/(L**2*d_V**7)) * oe.contract('ab,cb,bd,cd,cd,de,af,cf,cf,fe->', t4, M_Z, t4, t10, P_Z, t4, t4, P_Z, P_Z, t4, optimize=[(3, 4), (5, 6), (0, 4), (2, 3), (0, 1), (2, 4), (2, 3), (0, 2), (0, 1)]) + (16/(L**2*d_V**6)) * oe.contract('ab,cb,cb,bd,cd,ae,ce,ce,ed,cd->', t4, P_Z, t10, t4, M_Z, t4, P_Z, t10, t4, M_Z, optimize=[(1, 2), (4, 5), (2, 5), (0, 2), (0, 2), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-32/(L**2*d_V**7)) * oe.contract('ab,cb,cb,bd,cd,ae,ce,ce,ef,cf,fd->', t4, P_Z, t10, t4, M_Z, t4, P_Z, t10, t4, M_Z, t4, optimize=[(1, 2), (4, 5), (0, 3), (0, 1), (2, 6), (1, 5), (0, 4), (2, 3), (0, 2), (0, 1)]) + (16/(L**2*d_V**5)) * oe.contract('ab,cb,cb,bd,cd,ad,cd,cd->', t4, P_Z, t10, t4, M_Z, t4, P_Z, P_Z, optimize=[(1, 2), (2, 4), (3, 5), (0, 2), (0, 3), (0, 2), (0, 1)]) + (-16/(L**2*d_V**6)) * oe.contract('ab,cb,cb,bd,cd,ae,ce,ce,ed->', t4, P_Z, t10, t4, M_Z, t4, P_Z, P_Z, t4, optimize=[(1, 2), (4, 5), (0, 3), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)]) + (16/(L**2*d_V**8)) * oe.contract('ab,cb,cb,bd,cd,de,af,cf,cf,fg,cg,ge->', t4, P_Z, t10, t4, M_Z, t4, t4, P_Z, t10, t4, M_Z, t4, optimize=[(1, 2), (5, 6), (0, 4), (2, 5), (0, 1), (5, 6), (1, 5), (0, 4), (2, 3), (0, 2), (0, 1)]) + (-16/(L**2*d_V**6)) * oe.contract('ab,cb,cb,bd,cd,de,ae,ce,ce->', t4, P_Z, t10, t4, M_Z, t4, t4, P_Z, P_Z, optimize=[(1, 2), (5, 6), (0, 4), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)]) + (16/(L**2*d_V**7)) * oe.contract('ab,cb,cb,bd,cd,de,af,cf,cf,fe->', t4, P_Z, t10, t4, M_Z, t4, t4, P_Z, P_Z, t4, optimize=[(1, 2), (5, 6), (0, 4), (2, 3), (0, 1), (3, 4), (2, 3), (0, 2), (0, 1)]) + (4/(L**2*d_V**4)) * oe.contract('ab,cb,cb,ab,cb,cb->', t4, P_Z, P_Z, t4, P_Z, P_Z, optimize=[(1, 2), (0, 1), (0, 2), (0, 2), (0, 1)]) + (-8/(L**2*d_V**5)) * oe.contract('ab,cb,cb,ad,cd,cd,db->', t4, P_Z, P_Z, t4, P_Z, P_Z, t4, optimize=[(1, 2), (2, 3), (0, 1), (0, 3), (0, 2), (0, 1)]) + (4/(L**2*d_V**6)) * oe.contract('ab,cb,cb,bd,ae,ce,ce,ed->', t4, P_Z, P_Z, t4, t4, P_Z, P_Z, t4, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (2, 3), (0, 2), (0, 1)])
-    t13 = np.sqrt(np.maximum(t12, 0.0))
-    return (t13,)
+    t12 = np.eye(d_V, dtype=Y.dtype)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S = (2/(L*d_V)) * oe.contract('ab,bc->abc', P_Z, t12, optimize=[(0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac->abc', t10, t4, M_Z, optimize=[(0, 1), (0, 1)])
+    t13 = np.ones((L,), dtype=Y.dtype)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S14 = oe.contract('ab,c->cab', t12, t13, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t4, t13, optimize=[(0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S15 = (-1/d_V) * oe.contract('ab,bc->abc', P_Z, t12, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,ac->abc', M_Z, t4, t10, optimize=[(0, 1), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S16 = (2/d_V) * oe.contract('ab,bc,ac,acd,ade->abe', M_Z, t4, t10, S, S14, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,abc,acd->abd', P_Z, S, S14, optimize=[(0, 1), (0, 1)]) + oe.contract('ab,cbd,cde,cef->caf', t4, S15, S, S14, optimize=[(0, 1), (0, 1), (0, 1)])
+    t17 = oe.contract('abc,abc->', S16, S16, optimize=[(0, 1)])
+    t18 = np.sqrt(np.maximum(t17, 0.0))
+    return (t18,)
 
 
 def mse__diag__X__outer(X, Y):
@@ -236,36 +225,19 @@ def mse__diag__X__outer(X, Y):
     sigma2_Z = t9
     t10 = (-0.5 * (sigma2_Z ** -1.5))
     t11 = t10 * M_Z
-    t12 = (8/(L*d_V**3)) * M_Z
-    t0[...] = oe.contract('ab,bc,ac,ac,cb,ab->ab', t12, t5, t11, t11, t5, M_Z, optimize=[(2, 3), (1, 2), (0, 1), (0, 1), (0, 1)])
-    t13 = (-8/(L*d_V**4)) * M_Z
-    t0 += oe.contract('ab,bc,ac,ac,cd,ad,db->ab', t13, t5, t11, t11, t5, M_Z, t5, optimize=[(2, 3), (2, 3), (2, 4), (1, 3), (1, 2), (0, 1)])
-    t14 = (sigma2_Z ** -0.5)
-    P_Z = t14
-    t15 = (4/(L*d_V**2)) * M_Z
-    t0 += oe.contract('ab,bb,ab,ab->ab', t15, t5, t11, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t16 = (-4/(L*d_V**3)) * M_Z
-    t0 += oe.contract('ab,bc,ac,ac,cb->ab', t16, t5, t11, P_Z, t5, optimize=[(2, 3), (1, 2), (1, 2), (0, 1)])
-    t17 = (4/(L*d_V**2)) * P_Z
-    t0 += oe.contract('ab,ab,bb,ab->ab', t17, t11, t5, M_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t18 = (-4/(L*d_V**3)) * P_Z
-    t0 += oe.contract('ab,ab,bc,ac,cb->ab', t18, t11, t5, M_Z, t5, optimize=[(0, 1), (0, 2), (0, 2), (0, 1)])
-    t19 = (2/(L*d_V)) * P_Z
-    t0 += oe.contract('ab,ab->ab', t19, P_Z, optimize=[(0, 1)])
-    t20 = (-2/(L*d_V**2)) * P_Z
-    t0 += oe.contract('ab,ab,bb->ab', t20, P_Z, t5, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('ab,cb,bd,cd,cd,da,ca->ca', t5, t13, t5, t11, t11, t5, M_Z, optimize=[(3, 4), (0, 1), (0, 4), (0, 3), (1, 2), (0, 1)])
-    t21 = (8/(L*d_V**5)) * M_Z
-    t0 += oe.contract('ab,cb,bd,cd,cd,de,ce,ea->ca', t5, t21, t5, t11, t11, t5, M_Z, t5, optimize=[(3, 4), (0, 1), (0, 5), (3, 4), (0, 3), (1, 2), (0, 1)])
-    t0 += oe.contract('ab,cb,ba,ca,ca->ca', t5, t16, t5, t11, P_Z, optimize=[(0, 2), (1, 2), (0, 1), (0, 1)])
-    t22 = (4/(L*d_V**4)) * M_Z
-    t0 += oe.contract('ab,cb,bd,cd,cd,da->ca', t5, t22, t5, t11, P_Z, t5, optimize=[(3, 4), (0, 1), (0, 3), (0, 2), (0, 1)])
-    t0 += oe.contract('ab,cb,cb,ba,ca->ca', t5, t18, t11, t5, M_Z, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
-    t23 = (4/(L*d_V**4)) * P_Z
-    t0 += oe.contract('ab,cb,cb,bd,cd,da->ca', t5, t23, t11, t5, M_Z, t5, optimize=[(1, 2), (1, 2), (1, 3), (0, 2), (0, 1)])
-    t0 += oe.contract('aa,ba,ba->ba', t5, t20, P_Z, optimize=[(0, 1), (0, 1)])
-    t24 = (2/(L*d_V**3)) * P_Z
-    t0 += oe.contract('ab,cb,cb,ba->ca', t5, t24, P_Z, t5, optimize=[(0, 3), (0, 1), (0, 1)])
+    t12 = (sigma2_Z ** -0.5)
+    P_Z = t12
+    t13 = np.eye(d_V, dtype=Y.dtype)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S = (2/(L*d_V)) * oe.contract('ab,bc->abc', P_Z, t13, optimize=[(0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac->abc', t11, t5, M_Z, optimize=[(0, 1), (0, 1)])
+    t14 = np.ones((L,), dtype=Y.dtype)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S15 = oe.contract('ab,c->cab', t13, t14, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t5, t14, optimize=[(0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S16 = (-1/d_V) * oe.contract('ab,bc->abc', P_Z, t13, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,ac->abc', M_Z, t5, t11, optimize=[(0, 1), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S17 = (2/d_V) * oe.contract('ab,bc,ac,acd,ade->abe', M_Z, t5, t11, S, S15, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,abc,acd->abd', P_Z, S, S15, optimize=[(0, 1), (0, 1)]) + oe.contract('ab,cbd,cde,cef->caf', t5, S16, S, S15, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0[...] = oe.contract('abb->ab', S17, optimize=[(0,)])
     return out
 
 
@@ -289,7 +261,17 @@ def mse__trace__X__outer(X, Y):
     t10 = t9 * M_Z
     t11 = (sigma2_Z ** -0.5)
     P_Z = t11
-    return (8/(L*d_V**3)) * oe.contract('ab,bc,ac,ac,cb,ab->', M_Z, t4, t10, t10, t4, M_Z, optimize=[(2, 3), (1, 2), (0, 1), (0, 1), (0, 1)]) + (-8/(L*d_V**4)) * oe.contract('ab,bc,ac,ac,cd,ad,db->', M_Z, t4, t10, t10, t4, M_Z, t4, optimize=[(2, 3), (0, 1), (2, 4), (0, 3), (0, 2), (0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bb,ab,ab->', M_Z, t4, t10, P_Z, optimize=[(0, 1), (0, 1), (0, 1)]) + (-4/(L*d_V**3)) * oe.contract('ab,bc,ac,ac,cb->', M_Z, t4, t10, P_Z, t4, optimize=[(2, 3), (1, 2), (0, 2), (0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,ab,bb,ab->', P_Z, t10, t4, M_Z, optimize=[(0, 1), (0, 1), (0, 1)]) + (-4/(L*d_V**3)) * oe.contract('ab,ab,bc,ac,cb->', P_Z, t10, t4, M_Z, t4, optimize=[(0, 1), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,ab->', P_Z, P_Z, optimize=[(0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,ab,bb->', P_Z, P_Z, t4, optimize=[(0, 1), (0, 1)]) + (-8/(L*d_V**4)) * oe.contract('ab,cb,bd,cd,cd,da,ca->', t4, M_Z, t4, t10, t10, t4, M_Z, optimize=[(3, 4), (0, 1), (0, 4), (0, 3), (0, 2), (0, 1)]) + (8/(L*d_V**5)) * oe.contract('ab,cb,bd,cd,cd,de,ce,ea->', t4, M_Z, t4, t10, t10, t4, M_Z, t4, optimize=[(3, 4), (0, 5), (0, 1), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-4/(L*d_V**3)) * oe.contract('ab,cb,ba,ca,ca->', t4, M_Z, t4, t10, P_Z, optimize=[(0, 2), (1, 2), (0, 1), (0, 1)]) + (4/(L*d_V**4)) * oe.contract('ab,cb,bd,cd,cd,da->', t4, M_Z, t4, t10, P_Z, t4, optimize=[(3, 4), (0, 3), (1, 3), (0, 2), (0, 1)]) + (-4/(L*d_V**3)) * oe.contract('ab,cb,cb,ba,ca->', t4, P_Z, t10, t4, M_Z, optimize=[(1, 2), (0, 1), (0, 2), (0, 1)]) + (4/(L*d_V**4)) * oe.contract('ab,cb,cb,bd,cd,da->', t4, P_Z, t10, t4, M_Z, t4, optimize=[(1, 2), (0, 3), (0, 3), (0, 2), (0, 1)]) + (-2/(L*d_V**2)) * oe.contract('aa,ba,ba->', t4, P_Z, P_Z, optimize=[(1, 2), (0, 1)]) + (2/(L*d_V**3)) * oe.contract('ab,cb,cb,ba->', t4, P_Z, P_Z, t4, optimize=[(0, 3), (0, 1), (0, 1)])
+    t12 = np.eye(d_V, dtype=Y.dtype)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S = (2/(L*d_V)) * oe.contract('ab,bc->abc', P_Z, t12, optimize=[(0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac->abc', t10, t4, M_Z, optimize=[(0, 1), (0, 1)])
+    t13 = np.ones((L,), dtype=Y.dtype)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S14 = oe.contract('ab,c->cab', t12, t13, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t4, t13, optimize=[(0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S15 = (-1/d_V) * oe.contract('ab,bc->abc', P_Z, t12, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,ac->abc', M_Z, t4, t10, optimize=[(0, 1), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S16 = (2/d_V) * oe.contract('ab,bc,ac,acd,ade->abe', M_Z, t4, t10, S, S14, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,abc,acd->abd', P_Z, S, S14, optimize=[(0, 1), (0, 1)]) + oe.contract('ab,cbd,cde,cef->caf', t4, S15, S, S14, optimize=[(0, 1), (0, 1), (0, 1)])
+    return oe.contract('abb->', S16, optimize=[(0,)])
 
 
 def mse__block__X__X__outer(X, Y):
@@ -314,40 +296,19 @@ def mse__block__X__X__outer(X, Y):
     sigma2_Z = t10
     t11 = (-0.5 * (sigma2_Z ** -1.5))
     t12 = t11 * M_Z
-    t13 = (8/(L*d_V**3)) * M_Z
-    t1 += oe.contract('ab,bc,ac,ac,cd,ad->abd', t13, t6, t12, t12, t6, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 1), (0, 1)])
-    t14 = (-8/(L*d_V**4)) * M_Z
-    t1 += oe.contract('ab,bc,ac,ac,cd,ad,de->abe', t14, t6, t12, t12, t6, M_Z, t6, optimize=[(2, 3), (2, 3), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t15 = (sigma2_Z ** -0.5)
-    P_Z = t15
-    t16 = (4/(L*d_V**2)) * M_Z
-    t1 += oe.contract('ab,bc,ac,ac->abc', t16, t6, t12, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t17 = (-4/(L*d_V**3)) * M_Z
-    t1 += oe.contract('ab,bc,ac,ac,cd->abd', t17, t6, t12, P_Z, t6, optimize=[(2, 3), (1, 3), (1, 2), (0, 1)])
-    t18 = (4/(L*d_V**2)) * P_Z
-    t1 += oe.contract('ab,ab,bc,ac->abc', t18, t12, t6, M_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t19 = (-4/(L*d_V**3)) * P_Z
-    t1 += oe.contract('ab,ab,bc,ac,cd->abd', t19, t12, t6, M_Z, t6, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
-    t20 = np.einsum('abab->ab', t0)
-    t21 = (2/(L*d_V)) * P_Z
-    t20 += oe.contract('ab,ab->ab', t21, P_Z, optimize=[(0, 1)])
-    t22 = (-2/(L*d_V**2)) * P_Z
-    t1 += oe.contract('ab,ab,bc->abc', t22, P_Z, t6, optimize=[(0, 1), (0, 1)])
-    t1 += oe.contract('ab,cb,bd,cd,cd,de,ce->cae', t6, t14, t6, t12, t12, t6, M_Z, optimize=[(3, 4), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
-    t23 = (8/(L*d_V**5)) * M_Z
-    t1 += oe.contract('ab,cb,bd,cd,cd,de,ce,ef->caf', t6, t23, t6, t12, t12, t6, M_Z, t6, optimize=[(3, 4), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
-    t1 += oe.contract('ab,cb,bd,cd,cd->cad', t6, t17, t6, t12, P_Z, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
-    t24 = (4/(L*d_V**4)) * M_Z
-    t1 += oe.contract('ab,cb,bd,cd,cd,de->cae', t6, t24, t6, t12, P_Z, t6, optimize=[(3, 4), (0, 1), (0, 3), (1, 2), (0, 1)])
-    t1 += oe.contract('ab,cb,cb,bd,cd->cad', t6, t19, t12, t6, M_Z, optimize=[(1, 2), (0, 3), (0, 2), (0, 1)])
-    t25 = (4/(L*d_V**4)) * P_Z
-    t26 = oe.contract('ab,ab,bc,ac,cd->adb', t25, t12, t6, M_Z, t6, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
-    t1 += oe.contract('abc,dc->adb', t26, t6, optimize=[(0, 1)])
-    t1 += oe.contract('ab,cb,cb->cab', t6, t22, P_Z, optimize=[(1, 2), (0, 1)])
-    t27 = (2/(L*d_V**3)) * P_Z
-    t28 = oe.contract('ab,bc->acb', t6, t6, optimize=[(0, 1)])
-    t29 = oe.contract('ab,ab->ab', t27, P_Z, optimize=[(0, 1)])
-    t1 += oe.contract('abc,dc->dab', t28, t29, optimize=[(0, 1)])
+    t13 = (sigma2_Z ** -0.5)
+    P_Z = t13
+    t14 = np.eye(d_V, dtype=Y.dtype)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S = (2/(L*d_V)) * oe.contract('ab,bc->abc', P_Z, t14, optimize=[(0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac->abc', t12, t6, M_Z, optimize=[(0, 1), (0, 1)])
+    t15 = np.ones((L,), dtype=Y.dtype)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S16 = oe.contract('ab,c->cab', t14, t15, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t6, t15, optimize=[(0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S17 = (-1/d_V) * oe.contract('ab,bc->abc', P_Z, t14, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,ac->abc', M_Z, t6, t12, optimize=[(0, 1), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S18 = (2/d_V) * oe.contract('ab,bc,ac,acd,ade->abe', M_Z, t6, t12, S, S16, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,abc,acd->abd', P_Z, S, S16, optimize=[(0, 1), (0, 1)]) + oe.contract('ab,cbd,cde,cef->caf', t6, S17, S, S16, optimize=[(0, 1), (0, 1), (0, 1)])
+    t1 += S18
     return out
 
 
@@ -371,9 +332,19 @@ def mse__frobenius__X__X__outer(X, Y):
     t10 = t9 * M_Z
     t11 = (sigma2_Z ** -0.5)
     P_Z = t11
-    t12 = (64/(L**2*d_V**6)) * oe.contract('ab,bc,ac,ac,cd,ad,ab,be,ae,ae,ed,ad->', M_Z, t4, t10, t10, t4, M_Z, M_Z, t4, t10, t10, t4, M_Z, optimize=[(2, 3), (0, 4), (4, 5), (2, 5), (0, 4), (0, 6), (2, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-128/(L**2*d_V**7)) * oe.contract('ab,bc,ac,ac,cd,ad,ab,be,ae,ae,ef,af,fd->', M_Z, t4, t10, t10, t4, M_Z, M_Z, t4, t10, t10, t4, M_Z, t4, optimize=[(2, 3), (0, 4), (4, 5), (1, 2), (4, 8), (3, 7), (2, 6), (2, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (64/(L**2*d_V**5)) * oe.contract('ab,bc,ac,ac,cd,ad,ab,bd,ad,ad->', M_Z, t4, t10, t10, t4, M_Z, M_Z, t4, t10, P_Z, optimize=[(2, 3), (0, 4), (2, 4), (3, 6), (0, 3), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-64/(L**2*d_V**6)) * oe.contract('ab,bc,ac,ac,cd,ad,ab,be,ae,ae,ed->', M_Z, t4, t10, t10, t4, M_Z, M_Z, t4, t10, P_Z, t4, optimize=[(2, 3), (0, 4), (4, 5), (1, 2), (2, 6), (2, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (64/(L**2*d_V**5)) * oe.contract('ab,bc,ac,ac,cd,ad,ab,ab,bd,ad->', M_Z, t4, t10, t10, t4, M_Z, P_Z, t10, t4, M_Z, optimize=[(2, 3), (0, 4), (3, 7), (2, 4), (0, 3), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-64/(L**2*d_V**6)) * oe.contract('ab,bc,ac,ac,cd,ad,ab,ab,be,ae,ed->', M_Z, t4, t10, t10, t4, M_Z, P_Z, t10, t4, M_Z, t4, optimize=[(2, 3), (0, 4), (3, 8), (1, 2), (3, 6), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)]) + (32/(L**2*d_V**4)) * oe.contract('ab,bc,ac,ac,cb,ab,ab,ab->', M_Z, t4, t10, t10, t4, M_Z, P_Z, P_Z, optimize=[(2, 3), (1, 2), (0, 1), (0, 4), (0, 3), (0, 1), (0, 1)]) + (-32/(L**2*d_V**5)) * oe.contract('ab,bc,ac,ac,cd,ad,ab,ab,bd->', M_Z, t4, t10, t10, t4, M_Z, P_Z, P_Z, t4, optimize=[(2, 3), (0, 4), (3, 6), (1, 2), (1, 4), (0, 3), (0, 2), (0, 1)]) + (-128/(L**2*d_V**7)) * oe.contract('ab,bc,ac,ac,cd,ad,be,ae,ef,af,af,fd,ad->', M_Z, t4, t10, t10, t4, M_Z, t4, M_Z, t4, t10, t10, t4, M_Z, optimize=[(2, 3), (7, 8), (3, 8), (0, 1), (1, 8), (1, 7), (1, 6), (2, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (128/(L**2*d_V**8)) * oe.contract('ab,bc,ac,ac,cd,ad,be,ae,ef,af,af,fg,ag,gd->', M_Z, t4, t10, t10, t4, M_Z, t4, M_Z, t4, t10, t10, t4, M_Z, t4, optimize=[(2, 3), (7, 8), (0, 1), (2, 10), (2, 9), (2, 8), (5, 7), (0, 6), (0, 5), (2, 4), (0, 3), (0, 2), (0, 1)]) + (-64/(L**2*d_V**6)) * oe.contract('ab,bc,ac,ac,cd,ad,be,ae,ed,ad,ad->', M_Z, t4, t10, t10, t4, M_Z, t4, M_Z, t4, t10, P_Z, optimize=[(2, 3), (3, 7), (6, 8), (0, 1), (1, 6), (1, 5), (1, 4), (0, 3), (0, 2), (0, 1)]) + (64/(L**2*d_V**7)) * oe.contract('ab,bc,ac,ac,cd,ad,be,ae,ef,af,af,fd->', M_Z, t4, t10, t10, t4, M_Z, t4, M_Z, t4, t10, P_Z, t4, optimize=[(2, 3), (7, 8), (0, 1), (2, 8), (2, 7), (2, 6), (3, 5), (0, 4), (1, 3), (0, 2), (0, 1)]) + (-64/(L**2*d_V**6)) * oe.contract('ab,bc,ac,ac,cd,ad,be,ae,ae,ed,ad->', M_Z, t4, t10, t10, t4, M_Z, t4, P_Z, t10, t4, M_Z, optimize=[(2, 3), (5, 6), (3, 6), (0, 1), (1, 6), (2, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (64/(L**2*d_V**7)) * oe.contract('ab,bc,ac,ac,cd,ad,be,ae,ae,ef,af,fd->', M_Z, t4, t10, t10, t4, M_Z, t4, P_Z, t10, t4, M_Z, t4, optimize=[(2, 3), (5, 6), (0, 1), (2, 8), (5, 7), (0, 6), (0, 5), (2, 4), (0, 3), (0, 2), (0, 1)]) + (-32/(L**2*d_V**5)) * oe.contract('ab,bc,ac,ac,cd,ad,bd,ad,ad->', M_Z, t4, t10, t10, t4, M_Z, t4, P_Z, P_Z, optimize=[(2, 3), (3, 5), (4, 6), (0, 1), (1, 4), (0, 3), (0, 2), (0, 1)]) + (32/(L**2*d_V**6)) * oe.contract('ab,bc,ac,ac,cd,ad,be,ae,ae,ed->', M_Z, t4, t10, t10, t4, M_Z, t4, P_Z, P_Z, t4, optimize=[(2, 3), (5, 6), (0, 1), (2, 6), (3, 5), (0, 4), (1, 3), (0, 2), (0, 1)]) + (64/(L**2*d_V**8)) * oe.contract('ab,bc,ac,ac,cd,ad,de,ab,bf,af,af,fg,ag,ge->', M_Z, t4, t10, t10, t4, M_Z, t4, M_Z, t4, t10, t10, t4, M_Z, t4, optimize=[(2, 3), (0, 5), (5, 6), (3, 7), (1, 2), (7, 8), (3, 7), (2, 6), (2, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-64/(L**2*d_V**6)) * oe.contract('ab,bc,ac,ac,cd,ad,de,ab,be,ae,ae->', M_Z, t4, t10, t10, t4, M_Z, t4, M_Z, t4, t10, P_Z, optimize=[(2, 3), (0, 5), (5, 6), (1, 2), (1, 6), (2, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (64/(L**2*d_V**7)) * oe.contract('ab,bc,ac,ac,cd,ad,de,ab,bf,af,af,fe->', M_Z, t4, t10, t10, t4, M_Z, t4, M_Z, t4, t10, P_Z, t4, optimize=[(2, 3), (0, 5), (5, 6), (3, 5), (1, 2), (5, 6), (2, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-64/(L**2*d_V**6)) * oe.contract('ab,bc,ac,ac,cd,ad,de,ab,ab,be,ae->', M_Z, t4, t10, t10, t4, M_Z, t4, P_Z, t10, t4, M_Z, optimize=[(2, 3), (0, 5), (4, 8), (1, 2), (1, 6), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)]) + (64/(L**2*d_V**7)) * oe.contract('ab,bc,ac,ac,cd,ad,de,ab,ab,bf,af,fe->', M_Z, t4, t10, t10, t4, M_Z, t4, P_Z, t10, t4, M_Z, t4, optimize=[(2, 3), (0, 5), (4, 9), (3, 6), (1, 2), (5, 6), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)]) + (-32/(L**2*d_V**5)) * oe.contract('ab,bc,ac,ac,cd,ad,db,ab,ab->', M_Z, t4, t10, t10, t4, M_Z, t4, P_Z, P_Z, optimize=[(2, 3), (0, 5), (4, 6), (1, 2), (1, 4), (0, 3), (0, 2), (0, 1)]) + (32/(L**2*d_V**6)) * oe.contract('ab,bc,ac,ac,cd,ad,de,ab,ab,be->', M_Z, t4, t10, t10, t4, M_Z, t4, P_Z, P_Z, t4, optimize=[(2, 3), (0, 5), (4, 7), (3, 4), (1, 2), (3, 4), (0, 3), (0, 2), (0, 1)]) + (128/(L**2*d_V**8)) * oe.contract('ab,bc,ac,ac,cd,ad,de,bf,af,fg,ag,ag,ge,ae->', M_Z, t4, t10, t10, t4, M_Z, t4, t4, M_Z, t4, t10, t10, t4, M_Z, optimize=[(2, 3), (8, 9), (0, 1), (3, 10), (3, 9), (3, 8), (5, 7), (0, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-128/(L**2*d_V**9)) * oe.contract('ab,bc,ac,ac,cd,ad,de,bf,af,fg,ag,ag,gh,ah,he->', M_Z, t4, t10, t10, t4, M_Z, t4, t4, M_Z, t4, t10, t10, t4, M_Z, t4, optimize=[(2, 3), (8, 9), (4, 10), (0, 1), (2, 10), (2, 9), (2, 8), (4, 7), (0, 6), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)]) + (64/(L**2*d_V**7)) * oe.contract('ab,bc,ac,ac,cd,ad,de,bf,af,fe,ae,ae->', M_Z, t4, t10, t10, t4, M_Z, t4, t4, M_Z, t4, t10, P_Z, optimize=[(2, 3), (8, 9), (0, 1), (3, 8), (3, 7), (3, 6), (3, 5), (0, 4), (1, 3), (0, 2), (0, 1)]) + (-64/(L**2*d_V**8)) * oe.contract('ab,bc,ac,ac,cd,ad,de,bf,af,fg,ag,ag,ge->', M_Z, t4, t10, t10, t4, M_Z, t4, t4, M_Z, t4, t10, P_Z, t4, optimize=[(2, 3), (8, 9), (4, 8), (0, 1), (2, 8), (2, 7), (2, 6), (2, 5), (0, 4), (2, 3), (0, 2), (0, 1)]) + (64/(L**2*d_V**7)) * oe.contract('ab,bc,ac,ac,cd,ad,de,bf,af,af,fe,ae->', M_Z, t4, t10, t10, t4, M_Z, t4, t4, P_Z, t10, t4, M_Z, optimize=[(2, 3), (6, 7), (0, 1), (3, 8), (5, 7), (0, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-64/(L**2*d_V**8)) * oe.contract('ab,bc,ac,ac,cd,ad,de,bf,af,af,fg,ag,ge->', M_Z, t4, t10, t10, t4, M_Z, t4, t4, P_Z, t10, t4, M_Z, t4, optimize=[(2, 3), (6, 7), (4, 8), (0, 1), (2, 8), (4, 7), (0, 6), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)]) + (32/(L**2*d_V**6)) * oe.contract('ab,bc,ac,ac,cd,ad,de,be,ae,ae->', M_Z, t4, t10, t10, t4, M_Z, t4, t4, P_Z, P_Z, optimize=[(2, 3), (6, 7), (0, 1), (3, 6), (3, 5), (0, 4), (1, 3), (0, 2), (0, 1)]) + (-32/(L**2*d_V**7)) * oe.contract('ab,bc,ac,ac,cd,ad,de,bf,af,af,fe->', M_Z, t4, t10, t10, t4, M_Z, t4, t4, P_Z, P_Z, t4, optimize=[(2, 3), (6, 7), (4, 6), (0, 1), (2, 6), (2, 5), (0, 4), (2, 3), (0, 2), (0, 1)]) + (16/(L**2*d_V**4)) * oe.contract('ab,bc,ac,ac,ab,bc,ac,ac->', M_Z, t4, t10, P_Z, M_Z, t4, t10, P_Z, optimize=[(2, 3), (0, 2), (0, 1), (0, 2), (0, 3), (0, 1), (0, 1)]) + (-32/(L**2*d_V**5)) * oe.contract('ab,bc,ac,ac,ab,bd,ad,ad,dc->', M_Z, t4, t10, P_Z, M_Z, t4, t10, P_Z, t4, optimize=[(2, 3), (0, 2), (2, 3), (0, 3), (1, 4), (0, 3), (0, 2), (0, 1)]) + (32/(L**2*d_V**4)) * oe.contract('ab,bc,ac,ac,ab,ab,bc,ac->', M_Z, t4, t10, P_Z, P_Z, t10, t4, M_Z, optimize=[(2, 3), (0, 2), (1, 5), (0, 1), (0, 1), (0, 1), (0, 1)]) + (-32/(L**2*d_V**5)) * oe.contract('ab,bc,ac,ac,ab,ab,bd,ad,dc->', M_Z, t4, t10, P_Z, P_Z, t10, t4, M_Z, t4, optimize=[(2, 3), (0, 2), (1, 6), (1, 2), (1, 4), (0, 3), (0, 2), (0, 1)]) + (16/(L**2*d_V**3)) * oe.contract('ab,bb,ab,ab,ab,ab->', M_Z, t4, t10, P_Z, P_Z, P_Z, optimize=[(0, 2), (1, 4), (1, 3), (1, 2), (0, 1)]) + (-16/(L**2*d_V**4)) * oe.contract('ab,bc,ac,ac,ab,ab,bc->', M_Z, t4, t10, P_Z, P_Z, P_Z, t4, optimize=[(2, 3), (0, 2), (1, 4), (0, 1), (0, 2), (0, 1)]) + (-64/(L**2*d_V**6)) * oe.contract('ab,bc,ac,ac,bd,ad,de,ae,ae,ec,ac->', M_Z, t4, t10, P_Z, t4, M_Z, t4, t10, t10, t4, M_Z, optimize=[(2, 3), (5, 6), (6, 7), (0, 1), (0, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (64/(L**2*d_V**7)) * oe.contract('ab,bc,ac,ac,bd,ad,de,ae,ae,ef,af,fc->', M_Z, t4, t10, P_Z, t4, M_Z, t4, t10, t10, t4, M_Z, t4, optimize=[(2, 3), (5, 6), (0, 1), (0, 8), (0, 7), (0, 6), (3, 5), (2, 4), (0, 3), (0, 2), (0, 1)]) + (-32/(L**2*d_V**5)) * oe.contract('ab,bc,ac,ac,bd,ad,dc,ac,ac->', M_Z, t4, t10, P_Z, t4, M_Z, t4, t10, P_Z, optimize=[(2, 3), (5, 7), (5, 6), (0, 1), (0, 4), (1, 3), (0, 2), (0, 1)]) + (32/(L**2*d_V**6)) * oe.contract('ab,bc,ac,ac,bd,ad,de,ae,ae,ec->', M_Z, t4, t10, P_Z, t4, M_Z, t4, t10, P_Z, t4, optimize=[(2, 3), (5, 6), (0, 1), (0, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-32/(L**2*d_V**5)) * oe.contract('ab,bc,ac,ac,bd,ad,ad,dc,ac->', M_Z, t4, t10, P_Z, t4, P_Z, t10, t4, M_Z, optimize=[(2, 3), (3, 4), (4, 5), (0, 1), (0, 4), (0, 3), (0, 2), (0, 1)]) + (32/(L**2*d_V**6)) * oe.contract('ab,bc,ac,ac,bd,ad,ad,de,ae,ec->', M_Z, t4, t10, P_Z, t4, P_Z, t10, t4, M_Z, t4, optimize=[(2, 3), (3, 4), (0, 1), (0, 6), (3, 5), (2, 4), (0, 3), (0, 2), (0, 1)]) + (-16/(L**2*d_V**4)) * oe.contract('ab,bc,ac,ac,bc,ac,ac->', M_Z, t4, t10, P_Z, t4, P_Z, P_Z, optimize=[(2, 3), (1, 2), (1, 3), (1, 3), (0, 1), (0, 1)]) + (16/(L**2*d_V**5)) * oe.contract('ab,bc,ac,ac,bd,ad,ad,dc->', M_Z, t4, t10, P_Z, t4, P_Z, P_Z, t4, optimize=[(2, 3), (3, 4), (0, 1), (0, 4), (0, 3), (0, 2), (0, 1)]) + (16/(L**2*d_V**6)) * oe.contract('ab,bc,ac,ac,cd,ab,be,ae,ae,ed->', M_Z, t4, t10, P_Z, t4, M_Z, t4, t10, P_Z, t4, optimize=[(2, 3), (0, 3), (3, 4), (1, 3), (0, 2), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-32/(L**2*d_V**5)) * oe.contract('ab,bc,ac,ac,cd,ab,ab,bd,ad->', M_Z, t4, t10, P_Z, t4, P_Z, t10, t4, M_Z, optimize=[(2, 3), (0, 3), (2, 6), (1, 3), (1, 4), (0, 3), (0, 2), (0, 1)]) + (32/(L**2*d_V**6)) * oe.contract('ab,bc,ac,ac,cd,ab,ab,be,ae,ed->', M_Z, t4, t10, P_Z, t4, P_Z, t10, t4, M_Z, t4, optimize=[(2, 3), (0, 3), (2, 7), (1, 4), (1, 2), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-16/(L**2*d_V**4)) * oe.contract('ab,bc,ac,ac,cb,ab,ab->', M_Z, t4, t10, P_Z, t4, P_Z, P_Z, optimize=[(2, 3), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)]) + (16/(L**2*d_V**5)) * oe.contract('ab,bc,ac,ac,cd,ab,ab,bd->', M_Z, t4, t10, P_Z, t4, P_Z, P_Z, t4, optimize=[(2, 3), (0, 3), (2, 5), (1, 2), (0, 3), (0, 2), (0, 1)]) + (64/(L**2*d_V**7)) * oe.contract('ab,bc,ac,ac,cd,be,ae,ef,af,af,fd,ad->', M_Z, t4, t10, P_Z, t4, t4, M_Z, t4, t10, t10, t4, M_Z, optimize=[(2, 3), (6, 7), (0, 1), (1, 8), (1, 7), (1, 6), (3, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-64/(L**2*d_V**8)) * oe.contract('ab,bc,ac,ac,cd,be,ae,ef,af,af,fg,ag,gd->', M_Z, t4, t10, P_Z, t4, t4, M_Z, t4, t10, t10, t4, M_Z, t4, optimize=[(2, 3), (6, 7), (2, 8), (0, 1), (0, 8), (0, 7), (0, 6), (2, 5), (3, 4), (0, 3), (0, 2), (0, 1)]) + (32/(L**2*d_V**6)) * oe.contract('ab,bc,ac,ac,cd,be,ae,ed,ad,ad->', M_Z, t4, t10, P_Z, t4, t4, M_Z, t4, t10, P_Z, optimize=[(2, 3), (6, 7), (0, 1), (1, 6), (1, 5), (1, 4), (0, 3), (0, 2), (0, 1)]) + (-32/(L**2*d_V**7)) * oe.contract('ab,bc,ac,ac,cd,be,ae,ef,af,af,fd->', M_Z, t4, t10, P_Z, t4, t4, M_Z, t4, t10, P_Z, t4, optimize=[(2, 3), (6, 7), (2, 6), (0, 1), (0, 6), (0, 5), (0, 4), (2, 3), (0, 2), (0, 1)]) + (32/(L**2*d_V**6)) * oe.contract('ab,bc,ac,ac,cd,be,ae,ae,ed,ad->', M_Z, t4, t10, P_Z, t4, t4, P_Z, t10, t4, M_Z, optimize=[(2, 3), (4, 5), (0, 1), (1, 6), (3, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-32/(L**2*d_V**7)) * oe.contract('ab,bc,ac,ac,cd,be,ae,ae,ef,af,fd->', M_Z, t4, t10, P_Z, t4, t4, P_Z, t10, t4, M_Z, t4, optimize=[(2, 3), (4, 5), (2, 6), (0, 1), (0, 6), (2, 5), (3, 4), (0, 3), (0, 2), (0, 1)]) + (16/(L**2*d_V**5)) * oe.contract('ab,bc,ac,ac,cd,bd,ad,ad->', M_Z, t4, t10, P_Z, t4, t4, P_Z, P_Z, optimize=[(2, 3), (4, 5), (0, 1), (1, 4), (0, 3), (0, 2), (0, 1)]) + (-16/(L**2*d_V**6)) * oe.contract('ab,bc,ac,ac,cd,be,ae,ae,ed->', M_Z, t4, t10, P_Z, t4, t4, P_Z, P_Z, t4, optimize=[(2, 3), (4, 5), (2, 4), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)]) + (16/(L**2*d_V**4)) * oe.contract('ab,ab,bc,ac,ab,ab,bc,ac->', P_Z, t10, t4, M_Z, P_Z, t10, t4, M_Z, optimize=[(0, 1), (2, 6), (2, 5), (0, 2), (0, 1), (0, 1), (0, 1)]) + (-32/(L**2*d_V**5)) * oe.contract('ab,ab,bc,ac,ab,ab,bd,ad,dc->', P_Z, t10, t4, M_Z, P_Z, t10, t4, M_Z, t4, optimize=[(0, 1), (2, 7), (2, 6), (0, 1), (2, 4), (0, 3), (0, 2), (0, 1)]) + (16/(L**2*d_V**3)) * oe.contract('ab,ab,bb,ab,ab,ab->', P_Z, t10, t4, M_Z, P_Z, P_Z, optimize=[(0, 1), (1, 4), (1, 3), (1, 2), (0, 1)]) + (-16/(L**2*d_V**4)) * oe.contract('ab,ab,bc,ac,ab,ab,bc->', P_Z, t10, t4, M_Z, P_Z, P_Z, t4, optimize=[(0, 1), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)]) + (-64/(L**2*d_V**6)) * oe.contract('ab,ab,bc,ac,bd,ad,de,ae,ae,ec,ac->', P_Z, t10, t4, M_Z, t4, M_Z, t4, t10, t10, t4, M_Z, optimize=[(0, 1), (5, 6), (1, 6), (1, 2), (1, 6), (2, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (64/(L**2*d_V**7)) * oe.contract('ab,ab,bc,ac,bd,ad,de,ae,ae,ef,af,fc->', P_Z, t10, t4, M_Z, t4, M_Z, t4, t10, t10, t4, M_Z, t4, optimize=[(0, 1), (5, 6), (0, 1), (5, 8), (4, 7), (3, 6), (3, 5), (0, 4), (1, 3), (0, 2), (0, 1)]) + (-32/(L**2*d_V**5)) * oe.contract('ab,ab,bc,ac,bd,ad,dc,ac,ac->', P_Z, t10, t4, M_Z, t4, M_Z, t4, t10, P_Z, optimize=[(0, 1), (1, 5), (4, 6), (1, 2), (1, 4), (0, 3), (0, 2), (0, 1)]) + (32/(L**2*d_V**6)) * oe.contract('ab,ab,bc,ac,bd,ad,de,ae,ae,ec->', P_Z, t10, t4, M_Z, t4, M_Z, t4, t10, P_Z, t4, optimize=[(0, 1), (5, 6), (0, 1), (3, 6), (3, 5), (0, 4), (1, 3), (0, 2), (0, 1)]) + (-32/(L**2*d_V**5)) * oe.contract('ab,ab,bc,ac,bd,ad,ad,dc,ac->', P_Z, t10, t4, M_Z, t4, P_Z, t10, t4, M_Z, optimize=[(0, 1), (3, 4), (1, 4), (0, 3), (0, 4), (0, 3), (0, 2), (0, 1)]) + (32/(L**2*d_V**6)) * oe.contract('ab,ab,bc,ac,bd,ad,ad,de,ae,ec->', P_Z, t10, t4, M_Z, t4, P_Z, t10, t4, M_Z, t4, optimize=[(0, 1), (3, 4), (0, 1), (3, 6), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)]) + (-16/(L**2*d_V**4)) * oe.contract('ab,ab,bc,ac,bc,ac,ac->', P_Z, t10, t4, M_Z, t4, P_Z, P_Z, optimize=[(0, 1), (0, 2), (0, 1), (0, 3), (0, 1), (0, 1)]) + (16/(L**2*d_V**5)) * oe.contract('ab,ab,bc,ac,bd,ad,ad,dc->', P_Z, t10, t4, M_Z, t4, P_Z, P_Z, t4, optimize=[(0, 1), (3, 4), (0, 1), (1, 4), (0, 3), (0, 2), (0, 1)]) + (16/(L**2*d_V**6)) * oe.contract('ab,ab,bc,ac,cd,ab,ab,be,ae,ed->', P_Z, t10, t4, M_Z, t4, P_Z, t10, t4, M_Z, t4, optimize=[(0, 1), (3, 8), (3, 7), (2, 5), (0, 1), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-16/(L**2*d_V**4)) * oe.contract('ab,ab,bc,ac,cb,ab,ab->', P_Z, t10, t4, M_Z, t4, P_Z, P_Z, optimize=[(0, 1), (0, 2), (1, 3), (1, 3), (0, 1), (0, 1)]) + (16/(L**2*d_V**5)) * oe.contract('ab,ab,bc,ac,cd,ab,ab,bd->', P_Z, t10, t4, M_Z, t4, P_Z, P_Z, t4, optimize=[(0, 1), (3, 6), (3, 5), (2, 3), (0, 3), (0, 2), (0, 1)]) + (64/(L**2*d_V**7)) * oe.contract('ab,ab,bc,ac,cd,be,ae,ef,af,af,fd,ad->', P_Z, t10, t4, M_Z, t4, t4, M_Z, t4, t10, t10, t4, M_Z, optimize=[(0, 1), (6, 7), (0, 1), (0, 8), (4, 7), (3, 6), (3, 5), (0, 4), (1, 3), (0, 2), (0, 1)]) + (-64/(L**2*d_V**8)) * oe.contract('ab,ab,bc,ac,cd,be,ae,ef,af,af,fg,ag,gd->', P_Z, t10, t4, M_Z, t4, t4, M_Z, t4, t10, t10, t4, M_Z, t4, optimize=[(0, 1), (6, 7), (2, 8), (0, 1), (7, 8), (4, 7), (3, 6), (3, 5), (0, 4), (1, 3), (0, 2), (0, 1)]) + (32/(L**2*d_V**6)) * oe.contract('ab,ab,bc,ac,cd,be,ae,ed,ad,ad->', P_Z, t10, t4, M_Z, t4, t4, M_Z, t4, t10, P_Z, optimize=[(0, 1), (6, 7), (0, 1), (0, 6), (3, 5), (0, 4), (1, 3), (0, 2), (0, 1)]) + (-32/(L**2*d_V**7)) * oe.contract('ab,ab,bc,ac,cd,be,ae,ef,af,af,fd->', P_Z, t10, t4, M_Z, t4, t4, M_Z, t4, t10, P_Z, t4, optimize=[(0, 1), (6, 7), (2, 6), (0, 1), (5, 6), (3, 5), (0, 4), (1, 3), (0, 2), (0, 1)]) + (32/(L**2*d_V**6)) * oe.contract('ab,ab,bc,ac,cd,be,ae,ae,ed,ad->', P_Z, t10, t4, M_Z, t4, t4, P_Z, t10, t4, M_Z, optimize=[(0, 1), (4, 5), (0, 1), (0, 6), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)]) + (-32/(L**2*d_V**7)) * oe.contract('ab,ab,bc,ac,cd,be,ae,ae,ef,af,fd->', P_Z, t10, t4, M_Z, t4, t4, P_Z, t10, t4, M_Z, t4, optimize=[(0, 1), (4, 5), (2, 6), (0, 1), (5, 6), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)]) + (16/(L**2*d_V**5)) * oe.contract('ab,ab,bc,ac,cd,bd,ad,ad->', P_Z, t10, t4, M_Z, t4, t4, P_Z, P_Z, optimize=[(0, 1), (4, 5), (0, 1), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-16/(L**2*d_V**6)) * oe.contract('ab,ab,bc,ac,cd,be,ae,ae,ed->', P_Z, t10, t4, M_Z, t4, t4, P_Z, P_Z, t4, optimize=[(0, 1), (4, 5), (2, 4), (0, 1), (3, 4), (0, 3), (0, 2), (0, 1)]) + (4/(L**2*d_V**2)) * oe.contract('ab,ab,ab,ab->', P_Z, P_Z, P_Z, P_Z, optimize=[(0, 1), (0, 1), (0, 1)]) + (-8/(L**2*d_V**3)) * oe.contract('ab,ab,ab,ab,bb->', P_Z, P_Z, P_Z, P_Z, t4, optimize=[(0, 1), (0, 3), (0, 2), (0, 1)]) + (-32/(L**2*d_V**5)) * oe.contract('ab,ab,bc,ac,cd,ad,ad,db,ab->', P_Z, P_Z, t4, M_Z, t4, t10, t10, t4, M_Z, optimize=[(0, 1), (3, 4), (4, 5), (0, 1), (0, 4), (0, 3), (0, 2), (0, 1)]) + (32/(L**2*d_V**6)) * oe.contract('ab,ab,bc,ac,cd,ad,ad,de,ae,eb->', P_Z, P_Z, t4, M_Z, t4, t10, t10, t4, M_Z, t4, optimize=[(0, 1), (3, 4), (0, 1), (0, 6), (3, 5), (2, 4), (0, 3), (0, 2), (0, 1)]) + (-16/(L**2*d_V**4)) * oe.contract('ab,ab,bc,ac,cb,ab,ab->', P_Z, P_Z, t4, M_Z, t4, t10, P_Z, optimize=[(0, 1), (0, 2), (1, 3), (1, 3), (0, 1), (0, 1)]) + (16/(L**2*d_V**5)) * oe.contract('ab,ab,bc,ac,cd,ad,ad,db->', P_Z, P_Z, t4, M_Z, t4, t10, P_Z, t4, optimize=[(0, 1), (3, 4), (0, 1), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-16/(L**2*d_V**4)) * oe.contract('ab,ab,bc,ac,ac,cb,ab->', P_Z, P_Z, t4, P_Z, t10, t4, M_Z, optimize=[(0, 1), (1, 2), (0, 1), (0, 1), (0, 1), (0, 1)]) + (16/(L**2*d_V**5)) * oe.contract('ab,ab,bc,ac,ac,cd,ad,db->', P_Z, P_Z, t4, P_Z, t10, t4, M_Z, t4, optimize=[(0, 1), (1, 2), (1, 2), (1, 4), (0, 3), (0, 2), (0, 1)]) + (-8/(L**2*d_V**3)) * oe.contract('ab,ab,bb,ab,ab->', P_Z, P_Z, t4, P_Z, P_Z, optimize=[(0, 1), (1, 3), (1, 2), (0, 1)]) + (8/(L**2*d_V**4)) * oe.contract('ab,ab,bc,ac,ac,cb->', P_Z, P_Z, t4, P_Z, P_Z, t4, optimize=[(0, 1), (1, 2), (0, 1), (0, 2), (0, 1)]) + (4/(L**2*d_V**4)) * oe.contract('ab,ab,bc,ab,ab,bc->', P_Z, P_Z, t4, P_Z, P_Z, t4, optimize=[(0, 1), (1, 4), (1, 3), (0, 1), (0, 1)]) + (32/(L**2*d_V**6)) * oe.contract('ab,ab,bc,bd,ad,de,ae,ae,ec,ac->', P_Z, P_Z, t4, t4, M_Z, t4, t10, t10, t4, M_Z, optimize=[(0, 1), (4, 5), (1, 2), (1, 6), (3, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-32/(L**2*d_V**7)) * oe.contract('ab,ab,bc,bd,ad,de,ae,ae,ef,af,fc->', P_Z, P_Z, t4, t4, M_Z, t4, t10, t10, t4, M_Z, t4, optimize=[(0, 1), (4, 5), (0, 6), (0, 1), (0, 6), (2, 5), (3, 4), (0, 3), (0, 2), (0, 1)]) + (16/(L**2*d_V**5)) * oe.contract('ab,ab,bc,bd,ad,dc,ac,ac->', P_Z, P_Z, t4, t4, M_Z, t4, t10, P_Z, optimize=[(0, 1), (4, 5), (1, 2), (1, 4), (0, 3), (0, 2), (0, 1)]) + (-16/(L**2*d_V**6)) * oe.contract('ab,ab,bc,bd,ad,de,ae,ae,ec->', P_Z, P_Z, t4, t4, M_Z, t4, t10, P_Z, t4, optimize=[(0, 1), (4, 5), (0, 4), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)]) + (16/(L**2*d_V**5)) * oe.contract('ab,ab,bc,bd,ad,ad,dc,ac->', P_Z, P_Z, t4, t4, P_Z, t10, t4, M_Z, optimize=[(0, 1), (2, 3), (0, 3), (1, 4), (0, 3), (0, 2), (0, 1)]) + (-16/(L**2*d_V**6)) * oe.contract('ab,ab,bc,bd,ad,ad,de,ae,ec->', P_Z, P_Z, t4, t4, P_Z, t10, t4, M_Z, t4, optimize=[(0, 1), (2, 3), (0, 4), (1, 2), (3, 4), (0, 3), (0, 2), (0, 1)]) + (8/(L**2*d_V**4)) * oe.contract('ab,ab,bc,bc,ac,ac->', P_Z, P_Z, t4, t4, P_Z, P_Z, optimize=[(0, 1), (0, 1), (0, 1), (0, 1), (0, 1)]) + (-8/(L**2*d_V**5)) * oe.contract('ab,ab,bc,bd,ad,ad,dc->', P_Z, P_Z, t4, t4, P_Z, P_Z, t4, optimize=[(0, 1), (2, 3), (0, 2), (0, 3), (0, 2), (0, 1)]) + (64/(L**2*d_V**8)) * oe.contract('ab,cb,bd,cd,cd,de,ce,af,cf,fg,cg,cg,ge,ce->', t4, M_Z, t4, t10, t10, t4, M_Z, t4, M_Z, t4, t10, t10, t4, M_Z, optimize=[(3, 4), (8, 9), (4, 9), (0, 4), (0, 1), (7, 8), (1, 7), (1, 6), (2, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-128/(L**2*d_V**9)) * oe.contract('ab,cb,bd,cd,cd,de,ce,af,cf,fg,cg,cg,gh,ch,he->', t4, M_Z, t4, t10, t10, t4, M_Z, t4, M_Z, t4, t10, t10, t4, M_Z, t4, optimize=[(3, 4), (8, 9), (0, 5), (0, 1), (9, 10), (2, 9), (2, 8), (5, 7), (0, 6), (0, 5), (2, 4), (0, 3), (0, 2), (0, 1)]) + (64/(L**2*d_V**7)) * oe.contract('ab,cb,bd,cd,cd,de,ce,af,cf,fe,ce,ce->', t4, M_Z, t4, t10, t10, t4, M_Z, t4, M_Z, t4, t10, P_Z, optimize=[(3, 4), (4, 8), (7, 9), (0, 4), (0, 1), (5, 6), (1, 5), (1, 4), (0, 3), (0, 2), (0, 1)]) + (-64/(L**2*d_V**8)) * oe.contract('ab,cb,bd,cd,cd,de,ce,af,cf,fg,cg,cg,ge->', t4, M_Z, t4, t10, t10, t4, M_Z, t4, M_Z, t4, t10, P_Z, t4, optimize=[(3, 4), (8, 9), (0, 5), (0, 1), (7, 8), (2, 7), (2, 6), (3, 5), (0, 4), (1, 3), (0, 2), (0, 1)]) + (64/(L**2*d_V**7)) * oe.contract('ab,cb,bd,cd,cd,de,ce,af,cf,cf,fe,ce->', t4, M_Z, t4, t10, t10, t4, M_Z, t4, P_Z, t10, t4, M_Z, optimize=[(3, 4), (6, 7), (4, 7), (0, 4), (0, 1), (5, 6), (2, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-64/(L**2*d_V**8)) * oe.contract('ab,cb,bd,cd,cd,de,ce,af,cf,cf,fg,cg,ge->', t4, M_Z, t4, t10, t10, t4, M_Z, t4, P_Z, t10, t4, M_Z, t4, optimize=[(3, 4), (6, 7), (0, 5), (0, 1), (7, 8), (5, 7), (0, 6), (0, 5), (2, 4), (0, 3), (0, 2), (0, 1)]) + (32/(L**2*d_V**6)) * oe.contract('ab,cb,bd,cd,cd,de,ce,ae,ce,ce->', t4, M_Z, t4, t10, t10, t4, M_Z, t4, P_Z, P_Z, optimize=[(3, 4), (4, 6), (5, 7), (0, 4), (0, 1), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-32/(L**2*d_V**7)) * oe.contract('ab,cb,bd,cd,cd,de,ce,af,cf,cf,fe->', t4, M_Z, t4, t10, t10, t4, M_Z, t4, P_Z, P_Z, t4, optimize=[(3, 4), (6, 7), (0, 5), (0, 1), (5, 6), (3, 5), (0, 4), (1, 3), (0, 2), (0, 1)]) + (64/(L**2*d_V**10)) * oe.contract('ab,cb,bd,cd,cd,de,ce,ef,ag,cg,gh,ch,ch,hi,ci,if->', t4, M_Z, t4, t10, t10, t4, M_Z, t4, t4, M_Z, t4, t10, t10, t4, M_Z, t4, optimize=[(3, 4), (9, 10), (0, 6), (4, 9), (0, 1), (8, 10), (2, 9), (2, 8), (4, 7), (0, 6), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-64/(L**2*d_V**8)) * oe.contract('ab,cb,bd,cd,cd,de,ce,ef,ag,cg,gf,cf,cf->', t4, M_Z, t4, t10, t10, t4, M_Z, t4, t4, M_Z, t4, t10, P_Z, optimize=[(3, 4), (9, 10), (0, 6), (0, 1), (7, 8), (3, 7), (3, 6), (3, 5), (0, 4), (1, 3), (0, 2), (0, 1)]) + (64/(L**2*d_V**9)) * oe.contract('ab,cb,bd,cd,cd,de,ce,ef,ag,cg,gh,ch,ch,hf->', t4, M_Z, t4, t10, t10, t4, M_Z, t4, t4, M_Z, t4, t10, P_Z, t4, optimize=[(3, 4), (9, 10), (0, 6), (4, 7), (0, 1), (6, 8), (2, 7), (2, 6), (2, 5), (0, 4), (2, 3), (0, 2), (0, 1)]) + (-64/(L**2*d_V**8)) * oe.contract('ab,cb,bd,cd,cd,de,ce,ef,ag,cg,cg,gf,cf->', t4, M_Z, t4, t10, t10, t4, M_Z, t4, t4, P_Z, t10, t4, M_Z, optimize=[(3, 4), (7, 8), (0, 6), (0, 1), (7, 8), (5, 7), (0, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (64/(L**2*d_V**9)) * oe.contract('ab,cb,bd,cd,cd,de,ce,ef,ag,cg,cg,gh,ch,hf->', t4, M_Z, t4, t10, t10, t4, M_Z, t4, t4, P_Z, t10, t4, M_Z, t4, optimize=[(3, 4), (7, 8), (0, 6), (4, 7), (0, 1), (6, 8), (4, 7), (0, 6), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-32/(L**2*d_V**7)) * oe.contract('ab,cb,bd,cd,cd,de,ce,ef,af,cf,cf->', t4, M_Z, t4, t10, t10, t4, M_Z, t4, t4, P_Z, P_Z, optimize=[(3, 4), (7, 8), (0, 6), (0, 1), (5, 6), (3, 5), (0, 4), (1, 3), (0, 2), (0, 1)]) + (32/(L**2*d_V**8)) * oe.contract('ab,cb,bd,cd,cd,de,ce,ef,ag,cg,cg,gf->', t4, M_Z, t4, t10, t10, t4, M_Z, t4, t4, P_Z, P_Z, t4, optimize=[(3, 4), (7, 8), (0, 6), (4, 5), (0, 1), (4, 6), (2, 5), (0, 4), (2, 3), (0, 2), (0, 1)]) + (16/(L**2*d_V**6)) * oe.contract('ab,cb,bd,cd,cd,ae,ce,ed,cd,cd->', t4, M_Z, t4, t10, P_Z, t4, M_Z, t4, t10, P_Z, optimize=[(3, 4), (6, 8), (6, 7), (0, 3), (0, 1), (3, 4), (1, 3), (0, 2), (0, 1)]) + (-32/(L**2*d_V**7)) * oe.contract('ab,cb,bd,cd,cd,ae,ce,ef,cf,cf,fd->', t4, M_Z, t4, t10, P_Z, t4, M_Z, t4, t10, P_Z, t4, optimize=[(3, 4), (6, 7), (0, 3), (0, 1), (5, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (32/(L**2*d_V**6)) * oe.contract('ab,cb,bd,cd,cd,ae,ce,ce,ed,cd->', t4, M_Z, t4, t10, P_Z, t4, P_Z, t10, t4, M_Z, optimize=[(3, 4), (4, 5), (5, 6), (0, 3), (0, 1), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-32/(L**2*d_V**7)) * oe.contract('ab,cb,bd,cd,cd,ae,ce,ce,ef,cf,fd->', t4, M_Z, t4, t10, P_Z, t4, P_Z, t10, t4, M_Z, t4, optimize=[(3, 4), (4, 5), (0, 3), (0, 1), (5, 6), (3, 5), (2, 4), (0, 3), (0, 2), (0, 1)]) + (16/(L**2*d_V**5)) * oe.contract('ab,cb,bd,cd,cd,ad,cd,cd->', t4, M_Z, t4, t10, P_Z, t4, P_Z, P_Z, optimize=[(3, 4), (4, 6), (4, 5), (0, 3), (1, 3), (0, 2), (0, 1)]) + (-16/(L**2*d_V**6)) * oe.contract('ab,cb,bd,cd,cd,ae,ce,ce,ed->', t4, M_Z, t4, t10, P_Z, t4, P_Z, P_Z, t4, optimize=[(3, 4), (4, 5), (0, 3), (0, 1), (3, 4), (0, 3), (0, 2), (0, 1)]) + (16/(L**2*d_V**8)) * oe.contract('ab,cb,bd,cd,cd,de,af,cf,fg,cg,cg,ge->', t4, M_Z, t4, t10, P_Z, t4, t4, M_Z, t4, t10, P_Z, t4, optimize=[(3, 4), (7, 8), (0, 4), (2, 5), (0, 1), (4, 6), (0, 5), (0, 4), (2, 3), (0, 2), (0, 1)]) + (-32/(L**2*d_V**7)) * oe.contract('ab,cb,bd,cd,cd,de,af,cf,cf,fe,ce->', t4, M_Z, t4, t10, P_Z, t4, t4, P_Z, t10, t4, M_Z, optimize=[(3, 4), (5, 6), (0, 4), (0, 1), (5, 6), (3, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (32/(L**2*d_V**8)) * oe.contract('ab,cb,bd,cd,cd,de,af,cf,cf,fg,cg,ge->', t4, M_Z, t4, t10, P_Z, t4, t4, P_Z, t10, t4, M_Z, t4, optimize=[(3, 4), (5, 6), (0, 4), (2, 5), (0, 1), (4, 6), (2, 5), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-16/(L**2*d_V**6)) * oe.contract('ab,cb,bd,cd,cd,de,ae,ce,ce->', t4, M_Z, t4, t10, P_Z, t4, t4, P_Z, P_Z, optimize=[(3, 4), (5, 6), (0, 4), (0, 1), (3, 4), (0, 3), (0, 2), (0, 1)]) + (16/(L**2*d_V**7)) * oe.contract('ab,cb,bd,cd,cd,de,af,cf,cf,fe->', t4, M_Z, t4, t10, P_Z, t4, t4, P_Z, P_Z, t4, optimize=[(3, 4), (5, 6), (0, 4), (2, 3), (0, 1), (2, 4), (2, 3), (0, 2), (0, 1)]) + (16/(L**2*d_V**6)) * oe.contract('ab,cb,cb,bd,cd,ae,ce,ce,ed,cd->', t4, P_Z, t10, t4, M_Z, t4, P_Z, t10, t4, M_Z, optimize=[(1, 2), (4, 5), (2, 5), (0, 2), (0, 2), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-32/(L**2*d_V**7)) * oe.contract('ab,cb,cb,bd,cd,ae,ce,ce,ef,cf,fd->', t4, P_Z, t10, t4, M_Z, t4, P_Z, t10, t4, M_Z, t4, optimize=[(1, 2), (4, 5), (0, 3), (0, 1), (2, 6), (1, 5), (0, 4), (2, 3), (0, 2), (0, 1)]) + (16/(L**2*d_V**5)) * oe.contract('ab,cb,cb,bd,cd,ad,cd,cd->', t4, P_Z, t10, t4, M_Z, t4, P_Z, P_Z, optimize=[(1, 2), (2, 4), (3, 5), (0, 2), (0, 3), (0, 2), (0, 1)]) + (-16/(L**2*d_V**6)) * oe.contract('ab,cb,cb,bd,cd,ae,ce,ce,ed->', t4, P_Z, t10, t4, M_Z, t4, P_Z, P_Z, t4, optimize=[(1, 2), (4, 5), (0, 3), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)]) + (16/(L**2*d_V**8)) * oe.contract('ab,cb,cb,bd,cd,de,af,cf,cf,fg,cg,ge->', t4, P_Z, t10, t4, M_Z, t4, t4, P_Z, t10, t4, M_Z, t4, optimize=[(1, 2), (5, 6), (0, 4), (2, 5), (0, 1), (5, 6), (1, 5), (0, 4), (2, 3), (0, 2), (0, 1)]) + (-16/(L**2*d_V**6)) * oe.contract('ab,cb,cb,bd,cd,de,ae,ce,ce->', t4, P_Z, t10, t4, M_Z, t4, t4, P_Z, P_Z, optimize=[(1, 2), (5, 6), (0, 4), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)]) + (16/(L**2*d_V**7)) * oe.contract('ab,cb,cb,bd,cd,de,af,cf,cf,fe->', t4, P_Z, t10, t4, M_Z, t4, t4, P_Z, P_Z, t4, optimize=[(1, 2), (5, 6), (0, 4), (2, 3), (0, 1), (3, 4), (2, 3), (0, 2), (0, 1)]) + (4/(L**2*d_V**4)) * oe.contract('ab,cb,cb,ab,cb,cb->', t4, P_Z, P_Z, t4, P_Z, P_Z, optimize=[(1, 2), (0, 1), (0, 2), (0, 2), (0, 1)]) + (-8/(L**2*d_V**5)) * oe.contract('ab,cb,cb,ad,cd,cd,db->', t4, P_Z, P_Z, t4, P_Z, P_Z, t4, optimize=[(1, 2), (2, 3), (0, 1), (0, 3), (0, 2), (0, 1)]) + (4/(L**2*d_V**6)) * oe.contract('ab,cb,cb,bd,ae,ce,ce,ed->', t4, P_Z, P_Z, t4, t4, P_Z, P_Z, t4, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (2, 3), (0, 2), (0, 1)])
-    t13 = np.sqrt(np.maximum(t12, 0.0))
-    return t13
+    t12 = np.eye(d_V, dtype=Y.dtype)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S = (2/(L*d_V)) * oe.contract('ab,bc->abc', P_Z, t12, optimize=[(0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac->abc', t10, t4, M_Z, optimize=[(0, 1), (0, 1)])
+    t13 = np.ones((L,), dtype=Y.dtype)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S14 = oe.contract('ab,c->cab', t12, t13, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t4, t13, optimize=[(0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S15 = (-1/d_V) * oe.contract('ab,bc->abc', P_Z, t12, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,ac->abc', M_Z, t4, t10, optimize=[(0, 1), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S16 = (2/d_V) * oe.contract('ab,bc,ac,acd,ade->abe', M_Z, t4, t10, S, S14, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,abc,acd->abd', P_Z, S, S14, optimize=[(0, 1), (0, 1)]) + oe.contract('ab,cbd,cde,cef->caf', t4, S15, S, S14, optimize=[(0, 1), (0, 1), (0, 1)])
+    t17 = oe.contract('abc,abc->', S16, S16, optimize=[(0, 1)])
+    t18 = np.sqrt(np.maximum(t17, 0.0))
+    return t18
 
 
 def mse__hessian__functional(X, Y):
@@ -408,38 +379,22 @@ def mse__hessian__functional(X, Y):
     G = t16
     t17 = t11 * G
     t18 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t19 = (2/(d_V*n_batch)) * M_Z
-    t2 += oe.contract('abc,cd,bd->bcd', t17, t18, t19, optimize=[(0, 1), (0, 1)])
-    t20 = (-2/(d_V**2*n_batch)) * M_Z
-    t2 += oe.contract('abc,cd,bd,de->bce', t17, t18, t20, t18, optimize=[(0, 1), (0, 1), (0, 1)])
-    t21 = np.einsum('abab->ab', t1)
-    t22 = t11 * G * M_Z
-    t23 = t22.sum(-1, keepdims=True)
-    t24 = np.broadcast_to(t23, t23.shape[:-1] + (d_V,))
-    t21 += (2/(d_V*n_batch)) * oe.contract('abc->bc', t24, optimize=[(0,)])
-    t25 = (-2/(d_V**2*n_batch)) * t24
-    t2 += oe.contract('abc,cd->bcd', t25, t18, optimize=[(0, 1)])
-    t26 = (0.75 * (sigma2_Z ** -2.5))
-    t27 = t26 * G * M_Z
-    t28 = (4/(d_V**2*n_batch)) * M_Z
-    t2 += oe.contract('ab,bc,dac,ce,ae->abe', t28, t18, t27, t18, M_Z, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
-    t29 = (-4/(d_V**3*n_batch)) * M_Z
-    t2 += oe.contract('ab,bc,dac,ce,ae,ef->abf', t29, t18, t27, t18, M_Z, t18, optimize=[(1, 2), (1, 4), (1, 3), (1, 2), (0, 1)])
-    t2 += oe.contract('ab,bc,dac->abc', t19, t18, t17, optimize=[(0, 1), (0, 1)])
-    t2 += oe.contract('ab,bc,dac,ce->abe', t20, t18, t17, t18, optimize=[(2, 3), (0, 2), (0, 1)])
-    t2 += oe.contract('ab,cdb,be,de->dae', t18, t17, t18, t20, optimize=[(0, 1), (0, 1), (0, 1)])
-    t30 = (2/(d_V**3*n_batch)) * M_Z
-    t2 += oe.contract('ab,cdb,be,de,ef->daf', t18, t17, t18, t30, t18, optimize=[(0, 1), (0, 3), (0, 2), (0, 1)])
-    t31 = (-2/(d_V**2*n_batch)) * t18
-    t2 += oe.contract('ab,cdb->dab', t31, t24, optimize=[(0, 1)])
-    t32 = (2/(d_V**3*n_batch)) * t18
-    t2 += oe.contract('ab,cdb,be->dae', t32, t24, t18, optimize=[(0, 1), (0, 1)])
-    t2 += oe.contract('ab,cb,bd,ecd,df,cf->caf', t18, t29, t18, t27, t18, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t33 = (4/(d_V**4*n_batch)) * M_Z
-    t2 += oe.contract('ab,cb,bd,ecd,df,cf,fg->cag', t18, t33, t18, t27, t18, M_Z, t18, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
-    t2 += oe.contract('ab,cb,bd,ecd->cad', t18, t20, t18, t17, optimize=[(0, 1), (0, 1), (0, 1)])
-    t34 = oe.contract('ab,bc,dac,ce->aeb', t30, t18, t17, t18, optimize=[(2, 3), (0, 2), (0, 1)])
-    t2 += oe.contract('abc,dc->adb', t34, t18, optimize=[(0, 1)])
+    t19 = np.eye(d_V, dtype=Y.dtype)
+    t20 = np.ones((L,), dtype=Y.dtype)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S = oe.contract('ab,c->cab', t19, t20, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t18, t20, optimize=[(0, 1)])
+    t21 = t11 * G * M_Z
+    t22 = t21.sum(-1, keepdims=True)
+    t23 = np.broadcast_to(t22, t22.shape[:-1] + (d_V,))
+    t24 = (0.75 * (sigma2_Z ** -2.5))
+    t25 = t24 * G * M_Z
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S26 = oe.contract('abc,cd->abcd', t17, t19, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t25, t18, M_Z, optimize=[(1, 2), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S27 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t17, t18, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t23, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t18, S26, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S28 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t17, t18, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t23, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t18, S26, S, optimize=[(0, 1), (0, 1), (0, 1)]) + oe.contract('ab,cdbe->cdae', t18, S27, optimize=[(0, 1)])
+    t2 += (1/n_batch) * oe.contract('abcd->bcd', S28, optimize=[(0,)])
     return H
 
 
@@ -528,14 +483,24 @@ def mse__frobenius_all__functional(X, Y):
     G = t13
     t14 = t8 * G
     t15 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t16 = t8 * G * M_Z
-    t17 = t16.sum(-1, keepdims=True)
-    t18 = np.broadcast_to(t17, t17.shape[:-1] + (d_V,))
-    t19 = (0.75 * (sigma2_Z ** -2.5))
-    t20 = t19 * G * M_Z
-    t21 = (4/(d_V**2*n_batch**2)) * oe.contract('abc,cd,bd,ebc,cd,bd->', t14, t15, M_Z, t14, t15, M_Z, optimize=[(1, 4), (1, 3), (0, 1), (0, 1), (0, 1)]) + (-8/(d_V**3*n_batch**2)) * oe.contract('abc,cd,bd,ebc,cf,bf,fd->', t14, t15, M_Z, t14, t15, M_Z, t15, optimize=[(0, 3), (0, 1), (2, 4), (0, 3), (0, 2), (0, 1)]) + (8/(d_V**2*n_batch**2)) * oe.contract('abc,cc,bc,dbc->', t14, t15, M_Z, t18, optimize=[(0, 2), (0, 2), (0, 1)]) + (-8/(d_V**3*n_batch**2)) * oe.contract('abc,cd,bd,ebc,cd->', t14, t15, M_Z, t18, t15, optimize=[(1, 4), (0, 2), (0, 1), (0, 1)]) + (16/(d_V**3*n_batch**2)) * oe.contract('abc,cd,bd,bc,ce,fbe,ed,bd->', t14, t15, M_Z, M_Z, t15, t20, t15, M_Z, optimize=[(2, 7), (0, 2), (1, 2), (1, 4), (0, 3), (0, 2), (0, 1)]) + (-16/(d_V**4*n_batch**2)) * oe.contract('abc,cd,bd,bc,ce,fbe,eg,bg,gd->', t14, t15, M_Z, M_Z, t15, t20, t15, M_Z, t15, optimize=[(0, 3), (2, 3), (2, 6), (2, 5), (2, 4), (0, 3), (0, 2), (0, 1)]) + (8/(d_V**2*n_batch**2)) * oe.contract('abc,cd,bd,bc,cd,ebd->', t14, t15, M_Z, M_Z, t15, t14, optimize=[(1, 4), (0, 2), (0, 1), (0, 1), (0, 1)]) + (-8/(d_V**3*n_batch**2)) * oe.contract('abc,cd,bd,bc,ce,fbe,ed->', t14, t15, M_Z, M_Z, t15, t14, t15, optimize=[(0, 3), (2, 3), (2, 4), (0, 3), (0, 2), (0, 1)]) + (-8/(d_V**3*n_batch**2)) * oe.contract('abc,cd,bd,ce,fbe,ed,bd->', t14, t15, M_Z, t15, t14, t15, M_Z, optimize=[(2, 6), (0, 1), (0, 4), (0, 3), (0, 2), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('abc,cd,bd,ce,fbe,eg,bg,gd->', t14, t15, M_Z, t15, t14, t15, M_Z, t15, optimize=[(0, 1), (1, 6), (1, 5), (1, 4), (2, 3), (0, 2), (0, 1)]) + (-8/(d_V**3*n_batch**2)) * oe.contract('abc,cd,bd,cd,ebd->', t14, t15, M_Z, t15, t18, optimize=[(1, 3), (0, 3), (0, 2), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('abc,cd,bd,ce,fbe,ed->', t14, t15, M_Z, t15, t18, t15, optimize=[(0, 1), (1, 4), (1, 3), (1, 2), (0, 1)]) + (-16/(d_V**4*n_batch**2)) * oe.contract('abc,cd,bd,ce,be,ef,gbf,fd,bd->', t14, t15, M_Z, t15, M_Z, t15, t20, t15, M_Z, optimize=[(2, 8), (0, 1), (0, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (16/(d_V**5*n_batch**2)) * oe.contract('abc,cd,bd,ce,be,ef,gbf,fh,bh,hd->', t14, t15, M_Z, t15, M_Z, t15, t20, t15, M_Z, t15, optimize=[(0, 1), (1, 8), (0, 7), (5, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-8/(d_V**3*n_batch**2)) * oe.contract('abc,cd,bd,ce,be,ed,fbd->', t14, t15, M_Z, t15, M_Z, t15, t14, optimize=[(2, 6), (0, 1), (0, 4), (1, 3), (0, 2), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('abc,cd,bd,ce,be,ef,gbf,fd->', t14, t15, M_Z, t15, M_Z, t15, t14, t15, optimize=[(0, 1), (1, 6), (0, 5), (3, 4), (1, 3), (1, 2), (0, 1)]) + (4/(d_V**4*n_batch**2)) * oe.contract('abc,cd,bd,de,fbc,cg,bg,ge->', t14, t15, M_Z, t15, t14, t15, M_Z, t15, optimize=[(0, 4), (2, 5), (0, 1), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-8/(d_V**3*n_batch**2)) * oe.contract('abc,cd,bd,dc,ebc->', t14, t15, M_Z, t15, t18, optimize=[(1, 3), (0, 2), (0, 1), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('abc,cd,bd,de,fbc,ce->', t14, t15, M_Z, t15, t18, t15, optimize=[(0, 4), (2, 3), (0, 3), (0, 2), (0, 1)]) + (-16/(d_V**4*n_batch**2)) * oe.contract('abc,cd,bd,de,bc,cf,gbf,fe,be->', t14, t15, M_Z, t15, M_Z, t15, t20, t15, M_Z, optimize=[(0, 4), (3, 4), (3, 6), (3, 5), (2, 4), (0, 3), (0, 2), (0, 1)]) + (16/(d_V**5*n_batch**2)) * oe.contract('abc,cd,bd,de,bc,cf,gbf,fh,bh,he->', t14, t15, M_Z, t15, M_Z, t15, t20, t15, M_Z, t15, optimize=[(0, 4), (2, 7), (2, 3), (2, 6), (2, 5), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-8/(d_V**3*n_batch**2)) * oe.contract('abc,cd,bd,de,bc,ce,fbe->', t14, t15, M_Z, t15, M_Z, t15, t14, optimize=[(0, 4), (2, 4), (2, 4), (0, 3), (0, 2), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('abc,cd,bd,de,bc,cf,gbf,fe->', t14, t15, M_Z, t15, M_Z, t15, t14, t15, optimize=[(0, 4), (2, 5), (2, 3), (3, 4), (0, 3), (0, 2), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('abc,cd,bd,de,cf,gbf,fe,be->', t14, t15, M_Z, t15, t15, t14, t15, M_Z, optimize=[(0, 1), (2, 6), (2, 5), (2, 4), (1, 3), (0, 2), (0, 1)]) + (-8/(d_V**5*n_batch**2)) * oe.contract('abc,cd,bd,de,cf,gbf,fh,bh,he->', t14, t15, M_Z, t15, t15, t14, t15, M_Z, t15, optimize=[(3, 8), (0, 1), (1, 6), (1, 5), (1, 4), (2, 3), (0, 2), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('abc,cd,bd,de,ce,fbe->', t14, t15, M_Z, t15, t15, t18, optimize=[(0, 1), (2, 4), (1, 3), (1, 2), (0, 1)]) + (-8/(d_V**5*n_batch**2)) * oe.contract('abc,cd,bd,de,cf,gbf,fe->', t14, t15, M_Z, t15, t15, t18, t15, optimize=[(3, 6), (0, 1), (1, 4), (1, 3), (1, 2), (0, 1)]) + (16/(d_V**5*n_batch**2)) * oe.contract('abc,cd,bd,de,cf,bf,fg,hbg,ge,be->', t14, t15, M_Z, t15, t15, M_Z, t15, t20, t15, M_Z, optimize=[(0, 1), (2, 8), (0, 7), (0, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-16/(d_V**6*n_batch**2)) * oe.contract('abc,cd,bd,de,cf,bf,fg,hbg,gi,bi,ie->', t14, t15, M_Z, t15, t15, M_Z, t15, t20, t15, M_Z, t15, optimize=[(3, 10), (0, 1), (1, 8), (0, 7), (5, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('abc,cd,bd,de,cf,bf,fe,gbe->', t14, t15, M_Z, t15, t15, M_Z, t15, t14, optimize=[(0, 1), (2, 6), (0, 5), (0, 4), (1, 3), (1, 2), (0, 1)]) + (-8/(d_V**5*n_batch**2)) * oe.contract('abc,cd,bd,de,cf,bf,fg,hbg,ge->', t14, t15, M_Z, t15, t15, M_Z, t15, t14, t15, optimize=[(3, 8), (0, 1), (1, 6), (0, 5), (3, 4), (1, 3), (1, 2), (0, 1)]) + (4/(d_V**2*n_batch**2)) * oe.contract('abc,dbc->', t18, t18, optimize=[(0, 1)]) + (-8/(d_V**3*n_batch**2)) * oe.contract('abc,dbc,cc->', t18, t18, t15, optimize=[(0, 2), (0, 1)]) + (16/(d_V**3*n_batch**2)) * oe.contract('abc,bc,cd,ebd,dc,bc->', t18, M_Z, t15, t20, t15, M_Z, optimize=[(2, 4), (1, 3), (1, 2), (1, 2), (0, 1)]) + (-16/(d_V**4*n_batch**2)) * oe.contract('abc,bc,cd,ebd,df,bf,fc->', t18, M_Z, t15, t20, t15, M_Z, t15, optimize=[(0, 1), (0, 1), (0, 4), (1, 3), (0, 2), (0, 1)]) + (8/(d_V**2*n_batch**2)) * oe.contract('abc,bc,cc,dbc->', t18, M_Z, t15, t14, optimize=[(1, 3), (0, 2), (0, 1)]) + (-8/(d_V**3*n_batch**2)) * oe.contract('abc,bc,cd,ebd,dc->', t18, M_Z, t15, t14, t15, optimize=[(2, 4), (2, 3), (1, 2), (0, 1)]) + (-8/(d_V**3*n_batch**2)) * oe.contract('abc,cd,ebd,dc,bc->', t18, t15, t14, t15, M_Z, optimize=[(1, 3), (1, 3), (1, 2), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('abc,cd,ebd,df,bf,fc->', t18, t15, t14, t15, M_Z, t15, optimize=[(0, 1), (0, 4), (0, 3), (1, 2), (0, 1)]) + (-8/(d_V**3*n_batch**2)) * oe.contract('abc,cc,dbc->', t18, t15, t18, optimize=[(0, 1), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('abc,cd,ebd,dc->', t18, t15, t18, t15, optimize=[(0, 1), (1, 2), (0, 1)]) + (-16/(d_V**4*n_batch**2)) * oe.contract('abc,cd,bd,de,fbe,ec,bc->', t18, t15, M_Z, t15, t20, t15, M_Z, optimize=[(0, 6), (2, 3), (2, 4), (0, 3), (0, 2), (0, 1)]) + (16/(d_V**5*n_batch**2)) * oe.contract('abc,cd,bd,de,fbe,eg,bg,gc->', t18, t15, M_Z, t15, t20, t15, M_Z, t15, optimize=[(0, 1), (5, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-8/(d_V**3*n_batch**2)) * oe.contract('abc,cd,bd,dc,ebc->', t18, t15, M_Z, t15, t14, optimize=[(1, 3), (0, 2), (0, 1), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('abc,cd,bd,de,fbe,ec->', t18, t15, M_Z, t15, t14, t15, optimize=[(0, 1), (3, 4), (1, 3), (1, 2), (0, 1)]) + (4/(d_V**4*n_batch**2)) * oe.contract('abc,cd,ebc,cd->', t18, t15, t18, t15, optimize=[(1, 3), (0, 2), (0, 1)]) + (-16/(d_V**4*n_batch**2)) * oe.contract('abc,cd,bc,ce,fbe,ed,bd->', t18, t15, M_Z, t15, t20, t15, M_Z, optimize=[(0, 2), (1, 2), (1, 4), (0, 3), (0, 2), (0, 1)]) + (16/(d_V**5*n_batch**2)) * oe.contract('abc,cd,bc,ce,fbe,eg,bg,gd->', t18, t15, M_Z, t15, t20, t15, M_Z, t15, optimize=[(0, 2), (0, 5), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)]) + (-8/(d_V**3*n_batch**2)) * oe.contract('abc,cd,bc,cd,ebd->', t18, t15, M_Z, t15, t14, optimize=[(1, 3), (2, 3), (1, 2), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('abc,cd,bc,ce,fbe,ed->', t18, t15, M_Z, t15, t14, t15, optimize=[(0, 2), (0, 3), (0, 3), (0, 2), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('abc,cd,ce,fbe,ed,bd->', t18, t15, t15, t14, t15, M_Z, optimize=[(0, 1), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-8/(d_V**5*n_batch**2)) * oe.contract('abc,cd,ce,fbe,eg,bg,gd->', t18, t15, t15, t14, t15, M_Z, t15, optimize=[(1, 6), (0, 2), (0, 4), (0, 3), (1, 2), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('abc,cd,cd,ebd->', t18, t15, t15, t18, optimize=[(0, 1), (0, 2), (0, 1)]) + (-8/(d_V**5*n_batch**2)) * oe.contract('abc,cd,ce,fbe,ed->', t18, t15, t15, t18, t15, optimize=[(0, 3), (1, 3), (0, 1), (0, 1)]) + (16/(d_V**5*n_batch**2)) * oe.contract('abc,cd,ce,be,ef,gbf,fd,bd->', t18, t15, t15, M_Z, t15, t20, t15, M_Z, optimize=[(0, 1), (0, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-16/(d_V**6*n_batch**2)) * oe.contract('abc,cd,ce,be,ef,gbf,fh,bh,hd->', t18, t15, t15, M_Z, t15, t20, t15, M_Z, t15, optimize=[(1, 8), (0, 4), (0, 1), (0, 5), (3, 4), (0, 3), (1, 2), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('abc,cd,ce,be,ed,fbd->', t18, t15, t15, M_Z, t15, t14, optimize=[(0, 1), (0, 4), (1, 3), (1, 2), (0, 1)]) + (-8/(d_V**5*n_batch**2)) * oe.contract('abc,cd,ce,be,ef,gbf,fd->', t18, t15, t15, M_Z, t15, t14, t15, optimize=[(1, 6), (0, 4), (3, 4), (0, 3), (1, 2), (0, 1)]) + (16/(d_V**4*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,ab,bf,gaf,fe,ae->', M_Z, t15, t20, t15, M_Z, M_Z, t15, t20, t15, M_Z, optimize=[(0, 5), (3, 7), (0, 1), (0, 6), (3, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-32/(d_V**5*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,ab,bf,gaf,fh,ah,he->', M_Z, t15, t20, t15, M_Z, M_Z, t15, t20, t15, M_Z, t15, optimize=[(0, 5), (0, 1), (0, 8), (0, 7), (4, 6), (3, 5), (2, 4), (0, 3), (0, 2), (0, 1)]) + (16/(d_V**3*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,ab,be,fae->', M_Z, t15, t20, t15, M_Z, M_Z, t15, t14, optimize=[(0, 5), (3, 5), (0, 1), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-16/(d_V**4*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,ab,bf,gaf,fe->', M_Z, t15, t20, t15, M_Z, M_Z, t15, t14, t15, optimize=[(0, 5), (0, 1), (0, 6), (0, 5), (2, 4), (0, 3), (0, 2), (0, 1)]) + (-16/(d_V**4*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,bf,gaf,fe,ae->', M_Z, t15, t20, t15, M_Z, t15, t14, t15, M_Z, optimize=[(4, 8), (1, 2), (1, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (16/(d_V**5*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,bf,gaf,fh,ah,he->', M_Z, t15, t20, t15, M_Z, t15, t14, t15, M_Z, t15, optimize=[(1, 2), (1, 8), (0, 7), (1, 6), (1, 5), (1, 4), (2, 3), (0, 2), (0, 1)]) + (-16/(d_V**4*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,be,fae->', M_Z, t15, t20, t15, M_Z, t15, t18, optimize=[(4, 6), (1, 2), (1, 4), (1, 3), (0, 2), (0, 1)]) + (16/(d_V**5*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,bf,gaf,fe->', M_Z, t15, t20, t15, M_Z, t15, t18, t15, optimize=[(1, 2), (1, 6), (0, 5), (1, 4), (1, 3), (1, 2), (0, 1)]) + (-32/(d_V**5*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,bf,af,fg,hag,ge,ae->', M_Z, t15, t20, t15, M_Z, t15, M_Z, t15, t20, t15, M_Z, optimize=[(4, 10), (1, 2), (1, 8), (0, 7), (0, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (32/(d_V**6*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,bf,af,fg,hag,gi,ai,ie->', M_Z, t15, t20, t15, M_Z, t15, M_Z, t15, t20, t15, M_Z, t15, optimize=[(1, 2), (1, 10), (0, 9), (1, 8), (0, 7), (5, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-16/(d_V**4*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,bf,af,fe,gae->', M_Z, t15, t20, t15, M_Z, t15, M_Z, t15, t14, optimize=[(4, 8), (1, 2), (1, 6), (0, 5), (0, 4), (1, 3), (0, 2), (0, 1)]) + (16/(d_V**5*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,bf,af,fg,hag,ge->', M_Z, t15, t20, t15, M_Z, t15, M_Z, t15, t14, t15, optimize=[(1, 2), (1, 8), (0, 7), (1, 6), (0, 5), (3, 4), (1, 3), (1, 2), (0, 1)]) + (16/(d_V**6*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,ef,ab,bg,hag,gi,ai,if->', M_Z, t15, t20, t15, M_Z, t15, M_Z, t15, t20, t15, M_Z, t15, optimize=[(0, 6), (4, 9), (0, 1), (0, 8), (0, 7), (5, 6), (3, 5), (2, 4), (0, 3), (0, 2), (0, 1)]) + (-16/(d_V**4*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,ef,ab,bf,gaf->', M_Z, t15, t20, t15, M_Z, t15, M_Z, t15, t14, optimize=[(0, 6), (0, 1), (0, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (16/(d_V**5*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,ef,ab,bg,hag,gf->', M_Z, t15, t20, t15, M_Z, t15, M_Z, t15, t14, t15, optimize=[(0, 6), (4, 7), (0, 1), (0, 6), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)]) + (16/(d_V**5*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,ef,bg,hag,gf,af->', M_Z, t15, t20, t15, M_Z, t15, t15, t14, t15, M_Z, optimize=[(1, 2), (1, 8), (0, 7), (2, 6), (2, 5), (2, 4), (1, 3), (0, 2), (0, 1)]) + (-16/(d_V**6*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,ef,bg,hag,gi,ai,if->', M_Z, t15, t20, t15, M_Z, t15, t15, t14, t15, M_Z, t15, optimize=[(5, 10), (1, 2), (1, 8), (0, 7), (1, 6), (1, 5), (1, 4), (2, 3), (0, 2), (0, 1)]) + (16/(d_V**5*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,ef,bf,gaf->', M_Z, t15, t20, t15, M_Z, t15, t15, t18, optimize=[(1, 2), (1, 6), (0, 5), (2, 4), (1, 3), (1, 2), (0, 1)]) + (-16/(d_V**6*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,ef,bg,hag,gf->', M_Z, t15, t20, t15, M_Z, t15, t15, t18, t15, optimize=[(5, 8), (1, 2), (1, 6), (0, 5), (1, 4), (1, 3), (1, 2), (0, 1)]) + (32/(d_V**6*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,ef,bg,ag,gh,iah,hf,af->', M_Z, t15, t20, t15, M_Z, t15, t15, M_Z, t15, t20, t15, M_Z, optimize=[(1, 2), (1, 10), (0, 9), (2, 8), (0, 7), (0, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-32/(d_V**7*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,ef,bg,ag,gh,iah,hj,aj,jf->', M_Z, t15, t20, t15, M_Z, t15, t15, M_Z, t15, t20, t15, M_Z, t15, optimize=[(5, 12), (1, 2), (1, 10), (0, 9), (1, 8), (0, 7), (5, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (16/(d_V**5*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,ef,bg,ag,gf,haf->', M_Z, t15, t20, t15, M_Z, t15, t15, M_Z, t15, t14, optimize=[(1, 2), (1, 8), (0, 7), (2, 6), (0, 5), (0, 4), (1, 3), (1, 2), (0, 1)]) + (-16/(d_V**6*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,ef,bg,ag,gh,iah,hf->', M_Z, t15, t20, t15, M_Z, t15, t15, M_Z, t15, t14, t15, optimize=[(5, 10), (1, 2), (1, 8), (0, 7), (1, 6), (0, 5), (3, 4), (1, 3), (1, 2), (0, 1)]) + (4/(d_V**2*n_batch**2)) * oe.contract('ab,bc,dac,ab,bc,eac->', M_Z, t15, t14, M_Z, t15, t14, optimize=[(0, 3), (0, 2), (0, 1), (0, 1), (0, 1)]) + (-8/(d_V**3*n_batch**2)) * oe.contract('ab,bc,dac,ab,be,fae,ec->', M_Z, t15, t14, M_Z, t15, t14, t15, optimize=[(0, 3), (0, 1), (2, 4), (0, 3), (0, 2), (0, 1)]) + (-8/(d_V**3*n_batch**2)) * oe.contract('ab,bc,dac,be,fae,ec,ac->', M_Z, t15, t14, t15, t14, t15, M_Z, optimize=[(2, 6), (2, 3), (2, 4), (1, 3), (0, 2), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('ab,bc,dac,be,fae,eg,ag,gc->', M_Z, t15, t14, t15, t14, t15, M_Z, t15, optimize=[(1, 2), (5, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-8/(d_V**3*n_batch**2)) * oe.contract('ab,bc,dac,bc,eac->', M_Z, t15, t14, t15, t18, optimize=[(1, 3), (1, 2), (0, 1), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('ab,bc,dac,be,fae,ec->', M_Z, t15, t14, t15, t18, t15, optimize=[(1, 2), (3, 4), (1, 3), (1, 2), (0, 1)]) + (-16/(d_V**4*n_batch**2)) * oe.contract('ab,bc,dac,be,ae,ef,gaf,fc,ac->', M_Z, t15, t14, t15, M_Z, t15, t20, t15, M_Z, optimize=[(2, 8), (4, 5), (4, 6), (3, 5), (2, 4), (1, 3), (0, 2), (0, 1)]) + (16/(d_V**5*n_batch**2)) * oe.contract('ab,bc,dac,be,ae,ef,gaf,fh,ah,hc->', M_Z, t15, t14, t15, M_Z, t15, t20, t15, M_Z, t15, optimize=[(1, 2), (7, 8), (0, 7), (0, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-8/(d_V**3*n_batch**2)) * oe.contract('ab,bc,dac,be,ae,ec,fac->', M_Z, t15, t14, t15, M_Z, t15, t14, optimize=[(2, 6), (0, 1), (0, 4), (1, 3), (0, 2), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('ab,bc,dac,be,ae,ef,gaf,fc->', M_Z, t15, t14, t15, M_Z, t15, t14, t15, optimize=[(1, 2), (5, 6), (4, 5), (3, 4), (1, 3), (0, 2), (0, 1)]) + (4/(d_V**4*n_batch**2)) * oe.contract('ab,bc,dac,ce,ab,bf,gaf,fe->', M_Z, t15, t14, t15, M_Z, t15, t14, t15, optimize=[(0, 4), (2, 5), (0, 1), (3, 4), (0, 3), (0, 2), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('ab,bc,dac,ce,bf,gaf,fe,ae->', M_Z, t15, t14, t15, t15, t14, t15, M_Z, optimize=[(1, 2), (1, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-8/(d_V**5*n_batch**2)) * oe.contract('ab,bc,dac,ce,bf,gaf,fh,ah,he->', M_Z, t15, t14, t15, t15, t14, t15, M_Z, t15, optimize=[(3, 8), (1, 2), (5, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('ab,bc,dac,ce,be,fae->', M_Z, t15, t14, t15, t15, t18, optimize=[(1, 2), (1, 4), (1, 3), (1, 2), (0, 1)]) + (-8/(d_V**5*n_batch**2)) * oe.contract('ab,bc,dac,ce,bf,gaf,fe->', M_Z, t15, t14, t15, t15, t18, t15, optimize=[(3, 6), (1, 2), (3, 4), (1, 3), (1, 2), (0, 1)]) + (16/(d_V**5*n_batch**2)) * oe.contract('ab,bc,dac,ce,bf,af,fg,hag,ge,ae->', M_Z, t15, t14, t15, t15, M_Z, t15, t20, t15, M_Z, optimize=[(1, 2), (1, 8), (0, 7), (0, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-16/(d_V**6*n_batch**2)) * oe.contract('ab,bc,dac,ce,bf,af,fg,hag,gi,ai,ie->', M_Z, t15, t14, t15, t15, M_Z, t15, t20, t15, M_Z, t15, optimize=[(3, 10), (1, 2), (7, 8), (0, 7), (0, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('ab,bc,dac,ce,bf,af,fe,gae->', M_Z, t15, t14, t15, t15, M_Z, t15, t14, optimize=[(1, 2), (1, 6), (4, 5), (3, 4), (1, 3), (0, 2), (0, 1)]) + (-8/(d_V**5*n_batch**2)) * oe.contract('ab,bc,dac,ce,bf,af,fg,hag,ge->', M_Z, t15, t14, t15, t15, M_Z, t15, t14, t15, optimize=[(3, 8), (1, 2), (5, 6), (4, 5), (3, 4), (1, 3), (0, 2), (0, 1)]) + (4/(d_V**4*n_batch**2)) * oe.contract('ab,cdb,be,de,af,gdf,fe,de->', t15, t14, t15, M_Z, t15, t14, t15, M_Z, optimize=[(3, 7), (0, 3), (0, 1), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-8/(d_V**5*n_batch**2)) * oe.contract('ab,cdb,be,de,af,gdf,fh,dh,he->', t15, t14, t15, M_Z, t15, t14, t15, M_Z, t15, optimize=[(0, 4), (0, 1), (5, 6), (1, 5), (1, 4), (2, 3), (0, 2), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('ab,cdb,be,de,ae,fde->', t15, t14, t15, M_Z, t15, t18, optimize=[(0, 4), (1, 4), (0, 3), (0, 2), (0, 1)]) + (-8/(d_V**5*n_batch**2)) * oe.contract('ab,cdb,be,de,af,gdf,fe->', t15, t14, t15, M_Z, t15, t18, t15, optimize=[(0, 4), (0, 1), (3, 4), (1, 3), (1, 2), (0, 1)]) + (16/(d_V**5*n_batch**2)) * oe.contract('ab,cdb,be,de,af,df,fg,hdg,ge,de->', t15, t14, t15, M_Z, t15, M_Z, t15, t20, t15, M_Z, optimize=[(3, 9), (0, 3), (0, 1), (5, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-16/(d_V**6*n_batch**2)) * oe.contract('ab,cdb,be,de,af,df,fg,hdg,gi,di,ie->', t15, t14, t15, M_Z, t15, M_Z, t15, t20, t15, M_Z, t15, optimize=[(0, 4), (0, 1), (7, 8), (0, 7), (5, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('ab,cdb,be,de,af,df,fe,gde->', t15, t14, t15, M_Z, t15, M_Z, t15, t14, optimize=[(0, 4), (2, 5), (0, 1), (2, 4), (1, 3), (0, 2), (0, 1)]) + (-8/(d_V**5*n_batch**2)) * oe.contract('ab,cdb,be,de,af,df,fg,hdg,ge->', t15, t14, t15, M_Z, t15, M_Z, t15, t14, t15, optimize=[(0, 4), (0, 1), (5, 6), (0, 5), (3, 4), (1, 3), (1, 2), (0, 1)]) + (4/(d_V**6*n_batch**2)) * oe.contract('ab,cdb,be,de,ef,ag,hdg,gi,di,if->', t15, t14, t15, M_Z, t15, t15, t14, t15, M_Z, t15, optimize=[(0, 5), (3, 7), (0, 1), (4, 6), (1, 5), (1, 4), (2, 3), (0, 2), (0, 1)]) + (-8/(d_V**5*n_batch**2)) * oe.contract('ab,cdb,be,de,ef,af,gdf->', t15, t14, t15, M_Z, t15, t15, t18, optimize=[(0, 5), (0, 1), (3, 4), (1, 3), (1, 2), (0, 1)]) + (8/(d_V**6*n_batch**2)) * oe.contract('ab,cdb,be,de,ef,ag,hdg,gf->', t15, t14, t15, M_Z, t15, t15, t18, t15, optimize=[(0, 5), (3, 5), (0, 1), (2, 4), (1, 3), (1, 2), (0, 1)]) + (-16/(d_V**6*n_batch**2)) * oe.contract('ab,cdb,be,de,ef,ag,dg,gh,idh,hf,df->', t15, t14, t15, M_Z, t15, t15, M_Z, t15, t20, t15, M_Z, optimize=[(0, 5), (0, 1), (7, 8), (0, 7), (0, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (16/(d_V**7*n_batch**2)) * oe.contract('ab,cdb,be,de,ef,ag,dg,gh,idh,hj,dj,jf->', t15, t14, t15, M_Z, t15, t15, M_Z, t15, t20, t15, M_Z, t15, optimize=[(0, 5), (3, 9), (0, 1), (6, 8), (0, 7), (5, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-8/(d_V**5*n_batch**2)) * oe.contract('ab,cdb,be,de,ef,ag,dg,gf,hdf->', t15, t14, t15, M_Z, t15, t15, M_Z, t15, t14, optimize=[(0, 5), (0, 1), (5, 6), (0, 5), (0, 4), (1, 3), (1, 2), (0, 1)]) + (8/(d_V**6*n_batch**2)) * oe.contract('ab,cdb,be,de,ef,ag,dg,gh,idh,hf->', t15, t14, t15, M_Z, t15, t15, M_Z, t15, t14, t15, optimize=[(0, 5), (3, 7), (0, 1), (4, 6), (0, 5), (3, 4), (1, 3), (1, 2), (0, 1)]) + (4/(d_V**4*n_batch**2)) * oe.contract('ab,cdb,ab,edb->', t15, t18, t15, t18, optimize=[(0, 2), (0, 2), (0, 1)]) + (-8/(d_V**5*n_batch**2)) * oe.contract('ab,cdb,ae,fde,eb->', t15, t18, t15, t18, t15, optimize=[(0, 2), (2, 3), (0, 2), (0, 1)]) + (16/(d_V**5*n_batch**2)) * oe.contract('ab,cdb,ae,de,ef,gdf,fb,db->', t15, t18, t15, M_Z, t15, t20, t15, M_Z, optimize=[(0, 2), (0, 5), (1, 2), (1, 4), (1, 3), (0, 2), (0, 1)]) + (-16/(d_V**6*n_batch**2)) * oe.contract('ab,cdb,ae,de,ef,gdf,fh,dh,hb->', t15, t18, t15, M_Z, t15, t20, t15, M_Z, t15, optimize=[(0, 2), (0, 3), (0, 1), (3, 5), (3, 4), (0, 3), (1, 2), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('ab,cdb,ae,de,eb,fdb->', t15, t18, t15, M_Z, t15, t14, optimize=[(1, 5), (0, 1), (1, 3), (0, 2), (0, 1)]) + (-8/(d_V**5*n_batch**2)) * oe.contract('ab,cdb,ae,de,ef,gdf,fb->', t15, t18, t15, M_Z, t15, t14, t15, optimize=[(0, 2), (0, 3), (2, 4), (1, 3), (1, 2), (0, 1)]) + (4/(d_V**6*n_batch**2)) * oe.contract('ab,cdb,be,af,gdf,fe->', t15, t18, t15, t15, t18, t15, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)]) + (-16/(d_V**6*n_batch**2)) * oe.contract('ab,cdb,be,af,df,fg,hdg,ge,de->', t15, t18, t15, t15, M_Z, t15, t20, t15, M_Z, optimize=[(0, 3), (0, 1), (5, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (16/(d_V**7*n_batch**2)) * oe.contract('ab,cdb,be,af,df,fg,hdg,gi,di,ie->', t15, t18, t15, t15, M_Z, t15, t20, t15, M_Z, t15, optimize=[(0, 3), (1, 7), (0, 3), (0, 1), (2, 5), (3, 4), (0, 3), (1, 2), (0, 1)]) + (-8/(d_V**5*n_batch**2)) * oe.contract('ab,cdb,be,af,df,fe,gde->', t15, t18, t15, t15, M_Z, t15, t14, optimize=[(0, 3), (0, 1), (2, 4), (1, 3), (1, 2), (0, 1)]) + (8/(d_V**6*n_batch**2)) * oe.contract('ab,cdb,be,af,df,fg,hdg,ge->', t15, t18, t15, t15, M_Z, t15, t14, t15, optimize=[(0, 3), (1, 5), (0, 3), (3, 4), (1, 3), (1, 2), (0, 1)]) + (16/(d_V**6*n_batch**2)) * oe.contract('ab,cb,bd,ecd,df,cf,ag,cg,gh,ich,hf,cf->', t15, M_Z, t15, t20, t15, M_Z, t15, M_Z, t15, t20, t15, M_Z, optimize=[(5, 11), (0, 5), (1, 2), (1, 8), (0, 7), (5, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-32/(d_V**7*n_batch**2)) * oe.contract('ab,cb,bd,ecd,df,cf,ag,cg,gh,ich,hj,cj,jf->', t15, M_Z, t15, t20, t15, M_Z, t15, M_Z, t15, t20, t15, M_Z, t15, optimize=[(0, 6), (1, 2), (1, 10), (0, 9), (7, 8), (0, 7), (5, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (16/(d_V**5*n_batch**2)) * oe.contract('ab,cb,bd,ecd,df,cf,ag,cg,gf,hcf->', t15, M_Z, t15, t20, t15, M_Z, t15, M_Z, t15, t14, optimize=[(0, 6), (4, 7), (1, 2), (1, 6), (0, 5), (2, 4), (1, 3), (0, 2), (0, 1)]) + (-16/(d_V**6*n_batch**2)) * oe.contract('ab,cb,bd,ecd,df,cf,ag,cg,gh,ich,hf->', t15, M_Z, t15, t20, t15, M_Z, t15, M_Z, t15, t14, t15, optimize=[(0, 6), (1, 2), (1, 8), (0, 7), (5, 6), (0, 5), (3, 4), (1, 3), (1, 2), (0, 1)]) + (16/(d_V**8*n_batch**2)) * oe.contract('ab,cb,bd,ecd,df,cf,fg,ah,ch,hi,jci,ik,ck,kg->', t15, M_Z, t15, t20, t15, M_Z, t15, t15, M_Z, t15, t20, t15, M_Z, t15, optimize=[(0, 7), (5, 11), (1, 2), (1, 10), (0, 9), (6, 8), (0, 7), (5, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-16/(d_V**6*n_batch**2)) * oe.contract('ab,cb,bd,ecd,df,cf,fg,ah,ch,hg,icg->', t15, M_Z, t15, t20, t15, M_Z, t15, t15, M_Z, t15, t14, optimize=[(0, 7), (1, 2), (1, 8), (0, 7), (5, 6), (0, 5), (0, 4), (1, 3), (1, 2), (0, 1)]) + (16/(d_V**7*n_batch**2)) * oe.contract('ab,cb,bd,ecd,df,cf,fg,ah,ch,hi,jci,ig->', t15, M_Z, t15, t20, t15, M_Z, t15, t15, M_Z, t15, t14, t15, optimize=[(0, 7), (5, 9), (1, 2), (1, 8), (0, 7), (4, 6), (0, 5), (3, 4), (1, 3), (1, 2), (0, 1)]) + (4/(d_V**4*n_batch**2)) * oe.contract('ab,cb,bd,ecd,af,cf,fd,gcd->', t15, M_Z, t15, t14, t15, M_Z, t15, t14, optimize=[(3, 7), (0, 3), (0, 1), (3, 4), (1, 3), (0, 2), (0, 1)]) + (-8/(d_V**5*n_batch**2)) * oe.contract('ab,cb,bd,ecd,af,cf,fg,hcg,gd->', t15, M_Z, t15, t14, t15, M_Z, t15, t14, t15, optimize=[(0, 4), (1, 2), (4, 6), (3, 5), (2, 4), (2, 3), (0, 2), (0, 1)]) + (4/(d_V**6*n_batch**2)) * oe.contract('ab,cb,bd,ecd,df,ag,cg,gh,ich,hf->', t15, M_Z, t15, t14, t15, t15, M_Z, t15, t14, t15, optimize=[(0, 5), (3, 7), (1, 2), (5, 6), (3, 5), (2, 4), (2, 3), (0, 2), (0, 1)])
-    t22 = np.sqrt(np.maximum(t21, 0.0))
-    return (t22,)
+    t16 = np.eye(d_V, dtype=Y.dtype)
+    t17 = np.ones((L,), dtype=Y.dtype)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S = oe.contract('ab,c->cab', t16, t17, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t15, t17, optimize=[(0, 1)])
+    t18 = t8 * G * M_Z
+    t19 = t18.sum(-1, keepdims=True)
+    t20 = np.broadcast_to(t19, t19.shape[:-1] + (d_V,))
+    t21 = (0.75 * (sigma2_Z ** -2.5))
+    t22 = t21 * G * M_Z
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S23 = oe.contract('abc,cd->abcd', t14, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t22, t15, M_Z, optimize=[(1, 2), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S24 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t14, t15, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t20, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t15, S23, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S25 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t14, t15, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t20, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t15, S23, S, optimize=[(0, 1), (0, 1), (0, 1)]) + oe.contract('ab,cdbe->cdae', t15, S24, optimize=[(0, 1)])
+    t26 = (n_batch**(-2)) * oe.contract('abcd,ebcd->', S25, S25, optimize=[(0, 1)])
+    t27 = np.sqrt(np.maximum(t26, 0.0))
+    return (t27,)
 
 
 def mse__diag__X__functional(X, Y):
@@ -567,36 +532,22 @@ def mse__diag__X__functional(X, Y):
     G = t14
     t15 = t9 * G
     t16 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t17 = (2/(d_V*n_batch)) * M_Z
-    t0[...] = oe.contract('abc,cc,bc->bc', t15, t16, t17, optimize=[(0, 1), (0, 1)])
-    t18 = (-2/(d_V**2*n_batch)) * M_Z
-    t0 += oe.contract('abc,cd,bd,dc->bc', t15, t16, t18, t16, optimize=[(1, 2), (1, 2), (0, 1)])
+    t17 = np.eye(d_V, dtype=Y.dtype)
+    t18 = np.ones((L,), dtype=Y.dtype)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S = oe.contract('ab,c->cab', t17, t18, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t16, t18, optimize=[(0, 1)])
     t19 = t9 * G * M_Z
     t20 = t19.sum(-1, keepdims=True)
     t21 = np.broadcast_to(t20, t20.shape[:-1] + (d_V,))
-    t0 += (2/(d_V*n_batch)) * oe.contract('abc->bc', t21, optimize=[(0,)])
-    t22 = (-2/(d_V**2*n_batch)) * t21
-    t0 += oe.contract('abc,cc->bc', t22, t16, optimize=[(0, 1)])
-    t23 = (0.75 * (sigma2_Z ** -2.5))
-    t24 = t23 * G * M_Z
-    t25 = (4/(d_V**2*n_batch)) * M_Z
-    t0 += oe.contract('ab,bc,dac,cb,ab->ab', t25, t16, t24, t16, M_Z, optimize=[(1, 3), (0, 2), (0, 1), (0, 1)])
-    t26 = (-4/(d_V**3*n_batch)) * M_Z
-    t0 += oe.contract('ab,bc,dac,ce,ae,eb->ab', t26, t16, t24, t16, M_Z, t16, optimize=[(1, 2), (1, 4), (2, 3), (1, 2), (0, 1)])
-    t0 += oe.contract('ab,bb,cab->ab', t17, t16, t15, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('ab,bc,dac,cb->ab', t18, t16, t15, t16, optimize=[(1, 3), (0, 2), (0, 1)])
-    t0 += oe.contract('ab,cdb,ba,da->da', t16, t15, t16, t18, optimize=[(0, 1), (0, 2), (0, 1)])
-    t27 = (2/(d_V**3*n_batch)) * M_Z
-    t0 += oe.contract('ab,cdb,be,de,ea->da', t16, t15, t16, t27, t16, optimize=[(0, 1), (0, 3), (1, 2), (0, 1)])
-    t28 = (-2/(d_V**2*n_batch)) * t16
-    t0 += oe.contract('aa,bca->ca', t28, t21, optimize=[(0, 1)])
-    t29 = (2/(d_V**3*n_batch)) * t16
-    t0 += oe.contract('ab,cdb,ba->da', t29, t21, t16, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('ab,cb,bd,ecd,da,ca->ca', t16, t26, t16, t24, t16, M_Z, optimize=[(2, 3), (2, 4), (0, 3), (0, 2), (0, 1)])
-    t30 = (4/(d_V**4*n_batch)) * M_Z
-    t0 += oe.contract('ab,cb,bd,ecd,df,cf,fa->ca', t16, t30, t16, t24, t16, M_Z, t16, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (1, 2), (0, 1)])
-    t0 += oe.contract('ab,cb,ba,dca->ca', t16, t18, t16, t15, optimize=[(0, 2), (0, 2), (0, 1)])
-    t0 += oe.contract('ab,cb,bd,ecd,da->ca', t16, t27, t16, t15, t16, optimize=[(2, 3), (2, 3), (0, 2), (0, 1)])
+    t22 = (0.75 * (sigma2_Z ** -2.5))
+    t23 = t22 * G * M_Z
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S24 = oe.contract('abc,cd->abcd', t15, t17, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t23, t16, M_Z, optimize=[(1, 2), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S25 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t15, t16, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t21, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t16, S24, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S26 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t15, t16, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t21, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t16, S24, S, optimize=[(0, 1), (0, 1), (0, 1)]) + oe.contract('ab,cdbe->cdae', t16, S25, optimize=[(0, 1)])
+    t0[...] = (1/n_batch) * oe.contract('abcc->bc', S26, optimize=[(0,)])
     return out
 
 
@@ -627,12 +578,22 @@ def mse__trace__X__functional(X, Y):
     G = t13
     t14 = t8 * G
     t15 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t16 = t8 * G * M_Z
-    t17 = t16.sum(-1, keepdims=True)
-    t18 = np.broadcast_to(t17, t17.shape[:-1] + (d_V,))
-    t19 = (0.75 * (sigma2_Z ** -2.5))
-    t20 = t19 * G * M_Z
-    return (2/(d_V*n_batch)) * oe.contract('abc,cc,bc->', t14, t15, M_Z, optimize=[(0, 1), (0, 1)]) + (-2/(d_V**2*n_batch)) * oe.contract('abc,cd,bd,dc->', t14, t15, M_Z, t15, optimize=[(1, 3), (0, 2), (0, 1)]) + (2/(d_V*n_batch)) * oe.contract('abc->', t18, optimize=[(0,)]) + (-2/(d_V**2*n_batch)) * oe.contract('abc,cc->', t18, t15, optimize=[(0, 1)]) + (4/(d_V**2*n_batch)) * oe.contract('ab,bc,dac,cb,ab->', M_Z, t15, t20, t15, M_Z, optimize=[(1, 3), (0, 2), (0, 1), (0, 1)]) + (-4/(d_V**3*n_batch)) * oe.contract('ab,bc,dac,ce,ae,eb->', M_Z, t15, t20, t15, M_Z, t15, optimize=[(1, 2), (1, 4), (2, 3), (0, 2), (0, 1)]) + (2/(d_V*n_batch)) * oe.contract('ab,bb,cab->', M_Z, t15, t14, optimize=[(1, 2), (0, 1)]) + (-2/(d_V**2*n_batch)) * oe.contract('ab,bc,dac,cb->', M_Z, t15, t14, t15, optimize=[(0, 1), (1, 2), (0, 1)]) + (-2/(d_V**2*n_batch)) * oe.contract('ab,cdb,ba,da->', t15, t14, t15, M_Z, optimize=[(0, 2), (0, 2), (0, 1)]) + (2/(d_V**3*n_batch)) * oe.contract('ab,cdb,be,de,ea->', t15, t14, t15, M_Z, t15, optimize=[(0, 4), (1, 3), (0, 2), (0, 1)]) + (-2/(d_V**2*n_batch)) * oe.contract('aa,bca->', t15, t18, optimize=[(0, 1)]) + (2/(d_V**3*n_batch)) * oe.contract('ab,cdb,ba->', t15, t18, t15, optimize=[(0, 2), (0, 1)]) + (-4/(d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,da,ca->', t15, M_Z, t15, t20, t15, M_Z, optimize=[(2, 3), (2, 4), (0, 3), (0, 2), (0, 1)]) + (4/(d_V**4*n_batch)) * oe.contract('ab,cb,bd,ecd,df,cf,fa->', t15, M_Z, t15, t20, t15, M_Z, t15, optimize=[(0, 6), (1, 2), (1, 4), (2, 3), (0, 2), (0, 1)]) + (-2/(d_V**2*n_batch)) * oe.contract('ab,cb,ba,dca->', t15, M_Z, t15, t14, optimize=[(0, 2), (0, 2), (0, 1)]) + (2/(d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,da->', t15, M_Z, t15, t14, t15, optimize=[(0, 4), (1, 3), (1, 2), (0, 1)])
+    t16 = np.eye(d_V, dtype=Y.dtype)
+    t17 = np.ones((L,), dtype=Y.dtype)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S = oe.contract('ab,c->cab', t16, t17, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t15, t17, optimize=[(0, 1)])
+    t18 = t8 * G * M_Z
+    t19 = t18.sum(-1, keepdims=True)
+    t20 = np.broadcast_to(t19, t19.shape[:-1] + (d_V,))
+    t21 = (0.75 * (sigma2_Z ** -2.5))
+    t22 = t21 * G * M_Z
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S23 = oe.contract('abc,cd->abcd', t14, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t22, t15, M_Z, optimize=[(1, 2), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S24 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t14, t15, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t20, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t15, S23, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S25 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t14, t15, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t20, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t15, S23, S, optimize=[(0, 1), (0, 1), (0, 1)]) + oe.contract('ab,cdbe->cdae', t15, S24, optimize=[(0, 1)])
+    return (1/n_batch) * oe.contract('abcc->', S25, optimize=[(0,)])
 
 
 def mse__block__X__X__functional(X, Y):
@@ -666,38 +627,22 @@ def mse__block__X__X__functional(X, Y):
     G = t15
     t16 = t10 * G
     t17 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t18 = (2/(d_V*n_batch)) * M_Z
-    t1 += oe.contract('abc,cd,bd->bcd', t16, t17, t18, optimize=[(0, 1), (0, 1)])
-    t19 = (-2/(d_V**2*n_batch)) * M_Z
-    t1 += oe.contract('abc,cd,bd,de->bce', t16, t17, t19, t17, optimize=[(0, 1), (0, 1), (0, 1)])
-    t20 = np.einsum('abab->ab', t0)
-    t21 = t10 * G * M_Z
-    t22 = t21.sum(-1, keepdims=True)
-    t23 = np.broadcast_to(t22, t22.shape[:-1] + (d_V,))
-    t20 += (2/(d_V*n_batch)) * oe.contract('abc->bc', t23, optimize=[(0,)])
-    t24 = (-2/(d_V**2*n_batch)) * t23
-    t1 += oe.contract('abc,cd->bcd', t24, t17, optimize=[(0, 1)])
-    t25 = (0.75 * (sigma2_Z ** -2.5))
-    t26 = t25 * G * M_Z
-    t27 = (4/(d_V**2*n_batch)) * M_Z
-    t1 += oe.contract('ab,bc,dac,ce,ae->abe', t27, t17, t26, t17, M_Z, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
-    t28 = (-4/(d_V**3*n_batch)) * M_Z
-    t1 += oe.contract('ab,bc,dac,ce,ae,ef->abf', t28, t17, t26, t17, M_Z, t17, optimize=[(1, 2), (1, 4), (1, 3), (1, 2), (0, 1)])
-    t1 += oe.contract('ab,bc,dac->abc', t18, t17, t16, optimize=[(0, 1), (0, 1)])
-    t1 += oe.contract('ab,bc,dac,ce->abe', t19, t17, t16, t17, optimize=[(2, 3), (0, 2), (0, 1)])
-    t1 += oe.contract('ab,cdb,be,de->dae', t17, t16, t17, t19, optimize=[(0, 1), (0, 1), (0, 1)])
-    t29 = (2/(d_V**3*n_batch)) * M_Z
-    t1 += oe.contract('ab,cdb,be,de,ef->daf', t17, t16, t17, t29, t17, optimize=[(0, 1), (0, 3), (0, 2), (0, 1)])
-    t30 = (-2/(d_V**2*n_batch)) * t17
-    t1 += oe.contract('ab,cdb->dab', t30, t23, optimize=[(0, 1)])
-    t31 = (2/(d_V**3*n_batch)) * t17
-    t1 += oe.contract('ab,cdb,be->dae', t31, t23, t17, optimize=[(0, 1), (0, 1)])
-    t1 += oe.contract('ab,cb,bd,ecd,df,cf->caf', t17, t28, t17, t26, t17, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t32 = (4/(d_V**4*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,df,cf,fg->cag', t17, t32, t17, t26, t17, M_Z, t17, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
-    t1 += oe.contract('ab,cb,bd,ecd->cad', t17, t19, t17, t16, optimize=[(0, 1), (0, 1), (0, 1)])
-    t33 = oe.contract('ab,bc,dac,ce->aeb', t29, t17, t16, t17, optimize=[(2, 3), (0, 2), (0, 1)])
-    t1 += oe.contract('abc,dc->adb', t33, t17, optimize=[(0, 1)])
+    t18 = np.eye(d_V, dtype=Y.dtype)
+    t19 = np.ones((L,), dtype=Y.dtype)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S = oe.contract('ab,c->cab', t18, t19, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t17, t19, optimize=[(0, 1)])
+    t20 = t10 * G * M_Z
+    t21 = t20.sum(-1, keepdims=True)
+    t22 = np.broadcast_to(t21, t21.shape[:-1] + (d_V,))
+    t23 = (0.75 * (sigma2_Z ** -2.5))
+    t24 = t23 * G * M_Z
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S25 = oe.contract('abc,cd->abcd', t16, t18, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t24, t17, M_Z, optimize=[(1, 2), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S26 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t16, t17, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t22, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t17, S25, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S27 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t16, t17, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t22, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t17, S25, S, optimize=[(0, 1), (0, 1), (0, 1)]) + oe.contract('ab,cdbe->cdae', t17, S26, optimize=[(0, 1)])
+    t1 += (1/n_batch) * oe.contract('abcd->bcd', S27, optimize=[(0,)])
     return out
 
 
@@ -728,14 +673,24 @@ def mse__frobenius__X__X__functional(X, Y):
     G = t13
     t14 = t8 * G
     t15 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t16 = t8 * G * M_Z
-    t17 = t16.sum(-1, keepdims=True)
-    t18 = np.broadcast_to(t17, t17.shape[:-1] + (d_V,))
-    t19 = (0.75 * (sigma2_Z ** -2.5))
-    t20 = t19 * G * M_Z
-    t21 = (4/(d_V**2*n_batch**2)) * oe.contract('abc,cd,bd,ebc,cd,bd->', t14, t15, M_Z, t14, t15, M_Z, optimize=[(1, 4), (1, 3), (0, 1), (0, 1), (0, 1)]) + (-8/(d_V**3*n_batch**2)) * oe.contract('abc,cd,bd,ebc,cf,bf,fd->', t14, t15, M_Z, t14, t15, M_Z, t15, optimize=[(0, 3), (0, 1), (2, 4), (0, 3), (0, 2), (0, 1)]) + (8/(d_V**2*n_batch**2)) * oe.contract('abc,cc,bc,dbc->', t14, t15, M_Z, t18, optimize=[(0, 2), (0, 2), (0, 1)]) + (-8/(d_V**3*n_batch**2)) * oe.contract('abc,cd,bd,ebc,cd->', t14, t15, M_Z, t18, t15, optimize=[(1, 4), (0, 2), (0, 1), (0, 1)]) + (16/(d_V**3*n_batch**2)) * oe.contract('abc,cd,bd,bc,ce,fbe,ed,bd->', t14, t15, M_Z, M_Z, t15, t20, t15, M_Z, optimize=[(2, 7), (0, 2), (1, 2), (1, 4), (0, 3), (0, 2), (0, 1)]) + (-16/(d_V**4*n_batch**2)) * oe.contract('abc,cd,bd,bc,ce,fbe,eg,bg,gd->', t14, t15, M_Z, M_Z, t15, t20, t15, M_Z, t15, optimize=[(0, 3), (2, 3), (2, 6), (2, 5), (2, 4), (0, 3), (0, 2), (0, 1)]) + (8/(d_V**2*n_batch**2)) * oe.contract('abc,cd,bd,bc,cd,ebd->', t14, t15, M_Z, M_Z, t15, t14, optimize=[(1, 4), (0, 2), (0, 1), (0, 1), (0, 1)]) + (-8/(d_V**3*n_batch**2)) * oe.contract('abc,cd,bd,bc,ce,fbe,ed->', t14, t15, M_Z, M_Z, t15, t14, t15, optimize=[(0, 3), (2, 3), (2, 4), (0, 3), (0, 2), (0, 1)]) + (-8/(d_V**3*n_batch**2)) * oe.contract('abc,cd,bd,ce,fbe,ed,bd->', t14, t15, M_Z, t15, t14, t15, M_Z, optimize=[(2, 6), (0, 1), (0, 4), (0, 3), (0, 2), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('abc,cd,bd,ce,fbe,eg,bg,gd->', t14, t15, M_Z, t15, t14, t15, M_Z, t15, optimize=[(0, 1), (1, 6), (1, 5), (1, 4), (2, 3), (0, 2), (0, 1)]) + (-8/(d_V**3*n_batch**2)) * oe.contract('abc,cd,bd,cd,ebd->', t14, t15, M_Z, t15, t18, optimize=[(1, 3), (0, 3), (0, 2), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('abc,cd,bd,ce,fbe,ed->', t14, t15, M_Z, t15, t18, t15, optimize=[(0, 1), (1, 4), (1, 3), (1, 2), (0, 1)]) + (-16/(d_V**4*n_batch**2)) * oe.contract('abc,cd,bd,ce,be,ef,gbf,fd,bd->', t14, t15, M_Z, t15, M_Z, t15, t20, t15, M_Z, optimize=[(2, 8), (0, 1), (0, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (16/(d_V**5*n_batch**2)) * oe.contract('abc,cd,bd,ce,be,ef,gbf,fh,bh,hd->', t14, t15, M_Z, t15, M_Z, t15, t20, t15, M_Z, t15, optimize=[(0, 1), (1, 8), (0, 7), (5, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-8/(d_V**3*n_batch**2)) * oe.contract('abc,cd,bd,ce,be,ed,fbd->', t14, t15, M_Z, t15, M_Z, t15, t14, optimize=[(2, 6), (0, 1), (0, 4), (1, 3), (0, 2), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('abc,cd,bd,ce,be,ef,gbf,fd->', t14, t15, M_Z, t15, M_Z, t15, t14, t15, optimize=[(0, 1), (1, 6), (0, 5), (3, 4), (1, 3), (1, 2), (0, 1)]) + (4/(d_V**4*n_batch**2)) * oe.contract('abc,cd,bd,de,fbc,cg,bg,ge->', t14, t15, M_Z, t15, t14, t15, M_Z, t15, optimize=[(0, 4), (2, 5), (0, 1), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-8/(d_V**3*n_batch**2)) * oe.contract('abc,cd,bd,dc,ebc->', t14, t15, M_Z, t15, t18, optimize=[(1, 3), (0, 2), (0, 1), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('abc,cd,bd,de,fbc,ce->', t14, t15, M_Z, t15, t18, t15, optimize=[(0, 4), (2, 3), (0, 3), (0, 2), (0, 1)]) + (-16/(d_V**4*n_batch**2)) * oe.contract('abc,cd,bd,de,bc,cf,gbf,fe,be->', t14, t15, M_Z, t15, M_Z, t15, t20, t15, M_Z, optimize=[(0, 4), (3, 4), (3, 6), (3, 5), (2, 4), (0, 3), (0, 2), (0, 1)]) + (16/(d_V**5*n_batch**2)) * oe.contract('abc,cd,bd,de,bc,cf,gbf,fh,bh,he->', t14, t15, M_Z, t15, M_Z, t15, t20, t15, M_Z, t15, optimize=[(0, 4), (2, 7), (2, 3), (2, 6), (2, 5), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-8/(d_V**3*n_batch**2)) * oe.contract('abc,cd,bd,de,bc,ce,fbe->', t14, t15, M_Z, t15, M_Z, t15, t14, optimize=[(0, 4), (2, 4), (2, 4), (0, 3), (0, 2), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('abc,cd,bd,de,bc,cf,gbf,fe->', t14, t15, M_Z, t15, M_Z, t15, t14, t15, optimize=[(0, 4), (2, 5), (2, 3), (3, 4), (0, 3), (0, 2), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('abc,cd,bd,de,cf,gbf,fe,be->', t14, t15, M_Z, t15, t15, t14, t15, M_Z, optimize=[(0, 1), (2, 6), (2, 5), (2, 4), (1, 3), (0, 2), (0, 1)]) + (-8/(d_V**5*n_batch**2)) * oe.contract('abc,cd,bd,de,cf,gbf,fh,bh,he->', t14, t15, M_Z, t15, t15, t14, t15, M_Z, t15, optimize=[(3, 8), (0, 1), (1, 6), (1, 5), (1, 4), (2, 3), (0, 2), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('abc,cd,bd,de,ce,fbe->', t14, t15, M_Z, t15, t15, t18, optimize=[(0, 1), (2, 4), (1, 3), (1, 2), (0, 1)]) + (-8/(d_V**5*n_batch**2)) * oe.contract('abc,cd,bd,de,cf,gbf,fe->', t14, t15, M_Z, t15, t15, t18, t15, optimize=[(3, 6), (0, 1), (1, 4), (1, 3), (1, 2), (0, 1)]) + (16/(d_V**5*n_batch**2)) * oe.contract('abc,cd,bd,de,cf,bf,fg,hbg,ge,be->', t14, t15, M_Z, t15, t15, M_Z, t15, t20, t15, M_Z, optimize=[(0, 1), (2, 8), (0, 7), (0, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-16/(d_V**6*n_batch**2)) * oe.contract('abc,cd,bd,de,cf,bf,fg,hbg,gi,bi,ie->', t14, t15, M_Z, t15, t15, M_Z, t15, t20, t15, M_Z, t15, optimize=[(3, 10), (0, 1), (1, 8), (0, 7), (5, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('abc,cd,bd,de,cf,bf,fe,gbe->', t14, t15, M_Z, t15, t15, M_Z, t15, t14, optimize=[(0, 1), (2, 6), (0, 5), (0, 4), (1, 3), (1, 2), (0, 1)]) + (-8/(d_V**5*n_batch**2)) * oe.contract('abc,cd,bd,de,cf,bf,fg,hbg,ge->', t14, t15, M_Z, t15, t15, M_Z, t15, t14, t15, optimize=[(3, 8), (0, 1), (1, 6), (0, 5), (3, 4), (1, 3), (1, 2), (0, 1)]) + (4/(d_V**2*n_batch**2)) * oe.contract('abc,dbc->', t18, t18, optimize=[(0, 1)]) + (-8/(d_V**3*n_batch**2)) * oe.contract('abc,dbc,cc->', t18, t18, t15, optimize=[(0, 2), (0, 1)]) + (16/(d_V**3*n_batch**2)) * oe.contract('abc,bc,cd,ebd,dc,bc->', t18, M_Z, t15, t20, t15, M_Z, optimize=[(2, 4), (1, 3), (1, 2), (1, 2), (0, 1)]) + (-16/(d_V**4*n_batch**2)) * oe.contract('abc,bc,cd,ebd,df,bf,fc->', t18, M_Z, t15, t20, t15, M_Z, t15, optimize=[(0, 1), (0, 1), (0, 4), (1, 3), (0, 2), (0, 1)]) + (8/(d_V**2*n_batch**2)) * oe.contract('abc,bc,cc,dbc->', t18, M_Z, t15, t14, optimize=[(1, 3), (0, 2), (0, 1)]) + (-8/(d_V**3*n_batch**2)) * oe.contract('abc,bc,cd,ebd,dc->', t18, M_Z, t15, t14, t15, optimize=[(2, 4), (2, 3), (1, 2), (0, 1)]) + (-8/(d_V**3*n_batch**2)) * oe.contract('abc,cd,ebd,dc,bc->', t18, t15, t14, t15, M_Z, optimize=[(1, 3), (1, 3), (1, 2), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('abc,cd,ebd,df,bf,fc->', t18, t15, t14, t15, M_Z, t15, optimize=[(0, 1), (0, 4), (0, 3), (1, 2), (0, 1)]) + (-8/(d_V**3*n_batch**2)) * oe.contract('abc,cc,dbc->', t18, t15, t18, optimize=[(0, 1), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('abc,cd,ebd,dc->', t18, t15, t18, t15, optimize=[(0, 1), (1, 2), (0, 1)]) + (-16/(d_V**4*n_batch**2)) * oe.contract('abc,cd,bd,de,fbe,ec,bc->', t18, t15, M_Z, t15, t20, t15, M_Z, optimize=[(0, 6), (2, 3), (2, 4), (0, 3), (0, 2), (0, 1)]) + (16/(d_V**5*n_batch**2)) * oe.contract('abc,cd,bd,de,fbe,eg,bg,gc->', t18, t15, M_Z, t15, t20, t15, M_Z, t15, optimize=[(0, 1), (5, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-8/(d_V**3*n_batch**2)) * oe.contract('abc,cd,bd,dc,ebc->', t18, t15, M_Z, t15, t14, optimize=[(1, 3), (0, 2), (0, 1), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('abc,cd,bd,de,fbe,ec->', t18, t15, M_Z, t15, t14, t15, optimize=[(0, 1), (3, 4), (1, 3), (1, 2), (0, 1)]) + (4/(d_V**4*n_batch**2)) * oe.contract('abc,cd,ebc,cd->', t18, t15, t18, t15, optimize=[(1, 3), (0, 2), (0, 1)]) + (-16/(d_V**4*n_batch**2)) * oe.contract('abc,cd,bc,ce,fbe,ed,bd->', t18, t15, M_Z, t15, t20, t15, M_Z, optimize=[(0, 2), (1, 2), (1, 4), (0, 3), (0, 2), (0, 1)]) + (16/(d_V**5*n_batch**2)) * oe.contract('abc,cd,bc,ce,fbe,eg,bg,gd->', t18, t15, M_Z, t15, t20, t15, M_Z, t15, optimize=[(0, 2), (0, 5), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)]) + (-8/(d_V**3*n_batch**2)) * oe.contract('abc,cd,bc,cd,ebd->', t18, t15, M_Z, t15, t14, optimize=[(1, 3), (2, 3), (1, 2), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('abc,cd,bc,ce,fbe,ed->', t18, t15, M_Z, t15, t14, t15, optimize=[(0, 2), (0, 3), (0, 3), (0, 2), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('abc,cd,ce,fbe,ed,bd->', t18, t15, t15, t14, t15, M_Z, optimize=[(0, 1), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-8/(d_V**5*n_batch**2)) * oe.contract('abc,cd,ce,fbe,eg,bg,gd->', t18, t15, t15, t14, t15, M_Z, t15, optimize=[(1, 6), (0, 2), (0, 4), (0, 3), (1, 2), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('abc,cd,cd,ebd->', t18, t15, t15, t18, optimize=[(0, 1), (0, 2), (0, 1)]) + (-8/(d_V**5*n_batch**2)) * oe.contract('abc,cd,ce,fbe,ed->', t18, t15, t15, t18, t15, optimize=[(0, 3), (1, 3), (0, 1), (0, 1)]) + (16/(d_V**5*n_batch**2)) * oe.contract('abc,cd,ce,be,ef,gbf,fd,bd->', t18, t15, t15, M_Z, t15, t20, t15, M_Z, optimize=[(0, 1), (0, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-16/(d_V**6*n_batch**2)) * oe.contract('abc,cd,ce,be,ef,gbf,fh,bh,hd->', t18, t15, t15, M_Z, t15, t20, t15, M_Z, t15, optimize=[(1, 8), (0, 4), (0, 1), (0, 5), (3, 4), (0, 3), (1, 2), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('abc,cd,ce,be,ed,fbd->', t18, t15, t15, M_Z, t15, t14, optimize=[(0, 1), (0, 4), (1, 3), (1, 2), (0, 1)]) + (-8/(d_V**5*n_batch**2)) * oe.contract('abc,cd,ce,be,ef,gbf,fd->', t18, t15, t15, M_Z, t15, t14, t15, optimize=[(1, 6), (0, 4), (3, 4), (0, 3), (1, 2), (0, 1)]) + (16/(d_V**4*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,ab,bf,gaf,fe,ae->', M_Z, t15, t20, t15, M_Z, M_Z, t15, t20, t15, M_Z, optimize=[(0, 5), (3, 7), (0, 1), (0, 6), (3, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-32/(d_V**5*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,ab,bf,gaf,fh,ah,he->', M_Z, t15, t20, t15, M_Z, M_Z, t15, t20, t15, M_Z, t15, optimize=[(0, 5), (0, 1), (0, 8), (0, 7), (4, 6), (3, 5), (2, 4), (0, 3), (0, 2), (0, 1)]) + (16/(d_V**3*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,ab,be,fae->', M_Z, t15, t20, t15, M_Z, M_Z, t15, t14, optimize=[(0, 5), (3, 5), (0, 1), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-16/(d_V**4*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,ab,bf,gaf,fe->', M_Z, t15, t20, t15, M_Z, M_Z, t15, t14, t15, optimize=[(0, 5), (0, 1), (0, 6), (0, 5), (2, 4), (0, 3), (0, 2), (0, 1)]) + (-16/(d_V**4*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,bf,gaf,fe,ae->', M_Z, t15, t20, t15, M_Z, t15, t14, t15, M_Z, optimize=[(4, 8), (1, 2), (1, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (16/(d_V**5*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,bf,gaf,fh,ah,he->', M_Z, t15, t20, t15, M_Z, t15, t14, t15, M_Z, t15, optimize=[(1, 2), (1, 8), (0, 7), (1, 6), (1, 5), (1, 4), (2, 3), (0, 2), (0, 1)]) + (-16/(d_V**4*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,be,fae->', M_Z, t15, t20, t15, M_Z, t15, t18, optimize=[(4, 6), (1, 2), (1, 4), (1, 3), (0, 2), (0, 1)]) + (16/(d_V**5*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,bf,gaf,fe->', M_Z, t15, t20, t15, M_Z, t15, t18, t15, optimize=[(1, 2), (1, 6), (0, 5), (1, 4), (1, 3), (1, 2), (0, 1)]) + (-32/(d_V**5*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,bf,af,fg,hag,ge,ae->', M_Z, t15, t20, t15, M_Z, t15, M_Z, t15, t20, t15, M_Z, optimize=[(4, 10), (1, 2), (1, 8), (0, 7), (0, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (32/(d_V**6*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,bf,af,fg,hag,gi,ai,ie->', M_Z, t15, t20, t15, M_Z, t15, M_Z, t15, t20, t15, M_Z, t15, optimize=[(1, 2), (1, 10), (0, 9), (1, 8), (0, 7), (5, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-16/(d_V**4*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,bf,af,fe,gae->', M_Z, t15, t20, t15, M_Z, t15, M_Z, t15, t14, optimize=[(4, 8), (1, 2), (1, 6), (0, 5), (0, 4), (1, 3), (0, 2), (0, 1)]) + (16/(d_V**5*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,bf,af,fg,hag,ge->', M_Z, t15, t20, t15, M_Z, t15, M_Z, t15, t14, t15, optimize=[(1, 2), (1, 8), (0, 7), (1, 6), (0, 5), (3, 4), (1, 3), (1, 2), (0, 1)]) + (16/(d_V**6*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,ef,ab,bg,hag,gi,ai,if->', M_Z, t15, t20, t15, M_Z, t15, M_Z, t15, t20, t15, M_Z, t15, optimize=[(0, 6), (4, 9), (0, 1), (0, 8), (0, 7), (5, 6), (3, 5), (2, 4), (0, 3), (0, 2), (0, 1)]) + (-16/(d_V**4*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,ef,ab,bf,gaf->', M_Z, t15, t20, t15, M_Z, t15, M_Z, t15, t14, optimize=[(0, 6), (0, 1), (0, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (16/(d_V**5*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,ef,ab,bg,hag,gf->', M_Z, t15, t20, t15, M_Z, t15, M_Z, t15, t14, t15, optimize=[(0, 6), (4, 7), (0, 1), (0, 6), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)]) + (16/(d_V**5*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,ef,bg,hag,gf,af->', M_Z, t15, t20, t15, M_Z, t15, t15, t14, t15, M_Z, optimize=[(1, 2), (1, 8), (0, 7), (2, 6), (2, 5), (2, 4), (1, 3), (0, 2), (0, 1)]) + (-16/(d_V**6*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,ef,bg,hag,gi,ai,if->', M_Z, t15, t20, t15, M_Z, t15, t15, t14, t15, M_Z, t15, optimize=[(5, 10), (1, 2), (1, 8), (0, 7), (1, 6), (1, 5), (1, 4), (2, 3), (0, 2), (0, 1)]) + (16/(d_V**5*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,ef,bf,gaf->', M_Z, t15, t20, t15, M_Z, t15, t15, t18, optimize=[(1, 2), (1, 6), (0, 5), (2, 4), (1, 3), (1, 2), (0, 1)]) + (-16/(d_V**6*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,ef,bg,hag,gf->', M_Z, t15, t20, t15, M_Z, t15, t15, t18, t15, optimize=[(5, 8), (1, 2), (1, 6), (0, 5), (1, 4), (1, 3), (1, 2), (0, 1)]) + (32/(d_V**6*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,ef,bg,ag,gh,iah,hf,af->', M_Z, t15, t20, t15, M_Z, t15, t15, M_Z, t15, t20, t15, M_Z, optimize=[(1, 2), (1, 10), (0, 9), (2, 8), (0, 7), (0, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-32/(d_V**7*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,ef,bg,ag,gh,iah,hj,aj,jf->', M_Z, t15, t20, t15, M_Z, t15, t15, M_Z, t15, t20, t15, M_Z, t15, optimize=[(5, 12), (1, 2), (1, 10), (0, 9), (1, 8), (0, 7), (5, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (16/(d_V**5*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,ef,bg,ag,gf,haf->', M_Z, t15, t20, t15, M_Z, t15, t15, M_Z, t15, t14, optimize=[(1, 2), (1, 8), (0, 7), (2, 6), (0, 5), (0, 4), (1, 3), (1, 2), (0, 1)]) + (-16/(d_V**6*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,ef,bg,ag,gh,iah,hf->', M_Z, t15, t20, t15, M_Z, t15, t15, M_Z, t15, t14, t15, optimize=[(5, 10), (1, 2), (1, 8), (0, 7), (1, 6), (0, 5), (3, 4), (1, 3), (1, 2), (0, 1)]) + (4/(d_V**2*n_batch**2)) * oe.contract('ab,bc,dac,ab,bc,eac->', M_Z, t15, t14, M_Z, t15, t14, optimize=[(0, 3), (0, 2), (0, 1), (0, 1), (0, 1)]) + (-8/(d_V**3*n_batch**2)) * oe.contract('ab,bc,dac,ab,be,fae,ec->', M_Z, t15, t14, M_Z, t15, t14, t15, optimize=[(0, 3), (0, 1), (2, 4), (0, 3), (0, 2), (0, 1)]) + (-8/(d_V**3*n_batch**2)) * oe.contract('ab,bc,dac,be,fae,ec,ac->', M_Z, t15, t14, t15, t14, t15, M_Z, optimize=[(2, 6), (2, 3), (2, 4), (1, 3), (0, 2), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('ab,bc,dac,be,fae,eg,ag,gc->', M_Z, t15, t14, t15, t14, t15, M_Z, t15, optimize=[(1, 2), (5, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-8/(d_V**3*n_batch**2)) * oe.contract('ab,bc,dac,bc,eac->', M_Z, t15, t14, t15, t18, optimize=[(1, 3), (1, 2), (0, 1), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('ab,bc,dac,be,fae,ec->', M_Z, t15, t14, t15, t18, t15, optimize=[(1, 2), (3, 4), (1, 3), (1, 2), (0, 1)]) + (-16/(d_V**4*n_batch**2)) * oe.contract('ab,bc,dac,be,ae,ef,gaf,fc,ac->', M_Z, t15, t14, t15, M_Z, t15, t20, t15, M_Z, optimize=[(2, 8), (4, 5), (4, 6), (3, 5), (2, 4), (1, 3), (0, 2), (0, 1)]) + (16/(d_V**5*n_batch**2)) * oe.contract('ab,bc,dac,be,ae,ef,gaf,fh,ah,hc->', M_Z, t15, t14, t15, M_Z, t15, t20, t15, M_Z, t15, optimize=[(1, 2), (7, 8), (0, 7), (0, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-8/(d_V**3*n_batch**2)) * oe.contract('ab,bc,dac,be,ae,ec,fac->', M_Z, t15, t14, t15, M_Z, t15, t14, optimize=[(2, 6), (0, 1), (0, 4), (1, 3), (0, 2), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('ab,bc,dac,be,ae,ef,gaf,fc->', M_Z, t15, t14, t15, M_Z, t15, t14, t15, optimize=[(1, 2), (5, 6), (4, 5), (3, 4), (1, 3), (0, 2), (0, 1)]) + (4/(d_V**4*n_batch**2)) * oe.contract('ab,bc,dac,ce,ab,bf,gaf,fe->', M_Z, t15, t14, t15, M_Z, t15, t14, t15, optimize=[(0, 4), (2, 5), (0, 1), (3, 4), (0, 3), (0, 2), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('ab,bc,dac,ce,bf,gaf,fe,ae->', M_Z, t15, t14, t15, t15, t14, t15, M_Z, optimize=[(1, 2), (1, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-8/(d_V**5*n_batch**2)) * oe.contract('ab,bc,dac,ce,bf,gaf,fh,ah,he->', M_Z, t15, t14, t15, t15, t14, t15, M_Z, t15, optimize=[(3, 8), (1, 2), (5, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('ab,bc,dac,ce,be,fae->', M_Z, t15, t14, t15, t15, t18, optimize=[(1, 2), (1, 4), (1, 3), (1, 2), (0, 1)]) + (-8/(d_V**5*n_batch**2)) * oe.contract('ab,bc,dac,ce,bf,gaf,fe->', M_Z, t15, t14, t15, t15, t18, t15, optimize=[(3, 6), (1, 2), (3, 4), (1, 3), (1, 2), (0, 1)]) + (16/(d_V**5*n_batch**2)) * oe.contract('ab,bc,dac,ce,bf,af,fg,hag,ge,ae->', M_Z, t15, t14, t15, t15, M_Z, t15, t20, t15, M_Z, optimize=[(1, 2), (1, 8), (0, 7), (0, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-16/(d_V**6*n_batch**2)) * oe.contract('ab,bc,dac,ce,bf,af,fg,hag,gi,ai,ie->', M_Z, t15, t14, t15, t15, M_Z, t15, t20, t15, M_Z, t15, optimize=[(3, 10), (1, 2), (7, 8), (0, 7), (0, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('ab,bc,dac,ce,bf,af,fe,gae->', M_Z, t15, t14, t15, t15, M_Z, t15, t14, optimize=[(1, 2), (1, 6), (4, 5), (3, 4), (1, 3), (0, 2), (0, 1)]) + (-8/(d_V**5*n_batch**2)) * oe.contract('ab,bc,dac,ce,bf,af,fg,hag,ge->', M_Z, t15, t14, t15, t15, M_Z, t15, t14, t15, optimize=[(3, 8), (1, 2), (5, 6), (4, 5), (3, 4), (1, 3), (0, 2), (0, 1)]) + (4/(d_V**4*n_batch**2)) * oe.contract('ab,cdb,be,de,af,gdf,fe,de->', t15, t14, t15, M_Z, t15, t14, t15, M_Z, optimize=[(3, 7), (0, 3), (0, 1), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-8/(d_V**5*n_batch**2)) * oe.contract('ab,cdb,be,de,af,gdf,fh,dh,he->', t15, t14, t15, M_Z, t15, t14, t15, M_Z, t15, optimize=[(0, 4), (0, 1), (5, 6), (1, 5), (1, 4), (2, 3), (0, 2), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('ab,cdb,be,de,ae,fde->', t15, t14, t15, M_Z, t15, t18, optimize=[(0, 4), (1, 4), (0, 3), (0, 2), (0, 1)]) + (-8/(d_V**5*n_batch**2)) * oe.contract('ab,cdb,be,de,af,gdf,fe->', t15, t14, t15, M_Z, t15, t18, t15, optimize=[(0, 4), (0, 1), (3, 4), (1, 3), (1, 2), (0, 1)]) + (16/(d_V**5*n_batch**2)) * oe.contract('ab,cdb,be,de,af,df,fg,hdg,ge,de->', t15, t14, t15, M_Z, t15, M_Z, t15, t20, t15, M_Z, optimize=[(3, 9), (0, 3), (0, 1), (5, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-16/(d_V**6*n_batch**2)) * oe.contract('ab,cdb,be,de,af,df,fg,hdg,gi,di,ie->', t15, t14, t15, M_Z, t15, M_Z, t15, t20, t15, M_Z, t15, optimize=[(0, 4), (0, 1), (7, 8), (0, 7), (5, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('ab,cdb,be,de,af,df,fe,gde->', t15, t14, t15, M_Z, t15, M_Z, t15, t14, optimize=[(0, 4), (2, 5), (0, 1), (2, 4), (1, 3), (0, 2), (0, 1)]) + (-8/(d_V**5*n_batch**2)) * oe.contract('ab,cdb,be,de,af,df,fg,hdg,ge->', t15, t14, t15, M_Z, t15, M_Z, t15, t14, t15, optimize=[(0, 4), (0, 1), (5, 6), (0, 5), (3, 4), (1, 3), (1, 2), (0, 1)]) + (4/(d_V**6*n_batch**2)) * oe.contract('ab,cdb,be,de,ef,ag,hdg,gi,di,if->', t15, t14, t15, M_Z, t15, t15, t14, t15, M_Z, t15, optimize=[(0, 5), (3, 7), (0, 1), (4, 6), (1, 5), (1, 4), (2, 3), (0, 2), (0, 1)]) + (-8/(d_V**5*n_batch**2)) * oe.contract('ab,cdb,be,de,ef,af,gdf->', t15, t14, t15, M_Z, t15, t15, t18, optimize=[(0, 5), (0, 1), (3, 4), (1, 3), (1, 2), (0, 1)]) + (8/(d_V**6*n_batch**2)) * oe.contract('ab,cdb,be,de,ef,ag,hdg,gf->', t15, t14, t15, M_Z, t15, t15, t18, t15, optimize=[(0, 5), (3, 5), (0, 1), (2, 4), (1, 3), (1, 2), (0, 1)]) + (-16/(d_V**6*n_batch**2)) * oe.contract('ab,cdb,be,de,ef,ag,dg,gh,idh,hf,df->', t15, t14, t15, M_Z, t15, t15, M_Z, t15, t20, t15, M_Z, optimize=[(0, 5), (0, 1), (7, 8), (0, 7), (0, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (16/(d_V**7*n_batch**2)) * oe.contract('ab,cdb,be,de,ef,ag,dg,gh,idh,hj,dj,jf->', t15, t14, t15, M_Z, t15, t15, M_Z, t15, t20, t15, M_Z, t15, optimize=[(0, 5), (3, 9), (0, 1), (6, 8), (0, 7), (5, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-8/(d_V**5*n_batch**2)) * oe.contract('ab,cdb,be,de,ef,ag,dg,gf,hdf->', t15, t14, t15, M_Z, t15, t15, M_Z, t15, t14, optimize=[(0, 5), (0, 1), (5, 6), (0, 5), (0, 4), (1, 3), (1, 2), (0, 1)]) + (8/(d_V**6*n_batch**2)) * oe.contract('ab,cdb,be,de,ef,ag,dg,gh,idh,hf->', t15, t14, t15, M_Z, t15, t15, M_Z, t15, t14, t15, optimize=[(0, 5), (3, 7), (0, 1), (4, 6), (0, 5), (3, 4), (1, 3), (1, 2), (0, 1)]) + (4/(d_V**4*n_batch**2)) * oe.contract('ab,cdb,ab,edb->', t15, t18, t15, t18, optimize=[(0, 2), (0, 2), (0, 1)]) + (-8/(d_V**5*n_batch**2)) * oe.contract('ab,cdb,ae,fde,eb->', t15, t18, t15, t18, t15, optimize=[(0, 2), (2, 3), (0, 2), (0, 1)]) + (16/(d_V**5*n_batch**2)) * oe.contract('ab,cdb,ae,de,ef,gdf,fb,db->', t15, t18, t15, M_Z, t15, t20, t15, M_Z, optimize=[(0, 2), (0, 5), (1, 2), (1, 4), (1, 3), (0, 2), (0, 1)]) + (-16/(d_V**6*n_batch**2)) * oe.contract('ab,cdb,ae,de,ef,gdf,fh,dh,hb->', t15, t18, t15, M_Z, t15, t20, t15, M_Z, t15, optimize=[(0, 2), (0, 3), (0, 1), (3, 5), (3, 4), (0, 3), (1, 2), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('ab,cdb,ae,de,eb,fdb->', t15, t18, t15, M_Z, t15, t14, optimize=[(1, 5), (0, 1), (1, 3), (0, 2), (0, 1)]) + (-8/(d_V**5*n_batch**2)) * oe.contract('ab,cdb,ae,de,ef,gdf,fb->', t15, t18, t15, M_Z, t15, t14, t15, optimize=[(0, 2), (0, 3), (2, 4), (1, 3), (1, 2), (0, 1)]) + (4/(d_V**6*n_batch**2)) * oe.contract('ab,cdb,be,af,gdf,fe->', t15, t18, t15, t15, t18, t15, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)]) + (-16/(d_V**6*n_batch**2)) * oe.contract('ab,cdb,be,af,df,fg,hdg,ge,de->', t15, t18, t15, t15, M_Z, t15, t20, t15, M_Z, optimize=[(0, 3), (0, 1), (5, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (16/(d_V**7*n_batch**2)) * oe.contract('ab,cdb,be,af,df,fg,hdg,gi,di,ie->', t15, t18, t15, t15, M_Z, t15, t20, t15, M_Z, t15, optimize=[(0, 3), (1, 7), (0, 3), (0, 1), (2, 5), (3, 4), (0, 3), (1, 2), (0, 1)]) + (-8/(d_V**5*n_batch**2)) * oe.contract('ab,cdb,be,af,df,fe,gde->', t15, t18, t15, t15, M_Z, t15, t14, optimize=[(0, 3), (0, 1), (2, 4), (1, 3), (1, 2), (0, 1)]) + (8/(d_V**6*n_batch**2)) * oe.contract('ab,cdb,be,af,df,fg,hdg,ge->', t15, t18, t15, t15, M_Z, t15, t14, t15, optimize=[(0, 3), (1, 5), (0, 3), (3, 4), (1, 3), (1, 2), (0, 1)]) + (16/(d_V**6*n_batch**2)) * oe.contract('ab,cb,bd,ecd,df,cf,ag,cg,gh,ich,hf,cf->', t15, M_Z, t15, t20, t15, M_Z, t15, M_Z, t15, t20, t15, M_Z, optimize=[(5, 11), (0, 5), (1, 2), (1, 8), (0, 7), (5, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-32/(d_V**7*n_batch**2)) * oe.contract('ab,cb,bd,ecd,df,cf,ag,cg,gh,ich,hj,cj,jf->', t15, M_Z, t15, t20, t15, M_Z, t15, M_Z, t15, t20, t15, M_Z, t15, optimize=[(0, 6), (1, 2), (1, 10), (0, 9), (7, 8), (0, 7), (5, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (16/(d_V**5*n_batch**2)) * oe.contract('ab,cb,bd,ecd,df,cf,ag,cg,gf,hcf->', t15, M_Z, t15, t20, t15, M_Z, t15, M_Z, t15, t14, optimize=[(0, 6), (4, 7), (1, 2), (1, 6), (0, 5), (2, 4), (1, 3), (0, 2), (0, 1)]) + (-16/(d_V**6*n_batch**2)) * oe.contract('ab,cb,bd,ecd,df,cf,ag,cg,gh,ich,hf->', t15, M_Z, t15, t20, t15, M_Z, t15, M_Z, t15, t14, t15, optimize=[(0, 6), (1, 2), (1, 8), (0, 7), (5, 6), (0, 5), (3, 4), (1, 3), (1, 2), (0, 1)]) + (16/(d_V**8*n_batch**2)) * oe.contract('ab,cb,bd,ecd,df,cf,fg,ah,ch,hi,jci,ik,ck,kg->', t15, M_Z, t15, t20, t15, M_Z, t15, t15, M_Z, t15, t20, t15, M_Z, t15, optimize=[(0, 7), (5, 11), (1, 2), (1, 10), (0, 9), (6, 8), (0, 7), (5, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-16/(d_V**6*n_batch**2)) * oe.contract('ab,cb,bd,ecd,df,cf,fg,ah,ch,hg,icg->', t15, M_Z, t15, t20, t15, M_Z, t15, t15, M_Z, t15, t14, optimize=[(0, 7), (1, 2), (1, 8), (0, 7), (5, 6), (0, 5), (0, 4), (1, 3), (1, 2), (0, 1)]) + (16/(d_V**7*n_batch**2)) * oe.contract('ab,cb,bd,ecd,df,cf,fg,ah,ch,hi,jci,ig->', t15, M_Z, t15, t20, t15, M_Z, t15, t15, M_Z, t15, t14, t15, optimize=[(0, 7), (5, 9), (1, 2), (1, 8), (0, 7), (4, 6), (0, 5), (3, 4), (1, 3), (1, 2), (0, 1)]) + (4/(d_V**4*n_batch**2)) * oe.contract('ab,cb,bd,ecd,af,cf,fd,gcd->', t15, M_Z, t15, t14, t15, M_Z, t15, t14, optimize=[(3, 7), (0, 3), (0, 1), (3, 4), (1, 3), (0, 2), (0, 1)]) + (-8/(d_V**5*n_batch**2)) * oe.contract('ab,cb,bd,ecd,af,cf,fg,hcg,gd->', t15, M_Z, t15, t14, t15, M_Z, t15, t14, t15, optimize=[(0, 4), (1, 2), (4, 6), (3, 5), (2, 4), (2, 3), (0, 2), (0, 1)]) + (4/(d_V**6*n_batch**2)) * oe.contract('ab,cb,bd,ecd,df,ag,cg,gh,ich,hf->', t15, M_Z, t15, t14, t15, t15, M_Z, t15, t14, t15, optimize=[(0, 5), (3, 7), (1, 2), (5, 6), (3, 5), (2, 4), (2, 3), (0, 2), (0, 1)])
-    t22 = np.sqrt(np.maximum(t21, 0.0))
-    return t22
+    t16 = np.eye(d_V, dtype=Y.dtype)
+    t17 = np.ones((L,), dtype=Y.dtype)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S = oe.contract('ab,c->cab', t16, t17, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t15, t17, optimize=[(0, 1)])
+    t18 = t8 * G * M_Z
+    t19 = t18.sum(-1, keepdims=True)
+    t20 = np.broadcast_to(t19, t19.shape[:-1] + (d_V,))
+    t21 = (0.75 * (sigma2_Z ** -2.5))
+    t22 = t21 * G * M_Z
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S23 = oe.contract('abc,cd->abcd', t14, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t22, t15, M_Z, optimize=[(1, 2), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S24 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t14, t15, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t20, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t15, S23, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S25 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t14, t15, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t20, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t15, S23, S, optimize=[(0, 1), (0, 1), (0, 1)]) + oe.contract('ab,cdbe->cdae', t15, S24, optimize=[(0, 1)])
+    t26 = (n_batch**(-2)) * oe.contract('abcd,ebcd->', S25, S25, optimize=[(0, 1)])
+    t27 = np.sqrt(np.maximum(t26, 0.0))
+    return t27
 
 
 def mse__hessian__full(X, Y):
@@ -770,70 +725,27 @@ def mse__hessian__full(X, Y):
     G = t16
     t17 = t11 * G
     t18 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t19 = (2/(d_V*n_batch)) * M_Z
-    t2 += oe.contract('abc,cd,bd->bcd', t17, t18, t19, optimize=[(0, 1), (0, 1)])
-    t20 = (-2/(d_V**2*n_batch)) * M_Z
-    t2 += oe.contract('abc,cd,bd,de->bce', t17, t18, t20, t18, optimize=[(0, 1), (0, 1), (0, 1)])
-    t21 = np.einsum('abab->ab', t1)
-    t22 = t11 * G * M_Z
-    t23 = t22.sum(-1, keepdims=True)
-    t24 = np.broadcast_to(t23, t23.shape[:-1] + (d_V,))
-    t21 += (2/(d_V*n_batch)) * oe.contract('abc->bc', t24, optimize=[(0,)])
-    t25 = (-2/(d_V**2*n_batch)) * t24
-    t2 += oe.contract('abc,cd->bcd', t25, t18, optimize=[(0, 1)])
-    t26 = (0.75 * (sigma2_Z ** -2.5))
-    t27 = t26 * G * M_Z
-    t28 = (4/(d_V**2*n_batch)) * M_Z
-    t2 += oe.contract('ab,bc,dac,ce,ae->abe', t28, t18, t27, t18, M_Z, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
-    t29 = (-4/(d_V**3*n_batch)) * M_Z
-    t2 += oe.contract('ab,bc,dac,ce,ae,ef->abf', t29, t18, t27, t18, M_Z, t18, optimize=[(1, 2), (1, 4), (1, 3), (1, 2), (0, 1)])
-    t2 += oe.contract('ab,bc,dac->abc', t19, t18, t17, optimize=[(0, 1), (0, 1)])
-    t2 += oe.contract('ab,bc,dac,ce->abe', t20, t18, t17, t18, optimize=[(2, 3), (0, 2), (0, 1)])
-    t30 = t11 * M_Z
-    t31 = (8/(L*d_V**3)) * M_Z
-    t2 += oe.contract('ab,bc,ac,ac,cd,ad->abd', t31, t18, t30, t30, t18, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 1), (0, 1)])
-    t32 = (-8/(L*d_V**4)) * M_Z
-    t2 += oe.contract('ab,bc,ac,ac,cd,ad,de->abe', t32, t18, t30, t30, t18, M_Z, t18, optimize=[(2, 3), (2, 3), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t33 = (4/(L*d_V**2)) * M_Z
-    t2 += oe.contract('ab,bc,ac,ac->abc', t33, t18, t30, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t34 = (-4/(L*d_V**3)) * M_Z
-    t2 += oe.contract('ab,bc,ac,ac,cd->abd', t34, t18, t30, P_Z, t18, optimize=[(2, 3), (1, 3), (1, 2), (0, 1)])
-    t35 = (4/(L*d_V**2)) * P_Z
-    t2 += oe.contract('ab,ab,bc,ac->abc', t35, t30, t18, M_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t36 = (-4/(L*d_V**3)) * P_Z
-    t2 += oe.contract('ab,ab,bc,ac,cd->abd', t36, t30, t18, M_Z, t18, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
-    t37 = (2/(L*d_V)) * P_Z
-    t21 += oe.contract('ab,ab->ab', t37, P_Z, optimize=[(0, 1)])
-    t38 = (-2/(L*d_V**2)) * P_Z
-    t2 += oe.contract('ab,ab,bc->abc', t38, P_Z, t18, optimize=[(0, 1), (0, 1)])
-    t2 += oe.contract('ab,cdb,be,de->dae', t18, t17, t18, t20, optimize=[(0, 1), (0, 1), (0, 1)])
-    t39 = (2/(d_V**3*n_batch)) * M_Z
-    t2 += oe.contract('ab,cdb,be,de,ef->daf', t18, t17, t18, t39, t18, optimize=[(0, 1), (0, 3), (0, 2), (0, 1)])
-    t40 = (-2/(d_V**2*n_batch)) * t18
-    t2 += oe.contract('ab,cdb->dab', t40, t24, optimize=[(0, 1)])
-    t41 = (2/(d_V**3*n_batch)) * t18
-    t2 += oe.contract('ab,cdb,be->dae', t41, t24, t18, optimize=[(0, 1), (0, 1)])
-    t2 += oe.contract('ab,cb,bd,ecd,df,cf->caf', t18, t29, t18, t27, t18, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t42 = (4/(d_V**4*n_batch)) * M_Z
-    t2 += oe.contract('ab,cb,bd,ecd,df,cf,fg->cag', t18, t42, t18, t27, t18, M_Z, t18, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
-    t2 += oe.contract('ab,cb,bd,ecd->cad', t18, t20, t18, t17, optimize=[(0, 1), (0, 1), (0, 1)])
-    t43 = oe.contract('ab,bc,dac,ce->aeb', t39, t18, t17, t18, optimize=[(2, 3), (0, 2), (0, 1)])
-    t2 += oe.contract('abc,dc->adb', t43, t18, optimize=[(0, 1)])
-    t2 += oe.contract('ab,cb,bd,cd,cd,de,ce->cae', t18, t32, t18, t30, t30, t18, M_Z, optimize=[(3, 4), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
-    t44 = (8/(L*d_V**5)) * M_Z
-    t2 += oe.contract('ab,cb,bd,cd,cd,de,ce,ef->caf', t18, t44, t18, t30, t30, t18, M_Z, t18, optimize=[(3, 4), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
-    t2 += oe.contract('ab,cb,bd,cd,cd->cad', t18, t34, t18, t30, P_Z, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
-    t45 = (4/(L*d_V**4)) * M_Z
-    t2 += oe.contract('ab,cb,bd,cd,cd,de->cae', t18, t45, t18, t30, P_Z, t18, optimize=[(3, 4), (0, 1), (0, 3), (1, 2), (0, 1)])
-    t2 += oe.contract('ab,cb,cb,bd,cd->cad', t18, t36, t30, t18, M_Z, optimize=[(1, 2), (0, 3), (0, 2), (0, 1)])
-    t46 = (4/(L*d_V**4)) * P_Z
-    t47 = oe.contract('ab,ab,bc,ac,cd->adb', t46, t30, t18, M_Z, t18, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
-    t2 += oe.contract('abc,dc->adb', t47, t18, optimize=[(0, 1)])
-    t2 += oe.contract('ab,cb,cb->cab', t18, t38, P_Z, optimize=[(1, 2), (0, 1)])
-    t48 = (2/(L*d_V**3)) * P_Z
-    t49 = oe.contract('ab,bc->acb', t18, t18, optimize=[(0, 1)])
-    t50 = oe.contract('ab,ab->ab', t48, P_Z, optimize=[(0, 1)])
-    t2 += oe.contract('abc,dc->dab', t49, t50, optimize=[(0, 1)])
+    t19 = np.eye(d_V, dtype=Y.dtype)
+    t20 = np.ones((L,), dtype=Y.dtype)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S = oe.contract('ab,c->cab', t19, t20, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t18, t20, optimize=[(0, 1)])
+    t21 = t11 * G * M_Z
+    t22 = t21.sum(-1, keepdims=True)
+    t23 = np.broadcast_to(t22, t22.shape[:-1] + (d_V,))
+    t24 = (0.75 * (sigma2_Z ** -2.5))
+    t25 = t24 * G * M_Z
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S26 = oe.contract('abc,cd->abcd', t17, t19, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t25, t18, M_Z, optimize=[(1, 2), (0, 1)])
+    t27 = t11 * M_Z
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S28 = (2/(L*d_V)) * oe.contract('ab,bc->abc', P_Z, t19, optimize=[(0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac->abc', t27, t18, M_Z, optimize=[(0, 1), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S29 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t17, t18, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t23, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t18, S26, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S30 = (-1/d_V) * oe.contract('ab,bc->abc', P_Z, t19, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,ac->abc', M_Z, t18, t27, optimize=[(0, 1), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S31 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t17, t18, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t23, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t18, S26, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac,acd,ade->abe', M_Z, t18, t27, S28, S, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,abc,acd->abd', P_Z, S28, S, optimize=[(0, 1), (0, 1)]) + oe.contract('ab,cdbe->cdae', t18, S29, optimize=[(0, 1)]) + oe.contract('ab,cbd,cde,cef->caf', t18, S30, S28, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    t2 += (1/n_batch) * oe.contract('abcd->bcd', S31, optimize=[(0,)])
     return H
 
 
@@ -911,99 +823,51 @@ def mse__frobenius_all__full(X, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = Y.shape[0]
-    blk = np.empty((L*d_V, L*d_V), dtype=Y.dtype)
-    blk[...] = 0
-    t0 = np.reshape(blk, (L, d_V, L, d_V), copy=False)
-    t1 = np.einsum('abac->abc', t0)
-    t2 = X.sum(-1, keepdims=True)
-    t3 = np.broadcast_to(t2, t2.shape[:-1] + (d_V,))
-    t4 = (-1/d_V) * t3
-    t5 = t4 + X
-    M_Z = t5
-    t6 = M_Z * M_Z
-    t7 = t6.sum(-1, keepdims=True)
-    t8 = np.broadcast_to(t7, t7.shape[:-1] + (d_V,))
-    t9 = (1/d_V) * t8
-    sigma2_Z = t9
-    t10 = (-0.5 * (sigma2_Z ** -1.5))
-    t11 = (sigma2_Z ** -0.5)
-    P_Z = t11
-    t12 = M_Z * P_Z
-    Z = t12
+    t0 = X.sum(-1, keepdims=True)
+    t1 = np.broadcast_to(t0, t0.shape[:-1] + (d_V,))
+    t2 = (-1/d_V) * t1
+    t3 = t2 + X
+    M_Z = t3
+    t4 = M_Z * M_Z
+    t5 = t4.sum(-1, keepdims=True)
+    t6 = np.broadcast_to(t5, t5.shape[:-1] + (d_V,))
+    t7 = (1/d_V) * t6
+    sigma2_Z = t7
+    t8 = (-0.5 * (sigma2_Z ** -1.5))
+    t9 = (sigma2_Z ** -0.5)
+    P_Z = t9
+    t10 = M_Z * P_Z
+    Z = t10
     F = Z
-    t13 = (2/(L*d_V)) * F
-    t14 = (-2/(L*d_V)) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = t10 * G
-    t17 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t18 = (2/(d_V*n_batch)) * M_Z
-    t1 += oe.contract('abc,cd,bd->bcd', t16, t17, t18, optimize=[(0, 1), (0, 1)])
-    t19 = (-2/(d_V**2*n_batch)) * M_Z
-    t1 += oe.contract('abc,cd,bd,de->bce', t16, t17, t19, t17, optimize=[(0, 1), (0, 1), (0, 1)])
-    t20 = np.einsum('abab->ab', t0)
-    t21 = t10 * G * M_Z
-    t22 = t21.sum(-1, keepdims=True)
-    t23 = np.broadcast_to(t22, t22.shape[:-1] + (d_V,))
-    t20 += (2/(d_V*n_batch)) * oe.contract('abc->bc', t23, optimize=[(0,)])
-    t24 = (-2/(d_V**2*n_batch)) * t23
-    t1 += oe.contract('abc,cd->bcd', t24, t17, optimize=[(0, 1)])
-    t25 = (0.75 * (sigma2_Z ** -2.5))
-    t26 = t25 * G * M_Z
-    t27 = (4/(d_V**2*n_batch)) * M_Z
-    t1 += oe.contract('ab,bc,dac,ce,ae->abe', t27, t17, t26, t17, M_Z, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
-    t28 = (-4/(d_V**3*n_batch)) * M_Z
-    t1 += oe.contract('ab,bc,dac,ce,ae,ef->abf', t28, t17, t26, t17, M_Z, t17, optimize=[(1, 2), (1, 4), (1, 3), (1, 2), (0, 1)])
-    t1 += oe.contract('ab,bc,dac->abc', t18, t17, t16, optimize=[(0, 1), (0, 1)])
-    t1 += oe.contract('ab,bc,dac,ce->abe', t19, t17, t16, t17, optimize=[(2, 3), (0, 2), (0, 1)])
-    t29 = t10 * M_Z
-    t30 = (8/(L*d_V**3)) * M_Z
-    t1 += oe.contract('ab,bc,ac,ac,cd,ad->abd', t30, t17, t29, t29, t17, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 1), (0, 1)])
-    t31 = (-8/(L*d_V**4)) * M_Z
-    t1 += oe.contract('ab,bc,ac,ac,cd,ad,de->abe', t31, t17, t29, t29, t17, M_Z, t17, optimize=[(2, 3), (2, 3), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t32 = (4/(L*d_V**2)) * M_Z
-    t1 += oe.contract('ab,bc,ac,ac->abc', t32, t17, t29, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t33 = (-4/(L*d_V**3)) * M_Z
-    t1 += oe.contract('ab,bc,ac,ac,cd->abd', t33, t17, t29, P_Z, t17, optimize=[(2, 3), (1, 3), (1, 2), (0, 1)])
-    t34 = (4/(L*d_V**2)) * P_Z
-    t1 += oe.contract('ab,ab,bc,ac->abc', t34, t29, t17, M_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t35 = (-4/(L*d_V**3)) * P_Z
-    t1 += oe.contract('ab,ab,bc,ac,cd->abd', t35, t29, t17, M_Z, t17, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
-    t36 = (2/(L*d_V)) * P_Z
-    t20 += oe.contract('ab,ab->ab', t36, P_Z, optimize=[(0, 1)])
-    t37 = (-2/(L*d_V**2)) * P_Z
-    t1 += oe.contract('ab,ab,bc->abc', t37, P_Z, t17, optimize=[(0, 1), (0, 1)])
-    t1 += oe.contract('ab,cdb,be,de->dae', t17, t16, t17, t19, optimize=[(0, 1), (0, 1), (0, 1)])
-    t38 = (2/(d_V**3*n_batch)) * M_Z
-    t1 += oe.contract('ab,cdb,be,de,ef->daf', t17, t16, t17, t38, t17, optimize=[(0, 1), (0, 3), (0, 2), (0, 1)])
-    t39 = (-2/(d_V**2*n_batch)) * t17
-    t1 += oe.contract('ab,cdb->dab', t39, t23, optimize=[(0, 1)])
-    t40 = (2/(d_V**3*n_batch)) * t17
-    t1 += oe.contract('ab,cdb,be->dae', t40, t23, t17, optimize=[(0, 1), (0, 1)])
-    t1 += oe.contract('ab,cb,bd,ecd,df,cf->caf', t17, t28, t17, t26, t17, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t41 = (4/(d_V**4*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,df,cf,fg->cag', t17, t41, t17, t26, t17, M_Z, t17, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
-    t1 += oe.contract('ab,cb,bd,ecd->cad', t17, t19, t17, t16, optimize=[(0, 1), (0, 1), (0, 1)])
-    t42 = oe.contract('ab,bc,dac,ce->aeb', t38, t17, t16, t17, optimize=[(2, 3), (0, 2), (0, 1)])
-    t1 += oe.contract('abc,dc->adb', t42, t17, optimize=[(0, 1)])
-    t1 += oe.contract('ab,cb,bd,cd,cd,de,ce->cae', t17, t31, t17, t29, t29, t17, M_Z, optimize=[(3, 4), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
-    t43 = (8/(L*d_V**5)) * M_Z
-    t1 += oe.contract('ab,cb,bd,cd,cd,de,ce,ef->caf', t17, t43, t17, t29, t29, t17, M_Z, t17, optimize=[(3, 4), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
-    t1 += oe.contract('ab,cb,bd,cd,cd->cad', t17, t33, t17, t29, P_Z, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
-    t44 = (4/(L*d_V**4)) * M_Z
-    t1 += oe.contract('ab,cb,bd,cd,cd,de->cae', t17, t44, t17, t29, P_Z, t17, optimize=[(3, 4), (0, 1), (0, 3), (1, 2), (0, 1)])
-    t1 += oe.contract('ab,cb,cb,bd,cd->cad', t17, t35, t29, t17, M_Z, optimize=[(1, 2), (0, 3), (0, 2), (0, 1)])
-    t45 = (4/(L*d_V**4)) * P_Z
-    t46 = oe.contract('ab,ab,bc,ac,cd->adb', t45, t29, t17, M_Z, t17, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
-    t1 += oe.contract('abc,dc->adb', t46, t17, optimize=[(0, 1)])
-    t1 += oe.contract('ab,cb,cb->cab', t17, t37, P_Z, optimize=[(1, 2), (0, 1)])
-    t47 = (2/(L*d_V**3)) * P_Z
-    t48 = oe.contract('ab,bc->acb', t17, t17, optimize=[(0, 1)])
-    t49 = oe.contract('ab,ab->ab', t47, P_Z, optimize=[(0, 1)])
-    t1 += oe.contract('abc,dc->dab', t48, t49, optimize=[(0, 1)])
-    nrm = np.linalg.norm(blk)
-    del blk
-    return (nrm,)
+    t11 = (2/(L*d_V)) * F
+    t12 = (-2/(L*d_V)) * Y
+    t13 = t11 + t12
+    G = t13
+    t14 = t8 * G
+    t15 = np.ones((d_V, d_V), dtype=Y.dtype)
+    t16 = np.eye(d_V, dtype=Y.dtype)
+    t17 = np.ones((L,), dtype=Y.dtype)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S = oe.contract('ab,c->cab', t16, t17, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t15, t17, optimize=[(0, 1)])
+    t18 = t8 * G * M_Z
+    t19 = t18.sum(-1, keepdims=True)
+    t20 = np.broadcast_to(t19, t19.shape[:-1] + (d_V,))
+    t21 = (0.75 * (sigma2_Z ** -2.5))
+    t22 = t21 * G * M_Z
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S23 = oe.contract('abc,cd->abcd', t14, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t22, t15, M_Z, optimize=[(1, 2), (0, 1)])
+    t24 = t8 * M_Z
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S25 = (2/(L*d_V)) * oe.contract('ab,bc->abc', P_Z, t16, optimize=[(0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac->abc', t24, t15, M_Z, optimize=[(0, 1), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S26 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t14, t15, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t20, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t15, S23, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S27 = (-1/d_V) * oe.contract('ab,bc->abc', P_Z, t16, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,ac->abc', M_Z, t15, t24, optimize=[(0, 1), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S28 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t14, t15, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t20, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t15, S23, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac,acd,ade->abe', M_Z, t15, t24, S25, S, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,abc,acd->abd', P_Z, S25, S, optimize=[(0, 1), (0, 1)]) + oe.contract('ab,cdbe->cdae', t15, S26, optimize=[(0, 1)]) + oe.contract('ab,cbd,cde,cef->caf', t15, S27, S25, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    t29 = (n_batch**(-2)) * oe.contract('abcd,ebcd->', S28, S28, optimize=[(0, 1)])
+    t30 = np.sqrt(np.maximum(t29, 0.0))
+    return (t30,)
 
 
 def mse__diag__X__full(X, Y):
@@ -1035,65 +899,27 @@ def mse__diag__X__full(X, Y):
     G = t14
     t15 = t9 * G
     t16 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t17 = (2/(d_V*n_batch)) * M_Z
-    t0[...] = oe.contract('abc,cc,bc->bc', t15, t16, t17, optimize=[(0, 1), (0, 1)])
-    t18 = (-2/(d_V**2*n_batch)) * M_Z
-    t0 += oe.contract('abc,cd,bd,dc->bc', t15, t16, t18, t16, optimize=[(1, 2), (1, 2), (0, 1)])
+    t17 = np.eye(d_V, dtype=Y.dtype)
+    t18 = np.ones((L,), dtype=Y.dtype)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S = oe.contract('ab,c->cab', t17, t18, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t16, t18, optimize=[(0, 1)])
     t19 = t9 * G * M_Z
     t20 = t19.sum(-1, keepdims=True)
     t21 = np.broadcast_to(t20, t20.shape[:-1] + (d_V,))
-    t0 += (2/(d_V*n_batch)) * oe.contract('abc->bc', t21, optimize=[(0,)])
-    t22 = (-2/(d_V**2*n_batch)) * t21
-    t0 += oe.contract('abc,cc->bc', t22, t16, optimize=[(0, 1)])
-    t23 = (0.75 * (sigma2_Z ** -2.5))
-    t24 = t23 * G * M_Z
-    t25 = (4/(d_V**2*n_batch)) * M_Z
-    t0 += oe.contract('ab,bc,dac,cb,ab->ab', t25, t16, t24, t16, M_Z, optimize=[(1, 3), (0, 2), (0, 1), (0, 1)])
-    t26 = (-4/(d_V**3*n_batch)) * M_Z
-    t0 += oe.contract('ab,bc,dac,ce,ae,eb->ab', t26, t16, t24, t16, M_Z, t16, optimize=[(1, 2), (1, 4), (2, 3), (1, 2), (0, 1)])
-    t0 += oe.contract('ab,bb,cab->ab', t17, t16, t15, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('ab,bc,dac,cb->ab', t18, t16, t15, t16, optimize=[(1, 3), (0, 2), (0, 1)])
-    t27 = t9 * M_Z
-    t28 = (8/(L*d_V**3)) * M_Z
-    t0 += oe.contract('ab,bc,ac,ac,cb,ab->ab', t28, t16, t27, t27, t16, M_Z, optimize=[(2, 3), (1, 2), (0, 1), (0, 1), (0, 1)])
-    t29 = (-8/(L*d_V**4)) * M_Z
-    t0 += oe.contract('ab,bc,ac,ac,cd,ad,db->ab', t29, t16, t27, t27, t16, M_Z, t16, optimize=[(2, 3), (2, 3), (2, 4), (1, 3), (1, 2), (0, 1)])
-    t30 = (4/(L*d_V**2)) * M_Z
-    t0 += oe.contract('ab,bb,ab,ab->ab', t30, t16, t27, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t31 = (-4/(L*d_V**3)) * M_Z
-    t0 += oe.contract('ab,bc,ac,ac,cb->ab', t31, t16, t27, P_Z, t16, optimize=[(2, 3), (1, 2), (1, 2), (0, 1)])
-    t32 = (4/(L*d_V**2)) * P_Z
-    t0 += oe.contract('ab,ab,bb,ab->ab', t32, t27, t16, M_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t33 = (-4/(L*d_V**3)) * P_Z
-    t0 += oe.contract('ab,ab,bc,ac,cb->ab', t33, t27, t16, M_Z, t16, optimize=[(0, 1), (0, 2), (0, 2), (0, 1)])
-    t34 = (2/(L*d_V)) * P_Z
-    t0 += oe.contract('ab,ab->ab', t34, P_Z, optimize=[(0, 1)])
-    t35 = (-2/(L*d_V**2)) * P_Z
-    t0 += oe.contract('ab,ab,bb->ab', t35, P_Z, t16, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('ab,cdb,ba,da->da', t16, t15, t16, t18, optimize=[(0, 1), (0, 2), (0, 1)])
-    t36 = (2/(d_V**3*n_batch)) * M_Z
-    t0 += oe.contract('ab,cdb,be,de,ea->da', t16, t15, t16, t36, t16, optimize=[(0, 1), (0, 3), (1, 2), (0, 1)])
-    t37 = (-2/(d_V**2*n_batch)) * t16
-    t0 += oe.contract('aa,bca->ca', t37, t21, optimize=[(0, 1)])
-    t38 = (2/(d_V**3*n_batch)) * t16
-    t0 += oe.contract('ab,cdb,ba->da', t38, t21, t16, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('ab,cb,bd,ecd,da,ca->ca', t16, t26, t16, t24, t16, M_Z, optimize=[(2, 3), (2, 4), (0, 3), (0, 2), (0, 1)])
-    t39 = (4/(d_V**4*n_batch)) * M_Z
-    t0 += oe.contract('ab,cb,bd,ecd,df,cf,fa->ca', t16, t39, t16, t24, t16, M_Z, t16, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (1, 2), (0, 1)])
-    t0 += oe.contract('ab,cb,ba,dca->ca', t16, t18, t16, t15, optimize=[(0, 2), (0, 2), (0, 1)])
-    t0 += oe.contract('ab,cb,bd,ecd,da->ca', t16, t36, t16, t15, t16, optimize=[(2, 3), (2, 3), (0, 2), (0, 1)])
-    t0 += oe.contract('ab,cb,bd,cd,cd,da,ca->ca', t16, t29, t16, t27, t27, t16, M_Z, optimize=[(3, 4), (0, 1), (0, 4), (0, 3), (1, 2), (0, 1)])
-    t40 = (8/(L*d_V**5)) * M_Z
-    t0 += oe.contract('ab,cb,bd,cd,cd,de,ce,ea->ca', t16, t40, t16, t27, t27, t16, M_Z, t16, optimize=[(3, 4), (0, 1), (0, 5), (3, 4), (0, 3), (1, 2), (0, 1)])
-    t0 += oe.contract('ab,cb,ba,ca,ca->ca', t16, t31, t16, t27, P_Z, optimize=[(0, 2), (1, 2), (0, 1), (0, 1)])
-    t41 = (4/(L*d_V**4)) * M_Z
-    t0 += oe.contract('ab,cb,bd,cd,cd,da->ca', t16, t41, t16, t27, P_Z, t16, optimize=[(3, 4), (0, 1), (0, 3), (0, 2), (0, 1)])
-    t0 += oe.contract('ab,cb,cb,ba,ca->ca', t16, t33, t27, t16, M_Z, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
-    t42 = (4/(L*d_V**4)) * P_Z
-    t0 += oe.contract('ab,cb,cb,bd,cd,da->ca', t16, t42, t27, t16, M_Z, t16, optimize=[(1, 2), (1, 2), (1, 3), (0, 2), (0, 1)])
-    t0 += oe.contract('aa,ba,ba->ba', t16, t35, P_Z, optimize=[(0, 1), (0, 1)])
-    t43 = (2/(L*d_V**3)) * P_Z
-    t0 += oe.contract('ab,cb,cb,ba->ca', t16, t43, P_Z, t16, optimize=[(0, 3), (0, 1), (0, 1)])
+    t22 = (0.75 * (sigma2_Z ** -2.5))
+    t23 = t22 * G * M_Z
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S24 = oe.contract('abc,cd->abcd', t15, t17, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t23, t16, M_Z, optimize=[(1, 2), (0, 1)])
+    t25 = t9 * M_Z
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S26 = (2/(L*d_V)) * oe.contract('ab,bc->abc', P_Z, t17, optimize=[(0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac->abc', t25, t16, M_Z, optimize=[(0, 1), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S27 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t15, t16, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t21, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t16, S24, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S28 = (-1/d_V) * oe.contract('ab,bc->abc', P_Z, t17, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,ac->abc', M_Z, t16, t25, optimize=[(0, 1), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S29 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t15, t16, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t21, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t16, S24, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac,acd,ade->abe', M_Z, t16, t25, S26, S, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,abc,acd->abd', P_Z, S26, S, optimize=[(0, 1), (0, 1)]) + oe.contract('ab,cdbe->cdae', t16, S27, optimize=[(0, 1)]) + oe.contract('ab,cbd,cde,cef->caf', t16, S28, S26, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0[...] = (1/n_batch) * oe.contract('abcc->bc', S29, optimize=[(0,)])
     return out
 
 
@@ -1124,13 +950,27 @@ def mse__trace__X__full(X, Y):
     G = t13
     t14 = t8 * G
     t15 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t16 = t8 * G * M_Z
-    t17 = t16.sum(-1, keepdims=True)
-    t18 = np.broadcast_to(t17, t17.shape[:-1] + (d_V,))
-    t19 = (0.75 * (sigma2_Z ** -2.5))
-    t20 = t19 * G * M_Z
-    t21 = t8 * M_Z
-    return (2/(d_V*n_batch)) * oe.contract('abc,cc,bc->', t14, t15, M_Z, optimize=[(0, 1), (0, 1)]) + (-2/(d_V**2*n_batch)) * oe.contract('abc,cd,bd,dc->', t14, t15, M_Z, t15, optimize=[(1, 3), (0, 2), (0, 1)]) + (2/(d_V*n_batch)) * oe.contract('abc->', t18, optimize=[(0,)]) + (-2/(d_V**2*n_batch)) * oe.contract('abc,cc->', t18, t15, optimize=[(0, 1)]) + (4/(d_V**2*n_batch)) * oe.contract('ab,bc,dac,cb,ab->', M_Z, t15, t20, t15, M_Z, optimize=[(1, 3), (0, 2), (0, 1), (0, 1)]) + (-4/(d_V**3*n_batch)) * oe.contract('ab,bc,dac,ce,ae,eb->', M_Z, t15, t20, t15, M_Z, t15, optimize=[(1, 2), (1, 4), (2, 3), (0, 2), (0, 1)]) + (2/(d_V*n_batch)) * oe.contract('ab,bb,cab->', M_Z, t15, t14, optimize=[(1, 2), (0, 1)]) + (-2/(d_V**2*n_batch)) * oe.contract('ab,bc,dac,cb->', M_Z, t15, t14, t15, optimize=[(0, 1), (1, 2), (0, 1)]) + (8/(L*d_V**3)) * oe.contract('ab,bc,ac,ac,cb,ab->', M_Z, t15, t21, t21, t15, M_Z, optimize=[(2, 3), (1, 2), (0, 1), (0, 1), (0, 1)]) + (-8/(L*d_V**4)) * oe.contract('ab,bc,ac,ac,cd,ad,db->', M_Z, t15, t21, t21, t15, M_Z, t15, optimize=[(2, 3), (0, 1), (2, 4), (0, 3), (0, 2), (0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bb,ab,ab->', M_Z, t15, t21, P_Z, optimize=[(0, 1), (0, 1), (0, 1)]) + (-4/(L*d_V**3)) * oe.contract('ab,bc,ac,ac,cb->', M_Z, t15, t21, P_Z, t15, optimize=[(2, 3), (1, 2), (0, 2), (0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,ab,bb,ab->', P_Z, t21, t15, M_Z, optimize=[(0, 1), (0, 1), (0, 1)]) + (-4/(L*d_V**3)) * oe.contract('ab,ab,bc,ac,cb->', P_Z, t21, t15, M_Z, t15, optimize=[(0, 1), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,ab->', P_Z, P_Z, optimize=[(0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,ab,bb->', P_Z, P_Z, t15, optimize=[(0, 1), (0, 1)]) + (-2/(d_V**2*n_batch)) * oe.contract('ab,cdb,ba,da->', t15, t14, t15, M_Z, optimize=[(0, 2), (0, 2), (0, 1)]) + (2/(d_V**3*n_batch)) * oe.contract('ab,cdb,be,de,ea->', t15, t14, t15, M_Z, t15, optimize=[(0, 4), (1, 3), (0, 2), (0, 1)]) + (-2/(d_V**2*n_batch)) * oe.contract('aa,bca->', t15, t18, optimize=[(0, 1)]) + (2/(d_V**3*n_batch)) * oe.contract('ab,cdb,ba->', t15, t18, t15, optimize=[(0, 2), (0, 1)]) + (-4/(d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,da,ca->', t15, M_Z, t15, t20, t15, M_Z, optimize=[(2, 3), (2, 4), (0, 3), (0, 2), (0, 1)]) + (4/(d_V**4*n_batch)) * oe.contract('ab,cb,bd,ecd,df,cf,fa->', t15, M_Z, t15, t20, t15, M_Z, t15, optimize=[(0, 6), (1, 2), (1, 4), (2, 3), (0, 2), (0, 1)]) + (-2/(d_V**2*n_batch)) * oe.contract('ab,cb,ba,dca->', t15, M_Z, t15, t14, optimize=[(0, 2), (0, 2), (0, 1)]) + (2/(d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,da->', t15, M_Z, t15, t14, t15, optimize=[(0, 4), (1, 3), (1, 2), (0, 1)]) + (-8/(L*d_V**4)) * oe.contract('ab,cb,bd,cd,cd,da,ca->', t15, M_Z, t15, t21, t21, t15, M_Z, optimize=[(3, 4), (0, 1), (0, 4), (0, 3), (0, 2), (0, 1)]) + (8/(L*d_V**5)) * oe.contract('ab,cb,bd,cd,cd,de,ce,ea->', t15, M_Z, t15, t21, t21, t15, M_Z, t15, optimize=[(3, 4), (0, 5), (0, 1), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-4/(L*d_V**3)) * oe.contract('ab,cb,ba,ca,ca->', t15, M_Z, t15, t21, P_Z, optimize=[(0, 2), (1, 2), (0, 1), (0, 1)]) + (4/(L*d_V**4)) * oe.contract('ab,cb,bd,cd,cd,da->', t15, M_Z, t15, t21, P_Z, t15, optimize=[(3, 4), (0, 3), (1, 3), (0, 2), (0, 1)]) + (-4/(L*d_V**3)) * oe.contract('ab,cb,cb,ba,ca->', t15, P_Z, t21, t15, M_Z, optimize=[(1, 2), (0, 1), (0, 2), (0, 1)]) + (4/(L*d_V**4)) * oe.contract('ab,cb,cb,bd,cd,da->', t15, P_Z, t21, t15, M_Z, t15, optimize=[(1, 2), (0, 3), (0, 3), (0, 2), (0, 1)]) + (-2/(L*d_V**2)) * oe.contract('aa,ba,ba->', t15, P_Z, P_Z, optimize=[(1, 2), (0, 1)]) + (2/(L*d_V**3)) * oe.contract('ab,cb,cb,ba->', t15, P_Z, P_Z, t15, optimize=[(0, 3), (0, 1), (0, 1)])
+    t16 = np.eye(d_V, dtype=Y.dtype)
+    t17 = np.ones((L,), dtype=Y.dtype)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S = oe.contract('ab,c->cab', t16, t17, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t15, t17, optimize=[(0, 1)])
+    t18 = t8 * G * M_Z
+    t19 = t18.sum(-1, keepdims=True)
+    t20 = np.broadcast_to(t19, t19.shape[:-1] + (d_V,))
+    t21 = (0.75 * (sigma2_Z ** -2.5))
+    t22 = t21 * G * M_Z
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S23 = oe.contract('abc,cd->abcd', t14, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t22, t15, M_Z, optimize=[(1, 2), (0, 1)])
+    t24 = t8 * M_Z
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S25 = (2/(L*d_V)) * oe.contract('ab,bc->abc', P_Z, t16, optimize=[(0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac->abc', t24, t15, M_Z, optimize=[(0, 1), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S26 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t14, t15, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t20, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t15, S23, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S27 = (-1/d_V) * oe.contract('ab,bc->abc', P_Z, t16, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,ac->abc', M_Z, t15, t24, optimize=[(0, 1), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S28 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t14, t15, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t20, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t15, S23, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac,acd,ade->abe', M_Z, t15, t24, S25, S, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,abc,acd->abd', P_Z, S25, S, optimize=[(0, 1), (0, 1)]) + oe.contract('ab,cdbe->cdae', t15, S26, optimize=[(0, 1)]) + oe.contract('ab,cbd,cde,cef->caf', t15, S27, S25, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    return (1/n_batch) * oe.contract('abcc->', S28, optimize=[(0,)])
 
 
 def mse__block__X__X__full(X, Y):
@@ -1164,70 +1004,27 @@ def mse__block__X__X__full(X, Y):
     G = t15
     t16 = t10 * G
     t17 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t18 = (2/(d_V*n_batch)) * M_Z
-    t1 += oe.contract('abc,cd,bd->bcd', t16, t17, t18, optimize=[(0, 1), (0, 1)])
-    t19 = (-2/(d_V**2*n_batch)) * M_Z
-    t1 += oe.contract('abc,cd,bd,de->bce', t16, t17, t19, t17, optimize=[(0, 1), (0, 1), (0, 1)])
-    t20 = np.einsum('abab->ab', t0)
-    t21 = t10 * G * M_Z
-    t22 = t21.sum(-1, keepdims=True)
-    t23 = np.broadcast_to(t22, t22.shape[:-1] + (d_V,))
-    t20 += (2/(d_V*n_batch)) * oe.contract('abc->bc', t23, optimize=[(0,)])
-    t24 = (-2/(d_V**2*n_batch)) * t23
-    t1 += oe.contract('abc,cd->bcd', t24, t17, optimize=[(0, 1)])
-    t25 = (0.75 * (sigma2_Z ** -2.5))
-    t26 = t25 * G * M_Z
-    t27 = (4/(d_V**2*n_batch)) * M_Z
-    t1 += oe.contract('ab,bc,dac,ce,ae->abe', t27, t17, t26, t17, M_Z, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
-    t28 = (-4/(d_V**3*n_batch)) * M_Z
-    t1 += oe.contract('ab,bc,dac,ce,ae,ef->abf', t28, t17, t26, t17, M_Z, t17, optimize=[(1, 2), (1, 4), (1, 3), (1, 2), (0, 1)])
-    t1 += oe.contract('ab,bc,dac->abc', t18, t17, t16, optimize=[(0, 1), (0, 1)])
-    t1 += oe.contract('ab,bc,dac,ce->abe', t19, t17, t16, t17, optimize=[(2, 3), (0, 2), (0, 1)])
-    t29 = t10 * M_Z
-    t30 = (8/(L*d_V**3)) * M_Z
-    t1 += oe.contract('ab,bc,ac,ac,cd,ad->abd', t30, t17, t29, t29, t17, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 1), (0, 1)])
-    t31 = (-8/(L*d_V**4)) * M_Z
-    t1 += oe.contract('ab,bc,ac,ac,cd,ad,de->abe', t31, t17, t29, t29, t17, M_Z, t17, optimize=[(2, 3), (2, 3), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t32 = (4/(L*d_V**2)) * M_Z
-    t1 += oe.contract('ab,bc,ac,ac->abc', t32, t17, t29, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t33 = (-4/(L*d_V**3)) * M_Z
-    t1 += oe.contract('ab,bc,ac,ac,cd->abd', t33, t17, t29, P_Z, t17, optimize=[(2, 3), (1, 3), (1, 2), (0, 1)])
-    t34 = (4/(L*d_V**2)) * P_Z
-    t1 += oe.contract('ab,ab,bc,ac->abc', t34, t29, t17, M_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t35 = (-4/(L*d_V**3)) * P_Z
-    t1 += oe.contract('ab,ab,bc,ac,cd->abd', t35, t29, t17, M_Z, t17, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
-    t36 = (2/(L*d_V)) * P_Z
-    t20 += oe.contract('ab,ab->ab', t36, P_Z, optimize=[(0, 1)])
-    t37 = (-2/(L*d_V**2)) * P_Z
-    t1 += oe.contract('ab,ab,bc->abc', t37, P_Z, t17, optimize=[(0, 1), (0, 1)])
-    t1 += oe.contract('ab,cdb,be,de->dae', t17, t16, t17, t19, optimize=[(0, 1), (0, 1), (0, 1)])
-    t38 = (2/(d_V**3*n_batch)) * M_Z
-    t1 += oe.contract('ab,cdb,be,de,ef->daf', t17, t16, t17, t38, t17, optimize=[(0, 1), (0, 3), (0, 2), (0, 1)])
-    t39 = (-2/(d_V**2*n_batch)) * t17
-    t1 += oe.contract('ab,cdb->dab', t39, t23, optimize=[(0, 1)])
-    t40 = (2/(d_V**3*n_batch)) * t17
-    t1 += oe.contract('ab,cdb,be->dae', t40, t23, t17, optimize=[(0, 1), (0, 1)])
-    t1 += oe.contract('ab,cb,bd,ecd,df,cf->caf', t17, t28, t17, t26, t17, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t41 = (4/(d_V**4*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,df,cf,fg->cag', t17, t41, t17, t26, t17, M_Z, t17, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
-    t1 += oe.contract('ab,cb,bd,ecd->cad', t17, t19, t17, t16, optimize=[(0, 1), (0, 1), (0, 1)])
-    t42 = oe.contract('ab,bc,dac,ce->aeb', t38, t17, t16, t17, optimize=[(2, 3), (0, 2), (0, 1)])
-    t1 += oe.contract('abc,dc->adb', t42, t17, optimize=[(0, 1)])
-    t1 += oe.contract('ab,cb,bd,cd,cd,de,ce->cae', t17, t31, t17, t29, t29, t17, M_Z, optimize=[(3, 4), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
-    t43 = (8/(L*d_V**5)) * M_Z
-    t1 += oe.contract('ab,cb,bd,cd,cd,de,ce,ef->caf', t17, t43, t17, t29, t29, t17, M_Z, t17, optimize=[(3, 4), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
-    t1 += oe.contract('ab,cb,bd,cd,cd->cad', t17, t33, t17, t29, P_Z, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
-    t44 = (4/(L*d_V**4)) * M_Z
-    t1 += oe.contract('ab,cb,bd,cd,cd,de->cae', t17, t44, t17, t29, P_Z, t17, optimize=[(3, 4), (0, 1), (0, 3), (1, 2), (0, 1)])
-    t1 += oe.contract('ab,cb,cb,bd,cd->cad', t17, t35, t29, t17, M_Z, optimize=[(1, 2), (0, 3), (0, 2), (0, 1)])
-    t45 = (4/(L*d_V**4)) * P_Z
-    t46 = oe.contract('ab,ab,bc,ac,cd->adb', t45, t29, t17, M_Z, t17, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
-    t1 += oe.contract('abc,dc->adb', t46, t17, optimize=[(0, 1)])
-    t1 += oe.contract('ab,cb,cb->cab', t17, t37, P_Z, optimize=[(1, 2), (0, 1)])
-    t47 = (2/(L*d_V**3)) * P_Z
-    t48 = oe.contract('ab,bc->acb', t17, t17, optimize=[(0, 1)])
-    t49 = oe.contract('ab,ab->ab', t47, P_Z, optimize=[(0, 1)])
-    t1 += oe.contract('abc,dc->dab', t48, t49, optimize=[(0, 1)])
+    t18 = np.eye(d_V, dtype=Y.dtype)
+    t19 = np.ones((L,), dtype=Y.dtype)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S = oe.contract('ab,c->cab', t18, t19, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t17, t19, optimize=[(0, 1)])
+    t20 = t10 * G * M_Z
+    t21 = t20.sum(-1, keepdims=True)
+    t22 = np.broadcast_to(t21, t21.shape[:-1] + (d_V,))
+    t23 = (0.75 * (sigma2_Z ** -2.5))
+    t24 = t23 * G * M_Z
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S25 = oe.contract('abc,cd->abcd', t16, t18, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t24, t17, M_Z, optimize=[(1, 2), (0, 1)])
+    t26 = t10 * M_Z
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S27 = (2/(L*d_V)) * oe.contract('ab,bc->abc', P_Z, t18, optimize=[(0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac->abc', t26, t17, M_Z, optimize=[(0, 1), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S28 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t16, t17, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t22, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t17, S25, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S29 = (-1/d_V) * oe.contract('ab,bc->abc', P_Z, t18, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,ac->abc', M_Z, t17, t26, optimize=[(0, 1), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S30 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t16, t17, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t22, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t17, S25, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac,acd,ade->abe', M_Z, t17, t26, S27, S, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,abc,acd->abd', P_Z, S27, S, optimize=[(0, 1), (0, 1)]) + oe.contract('ab,cdbe->cdae', t17, S28, optimize=[(0, 1)]) + oe.contract('ab,cbd,cde,cef->caf', t17, S29, S27, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    t1 += (1/n_batch) * oe.contract('abcd->bcd', S30, optimize=[(0,)])
     return out
 
 
@@ -1236,99 +1033,110 @@ def mse__frobenius__X__X__full(X, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = Y.shape[0]
-    blk = np.empty((L*d_V, L*d_V), dtype=Y.dtype)
-    blk[...] = 0
-    t0 = np.reshape(blk, (L, d_V, L, d_V), copy=False)
-    t1 = np.einsum('abac->abc', t0)
-    t2 = X.sum(-1, keepdims=True)
-    t3 = np.broadcast_to(t2, t2.shape[:-1] + (d_V,))
-    t4 = (-1/d_V) * t3
-    t5 = t4 + X
-    M_Z = t5
-    t6 = M_Z * M_Z
-    t7 = t6.sum(-1, keepdims=True)
-    t8 = np.broadcast_to(t7, t7.shape[:-1] + (d_V,))
-    t9 = (1/d_V) * t8
-    sigma2_Z = t9
-    t10 = (-0.5 * (sigma2_Z ** -1.5))
+    t0 = X.sum(-1, keepdims=True)
+    t1 = np.broadcast_to(t0, t0.shape[:-1] + (d_V,))
+    t2 = (-1/d_V) * t1
+    t3 = t2 + X
+    M_Z = t3
+    t4 = M_Z * M_Z
+    t5 = t4.sum(-1, keepdims=True)
+    t6 = np.broadcast_to(t5, t5.shape[:-1] + (d_V,))
+    t7 = (1/d_V) * t6
+    sigma2_Z = t7
+    t8 = (-0.5 * (sigma2_Z ** -1.5))
+    t9 = (sigma2_Z ** -0.5)
+    P_Z = t9
+    t10 = M_Z * P_Z
+    Z = t10
+    F = Z
+    t11 = (2/(L*d_V)) * F
+    t12 = (-2/(L*d_V)) * Y
+    t13 = t11 + t12
+    G = t13
+    t14 = t8 * G
+    t15 = np.ones((d_V, d_V), dtype=Y.dtype)
+    t16 = np.eye(d_V, dtype=Y.dtype)
+    t17 = np.ones((L,), dtype=Y.dtype)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S = oe.contract('ab,c->cab', t16, t17, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t15, t17, optimize=[(0, 1)])
+    t18 = t8 * G * M_Z
+    t19 = t18.sum(-1, keepdims=True)
+    t20 = np.broadcast_to(t19, t19.shape[:-1] + (d_V,))
+    t21 = (0.75 * (sigma2_Z ** -2.5))
+    t22 = t21 * G * M_Z
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S23 = oe.contract('abc,cd->abcd', t14, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t22, t15, M_Z, optimize=[(1, 2), (0, 1)])
+    t24 = t8 * M_Z
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S25 = (2/(L*d_V)) * oe.contract('ab,bc->abc', P_Z, t16, optimize=[(0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac->abc', t24, t15, M_Z, optimize=[(0, 1), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S26 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t14, t15, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t20, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t15, S23, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S27 = (-1/d_V) * oe.contract('ab,bc->abc', P_Z, t16, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,ac->abc', M_Z, t15, t24, optimize=[(0, 1), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S28 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t14, t15, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t20, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t15, S23, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac,acd,ade->abe', M_Z, t15, t24, S25, S, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,abc,acd->abd', P_Z, S25, S, optimize=[(0, 1), (0, 1)]) + oe.contract('ab,cdbe->cdae', t15, S26, optimize=[(0, 1)]) + oe.contract('ab,cbd,cde,cef->caf', t15, S27, S25, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    t29 = (n_batch**(-2)) * oe.contract('abcd,ebcd->', S28, S28, optimize=[(0, 1)])
+    t30 = np.sqrt(np.maximum(t29, 0.0))
+    return t30
+
+
+def mse__frobenius_split__X__X(X, Y):
+    """(‖H_o(X, X)‖_F, ‖H_f(X, X)‖_F, ‖H(X, X)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_V = X.shape[-1]
+    n_batch = Y.shape[0]
+    t0 = X.sum(-1, keepdims=True)
+    t1 = np.broadcast_to(t0, t0.shape[:-1] + (d_V,))
+    t2 = (-1/d_V) * t1
+    t3 = t2 + X
+    M_Z = t3
+    t4 = np.ones((d_V, d_V), dtype=Y.dtype)
+    t5 = M_Z * M_Z
+    t6 = t5.sum(-1, keepdims=True)
+    t7 = np.broadcast_to(t6, t6.shape[:-1] + (d_V,))
+    t8 = (1/d_V) * t7
+    sigma2_Z = t8
+    t9 = (-0.5 * (sigma2_Z ** -1.5))
+    t10 = t9 * M_Z
     t11 = (sigma2_Z ** -0.5)
     P_Z = t11
-    t12 = M_Z * P_Z
-    Z = t12
+    t12 = np.eye(d_V, dtype=Y.dtype)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S = (2/(L*d_V)) * oe.contract('ab,bc->abc', P_Z, t12, optimize=[(0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac->abc', t10, t4, M_Z, optimize=[(0, 1), (0, 1)])
+    t13 = np.ones((L,), dtype=Y.dtype)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S14 = oe.contract('ab,c->cab', t12, t13, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t4, t13, optimize=[(0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S15 = (-1/d_V) * oe.contract('ab,bc->abc', P_Z, t12, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,ac->abc', M_Z, t4, t10, optimize=[(0, 1), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S16 = (2/d_V) * oe.contract('ab,bc,ac,acd,ade->abe', M_Z, t4, t10, S, S14, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,abc,acd->abd', P_Z, S, S14, optimize=[(0, 1), (0, 1)]) + oe.contract('ab,cbd,cde,cef->caf', t4, S15, S, S14, optimize=[(0, 1), (0, 1), (0, 1)])
+    t17 = oe.contract('abc,abc->', S16, S16, optimize=[(0, 1)])
+    t18 = M_Z * P_Z
+    Z = t18
     F = Z
-    t13 = (2/(L*d_V)) * F
-    t14 = (-2/(L*d_V)) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = t10 * G
-    t17 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t18 = (2/(d_V*n_batch)) * M_Z
-    t1 += oe.contract('abc,cd,bd->bcd', t16, t17, t18, optimize=[(0, 1), (0, 1)])
-    t19 = (-2/(d_V**2*n_batch)) * M_Z
-    t1 += oe.contract('abc,cd,bd,de->bce', t16, t17, t19, t17, optimize=[(0, 1), (0, 1), (0, 1)])
-    t20 = np.einsum('abab->ab', t0)
-    t21 = t10 * G * M_Z
-    t22 = t21.sum(-1, keepdims=True)
-    t23 = np.broadcast_to(t22, t22.shape[:-1] + (d_V,))
-    t20 += (2/(d_V*n_batch)) * oe.contract('abc->bc', t23, optimize=[(0,)])
-    t24 = (-2/(d_V**2*n_batch)) * t23
-    t1 += oe.contract('abc,cd->bcd', t24, t17, optimize=[(0, 1)])
-    t25 = (0.75 * (sigma2_Z ** -2.5))
-    t26 = t25 * G * M_Z
-    t27 = (4/(d_V**2*n_batch)) * M_Z
-    t1 += oe.contract('ab,bc,dac,ce,ae->abe', t27, t17, t26, t17, M_Z, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
-    t28 = (-4/(d_V**3*n_batch)) * M_Z
-    t1 += oe.contract('ab,bc,dac,ce,ae,ef->abf', t28, t17, t26, t17, M_Z, t17, optimize=[(1, 2), (1, 4), (1, 3), (1, 2), (0, 1)])
-    t1 += oe.contract('ab,bc,dac->abc', t18, t17, t16, optimize=[(0, 1), (0, 1)])
-    t1 += oe.contract('ab,bc,dac,ce->abe', t19, t17, t16, t17, optimize=[(2, 3), (0, 2), (0, 1)])
-    t29 = t10 * M_Z
-    t30 = (8/(L*d_V**3)) * M_Z
-    t1 += oe.contract('ab,bc,ac,ac,cd,ad->abd', t30, t17, t29, t29, t17, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 1), (0, 1)])
-    t31 = (-8/(L*d_V**4)) * M_Z
-    t1 += oe.contract('ab,bc,ac,ac,cd,ad,de->abe', t31, t17, t29, t29, t17, M_Z, t17, optimize=[(2, 3), (2, 3), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t32 = (4/(L*d_V**2)) * M_Z
-    t1 += oe.contract('ab,bc,ac,ac->abc', t32, t17, t29, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t33 = (-4/(L*d_V**3)) * M_Z
-    t1 += oe.contract('ab,bc,ac,ac,cd->abd', t33, t17, t29, P_Z, t17, optimize=[(2, 3), (1, 3), (1, 2), (0, 1)])
-    t34 = (4/(L*d_V**2)) * P_Z
-    t1 += oe.contract('ab,ab,bc,ac->abc', t34, t29, t17, M_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t35 = (-4/(L*d_V**3)) * P_Z
-    t1 += oe.contract('ab,ab,bc,ac,cd->abd', t35, t29, t17, M_Z, t17, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
-    t36 = (2/(L*d_V)) * P_Z
-    t20 += oe.contract('ab,ab->ab', t36, P_Z, optimize=[(0, 1)])
-    t37 = (-2/(L*d_V**2)) * P_Z
-    t1 += oe.contract('ab,ab,bc->abc', t37, P_Z, t17, optimize=[(0, 1), (0, 1)])
-    t1 += oe.contract('ab,cdb,be,de->dae', t17, t16, t17, t19, optimize=[(0, 1), (0, 1), (0, 1)])
-    t38 = (2/(d_V**3*n_batch)) * M_Z
-    t1 += oe.contract('ab,cdb,be,de,ef->daf', t17, t16, t17, t38, t17, optimize=[(0, 1), (0, 3), (0, 2), (0, 1)])
-    t39 = (-2/(d_V**2*n_batch)) * t17
-    t1 += oe.contract('ab,cdb->dab', t39, t23, optimize=[(0, 1)])
-    t40 = (2/(d_V**3*n_batch)) * t17
-    t1 += oe.contract('ab,cdb,be->dae', t40, t23, t17, optimize=[(0, 1), (0, 1)])
-    t1 += oe.contract('ab,cb,bd,ecd,df,cf->caf', t17, t28, t17, t26, t17, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t41 = (4/(d_V**4*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,df,cf,fg->cag', t17, t41, t17, t26, t17, M_Z, t17, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
-    t1 += oe.contract('ab,cb,bd,ecd->cad', t17, t19, t17, t16, optimize=[(0, 1), (0, 1), (0, 1)])
-    t42 = oe.contract('ab,bc,dac,ce->aeb', t38, t17, t16, t17, optimize=[(2, 3), (0, 2), (0, 1)])
-    t1 += oe.contract('abc,dc->adb', t42, t17, optimize=[(0, 1)])
-    t1 += oe.contract('ab,cb,bd,cd,cd,de,ce->cae', t17, t31, t17, t29, t29, t17, M_Z, optimize=[(3, 4), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
-    t43 = (8/(L*d_V**5)) * M_Z
-    t1 += oe.contract('ab,cb,bd,cd,cd,de,ce,ef->caf', t17, t43, t17, t29, t29, t17, M_Z, t17, optimize=[(3, 4), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
-    t1 += oe.contract('ab,cb,bd,cd,cd->cad', t17, t33, t17, t29, P_Z, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
-    t44 = (4/(L*d_V**4)) * M_Z
-    t1 += oe.contract('ab,cb,bd,cd,cd,de->cae', t17, t44, t17, t29, P_Z, t17, optimize=[(3, 4), (0, 1), (0, 3), (1, 2), (0, 1)])
-    t1 += oe.contract('ab,cb,cb,bd,cd->cad', t17, t35, t29, t17, M_Z, optimize=[(1, 2), (0, 3), (0, 2), (0, 1)])
-    t45 = (4/(L*d_V**4)) * P_Z
-    t46 = oe.contract('ab,ab,bc,ac,cd->adb', t45, t29, t17, M_Z, t17, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
-    t1 += oe.contract('abc,dc->adb', t46, t17, optimize=[(0, 1)])
-    t1 += oe.contract('ab,cb,cb->cab', t17, t37, P_Z, optimize=[(1, 2), (0, 1)])
-    t47 = (2/(L*d_V**3)) * P_Z
-    t48 = oe.contract('ab,bc->acb', t17, t17, optimize=[(0, 1)])
-    t49 = oe.contract('ab,ab->ab', t47, P_Z, optimize=[(0, 1)])
-    t1 += oe.contract('abc,dc->dab', t48, t49, optimize=[(0, 1)])
-    nrm = np.linalg.norm(blk)
-    del blk
-    return nrm
+    t19 = (2/(L*d_V)) * F
+    t20 = (-2/(L*d_V)) * Y
+    t21 = t19 + t20
+    G = t21
+    t22 = t9 * G
+    t23 = t9 * G * M_Z
+    t24 = t23.sum(-1, keepdims=True)
+    t25 = np.broadcast_to(t24, t24.shape[:-1] + (d_V,))
+    t26 = (0.75 * (sigma2_Z ** -2.5))
+    t27 = t26 * G * M_Z
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S28 = oe.contract('abc,cd->abcd', t22, t12, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t27, t4, M_Z, optimize=[(1, 2), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S29 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t22, t4, M_Z, S14, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t25, S14, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t4, S28, S14, optimize=[(0, 1), (0, 1), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S30 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t22, t4, M_Z, S14, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t25, S14, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t4, S28, S14, optimize=[(0, 1), (0, 1), (0, 1)]) + oe.contract('ab,cdbe->cdae', t4, S29, optimize=[(0, 1)])
+    t31 = (n_batch**(-2)) * oe.contract('abcd,ebcd->', S30, S30, optimize=[(0, 1)])
+    t32 = (2/n_batch) * oe.contract('abc,dabc->', S16, S30, optimize=[(0, 1)])
+    t33 = t17 + t31 + t32
+    t34 = np.sqrt(np.maximum(t17, 0.0))
+    t35 = np.sqrt(np.maximum(t31, 0.0))
+    t36 = np.sqrt(np.maximum(t33, 0.0))
+    return (t34, t35, t36,)
 
 
 def jacobian__X(X):
@@ -1345,24 +1153,21 @@ def jacobian__X(X):
     t6 = np.broadcast_to(t5, t5.shape[:-1] + (d_V,))
     t7 = (1/d_V) * t6
     sigma2_Z = t7
-    t8 = (-0.5 * (sigma2_Z ** -1.5))
-    t9 = t8 * M_Z
-    t10 = np.ones((d_V, d_V), dtype=X.dtype)
-    t11 = (sigma2_Z ** -0.5)
-    P_Z = t11
+    t8 = (sigma2_Z ** -0.5)
+    P_Z = t8
+    t9 = np.eye(d_V, dtype=X.dtype)
+    t10 = (-0.5 * (sigma2_Z ** -1.5))
+    t11 = t10 * M_Z
+    t12 = np.ones((d_V, d_V), dtype=X.dtype)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S = oe.contract('ab,bc->abc', P_Z, t9, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t11, t12, M_Z, optimize=[(0, 1), (0, 1)])
+    t13 = np.ones((L,), dtype=X.dtype)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S14 = oe.contract('ab,c->cab', t9, t13, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t12, t13, optimize=[(0, 1)])
     out = np.zeros((L*d_V, L*d_V,), dtype=X.dtype)
-    t12 = np.reshape(out, (L, d_V, L, d_V,), copy=False)
-    t13 = np.einsum('...abac->...abc', t12)
-    t14 = t9
-    t15 = (2/d_V) * M_Z
-    np.multiply(t14[:, :, None], t15[:, None, :], out=t13)
-    t16 = np.ones((d_V,), dtype=X.dtype)
-    t17 = (-2/d_V**2) * t16
-    t13 += oe.contract('ab,ac,d->abd', t9, M_Z, t17, optimize=[(0, 1), (0, 1)])
-    t18 = np.einsum('...abab->...ab', t12)
-    t18 += P_Z
-    t19 = (-1/d_V) * t16
-    t13 += oe.contract('ab,c->abc', P_Z, t19, optimize=[(0, 1)])
+    t15 = np.reshape(out, (L, d_V, L, d_V,), copy=False)
+    t16 = np.einsum('...abac->...abc', t15)
+    t16[...] = oe.contract('abc,acd->abd', S, S14, optimize=[(0, 1)])
     return out
 
 
@@ -1380,24 +1185,19 @@ def jacobian_compact__X(X):
     t6 = np.broadcast_to(t5, t5.shape[:-1] + (d_V,))
     t7 = (1/d_V) * t6
     sigma2_Z = t7
-    t8 = (-0.5 * (sigma2_Z ** -1.5))
-    t9 = t8 * M_Z
-    t10 = np.ones((d_V, d_V), dtype=X.dtype)
-    t11 = (sigma2_Z ** -0.5)
-    P_Z = t11
-    J = np.empty((L, d_V, d_V,), dtype=X.dtype)
-    t12 = np.reshape(J, (L, d_V, d_V,), copy=False)
-    t13 = t9
-    t14 = (2/d_V) * M_Z
-    np.multiply(t13[:, :, None], t14[:, None, :], out=t12)
-    t15 = np.ones((d_V,), dtype=X.dtype)
-    t16 = (-2/d_V**2) * t15
-    t12 += oe.contract('ab,ac,d->abd', t9, M_Z, t16, optimize=[(0, 1), (0, 1)])
-    t17 = (-1/d_V) * t15
-    t12 += oe.contract('ab,c->abc', P_Z, t17, optimize=[(0, 1)])
-    t18 = np.einsum('...abb->...ab', t12)
-    t18 += P_Z
-    return (J,)
+    t8 = (sigma2_Z ** -0.5)
+    P_Z = t8
+    t9 = np.eye(d_V, dtype=X.dtype)
+    t10 = (-0.5 * (sigma2_Z ** -1.5))
+    t11 = t10 * M_Z
+    t12 = np.ones((d_V, d_V), dtype=X.dtype)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S = oe.contract('ab,bc->abc', P_Z, t9, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t11, t12, M_Z, optimize=[(0, 1), (0, 1)])
+    t13 = np.ones((L,), dtype=X.dtype)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S14 = oe.contract('ab,c->cab', t9, t13, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t12, t13, optimize=[(0, 1)])
+    J = oe.contract('abc,acd->abd', S, S14, optimize=[(0, 1)])
+    return (J, )
 
 
 def ce__loss(X, Y):
@@ -1502,68 +1302,23 @@ def ce__hessian__outer(X, Y):
     Z = t15
     t16 = np.exp(Z - Z.max(-1, keepdims=True))
     A = t16 / t16.sum(-1, keepdims=True)
-    t17 = (-0.5 * (sigma2_Z ** -1.5))
-    t18 = t17 * M_Z
-    t19 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t20 = (2/(L*d_V*n_batch)) * A
-    t2 += oe.contract('abc,bc,bc,cd,bd->bcd', t14, t20, t18, t19, M_Z, optimize=[(1, 2), (0, 2), (0, 1), (0, 1)])
-    t21 = (-2/(L*d_V**2*n_batch)) * A
-    t2 += oe.contract('abc,bc,bc,cd,bd,de->bce', t14, t21, t18, t19, M_Z, t19, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
-    t22 = np.einsum('abab->ab', t1)
-    t23 = (1/(L*n_batch)) * A
-    t22 += oe.contract('abc,bc,bc->bc', t14, t23, P_Z, optimize=[(0, 1), (0, 1)])
-    t24 = (-1/(L*d_V*n_batch)) * A
-    t2 += oe.contract('abc,bc,bc,cd->bcd', t14, t24, P_Z, t19, optimize=[(0, 1), (0, 2), (0, 1)])
-    t25 = (-2/(L*d_V*n_batch)) * A
-    t2 += oe.contract('abc,bc,bd,bd,de,be->bce', t14, t25, A, t18, t19, M_Z, optimize=[(2, 3), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t26 = (2/(L*d_V**2*n_batch)) * A
-    t2 += oe.contract('abc,bc,bd,bd,de,be,ef->bcf', t14, t26, A, t18, t19, M_Z, t19, optimize=[(2, 3), (2, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t27 = (-1/(L*n_batch)) * A
-    t2 += oe.contract('abc,bc,bd,bd->bcd', t14, t27, A, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t28 = (1/(L*d_V*n_batch)) * A
-    t2 += oe.contract('abc,bc,bd,bd,de->bce', t14, t28, A, P_Z, t19, optimize=[(2, 3), (2, 3), (0, 1), (0, 1)])
-    t29 = t17 * t4 * M_Z
-    t30 = (4/(L*d_V**2*n_batch)) * M_Z
-    t2 += oe.contract('ab,bc,dac,ac,ac,ce,ae->abe', t30, t19, t29, A, t18, t19, M_Z, optimize=[(3, 4), (2, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
-    t31 = (-4/(L*d_V**3*n_batch)) * M_Z
-    t2 += oe.contract('ab,bc,dac,ac,ac,ce,ae,ef->abf', t31, t19, t29, A, t18, t19, M_Z, t19, optimize=[(3, 4), (2, 6), (2, 3), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t32 = (2/(L*d_V*n_batch)) * M_Z
-    t2 += oe.contract('ab,bc,dac,ac,ac->abc', t32, t19, t29, A, P_Z, optimize=[(3, 4), (0, 2), (0, 1), (0, 1)])
-    t33 = (-2/(L*d_V**2*n_batch)) * M_Z
-    t2 += oe.contract('ab,bc,dac,ac,ac,ce->abe', t33, t19, t29, A, P_Z, t19, optimize=[(3, 4), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t34 = (-4/(L*d_V**2*n_batch)) * M_Z
-    t2 += oe.contract('ab,bc,dac,ac,ae,ae,ef,af->abf', t34, t19, t29, A, A, t18, t19, M_Z, optimize=[(4, 5), (2, 3), (2, 4), (2, 4), (1, 2), (0, 2), (0, 1)])
-    t35 = (4/(L*d_V**3*n_batch)) * M_Z
-    t2 += oe.contract('ab,bc,dac,ac,ae,ae,ef,af,fg->abg', t35, t19, t29, A, A, t18, t19, M_Z, t19, optimize=[(4, 5), (2, 3), (2, 5), (2, 5), (1, 3), (0, 3), (0, 1), (0, 1)])
-    t36 = (-2/(L*d_V*n_batch)) * M_Z
-    t2 += oe.contract('ab,bc,dac,ac,ae,ae->abe', t36, t19, t29, A, A, P_Z, optimize=[(4, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t37 = (2/(L*d_V**2*n_batch)) * M_Z
-    t2 += oe.contract('ab,bc,dac,ac,ae,ae,ef->abf', t37, t19, t29, A, A, P_Z, t19, optimize=[(4, 5), (2, 3), (2, 3), (1, 2), (0, 2), (0, 1)])
-    t2 += oe.contract('ab,cdb,db,db,be,de->dae', t19, t14, t21, t18, t19, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 2), (0, 1)])
-    t38 = (2/(L*d_V**3*n_batch)) * A
-    t39 = oe.contract('abc,bc,bc,cd,bd,de->bec', t14, t38, t18, t19, M_Z, t19, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
-    t2 += oe.contract('abc,dc->adb', t39, t19, optimize=[(0, 1)])
-    t2 += oe.contract('ab,cdb,db,db->dab', t19, t14, t24, P_Z, optimize=[(1, 2), (1, 2), (0, 1)])
-    t40 = (1/(L*d_V**2*n_batch)) * A
-    t2 += oe.contract('ab,cdb,db,db,be->dae', t19, t14, t40, P_Z, t19, optimize=[(2, 3), (1, 3), (0, 2), (0, 1)])
-    t2 += oe.contract('ab,cdb,db,de,de,ef,df->daf', t19, t14, t26, A, t18, t19, M_Z, optimize=[(3, 4), (1, 2), (1, 3), (1, 3), (0, 1), (0, 1)])
-    t41 = (-2/(L*d_V**3*n_batch)) * A
-    t2 += oe.contract('ab,cdb,db,de,de,ef,df,fg->dag', t19, t14, t41, A, t18, t19, M_Z, t19, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
-    t2 += oe.contract('ab,cdb,db,de,de->dae', t19, t14, t28, A, P_Z, optimize=[(3, 4), (1, 2), (0, 2), (0, 1)])
-    t42 = (-1/(L*d_V**2*n_batch)) * A
-    t2 += oe.contract('ab,cdb,db,de,de,ef->daf', t19, t14, t42, A, P_Z, t19, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t2 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf->caf', t19, t31, t19, t29, A, t18, t19, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
-    t43 = (4/(L*d_V**4*n_batch)) * M_Z
-    t2 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf,fg->cag', t19, t43, t19, t29, A, t18, t19, M_Z, t19, optimize=[(4, 5), (3, 7), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
-    t2 += oe.contract('ab,cb,bd,ecd,cd,cd->cad', t19, t33, t19, t29, A, P_Z, optimize=[(4, 5), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t44 = (2/(L*d_V**3*n_batch)) * M_Z
-    t2 += oe.contract('ab,cb,bd,ecd,cd,cd,df->caf', t19, t44, t19, t29, A, P_Z, t19, optimize=[(4, 5), (3, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
-    t2 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg->cag', t19, t35, t19, t29, A, A, t18, t19, M_Z, optimize=[(5, 6), (3, 4), (3, 5), (3, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t45 = (-4/(L*d_V**4*n_batch)) * M_Z
-    t2 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,gh->cah', t19, t45, t19, t29, A, A, t18, t19, M_Z, t19, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
-    t2 += oe.contract('ab,cb,bd,ecd,cd,cf,cf->caf', t19, t37, t19, t29, A, A, P_Z, optimize=[(5, 6), (3, 4), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t46 = (-2/(L*d_V**3*n_batch)) * M_Z
-    t2 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg->cag', t19, t46, t19, t29, A, A, P_Z, t19, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
+    t17 = np.eye(d_V, dtype=Y.dtype)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('ab,bc->abc', A, t17, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A, A, optimize=[(0, 1)])
+    t18 = (-0.5 * (sigma2_Z ** -1.5))
+    t19 = t18 * M_Z
+    t20 = np.ones((d_V, d_V), dtype=Y.dtype)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S = oe.contract('ab,bc->abc', P_Z, t17, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t19, t20, M_Z, optimize=[(0, 1), (0, 1)])
+    t21 = np.ones((L,), dtype=Y.dtype)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S22 = oe.contract('ab,c->cab', t17, t21, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t20, t21, optimize=[(0, 1)])
+    t23 = t18 * t4 * M_Z
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S24 = (-1/(L*d_V)) * oe.contract('abc,cd->abcd', t14, t17, optimize=[(0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,bc,dac->dabc', M_Z, t20, t23, optimize=[(0, 1), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S25 = (1/L) * oe.contract('abc,bcd,bde,bef->abcf', t14, dA, S, S22, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac,ace,aef,afg->dabg', M_Z, t20, t23, dA, S, S22, optimize=[(3, 4), (3, 4), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,cdbe,def,dfg,dgh->cdah', t20, S24, dA, S, S22, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)])
+    t2 += (1/n_batch) * oe.contract('abcd->bcd', S25, optimize=[(0,)])
     return H
 
 
@@ -1625,94 +1380,44 @@ def ce__frobenius_all__outer(X, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = Y.shape[0]
-    blk = np.empty((L*d_V, L*d_V), dtype=Y.dtype)
-    blk[...] = 0
-    t0 = np.reshape(blk, (L, d_V, L, d_V), copy=False)
-    t1 = np.einsum('abac->abc', t0)
-    t2 = Y.sum(-1, keepdims=True)
+    t0 = Y.sum(-1, keepdims=True)
+    t1 = np.broadcast_to(t0, t0.shape[:-1] + (d_V,))
+    t2 = X.sum(-1, keepdims=True)
     t3 = np.broadcast_to(t2, t2.shape[:-1] + (d_V,))
-    t4 = X.sum(-1, keepdims=True)
-    t5 = np.broadcast_to(t4, t4.shape[:-1] + (d_V,))
-    t6 = (-1/d_V) * t5
-    t7 = t6 + X
-    M_Z = t7
-    t8 = M_Z * M_Z
-    t9 = t8.sum(-1, keepdims=True)
-    t10 = np.broadcast_to(t9, t9.shape[:-1] + (d_V,))
-    t11 = (1/d_V) * t10
-    sigma2_Z = t11
-    t12 = (sigma2_Z ** -0.5)
-    P_Z = t12
-    t13 = t3 * P_Z
-    t14 = M_Z * P_Z
-    Z = t14
-    t15 = np.exp(Z - Z.max(-1, keepdims=True))
-    A = t15 / t15.sum(-1, keepdims=True)
-    t16 = (-0.5 * (sigma2_Z ** -1.5))
-    t17 = t16 * M_Z
-    t18 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t19 = (2/(L*d_V*n_batch)) * A
-    t1 += oe.contract('abc,bc,bc,cd,bd->bcd', t13, t19, t17, t18, M_Z, optimize=[(1, 2), (0, 2), (0, 1), (0, 1)])
-    t20 = (-2/(L*d_V**2*n_batch)) * A
-    t1 += oe.contract('abc,bc,bc,cd,bd,de->bce', t13, t20, t17, t18, M_Z, t18, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
-    t21 = np.einsum('abab->ab', t0)
-    t22 = (1/(L*n_batch)) * A
-    t21 += oe.contract('abc,bc,bc->bc', t13, t22, P_Z, optimize=[(0, 1), (0, 1)])
-    t23 = (-1/(L*d_V*n_batch)) * A
-    t1 += oe.contract('abc,bc,bc,cd->bcd', t13, t23, P_Z, t18, optimize=[(0, 1), (0, 2), (0, 1)])
-    t24 = (-2/(L*d_V*n_batch)) * A
-    t1 += oe.contract('abc,bc,bd,bd,de,be->bce', t13, t24, A, t17, t18, M_Z, optimize=[(2, 3), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t25 = (2/(L*d_V**2*n_batch)) * A
-    t1 += oe.contract('abc,bc,bd,bd,de,be,ef->bcf', t13, t25, A, t17, t18, M_Z, t18, optimize=[(2, 3), (2, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t26 = (-1/(L*n_batch)) * A
-    t1 += oe.contract('abc,bc,bd,bd->bcd', t13, t26, A, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t27 = (1/(L*d_V*n_batch)) * A
-    t1 += oe.contract('abc,bc,bd,bd,de->bce', t13, t27, A, P_Z, t18, optimize=[(2, 3), (2, 3), (0, 1), (0, 1)])
-    t28 = t16 * t3 * M_Z
-    t29 = (4/(L*d_V**2*n_batch)) * M_Z
-    t1 += oe.contract('ab,bc,dac,ac,ac,ce,ae->abe', t29, t18, t28, A, t17, t18, M_Z, optimize=[(3, 4), (2, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
-    t30 = (-4/(L*d_V**3*n_batch)) * M_Z
-    t1 += oe.contract('ab,bc,dac,ac,ac,ce,ae,ef->abf', t30, t18, t28, A, t17, t18, M_Z, t18, optimize=[(3, 4), (2, 6), (2, 3), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t31 = (2/(L*d_V*n_batch)) * M_Z
-    t1 += oe.contract('ab,bc,dac,ac,ac->abc', t31, t18, t28, A, P_Z, optimize=[(3, 4), (0, 2), (0, 1), (0, 1)])
-    t32 = (-2/(L*d_V**2*n_batch)) * M_Z
-    t1 += oe.contract('ab,bc,dac,ac,ac,ce->abe', t32, t18, t28, A, P_Z, t18, optimize=[(3, 4), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t33 = (-4/(L*d_V**2*n_batch)) * M_Z
-    t1 += oe.contract('ab,bc,dac,ac,ae,ae,ef,af->abf', t33, t18, t28, A, A, t17, t18, M_Z, optimize=[(4, 5), (2, 3), (2, 4), (2, 4), (1, 2), (0, 2), (0, 1)])
-    t34 = (4/(L*d_V**3*n_batch)) * M_Z
-    t1 += oe.contract('ab,bc,dac,ac,ae,ae,ef,af,fg->abg', t34, t18, t28, A, A, t17, t18, M_Z, t18, optimize=[(4, 5), (2, 3), (2, 5), (2, 5), (1, 3), (0, 3), (0, 1), (0, 1)])
-    t35 = (-2/(L*d_V*n_batch)) * M_Z
-    t1 += oe.contract('ab,bc,dac,ac,ae,ae->abe', t35, t18, t28, A, A, P_Z, optimize=[(4, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t36 = (2/(L*d_V**2*n_batch)) * M_Z
-    t1 += oe.contract('ab,bc,dac,ac,ae,ae,ef->abf', t36, t18, t28, A, A, P_Z, t18, optimize=[(4, 5), (2, 3), (2, 3), (1, 2), (0, 2), (0, 1)])
-    t1 += oe.contract('ab,cdb,db,db,be,de->dae', t18, t13, t20, t17, t18, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 2), (0, 1)])
-    t37 = (2/(L*d_V**3*n_batch)) * A
-    t38 = oe.contract('abc,bc,bc,cd,bd,de->bec', t13, t37, t17, t18, M_Z, t18, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
-    t1 += oe.contract('abc,dc->adb', t38, t18, optimize=[(0, 1)])
-    t1 += oe.contract('ab,cdb,db,db->dab', t18, t13, t23, P_Z, optimize=[(1, 2), (1, 2), (0, 1)])
-    t39 = (1/(L*d_V**2*n_batch)) * A
-    t1 += oe.contract('ab,cdb,db,db,be->dae', t18, t13, t39, P_Z, t18, optimize=[(2, 3), (1, 3), (0, 2), (0, 1)])
-    t1 += oe.contract('ab,cdb,db,de,de,ef,df->daf', t18, t13, t25, A, t17, t18, M_Z, optimize=[(3, 4), (1, 2), (1, 3), (1, 3), (0, 1), (0, 1)])
-    t40 = (-2/(L*d_V**3*n_batch)) * A
-    t1 += oe.contract('ab,cdb,db,de,de,ef,df,fg->dag', t18, t13, t40, A, t17, t18, M_Z, t18, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
-    t1 += oe.contract('ab,cdb,db,de,de->dae', t18, t13, t27, A, P_Z, optimize=[(3, 4), (1, 2), (0, 2), (0, 1)])
-    t41 = (-1/(L*d_V**2*n_batch)) * A
-    t1 += oe.contract('ab,cdb,db,de,de,ef->daf', t18, t13, t41, A, P_Z, t18, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf->caf', t18, t30, t18, t28, A, t17, t18, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
-    t42 = (4/(L*d_V**4*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf,fg->cag', t18, t42, t18, t28, A, t17, t18, M_Z, t18, optimize=[(4, 5), (3, 7), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cd->cad', t18, t32, t18, t28, A, P_Z, optimize=[(4, 5), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t43 = (2/(L*d_V**3*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df->caf', t18, t43, t18, t28, A, P_Z, t18, optimize=[(4, 5), (3, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg->cag', t18, t34, t18, t28, A, A, t17, t18, M_Z, optimize=[(5, 6), (3, 4), (3, 5), (3, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t44 = (-4/(L*d_V**4*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,gh->cah', t18, t44, t18, t28, A, A, t17, t18, M_Z, t18, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf->caf', t18, t36, t18, t28, A, A, P_Z, optimize=[(5, 6), (3, 4), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t45 = (-2/(L*d_V**3*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg->cag', t18, t45, t18, t28, A, A, P_Z, t18, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
-    nrm = np.linalg.norm(blk)
-    del blk
-    return (nrm,)
+    t4 = (-1/d_V) * t3
+    t5 = t4 + X
+    M_Z = t5
+    t6 = M_Z * M_Z
+    t7 = t6.sum(-1, keepdims=True)
+    t8 = np.broadcast_to(t7, t7.shape[:-1] + (d_V,))
+    t9 = (1/d_V) * t8
+    sigma2_Z = t9
+    t10 = (sigma2_Z ** -0.5)
+    P_Z = t10
+    t11 = t1 * P_Z
+    t12 = M_Z * P_Z
+    Z = t12
+    t13 = np.exp(Z - Z.max(-1, keepdims=True))
+    A = t13 / t13.sum(-1, keepdims=True)
+    t14 = np.eye(d_V, dtype=Y.dtype)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('ab,bc->abc', A, t14, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A, A, optimize=[(0, 1)])
+    t15 = (-0.5 * (sigma2_Z ** -1.5))
+    t16 = t15 * M_Z
+    t17 = np.ones((d_V, d_V), dtype=Y.dtype)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S = oe.contract('ab,bc->abc', P_Z, t14, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t16, t17, M_Z, optimize=[(0, 1), (0, 1)])
+    t18 = np.ones((L,), dtype=Y.dtype)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S19 = oe.contract('ab,c->cab', t14, t18, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t17, t18, optimize=[(0, 1)])
+    t20 = t15 * t1 * M_Z
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S21 = (-1/(L*d_V)) * oe.contract('abc,cd->abcd', t11, t14, optimize=[(0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,bc,dac->dabc', M_Z, t17, t20, optimize=[(0, 1), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S22 = (1/L) * oe.contract('abc,bcd,bde,bef->abcf', t11, dA, S, S19, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac,ace,aef,afg->dabg', M_Z, t17, t20, dA, S, S19, optimize=[(3, 4), (3, 4), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,cdbe,def,dfg,dgh->cdah', t17, S21, dA, S, S19, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)])
+    t23 = (n_batch**(-2)) * oe.contract('abcd,ebcd->', S22, S22, optimize=[(0, 1)])
+    t24 = np.sqrt(np.maximum(t23, 0.0))
+    return (t24,)
 
 
 def ce__diag__X__outer(X, Y):
@@ -1741,66 +1446,23 @@ def ce__diag__X__outer(X, Y):
     Z = t13
     t14 = np.exp(Z - Z.max(-1, keepdims=True))
     A = t14 / t14.sum(-1, keepdims=True)
-    t15 = (-0.5 * (sigma2_Z ** -1.5))
-    t16 = t15 * M_Z
-    t17 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t18 = (2/(L*d_V*n_batch)) * A
-    t0[...] = oe.contract('abc,bc,bc,cc,bc->bc', t12, t18, t16, t17, M_Z, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t19 = (-2/(L*d_V**2*n_batch)) * A
-    t0 += oe.contract('abc,bc,bc,cd,bd,dc->bc', t12, t19, t16, t17, M_Z, t17, optimize=[(1, 2), (1, 3), (1, 3), (1, 2), (0, 1)])
-    t20 = (1/(L*n_batch)) * A
-    t0 += oe.contract('abc,bc,bc->bc', t12, t20, P_Z, optimize=[(0, 1), (0, 1)])
-    t21 = (-1/(L*d_V*n_batch)) * A
-    t0 += oe.contract('abc,bc,bc,cc->bc', t12, t21, P_Z, t17, optimize=[(0, 1), (0, 1), (0, 1)])
-    t22 = (-2/(L*d_V*n_batch)) * A
-    t0 += oe.contract('abc,bc,bd,bd,dc,bc->bc', t12, t22, A, t16, t17, M_Z, optimize=[(2, 3), (1, 3), (1, 2), (1, 2), (0, 1)])
-    t23 = (2/(L*d_V**2*n_batch)) * A
-    t0 += oe.contract('abc,bc,bd,bd,de,be,ec->bc', t12, t23, A, t16, t17, M_Z, t17, optimize=[(2, 3), (2, 5), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t24 = (-1/(L*n_batch)) * A
-    t0 += oe.contract('abc,bc,bc,bc->bc', t12, t24, A, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t25 = (1/(L*d_V*n_batch)) * A
-    t0 += oe.contract('abc,bc,bd,bd,dc->bc', t12, t25, A, P_Z, t17, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)])
-    t26 = t15 * t2 * M_Z
-    t27 = (4/(L*d_V**2*n_batch)) * M_Z
-    t0 += oe.contract('ab,bc,dac,ac,ac,cb,ab->ab', t27, t17, t26, A, t16, t17, M_Z, optimize=[(3, 4), (1, 3), (0, 2), (0, 1), (0, 2), (0, 1)])
-    t28 = (-4/(L*d_V**3*n_batch)) * M_Z
-    t0 += oe.contract('ab,bc,dac,ac,ac,ce,ae,eb->ab', t28, t17, t26, A, t16, t17, M_Z, t17, optimize=[(3, 4), (2, 6), (2, 3), (2, 4), (1, 3), (1, 2), (0, 1)])
-    t29 = (2/(L*d_V*n_batch)) * M_Z
-    t0 += oe.contract('ab,bb,cab,ab,ab->ab', t29, t17, t26, A, P_Z, optimize=[(0, 3), (2, 3), (0, 1), (0, 1)])
-    t30 = (-2/(L*d_V**2*n_batch)) * M_Z
-    t0 += oe.contract('ab,bc,dac,ac,ac,cb->ab', t30, t17, t26, A, P_Z, t17, optimize=[(3, 4), (1, 3), (1, 2), (1, 2), (0, 1)])
-    t31 = (-4/(L*d_V**2*n_batch)) * M_Z
-    t0 += oe.contract('ab,bc,dac,ac,ae,ae,eb,ab->ab', t31, t17, t26, A, A, t16, t17, M_Z, optimize=[(4, 5), (0, 5), (1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
-    t32 = (4/(L*d_V**3*n_batch)) * M_Z
-    t0 += oe.contract('ab,bc,dac,ac,ae,ae,ef,af,fb->ab', t32, t17, t26, A, A, t16, t17, M_Z, t17, optimize=[(4, 5), (2, 3), (2, 5), (2, 5), (1, 3), (0, 3), (0, 1), (0, 1)])
-    t33 = (-2/(L*d_V*n_batch)) * M_Z
-    t0 += oe.contract('ab,bc,dac,ac,ab,ab->ab', t33, t17, t26, A, A, P_Z, optimize=[(0, 4), (3, 4), (1, 2), (0, 2), (0, 1)])
-    t34 = (2/(L*d_V**2*n_batch)) * M_Z
-    t0 += oe.contract('ab,bc,dac,ac,ae,ae,eb->ab', t34, t17, t26, A, A, P_Z, t17, optimize=[(4, 5), (2, 3), (2, 3), (0, 3), (0, 1), (0, 1)])
-    t0 += oe.contract('ab,cdb,db,db,ba,da->da', t17, t12, t19, t16, t17, M_Z, optimize=[(2, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
-    t35 = (2/(L*d_V**3*n_batch)) * A
-    t0 += oe.contract('ab,cdb,db,db,be,de,ea->da', t17, t12, t35, t16, t17, M_Z, t17, optimize=[(2, 3), (1, 5), (1, 2), (1, 3), (0, 2), (0, 1)])
-    t0 += oe.contract('aa,bca,ca,ca->ca', t17, t12, t21, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t36 = (1/(L*d_V**2*n_batch)) * A
-    t0 += oe.contract('ab,cdb,db,db,ba->da', t17, t12, t36, P_Z, t17, optimize=[(2, 3), (0, 2), (0, 1), (0, 1)])
-    t0 += oe.contract('ab,cdb,db,de,de,ea,da->da', t17, t12, t23, A, t16, t17, M_Z, optimize=[(3, 4), (1, 2), (1, 3), (1, 3), (0, 1), (0, 1)])
-    t37 = (-2/(L*d_V**3*n_batch)) * A
-    t0 += oe.contract('ab,cdb,db,de,de,ef,df,fa->da', t17, t12, t37, A, t16, t17, M_Z, t17, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
-    t0 += oe.contract('ab,cdb,db,da,da->da', t17, t12, t25, A, P_Z, optimize=[(3, 4), (1, 2), (0, 2), (0, 1)])
-    t38 = (-1/(L*d_V**2*n_batch)) * A
-    t0 += oe.contract('ab,cdb,db,de,de,ea->da', t17, t12, t38, A, P_Z, t17, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t0 += oe.contract('ab,cb,bd,ecd,cd,cd,da,ca->ca', t17, t28, t17, t26, A, t16, t17, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (0, 3), (1, 2), (0, 1)])
-    t39 = (4/(L*d_V**4*n_batch)) * M_Z
-    t0 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf,fa->ca', t17, t39, t17, t26, A, t16, t17, M_Z, t17, optimize=[(4, 5), (3, 7), (0, 1), (0, 5), (3, 4), (0, 3), (1, 2), (0, 1)])
-    t0 += oe.contract('ab,cb,ba,dca,ca,ca->ca', t17, t30, t17, t26, A, P_Z, optimize=[(0, 2), (2, 3), (0, 2), (1, 2), (0, 1)])
-    t40 = (2/(L*d_V**3*n_batch)) * M_Z
-    t0 += oe.contract('ab,cb,bd,ecd,cd,cd,da->ca', t17, t40, t17, t26, A, P_Z, t17, optimize=[(4, 5), (3, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
-    t0 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fa,ca->ca', t17, t32, t17, t26, A, A, t16, t17, M_Z, optimize=[(5, 6), (3, 4), (3, 5), (3, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t41 = (-4/(L*d_V**4*n_batch)) * M_Z
-    t0 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,ga->ca', t17, t41, t17, t26, A, A, t16, t17, M_Z, t17, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
-    t0 += oe.contract('ab,cb,bd,ecd,cd,ca,ca->ca', t17, t34, t17, t26, A, A, P_Z, optimize=[(5, 6), (3, 4), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t42 = (-2/(L*d_V**3*n_batch)) * M_Z
-    t0 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fa->ca', t17, t42, t17, t26, A, A, P_Z, t17, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
+    t15 = np.eye(d_V, dtype=Y.dtype)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('ab,bc->abc', A, t15, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A, A, optimize=[(0, 1)])
+    t16 = (-0.5 * (sigma2_Z ** -1.5))
+    t17 = t16 * M_Z
+    t18 = np.ones((d_V, d_V), dtype=Y.dtype)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S = oe.contract('ab,bc->abc', P_Z, t15, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t17, t18, M_Z, optimize=[(0, 1), (0, 1)])
+    t19 = np.ones((L,), dtype=Y.dtype)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S20 = oe.contract('ab,c->cab', t15, t19, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t18, t19, optimize=[(0, 1)])
+    t21 = t16 * t2 * M_Z
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S22 = (-1/(L*d_V)) * oe.contract('abc,cd->abcd', t12, t15, optimize=[(0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,bc,dac->dabc', M_Z, t18, t21, optimize=[(0, 1), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S23 = (1/L) * oe.contract('abc,bcd,bde,bef->abcf', t12, dA, S, S20, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac,ace,aef,afg->dabg', M_Z, t18, t21, dA, S, S20, optimize=[(3, 4), (3, 4), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,cdbe,def,dfg,dgh->cdah', t18, S22, dA, S, S20, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)])
+    t0[...] = (1/n_batch) * oe.contract('abcc->bc', S23, optimize=[(0,)])
     return out
 
 
@@ -1828,11 +1490,23 @@ def ce__trace__X__outer(X, Y):
     Z = t12
     t13 = np.exp(Z - Z.max(-1, keepdims=True))
     A = t13 / t13.sum(-1, keepdims=True)
-    t14 = (-0.5 * (sigma2_Z ** -1.5))
-    t15 = t14 * M_Z
-    t16 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t17 = t14 * t1 * M_Z
-    return (2/(L*d_V*n_batch)) * oe.contract('abc,bc,bc,cc,bc->', t11, A, t15, t16, M_Z, optimize=[(1, 2), (2, 3), (0, 2), (0, 1)]) + (-2/(L*d_V**2*n_batch)) * oe.contract('abc,bc,bc,cd,bd,dc->', t11, A, t15, t16, M_Z, t16, optimize=[(1, 2), (1, 3), (0, 2), (0, 1), (0, 1)]) + (1/(L*n_batch)) * oe.contract('abc,bc,bc->', t11, A, P_Z, optimize=[(0, 1), (0, 1)]) + (-1/(L*d_V*n_batch)) * oe.contract('abc,bc,bc,cc->', t11, A, P_Z, t16, optimize=[(0, 1), (0, 2), (0, 1)]) + (-2/(L*d_V*n_batch)) * oe.contract('abc,bc,bd,bd,dc,bc->', t11, A, A, t15, t16, M_Z, optimize=[(2, 3), (1, 3), (1, 2), (1, 2), (0, 1)]) + (2/(L*d_V**2*n_batch)) * oe.contract('abc,bc,bd,bd,de,be,ec->', t11, A, A, t15, t16, M_Z, t16, optimize=[(2, 3), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (-1/(L*n_batch)) * oe.contract('abc,bc,bc,bc->', t11, A, A, P_Z, optimize=[(0, 1), (0, 1), (0, 1)]) + (1/(L*d_V*n_batch)) * oe.contract('abc,bc,bd,bd,dc->', t11, A, A, P_Z, t16, optimize=[(2, 3), (0, 1), (0, 1), (0, 1)]) + (4/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ac,cb,ab->', M_Z, t16, t17, A, t15, t16, M_Z, optimize=[(3, 4), (1, 3), (0, 2), (0, 1), (0, 1), (0, 1)]) + (-4/(L*d_V**3*n_batch)) * oe.contract('ab,bc,dac,ac,ac,ce,ae,eb->', M_Z, t16, t17, A, t15, t16, M_Z, t16, optimize=[(3, 4), (2, 6), (0, 1), (2, 4), (0, 3), (0, 2), (0, 1)]) + (2/(L*d_V*n_batch)) * oe.contract('ab,bb,cab,ab,ab->', M_Z, t16, t17, A, P_Z, optimize=[(0, 3), (2, 3), (1, 2), (0, 1)]) + (-2/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ac,cb->', M_Z, t16, t17, A, P_Z, t16, optimize=[(3, 4), (1, 3), (1, 2), (0, 1), (0, 1)]) + (-4/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae,eb,ab->', M_Z, t16, t17, A, A, t15, t16, M_Z, optimize=[(4, 5), (0, 5), (1, 2), (1, 2), (1, 3), (0, 1), (0, 1)]) + (4/(L*d_V**3*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae,ef,af,fb->', M_Z, t16, t17, A, A, t15, t16, M_Z, t16, optimize=[(4, 5), (2, 3), (2, 5), (2, 5), (1, 3), (0, 3), (0, 1), (0, 1)]) + (-2/(L*d_V*n_batch)) * oe.contract('ab,bc,dac,ac,ab,ab->', M_Z, t16, t17, A, A, P_Z, optimize=[(0, 4), (3, 4), (1, 2), (0, 1), (0, 1)]) + (2/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae,eb->', M_Z, t16, t17, A, A, P_Z, t16, optimize=[(4, 5), (2, 3), (2, 3), (0, 3), (0, 1), (0, 1)]) + (-2/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,db,ba,da->', t16, t11, A, t15, t16, M_Z, optimize=[(2, 3), (0, 2), (0, 2), (0, 1), (0, 1)]) + (2/(L*d_V**3*n_batch)) * oe.contract('ab,cdb,db,db,be,de,ea->', t16, t11, A, t15, t16, M_Z, t16, optimize=[(2, 3), (0, 4), (1, 4), (0, 2), (0, 1), (0, 1)]) + (-1/(L*d_V*n_batch)) * oe.contract('aa,bca,ca,ca->', t16, t11, A, P_Z, optimize=[(0, 1), (0, 1), (0, 1)]) + (1/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,db,ba->', t16, t11, A, P_Z, t16, optimize=[(2, 3), (0, 2), (0, 1), (0, 1)]) + (2/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,de,de,ea,da->', t16, t11, A, A, t15, t16, M_Z, optimize=[(3, 4), (1, 2), (1, 3), (1, 3), (0, 1), (0, 1)]) + (-2/(L*d_V**3*n_batch)) * oe.contract('ab,cdb,db,de,de,ef,df,fa->', t16, t11, A, A, t15, t16, M_Z, t16, optimize=[(3, 4), (1, 2), (0, 3), (0, 2), (0, 3), (0, 1), (0, 1)]) + (1/(L*d_V*n_batch)) * oe.contract('ab,cdb,db,da,da->', t16, t11, A, A, P_Z, optimize=[(3, 4), (1, 2), (0, 1), (0, 1)]) + (-1/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,de,de,ea->', t16, t11, A, A, P_Z, t16, optimize=[(3, 4), (1, 2), (0, 1), (0, 2), (0, 1)]) + (-4/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd,da,ca->', t16, M_Z, t16, t17, A, t15, t16, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (0, 3), (0, 2), (0, 1)]) + (4/(L*d_V**4*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd,df,cf,fa->', t16, M_Z, t16, t17, A, t15, t16, M_Z, t16, optimize=[(4, 5), (0, 6), (2, 5), (0, 1), (2, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L*d_V**2*n_batch)) * oe.contract('ab,cb,ba,dca,ca,ca->', t16, M_Z, t16, t17, A, P_Z, optimize=[(0, 2), (2, 3), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd,da->', t16, M_Z, t16, t17, A, P_Z, t16, optimize=[(4, 5), (0, 4), (1, 4), (1, 2), (0, 1), (0, 1)]) + (4/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf,fa,ca->', t16, M_Z, t16, t17, A, A, t15, t16, M_Z, optimize=[(5, 6), (3, 4), (3, 5), (3, 5), (2, 3), (1, 3), (0, 1), (0, 1)]) + (-4/(L*d_V**4*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,ga->', t16, M_Z, t16, t17, A, A, t15, t16, M_Z, t16, optimize=[(5, 6), (3, 4), (0, 5), (2, 4), (2, 5), (1, 2), (0, 3), (0, 1), (0, 1)]) + (2/(L*d_V**2*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,ca,ca->', t16, M_Z, t16, t17, A, A, P_Z, optimize=[(5, 6), (3, 4), (0, 3), (0, 3), (0, 1), (0, 1)]) + (-2/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf,fa->', t16, M_Z, t16, t17, A, A, P_Z, t16, optimize=[(5, 6), (3, 4), (0, 3), (1, 3), (0, 3), (0, 1), (0, 1)])
+    t14 = np.eye(d_V, dtype=Y.dtype)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('ab,bc->abc', A, t14, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A, A, optimize=[(0, 1)])
+    t15 = (-0.5 * (sigma2_Z ** -1.5))
+    t16 = t15 * M_Z
+    t17 = np.ones((d_V, d_V), dtype=Y.dtype)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S = oe.contract('ab,bc->abc', P_Z, t14, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t16, t17, M_Z, optimize=[(0, 1), (0, 1)])
+    t18 = np.ones((L,), dtype=Y.dtype)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S19 = oe.contract('ab,c->cab', t14, t18, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t17, t18, optimize=[(0, 1)])
+    t20 = t15 * t1 * M_Z
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S21 = (-1/(L*d_V)) * oe.contract('abc,cd->abcd', t11, t14, optimize=[(0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,bc,dac->dabc', M_Z, t17, t20, optimize=[(0, 1), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S22 = (1/L) * oe.contract('abc,bcd,bde,bef->abcf', t11, dA, S, S19, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac,ace,aef,afg->dabg', M_Z, t17, t20, dA, S, S19, optimize=[(3, 4), (3, 4), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,cdbe,def,dfg,dgh->cdah', t17, S21, dA, S, S19, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)])
+    return (1/n_batch) * oe.contract('abcc->', S22, optimize=[(0,)])
 
 
 def ce__block__X__X__outer(X, Y):
@@ -1863,68 +1537,23 @@ def ce__block__X__X__outer(X, Y):
     Z = t14
     t15 = np.exp(Z - Z.max(-1, keepdims=True))
     A = t15 / t15.sum(-1, keepdims=True)
-    t16 = (-0.5 * (sigma2_Z ** -1.5))
-    t17 = t16 * M_Z
-    t18 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t19 = (2/(L*d_V*n_batch)) * A
-    t1 += oe.contract('abc,bc,bc,cd,bd->bcd', t13, t19, t17, t18, M_Z, optimize=[(1, 2), (0, 2), (0, 1), (0, 1)])
-    t20 = (-2/(L*d_V**2*n_batch)) * A
-    t1 += oe.contract('abc,bc,bc,cd,bd,de->bce', t13, t20, t17, t18, M_Z, t18, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
-    t21 = np.einsum('abab->ab', t0)
-    t22 = (1/(L*n_batch)) * A
-    t21 += oe.contract('abc,bc,bc->bc', t13, t22, P_Z, optimize=[(0, 1), (0, 1)])
-    t23 = (-1/(L*d_V*n_batch)) * A
-    t1 += oe.contract('abc,bc,bc,cd->bcd', t13, t23, P_Z, t18, optimize=[(0, 1), (0, 2), (0, 1)])
-    t24 = (-2/(L*d_V*n_batch)) * A
-    t1 += oe.contract('abc,bc,bd,bd,de,be->bce', t13, t24, A, t17, t18, M_Z, optimize=[(2, 3), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t25 = (2/(L*d_V**2*n_batch)) * A
-    t1 += oe.contract('abc,bc,bd,bd,de,be,ef->bcf', t13, t25, A, t17, t18, M_Z, t18, optimize=[(2, 3), (2, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t26 = (-1/(L*n_batch)) * A
-    t1 += oe.contract('abc,bc,bd,bd->bcd', t13, t26, A, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t27 = (1/(L*d_V*n_batch)) * A
-    t1 += oe.contract('abc,bc,bd,bd,de->bce', t13, t27, A, P_Z, t18, optimize=[(2, 3), (2, 3), (0, 1), (0, 1)])
-    t28 = t16 * t3 * M_Z
-    t29 = (4/(L*d_V**2*n_batch)) * M_Z
-    t1 += oe.contract('ab,bc,dac,ac,ac,ce,ae->abe', t29, t18, t28, A, t17, t18, M_Z, optimize=[(3, 4), (2, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
-    t30 = (-4/(L*d_V**3*n_batch)) * M_Z
-    t1 += oe.contract('ab,bc,dac,ac,ac,ce,ae,ef->abf', t30, t18, t28, A, t17, t18, M_Z, t18, optimize=[(3, 4), (2, 6), (2, 3), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t31 = (2/(L*d_V*n_batch)) * M_Z
-    t1 += oe.contract('ab,bc,dac,ac,ac->abc', t31, t18, t28, A, P_Z, optimize=[(3, 4), (0, 2), (0, 1), (0, 1)])
-    t32 = (-2/(L*d_V**2*n_batch)) * M_Z
-    t1 += oe.contract('ab,bc,dac,ac,ac,ce->abe', t32, t18, t28, A, P_Z, t18, optimize=[(3, 4), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t33 = (-4/(L*d_V**2*n_batch)) * M_Z
-    t1 += oe.contract('ab,bc,dac,ac,ae,ae,ef,af->abf', t33, t18, t28, A, A, t17, t18, M_Z, optimize=[(4, 5), (2, 3), (2, 4), (2, 4), (1, 2), (0, 2), (0, 1)])
-    t34 = (4/(L*d_V**3*n_batch)) * M_Z
-    t1 += oe.contract('ab,bc,dac,ac,ae,ae,ef,af,fg->abg', t34, t18, t28, A, A, t17, t18, M_Z, t18, optimize=[(4, 5), (2, 3), (2, 5), (2, 5), (1, 3), (0, 3), (0, 1), (0, 1)])
-    t35 = (-2/(L*d_V*n_batch)) * M_Z
-    t1 += oe.contract('ab,bc,dac,ac,ae,ae->abe', t35, t18, t28, A, A, P_Z, optimize=[(4, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t36 = (2/(L*d_V**2*n_batch)) * M_Z
-    t1 += oe.contract('ab,bc,dac,ac,ae,ae,ef->abf', t36, t18, t28, A, A, P_Z, t18, optimize=[(4, 5), (2, 3), (2, 3), (1, 2), (0, 2), (0, 1)])
-    t1 += oe.contract('ab,cdb,db,db,be,de->dae', t18, t13, t20, t17, t18, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 2), (0, 1)])
-    t37 = (2/(L*d_V**3*n_batch)) * A
-    t38 = oe.contract('abc,bc,bc,cd,bd,de->bec', t13, t37, t17, t18, M_Z, t18, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
-    t1 += oe.contract('abc,dc->adb', t38, t18, optimize=[(0, 1)])
-    t1 += oe.contract('ab,cdb,db,db->dab', t18, t13, t23, P_Z, optimize=[(1, 2), (1, 2), (0, 1)])
-    t39 = (1/(L*d_V**2*n_batch)) * A
-    t1 += oe.contract('ab,cdb,db,db,be->dae', t18, t13, t39, P_Z, t18, optimize=[(2, 3), (1, 3), (0, 2), (0, 1)])
-    t1 += oe.contract('ab,cdb,db,de,de,ef,df->daf', t18, t13, t25, A, t17, t18, M_Z, optimize=[(3, 4), (1, 2), (1, 3), (1, 3), (0, 1), (0, 1)])
-    t40 = (-2/(L*d_V**3*n_batch)) * A
-    t1 += oe.contract('ab,cdb,db,de,de,ef,df,fg->dag', t18, t13, t40, A, t17, t18, M_Z, t18, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
-    t1 += oe.contract('ab,cdb,db,de,de->dae', t18, t13, t27, A, P_Z, optimize=[(3, 4), (1, 2), (0, 2), (0, 1)])
-    t41 = (-1/(L*d_V**2*n_batch)) * A
-    t1 += oe.contract('ab,cdb,db,de,de,ef->daf', t18, t13, t41, A, P_Z, t18, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf->caf', t18, t30, t18, t28, A, t17, t18, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
-    t42 = (4/(L*d_V**4*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf,fg->cag', t18, t42, t18, t28, A, t17, t18, M_Z, t18, optimize=[(4, 5), (3, 7), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cd->cad', t18, t32, t18, t28, A, P_Z, optimize=[(4, 5), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t43 = (2/(L*d_V**3*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df->caf', t18, t43, t18, t28, A, P_Z, t18, optimize=[(4, 5), (3, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg->cag', t18, t34, t18, t28, A, A, t17, t18, M_Z, optimize=[(5, 6), (3, 4), (3, 5), (3, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t44 = (-4/(L*d_V**4*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,gh->cah', t18, t44, t18, t28, A, A, t17, t18, M_Z, t18, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf->caf', t18, t36, t18, t28, A, A, P_Z, optimize=[(5, 6), (3, 4), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t45 = (-2/(L*d_V**3*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg->cag', t18, t45, t18, t28, A, A, P_Z, t18, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
+    t16 = np.eye(d_V, dtype=Y.dtype)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('ab,bc->abc', A, t16, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A, A, optimize=[(0, 1)])
+    t17 = (-0.5 * (sigma2_Z ** -1.5))
+    t18 = t17 * M_Z
+    t19 = np.ones((d_V, d_V), dtype=Y.dtype)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S = oe.contract('ab,bc->abc', P_Z, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t18, t19, M_Z, optimize=[(0, 1), (0, 1)])
+    t20 = np.ones((L,), dtype=Y.dtype)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S21 = oe.contract('ab,c->cab', t16, t20, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t19, t20, optimize=[(0, 1)])
+    t22 = t17 * t3 * M_Z
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S23 = (-1/(L*d_V)) * oe.contract('abc,cd->abcd', t13, t16, optimize=[(0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,bc,dac->dabc', M_Z, t19, t22, optimize=[(0, 1), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S24 = (1/L) * oe.contract('abc,bcd,bde,bef->abcf', t13, dA, S, S21, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac,ace,aef,afg->dabg', M_Z, t19, t22, dA, S, S21, optimize=[(3, 4), (3, 4), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,cdbe,def,dfg,dgh->cdah', t19, S23, dA, S, S21, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)])
+    t1 += (1/n_batch) * oe.contract('abcd->bcd', S24, optimize=[(0,)])
     return out
 
 
@@ -1933,94 +1562,44 @@ def ce__frobenius__X__X__outer(X, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = Y.shape[0]
-    blk = np.empty((L*d_V, L*d_V), dtype=Y.dtype)
-    blk[...] = 0
-    t0 = np.reshape(blk, (L, d_V, L, d_V), copy=False)
-    t1 = np.einsum('abac->abc', t0)
-    t2 = Y.sum(-1, keepdims=True)
+    t0 = Y.sum(-1, keepdims=True)
+    t1 = np.broadcast_to(t0, t0.shape[:-1] + (d_V,))
+    t2 = X.sum(-1, keepdims=True)
     t3 = np.broadcast_to(t2, t2.shape[:-1] + (d_V,))
-    t4 = X.sum(-1, keepdims=True)
-    t5 = np.broadcast_to(t4, t4.shape[:-1] + (d_V,))
-    t6 = (-1/d_V) * t5
-    t7 = t6 + X
-    M_Z = t7
-    t8 = M_Z * M_Z
-    t9 = t8.sum(-1, keepdims=True)
-    t10 = np.broadcast_to(t9, t9.shape[:-1] + (d_V,))
-    t11 = (1/d_V) * t10
-    sigma2_Z = t11
-    t12 = (sigma2_Z ** -0.5)
-    P_Z = t12
-    t13 = t3 * P_Z
-    t14 = M_Z * P_Z
-    Z = t14
-    t15 = np.exp(Z - Z.max(-1, keepdims=True))
-    A = t15 / t15.sum(-1, keepdims=True)
-    t16 = (-0.5 * (sigma2_Z ** -1.5))
-    t17 = t16 * M_Z
-    t18 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t19 = (2/(L*d_V*n_batch)) * A
-    t1 += oe.contract('abc,bc,bc,cd,bd->bcd', t13, t19, t17, t18, M_Z, optimize=[(1, 2), (0, 2), (0, 1), (0, 1)])
-    t20 = (-2/(L*d_V**2*n_batch)) * A
-    t1 += oe.contract('abc,bc,bc,cd,bd,de->bce', t13, t20, t17, t18, M_Z, t18, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
-    t21 = np.einsum('abab->ab', t0)
-    t22 = (1/(L*n_batch)) * A
-    t21 += oe.contract('abc,bc,bc->bc', t13, t22, P_Z, optimize=[(0, 1), (0, 1)])
-    t23 = (-1/(L*d_V*n_batch)) * A
-    t1 += oe.contract('abc,bc,bc,cd->bcd', t13, t23, P_Z, t18, optimize=[(0, 1), (0, 2), (0, 1)])
-    t24 = (-2/(L*d_V*n_batch)) * A
-    t1 += oe.contract('abc,bc,bd,bd,de,be->bce', t13, t24, A, t17, t18, M_Z, optimize=[(2, 3), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t25 = (2/(L*d_V**2*n_batch)) * A
-    t1 += oe.contract('abc,bc,bd,bd,de,be,ef->bcf', t13, t25, A, t17, t18, M_Z, t18, optimize=[(2, 3), (2, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t26 = (-1/(L*n_batch)) * A
-    t1 += oe.contract('abc,bc,bd,bd->bcd', t13, t26, A, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t27 = (1/(L*d_V*n_batch)) * A
-    t1 += oe.contract('abc,bc,bd,bd,de->bce', t13, t27, A, P_Z, t18, optimize=[(2, 3), (2, 3), (0, 1), (0, 1)])
-    t28 = t16 * t3 * M_Z
-    t29 = (4/(L*d_V**2*n_batch)) * M_Z
-    t1 += oe.contract('ab,bc,dac,ac,ac,ce,ae->abe', t29, t18, t28, A, t17, t18, M_Z, optimize=[(3, 4), (2, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
-    t30 = (-4/(L*d_V**3*n_batch)) * M_Z
-    t1 += oe.contract('ab,bc,dac,ac,ac,ce,ae,ef->abf', t30, t18, t28, A, t17, t18, M_Z, t18, optimize=[(3, 4), (2, 6), (2, 3), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t31 = (2/(L*d_V*n_batch)) * M_Z
-    t1 += oe.contract('ab,bc,dac,ac,ac->abc', t31, t18, t28, A, P_Z, optimize=[(3, 4), (0, 2), (0, 1), (0, 1)])
-    t32 = (-2/(L*d_V**2*n_batch)) * M_Z
-    t1 += oe.contract('ab,bc,dac,ac,ac,ce->abe', t32, t18, t28, A, P_Z, t18, optimize=[(3, 4), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t33 = (-4/(L*d_V**2*n_batch)) * M_Z
-    t1 += oe.contract('ab,bc,dac,ac,ae,ae,ef,af->abf', t33, t18, t28, A, A, t17, t18, M_Z, optimize=[(4, 5), (2, 3), (2, 4), (2, 4), (1, 2), (0, 2), (0, 1)])
-    t34 = (4/(L*d_V**3*n_batch)) * M_Z
-    t1 += oe.contract('ab,bc,dac,ac,ae,ae,ef,af,fg->abg', t34, t18, t28, A, A, t17, t18, M_Z, t18, optimize=[(4, 5), (2, 3), (2, 5), (2, 5), (1, 3), (0, 3), (0, 1), (0, 1)])
-    t35 = (-2/(L*d_V*n_batch)) * M_Z
-    t1 += oe.contract('ab,bc,dac,ac,ae,ae->abe', t35, t18, t28, A, A, P_Z, optimize=[(4, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t36 = (2/(L*d_V**2*n_batch)) * M_Z
-    t1 += oe.contract('ab,bc,dac,ac,ae,ae,ef->abf', t36, t18, t28, A, A, P_Z, t18, optimize=[(4, 5), (2, 3), (2, 3), (1, 2), (0, 2), (0, 1)])
-    t1 += oe.contract('ab,cdb,db,db,be,de->dae', t18, t13, t20, t17, t18, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 2), (0, 1)])
-    t37 = (2/(L*d_V**3*n_batch)) * A
-    t38 = oe.contract('abc,bc,bc,cd,bd,de->bec', t13, t37, t17, t18, M_Z, t18, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
-    t1 += oe.contract('abc,dc->adb', t38, t18, optimize=[(0, 1)])
-    t1 += oe.contract('ab,cdb,db,db->dab', t18, t13, t23, P_Z, optimize=[(1, 2), (1, 2), (0, 1)])
-    t39 = (1/(L*d_V**2*n_batch)) * A
-    t1 += oe.contract('ab,cdb,db,db,be->dae', t18, t13, t39, P_Z, t18, optimize=[(2, 3), (1, 3), (0, 2), (0, 1)])
-    t1 += oe.contract('ab,cdb,db,de,de,ef,df->daf', t18, t13, t25, A, t17, t18, M_Z, optimize=[(3, 4), (1, 2), (1, 3), (1, 3), (0, 1), (0, 1)])
-    t40 = (-2/(L*d_V**3*n_batch)) * A
-    t1 += oe.contract('ab,cdb,db,de,de,ef,df,fg->dag', t18, t13, t40, A, t17, t18, M_Z, t18, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
-    t1 += oe.contract('ab,cdb,db,de,de->dae', t18, t13, t27, A, P_Z, optimize=[(3, 4), (1, 2), (0, 2), (0, 1)])
-    t41 = (-1/(L*d_V**2*n_batch)) * A
-    t1 += oe.contract('ab,cdb,db,de,de,ef->daf', t18, t13, t41, A, P_Z, t18, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf->caf', t18, t30, t18, t28, A, t17, t18, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
-    t42 = (4/(L*d_V**4*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf,fg->cag', t18, t42, t18, t28, A, t17, t18, M_Z, t18, optimize=[(4, 5), (3, 7), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cd->cad', t18, t32, t18, t28, A, P_Z, optimize=[(4, 5), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t43 = (2/(L*d_V**3*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df->caf', t18, t43, t18, t28, A, P_Z, t18, optimize=[(4, 5), (3, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg->cag', t18, t34, t18, t28, A, A, t17, t18, M_Z, optimize=[(5, 6), (3, 4), (3, 5), (3, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t44 = (-4/(L*d_V**4*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,gh->cah', t18, t44, t18, t28, A, A, t17, t18, M_Z, t18, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf->caf', t18, t36, t18, t28, A, A, P_Z, optimize=[(5, 6), (3, 4), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t45 = (-2/(L*d_V**3*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg->cag', t18, t45, t18, t28, A, A, P_Z, t18, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
-    nrm = np.linalg.norm(blk)
-    del blk
-    return nrm
+    t4 = (-1/d_V) * t3
+    t5 = t4 + X
+    M_Z = t5
+    t6 = M_Z * M_Z
+    t7 = t6.sum(-1, keepdims=True)
+    t8 = np.broadcast_to(t7, t7.shape[:-1] + (d_V,))
+    t9 = (1/d_V) * t8
+    sigma2_Z = t9
+    t10 = (sigma2_Z ** -0.5)
+    P_Z = t10
+    t11 = t1 * P_Z
+    t12 = M_Z * P_Z
+    Z = t12
+    t13 = np.exp(Z - Z.max(-1, keepdims=True))
+    A = t13 / t13.sum(-1, keepdims=True)
+    t14 = np.eye(d_V, dtype=Y.dtype)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('ab,bc->abc', A, t14, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A, A, optimize=[(0, 1)])
+    t15 = (-0.5 * (sigma2_Z ** -1.5))
+    t16 = t15 * M_Z
+    t17 = np.ones((d_V, d_V), dtype=Y.dtype)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S = oe.contract('ab,bc->abc', P_Z, t14, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t16, t17, M_Z, optimize=[(0, 1), (0, 1)])
+    t18 = np.ones((L,), dtype=Y.dtype)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S19 = oe.contract('ab,c->cab', t14, t18, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t17, t18, optimize=[(0, 1)])
+    t20 = t15 * t1 * M_Z
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S21 = (-1/(L*d_V)) * oe.contract('abc,cd->abcd', t11, t14, optimize=[(0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,bc,dac->dabc', M_Z, t17, t20, optimize=[(0, 1), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S22 = (1/L) * oe.contract('abc,bcd,bde,bef->abcf', t11, dA, S, S19, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac,ace,aef,afg->dabg', M_Z, t17, t20, dA, S, S19, optimize=[(3, 4), (3, 4), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,cdbe,def,dfg,dgh->cdah', t17, S21, dA, S, S19, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)])
+    t23 = (n_batch**(-2)) * oe.contract('abcd,ebcd->', S22, S22, optimize=[(0, 1)])
+    t24 = np.sqrt(np.maximum(t23, 0.0))
+    return t24
 
 
 def ce__hessian__functional(X, Y):
@@ -2060,38 +1639,22 @@ def ce__hessian__functional(X, Y):
     G = t20
     t21 = t11 * G
     t22 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t23 = (2/(d_V*n_batch)) * M_Z
-    t2 += oe.contract('abc,cd,bd->bcd', t21, t22, t23, optimize=[(0, 1), (0, 1)])
-    t24 = (-2/(d_V**2*n_batch)) * M_Z
-    t2 += oe.contract('abc,cd,bd,de->bce', t21, t22, t24, t22, optimize=[(0, 1), (0, 1), (0, 1)])
-    t25 = np.einsum('abab->ab', t1)
-    t26 = t11 * G * M_Z
-    t27 = t26.sum(-1, keepdims=True)
-    t28 = np.broadcast_to(t27, t27.shape[:-1] + (d_V,))
-    t25 += (2/(d_V*n_batch)) * oe.contract('abc->bc', t28, optimize=[(0,)])
-    t29 = (-2/(d_V**2*n_batch)) * t28
-    t2 += oe.contract('abc,cd->bcd', t29, t22, optimize=[(0, 1)])
-    t30 = (0.75 * (sigma2_Z ** -2.5))
-    t31 = t30 * G * M_Z
-    t32 = (4/(d_V**2*n_batch)) * M_Z
-    t2 += oe.contract('ab,bc,dac,ce,ae->abe', t32, t22, t31, t22, M_Z, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
-    t33 = (-4/(d_V**3*n_batch)) * M_Z
-    t2 += oe.contract('ab,bc,dac,ce,ae,ef->abf', t33, t22, t31, t22, M_Z, t22, optimize=[(1, 2), (1, 4), (1, 3), (1, 2), (0, 1)])
-    t2 += oe.contract('ab,bc,dac->abc', t23, t22, t21, optimize=[(0, 1), (0, 1)])
-    t2 += oe.contract('ab,bc,dac,ce->abe', t24, t22, t21, t22, optimize=[(2, 3), (0, 2), (0, 1)])
-    t2 += oe.contract('ab,cdb,be,de->dae', t22, t21, t22, t24, optimize=[(0, 1), (0, 1), (0, 1)])
-    t34 = (2/(d_V**3*n_batch)) * M_Z
-    t2 += oe.contract('ab,cdb,be,de,ef->daf', t22, t21, t22, t34, t22, optimize=[(0, 1), (0, 3), (0, 2), (0, 1)])
-    t35 = (-2/(d_V**2*n_batch)) * t22
-    t2 += oe.contract('ab,cdb->dab', t35, t28, optimize=[(0, 1)])
-    t36 = (2/(d_V**3*n_batch)) * t22
-    t2 += oe.contract('ab,cdb,be->dae', t36, t28, t22, optimize=[(0, 1), (0, 1)])
-    t2 += oe.contract('ab,cb,bd,ecd,df,cf->caf', t22, t33, t22, t31, t22, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t37 = (4/(d_V**4*n_batch)) * M_Z
-    t2 += oe.contract('ab,cb,bd,ecd,df,cf,fg->cag', t22, t37, t22, t31, t22, M_Z, t22, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
-    t2 += oe.contract('ab,cb,bd,ecd->cad', t22, t24, t22, t21, optimize=[(0, 1), (0, 1), (0, 1)])
-    t38 = oe.contract('ab,bc,dac,ce->aeb', t34, t22, t21, t22, optimize=[(2, 3), (0, 2), (0, 1)])
-    t2 += oe.contract('abc,dc->adb', t38, t22, optimize=[(0, 1)])
+    t23 = np.eye(d_V, dtype=Y.dtype)
+    t24 = np.ones((L,), dtype=Y.dtype)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S = oe.contract('ab,c->cab', t23, t24, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t22, t24, optimize=[(0, 1)])
+    t25 = t11 * G * M_Z
+    t26 = t25.sum(-1, keepdims=True)
+    t27 = np.broadcast_to(t26, t26.shape[:-1] + (d_V,))
+    t28 = (0.75 * (sigma2_Z ** -2.5))
+    t29 = t28 * G * M_Z
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S30 = oe.contract('abc,cd->abcd', t21, t23, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t29, t22, M_Z, optimize=[(1, 2), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S31 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t21, t22, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t27, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t22, S30, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S32 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t21, t22, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t27, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t22, S30, S, optimize=[(0, 1), (0, 1), (0, 1)]) + oe.contract('ab,cdbe->cdae', t22, S31, optimize=[(0, 1)])
+    t2 += (1/n_batch) * oe.contract('abcd->bcd', S32, optimize=[(0,)])
     return H
 
 
@@ -2190,14 +1753,24 @@ def ce__frobenius_all__functional(X, Y):
     G = t17
     t18 = t8 * G
     t19 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t20 = t8 * G * M_Z
-    t21 = t20.sum(-1, keepdims=True)
-    t22 = np.broadcast_to(t21, t21.shape[:-1] + (d_V,))
-    t23 = (0.75 * (sigma2_Z ** -2.5))
-    t24 = t23 * G * M_Z
-    t25 = (4/(d_V**2*n_batch**2)) * oe.contract('abc,cd,bd,ebc,cd,bd->', t18, t19, M_Z, t18, t19, M_Z, optimize=[(1, 4), (1, 3), (0, 1), (0, 1), (0, 1)]) + (-8/(d_V**3*n_batch**2)) * oe.contract('abc,cd,bd,ebc,cf,bf,fd->', t18, t19, M_Z, t18, t19, M_Z, t19, optimize=[(0, 3), (0, 1), (2, 4), (0, 3), (0, 2), (0, 1)]) + (8/(d_V**2*n_batch**2)) * oe.contract('abc,cc,bc,dbc->', t18, t19, M_Z, t22, optimize=[(0, 2), (0, 2), (0, 1)]) + (-8/(d_V**3*n_batch**2)) * oe.contract('abc,cd,bd,ebc,cd->', t18, t19, M_Z, t22, t19, optimize=[(1, 4), (0, 2), (0, 1), (0, 1)]) + (16/(d_V**3*n_batch**2)) * oe.contract('abc,cd,bd,bc,ce,fbe,ed,bd->', t18, t19, M_Z, M_Z, t19, t24, t19, M_Z, optimize=[(2, 7), (0, 2), (1, 2), (1, 4), (0, 3), (0, 2), (0, 1)]) + (-16/(d_V**4*n_batch**2)) * oe.contract('abc,cd,bd,bc,ce,fbe,eg,bg,gd->', t18, t19, M_Z, M_Z, t19, t24, t19, M_Z, t19, optimize=[(0, 3), (2, 3), (2, 6), (2, 5), (2, 4), (0, 3), (0, 2), (0, 1)]) + (8/(d_V**2*n_batch**2)) * oe.contract('abc,cd,bd,bc,cd,ebd->', t18, t19, M_Z, M_Z, t19, t18, optimize=[(1, 4), (0, 2), (0, 1), (0, 1), (0, 1)]) + (-8/(d_V**3*n_batch**2)) * oe.contract('abc,cd,bd,bc,ce,fbe,ed->', t18, t19, M_Z, M_Z, t19, t18, t19, optimize=[(0, 3), (2, 3), (2, 4), (0, 3), (0, 2), (0, 1)]) + (-8/(d_V**3*n_batch**2)) * oe.contract('abc,cd,bd,ce,fbe,ed,bd->', t18, t19, M_Z, t19, t18, t19, M_Z, optimize=[(2, 6), (0, 1), (0, 4), (0, 3), (0, 2), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('abc,cd,bd,ce,fbe,eg,bg,gd->', t18, t19, M_Z, t19, t18, t19, M_Z, t19, optimize=[(0, 1), (1, 6), (1, 5), (1, 4), (2, 3), (0, 2), (0, 1)]) + (-8/(d_V**3*n_batch**2)) * oe.contract('abc,cd,bd,cd,ebd->', t18, t19, M_Z, t19, t22, optimize=[(1, 3), (0, 3), (0, 2), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('abc,cd,bd,ce,fbe,ed->', t18, t19, M_Z, t19, t22, t19, optimize=[(0, 1), (1, 4), (1, 3), (1, 2), (0, 1)]) + (-16/(d_V**4*n_batch**2)) * oe.contract('abc,cd,bd,ce,be,ef,gbf,fd,bd->', t18, t19, M_Z, t19, M_Z, t19, t24, t19, M_Z, optimize=[(2, 8), (0, 1), (0, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (16/(d_V**5*n_batch**2)) * oe.contract('abc,cd,bd,ce,be,ef,gbf,fh,bh,hd->', t18, t19, M_Z, t19, M_Z, t19, t24, t19, M_Z, t19, optimize=[(0, 1), (1, 8), (0, 7), (5, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-8/(d_V**3*n_batch**2)) * oe.contract('abc,cd,bd,ce,be,ed,fbd->', t18, t19, M_Z, t19, M_Z, t19, t18, optimize=[(2, 6), (0, 1), (0, 4), (1, 3), (0, 2), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('abc,cd,bd,ce,be,ef,gbf,fd->', t18, t19, M_Z, t19, M_Z, t19, t18, t19, optimize=[(0, 1), (1, 6), (0, 5), (3, 4), (1, 3), (1, 2), (0, 1)]) + (4/(d_V**4*n_batch**2)) * oe.contract('abc,cd,bd,de,fbc,cg,bg,ge->', t18, t19, M_Z, t19, t18, t19, M_Z, t19, optimize=[(0, 4), (2, 5), (0, 1), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-8/(d_V**3*n_batch**2)) * oe.contract('abc,cd,bd,dc,ebc->', t18, t19, M_Z, t19, t22, optimize=[(1, 3), (0, 2), (0, 1), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('abc,cd,bd,de,fbc,ce->', t18, t19, M_Z, t19, t22, t19, optimize=[(0, 4), (2, 3), (0, 3), (0, 2), (0, 1)]) + (-16/(d_V**4*n_batch**2)) * oe.contract('abc,cd,bd,de,bc,cf,gbf,fe,be->', t18, t19, M_Z, t19, M_Z, t19, t24, t19, M_Z, optimize=[(0, 4), (3, 4), (3, 6), (3, 5), (2, 4), (0, 3), (0, 2), (0, 1)]) + (16/(d_V**5*n_batch**2)) * oe.contract('abc,cd,bd,de,bc,cf,gbf,fh,bh,he->', t18, t19, M_Z, t19, M_Z, t19, t24, t19, M_Z, t19, optimize=[(0, 4), (2, 7), (2, 3), (2, 6), (2, 5), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-8/(d_V**3*n_batch**2)) * oe.contract('abc,cd,bd,de,bc,ce,fbe->', t18, t19, M_Z, t19, M_Z, t19, t18, optimize=[(0, 4), (2, 4), (2, 4), (0, 3), (0, 2), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('abc,cd,bd,de,bc,cf,gbf,fe->', t18, t19, M_Z, t19, M_Z, t19, t18, t19, optimize=[(0, 4), (2, 5), (2, 3), (3, 4), (0, 3), (0, 2), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('abc,cd,bd,de,cf,gbf,fe,be->', t18, t19, M_Z, t19, t19, t18, t19, M_Z, optimize=[(0, 1), (2, 6), (2, 5), (2, 4), (1, 3), (0, 2), (0, 1)]) + (-8/(d_V**5*n_batch**2)) * oe.contract('abc,cd,bd,de,cf,gbf,fh,bh,he->', t18, t19, M_Z, t19, t19, t18, t19, M_Z, t19, optimize=[(3, 8), (0, 1), (1, 6), (1, 5), (1, 4), (2, 3), (0, 2), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('abc,cd,bd,de,ce,fbe->', t18, t19, M_Z, t19, t19, t22, optimize=[(0, 1), (2, 4), (1, 3), (1, 2), (0, 1)]) + (-8/(d_V**5*n_batch**2)) * oe.contract('abc,cd,bd,de,cf,gbf,fe->', t18, t19, M_Z, t19, t19, t22, t19, optimize=[(3, 6), (0, 1), (1, 4), (1, 3), (1, 2), (0, 1)]) + (16/(d_V**5*n_batch**2)) * oe.contract('abc,cd,bd,de,cf,bf,fg,hbg,ge,be->', t18, t19, M_Z, t19, t19, M_Z, t19, t24, t19, M_Z, optimize=[(0, 1), (2, 8), (0, 7), (0, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-16/(d_V**6*n_batch**2)) * oe.contract('abc,cd,bd,de,cf,bf,fg,hbg,gi,bi,ie->', t18, t19, M_Z, t19, t19, M_Z, t19, t24, t19, M_Z, t19, optimize=[(3, 10), (0, 1), (1, 8), (0, 7), (5, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('abc,cd,bd,de,cf,bf,fe,gbe->', t18, t19, M_Z, t19, t19, M_Z, t19, t18, optimize=[(0, 1), (2, 6), (0, 5), (0, 4), (1, 3), (1, 2), (0, 1)]) + (-8/(d_V**5*n_batch**2)) * oe.contract('abc,cd,bd,de,cf,bf,fg,hbg,ge->', t18, t19, M_Z, t19, t19, M_Z, t19, t18, t19, optimize=[(3, 8), (0, 1), (1, 6), (0, 5), (3, 4), (1, 3), (1, 2), (0, 1)]) + (4/(d_V**2*n_batch**2)) * oe.contract('abc,dbc->', t22, t22, optimize=[(0, 1)]) + (-8/(d_V**3*n_batch**2)) * oe.contract('abc,dbc,cc->', t22, t22, t19, optimize=[(0, 2), (0, 1)]) + (16/(d_V**3*n_batch**2)) * oe.contract('abc,bc,cd,ebd,dc,bc->', t22, M_Z, t19, t24, t19, M_Z, optimize=[(2, 4), (1, 3), (1, 2), (1, 2), (0, 1)]) + (-16/(d_V**4*n_batch**2)) * oe.contract('abc,bc,cd,ebd,df,bf,fc->', t22, M_Z, t19, t24, t19, M_Z, t19, optimize=[(0, 1), (0, 1), (0, 4), (1, 3), (0, 2), (0, 1)]) + (8/(d_V**2*n_batch**2)) * oe.contract('abc,bc,cc,dbc->', t22, M_Z, t19, t18, optimize=[(1, 3), (0, 2), (0, 1)]) + (-8/(d_V**3*n_batch**2)) * oe.contract('abc,bc,cd,ebd,dc->', t22, M_Z, t19, t18, t19, optimize=[(2, 4), (2, 3), (1, 2), (0, 1)]) + (-8/(d_V**3*n_batch**2)) * oe.contract('abc,cd,ebd,dc,bc->', t22, t19, t18, t19, M_Z, optimize=[(1, 3), (1, 3), (1, 2), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('abc,cd,ebd,df,bf,fc->', t22, t19, t18, t19, M_Z, t19, optimize=[(0, 1), (0, 4), (0, 3), (1, 2), (0, 1)]) + (-8/(d_V**3*n_batch**2)) * oe.contract('abc,cc,dbc->', t22, t19, t22, optimize=[(0, 1), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('abc,cd,ebd,dc->', t22, t19, t22, t19, optimize=[(0, 1), (1, 2), (0, 1)]) + (-16/(d_V**4*n_batch**2)) * oe.contract('abc,cd,bd,de,fbe,ec,bc->', t22, t19, M_Z, t19, t24, t19, M_Z, optimize=[(0, 6), (2, 3), (2, 4), (0, 3), (0, 2), (0, 1)]) + (16/(d_V**5*n_batch**2)) * oe.contract('abc,cd,bd,de,fbe,eg,bg,gc->', t22, t19, M_Z, t19, t24, t19, M_Z, t19, optimize=[(0, 1), (5, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-8/(d_V**3*n_batch**2)) * oe.contract('abc,cd,bd,dc,ebc->', t22, t19, M_Z, t19, t18, optimize=[(1, 3), (0, 2), (0, 1), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('abc,cd,bd,de,fbe,ec->', t22, t19, M_Z, t19, t18, t19, optimize=[(0, 1), (3, 4), (1, 3), (1, 2), (0, 1)]) + (4/(d_V**4*n_batch**2)) * oe.contract('abc,cd,ebc,cd->', t22, t19, t22, t19, optimize=[(1, 3), (0, 2), (0, 1)]) + (-16/(d_V**4*n_batch**2)) * oe.contract('abc,cd,bc,ce,fbe,ed,bd->', t22, t19, M_Z, t19, t24, t19, M_Z, optimize=[(0, 2), (1, 2), (1, 4), (0, 3), (0, 2), (0, 1)]) + (16/(d_V**5*n_batch**2)) * oe.contract('abc,cd,bc,ce,fbe,eg,bg,gd->', t22, t19, M_Z, t19, t24, t19, M_Z, t19, optimize=[(0, 2), (0, 5), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)]) + (-8/(d_V**3*n_batch**2)) * oe.contract('abc,cd,bc,cd,ebd->', t22, t19, M_Z, t19, t18, optimize=[(1, 3), (2, 3), (1, 2), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('abc,cd,bc,ce,fbe,ed->', t22, t19, M_Z, t19, t18, t19, optimize=[(0, 2), (0, 3), (0, 3), (0, 2), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('abc,cd,ce,fbe,ed,bd->', t22, t19, t19, t18, t19, M_Z, optimize=[(0, 1), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-8/(d_V**5*n_batch**2)) * oe.contract('abc,cd,ce,fbe,eg,bg,gd->', t22, t19, t19, t18, t19, M_Z, t19, optimize=[(1, 6), (0, 2), (0, 4), (0, 3), (1, 2), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('abc,cd,cd,ebd->', t22, t19, t19, t22, optimize=[(0, 1), (0, 2), (0, 1)]) + (-8/(d_V**5*n_batch**2)) * oe.contract('abc,cd,ce,fbe,ed->', t22, t19, t19, t22, t19, optimize=[(0, 3), (1, 3), (0, 1), (0, 1)]) + (16/(d_V**5*n_batch**2)) * oe.contract('abc,cd,ce,be,ef,gbf,fd,bd->', t22, t19, t19, M_Z, t19, t24, t19, M_Z, optimize=[(0, 1), (0, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-16/(d_V**6*n_batch**2)) * oe.contract('abc,cd,ce,be,ef,gbf,fh,bh,hd->', t22, t19, t19, M_Z, t19, t24, t19, M_Z, t19, optimize=[(1, 8), (0, 4), (0, 1), (0, 5), (3, 4), (0, 3), (1, 2), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('abc,cd,ce,be,ed,fbd->', t22, t19, t19, M_Z, t19, t18, optimize=[(0, 1), (0, 4), (1, 3), (1, 2), (0, 1)]) + (-8/(d_V**5*n_batch**2)) * oe.contract('abc,cd,ce,be,ef,gbf,fd->', t22, t19, t19, M_Z, t19, t18, t19, optimize=[(1, 6), (0, 4), (3, 4), (0, 3), (1, 2), (0, 1)]) + (16/(d_V**4*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,ab,bf,gaf,fe,ae->', M_Z, t19, t24, t19, M_Z, M_Z, t19, t24, t19, M_Z, optimize=[(0, 5), (3, 7), (0, 1), (0, 6), (3, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-32/(d_V**5*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,ab,bf,gaf,fh,ah,he->', M_Z, t19, t24, t19, M_Z, M_Z, t19, t24, t19, M_Z, t19, optimize=[(0, 5), (0, 1), (0, 8), (0, 7), (4, 6), (3, 5), (2, 4), (0, 3), (0, 2), (0, 1)]) + (16/(d_V**3*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,ab,be,fae->', M_Z, t19, t24, t19, M_Z, M_Z, t19, t18, optimize=[(0, 5), (3, 5), (0, 1), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-16/(d_V**4*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,ab,bf,gaf,fe->', M_Z, t19, t24, t19, M_Z, M_Z, t19, t18, t19, optimize=[(0, 5), (0, 1), (0, 6), (0, 5), (2, 4), (0, 3), (0, 2), (0, 1)]) + (-16/(d_V**4*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,bf,gaf,fe,ae->', M_Z, t19, t24, t19, M_Z, t19, t18, t19, M_Z, optimize=[(4, 8), (1, 2), (1, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (16/(d_V**5*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,bf,gaf,fh,ah,he->', M_Z, t19, t24, t19, M_Z, t19, t18, t19, M_Z, t19, optimize=[(1, 2), (1, 8), (0, 7), (1, 6), (1, 5), (1, 4), (2, 3), (0, 2), (0, 1)]) + (-16/(d_V**4*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,be,fae->', M_Z, t19, t24, t19, M_Z, t19, t22, optimize=[(4, 6), (1, 2), (1, 4), (1, 3), (0, 2), (0, 1)]) + (16/(d_V**5*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,bf,gaf,fe->', M_Z, t19, t24, t19, M_Z, t19, t22, t19, optimize=[(1, 2), (1, 6), (0, 5), (1, 4), (1, 3), (1, 2), (0, 1)]) + (-32/(d_V**5*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,bf,af,fg,hag,ge,ae->', M_Z, t19, t24, t19, M_Z, t19, M_Z, t19, t24, t19, M_Z, optimize=[(4, 10), (1, 2), (1, 8), (0, 7), (0, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (32/(d_V**6*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,bf,af,fg,hag,gi,ai,ie->', M_Z, t19, t24, t19, M_Z, t19, M_Z, t19, t24, t19, M_Z, t19, optimize=[(1, 2), (1, 10), (0, 9), (1, 8), (0, 7), (5, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-16/(d_V**4*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,bf,af,fe,gae->', M_Z, t19, t24, t19, M_Z, t19, M_Z, t19, t18, optimize=[(4, 8), (1, 2), (1, 6), (0, 5), (0, 4), (1, 3), (0, 2), (0, 1)]) + (16/(d_V**5*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,bf,af,fg,hag,ge->', M_Z, t19, t24, t19, M_Z, t19, M_Z, t19, t18, t19, optimize=[(1, 2), (1, 8), (0, 7), (1, 6), (0, 5), (3, 4), (1, 3), (1, 2), (0, 1)]) + (16/(d_V**6*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,ef,ab,bg,hag,gi,ai,if->', M_Z, t19, t24, t19, M_Z, t19, M_Z, t19, t24, t19, M_Z, t19, optimize=[(0, 6), (4, 9), (0, 1), (0, 8), (0, 7), (5, 6), (3, 5), (2, 4), (0, 3), (0, 2), (0, 1)]) + (-16/(d_V**4*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,ef,ab,bf,gaf->', M_Z, t19, t24, t19, M_Z, t19, M_Z, t19, t18, optimize=[(0, 6), (0, 1), (0, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (16/(d_V**5*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,ef,ab,bg,hag,gf->', M_Z, t19, t24, t19, M_Z, t19, M_Z, t19, t18, t19, optimize=[(0, 6), (4, 7), (0, 1), (0, 6), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)]) + (16/(d_V**5*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,ef,bg,hag,gf,af->', M_Z, t19, t24, t19, M_Z, t19, t19, t18, t19, M_Z, optimize=[(1, 2), (1, 8), (0, 7), (2, 6), (2, 5), (2, 4), (1, 3), (0, 2), (0, 1)]) + (-16/(d_V**6*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,ef,bg,hag,gi,ai,if->', M_Z, t19, t24, t19, M_Z, t19, t19, t18, t19, M_Z, t19, optimize=[(5, 10), (1, 2), (1, 8), (0, 7), (1, 6), (1, 5), (1, 4), (2, 3), (0, 2), (0, 1)]) + (16/(d_V**5*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,ef,bf,gaf->', M_Z, t19, t24, t19, M_Z, t19, t19, t22, optimize=[(1, 2), (1, 6), (0, 5), (2, 4), (1, 3), (1, 2), (0, 1)]) + (-16/(d_V**6*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,ef,bg,hag,gf->', M_Z, t19, t24, t19, M_Z, t19, t19, t22, t19, optimize=[(5, 8), (1, 2), (1, 6), (0, 5), (1, 4), (1, 3), (1, 2), (0, 1)]) + (32/(d_V**6*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,ef,bg,ag,gh,iah,hf,af->', M_Z, t19, t24, t19, M_Z, t19, t19, M_Z, t19, t24, t19, M_Z, optimize=[(1, 2), (1, 10), (0, 9), (2, 8), (0, 7), (0, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-32/(d_V**7*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,ef,bg,ag,gh,iah,hj,aj,jf->', M_Z, t19, t24, t19, M_Z, t19, t19, M_Z, t19, t24, t19, M_Z, t19, optimize=[(5, 12), (1, 2), (1, 10), (0, 9), (1, 8), (0, 7), (5, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (16/(d_V**5*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,ef,bg,ag,gf,haf->', M_Z, t19, t24, t19, M_Z, t19, t19, M_Z, t19, t18, optimize=[(1, 2), (1, 8), (0, 7), (2, 6), (0, 5), (0, 4), (1, 3), (1, 2), (0, 1)]) + (-16/(d_V**6*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,ef,bg,ag,gh,iah,hf->', M_Z, t19, t24, t19, M_Z, t19, t19, M_Z, t19, t18, t19, optimize=[(5, 10), (1, 2), (1, 8), (0, 7), (1, 6), (0, 5), (3, 4), (1, 3), (1, 2), (0, 1)]) + (4/(d_V**2*n_batch**2)) * oe.contract('ab,bc,dac,ab,bc,eac->', M_Z, t19, t18, M_Z, t19, t18, optimize=[(0, 3), (0, 2), (0, 1), (0, 1), (0, 1)]) + (-8/(d_V**3*n_batch**2)) * oe.contract('ab,bc,dac,ab,be,fae,ec->', M_Z, t19, t18, M_Z, t19, t18, t19, optimize=[(0, 3), (0, 1), (2, 4), (0, 3), (0, 2), (0, 1)]) + (-8/(d_V**3*n_batch**2)) * oe.contract('ab,bc,dac,be,fae,ec,ac->', M_Z, t19, t18, t19, t18, t19, M_Z, optimize=[(2, 6), (2, 3), (2, 4), (1, 3), (0, 2), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('ab,bc,dac,be,fae,eg,ag,gc->', M_Z, t19, t18, t19, t18, t19, M_Z, t19, optimize=[(1, 2), (5, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-8/(d_V**3*n_batch**2)) * oe.contract('ab,bc,dac,bc,eac->', M_Z, t19, t18, t19, t22, optimize=[(1, 3), (1, 2), (0, 1), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('ab,bc,dac,be,fae,ec->', M_Z, t19, t18, t19, t22, t19, optimize=[(1, 2), (3, 4), (1, 3), (1, 2), (0, 1)]) + (-16/(d_V**4*n_batch**2)) * oe.contract('ab,bc,dac,be,ae,ef,gaf,fc,ac->', M_Z, t19, t18, t19, M_Z, t19, t24, t19, M_Z, optimize=[(2, 8), (4, 5), (4, 6), (3, 5), (2, 4), (1, 3), (0, 2), (0, 1)]) + (16/(d_V**5*n_batch**2)) * oe.contract('ab,bc,dac,be,ae,ef,gaf,fh,ah,hc->', M_Z, t19, t18, t19, M_Z, t19, t24, t19, M_Z, t19, optimize=[(1, 2), (7, 8), (0, 7), (0, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-8/(d_V**3*n_batch**2)) * oe.contract('ab,bc,dac,be,ae,ec,fac->', M_Z, t19, t18, t19, M_Z, t19, t18, optimize=[(2, 6), (0, 1), (0, 4), (1, 3), (0, 2), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('ab,bc,dac,be,ae,ef,gaf,fc->', M_Z, t19, t18, t19, M_Z, t19, t18, t19, optimize=[(1, 2), (5, 6), (4, 5), (3, 4), (1, 3), (0, 2), (0, 1)]) + (4/(d_V**4*n_batch**2)) * oe.contract('ab,bc,dac,ce,ab,bf,gaf,fe->', M_Z, t19, t18, t19, M_Z, t19, t18, t19, optimize=[(0, 4), (2, 5), (0, 1), (3, 4), (0, 3), (0, 2), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('ab,bc,dac,ce,bf,gaf,fe,ae->', M_Z, t19, t18, t19, t19, t18, t19, M_Z, optimize=[(1, 2), (1, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-8/(d_V**5*n_batch**2)) * oe.contract('ab,bc,dac,ce,bf,gaf,fh,ah,he->', M_Z, t19, t18, t19, t19, t18, t19, M_Z, t19, optimize=[(3, 8), (1, 2), (5, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('ab,bc,dac,ce,be,fae->', M_Z, t19, t18, t19, t19, t22, optimize=[(1, 2), (1, 4), (1, 3), (1, 2), (0, 1)]) + (-8/(d_V**5*n_batch**2)) * oe.contract('ab,bc,dac,ce,bf,gaf,fe->', M_Z, t19, t18, t19, t19, t22, t19, optimize=[(3, 6), (1, 2), (3, 4), (1, 3), (1, 2), (0, 1)]) + (16/(d_V**5*n_batch**2)) * oe.contract('ab,bc,dac,ce,bf,af,fg,hag,ge,ae->', M_Z, t19, t18, t19, t19, M_Z, t19, t24, t19, M_Z, optimize=[(1, 2), (1, 8), (0, 7), (0, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-16/(d_V**6*n_batch**2)) * oe.contract('ab,bc,dac,ce,bf,af,fg,hag,gi,ai,ie->', M_Z, t19, t18, t19, t19, M_Z, t19, t24, t19, M_Z, t19, optimize=[(3, 10), (1, 2), (7, 8), (0, 7), (0, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('ab,bc,dac,ce,bf,af,fe,gae->', M_Z, t19, t18, t19, t19, M_Z, t19, t18, optimize=[(1, 2), (1, 6), (4, 5), (3, 4), (1, 3), (0, 2), (0, 1)]) + (-8/(d_V**5*n_batch**2)) * oe.contract('ab,bc,dac,ce,bf,af,fg,hag,ge->', M_Z, t19, t18, t19, t19, M_Z, t19, t18, t19, optimize=[(3, 8), (1, 2), (5, 6), (4, 5), (3, 4), (1, 3), (0, 2), (0, 1)]) + (4/(d_V**4*n_batch**2)) * oe.contract('ab,cdb,be,de,af,gdf,fe,de->', t19, t18, t19, M_Z, t19, t18, t19, M_Z, optimize=[(3, 7), (0, 3), (0, 1), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-8/(d_V**5*n_batch**2)) * oe.contract('ab,cdb,be,de,af,gdf,fh,dh,he->', t19, t18, t19, M_Z, t19, t18, t19, M_Z, t19, optimize=[(0, 4), (0, 1), (5, 6), (1, 5), (1, 4), (2, 3), (0, 2), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('ab,cdb,be,de,ae,fde->', t19, t18, t19, M_Z, t19, t22, optimize=[(0, 4), (1, 4), (0, 3), (0, 2), (0, 1)]) + (-8/(d_V**5*n_batch**2)) * oe.contract('ab,cdb,be,de,af,gdf,fe->', t19, t18, t19, M_Z, t19, t22, t19, optimize=[(0, 4), (0, 1), (3, 4), (1, 3), (1, 2), (0, 1)]) + (16/(d_V**5*n_batch**2)) * oe.contract('ab,cdb,be,de,af,df,fg,hdg,ge,de->', t19, t18, t19, M_Z, t19, M_Z, t19, t24, t19, M_Z, optimize=[(3, 9), (0, 3), (0, 1), (5, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-16/(d_V**6*n_batch**2)) * oe.contract('ab,cdb,be,de,af,df,fg,hdg,gi,di,ie->', t19, t18, t19, M_Z, t19, M_Z, t19, t24, t19, M_Z, t19, optimize=[(0, 4), (0, 1), (7, 8), (0, 7), (5, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('ab,cdb,be,de,af,df,fe,gde->', t19, t18, t19, M_Z, t19, M_Z, t19, t18, optimize=[(0, 4), (2, 5), (0, 1), (2, 4), (1, 3), (0, 2), (0, 1)]) + (-8/(d_V**5*n_batch**2)) * oe.contract('ab,cdb,be,de,af,df,fg,hdg,ge->', t19, t18, t19, M_Z, t19, M_Z, t19, t18, t19, optimize=[(0, 4), (0, 1), (5, 6), (0, 5), (3, 4), (1, 3), (1, 2), (0, 1)]) + (4/(d_V**6*n_batch**2)) * oe.contract('ab,cdb,be,de,ef,ag,hdg,gi,di,if->', t19, t18, t19, M_Z, t19, t19, t18, t19, M_Z, t19, optimize=[(0, 5), (3, 7), (0, 1), (4, 6), (1, 5), (1, 4), (2, 3), (0, 2), (0, 1)]) + (-8/(d_V**5*n_batch**2)) * oe.contract('ab,cdb,be,de,ef,af,gdf->', t19, t18, t19, M_Z, t19, t19, t22, optimize=[(0, 5), (0, 1), (3, 4), (1, 3), (1, 2), (0, 1)]) + (8/(d_V**6*n_batch**2)) * oe.contract('ab,cdb,be,de,ef,ag,hdg,gf->', t19, t18, t19, M_Z, t19, t19, t22, t19, optimize=[(0, 5), (3, 5), (0, 1), (2, 4), (1, 3), (1, 2), (0, 1)]) + (-16/(d_V**6*n_batch**2)) * oe.contract('ab,cdb,be,de,ef,ag,dg,gh,idh,hf,df->', t19, t18, t19, M_Z, t19, t19, M_Z, t19, t24, t19, M_Z, optimize=[(0, 5), (0, 1), (7, 8), (0, 7), (0, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (16/(d_V**7*n_batch**2)) * oe.contract('ab,cdb,be,de,ef,ag,dg,gh,idh,hj,dj,jf->', t19, t18, t19, M_Z, t19, t19, M_Z, t19, t24, t19, M_Z, t19, optimize=[(0, 5), (3, 9), (0, 1), (6, 8), (0, 7), (5, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-8/(d_V**5*n_batch**2)) * oe.contract('ab,cdb,be,de,ef,ag,dg,gf,hdf->', t19, t18, t19, M_Z, t19, t19, M_Z, t19, t18, optimize=[(0, 5), (0, 1), (5, 6), (0, 5), (0, 4), (1, 3), (1, 2), (0, 1)]) + (8/(d_V**6*n_batch**2)) * oe.contract('ab,cdb,be,de,ef,ag,dg,gh,idh,hf->', t19, t18, t19, M_Z, t19, t19, M_Z, t19, t18, t19, optimize=[(0, 5), (3, 7), (0, 1), (4, 6), (0, 5), (3, 4), (1, 3), (1, 2), (0, 1)]) + (4/(d_V**4*n_batch**2)) * oe.contract('ab,cdb,ab,edb->', t19, t22, t19, t22, optimize=[(0, 2), (0, 2), (0, 1)]) + (-8/(d_V**5*n_batch**2)) * oe.contract('ab,cdb,ae,fde,eb->', t19, t22, t19, t22, t19, optimize=[(0, 2), (2, 3), (0, 2), (0, 1)]) + (16/(d_V**5*n_batch**2)) * oe.contract('ab,cdb,ae,de,ef,gdf,fb,db->', t19, t22, t19, M_Z, t19, t24, t19, M_Z, optimize=[(0, 2), (0, 5), (1, 2), (1, 4), (1, 3), (0, 2), (0, 1)]) + (-16/(d_V**6*n_batch**2)) * oe.contract('ab,cdb,ae,de,ef,gdf,fh,dh,hb->', t19, t22, t19, M_Z, t19, t24, t19, M_Z, t19, optimize=[(0, 2), (0, 3), (0, 1), (3, 5), (3, 4), (0, 3), (1, 2), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('ab,cdb,ae,de,eb,fdb->', t19, t22, t19, M_Z, t19, t18, optimize=[(1, 5), (0, 1), (1, 3), (0, 2), (0, 1)]) + (-8/(d_V**5*n_batch**2)) * oe.contract('ab,cdb,ae,de,ef,gdf,fb->', t19, t22, t19, M_Z, t19, t18, t19, optimize=[(0, 2), (0, 3), (2, 4), (1, 3), (1, 2), (0, 1)]) + (4/(d_V**6*n_batch**2)) * oe.contract('ab,cdb,be,af,gdf,fe->', t19, t22, t19, t19, t22, t19, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)]) + (-16/(d_V**6*n_batch**2)) * oe.contract('ab,cdb,be,af,df,fg,hdg,ge,de->', t19, t22, t19, t19, M_Z, t19, t24, t19, M_Z, optimize=[(0, 3), (0, 1), (5, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (16/(d_V**7*n_batch**2)) * oe.contract('ab,cdb,be,af,df,fg,hdg,gi,di,ie->', t19, t22, t19, t19, M_Z, t19, t24, t19, M_Z, t19, optimize=[(0, 3), (1, 7), (0, 3), (0, 1), (2, 5), (3, 4), (0, 3), (1, 2), (0, 1)]) + (-8/(d_V**5*n_batch**2)) * oe.contract('ab,cdb,be,af,df,fe,gde->', t19, t22, t19, t19, M_Z, t19, t18, optimize=[(0, 3), (0, 1), (2, 4), (1, 3), (1, 2), (0, 1)]) + (8/(d_V**6*n_batch**2)) * oe.contract('ab,cdb,be,af,df,fg,hdg,ge->', t19, t22, t19, t19, M_Z, t19, t18, t19, optimize=[(0, 3), (1, 5), (0, 3), (3, 4), (1, 3), (1, 2), (0, 1)]) + (16/(d_V**6*n_batch**2)) * oe.contract('ab,cb,bd,ecd,df,cf,ag,cg,gh,ich,hf,cf->', t19, M_Z, t19, t24, t19, M_Z, t19, M_Z, t19, t24, t19, M_Z, optimize=[(5, 11), (0, 5), (1, 2), (1, 8), (0, 7), (5, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-32/(d_V**7*n_batch**2)) * oe.contract('ab,cb,bd,ecd,df,cf,ag,cg,gh,ich,hj,cj,jf->', t19, M_Z, t19, t24, t19, M_Z, t19, M_Z, t19, t24, t19, M_Z, t19, optimize=[(0, 6), (1, 2), (1, 10), (0, 9), (7, 8), (0, 7), (5, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (16/(d_V**5*n_batch**2)) * oe.contract('ab,cb,bd,ecd,df,cf,ag,cg,gf,hcf->', t19, M_Z, t19, t24, t19, M_Z, t19, M_Z, t19, t18, optimize=[(0, 6), (4, 7), (1, 2), (1, 6), (0, 5), (2, 4), (1, 3), (0, 2), (0, 1)]) + (-16/(d_V**6*n_batch**2)) * oe.contract('ab,cb,bd,ecd,df,cf,ag,cg,gh,ich,hf->', t19, M_Z, t19, t24, t19, M_Z, t19, M_Z, t19, t18, t19, optimize=[(0, 6), (1, 2), (1, 8), (0, 7), (5, 6), (0, 5), (3, 4), (1, 3), (1, 2), (0, 1)]) + (16/(d_V**8*n_batch**2)) * oe.contract('ab,cb,bd,ecd,df,cf,fg,ah,ch,hi,jci,ik,ck,kg->', t19, M_Z, t19, t24, t19, M_Z, t19, t19, M_Z, t19, t24, t19, M_Z, t19, optimize=[(0, 7), (5, 11), (1, 2), (1, 10), (0, 9), (6, 8), (0, 7), (5, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-16/(d_V**6*n_batch**2)) * oe.contract('ab,cb,bd,ecd,df,cf,fg,ah,ch,hg,icg->', t19, M_Z, t19, t24, t19, M_Z, t19, t19, M_Z, t19, t18, optimize=[(0, 7), (1, 2), (1, 8), (0, 7), (5, 6), (0, 5), (0, 4), (1, 3), (1, 2), (0, 1)]) + (16/(d_V**7*n_batch**2)) * oe.contract('ab,cb,bd,ecd,df,cf,fg,ah,ch,hi,jci,ig->', t19, M_Z, t19, t24, t19, M_Z, t19, t19, M_Z, t19, t18, t19, optimize=[(0, 7), (5, 9), (1, 2), (1, 8), (0, 7), (4, 6), (0, 5), (3, 4), (1, 3), (1, 2), (0, 1)]) + (4/(d_V**4*n_batch**2)) * oe.contract('ab,cb,bd,ecd,af,cf,fd,gcd->', t19, M_Z, t19, t18, t19, M_Z, t19, t18, optimize=[(3, 7), (0, 3), (0, 1), (3, 4), (1, 3), (0, 2), (0, 1)]) + (-8/(d_V**5*n_batch**2)) * oe.contract('ab,cb,bd,ecd,af,cf,fg,hcg,gd->', t19, M_Z, t19, t18, t19, M_Z, t19, t18, t19, optimize=[(0, 4), (1, 2), (4, 6), (3, 5), (2, 4), (2, 3), (0, 2), (0, 1)]) + (4/(d_V**6*n_batch**2)) * oe.contract('ab,cb,bd,ecd,df,ag,cg,gh,ich,hf->', t19, M_Z, t19, t18, t19, t19, M_Z, t19, t18, t19, optimize=[(0, 5), (3, 7), (1, 2), (5, 6), (3, 5), (2, 4), (2, 3), (0, 2), (0, 1)])
-    t26 = np.sqrt(np.maximum(t25, 0.0))
-    return (t26,)
+    t20 = np.eye(d_V, dtype=Y.dtype)
+    t21 = np.ones((L,), dtype=Y.dtype)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S = oe.contract('ab,c->cab', t20, t21, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t19, t21, optimize=[(0, 1)])
+    t22 = t8 * G * M_Z
+    t23 = t22.sum(-1, keepdims=True)
+    t24 = np.broadcast_to(t23, t23.shape[:-1] + (d_V,))
+    t25 = (0.75 * (sigma2_Z ** -2.5))
+    t26 = t25 * G * M_Z
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S27 = oe.contract('abc,cd->abcd', t18, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t26, t19, M_Z, optimize=[(1, 2), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S28 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t18, t19, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t24, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t19, S27, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S29 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t18, t19, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t24, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t19, S27, S, optimize=[(0, 1), (0, 1), (0, 1)]) + oe.contract('ab,cdbe->cdae', t19, S28, optimize=[(0, 1)])
+    t30 = (n_batch**(-2)) * oe.contract('abcd,ebcd->', S29, S29, optimize=[(0, 1)])
+    t31 = np.sqrt(np.maximum(t30, 0.0))
+    return (t31,)
 
 
 def ce__diag__X__functional(X, Y):
@@ -2234,36 +1807,22 @@ def ce__diag__X__functional(X, Y):
     G = t18
     t19 = t9 * G
     t20 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t21 = (2/(d_V*n_batch)) * M_Z
-    t0[...] = oe.contract('abc,cc,bc->bc', t19, t20, t21, optimize=[(0, 1), (0, 1)])
-    t22 = (-2/(d_V**2*n_batch)) * M_Z
-    t0 += oe.contract('abc,cd,bd,dc->bc', t19, t20, t22, t20, optimize=[(1, 2), (1, 2), (0, 1)])
+    t21 = np.eye(d_V, dtype=Y.dtype)
+    t22 = np.ones((L,), dtype=Y.dtype)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S = oe.contract('ab,c->cab', t21, t22, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t20, t22, optimize=[(0, 1)])
     t23 = t9 * G * M_Z
     t24 = t23.sum(-1, keepdims=True)
     t25 = np.broadcast_to(t24, t24.shape[:-1] + (d_V,))
-    t0 += (2/(d_V*n_batch)) * oe.contract('abc->bc', t25, optimize=[(0,)])
-    t26 = (-2/(d_V**2*n_batch)) * t25
-    t0 += oe.contract('abc,cc->bc', t26, t20, optimize=[(0, 1)])
-    t27 = (0.75 * (sigma2_Z ** -2.5))
-    t28 = t27 * G * M_Z
-    t29 = (4/(d_V**2*n_batch)) * M_Z
-    t0 += oe.contract('ab,bc,dac,cb,ab->ab', t29, t20, t28, t20, M_Z, optimize=[(1, 3), (0, 2), (0, 1), (0, 1)])
-    t30 = (-4/(d_V**3*n_batch)) * M_Z
-    t0 += oe.contract('ab,bc,dac,ce,ae,eb->ab', t30, t20, t28, t20, M_Z, t20, optimize=[(1, 2), (1, 4), (2, 3), (1, 2), (0, 1)])
-    t0 += oe.contract('ab,bb,cab->ab', t21, t20, t19, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('ab,bc,dac,cb->ab', t22, t20, t19, t20, optimize=[(1, 3), (0, 2), (0, 1)])
-    t0 += oe.contract('ab,cdb,ba,da->da', t20, t19, t20, t22, optimize=[(0, 1), (0, 2), (0, 1)])
-    t31 = (2/(d_V**3*n_batch)) * M_Z
-    t0 += oe.contract('ab,cdb,be,de,ea->da', t20, t19, t20, t31, t20, optimize=[(0, 1), (0, 3), (1, 2), (0, 1)])
-    t32 = (-2/(d_V**2*n_batch)) * t20
-    t0 += oe.contract('aa,bca->ca', t32, t25, optimize=[(0, 1)])
-    t33 = (2/(d_V**3*n_batch)) * t20
-    t0 += oe.contract('ab,cdb,ba->da', t33, t25, t20, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('ab,cb,bd,ecd,da,ca->ca', t20, t30, t20, t28, t20, M_Z, optimize=[(2, 3), (2, 4), (0, 3), (0, 2), (0, 1)])
-    t34 = (4/(d_V**4*n_batch)) * M_Z
-    t0 += oe.contract('ab,cb,bd,ecd,df,cf,fa->ca', t20, t34, t20, t28, t20, M_Z, t20, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (1, 2), (0, 1)])
-    t0 += oe.contract('ab,cb,ba,dca->ca', t20, t22, t20, t19, optimize=[(0, 2), (0, 2), (0, 1)])
-    t0 += oe.contract('ab,cb,bd,ecd,da->ca', t20, t31, t20, t19, t20, optimize=[(2, 3), (2, 3), (0, 2), (0, 1)])
+    t26 = (0.75 * (sigma2_Z ** -2.5))
+    t27 = t26 * G * M_Z
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S28 = oe.contract('abc,cd->abcd', t19, t21, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t27, t20, M_Z, optimize=[(1, 2), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S29 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t19, t20, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t25, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t20, S28, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S30 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t19, t20, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t25, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t20, S28, S, optimize=[(0, 1), (0, 1), (0, 1)]) + oe.contract('ab,cdbe->cdae', t20, S29, optimize=[(0, 1)])
+    t0[...] = (1/n_batch) * oe.contract('abcc->bc', S30, optimize=[(0,)])
     return out
 
 
@@ -2299,12 +1858,22 @@ def ce__trace__X__functional(X, Y):
     G = t17
     t18 = t8 * G
     t19 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t20 = t8 * G * M_Z
-    t21 = t20.sum(-1, keepdims=True)
-    t22 = np.broadcast_to(t21, t21.shape[:-1] + (d_V,))
-    t23 = (0.75 * (sigma2_Z ** -2.5))
-    t24 = t23 * G * M_Z
-    return (2/(d_V*n_batch)) * oe.contract('abc,cc,bc->', t18, t19, M_Z, optimize=[(0, 1), (0, 1)]) + (-2/(d_V**2*n_batch)) * oe.contract('abc,cd,bd,dc->', t18, t19, M_Z, t19, optimize=[(1, 3), (0, 2), (0, 1)]) + (2/(d_V*n_batch)) * oe.contract('abc->', t22, optimize=[(0,)]) + (-2/(d_V**2*n_batch)) * oe.contract('abc,cc->', t22, t19, optimize=[(0, 1)]) + (4/(d_V**2*n_batch)) * oe.contract('ab,bc,dac,cb,ab->', M_Z, t19, t24, t19, M_Z, optimize=[(1, 3), (0, 2), (0, 1), (0, 1)]) + (-4/(d_V**3*n_batch)) * oe.contract('ab,bc,dac,ce,ae,eb->', M_Z, t19, t24, t19, M_Z, t19, optimize=[(1, 2), (1, 4), (2, 3), (0, 2), (0, 1)]) + (2/(d_V*n_batch)) * oe.contract('ab,bb,cab->', M_Z, t19, t18, optimize=[(1, 2), (0, 1)]) + (-2/(d_V**2*n_batch)) * oe.contract('ab,bc,dac,cb->', M_Z, t19, t18, t19, optimize=[(0, 1), (1, 2), (0, 1)]) + (-2/(d_V**2*n_batch)) * oe.contract('ab,cdb,ba,da->', t19, t18, t19, M_Z, optimize=[(0, 2), (0, 2), (0, 1)]) + (2/(d_V**3*n_batch)) * oe.contract('ab,cdb,be,de,ea->', t19, t18, t19, M_Z, t19, optimize=[(0, 4), (1, 3), (0, 2), (0, 1)]) + (-2/(d_V**2*n_batch)) * oe.contract('aa,bca->', t19, t22, optimize=[(0, 1)]) + (2/(d_V**3*n_batch)) * oe.contract('ab,cdb,ba->', t19, t22, t19, optimize=[(0, 2), (0, 1)]) + (-4/(d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,da,ca->', t19, M_Z, t19, t24, t19, M_Z, optimize=[(2, 3), (2, 4), (0, 3), (0, 2), (0, 1)]) + (4/(d_V**4*n_batch)) * oe.contract('ab,cb,bd,ecd,df,cf,fa->', t19, M_Z, t19, t24, t19, M_Z, t19, optimize=[(0, 6), (1, 2), (1, 4), (2, 3), (0, 2), (0, 1)]) + (-2/(d_V**2*n_batch)) * oe.contract('ab,cb,ba,dca->', t19, M_Z, t19, t18, optimize=[(0, 2), (0, 2), (0, 1)]) + (2/(d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,da->', t19, M_Z, t19, t18, t19, optimize=[(0, 4), (1, 3), (1, 2), (0, 1)])
+    t20 = np.eye(d_V, dtype=Y.dtype)
+    t21 = np.ones((L,), dtype=Y.dtype)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S = oe.contract('ab,c->cab', t20, t21, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t19, t21, optimize=[(0, 1)])
+    t22 = t8 * G * M_Z
+    t23 = t22.sum(-1, keepdims=True)
+    t24 = np.broadcast_to(t23, t23.shape[:-1] + (d_V,))
+    t25 = (0.75 * (sigma2_Z ** -2.5))
+    t26 = t25 * G * M_Z
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S27 = oe.contract('abc,cd->abcd', t18, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t26, t19, M_Z, optimize=[(1, 2), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S28 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t18, t19, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t24, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t19, S27, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S29 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t18, t19, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t24, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t19, S27, S, optimize=[(0, 1), (0, 1), (0, 1)]) + oe.contract('ab,cdbe->cdae', t19, S28, optimize=[(0, 1)])
+    return (1/n_batch) * oe.contract('abcc->', S29, optimize=[(0,)])
 
 
 def ce__block__X__X__functional(X, Y):
@@ -2343,38 +1912,22 @@ def ce__block__X__X__functional(X, Y):
     G = t19
     t20 = t10 * G
     t21 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t22 = (2/(d_V*n_batch)) * M_Z
-    t1 += oe.contract('abc,cd,bd->bcd', t20, t21, t22, optimize=[(0, 1), (0, 1)])
-    t23 = (-2/(d_V**2*n_batch)) * M_Z
-    t1 += oe.contract('abc,cd,bd,de->bce', t20, t21, t23, t21, optimize=[(0, 1), (0, 1), (0, 1)])
-    t24 = np.einsum('abab->ab', t0)
-    t25 = t10 * G * M_Z
-    t26 = t25.sum(-1, keepdims=True)
-    t27 = np.broadcast_to(t26, t26.shape[:-1] + (d_V,))
-    t24 += (2/(d_V*n_batch)) * oe.contract('abc->bc', t27, optimize=[(0,)])
-    t28 = (-2/(d_V**2*n_batch)) * t27
-    t1 += oe.contract('abc,cd->bcd', t28, t21, optimize=[(0, 1)])
-    t29 = (0.75 * (sigma2_Z ** -2.5))
-    t30 = t29 * G * M_Z
-    t31 = (4/(d_V**2*n_batch)) * M_Z
-    t1 += oe.contract('ab,bc,dac,ce,ae->abe', t31, t21, t30, t21, M_Z, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
-    t32 = (-4/(d_V**3*n_batch)) * M_Z
-    t1 += oe.contract('ab,bc,dac,ce,ae,ef->abf', t32, t21, t30, t21, M_Z, t21, optimize=[(1, 2), (1, 4), (1, 3), (1, 2), (0, 1)])
-    t1 += oe.contract('ab,bc,dac->abc', t22, t21, t20, optimize=[(0, 1), (0, 1)])
-    t1 += oe.contract('ab,bc,dac,ce->abe', t23, t21, t20, t21, optimize=[(2, 3), (0, 2), (0, 1)])
-    t1 += oe.contract('ab,cdb,be,de->dae', t21, t20, t21, t23, optimize=[(0, 1), (0, 1), (0, 1)])
-    t33 = (2/(d_V**3*n_batch)) * M_Z
-    t1 += oe.contract('ab,cdb,be,de,ef->daf', t21, t20, t21, t33, t21, optimize=[(0, 1), (0, 3), (0, 2), (0, 1)])
-    t34 = (-2/(d_V**2*n_batch)) * t21
-    t1 += oe.contract('ab,cdb->dab', t34, t27, optimize=[(0, 1)])
-    t35 = (2/(d_V**3*n_batch)) * t21
-    t1 += oe.contract('ab,cdb,be->dae', t35, t27, t21, optimize=[(0, 1), (0, 1)])
-    t1 += oe.contract('ab,cb,bd,ecd,df,cf->caf', t21, t32, t21, t30, t21, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t36 = (4/(d_V**4*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,df,cf,fg->cag', t21, t36, t21, t30, t21, M_Z, t21, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
-    t1 += oe.contract('ab,cb,bd,ecd->cad', t21, t23, t21, t20, optimize=[(0, 1), (0, 1), (0, 1)])
-    t37 = oe.contract('ab,bc,dac,ce->aeb', t33, t21, t20, t21, optimize=[(2, 3), (0, 2), (0, 1)])
-    t1 += oe.contract('abc,dc->adb', t37, t21, optimize=[(0, 1)])
+    t22 = np.eye(d_V, dtype=Y.dtype)
+    t23 = np.ones((L,), dtype=Y.dtype)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S = oe.contract('ab,c->cab', t22, t23, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t21, t23, optimize=[(0, 1)])
+    t24 = t10 * G * M_Z
+    t25 = t24.sum(-1, keepdims=True)
+    t26 = np.broadcast_to(t25, t25.shape[:-1] + (d_V,))
+    t27 = (0.75 * (sigma2_Z ** -2.5))
+    t28 = t27 * G * M_Z
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S29 = oe.contract('abc,cd->abcd', t20, t22, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t28, t21, M_Z, optimize=[(1, 2), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S30 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t20, t21, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t26, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t21, S29, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S31 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t20, t21, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t26, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t21, S29, S, optimize=[(0, 1), (0, 1), (0, 1)]) + oe.contract('ab,cdbe->cdae', t21, S30, optimize=[(0, 1)])
+    t1 += (1/n_batch) * oe.contract('abcd->bcd', S31, optimize=[(0,)])
     return out
 
 
@@ -2410,14 +1963,24 @@ def ce__frobenius__X__X__functional(X, Y):
     G = t17
     t18 = t8 * G
     t19 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t20 = t8 * G * M_Z
-    t21 = t20.sum(-1, keepdims=True)
-    t22 = np.broadcast_to(t21, t21.shape[:-1] + (d_V,))
-    t23 = (0.75 * (sigma2_Z ** -2.5))
-    t24 = t23 * G * M_Z
-    t25 = (4/(d_V**2*n_batch**2)) * oe.contract('abc,cd,bd,ebc,cd,bd->', t18, t19, M_Z, t18, t19, M_Z, optimize=[(1, 4), (1, 3), (0, 1), (0, 1), (0, 1)]) + (-8/(d_V**3*n_batch**2)) * oe.contract('abc,cd,bd,ebc,cf,bf,fd->', t18, t19, M_Z, t18, t19, M_Z, t19, optimize=[(0, 3), (0, 1), (2, 4), (0, 3), (0, 2), (0, 1)]) + (8/(d_V**2*n_batch**2)) * oe.contract('abc,cc,bc,dbc->', t18, t19, M_Z, t22, optimize=[(0, 2), (0, 2), (0, 1)]) + (-8/(d_V**3*n_batch**2)) * oe.contract('abc,cd,bd,ebc,cd->', t18, t19, M_Z, t22, t19, optimize=[(1, 4), (0, 2), (0, 1), (0, 1)]) + (16/(d_V**3*n_batch**2)) * oe.contract('abc,cd,bd,bc,ce,fbe,ed,bd->', t18, t19, M_Z, M_Z, t19, t24, t19, M_Z, optimize=[(2, 7), (0, 2), (1, 2), (1, 4), (0, 3), (0, 2), (0, 1)]) + (-16/(d_V**4*n_batch**2)) * oe.contract('abc,cd,bd,bc,ce,fbe,eg,bg,gd->', t18, t19, M_Z, M_Z, t19, t24, t19, M_Z, t19, optimize=[(0, 3), (2, 3), (2, 6), (2, 5), (2, 4), (0, 3), (0, 2), (0, 1)]) + (8/(d_V**2*n_batch**2)) * oe.contract('abc,cd,bd,bc,cd,ebd->', t18, t19, M_Z, M_Z, t19, t18, optimize=[(1, 4), (0, 2), (0, 1), (0, 1), (0, 1)]) + (-8/(d_V**3*n_batch**2)) * oe.contract('abc,cd,bd,bc,ce,fbe,ed->', t18, t19, M_Z, M_Z, t19, t18, t19, optimize=[(0, 3), (2, 3), (2, 4), (0, 3), (0, 2), (0, 1)]) + (-8/(d_V**3*n_batch**2)) * oe.contract('abc,cd,bd,ce,fbe,ed,bd->', t18, t19, M_Z, t19, t18, t19, M_Z, optimize=[(2, 6), (0, 1), (0, 4), (0, 3), (0, 2), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('abc,cd,bd,ce,fbe,eg,bg,gd->', t18, t19, M_Z, t19, t18, t19, M_Z, t19, optimize=[(0, 1), (1, 6), (1, 5), (1, 4), (2, 3), (0, 2), (0, 1)]) + (-8/(d_V**3*n_batch**2)) * oe.contract('abc,cd,bd,cd,ebd->', t18, t19, M_Z, t19, t22, optimize=[(1, 3), (0, 3), (0, 2), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('abc,cd,bd,ce,fbe,ed->', t18, t19, M_Z, t19, t22, t19, optimize=[(0, 1), (1, 4), (1, 3), (1, 2), (0, 1)]) + (-16/(d_V**4*n_batch**2)) * oe.contract('abc,cd,bd,ce,be,ef,gbf,fd,bd->', t18, t19, M_Z, t19, M_Z, t19, t24, t19, M_Z, optimize=[(2, 8), (0, 1), (0, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (16/(d_V**5*n_batch**2)) * oe.contract('abc,cd,bd,ce,be,ef,gbf,fh,bh,hd->', t18, t19, M_Z, t19, M_Z, t19, t24, t19, M_Z, t19, optimize=[(0, 1), (1, 8), (0, 7), (5, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-8/(d_V**3*n_batch**2)) * oe.contract('abc,cd,bd,ce,be,ed,fbd->', t18, t19, M_Z, t19, M_Z, t19, t18, optimize=[(2, 6), (0, 1), (0, 4), (1, 3), (0, 2), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('abc,cd,bd,ce,be,ef,gbf,fd->', t18, t19, M_Z, t19, M_Z, t19, t18, t19, optimize=[(0, 1), (1, 6), (0, 5), (3, 4), (1, 3), (1, 2), (0, 1)]) + (4/(d_V**4*n_batch**2)) * oe.contract('abc,cd,bd,de,fbc,cg,bg,ge->', t18, t19, M_Z, t19, t18, t19, M_Z, t19, optimize=[(0, 4), (2, 5), (0, 1), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-8/(d_V**3*n_batch**2)) * oe.contract('abc,cd,bd,dc,ebc->', t18, t19, M_Z, t19, t22, optimize=[(1, 3), (0, 2), (0, 1), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('abc,cd,bd,de,fbc,ce->', t18, t19, M_Z, t19, t22, t19, optimize=[(0, 4), (2, 3), (0, 3), (0, 2), (0, 1)]) + (-16/(d_V**4*n_batch**2)) * oe.contract('abc,cd,bd,de,bc,cf,gbf,fe,be->', t18, t19, M_Z, t19, M_Z, t19, t24, t19, M_Z, optimize=[(0, 4), (3, 4), (3, 6), (3, 5), (2, 4), (0, 3), (0, 2), (0, 1)]) + (16/(d_V**5*n_batch**2)) * oe.contract('abc,cd,bd,de,bc,cf,gbf,fh,bh,he->', t18, t19, M_Z, t19, M_Z, t19, t24, t19, M_Z, t19, optimize=[(0, 4), (2, 7), (2, 3), (2, 6), (2, 5), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-8/(d_V**3*n_batch**2)) * oe.contract('abc,cd,bd,de,bc,ce,fbe->', t18, t19, M_Z, t19, M_Z, t19, t18, optimize=[(0, 4), (2, 4), (2, 4), (0, 3), (0, 2), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('abc,cd,bd,de,bc,cf,gbf,fe->', t18, t19, M_Z, t19, M_Z, t19, t18, t19, optimize=[(0, 4), (2, 5), (2, 3), (3, 4), (0, 3), (0, 2), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('abc,cd,bd,de,cf,gbf,fe,be->', t18, t19, M_Z, t19, t19, t18, t19, M_Z, optimize=[(0, 1), (2, 6), (2, 5), (2, 4), (1, 3), (0, 2), (0, 1)]) + (-8/(d_V**5*n_batch**2)) * oe.contract('abc,cd,bd,de,cf,gbf,fh,bh,he->', t18, t19, M_Z, t19, t19, t18, t19, M_Z, t19, optimize=[(3, 8), (0, 1), (1, 6), (1, 5), (1, 4), (2, 3), (0, 2), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('abc,cd,bd,de,ce,fbe->', t18, t19, M_Z, t19, t19, t22, optimize=[(0, 1), (2, 4), (1, 3), (1, 2), (0, 1)]) + (-8/(d_V**5*n_batch**2)) * oe.contract('abc,cd,bd,de,cf,gbf,fe->', t18, t19, M_Z, t19, t19, t22, t19, optimize=[(3, 6), (0, 1), (1, 4), (1, 3), (1, 2), (0, 1)]) + (16/(d_V**5*n_batch**2)) * oe.contract('abc,cd,bd,de,cf,bf,fg,hbg,ge,be->', t18, t19, M_Z, t19, t19, M_Z, t19, t24, t19, M_Z, optimize=[(0, 1), (2, 8), (0, 7), (0, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-16/(d_V**6*n_batch**2)) * oe.contract('abc,cd,bd,de,cf,bf,fg,hbg,gi,bi,ie->', t18, t19, M_Z, t19, t19, M_Z, t19, t24, t19, M_Z, t19, optimize=[(3, 10), (0, 1), (1, 8), (0, 7), (5, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('abc,cd,bd,de,cf,bf,fe,gbe->', t18, t19, M_Z, t19, t19, M_Z, t19, t18, optimize=[(0, 1), (2, 6), (0, 5), (0, 4), (1, 3), (1, 2), (0, 1)]) + (-8/(d_V**5*n_batch**2)) * oe.contract('abc,cd,bd,de,cf,bf,fg,hbg,ge->', t18, t19, M_Z, t19, t19, M_Z, t19, t18, t19, optimize=[(3, 8), (0, 1), (1, 6), (0, 5), (3, 4), (1, 3), (1, 2), (0, 1)]) + (4/(d_V**2*n_batch**2)) * oe.contract('abc,dbc->', t22, t22, optimize=[(0, 1)]) + (-8/(d_V**3*n_batch**2)) * oe.contract('abc,dbc,cc->', t22, t22, t19, optimize=[(0, 2), (0, 1)]) + (16/(d_V**3*n_batch**2)) * oe.contract('abc,bc,cd,ebd,dc,bc->', t22, M_Z, t19, t24, t19, M_Z, optimize=[(2, 4), (1, 3), (1, 2), (1, 2), (0, 1)]) + (-16/(d_V**4*n_batch**2)) * oe.contract('abc,bc,cd,ebd,df,bf,fc->', t22, M_Z, t19, t24, t19, M_Z, t19, optimize=[(0, 1), (0, 1), (0, 4), (1, 3), (0, 2), (0, 1)]) + (8/(d_V**2*n_batch**2)) * oe.contract('abc,bc,cc,dbc->', t22, M_Z, t19, t18, optimize=[(1, 3), (0, 2), (0, 1)]) + (-8/(d_V**3*n_batch**2)) * oe.contract('abc,bc,cd,ebd,dc->', t22, M_Z, t19, t18, t19, optimize=[(2, 4), (2, 3), (1, 2), (0, 1)]) + (-8/(d_V**3*n_batch**2)) * oe.contract('abc,cd,ebd,dc,bc->', t22, t19, t18, t19, M_Z, optimize=[(1, 3), (1, 3), (1, 2), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('abc,cd,ebd,df,bf,fc->', t22, t19, t18, t19, M_Z, t19, optimize=[(0, 1), (0, 4), (0, 3), (1, 2), (0, 1)]) + (-8/(d_V**3*n_batch**2)) * oe.contract('abc,cc,dbc->', t22, t19, t22, optimize=[(0, 1), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('abc,cd,ebd,dc->', t22, t19, t22, t19, optimize=[(0, 1), (1, 2), (0, 1)]) + (-16/(d_V**4*n_batch**2)) * oe.contract('abc,cd,bd,de,fbe,ec,bc->', t22, t19, M_Z, t19, t24, t19, M_Z, optimize=[(0, 6), (2, 3), (2, 4), (0, 3), (0, 2), (0, 1)]) + (16/(d_V**5*n_batch**2)) * oe.contract('abc,cd,bd,de,fbe,eg,bg,gc->', t22, t19, M_Z, t19, t24, t19, M_Z, t19, optimize=[(0, 1), (5, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-8/(d_V**3*n_batch**2)) * oe.contract('abc,cd,bd,dc,ebc->', t22, t19, M_Z, t19, t18, optimize=[(1, 3), (0, 2), (0, 1), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('abc,cd,bd,de,fbe,ec->', t22, t19, M_Z, t19, t18, t19, optimize=[(0, 1), (3, 4), (1, 3), (1, 2), (0, 1)]) + (4/(d_V**4*n_batch**2)) * oe.contract('abc,cd,ebc,cd->', t22, t19, t22, t19, optimize=[(1, 3), (0, 2), (0, 1)]) + (-16/(d_V**4*n_batch**2)) * oe.contract('abc,cd,bc,ce,fbe,ed,bd->', t22, t19, M_Z, t19, t24, t19, M_Z, optimize=[(0, 2), (1, 2), (1, 4), (0, 3), (0, 2), (0, 1)]) + (16/(d_V**5*n_batch**2)) * oe.contract('abc,cd,bc,ce,fbe,eg,bg,gd->', t22, t19, M_Z, t19, t24, t19, M_Z, t19, optimize=[(0, 2), (0, 5), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)]) + (-8/(d_V**3*n_batch**2)) * oe.contract('abc,cd,bc,cd,ebd->', t22, t19, M_Z, t19, t18, optimize=[(1, 3), (2, 3), (1, 2), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('abc,cd,bc,ce,fbe,ed->', t22, t19, M_Z, t19, t18, t19, optimize=[(0, 2), (0, 3), (0, 3), (0, 2), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('abc,cd,ce,fbe,ed,bd->', t22, t19, t19, t18, t19, M_Z, optimize=[(0, 1), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-8/(d_V**5*n_batch**2)) * oe.contract('abc,cd,ce,fbe,eg,bg,gd->', t22, t19, t19, t18, t19, M_Z, t19, optimize=[(1, 6), (0, 2), (0, 4), (0, 3), (1, 2), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('abc,cd,cd,ebd->', t22, t19, t19, t22, optimize=[(0, 1), (0, 2), (0, 1)]) + (-8/(d_V**5*n_batch**2)) * oe.contract('abc,cd,ce,fbe,ed->', t22, t19, t19, t22, t19, optimize=[(0, 3), (1, 3), (0, 1), (0, 1)]) + (16/(d_V**5*n_batch**2)) * oe.contract('abc,cd,ce,be,ef,gbf,fd,bd->', t22, t19, t19, M_Z, t19, t24, t19, M_Z, optimize=[(0, 1), (0, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-16/(d_V**6*n_batch**2)) * oe.contract('abc,cd,ce,be,ef,gbf,fh,bh,hd->', t22, t19, t19, M_Z, t19, t24, t19, M_Z, t19, optimize=[(1, 8), (0, 4), (0, 1), (0, 5), (3, 4), (0, 3), (1, 2), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('abc,cd,ce,be,ed,fbd->', t22, t19, t19, M_Z, t19, t18, optimize=[(0, 1), (0, 4), (1, 3), (1, 2), (0, 1)]) + (-8/(d_V**5*n_batch**2)) * oe.contract('abc,cd,ce,be,ef,gbf,fd->', t22, t19, t19, M_Z, t19, t18, t19, optimize=[(1, 6), (0, 4), (3, 4), (0, 3), (1, 2), (0, 1)]) + (16/(d_V**4*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,ab,bf,gaf,fe,ae->', M_Z, t19, t24, t19, M_Z, M_Z, t19, t24, t19, M_Z, optimize=[(0, 5), (3, 7), (0, 1), (0, 6), (3, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-32/(d_V**5*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,ab,bf,gaf,fh,ah,he->', M_Z, t19, t24, t19, M_Z, M_Z, t19, t24, t19, M_Z, t19, optimize=[(0, 5), (0, 1), (0, 8), (0, 7), (4, 6), (3, 5), (2, 4), (0, 3), (0, 2), (0, 1)]) + (16/(d_V**3*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,ab,be,fae->', M_Z, t19, t24, t19, M_Z, M_Z, t19, t18, optimize=[(0, 5), (3, 5), (0, 1), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-16/(d_V**4*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,ab,bf,gaf,fe->', M_Z, t19, t24, t19, M_Z, M_Z, t19, t18, t19, optimize=[(0, 5), (0, 1), (0, 6), (0, 5), (2, 4), (0, 3), (0, 2), (0, 1)]) + (-16/(d_V**4*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,bf,gaf,fe,ae->', M_Z, t19, t24, t19, M_Z, t19, t18, t19, M_Z, optimize=[(4, 8), (1, 2), (1, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (16/(d_V**5*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,bf,gaf,fh,ah,he->', M_Z, t19, t24, t19, M_Z, t19, t18, t19, M_Z, t19, optimize=[(1, 2), (1, 8), (0, 7), (1, 6), (1, 5), (1, 4), (2, 3), (0, 2), (0, 1)]) + (-16/(d_V**4*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,be,fae->', M_Z, t19, t24, t19, M_Z, t19, t22, optimize=[(4, 6), (1, 2), (1, 4), (1, 3), (0, 2), (0, 1)]) + (16/(d_V**5*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,bf,gaf,fe->', M_Z, t19, t24, t19, M_Z, t19, t22, t19, optimize=[(1, 2), (1, 6), (0, 5), (1, 4), (1, 3), (1, 2), (0, 1)]) + (-32/(d_V**5*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,bf,af,fg,hag,ge,ae->', M_Z, t19, t24, t19, M_Z, t19, M_Z, t19, t24, t19, M_Z, optimize=[(4, 10), (1, 2), (1, 8), (0, 7), (0, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (32/(d_V**6*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,bf,af,fg,hag,gi,ai,ie->', M_Z, t19, t24, t19, M_Z, t19, M_Z, t19, t24, t19, M_Z, t19, optimize=[(1, 2), (1, 10), (0, 9), (1, 8), (0, 7), (5, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-16/(d_V**4*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,bf,af,fe,gae->', M_Z, t19, t24, t19, M_Z, t19, M_Z, t19, t18, optimize=[(4, 8), (1, 2), (1, 6), (0, 5), (0, 4), (1, 3), (0, 2), (0, 1)]) + (16/(d_V**5*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,bf,af,fg,hag,ge->', M_Z, t19, t24, t19, M_Z, t19, M_Z, t19, t18, t19, optimize=[(1, 2), (1, 8), (0, 7), (1, 6), (0, 5), (3, 4), (1, 3), (1, 2), (0, 1)]) + (16/(d_V**6*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,ef,ab,bg,hag,gi,ai,if->', M_Z, t19, t24, t19, M_Z, t19, M_Z, t19, t24, t19, M_Z, t19, optimize=[(0, 6), (4, 9), (0, 1), (0, 8), (0, 7), (5, 6), (3, 5), (2, 4), (0, 3), (0, 2), (0, 1)]) + (-16/(d_V**4*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,ef,ab,bf,gaf->', M_Z, t19, t24, t19, M_Z, t19, M_Z, t19, t18, optimize=[(0, 6), (0, 1), (0, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (16/(d_V**5*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,ef,ab,bg,hag,gf->', M_Z, t19, t24, t19, M_Z, t19, M_Z, t19, t18, t19, optimize=[(0, 6), (4, 7), (0, 1), (0, 6), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)]) + (16/(d_V**5*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,ef,bg,hag,gf,af->', M_Z, t19, t24, t19, M_Z, t19, t19, t18, t19, M_Z, optimize=[(1, 2), (1, 8), (0, 7), (2, 6), (2, 5), (2, 4), (1, 3), (0, 2), (0, 1)]) + (-16/(d_V**6*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,ef,bg,hag,gi,ai,if->', M_Z, t19, t24, t19, M_Z, t19, t19, t18, t19, M_Z, t19, optimize=[(5, 10), (1, 2), (1, 8), (0, 7), (1, 6), (1, 5), (1, 4), (2, 3), (0, 2), (0, 1)]) + (16/(d_V**5*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,ef,bf,gaf->', M_Z, t19, t24, t19, M_Z, t19, t19, t22, optimize=[(1, 2), (1, 6), (0, 5), (2, 4), (1, 3), (1, 2), (0, 1)]) + (-16/(d_V**6*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,ef,bg,hag,gf->', M_Z, t19, t24, t19, M_Z, t19, t19, t22, t19, optimize=[(5, 8), (1, 2), (1, 6), (0, 5), (1, 4), (1, 3), (1, 2), (0, 1)]) + (32/(d_V**6*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,ef,bg,ag,gh,iah,hf,af->', M_Z, t19, t24, t19, M_Z, t19, t19, M_Z, t19, t24, t19, M_Z, optimize=[(1, 2), (1, 10), (0, 9), (2, 8), (0, 7), (0, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-32/(d_V**7*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,ef,bg,ag,gh,iah,hj,aj,jf->', M_Z, t19, t24, t19, M_Z, t19, t19, M_Z, t19, t24, t19, M_Z, t19, optimize=[(5, 12), (1, 2), (1, 10), (0, 9), (1, 8), (0, 7), (5, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (16/(d_V**5*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,ef,bg,ag,gf,haf->', M_Z, t19, t24, t19, M_Z, t19, t19, M_Z, t19, t18, optimize=[(1, 2), (1, 8), (0, 7), (2, 6), (0, 5), (0, 4), (1, 3), (1, 2), (0, 1)]) + (-16/(d_V**6*n_batch**2)) * oe.contract('ab,bc,dac,ce,ae,ef,bg,ag,gh,iah,hf->', M_Z, t19, t24, t19, M_Z, t19, t19, M_Z, t19, t18, t19, optimize=[(5, 10), (1, 2), (1, 8), (0, 7), (1, 6), (0, 5), (3, 4), (1, 3), (1, 2), (0, 1)]) + (4/(d_V**2*n_batch**2)) * oe.contract('ab,bc,dac,ab,bc,eac->', M_Z, t19, t18, M_Z, t19, t18, optimize=[(0, 3), (0, 2), (0, 1), (0, 1), (0, 1)]) + (-8/(d_V**3*n_batch**2)) * oe.contract('ab,bc,dac,ab,be,fae,ec->', M_Z, t19, t18, M_Z, t19, t18, t19, optimize=[(0, 3), (0, 1), (2, 4), (0, 3), (0, 2), (0, 1)]) + (-8/(d_V**3*n_batch**2)) * oe.contract('ab,bc,dac,be,fae,ec,ac->', M_Z, t19, t18, t19, t18, t19, M_Z, optimize=[(2, 6), (2, 3), (2, 4), (1, 3), (0, 2), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('ab,bc,dac,be,fae,eg,ag,gc->', M_Z, t19, t18, t19, t18, t19, M_Z, t19, optimize=[(1, 2), (5, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-8/(d_V**3*n_batch**2)) * oe.contract('ab,bc,dac,bc,eac->', M_Z, t19, t18, t19, t22, optimize=[(1, 3), (1, 2), (0, 1), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('ab,bc,dac,be,fae,ec->', M_Z, t19, t18, t19, t22, t19, optimize=[(1, 2), (3, 4), (1, 3), (1, 2), (0, 1)]) + (-16/(d_V**4*n_batch**2)) * oe.contract('ab,bc,dac,be,ae,ef,gaf,fc,ac->', M_Z, t19, t18, t19, M_Z, t19, t24, t19, M_Z, optimize=[(2, 8), (4, 5), (4, 6), (3, 5), (2, 4), (1, 3), (0, 2), (0, 1)]) + (16/(d_V**5*n_batch**2)) * oe.contract('ab,bc,dac,be,ae,ef,gaf,fh,ah,hc->', M_Z, t19, t18, t19, M_Z, t19, t24, t19, M_Z, t19, optimize=[(1, 2), (7, 8), (0, 7), (0, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-8/(d_V**3*n_batch**2)) * oe.contract('ab,bc,dac,be,ae,ec,fac->', M_Z, t19, t18, t19, M_Z, t19, t18, optimize=[(2, 6), (0, 1), (0, 4), (1, 3), (0, 2), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('ab,bc,dac,be,ae,ef,gaf,fc->', M_Z, t19, t18, t19, M_Z, t19, t18, t19, optimize=[(1, 2), (5, 6), (4, 5), (3, 4), (1, 3), (0, 2), (0, 1)]) + (4/(d_V**4*n_batch**2)) * oe.contract('ab,bc,dac,ce,ab,bf,gaf,fe->', M_Z, t19, t18, t19, M_Z, t19, t18, t19, optimize=[(0, 4), (2, 5), (0, 1), (3, 4), (0, 3), (0, 2), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('ab,bc,dac,ce,bf,gaf,fe,ae->', M_Z, t19, t18, t19, t19, t18, t19, M_Z, optimize=[(1, 2), (1, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-8/(d_V**5*n_batch**2)) * oe.contract('ab,bc,dac,ce,bf,gaf,fh,ah,he->', M_Z, t19, t18, t19, t19, t18, t19, M_Z, t19, optimize=[(3, 8), (1, 2), (5, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('ab,bc,dac,ce,be,fae->', M_Z, t19, t18, t19, t19, t22, optimize=[(1, 2), (1, 4), (1, 3), (1, 2), (0, 1)]) + (-8/(d_V**5*n_batch**2)) * oe.contract('ab,bc,dac,ce,bf,gaf,fe->', M_Z, t19, t18, t19, t19, t22, t19, optimize=[(3, 6), (1, 2), (3, 4), (1, 3), (1, 2), (0, 1)]) + (16/(d_V**5*n_batch**2)) * oe.contract('ab,bc,dac,ce,bf,af,fg,hag,ge,ae->', M_Z, t19, t18, t19, t19, M_Z, t19, t24, t19, M_Z, optimize=[(1, 2), (1, 8), (0, 7), (0, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-16/(d_V**6*n_batch**2)) * oe.contract('ab,bc,dac,ce,bf,af,fg,hag,gi,ai,ie->', M_Z, t19, t18, t19, t19, M_Z, t19, t24, t19, M_Z, t19, optimize=[(3, 10), (1, 2), (7, 8), (0, 7), (0, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('ab,bc,dac,ce,bf,af,fe,gae->', M_Z, t19, t18, t19, t19, M_Z, t19, t18, optimize=[(1, 2), (1, 6), (4, 5), (3, 4), (1, 3), (0, 2), (0, 1)]) + (-8/(d_V**5*n_batch**2)) * oe.contract('ab,bc,dac,ce,bf,af,fg,hag,ge->', M_Z, t19, t18, t19, t19, M_Z, t19, t18, t19, optimize=[(3, 8), (1, 2), (5, 6), (4, 5), (3, 4), (1, 3), (0, 2), (0, 1)]) + (4/(d_V**4*n_batch**2)) * oe.contract('ab,cdb,be,de,af,gdf,fe,de->', t19, t18, t19, M_Z, t19, t18, t19, M_Z, optimize=[(3, 7), (0, 3), (0, 1), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-8/(d_V**5*n_batch**2)) * oe.contract('ab,cdb,be,de,af,gdf,fh,dh,he->', t19, t18, t19, M_Z, t19, t18, t19, M_Z, t19, optimize=[(0, 4), (0, 1), (5, 6), (1, 5), (1, 4), (2, 3), (0, 2), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('ab,cdb,be,de,ae,fde->', t19, t18, t19, M_Z, t19, t22, optimize=[(0, 4), (1, 4), (0, 3), (0, 2), (0, 1)]) + (-8/(d_V**5*n_batch**2)) * oe.contract('ab,cdb,be,de,af,gdf,fe->', t19, t18, t19, M_Z, t19, t22, t19, optimize=[(0, 4), (0, 1), (3, 4), (1, 3), (1, 2), (0, 1)]) + (16/(d_V**5*n_batch**2)) * oe.contract('ab,cdb,be,de,af,df,fg,hdg,ge,de->', t19, t18, t19, M_Z, t19, M_Z, t19, t24, t19, M_Z, optimize=[(3, 9), (0, 3), (0, 1), (5, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-16/(d_V**6*n_batch**2)) * oe.contract('ab,cdb,be,de,af,df,fg,hdg,gi,di,ie->', t19, t18, t19, M_Z, t19, M_Z, t19, t24, t19, M_Z, t19, optimize=[(0, 4), (0, 1), (7, 8), (0, 7), (5, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('ab,cdb,be,de,af,df,fe,gde->', t19, t18, t19, M_Z, t19, M_Z, t19, t18, optimize=[(0, 4), (2, 5), (0, 1), (2, 4), (1, 3), (0, 2), (0, 1)]) + (-8/(d_V**5*n_batch**2)) * oe.contract('ab,cdb,be,de,af,df,fg,hdg,ge->', t19, t18, t19, M_Z, t19, M_Z, t19, t18, t19, optimize=[(0, 4), (0, 1), (5, 6), (0, 5), (3, 4), (1, 3), (1, 2), (0, 1)]) + (4/(d_V**6*n_batch**2)) * oe.contract('ab,cdb,be,de,ef,ag,hdg,gi,di,if->', t19, t18, t19, M_Z, t19, t19, t18, t19, M_Z, t19, optimize=[(0, 5), (3, 7), (0, 1), (4, 6), (1, 5), (1, 4), (2, 3), (0, 2), (0, 1)]) + (-8/(d_V**5*n_batch**2)) * oe.contract('ab,cdb,be,de,ef,af,gdf->', t19, t18, t19, M_Z, t19, t19, t22, optimize=[(0, 5), (0, 1), (3, 4), (1, 3), (1, 2), (0, 1)]) + (8/(d_V**6*n_batch**2)) * oe.contract('ab,cdb,be,de,ef,ag,hdg,gf->', t19, t18, t19, M_Z, t19, t19, t22, t19, optimize=[(0, 5), (3, 5), (0, 1), (2, 4), (1, 3), (1, 2), (0, 1)]) + (-16/(d_V**6*n_batch**2)) * oe.contract('ab,cdb,be,de,ef,ag,dg,gh,idh,hf,df->', t19, t18, t19, M_Z, t19, t19, M_Z, t19, t24, t19, M_Z, optimize=[(0, 5), (0, 1), (7, 8), (0, 7), (0, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (16/(d_V**7*n_batch**2)) * oe.contract('ab,cdb,be,de,ef,ag,dg,gh,idh,hj,dj,jf->', t19, t18, t19, M_Z, t19, t19, M_Z, t19, t24, t19, M_Z, t19, optimize=[(0, 5), (3, 9), (0, 1), (6, 8), (0, 7), (5, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-8/(d_V**5*n_batch**2)) * oe.contract('ab,cdb,be,de,ef,ag,dg,gf,hdf->', t19, t18, t19, M_Z, t19, t19, M_Z, t19, t18, optimize=[(0, 5), (0, 1), (5, 6), (0, 5), (0, 4), (1, 3), (1, 2), (0, 1)]) + (8/(d_V**6*n_batch**2)) * oe.contract('ab,cdb,be,de,ef,ag,dg,gh,idh,hf->', t19, t18, t19, M_Z, t19, t19, M_Z, t19, t18, t19, optimize=[(0, 5), (3, 7), (0, 1), (4, 6), (0, 5), (3, 4), (1, 3), (1, 2), (0, 1)]) + (4/(d_V**4*n_batch**2)) * oe.contract('ab,cdb,ab,edb->', t19, t22, t19, t22, optimize=[(0, 2), (0, 2), (0, 1)]) + (-8/(d_V**5*n_batch**2)) * oe.contract('ab,cdb,ae,fde,eb->', t19, t22, t19, t22, t19, optimize=[(0, 2), (2, 3), (0, 2), (0, 1)]) + (16/(d_V**5*n_batch**2)) * oe.contract('ab,cdb,ae,de,ef,gdf,fb,db->', t19, t22, t19, M_Z, t19, t24, t19, M_Z, optimize=[(0, 2), (0, 5), (1, 2), (1, 4), (1, 3), (0, 2), (0, 1)]) + (-16/(d_V**6*n_batch**2)) * oe.contract('ab,cdb,ae,de,ef,gdf,fh,dh,hb->', t19, t22, t19, M_Z, t19, t24, t19, M_Z, t19, optimize=[(0, 2), (0, 3), (0, 1), (3, 5), (3, 4), (0, 3), (1, 2), (0, 1)]) + (8/(d_V**4*n_batch**2)) * oe.contract('ab,cdb,ae,de,eb,fdb->', t19, t22, t19, M_Z, t19, t18, optimize=[(1, 5), (0, 1), (1, 3), (0, 2), (0, 1)]) + (-8/(d_V**5*n_batch**2)) * oe.contract('ab,cdb,ae,de,ef,gdf,fb->', t19, t22, t19, M_Z, t19, t18, t19, optimize=[(0, 2), (0, 3), (2, 4), (1, 3), (1, 2), (0, 1)]) + (4/(d_V**6*n_batch**2)) * oe.contract('ab,cdb,be,af,gdf,fe->', t19, t22, t19, t19, t22, t19, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)]) + (-16/(d_V**6*n_batch**2)) * oe.contract('ab,cdb,be,af,df,fg,hdg,ge,de->', t19, t22, t19, t19, M_Z, t19, t24, t19, M_Z, optimize=[(0, 3), (0, 1), (5, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (16/(d_V**7*n_batch**2)) * oe.contract('ab,cdb,be,af,df,fg,hdg,gi,di,ie->', t19, t22, t19, t19, M_Z, t19, t24, t19, M_Z, t19, optimize=[(0, 3), (1, 7), (0, 3), (0, 1), (2, 5), (3, 4), (0, 3), (1, 2), (0, 1)]) + (-8/(d_V**5*n_batch**2)) * oe.contract('ab,cdb,be,af,df,fe,gde->', t19, t22, t19, t19, M_Z, t19, t18, optimize=[(0, 3), (0, 1), (2, 4), (1, 3), (1, 2), (0, 1)]) + (8/(d_V**6*n_batch**2)) * oe.contract('ab,cdb,be,af,df,fg,hdg,ge->', t19, t22, t19, t19, M_Z, t19, t18, t19, optimize=[(0, 3), (1, 5), (0, 3), (3, 4), (1, 3), (1, 2), (0, 1)]) + (16/(d_V**6*n_batch**2)) * oe.contract('ab,cb,bd,ecd,df,cf,ag,cg,gh,ich,hf,cf->', t19, M_Z, t19, t24, t19, M_Z, t19, M_Z, t19, t24, t19, M_Z, optimize=[(5, 11), (0, 5), (1, 2), (1, 8), (0, 7), (5, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-32/(d_V**7*n_batch**2)) * oe.contract('ab,cb,bd,ecd,df,cf,ag,cg,gh,ich,hj,cj,jf->', t19, M_Z, t19, t24, t19, M_Z, t19, M_Z, t19, t24, t19, M_Z, t19, optimize=[(0, 6), (1, 2), (1, 10), (0, 9), (7, 8), (0, 7), (5, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (16/(d_V**5*n_batch**2)) * oe.contract('ab,cb,bd,ecd,df,cf,ag,cg,gf,hcf->', t19, M_Z, t19, t24, t19, M_Z, t19, M_Z, t19, t18, optimize=[(0, 6), (4, 7), (1, 2), (1, 6), (0, 5), (2, 4), (1, 3), (0, 2), (0, 1)]) + (-16/(d_V**6*n_batch**2)) * oe.contract('ab,cb,bd,ecd,df,cf,ag,cg,gh,ich,hf->', t19, M_Z, t19, t24, t19, M_Z, t19, M_Z, t19, t18, t19, optimize=[(0, 6), (1, 2), (1, 8), (0, 7), (5, 6), (0, 5), (3, 4), (1, 3), (1, 2), (0, 1)]) + (16/(d_V**8*n_batch**2)) * oe.contract('ab,cb,bd,ecd,df,cf,fg,ah,ch,hi,jci,ik,ck,kg->', t19, M_Z, t19, t24, t19, M_Z, t19, t19, M_Z, t19, t24, t19, M_Z, t19, optimize=[(0, 7), (5, 11), (1, 2), (1, 10), (0, 9), (6, 8), (0, 7), (5, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-16/(d_V**6*n_batch**2)) * oe.contract('ab,cb,bd,ecd,df,cf,fg,ah,ch,hg,icg->', t19, M_Z, t19, t24, t19, M_Z, t19, t19, M_Z, t19, t18, optimize=[(0, 7), (1, 2), (1, 8), (0, 7), (5, 6), (0, 5), (0, 4), (1, 3), (1, 2), (0, 1)]) + (16/(d_V**7*n_batch**2)) * oe.contract('ab,cb,bd,ecd,df,cf,fg,ah,ch,hi,jci,ig->', t19, M_Z, t19, t24, t19, M_Z, t19, t19, M_Z, t19, t18, t19, optimize=[(0, 7), (5, 9), (1, 2), (1, 8), (0, 7), (4, 6), (0, 5), (3, 4), (1, 3), (1, 2), (0, 1)]) + (4/(d_V**4*n_batch**2)) * oe.contract('ab,cb,bd,ecd,af,cf,fd,gcd->', t19, M_Z, t19, t18, t19, M_Z, t19, t18, optimize=[(3, 7), (0, 3), (0, 1), (3, 4), (1, 3), (0, 2), (0, 1)]) + (-8/(d_V**5*n_batch**2)) * oe.contract('ab,cb,bd,ecd,af,cf,fg,hcg,gd->', t19, M_Z, t19, t18, t19, M_Z, t19, t18, t19, optimize=[(0, 4), (1, 2), (4, 6), (3, 5), (2, 4), (2, 3), (0, 2), (0, 1)]) + (4/(d_V**6*n_batch**2)) * oe.contract('ab,cb,bd,ecd,df,ag,cg,gh,ich,hf->', t19, M_Z, t19, t18, t19, t19, M_Z, t19, t18, t19, optimize=[(0, 5), (3, 7), (1, 2), (5, 6), (3, 5), (2, 4), (2, 3), (0, 2), (0, 1)])
-    t26 = np.sqrt(np.maximum(t25, 0.0))
-    return t26
+    t20 = np.eye(d_V, dtype=Y.dtype)
+    t21 = np.ones((L,), dtype=Y.dtype)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S = oe.contract('ab,c->cab', t20, t21, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t19, t21, optimize=[(0, 1)])
+    t22 = t8 * G * M_Z
+    t23 = t22.sum(-1, keepdims=True)
+    t24 = np.broadcast_to(t23, t23.shape[:-1] + (d_V,))
+    t25 = (0.75 * (sigma2_Z ** -2.5))
+    t26 = t25 * G * M_Z
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S27 = oe.contract('abc,cd->abcd', t18, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t26, t19, M_Z, optimize=[(1, 2), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S28 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t18, t19, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t24, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t19, S27, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S29 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t18, t19, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t24, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t19, S27, S, optimize=[(0, 1), (0, 1), (0, 1)]) + oe.contract('ab,cdbe->cdae', t19, S28, optimize=[(0, 1)])
+    t30 = (n_batch**(-2)) * oe.contract('abcd,ebcd->', S29, S29, optimize=[(0, 1)])
+    t31 = np.sqrt(np.maximum(t30, 0.0))
+    return t31
 
 
 def ce__hessian__full(X, Y):
@@ -2457,100 +2020,33 @@ def ce__hessian__full(X, Y):
     G = t20
     t21 = t11 * G
     t22 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t23 = (2/(d_V*n_batch)) * M_Z
-    t2 += oe.contract('abc,cd,bd->bcd', t21, t22, t23, optimize=[(0, 1), (0, 1)])
-    t24 = (-2/(d_V**2*n_batch)) * M_Z
-    t2 += oe.contract('abc,cd,bd,de->bce', t21, t22, t24, t22, optimize=[(0, 1), (0, 1), (0, 1)])
+    t23 = np.eye(d_V, dtype=Y.dtype)
+    t24 = np.ones((L,), dtype=Y.dtype)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S = oe.contract('ab,c->cab', t23, t24, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t22, t24, optimize=[(0, 1)])
     t25 = t13 * P_Z
     t26 = np.exp(Z - Z.max(-1, keepdims=True))
     A27 = t26 / t26.sum(-1, keepdims=True)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('ab,bc->abc', A27, t23, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A27, A27, optimize=[(0, 1)])
     t28 = t11 * M_Z
-    t29 = (2/(L*d_V*n_batch)) * A27
-    t2 += oe.contract('abc,bc,bc,cd,bd->bcd', t25, t29, t28, t22, M_Z, optimize=[(1, 2), (0, 2), (0, 1), (0, 1)])
-    t30 = (-2/(L*d_V**2*n_batch)) * A27
-    t2 += oe.contract('abc,bc,bc,cd,bd,de->bce', t25, t30, t28, t22, M_Z, t22, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
-    t31 = np.einsum('abab->ab', t1)
-    t32 = (1/(L*n_batch)) * A27
-    t31 += oe.contract('abc,bc,bc->bc', t25, t32, P_Z, optimize=[(0, 1), (0, 1)])
-    t33 = (-1/(L*d_V*n_batch)) * A27
-    t2 += oe.contract('abc,bc,bc,cd->bcd', t25, t33, P_Z, t22, optimize=[(0, 1), (0, 2), (0, 1)])
-    t34 = (-2/(L*d_V*n_batch)) * A27
-    t2 += oe.contract('abc,bc,bd,bd,de,be->bce', t25, t34, A27, t28, t22, M_Z, optimize=[(2, 3), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t35 = (2/(L*d_V**2*n_batch)) * A27
-    t2 += oe.contract('abc,bc,bd,bd,de,be,ef->bcf', t25, t35, A27, t28, t22, M_Z, t22, optimize=[(2, 3), (2, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t36 = (-1/(L*n_batch)) * A27
-    t2 += oe.contract('abc,bc,bd,bd->bcd', t25, t36, A27, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t37 = (1/(L*d_V*n_batch)) * A27
-    t2 += oe.contract('abc,bc,bd,bd,de->bce', t25, t37, A27, P_Z, t22, optimize=[(2, 3), (2, 3), (0, 1), (0, 1)])
-    t38 = t11 * G * M_Z
-    t39 = t38.sum(-1, keepdims=True)
-    t40 = np.broadcast_to(t39, t39.shape[:-1] + (d_V,))
-    t31 += (2/(d_V*n_batch)) * oe.contract('abc->bc', t40, optimize=[(0,)])
-    t41 = (-2/(d_V**2*n_batch)) * t40
-    t2 += oe.contract('abc,cd->bcd', t41, t22, optimize=[(0, 1)])
-    t42 = (0.75 * (sigma2_Z ** -2.5))
-    t43 = t42 * G * M_Z
-    t44 = (4/(d_V**2*n_batch)) * M_Z
-    t2 += oe.contract('ab,bc,dac,ce,ae->abe', t44, t22, t43, t22, M_Z, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
-    t45 = (-4/(d_V**3*n_batch)) * M_Z
-    t2 += oe.contract('ab,bc,dac,ce,ae,ef->abf', t45, t22, t43, t22, M_Z, t22, optimize=[(1, 2), (1, 4), (1, 3), (1, 2), (0, 1)])
-    t2 += oe.contract('ab,bc,dac->abc', t23, t22, t21, optimize=[(0, 1), (0, 1)])
-    t2 += oe.contract('ab,bc,dac,ce->abe', t24, t22, t21, t22, optimize=[(2, 3), (0, 2), (0, 1)])
-    t46 = t11 * t13 * M_Z
-    t47 = (4/(L*d_V**2*n_batch)) * M_Z
-    t2 += oe.contract('ab,bc,dac,ac,ac,ce,ae->abe', t47, t22, t46, A27, t28, t22, M_Z, optimize=[(3, 4), (2, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
-    t48 = (-4/(L*d_V**3*n_batch)) * M_Z
-    t2 += oe.contract('ab,bc,dac,ac,ac,ce,ae,ef->abf', t48, t22, t46, A27, t28, t22, M_Z, t22, optimize=[(3, 4), (2, 6), (2, 3), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t49 = (2/(L*d_V*n_batch)) * M_Z
-    t2 += oe.contract('ab,bc,dac,ac,ac->abc', t49, t22, t46, A27, P_Z, optimize=[(3, 4), (0, 2), (0, 1), (0, 1)])
-    t50 = (-2/(L*d_V**2*n_batch)) * M_Z
-    t2 += oe.contract('ab,bc,dac,ac,ac,ce->abe', t50, t22, t46, A27, P_Z, t22, optimize=[(3, 4), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t51 = (-4/(L*d_V**2*n_batch)) * M_Z
-    t2 += oe.contract('ab,bc,dac,ac,ae,ae,ef,af->abf', t51, t22, t46, A27, A27, t28, t22, M_Z, optimize=[(4, 5), (2, 3), (2, 4), (2, 4), (1, 2), (0, 2), (0, 1)])
-    t52 = (4/(L*d_V**3*n_batch)) * M_Z
-    t2 += oe.contract('ab,bc,dac,ac,ae,ae,ef,af,fg->abg', t52, t22, t46, A27, A27, t28, t22, M_Z, t22, optimize=[(4, 5), (2, 3), (2, 5), (2, 5), (1, 3), (0, 3), (0, 1), (0, 1)])
-    t53 = (-2/(L*d_V*n_batch)) * M_Z
-    t2 += oe.contract('ab,bc,dac,ac,ae,ae->abe', t53, t22, t46, A27, A27, P_Z, optimize=[(4, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t54 = (2/(L*d_V**2*n_batch)) * M_Z
-    t2 += oe.contract('ab,bc,dac,ac,ae,ae,ef->abf', t54, t22, t46, A27, A27, P_Z, t22, optimize=[(4, 5), (2, 3), (2, 3), (1, 2), (0, 2), (0, 1)])
-    t2 += oe.contract('ab,cdb,db,db,be,de->dae', t22, t25, t30, t28, t22, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 2), (0, 1)])
-    t55 = (2/(L*d_V**3*n_batch)) * A27
-    t56 = oe.contract('abc,bc,bc,cd,bd,de->bec', t25, t55, t28, t22, M_Z, t22, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
-    t2 += oe.contract('abc,dc->adb', t56, t22, optimize=[(0, 1)])
-    t2 += oe.contract('ab,cdb,db,db->dab', t22, t25, t33, P_Z, optimize=[(1, 2), (1, 2), (0, 1)])
-    t57 = (1/(L*d_V**2*n_batch)) * A27
-    t2 += oe.contract('ab,cdb,db,db,be->dae', t22, t25, t57, P_Z, t22, optimize=[(2, 3), (1, 3), (0, 2), (0, 1)])
-    t2 += oe.contract('ab,cdb,db,de,de,ef,df->daf', t22, t25, t35, A27, t28, t22, M_Z, optimize=[(3, 4), (1, 2), (1, 3), (1, 3), (0, 1), (0, 1)])
-    t58 = (-2/(L*d_V**3*n_batch)) * A27
-    t2 += oe.contract('ab,cdb,db,de,de,ef,df,fg->dag', t22, t25, t58, A27, t28, t22, M_Z, t22, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
-    t2 += oe.contract('ab,cdb,db,de,de->dae', t22, t25, t37, A27, P_Z, optimize=[(3, 4), (1, 2), (0, 2), (0, 1)])
-    t59 = (-1/(L*d_V**2*n_batch)) * A27
-    t2 += oe.contract('ab,cdb,db,de,de,ef->daf', t22, t25, t59, A27, P_Z, t22, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t2 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf->caf', t22, t48, t22, t46, A27, t28, t22, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
-    t60 = (4/(L*d_V**4*n_batch)) * M_Z
-    t2 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf,fg->cag', t22, t60, t22, t46, A27, t28, t22, M_Z, t22, optimize=[(4, 5), (3, 7), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
-    t2 += oe.contract('ab,cb,bd,ecd,cd,cd->cad', t22, t50, t22, t46, A27, P_Z, optimize=[(4, 5), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t61 = (2/(L*d_V**3*n_batch)) * M_Z
-    t2 += oe.contract('ab,cb,bd,ecd,cd,cd,df->caf', t22, t61, t22, t46, A27, P_Z, t22, optimize=[(4, 5), (3, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
-    t2 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg->cag', t22, t52, t22, t46, A27, A27, t28, t22, M_Z, optimize=[(5, 6), (3, 4), (3, 5), (3, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t62 = (-4/(L*d_V**4*n_batch)) * M_Z
-    t2 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,gh->cah', t22, t62, t22, t46, A27, A27, t28, t22, M_Z, t22, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
-    t2 += oe.contract('ab,cb,bd,ecd,cd,cf,cf->caf', t22, t54, t22, t46, A27, A27, P_Z, optimize=[(5, 6), (3, 4), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t63 = (-2/(L*d_V**3*n_batch)) * M_Z
-    t2 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg->cag', t22, t63, t22, t46, A27, A27, P_Z, t22, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t2 += oe.contract('ab,cdb,be,de->dae', t22, t21, t22, t24, optimize=[(0, 1), (0, 1), (0, 1)])
-    t64 = (2/(d_V**3*n_batch)) * M_Z
-    t2 += oe.contract('ab,cdb,be,de,ef->daf', t22, t21, t22, t64, t22, optimize=[(0, 1), (0, 3), (0, 2), (0, 1)])
-    t65 = (-2/(d_V**2*n_batch)) * t22
-    t2 += oe.contract('ab,cdb->dab', t65, t40, optimize=[(0, 1)])
-    t66 = (2/(d_V**3*n_batch)) * t22
-    t2 += oe.contract('ab,cdb,be->dae', t66, t40, t22, optimize=[(0, 1), (0, 1)])
-    t2 += oe.contract('ab,cb,bd,ecd,df,cf->caf', t22, t45, t22, t43, t22, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t67 = (4/(d_V**4*n_batch)) * M_Z
-    t2 += oe.contract('ab,cb,bd,ecd,df,cf,fg->cag', t22, t67, t22, t43, t22, M_Z, t22, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
-    t2 += oe.contract('ab,cb,bd,ecd->cad', t22, t24, t22, t21, optimize=[(0, 1), (0, 1), (0, 1)])
-    t68 = oe.contract('ab,bc,dac,ce->aeb', t64, t22, t21, t22, optimize=[(2, 3), (0, 2), (0, 1)])
-    t2 += oe.contract('abc,dc->adb', t68, t22, optimize=[(0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S29 = oe.contract('ab,bc->abc', P_Z, t23, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t28, t22, M_Z, optimize=[(0, 1), (0, 1)])
+    t30 = t11 * G * M_Z
+    t31 = t30.sum(-1, keepdims=True)
+    t32 = np.broadcast_to(t31, t31.shape[:-1] + (d_V,))
+    t33 = (0.75 * (sigma2_Z ** -2.5))
+    t34 = t33 * G * M_Z
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S35 = oe.contract('abc,cd->abcd', t21, t23, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t34, t22, M_Z, optimize=[(1, 2), (0, 1)])
+    t36 = t11 * t13 * M_Z
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S37 = (-1/(L*d_V)) * oe.contract('abc,cd->abcd', t25, t23, optimize=[(0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,bc,dac->dabc', M_Z, t22, t36, optimize=[(0, 1), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S38 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t21, t22, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t32, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t22, S35, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S39 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t21, t22, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (1/L) * oe.contract('abc,bcd,bde,bef->abcf', t25, dA, S29, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t32, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t22, S35, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac,ace,aef,afg->dabg', M_Z, t22, t36, dA, S29, S, optimize=[(3, 4), (3, 4), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,cdbe,def,dfg,dgh->cdah', t22, S37, dA, S29, S, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,cdbe->cdae', t22, S38, optimize=[(0, 1)])
+    t2 += (1/n_batch) * oe.contract('abcd->bcd', S39, optimize=[(0,)])
     return H
 
 
@@ -2633,134 +2129,62 @@ def ce__frobenius_all__full(X, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = Y.shape[0]
-    blk = np.empty((L*d_V, L*d_V), dtype=Y.dtype)
-    blk[...] = 0
-    t0 = np.reshape(blk, (L, d_V, L, d_V), copy=False)
-    t1 = np.einsum('abac->abc', t0)
-    t2 = X.sum(-1, keepdims=True)
-    t3 = np.broadcast_to(t2, t2.shape[:-1] + (d_V,))
-    t4 = (-1/d_V) * t3
-    t5 = t4 + X
-    M_Z = t5
-    t6 = M_Z * M_Z
-    t7 = t6.sum(-1, keepdims=True)
-    t8 = np.broadcast_to(t7, t7.shape[:-1] + (d_V,))
-    t9 = (1/d_V) * t8
-    sigma2_Z = t9
-    t10 = (-0.5 * (sigma2_Z ** -1.5))
-    t11 = Y.sum(-1, keepdims=True)
-    t12 = np.broadcast_to(t11, t11.shape[:-1] + (d_V,))
-    t13 = (sigma2_Z ** -0.5)
-    P_Z = t13
-    t14 = M_Z * P_Z
-    Z = t14
+    t0 = X.sum(-1, keepdims=True)
+    t1 = np.broadcast_to(t0, t0.shape[:-1] + (d_V,))
+    t2 = (-1/d_V) * t1
+    t3 = t2 + X
+    M_Z = t3
+    t4 = M_Z * M_Z
+    t5 = t4.sum(-1, keepdims=True)
+    t6 = np.broadcast_to(t5, t5.shape[:-1] + (d_V,))
+    t7 = (1/d_V) * t6
+    sigma2_Z = t7
+    t8 = (-0.5 * (sigma2_Z ** -1.5))
+    t9 = Y.sum(-1, keepdims=True)
+    t10 = np.broadcast_to(t9, t9.shape[:-1] + (d_V,))
+    t11 = (sigma2_Z ** -0.5)
+    P_Z = t11
+    t12 = M_Z * P_Z
+    Z = t12
     F = Z
-    t15 = np.exp(F - F.max(-1, keepdims=True))
-    A = t15 / t15.sum(-1, keepdims=True)
-    t16 = t12 * A
-    t17 = (1/L) * t16
-    t18 = (-1/L) * Y
-    t19 = t17 + t18
-    G = t19
-    t20 = t10 * G
-    t21 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t22 = (2/(d_V*n_batch)) * M_Z
-    t1 += oe.contract('abc,cd,bd->bcd', t20, t21, t22, optimize=[(0, 1), (0, 1)])
-    t23 = (-2/(d_V**2*n_batch)) * M_Z
-    t1 += oe.contract('abc,cd,bd,de->bce', t20, t21, t23, t21, optimize=[(0, 1), (0, 1), (0, 1)])
-    t24 = t12 * P_Z
-    t25 = np.exp(Z - Z.max(-1, keepdims=True))
-    A26 = t25 / t25.sum(-1, keepdims=True)
-    t27 = t10 * M_Z
-    t28 = (2/(L*d_V*n_batch)) * A26
-    t1 += oe.contract('abc,bc,bc,cd,bd->bcd', t24, t28, t27, t21, M_Z, optimize=[(1, 2), (0, 2), (0, 1), (0, 1)])
-    t29 = (-2/(L*d_V**2*n_batch)) * A26
-    t1 += oe.contract('abc,bc,bc,cd,bd,de->bce', t24, t29, t27, t21, M_Z, t21, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
-    t30 = np.einsum('abab->ab', t0)
-    t31 = (1/(L*n_batch)) * A26
-    t30 += oe.contract('abc,bc,bc->bc', t24, t31, P_Z, optimize=[(0, 1), (0, 1)])
-    t32 = (-1/(L*d_V*n_batch)) * A26
-    t1 += oe.contract('abc,bc,bc,cd->bcd', t24, t32, P_Z, t21, optimize=[(0, 1), (0, 2), (0, 1)])
-    t33 = (-2/(L*d_V*n_batch)) * A26
-    t1 += oe.contract('abc,bc,bd,bd,de,be->bce', t24, t33, A26, t27, t21, M_Z, optimize=[(2, 3), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t34 = (2/(L*d_V**2*n_batch)) * A26
-    t1 += oe.contract('abc,bc,bd,bd,de,be,ef->bcf', t24, t34, A26, t27, t21, M_Z, t21, optimize=[(2, 3), (2, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t35 = (-1/(L*n_batch)) * A26
-    t1 += oe.contract('abc,bc,bd,bd->bcd', t24, t35, A26, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t36 = (1/(L*d_V*n_batch)) * A26
-    t1 += oe.contract('abc,bc,bd,bd,de->bce', t24, t36, A26, P_Z, t21, optimize=[(2, 3), (2, 3), (0, 1), (0, 1)])
-    t37 = t10 * G * M_Z
-    t38 = t37.sum(-1, keepdims=True)
-    t39 = np.broadcast_to(t38, t38.shape[:-1] + (d_V,))
-    t30 += (2/(d_V*n_batch)) * oe.contract('abc->bc', t39, optimize=[(0,)])
-    t40 = (-2/(d_V**2*n_batch)) * t39
-    t1 += oe.contract('abc,cd->bcd', t40, t21, optimize=[(0, 1)])
-    t41 = (0.75 * (sigma2_Z ** -2.5))
-    t42 = t41 * G * M_Z
-    t43 = (4/(d_V**2*n_batch)) * M_Z
-    t1 += oe.contract('ab,bc,dac,ce,ae->abe', t43, t21, t42, t21, M_Z, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
-    t44 = (-4/(d_V**3*n_batch)) * M_Z
-    t1 += oe.contract('ab,bc,dac,ce,ae,ef->abf', t44, t21, t42, t21, M_Z, t21, optimize=[(1, 2), (1, 4), (1, 3), (1, 2), (0, 1)])
-    t1 += oe.contract('ab,bc,dac->abc', t22, t21, t20, optimize=[(0, 1), (0, 1)])
-    t1 += oe.contract('ab,bc,dac,ce->abe', t23, t21, t20, t21, optimize=[(2, 3), (0, 2), (0, 1)])
-    t45 = t10 * t12 * M_Z
-    t46 = (4/(L*d_V**2*n_batch)) * M_Z
-    t1 += oe.contract('ab,bc,dac,ac,ac,ce,ae->abe', t46, t21, t45, A26, t27, t21, M_Z, optimize=[(3, 4), (2, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
-    t47 = (-4/(L*d_V**3*n_batch)) * M_Z
-    t1 += oe.contract('ab,bc,dac,ac,ac,ce,ae,ef->abf', t47, t21, t45, A26, t27, t21, M_Z, t21, optimize=[(3, 4), (2, 6), (2, 3), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t48 = (2/(L*d_V*n_batch)) * M_Z
-    t1 += oe.contract('ab,bc,dac,ac,ac->abc', t48, t21, t45, A26, P_Z, optimize=[(3, 4), (0, 2), (0, 1), (0, 1)])
-    t49 = (-2/(L*d_V**2*n_batch)) * M_Z
-    t1 += oe.contract('ab,bc,dac,ac,ac,ce->abe', t49, t21, t45, A26, P_Z, t21, optimize=[(3, 4), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t50 = (-4/(L*d_V**2*n_batch)) * M_Z
-    t1 += oe.contract('ab,bc,dac,ac,ae,ae,ef,af->abf', t50, t21, t45, A26, A26, t27, t21, M_Z, optimize=[(4, 5), (2, 3), (2, 4), (2, 4), (1, 2), (0, 2), (0, 1)])
-    t51 = (4/(L*d_V**3*n_batch)) * M_Z
-    t1 += oe.contract('ab,bc,dac,ac,ae,ae,ef,af,fg->abg', t51, t21, t45, A26, A26, t27, t21, M_Z, t21, optimize=[(4, 5), (2, 3), (2, 5), (2, 5), (1, 3), (0, 3), (0, 1), (0, 1)])
-    t52 = (-2/(L*d_V*n_batch)) * M_Z
-    t1 += oe.contract('ab,bc,dac,ac,ae,ae->abe', t52, t21, t45, A26, A26, P_Z, optimize=[(4, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t53 = (2/(L*d_V**2*n_batch)) * M_Z
-    t1 += oe.contract('ab,bc,dac,ac,ae,ae,ef->abf', t53, t21, t45, A26, A26, P_Z, t21, optimize=[(4, 5), (2, 3), (2, 3), (1, 2), (0, 2), (0, 1)])
-    t1 += oe.contract('ab,cdb,db,db,be,de->dae', t21, t24, t29, t27, t21, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 2), (0, 1)])
-    t54 = (2/(L*d_V**3*n_batch)) * A26
-    t55 = oe.contract('abc,bc,bc,cd,bd,de->bec', t24, t54, t27, t21, M_Z, t21, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
-    t1 += oe.contract('abc,dc->adb', t55, t21, optimize=[(0, 1)])
-    t1 += oe.contract('ab,cdb,db,db->dab', t21, t24, t32, P_Z, optimize=[(1, 2), (1, 2), (0, 1)])
-    t56 = (1/(L*d_V**2*n_batch)) * A26
-    t1 += oe.contract('ab,cdb,db,db,be->dae', t21, t24, t56, P_Z, t21, optimize=[(2, 3), (1, 3), (0, 2), (0, 1)])
-    t1 += oe.contract('ab,cdb,db,de,de,ef,df->daf', t21, t24, t34, A26, t27, t21, M_Z, optimize=[(3, 4), (1, 2), (1, 3), (1, 3), (0, 1), (0, 1)])
-    t57 = (-2/(L*d_V**3*n_batch)) * A26
-    t1 += oe.contract('ab,cdb,db,de,de,ef,df,fg->dag', t21, t24, t57, A26, t27, t21, M_Z, t21, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
-    t1 += oe.contract('ab,cdb,db,de,de->dae', t21, t24, t36, A26, P_Z, optimize=[(3, 4), (1, 2), (0, 2), (0, 1)])
-    t58 = (-1/(L*d_V**2*n_batch)) * A26
-    t1 += oe.contract('ab,cdb,db,de,de,ef->daf', t21, t24, t58, A26, P_Z, t21, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf->caf', t21, t47, t21, t45, A26, t27, t21, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
-    t59 = (4/(L*d_V**4*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf,fg->cag', t21, t59, t21, t45, A26, t27, t21, M_Z, t21, optimize=[(4, 5), (3, 7), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cd->cad', t21, t49, t21, t45, A26, P_Z, optimize=[(4, 5), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t60 = (2/(L*d_V**3*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df->caf', t21, t60, t21, t45, A26, P_Z, t21, optimize=[(4, 5), (3, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg->cag', t21, t51, t21, t45, A26, A26, t27, t21, M_Z, optimize=[(5, 6), (3, 4), (3, 5), (3, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t61 = (-4/(L*d_V**4*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,gh->cah', t21, t61, t21, t45, A26, A26, t27, t21, M_Z, t21, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf->caf', t21, t53, t21, t45, A26, A26, P_Z, optimize=[(5, 6), (3, 4), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t62 = (-2/(L*d_V**3*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg->cag', t21, t62, t21, t45, A26, A26, P_Z, t21, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t1 += oe.contract('ab,cdb,be,de->dae', t21, t20, t21, t23, optimize=[(0, 1), (0, 1), (0, 1)])
-    t63 = (2/(d_V**3*n_batch)) * M_Z
-    t1 += oe.contract('ab,cdb,be,de,ef->daf', t21, t20, t21, t63, t21, optimize=[(0, 1), (0, 3), (0, 2), (0, 1)])
-    t64 = (-2/(d_V**2*n_batch)) * t21
-    t1 += oe.contract('ab,cdb->dab', t64, t39, optimize=[(0, 1)])
-    t65 = (2/(d_V**3*n_batch)) * t21
-    t1 += oe.contract('ab,cdb,be->dae', t65, t39, t21, optimize=[(0, 1), (0, 1)])
-    t1 += oe.contract('ab,cb,bd,ecd,df,cf->caf', t21, t44, t21, t42, t21, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t66 = (4/(d_V**4*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,df,cf,fg->cag', t21, t66, t21, t42, t21, M_Z, t21, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
-    t1 += oe.contract('ab,cb,bd,ecd->cad', t21, t23, t21, t20, optimize=[(0, 1), (0, 1), (0, 1)])
-    t67 = oe.contract('ab,bc,dac,ce->aeb', t63, t21, t20, t21, optimize=[(2, 3), (0, 2), (0, 1)])
-    t1 += oe.contract('abc,dc->adb', t67, t21, optimize=[(0, 1)])
-    nrm = np.linalg.norm(blk)
-    del blk
-    return (nrm,)
+    t13 = np.exp(F - F.max(-1, keepdims=True))
+    A = t13 / t13.sum(-1, keepdims=True)
+    t14 = t10 * A
+    t15 = (1/L) * t14
+    t16 = (-1/L) * Y
+    t17 = t15 + t16
+    G = t17
+    t18 = t8 * G
+    t19 = np.ones((d_V, d_V), dtype=Y.dtype)
+    t20 = np.eye(d_V, dtype=Y.dtype)
+    t21 = np.ones((L,), dtype=Y.dtype)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S = oe.contract('ab,c->cab', t20, t21, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t19, t21, optimize=[(0, 1)])
+    t22 = t10 * P_Z
+    t23 = np.exp(Z - Z.max(-1, keepdims=True))
+    A24 = t23 / t23.sum(-1, keepdims=True)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('ab,bc->abc', A24, t20, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A24, A24, optimize=[(0, 1)])
+    t25 = t8 * M_Z
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S26 = oe.contract('ab,bc->abc', P_Z, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t25, t19, M_Z, optimize=[(0, 1), (0, 1)])
+    t27 = t8 * G * M_Z
+    t28 = t27.sum(-1, keepdims=True)
+    t29 = np.broadcast_to(t28, t28.shape[:-1] + (d_V,))
+    t30 = (0.75 * (sigma2_Z ** -2.5))
+    t31 = t30 * G * M_Z
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S32 = oe.contract('abc,cd->abcd', t18, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t31, t19, M_Z, optimize=[(1, 2), (0, 1)])
+    t33 = t8 * t10 * M_Z
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S34 = (-1/(L*d_V)) * oe.contract('abc,cd->abcd', t22, t20, optimize=[(0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,bc,dac->dabc', M_Z, t19, t33, optimize=[(0, 1), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S35 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t18, t19, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t29, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t19, S32, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S36 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t18, t19, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (1/L) * oe.contract('abc,bcd,bde,bef->abcf', t22, dA, S26, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t29, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t19, S32, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac,ace,aef,afg->dabg', M_Z, t19, t33, dA, S26, S, optimize=[(3, 4), (3, 4), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,cdbe,def,dfg,dgh->cdah', t19, S34, dA, S26, S, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,cdbe->cdae', t19, S35, optimize=[(0, 1)])
+    t37 = (n_batch**(-2)) * oe.contract('abcd,ebcd->', S36, S36, optimize=[(0, 1)])
+    t38 = np.sqrt(np.maximum(t37, 0.0))
+    return (t38,)
 
 
 def ce__diag__X__full(X, Y):
@@ -2797,97 +2221,33 @@ def ce__diag__X__full(X, Y):
     G = t18
     t19 = t9 * G
     t20 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t21 = (2/(d_V*n_batch)) * M_Z
-    t0[...] = oe.contract('abc,cc,bc->bc', t19, t20, t21, optimize=[(0, 1), (0, 1)])
-    t22 = (-2/(d_V**2*n_batch)) * M_Z
-    t0 += oe.contract('abc,cd,bd,dc->bc', t19, t20, t22, t20, optimize=[(1, 2), (1, 2), (0, 1)])
+    t21 = np.eye(d_V, dtype=Y.dtype)
+    t22 = np.ones((L,), dtype=Y.dtype)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S = oe.contract('ab,c->cab', t21, t22, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t20, t22, optimize=[(0, 1)])
     t23 = t11 * P_Z
     t24 = np.exp(Z - Z.max(-1, keepdims=True))
     A25 = t24 / t24.sum(-1, keepdims=True)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('ab,bc->abc', A25, t21, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A25, A25, optimize=[(0, 1)])
     t26 = t9 * M_Z
-    t27 = (2/(L*d_V*n_batch)) * A25
-    t0 += oe.contract('abc,bc,bc,cc,bc->bc', t23, t27, t26, t20, M_Z, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t28 = (-2/(L*d_V**2*n_batch)) * A25
-    t0 += oe.contract('abc,bc,bc,cd,bd,dc->bc', t23, t28, t26, t20, M_Z, t20, optimize=[(1, 2), (1, 3), (1, 3), (1, 2), (0, 1)])
-    t29 = (1/(L*n_batch)) * A25
-    t0 += oe.contract('abc,bc,bc->bc', t23, t29, P_Z, optimize=[(0, 1), (0, 1)])
-    t30 = (-1/(L*d_V*n_batch)) * A25
-    t0 += oe.contract('abc,bc,bc,cc->bc', t23, t30, P_Z, t20, optimize=[(0, 1), (0, 1), (0, 1)])
-    t31 = (-2/(L*d_V*n_batch)) * A25
-    t0 += oe.contract('abc,bc,bd,bd,dc,bc->bc', t23, t31, A25, t26, t20, M_Z, optimize=[(2, 3), (1, 3), (1, 2), (1, 2), (0, 1)])
-    t32 = (2/(L*d_V**2*n_batch)) * A25
-    t0 += oe.contract('abc,bc,bd,bd,de,be,ec->bc', t23, t32, A25, t26, t20, M_Z, t20, optimize=[(2, 3), (2, 5), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t33 = (-1/(L*n_batch)) * A25
-    t0 += oe.contract('abc,bc,bc,bc->bc', t23, t33, A25, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t34 = (1/(L*d_V*n_batch)) * A25
-    t0 += oe.contract('abc,bc,bd,bd,dc->bc', t23, t34, A25, P_Z, t20, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)])
-    t35 = t9 * G * M_Z
-    t36 = t35.sum(-1, keepdims=True)
-    t37 = np.broadcast_to(t36, t36.shape[:-1] + (d_V,))
-    t0 += (2/(d_V*n_batch)) * oe.contract('abc->bc', t37, optimize=[(0,)])
-    t38 = (-2/(d_V**2*n_batch)) * t37
-    t0 += oe.contract('abc,cc->bc', t38, t20, optimize=[(0, 1)])
-    t39 = (0.75 * (sigma2_Z ** -2.5))
-    t40 = t39 * G * M_Z
-    t41 = (4/(d_V**2*n_batch)) * M_Z
-    t0 += oe.contract('ab,bc,dac,cb,ab->ab', t41, t20, t40, t20, M_Z, optimize=[(1, 3), (0, 2), (0, 1), (0, 1)])
-    t42 = (-4/(d_V**3*n_batch)) * M_Z
-    t0 += oe.contract('ab,bc,dac,ce,ae,eb->ab', t42, t20, t40, t20, M_Z, t20, optimize=[(1, 2), (1, 4), (2, 3), (1, 2), (0, 1)])
-    t0 += oe.contract('ab,bb,cab->ab', t21, t20, t19, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('ab,bc,dac,cb->ab', t22, t20, t19, t20, optimize=[(1, 3), (0, 2), (0, 1)])
-    t43 = t9 * t11 * M_Z
-    t44 = (4/(L*d_V**2*n_batch)) * M_Z
-    t0 += oe.contract('ab,bc,dac,ac,ac,cb,ab->ab', t44, t20, t43, A25, t26, t20, M_Z, optimize=[(3, 4), (1, 3), (0, 2), (0, 1), (0, 2), (0, 1)])
-    t45 = (-4/(L*d_V**3*n_batch)) * M_Z
-    t0 += oe.contract('ab,bc,dac,ac,ac,ce,ae,eb->ab', t45, t20, t43, A25, t26, t20, M_Z, t20, optimize=[(3, 4), (2, 6), (2, 3), (2, 4), (1, 3), (1, 2), (0, 1)])
-    t46 = (2/(L*d_V*n_batch)) * M_Z
-    t0 += oe.contract('ab,bb,cab,ab,ab->ab', t46, t20, t43, A25, P_Z, optimize=[(0, 3), (2, 3), (0, 1), (0, 1)])
-    t47 = (-2/(L*d_V**2*n_batch)) * M_Z
-    t0 += oe.contract('ab,bc,dac,ac,ac,cb->ab', t47, t20, t43, A25, P_Z, t20, optimize=[(3, 4), (1, 3), (1, 2), (1, 2), (0, 1)])
-    t48 = (-4/(L*d_V**2*n_batch)) * M_Z
-    t0 += oe.contract('ab,bc,dac,ac,ae,ae,eb,ab->ab', t48, t20, t43, A25, A25, t26, t20, M_Z, optimize=[(4, 5), (0, 5), (1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
-    t49 = (4/(L*d_V**3*n_batch)) * M_Z
-    t0 += oe.contract('ab,bc,dac,ac,ae,ae,ef,af,fb->ab', t49, t20, t43, A25, A25, t26, t20, M_Z, t20, optimize=[(4, 5), (2, 3), (2, 5), (2, 5), (1, 3), (0, 3), (0, 1), (0, 1)])
-    t50 = (-2/(L*d_V*n_batch)) * M_Z
-    t0 += oe.contract('ab,bc,dac,ac,ab,ab->ab', t50, t20, t43, A25, A25, P_Z, optimize=[(0, 4), (3, 4), (1, 2), (0, 2), (0, 1)])
-    t51 = (2/(L*d_V**2*n_batch)) * M_Z
-    t0 += oe.contract('ab,bc,dac,ac,ae,ae,eb->ab', t51, t20, t43, A25, A25, P_Z, t20, optimize=[(4, 5), (2, 3), (2, 3), (0, 3), (0, 1), (0, 1)])
-    t0 += oe.contract('ab,cdb,db,db,ba,da->da', t20, t23, t28, t26, t20, M_Z, optimize=[(2, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
-    t52 = (2/(L*d_V**3*n_batch)) * A25
-    t0 += oe.contract('ab,cdb,db,db,be,de,ea->da', t20, t23, t52, t26, t20, M_Z, t20, optimize=[(2, 3), (1, 5), (1, 2), (1, 3), (0, 2), (0, 1)])
-    t0 += oe.contract('aa,bca,ca,ca->ca', t20, t23, t30, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t53 = (1/(L*d_V**2*n_batch)) * A25
-    t0 += oe.contract('ab,cdb,db,db,ba->da', t20, t23, t53, P_Z, t20, optimize=[(2, 3), (0, 2), (0, 1), (0, 1)])
-    t0 += oe.contract('ab,cdb,db,de,de,ea,da->da', t20, t23, t32, A25, t26, t20, M_Z, optimize=[(3, 4), (1, 2), (1, 3), (1, 3), (0, 1), (0, 1)])
-    t54 = (-2/(L*d_V**3*n_batch)) * A25
-    t0 += oe.contract('ab,cdb,db,de,de,ef,df,fa->da', t20, t23, t54, A25, t26, t20, M_Z, t20, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
-    t0 += oe.contract('ab,cdb,db,da,da->da', t20, t23, t34, A25, P_Z, optimize=[(3, 4), (1, 2), (0, 2), (0, 1)])
-    t55 = (-1/(L*d_V**2*n_batch)) * A25
-    t0 += oe.contract('ab,cdb,db,de,de,ea->da', t20, t23, t55, A25, P_Z, t20, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t0 += oe.contract('ab,cb,bd,ecd,cd,cd,da,ca->ca', t20, t45, t20, t43, A25, t26, t20, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (0, 3), (1, 2), (0, 1)])
-    t56 = (4/(L*d_V**4*n_batch)) * M_Z
-    t0 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf,fa->ca', t20, t56, t20, t43, A25, t26, t20, M_Z, t20, optimize=[(4, 5), (3, 7), (0, 1), (0, 5), (3, 4), (0, 3), (1, 2), (0, 1)])
-    t0 += oe.contract('ab,cb,ba,dca,ca,ca->ca', t20, t47, t20, t43, A25, P_Z, optimize=[(0, 2), (2, 3), (0, 2), (1, 2), (0, 1)])
-    t57 = (2/(L*d_V**3*n_batch)) * M_Z
-    t0 += oe.contract('ab,cb,bd,ecd,cd,cd,da->ca', t20, t57, t20, t43, A25, P_Z, t20, optimize=[(4, 5), (3, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
-    t0 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fa,ca->ca', t20, t49, t20, t43, A25, A25, t26, t20, M_Z, optimize=[(5, 6), (3, 4), (3, 5), (3, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t58 = (-4/(L*d_V**4*n_batch)) * M_Z
-    t0 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,ga->ca', t20, t58, t20, t43, A25, A25, t26, t20, M_Z, t20, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
-    t0 += oe.contract('ab,cb,bd,ecd,cd,ca,ca->ca', t20, t51, t20, t43, A25, A25, P_Z, optimize=[(5, 6), (3, 4), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t59 = (-2/(L*d_V**3*n_batch)) * M_Z
-    t0 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fa->ca', t20, t59, t20, t43, A25, A25, P_Z, t20, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t0 += oe.contract('ab,cdb,ba,da->da', t20, t19, t20, t22, optimize=[(0, 1), (0, 2), (0, 1)])
-    t60 = (2/(d_V**3*n_batch)) * M_Z
-    t0 += oe.contract('ab,cdb,be,de,ea->da', t20, t19, t20, t60, t20, optimize=[(0, 1), (0, 3), (1, 2), (0, 1)])
-    t61 = (-2/(d_V**2*n_batch)) * t20
-    t0 += oe.contract('aa,bca->ca', t61, t37, optimize=[(0, 1)])
-    t62 = (2/(d_V**3*n_batch)) * t20
-    t0 += oe.contract('ab,cdb,ba->da', t62, t37, t20, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('ab,cb,bd,ecd,da,ca->ca', t20, t42, t20, t40, t20, M_Z, optimize=[(2, 3), (2, 4), (0, 3), (0, 2), (0, 1)])
-    t63 = (4/(d_V**4*n_batch)) * M_Z
-    t0 += oe.contract('ab,cb,bd,ecd,df,cf,fa->ca', t20, t63, t20, t40, t20, M_Z, t20, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (1, 2), (0, 1)])
-    t0 += oe.contract('ab,cb,ba,dca->ca', t20, t22, t20, t19, optimize=[(0, 2), (0, 2), (0, 1)])
-    t0 += oe.contract('ab,cb,bd,ecd,da->ca', t20, t60, t20, t19, t20, optimize=[(2, 3), (2, 3), (0, 2), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S27 = oe.contract('ab,bc->abc', P_Z, t21, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t26, t20, M_Z, optimize=[(0, 1), (0, 1)])
+    t28 = t9 * G * M_Z
+    t29 = t28.sum(-1, keepdims=True)
+    t30 = np.broadcast_to(t29, t29.shape[:-1] + (d_V,))
+    t31 = (0.75 * (sigma2_Z ** -2.5))
+    t32 = t31 * G * M_Z
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S33 = oe.contract('abc,cd->abcd', t19, t21, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t32, t20, M_Z, optimize=[(1, 2), (0, 1)])
+    t34 = t9 * t11 * M_Z
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S35 = (-1/(L*d_V)) * oe.contract('abc,cd->abcd', t23, t21, optimize=[(0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,bc,dac->dabc', M_Z, t20, t34, optimize=[(0, 1), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S36 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t19, t20, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t30, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t20, S33, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S37 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t19, t20, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (1/L) * oe.contract('abc,bcd,bde,bef->abcf', t23, dA, S27, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t30, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t20, S33, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac,ace,aef,afg->dabg', M_Z, t20, t34, dA, S27, S, optimize=[(3, 4), (3, 4), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,cdbe,def,dfg,dgh->cdah', t20, S35, dA, S27, S, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,cdbe->cdae', t20, S36, optimize=[(0, 1)])
+    t0[...] = (1/n_batch) * oe.contract('abcc->bc', S37, optimize=[(0,)])
     return out
 
 
@@ -2923,17 +2283,33 @@ def ce__trace__X__full(X, Y):
     G = t17
     t18 = t8 * G
     t19 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t20 = t10 * P_Z
-    t21 = np.exp(Z - Z.max(-1, keepdims=True))
-    A22 = t21 / t21.sum(-1, keepdims=True)
-    t23 = t8 * M_Z
-    t24 = t8 * G * M_Z
-    t25 = t24.sum(-1, keepdims=True)
-    t26 = np.broadcast_to(t25, t25.shape[:-1] + (d_V,))
-    t27 = (0.75 * (sigma2_Z ** -2.5))
-    t28 = t27 * G * M_Z
-    t29 = t8 * t10 * M_Z
-    return (2/(d_V*n_batch)) * oe.contract('abc,cc,bc->', t18, t19, M_Z, optimize=[(0, 1), (0, 1)]) + (-2/(d_V**2*n_batch)) * oe.contract('abc,cd,bd,dc->', t18, t19, M_Z, t19, optimize=[(1, 3), (0, 2), (0, 1)]) + (2/(L*d_V*n_batch)) * oe.contract('abc,bc,bc,cc,bc->', t20, A22, t23, t19, M_Z, optimize=[(1, 2), (2, 3), (0, 2), (0, 1)]) + (-2/(L*d_V**2*n_batch)) * oe.contract('abc,bc,bc,cd,bd,dc->', t20, A22, t23, t19, M_Z, t19, optimize=[(1, 2), (1, 3), (0, 2), (0, 1), (0, 1)]) + (1/(L*n_batch)) * oe.contract('abc,bc,bc->', t20, A22, P_Z, optimize=[(0, 1), (0, 1)]) + (-1/(L*d_V*n_batch)) * oe.contract('abc,bc,bc,cc->', t20, A22, P_Z, t19, optimize=[(0, 1), (0, 2), (0, 1)]) + (-2/(L*d_V*n_batch)) * oe.contract('abc,bc,bd,bd,dc,bc->', t20, A22, A22, t23, t19, M_Z, optimize=[(2, 3), (1, 3), (1, 2), (1, 2), (0, 1)]) + (2/(L*d_V**2*n_batch)) * oe.contract('abc,bc,bd,bd,de,be,ec->', t20, A22, A22, t23, t19, M_Z, t19, optimize=[(2, 3), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (-1/(L*n_batch)) * oe.contract('abc,bc,bc,bc->', t20, A22, A22, P_Z, optimize=[(0, 1), (0, 1), (0, 1)]) + (1/(L*d_V*n_batch)) * oe.contract('abc,bc,bd,bd,dc->', t20, A22, A22, P_Z, t19, optimize=[(2, 3), (0, 1), (0, 1), (0, 1)]) + (2/(d_V*n_batch)) * oe.contract('abc->', t26, optimize=[(0,)]) + (-2/(d_V**2*n_batch)) * oe.contract('abc,cc->', t26, t19, optimize=[(0, 1)]) + (4/(d_V**2*n_batch)) * oe.contract('ab,bc,dac,cb,ab->', M_Z, t19, t28, t19, M_Z, optimize=[(1, 3), (0, 2), (0, 1), (0, 1)]) + (-4/(d_V**3*n_batch)) * oe.contract('ab,bc,dac,ce,ae,eb->', M_Z, t19, t28, t19, M_Z, t19, optimize=[(1, 2), (1, 4), (2, 3), (0, 2), (0, 1)]) + (2/(d_V*n_batch)) * oe.contract('ab,bb,cab->', M_Z, t19, t18, optimize=[(1, 2), (0, 1)]) + (-2/(d_V**2*n_batch)) * oe.contract('ab,bc,dac,cb->', M_Z, t19, t18, t19, optimize=[(0, 1), (1, 2), (0, 1)]) + (4/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ac,cb,ab->', M_Z, t19, t29, A22, t23, t19, M_Z, optimize=[(3, 4), (1, 3), (0, 2), (0, 1), (0, 1), (0, 1)]) + (-4/(L*d_V**3*n_batch)) * oe.contract('ab,bc,dac,ac,ac,ce,ae,eb->', M_Z, t19, t29, A22, t23, t19, M_Z, t19, optimize=[(3, 4), (2, 6), (0, 1), (2, 4), (0, 3), (0, 2), (0, 1)]) + (2/(L*d_V*n_batch)) * oe.contract('ab,bb,cab,ab,ab->', M_Z, t19, t29, A22, P_Z, optimize=[(0, 3), (2, 3), (1, 2), (0, 1)]) + (-2/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ac,cb->', M_Z, t19, t29, A22, P_Z, t19, optimize=[(3, 4), (1, 3), (1, 2), (0, 1), (0, 1)]) + (-4/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae,eb,ab->', M_Z, t19, t29, A22, A22, t23, t19, M_Z, optimize=[(4, 5), (0, 5), (1, 2), (1, 2), (1, 3), (0, 1), (0, 1)]) + (4/(L*d_V**3*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae,ef,af,fb->', M_Z, t19, t29, A22, A22, t23, t19, M_Z, t19, optimize=[(4, 5), (2, 3), (2, 5), (2, 5), (1, 3), (0, 3), (0, 1), (0, 1)]) + (-2/(L*d_V*n_batch)) * oe.contract('ab,bc,dac,ac,ab,ab->', M_Z, t19, t29, A22, A22, P_Z, optimize=[(0, 4), (3, 4), (1, 2), (0, 1), (0, 1)]) + (2/(L*d_V**2*n_batch)) * oe.contract('ab,bc,dac,ac,ae,ae,eb->', M_Z, t19, t29, A22, A22, P_Z, t19, optimize=[(4, 5), (2, 3), (2, 3), (0, 3), (0, 1), (0, 1)]) + (-2/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,db,ba,da->', t19, t20, A22, t23, t19, M_Z, optimize=[(2, 3), (0, 2), (0, 2), (0, 1), (0, 1)]) + (2/(L*d_V**3*n_batch)) * oe.contract('ab,cdb,db,db,be,de,ea->', t19, t20, A22, t23, t19, M_Z, t19, optimize=[(2, 3), (0, 4), (1, 4), (0, 2), (0, 1), (0, 1)]) + (-1/(L*d_V*n_batch)) * oe.contract('aa,bca,ca,ca->', t19, t20, A22, P_Z, optimize=[(0, 1), (0, 1), (0, 1)]) + (1/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,db,ba->', t19, t20, A22, P_Z, t19, optimize=[(2, 3), (0, 2), (0, 1), (0, 1)]) + (2/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,de,de,ea,da->', t19, t20, A22, A22, t23, t19, M_Z, optimize=[(3, 4), (1, 2), (1, 3), (1, 3), (0, 1), (0, 1)]) + (-2/(L*d_V**3*n_batch)) * oe.contract('ab,cdb,db,de,de,ef,df,fa->', t19, t20, A22, A22, t23, t19, M_Z, t19, optimize=[(3, 4), (1, 2), (0, 3), (0, 2), (0, 3), (0, 1), (0, 1)]) + (1/(L*d_V*n_batch)) * oe.contract('ab,cdb,db,da,da->', t19, t20, A22, A22, P_Z, optimize=[(3, 4), (1, 2), (0, 1), (0, 1)]) + (-1/(L*d_V**2*n_batch)) * oe.contract('ab,cdb,db,de,de,ea->', t19, t20, A22, A22, P_Z, t19, optimize=[(3, 4), (1, 2), (0, 1), (0, 2), (0, 1)]) + (-4/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd,da,ca->', t19, M_Z, t19, t29, A22, t23, t19, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (0, 3), (0, 2), (0, 1)]) + (4/(L*d_V**4*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd,df,cf,fa->', t19, M_Z, t19, t29, A22, t23, t19, M_Z, t19, optimize=[(4, 5), (0, 6), (2, 5), (0, 1), (2, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L*d_V**2*n_batch)) * oe.contract('ab,cb,ba,dca,ca,ca->', t19, M_Z, t19, t29, A22, P_Z, optimize=[(0, 2), (2, 3), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cd,da->', t19, M_Z, t19, t29, A22, P_Z, t19, optimize=[(4, 5), (0, 4), (1, 4), (1, 2), (0, 1), (0, 1)]) + (4/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf,fa,ca->', t19, M_Z, t19, t29, A22, A22, t23, t19, M_Z, optimize=[(5, 6), (3, 4), (3, 5), (3, 5), (2, 3), (1, 3), (0, 1), (0, 1)]) + (-4/(L*d_V**4*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,ga->', t19, M_Z, t19, t29, A22, A22, t23, t19, M_Z, t19, optimize=[(5, 6), (3, 4), (0, 5), (2, 4), (2, 5), (1, 2), (0, 3), (0, 1), (0, 1)]) + (2/(L*d_V**2*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,ca,ca->', t19, M_Z, t19, t29, A22, A22, P_Z, optimize=[(5, 6), (3, 4), (0, 3), (0, 3), (0, 1), (0, 1)]) + (-2/(L*d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,cd,cf,cf,fa->', t19, M_Z, t19, t29, A22, A22, P_Z, t19, optimize=[(5, 6), (3, 4), (0, 3), (1, 3), (0, 3), (0, 1), (0, 1)]) + (-2/(d_V**2*n_batch)) * oe.contract('ab,cdb,ba,da->', t19, t18, t19, M_Z, optimize=[(0, 2), (0, 2), (0, 1)]) + (2/(d_V**3*n_batch)) * oe.contract('ab,cdb,be,de,ea->', t19, t18, t19, M_Z, t19, optimize=[(0, 4), (1, 3), (0, 2), (0, 1)]) + (-2/(d_V**2*n_batch)) * oe.contract('aa,bca->', t19, t26, optimize=[(0, 1)]) + (2/(d_V**3*n_batch)) * oe.contract('ab,cdb,ba->', t19, t26, t19, optimize=[(0, 2), (0, 1)]) + (-4/(d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,da,ca->', t19, M_Z, t19, t28, t19, M_Z, optimize=[(2, 3), (2, 4), (0, 3), (0, 2), (0, 1)]) + (4/(d_V**4*n_batch)) * oe.contract('ab,cb,bd,ecd,df,cf,fa->', t19, M_Z, t19, t28, t19, M_Z, t19, optimize=[(0, 6), (1, 2), (1, 4), (2, 3), (0, 2), (0, 1)]) + (-2/(d_V**2*n_batch)) * oe.contract('ab,cb,ba,dca->', t19, M_Z, t19, t18, optimize=[(0, 2), (0, 2), (0, 1)]) + (2/(d_V**3*n_batch)) * oe.contract('ab,cb,bd,ecd,da->', t19, M_Z, t19, t18, t19, optimize=[(0, 4), (1, 3), (1, 2), (0, 1)])
+    t20 = np.eye(d_V, dtype=Y.dtype)
+    t21 = np.ones((L,), dtype=Y.dtype)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S = oe.contract('ab,c->cab', t20, t21, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t19, t21, optimize=[(0, 1)])
+    t22 = t10 * P_Z
+    t23 = np.exp(Z - Z.max(-1, keepdims=True))
+    A24 = t23 / t23.sum(-1, keepdims=True)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('ab,bc->abc', A24, t20, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A24, A24, optimize=[(0, 1)])
+    t25 = t8 * M_Z
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S26 = oe.contract('ab,bc->abc', P_Z, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t25, t19, M_Z, optimize=[(0, 1), (0, 1)])
+    t27 = t8 * G * M_Z
+    t28 = t27.sum(-1, keepdims=True)
+    t29 = np.broadcast_to(t28, t28.shape[:-1] + (d_V,))
+    t30 = (0.75 * (sigma2_Z ** -2.5))
+    t31 = t30 * G * M_Z
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S32 = oe.contract('abc,cd->abcd', t18, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t31, t19, M_Z, optimize=[(1, 2), (0, 1)])
+    t33 = t8 * t10 * M_Z
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S34 = (-1/(L*d_V)) * oe.contract('abc,cd->abcd', t22, t20, optimize=[(0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,bc,dac->dabc', M_Z, t19, t33, optimize=[(0, 1), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S35 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t18, t19, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t29, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t19, S32, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S36 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t18, t19, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (1/L) * oe.contract('abc,bcd,bde,bef->abcf', t22, dA, S26, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t29, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t19, S32, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac,ace,aef,afg->dabg', M_Z, t19, t33, dA, S26, S, optimize=[(3, 4), (3, 4), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,cdbe,def,dfg,dgh->cdah', t19, S34, dA, S26, S, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,cdbe->cdae', t19, S35, optimize=[(0, 1)])
+    return (1/n_batch) * oe.contract('abcc->', S36, optimize=[(0,)])
 
 
 def ce__block__X__X__full(X, Y):
@@ -2972,100 +2348,33 @@ def ce__block__X__X__full(X, Y):
     G = t19
     t20 = t10 * G
     t21 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t22 = (2/(d_V*n_batch)) * M_Z
-    t1 += oe.contract('abc,cd,bd->bcd', t20, t21, t22, optimize=[(0, 1), (0, 1)])
-    t23 = (-2/(d_V**2*n_batch)) * M_Z
-    t1 += oe.contract('abc,cd,bd,de->bce', t20, t21, t23, t21, optimize=[(0, 1), (0, 1), (0, 1)])
+    t22 = np.eye(d_V, dtype=Y.dtype)
+    t23 = np.ones((L,), dtype=Y.dtype)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S = oe.contract('ab,c->cab', t22, t23, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t21, t23, optimize=[(0, 1)])
     t24 = t12 * P_Z
     t25 = np.exp(Z - Z.max(-1, keepdims=True))
     A26 = t25 / t25.sum(-1, keepdims=True)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('ab,bc->abc', A26, t22, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A26, A26, optimize=[(0, 1)])
     t27 = t10 * M_Z
-    t28 = (2/(L*d_V*n_batch)) * A26
-    t1 += oe.contract('abc,bc,bc,cd,bd->bcd', t24, t28, t27, t21, M_Z, optimize=[(1, 2), (0, 2), (0, 1), (0, 1)])
-    t29 = (-2/(L*d_V**2*n_batch)) * A26
-    t1 += oe.contract('abc,bc,bc,cd,bd,de->bce', t24, t29, t27, t21, M_Z, t21, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
-    t30 = np.einsum('abab->ab', t0)
-    t31 = (1/(L*n_batch)) * A26
-    t30 += oe.contract('abc,bc,bc->bc', t24, t31, P_Z, optimize=[(0, 1), (0, 1)])
-    t32 = (-1/(L*d_V*n_batch)) * A26
-    t1 += oe.contract('abc,bc,bc,cd->bcd', t24, t32, P_Z, t21, optimize=[(0, 1), (0, 2), (0, 1)])
-    t33 = (-2/(L*d_V*n_batch)) * A26
-    t1 += oe.contract('abc,bc,bd,bd,de,be->bce', t24, t33, A26, t27, t21, M_Z, optimize=[(2, 3), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t34 = (2/(L*d_V**2*n_batch)) * A26
-    t1 += oe.contract('abc,bc,bd,bd,de,be,ef->bcf', t24, t34, A26, t27, t21, M_Z, t21, optimize=[(2, 3), (2, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t35 = (-1/(L*n_batch)) * A26
-    t1 += oe.contract('abc,bc,bd,bd->bcd', t24, t35, A26, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t36 = (1/(L*d_V*n_batch)) * A26
-    t1 += oe.contract('abc,bc,bd,bd,de->bce', t24, t36, A26, P_Z, t21, optimize=[(2, 3), (2, 3), (0, 1), (0, 1)])
-    t37 = t10 * G * M_Z
-    t38 = t37.sum(-1, keepdims=True)
-    t39 = np.broadcast_to(t38, t38.shape[:-1] + (d_V,))
-    t30 += (2/(d_V*n_batch)) * oe.contract('abc->bc', t39, optimize=[(0,)])
-    t40 = (-2/(d_V**2*n_batch)) * t39
-    t1 += oe.contract('abc,cd->bcd', t40, t21, optimize=[(0, 1)])
-    t41 = (0.75 * (sigma2_Z ** -2.5))
-    t42 = t41 * G * M_Z
-    t43 = (4/(d_V**2*n_batch)) * M_Z
-    t1 += oe.contract('ab,bc,dac,ce,ae->abe', t43, t21, t42, t21, M_Z, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
-    t44 = (-4/(d_V**3*n_batch)) * M_Z
-    t1 += oe.contract('ab,bc,dac,ce,ae,ef->abf', t44, t21, t42, t21, M_Z, t21, optimize=[(1, 2), (1, 4), (1, 3), (1, 2), (0, 1)])
-    t1 += oe.contract('ab,bc,dac->abc', t22, t21, t20, optimize=[(0, 1), (0, 1)])
-    t1 += oe.contract('ab,bc,dac,ce->abe', t23, t21, t20, t21, optimize=[(2, 3), (0, 2), (0, 1)])
-    t45 = t10 * t12 * M_Z
-    t46 = (4/(L*d_V**2*n_batch)) * M_Z
-    t1 += oe.contract('ab,bc,dac,ac,ac,ce,ae->abe', t46, t21, t45, A26, t27, t21, M_Z, optimize=[(3, 4), (2, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
-    t47 = (-4/(L*d_V**3*n_batch)) * M_Z
-    t1 += oe.contract('ab,bc,dac,ac,ac,ce,ae,ef->abf', t47, t21, t45, A26, t27, t21, M_Z, t21, optimize=[(3, 4), (2, 6), (2, 3), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t48 = (2/(L*d_V*n_batch)) * M_Z
-    t1 += oe.contract('ab,bc,dac,ac,ac->abc', t48, t21, t45, A26, P_Z, optimize=[(3, 4), (0, 2), (0, 1), (0, 1)])
-    t49 = (-2/(L*d_V**2*n_batch)) * M_Z
-    t1 += oe.contract('ab,bc,dac,ac,ac,ce->abe', t49, t21, t45, A26, P_Z, t21, optimize=[(3, 4), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t50 = (-4/(L*d_V**2*n_batch)) * M_Z
-    t1 += oe.contract('ab,bc,dac,ac,ae,ae,ef,af->abf', t50, t21, t45, A26, A26, t27, t21, M_Z, optimize=[(4, 5), (2, 3), (2, 4), (2, 4), (1, 2), (0, 2), (0, 1)])
-    t51 = (4/(L*d_V**3*n_batch)) * M_Z
-    t1 += oe.contract('ab,bc,dac,ac,ae,ae,ef,af,fg->abg', t51, t21, t45, A26, A26, t27, t21, M_Z, t21, optimize=[(4, 5), (2, 3), (2, 5), (2, 5), (1, 3), (0, 3), (0, 1), (0, 1)])
-    t52 = (-2/(L*d_V*n_batch)) * M_Z
-    t1 += oe.contract('ab,bc,dac,ac,ae,ae->abe', t52, t21, t45, A26, A26, P_Z, optimize=[(4, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t53 = (2/(L*d_V**2*n_batch)) * M_Z
-    t1 += oe.contract('ab,bc,dac,ac,ae,ae,ef->abf', t53, t21, t45, A26, A26, P_Z, t21, optimize=[(4, 5), (2, 3), (2, 3), (1, 2), (0, 2), (0, 1)])
-    t1 += oe.contract('ab,cdb,db,db,be,de->dae', t21, t24, t29, t27, t21, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 2), (0, 1)])
-    t54 = (2/(L*d_V**3*n_batch)) * A26
-    t55 = oe.contract('abc,bc,bc,cd,bd,de->bec', t24, t54, t27, t21, M_Z, t21, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
-    t1 += oe.contract('abc,dc->adb', t55, t21, optimize=[(0, 1)])
-    t1 += oe.contract('ab,cdb,db,db->dab', t21, t24, t32, P_Z, optimize=[(1, 2), (1, 2), (0, 1)])
-    t56 = (1/(L*d_V**2*n_batch)) * A26
-    t1 += oe.contract('ab,cdb,db,db,be->dae', t21, t24, t56, P_Z, t21, optimize=[(2, 3), (1, 3), (0, 2), (0, 1)])
-    t1 += oe.contract('ab,cdb,db,de,de,ef,df->daf', t21, t24, t34, A26, t27, t21, M_Z, optimize=[(3, 4), (1, 2), (1, 3), (1, 3), (0, 1), (0, 1)])
-    t57 = (-2/(L*d_V**3*n_batch)) * A26
-    t1 += oe.contract('ab,cdb,db,de,de,ef,df,fg->dag', t21, t24, t57, A26, t27, t21, M_Z, t21, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
-    t1 += oe.contract('ab,cdb,db,de,de->dae', t21, t24, t36, A26, P_Z, optimize=[(3, 4), (1, 2), (0, 2), (0, 1)])
-    t58 = (-1/(L*d_V**2*n_batch)) * A26
-    t1 += oe.contract('ab,cdb,db,de,de,ef->daf', t21, t24, t58, A26, P_Z, t21, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf->caf', t21, t47, t21, t45, A26, t27, t21, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
-    t59 = (4/(L*d_V**4*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf,fg->cag', t21, t59, t21, t45, A26, t27, t21, M_Z, t21, optimize=[(4, 5), (3, 7), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cd->cad', t21, t49, t21, t45, A26, P_Z, optimize=[(4, 5), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t60 = (2/(L*d_V**3*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df->caf', t21, t60, t21, t45, A26, P_Z, t21, optimize=[(4, 5), (3, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg->cag', t21, t51, t21, t45, A26, A26, t27, t21, M_Z, optimize=[(5, 6), (3, 4), (3, 5), (3, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t61 = (-4/(L*d_V**4*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,gh->cah', t21, t61, t21, t45, A26, A26, t27, t21, M_Z, t21, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf->caf', t21, t53, t21, t45, A26, A26, P_Z, optimize=[(5, 6), (3, 4), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t62 = (-2/(L*d_V**3*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg->cag', t21, t62, t21, t45, A26, A26, P_Z, t21, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t1 += oe.contract('ab,cdb,be,de->dae', t21, t20, t21, t23, optimize=[(0, 1), (0, 1), (0, 1)])
-    t63 = (2/(d_V**3*n_batch)) * M_Z
-    t1 += oe.contract('ab,cdb,be,de,ef->daf', t21, t20, t21, t63, t21, optimize=[(0, 1), (0, 3), (0, 2), (0, 1)])
-    t64 = (-2/(d_V**2*n_batch)) * t21
-    t1 += oe.contract('ab,cdb->dab', t64, t39, optimize=[(0, 1)])
-    t65 = (2/(d_V**3*n_batch)) * t21
-    t1 += oe.contract('ab,cdb,be->dae', t65, t39, t21, optimize=[(0, 1), (0, 1)])
-    t1 += oe.contract('ab,cb,bd,ecd,df,cf->caf', t21, t44, t21, t42, t21, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t66 = (4/(d_V**4*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,df,cf,fg->cag', t21, t66, t21, t42, t21, M_Z, t21, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
-    t1 += oe.contract('ab,cb,bd,ecd->cad', t21, t23, t21, t20, optimize=[(0, 1), (0, 1), (0, 1)])
-    t67 = oe.contract('ab,bc,dac,ce->aeb', t63, t21, t20, t21, optimize=[(2, 3), (0, 2), (0, 1)])
-    t1 += oe.contract('abc,dc->adb', t67, t21, optimize=[(0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S28 = oe.contract('ab,bc->abc', P_Z, t22, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t27, t21, M_Z, optimize=[(0, 1), (0, 1)])
+    t29 = t10 * G * M_Z
+    t30 = t29.sum(-1, keepdims=True)
+    t31 = np.broadcast_to(t30, t30.shape[:-1] + (d_V,))
+    t32 = (0.75 * (sigma2_Z ** -2.5))
+    t33 = t32 * G * M_Z
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S34 = oe.contract('abc,cd->abcd', t20, t22, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t33, t21, M_Z, optimize=[(1, 2), (0, 1)])
+    t35 = t10 * t12 * M_Z
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S36 = (-1/(L*d_V)) * oe.contract('abc,cd->abcd', t24, t22, optimize=[(0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,bc,dac->dabc', M_Z, t21, t35, optimize=[(0, 1), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S37 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t20, t21, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t31, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t21, S34, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S38 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t20, t21, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (1/L) * oe.contract('abc,bcd,bde,bef->abcf', t24, dA, S28, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t31, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t21, S34, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac,ace,aef,afg->dabg', M_Z, t21, t35, dA, S28, S, optimize=[(3, 4), (3, 4), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,cdbe,def,dfg,dgh->cdah', t21, S36, dA, S28, S, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,cdbe->cdae', t21, S37, optimize=[(0, 1)])
+    t1 += (1/n_batch) * oe.contract('abcd->bcd', S38, optimize=[(0,)])
     return out
 
 
@@ -3074,10 +2383,71 @@ def ce__frobenius__X__X__full(X, Y):
     L = X.shape[-2]
     d_V = X.shape[-1]
     n_batch = Y.shape[0]
-    blk = np.empty((L*d_V, L*d_V), dtype=Y.dtype)
-    blk[...] = 0
-    t0 = np.reshape(blk, (L, d_V, L, d_V), copy=False)
-    t1 = np.einsum('abac->abc', t0)
+    t0 = X.sum(-1, keepdims=True)
+    t1 = np.broadcast_to(t0, t0.shape[:-1] + (d_V,))
+    t2 = (-1/d_V) * t1
+    t3 = t2 + X
+    M_Z = t3
+    t4 = M_Z * M_Z
+    t5 = t4.sum(-1, keepdims=True)
+    t6 = np.broadcast_to(t5, t5.shape[:-1] + (d_V,))
+    t7 = (1/d_V) * t6
+    sigma2_Z = t7
+    t8 = (-0.5 * (sigma2_Z ** -1.5))
+    t9 = Y.sum(-1, keepdims=True)
+    t10 = np.broadcast_to(t9, t9.shape[:-1] + (d_V,))
+    t11 = (sigma2_Z ** -0.5)
+    P_Z = t11
+    t12 = M_Z * P_Z
+    Z = t12
+    F = Z
+    t13 = np.exp(F - F.max(-1, keepdims=True))
+    A = t13 / t13.sum(-1, keepdims=True)
+    t14 = t10 * A
+    t15 = (1/L) * t14
+    t16 = (-1/L) * Y
+    t17 = t15 + t16
+    G = t17
+    t18 = t8 * G
+    t19 = np.ones((d_V, d_V), dtype=Y.dtype)
+    t20 = np.eye(d_V, dtype=Y.dtype)
+    t21 = np.ones((L,), dtype=Y.dtype)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S = oe.contract('ab,c->cab', t20, t21, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t19, t21, optimize=[(0, 1)])
+    t22 = t10 * P_Z
+    t23 = np.exp(Z - Z.max(-1, keepdims=True))
+    A24 = t23 / t23.sum(-1, keepdims=True)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('ab,bc->abc', A24, t20, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A24, A24, optimize=[(0, 1)])
+    t25 = t8 * M_Z
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S26 = oe.contract('ab,bc->abc', P_Z, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t25, t19, M_Z, optimize=[(0, 1), (0, 1)])
+    t27 = t8 * G * M_Z
+    t28 = t27.sum(-1, keepdims=True)
+    t29 = np.broadcast_to(t28, t28.shape[:-1] + (d_V,))
+    t30 = (0.75 * (sigma2_Z ** -2.5))
+    t31 = t30 * G * M_Z
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S32 = oe.contract('abc,cd->abcd', t18, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t31, t19, M_Z, optimize=[(1, 2), (0, 1)])
+    t33 = t8 * t10 * M_Z
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S34 = (-1/(L*d_V)) * oe.contract('abc,cd->abcd', t22, t20, optimize=[(0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,bc,dac->dabc', M_Z, t19, t33, optimize=[(0, 1), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S35 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t18, t19, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t29, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t19, S32, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S36 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t18, t19, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (1/L) * oe.contract('abc,bcd,bde,bef->abcf', t22, dA, S26, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t29, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t19, S32, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac,ace,aef,afg->dabg', M_Z, t19, t33, dA, S26, S, optimize=[(3, 4), (3, 4), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,cdbe,def,dfg,dgh->cdah', t19, S34, dA, S26, S, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,cdbe->cdae', t19, S35, optimize=[(0, 1)])
+    t37 = (n_batch**(-2)) * oe.contract('abcd,ebcd->', S36, S36, optimize=[(0, 1)])
+    t38 = np.sqrt(np.maximum(t37, 0.0))
+    return t38
+
+
+def ce__frobenius_split__X__X(X, Y):
+    """(‖H_o(X, X)‖_F, ‖H_f(X, X)‖_F, ‖H(X, X)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_V = X.shape[-1]
+    n_batch = Y.shape[0]
+    t0 = Y.sum(-1, keepdims=True)
+    t1 = np.broadcast_to(t0, t0.shape[:-1] + (d_V,))
     t2 = X.sum(-1, keepdims=True)
     t3 = np.broadcast_to(t2, t2.shape[:-1] + (d_V,))
     t4 = (-1/d_V) * t3
@@ -3088,120 +2458,57 @@ def ce__frobenius__X__X__full(X, Y):
     t8 = np.broadcast_to(t7, t7.shape[:-1] + (d_V,))
     t9 = (1/d_V) * t8
     sigma2_Z = t9
-    t10 = (-0.5 * (sigma2_Z ** -1.5))
-    t11 = Y.sum(-1, keepdims=True)
-    t12 = np.broadcast_to(t11, t11.shape[:-1] + (d_V,))
-    t13 = (sigma2_Z ** -0.5)
-    P_Z = t13
-    t14 = M_Z * P_Z
-    Z = t14
+    t10 = (sigma2_Z ** -0.5)
+    P_Z = t10
+    t11 = t1 * P_Z
+    t12 = M_Z * P_Z
+    Z = t12
+    t13 = np.exp(Z - Z.max(-1, keepdims=True))
+    A = t13 / t13.sum(-1, keepdims=True)
+    t14 = np.eye(d_V, dtype=Y.dtype)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('ab,bc->abc', A, t14, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A, A, optimize=[(0, 1)])
+    t15 = (-0.5 * (sigma2_Z ** -1.5))
+    t16 = t15 * M_Z
+    t17 = np.ones((d_V, d_V), dtype=Y.dtype)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S = oe.contract('ab,bc->abc', P_Z, t14, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t16, t17, M_Z, optimize=[(0, 1), (0, 1)])
+    t18 = np.ones((L,), dtype=Y.dtype)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S19 = oe.contract('ab,c->cab', t14, t18, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t17, t18, optimize=[(0, 1)])
+    t20 = t15 * t1 * M_Z
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S21 = (-1/(L*d_V)) * oe.contract('abc,cd->abcd', t11, t14, optimize=[(0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,bc,dac->dabc', M_Z, t17, t20, optimize=[(0, 1), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S22 = (1/L) * oe.contract('abc,bcd,bde,bef->abcf', t11, dA, S, S19, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac,ace,aef,afg->dabg', M_Z, t17, t20, dA, S, S19, optimize=[(3, 4), (3, 4), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,cdbe,def,dfg,dgh->cdah', t17, S21, dA, S, S19, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)])
+    t23 = (n_batch**(-2)) * oe.contract('abcd,ebcd->', S22, S22, optimize=[(0, 1)])
     F = Z
-    t15 = np.exp(F - F.max(-1, keepdims=True))
-    A = t15 / t15.sum(-1, keepdims=True)
-    t16 = t12 * A
-    t17 = (1/L) * t16
-    t18 = (-1/L) * Y
-    t19 = t17 + t18
-    G = t19
-    t20 = t10 * G
-    t21 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t22 = (2/(d_V*n_batch)) * M_Z
-    t1 += oe.contract('abc,cd,bd->bcd', t20, t21, t22, optimize=[(0, 1), (0, 1)])
-    t23 = (-2/(d_V**2*n_batch)) * M_Z
-    t1 += oe.contract('abc,cd,bd,de->bce', t20, t21, t23, t21, optimize=[(0, 1), (0, 1), (0, 1)])
-    t24 = t12 * P_Z
-    t25 = np.exp(Z - Z.max(-1, keepdims=True))
-    A26 = t25 / t25.sum(-1, keepdims=True)
-    t27 = t10 * M_Z
-    t28 = (2/(L*d_V*n_batch)) * A26
-    t1 += oe.contract('abc,bc,bc,cd,bd->bcd', t24, t28, t27, t21, M_Z, optimize=[(1, 2), (0, 2), (0, 1), (0, 1)])
-    t29 = (-2/(L*d_V**2*n_batch)) * A26
-    t1 += oe.contract('abc,bc,bc,cd,bd,de->bce', t24, t29, t27, t21, M_Z, t21, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
-    t30 = np.einsum('abab->ab', t0)
-    t31 = (1/(L*n_batch)) * A26
-    t30 += oe.contract('abc,bc,bc->bc', t24, t31, P_Z, optimize=[(0, 1), (0, 1)])
-    t32 = (-1/(L*d_V*n_batch)) * A26
-    t1 += oe.contract('abc,bc,bc,cd->bcd', t24, t32, P_Z, t21, optimize=[(0, 1), (0, 2), (0, 1)])
-    t33 = (-2/(L*d_V*n_batch)) * A26
-    t1 += oe.contract('abc,bc,bd,bd,de,be->bce', t24, t33, A26, t27, t21, M_Z, optimize=[(2, 3), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t34 = (2/(L*d_V**2*n_batch)) * A26
-    t1 += oe.contract('abc,bc,bd,bd,de,be,ef->bcf', t24, t34, A26, t27, t21, M_Z, t21, optimize=[(2, 3), (2, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t35 = (-1/(L*n_batch)) * A26
-    t1 += oe.contract('abc,bc,bd,bd->bcd', t24, t35, A26, P_Z, optimize=[(0, 1), (0, 1), (0, 1)])
-    t36 = (1/(L*d_V*n_batch)) * A26
-    t1 += oe.contract('abc,bc,bd,bd,de->bce', t24, t36, A26, P_Z, t21, optimize=[(2, 3), (2, 3), (0, 1), (0, 1)])
-    t37 = t10 * G * M_Z
-    t38 = t37.sum(-1, keepdims=True)
-    t39 = np.broadcast_to(t38, t38.shape[:-1] + (d_V,))
-    t30 += (2/(d_V*n_batch)) * oe.contract('abc->bc', t39, optimize=[(0,)])
-    t40 = (-2/(d_V**2*n_batch)) * t39
-    t1 += oe.contract('abc,cd->bcd', t40, t21, optimize=[(0, 1)])
-    t41 = (0.75 * (sigma2_Z ** -2.5))
-    t42 = t41 * G * M_Z
-    t43 = (4/(d_V**2*n_batch)) * M_Z
-    t1 += oe.contract('ab,bc,dac,ce,ae->abe', t43, t21, t42, t21, M_Z, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
-    t44 = (-4/(d_V**3*n_batch)) * M_Z
-    t1 += oe.contract('ab,bc,dac,ce,ae,ef->abf', t44, t21, t42, t21, M_Z, t21, optimize=[(1, 2), (1, 4), (1, 3), (1, 2), (0, 1)])
-    t1 += oe.contract('ab,bc,dac->abc', t22, t21, t20, optimize=[(0, 1), (0, 1)])
-    t1 += oe.contract('ab,bc,dac,ce->abe', t23, t21, t20, t21, optimize=[(2, 3), (0, 2), (0, 1)])
-    t45 = t10 * t12 * M_Z
-    t46 = (4/(L*d_V**2*n_batch)) * M_Z
-    t1 += oe.contract('ab,bc,dac,ac,ac,ce,ae->abe', t46, t21, t45, A26, t27, t21, M_Z, optimize=[(3, 4), (2, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
-    t47 = (-4/(L*d_V**3*n_batch)) * M_Z
-    t1 += oe.contract('ab,bc,dac,ac,ac,ce,ae,ef->abf', t47, t21, t45, A26, t27, t21, M_Z, t21, optimize=[(3, 4), (2, 6), (2, 3), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t48 = (2/(L*d_V*n_batch)) * M_Z
-    t1 += oe.contract('ab,bc,dac,ac,ac->abc', t48, t21, t45, A26, P_Z, optimize=[(3, 4), (0, 2), (0, 1), (0, 1)])
-    t49 = (-2/(L*d_V**2*n_batch)) * M_Z
-    t1 += oe.contract('ab,bc,dac,ac,ac,ce->abe', t49, t21, t45, A26, P_Z, t21, optimize=[(3, 4), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t50 = (-4/(L*d_V**2*n_batch)) * M_Z
-    t1 += oe.contract('ab,bc,dac,ac,ae,ae,ef,af->abf', t50, t21, t45, A26, A26, t27, t21, M_Z, optimize=[(4, 5), (2, 3), (2, 4), (2, 4), (1, 2), (0, 2), (0, 1)])
-    t51 = (4/(L*d_V**3*n_batch)) * M_Z
-    t1 += oe.contract('ab,bc,dac,ac,ae,ae,ef,af,fg->abg', t51, t21, t45, A26, A26, t27, t21, M_Z, t21, optimize=[(4, 5), (2, 3), (2, 5), (2, 5), (1, 3), (0, 3), (0, 1), (0, 1)])
-    t52 = (-2/(L*d_V*n_batch)) * M_Z
-    t1 += oe.contract('ab,bc,dac,ac,ae,ae->abe', t52, t21, t45, A26, A26, P_Z, optimize=[(4, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t53 = (2/(L*d_V**2*n_batch)) * M_Z
-    t1 += oe.contract('ab,bc,dac,ac,ae,ae,ef->abf', t53, t21, t45, A26, A26, P_Z, t21, optimize=[(4, 5), (2, 3), (2, 3), (1, 2), (0, 2), (0, 1)])
-    t1 += oe.contract('ab,cdb,db,db,be,de->dae', t21, t24, t29, t27, t21, M_Z, optimize=[(2, 3), (1, 4), (1, 3), (0, 2), (0, 1)])
-    t54 = (2/(L*d_V**3*n_batch)) * A26
-    t55 = oe.contract('abc,bc,bc,cd,bd,de->bec', t24, t54, t27, t21, M_Z, t21, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
-    t1 += oe.contract('abc,dc->adb', t55, t21, optimize=[(0, 1)])
-    t1 += oe.contract('ab,cdb,db,db->dab', t21, t24, t32, P_Z, optimize=[(1, 2), (1, 2), (0, 1)])
-    t56 = (1/(L*d_V**2*n_batch)) * A26
-    t1 += oe.contract('ab,cdb,db,db,be->dae', t21, t24, t56, P_Z, t21, optimize=[(2, 3), (1, 3), (0, 2), (0, 1)])
-    t1 += oe.contract('ab,cdb,db,de,de,ef,df->daf', t21, t24, t34, A26, t27, t21, M_Z, optimize=[(3, 4), (1, 2), (1, 3), (1, 3), (0, 1), (0, 1)])
-    t57 = (-2/(L*d_V**3*n_batch)) * A26
-    t1 += oe.contract('ab,cdb,db,de,de,ef,df,fg->dag', t21, t24, t57, A26, t27, t21, M_Z, t21, optimize=[(3, 4), (1, 2), (1, 4), (1, 4), (0, 2), (0, 1), (0, 1)])
-    t1 += oe.contract('ab,cdb,db,de,de->dae', t21, t24, t36, A26, P_Z, optimize=[(3, 4), (1, 2), (0, 2), (0, 1)])
-    t58 = (-1/(L*d_V**2*n_batch)) * A26
-    t1 += oe.contract('ab,cdb,db,de,de,ef->daf', t21, t24, t58, A26, P_Z, t21, optimize=[(3, 4), (1, 2), (1, 2), (0, 1), (0, 1)])
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf->caf', t21, t47, t21, t45, A26, t27, t21, M_Z, optimize=[(4, 5), (3, 6), (0, 1), (0, 4), (2, 3), (0, 2), (0, 1)])
-    t59 = (4/(L*d_V**4*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df,cf,fg->cag', t21, t59, t21, t45, A26, t27, t21, M_Z, t21, optimize=[(4, 5), (3, 7), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cd->cad', t21, t49, t21, t45, A26, P_Z, optimize=[(4, 5), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t60 = (2/(L*d_V**3*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cd,df->caf', t21, t60, t21, t45, A26, P_Z, t21, optimize=[(4, 5), (3, 5), (0, 1), (0, 3), (1, 2), (0, 1)])
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg->cag', t21, t51, t21, t45, A26, A26, t27, t21, M_Z, optimize=[(5, 6), (3, 4), (3, 5), (3, 5), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t61 = (-4/(L*d_V**4*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg,cg,gh->cah', t21, t61, t21, t45, A26, A26, t27, t21, M_Z, t21, optimize=[(5, 6), (3, 4), (3, 6), (3, 6), (2, 4), (1, 4), (1, 2), (0, 1), (0, 1)])
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf->caf', t21, t53, t21, t45, A26, A26, P_Z, optimize=[(5, 6), (3, 4), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t62 = (-2/(L*d_V**3*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,cd,cf,cf,fg->cag', t21, t62, t21, t45, A26, A26, P_Z, t21, optimize=[(5, 6), (3, 4), (3, 4), (2, 3), (1, 3), (0, 2), (0, 1)])
-    t1 += oe.contract('ab,cdb,be,de->dae', t21, t20, t21, t23, optimize=[(0, 1), (0, 1), (0, 1)])
-    t63 = (2/(d_V**3*n_batch)) * M_Z
-    t1 += oe.contract('ab,cdb,be,de,ef->daf', t21, t20, t21, t63, t21, optimize=[(0, 1), (0, 3), (0, 2), (0, 1)])
-    t64 = (-2/(d_V**2*n_batch)) * t21
-    t1 += oe.contract('ab,cdb->dab', t64, t39, optimize=[(0, 1)])
-    t65 = (2/(d_V**3*n_batch)) * t21
-    t1 += oe.contract('ab,cdb,be->dae', t65, t39, t21, optimize=[(0, 1), (0, 1)])
-    t1 += oe.contract('ab,cb,bd,ecd,df,cf->caf', t21, t44, t21, t42, t21, M_Z, optimize=[(2, 3), (2, 4), (1, 3), (0, 2), (0, 1)])
-    t66 = (4/(d_V**4*n_batch)) * M_Z
-    t1 += oe.contract('ab,cb,bd,ecd,df,cf,fg->cag', t21, t66, t21, t42, t21, M_Z, t21, optimize=[(2, 3), (2, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
-    t1 += oe.contract('ab,cb,bd,ecd->cad', t21, t23, t21, t20, optimize=[(0, 1), (0, 1), (0, 1)])
-    t67 = oe.contract('ab,bc,dac,ce->aeb', t63, t21, t20, t21, optimize=[(2, 3), (0, 2), (0, 1)])
-    t1 += oe.contract('abc,dc->adb', t67, t21, optimize=[(0, 1)])
-    nrm = np.linalg.norm(blk)
-    del blk
-    return nrm
+    t24 = np.exp(F - F.max(-1, keepdims=True))
+    A25 = t24 / t24.sum(-1, keepdims=True)
+    t26 = t1 * A25
+    t27 = (1/L) * t26
+    t28 = (-1/L) * Y
+    t29 = t27 + t28
+    G = t29
+    t30 = t15 * G
+    t31 = t15 * G * M_Z
+    t32 = t31.sum(-1, keepdims=True)
+    t33 = np.broadcast_to(t32, t32.shape[:-1] + (d_V,))
+    t34 = (0.75 * (sigma2_Z ** -2.5))
+    t35 = t34 * G * M_Z
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S36 = oe.contract('abc,cd->abcd', t30, t14, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t35, t17, M_Z, optimize=[(1, 2), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S37 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t30, t17, M_Z, S19, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t33, S19, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t17, S36, S19, optimize=[(0, 1), (0, 1), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S38 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t30, t17, M_Z, S19, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t33, S19, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t17, S36, S19, optimize=[(0, 1), (0, 1), (0, 1)]) + oe.contract('ab,cdbe->cdae', t17, S37, optimize=[(0, 1)])
+    t39 = (n_batch**(-2)) * oe.contract('abcd,ebcd->', S38, S38, optimize=[(0, 1)])
+    t40 = (2/n_batch**2) * oe.contract('abcd,ebcd->', S22, S38, optimize=[(0, 1)])
+    t41 = t23 + t39 + t40
+    t42 = np.sqrt(np.maximum(t23, 0.0))
+    t43 = np.sqrt(np.maximum(t39, 0.0))
+    t44 = np.sqrt(np.maximum(t41, 0.0))
+    return (t42, t43, t44,)
 
 
 VARIANTS = {
@@ -3229,6 +2536,7 @@ VARIANTS = {
         ('trace', 'X', 'full'): mse__trace__X__full,
         ('block', 'X', 'X', 'full'): mse__block__X__X__full,
         ('frobenius', 'X', 'X', 'full'): mse__frobenius__X__X__full,
+        ('frobenius_split', 'X', 'X'): mse__frobenius_split__X__X,
         ('jacobian', 'X'): jacobian__X,
         ('jacobian_compact', 'X'): jacobian_compact__X,
         ('jacobian_layout', 'X'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('L', 'd_V'), 'row_axes': (0, 1), 'col_axes': (0, 2), 'axis_sizes': ('L', 'd_V', 'd_V'), 'factors': ((0, 1, 2),)},
@@ -3257,6 +2565,7 @@ VARIANTS = {
         ('trace', 'X', 'full'): ce__trace__X__full,
         ('block', 'X', 'X', 'full'): ce__block__X__X__full,
         ('frobenius', 'X', 'X', 'full'): ce__frobenius__X__X__full,
+        ('frobenius_split', 'X', 'X'): ce__frobenius_split__X__X,
         ('jacobian', 'X'): jacobian__X,
         ('jacobian_compact', 'X'): jacobian_compact__X,
         ('jacobian_layout', 'X'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('L', 'd_V'), 'row_axes': (0, 1), 'col_axes': (0, 2), 'axis_sizes': ('L', 'd_V', 'd_V'), 'factors': ((0, 1, 2),)},

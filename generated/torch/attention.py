@@ -102,57 +102,60 @@ def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t7 = (1/math.sqrt(d_K)) * t6
     t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
     A = t8 / t8.sum(-1, keepdim=True)
+    t9 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t9 = W_V.transpose(-1, -2)
-    t10 = W_V @ t9
-    t11 = (2/(L*d_K*d_V*n_batch)) * t2
-    t1[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t11, M_2, X, t10, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t12 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t13 = t12.view((d_V, d_K, d_V, d_K))
-    t14 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t15 = oe.contract('ab,cdeb,ef,cdfg->agcd', t11, M_2, t10, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t13[...] = oe.contract('abcd,efcd->aefb', t14, t15, optimize=[(0, 1)])
-    t16 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t17 = t16.view((d_V, d_K, d_V, d_V))
-    t18 = A @ X
-    M_1 = t18
-    t19 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
-    t17[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t19, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t20 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t21 = t20.view((d_V, d_K, d_V, d_K))
-    t22 = W_Q.transpose(-1, -2)
-    t23 = (2/(L*d_K*d_V*n_batch)) * t22
-    t21[...] = oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t23, M_2, X, t10, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t24 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t25 = t24.view((d_V, d_K, d_V, d_K))
-    t26 = oe.contract('ab,cdb,cde,ef->afcd', t23, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t27 = oe.contract('abcd,ce,abef->dfab', M_2, t10, M_2, optimize=[(0, 1), (0, 1)])
-    t25[...] = oe.contract('abcd,efcd->eafb', t26, t27, optimize=[(0, 1)])
-    t28 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t29 = t28.view((d_V, d_K, d_V, d_V))
-    t30 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t22
-    t31 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
-    t32 = oe.contract('ab,cdb,cde->aecd', t30, X, M_1, optimize=[(0, 1), (0, 1)])
-    t29[...] = oe.contract('abcd,efcd->aefb', t31, t32, optimize=[(0, 1)])
-    t33 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t34 = t33.view((d_V, d_V, d_V, d_K))
-    t35 = M_1.transpose(-1, -2)
-    t36 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t35
-    t34[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t36, t9, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t37 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t38 = t37.view((d_V, d_V, d_V, d_K))
-    t39 = oe.contract('abc,acd,de->beac', t36, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t40 = oe.contract('ab,cdbe->aecd', t9, M_2, optimize=[(0, 1)])
-    t38[...] = oe.contract('abcd,efcd->aefb', t39, t40, optimize=[(0, 1)])
-    t41 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t41[...] = 0
-    t42 = t41.view((d_V, d_V, d_V, d_V))
-    t43 = t42.diagonal(0, 1, 3)
-    t44 = t35 @ M_1
-    t45 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t46 = (2/(L*d_V*n_batch)) * t45
-    t43 += oe.contract('abc,d->bcd', t44, t46, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
+    t10 = W_V.transpose(-1, -2)
+    t11 = W_V @ t10
+    t12 = (2/(L*d_K*d_V*n_batch)) * t2
+    t1[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t12, M_2, X, t11, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t13 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t14 = t13.view((d_V, d_K, d_V, d_K))
+    t15 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t16 = oe.contract('ab,cdeb,ef,cdfg->agcd', t12, M_2, t11, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t14[...] = oe.contract('abcd,efcd->aefb', t15, t16, optimize=[(0, 1)])
+    t17 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t18 = t17.view((d_V, d_K, d_V, d_V))
+    t19 = A @ X
+    M_1 = t19
+    t20 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
+    t18[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t20, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t21 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t22 = t21.view((d_V, d_K, d_V, d_K))
+    t23 = W_Q.transpose(-1, -2)
+    t24 = (2/(L*d_K*d_V*n_batch)) * t23
+    t22[...] = oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t24, M_2, X, t11, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t25 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t26 = t25.view((d_V, d_K, d_V, d_K))
+    t27 = oe.contract('ab,cdb,cde,ef->afcd', t24, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t28 = oe.contract('abcd,ce,abef->dfab', M_2, t11, M_2, optimize=[(0, 1), (0, 1)])
+    t26[...] = oe.contract('abcd,efcd->eafb', t27, t28, optimize=[(0, 1)])
+    t29 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t30 = t29.view((d_V, d_K, d_V, d_V))
+    t31 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t23
+    t32 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t33 = oe.contract('ab,cdb,cde->aecd', t31, X, M_1, optimize=[(0, 1), (0, 1)])
+    t30[...] = oe.contract('abcd,efcd->aefb', t32, t33, optimize=[(0, 1)])
+    t34 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t35 = t34.view((d_V, d_V, d_V, d_K))
+    t36 = M_1.transpose(-1, -2)
+    t37 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t36
+    t35[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t37, t10, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t38 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t39 = t38.view((d_V, d_V, d_V, d_K))
+    t40 = oe.contract('abc,acd,de->beac', t37, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t41 = oe.contract('ab,cdbe->aecd', t10, M_2, optimize=[(0, 1)])
+    t39[...] = oe.contract('abcd,efcd->aefb', t40, t41, optimize=[(0, 1)])
+    t42 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t42[...] = 0
+    t43 = t42.view((d_V, d_V, d_V, d_V))
+    t44 = t43.diagonal(0, 1, 3)
+    t45 = t36 @ M_1
+    t46 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t47 = (2/(L*d_V*n_batch)) * t46
+    t44 += oe.contract('abc,d->bcd', t45, t47, optimize=[(0, 1)])
     return H
 
 
@@ -222,34 +225,37 @@ def mse_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     t5 = (1/math.sqrt(d_K)) * t4
     t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
     A = t6 / t6.sum(-1, keepdim=True)
+    t7 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t7 = W_V.transpose(-1, -2)
-    t8 = W_V @ t7
-    t9 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj,ak,lmnk,lmf,no,lmop,lmi,pj->', t0, M_2, X, t8, M_2, X, W_K, t0, M_2, X, t8, M_2, X, W_K, optimize=[(0, 1), (1, 2), (10, 11), (3, 4), (0, 3), (2, 3), (5, 7), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
-    t10 = torch.sqrt(torch.clamp(t9, min=0.0))
-    t11 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij,ak,lmnk,lmf,no,lmoh,lmp,pj->', t0, M_2, X, t8, M_2, X, W_Q, t0, M_2, X, t8, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (10, 11), (1, 2), (1, 2), (0, 1), (0, 1), (4, 6), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t12 = torch.sqrt(torch.clamp(t11, min=0.0))
-    t13 = A @ X
-    M_1 = t13
-    t14 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,eh,ai,jkli,jkf,jkg,lh->', t0, M_2, X, M_1, W_V, t0, M_2, X, M_1, W_V, optimize=[(0, 1), (3, 4), (0, 3), (0, 2), (4, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
-    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
-    t16 = W_Q.transpose(-1, -2)
-    t17 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj,ak,lmnf,lmk,no,lmop,lmi,pj->', t16, M_2, X, t8, M_2, X, W_K, t16, M_2, X, t8, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 11), (2, 4), (2, 3), (2, 8), (0, 2), (0, 1), (0, 2), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
-    t19 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij,ak,lmnf,lmk,no,lmoh,lmp,pj->', t16, M_2, X, t8, M_2, X, W_Q, t16, M_2, X, t8, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 11), (0, 1), (0, 2), (0, 1), (0, 7), (3, 6), (0, 1), (0, 2), (1, 3), (0, 1), (0, 1)])
-    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
-    t21 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,eh,ai,jklf,jki,jkg,lh->', t16, M_2, X, M_1, W_V, t16, M_2, X, M_1, W_V, optimize=[(0, 2), (0, 2), (1, 3), (0, 2), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
-    t23 = M_1.transpose(-1, -2)
-    t24 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,fh,ibj,dk,ijkl,ijg,lh->', t23, t7, M_2, X, W_K, t23, t7, M_2, X, W_K, optimize=[(1, 2), (0, 3), (2, 3), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
-    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
-    t26 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,gh,ibj,dk,ijkf,ijl,lh->', t23, t7, M_2, X, W_Q, t23, t7, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 1), (0, 1), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t27 = torch.sqrt(torch.clamp(t26, min=0.0))
-    t28 = t23 @ M_1
-    t29 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t28, t28, optimize=[(0, 1)])
-    t30 = torch.sqrt(torch.clamp(t29, min=0.0))
-    return (t10, t12, t15, t18, t20, t22, t25, t27, t30,)
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t8 = W_V.transpose(-1, -2)
+    t9 = W_V @ t8
+    t10 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj,ak,lmnk,lmf,no,lmop,lmi,pj->', t0, M_2, X, t9, M_2, X, W_K, t0, M_2, X, t9, M_2, X, W_K, optimize=[(0, 7), (1, 7), (3, 8), (9, 10), (3, 7), (0, 1), (0, 7), (0, 1), (0, 5), (0, 3), (0, 2), (1, 2), (0, 1)])
+    t11 = torch.sqrt(torch.clamp(t10, min=0.0))
+    t12 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij,ak,lmnk,lmf,no,lmoh,lmp,pj->', t0, M_2, X, t9, M_2, X, W_Q, t0, M_2, X, t9, M_2, X, W_Q, optimize=[(0, 7), (1, 7), (3, 4), (6, 7), (8, 9), (7, 8), (0, 1), (0, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)])
+    t13 = torch.sqrt(torch.clamp(t12, min=0.0))
+    t14 = A @ X
+    M_1 = t14
+    t15 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,eh,ai,jkli,jkf,jkg,lh->', t0, M_2, X, M_1, W_V, t0, M_2, X, M_1, W_V, optimize=[(0, 5), (1, 5), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
+    t17 = W_Q.transpose(-1, -2)
+    t18 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj,ak,lmnf,lmk,no,lmop,lmi,pj->', t17, M_2, X, t9, M_2, X, W_K, t17, M_2, X, t9, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 11), (2, 4), (2, 3), (2, 8), (0, 2), (0, 1), (0, 2), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
+    t20 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij,ak,lmnf,lmk,no,lmoh,lmp,pj->', t17, M_2, X, t9, M_2, X, W_Q, t17, M_2, X, t9, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 11), (0, 1), (0, 2), (0, 1), (0, 7), (3, 6), (0, 1), (0, 2), (1, 3), (0, 1), (0, 1)])
+    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
+    t22 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,eh,ai,jklf,jki,jkg,lh->', t17, M_2, X, M_1, W_V, t17, M_2, X, M_1, W_V, optimize=[(0, 2), (1, 6), (1, 5), (1, 3), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t23 = torch.sqrt(torch.clamp(t22, min=0.0))
+    t24 = M_1.transpose(-1, -2)
+    t25 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,fh,ibj,dk,ijkl,ijg,lh->', t24, t8, M_2, X, W_K, t24, t8, M_2, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t26 = torch.sqrt(torch.clamp(t25, min=0.0))
+    t27 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,gh,ibj,dk,ijkf,ijl,lh->', t24, t8, M_2, X, W_Q, t24, t8, M_2, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t28 = torch.sqrt(torch.clamp(t27, min=0.0))
+    t29 = t24 @ M_1
+    t30 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t29, t29, optimize=[(0, 1)])
+    t31 = torch.sqrt(torch.clamp(t30, min=0.0))
+    return (t11, t13, t16, t19, t21, t23, t26, t28, t31,)
 
 
 def mse_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -268,14 +274,17 @@ def mse_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t6 = (1/math.sqrt(d_K)) * t5
     t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
     A = t7 / t7.sum(-1, keepdim=True)
+    t8 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t8 = W_V.transpose(-1, -2)
-    t9 = W_V @ t8
-    t10 = (2/(L*d_K*d_V*n_batch)) * t1
-    t11 = oe.contract('ab,cdeb,ef,cdfg,ga->acd', t10, M_2, t9, M_2, W_K, optimize=[(0, 1), (0, 1), (1, 2), (0, 1)])
-    t12 = oe.contract('abc,abc->cab', X, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t11, t12, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t9 = W_V.transpose(-1, -2)
+    t10 = W_V @ t9
+    t11 = (2/(L*d_K*d_V*n_batch)) * t1
+    t12 = oe.contract('ab,cdeb,ef,cdfg,ga->acd', t11, M_2, t10, M_2, W_K, optimize=[(0, 1), (0, 1), (1, 2), (0, 1)])
+    t13 = oe.contract('abc,abc->cab', X, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t12, t13, optimize=[(0, 1)])
     return out
 
 
@@ -293,11 +302,14 @@ def mse_causal0__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t5 = (1/math.sqrt(d_K)) * t4
     t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
     A = t6 / t6.sum(-1, keepdim=True)
+    t7 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t7 = W_V.transpose(-1, -2)
-    t8 = W_V @ t7
-    return (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdf,ha->', t0, M_2, X, t8, M_2, X, W_K, optimize=[(2, 5), (0, 1), (0, 1), (2, 3), (0, 2), (0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t8 = W_V.transpose(-1, -2)
+    t9 = W_V @ t8
+    return (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdf,ha->', t0, M_2, X, t9, M_2, X, W_K, optimize=[(2, 5), (0, 4), (0, 1), (0, 3), (1, 2), (0, 1)])
 
 
 def mse_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -316,12 +328,15 @@ def mse_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t6 = (1/math.sqrt(d_K)) * t5
     t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
     A = t7 / t7.sum(-1, keepdim=True)
+    t8 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t8 = W_V.transpose(-1, -2)
-    t9 = W_V @ t8
-    t10 = (2/(L*d_K*d_V*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t10, M_2, X, t9, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t9 = W_V.transpose(-1, -2)
+    t10 = W_V @ t9
+    t11 = (2/(L*d_K*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t11, M_2, X, t10, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -339,13 +354,16 @@ def mse_causal0__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t5 = (1/math.sqrt(d_K)) * t4
     t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
     A = t6 / t6.sum(-1, keepdim=True)
+    t7 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t7 = W_V.transpose(-1, -2)
-    t8 = W_V @ t7
-    t9 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj,ak,lmnk,lmf,no,lmop,lmi,pj->', t0, M_2, X, t8, M_2, X, W_K, t0, M_2, X, t8, M_2, X, W_K, optimize=[(0, 1), (1, 2), (10, 11), (3, 4), (0, 3), (2, 3), (5, 7), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
-    t10 = torch.sqrt(torch.clamp(t9, min=0.0))
-    return t10
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t8 = W_V.transpose(-1, -2)
+    t9 = W_V @ t8
+    t10 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj,ak,lmnk,lmf,no,lmop,lmi,pj->', t0, M_2, X, t9, M_2, X, W_K, t0, M_2, X, t9, M_2, X, W_K, optimize=[(0, 7), (1, 7), (3, 8), (9, 10), (3, 7), (0, 1), (0, 7), (0, 1), (0, 5), (0, 3), (0, 2), (1, 2), (0, 1)])
+    t11 = torch.sqrt(torch.clamp(t10, min=0.0))
+    return t11
 
 
 def mse_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -364,14 +382,17 @@ def mse_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     t6 = (1/math.sqrt(d_K)) * t5
     t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
     A = t7 / t7.sum(-1, keepdim=True)
+    t8 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t8 = W_V.transpose(-1, -2)
-    t9 = W_V @ t8
-    t10 = (2/(L*d_K*d_V*n_batch)) * t1
-    t11 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t12 = oe.contract('ab,cdeb,ef,cdfg->agcd', t10, M_2, t9, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t11, t12, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t9 = W_V.transpose(-1, -2)
+    t10 = W_V @ t9
+    t11 = (2/(L*d_K*d_V*n_batch)) * t1
+    t12 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t13 = oe.contract('ab,cdeb,ef,cdfg->agcd', t11, M_2, t10, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t12, t13, optimize=[(0, 1)])
     return out
 
 
@@ -389,13 +410,16 @@ def mse_causal0__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     t5 = (1/math.sqrt(d_K)) * t4
     t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
     A = t6 / t6.sum(-1, keepdim=True)
+    t7 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t7 = W_V.transpose(-1, -2)
-    t8 = W_V @ t7
-    t9 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij,ak,lmnk,lmf,no,lmoh,lmp,pj->', t0, M_2, X, t8, M_2, X, W_Q, t0, M_2, X, t8, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (10, 11), (1, 2), (1, 2), (0, 1), (0, 1), (4, 6), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t10 = torch.sqrt(torch.clamp(t9, min=0.0))
-    return t10
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t8 = W_V.transpose(-1, -2)
+    t9 = W_V @ t8
+    t10 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij,ak,lmnk,lmf,no,lmoh,lmp,pj->', t0, M_2, X, t9, M_2, X, W_Q, t0, M_2, X, t9, M_2, X, W_Q, optimize=[(0, 7), (1, 7), (3, 4), (6, 7), (8, 9), (7, 8), (0, 1), (0, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)])
+    t11 = torch.sqrt(torch.clamp(t10, min=0.0))
+    return t11
 
 
 def mse_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -414,12 +438,15 @@ def mse_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     t6 = (1/math.sqrt(d_K)) * t5
     t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
     A = t7 / t7.sum(-1, keepdim=True)
+    t8 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t8 = A @ X
-    M_1 = t8
-    t9 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t9, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t9 = A @ X
+    M_1 = t9
+    t10 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t10, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -437,13 +464,16 @@ def mse_causal0__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     t5 = (1/math.sqrt(d_K)) * t4
     t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
     A = t6 / t6.sum(-1, keepdim=True)
+    t7 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t7 = A @ X
-    M_1 = t7
-    t8 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,eh,ai,jkli,jkf,jkg,lh->', t0, M_2, X, M_1, W_V, t0, M_2, X, M_1, W_V, optimize=[(0, 1), (3, 4), (0, 3), (0, 2), (4, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
-    t9 = torch.sqrt(torch.clamp(t8, min=0.0))
-    return t9
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t8 = A @ X
+    M_1 = t8
+    t9 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,eh,ai,jkli,jkf,jkg,lh->', t0, M_2, X, M_1, W_V, t0, M_2, X, M_1, W_V, optimize=[(0, 5), (1, 5), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t10 = torch.sqrt(torch.clamp(t9, min=0.0))
+    return t10
 
 
 def mse_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -463,14 +493,17 @@ def mse_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     t7 = (1/math.sqrt(d_K)) * t6
     t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
     A = t8 / t8.sum(-1, keepdim=True)
+    t9 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t9 = W_V.transpose(-1, -2)
-    t10 = W_V @ t9
-    t11 = (2/(L*d_K*d_V*n_batch)) * t1
-    t12 = oe.contract('ab,cdb,cde,ea->acd', t11, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t13 = oe.contract('abcd,ce,abed->dab', M_2, t10, M_2, optimize=[(0, 1), (0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t12, t13, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t10 = W_V.transpose(-1, -2)
+    t11 = W_V @ t10
+    t12 = (2/(L*d_K*d_V*n_batch)) * t1
+    t13 = oe.contract('ab,cdb,cde,ea->acd', t12, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t14 = oe.contract('abcd,ce,abed->dab', M_2, t11, M_2, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t13, t14, optimize=[(0, 1)])
     return out
 
 
@@ -489,11 +522,14 @@ def mse_causal0__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     t6 = (1/math.sqrt(d_K)) * t5
     t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
     A = t7 / t7.sum(-1, keepdim=True)
+    t8 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t8 = W_V.transpose(-1, -2)
-    t9 = W_V @ t8
-    return (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgf,cdh,ha->', t0, M_2, X, t9, M_2, X, W_Q, optimize=[(1, 4), (2, 5), (0, 1), (0, 1), (1, 2), (0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t9 = W_V.transpose(-1, -2)
+    t10 = W_V @ t9
+    return (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgf,cdh,ha->', t0, M_2, X, t10, M_2, X, W_Q, optimize=[(1, 4), (2, 5), (0, 1), (0, 1), (1, 2), (0, 1)])
 
 
 def mse_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -513,12 +549,15 @@ def mse_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t7 = (1/math.sqrt(d_K)) * t6
     t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
     A = t8 / t8.sum(-1, keepdim=True)
+    t9 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t9 = W_V.transpose(-1, -2)
-    t10 = W_V @ t9
-    t11 = (2/(L*d_K*d_V*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t11, M_2, X, t10, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t10 = W_V.transpose(-1, -2)
+    t11 = W_V @ t10
+    t12 = (2/(L*d_K*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t12, M_2, X, t11, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -537,13 +576,16 @@ def mse_causal0__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t6 = (1/math.sqrt(d_K)) * t5
     t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
     A = t7 / t7.sum(-1, keepdim=True)
+    t8 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t8 = W_V.transpose(-1, -2)
-    t9 = W_V @ t8
-    t10 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj,ak,lmnf,lmk,no,lmop,lmi,pj->', t0, M_2, X, t9, M_2, X, W_K, t0, M_2, X, t9, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 11), (2, 4), (2, 3), (2, 8), (0, 2), (0, 1), (0, 2), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t11 = torch.sqrt(torch.clamp(t10, min=0.0))
-    return t11
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t9 = W_V.transpose(-1, -2)
+    t10 = W_V @ t9
+    t11 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj,ak,lmnf,lmk,no,lmop,lmi,pj->', t0, M_2, X, t10, M_2, X, W_K, t0, M_2, X, t10, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 11), (2, 4), (2, 3), (2, 8), (0, 2), (0, 1), (0, 2), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t12 = torch.sqrt(torch.clamp(t11, min=0.0))
+    return t12
 
 
 def mse_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -563,14 +605,17 @@ def mse_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t7 = (1/math.sqrt(d_K)) * t6
     t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
     A = t8 / t8.sum(-1, keepdim=True)
+    t9 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t9 = W_V.transpose(-1, -2)
-    t10 = W_V @ t9
-    t11 = (2/(L*d_K*d_V*n_batch)) * t1
-    t12 = oe.contract('ab,cdb,cde,ef->afcd', t11, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t13 = oe.contract('abcd,ce,abef->dfab', M_2, t10, M_2, optimize=[(0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t12, t13, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t10 = W_V.transpose(-1, -2)
+    t11 = W_V @ t10
+    t12 = (2/(L*d_K*d_V*n_batch)) * t1
+    t13 = oe.contract('ab,cdb,cde,ef->afcd', t12, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t14 = oe.contract('abcd,ce,abef->dfab', M_2, t11, M_2, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t13, t14, optimize=[(0, 1)])
     return out
 
 
@@ -589,13 +634,16 @@ def mse_causal0__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t6 = (1/math.sqrt(d_K)) * t5
     t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
     A = t7 / t7.sum(-1, keepdim=True)
+    t8 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t8 = W_V.transpose(-1, -2)
-    t9 = W_V @ t8
-    t10 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij,ak,lmnf,lmk,no,lmoh,lmp,pj->', t0, M_2, X, t9, M_2, X, W_Q, t0, M_2, X, t9, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 11), (0, 1), (0, 2), (0, 1), (0, 7), (3, 6), (0, 1), (0, 2), (1, 3), (0, 1), (0, 1)])
-    t11 = torch.sqrt(torch.clamp(t10, min=0.0))
-    return t11
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t9 = W_V.transpose(-1, -2)
+    t10 = W_V @ t9
+    t11 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij,ak,lmnf,lmk,no,lmoh,lmp,pj->', t0, M_2, X, t10, M_2, X, W_Q, t0, M_2, X, t10, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 11), (0, 1), (0, 2), (0, 1), (0, 7), (3, 6), (0, 1), (0, 2), (1, 3), (0, 1), (0, 1)])
+    t12 = torch.sqrt(torch.clamp(t11, min=0.0))
+    return t12
 
 
 def mse_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -615,14 +663,17 @@ def mse_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     t7 = (1/math.sqrt(d_K)) * t6
     t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
     A = t8 / t8.sum(-1, keepdim=True)
+    t9 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t9 = A @ X
-    M_1 = t9
-    t10 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
-    t11 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
-    t12 = oe.contract('ab,cdb,cde->aecd', t10, X, M_1, optimize=[(0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t11, t12, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t10 = A @ X
+    M_1 = t10
+    t11 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
+    t12 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t13 = oe.contract('ab,cdb,cde->aecd', t11, X, M_1, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t12, t13, optimize=[(0, 1)])
     return out
 
 
@@ -641,13 +692,16 @@ def mse_causal0__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     t6 = (1/math.sqrt(d_K)) * t5
     t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
     A = t7 / t7.sum(-1, keepdim=True)
+    t8 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t8 = A @ X
-    M_1 = t8
-    t9 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,eh,ai,jklf,jki,jkg,lh->', t0, M_2, X, M_1, W_V, t0, M_2, X, M_1, W_V, optimize=[(0, 2), (0, 2), (1, 3), (0, 2), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t10 = torch.sqrt(torch.clamp(t9, min=0.0))
-    return t10
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t9 = A @ X
+    M_1 = t9
+    t10 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,eh,ai,jklf,jki,jkg,lh->', t0, M_2, X, M_1, W_V, t0, M_2, X, M_1, W_V, optimize=[(0, 2), (1, 6), (1, 5), (1, 3), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t11 = torch.sqrt(torch.clamp(t10, min=0.0))
+    return t11
 
 
 def mse_causal0__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -717,10 +771,13 @@ def mse_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     M_1 = t8
     t9 = M_1.transpose(-1, -2)
     t10 = W_V.transpose(-1, -2)
+    t11 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t11 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t9
-    t0[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t11, t10, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t12 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t9
+    t0[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t12, t10, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -742,11 +799,14 @@ def mse_causal0__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     M_1 = t7
     t8 = M_1.transpose(-1, -2)
     t9 = W_V.transpose(-1, -2)
+    t10 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t10 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,fh,ibj,dk,ijkl,ijg,lh->', t8, t9, M_2, X, W_K, t8, t9, M_2, X, W_K, optimize=[(1, 2), (0, 3), (2, 3), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
-    t11 = torch.sqrt(torch.clamp(t10, min=0.0))
-    return t11
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t11 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,fh,ibj,dk,ijkl,ijg,lh->', t8, t9, M_2, X, W_K, t8, t9, M_2, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t12 = torch.sqrt(torch.clamp(t11, min=0.0))
+    return t12
 
 
 def mse_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -769,12 +829,15 @@ def mse_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     M_1 = t8
     t9 = M_1.transpose(-1, -2)
     t10 = W_V.transpose(-1, -2)
+    t11 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t11 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t9
-    t12 = oe.contract('abc,acd,de->beac', t11, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t13 = oe.contract('ab,cdbe->aecd', t10, M_2, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t12, t13, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t12 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t9
+    t13 = oe.contract('abc,acd,de->beac', t12, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t14 = oe.contract('ab,cdbe->aecd', t10, M_2, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t13, t14, optimize=[(0, 1)])
     return out
 
 
@@ -796,11 +859,14 @@ def mse_causal0__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     M_1 = t7
     t8 = M_1.transpose(-1, -2)
     t9 = W_V.transpose(-1, -2)
+    t10 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t10 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,gh,ibj,dk,ijkf,ijl,lh->', t8, t9, M_2, X, W_Q, t8, t9, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 1), (0, 1), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t11 = torch.sqrt(torch.clamp(t10, min=0.0))
-    return t11
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t11 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,gh,ibj,dk,ijkf,ijl,lh->', t8, t9, M_2, X, W_Q, t8, t9, M_2, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t12 = torch.sqrt(torch.clamp(t11, min=0.0))
+    return t12
 
 
 def mse_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -884,68 +950,73 @@ def mse_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t16 = G @ t15
     t17 = t16 - (A * t16).sum(-1, keepdim=True)
     t18 = A * t17
+    t19 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t18, t19, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t18, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t18, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t3, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t19 = (1/(d_K*n_batch)) * t2
-    t1[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t19, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
-    t20 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t20[...] = 0
-    t21 = t20.view((d_V, d_K, d_V, d_K))
-    t22 = t21.diagonal(0, 1, 3)
-    t23 = t18 @ X
-    t24 = t3 @ t23
-    t25 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t26 = (1/(math.sqrt(d_K)*n_batch)) * t25
-    t22 += oe.contract('abc,d->bcd', t24, t26, optimize=[(0, 1)])
-    t27 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t28 = oe.contract('ab,cdbe->aecd', t19, M_3, optimize=[(0, 1)])
-    t21 += oe.contract('abcd,efcd->aefb', t27, t28, optimize=[(0, 1)])
-    t29 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t30 = t29.view((d_V, d_K, d_V, d_V))
+    M_3 = oe.contract('abc,adce,aef->adbf', t3, d2A, X, optimize=[(0, 1), (0, 1)])
+    t20 = (1/(d_K*n_batch)) * t2
+    t1[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t20, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t21 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t21[...] = 0
+    t22 = t21.view((d_V, d_K, d_V, d_K))
+    t23 = t22.diagonal(0, 1, 3)
+    t24 = t18 @ X
+    t25 = t3 @ t24
+    t26 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t27 = (1/(math.sqrt(d_K)*n_batch)) * t26
+    t23 += oe.contract('abc,d->bcd', t25, t27, optimize=[(0, 1)])
+    t28 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t29 = oe.contract('ab,cdbe->aecd', t20, M_3, optimize=[(0, 1)])
+    t22 += oe.contract('abcd,efcd->aefb', t28, t29, optimize=[(0, 1)])
+    t30 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t31 = t30.view((d_V, d_K, d_V, d_V))
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t19, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t31 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t32 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
-    t33 = oe.contract('ab,cdeb->aecd', t31, M_2, optimize=[(0, 1)])
-    t30[...] = oe.contract('abcd,efcd->aefb', t32, t33, optimize=[(0, 1)])
-    t34 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t34[...] = 0
-    t35 = t34.view((d_V, d_K, d_V, d_K))
-    t36 = t35.diagonal(0, 1, 3)
-    t37 = t18.transpose(-1, -2)
-    t38 = t37 @ X
-    t39 = t3 @ t38
-    t36 += oe.contract('abc,d->bcd', t39, t26, optimize=[(0, 1)])
-    t40 = W_Q.transpose(-1, -2)
-    t41 = (1/(d_K*n_batch)) * t40
-    t42 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
-    t43 = oe.contract('ab,cbd,cde->aecd', t41, t3, X, optimize=[(0, 1), (0, 1)])
-    t35 += oe.contract('abcd,efcd->aefb', t42, t43, optimize=[(0, 1)])
-    t44 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t45 = t44.view((d_V, d_K, d_V, d_K))
-    t46 = oe.contract('ab,cbd,cde,ef->afcd', t41, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t47 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t45[...] = oe.contract('abcd,efcd->eafb', t46, t47, optimize=[(0, 1)])
-    t48 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t49 = t48.view((d_V, d_K, d_V, d_V))
-    t50 = (1/(math.sqrt(d_K)*n_batch)) * t40
-    t51 = oe.contract('ab,cdb,cde->aecd', t50, X, G, optimize=[(0, 1), (0, 1)])
-    t52 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t49[...] = oe.contract('abcd,efcd->eafb', t51, t52, optimize=[(0, 1)])
-    t53 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t54 = t53.view((d_V, d_V, d_V, d_K))
-    t55 = G.transpose(-1, -2)
-    t56 = (1/(math.sqrt(d_K)*n_batch)) * t55
-    t57 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
-    t58 = oe.contract('abc,acd->bdac', t56, X, optimize=[(0, 1)])
-    t54[...] = oe.contract('abcd,efcd->aefb', t57, t58, optimize=[(0, 1)])
-    t59 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t60 = t59.view((d_V, d_V, d_V, d_K))
-    t61 = oe.contract('abc,acd,de->beac', t56, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t62 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t60[...] = oe.contract('abcd,efcd->eafb', t61, t62, optimize=[(0, 1)])
-    t63 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t63[...] = 0
+    M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
+    t32 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t33 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t34 = oe.contract('ab,cdeb->aecd', t32, M_2, optimize=[(0, 1)])
+    t31[...] = oe.contract('abcd,efcd->aefb', t33, t34, optimize=[(0, 1)])
+    t35 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t35[...] = 0
+    t36 = t35.view((d_V, d_K, d_V, d_K))
+    t37 = t36.diagonal(0, 1, 3)
+    t38 = t18.transpose(-1, -2)
+    t39 = t38 @ X
+    t40 = t3 @ t39
+    t37 += oe.contract('abc,d->bcd', t40, t27, optimize=[(0, 1)])
+    t41 = W_Q.transpose(-1, -2)
+    t42 = (1/(d_K*n_batch)) * t41
+    t43 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t44 = oe.contract('ab,cbd,cde->aecd', t42, t3, X, optimize=[(0, 1), (0, 1)])
+    t36 += oe.contract('abcd,efcd->aefb', t43, t44, optimize=[(0, 1)])
+    t45 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t46 = t45.view((d_V, d_K, d_V, d_K))
+    t47 = oe.contract('ab,cbd,cde,ef->afcd', t42, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t48 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t46[...] = oe.contract('abcd,efcd->eafb', t47, t48, optimize=[(0, 1)])
+    t49 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t50 = t49.view((d_V, d_K, d_V, d_V))
+    t51 = (1/(math.sqrt(d_K)*n_batch)) * t41
+    t52 = oe.contract('ab,cdb,cde->aecd', t51, X, G, optimize=[(0, 1), (0, 1)])
+    t53 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t50[...] = oe.contract('abcd,efcd->eafb', t52, t53, optimize=[(0, 1)])
+    t54 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t55 = t54.view((d_V, d_V, d_V, d_K))
+    t56 = G.transpose(-1, -2)
+    t57 = (1/(math.sqrt(d_K)*n_batch)) * t56
+    t58 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t59 = oe.contract('abc,acd->bdac', t57, X, optimize=[(0, 1)])
+    t55[...] = oe.contract('abcd,efcd->aefb', t58, t59, optimize=[(0, 1)])
+    t60 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t61 = t60.view((d_V, d_V, d_V, d_K))
+    t62 = oe.contract('abc,acd,de->beac', t57, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t63 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t61[...] = oe.contract('abcd,efcd->eafb', t62, t63, optimize=[(0, 1)])
+    t64 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t64[...] = 0
     return H
 
 
@@ -1049,34 +1120,39 @@ def mse_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t14 = G @ t13
     t15 = t14 - (A * t14).sum(-1, keepdim=True)
     t16 = A * t15
+    t17 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t16, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t16, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t16, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t16, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t16, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t16, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t17 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 2), (0, 4), (2, 3), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
-    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
-    t19 = t16 @ X
-    t20 = t1 @ t19
-    t21 = (n_batch**(-2)) * oe.contract('abc,dbc->', t20, t20, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t20, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
+    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
+    t18 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
+    t20 = t16 @ X
+    t21 = t1 @ t20
+    t22 = (n_batch**(-2)) * oe.contract('abc,dbc->', t21, t21, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t21, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t23 = torch.sqrt(torch.clamp(t22, min=0.0))
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t23 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 1), (2, 3), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t24 = torch.sqrt(torch.clamp(t23, min=0.0))
-    t25 = t16.transpose(-1, -2)
-    t26 = t25 @ X
-    t27 = t1 @ t26
-    t28 = W_Q.transpose(-1, -2)
-    t29 = (n_batch**(-2)) * oe.contract('abc,dbc->', t27, t27, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t27, t28, t1, M_3, X, W_K, optimize=[(0, 3), (2, 4), (0, 1), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t28, t1, M_3, X, W_K, t28, t1, M_3, X, W_K, optimize=[(0, 1), (0, 2), (1, 2), (0, 2), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t30 = torch.sqrt(torch.clamp(t29, min=0.0))
-    t31 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t28, t1, M_3, X, W_Q, t28, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)])
-    t32 = torch.sqrt(torch.clamp(t31, min=0.0))
-    t33 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t28, M_2, X, G, t28, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t34 = torch.sqrt(torch.clamp(t33, min=0.0))
-    t35 = G.transpose(-1, -2)
-    t36 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t35, M_2, X, W_K, t35, M_2, X, W_K, optimize=[(1, 3), (0, 2), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t37 = torch.sqrt(torch.clamp(t36, min=0.0))
-    t38 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t35, M_2, X, W_Q, t35, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
-    t39 = torch.sqrt(torch.clamp(t38, min=0.0))
-    return (t18, t22, t24, t30, t32, t34, t37, t39, 0.0,)
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t24 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
+    t26 = t16.transpose(-1, -2)
+    t27 = t26 @ X
+    t28 = t1 @ t27
+    t29 = W_Q.transpose(-1, -2)
+    t30 = (n_batch**(-2)) * oe.contract('abc,dbc->', t28, t28, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t28, t29, t1, M_3, X, W_K, optimize=[(0, 4), (2, 4), (0, 1), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t29, t1, M_3, X, W_K, t29, t1, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t31 = torch.sqrt(torch.clamp(t30, min=0.0))
+    t32 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t29, t1, M_3, X, W_Q, t29, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)])
+    t33 = torch.sqrt(torch.clamp(t32, min=0.0))
+    t34 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t29, M_2, X, G, t29, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t35 = torch.sqrt(torch.clamp(t34, min=0.0))
+    t36 = G.transpose(-1, -2)
+    t37 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t36, M_2, X, W_K, t36, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
+    t38 = torch.sqrt(torch.clamp(t37, min=0.0))
+    t39 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t36, M_2, X, W_Q, t36, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t40 = torch.sqrt(torch.clamp(t39, min=0.0))
+    return (t19, t23, t25, t31, t33, t35, t38, t40, 0.0,)
 
 
 def mse_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -1108,12 +1184,15 @@ def mse_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t15 = G @ t14
     t16 = t15 - (A * t15).sum(-1, keepdim=True)
     t17 = A * t16
+    t18 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t17, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t17, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t17, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t18 = (1/(d_K*n_batch)) * t1
-    t19 = oe.contract('ab,cdbe,ea->acd', t18, M_3, W_K, optimize=[(0, 2), (0, 1)])
-    t20 = oe.contract('abc,acb->bac', t2, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t19, t20, optimize=[(0, 1)])
+    M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
+    t19 = (1/(d_K*n_batch)) * t1
+    t20 = oe.contract('ab,cdbe,ea->acd', t19, M_3, W_K, optimize=[(0, 2), (0, 1)])
+    t21 = oe.contract('abc,acb->bac', t2, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -1144,8 +1223,11 @@ def mse_causal0__trace__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t14 = G @ t13
     t15 = t14 - (A * t14).sum(-1, keepdim=True)
     t16 = A * t15
+    t17 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t16, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t16, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t16, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t16, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t16, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t16, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
     return (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->', t0, t1, M_3, X, W_K, optimize=[(1, 3), (1, 3), (0, 1), (0, 1)])
 
 
@@ -1178,10 +1260,13 @@ def mse_causal0__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t15 = G @ t14
     t16 = t15 - (A * t15).sum(-1, keepdim=True)
     t17 = A * t16
+    t18 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t17, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t17, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t17, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t18 = (1/(d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t18, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
+    t19 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t19, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -1212,11 +1297,14 @@ def mse_causal0__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t14 = G @ t13
     t15 = t14 - (A * t14).sum(-1, keepdim=True)
     t16 = A * t15
+    t17 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t16, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t16, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t16, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t16, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t16, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t16, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t17 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 2), (0, 4), (2, 3), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
-    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
-    return t18
+    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
+    t18 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
+    return t19
 
 
 def mse_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -1255,12 +1343,15 @@ def mse_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t21 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t22 = (1/(math.sqrt(d_K)*n_batch)) * t21
     t1 += oe.contract('abc,d->bcd', t20, t22, optimize=[(0, 1)])
+    t23 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t18, t23, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t18, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t18, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t23 = (1/(d_K*n_batch)) * t3
-    t24 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t25 = oe.contract('ab,cdbe->aecd', t23, M_3, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t24, t25, optimize=[(0, 1)])
+    M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
+    t24 = (1/(d_K*n_batch)) * t3
+    t25 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t26 = oe.contract('ab,cdbe->aecd', t24, M_3, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t25, t26, optimize=[(0, 1)])
     return out
 
 
@@ -1293,11 +1384,14 @@ def mse_causal0__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t16 = A * t15
     t17 = t16 @ X
     t18 = t0 @ t17
+    t19 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t16, t19, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t16, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t16, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t0, t16, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t16, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t16, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t19 = (n_batch**(-2)) * oe.contract('abc,dbc->', t18, t18, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t18, t1, t0, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t1, t0, M_3, X, W_Q, t1, t0, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
-    return t20
+    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
+    t20 = (n_batch**(-2)) * oe.contract('abc,dbc->', t18, t18, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t18, t1, t0, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t1, t0, M_3, X, W_Q, t1, t0, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
+    return t21
 
 
 def mse_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -1316,20 +1410,23 @@ def mse_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t6 = (1/math.sqrt(d_K)) * t5
     t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
     A = t7 / t7.sum(-1, keepdim=True)
+    t8 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t8 = A @ X
-    M_1 = t8
-    t9 = M_1 @ W_V
-    F = t9
-    t10 = (2/(L*d_V)) * F
-    t11 = (-2/(L*d_V)) * Y
-    t12 = t10 + t11
-    G = t12
-    t13 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t14 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
-    t15 = oe.contract('ab,cdeb->aecd', t13, M_2, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t14, t15, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1 @ W_V
+    F = t10
+    t11 = (2/(L*d_V)) * F
+    t12 = (-2/(L*d_V)) * Y
+    t13 = t11 + t12
+    G = t13
+    t14 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t15 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t16 = oe.contract('ab,cdeb->aecd', t14, M_2, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t15, t16, optimize=[(0, 1)])
     return out
 
 
@@ -1347,19 +1444,22 @@ def mse_causal0__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t5 = (1/math.sqrt(d_K)) * t4
     t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
     A = t6 / t6.sum(-1, keepdim=True)
+    t7 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t7 = A @ X
-    M_1 = t7
-    t8 = M_1 @ W_V
-    F = t8
-    t9 = (2/(L*d_V)) * F
-    t10 = (-2/(L*d_V)) * Y
-    t11 = t9 + t10
-    G = t11
-    t12 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 1), (2, 3), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t13 = torch.sqrt(torch.clamp(t12, min=0.0))
-    return t13
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t8 = A @ X
+    M_1 = t8
+    t9 = M_1 @ W_V
+    F = t9
+    t10 = (2/(L*d_V)) * F
+    t11 = (-2/(L*d_V)) * Y
+    t12 = t10 + t11
+    G = t12
+    t13 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t14 = torch.sqrt(torch.clamp(t13, min=0.0))
+    return t14
 
 
 def mse_causal0__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -1392,10 +1492,13 @@ def mse_causal0__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
     t16 = G @ t15
     t17 = t16 - (A * t16).sum(-1, keepdim=True)
     t18 = A * t17
+    t19 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t18, t19, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t18, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t18, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t19 = (1/(d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cbd,cdee,cdf,fa->ea', t19, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
+    t20 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cbd,cdee,cdf,fa->ea', t20, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -1427,8 +1530,11 @@ def mse_causal0__trace__W_K__functional(X, W_Q, W_K, W_V, Y):
     t15 = G @ t14
     t16 = t15 - (A * t15).sum(-1, keepdim=True)
     t17 = A * t16
+    t18 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t17, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t17, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t17, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
     return (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->', t0, t1, M_3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
 
 
@@ -1470,12 +1576,15 @@ def mse_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t23 = (1/(math.sqrt(d_K)*n_batch)) * t22
     t1 += oe.contract('abc,d->bcd', t21, t23, optimize=[(0, 1)])
     t24 = W_Q.transpose(-1, -2)
+    t25 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t18, t25, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t18, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t18, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t25 = (1/(d_K*n_batch)) * t24
-    t26 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
-    t27 = oe.contract('ab,cbd,cde->aecd', t25, t2, X, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t26, t27, optimize=[(0, 1)])
+    M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
+    t26 = (1/(d_K*n_batch)) * t24
+    t27 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t28 = oe.contract('ab,cbd,cde->aecd', t26, t2, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t27, t28, optimize=[(0, 1)])
     return out
 
 
@@ -1510,11 +1619,14 @@ def mse_causal0__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t18 = t17 @ X
     t19 = t0 @ t18
     t20 = W_Q.transpose(-1, -2)
+    t21 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t16, t21, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t16, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t16, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t0, t16, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t16, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t16, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t21 = (n_batch**(-2)) * oe.contract('abc,dbc->', t19, t19, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t19, t20, t0, M_3, X, W_K, optimize=[(0, 3), (2, 4), (0, 1), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t20, t0, M_3, X, W_K, t20, t0, M_3, X, W_K, optimize=[(0, 1), (0, 2), (1, 2), (0, 2), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
-    return t22
+    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
+    t22 = (n_batch**(-2)) * oe.contract('abc,dbc->', t19, t19, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t19, t20, t0, M_3, X, W_K, optimize=[(0, 4), (2, 4), (0, 1), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t20, t0, M_3, X, W_K, t20, t0, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t23 = torch.sqrt(torch.clamp(t22, min=0.0))
+    return t23
 
 
 def mse_causal0__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -1547,12 +1659,15 @@ def mse_causal0__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t16 = G @ t15
     t17 = t16 - (A * t16).sum(-1, keepdim=True)
     t18 = A * t17
+    t19 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t18, t19, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t18, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t18, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t19 = (1/(d_K*n_batch)) * t1
-    t20 = oe.contract('ab,cbd,cde,ef->afcd', t19, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t21 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
+    M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
+    t20 = (1/(d_K*n_batch)) * t1
+    t21 = oe.contract('ab,cbd,cde,ef->afcd', t20, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t22 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -1584,11 +1699,14 @@ def mse_causal0__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t15 = G @ t14
     t16 = t15 - (A * t15).sum(-1, keepdim=True)
     t17 = A * t16
+    t18 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t17, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t17, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t17, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t18 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)])
-    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
-    return t19
+    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
+    t19 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)])
+    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
+    return t20
 
 
 def mse_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -1608,20 +1726,23 @@ def mse_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t7 = (1/math.sqrt(d_K)) * t6
     t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
     A = t8 / t8.sum(-1, keepdim=True)
+    t9 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    F = t10
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t15 = oe.contract('ab,cdb,cde->aecd', t14, X, G, optimize=[(0, 1), (0, 1)])
-    t16 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t15, t16, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t10 = A @ X
+    M_1 = t10
+    t11 = M_1 @ W_V
+    F = t11
+    t12 = (2/(L*d_V)) * F
+    t13 = (-2/(L*d_V)) * Y
+    t14 = t12 + t13
+    G = t14
+    t15 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t16 = oe.contract('ab,cdb,cde->aecd', t15, X, G, optimize=[(0, 1), (0, 1)])
+    t17 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -1640,19 +1761,22 @@ def mse_causal0__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t6 = (1/math.sqrt(d_K)) * t5
     t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
     A = t7 / t7.sum(-1, keepdim=True)
+    t8 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t8 = A @ X
-    M_1 = t8
-    t9 = M_1 @ W_V
-    F = t9
-    t10 = (2/(L*d_V)) * F
-    t11 = (-2/(L*d_V)) * Y
-    t12 = t10 + t11
-    G = t12
-    t13 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t14 = torch.sqrt(torch.clamp(t13, min=0.0))
-    return t14
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1 @ W_V
+    F = t10
+    t11 = (2/(L*d_V)) * F
+    t12 = (-2/(L*d_V)) * Y
+    t13 = t11 + t12
+    G = t13
+    t14 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
+    return t15
 
 
 def mse_causal0__diag__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -1700,12 +1824,15 @@ def mse_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t12 = t10 + t11
     G = t12
     t13 = G.transpose(-1, -2)
+    t14 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t14 = (1/(math.sqrt(d_K)*n_batch)) * t13
-    t15 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
-    t16 = oe.contract('abc,acd->bdac', t14, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t15, t16, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t15 = (1/(math.sqrt(d_K)*n_batch)) * t13
+    t16 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t17 = oe.contract('abc,acd->bdac', t15, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -1732,11 +1859,14 @@ def mse_causal0__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t11 = t9 + t10
     G = t11
     t12 = G.transpose(-1, -2)
+    t13 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t13 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t12, M_2, X, W_K, t12, M_2, X, W_K, optimize=[(1, 3), (0, 2), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t14 = torch.sqrt(torch.clamp(t13, min=0.0))
-    return t14
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t14 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t12, M_2, X, W_K, t12, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
+    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
+    return t15
 
 
 def mse_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -1764,12 +1894,15 @@ def mse_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t12 = t10 + t11
     G = t12
     t13 = G.transpose(-1, -2)
+    t14 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t14 = (1/(math.sqrt(d_K)*n_batch)) * t13
-    t15 = oe.contract('abc,acd,de->beac', t14, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t16 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t15, t16, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t15 = (1/(math.sqrt(d_K)*n_batch)) * t13
+    t16 = oe.contract('abc,acd,de->beac', t15, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t17 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -1796,11 +1929,14 @@ def mse_causal0__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t11 = t9 + t10
     G = t11
     t12 = G.transpose(-1, -2)
+    t13 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t13 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t12, M_2, X, W_Q, t12, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
-    t14 = torch.sqrt(torch.clamp(t13, min=0.0))
-    return t14
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t14 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t12, M_2, X, W_Q, t12, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
+    return t15
 
 
 def mse_causal0__block__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -1840,110 +1976,115 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t7 = (1/math.sqrt(d_K)) * t6
     t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
     A = t8 / t8.sum(-1, keepdim=True)
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    F = t10
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = W_V.transpose(-1, -2)
-    t15 = t14 @ t3
-    t16 = G @ t15
-    t17 = t16 - (A * t16).sum(-1, keepdim=True)
-    t18 = A * t17
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t3, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t19 = (1/(d_K*n_batch)) * t2
-    t1[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t19, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t9 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t20 = W_V @ t14
-    t21 = (2/(L*d_K*d_V*n_batch)) * t2
-    t1 += oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t21, M_2, X, t20, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t22 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t22[...] = 0
-    t23 = t22.view((d_V, d_K, d_V, d_K))
-    t24 = t23.diagonal(0, 1, 3)
-    t25 = t18 @ X
-    t26 = t3 @ t25
-    t27 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t28 = (1/(math.sqrt(d_K)*n_batch)) * t27
-    t24 += oe.contract('abc,d->bcd', t26, t28, optimize=[(0, 1)])
-    t29 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t30 = oe.contract('ab,cdbe->aecd', t19, M_3, optimize=[(0, 1)])
-    t23 += oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
-    t31 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t32 = oe.contract('ab,cdeb,ef,cdfg->agcd', t21, M_2, t20, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t23 += oe.contract('abcd,efcd->aefb', t31, t32, optimize=[(0, 1)])
-    t33 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t34 = t33.view((d_V, d_K, d_V, d_V))
-    t35 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t36 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
-    t37 = oe.contract('ab,cdeb->aecd', t35, M_2, optimize=[(0, 1)])
-    t34[...] = oe.contract('abcd,efcd->aefb', t36, t37, optimize=[(0, 1)])
-    t38 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
-    t34 += oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t38, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t39 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t39[...] = 0
-    t40 = t39.view((d_V, d_K, d_V, d_K))
-    t41 = t40.diagonal(0, 1, 3)
-    t42 = t18.transpose(-1, -2)
-    t43 = t42 @ X
-    t44 = t3 @ t43
-    t41 += oe.contract('abc,d->bcd', t44, t28, optimize=[(0, 1)])
-    t45 = W_Q.transpose(-1, -2)
-    t46 = (1/(d_K*n_batch)) * t45
-    t47 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
-    t48 = oe.contract('ab,cbd,cde->aecd', t46, t3, X, optimize=[(0, 1), (0, 1)])
-    t40 += oe.contract('abcd,efcd->aefb', t47, t48, optimize=[(0, 1)])
-    t49 = (2/(L*d_K*d_V*n_batch)) * t45
-    t40 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t49, M_2, X, t20, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t50 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t51 = t50.view((d_V, d_K, d_V, d_K))
-    t52 = oe.contract('ab,cbd,cde,ef->afcd', t46, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t53 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t51[...] = oe.contract('abcd,efcd->eafb', t52, t53, optimize=[(0, 1)])
-    t54 = oe.contract('ab,cdb,cde,ef->afcd', t49, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t55 = oe.contract('abcd,ce,abef->dfab', M_2, t20, M_2, optimize=[(0, 1), (0, 1)])
-    t51 += oe.contract('abcd,efcd->eafb', t54, t55, optimize=[(0, 1)])
-    t56 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t57 = t56.view((d_V, d_K, d_V, d_V))
-    t58 = (1/(math.sqrt(d_K)*n_batch)) * t45
-    t59 = oe.contract('ab,cdb,cde->aecd', t58, X, G, optimize=[(0, 1), (0, 1)])
-    t60 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t57[...] = oe.contract('abcd,efcd->eafb', t59, t60, optimize=[(0, 1)])
-    t61 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t45
-    t62 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
-    t63 = oe.contract('ab,cdb,cde->aecd', t61, X, M_1, optimize=[(0, 1), (0, 1)])
-    t57 += oe.contract('abcd,efcd->aefb', t62, t63, optimize=[(0, 1)])
-    t64 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t65 = t64.view((d_V, d_V, d_V, d_K))
-    t66 = G.transpose(-1, -2)
-    t67 = (1/(math.sqrt(d_K)*n_batch)) * t66
-    t68 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
-    t69 = oe.contract('abc,acd->bdac', t67, X, optimize=[(0, 1)])
-    t65[...] = oe.contract('abcd,efcd->aefb', t68, t69, optimize=[(0, 1)])
-    t70 = M_1.transpose(-1, -2)
-    t71 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t70
-    t65 += oe.contract('abc,de,acef,acg,fh->bdgh', t71, t14, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t72 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t73 = t72.view((d_V, d_V, d_V, d_K))
-    t74 = oe.contract('abc,acd,de->beac', t67, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t75 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t73[...] = oe.contract('abcd,efcd->eafb', t74, t75, optimize=[(0, 1)])
-    t76 = oe.contract('abc,acd,de->beac', t71, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t77 = oe.contract('ab,cdbe->aecd', t14, M_2, optimize=[(0, 1)])
-    t73 += oe.contract('abcd,efcd->aefb', t76, t77, optimize=[(0, 1)])
-    t78 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t78[...] = 0
-    t79 = t78.view((d_V, d_V, d_V, d_V))
-    t80 = t79.diagonal(0, 1, 3)
-    t81 = t70 @ M_1
-    t82 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t83 = (2/(L*d_V*n_batch)) * t82
-    t80 += oe.contract('abc,d->bcd', t81, t83, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
+    t10 = W_V.transpose(-1, -2)
+    t11 = W_V @ t10
+    t12 = (2/(L*d_K*d_V*n_batch)) * t2
+    t1[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t12, M_2, X, t11, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t13 = A @ X
+    M_1 = t13
+    t14 = M_1 @ W_V
+    F = t14
+    t15 = (2/(L*d_V)) * F
+    t16 = (-2/(L*d_V)) * Y
+    t17 = t15 + t16
+    G = t17
+    t18 = t10 @ t3
+    t19 = G @ t18
+    t20 = t19 - (A * t19).sum(-1, keepdim=True)
+    t21 = A * t20
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t21, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t21, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t21, optimize=[(0, 1)])
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adce,aef->adbf', t3, d2A, X, optimize=[(0, 1), (0, 1)])
+    t22 = (1/(d_K*n_batch)) * t2
+    t1 += oe.contract('ab,cde,cebf,ceg,fh->dagh', t22, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t23 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t23[...] = 0
+    t24 = t23.view((d_V, d_K, d_V, d_K))
+    t25 = t24.diagonal(0, 1, 3)
+    t26 = t21 @ X
+    t27 = t3 @ t26
+    t28 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t29 = (1/(math.sqrt(d_K)*n_batch)) * t28
+    t25 += oe.contract('abc,d->bcd', t27, t29, optimize=[(0, 1)])
+    t30 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t31 = oe.contract('ab,cdbe->aecd', t22, M_3, optimize=[(0, 1)])
+    t24 += oe.contract('abcd,efcd->aefb', t30, t31, optimize=[(0, 1)])
+    t32 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t33 = oe.contract('ab,cdeb,ef,cdfg->agcd', t12, M_2, t11, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t24 += oe.contract('abcd,efcd->aefb', t32, t33, optimize=[(0, 1)])
+    t34 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t35 = t34.view((d_V, d_K, d_V, d_V))
+    t36 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
+    t35[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t36, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t37 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t38 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t39 = oe.contract('ab,cdeb->aecd', t37, M_2, optimize=[(0, 1)])
+    t35 += oe.contract('abcd,efcd->aefb', t38, t39, optimize=[(0, 1)])
+    t40 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t40[...] = 0
+    t41 = t40.view((d_V, d_K, d_V, d_K))
+    t42 = t41.diagonal(0, 1, 3)
+    t43 = t21.transpose(-1, -2)
+    t44 = t43 @ X
+    t45 = t3 @ t44
+    t42 += oe.contract('abc,d->bcd', t45, t29, optimize=[(0, 1)])
+    t46 = W_Q.transpose(-1, -2)
+    t47 = (1/(d_K*n_batch)) * t46
+    t48 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t49 = oe.contract('ab,cbd,cde->aecd', t47, t3, X, optimize=[(0, 1), (0, 1)])
+    t41 += oe.contract('abcd,efcd->aefb', t48, t49, optimize=[(0, 1)])
+    t50 = (2/(L*d_K*d_V*n_batch)) * t46
+    t41 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t50, M_2, X, t11, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t51 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t52 = t51.view((d_V, d_K, d_V, d_K))
+    t53 = oe.contract('ab,cdb,cde,ef->afcd', t50, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t54 = oe.contract('abcd,ce,abef->dfab', M_2, t11, M_2, optimize=[(0, 1), (0, 1)])
+    t52[...] = oe.contract('abcd,efcd->eafb', t53, t54, optimize=[(0, 1)])
+    t55 = oe.contract('ab,cbd,cde,ef->afcd', t47, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t56 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t52 += oe.contract('abcd,efcd->eafb', t55, t56, optimize=[(0, 1)])
+    t57 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t58 = t57.view((d_V, d_K, d_V, d_V))
+    t59 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t46
+    t60 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t61 = oe.contract('ab,cdb,cde->aecd', t59, X, M_1, optimize=[(0, 1), (0, 1)])
+    t58[...] = oe.contract('abcd,efcd->aefb', t60, t61, optimize=[(0, 1)])
+    t62 = (1/(math.sqrt(d_K)*n_batch)) * t46
+    t63 = oe.contract('ab,cdb,cde->aecd', t62, X, G, optimize=[(0, 1), (0, 1)])
+    t64 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t58 += oe.contract('abcd,efcd->eafb', t63, t64, optimize=[(0, 1)])
+    t65 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t66 = t65.view((d_V, d_V, d_V, d_K))
+    t67 = M_1.transpose(-1, -2)
+    t68 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t67
+    t66[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t68, t10, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t69 = G.transpose(-1, -2)
+    t70 = (1/(math.sqrt(d_K)*n_batch)) * t69
+    t71 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t72 = oe.contract('abc,acd->bdac', t70, X, optimize=[(0, 1)])
+    t66 += oe.contract('abcd,efcd->aefb', t71, t72, optimize=[(0, 1)])
+    t73 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t74 = t73.view((d_V, d_V, d_V, d_K))
+    t75 = oe.contract('abc,acd,de->beac', t68, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t76 = oe.contract('ab,cdbe->aecd', t10, M_2, optimize=[(0, 1)])
+    t74[...] = oe.contract('abcd,efcd->aefb', t75, t76, optimize=[(0, 1)])
+    t77 = oe.contract('abc,acd,de->beac', t70, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t78 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t74 += oe.contract('abcd,efcd->eafb', t77, t78, optimize=[(0, 1)])
+    t79 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t79[...] = 0
+    t80 = t79.view((d_V, d_V, d_V, d_V))
+    t81 = t80.diagonal(0, 1, 3)
+    t82 = t67 @ M_1
+    t83 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t84 = (2/(L*d_V*n_batch)) * t83
+    t81 += oe.contract('abc,d->bcd', t82, t84, optimize=[(0, 1)])
     return H
 
 
@@ -2047,52 +2188,57 @@ def mse_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t5 = (1/math.sqrt(d_K)) * t4
     t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
     A = t6 / t6.sum(-1, keepdim=True)
-    t7 = A @ X
-    M_1 = t7
-    t8 = M_1 @ W_V
-    F = t8
-    t9 = (2/(L*d_V)) * F
-    t10 = (-2/(L*d_V)) * Y
-    t11 = t9 + t10
-    G = t11
-    t12 = W_V.transpose(-1, -2)
-    t13 = t12 @ t1
-    t14 = G @ t13
-    t15 = t14 - (A * t14).sum(-1, keepdim=True)
-    t16 = A * t15
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t16, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t16, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t16, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t7 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t17 = W_V @ t12
-    t18 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 2), (0, 4), (2, 3), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jkli,jkd,lm,jkmn,jkg,nh->', t0, t1, M_3, X, W_K, t0, M_2, X, t17, M_2, X, W_K, optimize=[(0, 2), (3, 4), (0, 3), (2, 3), (5, 7), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj,ak,lmnk,lmf,no,lmop,lmi,pj->', t0, M_2, X, t17, M_2, X, W_K, t0, M_2, X, t17, M_2, X, W_K, optimize=[(0, 1), (1, 2), (10, 11), (3, 4), (0, 3), (2, 3), (5, 7), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
-    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
-    t20 = t16 @ X
-    t21 = t1 @ t20
-    t22 = (n_batch**(-2)) * oe.contract('abc,dbc->', t21, t21, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t21, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgic,fgj,jd->', t21, t0, M_2, X, t17, M_2, X, W_Q, optimize=[(0, 3), (3, 6), (0, 1), (1, 2), (2, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkmf,jkn,nh->', t0, t1, M_3, X, W_Q, t0, M_2, X, t17, M_2, X, W_Q, optimize=[(0, 2), (1, 2), (1, 2), (0, 1), (0, 1), (4, 6), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij,ak,lmnk,lmf,no,lmoh,lmp,pj->', t0, M_2, X, t17, M_2, X, W_Q, t0, M_2, X, t17, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (10, 11), (1, 2), (1, 2), (0, 1), (0, 1), (4, 6), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t23 = torch.sqrt(torch.clamp(t22, min=0.0))
-    t24 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 1), (2, 3), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijkh,ijf,ije,kg->', t0, M_2, X, G, t0, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 2), (0, 2), (2, 4), (1, 3), (0, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,eh,ai,jkli,jkf,jkg,lh->', t0, M_2, X, M_1, W_V, t0, M_2, X, M_1, W_V, optimize=[(0, 1), (3, 4), (0, 3), (0, 2), (4, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
-    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
-    t26 = t16.transpose(-1, -2)
-    t27 = t26 @ X
-    t28 = t1 @ t27
-    t29 = W_Q.transpose(-1, -2)
-    t30 = (n_batch**(-2)) * oe.contract('abc,dbc->', t28, t28, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t28, t29, t1, M_3, X, W_K, optimize=[(0, 3), (2, 4), (0, 1), (0, 2), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgij,fgc,jd->', t28, t29, M_2, X, t17, M_2, X, W_K, optimize=[(0, 2), (4, 6), (0, 1), (0, 1), (1, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t29, t1, M_3, X, W_K, t29, t1, M_3, X, W_K, optimize=[(0, 1), (0, 2), (1, 2), (0, 2), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkmn,jkg,nh->', t29, t1, M_3, X, W_K, t29, M_2, X, t17, M_2, X, W_K, optimize=[(0, 1), (0, 2), (1, 3), (1, 2), (1, 7), (0, 1), (0, 2), (2, 4), (2, 3), (0, 1), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj,ak,lmnf,lmk,no,lmop,lmi,pj->', t29, M_2, X, t17, M_2, X, W_K, t29, M_2, X, t17, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 11), (2, 4), (2, 3), (2, 8), (0, 2), (0, 1), (0, 2), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t31 = torch.sqrt(torch.clamp(t30, min=0.0))
-    t32 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t29, t1, M_3, X, W_Q, t29, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jkle,jki,lm,jkmf,jkn,nh->', t29, t1, M_3, X, W_Q, t29, M_2, X, t17, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (1, 3), (1, 2), (1, 7), (0, 6), (0, 1), (0, 2), (1, 3), (0, 1), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij,ak,lmnf,lmk,no,lmoh,lmp,pj->', t29, M_2, X, t17, M_2, X, W_Q, t29, M_2, X, t17, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 11), (0, 1), (0, 2), (0, 1), (0, 7), (3, 6), (0, 1), (0, 2), (1, 3), (0, 1), (0, 1)])
-    t33 = torch.sqrt(torch.clamp(t32, min=0.0))
-    t34 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t29, M_2, X, G, t29, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijkf,ijh,ije,kg->', t29, M_2, X, G, t29, M_2, X, M_1, W_V, optimize=[(0, 2), (2, 4), (0, 3), (1, 5), (0, 1), (2, 3), (0, 1), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,eh,ai,jklf,jki,jkg,lh->', t29, M_2, X, M_1, W_V, t29, M_2, X, M_1, W_V, optimize=[(0, 2), (0, 2), (1, 3), (0, 2), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t35 = torch.sqrt(torch.clamp(t34, min=0.0))
-    t36 = G.transpose(-1, -2)
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t8 = W_V.transpose(-1, -2)
+    t9 = W_V @ t8
+    t10 = A @ X
+    M_1 = t10
+    t11 = M_1 @ W_V
+    F = t11
+    t12 = (2/(L*d_V)) * F
+    t13 = (-2/(L*d_V)) * Y
+    t14 = t12 + t13
+    G = t14
+    t15 = t8 @ t1
+    t16 = G @ t15
+    t17 = t16 - (A * t16).sum(-1, keepdim=True)
+    t18 = A * t17
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t18, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t18, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t18, optimize=[(0, 1)])
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
+    t19 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj,ak,lmnk,lmf,no,lmop,lmi,pj->', t0, M_2, X, t9, M_2, X, W_K, t0, M_2, X, t9, M_2, X, W_K, optimize=[(0, 7), (1, 7), (3, 8), (9, 10), (3, 7), (0, 1), (0, 7), (0, 1), (0, 5), (0, 3), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj,ak,lfm,lmkn,lmi,nj->', t0, M_2, X, t9, M_2, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 7), (1, 6), (3, 6), (7, 8), (3, 5), (0, 1), (0, 5), (0, 1), (0, 2), (1, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
+    t21 = t18 @ X
+    t22 = t1 @ t21
+    t23 = (n_batch**(-2)) * oe.contract('abc,dbc->', t22, t22, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t22, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgic,fgj,jd->', t22, t0, M_2, X, t9, M_2, X, W_Q, optimize=[(0, 3), (3, 6), (0, 4), (1, 3), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkmf,jkn,nh->', t0, t1, M_3, X, W_Q, t0, M_2, X, t9, M_2, X, W_Q, optimize=[(0, 5), (0, 5), (1, 2), (4, 5), (6, 7), (5, 6), (0, 4), (0, 1), (0, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij,ak,lmnk,lmf,no,lmoh,lmp,pj->', t0, M_2, X, t9, M_2, X, W_Q, t0, M_2, X, t9, M_2, X, W_Q, optimize=[(0, 7), (1, 7), (3, 4), (6, 7), (8, 9), (7, 8), (0, 1), (0, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)])
+    t24 = torch.sqrt(torch.clamp(t23, min=0.0))
+    t25 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,eh,ai,jkli,jkf,jkg,lh->', t0, M_2, X, M_1, W_V, t0, M_2, X, M_1, W_V, optimize=[(0, 5), (1, 5), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,eh,ai,jkgi,jkf,jkh->', t0, M_2, X, M_1, W_V, t0, M_2, X, G, optimize=[(0, 5), (1, 5), (2, 4), (0, 3), (0, 1), (2, 3), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t26 = torch.sqrt(torch.clamp(t25, min=0.0))
+    t27 = t18.transpose(-1, -2)
+    t28 = t27 @ X
+    t29 = t1 @ t28
+    t30 = W_Q.transpose(-1, -2)
+    t31 = (n_batch**(-2)) * oe.contract('abc,dbc->', t29, t29, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t29, t30, t1, M_3, X, W_K, optimize=[(0, 4), (2, 4), (0, 1), (0, 1), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgij,fgc,jd->', t29, t30, M_2, X, t9, M_2, X, W_K, optimize=[(0, 6), (1, 6), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t30, t1, M_3, X, W_K, t30, t1, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkmn,jkg,nh->', t30, t1, M_3, X, W_K, t30, M_2, X, t9, M_2, X, W_K, optimize=[(0, 1), (1, 8), (1, 7), (1, 3), (4, 7), (4, 6), (0, 4), (0, 1), (0, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj,ak,lmnf,lmk,no,lmop,lmi,pj->', t30, M_2, X, t9, M_2, X, W_K, t30, M_2, X, t9, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 11), (2, 4), (2, 3), (2, 8), (0, 2), (0, 1), (0, 2), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t32 = torch.sqrt(torch.clamp(t31, min=0.0))
+    t33 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij,ak,lmnf,lmk,no,lmoh,lmp,pj->', t30, M_2, X, t9, M_2, X, W_Q, t30, M_2, X, t9, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 11), (0, 1), (0, 2), (0, 1), (0, 7), (3, 6), (0, 1), (0, 2), (1, 3), (0, 1), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij,ak,lkm,lmfh,lmn,nj->', t30, M_2, X, t9, M_2, X, W_Q, t30, t1, M_3, X, W_Q, optimize=[(0, 2), (0, 1), (0, 9), (4, 8), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t30, t1, M_3, X, W_Q, t30, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)])
+    t34 = torch.sqrt(torch.clamp(t33, min=0.0))
+    t35 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,eh,ai,jklf,jki,jkg,lh->', t30, M_2, X, M_1, W_V, t30, M_2, X, M_1, W_V, optimize=[(0, 2), (1, 6), (1, 5), (1, 3), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,eh,ai,jkgf,jki,jkh->', t30, M_2, X, M_1, W_V, t30, M_2, X, G, optimize=[(0, 2), (2, 6), (2, 4), (3, 5), (0, 3), (1, 3), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t30, M_2, X, G, t30, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t36 = torch.sqrt(torch.clamp(t35, min=0.0))
     t37 = M_1.transpose(-1, -2)
-    t38 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t36, M_2, X, W_K, t36, M_2, X, W_K, optimize=[(1, 3), (0, 2), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acde,acf,eg,hdi,bj,hijk,hif,kg->', t36, M_2, X, W_K, t37, t12, M_2, X, W_K, optimize=[(1, 3), (0, 3), (0, 3), (1, 2), (0, 1), (2, 3), (0, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,fh,ibj,dk,ijkl,ijg,lh->', t37, t12, M_2, X, W_K, t37, t12, M_2, X, W_K, optimize=[(1, 2), (0, 3), (2, 3), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
-    t39 = torch.sqrt(torch.clamp(t38, min=0.0))
-    t40 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t36, M_2, X, W_Q, t36, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acde,acf,fg,hdi,bj,hije,hik,kg->', t36, M_2, X, W_Q, t37, t12, M_2, X, W_Q, optimize=[(2, 3), (1, 2), (2, 6), (0, 1), (3, 4), (0, 1), (0, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,gh,ibj,dk,ijkf,ijl,lh->', t37, t12, M_2, X, W_Q, t37, t12, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 1), (0, 1), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t41 = torch.sqrt(torch.clamp(t40, min=0.0))
-    t42 = t37 @ M_1
-    t43 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t42, t42, optimize=[(0, 1)])
-    t44 = torch.sqrt(torch.clamp(t43, min=0.0))
-    return (t19, t23, t25, t31, t33, t35, t39, t41, t44,)
+    t38 = G.transpose(-1, -2)
+    t39 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,fh,ibj,dk,ijkl,ijg,lh->', t37, t8, M_2, X, W_K, t37, t8, M_2, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,de,acef,acg,fh,idj,ijbk,ijg,kh->', t37, t8, M_2, X, W_K, t38, M_2, X, W_K, optimize=[(1, 5), (2, 5), (2, 4), (0, 2), (2, 4), (0, 1), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t38, M_2, X, W_K, t38, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
+    t40 = torch.sqrt(torch.clamp(t39, min=0.0))
+    t41 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,gh,ibj,dk,ijkf,ijl,lh->', t37, t8, M_2, X, W_Q, t37, t8, M_2, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (2, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,de,acef,acg,gh,idj,ijbf,ijk,kh->', t37, t8, M_2, X, W_Q, t38, M_2, X, W_Q, optimize=[(1, 5), (2, 3), (3, 4), (4, 5), (0, 2), (0, 3), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t38, M_2, X, W_Q, t38, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t42 = torch.sqrt(torch.clamp(t41, min=0.0))
+    t43 = t37 @ M_1
+    t44 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t43, t43, optimize=[(0, 1)])
+    t45 = torch.sqrt(torch.clamp(t44, min=0.0))
+    return (t20, t24, t26, t32, t34, t36, t40, t42, t45,)
 
 
 def mse_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -2111,32 +2257,37 @@ def mse_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t6 = (1/math.sqrt(d_K)) * t5
     t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
     A = t7 / t7.sum(-1, keepdim=True)
-    t8 = A @ X
-    M_1 = t8
-    t9 = M_1 @ W_V
-    F = t9
-    t10 = (2/(L*d_V)) * F
-    t11 = (-2/(L*d_V)) * Y
-    t12 = t10 + t11
-    G = t12
-    t13 = W_V.transpose(-1, -2)
-    t14 = t13 @ t2
-    t15 = G @ t14
-    t16 = t15 - (A * t15).sum(-1, keepdim=True)
-    t17 = A * t16
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t18 = (1/(d_K*n_batch)) * t1
-    t19 = oe.contract('ab,cdbe,ea->acd', t18, M_3, W_K, optimize=[(0, 2), (0, 1)])
-    t20 = oe.contract('abc,acb->bac', t2, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t19, t20, optimize=[(0, 1)])
+    t8 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t21 = W_V @ t13
-    t22 = (2/(L*d_K*d_V*n_batch)) * t1
-    t23 = oe.contract('ab,cdeb,ef,cdfg,ga->acd', t22, M_2, t21, M_2, W_K, optimize=[(0, 1), (0, 1), (1, 2), (0, 1)])
-    t24 = oe.contract('abc,abc->cab', X, X, optimize=[(0, 1)])
-    t0 += oe.contract('abc,dbc->da', t23, t24, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t9 = W_V.transpose(-1, -2)
+    t10 = W_V @ t9
+    t11 = (2/(L*d_K*d_V*n_batch)) * t1
+    t12 = oe.contract('ab,cdeb,ef,cdfg,ga->acd', t11, M_2, t10, M_2, W_K, optimize=[(0, 1), (0, 1), (1, 2), (0, 1)])
+    t13 = oe.contract('abc,abc->cab', X, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t12, t13, optimize=[(0, 1)])
+    t14 = A @ X
+    M_1 = t14
+    t15 = M_1 @ W_V
+    F = t15
+    t16 = (2/(L*d_V)) * F
+    t17 = (-2/(L*d_V)) * Y
+    t18 = t16 + t17
+    G = t18
+    t19 = t9 @ t2
+    t20 = G @ t19
+    t21 = t20 - (A * t20).sum(-1, keepdim=True)
+    t22 = A * t21
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t22, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t22, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t22, optimize=[(0, 1)])
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
+    t23 = (1/(d_K*n_batch)) * t1
+    t24 = oe.contract('ab,cdbe,ea->acd', t23, M_3, W_K, optimize=[(0, 2), (0, 1)])
+    t25 = oe.contract('abc,acb->bac', t2, X, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dbc->da', t24, t25, optimize=[(0, 1)])
     return out
 
 
@@ -2154,25 +2305,30 @@ def mse_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     t5 = (1/math.sqrt(d_K)) * t4
     t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
     A = t6 / t6.sum(-1, keepdim=True)
-    t7 = A @ X
-    M_1 = t7
-    t8 = M_1 @ W_V
-    F = t8
-    t9 = (2/(L*d_V)) * F
-    t10 = (-2/(L*d_V)) * Y
-    t11 = t9 + t10
-    G = t11
-    t12 = W_V.transpose(-1, -2)
-    t13 = t12 @ t1
-    t14 = G @ t13
-    t15 = t14 - (A * t14).sum(-1, keepdim=True)
-    t16 = A * t15
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t16, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t16, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t16, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t7 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t17 = W_V @ t12
-    return (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->', t0, t1, M_3, X, W_K, optimize=[(1, 3), (1, 3), (0, 1), (0, 1)]) + (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdf,ha->', t0, M_2, X, t17, M_2, X, W_K, optimize=[(2, 5), (0, 1), (0, 1), (2, 3), (0, 2), (0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t8 = W_V.transpose(-1, -2)
+    t9 = W_V @ t8
+    t10 = A @ X
+    M_1 = t10
+    t11 = M_1 @ W_V
+    F = t11
+    t12 = (2/(L*d_V)) * F
+    t13 = (-2/(L*d_V)) * Y
+    t14 = t12 + t13
+    G = t14
+    t15 = t8 @ t1
+    t16 = G @ t15
+    t17 = t16 - (A * t16).sum(-1, keepdim=True)
+    t18 = A * t17
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t18, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t18, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t18, optimize=[(0, 1)])
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
+    return (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdf,ha->', t0, M_2, X, t9, M_2, X, W_K, optimize=[(2, 5), (0, 4), (0, 1), (0, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->', t0, t1, M_3, X, W_K, optimize=[(1, 3), (1, 3), (0, 1), (0, 1)])
 
 
 def mse_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -2191,28 +2347,33 @@ def mse_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t6 = (1/math.sqrt(d_K)) * t5
     t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
     A = t7 / t7.sum(-1, keepdim=True)
-    t8 = A @ X
-    M_1 = t8
-    t9 = M_1 @ W_V
-    F = t9
-    t10 = (2/(L*d_V)) * F
-    t11 = (-2/(L*d_V)) * Y
-    t12 = t10 + t11
-    G = t12
-    t13 = W_V.transpose(-1, -2)
-    t14 = t13 @ t2
-    t15 = G @ t14
-    t16 = t15 - (A * t15).sum(-1, keepdim=True)
-    t17 = A * t16
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t18 = (1/(d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t18, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t8 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t19 = W_V @ t13
-    t20 = (2/(L*d_K*d_V*n_batch)) * t1
-    t0 += oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t20, M_2, X, t19, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t9 = W_V.transpose(-1, -2)
+    t10 = W_V @ t9
+    t11 = (2/(L*d_K*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t11, M_2, X, t10, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t12 = A @ X
+    M_1 = t12
+    t13 = M_1 @ W_V
+    F = t13
+    t14 = (2/(L*d_V)) * F
+    t15 = (-2/(L*d_V)) * Y
+    t16 = t14 + t15
+    G = t16
+    t17 = t9 @ t2
+    t18 = G @ t17
+    t19 = t18 - (A * t18).sum(-1, keepdim=True)
+    t20 = A * t19
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t20, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t20, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t20, optimize=[(0, 1)])
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
+    t21 = (1/(d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cde,cebf,ceg,fh->dagh', t21, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -2230,27 +2391,32 @@ def mse_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t5 = (1/math.sqrt(d_K)) * t4
     t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
     A = t6 / t6.sum(-1, keepdim=True)
-    t7 = A @ X
-    M_1 = t7
-    t8 = M_1 @ W_V
-    F = t8
-    t9 = (2/(L*d_V)) * F
-    t10 = (-2/(L*d_V)) * Y
-    t11 = t9 + t10
-    G = t11
-    t12 = W_V.transpose(-1, -2)
-    t13 = t12 @ t1
-    t14 = G @ t13
-    t15 = t14 - (A * t14).sum(-1, keepdim=True)
-    t16 = A * t15
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t16, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t16, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t16, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t7 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t17 = W_V @ t12
-    t18 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 2), (0, 4), (2, 3), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jkli,jkd,lm,jkmn,jkg,nh->', t0, t1, M_3, X, W_K, t0, M_2, X, t17, M_2, X, W_K, optimize=[(0, 2), (3, 4), (0, 3), (2, 3), (5, 7), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj,ak,lmnk,lmf,no,lmop,lmi,pj->', t0, M_2, X, t17, M_2, X, W_K, t0, M_2, X, t17, M_2, X, W_K, optimize=[(0, 1), (1, 2), (10, 11), (3, 4), (0, 3), (2, 3), (5, 7), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
-    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
-    return t19
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t8 = W_V.transpose(-1, -2)
+    t9 = W_V @ t8
+    t10 = A @ X
+    M_1 = t10
+    t11 = M_1 @ W_V
+    F = t11
+    t12 = (2/(L*d_V)) * F
+    t13 = (-2/(L*d_V)) * Y
+    t14 = t12 + t13
+    G = t14
+    t15 = t8 @ t1
+    t16 = G @ t15
+    t17 = t16 - (A * t16).sum(-1, keepdim=True)
+    t18 = A * t17
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t18, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t18, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t18, optimize=[(0, 1)])
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
+    t19 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj,ak,lmnk,lmf,no,lmop,lmi,pj->', t0, M_2, X, t9, M_2, X, W_K, t0, M_2, X, t9, M_2, X, W_K, optimize=[(0, 7), (1, 7), (3, 8), (9, 10), (3, 7), (0, 1), (0, 7), (0, 1), (0, 5), (0, 3), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj,ak,lfm,lmkn,lmi,nj->', t0, M_2, X, t9, M_2, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 7), (1, 6), (3, 6), (7, 8), (3, 5), (0, 1), (0, 5), (0, 1), (0, 2), (1, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
+    return t20
 
 
 def mse_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -2289,19 +2455,24 @@ def mse_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t21 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t22 = (1/(math.sqrt(d_K)*n_batch)) * t21
     t1 += oe.contract('abc,d->bcd', t20, t22, optimize=[(0, 1)])
+    t23 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t18, t23, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t18, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t18, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t23 = (1/(d_K*n_batch)) * t3
-    t24 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t25 = oe.contract('ab,cdbe->aecd', t23, M_3, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t24, t25, optimize=[(0, 1)])
+    M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
+    t24 = (1/(d_K*n_batch)) * t3
+    t25 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t26 = oe.contract('ab,cdbe->aecd', t24, M_3, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t25, t26, optimize=[(0, 1)])
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t23, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t26 = W_V @ t14
-    t27 = (2/(L*d_K*d_V*n_batch)) * t3
-    t28 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t29 = oe.contract('ab,cdeb,ef,cdfg->agcd', t27, M_2, t26, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t28, t29, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t27 = W_V @ t14
+    t28 = (2/(L*d_K*d_V*n_batch)) * t3
+    t29 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t30 = oe.contract('ab,cdeb,ef,cdfg->agcd', t28, M_2, t27, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
     return out
 
 
@@ -2334,14 +2505,19 @@ def mse_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t16 = A * t15
     t17 = t16 @ X
     t18 = t0 @ t17
+    t19 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t16, t19, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t16, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t16, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t0, t16, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t16, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t16, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t19, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t19 = W_V @ t12
-    t20 = (n_batch**(-2)) * oe.contract('abc,dbc->', t18, t18, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t18, t1, t0, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgic,fgj,jd->', t18, t1, M_2, X, t19, M_2, X, W_Q, optimize=[(0, 3), (3, 6), (0, 1), (1, 2), (2, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t1, t0, M_3, X, W_Q, t1, t0, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkmf,jkn,nh->', t1, t0, M_3, X, W_Q, t1, M_2, X, t19, M_2, X, W_Q, optimize=[(0, 2), (1, 2), (1, 2), (0, 1), (0, 1), (4, 6), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij,ak,lmnk,lmf,no,lmoh,lmp,pj->', t1, M_2, X, t19, M_2, X, W_Q, t1, M_2, X, t19, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (10, 11), (1, 2), (1, 2), (0, 1), (0, 1), (4, 6), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
-    return t21
+    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    t20 = W_V @ t12
+    t21 = (n_batch**(-2)) * oe.contract('abc,dbc->', t18, t18, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t18, t1, t0, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgic,fgj,jd->', t18, t1, M_2, X, t20, M_2, X, W_Q, optimize=[(0, 3), (3, 6), (0, 4), (1, 3), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t1, t0, M_3, X, W_Q, t1, t0, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkmf,jkn,nh->', t1, t0, M_3, X, W_Q, t1, M_2, X, t20, M_2, X, W_Q, optimize=[(0, 5), (0, 5), (1, 2), (4, 5), (6, 7), (5, 6), (0, 4), (0, 1), (0, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij,ak,lmnk,lmf,no,lmoh,lmp,pj->', t1, M_2, X, t20, M_2, X, W_Q, t1, M_2, X, t20, M_2, X, W_Q, optimize=[(0, 7), (1, 7), (3, 4), (6, 7), (8, 9), (7, 8), (0, 1), (0, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)])
+    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
+    return t22
 
 
 def mse_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -2360,22 +2536,25 @@ def mse_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t6 = (1/math.sqrt(d_K)) * t5
     t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
     A = t7 / t7.sum(-1, keepdim=True)
+    t8 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t8 = A @ X
-    M_1 = t8
-    t9 = M_1 @ W_V
-    F = t9
-    t10 = (2/(L*d_V)) * F
-    t11 = (-2/(L*d_V)) * Y
-    t12 = t10 + t11
-    G = t12
-    t13 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t14 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
-    t15 = oe.contract('ab,cdeb->aecd', t13, M_2, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t14, t15, optimize=[(0, 1)])
-    t16 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
-    t0 += oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t16, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t9 = A @ X
+    M_1 = t9
+    t10 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t10, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t11 = M_1 @ W_V
+    F = t11
+    t12 = (2/(L*d_V)) * F
+    t13 = (-2/(L*d_V)) * Y
+    t14 = t12 + t13
+    G = t14
+    t15 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t16 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t17 = oe.contract('ab,cdeb->aecd', t15, M_2, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -2393,19 +2572,22 @@ def mse_causal0__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t5 = (1/math.sqrt(d_K)) * t4
     t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
     A = t6 / t6.sum(-1, keepdim=True)
+    t7 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t7 = A @ X
-    M_1 = t7
-    t8 = M_1 @ W_V
-    F = t8
-    t9 = (2/(L*d_V)) * F
-    t10 = (-2/(L*d_V)) * Y
-    t11 = t9 + t10
-    G = t11
-    t12 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 1), (2, 3), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijkh,ijf,ije,kg->', t0, M_2, X, G, t0, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 2), (0, 2), (2, 4), (1, 3), (0, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,eh,ai,jkli,jkf,jkg,lh->', t0, M_2, X, M_1, W_V, t0, M_2, X, M_1, W_V, optimize=[(0, 1), (3, 4), (0, 3), (0, 2), (4, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
-    t13 = torch.sqrt(torch.clamp(t12, min=0.0))
-    return t13
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t8 = A @ X
+    M_1 = t8
+    t9 = M_1 @ W_V
+    F = t9
+    t10 = (2/(L*d_V)) * F
+    t11 = (-2/(L*d_V)) * Y
+    t12 = t10 + t11
+    G = t12
+    t13 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,eh,ai,jkli,jkf,jkg,lh->', t0, M_2, X, M_1, W_V, t0, M_2, X, M_1, W_V, optimize=[(0, 5), (1, 5), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,eh,ai,jkgi,jkf,jkh->', t0, M_2, X, M_1, W_V, t0, M_2, X, G, optimize=[(0, 5), (1, 5), (2, 4), (0, 3), (0, 1), (2, 3), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t14 = torch.sqrt(torch.clamp(t13, min=0.0))
+    return t14
 
 
 def mse_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -2425,30 +2607,35 @@ def mse_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t7 = (1/math.sqrt(d_K)) * t6
     t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
     A = t8 / t8.sum(-1, keepdim=True)
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    F = t10
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = W_V.transpose(-1, -2)
-    t15 = t14 @ t2
-    t16 = G @ t15
-    t17 = t16 - (A * t16).sum(-1, keepdim=True)
-    t18 = A * t17
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t19 = (1/(d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cbd,cdee,cdf,fa->ea', t19, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t9 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t20 = W_V @ t14
-    t21 = (2/(L*d_K*d_V*n_batch)) * t1
-    t22 = oe.contract('ab,cdb,cde,ea->acd', t21, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t23 = oe.contract('abcd,ce,abed->dab', M_2, t20, M_2, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abc,dbc->da', t22, t23, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t10 = W_V.transpose(-1, -2)
+    t11 = W_V @ t10
+    t12 = (2/(L*d_K*d_V*n_batch)) * t1
+    t13 = oe.contract('ab,cdb,cde,ea->acd', t12, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t14 = oe.contract('abcd,ce,abed->dab', M_2, t11, M_2, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t13, t14, optimize=[(0, 1)])
+    t15 = A @ X
+    M_1 = t15
+    t16 = M_1 @ W_V
+    F = t16
+    t17 = (2/(L*d_V)) * F
+    t18 = (-2/(L*d_V)) * Y
+    t19 = t17 + t18
+    G = t19
+    t20 = t10 @ t2
+    t21 = G @ t20
+    t22 = t21 - (A * t21).sum(-1, keepdim=True)
+    t23 = A * t22
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t23, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t23, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t23, optimize=[(0, 1)])
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
+    t24 = (1/(d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cbd,cdee,cdf,fa->ea', t24, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -2467,25 +2654,30 @@ def mse_causal0__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     t6 = (1/math.sqrt(d_K)) * t5
     t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
     A = t7 / t7.sum(-1, keepdim=True)
-    t8 = A @ X
-    M_1 = t8
-    t9 = M_1 @ W_V
-    F = t9
-    t10 = (2/(L*d_V)) * F
-    t11 = (-2/(L*d_V)) * Y
-    t12 = t10 + t11
-    G = t12
-    t13 = W_V.transpose(-1, -2)
-    t14 = t13 @ t1
-    t15 = G @ t14
-    t16 = t15 - (A * t15).sum(-1, keepdim=True)
-    t17 = A * t16
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t8 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t18 = W_V @ t13
-    return (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->', t0, t1, M_3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)]) + (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgf,cdh,ha->', t0, M_2, X, t18, M_2, X, W_Q, optimize=[(1, 4), (2, 5), (0, 1), (0, 1), (1, 2), (0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t9 = W_V.transpose(-1, -2)
+    t10 = W_V @ t9
+    t11 = A @ X
+    M_1 = t11
+    t12 = M_1 @ W_V
+    F = t12
+    t13 = (2/(L*d_V)) * F
+    t14 = (-2/(L*d_V)) * Y
+    t15 = t13 + t14
+    G = t15
+    t16 = t9 @ t1
+    t17 = G @ t16
+    t18 = t17 - (A * t17).sum(-1, keepdim=True)
+    t19 = A * t18
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t19, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t19, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t19, optimize=[(0, 1)])
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
+    return (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgf,cdh,ha->', t0, M_2, X, t10, M_2, X, W_Q, optimize=[(1, 4), (2, 5), (0, 1), (0, 1), (1, 2), (0, 1)]) + (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->', t0, t1, M_3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
 
 
 def mse_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -2526,17 +2718,22 @@ def mse_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t23 = (1/(math.sqrt(d_K)*n_batch)) * t22
     t1 += oe.contract('abc,d->bcd', t21, t23, optimize=[(0, 1)])
     t24 = W_Q.transpose(-1, -2)
+    t25 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t18, t25, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t18, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t18, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t25 = (1/(d_K*n_batch)) * t24
-    t26 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
-    t27 = oe.contract('ab,cbd,cde->aecd', t25, t2, X, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t26, t27, optimize=[(0, 1)])
+    M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
+    t26 = (1/(d_K*n_batch)) * t24
+    t27 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t28 = oe.contract('ab,cbd,cde->aecd', t26, t2, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t27, t28, optimize=[(0, 1)])
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t25, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t28 = W_V @ t14
-    t29 = (2/(L*d_K*d_V*n_batch)) * t24
-    t0 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t29, M_2, X, t28, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t29 = W_V @ t14
+    t30 = (2/(L*d_K*d_V*n_batch)) * t24
+    t0 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t30, M_2, X, t29, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -2571,14 +2768,19 @@ def mse_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t18 = t17 @ X
     t19 = t0 @ t18
     t20 = W_Q.transpose(-1, -2)
+    t21 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t16, t21, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t16, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t16, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t0, t16, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t16, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t16, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t21, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t21 = W_V @ t12
-    t22 = (n_batch**(-2)) * oe.contract('abc,dbc->', t19, t19, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t19, t20, t0, M_3, X, W_K, optimize=[(0, 3), (2, 4), (0, 1), (0, 2), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgij,fgc,jd->', t19, t20, M_2, X, t21, M_2, X, W_K, optimize=[(0, 2), (4, 6), (0, 1), (0, 1), (1, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t20, t0, M_3, X, W_K, t20, t0, M_3, X, W_K, optimize=[(0, 1), (0, 2), (1, 2), (0, 2), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkmn,jkg,nh->', t20, t0, M_3, X, W_K, t20, M_2, X, t21, M_2, X, W_K, optimize=[(0, 1), (0, 2), (1, 3), (1, 2), (1, 7), (0, 1), (0, 2), (2, 4), (2, 3), (0, 1), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj,ak,lmnf,lmk,no,lmop,lmi,pj->', t20, M_2, X, t21, M_2, X, W_K, t20, M_2, X, t21, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 11), (2, 4), (2, 3), (2, 8), (0, 2), (0, 1), (0, 2), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t23 = torch.sqrt(torch.clamp(t22, min=0.0))
-    return t23
+    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    t22 = W_V @ t12
+    t23 = (n_batch**(-2)) * oe.contract('abc,dbc->', t19, t19, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t19, t20, t0, M_3, X, W_K, optimize=[(0, 4), (2, 4), (0, 1), (0, 1), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgij,fgc,jd->', t19, t20, M_2, X, t22, M_2, X, W_K, optimize=[(0, 6), (1, 6), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t20, t0, M_3, X, W_K, t20, t0, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkmn,jkg,nh->', t20, t0, M_3, X, W_K, t20, M_2, X, t22, M_2, X, W_K, optimize=[(0, 1), (1, 8), (1, 7), (1, 3), (4, 7), (4, 6), (0, 4), (0, 1), (0, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj,ak,lmnf,lmk,no,lmop,lmi,pj->', t20, M_2, X, t22, M_2, X, W_K, t20, M_2, X, t22, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 11), (2, 4), (2, 3), (2, 8), (0, 2), (0, 1), (0, 2), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t24 = torch.sqrt(torch.clamp(t23, min=0.0))
+    return t24
 
 
 def mse_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -2598,32 +2800,37 @@ def mse_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t7 = (1/math.sqrt(d_K)) * t6
     t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
     A = t8 / t8.sum(-1, keepdim=True)
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    F = t10
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = W_V.transpose(-1, -2)
-    t15 = t14 @ t2
-    t16 = G @ t15
-    t17 = t16 - (A * t16).sum(-1, keepdim=True)
-    t18 = A * t17
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t19 = (1/(d_K*n_batch)) * t1
-    t20 = oe.contract('ab,cbd,cde,ef->afcd', t19, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t21 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
+    t9 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t22 = W_V @ t14
-    t23 = (2/(L*d_K*d_V*n_batch)) * t1
-    t24 = oe.contract('ab,cdb,cde,ef->afcd', t23, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t25 = oe.contract('abcd,ce,abef->dfab', M_2, t22, M_2, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->eafb', t24, t25, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t10 = W_V.transpose(-1, -2)
+    t11 = W_V @ t10
+    t12 = (2/(L*d_K*d_V*n_batch)) * t1
+    t13 = oe.contract('ab,cdb,cde,ef->afcd', t12, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t14 = oe.contract('abcd,ce,abef->dfab', M_2, t11, M_2, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t13, t14, optimize=[(0, 1)])
+    t15 = A @ X
+    M_1 = t15
+    t16 = M_1 @ W_V
+    F = t16
+    t17 = (2/(L*d_V)) * F
+    t18 = (-2/(L*d_V)) * Y
+    t19 = t17 + t18
+    G = t19
+    t20 = t10 @ t2
+    t21 = G @ t20
+    t22 = t21 - (A * t21).sum(-1, keepdim=True)
+    t23 = A * t22
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t23, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t23, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t23, optimize=[(0, 1)])
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
+    t24 = (1/(d_K*n_batch)) * t1
+    t25 = oe.contract('ab,cbd,cde,ef->afcd', t24, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t26 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t0 += oe.contract('abcd,efcd->eafb', t25, t26, optimize=[(0, 1)])
     return out
 
 
@@ -2642,27 +2849,32 @@ def mse_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t6 = (1/math.sqrt(d_K)) * t5
     t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
     A = t7 / t7.sum(-1, keepdim=True)
-    t8 = A @ X
-    M_1 = t8
-    t9 = M_1 @ W_V
-    F = t9
-    t10 = (2/(L*d_V)) * F
-    t11 = (-2/(L*d_V)) * Y
-    t12 = t10 + t11
-    G = t12
-    t13 = W_V.transpose(-1, -2)
-    t14 = t13 @ t1
-    t15 = G @ t14
-    t16 = t15 - (A * t15).sum(-1, keepdim=True)
-    t17 = A * t16
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t8 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t18 = W_V @ t13
-    t19 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jkle,jki,lm,jkmf,jkn,nh->', t0, t1, M_3, X, W_Q, t0, M_2, X, t18, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (1, 3), (1, 2), (1, 7), (0, 6), (0, 1), (0, 2), (1, 3), (0, 1), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij,ak,lmnf,lmk,no,lmoh,lmp,pj->', t0, M_2, X, t18, M_2, X, W_Q, t0, M_2, X, t18, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 11), (0, 1), (0, 2), (0, 1), (0, 7), (3, 6), (0, 1), (0, 2), (1, 3), (0, 1), (0, 1)])
-    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
-    return t20
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t9 = W_V.transpose(-1, -2)
+    t10 = W_V @ t9
+    t11 = A @ X
+    M_1 = t11
+    t12 = M_1 @ W_V
+    F = t12
+    t13 = (2/(L*d_V)) * F
+    t14 = (-2/(L*d_V)) * Y
+    t15 = t13 + t14
+    G = t15
+    t16 = t9 @ t1
+    t17 = G @ t16
+    t18 = t17 - (A * t17).sum(-1, keepdim=True)
+    t19 = A * t18
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t19, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t19, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t19, optimize=[(0, 1)])
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
+    t20 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij,ak,lmnf,lmk,no,lmoh,lmp,pj->', t0, M_2, X, t10, M_2, X, W_Q, t0, M_2, X, t10, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 11), (0, 1), (0, 2), (0, 1), (0, 7), (3, 6), (0, 1), (0, 2), (1, 3), (0, 1), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij,ak,lkm,lmfh,lmn,nj->', t0, M_2, X, t10, M_2, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (0, 1), (0, 9), (4, 8), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)])
+    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
+    return t21
 
 
 def mse_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -2682,24 +2894,27 @@ def mse_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t7 = (1/math.sqrt(d_K)) * t6
     t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
     A = t8 / t8.sum(-1, keepdim=True)
+    t9 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    F = t10
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t15 = oe.contract('ab,cdb,cde->aecd', t14, X, G, optimize=[(0, 1), (0, 1)])
-    t16 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t15, t16, optimize=[(0, 1)])
-    t17 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
-    t18 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
-    t19 = oe.contract('ab,cdb,cde->aecd', t17, X, M_1, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t18, t19, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t10 = A @ X
+    M_1 = t10
+    t11 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
+    t12 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t13 = oe.contract('ab,cdb,cde->aecd', t11, X, M_1, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t12, t13, optimize=[(0, 1)])
+    t14 = M_1 @ W_V
+    F = t14
+    t15 = (2/(L*d_V)) * F
+    t16 = (-2/(L*d_V)) * Y
+    t17 = t15 + t16
+    G = t17
+    t18 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t19 = oe.contract('ab,cdb,cde->aecd', t18, X, G, optimize=[(0, 1), (0, 1)])
+    t20 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0 += oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -2718,19 +2933,22 @@ def mse_causal0__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t6 = (1/math.sqrt(d_K)) * t5
     t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
     A = t7 / t7.sum(-1, keepdim=True)
+    t8 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t8 = A @ X
-    M_1 = t8
-    t9 = M_1 @ W_V
-    F = t9
-    t10 = (2/(L*d_V)) * F
-    t11 = (-2/(L*d_V)) * Y
-    t12 = t10 + t11
-    G = t12
-    t13 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijkf,ijh,ije,kg->', t0, M_2, X, G, t0, M_2, X, M_1, W_V, optimize=[(0, 2), (2, 4), (0, 3), (1, 5), (0, 1), (2, 3), (0, 1), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,eh,ai,jklf,jki,jkg,lh->', t0, M_2, X, M_1, W_V, t0, M_2, X, M_1, W_V, optimize=[(0, 2), (0, 2), (1, 3), (0, 2), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t14 = torch.sqrt(torch.clamp(t13, min=0.0))
-    return t14
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1 @ W_V
+    F = t10
+    t11 = (2/(L*d_V)) * F
+    t12 = (-2/(L*d_V)) * Y
+    t13 = t11 + t12
+    G = t13
+    t14 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,eh,ai,jklf,jki,jkg,lh->', t0, M_2, X, M_1, W_V, t0, M_2, X, M_1, W_V, optimize=[(0, 2), (1, 6), (1, 5), (1, 3), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,eh,ai,jkgf,jki,jkh->', t0, M_2, X, M_1, W_V, t0, M_2, X, G, optimize=[(0, 2), (2, 6), (2, 4), (3, 5), (0, 3), (1, 3), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
+    return t15
 
 
 def mse_causal0__diag__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -2798,23 +3016,26 @@ def mse_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = A @ X
     M_1 = t8
-    t9 = M_1 @ W_V
-    F = t9
-    t10 = (2/(L*d_V)) * F
-    t11 = (-2/(L*d_V)) * Y
-    t12 = t10 + t11
-    G = t12
-    t13 = G.transpose(-1, -2)
+    t9 = M_1.transpose(-1, -2)
+    t10 = W_V.transpose(-1, -2)
+    t11 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t14 = (1/(math.sqrt(d_K)*n_batch)) * t13
-    t15 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
-    t16 = oe.contract('abc,acd->bdac', t14, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t15, t16, optimize=[(0, 1)])
-    t17 = M_1.transpose(-1, -2)
-    t18 = W_V.transpose(-1, -2)
-    t19 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t17
-    t0 += oe.contract('abc,de,acef,acg,fh->bdgh', t19, t18, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t12 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t9
+    t0[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t12, t10, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t13 = M_1 @ W_V
+    F = t13
+    t14 = (2/(L*d_V)) * F
+    t15 = (-2/(L*d_V)) * Y
+    t16 = t14 + t15
+    G = t16
+    t17 = G.transpose(-1, -2)
+    t18 = (1/(math.sqrt(d_K)*n_batch)) * t17
+    t19 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t20 = oe.contract('abc,acd->bdac', t18, X, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -2834,20 +3055,23 @@ def mse_causal0__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = A @ X
     M_1 = t7
-    t8 = M_1 @ W_V
-    F = t8
-    t9 = (2/(L*d_V)) * F
-    t10 = (-2/(L*d_V)) * Y
-    t11 = t9 + t10
-    G = t11
-    t12 = G.transpose(-1, -2)
+    t8 = M_1.transpose(-1, -2)
+    t9 = W_V.transpose(-1, -2)
+    t10 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t13 = M_1.transpose(-1, -2)
-    t14 = W_V.transpose(-1, -2)
-    t15 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t12, M_2, X, W_K, t12, M_2, X, W_K, optimize=[(1, 3), (0, 2), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acde,acf,eg,hdi,bj,hijk,hif,kg->', t12, M_2, X, W_K, t13, t14, M_2, X, W_K, optimize=[(1, 3), (0, 3), (0, 3), (1, 2), (0, 1), (2, 3), (0, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,fh,ibj,dk,ijkl,ijg,lh->', t13, t14, M_2, X, W_K, t13, t14, M_2, X, W_K, optimize=[(1, 2), (0, 3), (2, 3), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
-    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
-    return t16
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t11 = M_1 @ W_V
+    F = t11
+    t12 = (2/(L*d_V)) * F
+    t13 = (-2/(L*d_V)) * Y
+    t14 = t12 + t13
+    G = t14
+    t15 = G.transpose(-1, -2)
+    t16 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,fh,ibj,dk,ijkl,ijg,lh->', t8, t9, M_2, X, W_K, t8, t9, M_2, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,de,acef,acg,fh,idj,ijbk,ijg,kh->', t8, t9, M_2, X, W_K, t15, M_2, X, W_K, optimize=[(1, 5), (2, 5), (2, 4), (0, 2), (2, 4), (0, 1), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t15, M_2, X, W_K, t15, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
+    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
+    return t17
 
 
 def mse_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -2868,25 +3092,28 @@ def mse_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t7 / t7.sum(-1, keepdim=True)
     t8 = A @ X
     M_1 = t8
-    t9 = M_1 @ W_V
-    F = t9
-    t10 = (2/(L*d_V)) * F
-    t11 = (-2/(L*d_V)) * Y
-    t12 = t10 + t11
-    G = t12
-    t13 = G.transpose(-1, -2)
+    t9 = M_1.transpose(-1, -2)
+    t10 = W_V.transpose(-1, -2)
+    t11 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t14 = (1/(math.sqrt(d_K)*n_batch)) * t13
-    t15 = oe.contract('abc,acd,de->beac', t14, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t16 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t15, t16, optimize=[(0, 1)])
-    t17 = M_1.transpose(-1, -2)
-    t18 = W_V.transpose(-1, -2)
-    t19 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t17
-    t20 = oe.contract('abc,acd,de->beac', t19, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t21 = oe.contract('ab,cdbe->aecd', t18, M_2, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t12 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t9
+    t13 = oe.contract('abc,acd,de->beac', t12, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t14 = oe.contract('ab,cdbe->aecd', t10, M_2, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t13, t14, optimize=[(0, 1)])
+    t15 = M_1 @ W_V
+    F = t15
+    t16 = (2/(L*d_V)) * F
+    t17 = (-2/(L*d_V)) * Y
+    t18 = t16 + t17
+    G = t18
+    t19 = G.transpose(-1, -2)
+    t20 = (1/(math.sqrt(d_K)*n_batch)) * t19
+    t21 = oe.contract('abc,acd,de->beac', t20, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t22 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t0 += oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -2906,20 +3133,23 @@ def mse_causal0__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = A @ X
     M_1 = t7
-    t8 = M_1 @ W_V
-    F = t8
-    t9 = (2/(L*d_V)) * F
-    t10 = (-2/(L*d_V)) * Y
-    t11 = t9 + t10
-    G = t11
-    t12 = G.transpose(-1, -2)
+    t8 = M_1.transpose(-1, -2)
+    t9 = W_V.transpose(-1, -2)
+    t10 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t13 = M_1.transpose(-1, -2)
-    t14 = W_V.transpose(-1, -2)
-    t15 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t12, M_2, X, W_Q, t12, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acde,acf,fg,hdi,bj,hije,hik,kg->', t12, M_2, X, W_Q, t13, t14, M_2, X, W_Q, optimize=[(2, 3), (1, 2), (2, 6), (0, 1), (3, 4), (0, 1), (0, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,gh,ibj,dk,ijkf,ijl,lh->', t13, t14, M_2, X, W_Q, t13, t14, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 1), (0, 1), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
-    return t16
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t11 = M_1 @ W_V
+    F = t11
+    t12 = (2/(L*d_V)) * F
+    t13 = (-2/(L*d_V)) * Y
+    t14 = t12 + t13
+    G = t14
+    t15 = G.transpose(-1, -2)
+    t16 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,gh,ibj,dk,ijkf,ijl,lh->', t8, t9, M_2, X, W_Q, t8, t9, M_2, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (2, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,de,acef,acg,gh,idj,ijbf,ijk,kh->', t8, t9, M_2, X, W_Q, t15, M_2, X, W_Q, optimize=[(1, 5), (2, 3), (3, 4), (4, 5), (0, 2), (0, 3), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t15, M_2, X, W_Q, t15, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
+    return t17
 
 
 def mse_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -2973,6 +3203,381 @@ def mse_causal0__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     return t11
 
 
+def mse_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
+    """(‖H_o(W_Q, W_Q)‖_F, ‖H_f(W_Q, W_Q)‖_F, ‖H(W_Q, W_Q)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_K.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
+    A = t6 / t6.sum(-1, keepdim=True)
+    t7 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t8 = W_V.transpose(-1, -2)
+    t9 = W_V @ t8
+    t10 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj,ak,lmnk,lmf,no,lmop,lmi,pj->', t0, M_2, X, t9, M_2, X, W_K, t0, M_2, X, t9, M_2, X, W_K, optimize=[(0, 7), (1, 7), (3, 8), (9, 10), (3, 7), (0, 1), (0, 7), (0, 1), (0, 5), (0, 3), (0, 2), (1, 2), (0, 1)])
+    t11 = A @ X
+    M_1 = t11
+    t12 = M_1 @ W_V
+    F = t12
+    t13 = (2/(L*d_V)) * F
+    t14 = (-2/(L*d_V)) * Y
+    t15 = t13 + t14
+    G = t15
+    t16 = t8 @ t1
+    t17 = G @ t16
+    t18 = t17 - (A * t17).sum(-1, keepdim=True)
+    t19 = A * t18
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t19, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t19, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t19, optimize=[(0, 1)])
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
+    t20 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t21 = (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj,ak,lfm,lmkn,lmi,nj->', t0, M_2, X, t9, M_2, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 7), (1, 6), (3, 6), (7, 8), (3, 5), (0, 1), (0, 5), (0, 1), (0, 2), (1, 2), (0, 1)])
+    t22 = t10 + t20 + t21
+    t23 = torch.sqrt(torch.clamp(t10, min=0.0))
+    t24 = torch.sqrt(torch.clamp(t20, min=0.0))
+    t25 = torch.sqrt(torch.clamp(t22, min=0.0))
+    return (t23, t24, t25,)
+
+
+def mse_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
+    """(‖H_o(W_Q, W_K)‖_F, ‖H_f(W_Q, W_K)‖_F, ‖H(W_Q, W_K)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_K.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
+    A = t6 / t6.sum(-1, keepdim=True)
+    t7 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t8 = W_V.transpose(-1, -2)
+    t9 = W_V @ t8
+    t10 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij,ak,lmnk,lmf,no,lmoh,lmp,pj->', t0, M_2, X, t9, M_2, X, W_Q, t0, M_2, X, t9, M_2, X, W_Q, optimize=[(0, 7), (1, 7), (3, 4), (6, 7), (8, 9), (7, 8), (0, 1), (0, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)])
+    t11 = A @ X
+    M_1 = t11
+    t12 = M_1 @ W_V
+    F = t12
+    t13 = (2/(L*d_V)) * F
+    t14 = (-2/(L*d_V)) * Y
+    t15 = t13 + t14
+    G = t15
+    t16 = t8 @ t1
+    t17 = G @ t16
+    t18 = t17 - (A * t17).sum(-1, keepdim=True)
+    t19 = A * t18
+    t20 = t19 @ X
+    t21 = t1 @ t20
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t19, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t19, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t19, optimize=[(0, 1)])
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
+    t22 = (n_batch**(-2)) * oe.contract('abc,dbc->', t21, t21, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t21, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t23 = (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ia,jfh->', t0, M_2, X, t9, M_2, X, W_Q, t21, optimize=[(0, 6), (1, 5), (2, 5), (1, 4), (0, 3), (0, 1), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij,ak,lfm,lmkh,lmn,nj->', t0, M_2, X, t9, M_2, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 7), (1, 6), (3, 4), (4, 5), (6, 7), (5, 6), (0, 1), (0, 4), (0, 1), (1, 2), (0, 1)])
+    t24 = t10 + t22 + t23
+    t25 = torch.sqrt(torch.clamp(t10, min=0.0))
+    t26 = torch.sqrt(torch.clamp(t22, min=0.0))
+    t27 = torch.sqrt(torch.clamp(t24, min=0.0))
+    return (t25, t26, t27,)
+
+
+def mse_causal0__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
+    """(‖H_o(W_Q, W_V)‖_F, ‖H_f(W_Q, W_V)‖_F, ‖H(W_Q, W_V)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_K.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
+    A = t6 / t6.sum(-1, keepdim=True)
+    t7 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t8 = A @ X
+    M_1 = t8
+    t9 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,eh,ai,jkli,jkf,jkg,lh->', t0, M_2, X, M_1, W_V, t0, M_2, X, M_1, W_V, optimize=[(0, 5), (1, 5), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t10 = M_1 @ W_V
+    F = t10
+    t11 = (2/(L*d_V)) * F
+    t12 = (-2/(L*d_V)) * Y
+    t13 = t11 + t12
+    G = t13
+    t14 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t15 = (4/(L*d_K*d_V*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,eh,ai,jkgi,jkf,jkh->', t0, M_2, X, M_1, W_V, t0, M_2, X, G, optimize=[(0, 5), (1, 5), (2, 4), (0, 3), (0, 1), (2, 3), (0, 2), (0, 1)])
+    t16 = t9 + t14 + t15
+    t17 = torch.sqrt(torch.clamp(t9, min=0.0))
+    t18 = torch.sqrt(torch.clamp(t14, min=0.0))
+    t19 = torch.sqrt(torch.clamp(t16, min=0.0))
+    return (t17, t18, t19,)
+
+
+def mse_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
+    """(‖H_o(W_K, W_Q)‖_F, ‖H_f(W_K, W_Q)‖_F, ‖H(W_K, W_Q)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_Q.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = W_K.transpose(-1, -2)
+    t3 = t2 @ t1
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
+    A = t7 / t7.sum(-1, keepdim=True)
+    t8 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t9 = W_V.transpose(-1, -2)
+    t10 = W_V @ t9
+    t11 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj,ak,lmnf,lmk,no,lmop,lmi,pj->', t0, M_2, X, t10, M_2, X, W_K, t0, M_2, X, t10, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 11), (2, 4), (2, 3), (2, 8), (0, 2), (0, 1), (0, 2), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t12 = A @ X
+    M_1 = t12
+    t13 = M_1 @ W_V
+    F = t13
+    t14 = (2/(L*d_V)) * F
+    t15 = (-2/(L*d_V)) * Y
+    t16 = t14 + t15
+    G = t16
+    t17 = t9 @ t1
+    t18 = G @ t17
+    t19 = t18 - (A * t18).sum(-1, keepdim=True)
+    t20 = A * t19
+    t21 = t20.transpose(-1, -2)
+    t22 = t21 @ X
+    t23 = t1 @ t22
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t20, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t20, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t20, optimize=[(0, 1)])
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
+    t24 = (n_batch**(-2)) * oe.contract('abc,dbc->', t23, t23, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t23, t0, t1, M_3, X, W_K, optimize=[(0, 4), (2, 4), (0, 1), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t25 = (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ha,jfi->', t0, M_2, X, t10, M_2, X, W_K, t23, optimize=[(0, 2), (3, 5), (0, 5), (0, 4), (0, 3), (0, 1), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj,ak,lkm,lmfn,lmi,nj->', t0, M_2, X, t10, M_2, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 2), (0, 1), (0, 9), (2, 3), (0, 3), (0, 2), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t26 = t11 + t24 + t25
+    t27 = torch.sqrt(torch.clamp(t11, min=0.0))
+    t28 = torch.sqrt(torch.clamp(t24, min=0.0))
+    t29 = torch.sqrt(torch.clamp(t26, min=0.0))
+    return (t27, t28, t29,)
+
+
+def mse_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
+    """(‖H_o(W_K, W_K)‖_F, ‖H_f(W_K, W_K)‖_F, ‖H(W_K, W_K)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_Q.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = W_K.transpose(-1, -2)
+    t3 = t2 @ t1
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
+    A = t7 / t7.sum(-1, keepdim=True)
+    t8 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t9 = W_V.transpose(-1, -2)
+    t10 = W_V @ t9
+    t11 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij,ak,lmnf,lmk,no,lmoh,lmp,pj->', t0, M_2, X, t10, M_2, X, W_Q, t0, M_2, X, t10, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 11), (0, 1), (0, 2), (0, 1), (0, 7), (3, 6), (0, 1), (0, 2), (1, 3), (0, 1), (0, 1)])
+    t12 = A @ X
+    M_1 = t12
+    t13 = M_1 @ W_V
+    F = t13
+    t14 = (2/(L*d_V)) * F
+    t15 = (-2/(L*d_V)) * Y
+    t16 = t14 + t15
+    G = t16
+    t17 = t9 @ t1
+    t18 = G @ t17
+    t19 = t18 - (A * t18).sum(-1, keepdim=True)
+    t20 = A * t19
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t20, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t20, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t20, optimize=[(0, 1)])
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
+    t21 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)])
+    t22 = (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij,ak,lkm,lmfh,lmn,nj->', t0, M_2, X, t10, M_2, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (0, 1), (0, 9), (4, 8), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)])
+    t23 = t11 + t21 + t22
+    t24 = torch.sqrt(torch.clamp(t11, min=0.0))
+    t25 = torch.sqrt(torch.clamp(t21, min=0.0))
+    t26 = torch.sqrt(torch.clamp(t23, min=0.0))
+    return (t24, t25, t26,)
+
+
+def mse_causal0__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
+    """(‖H_o(W_K, W_V)‖_F, ‖H_f(W_K, W_V)‖_F, ‖H(W_K, W_V)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_Q.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = W_K.transpose(-1, -2)
+    t3 = t2 @ t1
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
+    A = t7 / t7.sum(-1, keepdim=True)
+    t8 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t9 = A @ X
+    M_1 = t9
+    t10 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,eh,ai,jklf,jki,jkg,lh->', t0, M_2, X, M_1, W_V, t0, M_2, X, M_1, W_V, optimize=[(0, 2), (1, 6), (1, 5), (1, 3), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t11 = M_1 @ W_V
+    F = t11
+    t12 = (2/(L*d_V)) * F
+    t13 = (-2/(L*d_V)) * Y
+    t14 = t12 + t13
+    G = t14
+    t15 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t16 = (4/(L*d_K*d_V*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,eh,ai,jkgf,jki,jkh->', t0, M_2, X, M_1, W_V, t0, M_2, X, G, optimize=[(0, 2), (2, 6), (2, 4), (3, 5), (0, 3), (1, 3), (0, 2), (0, 1)])
+    t17 = t10 + t15 + t16
+    t18 = torch.sqrt(torch.clamp(t10, min=0.0))
+    t19 = torch.sqrt(torch.clamp(t15, min=0.0))
+    t20 = torch.sqrt(torch.clamp(t17, min=0.0))
+    return (t18, t19, t20,)
+
+
+def mse_causal0__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
+    """(‖H_o(W_V, W_Q)‖_F, ‖H_f(W_V, W_Q)‖_F, ‖H(W_V, W_Q)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_K.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
+    A = t6 / t6.sum(-1, keepdim=True)
+    t7 = A @ X
+    M_1 = t7
+    t8 = M_1.transpose(-1, -2)
+    t9 = W_V.transpose(-1, -2)
+    t10 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t11 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,fh,ibj,dk,ijkl,ijg,lh->', t8, t9, M_2, X, W_K, t8, t9, M_2, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t12 = M_1 @ W_V
+    F = t12
+    t13 = (2/(L*d_V)) * F
+    t14 = (-2/(L*d_V)) * Y
+    t15 = t13 + t14
+    G = t15
+    t16 = G.transpose(-1, -2)
+    t17 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t16, M_2, X, W_K, t16, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
+    t18 = (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,de,acef,acg,fh,idj,ijbk,ijg,kh->', t8, t9, M_2, X, W_K, t16, M_2, X, W_K, optimize=[(1, 5), (2, 5), (2, 4), (0, 2), (2, 4), (0, 1), (1, 2), (0, 1)])
+    t19 = t11 + t17 + t18
+    t20 = torch.sqrt(torch.clamp(t11, min=0.0))
+    t21 = torch.sqrt(torch.clamp(t17, min=0.0))
+    t22 = torch.sqrt(torch.clamp(t19, min=0.0))
+    return (t20, t21, t22,)
+
+
+def mse_causal0__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
+    """(‖H_o(W_V, W_K)‖_F, ‖H_f(W_V, W_K)‖_F, ‖H(W_V, W_K)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_K.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
+    A = t6 / t6.sum(-1, keepdim=True)
+    t7 = A @ X
+    M_1 = t7
+    t8 = M_1.transpose(-1, -2)
+    t9 = W_V.transpose(-1, -2)
+    t10 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t11 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,gh,ibj,dk,ijkf,ijl,lh->', t8, t9, M_2, X, W_Q, t8, t9, M_2, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t12 = M_1 @ W_V
+    F = t12
+    t13 = (2/(L*d_V)) * F
+    t14 = (-2/(L*d_V)) * Y
+    t15 = t13 + t14
+    G = t15
+    t16 = G.transpose(-1, -2)
+    t17 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t16, M_2, X, W_Q, t16, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t18 = (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,de,acef,acg,gh,idj,ijbf,ijk,kh->', t8, t9, M_2, X, W_Q, t16, M_2, X, W_Q, optimize=[(1, 5), (2, 3), (3, 4), (4, 5), (0, 2), (0, 3), (0, 2), (0, 1)])
+    t19 = t11 + t17 + t18
+    t20 = torch.sqrt(torch.clamp(t11, min=0.0))
+    t21 = torch.sqrt(torch.clamp(t17, min=0.0))
+    t22 = torch.sqrt(torch.clamp(t19, min=0.0))
+    return (t20, t21, t22,)
+
+
+def mse_causal0__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
+    """(‖H_o(W_V, W_V)‖_F, ‖H_f(W_V, W_V)‖_F, ‖H(W_V, W_V)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_K.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
+    A = t6 / t6.sum(-1, keepdim=True)
+    t7 = A @ X
+    M_1 = t7
+    t8 = M_1.transpose(-1, -2)
+    t9 = t8 @ M_1
+    t10 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t9, t9, optimize=[(0, 1)])
+    t11 = t10 + 0.0 + 0.0
+    t12 = torch.sqrt(torch.clamp(t10, min=0.0))
+    t13 = torch.sqrt(torch.clamp(t11, min=0.0))
+    return (t12, 0.0, t13,)
+
+
 def causal0__jacobian__W_Q(X, W_Q, W_K, W_V):
     """∂vec_r F/∂vec_r W_Q: dense (numel F × numel W_Q); with data, one Jacobian per sequence (leading batch axis), not a mean."""
     L = X.shape[-2]
@@ -2988,12 +3593,15 @@ def causal0__jacobian__W_Q(X, W_Q, W_K, W_V):
     t6 = (1/math.sqrt(d_K)) * t5
     t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
     A = t7 / t7.sum(-1, keepdim=True)
+    t8 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
     out = torch.empty((n_batch, L*d_V, d_K*d_V,), dtype=X.dtype, device=X.device)
-    t8 = out.view((n_batch, L, d_V, d_V, d_K,))
-    t9 = (1/math.sqrt(d_K)) * t0
-    t8[...] = oe.contract('ab,cdbe,cdf,eg->cdafg', t9, M_2, X, W_K, optimize=[(0, 1), (1, 2), (0, 1)])
+    t9 = out.view((n_batch, L, d_V, d_V, d_K,))
+    t10 = (1/math.sqrt(d_K)) * t0
+    t9[...] = oe.contract('ab,cdbe,cdf,eg->cdafg', t10, M_2, X, W_K, optimize=[(0, 1), (1, 2), (0, 1)])
     return out
 
 
@@ -3012,11 +3620,14 @@ def causal0__jacobian_compact__W_Q(X, W_Q, W_K, W_V):
     t6 = (1/math.sqrt(d_K)) * t5
     t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
     A = t7 / t7.sum(-1, keepdim=True)
+    t8 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
     J = oe.contract('ab,cdbe,ef->cdaf', t0, M_2, W_K, optimize=[(0, 1), (0, 1)])
-    J8 = (1/math.sqrt(d_K)) * X
-    return (J, J8, )
+    J9 = (1/math.sqrt(d_K)) * X
+    return (J, J9, )
 
 
 def causal0__jacobian__W_K(X, W_Q, W_K, W_V):
@@ -3034,12 +3645,15 @@ def causal0__jacobian__W_K(X, W_Q, W_K, W_V):
     t6 = (1/math.sqrt(d_K)) * t5
     t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
     A = t7 / t7.sum(-1, keepdim=True)
+    t8 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
     out = torch.empty((n_batch, L*d_V, d_K*d_V,), dtype=X.dtype, device=X.device)
-    t8 = out.view((n_batch, L, d_V, d_V, d_K,))
-    t9 = (1/math.sqrt(d_K)) * t0
-    t8[...] = oe.contract('ab,cdbe,cdf,fg->cdaeg', t9, M_2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t9 = out.view((n_batch, L, d_V, d_V, d_K,))
+    t10 = (1/math.sqrt(d_K)) * t0
+    t9[...] = oe.contract('ab,cdbe,cdf,fg->cdaeg', t10, M_2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
     return out
 
 
@@ -3058,11 +3672,14 @@ def causal0__jacobian_compact__W_K(X, W_Q, W_K, W_V):
     t6 = (1/math.sqrt(d_K)) * t5
     t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
     A = t7 / t7.sum(-1, keepdim=True)
+    t8 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
     J = oe.contract('ab,cdbe->cdae', t0, M_2, optimize=[(0, 1)])
-    J8 = (1/math.sqrt(d_K)) * oe.contract('abc,cd->abd', X, W_Q, optimize=[(0, 1)])
-    return (J, J8, )
+    J9 = (1/math.sqrt(d_K)) * oe.contract('abc,cd->abd', X, W_Q, optimize=[(0, 1)])
+    return (J, J9, )
 
 
 def causal0__jacobian__W_V(X, W_Q, W_K, W_V):
@@ -3198,57 +3815,60 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t9 = torch.where(t8, -math.inf, t7)
     t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
     A = t10 / t10.sum(-1, keepdim=True)
+    t11 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t11 = W_V.transpose(-1, -2)
-    t12 = W_V @ t11
-    t13 = (2/(L*d_K*d_V*n_batch)) * t2
-    t1[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t13, M_2, X, t12, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t14 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t15 = t14.view((d_V, d_K, d_V, d_K))
-    t16 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t17 = oe.contract('ab,cdeb,ef,cdfg->agcd', t13, M_2, t12, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t15[...] = oe.contract('abcd,efcd->aefb', t16, t17, optimize=[(0, 1)])
-    t18 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t19 = t18.view((d_V, d_K, d_V, d_V))
-    t20 = A @ X
-    M_1 = t20
-    t21 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
-    t19[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t21, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t22 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t23 = t22.view((d_V, d_K, d_V, d_K))
-    t24 = W_Q.transpose(-1, -2)
-    t25 = (2/(L*d_K*d_V*n_batch)) * t24
-    t23[...] = oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t25, M_2, X, t12, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t26 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t27 = t26.view((d_V, d_K, d_V, d_K))
-    t28 = oe.contract('ab,cdb,cde,ef->afcd', t25, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t29 = oe.contract('abcd,ce,abef->dfab', M_2, t12, M_2, optimize=[(0, 1), (0, 1)])
-    t27[...] = oe.contract('abcd,efcd->eafb', t28, t29, optimize=[(0, 1)])
-    t30 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t31 = t30.view((d_V, d_K, d_V, d_V))
-    t32 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t24
-    t33 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
-    t34 = oe.contract('ab,cdb,cde->aecd', t32, X, M_1, optimize=[(0, 1), (0, 1)])
-    t31[...] = oe.contract('abcd,efcd->aefb', t33, t34, optimize=[(0, 1)])
-    t35 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t36 = t35.view((d_V, d_V, d_V, d_K))
-    t37 = M_1.transpose(-1, -2)
-    t38 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t37
-    t36[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t38, t11, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t39 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t40 = t39.view((d_V, d_V, d_V, d_K))
-    t41 = oe.contract('abc,acd,de->beac', t38, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t42 = oe.contract('ab,cdbe->aecd', t11, M_2, optimize=[(0, 1)])
-    t40[...] = oe.contract('abcd,efcd->aefb', t41, t42, optimize=[(0, 1)])
-    t43 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t43[...] = 0
-    t44 = t43.view((d_V, d_V, d_V, d_V))
-    t45 = t44.diagonal(0, 1, 3)
-    t46 = t37 @ M_1
-    t47 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t48 = (2/(L*d_V*n_batch)) * t47
-    t45 += oe.contract('abc,d->bcd', t46, t48, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
+    t12 = W_V.transpose(-1, -2)
+    t13 = W_V @ t12
+    t14 = (2/(L*d_K*d_V*n_batch)) * t2
+    t1[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t14, M_2, X, t13, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t15 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t16 = t15.view((d_V, d_K, d_V, d_K))
+    t17 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t18 = oe.contract('ab,cdeb,ef,cdfg->agcd', t14, M_2, t13, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t16[...] = oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
+    t19 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t20 = t19.view((d_V, d_K, d_V, d_V))
+    t21 = A @ X
+    M_1 = t21
+    t22 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
+    t20[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t22, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t23 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t24 = t23.view((d_V, d_K, d_V, d_K))
+    t25 = W_Q.transpose(-1, -2)
+    t26 = (2/(L*d_K*d_V*n_batch)) * t25
+    t24[...] = oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t26, M_2, X, t13, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t27 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t28 = t27.view((d_V, d_K, d_V, d_K))
+    t29 = oe.contract('ab,cdb,cde,ef->afcd', t26, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t30 = oe.contract('abcd,ce,abef->dfab', M_2, t13, M_2, optimize=[(0, 1), (0, 1)])
+    t28[...] = oe.contract('abcd,efcd->eafb', t29, t30, optimize=[(0, 1)])
+    t31 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t32 = t31.view((d_V, d_K, d_V, d_V))
+    t33 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t25
+    t34 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t35 = oe.contract('ab,cdb,cde->aecd', t33, X, M_1, optimize=[(0, 1), (0, 1)])
+    t32[...] = oe.contract('abcd,efcd->aefb', t34, t35, optimize=[(0, 1)])
+    t36 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t37 = t36.view((d_V, d_V, d_V, d_K))
+    t38 = M_1.transpose(-1, -2)
+    t39 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t38
+    t37[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t39, t12, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t40 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t41 = t40.view((d_V, d_V, d_V, d_K))
+    t42 = oe.contract('abc,acd,de->beac', t39, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t43 = oe.contract('ab,cdbe->aecd', t12, M_2, optimize=[(0, 1)])
+    t41[...] = oe.contract('abcd,efcd->aefb', t42, t43, optimize=[(0, 1)])
+    t44 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t44[...] = 0
+    t45 = t44.view((d_V, d_V, d_V, d_V))
+    t46 = t45.diagonal(0, 1, 3)
+    t47 = t38 @ M_1
+    t48 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t49 = (2/(L*d_V*n_batch)) * t48
+    t46 += oe.contract('abc,d->bcd', t47, t49, optimize=[(0, 1)])
     return H
 
 
@@ -3322,34 +3942,37 @@ def mse_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     t7 = torch.where(t6, -math.inf, t5)
     t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
     A = t8 / t8.sum(-1, keepdim=True)
+    t9 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t9 = W_V.transpose(-1, -2)
-    t10 = W_V @ t9
-    t11 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj,ak,lmnk,lmf,no,lmop,lmi,pj->', t0, M_2, X, t10, M_2, X, W_K, t0, M_2, X, t10, M_2, X, W_K, optimize=[(0, 1), (1, 2), (10, 11), (3, 4), (0, 3), (2, 3), (5, 7), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
-    t12 = torch.sqrt(torch.clamp(t11, min=0.0))
-    t13 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij,ak,lmnk,lmf,no,lmoh,lmp,pj->', t0, M_2, X, t10, M_2, X, W_Q, t0, M_2, X, t10, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (10, 11), (1, 2), (1, 2), (0, 1), (0, 1), (4, 6), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t14 = torch.sqrt(torch.clamp(t13, min=0.0))
-    t15 = A @ X
-    M_1 = t15
-    t16 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,eh,ai,jkli,jkf,jkg,lh->', t0, M_2, X, M_1, W_V, t0, M_2, X, M_1, W_V, optimize=[(0, 1), (3, 4), (0, 3), (0, 2), (4, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
-    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
-    t18 = W_Q.transpose(-1, -2)
-    t19 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj,ak,lmnf,lmk,no,lmop,lmi,pj->', t18, M_2, X, t10, M_2, X, W_K, t18, M_2, X, t10, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 11), (2, 4), (2, 3), (2, 8), (0, 2), (0, 1), (0, 2), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
-    t21 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij,ak,lmnf,lmk,no,lmoh,lmp,pj->', t18, M_2, X, t10, M_2, X, W_Q, t18, M_2, X, t10, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 11), (0, 1), (0, 2), (0, 1), (0, 7), (3, 6), (0, 1), (0, 2), (1, 3), (0, 1), (0, 1)])
-    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
-    t23 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,eh,ai,jklf,jki,jkg,lh->', t18, M_2, X, M_1, W_V, t18, M_2, X, M_1, W_V, optimize=[(0, 2), (0, 2), (1, 3), (0, 2), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t24 = torch.sqrt(torch.clamp(t23, min=0.0))
-    t25 = M_1.transpose(-1, -2)
-    t26 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,fh,ibj,dk,ijkl,ijg,lh->', t25, t9, M_2, X, W_K, t25, t9, M_2, X, W_K, optimize=[(1, 2), (0, 3), (2, 3), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
-    t27 = torch.sqrt(torch.clamp(t26, min=0.0))
-    t28 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,gh,ibj,dk,ijkf,ijl,lh->', t25, t9, M_2, X, W_Q, t25, t9, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 1), (0, 1), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t29 = torch.sqrt(torch.clamp(t28, min=0.0))
-    t30 = t25 @ M_1
-    t31 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t30, t30, optimize=[(0, 1)])
-    t32 = torch.sqrt(torch.clamp(t31, min=0.0))
-    return (t12, t14, t17, t20, t22, t24, t27, t29, t32,)
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t10 = W_V.transpose(-1, -2)
+    t11 = W_V @ t10
+    t12 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj,ak,lmnk,lmf,no,lmop,lmi,pj->', t0, M_2, X, t11, M_2, X, W_K, t0, M_2, X, t11, M_2, X, W_K, optimize=[(0, 7), (1, 7), (3, 8), (9, 10), (3, 7), (0, 1), (0, 7), (0, 1), (0, 5), (0, 3), (0, 2), (1, 2), (0, 1)])
+    t13 = torch.sqrt(torch.clamp(t12, min=0.0))
+    t14 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij,ak,lmnk,lmf,no,lmoh,lmp,pj->', t0, M_2, X, t11, M_2, X, W_Q, t0, M_2, X, t11, M_2, X, W_Q, optimize=[(0, 7), (1, 7), (3, 4), (6, 7), (8, 9), (7, 8), (0, 1), (0, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)])
+    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
+    t16 = A @ X
+    M_1 = t16
+    t17 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,eh,ai,jkli,jkf,jkg,lh->', t0, M_2, X, M_1, W_V, t0, M_2, X, M_1, W_V, optimize=[(0, 5), (1, 5), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
+    t19 = W_Q.transpose(-1, -2)
+    t20 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj,ak,lmnf,lmk,no,lmop,lmi,pj->', t19, M_2, X, t11, M_2, X, W_K, t19, M_2, X, t11, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 11), (2, 4), (2, 3), (2, 8), (0, 2), (0, 1), (0, 2), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
+    t22 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij,ak,lmnf,lmk,no,lmoh,lmp,pj->', t19, M_2, X, t11, M_2, X, W_Q, t19, M_2, X, t11, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 11), (0, 1), (0, 2), (0, 1), (0, 7), (3, 6), (0, 1), (0, 2), (1, 3), (0, 1), (0, 1)])
+    t23 = torch.sqrt(torch.clamp(t22, min=0.0))
+    t24 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,eh,ai,jklf,jki,jkg,lh->', t19, M_2, X, M_1, W_V, t19, M_2, X, M_1, W_V, optimize=[(0, 2), (1, 6), (1, 5), (1, 3), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
+    t26 = M_1.transpose(-1, -2)
+    t27 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,fh,ibj,dk,ijkl,ijg,lh->', t26, t10, M_2, X, W_K, t26, t10, M_2, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t28 = torch.sqrt(torch.clamp(t27, min=0.0))
+    t29 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,gh,ibj,dk,ijkf,ijl,lh->', t26, t10, M_2, X, W_Q, t26, t10, M_2, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t30 = torch.sqrt(torch.clamp(t29, min=0.0))
+    t31 = t26 @ M_1
+    t32 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t31, t31, optimize=[(0, 1)])
+    t33 = torch.sqrt(torch.clamp(t32, min=0.0))
+    return (t13, t15, t18, t21, t23, t25, t28, t30, t33,)
 
 
 def mse_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -3370,14 +3993,17 @@ def mse_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t8 = torch.where(t7, -math.inf, t6)
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A = t9 / t9.sum(-1, keepdim=True)
+    t10 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t10 = W_V.transpose(-1, -2)
-    t11 = W_V @ t10
-    t12 = (2/(L*d_K*d_V*n_batch)) * t1
-    t13 = oe.contract('ab,cdeb,ef,cdfg,ga->acd', t12, M_2, t11, M_2, W_K, optimize=[(0, 1), (0, 1), (1, 2), (0, 1)])
-    t14 = oe.contract('abc,abc->cab', X, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t13, t14, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t11 = W_V.transpose(-1, -2)
+    t12 = W_V @ t11
+    t13 = (2/(L*d_K*d_V*n_batch)) * t1
+    t14 = oe.contract('ab,cdeb,ef,cdfg,ga->acd', t13, M_2, t12, M_2, W_K, optimize=[(0, 1), (0, 1), (1, 2), (0, 1)])
+    t15 = oe.contract('abc,abc->cab', X, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t14, t15, optimize=[(0, 1)])
     return out
 
 
@@ -3397,11 +4023,14 @@ def mse_causal1__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t7 = torch.where(t6, -math.inf, t5)
     t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
     A = t8 / t8.sum(-1, keepdim=True)
+    t9 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t9 = W_V.transpose(-1, -2)
-    t10 = W_V @ t9
-    return (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdf,ha->', t0, M_2, X, t10, M_2, X, W_K, optimize=[(2, 5), (0, 1), (0, 1), (2, 3), (0, 2), (0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t10 = W_V.transpose(-1, -2)
+    t11 = W_V @ t10
+    return (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdf,ha->', t0, M_2, X, t11, M_2, X, W_K, optimize=[(2, 5), (0, 4), (0, 1), (0, 3), (1, 2), (0, 1)])
 
 
 def mse_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -3422,12 +4051,15 @@ def mse_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t8 = torch.where(t7, -math.inf, t6)
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A = t9 / t9.sum(-1, keepdim=True)
+    t10 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t10 = W_V.transpose(-1, -2)
-    t11 = W_V @ t10
-    t12 = (2/(L*d_K*d_V*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t12, M_2, X, t11, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t11 = W_V.transpose(-1, -2)
+    t12 = W_V @ t11
+    t13 = (2/(L*d_K*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t13, M_2, X, t12, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -3447,13 +4079,16 @@ def mse_causal1__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t7 = torch.where(t6, -math.inf, t5)
     t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
     A = t8 / t8.sum(-1, keepdim=True)
+    t9 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t9 = W_V.transpose(-1, -2)
-    t10 = W_V @ t9
-    t11 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj,ak,lmnk,lmf,no,lmop,lmi,pj->', t0, M_2, X, t10, M_2, X, W_K, t0, M_2, X, t10, M_2, X, W_K, optimize=[(0, 1), (1, 2), (10, 11), (3, 4), (0, 3), (2, 3), (5, 7), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
-    t12 = torch.sqrt(torch.clamp(t11, min=0.0))
-    return t12
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t10 = W_V.transpose(-1, -2)
+    t11 = W_V @ t10
+    t12 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj,ak,lmnk,lmf,no,lmop,lmi,pj->', t0, M_2, X, t11, M_2, X, W_K, t0, M_2, X, t11, M_2, X, W_K, optimize=[(0, 7), (1, 7), (3, 8), (9, 10), (3, 7), (0, 1), (0, 7), (0, 1), (0, 5), (0, 3), (0, 2), (1, 2), (0, 1)])
+    t13 = torch.sqrt(torch.clamp(t12, min=0.0))
+    return t13
 
 
 def mse_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -3474,14 +4109,17 @@ def mse_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     t8 = torch.where(t7, -math.inf, t6)
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A = t9 / t9.sum(-1, keepdim=True)
+    t10 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t10 = W_V.transpose(-1, -2)
-    t11 = W_V @ t10
-    t12 = (2/(L*d_K*d_V*n_batch)) * t1
-    t13 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t14 = oe.contract('ab,cdeb,ef,cdfg->agcd', t12, M_2, t11, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t13, t14, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t11 = W_V.transpose(-1, -2)
+    t12 = W_V @ t11
+    t13 = (2/(L*d_K*d_V*n_batch)) * t1
+    t14 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t15 = oe.contract('ab,cdeb,ef,cdfg->agcd', t13, M_2, t12, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t14, t15, optimize=[(0, 1)])
     return out
 
 
@@ -3501,13 +4139,16 @@ def mse_causal1__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     t7 = torch.where(t6, -math.inf, t5)
     t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
     A = t8 / t8.sum(-1, keepdim=True)
+    t9 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t9 = W_V.transpose(-1, -2)
-    t10 = W_V @ t9
-    t11 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij,ak,lmnk,lmf,no,lmoh,lmp,pj->', t0, M_2, X, t10, M_2, X, W_Q, t0, M_2, X, t10, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (10, 11), (1, 2), (1, 2), (0, 1), (0, 1), (4, 6), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t12 = torch.sqrt(torch.clamp(t11, min=0.0))
-    return t12
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t10 = W_V.transpose(-1, -2)
+    t11 = W_V @ t10
+    t12 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij,ak,lmnk,lmf,no,lmoh,lmp,pj->', t0, M_2, X, t11, M_2, X, W_Q, t0, M_2, X, t11, M_2, X, W_Q, optimize=[(0, 7), (1, 7), (3, 4), (6, 7), (8, 9), (7, 8), (0, 1), (0, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)])
+    t13 = torch.sqrt(torch.clamp(t12, min=0.0))
+    return t13
 
 
 def mse_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -3528,12 +4169,15 @@ def mse_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     t8 = torch.where(t7, -math.inf, t6)
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A = t9 / t9.sum(-1, keepdim=True)
+    t10 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t10 = A @ X
-    M_1 = t10
-    t11 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t11, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t11 = A @ X
+    M_1 = t11
+    t12 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t12, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -3553,13 +4197,16 @@ def mse_causal1__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     t7 = torch.where(t6, -math.inf, t5)
     t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
     A = t8 / t8.sum(-1, keepdim=True)
+    t9 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t9 = A @ X
-    M_1 = t9
-    t10 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,eh,ai,jkli,jkf,jkg,lh->', t0, M_2, X, M_1, W_V, t0, M_2, X, M_1, W_V, optimize=[(0, 1), (3, 4), (0, 3), (0, 2), (4, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
-    t11 = torch.sqrt(torch.clamp(t10, min=0.0))
-    return t11
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t10 = A @ X
+    M_1 = t10
+    t11 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,eh,ai,jkli,jkf,jkg,lh->', t0, M_2, X, M_1, W_V, t0, M_2, X, M_1, W_V, optimize=[(0, 5), (1, 5), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t12 = torch.sqrt(torch.clamp(t11, min=0.0))
+    return t12
 
 
 def mse_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -3581,14 +4228,17 @@ def mse_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     t9 = torch.where(t8, -math.inf, t7)
     t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
     A = t10 / t10.sum(-1, keepdim=True)
+    t11 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t11 = W_V.transpose(-1, -2)
-    t12 = W_V @ t11
-    t13 = (2/(L*d_K*d_V*n_batch)) * t1
-    t14 = oe.contract('ab,cdb,cde,ea->acd', t13, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t15 = oe.contract('abcd,ce,abed->dab', M_2, t12, M_2, optimize=[(0, 1), (0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t14, t15, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t12 = W_V.transpose(-1, -2)
+    t13 = W_V @ t12
+    t14 = (2/(L*d_K*d_V*n_batch)) * t1
+    t15 = oe.contract('ab,cdb,cde,ea->acd', t14, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t16 = oe.contract('abcd,ce,abed->dab', M_2, t13, M_2, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t15, t16, optimize=[(0, 1)])
     return out
 
 
@@ -3609,11 +4259,14 @@ def mse_causal1__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     t8 = torch.where(t7, -math.inf, t6)
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A = t9 / t9.sum(-1, keepdim=True)
+    t10 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t10 = W_V.transpose(-1, -2)
-    t11 = W_V @ t10
-    return (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgf,cdh,ha->', t0, M_2, X, t11, M_2, X, W_Q, optimize=[(1, 4), (2, 5), (0, 1), (0, 1), (1, 2), (0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t11 = W_V.transpose(-1, -2)
+    t12 = W_V @ t11
+    return (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgf,cdh,ha->', t0, M_2, X, t12, M_2, X, W_Q, optimize=[(1, 4), (2, 5), (0, 1), (0, 1), (1, 2), (0, 1)])
 
 
 def mse_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -3635,12 +4288,15 @@ def mse_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t9 = torch.where(t8, -math.inf, t7)
     t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
     A = t10 / t10.sum(-1, keepdim=True)
+    t11 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t11 = W_V.transpose(-1, -2)
-    t12 = W_V @ t11
-    t13 = (2/(L*d_K*d_V*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t13, M_2, X, t12, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t12 = W_V.transpose(-1, -2)
+    t13 = W_V @ t12
+    t14 = (2/(L*d_K*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t14, M_2, X, t13, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -3661,13 +4317,16 @@ def mse_causal1__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t8 = torch.where(t7, -math.inf, t6)
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A = t9 / t9.sum(-1, keepdim=True)
+    t10 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t10 = W_V.transpose(-1, -2)
-    t11 = W_V @ t10
-    t12 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj,ak,lmnf,lmk,no,lmop,lmi,pj->', t0, M_2, X, t11, M_2, X, W_K, t0, M_2, X, t11, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 11), (2, 4), (2, 3), (2, 8), (0, 2), (0, 1), (0, 2), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t13 = torch.sqrt(torch.clamp(t12, min=0.0))
-    return t13
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t11 = W_V.transpose(-1, -2)
+    t12 = W_V @ t11
+    t13 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj,ak,lmnf,lmk,no,lmop,lmi,pj->', t0, M_2, X, t12, M_2, X, W_K, t0, M_2, X, t12, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 11), (2, 4), (2, 3), (2, 8), (0, 2), (0, 1), (0, 2), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t14 = torch.sqrt(torch.clamp(t13, min=0.0))
+    return t14
 
 
 def mse_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -3689,14 +4348,17 @@ def mse_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t9 = torch.where(t8, -math.inf, t7)
     t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
     A = t10 / t10.sum(-1, keepdim=True)
+    t11 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t11 = W_V.transpose(-1, -2)
-    t12 = W_V @ t11
-    t13 = (2/(L*d_K*d_V*n_batch)) * t1
-    t14 = oe.contract('ab,cdb,cde,ef->afcd', t13, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t15 = oe.contract('abcd,ce,abef->dfab', M_2, t12, M_2, optimize=[(0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t14, t15, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t12 = W_V.transpose(-1, -2)
+    t13 = W_V @ t12
+    t14 = (2/(L*d_K*d_V*n_batch)) * t1
+    t15 = oe.contract('ab,cdb,cde,ef->afcd', t14, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t16 = oe.contract('abcd,ce,abef->dfab', M_2, t13, M_2, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t15, t16, optimize=[(0, 1)])
     return out
 
 
@@ -3717,13 +4379,16 @@ def mse_causal1__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t8 = torch.where(t7, -math.inf, t6)
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A = t9 / t9.sum(-1, keepdim=True)
+    t10 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t10 = W_V.transpose(-1, -2)
-    t11 = W_V @ t10
-    t12 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij,ak,lmnf,lmk,no,lmoh,lmp,pj->', t0, M_2, X, t11, M_2, X, W_Q, t0, M_2, X, t11, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 11), (0, 1), (0, 2), (0, 1), (0, 7), (3, 6), (0, 1), (0, 2), (1, 3), (0, 1), (0, 1)])
-    t13 = torch.sqrt(torch.clamp(t12, min=0.0))
-    return t13
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t11 = W_V.transpose(-1, -2)
+    t12 = W_V @ t11
+    t13 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij,ak,lmnf,lmk,no,lmoh,lmp,pj->', t0, M_2, X, t12, M_2, X, W_Q, t0, M_2, X, t12, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 11), (0, 1), (0, 2), (0, 1), (0, 7), (3, 6), (0, 1), (0, 2), (1, 3), (0, 1), (0, 1)])
+    t14 = torch.sqrt(torch.clamp(t13, min=0.0))
+    return t14
 
 
 def mse_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -3745,14 +4410,17 @@ def mse_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     t9 = torch.where(t8, -math.inf, t7)
     t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
     A = t10 / t10.sum(-1, keepdim=True)
+    t11 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t11 = A @ X
-    M_1 = t11
-    t12 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
-    t13 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
-    t14 = oe.contract('ab,cdb,cde->aecd', t12, X, M_1, optimize=[(0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t13, t14, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t12 = A @ X
+    M_1 = t12
+    t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
+    t14 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t15 = oe.contract('ab,cdb,cde->aecd', t13, X, M_1, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t14, t15, optimize=[(0, 1)])
     return out
 
 
@@ -3773,13 +4441,16 @@ def mse_causal1__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     t8 = torch.where(t7, -math.inf, t6)
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A = t9 / t9.sum(-1, keepdim=True)
+    t10 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t10 = A @ X
-    M_1 = t10
-    t11 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,eh,ai,jklf,jki,jkg,lh->', t0, M_2, X, M_1, W_V, t0, M_2, X, M_1, W_V, optimize=[(0, 2), (0, 2), (1, 3), (0, 2), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t12 = torch.sqrt(torch.clamp(t11, min=0.0))
-    return t12
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t11 = A @ X
+    M_1 = t11
+    t12 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,eh,ai,jklf,jki,jkg,lh->', t0, M_2, X, M_1, W_V, t0, M_2, X, M_1, W_V, optimize=[(0, 2), (1, 6), (1, 5), (1, 3), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t13 = torch.sqrt(torch.clamp(t12, min=0.0))
+    return t13
 
 
 def mse_causal1__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -3855,10 +4526,13 @@ def mse_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     M_1 = t10
     t11 = M_1.transpose(-1, -2)
     t12 = W_V.transpose(-1, -2)
+    t13 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t11
-    t0[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t13, t12, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t11
+    t0[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t14, t12, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -3882,11 +4556,14 @@ def mse_causal1__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     M_1 = t9
     t10 = M_1.transpose(-1, -2)
     t11 = W_V.transpose(-1, -2)
+    t12 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t12 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,fh,ibj,dk,ijkl,ijg,lh->', t10, t11, M_2, X, W_K, t10, t11, M_2, X, W_K, optimize=[(1, 2), (0, 3), (2, 3), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
-    t13 = torch.sqrt(torch.clamp(t12, min=0.0))
-    return t13
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t13 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,fh,ibj,dk,ijkl,ijg,lh->', t10, t11, M_2, X, W_K, t10, t11, M_2, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t14 = torch.sqrt(torch.clamp(t13, min=0.0))
+    return t14
 
 
 def mse_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -3911,12 +4588,15 @@ def mse_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     M_1 = t10
     t11 = M_1.transpose(-1, -2)
     t12 = W_V.transpose(-1, -2)
+    t13 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t11
-    t14 = oe.contract('abc,acd,de->beac', t13, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t15 = oe.contract('ab,cdbe->aecd', t12, M_2, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t14, t15, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t11
+    t15 = oe.contract('abc,acd,de->beac', t14, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t16 = oe.contract('ab,cdbe->aecd', t12, M_2, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t15, t16, optimize=[(0, 1)])
     return out
 
 
@@ -3940,11 +4620,14 @@ def mse_causal1__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     M_1 = t9
     t10 = M_1.transpose(-1, -2)
     t11 = W_V.transpose(-1, -2)
+    t12 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t12 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,gh,ibj,dk,ijkf,ijl,lh->', t10, t11, M_2, X, W_Q, t10, t11, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 1), (0, 1), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t13 = torch.sqrt(torch.clamp(t12, min=0.0))
-    return t13
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t13 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,gh,ibj,dk,ijkf,ijl,lh->', t10, t11, M_2, X, W_Q, t10, t11, M_2, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t14 = torch.sqrt(torch.clamp(t13, min=0.0))
+    return t14
 
 
 def mse_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -4034,68 +4717,73 @@ def mse_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t18 = G @ t17
     t19 = t18 - (A * t18).sum(-1, keepdim=True)
     t20 = A * t19
+    t21 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t20, t21, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t20, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t20, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t3, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t21 = (1/(d_K*n_batch)) * t2
-    t1[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t21, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
-    t22 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t22[...] = 0
-    t23 = t22.view((d_V, d_K, d_V, d_K))
-    t24 = t23.diagonal(0, 1, 3)
-    t25 = t20 @ X
-    t26 = t3 @ t25
-    t27 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t28 = (1/(math.sqrt(d_K)*n_batch)) * t27
-    t24 += oe.contract('abc,d->bcd', t26, t28, optimize=[(0, 1)])
-    t29 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t30 = oe.contract('ab,cdbe->aecd', t21, M_3, optimize=[(0, 1)])
-    t23 += oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
-    t31 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t32 = t31.view((d_V, d_K, d_V, d_V))
+    M_3 = oe.contract('abc,adce,aef->adbf', t3, d2A, X, optimize=[(0, 1), (0, 1)])
+    t22 = (1/(d_K*n_batch)) * t2
+    t1[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t22, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t23 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t23[...] = 0
+    t24 = t23.view((d_V, d_K, d_V, d_K))
+    t25 = t24.diagonal(0, 1, 3)
+    t26 = t20 @ X
+    t27 = t3 @ t26
+    t28 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t29 = (1/(math.sqrt(d_K)*n_batch)) * t28
+    t25 += oe.contract('abc,d->bcd', t27, t29, optimize=[(0, 1)])
+    t30 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t31 = oe.contract('ab,cdbe->aecd', t22, M_3, optimize=[(0, 1)])
+    t24 += oe.contract('abcd,efcd->aefb', t30, t31, optimize=[(0, 1)])
+    t32 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t33 = t32.view((d_V, d_K, d_V, d_V))
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t21, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t33 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t34 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
-    t35 = oe.contract('ab,cdeb->aecd', t33, M_2, optimize=[(0, 1)])
-    t32[...] = oe.contract('abcd,efcd->aefb', t34, t35, optimize=[(0, 1)])
-    t36 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t36[...] = 0
-    t37 = t36.view((d_V, d_K, d_V, d_K))
-    t38 = t37.diagonal(0, 1, 3)
-    t39 = t20.transpose(-1, -2)
-    t40 = t39 @ X
-    t41 = t3 @ t40
-    t38 += oe.contract('abc,d->bcd', t41, t28, optimize=[(0, 1)])
-    t42 = W_Q.transpose(-1, -2)
-    t43 = (1/(d_K*n_batch)) * t42
-    t44 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
-    t45 = oe.contract('ab,cbd,cde->aecd', t43, t3, X, optimize=[(0, 1), (0, 1)])
-    t37 += oe.contract('abcd,efcd->aefb', t44, t45, optimize=[(0, 1)])
-    t46 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t47 = t46.view((d_V, d_K, d_V, d_K))
-    t48 = oe.contract('ab,cbd,cde,ef->afcd', t43, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t49 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t47[...] = oe.contract('abcd,efcd->eafb', t48, t49, optimize=[(0, 1)])
-    t50 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t51 = t50.view((d_V, d_K, d_V, d_V))
-    t52 = (1/(math.sqrt(d_K)*n_batch)) * t42
-    t53 = oe.contract('ab,cdb,cde->aecd', t52, X, G, optimize=[(0, 1), (0, 1)])
-    t54 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t51[...] = oe.contract('abcd,efcd->eafb', t53, t54, optimize=[(0, 1)])
-    t55 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t56 = t55.view((d_V, d_V, d_V, d_K))
-    t57 = G.transpose(-1, -2)
-    t58 = (1/(math.sqrt(d_K)*n_batch)) * t57
-    t59 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
-    t60 = oe.contract('abc,acd->bdac', t58, X, optimize=[(0, 1)])
-    t56[...] = oe.contract('abcd,efcd->aefb', t59, t60, optimize=[(0, 1)])
-    t61 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t62 = t61.view((d_V, d_V, d_V, d_K))
-    t63 = oe.contract('abc,acd,de->beac', t58, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t64 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t62[...] = oe.contract('abcd,efcd->eafb', t63, t64, optimize=[(0, 1)])
-    t65 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t65[...] = 0
+    M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
+    t34 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t35 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t36 = oe.contract('ab,cdeb->aecd', t34, M_2, optimize=[(0, 1)])
+    t33[...] = oe.contract('abcd,efcd->aefb', t35, t36, optimize=[(0, 1)])
+    t37 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t37[...] = 0
+    t38 = t37.view((d_V, d_K, d_V, d_K))
+    t39 = t38.diagonal(0, 1, 3)
+    t40 = t20.transpose(-1, -2)
+    t41 = t40 @ X
+    t42 = t3 @ t41
+    t39 += oe.contract('abc,d->bcd', t42, t29, optimize=[(0, 1)])
+    t43 = W_Q.transpose(-1, -2)
+    t44 = (1/(d_K*n_batch)) * t43
+    t45 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t46 = oe.contract('ab,cbd,cde->aecd', t44, t3, X, optimize=[(0, 1), (0, 1)])
+    t38 += oe.contract('abcd,efcd->aefb', t45, t46, optimize=[(0, 1)])
+    t47 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t48 = t47.view((d_V, d_K, d_V, d_K))
+    t49 = oe.contract('ab,cbd,cde,ef->afcd', t44, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t50 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t48[...] = oe.contract('abcd,efcd->eafb', t49, t50, optimize=[(0, 1)])
+    t51 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t52 = t51.view((d_V, d_K, d_V, d_V))
+    t53 = (1/(math.sqrt(d_K)*n_batch)) * t43
+    t54 = oe.contract('ab,cdb,cde->aecd', t53, X, G, optimize=[(0, 1), (0, 1)])
+    t55 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t52[...] = oe.contract('abcd,efcd->eafb', t54, t55, optimize=[(0, 1)])
+    t56 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t57 = t56.view((d_V, d_V, d_V, d_K))
+    t58 = G.transpose(-1, -2)
+    t59 = (1/(math.sqrt(d_K)*n_batch)) * t58
+    t60 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t61 = oe.contract('abc,acd->bdac', t59, X, optimize=[(0, 1)])
+    t57[...] = oe.contract('abcd,efcd->aefb', t60, t61, optimize=[(0, 1)])
+    t62 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t63 = t62.view((d_V, d_V, d_V, d_K))
+    t64 = oe.contract('abc,acd,de->beac', t59, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t65 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t63[...] = oe.contract('abcd,efcd->eafb', t64, t65, optimize=[(0, 1)])
+    t66 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t66[...] = 0
     return H
 
 
@@ -4203,34 +4891,39 @@ def mse_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t16 = G @ t15
     t17 = t16 - (A * t16).sum(-1, keepdim=True)
     t18 = A * t17
+    t19 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t18, t19, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t18, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t18, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t19 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 2), (0, 4), (2, 3), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
-    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
-    t21 = t18 @ X
-    t22 = t1 @ t21
-    t23 = (n_batch**(-2)) * oe.contract('abc,dbc->', t22, t22, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t22, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t24 = torch.sqrt(torch.clamp(t23, min=0.0))
+    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
+    t20 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
+    t22 = t18 @ X
+    t23 = t1 @ t22
+    t24 = (n_batch**(-2)) * oe.contract('abc,dbc->', t23, t23, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t23, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t19, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t25 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 1), (2, 3), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t26 = torch.sqrt(torch.clamp(t25, min=0.0))
-    t27 = t18.transpose(-1, -2)
-    t28 = t27 @ X
-    t29 = t1 @ t28
-    t30 = W_Q.transpose(-1, -2)
-    t31 = (n_batch**(-2)) * oe.contract('abc,dbc->', t29, t29, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t29, t30, t1, M_3, X, W_K, optimize=[(0, 3), (2, 4), (0, 1), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t30, t1, M_3, X, W_K, t30, t1, M_3, X, W_K, optimize=[(0, 1), (0, 2), (1, 2), (0, 2), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t32 = torch.sqrt(torch.clamp(t31, min=0.0))
-    t33 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t30, t1, M_3, X, W_Q, t30, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)])
-    t34 = torch.sqrt(torch.clamp(t33, min=0.0))
-    t35 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t30, M_2, X, G, t30, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t36 = torch.sqrt(torch.clamp(t35, min=0.0))
-    t37 = G.transpose(-1, -2)
-    t38 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t37, M_2, X, W_K, t37, M_2, X, W_K, optimize=[(1, 3), (0, 2), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t39 = torch.sqrt(torch.clamp(t38, min=0.0))
-    t40 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t37, M_2, X, W_Q, t37, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
-    t41 = torch.sqrt(torch.clamp(t40, min=0.0))
-    return (t20, t24, t26, t32, t34, t36, t39, t41, 0.0,)
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t26 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t27 = torch.sqrt(torch.clamp(t26, min=0.0))
+    t28 = t18.transpose(-1, -2)
+    t29 = t28 @ X
+    t30 = t1 @ t29
+    t31 = W_Q.transpose(-1, -2)
+    t32 = (n_batch**(-2)) * oe.contract('abc,dbc->', t30, t30, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t30, t31, t1, M_3, X, W_K, optimize=[(0, 4), (2, 4), (0, 1), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t31, t1, M_3, X, W_K, t31, t1, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t33 = torch.sqrt(torch.clamp(t32, min=0.0))
+    t34 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t31, t1, M_3, X, W_Q, t31, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)])
+    t35 = torch.sqrt(torch.clamp(t34, min=0.0))
+    t36 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t31, M_2, X, G, t31, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t37 = torch.sqrt(torch.clamp(t36, min=0.0))
+    t38 = G.transpose(-1, -2)
+    t39 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t38, M_2, X, W_K, t38, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
+    t40 = torch.sqrt(torch.clamp(t39, min=0.0))
+    t41 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t38, M_2, X, W_Q, t38, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t42 = torch.sqrt(torch.clamp(t41, min=0.0))
+    return (t21, t25, t27, t33, t35, t37, t40, t42, 0.0,)
 
 
 def mse_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -4264,12 +4957,15 @@ def mse_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t17 = G @ t16
     t18 = t17 - (A * t17).sum(-1, keepdim=True)
     t19 = A * t18
+    t20 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t19, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t19, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t19, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t19, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t19, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t20 = (1/(d_K*n_batch)) * t1
-    t21 = oe.contract('ab,cdbe,ea->acd', t20, M_3, W_K, optimize=[(0, 2), (0, 1)])
-    t22 = oe.contract('abc,acb->bac', t2, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t21, t22, optimize=[(0, 1)])
+    M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
+    t21 = (1/(d_K*n_batch)) * t1
+    t22 = oe.contract('ab,cdbe,ea->acd', t21, M_3, W_K, optimize=[(0, 2), (0, 1)])
+    t23 = oe.contract('abc,acb->bac', t2, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -4302,8 +4998,11 @@ def mse_causal1__trace__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t16 = G @ t15
     t17 = t16 - (A * t16).sum(-1, keepdim=True)
     t18 = A * t17
+    t19 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t18, t19, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t18, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t18, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
     return (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->', t0, t1, M_3, X, W_K, optimize=[(1, 3), (1, 3), (0, 1), (0, 1)])
 
 
@@ -4338,10 +5037,13 @@ def mse_causal1__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t17 = G @ t16
     t18 = t17 - (A * t17).sum(-1, keepdim=True)
     t19 = A * t18
+    t20 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t19, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t19, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t19, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t19, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t19, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t20 = (1/(d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t20, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
+    t21 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t21, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -4374,11 +5076,14 @@ def mse_causal1__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t16 = G @ t15
     t17 = t16 - (A * t16).sum(-1, keepdim=True)
     t18 = A * t17
+    t19 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t18, t19, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t18, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t18, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t19 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 2), (0, 4), (2, 3), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
-    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
-    return t20
+    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
+    t20 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
+    return t21
 
 
 def mse_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -4419,12 +5124,15 @@ def mse_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t23 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t24 = (1/(math.sqrt(d_K)*n_batch)) * t23
     t1 += oe.contract('abc,d->bcd', t22, t24, optimize=[(0, 1)])
+    t25 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t20, t25, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t20, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t20, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t25 = (1/(d_K*n_batch)) * t3
-    t26 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t27 = oe.contract('ab,cdbe->aecd', t25, M_3, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t26, t27, optimize=[(0, 1)])
+    M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
+    t26 = (1/(d_K*n_batch)) * t3
+    t27 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t28 = oe.contract('ab,cdbe->aecd', t26, M_3, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t27, t28, optimize=[(0, 1)])
     return out
 
 
@@ -4459,11 +5167,14 @@ def mse_causal1__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t18 = A * t17
     t19 = t18 @ X
     t20 = t0 @ t19
+    t21 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t18, t21, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t18, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t18, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t0, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t21 = (n_batch**(-2)) * oe.contract('abc,dbc->', t20, t20, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t20, t1, t0, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t1, t0, M_3, X, W_Q, t1, t0, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
-    return t22
+    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
+    t22 = (n_batch**(-2)) * oe.contract('abc,dbc->', t20, t20, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t20, t1, t0, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t1, t0, M_3, X, W_Q, t1, t0, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t23 = torch.sqrt(torch.clamp(t22, min=0.0))
+    return t23
 
 
 def mse_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -4484,20 +5195,23 @@ def mse_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t8 = torch.where(t7, -math.inf, t6)
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A = t9 / t9.sum(-1, keepdim=True)
+    t10 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t10 = A @ X
-    M_1 = t10
-    t11 = M_1 @ W_V
-    F = t11
-    t12 = (2/(L*d_V)) * F
-    t13 = (-2/(L*d_V)) * Y
-    t14 = t12 + t13
-    G = t14
-    t15 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t16 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
-    t17 = oe.contract('ab,cdeb->aecd', t15, M_2, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t16, t17, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t11 = A @ X
+    M_1 = t11
+    t12 = M_1 @ W_V
+    F = t12
+    t13 = (2/(L*d_V)) * F
+    t14 = (-2/(L*d_V)) * Y
+    t15 = t13 + t14
+    G = t15
+    t16 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t17 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t18 = oe.contract('ab,cdeb->aecd', t16, M_2, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -4517,19 +5231,22 @@ def mse_causal1__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t7 = torch.where(t6, -math.inf, t5)
     t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
     A = t8 / t8.sum(-1, keepdim=True)
+    t9 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    F = t10
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 1), (2, 3), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
-    return t15
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t10 = A @ X
+    M_1 = t10
+    t11 = M_1 @ W_V
+    F = t11
+    t12 = (2/(L*d_V)) * F
+    t13 = (-2/(L*d_V)) * Y
+    t14 = t12 + t13
+    G = t14
+    t15 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
+    return t16
 
 
 def mse_causal1__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -4564,10 +5281,13 @@ def mse_causal1__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
     t18 = G @ t17
     t19 = t18 - (A * t18).sum(-1, keepdim=True)
     t20 = A * t19
+    t21 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t20, t21, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t20, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t20, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t21 = (1/(d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cbd,cdee,cdf,fa->ea', t21, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
+    t22 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cbd,cdee,cdf,fa->ea', t22, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -4601,8 +5321,11 @@ def mse_causal1__trace__W_K__functional(X, W_Q, W_K, W_V, Y):
     t17 = G @ t16
     t18 = t17 - (A * t17).sum(-1, keepdim=True)
     t19 = A * t18
+    t20 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t19, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t19, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t19, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t19, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t19, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
     return (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->', t0, t1, M_3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
 
 
@@ -4646,12 +5369,15 @@ def mse_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t25 = (1/(math.sqrt(d_K)*n_batch)) * t24
     t1 += oe.contract('abc,d->bcd', t23, t25, optimize=[(0, 1)])
     t26 = W_Q.transpose(-1, -2)
+    t27 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t20, t27, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t20, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t20, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t27 = (1/(d_K*n_batch)) * t26
-    t28 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
-    t29 = oe.contract('ab,cbd,cde->aecd', t27, t2, X, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t28, t29, optimize=[(0, 1)])
+    M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
+    t28 = (1/(d_K*n_batch)) * t26
+    t29 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t30 = oe.contract('ab,cbd,cde->aecd', t28, t2, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
     return out
 
 
@@ -4688,11 +5414,14 @@ def mse_causal1__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t20 = t19 @ X
     t21 = t0 @ t20
     t22 = W_Q.transpose(-1, -2)
+    t23 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t18, t23, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t18, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t18, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t0, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t23 = (n_batch**(-2)) * oe.contract('abc,dbc->', t21, t21, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t21, t22, t0, M_3, X, W_K, optimize=[(0, 3), (2, 4), (0, 1), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t22, t0, M_3, X, W_K, t22, t0, M_3, X, W_K, optimize=[(0, 1), (0, 2), (1, 2), (0, 2), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t24 = torch.sqrt(torch.clamp(t23, min=0.0))
-    return t24
+    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
+    t24 = (n_batch**(-2)) * oe.contract('abc,dbc->', t21, t21, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t21, t22, t0, M_3, X, W_K, optimize=[(0, 4), (2, 4), (0, 1), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t22, t0, M_3, X, W_K, t22, t0, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
+    return t25
 
 
 def mse_causal1__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -4727,12 +5456,15 @@ def mse_causal1__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t18 = G @ t17
     t19 = t18 - (A * t18).sum(-1, keepdim=True)
     t20 = A * t19
+    t21 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t20, t21, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t20, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t20, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t21 = (1/(d_K*n_batch)) * t1
-    t22 = oe.contract('ab,cbd,cde,ef->afcd', t21, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t23 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
+    M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
+    t22 = (1/(d_K*n_batch)) * t1
+    t23 = oe.contract('ab,cbd,cde,ef->afcd', t22, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t24 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t23, t24, optimize=[(0, 1)])
     return out
 
 
@@ -4766,11 +5498,14 @@ def mse_causal1__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t17 = G @ t16
     t18 = t17 - (A * t17).sum(-1, keepdim=True)
     t19 = A * t18
+    t20 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t19, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t19, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t19, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t19, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t19, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t20 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)])
-    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
-    return t21
+    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
+    t21 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)])
+    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
+    return t22
 
 
 def mse_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -4792,20 +5527,23 @@ def mse_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t9 = torch.where(t8, -math.inf, t7)
     t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
     A = t10 / t10.sum(-1, keepdim=True)
+    t11 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t11 = A @ X
-    M_1 = t11
-    t12 = M_1 @ W_V
-    F = t12
-    t13 = (2/(L*d_V)) * F
-    t14 = (-2/(L*d_V)) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t17 = oe.contract('ab,cdb,cde->aecd', t16, X, G, optimize=[(0, 1), (0, 1)])
-    t18 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t12 = A @ X
+    M_1 = t12
+    t13 = M_1 @ W_V
+    F = t13
+    t14 = (2/(L*d_V)) * F
+    t15 = (-2/(L*d_V)) * Y
+    t16 = t14 + t15
+    G = t16
+    t17 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t18 = oe.contract('ab,cdb,cde->aecd', t17, X, G, optimize=[(0, 1), (0, 1)])
+    t19 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -4826,19 +5564,22 @@ def mse_causal1__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t8 = torch.where(t7, -math.inf, t6)
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A = t9 / t9.sum(-1, keepdim=True)
+    t10 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t10 = A @ X
-    M_1 = t10
-    t11 = M_1 @ W_V
-    F = t11
-    t12 = (2/(L*d_V)) * F
-    t13 = (-2/(L*d_V)) * Y
-    t14 = t12 + t13
-    G = t14
-    t15 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
-    return t16
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t11 = A @ X
+    M_1 = t11
+    t12 = M_1 @ W_V
+    F = t12
+    t13 = (2/(L*d_V)) * F
+    t14 = (-2/(L*d_V)) * Y
+    t15 = t13 + t14
+    G = t15
+    t16 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
+    return t17
 
 
 def mse_causal1__diag__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -4888,12 +5629,15 @@ def mse_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t14 = t12 + t13
     G = t14
     t15 = G.transpose(-1, -2)
+    t16 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t16 = (1/(math.sqrt(d_K)*n_batch)) * t15
-    t17 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
-    t18 = oe.contract('abc,acd->bdac', t16, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t17 = (1/(math.sqrt(d_K)*n_batch)) * t15
+    t18 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t19 = oe.contract('abc,acd->bdac', t17, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -4922,11 +5666,14 @@ def mse_causal1__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t13 = t11 + t12
     G = t13
     t14 = G.transpose(-1, -2)
+    t15 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t15 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t14, M_2, X, W_K, t14, M_2, X, W_K, optimize=[(1, 3), (0, 2), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
-    return t16
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t16 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t14, M_2, X, W_K, t14, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
+    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
+    return t17
 
 
 def mse_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -4956,12 +5703,15 @@ def mse_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t14 = t12 + t13
     G = t14
     t15 = G.transpose(-1, -2)
+    t16 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t16 = (1/(math.sqrt(d_K)*n_batch)) * t15
-    t17 = oe.contract('abc,acd,de->beac', t16, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t18 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t17 = (1/(math.sqrt(d_K)*n_batch)) * t15
+    t18 = oe.contract('abc,acd,de->beac', t17, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t19 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -4990,11 +5740,14 @@ def mse_causal1__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t13 = t11 + t12
     G = t13
     t14 = G.transpose(-1, -2)
+    t15 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t15 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t14, M_2, X, W_Q, t14, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
-    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
-    return t16
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t16 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t14, M_2, X, W_Q, t14, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
+    return t17
 
 
 def mse_causal1__block__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -5036,110 +5789,115 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t9 = torch.where(t8, -math.inf, t7)
     t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
     A = t10 / t10.sum(-1, keepdim=True)
-    t11 = A @ X
-    M_1 = t11
-    t12 = M_1 @ W_V
-    F = t12
-    t13 = (2/(L*d_V)) * F
-    t14 = (-2/(L*d_V)) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = W_V.transpose(-1, -2)
-    t17 = t16 @ t3
-    t18 = G @ t17
-    t19 = t18 - (A * t18).sum(-1, keepdim=True)
-    t20 = A * t19
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t3, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t21 = (1/(d_K*n_batch)) * t2
-    t1[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t21, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t11 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t22 = W_V @ t16
-    t23 = (2/(L*d_K*d_V*n_batch)) * t2
-    t1 += oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t23, M_2, X, t22, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
-    t24 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t24[...] = 0
-    t25 = t24.view((d_V, d_K, d_V, d_K))
-    t26 = t25.diagonal(0, 1, 3)
-    t27 = t20 @ X
-    t28 = t3 @ t27
-    t29 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t30 = (1/(math.sqrt(d_K)*n_batch)) * t29
-    t26 += oe.contract('abc,d->bcd', t28, t30, optimize=[(0, 1)])
-    t31 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t32 = oe.contract('ab,cdbe->aecd', t21, M_3, optimize=[(0, 1)])
-    t25 += oe.contract('abcd,efcd->aefb', t31, t32, optimize=[(0, 1)])
-    t33 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t34 = oe.contract('ab,cdeb,ef,cdfg->agcd', t23, M_2, t22, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t25 += oe.contract('abcd,efcd->aefb', t33, t34, optimize=[(0, 1)])
-    t35 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t36 = t35.view((d_V, d_K, d_V, d_V))
-    t37 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t38 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
-    t39 = oe.contract('ab,cdeb->aecd', t37, M_2, optimize=[(0, 1)])
-    t36[...] = oe.contract('abcd,efcd->aefb', t38, t39, optimize=[(0, 1)])
-    t40 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
-    t36 += oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t40, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
-    t41 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t41[...] = 0
-    t42 = t41.view((d_V, d_K, d_V, d_K))
-    t43 = t42.diagonal(0, 1, 3)
-    t44 = t20.transpose(-1, -2)
-    t45 = t44 @ X
-    t46 = t3 @ t45
-    t43 += oe.contract('abc,d->bcd', t46, t30, optimize=[(0, 1)])
-    t47 = W_Q.transpose(-1, -2)
-    t48 = (1/(d_K*n_batch)) * t47
-    t49 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
-    t50 = oe.contract('ab,cbd,cde->aecd', t48, t3, X, optimize=[(0, 1), (0, 1)])
-    t42 += oe.contract('abcd,efcd->aefb', t49, t50, optimize=[(0, 1)])
-    t51 = (2/(L*d_K*d_V*n_batch)) * t47
-    t42 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t51, M_2, X, t22, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t52 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t53 = t52.view((d_V, d_K, d_V, d_K))
-    t54 = oe.contract('ab,cbd,cde,ef->afcd', t48, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t55 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t53[...] = oe.contract('abcd,efcd->eafb', t54, t55, optimize=[(0, 1)])
-    t56 = oe.contract('ab,cdb,cde,ef->afcd', t51, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t57 = oe.contract('abcd,ce,abef->dfab', M_2, t22, M_2, optimize=[(0, 1), (0, 1)])
-    t53 += oe.contract('abcd,efcd->eafb', t56, t57, optimize=[(0, 1)])
-    t58 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t59 = t58.view((d_V, d_K, d_V, d_V))
-    t60 = (1/(math.sqrt(d_K)*n_batch)) * t47
-    t61 = oe.contract('ab,cdb,cde->aecd', t60, X, G, optimize=[(0, 1), (0, 1)])
-    t62 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t59[...] = oe.contract('abcd,efcd->eafb', t61, t62, optimize=[(0, 1)])
-    t63 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t47
-    t64 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
-    t65 = oe.contract('ab,cdb,cde->aecd', t63, X, M_1, optimize=[(0, 1), (0, 1)])
-    t59 += oe.contract('abcd,efcd->aefb', t64, t65, optimize=[(0, 1)])
-    t66 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t67 = t66.view((d_V, d_V, d_V, d_K))
-    t68 = G.transpose(-1, -2)
-    t69 = (1/(math.sqrt(d_K)*n_batch)) * t68
-    t70 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
-    t71 = oe.contract('abc,acd->bdac', t69, X, optimize=[(0, 1)])
-    t67[...] = oe.contract('abcd,efcd->aefb', t70, t71, optimize=[(0, 1)])
-    t72 = M_1.transpose(-1, -2)
-    t73 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t72
-    t67 += oe.contract('abc,de,acef,acg,fh->bdgh', t73, t16, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
-    t74 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t75 = t74.view((d_V, d_V, d_V, d_K))
-    t76 = oe.contract('abc,acd,de->beac', t69, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t77 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t75[...] = oe.contract('abcd,efcd->eafb', t76, t77, optimize=[(0, 1)])
-    t78 = oe.contract('abc,acd,de->beac', t73, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t79 = oe.contract('ab,cdbe->aecd', t16, M_2, optimize=[(0, 1)])
-    t75 += oe.contract('abcd,efcd->aefb', t78, t79, optimize=[(0, 1)])
-    t80 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t80[...] = 0
-    t81 = t80.view((d_V, d_V, d_V, d_V))
-    t82 = t81.diagonal(0, 1, 3)
-    t83 = t72 @ M_1
-    t84 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t85 = (2/(L*d_V*n_batch)) * t84
-    t82 += oe.contract('abc,d->bcd', t83, t85, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
+    t12 = W_V.transpose(-1, -2)
+    t13 = W_V @ t12
+    t14 = (2/(L*d_K*d_V*n_batch)) * t2
+    t1[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t14, M_2, X, t13, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t15 = A @ X
+    M_1 = t15
+    t16 = M_1 @ W_V
+    F = t16
+    t17 = (2/(L*d_V)) * F
+    t18 = (-2/(L*d_V)) * Y
+    t19 = t17 + t18
+    G = t19
+    t20 = t12 @ t3
+    t21 = G @ t20
+    t22 = t21 - (A * t21).sum(-1, keepdim=True)
+    t23 = A * t22
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t23, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t23, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t23, optimize=[(0, 1)])
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adce,aef->adbf', t3, d2A, X, optimize=[(0, 1), (0, 1)])
+    t24 = (1/(d_K*n_batch)) * t2
+    t1 += oe.contract('ab,cde,cebf,ceg,fh->dagh', t24, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t25 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t25[...] = 0
+    t26 = t25.view((d_V, d_K, d_V, d_K))
+    t27 = t26.diagonal(0, 1, 3)
+    t28 = t23 @ X
+    t29 = t3 @ t28
+    t30 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t31 = (1/(math.sqrt(d_K)*n_batch)) * t30
+    t27 += oe.contract('abc,d->bcd', t29, t31, optimize=[(0, 1)])
+    t32 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t33 = oe.contract('ab,cdbe->aecd', t24, M_3, optimize=[(0, 1)])
+    t26 += oe.contract('abcd,efcd->aefb', t32, t33, optimize=[(0, 1)])
+    t34 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t35 = oe.contract('ab,cdeb,ef,cdfg->agcd', t14, M_2, t13, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t26 += oe.contract('abcd,efcd->aefb', t34, t35, optimize=[(0, 1)])
+    t36 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t37 = t36.view((d_V, d_K, d_V, d_V))
+    t38 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
+    t37[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t38, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t39 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t40 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t41 = oe.contract('ab,cdeb->aecd', t39, M_2, optimize=[(0, 1)])
+    t37 += oe.contract('abcd,efcd->aefb', t40, t41, optimize=[(0, 1)])
+    t42 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t42[...] = 0
+    t43 = t42.view((d_V, d_K, d_V, d_K))
+    t44 = t43.diagonal(0, 1, 3)
+    t45 = t23.transpose(-1, -2)
+    t46 = t45 @ X
+    t47 = t3 @ t46
+    t44 += oe.contract('abc,d->bcd', t47, t31, optimize=[(0, 1)])
+    t48 = W_Q.transpose(-1, -2)
+    t49 = (1/(d_K*n_batch)) * t48
+    t50 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t51 = oe.contract('ab,cbd,cde->aecd', t49, t3, X, optimize=[(0, 1), (0, 1)])
+    t43 += oe.contract('abcd,efcd->aefb', t50, t51, optimize=[(0, 1)])
+    t52 = (2/(L*d_K*d_V*n_batch)) * t48
+    t43 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t52, M_2, X, t13, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    t53 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t54 = t53.view((d_V, d_K, d_V, d_K))
+    t55 = oe.contract('ab,cdb,cde,ef->afcd', t52, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t56 = oe.contract('abcd,ce,abef->dfab', M_2, t13, M_2, optimize=[(0, 1), (0, 1)])
+    t54[...] = oe.contract('abcd,efcd->eafb', t55, t56, optimize=[(0, 1)])
+    t57 = oe.contract('ab,cbd,cde,ef->afcd', t49, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t58 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t54 += oe.contract('abcd,efcd->eafb', t57, t58, optimize=[(0, 1)])
+    t59 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t60 = t59.view((d_V, d_K, d_V, d_V))
+    t61 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t48
+    t62 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t63 = oe.contract('ab,cdb,cde->aecd', t61, X, M_1, optimize=[(0, 1), (0, 1)])
+    t60[...] = oe.contract('abcd,efcd->aefb', t62, t63, optimize=[(0, 1)])
+    t64 = (1/(math.sqrt(d_K)*n_batch)) * t48
+    t65 = oe.contract('ab,cdb,cde->aecd', t64, X, G, optimize=[(0, 1), (0, 1)])
+    t66 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t60 += oe.contract('abcd,efcd->eafb', t65, t66, optimize=[(0, 1)])
+    t67 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t68 = t67.view((d_V, d_V, d_V, d_K))
+    t69 = M_1.transpose(-1, -2)
+    t70 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t69
+    t68[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t70, t12, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t71 = G.transpose(-1, -2)
+    t72 = (1/(math.sqrt(d_K)*n_batch)) * t71
+    t73 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t74 = oe.contract('abc,acd->bdac', t72, X, optimize=[(0, 1)])
+    t68 += oe.contract('abcd,efcd->aefb', t73, t74, optimize=[(0, 1)])
+    t75 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t76 = t75.view((d_V, d_V, d_V, d_K))
+    t77 = oe.contract('abc,acd,de->beac', t70, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t78 = oe.contract('ab,cdbe->aecd', t12, M_2, optimize=[(0, 1)])
+    t76[...] = oe.contract('abcd,efcd->aefb', t77, t78, optimize=[(0, 1)])
+    t79 = oe.contract('abc,acd,de->beac', t72, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t80 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t76 += oe.contract('abcd,efcd->eafb', t79, t80, optimize=[(0, 1)])
+    t81 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t81[...] = 0
+    t82 = t81.view((d_V, d_V, d_V, d_V))
+    t83 = t82.diagonal(0, 1, 3)
+    t84 = t69 @ M_1
+    t85 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t86 = (2/(L*d_V*n_batch)) * t85
+    t83 += oe.contract('abc,d->bcd', t84, t86, optimize=[(0, 1)])
     return H
 
 
@@ -5247,52 +6005,57 @@ def mse_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t7 = torch.where(t6, -math.inf, t5)
     t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
     A = t8 / t8.sum(-1, keepdim=True)
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    F = t10
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = W_V.transpose(-1, -2)
-    t15 = t14 @ t1
-    t16 = G @ t15
-    t17 = t16 - (A * t16).sum(-1, keepdim=True)
-    t18 = A * t17
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t9 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t19 = W_V @ t14
-    t20 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 2), (0, 4), (2, 3), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jkli,jkd,lm,jkmn,jkg,nh->', t0, t1, M_3, X, W_K, t0, M_2, X, t19, M_2, X, W_K, optimize=[(0, 2), (3, 4), (0, 3), (2, 3), (5, 7), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj,ak,lmnk,lmf,no,lmop,lmi,pj->', t0, M_2, X, t19, M_2, X, W_K, t0, M_2, X, t19, M_2, X, W_K, optimize=[(0, 1), (1, 2), (10, 11), (3, 4), (0, 3), (2, 3), (5, 7), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
-    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
-    t22 = t18 @ X
-    t23 = t1 @ t22
-    t24 = (n_batch**(-2)) * oe.contract('abc,dbc->', t23, t23, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t23, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgic,fgj,jd->', t23, t0, M_2, X, t19, M_2, X, W_Q, optimize=[(0, 3), (3, 6), (0, 1), (1, 2), (2, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkmf,jkn,nh->', t0, t1, M_3, X, W_Q, t0, M_2, X, t19, M_2, X, W_Q, optimize=[(0, 2), (1, 2), (1, 2), (0, 1), (0, 1), (4, 6), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij,ak,lmnk,lmf,no,lmoh,lmp,pj->', t0, M_2, X, t19, M_2, X, W_Q, t0, M_2, X, t19, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (10, 11), (1, 2), (1, 2), (0, 1), (0, 1), (4, 6), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
-    t26 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 1), (2, 3), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijkh,ijf,ije,kg->', t0, M_2, X, G, t0, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 2), (0, 2), (2, 4), (1, 3), (0, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,eh,ai,jkli,jkf,jkg,lh->', t0, M_2, X, M_1, W_V, t0, M_2, X, M_1, W_V, optimize=[(0, 1), (3, 4), (0, 3), (0, 2), (4, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
-    t27 = torch.sqrt(torch.clamp(t26, min=0.0))
-    t28 = t18.transpose(-1, -2)
-    t29 = t28 @ X
-    t30 = t1 @ t29
-    t31 = W_Q.transpose(-1, -2)
-    t32 = (n_batch**(-2)) * oe.contract('abc,dbc->', t30, t30, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t30, t31, t1, M_3, X, W_K, optimize=[(0, 3), (2, 4), (0, 1), (0, 2), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgij,fgc,jd->', t30, t31, M_2, X, t19, M_2, X, W_K, optimize=[(0, 2), (4, 6), (0, 1), (0, 1), (1, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t31, t1, M_3, X, W_K, t31, t1, M_3, X, W_K, optimize=[(0, 1), (0, 2), (1, 2), (0, 2), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkmn,jkg,nh->', t31, t1, M_3, X, W_K, t31, M_2, X, t19, M_2, X, W_K, optimize=[(0, 1), (0, 2), (1, 3), (1, 2), (1, 7), (0, 1), (0, 2), (2, 4), (2, 3), (0, 1), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj,ak,lmnf,lmk,no,lmop,lmi,pj->', t31, M_2, X, t19, M_2, X, W_K, t31, M_2, X, t19, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 11), (2, 4), (2, 3), (2, 8), (0, 2), (0, 1), (0, 2), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t33 = torch.sqrt(torch.clamp(t32, min=0.0))
-    t34 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t31, t1, M_3, X, W_Q, t31, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jkle,jki,lm,jkmf,jkn,nh->', t31, t1, M_3, X, W_Q, t31, M_2, X, t19, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (1, 3), (1, 2), (1, 7), (0, 6), (0, 1), (0, 2), (1, 3), (0, 1), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij,ak,lmnf,lmk,no,lmoh,lmp,pj->', t31, M_2, X, t19, M_2, X, W_Q, t31, M_2, X, t19, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 11), (0, 1), (0, 2), (0, 1), (0, 7), (3, 6), (0, 1), (0, 2), (1, 3), (0, 1), (0, 1)])
-    t35 = torch.sqrt(torch.clamp(t34, min=0.0))
-    t36 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t31, M_2, X, G, t31, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijkf,ijh,ije,kg->', t31, M_2, X, G, t31, M_2, X, M_1, W_V, optimize=[(0, 2), (2, 4), (0, 3), (1, 5), (0, 1), (2, 3), (0, 1), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,eh,ai,jklf,jki,jkg,lh->', t31, M_2, X, M_1, W_V, t31, M_2, X, M_1, W_V, optimize=[(0, 2), (0, 2), (1, 3), (0, 2), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t37 = torch.sqrt(torch.clamp(t36, min=0.0))
-    t38 = G.transpose(-1, -2)
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t10 = W_V.transpose(-1, -2)
+    t11 = W_V @ t10
+    t12 = A @ X
+    M_1 = t12
+    t13 = M_1 @ W_V
+    F = t13
+    t14 = (2/(L*d_V)) * F
+    t15 = (-2/(L*d_V)) * Y
+    t16 = t14 + t15
+    G = t16
+    t17 = t10 @ t1
+    t18 = G @ t17
+    t19 = t18 - (A * t18).sum(-1, keepdim=True)
+    t20 = A * t19
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t20, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t20, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t20, optimize=[(0, 1)])
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
+    t21 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj,ak,lmnk,lmf,no,lmop,lmi,pj->', t0, M_2, X, t11, M_2, X, W_K, t0, M_2, X, t11, M_2, X, W_K, optimize=[(0, 7), (1, 7), (3, 8), (9, 10), (3, 7), (0, 1), (0, 7), (0, 1), (0, 5), (0, 3), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj,ak,lfm,lmkn,lmi,nj->', t0, M_2, X, t11, M_2, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 7), (1, 6), (3, 6), (7, 8), (3, 5), (0, 1), (0, 5), (0, 1), (0, 2), (1, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
+    t23 = t20 @ X
+    t24 = t1 @ t23
+    t25 = (n_batch**(-2)) * oe.contract('abc,dbc->', t24, t24, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t24, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgic,fgj,jd->', t24, t0, M_2, X, t11, M_2, X, W_Q, optimize=[(0, 3), (3, 6), (0, 4), (1, 3), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkmf,jkn,nh->', t0, t1, M_3, X, W_Q, t0, M_2, X, t11, M_2, X, W_Q, optimize=[(0, 5), (0, 5), (1, 2), (4, 5), (6, 7), (5, 6), (0, 4), (0, 1), (0, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij,ak,lmnk,lmf,no,lmoh,lmp,pj->', t0, M_2, X, t11, M_2, X, W_Q, t0, M_2, X, t11, M_2, X, W_Q, optimize=[(0, 7), (1, 7), (3, 4), (6, 7), (8, 9), (7, 8), (0, 1), (0, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)])
+    t26 = torch.sqrt(torch.clamp(t25, min=0.0))
+    t27 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,eh,ai,jkli,jkf,jkg,lh->', t0, M_2, X, M_1, W_V, t0, M_2, X, M_1, W_V, optimize=[(0, 5), (1, 5), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,eh,ai,jkgi,jkf,jkh->', t0, M_2, X, M_1, W_V, t0, M_2, X, G, optimize=[(0, 5), (1, 5), (2, 4), (0, 3), (0, 1), (2, 3), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t28 = torch.sqrt(torch.clamp(t27, min=0.0))
+    t29 = t20.transpose(-1, -2)
+    t30 = t29 @ X
+    t31 = t1 @ t30
+    t32 = W_Q.transpose(-1, -2)
+    t33 = (n_batch**(-2)) * oe.contract('abc,dbc->', t31, t31, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t31, t32, t1, M_3, X, W_K, optimize=[(0, 4), (2, 4), (0, 1), (0, 1), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgij,fgc,jd->', t31, t32, M_2, X, t11, M_2, X, W_K, optimize=[(0, 6), (1, 6), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t32, t1, M_3, X, W_K, t32, t1, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkmn,jkg,nh->', t32, t1, M_3, X, W_K, t32, M_2, X, t11, M_2, X, W_K, optimize=[(0, 1), (1, 8), (1, 7), (1, 3), (4, 7), (4, 6), (0, 4), (0, 1), (0, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj,ak,lmnf,lmk,no,lmop,lmi,pj->', t32, M_2, X, t11, M_2, X, W_K, t32, M_2, X, t11, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 11), (2, 4), (2, 3), (2, 8), (0, 2), (0, 1), (0, 2), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t34 = torch.sqrt(torch.clamp(t33, min=0.0))
+    t35 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij,ak,lmnf,lmk,no,lmoh,lmp,pj->', t32, M_2, X, t11, M_2, X, W_Q, t32, M_2, X, t11, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 11), (0, 1), (0, 2), (0, 1), (0, 7), (3, 6), (0, 1), (0, 2), (1, 3), (0, 1), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij,ak,lkm,lmfh,lmn,nj->', t32, M_2, X, t11, M_2, X, W_Q, t32, t1, M_3, X, W_Q, optimize=[(0, 2), (0, 1), (0, 9), (4, 8), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t32, t1, M_3, X, W_Q, t32, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)])
+    t36 = torch.sqrt(torch.clamp(t35, min=0.0))
+    t37 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,eh,ai,jklf,jki,jkg,lh->', t32, M_2, X, M_1, W_V, t32, M_2, X, M_1, W_V, optimize=[(0, 2), (1, 6), (1, 5), (1, 3), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,eh,ai,jkgf,jki,jkh->', t32, M_2, X, M_1, W_V, t32, M_2, X, G, optimize=[(0, 2), (2, 6), (2, 4), (3, 5), (0, 3), (1, 3), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t32, M_2, X, G, t32, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t38 = torch.sqrt(torch.clamp(t37, min=0.0))
     t39 = M_1.transpose(-1, -2)
-    t40 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t38, M_2, X, W_K, t38, M_2, X, W_K, optimize=[(1, 3), (0, 2), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acde,acf,eg,hdi,bj,hijk,hif,kg->', t38, M_2, X, W_K, t39, t14, M_2, X, W_K, optimize=[(1, 3), (0, 3), (0, 3), (1, 2), (0, 1), (2, 3), (0, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,fh,ibj,dk,ijkl,ijg,lh->', t39, t14, M_2, X, W_K, t39, t14, M_2, X, W_K, optimize=[(1, 2), (0, 3), (2, 3), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
-    t41 = torch.sqrt(torch.clamp(t40, min=0.0))
-    t42 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t38, M_2, X, W_Q, t38, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acde,acf,fg,hdi,bj,hije,hik,kg->', t38, M_2, X, W_Q, t39, t14, M_2, X, W_Q, optimize=[(2, 3), (1, 2), (2, 6), (0, 1), (3, 4), (0, 1), (0, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,gh,ibj,dk,ijkf,ijl,lh->', t39, t14, M_2, X, W_Q, t39, t14, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 1), (0, 1), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t43 = torch.sqrt(torch.clamp(t42, min=0.0))
-    t44 = t39 @ M_1
-    t45 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t44, t44, optimize=[(0, 1)])
-    t46 = torch.sqrt(torch.clamp(t45, min=0.0))
-    return (t21, t25, t27, t33, t35, t37, t41, t43, t46,)
+    t40 = G.transpose(-1, -2)
+    t41 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,fh,ibj,dk,ijkl,ijg,lh->', t39, t10, M_2, X, W_K, t39, t10, M_2, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,de,acef,acg,fh,idj,ijbk,ijg,kh->', t39, t10, M_2, X, W_K, t40, M_2, X, W_K, optimize=[(1, 5), (2, 5), (2, 4), (0, 2), (2, 4), (0, 1), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t40, M_2, X, W_K, t40, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
+    t42 = torch.sqrt(torch.clamp(t41, min=0.0))
+    t43 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,gh,ibj,dk,ijkf,ijl,lh->', t39, t10, M_2, X, W_Q, t39, t10, M_2, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (2, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,de,acef,acg,gh,idj,ijbf,ijk,kh->', t39, t10, M_2, X, W_Q, t40, M_2, X, W_Q, optimize=[(1, 5), (2, 3), (3, 4), (4, 5), (0, 2), (0, 3), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t40, M_2, X, W_Q, t40, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t44 = torch.sqrt(torch.clamp(t43, min=0.0))
+    t45 = t39 @ M_1
+    t46 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t45, t45, optimize=[(0, 1)])
+    t47 = torch.sqrt(torch.clamp(t46, min=0.0))
+    return (t22, t26, t28, t34, t36, t38, t42, t44, t47,)
 
 
 def mse_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -5313,32 +6076,37 @@ def mse_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t8 = torch.where(t7, -math.inf, t6)
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A = t9 / t9.sum(-1, keepdim=True)
-    t10 = A @ X
-    M_1 = t10
-    t11 = M_1 @ W_V
-    F = t11
-    t12 = (2/(L*d_V)) * F
-    t13 = (-2/(L*d_V)) * Y
-    t14 = t12 + t13
-    G = t14
-    t15 = W_V.transpose(-1, -2)
-    t16 = t15 @ t2
-    t17 = G @ t16
-    t18 = t17 - (A * t17).sum(-1, keepdim=True)
-    t19 = A * t18
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t19, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t19, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t19, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t20 = (1/(d_K*n_batch)) * t1
-    t21 = oe.contract('ab,cdbe,ea->acd', t20, M_3, W_K, optimize=[(0, 2), (0, 1)])
-    t22 = oe.contract('abc,acb->bac', t2, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t21, t22, optimize=[(0, 1)])
+    t10 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t23 = W_V @ t15
-    t24 = (2/(L*d_K*d_V*n_batch)) * t1
-    t25 = oe.contract('ab,cdeb,ef,cdfg,ga->acd', t24, M_2, t23, M_2, W_K, optimize=[(0, 1), (0, 1), (1, 2), (0, 1)])
-    t26 = oe.contract('abc,abc->cab', X, X, optimize=[(0, 1)])
-    t0 += oe.contract('abc,dbc->da', t25, t26, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t11 = W_V.transpose(-1, -2)
+    t12 = W_V @ t11
+    t13 = (2/(L*d_K*d_V*n_batch)) * t1
+    t14 = oe.contract('ab,cdeb,ef,cdfg,ga->acd', t13, M_2, t12, M_2, W_K, optimize=[(0, 1), (0, 1), (1, 2), (0, 1)])
+    t15 = oe.contract('abc,abc->cab', X, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t14, t15, optimize=[(0, 1)])
+    t16 = A @ X
+    M_1 = t16
+    t17 = M_1 @ W_V
+    F = t17
+    t18 = (2/(L*d_V)) * F
+    t19 = (-2/(L*d_V)) * Y
+    t20 = t18 + t19
+    G = t20
+    t21 = t11 @ t2
+    t22 = G @ t21
+    t23 = t22 - (A * t22).sum(-1, keepdim=True)
+    t24 = A * t23
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t24, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t24, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t24, optimize=[(0, 1)])
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
+    t25 = (1/(d_K*n_batch)) * t1
+    t26 = oe.contract('ab,cdbe,ea->acd', t25, M_3, W_K, optimize=[(0, 2), (0, 1)])
+    t27 = oe.contract('abc,acb->bac', t2, X, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dbc->da', t26, t27, optimize=[(0, 1)])
     return out
 
 
@@ -5358,25 +6126,30 @@ def mse_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     t7 = torch.where(t6, -math.inf, t5)
     t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
     A = t8 / t8.sum(-1, keepdim=True)
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    F = t10
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = W_V.transpose(-1, -2)
-    t15 = t14 @ t1
-    t16 = G @ t15
-    t17 = t16 - (A * t16).sum(-1, keepdim=True)
-    t18 = A * t17
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t9 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t19 = W_V @ t14
-    return (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->', t0, t1, M_3, X, W_K, optimize=[(1, 3), (1, 3), (0, 1), (0, 1)]) + (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdf,ha->', t0, M_2, X, t19, M_2, X, W_K, optimize=[(2, 5), (0, 1), (0, 1), (2, 3), (0, 2), (0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t10 = W_V.transpose(-1, -2)
+    t11 = W_V @ t10
+    t12 = A @ X
+    M_1 = t12
+    t13 = M_1 @ W_V
+    F = t13
+    t14 = (2/(L*d_V)) * F
+    t15 = (-2/(L*d_V)) * Y
+    t16 = t14 + t15
+    G = t16
+    t17 = t10 @ t1
+    t18 = G @ t17
+    t19 = t18 - (A * t18).sum(-1, keepdim=True)
+    t20 = A * t19
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t20, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t20, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t20, optimize=[(0, 1)])
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
+    return (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdf,ha->', t0, M_2, X, t11, M_2, X, W_K, optimize=[(2, 5), (0, 4), (0, 1), (0, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->', t0, t1, M_3, X, W_K, optimize=[(1, 3), (1, 3), (0, 1), (0, 1)])
 
 
 def mse_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -5397,28 +6170,33 @@ def mse_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t8 = torch.where(t7, -math.inf, t6)
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A = t9 / t9.sum(-1, keepdim=True)
-    t10 = A @ X
-    M_1 = t10
-    t11 = M_1 @ W_V
-    F = t11
-    t12 = (2/(L*d_V)) * F
-    t13 = (-2/(L*d_V)) * Y
-    t14 = t12 + t13
-    G = t14
-    t15 = W_V.transpose(-1, -2)
-    t16 = t15 @ t2
-    t17 = G @ t16
-    t18 = t17 - (A * t17).sum(-1, keepdim=True)
-    t19 = A * t18
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t19, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t19, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t19, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t20 = (1/(d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t20, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t10 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t21 = W_V @ t15
-    t22 = (2/(L*d_K*d_V*n_batch)) * t1
-    t0 += oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t22, M_2, X, t21, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t11 = W_V.transpose(-1, -2)
+    t12 = W_V @ t11
+    t13 = (2/(L*d_K*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj->faij', t13, M_2, X, t12, M_2, X, W_K, optimize=[(0, 1), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t14 = A @ X
+    M_1 = t14
+    t15 = M_1 @ W_V
+    F = t15
+    t16 = (2/(L*d_V)) * F
+    t17 = (-2/(L*d_V)) * Y
+    t18 = t16 + t17
+    G = t18
+    t19 = t11 @ t2
+    t20 = G @ t19
+    t21 = t20 - (A * t20).sum(-1, keepdim=True)
+    t22 = A * t21
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t22, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t22, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t22, optimize=[(0, 1)])
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
+    t23 = (1/(d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cde,cebf,ceg,fh->dagh', t23, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -5438,27 +6216,32 @@ def mse_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t7 = torch.where(t6, -math.inf, t5)
     t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
     A = t8 / t8.sum(-1, keepdim=True)
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    F = t10
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = W_V.transpose(-1, -2)
-    t15 = t14 @ t1
-    t16 = G @ t15
-    t17 = t16 - (A * t16).sum(-1, keepdim=True)
-    t18 = A * t17
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t9 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t19 = W_V @ t14
-    t20 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 2), (0, 4), (2, 3), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jkli,jkd,lm,jkmn,jkg,nh->', t0, t1, M_3, X, W_K, t0, M_2, X, t19, M_2, X, W_K, optimize=[(0, 2), (3, 4), (0, 3), (2, 3), (5, 7), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj,ak,lmnk,lmf,no,lmop,lmi,pj->', t0, M_2, X, t19, M_2, X, W_K, t0, M_2, X, t19, M_2, X, W_K, optimize=[(0, 1), (1, 2), (10, 11), (3, 4), (0, 3), (2, 3), (5, 7), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
-    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
-    return t21
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t10 = W_V.transpose(-1, -2)
+    t11 = W_V @ t10
+    t12 = A @ X
+    M_1 = t12
+    t13 = M_1 @ W_V
+    F = t13
+    t14 = (2/(L*d_V)) * F
+    t15 = (-2/(L*d_V)) * Y
+    t16 = t14 + t15
+    G = t16
+    t17 = t10 @ t1
+    t18 = G @ t17
+    t19 = t18 - (A * t18).sum(-1, keepdim=True)
+    t20 = A * t19
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t20, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t20, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t20, optimize=[(0, 1)])
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
+    t21 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj,ak,lmnk,lmf,no,lmop,lmi,pj->', t0, M_2, X, t11, M_2, X, W_K, t0, M_2, X, t11, M_2, X, W_K, optimize=[(0, 7), (1, 7), (3, 8), (9, 10), (3, 7), (0, 1), (0, 7), (0, 1), (0, 5), (0, 3), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj,ak,lfm,lmkn,lmi,nj->', t0, M_2, X, t11, M_2, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 7), (1, 6), (3, 6), (7, 8), (3, 5), (0, 1), (0, 5), (0, 1), (0, 2), (1, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
+    return t22
 
 
 def mse_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -5499,19 +6282,24 @@ def mse_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t23 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t24 = (1/(math.sqrt(d_K)*n_batch)) * t23
     t1 += oe.contract('abc,d->bcd', t22, t24, optimize=[(0, 1)])
+    t25 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t20, t25, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t20, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t20, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t25 = (1/(d_K*n_batch)) * t3
-    t26 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t27 = oe.contract('ab,cdbe->aecd', t25, M_3, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t26, t27, optimize=[(0, 1)])
+    M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
+    t26 = (1/(d_K*n_batch)) * t3
+    t27 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t28 = oe.contract('ab,cdbe->aecd', t26, M_3, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t27, t28, optimize=[(0, 1)])
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t25, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t28 = W_V @ t16
-    t29 = (2/(L*d_K*d_V*n_batch)) * t3
-    t30 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t31 = oe.contract('ab,cdeb,ef,cdfg->agcd', t29, M_2, t28, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t30, t31, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t29 = W_V @ t16
+    t30 = (2/(L*d_K*d_V*n_batch)) * t3
+    t31 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t32 = oe.contract('ab,cdeb,ef,cdfg->agcd', t30, M_2, t29, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t31, t32, optimize=[(0, 1)])
     return out
 
 
@@ -5546,14 +6334,19 @@ def mse_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t18 = A * t17
     t19 = t18 @ X
     t20 = t0 @ t19
+    t21 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t18, t21, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t18, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t18, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t0, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t21, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t21 = W_V @ t14
-    t22 = (n_batch**(-2)) * oe.contract('abc,dbc->', t20, t20, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t20, t1, t0, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgic,fgj,jd->', t20, t1, M_2, X, t21, M_2, X, W_Q, optimize=[(0, 3), (3, 6), (0, 1), (1, 2), (2, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t1, t0, M_3, X, W_Q, t1, t0, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkmf,jkn,nh->', t1, t0, M_3, X, W_Q, t1, M_2, X, t21, M_2, X, W_Q, optimize=[(0, 2), (1, 2), (1, 2), (0, 1), (0, 1), (4, 6), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij,ak,lmnk,lmf,no,lmoh,lmp,pj->', t1, M_2, X, t21, M_2, X, W_Q, t1, M_2, X, t21, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (10, 11), (1, 2), (1, 2), (0, 1), (0, 1), (4, 6), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t23 = torch.sqrt(torch.clamp(t22, min=0.0))
-    return t23
+    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    t22 = W_V @ t14
+    t23 = (n_batch**(-2)) * oe.contract('abc,dbc->', t20, t20, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t20, t1, t0, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgic,fgj,jd->', t20, t1, M_2, X, t22, M_2, X, W_Q, optimize=[(0, 3), (3, 6), (0, 4), (1, 3), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t1, t0, M_3, X, W_Q, t1, t0, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkmf,jkn,nh->', t1, t0, M_3, X, W_Q, t1, M_2, X, t22, M_2, X, W_Q, optimize=[(0, 5), (0, 5), (1, 2), (4, 5), (6, 7), (5, 6), (0, 4), (0, 1), (0, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij,ak,lmnk,lmf,no,lmoh,lmp,pj->', t1, M_2, X, t22, M_2, X, W_Q, t1, M_2, X, t22, M_2, X, W_Q, optimize=[(0, 7), (1, 7), (3, 4), (6, 7), (8, 9), (7, 8), (0, 1), (0, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)])
+    t24 = torch.sqrt(torch.clamp(t23, min=0.0))
+    return t24
 
 
 def mse_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -5574,22 +6367,25 @@ def mse_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t8 = torch.where(t7, -math.inf, t6)
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A = t9 / t9.sum(-1, keepdim=True)
+    t10 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t10 = A @ X
-    M_1 = t10
-    t11 = M_1 @ W_V
-    F = t11
-    t12 = (2/(L*d_V)) * F
-    t13 = (-2/(L*d_V)) * Y
-    t14 = t12 + t13
-    G = t14
-    t15 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t16 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
-    t17 = oe.contract('ab,cdeb->aecd', t15, M_2, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t16, t17, optimize=[(0, 1)])
-    t18 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
-    t0 += oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t18, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t11 = A @ X
+    M_1 = t11
+    t12 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,cdg,eh->fagh', t12, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 1), (0, 1)])
+    t13 = M_1 @ W_V
+    F = t13
+    t14 = (2/(L*d_V)) * F
+    t15 = (-2/(L*d_V)) * Y
+    t16 = t14 + t15
+    G = t16
+    t17 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t18 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t19 = oe.contract('ab,cdeb->aecd', t17, M_2, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -5609,19 +6405,22 @@ def mse_causal1__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t7 = torch.where(t6, -math.inf, t5)
     t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
     A = t8 / t8.sum(-1, keepdim=True)
+    t9 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    F = t10
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 1), (2, 3), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijkh,ijf,ije,kg->', t0, M_2, X, G, t0, M_2, X, M_1, W_V, optimize=[(0, 1), (2, 3), (0, 2), (0, 2), (2, 4), (1, 3), (0, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,eh,ai,jkli,jkf,jkg,lh->', t0, M_2, X, M_1, W_V, t0, M_2, X, M_1, W_V, optimize=[(0, 1), (3, 4), (0, 3), (0, 2), (4, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
-    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
-    return t15
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t10 = A @ X
+    M_1 = t10
+    t11 = M_1 @ W_V
+    F = t11
+    t12 = (2/(L*d_V)) * F
+    t13 = (-2/(L*d_V)) * Y
+    t14 = t12 + t13
+    G = t14
+    t15 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,eh,ai,jkli,jkf,jkg,lh->', t0, M_2, X, M_1, W_V, t0, M_2, X, M_1, W_V, optimize=[(0, 5), (1, 5), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,eh,ai,jkgi,jkf,jkh->', t0, M_2, X, M_1, W_V, t0, M_2, X, G, optimize=[(0, 5), (1, 5), (2, 4), (0, 3), (0, 1), (2, 3), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
+    return t16
 
 
 def mse_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -5643,30 +6442,35 @@ def mse_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t9 = torch.where(t8, -math.inf, t7)
     t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
     A = t10 / t10.sum(-1, keepdim=True)
-    t11 = A @ X
-    M_1 = t11
-    t12 = M_1 @ W_V
-    F = t12
-    t13 = (2/(L*d_V)) * F
-    t14 = (-2/(L*d_V)) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = W_V.transpose(-1, -2)
-    t17 = t16 @ t2
-    t18 = G @ t17
-    t19 = t18 - (A * t18).sum(-1, keepdim=True)
-    t20 = A * t19
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t21 = (1/(d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cbd,cdee,cdf,fa->ea', t21, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t11 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t22 = W_V @ t16
-    t23 = (2/(L*d_K*d_V*n_batch)) * t1
-    t24 = oe.contract('ab,cdb,cde,ea->acd', t23, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t25 = oe.contract('abcd,ce,abed->dab', M_2, t22, M_2, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abc,dbc->da', t24, t25, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t12 = W_V.transpose(-1, -2)
+    t13 = W_V @ t12
+    t14 = (2/(L*d_K*d_V*n_batch)) * t1
+    t15 = oe.contract('ab,cdb,cde,ea->acd', t14, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t16 = oe.contract('abcd,ce,abed->dab', M_2, t13, M_2, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t15, t16, optimize=[(0, 1)])
+    t17 = A @ X
+    M_1 = t17
+    t18 = M_1 @ W_V
+    F = t18
+    t19 = (2/(L*d_V)) * F
+    t20 = (-2/(L*d_V)) * Y
+    t21 = t19 + t20
+    G = t21
+    t22 = t12 @ t2
+    t23 = G @ t22
+    t24 = t23 - (A * t23).sum(-1, keepdim=True)
+    t25 = A * t24
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t25, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t25, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t25, optimize=[(0, 1)])
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
+    t26 = (1/(d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cbd,cdee,cdf,fa->ea', t26, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -5687,25 +6491,30 @@ def mse_causal1__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     t8 = torch.where(t7, -math.inf, t6)
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A = t9 / t9.sum(-1, keepdim=True)
-    t10 = A @ X
-    M_1 = t10
-    t11 = M_1 @ W_V
-    F = t11
-    t12 = (2/(L*d_V)) * F
-    t13 = (-2/(L*d_V)) * Y
-    t14 = t12 + t13
-    G = t14
-    t15 = W_V.transpose(-1, -2)
-    t16 = t15 @ t1
-    t17 = G @ t16
-    t18 = t17 - (A * t17).sum(-1, keepdim=True)
-    t19 = A * t18
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t19, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t19, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t19, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t10 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t20 = W_V @ t15
-    return (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->', t0, t1, M_3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)]) + (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgf,cdh,ha->', t0, M_2, X, t20, M_2, X, W_Q, optimize=[(1, 4), (2, 5), (0, 1), (0, 1), (1, 2), (0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t11 = W_V.transpose(-1, -2)
+    t12 = W_V @ t11
+    t13 = A @ X
+    M_1 = t13
+    t14 = M_1 @ W_V
+    F = t14
+    t15 = (2/(L*d_V)) * F
+    t16 = (-2/(L*d_V)) * Y
+    t17 = t15 + t16
+    G = t17
+    t18 = t11 @ t1
+    t19 = G @ t18
+    t20 = t19 - (A * t19).sum(-1, keepdim=True)
+    t21 = A * t20
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t21, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t21, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t21, optimize=[(0, 1)])
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
+    return (2/(L*d_K*d_V*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdgf,cdh,ha->', t0, M_2, X, t12, M_2, X, W_Q, optimize=[(1, 4), (2, 5), (0, 1), (0, 1), (1, 2), (0, 1)]) + (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->', t0, t1, M_3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
 
 
 def mse_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -5748,17 +6557,22 @@ def mse_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t25 = (1/(math.sqrt(d_K)*n_batch)) * t24
     t1 += oe.contract('abc,d->bcd', t23, t25, optimize=[(0, 1)])
     t26 = W_Q.transpose(-1, -2)
+    t27 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t20, t27, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t20, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t20, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t27 = (1/(d_K*n_batch)) * t26
-    t28 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
-    t29 = oe.contract('ab,cbd,cde->aecd', t27, t2, X, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t28, t29, optimize=[(0, 1)])
+    M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
+    t28 = (1/(d_K*n_batch)) * t26
+    t29 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t30 = oe.contract('ab,cbd,cde->aecd', t28, t2, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t27, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t30 = W_V @ t16
-    t31 = (2/(L*d_K*d_V*n_batch)) * t26
-    t0 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t31, M_2, X, t30, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t31 = W_V @ t16
+    t32 = (2/(L*d_K*d_V*n_batch)) * t26
+    t0 += oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj->faij', t32, M_2, X, t31, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -5795,14 +6609,19 @@ def mse_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t20 = t19 @ X
     t21 = t0 @ t20
     t22 = W_Q.transpose(-1, -2)
+    t23 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t18, t23, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t18, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t18, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t0, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t23, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t23 = W_V @ t14
-    t24 = (n_batch**(-2)) * oe.contract('abc,dbc->', t21, t21, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t21, t22, t0, M_3, X, W_K, optimize=[(0, 3), (2, 4), (0, 1), (0, 2), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgij,fgc,jd->', t21, t22, M_2, X, t23, M_2, X, W_K, optimize=[(0, 2), (4, 6), (0, 1), (0, 1), (1, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t22, t0, M_3, X, W_K, t22, t0, M_3, X, W_K, optimize=[(0, 1), (0, 2), (1, 2), (0, 2), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkmn,jkg,nh->', t22, t0, M_3, X, W_K, t22, M_2, X, t23, M_2, X, W_K, optimize=[(0, 1), (0, 2), (1, 3), (1, 2), (1, 7), (0, 1), (0, 2), (2, 4), (2, 3), (0, 1), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj,ak,lmnf,lmk,no,lmop,lmi,pj->', t22, M_2, X, t23, M_2, X, W_K, t22, M_2, X, t23, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 11), (2, 4), (2, 3), (2, 8), (0, 2), (0, 1), (0, 2), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
-    return t25
+    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    t24 = W_V @ t14
+    t25 = (n_batch**(-2)) * oe.contract('abc,dbc->', t21, t21, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t21, t22, t0, M_3, X, W_K, optimize=[(0, 4), (2, 4), (0, 1), (0, 1), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgij,fgc,jd->', t21, t22, M_2, X, t24, M_2, X, W_K, optimize=[(0, 6), (1, 6), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t22, t0, M_3, X, W_K, t22, t0, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkmn,jkg,nh->', t22, t0, M_3, X, W_K, t22, M_2, X, t24, M_2, X, W_K, optimize=[(0, 1), (1, 8), (1, 7), (1, 3), (4, 7), (4, 6), (0, 4), (0, 1), (0, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj,ak,lmnf,lmk,no,lmop,lmi,pj->', t22, M_2, X, t24, M_2, X, W_K, t22, M_2, X, t24, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 11), (2, 4), (2, 3), (2, 8), (0, 2), (0, 1), (0, 2), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t26 = torch.sqrt(torch.clamp(t25, min=0.0))
+    return t26
 
 
 def mse_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -5824,32 +6643,37 @@ def mse_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t9 = torch.where(t8, -math.inf, t7)
     t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
     A = t10 / t10.sum(-1, keepdim=True)
-    t11 = A @ X
-    M_1 = t11
-    t12 = M_1 @ W_V
-    F = t12
-    t13 = (2/(L*d_V)) * F
-    t14 = (-2/(L*d_V)) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = W_V.transpose(-1, -2)
-    t17 = t16 @ t2
-    t18 = G @ t17
-    t19 = t18 - (A * t18).sum(-1, keepdim=True)
-    t20 = A * t19
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t21 = (1/(d_K*n_batch)) * t1
-    t22 = oe.contract('ab,cbd,cde,ef->afcd', t21, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t23 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
+    t11 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t24 = W_V @ t16
-    t25 = (2/(L*d_K*d_V*n_batch)) * t1
-    t26 = oe.contract('ab,cdb,cde,ef->afcd', t25, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t27 = oe.contract('abcd,ce,abef->dfab', M_2, t24, M_2, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->eafb', t26, t27, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t12 = W_V.transpose(-1, -2)
+    t13 = W_V @ t12
+    t14 = (2/(L*d_K*d_V*n_batch)) * t1
+    t15 = oe.contract('ab,cdb,cde,ef->afcd', t14, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t16 = oe.contract('abcd,ce,abef->dfab', M_2, t13, M_2, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t15, t16, optimize=[(0, 1)])
+    t17 = A @ X
+    M_1 = t17
+    t18 = M_1 @ W_V
+    F = t18
+    t19 = (2/(L*d_V)) * F
+    t20 = (-2/(L*d_V)) * Y
+    t21 = t19 + t20
+    G = t21
+    t22 = t12 @ t2
+    t23 = G @ t22
+    t24 = t23 - (A * t23).sum(-1, keepdim=True)
+    t25 = A * t24
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t25, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t25, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t25, optimize=[(0, 1)])
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
+    t26 = (1/(d_K*n_batch)) * t1
+    t27 = oe.contract('ab,cbd,cde,ef->afcd', t26, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t28 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t0 += oe.contract('abcd,efcd->eafb', t27, t28, optimize=[(0, 1)])
     return out
 
 
@@ -5870,27 +6694,32 @@ def mse_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t8 = torch.where(t7, -math.inf, t6)
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A = t9 / t9.sum(-1, keepdim=True)
-    t10 = A @ X
-    M_1 = t10
-    t11 = M_1 @ W_V
-    F = t11
-    t12 = (2/(L*d_V)) * F
-    t13 = (-2/(L*d_V)) * Y
-    t14 = t12 + t13
-    G = t14
-    t15 = W_V.transpose(-1, -2)
-    t16 = t15 @ t1
-    t17 = G @ t16
-    t18 = t17 - (A * t17).sum(-1, keepdim=True)
-    t19 = A * t18
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t19, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t19, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t19, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t10 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t20 = W_V @ t15
-    t21 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jkle,jki,lm,jkmf,jkn,nh->', t0, t1, M_3, X, W_Q, t0, M_2, X, t20, M_2, X, W_Q, optimize=[(0, 1), (1, 2), (1, 3), (1, 2), (1, 7), (0, 6), (0, 1), (0, 2), (1, 3), (0, 1), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij,ak,lmnf,lmk,no,lmoh,lmp,pj->', t0, M_2, X, t20, M_2, X, W_Q, t0, M_2, X, t20, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 11), (0, 1), (0, 2), (0, 1), (0, 7), (3, 6), (0, 1), (0, 2), (1, 3), (0, 1), (0, 1)])
-    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
-    return t22
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t11 = W_V.transpose(-1, -2)
+    t12 = W_V @ t11
+    t13 = A @ X
+    M_1 = t13
+    t14 = M_1 @ W_V
+    F = t14
+    t15 = (2/(L*d_V)) * F
+    t16 = (-2/(L*d_V)) * Y
+    t17 = t15 + t16
+    G = t17
+    t18 = t11 @ t1
+    t19 = G @ t18
+    t20 = t19 - (A * t19).sum(-1, keepdim=True)
+    t21 = A * t20
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t21, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t21, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t21, optimize=[(0, 1)])
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
+    t22 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij,ak,lmnf,lmk,no,lmoh,lmp,pj->', t0, M_2, X, t12, M_2, X, W_Q, t0, M_2, X, t12, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 11), (0, 1), (0, 2), (0, 1), (0, 7), (3, 6), (0, 1), (0, 2), (1, 3), (0, 1), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij,ak,lkm,lmfh,lmn,nj->', t0, M_2, X, t12, M_2, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (0, 1), (0, 9), (4, 8), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)])
+    t23 = torch.sqrt(torch.clamp(t22, min=0.0))
+    return t23
 
 
 def mse_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -5912,24 +6741,27 @@ def mse_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t9 = torch.where(t8, -math.inf, t7)
     t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
     A = t10 / t10.sum(-1, keepdim=True)
+    t11 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t11 = A @ X
-    M_1 = t11
-    t12 = M_1 @ W_V
-    F = t12
-    t13 = (2/(L*d_V)) * F
-    t14 = (-2/(L*d_V)) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t17 = oe.contract('ab,cdb,cde->aecd', t16, X, G, optimize=[(0, 1), (0, 1)])
-    t18 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
-    t19 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
-    t20 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
-    t21 = oe.contract('ab,cdb,cde->aecd', t19, X, M_1, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t12 = A @ X
+    M_1 = t12
+    t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
+    t14 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t15 = oe.contract('ab,cdb,cde->aecd', t13, X, M_1, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t14, t15, optimize=[(0, 1)])
+    t16 = M_1 @ W_V
+    F = t16
+    t17 = (2/(L*d_V)) * F
+    t18 = (-2/(L*d_V)) * Y
+    t19 = t17 + t18
+    G = t19
+    t20 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t21 = oe.contract('ab,cdb,cde->aecd', t20, X, G, optimize=[(0, 1), (0, 1)])
+    t22 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0 += oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -5950,19 +6782,22 @@ def mse_causal1__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t8 = torch.where(t7, -math.inf, t6)
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A = t9 / t9.sum(-1, keepdim=True)
+    t10 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t10 = A @ X
-    M_1 = t10
-    t11 = M_1 @ W_V
-    F = t11
-    t12 = (2/(L*d_V)) * F
-    t13 = (-2/(L*d_V)) * Y
-    t14 = t12 + t13
-    G = t14
-    t15 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijkf,ijh,ije,kg->', t0, M_2, X, G, t0, M_2, X, M_1, W_V, optimize=[(0, 2), (2, 4), (0, 3), (1, 5), (0, 1), (2, 3), (0, 1), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,eh,ai,jklf,jki,jkg,lh->', t0, M_2, X, M_1, W_V, t0, M_2, X, M_1, W_V, optimize=[(0, 2), (0, 2), (1, 3), (0, 2), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
-    return t16
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t11 = A @ X
+    M_1 = t11
+    t12 = M_1 @ W_V
+    F = t12
+    t13 = (2/(L*d_V)) * F
+    t14 = (-2/(L*d_V)) * Y
+    t15 = t13 + t14
+    G = t15
+    t16 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,eh,ai,jklf,jki,jkg,lh->', t0, M_2, X, M_1, W_V, t0, M_2, X, M_1, W_V, optimize=[(0, 2), (1, 6), (1, 5), (1, 3), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,eh,ai,jkgf,jki,jkh->', t0, M_2, X, M_1, W_V, t0, M_2, X, G, optimize=[(0, 2), (2, 6), (2, 4), (3, 5), (0, 3), (1, 3), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
+    return t17
 
 
 def mse_causal1__diag__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -6036,23 +6871,26 @@ def mse_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = A @ X
     M_1 = t10
-    t11 = M_1 @ W_V
-    F = t11
-    t12 = (2/(L*d_V)) * F
-    t13 = (-2/(L*d_V)) * Y
-    t14 = t12 + t13
-    G = t14
-    t15 = G.transpose(-1, -2)
+    t11 = M_1.transpose(-1, -2)
+    t12 = W_V.transpose(-1, -2)
+    t13 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t16 = (1/(math.sqrt(d_K)*n_batch)) * t15
-    t17 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
-    t18 = oe.contract('abc,acd->bdac', t16, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
-    t19 = M_1.transpose(-1, -2)
-    t20 = W_V.transpose(-1, -2)
-    t21 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t19
-    t0 += oe.contract('abc,de,acef,acg,fh->bdgh', t21, t20, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t11
+    t0[...] = oe.contract('abc,de,acef,acg,fh->bdgh', t14, t12, M_2, X, W_K, optimize=[(1, 2), (2, 3), (0, 1), (0, 1)])
+    t15 = M_1 @ W_V
+    F = t15
+    t16 = (2/(L*d_V)) * F
+    t17 = (-2/(L*d_V)) * Y
+    t18 = t16 + t17
+    G = t18
+    t19 = G.transpose(-1, -2)
+    t20 = (1/(math.sqrt(d_K)*n_batch)) * t19
+    t21 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t22 = oe.contract('abc,acd->bdac', t20, X, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -6074,20 +6912,23 @@ def mse_causal1__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = A @ X
     M_1 = t9
-    t10 = M_1 @ W_V
-    F = t10
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = G.transpose(-1, -2)
+    t10 = M_1.transpose(-1, -2)
+    t11 = W_V.transpose(-1, -2)
+    t12 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t15 = M_1.transpose(-1, -2)
-    t16 = W_V.transpose(-1, -2)
-    t17 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t14, M_2, X, W_K, t14, M_2, X, W_K, optimize=[(1, 3), (0, 2), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acde,acf,eg,hdi,bj,hijk,hif,kg->', t14, M_2, X, W_K, t15, t16, M_2, X, W_K, optimize=[(1, 3), (0, 3), (0, 3), (1, 2), (0, 1), (2, 3), (0, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,fh,ibj,dk,ijkl,ijg,lh->', t15, t16, M_2, X, W_K, t15, t16, M_2, X, W_K, optimize=[(1, 2), (0, 3), (2, 3), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
-    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
-    return t18
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t13 = M_1 @ W_V
+    F = t13
+    t14 = (2/(L*d_V)) * F
+    t15 = (-2/(L*d_V)) * Y
+    t16 = t14 + t15
+    G = t16
+    t17 = G.transpose(-1, -2)
+    t18 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,fh,ibj,dk,ijkl,ijg,lh->', t10, t11, M_2, X, W_K, t10, t11, M_2, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,de,acef,acg,fh,idj,ijbk,ijg,kh->', t10, t11, M_2, X, W_K, t17, M_2, X, W_K, optimize=[(1, 5), (2, 5), (2, 4), (0, 2), (2, 4), (0, 1), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t17, M_2, X, W_K, t17, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
+    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
+    return t19
 
 
 def mse_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -6110,25 +6951,28 @@ def mse_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t9 / t9.sum(-1, keepdim=True)
     t10 = A @ X
     M_1 = t10
-    t11 = M_1 @ W_V
-    F = t11
-    t12 = (2/(L*d_V)) * F
-    t13 = (-2/(L*d_V)) * Y
-    t14 = t12 + t13
-    G = t14
-    t15 = G.transpose(-1, -2)
+    t11 = M_1.transpose(-1, -2)
+    t12 = W_V.transpose(-1, -2)
+    t13 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t16 = (1/(math.sqrt(d_K)*n_batch)) * t15
-    t17 = oe.contract('abc,acd,de->beac', t16, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t18 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
-    t19 = M_1.transpose(-1, -2)
-    t20 = W_V.transpose(-1, -2)
-    t21 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t19
-    t22 = oe.contract('abc,acd,de->beac', t21, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t23 = oe.contract('ab,cdbe->aecd', t20, M_2, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t11
+    t15 = oe.contract('abc,acd,de->beac', t14, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t16 = oe.contract('ab,cdbe->aecd', t12, M_2, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t15, t16, optimize=[(0, 1)])
+    t17 = M_1 @ W_V
+    F = t17
+    t18 = (2/(L*d_V)) * F
+    t19 = (-2/(L*d_V)) * Y
+    t20 = t18 + t19
+    G = t20
+    t21 = G.transpose(-1, -2)
+    t22 = (1/(math.sqrt(d_K)*n_batch)) * t21
+    t23 = oe.contract('abc,acd,de->beac', t22, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t24 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t0 += oe.contract('abcd,efcd->eafb', t23, t24, optimize=[(0, 1)])
     return out
 
 
@@ -6150,20 +6994,23 @@ def mse_causal1__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     A = t8 / t8.sum(-1, keepdim=True)
     t9 = A @ X
     M_1 = t9
-    t10 = M_1 @ W_V
-    F = t10
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = G.transpose(-1, -2)
+    t10 = M_1.transpose(-1, -2)
+    t11 = W_V.transpose(-1, -2)
+    t12 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t15 = M_1.transpose(-1, -2)
-    t16 = W_V.transpose(-1, -2)
-    t17 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t14, M_2, X, W_Q, t14, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acde,acf,fg,hdi,bj,hije,hik,kg->', t14, M_2, X, W_Q, t15, t16, M_2, X, W_Q, optimize=[(2, 3), (1, 2), (2, 6), (0, 1), (3, 4), (0, 1), (0, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,gh,ibj,dk,ijkf,ijl,lh->', t15, t16, M_2, X, W_Q, t15, t16, M_2, X, W_Q, optimize=[(1, 2), (1, 2), (0, 1), (0, 1), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
-    return t18
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t13 = M_1 @ W_V
+    F = t13
+    t14 = (2/(L*d_V)) * F
+    t15 = (-2/(L*d_V)) * Y
+    t16 = t14 + t15
+    G = t16
+    t17 = G.transpose(-1, -2)
+    t18 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,gh,ibj,dk,ijkf,ijl,lh->', t10, t11, M_2, X, W_Q, t10, t11, M_2, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (2, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,de,acef,acg,gh,idj,ijbf,ijk,kh->', t10, t11, M_2, X, W_Q, t17, M_2, X, W_Q, optimize=[(1, 5), (2, 3), (3, 4), (4, 5), (0, 2), (0, 3), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t17, M_2, X, W_Q, t17, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
+    return t19
 
 
 def mse_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -6221,6 +7068,399 @@ def mse_causal1__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     return t13
 
 
+def mse_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
+    """(‖H_o(W_Q, W_Q)‖_F, ‖H_f(W_Q, W_Q)‖_F, ‖H(W_Q, W_Q)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_K.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t7 = torch.where(t6, -math.inf, t5)
+    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    A = t8 / t8.sum(-1, keepdim=True)
+    t9 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t10 = W_V.transpose(-1, -2)
+    t11 = W_V @ t10
+    t12 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj,ak,lmnk,lmf,no,lmop,lmi,pj->', t0, M_2, X, t11, M_2, X, W_K, t0, M_2, X, t11, M_2, X, W_K, optimize=[(0, 7), (1, 7), (3, 8), (9, 10), (3, 7), (0, 1), (0, 7), (0, 1), (0, 5), (0, 3), (0, 2), (1, 2), (0, 1)])
+    t13 = A @ X
+    M_1 = t13
+    t14 = M_1 @ W_V
+    F = t14
+    t15 = (2/(L*d_V)) * F
+    t16 = (-2/(L*d_V)) * Y
+    t17 = t15 + t16
+    G = t17
+    t18 = t10 @ t1
+    t19 = G @ t18
+    t20 = t19 - (A * t19).sum(-1, keepdim=True)
+    t21 = A * t20
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t21, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t21, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t21, optimize=[(0, 1)])
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
+    t22 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t23 = (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,hj,ak,lfm,lmkn,lmi,nj->', t0, M_2, X, t11, M_2, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 7), (1, 6), (3, 6), (7, 8), (3, 5), (0, 1), (0, 5), (0, 1), (0, 2), (1, 2), (0, 1)])
+    t24 = t12 + t22 + t23
+    t25 = torch.sqrt(torch.clamp(t12, min=0.0))
+    t26 = torch.sqrt(torch.clamp(t22, min=0.0))
+    t27 = torch.sqrt(torch.clamp(t24, min=0.0))
+    return (t25, t26, t27,)
+
+
+def mse_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
+    """(‖H_o(W_Q, W_K)‖_F, ‖H_f(W_Q, W_K)‖_F, ‖H(W_Q, W_K)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_K.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t7 = torch.where(t6, -math.inf, t5)
+    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    A = t8 / t8.sum(-1, keepdim=True)
+    t9 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t10 = W_V.transpose(-1, -2)
+    t11 = W_V @ t10
+    t12 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij,ak,lmnk,lmf,no,lmoh,lmp,pj->', t0, M_2, X, t11, M_2, X, W_Q, t0, M_2, X, t11, M_2, X, W_Q, optimize=[(0, 7), (1, 7), (3, 4), (6, 7), (8, 9), (7, 8), (0, 1), (0, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)])
+    t13 = A @ X
+    M_1 = t13
+    t14 = M_1 @ W_V
+    F = t14
+    t15 = (2/(L*d_V)) * F
+    t16 = (-2/(L*d_V)) * Y
+    t17 = t15 + t16
+    G = t17
+    t18 = t10 @ t1
+    t19 = G @ t18
+    t20 = t19 - (A * t19).sum(-1, keepdim=True)
+    t21 = A * t20
+    t22 = t21 @ X
+    t23 = t1 @ t22
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t21, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t21, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t21, optimize=[(0, 1)])
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
+    t24 = (n_batch**(-2)) * oe.contract('abc,dbc->', t23, t23, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t23, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t25 = (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ia,jfh->', t0, M_2, X, t11, M_2, X, W_Q, t23, optimize=[(0, 6), (1, 5), (2, 5), (1, 4), (0, 3), (0, 1), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdgh,cdi,ij,ak,lfm,lmkh,lmn,nj->', t0, M_2, X, t11, M_2, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 7), (1, 6), (3, 4), (4, 5), (6, 7), (5, 6), (0, 1), (0, 4), (0, 1), (1, 2), (0, 1)])
+    t26 = t12 + t24 + t25
+    t27 = torch.sqrt(torch.clamp(t12, min=0.0))
+    t28 = torch.sqrt(torch.clamp(t24, min=0.0))
+    t29 = torch.sqrt(torch.clamp(t26, min=0.0))
+    return (t27, t28, t29,)
+
+
+def mse_causal1__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
+    """(‖H_o(W_Q, W_V)‖_F, ‖H_f(W_Q, W_V)‖_F, ‖H(W_Q, W_V)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_K.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t7 = torch.where(t6, -math.inf, t5)
+    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    A = t8 / t8.sum(-1, keepdim=True)
+    t9 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t10 = A @ X
+    M_1 = t10
+    t11 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,eh,ai,jkli,jkf,jkg,lh->', t0, M_2, X, M_1, W_V, t0, M_2, X, M_1, W_V, optimize=[(0, 5), (1, 5), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t12 = M_1 @ W_V
+    F = t12
+    t13 = (2/(L*d_V)) * F
+    t14 = (-2/(L*d_V)) * Y
+    t15 = t13 + t14
+    G = t15
+    t16 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t17 = (4/(L*d_K*d_V*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,eh,ai,jkgi,jkf,jkh->', t0, M_2, X, M_1, W_V, t0, M_2, X, G, optimize=[(0, 5), (1, 5), (2, 4), (0, 3), (0, 1), (2, 3), (0, 2), (0, 1)])
+    t18 = t11 + t16 + t17
+    t19 = torch.sqrt(torch.clamp(t11, min=0.0))
+    t20 = torch.sqrt(torch.clamp(t16, min=0.0))
+    t21 = torch.sqrt(torch.clamp(t18, min=0.0))
+    return (t19, t20, t21,)
+
+
+def mse_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
+    """(‖H_o(W_K, W_Q)‖_F, ‖H_f(W_K, W_Q)‖_F, ‖H(W_K, W_Q)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_Q.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = W_K.transpose(-1, -2)
+    t3 = t2 @ t1
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t8 = torch.where(t7, -math.inf, t6)
+    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
+    A = t9 / t9.sum(-1, keepdim=True)
+    t10 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t11 = W_V.transpose(-1, -2)
+    t12 = W_V @ t11
+    t13 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj,ak,lmnf,lmk,no,lmop,lmi,pj->', t0, M_2, X, t12, M_2, X, W_K, t0, M_2, X, t12, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 11), (2, 4), (2, 3), (2, 8), (0, 2), (0, 1), (0, 2), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t14 = A @ X
+    M_1 = t14
+    t15 = M_1 @ W_V
+    F = t15
+    t16 = (2/(L*d_V)) * F
+    t17 = (-2/(L*d_V)) * Y
+    t18 = t16 + t17
+    G = t18
+    t19 = t11 @ t1
+    t20 = G @ t19
+    t21 = t20 - (A * t20).sum(-1, keepdim=True)
+    t22 = A * t21
+    t23 = t22.transpose(-1, -2)
+    t24 = t23 @ X
+    t25 = t1 @ t24
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t22, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t22, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t22, optimize=[(0, 1)])
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
+    t26 = (n_batch**(-2)) * oe.contract('abc,dbc->', t25, t25, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t25, t0, t1, M_3, X, W_K, optimize=[(0, 4), (2, 4), (0, 1), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t27 = (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ha,jfi->', t0, M_2, X, t12, M_2, X, W_K, t25, optimize=[(0, 2), (3, 5), (0, 5), (0, 4), (0, 3), (0, 1), (0, 1)]) + (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,hj,ak,lkm,lmfn,lmi,nj->', t0, M_2, X, t12, M_2, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 2), (0, 1), (0, 9), (2, 3), (0, 3), (0, 2), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t28 = t13 + t26 + t27
+    t29 = torch.sqrt(torch.clamp(t13, min=0.0))
+    t30 = torch.sqrt(torch.clamp(t26, min=0.0))
+    t31 = torch.sqrt(torch.clamp(t28, min=0.0))
+    return (t29, t30, t31,)
+
+
+def mse_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
+    """(‖H_o(W_K, W_K)‖_F, ‖H_f(W_K, W_K)‖_F, ‖H(W_K, W_K)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_Q.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = W_K.transpose(-1, -2)
+    t3 = t2 @ t1
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t8 = torch.where(t7, -math.inf, t6)
+    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
+    A = t9 / t9.sum(-1, keepdim=True)
+    t10 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t11 = W_V.transpose(-1, -2)
+    t12 = W_V @ t11
+    t13 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij,ak,lmnf,lmk,no,lmoh,lmp,pj->', t0, M_2, X, t12, M_2, X, W_Q, t0, M_2, X, t12, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 11), (0, 1), (0, 2), (0, 1), (0, 7), (3, 6), (0, 1), (0, 2), (1, 3), (0, 1), (0, 1)])
+    t14 = A @ X
+    M_1 = t14
+    t15 = M_1 @ W_V
+    F = t15
+    t16 = (2/(L*d_V)) * F
+    t17 = (-2/(L*d_V)) * Y
+    t18 = t16 + t17
+    G = t18
+    t19 = t11 @ t1
+    t20 = G @ t19
+    t21 = t20 - (A * t20).sum(-1, keepdim=True)
+    t22 = A * t21
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t22, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t22, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t22, optimize=[(0, 1)])
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
+    t23 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)])
+    t24 = (4/(L*d_K**2*d_V*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdgh,cdi,ij,ak,lkm,lmfh,lmn,nj->', t0, M_2, X, t12, M_2, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (0, 1), (0, 9), (4, 8), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)])
+    t25 = t13 + t23 + t24
+    t26 = torch.sqrt(torch.clamp(t13, min=0.0))
+    t27 = torch.sqrt(torch.clamp(t23, min=0.0))
+    t28 = torch.sqrt(torch.clamp(t25, min=0.0))
+    return (t26, t27, t28,)
+
+
+def mse_causal1__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
+    """(‖H_o(W_K, W_V)‖_F, ‖H_f(W_K, W_V)‖_F, ‖H(W_K, W_V)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_Q.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = W_K.transpose(-1, -2)
+    t3 = t2 @ t1
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t8 = torch.where(t7, -math.inf, t6)
+    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
+    A = t9 / t9.sum(-1, keepdim=True)
+    t10 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t11 = A @ X
+    M_1 = t11
+    t12 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,eh,ai,jklf,jki,jkg,lh->', t0, M_2, X, M_1, W_V, t0, M_2, X, M_1, W_V, optimize=[(0, 2), (1, 6), (1, 5), (1, 3), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t13 = M_1 @ W_V
+    F = t13
+    t14 = (2/(L*d_V)) * F
+    t15 = (-2/(L*d_V)) * Y
+    t16 = t14 + t15
+    G = t16
+    t17 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t18 = (4/(L*d_K*d_V*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,eh,ai,jkgf,jki,jkh->', t0, M_2, X, M_1, W_V, t0, M_2, X, G, optimize=[(0, 2), (2, 6), (2, 4), (3, 5), (0, 3), (1, 3), (0, 2), (0, 1)])
+    t19 = t12 + t17 + t18
+    t20 = torch.sqrt(torch.clamp(t12, min=0.0))
+    t21 = torch.sqrt(torch.clamp(t17, min=0.0))
+    t22 = torch.sqrt(torch.clamp(t19, min=0.0))
+    return (t20, t21, t22,)
+
+
+def mse_causal1__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
+    """(‖H_o(W_V, W_Q)‖_F, ‖H_f(W_V, W_Q)‖_F, ‖H(W_V, W_Q)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_K.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t7 = torch.where(t6, -math.inf, t5)
+    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    A = t8 / t8.sum(-1, keepdim=True)
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1.transpose(-1, -2)
+    t11 = W_V.transpose(-1, -2)
+    t12 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t13 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,fh,ibj,dk,ijkl,ijg,lh->', t10, t11, M_2, X, W_K, t10, t11, M_2, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t14 = M_1 @ W_V
+    F = t14
+    t15 = (2/(L*d_V)) * F
+    t16 = (-2/(L*d_V)) * Y
+    t17 = t15 + t16
+    G = t17
+    t18 = G.transpose(-1, -2)
+    t19 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t18, M_2, X, W_K, t18, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
+    t20 = (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,de,acef,acg,fh,idj,ijbk,ijg,kh->', t10, t11, M_2, X, W_K, t18, M_2, X, W_K, optimize=[(1, 5), (2, 5), (2, 4), (0, 2), (2, 4), (0, 1), (1, 2), (0, 1)])
+    t21 = t13 + t19 + t20
+    t22 = torch.sqrt(torch.clamp(t13, min=0.0))
+    t23 = torch.sqrt(torch.clamp(t19, min=0.0))
+    t24 = torch.sqrt(torch.clamp(t21, min=0.0))
+    return (t22, t23, t24,)
+
+
+def mse_causal1__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
+    """(‖H_o(W_V, W_K)‖_F, ‖H_f(W_V, W_K)‖_F, ‖H(W_V, W_K)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_K.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t7 = torch.where(t6, -math.inf, t5)
+    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    A = t8 / t8.sum(-1, keepdim=True)
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1.transpose(-1, -2)
+    t11 = W_V.transpose(-1, -2)
+    t12 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t13 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,gh,ibj,dk,ijkf,ijl,lh->', t10, t11, M_2, X, W_Q, t10, t11, M_2, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t14 = M_1 @ W_V
+    F = t14
+    t15 = (2/(L*d_V)) * F
+    t16 = (-2/(L*d_V)) * Y
+    t17 = t15 + t16
+    G = t17
+    t18 = G.transpose(-1, -2)
+    t19 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t18, M_2, X, W_Q, t18, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t20 = (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,de,acef,acg,gh,idj,ijbf,ijk,kh->', t10, t11, M_2, X, W_Q, t18, M_2, X, W_Q, optimize=[(1, 5), (2, 3), (3, 4), (4, 5), (0, 2), (0, 3), (0, 2), (0, 1)])
+    t21 = t13 + t19 + t20
+    t22 = torch.sqrt(torch.clamp(t13, min=0.0))
+    t23 = torch.sqrt(torch.clamp(t19, min=0.0))
+    t24 = torch.sqrt(torch.clamp(t21, min=0.0))
+    return (t22, t23, t24,)
+
+
+def mse_causal1__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
+    """(‖H_o(W_V, W_V)‖_F, ‖H_f(W_V, W_V)‖_F, ‖H(W_V, W_V)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_K.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t7 = torch.where(t6, -math.inf, t5)
+    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    A = t8 / t8.sum(-1, keepdim=True)
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1.transpose(-1, -2)
+    t11 = t10 @ M_1
+    t12 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t11, t11, optimize=[(0, 1)])
+    t13 = t12 + 0.0 + 0.0
+    t14 = torch.sqrt(torch.clamp(t12, min=0.0))
+    t15 = torch.sqrt(torch.clamp(t13, min=0.0))
+    return (t14, 0.0, t15,)
+
+
 def causal1__jacobian__W_Q(X, W_Q, W_K, W_V):
     """∂vec_r F/∂vec_r W_Q: dense (numel F × numel W_Q); with data, one Jacobian per sequence (leading batch axis), not a mean."""
     L = X.shape[-2]
@@ -6238,12 +7478,15 @@ def causal1__jacobian__W_Q(X, W_Q, W_K, W_V):
     t8 = torch.where(t7, -math.inf, t6)
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A = t9 / t9.sum(-1, keepdim=True)
+    t10 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
     out = torch.empty((n_batch, L*d_V, d_K*d_V,), dtype=X.dtype, device=X.device)
-    t10 = out.view((n_batch, L, d_V, d_V, d_K,))
-    t11 = (1/math.sqrt(d_K)) * t0
-    t10[...] = oe.contract('ab,cdbe,cdf,eg->cdafg', t11, M_2, X, W_K, optimize=[(0, 1), (1, 2), (0, 1)])
+    t11 = out.view((n_batch, L, d_V, d_V, d_K,))
+    t12 = (1/math.sqrt(d_K)) * t0
+    t11[...] = oe.contract('ab,cdbe,cdf,eg->cdafg', t12, M_2, X, W_K, optimize=[(0, 1), (1, 2), (0, 1)])
     return out
 
 
@@ -6264,11 +7507,14 @@ def causal1__jacobian_compact__W_Q(X, W_Q, W_K, W_V):
     t8 = torch.where(t7, -math.inf, t6)
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A = t9 / t9.sum(-1, keepdim=True)
+    t10 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
     J = oe.contract('ab,cdbe,ef->cdaf', t0, M_2, W_K, optimize=[(0, 1), (0, 1)])
-    J10 = (1/math.sqrt(d_K)) * X
-    return (J, J10, )
+    J11 = (1/math.sqrt(d_K)) * X
+    return (J, J11, )
 
 
 def causal1__jacobian__W_K(X, W_Q, W_K, W_V):
@@ -6288,12 +7534,15 @@ def causal1__jacobian__W_K(X, W_Q, W_K, W_V):
     t8 = torch.where(t7, -math.inf, t6)
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A = t9 / t9.sum(-1, keepdim=True)
+    t10 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
     out = torch.empty((n_batch, L*d_V, d_K*d_V,), dtype=X.dtype, device=X.device)
-    t10 = out.view((n_batch, L, d_V, d_V, d_K,))
-    t11 = (1/math.sqrt(d_K)) * t0
-    t10[...] = oe.contract('ab,cdbe,cdf,fg->cdaeg', t11, M_2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t11 = out.view((n_batch, L, d_V, d_V, d_K,))
+    t12 = (1/math.sqrt(d_K)) * t0
+    t11[...] = oe.contract('ab,cdbe,cdf,fg->cdaeg', t12, M_2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
     return out
 
 
@@ -6314,11 +7563,14 @@ def causal1__jacobian_compact__W_K(X, W_Q, W_K, W_V):
     t8 = torch.where(t7, -math.inf, t6)
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A = t9 / t9.sum(-1, keepdim=True)
+    t10 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
     J = oe.contract('ab,cdbe->cdae', t0, M_2, optimize=[(0, 1)])
-    J10 = (1/math.sqrt(d_K)) * oe.contract('abc,cd->abd', X, W_Q, optimize=[(0, 1)])
-    return (J, J10, )
+    J11 = (1/math.sqrt(d_K)) * oe.contract('abc,cd->abd', X, W_Q, optimize=[(0, 1)])
+    return (J, J11, )
 
 
 def causal1__jacobian__W_V(X, W_Q, W_K, W_V):
@@ -6457,92 +7709,63 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t7 = (1/math.sqrt(d_K)) * t6
     t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
     A = t8 / t8.sum(-1, keepdim=True)
+    t9 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t9 = Y.sum(-1, keepdim=True)
-    t10 = t9.expand(*t9.shape[:-1], d_V)
-    t11 = A @ X
-    M_1 = t11
-    t12 = M_1 @ W_V
-    t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
-    A14 = t13 / t13.sum(-1, keepdim=True)
-    t15 = W_V.transpose(-1, -2)
-    t16 = (1/(L*d_K*n_batch)) * t2
-    t1[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t16, M_2, X, W_V, t10, A14, t15, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t17 = (-1/(L*d_K*n_batch)) * t2
-    t18 = oe.contract('abc,cd,abde,ef->fab', A14, t15, M_2, W_K, optimize=[(0, 1), (0, 2), (0, 1)])
-    t19 = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahcd', t17, M_2, X, W_V, t10, A14, X, optimize=[(4, 5), (0, 1), (1, 3), (2, 3), (0, 1), (0, 1)])
-    t1 += oe.contract('abc,defbc->defa', t18, t19, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
+    t10 = Y.sum(-1, keepdim=True)
+    t11 = t10.expand(*t10.shape[:-1], d_V)
+    t12 = A @ X
+    M_1 = t12
+    t13 = M_1 @ W_V
+    t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    A15 = t14 / t14.sum(-1, keepdim=True)
+    t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA17 = oe.contract('abc,cd->abcd', A15, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A15, A15, optimize=[(0, 1)])
+    t18 = W_V.transpose(-1, -2)
+    t19 = (1/(L*d_K*n_batch)) * t2
+    t1[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,jl->fakl', t19, M_2, X, W_V, t11, dA17, t18, M_2, X, W_K, optimize=[(4, 5), (0, 1), (1, 7), (5, 6), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
     t20 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t21 = t20.view((d_V, d_K, d_V, d_K))
     t22 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t23 = oe.contract('ab,cdeb,ef,cdf,cdf,fg,cdgh->ahcd', t16, M_2, W_V, t10, A14, t15, M_2, optimize=[(3, 4), (0, 1), (1, 2), (0, 2), (0, 1), (0, 1)])
+    t23 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi->aicd', t19, M_2, W_V, t11, dA17, t18, M_2, optimize=[(0, 1), (1, 2), (1, 4), (1, 3), (0, 1), (0, 1)])
     t21[...] = oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
-    t24 = oe.contract('abc,abd,de,abef,abg,gh->cfhab', X, A14, t15, M_2, X, W_Q, optimize=[(1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
-    t25 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t17, M_2, W_V, t10, A14, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
-    t21 += oe.contract('abcde,fde->afbc', t24, t25, optimize=[(0, 1)])
-    t26 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t27 = t26.view((d_V, d_K, d_V, d_V))
-    t28 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
-    t27[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t28, M_2, X, W_V, t10, A14, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t29 = (-1/(L*math.sqrt(d_K)*n_batch)) * t2
-    t30 = oe.contract('abc,abd,abe->cedab', X, A14, M_1, optimize=[(0, 1), (0, 1)])
-    t31 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t29, M_2, W_V, t10, A14, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
-    t27 += oe.contract('abcde,fde->afbc', t30, t31, optimize=[(0, 1)])
-    t32 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t33 = t32.view((d_V, d_K, d_V, d_K))
-    t34 = W_Q.transpose(-1, -2)
-    t35 = (1/(L*d_K*n_batch)) * t34
-    t33[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t35, M_2, X, W_V, t10, A14, t15, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t36 = (-1/(L*d_K*n_batch)) * t34
-    t37 = oe.contract('ab,cdb,cde,ef,cdfg,cdh,gi->ahicd', t36, X, A14, t15, M_2, X, W_K, optimize=[(0, 1), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t38 = oe.contract('abcd,ce,abe,abe->dab', M_2, W_V, t10, A14, optimize=[(1, 2), (1, 2), (0, 1)])
-    t33 += oe.contract('abcde,fde->fabc', t37, t38, optimize=[(0, 1)])
-    t39 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t40 = t39.view((d_V, d_K, d_V, d_K))
-    t41 = oe.contract('abc,cd->dab', X, W_Q, optimize=[(0, 1)])
-    t42 = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi->faicd', t35, M_2, X, W_V, t10, A14, t15, M_2, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 2), (1, 2), (0, 1)])
-    t40[...] = oe.contract('abc,defbc->defa', t41, t42, optimize=[(0, 1)])
-    t43 = oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi->faicd', t36, M_2, X, W_V, t10, A14, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 1), (0, 1)])
-    t44 = oe.contract('abc,cd,abde->eab', A14, t15, M_2, optimize=[(0, 1), (0, 1)])
-    t40 += oe.contract('abcde,fde->abfc', t43, t44, optimize=[(0, 1)])
-    t45 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t46 = t45.view((d_V, d_K, d_V, d_V))
-    t47 = (1/(L*math.sqrt(d_K)*n_batch)) * t34
-    t48 = oe.contract('abcd,ce,abe,abe->deab', M_2, W_V, t10, A14, optimize=[(0, 1), (0, 1), (0, 1)])
-    t49 = oe.contract('ab,cdb,cde->aecd', t47, X, M_1, optimize=[(0, 1), (0, 1)])
-    t46[...] = oe.contract('abcd,efcd->aefb', t48, t49, optimize=[(0, 1)])
-    t50 = (-1/(L*math.sqrt(d_K)*n_batch)) * t34
-    t51 = oe.contract('ab,cdb,cde,cdf->afecd', t50, X, A14, M_1, optimize=[(0, 1), (0, 1), (0, 1)])
-    t46 += oe.contract('abcde,fde->fabc', t51, t38, optimize=[(0, 1)])
-    t52 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t53 = t52.view((d_V, d_V, d_V, d_K))
-    t54 = M_1.transpose(-1, -2)
-    t55 = (1/(L*math.sqrt(d_K)*n_batch)) * t54
-    t53[...] = oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t55, t10, A14, t15, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t56 = (-1/(L*math.sqrt(d_K)*n_batch)) * t54
-    t57 = oe.contract('abc,acd,de,acef,fg->bgac', t56, A14, t15, M_2, W_K, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
-    t58 = oe.contract('abc,abc,abd->cdab', t10, A14, X, optimize=[(0, 1), (0, 1)])
-    t53 += oe.contract('abcd,efcd->aefb', t57, t58, optimize=[(0, 1)])
-    t59 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t60 = t59.view((d_V, d_V, d_V, d_K))
-    t61 = oe.contract('abc,acd,de->beac', t55, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t62 = oe.contract('abc,abc,cd,abde->ceab', t10, A14, t15, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t60[...] = oe.contract('abcd,efcd->aefb', t61, t62, optimize=[(0, 1)])
-    t63 = oe.contract('abc,acd,acd,ace,ef,acfg->bdgac', t56, t10, A14, A14, t15, M_2, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
-    t60 += oe.contract('abc,defbc->defa', t41, t63, optimize=[(0, 1)])
-    t64 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t64[...] = 0
-    t65 = t64.view((d_V, d_V, d_V, d_V))
-    t66 = t65.diagonal(0, 1, 3)
-    t67 = (1/(L*n_batch)) * t54
-    t68 = oe.contract('abc,abc->cab', t10, A14, optimize=[(0, 1)])
-    t69 = oe.contract('abc,acd->bdac', t67, M_1, optimize=[(0, 1)])
-    t66 += oe.contract('abc,debc->dea', t68, t69, optimize=[(0, 1)])
-    t70 = (-1/(L*n_batch)) * t54
-    t71 = oe.contract('abc,acd->bdac', t70, A14, optimize=[(0, 1)])
-    t72 = oe.contract('abc,abc,abd->cdab', t10, A14, M_1, optimize=[(0, 1), (0, 1)])
-    t65 += oe.contract('abcd,efcd->aefb', t71, t72, optimize=[(0, 1)])
+    t24 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t25 = t24.view((d_V, d_K, d_V, d_V))
+    t26 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t25[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,cdi->faih', t26, M_2, X, W_V, t11, dA17, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t27 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t28 = t27.view((d_V, d_K, d_V, d_K))
+    t29 = W_Q.transpose(-1, -2)
+    t30 = (1/(L*d_K*n_batch)) * t29
+    t28[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,jl->fakl', t30, M_2, X, W_V, t11, dA17, t18, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (4, 6), (0, 1), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t31 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t32 = t31.view((d_V, d_K, d_V, d_K))
+    t33 = oe.contract('ab,cdb,cde,ef->afcd', t30, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t34 = oe.contract('abcd,ce,abe,abef,fg,abgh->dhab', M_2, W_V, t11, dA17, t18, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
+    t32[...] = oe.contract('abcd,efcd->eafb', t33, t34, optimize=[(0, 1)])
+    t35 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t36 = t35.view((d_V, d_K, d_V, d_V))
+    t37 = (1/(L*math.sqrt(d_K)*n_batch)) * t29
+    t36[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdgh,cdi->faih', t37, M_2, X, W_V, t11, dA17, M_1, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
+    t38 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t39 = t38.view((d_V, d_V, d_V, d_K))
+    t40 = M_1.transpose(-1, -2)
+    t41 = (1/(L*math.sqrt(d_K)*n_batch)) * t40
+    t42 = oe.contract('abc,abcd,de,abef,fg->cgab', t11, dA17, t18, M_2, W_K, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t43 = oe.contract('abc,acd->bdac', t41, X, optimize=[(0, 1)])
+    t39[...] = oe.contract('abcd,efcd->eafb', t42, t43, optimize=[(0, 1)])
+    t44 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t45 = t44.view((d_V, d_V, d_V, d_K))
+    t46 = oe.contract('abc,acd,de->beac', t41, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t47 = oe.contract('abc,abcd,de,abef->cfab', t11, dA17, t18, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t45[...] = oe.contract('abcd,efcd->aefb', t46, t47, optimize=[(0, 1)])
+    t48 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t49 = t48.view((d_V, d_V, d_V, d_V))
+    t50 = (1/(L*n_batch)) * t40
+    t49[...] = oe.contract('abc,acd,acde,acf->bdfe', t50, t11, dA17, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
     return H
 
 
@@ -6619,37 +7842,43 @@ def ce_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     t5 = (1/math.sqrt(d_K)) * t4
     t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
     A = t6 / t6.sum(-1, keepdim=True)
+    t7 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t7 = Y.sum(-1, keepdim=True)
-    t8 = t7.expand(*t7.shape[:-1], d_V)
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
-    A12 = t11 / t11.sum(-1, keepdim=True)
-    t13 = W_V.transpose(-1, -2)
-    t14 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnol,mnf,op,mnp,mnp,pq,mnqr,mnj,rk->', t0, M_2, X, W_V, t8, A12, t13, M_2, X, W_K, t0, M_2, X, W_V, t8, A12, t13, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (4, 5), (0, 4), (4, 5), (1, 4), (9, 11), (1, 3), (0, 4), (0, 4), (2, 5), (0, 4), (4, 5), (0, 3), (0, 3), (1, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnol,mnf,op,mnp,mnp,mnq,qr,mnrs,mnj,sk->', t0, M_2, X, W_V, t8, A12, t13, M_2, X, W_K, t0, M_2, X, W_V, t8, A12, A12, t13, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (4, 5), (0, 4), (4, 5), (4, 13), (1, 4), (9, 11), (1, 3), (1, 3), (4, 8), (0, 2), (1, 4), (0, 4), (3, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl,am,nopm,nof,pq,noq,noq,nor,rs,nost,nok,tl->', t0, M_2, X, W_V, t8, A12, A12, t13, M_2, X, W_K, t0, M_2, X, W_V, t8, A12, A12, t13, M_2, X, W_K, optimize=[(4, 5), (13, 14), (0, 1), (2, 3), (2, 17), (4, 5), (0, 4), (4, 5), (4, 13), (1, 4), (9, 11), (1, 3), (0, 2), (2, 8), (0, 1), (1, 6), (0, 3), (2, 3), (1, 3), (0, 1), (0, 1)])
-    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
-    t16 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnol,mnf,op,mnp,mnp,pq,mnqi,mnr,rk->', t0, M_2, X, W_V, t8, A12, t13, M_2, X, W_Q, t0, M_2, X, W_V, t8, A12, t13, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (2, 3), (2, 3), (0, 2), (2, 3), (2, 3), (0, 4), (1, 3), (7, 8), (0, 3), (0, 3), (4, 5), (3, 4), (1, 3), (0, 1), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnol,mnf,op,mnp,mnp,mnq,qr,mnri,mns,sk->', t0, M_2, X, W_V, t8, A12, t13, M_2, X, W_Q, t0, M_2, X, W_V, t8, A12, A12, t13, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (2, 3), (2, 3), (0, 2), (2, 3), (2, 12), (2, 3), (1, 3), (5, 9), (0, 2), (0, 1), (5, 6), (0, 3), (0, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl,am,nopm,nof,pq,noq,noq,nor,rs,nosj,not,tl->', t0, M_2, X, W_V, t8, A12, A12, t13, M_2, X, W_Q, t0, M_2, X, W_V, t8, A12, A12, t13, M_2, X, W_Q, optimize=[(4, 5), (13, 14), (0, 1), (2, 3), (2, 17), (2, 3), (2, 3), (0, 2), (2, 3), (2, 12), (2, 3), (0, 2), (2, 9), (0, 1), (2, 7), (0, 3), (1, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
-    t18 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,ai,jkli,jkf,lg,jkg,jkg,jkh->', t0, M_2, X, W_V, t8, A12, M_1, t0, M_2, X, W_V, t8, A12, M_1, optimize=[(4, 5), (9, 10), (0, 1), (3, 4), (0, 3), (1, 3), (6, 7), (0, 4), (0, 3), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,ai,jkli,jkf,lm,jkm,jkm,jkg,jkh->', t0, M_2, X, W_V, t8, A12, M_1, t0, M_2, X, W_V, t8, A12, A12, M_1, optimize=[(4, 5), (9, 10), (0, 1), (3, 4), (0, 3), (1, 4), (7, 8), (1, 4), (4, 6), (0, 3), (1, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi,aj,klmj,klf,mn,kln,kln,klh,kli->', t0, M_2, X, W_V, t8, A12, A12, M_1, t0, M_2, X, W_V, t8, A12, A12, M_1, optimize=[(4, 5), (10, 11), (0, 1), (4, 5), (0, 4), (1, 4), (8, 9), (1, 3), (6, 7), (0, 2), (2, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
-    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
-    t20 = W_Q.transpose(-1, -2)
-    t21 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnof,mnl,op,mnp,mnp,pq,mnqr,mnj,rk->', t20, M_2, X, W_V, t8, A12, t13, M_2, X, W_K, t20, M_2, X, W_V, t8, A12, t13, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (2, 4), (2, 3), (2, 3), (0, 2), (0, 1), (0, 3), (2, 8), (1, 2), (3, 6), (0, 1), (0, 4), (0, 1), (1, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnof,mnl,op,mnp,mnp,mnq,qr,mnrs,mnj,sk->', t20, M_2, X, W_V, t8, A12, t13, M_2, X, W_K, t20, M_2, X, W_V, t8, A12, A12, t13, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (2, 4), (2, 3), (8, 13), (2, 3), (2, 11), (0, 2), (0, 1), (0, 2), (1, 7), (0, 1), (2, 5), (0, 3), (2, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl,am,nopf,nom,pq,noq,noq,nor,rs,nost,nok,tl->', t20, M_2, X, W_V, t8, A12, A12, t13, M_2, X, W_K, t20, M_2, X, W_V, t8, A12, A12, t13, M_2, X, W_K, optimize=[(4, 5), (13, 14), (0, 2), (0, 1), (14, 17), (0, 1), (0, 15), (2, 4), (2, 3), (7, 12), (2, 3), (2, 10), (0, 2), (0, 1), (0, 3), (4, 6), (0, 2), (3, 4), (0, 2), (0, 2), (0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t8 = Y.sum(-1, keepdim=True)
+    t9 = t8.expand(*t8.shape[:-1], d_V)
+    t10 = A @ X
+    M_1 = t10
+    t11 = M_1 @ W_V
+    t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
+    A13 = t12 / t12.sum(-1, keepdim=True)
+    t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA15 = oe.contract('abc,cd->abcd', A13, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A13, A13, optimize=[(0, 1)])
+    t16 = W_V.transpose(-1, -2)
+    t17 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,jl,am,nopm,nof,pq,noq,noqr,rs,nost,nok,tl->', t0, M_2, X, W_V, t9, dA15, t16, M_2, X, W_K, t0, M_2, X, W_V, t9, dA15, t16, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 8), (1, 8), (4, 10), (13, 14), (4, 9), (0, 1), (6, 11), (0, 1), (8, 9), (0, 1), (2, 7), (0, 1), (4, 5), (0, 3), (0, 2), (1, 2), (0, 1)])
+    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
+    t19 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,kl,am,nopm,nof,pq,noq,noqr,rs,nosj,not,tl->', t0, M_2, X, W_V, t9, dA15, t16, M_2, X, W_Q, t0, M_2, X, W_V, t9, dA15, t16, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 8), (1, 8), (4, 5), (8, 9), (12, 13), (11, 12), (0, 1), (6, 10), (0, 1), (7, 8), (0, 1), (2, 6), (0, 1), (3, 4), (0, 2), (1, 2), (0, 1)])
+    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
+    t21 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,cdi,aj,klmj,klf,mn,kln,klnh,kli->', t0, M_2, X, W_V, t9, dA15, M_1, t0, M_2, X, W_V, t9, dA15, M_1, optimize=[(4, 5), (9, 10), (0, 5), (1, 5), (2, 5), (7, 8), (0, 1), (2, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)])
     t22 = torch.sqrt(torch.clamp(t21, min=0.0))
-    t23 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnof,mnl,op,mnp,mnp,pq,mnqi,mnr,rk->', t20, M_2, X, W_V, t8, A12, t13, M_2, X, W_Q, t20, M_2, X, W_V, t8, A12, t13, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (0, 1), (0, 1), (0, 1), (0, 3), (2, 8), (1, 3), (0, 2), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnof,mnl,op,mnp,mnp,mnq,qr,mnri,mns,sk->', t20, M_2, X, W_V, t8, A12, t13, M_2, X, W_Q, t20, M_2, X, W_V, t8, A12, A12, t13, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (0, 1), (6, 12), (0, 1), (0, 10), (0, 1), (0, 2), (1, 7), (0, 2), (0, 3), (3, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl,am,nopf,nom,pq,noq,noq,nor,rs,nosj,not,tl->', t20, M_2, X, W_V, t8, A12, A12, t13, M_2, X, W_Q, t20, M_2, X, W_V, t8, A12, A12, t13, M_2, X, W_Q, optimize=[(4, 5), (13, 14), (0, 2), (0, 1), (14, 17), (0, 1), (0, 15), (0, 1), (0, 2), (0, 1), (5, 11), (0, 1), (0, 9), (0, 1), (0, 4), (0, 3), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t24 = torch.sqrt(torch.clamp(t23, min=0.0))
-    t25 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,ai,jklf,jki,lg,jkg,jkg,jkh->', t20, M_2, X, W_V, t8, A12, M_1, t20, M_2, X, W_V, t8, A12, M_1, optimize=[(4, 5), (9, 10), (0, 2), (0, 1), (1, 3), (1, 2), (5, 7), (0, 1), (2, 3), (3, 4), (0, 2), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,ai,jklf,jki,lm,jkm,jkm,jkg,jkh->', t20, M_2, X, W_V, t8, A12, M_1, t20, M_2, X, W_V, t8, A12, A12, M_1, optimize=[(4, 5), (9, 10), (0, 2), (0, 1), (1, 3), (1, 2), (4, 8), (0, 2), (1, 3), (1, 2), (2, 4), (1, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi,aj,klmf,klj,mn,kln,kln,klh,kli->', t20, M_2, X, W_V, t8, A12, A12, M_1, t20, M_2, X, W_V, t8, A12, A12, M_1, optimize=[(4, 5), (10, 11), (0, 2), (0, 1), (8, 11), (2, 4), (2, 3), (4, 8), (0, 2), (0, 1), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t26 = torch.sqrt(torch.clamp(t25, min=0.0))
-    t27 = M_1.transpose(-1, -2)
-    t28 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,fh,ibj,ijd,ijd,dk,ijkl,ijg,lh->', t27, t8, A12, t13, M_2, X, W_K, t27, t8, A12, t13, M_2, X, W_K, optimize=[(1, 2), (6, 7), (1, 2), (0, 3), (2, 3), (0, 2), (5, 7), (0, 1), (2, 5), (2, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,fh,ibj,ijd,ijd,ijk,kl,ijlm,ijg,mh->', t27, t8, A12, t13, M_2, X, W_K, t27, t8, A12, A12, t13, M_2, X, W_K, optimize=[(1, 2), (6, 7), (1, 2), (0, 3), (2, 3), (2, 9), (0, 2), (5, 7), (0, 1), (2, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi,jbk,jkd,jkd,jkl,lm,jkmn,jkh,ni->', t27, t8, A12, A12, t13, M_2, X, W_K, t27, t8, A12, A12, t13, M_2, X, W_K, optimize=[(1, 2), (7, 8), (1, 2), (1, 12), (0, 3), (2, 3), (2, 9), (0, 2), (5, 7), (0, 1), (0, 1), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t23 = W_Q.transpose(-1, -2)
+    t24 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,jl,am,nopf,nom,pq,noq,noqr,rs,nost,nok,tl->', t23, M_2, X, W_V, t9, dA15, t16, M_2, X, W_K, t23, M_2, X, W_V, t9, dA15, t16, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1), (15, 16), (0, 1), (13, 14), (2, 4), (2, 3), (2, 3), (9, 10), (2, 3), (7, 8), (0, 2), (0, 1), (0, 2), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
+    t26 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,kl,am,nopf,nom,pq,noq,noqr,rs,nosj,not,tl->', t23, M_2, X, W_V, t9, dA15, t16, M_2, X, W_Q, t23, M_2, X, W_V, t9, dA15, t16, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 1), (15, 16), (0, 1), (13, 14), (0, 1), (0, 2), (0, 1), (0, 1), (8, 9), (0, 1), (6, 7), (3, 6), (0, 1), (0, 2), (1, 3), (0, 1), (0, 1)])
+    t27 = torch.sqrt(torch.clamp(t26, min=0.0))
+    t28 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,cdi,aj,klmf,klj,mn,kln,klnh,kli->', t23, M_2, X, W_V, t9, dA15, M_1, t23, M_2, X, W_V, t9, dA15, M_1, optimize=[(0, 2), (0, 1), (0, 1), (9, 10), (1, 3), (1, 2), (1, 2), (5, 6), (3, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
     t29 = torch.sqrt(torch.clamp(t28, min=0.0))
-    t30 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,gh,ibj,ijd,ijd,dk,ijkf,ijl,lh->', t27, t8, A12, t13, M_2, X, W_Q, t27, t8, A12, t13, M_2, X, W_Q, optimize=[(1, 2), (6, 7), (1, 2), (1, 2), (0, 1), (0, 1), (4, 7), (0, 1), (0, 4), (0, 4), (1, 3), (0, 1), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,gh,ibj,ijd,ijd,ijk,kl,ijlf,ijm,mh->', t27, t8, A12, t13, M_2, X, W_Q, t27, t8, A12, A12, t13, M_2, X, W_Q, optimize=[(1, 2), (6, 7), (1, 2), (1, 2), (0, 1), (0, 1), (0, 8), (0, 1), (0, 2), (3, 5), (0, 4), (1, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi,jbk,jkd,jkd,jkl,lm,jkmg,jkn,ni->', t27, t8, A12, A12, t13, M_2, X, W_Q, t27, t8, A12, A12, t13, M_2, X, W_Q, optimize=[(1, 2), (7, 8), (1, 2), (1, 12), (1, 2), (0, 1), (0, 1), (0, 8), (0, 1), (0, 1), (2, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t31 = torch.sqrt(torch.clamp(t30, min=0.0))
-    t32 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fge->', t27, t8, A12, M_1, t27, t8, A12, M_1, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fgd,fge->', t27, t8, A12, M_1, t27, t8, A12, A12, M_1, optimize=[(1, 2), (3, 4), (3, 6), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,acf,gbh,ghd,ghd,ghe,ghf->', t27, t8, A12, A12, M_1, t27, t8, A12, A12, M_1, optimize=[(1, 2), (4, 5), (0, 3), (0, 2), (4, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t33 = torch.sqrt(torch.clamp(t32, min=0.0))
-    return (t15, t17, t19, t22, t24, t26, t29, t31, t33,)
+    t30 = M_1.transpose(-1, -2)
+    t31 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,gi,jbk,jkd,jkdl,lm,jkmn,jkh,ni->', t30, t9, dA15, t16, M_2, X, W_K, t30, t9, dA15, t16, M_2, X, W_K, optimize=[(1, 2), (1, 12), (1, 11), (0, 3), (2, 3), (2, 8), (2, 7), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
+    t32 = torch.sqrt(torch.clamp(t31, min=0.0))
+    t33 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,hi,jbk,jkd,jkdl,lm,jkmg,jkn,ni->', t30, t9, dA15, t16, M_2, X, W_Q, t30, t9, dA15, t16, M_2, X, W_Q, optimize=[(1, 2), (1, 12), (1, 11), (1, 2), (0, 1), (0, 1), (0, 7), (0, 6), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t34 = torch.sqrt(torch.clamp(t33, min=0.0))
+    t35 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t30, t9, dA15, M_1, t30, t9, dA15, M_1, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
+    t36 = torch.sqrt(torch.clamp(t35, min=0.0))
+    return (t18, t20, t22, t25, t27, t29, t32, t34, t36,)
 
 
 def ce_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -6668,23 +7897,26 @@ def ce_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t6 = (1/math.sqrt(d_K)) * t5
     t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
     A = t7 / t7.sum(-1, keepdim=True)
+    t8 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t8 = Y.sum(-1, keepdim=True)
-    t9 = t8.expand(*t8.shape[:-1], d_V)
-    t10 = A @ X
-    M_1 = t10
-    t11 = M_1 @ W_V
-    t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
-    A13 = t12 / t12.sum(-1, keepdim=True)
-    t14 = W_V.transpose(-1, -2)
-    t15 = (1/(L*d_K*n_batch)) * t1
-    t16 = oe.contract('ab,cdeb,ef,cdf,cdf,fg,cdgh,ha->acd', t15, M_2, W_V, t9, A13, t14, M_2, W_K, optimize=[(3, 4), (0, 1), (1, 2), (0, 3), (0, 2), (1, 2), (0, 1)])
-    t17 = oe.contract('abc,abc->cab', X, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t16, t17, optimize=[(0, 1)])
-    t18 = (-1/(L*d_K*n_batch)) * t1
-    t19 = oe.contract('ab,cdeb,ef,cdf,cdf,cdg,gh,cdhi,ia->acd', t18, M_2, W_V, t9, A13, A13, t14, M_2, W_K, optimize=[(3, 4), (0, 1), (1, 2), (1, 5), (0, 2), (1, 3), (0, 1), (0, 1)])
-    t0 += oe.contract('abc,dbc->da', t19, t17, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t9 = Y.sum(-1, keepdim=True)
+    t10 = t9.expand(*t9.shape[:-1], d_V)
+    t11 = A @ X
+    M_1 = t11
+    t12 = M_1 @ W_V
+    t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A14 = t13 / t13.sum(-1, keepdim=True)
+    t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA16 = oe.contract('abc,cd->abcd', A14, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A14, A14, optimize=[(0, 1)])
+    t17 = W_V.transpose(-1, -2)
+    t18 = (1/(L*d_K*n_batch)) * t1
+    t19 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi,ia->acd', t18, M_2, W_V, t10, dA16, t17, M_2, W_K, optimize=[(0, 1), (1, 2), (1, 5), (1, 4), (0, 2), (1, 2), (0, 1)])
+    t20 = oe.contract('abc,abc->cab', X, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -6702,17 +7934,23 @@ def ce_causal0__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t5 = (1/math.sqrt(d_K)) * t4
     t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
     A = t6 / t6.sum(-1, keepdim=True)
+    t7 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t7 = Y.sum(-1, keepdim=True)
-    t8 = t7.expand(*t7.shape[:-1], d_V)
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
-    A12 = t11 / t11.sum(-1, keepdim=True)
-    t13 = W_V.transpose(-1, -2)
-    return (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdf,ia->', t0, M_2, X, W_V, t8, A12, t13, M_2, X, W_K, optimize=[(4, 5), (2, 6), (0, 1), (1, 2), (2, 3), (0, 2), (0, 1), (1, 2), (0, 1)]) + (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdf,ja->', t0, M_2, X, W_V, t8, A12, A12, t13, M_2, X, W_K, optimize=[(4, 5), (2, 7), (0, 1), (1, 2), (1, 6), (0, 2), (2, 4), (0, 2), (1, 2), (0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t8 = Y.sum(-1, keepdim=True)
+    t9 = t8.expand(*t8.shape[:-1], d_V)
+    t10 = A @ X
+    M_1 = t10
+    t11 = M_1 @ W_V
+    t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
+    A13 = t12 / t12.sum(-1, keepdim=True)
+    t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA15 = oe.contract('abc,cd->abcd', A13, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A13, A13, optimize=[(0, 1)])
+    t16 = W_V.transpose(-1, -2)
+    return (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdf,ja->', t0, M_2, X, W_V, t9, dA15, t16, M_2, X, W_K, optimize=[(2, 8), (3, 4), (0, 5), (0, 1), (3, 5), (0, 1), (2, 3), (1, 2), (0, 1)])
 
 
 def ce_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -6731,22 +7969,24 @@ def ce_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t6 = (1/math.sqrt(d_K)) * t5
     t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
     A = t7 / t7.sum(-1, keepdim=True)
+    t8 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t8 = Y.sum(-1, keepdim=True)
-    t9 = t8.expand(*t8.shape[:-1], d_V)
-    t10 = A @ X
-    M_1 = t10
-    t11 = M_1 @ W_V
-    t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
-    A13 = t12 / t12.sum(-1, keepdim=True)
-    t14 = W_V.transpose(-1, -2)
-    t15 = (1/(L*d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t15, M_2, X, W_V, t9, A13, t14, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t16 = (-1/(L*d_K*n_batch)) * t1
-    t17 = oe.contract('abc,cd,abde,ef->fab', A13, t14, M_2, W_K, optimize=[(0, 1), (0, 2), (0, 1)])
-    t18 = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahcd', t16, M_2, X, W_V, t9, A13, X, optimize=[(4, 5), (0, 1), (1, 3), (2, 3), (0, 1), (0, 1)])
-    t0 += oe.contract('abc,defbc->defa', t17, t18, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t9 = Y.sum(-1, keepdim=True)
+    t10 = t9.expand(*t9.shape[:-1], d_V)
+    t11 = A @ X
+    M_1 = t11
+    t12 = M_1 @ W_V
+    t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A14 = t13 / t13.sum(-1, keepdim=True)
+    t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA16 = oe.contract('abc,cd->abcd', A14, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A14, A14, optimize=[(0, 1)])
+    t17 = W_V.transpose(-1, -2)
+    t18 = (1/(L*d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,jl->fakl', t18, M_2, X, W_V, t10, dA16, t17, M_2, X, W_K, optimize=[(4, 5), (0, 1), (1, 7), (5, 6), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -6764,19 +8004,25 @@ def ce_causal0__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t5 = (1/math.sqrt(d_K)) * t4
     t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
     A = t6 / t6.sum(-1, keepdim=True)
+    t7 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t7 = Y.sum(-1, keepdim=True)
-    t8 = t7.expand(*t7.shape[:-1], d_V)
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
-    A12 = t11 / t11.sum(-1, keepdim=True)
-    t13 = W_V.transpose(-1, -2)
-    t14 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnol,mnf,op,mnp,mnp,pq,mnqr,mnj,rk->', t0, M_2, X, W_V, t8, A12, t13, M_2, X, W_K, t0, M_2, X, W_V, t8, A12, t13, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (4, 5), (0, 4), (4, 5), (1, 4), (9, 11), (1, 3), (0, 4), (0, 4), (2, 5), (0, 4), (4, 5), (0, 3), (0, 3), (1, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnol,mnf,op,mnp,mnp,mnq,qr,mnrs,mnj,sk->', t0, M_2, X, W_V, t8, A12, t13, M_2, X, W_K, t0, M_2, X, W_V, t8, A12, A12, t13, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (4, 5), (0, 4), (4, 5), (4, 13), (1, 4), (9, 11), (1, 3), (1, 3), (4, 8), (0, 2), (1, 4), (0, 4), (3, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl,am,nopm,nof,pq,noq,noq,nor,rs,nost,nok,tl->', t0, M_2, X, W_V, t8, A12, A12, t13, M_2, X, W_K, t0, M_2, X, W_V, t8, A12, A12, t13, M_2, X, W_K, optimize=[(4, 5), (13, 14), (0, 1), (2, 3), (2, 17), (4, 5), (0, 4), (4, 5), (4, 13), (1, 4), (9, 11), (1, 3), (0, 2), (2, 8), (0, 1), (1, 6), (0, 3), (2, 3), (1, 3), (0, 1), (0, 1)])
-    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
-    return t15
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t8 = Y.sum(-1, keepdim=True)
+    t9 = t8.expand(*t8.shape[:-1], d_V)
+    t10 = A @ X
+    M_1 = t10
+    t11 = M_1 @ W_V
+    t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
+    A13 = t12 / t12.sum(-1, keepdim=True)
+    t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA15 = oe.contract('abc,cd->abcd', A13, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A13, A13, optimize=[(0, 1)])
+    t16 = W_V.transpose(-1, -2)
+    t17 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,jl,am,nopm,nof,pq,noq,noqr,rs,nost,nok,tl->', t0, M_2, X, W_V, t9, dA15, t16, M_2, X, W_K, t0, M_2, X, W_V, t9, dA15, t16, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 8), (1, 8), (4, 10), (13, 14), (4, 9), (0, 1), (6, 11), (0, 1), (8, 9), (0, 1), (2, 7), (0, 1), (4, 5), (0, 3), (0, 2), (1, 2), (0, 1)])
+    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
+    return t18
 
 
 def ce_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -6795,24 +8041,26 @@ def ce_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     t6 = (1/math.sqrt(d_K)) * t5
     t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
     A = t7 / t7.sum(-1, keepdim=True)
+    t8 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t8 = Y.sum(-1, keepdim=True)
-    t9 = t8.expand(*t8.shape[:-1], d_V)
-    t10 = A @ X
-    M_1 = t10
-    t11 = M_1 @ W_V
-    t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
-    A13 = t12 / t12.sum(-1, keepdim=True)
-    t14 = W_V.transpose(-1, -2)
-    t15 = (1/(L*d_K*n_batch)) * t1
-    t16 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t17 = oe.contract('ab,cdeb,ef,cdf,cdf,fg,cdgh->ahcd', t15, M_2, W_V, t9, A13, t14, M_2, optimize=[(3, 4), (0, 1), (1, 2), (0, 2), (0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t16, t17, optimize=[(0, 1)])
-    t18 = (-1/(L*d_K*n_batch)) * t1
-    t19 = oe.contract('abc,abd,de,abef,abg,gh->cfhab', X, A13, t14, M_2, X, W_Q, optimize=[(1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
-    t20 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t18, M_2, W_V, t9, A13, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
-    t0 += oe.contract('abcde,fde->afbc', t19, t20, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t9 = Y.sum(-1, keepdim=True)
+    t10 = t9.expand(*t9.shape[:-1], d_V)
+    t11 = A @ X
+    M_1 = t11
+    t12 = M_1 @ W_V
+    t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A14 = t13 / t13.sum(-1, keepdim=True)
+    t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA16 = oe.contract('abc,cd->abcd', A14, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A14, A14, optimize=[(0, 1)])
+    t17 = W_V.transpose(-1, -2)
+    t18 = (1/(L*d_K*n_batch)) * t1
+    t19 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t20 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi->aicd', t18, M_2, W_V, t10, dA16, t17, M_2, optimize=[(0, 1), (1, 2), (1, 4), (1, 3), (0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -6830,19 +8078,25 @@ def ce_causal0__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     t5 = (1/math.sqrt(d_K)) * t4
     t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
     A = t6 / t6.sum(-1, keepdim=True)
+    t7 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t7 = Y.sum(-1, keepdim=True)
-    t8 = t7.expand(*t7.shape[:-1], d_V)
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
-    A12 = t11 / t11.sum(-1, keepdim=True)
-    t13 = W_V.transpose(-1, -2)
-    t14 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnol,mnf,op,mnp,mnp,pq,mnqi,mnr,rk->', t0, M_2, X, W_V, t8, A12, t13, M_2, X, W_Q, t0, M_2, X, W_V, t8, A12, t13, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (2, 3), (2, 3), (0, 2), (2, 3), (2, 3), (0, 4), (1, 3), (7, 8), (0, 3), (0, 3), (4, 5), (3, 4), (1, 3), (0, 1), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnol,mnf,op,mnp,mnp,mnq,qr,mnri,mns,sk->', t0, M_2, X, W_V, t8, A12, t13, M_2, X, W_Q, t0, M_2, X, W_V, t8, A12, A12, t13, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (2, 3), (2, 3), (0, 2), (2, 3), (2, 12), (2, 3), (1, 3), (5, 9), (0, 2), (0, 1), (5, 6), (0, 3), (0, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl,am,nopm,nof,pq,noq,noq,nor,rs,nosj,not,tl->', t0, M_2, X, W_V, t8, A12, A12, t13, M_2, X, W_Q, t0, M_2, X, W_V, t8, A12, A12, t13, M_2, X, W_Q, optimize=[(4, 5), (13, 14), (0, 1), (2, 3), (2, 17), (2, 3), (2, 3), (0, 2), (2, 3), (2, 12), (2, 3), (0, 2), (2, 9), (0, 1), (2, 7), (0, 3), (1, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
-    return t15
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t8 = Y.sum(-1, keepdim=True)
+    t9 = t8.expand(*t8.shape[:-1], d_V)
+    t10 = A @ X
+    M_1 = t10
+    t11 = M_1 @ W_V
+    t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
+    A13 = t12 / t12.sum(-1, keepdim=True)
+    t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA15 = oe.contract('abc,cd->abcd', A13, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A13, A13, optimize=[(0, 1)])
+    t16 = W_V.transpose(-1, -2)
+    t17 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,kl,am,nopm,nof,pq,noq,noqr,rs,nosj,not,tl->', t0, M_2, X, W_V, t9, dA15, t16, M_2, X, W_Q, t0, M_2, X, W_V, t9, dA15, t16, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 8), (1, 8), (4, 5), (8, 9), (12, 13), (11, 12), (0, 1), (6, 10), (0, 1), (7, 8), (0, 1), (2, 6), (0, 1), (3, 4), (0, 2), (1, 2), (0, 1)])
+    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
+    return t18
 
 
 def ce_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -6861,21 +8115,23 @@ def ce_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     t6 = (1/math.sqrt(d_K)) * t5
     t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
     A = t7 / t7.sum(-1, keepdim=True)
+    t8 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t8 = Y.sum(-1, keepdim=True)
-    t9 = t8.expand(*t8.shape[:-1], d_V)
-    t10 = A @ X
-    M_1 = t10
-    t11 = M_1 @ W_V
-    t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
-    A13 = t12 / t12.sum(-1, keepdim=True)
-    t14 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t14, M_2, X, W_V, t9, A13, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t15 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t16 = oe.contract('abc,abd,abe->cedab', X, A13, M_1, optimize=[(0, 1), (0, 1)])
-    t17 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t15, M_2, W_V, t9, A13, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
-    t0 += oe.contract('abcde,fde->afbc', t16, t17, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t9 = Y.sum(-1, keepdim=True)
+    t10 = t9.expand(*t9.shape[:-1], d_V)
+    t11 = A @ X
+    M_1 = t11
+    t12 = M_1 @ W_V
+    t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A14 = t13 / t13.sum(-1, keepdim=True)
+    t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA16 = oe.contract('abc,cd->abcd', A14, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A14, A14, optimize=[(0, 1)])
+    t17 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,cdi->faih', t17, M_2, X, W_V, t10, dA16, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -6893,18 +8149,24 @@ def ce_causal0__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     t5 = (1/math.sqrt(d_K)) * t4
     t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
     A = t6 / t6.sum(-1, keepdim=True)
+    t7 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t7 = Y.sum(-1, keepdim=True)
-    t8 = t7.expand(*t7.shape[:-1], d_V)
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
-    A12 = t11 / t11.sum(-1, keepdim=True)
-    t13 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,ai,jkli,jkf,lg,jkg,jkg,jkh->', t0, M_2, X, W_V, t8, A12, M_1, t0, M_2, X, W_V, t8, A12, M_1, optimize=[(4, 5), (9, 10), (0, 1), (3, 4), (0, 3), (1, 3), (6, 7), (0, 4), (0, 3), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,ai,jkli,jkf,lm,jkm,jkm,jkg,jkh->', t0, M_2, X, W_V, t8, A12, M_1, t0, M_2, X, W_V, t8, A12, A12, M_1, optimize=[(4, 5), (9, 10), (0, 1), (3, 4), (0, 3), (1, 4), (7, 8), (1, 4), (4, 6), (0, 3), (1, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi,aj,klmj,klf,mn,kln,kln,klh,kli->', t0, M_2, X, W_V, t8, A12, A12, M_1, t0, M_2, X, W_V, t8, A12, A12, M_1, optimize=[(4, 5), (10, 11), (0, 1), (4, 5), (0, 4), (1, 4), (8, 9), (1, 3), (6, 7), (0, 2), (2, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
-    t14 = torch.sqrt(torch.clamp(t13, min=0.0))
-    return t14
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t8 = Y.sum(-1, keepdim=True)
+    t9 = t8.expand(*t8.shape[:-1], d_V)
+    t10 = A @ X
+    M_1 = t10
+    t11 = M_1 @ W_V
+    t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
+    A13 = t12 / t12.sum(-1, keepdim=True)
+    t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA15 = oe.contract('abc,cd->abcd', A13, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A13, A13, optimize=[(0, 1)])
+    t16 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,cdi,aj,klmj,klf,mn,kln,klnh,kli->', t0, M_2, X, W_V, t9, dA15, M_1, t0, M_2, X, W_V, t9, dA15, M_1, optimize=[(4, 5), (9, 10), (0, 5), (1, 5), (2, 5), (7, 8), (0, 1), (2, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)])
+    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
+    return t17
 
 
 def ce_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -6924,24 +8186,26 @@ def ce_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     t7 = (1/math.sqrt(d_K)) * t6
     t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
     A = t8 / t8.sum(-1, keepdim=True)
+    t9 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t9 = Y.sum(-1, keepdim=True)
-    t10 = t9.expand(*t9.shape[:-1], d_V)
-    t11 = A @ X
-    M_1 = t11
-    t12 = M_1 @ W_V
-    t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
-    A14 = t13 / t13.sum(-1, keepdim=True)
-    t15 = W_V.transpose(-1, -2)
-    t16 = (1/(L*d_K*n_batch)) * t1
-    t17 = oe.contract('ab,cdb,cde,ea->acd', t16, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t18 = oe.contract('abcd,ce,abe,abe,ef,abfd->dab', M_2, W_V, t10, A14, t15, M_2, optimize=[(2, 3), (0, 1), (0, 1), (1, 2), (0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t17, t18, optimize=[(0, 1)])
-    t19 = (-1/(L*d_K*n_batch)) * t1
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t10 = Y.sum(-1, keepdim=True)
+    t11 = t10.expand(*t10.shape[:-1], d_V)
+    t12 = A @ X
+    M_1 = t12
+    t13 = M_1 @ W_V
+    t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    A15 = t14 / t14.sum(-1, keepdim=True)
+    t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA17 = oe.contract('abc,cd->abcd', A15, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A15, A15, optimize=[(0, 1)])
+    t18 = W_V.transpose(-1, -2)
+    t19 = (1/(L*d_K*n_batch)) * t1
     t20 = oe.contract('ab,cdb,cde,ea->acd', t19, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t21 = oe.contract('abcd,ce,abe,abe,abf,fg,abgd->dab', M_2, W_V, t10, A14, A14, t15, M_2, optimize=[(2, 3), (0, 1), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t0 += oe.contract('abc,dbc->da', t20, t21, optimize=[(0, 1)])
+    t21 = oe.contract('abcd,ce,abe,abef,fg,abgd->dab', M_2, W_V, t11, dA17, t18, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -6960,17 +8224,23 @@ def ce_causal0__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     t6 = (1/math.sqrt(d_K)) * t5
     t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
     A = t7 / t7.sum(-1, keepdim=True)
+    t8 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t8 = Y.sum(-1, keepdim=True)
-    t9 = t8.expand(*t8.shape[:-1], d_V)
-    t10 = A @ X
-    M_1 = t10
-    t11 = M_1 @ W_V
-    t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
-    A13 = t12 / t12.sum(-1, keepdim=True)
-    t14 = W_V.transpose(-1, -2)
-    return (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhf,cdi,ia->', t0, M_2, X, W_V, t9, A13, t14, M_2, X, W_Q, optimize=[(4, 5), (1, 5), (0, 1), (2, 3), (4, 5), (0, 3), (0, 3), (0, 2), (0, 1)]) + (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdif,cdj,ja->', t0, M_2, X, W_V, t9, A13, A13, t14, M_2, X, W_Q, optimize=[(4, 5), (1, 6), (0, 1), (1, 2), (4, 6), (1, 2), (2, 4), (0, 1), (0, 2), (0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t9 = Y.sum(-1, keepdim=True)
+    t10 = t9.expand(*t9.shape[:-1], d_V)
+    t11 = A @ X
+    M_1 = t11
+    t12 = M_1 @ W_V
+    t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A14 = t13 / t13.sum(-1, keepdim=True)
+    t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA16 = oe.contract('abc,cd->abcd', A14, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A14, A14, optimize=[(0, 1)])
+    t17 = W_V.transpose(-1, -2)
+    return (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdif,cdj,ja->', t0, M_2, X, W_V, t10, dA16, t17, M_2, X, W_Q, optimize=[(1, 7), (0, 1), (1, 2), (1, 6), (3, 5), (0, 4), (0, 1), (0, 2), (0, 1)])
 
 
 def ce_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -6990,22 +8260,24 @@ def ce_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t7 = (1/math.sqrt(d_K)) * t6
     t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
     A = t8 / t8.sum(-1, keepdim=True)
+    t9 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t9 = Y.sum(-1, keepdim=True)
-    t10 = t9.expand(*t9.shape[:-1], d_V)
-    t11 = A @ X
-    M_1 = t11
-    t12 = M_1 @ W_V
-    t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
-    A14 = t13 / t13.sum(-1, keepdim=True)
-    t15 = W_V.transpose(-1, -2)
-    t16 = (1/(L*d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t16, M_2, X, W_V, t10, A14, t15, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t17 = (-1/(L*d_K*n_batch)) * t1
-    t18 = oe.contract('ab,cdb,cde,ef,cdfg,cdh,gi->ahicd', t17, X, A14, t15, M_2, X, W_K, optimize=[(0, 1), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t19 = oe.contract('abcd,ce,abe,abe->dab', M_2, W_V, t10, A14, optimize=[(1, 2), (1, 2), (0, 1)])
-    t0 += oe.contract('abcde,fde->fabc', t18, t19, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t10 = Y.sum(-1, keepdim=True)
+    t11 = t10.expand(*t10.shape[:-1], d_V)
+    t12 = A @ X
+    M_1 = t12
+    t13 = M_1 @ W_V
+    t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    A15 = t14 / t14.sum(-1, keepdim=True)
+    t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA17 = oe.contract('abc,cd->abcd', A15, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A15, A15, optimize=[(0, 1)])
+    t18 = W_V.transpose(-1, -2)
+    t19 = (1/(L*d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,jl->fakl', t19, M_2, X, W_V, t11, dA17, t18, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (4, 6), (0, 1), (3, 4), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -7024,19 +8296,25 @@ def ce_causal0__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t6 = (1/math.sqrt(d_K)) * t5
     t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
     A = t7 / t7.sum(-1, keepdim=True)
+    t8 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t8 = Y.sum(-1, keepdim=True)
-    t9 = t8.expand(*t8.shape[:-1], d_V)
-    t10 = A @ X
-    M_1 = t10
-    t11 = M_1 @ W_V
-    t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
-    A13 = t12 / t12.sum(-1, keepdim=True)
-    t14 = W_V.transpose(-1, -2)
-    t15 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnof,mnl,op,mnp,mnp,pq,mnqr,mnj,rk->', t0, M_2, X, W_V, t9, A13, t14, M_2, X, W_K, t0, M_2, X, W_V, t9, A13, t14, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (2, 4), (2, 3), (2, 3), (0, 2), (0, 1), (0, 3), (2, 8), (1, 2), (3, 6), (0, 1), (0, 4), (0, 1), (1, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnof,mnl,op,mnp,mnp,mnq,qr,mnrs,mnj,sk->', t0, M_2, X, W_V, t9, A13, t14, M_2, X, W_K, t0, M_2, X, W_V, t9, A13, A13, t14, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (2, 4), (2, 3), (8, 13), (2, 3), (2, 11), (0, 2), (0, 1), (0, 2), (1, 7), (0, 1), (2, 5), (0, 3), (2, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl,am,nopf,nom,pq,noq,noq,nor,rs,nost,nok,tl->', t0, M_2, X, W_V, t9, A13, A13, t14, M_2, X, W_K, t0, M_2, X, W_V, t9, A13, A13, t14, M_2, X, W_K, optimize=[(4, 5), (13, 14), (0, 2), (0, 1), (14, 17), (0, 1), (0, 15), (2, 4), (2, 3), (7, 12), (2, 3), (2, 10), (0, 2), (0, 1), (0, 3), (4, 6), (0, 2), (3, 4), (0, 2), (0, 2), (0, 1)])
-    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
-    return t16
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t9 = Y.sum(-1, keepdim=True)
+    t10 = t9.expand(*t9.shape[:-1], d_V)
+    t11 = A @ X
+    M_1 = t11
+    t12 = M_1 @ W_V
+    t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A14 = t13 / t13.sum(-1, keepdim=True)
+    t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA16 = oe.contract('abc,cd->abcd', A14, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A14, A14, optimize=[(0, 1)])
+    t17 = W_V.transpose(-1, -2)
+    t18 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,jl,am,nopf,nom,pq,noq,noqr,rs,nost,nok,tl->', t0, M_2, X, W_V, t10, dA16, t17, M_2, X, W_K, t0, M_2, X, W_V, t10, dA16, t17, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1), (15, 16), (0, 1), (13, 14), (2, 4), (2, 3), (2, 3), (9, 10), (2, 3), (7, 8), (0, 2), (0, 1), (0, 2), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
+    return t19
 
 
 def ce_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -7056,24 +8334,26 @@ def ce_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t7 = (1/math.sqrt(d_K)) * t6
     t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
     A = t8 / t8.sum(-1, keepdim=True)
+    t9 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t9 = Y.sum(-1, keepdim=True)
-    t10 = t9.expand(*t9.shape[:-1], d_V)
-    t11 = A @ X
-    M_1 = t11
-    t12 = M_1 @ W_V
-    t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
-    A14 = t13 / t13.sum(-1, keepdim=True)
-    t15 = W_V.transpose(-1, -2)
-    t16 = (1/(L*d_K*n_batch)) * t1
-    t17 = oe.contract('abc,cd->dab', X, W_Q, optimize=[(0, 1)])
-    t18 = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi->faicd', t16, M_2, X, W_V, t10, A14, t15, M_2, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 2), (1, 2), (0, 1)])
-    t0[...] = oe.contract('abc,defbc->defa', t17, t18, optimize=[(0, 1)])
-    t19 = (-1/(L*d_K*n_batch)) * t1
-    t20 = oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi->faicd', t19, M_2, X, W_V, t10, A14, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 1), (0, 1)])
-    t21 = oe.contract('abc,cd,abde->eab', A14, t15, M_2, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcde,fde->abfc', t20, t21, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t10 = Y.sum(-1, keepdim=True)
+    t11 = t10.expand(*t10.shape[:-1], d_V)
+    t12 = A @ X
+    M_1 = t12
+    t13 = M_1 @ W_V
+    t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    A15 = t14 / t14.sum(-1, keepdim=True)
+    t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA17 = oe.contract('abc,cd->abcd', A15, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A15, A15, optimize=[(0, 1)])
+    t18 = W_V.transpose(-1, -2)
+    t19 = (1/(L*d_K*n_batch)) * t1
+    t20 = oe.contract('ab,cdb,cde,ef->afcd', t19, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t21 = oe.contract('abcd,ce,abe,abef,fg,abgh->dhab', M_2, W_V, t11, dA17, t18, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -7092,19 +8372,25 @@ def ce_causal0__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t6 = (1/math.sqrt(d_K)) * t5
     t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
     A = t7 / t7.sum(-1, keepdim=True)
+    t8 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t8 = Y.sum(-1, keepdim=True)
-    t9 = t8.expand(*t8.shape[:-1], d_V)
-    t10 = A @ X
-    M_1 = t10
-    t11 = M_1 @ W_V
-    t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
-    A13 = t12 / t12.sum(-1, keepdim=True)
-    t14 = W_V.transpose(-1, -2)
-    t15 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnof,mnl,op,mnp,mnp,pq,mnqi,mnr,rk->', t0, M_2, X, W_V, t9, A13, t14, M_2, X, W_Q, t0, M_2, X, W_V, t9, A13, t14, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (0, 1), (0, 1), (0, 1), (0, 3), (2, 8), (1, 3), (0, 2), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnof,mnl,op,mnp,mnp,mnq,qr,mnri,mns,sk->', t0, M_2, X, W_V, t9, A13, t14, M_2, X, W_Q, t0, M_2, X, W_V, t9, A13, A13, t14, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (0, 1), (6, 12), (0, 1), (0, 10), (0, 1), (0, 2), (1, 7), (0, 2), (0, 3), (3, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl,am,nopf,nom,pq,noq,noq,nor,rs,nosj,not,tl->', t0, M_2, X, W_V, t9, A13, A13, t14, M_2, X, W_Q, t0, M_2, X, W_V, t9, A13, A13, t14, M_2, X, W_Q, optimize=[(4, 5), (13, 14), (0, 2), (0, 1), (14, 17), (0, 1), (0, 15), (0, 1), (0, 2), (0, 1), (5, 11), (0, 1), (0, 9), (0, 1), (0, 4), (0, 3), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
-    return t16
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t9 = Y.sum(-1, keepdim=True)
+    t10 = t9.expand(*t9.shape[:-1], d_V)
+    t11 = A @ X
+    M_1 = t11
+    t12 = M_1 @ W_V
+    t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A14 = t13 / t13.sum(-1, keepdim=True)
+    t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA16 = oe.contract('abc,cd->abcd', A14, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A14, A14, optimize=[(0, 1)])
+    t17 = W_V.transpose(-1, -2)
+    t18 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,kl,am,nopf,nom,pq,noq,noqr,rs,nosj,not,tl->', t0, M_2, X, W_V, t10, dA16, t17, M_2, X, W_Q, t0, M_2, X, W_V, t10, dA16, t17, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 1), (15, 16), (0, 1), (13, 14), (0, 1), (0, 2), (0, 1), (0, 1), (8, 9), (0, 1), (6, 7), (3, 6), (0, 1), (0, 2), (1, 3), (0, 1), (0, 1)])
+    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
+    return t19
 
 
 def ce_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -7124,23 +8410,23 @@ def ce_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     t7 = (1/math.sqrt(d_K)) * t6
     t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
     A = t8 / t8.sum(-1, keepdim=True)
+    t9 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t9 = Y.sum(-1, keepdim=True)
-    t10 = t9.expand(*t9.shape[:-1], d_V)
-    t11 = A @ X
-    M_1 = t11
-    t12 = M_1 @ W_V
-    t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
-    A14 = t13 / t13.sum(-1, keepdim=True)
-    t15 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t16 = oe.contract('abcd,ce,abe,abe->deab', M_2, W_V, t10, A14, optimize=[(0, 1), (0, 1), (0, 1)])
-    t17 = oe.contract('ab,cdb,cde->aecd', t15, X, M_1, optimize=[(0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t16, t17, optimize=[(0, 1)])
-    t18 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t19 = oe.contract('ab,cdb,cde,cdf->afecd', t18, X, A14, M_1, optimize=[(0, 1), (0, 1), (0, 1)])
-    t20 = oe.contract('abcd,ce,abe,abe->dab', M_2, W_V, t10, A14, optimize=[(1, 2), (1, 2), (0, 1)])
-    t0 += oe.contract('abcde,fde->fabc', t19, t20, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t10 = Y.sum(-1, keepdim=True)
+    t11 = t10.expand(*t10.shape[:-1], d_V)
+    t12 = A @ X
+    M_1 = t12
+    t13 = M_1 @ W_V
+    t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    A15 = t14 / t14.sum(-1, keepdim=True)
+    t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA17 = oe.contract('abc,cd->abcd', A15, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A15, A15, optimize=[(0, 1)])
+    t18 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdgh,cdi->faih', t18, M_2, X, W_V, t11, dA17, M_1, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -7159,18 +8445,24 @@ def ce_causal0__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     t6 = (1/math.sqrt(d_K)) * t5
     t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
     A = t7 / t7.sum(-1, keepdim=True)
+    t8 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t8 = Y.sum(-1, keepdim=True)
-    t9 = t8.expand(*t8.shape[:-1], d_V)
-    t10 = A @ X
-    M_1 = t10
-    t11 = M_1 @ W_V
-    t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
-    A13 = t12 / t12.sum(-1, keepdim=True)
-    t14 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,ai,jklf,jki,lg,jkg,jkg,jkh->', t0, M_2, X, W_V, t9, A13, M_1, t0, M_2, X, W_V, t9, A13, M_1, optimize=[(4, 5), (9, 10), (0, 2), (0, 1), (1, 3), (1, 2), (5, 7), (0, 1), (2, 3), (3, 4), (0, 2), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,ai,jklf,jki,lm,jkm,jkm,jkg,jkh->', t0, M_2, X, W_V, t9, A13, M_1, t0, M_2, X, W_V, t9, A13, A13, M_1, optimize=[(4, 5), (9, 10), (0, 2), (0, 1), (1, 3), (1, 2), (4, 8), (0, 2), (1, 3), (1, 2), (2, 4), (1, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi,aj,klmf,klj,mn,kln,kln,klh,kli->', t0, M_2, X, W_V, t9, A13, A13, M_1, t0, M_2, X, W_V, t9, A13, A13, M_1, optimize=[(4, 5), (10, 11), (0, 2), (0, 1), (8, 11), (2, 4), (2, 3), (4, 8), (0, 2), (0, 1), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
-    return t15
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t9 = Y.sum(-1, keepdim=True)
+    t10 = t9.expand(*t9.shape[:-1], d_V)
+    t11 = A @ X
+    M_1 = t11
+    t12 = M_1 @ W_V
+    t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A14 = t13 / t13.sum(-1, keepdim=True)
+    t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA16 = oe.contract('abc,cd->abcd', A14, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A14, A14, optimize=[(0, 1)])
+    t17 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,cdi,aj,klmf,klj,mn,kln,klnh,kli->', t0, M_2, X, W_V, t10, dA16, M_1, t0, M_2, X, W_V, t10, dA16, M_1, optimize=[(0, 2), (0, 1), (0, 1), (9, 10), (1, 3), (1, 2), (1, 2), (5, 6), (3, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
+    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
+    return t18
 
 
 def ce_causal0__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -7197,12 +8489,13 @@ def ce_causal0__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     t12 = M_1 @ W_V
     t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
-    t15 = (1/(L*n_batch)) * t9
-    t16 = oe.contract('abc,abc->cab', t11, A14, optimize=[(0, 1)])
-    t17 = oe.contract('abc,acb->bac', t15, M_1, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t16, t17, optimize=[(0, 1)])
-    t18 = (-1/(L*n_batch)) * t9
-    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t18, t11, A14, A14, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A14, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A14, A14, optimize=[(0, 1)])
+    t16 = (1/(L*n_batch)) * t9
+    t17 = oe.contract('abc,abcc->cab', t11, dA, optimize=[(0, 1)])
+    t18 = oe.contract('abc,acb->bac', t16, M_1, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -7228,7 +8521,10 @@ def ce_causal0__trace__W_V__outer(X, W_Q, W_K, W_V, Y):
     t11 = M_1 @ W_V
     t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A13 = t12 / t12.sum(-1, keepdim=True)
-    return (1/(L*n_batch)) * oe.contract('abc,acd,acd,acb->', t8, t10, A13, M_1, optimize=[(0, 3), (0, 1), (0, 1)]) + (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->', t8, t10, A13, A13, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A13, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A13, A13, optimize=[(0, 1)])
+    return (1/(L*n_batch)) * oe.contract('abc,acd,acdd,acb->', t8, t10, dA, M_1, optimize=[(0, 3), (0, 1), (0, 1)])
 
 
 def ce_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -7255,15 +8551,19 @@ def ce_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t12 = M_1 @ W_V
     t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
-    t15 = W_V.transpose(-1, -2)
+    t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A14, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A14, A14, optimize=[(0, 1)])
+    t16 = W_V.transpose(-1, -2)
+    t17 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA18 = oe.contract('abc,cd->abcd', A, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t16 = (1/(L*math.sqrt(d_K)*n_batch)) * t9
-    t0[...] = oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t16, t11, A14, t15, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t17 = (-1/(L*math.sqrt(d_K)*n_batch)) * t9
-    t18 = oe.contract('abc,acd,de,acef,fg->bgac', t17, A14, t15, M_2, W_K, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
-    t19 = oe.contract('abc,abc,abd->cdab', t11, A14, X, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t18, t19, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA18, X, optimize=[(0, 1), (0, 1)])
+    t19 = (1/(L*math.sqrt(d_K)*n_batch)) * t9
+    t20 = oe.contract('abc,abcd,de,abef,fg->cgab', t11, dA, t16, M_2, W_K, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t21 = oe.contract('abc,acd->bdac', t19, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -7289,12 +8589,18 @@ def ce_causal0__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t11 = M_1 @ W_V
     t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A13 = t12 / t12.sum(-1, keepdim=True)
-    t14 = W_V.transpose(-1, -2)
+    t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A13, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A13, A13, optimize=[(0, 1)])
+    t15 = W_V.transpose(-1, -2)
+    t16 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA17 = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t15 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,fh,ibj,ijd,ijd,dk,ijkl,ijg,lh->', t8, t10, A13, t14, M_2, X, W_K, t8, t10, A13, t14, M_2, X, W_K, optimize=[(1, 2), (6, 7), (1, 2), (0, 3), (2, 3), (0, 2), (5, 7), (0, 1), (2, 5), (2, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,fh,ibj,ijd,ijd,ijk,kl,ijlm,ijg,mh->', t8, t10, A13, t14, M_2, X, W_K, t8, t10, A13, A13, t14, M_2, X, W_K, optimize=[(1, 2), (6, 7), (1, 2), (0, 3), (2, 3), (2, 9), (0, 2), (5, 7), (0, 1), (2, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi,jbk,jkd,jkd,jkl,lm,jkmn,jkh,ni->', t8, t10, A13, A13, t14, M_2, X, W_K, t8, t10, A13, A13, t14, M_2, X, W_K, optimize=[(1, 2), (7, 8), (1, 2), (1, 12), (0, 3), (2, 3), (2, 9), (0, 2), (5, 7), (0, 1), (0, 1), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
-    return t16
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA17, X, optimize=[(0, 1), (0, 1)])
+    t18 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,gi,jbk,jkd,jkdl,lm,jkmn,jkh,ni->', t8, t10, dA, t15, M_2, X, W_K, t8, t10, dA, t15, M_2, X, W_K, optimize=[(1, 2), (1, 12), (1, 11), (0, 3), (2, 3), (2, 8), (2, 7), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
+    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
+    return t19
 
 
 def ce_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -7321,17 +8627,19 @@ def ce_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t12 = M_1 @ W_V
     t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
-    t15 = W_V.transpose(-1, -2)
+    t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A14, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A14, A14, optimize=[(0, 1)])
+    t16 = W_V.transpose(-1, -2)
+    t17 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA18 = oe.contract('abc,cd->abcd', A, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t16 = (1/(L*math.sqrt(d_K)*n_batch)) * t9
-    t17 = oe.contract('abc,acd,de->beac', t16, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t18 = oe.contract('abc,abc,cd,abde->ceab', t11, A14, t15, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
-    t19 = (-1/(L*math.sqrt(d_K)*n_batch)) * t9
-    t20 = oe.contract('abc,cd->dab', X, W_Q, optimize=[(0, 1)])
-    t21 = oe.contract('abc,acd,acd,ace,ef,acfg->bdgac', t19, t11, A14, A14, t15, M_2, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
-    t0 += oe.contract('abc,defbc->defa', t20, t21, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA18, X, optimize=[(0, 1), (0, 1)])
+    t19 = (1/(L*math.sqrt(d_K)*n_batch)) * t9
+    t20 = oe.contract('abc,acd,de->beac', t19, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t21 = oe.contract('abc,abcd,de,abef->cfab', t11, dA, t16, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -7357,12 +8665,18 @@ def ce_causal0__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t11 = M_1 @ W_V
     t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A13 = t12 / t12.sum(-1, keepdim=True)
-    t14 = W_V.transpose(-1, -2)
+    t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A13, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A13, A13, optimize=[(0, 1)])
+    t15 = W_V.transpose(-1, -2)
+    t16 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA17 = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t15 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,gh,ibj,ijd,ijd,dk,ijkf,ijl,lh->', t8, t10, A13, t14, M_2, X, W_Q, t8, t10, A13, t14, M_2, X, W_Q, optimize=[(1, 2), (6, 7), (1, 2), (1, 2), (0, 1), (0, 1), (4, 7), (0, 1), (0, 4), (0, 4), (1, 3), (0, 1), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,gh,ibj,ijd,ijd,ijk,kl,ijlf,ijm,mh->', t8, t10, A13, t14, M_2, X, W_Q, t8, t10, A13, A13, t14, M_2, X, W_Q, optimize=[(1, 2), (6, 7), (1, 2), (1, 2), (0, 1), (0, 1), (0, 8), (0, 1), (0, 2), (3, 5), (0, 4), (1, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi,jbk,jkd,jkd,jkl,lm,jkmg,jkn,ni->', t8, t10, A13, A13, t14, M_2, X, W_Q, t8, t10, A13, A13, t14, M_2, X, W_Q, optimize=[(1, 2), (7, 8), (1, 2), (1, 12), (1, 2), (0, 1), (0, 1), (0, 8), (0, 1), (0, 1), (2, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
-    return t16
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA17, X, optimize=[(0, 1), (0, 1)])
+    t18 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,hi,jbk,jkd,jkdl,lm,jkmg,jkn,ni->', t8, t10, dA, t15, M_2, X, W_Q, t8, t10, dA, t15, M_2, X, W_Q, optimize=[(1, 2), (1, 12), (1, 11), (1, 2), (0, 1), (0, 1), (0, 7), (0, 6), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
+    return t19
 
 
 def ce_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -7372,33 +8686,28 @@ def ce_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
-    out[...] = 0
     t0 = out.view((d_V, d_V, d_V, d_V))
-    t1 = t0.diagonal(0, 1, 3)
-    t2 = W_K.transpose(-1, -2)
-    t3 = X.transpose(-1, -2)
-    t4 = t2 @ t3
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
-    A = t8 / t8.sum(-1, keepdim=True)
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1.transpose(-1, -2)
-    t11 = Y.sum(-1, keepdim=True)
-    t12 = t11.expand(*t11.shape[:-1], d_V)
-    t13 = M_1 @ W_V
-    t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
-    A15 = t14 / t14.sum(-1, keepdim=True)
-    t16 = (1/(L*n_batch)) * t10
-    t17 = oe.contract('abc,abc->cab', t12, A15, optimize=[(0, 1)])
-    t18 = oe.contract('abc,acd->bdac', t16, M_1, optimize=[(0, 1)])
-    t1 += oe.contract('abc,debc->dea', t17, t18, optimize=[(0, 1)])
-    t19 = (-1/(L*n_batch)) * t10
-    t20 = oe.contract('abc,acd->bdac', t19, A15, optimize=[(0, 1)])
-    t21 = oe.contract('abc,abc,abd->cdab', t12, A15, M_1, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
+    t1 = W_K.transpose(-1, -2)
+    t2 = X.transpose(-1, -2)
+    t3 = t1 @ t2
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
+    A = t7 / t7.sum(-1, keepdim=True)
+    t8 = A @ X
+    M_1 = t8
+    t9 = M_1.transpose(-1, -2)
+    t10 = Y.sum(-1, keepdim=True)
+    t11 = t10.expand(*t10.shape[:-1], d_V)
+    t12 = M_1 @ W_V
+    t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A14 = t13 / t13.sum(-1, keepdim=True)
+    t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A14, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A14, A14, optimize=[(0, 1)])
+    t16 = (1/(L*n_batch)) * t9
+    t0[...] = oe.contract('abc,acd,acde,acf->bdfe', t16, t11, dA, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -7424,9 +8733,12 @@ def ce_causal0__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     t11 = M_1 @ W_V
     t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A13 = t12 / t12.sum(-1, keepdim=True)
-    t14 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fge->', t8, t10, A13, M_1, t8, t10, A13, M_1, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fgd,fge->', t8, t10, A13, M_1, t8, t10, A13, A13, M_1, optimize=[(1, 2), (3, 4), (3, 6), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,acf,gbh,ghd,ghd,ghe,ghf->', t8, t10, A13, A13, M_1, t8, t10, A13, A13, M_1, optimize=[(1, 2), (4, 5), (0, 3), (0, 2), (4, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
-    return t15
+    t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A13, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A13, A13, optimize=[(0, 1)])
+    t15 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t8, t10, dA, M_1, t8, t10, dA, M_1, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
+    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
+    return t16
 
 
 def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
@@ -7464,68 +8776,73 @@ def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
     t21 = G @ t20
     t22 = t21 - (A * t21).sum(-1, keepdim=True)
     t23 = A * t22
+    t24 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t23, t24, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t23, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t23, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t3, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t24 = (1/(d_K*n_batch)) * t2
-    t1[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t24, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
-    t25 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t25[...] = 0
-    t26 = t25.view((d_V, d_K, d_V, d_K))
-    t27 = t26.diagonal(0, 1, 3)
-    t28 = t23 @ X
-    t29 = t3 @ t28
-    t30 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t31 = (1/(math.sqrt(d_K)*n_batch)) * t30
-    t27 += oe.contract('abc,d->bcd', t29, t31, optimize=[(0, 1)])
-    t32 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t33 = oe.contract('ab,cdbe->aecd', t24, M_3, optimize=[(0, 1)])
-    t26 += oe.contract('abcd,efcd->aefb', t32, t33, optimize=[(0, 1)])
-    t34 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t35 = t34.view((d_V, d_K, d_V, d_V))
+    M_3 = oe.contract('abc,adce,aef->adbf', t3, d2A, X, optimize=[(0, 1), (0, 1)])
+    t25 = (1/(d_K*n_batch)) * t2
+    t1[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t25, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t26 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t26[...] = 0
+    t27 = t26.view((d_V, d_K, d_V, d_K))
+    t28 = t27.diagonal(0, 1, 3)
+    t29 = t23 @ X
+    t30 = t3 @ t29
+    t31 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t32 = (1/(math.sqrt(d_K)*n_batch)) * t31
+    t28 += oe.contract('abc,d->bcd', t30, t32, optimize=[(0, 1)])
+    t33 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t34 = oe.contract('ab,cdbe->aecd', t25, M_3, optimize=[(0, 1)])
+    t27 += oe.contract('abcd,efcd->aefb', t33, t34, optimize=[(0, 1)])
+    t35 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t36 = t35.view((d_V, d_K, d_V, d_V))
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t24, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t36 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t37 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
-    t38 = oe.contract('ab,cdeb->aecd', t36, M_2, optimize=[(0, 1)])
-    t35[...] = oe.contract('abcd,efcd->aefb', t37, t38, optimize=[(0, 1)])
-    t39 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t39[...] = 0
-    t40 = t39.view((d_V, d_K, d_V, d_K))
-    t41 = t40.diagonal(0, 1, 3)
-    t42 = t23.transpose(-1, -2)
-    t43 = t42 @ X
-    t44 = t3 @ t43
-    t41 += oe.contract('abc,d->bcd', t44, t31, optimize=[(0, 1)])
-    t45 = W_Q.transpose(-1, -2)
-    t46 = (1/(d_K*n_batch)) * t45
-    t47 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
-    t48 = oe.contract('ab,cbd,cde->aecd', t46, t3, X, optimize=[(0, 1), (0, 1)])
-    t40 += oe.contract('abcd,efcd->aefb', t47, t48, optimize=[(0, 1)])
-    t49 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t50 = t49.view((d_V, d_K, d_V, d_K))
-    t51 = oe.contract('ab,cbd,cde,ef->afcd', t46, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t52 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t50[...] = oe.contract('abcd,efcd->eafb', t51, t52, optimize=[(0, 1)])
-    t53 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t54 = t53.view((d_V, d_K, d_V, d_V))
-    t55 = (1/(math.sqrt(d_K)*n_batch)) * t45
-    t56 = oe.contract('ab,cdb,cde->aecd', t55, X, G, optimize=[(0, 1), (0, 1)])
-    t57 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t54[...] = oe.contract('abcd,efcd->eafb', t56, t57, optimize=[(0, 1)])
-    t58 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t59 = t58.view((d_V, d_V, d_V, d_K))
-    t60 = G.transpose(-1, -2)
-    t61 = (1/(math.sqrt(d_K)*n_batch)) * t60
-    t62 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
-    t63 = oe.contract('abc,acd->bdac', t61, X, optimize=[(0, 1)])
-    t59[...] = oe.contract('abcd,efcd->aefb', t62, t63, optimize=[(0, 1)])
-    t64 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t65 = t64.view((d_V, d_V, d_V, d_K))
-    t66 = oe.contract('abc,acd,de->beac', t61, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t67 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t65[...] = oe.contract('abcd,efcd->eafb', t66, t67, optimize=[(0, 1)])
-    t68 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t68[...] = 0
+    M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
+    t37 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t38 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t39 = oe.contract('ab,cdeb->aecd', t37, M_2, optimize=[(0, 1)])
+    t36[...] = oe.contract('abcd,efcd->aefb', t38, t39, optimize=[(0, 1)])
+    t40 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t40[...] = 0
+    t41 = t40.view((d_V, d_K, d_V, d_K))
+    t42 = t41.diagonal(0, 1, 3)
+    t43 = t23.transpose(-1, -2)
+    t44 = t43 @ X
+    t45 = t3 @ t44
+    t42 += oe.contract('abc,d->bcd', t45, t32, optimize=[(0, 1)])
+    t46 = W_Q.transpose(-1, -2)
+    t47 = (1/(d_K*n_batch)) * t46
+    t48 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t49 = oe.contract('ab,cbd,cde->aecd', t47, t3, X, optimize=[(0, 1), (0, 1)])
+    t41 += oe.contract('abcd,efcd->aefb', t48, t49, optimize=[(0, 1)])
+    t50 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t51 = t50.view((d_V, d_K, d_V, d_K))
+    t52 = oe.contract('ab,cbd,cde,ef->afcd', t47, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t53 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t51[...] = oe.contract('abcd,efcd->eafb', t52, t53, optimize=[(0, 1)])
+    t54 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t55 = t54.view((d_V, d_K, d_V, d_V))
+    t56 = (1/(math.sqrt(d_K)*n_batch)) * t46
+    t57 = oe.contract('ab,cdb,cde->aecd', t56, X, G, optimize=[(0, 1), (0, 1)])
+    t58 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t55[...] = oe.contract('abcd,efcd->eafb', t57, t58, optimize=[(0, 1)])
+    t59 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t60 = t59.view((d_V, d_V, d_V, d_K))
+    t61 = G.transpose(-1, -2)
+    t62 = (1/(math.sqrt(d_K)*n_batch)) * t61
+    t63 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t64 = oe.contract('abc,acd->bdac', t62, X, optimize=[(0, 1)])
+    t60[...] = oe.contract('abcd,efcd->aefb', t63, t64, optimize=[(0, 1)])
+    t65 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t66 = t65.view((d_V, d_V, d_V, d_K))
+    t67 = oe.contract('abc,acd,de->beac', t62, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t68 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t66[...] = oe.contract('abcd,efcd->eafb', t67, t68, optimize=[(0, 1)])
+    t69 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t69[...] = 0
     return H
 
 
@@ -7639,34 +8956,39 @@ def ce_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t19 = G @ t18
     t20 = t19 - (A * t19).sum(-1, keepdim=True)
     t21 = A * t20
+    t22 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t21, t22, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t21, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t21, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t22 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 2), (0, 4), (2, 3), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
-    t23 = torch.sqrt(torch.clamp(t22, min=0.0))
-    t24 = t21 @ X
-    t25 = t1 @ t24
-    t26 = (n_batch**(-2)) * oe.contract('abc,dbc->', t25, t25, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t25, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t27 = torch.sqrt(torch.clamp(t26, min=0.0))
+    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
+    t23 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t24 = torch.sqrt(torch.clamp(t23, min=0.0))
+    t25 = t21 @ X
+    t26 = t1 @ t25
+    t27 = (n_batch**(-2)) * oe.contract('abc,dbc->', t26, t26, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t26, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t28 = torch.sqrt(torch.clamp(t27, min=0.0))
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t22, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t28 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 1), (2, 3), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t29 = torch.sqrt(torch.clamp(t28, min=0.0))
-    t30 = t21.transpose(-1, -2)
-    t31 = t30 @ X
-    t32 = t1 @ t31
-    t33 = W_Q.transpose(-1, -2)
-    t34 = (n_batch**(-2)) * oe.contract('abc,dbc->', t32, t32, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t32, t33, t1, M_3, X, W_K, optimize=[(0, 3), (2, 4), (0, 1), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t33, t1, M_3, X, W_K, t33, t1, M_3, X, W_K, optimize=[(0, 1), (0, 2), (1, 2), (0, 2), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t35 = torch.sqrt(torch.clamp(t34, min=0.0))
-    t36 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t33, t1, M_3, X, W_Q, t33, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)])
-    t37 = torch.sqrt(torch.clamp(t36, min=0.0))
-    t38 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t33, M_2, X, G, t33, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t39 = torch.sqrt(torch.clamp(t38, min=0.0))
-    t40 = G.transpose(-1, -2)
-    t41 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t40, M_2, X, W_K, t40, M_2, X, W_K, optimize=[(1, 3), (0, 2), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t42 = torch.sqrt(torch.clamp(t41, min=0.0))
-    t43 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t40, M_2, X, W_Q, t40, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
-    t44 = torch.sqrt(torch.clamp(t43, min=0.0))
-    return (t23, t27, t29, t35, t37, t39, t42, t44, 0.0,)
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t29 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t30 = torch.sqrt(torch.clamp(t29, min=0.0))
+    t31 = t21.transpose(-1, -2)
+    t32 = t31 @ X
+    t33 = t1 @ t32
+    t34 = W_Q.transpose(-1, -2)
+    t35 = (n_batch**(-2)) * oe.contract('abc,dbc->', t33, t33, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t33, t34, t1, M_3, X, W_K, optimize=[(0, 4), (2, 4), (0, 1), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t34, t1, M_3, X, W_K, t34, t1, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t36 = torch.sqrt(torch.clamp(t35, min=0.0))
+    t37 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t34, t1, M_3, X, W_Q, t34, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)])
+    t38 = torch.sqrt(torch.clamp(t37, min=0.0))
+    t39 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t34, M_2, X, G, t34, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t40 = torch.sqrt(torch.clamp(t39, min=0.0))
+    t41 = G.transpose(-1, -2)
+    t42 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t41, M_2, X, W_K, t41, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
+    t43 = torch.sqrt(torch.clamp(t42, min=0.0))
+    t44 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t41, M_2, X, W_Q, t41, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t45 = torch.sqrt(torch.clamp(t44, min=0.0))
+    return (t24, t28, t30, t36, t38, t40, t43, t45, 0.0,)
 
 
 def ce_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -7703,12 +9025,15 @@ def ce_causal0__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t20 = G @ t19
     t21 = t20 - (A * t20).sum(-1, keepdim=True)
     t22 = A * t21
+    t23 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t22, t23, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t22, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t22, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t22, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t22, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t22, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t23 = (1/(d_K*n_batch)) * t1
-    t24 = oe.contract('ab,cdbe,ea->acd', t23, M_3, W_K, optimize=[(0, 2), (0, 1)])
-    t25 = oe.contract('abc,acb->bac', t2, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t24, t25, optimize=[(0, 1)])
+    M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
+    t24 = (1/(d_K*n_batch)) * t1
+    t25 = oe.contract('ab,cdbe,ea->acd', t24, M_3, W_K, optimize=[(0, 2), (0, 1)])
+    t26 = oe.contract('abc,acb->bac', t2, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t25, t26, optimize=[(0, 1)])
     return out
 
 
@@ -7744,8 +9069,11 @@ def ce_causal0__trace__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t19 = G @ t18
     t20 = t19 - (A * t19).sum(-1, keepdim=True)
     t21 = A * t20
+    t22 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t21, t22, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t21, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t21, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
     return (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->', t0, t1, M_3, X, W_K, optimize=[(1, 3), (1, 3), (0, 1), (0, 1)])
 
 
@@ -7783,10 +9111,13 @@ def ce_causal0__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t20 = G @ t19
     t21 = t20 - (A * t20).sum(-1, keepdim=True)
     t22 = A * t21
+    t23 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t22, t23, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t22, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t22, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t22, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t22, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t22, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t23 = (1/(d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t23, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
+    t24 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t24, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -7822,11 +9153,14 @@ def ce_causal0__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t19 = G @ t18
     t20 = t19 - (A * t19).sum(-1, keepdim=True)
     t21 = A * t20
+    t22 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t21, t22, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t21, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t21, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t22 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 2), (0, 4), (2, 3), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
-    t23 = torch.sqrt(torch.clamp(t22, min=0.0))
-    return t23
+    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
+    t23 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t24 = torch.sqrt(torch.clamp(t23, min=0.0))
+    return t24
 
 
 def ce_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -7870,12 +9204,15 @@ def ce_causal0__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t26 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t27 = (1/(math.sqrt(d_K)*n_batch)) * t26
     t1 += oe.contract('abc,d->bcd', t25, t27, optimize=[(0, 1)])
+    t28 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t23, t28, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t23, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t23, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t28 = (1/(d_K*n_batch)) * t3
-    t29 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t30 = oe.contract('ab,cdbe->aecd', t28, M_3, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
+    M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
+    t29 = (1/(d_K*n_batch)) * t3
+    t30 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t31 = oe.contract('ab,cdbe->aecd', t29, M_3, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t30, t31, optimize=[(0, 1)])
     return out
 
 
@@ -7913,11 +9250,14 @@ def ce_causal0__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t21 = A * t20
     t22 = t21 @ X
     t23 = t0 @ t22
+    t24 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t21, t24, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t21, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t21, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t0, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t24 = (n_batch**(-2)) * oe.contract('abc,dbc->', t23, t23, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t23, t1, t0, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t1, t0, M_3, X, W_Q, t1, t0, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
-    return t25
+    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
+    t25 = (n_batch**(-2)) * oe.contract('abc,dbc->', t23, t23, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t23, t1, t0, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t1, t0, M_3, X, W_Q, t1, t0, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t26 = torch.sqrt(torch.clamp(t25, min=0.0))
+    return t26
 
 
 def ce_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -7936,25 +9276,28 @@ def ce_causal0__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t6 = (1/math.sqrt(d_K)) * t5
     t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
     A = t7 / t7.sum(-1, keepdim=True)
+    t8 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t8 = Y.sum(-1, keepdim=True)
-    t9 = t8.expand(*t8.shape[:-1], d_V)
-    t10 = A @ X
-    M_1 = t10
-    t11 = M_1 @ W_V
-    F = t11
-    t12 = torch.exp(F - F.amax(-1, keepdim=True))
-    A13 = t12 / t12.sum(-1, keepdim=True)
-    t14 = t9 * A13
-    t15 = (1/L) * t14
-    t16 = (-1/L) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t19 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
-    t20 = oe.contract('ab,cdeb->aecd', t18, M_2, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t9 = Y.sum(-1, keepdim=True)
+    t10 = t9.expand(*t9.shape[:-1], d_V)
+    t11 = A @ X
+    M_1 = t11
+    t12 = M_1 @ W_V
+    F = t12
+    t13 = torch.exp(F - F.amax(-1, keepdim=True))
+    A14 = t13 / t13.sum(-1, keepdim=True)
+    t15 = t10 * A14
+    t16 = (1/L) * t15
+    t17 = (-1/L) * Y
+    t18 = t16 + t17
+    G = t18
+    t19 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t20 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t21 = oe.contract('ab,cdeb->aecd', t19, M_2, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -7972,24 +9315,27 @@ def ce_causal0__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t5 = (1/math.sqrt(d_K)) * t4
     t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
     A = t6 / t6.sum(-1, keepdim=True)
+    t7 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t7 = Y.sum(-1, keepdim=True)
-    t8 = t7.expand(*t7.shape[:-1], d_V)
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    F = t10
-    t11 = torch.exp(F - F.amax(-1, keepdim=True))
-    A12 = t11 / t11.sum(-1, keepdim=True)
-    t13 = t8 * A12
-    t14 = (1/L) * t13
-    t15 = (-1/L) * Y
-    t16 = t14 + t15
-    G = t16
-    t17 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 1), (2, 3), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
-    return t18
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t8 = Y.sum(-1, keepdim=True)
+    t9 = t8.expand(*t8.shape[:-1], d_V)
+    t10 = A @ X
+    M_1 = t10
+    t11 = M_1 @ W_V
+    F = t11
+    t12 = torch.exp(F - F.amax(-1, keepdim=True))
+    A13 = t12 / t12.sum(-1, keepdim=True)
+    t14 = t9 * A13
+    t15 = (1/L) * t14
+    t16 = (-1/L) * Y
+    t17 = t15 + t16
+    G = t17
+    t18 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
+    return t19
 
 
 def ce_causal0__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -8027,10 +9373,13 @@ def ce_causal0__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
     t21 = G @ t20
     t22 = t21 - (A * t21).sum(-1, keepdim=True)
     t23 = A * t22
+    t24 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t23, t24, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t23, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t23, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t24 = (1/(d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cbd,cdee,cdf,fa->ea', t24, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
+    t25 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cbd,cdee,cdf,fa->ea', t25, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -8067,8 +9416,11 @@ def ce_causal0__trace__W_K__functional(X, W_Q, W_K, W_V, Y):
     t20 = G @ t19
     t21 = t20 - (A * t20).sum(-1, keepdim=True)
     t22 = A * t21
+    t23 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t22, t23, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t22, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t22, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t22, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t22, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t22, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
     return (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->', t0, t1, M_3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
 
 
@@ -8115,12 +9467,15 @@ def ce_causal0__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t28 = (1/(math.sqrt(d_K)*n_batch)) * t27
     t1 += oe.contract('abc,d->bcd', t26, t28, optimize=[(0, 1)])
     t29 = W_Q.transpose(-1, -2)
+    t30 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t23, t30, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t23, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t23, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t30 = (1/(d_K*n_batch)) * t29
-    t31 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
-    t32 = oe.contract('ab,cbd,cde->aecd', t30, t2, X, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t31, t32, optimize=[(0, 1)])
+    M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
+    t31 = (1/(d_K*n_batch)) * t29
+    t32 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t33 = oe.contract('ab,cbd,cde->aecd', t31, t2, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t32, t33, optimize=[(0, 1)])
     return out
 
 
@@ -8160,11 +9515,14 @@ def ce_causal0__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t23 = t22 @ X
     t24 = t0 @ t23
     t25 = W_Q.transpose(-1, -2)
+    t26 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t21, t26, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t21, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t21, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t0, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t26 = (n_batch**(-2)) * oe.contract('abc,dbc->', t24, t24, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t24, t25, t0, M_3, X, W_K, optimize=[(0, 3), (2, 4), (0, 1), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t25, t0, M_3, X, W_K, t25, t0, M_3, X, W_K, optimize=[(0, 1), (0, 2), (1, 2), (0, 2), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t27 = torch.sqrt(torch.clamp(t26, min=0.0))
-    return t27
+    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
+    t27 = (n_batch**(-2)) * oe.contract('abc,dbc->', t24, t24, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t24, t25, t0, M_3, X, W_K, optimize=[(0, 4), (2, 4), (0, 1), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t25, t0, M_3, X, W_K, t25, t0, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t28 = torch.sqrt(torch.clamp(t27, min=0.0))
+    return t28
 
 
 def ce_causal0__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -8202,12 +9560,15 @@ def ce_causal0__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t21 = G @ t20
     t22 = t21 - (A * t21).sum(-1, keepdim=True)
     t23 = A * t22
+    t24 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t23, t24, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t23, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t23, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t24 = (1/(d_K*n_batch)) * t1
-    t25 = oe.contract('ab,cbd,cde,ef->afcd', t24, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t26 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t25, t26, optimize=[(0, 1)])
+    M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
+    t25 = (1/(d_K*n_batch)) * t1
+    t26 = oe.contract('ab,cbd,cde,ef->afcd', t25, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t27 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t26, t27, optimize=[(0, 1)])
     return out
 
 
@@ -8244,11 +9605,14 @@ def ce_causal0__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t20 = G @ t19
     t21 = t20 - (A * t20).sum(-1, keepdim=True)
     t22 = A * t21
+    t23 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t22, t23, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t22, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t22, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t22, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t22, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t22, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t23 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)])
-    t24 = torch.sqrt(torch.clamp(t23, min=0.0))
-    return t24
+    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
+    t24 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)])
+    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
+    return t25
 
 
 def ce_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -8268,25 +9632,28 @@ def ce_causal0__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t7 = (1/math.sqrt(d_K)) * t6
     t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
     A = t8 / t8.sum(-1, keepdim=True)
+    t9 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t9 = Y.sum(-1, keepdim=True)
-    t10 = t9.expand(*t9.shape[:-1], d_V)
-    t11 = A @ X
-    M_1 = t11
-    t12 = M_1 @ W_V
-    F = t12
-    t13 = torch.exp(F - F.amax(-1, keepdim=True))
-    A14 = t13 / t13.sum(-1, keepdim=True)
-    t15 = t10 * A14
-    t16 = (1/L) * t15
-    t17 = (-1/L) * Y
-    t18 = t16 + t17
-    G = t18
-    t19 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t20 = oe.contract('ab,cdb,cde->aecd', t19, X, G, optimize=[(0, 1), (0, 1)])
-    t21 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t10 = Y.sum(-1, keepdim=True)
+    t11 = t10.expand(*t10.shape[:-1], d_V)
+    t12 = A @ X
+    M_1 = t12
+    t13 = M_1 @ W_V
+    F = t13
+    t14 = torch.exp(F - F.amax(-1, keepdim=True))
+    A15 = t14 / t14.sum(-1, keepdim=True)
+    t16 = t11 * A15
+    t17 = (1/L) * t16
+    t18 = (-1/L) * Y
+    t19 = t17 + t18
+    G = t19
+    t20 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t21 = oe.contract('ab,cdb,cde->aecd', t20, X, G, optimize=[(0, 1), (0, 1)])
+    t22 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -8305,24 +9672,27 @@ def ce_causal0__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t6 = (1/math.sqrt(d_K)) * t5
     t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
     A = t7 / t7.sum(-1, keepdim=True)
+    t8 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t8 = Y.sum(-1, keepdim=True)
-    t9 = t8.expand(*t8.shape[:-1], d_V)
-    t10 = A @ X
-    M_1 = t10
-    t11 = M_1 @ W_V
-    F = t11
-    t12 = torch.exp(F - F.amax(-1, keepdim=True))
-    A13 = t12 / t12.sum(-1, keepdim=True)
-    t14 = t9 * A13
-    t15 = (1/L) * t14
-    t16 = (-1/L) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
-    return t19
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t9 = Y.sum(-1, keepdim=True)
+    t10 = t9.expand(*t9.shape[:-1], d_V)
+    t11 = A @ X
+    M_1 = t11
+    t12 = M_1 @ W_V
+    F = t12
+    t13 = torch.exp(F - F.amax(-1, keepdim=True))
+    A14 = t13 / t13.sum(-1, keepdim=True)
+    t15 = t10 * A14
+    t16 = (1/L) * t15
+    t17 = (-1/L) * Y
+    t18 = t16 + t17
+    G = t18
+    t19 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
+    return t20
 
 
 def ce_causal0__diag__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -8375,12 +9745,15 @@ def ce_causal0__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t17 = t15 + t16
     G = t17
     t18 = G.transpose(-1, -2)
+    t19 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t19, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t19 = (1/(math.sqrt(d_K)*n_batch)) * t18
-    t20 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
-    t21 = oe.contract('abc,acd->bdac', t19, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t4, dA, X, optimize=[(0, 1), (0, 1)])
+    t20 = (1/(math.sqrt(d_K)*n_batch)) * t18
+    t21 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t22 = oe.contract('abc,acd->bdac', t20, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -8412,11 +9785,14 @@ def ce_causal0__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t16 = t14 + t15
     G = t16
     t17 = G.transpose(-1, -2)
+    t18 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t18 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t17, M_2, X, W_K, t17, M_2, X, W_K, optimize=[(1, 3), (0, 2), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
-    return t19
+    M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
+    t19 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t17, M_2, X, W_K, t17, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
+    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
+    return t20
 
 
 def ce_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -8449,12 +9825,15 @@ def ce_causal0__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t17 = t15 + t16
     G = t17
     t18 = G.transpose(-1, -2)
+    t19 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t19, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t19 = (1/(math.sqrt(d_K)*n_batch)) * t18
-    t20 = oe.contract('abc,acd,de->beac', t19, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t21 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t4, dA, X, optimize=[(0, 1), (0, 1)])
+    t20 = (1/(math.sqrt(d_K)*n_batch)) * t18
+    t21 = oe.contract('abc,acd,de->beac', t20, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t22 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -8486,11 +9865,14 @@ def ce_causal0__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t16 = t14 + t15
     G = t16
     t17 = G.transpose(-1, -2)
+    t18 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t18 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t17, M_2, X, W_Q, t17, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
-    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
-    return t19
+    M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
+    t19 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t17, M_2, X, W_Q, t17, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
+    return t20
 
 
 def ce_causal0__block__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -8530,147 +9912,120 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t7 = (1/math.sqrt(d_K)) * t6
     t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
     A = t8 / t8.sum(-1, keepdim=True)
-    t9 = Y.sum(-1, keepdim=True)
-    t10 = t9.expand(*t9.shape[:-1], d_V)
-    t11 = A @ X
-    M_1 = t11
-    t12 = M_1 @ W_V
-    F = t12
-    t13 = torch.exp(F - F.amax(-1, keepdim=True))
-    A14 = t13 / t13.sum(-1, keepdim=True)
-    t15 = t10 * A14
-    t16 = (1/L) * t15
-    t17 = (-1/L) * Y
-    t18 = t16 + t17
-    G = t18
-    t19 = W_V.transpose(-1, -2)
-    t20 = t19 @ t3
-    t21 = G @ t20
-    t22 = t21 - (A * t21).sum(-1, keepdim=True)
-    t23 = A * t22
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t3, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t24 = (1/(d_K*n_batch)) * t2
-    t1[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t24, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t9 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t25 = torch.exp(t12 - t12.amax(-1, keepdim=True))
-    A26 = t25 / t25.sum(-1, keepdim=True)
-    t27 = (1/(L*d_K*n_batch)) * t2
-    t1 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t27, M_2, X, W_V, t10, A26, t19, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t28 = (-1/(L*d_K*n_batch)) * t2
-    t29 = oe.contract('abc,cd,abde,ef->fab', A26, t19, M_2, W_K, optimize=[(0, 1), (0, 2), (0, 1)])
-    t30 = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahcd', t28, M_2, X, W_V, t10, A26, X, optimize=[(4, 5), (0, 1), (1, 3), (2, 3), (0, 1), (0, 1)])
-    t1 += oe.contract('abc,defbc->defa', t29, t30, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
+    t10 = Y.sum(-1, keepdim=True)
+    t11 = t10.expand(*t10.shape[:-1], d_V)
+    t12 = A @ X
+    M_1 = t12
+    t13 = M_1 @ W_V
+    t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    A15 = t14 / t14.sum(-1, keepdim=True)
+    t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA17 = oe.contract('abc,cd->abcd', A15, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A15, A15, optimize=[(0, 1)])
+    t18 = W_V.transpose(-1, -2)
+    t19 = (1/(L*d_K*n_batch)) * t2
+    t1[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,jl->fakl', t19, M_2, X, W_V, t11, dA17, t18, M_2, X, W_K, optimize=[(4, 5), (0, 1), (1, 7), (5, 6), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    F = t13
+    t20 = torch.exp(F - F.amax(-1, keepdim=True))
+    A21 = t20 / t20.sum(-1, keepdim=True)
+    t22 = t11 * A21
+    t23 = (1/L) * t22
+    t24 = (-1/L) * Y
+    t25 = t23 + t24
+    G = t25
+    t26 = t18 @ t3
+    t27 = G @ t26
+    t28 = t27 - (A * t27).sum(-1, keepdim=True)
+    t29 = A * t28
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t29, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t29, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t29, optimize=[(0, 1)])
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adce,aef->adbf', t3, d2A, X, optimize=[(0, 1), (0, 1)])
+    t30 = (1/(d_K*n_batch)) * t2
+    t1 += oe.contract('ab,cde,cebf,ceg,fh->dagh', t30, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     t31 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t31[...] = 0
     t32 = t31.view((d_V, d_K, d_V, d_K))
     t33 = t32.diagonal(0, 1, 3)
-    t34 = t23 @ X
+    t34 = t29 @ X
     t35 = t3 @ t34
     t36 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t37 = (1/(math.sqrt(d_K)*n_batch)) * t36
     t33 += oe.contract('abc,d->bcd', t35, t37, optimize=[(0, 1)])
     t38 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t39 = oe.contract('ab,cdbe->aecd', t24, M_3, optimize=[(0, 1)])
+    t39 = oe.contract('ab,cdbe->aecd', t30, M_3, optimize=[(0, 1)])
     t32 += oe.contract('abcd,efcd->aefb', t38, t39, optimize=[(0, 1)])
     t40 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t41 = oe.contract('ab,cdeb,ef,cdf,cdf,fg,cdgh->ahcd', t27, M_2, W_V, t10, A26, t19, M_2, optimize=[(3, 4), (0, 1), (1, 2), (0, 2), (0, 1), (0, 1)])
+    t41 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi->aicd', t19, M_2, W_V, t11, dA17, t18, M_2, optimize=[(0, 1), (1, 2), (1, 4), (1, 3), (0, 1), (0, 1)])
     t32 += oe.contract('abcd,efcd->aefb', t40, t41, optimize=[(0, 1)])
-    t42 = oe.contract('abc,abd,de,abef,abg,gh->cfhab', X, A26, t19, M_2, X, W_Q, optimize=[(1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
-    t43 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t28, M_2, W_V, t10, A26, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
-    t32 += oe.contract('abcde,fde->afbc', t42, t43, optimize=[(0, 1)])
-    t44 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t45 = t44.view((d_V, d_K, d_V, d_V))
-    t46 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
-    t45[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t46, M_2, X, W_V, t10, A26, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t47 = (-1/(L*math.sqrt(d_K)*n_batch)) * t2
-    t48 = oe.contract('abc,abd,abe->cedab', X, A26, M_1, optimize=[(0, 1), (0, 1)])
-    t49 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t47, M_2, W_V, t10, A26, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
-    t45 += oe.contract('abcde,fde->afbc', t48, t49, optimize=[(0, 1)])
-    t50 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t51 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
-    t52 = oe.contract('ab,cdeb->aecd', t50, M_2, optimize=[(0, 1)])
-    t45 += oe.contract('abcd,efcd->aefb', t51, t52, optimize=[(0, 1)])
-    t53 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t53[...] = 0
-    t54 = t53.view((d_V, d_K, d_V, d_K))
-    t55 = t54.diagonal(0, 1, 3)
-    t56 = t23.transpose(-1, -2)
-    t57 = t56 @ X
-    t58 = t3 @ t57
-    t55 += oe.contract('abc,d->bcd', t58, t37, optimize=[(0, 1)])
-    t59 = W_Q.transpose(-1, -2)
-    t60 = (1/(d_K*n_batch)) * t59
-    t61 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
-    t62 = oe.contract('ab,cbd,cde->aecd', t60, t3, X, optimize=[(0, 1), (0, 1)])
-    t54 += oe.contract('abcd,efcd->aefb', t61, t62, optimize=[(0, 1)])
-    t63 = (1/(L*d_K*n_batch)) * t59
-    t54 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t63, M_2, X, W_V, t10, A26, t19, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t64 = (-1/(L*d_K*n_batch)) * t59
-    t65 = oe.contract('ab,cdb,cde,ef,cdfg,cdh,gi->ahicd', t64, X, A26, t19, M_2, X, W_K, optimize=[(0, 1), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t66 = oe.contract('abcd,ce,abe,abe->dab', M_2, W_V, t10, A26, optimize=[(1, 2), (1, 2), (0, 1)])
-    t54 += oe.contract('abcde,fde->fabc', t65, t66, optimize=[(0, 1)])
-    t67 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t68 = t67.view((d_V, d_K, d_V, d_K))
-    t69 = oe.contract('ab,cbd,cde,ef->afcd', t60, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t70 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t68[...] = oe.contract('abcd,efcd->eafb', t69, t70, optimize=[(0, 1)])
-    t71 = oe.contract('abc,cd->dab', X, W_Q, optimize=[(0, 1)])
-    t72 = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi->faicd', t63, M_2, X, W_V, t10, A26, t19, M_2, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 2), (1, 2), (0, 1)])
-    t68 += oe.contract('abc,defbc->defa', t71, t72, optimize=[(0, 1)])
-    t73 = oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi->faicd', t64, M_2, X, W_V, t10, A26, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 1), (0, 1)])
-    t74 = oe.contract('abc,cd,abde->eab', A26, t19, M_2, optimize=[(0, 1), (0, 1)])
-    t68 += oe.contract('abcde,fde->abfc', t73, t74, optimize=[(0, 1)])
-    t75 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t76 = t75.view((d_V, d_K, d_V, d_V))
-    t77 = (1/(L*math.sqrt(d_K)*n_batch)) * t59
-    t78 = oe.contract('abcd,ce,abe,abe->deab', M_2, W_V, t10, A26, optimize=[(0, 1), (0, 1), (0, 1)])
-    t79 = oe.contract('ab,cdb,cde->aecd', t77, X, M_1, optimize=[(0, 1), (0, 1)])
-    t76[...] = oe.contract('abcd,efcd->aefb', t78, t79, optimize=[(0, 1)])
-    t80 = (-1/(L*math.sqrt(d_K)*n_batch)) * t59
-    t81 = oe.contract('ab,cdb,cde,cdf->afecd', t80, X, A26, M_1, optimize=[(0, 1), (0, 1), (0, 1)])
-    t76 += oe.contract('abcde,fde->fabc', t81, t66, optimize=[(0, 1)])
-    t82 = (1/(math.sqrt(d_K)*n_batch)) * t59
-    t83 = oe.contract('ab,cdb,cde->aecd', t82, X, G, optimize=[(0, 1), (0, 1)])
-    t84 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t76 += oe.contract('abcd,efcd->eafb', t83, t84, optimize=[(0, 1)])
-    t85 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t86 = t85.view((d_V, d_V, d_V, d_K))
-    t87 = G.transpose(-1, -2)
-    t88 = (1/(math.sqrt(d_K)*n_batch)) * t87
-    t89 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
-    t90 = oe.contract('abc,acd->bdac', t88, X, optimize=[(0, 1)])
-    t86[...] = oe.contract('abcd,efcd->aefb', t89, t90, optimize=[(0, 1)])
-    t91 = M_1.transpose(-1, -2)
-    t92 = (1/(L*math.sqrt(d_K)*n_batch)) * t91
-    t86 += oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t92, t10, A26, t19, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t93 = (-1/(L*math.sqrt(d_K)*n_batch)) * t91
-    t94 = oe.contract('abc,acd,de,acef,fg->bgac', t93, A26, t19, M_2, W_K, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
-    t95 = oe.contract('abc,abc,abd->cdab', t10, A26, X, optimize=[(0, 1), (0, 1)])
-    t86 += oe.contract('abcd,efcd->aefb', t94, t95, optimize=[(0, 1)])
-    t96 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t97 = t96.view((d_V, d_V, d_V, d_K))
-    t98 = oe.contract('abc,acd,de->beac', t88, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t99 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t97[...] = oe.contract('abcd,efcd->eafb', t98, t99, optimize=[(0, 1)])
-    t100 = oe.contract('abc,acd,de->beac', t92, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t101 = oe.contract('abc,abc,cd,abde->ceab', t10, A26, t19, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t97 += oe.contract('abcd,efcd->aefb', t100, t101, optimize=[(0, 1)])
-    t102 = oe.contract('abc,acd,acd,ace,ef,acfg->bdgac', t93, t10, A26, A26, t19, M_2, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
-    t97 += oe.contract('abc,defbc->defa', t71, t102, optimize=[(0, 1)])
-    t103 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t103[...] = 0
-    t104 = t103.view((d_V, d_V, d_V, d_V))
-    t105 = t104.diagonal(0, 1, 3)
-    t106 = (1/(L*n_batch)) * t91
-    t107 = oe.contract('abc,abc->cab', t10, A26, optimize=[(0, 1)])
-    t108 = oe.contract('abc,acd->bdac', t106, M_1, optimize=[(0, 1)])
-    t105 += oe.contract('abc,debc->dea', t107, t108, optimize=[(0, 1)])
-    t109 = (-1/(L*n_batch)) * t91
-    t110 = oe.contract('abc,acd->bdac', t109, A26, optimize=[(0, 1)])
-    t111 = oe.contract('abc,abc,abd->cdab', t10, A26, M_1, optimize=[(0, 1), (0, 1)])
-    t104 += oe.contract('abcd,efcd->aefb', t110, t111, optimize=[(0, 1)])
+    t42 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t43 = t42.view((d_V, d_K, d_V, d_V))
+    t44 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t43[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,cdi->faih', t44, M_2, X, W_V, t11, dA17, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t45 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t46 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t47 = oe.contract('ab,cdeb->aecd', t45, M_2, optimize=[(0, 1)])
+    t43 += oe.contract('abcd,efcd->aefb', t46, t47, optimize=[(0, 1)])
+    t48 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t48[...] = 0
+    t49 = t48.view((d_V, d_K, d_V, d_K))
+    t50 = t49.diagonal(0, 1, 3)
+    t51 = t29.transpose(-1, -2)
+    t52 = t51 @ X
+    t53 = t3 @ t52
+    t50 += oe.contract('abc,d->bcd', t53, t37, optimize=[(0, 1)])
+    t54 = W_Q.transpose(-1, -2)
+    t55 = (1/(d_K*n_batch)) * t54
+    t56 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t57 = oe.contract('ab,cbd,cde->aecd', t55, t3, X, optimize=[(0, 1), (0, 1)])
+    t49 += oe.contract('abcd,efcd->aefb', t56, t57, optimize=[(0, 1)])
+    t58 = (1/(L*d_K*n_batch)) * t54
+    t49 += oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,jl->fakl', t58, M_2, X, W_V, t11, dA17, t18, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (4, 6), (0, 1), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t59 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t60 = t59.view((d_V, d_K, d_V, d_K))
+    t61 = oe.contract('ab,cdb,cde,ef->afcd', t58, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t62 = oe.contract('abcd,ce,abe,abef,fg,abgh->dhab', M_2, W_V, t11, dA17, t18, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
+    t60[...] = oe.contract('abcd,efcd->eafb', t61, t62, optimize=[(0, 1)])
+    t63 = oe.contract('ab,cbd,cde,ef->afcd', t55, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t64 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t60 += oe.contract('abcd,efcd->eafb', t63, t64, optimize=[(0, 1)])
+    t65 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t66 = t65.view((d_V, d_K, d_V, d_V))
+    t67 = (1/(L*math.sqrt(d_K)*n_batch)) * t54
+    t66[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdgh,cdi->faih', t67, M_2, X, W_V, t11, dA17, M_1, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
+    t68 = (1/(math.sqrt(d_K)*n_batch)) * t54
+    t69 = oe.contract('ab,cdb,cde->aecd', t68, X, G, optimize=[(0, 1), (0, 1)])
+    t70 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t66 += oe.contract('abcd,efcd->eafb', t69, t70, optimize=[(0, 1)])
+    t71 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t72 = t71.view((d_V, d_V, d_V, d_K))
+    t73 = G.transpose(-1, -2)
+    t74 = (1/(math.sqrt(d_K)*n_batch)) * t73
+    t75 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t76 = oe.contract('abc,acd->bdac', t74, X, optimize=[(0, 1)])
+    t72[...] = oe.contract('abcd,efcd->aefb', t75, t76, optimize=[(0, 1)])
+    t77 = M_1.transpose(-1, -2)
+    t78 = (1/(L*math.sqrt(d_K)*n_batch)) * t77
+    t79 = oe.contract('abc,abcd,de,abef,fg->cgab', t11, dA17, t18, M_2, W_K, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t80 = oe.contract('abc,acd->bdac', t78, X, optimize=[(0, 1)])
+    t72 += oe.contract('abcd,efcd->eafb', t79, t80, optimize=[(0, 1)])
+    t81 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t82 = t81.view((d_V, d_V, d_V, d_K))
+    t83 = oe.contract('abc,acd,de->beac', t74, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t84 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t82[...] = oe.contract('abcd,efcd->eafb', t83, t84, optimize=[(0, 1)])
+    t85 = oe.contract('abc,acd,de->beac', t78, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t86 = oe.contract('abc,abcd,de,abef->cfab', t11, dA17, t18, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t82 += oe.contract('abcd,efcd->aefb', t85, t86, optimize=[(0, 1)])
+    t87 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t88 = t87.view((d_V, d_V, d_V, d_V))
+    t89 = (1/(L*n_batch)) * t77
+    t88[...] = oe.contract('abc,acd,acde,acf->bdfe', t89, t11, dA17, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
     return H
 
 
@@ -8779,57 +10134,65 @@ def ce_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t5 = (1/math.sqrt(d_K)) * t4
     t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
     A = t6 / t6.sum(-1, keepdim=True)
-    t7 = Y.sum(-1, keepdim=True)
-    t8 = t7.expand(*t7.shape[:-1], d_V)
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    F = t10
-    t11 = torch.exp(F - F.amax(-1, keepdim=True))
-    A12 = t11 / t11.sum(-1, keepdim=True)
-    t13 = t8 * A12
-    t14 = (1/L) * t13
-    t15 = (-1/L) * Y
-    t16 = t14 + t15
-    G = t16
-    t17 = W_V.transpose(-1, -2)
-    t18 = t17 @ t1
-    t19 = G @ t18
-    t20 = t19 - (A * t19).sum(-1, keepdim=True)
-    t21 = A * t20
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t7 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t22 = torch.exp(t10 - t10.amax(-1, keepdim=True))
-    A23 = t22 / t22.sum(-1, keepdim=True)
-    t24 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 2), (0, 4), (2, 3), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jkli,jkd,lm,jkm,jkm,mn,jkno,jkg,oh->', t0, t1, M_3, X, W_K, t0, M_2, X, W_V, t8, A23, t17, M_2, X, W_K, optimize=[(9, 10), (0, 2), (3, 4), (0, 3), (3, 4), (0, 3), (6, 8), (0, 2), (0, 3), (1, 3), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jkli,jkd,lm,jkm,jkm,jkn,no,jkop,jkg,ph->', t0, t1, M_3, X, W_K, t0, M_2, X, W_V, t8, A23, A23, t17, M_2, X, W_K, optimize=[(9, 10), (0, 2), (3, 4), (0, 3), (3, 4), (3, 10), (0, 3), (6, 8), (0, 2), (0, 1), (1, 5), (0, 2), (2, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnol,mnf,op,mnp,mnp,pq,mnqr,mnj,rk->', t0, M_2, X, W_V, t8, A23, t17, M_2, X, W_K, t0, M_2, X, W_V, t8, A23, t17, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (4, 5), (0, 4), (4, 5), (1, 4), (9, 11), (1, 3), (0, 4), (0, 4), (2, 5), (0, 4), (4, 5), (0, 3), (0, 3), (1, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnol,mnf,op,mnp,mnp,mnq,qr,mnrs,mnj,sk->', t0, M_2, X, W_V, t8, A23, t17, M_2, X, W_K, t0, M_2, X, W_V, t8, A23, A23, t17, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (4, 5), (0, 4), (4, 5), (4, 13), (1, 4), (9, 11), (1, 3), (1, 3), (4, 8), (0, 2), (1, 4), (0, 4), (3, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl,am,nopm,nof,pq,noq,noq,nor,rs,nost,nok,tl->', t0, M_2, X, W_V, t8, A23, A23, t17, M_2, X, W_K, t0, M_2, X, W_V, t8, A23, A23, t17, M_2, X, W_K, optimize=[(4, 5), (13, 14), (0, 1), (2, 3), (2, 17), (4, 5), (0, 4), (4, 5), (4, 13), (1, 4), (9, 11), (1, 3), (0, 2), (2, 8), (0, 1), (1, 6), (0, 3), (2, 3), (1, 3), (0, 1), (0, 1)])
-    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
-    t26 = t21 @ X
-    t27 = t1 @ t26
-    t28 = (n_batch**(-2)) * oe.contract('abc,dbc->', t27, t27, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t27, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgi,fgi,ij,fgjc,fgk,kd->', t27, t0, M_2, X, W_V, t8, A23, t17, M_2, X, W_Q, optimize=[(5, 6), (0, 3), (4, 8), (0, 1), (2, 3), (4, 5), (1, 3), (1, 3), (0, 1), (0, 1)]) + (-2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgi,fgi,fgj,jk,fgkc,fgl,ld->', t27, t0, M_2, X, W_V, t8, A23, A23, t17, M_2, X, W_Q, optimize=[(5, 6), (0, 3), (5, 9), (0, 1), (1, 2), (4, 6), (1, 2), (2, 4), (0, 1), (1, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkm,jkm,mn,jknf,jko,oh->', t0, t1, M_3, X, W_Q, t0, M_2, X, W_V, t8, A23, t17, M_2, X, W_Q, optimize=[(9, 10), (0, 2), (1, 2), (1, 2), (0, 1), (1, 2), (1, 2), (0, 4), (0, 4), (4, 5), (0, 4), (1, 3), (0, 1), (0, 1)]) + (-2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkm,jkm,jkn,no,jkof,jkp,ph->', t0, t1, M_3, X, W_Q, t0, M_2, X, W_V, t8, A23, A23, t17, M_2, X, W_Q, optimize=[(9, 10), (0, 2), (1, 2), (1, 2), (0, 1), (1, 2), (1, 9), (1, 2), (0, 1), (2, 6), (0, 3), (3, 4), (1, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnol,mnf,op,mnp,mnp,pq,mnqi,mnr,rk->', t0, M_2, X, W_V, t8, A23, t17, M_2, X, W_Q, t0, M_2, X, W_V, t8, A23, t17, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (2, 3), (2, 3), (0, 2), (2, 3), (2, 3), (0, 4), (1, 3), (7, 8), (0, 3), (0, 3), (4, 5), (3, 4), (1, 3), (0, 1), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnol,mnf,op,mnp,mnp,mnq,qr,mnri,mns,sk->', t0, M_2, X, W_V, t8, A23, t17, M_2, X, W_Q, t0, M_2, X, W_V, t8, A23, A23, t17, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (2, 3), (2, 3), (0, 2), (2, 3), (2, 12), (2, 3), (1, 3), (5, 9), (0, 2), (0, 1), (5, 6), (0, 3), (0, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl,am,nopm,nof,pq,noq,noq,nor,rs,nosj,not,tl->', t0, M_2, X, W_V, t8, A23, A23, t17, M_2, X, W_Q, t0, M_2, X, W_V, t8, A23, A23, t17, M_2, X, W_Q, optimize=[(4, 5), (13, 14), (0, 1), (2, 3), (2, 17), (2, 3), (2, 3), (0, 2), (2, 3), (2, 12), (2, 3), (0, 2), (2, 9), (0, 1), (2, 7), (0, 3), (1, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t29 = torch.sqrt(torch.clamp(t28, min=0.0))
-    t30 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,ai,jkli,jkf,lg,jkg,jkg,jkh->', t0, M_2, X, W_V, t8, A23, M_1, t0, M_2, X, W_V, t8, A23, M_1, optimize=[(4, 5), (9, 10), (0, 1), (3, 4), (0, 3), (1, 3), (6, 7), (0, 4), (0, 3), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,ai,jkli,jkf,lm,jkm,jkm,jkg,jkh->', t0, M_2, X, W_V, t8, A23, M_1, t0, M_2, X, W_V, t8, A23, A23, M_1, optimize=[(4, 5), (9, 10), (0, 1), (3, 4), (0, 3), (1, 4), (7, 8), (1, 4), (4, 6), (0, 3), (1, 4), (0, 3), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,ai,jkhi,jkf,jkg->', t0, M_2, X, W_V, t8, A23, M_1, t0, M_2, X, G, optimize=[(4, 5), (0, 1), (2, 4), (0, 3), (0, 4), (0, 3), (3, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi,aj,klmj,klf,mn,kln,kln,klh,kli->', t0, M_2, X, W_V, t8, A23, A23, M_1, t0, M_2, X, W_V, t8, A23, A23, M_1, optimize=[(4, 5), (10, 11), (0, 1), (4, 5), (0, 4), (1, 4), (8, 9), (1, 3), (6, 7), (0, 2), (2, 5), (0, 1), (0, 3), (0, 2), (0, 1)]) + (-2/(L*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi,aj,klij,klf,klh->', t0, M_2, X, W_V, t8, A23, A23, M_1, t0, M_2, X, G, optimize=[(4, 5), (0, 1), (3, 5), (0, 4), (1, 3), (5, 6), (4, 5), (0, 2), (1, 3), (0, 1), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 1), (2, 3), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t31 = torch.sqrt(torch.clamp(t30, min=0.0))
-    t32 = t21.transpose(-1, -2)
-    t33 = t32 @ X
-    t34 = t1 @ t33
-    t35 = W_Q.transpose(-1, -2)
-    t36 = (n_batch**(-2)) * oe.contract('abc,dbc->', t34, t34, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t34, t35, t1, M_3, X, W_K, optimize=[(0, 3), (2, 4), (0, 1), (0, 2), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgi,fgi,ij,fgjk,fgc,kd->', t34, t35, M_2, X, W_V, t8, A23, t17, M_2, X, W_K, optimize=[(5, 6), (0, 2), (5, 8), (0, 1), (1, 2), (0, 3), (1, 4), (2, 3), (0, 1), (0, 1)]) + (-2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgi,fgi,fgj,jk,fgkl,fgc,ld->', t34, t35, M_2, X, W_V, t8, A23, A23, t17, M_2, X, W_K, optimize=[(5, 6), (0, 2), (6, 9), (0, 1), (1, 2), (1, 6), (0, 2), (1, 4), (0, 1), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t35, t1, M_3, X, W_K, t35, t1, M_3, X, W_K, optimize=[(0, 1), (0, 2), (1, 2), (0, 2), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkm,jkm,mn,jkno,jkg,oh->', t35, t1, M_3, X, W_K, t35, M_2, X, W_V, t8, A23, t17, M_2, X, W_K, optimize=[(9, 10), (0, 1), (0, 2), (1, 3), (1, 2), (1, 2), (0, 1), (0, 3), (1, 2), (3, 5), (0, 1), (0, 3), (0, 2), (0, 1)]) + (-2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkm,jkm,jkn,no,jkop,jkg,ph->', t35, t1, M_3, X, W_K, t35, M_2, X, W_V, t8, A23, A23, t17, M_2, X, W_K, optimize=[(9, 10), (0, 1), (0, 2), (1, 3), (1, 2), (6, 10), (1, 2), (1, 8), (0, 1), (0, 2), (0, 1), (2, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnof,mnl,op,mnp,mnp,pq,mnqr,mnj,rk->', t35, M_2, X, W_V, t8, A23, t17, M_2, X, W_K, t35, M_2, X, W_V, t8, A23, t17, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (2, 4), (2, 3), (2, 3), (0, 2), (0, 1), (0, 3), (2, 8), (1, 2), (3, 6), (0, 1), (0, 4), (0, 1), (1, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnof,mnl,op,mnp,mnp,mnq,qr,mnrs,mnj,sk->', t35, M_2, X, W_V, t8, A23, t17, M_2, X, W_K, t35, M_2, X, W_V, t8, A23, A23, t17, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (2, 4), (2, 3), (8, 13), (2, 3), (2, 11), (0, 2), (0, 1), (0, 2), (1, 7), (0, 1), (2, 5), (0, 3), (2, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl,am,nopf,nom,pq,noq,noq,nor,rs,nost,nok,tl->', t35, M_2, X, W_V, t8, A23, A23, t17, M_2, X, W_K, t35, M_2, X, W_V, t8, A23, A23, t17, M_2, X, W_K, optimize=[(4, 5), (13, 14), (0, 2), (0, 1), (14, 17), (0, 1), (0, 15), (2, 4), (2, 3), (7, 12), (2, 3), (2, 10), (0, 2), (0, 1), (0, 3), (4, 6), (0, 2), (3, 4), (0, 2), (0, 2), (0, 1)])
-    t37 = torch.sqrt(torch.clamp(t36, min=0.0))
-    t38 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t35, t1, M_3, X, W_Q, t35, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jkle,jki,lm,jkm,jkm,mn,jknf,jko,oh->', t35, t1, M_3, X, W_Q, t35, M_2, X, W_V, t8, A23, t17, M_2, X, W_Q, optimize=[(9, 10), (0, 1), (1, 2), (1, 3), (1, 2), (1, 2), (1, 2), (2, 4), (1, 3), (2, 5), (0, 4), (2, 3), (0, 1), (0, 1)]) + (-2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jkle,jki,lm,jkm,jkm,jkn,no,jkof,jkp,ph->', t35, t1, M_3, X, W_Q, t35, M_2, X, W_V, t8, A23, A23, t17, M_2, X, W_Q, optimize=[(9, 10), (0, 1), (1, 2), (1, 3), (1, 2), (6, 10), (1, 2), (1, 8), (1, 2), (1, 3), (0, 2), (1, 4), (2, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnof,mnl,op,mnp,mnp,pq,mnqi,mnr,rk->', t35, M_2, X, W_V, t8, A23, t17, M_2, X, W_Q, t35, M_2, X, W_V, t8, A23, t17, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (0, 1), (0, 1), (0, 1), (0, 3), (2, 8), (1, 3), (0, 2), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnof,mnl,op,mnp,mnp,mnq,qr,mnri,mns,sk->', t35, M_2, X, W_V, t8, A23, t17, M_2, X, W_Q, t35, M_2, X, W_V, t8, A23, A23, t17, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (0, 1), (6, 12), (0, 1), (0, 10), (0, 1), (0, 2), (1, 7), (0, 2), (0, 3), (3, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl,am,nopf,nom,pq,noq,noq,nor,rs,nosj,not,tl->', t35, M_2, X, W_V, t8, A23, A23, t17, M_2, X, W_Q, t35, M_2, X, W_V, t8, A23, A23, t17, M_2, X, W_Q, optimize=[(4, 5), (13, 14), (0, 2), (0, 1), (14, 17), (0, 1), (0, 15), (0, 1), (0, 2), (0, 1), (5, 11), (0, 1), (0, 9), (0, 1), (0, 4), (0, 3), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t39 = torch.sqrt(torch.clamp(t38, min=0.0))
-    t40 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,ai,jklf,jki,lg,jkg,jkg,jkh->', t35, M_2, X, W_V, t8, A23, M_1, t35, M_2, X, W_V, t8, A23, M_1, optimize=[(4, 5), (9, 10), (0, 2), (0, 1), (1, 3), (1, 2), (5, 7), (0, 1), (2, 3), (3, 4), (0, 2), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,ai,jklf,jki,lm,jkm,jkm,jkg,jkh->', t35, M_2, X, W_V, t8, A23, M_1, t35, M_2, X, W_V, t8, A23, A23, M_1, optimize=[(4, 5), (9, 10), (0, 2), (0, 1), (1, 3), (1, 2), (4, 8), (0, 2), (1, 3), (1, 2), (2, 4), (1, 2), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,ai,jkhf,jki,jkg->', t35, M_2, X, W_V, t8, A23, M_1, t35, M_2, X, G, optimize=[(4, 5), (0, 2), (0, 1), (0, 2), (5, 6), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi,aj,klmf,klj,mn,kln,kln,klh,kli->', t35, M_2, X, W_V, t8, A23, A23, M_1, t35, M_2, X, W_V, t8, A23, A23, M_1, optimize=[(4, 5), (10, 11), (0, 2), (0, 1), (8, 11), (2, 4), (2, 3), (4, 8), (0, 2), (0, 1), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (-2/(L*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi,aj,klif,klj,klh->', t35, M_2, X, W_V, t8, A23, A23, M_1, t35, M_2, X, G, optimize=[(4, 5), (0, 2), (0, 1), (6, 8), (1, 3), (5, 6), (1, 2), (0, 1), (1, 3), (0, 1), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t35, M_2, X, G, t35, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t41 = torch.sqrt(torch.clamp(t40, min=0.0))
-    t42 = G.transpose(-1, -2)
-    t43 = M_1.transpose(-1, -2)
-    t44 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t42, M_2, X, W_K, t42, M_2, X, W_K, optimize=[(1, 3), (0, 2), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hdi,hib,hib,bj,hijk,hif,kg->', t42, M_2, X, W_K, t43, t8, A23, t17, M_2, X, W_K, optimize=[(5, 6), (1, 3), (3, 4), (1, 3), (1, 4), (1, 3), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hdi,hib,hib,hij,jk,hikl,hif,lg->', t42, M_2, X, W_K, t43, t8, A23, A23, t17, M_2, X, W_K, optimize=[(5, 6), (1, 3), (3, 4), (3, 8), (1, 3), (0, 3), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,fh,ibj,ijd,ijd,dk,ijkl,ijg,lh->', t43, t8, A23, t17, M_2, X, W_K, t43, t8, A23, t17, M_2, X, W_K, optimize=[(1, 2), (6, 7), (1, 2), (0, 3), (2, 3), (0, 2), (5, 7), (0, 1), (2, 5), (2, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,fh,ibj,ijd,ijd,ijk,kl,ijlm,ijg,mh->', t43, t8, A23, t17, M_2, X, W_K, t43, t8, A23, A23, t17, M_2, X, W_K, optimize=[(1, 2), (6, 7), (1, 2), (0, 3), (2, 3), (2, 9), (0, 2), (5, 7), (0, 1), (2, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi,jbk,jkd,jkd,jkl,lm,jkmn,jkh,ni->', t43, t8, A23, A23, t17, M_2, X, W_K, t43, t8, A23, A23, t17, M_2, X, W_K, optimize=[(1, 2), (7, 8), (1, 2), (1, 12), (0, 3), (2, 3), (2, 9), (0, 2), (5, 7), (0, 1), (0, 1), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t45 = torch.sqrt(torch.clamp(t44, min=0.0))
-    t46 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t42, M_2, X, W_Q, t42, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hdi,hib,hib,bj,hije,hik,kg->', t42, M_2, X, W_Q, t43, t8, A23, t17, M_2, X, W_Q, optimize=[(5, 6), (2, 3), (1, 2), (2, 7), (2, 3), (1, 4), (2, 3), (0, 2), (0, 2), (0, 1)]) + (-2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hdi,hib,hib,hij,jk,hike,hil,lg->', t42, M_2, X, W_Q, t43, t8, A23, A23, t17, M_2, X, W_Q, optimize=[(5, 6), (2, 3), (1, 2), (3, 8), (1, 2), (5, 6), (1, 2), (0, 1), (1, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,gh,ibj,ijd,ijd,dk,ijkf,ijl,lh->', t43, t8, A23, t17, M_2, X, W_Q, t43, t8, A23, t17, M_2, X, W_Q, optimize=[(1, 2), (6, 7), (1, 2), (1, 2), (0, 1), (0, 1), (4, 7), (0, 1), (0, 4), (0, 4), (1, 3), (0, 1), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,gh,ibj,ijd,ijd,ijk,kl,ijlf,ijm,mh->', t43, t8, A23, t17, M_2, X, W_Q, t43, t8, A23, A23, t17, M_2, X, W_Q, optimize=[(1, 2), (6, 7), (1, 2), (1, 2), (0, 1), (0, 1), (0, 8), (0, 1), (0, 2), (3, 5), (0, 4), (1, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi,jbk,jkd,jkd,jkl,lm,jkmg,jkn,ni->', t43, t8, A23, A23, t17, M_2, X, W_Q, t43, t8, A23, A23, t17, M_2, X, W_Q, optimize=[(1, 2), (7, 8), (1, 2), (1, 12), (1, 2), (0, 1), (0, 1), (0, 8), (0, 1), (0, 1), (2, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t47 = torch.sqrt(torch.clamp(t46, min=0.0))
-    t48 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fge->', t43, t8, A23, M_1, t43, t8, A23, M_1, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fgd,fge->', t43, t8, A23, M_1, t43, t8, A23, A23, M_1, optimize=[(1, 2), (3, 4), (3, 6), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,acf,gbh,ghd,ghd,ghe,ghf->', t43, t8, A23, A23, M_1, t43, t8, A23, A23, M_1, optimize=[(1, 2), (4, 5), (0, 3), (0, 2), (4, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t49 = torch.sqrt(torch.clamp(t48, min=0.0))
-    return (t25, t29, t31, t37, t39, t41, t45, t47, t49,)
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t8 = Y.sum(-1, keepdim=True)
+    t9 = t8.expand(*t8.shape[:-1], d_V)
+    t10 = A @ X
+    M_1 = t10
+    t11 = M_1 @ W_V
+    t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
+    A13 = t12 / t12.sum(-1, keepdim=True)
+    t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA15 = oe.contract('abc,cd->abcd', A13, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A13, A13, optimize=[(0, 1)])
+    t16 = W_V.transpose(-1, -2)
+    F = t11
+    t17 = torch.exp(F - F.amax(-1, keepdim=True))
+    A18 = t17 / t17.sum(-1, keepdim=True)
+    t19 = t9 * A18
+    t20 = (1/L) * t19
+    t21 = (-1/L) * Y
+    t22 = t20 + t21
+    G = t22
+    t23 = t16 @ t1
+    t24 = G @ t23
+    t25 = t24 - (A * t24).sum(-1, keepdim=True)
+    t26 = A * t25
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t26, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t26, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t26, optimize=[(0, 1)])
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
+    t27 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,jl,am,nopm,nof,pq,noq,noqr,rs,nost,nok,tl->', t0, M_2, X, W_V, t9, dA15, t16, M_2, X, W_K, t0, M_2, X, W_V, t9, dA15, t16, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 8), (1, 8), (4, 10), (13, 14), (4, 9), (0, 1), (6, 11), (0, 1), (8, 9), (0, 1), (2, 7), (0, 1), (4, 5), (0, 3), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,jl,am,nfo,nomp,nok,pl->', t0, M_2, X, W_V, t9, dA15, t16, M_2, X, W_K, t0, t1, M_3, X, W_K, optimize=[(4, 5), (0, 8), (1, 7), (4, 7), (9, 10), (4, 6), (0, 1), (3, 7), (0, 1), (4, 5), (0, 1), (0, 2), (1, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t28 = torch.sqrt(torch.clamp(t27, min=0.0))
+    t29 = t26 @ X
+    t30 = t1 @ t29
+    t31 = (n_batch**(-2)) * oe.contract('abc,dbc->', t30, t30, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t30, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgi,fgij,jk,fgkc,fgl,ld->', t30, t0, M_2, X, W_V, t9, dA15, t16, M_2, X, W_Q, optimize=[(0, 3), (6, 9), (3, 4), (0, 5), (2, 4), (3, 5), (2, 3), (0, 3), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkm,jkmn,no,jkof,jkp,ph->', t0, t1, M_3, X, W_Q, t0, M_2, X, W_V, t9, dA15, t16, M_2, X, W_Q, optimize=[(9, 10), (0, 5), (0, 5), (1, 2), (5, 6), (8, 9), (7, 8), (0, 6), (0, 1), (2, 5), (0, 1), (2, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,kl,am,nopm,nof,pq,noq,noqr,rs,nosj,not,tl->', t0, M_2, X, W_V, t9, dA15, t16, M_2, X, W_Q, t0, M_2, X, W_V, t9, dA15, t16, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 8), (1, 8), (4, 5), (8, 9), (12, 13), (11, 12), (0, 1), (6, 10), (0, 1), (7, 8), (0, 1), (2, 6), (0, 1), (3, 4), (0, 2), (1, 2), (0, 1)])
+    t32 = torch.sqrt(torch.clamp(t31, min=0.0))
+    t33 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,cdi,aj,klmj,klf,mn,kln,klnh,kli->', t0, M_2, X, W_V, t9, dA15, M_1, t0, M_2, X, W_V, t9, dA15, M_1, optimize=[(4, 5), (9, 10), (0, 5), (1, 5), (2, 5), (7, 8), (0, 1), (2, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,cdi,aj,klij,klf,klh->', t0, M_2, X, W_V, t9, dA15, M_1, t0, M_2, X, G, optimize=[(4, 5), (0, 5), (1, 5), (0, 1), (3, 6), (0, 1), (2, 4), (0, 2), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t34 = torch.sqrt(torch.clamp(t33, min=0.0))
+    t35 = t26.transpose(-1, -2)
+    t36 = t35 @ X
+    t37 = t1 @ t36
+    t38 = W_Q.transpose(-1, -2)
+    t39 = (n_batch**(-2)) * oe.contract('abc,dbc->', t37, t37, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t37, t38, t1, M_3, X, W_K, optimize=[(0, 4), (2, 4), (0, 1), (0, 1), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgi,fgij,jk,fgkl,fgc,ld->', t37, t38, M_2, X, W_V, t9, dA15, t16, M_2, X, W_K, optimize=[(0, 9), (1, 9), (3, 4), (0, 1), (0, 4), (3, 5), (0, 4), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t38, t1, M_3, X, W_K, t38, t1, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkm,jkmn,no,jkop,jkg,ph->', t38, t1, M_3, X, W_K, t38, M_2, X, W_V, t9, dA15, t16, M_2, X, W_K, optimize=[(9, 10), (0, 1), (1, 9), (1, 8), (1, 3), (6, 9), (6, 8), (0, 6), (0, 1), (2, 5), (0, 1), (2, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,jl,am,nopf,nom,pq,noq,noqr,rs,nost,nok,tl->', t38, M_2, X, W_V, t9, dA15, t16, M_2, X, W_K, t38, M_2, X, W_V, t9, dA15, t16, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1), (15, 16), (0, 1), (13, 14), (2, 4), (2, 3), (2, 3), (9, 10), (2, 3), (7, 8), (0, 2), (0, 1), (0, 2), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t40 = torch.sqrt(torch.clamp(t39, min=0.0))
+    t41 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,kl,am,nopf,nom,pq,noq,noqr,rs,nosj,not,tl->', t38, M_2, X, W_V, t9, dA15, t16, M_2, X, W_Q, t38, M_2, X, W_V, t9, dA15, t16, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 1), (15, 16), (0, 1), (13, 14), (0, 1), (0, 2), (0, 1), (0, 1), (8, 9), (0, 1), (6, 7), (3, 6), (0, 1), (0, 2), (1, 3), (0, 1), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,kl,am,nmo,nofj,nop,pl->', t38, M_2, X, W_V, t9, dA15, t16, M_2, X, W_Q, t38, t1, M_3, X, W_Q, optimize=[(0, 2), (0, 1), (0, 1), (10, 11), (0, 1), (8, 9), (4, 8), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t38, t1, M_3, X, W_Q, t38, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)])
+    t42 = torch.sqrt(torch.clamp(t41, min=0.0))
+    t43 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,cdi,aj,klmf,klj,mn,kln,klnh,kli->', t38, M_2, X, W_V, t9, dA15, M_1, t38, M_2, X, W_V, t9, dA15, M_1, optimize=[(0, 2), (0, 1), (0, 1), (9, 10), (1, 3), (1, 2), (1, 2), (5, 6), (3, 5), (0, 1), (2, 3), (0, 1), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,cdi,aj,klif,klj,klh->', t38, M_2, X, W_V, t9, dA15, M_1, t38, M_2, X, G, optimize=[(0, 2), (0, 1), (0, 1), (6, 7), (0, 2), (4, 5), (2, 4), (0, 1), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t38, M_2, X, G, t38, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t44 = torch.sqrt(torch.clamp(t43, min=0.0))
+    t45 = G.transpose(-1, -2)
+    t46 = M_1.transpose(-1, -2)
+    t47 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t45, M_2, X, W_K, t45, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hdi,hib,hibj,jk,hikl,hif,lg->', t45, M_2, X, W_K, t46, t9, dA15, t16, M_2, X, W_K, optimize=[(5, 6), (2, 7), (2, 6), (0, 6), (4, 6), (0, 1), (3, 4), (0, 1), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,gi,jbk,jkd,jkdl,lm,jkmn,jkh,ni->', t46, t9, dA15, t16, M_2, X, W_K, t46, t9, dA15, t16, M_2, X, W_K, optimize=[(1, 2), (1, 12), (1, 11), (0, 3), (2, 3), (2, 8), (2, 7), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
+    t48 = torch.sqrt(torch.clamp(t47, min=0.0))
+    t49 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t45, M_2, X, W_Q, t45, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hdi,hib,hibj,jk,hike,hil,lg->', t45, M_2, X, W_Q, t46, t9, dA15, t16, M_2, X, W_Q, optimize=[(5, 6), (2, 3), (5, 6), (6, 7), (0, 6), (4, 5), (0, 1), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,hi,jbk,jkd,jkdl,lm,jkmg,jkn,ni->', t46, t9, dA15, t16, M_2, X, W_Q, t46, t9, dA15, t16, M_2, X, W_Q, optimize=[(1, 2), (1, 12), (1, 11), (1, 2), (0, 1), (0, 1), (0, 7), (0, 6), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t50 = torch.sqrt(torch.clamp(t49, min=0.0))
+    t51 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t46, t9, dA15, M_1, t46, t9, dA15, M_1, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
+    t52 = torch.sqrt(torch.clamp(t51, min=0.0))
+    return (t28, t32, t34, t40, t42, t44, t48, t50, t52,)
 
 
 def ce_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -8848,41 +10211,46 @@ def ce_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t6 = (1/math.sqrt(d_K)) * t5
     t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
     A = t7 / t7.sum(-1, keepdim=True)
-    t8 = Y.sum(-1, keepdim=True)
-    t9 = t8.expand(*t8.shape[:-1], d_V)
-    t10 = A @ X
-    M_1 = t10
-    t11 = M_1 @ W_V
-    F = t11
-    t12 = torch.exp(F - F.amax(-1, keepdim=True))
-    A13 = t12 / t12.sum(-1, keepdim=True)
-    t14 = t9 * A13
-    t15 = (1/L) * t14
-    t16 = (-1/L) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = W_V.transpose(-1, -2)
-    t19 = t18 @ t2
-    t20 = G @ t19
-    t21 = t20 - (A * t20).sum(-1, keepdim=True)
-    t22 = A * t21
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t22, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t22, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t22, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t23 = (1/(d_K*n_batch)) * t1
-    t24 = oe.contract('ab,cdbe,ea->acd', t23, M_3, W_K, optimize=[(0, 2), (0, 1)])
-    t25 = oe.contract('abc,acb->bac', t2, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t24, t25, optimize=[(0, 1)])
+    t8 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t26 = torch.exp(t11 - t11.amax(-1, keepdim=True))
-    A27 = t26 / t26.sum(-1, keepdim=True)
-    t28 = (1/(L*d_K*n_batch)) * t1
-    t29 = oe.contract('ab,cdeb,ef,cdf,cdf,fg,cdgh,ha->acd', t28, M_2, W_V, t9, A27, t18, M_2, W_K, optimize=[(3, 4), (0, 1), (1, 2), (0, 3), (0, 2), (1, 2), (0, 1)])
-    t30 = oe.contract('abc,abc->cab', X, X, optimize=[(0, 1)])
-    t0 += oe.contract('abc,dbc->da', t29, t30, optimize=[(0, 1)])
-    t31 = (-1/(L*d_K*n_batch)) * t1
-    t32 = oe.contract('ab,cdeb,ef,cdf,cdf,cdg,gh,cdhi,ia->acd', t31, M_2, W_V, t9, A27, A27, t18, M_2, W_K, optimize=[(3, 4), (0, 1), (1, 2), (1, 5), (0, 2), (1, 3), (0, 1), (0, 1)])
-    t0 += oe.contract('abc,dbc->da', t32, t30, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t9 = Y.sum(-1, keepdim=True)
+    t10 = t9.expand(*t9.shape[:-1], d_V)
+    t11 = A @ X
+    M_1 = t11
+    t12 = M_1 @ W_V
+    t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A14 = t13 / t13.sum(-1, keepdim=True)
+    t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA16 = oe.contract('abc,cd->abcd', A14, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A14, A14, optimize=[(0, 1)])
+    t17 = W_V.transpose(-1, -2)
+    t18 = (1/(L*d_K*n_batch)) * t1
+    t19 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi,ia->acd', t18, M_2, W_V, t10, dA16, t17, M_2, W_K, optimize=[(0, 1), (1, 2), (1, 5), (1, 4), (0, 2), (1, 2), (0, 1)])
+    t20 = oe.contract('abc,abc->cab', X, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t19, t20, optimize=[(0, 1)])
+    F = t12
+    t21 = torch.exp(F - F.amax(-1, keepdim=True))
+    A22 = t21 / t21.sum(-1, keepdim=True)
+    t23 = t10 * A22
+    t24 = (1/L) * t23
+    t25 = (-1/L) * Y
+    t26 = t24 + t25
+    G = t26
+    t27 = t17 @ t2
+    t28 = G @ t27
+    t29 = t28 - (A * t28).sum(-1, keepdim=True)
+    t30 = A * t29
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t30, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t30, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t30, optimize=[(0, 1)])
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
+    t31 = (1/(d_K*n_batch)) * t1
+    t32 = oe.contract('ab,cdbe,ea->acd', t31, M_3, W_K, optimize=[(0, 2), (0, 1)])
+    t33 = oe.contract('abc,acb->bac', t2, X, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dbc->da', t32, t33, optimize=[(0, 1)])
     return out
 
 
@@ -8900,31 +10268,39 @@ def ce_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     t5 = (1/math.sqrt(d_K)) * t4
     t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
     A = t6 / t6.sum(-1, keepdim=True)
-    t7 = Y.sum(-1, keepdim=True)
-    t8 = t7.expand(*t7.shape[:-1], d_V)
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    F = t10
-    t11 = torch.exp(F - F.amax(-1, keepdim=True))
-    A12 = t11 / t11.sum(-1, keepdim=True)
-    t13 = t8 * A12
-    t14 = (1/L) * t13
-    t15 = (-1/L) * Y
-    t16 = t14 + t15
-    G = t16
-    t17 = W_V.transpose(-1, -2)
-    t18 = t17 @ t1
-    t19 = G @ t18
-    t20 = t19 - (A * t19).sum(-1, keepdim=True)
-    t21 = A * t20
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t7 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t22 = torch.exp(t10 - t10.amax(-1, keepdim=True))
-    A23 = t22 / t22.sum(-1, keepdim=True)
-    return (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->', t0, t1, M_3, X, W_K, optimize=[(1, 3), (1, 3), (0, 1), (0, 1)]) + (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdf,ia->', t0, M_2, X, W_V, t8, A23, t17, M_2, X, W_K, optimize=[(4, 5), (2, 6), (0, 1), (1, 2), (2, 3), (0, 2), (0, 1), (1, 2), (0, 1)]) + (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdf,ja->', t0, M_2, X, W_V, t8, A23, A23, t17, M_2, X, W_K, optimize=[(4, 5), (2, 7), (0, 1), (1, 2), (1, 6), (0, 2), (2, 4), (0, 2), (1, 2), (0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t8 = Y.sum(-1, keepdim=True)
+    t9 = t8.expand(*t8.shape[:-1], d_V)
+    t10 = A @ X
+    M_1 = t10
+    t11 = M_1 @ W_V
+    t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
+    A13 = t12 / t12.sum(-1, keepdim=True)
+    t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA15 = oe.contract('abc,cd->abcd', A13, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A13, A13, optimize=[(0, 1)])
+    t16 = W_V.transpose(-1, -2)
+    F = t11
+    t17 = torch.exp(F - F.amax(-1, keepdim=True))
+    A18 = t17 / t17.sum(-1, keepdim=True)
+    t19 = t9 * A18
+    t20 = (1/L) * t19
+    t21 = (-1/L) * Y
+    t22 = t20 + t21
+    G = t22
+    t23 = t16 @ t1
+    t24 = G @ t23
+    t25 = t24 - (A * t24).sum(-1, keepdim=True)
+    t26 = A * t25
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t26, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t26, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t26, optimize=[(0, 1)])
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
+    return (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdf,ja->', t0, M_2, X, W_V, t9, dA15, t16, M_2, X, W_K, optimize=[(2, 8), (3, 4), (0, 5), (0, 1), (3, 5), (0, 1), (2, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->', t0, t1, M_3, X, W_K, optimize=[(1, 3), (1, 3), (0, 1), (0, 1)])
 
 
 def ce_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -8943,38 +10319,42 @@ def ce_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t6 = (1/math.sqrt(d_K)) * t5
     t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
     A = t7 / t7.sum(-1, keepdim=True)
-    t8 = Y.sum(-1, keepdim=True)
-    t9 = t8.expand(*t8.shape[:-1], d_V)
-    t10 = A @ X
-    M_1 = t10
-    t11 = M_1 @ W_V
-    F = t11
-    t12 = torch.exp(F - F.amax(-1, keepdim=True))
-    A13 = t12 / t12.sum(-1, keepdim=True)
-    t14 = t9 * A13
-    t15 = (1/L) * t14
-    t16 = (-1/L) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = W_V.transpose(-1, -2)
-    t19 = t18 @ t2
-    t20 = G @ t19
-    t21 = t20 - (A * t20).sum(-1, keepdim=True)
-    t22 = A * t21
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t22, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t22, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t22, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t23 = (1/(d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t23, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t8 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t24 = torch.exp(t11 - t11.amax(-1, keepdim=True))
-    A25 = t24 / t24.sum(-1, keepdim=True)
-    t26 = (1/(L*d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t26, M_2, X, W_V, t9, A25, t18, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t27 = (-1/(L*d_K*n_batch)) * t1
-    t28 = oe.contract('abc,cd,abde,ef->fab', A25, t18, M_2, W_K, optimize=[(0, 1), (0, 2), (0, 1)])
-    t29 = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahcd', t27, M_2, X, W_V, t9, A25, X, optimize=[(4, 5), (0, 1), (1, 3), (2, 3), (0, 1), (0, 1)])
-    t0 += oe.contract('abc,defbc->defa', t28, t29, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t9 = Y.sum(-1, keepdim=True)
+    t10 = t9.expand(*t9.shape[:-1], d_V)
+    t11 = A @ X
+    M_1 = t11
+    t12 = M_1 @ W_V
+    t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A14 = t13 / t13.sum(-1, keepdim=True)
+    t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA16 = oe.contract('abc,cd->abcd', A14, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A14, A14, optimize=[(0, 1)])
+    t17 = W_V.transpose(-1, -2)
+    t18 = (1/(L*d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,jl->fakl', t18, M_2, X, W_V, t10, dA16, t17, M_2, X, W_K, optimize=[(4, 5), (0, 1), (1, 7), (5, 6), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    F = t12
+    t19 = torch.exp(F - F.amax(-1, keepdim=True))
+    A20 = t19 / t19.sum(-1, keepdim=True)
+    t21 = t10 * A20
+    t22 = (1/L) * t21
+    t23 = (-1/L) * Y
+    t24 = t22 + t23
+    G = t24
+    t25 = t17 @ t2
+    t26 = G @ t25
+    t27 = t26 - (A * t26).sum(-1, keepdim=True)
+    t28 = A * t27
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t28, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t28, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t28, optimize=[(0, 1)])
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
+    t29 = (1/(d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cde,cebf,ceg,fh->dagh', t29, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -8992,33 +10372,41 @@ def ce_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t5 = (1/math.sqrt(d_K)) * t4
     t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
     A = t6 / t6.sum(-1, keepdim=True)
-    t7 = Y.sum(-1, keepdim=True)
-    t8 = t7.expand(*t7.shape[:-1], d_V)
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    F = t10
-    t11 = torch.exp(F - F.amax(-1, keepdim=True))
-    A12 = t11 / t11.sum(-1, keepdim=True)
-    t13 = t8 * A12
-    t14 = (1/L) * t13
-    t15 = (-1/L) * Y
-    t16 = t14 + t15
-    G = t16
-    t17 = W_V.transpose(-1, -2)
-    t18 = t17 @ t1
-    t19 = G @ t18
-    t20 = t19 - (A * t19).sum(-1, keepdim=True)
-    t21 = A * t20
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t7 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t22 = torch.exp(t10 - t10.amax(-1, keepdim=True))
-    A23 = t22 / t22.sum(-1, keepdim=True)
-    t24 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 2), (0, 4), (2, 3), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jkli,jkd,lm,jkm,jkm,mn,jkno,jkg,oh->', t0, t1, M_3, X, W_K, t0, M_2, X, W_V, t8, A23, t17, M_2, X, W_K, optimize=[(9, 10), (0, 2), (3, 4), (0, 3), (3, 4), (0, 3), (6, 8), (0, 2), (0, 3), (1, 3), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jkli,jkd,lm,jkm,jkm,jkn,no,jkop,jkg,ph->', t0, t1, M_3, X, W_K, t0, M_2, X, W_V, t8, A23, A23, t17, M_2, X, W_K, optimize=[(9, 10), (0, 2), (3, 4), (0, 3), (3, 4), (3, 10), (0, 3), (6, 8), (0, 2), (0, 1), (1, 5), (0, 2), (2, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnol,mnf,op,mnp,mnp,pq,mnqr,mnj,rk->', t0, M_2, X, W_V, t8, A23, t17, M_2, X, W_K, t0, M_2, X, W_V, t8, A23, t17, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (4, 5), (0, 4), (4, 5), (1, 4), (9, 11), (1, 3), (0, 4), (0, 4), (2, 5), (0, 4), (4, 5), (0, 3), (0, 3), (1, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnol,mnf,op,mnp,mnp,mnq,qr,mnrs,mnj,sk->', t0, M_2, X, W_V, t8, A23, t17, M_2, X, W_K, t0, M_2, X, W_V, t8, A23, A23, t17, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (4, 5), (0, 4), (4, 5), (4, 13), (1, 4), (9, 11), (1, 3), (1, 3), (4, 8), (0, 2), (1, 4), (0, 4), (3, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl,am,nopm,nof,pq,noq,noq,nor,rs,nost,nok,tl->', t0, M_2, X, W_V, t8, A23, A23, t17, M_2, X, W_K, t0, M_2, X, W_V, t8, A23, A23, t17, M_2, X, W_K, optimize=[(4, 5), (13, 14), (0, 1), (2, 3), (2, 17), (4, 5), (0, 4), (4, 5), (4, 13), (1, 4), (9, 11), (1, 3), (0, 2), (2, 8), (0, 1), (1, 6), (0, 3), (2, 3), (1, 3), (0, 1), (0, 1)])
-    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
-    return t25
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t8 = Y.sum(-1, keepdim=True)
+    t9 = t8.expand(*t8.shape[:-1], d_V)
+    t10 = A @ X
+    M_1 = t10
+    t11 = M_1 @ W_V
+    t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
+    A13 = t12 / t12.sum(-1, keepdim=True)
+    t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA15 = oe.contract('abc,cd->abcd', A13, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A13, A13, optimize=[(0, 1)])
+    t16 = W_V.transpose(-1, -2)
+    F = t11
+    t17 = torch.exp(F - F.amax(-1, keepdim=True))
+    A18 = t17 / t17.sum(-1, keepdim=True)
+    t19 = t9 * A18
+    t20 = (1/L) * t19
+    t21 = (-1/L) * Y
+    t22 = t20 + t21
+    G = t22
+    t23 = t16 @ t1
+    t24 = G @ t23
+    t25 = t24 - (A * t24).sum(-1, keepdim=True)
+    t26 = A * t25
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t26, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t26, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t26, optimize=[(0, 1)])
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
+    t27 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,jl,am,nopm,nof,pq,noq,noqr,rs,nost,nok,tl->', t0, M_2, X, W_V, t9, dA15, t16, M_2, X, W_K, t0, M_2, X, W_V, t9, dA15, t16, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 8), (1, 8), (4, 10), (13, 14), (4, 9), (0, 1), (6, 11), (0, 1), (8, 9), (0, 1), (2, 7), (0, 1), (4, 5), (0, 3), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,jl,am,nfo,nomp,nok,pl->', t0, M_2, X, W_V, t9, dA15, t16, M_2, X, W_K, t0, t1, M_3, X, W_K, optimize=[(4, 5), (0, 8), (1, 7), (4, 7), (9, 10), (4, 6), (0, 1), (3, 7), (0, 1), (4, 5), (0, 1), (0, 2), (1, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t28 = torch.sqrt(torch.clamp(t27, min=0.0))
+    return t28
 
 
 def ce_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -9062,24 +10450,28 @@ def ce_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t26 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t27 = (1/(math.sqrt(d_K)*n_batch)) * t26
     t1 += oe.contract('abc,d->bcd', t25, t27, optimize=[(0, 1)])
+    t28 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t23, t28, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t23, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t23, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t28 = (1/(d_K*n_batch)) * t3
-    t29 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t30 = oe.contract('ab,cdbe->aecd', t28, M_3, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
+    M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
+    t29 = (1/(d_K*n_batch)) * t3
+    t30 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t31 = oe.contract('ab,cdbe->aecd', t29, M_3, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t30, t31, optimize=[(0, 1)])
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t28, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t31 = torch.exp(t12 - t12.amax(-1, keepdim=True))
-    A32 = t31 / t31.sum(-1, keepdim=True)
-    t33 = (1/(L*d_K*n_batch)) * t3
-    t34 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t35 = oe.contract('ab,cdeb,ef,cdf,cdf,fg,cdgh->ahcd', t33, M_2, W_V, t10, A32, t19, M_2, optimize=[(3, 4), (0, 1), (1, 2), (0, 2), (0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t34, t35, optimize=[(0, 1)])
-    t36 = (-1/(L*d_K*n_batch)) * t3
-    t37 = oe.contract('abc,abd,de,abef,abg,gh->cfhab', X, A32, t19, M_2, X, W_Q, optimize=[(1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
-    t38 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t36, M_2, W_V, t10, A32, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
-    t0 += oe.contract('abcde,fde->afbc', t37, t38, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t32 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A33 = t32 / t32.sum(-1, keepdim=True)
+    t34 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA35 = oe.contract('abc,cd->abcd', A33, t34, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A33, A33, optimize=[(0, 1)])
+    t36 = (1/(L*d_K*n_batch)) * t3
+    t37 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t38 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi->aicd', t36, M_2, W_V, t10, dA35, t19, M_2, optimize=[(0, 1), (1, 2), (1, 4), (1, 3), (0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t37, t38, optimize=[(0, 1)])
     return out
 
 
@@ -9117,15 +10509,23 @@ def ce_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t21 = A * t20
     t22 = t21 @ X
     t23 = t0 @ t22
+    t24 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t21, t24, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t21, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t21, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t0, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t24, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t24 = torch.exp(t10 - t10.amax(-1, keepdim=True))
-    A25 = t24 / t24.sum(-1, keepdim=True)
-    t26 = (n_batch**(-2)) * oe.contract('abc,dbc->', t23, t23, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t23, t1, t0, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgi,fgi,ij,fgjc,fgk,kd->', t23, t1, M_2, X, W_V, t8, A25, t17, M_2, X, W_Q, optimize=[(5, 6), (0, 3), (4, 8), (0, 1), (2, 3), (4, 5), (1, 3), (1, 3), (0, 1), (0, 1)]) + (-2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgi,fgi,fgj,jk,fgkc,fgl,ld->', t23, t1, M_2, X, W_V, t8, A25, A25, t17, M_2, X, W_Q, optimize=[(5, 6), (0, 3), (5, 9), (0, 1), (1, 2), (4, 6), (1, 2), (2, 4), (0, 1), (1, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t1, t0, M_3, X, W_Q, t1, t0, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkm,jkm,mn,jknf,jko,oh->', t1, t0, M_3, X, W_Q, t1, M_2, X, W_V, t8, A25, t17, M_2, X, W_Q, optimize=[(9, 10), (0, 2), (1, 2), (1, 2), (0, 1), (1, 2), (1, 2), (0, 4), (0, 4), (4, 5), (0, 4), (1, 3), (0, 1), (0, 1)]) + (-2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkm,jkm,jkn,no,jkof,jkp,ph->', t1, t0, M_3, X, W_Q, t1, M_2, X, W_V, t8, A25, A25, t17, M_2, X, W_Q, optimize=[(9, 10), (0, 2), (1, 2), (1, 2), (0, 1), (1, 2), (1, 9), (1, 2), (0, 1), (2, 6), (0, 3), (3, 4), (1, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnol,mnf,op,mnp,mnp,pq,mnqi,mnr,rk->', t1, M_2, X, W_V, t8, A25, t17, M_2, X, W_Q, t1, M_2, X, W_V, t8, A25, t17, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (2, 3), (2, 3), (0, 2), (2, 3), (2, 3), (0, 4), (1, 3), (7, 8), (0, 3), (0, 3), (4, 5), (3, 4), (1, 3), (0, 1), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnol,mnf,op,mnp,mnp,mnq,qr,mnri,mns,sk->', t1, M_2, X, W_V, t8, A25, t17, M_2, X, W_Q, t1, M_2, X, W_V, t8, A25, A25, t17, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (2, 3), (2, 3), (0, 2), (2, 3), (2, 12), (2, 3), (1, 3), (5, 9), (0, 2), (0, 1), (5, 6), (0, 3), (0, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl,am,nopm,nof,pq,noq,noq,nor,rs,nosj,not,tl->', t1, M_2, X, W_V, t8, A25, A25, t17, M_2, X, W_Q, t1, M_2, X, W_V, t8, A25, A25, t17, M_2, X, W_Q, optimize=[(4, 5), (13, 14), (0, 1), (2, 3), (2, 17), (2, 3), (2, 3), (0, 2), (2, 3), (2, 12), (2, 3), (0, 2), (2, 9), (0, 1), (2, 7), (0, 3), (1, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t27 = torch.sqrt(torch.clamp(t26, min=0.0))
-    return t27
+    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    t25 = torch.exp(t10 - t10.amax(-1, keepdim=True))
+    A26 = t25 / t25.sum(-1, keepdim=True)
+    t27 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA28 = oe.contract('abc,cd->abcd', A26, t27, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A26, A26, optimize=[(0, 1)])
+    t29 = (n_batch**(-2)) * oe.contract('abc,dbc->', t23, t23, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t23, t1, t0, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgi,fgij,jk,fgkc,fgl,ld->', t23, t1, M_2, X, W_V, t8, dA28, t17, M_2, X, W_Q, optimize=[(0, 3), (6, 9), (3, 4), (0, 5), (2, 4), (3, 5), (2, 3), (0, 3), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t1, t0, M_3, X, W_Q, t1, t0, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkm,jkmn,no,jkof,jkp,ph->', t1, t0, M_3, X, W_Q, t1, M_2, X, W_V, t8, dA28, t17, M_2, X, W_Q, optimize=[(9, 10), (0, 5), (0, 5), (1, 2), (5, 6), (8, 9), (7, 8), (0, 6), (0, 1), (2, 5), (0, 1), (2, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,kl,am,nopm,nof,pq,noq,noqr,rs,nosj,not,tl->', t1, M_2, X, W_V, t8, dA28, t17, M_2, X, W_Q, t1, M_2, X, W_V, t8, dA28, t17, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 8), (1, 8), (4, 5), (8, 9), (12, 13), (11, 12), (0, 1), (6, 10), (0, 1), (7, 8), (0, 1), (2, 6), (0, 1), (3, 4), (0, 2), (1, 2), (0, 1)])
+    t30 = torch.sqrt(torch.clamp(t29, min=0.0))
+    return t30
 
 
 def ce_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -9144,25 +10544,27 @@ def ce_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t6 = (1/math.sqrt(d_K)) * t5
     t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
     A = t7 / t7.sum(-1, keepdim=True)
+    t8 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t8 = Y.sum(-1, keepdim=True)
-    t9 = t8.expand(*t8.shape[:-1], d_V)
-    t10 = A @ X
-    M_1 = t10
-    t11 = M_1 @ W_V
-    t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
-    A13 = t12 / t12.sum(-1, keepdim=True)
-    t14 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t14, M_2, X, W_V, t9, A13, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t15 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t16 = oe.contract('abc,abd,abe->cedab', X, A13, M_1, optimize=[(0, 1), (0, 1)])
-    t17 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t15, M_2, W_V, t9, A13, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
-    t0 += oe.contract('abcde,fde->afbc', t16, t17, optimize=[(0, 1)])
-    F = t11
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t9 = Y.sum(-1, keepdim=True)
+    t10 = t9.expand(*t9.shape[:-1], d_V)
+    t11 = A @ X
+    M_1 = t11
+    t12 = M_1 @ W_V
+    t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A14 = t13 / t13.sum(-1, keepdim=True)
+    t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA16 = oe.contract('abc,cd->abcd', A14, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A14, A14, optimize=[(0, 1)])
+    t17 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,cdi->faih', t17, M_2, X, W_V, t10, dA16, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    F = t12
     t18 = torch.exp(F - F.amax(-1, keepdim=True))
     A19 = t18 / t18.sum(-1, keepdim=True)
-    t20 = t9 * A19
+    t20 = t10 * A19
     t21 = (1/L) * t20
     t22 = (-1/L) * Y
     t23 = t21 + t22
@@ -9188,26 +10590,32 @@ def ce_causal0__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t5 = (1/math.sqrt(d_K)) * t4
     t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
     A = t6 / t6.sum(-1, keepdim=True)
+    t7 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t7 = Y.sum(-1, keepdim=True)
-    t8 = t7.expand(*t7.shape[:-1], d_V)
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
-    A12 = t11 / t11.sum(-1, keepdim=True)
-    F = t10
-    t13 = torch.exp(F - F.amax(-1, keepdim=True))
-    A14 = t13 / t13.sum(-1, keepdim=True)
-    t15 = t8 * A14
-    t16 = (1/L) * t15
-    t17 = (-1/L) * Y
-    t18 = t16 + t17
-    G = t18
-    t19 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,ai,jkli,jkf,lg,jkg,jkg,jkh->', t0, M_2, X, W_V, t8, A12, M_1, t0, M_2, X, W_V, t8, A12, M_1, optimize=[(4, 5), (9, 10), (0, 1), (3, 4), (0, 3), (1, 3), (6, 7), (0, 4), (0, 3), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,ai,jkli,jkf,lm,jkm,jkm,jkg,jkh->', t0, M_2, X, W_V, t8, A12, M_1, t0, M_2, X, W_V, t8, A12, A12, M_1, optimize=[(4, 5), (9, 10), (0, 1), (3, 4), (0, 3), (1, 4), (7, 8), (1, 4), (4, 6), (0, 3), (1, 4), (0, 3), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,ai,jkhi,jkf,jkg->', t0, M_2, X, W_V, t8, A12, M_1, t0, M_2, X, G, optimize=[(4, 5), (0, 1), (2, 4), (0, 3), (0, 4), (0, 3), (3, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi,aj,klmj,klf,mn,kln,kln,klh,kli->', t0, M_2, X, W_V, t8, A12, A12, M_1, t0, M_2, X, W_V, t8, A12, A12, M_1, optimize=[(4, 5), (10, 11), (0, 1), (4, 5), (0, 4), (1, 4), (8, 9), (1, 3), (6, 7), (0, 2), (2, 5), (0, 1), (0, 3), (0, 2), (0, 1)]) + (-2/(L*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi,aj,klij,klf,klh->', t0, M_2, X, W_V, t8, A12, A12, M_1, t0, M_2, X, G, optimize=[(4, 5), (0, 1), (3, 5), (0, 4), (1, 3), (5, 6), (4, 5), (0, 2), (1, 3), (0, 1), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 1), (2, 3), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
-    return t20
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t8 = Y.sum(-1, keepdim=True)
+    t9 = t8.expand(*t8.shape[:-1], d_V)
+    t10 = A @ X
+    M_1 = t10
+    t11 = M_1 @ W_V
+    t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
+    A13 = t12 / t12.sum(-1, keepdim=True)
+    t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA15 = oe.contract('abc,cd->abcd', A13, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A13, A13, optimize=[(0, 1)])
+    F = t11
+    t16 = torch.exp(F - F.amax(-1, keepdim=True))
+    A17 = t16 / t16.sum(-1, keepdim=True)
+    t18 = t9 * A17
+    t19 = (1/L) * t18
+    t20 = (-1/L) * Y
+    t21 = t19 + t20
+    G = t21
+    t22 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,cdi,aj,klmj,klf,mn,kln,klnh,kli->', t0, M_2, X, W_V, t9, dA15, M_1, t0, M_2, X, W_V, t9, dA15, M_1, optimize=[(4, 5), (9, 10), (0, 5), (1, 5), (2, 5), (7, 8), (0, 1), (2, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,cdi,aj,klij,klf,klh->', t0, M_2, X, W_V, t9, dA15, M_1, t0, M_2, X, G, optimize=[(4, 5), (0, 5), (1, 5), (0, 1), (3, 6), (0, 1), (2, 4), (0, 2), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t23 = torch.sqrt(torch.clamp(t22, min=0.0))
+    return t23
 
 
 def ce_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -9227,40 +10635,44 @@ def ce_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t7 = (1/math.sqrt(d_K)) * t6
     t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
     A = t8 / t8.sum(-1, keepdim=True)
-    t9 = Y.sum(-1, keepdim=True)
-    t10 = t9.expand(*t9.shape[:-1], d_V)
-    t11 = A @ X
-    M_1 = t11
-    t12 = M_1 @ W_V
-    F = t12
-    t13 = torch.exp(F - F.amax(-1, keepdim=True))
-    A14 = t13 / t13.sum(-1, keepdim=True)
-    t15 = t10 * A14
-    t16 = (1/L) * t15
-    t17 = (-1/L) * Y
-    t18 = t16 + t17
-    G = t18
-    t19 = W_V.transpose(-1, -2)
-    t20 = t19 @ t2
-    t21 = G @ t20
-    t22 = t21 - (A * t21).sum(-1, keepdim=True)
-    t23 = A * t22
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t24 = (1/(d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cbd,cdee,cdf,fa->ea', t24, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t9 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t25 = torch.exp(t12 - t12.amax(-1, keepdim=True))
-    A26 = t25 / t25.sum(-1, keepdim=True)
-    t27 = (1/(L*d_K*n_batch)) * t1
-    t28 = oe.contract('ab,cdb,cde,ea->acd', t27, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t29 = oe.contract('abcd,ce,abe,abe,ef,abfd->dab', M_2, W_V, t10, A26, t19, M_2, optimize=[(2, 3), (0, 1), (0, 1), (1, 2), (0, 1)])
-    t0 += oe.contract('abc,dbc->da', t28, t29, optimize=[(0, 1)])
-    t30 = (-1/(L*d_K*n_batch)) * t1
-    t31 = oe.contract('ab,cdb,cde,ea->acd', t30, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t32 = oe.contract('abcd,ce,abe,abe,abf,fg,abgd->dab', M_2, W_V, t10, A26, A26, t19, M_2, optimize=[(2, 3), (0, 1), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t0 += oe.contract('abc,dbc->da', t31, t32, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t10 = Y.sum(-1, keepdim=True)
+    t11 = t10.expand(*t10.shape[:-1], d_V)
+    t12 = A @ X
+    M_1 = t12
+    t13 = M_1 @ W_V
+    t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    A15 = t14 / t14.sum(-1, keepdim=True)
+    t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA17 = oe.contract('abc,cd->abcd', A15, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A15, A15, optimize=[(0, 1)])
+    t18 = W_V.transpose(-1, -2)
+    t19 = (1/(L*d_K*n_batch)) * t1
+    t20 = oe.contract('ab,cdb,cde,ea->acd', t19, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t21 = oe.contract('abcd,ce,abe,abef,fg,abgd->dab', M_2, W_V, t11, dA17, t18, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t20, t21, optimize=[(0, 1)])
+    F = t13
+    t22 = torch.exp(F - F.amax(-1, keepdim=True))
+    A23 = t22 / t22.sum(-1, keepdim=True)
+    t24 = t11 * A23
+    t25 = (1/L) * t24
+    t26 = (-1/L) * Y
+    t27 = t25 + t26
+    G = t27
+    t28 = t18 @ t2
+    t29 = G @ t28
+    t30 = t29 - (A * t29).sum(-1, keepdim=True)
+    t31 = A * t30
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t31, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t31, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t31, optimize=[(0, 1)])
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
+    t32 = (1/(d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cbd,cdee,cdf,fa->ea', t32, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -9279,31 +10691,39 @@ def ce_causal0__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     t6 = (1/math.sqrt(d_K)) * t5
     t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
     A = t7 / t7.sum(-1, keepdim=True)
-    t8 = Y.sum(-1, keepdim=True)
-    t9 = t8.expand(*t8.shape[:-1], d_V)
-    t10 = A @ X
-    M_1 = t10
-    t11 = M_1 @ W_V
-    F = t11
-    t12 = torch.exp(F - F.amax(-1, keepdim=True))
-    A13 = t12 / t12.sum(-1, keepdim=True)
-    t14 = t9 * A13
-    t15 = (1/L) * t14
-    t16 = (-1/L) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = W_V.transpose(-1, -2)
-    t19 = t18 @ t1
-    t20 = G @ t19
-    t21 = t20 - (A * t20).sum(-1, keepdim=True)
-    t22 = A * t21
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t22, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t22, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t22, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t8 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t23 = torch.exp(t11 - t11.amax(-1, keepdim=True))
-    A24 = t23 / t23.sum(-1, keepdim=True)
-    return (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->', t0, t1, M_3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)]) + (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhf,cdi,ia->', t0, M_2, X, W_V, t9, A24, t18, M_2, X, W_Q, optimize=[(4, 5), (1, 5), (0, 1), (2, 3), (4, 5), (0, 3), (0, 3), (0, 2), (0, 1)]) + (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdif,cdj,ja->', t0, M_2, X, W_V, t9, A24, A24, t18, M_2, X, W_Q, optimize=[(4, 5), (1, 6), (0, 1), (1, 2), (4, 6), (1, 2), (2, 4), (0, 1), (0, 2), (0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t9 = Y.sum(-1, keepdim=True)
+    t10 = t9.expand(*t9.shape[:-1], d_V)
+    t11 = A @ X
+    M_1 = t11
+    t12 = M_1 @ W_V
+    t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A14 = t13 / t13.sum(-1, keepdim=True)
+    t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA16 = oe.contract('abc,cd->abcd', A14, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A14, A14, optimize=[(0, 1)])
+    t17 = W_V.transpose(-1, -2)
+    F = t12
+    t18 = torch.exp(F - F.amax(-1, keepdim=True))
+    A19 = t18 / t18.sum(-1, keepdim=True)
+    t20 = t10 * A19
+    t21 = (1/L) * t20
+    t22 = (-1/L) * Y
+    t23 = t21 + t22
+    G = t23
+    t24 = t17 @ t1
+    t25 = G @ t24
+    t26 = t25 - (A * t25).sum(-1, keepdim=True)
+    t27 = A * t26
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t27, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t27, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t27, optimize=[(0, 1)])
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
+    return (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdif,cdj,ja->', t0, M_2, X, W_V, t10, dA16, t17, M_2, X, W_Q, optimize=[(1, 7), (0, 1), (1, 2), (1, 6), (3, 5), (0, 4), (0, 1), (0, 2), (0, 1)]) + (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->', t0, t1, M_3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
 
 
 def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -9349,22 +10769,26 @@ def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t28 = (1/(math.sqrt(d_K)*n_batch)) * t27
     t1 += oe.contract('abc,d->bcd', t26, t28, optimize=[(0, 1)])
     t29 = W_Q.transpose(-1, -2)
+    t30 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t23, t30, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t23, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t23, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t30 = (1/(d_K*n_batch)) * t29
-    t31 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
-    t32 = oe.contract('ab,cbd,cde->aecd', t30, t2, X, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t31, t32, optimize=[(0, 1)])
+    M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
+    t31 = (1/(d_K*n_batch)) * t29
+    t32 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t33 = oe.contract('ab,cbd,cde->aecd', t31, t2, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t32, t33, optimize=[(0, 1)])
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t30, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t33 = torch.exp(t12 - t12.amax(-1, keepdim=True))
-    A34 = t33 / t33.sum(-1, keepdim=True)
-    t35 = (1/(L*d_K*n_batch)) * t29
-    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t35, M_2, X, W_V, t10, A34, t19, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t36 = (-1/(L*d_K*n_batch)) * t29
-    t37 = oe.contract('ab,cdb,cde,ef,cdfg,cdh,gi->ahicd', t36, X, A34, t19, M_2, X, W_K, optimize=[(0, 1), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t38 = oe.contract('abcd,ce,abe,abe->dab', M_2, W_V, t10, A34, optimize=[(1, 2), (1, 2), (0, 1)])
-    t0 += oe.contract('abcde,fde->fabc', t37, t38, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t34 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A35 = t34 / t34.sum(-1, keepdim=True)
+    t36 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA37 = oe.contract('abc,cd->abcd', A35, t36, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A35, A35, optimize=[(0, 1)])
+    t38 = (1/(L*d_K*n_batch)) * t29
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,jl->fakl', t38, M_2, X, W_V, t10, dA37, t19, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (4, 6), (0, 1), (3, 4), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -9404,15 +10828,23 @@ def ce_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t23 = t22 @ X
     t24 = t0 @ t23
     t25 = W_Q.transpose(-1, -2)
+    t26 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t21, t26, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t21, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t21, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t0, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t26, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t26 = torch.exp(t10 - t10.amax(-1, keepdim=True))
-    A27 = t26 / t26.sum(-1, keepdim=True)
-    t28 = (n_batch**(-2)) * oe.contract('abc,dbc->', t24, t24, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t24, t25, t0, M_3, X, W_K, optimize=[(0, 3), (2, 4), (0, 1), (0, 2), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgi,fgi,ij,fgjk,fgc,kd->', t24, t25, M_2, X, W_V, t8, A27, t17, M_2, X, W_K, optimize=[(5, 6), (0, 2), (5, 8), (0, 1), (1, 2), (0, 3), (1, 4), (2, 3), (0, 1), (0, 1)]) + (-2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgi,fgi,fgj,jk,fgkl,fgc,ld->', t24, t25, M_2, X, W_V, t8, A27, A27, t17, M_2, X, W_K, optimize=[(5, 6), (0, 2), (6, 9), (0, 1), (1, 2), (1, 6), (0, 2), (1, 4), (0, 1), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t25, t0, M_3, X, W_K, t25, t0, M_3, X, W_K, optimize=[(0, 1), (0, 2), (1, 2), (0, 2), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkm,jkm,mn,jkno,jkg,oh->', t25, t0, M_3, X, W_K, t25, M_2, X, W_V, t8, A27, t17, M_2, X, W_K, optimize=[(9, 10), (0, 1), (0, 2), (1, 3), (1, 2), (1, 2), (0, 1), (0, 3), (1, 2), (3, 5), (0, 1), (0, 3), (0, 2), (0, 1)]) + (-2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkm,jkm,jkn,no,jkop,jkg,ph->', t25, t0, M_3, X, W_K, t25, M_2, X, W_V, t8, A27, A27, t17, M_2, X, W_K, optimize=[(9, 10), (0, 1), (0, 2), (1, 3), (1, 2), (6, 10), (1, 2), (1, 8), (0, 1), (0, 2), (0, 1), (2, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnof,mnl,op,mnp,mnp,pq,mnqr,mnj,rk->', t25, M_2, X, W_V, t8, A27, t17, M_2, X, W_K, t25, M_2, X, W_V, t8, A27, t17, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (2, 4), (2, 3), (2, 3), (0, 2), (0, 1), (0, 3), (2, 8), (1, 2), (3, 6), (0, 1), (0, 4), (0, 1), (1, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnof,mnl,op,mnp,mnp,mnq,qr,mnrs,mnj,sk->', t25, M_2, X, W_V, t8, A27, t17, M_2, X, W_K, t25, M_2, X, W_V, t8, A27, A27, t17, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (2, 4), (2, 3), (8, 13), (2, 3), (2, 11), (0, 2), (0, 1), (0, 2), (1, 7), (0, 1), (2, 5), (0, 3), (2, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl,am,nopf,nom,pq,noq,noq,nor,rs,nost,nok,tl->', t25, M_2, X, W_V, t8, A27, A27, t17, M_2, X, W_K, t25, M_2, X, W_V, t8, A27, A27, t17, M_2, X, W_K, optimize=[(4, 5), (13, 14), (0, 2), (0, 1), (14, 17), (0, 1), (0, 15), (2, 4), (2, 3), (7, 12), (2, 3), (2, 10), (0, 2), (0, 1), (0, 3), (4, 6), (0, 2), (3, 4), (0, 2), (0, 2), (0, 1)])
-    t29 = torch.sqrt(torch.clamp(t28, min=0.0))
-    return t29
+    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    t27 = torch.exp(t10 - t10.amax(-1, keepdim=True))
+    A28 = t27 / t27.sum(-1, keepdim=True)
+    t29 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA30 = oe.contract('abc,cd->abcd', A28, t29, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A28, A28, optimize=[(0, 1)])
+    t31 = (n_batch**(-2)) * oe.contract('abc,dbc->', t24, t24, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t24, t25, t0, M_3, X, W_K, optimize=[(0, 4), (2, 4), (0, 1), (0, 1), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgi,fgij,jk,fgkl,fgc,ld->', t24, t25, M_2, X, W_V, t8, dA30, t17, M_2, X, W_K, optimize=[(0, 9), (1, 9), (3, 4), (0, 1), (0, 4), (3, 5), (0, 4), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t25, t0, M_3, X, W_K, t25, t0, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkm,jkmn,no,jkop,jkg,ph->', t25, t0, M_3, X, W_K, t25, M_2, X, W_V, t8, dA30, t17, M_2, X, W_K, optimize=[(9, 10), (0, 1), (1, 9), (1, 8), (1, 3), (6, 9), (6, 8), (0, 6), (0, 1), (2, 5), (0, 1), (2, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,jl,am,nopf,nom,pq,noq,noqr,rs,nost,nok,tl->', t25, M_2, X, W_V, t8, dA30, t17, M_2, X, W_K, t25, M_2, X, W_V, t8, dA30, t17, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1), (15, 16), (0, 1), (13, 14), (2, 4), (2, 3), (2, 3), (9, 10), (2, 3), (7, 8), (0, 2), (0, 1), (0, 2), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t32 = torch.sqrt(torch.clamp(t31, min=0.0))
+    return t32
 
 
 def ce_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -9432,42 +10864,46 @@ def ce_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t7 = (1/math.sqrt(d_K)) * t6
     t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
     A = t8 / t8.sum(-1, keepdim=True)
-    t9 = Y.sum(-1, keepdim=True)
-    t10 = t9.expand(*t9.shape[:-1], d_V)
-    t11 = A @ X
-    M_1 = t11
-    t12 = M_1 @ W_V
-    F = t12
-    t13 = torch.exp(F - F.amax(-1, keepdim=True))
-    A14 = t13 / t13.sum(-1, keepdim=True)
-    t15 = t10 * A14
-    t16 = (1/L) * t15
-    t17 = (-1/L) * Y
-    t18 = t16 + t17
-    G = t18
-    t19 = W_V.transpose(-1, -2)
-    t20 = t19 @ t2
-    t21 = G @ t20
-    t22 = t21 - (A * t21).sum(-1, keepdim=True)
-    t23 = A * t22
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t24 = (1/(d_K*n_batch)) * t1
-    t25 = oe.contract('ab,cbd,cde,ef->afcd', t24, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t26 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t25, t26, optimize=[(0, 1)])
+    t9 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t27 = torch.exp(t12 - t12.amax(-1, keepdim=True))
-    A28 = t27 / t27.sum(-1, keepdim=True)
-    t29 = (1/(L*d_K*n_batch)) * t1
-    t30 = oe.contract('abc,cd->dab', X, W_Q, optimize=[(0, 1)])
-    t31 = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi->faicd', t29, M_2, X, W_V, t10, A28, t19, M_2, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 2), (1, 2), (0, 1)])
-    t0 += oe.contract('abc,defbc->defa', t30, t31, optimize=[(0, 1)])
-    t32 = (-1/(L*d_K*n_batch)) * t1
-    t33 = oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi->faicd', t32, M_2, X, W_V, t10, A28, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 1), (0, 1)])
-    t34 = oe.contract('abc,cd,abde->eab', A28, t19, M_2, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcde,fde->abfc', t33, t34, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t10 = Y.sum(-1, keepdim=True)
+    t11 = t10.expand(*t10.shape[:-1], d_V)
+    t12 = A @ X
+    M_1 = t12
+    t13 = M_1 @ W_V
+    t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    A15 = t14 / t14.sum(-1, keepdim=True)
+    t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA17 = oe.contract('abc,cd->abcd', A15, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A15, A15, optimize=[(0, 1)])
+    t18 = W_V.transpose(-1, -2)
+    t19 = (1/(L*d_K*n_batch)) * t1
+    t20 = oe.contract('ab,cdb,cde,ef->afcd', t19, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t21 = oe.contract('abcd,ce,abe,abef,fg,abgh->dhab', M_2, W_V, t11, dA17, t18, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
+    F = t13
+    t22 = torch.exp(F - F.amax(-1, keepdim=True))
+    A23 = t22 / t22.sum(-1, keepdim=True)
+    t24 = t11 * A23
+    t25 = (1/L) * t24
+    t26 = (-1/L) * Y
+    t27 = t25 + t26
+    G = t27
+    t28 = t18 @ t2
+    t29 = G @ t28
+    t30 = t29 - (A * t29).sum(-1, keepdim=True)
+    t31 = A * t30
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t31, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t31, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t31, optimize=[(0, 1)])
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
+    t32 = (1/(d_K*n_batch)) * t1
+    t33 = oe.contract('ab,cbd,cde,ef->afcd', t32, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t34 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t0 += oe.contract('abcd,efcd->eafb', t33, t34, optimize=[(0, 1)])
     return out
 
 
@@ -9486,33 +10922,41 @@ def ce_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t6 = (1/math.sqrt(d_K)) * t5
     t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
     A = t7 / t7.sum(-1, keepdim=True)
-    t8 = Y.sum(-1, keepdim=True)
-    t9 = t8.expand(*t8.shape[:-1], d_V)
-    t10 = A @ X
-    M_1 = t10
-    t11 = M_1 @ W_V
-    F = t11
-    t12 = torch.exp(F - F.amax(-1, keepdim=True))
-    A13 = t12 / t12.sum(-1, keepdim=True)
-    t14 = t9 * A13
-    t15 = (1/L) * t14
-    t16 = (-1/L) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = W_V.transpose(-1, -2)
-    t19 = t18 @ t1
-    t20 = G @ t19
-    t21 = t20 - (A * t20).sum(-1, keepdim=True)
-    t22 = A * t21
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t22, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t22, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t22, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t8 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t23 = torch.exp(t11 - t11.amax(-1, keepdim=True))
-    A24 = t23 / t23.sum(-1, keepdim=True)
-    t25 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jkle,jki,lm,jkm,jkm,mn,jknf,jko,oh->', t0, t1, M_3, X, W_Q, t0, M_2, X, W_V, t9, A24, t18, M_2, X, W_Q, optimize=[(9, 10), (0, 1), (1, 2), (1, 3), (1, 2), (1, 2), (1, 2), (2, 4), (1, 3), (2, 5), (0, 4), (2, 3), (0, 1), (0, 1)]) + (-2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jkle,jki,lm,jkm,jkm,jkn,no,jkof,jkp,ph->', t0, t1, M_3, X, W_Q, t0, M_2, X, W_V, t9, A24, A24, t18, M_2, X, W_Q, optimize=[(9, 10), (0, 1), (1, 2), (1, 3), (1, 2), (6, 10), (1, 2), (1, 8), (1, 2), (1, 3), (0, 2), (1, 4), (2, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnof,mnl,op,mnp,mnp,pq,mnqi,mnr,rk->', t0, M_2, X, W_V, t9, A24, t18, M_2, X, W_Q, t0, M_2, X, W_V, t9, A24, t18, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (0, 1), (0, 1), (0, 1), (0, 3), (2, 8), (1, 3), (0, 2), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnof,mnl,op,mnp,mnp,mnq,qr,mnri,mns,sk->', t0, M_2, X, W_V, t9, A24, t18, M_2, X, W_Q, t0, M_2, X, W_V, t9, A24, A24, t18, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (0, 1), (6, 12), (0, 1), (0, 10), (0, 1), (0, 2), (1, 7), (0, 2), (0, 3), (3, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl,am,nopf,nom,pq,noq,noq,nor,rs,nosj,not,tl->', t0, M_2, X, W_V, t9, A24, A24, t18, M_2, X, W_Q, t0, M_2, X, W_V, t9, A24, A24, t18, M_2, X, W_Q, optimize=[(4, 5), (13, 14), (0, 2), (0, 1), (14, 17), (0, 1), (0, 15), (0, 1), (0, 2), (0, 1), (5, 11), (0, 1), (0, 9), (0, 1), (0, 4), (0, 3), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t26 = torch.sqrt(torch.clamp(t25, min=0.0))
-    return t26
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t9 = Y.sum(-1, keepdim=True)
+    t10 = t9.expand(*t9.shape[:-1], d_V)
+    t11 = A @ X
+    M_1 = t11
+    t12 = M_1 @ W_V
+    t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A14 = t13 / t13.sum(-1, keepdim=True)
+    t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA16 = oe.contract('abc,cd->abcd', A14, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A14, A14, optimize=[(0, 1)])
+    t17 = W_V.transpose(-1, -2)
+    F = t12
+    t18 = torch.exp(F - F.amax(-1, keepdim=True))
+    A19 = t18 / t18.sum(-1, keepdim=True)
+    t20 = t10 * A19
+    t21 = (1/L) * t20
+    t22 = (-1/L) * Y
+    t23 = t21 + t22
+    G = t23
+    t24 = t17 @ t1
+    t25 = G @ t24
+    t26 = t25 - (A * t25).sum(-1, keepdim=True)
+    t27 = A * t26
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t27, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t27, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t27, optimize=[(0, 1)])
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
+    t28 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,kl,am,nopf,nom,pq,noq,noqr,rs,nosj,not,tl->', t0, M_2, X, W_V, t10, dA16, t17, M_2, X, W_Q, t0, M_2, X, W_V, t10, dA16, t17, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 1), (15, 16), (0, 1), (13, 14), (0, 1), (0, 2), (0, 1), (0, 1), (8, 9), (0, 1), (6, 7), (3, 6), (0, 1), (0, 2), (1, 3), (0, 1), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,kl,am,nmo,nofj,nop,pl->', t0, M_2, X, W_V, t10, dA16, t17, M_2, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (0, 1), (0, 1), (10, 11), (0, 1), (8, 9), (4, 8), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)])
+    t29 = torch.sqrt(torch.clamp(t28, min=0.0))
+    return t29
 
 
 def ce_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -9532,35 +10976,35 @@ def ce_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t7 = (1/math.sqrt(d_K)) * t6
     t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
     A = t8 / t8.sum(-1, keepdim=True)
+    t9 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t9 = Y.sum(-1, keepdim=True)
-    t10 = t9.expand(*t9.shape[:-1], d_V)
-    t11 = A @ X
-    M_1 = t11
-    t12 = M_1 @ W_V
-    t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
-    A14 = t13 / t13.sum(-1, keepdim=True)
-    t15 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t16 = oe.contract('abcd,ce,abe,abe->deab', M_2, W_V, t10, A14, optimize=[(0, 1), (0, 1), (0, 1)])
-    t17 = oe.contract('ab,cdb,cde->aecd', t15, X, M_1, optimize=[(0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t16, t17, optimize=[(0, 1)])
-    t18 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t19 = oe.contract('ab,cdb,cde,cdf->afecd', t18, X, A14, M_1, optimize=[(0, 1), (0, 1), (0, 1)])
-    t20 = oe.contract('abcd,ce,abe,abe->dab', M_2, W_V, t10, A14, optimize=[(1, 2), (1, 2), (0, 1)])
-    t0 += oe.contract('abcde,fde->fabc', t19, t20, optimize=[(0, 1)])
-    F = t12
-    t21 = torch.exp(F - F.amax(-1, keepdim=True))
-    A22 = t21 / t21.sum(-1, keepdim=True)
-    t23 = t10 * A22
-    t24 = (1/L) * t23
-    t25 = (-1/L) * Y
-    t26 = t24 + t25
-    G = t26
-    t27 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t28 = oe.contract('ab,cdb,cde->aecd', t27, X, G, optimize=[(0, 1), (0, 1)])
-    t29 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t0 += oe.contract('abcd,efcd->eafb', t28, t29, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t10 = Y.sum(-1, keepdim=True)
+    t11 = t10.expand(*t10.shape[:-1], d_V)
+    t12 = A @ X
+    M_1 = t12
+    t13 = M_1 @ W_V
+    t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    A15 = t14 / t14.sum(-1, keepdim=True)
+    t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA17 = oe.contract('abc,cd->abcd', A15, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A15, A15, optimize=[(0, 1)])
+    t18 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdgh,cdi->faih', t18, M_2, X, W_V, t11, dA17, M_1, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
+    F = t13
+    t19 = torch.exp(F - F.amax(-1, keepdim=True))
+    A20 = t19 / t19.sum(-1, keepdim=True)
+    t21 = t11 * A20
+    t22 = (1/L) * t21
+    t23 = (-1/L) * Y
+    t24 = t22 + t23
+    G = t24
+    t25 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t26 = oe.contract('ab,cdb,cde->aecd', t25, X, G, optimize=[(0, 1), (0, 1)])
+    t27 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0 += oe.contract('abcd,efcd->eafb', t26, t27, optimize=[(0, 1)])
     return out
 
 
@@ -9579,26 +11023,32 @@ def ce_causal0__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t6 = (1/math.sqrt(d_K)) * t5
     t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
     A = t7 / t7.sum(-1, keepdim=True)
+    t8 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t8 = Y.sum(-1, keepdim=True)
-    t9 = t8.expand(*t8.shape[:-1], d_V)
-    t10 = A @ X
-    M_1 = t10
-    t11 = M_1 @ W_V
-    t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
-    A13 = t12 / t12.sum(-1, keepdim=True)
-    F = t11
-    t14 = torch.exp(F - F.amax(-1, keepdim=True))
-    A15 = t14 / t14.sum(-1, keepdim=True)
-    t16 = t9 * A15
-    t17 = (1/L) * t16
-    t18 = (-1/L) * Y
-    t19 = t17 + t18
-    G = t19
-    t20 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,ai,jklf,jki,lg,jkg,jkg,jkh->', t0, M_2, X, W_V, t9, A13, M_1, t0, M_2, X, W_V, t9, A13, M_1, optimize=[(4, 5), (9, 10), (0, 2), (0, 1), (1, 3), (1, 2), (5, 7), (0, 1), (2, 3), (3, 4), (0, 2), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,ai,jklf,jki,lm,jkm,jkm,jkg,jkh->', t0, M_2, X, W_V, t9, A13, M_1, t0, M_2, X, W_V, t9, A13, A13, M_1, optimize=[(4, 5), (9, 10), (0, 2), (0, 1), (1, 3), (1, 2), (4, 8), (0, 2), (1, 3), (1, 2), (2, 4), (1, 2), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,ai,jkhf,jki,jkg->', t0, M_2, X, W_V, t9, A13, M_1, t0, M_2, X, G, optimize=[(4, 5), (0, 2), (0, 1), (0, 2), (5, 6), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi,aj,klmf,klj,mn,kln,kln,klh,kli->', t0, M_2, X, W_V, t9, A13, A13, M_1, t0, M_2, X, W_V, t9, A13, A13, M_1, optimize=[(4, 5), (10, 11), (0, 2), (0, 1), (8, 11), (2, 4), (2, 3), (4, 8), (0, 2), (0, 1), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (-2/(L*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi,aj,klif,klj,klh->', t0, M_2, X, W_V, t9, A13, A13, M_1, t0, M_2, X, G, optimize=[(4, 5), (0, 2), (0, 1), (6, 8), (1, 3), (5, 6), (1, 2), (0, 1), (1, 3), (0, 1), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
-    return t21
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t9 = Y.sum(-1, keepdim=True)
+    t10 = t9.expand(*t9.shape[:-1], d_V)
+    t11 = A @ X
+    M_1 = t11
+    t12 = M_1 @ W_V
+    t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A14 = t13 / t13.sum(-1, keepdim=True)
+    t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA16 = oe.contract('abc,cd->abcd', A14, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A14, A14, optimize=[(0, 1)])
+    F = t12
+    t17 = torch.exp(F - F.amax(-1, keepdim=True))
+    A18 = t17 / t17.sum(-1, keepdim=True)
+    t19 = t10 * A18
+    t20 = (1/L) * t19
+    t21 = (-1/L) * Y
+    t22 = t20 + t21
+    G = t22
+    t23 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,cdi,aj,klmf,klj,mn,kln,klnh,kli->', t0, M_2, X, W_V, t10, dA16, M_1, t0, M_2, X, W_V, t10, dA16, M_1, optimize=[(0, 2), (0, 1), (0, 1), (9, 10), (1, 3), (1, 2), (1, 2), (5, 6), (3, 5), (0, 1), (2, 3), (0, 1), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,cdi,aj,klif,klj,klh->', t0, M_2, X, W_V, t10, dA16, M_1, t0, M_2, X, G, optimize=[(0, 2), (0, 1), (0, 1), (6, 7), (0, 2), (4, 5), (2, 4), (0, 1), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t24 = torch.sqrt(torch.clamp(t23, min=0.0))
+    return t24
 
 
 def ce_causal0__diag__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -9625,12 +11075,13 @@ def ce_causal0__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     t12 = M_1 @ W_V
     t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
     A14 = t13 / t13.sum(-1, keepdim=True)
-    t15 = (1/(L*n_batch)) * t9
-    t16 = oe.contract('abc,abc->cab', t11, A14, optimize=[(0, 1)])
-    t17 = oe.contract('abc,acb->bac', t15, M_1, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t16, t17, optimize=[(0, 1)])
-    t18 = (-1/(L*n_batch)) * t9
-    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t18, t11, A14, A14, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A14, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A14, A14, optimize=[(0, 1)])
+    t16 = (1/(L*n_batch)) * t9
+    t17 = oe.contract('abc,abcc->cab', t11, dA, optimize=[(0, 1)])
+    t18 = oe.contract('abc,acb->bac', t16, M_1, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -9656,7 +11107,10 @@ def ce_causal0__trace__W_V__full(X, W_Q, W_K, W_V, Y):
     t11 = M_1 @ W_V
     t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A13 = t12 / t12.sum(-1, keepdim=True)
-    return (1/(L*n_batch)) * oe.contract('abc,acd,acd,acb->', t8, t10, A13, M_1, optimize=[(0, 3), (0, 1), (0, 1)]) + (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->', t8, t10, A13, A13, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A13, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A13, A13, optimize=[(0, 1)])
+    return (1/(L*n_batch)) * oe.contract('abc,acd,acdd,acb->', t8, t10, dA, M_1, optimize=[(0, 3), (0, 1), (0, 1)])
 
 
 def ce_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -9689,22 +11143,26 @@ def ce_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t17 = t15 + t16
     G = t17
     t18 = G.transpose(-1, -2)
+    t19 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t19, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t19 = (1/(math.sqrt(d_K)*n_batch)) * t18
-    t20 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
-    t21 = oe.contract('abc,acd->bdac', t19, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
-    t22 = M_1.transpose(-1, -2)
-    t23 = torch.exp(t11 - t11.amax(-1, keepdim=True))
-    A24 = t23 / t23.sum(-1, keepdim=True)
-    t25 = W_V.transpose(-1, -2)
-    t26 = (1/(L*math.sqrt(d_K)*n_batch)) * t22
-    t0 += oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t26, t2, A24, t25, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t27 = (-1/(L*math.sqrt(d_K)*n_batch)) * t22
-    t28 = oe.contract('abc,acd,de,acef,fg->bgac', t27, A24, t25, M_2, W_K, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
-    t29 = oe.contract('abc,abc,abd->cdab', t2, A24, X, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t28, t29, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t4, dA, X, optimize=[(0, 1), (0, 1)])
+    t20 = (1/(math.sqrt(d_K)*n_batch)) * t18
+    t21 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t22 = oe.contract('abc,acd->bdac', t20, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t21, t22, optimize=[(0, 1)])
+    t23 = M_1.transpose(-1, -2)
+    t24 = torch.exp(t11 - t11.amax(-1, keepdim=True))
+    A25 = t24 / t24.sum(-1, keepdim=True)
+    t26 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA27 = oe.contract('abc,cd->abcd', A25, t26, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A25, A25, optimize=[(0, 1)])
+    t28 = W_V.transpose(-1, -2)
+    t29 = (1/(L*math.sqrt(d_K)*n_batch)) * t23
+    t30 = oe.contract('abc,abcd,de,abef,fg->cgab', t2, dA27, t28, M_2, W_K, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t31 = oe.contract('abc,acd->bdac', t29, X, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t30, t31, optimize=[(0, 1)])
     return out
 
 
@@ -9736,15 +11194,21 @@ def ce_causal0__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t16 = t14 + t15
     G = t16
     t17 = G.transpose(-1, -2)
+    t18 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t18 = M_1.transpose(-1, -2)
-    t19 = torch.exp(t10 - t10.amax(-1, keepdim=True))
-    A20 = t19 / t19.sum(-1, keepdim=True)
-    t21 = W_V.transpose(-1, -2)
-    t22 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t17, M_2, X, W_K, t17, M_2, X, W_K, optimize=[(1, 3), (0, 2), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hdi,hib,hib,bj,hijk,hif,kg->', t17, M_2, X, W_K, t18, t1, A20, t21, M_2, X, W_K, optimize=[(5, 6), (1, 3), (3, 4), (1, 3), (1, 4), (1, 3), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hdi,hib,hib,hij,jk,hikl,hif,lg->', t17, M_2, X, W_K, t18, t1, A20, A20, t21, M_2, X, W_K, optimize=[(5, 6), (1, 3), (3, 4), (3, 8), (1, 3), (0, 3), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,fh,ibj,ijd,ijd,dk,ijkl,ijg,lh->', t18, t1, A20, t21, M_2, X, W_K, t18, t1, A20, t21, M_2, X, W_K, optimize=[(1, 2), (6, 7), (1, 2), (0, 3), (2, 3), (0, 2), (5, 7), (0, 1), (2, 5), (2, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,fh,ibj,ijd,ijd,ijk,kl,ijlm,ijg,mh->', t18, t1, A20, t21, M_2, X, W_K, t18, t1, A20, A20, t21, M_2, X, W_K, optimize=[(1, 2), (6, 7), (1, 2), (0, 3), (2, 3), (2, 9), (0, 2), (5, 7), (0, 1), (2, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi,jbk,jkd,jkd,jkl,lm,jkmn,jkh,ni->', t18, t1, A20, A20, t21, M_2, X, W_K, t18, t1, A20, A20, t21, M_2, X, W_K, optimize=[(1, 2), (7, 8), (1, 2), (1, 12), (0, 3), (2, 3), (2, 9), (0, 2), (5, 7), (0, 1), (0, 1), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t23 = torch.sqrt(torch.clamp(t22, min=0.0))
-    return t23
+    M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
+    t19 = M_1.transpose(-1, -2)
+    t20 = torch.exp(t10 - t10.amax(-1, keepdim=True))
+    A21 = t20 / t20.sum(-1, keepdim=True)
+    t22 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA23 = oe.contract('abc,cd->abcd', A21, t22, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A21, A21, optimize=[(0, 1)])
+    t24 = W_V.transpose(-1, -2)
+    t25 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t17, M_2, X, W_K, t17, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hdi,hib,hibj,jk,hikl,hif,lg->', t17, M_2, X, W_K, t19, t1, dA23, t24, M_2, X, W_K, optimize=[(5, 6), (2, 7), (2, 6), (0, 6), (4, 6), (0, 1), (3, 4), (0, 1), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,gi,jbk,jkd,jkdl,lm,jkmn,jkh,ni->', t19, t1, dA23, t24, M_2, X, W_K, t19, t1, dA23, t24, M_2, X, W_K, optimize=[(1, 2), (1, 12), (1, 11), (0, 3), (2, 3), (2, 8), (2, 7), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
+    t26 = torch.sqrt(torch.clamp(t25, min=0.0))
+    return t26
 
 
 def ce_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -9777,24 +11241,26 @@ def ce_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t17 = t15 + t16
     G = t17
     t18 = G.transpose(-1, -2)
+    t19 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t19, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t19 = (1/(math.sqrt(d_K)*n_batch)) * t18
-    t20 = oe.contract('abc,acd,de->beac', t19, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t21 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
-    t22 = M_1.transpose(-1, -2)
-    t23 = torch.exp(t11 - t11.amax(-1, keepdim=True))
-    A24 = t23 / t23.sum(-1, keepdim=True)
-    t25 = W_V.transpose(-1, -2)
-    t26 = (1/(L*math.sqrt(d_K)*n_batch)) * t22
-    t27 = oe.contract('abc,acd,de->beac', t26, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t28 = oe.contract('abc,abc,cd,abde->ceab', t2, A24, t25, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t27, t28, optimize=[(0, 1)])
-    t29 = (-1/(L*math.sqrt(d_K)*n_batch)) * t22
-    t30 = oe.contract('abc,cd->dab', X, W_Q, optimize=[(0, 1)])
-    t31 = oe.contract('abc,acd,acd,ace,ef,acfg->bdgac', t29, t2, A24, A24, t25, M_2, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
-    t0 += oe.contract('abc,defbc->defa', t30, t31, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t4, dA, X, optimize=[(0, 1), (0, 1)])
+    t20 = (1/(math.sqrt(d_K)*n_batch)) * t18
+    t21 = oe.contract('abc,acd,de->beac', t20, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t22 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
+    t23 = M_1.transpose(-1, -2)
+    t24 = torch.exp(t11 - t11.amax(-1, keepdim=True))
+    A25 = t24 / t24.sum(-1, keepdim=True)
+    t26 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA27 = oe.contract('abc,cd->abcd', A25, t26, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A25, A25, optimize=[(0, 1)])
+    t28 = W_V.transpose(-1, -2)
+    t29 = (1/(L*math.sqrt(d_K)*n_batch)) * t23
+    t30 = oe.contract('abc,acd,de->beac', t29, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t31 = oe.contract('abc,abcd,de,abef->cfab', t2, dA27, t28, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t30, t31, optimize=[(0, 1)])
     return out
 
 
@@ -9826,15 +11292,21 @@ def ce_causal0__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t16 = t14 + t15
     G = t16
     t17 = G.transpose(-1, -2)
+    t18 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t18 = M_1.transpose(-1, -2)
-    t19 = torch.exp(t10 - t10.amax(-1, keepdim=True))
-    A20 = t19 / t19.sum(-1, keepdim=True)
-    t21 = W_V.transpose(-1, -2)
-    t22 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t17, M_2, X, W_Q, t17, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hdi,hib,hib,bj,hije,hik,kg->', t17, M_2, X, W_Q, t18, t1, A20, t21, M_2, X, W_Q, optimize=[(5, 6), (2, 3), (1, 2), (2, 7), (2, 3), (1, 4), (2, 3), (0, 2), (0, 2), (0, 1)]) + (-2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hdi,hib,hib,hij,jk,hike,hil,lg->', t17, M_2, X, W_Q, t18, t1, A20, A20, t21, M_2, X, W_Q, optimize=[(5, 6), (2, 3), (1, 2), (3, 8), (1, 2), (5, 6), (1, 2), (0, 1), (1, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,gh,ibj,ijd,ijd,dk,ijkf,ijl,lh->', t18, t1, A20, t21, M_2, X, W_Q, t18, t1, A20, t21, M_2, X, W_Q, optimize=[(1, 2), (6, 7), (1, 2), (1, 2), (0, 1), (0, 1), (4, 7), (0, 1), (0, 4), (0, 4), (1, 3), (0, 1), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,gh,ibj,ijd,ijd,ijk,kl,ijlf,ijm,mh->', t18, t1, A20, t21, M_2, X, W_Q, t18, t1, A20, A20, t21, M_2, X, W_Q, optimize=[(1, 2), (6, 7), (1, 2), (1, 2), (0, 1), (0, 1), (0, 8), (0, 1), (0, 2), (3, 5), (0, 4), (1, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi,jbk,jkd,jkd,jkl,lm,jkmg,jkn,ni->', t18, t1, A20, A20, t21, M_2, X, W_Q, t18, t1, A20, A20, t21, M_2, X, W_Q, optimize=[(1, 2), (7, 8), (1, 2), (1, 12), (1, 2), (0, 1), (0, 1), (0, 8), (0, 1), (0, 1), (2, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t23 = torch.sqrt(torch.clamp(t22, min=0.0))
-    return t23
+    M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
+    t19 = M_1.transpose(-1, -2)
+    t20 = torch.exp(t10 - t10.amax(-1, keepdim=True))
+    A21 = t20 / t20.sum(-1, keepdim=True)
+    t22 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA23 = oe.contract('abc,cd->abcd', A21, t22, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A21, A21, optimize=[(0, 1)])
+    t24 = W_V.transpose(-1, -2)
+    t25 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t17, M_2, X, W_Q, t17, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hdi,hib,hibj,jk,hike,hil,lg->', t17, M_2, X, W_Q, t19, t1, dA23, t24, M_2, X, W_Q, optimize=[(5, 6), (2, 3), (5, 6), (6, 7), (0, 6), (4, 5), (0, 1), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,hi,jbk,jkd,jkdl,lm,jkmg,jkn,ni->', t19, t1, dA23, t24, M_2, X, W_Q, t19, t1, dA23, t24, M_2, X, W_Q, optimize=[(1, 2), (1, 12), (1, 11), (1, 2), (0, 1), (0, 1), (0, 7), (0, 6), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t26 = torch.sqrt(torch.clamp(t25, min=0.0))
+    return t26
 
 
 def ce_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -9844,33 +11316,28 @@ def ce_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
-    out[...] = 0
     t0 = out.view((d_V, d_V, d_V, d_V))
-    t1 = t0.diagonal(0, 1, 3)
-    t2 = W_K.transpose(-1, -2)
-    t3 = X.transpose(-1, -2)
-    t4 = t2 @ t3
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
-    A = t8 / t8.sum(-1, keepdim=True)
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1.transpose(-1, -2)
-    t11 = Y.sum(-1, keepdim=True)
-    t12 = t11.expand(*t11.shape[:-1], d_V)
-    t13 = M_1 @ W_V
-    t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
-    A15 = t14 / t14.sum(-1, keepdim=True)
-    t16 = (1/(L*n_batch)) * t10
-    t17 = oe.contract('abc,abc->cab', t12, A15, optimize=[(0, 1)])
-    t18 = oe.contract('abc,acd->bdac', t16, M_1, optimize=[(0, 1)])
-    t1 += oe.contract('abc,debc->dea', t17, t18, optimize=[(0, 1)])
-    t19 = (-1/(L*n_batch)) * t10
-    t20 = oe.contract('abc,acd->bdac', t19, A15, optimize=[(0, 1)])
-    t21 = oe.contract('abc,abc,abd->cdab', t12, A15, M_1, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
+    t1 = W_K.transpose(-1, -2)
+    t2 = X.transpose(-1, -2)
+    t3 = t1 @ t2
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
+    A = t7 / t7.sum(-1, keepdim=True)
+    t8 = A @ X
+    M_1 = t8
+    t9 = M_1.transpose(-1, -2)
+    t10 = Y.sum(-1, keepdim=True)
+    t11 = t10.expand(*t10.shape[:-1], d_V)
+    t12 = M_1 @ W_V
+    t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A14 = t13 / t13.sum(-1, keepdim=True)
+    t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A14, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A14, A14, optimize=[(0, 1)])
+    t16 = (1/(L*n_batch)) * t9
+    t0[...] = oe.contract('abc,acd,acde,acf->bdfe', t16, t11, dA, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -9896,9 +11363,470 @@ def ce_causal0__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     t11 = M_1 @ W_V
     t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A13 = t12 / t12.sum(-1, keepdim=True)
-    t14 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fge->', t8, t10, A13, M_1, t8, t10, A13, M_1, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fgd,fge->', t8, t10, A13, M_1, t8, t10, A13, A13, M_1, optimize=[(1, 2), (3, 4), (3, 6), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,acf,gbh,ghd,ghd,ghe,ghf->', t8, t10, A13, A13, M_1, t8, t10, A13, A13, M_1, optimize=[(1, 2), (4, 5), (0, 3), (0, 2), (4, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
-    return t15
+    t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A13, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A13, A13, optimize=[(0, 1)])
+    t15 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t8, t10, dA, M_1, t8, t10, dA, M_1, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
+    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
+    return t16
+
+
+def ce_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
+    """(‖H_o(W_Q, W_Q)‖_F, ‖H_f(W_Q, W_Q)‖_F, ‖H(W_Q, W_Q)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_K.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
+    A = t6 / t6.sum(-1, keepdim=True)
+    t7 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t8 = Y.sum(-1, keepdim=True)
+    t9 = t8.expand(*t8.shape[:-1], d_V)
+    t10 = A @ X
+    M_1 = t10
+    t11 = M_1 @ W_V
+    t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
+    A13 = t12 / t12.sum(-1, keepdim=True)
+    t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA15 = oe.contract('abc,cd->abcd', A13, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A13, A13, optimize=[(0, 1)])
+    t16 = W_V.transpose(-1, -2)
+    t17 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,jl,am,nopm,nof,pq,noq,noqr,rs,nost,nok,tl->', t0, M_2, X, W_V, t9, dA15, t16, M_2, X, W_K, t0, M_2, X, W_V, t9, dA15, t16, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 8), (1, 8), (4, 10), (13, 14), (4, 9), (0, 1), (6, 11), (0, 1), (8, 9), (0, 1), (2, 7), (0, 1), (4, 5), (0, 3), (0, 2), (1, 2), (0, 1)])
+    F = t11
+    t18 = torch.exp(F - F.amax(-1, keepdim=True))
+    A19 = t18 / t18.sum(-1, keepdim=True)
+    t20 = t9 * A19
+    t21 = (1/L) * t20
+    t22 = (-1/L) * Y
+    t23 = t21 + t22
+    G = t23
+    t24 = t16 @ t1
+    t25 = G @ t24
+    t26 = t25 - (A * t25).sum(-1, keepdim=True)
+    t27 = A * t26
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t27, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t27, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t27, optimize=[(0, 1)])
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
+    t28 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t29 = (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,jl,am,nfo,nomp,nok,pl->', t0, M_2, X, W_V, t9, dA15, t16, M_2, X, W_K, t0, t1, M_3, X, W_K, optimize=[(4, 5), (0, 8), (1, 7), (4, 7), (9, 10), (4, 6), (0, 1), (3, 7), (0, 1), (4, 5), (0, 1), (0, 2), (1, 2), (0, 1)])
+    t30 = t17 + t28 + t29
+    t31 = torch.sqrt(torch.clamp(t17, min=0.0))
+    t32 = torch.sqrt(torch.clamp(t28, min=0.0))
+    t33 = torch.sqrt(torch.clamp(t30, min=0.0))
+    return (t31, t32, t33,)
+
+
+def ce_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
+    """(‖H_o(W_Q, W_K)‖_F, ‖H_f(W_Q, W_K)‖_F, ‖H(W_Q, W_K)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_K.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
+    A = t6 / t6.sum(-1, keepdim=True)
+    t7 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t8 = Y.sum(-1, keepdim=True)
+    t9 = t8.expand(*t8.shape[:-1], d_V)
+    t10 = A @ X
+    M_1 = t10
+    t11 = M_1 @ W_V
+    t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
+    A13 = t12 / t12.sum(-1, keepdim=True)
+    t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA15 = oe.contract('abc,cd->abcd', A13, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A13, A13, optimize=[(0, 1)])
+    t16 = W_V.transpose(-1, -2)
+    t17 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,kl,am,nopm,nof,pq,noq,noqr,rs,nosj,not,tl->', t0, M_2, X, W_V, t9, dA15, t16, M_2, X, W_Q, t0, M_2, X, W_V, t9, dA15, t16, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 8), (1, 8), (4, 5), (8, 9), (12, 13), (11, 12), (0, 1), (6, 10), (0, 1), (7, 8), (0, 1), (2, 6), (0, 1), (3, 4), (0, 2), (1, 2), (0, 1)])
+    F = t11
+    t18 = torch.exp(F - F.amax(-1, keepdim=True))
+    A19 = t18 / t18.sum(-1, keepdim=True)
+    t20 = t9 * A19
+    t21 = (1/L) * t20
+    t22 = (-1/L) * Y
+    t23 = t21 + t22
+    G = t23
+    t24 = t16 @ t1
+    t25 = G @ t24
+    t26 = t25 - (A * t25).sum(-1, keepdim=True)
+    t27 = A * t26
+    t28 = t27 @ X
+    t29 = t1 @ t28
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t27, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t27, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t27, optimize=[(0, 1)])
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
+    t30 = (n_batch**(-2)) * oe.contract('abc,dbc->', t29, t29, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t29, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t31 = (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,ka,lfj->', t0, M_2, X, W_V, t9, dA15, t16, M_2, X, W_Q, t29, optimize=[(4, 5), (0, 7), (1, 6), (3, 7), (2, 6), (3, 5), (2, 3), (0, 3), (0, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,kl,am,nfo,nomj,nop,pl->', t0, M_2, X, W_V, t9, dA15, t16, M_2, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(4, 5), (0, 8), (1, 7), (4, 5), (5, 6), (8, 9), (7, 8), (0, 1), (3, 6), (0, 1), (3, 4), (0, 1), (1, 2), (0, 1)])
+    t32 = t17 + t30 + t31
+    t33 = torch.sqrt(torch.clamp(t17, min=0.0))
+    t34 = torch.sqrt(torch.clamp(t30, min=0.0))
+    t35 = torch.sqrt(torch.clamp(t32, min=0.0))
+    return (t33, t34, t35,)
+
+
+def ce_causal0__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
+    """(‖H_o(W_Q, W_V)‖_F, ‖H_f(W_Q, W_V)‖_F, ‖H(W_Q, W_V)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_K.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
+    A = t6 / t6.sum(-1, keepdim=True)
+    t7 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t8 = Y.sum(-1, keepdim=True)
+    t9 = t8.expand(*t8.shape[:-1], d_V)
+    t10 = A @ X
+    M_1 = t10
+    t11 = M_1 @ W_V
+    t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
+    A13 = t12 / t12.sum(-1, keepdim=True)
+    t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA15 = oe.contract('abc,cd->abcd', A13, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A13, A13, optimize=[(0, 1)])
+    t16 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,cdi,aj,klmj,klf,mn,kln,klnh,kli->', t0, M_2, X, W_V, t9, dA15, M_1, t0, M_2, X, W_V, t9, dA15, M_1, optimize=[(4, 5), (9, 10), (0, 5), (1, 5), (2, 5), (7, 8), (0, 1), (2, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)])
+    F = t11
+    t17 = torch.exp(F - F.amax(-1, keepdim=True))
+    A18 = t17 / t17.sum(-1, keepdim=True)
+    t19 = t9 * A18
+    t20 = (1/L) * t19
+    t21 = (-1/L) * Y
+    t22 = t20 + t21
+    G = t22
+    t23 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t24 = (2/(L*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,cdi,aj,klij,klf,klh->', t0, M_2, X, W_V, t9, dA15, M_1, t0, M_2, X, G, optimize=[(4, 5), (0, 5), (1, 5), (0, 1), (3, 6), (0, 1), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t25 = t16 + t23 + t24
+    t26 = torch.sqrt(torch.clamp(t16, min=0.0))
+    t27 = torch.sqrt(torch.clamp(t23, min=0.0))
+    t28 = torch.sqrt(torch.clamp(t25, min=0.0))
+    return (t26, t27, t28,)
+
+
+def ce_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
+    """(‖H_o(W_K, W_Q)‖_F, ‖H_f(W_K, W_Q)‖_F, ‖H(W_K, W_Q)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_Q.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = W_K.transpose(-1, -2)
+    t3 = t2 @ t1
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
+    A = t7 / t7.sum(-1, keepdim=True)
+    t8 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t9 = Y.sum(-1, keepdim=True)
+    t10 = t9.expand(*t9.shape[:-1], d_V)
+    t11 = A @ X
+    M_1 = t11
+    t12 = M_1 @ W_V
+    t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A14 = t13 / t13.sum(-1, keepdim=True)
+    t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA16 = oe.contract('abc,cd->abcd', A14, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A14, A14, optimize=[(0, 1)])
+    t17 = W_V.transpose(-1, -2)
+    t18 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,jl,am,nopf,nom,pq,noq,noqr,rs,nost,nok,tl->', t0, M_2, X, W_V, t10, dA16, t17, M_2, X, W_K, t0, M_2, X, W_V, t10, dA16, t17, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1), (15, 16), (0, 1), (13, 14), (2, 4), (2, 3), (2, 3), (9, 10), (2, 3), (7, 8), (0, 2), (0, 1), (0, 2), (2, 4), (0, 2), (0, 2), (0, 1)])
+    F = t12
+    t19 = torch.exp(F - F.amax(-1, keepdim=True))
+    A20 = t19 / t19.sum(-1, keepdim=True)
+    t21 = t10 * A20
+    t22 = (1/L) * t21
+    t23 = (-1/L) * Y
+    t24 = t22 + t23
+    G = t24
+    t25 = t17 @ t1
+    t26 = G @ t25
+    t27 = t26 - (A * t26).sum(-1, keepdim=True)
+    t28 = A * t27
+    t29 = t28.transpose(-1, -2)
+    t30 = t29 @ X
+    t31 = t1 @ t30
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t28, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t28, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t28, optimize=[(0, 1)])
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
+    t32 = (n_batch**(-2)) * oe.contract('abc,dbc->', t31, t31, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t31, t0, t1, M_3, X, W_K, optimize=[(0, 4), (2, 4), (0, 1), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t33 = (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,ja,lfk->', t0, M_2, X, W_V, t10, dA16, t17, M_2, X, W_K, t31, optimize=[(4, 5), (0, 2), (4, 6), (0, 7), (0, 6), (3, 5), (0, 4), (0, 3), (0, 1), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,jl,am,nmo,nofp,nok,pl->', t0, M_2, X, W_V, t10, dA16, t17, M_2, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 2), (0, 1), (0, 1), (10, 11), (0, 1), (8, 9), (2, 3), (0, 3), (0, 2), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t34 = t18 + t32 + t33
+    t35 = torch.sqrt(torch.clamp(t18, min=0.0))
+    t36 = torch.sqrt(torch.clamp(t32, min=0.0))
+    t37 = torch.sqrt(torch.clamp(t34, min=0.0))
+    return (t35, t36, t37,)
+
+
+def ce_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
+    """(‖H_o(W_K, W_K)‖_F, ‖H_f(W_K, W_K)‖_F, ‖H(W_K, W_K)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_Q.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = W_K.transpose(-1, -2)
+    t3 = t2 @ t1
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
+    A = t7 / t7.sum(-1, keepdim=True)
+    t8 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t9 = Y.sum(-1, keepdim=True)
+    t10 = t9.expand(*t9.shape[:-1], d_V)
+    t11 = A @ X
+    M_1 = t11
+    t12 = M_1 @ W_V
+    t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A14 = t13 / t13.sum(-1, keepdim=True)
+    t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA16 = oe.contract('abc,cd->abcd', A14, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A14, A14, optimize=[(0, 1)])
+    t17 = W_V.transpose(-1, -2)
+    t18 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,kl,am,nopf,nom,pq,noq,noqr,rs,nosj,not,tl->', t0, M_2, X, W_V, t10, dA16, t17, M_2, X, W_Q, t0, M_2, X, W_V, t10, dA16, t17, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 1), (15, 16), (0, 1), (13, 14), (0, 1), (0, 2), (0, 1), (0, 1), (8, 9), (0, 1), (6, 7), (3, 6), (0, 1), (0, 2), (1, 3), (0, 1), (0, 1)])
+    F = t12
+    t19 = torch.exp(F - F.amax(-1, keepdim=True))
+    A20 = t19 / t19.sum(-1, keepdim=True)
+    t21 = t10 * A20
+    t22 = (1/L) * t21
+    t23 = (-1/L) * Y
+    t24 = t22 + t23
+    G = t24
+    t25 = t17 @ t1
+    t26 = G @ t25
+    t27 = t26 - (A * t26).sum(-1, keepdim=True)
+    t28 = A * t27
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t28, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t28, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t28, optimize=[(0, 1)])
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
+    t29 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)])
+    t30 = (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,kl,am,nmo,nofj,nop,pl->', t0, M_2, X, W_V, t10, dA16, t17, M_2, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (0, 1), (0, 1), (10, 11), (0, 1), (8, 9), (4, 8), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)])
+    t31 = t18 + t29 + t30
+    t32 = torch.sqrt(torch.clamp(t18, min=0.0))
+    t33 = torch.sqrt(torch.clamp(t29, min=0.0))
+    t34 = torch.sqrt(torch.clamp(t31, min=0.0))
+    return (t32, t33, t34,)
+
+
+def ce_causal0__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
+    """(‖H_o(W_K, W_V)‖_F, ‖H_f(W_K, W_V)‖_F, ‖H(W_K, W_V)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_Q.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = W_K.transpose(-1, -2)
+    t3 = t2 @ t1
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
+    A = t7 / t7.sum(-1, keepdim=True)
+    t8 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t9 = Y.sum(-1, keepdim=True)
+    t10 = t9.expand(*t9.shape[:-1], d_V)
+    t11 = A @ X
+    M_1 = t11
+    t12 = M_1 @ W_V
+    t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A14 = t13 / t13.sum(-1, keepdim=True)
+    t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA16 = oe.contract('abc,cd->abcd', A14, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A14, A14, optimize=[(0, 1)])
+    t17 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,cdi,aj,klmf,klj,mn,kln,klnh,kli->', t0, M_2, X, W_V, t10, dA16, M_1, t0, M_2, X, W_V, t10, dA16, M_1, optimize=[(0, 2), (0, 1), (0, 1), (9, 10), (1, 3), (1, 2), (1, 2), (5, 6), (3, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
+    F = t12
+    t18 = torch.exp(F - F.amax(-1, keepdim=True))
+    A19 = t18 / t18.sum(-1, keepdim=True)
+    t20 = t10 * A19
+    t21 = (1/L) * t20
+    t22 = (-1/L) * Y
+    t23 = t21 + t22
+    G = t23
+    t24 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t25 = (2/(L*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,cdi,aj,klif,klj,klh->', t0, M_2, X, W_V, t10, dA16, M_1, t0, M_2, X, G, optimize=[(0, 2), (0, 1), (0, 1), (6, 7), (0, 2), (4, 5), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t26 = t17 + t24 + t25
+    t27 = torch.sqrt(torch.clamp(t17, min=0.0))
+    t28 = torch.sqrt(torch.clamp(t24, min=0.0))
+    t29 = torch.sqrt(torch.clamp(t26, min=0.0))
+    return (t27, t28, t29,)
+
+
+def ce_causal0__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
+    """(‖H_o(W_V, W_Q)‖_F, ‖H_f(W_V, W_Q)‖_F, ‖H(W_V, W_Q)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_K.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
+    A = t6 / t6.sum(-1, keepdim=True)
+    t7 = A @ X
+    M_1 = t7
+    t8 = M_1.transpose(-1, -2)
+    t9 = Y.sum(-1, keepdim=True)
+    t10 = t9.expand(*t9.shape[:-1], d_V)
+    t11 = M_1 @ W_V
+    t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
+    A13 = t12 / t12.sum(-1, keepdim=True)
+    t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A13, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A13, A13, optimize=[(0, 1)])
+    t15 = W_V.transpose(-1, -2)
+    t16 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA17 = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA17, X, optimize=[(0, 1), (0, 1)])
+    t18 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,gi,jbk,jkd,jkdl,lm,jkmn,jkh,ni->', t8, t10, dA, t15, M_2, X, W_K, t8, t10, dA, t15, M_2, X, W_K, optimize=[(1, 2), (1, 12), (1, 11), (0, 3), (2, 3), (2, 8), (2, 7), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
+    F = t11
+    t19 = torch.exp(F - F.amax(-1, keepdim=True))
+    A20 = t19 / t19.sum(-1, keepdim=True)
+    t21 = t10 * A20
+    t22 = (1/L) * t21
+    t23 = (-1/L) * Y
+    t24 = t22 + t23
+    G = t24
+    t25 = G.transpose(-1, -2)
+    t26 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t25, M_2, X, W_K, t25, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
+    t27 = (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,gi,jdk,jkbl,jkh,li->', t8, t10, dA, t15, M_2, X, W_K, t25, M_2, X, W_K, optimize=[(1, 2), (1, 9), (1, 8), (0, 4), (0, 3), (0, 2), (2, 3), (1, 2), (1, 2), (0, 1)])
+    t28 = t18 + t26 + t27
+    t29 = torch.sqrt(torch.clamp(t18, min=0.0))
+    t30 = torch.sqrt(torch.clamp(t26, min=0.0))
+    t31 = torch.sqrt(torch.clamp(t28, min=0.0))
+    return (t29, t30, t31,)
+
+
+def ce_causal0__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
+    """(‖H_o(W_V, W_K)‖_F, ‖H_f(W_V, W_K)‖_F, ‖H(W_V, W_K)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_K.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
+    A = t6 / t6.sum(-1, keepdim=True)
+    t7 = A @ X
+    M_1 = t7
+    t8 = M_1.transpose(-1, -2)
+    t9 = Y.sum(-1, keepdim=True)
+    t10 = t9.expand(*t9.shape[:-1], d_V)
+    t11 = M_1 @ W_V
+    t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
+    A13 = t12 / t12.sum(-1, keepdim=True)
+    t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A13, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A13, A13, optimize=[(0, 1)])
+    t15 = W_V.transpose(-1, -2)
+    t16 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA17 = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA17, X, optimize=[(0, 1), (0, 1)])
+    t18 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,hi,jbk,jkd,jkdl,lm,jkmg,jkn,ni->', t8, t10, dA, t15, M_2, X, W_Q, t8, t10, dA, t15, M_2, X, W_Q, optimize=[(1, 2), (1, 12), (1, 11), (1, 2), (0, 1), (0, 1), (0, 7), (0, 6), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
+    F = t11
+    t19 = torch.exp(F - F.amax(-1, keepdim=True))
+    A20 = t19 / t19.sum(-1, keepdim=True)
+    t21 = t10 * A20
+    t22 = (1/L) * t21
+    t23 = (-1/L) * Y
+    t24 = t22 + t23
+    G = t24
+    t25 = G.transpose(-1, -2)
+    t26 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t25, M_2, X, W_Q, t25, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t27 = (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,hi,jdk,jkbg,jkl,li->', t8, t10, dA, t15, M_2, X, W_Q, t25, M_2, X, W_Q, optimize=[(1, 2), (3, 4), (5, 6), (6, 7), (0, 4), (1, 5), (3, 4), (0, 2), (1, 2), (0, 1)])
+    t28 = t18 + t26 + t27
+    t29 = torch.sqrt(torch.clamp(t18, min=0.0))
+    t30 = torch.sqrt(torch.clamp(t26, min=0.0))
+    t31 = torch.sqrt(torch.clamp(t28, min=0.0))
+    return (t29, t30, t31,)
+
+
+def ce_causal0__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
+    """(‖H_o(W_V, W_V)‖_F, ‖H_f(W_V, W_V)‖_F, ‖H(W_V, W_V)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_K.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
+    A = t6 / t6.sum(-1, keepdim=True)
+    t7 = A @ X
+    M_1 = t7
+    t8 = M_1.transpose(-1, -2)
+    t9 = Y.sum(-1, keepdim=True)
+    t10 = t9.expand(*t9.shape[:-1], d_V)
+    t11 = M_1 @ W_V
+    t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
+    A13 = t12 / t12.sum(-1, keepdim=True)
+    t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A13, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A13, A13, optimize=[(0, 1)])
+    t15 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t8, t10, dA, M_1, t8, t10, dA, M_1, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
+    t16 = t15 + 0.0 + 0.0
+    t17 = torch.sqrt(torch.clamp(t15, min=0.0))
+    t18 = torch.sqrt(torch.clamp(t16, min=0.0))
+    return (t17, 0.0, t18,)
 
 
 def ce_causal1__loss(X, W_Q, W_K, W_V, Y):
@@ -9995,92 +11923,63 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t9 = torch.where(t8, -math.inf, t7)
     t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
     A = t10 / t10.sum(-1, keepdim=True)
+    t11 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t11 = Y.sum(-1, keepdim=True)
-    t12 = t11.expand(*t11.shape[:-1], d_V)
-    t13 = A @ X
-    M_1 = t13
-    t14 = M_1 @ W_V
-    t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
-    A16 = t15 / t15.sum(-1, keepdim=True)
-    t17 = W_V.transpose(-1, -2)
-    t18 = (1/(L*d_K*n_batch)) * t2
-    t1[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t18, M_2, X, W_V, t12, A16, t17, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t19 = (-1/(L*d_K*n_batch)) * t2
-    t20 = oe.contract('abc,cd,abde,ef->fab', A16, t17, M_2, W_K, optimize=[(0, 1), (0, 2), (0, 1)])
-    t21 = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahcd', t19, M_2, X, W_V, t12, A16, X, optimize=[(4, 5), (0, 1), (1, 3), (2, 3), (0, 1), (0, 1)])
-    t1 += oe.contract('abc,defbc->defa', t20, t21, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
+    t12 = Y.sum(-1, keepdim=True)
+    t13 = t12.expand(*t12.shape[:-1], d_V)
+    t14 = A @ X
+    M_1 = t14
+    t15 = M_1 @ W_V
+    t16 = torch.exp(t15 - t15.amax(-1, keepdim=True))
+    A17 = t16 / t16.sum(-1, keepdim=True)
+    t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA19 = oe.contract('abc,cd->abcd', A17, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A17, A17, optimize=[(0, 1)])
+    t20 = W_V.transpose(-1, -2)
+    t21 = (1/(L*d_K*n_batch)) * t2
+    t1[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,jl->fakl', t21, M_2, X, W_V, t13, dA19, t20, M_2, X, W_K, optimize=[(4, 5), (0, 1), (1, 7), (5, 6), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
     t22 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t23 = t22.view((d_V, d_K, d_V, d_K))
     t24 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t25 = oe.contract('ab,cdeb,ef,cdf,cdf,fg,cdgh->ahcd', t18, M_2, W_V, t12, A16, t17, M_2, optimize=[(3, 4), (0, 1), (1, 2), (0, 2), (0, 1), (0, 1)])
+    t25 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi->aicd', t21, M_2, W_V, t13, dA19, t20, M_2, optimize=[(0, 1), (1, 2), (1, 4), (1, 3), (0, 1), (0, 1)])
     t23[...] = oe.contract('abcd,efcd->aefb', t24, t25, optimize=[(0, 1)])
-    t26 = oe.contract('abc,abd,de,abef,abg,gh->cfhab', X, A16, t17, M_2, X, W_Q, optimize=[(1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
-    t27 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t19, M_2, W_V, t12, A16, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
-    t23 += oe.contract('abcde,fde->afbc', t26, t27, optimize=[(0, 1)])
-    t28 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t29 = t28.view((d_V, d_K, d_V, d_V))
-    t30 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
-    t29[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t30, M_2, X, W_V, t12, A16, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t31 = (-1/(L*math.sqrt(d_K)*n_batch)) * t2
-    t32 = oe.contract('abc,abd,abe->cedab', X, A16, M_1, optimize=[(0, 1), (0, 1)])
-    t33 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t31, M_2, W_V, t12, A16, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
-    t29 += oe.contract('abcde,fde->afbc', t32, t33, optimize=[(0, 1)])
-    t34 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t35 = t34.view((d_V, d_K, d_V, d_K))
-    t36 = W_Q.transpose(-1, -2)
-    t37 = (1/(L*d_K*n_batch)) * t36
-    t35[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t37, M_2, X, W_V, t12, A16, t17, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t38 = (-1/(L*d_K*n_batch)) * t36
-    t39 = oe.contract('ab,cdb,cde,ef,cdfg,cdh,gi->ahicd', t38, X, A16, t17, M_2, X, W_K, optimize=[(0, 1), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t40 = oe.contract('abcd,ce,abe,abe->dab', M_2, W_V, t12, A16, optimize=[(1, 2), (1, 2), (0, 1)])
-    t35 += oe.contract('abcde,fde->fabc', t39, t40, optimize=[(0, 1)])
-    t41 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t42 = t41.view((d_V, d_K, d_V, d_K))
-    t43 = oe.contract('abc,cd->dab', X, W_Q, optimize=[(0, 1)])
-    t44 = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi->faicd', t37, M_2, X, W_V, t12, A16, t17, M_2, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 2), (1, 2), (0, 1)])
-    t42[...] = oe.contract('abc,defbc->defa', t43, t44, optimize=[(0, 1)])
-    t45 = oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi->faicd', t38, M_2, X, W_V, t12, A16, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 1), (0, 1)])
-    t46 = oe.contract('abc,cd,abde->eab', A16, t17, M_2, optimize=[(0, 1), (0, 1)])
-    t42 += oe.contract('abcde,fde->abfc', t45, t46, optimize=[(0, 1)])
-    t47 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t48 = t47.view((d_V, d_K, d_V, d_V))
-    t49 = (1/(L*math.sqrt(d_K)*n_batch)) * t36
-    t50 = oe.contract('abcd,ce,abe,abe->deab', M_2, W_V, t12, A16, optimize=[(0, 1), (0, 1), (0, 1)])
-    t51 = oe.contract('ab,cdb,cde->aecd', t49, X, M_1, optimize=[(0, 1), (0, 1)])
-    t48[...] = oe.contract('abcd,efcd->aefb', t50, t51, optimize=[(0, 1)])
-    t52 = (-1/(L*math.sqrt(d_K)*n_batch)) * t36
-    t53 = oe.contract('ab,cdb,cde,cdf->afecd', t52, X, A16, M_1, optimize=[(0, 1), (0, 1), (0, 1)])
-    t48 += oe.contract('abcde,fde->fabc', t53, t40, optimize=[(0, 1)])
-    t54 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t55 = t54.view((d_V, d_V, d_V, d_K))
-    t56 = M_1.transpose(-1, -2)
-    t57 = (1/(L*math.sqrt(d_K)*n_batch)) * t56
-    t55[...] = oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t57, t12, A16, t17, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t58 = (-1/(L*math.sqrt(d_K)*n_batch)) * t56
-    t59 = oe.contract('abc,acd,de,acef,fg->bgac', t58, A16, t17, M_2, W_K, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
-    t60 = oe.contract('abc,abc,abd->cdab', t12, A16, X, optimize=[(0, 1), (0, 1)])
-    t55 += oe.contract('abcd,efcd->aefb', t59, t60, optimize=[(0, 1)])
-    t61 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t62 = t61.view((d_V, d_V, d_V, d_K))
-    t63 = oe.contract('abc,acd,de->beac', t57, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t64 = oe.contract('abc,abc,cd,abde->ceab', t12, A16, t17, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t62[...] = oe.contract('abcd,efcd->aefb', t63, t64, optimize=[(0, 1)])
-    t65 = oe.contract('abc,acd,acd,ace,ef,acfg->bdgac', t58, t12, A16, A16, t17, M_2, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
-    t62 += oe.contract('abc,defbc->defa', t43, t65, optimize=[(0, 1)])
-    t66 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t66[...] = 0
-    t67 = t66.view((d_V, d_V, d_V, d_V))
-    t68 = t67.diagonal(0, 1, 3)
-    t69 = (1/(L*n_batch)) * t56
-    t70 = oe.contract('abc,abc->cab', t12, A16, optimize=[(0, 1)])
-    t71 = oe.contract('abc,acd->bdac', t69, M_1, optimize=[(0, 1)])
-    t68 += oe.contract('abc,debc->dea', t70, t71, optimize=[(0, 1)])
-    t72 = (-1/(L*n_batch)) * t56
-    t73 = oe.contract('abc,acd->bdac', t72, A16, optimize=[(0, 1)])
-    t74 = oe.contract('abc,abc,abd->cdab', t12, A16, M_1, optimize=[(0, 1), (0, 1)])
-    t67 += oe.contract('abcd,efcd->aefb', t73, t74, optimize=[(0, 1)])
+    t26 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t27 = t26.view((d_V, d_K, d_V, d_V))
+    t28 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t27[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,cdi->faih', t28, M_2, X, W_V, t13, dA19, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t29 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t30 = t29.view((d_V, d_K, d_V, d_K))
+    t31 = W_Q.transpose(-1, -2)
+    t32 = (1/(L*d_K*n_batch)) * t31
+    t30[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,jl->fakl', t32, M_2, X, W_V, t13, dA19, t20, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (4, 6), (0, 1), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t33 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t34 = t33.view((d_V, d_K, d_V, d_K))
+    t35 = oe.contract('ab,cdb,cde,ef->afcd', t32, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t36 = oe.contract('abcd,ce,abe,abef,fg,abgh->dhab', M_2, W_V, t13, dA19, t20, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
+    t34[...] = oe.contract('abcd,efcd->eafb', t35, t36, optimize=[(0, 1)])
+    t37 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t38 = t37.view((d_V, d_K, d_V, d_V))
+    t39 = (1/(L*math.sqrt(d_K)*n_batch)) * t31
+    t38[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdgh,cdi->faih', t39, M_2, X, W_V, t13, dA19, M_1, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
+    t40 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t41 = t40.view((d_V, d_V, d_V, d_K))
+    t42 = M_1.transpose(-1, -2)
+    t43 = (1/(L*math.sqrt(d_K)*n_batch)) * t42
+    t44 = oe.contract('abc,abcd,de,abef,fg->cgab', t13, dA19, t20, M_2, W_K, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t45 = oe.contract('abc,acd->bdac', t43, X, optimize=[(0, 1)])
+    t41[...] = oe.contract('abcd,efcd->eafb', t44, t45, optimize=[(0, 1)])
+    t46 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t47 = t46.view((d_V, d_V, d_V, d_K))
+    t48 = oe.contract('abc,acd,de->beac', t43, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t49 = oe.contract('abc,abcd,de,abef->cfab', t13, dA19, t20, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t47[...] = oe.contract('abcd,efcd->aefb', t48, t49, optimize=[(0, 1)])
+    t50 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t51 = t50.view((d_V, d_V, d_V, d_V))
+    t52 = (1/(L*n_batch)) * t42
+    t51[...] = oe.contract('abc,acd,acde,acf->bdfe', t52, t13, dA19, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
     return H
 
 
@@ -10161,37 +12060,43 @@ def ce_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     t7 = torch.where(t6, -math.inf, t5)
     t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
     A = t8 / t8.sum(-1, keepdim=True)
+    t9 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t9 = Y.sum(-1, keepdim=True)
-    t10 = t9.expand(*t9.shape[:-1], d_V)
-    t11 = A @ X
-    M_1 = t11
-    t12 = M_1 @ W_V
-    t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
-    A14 = t13 / t13.sum(-1, keepdim=True)
-    t15 = W_V.transpose(-1, -2)
-    t16 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnol,mnf,op,mnp,mnp,pq,mnqr,mnj,rk->', t0, M_2, X, W_V, t10, A14, t15, M_2, X, W_K, t0, M_2, X, W_V, t10, A14, t15, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (4, 5), (0, 4), (4, 5), (1, 4), (9, 11), (1, 3), (0, 4), (0, 4), (2, 5), (0, 4), (4, 5), (0, 3), (0, 3), (1, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnol,mnf,op,mnp,mnp,mnq,qr,mnrs,mnj,sk->', t0, M_2, X, W_V, t10, A14, t15, M_2, X, W_K, t0, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (4, 5), (0, 4), (4, 5), (4, 13), (1, 4), (9, 11), (1, 3), (1, 3), (4, 8), (0, 2), (1, 4), (0, 4), (3, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl,am,nopm,nof,pq,noq,noq,nor,rs,nost,nok,tl->', t0, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_K, t0, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_K, optimize=[(4, 5), (13, 14), (0, 1), (2, 3), (2, 17), (4, 5), (0, 4), (4, 5), (4, 13), (1, 4), (9, 11), (1, 3), (0, 2), (2, 8), (0, 1), (1, 6), (0, 3), (2, 3), (1, 3), (0, 1), (0, 1)])
-    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
-    t18 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnol,mnf,op,mnp,mnp,pq,mnqi,mnr,rk->', t0, M_2, X, W_V, t10, A14, t15, M_2, X, W_Q, t0, M_2, X, W_V, t10, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (2, 3), (2, 3), (0, 2), (2, 3), (2, 3), (0, 4), (1, 3), (7, 8), (0, 3), (0, 3), (4, 5), (3, 4), (1, 3), (0, 1), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnol,mnf,op,mnp,mnp,mnq,qr,mnri,mns,sk->', t0, M_2, X, W_V, t10, A14, t15, M_2, X, W_Q, t0, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (2, 3), (2, 3), (0, 2), (2, 3), (2, 12), (2, 3), (1, 3), (5, 9), (0, 2), (0, 1), (5, 6), (0, 3), (0, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl,am,nopm,nof,pq,noq,noq,nor,rs,nosj,not,tl->', t0, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_Q, t0, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (13, 14), (0, 1), (2, 3), (2, 17), (2, 3), (2, 3), (0, 2), (2, 3), (2, 12), (2, 3), (0, 2), (2, 9), (0, 1), (2, 7), (0, 3), (1, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
-    t20 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,ai,jkli,jkf,lg,jkg,jkg,jkh->', t0, M_2, X, W_V, t10, A14, M_1, t0, M_2, X, W_V, t10, A14, M_1, optimize=[(4, 5), (9, 10), (0, 1), (3, 4), (0, 3), (1, 3), (6, 7), (0, 4), (0, 3), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,ai,jkli,jkf,lm,jkm,jkm,jkg,jkh->', t0, M_2, X, W_V, t10, A14, M_1, t0, M_2, X, W_V, t10, A14, A14, M_1, optimize=[(4, 5), (9, 10), (0, 1), (3, 4), (0, 3), (1, 4), (7, 8), (1, 4), (4, 6), (0, 3), (1, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi,aj,klmj,klf,mn,kln,kln,klh,kli->', t0, M_2, X, W_V, t10, A14, A14, M_1, t0, M_2, X, W_V, t10, A14, A14, M_1, optimize=[(4, 5), (10, 11), (0, 1), (4, 5), (0, 4), (1, 4), (8, 9), (1, 3), (6, 7), (0, 2), (2, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
-    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
-    t22 = W_Q.transpose(-1, -2)
-    t23 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnof,mnl,op,mnp,mnp,pq,mnqr,mnj,rk->', t22, M_2, X, W_V, t10, A14, t15, M_2, X, W_K, t22, M_2, X, W_V, t10, A14, t15, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (2, 4), (2, 3), (2, 3), (0, 2), (0, 1), (0, 3), (2, 8), (1, 2), (3, 6), (0, 1), (0, 4), (0, 1), (1, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnof,mnl,op,mnp,mnp,mnq,qr,mnrs,mnj,sk->', t22, M_2, X, W_V, t10, A14, t15, M_2, X, W_K, t22, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (2, 4), (2, 3), (8, 13), (2, 3), (2, 11), (0, 2), (0, 1), (0, 2), (1, 7), (0, 1), (2, 5), (0, 3), (2, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl,am,nopf,nom,pq,noq,noq,nor,rs,nost,nok,tl->', t22, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_K, t22, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_K, optimize=[(4, 5), (13, 14), (0, 2), (0, 1), (14, 17), (0, 1), (0, 15), (2, 4), (2, 3), (7, 12), (2, 3), (2, 10), (0, 2), (0, 1), (0, 3), (4, 6), (0, 2), (3, 4), (0, 2), (0, 2), (0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t10 = Y.sum(-1, keepdim=True)
+    t11 = t10.expand(*t10.shape[:-1], d_V)
+    t12 = A @ X
+    M_1 = t12
+    t13 = M_1 @ W_V
+    t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    A15 = t14 / t14.sum(-1, keepdim=True)
+    t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA17 = oe.contract('abc,cd->abcd', A15, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A15, A15, optimize=[(0, 1)])
+    t18 = W_V.transpose(-1, -2)
+    t19 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,jl,am,nopm,nof,pq,noq,noqr,rs,nost,nok,tl->', t0, M_2, X, W_V, t11, dA17, t18, M_2, X, W_K, t0, M_2, X, W_V, t11, dA17, t18, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 8), (1, 8), (4, 10), (13, 14), (4, 9), (0, 1), (6, 11), (0, 1), (8, 9), (0, 1), (2, 7), (0, 1), (4, 5), (0, 3), (0, 2), (1, 2), (0, 1)])
+    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
+    t21 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,kl,am,nopm,nof,pq,noq,noqr,rs,nosj,not,tl->', t0, M_2, X, W_V, t11, dA17, t18, M_2, X, W_Q, t0, M_2, X, W_V, t11, dA17, t18, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 8), (1, 8), (4, 5), (8, 9), (12, 13), (11, 12), (0, 1), (6, 10), (0, 1), (7, 8), (0, 1), (2, 6), (0, 1), (3, 4), (0, 2), (1, 2), (0, 1)])
+    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
+    t23 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,cdi,aj,klmj,klf,mn,kln,klnh,kli->', t0, M_2, X, W_V, t11, dA17, M_1, t0, M_2, X, W_V, t11, dA17, M_1, optimize=[(4, 5), (9, 10), (0, 5), (1, 5), (2, 5), (7, 8), (0, 1), (2, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)])
     t24 = torch.sqrt(torch.clamp(t23, min=0.0))
-    t25 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnof,mnl,op,mnp,mnp,pq,mnqi,mnr,rk->', t22, M_2, X, W_V, t10, A14, t15, M_2, X, W_Q, t22, M_2, X, W_V, t10, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (0, 1), (0, 1), (0, 1), (0, 3), (2, 8), (1, 3), (0, 2), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnof,mnl,op,mnp,mnp,mnq,qr,mnri,mns,sk->', t22, M_2, X, W_V, t10, A14, t15, M_2, X, W_Q, t22, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (0, 1), (6, 12), (0, 1), (0, 10), (0, 1), (0, 2), (1, 7), (0, 2), (0, 3), (3, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl,am,nopf,nom,pq,noq,noq,nor,rs,nosj,not,tl->', t22, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_Q, t22, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (13, 14), (0, 2), (0, 1), (14, 17), (0, 1), (0, 15), (0, 1), (0, 2), (0, 1), (5, 11), (0, 1), (0, 9), (0, 1), (0, 4), (0, 3), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t26 = torch.sqrt(torch.clamp(t25, min=0.0))
-    t27 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,ai,jklf,jki,lg,jkg,jkg,jkh->', t22, M_2, X, W_V, t10, A14, M_1, t22, M_2, X, W_V, t10, A14, M_1, optimize=[(4, 5), (9, 10), (0, 2), (0, 1), (1, 3), (1, 2), (5, 7), (0, 1), (2, 3), (3, 4), (0, 2), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,ai,jklf,jki,lm,jkm,jkm,jkg,jkh->', t22, M_2, X, W_V, t10, A14, M_1, t22, M_2, X, W_V, t10, A14, A14, M_1, optimize=[(4, 5), (9, 10), (0, 2), (0, 1), (1, 3), (1, 2), (4, 8), (0, 2), (1, 3), (1, 2), (2, 4), (1, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi,aj,klmf,klj,mn,kln,kln,klh,kli->', t22, M_2, X, W_V, t10, A14, A14, M_1, t22, M_2, X, W_V, t10, A14, A14, M_1, optimize=[(4, 5), (10, 11), (0, 2), (0, 1), (8, 11), (2, 4), (2, 3), (4, 8), (0, 2), (0, 1), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t28 = torch.sqrt(torch.clamp(t27, min=0.0))
-    t29 = M_1.transpose(-1, -2)
-    t30 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,fh,ibj,ijd,ijd,dk,ijkl,ijg,lh->', t29, t10, A14, t15, M_2, X, W_K, t29, t10, A14, t15, M_2, X, W_K, optimize=[(1, 2), (6, 7), (1, 2), (0, 3), (2, 3), (0, 2), (5, 7), (0, 1), (2, 5), (2, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,fh,ibj,ijd,ijd,ijk,kl,ijlm,ijg,mh->', t29, t10, A14, t15, M_2, X, W_K, t29, t10, A14, A14, t15, M_2, X, W_K, optimize=[(1, 2), (6, 7), (1, 2), (0, 3), (2, 3), (2, 9), (0, 2), (5, 7), (0, 1), (2, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi,jbk,jkd,jkd,jkl,lm,jkmn,jkh,ni->', t29, t10, A14, A14, t15, M_2, X, W_K, t29, t10, A14, A14, t15, M_2, X, W_K, optimize=[(1, 2), (7, 8), (1, 2), (1, 12), (0, 3), (2, 3), (2, 9), (0, 2), (5, 7), (0, 1), (0, 1), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t25 = W_Q.transpose(-1, -2)
+    t26 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,jl,am,nopf,nom,pq,noq,noqr,rs,nost,nok,tl->', t25, M_2, X, W_V, t11, dA17, t18, M_2, X, W_K, t25, M_2, X, W_V, t11, dA17, t18, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1), (15, 16), (0, 1), (13, 14), (2, 4), (2, 3), (2, 3), (9, 10), (2, 3), (7, 8), (0, 2), (0, 1), (0, 2), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t27 = torch.sqrt(torch.clamp(t26, min=0.0))
+    t28 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,kl,am,nopf,nom,pq,noq,noqr,rs,nosj,not,tl->', t25, M_2, X, W_V, t11, dA17, t18, M_2, X, W_Q, t25, M_2, X, W_V, t11, dA17, t18, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 1), (15, 16), (0, 1), (13, 14), (0, 1), (0, 2), (0, 1), (0, 1), (8, 9), (0, 1), (6, 7), (3, 6), (0, 1), (0, 2), (1, 3), (0, 1), (0, 1)])
+    t29 = torch.sqrt(torch.clamp(t28, min=0.0))
+    t30 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,cdi,aj,klmf,klj,mn,kln,klnh,kli->', t25, M_2, X, W_V, t11, dA17, M_1, t25, M_2, X, W_V, t11, dA17, M_1, optimize=[(0, 2), (0, 1), (0, 1), (9, 10), (1, 3), (1, 2), (1, 2), (5, 6), (3, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
     t31 = torch.sqrt(torch.clamp(t30, min=0.0))
-    t32 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,gh,ibj,ijd,ijd,dk,ijkf,ijl,lh->', t29, t10, A14, t15, M_2, X, W_Q, t29, t10, A14, t15, M_2, X, W_Q, optimize=[(1, 2), (6, 7), (1, 2), (1, 2), (0, 1), (0, 1), (4, 7), (0, 1), (0, 4), (0, 4), (1, 3), (0, 1), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,gh,ibj,ijd,ijd,ijk,kl,ijlf,ijm,mh->', t29, t10, A14, t15, M_2, X, W_Q, t29, t10, A14, A14, t15, M_2, X, W_Q, optimize=[(1, 2), (6, 7), (1, 2), (1, 2), (0, 1), (0, 1), (0, 8), (0, 1), (0, 2), (3, 5), (0, 4), (1, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi,jbk,jkd,jkd,jkl,lm,jkmg,jkn,ni->', t29, t10, A14, A14, t15, M_2, X, W_Q, t29, t10, A14, A14, t15, M_2, X, W_Q, optimize=[(1, 2), (7, 8), (1, 2), (1, 12), (1, 2), (0, 1), (0, 1), (0, 8), (0, 1), (0, 1), (2, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t33 = torch.sqrt(torch.clamp(t32, min=0.0))
-    t34 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fge->', t29, t10, A14, M_1, t29, t10, A14, M_1, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fgd,fge->', t29, t10, A14, M_1, t29, t10, A14, A14, M_1, optimize=[(1, 2), (3, 4), (3, 6), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,acf,gbh,ghd,ghd,ghe,ghf->', t29, t10, A14, A14, M_1, t29, t10, A14, A14, M_1, optimize=[(1, 2), (4, 5), (0, 3), (0, 2), (4, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t35 = torch.sqrt(torch.clamp(t34, min=0.0))
-    return (t17, t19, t21, t24, t26, t28, t31, t33, t35,)
+    t32 = M_1.transpose(-1, -2)
+    t33 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,gi,jbk,jkd,jkdl,lm,jkmn,jkh,ni->', t32, t11, dA17, t18, M_2, X, W_K, t32, t11, dA17, t18, M_2, X, W_K, optimize=[(1, 2), (1, 12), (1, 11), (0, 3), (2, 3), (2, 8), (2, 7), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
+    t34 = torch.sqrt(torch.clamp(t33, min=0.0))
+    t35 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,hi,jbk,jkd,jkdl,lm,jkmg,jkn,ni->', t32, t11, dA17, t18, M_2, X, W_Q, t32, t11, dA17, t18, M_2, X, W_Q, optimize=[(1, 2), (1, 12), (1, 11), (1, 2), (0, 1), (0, 1), (0, 7), (0, 6), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t36 = torch.sqrt(torch.clamp(t35, min=0.0))
+    t37 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t32, t11, dA17, M_1, t32, t11, dA17, M_1, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
+    t38 = torch.sqrt(torch.clamp(t37, min=0.0))
+    return (t20, t22, t24, t27, t29, t31, t34, t36, t38,)
 
 
 def ce_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -10212,23 +12117,26 @@ def ce_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t8 = torch.where(t7, -math.inf, t6)
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A = t9 / t9.sum(-1, keepdim=True)
+    t10 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t10 = Y.sum(-1, keepdim=True)
-    t11 = t10.expand(*t10.shape[:-1], d_V)
-    t12 = A @ X
-    M_1 = t12
-    t13 = M_1 @ W_V
-    t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
-    A15 = t14 / t14.sum(-1, keepdim=True)
-    t16 = W_V.transpose(-1, -2)
-    t17 = (1/(L*d_K*n_batch)) * t1
-    t18 = oe.contract('ab,cdeb,ef,cdf,cdf,fg,cdgh,ha->acd', t17, M_2, W_V, t11, A15, t16, M_2, W_K, optimize=[(3, 4), (0, 1), (1, 2), (0, 3), (0, 2), (1, 2), (0, 1)])
-    t19 = oe.contract('abc,abc->cab', X, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t18, t19, optimize=[(0, 1)])
-    t20 = (-1/(L*d_K*n_batch)) * t1
-    t21 = oe.contract('ab,cdeb,ef,cdf,cdf,cdg,gh,cdhi,ia->acd', t20, M_2, W_V, t11, A15, A15, t16, M_2, W_K, optimize=[(3, 4), (0, 1), (1, 2), (1, 5), (0, 2), (1, 3), (0, 1), (0, 1)])
-    t0 += oe.contract('abc,dbc->da', t21, t19, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t11 = Y.sum(-1, keepdim=True)
+    t12 = t11.expand(*t11.shape[:-1], d_V)
+    t13 = A @ X
+    M_1 = t13
+    t14 = M_1 @ W_V
+    t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
+    A16 = t15 / t15.sum(-1, keepdim=True)
+    t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA18 = oe.contract('abc,cd->abcd', A16, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A16, A16, optimize=[(0, 1)])
+    t19 = W_V.transpose(-1, -2)
+    t20 = (1/(L*d_K*n_batch)) * t1
+    t21 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi,ia->acd', t20, M_2, W_V, t12, dA18, t19, M_2, W_K, optimize=[(0, 1), (1, 2), (1, 5), (1, 4), (0, 2), (1, 2), (0, 1)])
+    t22 = oe.contract('abc,abc->cab', X, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -10248,17 +12156,23 @@ def ce_causal1__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t7 = torch.where(t6, -math.inf, t5)
     t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
     A = t8 / t8.sum(-1, keepdim=True)
+    t9 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t9 = Y.sum(-1, keepdim=True)
-    t10 = t9.expand(*t9.shape[:-1], d_V)
-    t11 = A @ X
-    M_1 = t11
-    t12 = M_1 @ W_V
-    t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
-    A14 = t13 / t13.sum(-1, keepdim=True)
-    t15 = W_V.transpose(-1, -2)
-    return (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdf,ia->', t0, M_2, X, W_V, t10, A14, t15, M_2, X, W_K, optimize=[(4, 5), (2, 6), (0, 1), (1, 2), (2, 3), (0, 2), (0, 1), (1, 2), (0, 1)]) + (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdf,ja->', t0, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_K, optimize=[(4, 5), (2, 7), (0, 1), (1, 2), (1, 6), (0, 2), (2, 4), (0, 2), (1, 2), (0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t10 = Y.sum(-1, keepdim=True)
+    t11 = t10.expand(*t10.shape[:-1], d_V)
+    t12 = A @ X
+    M_1 = t12
+    t13 = M_1 @ W_V
+    t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    A15 = t14 / t14.sum(-1, keepdim=True)
+    t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA17 = oe.contract('abc,cd->abcd', A15, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A15, A15, optimize=[(0, 1)])
+    t18 = W_V.transpose(-1, -2)
+    return (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdf,ja->', t0, M_2, X, W_V, t11, dA17, t18, M_2, X, W_K, optimize=[(2, 8), (3, 4), (0, 5), (0, 1), (3, 5), (0, 1), (2, 3), (1, 2), (0, 1)])
 
 
 def ce_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -10279,22 +12193,24 @@ def ce_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t8 = torch.where(t7, -math.inf, t6)
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A = t9 / t9.sum(-1, keepdim=True)
+    t10 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t10 = Y.sum(-1, keepdim=True)
-    t11 = t10.expand(*t10.shape[:-1], d_V)
-    t12 = A @ X
-    M_1 = t12
-    t13 = M_1 @ W_V
-    t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
-    A15 = t14 / t14.sum(-1, keepdim=True)
-    t16 = W_V.transpose(-1, -2)
-    t17 = (1/(L*d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t17, M_2, X, W_V, t11, A15, t16, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t18 = (-1/(L*d_K*n_batch)) * t1
-    t19 = oe.contract('abc,cd,abde,ef->fab', A15, t16, M_2, W_K, optimize=[(0, 1), (0, 2), (0, 1)])
-    t20 = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahcd', t18, M_2, X, W_V, t11, A15, X, optimize=[(4, 5), (0, 1), (1, 3), (2, 3), (0, 1), (0, 1)])
-    t0 += oe.contract('abc,defbc->defa', t19, t20, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t11 = Y.sum(-1, keepdim=True)
+    t12 = t11.expand(*t11.shape[:-1], d_V)
+    t13 = A @ X
+    M_1 = t13
+    t14 = M_1 @ W_V
+    t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
+    A16 = t15 / t15.sum(-1, keepdim=True)
+    t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA18 = oe.contract('abc,cd->abcd', A16, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A16, A16, optimize=[(0, 1)])
+    t19 = W_V.transpose(-1, -2)
+    t20 = (1/(L*d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,jl->fakl', t20, M_2, X, W_V, t12, dA18, t19, M_2, X, W_K, optimize=[(4, 5), (0, 1), (1, 7), (5, 6), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -10314,19 +12230,25 @@ def ce_causal1__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t7 = torch.where(t6, -math.inf, t5)
     t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
     A = t8 / t8.sum(-1, keepdim=True)
+    t9 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t9 = Y.sum(-1, keepdim=True)
-    t10 = t9.expand(*t9.shape[:-1], d_V)
-    t11 = A @ X
-    M_1 = t11
-    t12 = M_1 @ W_V
-    t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
-    A14 = t13 / t13.sum(-1, keepdim=True)
-    t15 = W_V.transpose(-1, -2)
-    t16 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnol,mnf,op,mnp,mnp,pq,mnqr,mnj,rk->', t0, M_2, X, W_V, t10, A14, t15, M_2, X, W_K, t0, M_2, X, W_V, t10, A14, t15, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (4, 5), (0, 4), (4, 5), (1, 4), (9, 11), (1, 3), (0, 4), (0, 4), (2, 5), (0, 4), (4, 5), (0, 3), (0, 3), (1, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnol,mnf,op,mnp,mnp,mnq,qr,mnrs,mnj,sk->', t0, M_2, X, W_V, t10, A14, t15, M_2, X, W_K, t0, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (4, 5), (0, 4), (4, 5), (4, 13), (1, 4), (9, 11), (1, 3), (1, 3), (4, 8), (0, 2), (1, 4), (0, 4), (3, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl,am,nopm,nof,pq,noq,noq,nor,rs,nost,nok,tl->', t0, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_K, t0, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_K, optimize=[(4, 5), (13, 14), (0, 1), (2, 3), (2, 17), (4, 5), (0, 4), (4, 5), (4, 13), (1, 4), (9, 11), (1, 3), (0, 2), (2, 8), (0, 1), (1, 6), (0, 3), (2, 3), (1, 3), (0, 1), (0, 1)])
-    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
-    return t17
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t10 = Y.sum(-1, keepdim=True)
+    t11 = t10.expand(*t10.shape[:-1], d_V)
+    t12 = A @ X
+    M_1 = t12
+    t13 = M_1 @ W_V
+    t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    A15 = t14 / t14.sum(-1, keepdim=True)
+    t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA17 = oe.contract('abc,cd->abcd', A15, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A15, A15, optimize=[(0, 1)])
+    t18 = W_V.transpose(-1, -2)
+    t19 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,jl,am,nopm,nof,pq,noq,noqr,rs,nost,nok,tl->', t0, M_2, X, W_V, t11, dA17, t18, M_2, X, W_K, t0, M_2, X, W_V, t11, dA17, t18, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 8), (1, 8), (4, 10), (13, 14), (4, 9), (0, 1), (6, 11), (0, 1), (8, 9), (0, 1), (2, 7), (0, 1), (4, 5), (0, 3), (0, 2), (1, 2), (0, 1)])
+    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
+    return t20
 
 
 def ce_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -10347,24 +12269,26 @@ def ce_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     t8 = torch.where(t7, -math.inf, t6)
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A = t9 / t9.sum(-1, keepdim=True)
+    t10 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t10 = Y.sum(-1, keepdim=True)
-    t11 = t10.expand(*t10.shape[:-1], d_V)
-    t12 = A @ X
-    M_1 = t12
-    t13 = M_1 @ W_V
-    t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
-    A15 = t14 / t14.sum(-1, keepdim=True)
-    t16 = W_V.transpose(-1, -2)
-    t17 = (1/(L*d_K*n_batch)) * t1
-    t18 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t19 = oe.contract('ab,cdeb,ef,cdf,cdf,fg,cdgh->ahcd', t17, M_2, W_V, t11, A15, t16, M_2, optimize=[(3, 4), (0, 1), (1, 2), (0, 2), (0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t18, t19, optimize=[(0, 1)])
-    t20 = (-1/(L*d_K*n_batch)) * t1
-    t21 = oe.contract('abc,abd,de,abef,abg,gh->cfhab', X, A15, t16, M_2, X, W_Q, optimize=[(1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
-    t22 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t20, M_2, W_V, t11, A15, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
-    t0 += oe.contract('abcde,fde->afbc', t21, t22, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t11 = Y.sum(-1, keepdim=True)
+    t12 = t11.expand(*t11.shape[:-1], d_V)
+    t13 = A @ X
+    M_1 = t13
+    t14 = M_1 @ W_V
+    t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
+    A16 = t15 / t15.sum(-1, keepdim=True)
+    t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA18 = oe.contract('abc,cd->abcd', A16, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A16, A16, optimize=[(0, 1)])
+    t19 = W_V.transpose(-1, -2)
+    t20 = (1/(L*d_K*n_batch)) * t1
+    t21 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t22 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi->aicd', t20, M_2, W_V, t12, dA18, t19, M_2, optimize=[(0, 1), (1, 2), (1, 4), (1, 3), (0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t21, t22, optimize=[(0, 1)])
     return out
 
 
@@ -10384,19 +12308,25 @@ def ce_causal1__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     t7 = torch.where(t6, -math.inf, t5)
     t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
     A = t8 / t8.sum(-1, keepdim=True)
+    t9 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t9 = Y.sum(-1, keepdim=True)
-    t10 = t9.expand(*t9.shape[:-1], d_V)
-    t11 = A @ X
-    M_1 = t11
-    t12 = M_1 @ W_V
-    t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
-    A14 = t13 / t13.sum(-1, keepdim=True)
-    t15 = W_V.transpose(-1, -2)
-    t16 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnol,mnf,op,mnp,mnp,pq,mnqi,mnr,rk->', t0, M_2, X, W_V, t10, A14, t15, M_2, X, W_Q, t0, M_2, X, W_V, t10, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (2, 3), (2, 3), (0, 2), (2, 3), (2, 3), (0, 4), (1, 3), (7, 8), (0, 3), (0, 3), (4, 5), (3, 4), (1, 3), (0, 1), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnol,mnf,op,mnp,mnp,mnq,qr,mnri,mns,sk->', t0, M_2, X, W_V, t10, A14, t15, M_2, X, W_Q, t0, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (2, 3), (2, 3), (0, 2), (2, 3), (2, 12), (2, 3), (1, 3), (5, 9), (0, 2), (0, 1), (5, 6), (0, 3), (0, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl,am,nopm,nof,pq,noq,noq,nor,rs,nosj,not,tl->', t0, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_Q, t0, M_2, X, W_V, t10, A14, A14, t15, M_2, X, W_Q, optimize=[(4, 5), (13, 14), (0, 1), (2, 3), (2, 17), (2, 3), (2, 3), (0, 2), (2, 3), (2, 12), (2, 3), (0, 2), (2, 9), (0, 1), (2, 7), (0, 3), (1, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
-    return t17
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t10 = Y.sum(-1, keepdim=True)
+    t11 = t10.expand(*t10.shape[:-1], d_V)
+    t12 = A @ X
+    M_1 = t12
+    t13 = M_1 @ W_V
+    t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    A15 = t14 / t14.sum(-1, keepdim=True)
+    t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA17 = oe.contract('abc,cd->abcd', A15, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A15, A15, optimize=[(0, 1)])
+    t18 = W_V.transpose(-1, -2)
+    t19 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,kl,am,nopm,nof,pq,noq,noqr,rs,nosj,not,tl->', t0, M_2, X, W_V, t11, dA17, t18, M_2, X, W_Q, t0, M_2, X, W_V, t11, dA17, t18, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 8), (1, 8), (4, 5), (8, 9), (12, 13), (11, 12), (0, 1), (6, 10), (0, 1), (7, 8), (0, 1), (2, 6), (0, 1), (3, 4), (0, 2), (1, 2), (0, 1)])
+    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
+    return t20
 
 
 def ce_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -10417,21 +12347,23 @@ def ce_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     t8 = torch.where(t7, -math.inf, t6)
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A = t9 / t9.sum(-1, keepdim=True)
+    t10 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t10 = Y.sum(-1, keepdim=True)
-    t11 = t10.expand(*t10.shape[:-1], d_V)
-    t12 = A @ X
-    M_1 = t12
-    t13 = M_1 @ W_V
-    t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
-    A15 = t14 / t14.sum(-1, keepdim=True)
-    t16 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t16, M_2, X, W_V, t11, A15, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t17 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t18 = oe.contract('abc,abd,abe->cedab', X, A15, M_1, optimize=[(0, 1), (0, 1)])
-    t19 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t17, M_2, W_V, t11, A15, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
-    t0 += oe.contract('abcde,fde->afbc', t18, t19, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t11 = Y.sum(-1, keepdim=True)
+    t12 = t11.expand(*t11.shape[:-1], d_V)
+    t13 = A @ X
+    M_1 = t13
+    t14 = M_1 @ W_V
+    t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
+    A16 = t15 / t15.sum(-1, keepdim=True)
+    t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA18 = oe.contract('abc,cd->abcd', A16, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A16, A16, optimize=[(0, 1)])
+    t19 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,cdi->faih', t19, M_2, X, W_V, t12, dA18, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -10451,18 +12383,24 @@ def ce_causal1__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     t7 = torch.where(t6, -math.inf, t5)
     t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
     A = t8 / t8.sum(-1, keepdim=True)
+    t9 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t9 = Y.sum(-1, keepdim=True)
-    t10 = t9.expand(*t9.shape[:-1], d_V)
-    t11 = A @ X
-    M_1 = t11
-    t12 = M_1 @ W_V
-    t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
-    A14 = t13 / t13.sum(-1, keepdim=True)
-    t15 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,ai,jkli,jkf,lg,jkg,jkg,jkh->', t0, M_2, X, W_V, t10, A14, M_1, t0, M_2, X, W_V, t10, A14, M_1, optimize=[(4, 5), (9, 10), (0, 1), (3, 4), (0, 3), (1, 3), (6, 7), (0, 4), (0, 3), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,ai,jkli,jkf,lm,jkm,jkm,jkg,jkh->', t0, M_2, X, W_V, t10, A14, M_1, t0, M_2, X, W_V, t10, A14, A14, M_1, optimize=[(4, 5), (9, 10), (0, 1), (3, 4), (0, 3), (1, 4), (7, 8), (1, 4), (4, 6), (0, 3), (1, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi,aj,klmj,klf,mn,kln,kln,klh,kli->', t0, M_2, X, W_V, t10, A14, A14, M_1, t0, M_2, X, W_V, t10, A14, A14, M_1, optimize=[(4, 5), (10, 11), (0, 1), (4, 5), (0, 4), (1, 4), (8, 9), (1, 3), (6, 7), (0, 2), (2, 5), (0, 1), (0, 3), (0, 2), (0, 1)])
-    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
-    return t16
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t10 = Y.sum(-1, keepdim=True)
+    t11 = t10.expand(*t10.shape[:-1], d_V)
+    t12 = A @ X
+    M_1 = t12
+    t13 = M_1 @ W_V
+    t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    A15 = t14 / t14.sum(-1, keepdim=True)
+    t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA17 = oe.contract('abc,cd->abcd', A15, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A15, A15, optimize=[(0, 1)])
+    t18 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,cdi,aj,klmj,klf,mn,kln,klnh,kli->', t0, M_2, X, W_V, t11, dA17, M_1, t0, M_2, X, W_V, t11, dA17, M_1, optimize=[(4, 5), (9, 10), (0, 5), (1, 5), (2, 5), (7, 8), (0, 1), (2, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)])
+    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
+    return t19
 
 
 def ce_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -10484,24 +12422,26 @@ def ce_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     t9 = torch.where(t8, -math.inf, t7)
     t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
     A = t10 / t10.sum(-1, keepdim=True)
+    t11 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t11 = Y.sum(-1, keepdim=True)
-    t12 = t11.expand(*t11.shape[:-1], d_V)
-    t13 = A @ X
-    M_1 = t13
-    t14 = M_1 @ W_V
-    t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
-    A16 = t15 / t15.sum(-1, keepdim=True)
-    t17 = W_V.transpose(-1, -2)
-    t18 = (1/(L*d_K*n_batch)) * t1
-    t19 = oe.contract('ab,cdb,cde,ea->acd', t18, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t20 = oe.contract('abcd,ce,abe,abe,ef,abfd->dab', M_2, W_V, t12, A16, t17, M_2, optimize=[(2, 3), (0, 1), (0, 1), (1, 2), (0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t19, t20, optimize=[(0, 1)])
-    t21 = (-1/(L*d_K*n_batch)) * t1
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t12 = Y.sum(-1, keepdim=True)
+    t13 = t12.expand(*t12.shape[:-1], d_V)
+    t14 = A @ X
+    M_1 = t14
+    t15 = M_1 @ W_V
+    t16 = torch.exp(t15 - t15.amax(-1, keepdim=True))
+    A17 = t16 / t16.sum(-1, keepdim=True)
+    t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA19 = oe.contract('abc,cd->abcd', A17, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A17, A17, optimize=[(0, 1)])
+    t20 = W_V.transpose(-1, -2)
+    t21 = (1/(L*d_K*n_batch)) * t1
     t22 = oe.contract('ab,cdb,cde,ea->acd', t21, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t23 = oe.contract('abcd,ce,abe,abe,abf,fg,abgd->dab', M_2, W_V, t12, A16, A16, t17, M_2, optimize=[(2, 3), (0, 1), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t0 += oe.contract('abc,dbc->da', t22, t23, optimize=[(0, 1)])
+    t23 = oe.contract('abcd,ce,abe,abef,fg,abgd->dab', M_2, W_V, t13, dA19, t20, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -10522,17 +12462,23 @@ def ce_causal1__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     t8 = torch.where(t7, -math.inf, t6)
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A = t9 / t9.sum(-1, keepdim=True)
+    t10 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t10 = Y.sum(-1, keepdim=True)
-    t11 = t10.expand(*t10.shape[:-1], d_V)
-    t12 = A @ X
-    M_1 = t12
-    t13 = M_1 @ W_V
-    t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
-    A15 = t14 / t14.sum(-1, keepdim=True)
-    t16 = W_V.transpose(-1, -2)
-    return (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhf,cdi,ia->', t0, M_2, X, W_V, t11, A15, t16, M_2, X, W_Q, optimize=[(4, 5), (1, 5), (0, 1), (2, 3), (4, 5), (0, 3), (0, 3), (0, 2), (0, 1)]) + (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdif,cdj,ja->', t0, M_2, X, W_V, t11, A15, A15, t16, M_2, X, W_Q, optimize=[(4, 5), (1, 6), (0, 1), (1, 2), (4, 6), (1, 2), (2, 4), (0, 1), (0, 2), (0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t11 = Y.sum(-1, keepdim=True)
+    t12 = t11.expand(*t11.shape[:-1], d_V)
+    t13 = A @ X
+    M_1 = t13
+    t14 = M_1 @ W_V
+    t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
+    A16 = t15 / t15.sum(-1, keepdim=True)
+    t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA18 = oe.contract('abc,cd->abcd', A16, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A16, A16, optimize=[(0, 1)])
+    t19 = W_V.transpose(-1, -2)
+    return (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdif,cdj,ja->', t0, M_2, X, W_V, t12, dA18, t19, M_2, X, W_Q, optimize=[(1, 7), (0, 1), (1, 2), (1, 6), (3, 5), (0, 4), (0, 1), (0, 2), (0, 1)])
 
 
 def ce_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -10554,22 +12500,24 @@ def ce_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t9 = torch.where(t8, -math.inf, t7)
     t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
     A = t10 / t10.sum(-1, keepdim=True)
+    t11 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t11 = Y.sum(-1, keepdim=True)
-    t12 = t11.expand(*t11.shape[:-1], d_V)
-    t13 = A @ X
-    M_1 = t13
-    t14 = M_1 @ W_V
-    t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
-    A16 = t15 / t15.sum(-1, keepdim=True)
-    t17 = W_V.transpose(-1, -2)
-    t18 = (1/(L*d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t18, M_2, X, W_V, t12, A16, t17, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t19 = (-1/(L*d_K*n_batch)) * t1
-    t20 = oe.contract('ab,cdb,cde,ef,cdfg,cdh,gi->ahicd', t19, X, A16, t17, M_2, X, W_K, optimize=[(0, 1), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t21 = oe.contract('abcd,ce,abe,abe->dab', M_2, W_V, t12, A16, optimize=[(1, 2), (1, 2), (0, 1)])
-    t0 += oe.contract('abcde,fde->fabc', t20, t21, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t12 = Y.sum(-1, keepdim=True)
+    t13 = t12.expand(*t12.shape[:-1], d_V)
+    t14 = A @ X
+    M_1 = t14
+    t15 = M_1 @ W_V
+    t16 = torch.exp(t15 - t15.amax(-1, keepdim=True))
+    A17 = t16 / t16.sum(-1, keepdim=True)
+    t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA19 = oe.contract('abc,cd->abcd', A17, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A17, A17, optimize=[(0, 1)])
+    t20 = W_V.transpose(-1, -2)
+    t21 = (1/(L*d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,jl->fakl', t21, M_2, X, W_V, t13, dA19, t20, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (4, 6), (0, 1), (3, 4), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -10590,19 +12538,25 @@ def ce_causal1__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t8 = torch.where(t7, -math.inf, t6)
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A = t9 / t9.sum(-1, keepdim=True)
+    t10 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t10 = Y.sum(-1, keepdim=True)
-    t11 = t10.expand(*t10.shape[:-1], d_V)
-    t12 = A @ X
-    M_1 = t12
-    t13 = M_1 @ W_V
-    t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
-    A15 = t14 / t14.sum(-1, keepdim=True)
-    t16 = W_V.transpose(-1, -2)
-    t17 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnof,mnl,op,mnp,mnp,pq,mnqr,mnj,rk->', t0, M_2, X, W_V, t11, A15, t16, M_2, X, W_K, t0, M_2, X, W_V, t11, A15, t16, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (2, 4), (2, 3), (2, 3), (0, 2), (0, 1), (0, 3), (2, 8), (1, 2), (3, 6), (0, 1), (0, 4), (0, 1), (1, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnof,mnl,op,mnp,mnp,mnq,qr,mnrs,mnj,sk->', t0, M_2, X, W_V, t11, A15, t16, M_2, X, W_K, t0, M_2, X, W_V, t11, A15, A15, t16, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (2, 4), (2, 3), (8, 13), (2, 3), (2, 11), (0, 2), (0, 1), (0, 2), (1, 7), (0, 1), (2, 5), (0, 3), (2, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl,am,nopf,nom,pq,noq,noq,nor,rs,nost,nok,tl->', t0, M_2, X, W_V, t11, A15, A15, t16, M_2, X, W_K, t0, M_2, X, W_V, t11, A15, A15, t16, M_2, X, W_K, optimize=[(4, 5), (13, 14), (0, 2), (0, 1), (14, 17), (0, 1), (0, 15), (2, 4), (2, 3), (7, 12), (2, 3), (2, 10), (0, 2), (0, 1), (0, 3), (4, 6), (0, 2), (3, 4), (0, 2), (0, 2), (0, 1)])
-    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
-    return t18
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t11 = Y.sum(-1, keepdim=True)
+    t12 = t11.expand(*t11.shape[:-1], d_V)
+    t13 = A @ X
+    M_1 = t13
+    t14 = M_1 @ W_V
+    t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
+    A16 = t15 / t15.sum(-1, keepdim=True)
+    t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA18 = oe.contract('abc,cd->abcd', A16, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A16, A16, optimize=[(0, 1)])
+    t19 = W_V.transpose(-1, -2)
+    t20 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,jl,am,nopf,nom,pq,noq,noqr,rs,nost,nok,tl->', t0, M_2, X, W_V, t12, dA18, t19, M_2, X, W_K, t0, M_2, X, W_V, t12, dA18, t19, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1), (15, 16), (0, 1), (13, 14), (2, 4), (2, 3), (2, 3), (9, 10), (2, 3), (7, 8), (0, 2), (0, 1), (0, 2), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
+    return t21
 
 
 def ce_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -10624,24 +12578,26 @@ def ce_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t9 = torch.where(t8, -math.inf, t7)
     t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
     A = t10 / t10.sum(-1, keepdim=True)
+    t11 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t11 = Y.sum(-1, keepdim=True)
-    t12 = t11.expand(*t11.shape[:-1], d_V)
-    t13 = A @ X
-    M_1 = t13
-    t14 = M_1 @ W_V
-    t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
-    A16 = t15 / t15.sum(-1, keepdim=True)
-    t17 = W_V.transpose(-1, -2)
-    t18 = (1/(L*d_K*n_batch)) * t1
-    t19 = oe.contract('abc,cd->dab', X, W_Q, optimize=[(0, 1)])
-    t20 = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi->faicd', t18, M_2, X, W_V, t12, A16, t17, M_2, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 2), (1, 2), (0, 1)])
-    t0[...] = oe.contract('abc,defbc->defa', t19, t20, optimize=[(0, 1)])
-    t21 = (-1/(L*d_K*n_batch)) * t1
-    t22 = oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi->faicd', t21, M_2, X, W_V, t12, A16, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 1), (0, 1)])
-    t23 = oe.contract('abc,cd,abde->eab', A16, t17, M_2, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcde,fde->abfc', t22, t23, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t12 = Y.sum(-1, keepdim=True)
+    t13 = t12.expand(*t12.shape[:-1], d_V)
+    t14 = A @ X
+    M_1 = t14
+    t15 = M_1 @ W_V
+    t16 = torch.exp(t15 - t15.amax(-1, keepdim=True))
+    A17 = t16 / t16.sum(-1, keepdim=True)
+    t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA19 = oe.contract('abc,cd->abcd', A17, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A17, A17, optimize=[(0, 1)])
+    t20 = W_V.transpose(-1, -2)
+    t21 = (1/(L*d_K*n_batch)) * t1
+    t22 = oe.contract('ab,cdb,cde,ef->afcd', t21, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t23 = oe.contract('abcd,ce,abe,abef,fg,abgh->dhab', M_2, W_V, t13, dA19, t20, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -10662,19 +12618,25 @@ def ce_causal1__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t8 = torch.where(t7, -math.inf, t6)
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A = t9 / t9.sum(-1, keepdim=True)
+    t10 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t10 = Y.sum(-1, keepdim=True)
-    t11 = t10.expand(*t10.shape[:-1], d_V)
-    t12 = A @ X
-    M_1 = t12
-    t13 = M_1 @ W_V
-    t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
-    A15 = t14 / t14.sum(-1, keepdim=True)
-    t16 = W_V.transpose(-1, -2)
-    t17 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnof,mnl,op,mnp,mnp,pq,mnqi,mnr,rk->', t0, M_2, X, W_V, t11, A15, t16, M_2, X, W_Q, t0, M_2, X, W_V, t11, A15, t16, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (0, 1), (0, 1), (0, 1), (0, 3), (2, 8), (1, 3), (0, 2), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnof,mnl,op,mnp,mnp,mnq,qr,mnri,mns,sk->', t0, M_2, X, W_V, t11, A15, t16, M_2, X, W_Q, t0, M_2, X, W_V, t11, A15, A15, t16, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (0, 1), (6, 12), (0, 1), (0, 10), (0, 1), (0, 2), (1, 7), (0, 2), (0, 3), (3, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl,am,nopf,nom,pq,noq,noq,nor,rs,nosj,not,tl->', t0, M_2, X, W_V, t11, A15, A15, t16, M_2, X, W_Q, t0, M_2, X, W_V, t11, A15, A15, t16, M_2, X, W_Q, optimize=[(4, 5), (13, 14), (0, 2), (0, 1), (14, 17), (0, 1), (0, 15), (0, 1), (0, 2), (0, 1), (5, 11), (0, 1), (0, 9), (0, 1), (0, 4), (0, 3), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
-    return t18
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t11 = Y.sum(-1, keepdim=True)
+    t12 = t11.expand(*t11.shape[:-1], d_V)
+    t13 = A @ X
+    M_1 = t13
+    t14 = M_1 @ W_V
+    t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
+    A16 = t15 / t15.sum(-1, keepdim=True)
+    t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA18 = oe.contract('abc,cd->abcd', A16, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A16, A16, optimize=[(0, 1)])
+    t19 = W_V.transpose(-1, -2)
+    t20 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,kl,am,nopf,nom,pq,noq,noqr,rs,nosj,not,tl->', t0, M_2, X, W_V, t12, dA18, t19, M_2, X, W_Q, t0, M_2, X, W_V, t12, dA18, t19, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 1), (15, 16), (0, 1), (13, 14), (0, 1), (0, 2), (0, 1), (0, 1), (8, 9), (0, 1), (6, 7), (3, 6), (0, 1), (0, 2), (1, 3), (0, 1), (0, 1)])
+    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
+    return t21
 
 
 def ce_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -10696,23 +12658,23 @@ def ce_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     t9 = torch.where(t8, -math.inf, t7)
     t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
     A = t10 / t10.sum(-1, keepdim=True)
+    t11 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t11 = Y.sum(-1, keepdim=True)
-    t12 = t11.expand(*t11.shape[:-1], d_V)
-    t13 = A @ X
-    M_1 = t13
-    t14 = M_1 @ W_V
-    t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
-    A16 = t15 / t15.sum(-1, keepdim=True)
-    t17 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t18 = oe.contract('abcd,ce,abe,abe->deab', M_2, W_V, t12, A16, optimize=[(0, 1), (0, 1), (0, 1)])
-    t19 = oe.contract('ab,cdb,cde->aecd', t17, X, M_1, optimize=[(0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t18, t19, optimize=[(0, 1)])
-    t20 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t21 = oe.contract('ab,cdb,cde,cdf->afecd', t20, X, A16, M_1, optimize=[(0, 1), (0, 1), (0, 1)])
-    t22 = oe.contract('abcd,ce,abe,abe->dab', M_2, W_V, t12, A16, optimize=[(1, 2), (1, 2), (0, 1)])
-    t0 += oe.contract('abcde,fde->fabc', t21, t22, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t12 = Y.sum(-1, keepdim=True)
+    t13 = t12.expand(*t12.shape[:-1], d_V)
+    t14 = A @ X
+    M_1 = t14
+    t15 = M_1 @ W_V
+    t16 = torch.exp(t15 - t15.amax(-1, keepdim=True))
+    A17 = t16 / t16.sum(-1, keepdim=True)
+    t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA19 = oe.contract('abc,cd->abcd', A17, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A17, A17, optimize=[(0, 1)])
+    t20 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdgh,cdi->faih', t20, M_2, X, W_V, t13, dA19, M_1, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -10733,18 +12695,24 @@ def ce_causal1__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     t8 = torch.where(t7, -math.inf, t6)
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A = t9 / t9.sum(-1, keepdim=True)
+    t10 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t10 = Y.sum(-1, keepdim=True)
-    t11 = t10.expand(*t10.shape[:-1], d_V)
-    t12 = A @ X
-    M_1 = t12
-    t13 = M_1 @ W_V
-    t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
-    A15 = t14 / t14.sum(-1, keepdim=True)
-    t16 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,ai,jklf,jki,lg,jkg,jkg,jkh->', t0, M_2, X, W_V, t11, A15, M_1, t0, M_2, X, W_V, t11, A15, M_1, optimize=[(4, 5), (9, 10), (0, 2), (0, 1), (1, 3), (1, 2), (5, 7), (0, 1), (2, 3), (3, 4), (0, 2), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,ai,jklf,jki,lm,jkm,jkm,jkg,jkh->', t0, M_2, X, W_V, t11, A15, M_1, t0, M_2, X, W_V, t11, A15, A15, M_1, optimize=[(4, 5), (9, 10), (0, 2), (0, 1), (1, 3), (1, 2), (4, 8), (0, 2), (1, 3), (1, 2), (2, 4), (1, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi,aj,klmf,klj,mn,kln,kln,klh,kli->', t0, M_2, X, W_V, t11, A15, A15, M_1, t0, M_2, X, W_V, t11, A15, A15, M_1, optimize=[(4, 5), (10, 11), (0, 2), (0, 1), (8, 11), (2, 4), (2, 3), (4, 8), (0, 2), (0, 1), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
-    return t17
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t11 = Y.sum(-1, keepdim=True)
+    t12 = t11.expand(*t11.shape[:-1], d_V)
+    t13 = A @ X
+    M_1 = t13
+    t14 = M_1 @ W_V
+    t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
+    A16 = t15 / t15.sum(-1, keepdim=True)
+    t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA18 = oe.contract('abc,cd->abcd', A16, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A16, A16, optimize=[(0, 1)])
+    t19 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,cdi,aj,klmf,klj,mn,kln,klnh,kli->', t0, M_2, X, W_V, t12, dA18, M_1, t0, M_2, X, W_V, t12, dA18, M_1, optimize=[(0, 2), (0, 1), (0, 1), (9, 10), (1, 3), (1, 2), (1, 2), (5, 6), (3, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
+    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
+    return t20
 
 
 def ce_causal1__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -10773,12 +12741,13 @@ def ce_causal1__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     t14 = M_1 @ W_V
     t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
     A16 = t15 / t15.sum(-1, keepdim=True)
-    t17 = (1/(L*n_batch)) * t11
-    t18 = oe.contract('abc,abc->cab', t13, A16, optimize=[(0, 1)])
-    t19 = oe.contract('abc,acb->bac', t17, M_1, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t18, t19, optimize=[(0, 1)])
-    t20 = (-1/(L*n_batch)) * t11
-    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t20, t13, A16, A16, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A16, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A16, A16, optimize=[(0, 1)])
+    t18 = (1/(L*n_batch)) * t11
+    t19 = oe.contract('abc,abcc->cab', t13, dA, optimize=[(0, 1)])
+    t20 = oe.contract('abc,acb->bac', t18, M_1, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -10806,7 +12775,10 @@ def ce_causal1__trace__W_V__outer(X, W_Q, W_K, W_V, Y):
     t13 = M_1 @ W_V
     t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
     A15 = t14 / t14.sum(-1, keepdim=True)
-    return (1/(L*n_batch)) * oe.contract('abc,acd,acd,acb->', t10, t12, A15, M_1, optimize=[(0, 3), (0, 1), (0, 1)]) + (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->', t10, t12, A15, A15, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A15, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A15, A15, optimize=[(0, 1)])
+    return (1/(L*n_batch)) * oe.contract('abc,acd,acdd,acb->', t10, t12, dA, M_1, optimize=[(0, 3), (0, 1), (0, 1)])
 
 
 def ce_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -10835,15 +12807,19 @@ def ce_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t14 = M_1 @ W_V
     t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
     A16 = t15 / t15.sum(-1, keepdim=True)
-    t17 = W_V.transpose(-1, -2)
+    t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A16, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A16, A16, optimize=[(0, 1)])
+    t18 = W_V.transpose(-1, -2)
+    t19 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA20 = oe.contract('abc,cd->abcd', A, t19, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t18 = (1/(L*math.sqrt(d_K)*n_batch)) * t11
-    t0[...] = oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t18, t13, A16, t17, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t19 = (-1/(L*math.sqrt(d_K)*n_batch)) * t11
-    t20 = oe.contract('abc,acd,de,acef,fg->bgac', t19, A16, t17, M_2, W_K, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
-    t21 = oe.contract('abc,abc,abd->cdab', t13, A16, X, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA20, X, optimize=[(0, 1), (0, 1)])
+    t21 = (1/(L*math.sqrt(d_K)*n_batch)) * t11
+    t22 = oe.contract('abc,abcd,de,abef,fg->cgab', t13, dA, t18, M_2, W_K, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t23 = oe.contract('abc,acd->bdac', t21, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -10871,12 +12847,18 @@ def ce_causal1__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t13 = M_1 @ W_V
     t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
     A15 = t14 / t14.sum(-1, keepdim=True)
-    t16 = W_V.transpose(-1, -2)
+    t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A15, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A15, A15, optimize=[(0, 1)])
+    t17 = W_V.transpose(-1, -2)
+    t18 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA19 = oe.contract('abc,cd->abcd', A, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t17 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,fh,ibj,ijd,ijd,dk,ijkl,ijg,lh->', t10, t12, A15, t16, M_2, X, W_K, t10, t12, A15, t16, M_2, X, W_K, optimize=[(1, 2), (6, 7), (1, 2), (0, 3), (2, 3), (0, 2), (5, 7), (0, 1), (2, 5), (2, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,fh,ibj,ijd,ijd,ijk,kl,ijlm,ijg,mh->', t10, t12, A15, t16, M_2, X, W_K, t10, t12, A15, A15, t16, M_2, X, W_K, optimize=[(1, 2), (6, 7), (1, 2), (0, 3), (2, 3), (2, 9), (0, 2), (5, 7), (0, 1), (2, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi,jbk,jkd,jkd,jkl,lm,jkmn,jkh,ni->', t10, t12, A15, A15, t16, M_2, X, W_K, t10, t12, A15, A15, t16, M_2, X, W_K, optimize=[(1, 2), (7, 8), (1, 2), (1, 12), (0, 3), (2, 3), (2, 9), (0, 2), (5, 7), (0, 1), (0, 1), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
-    return t18
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA19, X, optimize=[(0, 1), (0, 1)])
+    t20 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,gi,jbk,jkd,jkdl,lm,jkmn,jkh,ni->', t10, t12, dA, t17, M_2, X, W_K, t10, t12, dA, t17, M_2, X, W_K, optimize=[(1, 2), (1, 12), (1, 11), (0, 3), (2, 3), (2, 8), (2, 7), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
+    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
+    return t21
 
 
 def ce_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -10905,17 +12887,19 @@ def ce_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t14 = M_1 @ W_V
     t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
     A16 = t15 / t15.sum(-1, keepdim=True)
-    t17 = W_V.transpose(-1, -2)
+    t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A16, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A16, A16, optimize=[(0, 1)])
+    t18 = W_V.transpose(-1, -2)
+    t19 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA20 = oe.contract('abc,cd->abcd', A, t19, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t18 = (1/(L*math.sqrt(d_K)*n_batch)) * t11
-    t19 = oe.contract('abc,acd,de->beac', t18, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t20 = oe.contract('abc,abc,cd,abde->ceab', t13, A16, t17, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
-    t21 = (-1/(L*math.sqrt(d_K)*n_batch)) * t11
-    t22 = oe.contract('abc,cd->dab', X, W_Q, optimize=[(0, 1)])
-    t23 = oe.contract('abc,acd,acd,ace,ef,acfg->bdgac', t21, t13, A16, A16, t17, M_2, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
-    t0 += oe.contract('abc,defbc->defa', t22, t23, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA20, X, optimize=[(0, 1), (0, 1)])
+    t21 = (1/(L*math.sqrt(d_K)*n_batch)) * t11
+    t22 = oe.contract('abc,acd,de->beac', t21, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t23 = oe.contract('abc,abcd,de,abef->cfab', t13, dA, t18, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -10943,12 +12927,18 @@ def ce_causal1__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t13 = M_1 @ W_V
     t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
     A15 = t14 / t14.sum(-1, keepdim=True)
-    t16 = W_V.transpose(-1, -2)
+    t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A15, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A15, A15, optimize=[(0, 1)])
+    t17 = W_V.transpose(-1, -2)
+    t18 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA19 = oe.contract('abc,cd->abcd', A, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t17 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,gh,ibj,ijd,ijd,dk,ijkf,ijl,lh->', t10, t12, A15, t16, M_2, X, W_Q, t10, t12, A15, t16, M_2, X, W_Q, optimize=[(1, 2), (6, 7), (1, 2), (1, 2), (0, 1), (0, 1), (4, 7), (0, 1), (0, 4), (0, 4), (1, 3), (0, 1), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,gh,ibj,ijd,ijd,ijk,kl,ijlf,ijm,mh->', t10, t12, A15, t16, M_2, X, W_Q, t10, t12, A15, A15, t16, M_2, X, W_Q, optimize=[(1, 2), (6, 7), (1, 2), (1, 2), (0, 1), (0, 1), (0, 8), (0, 1), (0, 2), (3, 5), (0, 4), (1, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi,jbk,jkd,jkd,jkl,lm,jkmg,jkn,ni->', t10, t12, A15, A15, t16, M_2, X, W_Q, t10, t12, A15, A15, t16, M_2, X, W_Q, optimize=[(1, 2), (7, 8), (1, 2), (1, 12), (1, 2), (0, 1), (0, 1), (0, 8), (0, 1), (0, 1), (2, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
-    return t18
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA19, X, optimize=[(0, 1), (0, 1)])
+    t20 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,hi,jbk,jkd,jkdl,lm,jkmg,jkn,ni->', t10, t12, dA, t17, M_2, X, W_Q, t10, t12, dA, t17, M_2, X, W_Q, optimize=[(1, 2), (1, 12), (1, 11), (1, 2), (0, 1), (0, 1), (0, 7), (0, 6), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
+    return t21
 
 
 def ce_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -10958,35 +12948,30 @@ def ce_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
-    out[...] = 0
     t0 = out.view((d_V, d_V, d_V, d_V))
-    t1 = t0.diagonal(0, 1, 3)
-    t2 = W_K.transpose(-1, -2)
-    t3 = X.transpose(-1, -2)
-    t4 = t2 @ t3
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    t8 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t9 = torch.where(t8, -math.inf, t7)
-    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
-    A = t10 / t10.sum(-1, keepdim=True)
-    t11 = A @ X
-    M_1 = t11
-    t12 = M_1.transpose(-1, -2)
-    t13 = Y.sum(-1, keepdim=True)
-    t14 = t13.expand(*t13.shape[:-1], d_V)
-    t15 = M_1 @ W_V
-    t16 = torch.exp(t15 - t15.amax(-1, keepdim=True))
-    A17 = t16 / t16.sum(-1, keepdim=True)
-    t18 = (1/(L*n_batch)) * t12
-    t19 = oe.contract('abc,abc->cab', t14, A17, optimize=[(0, 1)])
-    t20 = oe.contract('abc,acd->bdac', t18, M_1, optimize=[(0, 1)])
-    t1 += oe.contract('abc,debc->dea', t19, t20, optimize=[(0, 1)])
-    t21 = (-1/(L*n_batch)) * t12
-    t22 = oe.contract('abc,acd->bdac', t21, A17, optimize=[(0, 1)])
-    t23 = oe.contract('abc,abc,abd->cdab', t14, A17, M_1, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
+    t1 = W_K.transpose(-1, -2)
+    t2 = X.transpose(-1, -2)
+    t3 = t1 @ t2
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t8 = torch.where(t7, -math.inf, t6)
+    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
+    A = t9 / t9.sum(-1, keepdim=True)
+    t10 = A @ X
+    M_1 = t10
+    t11 = M_1.transpose(-1, -2)
+    t12 = Y.sum(-1, keepdim=True)
+    t13 = t12.expand(*t12.shape[:-1], d_V)
+    t14 = M_1 @ W_V
+    t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
+    A16 = t15 / t15.sum(-1, keepdim=True)
+    t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A16, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A16, A16, optimize=[(0, 1)])
+    t18 = (1/(L*n_batch)) * t11
+    t0[...] = oe.contract('abc,acd,acde,acf->bdfe', t18, t13, dA, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -11014,9 +12999,12 @@ def ce_causal1__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     t13 = M_1 @ W_V
     t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
     A15 = t14 / t14.sum(-1, keepdim=True)
-    t16 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fge->', t10, t12, A15, M_1, t10, t12, A15, M_1, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fgd,fge->', t10, t12, A15, M_1, t10, t12, A15, A15, M_1, optimize=[(1, 2), (3, 4), (3, 6), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,acf,gbh,ghd,ghd,ghe,ghf->', t10, t12, A15, A15, M_1, t10, t12, A15, A15, M_1, optimize=[(1, 2), (4, 5), (0, 3), (0, 2), (4, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
-    return t17
+    t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A15, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A15, A15, optimize=[(0, 1)])
+    t17 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t10, t12, dA, M_1, t10, t12, dA, M_1, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
+    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
+    return t18
 
 
 def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
@@ -11056,68 +13044,73 @@ def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
     t23 = G @ t22
     t24 = t23 - (A * t23).sum(-1, keepdim=True)
     t25 = A * t24
+    t26 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t25, t26, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t25, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t25, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t3, t25, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, t25, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, t25, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t26 = (1/(d_K*n_batch)) * t2
-    t1[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t26, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
-    t27 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t27[...] = 0
-    t28 = t27.view((d_V, d_K, d_V, d_K))
-    t29 = t28.diagonal(0, 1, 3)
-    t30 = t25 @ X
-    t31 = t3 @ t30
-    t32 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t33 = (1/(math.sqrt(d_K)*n_batch)) * t32
-    t29 += oe.contract('abc,d->bcd', t31, t33, optimize=[(0, 1)])
-    t34 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t35 = oe.contract('ab,cdbe->aecd', t26, M_3, optimize=[(0, 1)])
-    t28 += oe.contract('abcd,efcd->aefb', t34, t35, optimize=[(0, 1)])
-    t36 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t37 = t36.view((d_V, d_K, d_V, d_V))
+    M_3 = oe.contract('abc,adce,aef->adbf', t3, d2A, X, optimize=[(0, 1), (0, 1)])
+    t27 = (1/(d_K*n_batch)) * t2
+    t1[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t27, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t28 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t28[...] = 0
+    t29 = t28.view((d_V, d_K, d_V, d_K))
+    t30 = t29.diagonal(0, 1, 3)
+    t31 = t25 @ X
+    t32 = t3 @ t31
+    t33 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t34 = (1/(math.sqrt(d_K)*n_batch)) * t33
+    t30 += oe.contract('abc,d->bcd', t32, t34, optimize=[(0, 1)])
+    t35 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t36 = oe.contract('ab,cdbe->aecd', t27, M_3, optimize=[(0, 1)])
+    t29 += oe.contract('abcd,efcd->aefb', t35, t36, optimize=[(0, 1)])
+    t37 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t38 = t37.view((d_V, d_K, d_V, d_V))
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t26, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t38 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t39 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
-    t40 = oe.contract('ab,cdeb->aecd', t38, M_2, optimize=[(0, 1)])
-    t37[...] = oe.contract('abcd,efcd->aefb', t39, t40, optimize=[(0, 1)])
-    t41 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t41[...] = 0
-    t42 = t41.view((d_V, d_K, d_V, d_K))
-    t43 = t42.diagonal(0, 1, 3)
-    t44 = t25.transpose(-1, -2)
-    t45 = t44 @ X
-    t46 = t3 @ t45
-    t43 += oe.contract('abc,d->bcd', t46, t33, optimize=[(0, 1)])
-    t47 = W_Q.transpose(-1, -2)
-    t48 = (1/(d_K*n_batch)) * t47
-    t49 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
-    t50 = oe.contract('ab,cbd,cde->aecd', t48, t3, X, optimize=[(0, 1), (0, 1)])
-    t42 += oe.contract('abcd,efcd->aefb', t49, t50, optimize=[(0, 1)])
-    t51 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t52 = t51.view((d_V, d_K, d_V, d_K))
-    t53 = oe.contract('ab,cbd,cde,ef->afcd', t48, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t54 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t52[...] = oe.contract('abcd,efcd->eafb', t53, t54, optimize=[(0, 1)])
-    t55 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t56 = t55.view((d_V, d_K, d_V, d_V))
-    t57 = (1/(math.sqrt(d_K)*n_batch)) * t47
-    t58 = oe.contract('ab,cdb,cde->aecd', t57, X, G, optimize=[(0, 1), (0, 1)])
-    t59 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t56[...] = oe.contract('abcd,efcd->eafb', t58, t59, optimize=[(0, 1)])
-    t60 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t61 = t60.view((d_V, d_V, d_V, d_K))
-    t62 = G.transpose(-1, -2)
-    t63 = (1/(math.sqrt(d_K)*n_batch)) * t62
-    t64 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
-    t65 = oe.contract('abc,acd->bdac', t63, X, optimize=[(0, 1)])
-    t61[...] = oe.contract('abcd,efcd->aefb', t64, t65, optimize=[(0, 1)])
-    t66 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t67 = t66.view((d_V, d_V, d_V, d_K))
-    t68 = oe.contract('abc,acd,de->beac', t63, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t69 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t67[...] = oe.contract('abcd,efcd->eafb', t68, t69, optimize=[(0, 1)])
-    t70 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t70[...] = 0
+    M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
+    t39 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t40 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t41 = oe.contract('ab,cdeb->aecd', t39, M_2, optimize=[(0, 1)])
+    t38[...] = oe.contract('abcd,efcd->aefb', t40, t41, optimize=[(0, 1)])
+    t42 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t42[...] = 0
+    t43 = t42.view((d_V, d_K, d_V, d_K))
+    t44 = t43.diagonal(0, 1, 3)
+    t45 = t25.transpose(-1, -2)
+    t46 = t45 @ X
+    t47 = t3 @ t46
+    t44 += oe.contract('abc,d->bcd', t47, t34, optimize=[(0, 1)])
+    t48 = W_Q.transpose(-1, -2)
+    t49 = (1/(d_K*n_batch)) * t48
+    t50 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t51 = oe.contract('ab,cbd,cde->aecd', t49, t3, X, optimize=[(0, 1), (0, 1)])
+    t43 += oe.contract('abcd,efcd->aefb', t50, t51, optimize=[(0, 1)])
+    t52 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t53 = t52.view((d_V, d_K, d_V, d_K))
+    t54 = oe.contract('ab,cbd,cde,ef->afcd', t49, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t55 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t53[...] = oe.contract('abcd,efcd->eafb', t54, t55, optimize=[(0, 1)])
+    t56 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t57 = t56.view((d_V, d_K, d_V, d_V))
+    t58 = (1/(math.sqrt(d_K)*n_batch)) * t48
+    t59 = oe.contract('ab,cdb,cde->aecd', t58, X, G, optimize=[(0, 1), (0, 1)])
+    t60 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t57[...] = oe.contract('abcd,efcd->eafb', t59, t60, optimize=[(0, 1)])
+    t61 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t62 = t61.view((d_V, d_V, d_V, d_K))
+    t63 = G.transpose(-1, -2)
+    t64 = (1/(math.sqrt(d_K)*n_batch)) * t63
+    t65 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t66 = oe.contract('abc,acd->bdac', t64, X, optimize=[(0, 1)])
+    t62[...] = oe.contract('abcd,efcd->aefb', t65, t66, optimize=[(0, 1)])
+    t67 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t68 = t67.view((d_V, d_V, d_V, d_K))
+    t69 = oe.contract('abc,acd,de->beac', t64, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t70 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t68[...] = oe.contract('abcd,efcd->eafb', t69, t70, optimize=[(0, 1)])
+    t71 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t71[...] = 0
     return H
 
 
@@ -11235,34 +13228,39 @@ def ce_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
     t21 = G @ t20
     t22 = t21 - (A * t21).sum(-1, keepdim=True)
     t23 = A * t22
+    t24 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t23, t24, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t23, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t23, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t24 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 2), (0, 4), (2, 3), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
-    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
-    t26 = t23 @ X
-    t27 = t1 @ t26
-    t28 = (n_batch**(-2)) * oe.contract('abc,dbc->', t27, t27, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t27, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t29 = torch.sqrt(torch.clamp(t28, min=0.0))
+    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
+    t25 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t26 = torch.sqrt(torch.clamp(t25, min=0.0))
+    t27 = t23 @ X
+    t28 = t1 @ t27
+    t29 = (n_batch**(-2)) * oe.contract('abc,dbc->', t28, t28, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t28, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t30 = torch.sqrt(torch.clamp(t29, min=0.0))
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t24, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t30 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 1), (2, 3), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t31 = torch.sqrt(torch.clamp(t30, min=0.0))
-    t32 = t23.transpose(-1, -2)
-    t33 = t32 @ X
-    t34 = t1 @ t33
-    t35 = W_Q.transpose(-1, -2)
-    t36 = (n_batch**(-2)) * oe.contract('abc,dbc->', t34, t34, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t34, t35, t1, M_3, X, W_K, optimize=[(0, 3), (2, 4), (0, 1), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t35, t1, M_3, X, W_K, t35, t1, M_3, X, W_K, optimize=[(0, 1), (0, 2), (1, 2), (0, 2), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t37 = torch.sqrt(torch.clamp(t36, min=0.0))
-    t38 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t35, t1, M_3, X, W_Q, t35, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)])
-    t39 = torch.sqrt(torch.clamp(t38, min=0.0))
-    t40 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t35, M_2, X, G, t35, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t41 = torch.sqrt(torch.clamp(t40, min=0.0))
-    t42 = G.transpose(-1, -2)
-    t43 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t42, M_2, X, W_K, t42, M_2, X, W_K, optimize=[(1, 3), (0, 2), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t44 = torch.sqrt(torch.clamp(t43, min=0.0))
-    t45 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t42, M_2, X, W_Q, t42, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
-    t46 = torch.sqrt(torch.clamp(t45, min=0.0))
-    return (t25, t29, t31, t37, t39, t41, t44, t46, 0.0,)
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t31 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t32 = torch.sqrt(torch.clamp(t31, min=0.0))
+    t33 = t23.transpose(-1, -2)
+    t34 = t33 @ X
+    t35 = t1 @ t34
+    t36 = W_Q.transpose(-1, -2)
+    t37 = (n_batch**(-2)) * oe.contract('abc,dbc->', t35, t35, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t35, t36, t1, M_3, X, W_K, optimize=[(0, 4), (2, 4), (0, 1), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t36, t1, M_3, X, W_K, t36, t1, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t38 = torch.sqrt(torch.clamp(t37, min=0.0))
+    t39 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t36, t1, M_3, X, W_Q, t36, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)])
+    t40 = torch.sqrt(torch.clamp(t39, min=0.0))
+    t41 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t36, M_2, X, G, t36, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t42 = torch.sqrt(torch.clamp(t41, min=0.0))
+    t43 = G.transpose(-1, -2)
+    t44 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t43, M_2, X, W_K, t43, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
+    t45 = torch.sqrt(torch.clamp(t44, min=0.0))
+    t46 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t43, M_2, X, W_Q, t43, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t47 = torch.sqrt(torch.clamp(t46, min=0.0))
+    return (t26, t30, t32, t38, t40, t42, t45, t47, 0.0,)
 
 
 def ce_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
@@ -11301,12 +13299,15 @@ def ce_causal1__diag__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t22 = G @ t21
     t23 = t22 - (A * t22).sum(-1, keepdim=True)
     t24 = A * t23
+    t25 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t24, t25, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t24, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t24, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t24, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t24, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t24, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t25 = (1/(d_K*n_batch)) * t1
-    t26 = oe.contract('ab,cdbe,ea->acd', t25, M_3, W_K, optimize=[(0, 2), (0, 1)])
-    t27 = oe.contract('abc,acb->bac', t2, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t26, t27, optimize=[(0, 1)])
+    M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
+    t26 = (1/(d_K*n_batch)) * t1
+    t27 = oe.contract('ab,cdbe,ea->acd', t26, M_3, W_K, optimize=[(0, 2), (0, 1)])
+    t28 = oe.contract('abc,acb->bac', t2, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t27, t28, optimize=[(0, 1)])
     return out
 
 
@@ -11344,8 +13345,11 @@ def ce_causal1__trace__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t21 = G @ t20
     t22 = t21 - (A * t21).sum(-1, keepdim=True)
     t23 = A * t22
+    t24 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t23, t24, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t23, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t23, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
     return (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->', t0, t1, M_3, X, W_K, optimize=[(1, 3), (1, 3), (0, 1), (0, 1)])
 
 
@@ -11385,10 +13389,13 @@ def ce_causal1__block__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t22 = G @ t21
     t23 = t22 - (A * t22).sum(-1, keepdim=True)
     t24 = A * t23
+    t25 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t24, t25, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t24, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t24, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t24, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t24, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t24, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t25 = (1/(d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t25, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
+    t26 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t26, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -11426,11 +13433,14 @@ def ce_causal1__frobenius__W_Q__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t21 = G @ t20
     t22 = t21 - (A * t21).sum(-1, keepdim=True)
     t23 = A * t22
+    t24 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t23, t24, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t23, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t23, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t24 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 2), (0, 4), (2, 3), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
-    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
-    return t25
+    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
+    t25 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t26 = torch.sqrt(torch.clamp(t25, min=0.0))
+    return t26
 
 
 def ce_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -11476,12 +13486,15 @@ def ce_causal1__block__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t28 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t29 = (1/(math.sqrt(d_K)*n_batch)) * t28
     t1 += oe.contract('abc,d->bcd', t27, t29, optimize=[(0, 1)])
+    t30 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t25, t30, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t25, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t25, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t25, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t25, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t25, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t30 = (1/(d_K*n_batch)) * t3
-    t31 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t32 = oe.contract('ab,cdbe->aecd', t30, M_3, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t31, t32, optimize=[(0, 1)])
+    M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
+    t31 = (1/(d_K*n_batch)) * t3
+    t32 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t33 = oe.contract('ab,cdbe->aecd', t31, M_3, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t32, t33, optimize=[(0, 1)])
     return out
 
 
@@ -11521,11 +13534,14 @@ def ce_causal1__frobenius__W_Q__W_K__functional(X, W_Q, W_K, W_V, Y):
     t23 = A * t22
     t24 = t23 @ X
     t25 = t0 @ t24
+    t26 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t23, t26, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t23, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t23, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t0, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t26 = (n_batch**(-2)) * oe.contract('abc,dbc->', t25, t25, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t25, t1, t0, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t1, t0, M_3, X, W_Q, t1, t0, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t27 = torch.sqrt(torch.clamp(t26, min=0.0))
-    return t27
+    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
+    t27 = (n_batch**(-2)) * oe.contract('abc,dbc->', t25, t25, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t25, t1, t0, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t1, t0, M_3, X, W_Q, t1, t0, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t28 = torch.sqrt(torch.clamp(t27, min=0.0))
+    return t28
 
 
 def ce_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -11546,25 +13562,28 @@ def ce_causal1__block__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t8 = torch.where(t7, -math.inf, t6)
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A = t9 / t9.sum(-1, keepdim=True)
+    t10 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t10 = Y.sum(-1, keepdim=True)
-    t11 = t10.expand(*t10.shape[:-1], d_V)
-    t12 = A @ X
-    M_1 = t12
-    t13 = M_1 @ W_V
-    F = t13
-    t14 = torch.exp(F - F.amax(-1, keepdim=True))
-    A15 = t14 / t14.sum(-1, keepdim=True)
-    t16 = t11 * A15
-    t17 = (1/L) * t16
-    t18 = (-1/L) * Y
-    t19 = t17 + t18
-    G = t19
-    t20 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t21 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
-    t22 = oe.contract('ab,cdeb->aecd', t20, M_2, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t21, t22, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t11 = Y.sum(-1, keepdim=True)
+    t12 = t11.expand(*t11.shape[:-1], d_V)
+    t13 = A @ X
+    M_1 = t13
+    t14 = M_1 @ W_V
+    F = t14
+    t15 = torch.exp(F - F.amax(-1, keepdim=True))
+    A16 = t15 / t15.sum(-1, keepdim=True)
+    t17 = t12 * A16
+    t18 = (1/L) * t17
+    t19 = (-1/L) * Y
+    t20 = t18 + t19
+    G = t20
+    t21 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t22 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t23 = oe.contract('ab,cdeb->aecd', t21, M_2, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -11584,24 +13603,27 @@ def ce_causal1__frobenius__W_Q__W_V__functional(X, W_Q, W_K, W_V, Y):
     t7 = torch.where(t6, -math.inf, t5)
     t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
     A = t8 / t8.sum(-1, keepdim=True)
+    t9 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t9 = Y.sum(-1, keepdim=True)
-    t10 = t9.expand(*t9.shape[:-1], d_V)
-    t11 = A @ X
-    M_1 = t11
-    t12 = M_1 @ W_V
-    F = t12
-    t13 = torch.exp(F - F.amax(-1, keepdim=True))
-    A14 = t13 / t13.sum(-1, keepdim=True)
-    t15 = t10 * A14
-    t16 = (1/L) * t15
-    t17 = (-1/L) * Y
-    t18 = t16 + t17
-    G = t18
-    t19 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 1), (2, 3), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
-    return t20
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t10 = Y.sum(-1, keepdim=True)
+    t11 = t10.expand(*t10.shape[:-1], d_V)
+    t12 = A @ X
+    M_1 = t12
+    t13 = M_1 @ W_V
+    F = t13
+    t14 = torch.exp(F - F.amax(-1, keepdim=True))
+    A15 = t14 / t14.sum(-1, keepdim=True)
+    t16 = t11 * A15
+    t17 = (1/L) * t16
+    t18 = (-1/L) * Y
+    t19 = t17 + t18
+    G = t19
+    t20 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
+    return t21
 
 
 def ce_causal1__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -11641,10 +13663,13 @@ def ce_causal1__diag__W_K__functional(X, W_Q, W_K, W_V, Y):
     t23 = G @ t22
     t24 = t23 - (A * t23).sum(-1, keepdim=True)
     t25 = A * t24
+    t26 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t25, t26, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t25, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t25, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t25, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t25, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t25, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t26 = (1/(d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cbd,cdee,cdf,fa->ea', t26, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
+    t27 = (1/(d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cbd,cdee,cdf,fa->ea', t27, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -11683,8 +13708,11 @@ def ce_causal1__trace__W_K__functional(X, W_Q, W_K, W_V, Y):
     t22 = G @ t21
     t23 = t22 - (A * t22).sum(-1, keepdim=True)
     t24 = A * t23
+    t25 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t24, t25, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t24, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t24, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t24, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t24, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t24, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
     return (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->', t0, t1, M_3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
 
 
@@ -11733,12 +13761,15 @@ def ce_causal1__block__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t30 = (1/(math.sqrt(d_K)*n_batch)) * t29
     t1 += oe.contract('abc,d->bcd', t28, t30, optimize=[(0, 1)])
     t31 = W_Q.transpose(-1, -2)
+    t32 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t25, t32, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t25, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t25, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t25, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t25, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t25, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t32 = (1/(d_K*n_batch)) * t31
-    t33 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
-    t34 = oe.contract('ab,cbd,cde->aecd', t32, t2, X, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t33, t34, optimize=[(0, 1)])
+    M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
+    t33 = (1/(d_K*n_batch)) * t31
+    t34 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t35 = oe.contract('ab,cbd,cde->aecd', t33, t2, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t34, t35, optimize=[(0, 1)])
     return out
 
 
@@ -11780,11 +13811,14 @@ def ce_causal1__frobenius__W_K__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t25 = t24 @ X
     t26 = t0 @ t25
     t27 = W_Q.transpose(-1, -2)
+    t28 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t23, t28, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t23, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t23, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t0, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t28 = (n_batch**(-2)) * oe.contract('abc,dbc->', t26, t26, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t26, t27, t0, M_3, X, W_K, optimize=[(0, 3), (2, 4), (0, 1), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t27, t0, M_3, X, W_K, t27, t0, M_3, X, W_K, optimize=[(0, 1), (0, 2), (1, 2), (0, 2), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t29 = torch.sqrt(torch.clamp(t28, min=0.0))
-    return t29
+    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
+    t29 = (n_batch**(-2)) * oe.contract('abc,dbc->', t26, t26, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t26, t27, t0, M_3, X, W_K, optimize=[(0, 4), (2, 4), (0, 1), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t27, t0, M_3, X, W_K, t27, t0, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t30 = torch.sqrt(torch.clamp(t29, min=0.0))
+    return t30
 
 
 def ce_causal1__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -11824,12 +13858,15 @@ def ce_causal1__block__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t23 = G @ t22
     t24 = t23 - (A * t23).sum(-1, keepdim=True)
     t25 = A * t24
+    t26 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t25, t26, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t25, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t25, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t25, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t25, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t25, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t26 = (1/(d_K*n_batch)) * t1
-    t27 = oe.contract('ab,cbd,cde,ef->afcd', t26, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t28 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t27, t28, optimize=[(0, 1)])
+    M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
+    t27 = (1/(d_K*n_batch)) * t1
+    t28 = oe.contract('ab,cbd,cde,ef->afcd', t27, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t29 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t28, t29, optimize=[(0, 1)])
     return out
 
 
@@ -11868,11 +13905,14 @@ def ce_causal1__frobenius__W_K__W_K__functional(X, W_Q, W_K, W_V, Y):
     t22 = G @ t21
     t23 = t22 - (A * t22).sum(-1, keepdim=True)
     t24 = A * t23
+    t25 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t24, t25, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t24, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t24, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t24, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t24, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t24, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t25 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)])
-    t26 = torch.sqrt(torch.clamp(t25, min=0.0))
-    return t26
+    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
+    t26 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)])
+    t27 = torch.sqrt(torch.clamp(t26, min=0.0))
+    return t27
 
 
 def ce_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -11894,25 +13934,28 @@ def ce_causal1__block__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t9 = torch.where(t8, -math.inf, t7)
     t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
     A = t10 / t10.sum(-1, keepdim=True)
+    t11 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t11 = Y.sum(-1, keepdim=True)
-    t12 = t11.expand(*t11.shape[:-1], d_V)
-    t13 = A @ X
-    M_1 = t13
-    t14 = M_1 @ W_V
-    F = t14
-    t15 = torch.exp(F - F.amax(-1, keepdim=True))
-    A16 = t15 / t15.sum(-1, keepdim=True)
-    t17 = t12 * A16
-    t18 = (1/L) * t17
-    t19 = (-1/L) * Y
-    t20 = t18 + t19
-    G = t20
-    t21 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t22 = oe.contract('ab,cdb,cde->aecd', t21, X, G, optimize=[(0, 1), (0, 1)])
-    t23 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t12 = Y.sum(-1, keepdim=True)
+    t13 = t12.expand(*t12.shape[:-1], d_V)
+    t14 = A @ X
+    M_1 = t14
+    t15 = M_1 @ W_V
+    F = t15
+    t16 = torch.exp(F - F.amax(-1, keepdim=True))
+    A17 = t16 / t16.sum(-1, keepdim=True)
+    t18 = t13 * A17
+    t19 = (1/L) * t18
+    t20 = (-1/L) * Y
+    t21 = t19 + t20
+    G = t21
+    t22 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t23 = oe.contract('ab,cdb,cde->aecd', t22, X, G, optimize=[(0, 1), (0, 1)])
+    t24 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t23, t24, optimize=[(0, 1)])
     return out
 
 
@@ -11933,24 +13976,27 @@ def ce_causal1__frobenius__W_K__W_V__functional(X, W_Q, W_K, W_V, Y):
     t8 = torch.where(t7, -math.inf, t6)
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A = t9 / t9.sum(-1, keepdim=True)
+    t10 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t10 = Y.sum(-1, keepdim=True)
-    t11 = t10.expand(*t10.shape[:-1], d_V)
-    t12 = A @ X
-    M_1 = t12
-    t13 = M_1 @ W_V
-    F = t13
-    t14 = torch.exp(F - F.amax(-1, keepdim=True))
-    A15 = t14 / t14.sum(-1, keepdim=True)
-    t16 = t11 * A15
-    t17 = (1/L) * t16
-    t18 = (-1/L) * Y
-    t19 = t17 + t18
-    G = t19
-    t20 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
-    return t21
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t11 = Y.sum(-1, keepdim=True)
+    t12 = t11.expand(*t11.shape[:-1], d_V)
+    t13 = A @ X
+    M_1 = t13
+    t14 = M_1 @ W_V
+    F = t14
+    t15 = torch.exp(F - F.amax(-1, keepdim=True))
+    A16 = t15 / t15.sum(-1, keepdim=True)
+    t17 = t12 * A16
+    t18 = (1/L) * t17
+    t19 = (-1/L) * Y
+    t20 = t18 + t19
+    G = t20
+    t21 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
+    return t22
 
 
 def ce_causal1__diag__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -12005,12 +14051,15 @@ def ce_causal1__block__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t19 = t17 + t18
     G = t19
     t20 = G.transpose(-1, -2)
+    t21 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t21, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
-    t22 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
-    t23 = oe.contract('abc,acd->bdac', t21, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t4, dA, X, optimize=[(0, 1), (0, 1)])
+    t22 = (1/(math.sqrt(d_K)*n_batch)) * t20
+    t23 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t24 = oe.contract('abc,acd->bdac', t22, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t23, t24, optimize=[(0, 1)])
     return out
 
 
@@ -12044,11 +14093,14 @@ def ce_causal1__frobenius__W_V__W_Q__functional(X, W_Q, W_K, W_V, Y):
     t18 = t16 + t17
     G = t18
     t19 = G.transpose(-1, -2)
+    t20 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t20, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t20 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t19, M_2, X, W_K, t19, M_2, X, W_K, optimize=[(1, 3), (0, 2), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
-    return t21
+    M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
+    t21 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t19, M_2, X, W_K, t19, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
+    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
+    return t22
 
 
 def ce_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
@@ -12083,12 +14135,15 @@ def ce_causal1__block__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t19 = t17 + t18
     G = t19
     t20 = G.transpose(-1, -2)
+    t21 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t21, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
-    t22 = oe.contract('abc,acd,de->beac', t21, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t23 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t4, dA, X, optimize=[(0, 1), (0, 1)])
+    t22 = (1/(math.sqrt(d_K)*n_batch)) * t20
+    t23 = oe.contract('abc,acd,de->beac', t22, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t24 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t23, t24, optimize=[(0, 1)])
     return out
 
 
@@ -12122,11 +14177,14 @@ def ce_causal1__frobenius__W_V__W_K__functional(X, W_Q, W_K, W_V, Y):
     t18 = t16 + t17
     G = t18
     t19 = G.transpose(-1, -2)
+    t20 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t20, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t20 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t19, M_2, X, W_Q, t19, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
-    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
-    return t21
+    M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
+    t21 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t19, M_2, X, W_Q, t19, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
+    return t22
 
 
 def ce_causal1__block__W_V__W_V__functional(X, W_Q, W_K, W_V, Y):
@@ -12168,147 +14226,120 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t9 = torch.where(t8, -math.inf, t7)
     t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
     A = t10 / t10.sum(-1, keepdim=True)
-    t11 = Y.sum(-1, keepdim=True)
-    t12 = t11.expand(*t11.shape[:-1], d_V)
-    t13 = A @ X
-    M_1 = t13
-    t14 = M_1 @ W_V
-    F = t14
-    t15 = torch.exp(F - F.amax(-1, keepdim=True))
-    A16 = t15 / t15.sum(-1, keepdim=True)
-    t17 = t12 * A16
-    t18 = (1/L) * t17
-    t19 = (-1/L) * Y
-    t20 = t18 + t19
-    G = t20
-    t21 = W_V.transpose(-1, -2)
-    t22 = t21 @ t3
-    t23 = G @ t22
-    t24 = t23 - (A * t23).sum(-1, keepdim=True)
-    t25 = A * t24
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t3, t25, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, t25, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, t25, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t26 = (1/(d_K*n_batch)) * t2
-    t1[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t26, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t11 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t27 = torch.exp(t14 - t14.amax(-1, keepdim=True))
-    A28 = t27 / t27.sum(-1, keepdim=True)
-    t29 = (1/(L*d_K*n_batch)) * t2
-    t1 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t29, M_2, X, W_V, t12, A28, t21, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t30 = (-1/(L*d_K*n_batch)) * t2
-    t31 = oe.contract('abc,cd,abde,ef->fab', A28, t21, M_2, W_K, optimize=[(0, 1), (0, 2), (0, 1)])
-    t32 = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahcd', t30, M_2, X, W_V, t12, A28, X, optimize=[(4, 5), (0, 1), (1, 3), (2, 3), (0, 1), (0, 1)])
-    t1 += oe.contract('abc,defbc->defa', t31, t32, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
+    t12 = Y.sum(-1, keepdim=True)
+    t13 = t12.expand(*t12.shape[:-1], d_V)
+    t14 = A @ X
+    M_1 = t14
+    t15 = M_1 @ W_V
+    t16 = torch.exp(t15 - t15.amax(-1, keepdim=True))
+    A17 = t16 / t16.sum(-1, keepdim=True)
+    t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA19 = oe.contract('abc,cd->abcd', A17, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A17, A17, optimize=[(0, 1)])
+    t20 = W_V.transpose(-1, -2)
+    t21 = (1/(L*d_K*n_batch)) * t2
+    t1[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,jl->fakl', t21, M_2, X, W_V, t13, dA19, t20, M_2, X, W_K, optimize=[(4, 5), (0, 1), (1, 7), (5, 6), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    F = t15
+    t22 = torch.exp(F - F.amax(-1, keepdim=True))
+    A23 = t22 / t22.sum(-1, keepdim=True)
+    t24 = t13 * A23
+    t25 = (1/L) * t24
+    t26 = (-1/L) * Y
+    t27 = t25 + t26
+    G = t27
+    t28 = t20 @ t3
+    t29 = G @ t28
+    t30 = t29 - (A * t29).sum(-1, keepdim=True)
+    t31 = A * t30
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t31, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t31, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t31, optimize=[(0, 1)])
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adce,aef->adbf', t3, d2A, X, optimize=[(0, 1), (0, 1)])
+    t32 = (1/(d_K*n_batch)) * t2
+    t1 += oe.contract('ab,cde,cebf,ceg,fh->dagh', t32, t3, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     t33 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t33[...] = 0
     t34 = t33.view((d_V, d_K, d_V, d_K))
     t35 = t34.diagonal(0, 1, 3)
-    t36 = t25 @ X
+    t36 = t31 @ X
     t37 = t3 @ t36
     t38 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t39 = (1/(math.sqrt(d_K)*n_batch)) * t38
     t35 += oe.contract('abc,d->bcd', t37, t39, optimize=[(0, 1)])
     t40 = oe.contract('abc,acd,de->beac', t3, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t41 = oe.contract('ab,cdbe->aecd', t26, M_3, optimize=[(0, 1)])
+    t41 = oe.contract('ab,cdbe->aecd', t32, M_3, optimize=[(0, 1)])
     t34 += oe.contract('abcd,efcd->aefb', t40, t41, optimize=[(0, 1)])
     t42 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t43 = oe.contract('ab,cdeb,ef,cdf,cdf,fg,cdgh->ahcd', t29, M_2, W_V, t12, A28, t21, M_2, optimize=[(3, 4), (0, 1), (1, 2), (0, 2), (0, 1), (0, 1)])
+    t43 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi->aicd', t21, M_2, W_V, t13, dA19, t20, M_2, optimize=[(0, 1), (1, 2), (1, 4), (1, 3), (0, 1), (0, 1)])
     t34 += oe.contract('abcd,efcd->aefb', t42, t43, optimize=[(0, 1)])
-    t44 = oe.contract('abc,abd,de,abef,abg,gh->cfhab', X, A28, t21, M_2, X, W_Q, optimize=[(1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
-    t45 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t30, M_2, W_V, t12, A28, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
-    t34 += oe.contract('abcde,fde->afbc', t44, t45, optimize=[(0, 1)])
-    t46 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t47 = t46.view((d_V, d_K, d_V, d_V))
-    t48 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
-    t47[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t48, M_2, X, W_V, t12, A28, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t49 = (-1/(L*math.sqrt(d_K)*n_batch)) * t2
-    t50 = oe.contract('abc,abd,abe->cedab', X, A28, M_1, optimize=[(0, 1), (0, 1)])
-    t51 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t49, M_2, W_V, t12, A28, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
-    t47 += oe.contract('abcde,fde->afbc', t50, t51, optimize=[(0, 1)])
-    t52 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t53 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
-    t54 = oe.contract('ab,cdeb->aecd', t52, M_2, optimize=[(0, 1)])
-    t47 += oe.contract('abcd,efcd->aefb', t53, t54, optimize=[(0, 1)])
-    t55 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t55[...] = 0
-    t56 = t55.view((d_V, d_K, d_V, d_K))
-    t57 = t56.diagonal(0, 1, 3)
-    t58 = t25.transpose(-1, -2)
-    t59 = t58 @ X
-    t60 = t3 @ t59
-    t57 += oe.contract('abc,d->bcd', t60, t39, optimize=[(0, 1)])
-    t61 = W_Q.transpose(-1, -2)
-    t62 = (1/(d_K*n_batch)) * t61
-    t63 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
-    t64 = oe.contract('ab,cbd,cde->aecd', t62, t3, X, optimize=[(0, 1), (0, 1)])
-    t56 += oe.contract('abcd,efcd->aefb', t63, t64, optimize=[(0, 1)])
-    t65 = (1/(L*d_K*n_batch)) * t61
-    t56 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t65, M_2, X, W_V, t12, A28, t21, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t66 = (-1/(L*d_K*n_batch)) * t61
-    t67 = oe.contract('ab,cdb,cde,ef,cdfg,cdh,gi->ahicd', t66, X, A28, t21, M_2, X, W_K, optimize=[(0, 1), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t68 = oe.contract('abcd,ce,abe,abe->dab', M_2, W_V, t12, A28, optimize=[(1, 2), (1, 2), (0, 1)])
-    t56 += oe.contract('abcde,fde->fabc', t67, t68, optimize=[(0, 1)])
-    t69 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t70 = t69.view((d_V, d_K, d_V, d_K))
-    t71 = oe.contract('ab,cbd,cde,ef->afcd', t62, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t72 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t70[...] = oe.contract('abcd,efcd->eafb', t71, t72, optimize=[(0, 1)])
-    t73 = oe.contract('abc,cd->dab', X, W_Q, optimize=[(0, 1)])
-    t74 = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi->faicd', t65, M_2, X, W_V, t12, A28, t21, M_2, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 2), (1, 2), (0, 1)])
-    t70 += oe.contract('abc,defbc->defa', t73, t74, optimize=[(0, 1)])
-    t75 = oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi->faicd', t66, M_2, X, W_V, t12, A28, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 1), (0, 1)])
-    t76 = oe.contract('abc,cd,abde->eab', A28, t21, M_2, optimize=[(0, 1), (0, 1)])
-    t70 += oe.contract('abcde,fde->abfc', t75, t76, optimize=[(0, 1)])
-    t77 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t78 = t77.view((d_V, d_K, d_V, d_V))
-    t79 = (1/(L*math.sqrt(d_K)*n_batch)) * t61
-    t80 = oe.contract('abcd,ce,abe,abe->deab', M_2, W_V, t12, A28, optimize=[(0, 1), (0, 1), (0, 1)])
-    t81 = oe.contract('ab,cdb,cde->aecd', t79, X, M_1, optimize=[(0, 1), (0, 1)])
-    t78[...] = oe.contract('abcd,efcd->aefb', t80, t81, optimize=[(0, 1)])
-    t82 = (-1/(L*math.sqrt(d_K)*n_batch)) * t61
-    t83 = oe.contract('ab,cdb,cde,cdf->afecd', t82, X, A28, M_1, optimize=[(0, 1), (0, 1), (0, 1)])
-    t78 += oe.contract('abcde,fde->fabc', t83, t68, optimize=[(0, 1)])
-    t84 = (1/(math.sqrt(d_K)*n_batch)) * t61
-    t85 = oe.contract('ab,cdb,cde->aecd', t84, X, G, optimize=[(0, 1), (0, 1)])
-    t86 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t78 += oe.contract('abcd,efcd->eafb', t85, t86, optimize=[(0, 1)])
-    t87 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t88 = t87.view((d_V, d_V, d_V, d_K))
-    t89 = G.transpose(-1, -2)
-    t90 = (1/(math.sqrt(d_K)*n_batch)) * t89
-    t91 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
-    t92 = oe.contract('abc,acd->bdac', t90, X, optimize=[(0, 1)])
-    t88[...] = oe.contract('abcd,efcd->aefb', t91, t92, optimize=[(0, 1)])
-    t93 = M_1.transpose(-1, -2)
-    t94 = (1/(L*math.sqrt(d_K)*n_batch)) * t93
-    t88 += oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t94, t12, A28, t21, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t95 = (-1/(L*math.sqrt(d_K)*n_batch)) * t93
-    t96 = oe.contract('abc,acd,de,acef,fg->bgac', t95, A28, t21, M_2, W_K, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
-    t97 = oe.contract('abc,abc,abd->cdab', t12, A28, X, optimize=[(0, 1), (0, 1)])
-    t88 += oe.contract('abcd,efcd->aefb', t96, t97, optimize=[(0, 1)])
-    t98 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t99 = t98.view((d_V, d_V, d_V, d_K))
-    t100 = oe.contract('abc,acd,de->beac', t90, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t101 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t99[...] = oe.contract('abcd,efcd->eafb', t100, t101, optimize=[(0, 1)])
-    t102 = oe.contract('abc,acd,de->beac', t94, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t103 = oe.contract('abc,abc,cd,abde->ceab', t12, A28, t21, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t99 += oe.contract('abcd,efcd->aefb', t102, t103, optimize=[(0, 1)])
-    t104 = oe.contract('abc,acd,acd,ace,ef,acfg->bdgac', t95, t12, A28, A28, t21, M_2, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
-    t99 += oe.contract('abc,defbc->defa', t73, t104, optimize=[(0, 1)])
-    t105 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t105[...] = 0
-    t106 = t105.view((d_V, d_V, d_V, d_V))
-    t107 = t106.diagonal(0, 1, 3)
-    t108 = (1/(L*n_batch)) * t93
-    t109 = oe.contract('abc,abc->cab', t12, A28, optimize=[(0, 1)])
-    t110 = oe.contract('abc,acd->bdac', t108, M_1, optimize=[(0, 1)])
-    t107 += oe.contract('abc,debc->dea', t109, t110, optimize=[(0, 1)])
-    t111 = (-1/(L*n_batch)) * t93
-    t112 = oe.contract('abc,acd->bdac', t111, A28, optimize=[(0, 1)])
-    t113 = oe.contract('abc,abc,abd->cdab', t12, A28, M_1, optimize=[(0, 1), (0, 1)])
-    t106 += oe.contract('abcd,efcd->aefb', t112, t113, optimize=[(0, 1)])
+    t44 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t45 = t44.view((d_V, d_K, d_V, d_V))
+    t46 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t45[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,cdi->faih', t46, M_2, X, W_V, t13, dA19, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    t47 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t48 = oe.contract('abc,abd->cdab', X, G, optimize=[(0, 1)])
+    t49 = oe.contract('ab,cdeb->aecd', t47, M_2, optimize=[(0, 1)])
+    t45 += oe.contract('abcd,efcd->aefb', t48, t49, optimize=[(0, 1)])
+    t50 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t50[...] = 0
+    t51 = t50.view((d_V, d_K, d_V, d_K))
+    t52 = t51.diagonal(0, 1, 3)
+    t53 = t31.transpose(-1, -2)
+    t54 = t53 @ X
+    t55 = t3 @ t54
+    t52 += oe.contract('abc,d->bcd', t55, t39, optimize=[(0, 1)])
+    t56 = W_Q.transpose(-1, -2)
+    t57 = (1/(d_K*n_batch)) * t56
+    t58 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t59 = oe.contract('ab,cbd,cde->aecd', t57, t3, X, optimize=[(0, 1), (0, 1)])
+    t51 += oe.contract('abcd,efcd->aefb', t58, t59, optimize=[(0, 1)])
+    t60 = (1/(L*d_K*n_batch)) * t56
+    t51 += oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,jl->fakl', t60, M_2, X, W_V, t13, dA19, t20, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (4, 6), (0, 1), (3, 4), (1, 3), (0, 1), (0, 1)])
+    t61 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t62 = t61.view((d_V, d_K, d_V, d_K))
+    t63 = oe.contract('ab,cdb,cde,ef->afcd', t60, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t64 = oe.contract('abcd,ce,abe,abef,fg,abgh->dhab', M_2, W_V, t13, dA19, t20, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
+    t62[...] = oe.contract('abcd,efcd->eafb', t63, t64, optimize=[(0, 1)])
+    t65 = oe.contract('ab,cbd,cde,ef->afcd', t57, t3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t66 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t62 += oe.contract('abcd,efcd->eafb', t65, t66, optimize=[(0, 1)])
+    t67 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t68 = t67.view((d_V, d_K, d_V, d_V))
+    t69 = (1/(L*math.sqrt(d_K)*n_batch)) * t56
+    t68[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdgh,cdi->faih', t69, M_2, X, W_V, t13, dA19, M_1, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
+    t70 = (1/(math.sqrt(d_K)*n_batch)) * t56
+    t71 = oe.contract('ab,cdb,cde->aecd', t70, X, G, optimize=[(0, 1), (0, 1)])
+    t72 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t68 += oe.contract('abcd,efcd->eafb', t71, t72, optimize=[(0, 1)])
+    t73 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t74 = t73.view((d_V, d_V, d_V, d_K))
+    t75 = G.transpose(-1, -2)
+    t76 = (1/(math.sqrt(d_K)*n_batch)) * t75
+    t77 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t78 = oe.contract('abc,acd->bdac', t76, X, optimize=[(0, 1)])
+    t74[...] = oe.contract('abcd,efcd->aefb', t77, t78, optimize=[(0, 1)])
+    t79 = M_1.transpose(-1, -2)
+    t80 = (1/(L*math.sqrt(d_K)*n_batch)) * t79
+    t81 = oe.contract('abc,abcd,de,abef,fg->cgab', t13, dA19, t20, M_2, W_K, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t82 = oe.contract('abc,acd->bdac', t80, X, optimize=[(0, 1)])
+    t74 += oe.contract('abcd,efcd->eafb', t81, t82, optimize=[(0, 1)])
+    t83 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t84 = t83.view((d_V, d_V, d_V, d_K))
+    t85 = oe.contract('abc,acd,de->beac', t76, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t86 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t84[...] = oe.contract('abcd,efcd->eafb', t85, t86, optimize=[(0, 1)])
+    t87 = oe.contract('abc,acd,de->beac', t80, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t88 = oe.contract('abc,abcd,de,abef->cfab', t13, dA19, t20, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t84 += oe.contract('abcd,efcd->aefb', t87, t88, optimize=[(0, 1)])
+    t89 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t90 = t89.view((d_V, d_V, d_V, d_V))
+    t91 = (1/(L*n_batch)) * t79
+    t90[...] = oe.contract('abc,acd,acde,acf->bdfe', t91, t13, dA19, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
     return H
 
 
@@ -12421,57 +14452,65 @@ def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t7 = torch.where(t6, -math.inf, t5)
     t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
     A = t8 / t8.sum(-1, keepdim=True)
-    t9 = Y.sum(-1, keepdim=True)
-    t10 = t9.expand(*t9.shape[:-1], d_V)
-    t11 = A @ X
-    M_1 = t11
-    t12 = M_1 @ W_V
-    F = t12
-    t13 = torch.exp(F - F.amax(-1, keepdim=True))
-    A14 = t13 / t13.sum(-1, keepdim=True)
-    t15 = t10 * A14
-    t16 = (1/L) * t15
-    t17 = (-1/L) * Y
-    t18 = t16 + t17
-    G = t18
-    t19 = W_V.transpose(-1, -2)
-    t20 = t19 @ t1
-    t21 = G @ t20
-    t22 = t21 - (A * t21).sum(-1, keepdim=True)
-    t23 = A * t22
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t9 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t24 = torch.exp(t12 - t12.amax(-1, keepdim=True))
-    A25 = t24 / t24.sum(-1, keepdim=True)
-    t26 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 2), (0, 4), (2, 3), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jkli,jkd,lm,jkm,jkm,mn,jkno,jkg,oh->', t0, t1, M_3, X, W_K, t0, M_2, X, W_V, t10, A25, t19, M_2, X, W_K, optimize=[(9, 10), (0, 2), (3, 4), (0, 3), (3, 4), (0, 3), (6, 8), (0, 2), (0, 3), (1, 3), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jkli,jkd,lm,jkm,jkm,jkn,no,jkop,jkg,ph->', t0, t1, M_3, X, W_K, t0, M_2, X, W_V, t10, A25, A25, t19, M_2, X, W_K, optimize=[(9, 10), (0, 2), (3, 4), (0, 3), (3, 4), (3, 10), (0, 3), (6, 8), (0, 2), (0, 1), (1, 5), (0, 2), (2, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnol,mnf,op,mnp,mnp,pq,mnqr,mnj,rk->', t0, M_2, X, W_V, t10, A25, t19, M_2, X, W_K, t0, M_2, X, W_V, t10, A25, t19, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (4, 5), (0, 4), (4, 5), (1, 4), (9, 11), (1, 3), (0, 4), (0, 4), (2, 5), (0, 4), (4, 5), (0, 3), (0, 3), (1, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnol,mnf,op,mnp,mnp,mnq,qr,mnrs,mnj,sk->', t0, M_2, X, W_V, t10, A25, t19, M_2, X, W_K, t0, M_2, X, W_V, t10, A25, A25, t19, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (4, 5), (0, 4), (4, 5), (4, 13), (1, 4), (9, 11), (1, 3), (1, 3), (4, 8), (0, 2), (1, 4), (0, 4), (3, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl,am,nopm,nof,pq,noq,noq,nor,rs,nost,nok,tl->', t0, M_2, X, W_V, t10, A25, A25, t19, M_2, X, W_K, t0, M_2, X, W_V, t10, A25, A25, t19, M_2, X, W_K, optimize=[(4, 5), (13, 14), (0, 1), (2, 3), (2, 17), (4, 5), (0, 4), (4, 5), (4, 13), (1, 4), (9, 11), (1, 3), (0, 2), (2, 8), (0, 1), (1, 6), (0, 3), (2, 3), (1, 3), (0, 1), (0, 1)])
-    t27 = torch.sqrt(torch.clamp(t26, min=0.0))
-    t28 = t23 @ X
-    t29 = t1 @ t28
-    t30 = (n_batch**(-2)) * oe.contract('abc,dbc->', t29, t29, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t29, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgi,fgi,ij,fgjc,fgk,kd->', t29, t0, M_2, X, W_V, t10, A25, t19, M_2, X, W_Q, optimize=[(5, 6), (0, 3), (4, 8), (0, 1), (2, 3), (4, 5), (1, 3), (1, 3), (0, 1), (0, 1)]) + (-2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgi,fgi,fgj,jk,fgkc,fgl,ld->', t29, t0, M_2, X, W_V, t10, A25, A25, t19, M_2, X, W_Q, optimize=[(5, 6), (0, 3), (5, 9), (0, 1), (1, 2), (4, 6), (1, 2), (2, 4), (0, 1), (1, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkm,jkm,mn,jknf,jko,oh->', t0, t1, M_3, X, W_Q, t0, M_2, X, W_V, t10, A25, t19, M_2, X, W_Q, optimize=[(9, 10), (0, 2), (1, 2), (1, 2), (0, 1), (1, 2), (1, 2), (0, 4), (0, 4), (4, 5), (0, 4), (1, 3), (0, 1), (0, 1)]) + (-2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkm,jkm,jkn,no,jkof,jkp,ph->', t0, t1, M_3, X, W_Q, t0, M_2, X, W_V, t10, A25, A25, t19, M_2, X, W_Q, optimize=[(9, 10), (0, 2), (1, 2), (1, 2), (0, 1), (1, 2), (1, 9), (1, 2), (0, 1), (2, 6), (0, 3), (3, 4), (1, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnol,mnf,op,mnp,mnp,pq,mnqi,mnr,rk->', t0, M_2, X, W_V, t10, A25, t19, M_2, X, W_Q, t0, M_2, X, W_V, t10, A25, t19, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (2, 3), (2, 3), (0, 2), (2, 3), (2, 3), (0, 4), (1, 3), (7, 8), (0, 3), (0, 3), (4, 5), (3, 4), (1, 3), (0, 1), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnol,mnf,op,mnp,mnp,mnq,qr,mnri,mns,sk->', t0, M_2, X, W_V, t10, A25, t19, M_2, X, W_Q, t0, M_2, X, W_V, t10, A25, A25, t19, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (2, 3), (2, 3), (0, 2), (2, 3), (2, 12), (2, 3), (1, 3), (5, 9), (0, 2), (0, 1), (5, 6), (0, 3), (0, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl,am,nopm,nof,pq,noq,noq,nor,rs,nosj,not,tl->', t0, M_2, X, W_V, t10, A25, A25, t19, M_2, X, W_Q, t0, M_2, X, W_V, t10, A25, A25, t19, M_2, X, W_Q, optimize=[(4, 5), (13, 14), (0, 1), (2, 3), (2, 17), (2, 3), (2, 3), (0, 2), (2, 3), (2, 12), (2, 3), (0, 2), (2, 9), (0, 1), (2, 7), (0, 3), (1, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t31 = torch.sqrt(torch.clamp(t30, min=0.0))
-    t32 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,ai,jkli,jkf,lg,jkg,jkg,jkh->', t0, M_2, X, W_V, t10, A25, M_1, t0, M_2, X, W_V, t10, A25, M_1, optimize=[(4, 5), (9, 10), (0, 1), (3, 4), (0, 3), (1, 3), (6, 7), (0, 4), (0, 3), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,ai,jkli,jkf,lm,jkm,jkm,jkg,jkh->', t0, M_2, X, W_V, t10, A25, M_1, t0, M_2, X, W_V, t10, A25, A25, M_1, optimize=[(4, 5), (9, 10), (0, 1), (3, 4), (0, 3), (1, 4), (7, 8), (1, 4), (4, 6), (0, 3), (1, 4), (0, 3), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,ai,jkhi,jkf,jkg->', t0, M_2, X, W_V, t10, A25, M_1, t0, M_2, X, G, optimize=[(4, 5), (0, 1), (2, 4), (0, 3), (0, 4), (0, 3), (3, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi,aj,klmj,klf,mn,kln,kln,klh,kli->', t0, M_2, X, W_V, t10, A25, A25, M_1, t0, M_2, X, W_V, t10, A25, A25, M_1, optimize=[(4, 5), (10, 11), (0, 1), (4, 5), (0, 4), (1, 4), (8, 9), (1, 3), (6, 7), (0, 2), (2, 5), (0, 1), (0, 3), (0, 2), (0, 1)]) + (-2/(L*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi,aj,klij,klf,klh->', t0, M_2, X, W_V, t10, A25, A25, M_1, t0, M_2, X, G, optimize=[(4, 5), (0, 1), (3, 5), (0, 4), (1, 3), (5, 6), (4, 5), (0, 2), (1, 3), (0, 1), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 1), (2, 3), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t33 = torch.sqrt(torch.clamp(t32, min=0.0))
-    t34 = t23.transpose(-1, -2)
-    t35 = t34 @ X
-    t36 = t1 @ t35
-    t37 = W_Q.transpose(-1, -2)
-    t38 = (n_batch**(-2)) * oe.contract('abc,dbc->', t36, t36, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t36, t37, t1, M_3, X, W_K, optimize=[(0, 3), (2, 4), (0, 1), (0, 2), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgi,fgi,ij,fgjk,fgc,kd->', t36, t37, M_2, X, W_V, t10, A25, t19, M_2, X, W_K, optimize=[(5, 6), (0, 2), (5, 8), (0, 1), (1, 2), (0, 3), (1, 4), (2, 3), (0, 1), (0, 1)]) + (-2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgi,fgi,fgj,jk,fgkl,fgc,ld->', t36, t37, M_2, X, W_V, t10, A25, A25, t19, M_2, X, W_K, optimize=[(5, 6), (0, 2), (6, 9), (0, 1), (1, 2), (1, 6), (0, 2), (1, 4), (0, 1), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t37, t1, M_3, X, W_K, t37, t1, M_3, X, W_K, optimize=[(0, 1), (0, 2), (1, 2), (0, 2), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkm,jkm,mn,jkno,jkg,oh->', t37, t1, M_3, X, W_K, t37, M_2, X, W_V, t10, A25, t19, M_2, X, W_K, optimize=[(9, 10), (0, 1), (0, 2), (1, 3), (1, 2), (1, 2), (0, 1), (0, 3), (1, 2), (3, 5), (0, 1), (0, 3), (0, 2), (0, 1)]) + (-2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkm,jkm,jkn,no,jkop,jkg,ph->', t37, t1, M_3, X, W_K, t37, M_2, X, W_V, t10, A25, A25, t19, M_2, X, W_K, optimize=[(9, 10), (0, 1), (0, 2), (1, 3), (1, 2), (6, 10), (1, 2), (1, 8), (0, 1), (0, 2), (0, 1), (2, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnof,mnl,op,mnp,mnp,pq,mnqr,mnj,rk->', t37, M_2, X, W_V, t10, A25, t19, M_2, X, W_K, t37, M_2, X, W_V, t10, A25, t19, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (2, 4), (2, 3), (2, 3), (0, 2), (0, 1), (0, 3), (2, 8), (1, 2), (3, 6), (0, 1), (0, 4), (0, 1), (1, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnof,mnl,op,mnp,mnp,mnq,qr,mnrs,mnj,sk->', t37, M_2, X, W_V, t10, A25, t19, M_2, X, W_K, t37, M_2, X, W_V, t10, A25, A25, t19, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (2, 4), (2, 3), (8, 13), (2, 3), (2, 11), (0, 2), (0, 1), (0, 2), (1, 7), (0, 1), (2, 5), (0, 3), (2, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl,am,nopf,nom,pq,noq,noq,nor,rs,nost,nok,tl->', t37, M_2, X, W_V, t10, A25, A25, t19, M_2, X, W_K, t37, M_2, X, W_V, t10, A25, A25, t19, M_2, X, W_K, optimize=[(4, 5), (13, 14), (0, 2), (0, 1), (14, 17), (0, 1), (0, 15), (2, 4), (2, 3), (7, 12), (2, 3), (2, 10), (0, 2), (0, 1), (0, 3), (4, 6), (0, 2), (3, 4), (0, 2), (0, 2), (0, 1)])
-    t39 = torch.sqrt(torch.clamp(t38, min=0.0))
-    t40 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t37, t1, M_3, X, W_Q, t37, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jkle,jki,lm,jkm,jkm,mn,jknf,jko,oh->', t37, t1, M_3, X, W_Q, t37, M_2, X, W_V, t10, A25, t19, M_2, X, W_Q, optimize=[(9, 10), (0, 1), (1, 2), (1, 3), (1, 2), (1, 2), (1, 2), (2, 4), (1, 3), (2, 5), (0, 4), (2, 3), (0, 1), (0, 1)]) + (-2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jkle,jki,lm,jkm,jkm,jkn,no,jkof,jkp,ph->', t37, t1, M_3, X, W_Q, t37, M_2, X, W_V, t10, A25, A25, t19, M_2, X, W_Q, optimize=[(9, 10), (0, 1), (1, 2), (1, 3), (1, 2), (6, 10), (1, 2), (1, 8), (1, 2), (1, 3), (0, 2), (1, 4), (2, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnof,mnl,op,mnp,mnp,pq,mnqi,mnr,rk->', t37, M_2, X, W_V, t10, A25, t19, M_2, X, W_Q, t37, M_2, X, W_V, t10, A25, t19, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (0, 1), (0, 1), (0, 1), (0, 3), (2, 8), (1, 3), (0, 2), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnof,mnl,op,mnp,mnp,mnq,qr,mnri,mns,sk->', t37, M_2, X, W_V, t10, A25, t19, M_2, X, W_Q, t37, M_2, X, W_V, t10, A25, A25, t19, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (0, 1), (6, 12), (0, 1), (0, 10), (0, 1), (0, 2), (1, 7), (0, 2), (0, 3), (3, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl,am,nopf,nom,pq,noq,noq,nor,rs,nosj,not,tl->', t37, M_2, X, W_V, t10, A25, A25, t19, M_2, X, W_Q, t37, M_2, X, W_V, t10, A25, A25, t19, M_2, X, W_Q, optimize=[(4, 5), (13, 14), (0, 2), (0, 1), (14, 17), (0, 1), (0, 15), (0, 1), (0, 2), (0, 1), (5, 11), (0, 1), (0, 9), (0, 1), (0, 4), (0, 3), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t41 = torch.sqrt(torch.clamp(t40, min=0.0))
-    t42 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,ai,jklf,jki,lg,jkg,jkg,jkh->', t37, M_2, X, W_V, t10, A25, M_1, t37, M_2, X, W_V, t10, A25, M_1, optimize=[(4, 5), (9, 10), (0, 2), (0, 1), (1, 3), (1, 2), (5, 7), (0, 1), (2, 3), (3, 4), (0, 2), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,ai,jklf,jki,lm,jkm,jkm,jkg,jkh->', t37, M_2, X, W_V, t10, A25, M_1, t37, M_2, X, W_V, t10, A25, A25, M_1, optimize=[(4, 5), (9, 10), (0, 2), (0, 1), (1, 3), (1, 2), (4, 8), (0, 2), (1, 3), (1, 2), (2, 4), (1, 2), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,ai,jkhf,jki,jkg->', t37, M_2, X, W_V, t10, A25, M_1, t37, M_2, X, G, optimize=[(4, 5), (0, 2), (0, 1), (0, 2), (5, 6), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi,aj,klmf,klj,mn,kln,kln,klh,kli->', t37, M_2, X, W_V, t10, A25, A25, M_1, t37, M_2, X, W_V, t10, A25, A25, M_1, optimize=[(4, 5), (10, 11), (0, 2), (0, 1), (8, 11), (2, 4), (2, 3), (4, 8), (0, 2), (0, 1), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (-2/(L*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi,aj,klif,klj,klh->', t37, M_2, X, W_V, t10, A25, A25, M_1, t37, M_2, X, G, optimize=[(4, 5), (0, 2), (0, 1), (6, 8), (1, 3), (5, 6), (1, 2), (0, 1), (1, 3), (0, 1), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t37, M_2, X, G, t37, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t43 = torch.sqrt(torch.clamp(t42, min=0.0))
-    t44 = G.transpose(-1, -2)
-    t45 = M_1.transpose(-1, -2)
-    t46 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t44, M_2, X, W_K, t44, M_2, X, W_K, optimize=[(1, 3), (0, 2), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hdi,hib,hib,bj,hijk,hif,kg->', t44, M_2, X, W_K, t45, t10, A25, t19, M_2, X, W_K, optimize=[(5, 6), (1, 3), (3, 4), (1, 3), (1, 4), (1, 3), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hdi,hib,hib,hij,jk,hikl,hif,lg->', t44, M_2, X, W_K, t45, t10, A25, A25, t19, M_2, X, W_K, optimize=[(5, 6), (1, 3), (3, 4), (3, 8), (1, 3), (0, 3), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,fh,ibj,ijd,ijd,dk,ijkl,ijg,lh->', t45, t10, A25, t19, M_2, X, W_K, t45, t10, A25, t19, M_2, X, W_K, optimize=[(1, 2), (6, 7), (1, 2), (0, 3), (2, 3), (0, 2), (5, 7), (0, 1), (2, 5), (2, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,fh,ibj,ijd,ijd,ijk,kl,ijlm,ijg,mh->', t45, t10, A25, t19, M_2, X, W_K, t45, t10, A25, A25, t19, M_2, X, W_K, optimize=[(1, 2), (6, 7), (1, 2), (0, 3), (2, 3), (2, 9), (0, 2), (5, 7), (0, 1), (2, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi,jbk,jkd,jkd,jkl,lm,jkmn,jkh,ni->', t45, t10, A25, A25, t19, M_2, X, W_K, t45, t10, A25, A25, t19, M_2, X, W_K, optimize=[(1, 2), (7, 8), (1, 2), (1, 12), (0, 3), (2, 3), (2, 9), (0, 2), (5, 7), (0, 1), (0, 1), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t47 = torch.sqrt(torch.clamp(t46, min=0.0))
-    t48 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t44, M_2, X, W_Q, t44, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hdi,hib,hib,bj,hije,hik,kg->', t44, M_2, X, W_Q, t45, t10, A25, t19, M_2, X, W_Q, optimize=[(5, 6), (2, 3), (1, 2), (2, 7), (2, 3), (1, 4), (2, 3), (0, 2), (0, 2), (0, 1)]) + (-2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hdi,hib,hib,hij,jk,hike,hil,lg->', t44, M_2, X, W_Q, t45, t10, A25, A25, t19, M_2, X, W_Q, optimize=[(5, 6), (2, 3), (1, 2), (3, 8), (1, 2), (5, 6), (1, 2), (0, 1), (1, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,gh,ibj,ijd,ijd,dk,ijkf,ijl,lh->', t45, t10, A25, t19, M_2, X, W_Q, t45, t10, A25, t19, M_2, X, W_Q, optimize=[(1, 2), (6, 7), (1, 2), (1, 2), (0, 1), (0, 1), (4, 7), (0, 1), (0, 4), (0, 4), (1, 3), (0, 1), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,gh,ibj,ijd,ijd,ijk,kl,ijlf,ijm,mh->', t45, t10, A25, t19, M_2, X, W_Q, t45, t10, A25, A25, t19, M_2, X, W_Q, optimize=[(1, 2), (6, 7), (1, 2), (1, 2), (0, 1), (0, 1), (0, 8), (0, 1), (0, 2), (3, 5), (0, 4), (1, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi,jbk,jkd,jkd,jkl,lm,jkmg,jkn,ni->', t45, t10, A25, A25, t19, M_2, X, W_Q, t45, t10, A25, A25, t19, M_2, X, W_Q, optimize=[(1, 2), (7, 8), (1, 2), (1, 12), (1, 2), (0, 1), (0, 1), (0, 8), (0, 1), (0, 1), (2, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t49 = torch.sqrt(torch.clamp(t48, min=0.0))
-    t50 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fge->', t45, t10, A25, M_1, t45, t10, A25, M_1, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fgd,fge->', t45, t10, A25, M_1, t45, t10, A25, A25, M_1, optimize=[(1, 2), (3, 4), (3, 6), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,acf,gbh,ghd,ghd,ghe,ghf->', t45, t10, A25, A25, M_1, t45, t10, A25, A25, M_1, optimize=[(1, 2), (4, 5), (0, 3), (0, 2), (4, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t51 = torch.sqrt(torch.clamp(t50, min=0.0))
-    return (t27, t31, t33, t39, t41, t43, t47, t49, t51,)
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t10 = Y.sum(-1, keepdim=True)
+    t11 = t10.expand(*t10.shape[:-1], d_V)
+    t12 = A @ X
+    M_1 = t12
+    t13 = M_1 @ W_V
+    t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    A15 = t14 / t14.sum(-1, keepdim=True)
+    t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA17 = oe.contract('abc,cd->abcd', A15, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A15, A15, optimize=[(0, 1)])
+    t18 = W_V.transpose(-1, -2)
+    F = t13
+    t19 = torch.exp(F - F.amax(-1, keepdim=True))
+    A20 = t19 / t19.sum(-1, keepdim=True)
+    t21 = t11 * A20
+    t22 = (1/L) * t21
+    t23 = (-1/L) * Y
+    t24 = t22 + t23
+    G = t24
+    t25 = t18 @ t1
+    t26 = G @ t25
+    t27 = t26 - (A * t26).sum(-1, keepdim=True)
+    t28 = A * t27
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t28, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t28, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t28, optimize=[(0, 1)])
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
+    t29 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,jl,am,nopm,nof,pq,noq,noqr,rs,nost,nok,tl->', t0, M_2, X, W_V, t11, dA17, t18, M_2, X, W_K, t0, M_2, X, W_V, t11, dA17, t18, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 8), (1, 8), (4, 10), (13, 14), (4, 9), (0, 1), (6, 11), (0, 1), (8, 9), (0, 1), (2, 7), (0, 1), (4, 5), (0, 3), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,jl,am,nfo,nomp,nok,pl->', t0, M_2, X, W_V, t11, dA17, t18, M_2, X, W_K, t0, t1, M_3, X, W_K, optimize=[(4, 5), (0, 8), (1, 7), (4, 7), (9, 10), (4, 6), (0, 1), (3, 7), (0, 1), (4, 5), (0, 1), (0, 2), (1, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t30 = torch.sqrt(torch.clamp(t29, min=0.0))
+    t31 = t28 @ X
+    t32 = t1 @ t31
+    t33 = (n_batch**(-2)) * oe.contract('abc,dbc->', t32, t32, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t32, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgi,fgij,jk,fgkc,fgl,ld->', t32, t0, M_2, X, W_V, t11, dA17, t18, M_2, X, W_Q, optimize=[(0, 3), (6, 9), (3, 4), (0, 5), (2, 4), (3, 5), (2, 3), (0, 3), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkm,jkmn,no,jkof,jkp,ph->', t0, t1, M_3, X, W_Q, t0, M_2, X, W_V, t11, dA17, t18, M_2, X, W_Q, optimize=[(9, 10), (0, 5), (0, 5), (1, 2), (5, 6), (8, 9), (7, 8), (0, 6), (0, 1), (2, 5), (0, 1), (2, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,kl,am,nopm,nof,pq,noq,noqr,rs,nosj,not,tl->', t0, M_2, X, W_V, t11, dA17, t18, M_2, X, W_Q, t0, M_2, X, W_V, t11, dA17, t18, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 8), (1, 8), (4, 5), (8, 9), (12, 13), (11, 12), (0, 1), (6, 10), (0, 1), (7, 8), (0, 1), (2, 6), (0, 1), (3, 4), (0, 2), (1, 2), (0, 1)])
+    t34 = torch.sqrt(torch.clamp(t33, min=0.0))
+    t35 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,cdi,aj,klmj,klf,mn,kln,klnh,kli->', t0, M_2, X, W_V, t11, dA17, M_1, t0, M_2, X, W_V, t11, dA17, M_1, optimize=[(4, 5), (9, 10), (0, 5), (1, 5), (2, 5), (7, 8), (0, 1), (2, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,cdi,aj,klij,klf,klh->', t0, M_2, X, W_V, t11, dA17, M_1, t0, M_2, X, G, optimize=[(4, 5), (0, 5), (1, 5), (0, 1), (3, 6), (0, 1), (2, 4), (0, 2), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t36 = torch.sqrt(torch.clamp(t35, min=0.0))
+    t37 = t28.transpose(-1, -2)
+    t38 = t37 @ X
+    t39 = t1 @ t38
+    t40 = W_Q.transpose(-1, -2)
+    t41 = (n_batch**(-2)) * oe.contract('abc,dbc->', t39, t39, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t39, t40, t1, M_3, X, W_K, optimize=[(0, 4), (2, 4), (0, 1), (0, 1), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgi,fgij,jk,fgkl,fgc,ld->', t39, t40, M_2, X, W_V, t11, dA17, t18, M_2, X, W_K, optimize=[(0, 9), (1, 9), (3, 4), (0, 1), (0, 4), (3, 5), (0, 4), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t40, t1, M_3, X, W_K, t40, t1, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkm,jkmn,no,jkop,jkg,ph->', t40, t1, M_3, X, W_K, t40, M_2, X, W_V, t11, dA17, t18, M_2, X, W_K, optimize=[(9, 10), (0, 1), (1, 9), (1, 8), (1, 3), (6, 9), (6, 8), (0, 6), (0, 1), (2, 5), (0, 1), (2, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,jl,am,nopf,nom,pq,noq,noqr,rs,nost,nok,tl->', t40, M_2, X, W_V, t11, dA17, t18, M_2, X, W_K, t40, M_2, X, W_V, t11, dA17, t18, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1), (15, 16), (0, 1), (13, 14), (2, 4), (2, 3), (2, 3), (9, 10), (2, 3), (7, 8), (0, 2), (0, 1), (0, 2), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t42 = torch.sqrt(torch.clamp(t41, min=0.0))
+    t43 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,kl,am,nopf,nom,pq,noq,noqr,rs,nosj,not,tl->', t40, M_2, X, W_V, t11, dA17, t18, M_2, X, W_Q, t40, M_2, X, W_V, t11, dA17, t18, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 1), (15, 16), (0, 1), (13, 14), (0, 1), (0, 2), (0, 1), (0, 1), (8, 9), (0, 1), (6, 7), (3, 6), (0, 1), (0, 2), (1, 3), (0, 1), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,kl,am,nmo,nofj,nop,pl->', t40, M_2, X, W_V, t11, dA17, t18, M_2, X, W_Q, t40, t1, M_3, X, W_Q, optimize=[(0, 2), (0, 1), (0, 1), (10, 11), (0, 1), (8, 9), (4, 8), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t40, t1, M_3, X, W_Q, t40, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)])
+    t44 = torch.sqrt(torch.clamp(t43, min=0.0))
+    t45 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,cdi,aj,klmf,klj,mn,kln,klnh,kli->', t40, M_2, X, W_V, t11, dA17, M_1, t40, M_2, X, W_V, t11, dA17, M_1, optimize=[(0, 2), (0, 1), (0, 1), (9, 10), (1, 3), (1, 2), (1, 2), (5, 6), (3, 5), (0, 1), (2, 3), (0, 1), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,cdi,aj,klif,klj,klh->', t40, M_2, X, W_V, t11, dA17, M_1, t40, M_2, X, G, optimize=[(0, 2), (0, 1), (0, 1), (6, 7), (0, 2), (4, 5), (2, 4), (0, 1), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t40, M_2, X, G, t40, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t46 = torch.sqrt(torch.clamp(t45, min=0.0))
+    t47 = G.transpose(-1, -2)
+    t48 = M_1.transpose(-1, -2)
+    t49 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t47, M_2, X, W_K, t47, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hdi,hib,hibj,jk,hikl,hif,lg->', t47, M_2, X, W_K, t48, t11, dA17, t18, M_2, X, W_K, optimize=[(5, 6), (2, 7), (2, 6), (0, 6), (4, 6), (0, 1), (3, 4), (0, 1), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,gi,jbk,jkd,jkdl,lm,jkmn,jkh,ni->', t48, t11, dA17, t18, M_2, X, W_K, t48, t11, dA17, t18, M_2, X, W_K, optimize=[(1, 2), (1, 12), (1, 11), (0, 3), (2, 3), (2, 8), (2, 7), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
+    t50 = torch.sqrt(torch.clamp(t49, min=0.0))
+    t51 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t47, M_2, X, W_Q, t47, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hdi,hib,hibj,jk,hike,hil,lg->', t47, M_2, X, W_Q, t48, t11, dA17, t18, M_2, X, W_Q, optimize=[(5, 6), (2, 3), (5, 6), (6, 7), (0, 6), (4, 5), (0, 1), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,hi,jbk,jkd,jkdl,lm,jkmg,jkn,ni->', t48, t11, dA17, t18, M_2, X, W_Q, t48, t11, dA17, t18, M_2, X, W_Q, optimize=[(1, 2), (1, 12), (1, 11), (1, 2), (0, 1), (0, 1), (0, 7), (0, 6), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t52 = torch.sqrt(torch.clamp(t51, min=0.0))
+    t53 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t48, t11, dA17, M_1, t48, t11, dA17, M_1, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
+    t54 = torch.sqrt(torch.clamp(t53, min=0.0))
+    return (t30, t34, t36, t42, t44, t46, t50, t52, t54,)
 
 
 def ce_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -12492,41 +14531,46 @@ def ce_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t8 = torch.where(t7, -math.inf, t6)
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A = t9 / t9.sum(-1, keepdim=True)
-    t10 = Y.sum(-1, keepdim=True)
-    t11 = t10.expand(*t10.shape[:-1], d_V)
-    t12 = A @ X
-    M_1 = t12
-    t13 = M_1 @ W_V
-    F = t13
-    t14 = torch.exp(F - F.amax(-1, keepdim=True))
-    A15 = t14 / t14.sum(-1, keepdim=True)
-    t16 = t11 * A15
-    t17 = (1/L) * t16
-    t18 = (-1/L) * Y
-    t19 = t17 + t18
-    G = t19
-    t20 = W_V.transpose(-1, -2)
-    t21 = t20 @ t2
-    t22 = G @ t21
-    t23 = t22 - (A * t22).sum(-1, keepdim=True)
-    t24 = A * t23
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t24, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t24, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t24, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t25 = (1/(d_K*n_batch)) * t1
-    t26 = oe.contract('ab,cdbe,ea->acd', t25, M_3, W_K, optimize=[(0, 2), (0, 1)])
-    t27 = oe.contract('abc,acb->bac', t2, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t26, t27, optimize=[(0, 1)])
+    t10 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t28 = torch.exp(t13 - t13.amax(-1, keepdim=True))
-    A29 = t28 / t28.sum(-1, keepdim=True)
-    t30 = (1/(L*d_K*n_batch)) * t1
-    t31 = oe.contract('ab,cdeb,ef,cdf,cdf,fg,cdgh,ha->acd', t30, M_2, W_V, t11, A29, t20, M_2, W_K, optimize=[(3, 4), (0, 1), (1, 2), (0, 3), (0, 2), (1, 2), (0, 1)])
-    t32 = oe.contract('abc,abc->cab', X, X, optimize=[(0, 1)])
-    t0 += oe.contract('abc,dbc->da', t31, t32, optimize=[(0, 1)])
-    t33 = (-1/(L*d_K*n_batch)) * t1
-    t34 = oe.contract('ab,cdeb,ef,cdf,cdf,cdg,gh,cdhi,ia->acd', t33, M_2, W_V, t11, A29, A29, t20, M_2, W_K, optimize=[(3, 4), (0, 1), (1, 2), (1, 5), (0, 2), (1, 3), (0, 1), (0, 1)])
-    t0 += oe.contract('abc,dbc->da', t34, t32, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t11 = Y.sum(-1, keepdim=True)
+    t12 = t11.expand(*t11.shape[:-1], d_V)
+    t13 = A @ X
+    M_1 = t13
+    t14 = M_1 @ W_V
+    t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
+    A16 = t15 / t15.sum(-1, keepdim=True)
+    t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA18 = oe.contract('abc,cd->abcd', A16, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A16, A16, optimize=[(0, 1)])
+    t19 = W_V.transpose(-1, -2)
+    t20 = (1/(L*d_K*n_batch)) * t1
+    t21 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi,ia->acd', t20, M_2, W_V, t12, dA18, t19, M_2, W_K, optimize=[(0, 1), (1, 2), (1, 5), (1, 4), (0, 2), (1, 2), (0, 1)])
+    t22 = oe.contract('abc,abc->cab', X, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t21, t22, optimize=[(0, 1)])
+    F = t14
+    t23 = torch.exp(F - F.amax(-1, keepdim=True))
+    A24 = t23 / t23.sum(-1, keepdim=True)
+    t25 = t12 * A24
+    t26 = (1/L) * t25
+    t27 = (-1/L) * Y
+    t28 = t26 + t27
+    G = t28
+    t29 = t19 @ t2
+    t30 = G @ t29
+    t31 = t30 - (A * t30).sum(-1, keepdim=True)
+    t32 = A * t31
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t32, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t32, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t32, optimize=[(0, 1)])
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
+    t33 = (1/(d_K*n_batch)) * t1
+    t34 = oe.contract('ab,cdbe,ea->acd', t33, M_3, W_K, optimize=[(0, 2), (0, 1)])
+    t35 = oe.contract('abc,acb->bac', t2, X, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dbc->da', t34, t35, optimize=[(0, 1)])
     return out
 
 
@@ -12546,31 +14590,39 @@ def ce_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     t7 = torch.where(t6, -math.inf, t5)
     t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
     A = t8 / t8.sum(-1, keepdim=True)
-    t9 = Y.sum(-1, keepdim=True)
-    t10 = t9.expand(*t9.shape[:-1], d_V)
-    t11 = A @ X
-    M_1 = t11
-    t12 = M_1 @ W_V
-    F = t12
-    t13 = torch.exp(F - F.amax(-1, keepdim=True))
-    A14 = t13 / t13.sum(-1, keepdim=True)
-    t15 = t10 * A14
-    t16 = (1/L) * t15
-    t17 = (-1/L) * Y
-    t18 = t16 + t17
-    G = t18
-    t19 = W_V.transpose(-1, -2)
-    t20 = t19 @ t1
-    t21 = G @ t20
-    t22 = t21 - (A * t21).sum(-1, keepdim=True)
-    t23 = A * t22
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t9 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t24 = torch.exp(t12 - t12.amax(-1, keepdim=True))
-    A25 = t24 / t24.sum(-1, keepdim=True)
-    return (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->', t0, t1, M_3, X, W_K, optimize=[(1, 3), (1, 3), (0, 1), (0, 1)]) + (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdf,ia->', t0, M_2, X, W_V, t10, A25, t19, M_2, X, W_K, optimize=[(4, 5), (2, 6), (0, 1), (1, 2), (2, 3), (0, 2), (0, 1), (1, 2), (0, 1)]) + (-1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdf,ja->', t0, M_2, X, W_V, t10, A25, A25, t19, M_2, X, W_K, optimize=[(4, 5), (2, 7), (0, 1), (1, 2), (1, 6), (0, 2), (2, 4), (0, 2), (1, 2), (0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t10 = Y.sum(-1, keepdim=True)
+    t11 = t10.expand(*t10.shape[:-1], d_V)
+    t12 = A @ X
+    M_1 = t12
+    t13 = M_1 @ W_V
+    t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    A15 = t14 / t14.sum(-1, keepdim=True)
+    t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA17 = oe.contract('abc,cd->abcd', A15, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A15, A15, optimize=[(0, 1)])
+    t18 = W_V.transpose(-1, -2)
+    F = t13
+    t19 = torch.exp(F - F.amax(-1, keepdim=True))
+    A20 = t19 / t19.sum(-1, keepdim=True)
+    t21 = t11 * A20
+    t22 = (1/L) * t21
+    t23 = (-1/L) * Y
+    t24 = t22 + t23
+    G = t24
+    t25 = t18 @ t1
+    t26 = G @ t25
+    t27 = t26 - (A * t26).sum(-1, keepdim=True)
+    t28 = A * t27
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t28, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t28, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t28, optimize=[(0, 1)])
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
+    return (1/(L*d_K*n_batch)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdf,ja->', t0, M_2, X, W_V, t11, dA17, t18, M_2, X, W_K, optimize=[(2, 8), (3, 4), (0, 5), (0, 1), (3, 5), (0, 1), (2, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch)) * oe.contract('ab,cde,cebf,ced,fa->', t0, t1, M_3, X, W_K, optimize=[(1, 3), (1, 3), (0, 1), (0, 1)])
 
 
 def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -12591,38 +14643,42 @@ def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t8 = torch.where(t7, -math.inf, t6)
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A = t9 / t9.sum(-1, keepdim=True)
-    t10 = Y.sum(-1, keepdim=True)
-    t11 = t10.expand(*t10.shape[:-1], d_V)
-    t12 = A @ X
-    M_1 = t12
-    t13 = M_1 @ W_V
-    F = t13
-    t14 = torch.exp(F - F.amax(-1, keepdim=True))
-    A15 = t14 / t14.sum(-1, keepdim=True)
-    t16 = t11 * A15
-    t17 = (1/L) * t16
-    t18 = (-1/L) * Y
-    t19 = t17 + t18
-    G = t19
-    t20 = W_V.transpose(-1, -2)
-    t21 = t20 @ t2
-    t22 = G @ t21
-    t23 = t22 - (A * t22).sum(-1, keepdim=True)
-    t24 = A * t23
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t24, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t24, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t24, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t25 = (1/(d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cde,cebf,ceg,fh->dagh', t25, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t10 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t26 = torch.exp(t13 - t13.amax(-1, keepdim=True))
-    A27 = t26 / t26.sum(-1, keepdim=True)
-    t28 = (1/(L*d_K*n_batch)) * t1
-    t0 += oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t28, M_2, X, W_V, t11, A27, t20, M_2, X, W_K, optimize=[(4, 5), (0, 1), (2, 3), (1, 5), (2, 4), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t29 = (-1/(L*d_K*n_batch)) * t1
-    t30 = oe.contract('abc,cd,abde,ef->fab', A27, t20, M_2, W_K, optimize=[(0, 1), (0, 2), (0, 1)])
-    t31 = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahcd', t29, M_2, X, W_V, t11, A27, X, optimize=[(4, 5), (0, 1), (1, 3), (2, 3), (0, 1), (0, 1)])
-    t0 += oe.contract('abc,defbc->defa', t30, t31, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t11 = Y.sum(-1, keepdim=True)
+    t12 = t11.expand(*t11.shape[:-1], d_V)
+    t13 = A @ X
+    M_1 = t13
+    t14 = M_1 @ W_V
+    t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
+    A16 = t15 / t15.sum(-1, keepdim=True)
+    t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA18 = oe.contract('abc,cd->abcd', A16, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A16, A16, optimize=[(0, 1)])
+    t19 = W_V.transpose(-1, -2)
+    t20 = (1/(L*d_K*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,jl->fakl', t20, M_2, X, W_V, t12, dA18, t19, M_2, X, W_K, optimize=[(4, 5), (0, 1), (1, 7), (5, 6), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    F = t14
+    t21 = torch.exp(F - F.amax(-1, keepdim=True))
+    A22 = t21 / t21.sum(-1, keepdim=True)
+    t23 = t12 * A22
+    t24 = (1/L) * t23
+    t25 = (-1/L) * Y
+    t26 = t24 + t25
+    G = t26
+    t27 = t19 @ t2
+    t28 = G @ t27
+    t29 = t28 - (A * t28).sum(-1, keepdim=True)
+    t30 = A * t29
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t30, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t30, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t30, optimize=[(0, 1)])
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
+    t31 = (1/(d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cde,cebf,ceg,fh->dagh', t31, t2, M_3, X, W_K, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -12642,33 +14698,41 @@ def ce_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t7 = torch.where(t6, -math.inf, t5)
     t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
     A = t8 / t8.sum(-1, keepdim=True)
-    t9 = Y.sum(-1, keepdim=True)
-    t10 = t9.expand(*t9.shape[:-1], d_V)
-    t11 = A @ X
-    M_1 = t11
-    t12 = M_1 @ W_V
-    F = t12
-    t13 = torch.exp(F - F.amax(-1, keepdim=True))
-    A14 = t13 / t13.sum(-1, keepdim=True)
-    t15 = t10 * A14
-    t16 = (1/L) * t15
-    t17 = (-1/L) * Y
-    t18 = t16 + t17
-    G = t18
-    t19 = W_V.transpose(-1, -2)
-    t20 = t19 @ t1
-    t21 = G @ t20
-    t22 = t21 - (A * t21).sum(-1, keepdim=True)
-    t23 = A * t22
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t9 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t24 = torch.exp(t12 - t12.amax(-1, keepdim=True))
-    A25 = t24 / t24.sum(-1, keepdim=True)
-    t26 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 2), (0, 4), (2, 3), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jkli,jkd,lm,jkm,jkm,mn,jkno,jkg,oh->', t0, t1, M_3, X, W_K, t0, M_2, X, W_V, t10, A25, t19, M_2, X, W_K, optimize=[(9, 10), (0, 2), (3, 4), (0, 3), (3, 4), (0, 3), (6, 8), (0, 2), (0, 3), (1, 3), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jkli,jkd,lm,jkm,jkm,jkn,no,jkop,jkg,ph->', t0, t1, M_3, X, W_K, t0, M_2, X, W_V, t10, A25, A25, t19, M_2, X, W_K, optimize=[(9, 10), (0, 2), (3, 4), (0, 3), (3, 4), (3, 10), (0, 3), (6, 8), (0, 2), (0, 1), (1, 5), (0, 2), (2, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnol,mnf,op,mnp,mnp,pq,mnqr,mnj,rk->', t0, M_2, X, W_V, t10, A25, t19, M_2, X, W_K, t0, M_2, X, W_V, t10, A25, t19, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (4, 5), (0, 4), (4, 5), (1, 4), (9, 11), (1, 3), (0, 4), (0, 4), (2, 5), (0, 4), (4, 5), (0, 3), (0, 3), (1, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnol,mnf,op,mnp,mnp,mnq,qr,mnrs,mnj,sk->', t0, M_2, X, W_V, t10, A25, t19, M_2, X, W_K, t0, M_2, X, W_V, t10, A25, A25, t19, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (4, 5), (0, 4), (4, 5), (4, 13), (1, 4), (9, 11), (1, 3), (1, 3), (4, 8), (0, 2), (1, 4), (0, 4), (3, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,jl,am,nopm,nof,pq,noq,noq,nor,rs,nost,nok,tl->', t0, M_2, X, W_V, t10, A25, A25, t19, M_2, X, W_K, t0, M_2, X, W_V, t10, A25, A25, t19, M_2, X, W_K, optimize=[(4, 5), (13, 14), (0, 1), (2, 3), (2, 17), (4, 5), (0, 4), (4, 5), (4, 13), (1, 4), (9, 11), (1, 3), (0, 2), (2, 8), (0, 1), (1, 6), (0, 3), (2, 3), (1, 3), (0, 1), (0, 1)])
-    t27 = torch.sqrt(torch.clamp(t26, min=0.0))
-    return t27
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t10 = Y.sum(-1, keepdim=True)
+    t11 = t10.expand(*t10.shape[:-1], d_V)
+    t12 = A @ X
+    M_1 = t12
+    t13 = M_1 @ W_V
+    t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    A15 = t14 / t14.sum(-1, keepdim=True)
+    t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA17 = oe.contract('abc,cd->abcd', A15, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A15, A15, optimize=[(0, 1)])
+    t18 = W_V.transpose(-1, -2)
+    F = t13
+    t19 = torch.exp(F - F.amax(-1, keepdim=True))
+    A20 = t19 / t19.sum(-1, keepdim=True)
+    t21 = t11 * A20
+    t22 = (1/L) * t21
+    t23 = (-1/L) * Y
+    t24 = t22 + t23
+    G = t24
+    t25 = t18 @ t1
+    t26 = G @ t25
+    t27 = t26 - (A * t26).sum(-1, keepdim=True)
+    t28 = A * t27
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t28, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t28, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t28, optimize=[(0, 1)])
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
+    t29 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,jl,am,nopm,nof,pq,noq,noqr,rs,nost,nok,tl->', t0, M_2, X, W_V, t11, dA17, t18, M_2, X, W_K, t0, M_2, X, W_V, t11, dA17, t18, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 8), (1, 8), (4, 10), (13, 14), (4, 9), (0, 1), (6, 11), (0, 1), (8, 9), (0, 1), (2, 7), (0, 1), (4, 5), (0, 3), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,jl,am,nfo,nomp,nok,pl->', t0, M_2, X, W_V, t11, dA17, t18, M_2, X, W_K, t0, t1, M_3, X, W_K, optimize=[(4, 5), (0, 8), (1, 7), (4, 7), (9, 10), (4, 6), (0, 1), (3, 7), (0, 1), (4, 5), (0, 1), (0, 2), (1, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t30 = torch.sqrt(torch.clamp(t29, min=0.0))
+    return t30
 
 
 def ce_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -12714,24 +14778,28 @@ def ce_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t28 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
     t29 = (1/(math.sqrt(d_K)*n_batch)) * t28
     t1 += oe.contract('abc,d->bcd', t27, t29, optimize=[(0, 1)])
+    t30 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t25, t30, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t25, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t25, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t25, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t25, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t25, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t30 = (1/(d_K*n_batch)) * t3
-    t31 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t32 = oe.contract('ab,cdbe->aecd', t30, M_3, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t31, t32, optimize=[(0, 1)])
+    M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
+    t31 = (1/(d_K*n_batch)) * t3
+    t32 = oe.contract('abc,acd,de->beac', t2, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t33 = oe.contract('ab,cdbe->aecd', t31, M_3, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t32, t33, optimize=[(0, 1)])
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t30, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t33 = torch.exp(t14 - t14.amax(-1, keepdim=True))
-    A34 = t33 / t33.sum(-1, keepdim=True)
-    t35 = (1/(L*d_K*n_batch)) * t3
-    t36 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t37 = oe.contract('ab,cdeb,ef,cdf,cdf,fg,cdgh->ahcd', t35, M_2, W_V, t12, A34, t21, M_2, optimize=[(3, 4), (0, 1), (1, 2), (0, 2), (0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t36, t37, optimize=[(0, 1)])
-    t38 = (-1/(L*d_K*n_batch)) * t3
-    t39 = oe.contract('abc,abd,de,abef,abg,gh->cfhab', X, A34, t21, M_2, X, W_Q, optimize=[(1, 2), (1, 4), (1, 2), (0, 1), (0, 1)])
-    t40 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t38, M_2, W_V, t12, A34, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
-    t0 += oe.contract('abcde,fde->afbc', t39, t40, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t34 = torch.exp(t14 - t14.amax(-1, keepdim=True))
+    A35 = t34 / t34.sum(-1, keepdim=True)
+    t36 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA37 = oe.contract('abc,cd->abcd', A35, t36, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A35, A35, optimize=[(0, 1)])
+    t38 = (1/(L*d_K*n_batch)) * t3
+    t39 = oe.contract('abc,abd,de->ceab', X, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t40 = oe.contract('ab,cdeb,ef,cdf,cdfg,gh,cdhi->aicd', t38, M_2, W_V, t12, dA37, t21, M_2, optimize=[(0, 1), (1, 2), (1, 4), (1, 3), (0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t39, t40, optimize=[(0, 1)])
     return out
 
 
@@ -12771,15 +14839,23 @@ def ce_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t23 = A * t22
     t24 = t23 @ X
     t25 = t0 @ t24
+    t26 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t23, t26, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t23, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t23, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t0, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t26, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t26 = torch.exp(t12 - t12.amax(-1, keepdim=True))
-    A27 = t26 / t26.sum(-1, keepdim=True)
-    t28 = (n_batch**(-2)) * oe.contract('abc,dbc->', t25, t25, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t25, t1, t0, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgi,fgi,ij,fgjc,fgk,kd->', t25, t1, M_2, X, W_V, t10, A27, t19, M_2, X, W_Q, optimize=[(5, 6), (0, 3), (4, 8), (0, 1), (2, 3), (4, 5), (1, 3), (1, 3), (0, 1), (0, 1)]) + (-2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgi,fgi,fgj,jk,fgkc,fgl,ld->', t25, t1, M_2, X, W_V, t10, A27, A27, t19, M_2, X, W_Q, optimize=[(5, 6), (0, 3), (5, 9), (0, 1), (1, 2), (4, 6), (1, 2), (2, 4), (0, 1), (1, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t1, t0, M_3, X, W_Q, t1, t0, M_3, X, W_Q, optimize=[(0, 2), (1, 2), (0, 2), (0, 1), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkm,jkm,mn,jknf,jko,oh->', t1, t0, M_3, X, W_Q, t1, M_2, X, W_V, t10, A27, t19, M_2, X, W_Q, optimize=[(9, 10), (0, 2), (1, 2), (1, 2), (0, 1), (1, 2), (1, 2), (0, 4), (0, 4), (4, 5), (0, 4), (1, 3), (0, 1), (0, 1)]) + (-2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkm,jkm,jkn,no,jkof,jkp,ph->', t1, t0, M_3, X, W_Q, t1, M_2, X, W_V, t10, A27, A27, t19, M_2, X, W_Q, optimize=[(9, 10), (0, 2), (1, 2), (1, 2), (0, 1), (1, 2), (1, 9), (1, 2), (0, 1), (2, 6), (0, 3), (3, 4), (1, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnol,mnf,op,mnp,mnp,pq,mnqi,mnr,rk->', t1, M_2, X, W_V, t10, A27, t19, M_2, X, W_Q, t1, M_2, X, W_V, t10, A27, t19, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (2, 3), (2, 3), (0, 2), (2, 3), (2, 3), (0, 4), (1, 3), (7, 8), (0, 3), (0, 3), (4, 5), (3, 4), (1, 3), (0, 1), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnol,mnf,op,mnp,mnp,mnq,qr,mnri,mns,sk->', t1, M_2, X, W_V, t10, A27, t19, M_2, X, W_Q, t1, M_2, X, W_V, t10, A27, A27, t19, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 1), (2, 3), (2, 3), (2, 3), (0, 2), (2, 3), (2, 12), (2, 3), (1, 3), (5, 9), (0, 2), (0, 1), (5, 6), (0, 3), (0, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,hi,cdij,cdk,kl,am,nopm,nof,pq,noq,noq,nor,rs,nosj,not,tl->', t1, M_2, X, W_V, t10, A27, A27, t19, M_2, X, W_Q, t1, M_2, X, W_V, t10, A27, A27, t19, M_2, X, W_Q, optimize=[(4, 5), (13, 14), (0, 1), (2, 3), (2, 17), (2, 3), (2, 3), (0, 2), (2, 3), (2, 12), (2, 3), (0, 2), (2, 9), (0, 1), (2, 7), (0, 3), (1, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t29 = torch.sqrt(torch.clamp(t28, min=0.0))
-    return t29
+    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    t27 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A28 = t27 / t27.sum(-1, keepdim=True)
+    t29 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA30 = oe.contract('abc,cd->abcd', A28, t29, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A28, A28, optimize=[(0, 1)])
+    t31 = (n_batch**(-2)) * oe.contract('abc,dbc->', t25, t25, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t25, t1, t0, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghe,fgb,hi,fgi,fgij,jk,fgkc,fgl,ld->', t25, t1, M_2, X, W_V, t10, dA30, t19, M_2, X, W_Q, optimize=[(0, 3), (6, 9), (3, 4), (0, 5), (2, 4), (3, 5), (2, 3), (0, 3), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t1, t0, M_3, X, W_Q, t1, t0, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jkli,jkd,lm,jkm,jkmn,no,jkof,jkp,ph->', t1, t0, M_3, X, W_Q, t1, M_2, X, W_V, t10, dA30, t19, M_2, X, W_Q, optimize=[(9, 10), (0, 5), (0, 5), (1, 2), (5, 6), (8, 9), (7, 8), (0, 6), (0, 1), (2, 5), (0, 1), (2, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,kl,am,nopm,nof,pq,noq,noqr,rs,nosj,not,tl->', t1, M_2, X, W_V, t10, dA30, t19, M_2, X, W_Q, t1, M_2, X, W_V, t10, dA30, t19, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 8), (1, 8), (4, 5), (8, 9), (12, 13), (11, 12), (0, 1), (6, 10), (0, 1), (7, 8), (0, 1), (2, 6), (0, 1), (3, 4), (0, 2), (1, 2), (0, 1)])
+    t32 = torch.sqrt(torch.clamp(t31, min=0.0))
+    return t32
 
 
 def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -12800,25 +14876,27 @@ def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t8 = torch.where(t7, -math.inf, t6)
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A = t9 / t9.sum(-1, keepdim=True)
+    t10 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t10 = Y.sum(-1, keepdim=True)
-    t11 = t10.expand(*t10.shape[:-1], d_V)
-    t12 = A @ X
-    M_1 = t12
-    t13 = M_1 @ W_V
-    t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
-    A15 = t14 / t14.sum(-1, keepdim=True)
-    t16 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh->fahg', t16, M_2, X, W_V, t11, A15, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t17 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t18 = oe.contract('abc,abd,abe->cedab', X, A15, M_1, optimize=[(0, 1), (0, 1)])
-    t19 = oe.contract('ab,cdeb,ef,cdf,cdf->acd', t17, M_2, W_V, t11, A15, optimize=[(3, 4), (0, 1), (0, 1), (0, 1)])
-    t0 += oe.contract('abcde,fde->afbc', t18, t19, optimize=[(0, 1)])
-    F = t13
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t11 = Y.sum(-1, keepdim=True)
+    t12 = t11.expand(*t11.shape[:-1], d_V)
+    t13 = A @ X
+    M_1 = t13
+    t14 = M_1 @ W_V
+    t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
+    A16 = t15 / t15.sum(-1, keepdim=True)
+    t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA18 = oe.contract('abc,cd->abcd', A16, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A16, A16, optimize=[(0, 1)])
+    t19 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,cdi->faih', t19, M_2, X, W_V, t12, dA18, M_1, optimize=[(4, 5), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)])
+    F = t14
     t20 = torch.exp(F - F.amax(-1, keepdim=True))
     A21 = t20 / t20.sum(-1, keepdim=True)
-    t22 = t11 * A21
+    t22 = t12 * A21
     t23 = (1/L) * t22
     t24 = (-1/L) * Y
     t25 = t23 + t24
@@ -12846,26 +14924,32 @@ def ce_causal1__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t7 = torch.where(t6, -math.inf, t5)
     t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
     A = t8 / t8.sum(-1, keepdim=True)
+    t9 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t9 = Y.sum(-1, keepdim=True)
-    t10 = t9.expand(*t9.shape[:-1], d_V)
-    t11 = A @ X
-    M_1 = t11
-    t12 = M_1 @ W_V
-    t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
-    A14 = t13 / t13.sum(-1, keepdim=True)
-    F = t12
-    t15 = torch.exp(F - F.amax(-1, keepdim=True))
-    A16 = t15 / t15.sum(-1, keepdim=True)
-    t17 = t10 * A16
-    t18 = (1/L) * t17
-    t19 = (-1/L) * Y
-    t20 = t18 + t19
-    G = t20
-    t21 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,ai,jkli,jkf,lg,jkg,jkg,jkh->', t0, M_2, X, W_V, t10, A14, M_1, t0, M_2, X, W_V, t10, A14, M_1, optimize=[(4, 5), (9, 10), (0, 1), (3, 4), (0, 3), (1, 3), (6, 7), (0, 4), (0, 3), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,ai,jkli,jkf,lm,jkm,jkm,jkg,jkh->', t0, M_2, X, W_V, t10, A14, M_1, t0, M_2, X, W_V, t10, A14, A14, M_1, optimize=[(4, 5), (9, 10), (0, 1), (3, 4), (0, 3), (1, 4), (7, 8), (1, 4), (4, 6), (0, 3), (1, 4), (0, 3), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,ai,jkhi,jkf,jkg->', t0, M_2, X, W_V, t10, A14, M_1, t0, M_2, X, G, optimize=[(4, 5), (0, 1), (2, 4), (0, 3), (0, 4), (0, 3), (3, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi,aj,klmj,klf,mn,kln,kln,klh,kli->', t0, M_2, X, W_V, t10, A14, A14, M_1, t0, M_2, X, W_V, t10, A14, A14, M_1, optimize=[(4, 5), (10, 11), (0, 1), (4, 5), (0, 4), (1, 4), (8, 9), (1, 3), (6, 7), (0, 2), (2, 5), (0, 1), (0, 3), (0, 2), (0, 1)]) + (-2/(L*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdg,cdh,cdi,aj,klij,klf,klh->', t0, M_2, X, W_V, t10, A14, A14, M_1, t0, M_2, X, G, optimize=[(4, 5), (0, 1), (3, 5), (0, 4), (1, 3), (5, 6), (4, 5), (0, 2), (1, 3), (0, 1), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 1), (2, 3), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
-    return t22
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t10 = Y.sum(-1, keepdim=True)
+    t11 = t10.expand(*t10.shape[:-1], d_V)
+    t12 = A @ X
+    M_1 = t12
+    t13 = M_1 @ W_V
+    t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    A15 = t14 / t14.sum(-1, keepdim=True)
+    t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA17 = oe.contract('abc,cd->abcd', A15, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A15, A15, optimize=[(0, 1)])
+    F = t13
+    t18 = torch.exp(F - F.amax(-1, keepdim=True))
+    A19 = t18 / t18.sum(-1, keepdim=True)
+    t20 = t11 * A19
+    t21 = (1/L) * t20
+    t22 = (-1/L) * Y
+    t23 = t21 + t22
+    G = t23
+    t24 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,cdi,aj,klmj,klf,mn,kln,klnh,kli->', t0, M_2, X, W_V, t11, dA17, M_1, t0, M_2, X, W_V, t11, dA17, M_1, optimize=[(4, 5), (9, 10), (0, 5), (1, 5), (2, 5), (7, 8), (0, 1), (2, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,cdi,aj,klij,klf,klh->', t0, M_2, X, W_V, t11, dA17, M_1, t0, M_2, X, G, optimize=[(4, 5), (0, 5), (1, 5), (0, 1), (3, 6), (0, 1), (2, 4), (0, 2), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
+    return t25
 
 
 def ce_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -12887,40 +14971,44 @@ def ce_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t9 = torch.where(t8, -math.inf, t7)
     t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
     A = t10 / t10.sum(-1, keepdim=True)
-    t11 = Y.sum(-1, keepdim=True)
-    t12 = t11.expand(*t11.shape[:-1], d_V)
-    t13 = A @ X
-    M_1 = t13
-    t14 = M_1 @ W_V
-    F = t14
-    t15 = torch.exp(F - F.amax(-1, keepdim=True))
-    A16 = t15 / t15.sum(-1, keepdim=True)
-    t17 = t12 * A16
-    t18 = (1/L) * t17
-    t19 = (-1/L) * Y
-    t20 = t18 + t19
-    G = t20
-    t21 = W_V.transpose(-1, -2)
-    t22 = t21 @ t2
-    t23 = G @ t22
-    t24 = t23 - (A * t23).sum(-1, keepdim=True)
-    t25 = A * t24
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t25, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t25, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t25, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t26 = (1/(d_K*n_batch)) * t1
-    t0[...] = oe.contract('ab,cbd,cdee,cdf,fa->ea', t26, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
+    t11 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t27 = torch.exp(t14 - t14.amax(-1, keepdim=True))
-    A28 = t27 / t27.sum(-1, keepdim=True)
-    t29 = (1/(L*d_K*n_batch)) * t1
-    t30 = oe.contract('ab,cdb,cde,ea->acd', t29, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t31 = oe.contract('abcd,ce,abe,abe,ef,abfd->dab', M_2, W_V, t12, A28, t21, M_2, optimize=[(2, 3), (0, 1), (0, 1), (1, 2), (0, 1)])
-    t0 += oe.contract('abc,dbc->da', t30, t31, optimize=[(0, 1)])
-    t32 = (-1/(L*d_K*n_batch)) * t1
-    t33 = oe.contract('ab,cdb,cde,ea->acd', t32, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t34 = oe.contract('abcd,ce,abe,abe,abf,fg,abgd->dab', M_2, W_V, t12, A28, A28, t21, M_2, optimize=[(2, 3), (0, 1), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t0 += oe.contract('abc,dbc->da', t33, t34, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t12 = Y.sum(-1, keepdim=True)
+    t13 = t12.expand(*t12.shape[:-1], d_V)
+    t14 = A @ X
+    M_1 = t14
+    t15 = M_1 @ W_V
+    t16 = torch.exp(t15 - t15.amax(-1, keepdim=True))
+    A17 = t16 / t16.sum(-1, keepdim=True)
+    t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA19 = oe.contract('abc,cd->abcd', A17, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A17, A17, optimize=[(0, 1)])
+    t20 = W_V.transpose(-1, -2)
+    t21 = (1/(L*d_K*n_batch)) * t1
+    t22 = oe.contract('ab,cdb,cde,ea->acd', t21, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t23 = oe.contract('abcd,ce,abe,abef,fg,abgd->dab', M_2, W_V, t13, dA19, t20, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t22, t23, optimize=[(0, 1)])
+    F = t15
+    t24 = torch.exp(F - F.amax(-1, keepdim=True))
+    A25 = t24 / t24.sum(-1, keepdim=True)
+    t26 = t13 * A25
+    t27 = (1/L) * t26
+    t28 = (-1/L) * Y
+    t29 = t27 + t28
+    G = t29
+    t30 = t20 @ t2
+    t31 = G @ t30
+    t32 = t31 - (A * t31).sum(-1, keepdim=True)
+    t33 = A * t32
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t33, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t33, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t33, optimize=[(0, 1)])
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
+    t34 = (1/(d_K*n_batch)) * t1
+    t0 += oe.contract('ab,cbd,cdee,cdf,fa->ea', t34, t2, M_3, X, W_Q, optimize=[(0, 1), (1, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -12941,31 +15029,39 @@ def ce_causal1__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     t8 = torch.where(t7, -math.inf, t6)
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A = t9 / t9.sum(-1, keepdim=True)
-    t10 = Y.sum(-1, keepdim=True)
-    t11 = t10.expand(*t10.shape[:-1], d_V)
-    t12 = A @ X
-    M_1 = t12
-    t13 = M_1 @ W_V
-    F = t13
-    t14 = torch.exp(F - F.amax(-1, keepdim=True))
-    A15 = t14 / t14.sum(-1, keepdim=True)
-    t16 = t11 * A15
-    t17 = (1/L) * t16
-    t18 = (-1/L) * Y
-    t19 = t17 + t18
-    G = t19
-    t20 = W_V.transpose(-1, -2)
-    t21 = t20 @ t1
-    t22 = G @ t21
-    t23 = t22 - (A * t22).sum(-1, keepdim=True)
-    t24 = A * t23
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t24, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t24, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t24, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t10 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t25 = torch.exp(t13 - t13.amax(-1, keepdim=True))
-    A26 = t25 / t25.sum(-1, keepdim=True)
-    return (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->', t0, t1, M_3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)]) + (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhf,cdi,ia->', t0, M_2, X, W_V, t11, A26, t20, M_2, X, W_Q, optimize=[(4, 5), (1, 5), (0, 1), (2, 3), (4, 5), (0, 3), (0, 3), (0, 2), (0, 1)]) + (-1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdif,cdj,ja->', t0, M_2, X, W_V, t11, A26, A26, t20, M_2, X, W_Q, optimize=[(4, 5), (1, 6), (0, 1), (1, 2), (4, 6), (1, 2), (2, 4), (0, 1), (0, 2), (0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t11 = Y.sum(-1, keepdim=True)
+    t12 = t11.expand(*t11.shape[:-1], d_V)
+    t13 = A @ X
+    M_1 = t13
+    t14 = M_1 @ W_V
+    t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
+    A16 = t15 / t15.sum(-1, keepdim=True)
+    t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA18 = oe.contract('abc,cd->abcd', A16, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A16, A16, optimize=[(0, 1)])
+    t19 = W_V.transpose(-1, -2)
+    F = t14
+    t20 = torch.exp(F - F.amax(-1, keepdim=True))
+    A21 = t20 / t20.sum(-1, keepdim=True)
+    t22 = t12 * A21
+    t23 = (1/L) * t22
+    t24 = (-1/L) * Y
+    t25 = t23 + t24
+    G = t25
+    t26 = t19 @ t1
+    t27 = G @ t26
+    t28 = t27 - (A * t27).sum(-1, keepdim=True)
+    t29 = A * t28
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t29, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t29, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t29, optimize=[(0, 1)])
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
+    return (1/(L*d_K*n_batch)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdif,cdj,ja->', t0, M_2, X, W_V, t12, dA18, t19, M_2, X, W_Q, optimize=[(1, 7), (0, 1), (1, 2), (1, 6), (3, 5), (0, 4), (0, 1), (0, 2), (0, 1)]) + (1/(d_K*n_batch)) * oe.contract('ab,cbd,cdee,cdf,fa->', t0, t1, M_3, X, W_Q, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
 
 
 def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -13013,22 +15109,26 @@ def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t30 = (1/(math.sqrt(d_K)*n_batch)) * t29
     t1 += oe.contract('abc,d->bcd', t28, t30, optimize=[(0, 1)])
     t31 = W_Q.transpose(-1, -2)
+    t32 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t25, t32, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t25, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t25, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t25, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t25, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t25, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t32 = (1/(d_K*n_batch)) * t31
-    t33 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
-    t34 = oe.contract('ab,cbd,cde->aecd', t32, t2, X, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t33, t34, optimize=[(0, 1)])
+    M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
+    t33 = (1/(d_K*n_batch)) * t31
+    t34 = oe.contract('abcd,de->ceab', M_3, W_K, optimize=[(0, 1)])
+    t35 = oe.contract('ab,cbd,cde->aecd', t33, t2, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t34, t35, optimize=[(0, 1)])
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t32, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t35 = torch.exp(t14 - t14.amax(-1, keepdim=True))
-    A36 = t35 / t35.sum(-1, keepdim=True)
-    t37 = (1/(L*d_K*n_batch)) * t31
-    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik->fajk', t37, M_2, X, W_V, t12, A36, t21, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (2, 4), (3, 4), (1, 3), (0, 1), (0, 1)])
-    t38 = (-1/(L*d_K*n_batch)) * t31
-    t39 = oe.contract('ab,cdb,cde,ef,cdfg,cdh,gi->ahicd', t38, X, A36, t21, M_2, X, W_K, optimize=[(0, 1), (0, 1), (0, 4), (1, 3), (0, 1), (0, 1)])
-    t40 = oe.contract('abcd,ce,abe,abe->dab', M_2, W_V, t12, A36, optimize=[(1, 2), (1, 2), (0, 1)])
-    t0 += oe.contract('abcde,fde->fabc', t39, t40, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t36 = torch.exp(t14 - t14.amax(-1, keepdim=True))
+    A37 = t36 / t36.sum(-1, keepdim=True)
+    t38 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA39 = oe.contract('abc,cd->abcd', A37, t38, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A37, A37, optimize=[(0, 1)])
+    t40 = (1/(L*d_K*n_batch)) * t31
+    t0 += oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,jl->fakl', t40, M_2, X, W_V, t12, dA39, t21, M_2, X, W_K, optimize=[(4, 5), (0, 2), (0, 1), (4, 6), (0, 1), (3, 4), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -13070,15 +15170,23 @@ def ce_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t25 = t24 @ X
     t26 = t0 @ t25
     t27 = W_Q.transpose(-1, -2)
+    t28 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t23, t28, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t23, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t23, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t0, t23, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t23, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t23, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t28, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t28 = torch.exp(t12 - t12.amax(-1, keepdim=True))
-    A29 = t28 / t28.sum(-1, keepdim=True)
-    t30 = (n_batch**(-2)) * oe.contract('abc,dbc->', t26, t26, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t26, t27, t0, M_3, X, W_K, optimize=[(0, 3), (2, 4), (0, 1), (0, 2), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgi,fgi,ij,fgjk,fgc,kd->', t26, t27, M_2, X, W_V, t10, A29, t19, M_2, X, W_K, optimize=[(5, 6), (0, 2), (5, 8), (0, 1), (1, 2), (0, 3), (1, 4), (2, 3), (0, 1), (0, 1)]) + (-2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgi,fgi,fgj,jk,fgkl,fgc,ld->', t26, t27, M_2, X, W_V, t10, A29, A29, t19, M_2, X, W_K, optimize=[(5, 6), (0, 2), (6, 9), (0, 1), (1, 2), (1, 6), (0, 2), (1, 4), (0, 1), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t27, t0, M_3, X, W_K, t27, t0, M_3, X, W_K, optimize=[(0, 1), (0, 2), (1, 2), (0, 2), (0, 1), (1, 4), (2, 3), (0, 1), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkm,jkm,mn,jkno,jkg,oh->', t27, t0, M_3, X, W_K, t27, M_2, X, W_V, t10, A29, t19, M_2, X, W_K, optimize=[(9, 10), (0, 1), (0, 2), (1, 3), (1, 2), (1, 2), (0, 1), (0, 3), (1, 2), (3, 5), (0, 1), (0, 3), (0, 2), (0, 1)]) + (-2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkm,jkm,jkn,no,jkop,jkg,ph->', t27, t0, M_3, X, W_K, t27, M_2, X, W_V, t10, A29, A29, t19, M_2, X, W_K, optimize=[(9, 10), (0, 1), (0, 2), (1, 3), (1, 2), (6, 10), (1, 2), (1, 8), (0, 1), (0, 2), (0, 1), (2, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnof,mnl,op,mnp,mnp,pq,mnqr,mnj,rk->', t27, M_2, X, W_V, t10, A29, t19, M_2, X, W_K, t27, M_2, X, W_V, t10, A29, t19, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (2, 4), (2, 3), (2, 3), (0, 2), (0, 1), (0, 3), (2, 8), (1, 2), (3, 6), (0, 1), (0, 4), (0, 1), (1, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,ik,al,mnof,mnl,op,mnp,mnp,mnq,qr,mnrs,mnj,sk->', t27, M_2, X, W_V, t10, A29, t19, M_2, X, W_K, t27, M_2, X, W_V, t10, A29, A29, t19, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (2, 4), (2, 3), (8, 13), (2, 3), (2, 11), (0, 2), (0, 1), (0, 2), (1, 7), (0, 1), (2, 5), (0, 3), (2, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,jl,am,nopf,nom,pq,noq,noq,nor,rs,nost,nok,tl->', t27, M_2, X, W_V, t10, A29, A29, t19, M_2, X, W_K, t27, M_2, X, W_V, t10, A29, A29, t19, M_2, X, W_K, optimize=[(4, 5), (13, 14), (0, 2), (0, 1), (14, 17), (0, 1), (0, 15), (2, 4), (2, 3), (7, 12), (2, 3), (2, 10), (0, 2), (0, 1), (0, 3), (4, 6), (0, 2), (3, 4), (0, 2), (0, 2), (0, 1)])
-    t31 = torch.sqrt(torch.clamp(t30, min=0.0))
-    return t31
+    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    t29 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A30 = t29 / t29.sum(-1, keepdim=True)
+    t31 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA32 = oe.contract('abc,cd->abcd', A30, t31, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A30, A30, optimize=[(0, 1)])
+    t33 = (n_batch**(-2)) * oe.contract('abc,dbc->', t26, t26, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t26, t27, t0, M_3, X, W_K, optimize=[(0, 4), (2, 4), (0, 1), (0, 1), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fghb,fge,hi,fgi,fgij,jk,fgkl,fgc,ld->', t26, t27, M_2, X, W_V, t10, dA32, t19, M_2, X, W_K, optimize=[(0, 9), (1, 9), (3, 4), (0, 1), (0, 4), (3, 5), (0, 4), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t27, t0, M_3, X, W_K, t27, t0, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jkle,jki,lm,jkm,jkmn,no,jkop,jkg,ph->', t27, t0, M_3, X, W_K, t27, M_2, X, W_V, t10, dA32, t19, M_2, X, W_K, optimize=[(9, 10), (0, 1), (1, 9), (1, 8), (1, 3), (6, 9), (6, 8), (0, 6), (0, 1), (2, 5), (0, 1), (2, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,jl,am,nopf,nom,pq,noq,noqr,rs,nost,nok,tl->', t27, M_2, X, W_V, t10, dA32, t19, M_2, X, W_K, t27, M_2, X, W_V, t10, dA32, t19, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1), (15, 16), (0, 1), (13, 14), (2, 4), (2, 3), (2, 3), (9, 10), (2, 3), (7, 8), (0, 2), (0, 1), (0, 2), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t34 = torch.sqrt(torch.clamp(t33, min=0.0))
+    return t34
 
 
 def ce_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -13100,42 +15208,46 @@ def ce_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t9 = torch.where(t8, -math.inf, t7)
     t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
     A = t10 / t10.sum(-1, keepdim=True)
-    t11 = Y.sum(-1, keepdim=True)
-    t12 = t11.expand(*t11.shape[:-1], d_V)
-    t13 = A @ X
-    M_1 = t13
-    t14 = M_1 @ W_V
-    F = t14
-    t15 = torch.exp(F - F.amax(-1, keepdim=True))
-    A16 = t15 / t15.sum(-1, keepdim=True)
-    t17 = t12 * A16
-    t18 = (1/L) * t17
-    t19 = (-1/L) * Y
-    t20 = t18 + t19
-    G = t20
-    t21 = W_V.transpose(-1, -2)
-    t22 = t21 @ t2
-    t23 = G @ t22
-    t24 = t23 - (A * t23).sum(-1, keepdim=True)
-    t25 = A * t24
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t25, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t25, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t25, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t26 = (1/(d_K*n_batch)) * t1
-    t27 = oe.contract('ab,cbd,cde,ef->afcd', t26, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
-    t28 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t27, t28, optimize=[(0, 1)])
+    t11 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t29 = torch.exp(t14 - t14.amax(-1, keepdim=True))
-    A30 = t29 / t29.sum(-1, keepdim=True)
-    t31 = (1/(L*d_K*n_batch)) * t1
-    t32 = oe.contract('abc,cd->dab', X, W_Q, optimize=[(0, 1)])
-    t33 = oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi->faicd', t31, M_2, X, W_V, t12, A30, t21, M_2, optimize=[(4, 5), (0, 2), (0, 1), (0, 1), (0, 2), (1, 2), (0, 1)])
-    t0 += oe.contract('abc,defbc->defa', t32, t33, optimize=[(0, 1)])
-    t34 = (-1/(L*d_K*n_batch)) * t1
-    t35 = oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi->faicd', t34, M_2, X, W_V, t12, A30, X, W_Q, optimize=[(4, 5), (0, 2), (0, 1), (2, 4), (0, 1), (0, 1), (0, 1)])
-    t36 = oe.contract('abc,cd,abde->eab', A30, t21, M_2, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcde,fde->abfc', t35, t36, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t12 = Y.sum(-1, keepdim=True)
+    t13 = t12.expand(*t12.shape[:-1], d_V)
+    t14 = A @ X
+    M_1 = t14
+    t15 = M_1 @ W_V
+    t16 = torch.exp(t15 - t15.amax(-1, keepdim=True))
+    A17 = t16 / t16.sum(-1, keepdim=True)
+    t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA19 = oe.contract('abc,cd->abcd', A17, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A17, A17, optimize=[(0, 1)])
+    t20 = W_V.transpose(-1, -2)
+    t21 = (1/(L*d_K*n_batch)) * t1
+    t22 = oe.contract('ab,cdb,cde,ef->afcd', t21, X, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t23 = oe.contract('abcd,ce,abe,abef,fg,abgh->dhab', M_2, W_V, t13, dA19, t20, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
+    F = t15
+    t24 = torch.exp(F - F.amax(-1, keepdim=True))
+    A25 = t24 / t24.sum(-1, keepdim=True)
+    t26 = t13 * A25
+    t27 = (1/L) * t26
+    t28 = (-1/L) * Y
+    t29 = t27 + t28
+    G = t29
+    t30 = t20 @ t2
+    t31 = G @ t30
+    t32 = t31 - (A * t31).sum(-1, keepdim=True)
+    t33 = A * t32
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t33, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t33, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t33, optimize=[(0, 1)])
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
+    t34 = (1/(d_K*n_batch)) * t1
+    t35 = oe.contract('ab,cbd,cde,ef->afcd', t34, t2, X, W_Q, optimize=[(0, 1), (0, 1), (0, 1)])
+    t36 = oe.contract('abcd->cdab', M_3, optimize=[(0,)])
+    t0 += oe.contract('abcd,efcd->eafb', t35, t36, optimize=[(0, 1)])
     return out
 
 
@@ -13156,33 +15268,41 @@ def ce_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t8 = torch.where(t7, -math.inf, t6)
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A = t9 / t9.sum(-1, keepdim=True)
-    t10 = Y.sum(-1, keepdim=True)
-    t11 = t10.expand(*t10.shape[:-1], d_V)
-    t12 = A @ X
-    M_1 = t12
-    t13 = M_1 @ W_V
-    F = t13
-    t14 = torch.exp(F - F.amax(-1, keepdim=True))
-    A15 = t14 / t14.sum(-1, keepdim=True)
-    t16 = t11 * A15
-    t17 = (1/L) * t16
-    t18 = (-1/L) * Y
-    t19 = t17 + t18
-    G = t19
-    t20 = W_V.transpose(-1, -2)
-    t21 = t20 @ t1
-    t22 = G @ t21
-    t23 = t22 - (A * t22).sum(-1, keepdim=True)
-    t24 = A * t23
-    # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t24, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t24, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t24, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    t10 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t25 = torch.exp(t13 - t13.amax(-1, keepdim=True))
-    A26 = t25 / t25.sum(-1, keepdim=True)
-    t27 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jkle,jki,lm,jkm,jkm,mn,jknf,jko,oh->', t0, t1, M_3, X, W_Q, t0, M_2, X, W_V, t11, A26, t20, M_2, X, W_Q, optimize=[(9, 10), (0, 1), (1, 2), (1, 3), (1, 2), (1, 2), (1, 2), (2, 4), (1, 3), (2, 5), (0, 4), (2, 3), (0, 1), (0, 1)]) + (-2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jkle,jki,lm,jkm,jkm,jkn,no,jkof,jkp,ph->', t0, t1, M_3, X, W_Q, t0, M_2, X, W_V, t11, A26, A26, t20, M_2, X, W_Q, optimize=[(9, 10), (0, 1), (1, 2), (1, 3), (1, 2), (6, 10), (1, 2), (1, 8), (1, 2), (1, 3), (0, 2), (1, 4), (2, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnof,mnl,op,mnp,mnp,pq,mnqi,mnr,rk->', t0, M_2, X, W_V, t11, A26, t20, M_2, X, W_Q, t0, M_2, X, W_V, t11, A26, t20, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (0, 1), (0, 1), (0, 1), (0, 3), (2, 8), (1, 3), (0, 2), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,gh,cdhi,cdj,jk,al,mnof,mnl,op,mnp,mnp,mnq,qr,mnri,mns,sk->', t0, M_2, X, W_V, t11, A26, t20, M_2, X, W_Q, t0, M_2, X, W_V, t11, A26, A26, t20, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 2), (0, 1), (0, 1), (0, 1), (0, 2), (0, 1), (6, 12), (0, 1), (0, 10), (0, 1), (0, 2), (1, 7), (0, 2), (0, 3), (3, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,hi,cdij,cdk,kl,am,nopf,nom,pq,noq,noq,nor,rs,nosj,not,tl->', t0, M_2, X, W_V, t11, A26, A26, t20, M_2, X, W_Q, t0, M_2, X, W_V, t11, A26, A26, t20, M_2, X, W_Q, optimize=[(4, 5), (13, 14), (0, 2), (0, 1), (14, 17), (0, 1), (0, 15), (0, 1), (0, 2), (0, 1), (5, 11), (0, 1), (0, 9), (0, 1), (0, 4), (0, 3), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t28 = torch.sqrt(torch.clamp(t27, min=0.0))
-    return t28
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t11 = Y.sum(-1, keepdim=True)
+    t12 = t11.expand(*t11.shape[:-1], d_V)
+    t13 = A @ X
+    M_1 = t13
+    t14 = M_1 @ W_V
+    t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
+    A16 = t15 / t15.sum(-1, keepdim=True)
+    t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA18 = oe.contract('abc,cd->abcd', A16, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A16, A16, optimize=[(0, 1)])
+    t19 = W_V.transpose(-1, -2)
+    F = t14
+    t20 = torch.exp(F - F.amax(-1, keepdim=True))
+    A21 = t20 / t20.sum(-1, keepdim=True)
+    t22 = t12 * A21
+    t23 = (1/L) * t22
+    t24 = (-1/L) * Y
+    t25 = t23 + t24
+    G = t25
+    t26 = t19 @ t1
+    t27 = G @ t26
+    t28 = t27 - (A * t27).sum(-1, keepdim=True)
+    t29 = A * t28
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t29, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t29, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t29, optimize=[(0, 1)])
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
+    t30 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,kl,am,nopf,nom,pq,noq,noqr,rs,nosj,not,tl->', t0, M_2, X, W_V, t12, dA18, t19, M_2, X, W_Q, t0, M_2, X, W_V, t12, dA18, t19, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 1), (15, 16), (0, 1), (13, 14), (0, 1), (0, 2), (0, 1), (0, 1), (8, 9), (0, 1), (6, 7), (3, 6), (0, 1), (0, 2), (1, 3), (0, 1), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,kl,am,nmo,nofj,nop,pl->', t0, M_2, X, W_V, t12, dA18, t19, M_2, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (0, 1), (0, 1), (10, 11), (0, 1), (8, 9), (4, 8), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)])
+    t31 = torch.sqrt(torch.clamp(t30, min=0.0))
+    return t31
 
 
 def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -13204,35 +15324,35 @@ def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t9 = torch.where(t8, -math.inf, t7)
     t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
     A = t10 / t10.sum(-1, keepdim=True)
+    t11 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t11 = Y.sum(-1, keepdim=True)
-    t12 = t11.expand(*t11.shape[:-1], d_V)
-    t13 = A @ X
-    M_1 = t13
-    t14 = M_1 @ W_V
-    t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
-    A16 = t15 / t15.sum(-1, keepdim=True)
-    t17 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t18 = oe.contract('abcd,ce,abe,abe->deab', M_2, W_V, t12, A16, optimize=[(0, 1), (0, 1), (0, 1)])
-    t19 = oe.contract('ab,cdb,cde->aecd', t17, X, M_1, optimize=[(0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t18, t19, optimize=[(0, 1)])
-    t20 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t21 = oe.contract('ab,cdb,cde,cdf->afecd', t20, X, A16, M_1, optimize=[(0, 1), (0, 1), (0, 1)])
-    t22 = oe.contract('abcd,ce,abe,abe->dab', M_2, W_V, t12, A16, optimize=[(1, 2), (1, 2), (0, 1)])
-    t0 += oe.contract('abcde,fde->fabc', t21, t22, optimize=[(0, 1)])
-    F = t14
-    t23 = torch.exp(F - F.amax(-1, keepdim=True))
-    A24 = t23 / t23.sum(-1, keepdim=True)
-    t25 = t12 * A24
-    t26 = (1/L) * t25
-    t27 = (-1/L) * Y
-    t28 = t26 + t27
-    G = t28
-    t29 = (1/(math.sqrt(d_K)*n_batch)) * t1
-    t30 = oe.contract('ab,cdb,cde->aecd', t29, X, G, optimize=[(0, 1), (0, 1)])
-    t31 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t0 += oe.contract('abcd,efcd->eafb', t30, t31, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t12 = Y.sum(-1, keepdim=True)
+    t13 = t12.expand(*t12.shape[:-1], d_V)
+    t14 = A @ X
+    M_1 = t14
+    t15 = M_1 @ W_V
+    t16 = torch.exp(t15 - t15.amax(-1, keepdim=True))
+    A17 = t16 / t16.sum(-1, keepdim=True)
+    t18 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA19 = oe.contract('abc,cd->abcd', A17, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A17, A17, optimize=[(0, 1)])
+    t20 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('ab,cdef,cdb,eg,cdg,cdgh,cdi->faih', t20, M_2, X, W_V, t13, dA19, M_1, optimize=[(4, 5), (0, 2), (0, 1), (1, 3), (0, 1), (0, 1)])
+    F = t15
+    t21 = torch.exp(F - F.amax(-1, keepdim=True))
+    A22 = t21 / t21.sum(-1, keepdim=True)
+    t23 = t13 * A22
+    t24 = (1/L) * t23
+    t25 = (-1/L) * Y
+    t26 = t24 + t25
+    G = t26
+    t27 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t28 = oe.contract('ab,cdb,cde->aecd', t27, X, G, optimize=[(0, 1), (0, 1)])
+    t29 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0 += oe.contract('abcd,efcd->eafb', t28, t29, optimize=[(0, 1)])
     return out
 
 
@@ -13253,26 +15373,32 @@ def ce_causal1__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t8 = torch.where(t7, -math.inf, t6)
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A = t9 / t9.sum(-1, keepdim=True)
+    t10 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t10 = Y.sum(-1, keepdim=True)
-    t11 = t10.expand(*t10.shape[:-1], d_V)
-    t12 = A @ X
-    M_1 = t12
-    t13 = M_1 @ W_V
-    t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
-    A15 = t14 / t14.sum(-1, keepdim=True)
-    F = t13
-    t16 = torch.exp(F - F.amax(-1, keepdim=True))
-    A17 = t16 / t16.sum(-1, keepdim=True)
-    t18 = t11 * A17
-    t19 = (1/L) * t18
-    t20 = (-1/L) * Y
-    t21 = t19 + t20
-    G = t21
-    t22 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,ai,jklf,jki,lg,jkg,jkg,jkh->', t0, M_2, X, W_V, t11, A15, M_1, t0, M_2, X, W_V, t11, A15, M_1, optimize=[(4, 5), (9, 10), (0, 2), (0, 1), (1, 3), (1, 2), (5, 7), (0, 1), (2, 3), (3, 4), (0, 2), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,ai,jklf,jki,lm,jkm,jkm,jkg,jkh->', t0, M_2, X, W_V, t11, A15, M_1, t0, M_2, X, W_V, t11, A15, A15, M_1, optimize=[(4, 5), (9, 10), (0, 2), (0, 1), (1, 3), (1, 2), (4, 8), (0, 2), (1, 3), (1, 2), (2, 4), (1, 2), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,ai,jkhf,jki,jkg->', t0, M_2, X, W_V, t11, A15, M_1, t0, M_2, X, G, optimize=[(4, 5), (0, 2), (0, 1), (0, 2), (5, 6), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi,aj,klmf,klj,mn,kln,kln,klh,kli->', t0, M_2, X, W_V, t11, A15, A15, M_1, t0, M_2, X, W_V, t11, A15, A15, M_1, optimize=[(4, 5), (10, 11), (0, 2), (0, 1), (8, 11), (2, 4), (2, 3), (4, 8), (0, 2), (0, 1), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (-2/(L*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdg,cdh,cdi,aj,klif,klj,klh->', t0, M_2, X, W_V, t11, A15, A15, M_1, t0, M_2, X, G, optimize=[(4, 5), (0, 2), (0, 1), (6, 8), (1, 3), (5, 6), (1, 2), (0, 1), (1, 3), (0, 1), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t23 = torch.sqrt(torch.clamp(t22, min=0.0))
-    return t23
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t11 = Y.sum(-1, keepdim=True)
+    t12 = t11.expand(*t11.shape[:-1], d_V)
+    t13 = A @ X
+    M_1 = t13
+    t14 = M_1 @ W_V
+    t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
+    A16 = t15 / t15.sum(-1, keepdim=True)
+    t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA18 = oe.contract('abc,cd->abcd', A16, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A16, A16, optimize=[(0, 1)])
+    F = t14
+    t19 = torch.exp(F - F.amax(-1, keepdim=True))
+    A20 = t19 / t19.sum(-1, keepdim=True)
+    t21 = t12 * A20
+    t22 = (1/L) * t21
+    t23 = (-1/L) * Y
+    t24 = t22 + t23
+    G = t24
+    t25 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,cdi,aj,klmf,klj,mn,kln,klnh,kli->', t0, M_2, X, W_V, t12, dA18, M_1, t0, M_2, X, W_V, t12, dA18, M_1, optimize=[(0, 2), (0, 1), (0, 1), (9, 10), (1, 3), (1, 2), (1, 2), (5, 6), (3, 5), (0, 1), (2, 3), (0, 1), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,cdi,aj,klif,klj,klh->', t0, M_2, X, W_V, t12, dA18, M_1, t0, M_2, X, G, optimize=[(0, 2), (0, 1), (0, 1), (6, 7), (0, 2), (4, 5), (2, 4), (0, 1), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t26 = torch.sqrt(torch.clamp(t25, min=0.0))
+    return t26
 
 
 def ce_causal1__diag__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -13301,12 +15427,13 @@ def ce_causal1__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     t14 = M_1 @ W_V
     t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
     A16 = t15 / t15.sum(-1, keepdim=True)
-    t17 = (1/(L*n_batch)) * t11
-    t18 = oe.contract('abc,abc->cab', t13, A16, optimize=[(0, 1)])
-    t19 = oe.contract('abc,acb->bac', t17, M_1, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t18, t19, optimize=[(0, 1)])
-    t20 = (-1/(L*n_batch)) * t11
-    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t20, t13, A16, A16, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A16, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A16, A16, optimize=[(0, 1)])
+    t18 = (1/(L*n_batch)) * t11
+    t19 = oe.contract('abc,abcc->cab', t13, dA, optimize=[(0, 1)])
+    t20 = oe.contract('abc,acb->bac', t18, M_1, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -13334,7 +15461,10 @@ def ce_causal1__trace__W_V__full(X, W_Q, W_K, W_V, Y):
     t13 = M_1 @ W_V
     t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
     A15 = t14 / t14.sum(-1, keepdim=True)
-    return (1/(L*n_batch)) * oe.contract('abc,acd,acd,acb->', t10, t12, A15, M_1, optimize=[(0, 3), (0, 1), (0, 1)]) + (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->', t10, t12, A15, A15, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A15, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A15, A15, optimize=[(0, 1)])
+    return (1/(L*n_batch)) * oe.contract('abc,acd,acdd,acb->', t10, t12, dA, M_1, optimize=[(0, 3), (0, 1), (0, 1)])
 
 
 def ce_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -13369,22 +15499,26 @@ def ce_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t19 = t17 + t18
     G = t19
     t20 = G.transpose(-1, -2)
+    t21 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t21, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
-    t22 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
-    t23 = oe.contract('abc,acd->bdac', t21, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
-    t24 = M_1.transpose(-1, -2)
-    t25 = torch.exp(t13 - t13.amax(-1, keepdim=True))
-    A26 = t25 / t25.sum(-1, keepdim=True)
-    t27 = W_V.transpose(-1, -2)
-    t28 = (1/(L*math.sqrt(d_K)*n_batch)) * t24
-    t0 += oe.contract('abc,acd,acd,de,acef,acg,fh->bdgh', t28, t2, A26, t27, M_2, X, W_K, optimize=[(1, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t29 = (-1/(L*math.sqrt(d_K)*n_batch)) * t24
-    t30 = oe.contract('abc,acd,de,acef,fg->bgac', t29, A26, t27, M_2, W_K, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
-    t31 = oe.contract('abc,abc,abd->cdab', t2, A26, X, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t30, t31, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t4, dA, X, optimize=[(0, 1), (0, 1)])
+    t22 = (1/(math.sqrt(d_K)*n_batch)) * t20
+    t23 = oe.contract('abcd,de->ceab', M_2, W_K, optimize=[(0, 1)])
+    t24 = oe.contract('abc,acd->bdac', t22, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t23, t24, optimize=[(0, 1)])
+    t25 = M_1.transpose(-1, -2)
+    t26 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    A27 = t26 / t26.sum(-1, keepdim=True)
+    t28 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA29 = oe.contract('abc,cd->abcd', A27, t28, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A27, A27, optimize=[(0, 1)])
+    t30 = W_V.transpose(-1, -2)
+    t31 = (1/(L*math.sqrt(d_K)*n_batch)) * t25
+    t32 = oe.contract('abc,abcd,de,abef,fg->cgab', t2, dA29, t30, M_2, W_K, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t33 = oe.contract('abc,acd->bdac', t31, X, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t32, t33, optimize=[(0, 1)])
     return out
 
 
@@ -13418,15 +15552,21 @@ def ce_causal1__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     t18 = t16 + t17
     G = t18
     t19 = G.transpose(-1, -2)
+    t20 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t20, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t20 = M_1.transpose(-1, -2)
-    t21 = torch.exp(t12 - t12.amax(-1, keepdim=True))
-    A22 = t21 / t21.sum(-1, keepdim=True)
-    t23 = W_V.transpose(-1, -2)
-    t24 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t19, M_2, X, W_K, t19, M_2, X, W_K, optimize=[(1, 3), (0, 2), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hdi,hib,hib,bj,hijk,hif,kg->', t19, M_2, X, W_K, t20, t1, A22, t23, M_2, X, W_K, optimize=[(5, 6), (1, 3), (3, 4), (1, 3), (1, 4), (1, 3), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hdi,hib,hib,hij,jk,hikl,hif,lg->', t19, M_2, X, W_K, t20, t1, A22, A22, t23, M_2, X, W_K, optimize=[(5, 6), (1, 3), (3, 4), (3, 8), (1, 3), (0, 3), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,fh,ibj,ijd,ijd,dk,ijkl,ijg,lh->', t20, t1, A22, t23, M_2, X, W_K, t20, t1, A22, t23, M_2, X, W_K, optimize=[(1, 2), (6, 7), (1, 2), (0, 3), (2, 3), (0, 2), (5, 7), (0, 1), (2, 5), (2, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,fh,ibj,ijd,ijd,ijk,kl,ijlm,ijg,mh->', t20, t1, A22, t23, M_2, X, W_K, t20, t1, A22, A22, t23, M_2, X, W_K, optimize=[(1, 2), (6, 7), (1, 2), (0, 3), (2, 3), (2, 9), (0, 2), (5, 7), (0, 1), (2, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,gi,jbk,jkd,jkd,jkl,lm,jkmn,jkh,ni->', t20, t1, A22, A22, t23, M_2, X, W_K, t20, t1, A22, A22, t23, M_2, X, W_K, optimize=[(1, 2), (7, 8), (1, 2), (1, 12), (0, 3), (2, 3), (2, 9), (0, 2), (5, 7), (0, 1), (0, 1), (2, 4), (0, 2), (0, 2), (0, 1)])
-    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
-    return t25
+    M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
+    t21 = M_1.transpose(-1, -2)
+    t22 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A23 = t22 / t22.sum(-1, keepdim=True)
+    t24 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA25 = oe.contract('abc,cd->abcd', A23, t24, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A23, A23, optimize=[(0, 1)])
+    t26 = W_V.transpose(-1, -2)
+    t27 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t19, M_2, X, W_K, t19, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hdi,hib,hibj,jk,hikl,hif,lg->', t19, M_2, X, W_K, t21, t1, dA25, t26, M_2, X, W_K, optimize=[(5, 6), (2, 7), (2, 6), (0, 6), (4, 6), (0, 1), (3, 4), (0, 1), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,gi,jbk,jkd,jkdl,lm,jkmn,jkh,ni->', t21, t1, dA25, t26, M_2, X, W_K, t21, t1, dA25, t26, M_2, X, W_K, optimize=[(1, 2), (1, 12), (1, 11), (0, 3), (2, 3), (2, 8), (2, 7), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
+    t28 = torch.sqrt(torch.clamp(t27, min=0.0))
+    return t28
 
 
 def ce_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -13461,24 +15601,26 @@ def ce_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t19 = t17 + t18
     G = t19
     t20 = G.transpose(-1, -2)
+    t21 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t21, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t4, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t4, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
-    t22 = oe.contract('abc,acd,de->beac', t21, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t23 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
-    t24 = M_1.transpose(-1, -2)
-    t25 = torch.exp(t13 - t13.amax(-1, keepdim=True))
-    A26 = t25 / t25.sum(-1, keepdim=True)
-    t27 = W_V.transpose(-1, -2)
-    t28 = (1/(L*math.sqrt(d_K)*n_batch)) * t24
-    t29 = oe.contract('abc,acd,de->beac', t28, X, W_Q, optimize=[(1, 2), (0, 1)])
-    t30 = oe.contract('abc,abc,cd,abde->ceab', t2, A26, t27, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t29, t30, optimize=[(0, 1)])
-    t31 = (-1/(L*math.sqrt(d_K)*n_batch)) * t24
-    t32 = oe.contract('abc,cd->dab', X, W_Q, optimize=[(0, 1)])
-    t33 = oe.contract('abc,acd,acd,ace,ef,acfg->bdgac', t31, t2, A26, A26, t27, M_2, optimize=[(1, 2), (1, 2), (1, 3), (0, 1), (0, 1)])
-    t0 += oe.contract('abc,defbc->defa', t32, t33, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t4, dA, X, optimize=[(0, 1), (0, 1)])
+    t22 = (1/(math.sqrt(d_K)*n_batch)) * t20
+    t23 = oe.contract('abc,acd,de->beac', t22, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t24 = oe.contract('abcd->cdab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t23, t24, optimize=[(0, 1)])
+    t25 = M_1.transpose(-1, -2)
+    t26 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    A27 = t26 / t26.sum(-1, keepdim=True)
+    t28 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA29 = oe.contract('abc,cd->abcd', A27, t28, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A27, A27, optimize=[(0, 1)])
+    t30 = W_V.transpose(-1, -2)
+    t31 = (1/(L*math.sqrt(d_K)*n_batch)) * t25
+    t32 = oe.contract('abc,acd,de->beac', t31, X, W_Q, optimize=[(1, 2), (0, 1)])
+    t33 = oe.contract('abc,abcd,de,abef->cfab', t2, dA29, t30, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t32, t33, optimize=[(0, 1)])
     return out
 
 
@@ -13512,15 +15654,21 @@ def ce_causal1__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t18 = t16 + t17
     G = t18
     t19 = G.transpose(-1, -2)
+    t20 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t20, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t20 = M_1.transpose(-1, -2)
-    t21 = torch.exp(t12 - t12.amax(-1, keepdim=True))
-    A22 = t21 / t21.sum(-1, keepdim=True)
-    t23 = W_V.transpose(-1, -2)
-    t24 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t19, M_2, X, W_Q, t19, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hdi,hib,hib,bj,hije,hik,kg->', t19, M_2, X, W_Q, t20, t1, A22, t23, M_2, X, W_Q, optimize=[(5, 6), (2, 3), (1, 2), (2, 7), (2, 3), (1, 4), (2, 3), (0, 2), (0, 2), (0, 1)]) + (-2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hdi,hib,hib,hij,jk,hike,hil,lg->', t19, M_2, X, W_Q, t20, t1, A22, A22, t23, M_2, X, W_Q, optimize=[(5, 6), (2, 3), (1, 2), (3, 8), (1, 2), (5, 6), (1, 2), (0, 1), (1, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,gh,ibj,ijd,ijd,dk,ijkf,ijl,lh->', t20, t1, A22, t23, M_2, X, W_Q, t20, t1, A22, t23, M_2, X, W_Q, optimize=[(1, 2), (6, 7), (1, 2), (1, 2), (0, 1), (0, 1), (4, 7), (0, 1), (0, 4), (0, 4), (1, 3), (0, 1), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,gh,ibj,ijd,ijd,ijk,kl,ijlf,ijm,mh->', t20, t1, A22, t23, M_2, X, W_Q, t20, t1, A22, A22, t23, M_2, X, W_Q, optimize=[(1, 2), (6, 7), (1, 2), (1, 2), (0, 1), (0, 1), (0, 8), (0, 1), (0, 2), (3, 5), (0, 4), (1, 3), (0, 1), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,hi,jbk,jkd,jkd,jkl,lm,jkmg,jkn,ni->', t20, t1, A22, A22, t23, M_2, X, W_Q, t20, t1, A22, A22, t23, M_2, X, W_Q, optimize=[(1, 2), (7, 8), (1, 2), (1, 12), (1, 2), (0, 1), (0, 1), (0, 8), (0, 1), (0, 1), (2, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
-    return t25
+    M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
+    t21 = M_1.transpose(-1, -2)
+    t22 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A23 = t22 / t22.sum(-1, keepdim=True)
+    t24 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA25 = oe.contract('abc,cd->abcd', A23, t24, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A23, A23, optimize=[(0, 1)])
+    t26 = W_V.transpose(-1, -2)
+    t27 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t19, M_2, X, W_Q, t19, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hdi,hib,hibj,jk,hike,hil,lg->', t19, M_2, X, W_Q, t21, t1, dA25, t26, M_2, X, W_Q, optimize=[(5, 6), (2, 3), (5, 6), (6, 7), (0, 6), (4, 5), (0, 1), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,hi,jbk,jkd,jkdl,lm,jkmg,jkn,ni->', t21, t1, dA25, t26, M_2, X, W_Q, t21, t1, dA25, t26, M_2, X, W_Q, optimize=[(1, 2), (1, 12), (1, 11), (1, 2), (0, 1), (0, 1), (0, 7), (0, 6), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
+    t28 = torch.sqrt(torch.clamp(t27, min=0.0))
+    return t28
 
 
 def ce_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -13530,35 +15678,30 @@ def ce_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
-    out[...] = 0
     t0 = out.view((d_V, d_V, d_V, d_V))
-    t1 = t0.diagonal(0, 1, 3)
-    t2 = W_K.transpose(-1, -2)
-    t3 = X.transpose(-1, -2)
-    t4 = t2 @ t3
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    t8 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t9 = torch.where(t8, -math.inf, t7)
-    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
-    A = t10 / t10.sum(-1, keepdim=True)
-    t11 = A @ X
-    M_1 = t11
-    t12 = M_1.transpose(-1, -2)
-    t13 = Y.sum(-1, keepdim=True)
-    t14 = t13.expand(*t13.shape[:-1], d_V)
-    t15 = M_1 @ W_V
-    t16 = torch.exp(t15 - t15.amax(-1, keepdim=True))
-    A17 = t16 / t16.sum(-1, keepdim=True)
-    t18 = (1/(L*n_batch)) * t12
-    t19 = oe.contract('abc,abc->cab', t14, A17, optimize=[(0, 1)])
-    t20 = oe.contract('abc,acd->bdac', t18, M_1, optimize=[(0, 1)])
-    t1 += oe.contract('abc,debc->dea', t19, t20, optimize=[(0, 1)])
-    t21 = (-1/(L*n_batch)) * t12
-    t22 = oe.contract('abc,acd->bdac', t21, A17, optimize=[(0, 1)])
-    t23 = oe.contract('abc,abc,abd->cdab', t14, A17, M_1, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
+    t1 = W_K.transpose(-1, -2)
+    t2 = X.transpose(-1, -2)
+    t3 = t1 @ t2
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t8 = torch.where(t7, -math.inf, t6)
+    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
+    A = t9 / t9.sum(-1, keepdim=True)
+    t10 = A @ X
+    M_1 = t10
+    t11 = M_1.transpose(-1, -2)
+    t12 = Y.sum(-1, keepdim=True)
+    t13 = t12.expand(*t12.shape[:-1], d_V)
+    t14 = M_1 @ W_V
+    t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
+    A16 = t15 / t15.sum(-1, keepdim=True)
+    t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A16, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A16, A16, optimize=[(0, 1)])
+    t18 = (1/(L*n_batch)) * t11
+    t0[...] = oe.contract('abc,acd,acde,acf->bdfe', t18, t13, dA, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -13586,9 +15729,488 @@ def ce_causal1__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     t13 = M_1 @ W_V
     t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
     A15 = t14 / t14.sum(-1, keepdim=True)
-    t16 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fge->', t10, t12, A15, M_1, t10, t12, A15, M_1, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fgd,fge->', t10, t12, A15, M_1, t10, t12, A15, A15, M_1, optimize=[(1, 2), (3, 4), (3, 6), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,acf,gbh,ghd,ghd,ghe,ghf->', t10, t12, A15, A15, M_1, t10, t12, A15, A15, M_1, optimize=[(1, 2), (4, 5), (0, 3), (0, 2), (4, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
-    return t17
+    t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A15, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A15, A15, optimize=[(0, 1)])
+    t17 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t10, t12, dA, M_1, t10, t12, dA, M_1, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
+    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
+    return t18
+
+
+def ce_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
+    """(‖H_o(W_Q, W_Q)‖_F, ‖H_f(W_Q, W_Q)‖_F, ‖H(W_Q, W_Q)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_K.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t7 = torch.where(t6, -math.inf, t5)
+    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    A = t8 / t8.sum(-1, keepdim=True)
+    t9 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t10 = Y.sum(-1, keepdim=True)
+    t11 = t10.expand(*t10.shape[:-1], d_V)
+    t12 = A @ X
+    M_1 = t12
+    t13 = M_1 @ W_V
+    t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    A15 = t14 / t14.sum(-1, keepdim=True)
+    t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA17 = oe.contract('abc,cd->abcd', A15, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A15, A15, optimize=[(0, 1)])
+    t18 = W_V.transpose(-1, -2)
+    t19 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,jl,am,nopm,nof,pq,noq,noqr,rs,nost,nok,tl->', t0, M_2, X, W_V, t11, dA17, t18, M_2, X, W_K, t0, M_2, X, W_V, t11, dA17, t18, M_2, X, W_K, optimize=[(4, 5), (12, 13), (0, 8), (1, 8), (4, 10), (13, 14), (4, 9), (0, 1), (6, 11), (0, 1), (8, 9), (0, 1), (2, 7), (0, 1), (4, 5), (0, 3), (0, 2), (1, 2), (0, 1)])
+    F = t13
+    t20 = torch.exp(F - F.amax(-1, keepdim=True))
+    A21 = t20 / t20.sum(-1, keepdim=True)
+    t22 = t11 * A21
+    t23 = (1/L) * t22
+    t24 = (-1/L) * Y
+    t25 = t23 + t24
+    G = t25
+    t26 = t18 @ t1
+    t27 = G @ t26
+    t28 = t27 - (A * t27).sum(-1, keepdim=True)
+    t29 = A * t28
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t29, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t29, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t29, optimize=[(0, 1)])
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
+    t30 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,fh,ai,jdk,jkil,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t31 = (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,jl,am,nfo,nomp,nok,pl->', t0, M_2, X, W_V, t11, dA17, t18, M_2, X, W_K, t0, t1, M_3, X, W_K, optimize=[(4, 5), (0, 8), (1, 7), (4, 7), (9, 10), (4, 6), (0, 1), (3, 7), (0, 1), (4, 5), (0, 1), (0, 2), (1, 2), (0, 1)])
+    t32 = t19 + t30 + t31
+    t33 = torch.sqrt(torch.clamp(t19, min=0.0))
+    t34 = torch.sqrt(torch.clamp(t30, min=0.0))
+    t35 = torch.sqrt(torch.clamp(t32, min=0.0))
+    return (t33, t34, t35,)
+
+
+def ce_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
+    """(‖H_o(W_Q, W_K)‖_F, ‖H_f(W_Q, W_K)‖_F, ‖H(W_Q, W_K)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_K.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t7 = torch.where(t6, -math.inf, t5)
+    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    A = t8 / t8.sum(-1, keepdim=True)
+    t9 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t10 = Y.sum(-1, keepdim=True)
+    t11 = t10.expand(*t10.shape[:-1], d_V)
+    t12 = A @ X
+    M_1 = t12
+    t13 = M_1 @ W_V
+    t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    A15 = t14 / t14.sum(-1, keepdim=True)
+    t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA17 = oe.contract('abc,cd->abcd', A15, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A15, A15, optimize=[(0, 1)])
+    t18 = W_V.transpose(-1, -2)
+    t19 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,kl,am,nopm,nof,pq,noq,noqr,rs,nosj,not,tl->', t0, M_2, X, W_V, t11, dA17, t18, M_2, X, W_Q, t0, M_2, X, W_V, t11, dA17, t18, M_2, X, W_Q, optimize=[(4, 5), (12, 13), (0, 8), (1, 8), (4, 5), (8, 9), (12, 13), (11, 12), (0, 1), (6, 10), (0, 1), (7, 8), (0, 1), (2, 6), (0, 1), (3, 4), (0, 2), (1, 2), (0, 1)])
+    F = t13
+    t20 = torch.exp(F - F.amax(-1, keepdim=True))
+    A21 = t20 / t20.sum(-1, keepdim=True)
+    t22 = t11 * A21
+    t23 = (1/L) * t22
+    t24 = (-1/L) * Y
+    t25 = t23 + t24
+    G = t25
+    t26 = t18 @ t1
+    t27 = G @ t26
+    t28 = t27 - (A * t27).sum(-1, keepdim=True)
+    t29 = A * t28
+    t30 = t29 @ X
+    t31 = t1 @ t30
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t29, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t29, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t29, optimize=[(0, 1)])
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
+    t32 = (n_batch**(-2)) * oe.contract('abc,dbc->', t31, t31, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,fbg,fgec,fgh,hd->', t31, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (1, 4), (0, 2), (0, 2), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cde,cebf,ceg,gh,ai,jdk,jkif,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 5), (0, 4), (1, 2), (2, 3), (4, 5), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t33 = (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,ka,lfj->', t0, M_2, X, W_V, t11, dA17, t18, M_2, X, W_Q, t31, optimize=[(4, 5), (0, 7), (1, 6), (3, 7), (2, 6), (3, 5), (2, 3), (0, 3), (0, 2), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,hi,cdij,cdk,kl,am,nfo,nomj,nop,pl->', t0, M_2, X, W_V, t11, dA17, t18, M_2, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(4, 5), (0, 8), (1, 7), (4, 5), (5, 6), (8, 9), (7, 8), (0, 1), (3, 6), (0, 1), (3, 4), (0, 1), (1, 2), (0, 1)])
+    t34 = t19 + t32 + t33
+    t35 = torch.sqrt(torch.clamp(t19, min=0.0))
+    t36 = torch.sqrt(torch.clamp(t32, min=0.0))
+    t37 = torch.sqrt(torch.clamp(t34, min=0.0))
+    return (t35, t36, t37,)
+
+
+def ce_causal1__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
+    """(‖H_o(W_Q, W_V)‖_F, ‖H_f(W_Q, W_V)‖_F, ‖H(W_Q, W_V)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_K.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t7 = torch.where(t6, -math.inf, t5)
+    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    A = t8 / t8.sum(-1, keepdim=True)
+    t9 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t10 = Y.sum(-1, keepdim=True)
+    t11 = t10.expand(*t10.shape[:-1], d_V)
+    t12 = A @ X
+    M_1 = t12
+    t13 = M_1 @ W_V
+    t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    A15 = t14 / t14.sum(-1, keepdim=True)
+    t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA17 = oe.contract('abc,cd->abcd', A15, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A15, A15, optimize=[(0, 1)])
+    t18 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,cdi,aj,klmj,klf,mn,kln,klnh,kli->', t0, M_2, X, W_V, t11, dA17, M_1, t0, M_2, X, W_V, t11, dA17, M_1, optimize=[(4, 5), (9, 10), (0, 5), (1, 5), (2, 5), (7, 8), (0, 1), (2, 6), (0, 1), (0, 4), (0, 2), (1, 2), (0, 1)])
+    F = t13
+    t19 = torch.exp(F - F.amax(-1, keepdim=True))
+    A20 = t19 / t19.sum(-1, keepdim=True)
+    t21 = t11 * A20
+    t22 = (1/L) * t21
+    t23 = (-1/L) * Y
+    t24 = t22 + t23
+    G = t24
+    t25 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,cdg,ah,ijeh,ijf,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(0, 4), (1, 4), (1, 3), (3, 4), (0, 2), (0, 2), (0, 1)])
+    t26 = (2/(L*d_K*n_batch**2)) * oe.contract('ab,cdeb,cdf,eg,cdg,cdgh,cdi,aj,klij,klf,klh->', t0, M_2, X, W_V, t11, dA17, M_1, t0, M_2, X, G, optimize=[(4, 5), (0, 5), (1, 5), (0, 1), (3, 6), (0, 1), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t27 = t18 + t25 + t26
+    t28 = torch.sqrt(torch.clamp(t18, min=0.0))
+    t29 = torch.sqrt(torch.clamp(t25, min=0.0))
+    t30 = torch.sqrt(torch.clamp(t27, min=0.0))
+    return (t28, t29, t30,)
+
+
+def ce_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
+    """(‖H_o(W_K, W_Q)‖_F, ‖H_f(W_K, W_Q)‖_F, ‖H(W_K, W_Q)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_Q.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = W_K.transpose(-1, -2)
+    t3 = t2 @ t1
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t8 = torch.where(t7, -math.inf, t6)
+    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
+    A = t9 / t9.sum(-1, keepdim=True)
+    t10 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t11 = Y.sum(-1, keepdim=True)
+    t12 = t11.expand(*t11.shape[:-1], d_V)
+    t13 = A @ X
+    M_1 = t13
+    t14 = M_1 @ W_V
+    t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
+    A16 = t15 / t15.sum(-1, keepdim=True)
+    t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA18 = oe.contract('abc,cd->abcd', A16, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A16, A16, optimize=[(0, 1)])
+    t19 = W_V.transpose(-1, -2)
+    t20 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,jl,am,nopf,nom,pq,noq,noqr,rs,nost,nok,tl->', t0, M_2, X, W_V, t12, dA18, t19, M_2, X, W_K, t0, M_2, X, W_V, t12, dA18, t19, M_2, X, W_K, optimize=[(0, 2), (0, 1), (0, 1), (15, 16), (0, 1), (13, 14), (2, 4), (2, 3), (2, 3), (9, 10), (2, 3), (7, 8), (0, 2), (0, 1), (0, 2), (2, 4), (0, 2), (0, 2), (0, 1)])
+    F = t14
+    t21 = torch.exp(F - F.amax(-1, keepdim=True))
+    A22 = t21 / t21.sum(-1, keepdim=True)
+    t23 = t12 * A22
+    t24 = (1/L) * t23
+    t25 = (-1/L) * Y
+    t26 = t24 + t25
+    G = t26
+    t27 = t19 @ t1
+    t28 = G @ t27
+    t29 = t28 - (A * t28).sum(-1, keepdim=True)
+    t30 = A * t29
+    t31 = t30.transpose(-1, -2)
+    t32 = t31 @ X
+    t33 = t1 @ t32
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t30, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t30, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t30, optimize=[(0, 1)])
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
+    t34 = (n_batch**(-2)) * oe.contract('abc,dbc->', t33, t33, optimize=[(0, 1)]) + (2/(d_K**(3/2)*n_batch**2)) * oe.contract('abc,de,feg,fgbh,fgc,hd->', t33, t0, t1, M_3, X, W_K, optimize=[(0, 4), (2, 4), (0, 1), (0, 1), (0, 1)]) + (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,fh,ai,jik,jkel,jkg,lh->', t0, t1, M_3, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 1), (1, 6), (1, 5), (1, 2), (2, 5), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t35 = (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,ja,lfk->', t0, M_2, X, W_V, t12, dA18, t19, M_2, X, W_K, t33, optimize=[(4, 5), (0, 2), (4, 6), (0, 7), (0, 6), (3, 5), (0, 4), (0, 3), (0, 1), (0, 1)]) + (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,jl,am,nmo,nofp,nok,pl->', t0, M_2, X, W_V, t12, dA18, t19, M_2, X, W_K, t0, t1, M_3, X, W_K, optimize=[(0, 2), (0, 1), (0, 1), (10, 11), (0, 1), (8, 9), (2, 3), (0, 3), (0, 2), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t36 = t20 + t34 + t35
+    t37 = torch.sqrt(torch.clamp(t20, min=0.0))
+    t38 = torch.sqrt(torch.clamp(t34, min=0.0))
+    t39 = torch.sqrt(torch.clamp(t36, min=0.0))
+    return (t37, t38, t39,)
+
+
+def ce_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
+    """(‖H_o(W_K, W_K)‖_F, ‖H_f(W_K, W_K)‖_F, ‖H(W_K, W_K)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_Q.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = W_K.transpose(-1, -2)
+    t3 = t2 @ t1
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t8 = torch.where(t7, -math.inf, t6)
+    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
+    A = t9 / t9.sum(-1, keepdim=True)
+    t10 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t11 = Y.sum(-1, keepdim=True)
+    t12 = t11.expand(*t11.shape[:-1], d_V)
+    t13 = A @ X
+    M_1 = t13
+    t14 = M_1 @ W_V
+    t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
+    A16 = t15 / t15.sum(-1, keepdim=True)
+    t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA18 = oe.contract('abc,cd->abcd', A16, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A16, A16, optimize=[(0, 1)])
+    t19 = W_V.transpose(-1, -2)
+    t20 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,kl,am,nopf,nom,pq,noq,noqr,rs,nosj,not,tl->', t0, M_2, X, W_V, t12, dA18, t19, M_2, X, W_Q, t0, M_2, X, W_V, t12, dA18, t19, M_2, X, W_Q, optimize=[(0, 2), (0, 1), (0, 1), (15, 16), (0, 1), (13, 14), (0, 1), (0, 2), (0, 1), (0, 1), (8, 9), (0, 1), (6, 7), (3, 6), (0, 1), (0, 2), (1, 3), (0, 1), (0, 1)])
+    F = t14
+    t21 = torch.exp(F - F.amax(-1, keepdim=True))
+    A22 = t21 / t21.sum(-1, keepdim=True)
+    t23 = t12 * A22
+    t24 = (1/L) * t23
+    t25 = (-1/L) * Y
+    t26 = t24 + t25
+    G = t26
+    t27 = t19 @ t1
+    t28 = G @ t27
+    t29 = t28 - (A * t28).sum(-1, keepdim=True)
+    t30 = A * t29
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t30, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t30, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t30, optimize=[(0, 1)])
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
+    t31 = (1/(d_K**2*n_batch**2)) * oe.contract('ab,cbd,cdef,cdg,gh,ai,jik,jkef,jkl,lh->', t0, t1, M_3, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(2, 7), (0, 1), (0, 1), (0, 1), (0, 1), (1, 3), (0, 3), (0, 1), (0, 1)])
+    t32 = (2/(L*d_K**2*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,hi,cdij,cdk,kl,am,nmo,nofj,nop,pl->', t0, M_2, X, W_V, t12, dA18, t19, M_2, X, W_Q, t0, t1, M_3, X, W_Q, optimize=[(0, 2), (0, 1), (0, 1), (10, 11), (0, 1), (8, 9), (4, 8), (0, 1), (0, 1), (0, 1), (0, 3), (0, 3), (0, 1), (0, 1)])
+    t33 = t20 + t31 + t32
+    t34 = torch.sqrt(torch.clamp(t20, min=0.0))
+    t35 = torch.sqrt(torch.clamp(t31, min=0.0))
+    t36 = torch.sqrt(torch.clamp(t33, min=0.0))
+    return (t34, t35, t36,)
+
+
+def ce_causal1__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
+    """(‖H_o(W_K, W_V)‖_F, ‖H_f(W_K, W_V)‖_F, ‖H(W_K, W_V)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_Q.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = W_K.transpose(-1, -2)
+    t3 = t2 @ t1
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    t7 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t8 = torch.where(t7, -math.inf, t6)
+    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
+    A = t9 / t9.sum(-1, keepdim=True)
+    t10 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t11 = Y.sum(-1, keepdim=True)
+    t12 = t11.expand(*t11.shape[:-1], d_V)
+    t13 = A @ X
+    M_1 = t13
+    t14 = M_1 @ W_V
+    t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
+    A16 = t15 / t15.sum(-1, keepdim=True)
+    t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA18 = oe.contract('abc,cd->abcd', A16, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A16, A16, optimize=[(0, 1)])
+    t19 = (1/(L**2*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,cdi,aj,klmf,klj,mn,kln,klnh,kli->', t0, M_2, X, W_V, t12, dA18, M_1, t0, M_2, X, W_V, t12, dA18, M_1, optimize=[(0, 2), (0, 1), (0, 1), (9, 10), (1, 3), (1, 2), (1, 2), (5, 6), (3, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
+    F = t14
+    t20 = torch.exp(F - F.amax(-1, keepdim=True))
+    A21 = t20 / t20.sum(-1, keepdim=True)
+    t22 = t12 * A21
+    t23 = (1/L) * t22
+    t24 = (-1/L) * Y
+    t25 = t23 + t24
+    G = t25
+    t26 = (1/(d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,cdg,ah,ijef,ijh,ijg->', t0, M_2, X, G, t0, M_2, X, G, optimize=[(1, 5), (0, 1), (1, 2), (0, 1), (0, 3), (0, 1), (0, 1)])
+    t27 = (2/(L*d_K*n_batch**2)) * oe.contract('ab,cdef,cdb,eg,cdg,cdgh,cdi,aj,klif,klj,klh->', t0, M_2, X, W_V, t12, dA18, M_1, t0, M_2, X, G, optimize=[(0, 2), (0, 1), (0, 1), (6, 7), (0, 2), (4, 5), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t28 = t19 + t26 + t27
+    t29 = torch.sqrt(torch.clamp(t19, min=0.0))
+    t30 = torch.sqrt(torch.clamp(t26, min=0.0))
+    t31 = torch.sqrt(torch.clamp(t28, min=0.0))
+    return (t29, t30, t31,)
+
+
+def ce_causal1__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
+    """(‖H_o(W_V, W_Q)‖_F, ‖H_f(W_V, W_Q)‖_F, ‖H(W_V, W_Q)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_K.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t7 = torch.where(t6, -math.inf, t5)
+    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    A = t8 / t8.sum(-1, keepdim=True)
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1.transpose(-1, -2)
+    t11 = Y.sum(-1, keepdim=True)
+    t12 = t11.expand(*t11.shape[:-1], d_V)
+    t13 = M_1 @ W_V
+    t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    A15 = t14 / t14.sum(-1, keepdim=True)
+    t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A15, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A15, A15, optimize=[(0, 1)])
+    t17 = W_V.transpose(-1, -2)
+    t18 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA19 = oe.contract('abc,cd->abcd', A, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA19, X, optimize=[(0, 1), (0, 1)])
+    t20 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,gi,jbk,jkd,jkdl,lm,jkmn,jkh,ni->', t10, t12, dA, t17, M_2, X, W_K, t10, t12, dA, t17, M_2, X, W_K, optimize=[(1, 2), (1, 12), (1, 11), (0, 3), (2, 3), (2, 8), (2, 7), (0, 2), (3, 5), (0, 1), (0, 2), (0, 2), (0, 1)])
+    F = t13
+    t21 = torch.exp(F - F.amax(-1, keepdim=True))
+    A22 = t21 / t21.sum(-1, keepdim=True)
+    t23 = t12 * A22
+    t24 = (1/L) * t23
+    t25 = (-1/L) * Y
+    t26 = t24 + t25
+    G = t26
+    t27 = G.transpose(-1, -2)
+    t28 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,eg,hbi,hidj,hif,jg->', t27, M_2, X, W_K, t27, M_2, X, W_K, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
+    t29 = (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,gi,jdk,jkbl,jkh,li->', t10, t12, dA, t17, M_2, X, W_K, t27, M_2, X, W_K, optimize=[(1, 2), (1, 9), (1, 8), (0, 4), (0, 3), (0, 2), (2, 3), (1, 2), (1, 2), (0, 1)])
+    t30 = t20 + t28 + t29
+    t31 = torch.sqrt(torch.clamp(t20, min=0.0))
+    t32 = torch.sqrt(torch.clamp(t28, min=0.0))
+    t33 = torch.sqrt(torch.clamp(t30, min=0.0))
+    return (t31, t32, t33,)
+
+
+def ce_causal1__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
+    """(‖H_o(W_V, W_K)‖_F, ‖H_f(W_V, W_K)‖_F, ‖H(W_V, W_K)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_K.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t7 = torch.where(t6, -math.inf, t5)
+    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    A = t8 / t8.sum(-1, keepdim=True)
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1.transpose(-1, -2)
+    t11 = Y.sum(-1, keepdim=True)
+    t12 = t11.expand(*t11.shape[:-1], d_V)
+    t13 = M_1 @ W_V
+    t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    A15 = t14 / t14.sum(-1, keepdim=True)
+    t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A15, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A15, A15, optimize=[(0, 1)])
+    t17 = W_V.transpose(-1, -2)
+    t18 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA19 = oe.contract('abc,cd->abcd', A, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA19, X, optimize=[(0, 1), (0, 1)])
+    t20 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,hi,jbk,jkd,jkdl,lm,jkmg,jkn,ni->', t10, t12, dA, t17, M_2, X, W_Q, t10, t12, dA, t17, M_2, X, W_Q, optimize=[(1, 2), (1, 12), (1, 11), (1, 2), (0, 1), (0, 1), (0, 7), (0, 6), (2, 5), (3, 4), (0, 1), (0, 2), (0, 1)])
+    F = t13
+    t21 = torch.exp(F - F.amax(-1, keepdim=True))
+    A22 = t21 / t21.sum(-1, keepdim=True)
+    t23 = t12 * A22
+    t24 = (1/L) * t23
+    t25 = (-1/L) * Y
+    t26 = t24 + t25
+    G = t26
+    t27 = G.transpose(-1, -2)
+    t28 = (1/(d_K*n_batch**2)) * oe.contract('abc,acde,acf,fg,hbi,hide,hij,jg->', t27, M_2, X, W_Q, t27, M_2, X, W_Q, optimize=[(1, 5), (1, 2), (0, 1), (2, 4), (0, 1), (0, 2), (0, 1)])
+    t29 = (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,hi,jdk,jkbg,jkl,li->', t10, t12, dA, t17, M_2, X, W_Q, t27, M_2, X, W_Q, optimize=[(1, 2), (3, 4), (5, 6), (6, 7), (0, 4), (1, 5), (3, 4), (0, 2), (1, 2), (0, 1)])
+    t30 = t20 + t28 + t29
+    t31 = torch.sqrt(torch.clamp(t20, min=0.0))
+    t32 = torch.sqrt(torch.clamp(t28, min=0.0))
+    t33 = torch.sqrt(torch.clamp(t30, min=0.0))
+    return (t31, t32, t33,)
+
+
+def ce_causal1__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
+    """(‖H_o(W_V, W_V)‖_F, ‖H_f(W_V, W_V)‖_F, ‖H(W_V, W_V)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_K.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    t6 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t7 = torch.where(t6, -math.inf, t5)
+    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    A = t8 / t8.sum(-1, keepdim=True)
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1.transpose(-1, -2)
+    t11 = Y.sum(-1, keepdim=True)
+    t12 = t11.expand(*t11.shape[:-1], d_V)
+    t13 = M_1 @ W_V
+    t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    A15 = t14 / t14.sum(-1, keepdim=True)
+    t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A15, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A15, A15, optimize=[(0, 1)])
+    t17 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t10, t12, dA, M_1, t10, t12, dA, M_1, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
+    t18 = t17 + 0.0 + 0.0
+    t19 = torch.sqrt(torch.clamp(t17, min=0.0))
+    t20 = torch.sqrt(torch.clamp(t18, min=0.0))
+    return (t19, 0.0, t20,)
 
 
 VARIANTS = {
@@ -13676,6 +16298,15 @@ VARIANTS = {
         ('frobenius', 'W_V', 'W_K', 'full'): mse_causal0__frobenius__W_V__W_K__full,
         ('block', 'W_V', 'W_V', 'full'): mse_causal0__block__W_V__W_V__full,
         ('frobenius', 'W_V', 'W_V', 'full'): mse_causal0__frobenius__W_V__W_V__full,
+        ('frobenius_split', 'W_Q', 'W_Q'): mse_causal0__frobenius_split__W_Q__W_Q,
+        ('frobenius_split', 'W_Q', 'W_K'): mse_causal0__frobenius_split__W_Q__W_K,
+        ('frobenius_split', 'W_Q', 'W_V'): mse_causal0__frobenius_split__W_Q__W_V,
+        ('frobenius_split', 'W_K', 'W_Q'): mse_causal0__frobenius_split__W_K__W_Q,
+        ('frobenius_split', 'W_K', 'W_K'): mse_causal0__frobenius_split__W_K__W_K,
+        ('frobenius_split', 'W_K', 'W_V'): mse_causal0__frobenius_split__W_K__W_V,
+        ('frobenius_split', 'W_V', 'W_Q'): mse_causal0__frobenius_split__W_V__W_Q,
+        ('frobenius_split', 'W_V', 'W_K'): mse_causal0__frobenius_split__W_V__W_K,
+        ('frobenius_split', 'W_V', 'W_V'): mse_causal0__frobenius_split__W_V__W_V,
         ('jacobian', 'W_Q'): causal0__jacobian__W_Q,
         ('jacobian_compact', 'W_Q'): causal0__jacobian_compact__W_Q,
         ('jacobian_layout', 'W_Q'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 3), (0, 2))},
@@ -13770,6 +16401,15 @@ VARIANTS = {
         ('frobenius', 'W_V', 'W_K', 'full'): mse_causal1__frobenius__W_V__W_K__full,
         ('block', 'W_V', 'W_V', 'full'): mse_causal1__block__W_V__W_V__full,
         ('frobenius', 'W_V', 'W_V', 'full'): mse_causal1__frobenius__W_V__W_V__full,
+        ('frobenius_split', 'W_Q', 'W_Q'): mse_causal1__frobenius_split__W_Q__W_Q,
+        ('frobenius_split', 'W_Q', 'W_K'): mse_causal1__frobenius_split__W_Q__W_K,
+        ('frobenius_split', 'W_Q', 'W_V'): mse_causal1__frobenius_split__W_Q__W_V,
+        ('frobenius_split', 'W_K', 'W_Q'): mse_causal1__frobenius_split__W_K__W_Q,
+        ('frobenius_split', 'W_K', 'W_K'): mse_causal1__frobenius_split__W_K__W_K,
+        ('frobenius_split', 'W_K', 'W_V'): mse_causal1__frobenius_split__W_K__W_V,
+        ('frobenius_split', 'W_V', 'W_Q'): mse_causal1__frobenius_split__W_V__W_Q,
+        ('frobenius_split', 'W_V', 'W_K'): mse_causal1__frobenius_split__W_V__W_K,
+        ('frobenius_split', 'W_V', 'W_V'): mse_causal1__frobenius_split__W_V__W_V,
         ('jacobian', 'W_Q'): causal1__jacobian__W_Q,
         ('jacobian_compact', 'W_Q'): causal1__jacobian_compact__W_Q,
         ('jacobian_layout', 'W_Q'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 3), (0, 2))},
@@ -13864,6 +16504,15 @@ VARIANTS = {
         ('frobenius', 'W_V', 'W_K', 'full'): ce_causal0__frobenius__W_V__W_K__full,
         ('block', 'W_V', 'W_V', 'full'): ce_causal0__block__W_V__W_V__full,
         ('frobenius', 'W_V', 'W_V', 'full'): ce_causal0__frobenius__W_V__W_V__full,
+        ('frobenius_split', 'W_Q', 'W_Q'): ce_causal0__frobenius_split__W_Q__W_Q,
+        ('frobenius_split', 'W_Q', 'W_K'): ce_causal0__frobenius_split__W_Q__W_K,
+        ('frobenius_split', 'W_Q', 'W_V'): ce_causal0__frobenius_split__W_Q__W_V,
+        ('frobenius_split', 'W_K', 'W_Q'): ce_causal0__frobenius_split__W_K__W_Q,
+        ('frobenius_split', 'W_K', 'W_K'): ce_causal0__frobenius_split__W_K__W_K,
+        ('frobenius_split', 'W_K', 'W_V'): ce_causal0__frobenius_split__W_K__W_V,
+        ('frobenius_split', 'W_V', 'W_Q'): ce_causal0__frobenius_split__W_V__W_Q,
+        ('frobenius_split', 'W_V', 'W_K'): ce_causal0__frobenius_split__W_V__W_K,
+        ('frobenius_split', 'W_V', 'W_V'): ce_causal0__frobenius_split__W_V__W_V,
         ('jacobian', 'W_Q'): causal0__jacobian__W_Q,
         ('jacobian_compact', 'W_Q'): causal0__jacobian_compact__W_Q,
         ('jacobian_layout', 'W_Q'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 3), (0, 2))},
@@ -13958,6 +16607,15 @@ VARIANTS = {
         ('frobenius', 'W_V', 'W_K', 'full'): ce_causal1__frobenius__W_V__W_K__full,
         ('block', 'W_V', 'W_V', 'full'): ce_causal1__block__W_V__W_V__full,
         ('frobenius', 'W_V', 'W_V', 'full'): ce_causal1__frobenius__W_V__W_V__full,
+        ('frobenius_split', 'W_Q', 'W_Q'): ce_causal1__frobenius_split__W_Q__W_Q,
+        ('frobenius_split', 'W_Q', 'W_K'): ce_causal1__frobenius_split__W_Q__W_K,
+        ('frobenius_split', 'W_Q', 'W_V'): ce_causal1__frobenius_split__W_Q__W_V,
+        ('frobenius_split', 'W_K', 'W_Q'): ce_causal1__frobenius_split__W_K__W_Q,
+        ('frobenius_split', 'W_K', 'W_K'): ce_causal1__frobenius_split__W_K__W_K,
+        ('frobenius_split', 'W_K', 'W_V'): ce_causal1__frobenius_split__W_K__W_V,
+        ('frobenius_split', 'W_V', 'W_Q'): ce_causal1__frobenius_split__W_V__W_Q,
+        ('frobenius_split', 'W_V', 'W_K'): ce_causal1__frobenius_split__W_V__W_K,
+        ('frobenius_split', 'W_V', 'W_V'): ce_causal1__frobenius_split__W_V__W_V,
         ('jacobian', 'W_Q'): causal1__jacobian__W_Q,
         ('jacobian_compact', 'W_Q'): causal1__jacobian_compact__W_Q,
         ('jacobian_layout', 'W_Q'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 3), (0, 2))},

@@ -139,7 +139,7 @@ def mse_bias0_residual0__frobenius_all__outer(X, W_1, W_2, Y):
     t2 = torch.heaviside(t1, torch.full_like(t1, 0.0))
     t3 = W_2.transpose(-1, -2)
     t4 = W_2 @ t3
-    t5 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acf,gbh,ghd,de,ghe,ghf->', t0, t2, t4, t2, X, t0, t2, t4, t2, X, optimize=[(2, 7), (0, 4), (2, 5), (5, 6), (0, 1), (2, 4), (0, 3), (0, 2), (0, 1)])
+    t5 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acf,gbh,ghd,de,ghe,ghf->', t0, t2, t4, t2, X, t0, t2, t4, t2, X, optimize=[(2, 7), (0, 4), (2, 5), (5, 6), (0, 1), (2, 4), (0, 1), (1, 2), (0, 1)])
     t6 = torch.sqrt(torch.clamp(t5, min=0.0))
     t7 = (t1 * torch.heaviside(t1, torch.full_like(t1, 0.0)))
     t8 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,ace,df,gbh,ghd,ghe,df->', t0, t2, t7, W_2, t0, t2, t7, W_2, optimize=[(3, 7), (0, 3), (1, 3), (3, 4), (0, 2), (1, 2), (0, 1)])
@@ -216,7 +216,7 @@ def mse_bias0_residual0__frobenius__W_1__W_1__outer(X, W_1, W_2, Y):
     t2 = torch.heaviside(t1, torch.full_like(t1, 0.0))
     t3 = W_2.transpose(-1, -2)
     t4 = W_2 @ t3
-    t5 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acf,gbh,ghd,de,ghe,ghf->', t0, t2, t4, t2, X, t0, t2, t4, t2, X, optimize=[(2, 7), (0, 4), (2, 5), (5, 6), (0, 1), (2, 4), (0, 3), (0, 2), (0, 1)])
+    t5 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acf,gbh,ghd,de,ghe,ghf->', t0, t2, t4, t2, X, t0, t2, t4, t2, X, optimize=[(2, 7), (0, 4), (2, 5), (5, 6), (0, 1), (2, 4), (0, 1), (1, 2), (0, 1)])
     t6 = torch.sqrt(torch.clamp(t5, min=0.0))
     return t6
 
@@ -761,7 +761,7 @@ def mse_bias0_residual0__frobenius_all__full(X, W_1, W_2, Y):
     t2 = torch.heaviside(t1, torch.full_like(t1, 0.0))
     t3 = W_2.transpose(-1, -2)
     t4 = W_2 @ t3
-    t5 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acf,gbh,ghd,de,ghe,ghf->', t0, t2, t4, t2, X, t0, t2, t4, t2, X, optimize=[(2, 7), (0, 4), (2, 5), (5, 6), (0, 1), (2, 4), (0, 3), (0, 2), (0, 1)])
+    t5 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acf,gbh,ghd,de,ghe,ghf->', t0, t2, t4, t2, X, t0, t2, t4, t2, X, optimize=[(2, 7), (0, 4), (2, 5), (5, 6), (0, 1), (2, 4), (0, 1), (1, 2), (0, 1)])
     t6 = torch.sqrt(torch.clamp(t5, min=0.0))
     t7 = (t1 * torch.heaviside(t1, torch.full_like(t1, 0.0)))
     t8 = t7 @ W_2
@@ -846,7 +846,7 @@ def mse_bias0_residual0__frobenius__W_1__W_1__full(X, W_1, W_2, Y):
     t2 = torch.heaviside(t1, torch.full_like(t1, 0.0))
     t3 = W_2.transpose(-1, -2)
     t4 = W_2 @ t3
-    t5 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acf,gbh,ghd,de,ghe,ghf->', t0, t2, t4, t2, X, t0, t2, t4, t2, X, optimize=[(2, 7), (0, 4), (2, 5), (5, 6), (0, 1), (2, 4), (0, 3), (0, 2), (0, 1)])
+    t5 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acf,gbh,ghd,de,ghe,ghf->', t0, t2, t4, t2, X, t0, t2, t4, t2, X, optimize=[(2, 7), (0, 4), (2, 5), (5, 6), (0, 1), (2, 4), (0, 1), (1, 2), (0, 1)])
     t6 = torch.sqrt(torch.clamp(t5, min=0.0))
     return t6
 
@@ -1039,6 +1039,102 @@ def mse_bias0_residual0__frobenius__W_2__W_2__full(X, W_1, W_2, Y):
     return t8
 
 
+def mse_bias0_residual0__frobenius_split__W_1__W_1(X, W_1, W_2, Y):
+    """(‖H_o(W_1, W_1)‖_F, ‖H_f(W_1, W_1)‖_F, ‖H(W_1, W_1)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_V = X.shape[-1]
+    d_ff = W_1.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.transpose(-1, -2)
+    t1 = X @ W_1
+    t2 = torch.heaviside(t1, torch.full_like(t1, 0.0))
+    t3 = W_2.transpose(-1, -2)
+    t4 = W_2 @ t3
+    t5 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acf,gbh,ghd,de,ghe,ghf->', t0, t2, t4, t2, X, t0, t2, t4, t2, X, optimize=[(2, 7), (0, 4), (2, 5), (5, 6), (0, 1), (2, 4), (0, 1), (1, 2), (0, 1)])
+    t6 = t5 + 0.0 + 0.0
+    t7 = torch.sqrt(torch.clamp(t5, min=0.0))
+    t8 = torch.sqrt(torch.clamp(t6, min=0.0))
+    return (t7, 0.0, t8,)
+
+
+def mse_bias0_residual0__frobenius_split__W_1__W_2(X, W_1, W_2, Y):
+    """(‖H_o(W_1, W_2)‖_F, ‖H_f(W_1, W_2)‖_F, ‖H(W_1, W_2)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_V = X.shape[-1]
+    d_ff = W_1.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.transpose(-1, -2)
+    t1 = X @ W_1
+    t2 = torch.heaviside(t1, torch.full_like(t1, 0.0))
+    t3 = (t1 * torch.heaviside(t1, torch.full_like(t1, 0.0)))
+    t4 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,ace,df,gbh,ghd,ghe,df->', t0, t2, t3, W_2, t0, t2, t3, W_2, optimize=[(3, 7), (0, 3), (1, 3), (3, 4), (0, 2), (1, 2), (0, 1)])
+    t5 = t3 @ W_2
+    F = t5
+    t6 = (2/(L*d_V)) * F
+    t7 = (-2/(L*d_V)) * Y
+    t8 = t6 + t7
+    G = t8
+    t9 = (n_batch**(-2)) * oe.contract('abc,acd,ace,fbg,fgd,fge->', t0, t2, G, t0, t2, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t10 = (4/(L*d_V*n_batch**2)) * oe.contract('abc,acd,acd,de,fbg,fgd,fge->', t0, t2, t3, W_2, t0, t2, G, optimize=[(1, 2), (0, 2), (0, 2), (0, 3), (0, 1), (0, 1)])
+    t11 = t4 + t9 + t10
+    t12 = torch.sqrt(torch.clamp(t4, min=0.0))
+    t13 = torch.sqrt(torch.clamp(t9, min=0.0))
+    t14 = torch.sqrt(torch.clamp(t11, min=0.0))
+    return (t12, t13, t14,)
+
+
+def mse_bias0_residual0__frobenius_split__W_2__W_1(X, W_1, W_2, Y):
+    """(‖H_o(W_2, W_1)‖_F, ‖H_f(W_2, W_1)‖_F, ‖H(W_2, W_1)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_V = X.shape[-1]
+    d_ff = W_1.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_1.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = (t2 * torch.heaviside(t2, torch.full_like(t2, 0.0)))
+    t4 = W_2.transpose(-1, -2)
+    t5 = X @ W_1
+    t6 = torch.heaviside(t5, torch.full_like(t5, 0.0))
+    t7 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,ace,acf,gbh,de,ghe,ghf->', t3, t4, t6, X, t3, t4, t6, X, optimize=[(1, 5), (0, 3), (1, 3), (3, 4), (0, 2), (1, 2), (0, 1)])
+    t8 = (t5 * torch.heaviside(t5, torch.full_like(t5, 0.0)))
+    t9 = t8 @ W_2
+    F = t9
+    t10 = (2/(L*d_V)) * F
+    t11 = (-2/(L*d_V)) * Y
+    t12 = t10 + t11
+    G = t12
+    t13 = G.transpose(-1, -2)
+    t14 = torch.heaviside(t2, torch.full_like(t2, 0.0))
+    t15 = (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t13, t14, X, t13, t14, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t16 = (4/(L*d_V*n_batch**2)) * oe.contract('abc,db,acb,ace,fdg,fbg,fge->', t3, t4, t6, X, t13, t14, X, optimize=[(0, 2), (0, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
+    t17 = t7 + t15 + t16
+    t18 = torch.sqrt(torch.clamp(t7, min=0.0))
+    t19 = torch.sqrt(torch.clamp(t15, min=0.0))
+    t20 = torch.sqrt(torch.clamp(t17, min=0.0))
+    return (t18, t19, t20,)
+
+
+def mse_bias0_residual0__frobenius_split__W_2__W_2(X, W_1, W_2, Y):
+    """(‖H_o(W_2, W_2)‖_F, ‖H_f(W_2, W_2)‖_F, ‖H(W_2, W_2)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_V = X.shape[-1]
+    d_ff = W_1.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_1.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = (t2 * torch.heaviside(t2, torch.full_like(t2, 0.0)))
+    t4 = X @ W_1
+    t5 = (t4 * torch.heaviside(t4, torch.full_like(t4, 0.0)))
+    t6 = t3 @ t5
+    t7 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t6, t6, optimize=[(0, 1)])
+    t8 = t7 + 0.0 + 0.0
+    t9 = torch.sqrt(torch.clamp(t7, min=0.0))
+    t10 = torch.sqrt(torch.clamp(t8, min=0.0))
+    return (t9, 0.0, t10,)
+
+
 def bias0_residual0__jacobian__W_1(X, W_1, W_2):
     """∂vec_r F/∂vec_r W_1: dense (numel F × numel W_1); with data, one Jacobian per sequence (leading batch axis), not a mean."""
     L = X.shape[-2]
@@ -1167,40 +1263,30 @@ def ce_bias0_residual0__hessian__outer(X, W_1, W_2, Y):
     t8 = t7 @ W_2
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A = t9 / t9.sum(-1, keepdim=True)
-    t10 = W_2.transpose(-1, -2)
-    t11 = (1/(L*n_batch)) * t2
-    t12 = oe.contract('abc,acd,de,ace,ace,ef,acf->bdfac', t11, t4, W_2, t6, A, t10, t4, optimize=[(3, 4), (2, 3), (3, 4), (0, 1), (0, 1), (0, 1)])
-    t13 = oe.contract('abc->cab', X, optimize=[(0,)])
-    t1[...] = oe.contract('abcde,fde->abfc', t12, t13, optimize=[(0, 1)])
-    t14 = (-1/(L*n_batch)) * t2
-    t15 = oe.contract('abc,cd,abd,abe->edab', A, t10, t4, X, optimize=[(0, 1), (0, 2), (0, 1)])
-    t16 = oe.contract('abc,acd,de,ace,ace->bdac', t14, t4, W_2, t6, A, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)])
-    t1 += oe.contract('abcd,efcd->efab', t15, t16, optimize=[(0, 1)])
-    t17 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t18 = t17.view((d_V, d_ff, d_ff, d_V))
-    t18[...] = oe.contract('abc,acd,de,ace,ace,acf->bdfe', t11, t4, W_2, t6, A, t7, optimize=[(3, 4), (0, 1), (1, 2), (1, 2), (0, 1)])
-    t19 = oe.contract('abc,abd->dcab', A, t7, optimize=[(0, 1)])
-    t18 += oe.contract('abcd,efcd->efab', t19, t16, optimize=[(0, 1)])
-    t20 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
-    t21 = t20.view((d_ff, d_V, d_V, d_ff))
-    t22 = W_1.transpose(-1, -2)
-    t23 = t22 @ t2
-    t24 = (t23 * torch.heaviside(t23, torch.full_like(t23, 0.0)))
-    t25 = (1/(L*n_batch)) * t24
-    t21[...] = oe.contract('abc,acd,acd,de,ace,acf->bdfe', t25, t6, A, t10, t4, X, optimize=[(1, 2), (0, 2), (1, 2), (1, 2), (0, 1)])
-    t26 = (-1/(L*n_batch)) * t24
-    t27 = oe.contract('abc,acd,de,ace,acf->bfeac', t26, A, t10, t4, X, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
-    t28 = oe.contract('abc,abc->cab', t6, A, optimize=[(0, 1)])
-    t21 += oe.contract('abcde,fde->afbc', t27, t28, optimize=[(0, 1)])
-    t29 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t29[...] = 0
-    t30 = t29.view((d_ff, d_V, d_ff, d_V))
-    t31 = t30.diagonal(0, 1, 3)
-    t32 = oe.contract('abc,acd->bdac', t25, t7, optimize=[(0, 1)])
-    t31 += oe.contract('abc,debc->dea', t28, t32, optimize=[(0, 1)])
-    t33 = oe.contract('abc,acd->bdac', t26, A, optimize=[(0, 1)])
-    t34 = oe.contract('abc,abc,abd->cdab', t6, A, t7, optimize=[(0, 1), (0, 1)])
-    t30 += oe.contract('abcd,efcd->aefb', t33, t34, optimize=[(0, 1)])
+    t10 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t11 = W_2.transpose(-1, -2)
+    t12 = (1/(L*n_batch)) * t2
+    t13 = oe.contract('abc,acd,de,ace,acef,fg,acg->bdgac', t12, t4, W_2, t6, dA, t11, t4, optimize=[(3, 4), (3, 5), (2, 4), (0, 1), (0, 1), (0, 1)])
+    t14 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t1[...] = oe.contract('abcde,fde->abfc', t13, t14, optimize=[(0, 1)])
+    t15 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t16 = t15.view((d_V, d_ff, d_ff, d_V))
+    t17 = oe.contract('abc,acd,de,ace,acef->bdfac', t12, t4, W_2, t6, dA, optimize=[(3, 4), (2, 3), (0, 1), (0, 1)])
+    t18 = oe.contract('abc->cab', t7, optimize=[(0,)])
+    t16[...] = oe.contract('abcde,fde->abfc', t17, t18, optimize=[(0, 1)])
+    t19 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
+    t20 = t19.view((d_ff, d_V, d_V, d_ff))
+    t21 = W_1.transpose(-1, -2)
+    t22 = t21 @ t2
+    t23 = (t22 * torch.heaviside(t22, torch.full_like(t22, 0.0)))
+    t24 = (1/(L*n_batch)) * t23
+    t25 = oe.contract('abc,acd,acde,ef,acf->bdfac', t24, t6, dA, t11, t4, optimize=[(2, 3), (0, 1), (0, 1), (0, 1)])
+    t20[...] = oe.contract('abcde,fde->abfc', t25, t14, optimize=[(0, 1)])
+    t26 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t27 = t26.view((d_ff, d_V, d_ff, d_V))
+    t27[...] = oe.contract('abc,acd,acde,acf->bdfe', t24, t6, dA, t7, optimize=[(1, 2), (0, 1), (0, 1)])
     return H
 
 
@@ -1255,19 +1341,22 @@ def ce_bias0_residual0__frobenius_all__outer(X, W_1, W_2, Y):
     t6 = t5 @ W_2
     t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
     A = t7 / t7.sum(-1, keepdim=True)
-    t8 = W_2.transpose(-1, -2)
-    t9 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,ace,ef,acf,acg,hbi,hid,dj,hij,hij,jf,hif,hig->', t0, t2, W_2, t4, A, t8, t2, X, t0, t2, W_2, t4, A, t8, t2, X, optimize=[(3, 4), (9, 10), (0, 6), (4, 9), (10, 11), (0, 1), (6, 9), (0, 8), (0, 7), (5, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,ace,ef,acf,acg,hbi,hid,dj,hij,hij,hik,kf,hif,hig->', t0, t2, W_2, t4, A, t8, t2, X, t0, t2, W_2, t4, A, A, t8, t2, X, optimize=[(3, 4), (9, 10), (0, 6), (7, 8), (7, 12), (4, 7), (8, 10), (5, 7), (4, 8), (0, 1), (2, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,ace,acf,fg,acg,ach,ibj,ijd,dk,ijk,ijk,ijl,lg,ijg,ijh->', t0, t2, W_2, t4, A, A, t8, t2, X, t0, t2, W_2, t4, A, A, t8, t2, X, optimize=[(3, 4), (10, 11), (3, 4), (3, 14), (0, 4), (5, 6), (5, 11), (2, 5), (7, 9), (1, 4), (0, 7), (1, 2), (0, 5), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t10 = torch.sqrt(torch.clamp(t9, min=0.0))
-    t11 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,ace,acf,gbh,ghd,de,ghe,ghe,ghf->', t0, t2, W_2, t4, A, t5, t0, t2, W_2, t4, A, t5, optimize=[(3, 4), (2, 6), (5, 6), (0, 3), (1, 3), (5, 6), (0, 1), (1, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,ace,acf,gbh,ghd,di,ghi,ghi,ghe,ghf->', t0, t2, W_2, t4, A, t5, t0, t2, W_2, t4, A, A, t5, optimize=[(3, 4), (7, 8), (0, 4), (2, 6), (7, 8), (3, 6), (2, 6), (0, 1), (1, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,ace,acf,acg,hbi,hid,dj,hij,hij,hif,hig->', t0, t2, W_2, t4, A, A, t5, t0, t2, W_2, t4, A, A, t5, optimize=[(3, 4), (8, 9), (0, 5), (2, 6), (8, 9), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (0, 1), (0, 1)])
-    t12 = torch.sqrt(torch.clamp(t11, min=0.0))
-    t13 = W_1.transpose(-1, -2)
-    t14 = t13 @ t0
-    t15 = (t14 * torch.heaviside(t14, torch.full_like(t14, 0.0)))
-    t16 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,de,ace,acf,gbh,ghd,ghd,de,ghe,ghf->', t15, t4, A, t8, t2, X, t15, t4, A, t8, t2, X, optimize=[(1, 2), (5, 6), (1, 5), (0, 3), (1, 3), (5, 6), (0, 1), (2, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,de,ace,acf,gbh,ghd,ghd,ghi,ie,ghe,ghf->', t15, t4, A, t8, t2, X, t15, t4, A, A, t8, t2, X, optimize=[(1, 2), (5, 6), (0, 4), (3, 4), (3, 8), (2, 3), (4, 6), (0, 1), (0, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,ef,acf,acg,hbi,hid,hid,hij,jf,hif,hig->', t15, t4, A, A, t8, t2, X, t15, t4, A, A, t8, t2, X, optimize=[(1, 2), (6, 7), (1, 2), (1, 10), (0, 2), (1, 2), (1, 7), (0, 1), (3, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
-    t18 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fge->', t15, t4, A, t5, t15, t4, A, t5, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fgd,fge->', t15, t4, A, t5, t15, t4, A, A, t5, optimize=[(1, 2), (3, 4), (3, 6), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,acf,gbh,ghd,ghd,ghe,ghf->', t15, t4, A, A, t5, t15, t4, A, A, t5, optimize=[(1, 2), (4, 5), (0, 3), (0, 2), (4, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
-    return (t10, t12, t17, t19,)
+    t8 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t9 = W_2.transpose(-1, -2)
+    t10 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acef,fg,acg,ach,ibj,ijd,dk,ijk,ijkl,lg,ijg,ijh->', t0, t2, W_2, t4, dA, t9, t2, X, t0, t2, W_2, t4, dA, t9, t2, X, optimize=[(3, 4), (3, 14), (0, 5), (6, 7), (6, 11), (3, 7), (7, 9), (1, 6), (3, 5), (0, 5), (1, 4), (3, 4), (0, 3), (0, 2), (0, 1)])
+    t11 = torch.sqrt(torch.clamp(t10, min=0.0))
+    t12 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acef,acg,hbi,hid,dj,hij,hijf,hig->', t0, t2, W_2, t4, dA, t5, t0, t2, W_2, t4, dA, t5, optimize=[(3, 4), (7, 8), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)])
+    t13 = torch.sqrt(torch.clamp(t12, min=0.0))
+    t14 = W_1.transpose(-1, -2)
+    t15 = t14 @ t0
+    t16 = (t15 * torch.heaviside(t15, torch.full_like(t15, 0.0)))
+    t17 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acf,acg,hbi,hid,hidj,jf,hif,hig->', t16, t4, dA, t9, t2, X, t16, t4, dA, t9, t2, X, optimize=[(1, 2), (5, 6), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)])
+    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
+    t19 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t16, t4, dA, t5, t16, t4, dA, t5, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
+    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
+    return (t11, t13, t18, t20,)
 
 
 def ce_bias0_residual0__diag__W_1__outer(X, W_1, W_2, Y):
@@ -1287,15 +1376,12 @@ def ce_bias0_residual0__diag__W_1__outer(X, W_1, W_2, Y):
     t7 = t6 @ W_2
     t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
     A = t8 / t8.sum(-1, keepdim=True)
-    t9 = W_2.transpose(-1, -2)
-    t10 = (1/(L*n_batch)) * t1
-    t11 = oe.contract('abc,cd,abd,abd,dc,abc->cab', t3, W_2, t5, A, t9, t3, optimize=[(2, 3), (1, 2), (0, 1), (0, 1), (0, 1)])
-    t12 = oe.contract('abc,acb->bac', t10, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t11, t12, optimize=[(0, 1)])
-    t13 = (-1/(L*n_batch)) * t1
-    t14 = oe.contract('abc,cd,abd,abd,abe,ec,abc->cab', t3, W_2, t5, A, A, t9, t3, optimize=[(2, 3), (0, 4), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t15 = oe.contract('abc,acb->bac', t13, X, optimize=[(0, 1)])
-    t0 += oe.contract('abc,dbc->da', t14, t15, optimize=[(0, 1)])
+    t9 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t10 = W_2.transpose(-1, -2)
+    t11 = (1/(L*n_batch)) * t1
+    t0[...] = oe.contract('abc,acd,de,ace,acef,fd,acd,acb->bd', t11, t3, W_2, t5, dA, t10, t3, X, optimize=[(0, 7), (0, 5), (1, 2), (0, 1), (0, 1), (0, 1), (0, 1)])
     return out
 
 
@@ -1314,8 +1400,11 @@ def ce_bias0_residual0__trace__W_1__outer(X, W_1, W_2, Y):
     t6 = t5 @ W_2
     t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
     A = t7 / t7.sum(-1, keepdim=True)
-    t8 = W_2.transpose(-1, -2)
-    return (1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,ed,acd,acb->', t0, t2, W_2, t4, A, t8, t2, X, optimize=[(3, 4), (2, 3), (1, 2), (0, 1), (0, 1), (0, 2), (0, 1)]) + (-1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,acf,fd,acd,acb->', t0, t2, W_2, t4, A, A, t8, t2, X, optimize=[(3, 4), (1, 5), (0, 4), (1, 2), (2, 4), (0, 1), (1, 2), (0, 1)])
+    t8 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t9 = W_2.transpose(-1, -2)
+    return (1/(L*n_batch)) * oe.contract('abc,acd,de,ace,acef,fd,acd,acb->', t0, t2, W_2, t4, dA, t9, t2, X, optimize=[(0, 7), (0, 5), (1, 2), (2, 3), (0, 1), (0, 2), (0, 1)])
 
 
 def ce_bias0_residual0__block__W_1__W_1__outer(X, W_1, W_2, Y):
@@ -1335,15 +1424,14 @@ def ce_bias0_residual0__block__W_1__W_1__outer(X, W_1, W_2, Y):
     t7 = t6 @ W_2
     t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
     A = t8 / t8.sum(-1, keepdim=True)
-    t9 = W_2.transpose(-1, -2)
-    t10 = (1/(L*n_batch)) * t1
-    t11 = oe.contract('abc,acd,de,ace,ace,ef,acf->bdfac', t10, t3, W_2, t5, A, t9, t3, optimize=[(3, 4), (2, 3), (3, 4), (0, 1), (0, 1), (0, 1)])
-    t12 = oe.contract('abc->cab', X, optimize=[(0,)])
-    t0[...] = oe.contract('abcde,fde->abfc', t11, t12, optimize=[(0, 1)])
-    t13 = (-1/(L*n_batch)) * t1
-    t14 = oe.contract('abc,cd,abd,abe->edab', A, t9, t3, X, optimize=[(0, 1), (0, 2), (0, 1)])
-    t15 = oe.contract('abc,acd,de,ace,ace->bdac', t13, t3, W_2, t5, A, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)])
-    t0 += oe.contract('abcd,efcd->efab', t14, t15, optimize=[(0, 1)])
+    t9 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t10 = W_2.transpose(-1, -2)
+    t11 = (1/(L*n_batch)) * t1
+    t12 = oe.contract('abc,acd,de,ace,acef,fg,acg->bdgac', t11, t3, W_2, t5, dA, t10, t3, optimize=[(3, 4), (3, 5), (2, 4), (0, 1), (0, 1), (0, 1)])
+    t13 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t0[...] = oe.contract('abcde,fde->abfc', t12, t13, optimize=[(0, 1)])
     return out
 
 
@@ -1362,10 +1450,13 @@ def ce_bias0_residual0__frobenius__W_1__W_1__outer(X, W_1, W_2, Y):
     t6 = t5 @ W_2
     t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
     A = t7 / t7.sum(-1, keepdim=True)
-    t8 = W_2.transpose(-1, -2)
-    t9 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,ace,ef,acf,acg,hbi,hid,dj,hij,hij,jf,hif,hig->', t0, t2, W_2, t4, A, t8, t2, X, t0, t2, W_2, t4, A, t8, t2, X, optimize=[(3, 4), (9, 10), (0, 6), (4, 9), (10, 11), (0, 1), (6, 9), (0, 8), (0, 7), (5, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,ace,ef,acf,acg,hbi,hid,dj,hij,hij,hik,kf,hif,hig->', t0, t2, W_2, t4, A, t8, t2, X, t0, t2, W_2, t4, A, A, t8, t2, X, optimize=[(3, 4), (9, 10), (0, 6), (7, 8), (7, 12), (4, 7), (8, 10), (5, 7), (4, 8), (0, 1), (2, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,ace,acf,fg,acg,ach,ibj,ijd,dk,ijk,ijk,ijl,lg,ijg,ijh->', t0, t2, W_2, t4, A, A, t8, t2, X, t0, t2, W_2, t4, A, A, t8, t2, X, optimize=[(3, 4), (10, 11), (3, 4), (3, 14), (0, 4), (5, 6), (5, 11), (2, 5), (7, 9), (1, 4), (0, 7), (1, 2), (0, 5), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t10 = torch.sqrt(torch.clamp(t9, min=0.0))
-    return t10
+    t8 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t9 = W_2.transpose(-1, -2)
+    t10 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acef,fg,acg,ach,ibj,ijd,dk,ijk,ijkl,lg,ijg,ijh->', t0, t2, W_2, t4, dA, t9, t2, X, t0, t2, W_2, t4, dA, t9, t2, X, optimize=[(3, 4), (3, 14), (0, 5), (6, 7), (6, 11), (3, 7), (7, 9), (1, 6), (3, 5), (0, 5), (1, 4), (3, 4), (0, 3), (0, 2), (0, 1)])
+    t11 = torch.sqrt(torch.clamp(t10, min=0.0))
+    return t11
 
 
 def ce_bias0_residual0__block__W_1__W_2__outer(X, W_1, W_2, Y):
@@ -1385,12 +1476,13 @@ def ce_bias0_residual0__block__W_1__W_2__outer(X, W_1, W_2, Y):
     t7 = t6 @ W_2
     t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
     A = t8 / t8.sum(-1, keepdim=True)
-    t9 = (1/(L*n_batch)) * t1
-    t0[...] = oe.contract('abc,acd,de,ace,ace,acf->bdfe', t9, t3, W_2, t5, A, t6, optimize=[(3, 4), (0, 1), (1, 2), (1, 2), (0, 1)])
-    t10 = (-1/(L*n_batch)) * t1
-    t11 = oe.contract('abc,abd->dcab', A, t6, optimize=[(0, 1)])
-    t12 = oe.contract('abc,acd,de,ace,ace->bdac', t10, t3, W_2, t5, A, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)])
-    t0 += oe.contract('abcd,efcd->efab', t11, t12, optimize=[(0, 1)])
+    t9 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t10 = (1/(L*n_batch)) * t1
+    t11 = oe.contract('abc,acd,de,ace,acef->bdfac', t10, t3, W_2, t5, dA, optimize=[(3, 4), (2, 3), (0, 1), (0, 1)])
+    t12 = oe.contract('abc->cab', t6, optimize=[(0,)])
+    t0[...] = oe.contract('abcde,fde->abfc', t11, t12, optimize=[(0, 1)])
     return out
 
 
@@ -1409,9 +1501,12 @@ def ce_bias0_residual0__frobenius__W_1__W_2__outer(X, W_1, W_2, Y):
     t6 = t5 @ W_2
     t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
     A = t7 / t7.sum(-1, keepdim=True)
-    t8 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,ace,acf,gbh,ghd,de,ghe,ghe,ghf->', t0, t2, W_2, t4, A, t5, t0, t2, W_2, t4, A, t5, optimize=[(3, 4), (2, 6), (5, 6), (0, 3), (1, 3), (5, 6), (0, 1), (1, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,ace,acf,gbh,ghd,di,ghi,ghi,ghe,ghf->', t0, t2, W_2, t4, A, t5, t0, t2, W_2, t4, A, A, t5, optimize=[(3, 4), (7, 8), (0, 4), (2, 6), (7, 8), (3, 6), (2, 6), (0, 1), (1, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,ace,acf,acg,hbi,hid,dj,hij,hij,hif,hig->', t0, t2, W_2, t4, A, A, t5, t0, t2, W_2, t4, A, A, t5, optimize=[(3, 4), (8, 9), (0, 5), (2, 6), (8, 9), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (0, 1), (0, 1)])
-    t9 = torch.sqrt(torch.clamp(t8, min=0.0))
-    return t9
+    t8 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t9 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acef,acg,hbi,hid,dj,hij,hijf,hig->', t0, t2, W_2, t4, dA, t5, t0, t2, W_2, t4, dA, t5, optimize=[(3, 4), (7, 8), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)])
+    t10 = torch.sqrt(torch.clamp(t9, min=0.0))
+    return t10
 
 
 def ce_bias0_residual0__diag__W_2__outer(X, W_1, W_2, Y):
@@ -1433,12 +1528,13 @@ def ce_bias0_residual0__diag__W_2__outer(X, W_1, W_2, Y):
     t9 = t8 @ W_2
     t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
     A = t10 / t10.sum(-1, keepdim=True)
-    t11 = (1/(L*n_batch)) * t4
-    t12 = oe.contract('abc,abc->cab', t6, A, optimize=[(0, 1)])
-    t13 = oe.contract('abc,acb->bac', t11, t8, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t12, t13, optimize=[(0, 1)])
-    t14 = (-1/(L*n_batch)) * t4
-    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t14, t6, A, A, t8, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t12 = (1/(L*n_batch)) * t4
+    t13 = oe.contract('abc,abcc->cab', t6, dA, optimize=[(0, 1)])
+    t14 = oe.contract('abc,acb->bac', t12, t8, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t13, t14, optimize=[(0, 1)])
     return out
 
 
@@ -1459,7 +1555,10 @@ def ce_bias0_residual0__trace__W_2__outer(X, W_1, W_2, Y):
     t8 = t7 @ W_2
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A = t9 / t9.sum(-1, keepdim=True)
-    return (1/(L*n_batch)) * oe.contract('abc,acd,acd,acb->', t3, t5, A, t7, optimize=[(0, 3), (0, 1), (0, 1)]) + (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->', t3, t5, A, A, t7, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t10 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    return (1/(L*n_batch)) * oe.contract('abc,acd,acdd,acb->', t3, t5, dA, t7, optimize=[(0, 3), (0, 1), (0, 1)])
 
 
 def ce_bias0_residual0__block__W_2__W_1__outer(X, W_1, W_2, Y):
@@ -1481,14 +1580,15 @@ def ce_bias0_residual0__block__W_2__W_1__outer(X, W_1, W_2, Y):
     t9 = t8 @ W_2
     t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
     A = t10 / t10.sum(-1, keepdim=True)
-    t11 = W_2.transpose(-1, -2)
-    t12 = torch.heaviside(t7, torch.full_like(t7, 0.0))
-    t13 = (1/(L*n_batch)) * t4
-    t0[...] = oe.contract('abc,acd,acd,de,ace,acf->bdfe', t13, t6, A, t11, t12, X, optimize=[(1, 2), (0, 2), (1, 2), (1, 2), (0, 1)])
-    t14 = (-1/(L*n_batch)) * t4
-    t15 = oe.contract('abc,acd,de,ace,acf->bfeac', t14, A, t11, t12, X, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
-    t16 = oe.contract('abc,abc->cab', t6, A, optimize=[(0, 1)])
-    t0 += oe.contract('abcde,fde->afbc', t15, t16, optimize=[(0, 1)])
+    t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t12 = W_2.transpose(-1, -2)
+    t13 = torch.heaviside(t7, torch.full_like(t7, 0.0))
+    t14 = (1/(L*n_batch)) * t4
+    t15 = oe.contract('abc,acd,acde,ef,acf->bdfac', t14, t6, dA, t12, t13, optimize=[(2, 3), (0, 1), (0, 1), (0, 1)])
+    t16 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t0[...] = oe.contract('abcde,fde->abfc', t15, t16, optimize=[(0, 1)])
     return out
 
 
@@ -1509,11 +1609,14 @@ def ce_bias0_residual0__frobenius__W_2__W_1__outer(X, W_1, W_2, Y):
     t8 = t7 @ W_2
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A = t9 / t9.sum(-1, keepdim=True)
-    t10 = W_2.transpose(-1, -2)
-    t11 = torch.heaviside(t6, torch.full_like(t6, 0.0))
-    t12 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,de,ace,acf,gbh,ghd,ghd,de,ghe,ghf->', t3, t5, A, t10, t11, X, t3, t5, A, t10, t11, X, optimize=[(1, 2), (5, 6), (1, 5), (0, 3), (1, 3), (5, 6), (0, 1), (2, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,de,ace,acf,gbh,ghd,ghd,ghi,ie,ghe,ghf->', t3, t5, A, t10, t11, X, t3, t5, A, A, t10, t11, X, optimize=[(1, 2), (5, 6), (0, 4), (3, 4), (3, 8), (2, 3), (4, 6), (0, 1), (0, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,ef,acf,acg,hbi,hid,hid,hij,jf,hif,hig->', t3, t5, A, A, t10, t11, X, t3, t5, A, A, t10, t11, X, optimize=[(1, 2), (6, 7), (1, 2), (1, 10), (0, 2), (1, 2), (1, 7), (0, 1), (3, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t13 = torch.sqrt(torch.clamp(t12, min=0.0))
-    return t13
+    t10 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t11 = W_2.transpose(-1, -2)
+    t12 = torch.heaviside(t6, torch.full_like(t6, 0.0))
+    t13 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acf,acg,hbi,hid,hidj,jf,hif,hig->', t3, t5, dA, t11, t12, X, t3, t5, dA, t11, t12, X, optimize=[(1, 2), (5, 6), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)])
+    t14 = torch.sqrt(torch.clamp(t13, min=0.0))
+    return t14
 
 
 def ce_bias0_residual0__block__W_2__W_2__outer(X, W_1, W_2, Y):
@@ -1523,28 +1626,23 @@ def ce_bias0_residual0__block__W_2__W_2__outer(X, W_1, W_2, Y):
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
     out = torch.empty((d_V*d_ff, d_V*d_ff), dtype=X.dtype, device=X.device)
-    out[...] = 0
     t0 = out.view((d_ff, d_V, d_ff, d_V))
-    t1 = t0.diagonal(0, 1, 3)
-    t2 = W_1.transpose(-1, -2)
-    t3 = X.transpose(-1, -2)
-    t4 = t2 @ t3
-    t5 = (t4 * torch.heaviside(t4, torch.full_like(t4, 0.0)))
-    t6 = Y.sum(-1, keepdim=True)
-    t7 = t6.expand(*t6.shape[:-1], d_V)
-    t8 = X @ W_1
-    t9 = (t8 * torch.heaviside(t8, torch.full_like(t8, 0.0)))
-    t10 = t9 @ W_2
-    t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
-    A = t11 / t11.sum(-1, keepdim=True)
-    t12 = (1/(L*n_batch)) * t5
-    t13 = oe.contract('abc,abc->cab', t7, A, optimize=[(0, 1)])
-    t14 = oe.contract('abc,acd->bdac', t12, t9, optimize=[(0, 1)])
-    t1 += oe.contract('abc,debc->dea', t13, t14, optimize=[(0, 1)])
-    t15 = (-1/(L*n_batch)) * t5
-    t16 = oe.contract('abc,acd->bdac', t15, A, optimize=[(0, 1)])
-    t17 = oe.contract('abc,abc,abd->cdab', t7, A, t9, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t16, t17, optimize=[(0, 1)])
+    t1 = W_1.transpose(-1, -2)
+    t2 = X.transpose(-1, -2)
+    t3 = t1 @ t2
+    t4 = (t3 * torch.heaviside(t3, torch.full_like(t3, 0.0)))
+    t5 = Y.sum(-1, keepdim=True)
+    t6 = t5.expand(*t5.shape[:-1], d_V)
+    t7 = X @ W_1
+    t8 = (t7 * torch.heaviside(t7, torch.full_like(t7, 0.0)))
+    t9 = t8 @ W_2
+    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
+    A = t10 / t10.sum(-1, keepdim=True)
+    t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t12 = (1/(L*n_batch)) * t4
+    t0[...] = oe.contract('abc,acd,acde,acf->bdfe', t12, t6, dA, t8, optimize=[(1, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -1565,9 +1663,12 @@ def ce_bias0_residual0__frobenius__W_2__W_2__outer(X, W_1, W_2, Y):
     t8 = t7 @ W_2
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A = t9 / t9.sum(-1, keepdim=True)
-    t10 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fge->', t3, t5, A, t7, t3, t5, A, t7, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fgd,fge->', t3, t5, A, t7, t3, t5, A, A, t7, optimize=[(1, 2), (3, 4), (3, 6), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,acf,gbh,ghd,ghd,ghe,ghf->', t3, t5, A, A, t7, t3, t5, A, A, t7, optimize=[(1, 2), (4, 5), (0, 3), (0, 2), (4, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t11 = torch.sqrt(torch.clamp(t10, min=0.0))
-    return t11
+    t10 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t11 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t3, t5, dA, t7, t3, t5, dA, t7, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
+    t12 = torch.sqrt(torch.clamp(t11, min=0.0))
+    return t12
 
 
 def ce_bias0_residual0__hessian__functional(X, W_1, W_2, Y):
@@ -1906,59 +2007,49 @@ def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     t8 = t7 @ W_2
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A = t9 / t9.sum(-1, keepdim=True)
-    t10 = W_2.transpose(-1, -2)
-    t11 = (1/(L*n_batch)) * t2
-    t12 = oe.contract('abc,acd,de,ace,ace,ef,acf->bdfac', t11, t4, W_2, t6, A, t10, t4, optimize=[(3, 4), (2, 3), (3, 4), (0, 1), (0, 1), (0, 1)])
-    t13 = oe.contract('abc->cab', X, optimize=[(0,)])
-    t1[...] = oe.contract('abcde,fde->abfc', t12, t13, optimize=[(0, 1)])
-    t14 = (-1/(L*n_batch)) * t2
-    t15 = oe.contract('abc,cd,abd,abe->edab', A, t10, t4, X, optimize=[(0, 1), (0, 2), (0, 1)])
-    t16 = oe.contract('abc,acd,de,ace,ace->bdac', t14, t4, W_2, t6, A, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)])
-    t1 += oe.contract('abcd,efcd->efab', t15, t16, optimize=[(0, 1)])
-    t17 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t18 = t17.view((d_V, d_ff, d_ff, d_V))
-    t18[...] = oe.contract('abc,acd,de,ace,ace,acf->bdfe', t11, t4, W_2, t6, A, t7, optimize=[(3, 4), (0, 1), (1, 2), (1, 2), (0, 1)])
-    t19 = oe.contract('abc,abd->dcab', A, t7, optimize=[(0, 1)])
-    t18 += oe.contract('abcd,efcd->efab', t19, t16, optimize=[(0, 1)])
-    t20 = t18.diagonal(0, 1, 2)
+    t10 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t11 = W_2.transpose(-1, -2)
+    t12 = (1/(L*n_batch)) * t2
+    t13 = oe.contract('abc,acd,de,ace,acef,fg,acg->bdgac', t12, t4, W_2, t6, dA, t11, t4, optimize=[(3, 4), (3, 5), (2, 4), (0, 1), (0, 1), (0, 1)])
+    t14 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t1[...] = oe.contract('abcde,fde->abfc', t13, t14, optimize=[(0, 1)])
+    t15 = H[0:d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t16 = t15.view((d_V, d_ff, d_ff, d_V))
+    t17 = oe.contract('abc,acd,de,ace,acef->bdfac', t12, t4, W_2, t6, dA, optimize=[(3, 4), (2, 3), (0, 1), (0, 1)])
+    t18 = oe.contract('abc->cab', t7, optimize=[(0,)])
+    t16[...] = oe.contract('abcde,fde->abfc', t17, t18, optimize=[(0, 1)])
+    t19 = t16.diagonal(0, 1, 2)
     F = t8
-    t21 = torch.exp(F - F.amax(-1, keepdim=True))
-    A22 = t21 / t21.sum(-1, keepdim=True)
-    t23 = t6 * A22
-    t24 = (1/L) * t23
-    t25 = (-1/L) * Y
-    t26 = t24 + t25
-    G = t26
-    t27 = (1/n_batch) * t2
-    t28 = oe.contract('abc,acd->bdac', t27, t4, optimize=[(0, 1)])
-    t29 = oe.contract('abc->cab', G, optimize=[(0,)])
-    t20 += oe.contract('abcd,ecd->aeb', t28, t29, optimize=[(0, 1)])
-    t30 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
-    t31 = t30.view((d_ff, d_V, d_V, d_ff))
-    t32 = W_1.transpose(-1, -2)
-    t33 = t32 @ t2
-    t34 = (t33 * torch.heaviside(t33, torch.full_like(t33, 0.0)))
-    t35 = (1/(L*n_batch)) * t34
-    t31[...] = oe.contract('abc,acd,acd,de,ace,acf->bdfe', t35, t6, A, t10, t4, X, optimize=[(1, 2), (0, 2), (1, 2), (1, 2), (0, 1)])
-    t36 = (-1/(L*n_batch)) * t34
-    t37 = oe.contract('abc,acd,de,ace,acf->bfeac', t36, A, t10, t4, X, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
-    t38 = oe.contract('abc,abc->cab', t6, A, optimize=[(0, 1)])
-    t31 += oe.contract('abcde,fde->afbc', t37, t38, optimize=[(0, 1)])
-    t39 = t31.diagonal(0, 0, 3)
-    t40 = G.transpose(-1, -2)
-    t41 = torch.heaviside(t33, torch.full_like(t33, 0.0))
-    t42 = (1/n_batch) * t40
-    t43 = oe.contract('abc,adc->bdac', t42, t41, optimize=[(0, 1)])
-    t39 += oe.contract('abcd,ecd->aeb', t43, t13, optimize=[(0, 1)])
-    t44 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
-    t44[...] = 0
-    t45 = t44.view((d_ff, d_V, d_ff, d_V))
-    t46 = t45.diagonal(0, 1, 3)
-    t47 = oe.contract('abc,acd->bdac', t35, t7, optimize=[(0, 1)])
-    t46 += oe.contract('abc,debc->dea', t38, t47, optimize=[(0, 1)])
-    t48 = oe.contract('abc,acd->bdac', t36, A, optimize=[(0, 1)])
-    t49 = oe.contract('abc,abc,abd->cdab', t6, A, t7, optimize=[(0, 1), (0, 1)])
-    t45 += oe.contract('abcd,efcd->aefb', t48, t49, optimize=[(0, 1)])
+    t20 = torch.exp(F - F.amax(-1, keepdim=True))
+    A21 = t20 / t20.sum(-1, keepdim=True)
+    t22 = t6 * A21
+    t23 = (1/L) * t22
+    t24 = (-1/L) * Y
+    t25 = t23 + t24
+    G = t25
+    t26 = (1/n_batch) * t2
+    t27 = oe.contract('abc,acd->bdac', t26, t4, optimize=[(0, 1)])
+    t28 = oe.contract('abc->cab', G, optimize=[(0,)])
+    t19 += oe.contract('abcd,ecd->aeb', t27, t28, optimize=[(0, 1)])
+    t29 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
+    t30 = t29.view((d_ff, d_V, d_V, d_ff))
+    t31 = W_1.transpose(-1, -2)
+    t32 = t31 @ t2
+    t33 = (t32 * torch.heaviside(t32, torch.full_like(t32, 0.0)))
+    t34 = (1/(L*n_batch)) * t33
+    t35 = oe.contract('abc,acd,acde,ef,acf->bdfac', t34, t6, dA, t11, t4, optimize=[(2, 3), (0, 1), (0, 1), (0, 1)])
+    t30[...] = oe.contract('abcde,fde->abfc', t35, t14, optimize=[(0, 1)])
+    t36 = t30.diagonal(0, 0, 3)
+    t37 = G.transpose(-1, -2)
+    t38 = torch.heaviside(t32, torch.full_like(t32, 0.0))
+    t39 = (1/n_batch) * t37
+    t40 = oe.contract('abc,adc->bdac', t39, t38, optimize=[(0, 1)])
+    t36 += oe.contract('abcd,ecd->aeb', t40, t14, optimize=[(0, 1)])
+    t41 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
+    t42 = t41.view((d_ff, d_V, d_ff, d_V))
+    t42[...] = oe.contract('abc,acd,acde,acf->bdfe', t34, t6, dA, t7, optimize=[(1, 2), (0, 1), (0, 1)])
     return H
 
 
@@ -2027,29 +2118,32 @@ def ce_bias0_residual0__frobenius_all__full(X, W_1, W_2, Y):
     t6 = t5 @ W_2
     t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
     A = t7 / t7.sum(-1, keepdim=True)
-    t8 = W_2.transpose(-1, -2)
-    t9 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,ace,ef,acf,acg,hbi,hid,dj,hij,hij,jf,hif,hig->', t0, t2, W_2, t4, A, t8, t2, X, t0, t2, W_2, t4, A, t8, t2, X, optimize=[(3, 4), (9, 10), (0, 6), (4, 9), (10, 11), (0, 1), (6, 9), (0, 8), (0, 7), (5, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,ace,ef,acf,acg,hbi,hid,dj,hij,hij,hik,kf,hif,hig->', t0, t2, W_2, t4, A, t8, t2, X, t0, t2, W_2, t4, A, A, t8, t2, X, optimize=[(3, 4), (9, 10), (0, 6), (7, 8), (7, 12), (4, 7), (8, 10), (5, 7), (4, 8), (0, 1), (2, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,ace,acf,fg,acg,ach,ibj,ijd,dk,ijk,ijk,ijl,lg,ijg,ijh->', t0, t2, W_2, t4, A, A, t8, t2, X, t0, t2, W_2, t4, A, A, t8, t2, X, optimize=[(3, 4), (10, 11), (3, 4), (3, 14), (0, 4), (5, 6), (5, 11), (2, 5), (7, 9), (1, 4), (0, 7), (1, 2), (0, 5), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t10 = torch.sqrt(torch.clamp(t9, min=0.0))
+    t8 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t9 = W_2.transpose(-1, -2)
+    t10 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acef,fg,acg,ach,ibj,ijd,dk,ijk,ijkl,lg,ijg,ijh->', t0, t2, W_2, t4, dA, t9, t2, X, t0, t2, W_2, t4, dA, t9, t2, X, optimize=[(3, 4), (3, 14), (0, 5), (6, 7), (6, 11), (3, 7), (7, 9), (1, 6), (3, 5), (0, 5), (1, 4), (3, 4), (0, 3), (0, 2), (0, 1)])
+    t11 = torch.sqrt(torch.clamp(t10, min=0.0))
     F = t6
-    t11 = torch.exp(F - F.amax(-1, keepdim=True))
-    A12 = t11 / t11.sum(-1, keepdim=True)
-    t13 = t4 * A12
-    t14 = (1/L) * t13
-    t15 = (-1/L) * Y
-    t16 = t14 + t15
-    G = t16
-    t17 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,ace,acf,gbh,ghd,de,ghe,ghe,ghf->', t0, t2, W_2, t4, A, t5, t0, t2, W_2, t4, A, t5, optimize=[(3, 4), (2, 6), (5, 6), (0, 3), (1, 3), (5, 6), (0, 1), (1, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,ace,acf,gbh,ghd,di,ghi,ghi,ghe,ghf->', t0, t2, W_2, t4, A, t5, t0, t2, W_2, t4, A, A, t5, optimize=[(3, 4), (7, 8), (0, 4), (2, 6), (7, 8), (3, 6), (2, 6), (0, 1), (1, 4), (0, 3), (0, 2), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abc,acd,de,ace,ace,acd,fbg,fgd,fge->', t0, t2, W_2, t4, A, t5, t0, t2, G, optimize=[(3, 4), (1, 3), (0, 2), (0, 1), (0, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,ace,acf,acg,hbi,hid,dj,hij,hij,hif,hig->', t0, t2, W_2, t4, A, A, t5, t0, t2, W_2, t4, A, A, t5, optimize=[(3, 4), (8, 9), (0, 5), (2, 6), (8, 9), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (0, 1), (0, 1)]) + (-2/(L*n_batch**2)) * oe.contract('abc,acd,de,ace,ace,acf,acd,gbh,ghd,ghf->', t0, t2, W_2, t4, A, A, t5, t0, t2, G, optimize=[(3, 4), (1, 4), (0, 3), (1, 3), (4, 5), (0, 2), (1, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acd,ace,fbg,fgd,fge->', t0, t2, G, t0, t2, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
-    t19 = W_1.transpose(-1, -2)
-    t20 = t19 @ t0
-    t21 = (t20 * torch.heaviside(t20, torch.full_like(t20, 0.0)))
-    t22 = G.transpose(-1, -2)
-    t23 = torch.heaviside(t20, torch.full_like(t20, 0.0))
-    t24 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,de,ace,acf,gbh,ghd,ghd,de,ghe,ghf->', t21, t4, A, t8, t2, X, t21, t4, A, t8, t2, X, optimize=[(1, 2), (5, 6), (1, 5), (0, 3), (1, 3), (5, 6), (0, 1), (2, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,de,ace,acf,gbh,ghd,ghd,ghi,ie,ghe,ghf->', t21, t4, A, t8, t2, X, t21, t4, A, A, t8, t2, X, optimize=[(1, 2), (5, 6), (0, 4), (3, 4), (3, 8), (2, 3), (4, 6), (0, 1), (0, 4), (0, 3), (0, 2), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abc,acd,acd,db,acb,ace,fdg,fbg,fge->', t21, t4, A, t8, t2, X, t22, t23, X, optimize=[(1, 2), (0, 2), (1, 4), (0, 1), (0, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,ef,acf,acg,hbi,hid,hid,hij,jf,hif,hig->', t21, t4, A, A, t8, t2, X, t21, t4, A, A, t8, t2, X, optimize=[(1, 2), (6, 7), (1, 2), (1, 10), (0, 2), (1, 2), (1, 7), (0, 1), (3, 5), (0, 1), (2, 3), (0, 1), (0, 1)]) + (-2/(L*n_batch**2)) * oe.contract('abc,acd,acd,ace,eb,acb,acf,gdh,gbh,ghf->', t21, t4, A, A, t8, t2, X, t22, t23, X, optimize=[(1, 2), (0, 3), (0, 1), (5, 6), (0, 3), (0, 2), (2, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t22, t23, X, t22, t23, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
-    t26 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fge->', t21, t4, A, t5, t21, t4, A, t5, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fgd,fge->', t21, t4, A, t5, t21, t4, A, A, t5, optimize=[(1, 2), (3, 4), (3, 6), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,acf,gbh,ghd,ghd,ghe,ghf->', t21, t4, A, A, t5, t21, t4, A, A, t5, optimize=[(1, 2), (4, 5), (0, 3), (0, 2), (4, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t27 = torch.sqrt(torch.clamp(t26, min=0.0))
-    return (t10, t18, t25, t27,)
+    t12 = torch.exp(F - F.amax(-1, keepdim=True))
+    A13 = t12 / t12.sum(-1, keepdim=True)
+    t14 = t4 * A13
+    t15 = (1/L) * t14
+    t16 = (-1/L) * Y
+    t17 = t15 + t16
+    G = t17
+    t18 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acef,acg,hbi,hid,dj,hij,hijf,hig->', t0, t2, W_2, t4, dA, t5, t0, t2, W_2, t4, dA, t5, optimize=[(3, 4), (7, 8), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abc,acd,de,ace,acef,acd,gbh,ghd,ghf->', t0, t2, W_2, t4, dA, t5, t0, t2, G, optimize=[(1, 5), (2, 3), (0, 2), (2, 4), (0, 4), (0, 3), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acd,ace,fbg,fgd,fge->', t0, t2, G, t0, t2, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
+    t20 = W_1.transpose(-1, -2)
+    t21 = t20 @ t0
+    t22 = (t21 * torch.heaviside(t21, torch.full_like(t21, 0.0)))
+    t23 = G.transpose(-1, -2)
+    t24 = torch.heaviside(t21, torch.full_like(t21, 0.0))
+    t25 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acf,acg,hbi,hid,hidj,jf,hif,hig->', t22, t4, dA, t9, t2, X, t22, t4, dA, t9, t2, X, optimize=[(1, 2), (5, 6), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abc,acd,acde,eb,acb,acf,gdh,gbh,ghf->', t22, t4, dA, t9, t2, X, t23, t24, X, optimize=[(0, 4), (0, 1), (0, 6), (0, 3), (0, 3), (0, 3), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t23, t24, X, t23, t24, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t26 = torch.sqrt(torch.clamp(t25, min=0.0))
+    t27 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t22, t4, dA, t5, t22, t4, dA, t5, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
+    t28 = torch.sqrt(torch.clamp(t27, min=0.0))
+    return (t11, t19, t26, t28,)
 
 
 def ce_bias0_residual0__diag__W_1__full(X, W_1, W_2, Y):
@@ -2069,15 +2163,12 @@ def ce_bias0_residual0__diag__W_1__full(X, W_1, W_2, Y):
     t7 = t6 @ W_2
     t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
     A = t8 / t8.sum(-1, keepdim=True)
-    t9 = W_2.transpose(-1, -2)
-    t10 = (1/(L*n_batch)) * t1
-    t11 = oe.contract('abc,cd,abd,abd,dc,abc->cab', t3, W_2, t5, A, t9, t3, optimize=[(2, 3), (1, 2), (0, 1), (0, 1), (0, 1)])
-    t12 = oe.contract('abc,acb->bac', t10, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t11, t12, optimize=[(0, 1)])
-    t13 = (-1/(L*n_batch)) * t1
-    t14 = oe.contract('abc,cd,abd,abd,abe,ec,abc->cab', t3, W_2, t5, A, A, t9, t3, optimize=[(2, 3), (0, 4), (1, 2), (2, 3), (0, 1), (0, 1)])
-    t15 = oe.contract('abc,acb->bac', t13, X, optimize=[(0, 1)])
-    t0 += oe.contract('abc,dbc->da', t14, t15, optimize=[(0, 1)])
+    t9 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t10 = W_2.transpose(-1, -2)
+    t11 = (1/(L*n_batch)) * t1
+    t0[...] = oe.contract('abc,acd,de,ace,acef,fd,acd,acb->bd', t11, t3, W_2, t5, dA, t10, t3, X, optimize=[(0, 7), (0, 5), (1, 2), (0, 1), (0, 1), (0, 1), (0, 1)])
     return out
 
 
@@ -2096,8 +2187,11 @@ def ce_bias0_residual0__trace__W_1__full(X, W_1, W_2, Y):
     t6 = t5 @ W_2
     t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
     A = t7 / t7.sum(-1, keepdim=True)
-    t8 = W_2.transpose(-1, -2)
-    return (1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,ed,acd,acb->', t0, t2, W_2, t4, A, t8, t2, X, optimize=[(3, 4), (2, 3), (1, 2), (0, 1), (0, 1), (0, 2), (0, 1)]) + (-1/(L*n_batch)) * oe.contract('abc,acd,de,ace,ace,acf,fd,acd,acb->', t0, t2, W_2, t4, A, A, t8, t2, X, optimize=[(3, 4), (1, 5), (0, 4), (1, 2), (2, 4), (0, 1), (1, 2), (0, 1)])
+    t8 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t9 = W_2.transpose(-1, -2)
+    return (1/(L*n_batch)) * oe.contract('abc,acd,de,ace,acef,fd,acd,acb->', t0, t2, W_2, t4, dA, t9, t2, X, optimize=[(0, 7), (0, 5), (1, 2), (2, 3), (0, 1), (0, 2), (0, 1)])
 
 
 def ce_bias0_residual0__block__W_1__W_1__full(X, W_1, W_2, Y):
@@ -2117,15 +2211,14 @@ def ce_bias0_residual0__block__W_1__W_1__full(X, W_1, W_2, Y):
     t7 = t6 @ W_2
     t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
     A = t8 / t8.sum(-1, keepdim=True)
-    t9 = W_2.transpose(-1, -2)
-    t10 = (1/(L*n_batch)) * t1
-    t11 = oe.contract('abc,acd,de,ace,ace,ef,acf->bdfac', t10, t3, W_2, t5, A, t9, t3, optimize=[(3, 4), (2, 3), (3, 4), (0, 1), (0, 1), (0, 1)])
-    t12 = oe.contract('abc->cab', X, optimize=[(0,)])
-    t0[...] = oe.contract('abcde,fde->abfc', t11, t12, optimize=[(0, 1)])
-    t13 = (-1/(L*n_batch)) * t1
-    t14 = oe.contract('abc,cd,abd,abe->edab', A, t9, t3, X, optimize=[(0, 1), (0, 2), (0, 1)])
-    t15 = oe.contract('abc,acd,de,ace,ace->bdac', t13, t3, W_2, t5, A, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)])
-    t0 += oe.contract('abcd,efcd->efab', t14, t15, optimize=[(0, 1)])
+    t9 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t10 = W_2.transpose(-1, -2)
+    t11 = (1/(L*n_batch)) * t1
+    t12 = oe.contract('abc,acd,de,ace,acef,fg,acg->bdgac', t11, t3, W_2, t5, dA, t10, t3, optimize=[(3, 4), (3, 5), (2, 4), (0, 1), (0, 1), (0, 1)])
+    t13 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t0[...] = oe.contract('abcde,fde->abfc', t12, t13, optimize=[(0, 1)])
     return out
 
 
@@ -2144,10 +2237,13 @@ def ce_bias0_residual0__frobenius__W_1__W_1__full(X, W_1, W_2, Y):
     t6 = t5 @ W_2
     t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
     A = t7 / t7.sum(-1, keepdim=True)
-    t8 = W_2.transpose(-1, -2)
-    t9 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,ace,ef,acf,acg,hbi,hid,dj,hij,hij,jf,hif,hig->', t0, t2, W_2, t4, A, t8, t2, X, t0, t2, W_2, t4, A, t8, t2, X, optimize=[(3, 4), (9, 10), (0, 6), (4, 9), (10, 11), (0, 1), (6, 9), (0, 8), (0, 7), (5, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,ace,ef,acf,acg,hbi,hid,dj,hij,hij,hik,kf,hif,hig->', t0, t2, W_2, t4, A, t8, t2, X, t0, t2, W_2, t4, A, A, t8, t2, X, optimize=[(3, 4), (9, 10), (0, 6), (7, 8), (7, 12), (4, 7), (8, 10), (5, 7), (4, 8), (0, 1), (2, 6), (0, 5), (0, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,ace,acf,fg,acg,ach,ibj,ijd,dk,ijk,ijk,ijl,lg,ijg,ijh->', t0, t2, W_2, t4, A, A, t8, t2, X, t0, t2, W_2, t4, A, A, t8, t2, X, optimize=[(3, 4), (10, 11), (3, 4), (3, 14), (0, 4), (5, 6), (5, 11), (2, 5), (7, 9), (1, 4), (0, 7), (1, 2), (0, 5), (0, 1), (0, 3), (0, 1), (0, 1)])
-    t10 = torch.sqrt(torch.clamp(t9, min=0.0))
-    return t10
+    t8 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t9 = W_2.transpose(-1, -2)
+    t10 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acef,fg,acg,ach,ibj,ijd,dk,ijk,ijkl,lg,ijg,ijh->', t0, t2, W_2, t4, dA, t9, t2, X, t0, t2, W_2, t4, dA, t9, t2, X, optimize=[(3, 4), (3, 14), (0, 5), (6, 7), (6, 11), (3, 7), (7, 9), (1, 6), (3, 5), (0, 5), (1, 4), (3, 4), (0, 3), (0, 2), (0, 1)])
+    t11 = torch.sqrt(torch.clamp(t10, min=0.0))
+    return t11
 
 
 def ce_bias0_residual0__block__W_1__W_2__full(X, W_1, W_2, Y):
@@ -2167,12 +2263,13 @@ def ce_bias0_residual0__block__W_1__W_2__full(X, W_1, W_2, Y):
     t7 = t6 @ W_2
     t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
     A = t8 / t8.sum(-1, keepdim=True)
-    t9 = (1/(L*n_batch)) * t1
-    t0[...] = oe.contract('abc,acd,de,ace,ace,acf->bdfe', t9, t3, W_2, t5, A, t6, optimize=[(3, 4), (0, 1), (1, 2), (1, 2), (0, 1)])
-    t10 = (-1/(L*n_batch)) * t1
-    t11 = oe.contract('abc,abd->dcab', A, t6, optimize=[(0, 1)])
-    t12 = oe.contract('abc,acd,de,ace,ace->bdac', t10, t3, W_2, t5, A, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)])
-    t0 += oe.contract('abcd,efcd->efab', t11, t12, optimize=[(0, 1)])
+    t9 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t10 = (1/(L*n_batch)) * t1
+    t11 = oe.contract('abc,acd,de,ace,acef->bdfac', t10, t3, W_2, t5, dA, optimize=[(3, 4), (2, 3), (0, 1), (0, 1)])
+    t12 = oe.contract('abc->cab', t6, optimize=[(0,)])
+    t0[...] = oe.contract('abcde,fde->abfc', t11, t12, optimize=[(0, 1)])
     t13 = t0.diagonal(0, 1, 2)
     F = t7
     t14 = torch.exp(F - F.amax(-1, keepdim=True))
@@ -2204,17 +2301,20 @@ def ce_bias0_residual0__frobenius__W_1__W_2__full(X, W_1, W_2, Y):
     t6 = t5 @ W_2
     t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
     A = t7 / t7.sum(-1, keepdim=True)
+    t8 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     F = t6
-    t8 = torch.exp(F - F.amax(-1, keepdim=True))
-    A9 = t8 / t8.sum(-1, keepdim=True)
-    t10 = t4 * A9
-    t11 = (1/L) * t10
-    t12 = (-1/L) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,ace,acf,gbh,ghd,de,ghe,ghe,ghf->', t0, t2, W_2, t4, A, t5, t0, t2, W_2, t4, A, t5, optimize=[(3, 4), (2, 6), (5, 6), (0, 3), (1, 3), (5, 6), (0, 1), (1, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,ace,acf,gbh,ghd,di,ghi,ghi,ghe,ghf->', t0, t2, W_2, t4, A, t5, t0, t2, W_2, t4, A, A, t5, optimize=[(3, 4), (7, 8), (0, 4), (2, 6), (7, 8), (3, 6), (2, 6), (0, 1), (1, 4), (0, 3), (0, 2), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abc,acd,de,ace,ace,acd,fbg,fgd,fge->', t0, t2, W_2, t4, A, t5, t0, t2, G, optimize=[(3, 4), (1, 3), (0, 2), (0, 1), (0, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,ace,acf,acg,hbi,hid,dj,hij,hij,hif,hig->', t0, t2, W_2, t4, A, A, t5, t0, t2, W_2, t4, A, A, t5, optimize=[(3, 4), (8, 9), (0, 5), (2, 6), (8, 9), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (0, 1), (0, 1)]) + (-2/(L*n_batch**2)) * oe.contract('abc,acd,de,ace,ace,acf,acd,gbh,ghd,ghf->', t0, t2, W_2, t4, A, A, t5, t0, t2, G, optimize=[(3, 4), (1, 4), (0, 3), (1, 3), (4, 5), (0, 2), (1, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acd,ace,fbg,fgd,fge->', t0, t2, G, t0, t2, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
-    return t15
+    t9 = torch.exp(F - F.amax(-1, keepdim=True))
+    A10 = t9 / t9.sum(-1, keepdim=True)
+    t11 = t4 * A10
+    t12 = (1/L) * t11
+    t13 = (-1/L) * Y
+    t14 = t12 + t13
+    G = t14
+    t15 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acef,acg,hbi,hid,dj,hij,hijf,hig->', t0, t2, W_2, t4, dA, t5, t0, t2, W_2, t4, dA, t5, optimize=[(3, 4), (7, 8), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abc,acd,de,ace,acef,acd,gbh,ghd,ghf->', t0, t2, W_2, t4, dA, t5, t0, t2, G, optimize=[(1, 5), (2, 3), (0, 2), (2, 4), (0, 4), (0, 3), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acd,ace,fbg,fgd,fge->', t0, t2, G, t0, t2, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
+    return t16
 
 
 def ce_bias0_residual0__diag__W_2__full(X, W_1, W_2, Y):
@@ -2236,12 +2336,13 @@ def ce_bias0_residual0__diag__W_2__full(X, W_1, W_2, Y):
     t9 = t8 @ W_2
     t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
     A = t10 / t10.sum(-1, keepdim=True)
-    t11 = (1/(L*n_batch)) * t4
-    t12 = oe.contract('abc,abc->cab', t6, A, optimize=[(0, 1)])
-    t13 = oe.contract('abc,acb->bac', t11, t8, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t12, t13, optimize=[(0, 1)])
-    t14 = (-1/(L*n_batch)) * t4
-    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t14, t6, A, A, t8, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t12 = (1/(L*n_batch)) * t4
+    t13 = oe.contract('abc,abcc->cab', t6, dA, optimize=[(0, 1)])
+    t14 = oe.contract('abc,acb->bac', t12, t8, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t13, t14, optimize=[(0, 1)])
     return out
 
 
@@ -2262,7 +2363,10 @@ def ce_bias0_residual0__trace__W_2__full(X, W_1, W_2, Y):
     t8 = t7 @ W_2
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A = t9 / t9.sum(-1, keepdim=True)
-    return (1/(L*n_batch)) * oe.contract('abc,acd,acd,acb->', t3, t5, A, t7, optimize=[(0, 3), (0, 1), (0, 1)]) + (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->', t3, t5, A, A, t7, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t10 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    return (1/(L*n_batch)) * oe.contract('abc,acd,acdd,acb->', t3, t5, dA, t7, optimize=[(0, 3), (0, 1), (0, 1)])
 
 
 def ce_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
@@ -2284,14 +2388,15 @@ def ce_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
     t9 = t8 @ W_2
     t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
     A = t10 / t10.sum(-1, keepdim=True)
-    t11 = W_2.transpose(-1, -2)
-    t12 = torch.heaviside(t7, torch.full_like(t7, 0.0))
-    t13 = (1/(L*n_batch)) * t4
-    t0[...] = oe.contract('abc,acd,acd,de,ace,acf->bdfe', t13, t6, A, t11, t12, X, optimize=[(1, 2), (0, 2), (1, 2), (1, 2), (0, 1)])
-    t14 = (-1/(L*n_batch)) * t4
-    t15 = oe.contract('abc,acd,de,ace,acf->bfeac', t14, A, t11, t12, X, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
-    t16 = oe.contract('abc,abc->cab', t6, A, optimize=[(0, 1)])
-    t0 += oe.contract('abcde,fde->afbc', t15, t16, optimize=[(0, 1)])
+    t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t12 = W_2.transpose(-1, -2)
+    t13 = torch.heaviside(t7, torch.full_like(t7, 0.0))
+    t14 = (1/(L*n_batch)) * t4
+    t15 = oe.contract('abc,acd,acde,ef,acf->bdfac', t14, t6, dA, t12, t13, optimize=[(2, 3), (0, 1), (0, 1), (0, 1)])
+    t16 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t0[...] = oe.contract('abcde,fde->abfc', t15, t16, optimize=[(0, 1)])
     t17 = t0.diagonal(0, 0, 3)
     F = t9
     t18 = torch.exp(F - F.amax(-1, keepdim=True))
@@ -2305,8 +2410,7 @@ def ce_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
     t25 = torch.heaviside(t3, torch.full_like(t3, 0.0))
     t26 = (1/n_batch) * t24
     t27 = oe.contract('abc,adc->bdac', t26, t25, optimize=[(0, 1)])
-    t28 = oe.contract('abc->cab', X, optimize=[(0,)])
-    t17 += oe.contract('abcd,ecd->aeb', t27, t28, optimize=[(0, 1)])
+    t17 += oe.contract('abcd,ecd->aeb', t27, t16, optimize=[(0, 1)])
     return out
 
 
@@ -2327,21 +2431,24 @@ def ce_bias0_residual0__frobenius__W_2__W_1__full(X, W_1, W_2, Y):
     t8 = t7 @ W_2
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A = t9 / t9.sum(-1, keepdim=True)
-    t10 = W_2.transpose(-1, -2)
-    t11 = torch.heaviside(t6, torch.full_like(t6, 0.0))
+    t10 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t11 = W_2.transpose(-1, -2)
+    t12 = torch.heaviside(t6, torch.full_like(t6, 0.0))
     F = t8
-    t12 = torch.exp(F - F.amax(-1, keepdim=True))
-    A13 = t12 / t12.sum(-1, keepdim=True)
-    t14 = t5 * A13
-    t15 = (1/L) * t14
-    t16 = (-1/L) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = G.transpose(-1, -2)
-    t19 = torch.heaviside(t2, torch.full_like(t2, 0.0))
-    t20 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,de,ace,acf,gbh,ghd,ghd,de,ghe,ghf->', t3, t5, A, t10, t11, X, t3, t5, A, t10, t11, X, optimize=[(1, 2), (5, 6), (1, 5), (0, 3), (1, 3), (5, 6), (0, 1), (2, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,de,ace,acf,gbh,ghd,ghd,ghi,ie,ghe,ghf->', t3, t5, A, t10, t11, X, t3, t5, A, A, t10, t11, X, optimize=[(1, 2), (5, 6), (0, 4), (3, 4), (3, 8), (2, 3), (4, 6), (0, 1), (0, 4), (0, 3), (0, 2), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abc,acd,acd,db,acb,ace,fdg,fbg,fge->', t3, t5, A, t10, t11, X, t18, t19, X, optimize=[(1, 2), (0, 2), (1, 4), (0, 1), (0, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,ef,acf,acg,hbi,hid,hid,hij,jf,hif,hig->', t3, t5, A, A, t10, t11, X, t3, t5, A, A, t10, t11, X, optimize=[(1, 2), (6, 7), (1, 2), (1, 10), (0, 2), (1, 2), (1, 7), (0, 1), (3, 5), (0, 1), (2, 3), (0, 1), (0, 1)]) + (-2/(L*n_batch**2)) * oe.contract('abc,acd,acd,ace,eb,acb,acf,gdh,gbh,ghf->', t3, t5, A, A, t10, t11, X, t18, t19, X, optimize=[(1, 2), (0, 3), (0, 1), (5, 6), (0, 3), (0, 2), (2, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t18, t19, X, t18, t19, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
-    return t21
+    t13 = torch.exp(F - F.amax(-1, keepdim=True))
+    A14 = t13 / t13.sum(-1, keepdim=True)
+    t15 = t5 * A14
+    t16 = (1/L) * t15
+    t17 = (-1/L) * Y
+    t18 = t16 + t17
+    G = t18
+    t19 = G.transpose(-1, -2)
+    t20 = torch.heaviside(t2, torch.full_like(t2, 0.0))
+    t21 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acf,acg,hbi,hid,hidj,jf,hif,hig->', t3, t5, dA, t11, t12, X, t3, t5, dA, t11, t12, X, optimize=[(1, 2), (5, 6), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abc,acd,acde,eb,acb,acf,gdh,gbh,ghf->', t3, t5, dA, t11, t12, X, t19, t20, X, optimize=[(0, 4), (0, 1), (0, 6), (0, 3), (0, 3), (0, 3), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t19, t20, X, t19, t20, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
+    return t22
 
 
 def ce_bias0_residual0__block__W_2__W_2__full(X, W_1, W_2, Y):
@@ -2351,28 +2458,23 @@ def ce_bias0_residual0__block__W_2__W_2__full(X, W_1, W_2, Y):
     d_ff = W_1.shape[-1]
     n_batch = X.shape[0]
     out = torch.empty((d_V*d_ff, d_V*d_ff), dtype=X.dtype, device=X.device)
-    out[...] = 0
     t0 = out.view((d_ff, d_V, d_ff, d_V))
-    t1 = t0.diagonal(0, 1, 3)
-    t2 = W_1.transpose(-1, -2)
-    t3 = X.transpose(-1, -2)
-    t4 = t2 @ t3
-    t5 = (t4 * torch.heaviside(t4, torch.full_like(t4, 0.0)))
-    t6 = Y.sum(-1, keepdim=True)
-    t7 = t6.expand(*t6.shape[:-1], d_V)
-    t8 = X @ W_1
-    t9 = (t8 * torch.heaviside(t8, torch.full_like(t8, 0.0)))
-    t10 = t9 @ W_2
-    t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
-    A = t11 / t11.sum(-1, keepdim=True)
-    t12 = (1/(L*n_batch)) * t5
-    t13 = oe.contract('abc,abc->cab', t7, A, optimize=[(0, 1)])
-    t14 = oe.contract('abc,acd->bdac', t12, t9, optimize=[(0, 1)])
-    t1 += oe.contract('abc,debc->dea', t13, t14, optimize=[(0, 1)])
-    t15 = (-1/(L*n_batch)) * t5
-    t16 = oe.contract('abc,acd->bdac', t15, A, optimize=[(0, 1)])
-    t17 = oe.contract('abc,abc,abd->cdab', t7, A, t9, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t16, t17, optimize=[(0, 1)])
+    t1 = W_1.transpose(-1, -2)
+    t2 = X.transpose(-1, -2)
+    t3 = t1 @ t2
+    t4 = (t3 * torch.heaviside(t3, torch.full_like(t3, 0.0)))
+    t5 = Y.sum(-1, keepdim=True)
+    t6 = t5.expand(*t5.shape[:-1], d_V)
+    t7 = X @ W_1
+    t8 = (t7 * torch.heaviside(t7, torch.full_like(t7, 0.0)))
+    t9 = t8 @ W_2
+    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
+    A = t10 / t10.sum(-1, keepdim=True)
+    t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t12 = (1/(L*n_batch)) * t4
+    t0[...] = oe.contract('abc,acd,acde,acf->bdfe', t12, t6, dA, t8, optimize=[(1, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -2393,9 +2495,143 @@ def ce_bias0_residual0__frobenius__W_2__W_2__full(X, W_1, W_2, Y):
     t8 = t7 @ W_2
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A = t9 / t9.sum(-1, keepdim=True)
-    t10 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fge->', t3, t5, A, t7, t3, t5, A, t7, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fgd,fge->', t3, t5, A, t7, t3, t5, A, A, t7, optimize=[(1, 2), (3, 4), (3, 6), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,acf,gbh,ghd,ghd,ghe,ghf->', t3, t5, A, A, t7, t3, t5, A, A, t7, optimize=[(1, 2), (4, 5), (0, 3), (0, 2), (4, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t11 = torch.sqrt(torch.clamp(t10, min=0.0))
-    return t11
+    t10 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t11 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t3, t5, dA, t7, t3, t5, dA, t7, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
+    t12 = torch.sqrt(torch.clamp(t11, min=0.0))
+    return t12
+
+
+def ce_bias0_residual0__frobenius_split__W_1__W_1(X, W_1, W_2, Y):
+    """(‖H_o(W_1, W_1)‖_F, ‖H_f(W_1, W_1)‖_F, ‖H(W_1, W_1)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_V = X.shape[-1]
+    d_ff = W_1.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.transpose(-1, -2)
+    t1 = X @ W_1
+    t2 = torch.heaviside(t1, torch.full_like(t1, 0.0))
+    t3 = Y.sum(-1, keepdim=True)
+    t4 = t3.expand(*t3.shape[:-1], d_V)
+    t5 = (t1 * torch.heaviside(t1, torch.full_like(t1, 0.0)))
+    t6 = t5 @ W_2
+    t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
+    A = t7 / t7.sum(-1, keepdim=True)
+    t8 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t9 = W_2.transpose(-1, -2)
+    t10 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acef,fg,acg,ach,ibj,ijd,dk,ijk,ijkl,lg,ijg,ijh->', t0, t2, W_2, t4, dA, t9, t2, X, t0, t2, W_2, t4, dA, t9, t2, X, optimize=[(3, 4), (3, 14), (0, 5), (6, 7), (6, 11), (3, 7), (7, 9), (1, 6), (3, 5), (0, 5), (1, 4), (3, 4), (0, 3), (0, 2), (0, 1)])
+    t11 = t10 + 0.0 + 0.0
+    t12 = torch.sqrt(torch.clamp(t10, min=0.0))
+    t13 = torch.sqrt(torch.clamp(t11, min=0.0))
+    return (t12, 0.0, t13,)
+
+
+def ce_bias0_residual0__frobenius_split__W_1__W_2(X, W_1, W_2, Y):
+    """(‖H_o(W_1, W_2)‖_F, ‖H_f(W_1, W_2)‖_F, ‖H(W_1, W_2)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_V = X.shape[-1]
+    d_ff = W_1.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.transpose(-1, -2)
+    t1 = X @ W_1
+    t2 = torch.heaviside(t1, torch.full_like(t1, 0.0))
+    t3 = Y.sum(-1, keepdim=True)
+    t4 = t3.expand(*t3.shape[:-1], d_V)
+    t5 = (t1 * torch.heaviside(t1, torch.full_like(t1, 0.0)))
+    t6 = t5 @ W_2
+    t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
+    A = t7 / t7.sum(-1, keepdim=True)
+    t8 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t9 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acef,acg,hbi,hid,dj,hij,hijf,hig->', t0, t2, W_2, t4, dA, t5, t0, t2, W_2, t4, dA, t5, optimize=[(3, 4), (7, 8), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)])
+    F = t6
+    t10 = torch.exp(F - F.amax(-1, keepdim=True))
+    A11 = t10 / t10.sum(-1, keepdim=True)
+    t12 = t4 * A11
+    t13 = (1/L) * t12
+    t14 = (-1/L) * Y
+    t15 = t13 + t14
+    G = t15
+    t16 = (n_batch**(-2)) * oe.contract('abc,acd,ace,fbg,fgd,fge->', t0, t2, G, t0, t2, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t17 = (2/(L*n_batch**2)) * oe.contract('abc,acd,de,ace,acef,acd,gbh,ghd,ghf->', t0, t2, W_2, t4, dA, t5, t0, t2, G, optimize=[(1, 5), (2, 3), (0, 2), (2, 4), (0, 4), (0, 3), (0, 2), (0, 1)])
+    t18 = t9 + t16 + t17
+    t19 = torch.sqrt(torch.clamp(t9, min=0.0))
+    t20 = torch.sqrt(torch.clamp(t16, min=0.0))
+    t21 = torch.sqrt(torch.clamp(t18, min=0.0))
+    return (t19, t20, t21,)
+
+
+def ce_bias0_residual0__frobenius_split__W_2__W_1(X, W_1, W_2, Y):
+    """(‖H_o(W_2, W_1)‖_F, ‖H_f(W_2, W_1)‖_F, ‖H(W_2, W_1)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_V = X.shape[-1]
+    d_ff = W_1.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_1.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = (t2 * torch.heaviside(t2, torch.full_like(t2, 0.0)))
+    t4 = Y.sum(-1, keepdim=True)
+    t5 = t4.expand(*t4.shape[:-1], d_V)
+    t6 = X @ W_1
+    t7 = (t6 * torch.heaviside(t6, torch.full_like(t6, 0.0)))
+    t8 = t7 @ W_2
+    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
+    A = t9 / t9.sum(-1, keepdim=True)
+    t10 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t11 = W_2.transpose(-1, -2)
+    t12 = torch.heaviside(t6, torch.full_like(t6, 0.0))
+    t13 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acf,acg,hbi,hid,hidj,jf,hif,hig->', t3, t5, dA, t11, t12, X, t3, t5, dA, t11, t12, X, optimize=[(1, 2), (5, 6), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)])
+    F = t8
+    t14 = torch.exp(F - F.amax(-1, keepdim=True))
+    A15 = t14 / t14.sum(-1, keepdim=True)
+    t16 = t5 * A15
+    t17 = (1/L) * t16
+    t18 = (-1/L) * Y
+    t19 = t17 + t18
+    G = t19
+    t20 = G.transpose(-1, -2)
+    t21 = torch.heaviside(t2, torch.full_like(t2, 0.0))
+    t22 = (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t20, t21, X, t20, t21, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t23 = (2/(L*n_batch**2)) * oe.contract('abc,acd,acde,eb,acb,acf,gdh,gbh,ghf->', t3, t5, dA, t11, t12, X, t20, t21, X, optimize=[(0, 4), (0, 1), (0, 6), (0, 3), (0, 3), (0, 3), (0, 2), (0, 1)])
+    t24 = t13 + t22 + t23
+    t25 = torch.sqrt(torch.clamp(t13, min=0.0))
+    t26 = torch.sqrt(torch.clamp(t22, min=0.0))
+    t27 = torch.sqrt(torch.clamp(t24, min=0.0))
+    return (t25, t26, t27,)
+
+
+def ce_bias0_residual0__frobenius_split__W_2__W_2(X, W_1, W_2, Y):
+    """(‖H_o(W_2, W_2)‖_F, ‖H_f(W_2, W_2)‖_F, ‖H(W_2, W_2)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_V = X.shape[-1]
+    d_ff = W_1.shape[-1]
+    n_batch = X.shape[0]
+    t0 = W_1.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
+    t2 = t0 @ t1
+    t3 = (t2 * torch.heaviside(t2, torch.full_like(t2, 0.0)))
+    t4 = Y.sum(-1, keepdim=True)
+    t5 = t4.expand(*t4.shape[:-1], d_V)
+    t6 = X @ W_1
+    t7 = (t6 * torch.heaviside(t6, torch.full_like(t6, 0.0)))
+    t8 = t7 @ W_2
+    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
+    A = t9 / t9.sum(-1, keepdim=True)
+    t10 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t11 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t3, t5, dA, t7, t3, t5, dA, t7, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
+    t12 = t11 + 0.0 + 0.0
+    t13 = torch.sqrt(torch.clamp(t11, min=0.0))
+    t14 = torch.sqrt(torch.clamp(t12, min=0.0))
+    return (t13, 0.0, t14,)
 
 
 VARIANTS = {
@@ -2447,6 +2683,10 @@ VARIANTS = {
         ('frobenius', 'W_2', 'W_1', 'full'): mse_bias0_residual0__frobenius__W_2__W_1__full,
         ('block', 'W_2', 'W_2', 'full'): mse_bias0_residual0__block__W_2__W_2__full,
         ('frobenius', 'W_2', 'W_2', 'full'): mse_bias0_residual0__frobenius__W_2__W_2__full,
+        ('frobenius_split', 'W_1', 'W_1'): mse_bias0_residual0__frobenius_split__W_1__W_1,
+        ('frobenius_split', 'W_1', 'W_2'): mse_bias0_residual0__frobenius_split__W_1__W_2,
+        ('frobenius_split', 'W_2', 'W_1'): mse_bias0_residual0__frobenius_split__W_2__W_1,
+        ('frobenius_split', 'W_2', 'W_2'): mse_bias0_residual0__frobenius_split__W_2__W_2,
         ('jacobian', 'W_1'): bias0_residual0__jacobian__W_1,
         ('jacobian_compact', 'W_1'): bias0_residual0__jacobian_compact__W_1,
         ('jacobian_layout', 'W_1'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_ff'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_ff'), 'factors': ((1, 3), (0, 3), (0, 2))},
@@ -2502,6 +2742,10 @@ VARIANTS = {
         ('frobenius', 'W_2', 'W_1', 'full'): ce_bias0_residual0__frobenius__W_2__W_1__full,
         ('block', 'W_2', 'W_2', 'full'): ce_bias0_residual0__block__W_2__W_2__full,
         ('frobenius', 'W_2', 'W_2', 'full'): ce_bias0_residual0__frobenius__W_2__W_2__full,
+        ('frobenius_split', 'W_1', 'W_1'): ce_bias0_residual0__frobenius_split__W_1__W_1,
+        ('frobenius_split', 'W_1', 'W_2'): ce_bias0_residual0__frobenius_split__W_1__W_2,
+        ('frobenius_split', 'W_2', 'W_1'): ce_bias0_residual0__frobenius_split__W_2__W_1,
+        ('frobenius_split', 'W_2', 'W_2'): ce_bias0_residual0__frobenius_split__W_2__W_2,
         ('jacobian', 'W_1'): bias0_residual0__jacobian__W_1,
         ('jacobian_compact', 'W_1'): bias0_residual0__jacobian_compact__W_1,
         ('jacobian_layout', 'W_1'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_ff'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_ff'), 'factors': ((1, 3), (0, 3), (0, 2))},

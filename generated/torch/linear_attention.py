@@ -1598,84 +1598,84 @@ def mse_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     G = t24
     t25 = G @ t7
     t26 = t25 @ X
-    t27 = t2 @ t26
-    t28 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t29 = (1/(math.sqrt(d_K)*n_batch)) * t28
-    t16 += oe.contract('abc,d->bcd', t27, t29, optimize=[(0, 1)])
+    t27 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t28 = (1/(math.sqrt(d_K)*n_batch)) * t27
+    t29 = oe.contract('abc,acd->bd', t2, t26, optimize=[(0, 1)])
+    t16 += oe.contract('a,bc->bca', t28, t29, optimize=[(0, 1)])
     t30 = X @ W_Q
-    t31 = t2 @ t30
-    t32 = t9 @ X
-    t33 = t6 @ t32
-    t34 = (2/(L*d_K*d_V*n_batch)) * t31
-    t15 += oe.contract('abc,ade->bdec', t34, t33, optimize=[(0, 1)])
-    t35 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t36 = t35.view((d_V, d_K, d_V, d_V))
-    t37 = T @ X
-    t38 = t2 @ t37
-    t39 = t6 @ t20
-    t40 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t38
-    t36[...] = oe.contract('abc,ade->bdce', t40, t39, optimize=[(0, 1)])
-    t41 = t2 @ G
-    t42 = t6 @ X
-    t43 = (1/(math.sqrt(d_K)*n_batch)) * t41
-    t36 += oe.contract('abc,ade->bdec', t43, t42, optimize=[(0, 1)])
-    t44 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t44[...] = 0
-    t45 = t44.view((d_V, d_K, d_V, d_K))
-    t46 = t45.diagonal(0, 1, 3)
-    t47 = G.transpose(-1, -2)
-    t48 = W_V @ t47
-    t49 = X @ t48
-    t50 = t49 @ X
-    t51 = t2 @ t50
-    t46 += oe.contract('abc,d->bcd', t51, t29, optimize=[(0, 1)])
-    t52 = t2 @ t11
-    t53 = W_Q.transpose(-1, -2)
-    t54 = t53 @ t2
-    t55 = t54 @ X
-    t56 = (2/(L*d_K*d_V*n_batch)) * t52
-    t45 += oe.contract('abc,ade->bdec', t56, t55, optimize=[(0, 1)])
-    t57 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t58 = t57.view((d_V, d_K, d_V, d_K))
-    t59 = t2 @ t32
-    t60 = t54 @ t30
-    t61 = (2/(L*d_K*d_V*n_batch)) * t59
-    t58[...] = oe.contract('abc,ade->bdce', t61, t60, optimize=[(0, 1)])
-    t62 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t63 = t62.view((d_V, d_K, d_V, d_V))
-    t64 = t54 @ G
-    t65 = (1/(math.sqrt(d_K)*n_batch)) * t3
-    t63[...] = oe.contract('abc,ade->bdce', t65, t64, optimize=[(0, 1)])
-    t66 = t2 @ t20
-    t67 = t54 @ t37
-    t68 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t66
-    t63 += oe.contract('abc,ade->bdec', t68, t67, optimize=[(0, 1)])
-    t69 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t70 = t69.view((d_V, d_V, d_V, d_K))
-    t71 = T.transpose(-1, -2)
-    t72 = t71 @ X
-    t73 = t2 @ t72
-    t74 = t7 @ t10
-    t75 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t73
-    t70[...] = oe.contract('abc,ade->bdce', t75, t74, optimize=[(0, 1)])
-    t76 = t2 @ t10
-    t77 = t47 @ X
-    t78 = (1/(math.sqrt(d_K)*n_batch)) * t76
-    t70 += oe.contract('abc,ade->bdec', t78, t77, optimize=[(0, 1)])
+    t31 = t9 @ X
+    t32 = t6 @ t31
+    t33 = (2/(L*d_K*d_V*n_batch)) * t2
+    t34 = oe.contract('abc,acd->bda', t33, t30, optimize=[(0, 1)])
+    t35 = oe.contract('abc->bca', t32, optimize=[(0,)])
+    t15 += oe.contract('abc,dec->adeb', t34, t35, optimize=[(0, 1)])
+    t36 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t37 = t36.view((d_V, d_K, d_V, d_V))
+    t38 = t6 @ X
+    t39 = T @ X
+    t40 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t2
+    t41 = oe.contract('abc,cd->bda', t38, W_V, optimize=[(0, 1)])
+    t42 = oe.contract('abc,acd->bda', t40, t39, optimize=[(0, 1)])
+    t37[...] = oe.contract('abc,dec->daeb', t41, t42, optimize=[(0, 1)])
+    t43 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t44 = oe.contract('abc,acd->bda', t43, G, optimize=[(0, 1)])
+    t45 = oe.contract('abc->bca', t38, optimize=[(0,)])
+    t37 += oe.contract('abc,dec->adeb', t44, t45, optimize=[(0, 1)])
+    t46 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t46[...] = 0
+    t47 = t46.view((d_V, d_K, d_V, d_K))
+    t48 = t47.diagonal(0, 1, 3)
+    t49 = t2 @ t20
+    t50 = G.transpose(-1, -2)
+    t51 = t50 @ X
+    t52 = oe.contract('abc,acd->bd', t49, t51, optimize=[(0, 1)])
+    t48 += oe.contract('a,bc->bca', t28, t52, optimize=[(0, 1)])
+    t53 = t7 @ t10
+    t54 = W_Q.transpose(-1, -2)
+    t55 = t54 @ t2
+    t56 = t55 @ X
+    t57 = (2/(L*d_K*d_V*n_batch)) * t49
+    t58 = oe.contract('abc,acd->bda', t57, t53, optimize=[(0, 1)])
+    t59 = oe.contract('abc->bca', t56, optimize=[(0,)])
+    t47 += oe.contract('abc,dec->adeb', t58, t59, optimize=[(0, 1)])
+    t60 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t61 = t60.view((d_V, d_K, d_V, d_K))
+    t62 = t2 @ t31
+    t63 = t55 @ t30
+    t64 = (2/(L*d_K*d_V*n_batch)) * t62
+    t61[...] = oe.contract('abc,ade->bdce', t64, t63, optimize=[(0, 1)])
+    t65 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t66 = t65.view((d_V, d_K, d_V, d_V))
+    t67 = (1/(math.sqrt(d_K)*n_batch)) * t55
+    t68 = oe.contract('abc,acd->bda', t67, G, optimize=[(0, 1)])
+    t69 = oe.contract('abc->bca', t3, optimize=[(0,)])
+    t66[...] = oe.contract('abc,dec->daeb', t68, t69, optimize=[(0, 1)])
+    t70 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t55
+    t71 = oe.contract('abc,cd->bda', t3, W_V, optimize=[(0, 1)])
+    t72 = oe.contract('abc,acd->bda', t70, t39, optimize=[(0, 1)])
+    t66 += oe.contract('abc,dec->adeb', t71, t72, optimize=[(0, 1)])
+    t73 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t74 = t73.view((d_V, d_V, d_V, d_K))
+    t75 = T.transpose(-1, -2)
+    t76 = t75 @ X
+    t74[...] = oe.contract('abc,acd,aef->bedf', t40, t76, t53, optimize=[(0, 1), (0, 1)])
+    t77 = oe.contract('abc,acd->bda', t43, t10, optimize=[(0, 1)])
+    t78 = oe.contract('abc->bca', t51, optimize=[(0,)])
+    t74 += oe.contract('abc,dec->adeb', t77, t78, optimize=[(0, 1)])
     t79 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
     t80 = t79.view((d_V, d_V, d_V, d_K))
-    t81 = t47 @ t30
-    t80[...] = oe.contract('abc,ade->bdce', t65, t81, optimize=[(0, 1)])
-    t82 = t71 @ t30
-    t83 = t2 @ t82
-    t84 = t7 @ X
-    t85 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t83
-    t80 += oe.contract('abc,ade->bdec', t85, t84, optimize=[(0, 1)])
+    t81 = t50 @ t30
+    t80[...] = oe.contract('abc,acd,aef->bedf', t43, X, t81, optimize=[(0, 1), (0, 1)])
+    t82 = t75 @ t30
+    t83 = t7 @ X
+    t84 = oe.contract('abc,acd->bda', t40, t82, optimize=[(0, 1)])
+    t85 = oe.contract('abc->bca', t83, optimize=[(0,)])
+    t80 += oe.contract('abc,dec->adeb', t84, t85, optimize=[(0, 1)])
     t86 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t86[...] = 0
     t87 = t86.view((d_V, d_V, d_V, d_V))
     t88 = t87.diagonal(0, 1, 3)
-    t89 = t71 @ T
+    t89 = t75 @ T
     t90 = t89 @ X
     t91 = t2 @ t90
     t92 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
@@ -1819,60 +1819,45 @@ def mse_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     G = t20
     t21 = G @ t5
     t22 = t21 @ X
-    t23 = t0 @ t22
-    t24 = X @ W_Q
-    t25 = t0 @ t24
-    t26 = t7 @ X
-    t27 = t4 @ t26
-    t28 = (n_batch**(-2)) * oe.contract('abc,dbc->', t23, t23, optimize=[(0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,dbe,dec->', t23, t25, t27, optimize=[(1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t25, t27, t25, t27, optimize=[(0, 2), (0, 1), (0, 1)])
-    t29 = torch.sqrt(torch.clamp(t28, min=0.0))
-    t30 = T @ X
-    t31 = t0 @ t30
-    t32 = t4 @ t16
-    t33 = t0 @ G
-    t34 = t4 @ X
-    t35 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t31, t32, t31, t32, optimize=[(0, 2), (0, 1), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,fbe,fdc->', t31, t32, t33, t34, optimize=[(0, 2), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t33, t34, t33, t34, optimize=[(0, 2), (0, 1), (0, 1)])
-    t36 = torch.sqrt(torch.clamp(t35, min=0.0))
-    t37 = G.transpose(-1, -2)
-    t38 = W_V @ t37
-    t39 = X @ t38
-    t40 = t39 @ X
-    t41 = t0 @ t40
-    t42 = t0 @ t9
-    t43 = W_Q.transpose(-1, -2)
-    t44 = t43 @ t0
-    t45 = t44 @ X
-    t46 = (n_batch**(-2)) * oe.contract('abc,dbc->', t41, t41, optimize=[(0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,dbe,dec->', t41, t42, t45, optimize=[(1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t42, t45, t42, t45, optimize=[(0, 2), (0, 1), (0, 1)])
-    t47 = torch.sqrt(torch.clamp(t46, min=0.0))
-    t48 = t0 @ t26
-    t49 = t44 @ t24
-    t50 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t48, t49, t48, t49, optimize=[(0, 2), (0, 1), (0, 1)])
-    t51 = torch.sqrt(torch.clamp(t50, min=0.0))
-    t52 = t44 @ G
-    t53 = t0 @ t16
-    t54 = t44 @ t30
-    t55 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t1, t52, t1, t52, optimize=[(0, 2), (0, 1), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,fbe,fdc->', t1, t52, t53, t54, optimize=[(0, 2), (0, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t53, t54, t53, t54, optimize=[(0, 2), (0, 1), (0, 1)])
-    t56 = torch.sqrt(torch.clamp(t55, min=0.0))
-    t57 = T.transpose(-1, -2)
-    t58 = t57 @ X
-    t59 = t0 @ t58
-    t60 = t5 @ t8
-    t61 = t0 @ t8
-    t62 = t37 @ X
-    t63 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t59, t60, t59, t60, optimize=[(0, 2), (0, 1), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,fbe,fdc->', t59, t60, t61, t62, optimize=[(0, 2), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t61, t62, t61, t62, optimize=[(0, 2), (0, 1), (0, 1)])
-    t64 = torch.sqrt(torch.clamp(t63, min=0.0))
-    t65 = t37 @ t24
-    t66 = t57 @ t24
-    t67 = t0 @ t66
-    t68 = t5 @ X
-    t69 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t1, t65, t1, t65, optimize=[(0, 2), (0, 1), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,fbe,fdc->', t1, t65, t67, t68, optimize=[(0, 2), (0, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t67, t68, t67, t68, optimize=[(0, 2), (0, 1), (0, 1)])
-    t70 = torch.sqrt(torch.clamp(t69, min=0.0))
-    t71 = t57 @ T
-    t72 = t71 @ X
-    t73 = t0 @ t72
-    t74 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t73, t73, optimize=[(0, 1)])
-    t75 = torch.sqrt(torch.clamp(t74, min=0.0))
-    return (t12, t29, t36, t47, t51, t56, t64, t70, t75,)
+    t23 = X @ W_Q
+    t24 = t7 @ X
+    t25 = t4 @ t24
+    t26 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t0, t22, t0, t22, optimize=[(0, 1), (0, 1), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,acd,ebf,efg,egd->', t0, t22, t0, t23, t25, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, t23, t25, t0, t23, t25, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)])
+    t27 = torch.sqrt(torch.clamp(t26, min=0.0))
+    t28 = t4 @ X
+    t29 = T @ X
+    t30 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,acf,eg,hbi,hdj,hif,jg->', t0, t28, t29, W_V, t0, t28, t29, W_V, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,acf,eg,hbi,hdf,hig->', t0, t28, t29, W_V, t0, t28, G, optimize=[(0, 4), (2, 4), (0, 4), (1, 3), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,acf,gbh,gde,ghf->', t0, t28, G, t0, t28, G, optimize=[(1, 4), (0, 2), (0, 1), (1, 2), (0, 1)])
+    t31 = torch.sqrt(torch.clamp(t30, min=0.0))
+    t32 = t0 @ t16
+    t33 = G.transpose(-1, -2)
+    t34 = t33 @ X
+    t35 = t5 @ t8
+    t36 = W_Q.transpose(-1, -2)
+    t37 = t36 @ t0
+    t38 = t37 @ X
+    t39 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t32, t34, t32, t34, optimize=[(0, 1), (0, 1), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,acd,ebf,efg,egd->', t32, t34, t32, t35, t38, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t32, t35, t38, t32, t35, t38, optimize=[(2, 5), (0, 1), (0, 1), (1, 2), (0, 1)])
+    t40 = torch.sqrt(torch.clamp(t39, min=0.0))
+    t41 = t0 @ t24
+    t42 = t37 @ t23
+    t43 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t41, t42, t41, t42, optimize=[(0, 2), (0, 1), (0, 1)])
+    t44 = torch.sqrt(torch.clamp(t43, min=0.0))
+    t45 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,aef,gbc,gdh,ghf->', t1, t37, G, t1, t37, G, optimize=[(0, 3), (0, 2), (0, 1), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,aef,gbh,gdi,hf,gic->', t1, t37, G, t1, t37, W_V, t29, optimize=[(1, 4), (1, 3), (0, 2), (0, 3), (0, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,cf,aeg,hbi,hdj,if,hjg->', t1, t37, W_V, t29, t1, t37, W_V, t29, optimize=[(1, 5), (1, 4), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t46 = torch.sqrt(torch.clamp(t45, min=0.0))
+    t47 = T.transpose(-1, -2)
+    t48 = t47 @ X
+    t49 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, t48, t35, t0, t48, t35, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghf,ged->', t0, t48, t35, t0, t8, t34, optimize=[(0, 3), (1, 2), (1, 3), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, t8, t34, t0, t8, t34, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)])
+    t50 = torch.sqrt(torch.clamp(t49, min=0.0))
+    t51 = t33 @ t23
+    t52 = t47 @ t23
+    t53 = t5 @ X
+    t54 = (1/(d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, X, t51, t0, X, t51, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghf,ged->', t0, X, t51, t0, t52, t53, optimize=[(0, 3), (1, 2), (1, 3), (0, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, t52, t53, t0, t52, t53, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)])
+    t55 = torch.sqrt(torch.clamp(t54, min=0.0))
+    t56 = t47 @ T
+    t57 = t56 @ X
+    t58 = t0 @ t57
+    t59 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t58, t58, optimize=[(0, 1)])
+    t60 = torch.sqrt(torch.clamp(t59, min=0.0))
+    return (t12, t27, t31, t40, t44, t46, t50, t55, t60,)
 
 
 def mse_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -1993,18 +1978,19 @@ def mse_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t14 = t13 @ t2
     t15 = G @ t14
     t16 = t15 @ X
-    t17 = t2 @ t16
-    t18 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t19 = (1/(math.sqrt(d_K)*n_batch)) * t18
-    t1 += oe.contract('abc,d->bcd', t17, t19, optimize=[(0, 1)])
+    t17 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t18 = (1/(math.sqrt(d_K)*n_batch)) * t17
+    t19 = oe.contract('abc,acd->bd', t2, t16, optimize=[(0, 1)])
+    t1 += oe.contract('a,bc->bca', t18, t19, optimize=[(0, 1)])
     t20 = X @ W_Q
-    t21 = t2 @ t20
-    t22 = W_V @ t14
-    t23 = X @ t22
-    t24 = t23 @ X
-    t25 = t4 @ t24
-    t26 = (2/(L*d_K*d_V*n_batch)) * t21
-    t0 += oe.contract('abc,ade->bdec', t26, t25, optimize=[(0, 1)])
+    t21 = W_V @ t14
+    t22 = X @ t21
+    t23 = t22 @ X
+    t24 = t4 @ t23
+    t25 = (2/(L*d_K*d_V*n_batch)) * t2
+    t26 = oe.contract('abc,acd->bda', t25, t20, optimize=[(0, 1)])
+    t27 = oe.contract('abc->bca', t24, optimize=[(0,)])
+    t0 += oe.contract('abc,dec->adeb', t26, t27, optimize=[(0, 1)])
     return out
 
 
@@ -2032,16 +2018,14 @@ def mse_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t12 = t11 @ t0
     t13 = G @ t12
     t14 = t13 @ X
-    t15 = t0 @ t14
-    t16 = X @ W_Q
-    t17 = t0 @ t16
-    t18 = W_V @ t12
-    t19 = X @ t18
-    t20 = t19 @ X
-    t21 = t2 @ t20
-    t22 = (n_batch**(-2)) * oe.contract('abc,dbc->', t15, t15, optimize=[(0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,dbe,dec->', t15, t17, t21, optimize=[(1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t17, t21, t17, t21, optimize=[(0, 2), (0, 1), (0, 1)])
-    t23 = torch.sqrt(torch.clamp(t22, min=0.0))
-    return t23
+    t15 = X @ W_Q
+    t16 = W_V @ t12
+    t17 = X @ t16
+    t18 = t17 @ X
+    t19 = t2 @ t18
+    t20 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t0, t14, t0, t14, optimize=[(0, 1), (0, 1), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,acd,ebf,efg,egd->', t0, t14, t0, t15, t19, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, t15, t19, t0, t15, t19, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)])
+    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
+    return t21
 
 
 def mse_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -2055,26 +2039,27 @@ def mse_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t1 = X.transpose(-1, -2)
     t2 = W_K.transpose(-1, -2)
     t3 = t2 @ t1
-    t4 = W_Q @ t3
-    t5 = X @ t4
-    t6 = (1/math.sqrt(d_K)) * t5
-    T = t6
-    t7 = T @ X
-    t8 = t1 @ t7
-    t9 = X @ W_V
-    t10 = t3 @ t9
-    t11 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t8
-    t0[...] = oe.contract('abc,ade->bdce', t11, t10, optimize=[(0, 1)])
-    t12 = T @ t9
-    F = t12
-    t13 = (2/(L*d_V)) * F
-    t14 = (-2/(L*d_V)) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = t1 @ G
-    t17 = t3 @ X
-    t18 = (1/(math.sqrt(d_K)*n_batch)) * t16
-    t0 += oe.contract('abc,ade->bdec', t18, t17, optimize=[(0, 1)])
+    t4 = t3 @ X
+    t5 = W_Q @ t3
+    t6 = X @ t5
+    t7 = (1/math.sqrt(d_K)) * t6
+    T = t7
+    t8 = T @ X
+    t9 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
+    t10 = oe.contract('abc,cd->bda', t4, W_V, optimize=[(0, 1)])
+    t11 = oe.contract('abc,acd->bda', t9, t8, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dec->daeb', t10, t11, optimize=[(0, 1)])
+    t12 = X @ W_V
+    t13 = T @ t12
+    F = t13
+    t14 = (2/(L*d_V)) * F
+    t15 = (-2/(L*d_V)) * Y
+    t16 = t14 + t15
+    G = t16
+    t17 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t18 = oe.contract('abc,acd->bda', t17, G, optimize=[(0, 1)])
+    t19 = oe.contract('abc->bca', t4, optimize=[(0,)])
+    t0 += oe.contract('abc,dec->adeb', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -2087,25 +2072,22 @@ def mse_causal0__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t0 = X.transpose(-1, -2)
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
-    t3 = W_Q @ t2
-    t4 = X @ t3
-    t5 = (1/math.sqrt(d_K)) * t4
-    T = t5
-    t6 = T @ X
-    t7 = t0 @ t6
+    t3 = t2 @ X
+    t4 = W_Q @ t2
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    T = t6
+    t7 = T @ X
     t8 = X @ W_V
-    t9 = t2 @ t8
-    t10 = T @ t8
-    F = t10
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = t0 @ G
-    t15 = t2 @ X
-    t16 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t7, t9, t7, t9, optimize=[(0, 2), (0, 1), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,fbe,fdc->', t7, t9, t14, t15, optimize=[(0, 2), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t14, t15, t14, t15, optimize=[(0, 2), (0, 1), (0, 1)])
-    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
-    return t17
+    t9 = T @ t8
+    F = t9
+    t10 = (2/(L*d_V)) * F
+    t11 = (-2/(L*d_V)) * Y
+    t12 = t10 + t11
+    G = t12
+    t13 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,acf,eg,hbi,hdj,hif,jg->', t0, t3, t7, W_V, t0, t3, t7, W_V, optimize=[(0, 4), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,acf,eg,hbi,hdf,hig->', t0, t3, t7, W_V, t0, t3, G, optimize=[(0, 4), (2, 4), (0, 4), (1, 3), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,acf,gbh,gde,ghf->', t0, t3, G, t0, t3, G, optimize=[(1, 4), (0, 2), (0, 1), (1, 2), (0, 1)])
+    t14 = torch.sqrt(torch.clamp(t13, min=0.0))
+    return t14
 
 
 def mse_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -2163,39 +2145,37 @@ def mse_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = t0.diagonal(0, 1, 3)
     t2 = X.transpose(-1, -2)
-    t3 = W_K.transpose(-1, -2)
-    t4 = t3 @ t2
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    T = t7
-    t8 = X @ W_V
-    t9 = T @ t8
-    F = t9
-    t10 = (2/(L*d_V)) * F
-    t11 = (-2/(L*d_V)) * Y
-    t12 = t10 + t11
-    G = t12
-    t13 = G.transpose(-1, -2)
-    t14 = W_V @ t13
-    t15 = X @ t14
-    t16 = t15 @ X
-    t17 = t2 @ t16
-    t18 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t19 = (1/(math.sqrt(d_K)*n_batch)) * t18
-    t1 += oe.contract('abc,d->bcd', t17, t19, optimize=[(0, 1)])
-    t20 = W_V.transpose(-1, -2)
-    t21 = t20 @ t2
-    t22 = W_V @ t21
-    t23 = X @ t22
-    t24 = X @ W_K
-    t25 = t23 @ t24
-    t26 = t2 @ t25
-    t27 = W_Q.transpose(-1, -2)
-    t28 = t27 @ t2
-    t29 = t28 @ X
-    t30 = (2/(L*d_K*d_V*n_batch)) * t26
-    t0 += oe.contract('abc,ade->bdec', t30, t29, optimize=[(0, 1)])
+    t3 = X @ W_V
+    t4 = t2 @ t3
+    t5 = W_K.transpose(-1, -2)
+    t6 = t5 @ t2
+    t7 = W_Q @ t6
+    t8 = X @ t7
+    t9 = (1/math.sqrt(d_K)) * t8
+    T = t9
+    t10 = T @ t3
+    F = t10
+    t11 = (2/(L*d_V)) * F
+    t12 = (-2/(L*d_V)) * Y
+    t13 = t11 + t12
+    G = t13
+    t14 = G.transpose(-1, -2)
+    t15 = t14 @ X
+    t16 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t17 = (1/(math.sqrt(d_K)*n_batch)) * t16
+    t18 = oe.contract('abc,acd->bd', t4, t15, optimize=[(0, 1)])
+    t1 += oe.contract('a,bc->bca', t17, t18, optimize=[(0, 1)])
+    t19 = W_V.transpose(-1, -2)
+    t20 = t19 @ t2
+    t21 = X @ W_K
+    t22 = t20 @ t21
+    t23 = W_Q.transpose(-1, -2)
+    t24 = t23 @ t2
+    t25 = t24 @ X
+    t26 = (2/(L*d_K*d_V*n_batch)) * t4
+    t27 = oe.contract('abc,acd->bda', t26, t22, optimize=[(0, 1)])
+    t28 = oe.contract('abc->bca', t25, optimize=[(0,)])
+    t0 += oe.contract('abc,dec->adeb', t27, t28, optimize=[(0, 1)])
     return out
 
 
@@ -2206,37 +2186,32 @@ def mse_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     t0 = X.transpose(-1, -2)
-    t1 = W_K.transpose(-1, -2)
-    t2 = t1 @ t0
-    t3 = W_Q @ t2
-    t4 = X @ t3
-    t5 = (1/math.sqrt(d_K)) * t4
-    T = t5
-    t6 = X @ W_V
-    t7 = T @ t6
-    F = t7
-    t8 = (2/(L*d_V)) * F
-    t9 = (-2/(L*d_V)) * Y
-    t10 = t8 + t9
-    G = t10
-    t11 = G.transpose(-1, -2)
-    t12 = W_V @ t11
-    t13 = X @ t12
-    t14 = t13 @ X
-    t15 = t0 @ t14
-    t16 = W_V.transpose(-1, -2)
-    t17 = t16 @ t0
-    t18 = W_V @ t17
-    t19 = X @ t18
-    t20 = X @ W_K
-    t21 = t19 @ t20
-    t22 = t0 @ t21
-    t23 = W_Q.transpose(-1, -2)
-    t24 = t23 @ t0
-    t25 = t24 @ X
-    t26 = (n_batch**(-2)) * oe.contract('abc,dbc->', t15, t15, optimize=[(0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,dbe,dec->', t15, t22, t25, optimize=[(1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t22, t25, t22, t25, optimize=[(0, 2), (0, 1), (0, 1)])
-    t27 = torch.sqrt(torch.clamp(t26, min=0.0))
-    return t27
+    t1 = X @ W_V
+    t2 = t0 @ t1
+    t3 = W_K.transpose(-1, -2)
+    t4 = t3 @ t0
+    t5 = W_Q @ t4
+    t6 = X @ t5
+    t7 = (1/math.sqrt(d_K)) * t6
+    T = t7
+    t8 = T @ t1
+    F = t8
+    t9 = (2/(L*d_V)) * F
+    t10 = (-2/(L*d_V)) * Y
+    t11 = t9 + t10
+    G = t11
+    t12 = G.transpose(-1, -2)
+    t13 = t12 @ X
+    t14 = W_V.transpose(-1, -2)
+    t15 = t14 @ t0
+    t16 = X @ W_K
+    t17 = t15 @ t16
+    t18 = W_Q.transpose(-1, -2)
+    t19 = t18 @ t0
+    t20 = t19 @ X
+    t21 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t2, t13, t2, t13, optimize=[(0, 1), (0, 1), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,acd,ebf,efg,egd->', t2, t13, t2, t17, t20, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t2, t17, t20, t2, t17, t20, optimize=[(2, 5), (0, 1), (0, 1), (1, 2), (0, 1)])
+    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
+    return t22
 
 
 def mse_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -2296,28 +2271,29 @@ def mse_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t1 = X.transpose(-1, -2)
     t2 = t1 @ X
     t3 = W_Q.transpose(-1, -2)
-    t4 = W_K.transpose(-1, -2)
-    t5 = t4 @ t1
-    t6 = W_Q @ t5
-    t7 = X @ t6
-    t8 = (1/math.sqrt(d_K)) * t7
-    T = t8
-    t9 = X @ W_V
-    t10 = T @ t9
-    F = t10
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = t3 @ t1
-    t15 = t14 @ G
-    t16 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t0[...] = oe.contract('abc,ade->bdce', t16, t15, optimize=[(0, 1)])
-    t17 = t1 @ t9
+    t4 = t3 @ t1
+    t5 = W_K.transpose(-1, -2)
+    t6 = t5 @ t1
+    t7 = W_Q @ t6
+    t8 = X @ t7
+    t9 = (1/math.sqrt(d_K)) * t8
+    T = t9
+    t10 = X @ W_V
+    t11 = T @ t10
+    F = t11
+    t12 = (2/(L*d_V)) * F
+    t13 = (-2/(L*d_V)) * Y
+    t14 = t12 + t13
+    G = t14
+    t15 = (1/(math.sqrt(d_K)*n_batch)) * t4
+    t16 = oe.contract('abc,acd->bda', t15, G, optimize=[(0, 1)])
+    t17 = oe.contract('abc->bca', t2, optimize=[(0,)])
+    t0[...] = oe.contract('abc,dec->daeb', t16, t17, optimize=[(0, 1)])
     t18 = T @ X
-    t19 = t14 @ t18
-    t20 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t17
-    t0 += oe.contract('abc,ade->bdec', t20, t19, optimize=[(0, 1)])
+    t19 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t4
+    t20 = oe.contract('abc,cd->bda', t2, W_V, optimize=[(0, 1)])
+    t21 = oe.contract('abc,acd->bda', t19, t18, optimize=[(0, 1)])
+    t0 += oe.contract('abc,dec->adeb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -2330,27 +2306,24 @@ def mse_causal0__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t0 = X.transpose(-1, -2)
     t1 = t0 @ X
     t2 = W_Q.transpose(-1, -2)
-    t3 = W_K.transpose(-1, -2)
-    t4 = t3 @ t0
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    T = t7
-    t8 = X @ W_V
-    t9 = T @ t8
-    F = t9
-    t10 = (2/(L*d_V)) * F
-    t11 = (-2/(L*d_V)) * Y
-    t12 = t10 + t11
-    G = t12
-    t13 = t2 @ t0
-    t14 = t13 @ G
-    t15 = t0 @ t8
-    t16 = T @ X
-    t17 = t13 @ t16
-    t18 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t1, t14, t1, t14, optimize=[(0, 2), (0, 1), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,fbe,fdc->', t1, t14, t15, t17, optimize=[(0, 2), (0, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t15, t17, t15, t17, optimize=[(0, 2), (0, 1), (0, 1)])
-    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
-    return t19
+    t3 = t2 @ t0
+    t4 = W_K.transpose(-1, -2)
+    t5 = t4 @ t0
+    t6 = W_Q @ t5
+    t7 = X @ t6
+    t8 = (1/math.sqrt(d_K)) * t7
+    T = t8
+    t9 = X @ W_V
+    t10 = T @ t9
+    F = t10
+    t11 = (2/(L*d_V)) * F
+    t12 = (-2/(L*d_V)) * Y
+    t13 = t11 + t12
+    G = t13
+    t14 = T @ X
+    t15 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,aef,gbc,gdh,ghf->', t1, t3, G, t1, t3, G, optimize=[(0, 3), (0, 2), (0, 1), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,aef,gbh,gdi,hf,gic->', t1, t3, G, t1, t3, W_V, t14, optimize=[(1, 4), (1, 3), (0, 2), (0, 3), (0, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,cf,aeg,hbi,hdj,if,hjg->', t1, t3, W_V, t14, t1, t3, W_V, t14, optimize=[(1, 5), (1, 4), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
+    return t16
 
 
 def mse_causal0__diag__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -2415,25 +2388,25 @@ def mse_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     T = t6
     t7 = T.transpose(-1, -2)
     t8 = t7 @ X
-    t9 = t1 @ t8
-    t10 = W_V.transpose(-1, -2)
-    t11 = t10 @ t1
-    t12 = X @ W_K
-    t13 = t11 @ t12
-    t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t9
-    t0[...] = oe.contract('abc,ade->bdce', t14, t13, optimize=[(0, 1)])
-    t15 = t1 @ t12
-    t16 = X @ W_V
-    t17 = T @ t16
-    F = t17
-    t18 = (2/(L*d_V)) * F
-    t19 = (-2/(L*d_V)) * Y
-    t20 = t18 + t19
-    G = t20
-    t21 = G.transpose(-1, -2)
-    t22 = t21 @ X
-    t23 = (1/(math.sqrt(d_K)*n_batch)) * t15
-    t0 += oe.contract('abc,ade->bdec', t23, t22, optimize=[(0, 1)])
+    t9 = W_V.transpose(-1, -2)
+    t10 = t9 @ t1
+    t11 = X @ W_K
+    t12 = t10 @ t11
+    t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
+    t0[...] = oe.contract('abc,acd,aef->bedf', t13, t8, t12, optimize=[(0, 1), (0, 1)])
+    t14 = X @ W_V
+    t15 = T @ t14
+    F = t15
+    t16 = (2/(L*d_V)) * F
+    t17 = (-2/(L*d_V)) * Y
+    t18 = t16 + t17
+    G = t18
+    t19 = G.transpose(-1, -2)
+    t20 = t19 @ X
+    t21 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t22 = oe.contract('abc,acd->bda', t21, t11, optimize=[(0, 1)])
+    t23 = oe.contract('abc->bca', t20, optimize=[(0,)])
+    t0 += oe.contract('abc,dec->adeb', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -2452,24 +2425,22 @@ def mse_causal0__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     T = t5
     t6 = T.transpose(-1, -2)
     t7 = t6 @ X
-    t8 = t0 @ t7
-    t9 = W_V.transpose(-1, -2)
-    t10 = t9 @ t0
-    t11 = X @ W_K
-    t12 = t10 @ t11
-    t13 = t0 @ t11
-    t14 = X @ W_V
-    t15 = T @ t14
-    F = t15
-    t16 = (2/(L*d_V)) * F
-    t17 = (-2/(L*d_V)) * Y
-    t18 = t16 + t17
-    G = t18
-    t19 = G.transpose(-1, -2)
-    t20 = t19 @ X
-    t21 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t8, t12, t8, t12, optimize=[(0, 2), (0, 1), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,fbe,fdc->', t8, t12, t13, t20, optimize=[(0, 2), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t13, t20, t13, t20, optimize=[(0, 2), (0, 1), (0, 1)])
-    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
-    return t22
+    t8 = W_V.transpose(-1, -2)
+    t9 = t8 @ t0
+    t10 = X @ W_K
+    t11 = t9 @ t10
+    t12 = X @ W_V
+    t13 = T @ t12
+    F = t13
+    t14 = (2/(L*d_V)) * F
+    t15 = (-2/(L*d_V)) * Y
+    t16 = t14 + t15
+    G = t16
+    t17 = G.transpose(-1, -2)
+    t18 = t17 @ X
+    t19 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, t7, t11, t0, t7, t11, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghf,ged->', t0, t7, t11, t0, t10, t18, optimize=[(0, 3), (1, 2), (1, 3), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, t10, t18, t0, t10, t18, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)])
+    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
+    return t20
 
 
 def mse_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -2481,46 +2452,8 @@ def mse_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     out = torch.empty((d_V**2, d_K*d_V), dtype=X.dtype, device=X.device)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = X.transpose(-1, -2)
-    t2 = t1 @ X
-    t3 = W_K.transpose(-1, -2)
-    t4 = t3 @ t1
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    T = t7
-    t8 = X @ W_V
-    t9 = T @ t8
-    F = t9
-    t10 = (2/(L*d_V)) * F
-    t11 = (-2/(L*d_V)) * Y
-    t12 = t10 + t11
-    G = t12
-    t13 = G.transpose(-1, -2)
-    t14 = X @ W_Q
-    t15 = t13 @ t14
-    t16 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t0[...] = oe.contract('abc,ade->bdce', t16, t15, optimize=[(0, 1)])
-    t17 = T.transpose(-1, -2)
-    t18 = t17 @ t14
-    t19 = t1 @ t18
-    t20 = W_V.transpose(-1, -2)
-    t21 = t20 @ t1
-    t22 = t21 @ X
-    t23 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t19
-    t0 += oe.contract('abc,ade->bdec', t23, t22, optimize=[(0, 1)])
-    return out
-
-
-def mse_causal0__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
-    """‖H_full(W_V, W_K)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = X.transpose(-1, -2)
-    t1 = t0 @ X
     t2 = W_K.transpose(-1, -2)
-    t3 = t2 @ t0
+    t3 = t2 @ t1
     t4 = W_Q @ t3
     t5 = X @ t4
     t6 = (1/math.sqrt(d_K)) * t5
@@ -2535,15 +2468,51 @@ def mse_causal0__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t12 = G.transpose(-1, -2)
     t13 = X @ W_Q
     t14 = t12 @ t13
-    t15 = T.transpose(-1, -2)
-    t16 = t15 @ t13
-    t17 = t0 @ t16
+    t15 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('abc,acd,aef->bedf', t15, X, t14, optimize=[(0, 1), (0, 1)])
+    t16 = T.transpose(-1, -2)
+    t17 = t16 @ t13
     t18 = W_V.transpose(-1, -2)
-    t19 = t18 @ t0
+    t19 = t18 @ t1
     t20 = t19 @ X
-    t21 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t1, t14, t1, t14, optimize=[(0, 2), (0, 1), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,fbe,fdc->', t1, t14, t17, t20, optimize=[(0, 2), (0, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t17, t20, t17, t20, optimize=[(0, 2), (0, 1), (0, 1)])
-    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
-    return t22
+    t21 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t1
+    t22 = oe.contract('abc,acd->bda', t21, t17, optimize=[(0, 1)])
+    t23 = oe.contract('abc->bca', t20, optimize=[(0,)])
+    t0 += oe.contract('abc,dec->adeb', t22, t23, optimize=[(0, 1)])
+    return out
+
+
+def mse_causal0__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
+    """‖H_full(W_V, W_K)‖_F from index networks, exact, without the block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.transpose(-1, -2)
+    t1 = W_K.transpose(-1, -2)
+    t2 = t1 @ t0
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    T = t5
+    t6 = X @ W_V
+    t7 = T @ t6
+    F = t7
+    t8 = (2/(L*d_V)) * F
+    t9 = (-2/(L*d_V)) * Y
+    t10 = t8 + t9
+    G = t10
+    t11 = G.transpose(-1, -2)
+    t12 = X @ W_Q
+    t13 = t11 @ t12
+    t14 = T.transpose(-1, -2)
+    t15 = t14 @ t12
+    t16 = W_V.transpose(-1, -2)
+    t17 = t16 @ t0
+    t18 = t17 @ X
+    t19 = (1/(d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, X, t13, t0, X, t13, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghf,ged->', t0, X, t13, t0, t15, t18, optimize=[(0, 3), (1, 2), (1, 3), (0, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, t15, t18, t0, t15, t18, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)])
+    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
+    return t20
 
 
 def mse_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -2593,6 +2562,316 @@ def mse_causal0__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     t10 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t9, t9, optimize=[(0, 1)])
     t11 = torch.sqrt(torch.clamp(t10, min=0.0))
     return t11
+
+
+def mse_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
+    """(‖H_o(W_Q, W_Q)‖_F, ‖H_f(W_Q, W_Q)‖_F, ‖H(W_Q, W_Q)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.transpose(-1, -2)
+    t1 = t0 @ X
+    t2 = W_K.transpose(-1, -2)
+    t3 = W_V.transpose(-1, -2)
+    t4 = t2 @ t0
+    t5 = t3 @ t0
+    t6 = W_V @ t5
+    t7 = X @ t6
+    t8 = X @ W_K
+    t9 = t7 @ t8
+    t10 = t4 @ t9
+    t11 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t1, t10, t1, t10, optimize=[(0, 2), (0, 1), (0, 1)])
+    t12 = t11 + 0.0 + 0.0
+    t13 = torch.sqrt(torch.clamp(t11, min=0.0))
+    t14 = torch.sqrt(torch.clamp(t12, min=0.0))
+    return (t13, 0.0, t14,)
+
+
+def mse_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
+    """(‖H_o(W_Q, W_K)‖_F, ‖H_f(W_Q, W_K)‖_F, ‖H(W_Q, W_K)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.transpose(-1, -2)
+    t1 = X @ W_Q
+    t2 = t0 @ t1
+    t3 = W_K.transpose(-1, -2)
+    t4 = W_V.transpose(-1, -2)
+    t5 = t3 @ t0
+    t6 = t4 @ t0
+    t7 = W_V @ t6
+    t8 = X @ t7
+    t9 = t8 @ X
+    t10 = t5 @ t9
+    t11 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t2, t10, t2, t10, optimize=[(0, 2), (0, 1), (0, 1)])
+    t12 = W_Q @ t5
+    t13 = X @ t12
+    t14 = (1/math.sqrt(d_K)) * t13
+    T = t14
+    t15 = X @ W_V
+    t16 = T @ t15
+    F = t16
+    t17 = (2/(L*d_V)) * F
+    t18 = (-2/(L*d_V)) * Y
+    t19 = t17 + t18
+    G = t19
+    t20 = G @ t6
+    t21 = t20 @ X
+    t22 = t0 @ t21
+    t23 = (n_batch**(-2)) * oe.contract('abc,dbc->', t22, t22, optimize=[(0, 1)])
+    t24 = (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,acd,ebd->', t2, t10, t22, optimize=[(0, 1), (0, 1)])
+    t25 = t11 + t23 + t24
+    t26 = torch.sqrt(torch.clamp(t11, min=0.0))
+    t27 = torch.sqrt(torch.clamp(t23, min=0.0))
+    t28 = torch.sqrt(torch.clamp(t25, min=0.0))
+    return (t26, t27, t28,)
+
+
+def mse_causal0__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
+    """(‖H_o(W_Q, W_V)‖_F, ‖H_f(W_Q, W_V)‖_F, ‖H(W_Q, W_V)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.transpose(-1, -2)
+    t1 = W_K.transpose(-1, -2)
+    t2 = t1 @ t0
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    T = t5
+    t6 = T @ X
+    t7 = t0 @ t6
+    t8 = X @ W_V
+    t9 = t2 @ t8
+    t10 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t7, t9, t7, t9, optimize=[(0, 2), (0, 1), (0, 1)])
+    t11 = T @ t8
+    F = t11
+    t12 = (2/(L*d_V)) * F
+    t13 = (-2/(L*d_V)) * Y
+    t14 = t12 + t13
+    G = t14
+    t15 = t0 @ G
+    t16 = t2 @ X
+    t17 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t15, t16, t15, t16, optimize=[(0, 2), (0, 1), (0, 1)])
+    t18 = (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,fbe,fdc->', t7, t9, t15, t16, optimize=[(0, 2), (0, 2), (0, 1)])
+    t19 = t10 + t17 + t18
+    t20 = torch.sqrt(torch.clamp(t10, min=0.0))
+    t21 = torch.sqrt(torch.clamp(t17, min=0.0))
+    t22 = torch.sqrt(torch.clamp(t19, min=0.0))
+    return (t20, t21, t22,)
+
+
+def mse_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
+    """(‖H_o(W_K, W_Q)‖_F, ‖H_f(W_K, W_Q)‖_F, ‖H(W_K, W_Q)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.transpose(-1, -2)
+    t1 = W_V.transpose(-1, -2)
+    t2 = t1 @ t0
+    t3 = W_V @ t2
+    t4 = X @ t3
+    t5 = X @ W_K
+    t6 = t4 @ t5
+    t7 = t0 @ t6
+    t8 = W_Q.transpose(-1, -2)
+    t9 = t8 @ t0
+    t10 = t9 @ X
+    t11 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t7, t10, t7, t10, optimize=[(0, 2), (0, 1), (0, 1)])
+    t12 = W_K.transpose(-1, -2)
+    t13 = t12 @ t0
+    t14 = W_Q @ t13
+    t15 = X @ t14
+    t16 = (1/math.sqrt(d_K)) * t15
+    T = t16
+    t17 = X @ W_V
+    t18 = T @ t17
+    F = t18
+    t19 = (2/(L*d_V)) * F
+    t20 = (-2/(L*d_V)) * Y
+    t21 = t19 + t20
+    G = t21
+    t22 = G.transpose(-1, -2)
+    t23 = W_V @ t22
+    t24 = X @ t23
+    t25 = t24 @ X
+    t26 = t0 @ t25
+    t27 = (n_batch**(-2)) * oe.contract('abc,dbc->', t26, t26, optimize=[(0, 1)])
+    t28 = (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,acd,ebd->', t7, t10, t26, optimize=[(0, 1), (0, 1)])
+    t29 = t11 + t27 + t28
+    t30 = torch.sqrt(torch.clamp(t11, min=0.0))
+    t31 = torch.sqrt(torch.clamp(t27, min=0.0))
+    t32 = torch.sqrt(torch.clamp(t29, min=0.0))
+    return (t30, t31, t32,)
+
+
+def mse_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
+    """(‖H_o(W_K, W_K)‖_F, ‖H_f(W_K, W_K)‖_F, ‖H(W_K, W_K)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.transpose(-1, -2)
+    t1 = W_V.transpose(-1, -2)
+    t2 = t1 @ t0
+    t3 = W_V @ t2
+    t4 = X @ t3
+    t5 = t4 @ X
+    t6 = t0 @ t5
+    t7 = W_Q.transpose(-1, -2)
+    t8 = t7 @ t0
+    t9 = X @ W_Q
+    t10 = t8 @ t9
+    t11 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t6, t10, t6, t10, optimize=[(0, 2), (0, 1), (0, 1)])
+    t12 = t11 + 0.0 + 0.0
+    t13 = torch.sqrt(torch.clamp(t11, min=0.0))
+    t14 = torch.sqrt(torch.clamp(t12, min=0.0))
+    return (t13, 0.0, t14,)
+
+
+def mse_causal0__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
+    """(‖H_o(W_K, W_V)‖_F, ‖H_f(W_K, W_V)‖_F, ‖H(W_K, W_V)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.transpose(-1, -2)
+    t1 = X @ W_V
+    t2 = t0 @ t1
+    t3 = W_Q.transpose(-1, -2)
+    t4 = W_K.transpose(-1, -2)
+    t5 = t4 @ t0
+    t6 = W_Q @ t5
+    t7 = X @ t6
+    t8 = (1/math.sqrt(d_K)) * t7
+    T = t8
+    t9 = t3 @ t0
+    t10 = T @ X
+    t11 = t9 @ t10
+    t12 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t2, t11, t2, t11, optimize=[(0, 2), (0, 1), (0, 1)])
+    t13 = t0 @ X
+    t14 = T @ t1
+    F = t14
+    t15 = (2/(L*d_V)) * F
+    t16 = (-2/(L*d_V)) * Y
+    t17 = t15 + t16
+    G = t17
+    t18 = t9 @ G
+    t19 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t13, t18, t13, t18, optimize=[(0, 2), (0, 1), (0, 1)])
+    t20 = (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,fbe,fdc->', t2, t11, t13, t18, optimize=[(0, 2), (0, 2), (0, 1)])
+    t21 = t12 + t19 + t20
+    t22 = torch.sqrt(torch.clamp(t12, min=0.0))
+    t23 = torch.sqrt(torch.clamp(t19, min=0.0))
+    t24 = torch.sqrt(torch.clamp(t21, min=0.0))
+    return (t22, t23, t24,)
+
+
+def mse_causal0__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
+    """(‖H_o(W_V, W_Q)‖_F, ‖H_f(W_V, W_Q)‖_F, ‖H(W_V, W_Q)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.transpose(-1, -2)
+    t1 = W_K.transpose(-1, -2)
+    t2 = t1 @ t0
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    T = t5
+    t6 = T.transpose(-1, -2)
+    t7 = t6 @ X
+    t8 = t0 @ t7
+    t9 = W_V.transpose(-1, -2)
+    t10 = t9 @ t0
+    t11 = X @ W_K
+    t12 = t10 @ t11
+    t13 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t8, t12, t8, t12, optimize=[(0, 2), (0, 1), (0, 1)])
+    t14 = t0 @ t11
+    t15 = X @ W_V
+    t16 = T @ t15
+    F = t16
+    t17 = (2/(L*d_V)) * F
+    t18 = (-2/(L*d_V)) * Y
+    t19 = t17 + t18
+    G = t19
+    t20 = G.transpose(-1, -2)
+    t21 = t20 @ X
+    t22 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t14, t21, t14, t21, optimize=[(0, 2), (0, 1), (0, 1)])
+    t23 = (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,fbe,fdc->', t8, t12, t14, t21, optimize=[(0, 2), (0, 2), (0, 1)])
+    t24 = t13 + t22 + t23
+    t25 = torch.sqrt(torch.clamp(t13, min=0.0))
+    t26 = torch.sqrt(torch.clamp(t22, min=0.0))
+    t27 = torch.sqrt(torch.clamp(t24, min=0.0))
+    return (t25, t26, t27,)
+
+
+def mse_causal0__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
+    """(‖H_o(W_V, W_K)‖_F, ‖H_f(W_V, W_K)‖_F, ‖H(W_V, W_K)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.transpose(-1, -2)
+    t1 = W_K.transpose(-1, -2)
+    t2 = t1 @ t0
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    T = t5
+    t6 = T.transpose(-1, -2)
+    t7 = X @ W_Q
+    t8 = t6 @ t7
+    t9 = t0 @ t8
+    t10 = W_V.transpose(-1, -2)
+    t11 = t10 @ t0
+    t12 = t11 @ X
+    t13 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t9, t12, t9, t12, optimize=[(0, 2), (0, 1), (0, 1)])
+    t14 = t0 @ X
+    t15 = X @ W_V
+    t16 = T @ t15
+    F = t16
+    t17 = (2/(L*d_V)) * F
+    t18 = (-2/(L*d_V)) * Y
+    t19 = t17 + t18
+    G = t19
+    t20 = G.transpose(-1, -2)
+    t21 = t20 @ t7
+    t22 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t14, t21, t14, t21, optimize=[(0, 2), (0, 1), (0, 1)])
+    t23 = (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,fbe,fdc->', t9, t12, t14, t21, optimize=[(0, 2), (0, 2), (0, 1)])
+    t24 = t13 + t22 + t23
+    t25 = torch.sqrt(torch.clamp(t13, min=0.0))
+    t26 = torch.sqrt(torch.clamp(t22, min=0.0))
+    t27 = torch.sqrt(torch.clamp(t24, min=0.0))
+    return (t25, t26, t27,)
+
+
+def mse_causal0__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
+    """(‖H_o(W_V, W_V)‖_F, ‖H_f(W_V, W_V)‖_F, ‖H(W_V, W_V)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.transpose(-1, -2)
+    t1 = W_K.transpose(-1, -2)
+    t2 = t1 @ t0
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    T = t5
+    t6 = T.transpose(-1, -2)
+    t7 = t6 @ T
+    t8 = t7 @ X
+    t9 = t0 @ t8
+    t10 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t9, t9, optimize=[(0, 1)])
+    t11 = t10 + 0.0 + 0.0
+    t12 = torch.sqrt(torch.clamp(t10, min=0.0))
+    t13 = torch.sqrt(torch.clamp(t11, min=0.0))
+    return (t12, 0.0, t13,)
 
 
 def causal0__jacobian__W_Q(X, W_Q, W_K, W_V):
@@ -2801,7 +3080,7 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t12 = t11.view((d_V, d_K, d_V, d_K))
     t13 = X @ W_Q
     t14 = oe.contract('abc,acd->bdac', t2, t13, optimize=[(0, 1)])
-    t15 = oe.contract('abc,dc,ace,de,aef->bfad', t4, t10, t8, Mcausal, X, optimize=[(1, 2), (1, 3), (0, 2), (0, 1)])
+    t15 = oe.contract('abc,dc,ace,de,aef->bfad', t4, t10, t8, Mcausal, X, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
     t12[...] = oe.contract('abcd,efcd->aefb', t14, t15, optimize=[(0, 1)])
     t16 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t17 = t16.view((d_V, d_K, d_V, d_V))
@@ -2826,7 +3105,7 @@ def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t33 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t34 = t33.view((d_V, d_K, d_V, d_K))
     t35 = oe.contract('abc,acd->bdac', t30, t13, optimize=[(0, 1)])
-    t36 = oe.contract('abc,cd,ace,ed,aef->bfad', t2, t32, t8, t31, X, optimize=[(1, 2), (1, 3), (0, 2), (0, 1)])
+    t36 = oe.contract('abc,cd,ace,ed,aef->bfad', t2, t32, t8, t31, X, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
     t34[...] = oe.contract('abcd,efcd->eafb', t35, t36, optimize=[(0, 1)])
     t37 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t38 = t37.view((d_V, d_K, d_V, d_V))
@@ -3002,7 +3281,7 @@ def mse_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t7 = X @ t6
     t8 = X @ W_K
     t9 = (2/(L*d_K*d_V*n_batch)) * Mcausal
-    t10 = oe.contract('abc,dc,ace,de,aeb->bad', t3, t9, t7, Mcausal, t8, optimize=[(1, 2), (1, 3), (0, 2), (0, 1)])
+    t10 = oe.contract('abc,dc,ace,de,aeb->bad', t3, t9, t7, Mcausal, t8, optimize=[(1, 3), (1, 3), (0, 1), (0, 1)])
     t11 = oe.contract('abc,acb->bac', t1, X, optimize=[(0, 1)])
     t0[...] = oe.contract('abc,dbc->da', t10, t11, optimize=[(0, 1)])
     return out
@@ -3087,7 +3366,7 @@ def mse_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     t8 = X @ W_Q
     t9 = (2/(L*d_K*d_V*n_batch)) * Mcausal
     t10 = oe.contract('abc,acd->bdac', t1, t8, optimize=[(0, 1)])
-    t11 = oe.contract('abc,dc,ace,de,aef->bfad', t3, t9, t7, Mcausal, X, optimize=[(1, 2), (1, 3), (0, 2), (0, 1)])
+    t11 = oe.contract('abc,dc,ace,de,aef->bfad', t3, t9, t7, Mcausal, X, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
     t0[...] = oe.contract('abcd,efcd->aefb', t10, t11, optimize=[(0, 1)])
     return out
 
@@ -3266,7 +3545,7 @@ def mse_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t9 = X @ W_Q
     t10 = (2/(L*d_K*d_V*n_batch)) * t4
     t11 = oe.contract('abc,acd->bdac', t3, t9, optimize=[(0, 1)])
-    t12 = oe.contract('abc,cd,ace,ed,aef->bfad', t1, t10, t8, t4, X, optimize=[(1, 2), (1, 3), (0, 2), (0, 1)])
+    t12 = oe.contract('abc,cd,ace,ed,aef->bfad', t1, t10, t8, t4, X, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
     t0[...] = oe.contract('abcd,efcd->eafb', t11, t12, optimize=[(0, 1)])
     return out
 
@@ -4318,23 +4597,23 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t23 = G @ t6
     t24 = Mcausal * t23
     t25 = t24 @ X
-    t26 = t2 @ t25
-    t27 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t28 = (1/(math.sqrt(d_K)*n_batch)) * t27
-    t13 += oe.contract('abc,d->bcd', t26, t28, optimize=[(0, 1)])
+    t26 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t27 = (1/(math.sqrt(d_K)*n_batch)) * t26
+    t28 = oe.contract('abc,acd->bd', t2, t25, optimize=[(0, 1)])
+    t13 += oe.contract('a,bc->bca', t27, t28, optimize=[(0, 1)])
     t29 = X @ W_Q
     t30 = oe.contract('abc,acd->bdac', t2, t29, optimize=[(0, 1)])
-    t31 = oe.contract('abc,dc,ace,de,aef->bfad', t4, t10, t8, Mcausal, X, optimize=[(1, 2), (1, 3), (0, 2), (0, 1)])
+    t31 = oe.contract('abc,dc,ace,de,aef->bfad', t4, t10, t8, Mcausal, X, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
     t12 += oe.contract('abcd,efcd->aefb', t30, t31, optimize=[(0, 1)])
     t32 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t33 = t32.view((d_V, d_K, d_V, d_V))
     t34 = t17 @ X
     t35 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
-    t36 = oe.contract('abc,acd->bdac', t4, t18, optimize=[(0, 1)])
+    t36 = oe.contract('abc,acd,de->beac', t4, X, W_V, optimize=[(1, 2), (0, 1)])
     t37 = oe.contract('abc,cd,ace->bead', t2, t35, t34, optimize=[(0, 1), (0, 1)])
     t33[...] = oe.contract('abcd,efcd->eafb', t36, t37, optimize=[(0, 1)])
     t38 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
-    t33 += oe.contract('abc,ade,ce,acf,aeg->bdgf', t2, t4, t38, G, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t33 += oe.contract('abc,ade,ce,aef,acg->bdfg', t2, t4, t38, X, G, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     t39 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t39[...] = 0
     t40 = t39.view((d_V, d_K, d_V, d_K))
@@ -4345,8 +4624,8 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t45 = Mcausal.transpose(-1, -2)
     t46 = t44 * t45
     t47 = t46 @ X
-    t48 = t2 @ t47
-    t41 += oe.contract('abc,d->bcd', t48, t28, optimize=[(0, 1)])
+    t48 = oe.contract('abc,acd->bd', t2, t47, optimize=[(0, 1)])
+    t41 += oe.contract('a,bc->bca', t27, t48, optimize=[(0, 1)])
     t49 = W_Q.transpose(-1, -2)
     t50 = t49 @ t2
     t51 = (2/(L*d_K*d_V*n_batch)) * t45
@@ -4354,40 +4633,39 @@ def mse_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t52 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
     t53 = t52.view((d_V, d_K, d_V, d_K))
     t54 = oe.contract('abc,acd->bdac', t50, t29, optimize=[(0, 1)])
-    t55 = oe.contract('abc,cd,ace,ed,aef->bfad', t2, t51, t8, t45, X, optimize=[(1, 2), (1, 3), (0, 2), (0, 1)])
+    t55 = oe.contract('abc,cd,ace,ed,aef->bfad', t2, t51, t8, t45, X, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
     t53[...] = oe.contract('abcd,efcd->eafb', t54, t55, optimize=[(0, 1)])
     t56 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
     t57 = t56.view((d_V, d_K, d_V, d_V))
-    t58 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t45
-    t57[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t2, t50, t58, t18, t34, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t59 = (1/(math.sqrt(d_K)*n_batch)) * t45
-    t60 = oe.contract('abc,acd->bdac', t50, G, optimize=[(0, 1)])
-    t61 = oe.contract('abc,cd,ace->bead', t2, t59, X, optimize=[(0, 1), (0, 1)])
-    t57 += oe.contract('abcd,efcd->eafb', t60, t61, optimize=[(0, 1)])
+    t58 = (1/(math.sqrt(d_K)*n_batch)) * t45
+    t59 = oe.contract('abc,acd->bdac', t50, G, optimize=[(0, 1)])
+    t60 = oe.contract('abc,cd,ace->bead', t2, t58, X, optimize=[(0, 1), (0, 1)])
+    t57[...] = oe.contract('abcd,efcd->eafb', t59, t60, optimize=[(0, 1)])
+    t61 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t45
+    t57 += oe.contract('abc,ade,ce,acf,fg,aeh->bdhg', t2, t50, t61, X, W_V, t34, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
     t62 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
     t63 = t62.view((d_V, d_V, d_V, d_K))
     t64 = T.transpose(-1, -2)
     t65 = t45 * t64
-    t66 = t2 @ t65
-    t67 = oe.contract('abc,acd->bdac', t6, t9, optimize=[(0, 1)])
-    t68 = oe.contract('abc,cd,ace->bead', t66, t35, X, optimize=[(0, 1), (0, 1)])
-    t63[...] = oe.contract('abcd,efcd->eafb', t67, t68, optimize=[(0, 1)])
-    t63 += oe.contract('abc,ade,ce,acf,aeg->bdgf', t2, t42, t59, t9, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t69 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t70 = t69.view((d_V, d_V, d_V, d_K))
-    t70[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t66, t6, t35, t29, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t71 = oe.contract('abc,acd->bdac', t42, t29, optimize=[(0, 1)])
-    t70 += oe.contract('abcd,efcd->eafb', t71, t61, optimize=[(0, 1)])
-    t72 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t72[...] = 0
-    t73 = t72.view((d_V, d_V, d_V, d_V))
-    t74 = t73.diagonal(0, 1, 3)
-    t75 = t65 @ t17
-    t76 = t75 @ X
-    t77 = t2 @ t76
-    t78 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t79 = (2/(L*d_V*n_batch)) * t78
-    t74 += oe.contract('abc,d->bcd', t77, t79, optimize=[(0, 1)])
+    t66 = oe.contract('abc,dc,ace->bead', t6, t35, t9, optimize=[(0, 1), (0, 1)])
+    t67 = oe.contract('abc,acd,ade->bead', t2, t65, X, optimize=[(0, 1), (0, 1)])
+    t63[...] = oe.contract('abcd,efcd->eafb', t66, t67, optimize=[(0, 1)])
+    t63 += oe.contract('abc,ade,ce,acf,aeg->bdgf', t2, t42, t58, t9, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t68 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t69 = t68.view((d_V, d_V, d_V, d_K))
+    t69[...] = oe.contract('abc,acd,aef,df,adg,afh->behg', t2, t65, t6, t35, t29, X, optimize=[(0, 1), (0, 1), (0, 2), (0, 1), (0, 1)])
+    t70 = oe.contract('abc,acd->bdac', t42, t29, optimize=[(0, 1)])
+    t69 += oe.contract('abcd,efcd->eafb', t70, t60, optimize=[(0, 1)])
+    t71 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t71[...] = 0
+    t72 = t71.view((d_V, d_V, d_V, d_V))
+    t73 = t72.diagonal(0, 1, 3)
+    t74 = t65 @ t17
+    t75 = t74 @ X
+    t76 = t2 @ t75
+    t77 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t78 = (2/(L*d_V*n_batch)) * t77
+    t73 += oe.contract('abc,d->bcd', t76, t78, optimize=[(0, 1)])
     return H
 
 
@@ -4534,41 +4812,38 @@ def mse_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t19 = G @ t4
     t20 = Mcausal * t19
     t21 = t20 @ X
-    t22 = t0 @ t21
-    t23 = X @ W_Q
-    t24 = (n_batch**(-2)) * oe.contract('abc,dbc->', t22, t22, optimize=[(0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,dbe,dfg,eg,dgh,eh,def,dhc->', t22, t0, t2, Mcausal, t6, Mcausal, t23, X, optimize=[(0, 1), (0, 4), (3, 4), (0, 3), (0, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,cf,acg,afh,ibj,idk,jk,ikl,jl,ijg,ilh->', t0, t2, Mcausal, t6, Mcausal, t23, X, t0, t2, Mcausal, t6, Mcausal, t23, X, optimize=[(0, 7), (0, 6), (3, 8), (8, 10), (3, 7), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
-    t26 = t13 @ X
-    t27 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, Mcausal, t26, t14, t0, t2, Mcausal, t26, t14, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hig,hjf->', t0, t2, Mcausal, t26, t14, t0, t2, Mcausal, G, X, optimize=[(0, 5), (0, 4), (2, 4), (1, 3), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, Mcausal, G, X, t0, t2, Mcausal, G, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t28 = torch.sqrt(torch.clamp(t27, min=0.0))
-    t29 = G.transpose(-1, -2)
-    t30 = W_V @ t29
-    t31 = X @ t30
-    t32 = Mcausal.transpose(-1, -2)
-    t33 = t31 * t32
-    t34 = t33 @ X
-    t35 = t0 @ t34
-    t36 = W_Q.transpose(-1, -2)
-    t37 = t36 @ t0
-    t38 = (n_batch**(-2)) * oe.contract('abc,dbc->', t35, t35, optimize=[(0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,dbe,dfg,eg,deh,hg,dhf,dgc->', t35, t0, t37, t32, t6, t32, t7, X, optimize=[(0, 1), (0, 4), (3, 4), (2, 3), (1, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,fe,afg,aeh,ibj,idk,jk,ijl,lk,ilg,ikh->', t0, t37, t32, t6, t32, t7, X, t0, t37, t32, t6, t32, t7, X, optimize=[(0, 7), (0, 6), (3, 8), (3, 7), (7, 9), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t22 = X @ W_Q
+    t23 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t0, t21, t0, t21, optimize=[(0, 1), (0, 1), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,acd,ebf,egh,fh,ehi,fi,efg,eid->', t0, t21, t0, t2, Mcausal, t6, Mcausal, t22, X, optimize=[(3, 7), (0, 1), (0, 6), (3, 5), (0, 3), (0, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,cf,acg,afh,ibj,idk,jk,ikl,jl,ijg,ilh->', t0, t2, Mcausal, t6, Mcausal, t22, X, t0, t2, Mcausal, t6, Mcausal, t22, X, optimize=[(0, 7), (0, 6), (3, 8), (8, 10), (3, 7), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t24 = torch.sqrt(torch.clamp(t23, min=0.0))
+    t25 = t13 @ X
+    t26 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acg,fh,ibj,idk,jk,ikl,ijg,lh->', t0, t2, Mcausal, X, t25, W_V, t0, t2, Mcausal, X, t25, W_V, optimize=[(3, 5), (0, 4), (0, 3), (1, 4), (5, 7), (2, 3), (2, 5), (2, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,ce,aef,acg,fh,ibj,idk,jk,ikg,ijh->', t0, t2, Mcausal, X, t25, W_V, t0, t2, Mcausal, X, G, optimize=[(3, 5), (0, 4), (0, 3), (1, 3), (2, 3), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,acg,hbi,hdj,ij,hjf,hig->', t0, t2, Mcausal, X, G, t0, t2, Mcausal, X, G, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t27 = torch.sqrt(torch.clamp(t26, min=0.0))
+    t28 = G.transpose(-1, -2)
+    t29 = W_V @ t28
+    t30 = X @ t29
+    t31 = Mcausal.transpose(-1, -2)
+    t32 = t30 * t31
+    t33 = t32 @ X
+    t34 = W_Q.transpose(-1, -2)
+    t35 = t34 @ t0
+    t36 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t0, t33, t0, t33, optimize=[(0, 1), (0, 1), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,acd,ebf,egh,fh,efi,ih,eig,ehd->', t0, t33, t0, t35, t31, t6, t31, t7, X, optimize=[(3, 7), (0, 1), (0, 6), (3, 5), (2, 3), (1, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,fe,afg,aeh,ibj,idk,jk,ijl,lk,ilg,ikh->', t0, t35, t31, t6, t31, t7, X, t0, t35, t31, t6, t31, t7, X, optimize=[(0, 7), (0, 6), (3, 8), (3, 7), (7, 9), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t37 = torch.sqrt(torch.clamp(t36, min=0.0))
+    t38 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,fe,afg,aeh,ibj,idk,jk,ijl,lk,ilg,ikh->', t0, t35, t31, t6, t31, X, t22, t0, t35, t31, t6, t31, X, t22, optimize=[(0, 7), (0, 6), (3, 8), (3, 7), (7, 9), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
     t39 = torch.sqrt(torch.clamp(t38, min=0.0))
-    t40 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,fe,afg,aeh,ibj,idk,jk,ijl,lk,ilg,ikh->', t0, t37, t32, t6, t32, X, t23, t0, t37, t32, t6, t32, X, t23, optimize=[(0, 7), (0, 6), (3, 8), (3, 7), (7, 9), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t40 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t35, t31, X, G, t0, t35, t31, X, G, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hik,kg,hjf->', t0, t35, t31, X, G, t0, t35, t31, X, W_V, t25, optimize=[(0, 5), (0, 4), (2, 5), (1, 4), (2, 5), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,fg,aeh,ibj,idk,jk,ijl,lg,ikh->', t0, t35, t31, X, W_V, t25, t0, t35, t31, X, W_V, t25, optimize=[(3, 4), (0, 4), (0, 3), (3, 4), (1, 3), (4, 6), (2, 4), (2, 4), (0, 2), (1, 2), (0, 1)])
     t41 = torch.sqrt(torch.clamp(t40, min=0.0))
-    t42 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t37, t32, t14, t26, t0, t37, t32, t14, t26, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hig,hjf->', t0, t37, t32, t14, t26, t0, t37, t32, X, G, optimize=[(0, 5), (0, 4), (2, 4), (1, 3), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t37, t32, X, G, t0, t37, t32, X, G, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t43 = torch.sqrt(torch.clamp(t42, min=0.0))
-    t44 = T.transpose(-1, -2)
-    t45 = t32 * t44
-    t46 = t0 @ t45
-    t47 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t46, t4, Mcausal, X, t7, t46, t4, Mcausal, X, t7, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hig,hjf->', t46, t4, Mcausal, X, t7, t0, t29, t32, t7, X, optimize=[(0, 5), (0, 4), (2, 4), (1, 3), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t29, t32, t7, X, t0, t29, t32, t7, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t48 = torch.sqrt(torch.clamp(t47, min=0.0))
-    t49 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t46, t4, Mcausal, t23, X, t46, t4, Mcausal, t23, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hig,hjf->', t46, t4, Mcausal, t23, X, t0, t29, t32, X, t23, optimize=[(0, 5), (0, 4), (2, 4), (1, 3), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t29, t32, X, t23, t0, t29, t32, X, t23, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t50 = torch.sqrt(torch.clamp(t49, min=0.0))
-    t51 = t45 @ t13
-    t52 = t51 @ X
-    t53 = t0 @ t52
-    t54 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t53, t53, optimize=[(0, 1)])
-    t55 = torch.sqrt(torch.clamp(t54, min=0.0))
-    return (t9, t25, t28, t39, t41, t43, t48, t50, t55,)
+    t42 = T.transpose(-1, -2)
+    t43 = t31 * t42
+    t44 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,df,adg,afh,ibj,ijk,iel,kl,ikg,ilh->', t0, t43, t4, Mcausal, X, t7, t0, t43, t4, Mcausal, X, t7, optimize=[(0, 6), (1, 6), (2, 6), (2, 5), (5, 7), (0, 4), (1, 5), (2, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acd,aef,df,adg,afh,ibj,iek,jk,ijh,ikg->', t0, t43, t4, Mcausal, X, t7, t0, t28, t31, t7, X, optimize=[(0, 6), (1, 5), (3, 5), (2, 4), (0, 3), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t28, t31, t7, X, t0, t28, t31, t7, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t45 = torch.sqrt(torch.clamp(t44, min=0.0))
+    t46 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,df,adg,afh,ibj,ijk,iel,kl,ikg,ilh->', t0, t43, t4, Mcausal, t22, X, t0, t43, t4, Mcausal, t22, X, optimize=[(0, 6), (1, 6), (2, 6), (2, 5), (5, 7), (0, 4), (1, 5), (2, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acd,aef,df,adg,afh,ibj,iek,jk,ijh,ikg->', t0, t43, t4, Mcausal, t22, X, t0, t28, t31, X, t22, optimize=[(0, 6), (1, 5), (3, 5), (2, 4), (0, 3), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t28, t31, X, t22, t0, t28, t31, X, t22, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t47 = torch.sqrt(torch.clamp(t46, min=0.0))
+    t48 = t43 @ t13
+    t49 = t48 @ X
+    t50 = t0 @ t49
+    t51 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t50, t50, optimize=[(0, 1)])
+    t52 = torch.sqrt(torch.clamp(t51, min=0.0))
+    return (t9, t24, t27, t37, t39, t41, t45, t47, t52,)
 
 
 def mse_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -4589,7 +4864,7 @@ def mse_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t7 = X @ t6
     t8 = X @ W_K
     t9 = (2/(L*d_K*d_V*n_batch)) * Mcausal
-    t10 = oe.contract('abc,dc,ace,de,aeb->bad', t3, t9, t7, Mcausal, t8, optimize=[(1, 2), (1, 3), (0, 2), (0, 1)])
+    t10 = oe.contract('abc,dc,ace,de,aeb->bad', t3, t9, t7, Mcausal, t8, optimize=[(1, 3), (1, 3), (0, 1), (0, 1)])
     t11 = oe.contract('abc,acb->bac', t1, X, optimize=[(0, 1)])
     t0[...] = oe.contract('abc,dbc->da', t10, t11, optimize=[(0, 1)])
     return out
@@ -4686,16 +4961,16 @@ def mse_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t16 = G @ t15
     t17 = Mcausal * t16
     t18 = t17 @ X
-    t19 = t2 @ t18
-    t20 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
-    t1 += oe.contract('abc,d->bcd', t19, t21, optimize=[(0, 1)])
+    t19 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t20 = (1/(math.sqrt(d_K)*n_batch)) * t19
+    t21 = oe.contract('abc,acd->bd', t2, t18, optimize=[(0, 1)])
+    t1 += oe.contract('a,bc->bca', t20, t21, optimize=[(0, 1)])
     t22 = W_V @ t15
     t23 = X @ t22
     t24 = X @ W_Q
     t25 = (2/(L*d_K*d_V*n_batch)) * Mcausal
     t26 = oe.contract('abc,acd->bdac', t2, t24, optimize=[(0, 1)])
-    t27 = oe.contract('abc,dc,ace,de,aef->bfad', t4, t25, t23, Mcausal, X, optimize=[(1, 2), (1, 3), (0, 2), (0, 1)])
+    t27 = oe.contract('abc,dc,ace,de,aef->bfad', t4, t25, t23, Mcausal, X, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
     t0 += oe.contract('abcd,efcd->aefb', t26, t27, optimize=[(0, 1)])
     return out
 
@@ -4727,13 +5002,12 @@ def mse_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t14 = G @ t13
     t15 = Mcausal * t14
     t16 = t15 @ X
-    t17 = t0 @ t16
-    t18 = W_V @ t13
-    t19 = X @ t18
-    t20 = X @ W_Q
-    t21 = (n_batch**(-2)) * oe.contract('abc,dbc->', t17, t17, optimize=[(0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,dbe,dfg,eg,dgh,eh,def,dhc->', t17, t0, t2, Mcausal, t19, Mcausal, t20, X, optimize=[(0, 1), (0, 4), (3, 4), (0, 3), (0, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,cf,acg,afh,ibj,idk,jk,ikl,jl,ijg,ilh->', t0, t2, Mcausal, t19, Mcausal, t20, X, t0, t2, Mcausal, t19, Mcausal, t20, X, optimize=[(0, 7), (0, 6), (3, 8), (8, 10), (3, 7), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
-    return t22
+    t17 = W_V @ t13
+    t18 = X @ t17
+    t19 = X @ W_Q
+    t20 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t0, t16, t0, t16, optimize=[(0, 1), (0, 1), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,acd,ebf,egh,fh,ehi,fi,efg,eid->', t0, t16, t0, t2, Mcausal, t18, Mcausal, t19, X, optimize=[(3, 7), (0, 1), (0, 6), (3, 5), (0, 3), (0, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,cf,acg,afh,ibj,idk,jk,ikl,jl,ijg,ilh->', t0, t2, Mcausal, t18, Mcausal, t19, X, t0, t2, Mcausal, t18, Mcausal, t19, X, optimize=[(0, 7), (0, 6), (3, 8), (8, 10), (3, 7), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
+    return t21
 
 
 def mse_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -4754,19 +5028,19 @@ def mse_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     T = t6
     t7 = Mcausal * T
     t8 = t7 @ X
-    t9 = X @ W_V
-    t10 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
-    t11 = oe.contract('abc,acd->bdac', t3, t9, optimize=[(0, 1)])
-    t12 = oe.contract('abc,cd,ace->bead', t1, t10, t8, optimize=[(0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t11, t12, optimize=[(0, 1)])
-    t13 = t7 @ t9
+    t9 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
+    t10 = oe.contract('abc,acd,de->beac', t3, X, W_V, optimize=[(1, 2), (0, 1)])
+    t11 = oe.contract('abc,cd,ace->bead', t1, t9, t8, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t10, t11, optimize=[(0, 1)])
+    t12 = X @ W_V
+    t13 = t7 @ t12
     F = t13
     t14 = (2/(L*d_V)) * F
     t15 = (-2/(L*d_V)) * Y
     t16 = t14 + t15
     G = t16
     t17 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
-    t0 += oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t3, t17, G, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t0 += oe.contract('abc,ade,ce,aef,acg->bdfg', t1, t3, t17, X, G, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -4793,7 +5067,7 @@ def mse_causal1__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t11 = (-2/(L*d_V)) * Y
     t12 = t10 + t11
     G = t12
-    t13 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, Mcausal, t7, t8, t0, t2, Mcausal, t7, t8, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hig,hjf->', t0, t2, Mcausal, t7, t8, t0, t2, Mcausal, G, X, optimize=[(0, 5), (0, 4), (2, 4), (1, 3), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, Mcausal, G, X, t0, t2, Mcausal, G, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t13 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acg,fh,ibj,idk,jk,ikl,ijg,lh->', t0, t2, Mcausal, X, t7, W_V, t0, t2, Mcausal, X, t7, W_V, optimize=[(3, 5), (0, 4), (0, 3), (1, 4), (5, 7), (2, 3), (2, 5), (2, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,ce,aef,acg,fh,ibj,idk,jk,ikg,ijh->', t0, t2, Mcausal, X, t7, W_V, t0, t2, Mcausal, X, G, optimize=[(3, 5), (0, 4), (0, 3), (1, 3), (2, 3), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,acg,hbi,hdj,ij,hjf,hig->', t0, t2, Mcausal, X, G, t0, t2, Mcausal, X, G, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
     t14 = torch.sqrt(torch.clamp(t13, min=0.0))
     return t14
 
@@ -4872,10 +5146,10 @@ def mse_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t17 = Mcausal.transpose(-1, -2)
     t18 = t16 * t17
     t19 = t18 @ X
-    t20 = t2 @ t19
-    t21 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t22 = (1/(math.sqrt(d_K)*n_batch)) * t21
-    t1 += oe.contract('abc,d->bcd', t20, t22, optimize=[(0, 1)])
+    t20 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t21 = (1/(math.sqrt(d_K)*n_batch)) * t20
+    t22 = oe.contract('abc,acd->bd', t2, t19, optimize=[(0, 1)])
+    t1 += oe.contract('a,bc->bca', t21, t22, optimize=[(0, 1)])
     t23 = W_Q.transpose(-1, -2)
     t24 = t23 @ t2
     t25 = W_V.transpose(-1, -2)
@@ -4916,17 +5190,16 @@ def mse_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t15 = Mcausal.transpose(-1, -2)
     t16 = t14 * t15
     t17 = t16 @ X
-    t18 = t0 @ t17
-    t19 = W_Q.transpose(-1, -2)
-    t20 = t19 @ t0
-    t21 = W_V.transpose(-1, -2)
-    t22 = t21 @ t0
-    t23 = W_V @ t22
-    t24 = X @ t23
-    t25 = X @ W_K
-    t26 = (n_batch**(-2)) * oe.contract('abc,dbc->', t18, t18, optimize=[(0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,dbe,dfg,eg,deh,hg,dhf,dgc->', t18, t0, t20, t15, t24, t15, t25, X, optimize=[(0, 1), (0, 4), (3, 4), (2, 3), (1, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,fe,afg,aeh,ibj,idk,jk,ijl,lk,ilg,ikh->', t0, t20, t15, t24, t15, t25, X, t0, t20, t15, t24, t15, t25, X, optimize=[(0, 7), (0, 6), (3, 8), (3, 7), (7, 9), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
-    t27 = torch.sqrt(torch.clamp(t26, min=0.0))
-    return t27
+    t18 = W_Q.transpose(-1, -2)
+    t19 = t18 @ t0
+    t20 = W_V.transpose(-1, -2)
+    t21 = t20 @ t0
+    t22 = W_V @ t21
+    t23 = X @ t22
+    t24 = X @ W_K
+    t25 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t0, t17, t0, t17, optimize=[(0, 1), (0, 1), (0, 1)]) + (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,acd,ebf,egh,fh,efi,ih,eig,ehd->', t0, t17, t0, t19, t15, t23, t15, t24, X, optimize=[(3, 7), (0, 1), (0, 6), (3, 5), (2, 3), (1, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,fe,afg,aeh,ibj,idk,jk,ijl,lk,ilg,ikh->', t0, t19, t15, t23, t15, t24, X, t0, t19, t15, t23, t15, t24, X, optimize=[(0, 7), (0, 6), (3, 8), (3, 7), (7, 9), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t26 = torch.sqrt(torch.clamp(t25, min=0.0))
+    return t26
 
 
 def mse_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -4949,7 +5222,7 @@ def mse_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t9 = X @ W_Q
     t10 = (2/(L*d_K*d_V*n_batch)) * t4
     t11 = oe.contract('abc,acd->bdac', t3, t9, optimize=[(0, 1)])
-    t12 = oe.contract('abc,cd,ace,ed,aef->bfad', t1, t10, t8, t4, X, optimize=[(1, 2), (1, 3), (0, 2), (0, 1)])
+    t12 = oe.contract('abc,cd,ace,ed,aef->bfad', t1, t10, t8, t4, X, optimize=[(1, 3), (1, 3), (0, 2), (0, 1)])
     t0[...] = oe.contract('abcd,efcd->eafb', t11, t12, optimize=[(0, 1)])
     return out
 
@@ -4988,27 +5261,27 @@ def mse_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t3 = t2 @ t1
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
     t4 = Mcausal.transpose(-1, -2)
-    t5 = X @ W_V
-    t6 = W_K.transpose(-1, -2)
-    t7 = t6 @ t1
-    t8 = W_Q @ t7
-    t9 = X @ t8
-    t10 = (1/math.sqrt(d_K)) * t9
-    T = t10
-    t11 = Mcausal * T
-    t12 = t11 @ X
-    t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t4
-    t0[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t3, t13, t5, t12, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t14 = t11 @ t5
-    F = t14
-    t15 = (2/(L*d_V)) * F
-    t16 = (-2/(L*d_V)) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = (1/(math.sqrt(d_K)*n_batch)) * t4
-    t19 = oe.contract('abc,acd->bdac', t3, G, optimize=[(0, 1)])
-    t20 = oe.contract('abc,cd,ace->bead', t1, t18, X, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
+    t5 = W_K.transpose(-1, -2)
+    t6 = t5 @ t1
+    t7 = W_Q @ t6
+    t8 = X @ t7
+    t9 = (1/math.sqrt(d_K)) * t8
+    T = t9
+    t10 = Mcausal * T
+    t11 = X @ W_V
+    t12 = t10 @ t11
+    F = t12
+    t13 = (2/(L*d_V)) * F
+    t14 = (-2/(L*d_V)) * Y
+    t15 = t13 + t14
+    G = t15
+    t16 = (1/(math.sqrt(d_K)*n_batch)) * t4
+    t17 = oe.contract('abc,acd->bdac', t3, G, optimize=[(0, 1)])
+    t18 = oe.contract('abc,cd,ace->bead', t1, t16, X, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
+    t19 = t10 @ X
+    t20 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * t4
+    t0 += oe.contract('abc,ade,ce,acf,fg,aeh->bdhg', t1, t3, t20, X, W_V, t19, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -5023,22 +5296,22 @@ def mse_causal1__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t2 = t1 @ t0
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
     t3 = Mcausal.transpose(-1, -2)
-    t4 = X @ W_V
-    t5 = W_K.transpose(-1, -2)
-    t6 = t5 @ t0
-    t7 = W_Q @ t6
-    t8 = X @ t7
-    t9 = (1/math.sqrt(d_K)) * t8
-    T = t9
-    t10 = Mcausal * T
-    t11 = t10 @ X
-    t12 = t10 @ t4
-    F = t12
-    t13 = (2/(L*d_V)) * F
-    t14 = (-2/(L*d_V)) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, t3, t4, t11, t0, t2, t3, t4, t11, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hig,hjf->', t0, t2, t3, t4, t11, t0, t2, t3, X, G, optimize=[(0, 5), (0, 4), (2, 4), (1, 3), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, t3, X, G, t0, t2, t3, X, G, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t4 = W_K.transpose(-1, -2)
+    t5 = t4 @ t0
+    t6 = W_Q @ t5
+    t7 = X @ t6
+    t8 = (1/math.sqrt(d_K)) * t7
+    T = t8
+    t9 = Mcausal * T
+    t10 = X @ W_V
+    t11 = t9 @ t10
+    F = t11
+    t12 = (2/(L*d_V)) * F
+    t13 = (-2/(L*d_V)) * Y
+    t14 = t12 + t13
+    G = t14
+    t15 = t9 @ X
+    t16 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, t3, X, G, t0, t2, t3, X, G, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hik,kg,hjf->', t0, t2, t3, X, G, t0, t2, t3, X, W_V, t15, optimize=[(0, 5), (0, 4), (2, 5), (1, 4), (2, 5), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)]) + (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,fg,aeh,ibj,idk,jk,ijl,lg,ikh->', t0, t2, t3, X, W_V, t15, t0, t2, t3, X, W_V, t15, optimize=[(3, 4), (0, 4), (0, 3), (3, 4), (1, 3), (4, 6), (2, 4), (2, 4), (0, 2), (1, 2), (0, 1)])
     t17 = torch.sqrt(torch.clamp(t16, min=0.0))
     return t17
 
@@ -5115,25 +5388,24 @@ def mse_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     T = t7
     t8 = T.transpose(-1, -2)
     t9 = t2 * t8
-    t10 = t1 @ t9
-    t11 = W_V.transpose(-1, -2)
-    t12 = t11 @ t1
-    t13 = X @ W_K
-    t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
-    t15 = oe.contract('abc,acd->bdac', t12, t13, optimize=[(0, 1)])
-    t16 = oe.contract('abc,cd,ace->bead', t10, t14, X, optimize=[(0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t15, t16, optimize=[(0, 1)])
-    t17 = Mcausal * T
-    t18 = X @ W_V
-    t19 = t17 @ t18
-    F = t19
-    t20 = (2/(L*d_V)) * F
-    t21 = (-2/(L*d_V)) * Y
-    t22 = t20 + t21
-    G = t22
-    t23 = G.transpose(-1, -2)
-    t24 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t0 += oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t23, t24, t13, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t10 = W_V.transpose(-1, -2)
+    t11 = t10 @ t1
+    t12 = X @ W_K
+    t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
+    t14 = oe.contract('abc,dc,ace->bead', t11, t13, t12, optimize=[(0, 1), (0, 1)])
+    t15 = oe.contract('abc,acd,ade->bead', t1, t9, X, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t14, t15, optimize=[(0, 1)])
+    t16 = Mcausal * T
+    t17 = X @ W_V
+    t18 = t16 @ t17
+    F = t18
+    t19 = (2/(L*d_V)) * F
+    t20 = (-2/(L*d_V)) * Y
+    t21 = t19 + t20
+    G = t21
+    t22 = G.transpose(-1, -2)
+    t23 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t0 += oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t22, t23, t12, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -5154,22 +5426,21 @@ def mse_causal1__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     T = t6
     t7 = T.transpose(-1, -2)
     t8 = t1 * t7
-    t9 = t0 @ t8
-    t10 = W_V.transpose(-1, -2)
-    t11 = t10 @ t0
-    t12 = X @ W_K
-    t13 = Mcausal * T
-    t14 = X @ W_V
-    t15 = t13 @ t14
-    F = t15
-    t16 = (2/(L*d_V)) * F
-    t17 = (-2/(L*d_V)) * Y
-    t18 = t16 + t17
-    G = t18
-    t19 = G.transpose(-1, -2)
-    t20 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t9, t11, Mcausal, X, t12, t9, t11, Mcausal, X, t12, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hig,hjf->', t9, t11, Mcausal, X, t12, t0, t19, t1, t12, X, optimize=[(0, 5), (0, 4), (2, 4), (1, 3), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t19, t1, t12, X, t0, t19, t1, t12, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
-    return t21
+    t9 = W_V.transpose(-1, -2)
+    t10 = t9 @ t0
+    t11 = X @ W_K
+    t12 = Mcausal * T
+    t13 = X @ W_V
+    t14 = t12 @ t13
+    F = t14
+    t15 = (2/(L*d_V)) * F
+    t16 = (-2/(L*d_V)) * Y
+    t17 = t15 + t16
+    G = t17
+    t18 = G.transpose(-1, -2)
+    t19 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,df,adg,afh,ibj,ijk,iel,kl,ikg,ilh->', t0, t8, t10, Mcausal, X, t11, t0, t8, t10, Mcausal, X, t11, optimize=[(0, 6), (1, 6), (2, 6), (2, 5), (5, 7), (0, 4), (1, 5), (2, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acd,aef,df,adg,afh,ibj,iek,jk,ijh,ikg->', t0, t8, t10, Mcausal, X, t11, t0, t18, t1, t11, X, optimize=[(0, 6), (1, 5), (3, 5), (2, 4), (0, 3), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t18, t1, t11, X, t0, t18, t1, t11, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
+    return t20
 
 
 def mse_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -5191,25 +5462,24 @@ def mse_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     T = t7
     t8 = T.transpose(-1, -2)
     t9 = t2 * t8
-    t10 = t1 @ t9
-    t11 = W_V.transpose(-1, -2)
-    t12 = t11 @ t1
-    t13 = X @ W_Q
-    t14 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
-    t0[...] = oe.contract('abc,ade,ce,acf,aeg->bdgf', t10, t12, t14, t13, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t15 = Mcausal * T
-    t16 = X @ W_V
-    t17 = t15 @ t16
-    F = t17
-    t18 = (2/(L*d_V)) * F
-    t19 = (-2/(L*d_V)) * Y
-    t20 = t18 + t19
-    G = t20
-    t21 = G.transpose(-1, -2)
-    t22 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t23 = oe.contract('abc,acd->bdac', t21, t13, optimize=[(0, 1)])
-    t24 = oe.contract('abc,cd,ace->bead', t1, t22, X, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->eafb', t23, t24, optimize=[(0, 1)])
+    t10 = W_V.transpose(-1, -2)
+    t11 = t10 @ t1
+    t12 = X @ W_Q
+    t13 = (2/(L*math.sqrt(d_K)*d_V*n_batch)) * Mcausal
+    t0[...] = oe.contract('abc,acd,aef,df,adg,afh->behg', t1, t9, t11, t13, t12, X, optimize=[(0, 1), (0, 1), (0, 2), (0, 1), (0, 1)])
+    t14 = Mcausal * T
+    t15 = X @ W_V
+    t16 = t14 @ t15
+    F = t16
+    t17 = (2/(L*d_V)) * F
+    t18 = (-2/(L*d_V)) * Y
+    t19 = t17 + t18
+    G = t19
+    t20 = G.transpose(-1, -2)
+    t21 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t22 = oe.contract('abc,acd->bdac', t20, t12, optimize=[(0, 1)])
+    t23 = oe.contract('abc,cd,ace->bead', t1, t21, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -5230,22 +5500,21 @@ def mse_causal1__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     T = t6
     t7 = T.transpose(-1, -2)
     t8 = t1 * t7
-    t9 = t0 @ t8
-    t10 = W_V.transpose(-1, -2)
-    t11 = t10 @ t0
-    t12 = X @ W_Q
-    t13 = Mcausal * T
-    t14 = X @ W_V
-    t15 = t13 @ t14
-    F = t15
-    t16 = (2/(L*d_V)) * F
-    t17 = (-2/(L*d_V)) * Y
-    t18 = t16 + t17
-    G = t18
-    t19 = G.transpose(-1, -2)
-    t20 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t9, t11, Mcausal, t12, X, t9, t11, Mcausal, t12, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hig,hjf->', t9, t11, Mcausal, t12, X, t0, t19, t1, X, t12, optimize=[(0, 5), (0, 4), (2, 4), (1, 3), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t19, t1, X, t12, t0, t19, t1, X, t12, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
-    return t21
+    t9 = W_V.transpose(-1, -2)
+    t10 = t9 @ t0
+    t11 = X @ W_Q
+    t12 = Mcausal * T
+    t13 = X @ W_V
+    t14 = t12 @ t13
+    F = t14
+    t15 = (2/(L*d_V)) * F
+    t16 = (-2/(L*d_V)) * Y
+    t17 = t15 + t16
+    G = t17
+    t18 = G.transpose(-1, -2)
+    t19 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,acd,aef,df,adg,afh,ibj,ijk,iel,kl,ikg,ilh->', t0, t8, t10, Mcausal, t11, X, t0, t8, t10, Mcausal, t11, X, optimize=[(0, 6), (1, 6), (2, 6), (2, 5), (5, 7), (0, 4), (1, 5), (2, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,acd,aef,df,adg,afh,ibj,iek,jk,ijh,ikg->', t0, t8, t10, Mcausal, t11, X, t0, t18, t1, X, t11, optimize=[(0, 6), (1, 5), (3, 5), (2, 4), (0, 3), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t18, t1, X, t11, t0, t18, t1, X, t11, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
+    return t20
 
 
 def mse_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -5303,6 +5572,315 @@ def mse_causal1__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     t13 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t12, t12, optimize=[(0, 1)])
     t14 = torch.sqrt(torch.clamp(t13, min=0.0))
     return t14
+
+
+def mse_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
+    """(‖H_o(W_Q, W_Q)‖_F, ‖H_f(W_Q, W_Q)‖_F, ‖H(W_Q, W_Q)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.transpose(-1, -2)
+    t1 = W_K.transpose(-1, -2)
+    t2 = t1 @ t0
+    Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
+    t3 = W_V.transpose(-1, -2)
+    t4 = t3 @ t0
+    t5 = W_V @ t4
+    t6 = X @ t5
+    t7 = X @ W_K
+    t8 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,cf,acg,afh,ibj,idk,jk,ikl,jl,ijg,ilh->', t0, t2, Mcausal, t6, Mcausal, X, t7, t0, t2, Mcausal, t6, Mcausal, X, t7, optimize=[(0, 7), (0, 6), (3, 8), (8, 10), (3, 7), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t9 = t8 + 0.0 + 0.0
+    t10 = torch.sqrt(torch.clamp(t8, min=0.0))
+    t11 = torch.sqrt(torch.clamp(t9, min=0.0))
+    return (t10, 0.0, t11,)
+
+
+def mse_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
+    """(‖H_o(W_Q, W_K)‖_F, ‖H_f(W_Q, W_K)‖_F, ‖H(W_Q, W_K)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.transpose(-1, -2)
+    t1 = W_K.transpose(-1, -2)
+    t2 = t1 @ t0
+    Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
+    t3 = W_V.transpose(-1, -2)
+    t4 = t3 @ t0
+    t5 = W_V @ t4
+    t6 = X @ t5
+    t7 = X @ W_Q
+    t8 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,cf,acg,afh,ibj,idk,jk,ikl,jl,ijg,ilh->', t0, t2, Mcausal, t6, Mcausal, t7, X, t0, t2, Mcausal, t6, Mcausal, t7, X, optimize=[(0, 7), (0, 6), (3, 8), (8, 10), (3, 7), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t9 = W_Q @ t2
+    t10 = X @ t9
+    t11 = (1/math.sqrt(d_K)) * t10
+    T = t11
+    t12 = Mcausal * T
+    t13 = X @ W_V
+    t14 = t12 @ t13
+    F = t14
+    t15 = (2/(L*d_V)) * F
+    t16 = (-2/(L*d_V)) * Y
+    t17 = t15 + t16
+    G = t17
+    t18 = G @ t4
+    t19 = Mcausal * t18
+    t20 = t19 @ X
+    t21 = t0 @ t20
+    t22 = (n_batch**(-2)) * oe.contract('abc,dbc->', t21, t21, optimize=[(0, 1)])
+    t23 = (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,ade,ce,aef,cf,acd,afg,hbg->', t0, t2, Mcausal, t6, Mcausal, t7, X, t21, optimize=[(0, 7), (0, 4), (3, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t24 = t8 + t22 + t23
+    t25 = torch.sqrt(torch.clamp(t8, min=0.0))
+    t26 = torch.sqrt(torch.clamp(t22, min=0.0))
+    t27 = torch.sqrt(torch.clamp(t24, min=0.0))
+    return (t25, t26, t27,)
+
+
+def mse_causal1__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
+    """(‖H_o(W_Q, W_V)‖_F, ‖H_f(W_Q, W_V)‖_F, ‖H(W_Q, W_V)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.transpose(-1, -2)
+    t1 = W_K.transpose(-1, -2)
+    t2 = t1 @ t0
+    Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    T = t5
+    t6 = Mcausal * T
+    t7 = t6 @ X
+    t8 = X @ W_V
+    t9 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, Mcausal, t7, t8, t0, t2, Mcausal, t7, t8, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t10 = t6 @ t8
+    F = t10
+    t11 = (2/(L*d_V)) * F
+    t12 = (-2/(L*d_V)) * Y
+    t13 = t11 + t12
+    G = t13
+    t14 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, Mcausal, G, X, t0, t2, Mcausal, G, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t15 = (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hig,hjf->', t0, t2, Mcausal, t7, t8, t0, t2, Mcausal, G, X, optimize=[(0, 5), (0, 4), (2, 4), (1, 3), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)])
+    t16 = t9 + t14 + t15
+    t17 = torch.sqrt(torch.clamp(t9, min=0.0))
+    t18 = torch.sqrt(torch.clamp(t14, min=0.0))
+    t19 = torch.sqrt(torch.clamp(t16, min=0.0))
+    return (t17, t18, t19,)
+
+
+def mse_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
+    """(‖H_o(W_K, W_Q)‖_F, ‖H_f(W_K, W_Q)‖_F, ‖H(W_K, W_Q)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.transpose(-1, -2)
+    t1 = W_Q.transpose(-1, -2)
+    t2 = t1 @ t0
+    Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
+    t3 = Mcausal.transpose(-1, -2)
+    t4 = W_V.transpose(-1, -2)
+    t5 = t4 @ t0
+    t6 = W_V @ t5
+    t7 = X @ t6
+    t8 = X @ W_K
+    t9 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,fe,afg,aeh,ibj,idk,jk,ijl,lk,ilg,ikh->', t0, t2, t3, t7, t3, t8, X, t0, t2, t3, t7, t3, t8, X, optimize=[(0, 7), (0, 6), (3, 8), (3, 7), (7, 9), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t10 = W_K.transpose(-1, -2)
+    t11 = t10 @ t0
+    t12 = W_Q @ t11
+    t13 = X @ t12
+    t14 = (1/math.sqrt(d_K)) * t13
+    T = t14
+    t15 = Mcausal * T
+    t16 = X @ W_V
+    t17 = t15 @ t16
+    F = t17
+    t18 = (2/(L*d_V)) * F
+    t19 = (-2/(L*d_V)) * Y
+    t20 = t18 + t19
+    G = t20
+    t21 = G.transpose(-1, -2)
+    t22 = W_V @ t21
+    t23 = X @ t22
+    t24 = t23 * t3
+    t25 = t24 @ X
+    t26 = t0 @ t25
+    t27 = (n_batch**(-2)) * oe.contract('abc,dbc->', t26, t26, optimize=[(0, 1)])
+    t28 = (4/(L*d_K**(3/2)*d_V*n_batch**2)) * oe.contract('abc,ade,ce,acf,fe,afd,aeg,hbg->', t0, t2, t3, t7, t3, t8, X, t26, optimize=[(0, 7), (0, 4), (3, 4), (2, 3), (1, 3), (1, 2), (0, 1)])
+    t29 = t9 + t27 + t28
+    t30 = torch.sqrt(torch.clamp(t9, min=0.0))
+    t31 = torch.sqrt(torch.clamp(t27, min=0.0))
+    t32 = torch.sqrt(torch.clamp(t29, min=0.0))
+    return (t30, t31, t32,)
+
+
+def mse_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
+    """(‖H_o(W_K, W_K)‖_F, ‖H_f(W_K, W_K)‖_F, ‖H(W_K, W_K)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.transpose(-1, -2)
+    t1 = W_Q.transpose(-1, -2)
+    t2 = t1 @ t0
+    Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
+    t3 = Mcausal.transpose(-1, -2)
+    t4 = W_V.transpose(-1, -2)
+    t5 = t4 @ t0
+    t6 = W_V @ t5
+    t7 = X @ t6
+    t8 = X @ W_Q
+    t9 = (4/(L**2*d_K**2*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,fe,afg,aeh,ibj,idk,jk,ijl,lk,ilg,ikh->', t0, t2, t3, t7, t3, X, t8, t0, t2, t3, t7, t3, X, t8, optimize=[(0, 7), (0, 6), (3, 8), (3, 7), (7, 9), (0, 2), (1, 3), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t10 = t9 + 0.0 + 0.0
+    t11 = torch.sqrt(torch.clamp(t9, min=0.0))
+    t12 = torch.sqrt(torch.clamp(t10, min=0.0))
+    return (t11, 0.0, t12,)
+
+
+def mse_causal1__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
+    """(‖H_o(W_K, W_V)‖_F, ‖H_f(W_K, W_V)‖_F, ‖H(W_K, W_V)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.transpose(-1, -2)
+    t1 = W_Q.transpose(-1, -2)
+    t2 = t1 @ t0
+    Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
+    t3 = Mcausal.transpose(-1, -2)
+    t4 = X @ W_V
+    t5 = W_K.transpose(-1, -2)
+    t6 = t5 @ t0
+    t7 = W_Q @ t6
+    t8 = X @ t7
+    t9 = (1/math.sqrt(d_K)) * t8
+    T = t9
+    t10 = Mcausal * T
+    t11 = t10 @ X
+    t12 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, t3, t4, t11, t0, t2, t3, t4, t11, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t13 = t10 @ t4
+    F = t13
+    t14 = (2/(L*d_V)) * F
+    t15 = (-2/(L*d_V)) * Y
+    t16 = t14 + t15
+    G = t16
+    t17 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, t3, X, G, t0, t2, t3, X, G, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t18 = (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hig,hjf->', t0, t2, t3, t4, t11, t0, t2, t3, X, G, optimize=[(0, 5), (0, 4), (2, 4), (1, 3), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)])
+    t19 = t12 + t17 + t18
+    t20 = torch.sqrt(torch.clamp(t12, min=0.0))
+    t21 = torch.sqrt(torch.clamp(t17, min=0.0))
+    t22 = torch.sqrt(torch.clamp(t19, min=0.0))
+    return (t20, t21, t22,)
+
+
+def mse_causal1__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
+    """(‖H_o(W_V, W_Q)‖_F, ‖H_f(W_V, W_Q)‖_F, ‖H(W_V, W_Q)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.transpose(-1, -2)
+    Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
+    t1 = Mcausal.transpose(-1, -2)
+    t2 = W_K.transpose(-1, -2)
+    t3 = t2 @ t0
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    T = t6
+    t7 = T.transpose(-1, -2)
+    t8 = t1 * t7
+    t9 = t0 @ t8
+    t10 = W_V.transpose(-1, -2)
+    t11 = t10 @ t0
+    t12 = X @ W_K
+    t13 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t9, t11, Mcausal, X, t12, t9, t11, Mcausal, X, t12, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t14 = Mcausal * T
+    t15 = X @ W_V
+    t16 = t14 @ t15
+    F = t16
+    t17 = (2/(L*d_V)) * F
+    t18 = (-2/(L*d_V)) * Y
+    t19 = t17 + t18
+    G = t19
+    t20 = G.transpose(-1, -2)
+    t21 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t20, t1, t12, X, t0, t20, t1, t12, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t22 = (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hig,hjf->', t9, t11, Mcausal, X, t12, t0, t20, t1, t12, X, optimize=[(0, 5), (0, 4), (2, 4), (1, 3), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)])
+    t23 = t13 + t21 + t22
+    t24 = torch.sqrt(torch.clamp(t13, min=0.0))
+    t25 = torch.sqrt(torch.clamp(t21, min=0.0))
+    t26 = torch.sqrt(torch.clamp(t23, min=0.0))
+    return (t24, t25, t26,)
+
+
+def mse_causal1__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
+    """(‖H_o(W_V, W_K)‖_F, ‖H_f(W_V, W_K)‖_F, ‖H(W_V, W_K)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.transpose(-1, -2)
+    Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
+    t1 = Mcausal.transpose(-1, -2)
+    t2 = W_K.transpose(-1, -2)
+    t3 = t2 @ t0
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    T = t6
+    t7 = T.transpose(-1, -2)
+    t8 = t1 * t7
+    t9 = t0 @ t8
+    t10 = W_V.transpose(-1, -2)
+    t11 = t10 @ t0
+    t12 = X @ W_Q
+    t13 = (4/(L**2*d_K*d_V**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t9, t11, Mcausal, t12, X, t9, t11, Mcausal, t12, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t14 = Mcausal * T
+    t15 = X @ W_V
+    t16 = t14 @ t15
+    F = t16
+    t17 = (2/(L*d_V)) * F
+    t18 = (-2/(L*d_V)) * Y
+    t19 = t17 + t18
+    G = t19
+    t20 = G.transpose(-1, -2)
+    t21 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t20, t1, X, t12, t0, t20, t1, X, t12, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t22 = (4/(L*d_K*d_V*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hig,hjf->', t9, t11, Mcausal, t12, X, t0, t20, t1, X, t12, optimize=[(0, 5), (0, 4), (2, 4), (1, 3), (2, 4), (0, 4), (1, 3), (1, 2), (0, 1)])
+    t23 = t13 + t21 + t22
+    t24 = torch.sqrt(torch.clamp(t13, min=0.0))
+    t25 = torch.sqrt(torch.clamp(t21, min=0.0))
+    t26 = torch.sqrt(torch.clamp(t23, min=0.0))
+    return (t24, t25, t26,)
+
+
+def mse_causal1__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
+    """(‖H_o(W_V, W_V)‖_F, ‖H_f(W_V, W_V)‖_F, ‖H(W_V, W_V)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.transpose(-1, -2)
+    Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
+    t1 = Mcausal.transpose(-1, -2)
+    t2 = W_K.transpose(-1, -2)
+    t3 = t2 @ t0
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    T = t6
+    t7 = T.transpose(-1, -2)
+    t8 = t1 * t7
+    t9 = Mcausal * T
+    t10 = t8 @ t9
+    t11 = t10 @ X
+    t12 = t0 @ t11
+    t13 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t12, t12, optimize=[(0, 1)])
+    t14 = t13 + 0.0 + 0.0
+    t15 = torch.sqrt(torch.clamp(t13, min=0.0))
+    t16 = torch.sqrt(torch.clamp(t14, min=0.0))
+    return (t15, 0.0, t16,)
 
 
 def causal1__jacobian__W_Q(X, W_Q, W_K, W_V):
@@ -5509,87 +6087,71 @@ def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
     t12 = T @ t5
     t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
     A = t13 / t13.sum(-1, keepdim=True)
-    t14 = W_V.transpose(-1, -2)
-    t15 = t14 @ t2
-    t16 = X @ W_K
-    t17 = t15 @ t16
-    t18 = (1/(L*d_K*n_batch)) * t2
-    t1[...] = oe.contract('abc,ade,ace,ace,acf,aeg->bdfg', t18, t6, t8, A, X, t17, optimize=[(2, 3), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t19 = (-1/(L*d_K*n_batch)) * t2
-    t20 = oe.contract('abc,acd,ace,adf->befac', t19, A, X, t17, optimize=[(0, 2), (0, 1), (0, 1)])
-    t21 = oe.contract('abc,adc,adc->bad', t6, t8, A, optimize=[(1, 2), (0, 1)])
-    t1 += oe.contract('abcde,fde->afbc', t20, t21, optimize=[(0, 1)])
+    t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t15 = W_V.transpose(-1, -2)
+    t16 = t15 @ t2
+    t17 = X @ W_K
+    t18 = t16 @ t17
+    t19 = (1/(L*d_K*n_batch)) * t2
+    t20 = oe.contract('abc,adc,adce,aef->bfad', t6, t8, dA, t18, optimize=[(0, 1), (0, 1), (0, 1)])
+    t21 = oe.contract('abc,acd->bdac', t19, X, optimize=[(0, 1)])
+    t1[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
     t22 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t23 = t22.view((d_V, d_K, d_V, d_K))
     t24 = X @ W_Q
-    t25 = t15 @ X
-    t26 = oe.contract('abc,acd->bdac', t18, t24, optimize=[(0, 1)])
-    t27 = oe.contract('abc,adc,adc,ace->bead', t6, t8, A, t25, optimize=[(1, 2), (0, 1), (0, 1)])
+    t25 = t16 @ X
+    t26 = oe.contract('abc,acd->bdac', t19, t24, optimize=[(0, 1)])
+    t27 = oe.contract('abc,adc,adce,aef->bfad', t6, t8, dA, t25, optimize=[(0, 1), (0, 1), (0, 1)])
     t23[...] = oe.contract('abcd,efcd->aefb', t26, t27, optimize=[(0, 1)])
-    t28 = oe.contract('abc,acd,ace,adf->bfeac', t19, A, t24, t25, optimize=[(0, 2), (0, 1), (0, 1)])
-    t23 += oe.contract('abcde,fde->afbc', t28, t21, optimize=[(0, 1)])
-    t29 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t30 = t29.view((d_V, d_K, d_V, d_V))
-    t31 = T @ X
-    t32 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
-    t30[...] = oe.contract('abc,ade,ace,ace,acf->bdfe', t32, t6, t8, A, t31, optimize=[(2, 3), (0, 2), (1, 2), (0, 1)])
-    t33 = (-1/(L*math.sqrt(d_K)*n_batch)) * t2
-    t34 = oe.contract('abc,acd,ace->bedac', t33, A, t31, optimize=[(0, 1), (0, 1)])
-    t30 += oe.contract('abcde,fde->afbc', t34, t21, optimize=[(0, 1)])
-    t35 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t36 = t35.view((d_V, d_K, d_V, d_K))
-    t37 = t2 @ t5
-    t38 = W_Q.transpose(-1, -2)
-    t39 = t38 @ t2
-    t40 = Y.transpose(-1, -2)
-    t41 = t40.sum(-2, keepdim=True)
-    t42 = t41.expand(*t41.shape[:-2], d_V, t41.shape[-1])
-    t43 = (1/(L*d_K*n_batch)) * t39
-    t36[...] = oe.contract('abc,ade,ace,aec,aef,acg->bdfg', t37, t43, t42, A, X, t17, optimize=[(2, 3), (0, 4), (2, 3), (0, 1), (0, 1)])
-    t44 = (-1/(L*d_K*n_batch)) * t39
-    t45 = oe.contract('abc,acd,ace,adf->befac', t44, A, X, t17, optimize=[(0, 2), (0, 1), (0, 1)])
-    t46 = oe.contract('abc,acd,adc->bad', t37, t42, A, optimize=[(1, 2), (0, 1)])
-    t36 += oe.contract('abcde,fde->fabc', t45, t46, optimize=[(0, 1)])
-    t47 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t48 = t47.view((d_V, d_K, d_V, d_K))
-    t49 = oe.contract('abc,acd->bdac', t43, t24, optimize=[(0, 1)])
-    t50 = oe.contract('abc,acd,adc,ace->bead', t37, t42, A, t25, optimize=[(1, 2), (0, 1), (0, 1)])
-    t48[...] = oe.contract('abcd,efcd->eafb', t49, t50, optimize=[(0, 1)])
-    t51 = oe.contract('abc,acd,ace,adf->bfeac', t44, A, t24, t25, optimize=[(0, 2), (0, 1), (0, 1)])
-    t48 += oe.contract('abcde,fde->fabc', t51, t46, optimize=[(0, 1)])
-    t52 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t53 = t52.view((d_V, d_K, d_V, d_V))
-    t54 = (1/(L*math.sqrt(d_K)*n_batch)) * t39
-    t53[...] = oe.contract('abc,ade,ace,aec,aef->bdfc', t37, t54, t42, A, t31, optimize=[(2, 3), (1, 2), (1, 2), (0, 1)])
-    t55 = (-1/(L*math.sqrt(d_K)*n_batch)) * t39
-    t56 = oe.contract('abc,acd,ace->bedac', t55, A, t31, optimize=[(0, 1), (0, 1)])
-    t53 += oe.contract('abcde,fde->fabc', t56, t46, optimize=[(0, 1)])
-    t57 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t58 = t57.view((d_V, d_V, d_V, d_K))
-    t59 = T.transpose(-1, -2)
-    t60 = t2 @ t59
-    t61 = (1/(L*math.sqrt(d_K)*n_batch)) * t60
-    t58[...] = oe.contract('abc,acd,acd,ace,adf->bdef', t61, t8, A, X, t17, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
-    t62 = (-1/(L*math.sqrt(d_K)*n_batch)) * t60
-    t63 = oe.contract('abc,acd,ade->beac', t62, A, t17, optimize=[(1, 2), (0, 1)])
-    t64 = oe.contract('abc,abc,abd->cdab', t8, A, X, optimize=[(0, 1), (0, 1)])
-    t58 += oe.contract('abcd,efcd->aefb', t63, t64, optimize=[(0, 1)])
-    t65 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t66 = t65.view((d_V, d_V, d_V, d_K))
-    t66[...] = oe.contract('abc,acd,acd,ace,adf->bdfe', t61, t8, A, t24, t25, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
-    t66 += oe.contract('abc,acd,acd,ace,acf,aeg->bdgf', t62, t8, A, A, t24, t25, optimize=[(1, 2), (1, 3), (1, 2), (0, 1), (0, 1)])
-    t67 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t67[...] = 0
-    t68 = t67.view((d_V, d_V, d_V, d_V))
-    t69 = t68.diagonal(0, 1, 3)
-    t70 = (1/(L*n_batch)) * t60
-    t71 = oe.contract('abc,abc->cab', t8, A, optimize=[(0, 1)])
-    t72 = oe.contract('abc,acd->bdac', t70, t31, optimize=[(0, 1)])
-    t69 += oe.contract('abc,debc->dea', t71, t72, optimize=[(0, 1)])
-    t73 = (-1/(L*n_batch)) * t60
-    t74 = oe.contract('abc,acd->bdac', t73, A, optimize=[(0, 1)])
-    t75 = oe.contract('abc,abc,abd->cdab', t8, A, t31, optimize=[(0, 1), (0, 1)])
-    t68 += oe.contract('abcd,efcd->aefb', t74, t75, optimize=[(0, 1)])
+    t28 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t29 = t28.view((d_V, d_K, d_V, d_V))
+    t30 = T @ X
+    t31 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t32 = oe.contract('abc,adc,adce->bead', t6, t8, dA, optimize=[(1, 2), (0, 1)])
+    t33 = oe.contract('abc,acd->bdac', t31, t30, optimize=[(0, 1)])
+    t29[...] = oe.contract('abcd,efcd->eafb', t32, t33, optimize=[(0, 1)])
+    t34 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t35 = t34.view((d_V, d_K, d_V, d_K))
+    t36 = t2 @ t5
+    t37 = W_Q.transpose(-1, -2)
+    t38 = t37 @ t2
+    t39 = Y.transpose(-1, -2)
+    t40 = t39.sum(-2, keepdim=True)
+    t41 = t40.expand(*t40.shape[:-2], d_V, t40.shape[-1])
+    t42 = (1/(L*d_K*n_batch)) * t38
+    t43 = oe.contract('abc,acd,adce,aef->bfad', t36, t41, dA, t18, optimize=[(0, 1), (0, 1), (0, 1)])
+    t44 = oe.contract('abc,acd->bdac', t42, X, optimize=[(0, 1)])
+    t35[...] = oe.contract('abcd,efcd->aefb', t43, t44, optimize=[(0, 1)])
+    t45 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t46 = t45.view((d_V, d_K, d_V, d_K))
+    t47 = oe.contract('abc,acd->bdac', t42, t24, optimize=[(0, 1)])
+    t48 = oe.contract('abc,acd,adce,aef->bfad', t36, t41, dA, t25, optimize=[(0, 1), (0, 1), (0, 1)])
+    t46[...] = oe.contract('abcd,efcd->eafb', t47, t48, optimize=[(0, 1)])
+    t49 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t50 = t49.view((d_V, d_K, d_V, d_V))
+    t51 = (1/(L*math.sqrt(d_K)*n_batch)) * t38
+    t52 = oe.contract('abc,acd,adce->bead', t36, t41, dA, optimize=[(1, 2), (0, 1)])
+    t53 = oe.contract('abc,acd->bdac', t51, t30, optimize=[(0, 1)])
+    t50[...] = oe.contract('abcd,efcd->aefb', t52, t53, optimize=[(0, 1)])
+    t54 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t55 = t54.view((d_V, d_V, d_V, d_K))
+    t56 = T.transpose(-1, -2)
+    t57 = t2 @ t56
+    t58 = (1/(L*math.sqrt(d_K)*n_batch)) * t57
+    t59 = oe.contract('abc,abcd,ade->ceab', t8, dA, t18, optimize=[(0, 1), (0, 1)])
+    t60 = oe.contract('abc,acd->bdac', t58, X, optimize=[(0, 1)])
+    t55[...] = oe.contract('abcd,efcd->eafb', t59, t60, optimize=[(0, 1)])
+    t61 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t62 = t61.view((d_V, d_V, d_V, d_K))
+    t63 = oe.contract('abc,acd->bdac', t58, t24, optimize=[(0, 1)])
+    t64 = oe.contract('abc,abcd,ade->ceab', t8, dA, t25, optimize=[(0, 1), (0, 1)])
+    t62[...] = oe.contract('abcd,efcd->aefb', t63, t64, optimize=[(0, 1)])
+    t65 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t66 = t65.view((d_V, d_V, d_V, d_V))
+    t67 = (1/(L*n_batch)) * t57
+    t66[...] = oe.contract('abc,acd,acde,acf->bdfe', t67, t8, dA, t30, optimize=[(1, 2), (0, 1), (0, 1)])
     return H
 
 
@@ -5673,40 +6235,43 @@ def ce_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     t10 = T @ t3
     t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
     A = t11 / t11.sum(-1, keepdim=True)
-    t12 = W_V.transpose(-1, -2)
-    t13 = t12 @ t0
-    t14 = X @ W_K
-    t15 = t13 @ t14
-    t16 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,ace,acf,aeg,hbi,hdj,hij,hij,hif,hjg->', t0, t4, t6, A, X, t15, t0, t4, t6, A, X, t15, optimize=[(2, 3), (6, 7), (0, 4), (1, 4), (6, 7), (4, 6), (0, 2), (0, 1), (2, 3), (1, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,ace,acf,aeg,hbi,hdj,hij,hij,hik,hif,hkg->', t0, t4, t6, A, X, t15, t0, t4, t6, A, A, X, t15, optimize=[(2, 3), (6, 7), (6, 8), (5, 8), (0, 4), (1, 3), (5, 6), (1, 3), (0, 2), (2, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,ace,acf,acg,afh,ibj,idk,ijk,ijk,ijl,ijg,ilh->', t0, t4, t6, A, A, X, t15, t0, t4, t6, A, A, X, t15, optimize=[(2, 3), (7, 8), (2, 4), (5, 7), (1, 6), (3, 5), (0, 2), (0, 1), (4, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
-    t18 = X @ W_Q
-    t19 = t13 @ X
-    t20 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,ace,acf,aeg,hbi,hdj,hij,hij,hif,hjg->', t0, t4, t6, A, t18, t19, t0, t4, t6, A, t18, t19, optimize=[(2, 3), (6, 7), (0, 4), (1, 4), (6, 7), (4, 6), (0, 2), (0, 1), (2, 3), (1, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,ace,acf,aeg,hbi,hdj,hij,hij,hik,hif,hkg->', t0, t4, t6, A, t18, t19, t0, t4, t6, A, A, t18, t19, optimize=[(2, 3), (6, 7), (6, 8), (5, 8), (0, 4), (1, 3), (5, 6), (1, 3), (0, 2), (2, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,ace,acf,acg,afh,ibj,idk,ijk,ijk,ijl,ijg,ilh->', t0, t4, t6, A, A, t18, t19, t0, t4, t6, A, A, t18, t19, optimize=[(2, 3), (7, 8), (2, 4), (5, 7), (1, 6), (3, 5), (0, 2), (0, 1), (4, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
-    t22 = T @ X
-    t23 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ace,ace,acf,gbh,gde,ghe,ghe,ghf->', t0, t4, t6, A, t22, t0, t4, t6, A, t22, optimize=[(2, 3), (5, 6), (1, 4), (0, 2), (0, 1), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ace,ace,acf,gbh,gdi,ghi,ghi,ghe,ghf->', t0, t4, t6, A, t22, t0, t4, t6, A, A, t22, optimize=[(2, 3), (5, 6), (4, 8), (0, 3), (1, 3), (4, 5), (0, 3), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ace,ace,acf,acg,hbi,hdj,hij,hij,hif,hig->', t0, t4, t6, A, A, t22, t0, t4, t6, A, A, t22, optimize=[(2, 3), (6, 7), (1, 8), (4, 7), (0, 3), (0, 2), (4, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t24 = torch.sqrt(torch.clamp(t23, min=0.0))
-    t25 = t0 @ t3
-    t26 = W_Q.transpose(-1, -2)
-    t27 = t26 @ t0
-    t28 = Y.transpose(-1, -2)
-    t29 = t28.sum(-2, keepdim=True)
-    t30 = t29.expand(*t29.shape[:-2], d_V, t29.shape[-1])
-    t31 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aec,aef,acg,hbi,hdj,hij,hji,hjf,hig->', t25, t27, t30, A, X, t15, t25, t27, t30, A, X, t15, optimize=[(2, 3), (6, 7), (1, 5), (1, 4), (6, 7), (4, 6), (0, 2), (0, 1), (2, 3), (1, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aec,aef,acg,hbi,hdj,hij,hji,hjk,hjf,hkg->', t25, t27, t30, A, X, t15, t25, t27, t30, A, A, X, t15, optimize=[(2, 3), (6, 7), (6, 8), (4, 8), (1, 4), (1, 3), (5, 6), (1, 3), (0, 2), (2, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aec,aef,aeg,afh,ibj,idk,ijk,ikj,ikl,ikg,ilh->', t25, t27, t30, A, A, X, t15, t25, t27, t30, A, A, X, t15, optimize=[(2, 3), (7, 8), (2, 4), (5, 7), (0, 6), (2, 5), (0, 2), (0, 1), (4, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t32 = torch.sqrt(torch.clamp(t31, min=0.0))
-    t33 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aec,aef,acg,hbi,hdj,hij,hji,hjf,hig->', t25, t27, t30, A, t18, t19, t25, t27, t30, A, t18, t19, optimize=[(2, 3), (6, 7), (1, 5), (1, 4), (6, 7), (4, 6), (0, 2), (0, 1), (2, 3), (1, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aec,aef,acg,hbi,hdj,hij,hji,hjk,hjf,hkg->', t25, t27, t30, A, t18, t19, t25, t27, t30, A, A, t18, t19, optimize=[(2, 3), (6, 7), (6, 8), (4, 8), (1, 4), (1, 3), (5, 6), (1, 3), (0, 2), (2, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aec,aef,aeg,afh,ibj,idk,ijk,ikj,ikl,ikg,ilh->', t25, t27, t30, A, A, t18, t19, t25, t27, t30, A, A, t18, t19, optimize=[(2, 3), (7, 8), (2, 4), (5, 7), (0, 6), (2, 5), (0, 2), (0, 1), (4, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t34 = torch.sqrt(torch.clamp(t33, min=0.0))
-    t35 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ace,aec,aef,gbc,gdh,gch,ghc,ghf->', t25, t27, t30, A, t22, t25, t27, t30, A, t22, optimize=[(2, 3), (5, 6), (0, 3), (0, 2), (0, 1), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ace,aec,aef,gbh,gdi,ghi,gih,gic,gif->', t25, t27, t30, A, t22, t25, t27, t30, A, A, t22, optimize=[(2, 3), (5, 6), (3, 8), (1, 3), (1, 3), (4, 5), (0, 3), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ace,aec,aef,aeg,hbi,hdj,hij,hji,hjf,hjg->', t25, t27, t30, A, A, t22, t25, t27, t30, A, A, t22, optimize=[(2, 3), (6, 7), (0, 8), (3, 7), (0, 3), (0, 2), (4, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t36 = torch.sqrt(torch.clamp(t35, min=0.0))
-    t37 = T.transpose(-1, -2)
-    t38 = t0 @ t37
-    t39 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,adf,gbh,ghd,ghd,ghe,gdf->', t38, t6, A, X, t15, t38, t6, A, X, t15, optimize=[(1, 2), (4, 5), (2, 5), (0, 2), (0, 1), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,adf,gbh,ghd,ghd,ghi,ghe,gif->', t38, t6, A, X, t15, t38, t6, A, A, X, t15, optimize=[(1, 2), (4, 5), (4, 6), (0, 3), (0, 2), (4, 5), (0, 3), (1, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,acf,aeg,hbi,hid,hid,hij,hif,hjg->', t38, t6, A, A, X, t15, t38, t6, A, A, X, t15, optimize=[(1, 2), (5, 6), (1, 3), (3, 5), (0, 2), (0, 1), (4, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t40 = torch.sqrt(torch.clamp(t39, min=0.0))
-    t41 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,adf,gbh,ghd,ghd,ghe,gdf->', t38, t6, A, t18, t19, t38, t6, A, t18, t19, optimize=[(1, 2), (4, 5), (2, 5), (0, 2), (0, 1), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,adf,gbh,ghd,ghd,ghi,ghe,gif->', t38, t6, A, t18, t19, t38, t6, A, A, t18, t19, optimize=[(1, 2), (4, 5), (4, 6), (0, 3), (0, 2), (4, 5), (0, 3), (1, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,acf,aeg,hbi,hid,hid,hij,hif,hjg->', t38, t6, A, A, t18, t19, t38, t6, A, A, t18, t19, optimize=[(1, 2), (5, 6), (1, 3), (3, 5), (0, 2), (0, 1), (4, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t42 = torch.sqrt(torch.clamp(t41, min=0.0))
-    t43 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fge->', t38, t6, A, t22, t38, t6, A, t22, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fgd,fge->', t38, t6, A, t22, t38, t6, A, A, t22, optimize=[(1, 2), (3, 4), (3, 6), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,acf,gbh,ghd,ghd,ghe,ghf->', t38, t6, A, A, t22, t38, t6, A, A, t22, optimize=[(1, 2), (4, 5), (0, 3), (0, 2), (4, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t44 = torch.sqrt(torch.clamp(t43, min=0.0))
-    return (t17, t21, t24, t32, t34, t36, t40, t42, t44,)
+    t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t13 = W_V.transpose(-1, -2)
+    t14 = t13 @ t0
+    t15 = X @ W_K
+    t16 = t14 @ t15
+    t17 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,afh,ibj,idk,ijk,ijkl,ijg,ilh->', t0, t4, t6, dA, X, t16, t0, t4, t6, dA, X, t16, optimize=[(3, 5), (7, 9), (0, 4), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
+    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
+    t19 = X @ W_Q
+    t20 = t14 @ X
+    t21 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,afh,ibj,idk,ijk,ijkl,ijg,ilh->', t0, t4, t6, dA, t19, t20, t0, t4, t6, dA, t19, t20, optimize=[(3, 5), (7, 9), (0, 4), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
+    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
+    t23 = T @ X
+    t24 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,hbi,hdj,hij,hijf,hig->', t0, t4, t6, dA, t23, t0, t4, t6, dA, t23, optimize=[(2, 3), (1, 8), (0, 2), (2, 3), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
+    t26 = t0 @ t3
+    t27 = W_Q.transpose(-1, -2)
+    t28 = t27 @ t0
+    t29 = Y.transpose(-1, -2)
+    t30 = t29.sum(-2, keepdim=True)
+    t31 = t30.expand(*t30.shape[:-2], d_V, t30.shape[-1])
+    t32 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,afh,ibj,idk,ijk,ikjl,ikg,ilh->', t26, t28, t31, dA, X, t16, t26, t28, t31, dA, X, t16, optimize=[(3, 5), (7, 9), (1, 5), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
+    t33 = torch.sqrt(torch.clamp(t32, min=0.0))
+    t34 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,afh,ibj,idk,ijk,ikjl,ikg,ilh->', t26, t28, t31, dA, t19, t20, t26, t28, t31, dA, t19, t20, optimize=[(3, 5), (7, 9), (1, 5), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
+    t35 = torch.sqrt(torch.clamp(t34, min=0.0))
+    t36 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,hbi,hdj,hij,hjif,hjg->', t26, t28, t31, dA, t23, t26, t28, t31, dA, t23, optimize=[(2, 3), (0, 8), (0, 3), (2, 3), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t37 = torch.sqrt(torch.clamp(t36, min=0.0))
+    t38 = T.transpose(-1, -2)
+    t39 = t0 @ t38
+    t40 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,acf,aeg,hbi,hid,hidj,hif,hjg->', t39, t6, dA, X, t16, t39, t6, dA, X, t16, optimize=[(1, 2), (4, 5), (0, 3), (0, 2), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)])
+    t41 = torch.sqrt(torch.clamp(t40, min=0.0))
+    t42 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,acf,aeg,hbi,hid,hidj,hif,hjg->', t39, t6, dA, t19, t20, t39, t6, dA, t19, t20, optimize=[(1, 2), (4, 5), (0, 3), (0, 2), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)])
+    t43 = torch.sqrt(torch.clamp(t42, min=0.0))
+    t44 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t39, t6, dA, t23, t39, t6, dA, t23, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
+    t45 = torch.sqrt(torch.clamp(t44, min=0.0))
+    return (t18, t22, t25, t33, t35, t37, t41, t43, t45,)
 
 
 def ce_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -5731,18 +6296,17 @@ def ce_causal0__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t11 = T @ t4
     t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A = t12 / t12.sum(-1, keepdim=True)
-    t13 = W_V.transpose(-1, -2)
-    t14 = t13 @ t1
-    t15 = X @ W_K
-    t16 = t14 @ t15
-    t17 = (1/(L*d_K*n_batch)) * t1
-    t18 = oe.contract('abc,adc,adc,acb->bad', t5, t7, A, t16, optimize=[(0, 3), (0, 1), (0, 1)])
-    t19 = oe.contract('abc,acb->bac', t17, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t18, t19, optimize=[(0, 1)])
-    t20 = (-1/(L*d_K*n_batch)) * t1
-    t21 = oe.contract('abc,adc,adc,ade,aeb->bad', t5, t7, A, A, t16, optimize=[(1, 2), (1, 2), (0, 1), (0, 1)])
-    t22 = oe.contract('abc,acb->bac', t20, X, optimize=[(0, 1)])
-    t0 += oe.contract('abc,dbc->da', t21, t22, optimize=[(0, 1)])
+    t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t14 = W_V.transpose(-1, -2)
+    t15 = t14 @ t1
+    t16 = X @ W_K
+    t17 = t15 @ t16
+    t18 = (1/(L*d_K*n_batch)) * t1
+    t19 = oe.contract('abc,adc,adce,aeb->bad', t5, t7, dA, t17, optimize=[(0, 1), (0, 1), (0, 1)])
+    t20 = oe.contract('abc,acb->bac', t18, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -5766,11 +6330,14 @@ def ce_causal0__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t10 = T @ t3
     t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
     A = t11 / t11.sum(-1, keepdim=True)
-    t12 = W_V.transpose(-1, -2)
-    t13 = t12 @ t0
-    t14 = X @ W_K
-    t15 = t13 @ t14
-    return (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,ace,acb,aed->', t0, t4, t6, A, X, t15, optimize=[(2, 3), (0, 2), (0, 1), (0, 2), (0, 1)]) + (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,ace,acf,acb,afd->', t0, t4, t6, A, A, X, t15, optimize=[(2, 3), (0, 3), (0, 2), (0, 3), (0, 2), (0, 1)])
+    t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t13 = W_V.transpose(-1, -2)
+    t14 = t13 @ t0
+    t15 = X @ W_K
+    t16 = t14 @ t15
+    return (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,acef,acb,afd->', t0, t4, t6, dA, X, t16, optimize=[(0, 4), (0, 3), (1, 3), (0, 2), (0, 1)])
 
 
 def ce_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -5795,16 +6362,17 @@ def ce_causal0__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t11 = T @ t4
     t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A = t12 / t12.sum(-1, keepdim=True)
-    t13 = W_V.transpose(-1, -2)
-    t14 = t13 @ t1
-    t15 = X @ W_K
-    t16 = t14 @ t15
-    t17 = (1/(L*d_K*n_batch)) * t1
-    t0[...] = oe.contract('abc,ade,ace,ace,acf,aeg->bdfg', t17, t5, t7, A, X, t16, optimize=[(2, 3), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t18 = (-1/(L*d_K*n_batch)) * t1
-    t19 = oe.contract('abc,acd,ace,adf->befac', t18, A, X, t16, optimize=[(0, 2), (0, 1), (0, 1)])
-    t20 = oe.contract('abc,adc,adc->bad', t5, t7, A, optimize=[(1, 2), (0, 1)])
-    t0 += oe.contract('abcde,fde->afbc', t19, t20, optimize=[(0, 1)])
+    t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t14 = W_V.transpose(-1, -2)
+    t15 = t14 @ t1
+    t16 = X @ W_K
+    t17 = t15 @ t16
+    t18 = (1/(L*d_K*n_batch)) * t1
+    t19 = oe.contract('abc,adc,adce,aef->bfad', t5, t7, dA, t17, optimize=[(0, 1), (0, 1), (0, 1)])
+    t20 = oe.contract('abc,acd->bdac', t18, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -5828,13 +6396,16 @@ def ce_causal0__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t10 = T @ t3
     t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
     A = t11 / t11.sum(-1, keepdim=True)
-    t12 = W_V.transpose(-1, -2)
-    t13 = t12 @ t0
-    t14 = X @ W_K
-    t15 = t13 @ t14
-    t16 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,ace,acf,aeg,hbi,hdj,hij,hij,hif,hjg->', t0, t4, t6, A, X, t15, t0, t4, t6, A, X, t15, optimize=[(2, 3), (6, 7), (0, 4), (1, 4), (6, 7), (4, 6), (0, 2), (0, 1), (2, 3), (1, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,ace,acf,aeg,hbi,hdj,hij,hij,hik,hif,hkg->', t0, t4, t6, A, X, t15, t0, t4, t6, A, A, X, t15, optimize=[(2, 3), (6, 7), (6, 8), (5, 8), (0, 4), (1, 3), (5, 6), (1, 3), (0, 2), (2, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,ace,acf,acg,afh,ibj,idk,ijk,ijk,ijl,ijg,ilh->', t0, t4, t6, A, A, X, t15, t0, t4, t6, A, A, X, t15, optimize=[(2, 3), (7, 8), (2, 4), (5, 7), (1, 6), (3, 5), (0, 2), (0, 1), (4, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
-    return t17
+    t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t13 = W_V.transpose(-1, -2)
+    t14 = t13 @ t0
+    t15 = X @ W_K
+    t16 = t14 @ t15
+    t17 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,afh,ibj,idk,ijk,ijkl,ijg,ilh->', t0, t4, t6, dA, X, t16, t0, t4, t6, dA, X, t16, optimize=[(3, 5), (7, 9), (0, 4), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
+    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
+    return t18
 
 
 def ce_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -5859,18 +6430,17 @@ def ce_causal0__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     t11 = T @ t4
     t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A = t12 / t12.sum(-1, keepdim=True)
-    t13 = X @ W_Q
-    t14 = W_V.transpose(-1, -2)
-    t15 = t14 @ t1
-    t16 = t15 @ X
-    t17 = (1/(L*d_K*n_batch)) * t1
-    t18 = oe.contract('abc,acd->bdac', t17, t13, optimize=[(0, 1)])
-    t19 = oe.contract('abc,adc,adc,ace->bead', t5, t7, A, t16, optimize=[(1, 2), (0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t18, t19, optimize=[(0, 1)])
-    t20 = (-1/(L*d_K*n_batch)) * t1
-    t21 = oe.contract('abc,acd,ace,adf->bfeac', t20, A, t13, t16, optimize=[(0, 2), (0, 1), (0, 1)])
-    t22 = oe.contract('abc,adc,adc->bad', t5, t7, A, optimize=[(1, 2), (0, 1)])
-    t0 += oe.contract('abcde,fde->afbc', t21, t22, optimize=[(0, 1)])
+    t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t14 = X @ W_Q
+    t15 = W_V.transpose(-1, -2)
+    t16 = t15 @ t1
+    t17 = t16 @ X
+    t18 = (1/(L*d_K*n_batch)) * t1
+    t19 = oe.contract('abc,acd->bdac', t18, t14, optimize=[(0, 1)])
+    t20 = oe.contract('abc,adc,adce,aef->bfad', t5, t7, dA, t17, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -5894,13 +6464,16 @@ def ce_causal0__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     t10 = T @ t3
     t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
     A = t11 / t11.sum(-1, keepdim=True)
-    t12 = X @ W_Q
-    t13 = W_V.transpose(-1, -2)
-    t14 = t13 @ t0
-    t15 = t14 @ X
-    t16 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,ace,acf,aeg,hbi,hdj,hij,hij,hif,hjg->', t0, t4, t6, A, t12, t15, t0, t4, t6, A, t12, t15, optimize=[(2, 3), (6, 7), (0, 4), (1, 4), (6, 7), (4, 6), (0, 2), (0, 1), (2, 3), (1, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,ace,acf,aeg,hbi,hdj,hij,hij,hik,hif,hkg->', t0, t4, t6, A, t12, t15, t0, t4, t6, A, A, t12, t15, optimize=[(2, 3), (6, 7), (6, 8), (5, 8), (0, 4), (1, 3), (5, 6), (1, 3), (0, 2), (2, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,ace,acf,acg,afh,ibj,idk,ijk,ijk,ijl,ijg,ilh->', t0, t4, t6, A, A, t12, t15, t0, t4, t6, A, A, t12, t15, optimize=[(2, 3), (7, 8), (2, 4), (5, 7), (1, 6), (3, 5), (0, 2), (0, 1), (4, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
-    return t17
+    t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t13 = X @ W_Q
+    t14 = W_V.transpose(-1, -2)
+    t15 = t14 @ t0
+    t16 = t15 @ X
+    t17 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,afh,ibj,idk,ijk,ijkl,ijg,ilh->', t0, t4, t6, dA, t13, t16, t0, t4, t6, dA, t13, t16, optimize=[(3, 5), (7, 9), (0, 4), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
+    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
+    return t18
 
 
 def ce_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -5925,13 +6498,14 @@ def ce_causal0__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     t11 = T @ t4
     t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A = t12 / t12.sum(-1, keepdim=True)
-    t13 = T @ X
-    t14 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t0[...] = oe.contract('abc,ade,ace,ace,acf->bdfe', t14, t5, t7, A, t13, optimize=[(2, 3), (0, 2), (1, 2), (0, 1)])
-    t15 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t16 = oe.contract('abc,acd,ace->bedac', t15, A, t13, optimize=[(0, 1), (0, 1)])
-    t17 = oe.contract('abc,adc,adc->bad', t5, t7, A, optimize=[(1, 2), (0, 1)])
-    t0 += oe.contract('abcde,fde->afbc', t16, t17, optimize=[(0, 1)])
+    t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t14 = T @ X
+    t15 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t16 = oe.contract('abc,adc,adce->bead', t5, t7, dA, optimize=[(1, 2), (0, 1)])
+    t17 = oe.contract('abc,acd->bdac', t15, t14, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -5955,10 +6529,13 @@ def ce_causal0__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     t10 = T @ t3
     t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
     A = t11 / t11.sum(-1, keepdim=True)
-    t12 = T @ X
-    t13 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ace,ace,acf,gbh,gde,ghe,ghe,ghf->', t0, t4, t6, A, t12, t0, t4, t6, A, t12, optimize=[(2, 3), (5, 6), (1, 4), (0, 2), (0, 1), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ace,ace,acf,gbh,gdi,ghi,ghi,ghe,ghf->', t0, t4, t6, A, t12, t0, t4, t6, A, A, t12, optimize=[(2, 3), (5, 6), (4, 8), (0, 3), (1, 3), (4, 5), (0, 3), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ace,ace,acf,acg,hbi,hdj,hij,hij,hif,hig->', t0, t4, t6, A, A, t12, t0, t4, t6, A, A, t12, optimize=[(2, 3), (6, 7), (1, 8), (4, 7), (0, 3), (0, 2), (4, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t14 = torch.sqrt(torch.clamp(t13, min=0.0))
-    return t14
+    t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t13 = T @ X
+    t14 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,hbi,hdj,hij,hijf,hig->', t0, t4, t6, dA, t13, t0, t4, t6, dA, t13, optimize=[(2, 3), (1, 8), (0, 2), (2, 3), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
+    return t15
 
 
 def ce_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -5986,14 +6563,15 @@ def ce_causal0__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     t14 = T @ t2
     t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
     A = t15 / t15.sum(-1, keepdim=True)
-    t16 = X @ W_Q
-    t17 = W_V.transpose(-1, -2)
-    t18 = t17 @ t1
-    t19 = t18 @ X
-    t20 = (1/(L*d_K*n_batch)) * t5
-    t0[...] = oe.contract('abc,ade,ace,aec,aed,acb->bd', t3, t20, t8, A, t16, t19, optimize=[(2, 3), (1, 2), (0, 1), (0, 2), (0, 1)])
-    t21 = (-1/(L*d_K*n_batch)) * t5
-    t0 += oe.contract('abc,ade,ace,aec,aef,aed,afb->bd', t3, t21, t8, A, A, t16, t19, optimize=[(2, 3), (1, 3), (1, 2), (0, 1), (1, 2), (0, 1)])
+    t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t17 = X @ W_Q
+    t18 = W_V.transpose(-1, -2)
+    t19 = t18 @ t1
+    t20 = t19 @ X
+    t21 = (1/(L*d_K*n_batch)) * t5
+    t0[...] = oe.contract('abc,ade,ace,aecf,aed,afb->bd', t3, t21, t8, dA, t17, t20, optimize=[(1, 4), (2, 3), (0, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -6020,11 +6598,14 @@ def ce_causal0__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     t13 = T @ t1
     t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
     A = t14 / t14.sum(-1, keepdim=True)
-    t15 = X @ W_Q
-    t16 = W_V.transpose(-1, -2)
-    t17 = t16 @ t0
-    t18 = t17 @ X
-    return (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,aec,aed,acb->', t2, t4, t7, A, t15, t18, optimize=[(2, 3), (1, 2), (0, 1), (0, 2), (0, 1)]) + (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,aec,aef,aed,afb->', t2, t4, t7, A, A, t15, t18, optimize=[(2, 3), (1, 3), (0, 2), (0, 3), (0, 2), (0, 1)])
+    t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t16 = X @ W_Q
+    t17 = W_V.transpose(-1, -2)
+    t18 = t17 @ t0
+    t19 = t18 @ X
+    return (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,aecf,aed,afb->', t2, t4, t7, dA, t16, t19, optimize=[(1, 4), (0, 3), (1, 3), (0, 2), (0, 1)])
 
 
 def ce_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -6052,16 +6633,17 @@ def ce_causal0__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t14 = T @ t2
     t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
     A = t15 / t15.sum(-1, keepdim=True)
-    t16 = W_V.transpose(-1, -2)
-    t17 = t16 @ t1
-    t18 = X @ W_K
-    t19 = t17 @ t18
-    t20 = (1/(L*d_K*n_batch)) * t5
-    t0[...] = oe.contract('abc,ade,ace,aec,aef,acg->bdfg', t3, t20, t8, A, X, t19, optimize=[(2, 3), (0, 4), (2, 3), (0, 1), (0, 1)])
-    t21 = (-1/(L*d_K*n_batch)) * t5
-    t22 = oe.contract('abc,acd,ace,adf->befac', t21, A, X, t19, optimize=[(0, 2), (0, 1), (0, 1)])
-    t23 = oe.contract('abc,acd,adc->bad', t3, t8, A, optimize=[(1, 2), (0, 1)])
-    t0 += oe.contract('abcde,fde->fabc', t22, t23, optimize=[(0, 1)])
+    t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t17 = W_V.transpose(-1, -2)
+    t18 = t17 @ t1
+    t19 = X @ W_K
+    t20 = t18 @ t19
+    t21 = (1/(L*d_K*n_batch)) * t5
+    t22 = oe.contract('abc,acd,adce,aef->bfad', t3, t8, dA, t20, optimize=[(0, 1), (0, 1), (0, 1)])
+    t23 = oe.contract('abc,acd->bdac', t21, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -6088,13 +6670,16 @@ def ce_causal0__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t13 = T @ t1
     t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
     A = t14 / t14.sum(-1, keepdim=True)
-    t15 = W_V.transpose(-1, -2)
-    t16 = t15 @ t0
-    t17 = X @ W_K
-    t18 = t16 @ t17
-    t19 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aec,aef,acg,hbi,hdj,hij,hji,hjf,hig->', t2, t4, t7, A, X, t18, t2, t4, t7, A, X, t18, optimize=[(2, 3), (6, 7), (1, 5), (1, 4), (6, 7), (4, 6), (0, 2), (0, 1), (2, 3), (1, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aec,aef,acg,hbi,hdj,hij,hji,hjk,hjf,hkg->', t2, t4, t7, A, X, t18, t2, t4, t7, A, A, X, t18, optimize=[(2, 3), (6, 7), (6, 8), (4, 8), (1, 4), (1, 3), (5, 6), (1, 3), (0, 2), (2, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aec,aef,aeg,afh,ibj,idk,ijk,ikj,ikl,ikg,ilh->', t2, t4, t7, A, A, X, t18, t2, t4, t7, A, A, X, t18, optimize=[(2, 3), (7, 8), (2, 4), (5, 7), (0, 6), (2, 5), (0, 2), (0, 1), (4, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
-    return t20
+    t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t16 = W_V.transpose(-1, -2)
+    t17 = t16 @ t0
+    t18 = X @ W_K
+    t19 = t17 @ t18
+    t20 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,afh,ibj,idk,ijk,ikjl,ikg,ilh->', t2, t4, t7, dA, X, t19, t2, t4, t7, dA, X, t19, optimize=[(3, 5), (7, 9), (1, 5), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
+    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
+    return t21
 
 
 def ce_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -6122,18 +6707,17 @@ def ce_causal0__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t14 = T @ t2
     t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
     A = t15 / t15.sum(-1, keepdim=True)
-    t16 = X @ W_Q
-    t17 = W_V.transpose(-1, -2)
-    t18 = t17 @ t1
-    t19 = t18 @ X
-    t20 = (1/(L*d_K*n_batch)) * t5
-    t21 = oe.contract('abc,acd->bdac', t20, t16, optimize=[(0, 1)])
-    t22 = oe.contract('abc,acd,adc,ace->bead', t3, t8, A, t19, optimize=[(1, 2), (0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
-    t23 = (-1/(L*d_K*n_batch)) * t5
-    t24 = oe.contract('abc,acd,ace,adf->bfeac', t23, A, t16, t19, optimize=[(0, 2), (0, 1), (0, 1)])
-    t25 = oe.contract('abc,acd,adc->bad', t3, t8, A, optimize=[(1, 2), (0, 1)])
-    t0 += oe.contract('abcde,fde->fabc', t24, t25, optimize=[(0, 1)])
+    t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t17 = X @ W_Q
+    t18 = W_V.transpose(-1, -2)
+    t19 = t18 @ t1
+    t20 = t19 @ X
+    t21 = (1/(L*d_K*n_batch)) * t5
+    t22 = oe.contract('abc,acd->bdac', t21, t17, optimize=[(0, 1)])
+    t23 = oe.contract('abc,acd,adce,aef->bfad', t3, t8, dA, t20, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -6160,13 +6744,16 @@ def ce_causal0__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t13 = T @ t1
     t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
     A = t14 / t14.sum(-1, keepdim=True)
-    t15 = X @ W_Q
-    t16 = W_V.transpose(-1, -2)
-    t17 = t16 @ t0
-    t18 = t17 @ X
-    t19 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aec,aef,acg,hbi,hdj,hij,hji,hjf,hig->', t2, t4, t7, A, t15, t18, t2, t4, t7, A, t15, t18, optimize=[(2, 3), (6, 7), (1, 5), (1, 4), (6, 7), (4, 6), (0, 2), (0, 1), (2, 3), (1, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aec,aef,acg,hbi,hdj,hij,hji,hjk,hjf,hkg->', t2, t4, t7, A, t15, t18, t2, t4, t7, A, A, t15, t18, optimize=[(2, 3), (6, 7), (6, 8), (4, 8), (1, 4), (1, 3), (5, 6), (1, 3), (0, 2), (2, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aec,aef,aeg,afh,ibj,idk,ijk,ikj,ikl,ikg,ilh->', t2, t4, t7, A, A, t15, t18, t2, t4, t7, A, A, t15, t18, optimize=[(2, 3), (7, 8), (2, 4), (5, 7), (0, 6), (2, 5), (0, 2), (0, 1), (4, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
-    return t20
+    t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t16 = X @ W_Q
+    t17 = W_V.transpose(-1, -2)
+    t18 = t17 @ t0
+    t19 = t18 @ X
+    t20 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,afh,ibj,idk,ijk,ikjl,ikg,ilh->', t2, t4, t7, dA, t16, t19, t2, t4, t7, dA, t16, t19, optimize=[(3, 5), (7, 9), (1, 5), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
+    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
+    return t21
 
 
 def ce_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -6194,13 +6781,14 @@ def ce_causal0__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     t14 = T @ t2
     t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
     A = t15 / t15.sum(-1, keepdim=True)
-    t16 = T @ X
-    t17 = (1/(L*math.sqrt(d_K)*n_batch)) * t5
-    t0[...] = oe.contract('abc,ade,ace,aec,aef->bdfc', t3, t17, t8, A, t16, optimize=[(2, 3), (1, 2), (1, 2), (0, 1)])
-    t18 = (-1/(L*math.sqrt(d_K)*n_batch)) * t5
-    t19 = oe.contract('abc,acd,ace->bedac', t18, A, t16, optimize=[(0, 1), (0, 1)])
-    t20 = oe.contract('abc,acd,adc->bad', t3, t8, A, optimize=[(1, 2), (0, 1)])
-    t0 += oe.contract('abcde,fde->fabc', t19, t20, optimize=[(0, 1)])
+    t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t17 = T @ X
+    t18 = (1/(L*math.sqrt(d_K)*n_batch)) * t5
+    t19 = oe.contract('abc,acd,adce->bead', t3, t8, dA, optimize=[(1, 2), (0, 1)])
+    t20 = oe.contract('abc,acd->bdac', t18, t17, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -6227,10 +6815,13 @@ def ce_causal0__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     t13 = T @ t1
     t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
     A = t14 / t14.sum(-1, keepdim=True)
-    t15 = T @ X
-    t16 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ace,aec,aef,gbc,gdh,gch,ghc,ghf->', t2, t4, t7, A, t15, t2, t4, t7, A, t15, optimize=[(2, 3), (5, 6), (0, 3), (0, 2), (0, 1), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ace,aec,aef,gbh,gdi,ghi,gih,gic,gif->', t2, t4, t7, A, t15, t2, t4, t7, A, A, t15, optimize=[(2, 3), (5, 6), (3, 8), (1, 3), (1, 3), (4, 5), (0, 3), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ace,aec,aef,aeg,hbi,hdj,hij,hji,hjf,hjg->', t2, t4, t7, A, A, t15, t2, t4, t7, A, A, t15, optimize=[(2, 3), (6, 7), (0, 8), (3, 7), (0, 3), (0, 2), (4, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
-    return t17
+    t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t16 = T @ X
+    t17 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,hbi,hdj,hij,hjif,hjg->', t2, t4, t7, dA, t16, t2, t4, t7, dA, t16, optimize=[(2, 3), (0, 8), (0, 3), (2, 3), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
+    return t18
 
 
 def ce_causal0__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -6256,13 +6847,14 @@ def ce_causal0__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     t12 = T @ t11
     t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
     A = t13 / t13.sum(-1, keepdim=True)
-    t14 = T @ X
-    t15 = (1/(L*n_batch)) * t8
-    t16 = oe.contract('abc,abc->cab', t10, A, optimize=[(0, 1)])
-    t17 = oe.contract('abc,acb->bac', t15, t14, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t16, t17, optimize=[(0, 1)])
-    t18 = (-1/(L*n_batch)) * t8
-    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t18, t10, A, A, t14, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t15 = T @ X
+    t16 = (1/(L*n_batch)) * t8
+    t17 = oe.contract('abc,abcc->cab', t10, dA, optimize=[(0, 1)])
+    t18 = oe.contract('abc,acb->bac', t16, t15, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -6287,8 +6879,11 @@ def ce_causal0__trace__W_V__outer(X, W_Q, W_K, W_V, Y):
     t11 = T @ t10
     t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A = t12 / t12.sum(-1, keepdim=True)
-    t13 = T @ X
-    return (1/(L*n_batch)) * oe.contract('abc,acd,acd,acb->', t7, t9, A, t13, optimize=[(0, 3), (0, 1), (0, 1)]) + (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->', t7, t9, A, A, t13, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t14 = T @ X
+    return (1/(L*n_batch)) * oe.contract('abc,acd,acdd,acb->', t7, t9, dA, t14, optimize=[(0, 3), (0, 1), (0, 1)])
 
 
 def ce_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -6314,16 +6909,17 @@ def ce_causal0__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t12 = T @ t11
     t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
     A = t13 / t13.sum(-1, keepdim=True)
-    t14 = W_V.transpose(-1, -2)
-    t15 = t14 @ t1
-    t16 = X @ W_K
-    t17 = t15 @ t16
-    t18 = (1/(L*math.sqrt(d_K)*n_batch)) * t8
-    t0[...] = oe.contract('abc,acd,acd,ace,adf->bdef', t18, t10, A, X, t17, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
-    t19 = (-1/(L*math.sqrt(d_K)*n_batch)) * t8
-    t20 = oe.contract('abc,acd,ade->beac', t19, A, t17, optimize=[(1, 2), (0, 1)])
-    t21 = oe.contract('abc,abc,abd->cdab', t10, A, X, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
+    t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t15 = W_V.transpose(-1, -2)
+    t16 = t15 @ t1
+    t17 = X @ W_K
+    t18 = t16 @ t17
+    t19 = (1/(L*math.sqrt(d_K)*n_batch)) * t8
+    t20 = oe.contract('abc,abcd,ade->ceab', t10, dA, t18, optimize=[(0, 1), (0, 1)])
+    t21 = oe.contract('abc,acd->bdac', t19, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -6348,13 +6944,16 @@ def ce_causal0__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t11 = T @ t10
     t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A = t12 / t12.sum(-1, keepdim=True)
-    t13 = W_V.transpose(-1, -2)
-    t14 = t13 @ t0
-    t15 = X @ W_K
-    t16 = t14 @ t15
-    t17 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,adf,gbh,ghd,ghd,ghe,gdf->', t7, t9, A, X, t16, t7, t9, A, X, t16, optimize=[(1, 2), (4, 5), (2, 5), (0, 2), (0, 1), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,adf,gbh,ghd,ghd,ghi,ghe,gif->', t7, t9, A, X, t16, t7, t9, A, A, X, t16, optimize=[(1, 2), (4, 5), (4, 6), (0, 3), (0, 2), (4, 5), (0, 3), (1, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,acf,aeg,hbi,hid,hid,hij,hif,hjg->', t7, t9, A, A, X, t16, t7, t9, A, A, X, t16, optimize=[(1, 2), (5, 6), (1, 3), (3, 5), (0, 2), (0, 1), (4, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
-    return t18
+    t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t14 = W_V.transpose(-1, -2)
+    t15 = t14 @ t0
+    t16 = X @ W_K
+    t17 = t15 @ t16
+    t18 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,acf,aeg,hbi,hid,hidj,hif,hjg->', t7, t9, dA, X, t17, t7, t9, dA, X, t17, optimize=[(1, 2), (4, 5), (0, 3), (0, 2), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)])
+    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
+    return t19
 
 
 def ce_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -6380,14 +6979,17 @@ def ce_causal0__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t12 = T @ t11
     t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
     A = t13 / t13.sum(-1, keepdim=True)
-    t14 = X @ W_Q
-    t15 = W_V.transpose(-1, -2)
-    t16 = t15 @ t1
-    t17 = t16 @ X
-    t18 = (1/(L*math.sqrt(d_K)*n_batch)) * t8
-    t0[...] = oe.contract('abc,acd,acd,ace,adf->bdfe', t18, t10, A, t14, t17, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
-    t19 = (-1/(L*math.sqrt(d_K)*n_batch)) * t8
-    t0 += oe.contract('abc,acd,acd,ace,acf,aeg->bdgf', t19, t10, A, A, t14, t17, optimize=[(1, 2), (1, 3), (1, 2), (0, 1), (0, 1)])
+    t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t15 = X @ W_Q
+    t16 = W_V.transpose(-1, -2)
+    t17 = t16 @ t1
+    t18 = t17 @ X
+    t19 = (1/(L*math.sqrt(d_K)*n_batch)) * t8
+    t20 = oe.contract('abc,acd->bdac', t19, t15, optimize=[(0, 1)])
+    t21 = oe.contract('abc,abcd,ade->ceab', t10, dA, t18, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -6412,13 +7014,16 @@ def ce_causal0__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t11 = T @ t10
     t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A = t12 / t12.sum(-1, keepdim=True)
-    t13 = X @ W_Q
-    t14 = W_V.transpose(-1, -2)
-    t15 = t14 @ t0
-    t16 = t15 @ X
-    t17 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,adf,gbh,ghd,ghd,ghe,gdf->', t7, t9, A, t13, t16, t7, t9, A, t13, t16, optimize=[(1, 2), (4, 5), (2, 5), (0, 2), (0, 1), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,adf,gbh,ghd,ghd,ghi,ghe,gif->', t7, t9, A, t13, t16, t7, t9, A, A, t13, t16, optimize=[(1, 2), (4, 5), (4, 6), (0, 3), (0, 2), (4, 5), (0, 3), (1, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,acf,aeg,hbi,hid,hid,hij,hif,hjg->', t7, t9, A, A, t13, t16, t7, t9, A, A, t13, t16, optimize=[(1, 2), (5, 6), (1, 3), (3, 5), (0, 2), (0, 1), (4, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
-    return t18
+    t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t14 = X @ W_Q
+    t15 = W_V.transpose(-1, -2)
+    t16 = t15 @ t0
+    t17 = t16 @ X
+    t18 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,acf,aeg,hbi,hid,hidj,hif,hjg->', t7, t9, dA, t14, t17, t7, t9, dA, t14, t17, optimize=[(1, 2), (4, 5), (0, 3), (0, 2), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)])
+    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
+    return t19
 
 
 def ce_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -6428,33 +7033,28 @@ def ce_causal0__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
-    out[...] = 0
     t0 = out.view((d_V, d_V, d_V, d_V))
-    t1 = t0.diagonal(0, 1, 3)
-    t2 = X.transpose(-1, -2)
-    t3 = W_K.transpose(-1, -2)
-    t4 = t3 @ t2
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    T = t7
-    t8 = T.transpose(-1, -2)
-    t9 = t2 @ t8
-    t10 = Y.sum(-1, keepdim=True)
-    t11 = t10.expand(*t10.shape[:-1], d_V)
-    t12 = X @ W_V
-    t13 = T @ t12
-    t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
-    A = t14 / t14.sum(-1, keepdim=True)
+    t1 = X.transpose(-1, -2)
+    t2 = W_K.transpose(-1, -2)
+    t3 = t2 @ t1
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    T = t6
+    t7 = T.transpose(-1, -2)
+    t8 = t1 @ t7
+    t9 = Y.sum(-1, keepdim=True)
+    t10 = t9.expand(*t9.shape[:-1], d_V)
+    t11 = X @ W_V
+    t12 = T @ t11
+    t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A = t13 / t13.sum(-1, keepdim=True)
+    t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     t15 = T @ X
-    t16 = (1/(L*n_batch)) * t9
-    t17 = oe.contract('abc,abc->cab', t11, A, optimize=[(0, 1)])
-    t18 = oe.contract('abc,acd->bdac', t16, t15, optimize=[(0, 1)])
-    t1 += oe.contract('abc,debc->dea', t17, t18, optimize=[(0, 1)])
-    t19 = (-1/(L*n_batch)) * t9
-    t20 = oe.contract('abc,acd->bdac', t19, A, optimize=[(0, 1)])
-    t21 = oe.contract('abc,abc,abd->cdab', t11, A, t15, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
+    t16 = (1/(L*n_batch)) * t8
+    t0[...] = oe.contract('abc,acd,acde,acf->bdfe', t16, t10, dA, t15, optimize=[(1, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -6479,10 +7079,13 @@ def ce_causal0__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     t11 = T @ t10
     t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A = t12 / t12.sum(-1, keepdim=True)
-    t13 = T @ X
-    t14 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fge->', t7, t9, A, t13, t7, t9, A, t13, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fgd,fge->', t7, t9, A, t13, t7, t9, A, A, t13, optimize=[(1, 2), (3, 4), (3, 6), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,acf,gbh,ghd,ghd,ghe,ghf->', t7, t9, A, A, t13, t7, t9, A, A, t13, optimize=[(1, 2), (4, 5), (0, 3), (0, 2), (4, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
-    return t15
+    t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t14 = T @ X
+    t15 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t7, t9, dA, t14, t7, t9, dA, t14, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
+    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
+    return t16
 
 
 def ce_causal0__hessian__functional(X, W_Q, W_K, W_V, Y):
@@ -7268,16 +7871,17 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t12 = T @ t5
     t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
     A = t13 / t13.sum(-1, keepdim=True)
-    t14 = W_V.transpose(-1, -2)
-    t15 = t14 @ t2
-    t16 = X @ W_K
-    t17 = t15 @ t16
-    t18 = (1/(L*d_K*n_batch)) * t2
-    t1[...] = oe.contract('abc,ade,ace,ace,acf,aeg->bdfg', t18, t6, t8, A, X, t17, optimize=[(2, 3), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t19 = (-1/(L*d_K*n_batch)) * t2
-    t20 = oe.contract('abc,acd,ace,adf->befac', t19, A, X, t17, optimize=[(0, 2), (0, 1), (0, 1)])
-    t21 = oe.contract('abc,adc,adc->bad', t6, t8, A, optimize=[(1, 2), (0, 1)])
-    t1 += oe.contract('abcde,fde->afbc', t20, t21, optimize=[(0, 1)])
+    t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t15 = W_V.transpose(-1, -2)
+    t16 = t15 @ t2
+    t17 = X @ W_K
+    t18 = t16 @ t17
+    t19 = (1/(L*d_K*n_batch)) * t2
+    t20 = oe.contract('abc,adc,adce,aef->bfad', t6, t8, dA, t18, optimize=[(0, 1), (0, 1), (0, 1)])
+    t21 = oe.contract('abc,acd->bdac', t19, X, optimize=[(0, 1)])
+    t1[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
     t22 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t22[...] = 0
     t23 = t22.view((d_V, d_K, d_V, d_K))
@@ -7290,103 +7894,84 @@ def ce_causal0__hessian__full(X, W_Q, W_K, W_V, Y):
     t29 = (-1/L) * Y
     t30 = t28 + t29
     G = t30
-    t31 = G @ t15
+    t31 = G @ t16
     t32 = t31 @ X
-    t33 = t2 @ t32
-    t34 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t35 = (1/(math.sqrt(d_K)*n_batch)) * t34
-    t24 += oe.contract('abc,d->bcd', t33, t35, optimize=[(0, 1)])
+    t33 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t34 = (1/(math.sqrt(d_K)*n_batch)) * t33
+    t35 = oe.contract('abc,acd->bd', t2, t32, optimize=[(0, 1)])
+    t24 += oe.contract('a,bc->bca', t34, t35, optimize=[(0, 1)])
     t36 = X @ W_Q
-    t37 = t15 @ X
-    t38 = oe.contract('abc,acd->bdac', t18, t36, optimize=[(0, 1)])
-    t39 = oe.contract('abc,adc,adc,ace->bead', t6, t8, A, t37, optimize=[(1, 2), (0, 1), (0, 1)])
+    t37 = t16 @ X
+    t38 = oe.contract('abc,acd->bdac', t19, t36, optimize=[(0, 1)])
+    t39 = oe.contract('abc,adc,adce,aef->bfad', t6, t8, dA, t37, optimize=[(0, 1), (0, 1), (0, 1)])
     t23 += oe.contract('abcd,efcd->aefb', t38, t39, optimize=[(0, 1)])
-    t40 = oe.contract('abc,acd,ace,adf->bfeac', t19, A, t36, t37, optimize=[(0, 2), (0, 1), (0, 1)])
-    t23 += oe.contract('abcde,fde->afbc', t40, t21, optimize=[(0, 1)])
-    t41 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t42 = t41.view((d_V, d_K, d_V, d_V))
-    t43 = t2 @ G
-    t44 = t4 @ X
-    t45 = (1/(math.sqrt(d_K)*n_batch)) * t43
-    t42[...] = oe.contract('abc,ade->bdec', t45, t44, optimize=[(0, 1)])
-    t46 = T @ X
-    t47 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
-    t42 += oe.contract('abc,ade,ace,ace,acf->bdfe', t47, t6, t8, A, t46, optimize=[(2, 3), (0, 2), (1, 2), (0, 1)])
-    t48 = (-1/(L*math.sqrt(d_K)*n_batch)) * t2
-    t49 = oe.contract('abc,acd,ace->bedac', t48, A, t46, optimize=[(0, 1), (0, 1)])
-    t42 += oe.contract('abcde,fde->afbc', t49, t21, optimize=[(0, 1)])
+    t40 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t41 = t40.view((d_V, d_K, d_V, d_V))
+    t42 = t4 @ X
+    t43 = T @ X
+    t44 = (1/(L*math.sqrt(d_K)*n_batch)) * t2
+    t45 = oe.contract('abc,cd,aed,aedf->bfae', t42, W_V, t8, dA, optimize=[(2, 3), (0, 1), (0, 1)])
+    t46 = oe.contract('abc,acd->bdac', t44, t43, optimize=[(0, 1)])
+    t41[...] = oe.contract('abcd,efcd->eafb', t45, t46, optimize=[(0, 1)])
+    t47 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t48 = oe.contract('abc,acd->bda', t47, G, optimize=[(0, 1)])
+    t49 = oe.contract('abc->bca', t42, optimize=[(0,)])
+    t41 += oe.contract('abc,dec->adeb', t48, t49, optimize=[(0, 1)])
     t50 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
     t50[...] = 0
     t51 = t50.view((d_V, d_K, d_V, d_K))
     t52 = t51.diagonal(0, 1, 3)
-    t53 = G.transpose(-1, -2)
-    t54 = W_V @ t53
-    t55 = X @ t54
-    t56 = t55 @ X
-    t57 = t2 @ t56
-    t52 += oe.contract('abc,d->bcd', t57, t35, optimize=[(0, 1)])
-    t58 = t2 @ t5
-    t59 = W_Q.transpose(-1, -2)
-    t60 = t59 @ t2
-    t61 = Y.transpose(-1, -2)
-    t62 = t61.sum(-2, keepdim=True)
-    t63 = t62.expand(*t62.shape[:-2], d_V, t62.shape[-1])
-    t64 = (1/(L*d_K*n_batch)) * t60
-    t51 += oe.contract('abc,ade,ace,aec,aef,acg->bdfg', t58, t64, t63, A, X, t17, optimize=[(2, 3), (0, 4), (2, 3), (0, 1), (0, 1)])
-    t65 = (-1/(L*d_K*n_batch)) * t60
-    t66 = oe.contract('abc,acd,ace,adf->befac', t65, A, X, t17, optimize=[(0, 2), (0, 1), (0, 1)])
-    t67 = oe.contract('abc,acd,adc->bad', t58, t63, A, optimize=[(1, 2), (0, 1)])
-    t51 += oe.contract('abcde,fde->fabc', t66, t67, optimize=[(0, 1)])
-    t68 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t69 = t68.view((d_V, d_K, d_V, d_K))
-    t70 = oe.contract('abc,acd->bdac', t64, t36, optimize=[(0, 1)])
-    t71 = oe.contract('abc,acd,adc,ace->bead', t58, t63, A, t37, optimize=[(1, 2), (0, 1), (0, 1)])
-    t69[...] = oe.contract('abcd,efcd->eafb', t70, t71, optimize=[(0, 1)])
-    t72 = oe.contract('abc,acd,ace,adf->bfeac', t65, A, t36, t37, optimize=[(0, 2), (0, 1), (0, 1)])
-    t69 += oe.contract('abcde,fde->fabc', t72, t67, optimize=[(0, 1)])
-    t73 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t74 = t73.view((d_V, d_K, d_V, d_V))
-    t75 = t2 @ X
-    t76 = t60 @ G
-    t77 = (1/(math.sqrt(d_K)*n_batch)) * t75
-    t74[...] = oe.contract('abc,ade->bdce', t77, t76, optimize=[(0, 1)])
-    t78 = (1/(L*math.sqrt(d_K)*n_batch)) * t60
-    t74 += oe.contract('abc,ade,ace,aec,aef->bdfc', t58, t78, t63, A, t46, optimize=[(2, 3), (1, 2), (1, 2), (0, 1)])
-    t79 = (-1/(L*math.sqrt(d_K)*n_batch)) * t60
-    t80 = oe.contract('abc,acd,ace->bedac', t79, A, t46, optimize=[(0, 1), (0, 1)])
-    t74 += oe.contract('abcde,fde->fabc', t80, t67, optimize=[(0, 1)])
-    t81 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t82 = t81.view((d_V, d_V, d_V, d_K))
-    t83 = T.transpose(-1, -2)
-    t84 = t2 @ t83
-    t85 = (1/(L*math.sqrt(d_K)*n_batch)) * t84
-    t82[...] = oe.contract('abc,acd,acd,ace,adf->bdef', t85, t8, A, X, t17, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
-    t86 = (-1/(L*math.sqrt(d_K)*n_batch)) * t84
-    t87 = oe.contract('abc,acd,ade->beac', t86, A, t17, optimize=[(1, 2), (0, 1)])
-    t88 = oe.contract('abc,abc,abd->cdab', t8, A, X, optimize=[(0, 1), (0, 1)])
-    t82 += oe.contract('abcd,efcd->aefb', t87, t88, optimize=[(0, 1)])
-    t89 = t2 @ t16
-    t90 = t53 @ X
-    t91 = (1/(math.sqrt(d_K)*n_batch)) * t89
-    t82 += oe.contract('abc,ade->bdec', t91, t90, optimize=[(0, 1)])
-    t92 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t93 = t92.view((d_V, d_V, d_V, d_K))
-    t94 = t53 @ t36
-    t93[...] = oe.contract('abc,ade->bdce', t77, t94, optimize=[(0, 1)])
-    t93 += oe.contract('abc,acd,acd,ace,adf->bdfe', t85, t8, A, t36, t37, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
-    t93 += oe.contract('abc,acd,acd,ace,acf,aeg->bdgf', t86, t8, A, A, t36, t37, optimize=[(1, 2), (1, 3), (1, 2), (0, 1), (0, 1)])
-    t95 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t95[...] = 0
-    t96 = t95.view((d_V, d_V, d_V, d_V))
-    t97 = t96.diagonal(0, 1, 3)
-    t98 = (1/(L*n_batch)) * t84
-    t99 = oe.contract('abc,abc->cab', t8, A, optimize=[(0, 1)])
-    t100 = oe.contract('abc,acd->bdac', t98, t46, optimize=[(0, 1)])
-    t97 += oe.contract('abc,debc->dea', t99, t100, optimize=[(0, 1)])
-    t101 = (-1/(L*n_batch)) * t84
-    t102 = oe.contract('abc,acd->bdac', t101, A, optimize=[(0, 1)])
-    t103 = oe.contract('abc,abc,abd->cdab', t8, A, t46, optimize=[(0, 1), (0, 1)])
-    t96 += oe.contract('abcd,efcd->aefb', t102, t103, optimize=[(0, 1)])
+    t53 = t2 @ t5
+    t54 = G.transpose(-1, -2)
+    t52 += oe.contract('abc,acd,ade,f->bef', t53, t54, X, t34, optimize=[(0, 1), (0, 2), (0, 1)])
+    t55 = W_Q.transpose(-1, -2)
+    t56 = t55 @ t2
+    t57 = Y.transpose(-1, -2)
+    t58 = t57.sum(-2, keepdim=True)
+    t59 = t58.expand(*t58.shape[:-2], d_V, t58.shape[-1])
+    t60 = (1/(L*d_K*n_batch)) * t56
+    t61 = oe.contract('abc,acd,adce,aef->bfad', t53, t59, dA, t18, optimize=[(0, 1), (0, 1), (0, 1)])
+    t62 = oe.contract('abc,acd->bdac', t60, X, optimize=[(0, 1)])
+    t51 += oe.contract('abcd,efcd->aefb', t61, t62, optimize=[(0, 1)])
+    t63 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t64 = t63.view((d_V, d_K, d_V, d_K))
+    t65 = oe.contract('abc,acd->bdac', t60, t36, optimize=[(0, 1)])
+    t66 = oe.contract('abc,acd,adce,aef->bfad', t53, t59, dA, t37, optimize=[(0, 1), (0, 1), (0, 1)])
+    t64[...] = oe.contract('abcd,efcd->eafb', t65, t66, optimize=[(0, 1)])
+    t67 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t68 = t67.view((d_V, d_K, d_V, d_V))
+    t69 = t2 @ X
+    t70 = (1/(math.sqrt(d_K)*n_batch)) * t56
+    t71 = oe.contract('abc,acd->bda', t70, G, optimize=[(0, 1)])
+    t72 = oe.contract('abc->bca', t69, optimize=[(0,)])
+    t68[...] = oe.contract('abc,dec->daeb', t71, t72, optimize=[(0, 1)])
+    t73 = (1/(L*math.sqrt(d_K)*n_batch)) * t56
+    t74 = oe.contract('abc,cd,ade,aedf->bfae', t69, W_V, t59, dA, optimize=[(2, 3), (0, 1), (0, 1)])
+    t75 = oe.contract('abc,acd->bdac', t73, t43, optimize=[(0, 1)])
+    t68 += oe.contract('abcd,efcd->aefb', t74, t75, optimize=[(0, 1)])
+    t76 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t77 = t76.view((d_V, d_V, d_V, d_K))
+    t78 = t54 @ X
+    t79 = oe.contract('abc,acd->bda', t47, t17, optimize=[(0, 1)])
+    t80 = oe.contract('abc->bca', t78, optimize=[(0,)])
+    t77[...] = oe.contract('abc,dec->adeb', t79, t80, optimize=[(0, 1)])
+    t81 = T.transpose(-1, -2)
+    t82 = (1/(L*math.sqrt(d_K)*n_batch)) * t81
+    t83 = oe.contract('abc,abcd,ade->ceab', t8, dA, t18, optimize=[(0, 1), (0, 1)])
+    t84 = oe.contract('abc,acd,ade->bead', t2, t82, X, optimize=[(0, 1), (0, 1)])
+    t77 += oe.contract('abcd,efcd->eafb', t83, t84, optimize=[(0, 1)])
+    t85 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t86 = t85.view((d_V, d_V, d_V, d_K))
+    t87 = t54 @ t36
+    t86[...] = oe.contract('abc,acd,aef->bedf', t47, X, t87, optimize=[(0, 1), (0, 1)])
+    t88 = oe.contract('abc,acd,ade->bead', t2, t82, t36, optimize=[(0, 1), (0, 1)])
+    t89 = oe.contract('abc,abcd,ade->ceab', t8, dA, t37, optimize=[(0, 1), (0, 1)])
+    t86 += oe.contract('abcd,efcd->aefb', t88, t89, optimize=[(0, 1)])
+    t90 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t91 = t90.view((d_V, d_V, d_V, d_V))
+    t92 = t2 @ t81
+    t93 = (1/(L*n_batch)) * t92
+    t91[...] = oe.contract('abc,acd,acde,acf->bdfe', t93, t8, dA, t43, optimize=[(1, 2), (0, 1), (0, 1)])
     return H
 
 
@@ -7517,63 +8102,58 @@ def ce_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t10 = T @ t3
     t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
     A = t11 / t11.sum(-1, keepdim=True)
-    t12 = W_V.transpose(-1, -2)
-    t13 = t12 @ t0
-    t14 = X @ W_K
-    t15 = t13 @ t14
-    t16 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,ace,acf,aeg,hbi,hdj,hij,hij,hif,hjg->', t0, t4, t6, A, X, t15, t0, t4, t6, A, X, t15, optimize=[(2, 3), (6, 7), (0, 4), (1, 4), (6, 7), (4, 6), (0, 2), (0, 1), (2, 3), (1, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,ace,acf,aeg,hbi,hdj,hij,hij,hik,hif,hkg->', t0, t4, t6, A, X, t15, t0, t4, t6, A, A, X, t15, optimize=[(2, 3), (6, 7), (6, 8), (5, 8), (0, 4), (1, 3), (5, 6), (1, 3), (0, 2), (2, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,ace,acf,acg,afh,ibj,idk,ijk,ijk,ijl,ijg,ilh->', t0, t4, t6, A, A, X, t15, t0, t4, t6, A, A, X, t15, optimize=[(2, 3), (7, 8), (2, 4), (5, 7), (1, 6), (3, 5), (0, 2), (0, 1), (4, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
+    t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t13 = W_V.transpose(-1, -2)
+    t14 = t13 @ t0
+    t15 = X @ W_K
+    t16 = t14 @ t15
+    t17 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,afh,ibj,idk,ijk,ijkl,ijg,ilh->', t0, t4, t6, dA, X, t16, t0, t4, t6, dA, X, t16, optimize=[(3, 5), (7, 9), (0, 4), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
+    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
     F = t10
-    t18 = torch.exp(F - F.amax(-1, keepdim=True))
-    A19 = t18 / t18.sum(-1, keepdim=True)
-    t20 = t6 * A19
-    t21 = (1/L) * t20
-    t22 = (-1/L) * Y
-    t23 = t21 + t22
-    G = t23
-    t24 = G @ t13
-    t25 = t24 @ X
-    t26 = t0 @ t25
+    t19 = torch.exp(F - F.amax(-1, keepdim=True))
+    A20 = t19 / t19.sum(-1, keepdim=True)
+    t21 = t6 * A20
+    t22 = (1/L) * t21
+    t23 = (-1/L) * Y
+    t24 = t22 + t23
+    G = t24
+    t25 = G @ t14
+    t26 = t25 @ X
     t27 = X @ W_Q
-    t28 = t13 @ X
-    t29 = (n_batch**(-2)) * oe.contract('abc,dbc->', t26, t26, optimize=[(0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,dbe,dfg,deg,deg,def,dgc->', t26, t0, t4, t6, A, t27, t28, optimize=[(3, 4), (0, 1), (0, 1), (1, 3), (0, 1), (0, 1)]) + (-2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,dbe,dfg,deg,deg,deh,def,dhc->', t26, t0, t4, t6, A, A, t27, t28, optimize=[(3, 4), (0, 1), (0, 2), (2, 4), (0, 1), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,ace,acf,aeg,hbi,hdj,hij,hij,hif,hjg->', t0, t4, t6, A, t27, t28, t0, t4, t6, A, t27, t28, optimize=[(2, 3), (6, 7), (0, 4), (1, 4), (6, 7), (4, 6), (0, 2), (0, 1), (2, 3), (1, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,ace,acf,aeg,hbi,hdj,hij,hij,hik,hif,hkg->', t0, t4, t6, A, t27, t28, t0, t4, t6, A, A, t27, t28, optimize=[(2, 3), (6, 7), (6, 8), (5, 8), (0, 4), (1, 3), (5, 6), (1, 3), (0, 2), (2, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,ace,acf,acg,afh,ibj,idk,ijk,ijk,ijl,ijg,ilh->', t0, t4, t6, A, A, t27, t28, t0, t4, t6, A, A, t27, t28, optimize=[(2, 3), (7, 8), (2, 4), (5, 7), (1, 6), (3, 5), (0, 2), (0, 1), (4, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
+    t28 = t14 @ X
+    t29 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t0, t26, t0, t26, optimize=[(0, 1), (0, 1), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,acd,ebf,egh,efh,efhi,efg,eid->', t0, t26, t0, t4, t6, dA, t27, t28, optimize=[(3, 6), (3, 6), (3, 5), (3, 4), (0, 1), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,afh,ibj,idk,ijk,ijkl,ijg,ilh->', t0, t4, t6, dA, t27, t28, t0, t4, t6, dA, t27, t28, optimize=[(3, 5), (7, 9), (0, 4), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
     t30 = torch.sqrt(torch.clamp(t29, min=0.0))
-    t31 = t0 @ G
-    t32 = t2 @ X
-    t33 = T @ X
-    t34 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t31, t32, t31, t32, optimize=[(0, 2), (0, 1), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,fbg,fdc,fgc,fgc,fge->', t31, t32, t0, t4, t6, A, t33, optimize=[(4, 5), (0, 2), (0, 2), (0, 3), (1, 2), (0, 1)]) + (-2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,fbg,fdh,fgh,fgh,fgc,fge->', t31, t32, t0, t4, t6, A, A, t33, optimize=[(4, 5), (3, 6), (0, 2), (1, 4), (0, 1), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ace,ace,acf,gbh,gde,ghe,ghe,ghf->', t0, t4, t6, A, t33, t0, t4, t6, A, t33, optimize=[(2, 3), (5, 6), (1, 4), (0, 2), (0, 1), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ace,ace,acf,gbh,gdi,ghi,ghi,ghe,ghf->', t0, t4, t6, A, t33, t0, t4, t6, A, A, t33, optimize=[(2, 3), (5, 6), (4, 8), (0, 3), (1, 3), (4, 5), (0, 3), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ace,ace,acf,acg,hbi,hdj,hij,hij,hif,hig->', t0, t4, t6, A, A, t33, t0, t4, t6, A, A, t33, optimize=[(2, 3), (6, 7), (1, 8), (4, 7), (0, 3), (0, 2), (4, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t35 = torch.sqrt(torch.clamp(t34, min=0.0))
+    t31 = t2 @ X
+    t32 = T @ X
+    t33 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ef,acf,acfg,ach,ibj,idk,kl,ijl,ijlg,ijh->', t0, t31, W_V, t6, dA, t32, t0, t31, W_V, t6, dA, t32, optimize=[(1, 2), (1, 2), (8, 9), (0, 2), (1, 2), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,ef,acf,acfg,ach,ibj,idh,ijg->', t0, t31, W_V, t6, dA, t32, t0, t31, G, optimize=[(3, 4), (0, 4), (0, 1), (0, 1), (3, 4), (1, 3), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,acf,gbh,gde,ghf->', t0, t31, G, t0, t31, G, optimize=[(1, 4), (0, 2), (0, 1), (1, 2), (0, 1)])
+    t34 = torch.sqrt(torch.clamp(t33, min=0.0))
+    t35 = t0 @ t3
     t36 = G.transpose(-1, -2)
-    t37 = W_V @ t36
-    t38 = X @ t37
-    t39 = t38 @ X
-    t40 = t0 @ t39
-    t41 = t0 @ t3
-    t42 = W_Q.transpose(-1, -2)
-    t43 = t42 @ t0
-    t44 = Y.transpose(-1, -2)
-    t45 = t44.sum(-2, keepdim=True)
-    t46 = t45.expand(*t45.shape[:-2], d_V, t45.shape[-1])
-    t47 = (n_batch**(-2)) * oe.contract('abc,dbc->', t40, t40, optimize=[(0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,dbe,dfg,deg,dge,dgc,def->', t40, t41, t43, t46, A, X, t15, optimize=[(3, 4), (0, 1), (0, 2), (1, 3), (0, 1), (0, 1)]) + (-2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,dbe,dfg,deg,dge,dgh,dgc,dhf->', t40, t41, t43, t46, A, A, X, t15, optimize=[(3, 4), (0, 1), (0, 3), (0, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aec,aef,acg,hbi,hdj,hij,hji,hjf,hig->', t41, t43, t46, A, X, t15, t41, t43, t46, A, X, t15, optimize=[(2, 3), (6, 7), (1, 5), (1, 4), (6, 7), (4, 6), (0, 2), (0, 1), (2, 3), (1, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aec,aef,acg,hbi,hdj,hij,hji,hjk,hjf,hkg->', t41, t43, t46, A, X, t15, t41, t43, t46, A, A, X, t15, optimize=[(2, 3), (6, 7), (6, 8), (4, 8), (1, 4), (1, 3), (5, 6), (1, 3), (0, 2), (2, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aec,aef,aeg,afh,ibj,idk,ijk,ikj,ikl,ikg,ilh->', t41, t43, t46, A, A, X, t15, t41, t43, t46, A, A, X, t15, optimize=[(2, 3), (7, 8), (2, 4), (5, 7), (0, 6), (2, 5), (0, 2), (0, 1), (4, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
+    t37 = W_Q.transpose(-1, -2)
+    t38 = t37 @ t0
+    t39 = Y.transpose(-1, -2)
+    t40 = t39.sum(-2, keepdim=True)
+    t41 = t40.expand(*t40.shape[:-2], d_V, t40.shape[-1])
+    t42 = (n_batch**(-2)) * oe.contract('abc,acd,ade,fbg,fgh,fhe->', t35, t36, X, t35, t36, X, optimize=[(0, 1), (1, 2), (0, 1), (0, 2), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,acd,ade,fbg,fhi,fgi,figj,fjh,fie->', t35, t36, X, t35, t38, t41, dA, t16, X, optimize=[(0, 1), (2, 5), (3, 6), (2, 5), (1, 4), (0, 1), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aecf,afg,aeh,ibj,idk,ijk,ikjl,ilg,ikh->', t35, t38, t41, dA, t16, X, t35, t38, t41, dA, t16, X, optimize=[(3, 4), (7, 8), (1, 5), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
+    t43 = torch.sqrt(torch.clamp(t42, min=0.0))
+    t44 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,afh,ibj,idk,ijk,ikjl,ikg,ilh->', t35, t38, t41, dA, t27, t28, t35, t38, t41, dA, t27, t28, optimize=[(3, 5), (7, 9), (1, 5), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
+    t45 = torch.sqrt(torch.clamp(t44, min=0.0))
+    t46 = t0 @ X
+    t47 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,aef,gbc,gdh,ghf->', t46, t38, G, t46, t38, G, optimize=[(0, 3), (0, 2), (0, 1), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,aef,gbh,gdi,hj,gji,gijf,gic->', t46, t38, G, t46, t38, W_V, t41, dA, t32, optimize=[(6, 7), (1, 4), (0, 4), (1, 5), (1, 4), (1, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,cf,afe,aefg,aeh,ibj,idk,jl,ilk,iklg,ikh->', t46, t38, W_V, t41, dA, t32, t46, t38, W_V, t41, dA, t32, optimize=[(0, 2), (1, 2), (8, 9), (0, 3), (1, 2), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
     t48 = torch.sqrt(torch.clamp(t47, min=0.0))
-    t49 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aec,aef,acg,hbi,hdj,hij,hji,hjf,hig->', t41, t43, t46, A, t27, t28, t41, t43, t46, A, t27, t28, optimize=[(2, 3), (6, 7), (1, 5), (1, 4), (6, 7), (4, 6), (0, 2), (0, 1), (2, 3), (1, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aec,aef,acg,hbi,hdj,hij,hji,hjk,hjf,hkg->', t41, t43, t46, A, t27, t28, t41, t43, t46, A, A, t27, t28, optimize=[(2, 3), (6, 7), (6, 8), (4, 8), (1, 4), (1, 3), (5, 6), (1, 3), (0, 2), (2, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aec,aef,aeg,afh,ibj,idk,ijk,ikj,ikl,ikg,ilh->', t41, t43, t46, A, A, t27, t28, t41, t43, t46, A, A, t27, t28, optimize=[(2, 3), (7, 8), (2, 4), (5, 7), (0, 6), (2, 5), (0, 2), (0, 1), (4, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t50 = torch.sqrt(torch.clamp(t49, min=0.0))
-    t51 = t0 @ X
-    t52 = t43 @ G
-    t53 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t51, t52, t51, t52, optimize=[(0, 2), (0, 1), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,fbe,fdg,feg,fge,fgc->', t51, t52, t41, t43, t46, A, t33, optimize=[(4, 5), (1, 3), (0, 2), (0, 3), (1, 2), (0, 1)]) + (-2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,fbg,fdh,fgh,fhg,fhe,fhc->', t51, t52, t41, t43, t46, A, A, t33, optimize=[(4, 5), (2, 6), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ace,aec,aef,gbc,gdh,gch,ghc,ghf->', t41, t43, t46, A, t33, t41, t43, t46, A, t33, optimize=[(2, 3), (5, 6), (0, 3), (0, 2), (0, 1), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ace,aec,aef,gbh,gdi,ghi,gih,gic,gif->', t41, t43, t46, A, t33, t41, t43, t46, A, A, t33, optimize=[(2, 3), (5, 6), (3, 8), (1, 3), (1, 3), (4, 5), (0, 3), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ace,aec,aef,aeg,hbi,hdj,hij,hji,hjf,hjg->', t41, t43, t46, A, A, t33, t41, t43, t46, A, A, t33, optimize=[(2, 3), (6, 7), (0, 8), (3, 7), (0, 3), (0, 2), (4, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t54 = torch.sqrt(torch.clamp(t53, min=0.0))
-    t55 = T.transpose(-1, -2)
-    t56 = t0 @ t55
-    t57 = t0 @ t14
-    t58 = t36 @ X
-    t59 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,adf,gbh,ghd,ghd,ghe,gdf->', t56, t6, A, X, t15, t56, t6, A, X, t15, optimize=[(1, 2), (4, 5), (2, 5), (0, 2), (0, 1), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,adf,gbh,ghd,ghd,ghi,ghe,gif->', t56, t6, A, X, t15, t56, t6, A, A, X, t15, optimize=[(1, 2), (4, 5), (4, 6), (0, 3), (0, 2), (4, 5), (0, 3), (1, 3), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,adf,gbf,gde->', t56, t6, A, X, t15, t57, t58, optimize=[(1, 2), (0, 3), (1, 4), (0, 1), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,acf,aeg,hbi,hid,hid,hij,hif,hjg->', t56, t6, A, A, X, t15, t56, t6, A, A, X, t15, optimize=[(1, 2), (5, 6), (1, 3), (3, 5), (0, 2), (0, 1), (4, 5), (0, 1), (2, 3), (0, 1), (0, 1)]) + (-2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,acf,aeg,hbg,hdf->', t56, t6, A, A, X, t15, t57, t58, optimize=[(1, 2), (1, 3), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t57, t58, t57, t58, optimize=[(0, 2), (0, 1), (0, 1)])
-    t60 = torch.sqrt(torch.clamp(t59, min=0.0))
-    t61 = t36 @ t27
-    t62 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t51, t61, t51, t61, optimize=[(0, 2), (0, 1), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,fbg,fgd,fgd,fge,fdc->', t51, t61, t56, t6, A, t27, t28, optimize=[(3, 4), (0, 2), (2, 4), (0, 1), (1, 2), (0, 1)]) + (-2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,fbg,fgd,fgd,fgh,fge,fhc->', t51, t61, t56, t6, A, A, t27, t28, optimize=[(3, 4), (3, 5), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,adf,gbh,ghd,ghd,ghe,gdf->', t56, t6, A, t27, t28, t56, t6, A, t27, t28, optimize=[(1, 2), (4, 5), (2, 5), (0, 2), (0, 1), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,adf,gbh,ghd,ghd,ghi,ghe,gif->', t56, t6, A, t27, t28, t56, t6, A, A, t27, t28, optimize=[(1, 2), (4, 5), (4, 6), (0, 3), (0, 2), (4, 5), (0, 3), (1, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,acf,aeg,hbi,hid,hid,hij,hif,hjg->', t56, t6, A, A, t27, t28, t56, t6, A, A, t27, t28, optimize=[(1, 2), (5, 6), (1, 3), (3, 5), (0, 2), (0, 1), (4, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t63 = torch.sqrt(torch.clamp(t62, min=0.0))
-    t64 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fge->', t56, t6, A, t33, t56, t6, A, t33, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fgd,fge->', t56, t6, A, t33, t56, t6, A, A, t33, optimize=[(1, 2), (3, 4), (3, 6), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,acf,gbh,ghd,ghd,ghe,ghf->', t56, t6, A, A, t33, t56, t6, A, A, t33, optimize=[(1, 2), (4, 5), (0, 3), (0, 2), (4, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t65 = torch.sqrt(torch.clamp(t64, min=0.0))
-    return (t17, t30, t35, t48, t50, t54, t60, t63, t65,)
+    t49 = t36 @ X
+    t50 = T.transpose(-1, -2)
+    t51 = (1/(d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, t15, t49, t0, t15, t49, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghi,gie,giej,gif,gjd->', t0, t15, t49, t0, t50, t6, dA, X, t16, optimize=[(5, 6), (0, 3), (0, 4), (4, 5), (0, 2), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,adg,afh,ibj,ijk,ike,ikel,ikg,ilh->', t0, t50, t6, dA, X, t16, t0, t50, t6, dA, X, t16, optimize=[(2, 3), (6, 7), (0, 4), (1, 4), (0, 6), (1, 6), (4, 5), (0, 2), (0, 1), (1, 2), (0, 1)])
+    t52 = torch.sqrt(torch.clamp(t51, min=0.0))
+    t53 = t36 @ t27
+    t54 = (1/(d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, X, t53, t0, X, t53, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghi,gie,giej,gif,gjd->', t0, X, t53, t0, t50, t6, dA, t27, t28, optimize=[(5, 6), (0, 3), (0, 4), (4, 5), (0, 2), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,adg,afh,ibj,ijk,ike,ikel,ikg,ilh->', t0, t50, t6, dA, t27, t28, t0, t50, t6, dA, t27, t28, optimize=[(2, 3), (6, 7), (0, 4), (1, 4), (0, 6), (1, 6), (4, 5), (0, 2), (0, 1), (1, 2), (0, 1)])
+    t55 = torch.sqrt(torch.clamp(t54, min=0.0))
+    t56 = t0 @ t50
+    t57 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t56, t6, dA, t32, t56, t6, dA, t32, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
+    t58 = torch.sqrt(torch.clamp(t57, min=0.0))
+    return (t18, t30, t34, t43, t45, t48, t52, t55, t58,)
 
 
 def ce_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -7598,18 +8178,17 @@ def ce_causal0__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t11 = T @ t4
     t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A = t12 / t12.sum(-1, keepdim=True)
-    t13 = W_V.transpose(-1, -2)
-    t14 = t13 @ t1
-    t15 = X @ W_K
-    t16 = t14 @ t15
-    t17 = (1/(L*d_K*n_batch)) * t1
-    t18 = oe.contract('abc,adc,adc,acb->bad', t5, t7, A, t16, optimize=[(0, 3), (0, 1), (0, 1)])
-    t19 = oe.contract('abc,acb->bac', t17, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t18, t19, optimize=[(0, 1)])
-    t20 = (-1/(L*d_K*n_batch)) * t1
-    t21 = oe.contract('abc,adc,adc,ade,aeb->bad', t5, t7, A, A, t16, optimize=[(1, 2), (1, 2), (0, 1), (0, 1)])
-    t22 = oe.contract('abc,acb->bac', t20, X, optimize=[(0, 1)])
-    t0 += oe.contract('abc,dbc->da', t21, t22, optimize=[(0, 1)])
+    t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t14 = W_V.transpose(-1, -2)
+    t15 = t14 @ t1
+    t16 = X @ W_K
+    t17 = t15 @ t16
+    t18 = (1/(L*d_K*n_batch)) * t1
+    t19 = oe.contract('abc,adc,adce,aeb->bad', t5, t7, dA, t17, optimize=[(0, 1), (0, 1), (0, 1)])
+    t20 = oe.contract('abc,acb->bac', t18, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -7633,11 +8212,14 @@ def ce_causal0__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     t10 = T @ t3
     t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
     A = t11 / t11.sum(-1, keepdim=True)
-    t12 = W_V.transpose(-1, -2)
-    t13 = t12 @ t0
-    t14 = X @ W_K
-    t15 = t13 @ t14
-    return (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,ace,acb,aed->', t0, t4, t6, A, X, t15, optimize=[(2, 3), (0, 2), (0, 1), (0, 2), (0, 1)]) + (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,ace,acf,acb,afd->', t0, t4, t6, A, A, X, t15, optimize=[(2, 3), (0, 3), (0, 2), (0, 3), (0, 2), (0, 1)])
+    t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t13 = W_V.transpose(-1, -2)
+    t14 = t13 @ t0
+    t15 = X @ W_K
+    t16 = t14 @ t15
+    return (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,acef,acb,afd->', t0, t4, t6, dA, X, t16, optimize=[(0, 4), (0, 3), (1, 3), (0, 2), (0, 1)])
 
 
 def ce_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -7662,16 +8244,17 @@ def ce_causal0__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t11 = T @ t4
     t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A = t12 / t12.sum(-1, keepdim=True)
-    t13 = W_V.transpose(-1, -2)
-    t14 = t13 @ t1
-    t15 = X @ W_K
-    t16 = t14 @ t15
-    t17 = (1/(L*d_K*n_batch)) * t1
-    t0[...] = oe.contract('abc,ade,ace,ace,acf,aeg->bdfg', t17, t5, t7, A, X, t16, optimize=[(2, 3), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t18 = (-1/(L*d_K*n_batch)) * t1
-    t19 = oe.contract('abc,acd,ace,adf->befac', t18, A, X, t16, optimize=[(0, 2), (0, 1), (0, 1)])
-    t20 = oe.contract('abc,adc,adc->bad', t5, t7, A, optimize=[(1, 2), (0, 1)])
-    t0 += oe.contract('abcde,fde->afbc', t19, t20, optimize=[(0, 1)])
+    t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t14 = W_V.transpose(-1, -2)
+    t15 = t14 @ t1
+    t16 = X @ W_K
+    t17 = t15 @ t16
+    t18 = (1/(L*d_K*n_batch)) * t1
+    t19 = oe.contract('abc,adc,adce,aef->bfad', t5, t7, dA, t17, optimize=[(0, 1), (0, 1), (0, 1)])
+    t20 = oe.contract('abc,acd->bdac', t18, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -7695,13 +8278,16 @@ def ce_causal0__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t10 = T @ t3
     t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
     A = t11 / t11.sum(-1, keepdim=True)
-    t12 = W_V.transpose(-1, -2)
-    t13 = t12 @ t0
-    t14 = X @ W_K
-    t15 = t13 @ t14
-    t16 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,ace,acf,aeg,hbi,hdj,hij,hij,hif,hjg->', t0, t4, t6, A, X, t15, t0, t4, t6, A, X, t15, optimize=[(2, 3), (6, 7), (0, 4), (1, 4), (6, 7), (4, 6), (0, 2), (0, 1), (2, 3), (1, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,ace,acf,aeg,hbi,hdj,hij,hij,hik,hif,hkg->', t0, t4, t6, A, X, t15, t0, t4, t6, A, A, X, t15, optimize=[(2, 3), (6, 7), (6, 8), (5, 8), (0, 4), (1, 3), (5, 6), (1, 3), (0, 2), (2, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,ace,acf,acg,afh,ibj,idk,ijk,ijk,ijl,ijg,ilh->', t0, t4, t6, A, A, X, t15, t0, t4, t6, A, A, X, t15, optimize=[(2, 3), (7, 8), (2, 4), (5, 7), (1, 6), (3, 5), (0, 2), (0, 1), (4, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
-    return t17
+    t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t13 = W_V.transpose(-1, -2)
+    t14 = t13 @ t0
+    t15 = X @ W_K
+    t16 = t14 @ t15
+    t17 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,afh,ibj,idk,ijk,ijkl,ijg,ilh->', t0, t4, t6, dA, X, t16, t0, t4, t6, dA, X, t16, optimize=[(3, 5), (7, 9), (0, 4), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
+    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
+    return t18
 
 
 def ce_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -7737,23 +8323,22 @@ def ce_causal0__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t18 = t17 @ t2
     t19 = G @ t18
     t20 = t19 @ X
-    t21 = t2 @ t20
-    t22 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t23 = (1/(math.sqrt(d_K)*n_batch)) * t22
-    t1 += oe.contract('abc,d->bcd', t21, t23, optimize=[(0, 1)])
+    t21 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t22 = (1/(math.sqrt(d_K)*n_batch)) * t21
+    t23 = oe.contract('abc,acd->bd', t2, t20, optimize=[(0, 1)])
+    t1 += oe.contract('a,bc->bca', t22, t23, optimize=[(0, 1)])
     t24 = t6 @ t10
     t25 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A26 = t25 / t25.sum(-1, keepdim=True)
-    t27 = X @ W_Q
-    t28 = t18 @ X
-    t29 = (1/(L*d_K*n_batch)) * t2
-    t30 = oe.contract('abc,acd->bdac', t29, t27, optimize=[(0, 1)])
-    t31 = oe.contract('abc,adc,adc,ace->bead', t24, t4, A26, t28, optimize=[(1, 2), (0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t30, t31, optimize=[(0, 1)])
-    t32 = (-1/(L*d_K*n_batch)) * t2
-    t33 = oe.contract('abc,acd,ace,adf->bfeac', t32, A26, t27, t28, optimize=[(0, 2), (0, 1), (0, 1)])
-    t34 = oe.contract('abc,adc,adc->bad', t24, t4, A26, optimize=[(1, 2), (0, 1)])
-    t0 += oe.contract('abcde,fde->afbc', t33, t34, optimize=[(0, 1)])
+    t27 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A26, t27, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A26, A26, optimize=[(0, 1)])
+    t28 = X @ W_Q
+    t29 = t18 @ X
+    t30 = (1/(L*d_K*n_batch)) * t2
+    t31 = oe.contract('abc,acd->bdac', t30, t28, optimize=[(0, 1)])
+    t32 = oe.contract('abc,adc,adce,aef->bfad', t24, t4, dA, t29, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t31, t32, optimize=[(0, 1)])
     return out
 
 
@@ -7786,13 +8371,15 @@ def ce_causal0__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t16 = t15 @ t0
     t17 = G @ t16
     t18 = t17 @ X
-    t19 = t0 @ t18
-    t20 = t4 @ t8
-    t21 = torch.exp(t9 - t9.amax(-1, keepdim=True))
-    A22 = t21 / t21.sum(-1, keepdim=True)
+    t19 = t4 @ t8
+    t20 = torch.exp(t9 - t9.amax(-1, keepdim=True))
+    A21 = t20 / t20.sum(-1, keepdim=True)
+    t22 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A21, t22, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A21, A21, optimize=[(0, 1)])
     t23 = X @ W_Q
     t24 = t16 @ X
-    t25 = (n_batch**(-2)) * oe.contract('abc,dbc->', t19, t19, optimize=[(0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,dbe,dfg,deg,deg,def,dgc->', t19, t0, t20, t2, A22, t23, t24, optimize=[(3, 4), (0, 1), (0, 1), (1, 3), (0, 1), (0, 1)]) + (-2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,dbe,dfg,deg,deg,deh,def,dhc->', t19, t0, t20, t2, A22, A22, t23, t24, optimize=[(3, 4), (0, 1), (0, 2), (2, 4), (0, 1), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,ace,acf,aeg,hbi,hdj,hij,hij,hif,hjg->', t0, t20, t2, A22, t23, t24, t0, t20, t2, A22, t23, t24, optimize=[(2, 3), (6, 7), (0, 4), (1, 4), (6, 7), (4, 6), (0, 2), (0, 1), (2, 3), (1, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,ace,acf,aeg,hbi,hdj,hij,hij,hik,hif,hkg->', t0, t20, t2, A22, t23, t24, t0, t20, t2, A22, A22, t23, t24, optimize=[(2, 3), (6, 7), (6, 8), (5, 8), (0, 4), (1, 3), (5, 6), (1, 3), (0, 2), (2, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,ace,acf,acg,afh,ibj,idk,ijk,ijk,ijl,ijg,ilh->', t0, t20, t2, A22, A22, t23, t24, t0, t20, t2, A22, A22, t23, t24, optimize=[(2, 3), (7, 8), (2, 4), (5, 7), (1, 6), (3, 5), (0, 2), (0, 1), (4, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
+    t25 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t0, t18, t0, t18, optimize=[(0, 1), (0, 1), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,acd,ebf,egh,efh,efhi,efg,eid->', t0, t18, t0, t19, t2, dA, t23, t24, optimize=[(3, 6), (3, 6), (3, 5), (3, 4), (0, 1), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,afh,ibj,idk,ijk,ijkl,ijg,ilh->', t0, t19, t2, dA, t23, t24, t0, t19, t2, dA, t23, t24, optimize=[(3, 5), (7, 9), (0, 4), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
     t26 = torch.sqrt(torch.clamp(t25, min=0.0))
     return t26
 
@@ -7806,38 +8393,39 @@ def ce_causal0__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     out = torch.empty((d_K*d_V, d_V**2), dtype=X.dtype, device=X.device)
     t0 = out.view((d_V, d_K, d_V, d_V))
     t1 = X.transpose(-1, -2)
-    t2 = Y.sum(-1, keepdim=True)
-    t3 = t2.expand(*t2.shape[:-1], d_V)
-    t4 = W_K.transpose(-1, -2)
-    t5 = t4 @ t1
-    t6 = W_Q @ t5
-    t7 = X @ t6
-    t8 = (1/math.sqrt(d_K)) * t7
-    T = t8
-    t9 = X @ W_V
-    t10 = T @ t9
-    F = t10
-    t11 = torch.exp(F - F.amax(-1, keepdim=True))
-    A = t11 / t11.sum(-1, keepdim=True)
-    t12 = t3 * A
-    t13 = (1/L) * t12
-    t14 = (-1/L) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = t1 @ G
-    t17 = t5 @ X
-    t18 = (1/(math.sqrt(d_K)*n_batch)) * t16
-    t0[...] = oe.contract('abc,ade->bdec', t18, t17, optimize=[(0, 1)])
-    t19 = t5 @ t9
-    t20 = torch.exp(t10 - t10.amax(-1, keepdim=True))
-    A21 = t20 / t20.sum(-1, keepdim=True)
-    t22 = T @ X
-    t23 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t0 += oe.contract('abc,ade,ace,ace,acf->bdfe', t23, t19, t3, A21, t22, optimize=[(2, 3), (0, 2), (1, 2), (0, 1)])
-    t24 = (-1/(L*math.sqrt(d_K)*n_batch)) * t1
-    t25 = oe.contract('abc,acd,ace->bedac', t24, A21, t22, optimize=[(0, 1), (0, 1)])
-    t26 = oe.contract('abc,adc,adc->bad', t19, t3, A21, optimize=[(1, 2), (0, 1)])
-    t0 += oe.contract('abcde,fde->afbc', t25, t26, optimize=[(0, 1)])
+    t2 = W_K.transpose(-1, -2)
+    t3 = t2 @ t1
+    t4 = t3 @ X
+    t5 = Y.sum(-1, keepdim=True)
+    t6 = t5.expand(*t5.shape[:-1], d_V)
+    t7 = W_Q @ t3
+    t8 = X @ t7
+    t9 = (1/math.sqrt(d_K)) * t8
+    T = t9
+    t10 = X @ W_V
+    t11 = T @ t10
+    t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
+    A = t12 / t12.sum(-1, keepdim=True)
+    t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t14 = T @ X
+    t15 = (1/(L*math.sqrt(d_K)*n_batch)) * t1
+    t16 = oe.contract('abc,cd,aed,aedf->bfae', t4, W_V, t6, dA, optimize=[(2, 3), (0, 1), (0, 1)])
+    t17 = oe.contract('abc,acd->bdac', t15, t14, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
+    F = t11
+    t18 = torch.exp(F - F.amax(-1, keepdim=True))
+    A19 = t18 / t18.sum(-1, keepdim=True)
+    t20 = t6 * A19
+    t21 = (1/L) * t20
+    t22 = (-1/L) * Y
+    t23 = t21 + t22
+    G = t23
+    t24 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t25 = oe.contract('abc,acd->bda', t24, G, optimize=[(0, 1)])
+    t26 = oe.contract('abc->bca', t4, optimize=[(0,)])
+    t0 += oe.contract('abc,dec->adeb', t25, t26, optimize=[(0, 1)])
     return out
 
 
@@ -7848,33 +8436,34 @@ def ce_causal0__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     t0 = X.transpose(-1, -2)
-    t1 = Y.sum(-1, keepdim=True)
-    t2 = t1.expand(*t1.shape[:-1], d_V)
-    t3 = W_K.transpose(-1, -2)
-    t4 = t3 @ t0
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    T = t7
-    t8 = X @ W_V
-    t9 = T @ t8
-    F = t9
-    t10 = torch.exp(F - F.amax(-1, keepdim=True))
-    A = t10 / t10.sum(-1, keepdim=True)
-    t11 = t2 * A
-    t12 = (1/L) * t11
-    t13 = (-1/L) * Y
-    t14 = t12 + t13
-    G = t14
-    t15 = t0 @ G
-    t16 = t4 @ X
-    t17 = t4 @ t8
-    t18 = torch.exp(t9 - t9.amax(-1, keepdim=True))
-    A19 = t18 / t18.sum(-1, keepdim=True)
-    t20 = T @ X
-    t21 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t15, t16, t15, t16, optimize=[(0, 2), (0, 1), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,fbg,fdc,fgc,fgc,fge->', t15, t16, t0, t17, t2, A19, t20, optimize=[(4, 5), (0, 2), (0, 2), (0, 3), (1, 2), (0, 1)]) + (-2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,fbg,fdh,fgh,fgh,fgc,fge->', t15, t16, t0, t17, t2, A19, A19, t20, optimize=[(4, 5), (3, 6), (0, 2), (1, 4), (0, 1), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ace,ace,acf,gbh,gde,ghe,ghe,ghf->', t0, t17, t2, A19, t20, t0, t17, t2, A19, t20, optimize=[(2, 3), (5, 6), (1, 4), (0, 2), (0, 1), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ace,ace,acf,gbh,gdi,ghi,ghi,ghe,ghf->', t0, t17, t2, A19, t20, t0, t17, t2, A19, A19, t20, optimize=[(2, 3), (5, 6), (4, 8), (0, 3), (1, 3), (4, 5), (0, 3), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ace,ace,acf,acg,hbi,hdj,hij,hij,hif,hig->', t0, t17, t2, A19, A19, t20, t0, t17, t2, A19, A19, t20, optimize=[(2, 3), (6, 7), (1, 8), (4, 7), (0, 3), (0, 2), (4, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
-    return t22
+    t1 = W_K.transpose(-1, -2)
+    t2 = t1 @ t0
+    t3 = t2 @ X
+    t4 = Y.sum(-1, keepdim=True)
+    t5 = t4.expand(*t4.shape[:-1], d_V)
+    t6 = W_Q @ t2
+    t7 = X @ t6
+    t8 = (1/math.sqrt(d_K)) * t7
+    T = t8
+    t9 = X @ W_V
+    t10 = T @ t9
+    t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
+    A = t11 / t11.sum(-1, keepdim=True)
+    t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t13 = T @ X
+    F = t10
+    t14 = torch.exp(F - F.amax(-1, keepdim=True))
+    A15 = t14 / t14.sum(-1, keepdim=True)
+    t16 = t5 * A15
+    t17 = (1/L) * t16
+    t18 = (-1/L) * Y
+    t19 = t17 + t18
+    G = t19
+    t20 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ef,acf,acfg,ach,ibj,idk,kl,ijl,ijlg,ijh->', t0, t3, W_V, t5, dA, t13, t0, t3, W_V, t5, dA, t13, optimize=[(1, 2), (1, 2), (8, 9), (0, 2), (1, 2), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,ef,acf,acfg,ach,ibj,idh,ijg->', t0, t3, W_V, t5, dA, t13, t0, t3, G, optimize=[(3, 4), (0, 4), (0, 1), (0, 1), (3, 4), (1, 3), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,acf,gbh,gde,ghf->', t0, t3, G, t0, t3, G, optimize=[(1, 4), (0, 2), (0, 1), (1, 2), (0, 1)])
+    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
+    return t21
 
 
 def ce_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -7902,14 +8491,15 @@ def ce_causal0__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t14 = T @ t2
     t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
     A = t15 / t15.sum(-1, keepdim=True)
-    t16 = X @ W_Q
-    t17 = W_V.transpose(-1, -2)
-    t18 = t17 @ t1
-    t19 = t18 @ X
-    t20 = (1/(L*d_K*n_batch)) * t5
-    t0[...] = oe.contract('abc,ade,ace,aec,aed,acb->bd', t3, t20, t8, A, t16, t19, optimize=[(2, 3), (1, 2), (0, 1), (0, 2), (0, 1)])
-    t21 = (-1/(L*d_K*n_batch)) * t5
-    t0 += oe.contract('abc,ade,ace,aec,aef,aed,afb->bd', t3, t21, t8, A, A, t16, t19, optimize=[(2, 3), (1, 3), (1, 2), (0, 1), (1, 2), (0, 1)])
+    t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t17 = X @ W_Q
+    t18 = W_V.transpose(-1, -2)
+    t19 = t18 @ t1
+    t20 = t19 @ X
+    t21 = (1/(L*d_K*n_batch)) * t5
+    t0[...] = oe.contract('abc,ade,ace,aecf,aed,afb->bd', t3, t21, t8, dA, t17, t20, optimize=[(1, 4), (2, 3), (0, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -7936,11 +8526,14 @@ def ce_causal0__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     t13 = T @ t1
     t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
     A = t14 / t14.sum(-1, keepdim=True)
-    t15 = X @ W_Q
-    t16 = W_V.transpose(-1, -2)
-    t17 = t16 @ t0
-    t18 = t17 @ X
-    return (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,aec,aed,acb->', t2, t4, t7, A, t15, t18, optimize=[(2, 3), (1, 2), (0, 1), (0, 2), (0, 1)]) + (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,aec,aef,aed,afb->', t2, t4, t7, A, A, t15, t18, optimize=[(2, 3), (1, 3), (0, 2), (0, 3), (0, 2), (0, 1)])
+    t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t16 = X @ W_Q
+    t17 = W_V.transpose(-1, -2)
+    t18 = t17 @ t0
+    t19 = t18 @ X
+    return (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ace,aecf,aed,afb->', t2, t4, t7, dA, t16, t19, optimize=[(1, 4), (0, 3), (1, 3), (0, 2), (0, 1)])
 
 
 def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -7954,50 +8547,47 @@ def ce_causal0__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t0 = out.view((d_V, d_K, d_V, d_K))
     t1 = t0.diagonal(0, 1, 3)
     t2 = X.transpose(-1, -2)
-    t3 = Y.sum(-1, keepdim=True)
-    t4 = t3.expand(*t3.shape[:-1], d_V)
-    t5 = W_K.transpose(-1, -2)
-    t6 = t5 @ t2
-    t7 = W_Q @ t6
-    t8 = X @ t7
-    t9 = (1/math.sqrt(d_K)) * t8
-    T = t9
-    t10 = X @ W_V
-    t11 = T @ t10
-    F = t11
-    t12 = torch.exp(F - F.amax(-1, keepdim=True))
-    A = t12 / t12.sum(-1, keepdim=True)
-    t13 = t4 * A
-    t14 = (1/L) * t13
-    t15 = (-1/L) * Y
-    t16 = t14 + t15
-    G = t16
-    t17 = G.transpose(-1, -2)
-    t18 = W_V @ t17
-    t19 = X @ t18
-    t20 = t19 @ X
-    t21 = t2 @ t20
-    t22 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t23 = (1/(math.sqrt(d_K)*n_batch)) * t22
-    t1 += oe.contract('abc,d->bcd', t21, t23, optimize=[(0, 1)])
-    t24 = t2 @ t10
-    t25 = W_Q.transpose(-1, -2)
-    t26 = t25 @ t2
-    t27 = Y.transpose(-1, -2)
-    t28 = t27.sum(-2, keepdim=True)
-    t29 = t28.expand(*t28.shape[:-2], d_V, t28.shape[-1])
-    t30 = torch.exp(t11 - t11.amax(-1, keepdim=True))
-    A31 = t30 / t30.sum(-1, keepdim=True)
-    t32 = W_V.transpose(-1, -2)
-    t33 = t32 @ t2
-    t34 = X @ W_K
-    t35 = t33 @ t34
-    t36 = (1/(L*d_K*n_batch)) * t26
-    t0 += oe.contract('abc,ade,ace,aec,aef,acg->bdfg', t24, t36, t29, A31, X, t35, optimize=[(2, 3), (0, 4), (2, 3), (0, 1), (0, 1)])
-    t37 = (-1/(L*d_K*n_batch)) * t26
-    t38 = oe.contract('abc,acd,ace,adf->befac', t37, A31, X, t35, optimize=[(0, 2), (0, 1), (0, 1)])
-    t39 = oe.contract('abc,acd,adc->bad', t24, t29, A31, optimize=[(1, 2), (0, 1)])
-    t0 += oe.contract('abcde,fde->fabc', t38, t39, optimize=[(0, 1)])
+    t3 = X @ W_V
+    t4 = t2 @ t3
+    t5 = Y.sum(-1, keepdim=True)
+    t6 = t5.expand(*t5.shape[:-1], d_V)
+    t7 = W_K.transpose(-1, -2)
+    t8 = t7 @ t2
+    t9 = W_Q @ t8
+    t10 = X @ t9
+    t11 = (1/math.sqrt(d_K)) * t10
+    T = t11
+    t12 = T @ t3
+    F = t12
+    t13 = torch.exp(F - F.amax(-1, keepdim=True))
+    A = t13 / t13.sum(-1, keepdim=True)
+    t14 = t6 * A
+    t15 = (1/L) * t14
+    t16 = (-1/L) * Y
+    t17 = t15 + t16
+    G = t17
+    t18 = G.transpose(-1, -2)
+    t19 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t20 = (1/(math.sqrt(d_K)*n_batch)) * t19
+    t1 += oe.contract('abc,acd,ade,f->bef', t4, t18, X, t20, optimize=[(0, 1), (0, 2), (0, 1)])
+    t21 = W_Q.transpose(-1, -2)
+    t22 = t21 @ t2
+    t23 = Y.transpose(-1, -2)
+    t24 = t23.sum(-2, keepdim=True)
+    t25 = t24.expand(*t24.shape[:-2], d_V, t24.shape[-1])
+    t26 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A27 = t26 / t26.sum(-1, keepdim=True)
+    t28 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A27, t28, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A27, A27, optimize=[(0, 1)])
+    t29 = W_V.transpose(-1, -2)
+    t30 = t29 @ t2
+    t31 = X @ W_K
+    t32 = t30 @ t31
+    t33 = (1/(L*d_K*n_batch)) * t22
+    t34 = oe.contract('abc,acd,adce,aef->bfad', t4, t25, dA, t32, optimize=[(0, 1), (0, 1), (0, 1)])
+    t35 = oe.contract('abc,acd->bdac', t33, X, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t34, t35, optimize=[(0, 1)])
     return out
 
 
@@ -8008,44 +8598,43 @@ def ce_causal0__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     t0 = X.transpose(-1, -2)
-    t1 = Y.sum(-1, keepdim=True)
-    t2 = t1.expand(*t1.shape[:-1], d_V)
-    t3 = W_K.transpose(-1, -2)
-    t4 = t3 @ t0
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    T = t7
-    t8 = X @ W_V
-    t9 = T @ t8
-    F = t9
-    t10 = torch.exp(F - F.amax(-1, keepdim=True))
-    A = t10 / t10.sum(-1, keepdim=True)
-    t11 = t2 * A
-    t12 = (1/L) * t11
-    t13 = (-1/L) * Y
-    t14 = t12 + t13
-    G = t14
-    t15 = G.transpose(-1, -2)
-    t16 = W_V @ t15
-    t17 = X @ t16
-    t18 = t17 @ X
-    t19 = t0 @ t18
-    t20 = t0 @ t8
-    t21 = W_Q.transpose(-1, -2)
-    t22 = t21 @ t0
-    t23 = Y.transpose(-1, -2)
-    t24 = t23.sum(-2, keepdim=True)
-    t25 = t24.expand(*t24.shape[:-2], d_V, t24.shape[-1])
-    t26 = torch.exp(t9 - t9.amax(-1, keepdim=True))
-    A27 = t26 / t26.sum(-1, keepdim=True)
-    t28 = W_V.transpose(-1, -2)
-    t29 = t28 @ t0
-    t30 = X @ W_K
-    t31 = t29 @ t30
-    t32 = (n_batch**(-2)) * oe.contract('abc,dbc->', t19, t19, optimize=[(0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,dbe,dfg,deg,dge,dgc,def->', t19, t20, t22, t25, A27, X, t31, optimize=[(3, 4), (0, 1), (0, 2), (1, 3), (0, 1), (0, 1)]) + (-2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,dbe,dfg,deg,dge,dgh,dgc,dhf->', t19, t20, t22, t25, A27, A27, X, t31, optimize=[(3, 4), (0, 1), (0, 3), (0, 4), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aec,aef,acg,hbi,hdj,hij,hji,hjf,hig->', t20, t22, t25, A27, X, t31, t20, t22, t25, A27, X, t31, optimize=[(2, 3), (6, 7), (1, 5), (1, 4), (6, 7), (4, 6), (0, 2), (0, 1), (2, 3), (1, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aec,aef,acg,hbi,hdj,hij,hji,hjk,hjf,hkg->', t20, t22, t25, A27, X, t31, t20, t22, t25, A27, A27, X, t31, optimize=[(2, 3), (6, 7), (6, 8), (4, 8), (1, 4), (1, 3), (5, 6), (1, 3), (0, 2), (2, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aec,aef,aeg,afh,ibj,idk,ijk,ikj,ikl,ikg,ilh->', t20, t22, t25, A27, A27, X, t31, t20, t22, t25, A27, A27, X, t31, optimize=[(2, 3), (7, 8), (2, 4), (5, 7), (0, 6), (2, 5), (0, 2), (0, 1), (4, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t33 = torch.sqrt(torch.clamp(t32, min=0.0))
-    return t33
+    t1 = X @ W_V
+    t2 = t0 @ t1
+    t3 = Y.sum(-1, keepdim=True)
+    t4 = t3.expand(*t3.shape[:-1], d_V)
+    t5 = W_K.transpose(-1, -2)
+    t6 = t5 @ t0
+    t7 = W_Q @ t6
+    t8 = X @ t7
+    t9 = (1/math.sqrt(d_K)) * t8
+    T = t9
+    t10 = T @ t1
+    F = t10
+    t11 = torch.exp(F - F.amax(-1, keepdim=True))
+    A = t11 / t11.sum(-1, keepdim=True)
+    t12 = t4 * A
+    t13 = (1/L) * t12
+    t14 = (-1/L) * Y
+    t15 = t13 + t14
+    G = t15
+    t16 = G.transpose(-1, -2)
+    t17 = W_Q.transpose(-1, -2)
+    t18 = t17 @ t0
+    t19 = Y.transpose(-1, -2)
+    t20 = t19.sum(-2, keepdim=True)
+    t21 = t20.expand(*t20.shape[:-2], d_V, t20.shape[-1])
+    t22 = torch.exp(t10 - t10.amax(-1, keepdim=True))
+    A23 = t22 / t22.sum(-1, keepdim=True)
+    t24 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A23, t24, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A23, A23, optimize=[(0, 1)])
+    t25 = W_V.transpose(-1, -2)
+    t26 = t25 @ t0
+    t27 = X @ W_K
+    t28 = t26 @ t27
+    t29 = (n_batch**(-2)) * oe.contract('abc,acd,ade,fbg,fgh,fhe->', t2, t16, X, t2, t16, X, optimize=[(0, 1), (1, 2), (0, 1), (0, 2), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,acd,ade,fbg,fhi,fgi,figj,fjh,fie->', t2, t16, X, t2, t18, t21, dA, t28, X, optimize=[(0, 1), (2, 5), (3, 6), (2, 5), (1, 4), (0, 1), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aecf,afg,aeh,ibj,idk,ijk,ikjl,ilg,ikh->', t2, t18, t21, dA, t28, X, t2, t18, t21, dA, t28, X, optimize=[(3, 4), (7, 8), (1, 5), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
+    t30 = torch.sqrt(torch.clamp(t29, min=0.0))
+    return t30
 
 
 def ce_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -8073,18 +8662,17 @@ def ce_causal0__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t14 = T @ t2
     t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
     A = t15 / t15.sum(-1, keepdim=True)
-    t16 = X @ W_Q
-    t17 = W_V.transpose(-1, -2)
-    t18 = t17 @ t1
-    t19 = t18 @ X
-    t20 = (1/(L*d_K*n_batch)) * t5
-    t21 = oe.contract('abc,acd->bdac', t20, t16, optimize=[(0, 1)])
-    t22 = oe.contract('abc,acd,adc,ace->bead', t3, t8, A, t19, optimize=[(1, 2), (0, 1), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
-    t23 = (-1/(L*d_K*n_batch)) * t5
-    t24 = oe.contract('abc,acd,ace,adf->bfeac', t23, A, t16, t19, optimize=[(0, 2), (0, 1), (0, 1)])
-    t25 = oe.contract('abc,acd,adc->bad', t3, t8, A, optimize=[(1, 2), (0, 1)])
-    t0 += oe.contract('abcde,fde->fabc', t24, t25, optimize=[(0, 1)])
+    t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t17 = X @ W_Q
+    t18 = W_V.transpose(-1, -2)
+    t19 = t18 @ t1
+    t20 = t19 @ X
+    t21 = (1/(L*d_K*n_batch)) * t5
+    t22 = oe.contract('abc,acd->bdac', t21, t17, optimize=[(0, 1)])
+    t23 = oe.contract('abc,acd,adce,aef->bfad', t3, t8, dA, t20, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -8111,13 +8699,16 @@ def ce_causal0__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t13 = T @ t1
     t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
     A = t14 / t14.sum(-1, keepdim=True)
-    t15 = X @ W_Q
-    t16 = W_V.transpose(-1, -2)
-    t17 = t16 @ t0
-    t18 = t17 @ X
-    t19 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aec,aef,acg,hbi,hdj,hij,hji,hjf,hig->', t2, t4, t7, A, t15, t18, t2, t4, t7, A, t15, t18, optimize=[(2, 3), (6, 7), (1, 5), (1, 4), (6, 7), (4, 6), (0, 2), (0, 1), (2, 3), (1, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aec,aef,acg,hbi,hdj,hij,hji,hjk,hjf,hkg->', t2, t4, t7, A, t15, t18, t2, t4, t7, A, A, t15, t18, optimize=[(2, 3), (6, 7), (6, 8), (4, 8), (1, 4), (1, 3), (5, 6), (1, 3), (0, 2), (2, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aec,aef,aeg,afh,ibj,idk,ijk,ikj,ikl,ikg,ilh->', t2, t4, t7, A, A, t15, t18, t2, t4, t7, A, A, t15, t18, optimize=[(2, 3), (7, 8), (2, 4), (5, 7), (0, 6), (2, 5), (0, 2), (0, 1), (4, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
-    return t20
+    t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t16 = X @ W_Q
+    t17 = W_V.transpose(-1, -2)
+    t18 = t17 @ t0
+    t19 = t18 @ X
+    t20 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,afh,ibj,idk,ijk,ikjl,ikg,ilh->', t2, t4, t7, dA, t16, t19, t2, t4, t7, dA, t16, t19, optimize=[(3, 5), (7, 9), (1, 5), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
+    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
+    return t21
 
 
 def ce_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -8131,10 +8722,59 @@ def ce_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t1 = X.transpose(-1, -2)
     t2 = t1 @ X
     t3 = W_Q.transpose(-1, -2)
+    t4 = t3 @ t1
+    t5 = Y.sum(-1, keepdim=True)
+    t6 = t5.expand(*t5.shape[:-1], d_V)
+    t7 = W_K.transpose(-1, -2)
+    t8 = t7 @ t1
+    t9 = W_Q @ t8
+    t10 = X @ t9
+    t11 = (1/math.sqrt(d_K)) * t10
+    T = t11
+    t12 = X @ W_V
+    t13 = T @ t12
+    F = t13
+    t14 = torch.exp(F - F.amax(-1, keepdim=True))
+    A = t14 / t14.sum(-1, keepdim=True)
+    t15 = t6 * A
+    t16 = (1/L) * t15
+    t17 = (-1/L) * Y
+    t18 = t16 + t17
+    G = t18
+    t19 = (1/(math.sqrt(d_K)*n_batch)) * t4
+    t20 = oe.contract('abc,acd->bda', t19, G, optimize=[(0, 1)])
+    t21 = oe.contract('abc->bca', t2, optimize=[(0,)])
+    t0[...] = oe.contract('abc,dec->daeb', t20, t21, optimize=[(0, 1)])
+    t22 = Y.transpose(-1, -2)
+    t23 = t22.sum(-2, keepdim=True)
+    t24 = t23.expand(*t23.shape[:-2], d_V, t23.shape[-1])
+    t25 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    A26 = t25 / t25.sum(-1, keepdim=True)
+    t27 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A26, t27, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A26, A26, optimize=[(0, 1)])
+    t28 = T @ X
+    t29 = (1/(L*math.sqrt(d_K)*n_batch)) * t4
+    t30 = oe.contract('abc,cd,ade,aedf->bfae', t2, W_V, t24, dA, optimize=[(2, 3), (0, 1), (0, 1)])
+    t31 = oe.contract('abc,acd->bdac', t29, t28, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t30, t31, optimize=[(0, 1)])
+    return out
+
+
+def ce_causal0__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
+    """‖H_full(W_K, W_V)‖_F from index networks, exact, without the block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.transpose(-1, -2)
+    t1 = t0 @ X
+    t2 = W_Q.transpose(-1, -2)
+    t3 = t2 @ t0
     t4 = Y.sum(-1, keepdim=True)
     t5 = t4.expand(*t4.shape[:-1], d_V)
     t6 = W_K.transpose(-1, -2)
-    t7 = t6 @ t1
+    t7 = t6 @ t0
     t8 = W_Q @ t7
     t9 = X @ t8
     t10 = (1/math.sqrt(d_K)) * t9
@@ -8149,65 +8789,18 @@ def ce_causal0__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t16 = (-1/L) * Y
     t17 = t15 + t16
     G = t17
-    t18 = t3 @ t1
-    t19 = t18 @ G
-    t20 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t0[...] = oe.contract('abc,ade->bdce', t20, t19, optimize=[(0, 1)])
-    t21 = t1 @ t11
-    t22 = Y.transpose(-1, -2)
-    t23 = t22.sum(-2, keepdim=True)
-    t24 = t23.expand(*t23.shape[:-2], d_V, t23.shape[-1])
-    t25 = torch.exp(t12 - t12.amax(-1, keepdim=True))
-    A26 = t25 / t25.sum(-1, keepdim=True)
-    t27 = T @ X
-    t28 = (1/(L*math.sqrt(d_K)*n_batch)) * t18
-    t0 += oe.contract('abc,ade,ace,aec,aef->bdfc', t21, t28, t24, A26, t27, optimize=[(2, 3), (1, 2), (1, 2), (0, 1)])
-    t29 = (-1/(L*math.sqrt(d_K)*n_batch)) * t18
-    t30 = oe.contract('abc,acd,ace->bedac', t29, A26, t27, optimize=[(0, 1), (0, 1)])
-    t31 = oe.contract('abc,acd,adc->bad', t21, t24, A26, optimize=[(1, 2), (0, 1)])
-    t0 += oe.contract('abcde,fde->fabc', t30, t31, optimize=[(0, 1)])
-    return out
-
-
-def ce_causal0__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
-    """‖H_full(W_K, W_V)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = X.transpose(-1, -2)
-    t1 = t0 @ X
-    t2 = W_Q.transpose(-1, -2)
-    t3 = Y.sum(-1, keepdim=True)
-    t4 = t3.expand(*t3.shape[:-1], d_V)
-    t5 = W_K.transpose(-1, -2)
-    t6 = t5 @ t0
-    t7 = W_Q @ t6
-    t8 = X @ t7
-    t9 = (1/math.sqrt(d_K)) * t8
-    T = t9
-    t10 = X @ W_V
-    t11 = T @ t10
-    F = t11
-    t12 = torch.exp(F - F.amax(-1, keepdim=True))
-    A = t12 / t12.sum(-1, keepdim=True)
-    t13 = t4 * A
-    t14 = (1/L) * t13
-    t15 = (-1/L) * Y
-    t16 = t14 + t15
-    G = t16
-    t17 = t2 @ t0
-    t18 = t17 @ G
-    t19 = t0 @ t10
-    t20 = Y.transpose(-1, -2)
-    t21 = t20.sum(-2, keepdim=True)
-    t22 = t21.expand(*t21.shape[:-2], d_V, t21.shape[-1])
-    t23 = torch.exp(t11 - t11.amax(-1, keepdim=True))
-    A24 = t23 / t23.sum(-1, keepdim=True)
-    t25 = T @ X
-    t26 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t1, t18, t1, t18, optimize=[(0, 2), (0, 1), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,fbe,fdg,feg,fge,fgc->', t1, t18, t19, t17, t22, A24, t25, optimize=[(4, 5), (1, 3), (0, 2), (0, 3), (1, 2), (0, 1)]) + (-2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,fbg,fdh,fgh,fhg,fhe,fhc->', t1, t18, t19, t17, t22, A24, A24, t25, optimize=[(4, 5), (2, 6), (1, 2), (1, 4), (0, 1), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ace,aec,aef,gbc,gdh,gch,ghc,ghf->', t19, t17, t22, A24, t25, t19, t17, t22, A24, t25, optimize=[(2, 3), (5, 6), (0, 3), (0, 2), (0, 1), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ace,aec,aef,gbh,gdi,ghi,gih,gic,gif->', t19, t17, t22, A24, t25, t19, t17, t22, A24, A24, t25, optimize=[(2, 3), (5, 6), (3, 8), (1, 3), (1, 3), (4, 5), (0, 3), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ace,aec,aef,aeg,hbi,hdj,hij,hji,hjf,hjg->', t19, t17, t22, A24, A24, t25, t19, t17, t22, A24, A24, t25, optimize=[(2, 3), (6, 7), (0, 8), (3, 7), (0, 3), (0, 2), (4, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t27 = torch.sqrt(torch.clamp(t26, min=0.0))
-    return t27
+    t18 = Y.transpose(-1, -2)
+    t19 = t18.sum(-2, keepdim=True)
+    t20 = t19.expand(*t19.shape[:-2], d_V, t19.shape[-1])
+    t21 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A22 = t21 / t21.sum(-1, keepdim=True)
+    t23 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A22, t23, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A22, A22, optimize=[(0, 1)])
+    t24 = T @ X
+    t25 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,aef,gbc,gdh,ghf->', t1, t3, G, t1, t3, G, optimize=[(0, 3), (0, 2), (0, 1), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,aef,gbh,gdi,hj,gji,gijf,gic->', t1, t3, G, t1, t3, W_V, t20, dA, t24, optimize=[(6, 7), (1, 4), (0, 4), (1, 5), (1, 4), (1, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,cf,afe,aefg,aeh,ibj,idk,jl,ilk,iklg,ikh->', t1, t3, W_V, t20, dA, t24, t1, t3, W_V, t20, dA, t24, optimize=[(0, 2), (1, 2), (8, 9), (0, 3), (1, 2), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t26 = torch.sqrt(torch.clamp(t25, min=0.0))
+    return t26
 
 
 def ce_causal0__diag__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -8233,13 +8826,14 @@ def ce_causal0__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     t12 = T @ t11
     t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
     A = t13 / t13.sum(-1, keepdim=True)
-    t14 = T @ X
-    t15 = (1/(L*n_batch)) * t8
-    t16 = oe.contract('abc,abc->cab', t10, A, optimize=[(0, 1)])
-    t17 = oe.contract('abc,acb->bac', t15, t14, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t16, t17, optimize=[(0, 1)])
-    t18 = (-1/(L*n_batch)) * t8
-    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t18, t10, A, A, t14, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t15 = T @ X
+    t16 = (1/(L*n_batch)) * t8
+    t17 = oe.contract('abc,abcc->cab', t10, dA, optimize=[(0, 1)])
+    t18 = oe.contract('abc,acb->bac', t16, t15, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -8264,8 +8858,11 @@ def ce_causal0__trace__W_V__full(X, W_Q, W_K, W_V, Y):
     t11 = T @ t10
     t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A = t12 / t12.sum(-1, keepdim=True)
-    t13 = T @ X
-    return (1/(L*n_batch)) * oe.contract('abc,acd,acd,acb->', t7, t9, A, t13, optimize=[(0, 3), (0, 1), (0, 1)]) + (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->', t7, t9, A, A, t13, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t14 = T @ X
+    return (1/(L*n_batch)) * oe.contract('abc,acd,acdd,acb->', t7, t9, dA, t14, optimize=[(0, 3), (0, 1), (0, 1)])
 
 
 def ce_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -8277,97 +8874,7 @@ def ce_causal0__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     out = torch.empty((d_V**2, d_K*d_V), dtype=X.dtype, device=X.device)
     t0 = out.view((d_V, d_V, d_V, d_K))
     t1 = X.transpose(-1, -2)
-    t2 = W_K.transpose(-1, -2)
-    t3 = t2 @ t1
-    t4 = W_Q @ t3
-    t5 = X @ t4
-    t6 = (1/math.sqrt(d_K)) * t5
-    T = t6
-    t7 = T.transpose(-1, -2)
-    t8 = t1 @ t7
-    t9 = Y.sum(-1, keepdim=True)
-    t10 = t9.expand(*t9.shape[:-1], d_V)
-    t11 = X @ W_V
-    t12 = T @ t11
-    t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
-    A = t13 / t13.sum(-1, keepdim=True)
-    t14 = W_V.transpose(-1, -2)
-    t15 = t14 @ t1
-    t16 = X @ W_K
-    t17 = t15 @ t16
-    t18 = (1/(L*math.sqrt(d_K)*n_batch)) * t8
-    t0[...] = oe.contract('abc,acd,acd,ace,adf->bdef', t18, t10, A, X, t17, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
-    t19 = (-1/(L*math.sqrt(d_K)*n_batch)) * t8
-    t20 = oe.contract('abc,acd,ade->beac', t19, A, t17, optimize=[(1, 2), (0, 1)])
-    t21 = oe.contract('abc,abc,abd->cdab', t10, A, X, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
-    t22 = t1 @ t16
-    F = t12
-    t23 = torch.exp(F - F.amax(-1, keepdim=True))
-    A24 = t23 / t23.sum(-1, keepdim=True)
-    t25 = t10 * A24
-    t26 = (1/L) * t25
-    t27 = (-1/L) * Y
-    t28 = t26 + t27
-    G = t28
-    t29 = G.transpose(-1, -2)
-    t30 = t29 @ X
-    t31 = (1/(math.sqrt(d_K)*n_batch)) * t22
-    t0 += oe.contract('abc,ade->bdec', t31, t30, optimize=[(0, 1)])
-    return out
-
-
-def ce_causal0__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
-    """‖H_full(W_V, W_Q)‖_F from index networks, exact, without the block."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    t0 = X.transpose(-1, -2)
-    t1 = W_K.transpose(-1, -2)
-    t2 = t1 @ t0
-    t3 = W_Q @ t2
-    t4 = X @ t3
-    t5 = (1/math.sqrt(d_K)) * t4
-    T = t5
-    t6 = T.transpose(-1, -2)
-    t7 = t0 @ t6
-    t8 = Y.sum(-1, keepdim=True)
-    t9 = t8.expand(*t8.shape[:-1], d_V)
-    t10 = X @ W_V
-    t11 = T @ t10
-    t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
-    A = t12 / t12.sum(-1, keepdim=True)
-    t13 = W_V.transpose(-1, -2)
-    t14 = t13 @ t0
-    t15 = X @ W_K
-    t16 = t14 @ t15
-    t17 = t0 @ t15
-    F = t11
-    t18 = torch.exp(F - F.amax(-1, keepdim=True))
-    A19 = t18 / t18.sum(-1, keepdim=True)
-    t20 = t9 * A19
-    t21 = (1/L) * t20
-    t22 = (-1/L) * Y
-    t23 = t21 + t22
-    G = t23
-    t24 = G.transpose(-1, -2)
-    t25 = t24 @ X
-    t26 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,adf,gbh,ghd,ghd,ghe,gdf->', t7, t9, A, X, t16, t7, t9, A, X, t16, optimize=[(1, 2), (4, 5), (2, 5), (0, 2), (0, 1), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,adf,gbh,ghd,ghd,ghi,ghe,gif->', t7, t9, A, X, t16, t7, t9, A, A, X, t16, optimize=[(1, 2), (4, 5), (4, 6), (0, 3), (0, 2), (4, 5), (0, 3), (1, 3), (0, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,adf,gbf,gde->', t7, t9, A, X, t16, t17, t25, optimize=[(1, 2), (0, 3), (1, 4), (0, 1), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,acf,aeg,hbi,hid,hid,hij,hif,hjg->', t7, t9, A, A, X, t16, t7, t9, A, A, X, t16, optimize=[(1, 2), (5, 6), (1, 3), (3, 5), (0, 2), (0, 1), (4, 5), (0, 1), (2, 3), (0, 1), (0, 1)]) + (-2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,acf,aeg,hbg,hdf->', t7, t9, A, A, X, t16, t17, t25, optimize=[(1, 2), (1, 3), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t17, t25, t17, t25, optimize=[(0, 2), (0, 1), (0, 1)])
-    t27 = torch.sqrt(torch.clamp(t26, min=0.0))
-    return t27
-
-
-def ce_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
-    """H_full(W_V, W_K) as a dense (numel W_V × numel W_K) block, vec_r layout."""
-    L = X.shape[-2]
-    d_K = W_Q.shape[-1]
-    d_V = X.shape[-1]
-    n_batch = X.shape[0]
-    out = torch.empty((d_V**2, d_K*d_V), dtype=X.dtype, device=X.device)
-    t0 = out.view((d_V, d_V, d_V, d_K))
-    t1 = X.transpose(-1, -2)
-    t2 = t1 @ X
+    t2 = X @ W_K
     t3 = Y.sum(-1, keepdim=True)
     t4 = t3.expand(*t3.shape[:-1], d_V)
     t5 = W_K.transpose(-1, -2)
@@ -8387,32 +8894,35 @@ def ce_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t16 = t14 + t15
     G = t16
     t17 = G.transpose(-1, -2)
-    t18 = X @ W_Q
-    t19 = t17 @ t18
-    t20 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t0[...] = oe.contract('abc,ade->bdce', t20, t19, optimize=[(0, 1)])
-    t21 = T.transpose(-1, -2)
-    t22 = t1 @ t21
+    t18 = t17 @ X
+    t19 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t20 = oe.contract('abc,acd->bda', t19, t2, optimize=[(0, 1)])
+    t21 = oe.contract('abc->bca', t18, optimize=[(0,)])
+    t0[...] = oe.contract('abc,dec->adeb', t20, t21, optimize=[(0, 1)])
+    t22 = T.transpose(-1, -2)
     t23 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A24 = t23 / t23.sum(-1, keepdim=True)
-    t25 = W_V.transpose(-1, -2)
-    t26 = t25 @ t1
-    t27 = t26 @ X
-    t28 = (1/(L*math.sqrt(d_K)*n_batch)) * t22
-    t0 += oe.contract('abc,acd,acd,ace,adf->bdfe', t28, t4, A24, t18, t27, optimize=[(1, 2), (0, 1), (1, 2), (0, 1)])
-    t29 = (-1/(L*math.sqrt(d_K)*n_batch)) * t22
-    t0 += oe.contract('abc,acd,acd,ace,acf,aeg->bdgf', t29, t4, A24, A24, t18, t27, optimize=[(1, 2), (1, 3), (1, 2), (0, 1), (0, 1)])
+    t25 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A24, t25, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A24, A24, optimize=[(0, 1)])
+    t26 = W_V.transpose(-1, -2)
+    t27 = t26 @ t1
+    t28 = t27 @ t2
+    t29 = (1/(L*math.sqrt(d_K)*n_batch)) * t22
+    t30 = oe.contract('abc,abcd,ade->ceab', t4, dA, t28, optimize=[(0, 1), (0, 1)])
+    t31 = oe.contract('abc,acd,ade->bead', t1, t29, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t30, t31, optimize=[(0, 1)])
     return out
 
 
-def ce_causal0__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
-    """‖H_full(W_V, W_K)‖_F from index networks, exact, without the block."""
+def ce_causal0__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
+    """‖H_full(W_V, W_Q)‖_F from index networks, exact, without the block."""
     L = X.shape[-2]
     d_K = W_Q.shape[-1]
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     t0 = X.transpose(-1, -2)
-    t1 = t0 @ X
+    t1 = X @ W_K
     t2 = Y.sum(-1, keepdim=True)
     t3 = t2.expand(*t2.shape[:-1], d_V)
     t4 = W_K.transpose(-1, -2)
@@ -8432,18 +8942,109 @@ def ce_causal0__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     t15 = t13 + t14
     G = t15
     t16 = G.transpose(-1, -2)
+    t17 = t16 @ X
+    t18 = T.transpose(-1, -2)
+    t19 = torch.exp(t10 - t10.amax(-1, keepdim=True))
+    A20 = t19 / t19.sum(-1, keepdim=True)
+    t21 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A20, t21, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A20, A20, optimize=[(0, 1)])
+    t22 = W_V.transpose(-1, -2)
+    t23 = t22 @ t0
+    t24 = t23 @ t1
+    t25 = (1/(d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, t1, t17, t0, t1, t17, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghi,gie,giej,gif,gjd->', t0, t1, t17, t0, t18, t3, dA, X, t24, optimize=[(5, 6), (0, 3), (0, 4), (4, 5), (0, 2), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,adg,afh,ibj,ijk,ike,ikel,ikg,ilh->', t0, t18, t3, dA, X, t24, t0, t18, t3, dA, X, t24, optimize=[(2, 3), (6, 7), (0, 4), (1, 4), (0, 6), (1, 6), (4, 5), (0, 2), (0, 1), (1, 2), (0, 1)])
+    t26 = torch.sqrt(torch.clamp(t25, min=0.0))
+    return t26
+
+
+def ce_causal0__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
+    """H_full(W_V, W_K) as a dense (numel W_V × numel W_K) block, vec_r layout."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    out = torch.empty((d_V**2, d_K*d_V), dtype=X.dtype, device=X.device)
+    t0 = out.view((d_V, d_V, d_V, d_K))
+    t1 = X.transpose(-1, -2)
+    t2 = Y.sum(-1, keepdim=True)
+    t3 = t2.expand(*t2.shape[:-1], d_V)
+    t4 = W_K.transpose(-1, -2)
+    t5 = t4 @ t1
+    t6 = W_Q @ t5
+    t7 = X @ t6
+    t8 = (1/math.sqrt(d_K)) * t7
+    T = t8
+    t9 = X @ W_V
+    t10 = T @ t9
+    F = t10
+    t11 = torch.exp(F - F.amax(-1, keepdim=True))
+    A = t11 / t11.sum(-1, keepdim=True)
+    t12 = t3 * A
+    t13 = (1/L) * t12
+    t14 = (-1/L) * Y
+    t15 = t13 + t14
+    G = t15
+    t16 = G.transpose(-1, -2)
     t17 = X @ W_Q
     t18 = t16 @ t17
-    t19 = T.transpose(-1, -2)
-    t20 = t0 @ t19
+    t19 = (1/(math.sqrt(d_K)*n_batch)) * t1
+    t0[...] = oe.contract('abc,acd,aef->bedf', t19, X, t18, optimize=[(0, 1), (0, 1)])
+    t20 = T.transpose(-1, -2)
     t21 = torch.exp(t10 - t10.amax(-1, keepdim=True))
     A22 = t21 / t21.sum(-1, keepdim=True)
-    t23 = W_V.transpose(-1, -2)
-    t24 = t23 @ t0
-    t25 = t24 @ X
-    t26 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t1, t18, t1, t18, optimize=[(0, 2), (0, 1), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,fbg,fgd,fgd,fge,fdc->', t1, t18, t20, t3, A22, t17, t25, optimize=[(3, 4), (0, 2), (2, 4), (0, 1), (1, 2), (0, 1)]) + (-2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,fbg,fgd,fgd,fgh,fge,fhc->', t1, t18, t20, t3, A22, A22, t17, t25, optimize=[(3, 4), (3, 5), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,adf,gbh,ghd,ghd,ghe,gdf->', t20, t3, A22, t17, t25, t20, t3, A22, t17, t25, optimize=[(1, 2), (4, 5), (2, 5), (0, 2), (0, 1), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,adf,gbh,ghd,ghd,ghi,ghe,gif->', t20, t3, A22, t17, t25, t20, t3, A22, A22, t17, t25, optimize=[(1, 2), (4, 5), (4, 6), (0, 3), (0, 2), (4, 5), (0, 3), (1, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,acf,aeg,hbi,hid,hid,hij,hif,hjg->', t20, t3, A22, A22, t17, t25, t20, t3, A22, A22, t17, t25, optimize=[(1, 2), (5, 6), (1, 3), (3, 5), (0, 2), (0, 1), (4, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t27 = torch.sqrt(torch.clamp(t26, min=0.0))
-    return t27
+    t23 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A22, t23, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A22, A22, optimize=[(0, 1)])
+    t24 = W_V.transpose(-1, -2)
+    t25 = t24 @ t1
+    t26 = t25 @ X
+    t27 = (1/(L*math.sqrt(d_K)*n_batch)) * t20
+    t28 = oe.contract('abc,acd,ade->bead', t1, t27, t17, optimize=[(0, 1), (0, 1)])
+    t29 = oe.contract('abc,abcd,ade->ceab', t3, dA, t26, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t28, t29, optimize=[(0, 1)])
+    return out
+
+
+def ce_causal0__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
+    """‖H_full(W_V, W_K)‖_F from index networks, exact, without the block."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.transpose(-1, -2)
+    t1 = Y.sum(-1, keepdim=True)
+    t2 = t1.expand(*t1.shape[:-1], d_V)
+    t3 = W_K.transpose(-1, -2)
+    t4 = t3 @ t0
+    t5 = W_Q @ t4
+    t6 = X @ t5
+    t7 = (1/math.sqrt(d_K)) * t6
+    T = t7
+    t8 = X @ W_V
+    t9 = T @ t8
+    F = t9
+    t10 = torch.exp(F - F.amax(-1, keepdim=True))
+    A = t10 / t10.sum(-1, keepdim=True)
+    t11 = t2 * A
+    t12 = (1/L) * t11
+    t13 = (-1/L) * Y
+    t14 = t12 + t13
+    G = t14
+    t15 = G.transpose(-1, -2)
+    t16 = X @ W_Q
+    t17 = t15 @ t16
+    t18 = T.transpose(-1, -2)
+    t19 = torch.exp(t9 - t9.amax(-1, keepdim=True))
+    A20 = t19 / t19.sum(-1, keepdim=True)
+    t21 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A20, t21, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A20, A20, optimize=[(0, 1)])
+    t22 = W_V.transpose(-1, -2)
+    t23 = t22 @ t0
+    t24 = t23 @ X
+    t25 = (1/(d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghd,gef->', t0, X, t17, t0, X, t17, optimize=[(2, 5), (0, 2), (0, 1), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,aef,gbh,ghi,gie,giej,gif,gjd->', t0, X, t17, t0, t18, t2, dA, t16, t24, optimize=[(5, 6), (0, 3), (0, 4), (4, 5), (0, 2), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,adg,afh,ibj,ijk,ike,ikel,ikg,ilh->', t0, t18, t2, dA, t16, t24, t0, t18, t2, dA, t16, t24, optimize=[(2, 3), (6, 7), (0, 4), (1, 4), (0, 6), (1, 6), (4, 5), (0, 2), (0, 1), (1, 2), (0, 1)])
+    t26 = torch.sqrt(torch.clamp(t25, min=0.0))
+    return t26
 
 
 def ce_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -8453,33 +9054,28 @@ def ce_causal0__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
-    out[...] = 0
     t0 = out.view((d_V, d_V, d_V, d_V))
-    t1 = t0.diagonal(0, 1, 3)
-    t2 = X.transpose(-1, -2)
-    t3 = W_K.transpose(-1, -2)
-    t4 = t3 @ t2
-    t5 = W_Q @ t4
-    t6 = X @ t5
-    t7 = (1/math.sqrt(d_K)) * t6
-    T = t7
-    t8 = T.transpose(-1, -2)
-    t9 = t2 @ t8
-    t10 = Y.sum(-1, keepdim=True)
-    t11 = t10.expand(*t10.shape[:-1], d_V)
-    t12 = X @ W_V
-    t13 = T @ t12
-    t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
-    A = t14 / t14.sum(-1, keepdim=True)
+    t1 = X.transpose(-1, -2)
+    t2 = W_K.transpose(-1, -2)
+    t3 = t2 @ t1
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    T = t6
+    t7 = T.transpose(-1, -2)
+    t8 = t1 @ t7
+    t9 = Y.sum(-1, keepdim=True)
+    t10 = t9.expand(*t9.shape[:-1], d_V)
+    t11 = X @ W_V
+    t12 = T @ t11
+    t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A = t13 / t13.sum(-1, keepdim=True)
+    t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     t15 = T @ X
-    t16 = (1/(L*n_batch)) * t9
-    t17 = oe.contract('abc,abc->cab', t11, A, optimize=[(0, 1)])
-    t18 = oe.contract('abc,acd->bdac', t16, t15, optimize=[(0, 1)])
-    t1 += oe.contract('abc,debc->dea', t17, t18, optimize=[(0, 1)])
-    t19 = (-1/(L*n_batch)) * t9
-    t20 = oe.contract('abc,acd->bdac', t19, A, optimize=[(0, 1)])
-    t21 = oe.contract('abc,abc,abd->cdab', t11, A, t15, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
+    t16 = (1/(L*n_batch)) * t8
+    t0[...] = oe.contract('abc,acd,acde,acf->bdfe', t16, t10, dA, t15, optimize=[(1, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -8504,10 +9100,410 @@ def ce_causal0__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     t11 = T @ t10
     t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A = t12 / t12.sum(-1, keepdim=True)
+    t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t14 = T @ X
+    t15 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t7, t9, dA, t14, t7, t9, dA, t14, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
+    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
+    return t16
+
+
+def ce_causal0__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
+    """(‖H_o(W_Q, W_Q)‖_F, ‖H_f(W_Q, W_Q)‖_F, ‖H(W_Q, W_Q)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.transpose(-1, -2)
+    t1 = W_K.transpose(-1, -2)
+    t2 = t1 @ t0
+    t3 = X @ W_V
+    t4 = t2 @ t3
+    t5 = Y.sum(-1, keepdim=True)
+    t6 = t5.expand(*t5.shape[:-1], d_V)
+    t7 = W_Q @ t2
+    t8 = X @ t7
+    t9 = (1/math.sqrt(d_K)) * t8
+    T = t9
+    t10 = T @ t3
+    t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
+    A = t11 / t11.sum(-1, keepdim=True)
+    t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t13 = W_V.transpose(-1, -2)
+    t14 = t13 @ t0
+    t15 = X @ W_K
+    t16 = t14 @ t15
+    t17 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,afh,ibj,idk,ijk,ijkl,ijg,ilh->', t0, t4, t6, dA, X, t16, t0, t4, t6, dA, X, t16, optimize=[(3, 5), (7, 9), (0, 4), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
+    t18 = t17 + 0.0 + 0.0
+    t19 = torch.sqrt(torch.clamp(t17, min=0.0))
+    t20 = torch.sqrt(torch.clamp(t18, min=0.0))
+    return (t19, 0.0, t20,)
+
+
+def ce_causal0__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
+    """(‖H_o(W_Q, W_K)‖_F, ‖H_f(W_Q, W_K)‖_F, ‖H(W_Q, W_K)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.transpose(-1, -2)
+    t1 = W_K.transpose(-1, -2)
+    t2 = t1 @ t0
+    t3 = X @ W_V
+    t4 = t2 @ t3
+    t5 = Y.sum(-1, keepdim=True)
+    t6 = t5.expand(*t5.shape[:-1], d_V)
+    t7 = W_Q @ t2
+    t8 = X @ t7
+    t9 = (1/math.sqrt(d_K)) * t8
+    T = t9
+    t10 = T @ t3
+    t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
+    A = t11 / t11.sum(-1, keepdim=True)
+    t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t13 = X @ W_Q
+    t14 = W_V.transpose(-1, -2)
+    t15 = t14 @ t0
+    t16 = t15 @ X
+    t17 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,afh,ibj,idk,ijk,ijkl,ijg,ilh->', t0, t4, t6, dA, t13, t16, t0, t4, t6, dA, t13, t16, optimize=[(3, 5), (7, 9), (0, 4), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
+    F = t10
+    t18 = torch.exp(F - F.amax(-1, keepdim=True))
+    A19 = t18 / t18.sum(-1, keepdim=True)
+    t20 = t6 * A19
+    t21 = (1/L) * t20
+    t22 = (-1/L) * Y
+    t23 = t21 + t22
+    G = t23
+    t24 = G @ t15
+    t25 = t24 @ X
+    t26 = t0 @ t25
+    t27 = (n_batch**(-2)) * oe.contract('abc,dbc->', t26, t26, optimize=[(0, 1)])
+    t28 = (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,ade,ace,acef,acd,afg,hbg->', t0, t4, t6, dA, t13, t16, t26, optimize=[(1, 4), (1, 5), (1, 4), (0, 2), (0, 1), (0, 1)])
+    t29 = t17 + t27 + t28
+    t30 = torch.sqrt(torch.clamp(t17, min=0.0))
+    t31 = torch.sqrt(torch.clamp(t27, min=0.0))
+    t32 = torch.sqrt(torch.clamp(t29, min=0.0))
+    return (t30, t31, t32,)
+
+
+def ce_causal0__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
+    """(‖H_o(W_Q, W_V)‖_F, ‖H_f(W_Q, W_V)‖_F, ‖H(W_Q, W_V)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.transpose(-1, -2)
+    t1 = W_K.transpose(-1, -2)
+    t2 = t1 @ t0
+    t3 = X @ W_V
+    t4 = t2 @ t3
+    t5 = Y.sum(-1, keepdim=True)
+    t6 = t5.expand(*t5.shape[:-1], d_V)
+    t7 = W_Q @ t2
+    t8 = X @ t7
+    t9 = (1/math.sqrt(d_K)) * t8
+    T = t9
+    t10 = T @ t3
+    t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
+    A = t11 / t11.sum(-1, keepdim=True)
+    t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     t13 = T @ X
-    t14 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fge->', t7, t9, A, t13, t7, t9, A, t13, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fgd,fge->', t7, t9, A, t13, t7, t9, A, A, t13, optimize=[(1, 2), (3, 4), (3, 6), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,acf,gbh,ghd,ghd,ghe,ghf->', t7, t9, A, A, t13, t7, t9, A, A, t13, optimize=[(1, 2), (4, 5), (0, 3), (0, 2), (4, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
-    return t15
+    t14 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,hbi,hdj,hij,hijf,hig->', t0, t4, t6, dA, t13, t0, t4, t6, dA, t13, optimize=[(2, 3), (1, 8), (0, 2), (2, 3), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
+    F = t10
+    t15 = torch.exp(F - F.amax(-1, keepdim=True))
+    A16 = t15 / t15.sum(-1, keepdim=True)
+    t17 = t6 * A16
+    t18 = (1/L) * t17
+    t19 = (-1/L) * Y
+    t20 = t18 + t19
+    G = t20
+    t21 = t0 @ G
+    t22 = t2 @ X
+    t23 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t21, t22, t21, t22, optimize=[(0, 2), (0, 1), (0, 1)])
+    t24 = (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,ace,acef,acg,hbf,hdg->', t0, t4, t6, dA, t13, t21, t22, optimize=[(2, 3), (1, 5), (0, 2), (2, 3), (1, 2), (0, 1)])
+    t25 = t14 + t23 + t24
+    t26 = torch.sqrt(torch.clamp(t14, min=0.0))
+    t27 = torch.sqrt(torch.clamp(t23, min=0.0))
+    t28 = torch.sqrt(torch.clamp(t25, min=0.0))
+    return (t26, t27, t28,)
+
+
+def ce_causal0__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
+    """(‖H_o(W_K, W_Q)‖_F, ‖H_f(W_K, W_Q)‖_F, ‖H(W_K, W_Q)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.transpose(-1, -2)
+    t1 = X @ W_V
+    t2 = t0 @ t1
+    t3 = W_Q.transpose(-1, -2)
+    t4 = t3 @ t0
+    t5 = Y.transpose(-1, -2)
+    t6 = t5.sum(-2, keepdim=True)
+    t7 = t6.expand(*t6.shape[:-2], d_V, t6.shape[-1])
+    t8 = W_K.transpose(-1, -2)
+    t9 = t8 @ t0
+    t10 = W_Q @ t9
+    t11 = X @ t10
+    t12 = (1/math.sqrt(d_K)) * t11
+    T = t12
+    t13 = T @ t1
+    t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    A = t14 / t14.sum(-1, keepdim=True)
+    t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t16 = W_V.transpose(-1, -2)
+    t17 = t16 @ t0
+    t18 = X @ W_K
+    t19 = t17 @ t18
+    t20 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,afh,ibj,idk,ijk,ikjl,ikg,ilh->', t2, t4, t7, dA, X, t19, t2, t4, t7, dA, X, t19, optimize=[(3, 5), (7, 9), (1, 5), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
+    t21 = Y.sum(-1, keepdim=True)
+    t22 = t21.expand(*t21.shape[:-1], d_V)
+    F = t13
+    t23 = torch.exp(F - F.amax(-1, keepdim=True))
+    A24 = t23 / t23.sum(-1, keepdim=True)
+    t25 = t22 * A24
+    t26 = (1/L) * t25
+    t27 = (-1/L) * Y
+    t28 = t26 + t27
+    G = t28
+    t29 = G.transpose(-1, -2)
+    t30 = W_V @ t29
+    t31 = X @ t30
+    t32 = t31 @ X
+    t33 = t0 @ t32
+    t34 = (n_batch**(-2)) * oe.contract('abc,dbc->', t33, t33, optimize=[(0, 1)])
+    t35 = (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,afd,hbg->', t2, t4, t7, dA, X, t19, t33, optimize=[(1, 5), (2, 5), (2, 3), (0, 3), (0, 1), (0, 1)])
+    t36 = t20 + t34 + t35
+    t37 = torch.sqrt(torch.clamp(t20, min=0.0))
+    t38 = torch.sqrt(torch.clamp(t34, min=0.0))
+    t39 = torch.sqrt(torch.clamp(t36, min=0.0))
+    return (t37, t38, t39,)
+
+
+def ce_causal0__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
+    """(‖H_o(W_K, W_K)‖_F, ‖H_f(W_K, W_K)‖_F, ‖H(W_K, W_K)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.transpose(-1, -2)
+    t1 = X @ W_V
+    t2 = t0 @ t1
+    t3 = W_Q.transpose(-1, -2)
+    t4 = t3 @ t0
+    t5 = Y.transpose(-1, -2)
+    t6 = t5.sum(-2, keepdim=True)
+    t7 = t6.expand(*t6.shape[:-2], d_V, t6.shape[-1])
+    t8 = W_K.transpose(-1, -2)
+    t9 = t8 @ t0
+    t10 = W_Q @ t9
+    t11 = X @ t10
+    t12 = (1/math.sqrt(d_K)) * t11
+    T = t12
+    t13 = T @ t1
+    t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    A = t14 / t14.sum(-1, keepdim=True)
+    t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t16 = X @ W_Q
+    t17 = W_V.transpose(-1, -2)
+    t18 = t17 @ t0
+    t19 = t18 @ X
+    t20 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,afh,ibj,idk,ijk,ikjl,ikg,ilh->', t2, t4, t7, dA, t16, t19, t2, t4, t7, dA, t16, t19, optimize=[(3, 5), (7, 9), (1, 5), (2, 5), (6, 7), (1, 4), (0, 5), (1, 2), (0, 3), (1, 2), (0, 1)])
+    t21 = t20 + 0.0 + 0.0
+    t22 = torch.sqrt(torch.clamp(t20, min=0.0))
+    t23 = torch.sqrt(torch.clamp(t21, min=0.0))
+    return (t22, 0.0, t23,)
+
+
+def ce_causal0__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
+    """(‖H_o(W_K, W_V)‖_F, ‖H_f(W_K, W_V)‖_F, ‖H(W_K, W_V)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.transpose(-1, -2)
+    t1 = X @ W_V
+    t2 = t0 @ t1
+    t3 = W_Q.transpose(-1, -2)
+    t4 = t3 @ t0
+    t5 = Y.transpose(-1, -2)
+    t6 = t5.sum(-2, keepdim=True)
+    t7 = t6.expand(*t6.shape[:-2], d_V, t6.shape[-1])
+    t8 = W_K.transpose(-1, -2)
+    t9 = t8 @ t0
+    t10 = W_Q @ t9
+    t11 = X @ t10
+    t12 = (1/math.sqrt(d_K)) * t11
+    T = t12
+    t13 = T @ t1
+    t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    A = t14 / t14.sum(-1, keepdim=True)
+    t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t16 = T @ X
+    t17 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,hbi,hdj,hij,hjif,hjg->', t2, t4, t7, dA, t16, t2, t4, t7, dA, t16, optimize=[(2, 3), (0, 8), (0, 3), (2, 3), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t18 = t0 @ X
+    t19 = Y.sum(-1, keepdim=True)
+    t20 = t19.expand(*t19.shape[:-1], d_V)
+    F = t13
+    t21 = torch.exp(F - F.amax(-1, keepdim=True))
+    A22 = t21 / t21.sum(-1, keepdim=True)
+    t23 = t20 * A22
+    t24 = (1/L) * t23
+    t25 = (-1/L) * Y
+    t26 = t24 + t25
+    G = t26
+    t27 = t4 @ G
+    t28 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t18, t27, t18, t27, optimize=[(0, 2), (0, 1), (0, 1)])
+    t29 = (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,ace,aecf,aeg,hbg,hdf->', t2, t4, t7, dA, t16, t18, t27, optimize=[(2, 3), (0, 3), (1, 4), (2, 3), (1, 2), (0, 1)])
+    t30 = t17 + t28 + t29
+    t31 = torch.sqrt(torch.clamp(t17, min=0.0))
+    t32 = torch.sqrt(torch.clamp(t28, min=0.0))
+    t33 = torch.sqrt(torch.clamp(t30, min=0.0))
+    return (t31, t32, t33,)
+
+
+def ce_causal0__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
+    """(‖H_o(W_V, W_Q)‖_F, ‖H_f(W_V, W_Q)‖_F, ‖H(W_V, W_Q)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.transpose(-1, -2)
+    t1 = W_K.transpose(-1, -2)
+    t2 = t1 @ t0
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    T = t5
+    t6 = T.transpose(-1, -2)
+    t7 = t0 @ t6
+    t8 = Y.sum(-1, keepdim=True)
+    t9 = t8.expand(*t8.shape[:-1], d_V)
+    t10 = X @ W_V
+    t11 = T @ t10
+    t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
+    A = t12 / t12.sum(-1, keepdim=True)
+    t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t14 = W_V.transpose(-1, -2)
+    t15 = t14 @ t0
+    t16 = X @ W_K
+    t17 = t15 @ t16
+    t18 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,acf,aeg,hbi,hid,hidj,hif,hjg->', t7, t9, dA, X, t17, t7, t9, dA, X, t17, optimize=[(1, 2), (4, 5), (0, 3), (0, 2), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)])
+    t19 = t0 @ t16
+    F = t11
+    t20 = torch.exp(F - F.amax(-1, keepdim=True))
+    A21 = t20 / t20.sum(-1, keepdim=True)
+    t22 = t9 * A21
+    t23 = (1/L) * t22
+    t24 = (-1/L) * Y
+    t25 = t23 + t24
+    G = t25
+    t26 = G.transpose(-1, -2)
+    t27 = t26 @ X
+    t28 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t19, t27, t19, t27, optimize=[(0, 2), (0, 1), (0, 1)])
+    t29 = (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,acde,acf,aeg,hbg,hdf->', t7, t9, dA, X, t17, t19, t27, optimize=[(2, 4), (0, 3), (3, 4), (1, 2), (1, 2), (0, 1)])
+    t30 = t18 + t28 + t29
+    t31 = torch.sqrt(torch.clamp(t18, min=0.0))
+    t32 = torch.sqrt(torch.clamp(t28, min=0.0))
+    t33 = torch.sqrt(torch.clamp(t30, min=0.0))
+    return (t31, t32, t33,)
+
+
+def ce_causal0__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
+    """(‖H_o(W_V, W_K)‖_F, ‖H_f(W_V, W_K)‖_F, ‖H(W_V, W_K)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.transpose(-1, -2)
+    t1 = W_K.transpose(-1, -2)
+    t2 = t1 @ t0
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    T = t5
+    t6 = T.transpose(-1, -2)
+    t7 = t0 @ t6
+    t8 = Y.sum(-1, keepdim=True)
+    t9 = t8.expand(*t8.shape[:-1], d_V)
+    t10 = X @ W_V
+    t11 = T @ t10
+    t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
+    A = t12 / t12.sum(-1, keepdim=True)
+    t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t14 = X @ W_Q
+    t15 = W_V.transpose(-1, -2)
+    t16 = t15 @ t0
+    t17 = t16 @ X
+    t18 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,acf,aeg,hbi,hid,hidj,hif,hjg->', t7, t9, dA, t14, t17, t7, t9, dA, t14, t17, optimize=[(1, 2), (4, 5), (0, 3), (0, 2), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)])
+    t19 = t0 @ X
+    F = t11
+    t20 = torch.exp(F - F.amax(-1, keepdim=True))
+    A21 = t20 / t20.sum(-1, keepdim=True)
+    t22 = t9 * A21
+    t23 = (1/L) * t22
+    t24 = (-1/L) * Y
+    t25 = t23 + t24
+    G = t25
+    t26 = G.transpose(-1, -2)
+    t27 = t26 @ t14
+    t28 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,fbc,fde->', t19, t27, t19, t27, optimize=[(0, 2), (0, 1), (0, 1)])
+    t29 = (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,acde,acf,aeg,hbg,hdf->', t7, t9, dA, t14, t17, t19, t27, optimize=[(2, 4), (0, 3), (3, 4), (1, 2), (1, 2), (0, 1)])
+    t30 = t18 + t28 + t29
+    t31 = torch.sqrt(torch.clamp(t18, min=0.0))
+    t32 = torch.sqrt(torch.clamp(t28, min=0.0))
+    t33 = torch.sqrt(torch.clamp(t30, min=0.0))
+    return (t31, t32, t33,)
+
+
+def ce_causal0__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
+    """(‖H_o(W_V, W_V)‖_F, ‖H_f(W_V, W_V)‖_F, ‖H(W_V, W_V)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.transpose(-1, -2)
+    t1 = W_K.transpose(-1, -2)
+    t2 = t1 @ t0
+    t3 = W_Q @ t2
+    t4 = X @ t3
+    t5 = (1/math.sqrt(d_K)) * t4
+    T = t5
+    t6 = T.transpose(-1, -2)
+    t7 = t0 @ t6
+    t8 = Y.sum(-1, keepdim=True)
+    t9 = t8.expand(*t8.shape[:-1], d_V)
+    t10 = X @ W_V
+    t11 = T @ t10
+    t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
+    A = t12 / t12.sum(-1, keepdim=True)
+    t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t14 = T @ X
+    t15 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t7, t9, dA, t14, t7, t9, dA, t14, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
+    t16 = t15 + 0.0 + 0.0
+    t17 = torch.sqrt(torch.clamp(t15, min=0.0))
+    t18 = torch.sqrt(torch.clamp(t16, min=0.0))
+    return (t17, 0.0, t18,)
 
 
 def ce_causal1__loss(X, W_Q, W_K, W_V, Y):
@@ -8611,91 +9607,64 @@ def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
     t12 = t11 @ t5
     t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
     A = t13 / t13.sum(-1, keepdim=True)
-    t14 = W_V.transpose(-1, -2)
-    t15 = t14 @ t2
-    t16 = X @ W_K
-    t17 = (1/(L*d_K*n_batch)) * Mcausal
-    t1[...] = oe.contract('abc,ade,ce,aef,acf,acf,afg,cg,ach,agi->bdhi', t2, t4, t17, t5, t7, A, t15, Mcausal, X, t16, optimize=[(4, 5), (2, 5), (2, 3), (4, 6), (4, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t18 = (-1/(L*d_K*n_batch)) * Mcausal
-    t19 = oe.contract('abc,acd,bd,ade->eab', A, t15, Mcausal, t16, optimize=[(0, 1), (0, 2), (0, 1)])
-    t20 = oe.contract('abc,ade,ce,aef,acf,acf,acg->bdgac', t2, t4, t18, t5, t7, A, X, optimize=[(4, 5), (3, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
-    t1 += oe.contract('abc,defbc->defa', t19, t20, optimize=[(0, 1)])
+    t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t15 = W_V.transpose(-1, -2)
+    t16 = t15 @ t2
+    t17 = X @ W_K
+    t18 = (1/(L*d_K*n_batch)) * Mcausal
+    t19 = oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,ahi->bdiac', t2, t4, t18, t5, t7, dA, t16, Mcausal, t17, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (1, 3), (1, 2), (0, 1)])
+    t20 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t1[...] = oe.contract('abcde,fde->abfc', t19, t20, optimize=[(0, 1)])
     t21 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t22 = t21.view((d_V, d_K, d_V, d_K))
     t23 = X @ W_Q
-    t24 = oe.contract('abc,acd->bdac', t2, t23, optimize=[(0, 1)])
-    t25 = oe.contract('abc,dc,ace,ade,ade,aef,df,afg->bgad', t4, t17, t5, t7, A, t15, Mcausal, X, optimize=[(3, 4), (2, 3), (4, 5), (1, 4), (1, 3), (0, 2), (0, 1)])
-    t22[...] = oe.contract('abcd,efcd->aefb', t24, t25, optimize=[(0, 1)])
-    t26 = oe.contract('abc,ade,ce,aef,acf,acf,acg->bdgac', t2, t4, t18, t5, t7, A, t23, optimize=[(4, 5), (3, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
-    t27 = oe.contract('abc,acd,bd,ade->eab', A, t15, Mcausal, X, optimize=[(0, 1), (0, 2), (0, 1)])
-    t22 += oe.contract('abcde,fde->abfc', t26, t27, optimize=[(0, 1)])
-    t28 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t29 = t28.view((d_V, d_K, d_V, d_V))
-    t30 = t11 @ X
-    t31 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t32 = oe.contract('abc,dc,ace,ade,ade->bead', t4, t31, t5, t7, A, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
-    t33 = oe.contract('abc,acd->bdac', t2, t30, optimize=[(0, 1)])
-    t29[...] = oe.contract('abcd,efcd->eafb', t32, t33, optimize=[(0, 1)])
-    t34 = (-1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t35 = oe.contract('abc,acd,ace->bedac', t2, A, t30, optimize=[(0, 1), (0, 1)])
-    t36 = oe.contract('abc,dc,ace,ade,ade->bad', t4, t34, t5, t7, A, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)])
-    t29 += oe.contract('abcde,fde->afbc', t35, t36, optimize=[(0, 1)])
-    t37 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t38 = t37.view((d_V, d_K, d_V, d_K))
-    t39 = W_Q.transpose(-1, -2)
-    t40 = t39 @ t2
-    t41 = Mcausal.transpose(-1, -2)
-    t42 = Y.transpose(-1, -2)
-    t43 = t42.sum(-2, keepdim=True)
-    t44 = t43.expand(*t43.shape[:-2], d_V, t43.shape[-1])
-    t45 = (1/(L*d_K*n_batch)) * t41
-    t38[...] = oe.contract('abc,ade,ce,acf,afe,aef,afg,eg,aeh,agi->bdhi', t2, t40, t45, t5, t44, A, t15, Mcausal, X, t16, optimize=[(4, 5), (2, 5), (2, 3), (4, 6), (4, 5), (0, 4), (2, 3), (0, 1), (0, 1)])
-    t46 = (-1/(L*d_K*n_batch)) * t41
-    t38 += oe.contract('abc,ade,ce,acf,afe,aef,aeg,agh,eh,aei,ahj->bdij', t2, t40, t46, t5, t44, A, A, t15, Mcausal, X, t16, optimize=[(4, 5), (4, 5), (3, 7), (3, 6), (4, 6), (2, 4), (0, 4), (0, 3), (0, 2), (0, 1)])
-    t47 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t48 = t47.view((d_V, d_K, d_V, d_K))
-    t49 = oe.contract('abc,acd->bdac', t40, t23, optimize=[(0, 1)])
-    t50 = oe.contract('abc,cd,ace,aed,ade,aef,df,afg->bgad', t2, t45, t5, t44, A, t15, Mcausal, X, optimize=[(3, 4), (2, 3), (4, 5), (1, 4), (1, 3), (0, 2), (0, 1)])
-    t48[...] = oe.contract('abcd,efcd->eafb', t49, t50, optimize=[(0, 1)])
-    t51 = oe.contract('abc,ade,ce,acf,afe,aef,aeg->bdgae', t2, t40, t46, t5, t44, A, t23, optimize=[(4, 5), (3, 5), (2, 4), (0, 3), (0, 1), (0, 1)])
-    t48 += oe.contract('abcde,fde->abfc', t51, t27, optimize=[(0, 1)])
-    t52 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t53 = t52.view((d_V, d_K, d_V, d_V))
-    t54 = (1/(L*math.sqrt(d_K)*n_batch)) * t41
-    t55 = oe.contract('abc,cd,ace,aed,ade->bead', t2, t54, t5, t44, A, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
-    t56 = oe.contract('abc,acd->bdac', t40, t30, optimize=[(0, 1)])
-    t53[...] = oe.contract('abcd,efcd->aefb', t55, t56, optimize=[(0, 1)])
-    t57 = (-1/(L*math.sqrt(d_K)*n_batch)) * t41
-    t58 = oe.contract('abc,acd,ace->bedac', t40, A, t30, optimize=[(0, 1), (0, 1)])
-    t59 = oe.contract('abc,cd,ace,aed,ade->bad', t2, t57, t5, t44, A, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)])
-    t53 += oe.contract('abcde,fde->fabc', t58, t59, optimize=[(0, 1)])
-    t60 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t61 = t60.view((d_V, d_V, d_V, d_K))
-    t62 = T.transpose(-1, -2)
-    t63 = t41 * t62
-    t64 = t2 @ t63
-    t61[...] = oe.contract('abc,acd,acd,ade,ce,acf,aeg->bdfg', t64, t7, A, t15, t31, X, t16, optimize=[(1, 2), (1, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t65 = oe.contract('abc,acd,ade,ce,aef->bfac', t64, A, t15, t34, t16, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
-    t66 = oe.contract('abc,abc,abd->cdab', t7, A, X, optimize=[(0, 1), (0, 1)])
-    t61 += oe.contract('abcd,efcd->aefb', t65, t66, optimize=[(0, 1)])
-    t67 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t68 = t67.view((d_V, d_V, d_V, d_K))
-    t69 = oe.contract('abc,acd->bdac', t64, t23, optimize=[(0, 1)])
-    t70 = oe.contract('abc,abc,acd,bd,ade->ceab', t7, A, t15, t31, X, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
-    t68[...] = oe.contract('abcd,efcd->aefb', t69, t70, optimize=[(0, 1)])
-    t68 += oe.contract('abc,acd,acd,ace,aef,cf,acg,afh->bdhg', t64, t7, A, A, t15, t34, t23, X, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
-    t71 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t71[...] = 0
-    t72 = t71.view((d_V, d_V, d_V, d_V))
-    t73 = t72.diagonal(0, 1, 3)
-    t74 = (1/(L*n_batch)) * t64
-    t75 = oe.contract('abc,abc->cab', t7, A, optimize=[(0, 1)])
-    t76 = oe.contract('abc,acd->bdac', t74, t30, optimize=[(0, 1)])
-    t73 += oe.contract('abc,debc->dea', t75, t76, optimize=[(0, 1)])
-    t77 = (-1/(L*n_batch)) * t64
-    t78 = oe.contract('abc,acd->bdac', t77, A, optimize=[(0, 1)])
-    t79 = oe.contract('abc,abc,abd->cdab', t7, A, t30, optimize=[(0, 1), (0, 1)])
-    t72 += oe.contract('abcd,efcd->aefb', t78, t79, optimize=[(0, 1)])
+    t24 = oe.contract('abc->cab', t23, optimize=[(0,)])
+    t25 = oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,ahi->bdiac', t2, t4, t18, t5, t7, dA, t16, Mcausal, X, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (1, 3), (1, 2), (0, 1)])
+    t22[...] = oe.contract('abc,defbc->defa', t24, t25, optimize=[(0, 1)])
+    t26 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t27 = t26.view((d_V, d_K, d_V, d_V))
+    t28 = t11 @ X
+    t29 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
+    t30 = oe.contract('abc,ade,ce,aef,acf,acfg->bdgac', t2, t4, t29, t5, t7, dA, optimize=[(4, 5), (3, 4), (2, 3), (1, 2), (0, 1)])
+    t31 = oe.contract('abc->cab', t28, optimize=[(0,)])
+    t27[...] = oe.contract('abcde,fde->abfc', t30, t31, optimize=[(0, 1)])
+    t32 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t33 = t32.view((d_V, d_K, d_V, d_K))
+    t34 = W_Q.transpose(-1, -2)
+    t35 = t34 @ t2
+    t36 = Mcausal.transpose(-1, -2)
+    t37 = Y.transpose(-1, -2)
+    t38 = t37.sum(-2, keepdim=True)
+    t39 = t38.expand(*t38.shape[:-2], d_V, t38.shape[-1])
+    t40 = (1/(L*d_K*n_batch)) * t36
+    t41 = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi->bdiae', t2, t35, t40, t5, t39, dA, t16, Mcausal, t17, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (0, 3), (1, 2), (0, 1)])
+    t33[...] = oe.contract('abcde,fde->abfc', t41, t20, optimize=[(0, 1)])
+    t42 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t43 = t42.view((d_V, d_K, d_V, d_K))
+    t44 = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi->bdiae', t2, t35, t40, t5, t39, dA, t16, Mcausal, X, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (0, 3), (1, 2), (0, 1)])
+    t43[...] = oe.contract('abc,defbc->defa', t24, t44, optimize=[(0, 1)])
+    t45 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t46 = t45.view((d_V, d_K, d_V, d_V))
+    t47 = (1/(L*math.sqrt(d_K)*n_batch)) * t36
+    t48 = oe.contract('abc,ade,ce,acf,afe,aefg->bdgae', t2, t35, t47, t5, t39, dA, optimize=[(4, 5), (3, 4), (2, 3), (0, 2), (0, 1)])
+    t46[...] = oe.contract('abcde,fde->abfc', t48, t31, optimize=[(0, 1)])
+    t49 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t50 = t49.view((d_V, d_V, d_V, d_K))
+    t51 = T.transpose(-1, -2)
+    t52 = t36 * t51
+    t53 = t2 @ t52
+    t54 = oe.contract('abc,acd,acde,aef,cf,afg->bdgac', t53, t7, dA, t16, t29, t17, optimize=[(2, 3), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t50[...] = oe.contract('abcde,fde->abfc', t54, t20, optimize=[(0, 1)])
+    t55 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t56 = t55.view((d_V, d_V, d_V, d_K))
+    t57 = oe.contract('abc,acd,acde,aef,cf,afg->bdgac', t53, t7, dA, t16, t29, X, optimize=[(2, 3), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t56[...] = oe.contract('abc,defbc->defa', t24, t57, optimize=[(0, 1)])
+    t58 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t59 = t58.view((d_V, d_V, d_V, d_V))
+    t60 = (1/(L*n_batch)) * t53
+    t59[...] = oe.contract('abc,acd,acde,acf->bdfe', t60, t7, dA, t28, optimize=[(1, 2), (0, 1), (0, 1)])
     return H
 
 
@@ -8787,39 +9756,42 @@ def ce_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
     t10 = t9 @ t3
     t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
     A = t11 / t11.sum(-1, keepdim=True)
-    t12 = W_V.transpose(-1, -2)
-    t13 = t12 @ t0
-    t14 = X @ W_K
-    t15 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acf,afg,cg,ach,agi,jbk,jdl,kl,jlm,jkm,jkm,jmn,kn,jkh,jni->', t0, t2, Mcausal, t3, t5, A, t13, Mcausal, X, t14, t0, t2, Mcausal, t3, t5, A, t13, Mcausal, X, t14, optimize=[(4, 5), (12, 13), (0, 8), (0, 7), (4, 10), (12, 14), (4, 9), (0, 3), (2, 5), (0, 1), (2, 9), (6, 8), (3, 7), (3, 6), (3, 5), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acf,afg,cg,ach,agi,jbk,jdl,kl,jlm,jkm,jkm,jkn,jno,ko,jkh,joi->', t0, t2, Mcausal, t3, t5, A, t13, Mcausal, X, t14, t0, t2, Mcausal, t3, t5, A, A, t13, Mcausal, X, t14, optimize=[(4, 5), (12, 13), (12, 13), (11, 16), (0, 8), (0, 7), (4, 8), (11, 13), (4, 7), (5, 7), (9, 10), (4, 6), (5, 8), (0, 3), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acf,acg,agh,ch,aci,ahj,kbl,kdm,lm,kmn,kln,kln,klo,kop,lp,kli,kpj->', t0, t2, Mcausal, t3, t5, A, A, t13, Mcausal, X, t14, t0, t2, Mcausal, t3, t5, A, A, t13, Mcausal, X, t14, optimize=[(4, 5), (13, 14), (4, 5), (11, 12), (3, 14), (9, 13), (0, 6), (0, 5), (2, 6), (10, 12), (2, 5), (1, 4), (8, 9), (2, 3), (6, 7), (5, 6), (0, 2), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
-    t17 = X @ W_Q
-    t18 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acf,afg,cg,ach,agi,jbk,jdl,kl,jlm,jkm,jkm,jmn,kn,jkh,jni->', t0, t2, Mcausal, t3, t5, A, t13, Mcausal, t17, X, t0, t2, Mcausal, t3, t5, A, t13, Mcausal, t17, X, optimize=[(4, 5), (12, 13), (0, 8), (0, 7), (4, 10), (12, 14), (4, 9), (0, 3), (2, 5), (0, 1), (2, 9), (6, 8), (3, 7), (3, 6), (3, 5), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acf,afg,cg,ach,agi,jbk,jdl,kl,jlm,jkm,jkm,jkn,jno,ko,jkh,joi->', t0, t2, Mcausal, t3, t5, A, t13, Mcausal, t17, X, t0, t2, Mcausal, t3, t5, A, A, t13, Mcausal, t17, X, optimize=[(4, 5), (12, 13), (12, 13), (11, 16), (0, 8), (0, 7), (4, 8), (11, 13), (4, 7), (5, 7), (9, 10), (4, 6), (5, 8), (0, 3), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acf,acg,agh,ch,aci,ahj,kbl,kdm,lm,kmn,kln,kln,klo,kop,lp,kli,kpj->', t0, t2, Mcausal, t3, t5, A, A, t13, Mcausal, t17, X, t0, t2, Mcausal, t3, t5, A, A, t13, Mcausal, t17, X, optimize=[(4, 5), (13, 14), (4, 5), (11, 12), (3, 14), (9, 13), (0, 6), (0, 5), (2, 6), (10, 12), (2, 5), (1, 4), (8, 9), (2, 3), (6, 7), (5, 6), (0, 2), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
-    t20 = t9 @ X
-    t21 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acf,acg,hbi,hdj,ij,hjf,hif,hif,hig->', t0, t2, Mcausal, t3, t5, A, t20, t0, t2, Mcausal, t3, t5, A, t20, optimize=[(4, 5), (9, 10), (0, 5), (0, 4), (2, 5), (6, 8), (1, 4), (0, 6), (1, 2), (0, 4), (0, 2), (1, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acf,acg,hbi,hdj,ij,hjk,hik,hik,hif,hig->', t0, t2, Mcausal, t3, t5, A, t20, t0, t2, Mcausal, t3, t5, A, A, t20, optimize=[(4, 5), (9, 10), (8, 12), (0, 5), (0, 4), (2, 5), (6, 8), (2, 5), (4, 6), (1, 3), (1, 4), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acf,acg,ach,ibj,idk,jk,ikl,ijl,ijl,ijg,ijh->', t0, t2, Mcausal, t3, t5, A, A, t20, t0, t2, Mcausal, t3, t5, A, A, t20, optimize=[(4, 5), (10, 11), (3, 12), (8, 11), (0, 5), (0, 4), (1, 4), (6, 8), (1, 3), (5, 6), (0, 2), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
-    t23 = W_Q.transpose(-1, -2)
-    t24 = t23 @ t0
-    t25 = Mcausal.transpose(-1, -2)
-    t26 = Y.transpose(-1, -2)
-    t27 = t26.sum(-2, keepdim=True)
-    t28 = t27.expand(*t27.shape[:-2], d_V, t27.shape[-1])
-    t29 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aef,afg,eg,aeh,agi,jbk,jdl,kl,jkm,jml,jlm,jmn,ln,jlh,jni->', t0, t24, t25, t3, t28, A, t13, Mcausal, X, t14, t0, t24, t25, t3, t28, A, t13, Mcausal, X, t14, optimize=[(4, 5), (12, 13), (0, 8), (0, 7), (4, 10), (13, 14), (4, 9), (0, 3), (2, 5), (0, 1), (2, 9), (6, 8), (3, 7), (3, 6), (3, 5), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aef,afg,eg,aeh,agi,jbk,jdl,kl,jkm,jml,jlm,jln,jno,lo,jlh,joi->', t0, t24, t25, t3, t28, A, t13, Mcausal, X, t14, t0, t24, t25, t3, t28, A, A, t13, Mcausal, X, t14, optimize=[(4, 5), (12, 13), (12, 13), (11, 16), (0, 8), (0, 7), (4, 8), (12, 13), (4, 7), (5, 7), (9, 10), (4, 6), (5, 8), (0, 3), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aef,aeg,agh,eh,aei,ahj,kbl,kdm,lm,kln,knm,kmn,kmo,kop,mp,kmi,kpj->', t0, t24, t25, t3, t28, A, A, t13, Mcausal, X, t14, t0, t24, t25, t3, t28, A, A, t13, Mcausal, X, t14, optimize=[(4, 5), (13, 14), (4, 5), (11, 12), (3, 14), (9, 13), (0, 6), (0, 5), (2, 6), (11, 12), (2, 5), (1, 4), (8, 9), (2, 3), (6, 7), (5, 6), (0, 2), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t30 = torch.sqrt(torch.clamp(t29, min=0.0))
-    t31 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aef,afg,eg,aeh,agi,jbk,jdl,kl,jkm,jml,jlm,jmn,ln,jlh,jni->', t0, t24, t25, t3, t28, A, t13, Mcausal, t17, X, t0, t24, t25, t3, t28, A, t13, Mcausal, t17, X, optimize=[(4, 5), (12, 13), (0, 8), (0, 7), (4, 10), (13, 14), (4, 9), (0, 3), (2, 5), (0, 1), (2, 9), (6, 8), (3, 7), (3, 6), (3, 5), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aef,afg,eg,aeh,agi,jbk,jdl,kl,jkm,jml,jlm,jln,jno,lo,jlh,joi->', t0, t24, t25, t3, t28, A, t13, Mcausal, t17, X, t0, t24, t25, t3, t28, A, A, t13, Mcausal, t17, X, optimize=[(4, 5), (12, 13), (12, 13), (11, 16), (0, 8), (0, 7), (4, 8), (12, 13), (4, 7), (5, 7), (9, 10), (4, 6), (5, 8), (0, 3), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aef,aeg,agh,eh,aei,ahj,kbl,kdm,lm,kln,knm,kmn,kmo,kop,mp,kmi,kpj->', t0, t24, t25, t3, t28, A, A, t13, Mcausal, t17, X, t0, t24, t25, t3, t28, A, A, t13, Mcausal, t17, X, optimize=[(4, 5), (13, 14), (4, 5), (11, 12), (3, 14), (9, 13), (0, 6), (0, 5), (2, 6), (11, 12), (2, 5), (1, 4), (8, 9), (2, 3), (6, 7), (5, 6), (0, 2), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t32 = torch.sqrt(torch.clamp(t31, min=0.0))
-    t33 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aef,aeg,hbi,hdj,ij,hif,hfj,hjf,hjg->', t0, t24, t25, t3, t28, A, t20, t0, t24, t25, t3, t28, A, t20, optimize=[(4, 5), (9, 10), (0, 5), (0, 4), (2, 5), (7, 8), (1, 4), (0, 6), (1, 2), (0, 4), (0, 2), (1, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aef,aeg,hbi,hdj,ij,hik,hkj,hjk,hjf,hjg->', t0, t24, t25, t3, t28, A, t20, t0, t24, t25, t3, t28, A, A, t20, optimize=[(4, 5), (9, 10), (8, 12), (0, 5), (0, 4), (2, 5), (7, 8), (2, 5), (4, 6), (1, 3), (1, 4), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aef,aeg,aeh,ibj,idk,jk,ijl,ilk,ikl,ikg,ikh->', t0, t24, t25, t3, t28, A, A, t20, t0, t24, t25, t3, t28, A, A, t20, optimize=[(4, 5), (10, 11), (3, 12), (8, 11), (0, 5), (0, 4), (1, 4), (7, 8), (1, 3), (5, 6), (0, 2), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t34 = torch.sqrt(torch.clamp(t33, min=0.0))
-    t35 = T.transpose(-1, -2)
-    t36 = t25 * t35
-    t37 = t0 @ t36
-    t38 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ade,ce,acf,aeg,hbi,hid,hid,hdj,ij,hif,hjg->', t37, t5, A, t13, Mcausal, X, t14, t37, t5, A, t13, Mcausal, X, t14, optimize=[(1, 2), (6, 7), (0, 5), (2, 6), (8, 9), (2, 5), (0, 4), (0, 6), (0, 2), (0, 4), (0, 2), (1, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ade,ce,acf,aeg,hbi,hid,hid,hij,hjk,ik,hif,hkg->', t37, t5, A, t13, Mcausal, X, t14, t37, t5, A, A, t13, Mcausal, X, t14, optimize=[(1, 2), (6, 7), (6, 7), (0, 5), (2, 5), (8, 9), (2, 4), (2, 5), (5, 6), (0, 2), (1, 4), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,aef,cf,acg,afh,ibj,ijd,ijd,ijk,ikl,jl,ijg,ilh->', t37, t5, A, A, t13, Mcausal, X, t14, t37, t5, A, A, t13, Mcausal, X, t14, optimize=[(1, 2), (7, 8), (1, 2), (5, 6), (0, 4), (1, 4), (8, 9), (1, 3), (2, 3), (4, 6), (0, 2), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t39 = torch.sqrt(torch.clamp(t38, min=0.0))
-    t40 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ade,ce,acf,aeg,hbi,hid,hid,hdj,ij,hif,hjg->', t37, t5, A, t13, Mcausal, t17, X, t37, t5, A, t13, Mcausal, t17, X, optimize=[(1, 2), (6, 7), (0, 5), (2, 6), (8, 9), (2, 5), (0, 4), (0, 6), (0, 2), (0, 4), (0, 2), (1, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ade,ce,acf,aeg,hbi,hid,hid,hij,hjk,ik,hif,hkg->', t37, t5, A, t13, Mcausal, t17, X, t37, t5, A, A, t13, Mcausal, t17, X, optimize=[(1, 2), (6, 7), (6, 7), (0, 5), (2, 5), (8, 9), (2, 4), (2, 5), (5, 6), (0, 2), (1, 4), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,aef,cf,acg,afh,ibj,ijd,ijd,ijk,ikl,jl,ijg,ilh->', t37, t5, A, A, t13, Mcausal, t17, X, t37, t5, A, A, t13, Mcausal, t17, X, optimize=[(1, 2), (7, 8), (1, 2), (5, 6), (0, 4), (1, 4), (8, 9), (1, 3), (2, 3), (4, 6), (0, 2), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t41 = torch.sqrt(torch.clamp(t40, min=0.0))
-    t42 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fge->', t37, t5, A, t20, t37, t5, A, t20, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fgd,fge->', t37, t5, A, t20, t37, t5, A, A, t20, optimize=[(1, 2), (3, 4), (3, 6), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,acf,gbh,ghd,ghd,ghe,ghf->', t37, t5, A, A, t20, t37, t5, A, A, t20, optimize=[(1, 2), (4, 5), (0, 3), (0, 2), (4, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t43 = torch.sqrt(torch.clamp(t42, min=0.0))
-    return (t16, t19, t22, t30, t32, t34, t39, t41, t43,)
+    t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t13 = W_V.transpose(-1, -2)
+    t14 = t13 @ t0
+    t15 = X @ W_K
+    t16 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,aci,ahj,kbl,kdm,lm,kmn,kln,klno,kop,lp,kli,kpj->', t0, t2, Mcausal, t3, t5, dA, t14, Mcausal, X, t15, t0, t2, Mcausal, t3, t5, dA, t14, Mcausal, X, t15, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (12, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
+    t18 = X @ W_Q
+    t19 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,aci,ahj,kbl,kdm,lm,kmn,kln,klno,kop,lp,kli,kpj->', t0, t2, Mcausal, t3, t5, dA, t14, Mcausal, t18, X, t0, t2, Mcausal, t3, t5, dA, t14, Mcausal, t18, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (12, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
+    t21 = t9 @ X
+    t22 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,ach,ibj,idk,jk,ikl,ijl,ijlg,ijh->', t0, t2, Mcausal, t3, t5, dA, t21, t0, t2, Mcausal, t3, t5, dA, t21, optimize=[(4, 5), (3, 12), (0, 4), (0, 3), (4, 5), (3, 8), (1, 3), (3, 6), (0, 2), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t23 = torch.sqrt(torch.clamp(t22, min=0.0))
+    t24 = W_Q.transpose(-1, -2)
+    t25 = t24 @ t0
+    t26 = Mcausal.transpose(-1, -2)
+    t27 = Y.transpose(-1, -2)
+    t28 = t27.sum(-2, keepdim=True)
+    t29 = t28.expand(*t28.shape[:-2], d_V, t28.shape[-1])
+    t30 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aei,ahj,kbl,kdm,lm,kln,knm,kmno,kop,mp,kmi,kpj->', t0, t25, t26, t3, t29, dA, t14, Mcausal, X, t15, t0, t25, t26, t3, t29, dA, t14, Mcausal, X, t15, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (13, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t31 = torch.sqrt(torch.clamp(t30, min=0.0))
+    t32 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aei,ahj,kbl,kdm,lm,kln,knm,kmno,kop,mp,kmi,kpj->', t0, t25, t26, t3, t29, dA, t14, Mcausal, t18, X, t0, t25, t26, t3, t29, dA, t14, Mcausal, t18, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (13, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t33 = torch.sqrt(torch.clamp(t32, min=0.0))
+    t34 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,aeh,ibj,idk,jk,ijl,ilk,iklg,ikh->', t0, t25, t26, t3, t29, dA, t21, t0, t25, t26, t3, t29, dA, t21, optimize=[(4, 5), (3, 12), (0, 4), (0, 3), (4, 5), (3, 8), (1, 3), (4, 6), (0, 2), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t35 = torch.sqrt(torch.clamp(t34, min=0.0))
+    t36 = T.transpose(-1, -2)
+    t37 = t26 * t36
+    t38 = t0 @ t37
+    t39 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,aef,cf,acg,afh,ibj,ijd,ijdk,ikl,jl,ijg,ilh->', t38, t5, dA, t14, Mcausal, X, t15, t38, t5, dA, t14, Mcausal, X, t15, optimize=[(2, 3), (7, 8), (0, 5), (2, 6), (8, 9), (2, 5), (0, 4), (1, 3), (0, 4), (0, 3), (0, 2), (1, 2), (0, 1)])
+    t40 = torch.sqrt(torch.clamp(t39, min=0.0))
+    t41 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,aef,cf,acg,afh,ibj,ijd,ijdk,ikl,jl,ijg,ilh->', t38, t5, dA, t14, Mcausal, t18, X, t38, t5, dA, t14, Mcausal, t18, X, optimize=[(2, 3), (7, 8), (0, 5), (2, 6), (8, 9), (2, 5), (0, 4), (1, 3), (0, 4), (0, 3), (0, 2), (1, 2), (0, 1)])
+    t42 = torch.sqrt(torch.clamp(t41, min=0.0))
+    t43 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t38, t5, dA, t21, t38, t5, dA, t21, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
+    t44 = torch.sqrt(torch.clamp(t43, min=0.0))
+    return (t17, t20, t23, t31, t33, t35, t40, t42, t44,)
 
 
 def ce_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -8845,16 +9817,16 @@ def ce_causal1__diag__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t11 = t10 @ t4
     t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A = t12 / t12.sum(-1, keepdim=True)
-    t13 = W_V.transpose(-1, -2)
-    t14 = t13 @ t1
-    t15 = X @ W_K
-    t16 = (1/(L*d_K*n_batch)) * Mcausal
-    t17 = oe.contract('abc,dc,ace,ade,ade,aef,df,afb->bad', t3, t16, t4, t6, A, t14, Mcausal, t15, optimize=[(3, 4), (2, 3), (4, 5), (1, 4), (1, 3), (0, 2), (0, 1)])
-    t18 = oe.contract('abc,acb->bac', t1, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t17, t18, optimize=[(0, 1)])
-    t19 = (-1/(L*d_K*n_batch)) * Mcausal
-    t20 = oe.contract('abc,dc,ace,ade,ade,adf,afg,dg,agb->bad', t3, t19, t4, t6, A, A, t14, Mcausal, t15, optimize=[(3, 4), (3, 4), (2, 5), (2, 4), (2, 4), (1, 2), (0, 2), (0, 1)])
-    t0 += oe.contract('abc,dbc->da', t20, t18, optimize=[(0, 1)])
+    t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t14 = W_V.transpose(-1, -2)
+    t15 = t14 @ t1
+    t16 = X @ W_K
+    t17 = (1/(L*d_K*n_batch)) * Mcausal
+    t18 = oe.contract('abc,dc,ace,ade,adef,afg,dg,agb->bad', t3, t17, t4, t6, dA, t15, Mcausal, t16, optimize=[(4, 5), (3, 6), (2, 5), (1, 4), (1, 3), (0, 2), (0, 1)])
+    t19 = oe.contract('abc,acb->bac', t1, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -8879,10 +9851,13 @@ def ce_causal1__trace__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t10 = t9 @ t3
     t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
     A = t11 / t11.sum(-1, keepdim=True)
-    t12 = W_V.transpose(-1, -2)
-    t13 = t12 @ t0
-    t14 = X @ W_K
-    return (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,aef,acf,acf,afg,cg,acb,agd->', t0, t2, Mcausal, t3, t5, A, t13, Mcausal, X, t14, optimize=[(4, 5), (0, 6), (0, 5), (4, 5), (1, 2), (3, 4), (2, 3), (0, 2), (0, 1)]) + (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,aef,acf,acf,acg,agh,ch,acb,ahd->', t0, t2, Mcausal, t3, t5, A, A, t13, Mcausal, X, t14, optimize=[(4, 5), (0, 7), (3, 4), (0, 4), (1, 3), (2, 3), (1, 4), (1, 3), (1, 2), (0, 1)])
+    t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t13 = W_V.transpose(-1, -2)
+    t14 = t13 @ t0
+    t15 = X @ W_K
+    return (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,acb,ahd->', t0, t2, Mcausal, t3, t5, dA, t14, Mcausal, X, t15, optimize=[(0, 8), (4, 5), (0, 5), (2, 5), (1, 5), (2, 4), (2, 3), (0, 2), (0, 1)])
 
 
 def ce_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -8908,15 +9883,16 @@ def ce_causal1__block__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t11 = t10 @ t4
     t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A = t12 / t12.sum(-1, keepdim=True)
-    t13 = W_V.transpose(-1, -2)
-    t14 = t13 @ t1
-    t15 = X @ W_K
-    t16 = (1/(L*d_K*n_batch)) * Mcausal
-    t0[...] = oe.contract('abc,ade,ce,aef,acf,acf,afg,cg,ach,agi->bdhi', t1, t3, t16, t4, t6, A, t14, Mcausal, X, t15, optimize=[(4, 5), (2, 5), (2, 3), (4, 6), (4, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t17 = (-1/(L*d_K*n_batch)) * Mcausal
-    t18 = oe.contract('abc,acd,bd,ade->eab', A, t14, Mcausal, t15, optimize=[(0, 1), (0, 2), (0, 1)])
-    t19 = oe.contract('abc,ade,ce,aef,acf,acf,acg->bdgac', t1, t3, t17, t4, t6, A, X, optimize=[(4, 5), (3, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
-    t0 += oe.contract('abc,defbc->defa', t18, t19, optimize=[(0, 1)])
+    t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t14 = W_V.transpose(-1, -2)
+    t15 = t14 @ t1
+    t16 = X @ W_K
+    t17 = (1/(L*d_K*n_batch)) * Mcausal
+    t18 = oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,ahi->bdiac', t1, t3, t17, t4, t6, dA, t15, Mcausal, t16, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (1, 3), (1, 2), (0, 1)])
+    t19 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t0[...] = oe.contract('abcde,fde->abfc', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -8941,12 +9917,15 @@ def ce_causal1__frobenius__W_Q__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t10 = t9 @ t3
     t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
     A = t11 / t11.sum(-1, keepdim=True)
-    t12 = W_V.transpose(-1, -2)
-    t13 = t12 @ t0
-    t14 = X @ W_K
-    t15 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acf,afg,cg,ach,agi,jbk,jdl,kl,jlm,jkm,jkm,jmn,kn,jkh,jni->', t0, t2, Mcausal, t3, t5, A, t13, Mcausal, X, t14, t0, t2, Mcausal, t3, t5, A, t13, Mcausal, X, t14, optimize=[(4, 5), (12, 13), (0, 8), (0, 7), (4, 10), (12, 14), (4, 9), (0, 3), (2, 5), (0, 1), (2, 9), (6, 8), (3, 7), (3, 6), (3, 5), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acf,afg,cg,ach,agi,jbk,jdl,kl,jlm,jkm,jkm,jkn,jno,ko,jkh,joi->', t0, t2, Mcausal, t3, t5, A, t13, Mcausal, X, t14, t0, t2, Mcausal, t3, t5, A, A, t13, Mcausal, X, t14, optimize=[(4, 5), (12, 13), (12, 13), (11, 16), (0, 8), (0, 7), (4, 8), (11, 13), (4, 7), (5, 7), (9, 10), (4, 6), (5, 8), (0, 3), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acf,acg,agh,ch,aci,ahj,kbl,kdm,lm,kmn,kln,kln,klo,kop,lp,kli,kpj->', t0, t2, Mcausal, t3, t5, A, A, t13, Mcausal, X, t14, t0, t2, Mcausal, t3, t5, A, A, t13, Mcausal, X, t14, optimize=[(4, 5), (13, 14), (4, 5), (11, 12), (3, 14), (9, 13), (0, 6), (0, 5), (2, 6), (10, 12), (2, 5), (1, 4), (8, 9), (2, 3), (6, 7), (5, 6), (0, 2), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
-    return t16
+    t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t13 = W_V.transpose(-1, -2)
+    t14 = t13 @ t0
+    t15 = X @ W_K
+    t16 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,aci,ahj,kbl,kdm,lm,kmn,kln,klno,kop,lp,kli,kpj->', t0, t2, Mcausal, t3, t5, dA, t14, Mcausal, X, t15, t0, t2, Mcausal, t3, t5, dA, t14, Mcausal, X, t15, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (12, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
+    return t17
 
 
 def ce_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -8972,17 +9951,16 @@ def ce_causal1__block__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     t11 = t10 @ t4
     t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A = t12 / t12.sum(-1, keepdim=True)
-    t13 = W_V.transpose(-1, -2)
-    t14 = t13 @ t1
-    t15 = X @ W_Q
-    t16 = (1/(L*d_K*n_batch)) * Mcausal
-    t17 = oe.contract('abc,acd->bdac', t1, t15, optimize=[(0, 1)])
-    t18 = oe.contract('abc,dc,ace,ade,ade,aef,df,afg->bgad', t3, t16, t4, t6, A, t14, Mcausal, X, optimize=[(3, 4), (2, 3), (4, 5), (1, 4), (1, 3), (0, 2), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
-    t19 = (-1/(L*d_K*n_batch)) * Mcausal
-    t20 = oe.contract('abc,ade,ce,aef,acf,acf,acg->bdgac', t1, t3, t19, t4, t6, A, t15, optimize=[(4, 5), (3, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
-    t21 = oe.contract('abc,acd,bd,ade->eab', A, t14, Mcausal, X, optimize=[(0, 1), (0, 2), (0, 1)])
-    t0 += oe.contract('abcde,fde->abfc', t20, t21, optimize=[(0, 1)])
+    t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t14 = W_V.transpose(-1, -2)
+    t15 = t14 @ t1
+    t16 = X @ W_Q
+    t17 = (1/(L*d_K*n_batch)) * Mcausal
+    t18 = oe.contract('abc->cab', t16, optimize=[(0,)])
+    t19 = oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,ahi->bdiac', t1, t3, t17, t4, t6, dA, t15, Mcausal, X, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (1, 3), (1, 2), (0, 1)])
+    t0[...] = oe.contract('abc,defbc->defa', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -9007,12 +9985,15 @@ def ce_causal1__frobenius__W_Q__W_K__outer(X, W_Q, W_K, W_V, Y):
     t10 = t9 @ t3
     t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
     A = t11 / t11.sum(-1, keepdim=True)
-    t12 = W_V.transpose(-1, -2)
-    t13 = t12 @ t0
-    t14 = X @ W_Q
-    t15 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acf,afg,cg,ach,agi,jbk,jdl,kl,jlm,jkm,jkm,jmn,kn,jkh,jni->', t0, t2, Mcausal, t3, t5, A, t13, Mcausal, t14, X, t0, t2, Mcausal, t3, t5, A, t13, Mcausal, t14, X, optimize=[(4, 5), (12, 13), (0, 8), (0, 7), (4, 10), (12, 14), (4, 9), (0, 3), (2, 5), (0, 1), (2, 9), (6, 8), (3, 7), (3, 6), (3, 5), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acf,afg,cg,ach,agi,jbk,jdl,kl,jlm,jkm,jkm,jkn,jno,ko,jkh,joi->', t0, t2, Mcausal, t3, t5, A, t13, Mcausal, t14, X, t0, t2, Mcausal, t3, t5, A, A, t13, Mcausal, t14, X, optimize=[(4, 5), (12, 13), (12, 13), (11, 16), (0, 8), (0, 7), (4, 8), (11, 13), (4, 7), (5, 7), (9, 10), (4, 6), (5, 8), (0, 3), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acf,acg,agh,ch,aci,ahj,kbl,kdm,lm,kmn,kln,kln,klo,kop,lp,kli,kpj->', t0, t2, Mcausal, t3, t5, A, A, t13, Mcausal, t14, X, t0, t2, Mcausal, t3, t5, A, A, t13, Mcausal, t14, X, optimize=[(4, 5), (13, 14), (4, 5), (11, 12), (3, 14), (9, 13), (0, 6), (0, 5), (2, 6), (10, 12), (2, 5), (1, 4), (8, 9), (2, 3), (6, 7), (5, 6), (0, 2), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
-    return t16
+    t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t13 = W_V.transpose(-1, -2)
+    t14 = t13 @ t0
+    t15 = X @ W_Q
+    t16 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,aci,ahj,kbl,kdm,lm,kmn,kln,klno,kop,lp,kli,kpj->', t0, t2, Mcausal, t3, t5, dA, t14, Mcausal, t15, X, t0, t2, Mcausal, t3, t5, dA, t14, Mcausal, t15, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (12, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
+    return t17
 
 
 def ce_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -9038,15 +10019,14 @@ def ce_causal1__block__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     t11 = t10 @ t4
     t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A = t12 / t12.sum(-1, keepdim=True)
-    t13 = t10 @ X
-    t14 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t15 = oe.contract('abc,dc,ace,ade,ade->bead', t3, t14, t4, t6, A, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
-    t16 = oe.contract('abc,acd->bdac', t1, t13, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t15, t16, optimize=[(0, 1)])
-    t17 = (-1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t18 = oe.contract('abc,acd,ace->bedac', t1, A, t13, optimize=[(0, 1), (0, 1)])
-    t19 = oe.contract('abc,dc,ace,ade,ade->bad', t3, t17, t4, t6, A, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)])
-    t0 += oe.contract('abcde,fde->afbc', t18, t19, optimize=[(0, 1)])
+    t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t14 = t10 @ X
+    t15 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
+    t16 = oe.contract('abc,ade,ce,aef,acf,acfg->bdgac', t1, t3, t15, t4, t6, dA, optimize=[(4, 5), (3, 4), (2, 3), (1, 2), (0, 1)])
+    t17 = oe.contract('abc->cab', t14, optimize=[(0,)])
+    t0[...] = oe.contract('abcde,fde->abfc', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -9071,10 +10051,13 @@ def ce_causal1__frobenius__W_Q__W_V__outer(X, W_Q, W_K, W_V, Y):
     t10 = t9 @ t3
     t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
     A = t11 / t11.sum(-1, keepdim=True)
-    t12 = t9 @ X
-    t13 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acf,acg,hbi,hdj,ij,hjf,hif,hif,hig->', t0, t2, Mcausal, t3, t5, A, t12, t0, t2, Mcausal, t3, t5, A, t12, optimize=[(4, 5), (9, 10), (0, 5), (0, 4), (2, 5), (6, 8), (1, 4), (0, 6), (1, 2), (0, 4), (0, 2), (1, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acf,acg,hbi,hdj,ij,hjk,hik,hik,hif,hig->', t0, t2, Mcausal, t3, t5, A, t12, t0, t2, Mcausal, t3, t5, A, A, t12, optimize=[(4, 5), (9, 10), (8, 12), (0, 5), (0, 4), (2, 5), (6, 8), (2, 5), (4, 6), (1, 3), (1, 4), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acf,acg,ach,ibj,idk,jk,ikl,ijl,ijl,ijg,ijh->', t0, t2, Mcausal, t3, t5, A, A, t12, t0, t2, Mcausal, t3, t5, A, A, t12, optimize=[(4, 5), (10, 11), (3, 12), (8, 11), (0, 5), (0, 4), (1, 4), (6, 8), (1, 3), (5, 6), (0, 2), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t14 = torch.sqrt(torch.clamp(t13, min=0.0))
-    return t14
+    t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t13 = t9 @ X
+    t14 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,ach,ibj,idk,jk,ikl,ijl,ijlg,ijh->', t0, t2, Mcausal, t3, t5, dA, t13, t0, t2, Mcausal, t3, t5, dA, t13, optimize=[(4, 5), (3, 12), (0, 4), (0, 3), (4, 5), (3, 8), (1, 3), (3, 6), (0, 2), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
+    return t15
 
 
 def ce_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -9104,13 +10087,14 @@ def ce_causal1__diag__W_K__outer(X, W_Q, W_K, W_V, Y):
     t15 = t14 @ t5
     t16 = torch.exp(t15 - t15.amax(-1, keepdim=True))
     A = t16 / t16.sum(-1, keepdim=True)
-    t17 = W_V.transpose(-1, -2)
-    t18 = t17 @ t1
-    t19 = X @ W_Q
-    t20 = (1/(L*d_K*n_batch)) * t4
-    t0[...] = oe.contract('abc,ade,ce,acf,afe,aef,afg,eg,aed,agb->bd', t1, t3, t20, t5, t8, A, t18, Mcausal, t19, X, optimize=[(4, 5), (1, 6), (1, 4), (1, 2), (2, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
-    t21 = (-1/(L*d_K*n_batch)) * t4
-    t0 += oe.contract('abc,ade,ce,acf,afe,aef,aeg,agh,eh,aed,ahb->bd', t1, t3, t21, t5, t8, A, A, t18, Mcausal, t19, X, optimize=[(4, 5), (1, 7), (3, 4), (2, 5), (2, 5), (2, 5), (1, 3), (0, 3), (1, 2), (0, 1)])
+    t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t18 = W_V.transpose(-1, -2)
+    t19 = t18 @ t1
+    t20 = X @ W_Q
+    t21 = (1/(L*d_K*n_batch)) * t4
+    t0[...] = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aed,ahb->bd', t1, t3, t21, t5, t8, dA, t19, Mcausal, t20, X, optimize=[(1, 8), (4, 5), (3, 7), (2, 6), (1, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -9139,10 +10123,13 @@ def ce_causal1__trace__W_K__outer(X, W_Q, W_K, W_V, Y):
     t14 = t13 @ t4
     t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
     A = t15 / t15.sum(-1, keepdim=True)
-    t16 = W_V.transpose(-1, -2)
-    t17 = t16 @ t0
-    t18 = X @ W_Q
-    return (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,acf,afe,aef,afg,eg,aed,agb->', t0, t2, t3, t4, t7, A, t17, Mcausal, t18, X, optimize=[(4, 5), (1, 6), (0, 5), (4, 5), (1, 2), (3, 4), (2, 3), (0, 2), (0, 1)]) + (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,acf,afe,aef,aeg,agh,eh,aed,ahb->', t0, t2, t3, t4, t7, A, A, t17, Mcausal, t18, X, optimize=[(4, 5), (1, 7), (3, 4), (0, 4), (1, 3), (2, 3), (1, 4), (1, 3), (1, 2), (0, 1)])
+    t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t17 = W_V.transpose(-1, -2)
+    t18 = t17 @ t0
+    t19 = X @ W_Q
+    return (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aed,ahb->', t0, t2, t3, t4, t7, dA, t18, Mcausal, t19, X, optimize=[(1, 8), (4, 5), (0, 5), (2, 5), (1, 5), (2, 4), (2, 3), (0, 2), (0, 1)])
 
 
 def ce_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -9172,13 +10159,16 @@ def ce_causal1__block__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t15 = t14 @ t5
     t16 = torch.exp(t15 - t15.amax(-1, keepdim=True))
     A = t16 / t16.sum(-1, keepdim=True)
-    t17 = W_V.transpose(-1, -2)
-    t18 = t17 @ t1
-    t19 = X @ W_K
-    t20 = (1/(L*d_K*n_batch)) * t4
-    t0[...] = oe.contract('abc,ade,ce,acf,afe,aef,afg,eg,aeh,agi->bdhi', t1, t3, t20, t5, t8, A, t18, Mcausal, X, t19, optimize=[(4, 5), (2, 5), (2, 3), (4, 6), (4, 5), (0, 4), (2, 3), (0, 1), (0, 1)])
-    t21 = (-1/(L*d_K*n_batch)) * t4
-    t0 += oe.contract('abc,ade,ce,acf,afe,aef,aeg,agh,eh,aei,ahj->bdij', t1, t3, t21, t5, t8, A, A, t18, Mcausal, X, t19, optimize=[(4, 5), (4, 5), (3, 7), (3, 6), (4, 6), (2, 4), (0, 4), (0, 3), (0, 2), (0, 1)])
+    t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t18 = W_V.transpose(-1, -2)
+    t19 = t18 @ t1
+    t20 = X @ W_K
+    t21 = (1/(L*d_K*n_batch)) * t4
+    t22 = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi->bdiae', t1, t3, t21, t5, t8, dA, t19, Mcausal, t20, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (0, 3), (1, 2), (0, 1)])
+    t23 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t0[...] = oe.contract('abcde,fde->abfc', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -9207,12 +10197,15 @@ def ce_causal1__frobenius__W_K__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t14 = t13 @ t4
     t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
     A = t15 / t15.sum(-1, keepdim=True)
-    t16 = W_V.transpose(-1, -2)
-    t17 = t16 @ t0
-    t18 = X @ W_K
-    t19 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aef,afg,eg,aeh,agi,jbk,jdl,kl,jkm,jml,jlm,jmn,ln,jlh,jni->', t0, t2, t3, t4, t7, A, t17, Mcausal, X, t18, t0, t2, t3, t4, t7, A, t17, Mcausal, X, t18, optimize=[(4, 5), (12, 13), (0, 8), (0, 7), (4, 10), (13, 14), (4, 9), (0, 3), (2, 5), (0, 1), (2, 9), (6, 8), (3, 7), (3, 6), (3, 5), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aef,afg,eg,aeh,agi,jbk,jdl,kl,jkm,jml,jlm,jln,jno,lo,jlh,joi->', t0, t2, t3, t4, t7, A, t17, Mcausal, X, t18, t0, t2, t3, t4, t7, A, A, t17, Mcausal, X, t18, optimize=[(4, 5), (12, 13), (12, 13), (11, 16), (0, 8), (0, 7), (4, 8), (12, 13), (4, 7), (5, 7), (9, 10), (4, 6), (5, 8), (0, 3), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aef,aeg,agh,eh,aei,ahj,kbl,kdm,lm,kln,knm,kmn,kmo,kop,mp,kmi,kpj->', t0, t2, t3, t4, t7, A, A, t17, Mcausal, X, t18, t0, t2, t3, t4, t7, A, A, t17, Mcausal, X, t18, optimize=[(4, 5), (13, 14), (4, 5), (11, 12), (3, 14), (9, 13), (0, 6), (0, 5), (2, 6), (11, 12), (2, 5), (1, 4), (8, 9), (2, 3), (6, 7), (5, 6), (0, 2), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
-    return t20
+    t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t17 = W_V.transpose(-1, -2)
+    t18 = t17 @ t0
+    t19 = X @ W_K
+    t20 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aei,ahj,kbl,kdm,lm,kln,knm,kmno,kop,mp,kmi,kpj->', t0, t2, t3, t4, t7, dA, t18, Mcausal, X, t19, t0, t2, t3, t4, t7, dA, t18, Mcausal, X, t19, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (13, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
+    return t21
 
 
 def ce_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -9242,17 +10235,16 @@ def ce_causal1__block__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t15 = t14 @ t5
     t16 = torch.exp(t15 - t15.amax(-1, keepdim=True))
     A = t16 / t16.sum(-1, keepdim=True)
-    t17 = W_V.transpose(-1, -2)
-    t18 = t17 @ t1
-    t19 = X @ W_Q
-    t20 = (1/(L*d_K*n_batch)) * t4
-    t21 = oe.contract('abc,acd->bdac', t3, t19, optimize=[(0, 1)])
-    t22 = oe.contract('abc,cd,ace,aed,ade,aef,df,afg->bgad', t1, t20, t5, t8, A, t18, Mcausal, X, optimize=[(3, 4), (2, 3), (4, 5), (1, 4), (1, 3), (0, 2), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
-    t23 = (-1/(L*d_K*n_batch)) * t4
-    t24 = oe.contract('abc,ade,ce,acf,afe,aef,aeg->bdgae', t1, t3, t23, t5, t8, A, t19, optimize=[(4, 5), (3, 5), (2, 4), (0, 3), (0, 1), (0, 1)])
-    t25 = oe.contract('abc,acd,bd,ade->eab', A, t18, Mcausal, X, optimize=[(0, 1), (0, 2), (0, 1)])
-    t0 += oe.contract('abcde,fde->abfc', t24, t25, optimize=[(0, 1)])
+    t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t18 = W_V.transpose(-1, -2)
+    t19 = t18 @ t1
+    t20 = X @ W_Q
+    t21 = (1/(L*d_K*n_batch)) * t4
+    t22 = oe.contract('abc->cab', t20, optimize=[(0,)])
+    t23 = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi->bdiae', t1, t3, t21, t5, t8, dA, t19, Mcausal, X, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (0, 3), (1, 2), (0, 1)])
+    t0[...] = oe.contract('abc,defbc->defa', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -9281,12 +10273,15 @@ def ce_causal1__frobenius__W_K__W_K__outer(X, W_Q, W_K, W_V, Y):
     t14 = t13 @ t4
     t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
     A = t15 / t15.sum(-1, keepdim=True)
-    t16 = W_V.transpose(-1, -2)
-    t17 = t16 @ t0
-    t18 = X @ W_Q
-    t19 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aef,afg,eg,aeh,agi,jbk,jdl,kl,jkm,jml,jlm,jmn,ln,jlh,jni->', t0, t2, t3, t4, t7, A, t17, Mcausal, t18, X, t0, t2, t3, t4, t7, A, t17, Mcausal, t18, X, optimize=[(4, 5), (12, 13), (0, 8), (0, 7), (4, 10), (13, 14), (4, 9), (0, 3), (2, 5), (0, 1), (2, 9), (6, 8), (3, 7), (3, 6), (3, 5), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aef,afg,eg,aeh,agi,jbk,jdl,kl,jkm,jml,jlm,jln,jno,lo,jlh,joi->', t0, t2, t3, t4, t7, A, t17, Mcausal, t18, X, t0, t2, t3, t4, t7, A, A, t17, Mcausal, t18, X, optimize=[(4, 5), (12, 13), (12, 13), (11, 16), (0, 8), (0, 7), (4, 8), (12, 13), (4, 7), (5, 7), (9, 10), (4, 6), (5, 8), (0, 3), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aef,aeg,agh,eh,aei,ahj,kbl,kdm,lm,kln,knm,kmn,kmo,kop,mp,kmi,kpj->', t0, t2, t3, t4, t7, A, A, t17, Mcausal, t18, X, t0, t2, t3, t4, t7, A, A, t17, Mcausal, t18, X, optimize=[(4, 5), (13, 14), (4, 5), (11, 12), (3, 14), (9, 13), (0, 6), (0, 5), (2, 6), (11, 12), (2, 5), (1, 4), (8, 9), (2, 3), (6, 7), (5, 6), (0, 2), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
-    return t20
+    t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t17 = W_V.transpose(-1, -2)
+    t18 = t17 @ t0
+    t19 = X @ W_Q
+    t20 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aei,ahj,kbl,kdm,lm,kln,knm,kmno,kop,mp,kmi,kpj->', t0, t2, t3, t4, t7, dA, t18, Mcausal, t19, X, t0, t2, t3, t4, t7, dA, t18, Mcausal, t19, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (13, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
+    return t21
 
 
 def ce_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -9316,15 +10311,14 @@ def ce_causal1__block__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     t15 = t14 @ t5
     t16 = torch.exp(t15 - t15.amax(-1, keepdim=True))
     A = t16 / t16.sum(-1, keepdim=True)
-    t17 = t14 @ X
-    t18 = (1/(L*math.sqrt(d_K)*n_batch)) * t4
-    t19 = oe.contract('abc,cd,ace,aed,ade->bead', t1, t18, t5, t8, A, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
-    t20 = oe.contract('abc,acd->bdac', t3, t17, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
-    t21 = (-1/(L*math.sqrt(d_K)*n_batch)) * t4
-    t22 = oe.contract('abc,acd,ace->bedac', t3, A, t17, optimize=[(0, 1), (0, 1)])
-    t23 = oe.contract('abc,cd,ace,aed,ade->bad', t1, t21, t5, t8, A, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)])
-    t0 += oe.contract('abcde,fde->fabc', t22, t23, optimize=[(0, 1)])
+    t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t18 = t14 @ X
+    t19 = (1/(L*math.sqrt(d_K)*n_batch)) * t4
+    t20 = oe.contract('abc,ade,ce,acf,afe,aefg->bdgae', t1, t3, t19, t5, t8, dA, optimize=[(4, 5), (3, 4), (2, 3), (0, 2), (0, 1)])
+    t21 = oe.contract('abc->cab', t18, optimize=[(0,)])
+    t0[...] = oe.contract('abcde,fde->abfc', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -9353,10 +10347,13 @@ def ce_causal1__frobenius__W_K__W_V__outer(X, W_Q, W_K, W_V, Y):
     t14 = t13 @ t4
     t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
     A = t15 / t15.sum(-1, keepdim=True)
-    t16 = t13 @ X
-    t17 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aef,aeg,hbi,hdj,ij,hif,hfj,hjf,hjg->', t0, t2, t3, t4, t7, A, t16, t0, t2, t3, t4, t7, A, t16, optimize=[(4, 5), (9, 10), (0, 5), (0, 4), (2, 5), (7, 8), (1, 4), (0, 6), (1, 2), (0, 4), (0, 2), (1, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aef,aeg,hbi,hdj,ij,hik,hkj,hjk,hjf,hjg->', t0, t2, t3, t4, t7, A, t16, t0, t2, t3, t4, t7, A, A, t16, optimize=[(4, 5), (9, 10), (8, 12), (0, 5), (0, 4), (2, 5), (7, 8), (2, 5), (4, 6), (1, 3), (1, 4), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aef,aeg,aeh,ibj,idk,jk,ijl,ilk,ikl,ikg,ikh->', t0, t2, t3, t4, t7, A, A, t16, t0, t2, t3, t4, t7, A, A, t16, optimize=[(4, 5), (10, 11), (3, 12), (8, 11), (0, 5), (0, 4), (1, 4), (7, 8), (1, 3), (5, 6), (0, 2), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
-    return t18
+    t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t17 = t13 @ X
+    t18 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,aeh,ibj,idk,jk,ijl,ilk,iklg,ikh->', t0, t2, t3, t4, t7, dA, t17, t0, t2, t3, t4, t7, dA, t17, optimize=[(4, 5), (3, 12), (0, 4), (0, 3), (4, 5), (3, 8), (1, 3), (4, 6), (0, 2), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
+    return t19
 
 
 def ce_causal1__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -9386,13 +10383,14 @@ def ce_causal1__diag__W_V__outer(X, W_Q, W_K, W_V, Y):
     t15 = t13 @ t14
     t16 = torch.exp(t15 - t15.amax(-1, keepdim=True))
     A = t16 / t16.sum(-1, keepdim=True)
-    t17 = t13 @ X
-    t18 = (1/(L*n_batch)) * t10
-    t19 = oe.contract('abc,abc->cab', t12, A, optimize=[(0, 1)])
-    t20 = oe.contract('abc,acb->bac', t18, t17, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t19, t20, optimize=[(0, 1)])
-    t21 = (-1/(L*n_batch)) * t10
-    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t21, t12, A, A, t17, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t18 = t13 @ X
+    t19 = (1/(L*n_batch)) * t10
+    t20 = oe.contract('abc,abcc->cab', t12, dA, optimize=[(0, 1)])
+    t21 = oe.contract('abc,acb->bac', t19, t18, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -9421,8 +10419,11 @@ def ce_causal1__trace__W_V__outer(X, W_Q, W_K, W_V, Y):
     t14 = t12 @ t13
     t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
     A = t15 / t15.sum(-1, keepdim=True)
-    t16 = t12 @ X
-    return (1/(L*n_batch)) * oe.contract('abc,acd,acd,acb->', t9, t11, A, t16, optimize=[(0, 3), (0, 1), (0, 1)]) + (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->', t9, t11, A, A, t16, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t17 = t12 @ X
+    return (1/(L*n_batch)) * oe.contract('abc,acd,acdd,acb->', t9, t11, dA, t17, optimize=[(0, 3), (0, 1), (0, 1)])
 
 
 def ce_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
@@ -9452,15 +10453,16 @@ def ce_causal1__block__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t15 = t13 @ t14
     t16 = torch.exp(t15 - t15.amax(-1, keepdim=True))
     A = t16 / t16.sum(-1, keepdim=True)
-    t17 = W_V.transpose(-1, -2)
-    t18 = t17 @ t1
-    t19 = X @ W_K
-    t20 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t0[...] = oe.contract('abc,acd,acd,ade,ce,acf,aeg->bdfg', t10, t12, A, t18, t20, X, t19, optimize=[(1, 2), (1, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t21 = (-1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t22 = oe.contract('abc,acd,ade,ce,aef->bfac', t10, A, t18, t21, t19, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
-    t23 = oe.contract('abc,abc,abd->cdab', t12, A, X, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
+    t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t18 = W_V.transpose(-1, -2)
+    t19 = t18 @ t1
+    t20 = X @ W_K
+    t21 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
+    t22 = oe.contract('abc,acd,acde,aef,cf,afg->bdgac', t10, t12, dA, t19, t21, t20, optimize=[(2, 3), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t23 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t0[...] = oe.contract('abcde,fde->abfc', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -9489,12 +10491,15 @@ def ce_causal1__frobenius__W_V__W_Q__outer(X, W_Q, W_K, W_V, Y):
     t14 = t12 @ t13
     t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
     A = t15 / t15.sum(-1, keepdim=True)
-    t16 = W_V.transpose(-1, -2)
-    t17 = t16 @ t0
-    t18 = X @ W_K
-    t19 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ade,ce,acf,aeg,hbi,hid,hid,hdj,ij,hif,hjg->', t9, t11, A, t17, Mcausal, X, t18, t9, t11, A, t17, Mcausal, X, t18, optimize=[(1, 2), (6, 7), (0, 5), (2, 6), (8, 9), (2, 5), (0, 4), (0, 6), (0, 2), (0, 4), (0, 2), (1, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ade,ce,acf,aeg,hbi,hid,hid,hij,hjk,ik,hif,hkg->', t9, t11, A, t17, Mcausal, X, t18, t9, t11, A, A, t17, Mcausal, X, t18, optimize=[(1, 2), (6, 7), (6, 7), (0, 5), (2, 5), (8, 9), (2, 4), (2, 5), (5, 6), (0, 2), (1, 4), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,aef,cf,acg,afh,ibj,ijd,ijd,ijk,ikl,jl,ijg,ilh->', t9, t11, A, A, t17, Mcausal, X, t18, t9, t11, A, A, t17, Mcausal, X, t18, optimize=[(1, 2), (7, 8), (1, 2), (5, 6), (0, 4), (1, 4), (8, 9), (1, 3), (2, 3), (4, 6), (0, 2), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
-    return t20
+    t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t17 = W_V.transpose(-1, -2)
+    t18 = t17 @ t0
+    t19 = X @ W_K
+    t20 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,aef,cf,acg,afh,ibj,ijd,ijdk,ikl,jl,ijg,ilh->', t9, t11, dA, t18, Mcausal, X, t19, t9, t11, dA, t18, Mcausal, X, t19, optimize=[(2, 3), (7, 8), (0, 5), (2, 6), (8, 9), (2, 5), (0, 4), (1, 3), (0, 4), (0, 3), (0, 2), (1, 2), (0, 1)])
+    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
+    return t21
 
 
 def ce_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
@@ -9524,15 +10529,16 @@ def ce_causal1__block__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t15 = t13 @ t14
     t16 = torch.exp(t15 - t15.amax(-1, keepdim=True))
     A = t16 / t16.sum(-1, keepdim=True)
-    t17 = W_V.transpose(-1, -2)
-    t18 = t17 @ t1
-    t19 = X @ W_Q
-    t20 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t21 = oe.contract('abc,acd->bdac', t10, t19, optimize=[(0, 1)])
-    t22 = oe.contract('abc,abc,acd,bd,ade->ceab', t12, A, t18, t20, X, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t21, t22, optimize=[(0, 1)])
-    t23 = (-1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t0 += oe.contract('abc,acd,acd,ace,aef,cf,acg,afh->bdhg', t10, t12, A, A, t18, t23, t19, X, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
+    t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t18 = W_V.transpose(-1, -2)
+    t19 = t18 @ t1
+    t20 = X @ W_Q
+    t21 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
+    t22 = oe.contract('abc->cab', t20, optimize=[(0,)])
+    t23 = oe.contract('abc,acd,acde,aef,cf,afg->bdgac', t10, t12, dA, t19, t21, X, optimize=[(2, 3), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t0[...] = oe.contract('abc,defbc->defa', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -9561,12 +10567,15 @@ def ce_causal1__frobenius__W_V__W_K__outer(X, W_Q, W_K, W_V, Y):
     t14 = t12 @ t13
     t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
     A = t15 / t15.sum(-1, keepdim=True)
-    t16 = W_V.transpose(-1, -2)
-    t17 = t16 @ t0
-    t18 = X @ W_Q
-    t19 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ade,ce,acf,aeg,hbi,hid,hid,hdj,ij,hif,hjg->', t9, t11, A, t17, Mcausal, t18, X, t9, t11, A, t17, Mcausal, t18, X, optimize=[(1, 2), (6, 7), (0, 5), (2, 6), (8, 9), (2, 5), (0, 4), (0, 6), (0, 2), (0, 4), (0, 2), (1, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ade,ce,acf,aeg,hbi,hid,hid,hij,hjk,ik,hif,hkg->', t9, t11, A, t17, Mcausal, t18, X, t9, t11, A, A, t17, Mcausal, t18, X, optimize=[(1, 2), (6, 7), (6, 7), (0, 5), (2, 5), (8, 9), (2, 4), (2, 5), (5, 6), (0, 2), (1, 4), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,aef,cf,acg,afh,ibj,ijd,ijd,ijk,ikl,jl,ijg,ilh->', t9, t11, A, A, t17, Mcausal, t18, X, t9, t11, A, A, t17, Mcausal, t18, X, optimize=[(1, 2), (7, 8), (1, 2), (5, 6), (0, 4), (1, 4), (8, 9), (1, 3), (2, 3), (4, 6), (0, 2), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
-    return t20
+    t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t17 = W_V.transpose(-1, -2)
+    t18 = t17 @ t0
+    t19 = X @ W_Q
+    t20 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,aef,cf,acg,afh,ibj,ijd,ijdk,ikl,jl,ijg,ilh->', t9, t11, dA, t18, Mcausal, t19, X, t9, t11, dA, t18, Mcausal, t19, X, optimize=[(2, 3), (7, 8), (0, 5), (2, 6), (8, 9), (2, 5), (0, 4), (1, 3), (0, 4), (0, 3), (0, 2), (1, 2), (0, 1)])
+    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
+    return t21
 
 
 def ce_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
@@ -9576,37 +10585,32 @@ def ce_causal1__block__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
-    out[...] = 0
     t0 = out.view((d_V, d_V, d_V, d_V))
-    t1 = t0.diagonal(0, 1, 3)
-    t2 = X.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
-    t3 = Mcausal.transpose(-1, -2)
-    t4 = W_K.transpose(-1, -2)
-    t5 = t4 @ t2
-    t6 = W_Q @ t5
-    t7 = X @ t6
-    t8 = (1/math.sqrt(d_K)) * t7
-    T = t8
-    t9 = T.transpose(-1, -2)
-    t10 = t3 * t9
-    t11 = t2 @ t10
-    t12 = Y.sum(-1, keepdim=True)
-    t13 = t12.expand(*t12.shape[:-1], d_V)
-    t14 = Mcausal * T
-    t15 = X @ W_V
-    t16 = t14 @ t15
-    t17 = torch.exp(t16 - t16.amax(-1, keepdim=True))
-    A = t17 / t17.sum(-1, keepdim=True)
-    t18 = t14 @ X
-    t19 = (1/(L*n_batch)) * t11
-    t20 = oe.contract('abc,abc->cab', t13, A, optimize=[(0, 1)])
-    t21 = oe.contract('abc,acd->bdac', t19, t18, optimize=[(0, 1)])
-    t1 += oe.contract('abc,debc->dea', t20, t21, optimize=[(0, 1)])
-    t22 = (-1/(L*n_batch)) * t11
-    t23 = oe.contract('abc,acd->bdac', t22, A, optimize=[(0, 1)])
-    t24 = oe.contract('abc,abc,abd->cdab', t13, A, t18, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t23, t24, optimize=[(0, 1)])
+    t2 = Mcausal.transpose(-1, -2)
+    t3 = W_K.transpose(-1, -2)
+    t4 = t3 @ t1
+    t5 = W_Q @ t4
+    t6 = X @ t5
+    t7 = (1/math.sqrt(d_K)) * t6
+    T = t7
+    t8 = T.transpose(-1, -2)
+    t9 = t2 * t8
+    t10 = t1 @ t9
+    t11 = Y.sum(-1, keepdim=True)
+    t12 = t11.expand(*t11.shape[:-1], d_V)
+    t13 = Mcausal * T
+    t14 = X @ W_V
+    t15 = t13 @ t14
+    t16 = torch.exp(t15 - t15.amax(-1, keepdim=True))
+    A = t16 / t16.sum(-1, keepdim=True)
+    t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t18 = t13 @ X
+    t19 = (1/(L*n_batch)) * t10
+    t0[...] = oe.contract('abc,acd,acde,acf->bdfe', t19, t12, dA, t18, optimize=[(1, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -9635,10 +10639,13 @@ def ce_causal1__frobenius__W_V__W_V__outer(X, W_Q, W_K, W_V, Y):
     t14 = t12 @ t13
     t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
     A = t15 / t15.sum(-1, keepdim=True)
-    t16 = t12 @ X
-    t17 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fge->', t9, t11, A, t16, t9, t11, A, t16, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fgd,fge->', t9, t11, A, t16, t9, t11, A, A, t16, optimize=[(1, 2), (3, 4), (3, 6), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,acf,gbh,ghd,ghd,ghe,ghf->', t9, t11, A, A, t16, t9, t11, A, A, t16, optimize=[(1, 2), (4, 5), (0, 3), (0, 2), (4, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
-    return t18
+    t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t17 = t12 @ X
+    t18 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t9, t11, dA, t17, t9, t11, dA, t17, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
+    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
+    return t19
 
 
 def ce_causal1__hessian__functional(X, W_Q, W_K, W_V, Y):
@@ -10455,15 +11462,16 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t12 = t11 @ t5
     t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
     A = t13 / t13.sum(-1, keepdim=True)
-    t14 = W_V.transpose(-1, -2)
-    t15 = t14 @ t2
-    t16 = X @ W_K
-    t17 = (1/(L*d_K*n_batch)) * Mcausal
-    t1[...] = oe.contract('abc,ade,ce,aef,acf,acf,afg,cg,ach,agi->bdhi', t2, t4, t17, t5, t7, A, t15, Mcausal, X, t16, optimize=[(4, 5), (2, 5), (2, 3), (4, 6), (4, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t18 = (-1/(L*d_K*n_batch)) * Mcausal
-    t19 = oe.contract('abc,acd,bd,ade->eab', A, t15, Mcausal, t16, optimize=[(0, 1), (0, 2), (0, 1)])
-    t20 = oe.contract('abc,ade,ce,aef,acf,acf,acg->bdgac', t2, t4, t18, t5, t7, A, X, optimize=[(4, 5), (3, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
-    t1 += oe.contract('abc,defbc->defa', t19, t20, optimize=[(0, 1)])
+    t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t15 = W_V.transpose(-1, -2)
+    t16 = t15 @ t2
+    t17 = X @ W_K
+    t18 = (1/(L*d_K*n_batch)) * Mcausal
+    t19 = oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,ahi->bdiac', t2, t4, t18, t5, t7, dA, t16, Mcausal, t17, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (1, 3), (1, 2), (0, 1)])
+    t20 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t1[...] = oe.contract('abcde,fde->abfc', t19, t20, optimize=[(0, 1)])
     t21 = H[0:d_K*d_V, d_K*d_V:2*d_K*d_V]
     t21[...] = 0
     t22 = t21.view((d_V, d_K, d_V, d_K))
@@ -10476,105 +11484,76 @@ def ce_causal1__hessian__full(X, W_Q, W_K, W_V, Y):
     t28 = (-1/L) * Y
     t29 = t27 + t28
     G = t29
-    t30 = G @ t15
+    t30 = G @ t16
     t31 = Mcausal * t30
     t32 = t31 @ X
-    t33 = t2 @ t32
-    t34 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t35 = (1/(math.sqrt(d_K)*n_batch)) * t34
-    t23 += oe.contract('abc,d->bcd', t33, t35, optimize=[(0, 1)])
+    t33 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t34 = (1/(math.sqrt(d_K)*n_batch)) * t33
+    t35 = oe.contract('abc,acd->bd', t2, t32, optimize=[(0, 1)])
+    t23 += oe.contract('a,bc->bca', t34, t35, optimize=[(0, 1)])
     t36 = X @ W_Q
-    t37 = oe.contract('abc,acd->bdac', t2, t36, optimize=[(0, 1)])
-    t38 = oe.contract('abc,dc,ace,ade,ade,aef,df,afg->bgad', t4, t17, t5, t7, A, t15, Mcausal, X, optimize=[(3, 4), (2, 3), (4, 5), (1, 4), (1, 3), (0, 2), (0, 1)])
-    t22 += oe.contract('abcd,efcd->aefb', t37, t38, optimize=[(0, 1)])
-    t39 = oe.contract('abc,ade,ce,aef,acf,acf,acg->bdgac', t2, t4, t18, t5, t7, A, t36, optimize=[(4, 5), (3, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
-    t40 = oe.contract('abc,acd,bd,ade->eab', A, t15, Mcausal, X, optimize=[(0, 1), (0, 2), (0, 1)])
-    t22 += oe.contract('abcde,fde->abfc', t39, t40, optimize=[(0, 1)])
-    t41 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t42 = t41.view((d_V, d_K, d_V, d_V))
-    t43 = t11 @ X
-    t44 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t45 = oe.contract('abc,dc,ace,ade,ade->bead', t4, t44, t5, t7, A, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
-    t46 = oe.contract('abc,acd->bdac', t2, t43, optimize=[(0, 1)])
-    t42[...] = oe.contract('abcd,efcd->eafb', t45, t46, optimize=[(0, 1)])
-    t47 = (-1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t48 = oe.contract('abc,acd,ace->bedac', t2, A, t43, optimize=[(0, 1), (0, 1)])
-    t49 = oe.contract('abc,dc,ace,ade,ade->bad', t4, t47, t5, t7, A, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)])
-    t42 += oe.contract('abcde,fde->afbc', t48, t49, optimize=[(0, 1)])
-    t50 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
-    t42 += oe.contract('abc,ade,ce,acf,aeg->bdgf', t2, t4, t50, G, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t51 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
-    t51[...] = 0
-    t52 = t51.view((d_V, d_K, d_V, d_K))
-    t53 = t52.diagonal(0, 1, 3)
-    t54 = G.transpose(-1, -2)
-    t55 = W_V @ t54
-    t56 = X @ t55
-    t57 = Mcausal.transpose(-1, -2)
-    t58 = t56 * t57
-    t59 = t58 @ X
-    t60 = t2 @ t59
-    t53 += oe.contract('abc,d->bcd', t60, t35, optimize=[(0, 1)])
-    t61 = W_Q.transpose(-1, -2)
-    t62 = t61 @ t2
-    t63 = Y.transpose(-1, -2)
-    t64 = t63.sum(-2, keepdim=True)
-    t65 = t64.expand(*t64.shape[:-2], d_V, t64.shape[-1])
-    t66 = (1/(L*d_K*n_batch)) * t57
-    t52 += oe.contract('abc,ade,ce,acf,afe,aef,afg,eg,aeh,agi->bdhi', t2, t62, t66, t5, t65, A, t15, Mcausal, X, t16, optimize=[(4, 5), (2, 5), (2, 3), (4, 6), (4, 5), (0, 4), (2, 3), (0, 1), (0, 1)])
-    t67 = (-1/(L*d_K*n_batch)) * t57
-    t52 += oe.contract('abc,ade,ce,acf,afe,aef,aeg,agh,eh,aei,ahj->bdij', t2, t62, t67, t5, t65, A, A, t15, Mcausal, X, t16, optimize=[(4, 5), (4, 5), (3, 7), (3, 6), (4, 6), (2, 4), (0, 4), (0, 3), (0, 2), (0, 1)])
-    t68 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
-    t69 = t68.view((d_V, d_K, d_V, d_K))
-    t70 = oe.contract('abc,acd->bdac', t62, t36, optimize=[(0, 1)])
-    t71 = oe.contract('abc,cd,ace,aed,ade,aef,df,afg->bgad', t2, t66, t5, t65, A, t15, Mcausal, X, optimize=[(3, 4), (2, 3), (4, 5), (1, 4), (1, 3), (0, 2), (0, 1)])
-    t69[...] = oe.contract('abcd,efcd->eafb', t70, t71, optimize=[(0, 1)])
-    t72 = oe.contract('abc,ade,ce,acf,afe,aef,aeg->bdgae', t2, t62, t67, t5, t65, A, t36, optimize=[(4, 5), (3, 5), (2, 4), (0, 3), (0, 1), (0, 1)])
-    t69 += oe.contract('abcde,fde->abfc', t72, t40, optimize=[(0, 1)])
-    t73 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t74 = t73.view((d_V, d_K, d_V, d_V))
-    t75 = (1/(L*math.sqrt(d_K)*n_batch)) * t57
-    t76 = oe.contract('abc,cd,ace,aed,ade->bead', t2, t75, t5, t65, A, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
-    t77 = oe.contract('abc,acd->bdac', t62, t43, optimize=[(0, 1)])
-    t74[...] = oe.contract('abcd,efcd->aefb', t76, t77, optimize=[(0, 1)])
-    t78 = (-1/(L*math.sqrt(d_K)*n_batch)) * t57
-    t79 = oe.contract('abc,acd,ace->bedac', t62, A, t43, optimize=[(0, 1), (0, 1)])
-    t80 = oe.contract('abc,cd,ace,aed,ade->bad', t2, t78, t5, t65, A, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)])
-    t74 += oe.contract('abcde,fde->fabc', t79, t80, optimize=[(0, 1)])
-    t81 = (1/(math.sqrt(d_K)*n_batch)) * t57
-    t82 = oe.contract('abc,acd->bdac', t62, G, optimize=[(0, 1)])
-    t83 = oe.contract('abc,cd,ace->bead', t2, t81, X, optimize=[(0, 1), (0, 1)])
-    t74 += oe.contract('abcd,efcd->eafb', t82, t83, optimize=[(0, 1)])
-    t84 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
-    t85 = t84.view((d_V, d_V, d_V, d_K))
-    t86 = T.transpose(-1, -2)
-    t87 = t57 * t86
-    t88 = t2 @ t87
-    t85[...] = oe.contract('abc,acd,acd,ade,ce,acf,aeg->bdfg', t88, t7, A, t15, t44, X, t16, optimize=[(1, 2), (1, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t89 = oe.contract('abc,acd,ade,ce,aef->bfac', t88, A, t15, t47, t16, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
-    t90 = oe.contract('abc,abc,abd->cdab', t7, A, X, optimize=[(0, 1), (0, 1)])
-    t85 += oe.contract('abcd,efcd->aefb', t89, t90, optimize=[(0, 1)])
-    t85 += oe.contract('abc,ade,ce,acf,aeg->bdgf', t2, t54, t81, t16, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t91 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
-    t92 = t91.view((d_V, d_V, d_V, d_K))
-    t93 = oe.contract('abc,acd->bdac', t88, t36, optimize=[(0, 1)])
-    t94 = oe.contract('abc,abc,acd,bd,ade->ceab', t7, A, t15, t44, X, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
-    t92[...] = oe.contract('abcd,efcd->aefb', t93, t94, optimize=[(0, 1)])
-    t92 += oe.contract('abc,acd,acd,ace,aef,cf,acg,afh->bdhg', t88, t7, A, A, t15, t47, t36, X, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
-    t95 = oe.contract('abc,acd->bdac', t54, t36, optimize=[(0, 1)])
-    t92 += oe.contract('abcd,efcd->eafb', t95, t83, optimize=[(0, 1)])
-    t96 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
-    t96[...] = 0
-    t97 = t96.view((d_V, d_V, d_V, d_V))
-    t98 = t97.diagonal(0, 1, 3)
-    t99 = (1/(L*n_batch)) * t88
-    t100 = oe.contract('abc,abc->cab', t7, A, optimize=[(0, 1)])
-    t101 = oe.contract('abc,acd->bdac', t99, t43, optimize=[(0, 1)])
-    t98 += oe.contract('abc,debc->dea', t100, t101, optimize=[(0, 1)])
-    t102 = (-1/(L*n_batch)) * t88
-    t103 = oe.contract('abc,acd->bdac', t102, A, optimize=[(0, 1)])
-    t104 = oe.contract('abc,abc,abd->cdab', t7, A, t43, optimize=[(0, 1), (0, 1)])
-    t97 += oe.contract('abcd,efcd->aefb', t103, t104, optimize=[(0, 1)])
+    t37 = oe.contract('abc->cab', t36, optimize=[(0,)])
+    t38 = oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,ahi->bdiac', t2, t4, t18, t5, t7, dA, t16, Mcausal, X, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (1, 3), (1, 2), (0, 1)])
+    t22 += oe.contract('abc,defbc->defa', t37, t38, optimize=[(0, 1)])
+    t39 = H[0:d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t40 = t39.view((d_V, d_K, d_V, d_V))
+    t41 = t11 @ X
+    t42 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
+    t43 = oe.contract('abc,ade,ce,aef,fg,acg,acgh->bdhac', t2, t4, t42, X, W_V, t7, dA, optimize=[(3, 4), (3, 4), (3, 4), (2, 3), (1, 2), (0, 1)])
+    t44 = oe.contract('abc->cab', t41, optimize=[(0,)])
+    t40[...] = oe.contract('abcde,fde->abfc', t43, t44, optimize=[(0, 1)])
+    t45 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
+    t40 += oe.contract('abc,ade,ce,aef,acg->bdfg', t2, t4, t45, X, G, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
+    t46 = H[d_K*d_V:2*d_K*d_V, 0:d_K*d_V]
+    t46[...] = 0
+    t47 = t46.view((d_V, d_K, d_V, d_K))
+    t48 = t47.diagonal(0, 1, 3)
+    t49 = G.transpose(-1, -2)
+    t50 = W_V @ t49
+    t51 = X @ t50
+    t52 = Mcausal.transpose(-1, -2)
+    t53 = t51 * t52
+    t48 += oe.contract('abc,acd,ade,f->bef', t2, t53, X, t34, optimize=[(0, 1), (0, 2), (0, 1)])
+    t54 = W_Q.transpose(-1, -2)
+    t55 = t54 @ t2
+    t56 = Y.transpose(-1, -2)
+    t57 = t56.sum(-2, keepdim=True)
+    t58 = t57.expand(*t57.shape[:-2], d_V, t57.shape[-1])
+    t59 = (1/(L*d_K*n_batch)) * t52
+    t60 = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi->bdiae', t2, t55, t59, t5, t58, dA, t16, Mcausal, t17, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (0, 3), (1, 2), (0, 1)])
+    t47 += oe.contract('abcde,fde->abfc', t60, t20, optimize=[(0, 1)])
+    t61 = H[d_K*d_V:2*d_K*d_V, d_K*d_V:2*d_K*d_V]
+    t62 = t61.view((d_V, d_K, d_V, d_K))
+    t63 = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi->bdiae', t2, t55, t59, t5, t58, dA, t16, Mcausal, X, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (0, 3), (1, 2), (0, 1)])
+    t62[...] = oe.contract('abc,defbc->defa', t37, t63, optimize=[(0, 1)])
+    t64 = H[d_K*d_V:2*d_K*d_V, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t65 = t64.view((d_V, d_K, d_V, d_V))
+    t66 = (1/(math.sqrt(d_K)*n_batch)) * t52
+    t67 = oe.contract('abc,acd->bdac', t55, G, optimize=[(0, 1)])
+    t68 = oe.contract('abc,cd,ace->bead', t2, t66, X, optimize=[(0, 1), (0, 1)])
+    t65[...] = oe.contract('abcd,efcd->eafb', t67, t68, optimize=[(0, 1)])
+    t69 = (1/(L*math.sqrt(d_K)*n_batch)) * t52
+    t70 = oe.contract('abc,cd,ace,ef,afd,adfg->bgad', t2, t69, X, W_V, t58, dA, optimize=[(2, 3), (2, 3), (2, 3), (1, 2), (0, 1)])
+    t71 = oe.contract('abc,acd->bdac', t55, t41, optimize=[(0, 1)])
+    t65 += oe.contract('abcd,efcd->aefb', t70, t71, optimize=[(0, 1)])
+    t72 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 0:d_K*d_V]
+    t73 = t72.view((d_V, d_V, d_V, d_K))
+    t74 = T.transpose(-1, -2)
+    t75 = t52 * t74
+    t76 = oe.contract('abc,abcd,ade,be,aef->cfab', t7, dA, t16, t42, t17, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t77 = oe.contract('abc,acd,ade->bead', t2, t75, X, optimize=[(0, 1), (0, 1)])
+    t73[...] = oe.contract('abcd,efcd->eafb', t76, t77, optimize=[(0, 1)])
+    t73 += oe.contract('abc,ade,ce,acf,aeg->bdgf', t2, t49, t66, t17, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t78 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, d_K*d_V:2*d_K*d_V]
+    t79 = t78.view((d_V, d_V, d_V, d_K))
+    t79[...] = oe.contract('abc,acd,ade,adef,afg,dg,adh,agi->beih', t2, t75, t7, dA, t16, t42, t36, X, optimize=[(0, 1), (0, 1), (0, 1), (0, 2), (1, 2), (0, 2), (0, 1)])
+    t80 = oe.contract('abc,acd->bdac', t49, t36, optimize=[(0, 1)])
+    t79 += oe.contract('abcd,efcd->eafb', t80, t68, optimize=[(0, 1)])
+    t81 = H[2*d_K*d_V:2*d_K*d_V + d_V**2, 2*d_K*d_V:2*d_K*d_V + d_V**2]
+    t82 = t81.view((d_V, d_V, d_V, d_V))
+    t83 = t2 @ t75
+    t84 = (1/(L*n_batch)) * t83
+    t82[...] = oe.contract('abc,acd,acde,acf->bdfe', t84, t7, dA, t41, optimize=[(1, 2), (0, 1), (0, 1)])
     return H
 
 
@@ -10714,57 +11693,57 @@ def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
     t10 = t9 @ t3
     t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
     A = t11 / t11.sum(-1, keepdim=True)
-    t12 = W_V.transpose(-1, -2)
-    t13 = t12 @ t0
-    t14 = X @ W_K
-    t15 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acf,afg,cg,ach,agi,jbk,jdl,kl,jlm,jkm,jkm,jmn,kn,jkh,jni->', t0, t2, Mcausal, t3, t5, A, t13, Mcausal, X, t14, t0, t2, Mcausal, t3, t5, A, t13, Mcausal, X, t14, optimize=[(4, 5), (12, 13), (0, 8), (0, 7), (4, 10), (12, 14), (4, 9), (0, 3), (2, 5), (0, 1), (2, 9), (6, 8), (3, 7), (3, 6), (3, 5), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acf,afg,cg,ach,agi,jbk,jdl,kl,jlm,jkm,jkm,jkn,jno,ko,jkh,joi->', t0, t2, Mcausal, t3, t5, A, t13, Mcausal, X, t14, t0, t2, Mcausal, t3, t5, A, A, t13, Mcausal, X, t14, optimize=[(4, 5), (12, 13), (12, 13), (11, 16), (0, 8), (0, 7), (4, 8), (11, 13), (4, 7), (5, 7), (9, 10), (4, 6), (5, 8), (0, 3), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acf,acg,agh,ch,aci,ahj,kbl,kdm,lm,kmn,kln,kln,klo,kop,lp,kli,kpj->', t0, t2, Mcausal, t3, t5, A, A, t13, Mcausal, X, t14, t0, t2, Mcausal, t3, t5, A, A, t13, Mcausal, X, t14, optimize=[(4, 5), (13, 14), (4, 5), (11, 12), (3, 14), (9, 13), (0, 6), (0, 5), (2, 6), (10, 12), (2, 5), (1, 4), (8, 9), (2, 3), (6, 7), (5, 6), (0, 2), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
+    t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t13 = W_V.transpose(-1, -2)
+    t14 = t13 @ t0
+    t15 = X @ W_K
+    t16 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,aci,ahj,kbl,kdm,lm,kmn,kln,klno,kop,lp,kli,kpj->', t0, t2, Mcausal, t3, t5, dA, t14, Mcausal, X, t15, t0, t2, Mcausal, t3, t5, dA, t14, Mcausal, X, t15, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (12, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
     F = t10
-    t17 = torch.exp(F - F.amax(-1, keepdim=True))
-    A18 = t17 / t17.sum(-1, keepdim=True)
-    t19 = t5 * A18
-    t20 = (1/L) * t19
-    t21 = (-1/L) * Y
-    t22 = t20 + t21
-    G = t22
-    t23 = G @ t13
-    t24 = Mcausal * t23
-    t25 = t24 @ X
-    t26 = t0 @ t25
+    t18 = torch.exp(F - F.amax(-1, keepdim=True))
+    A19 = t18 / t18.sum(-1, keepdim=True)
+    t20 = t5 * A19
+    t21 = (1/L) * t20
+    t22 = (-1/L) * Y
+    t23 = t21 + t22
+    G = t23
+    t24 = G @ t14
+    t25 = Mcausal * t24
+    t26 = t25 @ X
     t27 = X @ W_Q
-    t28 = (n_batch**(-2)) * oe.contract('abc,dbc->', t26, t26, optimize=[(0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,dbe,dfg,eg,dgh,deh,deh,dhi,ei,def,dic->', t26, t0, t2, Mcausal, t3, t5, A, t13, Mcausal, t27, X, optimize=[(5, 6), (0, 1), (0, 5), (4, 6), (0, 5), (0, 5), (2, 4), (0, 3), (1, 2), (0, 1)]) + (-2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,dbe,dfg,eg,dgh,deh,deh,dei,dij,ej,def,djc->', t26, t0, t2, Mcausal, t3, t5, A, A, t13, Mcausal, t27, X, optimize=[(5, 6), (0, 1), (3, 4), (0, 4), (1, 4), (5, 6), (2, 3), (2, 4), (0, 2), (0, 1), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acf,afg,cg,ach,agi,jbk,jdl,kl,jlm,jkm,jkm,jmn,kn,jkh,jni->', t0, t2, Mcausal, t3, t5, A, t13, Mcausal, t27, X, t0, t2, Mcausal, t3, t5, A, t13, Mcausal, t27, X, optimize=[(4, 5), (12, 13), (0, 8), (0, 7), (4, 10), (12, 14), (4, 9), (0, 3), (2, 5), (0, 1), (2, 9), (6, 8), (3, 7), (3, 6), (3, 5), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acf,afg,cg,ach,agi,jbk,jdl,kl,jlm,jkm,jkm,jkn,jno,ko,jkh,joi->', t0, t2, Mcausal, t3, t5, A, t13, Mcausal, t27, X, t0, t2, Mcausal, t3, t5, A, A, t13, Mcausal, t27, X, optimize=[(4, 5), (12, 13), (12, 13), (11, 16), (0, 8), (0, 7), (4, 8), (11, 13), (4, 7), (5, 7), (9, 10), (4, 6), (5, 8), (0, 3), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acf,acg,agh,ch,aci,ahj,kbl,kdm,lm,kmn,kln,kln,klo,kop,lp,kli,kpj->', t0, t2, Mcausal, t3, t5, A, A, t13, Mcausal, t27, X, t0, t2, Mcausal, t3, t5, A, A, t13, Mcausal, t27, X, optimize=[(4, 5), (13, 14), (4, 5), (11, 12), (3, 14), (9, 13), (0, 6), (0, 5), (2, 6), (10, 12), (2, 5), (1, 4), (8, 9), (2, 3), (6, 7), (5, 6), (0, 2), (2, 4), (2, 3), (1, 2), (0, 1)])
+    t28 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t0, t26, t0, t26, optimize=[(0, 1), (0, 1), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,acd,ebf,egh,fh,ehi,efi,efij,ejk,fk,efg,ekd->', t0, t26, t0, t2, Mcausal, t3, t5, dA, t14, Mcausal, t27, X, optimize=[(7, 8), (3, 8), (0, 1), (3, 6), (2, 7), (0, 5), (2, 5), (2, 3), (0, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,aci,ahj,kbl,kdm,lm,kmn,kln,klno,kop,lp,kli,kpj->', t0, t2, Mcausal, t3, t5, dA, t14, Mcausal, t27, X, t0, t2, Mcausal, t3, t5, dA, t14, Mcausal, t27, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (12, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
     t29 = torch.sqrt(torch.clamp(t28, min=0.0))
     t30 = t9 @ X
-    t31 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acf,acg,hbi,hdj,ij,hjf,hif,hif,hig->', t0, t2, Mcausal, t3, t5, A, t30, t0, t2, Mcausal, t3, t5, A, t30, optimize=[(4, 5), (9, 10), (0, 5), (0, 4), (2, 5), (6, 8), (1, 4), (0, 6), (1, 2), (0, 4), (0, 2), (1, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acf,acg,hbi,hdj,ij,hjk,hik,hik,hif,hig->', t0, t2, Mcausal, t3, t5, A, t30, t0, t2, Mcausal, t3, t5, A, A, t30, optimize=[(4, 5), (9, 10), (8, 12), (0, 5), (0, 4), (2, 5), (6, 8), (2, 5), (4, 6), (1, 3), (1, 4), (1, 3), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acf,acg,hbi,hdj,ij,hif,hjg->', t0, t2, Mcausal, t3, t5, A, t30, t0, t2, Mcausal, G, X, optimize=[(4, 5), (0, 5), (0, 4), (2, 5), (1, 4), (2, 6), (2, 5), (0, 4), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acf,acg,ach,ibj,idk,jk,ikl,ijl,ijl,ijg,ijh->', t0, t2, Mcausal, t3, t5, A, A, t30, t0, t2, Mcausal, t3, t5, A, A, t30, optimize=[(4, 5), (10, 11), (3, 12), (8, 11), (0, 5), (0, 4), (1, 4), (6, 8), (1, 3), (5, 6), (0, 2), (2, 4), (2, 3), (1, 2), (0, 1)]) + (-2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acf,acg,ach,ibj,idk,jk,ijg,ikh->', t0, t2, Mcausal, t3, t5, A, A, t30, t0, t2, Mcausal, G, X, optimize=[(4, 5), (3, 11), (0, 5), (0, 4), (1, 4), (5, 7), (1, 3), (0, 2), (1, 4), (2, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, Mcausal, G, X, t0, t2, Mcausal, G, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t31 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,fg,acg,acgh,aci,jbk,jdl,kl,jlm,mn,jkn,jknh,jki->', t0, t2, Mcausal, X, W_V, t5, dA, t30, t0, t2, Mcausal, X, W_V, t5, dA, t30, optimize=[(3, 4), (3, 4), (12, 13), (0, 4), (0, 3), (3, 4), (3, 4), (7, 8), (1, 3), (3, 6), (0, 2), (0, 2), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,fg,acg,acgh,aci,jbk,jdl,kl,jli,jkh->', t0, t2, Mcausal, X, W_V, t5, dA, t30, t0, t2, Mcausal, X, G, optimize=[(5, 6), (0, 6), (0, 5), (1, 2), (1, 3), (4, 7), (1, 6), (0, 3), (1, 2), (1, 2), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,acg,hbi,hdj,ij,hjf,hig->', t0, t2, Mcausal, X, G, t0, t2, Mcausal, X, G, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
     t32 = torch.sqrt(torch.clamp(t31, min=0.0))
     t33 = G.transpose(-1, -2)
     t34 = W_V @ t33
     t35 = X @ t34
     t36 = Mcausal.transpose(-1, -2)
     t37 = t35 * t36
-    t38 = t37 @ X
-    t39 = t0 @ t38
-    t40 = W_Q.transpose(-1, -2)
-    t41 = t40 @ t0
-    t42 = Y.transpose(-1, -2)
-    t43 = t42.sum(-2, keepdim=True)
-    t44 = t43.expand(*t43.shape[:-2], d_V, t43.shape[-1])
-    t45 = (n_batch**(-2)) * oe.contract('abc,dbc->', t39, t39, optimize=[(0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,dbe,dfg,eg,deh,dhg,dgh,dhi,gi,dgc,dif->', t39, t0, t41, t36, t3, t44, A, t13, Mcausal, X, t14, optimize=[(5, 6), (0, 1), (0, 6), (4, 6), (3, 5), (2, 5), (2, 4), (1, 3), (1, 2), (0, 1)]) + (-2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,dbe,dfg,eg,deh,dhg,dgh,dgi,dij,gj,dgc,djf->', t39, t0, t41, t36, t3, t44, A, A, t13, Mcausal, X, t14, optimize=[(5, 6), (0, 1), (3, 4), (0, 5), (6, 7), (1, 4), (2, 3), (3, 4), (1, 2), (0, 1), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aef,afg,eg,aeh,agi,jbk,jdl,kl,jkm,jml,jlm,jmn,ln,jlh,jni->', t0, t41, t36, t3, t44, A, t13, Mcausal, X, t14, t0, t41, t36, t3, t44, A, t13, Mcausal, X, t14, optimize=[(4, 5), (12, 13), (0, 8), (0, 7), (4, 10), (13, 14), (4, 9), (0, 3), (2, 5), (0, 1), (2, 9), (6, 8), (3, 7), (3, 6), (3, 5), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aef,afg,eg,aeh,agi,jbk,jdl,kl,jkm,jml,jlm,jln,jno,lo,jlh,joi->', t0, t41, t36, t3, t44, A, t13, Mcausal, X, t14, t0, t41, t36, t3, t44, A, A, t13, Mcausal, X, t14, optimize=[(4, 5), (12, 13), (12, 13), (11, 16), (0, 8), (0, 7), (4, 8), (12, 13), (4, 7), (5, 7), (9, 10), (4, 6), (5, 8), (0, 3), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aef,aeg,agh,eh,aei,ahj,kbl,kdm,lm,kln,knm,kmn,kmo,kop,mp,kmi,kpj->', t0, t41, t36, t3, t44, A, A, t13, Mcausal, X, t14, t0, t41, t36, t3, t44, A, A, t13, Mcausal, X, t14, optimize=[(4, 5), (13, 14), (4, 5), (11, 12), (3, 14), (9, 13), (0, 6), (0, 5), (2, 6), (11, 12), (2, 5), (1, 4), (8, 9), (2, 3), (6, 7), (5, 6), (0, 2), (2, 4), (2, 3), (1, 2), (0, 1)])
+    t38 = W_Q.transpose(-1, -2)
+    t39 = t38 @ t0
+    t40 = Y.transpose(-1, -2)
+    t41 = t40.sum(-2, keepdim=True)
+    t42 = t41.expand(*t41.shape[:-2], d_V, t41.shape[-1])
+    t43 = (n_batch**(-2)) * oe.contract('abc,acd,ade,fbg,fgh,fhe->', t0, t37, X, t0, t37, X, optimize=[(0, 3), (1, 3), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,acd,ade,fbg,fhi,gi,fgj,fji,fijk,fkl,il,flh,fie->', t0, t37, X, t0, t39, t36, t3, t42, dA, t14, Mcausal, t15, X, optimize=[(8, 9), (4, 9), (0, 3), (1, 6), (3, 5), (2, 7), (0, 4), (3, 5), (2, 3), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi,aej,kbl,kdm,lm,kln,knm,kmno,kop,mp,kpi,kmj->', t0, t39, t36, t3, t42, dA, t14, Mcausal, t15, X, t0, t39, t36, t3, t42, dA, t14, Mcausal, t15, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (4, 9), (11, 13), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t44 = torch.sqrt(torch.clamp(t43, min=0.0))
+    t45 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aei,ahj,kbl,kdm,lm,kln,knm,kmno,kop,mp,kmi,kpj->', t0, t39, t36, t3, t42, dA, t14, Mcausal, t27, X, t0, t39, t36, t3, t42, dA, t14, Mcausal, t27, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (13, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
     t46 = torch.sqrt(torch.clamp(t45, min=0.0))
-    t47 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aef,afg,eg,aeh,agi,jbk,jdl,kl,jkm,jml,jlm,jmn,ln,jlh,jni->', t0, t41, t36, t3, t44, A, t13, Mcausal, t27, X, t0, t41, t36, t3, t44, A, t13, Mcausal, t27, X, optimize=[(4, 5), (12, 13), (0, 8), (0, 7), (4, 10), (13, 14), (4, 9), (0, 3), (2, 5), (0, 1), (2, 9), (6, 8), (3, 7), (3, 6), (3, 5), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aef,afg,eg,aeh,agi,jbk,jdl,kl,jkm,jml,jlm,jln,jno,lo,jlh,joi->', t0, t41, t36, t3, t44, A, t13, Mcausal, t27, X, t0, t41, t36, t3, t44, A, A, t13, Mcausal, t27, X, optimize=[(4, 5), (12, 13), (12, 13), (11, 16), (0, 8), (0, 7), (4, 8), (12, 13), (4, 7), (5, 7), (9, 10), (4, 6), (5, 8), (0, 3), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aef,aeg,agh,eh,aei,ahj,kbl,kdm,lm,kln,knm,kmn,kmo,kop,mp,kmi,kpj->', t0, t41, t36, t3, t44, A, A, t13, Mcausal, t27, X, t0, t41, t36, t3, t44, A, A, t13, Mcausal, t27, X, optimize=[(4, 5), (13, 14), (4, 5), (11, 12), (3, 14), (9, 13), (0, 6), (0, 5), (2, 6), (11, 12), (2, 5), (1, 4), (8, 9), (2, 3), (6, 7), (5, 6), (0, 2), (2, 4), (2, 3), (1, 2), (0, 1)])
+    t47 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t39, t36, X, G, t0, t39, t36, X, G, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hik,kl,hlj,hjlg,hjf->', t0, t39, t36, X, G, t0, t39, t36, X, W_V, t42, dA, t30, optimize=[(10, 11), (0, 5), (0, 4), (1, 6), (3, 4), (4, 6), (2, 6), (2, 4), (1, 4), (2, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,fg,age,aegh,aei,jbk,jdl,kl,jkm,mn,jnl,jlnh,jli->', t0, t39, t36, X, W_V, t42, dA, t30, t0, t39, t36, X, W_V, t42, dA, t30, optimize=[(3, 4), (3, 4), (12, 13), (0, 4), (0, 3), (3, 4), (3, 4), (7, 8), (1, 3), (4, 6), (0, 2), (0, 2), (0, 2), (1, 2), (0, 1)])
     t48 = torch.sqrt(torch.clamp(t47, min=0.0))
-    t49 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aef,aeg,hbi,hdj,ij,hif,hfj,hjf,hjg->', t0, t41, t36, t3, t44, A, t30, t0, t41, t36, t3, t44, A, t30, optimize=[(4, 5), (9, 10), (0, 5), (0, 4), (2, 5), (7, 8), (1, 4), (0, 6), (1, 2), (0, 4), (0, 2), (1, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aef,aeg,hbi,hdj,ij,hik,hkj,hjk,hjf,hjg->', t0, t41, t36, t3, t44, A, t30, t0, t41, t36, t3, t44, A, A, t30, optimize=[(4, 5), (9, 10), (8, 12), (0, 5), (0, 4), (2, 5), (7, 8), (2, 5), (4, 6), (1, 3), (1, 4), (1, 3), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aef,aeg,hbi,hdj,ij,hig,hjf->', t0, t41, t36, t3, t44, A, t30, t0, t41, t36, X, G, optimize=[(4, 5), (0, 5), (0, 4), (2, 4), (1, 4), (2, 6), (3, 5), (0, 4), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aef,aeg,aeh,ibj,idk,jk,ijl,ilk,ikl,ikg,ikh->', t0, t41, t36, t3, t44, A, A, t30, t0, t41, t36, t3, t44, A, A, t30, optimize=[(4, 5), (10, 11), (3, 12), (8, 11), (0, 5), (0, 4), (1, 4), (7, 8), (1, 3), (5, 6), (0, 2), (2, 4), (2, 3), (1, 2), (0, 1)]) + (-2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aef,aeg,aeh,ibj,idk,jk,ijh,ikg->', t0, t41, t36, t3, t44, A, A, t30, t0, t41, t36, X, G, optimize=[(4, 5), (3, 11), (0, 5), (0, 4), (2, 4), (1, 3), (4, 6), (0, 2), (1, 4), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t41, t36, X, G, t0, t41, t36, X, G, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t50 = torch.sqrt(torch.clamp(t49, min=0.0))
-    t51 = T.transpose(-1, -2)
-    t52 = t36 * t51
-    t53 = t0 @ t52
-    t54 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ade,ce,acf,aeg,hbi,hid,hid,hdj,ij,hif,hjg->', t53, t5, A, t13, Mcausal, X, t14, t53, t5, A, t13, Mcausal, X, t14, optimize=[(1, 2), (6, 7), (0, 5), (2, 6), (8, 9), (2, 5), (0, 4), (0, 6), (0, 2), (0, 4), (0, 2), (1, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ade,ce,acf,aeg,hbi,hid,hid,hij,hjk,ik,hif,hkg->', t53, t5, A, t13, Mcausal, X, t14, t53, t5, A, A, t13, Mcausal, X, t14, optimize=[(1, 2), (6, 7), (6, 7), (0, 5), (2, 5), (8, 9), (2, 4), (2, 5), (5, 6), (0, 2), (1, 4), (1, 3), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ade,ce,acf,aeg,hbi,hdj,ij,hig,hjf->', t53, t5, A, t13, Mcausal, X, t14, t0, t33, t36, t14, X, optimize=[(1, 2), (0, 5), (3, 6), (2, 5), (0, 4), (1, 6), (4, 5), (0, 4), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,aef,cf,acg,afh,ibj,ijd,ijd,ijk,ikl,jl,ijg,ilh->', t53, t5, A, A, t13, Mcausal, X, t14, t53, t5, A, A, t13, Mcausal, X, t14, optimize=[(1, 2), (7, 8), (1, 2), (5, 6), (0, 4), (1, 4), (8, 9), (1, 3), (2, 3), (4, 6), (0, 2), (2, 4), (2, 3), (1, 2), (0, 1)]) + (-2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,aef,cf,acg,afh,ibj,idk,jk,ijh,ikg->', t53, t5, A, A, t13, Mcausal, X, t14, t0, t33, t36, t14, X, optimize=[(1, 2), (1, 2), (0, 4), (2, 5), (1, 4), (1, 3), (5, 6), (0, 2), (2, 4), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t33, t36, t14, X, t0, t33, t36, t14, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t55 = torch.sqrt(torch.clamp(t54, min=0.0))
-    t56 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ade,ce,acf,aeg,hbi,hid,hid,hdj,ij,hif,hjg->', t53, t5, A, t13, Mcausal, t27, X, t53, t5, A, t13, Mcausal, t27, X, optimize=[(1, 2), (6, 7), (0, 5), (2, 6), (8, 9), (2, 5), (0, 4), (0, 6), (0, 2), (0, 4), (0, 2), (1, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ade,ce,acf,aeg,hbi,hid,hid,hij,hjk,ik,hif,hkg->', t53, t5, A, t13, Mcausal, t27, X, t53, t5, A, A, t13, Mcausal, t27, X, optimize=[(1, 2), (6, 7), (6, 7), (0, 5), (2, 5), (8, 9), (2, 4), (2, 5), (5, 6), (0, 2), (1, 4), (1, 3), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ade,ce,acf,aeg,hbi,hdj,ij,hig,hjf->', t53, t5, A, t13, Mcausal, t27, X, t0, t33, t36, X, t27, optimize=[(1, 2), (0, 5), (3, 6), (2, 5), (0, 4), (1, 6), (4, 5), (0, 4), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,aef,cf,acg,afh,ibj,ijd,ijd,ijk,ikl,jl,ijg,ilh->', t53, t5, A, A, t13, Mcausal, t27, X, t53, t5, A, A, t13, Mcausal, t27, X, optimize=[(1, 2), (7, 8), (1, 2), (5, 6), (0, 4), (1, 4), (8, 9), (1, 3), (2, 3), (4, 6), (0, 2), (2, 4), (2, 3), (1, 2), (0, 1)]) + (-2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,aef,cf,acg,afh,ibj,idk,jk,ijh,ikg->', t53, t5, A, A, t13, Mcausal, t27, X, t0, t33, t36, X, t27, optimize=[(1, 2), (1, 2), (0, 4), (2, 5), (1, 4), (1, 3), (5, 6), (0, 2), (2, 4), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t33, t36, X, t27, t0, t33, t36, X, t27, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t49 = T.transpose(-1, -2)
+    t50 = t36 * t49
+    t51 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,afg,dg,adh,agi,jbk,jkl,jle,jlem,jmn,ln,jlh,jni->', t0, t50, t5, dA, t14, Mcausal, X, t15, t0, t50, t5, dA, t14, Mcausal, X, t15, optimize=[(3, 4), (9, 10), (0, 6), (3, 8), (3, 7), (1, 6), (3, 5), (0, 4), (1, 7), (2, 6), (0, 3), (0, 2), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,afg,dg,adh,agi,jbk,jel,kl,jki,jlh->', t0, t50, t5, dA, t14, Mcausal, X, t15, t0, t33, t36, t15, X, optimize=[(3, 4), (0, 6), (4, 7), (3, 6), (1, 5), (2, 7), (5, 6), (0, 3), (0, 3), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t33, t36, t15, X, t0, t33, t36, t15, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t52 = torch.sqrt(torch.clamp(t51, min=0.0))
+    t53 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,afg,dg,adh,agi,jbk,jkl,jle,jlem,jmn,ln,jlh,jni->', t0, t50, t5, dA, t14, Mcausal, t27, X, t0, t50, t5, dA, t14, Mcausal, t27, X, optimize=[(3, 4), (9, 10), (0, 6), (3, 8), (3, 7), (1, 6), (3, 5), (0, 4), (1, 7), (2, 6), (0, 3), (0, 2), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,afg,dg,adh,agi,jbk,jel,kl,jki,jlh->', t0, t50, t5, dA, t14, Mcausal, t27, X, t0, t33, t36, X, t27, optimize=[(3, 4), (0, 6), (4, 7), (3, 6), (1, 5), (2, 7), (5, 6), (0, 3), (0, 3), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t33, t36, X, t27, t0, t33, t36, X, t27, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t54 = torch.sqrt(torch.clamp(t53, min=0.0))
+    t55 = t0 @ t50
+    t56 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t55, t5, dA, t30, t55, t5, dA, t30, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
     t57 = torch.sqrt(torch.clamp(t56, min=0.0))
-    t58 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fge->', t53, t5, A, t30, t53, t5, A, t30, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fgd,fge->', t53, t5, A, t30, t53, t5, A, A, t30, optimize=[(1, 2), (3, 4), (3, 6), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,acf,gbh,ghd,ghd,ghe,ghf->', t53, t5, A, A, t30, t53, t5, A, A, t30, optimize=[(1, 2), (4, 5), (0, 3), (0, 2), (4, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t59 = torch.sqrt(torch.clamp(t58, min=0.0))
-    return (t16, t29, t32, t46, t48, t50, t55, t57, t59,)
+    return (t17, t29, t32, t44, t46, t48, t52, t54, t57,)
 
 
 def ce_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -10790,16 +11769,16 @@ def ce_causal1__diag__W_Q__full(X, W_Q, W_K, W_V, Y):
     t11 = t10 @ t4
     t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A = t12 / t12.sum(-1, keepdim=True)
-    t13 = W_V.transpose(-1, -2)
-    t14 = t13 @ t1
-    t15 = X @ W_K
-    t16 = (1/(L*d_K*n_batch)) * Mcausal
-    t17 = oe.contract('abc,dc,ace,ade,ade,aef,df,afb->bad', t3, t16, t4, t6, A, t14, Mcausal, t15, optimize=[(3, 4), (2, 3), (4, 5), (1, 4), (1, 3), (0, 2), (0, 1)])
-    t18 = oe.contract('abc,acb->bac', t1, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t17, t18, optimize=[(0, 1)])
-    t19 = (-1/(L*d_K*n_batch)) * Mcausal
-    t20 = oe.contract('abc,dc,ace,ade,ade,adf,afg,dg,agb->bad', t3, t19, t4, t6, A, A, t14, Mcausal, t15, optimize=[(3, 4), (3, 4), (2, 5), (2, 4), (2, 4), (1, 2), (0, 2), (0, 1)])
-    t0 += oe.contract('abc,dbc->da', t20, t18, optimize=[(0, 1)])
+    t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t14 = W_V.transpose(-1, -2)
+    t15 = t14 @ t1
+    t16 = X @ W_K
+    t17 = (1/(L*d_K*n_batch)) * Mcausal
+    t18 = oe.contract('abc,dc,ace,ade,adef,afg,dg,agb->bad', t3, t17, t4, t6, dA, t15, Mcausal, t16, optimize=[(4, 5), (3, 6), (2, 5), (1, 4), (1, 3), (0, 2), (0, 1)])
+    t19 = oe.contract('abc,acb->bac', t1, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -10824,10 +11803,13 @@ def ce_causal1__trace__W_Q__full(X, W_Q, W_K, W_V, Y):
     t10 = t9 @ t3
     t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
     A = t11 / t11.sum(-1, keepdim=True)
-    t12 = W_V.transpose(-1, -2)
-    t13 = t12 @ t0
-    t14 = X @ W_K
-    return (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,aef,acf,acf,afg,cg,acb,agd->', t0, t2, Mcausal, t3, t5, A, t13, Mcausal, X, t14, optimize=[(4, 5), (0, 6), (0, 5), (4, 5), (1, 2), (3, 4), (2, 3), (0, 2), (0, 1)]) + (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,aef,acf,acf,acg,agh,ch,acb,ahd->', t0, t2, Mcausal, t3, t5, A, A, t13, Mcausal, X, t14, optimize=[(4, 5), (0, 7), (3, 4), (0, 4), (1, 3), (2, 3), (1, 4), (1, 3), (1, 2), (0, 1)])
+    t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t13 = W_V.transpose(-1, -2)
+    t14 = t13 @ t0
+    t15 = X @ W_K
+    return (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,acb,ahd->', t0, t2, Mcausal, t3, t5, dA, t14, Mcausal, X, t15, optimize=[(0, 8), (4, 5), (0, 5), (2, 5), (1, 5), (2, 4), (2, 3), (0, 2), (0, 1)])
 
 
 def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -10853,15 +11835,16 @@ def ce_causal1__block__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t11 = t10 @ t4
     t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A = t12 / t12.sum(-1, keepdim=True)
-    t13 = W_V.transpose(-1, -2)
-    t14 = t13 @ t1
-    t15 = X @ W_K
-    t16 = (1/(L*d_K*n_batch)) * Mcausal
-    t0[...] = oe.contract('abc,ade,ce,aef,acf,acf,afg,cg,ach,agi->bdhi', t1, t3, t16, t4, t6, A, t14, Mcausal, X, t15, optimize=[(4, 5), (2, 5), (2, 3), (4, 6), (4, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t17 = (-1/(L*d_K*n_batch)) * Mcausal
-    t18 = oe.contract('abc,acd,bd,ade->eab', A, t14, Mcausal, t15, optimize=[(0, 1), (0, 2), (0, 1)])
-    t19 = oe.contract('abc,ade,ce,aef,acf,acf,acg->bdgac', t1, t3, t17, t4, t6, A, X, optimize=[(4, 5), (3, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
-    t0 += oe.contract('abc,defbc->defa', t18, t19, optimize=[(0, 1)])
+    t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t14 = W_V.transpose(-1, -2)
+    t15 = t14 @ t1
+    t16 = X @ W_K
+    t17 = (1/(L*d_K*n_batch)) * Mcausal
+    t18 = oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,ahi->bdiac', t1, t3, t17, t4, t6, dA, t15, Mcausal, t16, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (1, 3), (1, 2), (0, 1)])
+    t19 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t0[...] = oe.contract('abcde,fde->abfc', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -10886,12 +11869,15 @@ def ce_causal1__frobenius__W_Q__W_Q__full(X, W_Q, W_K, W_V, Y):
     t10 = t9 @ t3
     t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
     A = t11 / t11.sum(-1, keepdim=True)
-    t12 = W_V.transpose(-1, -2)
-    t13 = t12 @ t0
-    t14 = X @ W_K
-    t15 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acf,afg,cg,ach,agi,jbk,jdl,kl,jlm,jkm,jkm,jmn,kn,jkh,jni->', t0, t2, Mcausal, t3, t5, A, t13, Mcausal, X, t14, t0, t2, Mcausal, t3, t5, A, t13, Mcausal, X, t14, optimize=[(4, 5), (12, 13), (0, 8), (0, 7), (4, 10), (12, 14), (4, 9), (0, 3), (2, 5), (0, 1), (2, 9), (6, 8), (3, 7), (3, 6), (3, 5), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acf,afg,cg,ach,agi,jbk,jdl,kl,jlm,jkm,jkm,jkn,jno,ko,jkh,joi->', t0, t2, Mcausal, t3, t5, A, t13, Mcausal, X, t14, t0, t2, Mcausal, t3, t5, A, A, t13, Mcausal, X, t14, optimize=[(4, 5), (12, 13), (12, 13), (11, 16), (0, 8), (0, 7), (4, 8), (11, 13), (4, 7), (5, 7), (9, 10), (4, 6), (5, 8), (0, 3), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acf,acg,agh,ch,aci,ahj,kbl,kdm,lm,kmn,kln,kln,klo,kop,lp,kli,kpj->', t0, t2, Mcausal, t3, t5, A, A, t13, Mcausal, X, t14, t0, t2, Mcausal, t3, t5, A, A, t13, Mcausal, X, t14, optimize=[(4, 5), (13, 14), (4, 5), (11, 12), (3, 14), (9, 13), (0, 6), (0, 5), (2, 6), (10, 12), (2, 5), (1, 4), (8, 9), (2, 3), (6, 7), (5, 6), (0, 2), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
-    return t16
+    t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t13 = W_V.transpose(-1, -2)
+    t14 = t13 @ t0
+    t15 = X @ W_K
+    t16 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,aci,ahj,kbl,kdm,lm,kmn,kln,klno,kop,lp,kli,kpj->', t0, t2, Mcausal, t3, t5, dA, t14, Mcausal, X, t15, t0, t2, Mcausal, t3, t5, dA, t14, Mcausal, X, t15, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (12, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
+    return t17
 
 
 def ce_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -10930,21 +11916,20 @@ def ce_causal1__block__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t20 = G @ t19
     t21 = Mcausal * t20
     t22 = t21 @ X
-    t23 = t2 @ t22
-    t24 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t25 = (1/(math.sqrt(d_K)*n_batch)) * t24
-    t1 += oe.contract('abc,d->bcd', t23, t25, optimize=[(0, 1)])
+    t23 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t24 = (1/(math.sqrt(d_K)*n_batch)) * t23
+    t25 = oe.contract('abc,acd->bd', t2, t22, optimize=[(0, 1)])
+    t1 += oe.contract('a,bc->bca', t24, t25, optimize=[(0, 1)])
     t26 = torch.exp(t12 - t12.amax(-1, keepdim=True))
     A27 = t26 / t26.sum(-1, keepdim=True)
-    t28 = X @ W_Q
-    t29 = (1/(L*d_K*n_batch)) * Mcausal
-    t30 = oe.contract('abc,acd->bdac', t2, t28, optimize=[(0, 1)])
-    t31 = oe.contract('abc,dc,ace,ade,ade,aef,df,afg->bgad', t6, t29, t11, t4, A27, t19, Mcausal, X, optimize=[(3, 4), (2, 3), (4, 5), (1, 4), (1, 3), (0, 2), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t30, t31, optimize=[(0, 1)])
-    t32 = (-1/(L*d_K*n_batch)) * Mcausal
-    t33 = oe.contract('abc,ade,ce,aef,acf,acf,acg->bdgac', t2, t6, t32, t11, t4, A27, t28, optimize=[(4, 5), (3, 5), (2, 4), (1, 3), (0, 1), (0, 1)])
-    t34 = oe.contract('abc,acd,bd,ade->eab', A27, t19, Mcausal, X, optimize=[(0, 1), (0, 2), (0, 1)])
-    t0 += oe.contract('abcde,fde->abfc', t33, t34, optimize=[(0, 1)])
+    t28 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A27, t28, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A27, A27, optimize=[(0, 1)])
+    t29 = X @ W_Q
+    t30 = (1/(L*d_K*n_batch)) * Mcausal
+    t31 = oe.contract('abc->cab', t29, optimize=[(0,)])
+    t32 = oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,ahi->bdiac', t2, t6, t30, t11, t4, dA, t19, Mcausal, X, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (1, 3), (1, 2), (0, 1)])
+    t0 += oe.contract('abc,defbc->defa', t31, t32, optimize=[(0, 1)])
     return out
 
 
@@ -10980,11 +11965,13 @@ def ce_causal1__frobenius__W_Q__W_K__full(X, W_Q, W_K, W_V, Y):
     t18 = G @ t17
     t19 = Mcausal * t18
     t20 = t19 @ X
-    t21 = t0 @ t20
-    t22 = torch.exp(t10 - t10.amax(-1, keepdim=True))
-    A23 = t22 / t22.sum(-1, keepdim=True)
+    t21 = torch.exp(t10 - t10.amax(-1, keepdim=True))
+    A22 = t21 / t21.sum(-1, keepdim=True)
+    t23 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A22, t23, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A22, A22, optimize=[(0, 1)])
     t24 = X @ W_Q
-    t25 = (n_batch**(-2)) * oe.contract('abc,dbc->', t21, t21, optimize=[(0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,dbe,dfg,eg,dgh,deh,deh,dhi,ei,def,dic->', t21, t0, t4, Mcausal, t9, t2, A23, t17, Mcausal, t24, X, optimize=[(5, 6), (0, 1), (0, 5), (4, 6), (0, 5), (0, 5), (2, 4), (0, 3), (1, 2), (0, 1)]) + (-2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,dbe,dfg,eg,dgh,deh,deh,dei,dij,ej,def,djc->', t21, t0, t4, Mcausal, t9, t2, A23, A23, t17, Mcausal, t24, X, optimize=[(5, 6), (0, 1), (3, 4), (0, 4), (1, 4), (5, 6), (2, 3), (2, 4), (0, 2), (0, 1), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acf,afg,cg,ach,agi,jbk,jdl,kl,jlm,jkm,jkm,jmn,kn,jkh,jni->', t0, t4, Mcausal, t9, t2, A23, t17, Mcausal, t24, X, t0, t4, Mcausal, t9, t2, A23, t17, Mcausal, t24, X, optimize=[(4, 5), (12, 13), (0, 8), (0, 7), (4, 10), (12, 14), (4, 9), (0, 3), (2, 5), (0, 1), (2, 9), (6, 8), (3, 7), (3, 6), (3, 5), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acf,afg,cg,ach,agi,jbk,jdl,kl,jlm,jkm,jkm,jkn,jno,ko,jkh,joi->', t0, t4, Mcausal, t9, t2, A23, t17, Mcausal, t24, X, t0, t4, Mcausal, t9, t2, A23, A23, t17, Mcausal, t24, X, optimize=[(4, 5), (12, 13), (12, 13), (11, 16), (0, 8), (0, 7), (4, 8), (11, 13), (4, 7), (5, 7), (9, 10), (4, 6), (5, 8), (0, 3), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acf,acg,agh,ch,aci,ahj,kbl,kdm,lm,kmn,kln,kln,klo,kop,lp,kli,kpj->', t0, t4, Mcausal, t9, t2, A23, A23, t17, Mcausal, t24, X, t0, t4, Mcausal, t9, t2, A23, A23, t17, Mcausal, t24, X, optimize=[(4, 5), (13, 14), (4, 5), (11, 12), (3, 14), (9, 13), (0, 6), (0, 5), (2, 6), (10, 12), (2, 5), (1, 4), (8, 9), (2, 3), (6, 7), (5, 6), (0, 2), (2, 4), (2, 3), (1, 2), (0, 1)])
+    t25 = (n_batch**(-2)) * oe.contract('abc,acd,ebf,efd->', t0, t20, t0, t20, optimize=[(0, 1), (0, 1), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,acd,ebf,egh,fh,ehi,efi,efij,ejk,fk,efg,ekd->', t0, t20, t0, t4, Mcausal, t9, t2, dA, t17, Mcausal, t24, X, optimize=[(7, 8), (3, 8), (0, 1), (3, 6), (2, 7), (0, 5), (2, 5), (2, 3), (0, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,aci,ahj,kbl,kdm,lm,kmn,kln,klno,kop,lp,kli,kpj->', t0, t4, Mcausal, t9, t2, dA, t17, Mcausal, t24, X, t0, t4, Mcausal, t9, t2, dA, t17, Mcausal, t24, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (12, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
     t26 = torch.sqrt(torch.clamp(t25, min=0.0))
     return t26
 
@@ -11001,36 +11988,35 @@ def ce_causal1__block__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t2 = W_K.transpose(-1, -2)
     t3 = t2 @ t1
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
-    t4 = X @ W_V
-    t5 = Y.sum(-1, keepdim=True)
-    t6 = t5.expand(*t5.shape[:-1], d_V)
-    t7 = W_Q @ t3
-    t8 = X @ t7
-    t9 = (1/math.sqrt(d_K)) * t8
-    T = t9
-    t10 = Mcausal * T
-    t11 = t10 @ t4
+    t4 = Y.sum(-1, keepdim=True)
+    t5 = t4.expand(*t4.shape[:-1], d_V)
+    t6 = W_Q @ t3
+    t7 = X @ t6
+    t8 = (1/math.sqrt(d_K)) * t7
+    T = t8
+    t9 = Mcausal * T
+    t10 = X @ W_V
+    t11 = t9 @ t10
     t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A = t12 / t12.sum(-1, keepdim=True)
-    t13 = t10 @ X
-    t14 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t15 = oe.contract('abc,dc,ace,ade,ade->bead', t3, t14, t4, t6, A, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
-    t16 = oe.contract('abc,acd->bdac', t1, t13, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t15, t16, optimize=[(0, 1)])
-    t17 = (-1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t18 = oe.contract('abc,acd,ace->bedac', t1, A, t13, optimize=[(0, 1), (0, 1)])
-    t19 = oe.contract('abc,dc,ace,ade,ade->bad', t3, t17, t4, t6, A, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)])
-    t0 += oe.contract('abcde,fde->afbc', t18, t19, optimize=[(0, 1)])
+    t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t14 = t9 @ X
+    t15 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
+    t16 = oe.contract('abc,ade,ce,aef,fg,acg,acgh->bdhac', t1, t3, t15, X, W_V, t5, dA, optimize=[(3, 4), (3, 4), (3, 4), (2, 3), (1, 2), (0, 1)])
+    t17 = oe.contract('abc->cab', t14, optimize=[(0,)])
+    t0[...] = oe.contract('abcde,fde->abfc', t16, t17, optimize=[(0, 1)])
     F = t11
-    t20 = torch.exp(F - F.amax(-1, keepdim=True))
-    A21 = t20 / t20.sum(-1, keepdim=True)
-    t22 = t6 * A21
-    t23 = (1/L) * t22
-    t24 = (-1/L) * Y
-    t25 = t23 + t24
-    G = t25
-    t26 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
-    t0 += oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t3, t26, G, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t18 = torch.exp(F - F.amax(-1, keepdim=True))
+    A19 = t18 / t18.sum(-1, keepdim=True)
+    t20 = t5 * A19
+    t21 = (1/L) * t20
+    t22 = (-1/L) * Y
+    t23 = t21 + t22
+    G = t23
+    t24 = (1/(math.sqrt(d_K)*n_batch)) * Mcausal
+    t0 += oe.contract('abc,ade,ce,aef,acg->bdfg', t1, t3, t24, X, G, optimize=[(0, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -11044,29 +12030,32 @@ def ce_causal1__frobenius__W_Q__W_V__full(X, W_Q, W_K, W_V, Y):
     t1 = W_K.transpose(-1, -2)
     t2 = t1 @ t0
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
-    t3 = X @ W_V
-    t4 = Y.sum(-1, keepdim=True)
-    t5 = t4.expand(*t4.shape[:-1], d_V)
-    t6 = W_Q @ t2
-    t7 = X @ t6
-    t8 = (1/math.sqrt(d_K)) * t7
-    T = t8
-    t9 = Mcausal * T
-    t10 = t9 @ t3
+    t3 = Y.sum(-1, keepdim=True)
+    t4 = t3.expand(*t3.shape[:-1], d_V)
+    t5 = W_Q @ t2
+    t6 = X @ t5
+    t7 = (1/math.sqrt(d_K)) * t6
+    T = t7
+    t8 = Mcausal * T
+    t9 = X @ W_V
+    t10 = t8 @ t9
     t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
     A = t11 / t11.sum(-1, keepdim=True)
-    t12 = t9 @ X
+    t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t13 = t8 @ X
     F = t10
-    t13 = torch.exp(F - F.amax(-1, keepdim=True))
-    A14 = t13 / t13.sum(-1, keepdim=True)
-    t15 = t5 * A14
-    t16 = (1/L) * t15
-    t17 = (-1/L) * Y
-    t18 = t16 + t17
-    G = t18
-    t19 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acf,acg,hbi,hdj,ij,hjf,hif,hif,hig->', t0, t2, Mcausal, t3, t5, A, t12, t0, t2, Mcausal, t3, t5, A, t12, optimize=[(4, 5), (9, 10), (0, 5), (0, 4), (2, 5), (6, 8), (1, 4), (0, 6), (1, 2), (0, 4), (0, 2), (1, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acf,acg,hbi,hdj,ij,hjk,hik,hik,hif,hig->', t0, t2, Mcausal, t3, t5, A, t12, t0, t2, Mcausal, t3, t5, A, A, t12, optimize=[(4, 5), (9, 10), (8, 12), (0, 5), (0, 4), (2, 5), (6, 8), (2, 5), (4, 6), (1, 3), (1, 4), (1, 3), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acf,acg,hbi,hdj,ij,hif,hjg->', t0, t2, Mcausal, t3, t5, A, t12, t0, t2, Mcausal, G, X, optimize=[(4, 5), (0, 5), (0, 4), (2, 5), (1, 4), (2, 6), (2, 5), (0, 4), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acf,acg,ach,ibj,idk,jk,ikl,ijl,ijl,ijg,ijh->', t0, t2, Mcausal, t3, t5, A, A, t12, t0, t2, Mcausal, t3, t5, A, A, t12, optimize=[(4, 5), (10, 11), (3, 12), (8, 11), (0, 5), (0, 4), (1, 4), (6, 8), (1, 3), (5, 6), (0, 2), (2, 4), (2, 3), (1, 2), (0, 1)]) + (-2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acf,acg,ach,ibj,idk,jk,ijg,ikh->', t0, t2, Mcausal, t3, t5, A, A, t12, t0, t2, Mcausal, G, X, optimize=[(4, 5), (3, 11), (0, 5), (0, 4), (1, 4), (5, 7), (1, 3), (0, 2), (1, 4), (2, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, Mcausal, G, X, t0, t2, Mcausal, G, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
-    return t20
+    t14 = torch.exp(F - F.amax(-1, keepdim=True))
+    A15 = t14 / t14.sum(-1, keepdim=True)
+    t16 = t4 * A15
+    t17 = (1/L) * t16
+    t18 = (-1/L) * Y
+    t19 = t17 + t18
+    G = t19
+    t20 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,fg,acg,acgh,aci,jbk,jdl,kl,jlm,mn,jkn,jknh,jki->', t0, t2, Mcausal, X, W_V, t4, dA, t13, t0, t2, Mcausal, X, W_V, t4, dA, t13, optimize=[(3, 4), (3, 4), (12, 13), (0, 4), (0, 3), (3, 4), (3, 4), (7, 8), (1, 3), (3, 6), (0, 2), (0, 2), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,fg,acg,acgh,aci,jbk,jdl,kl,jli,jkh->', t0, t2, Mcausal, X, W_V, t4, dA, t13, t0, t2, Mcausal, X, G, optimize=[(5, 6), (0, 6), (0, 5), (1, 2), (1, 3), (4, 7), (1, 6), (0, 3), (1, 2), (1, 2), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,acg,hbi,hdj,ij,hjf,hig->', t0, t2, Mcausal, X, G, t0, t2, Mcausal, X, G, optimize=[(0, 5), (0, 4), (1, 4), (5, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
+    return t21
 
 
 def ce_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -11096,13 +12085,14 @@ def ce_causal1__diag__W_K__full(X, W_Q, W_K, W_V, Y):
     t15 = t14 @ t5
     t16 = torch.exp(t15 - t15.amax(-1, keepdim=True))
     A = t16 / t16.sum(-1, keepdim=True)
-    t17 = W_V.transpose(-1, -2)
-    t18 = t17 @ t1
-    t19 = X @ W_Q
-    t20 = (1/(L*d_K*n_batch)) * t4
-    t0[...] = oe.contract('abc,ade,ce,acf,afe,aef,afg,eg,aed,agb->bd', t1, t3, t20, t5, t8, A, t18, Mcausal, t19, X, optimize=[(4, 5), (1, 6), (1, 4), (1, 2), (2, 5), (3, 4), (0, 3), (0, 2), (0, 1)])
-    t21 = (-1/(L*d_K*n_batch)) * t4
-    t0 += oe.contract('abc,ade,ce,acf,afe,aef,aeg,agh,eh,aed,ahb->bd', t1, t3, t21, t5, t8, A, A, t18, Mcausal, t19, X, optimize=[(4, 5), (1, 7), (3, 4), (2, 5), (2, 5), (2, 5), (1, 3), (0, 3), (1, 2), (0, 1)])
+    t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t18 = W_V.transpose(-1, -2)
+    t19 = t18 @ t1
+    t20 = X @ W_Q
+    t21 = (1/(L*d_K*n_batch)) * t4
+    t0[...] = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aed,ahb->bd', t1, t3, t21, t5, t8, dA, t19, Mcausal, t20, X, optimize=[(1, 8), (4, 5), (3, 7), (2, 6), (1, 5), (1, 4), (0, 3), (0, 2), (0, 1)])
     return out
 
 
@@ -11131,10 +12121,13 @@ def ce_causal1__trace__W_K__full(X, W_Q, W_K, W_V, Y):
     t14 = t13 @ t4
     t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
     A = t15 / t15.sum(-1, keepdim=True)
-    t16 = W_V.transpose(-1, -2)
-    t17 = t16 @ t0
-    t18 = X @ W_Q
-    return (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,acf,afe,aef,afg,eg,aed,agb->', t0, t2, t3, t4, t7, A, t17, Mcausal, t18, X, optimize=[(4, 5), (1, 6), (0, 5), (4, 5), (1, 2), (3, 4), (2, 3), (0, 2), (0, 1)]) + (-1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,acf,afe,aef,aeg,agh,eh,aed,ahb->', t0, t2, t3, t4, t7, A, A, t17, Mcausal, t18, X, optimize=[(4, 5), (1, 7), (3, 4), (0, 4), (1, 3), (2, 3), (1, 4), (1, 3), (1, 2), (0, 1)])
+    t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t17 = W_V.transpose(-1, -2)
+    t18 = t17 @ t0
+    t19 = X @ W_Q
+    return (1/(L*d_K*n_batch)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aed,ahb->', t0, t2, t3, t4, t7, dA, t18, Mcausal, t19, X, optimize=[(1, 8), (4, 5), (0, 5), (2, 5), (1, 5), (2, 4), (2, 3), (0, 2), (0, 1)])
 
 
 def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -11173,25 +12166,26 @@ def ce_causal1__block__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t20 = X @ t19
     t21 = Mcausal.transpose(-1, -2)
     t22 = t20 * t21
-    t23 = t22 @ X
-    t24 = t2 @ t23
-    t25 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
-    t26 = (1/(math.sqrt(d_K)*n_batch)) * t25
-    t1 += oe.contract('abc,d->bcd', t24, t26, optimize=[(0, 1)])
-    t27 = W_Q.transpose(-1, -2)
-    t28 = t27 @ t2
-    t29 = Y.transpose(-1, -2)
-    t30 = t29.sum(-2, keepdim=True)
-    t31 = t30.expand(*t30.shape[:-2], d_V, t30.shape[-1])
-    t32 = torch.exp(t12 - t12.amax(-1, keepdim=True))
-    A33 = t32 / t32.sum(-1, keepdim=True)
-    t34 = W_V.transpose(-1, -2)
-    t35 = t34 @ t2
-    t36 = X @ W_K
-    t37 = (1/(L*d_K*n_batch)) * t21
-    t0 += oe.contract('abc,ade,ce,acf,afe,aef,afg,eg,aeh,agi->bdhi', t2, t28, t37, t11, t31, A33, t35, Mcausal, X, t36, optimize=[(4, 5), (2, 5), (2, 3), (4, 6), (4, 5), (0, 4), (2, 3), (0, 1), (0, 1)])
-    t38 = (-1/(L*d_K*n_batch)) * t21
-    t0 += oe.contract('abc,ade,ce,acf,afe,aef,aeg,agh,eh,aei,ahj->bdij', t2, t28, t38, t11, t31, A33, A33, t35, Mcausal, X, t36, optimize=[(4, 5), (4, 5), (3, 7), (3, 6), (4, 6), (2, 4), (0, 4), (0, 3), (0, 2), (0, 1)])
+    t23 = torch.ones((d_K,), dtype=X.dtype, device=X.device)
+    t24 = (1/(math.sqrt(d_K)*n_batch)) * t23
+    t1 += oe.contract('abc,acd,ade,f->bef', t2, t22, X, t24, optimize=[(0, 1), (0, 2), (0, 1)])
+    t25 = W_Q.transpose(-1, -2)
+    t26 = t25 @ t2
+    t27 = Y.transpose(-1, -2)
+    t28 = t27.sum(-2, keepdim=True)
+    t29 = t28.expand(*t28.shape[:-2], d_V, t28.shape[-1])
+    t30 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A31 = t30 / t30.sum(-1, keepdim=True)
+    t32 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A31, t32, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A31, A31, optimize=[(0, 1)])
+    t33 = W_V.transpose(-1, -2)
+    t34 = t33 @ t2
+    t35 = X @ W_K
+    t36 = (1/(L*d_K*n_batch)) * t21
+    t37 = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi->bdiae', t2, t26, t36, t11, t29, dA, t34, Mcausal, t35, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (0, 3), (1, 2), (0, 1)])
+    t38 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t0 += oe.contract('abcde,fde->abfc', t37, t38, optimize=[(0, 1)])
     return out
 
 
@@ -11227,21 +12221,22 @@ def ce_causal1__frobenius__W_K__W_Q__full(X, W_Q, W_K, W_V, Y):
     t18 = X @ t17
     t19 = Mcausal.transpose(-1, -2)
     t20 = t18 * t19
-    t21 = t20 @ X
-    t22 = t0 @ t21
-    t23 = W_Q.transpose(-1, -2)
-    t24 = t23 @ t0
-    t25 = Y.transpose(-1, -2)
-    t26 = t25.sum(-2, keepdim=True)
-    t27 = t26.expand(*t26.shape[:-2], d_V, t26.shape[-1])
-    t28 = torch.exp(t10 - t10.amax(-1, keepdim=True))
-    A29 = t28 / t28.sum(-1, keepdim=True)
-    t30 = W_V.transpose(-1, -2)
-    t31 = t30 @ t0
-    t32 = X @ W_K
-    t33 = (n_batch**(-2)) * oe.contract('abc,dbc->', t22, t22, optimize=[(0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,dbe,dfg,eg,deh,dhg,dgh,dhi,gi,dgc,dif->', t22, t0, t24, t19, t9, t27, A29, t31, Mcausal, X, t32, optimize=[(5, 6), (0, 1), (0, 6), (4, 6), (3, 5), (2, 5), (2, 4), (1, 3), (1, 2), (0, 1)]) + (-2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,dbe,dfg,eg,deh,dhg,dgh,dgi,dij,gj,dgc,djf->', t22, t0, t24, t19, t9, t27, A29, A29, t31, Mcausal, X, t32, optimize=[(5, 6), (0, 1), (3, 4), (0, 5), (6, 7), (1, 4), (2, 3), (3, 4), (1, 2), (0, 1), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aef,afg,eg,aeh,agi,jbk,jdl,kl,jkm,jml,jlm,jmn,ln,jlh,jni->', t0, t24, t19, t9, t27, A29, t31, Mcausal, X, t32, t0, t24, t19, t9, t27, A29, t31, Mcausal, X, t32, optimize=[(4, 5), (12, 13), (0, 8), (0, 7), (4, 10), (13, 14), (4, 9), (0, 3), (2, 5), (0, 1), (2, 9), (6, 8), (3, 7), (3, 6), (3, 5), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aef,afg,eg,aeh,agi,jbk,jdl,kl,jkm,jml,jlm,jln,jno,lo,jlh,joi->', t0, t24, t19, t9, t27, A29, t31, Mcausal, X, t32, t0, t24, t19, t9, t27, A29, A29, t31, Mcausal, X, t32, optimize=[(4, 5), (12, 13), (12, 13), (11, 16), (0, 8), (0, 7), (4, 8), (12, 13), (4, 7), (5, 7), (9, 10), (4, 6), (5, 8), (0, 3), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aef,aeg,agh,eh,aei,ahj,kbl,kdm,lm,kln,knm,kmn,kmo,kop,mp,kmi,kpj->', t0, t24, t19, t9, t27, A29, A29, t31, Mcausal, X, t32, t0, t24, t19, t9, t27, A29, A29, t31, Mcausal, X, t32, optimize=[(4, 5), (13, 14), (4, 5), (11, 12), (3, 14), (9, 13), (0, 6), (0, 5), (2, 6), (11, 12), (2, 5), (1, 4), (8, 9), (2, 3), (6, 7), (5, 6), (0, 2), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t34 = torch.sqrt(torch.clamp(t33, min=0.0))
-    return t34
+    t21 = W_Q.transpose(-1, -2)
+    t22 = t21 @ t0
+    t23 = Y.transpose(-1, -2)
+    t24 = t23.sum(-2, keepdim=True)
+    t25 = t24.expand(*t24.shape[:-2], d_V, t24.shape[-1])
+    t26 = torch.exp(t10 - t10.amax(-1, keepdim=True))
+    A27 = t26 / t26.sum(-1, keepdim=True)
+    t28 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A27, t28, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A27, A27, optimize=[(0, 1)])
+    t29 = W_V.transpose(-1, -2)
+    t30 = t29 @ t0
+    t31 = X @ W_K
+    t32 = (n_batch**(-2)) * oe.contract('abc,acd,ade,fbg,fgh,fhe->', t0, t20, X, t0, t20, X, optimize=[(0, 3), (1, 3), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,acd,ade,fbg,fhi,gi,fgj,fji,fijk,fkl,il,flh,fie->', t0, t20, X, t0, t22, t19, t9, t25, dA, t30, Mcausal, t31, X, optimize=[(8, 9), (4, 9), (0, 3), (1, 6), (3, 5), (2, 7), (0, 4), (3, 5), (2, 3), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi,aej,kbl,kdm,lm,kln,knm,kmno,kop,mp,kpi,kmj->', t0, t22, t19, t9, t25, dA, t30, Mcausal, t31, X, t0, t22, t19, t9, t25, dA, t30, Mcausal, t31, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (4, 9), (11, 13), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t33 = torch.sqrt(torch.clamp(t32, min=0.0))
+    return t33
 
 
 def ce_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
@@ -11271,17 +12266,16 @@ def ce_causal1__block__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t15 = t14 @ t5
     t16 = torch.exp(t15 - t15.amax(-1, keepdim=True))
     A = t16 / t16.sum(-1, keepdim=True)
-    t17 = W_V.transpose(-1, -2)
-    t18 = t17 @ t1
-    t19 = X @ W_Q
-    t20 = (1/(L*d_K*n_batch)) * t4
-    t21 = oe.contract('abc,acd->bdac', t3, t19, optimize=[(0, 1)])
-    t22 = oe.contract('abc,cd,ace,aed,ade,aef,df,afg->bgad', t1, t20, t5, t8, A, t18, Mcausal, X, optimize=[(3, 4), (2, 3), (4, 5), (1, 4), (1, 3), (0, 2), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
-    t23 = (-1/(L*d_K*n_batch)) * t4
-    t24 = oe.contract('abc,ade,ce,acf,afe,aef,aeg->bdgae', t1, t3, t23, t5, t8, A, t19, optimize=[(4, 5), (3, 5), (2, 4), (0, 3), (0, 1), (0, 1)])
-    t25 = oe.contract('abc,acd,bd,ade->eab', A, t18, Mcausal, X, optimize=[(0, 1), (0, 2), (0, 1)])
-    t0 += oe.contract('abcde,fde->abfc', t24, t25, optimize=[(0, 1)])
+    t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t18 = W_V.transpose(-1, -2)
+    t19 = t18 @ t1
+    t20 = X @ W_Q
+    t21 = (1/(L*d_K*n_batch)) * t4
+    t22 = oe.contract('abc->cab', t20, optimize=[(0,)])
+    t23 = oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,ahi->bdiae', t1, t3, t21, t5, t8, dA, t19, Mcausal, X, optimize=[(5, 6), (4, 7), (3, 6), (2, 5), (2, 4), (0, 3), (1, 2), (0, 1)])
+    t0[...] = oe.contract('abc,defbc->defa', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -11310,12 +12304,15 @@ def ce_causal1__frobenius__W_K__W_K__full(X, W_Q, W_K, W_V, Y):
     t14 = t13 @ t4
     t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
     A = t15 / t15.sum(-1, keepdim=True)
-    t16 = W_V.transpose(-1, -2)
-    t17 = t16 @ t0
-    t18 = X @ W_Q
-    t19 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aef,afg,eg,aeh,agi,jbk,jdl,kl,jkm,jml,jlm,jmn,ln,jlh,jni->', t0, t2, t3, t4, t7, A, t17, Mcausal, t18, X, t0, t2, t3, t4, t7, A, t17, Mcausal, t18, X, optimize=[(4, 5), (12, 13), (0, 8), (0, 7), (4, 10), (13, 14), (4, 9), (0, 3), (2, 5), (0, 1), (2, 9), (6, 8), (3, 7), (3, 6), (3, 5), (3, 4), (0, 3), (0, 2), (0, 1)]) + (-2/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aef,afg,eg,aeh,agi,jbk,jdl,kl,jkm,jml,jlm,jln,jno,lo,jlh,joi->', t0, t2, t3, t4, t7, A, t17, Mcausal, t18, X, t0, t2, t3, t4, t7, A, A, t17, Mcausal, t18, X, optimize=[(4, 5), (12, 13), (12, 13), (11, 16), (0, 8), (0, 7), (4, 8), (12, 13), (4, 7), (5, 7), (9, 10), (4, 6), (5, 8), (0, 3), (0, 1), (0, 5), (3, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aef,aeg,agh,eh,aei,ahj,kbl,kdm,lm,kln,knm,kmn,kmo,kop,mp,kmi,kpj->', t0, t2, t3, t4, t7, A, A, t17, Mcausal, t18, X, t0, t2, t3, t4, t7, A, A, t17, Mcausal, t18, X, optimize=[(4, 5), (13, 14), (4, 5), (11, 12), (3, 14), (9, 13), (0, 6), (0, 5), (2, 6), (11, 12), (2, 5), (1, 4), (8, 9), (2, 3), (6, 7), (5, 6), (0, 2), (2, 4), (2, 3), (1, 2), (0, 1)])
-    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
-    return t20
+    t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t17 = W_V.transpose(-1, -2)
+    t18 = t17 @ t0
+    t19 = X @ W_Q
+    t20 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aei,ahj,kbl,kdm,lm,kln,knm,kmno,kop,mp,kmi,kpj->', t0, t2, t3, t4, t7, dA, t18, Mcausal, t19, X, t0, t2, t3, t4, t7, dA, t18, Mcausal, t19, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (13, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
+    return t21
 
 
 def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -11331,43 +12328,42 @@ def ce_causal1__block__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t3 = t2 @ t1
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
     t4 = Mcausal.transpose(-1, -2)
-    t5 = X @ W_V
-    t6 = Y.transpose(-1, -2)
-    t7 = t6.sum(-2, keepdim=True)
-    t8 = t7.expand(*t7.shape[:-2], d_V, t7.shape[-1])
-    t9 = W_K.transpose(-1, -2)
-    t10 = t9 @ t1
-    t11 = W_Q @ t10
-    t12 = X @ t11
-    t13 = (1/math.sqrt(d_K)) * t12
-    T = t13
-    t14 = Mcausal * T
-    t15 = t14 @ t5
-    t16 = torch.exp(t15 - t15.amax(-1, keepdim=True))
-    A = t16 / t16.sum(-1, keepdim=True)
-    t17 = t14 @ X
-    t18 = (1/(L*math.sqrt(d_K)*n_batch)) * t4
-    t19 = oe.contract('abc,cd,ace,aed,ade->bead', t1, t18, t5, t8, A, optimize=[(3, 4), (0, 1), (0, 2), (0, 1)])
-    t20 = oe.contract('abc,acd->bdac', t3, t17, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
-    t21 = (-1/(L*math.sqrt(d_K)*n_batch)) * t4
-    t22 = oe.contract('abc,acd,ace->bedac', t3, A, t17, optimize=[(0, 1), (0, 1)])
-    t23 = oe.contract('abc,cd,ace,aed,ade->bad', t1, t21, t5, t8, A, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)])
-    t0 += oe.contract('abcde,fde->fabc', t22, t23, optimize=[(0, 1)])
-    t24 = Y.sum(-1, keepdim=True)
-    t25 = t24.expand(*t24.shape[:-1], d_V)
-    F = t15
-    t26 = torch.exp(F - F.amax(-1, keepdim=True))
+    t5 = Y.sum(-1, keepdim=True)
+    t6 = t5.expand(*t5.shape[:-1], d_V)
+    t7 = W_K.transpose(-1, -2)
+    t8 = t7 @ t1
+    t9 = W_Q @ t8
+    t10 = X @ t9
+    t11 = (1/math.sqrt(d_K)) * t10
+    T = t11
+    t12 = Mcausal * T
+    t13 = X @ W_V
+    t14 = t12 @ t13
+    F = t14
+    t15 = torch.exp(F - F.amax(-1, keepdim=True))
+    A = t15 / t15.sum(-1, keepdim=True)
+    t16 = t6 * A
+    t17 = (1/L) * t16
+    t18 = (-1/L) * Y
+    t19 = t17 + t18
+    G = t19
+    t20 = (1/(math.sqrt(d_K)*n_batch)) * t4
+    t21 = oe.contract('abc,acd->bdac', t3, G, optimize=[(0, 1)])
+    t22 = oe.contract('abc,cd,ace->bead', t1, t20, X, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
+    t23 = Y.transpose(-1, -2)
+    t24 = t23.sum(-2, keepdim=True)
+    t25 = t24.expand(*t24.shape[:-2], d_V, t24.shape[-1])
+    t26 = torch.exp(t14 - t14.amax(-1, keepdim=True))
     A27 = t26 / t26.sum(-1, keepdim=True)
-    t28 = t25 * A27
-    t29 = (1/L) * t28
-    t30 = (-1/L) * Y
-    t31 = t29 + t30
-    G = t31
-    t32 = (1/(math.sqrt(d_K)*n_batch)) * t4
-    t33 = oe.contract('abc,acd->bdac', t3, G, optimize=[(0, 1)])
-    t34 = oe.contract('abc,cd,ace->bead', t1, t32, X, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->eafb', t33, t34, optimize=[(0, 1)])
+    t28 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A27, t28, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A27, A27, optimize=[(0, 1)])
+    t29 = t12 @ X
+    t30 = (1/(L*math.sqrt(d_K)*n_batch)) * t4
+    t31 = oe.contract('abc,cd,ace,ef,afd,adfg->bgad', t1, t30, X, W_V, t25, dA, optimize=[(2, 3), (2, 3), (2, 3), (1, 2), (0, 1)])
+    t32 = oe.contract('abc,acd->bdac', t3, t29, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->aefb', t31, t32, optimize=[(0, 1)])
     return out
 
 
@@ -11382,34 +12378,37 @@ def ce_causal1__frobenius__W_K__W_V__full(X, W_Q, W_K, W_V, Y):
     t2 = t1 @ t0
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
     t3 = Mcausal.transpose(-1, -2)
-    t4 = X @ W_V
-    t5 = Y.transpose(-1, -2)
-    t6 = t5.sum(-2, keepdim=True)
-    t7 = t6.expand(*t6.shape[:-2], d_V, t6.shape[-1])
-    t8 = W_K.transpose(-1, -2)
-    t9 = t8 @ t0
-    t10 = W_Q @ t9
-    t11 = X @ t10
-    t12 = (1/math.sqrt(d_K)) * t11
-    T = t12
-    t13 = Mcausal * T
-    t14 = t13 @ t4
-    t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
-    A = t15 / t15.sum(-1, keepdim=True)
-    t16 = t13 @ X
-    t17 = Y.sum(-1, keepdim=True)
-    t18 = t17.expand(*t17.shape[:-1], d_V)
-    F = t14
-    t19 = torch.exp(F - F.amax(-1, keepdim=True))
-    A20 = t19 / t19.sum(-1, keepdim=True)
-    t21 = t18 * A20
-    t22 = (1/L) * t21
-    t23 = (-1/L) * Y
-    t24 = t22 + t23
-    G = t24
-    t25 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aef,aeg,hbi,hdj,ij,hif,hfj,hjf,hjg->', t0, t2, t3, t4, t7, A, t16, t0, t2, t3, t4, t7, A, t16, optimize=[(4, 5), (9, 10), (0, 5), (0, 4), (2, 5), (7, 8), (1, 4), (0, 6), (1, 2), (0, 4), (0, 2), (1, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aef,aeg,hbi,hdj,ij,hik,hkj,hjk,hjf,hjg->', t0, t2, t3, t4, t7, A, t16, t0, t2, t3, t4, t7, A, A, t16, optimize=[(4, 5), (9, 10), (8, 12), (0, 5), (0, 4), (2, 5), (7, 8), (2, 5), (4, 6), (1, 3), (1, 4), (1, 3), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aef,aeg,hbi,hdj,ij,hig,hjf->', t0, t2, t3, t4, t7, A, t16, t0, t2, t3, X, G, optimize=[(4, 5), (0, 5), (0, 4), (2, 4), (1, 4), (2, 6), (3, 5), (0, 4), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aef,aeg,aeh,ibj,idk,jk,ijl,ilk,ikl,ikg,ikh->', t0, t2, t3, t4, t7, A, A, t16, t0, t2, t3, t4, t7, A, A, t16, optimize=[(4, 5), (10, 11), (3, 12), (8, 11), (0, 5), (0, 4), (1, 4), (7, 8), (1, 3), (5, 6), (0, 2), (2, 4), (2, 3), (1, 2), (0, 1)]) + (-2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aef,aeg,aeh,ibj,idk,jk,ijh,ikg->', t0, t2, t3, t4, t7, A, A, t16, t0, t2, t3, X, G, optimize=[(4, 5), (3, 11), (0, 5), (0, 4), (2, 4), (1, 3), (4, 6), (0, 2), (1, 4), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, t3, X, G, t0, t2, t3, X, G, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
-    t26 = torch.sqrt(torch.clamp(t25, min=0.0))
-    return t26
+    t4 = Y.sum(-1, keepdim=True)
+    t5 = t4.expand(*t4.shape[:-1], d_V)
+    t6 = W_K.transpose(-1, -2)
+    t7 = t6 @ t0
+    t8 = W_Q @ t7
+    t9 = X @ t8
+    t10 = (1/math.sqrt(d_K)) * t9
+    T = t10
+    t11 = Mcausal * T
+    t12 = X @ W_V
+    t13 = t11 @ t12
+    F = t13
+    t14 = torch.exp(F - F.amax(-1, keepdim=True))
+    A = t14 / t14.sum(-1, keepdim=True)
+    t15 = t5 * A
+    t16 = (1/L) * t15
+    t17 = (-1/L) * Y
+    t18 = t16 + t17
+    G = t18
+    t19 = Y.transpose(-1, -2)
+    t20 = t19.sum(-2, keepdim=True)
+    t21 = t20.expand(*t20.shape[:-2], d_V, t20.shape[-1])
+    t22 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    A23 = t22 / t22.sum(-1, keepdim=True)
+    t24 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A23, t24, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A23, A23, optimize=[(0, 1)])
+    t25 = t11 @ X
+    t26 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, t3, X, G, t0, t2, t3, X, G, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hik,kl,hlj,hjlg,hjf->', t0, t2, t3, X, G, t0, t2, t3, X, W_V, t21, dA, t25, optimize=[(10, 11), (0, 5), (0, 4), (1, 6), (3, 4), (4, 6), (2, 6), (2, 4), (1, 4), (2, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,fg,age,aegh,aei,jbk,jdl,kl,jkm,mn,jnl,jlnh,jli->', t0, t2, t3, X, W_V, t21, dA, t25, t0, t2, t3, X, W_V, t21, dA, t25, optimize=[(3, 4), (3, 4), (12, 13), (0, 4), (0, 3), (3, 4), (3, 4), (7, 8), (1, 3), (4, 6), (0, 2), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t27 = torch.sqrt(torch.clamp(t26, min=0.0))
+    return t27
 
 
 def ce_causal1__diag__W_V__full(X, W_Q, W_K, W_V, Y):
@@ -11439,13 +12438,14 @@ def ce_causal1__diag__W_V__full(X, W_Q, W_K, W_V, Y):
     t15 = t13 @ t14
     t16 = torch.exp(t15 - t15.amax(-1, keepdim=True))
     A = t16 / t16.sum(-1, keepdim=True)
-    t17 = t13 @ X
-    t18 = (1/(L*n_batch)) * t10
-    t19 = oe.contract('abc,abc->cab', t12, A, optimize=[(0, 1)])
-    t20 = oe.contract('abc,acb->bac', t18, t17, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t19, t20, optimize=[(0, 1)])
-    t21 = (-1/(L*n_batch)) * t10
-    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t21, t12, A, A, t17, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t18 = t13 @ X
+    t19 = (1/(L*n_batch)) * t10
+    t20 = oe.contract('abc,abcc->cab', t12, dA, optimize=[(0, 1)])
+    t21 = oe.contract('abc,acb->bac', t19, t18, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t20, t21, optimize=[(0, 1)])
     return out
 
 
@@ -11474,8 +12474,11 @@ def ce_causal1__trace__W_V__full(X, W_Q, W_K, W_V, Y):
     t14 = t12 @ t13
     t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
     A = t15 / t15.sum(-1, keepdim=True)
-    t16 = t12 @ X
-    return (1/(L*n_batch)) * oe.contract('abc,acd,acd,acb->', t9, t11, A, t16, optimize=[(0, 3), (0, 1), (0, 1)]) + (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->', t9, t11, A, A, t16, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t17 = t12 @ X
+    return (1/(L*n_batch)) * oe.contract('abc,acd,acdd,acb->', t9, t11, dA, t17, optimize=[(0, 3), (0, 1), (0, 1)])
 
 
 def ce_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
@@ -11497,34 +12500,34 @@ def ce_causal1__block__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     T = t7
     t8 = T.transpose(-1, -2)
     t9 = t2 * t8
-    t10 = t1 @ t9
-    t11 = Y.sum(-1, keepdim=True)
-    t12 = t11.expand(*t11.shape[:-1], d_V)
-    t13 = Mcausal * T
-    t14 = X @ W_V
-    t15 = t13 @ t14
-    t16 = torch.exp(t15 - t15.amax(-1, keepdim=True))
-    A = t16 / t16.sum(-1, keepdim=True)
+    t10 = Y.sum(-1, keepdim=True)
+    t11 = t10.expand(*t10.shape[:-1], d_V)
+    t12 = Mcausal * T
+    t13 = X @ W_V
+    t14 = t12 @ t13
+    t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
+    A = t15 / t15.sum(-1, keepdim=True)
+    t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     t17 = W_V.transpose(-1, -2)
     t18 = t17 @ t1
     t19 = X @ W_K
     t20 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t0[...] = oe.contract('abc,acd,acd,ade,ce,acf,aeg->bdfg', t10, t12, A, t18, t20, X, t19, optimize=[(1, 2), (1, 5), (1, 4), (2, 3), (0, 1), (0, 1)])
-    t21 = (-1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t22 = oe.contract('abc,acd,ade,ce,aef->bfac', t10, A, t18, t21, t19, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
-    t23 = oe.contract('abc,abc,abd->cdab', t12, A, X, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
-    F = t15
-    t24 = torch.exp(F - F.amax(-1, keepdim=True))
-    A25 = t24 / t24.sum(-1, keepdim=True)
-    t26 = t12 * A25
-    t27 = (1/L) * t26
-    t28 = (-1/L) * Y
-    t29 = t27 + t28
-    G = t29
-    t30 = G.transpose(-1, -2)
-    t31 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t0 += oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t30, t31, t19, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t21 = oe.contract('abc,abcd,ade,be,aef->cfab', t11, dA, t18, t20, t19, optimize=[(1, 2), (1, 3), (1, 2), (0, 1)])
+    t22 = oe.contract('abc,acd,ade->bead', t1, t9, X, optimize=[(0, 1), (0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
+    F = t14
+    t23 = torch.exp(F - F.amax(-1, keepdim=True))
+    A24 = t23 / t23.sum(-1, keepdim=True)
+    t25 = t11 * A24
+    t26 = (1/L) * t25
+    t27 = (-1/L) * Y
+    t28 = t26 + t27
+    G = t28
+    t29 = G.transpose(-1, -2)
+    t30 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t0 += oe.contract('abc,ade,ce,acf,aeg->bdgf', t1, t29, t30, t19, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -11545,27 +12548,29 @@ def ce_causal1__frobenius__W_V__W_Q__full(X, W_Q, W_K, W_V, Y):
     T = t6
     t7 = T.transpose(-1, -2)
     t8 = t1 * t7
-    t9 = t0 @ t8
-    t10 = Y.sum(-1, keepdim=True)
-    t11 = t10.expand(*t10.shape[:-1], d_V)
-    t12 = Mcausal * T
-    t13 = X @ W_V
-    t14 = t12 @ t13
-    t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
-    A = t15 / t15.sum(-1, keepdim=True)
+    t9 = Y.sum(-1, keepdim=True)
+    t10 = t9.expand(*t9.shape[:-1], d_V)
+    t11 = Mcausal * T
+    t12 = X @ W_V
+    t13 = t11 @ t12
+    t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    A = t14 / t14.sum(-1, keepdim=True)
+    t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     t16 = W_V.transpose(-1, -2)
     t17 = t16 @ t0
     t18 = X @ W_K
-    F = t14
+    F = t13
     t19 = torch.exp(F - F.amax(-1, keepdim=True))
     A20 = t19 / t19.sum(-1, keepdim=True)
-    t21 = t11 * A20
+    t21 = t10 * A20
     t22 = (1/L) * t21
     t23 = (-1/L) * Y
     t24 = t22 + t23
     G = t24
     t25 = G.transpose(-1, -2)
-    t26 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ade,ce,acf,aeg,hbi,hid,hid,hdj,ij,hif,hjg->', t9, t11, A, t17, Mcausal, X, t18, t9, t11, A, t17, Mcausal, X, t18, optimize=[(1, 2), (6, 7), (0, 5), (2, 6), (8, 9), (2, 5), (0, 4), (0, 6), (0, 2), (0, 4), (0, 2), (1, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ade,ce,acf,aeg,hbi,hid,hid,hij,hjk,ik,hif,hkg->', t9, t11, A, t17, Mcausal, X, t18, t9, t11, A, A, t17, Mcausal, X, t18, optimize=[(1, 2), (6, 7), (6, 7), (0, 5), (2, 5), (8, 9), (2, 4), (2, 5), (5, 6), (0, 2), (1, 4), (1, 3), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ade,ce,acf,aeg,hbi,hdj,ij,hig,hjf->', t9, t11, A, t17, Mcausal, X, t18, t0, t25, t1, t18, X, optimize=[(1, 2), (0, 5), (3, 6), (2, 5), (0, 4), (1, 6), (4, 5), (0, 4), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,aef,cf,acg,afh,ibj,ijd,ijd,ijk,ikl,jl,ijg,ilh->', t9, t11, A, A, t17, Mcausal, X, t18, t9, t11, A, A, t17, Mcausal, X, t18, optimize=[(1, 2), (7, 8), (1, 2), (5, 6), (0, 4), (1, 4), (8, 9), (1, 3), (2, 3), (4, 6), (0, 2), (2, 4), (2, 3), (1, 2), (0, 1)]) + (-2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,aef,cf,acg,afh,ibj,idk,jk,ijh,ikg->', t9, t11, A, A, t17, Mcausal, X, t18, t0, t25, t1, t18, X, optimize=[(1, 2), (1, 2), (0, 4), (2, 5), (1, 4), (1, 3), (5, 6), (0, 2), (2, 4), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t25, t1, t18, X, t0, t25, t1, t18, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t26 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,afg,dg,adh,agi,jbk,jkl,jle,jlem,jmn,ln,jlh,jni->', t0, t8, t10, dA, t17, Mcausal, X, t18, t0, t8, t10, dA, t17, Mcausal, X, t18, optimize=[(3, 4), (9, 10), (0, 6), (3, 8), (3, 7), (1, 6), (3, 5), (0, 4), (1, 7), (2, 6), (0, 3), (0, 2), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,afg,dg,adh,agi,jbk,jel,kl,jki,jlh->', t0, t8, t10, dA, t17, Mcausal, X, t18, t0, t25, t1, t18, X, optimize=[(3, 4), (0, 6), (4, 7), (3, 6), (1, 5), (2, 7), (5, 6), (0, 3), (0, 3), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t25, t1, t18, X, t0, t25, t1, t18, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
     t27 = torch.sqrt(torch.clamp(t26, min=0.0))
     return t27
 
@@ -11589,36 +12594,34 @@ def ce_causal1__block__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     T = t7
     t8 = T.transpose(-1, -2)
     t9 = t2 * t8
-    t10 = t1 @ t9
-    t11 = Y.sum(-1, keepdim=True)
-    t12 = t11.expand(*t11.shape[:-1], d_V)
-    t13 = Mcausal * T
-    t14 = X @ W_V
-    t15 = t13 @ t14
-    t16 = torch.exp(t15 - t15.amax(-1, keepdim=True))
-    A = t16 / t16.sum(-1, keepdim=True)
+    t10 = Y.sum(-1, keepdim=True)
+    t11 = t10.expand(*t10.shape[:-1], d_V)
+    t12 = Mcausal * T
+    t13 = X @ W_V
+    t14 = t12 @ t13
+    t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
+    A = t15 / t15.sum(-1, keepdim=True)
+    t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     t17 = W_V.transpose(-1, -2)
     t18 = t17 @ t1
     t19 = X @ W_Q
     t20 = (1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t21 = oe.contract('abc,acd->bdac', t10, t19, optimize=[(0, 1)])
-    t22 = oe.contract('abc,abc,acd,bd,ade->ceab', t12, A, t18, t20, X, optimize=[(0, 1), (0, 1), (0, 2), (0, 1)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t21, t22, optimize=[(0, 1)])
-    t23 = (-1/(L*math.sqrt(d_K)*n_batch)) * Mcausal
-    t0 += oe.contract('abc,acd,acd,ace,aef,cf,acg,afh->bdhg', t10, t12, A, A, t18, t23, t19, X, optimize=[(1, 2), (1, 2), (1, 5), (2, 4), (1, 2), (0, 1), (0, 1)])
-    F = t15
-    t24 = torch.exp(F - F.amax(-1, keepdim=True))
-    A25 = t24 / t24.sum(-1, keepdim=True)
-    t26 = t12 * A25
-    t27 = (1/L) * t26
-    t28 = (-1/L) * Y
-    t29 = t27 + t28
-    G = t29
-    t30 = G.transpose(-1, -2)
-    t31 = (1/(math.sqrt(d_K)*n_batch)) * t2
-    t32 = oe.contract('abc,acd->bdac', t30, t19, optimize=[(0, 1)])
-    t33 = oe.contract('abc,cd,ace->bead', t1, t31, X, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->eafb', t32, t33, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,acd,ade,adef,afg,dg,adh,agi->beih', t1, t9, t11, dA, t18, t20, t19, X, optimize=[(0, 1), (0, 1), (0, 1), (0, 2), (1, 2), (0, 2), (0, 1)])
+    F = t14
+    t21 = torch.exp(F - F.amax(-1, keepdim=True))
+    A22 = t21 / t21.sum(-1, keepdim=True)
+    t23 = t11 * A22
+    t24 = (1/L) * t23
+    t25 = (-1/L) * Y
+    t26 = t24 + t25
+    G = t26
+    t27 = G.transpose(-1, -2)
+    t28 = (1/(math.sqrt(d_K)*n_batch)) * t2
+    t29 = oe.contract('abc,acd->bdac', t27, t19, optimize=[(0, 1)])
+    t30 = oe.contract('abc,cd,ace->bead', t1, t28, X, optimize=[(0, 1), (0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t29, t30, optimize=[(0, 1)])
     return out
 
 
@@ -11639,27 +12642,29 @@ def ce_causal1__frobenius__W_V__W_K__full(X, W_Q, W_K, W_V, Y):
     T = t6
     t7 = T.transpose(-1, -2)
     t8 = t1 * t7
-    t9 = t0 @ t8
-    t10 = Y.sum(-1, keepdim=True)
-    t11 = t10.expand(*t10.shape[:-1], d_V)
-    t12 = Mcausal * T
-    t13 = X @ W_V
-    t14 = t12 @ t13
-    t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
-    A = t15 / t15.sum(-1, keepdim=True)
+    t9 = Y.sum(-1, keepdim=True)
+    t10 = t9.expand(*t9.shape[:-1], d_V)
+    t11 = Mcausal * T
+    t12 = X @ W_V
+    t13 = t11 @ t12
+    t14 = torch.exp(t13 - t13.amax(-1, keepdim=True))
+    A = t14 / t14.sum(-1, keepdim=True)
+    t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     t16 = W_V.transpose(-1, -2)
     t17 = t16 @ t0
     t18 = X @ W_Q
-    F = t14
+    F = t13
     t19 = torch.exp(F - F.amax(-1, keepdim=True))
     A20 = t19 / t19.sum(-1, keepdim=True)
-    t21 = t11 * A20
+    t21 = t10 * A20
     t22 = (1/L) * t21
     t23 = (-1/L) * Y
     t24 = t22 + t23
     G = t24
     t25 = G.transpose(-1, -2)
-    t26 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ade,ce,acf,aeg,hbi,hid,hid,hdj,ij,hif,hjg->', t9, t11, A, t17, Mcausal, t18, X, t9, t11, A, t17, Mcausal, t18, X, optimize=[(1, 2), (6, 7), (0, 5), (2, 6), (8, 9), (2, 5), (0, 4), (0, 6), (0, 2), (0, 4), (0, 2), (1, 2), (0, 1)]) + (-2/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ade,ce,acf,aeg,hbi,hid,hid,hij,hjk,ik,hif,hkg->', t9, t11, A, t17, Mcausal, t18, X, t9, t11, A, A, t17, Mcausal, t18, X, optimize=[(1, 2), (6, 7), (6, 7), (0, 5), (2, 5), (8, 9), (2, 4), (2, 5), (5, 6), (0, 2), (1, 4), (1, 3), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ade,ce,acf,aeg,hbi,hdj,ij,hig,hjf->', t9, t11, A, t17, Mcausal, t18, X, t0, t25, t1, X, t18, optimize=[(1, 2), (0, 5), (3, 6), (2, 5), (0, 4), (1, 6), (4, 5), (0, 4), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,aef,cf,acg,afh,ibj,ijd,ijd,ijk,ikl,jl,ijg,ilh->', t9, t11, A, A, t17, Mcausal, t18, X, t9, t11, A, A, t17, Mcausal, t18, X, optimize=[(1, 2), (7, 8), (1, 2), (5, 6), (0, 4), (1, 4), (8, 9), (1, 3), (2, 3), (4, 6), (0, 2), (2, 4), (2, 3), (1, 2), (0, 1)]) + (-2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,acd,ace,aef,cf,acg,afh,ibj,idk,jk,ijh,ikg->', t9, t11, A, A, t17, Mcausal, t18, X, t0, t25, t1, X, t18, optimize=[(1, 2), (1, 2), (0, 4), (2, 5), (1, 4), (1, 3), (5, 6), (0, 2), (2, 4), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t25, t1, X, t18, t0, t25, t1, X, t18, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t26 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,afg,dg,adh,agi,jbk,jkl,jle,jlem,jmn,ln,jlh,jni->', t0, t8, t10, dA, t17, Mcausal, t18, X, t0, t8, t10, dA, t17, Mcausal, t18, X, optimize=[(3, 4), (9, 10), (0, 6), (3, 8), (3, 7), (1, 6), (3, 5), (0, 4), (1, 7), (2, 6), (0, 3), (0, 2), (0, 2), (1, 2), (0, 1)]) + (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,ade,adef,afg,dg,adh,agi,jbk,jel,kl,jki,jlh->', t0, t8, t10, dA, t17, Mcausal, t18, X, t0, t25, t1, X, t18, optimize=[(3, 4), (0, 6), (4, 7), (3, 6), (1, 5), (2, 7), (5, 6), (0, 3), (0, 3), (1, 3), (1, 2), (0, 1)]) + (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t25, t1, X, t18, t0, t25, t1, X, t18, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
     t27 = torch.sqrt(torch.clamp(t26, min=0.0))
     return t27
 
@@ -11671,37 +12676,32 @@ def ce_causal1__block__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
-    out[...] = 0
     t0 = out.view((d_V, d_V, d_V, d_V))
-    t1 = t0.diagonal(0, 1, 3)
-    t2 = X.transpose(-1, -2)
+    t1 = X.transpose(-1, -2)
     Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
-    t3 = Mcausal.transpose(-1, -2)
-    t4 = W_K.transpose(-1, -2)
-    t5 = t4 @ t2
-    t6 = W_Q @ t5
-    t7 = X @ t6
-    t8 = (1/math.sqrt(d_K)) * t7
-    T = t8
-    t9 = T.transpose(-1, -2)
-    t10 = t3 * t9
-    t11 = t2 @ t10
-    t12 = Y.sum(-1, keepdim=True)
-    t13 = t12.expand(*t12.shape[:-1], d_V)
-    t14 = Mcausal * T
-    t15 = X @ W_V
-    t16 = t14 @ t15
-    t17 = torch.exp(t16 - t16.amax(-1, keepdim=True))
-    A = t17 / t17.sum(-1, keepdim=True)
-    t18 = t14 @ X
-    t19 = (1/(L*n_batch)) * t11
-    t20 = oe.contract('abc,abc->cab', t13, A, optimize=[(0, 1)])
-    t21 = oe.contract('abc,acd->bdac', t19, t18, optimize=[(0, 1)])
-    t1 += oe.contract('abc,debc->dea', t20, t21, optimize=[(0, 1)])
-    t22 = (-1/(L*n_batch)) * t11
-    t23 = oe.contract('abc,acd->bdac', t22, A, optimize=[(0, 1)])
-    t24 = oe.contract('abc,abc,abd->cdab', t13, A, t18, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t23, t24, optimize=[(0, 1)])
+    t2 = Mcausal.transpose(-1, -2)
+    t3 = W_K.transpose(-1, -2)
+    t4 = t3 @ t1
+    t5 = W_Q @ t4
+    t6 = X @ t5
+    t7 = (1/math.sqrt(d_K)) * t6
+    T = t7
+    t8 = T.transpose(-1, -2)
+    t9 = t2 * t8
+    t10 = t1 @ t9
+    t11 = Y.sum(-1, keepdim=True)
+    t12 = t11.expand(*t11.shape[:-1], d_V)
+    t13 = Mcausal * T
+    t14 = X @ W_V
+    t15 = t13 @ t14
+    t16 = torch.exp(t15 - t15.amax(-1, keepdim=True))
+    A = t16 / t16.sum(-1, keepdim=True)
+    t17 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t18 = t13 @ X
+    t19 = (1/(L*n_batch)) * t10
+    t0[...] = oe.contract('abc,acd,acde,acf->bdfe', t19, t12, dA, t18, optimize=[(1, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -11730,10 +12730,419 @@ def ce_causal1__frobenius__W_V__W_V__full(X, W_Q, W_K, W_V, Y):
     t14 = t12 @ t13
     t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
     A = t15 / t15.sum(-1, keepdim=True)
-    t16 = t12 @ X
-    t17 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fge->', t9, t11, A, t16, t9, t11, A, t16, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fgd,fge->', t9, t11, A, t16, t9, t11, A, A, t16, optimize=[(1, 2), (3, 4), (3, 6), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,acf,gbh,ghd,ghd,ghe,ghf->', t9, t11, A, A, t16, t9, t11, A, A, t16, optimize=[(1, 2), (4, 5), (0, 3), (0, 2), (4, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
-    return t18
+    t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t17 = t12 @ X
+    t18 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t9, t11, dA, t17, t9, t11, dA, t17, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
+    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
+    return t19
+
+
+def ce_causal1__frobenius_split__W_Q__W_Q(X, W_Q, W_K, W_V, Y):
+    """(‖H_o(W_Q, W_Q)‖_F, ‖H_f(W_Q, W_Q)‖_F, ‖H(W_Q, W_Q)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.transpose(-1, -2)
+    t1 = W_K.transpose(-1, -2)
+    t2 = t1 @ t0
+    Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
+    t3 = X @ W_V
+    t4 = Y.sum(-1, keepdim=True)
+    t5 = t4.expand(*t4.shape[:-1], d_V)
+    t6 = W_Q @ t2
+    t7 = X @ t6
+    t8 = (1/math.sqrt(d_K)) * t7
+    T = t8
+    t9 = Mcausal * T
+    t10 = t9 @ t3
+    t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
+    A = t11 / t11.sum(-1, keepdim=True)
+    t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t13 = W_V.transpose(-1, -2)
+    t14 = t13 @ t0
+    t15 = X @ W_K
+    t16 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,aci,ahj,kbl,kdm,lm,kmn,kln,klno,kop,lp,kli,kpj->', t0, t2, Mcausal, t3, t5, dA, t14, Mcausal, X, t15, t0, t2, Mcausal, t3, t5, dA, t14, Mcausal, X, t15, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (12, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t17 = t16 + 0.0 + 0.0
+    t18 = torch.sqrt(torch.clamp(t16, min=0.0))
+    t19 = torch.sqrt(torch.clamp(t17, min=0.0))
+    return (t18, 0.0, t19,)
+
+
+def ce_causal1__frobenius_split__W_Q__W_K(X, W_Q, W_K, W_V, Y):
+    """(‖H_o(W_Q, W_K)‖_F, ‖H_f(W_Q, W_K)‖_F, ‖H(W_Q, W_K)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.transpose(-1, -2)
+    t1 = W_K.transpose(-1, -2)
+    t2 = t1 @ t0
+    Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
+    t3 = X @ W_V
+    t4 = Y.sum(-1, keepdim=True)
+    t5 = t4.expand(*t4.shape[:-1], d_V)
+    t6 = W_Q @ t2
+    t7 = X @ t6
+    t8 = (1/math.sqrt(d_K)) * t7
+    T = t8
+    t9 = Mcausal * T
+    t10 = t9 @ t3
+    t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
+    A = t11 / t11.sum(-1, keepdim=True)
+    t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t13 = W_V.transpose(-1, -2)
+    t14 = t13 @ t0
+    t15 = X @ W_Q
+    t16 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,aci,ahj,kbl,kdm,lm,kmn,kln,klno,kop,lp,kli,kpj->', t0, t2, Mcausal, t3, t5, dA, t14, Mcausal, t15, X, t0, t2, Mcausal, t3, t5, dA, t14, Mcausal, t15, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (12, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    F = t10
+    t17 = torch.exp(F - F.amax(-1, keepdim=True))
+    A18 = t17 / t17.sum(-1, keepdim=True)
+    t19 = t5 * A18
+    t20 = (1/L) * t19
+    t21 = (-1/L) * Y
+    t22 = t20 + t21
+    G = t22
+    t23 = G @ t14
+    t24 = Mcausal * t23
+    t25 = t24 @ X
+    t26 = t0 @ t25
+    t27 = (n_batch**(-2)) * oe.contract('abc,dbc->', t26, t26, optimize=[(0, 1)])
+    t28 = (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,agh,ch,acd,ahi,jbi->', t0, t2, Mcausal, t3, t5, dA, t14, Mcausal, t15, X, t26, optimize=[(5, 6), (0, 8), (0, 5), (4, 6), (2, 4), (1, 5), (2, 4), (0, 3), (1, 2), (0, 1)])
+    t29 = t16 + t27 + t28
+    t30 = torch.sqrt(torch.clamp(t16, min=0.0))
+    t31 = torch.sqrt(torch.clamp(t27, min=0.0))
+    t32 = torch.sqrt(torch.clamp(t29, min=0.0))
+    return (t30, t31, t32,)
+
+
+def ce_causal1__frobenius_split__W_Q__W_V(X, W_Q, W_K, W_V, Y):
+    """(‖H_o(W_Q, W_V)‖_F, ‖H_f(W_Q, W_V)‖_F, ‖H(W_Q, W_V)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.transpose(-1, -2)
+    t1 = W_K.transpose(-1, -2)
+    t2 = t1 @ t0
+    Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
+    t3 = X @ W_V
+    t4 = Y.sum(-1, keepdim=True)
+    t5 = t4.expand(*t4.shape[:-1], d_V)
+    t6 = W_Q @ t2
+    t7 = X @ t6
+    t8 = (1/math.sqrt(d_K)) * t7
+    T = t8
+    t9 = Mcausal * T
+    t10 = t9 @ t3
+    t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
+    A = t11 / t11.sum(-1, keepdim=True)
+    t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t13 = t9 @ X
+    t14 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,ach,ibj,idk,jk,ikl,ijl,ijlg,ijh->', t0, t2, Mcausal, t3, t5, dA, t13, t0, t2, Mcausal, t3, t5, dA, t13, optimize=[(4, 5), (3, 12), (0, 4), (0, 3), (4, 5), (3, 8), (1, 3), (3, 6), (0, 2), (0, 2), (0, 2), (1, 2), (0, 1)])
+    F = t10
+    t15 = torch.exp(F - F.amax(-1, keepdim=True))
+    A16 = t15 / t15.sum(-1, keepdim=True)
+    t17 = t5 * A16
+    t18 = (1/L) * t17
+    t19 = (-1/L) * Y
+    t20 = t18 + t19
+    G = t20
+    t21 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, Mcausal, G, X, t0, t2, Mcausal, G, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t22 = (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,ce,aef,acf,acfg,ach,ibj,idk,jk,ijg,ikh->', t0, t2, Mcausal, t3, t5, dA, t13, t0, t2, Mcausal, G, X, optimize=[(4, 5), (0, 5), (0, 4), (2, 5), (5, 7), (2, 6), (0, 1), (1, 4), (0, 3), (1, 2), (0, 1)])
+    t23 = t14 + t21 + t22
+    t24 = torch.sqrt(torch.clamp(t14, min=0.0))
+    t25 = torch.sqrt(torch.clamp(t21, min=0.0))
+    t26 = torch.sqrt(torch.clamp(t23, min=0.0))
+    return (t24, t25, t26,)
+
+
+def ce_causal1__frobenius_split__W_K__W_Q(X, W_Q, W_K, W_V, Y):
+    """(‖H_o(W_K, W_Q)‖_F, ‖H_f(W_K, W_Q)‖_F, ‖H(W_K, W_Q)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.transpose(-1, -2)
+    t1 = W_Q.transpose(-1, -2)
+    t2 = t1 @ t0
+    Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
+    t3 = Mcausal.transpose(-1, -2)
+    t4 = X @ W_V
+    t5 = Y.transpose(-1, -2)
+    t6 = t5.sum(-2, keepdim=True)
+    t7 = t6.expand(*t6.shape[:-2], d_V, t6.shape[-1])
+    t8 = W_K.transpose(-1, -2)
+    t9 = t8 @ t0
+    t10 = W_Q @ t9
+    t11 = X @ t10
+    t12 = (1/math.sqrt(d_K)) * t11
+    T = t12
+    t13 = Mcausal * T
+    t14 = t13 @ t4
+    t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
+    A = t15 / t15.sum(-1, keepdim=True)
+    t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t17 = W_V.transpose(-1, -2)
+    t18 = t17 @ t0
+    t19 = X @ W_K
+    t20 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aei,ahj,kbl,kdm,lm,kln,knm,kmno,kop,mp,kmi,kpj->', t0, t2, t3, t4, t7, dA, t18, Mcausal, X, t19, t0, t2, t3, t4, t7, dA, t18, Mcausal, X, t19, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (13, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t21 = Y.sum(-1, keepdim=True)
+    t22 = t21.expand(*t21.shape[:-1], d_V)
+    F = t14
+    t23 = torch.exp(F - F.amax(-1, keepdim=True))
+    A24 = t23 / t23.sum(-1, keepdim=True)
+    t25 = t22 * A24
+    t26 = (1/L) * t25
+    t27 = (-1/L) * Y
+    t28 = t26 + t27
+    G = t28
+    t29 = G.transpose(-1, -2)
+    t30 = W_V @ t29
+    t31 = X @ t30
+    t32 = t31 * t3
+    t33 = t32 @ X
+    t34 = t0 @ t33
+    t35 = (n_batch**(-2)) * oe.contract('abc,dbc->', t34, t34, optimize=[(0, 1)])
+    t36 = (2/(L*d_K**(3/2)*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aei,ahd,jbi->', t0, t2, t3, t4, t7, dA, t18, Mcausal, X, t19, t34, optimize=[(5, 6), (0, 8), (0, 6), (4, 6), (2, 4), (1, 5), (2, 4), (1, 3), (1, 2), (0, 1)])
+    t37 = t20 + t35 + t36
+    t38 = torch.sqrt(torch.clamp(t20, min=0.0))
+    t39 = torch.sqrt(torch.clamp(t35, min=0.0))
+    t40 = torch.sqrt(torch.clamp(t37, min=0.0))
+    return (t38, t39, t40,)
+
+
+def ce_causal1__frobenius_split__W_K__W_K(X, W_Q, W_K, W_V, Y):
+    """(‖H_o(W_K, W_K)‖_F, ‖H_f(W_K, W_K)‖_F, ‖H(W_K, W_K)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.transpose(-1, -2)
+    t1 = W_Q.transpose(-1, -2)
+    t2 = t1 @ t0
+    Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
+    t3 = Mcausal.transpose(-1, -2)
+    t4 = X @ W_V
+    t5 = Y.transpose(-1, -2)
+    t6 = t5.sum(-2, keepdim=True)
+    t7 = t6.expand(*t6.shape[:-2], d_V, t6.shape[-1])
+    t8 = W_K.transpose(-1, -2)
+    t9 = t8 @ t0
+    t10 = W_Q @ t9
+    t11 = X @ t10
+    t12 = (1/math.sqrt(d_K)) * t11
+    T = t12
+    t13 = Mcausal * T
+    t14 = t13 @ t4
+    t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
+    A = t15 / t15.sum(-1, keepdim=True)
+    t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t17 = W_V.transpose(-1, -2)
+    t18 = t17 @ t0
+    t19 = X @ W_Q
+    t20 = (1/(L**2*d_K**2*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,agh,eh,aei,ahj,kbl,kdm,lm,kln,knm,kmno,kop,mp,kmi,kpj->', t0, t2, t3, t4, t7, dA, t18, Mcausal, t19, X, t0, t2, t3, t4, t7, dA, t18, Mcausal, t19, X, optimize=[(5, 6), (13, 14), (0, 8), (0, 7), (4, 10), (13, 14), (4, 9), (2, 8), (1, 11), (4, 6), (3, 9), (0, 7), (1, 6), (0, 5), (0, 4), (0, 3), (0, 3), (1, 2), (0, 1)])
+    t21 = t20 + 0.0 + 0.0
+    t22 = torch.sqrt(torch.clamp(t20, min=0.0))
+    t23 = torch.sqrt(torch.clamp(t21, min=0.0))
+    return (t22, 0.0, t23,)
+
+
+def ce_causal1__frobenius_split__W_K__W_V(X, W_Q, W_K, W_V, Y):
+    """(‖H_o(W_K, W_V)‖_F, ‖H_f(W_K, W_V)‖_F, ‖H(W_K, W_V)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.transpose(-1, -2)
+    t1 = W_Q.transpose(-1, -2)
+    t2 = t1 @ t0
+    Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
+    t3 = Mcausal.transpose(-1, -2)
+    t4 = X @ W_V
+    t5 = Y.transpose(-1, -2)
+    t6 = t5.sum(-2, keepdim=True)
+    t7 = t6.expand(*t6.shape[:-2], d_V, t6.shape[-1])
+    t8 = W_K.transpose(-1, -2)
+    t9 = t8 @ t0
+    t10 = W_Q @ t9
+    t11 = X @ t10
+    t12 = (1/math.sqrt(d_K)) * t11
+    T = t12
+    t13 = Mcausal * T
+    t14 = t13 @ t4
+    t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
+    A = t15 / t15.sum(-1, keepdim=True)
+    t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t17 = t13 @ X
+    t18 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,aeh,ibj,idk,jk,ijl,ilk,iklg,ikh->', t0, t2, t3, t4, t7, dA, t17, t0, t2, t3, t4, t7, dA, t17, optimize=[(4, 5), (3, 12), (0, 4), (0, 3), (4, 5), (3, 8), (1, 3), (4, 6), (0, 2), (0, 2), (0, 2), (1, 2), (0, 1)])
+    t19 = Y.sum(-1, keepdim=True)
+    t20 = t19.expand(*t19.shape[:-1], d_V)
+    F = t14
+    t21 = torch.exp(F - F.amax(-1, keepdim=True))
+    A22 = t21 / t21.sum(-1, keepdim=True)
+    t23 = t20 * A22
+    t24 = (1/L) * t23
+    t25 = (-1/L) * Y
+    t26 = t24 + t25
+    G = t26
+    t27 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t2, t3, X, G, t0, t2, t3, X, G, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t28 = (2/(L*d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,afe,aefg,aeh,ibj,idk,jk,ijh,ikg->', t0, t2, t3, t4, t7, dA, t17, t0, t2, t3, X, G, optimize=[(4, 5), (3, 10), (0, 4), (0, 3), (1, 3), (2, 3), (3, 5), (0, 4), (1, 3), (1, 2), (0, 1)])
+    t29 = t18 + t27 + t28
+    t30 = torch.sqrt(torch.clamp(t18, min=0.0))
+    t31 = torch.sqrt(torch.clamp(t27, min=0.0))
+    t32 = torch.sqrt(torch.clamp(t29, min=0.0))
+    return (t30, t31, t32,)
+
+
+def ce_causal1__frobenius_split__W_V__W_Q(X, W_Q, W_K, W_V, Y):
+    """(‖H_o(W_V, W_Q)‖_F, ‖H_f(W_V, W_Q)‖_F, ‖H(W_V, W_Q)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.transpose(-1, -2)
+    Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
+    t1 = Mcausal.transpose(-1, -2)
+    t2 = W_K.transpose(-1, -2)
+    t3 = t2 @ t0
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    T = t6
+    t7 = T.transpose(-1, -2)
+    t8 = t1 * t7
+    t9 = t0 @ t8
+    t10 = Y.sum(-1, keepdim=True)
+    t11 = t10.expand(*t10.shape[:-1], d_V)
+    t12 = Mcausal * T
+    t13 = X @ W_V
+    t14 = t12 @ t13
+    t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
+    A = t15 / t15.sum(-1, keepdim=True)
+    t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t17 = W_V.transpose(-1, -2)
+    t18 = t17 @ t0
+    t19 = X @ W_K
+    t20 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,aef,cf,acg,afh,ibj,ijd,ijdk,ikl,jl,ijg,ilh->', t9, t11, dA, t18, Mcausal, X, t19, t9, t11, dA, t18, Mcausal, X, t19, optimize=[(2, 3), (7, 8), (0, 5), (2, 6), (8, 9), (2, 5), (0, 4), (1, 3), (0, 4), (0, 3), (0, 2), (1, 2), (0, 1)])
+    F = t14
+    t21 = torch.exp(F - F.amax(-1, keepdim=True))
+    A22 = t21 / t21.sum(-1, keepdim=True)
+    t23 = t11 * A22
+    t24 = (1/L) * t23
+    t25 = (-1/L) * Y
+    t26 = t24 + t25
+    G = t26
+    t27 = G.transpose(-1, -2)
+    t28 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t27, t1, t19, X, t0, t27, t1, t19, X, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t29 = (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,acde,aef,cf,acg,afh,ibj,idk,jk,ijh,ikg->', t9, t11, dA, t18, Mcausal, X, t19, t0, t27, t1, t19, X, optimize=[(2, 3), (0, 5), (3, 6), (2, 5), (0, 4), (1, 6), (4, 5), (0, 4), (1, 3), (1, 2), (0, 1)])
+    t30 = t20 + t28 + t29
+    t31 = torch.sqrt(torch.clamp(t20, min=0.0))
+    t32 = torch.sqrt(torch.clamp(t28, min=0.0))
+    t33 = torch.sqrt(torch.clamp(t30, min=0.0))
+    return (t31, t32, t33,)
+
+
+def ce_causal1__frobenius_split__W_V__W_K(X, W_Q, W_K, W_V, Y):
+    """(‖H_o(W_V, W_K)‖_F, ‖H_f(W_V, W_K)‖_F, ‖H(W_V, W_K)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.transpose(-1, -2)
+    Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
+    t1 = Mcausal.transpose(-1, -2)
+    t2 = W_K.transpose(-1, -2)
+    t3 = t2 @ t0
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    T = t6
+    t7 = T.transpose(-1, -2)
+    t8 = t1 * t7
+    t9 = t0 @ t8
+    t10 = Y.sum(-1, keepdim=True)
+    t11 = t10.expand(*t10.shape[:-1], d_V)
+    t12 = Mcausal * T
+    t13 = X @ W_V
+    t14 = t12 @ t13
+    t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
+    A = t15 / t15.sum(-1, keepdim=True)
+    t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t17 = W_V.transpose(-1, -2)
+    t18 = t17 @ t0
+    t19 = X @ W_Q
+    t20 = (1/(L**2*d_K*n_batch**2)) * oe.contract('abc,acd,acde,aef,cf,acg,afh,ibj,ijd,ijdk,ikl,jl,ijg,ilh->', t9, t11, dA, t18, Mcausal, t19, X, t9, t11, dA, t18, Mcausal, t19, X, optimize=[(2, 3), (7, 8), (0, 5), (2, 6), (8, 9), (2, 5), (0, 4), (1, 3), (0, 4), (0, 3), (0, 2), (1, 2), (0, 1)])
+    F = t14
+    t21 = torch.exp(F - F.amax(-1, keepdim=True))
+    A22 = t21 / t21.sum(-1, keepdim=True)
+    t23 = t11 * A22
+    t24 = (1/L) * t23
+    t25 = (-1/L) * Y
+    t26 = t24 + t25
+    G = t26
+    t27 = G.transpose(-1, -2)
+    t28 = (1/(d_K*n_batch**2)) * oe.contract('abc,ade,ce,acf,aeg,hbi,hdj,ij,hif,hjg->', t0, t27, t1, X, t19, t0, t27, t1, X, t19, optimize=[(0, 5), (0, 4), (1, 4), (4, 6), (1, 3), (2, 4), (0, 2), (1, 2), (0, 1)])
+    t29 = (2/(L*d_K*n_batch**2)) * oe.contract('abc,acd,acde,aef,cf,acg,afh,ibj,idk,jk,ijh,ikg->', t9, t11, dA, t18, Mcausal, t19, X, t0, t27, t1, X, t19, optimize=[(2, 3), (0, 5), (3, 6), (2, 5), (0, 4), (1, 6), (4, 5), (0, 4), (1, 3), (1, 2), (0, 1)])
+    t30 = t20 + t28 + t29
+    t31 = torch.sqrt(torch.clamp(t20, min=0.0))
+    t32 = torch.sqrt(torch.clamp(t28, min=0.0))
+    t33 = torch.sqrt(torch.clamp(t30, min=0.0))
+    return (t31, t32, t33,)
+
+
+def ce_causal1__frobenius_split__W_V__W_V(X, W_Q, W_K, W_V, Y):
+    """(‖H_o(W_V, W_V)‖_F, ‖H_f(W_V, W_V)‖_F, ‖H(W_V, W_V)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_K = W_Q.shape[-1]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.transpose(-1, -2)
+    Mcausal = torch.tril(torch.ones((L, L), dtype=X.dtype, device=X.device))
+    t1 = Mcausal.transpose(-1, -2)
+    t2 = W_K.transpose(-1, -2)
+    t3 = t2 @ t0
+    t4 = W_Q @ t3
+    t5 = X @ t4
+    t6 = (1/math.sqrt(d_K)) * t5
+    T = t6
+    t7 = T.transpose(-1, -2)
+    t8 = t1 * t7
+    t9 = t0 @ t8
+    t10 = Y.sum(-1, keepdim=True)
+    t11 = t10.expand(*t10.shape[:-1], d_V)
+    t12 = Mcausal * T
+    t13 = X @ W_V
+    t14 = t12 @ t13
+    t15 = torch.exp(t14 - t14.amax(-1, keepdim=True))
+    A = t15 / t15.sum(-1, keepdim=True)
+    t16 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    t17 = t12 @ X
+    t18 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t9, t11, dA, t17, t9, t11, dA, t17, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
+    t19 = t18 + 0.0 + 0.0
+    t20 = torch.sqrt(torch.clamp(t18, min=0.0))
+    t21 = torch.sqrt(torch.clamp(t19, min=0.0))
+    return (t20, 0.0, t21,)
 
 
 VARIANTS = {
@@ -11821,6 +13230,15 @@ VARIANTS = {
         ('frobenius', 'W_V', 'W_K', 'full'): mse_causal0__frobenius__W_V__W_K__full,
         ('block', 'W_V', 'W_V', 'full'): mse_causal0__block__W_V__W_V__full,
         ('frobenius', 'W_V', 'W_V', 'full'): mse_causal0__frobenius__W_V__W_V__full,
+        ('frobenius_split', 'W_Q', 'W_Q'): mse_causal0__frobenius_split__W_Q__W_Q,
+        ('frobenius_split', 'W_Q', 'W_K'): mse_causal0__frobenius_split__W_Q__W_K,
+        ('frobenius_split', 'W_Q', 'W_V'): mse_causal0__frobenius_split__W_Q__W_V,
+        ('frobenius_split', 'W_K', 'W_Q'): mse_causal0__frobenius_split__W_K__W_Q,
+        ('frobenius_split', 'W_K', 'W_K'): mse_causal0__frobenius_split__W_K__W_K,
+        ('frobenius_split', 'W_K', 'W_V'): mse_causal0__frobenius_split__W_K__W_V,
+        ('frobenius_split', 'W_V', 'W_Q'): mse_causal0__frobenius_split__W_V__W_Q,
+        ('frobenius_split', 'W_V', 'W_K'): mse_causal0__frobenius_split__W_V__W_K,
+        ('frobenius_split', 'W_V', 'W_V'): mse_causal0__frobenius_split__W_V__W_V,
         ('jacobian', 'W_Q'): causal0__jacobian__W_Q,
         ('jacobian_compact', 'W_Q'): causal0__jacobian_compact__W_Q,
         ('jacobian_layout', 'W_Q'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 2), (1, 3))},
@@ -11915,6 +13333,15 @@ VARIANTS = {
         ('frobenius', 'W_V', 'W_K', 'full'): mse_causal1__frobenius__W_V__W_K__full,
         ('block', 'W_V', 'W_V', 'full'): mse_causal1__block__W_V__W_V__full,
         ('frobenius', 'W_V', 'W_V', 'full'): mse_causal1__frobenius__W_V__W_V__full,
+        ('frobenius_split', 'W_Q', 'W_Q'): mse_causal1__frobenius_split__W_Q__W_Q,
+        ('frobenius_split', 'W_Q', 'W_K'): mse_causal1__frobenius_split__W_Q__W_K,
+        ('frobenius_split', 'W_Q', 'W_V'): mse_causal1__frobenius_split__W_Q__W_V,
+        ('frobenius_split', 'W_K', 'W_Q'): mse_causal1__frobenius_split__W_K__W_Q,
+        ('frobenius_split', 'W_K', 'W_K'): mse_causal1__frobenius_split__W_K__W_K,
+        ('frobenius_split', 'W_K', 'W_V'): mse_causal1__frobenius_split__W_K__W_V,
+        ('frobenius_split', 'W_V', 'W_Q'): mse_causal1__frobenius_split__W_V__W_Q,
+        ('frobenius_split', 'W_V', 'W_K'): mse_causal1__frobenius_split__W_V__W_K,
+        ('frobenius_split', 'W_V', 'W_V'): mse_causal1__frobenius_split__W_V__W_V,
         ('jacobian', 'W_Q'): causal1__jacobian__W_Q,
         ('jacobian_compact', 'W_Q'): causal1__jacobian_compact__W_Q,
         ('jacobian_layout', 'W_Q'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 3), (0, 2))},
@@ -12009,6 +13436,15 @@ VARIANTS = {
         ('frobenius', 'W_V', 'W_K', 'full'): ce_causal0__frobenius__W_V__W_K__full,
         ('block', 'W_V', 'W_V', 'full'): ce_causal0__block__W_V__W_V__full,
         ('frobenius', 'W_V', 'W_V', 'full'): ce_causal0__frobenius__W_V__W_V__full,
+        ('frobenius_split', 'W_Q', 'W_Q'): ce_causal0__frobenius_split__W_Q__W_Q,
+        ('frobenius_split', 'W_Q', 'W_K'): ce_causal0__frobenius_split__W_Q__W_K,
+        ('frobenius_split', 'W_Q', 'W_V'): ce_causal0__frobenius_split__W_Q__W_V,
+        ('frobenius_split', 'W_K', 'W_Q'): ce_causal0__frobenius_split__W_K__W_Q,
+        ('frobenius_split', 'W_K', 'W_K'): ce_causal0__frobenius_split__W_K__W_K,
+        ('frobenius_split', 'W_K', 'W_V'): ce_causal0__frobenius_split__W_K__W_V,
+        ('frobenius_split', 'W_V', 'W_Q'): ce_causal0__frobenius_split__W_V__W_Q,
+        ('frobenius_split', 'W_V', 'W_K'): ce_causal0__frobenius_split__W_V__W_K,
+        ('frobenius_split', 'W_V', 'W_V'): ce_causal0__frobenius_split__W_V__W_V,
         ('jacobian', 'W_Q'): causal0__jacobian__W_Q,
         ('jacobian_compact', 'W_Q'): causal0__jacobian_compact__W_Q,
         ('jacobian_layout', 'W_Q'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 2), (1, 3))},
@@ -12103,6 +13539,15 @@ VARIANTS = {
         ('frobenius', 'W_V', 'W_K', 'full'): ce_causal1__frobenius__W_V__W_K__full,
         ('block', 'W_V', 'W_V', 'full'): ce_causal1__block__W_V__W_V__full,
         ('frobenius', 'W_V', 'W_V', 'full'): ce_causal1__frobenius__W_V__W_V__full,
+        ('frobenius_split', 'W_Q', 'W_Q'): ce_causal1__frobenius_split__W_Q__W_Q,
+        ('frobenius_split', 'W_Q', 'W_K'): ce_causal1__frobenius_split__W_Q__W_K,
+        ('frobenius_split', 'W_Q', 'W_V'): ce_causal1__frobenius_split__W_Q__W_V,
+        ('frobenius_split', 'W_K', 'W_Q'): ce_causal1__frobenius_split__W_K__W_Q,
+        ('frobenius_split', 'W_K', 'W_K'): ce_causal1__frobenius_split__W_K__W_K,
+        ('frobenius_split', 'W_K', 'W_V'): ce_causal1__frobenius_split__W_K__W_V,
+        ('frobenius_split', 'W_V', 'W_Q'): ce_causal1__frobenius_split__W_V__W_Q,
+        ('frobenius_split', 'W_V', 'W_K'): ce_causal1__frobenius_split__W_V__W_K,
+        ('frobenius_split', 'W_V', 'W_V'): ce_causal1__frobenius_split__W_V__W_V,
         ('jacobian', 'W_Q'): causal1__jacobian__W_Q,
         ('jacobian_compact', 'W_Q'): causal1__jacobian_compact__W_Q,
         ('jacobian_layout', 'W_Q'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_K'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_K'), 'factors': ((0, 1, 3), (0, 2))},

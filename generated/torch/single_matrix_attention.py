@@ -83,34 +83,37 @@ def mse_causal0__hessian__outer(X, W_QK, W_V, Y):
     t4 = X @ t3
     t5 = torch.exp(t4 - t4.amax(-1, keepdim=True))
     A = t5 / t5.sum(-1, keepdim=True)
+    t6 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t6 = W_V.transpose(-1, -2)
-    t7 = W_V @ t6
-    t8 = (2/(L*d_V*n_batch)) * X
-    t1[...] = oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, t8, t7, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t9 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t10 = t9.view((d_V, d_V, d_V, d_V))
-    t11 = A @ X
-    M_1 = t11
-    t12 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
-    t13 = oe.contract('abc,abd->cdab', t8, M_1, optimize=[(0, 1)])
-    t10[...] = oe.contract('abcd,efcd->eafb', t12, t13, optimize=[(0, 1)])
-    t14 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t15 = t14.view((d_V, d_V, d_V, d_V))
-    t16 = M_1.transpose(-1, -2)
-    t17 = (2/(L*d_V*n_batch)) * t16
-    t18 = oe.contract('ab,cdbe->aecd', t6, M_2, optimize=[(0, 1)])
-    t19 = oe.contract('abc,acd->bdac', t17, X, optimize=[(0, 1)])
-    t15[...] = oe.contract('abcd,efcd->eafb', t18, t19, optimize=[(0, 1)])
-    t20 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t20[...] = 0
-    t21 = t20.view((d_V, d_V, d_V, d_V))
-    t22 = t21.diagonal(0, 1, 3)
-    t23 = t16 @ M_1
-    t24 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t25 = (2/(L*d_V*n_batch)) * t24
-    t22 += oe.contract('abc,d->bcd', t23, t25, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t7 = W_V.transpose(-1, -2)
+    t8 = W_V @ t7
+    t9 = (2/(L*d_V*n_batch)) * X
+    t1[...] = oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, t9, t8, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t10 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t11 = t10.view((d_V, d_V, d_V, d_V))
+    t12 = A @ X
+    M_1 = t12
+    t13 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t14 = oe.contract('abc,abd->cdab', t9, M_1, optimize=[(0, 1)])
+    t11[...] = oe.contract('abcd,efcd->eafb', t13, t14, optimize=[(0, 1)])
+    t15 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t16 = t15.view((d_V, d_V, d_V, d_V))
+    t17 = M_1.transpose(-1, -2)
+    t18 = (2/(L*d_V*n_batch)) * t17
+    t19 = oe.contract('ab,cdbe->aecd', t7, M_2, optimize=[(0, 1)])
+    t20 = oe.contract('abc,acd->bdac', t18, X, optimize=[(0, 1)])
+    t16[...] = oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
+    t21 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t21[...] = 0
+    t22 = t21.view((d_V, d_V, d_V, d_V))
+    t23 = t22.diagonal(0, 1, 3)
+    t24 = t17 @ M_1
+    t25 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t26 = (2/(L*d_V*n_batch)) * t25
+    t23 += oe.contract('abc,d->bcd', t24, t26, optimize=[(0, 1)])
     return H
 
 
@@ -158,23 +161,26 @@ def mse_causal0__frobenius_all__outer(X, W_QK, W_V, Y):
     t2 = X @ t1
     t3 = torch.exp(t2 - t2.amax(-1, keepdim=True))
     A = t3 / t3.sum(-1, keepdim=True)
+    t4 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t4 = W_V.transpose(-1, -2)
-    t5 = W_V @ t4
-    t6 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,cf,abfg,abh,ijkd,ije,kl,ijlg,ijh->', M_2, X, t5, M_2, X, M_2, X, t5, M_2, X, optimize=[(0, 2), (1, 8), (0, 3), (1, 2), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t7 = torch.sqrt(torch.clamp(t6, min=0.0))
-    t8 = A @ X
-    M_1 = t8
-    t9 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,abf,cg,hijd,hie,hif,jg->', M_2, X, M_1, W_V, M_2, X, M_1, W_V, optimize=[(0, 3), (0, 3), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t10 = torch.sqrt(torch.clamp(t9, min=0.0))
-    t11 = M_1.transpose(-1, -2)
-    t12 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,hbi,dj,hijf,hig->', t11, t4, M_2, X, t11, t4, M_2, X, optimize=[(1, 2), (0, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t13 = torch.sqrt(torch.clamp(t12, min=0.0))
-    t14 = t11 @ M_1
-    t15 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t14, t14, optimize=[(0, 1)])
-    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
-    return (t7, t10, t13, t16,)
+    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    t5 = W_V.transpose(-1, -2)
+    t6 = W_V @ t5
+    t7 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,cf,abfg,abh,ijkd,ije,kl,ijlg,ijh->', M_2, X, t6, M_2, X, M_2, X, t6, M_2, X, optimize=[(0, 2), (1, 8), (0, 3), (1, 2), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t8 = torch.sqrt(torch.clamp(t7, min=0.0))
+    t9 = A @ X
+    M_1 = t9
+    t10 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,abf,cg,hijd,hie,hif,jg->', M_2, X, M_1, W_V, M_2, X, M_1, W_V, optimize=[(1, 5), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
+    t11 = torch.sqrt(torch.clamp(t10, min=0.0))
+    t12 = M_1.transpose(-1, -2)
+    t13 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,hbi,dj,hijf,hig->', t12, t5, M_2, X, t12, t5, M_2, X, optimize=[(0, 4), (0, 3), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t14 = torch.sqrt(torch.clamp(t13, min=0.0))
+    t15 = t12 @ M_1
+    t16 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t15, t15, optimize=[(0, 1)])
+    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
+    return (t8, t11, t14, t17,)
 
 
 def mse_causal0__diag__W_QK__outer(X, W_QK, W_V, Y):
@@ -189,14 +195,17 @@ def mse_causal0__diag__W_QK__outer(X, W_QK, W_V, Y):
     t3 = X @ t2
     t4 = torch.exp(t3 - t3.amax(-1, keepdim=True))
     A = t4 / t4.sum(-1, keepdim=True)
+    t5 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t5, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t5 = W_V.transpose(-1, -2)
-    t6 = W_V @ t5
-    t7 = (2/(L*d_V*n_batch)) * X
-    t8 = oe.contract('abcd,ce,abed->dab', M_2, t6, M_2, optimize=[(0, 1), (0, 1)])
-    t9 = oe.contract('abc,abc->cab', t7, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t8, t9, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t6 = W_V.transpose(-1, -2)
+    t7 = W_V @ t6
+    t8 = (2/(L*d_V*n_batch)) * X
+    t9 = oe.contract('abcd,ce,abed->dab', M_2, t7, M_2, optimize=[(0, 1), (0, 1)])
+    t10 = oe.contract('abc,abc->cab', t8, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t9, t10, optimize=[(0, 1)])
     return out
 
 
@@ -210,11 +219,14 @@ def mse_causal0__trace__W_QK__outer(X, W_QK, W_V, Y):
     t2 = X @ t1
     t3 = torch.exp(t2 - t2.amax(-1, keepdim=True))
     A = t3 / t3.sum(-1, keepdim=True)
+    t4 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t4 = W_V.transpose(-1, -2)
-    t5 = W_V @ t4
-    return (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,cf,abfd,abe->', M_2, X, t5, M_2, X, optimize=[(1, 4), (0, 2), (0, 2), (0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    t5 = W_V.transpose(-1, -2)
+    t6 = W_V @ t5
+    return (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,cf,abfd,abe->', M_2, X, t6, M_2, X, optimize=[(1, 4), (0, 2), (0, 2), (0, 1)])
 
 
 def mse_causal0__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
@@ -229,12 +241,15 @@ def mse_causal0__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     t3 = X @ t2
     t4 = torch.exp(t3 - t3.amax(-1, keepdim=True))
     A = t4 / t4.sum(-1, keepdim=True)
+    t5 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t5, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t5 = W_V.transpose(-1, -2)
-    t6 = W_V @ t5
-    t7 = (2/(L*d_V*n_batch)) * X
-    t0[...] = oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, t7, t6, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t6 = W_V.transpose(-1, -2)
+    t7 = W_V @ t6
+    t8 = (2/(L*d_V*n_batch)) * X
+    t0[...] = oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, t8, t7, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -248,13 +263,16 @@ def mse_causal0__frobenius__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     t2 = X @ t1
     t3 = torch.exp(t2 - t2.amax(-1, keepdim=True))
     A = t3 / t3.sum(-1, keepdim=True)
+    t4 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t4 = W_V.transpose(-1, -2)
-    t5 = W_V @ t4
-    t6 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,cf,abfg,abh,ijkd,ije,kl,ijlg,ijh->', M_2, X, t5, M_2, X, M_2, X, t5, M_2, X, optimize=[(0, 2), (1, 8), (0, 3), (1, 2), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t7 = torch.sqrt(torch.clamp(t6, min=0.0))
-    return t7
+    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    t5 = W_V.transpose(-1, -2)
+    t6 = W_V @ t5
+    t7 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,cf,abfg,abh,ijkd,ije,kl,ijlg,ijh->', M_2, X, t6, M_2, X, M_2, X, t6, M_2, X, optimize=[(0, 2), (1, 8), (0, 3), (1, 2), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t8 = torch.sqrt(torch.clamp(t7, min=0.0))
+    return t8
 
 
 def mse_causal0__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
@@ -269,14 +287,17 @@ def mse_causal0__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     t3 = X @ t2
     t4 = torch.exp(t3 - t3.amax(-1, keepdim=True))
     A = t4 / t4.sum(-1, keepdim=True)
+    t5 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t5, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t5 = A @ X
-    M_1 = t5
-    t6 = (2/(L*d_V*n_batch)) * X
-    t7 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
-    t8 = oe.contract('abc,abd->cdab', t6, M_1, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t7, t8, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t6 = A @ X
+    M_1 = t6
+    t7 = (2/(L*d_V*n_batch)) * X
+    t8 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t9 = oe.contract('abc,abd->cdab', t7, M_1, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t8, t9, optimize=[(0, 1)])
     return out
 
 
@@ -290,13 +311,16 @@ def mse_causal0__frobenius__W_QK__W_V__outer(X, W_QK, W_V, Y):
     t2 = X @ t1
     t3 = torch.exp(t2 - t2.amax(-1, keepdim=True))
     A = t3 / t3.sum(-1, keepdim=True)
+    t4 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t4 = A @ X
-    M_1 = t4
-    t5 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,abf,cg,hijd,hie,hif,jg->', M_2, X, M_1, W_V, M_2, X, M_1, W_V, optimize=[(0, 3), (0, 3), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t6 = torch.sqrt(torch.clamp(t5, min=0.0))
-    return t6
+    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    t5 = A @ X
+    M_1 = t5
+    t6 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,abf,cg,hijd,hie,hif,jg->', M_2, X, M_1, W_V, M_2, X, M_1, W_V, optimize=[(1, 5), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
+    t7 = torch.sqrt(torch.clamp(t6, min=0.0))
+    return t7
 
 
 def mse_causal0__diag__W_V__outer(X, W_QK, W_V, Y):
@@ -354,12 +378,15 @@ def mse_causal0__block__W_V__W_QK__outer(X, W_QK, W_V, Y):
     M_1 = t5
     t6 = M_1.transpose(-1, -2)
     t7 = W_V.transpose(-1, -2)
+    t8 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t8 = (2/(L*d_V*n_batch)) * t6
-    t9 = oe.contract('ab,cdbe->aecd', t7, M_2, optimize=[(0, 1)])
-    t10 = oe.contract('abc,acd->bdac', t8, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t9, t10, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t9 = (2/(L*d_V*n_batch)) * t6
+    t10 = oe.contract('ab,cdbe->aecd', t7, M_2, optimize=[(0, 1)])
+    t11 = oe.contract('abc,acd->bdac', t9, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t10, t11, optimize=[(0, 1)])
     return out
 
 
@@ -377,11 +404,14 @@ def mse_causal0__frobenius__W_V__W_QK__outer(X, W_QK, W_V, Y):
     M_1 = t4
     t5 = M_1.transpose(-1, -2)
     t6 = W_V.transpose(-1, -2)
+    t7 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t7 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,hbi,dj,hijf,hig->', t5, t6, M_2, X, t5, t6, M_2, X, optimize=[(1, 2), (0, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t8 = torch.sqrt(torch.clamp(t7, min=0.0))
-    return t8
+    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    t8 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,hbi,dj,hijf,hig->', t5, t6, M_2, X, t5, t6, M_2, X, optimize=[(0, 4), (0, 3), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t9 = torch.sqrt(torch.clamp(t8, min=0.0))
+    return t9
 
 
 def mse_causal0__block__W_V__W_V__outer(X, W_QK, W_V, Y):
@@ -453,25 +483,30 @@ def mse_causal0__hessian__functional(X, W_QK, W_V, Y):
     t13 = G @ t12
     t14 = t13 - (A * t13).sum(-1, keepdim=True)
     t15 = A * t14
+    t16 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t15, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t15, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t15, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t15, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t15, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t15, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t16 = (1/n_batch) * t2
-    t1[...] = oe.contract('abc,acde,acf->bdfe', t16, M_3, X, optimize=[(0, 2), (0, 1)])
-    t17 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t18 = t17.view((d_V, d_V, d_V, d_V))
+    M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
+    t17 = (1/n_batch) * t2
+    t1[...] = oe.contract('abc,acde,acf->bdfe', t17, M_3, X, optimize=[(0, 2), (0, 1)])
+    t18 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t19 = t18.view((d_V, d_V, d_V, d_V))
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t19 = (1/n_batch) * X
-    t20 = oe.contract('abc,abd->cdab', t19, G, optimize=[(0, 1)])
-    t21 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t18[...] = oe.contract('abcd,efcd->aefb', t20, t21, optimize=[(0, 1)])
-    t22 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t23 = t22.view((d_V, d_V, d_V, d_V))
-    t24 = G.transpose(-1, -2)
-    t25 = (1/n_batch) * t24
-    t23[...] = oe.contract('abc,acde,acf->dbfe', t25, M_2, X, optimize=[(0, 2), (0, 1)])
-    t26 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t26[...] = 0
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t20 = (1/n_batch) * X
+    t21 = oe.contract('abc,abd->cdab', t20, G, optimize=[(0, 1)])
+    t22 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t19[...] = oe.contract('abcd,efcd->aefb', t21, t22, optimize=[(0, 1)])
+    t23 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t24 = t23.view((d_V, d_V, d_V, d_V))
+    t25 = G.transpose(-1, -2)
+    t26 = (1/n_batch) * t25
+    t24[...] = oe.contract('abc,acde,acf->dbfe', t26, M_2, X, optimize=[(0, 2), (0, 1)])
+    t27 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t27[...] = 0
     return H
 
 
@@ -539,18 +574,23 @@ def mse_causal0__frobenius_all__functional(X, W_QK, W_V, Y):
     t11 = G @ t10
     t12 = t11 - (A * t11).sum(-1, keepdim=True)
     t13 = A * t12
+    t14 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t13, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t13, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t13, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t0, t13, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t13, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t13, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t14 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
+    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
+    t15 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t16 = (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
-    t18 = G.transpose(-1, -2)
-    t19 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t18, M_2, X, t18, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
-    return (t15, t17, t20, 0.0,)
+    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    t17 = (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
+    t19 = G.transpose(-1, -2)
+    t20 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t19, M_2, X, t19, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
+    return (t16, t18, t21, 0.0,)
 
 
 def mse_causal0__diag__W_QK__functional(X, W_QK, W_V, Y):
@@ -578,10 +618,13 @@ def mse_causal0__diag__W_QK__functional(X, W_QK, W_V, Y):
     t12 = G @ t11
     t13 = t12 - (A * t12).sum(-1, keepdim=True)
     t14 = A * t13
+    t15 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t14, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t14, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t14, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t14, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t14, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t14, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t15 = (1/n_batch) * t1
-    t0[...] = oe.contract('abc,acdd,acb->bd', t15, M_3, X, optimize=[(0, 2), (0, 1)])
+    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
+    t16 = (1/n_batch) * t1
+    t0[...] = oe.contract('abc,acdd,acb->bd', t16, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -608,8 +651,11 @@ def mse_causal0__trace__W_QK__functional(X, W_QK, W_V, Y):
     t11 = G @ t10
     t12 = t11 - (A * t11).sum(-1, keepdim=True)
     t13 = A * t12
+    t14 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t13, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t13, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t13, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t0, t13, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t13, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t13, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
     return (1/n_batch) * oe.contract('abc,acdd,acb->', t0, M_3, X, optimize=[(0, 2), (0, 1)])
 
 
@@ -638,10 +684,13 @@ def mse_causal0__block__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t12 = G @ t11
     t13 = t12 - (A * t12).sum(-1, keepdim=True)
     t14 = A * t13
+    t15 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t14, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t14, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t14, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t14, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t14, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t14, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t15 = (1/n_batch) * t1
-    t0[...] = oe.contract('abc,acde,acf->bdfe', t15, M_3, X, optimize=[(0, 2), (0, 1)])
+    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
+    t16 = (1/n_batch) * t1
+    t0[...] = oe.contract('abc,acde,acf->bdfe', t16, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -668,11 +717,14 @@ def mse_causal0__frobenius__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t11 = G @ t10
     t12 = t11 - (A * t11).sum(-1, keepdim=True)
     t13 = A * t12
+    t14 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t13, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t13, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t13, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t0, t13, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t13, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t13, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t14 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
-    return t15
+    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
+    t15 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
+    return t16
 
 
 def mse_causal0__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
@@ -687,20 +739,23 @@ def mse_causal0__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
     t3 = X @ t2
     t4 = torch.exp(t3 - t3.amax(-1, keepdim=True))
     A = t4 / t4.sum(-1, keepdim=True)
+    t5 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t5, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t5 = A @ X
-    M_1 = t5
-    t6 = M_1 @ W_V
-    F = t6
-    t7 = (2/(L*d_V)) * F
-    t8 = (-2/(L*d_V)) * Y
-    t9 = t7 + t8
-    G = t9
-    t10 = (1/n_batch) * X
-    t11 = oe.contract('abc,abd->cdab', t10, G, optimize=[(0, 1)])
-    t12 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t11, t12, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t6 = A @ X
+    M_1 = t6
+    t7 = M_1 @ W_V
+    F = t7
+    t8 = (2/(L*d_V)) * F
+    t9 = (-2/(L*d_V)) * Y
+    t10 = t8 + t9
+    G = t10
+    t11 = (1/n_batch) * X
+    t12 = oe.contract('abc,abd->cdab', t11, G, optimize=[(0, 1)])
+    t13 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t12, t13, optimize=[(0, 1)])
     return out
 
 
@@ -714,19 +769,22 @@ def mse_causal0__frobenius__W_QK__W_V__functional(X, W_QK, W_V, Y):
     t2 = X @ t1
     t3 = torch.exp(t2 - t2.amax(-1, keepdim=True))
     A = t3 / t3.sum(-1, keepdim=True)
+    t4 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t4 = A @ X
-    M_1 = t4
-    t5 = M_1 @ W_V
-    F = t5
-    t6 = (2/(L*d_V)) * F
-    t7 = (-2/(L*d_V)) * Y
-    t8 = t6 + t7
-    G = t8
-    t9 = (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t10 = torch.sqrt(torch.clamp(t9, min=0.0))
-    return t10
+    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    t5 = A @ X
+    M_1 = t5
+    t6 = M_1 @ W_V
+    F = t6
+    t7 = (2/(L*d_V)) * F
+    t8 = (-2/(L*d_V)) * Y
+    t9 = t7 + t8
+    G = t9
+    t10 = (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t11 = torch.sqrt(torch.clamp(t10, min=0.0))
+    return t11
 
 
 def mse_causal0__diag__W_V__functional(X, W_QK, W_V, Y):
@@ -768,10 +826,13 @@ def mse_causal0__block__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t9 = t7 + t8
     G = t9
     t10 = G.transpose(-1, -2)
+    t11 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t11 = (1/n_batch) * t10
-    t0[...] = oe.contract('abc,acde,acf->dbfe', t11, M_2, X, optimize=[(0, 2), (0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t12 = (1/n_batch) * t10
+    t0[...] = oe.contract('abc,acde,acf->dbfe', t12, M_2, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -794,11 +855,14 @@ def mse_causal0__frobenius__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t8 = t6 + t7
     G = t8
     t9 = G.transpose(-1, -2)
+    t10 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t10 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t9, M_2, X, t9, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t11 = torch.sqrt(torch.clamp(t10, min=0.0))
-    return t11
+    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    t11 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t9, M_2, X, t9, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t12 = torch.sqrt(torch.clamp(t11, min=0.0))
+    return t12
 
 
 def mse_causal0__block__W_V__W_V__functional(X, W_QK, W_V, Y):
@@ -832,55 +896,60 @@ def mse_causal0__hessian__full(X, W_QK, W_V, Y):
     t4 = X @ t3
     t5 = torch.exp(t4 - t4.amax(-1, keepdim=True))
     A = t5 / t5.sum(-1, keepdim=True)
+    t6 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t6 = W_V.transpose(-1, -2)
-    t7 = W_V @ t6
-    t8 = (2/(L*d_V*n_batch)) * X
-    t1[...] = oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, t8, t7, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    F = t10
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = t6 @ t2
-    t15 = G @ t14
-    t16 = t15 - (A * t15).sum(-1, keepdim=True)
-    t17 = A * t16
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t7 = W_V.transpose(-1, -2)
+    t8 = W_V @ t7
+    t9 = (2/(L*d_V*n_batch)) * X
+    t1[...] = oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, t9, t8, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t10 = A @ X
+    M_1 = t10
+    t11 = M_1 @ W_V
+    F = t11
+    t12 = (2/(L*d_V)) * F
+    t13 = (-2/(L*d_V)) * Y
+    t14 = t12 + t13
+    G = t14
+    t15 = t7 @ t2
+    t16 = G @ t15
+    t17 = t16 - (A * t16).sum(-1, keepdim=True)
+    t18 = A * t17
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t18, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t18, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t18, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t18 = (1/n_batch) * t2
-    t1 += oe.contract('abc,acde,acf->bdfe', t18, M_3, X, optimize=[(0, 2), (0, 1)])
-    t19 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t20 = t19.view((d_V, d_V, d_V, d_V))
-    t21 = (1/n_batch) * X
-    t22 = oe.contract('abc,abd->cdab', t21, G, optimize=[(0, 1)])
-    t23 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t20[...] = oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
-    t24 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
-    t25 = oe.contract('abc,abd->cdab', t8, M_1, optimize=[(0, 1)])
-    t20 += oe.contract('abcd,efcd->eafb', t24, t25, optimize=[(0, 1)])
-    t26 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t27 = t26.view((d_V, d_V, d_V, d_V))
-    t28 = G.transpose(-1, -2)
-    t29 = (1/n_batch) * t28
-    t27[...] = oe.contract('abc,acde,acf->dbfe', t29, M_2, X, optimize=[(0, 2), (0, 1)])
-    t30 = M_1.transpose(-1, -2)
-    t31 = (2/(L*d_V*n_batch)) * t30
-    t32 = oe.contract('ab,cdbe->aecd', t6, M_2, optimize=[(0, 1)])
-    t33 = oe.contract('abc,acd->bdac', t31, X, optimize=[(0, 1)])
-    t27 += oe.contract('abcd,efcd->eafb', t32, t33, optimize=[(0, 1)])
-    t34 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t34[...] = 0
-    t35 = t34.view((d_V, d_V, d_V, d_V))
-    t36 = t35.diagonal(0, 1, 3)
-    t37 = t30 @ M_1
-    t38 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t39 = (2/(L*d_V*n_batch)) * t38
-    t36 += oe.contract('abc,d->bcd', t37, t39, optimize=[(0, 1)])
+    M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
+    t19 = (1/n_batch) * t2
+    t1 += oe.contract('abc,acde,acf->bdfe', t19, M_3, X, optimize=[(0, 2), (0, 1)])
+    t20 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t21 = t20.view((d_V, d_V, d_V, d_V))
+    t22 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t23 = oe.contract('abc,abd->cdab', t9, M_1, optimize=[(0, 1)])
+    t21[...] = oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
+    t24 = (1/n_batch) * X
+    t25 = oe.contract('abc,abd->cdab', t24, G, optimize=[(0, 1)])
+    t26 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t21 += oe.contract('abcd,efcd->aefb', t25, t26, optimize=[(0, 1)])
+    t27 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t28 = t27.view((d_V, d_V, d_V, d_V))
+    t29 = M_1.transpose(-1, -2)
+    t30 = (2/(L*d_V*n_batch)) * t29
+    t31 = oe.contract('ab,cdbe->aecd', t7, M_2, optimize=[(0, 1)])
+    t32 = oe.contract('abc,acd->bdac', t30, X, optimize=[(0, 1)])
+    t28[...] = oe.contract('abcd,efcd->eafb', t31, t32, optimize=[(0, 1)])
+    t33 = G.transpose(-1, -2)
+    t34 = (1/n_batch) * t33
+    t28 += oe.contract('abc,acde,acf->dbfe', t34, M_2, X, optimize=[(0, 2), (0, 1)])
+    t35 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t35[...] = 0
+    t36 = t35.view((d_V, d_V, d_V, d_V))
+    t37 = t36.diagonal(0, 1, 3)
+    t38 = t29 @ M_1
+    t39 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t40 = (2/(L*d_V*n_batch)) * t39
+    t37 += oe.contract('abc,d->bcd', t38, t40, optimize=[(0, 1)])
     return H
 
 
@@ -946,36 +1015,41 @@ def mse_causal0__frobenius_all__full(X, W_QK, W_V, Y):
     t2 = X @ t1
     t3 = torch.exp(t2 - t2.amax(-1, keepdim=True))
     A = t3 / t3.sum(-1, keepdim=True)
+    t4 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t4 = W_V.transpose(-1, -2)
-    t5 = W_V @ t4
-    t6 = A @ X
-    M_1 = t6
-    t7 = M_1 @ W_V
-    F = t7
-    t8 = (2/(L*d_V)) * F
-    t9 = (-2/(L*d_V)) * Y
-    t10 = t8 + t9
-    G = t10
-    t11 = t4 @ t0
-    t12 = G @ t11
-    t13 = t12 - (A * t12).sum(-1, keepdim=True)
-    t14 = A * t13
+    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    t5 = W_V.transpose(-1, -2)
+    t6 = W_V @ t5
+    t7 = A @ X
+    M_1 = t7
+    t8 = M_1 @ W_V
+    F = t8
+    t9 = (2/(L*d_V)) * F
+    t10 = (-2/(L*d_V)) * Y
+    t11 = t9 + t10
+    G = t11
+    t12 = t5 @ t0
+    t13 = G @ t12
+    t14 = t13 - (A * t13).sum(-1, keepdim=True)
+    t15 = A * t14
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t15, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t15, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t15, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t0, t14, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t14, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t14, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t15 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,cf,abfg,abh,ijkd,ije,kl,ijlg,ijh->', M_2, X, t5, M_2, X, M_2, X, t5, M_2, X, optimize=[(0, 2), (1, 8), (0, 3), (1, 2), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abcd,abe,cf,abfg,abh,iej,ijdg,ijh->', M_2, X, t5, M_2, X, t0, M_3, X, optimize=[(0, 2), (1, 6), (3, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
-    t17 = (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abcd,abe,abf,ghid,ghe,ghc,if->', M_2, X, G, M_2, X, M_1, W_V, optimize=[(1, 4), (0, 3), (1, 4), (2, 3), (0, 1), (0, 1)]) + (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,abf,cg,hijd,hie,hif,jg->', M_2, X, M_1, W_V, M_2, X, M_1, W_V, optimize=[(0, 3), (0, 3), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
-    t19 = G.transpose(-1, -2)
+    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
+    t16 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,cf,abfg,abh,ijkd,ije,kl,ijlg,ijh->', M_2, X, t6, M_2, X, M_2, X, t6, M_2, X, optimize=[(0, 2), (1, 8), (0, 3), (1, 2), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abcd,abe,cf,abfg,abh,iej,ijdg,ijh->', M_2, X, t6, M_2, X, t0, M_3, X, optimize=[(0, 2), (1, 6), (3, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
+    t18 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,abf,cg,hijd,hie,hif,jg->', M_2, X, M_1, W_V, M_2, X, M_1, W_V, optimize=[(1, 5), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abcd,abe,abf,cg,hifd,hie,hig->', M_2, X, M_1, W_V, M_2, X, G, optimize=[(1, 5), (2, 4), (0, 4), (1, 3), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
     t20 = M_1.transpose(-1, -2)
-    t21 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t19, M_2, X, t19, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abc,acde,acf,gdh,bi,ghie,ghf->', t19, M_2, X, t20, t4, M_2, X, optimize=[(1, 3), (3, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,hbi,dj,hijf,hig->', t20, t4, M_2, X, t20, t4, M_2, X, optimize=[(1, 2), (0, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
-    t23 = t20 @ M_1
-    t24 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t23, t23, optimize=[(0, 1)])
-    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
-    return (t16, t18, t22, t25,)
+    t21 = G.transpose(-1, -2)
+    t22 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,hbi,dj,hijf,hig->', t20, t5, M_2, X, t20, t5, M_2, X, optimize=[(0, 4), (0, 3), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abc,de,acef,acg,hdi,hibf,hig->', t20, t5, M_2, X, t21, M_2, X, optimize=[(1, 4), (2, 4), (0, 2), (0, 3), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t21, M_2, X, t21, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t23 = torch.sqrt(torch.clamp(t22, min=0.0))
+    t24 = t20 @ M_1
+    t25 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t24, t24, optimize=[(0, 1)])
+    t26 = torch.sqrt(torch.clamp(t25, min=0.0))
+    return (t17, t19, t23, t26,)
 
 
 def mse_causal0__diag__W_QK__full(X, W_QK, W_V, Y):
@@ -990,30 +1064,35 @@ def mse_causal0__diag__W_QK__full(X, W_QK, W_V, Y):
     t3 = X @ t2
     t4 = torch.exp(t3 - t3.amax(-1, keepdim=True))
     A = t4 / t4.sum(-1, keepdim=True)
+    t5 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t5, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t5 = W_V.transpose(-1, -2)
-    t6 = W_V @ t5
-    t7 = (2/(L*d_V*n_batch)) * X
-    t8 = oe.contract('abcd,ce,abed->dab', M_2, t6, M_2, optimize=[(0, 1), (0, 1)])
-    t9 = oe.contract('abc,abc->cab', t7, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t8, t9, optimize=[(0, 1)])
-    t10 = A @ X
-    M_1 = t10
-    t11 = M_1 @ W_V
-    F = t11
-    t12 = (2/(L*d_V)) * F
-    t13 = (-2/(L*d_V)) * Y
-    t14 = t12 + t13
-    G = t14
-    t15 = t5 @ t1
-    t16 = G @ t15
-    t17 = t16 - (A * t16).sum(-1, keepdim=True)
-    t18 = A * t17
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t6 = W_V.transpose(-1, -2)
+    t7 = W_V @ t6
+    t8 = (2/(L*d_V*n_batch)) * X
+    t9 = oe.contract('abcd,ce,abed->dab', M_2, t7, M_2, optimize=[(0, 1), (0, 1)])
+    t10 = oe.contract('abc,abc->cab', t8, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t9, t10, optimize=[(0, 1)])
+    t11 = A @ X
+    M_1 = t11
+    t12 = M_1 @ W_V
+    F = t12
+    t13 = (2/(L*d_V)) * F
+    t14 = (-2/(L*d_V)) * Y
+    t15 = t13 + t14
+    G = t15
+    t16 = t6 @ t1
+    t17 = G @ t16
+    t18 = t17 - (A * t17).sum(-1, keepdim=True)
+    t19 = A * t18
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t19, t5, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t19, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t19, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t19 = (1/n_batch) * t1
-    t0 += oe.contract('abc,acdd,acb->bd', t19, M_3, X, optimize=[(0, 2), (0, 1)])
+    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
+    t20 = (1/n_batch) * t1
+    t0 += oe.contract('abc,acdd,acb->bd', t20, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -1027,25 +1106,30 @@ def mse_causal0__trace__W_QK__full(X, W_QK, W_V, Y):
     t2 = X @ t1
     t3 = torch.exp(t2 - t2.amax(-1, keepdim=True))
     A = t3 / t3.sum(-1, keepdim=True)
+    t4 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t4 = W_V.transpose(-1, -2)
-    t5 = W_V @ t4
-    t6 = A @ X
-    M_1 = t6
-    t7 = M_1 @ W_V
-    F = t7
-    t8 = (2/(L*d_V)) * F
-    t9 = (-2/(L*d_V)) * Y
-    t10 = t8 + t9
-    G = t10
-    t11 = t4 @ t0
-    t12 = G @ t11
-    t13 = t12 - (A * t12).sum(-1, keepdim=True)
-    t14 = A * t13
+    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    t5 = W_V.transpose(-1, -2)
+    t6 = W_V @ t5
+    t7 = A @ X
+    M_1 = t7
+    t8 = M_1 @ W_V
+    F = t8
+    t9 = (2/(L*d_V)) * F
+    t10 = (-2/(L*d_V)) * Y
+    t11 = t9 + t10
+    G = t11
+    t12 = t5 @ t0
+    t13 = G @ t12
+    t14 = t13 - (A * t13).sum(-1, keepdim=True)
+    t15 = A * t14
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t15, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t15, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t15, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t0, t14, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t14, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t14, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    return (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,cf,abfd,abe->', M_2, X, t5, M_2, X, optimize=[(1, 4), (0, 2), (0, 2), (0, 1)]) + (1/n_batch) * oe.contract('abc,acdd,acb->', t0, M_3, X, optimize=[(0, 2), (0, 1)])
+    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
+    return (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,cf,abfd,abe->', M_2, X, t6, M_2, X, optimize=[(1, 4), (0, 2), (0, 2), (0, 1)]) + (1/n_batch) * oe.contract('abc,acdd,acb->', t0, M_3, X, optimize=[(0, 2), (0, 1)])
 
 
 def mse_causal0__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
@@ -1060,28 +1144,33 @@ def mse_causal0__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     t3 = X @ t2
     t4 = torch.exp(t3 - t3.amax(-1, keepdim=True))
     A = t4 / t4.sum(-1, keepdim=True)
+    t5 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t5, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t5 = W_V.transpose(-1, -2)
-    t6 = W_V @ t5
-    t7 = (2/(L*d_V*n_batch)) * X
-    t0[...] = oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, t7, t6, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t8 = A @ X
-    M_1 = t8
-    t9 = M_1 @ W_V
-    F = t9
-    t10 = (2/(L*d_V)) * F
-    t11 = (-2/(L*d_V)) * Y
-    t12 = t10 + t11
-    G = t12
-    t13 = t5 @ t1
-    t14 = G @ t13
-    t15 = t14 - (A * t14).sum(-1, keepdim=True)
-    t16 = A * t15
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t6 = W_V.transpose(-1, -2)
+    t7 = W_V @ t6
+    t8 = (2/(L*d_V*n_batch)) * X
+    t0[...] = oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, t8, t7, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1 @ W_V
+    F = t10
+    t11 = (2/(L*d_V)) * F
+    t12 = (-2/(L*d_V)) * Y
+    t13 = t11 + t12
+    G = t13
+    t14 = t6 @ t1
+    t15 = G @ t14
+    t16 = t15 - (A * t15).sum(-1, keepdim=True)
+    t17 = A * t16
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t17, t5, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t17, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t17, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t16, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t16, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t16, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t17 = (1/n_batch) * t1
-    t0 += oe.contract('abc,acde,acf->bdfe', t17, M_3, X, optimize=[(0, 2), (0, 1)])
+    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
+    t18 = (1/n_batch) * t1
+    t0 += oe.contract('abc,acde,acf->bdfe', t18, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -1095,27 +1184,32 @@ def mse_causal0__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     t2 = X @ t1
     t3 = torch.exp(t2 - t2.amax(-1, keepdim=True))
     A = t3 / t3.sum(-1, keepdim=True)
+    t4 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t4 = W_V.transpose(-1, -2)
-    t5 = W_V @ t4
-    t6 = A @ X
-    M_1 = t6
-    t7 = M_1 @ W_V
-    F = t7
-    t8 = (2/(L*d_V)) * F
-    t9 = (-2/(L*d_V)) * Y
-    t10 = t8 + t9
-    G = t10
-    t11 = t4 @ t0
-    t12 = G @ t11
-    t13 = t12 - (A * t12).sum(-1, keepdim=True)
-    t14 = A * t13
+    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    t5 = W_V.transpose(-1, -2)
+    t6 = W_V @ t5
+    t7 = A @ X
+    M_1 = t7
+    t8 = M_1 @ W_V
+    F = t8
+    t9 = (2/(L*d_V)) * F
+    t10 = (-2/(L*d_V)) * Y
+    t11 = t9 + t10
+    G = t11
+    t12 = t5 @ t0
+    t13 = G @ t12
+    t14 = t13 - (A * t13).sum(-1, keepdim=True)
+    t15 = A * t14
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t15, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t15, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t15, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t0, t14, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t14, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t14, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t15 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,cf,abfg,abh,ijkd,ije,kl,ijlg,ijh->', M_2, X, t5, M_2, X, M_2, X, t5, M_2, X, optimize=[(0, 2), (1, 8), (0, 3), (1, 2), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abcd,abe,cf,abfg,abh,iej,ijdg,ijh->', M_2, X, t5, M_2, X, t0, M_3, X, optimize=[(0, 2), (1, 6), (3, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
-    return t16
+    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
+    t16 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,cf,abfg,abh,ijkd,ije,kl,ijlg,ijh->', M_2, X, t6, M_2, X, M_2, X, t6, M_2, X, optimize=[(0, 2), (1, 8), (0, 3), (1, 2), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abcd,abe,cf,abfg,abh,iej,ijdg,ijh->', M_2, X, t6, M_2, X, t0, M_3, X, optimize=[(0, 2), (1, 6), (3, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
+    return t17
 
 
 def mse_causal0__block__W_QK__W_V__full(X, W_QK, W_V, Y):
@@ -1130,24 +1224,27 @@ def mse_causal0__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     t3 = X @ t2
     t4 = torch.exp(t3 - t3.amax(-1, keepdim=True))
     A = t4 / t4.sum(-1, keepdim=True)
+    t5 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t5, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t5 = A @ X
-    M_1 = t5
-    t6 = M_1 @ W_V
-    F = t6
-    t7 = (2/(L*d_V)) * F
-    t8 = (-2/(L*d_V)) * Y
-    t9 = t7 + t8
-    G = t9
-    t10 = (1/n_batch) * X
-    t11 = oe.contract('abc,abd->cdab', t10, G, optimize=[(0, 1)])
-    t12 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t11, t12, optimize=[(0, 1)])
-    t13 = (2/(L*d_V*n_batch)) * X
-    t14 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
-    t15 = oe.contract('abc,abd->cdab', t13, M_1, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->eafb', t14, t15, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t6 = A @ X
+    M_1 = t6
+    t7 = (2/(L*d_V*n_batch)) * X
+    t8 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t9 = oe.contract('abc,abd->cdab', t7, M_1, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t8, t9, optimize=[(0, 1)])
+    t10 = M_1 @ W_V
+    F = t10
+    t11 = (2/(L*d_V)) * F
+    t12 = (-2/(L*d_V)) * Y
+    t13 = t11 + t12
+    G = t13
+    t14 = (1/n_batch) * X
+    t15 = oe.contract('abc,abd->cdab', t14, G, optimize=[(0, 1)])
+    t16 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0 += oe.contract('abcd,efcd->aefb', t15, t16, optimize=[(0, 1)])
     return out
 
 
@@ -1161,19 +1258,22 @@ def mse_causal0__frobenius__W_QK__W_V__full(X, W_QK, W_V, Y):
     t2 = X @ t1
     t3 = torch.exp(t2 - t2.amax(-1, keepdim=True))
     A = t3 / t3.sum(-1, keepdim=True)
+    t4 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t4 = A @ X
-    M_1 = t4
-    t5 = M_1 @ W_V
-    F = t5
-    t6 = (2/(L*d_V)) * F
-    t7 = (-2/(L*d_V)) * Y
-    t8 = t6 + t7
-    G = t8
-    t9 = (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abcd,abe,abf,ghid,ghe,ghc,if->', M_2, X, G, M_2, X, M_1, W_V, optimize=[(1, 4), (0, 3), (1, 4), (2, 3), (0, 1), (0, 1)]) + (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,abf,cg,hijd,hie,hif,jg->', M_2, X, M_1, W_V, M_2, X, M_1, W_V, optimize=[(0, 3), (0, 3), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t10 = torch.sqrt(torch.clamp(t9, min=0.0))
-    return t10
+    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    t5 = A @ X
+    M_1 = t5
+    t6 = M_1 @ W_V
+    F = t6
+    t7 = (2/(L*d_V)) * F
+    t8 = (-2/(L*d_V)) * Y
+    t9 = t7 + t8
+    G = t9
+    t10 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,abf,cg,hijd,hie,hif,jg->', M_2, X, M_1, W_V, M_2, X, M_1, W_V, optimize=[(1, 5), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abcd,abe,abf,cg,hifd,hie,hig->', M_2, X, M_1, W_V, M_2, X, G, optimize=[(1, 5), (2, 4), (0, 4), (1, 3), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t11 = torch.sqrt(torch.clamp(t10, min=0.0))
+    return t11
 
 
 def mse_causal0__diag__W_V__full(X, W_QK, W_V, Y):
@@ -1229,23 +1329,26 @@ def mse_causal0__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     A = t4 / t4.sum(-1, keepdim=True)
     t5 = A @ X
     M_1 = t5
-    t6 = M_1 @ W_V
-    F = t6
-    t7 = (2/(L*d_V)) * F
-    t8 = (-2/(L*d_V)) * Y
-    t9 = t7 + t8
-    G = t9
-    t10 = G.transpose(-1, -2)
+    t6 = M_1.transpose(-1, -2)
+    t7 = W_V.transpose(-1, -2)
+    t8 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t11 = (1/n_batch) * t10
-    t0[...] = oe.contract('abc,acde,acf->dbfe', t11, M_2, X, optimize=[(0, 2), (0, 1)])
-    t12 = M_1.transpose(-1, -2)
-    t13 = W_V.transpose(-1, -2)
-    t14 = (2/(L*d_V*n_batch)) * t12
-    t15 = oe.contract('ab,cdbe->aecd', t13, M_2, optimize=[(0, 1)])
-    t16 = oe.contract('abc,acd->bdac', t14, X, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->eafb', t15, t16, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t9 = (2/(L*d_V*n_batch)) * t6
+    t10 = oe.contract('ab,cdbe->aecd', t7, M_2, optimize=[(0, 1)])
+    t11 = oe.contract('abc,acd->bdac', t9, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t10, t11, optimize=[(0, 1)])
+    t12 = M_1 @ W_V
+    F = t12
+    t13 = (2/(L*d_V)) * F
+    t14 = (-2/(L*d_V)) * Y
+    t15 = t13 + t14
+    G = t15
+    t16 = G.transpose(-1, -2)
+    t17 = (1/n_batch) * t16
+    t0 += oe.contract('abc,acde,acf->dbfe', t17, M_2, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -1261,20 +1364,23 @@ def mse_causal0__frobenius__W_V__W_QK__full(X, W_QK, W_V, Y):
     A = t3 / t3.sum(-1, keepdim=True)
     t4 = A @ X
     M_1 = t4
-    t5 = M_1 @ W_V
-    F = t5
-    t6 = (2/(L*d_V)) * F
-    t7 = (-2/(L*d_V)) * Y
-    t8 = t6 + t7
-    G = t8
-    t9 = G.transpose(-1, -2)
+    t5 = M_1.transpose(-1, -2)
+    t6 = W_V.transpose(-1, -2)
+    t7 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t10 = M_1.transpose(-1, -2)
-    t11 = W_V.transpose(-1, -2)
-    t12 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t9, M_2, X, t9, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abc,acde,acf,gdh,bi,ghie,ghf->', t9, M_2, X, t10, t11, M_2, X, optimize=[(1, 3), (3, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,hbi,dj,hijf,hig->', t10, t11, M_2, X, t10, t11, M_2, X, optimize=[(1, 2), (0, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t13 = torch.sqrt(torch.clamp(t12, min=0.0))
-    return t13
+    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    t8 = M_1 @ W_V
+    F = t8
+    t9 = (2/(L*d_V)) * F
+    t10 = (-2/(L*d_V)) * Y
+    t11 = t9 + t10
+    G = t11
+    t12 = G.transpose(-1, -2)
+    t13 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,hbi,dj,hijf,hig->', t5, t6, M_2, X, t5, t6, M_2, X, optimize=[(0, 4), (0, 3), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abc,de,acef,acg,hdi,hibf,hig->', t5, t6, M_2, X, t12, M_2, X, optimize=[(1, 4), (2, 4), (0, 2), (0, 3), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t12, M_2, X, t12, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t14 = torch.sqrt(torch.clamp(t13, min=0.0))
+    return t14
 
 
 def mse_causal0__block__W_V__W_V__full(X, W_QK, W_V, Y):
@@ -1320,6 +1426,139 @@ def mse_causal0__frobenius__W_V__W_V__full(X, W_QK, W_V, Y):
     return t8
 
 
+def mse_causal0__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
+    """(‖H_o(W_QK, W_QK)‖_F, ‖H_f(W_QK, W_QK)‖_F, ‖H(W_QK, W_QK)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.transpose(-1, -2)
+    t1 = W_QK @ t0
+    t2 = X @ t1
+    t3 = torch.exp(t2 - t2.amax(-1, keepdim=True))
+    A = t3 / t3.sum(-1, keepdim=True)
+    t4 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    t5 = W_V.transpose(-1, -2)
+    t6 = W_V @ t5
+    t7 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,cf,abfg,abh,ijkd,ije,kl,ijlg,ijh->', M_2, X, t6, M_2, X, M_2, X, t6, M_2, X, optimize=[(0, 2), (1, 8), (0, 3), (1, 2), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t8 = A @ X
+    M_1 = t8
+    t9 = M_1 @ W_V
+    F = t9
+    t10 = (2/(L*d_V)) * F
+    t11 = (-2/(L*d_V)) * Y
+    t12 = t10 + t11
+    G = t12
+    t13 = t5 @ t0
+    t14 = G @ t13
+    t15 = t14 - (A * t14).sum(-1, keepdim=True)
+    t16 = A * t15
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t16, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t16, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t16, optimize=[(0, 1)])
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
+    t17 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t18 = (4/(L*d_V*n_batch**2)) * oe.contract('abcd,abe,cf,abfg,abh,iej,ijdg,ijh->', M_2, X, t6, M_2, X, t0, M_3, X, optimize=[(0, 2), (1, 6), (3, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t19 = t7 + t17 + t18
+    t20 = torch.sqrt(torch.clamp(t7, min=0.0))
+    t21 = torch.sqrt(torch.clamp(t17, min=0.0))
+    t22 = torch.sqrt(torch.clamp(t19, min=0.0))
+    return (t20, t21, t22,)
+
+
+def mse_causal0__frobenius_split__W_QK__W_V(X, W_QK, W_V, Y):
+    """(‖H_o(W_QK, W_V)‖_F, ‖H_f(W_QK, W_V)‖_F, ‖H(W_QK, W_V)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.transpose(-1, -2)
+    t1 = W_QK @ t0
+    t2 = X @ t1
+    t3 = torch.exp(t2 - t2.amax(-1, keepdim=True))
+    A = t3 / t3.sum(-1, keepdim=True)
+    t4 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    t5 = A @ X
+    M_1 = t5
+    t6 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,abf,cg,hijd,hie,hif,jg->', M_2, X, M_1, W_V, M_2, X, M_1, W_V, optimize=[(1, 5), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
+    t7 = M_1 @ W_V
+    F = t7
+    t8 = (2/(L*d_V)) * F
+    t9 = (-2/(L*d_V)) * Y
+    t10 = t8 + t9
+    G = t10
+    t11 = (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t12 = (4/(L*d_V*n_batch**2)) * oe.contract('abcd,abe,abf,cg,hifd,hie,hig->', M_2, X, M_1, W_V, M_2, X, G, optimize=[(1, 5), (2, 4), (0, 4), (1, 3), (0, 2), (0, 1)])
+    t13 = t6 + t11 + t12
+    t14 = torch.sqrt(torch.clamp(t6, min=0.0))
+    t15 = torch.sqrt(torch.clamp(t11, min=0.0))
+    t16 = torch.sqrt(torch.clamp(t13, min=0.0))
+    return (t14, t15, t16,)
+
+
+def mse_causal0__frobenius_split__W_V__W_QK(X, W_QK, W_V, Y):
+    """(‖H_o(W_V, W_QK)‖_F, ‖H_f(W_V, W_QK)‖_F, ‖H(W_V, W_QK)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.transpose(-1, -2)
+    t1 = W_QK @ t0
+    t2 = X @ t1
+    t3 = torch.exp(t2 - t2.amax(-1, keepdim=True))
+    A = t3 / t3.sum(-1, keepdim=True)
+    t4 = A @ X
+    M_1 = t4
+    t5 = M_1.transpose(-1, -2)
+    t6 = W_V.transpose(-1, -2)
+    t7 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    t8 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,hbi,dj,hijf,hig->', t5, t6, M_2, X, t5, t6, M_2, X, optimize=[(0, 4), (0, 3), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t9 = M_1 @ W_V
+    F = t9
+    t10 = (2/(L*d_V)) * F
+    t11 = (-2/(L*d_V)) * Y
+    t12 = t10 + t11
+    G = t12
+    t13 = G.transpose(-1, -2)
+    t14 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t13, M_2, X, t13, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t15 = (4/(L*d_V*n_batch**2)) * oe.contract('abc,de,acef,acg,hdi,hibf,hig->', t5, t6, M_2, X, t13, M_2, X, optimize=[(1, 4), (2, 4), (0, 2), (0, 3), (0, 2), (0, 1)])
+    t16 = t8 + t14 + t15
+    t17 = torch.sqrt(torch.clamp(t8, min=0.0))
+    t18 = torch.sqrt(torch.clamp(t14, min=0.0))
+    t19 = torch.sqrt(torch.clamp(t16, min=0.0))
+    return (t17, t18, t19,)
+
+
+def mse_causal0__frobenius_split__W_V__W_V(X, W_QK, W_V, Y):
+    """(‖H_o(W_V, W_V)‖_F, ‖H_f(W_V, W_V)‖_F, ‖H(W_V, W_V)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.transpose(-1, -2)
+    t1 = W_QK @ t0
+    t2 = X @ t1
+    t3 = torch.exp(t2 - t2.amax(-1, keepdim=True))
+    A = t3 / t3.sum(-1, keepdim=True)
+    t4 = A @ X
+    M_1 = t4
+    t5 = M_1.transpose(-1, -2)
+    t6 = t5 @ M_1
+    t7 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t6, t6, optimize=[(0, 1)])
+    t8 = t7 + 0.0 + 0.0
+    t9 = torch.sqrt(torch.clamp(t7, min=0.0))
+    t10 = torch.sqrt(torch.clamp(t8, min=0.0))
+    return (t9, 0.0, t10,)
+
+
 def causal0__jacobian__W_QK(X, W_QK, W_V):
     """∂vec_r F/∂vec_r W_QK: dense (numel F × numel W_QK); with data, one Jacobian per sequence (leading batch axis), not a mean."""
     L = X.shape[-2]
@@ -1331,11 +1570,14 @@ def causal0__jacobian__W_QK(X, W_QK, W_V):
     t3 = X @ t2
     t4 = torch.exp(t3 - t3.amax(-1, keepdim=True))
     A = t4 / t4.sum(-1, keepdim=True)
+    t5 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t5, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
     out = torch.empty((n_batch, L*d_V, d_V**2,), dtype=X.dtype, device=X.device)
-    t5 = out.view((n_batch, L, d_V, d_V, d_V,))
-    t5[...] = oe.contract('ab,cdbe,cdf->cdafe', t0, M_2, X, optimize=[(0, 1), (0, 1)])
+    t6 = out.view((n_batch, L, d_V, d_V, d_V,))
+    t6[...] = oe.contract('ab,cdbe,cdf->cdafe', t0, M_2, X, optimize=[(0, 1), (0, 1)])
     return out
 
 
@@ -1350,11 +1592,14 @@ def causal0__jacobian_compact__W_QK(X, W_QK, W_V):
     t3 = X @ t2
     t4 = torch.exp(t3 - t3.amax(-1, keepdim=True))
     A = t4 / t4.sum(-1, keepdim=True)
+    t5 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t5, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
     J = oe.contract('ab,cdbe->cdae', t0, M_2, optimize=[(0, 1)])
-    J5 = X
-    return (J, J5, )
+    J6 = X
+    return (J, J6, )
 
 
 def causal0__jacobian__W_V(X, W_QK, W_V):
@@ -1463,34 +1708,37 @@ def mse_causal1__hessian__outer(X, W_QK, W_V, Y):
     t6 = torch.where(t5, -math.inf, t4)
     t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
     A = t7 / t7.sum(-1, keepdim=True)
+    t8 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t8 = W_V.transpose(-1, -2)
-    t9 = W_V @ t8
-    t10 = (2/(L*d_V*n_batch)) * X
-    t1[...] = oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, t10, t9, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t11 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t12 = t11.view((d_V, d_V, d_V, d_V))
-    t13 = A @ X
-    M_1 = t13
-    t14 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
-    t15 = oe.contract('abc,abd->cdab', t10, M_1, optimize=[(0, 1)])
-    t12[...] = oe.contract('abcd,efcd->eafb', t14, t15, optimize=[(0, 1)])
-    t16 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t17 = t16.view((d_V, d_V, d_V, d_V))
-    t18 = M_1.transpose(-1, -2)
-    t19 = (2/(L*d_V*n_batch)) * t18
-    t20 = oe.contract('ab,cdbe->aecd', t8, M_2, optimize=[(0, 1)])
-    t21 = oe.contract('abc,acd->bdac', t19, X, optimize=[(0, 1)])
-    t17[...] = oe.contract('abcd,efcd->eafb', t20, t21, optimize=[(0, 1)])
-    t22 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t22[...] = 0
-    t23 = t22.view((d_V, d_V, d_V, d_V))
-    t24 = t23.diagonal(0, 1, 3)
-    t25 = t18 @ M_1
-    t26 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t27 = (2/(L*d_V*n_batch)) * t26
-    t24 += oe.contract('abc,d->bcd', t25, t27, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t9 = W_V.transpose(-1, -2)
+    t10 = W_V @ t9
+    t11 = (2/(L*d_V*n_batch)) * X
+    t1[...] = oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, t11, t10, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t12 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t13 = t12.view((d_V, d_V, d_V, d_V))
+    t14 = A @ X
+    M_1 = t14
+    t15 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t16 = oe.contract('abc,abd->cdab', t11, M_1, optimize=[(0, 1)])
+    t13[...] = oe.contract('abcd,efcd->eafb', t15, t16, optimize=[(0, 1)])
+    t17 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t18 = t17.view((d_V, d_V, d_V, d_V))
+    t19 = M_1.transpose(-1, -2)
+    t20 = (2/(L*d_V*n_batch)) * t19
+    t21 = oe.contract('ab,cdbe->aecd', t9, M_2, optimize=[(0, 1)])
+    t22 = oe.contract('abc,acd->bdac', t20, X, optimize=[(0, 1)])
+    t18[...] = oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
+    t23 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t23[...] = 0
+    t24 = t23.view((d_V, d_V, d_V, d_V))
+    t25 = t24.diagonal(0, 1, 3)
+    t26 = t19 @ M_1
+    t27 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t28 = (2/(L*d_V*n_batch)) * t27
+    t25 += oe.contract('abc,d->bcd', t26, t28, optimize=[(0, 1)])
     return H
 
 
@@ -1542,23 +1790,26 @@ def mse_causal1__frobenius_all__outer(X, W_QK, W_V, Y):
     t4 = torch.where(t3, -math.inf, t2)
     t5 = torch.exp(t4 - t4.amax(-1, keepdim=True))
     A = t5 / t5.sum(-1, keepdim=True)
+    t6 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t6 = W_V.transpose(-1, -2)
-    t7 = W_V @ t6
-    t8 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,cf,abfg,abh,ijkd,ije,kl,ijlg,ijh->', M_2, X, t7, M_2, X, M_2, X, t7, M_2, X, optimize=[(0, 2), (1, 8), (0, 3), (1, 2), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t9 = torch.sqrt(torch.clamp(t8, min=0.0))
-    t10 = A @ X
-    M_1 = t10
-    t11 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,abf,cg,hijd,hie,hif,jg->', M_2, X, M_1, W_V, M_2, X, M_1, W_V, optimize=[(0, 3), (0, 3), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t12 = torch.sqrt(torch.clamp(t11, min=0.0))
-    t13 = M_1.transpose(-1, -2)
-    t14 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,hbi,dj,hijf,hig->', t13, t6, M_2, X, t13, t6, M_2, X, optimize=[(1, 2), (0, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
-    t16 = t13 @ M_1
-    t17 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t16, t16, optimize=[(0, 1)])
-    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
-    return (t9, t12, t15, t18,)
+    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    t7 = W_V.transpose(-1, -2)
+    t8 = W_V @ t7
+    t9 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,cf,abfg,abh,ijkd,ije,kl,ijlg,ijh->', M_2, X, t8, M_2, X, M_2, X, t8, M_2, X, optimize=[(0, 2), (1, 8), (0, 3), (1, 2), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t10 = torch.sqrt(torch.clamp(t9, min=0.0))
+    t11 = A @ X
+    M_1 = t11
+    t12 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,abf,cg,hijd,hie,hif,jg->', M_2, X, M_1, W_V, M_2, X, M_1, W_V, optimize=[(1, 5), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
+    t13 = torch.sqrt(torch.clamp(t12, min=0.0))
+    t14 = M_1.transpose(-1, -2)
+    t15 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,hbi,dj,hijf,hig->', t14, t7, M_2, X, t14, t7, M_2, X, optimize=[(0, 4), (0, 3), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
+    t17 = t14 @ M_1
+    t18 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t17, t17, optimize=[(0, 1)])
+    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
+    return (t10, t13, t16, t19,)
 
 
 def mse_causal1__diag__W_QK__outer(X, W_QK, W_V, Y):
@@ -1575,14 +1826,17 @@ def mse_causal1__diag__W_QK__outer(X, W_QK, W_V, Y):
     t5 = torch.where(t4, -math.inf, t3)
     t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
     A = t6 / t6.sum(-1, keepdim=True)
+    t7 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t7 = W_V.transpose(-1, -2)
-    t8 = W_V @ t7
-    t9 = (2/(L*d_V*n_batch)) * X
-    t10 = oe.contract('abcd,ce,abed->dab', M_2, t8, M_2, optimize=[(0, 1), (0, 1)])
-    t11 = oe.contract('abc,abc->cab', t9, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t10, t11, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t8 = W_V.transpose(-1, -2)
+    t9 = W_V @ t8
+    t10 = (2/(L*d_V*n_batch)) * X
+    t11 = oe.contract('abcd,ce,abed->dab', M_2, t9, M_2, optimize=[(0, 1), (0, 1)])
+    t12 = oe.contract('abc,abc->cab', t10, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t11, t12, optimize=[(0, 1)])
     return out
 
 
@@ -1598,11 +1852,14 @@ def mse_causal1__trace__W_QK__outer(X, W_QK, W_V, Y):
     t4 = torch.where(t3, -math.inf, t2)
     t5 = torch.exp(t4 - t4.amax(-1, keepdim=True))
     A = t5 / t5.sum(-1, keepdim=True)
+    t6 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t6 = W_V.transpose(-1, -2)
-    t7 = W_V @ t6
-    return (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,cf,abfd,abe->', M_2, X, t7, M_2, X, optimize=[(1, 4), (0, 2), (0, 2), (0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    t7 = W_V.transpose(-1, -2)
+    t8 = W_V @ t7
+    return (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,cf,abfd,abe->', M_2, X, t8, M_2, X, optimize=[(1, 4), (0, 2), (0, 2), (0, 1)])
 
 
 def mse_causal1__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
@@ -1619,12 +1876,15 @@ def mse_causal1__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     t5 = torch.where(t4, -math.inf, t3)
     t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
     A = t6 / t6.sum(-1, keepdim=True)
+    t7 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t7 = W_V.transpose(-1, -2)
-    t8 = W_V @ t7
-    t9 = (2/(L*d_V*n_batch)) * X
-    t0[...] = oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, t9, t8, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t8 = W_V.transpose(-1, -2)
+    t9 = W_V @ t8
+    t10 = (2/(L*d_V*n_batch)) * X
+    t0[...] = oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, t10, t9, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -1640,13 +1900,16 @@ def mse_causal1__frobenius__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     t4 = torch.where(t3, -math.inf, t2)
     t5 = torch.exp(t4 - t4.amax(-1, keepdim=True))
     A = t5 / t5.sum(-1, keepdim=True)
+    t6 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t6 = W_V.transpose(-1, -2)
-    t7 = W_V @ t6
-    t8 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,cf,abfg,abh,ijkd,ije,kl,ijlg,ijh->', M_2, X, t7, M_2, X, M_2, X, t7, M_2, X, optimize=[(0, 2), (1, 8), (0, 3), (1, 2), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t9 = torch.sqrt(torch.clamp(t8, min=0.0))
-    return t9
+    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    t7 = W_V.transpose(-1, -2)
+    t8 = W_V @ t7
+    t9 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,cf,abfg,abh,ijkd,ije,kl,ijlg,ijh->', M_2, X, t8, M_2, X, M_2, X, t8, M_2, X, optimize=[(0, 2), (1, 8), (0, 3), (1, 2), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t10 = torch.sqrt(torch.clamp(t9, min=0.0))
+    return t10
 
 
 def mse_causal1__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
@@ -1663,14 +1926,17 @@ def mse_causal1__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     t5 = torch.where(t4, -math.inf, t3)
     t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
     A = t6 / t6.sum(-1, keepdim=True)
+    t7 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t7 = A @ X
-    M_1 = t7
-    t8 = (2/(L*d_V*n_batch)) * X
-    t9 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
-    t10 = oe.contract('abc,abd->cdab', t8, M_1, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t9, t10, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t8 = A @ X
+    M_1 = t8
+    t9 = (2/(L*d_V*n_batch)) * X
+    t10 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t11 = oe.contract('abc,abd->cdab', t9, M_1, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t10, t11, optimize=[(0, 1)])
     return out
 
 
@@ -1686,13 +1952,16 @@ def mse_causal1__frobenius__W_QK__W_V__outer(X, W_QK, W_V, Y):
     t4 = torch.where(t3, -math.inf, t2)
     t5 = torch.exp(t4 - t4.amax(-1, keepdim=True))
     A = t5 / t5.sum(-1, keepdim=True)
+    t6 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t6 = A @ X
-    M_1 = t6
-    t7 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,abf,cg,hijd,hie,hif,jg->', M_2, X, M_1, W_V, M_2, X, M_1, W_V, optimize=[(0, 3), (0, 3), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t8 = torch.sqrt(torch.clamp(t7, min=0.0))
-    return t8
+    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    t7 = A @ X
+    M_1 = t7
+    t8 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,abf,cg,hijd,hie,hif,jg->', M_2, X, M_1, W_V, M_2, X, M_1, W_V, optimize=[(1, 5), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
+    t9 = torch.sqrt(torch.clamp(t8, min=0.0))
+    return t9
 
 
 def mse_causal1__diag__W_V__outer(X, W_QK, W_V, Y):
@@ -1756,12 +2025,15 @@ def mse_causal1__block__W_V__W_QK__outer(X, W_QK, W_V, Y):
     M_1 = t7
     t8 = M_1.transpose(-1, -2)
     t9 = W_V.transpose(-1, -2)
+    t10 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t10 = (2/(L*d_V*n_batch)) * t8
-    t11 = oe.contract('ab,cdbe->aecd', t9, M_2, optimize=[(0, 1)])
-    t12 = oe.contract('abc,acd->bdac', t10, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t11, t12, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t11 = (2/(L*d_V*n_batch)) * t8
+    t12 = oe.contract('ab,cdbe->aecd', t9, M_2, optimize=[(0, 1)])
+    t13 = oe.contract('abc,acd->bdac', t11, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t12, t13, optimize=[(0, 1)])
     return out
 
 
@@ -1781,11 +2053,14 @@ def mse_causal1__frobenius__W_V__W_QK__outer(X, W_QK, W_V, Y):
     M_1 = t6
     t7 = M_1.transpose(-1, -2)
     t8 = W_V.transpose(-1, -2)
+    t9 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t9 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,hbi,dj,hijf,hig->', t7, t8, M_2, X, t7, t8, M_2, X, optimize=[(1, 2), (0, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t10 = torch.sqrt(torch.clamp(t9, min=0.0))
-    return t10
+    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    t10 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,hbi,dj,hijf,hig->', t7, t8, M_2, X, t7, t8, M_2, X, optimize=[(0, 4), (0, 3), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t11 = torch.sqrt(torch.clamp(t10, min=0.0))
+    return t11
 
 
 def mse_causal1__block__W_V__W_V__outer(X, W_QK, W_V, Y):
@@ -1863,25 +2138,30 @@ def mse_causal1__hessian__functional(X, W_QK, W_V, Y):
     t15 = G @ t14
     t16 = t15 - (A * t15).sum(-1, keepdim=True)
     t17 = A * t16
+    t18 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t17, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t17, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t17, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t17, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t17, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t17, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t18 = (1/n_batch) * t2
-    t1[...] = oe.contract('abc,acde,acf->bdfe', t18, M_3, X, optimize=[(0, 2), (0, 1)])
-    t19 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t20 = t19.view((d_V, d_V, d_V, d_V))
+    M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
+    t19 = (1/n_batch) * t2
+    t1[...] = oe.contract('abc,acde,acf->bdfe', t19, M_3, X, optimize=[(0, 2), (0, 1)])
+    t20 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t21 = t20.view((d_V, d_V, d_V, d_V))
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t21 = (1/n_batch) * X
-    t22 = oe.contract('abc,abd->cdab', t21, G, optimize=[(0, 1)])
-    t23 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t20[...] = oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
-    t24 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t25 = t24.view((d_V, d_V, d_V, d_V))
-    t26 = G.transpose(-1, -2)
-    t27 = (1/n_batch) * t26
-    t25[...] = oe.contract('abc,acde,acf->dbfe', t27, M_2, X, optimize=[(0, 2), (0, 1)])
-    t28 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t28[...] = 0
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t22 = (1/n_batch) * X
+    t23 = oe.contract('abc,abd->cdab', t22, G, optimize=[(0, 1)])
+    t24 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t21[...] = oe.contract('abcd,efcd->aefb', t23, t24, optimize=[(0, 1)])
+    t25 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t26 = t25.view((d_V, d_V, d_V, d_V))
+    t27 = G.transpose(-1, -2)
+    t28 = (1/n_batch) * t27
+    t26[...] = oe.contract('abc,acde,acf->dbfe', t28, M_2, X, optimize=[(0, 2), (0, 1)])
+    t29 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t29[...] = 0
     return H
 
 
@@ -1953,18 +2233,23 @@ def mse_causal1__frobenius_all__functional(X, W_QK, W_V, Y):
     t13 = G @ t12
     t14 = t13 - (A * t13).sum(-1, keepdim=True)
     t15 = A * t14
+    t16 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t15, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t15, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t15, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t0, t15, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t15, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t15, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t16 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
+    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
+    t17 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t18 = (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
-    t20 = G.transpose(-1, -2)
-    t21 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t20, M_2, X, t20, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
-    return (t17, t19, t22, 0.0,)
+    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    t19 = (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
+    t21 = G.transpose(-1, -2)
+    t22 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t21, M_2, X, t21, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t23 = torch.sqrt(torch.clamp(t22, min=0.0))
+    return (t18, t20, t23, 0.0,)
 
 
 def mse_causal1__diag__W_QK__functional(X, W_QK, W_V, Y):
@@ -1994,10 +2279,13 @@ def mse_causal1__diag__W_QK__functional(X, W_QK, W_V, Y):
     t14 = G @ t13
     t15 = t14 - (A * t14).sum(-1, keepdim=True)
     t16 = A * t15
+    t17 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t16, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t16, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t16, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t16, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t16, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t16, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t17 = (1/n_batch) * t1
-    t0[...] = oe.contract('abc,acdd,acb->bd', t17, M_3, X, optimize=[(0, 2), (0, 1)])
+    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
+    t18 = (1/n_batch) * t1
+    t0[...] = oe.contract('abc,acdd,acb->bd', t18, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -2026,8 +2314,11 @@ def mse_causal1__trace__W_QK__functional(X, W_QK, W_V, Y):
     t13 = G @ t12
     t14 = t13 - (A * t13).sum(-1, keepdim=True)
     t15 = A * t14
+    t16 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t15, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t15, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t15, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t0, t15, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t15, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t15, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
     return (1/n_batch) * oe.contract('abc,acdd,acb->', t0, M_3, X, optimize=[(0, 2), (0, 1)])
 
 
@@ -2058,10 +2349,13 @@ def mse_causal1__block__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t14 = G @ t13
     t15 = t14 - (A * t14).sum(-1, keepdim=True)
     t16 = A * t15
+    t17 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t16, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t16, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t16, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t16, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t16, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t16, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t17 = (1/n_batch) * t1
-    t0[...] = oe.contract('abc,acde,acf->bdfe', t17, M_3, X, optimize=[(0, 2), (0, 1)])
+    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
+    t18 = (1/n_batch) * t1
+    t0[...] = oe.contract('abc,acde,acf->bdfe', t18, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -2090,11 +2384,14 @@ def mse_causal1__frobenius__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t13 = G @ t12
     t14 = t13 - (A * t13).sum(-1, keepdim=True)
     t15 = A * t14
+    t16 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t15, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t15, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t15, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t0, t15, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t15, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t15, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t16 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
-    return t17
+    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
+    t17 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
+    return t18
 
 
 def mse_causal1__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
@@ -2111,20 +2408,23 @@ def mse_causal1__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
     t5 = torch.where(t4, -math.inf, t3)
     t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
     A = t6 / t6.sum(-1, keepdim=True)
+    t7 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t7 = A @ X
-    M_1 = t7
-    t8 = M_1 @ W_V
-    F = t8
-    t9 = (2/(L*d_V)) * F
-    t10 = (-2/(L*d_V)) * Y
-    t11 = t9 + t10
-    G = t11
-    t12 = (1/n_batch) * X
-    t13 = oe.contract('abc,abd->cdab', t12, G, optimize=[(0, 1)])
-    t14 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t13, t14, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t8 = A @ X
+    M_1 = t8
+    t9 = M_1 @ W_V
+    F = t9
+    t10 = (2/(L*d_V)) * F
+    t11 = (-2/(L*d_V)) * Y
+    t12 = t10 + t11
+    G = t12
+    t13 = (1/n_batch) * X
+    t14 = oe.contract('abc,abd->cdab', t13, G, optimize=[(0, 1)])
+    t15 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t14, t15, optimize=[(0, 1)])
     return out
 
 
@@ -2140,19 +2440,22 @@ def mse_causal1__frobenius__W_QK__W_V__functional(X, W_QK, W_V, Y):
     t4 = torch.where(t3, -math.inf, t2)
     t5 = torch.exp(t4 - t4.amax(-1, keepdim=True))
     A = t5 / t5.sum(-1, keepdim=True)
+    t6 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t6 = A @ X
-    M_1 = t6
-    t7 = M_1 @ W_V
-    F = t7
-    t8 = (2/(L*d_V)) * F
-    t9 = (-2/(L*d_V)) * Y
-    t10 = t8 + t9
-    G = t10
-    t11 = (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t12 = torch.sqrt(torch.clamp(t11, min=0.0))
-    return t12
+    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    t7 = A @ X
+    M_1 = t7
+    t8 = M_1 @ W_V
+    F = t8
+    t9 = (2/(L*d_V)) * F
+    t10 = (-2/(L*d_V)) * Y
+    t11 = t9 + t10
+    G = t11
+    t12 = (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t13 = torch.sqrt(torch.clamp(t12, min=0.0))
+    return t13
 
 
 def mse_causal1__diag__W_V__functional(X, W_QK, W_V, Y):
@@ -2196,10 +2499,13 @@ def mse_causal1__block__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t11 = t9 + t10
     G = t11
     t12 = G.transpose(-1, -2)
+    t13 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t13 = (1/n_batch) * t12
-    t0[...] = oe.contract('abc,acde,acf->dbfe', t13, M_2, X, optimize=[(0, 2), (0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t14 = (1/n_batch) * t12
+    t0[...] = oe.contract('abc,acde,acf->dbfe', t14, M_2, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -2224,11 +2530,14 @@ def mse_causal1__frobenius__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t10 = t8 + t9
     G = t10
     t11 = G.transpose(-1, -2)
+    t12 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t12 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t11, M_2, X, t11, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t13 = torch.sqrt(torch.clamp(t12, min=0.0))
-    return t13
+    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    t13 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t11, M_2, X, t11, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t14 = torch.sqrt(torch.clamp(t13, min=0.0))
+    return t14
 
 
 def mse_causal1__block__W_V__W_V__functional(X, W_QK, W_V, Y):
@@ -2264,55 +2573,60 @@ def mse_causal1__hessian__full(X, W_QK, W_V, Y):
     t6 = torch.where(t5, -math.inf, t4)
     t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
     A = t7 / t7.sum(-1, keepdim=True)
+    t8 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t8 = W_V.transpose(-1, -2)
-    t9 = W_V @ t8
-    t10 = (2/(L*d_V*n_batch)) * X
-    t1[...] = oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, t10, t9, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t11 = A @ X
-    M_1 = t11
-    t12 = M_1 @ W_V
-    F = t12
-    t13 = (2/(L*d_V)) * F
-    t14 = (-2/(L*d_V)) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = t8 @ t2
-    t17 = G @ t16
-    t18 = t17 - (A * t17).sum(-1, keepdim=True)
-    t19 = A * t18
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t9 = W_V.transpose(-1, -2)
+    t10 = W_V @ t9
+    t11 = (2/(L*d_V*n_batch)) * X
+    t1[...] = oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, t11, t10, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t12 = A @ X
+    M_1 = t12
+    t13 = M_1 @ W_V
+    F = t13
+    t14 = (2/(L*d_V)) * F
+    t15 = (-2/(L*d_V)) * Y
+    t16 = t14 + t15
+    G = t16
+    t17 = t9 @ t2
+    t18 = G @ t17
+    t19 = t18 - (A * t18).sum(-1, keepdim=True)
+    t20 = A * t19
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t20, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t20, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t20, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t19, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t19, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t19, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t20 = (1/n_batch) * t2
-    t1 += oe.contract('abc,acde,acf->bdfe', t20, M_3, X, optimize=[(0, 2), (0, 1)])
-    t21 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t22 = t21.view((d_V, d_V, d_V, d_V))
-    t23 = (1/n_batch) * X
-    t24 = oe.contract('abc,abd->cdab', t23, G, optimize=[(0, 1)])
-    t25 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t22[...] = oe.contract('abcd,efcd->aefb', t24, t25, optimize=[(0, 1)])
-    t26 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
-    t27 = oe.contract('abc,abd->cdab', t10, M_1, optimize=[(0, 1)])
-    t22 += oe.contract('abcd,efcd->eafb', t26, t27, optimize=[(0, 1)])
-    t28 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t29 = t28.view((d_V, d_V, d_V, d_V))
-    t30 = G.transpose(-1, -2)
-    t31 = (1/n_batch) * t30
-    t29[...] = oe.contract('abc,acde,acf->dbfe', t31, M_2, X, optimize=[(0, 2), (0, 1)])
-    t32 = M_1.transpose(-1, -2)
-    t33 = (2/(L*d_V*n_batch)) * t32
-    t34 = oe.contract('ab,cdbe->aecd', t8, M_2, optimize=[(0, 1)])
-    t35 = oe.contract('abc,acd->bdac', t33, X, optimize=[(0, 1)])
-    t29 += oe.contract('abcd,efcd->eafb', t34, t35, optimize=[(0, 1)])
-    t36 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t36[...] = 0
-    t37 = t36.view((d_V, d_V, d_V, d_V))
-    t38 = t37.diagonal(0, 1, 3)
-    t39 = t32 @ M_1
-    t40 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
-    t41 = (2/(L*d_V*n_batch)) * t40
-    t38 += oe.contract('abc,d->bcd', t39, t41, optimize=[(0, 1)])
+    M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
+    t21 = (1/n_batch) * t2
+    t1 += oe.contract('abc,acde,acf->bdfe', t21, M_3, X, optimize=[(0, 2), (0, 1)])
+    t22 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t23 = t22.view((d_V, d_V, d_V, d_V))
+    t24 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t25 = oe.contract('abc,abd->cdab', t11, M_1, optimize=[(0, 1)])
+    t23[...] = oe.contract('abcd,efcd->eafb', t24, t25, optimize=[(0, 1)])
+    t26 = (1/n_batch) * X
+    t27 = oe.contract('abc,abd->cdab', t26, G, optimize=[(0, 1)])
+    t28 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t23 += oe.contract('abcd,efcd->aefb', t27, t28, optimize=[(0, 1)])
+    t29 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t30 = t29.view((d_V, d_V, d_V, d_V))
+    t31 = M_1.transpose(-1, -2)
+    t32 = (2/(L*d_V*n_batch)) * t31
+    t33 = oe.contract('ab,cdbe->aecd', t9, M_2, optimize=[(0, 1)])
+    t34 = oe.contract('abc,acd->bdac', t32, X, optimize=[(0, 1)])
+    t30[...] = oe.contract('abcd,efcd->eafb', t33, t34, optimize=[(0, 1)])
+    t35 = G.transpose(-1, -2)
+    t36 = (1/n_batch) * t35
+    t30 += oe.contract('abc,acde,acf->dbfe', t36, M_2, X, optimize=[(0, 2), (0, 1)])
+    t37 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t37[...] = 0
+    t38 = t37.view((d_V, d_V, d_V, d_V))
+    t39 = t38.diagonal(0, 1, 3)
+    t40 = t31 @ M_1
+    t41 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
+    t42 = (2/(L*d_V*n_batch)) * t41
+    t39 += oe.contract('abc,d->bcd', t40, t42, optimize=[(0, 1)])
     return H
 
 
@@ -2382,36 +2696,41 @@ def mse_causal1__frobenius_all__full(X, W_QK, W_V, Y):
     t4 = torch.where(t3, -math.inf, t2)
     t5 = torch.exp(t4 - t4.amax(-1, keepdim=True))
     A = t5 / t5.sum(-1, keepdim=True)
+    t6 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t6 = W_V.transpose(-1, -2)
-    t7 = W_V @ t6
-    t8 = A @ X
-    M_1 = t8
-    t9 = M_1 @ W_V
-    F = t9
-    t10 = (2/(L*d_V)) * F
-    t11 = (-2/(L*d_V)) * Y
-    t12 = t10 + t11
-    G = t12
-    t13 = t6 @ t0
-    t14 = G @ t13
-    t15 = t14 - (A * t14).sum(-1, keepdim=True)
-    t16 = A * t15
+    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    t7 = W_V.transpose(-1, -2)
+    t8 = W_V @ t7
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1 @ W_V
+    F = t10
+    t11 = (2/(L*d_V)) * F
+    t12 = (-2/(L*d_V)) * Y
+    t13 = t11 + t12
+    G = t13
+    t14 = t7 @ t0
+    t15 = G @ t14
+    t16 = t15 - (A * t15).sum(-1, keepdim=True)
+    t17 = A * t16
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t17, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t17, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t17, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t0, t16, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t16, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t16, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t17 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,cf,abfg,abh,ijkd,ije,kl,ijlg,ijh->', M_2, X, t7, M_2, X, M_2, X, t7, M_2, X, optimize=[(0, 2), (1, 8), (0, 3), (1, 2), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abcd,abe,cf,abfg,abh,iej,ijdg,ijh->', M_2, X, t7, M_2, X, t0, M_3, X, optimize=[(0, 2), (1, 6), (3, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
-    t19 = (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abcd,abe,abf,ghid,ghe,ghc,if->', M_2, X, G, M_2, X, M_1, W_V, optimize=[(1, 4), (0, 3), (1, 4), (2, 3), (0, 1), (0, 1)]) + (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,abf,cg,hijd,hie,hif,jg->', M_2, X, M_1, W_V, M_2, X, M_1, W_V, optimize=[(0, 3), (0, 3), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
-    t21 = G.transpose(-1, -2)
+    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
+    t18 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,cf,abfg,abh,ijkd,ije,kl,ijlg,ijh->', M_2, X, t8, M_2, X, M_2, X, t8, M_2, X, optimize=[(0, 2), (1, 8), (0, 3), (1, 2), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abcd,abe,cf,abfg,abh,iej,ijdg,ijh->', M_2, X, t8, M_2, X, t0, M_3, X, optimize=[(0, 2), (1, 6), (3, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
+    t20 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,abf,cg,hijd,hie,hif,jg->', M_2, X, M_1, W_V, M_2, X, M_1, W_V, optimize=[(1, 5), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abcd,abe,abf,cg,hifd,hie,hig->', M_2, X, M_1, W_V, M_2, X, G, optimize=[(1, 5), (2, 4), (0, 4), (1, 3), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
     t22 = M_1.transpose(-1, -2)
-    t23 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t21, M_2, X, t21, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abc,acde,acf,gdh,bi,ghie,ghf->', t21, M_2, X, t22, t6, M_2, X, optimize=[(1, 3), (3, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,hbi,dj,hijf,hig->', t22, t6, M_2, X, t22, t6, M_2, X, optimize=[(1, 2), (0, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t24 = torch.sqrt(torch.clamp(t23, min=0.0))
-    t25 = t22 @ M_1
-    t26 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t25, t25, optimize=[(0, 1)])
-    t27 = torch.sqrt(torch.clamp(t26, min=0.0))
-    return (t18, t20, t24, t27,)
+    t23 = G.transpose(-1, -2)
+    t24 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,hbi,dj,hijf,hig->', t22, t7, M_2, X, t22, t7, M_2, X, optimize=[(0, 4), (0, 3), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abc,de,acef,acg,hdi,hibf,hig->', t22, t7, M_2, X, t23, M_2, X, optimize=[(1, 4), (2, 4), (0, 2), (0, 3), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t23, M_2, X, t23, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
+    t26 = t22 @ M_1
+    t27 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t26, t26, optimize=[(0, 1)])
+    t28 = torch.sqrt(torch.clamp(t27, min=0.0))
+    return (t19, t21, t25, t28,)
 
 
 def mse_causal1__diag__W_QK__full(X, W_QK, W_V, Y):
@@ -2428,30 +2747,35 @@ def mse_causal1__diag__W_QK__full(X, W_QK, W_V, Y):
     t5 = torch.where(t4, -math.inf, t3)
     t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
     A = t6 / t6.sum(-1, keepdim=True)
+    t7 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t7 = W_V.transpose(-1, -2)
-    t8 = W_V @ t7
-    t9 = (2/(L*d_V*n_batch)) * X
-    t10 = oe.contract('abcd,ce,abed->dab', M_2, t8, M_2, optimize=[(0, 1), (0, 1)])
-    t11 = oe.contract('abc,abc->cab', t9, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t10, t11, optimize=[(0, 1)])
-    t12 = A @ X
-    M_1 = t12
-    t13 = M_1 @ W_V
-    F = t13
-    t14 = (2/(L*d_V)) * F
-    t15 = (-2/(L*d_V)) * Y
-    t16 = t14 + t15
-    G = t16
-    t17 = t7 @ t1
-    t18 = G @ t17
-    t19 = t18 - (A * t18).sum(-1, keepdim=True)
-    t20 = A * t19
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t8 = W_V.transpose(-1, -2)
+    t9 = W_V @ t8
+    t10 = (2/(L*d_V*n_batch)) * X
+    t11 = oe.contract('abcd,ce,abed->dab', M_2, t9, M_2, optimize=[(0, 1), (0, 1)])
+    t12 = oe.contract('abc,abc->cab', t10, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t11, t12, optimize=[(0, 1)])
+    t13 = A @ X
+    M_1 = t13
+    t14 = M_1 @ W_V
+    F = t14
+    t15 = (2/(L*d_V)) * F
+    t16 = (-2/(L*d_V)) * Y
+    t17 = t15 + t16
+    G = t17
+    t18 = t8 @ t1
+    t19 = G @ t18
+    t20 = t19 - (A * t19).sum(-1, keepdim=True)
+    t21 = A * t20
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t21, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t21, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t21, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t21 = (1/n_batch) * t1
-    t0 += oe.contract('abc,acdd,acb->bd', t21, M_3, X, optimize=[(0, 2), (0, 1)])
+    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
+    t22 = (1/n_batch) * t1
+    t0 += oe.contract('abc,acdd,acb->bd', t22, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -2467,25 +2791,30 @@ def mse_causal1__trace__W_QK__full(X, W_QK, W_V, Y):
     t4 = torch.where(t3, -math.inf, t2)
     t5 = torch.exp(t4 - t4.amax(-1, keepdim=True))
     A = t5 / t5.sum(-1, keepdim=True)
+    t6 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t6 = W_V.transpose(-1, -2)
-    t7 = W_V @ t6
-    t8 = A @ X
-    M_1 = t8
-    t9 = M_1 @ W_V
-    F = t9
-    t10 = (2/(L*d_V)) * F
-    t11 = (-2/(L*d_V)) * Y
-    t12 = t10 + t11
-    G = t12
-    t13 = t6 @ t0
-    t14 = G @ t13
-    t15 = t14 - (A * t14).sum(-1, keepdim=True)
-    t16 = A * t15
+    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    t7 = W_V.transpose(-1, -2)
+    t8 = W_V @ t7
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1 @ W_V
+    F = t10
+    t11 = (2/(L*d_V)) * F
+    t12 = (-2/(L*d_V)) * Y
+    t13 = t11 + t12
+    G = t13
+    t14 = t7 @ t0
+    t15 = G @ t14
+    t16 = t15 - (A * t15).sum(-1, keepdim=True)
+    t17 = A * t16
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t17, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t17, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t17, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t0, t16, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t16, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t16, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    return (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,cf,abfd,abe->', M_2, X, t7, M_2, X, optimize=[(1, 4), (0, 2), (0, 2), (0, 1)]) + (1/n_batch) * oe.contract('abc,acdd,acb->', t0, M_3, X, optimize=[(0, 2), (0, 1)])
+    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
+    return (2/(L*d_V*n_batch)) * oe.contract('abcd,abe,cf,abfd,abe->', M_2, X, t8, M_2, X, optimize=[(1, 4), (0, 2), (0, 2), (0, 1)]) + (1/n_batch) * oe.contract('abc,acdd,acb->', t0, M_3, X, optimize=[(0, 2), (0, 1)])
 
 
 def mse_causal1__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
@@ -2502,28 +2831,33 @@ def mse_causal1__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     t5 = torch.where(t4, -math.inf, t3)
     t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
     A = t6 / t6.sum(-1, keepdim=True)
+    t7 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t7 = W_V.transpose(-1, -2)
-    t8 = W_V @ t7
-    t9 = (2/(L*d_V*n_batch)) * X
-    t0[...] = oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, t9, t8, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
-    t10 = A @ X
-    M_1 = t10
-    t11 = M_1 @ W_V
-    F = t11
-    t12 = (2/(L*d_V)) * F
-    t13 = (-2/(L*d_V)) * Y
-    t14 = t12 + t13
-    G = t14
-    t15 = t7 @ t1
-    t16 = G @ t15
-    t17 = t16 - (A * t16).sum(-1, keepdim=True)
-    t18 = A * t17
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t8 = W_V.transpose(-1, -2)
+    t9 = W_V @ t8
+    t10 = (2/(L*d_V*n_batch)) * X
+    t0[...] = oe.contract('abcd,abe,cf,abfg,abh->edhg', M_2, t10, t9, M_2, X, optimize=[(0, 2), (1, 3), (0, 1), (0, 1)])
+    t11 = A @ X
+    M_1 = t11
+    t12 = M_1 @ W_V
+    F = t12
+    t13 = (2/(L*d_V)) * F
+    t14 = (-2/(L*d_V)) * Y
+    t15 = t13 + t14
+    G = t15
+    t16 = t8 @ t1
+    t17 = G @ t16
+    t18 = t17 - (A * t17).sum(-1, keepdim=True)
+    t19 = A * t18
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t19, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t19, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t19, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t19 = (1/n_batch) * t1
-    t0 += oe.contract('abc,acde,acf->bdfe', t19, M_3, X, optimize=[(0, 2), (0, 1)])
+    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
+    t20 = (1/n_batch) * t1
+    t0 += oe.contract('abc,acde,acf->bdfe', t20, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -2539,27 +2873,32 @@ def mse_causal1__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     t4 = torch.where(t3, -math.inf, t2)
     t5 = torch.exp(t4 - t4.amax(-1, keepdim=True))
     A = t5 / t5.sum(-1, keepdim=True)
+    t6 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t6 = W_V.transpose(-1, -2)
-    t7 = W_V @ t6
-    t8 = A @ X
-    M_1 = t8
-    t9 = M_1 @ W_V
-    F = t9
-    t10 = (2/(L*d_V)) * F
-    t11 = (-2/(L*d_V)) * Y
-    t12 = t10 + t11
-    G = t12
-    t13 = t6 @ t0
-    t14 = G @ t13
-    t15 = t14 - (A * t14).sum(-1, keepdim=True)
-    t16 = A * t15
+    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    t7 = W_V.transpose(-1, -2)
+    t8 = W_V @ t7
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1 @ W_V
+    F = t10
+    t11 = (2/(L*d_V)) * F
+    t12 = (-2/(L*d_V)) * Y
+    t13 = t11 + t12
+    G = t13
+    t14 = t7 @ t0
+    t15 = G @ t14
+    t16 = t15 - (A * t15).sum(-1, keepdim=True)
+    t17 = A * t16
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t17, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t17, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t17, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t0, t16, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t16, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t16, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t17 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,cf,abfg,abh,ijkd,ije,kl,ijlg,ijh->', M_2, X, t7, M_2, X, M_2, X, t7, M_2, X, optimize=[(0, 2), (1, 8), (0, 3), (1, 2), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abcd,abe,cf,abfg,abh,iej,ijdg,ijh->', M_2, X, t7, M_2, X, t0, M_3, X, optimize=[(0, 2), (1, 6), (3, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
-    return t18
+    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
+    t18 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,cf,abfg,abh,ijkd,ije,kl,ijlg,ijh->', M_2, X, t8, M_2, X, M_2, X, t8, M_2, X, optimize=[(0, 2), (1, 8), (0, 3), (1, 2), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abcd,abe,cf,abfg,abh,iej,ijdg,ijh->', M_2, X, t8, M_2, X, t0, M_3, X, optimize=[(0, 2), (1, 6), (3, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
+    return t19
 
 
 def mse_causal1__block__W_QK__W_V__full(X, W_QK, W_V, Y):
@@ -2576,24 +2915,27 @@ def mse_causal1__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     t5 = torch.where(t4, -math.inf, t3)
     t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
     A = t6 / t6.sum(-1, keepdim=True)
+    t7 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t7 = A @ X
-    M_1 = t7
-    t8 = M_1 @ W_V
-    F = t8
-    t9 = (2/(L*d_V)) * F
-    t10 = (-2/(L*d_V)) * Y
-    t11 = t9 + t10
-    G = t11
-    t12 = (1/n_batch) * X
-    t13 = oe.contract('abc,abd->cdab', t12, G, optimize=[(0, 1)])
-    t14 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t13, t14, optimize=[(0, 1)])
-    t15 = (2/(L*d_V*n_batch)) * X
-    t16 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
-    t17 = oe.contract('abc,abd->cdab', t15, M_1, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t8 = A @ X
+    M_1 = t8
+    t9 = (2/(L*d_V*n_batch)) * X
+    t10 = oe.contract('abcd,ce->deab', M_2, W_V, optimize=[(0, 1)])
+    t11 = oe.contract('abc,abd->cdab', t9, M_1, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t10, t11, optimize=[(0, 1)])
+    t12 = M_1 @ W_V
+    F = t12
+    t13 = (2/(L*d_V)) * F
+    t14 = (-2/(L*d_V)) * Y
+    t15 = t13 + t14
+    G = t15
+    t16 = (1/n_batch) * X
+    t17 = oe.contract('abc,abd->cdab', t16, G, optimize=[(0, 1)])
+    t18 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0 += oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -2609,19 +2951,22 @@ def mse_causal1__frobenius__W_QK__W_V__full(X, W_QK, W_V, Y):
     t4 = torch.where(t3, -math.inf, t2)
     t5 = torch.exp(t4 - t4.amax(-1, keepdim=True))
     A = t5 / t5.sum(-1, keepdim=True)
+    t6 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t6 = A @ X
-    M_1 = t6
-    t7 = M_1 @ W_V
-    F = t7
-    t8 = (2/(L*d_V)) * F
-    t9 = (-2/(L*d_V)) * Y
-    t10 = t8 + t9
-    G = t10
-    t11 = (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abcd,abe,abf,ghid,ghe,ghc,if->', M_2, X, G, M_2, X, M_1, W_V, optimize=[(1, 4), (0, 3), (1, 4), (2, 3), (0, 1), (0, 1)]) + (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,abf,cg,hijd,hie,hif,jg->', M_2, X, M_1, W_V, M_2, X, M_1, W_V, optimize=[(0, 3), (0, 3), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)])
-    t12 = torch.sqrt(torch.clamp(t11, min=0.0))
-    return t12
+    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    t7 = A @ X
+    M_1 = t7
+    t8 = M_1 @ W_V
+    F = t8
+    t9 = (2/(L*d_V)) * F
+    t10 = (-2/(L*d_V)) * Y
+    t11 = t9 + t10
+    G = t11
+    t12 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,abf,cg,hijd,hie,hif,jg->', M_2, X, M_1, W_V, M_2, X, M_1, W_V, optimize=[(1, 5), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abcd,abe,abf,cg,hifd,hie,hig->', M_2, X, M_1, W_V, M_2, X, G, optimize=[(1, 5), (2, 4), (0, 4), (1, 3), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t13 = torch.sqrt(torch.clamp(t12, min=0.0))
+    return t13
 
 
 def mse_causal1__diag__W_V__full(X, W_QK, W_V, Y):
@@ -2683,23 +3028,26 @@ def mse_causal1__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     A = t6 / t6.sum(-1, keepdim=True)
     t7 = A @ X
     M_1 = t7
-    t8 = M_1 @ W_V
-    F = t8
-    t9 = (2/(L*d_V)) * F
-    t10 = (-2/(L*d_V)) * Y
-    t11 = t9 + t10
-    G = t11
-    t12 = G.transpose(-1, -2)
+    t8 = M_1.transpose(-1, -2)
+    t9 = W_V.transpose(-1, -2)
+    t10 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t13 = (1/n_batch) * t12
-    t0[...] = oe.contract('abc,acde,acf->dbfe', t13, M_2, X, optimize=[(0, 2), (0, 1)])
-    t14 = M_1.transpose(-1, -2)
-    t15 = W_V.transpose(-1, -2)
-    t16 = (2/(L*d_V*n_batch)) * t14
-    t17 = oe.contract('ab,cdbe->aecd', t15, M_2, optimize=[(0, 1)])
-    t18 = oe.contract('abc,acd->bdac', t16, X, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t11 = (2/(L*d_V*n_batch)) * t8
+    t12 = oe.contract('ab,cdbe->aecd', t9, M_2, optimize=[(0, 1)])
+    t13 = oe.contract('abc,acd->bdac', t11, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t12, t13, optimize=[(0, 1)])
+    t14 = M_1 @ W_V
+    F = t14
+    t15 = (2/(L*d_V)) * F
+    t16 = (-2/(L*d_V)) * Y
+    t17 = t15 + t16
+    G = t17
+    t18 = G.transpose(-1, -2)
+    t19 = (1/n_batch) * t18
+    t0 += oe.contract('abc,acde,acf->dbfe', t19, M_2, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -2717,20 +3065,23 @@ def mse_causal1__frobenius__W_V__W_QK__full(X, W_QK, W_V, Y):
     A = t5 / t5.sum(-1, keepdim=True)
     t6 = A @ X
     M_1 = t6
-    t7 = M_1 @ W_V
-    F = t7
-    t8 = (2/(L*d_V)) * F
-    t9 = (-2/(L*d_V)) * Y
-    t10 = t8 + t9
-    G = t10
-    t11 = G.transpose(-1, -2)
+    t7 = M_1.transpose(-1, -2)
+    t8 = W_V.transpose(-1, -2)
+    t9 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t12 = M_1.transpose(-1, -2)
-    t13 = W_V.transpose(-1, -2)
-    t14 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t11, M_2, X, t11, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abc,acde,acf,gdh,bi,ghie,ghf->', t11, M_2, X, t12, t13, M_2, X, optimize=[(1, 3), (3, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,hbi,dj,hijf,hig->', t12, t13, M_2, X, t12, t13, M_2, X, optimize=[(1, 2), (0, 2), (1, 2), (2, 4), (2, 3), (0, 1), (0, 1)])
-    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
-    return t15
+    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    t10 = M_1 @ W_V
+    F = t10
+    t11 = (2/(L*d_V)) * F
+    t12 = (-2/(L*d_V)) * Y
+    t13 = t11 + t12
+    G = t13
+    t14 = G.transpose(-1, -2)
+    t15 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,hbi,dj,hijf,hig->', t7, t8, M_2, X, t7, t8, M_2, X, optimize=[(0, 4), (0, 3), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abc,de,acef,acg,hdi,hibf,hig->', t7, t8, M_2, X, t14, M_2, X, optimize=[(1, 4), (2, 4), (0, 2), (0, 3), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t14, M_2, X, t14, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
+    return t16
 
 
 def mse_causal1__block__W_V__W_V__full(X, W_QK, W_V, Y):
@@ -2780,6 +3131,147 @@ def mse_causal1__frobenius__W_V__W_V__full(X, W_QK, W_V, Y):
     return t10
 
 
+def mse_causal1__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
+    """(‖H_o(W_QK, W_QK)‖_F, ‖H_f(W_QK, W_QK)‖_F, ‖H(W_QK, W_QK)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.transpose(-1, -2)
+    t1 = W_QK @ t0
+    t2 = X @ t1
+    t3 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t4 = torch.where(t3, -math.inf, t2)
+    t5 = torch.exp(t4 - t4.amax(-1, keepdim=True))
+    A = t5 / t5.sum(-1, keepdim=True)
+    t6 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    t7 = W_V.transpose(-1, -2)
+    t8 = W_V @ t7
+    t9 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,cf,abfg,abh,ijkd,ije,kl,ijlg,ijh->', M_2, X, t8, M_2, X, M_2, X, t8, M_2, X, optimize=[(0, 2), (1, 8), (0, 3), (1, 2), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t10 = A @ X
+    M_1 = t10
+    t11 = M_1 @ W_V
+    F = t11
+    t12 = (2/(L*d_V)) * F
+    t13 = (-2/(L*d_V)) * Y
+    t14 = t12 + t13
+    G = t14
+    t15 = t7 @ t0
+    t16 = G @ t15
+    t17 = t16 - (A * t16).sum(-1, keepdim=True)
+    t18 = A * t17
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t18, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t18, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t18, optimize=[(0, 1)])
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
+    t19 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t20 = (4/(L*d_V*n_batch**2)) * oe.contract('abcd,abe,cf,abfg,abh,iej,ijdg,ijh->', M_2, X, t8, M_2, X, t0, M_3, X, optimize=[(0, 2), (1, 6), (3, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t21 = t9 + t19 + t20
+    t22 = torch.sqrt(torch.clamp(t9, min=0.0))
+    t23 = torch.sqrt(torch.clamp(t19, min=0.0))
+    t24 = torch.sqrt(torch.clamp(t21, min=0.0))
+    return (t22, t23, t24,)
+
+
+def mse_causal1__frobenius_split__W_QK__W_V(X, W_QK, W_V, Y):
+    """(‖H_o(W_QK, W_V)‖_F, ‖H_f(W_QK, W_V)‖_F, ‖H(W_QK, W_V)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.transpose(-1, -2)
+    t1 = W_QK @ t0
+    t2 = X @ t1
+    t3 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t4 = torch.where(t3, -math.inf, t2)
+    t5 = torch.exp(t4 - t4.amax(-1, keepdim=True))
+    A = t5 / t5.sum(-1, keepdim=True)
+    t6 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    t7 = A @ X
+    M_1 = t7
+    t8 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abcd,abe,abf,cg,hijd,hie,hif,jg->', M_2, X, M_1, W_V, M_2, X, M_1, W_V, optimize=[(1, 5), (1, 4), (4, 5), (1, 3), (0, 3), (0, 2), (0, 1)])
+    t9 = M_1 @ W_V
+    F = t9
+    t10 = (2/(L*d_V)) * F
+    t11 = (-2/(L*d_V)) * Y
+    t12 = t10 + t11
+    G = t12
+    t13 = (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t14 = (4/(L*d_V*n_batch**2)) * oe.contract('abcd,abe,abf,cg,hifd,hie,hig->', M_2, X, M_1, W_V, M_2, X, G, optimize=[(1, 5), (2, 4), (0, 4), (1, 3), (0, 2), (0, 1)])
+    t15 = t8 + t13 + t14
+    t16 = torch.sqrt(torch.clamp(t8, min=0.0))
+    t17 = torch.sqrt(torch.clamp(t13, min=0.0))
+    t18 = torch.sqrt(torch.clamp(t15, min=0.0))
+    return (t16, t17, t18,)
+
+
+def mse_causal1__frobenius_split__W_V__W_QK(X, W_QK, W_V, Y):
+    """(‖H_o(W_V, W_QK)‖_F, ‖H_f(W_V, W_QK)‖_F, ‖H(W_V, W_QK)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.transpose(-1, -2)
+    t1 = W_QK @ t0
+    t2 = X @ t1
+    t3 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t4 = torch.where(t3, -math.inf, t2)
+    t5 = torch.exp(t4 - t4.amax(-1, keepdim=True))
+    A = t5 / t5.sum(-1, keepdim=True)
+    t6 = A @ X
+    M_1 = t6
+    t7 = M_1.transpose(-1, -2)
+    t8 = W_V.transpose(-1, -2)
+    t9 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t9, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    t10 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,acef,acg,hbi,dj,hijf,hig->', t7, t8, M_2, X, t7, t8, M_2, X, optimize=[(0, 4), (0, 3), (1, 3), (2, 4), (0, 2), (0, 2), (0, 1)])
+    t11 = M_1 @ W_V
+    F = t11
+    t12 = (2/(L*d_V)) * F
+    t13 = (-2/(L*d_V)) * Y
+    t14 = t12 + t13
+    G = t14
+    t15 = G.transpose(-1, -2)
+    t16 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t15, M_2, X, t15, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t17 = (4/(L*d_V*n_batch**2)) * oe.contract('abc,de,acef,acg,hdi,hibf,hig->', t7, t8, M_2, X, t15, M_2, X, optimize=[(1, 4), (2, 4), (0, 2), (0, 3), (0, 2), (0, 1)])
+    t18 = t10 + t16 + t17
+    t19 = torch.sqrt(torch.clamp(t10, min=0.0))
+    t20 = torch.sqrt(torch.clamp(t16, min=0.0))
+    t21 = torch.sqrt(torch.clamp(t18, min=0.0))
+    return (t19, t20, t21,)
+
+
+def mse_causal1__frobenius_split__W_V__W_V(X, W_QK, W_V, Y):
+    """(‖H_o(W_V, W_V)‖_F, ‖H_f(W_V, W_V)‖_F, ‖H(W_V, W_V)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.transpose(-1, -2)
+    t1 = W_QK @ t0
+    t2 = X @ t1
+    t3 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t4 = torch.where(t3, -math.inf, t2)
+    t5 = torch.exp(t4 - t4.amax(-1, keepdim=True))
+    A = t5 / t5.sum(-1, keepdim=True)
+    t6 = A @ X
+    M_1 = t6
+    t7 = M_1.transpose(-1, -2)
+    t8 = t7 @ M_1
+    t9 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t8, t8, optimize=[(0, 1)])
+    t10 = t9 + 0.0 + 0.0
+    t11 = torch.sqrt(torch.clamp(t9, min=0.0))
+    t12 = torch.sqrt(torch.clamp(t10, min=0.0))
+    return (t11, 0.0, t12,)
+
+
 def causal1__jacobian__W_QK(X, W_QK, W_V):
     """∂vec_r F/∂vec_r W_QK: dense (numel F × numel W_QK); with data, one Jacobian per sequence (leading batch axis), not a mean."""
     L = X.shape[-2]
@@ -2793,11 +3285,14 @@ def causal1__jacobian__W_QK(X, W_QK, W_V):
     t5 = torch.where(t4, -math.inf, t3)
     t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
     A = t6 / t6.sum(-1, keepdim=True)
+    t7 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
     out = torch.empty((n_batch, L*d_V, d_V**2,), dtype=X.dtype, device=X.device)
-    t7 = out.view((n_batch, L, d_V, d_V, d_V,))
-    t7[...] = oe.contract('ab,cdbe,cdf->cdafe', t0, M_2, X, optimize=[(0, 1), (0, 1)])
+    t8 = out.view((n_batch, L, d_V, d_V, d_V,))
+    t8[...] = oe.contract('ab,cdbe,cdf->cdafe', t0, M_2, X, optimize=[(0, 1), (0, 1)])
     return out
 
 
@@ -2814,11 +3309,14 @@ def causal1__jacobian_compact__W_QK(X, W_QK, W_V):
     t5 = torch.where(t4, -math.inf, t3)
     t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
     A = t6 / t6.sum(-1, keepdim=True)
+    t7 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
     J = oe.contract('ab,cdbe->cdae', t0, M_2, optimize=[(0, 1)])
-    J7 = X
-    return (J, J7, )
+    J8 = X
+    return (J, J8, )
 
 
 def causal1__jacobian__W_V(X, W_QK, W_V):
@@ -2930,51 +3428,39 @@ def ce_causal0__hessian__outer(X, W_QK, W_V, Y):
     t4 = X @ t3
     t5 = torch.exp(t4 - t4.amax(-1, keepdim=True))
     A = t5 / t5.sum(-1, keepdim=True)
+    t6 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t6 = Y.sum(-1, keepdim=True)
-    t7 = t6.expand(*t6.shape[:-1], d_V)
-    t8 = A @ X
-    M_1 = t8
-    t9 = M_1 @ W_V
-    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
-    A11 = t10 / t10.sum(-1, keepdim=True)
-    t12 = W_V.transpose(-1, -2)
-    t13 = (1/(L*n_batch)) * X
-    t1[...] = oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi->edih', M_2, t13, W_V, t7, A11, t12, M_2, X, optimize=[(3, 4), (0, 2), (1, 2), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t14 = (-1/(L*n_batch)) * X
-    t15 = oe.contract('abc,cd,abde->eab', A11, t12, M_2, optimize=[(0, 1), (0, 1)])
-    t16 = oe.contract('abcd,abe,cf,abf,abf,abg->edgab', M_2, t14, W_V, t7, A11, X, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t1 += oe.contract('abc,defbc->defa', t15, t16, optimize=[(0, 1)])
-    t17 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t18 = t17.view((d_V, d_V, d_V, d_V))
-    t19 = oe.contract('abcd,ce,abe,abe->deab', M_2, W_V, t7, A11, optimize=[(0, 1), (0, 1), (0, 1)])
-    t20 = oe.contract('abc,abd->cdab', t13, M_1, optimize=[(0, 1)])
-    t18[...] = oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
-    t21 = oe.contract('abc,abd,abe->cedab', t14, A11, M_1, optimize=[(0, 1), (0, 1)])
-    t22 = oe.contract('abcd,ce,abe,abe->dab', M_2, W_V, t7, A11, optimize=[(1, 2), (1, 2), (0, 1)])
-    t18 += oe.contract('abcde,fde->afbc', t21, t22, optimize=[(0, 1)])
-    t23 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t24 = t23.view((d_V, d_V, d_V, d_V))
-    t25 = M_1.transpose(-1, -2)
-    t26 = (1/(L*n_batch)) * t25
-    t27 = oe.contract('abc,abc,cd,abde->ceab', t7, A11, t12, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t28 = oe.contract('abc,acd->bdac', t26, X, optimize=[(0, 1)])
-    t24[...] = oe.contract('abcd,efcd->eafb', t27, t28, optimize=[(0, 1)])
-    t29 = (-1/(L*n_batch)) * t25
-    t30 = oe.contract('abc,acd,de,acef->bfac', t29, A11, t12, M_2, optimize=[(1, 2), (1, 2), (0, 1)])
-    t31 = oe.contract('abc,abc,abd->cdab', t7, A11, X, optimize=[(0, 1), (0, 1)])
-    t24 += oe.contract('abcd,efcd->aefb', t30, t31, optimize=[(0, 1)])
-    t32 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t32[...] = 0
-    t33 = t32.view((d_V, d_V, d_V, d_V))
-    t34 = t33.diagonal(0, 1, 3)
-    t35 = oe.contract('abc,abc->cab', t7, A11, optimize=[(0, 1)])
-    t36 = oe.contract('abc,acd->bdac', t26, M_1, optimize=[(0, 1)])
-    t34 += oe.contract('abc,debc->dea', t35, t36, optimize=[(0, 1)])
-    t37 = oe.contract('abc,acd->bdac', t29, A11, optimize=[(0, 1)])
-    t38 = oe.contract('abc,abc,abd->cdab', t7, A11, M_1, optimize=[(0, 1), (0, 1)])
-    t33 += oe.contract('abcd,efcd->aefb', t37, t38, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t7 = Y.sum(-1, keepdim=True)
+    t8 = t7.expand(*t7.shape[:-1], d_V)
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1 @ W_V
+    t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
+    A12 = t11 / t11.sum(-1, keepdim=True)
+    t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA14 = oe.contract('abc,cd->abcd', A12, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A12, A12, optimize=[(0, 1)])
+    t15 = W_V.transpose(-1, -2)
+    t16 = (1/(L*n_batch)) * X
+    t17 = oe.contract('abcd,ce,abe,abef,fg,abgh->dhab', M_2, W_V, t8, dA14, t15, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
+    t18 = oe.contract('abc,abd->cdab', t16, X, optimize=[(0, 1)])
+    t1[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
+    t19 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t20 = t19.view((d_V, d_V, d_V, d_V))
+    t20[...] = oe.contract('abcd,abe,cf,abf,abfg,abh->edhg', M_2, t16, W_V, t8, dA14, M_1, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t21 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t22 = t21.view((d_V, d_V, d_V, d_V))
+    t23 = M_1.transpose(-1, -2)
+    t24 = (1/(L*n_batch)) * t23
+    t25 = oe.contract('abc,abcd,de,abef->cfab', t8, dA14, t15, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t26 = oe.contract('abc,acd->bdac', t24, X, optimize=[(0, 1)])
+    t22[...] = oe.contract('abcd,efcd->eafb', t25, t26, optimize=[(0, 1)])
+    t27 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t28 = t27.view((d_V, d_V, d_V, d_V))
+    t28[...] = oe.contract('abc,acd,acde,acf->bdfe', t24, t8, dA14, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
     return H
 
 
@@ -3030,26 +3516,32 @@ def ce_causal0__frobenius_all__outer(X, W_QK, W_V, Y):
     t2 = X @ t1
     t3 = torch.exp(t2 - t2.amax(-1, keepdim=True))
     A = t3 / t3.sum(-1, keepdim=True)
+    t4 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t4 = Y.sum(-1, keepdim=True)
-    t5 = t4.expand(*t4.shape[:-1], d_V)
-    t6 = A @ X
-    M_1 = t6
-    t7 = M_1 @ W_V
-    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
-    A9 = t8 / t8.sum(-1, keepdim=True)
-    t10 = W_V.transpose(-1, -2)
-    t11 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi,jkld,jke,lm,jkm,jkm,mn,jknh,jki->', M_2, X, W_V, t5, A9, t10, M_2, X, M_2, X, W_V, t5, A9, t10, M_2, X, optimize=[(3, 4), (9, 10), (0, 2), (1, 2), (0, 3), (1, 2), (1, 2), (0, 1), (4, 7), (0, 2), (1, 5), (0, 1), (0, 3), (1, 2), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi,jkld,jke,lm,jkm,jkm,jkn,no,jkoh,jki->', M_2, X, W_V, t5, A9, t10, M_2, X, M_2, X, W_V, t5, A9, A9, t10, M_2, X, optimize=[(3, 4), (9, 10), (0, 2), (1, 2), (0, 3), (1, 2), (6, 10), (1, 2), (1, 8), (0, 1), (3, 6), (0, 1), (0, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhi,abj,klmd,kle,mn,kln,kln,klo,op,klpi,klj->', M_2, X, W_V, t5, A9, A9, t10, M_2, X, M_2, X, W_V, t5, A9, A9, t10, M_2, X, optimize=[(3, 4), (10, 11), (0, 2), (12, 14), (1, 2), (1, 12), (0, 3), (1, 2), (5, 9), (1, 2), (1, 7), (0, 1), (2, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t12 = torch.sqrt(torch.clamp(t11, min=0.0))
-    t13 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abf,abg,hijd,hie,jf,hif,hif,hig->', M_2, X, W_V, t5, A9, M_1, M_2, X, W_V, t5, A9, M_1, optimize=[(3, 4), (7, 8), (0, 2), (0, 3), (1, 2), (4, 6), (0, 1), (2, 4), (0, 2), (0, 2), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abf,abg,hijd,hie,jk,hik,hik,hif,hig->', M_2, X, W_V, t5, A9, M_1, M_2, X, W_V, t5, A9, A9, M_1, optimize=[(3, 4), (7, 8), (0, 2), (0, 3), (1, 2), (4, 7), (0, 2), (3, 5), (1, 2), (1, 3), (0, 2), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abf,abg,abh,ijkd,ije,kl,ijl,ijl,ijg,ijh->', M_2, X, W_V, t5, A9, A9, M_1, M_2, X, W_V, t5, A9, A9, M_1, optimize=[(3, 4), (8, 9), (0, 2), (8, 10), (0, 4), (2, 3), (4, 7), (0, 2), (3, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t14 = torch.sqrt(torch.clamp(t13, min=0.0))
-    t15 = M_1.transpose(-1, -2)
-    t16 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,hbi,hid,hid,dj,hijf,hig->', t15, t5, A9, t10, M_2, X, t15, t5, A9, t10, M_2, X, optimize=[(1, 2), (5, 6), (1, 2), (0, 2), (1, 2), (4, 6), (0, 1), (2, 4), (0, 2), (0, 2), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,hbi,hid,hid,hij,jk,hikf,hig->', t15, t5, A9, t10, M_2, X, t15, t5, A9, A9, t10, M_2, X, optimize=[(1, 2), (5, 6), (1, 2), (0, 2), (1, 2), (1, 7), (0, 1), (3, 5), (0, 2), (1, 3), (0, 2), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,ibj,ijd,ijd,ijk,kl,ijlg,ijh->', t15, t5, A9, A9, t10, M_2, X, t15, t5, A9, A9, t10, M_2, X, optimize=[(1, 2), (6, 7), (1, 2), (1, 10), (0, 2), (1, 2), (1, 7), (0, 1), (3, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    t5 = Y.sum(-1, keepdim=True)
+    t6 = t5.expand(*t5.shape[:-1], d_V)
+    t7 = A @ X
+    M_1 = t7
+    t8 = M_1 @ W_V
+    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
+    A10 = t9 / t9.sum(-1, keepdim=True)
+    t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA12 = oe.contract('abc,cd->abcd', A10, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A10, A10, optimize=[(0, 1)])
+    t13 = W_V.transpose(-1, -2)
+    t14 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhi,abj,klmd,kle,mn,kln,klno,op,klpi,klj->', M_2, X, W_V, t6, dA12, t13, M_2, X, M_2, X, W_V, t6, dA12, t13, M_2, X, optimize=[(0, 2), (1, 2), (12, 13), (1, 2), (10, 11), (0, 3), (1, 2), (1, 2), (6, 7), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
+    t16 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,abh,ijkd,ije,kl,ijl,ijlg,ijh->', M_2, X, W_V, t6, dA12, M_1, M_2, X, W_V, t6, dA12, M_1, optimize=[(0, 2), (1, 2), (8, 9), (0, 3), (1, 2), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
     t17 = torch.sqrt(torch.clamp(t16, min=0.0))
-    t18 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fge->', t15, t5, A9, M_1, t15, t5, A9, M_1, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fgd,fge->', t15, t5, A9, M_1, t15, t5, A9, A9, M_1, optimize=[(1, 2), (3, 4), (3, 6), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,acf,gbh,ghd,ghd,ghe,ghf->', t15, t5, A9, A9, M_1, t15, t5, A9, A9, M_1, optimize=[(1, 2), (4, 5), (0, 3), (0, 2), (4, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
-    return (t12, t14, t17, t19,)
+    t18 = M_1.transpose(-1, -2)
+    t19 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,ibj,ijd,ijdk,kl,ijlg,ijh->', t18, t6, dA12, t13, M_2, X, t18, t6, dA12, t13, M_2, X, optimize=[(1, 2), (1, 10), (1, 9), (0, 2), (1, 2), (1, 6), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
+    t21 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t18, t6, dA12, M_1, t18, t6, dA12, M_1, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
+    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
+    return (t15, t17, t20, t22,)
 
 
 def ce_causal0__diag__W_QK__outer(X, W_QK, W_V, Y):
@@ -3064,24 +3556,26 @@ def ce_causal0__diag__W_QK__outer(X, W_QK, W_V, Y):
     t3 = X @ t2
     t4 = torch.exp(t3 - t3.amax(-1, keepdim=True))
     A = t4 / t4.sum(-1, keepdim=True)
+    t5 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t5, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t5 = Y.sum(-1, keepdim=True)
-    t6 = t5.expand(*t5.shape[:-1], d_V)
-    t7 = A @ X
-    M_1 = t7
-    t8 = M_1 @ W_V
-    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
-    A10 = t9 / t9.sum(-1, keepdim=True)
-    t11 = W_V.transpose(-1, -2)
-    t12 = (1/(L*n_batch)) * X
-    t13 = oe.contract('abcd,ce,abe,abe,ef,abfd->dab', M_2, W_V, t6, A10, t11, M_2, optimize=[(2, 3), (0, 1), (0, 1), (1, 2), (0, 1)])
-    t14 = oe.contract('abc,abc->cab', t12, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t13, t14, optimize=[(0, 1)])
-    t15 = (-1/(L*n_batch)) * X
-    t16 = oe.contract('abcd,ce,abe,abe,abf,fg,abgd->dab', M_2, W_V, t6, A10, A10, t11, M_2, optimize=[(2, 3), (0, 1), (3, 4), (0, 1), (0, 2), (0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t6 = Y.sum(-1, keepdim=True)
+    t7 = t6.expand(*t6.shape[:-1], d_V)
+    t8 = A @ X
+    M_1 = t8
+    t9 = M_1 @ W_V
+    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
+    A11 = t10 / t10.sum(-1, keepdim=True)
+    t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA13 = oe.contract('abc,cd->abcd', A11, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A11, A11, optimize=[(0, 1)])
+    t14 = W_V.transpose(-1, -2)
+    t15 = (1/(L*n_batch)) * X
+    t16 = oe.contract('abcd,ce,abe,abef,fg,abgd->dab', M_2, W_V, t7, dA13, t14, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
     t17 = oe.contract('abc,abc->cab', t15, X, optimize=[(0, 1)])
-    t0 += oe.contract('abc,dbc->da', t16, t17, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -3095,17 +3589,23 @@ def ce_causal0__trace__W_QK__outer(X, W_QK, W_V, Y):
     t2 = X @ t1
     t3 = torch.exp(t2 - t2.amax(-1, keepdim=True))
     A = t3 / t3.sum(-1, keepdim=True)
+    t4 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t4 = Y.sum(-1, keepdim=True)
-    t5 = t4.expand(*t4.shape[:-1], d_V)
-    t6 = A @ X
-    M_1 = t6
-    t7 = M_1 @ W_V
-    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
-    A9 = t8 / t8.sum(-1, keepdim=True)
-    t10 = W_V.transpose(-1, -2)
-    return (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,fg,abgd,abe->', M_2, X, W_V, t5, A9, t10, M_2, X, optimize=[(3, 4), (1, 5), (0, 3), (2, 3), (0, 2), (0, 2), (0, 1)]) + (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhd,abe->', M_2, X, W_V, t5, A9, A9, t10, M_2, X, optimize=[(3, 4), (1, 6), (0, 4), (1, 2), (3, 4), (0, 1), (1, 2), (0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    t5 = Y.sum(-1, keepdim=True)
+    t6 = t5.expand(*t5.shape[:-1], d_V)
+    t7 = A @ X
+    M_1 = t7
+    t8 = M_1 @ W_V
+    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
+    A10 = t9 / t9.sum(-1, keepdim=True)
+    t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA12 = oe.contract('abc,cd->abcd', A10, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A10, A10, optimize=[(0, 1)])
+    t13 = W_V.transpose(-1, -2)
+    return (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhd,abe->', M_2, X, W_V, t6, dA12, t13, M_2, X, optimize=[(1, 7), (0, 5), (1, 2), (1, 4), (2, 3), (0, 2), (0, 1)])
 
 
 def ce_causal0__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
@@ -3120,22 +3620,26 @@ def ce_causal0__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     t3 = X @ t2
     t4 = torch.exp(t3 - t3.amax(-1, keepdim=True))
     A = t4 / t4.sum(-1, keepdim=True)
+    t5 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t5, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t5 = Y.sum(-1, keepdim=True)
-    t6 = t5.expand(*t5.shape[:-1], d_V)
-    t7 = A @ X
-    M_1 = t7
-    t8 = M_1 @ W_V
-    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
-    A10 = t9 / t9.sum(-1, keepdim=True)
-    t11 = W_V.transpose(-1, -2)
-    t12 = (1/(L*n_batch)) * X
-    t0[...] = oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi->edih', M_2, t12, W_V, t6, A10, t11, M_2, X, optimize=[(3, 4), (0, 2), (1, 2), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t13 = (-1/(L*n_batch)) * X
-    t14 = oe.contract('abc,cd,abde->eab', A10, t11, M_2, optimize=[(0, 1), (0, 1)])
-    t15 = oe.contract('abcd,abe,cf,abf,abf,abg->edgab', M_2, t13, W_V, t6, A10, X, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t0 += oe.contract('abc,defbc->defa', t14, t15, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t6 = Y.sum(-1, keepdim=True)
+    t7 = t6.expand(*t6.shape[:-1], d_V)
+    t8 = A @ X
+    M_1 = t8
+    t9 = M_1 @ W_V
+    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
+    A11 = t10 / t10.sum(-1, keepdim=True)
+    t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA13 = oe.contract('abc,cd->abcd', A11, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A11, A11, optimize=[(0, 1)])
+    t14 = W_V.transpose(-1, -2)
+    t15 = (1/(L*n_batch)) * X
+    t16 = oe.contract('abcd,ce,abe,abef,fg,abgh->dhab', M_2, W_V, t7, dA13, t14, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
+    t17 = oe.contract('abc,abd->cdab', t15, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -3149,19 +3653,25 @@ def ce_causal0__frobenius__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     t2 = X @ t1
     t3 = torch.exp(t2 - t2.amax(-1, keepdim=True))
     A = t3 / t3.sum(-1, keepdim=True)
+    t4 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t4 = Y.sum(-1, keepdim=True)
-    t5 = t4.expand(*t4.shape[:-1], d_V)
-    t6 = A @ X
-    M_1 = t6
-    t7 = M_1 @ W_V
-    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
-    A9 = t8 / t8.sum(-1, keepdim=True)
-    t10 = W_V.transpose(-1, -2)
-    t11 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi,jkld,jke,lm,jkm,jkm,mn,jknh,jki->', M_2, X, W_V, t5, A9, t10, M_2, X, M_2, X, W_V, t5, A9, t10, M_2, X, optimize=[(3, 4), (9, 10), (0, 2), (1, 2), (0, 3), (1, 2), (1, 2), (0, 1), (4, 7), (0, 2), (1, 5), (0, 1), (0, 3), (1, 2), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi,jkld,jke,lm,jkm,jkm,jkn,no,jkoh,jki->', M_2, X, W_V, t5, A9, t10, M_2, X, M_2, X, W_V, t5, A9, A9, t10, M_2, X, optimize=[(3, 4), (9, 10), (0, 2), (1, 2), (0, 3), (1, 2), (6, 10), (1, 2), (1, 8), (0, 1), (3, 6), (0, 1), (0, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhi,abj,klmd,kle,mn,kln,kln,klo,op,klpi,klj->', M_2, X, W_V, t5, A9, A9, t10, M_2, X, M_2, X, W_V, t5, A9, A9, t10, M_2, X, optimize=[(3, 4), (10, 11), (0, 2), (12, 14), (1, 2), (1, 12), (0, 3), (1, 2), (5, 9), (1, 2), (1, 7), (0, 1), (2, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t12 = torch.sqrt(torch.clamp(t11, min=0.0))
-    return t12
+    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    t5 = Y.sum(-1, keepdim=True)
+    t6 = t5.expand(*t5.shape[:-1], d_V)
+    t7 = A @ X
+    M_1 = t7
+    t8 = M_1 @ W_V
+    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
+    A10 = t9 / t9.sum(-1, keepdim=True)
+    t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA12 = oe.contract('abc,cd->abcd', A10, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A10, A10, optimize=[(0, 1)])
+    t13 = W_V.transpose(-1, -2)
+    t14 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhi,abj,klmd,kle,mn,kln,klno,op,klpi,klj->', M_2, X, W_V, t6, dA12, t13, M_2, X, M_2, X, W_V, t6, dA12, t13, M_2, X, optimize=[(0, 2), (1, 2), (12, 13), (1, 2), (10, 11), (0, 3), (1, 2), (1, 2), (6, 7), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
+    return t15
 
 
 def ce_causal0__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
@@ -3176,23 +3686,23 @@ def ce_causal0__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     t3 = X @ t2
     t4 = torch.exp(t3 - t3.amax(-1, keepdim=True))
     A = t4 / t4.sum(-1, keepdim=True)
+    t5 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t5, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t5 = Y.sum(-1, keepdim=True)
-    t6 = t5.expand(*t5.shape[:-1], d_V)
-    t7 = A @ X
-    M_1 = t7
-    t8 = M_1 @ W_V
-    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
-    A10 = t9 / t9.sum(-1, keepdim=True)
-    t11 = (1/(L*n_batch)) * X
-    t12 = oe.contract('abcd,ce,abe,abe->deab', M_2, W_V, t6, A10, optimize=[(0, 1), (0, 1), (0, 1)])
-    t13 = oe.contract('abc,abd->cdab', t11, M_1, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t12, t13, optimize=[(0, 1)])
-    t14 = (-1/(L*n_batch)) * X
-    t15 = oe.contract('abc,abd,abe->cedab', t14, A10, M_1, optimize=[(0, 1), (0, 1)])
-    t16 = oe.contract('abcd,ce,abe,abe->dab', M_2, W_V, t6, A10, optimize=[(1, 2), (1, 2), (0, 1)])
-    t0 += oe.contract('abcde,fde->afbc', t15, t16, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t6 = Y.sum(-1, keepdim=True)
+    t7 = t6.expand(*t6.shape[:-1], d_V)
+    t8 = A @ X
+    M_1 = t8
+    t9 = M_1 @ W_V
+    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
+    A11 = t10 / t10.sum(-1, keepdim=True)
+    t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA13 = oe.contract('abc,cd->abcd', A11, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A11, A11, optimize=[(0, 1)])
+    t14 = (1/(L*n_batch)) * X
+    t0[...] = oe.contract('abcd,abe,cf,abf,abfg,abh->edhg', M_2, t14, W_V, t7, dA13, M_1, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -3206,18 +3716,24 @@ def ce_causal0__frobenius__W_QK__W_V__outer(X, W_QK, W_V, Y):
     t2 = X @ t1
     t3 = torch.exp(t2 - t2.amax(-1, keepdim=True))
     A = t3 / t3.sum(-1, keepdim=True)
+    t4 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t4 = Y.sum(-1, keepdim=True)
-    t5 = t4.expand(*t4.shape[:-1], d_V)
-    t6 = A @ X
-    M_1 = t6
-    t7 = M_1 @ W_V
-    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
-    A9 = t8 / t8.sum(-1, keepdim=True)
-    t10 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abf,abg,hijd,hie,jf,hif,hif,hig->', M_2, X, W_V, t5, A9, M_1, M_2, X, W_V, t5, A9, M_1, optimize=[(3, 4), (7, 8), (0, 2), (0, 3), (1, 2), (4, 6), (0, 1), (2, 4), (0, 2), (0, 2), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abf,abg,hijd,hie,jk,hik,hik,hif,hig->', M_2, X, W_V, t5, A9, M_1, M_2, X, W_V, t5, A9, A9, M_1, optimize=[(3, 4), (7, 8), (0, 2), (0, 3), (1, 2), (4, 7), (0, 2), (3, 5), (1, 2), (1, 3), (0, 2), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abf,abg,abh,ijkd,ije,kl,ijl,ijl,ijg,ijh->', M_2, X, W_V, t5, A9, A9, M_1, M_2, X, W_V, t5, A9, A9, M_1, optimize=[(3, 4), (8, 9), (0, 2), (8, 10), (0, 4), (2, 3), (4, 7), (0, 2), (3, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t11 = torch.sqrt(torch.clamp(t10, min=0.0))
-    return t11
+    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    t5 = Y.sum(-1, keepdim=True)
+    t6 = t5.expand(*t5.shape[:-1], d_V)
+    t7 = A @ X
+    M_1 = t7
+    t8 = M_1 @ W_V
+    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
+    A10 = t9 / t9.sum(-1, keepdim=True)
+    t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA12 = oe.contract('abc,cd->abcd', A10, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A10, A10, optimize=[(0, 1)])
+    t13 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,abh,ijkd,ije,kl,ijl,ijlg,ijh->', M_2, X, W_V, t6, dA12, M_1, M_2, X, W_V, t6, dA12, M_1, optimize=[(0, 2), (1, 2), (8, 9), (0, 3), (1, 2), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t14 = torch.sqrt(torch.clamp(t13, min=0.0))
+    return t14
 
 
 def ce_causal0__diag__W_V__outer(X, W_QK, W_V, Y):
@@ -3240,12 +3756,13 @@ def ce_causal0__diag__W_V__outer(X, W_QK, W_V, Y):
     t9 = M_1 @ W_V
     t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
     A11 = t10 / t10.sum(-1, keepdim=True)
-    t12 = (1/(L*n_batch)) * t6
-    t13 = oe.contract('abc,abc->cab', t8, A11, optimize=[(0, 1)])
-    t14 = oe.contract('abc,acb->bac', t12, M_1, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t13, t14, optimize=[(0, 1)])
-    t15 = (-1/(L*n_batch)) * t6
-    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t15, t8, A11, A11, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A11, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A11, A11, optimize=[(0, 1)])
+    t13 = (1/(L*n_batch)) * t6
+    t14 = oe.contract('abc,abcc->cab', t8, dA, optimize=[(0, 1)])
+    t15 = oe.contract('abc,acb->bac', t13, M_1, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t14, t15, optimize=[(0, 1)])
     return out
 
 
@@ -3267,7 +3784,10 @@ def ce_causal0__trace__W_V__outer(X, W_QK, W_V, Y):
     t8 = M_1 @ W_V
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A10 = t9 / t9.sum(-1, keepdim=True)
-    return (1/(L*n_batch)) * oe.contract('abc,acd,acd,acb->', t5, t7, A10, M_1, optimize=[(0, 3), (0, 1), (0, 1)]) + (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->', t5, t7, A10, A10, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A10, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A10, A10, optimize=[(0, 1)])
+    return (1/(L*n_batch)) * oe.contract('abc,acd,acdd,acb->', t5, t7, dA, M_1, optimize=[(0, 3), (0, 1), (0, 1)])
 
 
 def ce_causal0__block__W_V__W_QK__outer(X, W_QK, W_V, Y):
@@ -3290,17 +3810,19 @@ def ce_causal0__block__W_V__W_QK__outer(X, W_QK, W_V, Y):
     t9 = M_1 @ W_V
     t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
     A11 = t10 / t10.sum(-1, keepdim=True)
-    t12 = W_V.transpose(-1, -2)
+    t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A11, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A11, A11, optimize=[(0, 1)])
+    t13 = W_V.transpose(-1, -2)
+    t14 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA15 = oe.contract('abc,cd->abcd', A, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t13 = (1/(L*n_batch)) * t6
-    t14 = oe.contract('abc,abc,cd,abde->ceab', t8, A11, t12, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t15 = oe.contract('abc,acd->bdac', t13, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t14, t15, optimize=[(0, 1)])
-    t16 = (-1/(L*n_batch)) * t6
-    t17 = oe.contract('abc,acd,de,acef->bfac', t16, A11, t12, M_2, optimize=[(1, 2), (1, 2), (0, 1)])
-    t18 = oe.contract('abc,abc,abd->cdab', t8, A11, X, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA15, X, optimize=[(0, 1), (0, 1)])
+    t16 = (1/(L*n_batch)) * t6
+    t17 = oe.contract('abc,abcd,de,abef->cfab', t8, dA, t13, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t18 = oe.contract('abc,acd->bdac', t16, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -3322,12 +3844,18 @@ def ce_causal0__frobenius__W_V__W_QK__outer(X, W_QK, W_V, Y):
     t8 = M_1 @ W_V
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A10 = t9 / t9.sum(-1, keepdim=True)
-    t11 = W_V.transpose(-1, -2)
+    t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A10, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A10, A10, optimize=[(0, 1)])
+    t12 = W_V.transpose(-1, -2)
+    t13 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA14 = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t12 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,hbi,hid,hid,dj,hijf,hig->', t5, t7, A10, t11, M_2, X, t5, t7, A10, t11, M_2, X, optimize=[(1, 2), (5, 6), (1, 2), (0, 2), (1, 2), (4, 6), (0, 1), (2, 4), (0, 2), (0, 2), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,hbi,hid,hid,hij,jk,hikf,hig->', t5, t7, A10, t11, M_2, X, t5, t7, A10, A10, t11, M_2, X, optimize=[(1, 2), (5, 6), (1, 2), (0, 2), (1, 2), (1, 7), (0, 1), (3, 5), (0, 2), (1, 3), (0, 2), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,ibj,ijd,ijd,ijk,kl,ijlg,ijh->', t5, t7, A10, A10, t11, M_2, X, t5, t7, A10, A10, t11, M_2, X, optimize=[(1, 2), (6, 7), (1, 2), (1, 10), (0, 2), (1, 2), (1, 7), (0, 1), (3, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t13 = torch.sqrt(torch.clamp(t12, min=0.0))
-    return t13
+    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA14, X, optimize=[(0, 1), (0, 1)])
+    t15 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,ibj,ijd,ijdk,kl,ijlg,ijh->', t5, t7, dA, t12, M_2, X, t5, t7, dA, t12, M_2, X, optimize=[(1, 2), (1, 10), (1, 9), (0, 2), (1, 2), (1, 6), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
+    return t16
 
 
 def ce_causal0__block__W_V__W_V__outer(X, W_QK, W_V, Y):
@@ -3336,30 +3864,25 @@ def ce_causal0__block__W_V__W_V__outer(X, W_QK, W_V, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
-    out[...] = 0
     t0 = out.view((d_V, d_V, d_V, d_V))
-    t1 = t0.diagonal(0, 1, 3)
-    t2 = X.transpose(-1, -2)
-    t3 = W_QK @ t2
-    t4 = X @ t3
-    t5 = torch.exp(t4 - t4.amax(-1, keepdim=True))
-    A = t5 / t5.sum(-1, keepdim=True)
-    t6 = A @ X
-    M_1 = t6
-    t7 = M_1.transpose(-1, -2)
-    t8 = Y.sum(-1, keepdim=True)
-    t9 = t8.expand(*t8.shape[:-1], d_V)
-    t10 = M_1 @ W_V
-    t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
-    A12 = t11 / t11.sum(-1, keepdim=True)
-    t13 = (1/(L*n_batch)) * t7
-    t14 = oe.contract('abc,abc->cab', t9, A12, optimize=[(0, 1)])
-    t15 = oe.contract('abc,acd->bdac', t13, M_1, optimize=[(0, 1)])
-    t1 += oe.contract('abc,debc->dea', t14, t15, optimize=[(0, 1)])
-    t16 = (-1/(L*n_batch)) * t7
-    t17 = oe.contract('abc,acd->bdac', t16, A12, optimize=[(0, 1)])
-    t18 = oe.contract('abc,abc,abd->cdab', t9, A12, M_1, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
+    t1 = X.transpose(-1, -2)
+    t2 = W_QK @ t1
+    t3 = X @ t2
+    t4 = torch.exp(t3 - t3.amax(-1, keepdim=True))
+    A = t4 / t4.sum(-1, keepdim=True)
+    t5 = A @ X
+    M_1 = t5
+    t6 = M_1.transpose(-1, -2)
+    t7 = Y.sum(-1, keepdim=True)
+    t8 = t7.expand(*t7.shape[:-1], d_V)
+    t9 = M_1 @ W_V
+    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
+    A11 = t10 / t10.sum(-1, keepdim=True)
+    t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A11, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A11, A11, optimize=[(0, 1)])
+    t13 = (1/(L*n_batch)) * t6
+    t0[...] = oe.contract('abc,acd,acde,acf->bdfe', t13, t8, dA, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -3381,9 +3904,12 @@ def ce_causal0__frobenius__W_V__W_V__outer(X, W_QK, W_V, Y):
     t8 = M_1 @ W_V
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A10 = t9 / t9.sum(-1, keepdim=True)
-    t11 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fge->', t5, t7, A10, M_1, t5, t7, A10, M_1, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fgd,fge->', t5, t7, A10, M_1, t5, t7, A10, A10, M_1, optimize=[(1, 2), (3, 4), (3, 6), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,acf,gbh,ghd,ghd,ghe,ghf->', t5, t7, A10, A10, M_1, t5, t7, A10, A10, M_1, optimize=[(1, 2), (4, 5), (0, 3), (0, 2), (4, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t12 = torch.sqrt(torch.clamp(t11, min=0.0))
-    return t12
+    t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A10, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A10, A10, optimize=[(0, 1)])
+    t12 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t5, t7, dA, M_1, t5, t7, dA, M_1, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
+    t13 = torch.sqrt(torch.clamp(t12, min=0.0))
+    return t13
 
 
 def ce_causal0__hessian__functional(X, W_QK, W_V, Y):
@@ -3417,25 +3943,30 @@ def ce_causal0__hessian__functional(X, W_QK, W_V, Y):
     t18 = G @ t17
     t19 = t18 - (A * t18).sum(-1, keepdim=True)
     t20 = A * t19
+    t21 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t20, t21, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t20, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t20, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t21 = (1/n_batch) * t2
-    t1[...] = oe.contract('abc,acde,acf->bdfe', t21, M_3, X, optimize=[(0, 2), (0, 1)])
-    t22 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t23 = t22.view((d_V, d_V, d_V, d_V))
+    M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
+    t22 = (1/n_batch) * t2
+    t1[...] = oe.contract('abc,acde,acf->bdfe', t22, M_3, X, optimize=[(0, 2), (0, 1)])
+    t23 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t24 = t23.view((d_V, d_V, d_V, d_V))
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t21, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t24 = (1/n_batch) * X
-    t25 = oe.contract('abc,abd->cdab', t24, G, optimize=[(0, 1)])
-    t26 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t23[...] = oe.contract('abcd,efcd->aefb', t25, t26, optimize=[(0, 1)])
-    t27 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t28 = t27.view((d_V, d_V, d_V, d_V))
-    t29 = G.transpose(-1, -2)
-    t30 = (1/n_batch) * t29
-    t28[...] = oe.contract('abc,acde,acf->dbfe', t30, M_2, X, optimize=[(0, 2), (0, 1)])
-    t31 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t31[...] = 0
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t25 = (1/n_batch) * X
+    t26 = oe.contract('abc,abd->cdab', t25, G, optimize=[(0, 1)])
+    t27 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t24[...] = oe.contract('abcd,efcd->aefb', t26, t27, optimize=[(0, 1)])
+    t28 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t29 = t28.view((d_V, d_V, d_V, d_V))
+    t30 = G.transpose(-1, -2)
+    t31 = (1/n_batch) * t30
+    t29[...] = oe.contract('abc,acde,acf->dbfe', t31, M_2, X, optimize=[(0, 2), (0, 1)])
+    t32 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t32[...] = 0
     return H
 
 
@@ -3513,18 +4044,23 @@ def ce_causal0__frobenius_all__functional(X, W_QK, W_V, Y):
     t16 = G @ t15
     t17 = t16 - (A * t16).sum(-1, keepdim=True)
     t18 = A * t17
+    t19 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t18, t19, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t18, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t18, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t0, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t19 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
+    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
+    t20 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t19, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t21 = (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
-    t23 = G.transpose(-1, -2)
-    t24 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t23, M_2, X, t23, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
-    return (t20, t22, t25, 0.0,)
+    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    t22 = (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t23 = torch.sqrt(torch.clamp(t22, min=0.0))
+    t24 = G.transpose(-1, -2)
+    t25 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t24, M_2, X, t24, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t26 = torch.sqrt(torch.clamp(t25, min=0.0))
+    return (t21, t23, t26, 0.0,)
 
 
 def ce_causal0__diag__W_QK__functional(X, W_QK, W_V, Y):
@@ -3557,10 +4093,13 @@ def ce_causal0__diag__W_QK__functional(X, W_QK, W_V, Y):
     t17 = G @ t16
     t18 = t17 - (A * t17).sum(-1, keepdim=True)
     t19 = A * t18
+    t20 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t19, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t19, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t19, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t19, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t19, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t20 = (1/n_batch) * t1
-    t0[...] = oe.contract('abc,acdd,acb->bd', t20, M_3, X, optimize=[(0, 2), (0, 1)])
+    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
+    t21 = (1/n_batch) * t1
+    t0[...] = oe.contract('abc,acdd,acb->bd', t21, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -3592,8 +4131,11 @@ def ce_causal0__trace__W_QK__functional(X, W_QK, W_V, Y):
     t16 = G @ t15
     t17 = t16 - (A * t16).sum(-1, keepdim=True)
     t18 = A * t17
+    t19 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t18, t19, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t18, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t18, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t0, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
     return (1/n_batch) * oe.contract('abc,acdd,acb->', t0, M_3, X, optimize=[(0, 2), (0, 1)])
 
 
@@ -3627,10 +4169,13 @@ def ce_causal0__block__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t17 = G @ t16
     t18 = t17 - (A * t17).sum(-1, keepdim=True)
     t19 = A * t18
+    t20 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t19, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t19, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t19, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t19, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t19, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t20 = (1/n_batch) * t1
-    t0[...] = oe.contract('abc,acde,acf->bdfe', t20, M_3, X, optimize=[(0, 2), (0, 1)])
+    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
+    t21 = (1/n_batch) * t1
+    t0[...] = oe.contract('abc,acde,acf->bdfe', t21, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -3662,11 +4207,14 @@ def ce_causal0__frobenius__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t16 = G @ t15
     t17 = t16 - (A * t16).sum(-1, keepdim=True)
     t18 = A * t17
+    t19 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t18, t19, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t18, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t18, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t0, t18, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t18, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t18, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t19 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
-    return t20
+    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
+    t20 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
+    return t21
 
 
 def ce_causal0__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
@@ -3681,25 +4229,28 @@ def ce_causal0__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
     t3 = X @ t2
     t4 = torch.exp(t3 - t3.amax(-1, keepdim=True))
     A = t4 / t4.sum(-1, keepdim=True)
+    t5 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t5, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t5 = Y.sum(-1, keepdim=True)
-    t6 = t5.expand(*t5.shape[:-1], d_V)
-    t7 = A @ X
-    M_1 = t7
-    t8 = M_1 @ W_V
-    F = t8
-    t9 = torch.exp(F - F.amax(-1, keepdim=True))
-    A10 = t9 / t9.sum(-1, keepdim=True)
-    t11 = t6 * A10
-    t12 = (1/L) * t11
-    t13 = (-1/L) * Y
-    t14 = t12 + t13
-    G = t14
-    t15 = (1/n_batch) * X
-    t16 = oe.contract('abc,abd->cdab', t15, G, optimize=[(0, 1)])
-    t17 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t16, t17, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t6 = Y.sum(-1, keepdim=True)
+    t7 = t6.expand(*t6.shape[:-1], d_V)
+    t8 = A @ X
+    M_1 = t8
+    t9 = M_1 @ W_V
+    F = t9
+    t10 = torch.exp(F - F.amax(-1, keepdim=True))
+    A11 = t10 / t10.sum(-1, keepdim=True)
+    t12 = t7 * A11
+    t13 = (1/L) * t12
+    t14 = (-1/L) * Y
+    t15 = t13 + t14
+    G = t15
+    t16 = (1/n_batch) * X
+    t17 = oe.contract('abc,abd->cdab', t16, G, optimize=[(0, 1)])
+    t18 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -3713,24 +4264,27 @@ def ce_causal0__frobenius__W_QK__W_V__functional(X, W_QK, W_V, Y):
     t2 = X @ t1
     t3 = torch.exp(t2 - t2.amax(-1, keepdim=True))
     A = t3 / t3.sum(-1, keepdim=True)
+    t4 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t4 = Y.sum(-1, keepdim=True)
-    t5 = t4.expand(*t4.shape[:-1], d_V)
-    t6 = A @ X
-    M_1 = t6
-    t7 = M_1 @ W_V
-    F = t7
-    t8 = torch.exp(F - F.amax(-1, keepdim=True))
-    A9 = t8 / t8.sum(-1, keepdim=True)
-    t10 = t5 * A9
-    t11 = (1/L) * t10
-    t12 = (-1/L) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
-    return t15
+    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    t5 = Y.sum(-1, keepdim=True)
+    t6 = t5.expand(*t5.shape[:-1], d_V)
+    t7 = A @ X
+    M_1 = t7
+    t8 = M_1 @ W_V
+    F = t8
+    t9 = torch.exp(F - F.amax(-1, keepdim=True))
+    A10 = t9 / t9.sum(-1, keepdim=True)
+    t11 = t6 * A10
+    t12 = (1/L) * t11
+    t13 = (-1/L) * Y
+    t14 = t12 + t13
+    G = t14
+    t15 = (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
+    return t16
 
 
 def ce_causal0__diag__W_V__functional(X, W_QK, W_V, Y):
@@ -3777,10 +4331,13 @@ def ce_causal0__block__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t14 = t12 + t13
     G = t14
     t15 = G.transpose(-1, -2)
+    t16 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t16 = (1/n_batch) * t15
-    t0[...] = oe.contract('abc,acde,acf->dbfe', t16, M_2, X, optimize=[(0, 2), (0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
+    t17 = (1/n_batch) * t15
+    t0[...] = oe.contract('abc,acde,acf->dbfe', t17, M_2, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -3808,11 +4365,14 @@ def ce_causal0__frobenius__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t13 = t11 + t12
     G = t13
     t14 = G.transpose(-1, -2)
+    t15 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t15 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t14, M_2, X, t14, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
-    return t16
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t16 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t14, M_2, X, t14, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
+    return t17
 
 
 def ce_causal0__block__W_V__W_V__functional(X, W_QK, W_V, Y):
@@ -3846,74 +4406,64 @@ def ce_causal0__hessian__full(X, W_QK, W_V, Y):
     t4 = X @ t3
     t5 = torch.exp(t4 - t4.amax(-1, keepdim=True))
     A = t5 / t5.sum(-1, keepdim=True)
+    t6 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t6 = Y.sum(-1, keepdim=True)
-    t7 = t6.expand(*t6.shape[:-1], d_V)
-    t8 = A @ X
-    M_1 = t8
-    t9 = M_1 @ W_V
-    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
-    A11 = t10 / t10.sum(-1, keepdim=True)
-    t12 = W_V.transpose(-1, -2)
-    t13 = (1/(L*n_batch)) * X
-    t1[...] = oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi->edih', M_2, t13, W_V, t7, A11, t12, M_2, X, optimize=[(3, 4), (0, 2), (1, 2), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t14 = (-1/(L*n_batch)) * X
-    t15 = oe.contract('abc,cd,abde->eab', A11, t12, M_2, optimize=[(0, 1), (0, 1)])
-    t16 = oe.contract('abcd,abe,cf,abf,abf,abg->edgab', M_2, t14, W_V, t7, A11, X, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t1 += oe.contract('abc,defbc->defa', t15, t16, optimize=[(0, 1)])
-    F = t9
-    t17 = torch.exp(F - F.amax(-1, keepdim=True))
-    A18 = t17 / t17.sum(-1, keepdim=True)
-    t19 = t7 * A18
-    t20 = (1/L) * t19
-    t21 = (-1/L) * Y
-    t22 = t20 + t21
-    G = t22
-    t23 = t12 @ t2
-    t24 = G @ t23
-    t25 = t24 - (A * t24).sum(-1, keepdim=True)
-    t26 = A * t25
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t7 = Y.sum(-1, keepdim=True)
+    t8 = t7.expand(*t7.shape[:-1], d_V)
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1 @ W_V
+    t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
+    A12 = t11 / t11.sum(-1, keepdim=True)
+    t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA14 = oe.contract('abc,cd->abcd', A12, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A12, A12, optimize=[(0, 1)])
+    t15 = W_V.transpose(-1, -2)
+    t16 = (1/(L*n_batch)) * X
+    t17 = oe.contract('abcd,ce,abe,abef,fg,abgh->dhab', M_2, W_V, t8, dA14, t15, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
+    t18 = oe.contract('abc,abd->cdab', t16, X, optimize=[(0, 1)])
+    t1[...] = oe.contract('abcd,efcd->eafb', t17, t18, optimize=[(0, 1)])
+    F = t10
+    t19 = torch.exp(F - F.amax(-1, keepdim=True))
+    A20 = t19 / t19.sum(-1, keepdim=True)
+    t21 = t8 * A20
+    t22 = (1/L) * t21
+    t23 = (-1/L) * Y
+    t24 = t22 + t23
+    G = t24
+    t25 = t15 @ t2
+    t26 = G @ t25
+    t27 = t26 - (A * t26).sum(-1, keepdim=True)
+    t28 = A * t27
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t28, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t28, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t28, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t26, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t26, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t26, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t27 = (1/n_batch) * t2
-    t1 += oe.contract('abc,acde,acf->bdfe', t27, M_3, X, optimize=[(0, 2), (0, 1)])
-    t28 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t29 = t28.view((d_V, d_V, d_V, d_V))
-    t30 = oe.contract('abcd,ce,abe,abe->deab', M_2, W_V, t7, A11, optimize=[(0, 1), (0, 1), (0, 1)])
-    t31 = oe.contract('abc,abd->cdab', t13, M_1, optimize=[(0, 1)])
-    t29[...] = oe.contract('abcd,efcd->eafb', t30, t31, optimize=[(0, 1)])
-    t32 = oe.contract('abc,abd,abe->cedab', t14, A11, M_1, optimize=[(0, 1), (0, 1)])
-    t33 = oe.contract('abcd,ce,abe,abe->dab', M_2, W_V, t7, A11, optimize=[(1, 2), (1, 2), (0, 1)])
-    t29 += oe.contract('abcde,fde->afbc', t32, t33, optimize=[(0, 1)])
-    t34 = (1/n_batch) * X
-    t35 = oe.contract('abc,abd->cdab', t34, G, optimize=[(0, 1)])
-    t36 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t29 += oe.contract('abcd,efcd->aefb', t35, t36, optimize=[(0, 1)])
-    t37 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t38 = t37.view((d_V, d_V, d_V, d_V))
-    t39 = G.transpose(-1, -2)
-    t40 = (1/n_batch) * t39
-    t38[...] = oe.contract('abc,acde,acf->dbfe', t40, M_2, X, optimize=[(0, 2), (0, 1)])
-    t41 = M_1.transpose(-1, -2)
-    t42 = (1/(L*n_batch)) * t41
-    t43 = oe.contract('abc,abc,cd,abde->ceab', t7, A11, t12, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t44 = oe.contract('abc,acd->bdac', t42, X, optimize=[(0, 1)])
-    t38 += oe.contract('abcd,efcd->eafb', t43, t44, optimize=[(0, 1)])
-    t45 = (-1/(L*n_batch)) * t41
-    t46 = oe.contract('abc,acd,de,acef->bfac', t45, A11, t12, M_2, optimize=[(1, 2), (1, 2), (0, 1)])
-    t47 = oe.contract('abc,abc,abd->cdab', t7, A11, X, optimize=[(0, 1), (0, 1)])
-    t38 += oe.contract('abcd,efcd->aefb', t46, t47, optimize=[(0, 1)])
-    t48 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t48[...] = 0
-    t49 = t48.view((d_V, d_V, d_V, d_V))
-    t50 = t49.diagonal(0, 1, 3)
-    t51 = oe.contract('abc,abc->cab', t7, A11, optimize=[(0, 1)])
-    t52 = oe.contract('abc,acd->bdac', t42, M_1, optimize=[(0, 1)])
-    t50 += oe.contract('abc,debc->dea', t51, t52, optimize=[(0, 1)])
-    t53 = oe.contract('abc,acd->bdac', t45, A11, optimize=[(0, 1)])
-    t54 = oe.contract('abc,abc,abd->cdab', t7, A11, M_1, optimize=[(0, 1), (0, 1)])
-    t49 += oe.contract('abcd,efcd->aefb', t53, t54, optimize=[(0, 1)])
+    M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
+    t29 = (1/n_batch) * t2
+    t1 += oe.contract('abc,acde,acf->bdfe', t29, M_3, X, optimize=[(0, 2), (0, 1)])
+    t30 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t31 = t30.view((d_V, d_V, d_V, d_V))
+    t31[...] = oe.contract('abcd,abe,cf,abf,abfg,abh->edhg', M_2, t16, W_V, t8, dA14, M_1, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t32 = (1/n_batch) * X
+    t33 = oe.contract('abc,abd->cdab', t32, G, optimize=[(0, 1)])
+    t34 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t31 += oe.contract('abcd,efcd->aefb', t33, t34, optimize=[(0, 1)])
+    t35 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t36 = t35.view((d_V, d_V, d_V, d_V))
+    t37 = G.transpose(-1, -2)
+    t38 = (1/n_batch) * t37
+    t36[...] = oe.contract('abc,acde,acf->dbfe', t38, M_2, X, optimize=[(0, 2), (0, 1)])
+    t39 = M_1.transpose(-1, -2)
+    t40 = (1/(L*n_batch)) * t39
+    t41 = oe.contract('abc,abcd,de,abef->cfab', t8, dA14, t15, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t42 = oe.contract('abc,acd->bdac', t40, X, optimize=[(0, 1)])
+    t36 += oe.contract('abcd,efcd->eafb', t41, t42, optimize=[(0, 1)])
+    t43 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t44 = t43.view((d_V, d_V, d_V, d_V))
+    t44[...] = oe.contract('abc,acd,acde,acf->bdfe', t40, t8, dA14, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
     return H
 
 
@@ -3987,41 +4537,49 @@ def ce_causal0__frobenius_all__full(X, W_QK, W_V, Y):
     t2 = X @ t1
     t3 = torch.exp(t2 - t2.amax(-1, keepdim=True))
     A = t3 / t3.sum(-1, keepdim=True)
+    t4 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t4 = Y.sum(-1, keepdim=True)
-    t5 = t4.expand(*t4.shape[:-1], d_V)
-    t6 = A @ X
-    M_1 = t6
-    t7 = M_1 @ W_V
-    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
-    A9 = t8 / t8.sum(-1, keepdim=True)
-    t10 = W_V.transpose(-1, -2)
-    F = t7
-    t11 = torch.exp(F - F.amax(-1, keepdim=True))
-    A12 = t11 / t11.sum(-1, keepdim=True)
-    t13 = t5 * A12
-    t14 = (1/L) * t13
-    t15 = (-1/L) * Y
-    t16 = t14 + t15
-    G = t16
-    t17 = t10 @ t0
-    t18 = G @ t17
-    t19 = t18 - (A * t18).sum(-1, keepdim=True)
-    t20 = A * t19
+    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    t5 = Y.sum(-1, keepdim=True)
+    t6 = t5.expand(*t5.shape[:-1], d_V)
+    t7 = A @ X
+    M_1 = t7
+    t8 = M_1 @ W_V
+    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
+    A10 = t9 / t9.sum(-1, keepdim=True)
+    t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA12 = oe.contract('abc,cd->abcd', A10, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A10, A10, optimize=[(0, 1)])
+    t13 = W_V.transpose(-1, -2)
+    F = t8
+    t14 = torch.exp(F - F.amax(-1, keepdim=True))
+    A15 = t14 / t14.sum(-1, keepdim=True)
+    t16 = t6 * A15
+    t17 = (1/L) * t16
+    t18 = (-1/L) * Y
+    t19 = t17 + t18
+    G = t19
+    t20 = t13 @ t0
+    t21 = G @ t20
+    t22 = t21 - (A * t21).sum(-1, keepdim=True)
+    t23 = A * t22
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t23, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t23, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t23, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t0, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t21 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi,jkld,jke,lm,jkm,jkm,mn,jknh,jki->', M_2, X, W_V, t5, A9, t10, M_2, X, M_2, X, W_V, t5, A9, t10, M_2, X, optimize=[(3, 4), (9, 10), (0, 2), (1, 2), (0, 3), (1, 2), (1, 2), (0, 1), (4, 7), (0, 2), (1, 5), (0, 1), (0, 3), (1, 2), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi,jkld,jke,lm,jkm,jkm,jkn,no,jkoh,jki->', M_2, X, W_V, t5, A9, t10, M_2, X, M_2, X, W_V, t5, A9, A9, t10, M_2, X, optimize=[(3, 4), (9, 10), (0, 2), (1, 2), (0, 3), (1, 2), (6, 10), (1, 2), (1, 8), (0, 1), (3, 6), (0, 1), (0, 4), (0, 3), (0, 2), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi,jek,jkdh,jki->', M_2, X, W_V, t5, A9, t10, M_2, X, t0, M_3, X, optimize=[(3, 4), (0, 2), (1, 2), (0, 2), (0, 2), (4, 5), (1, 2), (1, 3), (0, 2), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhi,abj,klmd,kle,mn,kln,kln,klo,op,klpi,klj->', M_2, X, W_V, t5, A9, A9, t10, M_2, X, M_2, X, W_V, t5, A9, A9, t10, M_2, X, optimize=[(3, 4), (10, 11), (0, 2), (12, 14), (1, 2), (1, 12), (0, 3), (1, 2), (5, 9), (1, 2), (1, 7), (0, 1), (2, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (-2/(L*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhi,abj,kel,kldi,klj->', M_2, X, W_V, t5, A9, A9, t10, M_2, X, t0, M_3, X, optimize=[(3, 4), (0, 2), (8, 9), (1, 2), (1, 7), (0, 2), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
-    t23 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abf,abg,hijd,hie,jf,hif,hif,hig->', M_2, X, W_V, t5, A9, M_1, M_2, X, W_V, t5, A9, M_1, optimize=[(3, 4), (7, 8), (0, 2), (0, 3), (1, 2), (4, 6), (0, 1), (2, 4), (0, 2), (0, 2), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abf,abg,hijd,hie,jk,hik,hik,hif,hig->', M_2, X, W_V, t5, A9, M_1, M_2, X, W_V, t5, A9, A9, M_1, optimize=[(3, 4), (7, 8), (0, 2), (0, 3), (1, 2), (4, 7), (0, 2), (3, 5), (1, 2), (1, 3), (0, 2), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abf,abg,higd,hie,hif->', M_2, X, W_V, t5, A9, M_1, M_2, X, G, optimize=[(3, 4), (0, 2), (1, 2), (4, 5), (0, 1), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abf,abg,abh,ijkd,ije,kl,ijl,ijl,ijg,ijh->', M_2, X, W_V, t5, A9, A9, M_1, M_2, X, W_V, t5, A9, A9, M_1, optimize=[(3, 4), (8, 9), (0, 2), (8, 10), (0, 4), (2, 3), (4, 7), (0, 2), (3, 5), (0, 1), (2, 3), (0, 1), (0, 1)]) + (-2/(L*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abf,abg,abh,ijhd,ije,ijg->', M_2, X, W_V, t5, A9, A9, M_1, M_2, X, G, optimize=[(3, 4), (0, 2), (6, 7), (2, 3), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t24 = torch.sqrt(torch.clamp(t23, min=0.0))
-    t25 = G.transpose(-1, -2)
-    t26 = M_1.transpose(-1, -2)
-    t27 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t25, M_2, X, t25, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abc,acde,acf,gdh,ghb,ghb,bi,ghie,ghf->', t25, M_2, X, t26, t5, A9, t10, M_2, X, optimize=[(4, 5), (1, 3), (3, 6), (1, 3), (1, 3), (0, 3), (0, 2), (0, 1)]) + (-2/(L*n_batch**2)) * oe.contract('abc,acde,acf,gdh,ghb,ghb,ghi,ij,ghje,ghf->', t25, M_2, X, t26, t5, A9, A9, t10, M_2, X, optimize=[(4, 5), (1, 3), (4, 7), (2, 3), (4, 5), (1, 2), (2, 3), (0, 1), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,hbi,hid,hid,dj,hijf,hig->', t26, t5, A9, t10, M_2, X, t26, t5, A9, t10, M_2, X, optimize=[(1, 2), (5, 6), (1, 2), (0, 2), (1, 2), (4, 6), (0, 1), (2, 4), (0, 2), (0, 2), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,hbi,hid,hid,hij,jk,hikf,hig->', t26, t5, A9, t10, M_2, X, t26, t5, A9, A9, t10, M_2, X, optimize=[(1, 2), (5, 6), (1, 2), (0, 2), (1, 2), (1, 7), (0, 1), (3, 5), (0, 2), (1, 3), (0, 2), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,ibj,ijd,ijd,ijk,kl,ijlg,ijh->', t26, t5, A9, A9, t10, M_2, X, t26, t5, A9, A9, t10, M_2, X, optimize=[(1, 2), (6, 7), (1, 2), (1, 10), (0, 2), (1, 2), (1, 7), (0, 1), (3, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t28 = torch.sqrt(torch.clamp(t27, min=0.0))
-    t29 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fge->', t26, t5, A9, M_1, t26, t5, A9, M_1, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fgd,fge->', t26, t5, A9, M_1, t26, t5, A9, A9, M_1, optimize=[(1, 2), (3, 4), (3, 6), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,acf,gbh,ghd,ghd,ghe,ghf->', t26, t5, A9, A9, M_1, t26, t5, A9, A9, M_1, optimize=[(1, 2), (4, 5), (0, 3), (0, 2), (4, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t30 = torch.sqrt(torch.clamp(t29, min=0.0))
-    return (t22, t24, t28, t30,)
+    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
+    t24 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhi,abj,klmd,kle,mn,kln,klno,op,klpi,klj->', M_2, X, W_V, t6, dA12, t13, M_2, X, M_2, X, W_V, t6, dA12, t13, M_2, X, optimize=[(0, 2), (1, 2), (12, 13), (1, 2), (10, 11), (0, 3), (1, 2), (1, 2), (6, 7), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhi,abj,kel,kldi,klj->', M_2, X, W_V, t6, dA12, t13, M_2, X, t0, M_3, X, optimize=[(0, 2), (1, 2), (7, 8), (1, 2), (5, 6), (3, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
+    t26 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,abh,ijkd,ije,kl,ijl,ijlg,ijh->', M_2, X, W_V, t6, dA12, M_1, M_2, X, W_V, t6, dA12, M_1, optimize=[(0, 2), (1, 2), (8, 9), (0, 3), (1, 2), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,abh,ijhd,ije,ijg->', M_2, X, W_V, t6, dA12, M_1, M_2, X, G, optimize=[(0, 2), (1, 2), (5, 6), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t27 = torch.sqrt(torch.clamp(t26, min=0.0))
+    t28 = G.transpose(-1, -2)
+    t29 = M_1.transpose(-1, -2)
+    t30 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t28, M_2, X, t28, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abc,acde,acf,gdh,ghb,ghbi,ij,ghje,ghf->', t28, M_2, X, t29, t6, dA12, t13, M_2, X, optimize=[(4, 5), (2, 6), (0, 6), (4, 5), (0, 1), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,ibj,ijd,ijdk,kl,ijlg,ijh->', t29, t6, dA12, t13, M_2, X, t29, t6, dA12, t13, M_2, X, optimize=[(1, 2), (1, 10), (1, 9), (0, 2), (1, 2), (1, 6), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t31 = torch.sqrt(torch.clamp(t30, min=0.0))
+    t32 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t29, t6, dA12, M_1, t29, t6, dA12, M_1, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
+    t33 = torch.sqrt(torch.clamp(t32, min=0.0))
+    return (t25, t27, t31, t33,)
 
 
 def ce_causal0__diag__W_QK__full(X, W_QK, W_V, Y):
@@ -4036,38 +4594,42 @@ def ce_causal0__diag__W_QK__full(X, W_QK, W_V, Y):
     t3 = X @ t2
     t4 = torch.exp(t3 - t3.amax(-1, keepdim=True))
     A = t4 / t4.sum(-1, keepdim=True)
+    t5 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t5, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t5 = Y.sum(-1, keepdim=True)
-    t6 = t5.expand(*t5.shape[:-1], d_V)
-    t7 = A @ X
-    M_1 = t7
-    t8 = M_1 @ W_V
-    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
-    A10 = t9 / t9.sum(-1, keepdim=True)
-    t11 = W_V.transpose(-1, -2)
-    t12 = (1/(L*n_batch)) * X
-    t13 = oe.contract('abcd,ce,abe,abe,ef,abfd->dab', M_2, W_V, t6, A10, t11, M_2, optimize=[(2, 3), (0, 1), (0, 1), (1, 2), (0, 1)])
-    t14 = oe.contract('abc,abc->cab', t12, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t13, t14, optimize=[(0, 1)])
-    t15 = (-1/(L*n_batch)) * X
-    t16 = oe.contract('abcd,ce,abe,abe,abf,fg,abgd->dab', M_2, W_V, t6, A10, A10, t11, M_2, optimize=[(2, 3), (0, 1), (3, 4), (0, 1), (0, 2), (0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t6 = Y.sum(-1, keepdim=True)
+    t7 = t6.expand(*t6.shape[:-1], d_V)
+    t8 = A @ X
+    M_1 = t8
+    t9 = M_1 @ W_V
+    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
+    A11 = t10 / t10.sum(-1, keepdim=True)
+    t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA13 = oe.contract('abc,cd->abcd', A11, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A11, A11, optimize=[(0, 1)])
+    t14 = W_V.transpose(-1, -2)
+    t15 = (1/(L*n_batch)) * X
+    t16 = oe.contract('abcd,ce,abe,abef,fg,abgd->dab', M_2, W_V, t7, dA13, t14, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
     t17 = oe.contract('abc,abc->cab', t15, X, optimize=[(0, 1)])
-    t0 += oe.contract('abc,dbc->da', t16, t17, optimize=[(0, 1)])
-    F = t8
+    t0[...] = oe.contract('abc,dbc->da', t16, t17, optimize=[(0, 1)])
+    F = t9
     t18 = torch.exp(F - F.amax(-1, keepdim=True))
     A19 = t18 / t18.sum(-1, keepdim=True)
-    t20 = t6 * A19
+    t20 = t7 * A19
     t21 = (1/L) * t20
     t22 = (-1/L) * Y
     t23 = t21 + t22
     G = t23
-    t24 = t11 @ t1
+    t24 = t14 @ t1
     t25 = G @ t24
     t26 = t25 - (A * t25).sum(-1, keepdim=True)
     t27 = A * t26
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t27, t5, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t27, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t27, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t27, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t27, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t27, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
     t28 = (1/n_batch) * t1
     t0 += oe.contract('abc,acdd,acb->bd', t28, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
@@ -4083,31 +4645,39 @@ def ce_causal0__trace__W_QK__full(X, W_QK, W_V, Y):
     t2 = X @ t1
     t3 = torch.exp(t2 - t2.amax(-1, keepdim=True))
     A = t3 / t3.sum(-1, keepdim=True)
+    t4 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t4 = Y.sum(-1, keepdim=True)
-    t5 = t4.expand(*t4.shape[:-1], d_V)
-    t6 = A @ X
-    M_1 = t6
-    t7 = M_1 @ W_V
-    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
-    A9 = t8 / t8.sum(-1, keepdim=True)
-    t10 = W_V.transpose(-1, -2)
-    F = t7
-    t11 = torch.exp(F - F.amax(-1, keepdim=True))
-    A12 = t11 / t11.sum(-1, keepdim=True)
-    t13 = t5 * A12
-    t14 = (1/L) * t13
-    t15 = (-1/L) * Y
-    t16 = t14 + t15
-    G = t16
-    t17 = t10 @ t0
-    t18 = G @ t17
-    t19 = t18 - (A * t18).sum(-1, keepdim=True)
-    t20 = A * t19
+    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    t5 = Y.sum(-1, keepdim=True)
+    t6 = t5.expand(*t5.shape[:-1], d_V)
+    t7 = A @ X
+    M_1 = t7
+    t8 = M_1 @ W_V
+    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
+    A10 = t9 / t9.sum(-1, keepdim=True)
+    t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA12 = oe.contract('abc,cd->abcd', A10, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A10, A10, optimize=[(0, 1)])
+    t13 = W_V.transpose(-1, -2)
+    F = t8
+    t14 = torch.exp(F - F.amax(-1, keepdim=True))
+    A15 = t14 / t14.sum(-1, keepdim=True)
+    t16 = t6 * A15
+    t17 = (1/L) * t16
+    t18 = (-1/L) * Y
+    t19 = t17 + t18
+    G = t19
+    t20 = t13 @ t0
+    t21 = G @ t20
+    t22 = t21 - (A * t21).sum(-1, keepdim=True)
+    t23 = A * t22
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t23, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t23, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t23, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t0, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    return (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,fg,abgd,abe->', M_2, X, W_V, t5, A9, t10, M_2, X, optimize=[(3, 4), (1, 5), (0, 3), (2, 3), (0, 2), (0, 2), (0, 1)]) + (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhd,abe->', M_2, X, W_V, t5, A9, A9, t10, M_2, X, optimize=[(3, 4), (1, 6), (0, 4), (1, 2), (3, 4), (0, 1), (1, 2), (0, 1)]) + (1/n_batch) * oe.contract('abc,acdd,acb->', t0, M_3, X, optimize=[(0, 2), (0, 1)])
+    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
+    return (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhd,abe->', M_2, X, W_V, t6, dA12, t13, M_2, X, optimize=[(1, 7), (0, 5), (1, 2), (1, 4), (2, 3), (0, 2), (0, 1)]) + (1/n_batch) * oe.contract('abc,acdd,acb->', t0, M_3, X, optimize=[(0, 2), (0, 1)])
 
 
 def ce_causal0__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
@@ -4122,38 +4692,44 @@ def ce_causal0__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     t3 = X @ t2
     t4 = torch.exp(t3 - t3.amax(-1, keepdim=True))
     A = t4 / t4.sum(-1, keepdim=True)
+    t5 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t5, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t5 = Y.sum(-1, keepdim=True)
-    t6 = t5.expand(*t5.shape[:-1], d_V)
-    t7 = A @ X
-    M_1 = t7
-    t8 = M_1 @ W_V
-    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
-    A10 = t9 / t9.sum(-1, keepdim=True)
-    t11 = W_V.transpose(-1, -2)
-    t12 = (1/(L*n_batch)) * X
-    t0[...] = oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi->edih', M_2, t12, W_V, t6, A10, t11, M_2, X, optimize=[(3, 4), (0, 2), (1, 2), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t13 = (-1/(L*n_batch)) * X
-    t14 = oe.contract('abc,cd,abde->eab', A10, t11, M_2, optimize=[(0, 1), (0, 1)])
-    t15 = oe.contract('abcd,abe,cf,abf,abf,abg->edgab', M_2, t13, W_V, t6, A10, X, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t0 += oe.contract('abc,defbc->defa', t14, t15, optimize=[(0, 1)])
-    F = t8
-    t16 = torch.exp(F - F.amax(-1, keepdim=True))
-    A17 = t16 / t16.sum(-1, keepdim=True)
-    t18 = t6 * A17
-    t19 = (1/L) * t18
-    t20 = (-1/L) * Y
-    t21 = t19 + t20
-    G = t21
-    t22 = t11 @ t1
-    t23 = G @ t22
-    t24 = t23 - (A * t23).sum(-1, keepdim=True)
-    t25 = A * t24
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t6 = Y.sum(-1, keepdim=True)
+    t7 = t6.expand(*t6.shape[:-1], d_V)
+    t8 = A @ X
+    M_1 = t8
+    t9 = M_1 @ W_V
+    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
+    A11 = t10 / t10.sum(-1, keepdim=True)
+    t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA13 = oe.contract('abc,cd->abcd', A11, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A11, A11, optimize=[(0, 1)])
+    t14 = W_V.transpose(-1, -2)
+    t15 = (1/(L*n_batch)) * X
+    t16 = oe.contract('abcd,ce,abe,abef,fg,abgh->dhab', M_2, W_V, t7, dA13, t14, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
+    t17 = oe.contract('abc,abd->cdab', t15, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
+    F = t9
+    t18 = torch.exp(F - F.amax(-1, keepdim=True))
+    A19 = t18 / t18.sum(-1, keepdim=True)
+    t20 = t7 * A19
+    t21 = (1/L) * t20
+    t22 = (-1/L) * Y
+    t23 = t21 + t22
+    G = t23
+    t24 = t14 @ t1
+    t25 = G @ t24
+    t26 = t25 - (A * t25).sum(-1, keepdim=True)
+    t27 = A * t26
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t27, t5, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t27, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t27, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t25, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t25, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t25, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t26 = (1/n_batch) * t1
-    t0 += oe.contract('abc,acde,acf->bdfe', t26, M_3, X, optimize=[(0, 2), (0, 1)])
+    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
+    t28 = (1/n_batch) * t1
+    t0 += oe.contract('abc,acde,acf->bdfe', t28, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -4167,33 +4743,41 @@ def ce_causal0__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     t2 = X @ t1
     t3 = torch.exp(t2 - t2.amax(-1, keepdim=True))
     A = t3 / t3.sum(-1, keepdim=True)
+    t4 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t4 = Y.sum(-1, keepdim=True)
-    t5 = t4.expand(*t4.shape[:-1], d_V)
-    t6 = A @ X
-    M_1 = t6
-    t7 = M_1 @ W_V
-    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
-    A9 = t8 / t8.sum(-1, keepdim=True)
-    t10 = W_V.transpose(-1, -2)
-    F = t7
-    t11 = torch.exp(F - F.amax(-1, keepdim=True))
-    A12 = t11 / t11.sum(-1, keepdim=True)
-    t13 = t5 * A12
-    t14 = (1/L) * t13
-    t15 = (-1/L) * Y
-    t16 = t14 + t15
-    G = t16
-    t17 = t10 @ t0
-    t18 = G @ t17
-    t19 = t18 - (A * t18).sum(-1, keepdim=True)
-    t20 = A * t19
+    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    t5 = Y.sum(-1, keepdim=True)
+    t6 = t5.expand(*t5.shape[:-1], d_V)
+    t7 = A @ X
+    M_1 = t7
+    t8 = M_1 @ W_V
+    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
+    A10 = t9 / t9.sum(-1, keepdim=True)
+    t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA12 = oe.contract('abc,cd->abcd', A10, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A10, A10, optimize=[(0, 1)])
+    t13 = W_V.transpose(-1, -2)
+    F = t8
+    t14 = torch.exp(F - F.amax(-1, keepdim=True))
+    A15 = t14 / t14.sum(-1, keepdim=True)
+    t16 = t6 * A15
+    t17 = (1/L) * t16
+    t18 = (-1/L) * Y
+    t19 = t17 + t18
+    G = t19
+    t20 = t13 @ t0
+    t21 = G @ t20
+    t22 = t21 - (A * t21).sum(-1, keepdim=True)
+    t23 = A * t22
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t23, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t23, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t23, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t0, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t21 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi,jkld,jke,lm,jkm,jkm,mn,jknh,jki->', M_2, X, W_V, t5, A9, t10, M_2, X, M_2, X, W_V, t5, A9, t10, M_2, X, optimize=[(3, 4), (9, 10), (0, 2), (1, 2), (0, 3), (1, 2), (1, 2), (0, 1), (4, 7), (0, 2), (1, 5), (0, 1), (0, 3), (1, 2), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi,jkld,jke,lm,jkm,jkm,jkn,no,jkoh,jki->', M_2, X, W_V, t5, A9, t10, M_2, X, M_2, X, W_V, t5, A9, A9, t10, M_2, X, optimize=[(3, 4), (9, 10), (0, 2), (1, 2), (0, 3), (1, 2), (6, 10), (1, 2), (1, 8), (0, 1), (3, 6), (0, 1), (0, 4), (0, 3), (0, 2), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi,jek,jkdh,jki->', M_2, X, W_V, t5, A9, t10, M_2, X, t0, M_3, X, optimize=[(3, 4), (0, 2), (1, 2), (0, 2), (0, 2), (4, 5), (1, 2), (1, 3), (0, 2), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhi,abj,klmd,kle,mn,kln,kln,klo,op,klpi,klj->', M_2, X, W_V, t5, A9, A9, t10, M_2, X, M_2, X, W_V, t5, A9, A9, t10, M_2, X, optimize=[(3, 4), (10, 11), (0, 2), (12, 14), (1, 2), (1, 12), (0, 3), (1, 2), (5, 9), (1, 2), (1, 7), (0, 1), (2, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (-2/(L*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhi,abj,kel,kldi,klj->', M_2, X, W_V, t5, A9, A9, t10, M_2, X, t0, M_3, X, optimize=[(3, 4), (0, 2), (8, 9), (1, 2), (1, 7), (0, 2), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
-    return t22
+    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
+    t24 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhi,abj,klmd,kle,mn,kln,klno,op,klpi,klj->', M_2, X, W_V, t6, dA12, t13, M_2, X, M_2, X, W_V, t6, dA12, t13, M_2, X, optimize=[(0, 2), (1, 2), (12, 13), (1, 2), (10, 11), (0, 3), (1, 2), (1, 2), (6, 7), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhi,abj,kel,kldi,klj->', M_2, X, W_V, t6, dA12, t13, M_2, X, t0, M_3, X, optimize=[(0, 2), (1, 2), (7, 8), (1, 2), (5, 6), (3, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
+    return t25
 
 
 def ce_causal0__block__W_QK__W_V__full(X, W_QK, W_V, Y):
@@ -4208,35 +4792,35 @@ def ce_causal0__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     t3 = X @ t2
     t4 = torch.exp(t3 - t3.amax(-1, keepdim=True))
     A = t4 / t4.sum(-1, keepdim=True)
+    t5 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t5, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t5 = Y.sum(-1, keepdim=True)
-    t6 = t5.expand(*t5.shape[:-1], d_V)
-    t7 = A @ X
-    M_1 = t7
-    t8 = M_1 @ W_V
-    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
-    A10 = t9 / t9.sum(-1, keepdim=True)
-    t11 = (1/(L*n_batch)) * X
-    t12 = oe.contract('abcd,ce,abe,abe->deab', M_2, W_V, t6, A10, optimize=[(0, 1), (0, 1), (0, 1)])
-    t13 = oe.contract('abc,abd->cdab', t11, M_1, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t12, t13, optimize=[(0, 1)])
-    t14 = (-1/(L*n_batch)) * X
-    t15 = oe.contract('abc,abd,abe->cedab', t14, A10, M_1, optimize=[(0, 1), (0, 1)])
-    t16 = oe.contract('abcd,ce,abe,abe->dab', M_2, W_V, t6, A10, optimize=[(1, 2), (1, 2), (0, 1)])
-    t0 += oe.contract('abcde,fde->afbc', t15, t16, optimize=[(0, 1)])
-    F = t8
-    t17 = torch.exp(F - F.amax(-1, keepdim=True))
-    A18 = t17 / t17.sum(-1, keepdim=True)
-    t19 = t6 * A18
-    t20 = (1/L) * t19
-    t21 = (-1/L) * Y
-    t22 = t20 + t21
-    G = t22
-    t23 = (1/n_batch) * X
-    t24 = oe.contract('abc,abd->cdab', t23, G, optimize=[(0, 1)])
-    t25 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t0 += oe.contract('abcd,efcd->aefb', t24, t25, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t6 = Y.sum(-1, keepdim=True)
+    t7 = t6.expand(*t6.shape[:-1], d_V)
+    t8 = A @ X
+    M_1 = t8
+    t9 = M_1 @ W_V
+    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
+    A11 = t10 / t10.sum(-1, keepdim=True)
+    t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA13 = oe.contract('abc,cd->abcd', A11, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A11, A11, optimize=[(0, 1)])
+    t14 = (1/(L*n_batch)) * X
+    t0[...] = oe.contract('abcd,abe,cf,abf,abfg,abh->edhg', M_2, t14, W_V, t7, dA13, M_1, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    F = t9
+    t15 = torch.exp(F - F.amax(-1, keepdim=True))
+    A16 = t15 / t15.sum(-1, keepdim=True)
+    t17 = t7 * A16
+    t18 = (1/L) * t17
+    t19 = (-1/L) * Y
+    t20 = t18 + t19
+    G = t20
+    t21 = (1/n_batch) * X
+    t22 = oe.contract('abc,abd->cdab', t21, G, optimize=[(0, 1)])
+    t23 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0 += oe.contract('abcd,efcd->aefb', t22, t23, optimize=[(0, 1)])
     return out
 
 
@@ -4250,26 +4834,32 @@ def ce_causal0__frobenius__W_QK__W_V__full(X, W_QK, W_V, Y):
     t2 = X @ t1
     t3 = torch.exp(t2 - t2.amax(-1, keepdim=True))
     A = t3 / t3.sum(-1, keepdim=True)
+    t4 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t4 = Y.sum(-1, keepdim=True)
-    t5 = t4.expand(*t4.shape[:-1], d_V)
-    t6 = A @ X
-    M_1 = t6
-    t7 = M_1 @ W_V
-    t8 = torch.exp(t7 - t7.amax(-1, keepdim=True))
-    A9 = t8 / t8.sum(-1, keepdim=True)
-    F = t7
-    t10 = torch.exp(F - F.amax(-1, keepdim=True))
-    A11 = t10 / t10.sum(-1, keepdim=True)
-    t12 = t5 * A11
-    t13 = (1/L) * t12
-    t14 = (-1/L) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abf,abg,hijd,hie,jf,hif,hif,hig->', M_2, X, W_V, t5, A9, M_1, M_2, X, W_V, t5, A9, M_1, optimize=[(3, 4), (7, 8), (0, 2), (0, 3), (1, 2), (4, 6), (0, 1), (2, 4), (0, 2), (0, 2), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abf,abg,hijd,hie,jk,hik,hik,hif,hig->', M_2, X, W_V, t5, A9, M_1, M_2, X, W_V, t5, A9, A9, M_1, optimize=[(3, 4), (7, 8), (0, 2), (0, 3), (1, 2), (4, 7), (0, 2), (3, 5), (1, 2), (1, 3), (0, 2), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abf,abg,higd,hie,hif->', M_2, X, W_V, t5, A9, M_1, M_2, X, G, optimize=[(3, 4), (0, 2), (1, 2), (4, 5), (0, 1), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abf,abg,abh,ijkd,ije,kl,ijl,ijl,ijg,ijh->', M_2, X, W_V, t5, A9, A9, M_1, M_2, X, W_V, t5, A9, A9, M_1, optimize=[(3, 4), (8, 9), (0, 2), (8, 10), (0, 4), (2, 3), (4, 7), (0, 2), (3, 5), (0, 1), (2, 3), (0, 1), (0, 1)]) + (-2/(L*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abf,abg,abh,ijhd,ije,ijg->', M_2, X, W_V, t5, A9, A9, M_1, M_2, X, G, optimize=[(3, 4), (0, 2), (6, 7), (2, 3), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
-    return t17
+    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    t5 = Y.sum(-1, keepdim=True)
+    t6 = t5.expand(*t5.shape[:-1], d_V)
+    t7 = A @ X
+    M_1 = t7
+    t8 = M_1 @ W_V
+    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
+    A10 = t9 / t9.sum(-1, keepdim=True)
+    t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA12 = oe.contract('abc,cd->abcd', A10, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A10, A10, optimize=[(0, 1)])
+    F = t8
+    t13 = torch.exp(F - F.amax(-1, keepdim=True))
+    A14 = t13 / t13.sum(-1, keepdim=True)
+    t15 = t6 * A14
+    t16 = (1/L) * t15
+    t17 = (-1/L) * Y
+    t18 = t16 + t17
+    G = t18
+    t19 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,abh,ijkd,ije,kl,ijl,ijlg,ijh->', M_2, X, W_V, t6, dA12, M_1, M_2, X, W_V, t6, dA12, M_1, optimize=[(0, 2), (1, 2), (8, 9), (0, 3), (1, 2), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,abh,ijhd,ije,ijg->', M_2, X, W_V, t6, dA12, M_1, M_2, X, G, optimize=[(0, 2), (1, 2), (5, 6), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
+    return t20
 
 
 def ce_causal0__diag__W_V__full(X, W_QK, W_V, Y):
@@ -4292,12 +4882,13 @@ def ce_causal0__diag__W_V__full(X, W_QK, W_V, Y):
     t9 = M_1 @ W_V
     t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
     A11 = t10 / t10.sum(-1, keepdim=True)
-    t12 = (1/(L*n_batch)) * t6
-    t13 = oe.contract('abc,abc->cab', t8, A11, optimize=[(0, 1)])
-    t14 = oe.contract('abc,acb->bac', t12, M_1, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t13, t14, optimize=[(0, 1)])
-    t15 = (-1/(L*n_batch)) * t6
-    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t15, t8, A11, A11, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A11, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A11, A11, optimize=[(0, 1)])
+    t13 = (1/(L*n_batch)) * t6
+    t14 = oe.contract('abc,abcc->cab', t8, dA, optimize=[(0, 1)])
+    t15 = oe.contract('abc,acb->bac', t13, M_1, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t14, t15, optimize=[(0, 1)])
     return out
 
 
@@ -4319,7 +4910,10 @@ def ce_causal0__trace__W_V__full(X, W_QK, W_V, Y):
     t8 = M_1 @ W_V
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A10 = t9 / t9.sum(-1, keepdim=True)
-    return (1/(L*n_batch)) * oe.contract('abc,acd,acd,acb->', t5, t7, A10, M_1, optimize=[(0, 3), (0, 1), (0, 1)]) + (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->', t5, t7, A10, A10, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A10, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A10, A10, optimize=[(0, 1)])
+    return (1/(L*n_batch)) * oe.contract('abc,acd,acdd,acb->', t5, t7, dA, M_1, optimize=[(0, 3), (0, 1), (0, 1)])
 
 
 def ce_causal0__block__W_V__W_QK__full(X, W_QK, W_V, Y):
@@ -4348,22 +4942,24 @@ def ce_causal0__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     t14 = t12 + t13
     G = t14
     t15 = G.transpose(-1, -2)
+    t16 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t16 = (1/n_batch) * t15
-    t0[...] = oe.contract('abc,acde,acf->dbfe', t16, M_2, X, optimize=[(0, 2), (0, 1)])
-    t17 = M_1.transpose(-1, -2)
-    t18 = torch.exp(t8 - t8.amax(-1, keepdim=True))
-    A19 = t18 / t18.sum(-1, keepdim=True)
-    t20 = W_V.transpose(-1, -2)
-    t21 = (1/(L*n_batch)) * t17
-    t22 = oe.contract('abc,abc,cd,abde->ceab', t2, A19, t20, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t23 = oe.contract('abc,acd->bdac', t21, X, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->eafb', t22, t23, optimize=[(0, 1)])
-    t24 = (-1/(L*n_batch)) * t17
-    t25 = oe.contract('abc,acd,de,acef->bfac', t24, A19, t20, M_2, optimize=[(1, 2), (1, 2), (0, 1)])
-    t26 = oe.contract('abc,abc,abd->cdab', t2, A19, X, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t25, t26, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
+    t17 = (1/n_batch) * t15
+    t0[...] = oe.contract('abc,acde,acf->dbfe', t17, M_2, X, optimize=[(0, 2), (0, 1)])
+    t18 = M_1.transpose(-1, -2)
+    t19 = torch.exp(t8 - t8.amax(-1, keepdim=True))
+    A20 = t19 / t19.sum(-1, keepdim=True)
+    t21 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA22 = oe.contract('abc,cd->abcd', A20, t21, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A20, A20, optimize=[(0, 1)])
+    t23 = W_V.transpose(-1, -2)
+    t24 = (1/(L*n_batch)) * t18
+    t25 = oe.contract('abc,abcd,de,abef->cfab', t2, dA22, t23, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t26 = oe.contract('abc,acd->bdac', t24, X, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t25, t26, optimize=[(0, 1)])
     return out
 
 
@@ -4391,15 +4987,21 @@ def ce_causal0__frobenius__W_V__W_QK__full(X, W_QK, W_V, Y):
     t13 = t11 + t12
     G = t13
     t14 = G.transpose(-1, -2)
+    t15 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t15 = M_1.transpose(-1, -2)
-    t16 = torch.exp(t7 - t7.amax(-1, keepdim=True))
-    A17 = t16 / t16.sum(-1, keepdim=True)
-    t18 = W_V.transpose(-1, -2)
-    t19 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t14, M_2, X, t14, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abc,acde,acf,gdh,ghb,ghb,bi,ghie,ghf->', t14, M_2, X, t15, t1, A17, t18, M_2, X, optimize=[(4, 5), (1, 3), (3, 6), (1, 3), (1, 3), (0, 3), (0, 2), (0, 1)]) + (-2/(L*n_batch**2)) * oe.contract('abc,acde,acf,gdh,ghb,ghb,ghi,ij,ghje,ghf->', t14, M_2, X, t15, t1, A17, A17, t18, M_2, X, optimize=[(4, 5), (1, 3), (4, 7), (2, 3), (4, 5), (1, 2), (2, 3), (0, 1), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,hbi,hid,hid,dj,hijf,hig->', t15, t1, A17, t18, M_2, X, t15, t1, A17, t18, M_2, X, optimize=[(1, 2), (5, 6), (1, 2), (0, 2), (1, 2), (4, 6), (0, 1), (2, 4), (0, 2), (0, 2), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,hbi,hid,hid,hij,jk,hikf,hig->', t15, t1, A17, t18, M_2, X, t15, t1, A17, A17, t18, M_2, X, optimize=[(1, 2), (5, 6), (1, 2), (0, 2), (1, 2), (1, 7), (0, 1), (3, 5), (0, 2), (1, 3), (0, 2), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,ibj,ijd,ijd,ijk,kl,ijlg,ijh->', t15, t1, A17, A17, t18, M_2, X, t15, t1, A17, A17, t18, M_2, X, optimize=[(1, 2), (6, 7), (1, 2), (1, 10), (0, 2), (1, 2), (1, 7), (0, 1), (3, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t20 = torch.sqrt(torch.clamp(t19, min=0.0))
-    return t20
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t16 = M_1.transpose(-1, -2)
+    t17 = torch.exp(t7 - t7.amax(-1, keepdim=True))
+    A18 = t17 / t17.sum(-1, keepdim=True)
+    t19 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA20 = oe.contract('abc,cd->abcd', A18, t19, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A18, A18, optimize=[(0, 1)])
+    t21 = W_V.transpose(-1, -2)
+    t22 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t14, M_2, X, t14, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abc,acde,acf,gdh,ghb,ghbi,ij,ghje,ghf->', t14, M_2, X, t16, t1, dA20, t21, M_2, X, optimize=[(4, 5), (2, 6), (0, 6), (4, 5), (0, 1), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,ibj,ijd,ijdk,kl,ijlg,ijh->', t16, t1, dA20, t21, M_2, X, t16, t1, dA20, t21, M_2, X, optimize=[(1, 2), (1, 10), (1, 9), (0, 2), (1, 2), (1, 6), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t23 = torch.sqrt(torch.clamp(t22, min=0.0))
+    return t23
 
 
 def ce_causal0__block__W_V__W_V__full(X, W_QK, W_V, Y):
@@ -4408,30 +5010,25 @@ def ce_causal0__block__W_V__W_V__full(X, W_QK, W_V, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
-    out[...] = 0
     t0 = out.view((d_V, d_V, d_V, d_V))
-    t1 = t0.diagonal(0, 1, 3)
-    t2 = X.transpose(-1, -2)
-    t3 = W_QK @ t2
-    t4 = X @ t3
-    t5 = torch.exp(t4 - t4.amax(-1, keepdim=True))
-    A = t5 / t5.sum(-1, keepdim=True)
-    t6 = A @ X
-    M_1 = t6
-    t7 = M_1.transpose(-1, -2)
-    t8 = Y.sum(-1, keepdim=True)
-    t9 = t8.expand(*t8.shape[:-1], d_V)
-    t10 = M_1 @ W_V
-    t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
-    A12 = t11 / t11.sum(-1, keepdim=True)
-    t13 = (1/(L*n_batch)) * t7
-    t14 = oe.contract('abc,abc->cab', t9, A12, optimize=[(0, 1)])
-    t15 = oe.contract('abc,acd->bdac', t13, M_1, optimize=[(0, 1)])
-    t1 += oe.contract('abc,debc->dea', t14, t15, optimize=[(0, 1)])
-    t16 = (-1/(L*n_batch)) * t7
-    t17 = oe.contract('abc,acd->bdac', t16, A12, optimize=[(0, 1)])
-    t18 = oe.contract('abc,abc,abd->cdab', t9, A12, M_1, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t17, t18, optimize=[(0, 1)])
+    t1 = X.transpose(-1, -2)
+    t2 = W_QK @ t1
+    t3 = X @ t2
+    t4 = torch.exp(t3 - t3.amax(-1, keepdim=True))
+    A = t4 / t4.sum(-1, keepdim=True)
+    t5 = A @ X
+    M_1 = t5
+    t6 = M_1.transpose(-1, -2)
+    t7 = Y.sum(-1, keepdim=True)
+    t8 = t7.expand(*t7.shape[:-1], d_V)
+    t9 = M_1 @ W_V
+    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
+    A11 = t10 / t10.sum(-1, keepdim=True)
+    t12 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A11, t12, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A11, A11, optimize=[(0, 1)])
+    t13 = (1/(L*n_batch)) * t6
+    t0[...] = oe.contract('abc,acd,acde,acf->bdfe', t13, t8, dA, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -4453,9 +5050,181 @@ def ce_causal0__frobenius__W_V__W_V__full(X, W_QK, W_V, Y):
     t8 = M_1 @ W_V
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A10 = t9 / t9.sum(-1, keepdim=True)
-    t11 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fge->', t5, t7, A10, M_1, t5, t7, A10, M_1, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fgd,fge->', t5, t7, A10, M_1, t5, t7, A10, A10, M_1, optimize=[(1, 2), (3, 4), (3, 6), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,acf,gbh,ghd,ghd,ghe,ghf->', t5, t7, A10, A10, M_1, t5, t7, A10, A10, M_1, optimize=[(1, 2), (4, 5), (0, 3), (0, 2), (4, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t12 = torch.sqrt(torch.clamp(t11, min=0.0))
-    return t12
+    t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A10, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A10, A10, optimize=[(0, 1)])
+    t12 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t5, t7, dA, M_1, t5, t7, dA, M_1, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
+    t13 = torch.sqrt(torch.clamp(t12, min=0.0))
+    return t13
+
+
+def ce_causal0__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
+    """(‖H_o(W_QK, W_QK)‖_F, ‖H_f(W_QK, W_QK)‖_F, ‖H(W_QK, W_QK)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.transpose(-1, -2)
+    t1 = W_QK @ t0
+    t2 = X @ t1
+    t3 = torch.exp(t2 - t2.amax(-1, keepdim=True))
+    A = t3 / t3.sum(-1, keepdim=True)
+    t4 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    t5 = Y.sum(-1, keepdim=True)
+    t6 = t5.expand(*t5.shape[:-1], d_V)
+    t7 = A @ X
+    M_1 = t7
+    t8 = M_1 @ W_V
+    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
+    A10 = t9 / t9.sum(-1, keepdim=True)
+    t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA12 = oe.contract('abc,cd->abcd', A10, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A10, A10, optimize=[(0, 1)])
+    t13 = W_V.transpose(-1, -2)
+    t14 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhi,abj,klmd,kle,mn,kln,klno,op,klpi,klj->', M_2, X, W_V, t6, dA12, t13, M_2, X, M_2, X, W_V, t6, dA12, t13, M_2, X, optimize=[(0, 2), (1, 2), (12, 13), (1, 2), (10, 11), (0, 3), (1, 2), (1, 2), (6, 7), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
+    F = t8
+    t15 = torch.exp(F - F.amax(-1, keepdim=True))
+    A16 = t15 / t15.sum(-1, keepdim=True)
+    t17 = t6 * A16
+    t18 = (1/L) * t17
+    t19 = (-1/L) * Y
+    t20 = t18 + t19
+    G = t20
+    t21 = t13 @ t0
+    t22 = G @ t21
+    t23 = t22 - (A * t22).sum(-1, keepdim=True)
+    t24 = A * t23
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t24, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t24, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t24, optimize=[(0, 1)])
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
+    t25 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t26 = (2/(L*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhi,abj,kel,kldi,klj->', M_2, X, W_V, t6, dA12, t13, M_2, X, t0, M_3, X, optimize=[(0, 2), (1, 2), (7, 8), (1, 2), (5, 6), (3, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t27 = t14 + t25 + t26
+    t28 = torch.sqrt(torch.clamp(t14, min=0.0))
+    t29 = torch.sqrt(torch.clamp(t25, min=0.0))
+    t30 = torch.sqrt(torch.clamp(t27, min=0.0))
+    return (t28, t29, t30,)
+
+
+def ce_causal0__frobenius_split__W_QK__W_V(X, W_QK, W_V, Y):
+    """(‖H_o(W_QK, W_V)‖_F, ‖H_f(W_QK, W_V)‖_F, ‖H(W_QK, W_V)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.transpose(-1, -2)
+    t1 = W_QK @ t0
+    t2 = X @ t1
+    t3 = torch.exp(t2 - t2.amax(-1, keepdim=True))
+    A = t3 / t3.sum(-1, keepdim=True)
+    t4 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t4, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    t5 = Y.sum(-1, keepdim=True)
+    t6 = t5.expand(*t5.shape[:-1], d_V)
+    t7 = A @ X
+    M_1 = t7
+    t8 = M_1 @ W_V
+    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
+    A10 = t9 / t9.sum(-1, keepdim=True)
+    t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA12 = oe.contract('abc,cd->abcd', A10, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A10, A10, optimize=[(0, 1)])
+    t13 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,abh,ijkd,ije,kl,ijl,ijlg,ijh->', M_2, X, W_V, t6, dA12, M_1, M_2, X, W_V, t6, dA12, M_1, optimize=[(0, 2), (1, 2), (8, 9), (0, 3), (1, 2), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
+    F = t8
+    t14 = torch.exp(F - F.amax(-1, keepdim=True))
+    A15 = t14 / t14.sum(-1, keepdim=True)
+    t16 = t6 * A15
+    t17 = (1/L) * t16
+    t18 = (-1/L) * Y
+    t19 = t17 + t18
+    G = t19
+    t20 = (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t21 = (2/(L*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,abh,ijhd,ije,ijg->', M_2, X, W_V, t6, dA12, M_1, M_2, X, G, optimize=[(0, 2), (1, 2), (5, 6), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t22 = t13 + t20 + t21
+    t23 = torch.sqrt(torch.clamp(t13, min=0.0))
+    t24 = torch.sqrt(torch.clamp(t20, min=0.0))
+    t25 = torch.sqrt(torch.clamp(t22, min=0.0))
+    return (t23, t24, t25,)
+
+
+def ce_causal0__frobenius_split__W_V__W_QK(X, W_QK, W_V, Y):
+    """(‖H_o(W_V, W_QK)‖_F, ‖H_f(W_V, W_QK)‖_F, ‖H(W_V, W_QK)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.transpose(-1, -2)
+    t1 = W_QK @ t0
+    t2 = X @ t1
+    t3 = torch.exp(t2 - t2.amax(-1, keepdim=True))
+    A = t3 / t3.sum(-1, keepdim=True)
+    t4 = A @ X
+    M_1 = t4
+    t5 = M_1.transpose(-1, -2)
+    t6 = Y.sum(-1, keepdim=True)
+    t7 = t6.expand(*t6.shape[:-1], d_V)
+    t8 = M_1 @ W_V
+    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
+    A10 = t9 / t9.sum(-1, keepdim=True)
+    t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A10, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A10, A10, optimize=[(0, 1)])
+    t12 = W_V.transpose(-1, -2)
+    t13 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA14 = oe.contract('abc,cd->abcd', A, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA14, X, optimize=[(0, 1), (0, 1)])
+    t15 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,ibj,ijd,ijdk,kl,ijlg,ijh->', t5, t7, dA, t12, M_2, X, t5, t7, dA, t12, M_2, X, optimize=[(1, 2), (1, 10), (1, 9), (0, 2), (1, 2), (1, 6), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
+    F = t8
+    t16 = torch.exp(F - F.amax(-1, keepdim=True))
+    A17 = t16 / t16.sum(-1, keepdim=True)
+    t18 = t7 * A17
+    t19 = (1/L) * t18
+    t20 = (-1/L) * Y
+    t21 = t19 + t20
+    G = t21
+    t22 = G.transpose(-1, -2)
+    t23 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t22, M_2, X, t22, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t24 = (2/(L*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,idj,ijbg,ijh->', t5, t7, dA, t12, M_2, X, t22, M_2, X, optimize=[(1, 2), (3, 6), (0, 4), (1, 5), (3, 4), (0, 2), (1, 2), (0, 1)])
+    t25 = t15 + t23 + t24
+    t26 = torch.sqrt(torch.clamp(t15, min=0.0))
+    t27 = torch.sqrt(torch.clamp(t23, min=0.0))
+    t28 = torch.sqrt(torch.clamp(t25, min=0.0))
+    return (t26, t27, t28,)
+
+
+def ce_causal0__frobenius_split__W_V__W_V(X, W_QK, W_V, Y):
+    """(‖H_o(W_V, W_V)‖_F, ‖H_f(W_V, W_V)‖_F, ‖H(W_V, W_V)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.transpose(-1, -2)
+    t1 = W_QK @ t0
+    t2 = X @ t1
+    t3 = torch.exp(t2 - t2.amax(-1, keepdim=True))
+    A = t3 / t3.sum(-1, keepdim=True)
+    t4 = A @ X
+    M_1 = t4
+    t5 = M_1.transpose(-1, -2)
+    t6 = Y.sum(-1, keepdim=True)
+    t7 = t6.expand(*t6.shape[:-1], d_V)
+    t8 = M_1 @ W_V
+    t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
+    A10 = t9 / t9.sum(-1, keepdim=True)
+    t11 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A10, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A10, A10, optimize=[(0, 1)])
+    t12 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t5, t7, dA, M_1, t5, t7, dA, M_1, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
+    t13 = t12 + 0.0 + 0.0
+    t14 = torch.sqrt(torch.clamp(t12, min=0.0))
+    t15 = torch.sqrt(torch.clamp(t13, min=0.0))
+    return (t14, 0.0, t15,)
 
 
 def ce_causal1__loss(X, W_QK, W_V, Y):
@@ -4533,51 +5302,39 @@ def ce_causal1__hessian__outer(X, W_QK, W_V, Y):
     t6 = torch.where(t5, -math.inf, t4)
     t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
     A = t7 / t7.sum(-1, keepdim=True)
+    t8 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t8 = Y.sum(-1, keepdim=True)
-    t9 = t8.expand(*t8.shape[:-1], d_V)
-    t10 = A @ X
-    M_1 = t10
-    t11 = M_1 @ W_V
-    t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
-    A13 = t12 / t12.sum(-1, keepdim=True)
-    t14 = W_V.transpose(-1, -2)
-    t15 = (1/(L*n_batch)) * X
-    t1[...] = oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi->edih', M_2, t15, W_V, t9, A13, t14, M_2, X, optimize=[(3, 4), (0, 2), (1, 2), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t16 = (-1/(L*n_batch)) * X
-    t17 = oe.contract('abc,cd,abde->eab', A13, t14, M_2, optimize=[(0, 1), (0, 1)])
-    t18 = oe.contract('abcd,abe,cf,abf,abf,abg->edgab', M_2, t16, W_V, t9, A13, X, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t1 += oe.contract('abc,defbc->defa', t17, t18, optimize=[(0, 1)])
-    t19 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t20 = t19.view((d_V, d_V, d_V, d_V))
-    t21 = oe.contract('abcd,ce,abe,abe->deab', M_2, W_V, t9, A13, optimize=[(0, 1), (0, 1), (0, 1)])
-    t22 = oe.contract('abc,abd->cdab', t15, M_1, optimize=[(0, 1)])
-    t20[...] = oe.contract('abcd,efcd->eafb', t21, t22, optimize=[(0, 1)])
-    t23 = oe.contract('abc,abd,abe->cedab', t16, A13, M_1, optimize=[(0, 1), (0, 1)])
-    t24 = oe.contract('abcd,ce,abe,abe->dab', M_2, W_V, t9, A13, optimize=[(1, 2), (1, 2), (0, 1)])
-    t20 += oe.contract('abcde,fde->afbc', t23, t24, optimize=[(0, 1)])
-    t25 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t26 = t25.view((d_V, d_V, d_V, d_V))
-    t27 = M_1.transpose(-1, -2)
-    t28 = (1/(L*n_batch)) * t27
-    t29 = oe.contract('abc,abc,cd,abde->ceab', t9, A13, t14, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t30 = oe.contract('abc,acd->bdac', t28, X, optimize=[(0, 1)])
-    t26[...] = oe.contract('abcd,efcd->eafb', t29, t30, optimize=[(0, 1)])
-    t31 = (-1/(L*n_batch)) * t27
-    t32 = oe.contract('abc,acd,de,acef->bfac', t31, A13, t14, M_2, optimize=[(1, 2), (1, 2), (0, 1)])
-    t33 = oe.contract('abc,abc,abd->cdab', t9, A13, X, optimize=[(0, 1), (0, 1)])
-    t26 += oe.contract('abcd,efcd->aefb', t32, t33, optimize=[(0, 1)])
-    t34 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t34[...] = 0
-    t35 = t34.view((d_V, d_V, d_V, d_V))
-    t36 = t35.diagonal(0, 1, 3)
-    t37 = oe.contract('abc,abc->cab', t9, A13, optimize=[(0, 1)])
-    t38 = oe.contract('abc,acd->bdac', t28, M_1, optimize=[(0, 1)])
-    t36 += oe.contract('abc,debc->dea', t37, t38, optimize=[(0, 1)])
-    t39 = oe.contract('abc,acd->bdac', t31, A13, optimize=[(0, 1)])
-    t40 = oe.contract('abc,abc,abd->cdab', t9, A13, M_1, optimize=[(0, 1), (0, 1)])
-    t35 += oe.contract('abcd,efcd->aefb', t39, t40, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t9 = Y.sum(-1, keepdim=True)
+    t10 = t9.expand(*t9.shape[:-1], d_V)
+    t11 = A @ X
+    M_1 = t11
+    t12 = M_1 @ W_V
+    t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A14 = t13 / t13.sum(-1, keepdim=True)
+    t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA16 = oe.contract('abc,cd->abcd', A14, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A14, A14, optimize=[(0, 1)])
+    t17 = W_V.transpose(-1, -2)
+    t18 = (1/(L*n_batch)) * X
+    t19 = oe.contract('abcd,ce,abe,abef,fg,abgh->dhab', M_2, W_V, t10, dA16, t17, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
+    t20 = oe.contract('abc,abd->cdab', t18, X, optimize=[(0, 1)])
+    t1[...] = oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
+    t21 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t22 = t21.view((d_V, d_V, d_V, d_V))
+    t22[...] = oe.contract('abcd,abe,cf,abf,abfg,abh->edhg', M_2, t18, W_V, t10, dA16, M_1, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t23 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t24 = t23.view((d_V, d_V, d_V, d_V))
+    t25 = M_1.transpose(-1, -2)
+    t26 = (1/(L*n_batch)) * t25
+    t27 = oe.contract('abc,abcd,de,abef->cfab', t10, dA16, t17, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t28 = oe.contract('abc,acd->bdac', t26, X, optimize=[(0, 1)])
+    t24[...] = oe.contract('abcd,efcd->eafb', t27, t28, optimize=[(0, 1)])
+    t29 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t30 = t29.view((d_V, d_V, d_V, d_V))
+    t30[...] = oe.contract('abc,acd,acde,acf->bdfe', t26, t10, dA16, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
     return H
 
 
@@ -4637,26 +5394,32 @@ def ce_causal1__frobenius_all__outer(X, W_QK, W_V, Y):
     t4 = torch.where(t3, -math.inf, t2)
     t5 = torch.exp(t4 - t4.amax(-1, keepdim=True))
     A = t5 / t5.sum(-1, keepdim=True)
+    t6 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t6 = Y.sum(-1, keepdim=True)
-    t7 = t6.expand(*t6.shape[:-1], d_V)
-    t8 = A @ X
-    M_1 = t8
-    t9 = M_1 @ W_V
-    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
-    A11 = t10 / t10.sum(-1, keepdim=True)
-    t12 = W_V.transpose(-1, -2)
-    t13 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi,jkld,jke,lm,jkm,jkm,mn,jknh,jki->', M_2, X, W_V, t7, A11, t12, M_2, X, M_2, X, W_V, t7, A11, t12, M_2, X, optimize=[(3, 4), (9, 10), (0, 2), (1, 2), (0, 3), (1, 2), (1, 2), (0, 1), (4, 7), (0, 2), (1, 5), (0, 1), (0, 3), (1, 2), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi,jkld,jke,lm,jkm,jkm,jkn,no,jkoh,jki->', M_2, X, W_V, t7, A11, t12, M_2, X, M_2, X, W_V, t7, A11, A11, t12, M_2, X, optimize=[(3, 4), (9, 10), (0, 2), (1, 2), (0, 3), (1, 2), (6, 10), (1, 2), (1, 8), (0, 1), (3, 6), (0, 1), (0, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhi,abj,klmd,kle,mn,kln,kln,klo,op,klpi,klj->', M_2, X, W_V, t7, A11, A11, t12, M_2, X, M_2, X, W_V, t7, A11, A11, t12, M_2, X, optimize=[(3, 4), (10, 11), (0, 2), (12, 14), (1, 2), (1, 12), (0, 3), (1, 2), (5, 9), (1, 2), (1, 7), (0, 1), (2, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t14 = torch.sqrt(torch.clamp(t13, min=0.0))
-    t15 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abf,abg,hijd,hie,jf,hif,hif,hig->', M_2, X, W_V, t7, A11, M_1, M_2, X, W_V, t7, A11, M_1, optimize=[(3, 4), (7, 8), (0, 2), (0, 3), (1, 2), (4, 6), (0, 1), (2, 4), (0, 2), (0, 2), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abf,abg,hijd,hie,jk,hik,hik,hif,hig->', M_2, X, W_V, t7, A11, M_1, M_2, X, W_V, t7, A11, A11, M_1, optimize=[(3, 4), (7, 8), (0, 2), (0, 3), (1, 2), (4, 7), (0, 2), (3, 5), (1, 2), (1, 3), (0, 2), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abf,abg,abh,ijkd,ije,kl,ijl,ijl,ijg,ijh->', M_2, X, W_V, t7, A11, A11, M_1, M_2, X, W_V, t7, A11, A11, M_1, optimize=[(3, 4), (8, 9), (0, 2), (8, 10), (0, 4), (2, 3), (4, 7), (0, 2), (3, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
-    t17 = M_1.transpose(-1, -2)
-    t18 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,hbi,hid,hid,dj,hijf,hig->', t17, t7, A11, t12, M_2, X, t17, t7, A11, t12, M_2, X, optimize=[(1, 2), (5, 6), (1, 2), (0, 2), (1, 2), (4, 6), (0, 1), (2, 4), (0, 2), (0, 2), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,hbi,hid,hid,hij,jk,hikf,hig->', t17, t7, A11, t12, M_2, X, t17, t7, A11, A11, t12, M_2, X, optimize=[(1, 2), (5, 6), (1, 2), (0, 2), (1, 2), (1, 7), (0, 1), (3, 5), (0, 2), (1, 3), (0, 2), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,ibj,ijd,ijd,ijk,kl,ijlg,ijh->', t17, t7, A11, A11, t12, M_2, X, t17, t7, A11, A11, t12, M_2, X, optimize=[(1, 2), (6, 7), (1, 2), (1, 10), (0, 2), (1, 2), (1, 7), (0, 1), (3, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    t7 = Y.sum(-1, keepdim=True)
+    t8 = t7.expand(*t7.shape[:-1], d_V)
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1 @ W_V
+    t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
+    A12 = t11 / t11.sum(-1, keepdim=True)
+    t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA14 = oe.contract('abc,cd->abcd', A12, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A12, A12, optimize=[(0, 1)])
+    t15 = W_V.transpose(-1, -2)
+    t16 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhi,abj,klmd,kle,mn,kln,klno,op,klpi,klj->', M_2, X, W_V, t8, dA14, t15, M_2, X, M_2, X, W_V, t8, dA14, t15, M_2, X, optimize=[(0, 2), (1, 2), (12, 13), (1, 2), (10, 11), (0, 3), (1, 2), (1, 2), (6, 7), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
+    t18 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,abh,ijkd,ije,kl,ijl,ijlg,ijh->', M_2, X, W_V, t8, dA14, M_1, M_2, X, W_V, t8, dA14, M_1, optimize=[(0, 2), (1, 2), (8, 9), (0, 3), (1, 2), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
     t19 = torch.sqrt(torch.clamp(t18, min=0.0))
-    t20 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fge->', t17, t7, A11, M_1, t17, t7, A11, M_1, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fgd,fge->', t17, t7, A11, M_1, t17, t7, A11, A11, M_1, optimize=[(1, 2), (3, 4), (3, 6), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,acf,gbh,ghd,ghd,ghe,ghf->', t17, t7, A11, A11, M_1, t17, t7, A11, A11, M_1, optimize=[(1, 2), (4, 5), (0, 3), (0, 2), (4, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t21 = torch.sqrt(torch.clamp(t20, min=0.0))
-    return (t14, t16, t19, t21,)
+    t20 = M_1.transpose(-1, -2)
+    t21 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,ibj,ijd,ijdk,kl,ijlg,ijh->', t20, t8, dA14, t15, M_2, X, t20, t8, dA14, t15, M_2, X, optimize=[(1, 2), (1, 10), (1, 9), (0, 2), (1, 2), (1, 6), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
+    t23 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t20, t8, dA14, M_1, t20, t8, dA14, M_1, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
+    t24 = torch.sqrt(torch.clamp(t23, min=0.0))
+    return (t17, t19, t22, t24,)
 
 
 def ce_causal1__diag__W_QK__outer(X, W_QK, W_V, Y):
@@ -4673,24 +5436,26 @@ def ce_causal1__diag__W_QK__outer(X, W_QK, W_V, Y):
     t5 = torch.where(t4, -math.inf, t3)
     t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
     A = t6 / t6.sum(-1, keepdim=True)
+    t7 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t7 = Y.sum(-1, keepdim=True)
-    t8 = t7.expand(*t7.shape[:-1], d_V)
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
-    A12 = t11 / t11.sum(-1, keepdim=True)
-    t13 = W_V.transpose(-1, -2)
-    t14 = (1/(L*n_batch)) * X
-    t15 = oe.contract('abcd,ce,abe,abe,ef,abfd->dab', M_2, W_V, t8, A12, t13, M_2, optimize=[(2, 3), (0, 1), (0, 1), (1, 2), (0, 1)])
-    t16 = oe.contract('abc,abc->cab', t14, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t15, t16, optimize=[(0, 1)])
-    t17 = (-1/(L*n_batch)) * X
-    t18 = oe.contract('abcd,ce,abe,abe,abf,fg,abgd->dab', M_2, W_V, t8, A12, A12, t13, M_2, optimize=[(2, 3), (0, 1), (3, 4), (0, 1), (0, 2), (0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t8 = Y.sum(-1, keepdim=True)
+    t9 = t8.expand(*t8.shape[:-1], d_V)
+    t10 = A @ X
+    M_1 = t10
+    t11 = M_1 @ W_V
+    t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
+    A13 = t12 / t12.sum(-1, keepdim=True)
+    t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA15 = oe.contract('abc,cd->abcd', A13, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A13, A13, optimize=[(0, 1)])
+    t16 = W_V.transpose(-1, -2)
+    t17 = (1/(L*n_batch)) * X
+    t18 = oe.contract('abcd,ce,abe,abef,fg,abgd->dab', M_2, W_V, t9, dA15, t16, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
     t19 = oe.contract('abc,abc->cab', t17, X, optimize=[(0, 1)])
-    t0 += oe.contract('abc,dbc->da', t18, t19, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -4706,17 +5471,23 @@ def ce_causal1__trace__W_QK__outer(X, W_QK, W_V, Y):
     t4 = torch.where(t3, -math.inf, t2)
     t5 = torch.exp(t4 - t4.amax(-1, keepdim=True))
     A = t5 / t5.sum(-1, keepdim=True)
+    t6 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t6 = Y.sum(-1, keepdim=True)
-    t7 = t6.expand(*t6.shape[:-1], d_V)
-    t8 = A @ X
-    M_1 = t8
-    t9 = M_1 @ W_V
-    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
-    A11 = t10 / t10.sum(-1, keepdim=True)
-    t12 = W_V.transpose(-1, -2)
-    return (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,fg,abgd,abe->', M_2, X, W_V, t7, A11, t12, M_2, X, optimize=[(3, 4), (1, 5), (0, 3), (2, 3), (0, 2), (0, 2), (0, 1)]) + (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhd,abe->', M_2, X, W_V, t7, A11, A11, t12, M_2, X, optimize=[(3, 4), (1, 6), (0, 4), (1, 2), (3, 4), (0, 1), (1, 2), (0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    t7 = Y.sum(-1, keepdim=True)
+    t8 = t7.expand(*t7.shape[:-1], d_V)
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1 @ W_V
+    t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
+    A12 = t11 / t11.sum(-1, keepdim=True)
+    t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA14 = oe.contract('abc,cd->abcd', A12, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A12, A12, optimize=[(0, 1)])
+    t15 = W_V.transpose(-1, -2)
+    return (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhd,abe->', M_2, X, W_V, t8, dA14, t15, M_2, X, optimize=[(1, 7), (0, 5), (1, 2), (1, 4), (2, 3), (0, 2), (0, 1)])
 
 
 def ce_causal1__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
@@ -4733,22 +5504,26 @@ def ce_causal1__block__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     t5 = torch.where(t4, -math.inf, t3)
     t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
     A = t6 / t6.sum(-1, keepdim=True)
+    t7 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t7 = Y.sum(-1, keepdim=True)
-    t8 = t7.expand(*t7.shape[:-1], d_V)
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
-    A12 = t11 / t11.sum(-1, keepdim=True)
-    t13 = W_V.transpose(-1, -2)
-    t14 = (1/(L*n_batch)) * X
-    t0[...] = oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi->edih', M_2, t14, W_V, t8, A12, t13, M_2, X, optimize=[(3, 4), (0, 2), (1, 2), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t15 = (-1/(L*n_batch)) * X
-    t16 = oe.contract('abc,cd,abde->eab', A12, t13, M_2, optimize=[(0, 1), (0, 1)])
-    t17 = oe.contract('abcd,abe,cf,abf,abf,abg->edgab', M_2, t15, W_V, t8, A12, X, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t0 += oe.contract('abc,defbc->defa', t16, t17, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t8 = Y.sum(-1, keepdim=True)
+    t9 = t8.expand(*t8.shape[:-1], d_V)
+    t10 = A @ X
+    M_1 = t10
+    t11 = M_1 @ W_V
+    t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
+    A13 = t12 / t12.sum(-1, keepdim=True)
+    t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA15 = oe.contract('abc,cd->abcd', A13, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A13, A13, optimize=[(0, 1)])
+    t16 = W_V.transpose(-1, -2)
+    t17 = (1/(L*n_batch)) * X
+    t18 = oe.contract('abcd,ce,abe,abef,fg,abgh->dhab', M_2, W_V, t9, dA15, t16, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
+    t19 = oe.contract('abc,abd->cdab', t17, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t18, t19, optimize=[(0, 1)])
     return out
 
 
@@ -4764,19 +5539,25 @@ def ce_causal1__frobenius__W_QK__W_QK__outer(X, W_QK, W_V, Y):
     t4 = torch.where(t3, -math.inf, t2)
     t5 = torch.exp(t4 - t4.amax(-1, keepdim=True))
     A = t5 / t5.sum(-1, keepdim=True)
+    t6 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t6 = Y.sum(-1, keepdim=True)
-    t7 = t6.expand(*t6.shape[:-1], d_V)
-    t8 = A @ X
-    M_1 = t8
-    t9 = M_1 @ W_V
-    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
-    A11 = t10 / t10.sum(-1, keepdim=True)
-    t12 = W_V.transpose(-1, -2)
-    t13 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi,jkld,jke,lm,jkm,jkm,mn,jknh,jki->', M_2, X, W_V, t7, A11, t12, M_2, X, M_2, X, W_V, t7, A11, t12, M_2, X, optimize=[(3, 4), (9, 10), (0, 2), (1, 2), (0, 3), (1, 2), (1, 2), (0, 1), (4, 7), (0, 2), (1, 5), (0, 1), (0, 3), (1, 2), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi,jkld,jke,lm,jkm,jkm,jkn,no,jkoh,jki->', M_2, X, W_V, t7, A11, t12, M_2, X, M_2, X, W_V, t7, A11, A11, t12, M_2, X, optimize=[(3, 4), (9, 10), (0, 2), (1, 2), (0, 3), (1, 2), (6, 10), (1, 2), (1, 8), (0, 1), (3, 6), (0, 1), (0, 4), (0, 3), (0, 2), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhi,abj,klmd,kle,mn,kln,kln,klo,op,klpi,klj->', M_2, X, W_V, t7, A11, A11, t12, M_2, X, M_2, X, W_V, t7, A11, A11, t12, M_2, X, optimize=[(3, 4), (10, 11), (0, 2), (12, 14), (1, 2), (1, 12), (0, 3), (1, 2), (5, 9), (1, 2), (1, 7), (0, 1), (2, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t14 = torch.sqrt(torch.clamp(t13, min=0.0))
-    return t14
+    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    t7 = Y.sum(-1, keepdim=True)
+    t8 = t7.expand(*t7.shape[:-1], d_V)
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1 @ W_V
+    t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
+    A12 = t11 / t11.sum(-1, keepdim=True)
+    t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA14 = oe.contract('abc,cd->abcd', A12, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A12, A12, optimize=[(0, 1)])
+    t15 = W_V.transpose(-1, -2)
+    t16 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhi,abj,klmd,kle,mn,kln,klno,op,klpi,klj->', M_2, X, W_V, t8, dA14, t15, M_2, X, M_2, X, W_V, t8, dA14, t15, M_2, X, optimize=[(0, 2), (1, 2), (12, 13), (1, 2), (10, 11), (0, 3), (1, 2), (1, 2), (6, 7), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
+    return t17
 
 
 def ce_causal1__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
@@ -4793,23 +5574,23 @@ def ce_causal1__block__W_QK__W_V__outer(X, W_QK, W_V, Y):
     t5 = torch.where(t4, -math.inf, t3)
     t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
     A = t6 / t6.sum(-1, keepdim=True)
+    t7 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t7 = Y.sum(-1, keepdim=True)
-    t8 = t7.expand(*t7.shape[:-1], d_V)
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
-    A12 = t11 / t11.sum(-1, keepdim=True)
-    t13 = (1/(L*n_batch)) * X
-    t14 = oe.contract('abcd,ce,abe,abe->deab', M_2, W_V, t8, A12, optimize=[(0, 1), (0, 1), (0, 1)])
-    t15 = oe.contract('abc,abd->cdab', t13, M_1, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t14, t15, optimize=[(0, 1)])
-    t16 = (-1/(L*n_batch)) * X
-    t17 = oe.contract('abc,abd,abe->cedab', t16, A12, M_1, optimize=[(0, 1), (0, 1)])
-    t18 = oe.contract('abcd,ce,abe,abe->dab', M_2, W_V, t8, A12, optimize=[(1, 2), (1, 2), (0, 1)])
-    t0 += oe.contract('abcde,fde->afbc', t17, t18, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t8 = Y.sum(-1, keepdim=True)
+    t9 = t8.expand(*t8.shape[:-1], d_V)
+    t10 = A @ X
+    M_1 = t10
+    t11 = M_1 @ W_V
+    t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
+    A13 = t12 / t12.sum(-1, keepdim=True)
+    t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA15 = oe.contract('abc,cd->abcd', A13, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A13, A13, optimize=[(0, 1)])
+    t16 = (1/(L*n_batch)) * X
+    t0[...] = oe.contract('abcd,abe,cf,abf,abfg,abh->edhg', M_2, t16, W_V, t9, dA15, M_1, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
     return out
 
 
@@ -4825,18 +5606,24 @@ def ce_causal1__frobenius__W_QK__W_V__outer(X, W_QK, W_V, Y):
     t4 = torch.where(t3, -math.inf, t2)
     t5 = torch.exp(t4 - t4.amax(-1, keepdim=True))
     A = t5 / t5.sum(-1, keepdim=True)
+    t6 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t6 = Y.sum(-1, keepdim=True)
-    t7 = t6.expand(*t6.shape[:-1], d_V)
-    t8 = A @ X
-    M_1 = t8
-    t9 = M_1 @ W_V
-    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
-    A11 = t10 / t10.sum(-1, keepdim=True)
-    t12 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abf,abg,hijd,hie,jf,hif,hif,hig->', M_2, X, W_V, t7, A11, M_1, M_2, X, W_V, t7, A11, M_1, optimize=[(3, 4), (7, 8), (0, 2), (0, 3), (1, 2), (4, 6), (0, 1), (2, 4), (0, 2), (0, 2), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abf,abg,hijd,hie,jk,hik,hik,hif,hig->', M_2, X, W_V, t7, A11, M_1, M_2, X, W_V, t7, A11, A11, M_1, optimize=[(3, 4), (7, 8), (0, 2), (0, 3), (1, 2), (4, 7), (0, 2), (3, 5), (1, 2), (1, 3), (0, 2), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abf,abg,abh,ijkd,ije,kl,ijl,ijl,ijg,ijh->', M_2, X, W_V, t7, A11, A11, M_1, M_2, X, W_V, t7, A11, A11, M_1, optimize=[(3, 4), (8, 9), (0, 2), (8, 10), (0, 4), (2, 3), (4, 7), (0, 2), (3, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t13 = torch.sqrt(torch.clamp(t12, min=0.0))
-    return t13
+    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    t7 = Y.sum(-1, keepdim=True)
+    t8 = t7.expand(*t7.shape[:-1], d_V)
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1 @ W_V
+    t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
+    A12 = t11 / t11.sum(-1, keepdim=True)
+    t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA14 = oe.contract('abc,cd->abcd', A12, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A12, A12, optimize=[(0, 1)])
+    t15 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,abh,ijkd,ije,kl,ijl,ijlg,ijh->', M_2, X, W_V, t8, dA14, M_1, M_2, X, W_V, t8, dA14, M_1, optimize=[(0, 2), (1, 2), (8, 9), (0, 3), (1, 2), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t16 = torch.sqrt(torch.clamp(t15, min=0.0))
+    return t16
 
 
 def ce_causal1__diag__W_V__outer(X, W_QK, W_V, Y):
@@ -4861,12 +5648,13 @@ def ce_causal1__diag__W_V__outer(X, W_QK, W_V, Y):
     t11 = M_1 @ W_V
     t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A13 = t12 / t12.sum(-1, keepdim=True)
-    t14 = (1/(L*n_batch)) * t8
-    t15 = oe.contract('abc,abc->cab', t10, A13, optimize=[(0, 1)])
-    t16 = oe.contract('abc,acb->bac', t14, M_1, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t15, t16, optimize=[(0, 1)])
-    t17 = (-1/(L*n_batch)) * t8
-    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t17, t10, A13, A13, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A13, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A13, A13, optimize=[(0, 1)])
+    t15 = (1/(L*n_batch)) * t8
+    t16 = oe.contract('abc,abcc->cab', t10, dA, optimize=[(0, 1)])
+    t17 = oe.contract('abc,acb->bac', t15, M_1, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -4890,7 +5678,10 @@ def ce_causal1__trace__W_V__outer(X, W_QK, W_V, Y):
     t10 = M_1 @ W_V
     t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
     A12 = t11 / t11.sum(-1, keepdim=True)
-    return (1/(L*n_batch)) * oe.contract('abc,acd,acd,acb->', t7, t9, A12, M_1, optimize=[(0, 3), (0, 1), (0, 1)]) + (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->', t7, t9, A12, A12, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A12, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A12, A12, optimize=[(0, 1)])
+    return (1/(L*n_batch)) * oe.contract('abc,acd,acdd,acb->', t7, t9, dA, M_1, optimize=[(0, 3), (0, 1), (0, 1)])
 
 
 def ce_causal1__block__W_V__W_QK__outer(X, W_QK, W_V, Y):
@@ -4915,17 +5706,19 @@ def ce_causal1__block__W_V__W_QK__outer(X, W_QK, W_V, Y):
     t11 = M_1 @ W_V
     t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A13 = t12 / t12.sum(-1, keepdim=True)
-    t14 = W_V.transpose(-1, -2)
+    t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A13, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A13, A13, optimize=[(0, 1)])
+    t15 = W_V.transpose(-1, -2)
+    t16 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA17 = oe.contract('abc,cd->abcd', A, t16, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t15 = (1/(L*n_batch)) * t8
-    t16 = oe.contract('abc,abc,cd,abde->ceab', t10, A13, t14, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t17 = oe.contract('abc,acd->bdac', t15, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t16, t17, optimize=[(0, 1)])
-    t18 = (-1/(L*n_batch)) * t8
-    t19 = oe.contract('abc,acd,de,acef->bfac', t18, A13, t14, M_2, optimize=[(1, 2), (1, 2), (0, 1)])
-    t20 = oe.contract('abc,abc,abd->cdab', t10, A13, X, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA17, X, optimize=[(0, 1), (0, 1)])
+    t18 = (1/(L*n_batch)) * t8
+    t19 = oe.contract('abc,abcd,de,abef->cfab', t10, dA, t15, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t20 = oe.contract('abc,acd->bdac', t18, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -4949,12 +5742,18 @@ def ce_causal1__frobenius__W_V__W_QK__outer(X, W_QK, W_V, Y):
     t10 = M_1 @ W_V
     t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
     A12 = t11 / t11.sum(-1, keepdim=True)
-    t13 = W_V.transpose(-1, -2)
+    t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A12, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A12, A12, optimize=[(0, 1)])
+    t14 = W_V.transpose(-1, -2)
+    t15 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA16 = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t14 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,hbi,hid,hid,dj,hijf,hig->', t7, t9, A12, t13, M_2, X, t7, t9, A12, t13, M_2, X, optimize=[(1, 2), (5, 6), (1, 2), (0, 2), (1, 2), (4, 6), (0, 1), (2, 4), (0, 2), (0, 2), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,hbi,hid,hid,hij,jk,hikf,hig->', t7, t9, A12, t13, M_2, X, t7, t9, A12, A12, t13, M_2, X, optimize=[(1, 2), (5, 6), (1, 2), (0, 2), (1, 2), (1, 7), (0, 1), (3, 5), (0, 2), (1, 3), (0, 2), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,ibj,ijd,ijd,ijk,kl,ijlg,ijh->', t7, t9, A12, A12, t13, M_2, X, t7, t9, A12, A12, t13, M_2, X, optimize=[(1, 2), (6, 7), (1, 2), (1, 10), (0, 2), (1, 2), (1, 7), (0, 1), (3, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
-    return t15
+    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA16, X, optimize=[(0, 1), (0, 1)])
+    t17 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,ibj,ijd,ijdk,kl,ijlg,ijh->', t7, t9, dA, t14, M_2, X, t7, t9, dA, t14, M_2, X, optimize=[(1, 2), (1, 10), (1, 9), (0, 2), (1, 2), (1, 6), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
+    return t18
 
 
 def ce_causal1__block__W_V__W_V__outer(X, W_QK, W_V, Y):
@@ -4963,32 +5762,27 @@ def ce_causal1__block__W_V__W_V__outer(X, W_QK, W_V, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
-    out[...] = 0
     t0 = out.view((d_V, d_V, d_V, d_V))
-    t1 = t0.diagonal(0, 1, 3)
-    t2 = X.transpose(-1, -2)
-    t3 = W_QK @ t2
-    t4 = X @ t3
-    t5 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t6 = torch.where(t5, -math.inf, t4)
-    t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
-    A = t7 / t7.sum(-1, keepdim=True)
-    t8 = A @ X
-    M_1 = t8
-    t9 = M_1.transpose(-1, -2)
-    t10 = Y.sum(-1, keepdim=True)
-    t11 = t10.expand(*t10.shape[:-1], d_V)
-    t12 = M_1 @ W_V
-    t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
-    A14 = t13 / t13.sum(-1, keepdim=True)
-    t15 = (1/(L*n_batch)) * t9
-    t16 = oe.contract('abc,abc->cab', t11, A14, optimize=[(0, 1)])
-    t17 = oe.contract('abc,acd->bdac', t15, M_1, optimize=[(0, 1)])
-    t1 += oe.contract('abc,debc->dea', t16, t17, optimize=[(0, 1)])
-    t18 = (-1/(L*n_batch)) * t9
-    t19 = oe.contract('abc,acd->bdac', t18, A14, optimize=[(0, 1)])
-    t20 = oe.contract('abc,abc,abd->cdab', t11, A14, M_1, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
+    t1 = X.transpose(-1, -2)
+    t2 = W_QK @ t1
+    t3 = X @ t2
+    t4 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t5 = torch.where(t4, -math.inf, t3)
+    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
+    A = t6 / t6.sum(-1, keepdim=True)
+    t7 = A @ X
+    M_1 = t7
+    t8 = M_1.transpose(-1, -2)
+    t9 = Y.sum(-1, keepdim=True)
+    t10 = t9.expand(*t9.shape[:-1], d_V)
+    t11 = M_1 @ W_V
+    t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
+    A13 = t12 / t12.sum(-1, keepdim=True)
+    t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A13, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A13, A13, optimize=[(0, 1)])
+    t15 = (1/(L*n_batch)) * t8
+    t0[...] = oe.contract('abc,acd,acde,acf->bdfe', t15, t10, dA, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -5012,9 +5806,12 @@ def ce_causal1__frobenius__W_V__W_V__outer(X, W_QK, W_V, Y):
     t10 = M_1 @ W_V
     t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
     A12 = t11 / t11.sum(-1, keepdim=True)
-    t13 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fge->', t7, t9, A12, M_1, t7, t9, A12, M_1, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fgd,fge->', t7, t9, A12, M_1, t7, t9, A12, A12, M_1, optimize=[(1, 2), (3, 4), (3, 6), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,acf,gbh,ghd,ghd,ghe,ghf->', t7, t9, A12, A12, M_1, t7, t9, A12, A12, M_1, optimize=[(1, 2), (4, 5), (0, 3), (0, 2), (4, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t14 = torch.sqrt(torch.clamp(t13, min=0.0))
-    return t14
+    t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A12, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A12, A12, optimize=[(0, 1)])
+    t14 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t7, t9, dA, M_1, t7, t9, dA, M_1, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
+    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
+    return t15
 
 
 def ce_causal1__hessian__functional(X, W_QK, W_V, Y):
@@ -5050,25 +5847,30 @@ def ce_causal1__hessian__functional(X, W_QK, W_V, Y):
     t20 = G @ t19
     t21 = t20 - (A * t20).sum(-1, keepdim=True)
     t22 = A * t21
+    t23 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t22, t23, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t22, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t22, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t22, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t22, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t22, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t23 = (1/n_batch) * t2
-    t1[...] = oe.contract('abc,acde,acf->bdfe', t23, M_3, X, optimize=[(0, 2), (0, 1)])
-    t24 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t25 = t24.view((d_V, d_V, d_V, d_V))
+    M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
+    t24 = (1/n_batch) * t2
+    t1[...] = oe.contract('abc,acde,acf->bdfe', t24, M_3, X, optimize=[(0, 2), (0, 1)])
+    t25 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t26 = t25.view((d_V, d_V, d_V, d_V))
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t23, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t26 = (1/n_batch) * X
-    t27 = oe.contract('abc,abd->cdab', t26, G, optimize=[(0, 1)])
-    t28 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t25[...] = oe.contract('abcd,efcd->aefb', t27, t28, optimize=[(0, 1)])
-    t29 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t30 = t29.view((d_V, d_V, d_V, d_V))
-    t31 = G.transpose(-1, -2)
-    t32 = (1/n_batch) * t31
-    t30[...] = oe.contract('abc,acde,acf->dbfe', t32, M_2, X, optimize=[(0, 2), (0, 1)])
-    t33 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t33[...] = 0
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t27 = (1/n_batch) * X
+    t28 = oe.contract('abc,abd->cdab', t27, G, optimize=[(0, 1)])
+    t29 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t26[...] = oe.contract('abcd,efcd->aefb', t28, t29, optimize=[(0, 1)])
+    t30 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t31 = t30.view((d_V, d_V, d_V, d_V))
+    t32 = G.transpose(-1, -2)
+    t33 = (1/n_batch) * t32
+    t31[...] = oe.contract('abc,acde,acf->dbfe', t33, M_2, X, optimize=[(0, 2), (0, 1)])
+    t34 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t34[...] = 0
     return H
 
 
@@ -5150,18 +5952,23 @@ def ce_causal1__frobenius_all__functional(X, W_QK, W_V, Y):
     t18 = G @ t17
     t19 = t18 - (A * t18).sum(-1, keepdim=True)
     t20 = A * t19
+    t21 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t20, t21, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t20, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t20, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t0, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t21 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
+    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
+    t22 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t23 = torch.sqrt(torch.clamp(t22, min=0.0))
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t21, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t23 = (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t24 = torch.sqrt(torch.clamp(t23, min=0.0))
-    t25 = G.transpose(-1, -2)
-    t26 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t25, M_2, X, t25, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t27 = torch.sqrt(torch.clamp(t26, min=0.0))
-    return (t22, t24, t27, 0.0,)
+    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    t24 = (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
+    t26 = G.transpose(-1, -2)
+    t27 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t26, M_2, X, t26, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t28 = torch.sqrt(torch.clamp(t27, min=0.0))
+    return (t23, t25, t28, 0.0,)
 
 
 def ce_causal1__diag__W_QK__functional(X, W_QK, W_V, Y):
@@ -5196,10 +6003,13 @@ def ce_causal1__diag__W_QK__functional(X, W_QK, W_V, Y):
     t19 = G @ t18
     t20 = t19 - (A * t19).sum(-1, keepdim=True)
     t21 = A * t20
+    t22 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t21, t22, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t21, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t21, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t22 = (1/n_batch) * t1
-    t0[...] = oe.contract('abc,acdd,acb->bd', t22, M_3, X, optimize=[(0, 2), (0, 1)])
+    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
+    t23 = (1/n_batch) * t1
+    t0[...] = oe.contract('abc,acdd,acb->bd', t23, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -5233,8 +6043,11 @@ def ce_causal1__trace__W_QK__functional(X, W_QK, W_V, Y):
     t18 = G @ t17
     t19 = t18 - (A * t18).sum(-1, keepdim=True)
     t20 = A * t19
+    t21 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t20, t21, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t20, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t20, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t0, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
     return (1/n_batch) * oe.contract('abc,acdd,acb->', t0, M_3, X, optimize=[(0, 2), (0, 1)])
 
 
@@ -5270,10 +6083,13 @@ def ce_causal1__block__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t19 = G @ t18
     t20 = t19 - (A * t19).sum(-1, keepdim=True)
     t21 = A * t20
+    t22 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t21, t22, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t21, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t21, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t21, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t21, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t21, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t22 = (1/n_batch) * t1
-    t0[...] = oe.contract('abc,acde,acf->bdfe', t22, M_3, X, optimize=[(0, 2), (0, 1)])
+    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
+    t23 = (1/n_batch) * t1
+    t0[...] = oe.contract('abc,acde,acf->bdfe', t23, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -5307,11 +6123,14 @@ def ce_causal1__frobenius__W_QK__W_QK__functional(X, W_QK, W_V, Y):
     t18 = G @ t17
     t19 = t18 - (A * t18).sum(-1, keepdim=True)
     t20 = A * t19
+    t21 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t20, t21, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t20, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t20, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t0, t20, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t20, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t20, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t21 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
-    return t22
+    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
+    t22 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t23 = torch.sqrt(torch.clamp(t22, min=0.0))
+    return t23
 
 
 def ce_causal1__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
@@ -5328,25 +6147,28 @@ def ce_causal1__block__W_QK__W_V__functional(X, W_QK, W_V, Y):
     t5 = torch.where(t4, -math.inf, t3)
     t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
     A = t6 / t6.sum(-1, keepdim=True)
+    t7 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t7 = Y.sum(-1, keepdim=True)
-    t8 = t7.expand(*t7.shape[:-1], d_V)
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    F = t10
-    t11 = torch.exp(F - F.amax(-1, keepdim=True))
-    A12 = t11 / t11.sum(-1, keepdim=True)
-    t13 = t8 * A12
-    t14 = (1/L) * t13
-    t15 = (-1/L) * Y
-    t16 = t14 + t15
-    G = t16
-    t17 = (1/n_batch) * X
-    t18 = oe.contract('abc,abd->cdab', t17, G, optimize=[(0, 1)])
-    t19 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t0[...] = oe.contract('abcd,efcd->aefb', t18, t19, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t8 = Y.sum(-1, keepdim=True)
+    t9 = t8.expand(*t8.shape[:-1], d_V)
+    t10 = A @ X
+    M_1 = t10
+    t11 = M_1 @ W_V
+    F = t11
+    t12 = torch.exp(F - F.amax(-1, keepdim=True))
+    A13 = t12 / t12.sum(-1, keepdim=True)
+    t14 = t9 * A13
+    t15 = (1/L) * t14
+    t16 = (-1/L) * Y
+    t17 = t15 + t16
+    G = t17
+    t18 = (1/n_batch) * X
+    t19 = oe.contract('abc,abd->cdab', t18, G, optimize=[(0, 1)])
+    t20 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0[...] = oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
     return out
 
 
@@ -5362,24 +6184,27 @@ def ce_causal1__frobenius__W_QK__W_V__functional(X, W_QK, W_V, Y):
     t4 = torch.where(t3, -math.inf, t2)
     t5 = torch.exp(t4 - t4.amax(-1, keepdim=True))
     A = t5 / t5.sum(-1, keepdim=True)
+    t6 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t6 = Y.sum(-1, keepdim=True)
-    t7 = t6.expand(*t6.shape[:-1], d_V)
-    t8 = A @ X
-    M_1 = t8
-    t9 = M_1 @ W_V
-    F = t9
-    t10 = torch.exp(F - F.amax(-1, keepdim=True))
-    A11 = t10 / t10.sum(-1, keepdim=True)
-    t12 = t7 * A11
-    t13 = (1/L) * t12
-    t14 = (-1/L) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t17 = torch.sqrt(torch.clamp(t16, min=0.0))
-    return t17
+    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    t7 = Y.sum(-1, keepdim=True)
+    t8 = t7.expand(*t7.shape[:-1], d_V)
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1 @ W_V
+    F = t10
+    t11 = torch.exp(F - F.amax(-1, keepdim=True))
+    A12 = t11 / t11.sum(-1, keepdim=True)
+    t13 = t8 * A12
+    t14 = (1/L) * t13
+    t15 = (-1/L) * Y
+    t16 = t14 + t15
+    G = t16
+    t17 = (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
+    return t18
 
 
 def ce_causal1__diag__W_V__functional(X, W_QK, W_V, Y):
@@ -5428,10 +6253,13 @@ def ce_causal1__block__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t16 = t14 + t15
     G = t16
     t17 = G.transpose(-1, -2)
+    t18 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t18 = (1/n_batch) * t17
-    t0[...] = oe.contract('abc,acde,acf->dbfe', t18, M_2, X, optimize=[(0, 2), (0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
+    t19 = (1/n_batch) * t17
+    t0[...] = oe.contract('abc,acde,acf->dbfe', t19, M_2, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -5461,11 +6289,14 @@ def ce_causal1__frobenius__W_V__W_QK__functional(X, W_QK, W_V, Y):
     t15 = t13 + t14
     G = t15
     t16 = G.transpose(-1, -2)
+    t17 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t17 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t16, M_2, X, t16, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t18 = torch.sqrt(torch.clamp(t17, min=0.0))
-    return t18
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t18 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t16, M_2, X, t16, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
+    return t19
 
 
 def ce_causal1__block__W_V__W_V__functional(X, W_QK, W_V, Y):
@@ -5501,74 +6332,64 @@ def ce_causal1__hessian__full(X, W_QK, W_V, Y):
     t6 = torch.where(t5, -math.inf, t4)
     t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
     A = t7 / t7.sum(-1, keepdim=True)
+    t8 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t8 = Y.sum(-1, keepdim=True)
-    t9 = t8.expand(*t8.shape[:-1], d_V)
-    t10 = A @ X
-    M_1 = t10
-    t11 = M_1 @ W_V
-    t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
-    A13 = t12 / t12.sum(-1, keepdim=True)
-    t14 = W_V.transpose(-1, -2)
-    t15 = (1/(L*n_batch)) * X
-    t1[...] = oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi->edih', M_2, t15, W_V, t9, A13, t14, M_2, X, optimize=[(3, 4), (0, 2), (1, 2), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t16 = (-1/(L*n_batch)) * X
-    t17 = oe.contract('abc,cd,abde->eab', A13, t14, M_2, optimize=[(0, 1), (0, 1)])
-    t18 = oe.contract('abcd,abe,cf,abf,abf,abg->edgab', M_2, t16, W_V, t9, A13, X, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t1 += oe.contract('abc,defbc->defa', t17, t18, optimize=[(0, 1)])
-    F = t11
-    t19 = torch.exp(F - F.amax(-1, keepdim=True))
-    A20 = t19 / t19.sum(-1, keepdim=True)
-    t21 = t9 * A20
-    t22 = (1/L) * t21
-    t23 = (-1/L) * Y
-    t24 = t22 + t23
-    G = t24
-    t25 = t14 @ t2
-    t26 = G @ t25
-    t27 = t26 - (A * t26).sum(-1, keepdim=True)
-    t28 = A * t27
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t9 = Y.sum(-1, keepdim=True)
+    t10 = t9.expand(*t9.shape[:-1], d_V)
+    t11 = A @ X
+    M_1 = t11
+    t12 = M_1 @ W_V
+    t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
+    A14 = t13 / t13.sum(-1, keepdim=True)
+    t15 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA16 = oe.contract('abc,cd->abcd', A14, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A14, A14, optimize=[(0, 1)])
+    t17 = W_V.transpose(-1, -2)
+    t18 = (1/(L*n_batch)) * X
+    t19 = oe.contract('abcd,ce,abe,abef,fg,abgh->dhab', M_2, W_V, t10, dA16, t17, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
+    t20 = oe.contract('abc,abd->cdab', t18, X, optimize=[(0, 1)])
+    t1[...] = oe.contract('abcd,efcd->eafb', t19, t20, optimize=[(0, 1)])
+    F = t12
+    t21 = torch.exp(F - F.amax(-1, keepdim=True))
+    A22 = t21 / t21.sum(-1, keepdim=True)
+    t23 = t10 * A22
+    t24 = (1/L) * t23
+    t25 = (-1/L) * Y
+    t26 = t24 + t25
+    G = t26
+    t27 = t17 @ t2
+    t28 = G @ t27
+    t29 = t28 - (A * t28).sum(-1, keepdim=True)
+    t30 = A * t29
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t30, t8, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t30, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t30, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t2, t28, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, t28, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, t28, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t29 = (1/n_batch) * t2
-    t1 += oe.contract('abc,acde,acf->bdfe', t29, M_3, X, optimize=[(0, 2), (0, 1)])
-    t30 = H[0:d_V**2, d_V**2:2*d_V**2]
-    t31 = t30.view((d_V, d_V, d_V, d_V))
-    t32 = oe.contract('abcd,ce,abe,abe->deab', M_2, W_V, t9, A13, optimize=[(0, 1), (0, 1), (0, 1)])
-    t33 = oe.contract('abc,abd->cdab', t15, M_1, optimize=[(0, 1)])
-    t31[...] = oe.contract('abcd,efcd->eafb', t32, t33, optimize=[(0, 1)])
-    t34 = oe.contract('abc,abd,abe->cedab', t16, A13, M_1, optimize=[(0, 1), (0, 1)])
-    t35 = oe.contract('abcd,ce,abe,abe->dab', M_2, W_V, t9, A13, optimize=[(1, 2), (1, 2), (0, 1)])
-    t31 += oe.contract('abcde,fde->afbc', t34, t35, optimize=[(0, 1)])
-    t36 = (1/n_batch) * X
-    t37 = oe.contract('abc,abd->cdab', t36, G, optimize=[(0, 1)])
-    t38 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t31 += oe.contract('abcd,efcd->aefb', t37, t38, optimize=[(0, 1)])
-    t39 = H[d_V**2:2*d_V**2, 0:d_V**2]
-    t40 = t39.view((d_V, d_V, d_V, d_V))
-    t41 = G.transpose(-1, -2)
-    t42 = (1/n_batch) * t41
-    t40[...] = oe.contract('abc,acde,acf->dbfe', t42, M_2, X, optimize=[(0, 2), (0, 1)])
-    t43 = M_1.transpose(-1, -2)
-    t44 = (1/(L*n_batch)) * t43
-    t45 = oe.contract('abc,abc,cd,abde->ceab', t9, A13, t14, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t46 = oe.contract('abc,acd->bdac', t44, X, optimize=[(0, 1)])
-    t40 += oe.contract('abcd,efcd->eafb', t45, t46, optimize=[(0, 1)])
-    t47 = (-1/(L*n_batch)) * t43
-    t48 = oe.contract('abc,acd,de,acef->bfac', t47, A13, t14, M_2, optimize=[(1, 2), (1, 2), (0, 1)])
-    t49 = oe.contract('abc,abc,abd->cdab', t9, A13, X, optimize=[(0, 1), (0, 1)])
-    t40 += oe.contract('abcd,efcd->aefb', t48, t49, optimize=[(0, 1)])
-    t50 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
-    t50[...] = 0
-    t51 = t50.view((d_V, d_V, d_V, d_V))
-    t52 = t51.diagonal(0, 1, 3)
-    t53 = oe.contract('abc,abc->cab', t9, A13, optimize=[(0, 1)])
-    t54 = oe.contract('abc,acd->bdac', t44, M_1, optimize=[(0, 1)])
-    t52 += oe.contract('abc,debc->dea', t53, t54, optimize=[(0, 1)])
-    t55 = oe.contract('abc,acd->bdac', t47, A13, optimize=[(0, 1)])
-    t56 = oe.contract('abc,abc,abd->cdab', t9, A13, M_1, optimize=[(0, 1), (0, 1)])
-    t51 += oe.contract('abcd,efcd->aefb', t55, t56, optimize=[(0, 1)])
+    M_3 = oe.contract('abc,adce,aef->adbf', t2, d2A, X, optimize=[(0, 1), (0, 1)])
+    t31 = (1/n_batch) * t2
+    t1 += oe.contract('abc,acde,acf->bdfe', t31, M_3, X, optimize=[(0, 2), (0, 1)])
+    t32 = H[0:d_V**2, d_V**2:2*d_V**2]
+    t33 = t32.view((d_V, d_V, d_V, d_V))
+    t33[...] = oe.contract('abcd,abe,cf,abf,abfg,abh->edhg', M_2, t18, W_V, t10, dA16, M_1, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t34 = (1/n_batch) * X
+    t35 = oe.contract('abc,abd->cdab', t34, G, optimize=[(0, 1)])
+    t36 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t33 += oe.contract('abcd,efcd->aefb', t35, t36, optimize=[(0, 1)])
+    t37 = H[d_V**2:2*d_V**2, 0:d_V**2]
+    t38 = t37.view((d_V, d_V, d_V, d_V))
+    t39 = G.transpose(-1, -2)
+    t40 = (1/n_batch) * t39
+    t38[...] = oe.contract('abc,acde,acf->dbfe', t40, M_2, X, optimize=[(0, 2), (0, 1)])
+    t41 = M_1.transpose(-1, -2)
+    t42 = (1/(L*n_batch)) * t41
+    t43 = oe.contract('abc,abcd,de,abef->cfab', t10, dA16, t17, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t44 = oe.contract('abc,acd->bdac', t42, X, optimize=[(0, 1)])
+    t38 += oe.contract('abcd,efcd->eafb', t43, t44, optimize=[(0, 1)])
+    t45 = H[d_V**2:2*d_V**2, d_V**2:2*d_V**2]
+    t46 = t45.view((d_V, d_V, d_V, d_V))
+    t46[...] = oe.contract('abc,acd,acde,acf->bdfe', t42, t10, dA16, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
     return H
 
 
@@ -5646,41 +6467,49 @@ def ce_causal1__frobenius_all__full(X, W_QK, W_V, Y):
     t4 = torch.where(t3, -math.inf, t2)
     t5 = torch.exp(t4 - t4.amax(-1, keepdim=True))
     A = t5 / t5.sum(-1, keepdim=True)
+    t6 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t6 = Y.sum(-1, keepdim=True)
-    t7 = t6.expand(*t6.shape[:-1], d_V)
-    t8 = A @ X
-    M_1 = t8
-    t9 = M_1 @ W_V
-    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
-    A11 = t10 / t10.sum(-1, keepdim=True)
-    t12 = W_V.transpose(-1, -2)
-    F = t9
-    t13 = torch.exp(F - F.amax(-1, keepdim=True))
-    A14 = t13 / t13.sum(-1, keepdim=True)
-    t15 = t7 * A14
-    t16 = (1/L) * t15
-    t17 = (-1/L) * Y
-    t18 = t16 + t17
-    G = t18
-    t19 = t12 @ t0
-    t20 = G @ t19
-    t21 = t20 - (A * t20).sum(-1, keepdim=True)
-    t22 = A * t21
+    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    t7 = Y.sum(-1, keepdim=True)
+    t8 = t7.expand(*t7.shape[:-1], d_V)
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1 @ W_V
+    t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
+    A12 = t11 / t11.sum(-1, keepdim=True)
+    t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA14 = oe.contract('abc,cd->abcd', A12, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A12, A12, optimize=[(0, 1)])
+    t15 = W_V.transpose(-1, -2)
+    F = t10
+    t16 = torch.exp(F - F.amax(-1, keepdim=True))
+    A17 = t16 / t16.sum(-1, keepdim=True)
+    t18 = t8 * A17
+    t19 = (1/L) * t18
+    t20 = (-1/L) * Y
+    t21 = t19 + t20
+    G = t21
+    t22 = t15 @ t0
+    t23 = G @ t22
+    t24 = t23 - (A * t23).sum(-1, keepdim=True)
+    t25 = A * t24
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t25, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t25, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t25, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t0, t22, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t22, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t22, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t23 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi,jkld,jke,lm,jkm,jkm,mn,jknh,jki->', M_2, X, W_V, t7, A11, t12, M_2, X, M_2, X, W_V, t7, A11, t12, M_2, X, optimize=[(3, 4), (9, 10), (0, 2), (1, 2), (0, 3), (1, 2), (1, 2), (0, 1), (4, 7), (0, 2), (1, 5), (0, 1), (0, 3), (1, 2), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi,jkld,jke,lm,jkm,jkm,jkn,no,jkoh,jki->', M_2, X, W_V, t7, A11, t12, M_2, X, M_2, X, W_V, t7, A11, A11, t12, M_2, X, optimize=[(3, 4), (9, 10), (0, 2), (1, 2), (0, 3), (1, 2), (6, 10), (1, 2), (1, 8), (0, 1), (3, 6), (0, 1), (0, 4), (0, 3), (0, 2), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi,jek,jkdh,jki->', M_2, X, W_V, t7, A11, t12, M_2, X, t0, M_3, X, optimize=[(3, 4), (0, 2), (1, 2), (0, 2), (0, 2), (4, 5), (1, 2), (1, 3), (0, 2), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhi,abj,klmd,kle,mn,kln,kln,klo,op,klpi,klj->', M_2, X, W_V, t7, A11, A11, t12, M_2, X, M_2, X, W_V, t7, A11, A11, t12, M_2, X, optimize=[(3, 4), (10, 11), (0, 2), (12, 14), (1, 2), (1, 12), (0, 3), (1, 2), (5, 9), (1, 2), (1, 7), (0, 1), (2, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (-2/(L*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhi,abj,kel,kldi,klj->', M_2, X, W_V, t7, A11, A11, t12, M_2, X, t0, M_3, X, optimize=[(3, 4), (0, 2), (8, 9), (1, 2), (1, 7), (0, 2), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t24 = torch.sqrt(torch.clamp(t23, min=0.0))
-    t25 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abf,abg,hijd,hie,jf,hif,hif,hig->', M_2, X, W_V, t7, A11, M_1, M_2, X, W_V, t7, A11, M_1, optimize=[(3, 4), (7, 8), (0, 2), (0, 3), (1, 2), (4, 6), (0, 1), (2, 4), (0, 2), (0, 2), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abf,abg,hijd,hie,jk,hik,hik,hif,hig->', M_2, X, W_V, t7, A11, M_1, M_2, X, W_V, t7, A11, A11, M_1, optimize=[(3, 4), (7, 8), (0, 2), (0, 3), (1, 2), (4, 7), (0, 2), (3, 5), (1, 2), (1, 3), (0, 2), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abf,abg,higd,hie,hif->', M_2, X, W_V, t7, A11, M_1, M_2, X, G, optimize=[(3, 4), (0, 2), (1, 2), (4, 5), (0, 1), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abf,abg,abh,ijkd,ije,kl,ijl,ijl,ijg,ijh->', M_2, X, W_V, t7, A11, A11, M_1, M_2, X, W_V, t7, A11, A11, M_1, optimize=[(3, 4), (8, 9), (0, 2), (8, 10), (0, 4), (2, 3), (4, 7), (0, 2), (3, 5), (0, 1), (2, 3), (0, 1), (0, 1)]) + (-2/(L*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abf,abg,abh,ijhd,ije,ijg->', M_2, X, W_V, t7, A11, A11, M_1, M_2, X, G, optimize=[(3, 4), (0, 2), (6, 7), (2, 3), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t26 = torch.sqrt(torch.clamp(t25, min=0.0))
-    t27 = G.transpose(-1, -2)
-    t28 = M_1.transpose(-1, -2)
-    t29 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t27, M_2, X, t27, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abc,acde,acf,gdh,ghb,ghb,bi,ghie,ghf->', t27, M_2, X, t28, t7, A11, t12, M_2, X, optimize=[(4, 5), (1, 3), (3, 6), (1, 3), (1, 3), (0, 3), (0, 2), (0, 1)]) + (-2/(L*n_batch**2)) * oe.contract('abc,acde,acf,gdh,ghb,ghb,ghi,ij,ghje,ghf->', t27, M_2, X, t28, t7, A11, A11, t12, M_2, X, optimize=[(4, 5), (1, 3), (4, 7), (2, 3), (4, 5), (1, 2), (2, 3), (0, 1), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,hbi,hid,hid,dj,hijf,hig->', t28, t7, A11, t12, M_2, X, t28, t7, A11, t12, M_2, X, optimize=[(1, 2), (5, 6), (1, 2), (0, 2), (1, 2), (4, 6), (0, 1), (2, 4), (0, 2), (0, 2), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,hbi,hid,hid,hij,jk,hikf,hig->', t28, t7, A11, t12, M_2, X, t28, t7, A11, A11, t12, M_2, X, optimize=[(1, 2), (5, 6), (1, 2), (0, 2), (1, 2), (1, 7), (0, 1), (3, 5), (0, 2), (1, 3), (0, 2), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,ibj,ijd,ijd,ijk,kl,ijlg,ijh->', t28, t7, A11, A11, t12, M_2, X, t28, t7, A11, A11, t12, M_2, X, optimize=[(1, 2), (6, 7), (1, 2), (1, 10), (0, 2), (1, 2), (1, 7), (0, 1), (3, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t30 = torch.sqrt(torch.clamp(t29, min=0.0))
-    t31 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fge->', t28, t7, A11, M_1, t28, t7, A11, M_1, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fgd,fge->', t28, t7, A11, M_1, t28, t7, A11, A11, M_1, optimize=[(1, 2), (3, 4), (3, 6), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,acf,gbh,ghd,ghd,ghe,ghf->', t28, t7, A11, A11, M_1, t28, t7, A11, A11, M_1, optimize=[(1, 2), (4, 5), (0, 3), (0, 2), (4, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t32 = torch.sqrt(torch.clamp(t31, min=0.0))
-    return (t24, t26, t30, t32,)
+    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
+    t26 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhi,abj,klmd,kle,mn,kln,klno,op,klpi,klj->', M_2, X, W_V, t8, dA14, t15, M_2, X, M_2, X, W_V, t8, dA14, t15, M_2, X, optimize=[(0, 2), (1, 2), (12, 13), (1, 2), (10, 11), (0, 3), (1, 2), (1, 2), (6, 7), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhi,abj,kel,kldi,klj->', M_2, X, W_V, t8, dA14, t15, M_2, X, t0, M_3, X, optimize=[(0, 2), (1, 2), (7, 8), (1, 2), (5, 6), (3, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t27 = torch.sqrt(torch.clamp(t26, min=0.0))
+    t28 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,abh,ijkd,ije,kl,ijl,ijlg,ijh->', M_2, X, W_V, t8, dA14, M_1, M_2, X, W_V, t8, dA14, M_1, optimize=[(0, 2), (1, 2), (8, 9), (0, 3), (1, 2), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,abh,ijhd,ije,ijg->', M_2, X, W_V, t8, dA14, M_1, M_2, X, G, optimize=[(0, 2), (1, 2), (5, 6), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t29 = torch.sqrt(torch.clamp(t28, min=0.0))
+    t30 = G.transpose(-1, -2)
+    t31 = M_1.transpose(-1, -2)
+    t32 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t30, M_2, X, t30, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abc,acde,acf,gdh,ghb,ghbi,ij,ghje,ghf->', t30, M_2, X, t31, t8, dA14, t15, M_2, X, optimize=[(4, 5), (2, 6), (0, 6), (4, 5), (0, 1), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,ibj,ijd,ijdk,kl,ijlg,ijh->', t31, t8, dA14, t15, M_2, X, t31, t8, dA14, t15, M_2, X, optimize=[(1, 2), (1, 10), (1, 9), (0, 2), (1, 2), (1, 6), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t33 = torch.sqrt(torch.clamp(t32, min=0.0))
+    t34 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t31, t8, dA14, M_1, t31, t8, dA14, M_1, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
+    t35 = torch.sqrt(torch.clamp(t34, min=0.0))
+    return (t27, t29, t33, t35,)
 
 
 def ce_causal1__diag__W_QK__full(X, W_QK, W_V, Y):
@@ -5697,38 +6526,42 @@ def ce_causal1__diag__W_QK__full(X, W_QK, W_V, Y):
     t5 = torch.where(t4, -math.inf, t3)
     t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
     A = t6 / t6.sum(-1, keepdim=True)
+    t7 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t7 = Y.sum(-1, keepdim=True)
-    t8 = t7.expand(*t7.shape[:-1], d_V)
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
-    A12 = t11 / t11.sum(-1, keepdim=True)
-    t13 = W_V.transpose(-1, -2)
-    t14 = (1/(L*n_batch)) * X
-    t15 = oe.contract('abcd,ce,abe,abe,ef,abfd->dab', M_2, W_V, t8, A12, t13, M_2, optimize=[(2, 3), (0, 1), (0, 1), (1, 2), (0, 1)])
-    t16 = oe.contract('abc,abc->cab', t14, X, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t15, t16, optimize=[(0, 1)])
-    t17 = (-1/(L*n_batch)) * X
-    t18 = oe.contract('abcd,ce,abe,abe,abf,fg,abgd->dab', M_2, W_V, t8, A12, A12, t13, M_2, optimize=[(2, 3), (0, 1), (3, 4), (0, 1), (0, 2), (0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t8 = Y.sum(-1, keepdim=True)
+    t9 = t8.expand(*t8.shape[:-1], d_V)
+    t10 = A @ X
+    M_1 = t10
+    t11 = M_1 @ W_V
+    t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
+    A13 = t12 / t12.sum(-1, keepdim=True)
+    t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA15 = oe.contract('abc,cd->abcd', A13, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A13, A13, optimize=[(0, 1)])
+    t16 = W_V.transpose(-1, -2)
+    t17 = (1/(L*n_batch)) * X
+    t18 = oe.contract('abcd,ce,abe,abef,fg,abgd->dab', M_2, W_V, t9, dA15, t16, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
     t19 = oe.contract('abc,abc->cab', t17, X, optimize=[(0, 1)])
-    t0 += oe.contract('abc,dbc->da', t18, t19, optimize=[(0, 1)])
-    F = t10
+    t0[...] = oe.contract('abc,dbc->da', t18, t19, optimize=[(0, 1)])
+    F = t11
     t20 = torch.exp(F - F.amax(-1, keepdim=True))
     A21 = t20 / t20.sum(-1, keepdim=True)
-    t22 = t8 * A21
+    t22 = t9 * A21
     t23 = (1/L) * t22
     t24 = (-1/L) * Y
     t25 = t23 + t24
     G = t25
-    t26 = t13 @ t1
+    t26 = t16 @ t1
     t27 = G @ t26
     t28 = t27 - (A * t27).sum(-1, keepdim=True)
     t29 = A * t28
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t29, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t29, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t29, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t29, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t29, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t29, X, optimize=[(0, 1), (0, 1), (0, 1)])
+    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
     t30 = (1/n_batch) * t1
     t0 += oe.contract('abc,acdd,acb->bd', t30, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
@@ -5746,31 +6579,39 @@ def ce_causal1__trace__W_QK__full(X, W_QK, W_V, Y):
     t4 = torch.where(t3, -math.inf, t2)
     t5 = torch.exp(t4 - t4.amax(-1, keepdim=True))
     A = t5 / t5.sum(-1, keepdim=True)
+    t6 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t6 = Y.sum(-1, keepdim=True)
-    t7 = t6.expand(*t6.shape[:-1], d_V)
-    t8 = A @ X
-    M_1 = t8
-    t9 = M_1 @ W_V
-    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
-    A11 = t10 / t10.sum(-1, keepdim=True)
-    t12 = W_V.transpose(-1, -2)
-    F = t9
-    t13 = torch.exp(F - F.amax(-1, keepdim=True))
-    A14 = t13 / t13.sum(-1, keepdim=True)
-    t15 = t7 * A14
-    t16 = (1/L) * t15
-    t17 = (-1/L) * Y
-    t18 = t16 + t17
-    G = t18
-    t19 = t12 @ t0
-    t20 = G @ t19
-    t21 = t20 - (A * t20).sum(-1, keepdim=True)
-    t22 = A * t21
+    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    t7 = Y.sum(-1, keepdim=True)
+    t8 = t7.expand(*t7.shape[:-1], d_V)
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1 @ W_V
+    t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
+    A12 = t11 / t11.sum(-1, keepdim=True)
+    t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA14 = oe.contract('abc,cd->abcd', A12, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A12, A12, optimize=[(0, 1)])
+    t15 = W_V.transpose(-1, -2)
+    F = t10
+    t16 = torch.exp(F - F.amax(-1, keepdim=True))
+    A17 = t16 / t16.sum(-1, keepdim=True)
+    t18 = t8 * A17
+    t19 = (1/L) * t18
+    t20 = (-1/L) * Y
+    t21 = t19 + t20
+    G = t21
+    t22 = t15 @ t0
+    t23 = G @ t22
+    t24 = t23 - (A * t23).sum(-1, keepdim=True)
+    t25 = A * t24
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t25, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t25, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t25, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t0, t22, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t22, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t22, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    return (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,fg,abgd,abe->', M_2, X, W_V, t7, A11, t12, M_2, X, optimize=[(3, 4), (1, 5), (0, 3), (2, 3), (0, 2), (0, 2), (0, 1)]) + (-1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhd,abe->', M_2, X, W_V, t7, A11, A11, t12, M_2, X, optimize=[(3, 4), (1, 6), (0, 4), (1, 2), (3, 4), (0, 1), (1, 2), (0, 1)]) + (1/n_batch) * oe.contract('abc,acdd,acb->', t0, M_3, X, optimize=[(0, 2), (0, 1)])
+    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
+    return (1/(L*n_batch)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhd,abe->', M_2, X, W_V, t8, dA14, t15, M_2, X, optimize=[(1, 7), (0, 5), (1, 2), (1, 4), (2, 3), (0, 2), (0, 1)]) + (1/n_batch) * oe.contract('abc,acdd,acb->', t0, M_3, X, optimize=[(0, 2), (0, 1)])
 
 
 def ce_causal1__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
@@ -5787,38 +6628,44 @@ def ce_causal1__block__W_QK__W_QK__full(X, W_QK, W_V, Y):
     t5 = torch.where(t4, -math.inf, t3)
     t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
     A = t6 / t6.sum(-1, keepdim=True)
+    t7 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t7 = Y.sum(-1, keepdim=True)
-    t8 = t7.expand(*t7.shape[:-1], d_V)
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
-    A12 = t11 / t11.sum(-1, keepdim=True)
-    t13 = W_V.transpose(-1, -2)
-    t14 = (1/(L*n_batch)) * X
-    t0[...] = oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi->edih', M_2, t14, W_V, t8, A12, t13, M_2, X, optimize=[(3, 4), (0, 2), (1, 2), (2, 3), (2, 3), (0, 1), (0, 1)])
-    t15 = (-1/(L*n_batch)) * X
-    t16 = oe.contract('abc,cd,abde->eab', A12, t13, M_2, optimize=[(0, 1), (0, 1)])
-    t17 = oe.contract('abcd,abe,cf,abf,abf,abg->edgab', M_2, t15, W_V, t8, A12, X, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t0 += oe.contract('abc,defbc->defa', t16, t17, optimize=[(0, 1)])
-    F = t10
-    t18 = torch.exp(F - F.amax(-1, keepdim=True))
-    A19 = t18 / t18.sum(-1, keepdim=True)
-    t20 = t8 * A19
-    t21 = (1/L) * t20
-    t22 = (-1/L) * Y
-    t23 = t21 + t22
-    G = t23
-    t24 = t13 @ t1
-    t25 = G @ t24
-    t26 = t25 - (A * t25).sum(-1, keepdim=True)
-    t27 = A * t26
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t8 = Y.sum(-1, keepdim=True)
+    t9 = t8.expand(*t8.shape[:-1], d_V)
+    t10 = A @ X
+    M_1 = t10
+    t11 = M_1 @ W_V
+    t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
+    A13 = t12 / t12.sum(-1, keepdim=True)
+    t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA15 = oe.contract('abc,cd->abcd', A13, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A13, A13, optimize=[(0, 1)])
+    t16 = W_V.transpose(-1, -2)
+    t17 = (1/(L*n_batch)) * X
+    t18 = oe.contract('abcd,ce,abe,abef,fg,abgh->dhab', M_2, W_V, t9, dA15, t16, M_2, optimize=[(0, 1), (0, 1), (2, 3), (0, 1), (0, 1)])
+    t19 = oe.contract('abc,abd->cdab', t17, X, optimize=[(0, 1)])
+    t0[...] = oe.contract('abcd,efcd->eafb', t18, t19, optimize=[(0, 1)])
+    F = t11
+    t20 = torch.exp(F - F.amax(-1, keepdim=True))
+    A21 = t20 / t20.sum(-1, keepdim=True)
+    t22 = t9 * A21
+    t23 = (1/L) * t22
+    t24 = (-1/L) * Y
+    t25 = t23 + t24
+    G = t25
+    t26 = t16 @ t1
+    t27 = G @ t26
+    t28 = t27 - (A * t27).sum(-1, keepdim=True)
+    t29 = A * t28
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t29, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t29, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t29, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t1, t27, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, t27, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, t27, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t28 = (1/n_batch) * t1
-    t0 += oe.contract('abc,acde,acf->bdfe', t28, M_3, X, optimize=[(0, 2), (0, 1)])
+    M_3 = oe.contract('abc,adce,aef->adbf', t1, d2A, X, optimize=[(0, 1), (0, 1)])
+    t30 = (1/n_batch) * t1
+    t0 += oe.contract('abc,acde,acf->bdfe', t30, M_3, X, optimize=[(0, 2), (0, 1)])
     return out
 
 
@@ -5834,33 +6681,41 @@ def ce_causal1__frobenius__W_QK__W_QK__full(X, W_QK, W_V, Y):
     t4 = torch.where(t3, -math.inf, t2)
     t5 = torch.exp(t4 - t4.amax(-1, keepdim=True))
     A = t5 / t5.sum(-1, keepdim=True)
+    t6 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t6 = Y.sum(-1, keepdim=True)
-    t7 = t6.expand(*t6.shape[:-1], d_V)
-    t8 = A @ X
-    M_1 = t8
-    t9 = M_1 @ W_V
-    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
-    A11 = t10 / t10.sum(-1, keepdim=True)
-    t12 = W_V.transpose(-1, -2)
-    F = t9
-    t13 = torch.exp(F - F.amax(-1, keepdim=True))
-    A14 = t13 / t13.sum(-1, keepdim=True)
-    t15 = t7 * A14
-    t16 = (1/L) * t15
-    t17 = (-1/L) * Y
-    t18 = t16 + t17
-    G = t18
-    t19 = t12 @ t0
-    t20 = G @ t19
-    t21 = t20 - (A * t20).sum(-1, keepdim=True)
-    t22 = A * t21
+    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    t7 = Y.sum(-1, keepdim=True)
+    t8 = t7.expand(*t7.shape[:-1], d_V)
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1 @ W_V
+    t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
+    A12 = t11 / t11.sum(-1, keepdim=True)
+    t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA14 = oe.contract('abc,cd->abcd', A12, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A12, A12, optimize=[(0, 1)])
+    t15 = W_V.transpose(-1, -2)
+    F = t10
+    t16 = torch.exp(F - F.amax(-1, keepdim=True))
+    A17 = t16 / t16.sum(-1, keepdim=True)
+    t18 = t8 * A17
+    t19 = (1/L) * t18
+    t20 = (-1/L) * Y
+    t21 = t19 + t20
+    G = t21
+    t22 = t15 @ t0
+    t23 = G @ t22
+    t24 = t23 - (A * t23).sum(-1, keepdim=True)
+    t25 = A * t24
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t25, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t25, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t25, optimize=[(0, 1)])
     # M_3: compact tensor ('L', 'd_V', 'd_V')
-    M_3 = oe.contract('abc,adc,ace->adbe', t0, t22, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, t22, A, X, optimize=[(0, 1), (0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, t22, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t23 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi,jkld,jke,lm,jkm,jkm,mn,jknh,jki->', M_2, X, W_V, t7, A11, t12, M_2, X, M_2, X, W_V, t7, A11, t12, M_2, X, optimize=[(3, 4), (9, 10), (0, 2), (1, 2), (0, 3), (1, 2), (1, 2), (0, 1), (4, 7), (0, 2), (1, 5), (0, 1), (0, 3), (1, 2), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi,jkld,jke,lm,jkm,jkm,jkn,no,jkoh,jki->', M_2, X, W_V, t7, A11, t12, M_2, X, M_2, X, W_V, t7, A11, A11, t12, M_2, X, optimize=[(3, 4), (9, 10), (0, 2), (1, 2), (0, 3), (1, 2), (6, 10), (1, 2), (1, 8), (0, 1), (3, 6), (0, 1), (0, 4), (0, 3), (0, 2), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abf,fg,abgh,abi,jek,jkdh,jki->', M_2, X, W_V, t7, A11, t12, M_2, X, t0, M_3, X, optimize=[(3, 4), (0, 2), (1, 2), (0, 2), (0, 2), (4, 5), (1, 2), (1, 3), (0, 2), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhi,abj,klmd,kle,mn,kln,kln,klo,op,klpi,klj->', M_2, X, W_V, t7, A11, A11, t12, M_2, X, M_2, X, W_V, t7, A11, A11, t12, M_2, X, optimize=[(3, 4), (10, 11), (0, 2), (12, 14), (1, 2), (1, 12), (0, 3), (1, 2), (5, 9), (1, 2), (1, 7), (0, 1), (2, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (-2/(L*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abf,abg,gh,abhi,abj,kel,kldi,klj->', M_2, X, W_V, t7, A11, A11, t12, M_2, X, t0, M_3, X, optimize=[(3, 4), (0, 2), (8, 9), (1, 2), (1, 7), (0, 2), (0, 2), (3, 4), (0, 1), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t24 = torch.sqrt(torch.clamp(t23, min=0.0))
-    return t24
+    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
+    t26 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhi,abj,klmd,kle,mn,kln,klno,op,klpi,klj->', M_2, X, W_V, t8, dA14, t15, M_2, X, M_2, X, W_V, t8, dA14, t15, M_2, X, optimize=[(0, 2), (1, 2), (12, 13), (1, 2), (10, 11), (0, 3), (1, 2), (1, 2), (6, 7), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhi,abj,kel,kldi,klj->', M_2, X, W_V, t8, dA14, t15, M_2, X, t0, M_3, X, optimize=[(0, 2), (1, 2), (7, 8), (1, 2), (5, 6), (3, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t27 = torch.sqrt(torch.clamp(t26, min=0.0))
+    return t27
 
 
 def ce_causal1__block__W_QK__W_V__full(X, W_QK, W_V, Y):
@@ -5877,35 +6732,35 @@ def ce_causal1__block__W_QK__W_V__full(X, W_QK, W_V, Y):
     t5 = torch.where(t4, -math.inf, t3)
     t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
     A = t6 / t6.sum(-1, keepdim=True)
+    t7 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t7, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t1, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t1, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t7 = Y.sum(-1, keepdim=True)
-    t8 = t7.expand(*t7.shape[:-1], d_V)
-    t9 = A @ X
-    M_1 = t9
-    t10 = M_1 @ W_V
-    t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
-    A12 = t11 / t11.sum(-1, keepdim=True)
-    t13 = (1/(L*n_batch)) * X
-    t14 = oe.contract('abcd,ce,abe,abe->deab', M_2, W_V, t8, A12, optimize=[(0, 1), (0, 1), (0, 1)])
-    t15 = oe.contract('abc,abd->cdab', t13, M_1, optimize=[(0, 1)])
-    t0[...] = oe.contract('abcd,efcd->eafb', t14, t15, optimize=[(0, 1)])
-    t16 = (-1/(L*n_batch)) * X
-    t17 = oe.contract('abc,abd,abe->cedab', t16, A12, M_1, optimize=[(0, 1), (0, 1)])
-    t18 = oe.contract('abcd,ce,abe,abe->dab', M_2, W_V, t8, A12, optimize=[(1, 2), (1, 2), (0, 1)])
-    t0 += oe.contract('abcde,fde->afbc', t17, t18, optimize=[(0, 1)])
-    F = t10
-    t19 = torch.exp(F - F.amax(-1, keepdim=True))
-    A20 = t19 / t19.sum(-1, keepdim=True)
-    t21 = t8 * A20
-    t22 = (1/L) * t21
-    t23 = (-1/L) * Y
-    t24 = t22 + t23
-    G = t24
-    t25 = (1/n_batch) * X
-    t26 = oe.contract('abc,abd->cdab', t25, G, optimize=[(0, 1)])
-    t27 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
-    t0 += oe.contract('abcd,efcd->aefb', t26, t27, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t1, dA, X, optimize=[(0, 1), (0, 1)])
+    t8 = Y.sum(-1, keepdim=True)
+    t9 = t8.expand(*t8.shape[:-1], d_V)
+    t10 = A @ X
+    M_1 = t10
+    t11 = M_1 @ W_V
+    t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
+    A13 = t12 / t12.sum(-1, keepdim=True)
+    t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA15 = oe.contract('abc,cd->abcd', A13, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A13, A13, optimize=[(0, 1)])
+    t16 = (1/(L*n_batch)) * X
+    t0[...] = oe.contract('abcd,abe,cf,abf,abfg,abh->edhg', M_2, t16, W_V, t9, dA15, M_1, optimize=[(3, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    F = t11
+    t17 = torch.exp(F - F.amax(-1, keepdim=True))
+    A18 = t17 / t17.sum(-1, keepdim=True)
+    t19 = t9 * A18
+    t20 = (1/L) * t19
+    t21 = (-1/L) * Y
+    t22 = t20 + t21
+    G = t22
+    t23 = (1/n_batch) * X
+    t24 = oe.contract('abc,abd->cdab', t23, G, optimize=[(0, 1)])
+    t25 = oe.contract('abcd->dcab', M_2, optimize=[(0,)])
+    t0 += oe.contract('abcd,efcd->aefb', t24, t25, optimize=[(0, 1)])
     return out
 
 
@@ -5921,26 +6776,32 @@ def ce_causal1__frobenius__W_QK__W_V__full(X, W_QK, W_V, Y):
     t4 = torch.where(t3, -math.inf, t2)
     t5 = torch.exp(t4 - t4.amax(-1, keepdim=True))
     A = t5 / t5.sum(-1, keepdim=True)
+    t6 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t0, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t0, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t6 = Y.sum(-1, keepdim=True)
-    t7 = t6.expand(*t6.shape[:-1], d_V)
-    t8 = A @ X
-    M_1 = t8
-    t9 = M_1 @ W_V
-    t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
-    A11 = t10 / t10.sum(-1, keepdim=True)
-    F = t9
-    t12 = torch.exp(F - F.amax(-1, keepdim=True))
-    A13 = t12 / t12.sum(-1, keepdim=True)
-    t14 = t7 * A13
-    t15 = (1/L) * t14
-    t16 = (-1/L) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abf,abg,hijd,hie,jf,hif,hif,hig->', M_2, X, W_V, t7, A11, M_1, M_2, X, W_V, t7, A11, M_1, optimize=[(3, 4), (7, 8), (0, 2), (0, 3), (1, 2), (4, 6), (0, 1), (2, 4), (0, 2), (0, 2), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abf,abg,hijd,hie,jk,hik,hik,hif,hig->', M_2, X, W_V, t7, A11, M_1, M_2, X, W_V, t7, A11, A11, M_1, optimize=[(3, 4), (7, 8), (0, 2), (0, 3), (1, 2), (4, 7), (0, 2), (3, 5), (1, 2), (1, 3), (0, 2), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abf,abg,higd,hie,hif->', M_2, X, W_V, t7, A11, M_1, M_2, X, G, optimize=[(3, 4), (0, 2), (1, 2), (4, 5), (0, 1), (0, 2), (0, 2), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abf,abg,abh,ijkd,ije,kl,ijl,ijl,ijg,ijh->', M_2, X, W_V, t7, A11, A11, M_1, M_2, X, W_V, t7, A11, A11, M_1, optimize=[(3, 4), (8, 9), (0, 2), (8, 10), (0, 4), (2, 3), (4, 7), (0, 2), (3, 5), (0, 1), (2, 3), (0, 1), (0, 1)]) + (-2/(L*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abf,abg,abh,ijhd,ije,ijg->', M_2, X, W_V, t7, A11, A11, M_1, M_2, X, G, optimize=[(3, 4), (0, 2), (6, 7), (2, 3), (4, 5), (0, 2), (2, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t19 = torch.sqrt(torch.clamp(t18, min=0.0))
-    return t19
+    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    t7 = Y.sum(-1, keepdim=True)
+    t8 = t7.expand(*t7.shape[:-1], d_V)
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1 @ W_V
+    t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
+    A12 = t11 / t11.sum(-1, keepdim=True)
+    t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA14 = oe.contract('abc,cd->abcd', A12, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A12, A12, optimize=[(0, 1)])
+    F = t10
+    t15 = torch.exp(F - F.amax(-1, keepdim=True))
+    A16 = t15 / t15.sum(-1, keepdim=True)
+    t17 = t8 * A16
+    t18 = (1/L) * t17
+    t19 = (-1/L) * Y
+    t20 = t18 + t19
+    G = t20
+    t21 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,abh,ijkd,ije,kl,ijl,ijlg,ijh->', M_2, X, W_V, t8, dA14, M_1, M_2, X, W_V, t8, dA14, M_1, optimize=[(0, 2), (1, 2), (8, 9), (0, 3), (1, 2), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,abh,ijhd,ije,ijg->', M_2, X, W_V, t8, dA14, M_1, M_2, X, G, optimize=[(0, 2), (1, 2), (5, 6), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
+    return t22
 
 
 def ce_causal1__diag__W_V__full(X, W_QK, W_V, Y):
@@ -5965,12 +6826,13 @@ def ce_causal1__diag__W_V__full(X, W_QK, W_V, Y):
     t11 = M_1 @ W_V
     t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
     A13 = t12 / t12.sum(-1, keepdim=True)
-    t14 = (1/(L*n_batch)) * t8
-    t15 = oe.contract('abc,abc->cab', t10, A13, optimize=[(0, 1)])
-    t16 = oe.contract('abc,acb->bac', t14, M_1, optimize=[(0, 1)])
-    t0[...] = oe.contract('abc,dbc->da', t15, t16, optimize=[(0, 1)])
-    t17 = (-1/(L*n_batch)) * t8
-    t0 += oe.contract('abc,acd,acd,acd,acb->bd', t17, t10, A13, A13, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A13, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A13, A13, optimize=[(0, 1)])
+    t15 = (1/(L*n_batch)) * t8
+    t16 = oe.contract('abc,abcc->cab', t10, dA, optimize=[(0, 1)])
+    t17 = oe.contract('abc,acb->bac', t15, M_1, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,dbc->da', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -5994,7 +6856,10 @@ def ce_causal1__trace__W_V__full(X, W_QK, W_V, Y):
     t10 = M_1 @ W_V
     t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
     A12 = t11 / t11.sum(-1, keepdim=True)
-    return (1/(L*n_batch)) * oe.contract('abc,acd,acd,acb->', t7, t9, A12, M_1, optimize=[(0, 3), (0, 1), (0, 1)]) + (-1/(L*n_batch)) * oe.contract('abc,acd,acd,acd,acb->', t7, t9, A12, A12, M_1, optimize=[(1, 2), (1, 3), (0, 1), (0, 1)])
+    t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A12, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A12, A12, optimize=[(0, 1)])
+    return (1/(L*n_batch)) * oe.contract('abc,acd,acdd,acb->', t7, t9, dA, M_1, optimize=[(0, 3), (0, 1), (0, 1)])
 
 
 def ce_causal1__block__W_V__W_QK__full(X, W_QK, W_V, Y):
@@ -6025,22 +6890,24 @@ def ce_causal1__block__W_V__W_QK__full(X, W_QK, W_V, Y):
     t16 = t14 + t15
     G = t16
     t17 = G.transpose(-1, -2)
+    t18 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t18, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t3, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t3, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t18 = (1/n_batch) * t17
-    t0[...] = oe.contract('abc,acde,acf->dbfe', t18, M_2, X, optimize=[(0, 2), (0, 1)])
-    t19 = M_1.transpose(-1, -2)
-    t20 = torch.exp(t10 - t10.amax(-1, keepdim=True))
-    A21 = t20 / t20.sum(-1, keepdim=True)
-    t22 = W_V.transpose(-1, -2)
-    t23 = (1/(L*n_batch)) * t19
-    t24 = oe.contract('abc,abc,cd,abde->ceab', t2, A21, t22, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
-    t25 = oe.contract('abc,acd->bdac', t23, X, optimize=[(0, 1)])
-    t0 += oe.contract('abcd,efcd->eafb', t24, t25, optimize=[(0, 1)])
-    t26 = (-1/(L*n_batch)) * t19
-    t27 = oe.contract('abc,acd,de,acef->bfac', t26, A21, t22, M_2, optimize=[(1, 2), (1, 2), (0, 1)])
-    t28 = oe.contract('abc,abc,abd->cdab', t2, A21, X, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t27, t28, optimize=[(0, 1)])
+    M_2 = oe.contract('abc,adce,aef->adbf', t3, dA, X, optimize=[(0, 1), (0, 1)])
+    t19 = (1/n_batch) * t17
+    t0[...] = oe.contract('abc,acde,acf->dbfe', t19, M_2, X, optimize=[(0, 2), (0, 1)])
+    t20 = M_1.transpose(-1, -2)
+    t21 = torch.exp(t10 - t10.amax(-1, keepdim=True))
+    A22 = t21 / t21.sum(-1, keepdim=True)
+    t23 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA24 = oe.contract('abc,cd->abcd', A22, t23, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A22, A22, optimize=[(0, 1)])
+    t25 = W_V.transpose(-1, -2)
+    t26 = (1/(L*n_batch)) * t20
+    t27 = oe.contract('abc,abcd,de,abef->cfab', t2, dA24, t25, M_2, optimize=[(0, 1), (0, 1), (0, 1)])
+    t28 = oe.contract('abc,acd->bdac', t26, X, optimize=[(0, 1)])
+    t0 += oe.contract('abcd,efcd->eafb', t27, t28, optimize=[(0, 1)])
     return out
 
 
@@ -6070,15 +6937,21 @@ def ce_causal1__frobenius__W_V__W_QK__full(X, W_QK, W_V, Y):
     t15 = t13 + t14
     G = t15
     t16 = G.transpose(-1, -2)
+    t17 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t17, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     # M_2: compact tensor ('L', 'd_V', 'd_V')
-    M_2 = oe.contract('abc,adc,ace->adbe', t2, A, X, optimize=[(0, 1), (0, 1)]) - oe.contract('abc,adc,ade,aef->adbf', t2, A, A, X, optimize=[(0, 1), (0, 1), (0, 1)])
-    t17 = M_1.transpose(-1, -2)
-    t18 = torch.exp(t9 - t9.amax(-1, keepdim=True))
-    A19 = t18 / t18.sum(-1, keepdim=True)
-    t20 = W_V.transpose(-1, -2)
-    t21 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t16, M_2, X, t16, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abc,acde,acf,gdh,ghb,ghb,bi,ghie,ghf->', t16, M_2, X, t17, t1, A19, t20, M_2, X, optimize=[(4, 5), (1, 3), (3, 6), (1, 3), (1, 3), (0, 3), (0, 2), (0, 1)]) + (-2/(L*n_batch**2)) * oe.contract('abc,acde,acf,gdh,ghb,ghb,ghi,ij,ghje,ghf->', t16, M_2, X, t17, t1, A19, A19, t20, M_2, X, optimize=[(4, 5), (1, 3), (4, 7), (2, 3), (4, 5), (1, 2), (2, 3), (0, 1), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,hbi,hid,hid,dj,hijf,hig->', t17, t1, A19, t20, M_2, X, t17, t1, A19, t20, M_2, X, optimize=[(1, 2), (5, 6), (1, 2), (0, 2), (1, 2), (4, 6), (0, 1), (2, 4), (0, 2), (0, 2), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,de,acef,acg,hbi,hid,hid,hij,jk,hikf,hig->', t17, t1, A19, t20, M_2, X, t17, t1, A19, A19, t20, M_2, X, optimize=[(1, 2), (5, 6), (1, 2), (0, 2), (1, 2), (1, 7), (0, 1), (3, 5), (0, 2), (1, 3), (0, 2), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,ef,acfg,ach,ibj,ijd,ijd,ijk,kl,ijlg,ijh->', t17, t1, A19, A19, t20, M_2, X, t17, t1, A19, A19, t20, M_2, X, optimize=[(1, 2), (6, 7), (1, 2), (1, 10), (0, 2), (1, 2), (1, 7), (0, 1), (3, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t22 = torch.sqrt(torch.clamp(t21, min=0.0))
-    return t22
+    M_2 = oe.contract('abc,adce,aef->adbf', t2, dA, X, optimize=[(0, 1), (0, 1)])
+    t18 = M_1.transpose(-1, -2)
+    t19 = torch.exp(t9 - t9.amax(-1, keepdim=True))
+    A20 = t19 / t19.sum(-1, keepdim=True)
+    t21 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA22 = oe.contract('abc,cd->abcd', A20, t21, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A20, A20, optimize=[(0, 1)])
+    t23 = W_V.transpose(-1, -2)
+    t24 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t16, M_2, X, t16, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abc,acde,acf,gdh,ghb,ghbi,ij,ghje,ghf->', t16, M_2, X, t18, t1, dA22, t23, M_2, X, optimize=[(4, 5), (2, 6), (0, 6), (4, 5), (0, 1), (1, 3), (1, 2), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,ibj,ijd,ijdk,kl,ijlg,ijh->', t18, t1, dA22, t23, M_2, X, t18, t1, dA22, t23, M_2, X, optimize=[(1, 2), (1, 10), (1, 9), (0, 2), (1, 2), (1, 6), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
+    t25 = torch.sqrt(torch.clamp(t24, min=0.0))
+    return t25
 
 
 def ce_causal1__block__W_V__W_V__full(X, W_QK, W_V, Y):
@@ -6087,32 +6960,27 @@ def ce_causal1__block__W_V__W_V__full(X, W_QK, W_V, Y):
     d_V = X.shape[-1]
     n_batch = X.shape[0]
     out = torch.empty((d_V**2, d_V**2), dtype=X.dtype, device=X.device)
-    out[...] = 0
     t0 = out.view((d_V, d_V, d_V, d_V))
-    t1 = t0.diagonal(0, 1, 3)
-    t2 = X.transpose(-1, -2)
-    t3 = W_QK @ t2
-    t4 = X @ t3
-    t5 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
-    t6 = torch.where(t5, -math.inf, t4)
-    t7 = torch.exp(t6 - t6.amax(-1, keepdim=True))
-    A = t7 / t7.sum(-1, keepdim=True)
-    t8 = A @ X
-    M_1 = t8
-    t9 = M_1.transpose(-1, -2)
-    t10 = Y.sum(-1, keepdim=True)
-    t11 = t10.expand(*t10.shape[:-1], d_V)
-    t12 = M_1 @ W_V
-    t13 = torch.exp(t12 - t12.amax(-1, keepdim=True))
-    A14 = t13 / t13.sum(-1, keepdim=True)
-    t15 = (1/(L*n_batch)) * t9
-    t16 = oe.contract('abc,abc->cab', t11, A14, optimize=[(0, 1)])
-    t17 = oe.contract('abc,acd->bdac', t15, M_1, optimize=[(0, 1)])
-    t1 += oe.contract('abc,debc->dea', t16, t17, optimize=[(0, 1)])
-    t18 = (-1/(L*n_batch)) * t9
-    t19 = oe.contract('abc,acd->bdac', t18, A14, optimize=[(0, 1)])
-    t20 = oe.contract('abc,abc,abd->cdab', t11, A14, M_1, optimize=[(0, 1), (0, 1)])
-    t0 += oe.contract('abcd,efcd->aefb', t19, t20, optimize=[(0, 1)])
+    t1 = X.transpose(-1, -2)
+    t2 = W_QK @ t1
+    t3 = X @ t2
+    t4 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t5 = torch.where(t4, -math.inf, t3)
+    t6 = torch.exp(t5 - t5.amax(-1, keepdim=True))
+    A = t6 / t6.sum(-1, keepdim=True)
+    t7 = A @ X
+    M_1 = t7
+    t8 = M_1.transpose(-1, -2)
+    t9 = Y.sum(-1, keepdim=True)
+    t10 = t9.expand(*t9.shape[:-1], d_V)
+    t11 = M_1 @ W_V
+    t12 = torch.exp(t11 - t11.amax(-1, keepdim=True))
+    A13 = t12 / t12.sum(-1, keepdim=True)
+    t14 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A13, t14, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A13, A13, optimize=[(0, 1)])
+    t15 = (1/(L*n_batch)) * t8
+    t0[...] = oe.contract('abc,acd,acde,acf->bdfe', t15, t10, dA, M_1, optimize=[(1, 2), (0, 1), (0, 1)])
     return out
 
 
@@ -6136,9 +7004,189 @@ def ce_causal1__frobenius__W_V__W_V__full(X, W_QK, W_V, Y):
     t10 = M_1 @ W_V
     t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
     A12 = t11 / t11.sum(-1, keepdim=True)
-    t13 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fge->', t7, t9, A12, M_1, t7, t9, A12, M_1, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (-2/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,fbg,fgd,fgd,fgd,fge->', t7, t9, A12, M_1, t7, t9, A12, A12, M_1, optimize=[(1, 2), (3, 4), (3, 6), (0, 2), (0, 1), (2, 3), (0, 1), (0, 1)]) + (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acd,ace,acf,gbh,ghd,ghd,ghe,ghf->', t7, t9, A12, A12, M_1, t7, t9, A12, A12, M_1, optimize=[(1, 2), (4, 5), (0, 3), (0, 2), (4, 5), (0, 1), (2, 3), (0, 1), (0, 1)])
-    t14 = torch.sqrt(torch.clamp(t13, min=0.0))
-    return t14
+    t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A12, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A12, A12, optimize=[(0, 1)])
+    t14 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t7, t9, dA, M_1, t7, t9, dA, M_1, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
+    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
+    return t15
+
+
+def ce_causal1__frobenius_split__W_QK__W_QK(X, W_QK, W_V, Y):
+    """(‖H_o(W_QK, W_QK)‖_F, ‖H_f(W_QK, W_QK)‖_F, ‖H(W_QK, W_QK)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.transpose(-1, -2)
+    t1 = W_QK @ t0
+    t2 = X @ t1
+    t3 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t4 = torch.where(t3, -math.inf, t2)
+    t5 = torch.exp(t4 - t4.amax(-1, keepdim=True))
+    A = t5 / t5.sum(-1, keepdim=True)
+    t6 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    t7 = Y.sum(-1, keepdim=True)
+    t8 = t7.expand(*t7.shape[:-1], d_V)
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1 @ W_V
+    t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
+    A12 = t11 / t11.sum(-1, keepdim=True)
+    t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA14 = oe.contract('abc,cd->abcd', A12, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A12, A12, optimize=[(0, 1)])
+    t15 = W_V.transpose(-1, -2)
+    t16 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhi,abj,klmd,kle,mn,kln,klno,op,klpi,klj->', M_2, X, W_V, t8, dA14, t15, M_2, X, M_2, X, W_V, t8, dA14, t15, M_2, X, optimize=[(0, 2), (1, 2), (12, 13), (1, 2), (10, 11), (0, 3), (1, 2), (1, 2), (6, 7), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
+    F = t10
+    t17 = torch.exp(F - F.amax(-1, keepdim=True))
+    A18 = t17 / t17.sum(-1, keepdim=True)
+    t19 = t8 * A18
+    t20 = (1/L) * t19
+    t21 = (-1/L) * Y
+    t22 = t20 + t21
+    G = t22
+    t23 = t15 @ t0
+    t24 = G @ t23
+    t25 = t24 - (A * t24).sum(-1, keepdim=True)
+    t26 = A * t25
+    # d2A: compact tensor ('L', 'L', 'L')
+    d2A = oe.contract('abc,cd->abcd', t26, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', t26, A, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, t26, optimize=[(0, 1)])
+    # M_3: compact tensor ('L', 'd_V', 'd_V')
+    M_3 = oe.contract('abc,adce,aef->adbf', t0, d2A, X, optimize=[(0, 1), (0, 1)])
+    t27 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t0, M_3, X, t0, M_3, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t28 = (2/(L*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,gh,abhi,abj,kel,kldi,klj->', M_2, X, W_V, t8, dA14, t15, M_2, X, t0, M_3, X, optimize=[(0, 2), (1, 2), (7, 8), (1, 2), (5, 6), (3, 5), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t29 = t16 + t27 + t28
+    t30 = torch.sqrt(torch.clamp(t16, min=0.0))
+    t31 = torch.sqrt(torch.clamp(t27, min=0.0))
+    t32 = torch.sqrt(torch.clamp(t29, min=0.0))
+    return (t30, t31, t32,)
+
+
+def ce_causal1__frobenius_split__W_QK__W_V(X, W_QK, W_V, Y):
+    """(‖H_o(W_QK, W_V)‖_F, ‖H_f(W_QK, W_V)‖_F, ‖H(W_QK, W_V)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.transpose(-1, -2)
+    t1 = W_QK @ t0
+    t2 = X @ t1
+    t3 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t4 = torch.where(t3, -math.inf, t2)
+    t5 = torch.exp(t4 - t4.amax(-1, keepdim=True))
+    A = t5 / t5.sum(-1, keepdim=True)
+    t6 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA = oe.contract('abc,cd->abcd', A, t6, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA, X, optimize=[(0, 1), (0, 1)])
+    t7 = Y.sum(-1, keepdim=True)
+    t8 = t7.expand(*t7.shape[:-1], d_V)
+    t9 = A @ X
+    M_1 = t9
+    t10 = M_1 @ W_V
+    t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
+    A12 = t11 / t11.sum(-1, keepdim=True)
+    t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA14 = oe.contract('abc,cd->abcd', A12, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A12, A12, optimize=[(0, 1)])
+    t15 = (1/(L**2*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,abh,ijkd,ije,kl,ijl,ijlg,ijh->', M_2, X, W_V, t8, dA14, M_1, M_2, X, W_V, t8, dA14, M_1, optimize=[(0, 2), (1, 2), (8, 9), (0, 3), (1, 2), (1, 2), (4, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
+    F = t10
+    t16 = torch.exp(F - F.amax(-1, keepdim=True))
+    A17 = t16 / t16.sum(-1, keepdim=True)
+    t18 = t8 * A17
+    t19 = (1/L) * t18
+    t20 = (-1/L) * Y
+    t21 = t19 + t20
+    G = t21
+    t22 = (n_batch**(-2)) * oe.contract('abcd,abe,abf,ghcd,ghe,ghf->', M_2, X, G, M_2, X, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t23 = (2/(L*n_batch**2)) * oe.contract('abcd,abe,cf,abf,abfg,abh,ijhd,ije,ijg->', M_2, X, W_V, t8, dA14, M_1, M_2, X, G, optimize=[(0, 2), (1, 2), (5, 6), (1, 2), (3, 4), (2, 3), (0, 1), (0, 1)])
+    t24 = t15 + t22 + t23
+    t25 = torch.sqrt(torch.clamp(t15, min=0.0))
+    t26 = torch.sqrt(torch.clamp(t22, min=0.0))
+    t27 = torch.sqrt(torch.clamp(t24, min=0.0))
+    return (t25, t26, t27,)
+
+
+def ce_causal1__frobenius_split__W_V__W_QK(X, W_QK, W_V, Y):
+    """(‖H_o(W_V, W_QK)‖_F, ‖H_f(W_V, W_QK)‖_F, ‖H(W_V, W_QK)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.transpose(-1, -2)
+    t1 = W_QK @ t0
+    t2 = X @ t1
+    t3 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t4 = torch.where(t3, -math.inf, t2)
+    t5 = torch.exp(t4 - t4.amax(-1, keepdim=True))
+    A = t5 / t5.sum(-1, keepdim=True)
+    t6 = A @ X
+    M_1 = t6
+    t7 = M_1.transpose(-1, -2)
+    t8 = Y.sum(-1, keepdim=True)
+    t9 = t8.expand(*t8.shape[:-1], d_V)
+    t10 = M_1 @ W_V
+    t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
+    A12 = t11 / t11.sum(-1, keepdim=True)
+    t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A12, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A12, A12, optimize=[(0, 1)])
+    t14 = W_V.transpose(-1, -2)
+    t15 = torch.eye(L, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'L', 'L')
+    dA16 = oe.contract('abc,cd->abcd', A, t15, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
+    # M_2: compact tensor ('L', 'd_V', 'd_V')
+    M_2 = oe.contract('abc,adce,aef->adbf', t0, dA16, X, optimize=[(0, 1), (0, 1)])
+    t17 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,ibj,ijd,ijdk,kl,ijlg,ijh->', t7, t9, dA, t14, M_2, X, t7, t9, dA, t14, M_2, X, optimize=[(1, 2), (1, 10), (1, 9), (0, 2), (1, 2), (1, 6), (1, 5), (2, 4), (2, 3), (0, 1), (0, 1)])
+    F = t10
+    t18 = torch.exp(F - F.amax(-1, keepdim=True))
+    A19 = t18 / t18.sum(-1, keepdim=True)
+    t20 = t9 * A19
+    t21 = (1/L) * t20
+    t22 = (-1/L) * Y
+    t23 = t21 + t22
+    G = t23
+    t24 = G.transpose(-1, -2)
+    t25 = (n_batch**(-2)) * oe.contract('abc,acde,acf,gbh,ghde,ghf->', t24, M_2, X, t24, M_2, X, optimize=[(1, 4), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t26 = (2/(L*n_batch**2)) * oe.contract('abc,acd,acde,ef,acfg,ach,idj,ijbg,ijh->', t7, t9, dA, t14, M_2, X, t24, M_2, X, optimize=[(1, 2), (3, 6), (0, 4), (1, 5), (3, 4), (0, 2), (1, 2), (0, 1)])
+    t27 = t17 + t25 + t26
+    t28 = torch.sqrt(torch.clamp(t17, min=0.0))
+    t29 = torch.sqrt(torch.clamp(t25, min=0.0))
+    t30 = torch.sqrt(torch.clamp(t27, min=0.0))
+    return (t28, t29, t30,)
+
+
+def ce_causal1__frobenius_split__W_V__W_V(X, W_QK, W_V, Y):
+    """(‖H_o(W_V, W_V)‖_F, ‖H_f(W_V, W_V)‖_F, ‖H(W_V, W_V)‖_F), exact, from the parts' pairings (no block built)."""
+    L = X.shape[-2]
+    d_V = X.shape[-1]
+    n_batch = X.shape[0]
+    t0 = X.transpose(-1, -2)
+    t1 = W_QK @ t0
+    t2 = X @ t1
+    t3 = torch.triu(torch.ones((L, L), dtype=torch.bool, device=X.device), 1)
+    t4 = torch.where(t3, -math.inf, t2)
+    t5 = torch.exp(t4 - t4.amax(-1, keepdim=True))
+    A = t5 / t5.sum(-1, keepdim=True)
+    t6 = A @ X
+    M_1 = t6
+    t7 = M_1.transpose(-1, -2)
+    t8 = Y.sum(-1, keepdim=True)
+    t9 = t8.expand(*t8.shape[:-1], d_V)
+    t10 = M_1 @ W_V
+    t11 = torch.exp(t10 - t10.amax(-1, keepdim=True))
+    A12 = t11 / t11.sum(-1, keepdim=True)
+    t13 = torch.eye(d_V, dtype=X.dtype, device=X.device)
+    # dA: compact tensor ('L', 'd_V', 'd_V')
+    dA = oe.contract('abc,cd->abcd', A12, t13, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A12, A12, optimize=[(0, 1)])
+    t14 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t7, t9, dA, M_1, t7, t9, dA, M_1, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
+    t15 = t14 + 0.0 + 0.0
+    t16 = torch.sqrt(torch.clamp(t14, min=0.0))
+    t17 = torch.sqrt(torch.clamp(t15, min=0.0))
+    return (t16, 0.0, t17,)
 
 
 VARIANTS = {
@@ -6190,6 +7238,10 @@ VARIANTS = {
         ('frobenius', 'W_V', 'W_QK', 'full'): mse_causal0__frobenius__W_V__W_QK__full,
         ('block', 'W_V', 'W_V', 'full'): mse_causal0__block__W_V__W_V__full,
         ('frobenius', 'W_V', 'W_V', 'full'): mse_causal0__frobenius__W_V__W_V__full,
+        ('frobenius_split', 'W_QK', 'W_QK'): mse_causal0__frobenius_split__W_QK__W_QK,
+        ('frobenius_split', 'W_QK', 'W_V'): mse_causal0__frobenius_split__W_QK__W_V,
+        ('frobenius_split', 'W_V', 'W_QK'): mse_causal0__frobenius_split__W_V__W_QK,
+        ('frobenius_split', 'W_V', 'W_V'): mse_causal0__frobenius_split__W_V__W_V,
         ('jacobian', 'W_QK'): causal0__jacobian__W_QK,
         ('jacobian_compact', 'W_QK'): causal0__jacobian_compact__W_QK,
         ('jacobian_layout', 'W_QK'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_V'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_V'), 'factors': ((0, 1, 3), (0, 2))},
@@ -6245,6 +7297,10 @@ VARIANTS = {
         ('frobenius', 'W_V', 'W_QK', 'full'): mse_causal1__frobenius__W_V__W_QK__full,
         ('block', 'W_V', 'W_V', 'full'): mse_causal1__block__W_V__W_V__full,
         ('frobenius', 'W_V', 'W_V', 'full'): mse_causal1__frobenius__W_V__W_V__full,
+        ('frobenius_split', 'W_QK', 'W_QK'): mse_causal1__frobenius_split__W_QK__W_QK,
+        ('frobenius_split', 'W_QK', 'W_V'): mse_causal1__frobenius_split__W_QK__W_V,
+        ('frobenius_split', 'W_V', 'W_QK'): mse_causal1__frobenius_split__W_V__W_QK,
+        ('frobenius_split', 'W_V', 'W_V'): mse_causal1__frobenius_split__W_V__W_V,
         ('jacobian', 'W_QK'): causal1__jacobian__W_QK,
         ('jacobian_compact', 'W_QK'): causal1__jacobian_compact__W_QK,
         ('jacobian_layout', 'W_QK'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_V'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_V'), 'factors': ((0, 1, 3), (0, 2))},
@@ -6300,6 +7356,10 @@ VARIANTS = {
         ('frobenius', 'W_V', 'W_QK', 'full'): ce_causal0__frobenius__W_V__W_QK__full,
         ('block', 'W_V', 'W_V', 'full'): ce_causal0__block__W_V__W_V__full,
         ('frobenius', 'W_V', 'W_V', 'full'): ce_causal0__frobenius__W_V__W_V__full,
+        ('frobenius_split', 'W_QK', 'W_QK'): ce_causal0__frobenius_split__W_QK__W_QK,
+        ('frobenius_split', 'W_QK', 'W_V'): ce_causal0__frobenius_split__W_QK__W_V,
+        ('frobenius_split', 'W_V', 'W_QK'): ce_causal0__frobenius_split__W_V__W_QK,
+        ('frobenius_split', 'W_V', 'W_V'): ce_causal0__frobenius_split__W_V__W_V,
         ('jacobian', 'W_QK'): causal0__jacobian__W_QK,
         ('jacobian_compact', 'W_QK'): causal0__jacobian_compact__W_QK,
         ('jacobian_layout', 'W_QK'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_V'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_V'), 'factors': ((0, 1, 3), (0, 2))},
@@ -6355,6 +7415,10 @@ VARIANTS = {
         ('frobenius', 'W_V', 'W_QK', 'full'): ce_causal1__frobenius__W_V__W_QK__full,
         ('block', 'W_V', 'W_V', 'full'): ce_causal1__block__W_V__W_V__full,
         ('frobenius', 'W_V', 'W_V', 'full'): ce_causal1__frobenius__W_V__W_V__full,
+        ('frobenius_split', 'W_QK', 'W_QK'): ce_causal1__frobenius_split__W_QK__W_QK,
+        ('frobenius_split', 'W_QK', 'W_V'): ce_causal1__frobenius_split__W_QK__W_V,
+        ('frobenius_split', 'W_V', 'W_QK'): ce_causal1__frobenius_split__W_V__W_QK,
+        ('frobenius_split', 'W_V', 'W_V'): ce_causal1__frobenius_split__W_V__W_V,
         ('jacobian', 'W_QK'): causal1__jacobian__W_QK,
         ('jacobian_compact', 'W_QK'): causal1__jacobian_compact__W_QK,
         ('jacobian_layout', 'W_QK'): {'row_sizes': ('L', 'd_V'), 'col_sizes': ('d_V', 'd_V'), 'row_axes': (0, 1), 'col_axes': (2, 3), 'axis_sizes': ('L', 'd_V', 'd_V', 'd_V'), 'factors': ((0, 1, 3), (0, 2))},
