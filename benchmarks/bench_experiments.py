@@ -74,13 +74,19 @@ def basis(shape, k, dtype):
 
 
 def best(fn, repeats):
-    """min wall-clock seconds of fn() over repeats."""
+    """(wall s, process CPU s) of the fastest of ``repeats`` calls of fn(); CPU time is
+    reported too because the shared machine's load inflates wall time unevenly."""
     out = []
     for _ in range(repeats):
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         fn()
-        out.append(time.perf_counter() - t)
+        out.append((time.perf_counter() - t, time.process_time() - c))
     return min(out)
+
+
+def mean2(pairs):
+    """Component-wise mean of (wall, cpu) pairs."""
+    return tuple(sum(x) / len(pairs) for x in zip(*pairs))
 
 
 def kernel_route(exp, sigmas, seed, repeats):
@@ -93,7 +99,7 @@ def kernel_route(exp, sigmas, seed, repeats):
         t = time.perf_counter()
         exp.frobenius_norms(p, sigmas[0], seed)
         first[p] = time.perf_counter() - t
-    steady = {p: sum(best(lambda: exp.frobenius_norms(p, s, seed), repeats) for s in sigmas) / len(sigmas)
+    steady = {p: mean2([best(lambda: exp.frobenius_norms(p, s, seed), repeats) for s in sigmas])
               for p in BLOCKS}
     return render, first, steady
 
@@ -106,7 +112,7 @@ def autograd_route(exp, sigma, seed, cols, repeats):
         f = autograd_columns(vals, p, O, Y)
         dirs = basis(vals[p].shape, cols, vals[p].dtype)
         f(dirs[:2])                                              # warm-up
-        out[p] = best(lambda: f(dirs), repeats) / cols
+        out[p] = tuple(x / cols for x in best(lambda: f(dirs), repeats))
     return out
 
 
@@ -120,7 +126,7 @@ def column_route(exp, sigma, seed, cols, repeats):
         for q in parts:
             exp.columns_for(p, q).columns(vals, O, Y, dirs[:2], env)   # warm-up
         run = lambda: [exp.columns_for(p, q).columns(vals, O, Y, dirs, env) for q in parts]  # noqa: E731
-        out[p] = best(run, repeats) / cols
+        out[p] = tuple(x / cols for x in best(run, repeats))
     return out
 
 
@@ -156,34 +162,35 @@ def main():
     a = ap.parse_args()
     sigmas = [float(s) for s in a.sigmas.split(",")]
     cfg = Config(d_model=a.d_model, d_head=a.d_model, d_mlp=a.d_mlp, batch=a.batch, chunk=a.cols)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs, float64")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, {os.cpu_count()} CPUs, float64; "
+          f"load average {os.getloadavg()[0]:.2f} (other jobs share the machine: see the CPU ratios)")
     print(f"config: softmax, no LN, d_model = d_head = {a.d_model}, d_mlp = {a.d_mlp}, batch {a.batch}, "
           f"L = 18; sweep of {a.points} (σ, seed) points")
 
     t = time.perf_counter()
     exp = Experiment(cfg)
-    print(f"derive addition_block (Experiment): {time.perf_counter() - t:.1f} s")
+    print(f"Experiment(cfg): {time.perf_counter() - t:.1f} s (the derivation is lazy: its cost is in the render)")
     render, first, steady = kernel_route(exp, sigmas, 0, a.repeats)
     for p in BLOCKS:
         print(f"kernel {p}: render frobenius_split {render[p]:.1f} s, first call {first[p]:.2f} s, "
-              f"then {steady[p]:.2f} s per (σ, seed)")
-    t_kernel = sum(steady.values())
-    print(f"kernel: per (σ, seed) {t_kernel:.2f} s (W_Q + W_V, mean over σ in {sigmas}, best of {a.repeats})")
+              f"then {steady[p][0]:.2f} s per (σ, seed) (CPU {steady[p][1]:.2f} s)")
+    t_kernel = tuple(sum(steady[p][i] for p in BLOCKS) for i in (0, 1))
+    print(f"kernel: per (σ, seed) {t_kernel[0]:.2f} s (W_Q + W_V, mean over σ in {sigmas}, best of {a.repeats})")
 
     n = {p: exp.tensors(0.1, 0)[0][p].numel() for p in BLOCKS}
     t_ag = autograd_route(exp, sigmas[len(sigmas) // 2], 0, a.cols, a.repeats)
     t_col = column_route(exp, sigmas[len(sigmas) // 2], 0, a.cols, a.repeats)
     for p in BLOCKS:
-        print(f"{p} ({n[p]} columns): autograd H + H_o {t_ag[p] * 1e3:8.1f} ms/column, "
-              f"engine columns {t_col[p] * 1e3:8.1f} ms/column  (timed on {a.cols})")
+        print(f"{p} ({n[p]} columns): autograd H + H_o {t_ag[p][0] * 1e3:8.1f} ms/column, "
+              f"engine columns {t_col[p][0] * 1e3:8.1f} ms/column  (timed on {a.cols})")
     per = {"kernel frobenius_split": t_kernel,
-           "autograd jvp(grad) + GGN columns": sum(t_ag[p] * n[p] for p in BLOCKS),
-           "engine interpreter columns": sum(t_col[p] * n[p] for p in BLOCKS)}
-    print(f"{'route':>34} {'per (σ, seed)':>14} {'sweep':>12} {'/ kernel':>10}")
-    for name, s in per.items():
+           "autograd jvp(grad) + GGN columns": tuple(sum(t_ag[p][i] * n[p] for p in BLOCKS) for i in (0, 1)),
+           "engine interpreter columns": tuple(sum(t_col[p][i] * n[p] for p in BLOCKS) for i in (0, 1))}
+    print(f"{'route':>34} {'per (σ, seed)':>14} {'sweep':>10} {'/ kernel':>9} {'CPU / kernel CPU':>17}")
+    for name, (s, c) in per.items():
         sweep = s * a.points
-        shown = f"{sweep:9.0f} s" if sweep < 3600 else f"{sweep / 3600:9.1f} h"
-        print(f"{name:>34} {s:12.2f} s {shown:>12} {s / t_kernel:9.0f}×")
+        shown = f"{sweep:7.0f} s" if sweep < 3600 else f"{sweep / 3600:7.1f} h"
+        print(f"{name:>34} {s:12.2f} s {shown:>10} {s / t_kernel[0]:8.0f}× {c / t_kernel[1]:16.0f}×")
 
     d, m, b = (int(x) for x in a.check.split(","))
     worst, rows = agreement(d, m, b, 0.3, 0)
@@ -191,6 +198,7 @@ def main():
           f"(kernel vs autograd dense-block norms):")
     print("\n".join(rows))
     print(f"  max rel. error {worst:.1e}  [{'ok' if worst <= 1e-10 else 'FAIL'}: ≤ 1e-10]")
+    print(f"load average at the end {os.getloadavg()[0]:.2f}")
     return 0 if worst <= 1e-10 else 1
 
 
