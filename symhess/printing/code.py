@@ -246,14 +246,14 @@ class Routine:
         result often needs a strided transpose (its innermost axis outermost in the block)
         that costs several times the contraction.  Here the two halves of the last step
         are contracted first and the final product is emitted with the operand whose free
-        indices end the output on the right; ``None`` when nothing is gained.
+        indices end the output on the right.  The result is a ``Final`` (its halves can be
+        stacked with other terms'); ``None`` when the last step is not a product of two
+        halves with disjoint free indices.
         """
-        if len(ops) < 3:
+        if len(ops) < 2:
             return None
         shapes = tuple(tuple(self._label_size(a) for a in ls) for ls in labs)
         path, score, _ = _path(_spec(labs, out), shapes)
-        if score[0]:
-            return None
         halves = _last_halves(len(ops), path)
         frees = []
         for h in halves:
@@ -270,8 +270,6 @@ class Routine:
             run = _suffix(natural, list(out))
             if best is None or run > best[0]:
                 best = (run, left, right)
-        if best[0] <= score[1]:
-            return None
         names = []
         for k in (best[2], best[1]):          # opt_einsum pops the second operand first
             h = halves[k]
@@ -281,7 +279,11 @@ class Routine:
                 names.append(self.emit(self.contract([ops[i] for i in h], [labs[i] for i in h],
                                                      frees[k]), False))
         fspec = _spec([frees[best[2]], frees[best[1]]], out)
-        return f"oe.contract({fspec!r}, {names[0]}, {names[1]}, optimize=[(0, 1)])"
+        final = Final(fspec, names[0], names[1])
+        # stacking halves of several terms copies them: worth it only for small halves
+        final.small = STACK_RATIO * sum(_prod(self._label_size(a) for a in f) for f in frees) \
+            <= _prod(self._label_size(a) for a in out)
+        return final
 
     def _eye(self, sizes, atoms):
         """δ between two (possibly refined) label groups: an identity reshaped to the atoms."""
@@ -322,28 +324,85 @@ class Routine:
         return self.lw.lower(expr, r, c), r, c
 
     def dense_into(self, target, terms, r, c, fresh):
-        """Write Σ terms into ``target`` (a 2-D array or slice); ``fresh``: target unset."""
+        """Write Σ terms into ``target`` (a 2-D array or slice); ``fresh``: target unset.
+
+        Terms whose last product has the same shape (same free indices of each half in the
+        same output positions) are written by one product: their halves are stacked along
+        the contracted index, Σ_t L_t R_t = [L_1 … L_T][R_1; …; R_T], so the block is
+        written once per group instead of once per term.
+        """
         if not terms:
             self.line(f"{target}[...] = 0")
             return
+        # a term that writes every entry goes first, so the block needs no zeroing pass
+        terms = sorted(terms, key=lambda t: _repeats(self, t, r, c))
         needs_zero = fresh and _repeats(self, terms[0], r, c)
         if needs_zero:
             self.line(f"{target}[...] = 0")
-        for k, term in enumerate(terms):
+        groups = {}
+        for term in terms:
             atoms = self.lw.resolve(term, r) + self.lw.resolve(term, c)
             sizes = [self.lw.labels.size[a] for a in atoms]
             view = self.emit(self.fmt("view", target, self.shape(sizes)), False)
-            op = "=" if (k == 0 and fresh and not needs_zero) else "+="
             order = list(dict.fromkeys(atoms))
             if len(order) < len(atoms):
                 view, order = _diag_view(self, view, atoms)
             coef, code, _ = self.network(term, order, fold_coef=True)
-            self.line(f"{view}[...] {op} {_scaled(self, coef, code)}" if op == "=" else
-                      f"{view} {op} {_scaled(self, coef, code)}")
+            stack = code.stack_key() if isinstance(code, Final) and code.small and coef == 1 else None
+            key = (view, stack if stack is not None else id(term))
+            groups.setdefault(key, []).append((coef, code))
+        first = fresh and not needs_zero
+        for (view, _), members in groups.items():
+            if len(members) == 1:
+                coef, code = members[0]
+                rhs = _scaled(self, coef, str(code))
+            else:
+                rhs = self._stacked([code for _, code in members])
+            self.line(f"{view}[...] = {rhs}" if first else f"{view} += {rhs}")
+            first = False
+
+    def _stacked(self, finals):
+        """One product for Σ_t L_t R_t: halves merged to (free…, K_t), concatenated along K."""
+        spec, nl, nr = finals[0].stack_key()
+        halves = []
+        for side, nfree in ((0, nl), (1, nr)):
+            parts = [self.emit(self.fmt("merge_last", f.ops[side], nfree), False) for f in finals]
+            halves.append(self.emit(self.fmt("concat_last", ", ".join(parts)), False))
+        return f"oe.contract({spec!r}, {halves[0]}, {halves[1]}, optimize=[(0, 1)])"
 
     def scalar(self, networks):
         """Σ coef · contraction for scalar networks."""
         return _sum(self, networks) if networks else "0.0"
+
+
+# terms of a dense block are stacked into one product when their halves together are at most
+# this fraction of the block (at the representative sizes)
+STACK_RATIO = 8
+
+
+class Final(str):
+    """The code of a last pairwise product ``oe.contract(spec, left, right)``, with its parts."""
+
+    small = False
+
+    def __new__(cls, spec, left, right):
+        obj = super().__new__(cls, f"oe.contract({spec!r}, {left}, {right}, optimize=[(0, 1)])")
+        obj.spec, obj.ops = spec, (left, right)
+        return obj
+
+    def stack_key(self):
+        """(spec with the contracted indices merged into one, #free of each half) when both
+        halves end with the same contracted indices (so they merge by a reshape); else None."""
+        ins, out = self.spec.split("->")
+        a, b = ins.split(",")
+        summed = [x for x in a if x in b and x not in out]
+        k = len(summed)
+        if not k or set(a) & set(b) & set(out) or a[len(a) - k:] != b[len(b) - k:] or \
+                set(a[len(a) - k:]) != set(summed) or len(set(a)) < len(a) or len(set(b)) < len(b):
+            return None
+        z = next(oe.get_symbol(i) for i in range(200) if oe.get_symbol(i) not in self.spec)
+        fa, fb = a[:len(a) - k], b[:len(b) - k]
+        return (f"{fa}{z},{fb}{z}->{out}", len(fa), len(fb))
 
 
 def _compact_label(node):

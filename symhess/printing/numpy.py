@@ -26,6 +26,8 @@ NUMPY = {
     "sqrt_pos": "np.sqrt(np.maximum({0}, 0.0))",
     "norm": "np.linalg.norm({0})",
     "concat": "np.concatenate({0})",
+    "concat_last": "np.concatenate([{0}], axis=-1)",
+    "merge_last": "np.reshape({0}, {0}.shape[:{1}] + (-1,))",
     "diag_view_einsum": "np.einsum({0}, {1})",
     "fn": {"sigmoid": "scipy.special.expit({0})", "exp": "np.exp({0})", "log": "np.log({0})",
            "tanh": "np.tanh({0})", "sqrt": "np.sqrt({0})", "cosh": "np.cosh({0})",

@@ -25,6 +25,8 @@ TORCH = {
     "sqrt_pos": "torch.sqrt(torch.clamp({0}, min=0.0))",
     "norm": "torch.linalg.norm({0})",
     "concat": "torch.cat({0})",
+    "concat_last": "torch.cat([{0}], dim=-1)",
+    "merge_last": "{0}.reshape(*{0}.shape[:{1}], -1)",
     "fn": {"sigmoid": "torch.sigmoid({0})", "exp": "torch.exp({0})", "log": "torch.log({0})",
            "tanh": "torch.tanh({0})", "sqrt": "torch.sqrt({0})", "cosh": "torch.cosh({0})",
            "sinh": "torch.sinh({0})", "cos": "torch.cos({0})", "sin": "torch.sin({0})",
