@@ -25,8 +25,8 @@ def mse__loss(X, Y):
     n_batch = Y.shape[0]
     t0 = X.sum(-1, keepdims=True)
     t1 = np.broadcast_to(t0, t0.shape[:-1] + (d_V,))
-    t2 = (-1/d_V) * t1
-    t3 = t2 + X
+    t2 = (1/d_V) * t1
+    t3 = X - t2
     M_Z = t3
     t4 = M_Z * M_Z
     t5 = t4.sum(-1, keepdims=True)
@@ -37,13 +37,12 @@ def mse__loss(X, Y):
     P_Z = t8
     t9 = M_Z * P_Z
     Z = t9
-    t10 = -Y
-    t11 = Z + t10
-    t12 = t11 * t11
-    t13 = t12.sum(-1, keepdims=True)
-    t14 = t13.sum(-2, keepdims=True)
-    t15 = (1/(L*d_V)) * t14
-    return t15.mean(0)[0, 0]
+    t10 = Z - Y
+    t11 = t10 * t10
+    t12 = t11.sum(-1, keepdims=True)
+    t13 = t12.sum(-2, keepdims=True)
+    t14 = (1/(L*d_V)) * t13
+    return t14.mean(0)[0, 0]
 
 
 def mse__gradient(X, Y):
@@ -53,8 +52,8 @@ def mse__gradient(X, Y):
     n_batch = Y.shape[0]
     t0 = X.sum(-1, keepdims=True)
     t1 = np.broadcast_to(t0, t0.shape[:-1] + (d_V,))
-    t2 = (-1/d_V) * t1
-    t3 = t2 + X
+    t2 = (1/d_V) * t1
+    t3 = X - t2
     M_Z = t3
     t4 = M_Z * M_Z
     t5 = t4.sum(-1, keepdims=True)
@@ -67,23 +66,22 @@ def mse__gradient(X, Y):
     t10 = M_Z * P_Z
     Z = t10
     F = Z
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = t8 * G * M_Z
-    t15 = t14.sum(-1, keepdims=True)
-    t16 = np.broadcast_to(t15, t15.shape[:-1] + (d_V,))
-    t17 = t16 * M_Z
-    t18 = (2/d_V) * t17
-    t19 = G * P_Z
-    t20 = (-2/d_V**2) * t17
-    t21 = (-1/d_V) * t19
-    t22 = t20 + t21
-    t23 = t22.sum(-1, keepdims=True)
-    t24 = np.broadcast_to(t23, t23.shape[:-1] + (d_V,))
-    t25 = t18 + t19 + t24
-    return (t25.mean(0),)
+    t11 = F - Y
+    t12 = (2/(L*d_V)) * t11
+    G = t12
+    t13 = t8 * G * M_Z
+    t14 = t13.sum(-1, keepdims=True)
+    t15 = np.broadcast_to(t14, t14.shape[:-1] + (d_V,))
+    t16 = t15 * M_Z
+    t17 = (2/d_V) * t16
+    t18 = G * P_Z
+    t19 = (2/d_V**2) * t16
+    t20 = (1/d_V) * t18
+    t21 = -t19 - t20
+    t22 = t21.sum(-1, keepdims=True)
+    t23 = np.broadcast_to(t22, t22.shape[:-1] + (d_V,))
+    t24 = t17 + t18 + t23
+    return (t24.mean(0),)
 
 
 def mse__hessian__outer(X, Y):
@@ -98,8 +96,8 @@ def mse__hessian__outer(X, Y):
     t2 = np.einsum('abac->abc', t1)
     t3 = X.sum(-1, keepdims=True)
     t4 = np.broadcast_to(t3, t3.shape[:-1] + (d_V,))
-    t5 = (-1/d_V) * t4
-    t6 = t5 + X
+    t5 = (1/d_V) * t4
+    t6 = X - t5
     M_Z = t6
     t7 = np.ones((d_V, d_V), dtype=Y.dtype)
     t8 = M_Z * M_Z
@@ -132,12 +130,12 @@ def mse__hvp__outer(X, Y, V_X):
     n_batch = Y.shape[0]
     t0 = V_X.sum(-1, keepdims=True)
     t1 = np.broadcast_to(t0, t0.shape[:-1] + (d_V,))
-    t2 = (-1/d_V) * t1
-    t3 = t2 + V_X
+    t2 = (1/d_V) * t1
+    t3 = V_X - t2
     t4 = X.sum(-1, keepdims=True)
     t5 = np.broadcast_to(t4, t4.shape[:-1] + (d_V,))
-    t6 = (-1/d_V) * t5
-    t7 = t6 + X
+    t6 = (1/d_V) * t5
+    t7 = X - t6
     M_Z = t7
     t8 = M_Z * M_Z
     t9 = t8.sum(-1, keepdims=True)
@@ -161,9 +159,9 @@ def mse__hvp__outer(X, Y, V_X):
     t25 = np.broadcast_to(t24, t24.shape[:-1] + (d_V,))
     t26 = t25 * M_Z
     t27 = (2/d_V) * t26
-    t28 = (-1/d_V) * t22
-    t29 = (-2/d_V**2) * t26
-    t30 = t28 + t29
+    t28 = (1/d_V) * t22
+    t29 = (2/d_V**2) * t26
+    t30 = -t28 - t29
     t31 = t30.sum(-1, keepdims=True)
     t32 = np.broadcast_to(t31, t31.shape[:-1] + (d_V,))
     t33 = t22 + t27 + t32
@@ -177,8 +175,8 @@ def mse__frobenius_all__outer(X, Y):
     n_batch = Y.shape[0]
     t0 = X.sum(-1, keepdims=True)
     t1 = np.broadcast_to(t0, t0.shape[:-1] + (d_V,))
-    t2 = (-1/d_V) * t1
-    t3 = t2 + X
+    t2 = (1/d_V) * t1
+    t3 = X - t2
     M_Z = t3
     t4 = np.ones((d_V, d_V), dtype=Y.dtype)
     t5 = M_Z * M_Z
@@ -214,8 +212,8 @@ def mse__diag__X__outer(X, Y):
     t0 = np.reshape(out, (L, d_V), copy=False)
     t1 = X.sum(-1, keepdims=True)
     t2 = np.broadcast_to(t1, t1.shape[:-1] + (d_V,))
-    t3 = (-1/d_V) * t2
-    t4 = t3 + X
+    t3 = (1/d_V) * t2
+    t4 = X - t3
     M_Z = t4
     t5 = np.ones((d_V, d_V), dtype=Y.dtype)
     t6 = M_Z * M_Z
@@ -248,8 +246,8 @@ def mse__trace__X__outer(X, Y):
     n_batch = Y.shape[0]
     t0 = X.sum(-1, keepdims=True)
     t1 = np.broadcast_to(t0, t0.shape[:-1] + (d_V,))
-    t2 = (-1/d_V) * t1
-    t3 = t2 + X
+    t2 = (1/d_V) * t1
+    t3 = X - t2
     M_Z = t3
     t4 = np.ones((d_V, d_V), dtype=Y.dtype)
     t5 = M_Z * M_Z
@@ -285,8 +283,8 @@ def mse__block__X__X__outer(X, Y):
     t1 = np.einsum('abac->abc', t0)
     t2 = X.sum(-1, keepdims=True)
     t3 = np.broadcast_to(t2, t2.shape[:-1] + (d_V,))
-    t4 = (-1/d_V) * t3
-    t5 = t4 + X
+    t4 = (1/d_V) * t3
+    t5 = X - t4
     M_Z = t5
     t6 = np.ones((d_V, d_V), dtype=Y.dtype)
     t7 = M_Z * M_Z
@@ -319,8 +317,8 @@ def mse__frobenius__X__X__outer(X, Y):
     n_batch = Y.shape[0]
     t0 = X.sum(-1, keepdims=True)
     t1 = np.broadcast_to(t0, t0.shape[:-1] + (d_V,))
-    t2 = (-1/d_V) * t1
-    t3 = t2 + X
+    t2 = (1/d_V) * t1
+    t3 = X - t2
     M_Z = t3
     t4 = np.ones((d_V, d_V), dtype=Y.dtype)
     t5 = M_Z * M_Z
@@ -359,8 +357,8 @@ def mse__hessian__functional(X, Y):
     t2 = np.einsum('abac->abc', t1)
     t3 = X.sum(-1, keepdims=True)
     t4 = np.broadcast_to(t3, t3.shape[:-1] + (d_V,))
-    t5 = (-1/d_V) * t4
-    t6 = t5 + X
+    t5 = (1/d_V) * t4
+    t6 = X - t5
     M_Z = t6
     t7 = M_Z * M_Z
     t8 = t7.sum(-1, keepdims=True)
@@ -373,28 +371,27 @@ def mse__hessian__functional(X, Y):
     t13 = M_Z * P_Z
     Z = t13
     F = Z
-    t14 = (2/(L*d_V)) * F
-    t15 = (-2/(L*d_V)) * Y
-    t16 = t14 + t15
-    G = t16
-    t17 = t11 * G
-    t18 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t19 = np.eye(d_V, dtype=Y.dtype)
-    t20 = np.ones((L,), dtype=Y.dtype)
+    t14 = F - Y
+    t15 = (2/(L*d_V)) * t14
+    G = t15
+    t16 = t11 * G
+    t17 = np.ones((d_V, d_V), dtype=Y.dtype)
+    t18 = np.eye(d_V, dtype=Y.dtype)
+    t19 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,c->cab', t19, t20, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t18, t20, optimize=[(0, 1)])
-    t21 = t11 * G * M_Z
-    t22 = t21.sum(-1, keepdims=True)
-    t23 = np.broadcast_to(t22, t22.shape[:-1] + (d_V,))
-    t24 = (0.75 * (sigma2_Z ** -2.5))
-    t25 = t24 * G * M_Z
+    S = oe.contract('ab,c->cab', t18, t19, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t17, t19, optimize=[(0, 1)])
+    t20 = t11 * G * M_Z
+    t21 = t20.sum(-1, keepdims=True)
+    t22 = np.broadcast_to(t21, t21.shape[:-1] + (d_V,))
+    t23 = (0.75 * (sigma2_Z ** -2.5))
+    t24 = t23 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S26 = oe.contract('abc,cd->abcd', t17, t19, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t25, t18, M_Z, optimize=[(1, 2), (0, 1)])
+    S25 = oe.contract('abc,cd->abcd', t16, t18, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t24, t17, M_Z, optimize=[(1, 2), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S27 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t17, t18, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t23, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t18, S26, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    S26 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t16, t17, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t22, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t17, S25, S, optimize=[(0, 1), (0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S28 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t17, t18, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t23, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t18, S26, S, optimize=[(0, 1), (0, 1), (0, 1)]) + oe.contract('ab,cdbe->cdae', t18, S27, optimize=[(0, 1)])
-    t2 += (1/n_batch) * oe.contract('abcd->bcd', S28, optimize=[(0,)])
+    S27 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t16, t17, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t22, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t17, S25, S, optimize=[(0, 1), (0, 1), (0, 1)]) + oe.contract('ab,cdbe->cdae', t17, S26, optimize=[(0, 1)])
+    t2 += (1/n_batch) * oe.contract('abcd->bcd', S27, optimize=[(0,)])
     return H
 
 
@@ -405,12 +402,12 @@ def mse__hvp__functional(X, Y, V_X):
     n_batch = Y.shape[0]
     t0 = V_X.sum(-1, keepdims=True)
     t1 = np.broadcast_to(t0, t0.shape[:-1] + (d_V,))
-    t2 = (-1/d_V) * t1
-    t3 = t2 + V_X
+    t2 = (1/d_V) * t1
+    t3 = V_X - t2
     t4 = X.sum(-1, keepdims=True)
     t5 = np.broadcast_to(t4, t4.shape[:-1] + (d_V,))
-    t6 = (-1/d_V) * t5
-    t7 = t6 + X
+    t6 = (1/d_V) * t5
+    t7 = X - t6
     M_Z = t7
     t8 = M_Z * M_Z
     t9 = t8.sum(-1, keepdims=True)
@@ -423,37 +420,34 @@ def mse__hvp__functional(X, Y, V_X):
     t14 = M_Z * P_Z
     Z = t14
     F = Z
-    t15 = (2/(L*d_V)) * F
-    t16 = (-2/(L*d_V)) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = t12 * G * M_Z
-    t19 = t18.sum(-1, keepdims=True)
-    t20 = np.broadcast_to(t19, t19.shape[:-1] + (d_V,))
-    t21 = t3 * t20
-    t22 = (2/d_V) * t21
-    t23 = t3 * M_Z
-    t24 = t23.sum(-1, keepdims=True)
-    t25 = np.broadcast_to(t24, t24.shape[:-1] + (d_V,))
-    t26 = t12 * t25 * G
-    t27 = (2/d_V) * t26
-    t28 = t3 * t12 * G
-    t29 = (0.75 * (sigma2_Z ** -2.5))
-    t30 = t29 * t25 * G * M_Z
-    t31 = (2/d_V) * t30
-    t32 = t28 + t31
-    t33 = t32.sum(-1, keepdims=True)
-    t34 = np.broadcast_to(t33, t33.shape[:-1] + (d_V,))
-    t35 = t34 * M_Z
-    t36 = (2/d_V) * t35
-    t37 = (-2/d_V**2) * t21
-    t38 = (-2/d_V**2) * t26
-    t39 = (-2/d_V**2) * t35
-    t40 = t37 + t38 + t39
-    t41 = t40.sum(-1, keepdims=True)
-    t42 = np.broadcast_to(t41, t41.shape[:-1] + (d_V,))
-    t43 = t22 + t27 + t36 + t42
-    return (t43.mean(0),)
+    t15 = F - Y
+    t16 = (2/(L*d_V)) * t15
+    G = t16
+    t17 = t12 * G * M_Z
+    t18 = t17.sum(-1, keepdims=True)
+    t19 = np.broadcast_to(t18, t18.shape[:-1] + (d_V,))
+    t20 = t3 * t19
+    t21 = (2/d_V) * t20
+    t22 = t3 * M_Z
+    t23 = t22.sum(-1, keepdims=True)
+    t24 = np.broadcast_to(t23, t23.shape[:-1] + (d_V,))
+    t25 = t12 * t24 * G
+    t26 = (2/d_V) * t25
+    t27 = t3 * t12 * G
+    t28 = (0.75 * (sigma2_Z ** -2.5))
+    t29 = t28 * t24 * G * M_Z
+    t30 = (2/d_V) * t29
+    t31 = t27 + t30
+    t32 = t31.sum(-1, keepdims=True)
+    t33 = np.broadcast_to(t32, t32.shape[:-1] + (d_V,))
+    t34 = t33 * M_Z
+    t35 = (2/d_V) * t34
+    t36 = -t20 - t25 - t34
+    t37 = (2/d_V**2) * t36
+    t38 = t37.sum(-1, keepdims=True)
+    t39 = np.broadcast_to(t38, t38.shape[:-1] + (d_V,))
+    t40 = t21 + t26 + t35 + t39
+    return (t40.mean(0),)
 
 
 def mse__frobenius_all__functional(X, Y):
@@ -463,8 +457,8 @@ def mse__frobenius_all__functional(X, Y):
     n_batch = Y.shape[0]
     t0 = X.sum(-1, keepdims=True)
     t1 = np.broadcast_to(t0, t0.shape[:-1] + (d_V,))
-    t2 = (-1/d_V) * t1
-    t3 = t2 + X
+    t2 = (1/d_V) * t1
+    t3 = X - t2
     M_Z = t3
     t4 = M_Z * M_Z
     t5 = t4.sum(-1, keepdims=True)
@@ -477,30 +471,29 @@ def mse__frobenius_all__functional(X, Y):
     t10 = M_Z * P_Z
     Z = t10
     F = Z
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = t8 * G
-    t15 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t16 = np.eye(d_V, dtype=Y.dtype)
-    t17 = np.ones((L,), dtype=Y.dtype)
+    t11 = F - Y
+    t12 = (2/(L*d_V)) * t11
+    G = t12
+    t13 = t8 * G
+    t14 = np.ones((d_V, d_V), dtype=Y.dtype)
+    t15 = np.eye(d_V, dtype=Y.dtype)
+    t16 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,c->cab', t16, t17, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t15, t17, optimize=[(0, 1)])
-    t18 = t8 * G * M_Z
-    t19 = t18.sum(-1, keepdims=True)
-    t20 = np.broadcast_to(t19, t19.shape[:-1] + (d_V,))
-    t21 = (0.75 * (sigma2_Z ** -2.5))
-    t22 = t21 * G * M_Z
+    S = oe.contract('ab,c->cab', t15, t16, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t14, t16, optimize=[(0, 1)])
+    t17 = t8 * G * M_Z
+    t18 = t17.sum(-1, keepdims=True)
+    t19 = np.broadcast_to(t18, t18.shape[:-1] + (d_V,))
+    t20 = (0.75 * (sigma2_Z ** -2.5))
+    t21 = t20 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S23 = oe.contract('abc,cd->abcd', t14, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t22, t15, M_Z, optimize=[(1, 2), (0, 1)])
+    S22 = oe.contract('abc,cd->abcd', t13, t15, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t21, t14, M_Z, optimize=[(1, 2), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S24 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t14, t15, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t20, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t15, S23, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    S23 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t13, t14, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t19, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t14, S22, S, optimize=[(0, 1), (0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S25 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t14, t15, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t20, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t15, S23, S, optimize=[(0, 1), (0, 1), (0, 1)]) + oe.contract('ab,cdbe->cdae', t15, S24, optimize=[(0, 1)])
-    t26 = (n_batch**(-2)) * oe.contract('abcd,ebcd->', S25, S25, optimize=[(0, 1)])
-    t27 = np.sqrt(np.maximum(t26, 0.0))
-    return (t27,)
+    S24 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t13, t14, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t19, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t14, S22, S, optimize=[(0, 1), (0, 1), (0, 1)]) + oe.contract('ab,cdbe->cdae', t14, S23, optimize=[(0, 1)])
+    t25 = (n_batch**(-2)) * oe.contract('abcd,ebcd->', S24, S24, optimize=[(0, 1)])
+    t26 = np.sqrt(np.maximum(t25, 0.0))
+    return (t26,)
 
 
 def mse__diag__X__functional(X, Y):
@@ -512,8 +505,8 @@ def mse__diag__X__functional(X, Y):
     t0 = np.reshape(out, (L, d_V), copy=False)
     t1 = X.sum(-1, keepdims=True)
     t2 = np.broadcast_to(t1, t1.shape[:-1] + (d_V,))
-    t3 = (-1/d_V) * t2
-    t4 = t3 + X
+    t3 = (1/d_V) * t2
+    t4 = X - t3
     M_Z = t4
     t5 = M_Z * M_Z
     t6 = t5.sum(-1, keepdims=True)
@@ -526,28 +519,27 @@ def mse__diag__X__functional(X, Y):
     t11 = M_Z * P_Z
     Z = t11
     F = Z
-    t12 = (2/(L*d_V)) * F
-    t13 = (-2/(L*d_V)) * Y
-    t14 = t12 + t13
-    G = t14
-    t15 = t9 * G
-    t16 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t17 = np.eye(d_V, dtype=Y.dtype)
-    t18 = np.ones((L,), dtype=Y.dtype)
+    t12 = F - Y
+    t13 = (2/(L*d_V)) * t12
+    G = t13
+    t14 = t9 * G
+    t15 = np.ones((d_V, d_V), dtype=Y.dtype)
+    t16 = np.eye(d_V, dtype=Y.dtype)
+    t17 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,c->cab', t17, t18, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t16, t18, optimize=[(0, 1)])
-    t19 = t9 * G * M_Z
-    t20 = t19.sum(-1, keepdims=True)
-    t21 = np.broadcast_to(t20, t20.shape[:-1] + (d_V,))
-    t22 = (0.75 * (sigma2_Z ** -2.5))
-    t23 = t22 * G * M_Z
+    S = oe.contract('ab,c->cab', t16, t17, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t15, t17, optimize=[(0, 1)])
+    t18 = t9 * G * M_Z
+    t19 = t18.sum(-1, keepdims=True)
+    t20 = np.broadcast_to(t19, t19.shape[:-1] + (d_V,))
+    t21 = (0.75 * (sigma2_Z ** -2.5))
+    t22 = t21 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S24 = oe.contract('abc,cd->abcd', t15, t17, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t23, t16, M_Z, optimize=[(1, 2), (0, 1)])
+    S23 = oe.contract('abc,cd->abcd', t14, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t22, t15, M_Z, optimize=[(1, 2), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S25 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t15, t16, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t21, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t16, S24, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    S24 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t14, t15, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t20, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t15, S23, S, optimize=[(0, 1), (0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S26 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t15, t16, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t21, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t16, S24, S, optimize=[(0, 1), (0, 1), (0, 1)]) + oe.contract('ab,cdbe->cdae', t16, S25, optimize=[(0, 1)])
-    t0[...] = (1/n_batch) * oe.contract('abcc->bc', S26, optimize=[(0,)])
+    S25 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t14, t15, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t20, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t15, S23, S, optimize=[(0, 1), (0, 1), (0, 1)]) + oe.contract('ab,cdbe->cdae', t15, S24, optimize=[(0, 1)])
+    t0[...] = (1/n_batch) * oe.contract('abcc->bc', S25, optimize=[(0,)])
     return out
 
 
@@ -558,8 +550,8 @@ def mse__trace__X__functional(X, Y):
     n_batch = Y.shape[0]
     t0 = X.sum(-1, keepdims=True)
     t1 = np.broadcast_to(t0, t0.shape[:-1] + (d_V,))
-    t2 = (-1/d_V) * t1
-    t3 = t2 + X
+    t2 = (1/d_V) * t1
+    t3 = X - t2
     M_Z = t3
     t4 = M_Z * M_Z
     t5 = t4.sum(-1, keepdims=True)
@@ -572,28 +564,27 @@ def mse__trace__X__functional(X, Y):
     t10 = M_Z * P_Z
     Z = t10
     F = Z
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = t8 * G
-    t15 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t16 = np.eye(d_V, dtype=Y.dtype)
-    t17 = np.ones((L,), dtype=Y.dtype)
+    t11 = F - Y
+    t12 = (2/(L*d_V)) * t11
+    G = t12
+    t13 = t8 * G
+    t14 = np.ones((d_V, d_V), dtype=Y.dtype)
+    t15 = np.eye(d_V, dtype=Y.dtype)
+    t16 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,c->cab', t16, t17, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t15, t17, optimize=[(0, 1)])
-    t18 = t8 * G * M_Z
-    t19 = t18.sum(-1, keepdims=True)
-    t20 = np.broadcast_to(t19, t19.shape[:-1] + (d_V,))
-    t21 = (0.75 * (sigma2_Z ** -2.5))
-    t22 = t21 * G * M_Z
+    S = oe.contract('ab,c->cab', t15, t16, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t14, t16, optimize=[(0, 1)])
+    t17 = t8 * G * M_Z
+    t18 = t17.sum(-1, keepdims=True)
+    t19 = np.broadcast_to(t18, t18.shape[:-1] + (d_V,))
+    t20 = (0.75 * (sigma2_Z ** -2.5))
+    t21 = t20 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S23 = oe.contract('abc,cd->abcd', t14, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t22, t15, M_Z, optimize=[(1, 2), (0, 1)])
+    S22 = oe.contract('abc,cd->abcd', t13, t15, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t21, t14, M_Z, optimize=[(1, 2), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S24 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t14, t15, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t20, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t15, S23, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    S23 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t13, t14, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t19, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t14, S22, S, optimize=[(0, 1), (0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S25 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t14, t15, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t20, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t15, S23, S, optimize=[(0, 1), (0, 1), (0, 1)]) + oe.contract('ab,cdbe->cdae', t15, S24, optimize=[(0, 1)])
-    return (1/n_batch) * oe.contract('abcc->', S25, optimize=[(0,)])
+    S24 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t13, t14, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t19, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t14, S22, S, optimize=[(0, 1), (0, 1), (0, 1)]) + oe.contract('ab,cdbe->cdae', t14, S23, optimize=[(0, 1)])
+    return (1/n_batch) * oe.contract('abcc->', S24, optimize=[(0,)])
 
 
 def mse__block__X__X__functional(X, Y):
@@ -607,8 +598,8 @@ def mse__block__X__X__functional(X, Y):
     t1 = np.einsum('abac->abc', t0)
     t2 = X.sum(-1, keepdims=True)
     t3 = np.broadcast_to(t2, t2.shape[:-1] + (d_V,))
-    t4 = (-1/d_V) * t3
-    t5 = t4 + X
+    t4 = (1/d_V) * t3
+    t5 = X - t4
     M_Z = t5
     t6 = M_Z * M_Z
     t7 = t6.sum(-1, keepdims=True)
@@ -621,28 +612,27 @@ def mse__block__X__X__functional(X, Y):
     t12 = M_Z * P_Z
     Z = t12
     F = Z
-    t13 = (2/(L*d_V)) * F
-    t14 = (-2/(L*d_V)) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = t10 * G
-    t17 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t18 = np.eye(d_V, dtype=Y.dtype)
-    t19 = np.ones((L,), dtype=Y.dtype)
+    t13 = F - Y
+    t14 = (2/(L*d_V)) * t13
+    G = t14
+    t15 = t10 * G
+    t16 = np.ones((d_V, d_V), dtype=Y.dtype)
+    t17 = np.eye(d_V, dtype=Y.dtype)
+    t18 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,c->cab', t18, t19, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t17, t19, optimize=[(0, 1)])
-    t20 = t10 * G * M_Z
-    t21 = t20.sum(-1, keepdims=True)
-    t22 = np.broadcast_to(t21, t21.shape[:-1] + (d_V,))
-    t23 = (0.75 * (sigma2_Z ** -2.5))
-    t24 = t23 * G * M_Z
+    S = oe.contract('ab,c->cab', t17, t18, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t16, t18, optimize=[(0, 1)])
+    t19 = t10 * G * M_Z
+    t20 = t19.sum(-1, keepdims=True)
+    t21 = np.broadcast_to(t20, t20.shape[:-1] + (d_V,))
+    t22 = (0.75 * (sigma2_Z ** -2.5))
+    t23 = t22 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S25 = oe.contract('abc,cd->abcd', t16, t18, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t24, t17, M_Z, optimize=[(1, 2), (0, 1)])
+    S24 = oe.contract('abc,cd->abcd', t15, t17, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t23, t16, M_Z, optimize=[(1, 2), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S26 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t16, t17, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t22, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t17, S25, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    S25 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t15, t16, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t21, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t16, S24, S, optimize=[(0, 1), (0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S27 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t16, t17, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t22, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t17, S25, S, optimize=[(0, 1), (0, 1), (0, 1)]) + oe.contract('ab,cdbe->cdae', t17, S26, optimize=[(0, 1)])
-    t1 += (1/n_batch) * oe.contract('abcd->bcd', S27, optimize=[(0,)])
+    S26 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t15, t16, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t21, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t16, S24, S, optimize=[(0, 1), (0, 1), (0, 1)]) + oe.contract('ab,cdbe->cdae', t16, S25, optimize=[(0, 1)])
+    t1 += (1/n_batch) * oe.contract('abcd->bcd', S26, optimize=[(0,)])
     return out
 
 
@@ -653,8 +643,8 @@ def mse__frobenius__X__X__functional(X, Y):
     n_batch = Y.shape[0]
     t0 = X.sum(-1, keepdims=True)
     t1 = np.broadcast_to(t0, t0.shape[:-1] + (d_V,))
-    t2 = (-1/d_V) * t1
-    t3 = t2 + X
+    t2 = (1/d_V) * t1
+    t3 = X - t2
     M_Z = t3
     t4 = M_Z * M_Z
     t5 = t4.sum(-1, keepdims=True)
@@ -667,30 +657,29 @@ def mse__frobenius__X__X__functional(X, Y):
     t10 = M_Z * P_Z
     Z = t10
     F = Z
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = t8 * G
-    t15 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t16 = np.eye(d_V, dtype=Y.dtype)
-    t17 = np.ones((L,), dtype=Y.dtype)
+    t11 = F - Y
+    t12 = (2/(L*d_V)) * t11
+    G = t12
+    t13 = t8 * G
+    t14 = np.ones((d_V, d_V), dtype=Y.dtype)
+    t15 = np.eye(d_V, dtype=Y.dtype)
+    t16 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,c->cab', t16, t17, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t15, t17, optimize=[(0, 1)])
-    t18 = t8 * G * M_Z
-    t19 = t18.sum(-1, keepdims=True)
-    t20 = np.broadcast_to(t19, t19.shape[:-1] + (d_V,))
-    t21 = (0.75 * (sigma2_Z ** -2.5))
-    t22 = t21 * G * M_Z
+    S = oe.contract('ab,c->cab', t15, t16, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t14, t16, optimize=[(0, 1)])
+    t17 = t8 * G * M_Z
+    t18 = t17.sum(-1, keepdims=True)
+    t19 = np.broadcast_to(t18, t18.shape[:-1] + (d_V,))
+    t20 = (0.75 * (sigma2_Z ** -2.5))
+    t21 = t20 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S23 = oe.contract('abc,cd->abcd', t14, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t22, t15, M_Z, optimize=[(1, 2), (0, 1)])
+    S22 = oe.contract('abc,cd->abcd', t13, t15, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t21, t14, M_Z, optimize=[(1, 2), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S24 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t14, t15, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t20, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t15, S23, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    S23 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t13, t14, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t19, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t14, S22, S, optimize=[(0, 1), (0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S25 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t14, t15, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t20, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t15, S23, S, optimize=[(0, 1), (0, 1), (0, 1)]) + oe.contract('ab,cdbe->cdae', t15, S24, optimize=[(0, 1)])
-    t26 = (n_batch**(-2)) * oe.contract('abcd,ebcd->', S25, S25, optimize=[(0, 1)])
-    t27 = np.sqrt(np.maximum(t26, 0.0))
-    return t27
+    S24 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t13, t14, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t19, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t14, S22, S, optimize=[(0, 1), (0, 1), (0, 1)]) + oe.contract('ab,cdbe->cdae', t14, S23, optimize=[(0, 1)])
+    t25 = (n_batch**(-2)) * oe.contract('abcd,ebcd->', S24, S24, optimize=[(0, 1)])
+    t26 = np.sqrt(np.maximum(t25, 0.0))
+    return t26
 
 
 def mse__hessian__full(X, Y):
@@ -705,8 +694,8 @@ def mse__hessian__full(X, Y):
     t2 = np.einsum('abac->abc', t1)
     t3 = X.sum(-1, keepdims=True)
     t4 = np.broadcast_to(t3, t3.shape[:-1] + (d_V,))
-    t5 = (-1/d_V) * t4
-    t6 = t5 + X
+    t5 = (1/d_V) * t4
+    t6 = X - t5
     M_Z = t6
     t7 = M_Z * M_Z
     t8 = t7.sum(-1, keepdims=True)
@@ -719,33 +708,32 @@ def mse__hessian__full(X, Y):
     t13 = M_Z * P_Z
     Z = t13
     F = Z
-    t14 = (2/(L*d_V)) * F
-    t15 = (-2/(L*d_V)) * Y
-    t16 = t14 + t15
-    G = t16
-    t17 = t11 * G
-    t18 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t19 = np.eye(d_V, dtype=Y.dtype)
-    t20 = np.ones((L,), dtype=Y.dtype)
+    t14 = F - Y
+    t15 = (2/(L*d_V)) * t14
+    G = t15
+    t16 = t11 * G
+    t17 = np.ones((d_V, d_V), dtype=Y.dtype)
+    t18 = np.eye(d_V, dtype=Y.dtype)
+    t19 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,c->cab', t19, t20, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t18, t20, optimize=[(0, 1)])
-    t21 = t11 * G * M_Z
-    t22 = t21.sum(-1, keepdims=True)
-    t23 = np.broadcast_to(t22, t22.shape[:-1] + (d_V,))
-    t24 = (0.75 * (sigma2_Z ** -2.5))
-    t25 = t24 * G * M_Z
+    S = oe.contract('ab,c->cab', t18, t19, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t17, t19, optimize=[(0, 1)])
+    t20 = t11 * G * M_Z
+    t21 = t20.sum(-1, keepdims=True)
+    t22 = np.broadcast_to(t21, t21.shape[:-1] + (d_V,))
+    t23 = (0.75 * (sigma2_Z ** -2.5))
+    t24 = t23 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S26 = oe.contract('abc,cd->abcd', t17, t19, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t25, t18, M_Z, optimize=[(1, 2), (0, 1)])
-    t27 = t11 * M_Z
+    S25 = oe.contract('abc,cd->abcd', t16, t18, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t24, t17, M_Z, optimize=[(1, 2), (0, 1)])
+    t26 = t11 * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S28 = (2/(L*d_V)) * oe.contract('ab,bc->abc', P_Z, t19, optimize=[(0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac->abc', t27, t18, M_Z, optimize=[(0, 1), (0, 1)])
+    S27 = (2/(L*d_V)) * oe.contract('ab,bc->abc', P_Z, t18, optimize=[(0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac->abc', t26, t17, M_Z, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S29 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t17, t18, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t23, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t18, S26, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    S28 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t16, t17, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t22, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t17, S25, S, optimize=[(0, 1), (0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S30 = (-1/d_V) * oe.contract('ab,bc->abc', P_Z, t19, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,ac->abc', M_Z, t18, t27, optimize=[(0, 1), (0, 1)])
+    S29 = (-1/d_V) * oe.contract('ab,bc->abc', P_Z, t18, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,ac->abc', M_Z, t17, t26, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S31 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t17, t18, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t23, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t18, S26, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac,acd,ade->abe', M_Z, t18, t27, S28, S, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,abc,acd->abd', P_Z, S28, S, optimize=[(0, 1), (0, 1)]) + oe.contract('ab,cdbe->cdae', t18, S29, optimize=[(0, 1)]) + oe.contract('ab,cbd,cde,cef->caf', t18, S30, S28, S, optimize=[(0, 1), (0, 1), (0, 1)])
-    t2 += (1/n_batch) * oe.contract('abcd->bcd', S31, optimize=[(0,)])
+    S30 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t16, t17, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t22, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t17, S25, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac,acd,ade->abe', M_Z, t17, t26, S27, S, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,abc,acd->abd', P_Z, S27, S, optimize=[(0, 1), (0, 1)]) + oe.contract('ab,cdbe->cdae', t17, S28, optimize=[(0, 1)]) + oe.contract('ab,cbd,cde,cef->caf', t17, S29, S27, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    t2 += (1/n_batch) * oe.contract('abcd->bcd', S30, optimize=[(0,)])
     return H
 
 
@@ -756,12 +744,12 @@ def mse__hvp__full(X, Y, V_X):
     n_batch = Y.shape[0]
     t0 = V_X.sum(-1, keepdims=True)
     t1 = np.broadcast_to(t0, t0.shape[:-1] + (d_V,))
-    t2 = (-1/d_V) * t1
-    t3 = t2 + V_X
+    t2 = (1/d_V) * t1
+    t3 = V_X - t2
     t4 = X.sum(-1, keepdims=True)
     t5 = np.broadcast_to(t4, t4.shape[:-1] + (d_V,))
-    t6 = (-1/d_V) * t5
-    t7 = t6 + X
+    t6 = (1/d_V) * t5
+    t7 = X - t6
     M_Z = t7
     t8 = M_Z * M_Z
     t9 = t8.sum(-1, keepdims=True)
@@ -773,49 +761,46 @@ def mse__hvp__full(X, Y, V_X):
     t13 = M_Z * P_Z
     Z = t13
     F = Z
-    t14 = (4/(L*d_V**2)) * F
-    t15 = (-4/(L*d_V**2)) * Y
-    t16 = t14 + t15
-    t17 = (-0.5 * (sigma2_Z ** -1.5))
-    t18 = t16 * t17 * M_Z
-    t19 = t18.sum(-1, keepdims=True)
-    t20 = np.broadcast_to(t19, t19.shape[:-1] + (d_V,))
-    t21 = t3 * t20
-    t22 = t3 * P_Z
-    t23 = (2/(L*d_V)) * t22
-    t24 = t3 * M_Z
-    t25 = t24.sum(-1, keepdims=True)
-    t26 = np.broadcast_to(t25, t25.shape[:-1] + (d_V,))
-    t27 = t17 * t26 * M_Z
-    t28 = (4/(L*d_V**2)) * t27
-    t29 = t23 + t28
-    t30 = t29 * P_Z
-    t31 = (2/(L*d_V)) * F
-    t32 = (-2/(L*d_V)) * Y
-    t33 = t31 + t32
-    t34 = t33 * t17 * t26
-    t35 = (2/d_V) * t34
-    t36 = t3 * t16 * t17
-    t37 = (4/(L*d_V**2)) * t22
-    t38 = (8/(L*d_V**3)) * t27
-    t39 = t37 + t38
-    t40 = t39 * t17 * M_Z
-    t41 = (0.75 * (sigma2_Z ** -2.5))
-    t42 = t16 * t41 * t26 * M_Z
-    t43 = (2/d_V) * t42
-    t44 = t36 + t40 + t43
-    t45 = t44.sum(-1, keepdims=True)
-    t46 = np.broadcast_to(t45, t45.shape[:-1] + (d_V,))
-    t47 = t46 * M_Z
-    t48 = (-1/d_V) * t21
-    t49 = (-1/d_V) * t30
-    t50 = (-2/d_V**2) * t34
-    t51 = (-1/d_V) * t47
-    t52 = t48 + t49 + t50 + t51
-    t53 = t52.sum(-1, keepdims=True)
-    t54 = np.broadcast_to(t53, t53.shape[:-1] + (d_V,))
-    t55 = t21 + t30 + t35 + t47 + t54
-    return (t55.mean(0),)
+    t14 = F - Y
+    t15 = (4/(L*d_V**2)) * t14
+    t16 = (-0.5 * (sigma2_Z ** -1.5))
+    t17 = t15 * t16 * M_Z
+    t18 = t17.sum(-1, keepdims=True)
+    t19 = np.broadcast_to(t18, t18.shape[:-1] + (d_V,))
+    t20 = t3 * t19
+    t21 = t3 * P_Z
+    t22 = (2/(L*d_V)) * t21
+    t23 = t3 * M_Z
+    t24 = t23.sum(-1, keepdims=True)
+    t25 = np.broadcast_to(t24, t24.shape[:-1] + (d_V,))
+    t26 = t16 * t25 * M_Z
+    t27 = (4/(L*d_V**2)) * t26
+    t28 = t22 + t27
+    t29 = t28 * P_Z
+    t30 = (2/(L*d_V)) * t14
+    t31 = t30 * t16 * t25
+    t32 = (2/d_V) * t31
+    t33 = t3 * t15 * t16
+    t34 = (4/(L*d_V**2)) * t21
+    t35 = (8/(L*d_V**3)) * t26
+    t36 = t34 + t35
+    t37 = t36 * t16 * M_Z
+    t38 = (0.75 * (sigma2_Z ** -2.5))
+    t39 = t15 * t38 * t25 * M_Z
+    t40 = (2/d_V) * t39
+    t41 = t33 + t37 + t40
+    t42 = t41.sum(-1, keepdims=True)
+    t43 = np.broadcast_to(t42, t42.shape[:-1] + (d_V,))
+    t44 = t43 * M_Z
+    t45 = (1/d_V) * t20
+    t46 = (1/d_V) * t29
+    t47 = (2/d_V**2) * t31
+    t48 = (1/d_V) * t44
+    t49 = -t45 - t46 - t47 - t48
+    t50 = t49.sum(-1, keepdims=True)
+    t51 = np.broadcast_to(t50, t50.shape[:-1] + (d_V,))
+    t52 = t20 + t29 + t32 + t44 + t51
+    return (t52.mean(0),)
 
 
 def mse__frobenius_all__full(X, Y):
@@ -825,8 +810,8 @@ def mse__frobenius_all__full(X, Y):
     n_batch = Y.shape[0]
     t0 = X.sum(-1, keepdims=True)
     t1 = np.broadcast_to(t0, t0.shape[:-1] + (d_V,))
-    t2 = (-1/d_V) * t1
-    t3 = t2 + X
+    t2 = (1/d_V) * t1
+    t3 = X - t2
     M_Z = t3
     t4 = M_Z * M_Z
     t5 = t4.sum(-1, keepdims=True)
@@ -839,35 +824,34 @@ def mse__frobenius_all__full(X, Y):
     t10 = M_Z * P_Z
     Z = t10
     F = Z
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = t8 * G
-    t15 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t16 = np.eye(d_V, dtype=Y.dtype)
-    t17 = np.ones((L,), dtype=Y.dtype)
+    t11 = F - Y
+    t12 = (2/(L*d_V)) * t11
+    G = t12
+    t13 = t8 * G
+    t14 = np.ones((d_V, d_V), dtype=Y.dtype)
+    t15 = np.eye(d_V, dtype=Y.dtype)
+    t16 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,c->cab', t16, t17, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t15, t17, optimize=[(0, 1)])
-    t18 = t8 * G * M_Z
-    t19 = t18.sum(-1, keepdims=True)
-    t20 = np.broadcast_to(t19, t19.shape[:-1] + (d_V,))
-    t21 = (0.75 * (sigma2_Z ** -2.5))
-    t22 = t21 * G * M_Z
+    S = oe.contract('ab,c->cab', t15, t16, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t14, t16, optimize=[(0, 1)])
+    t17 = t8 * G * M_Z
+    t18 = t17.sum(-1, keepdims=True)
+    t19 = np.broadcast_to(t18, t18.shape[:-1] + (d_V,))
+    t20 = (0.75 * (sigma2_Z ** -2.5))
+    t21 = t20 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S23 = oe.contract('abc,cd->abcd', t14, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t22, t15, M_Z, optimize=[(1, 2), (0, 1)])
-    t24 = t8 * M_Z
+    S22 = oe.contract('abc,cd->abcd', t13, t15, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t21, t14, M_Z, optimize=[(1, 2), (0, 1)])
+    t23 = t8 * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S25 = (2/(L*d_V)) * oe.contract('ab,bc->abc', P_Z, t16, optimize=[(0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac->abc', t24, t15, M_Z, optimize=[(0, 1), (0, 1)])
+    S24 = (2/(L*d_V)) * oe.contract('ab,bc->abc', P_Z, t15, optimize=[(0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac->abc', t23, t14, M_Z, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S26 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t14, t15, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t20, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t15, S23, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    S25 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t13, t14, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t19, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t14, S22, S, optimize=[(0, 1), (0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S27 = (-1/d_V) * oe.contract('ab,bc->abc', P_Z, t16, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,ac->abc', M_Z, t15, t24, optimize=[(0, 1), (0, 1)])
+    S26 = (-1/d_V) * oe.contract('ab,bc->abc', P_Z, t15, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,ac->abc', M_Z, t14, t23, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S28 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t14, t15, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t20, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t15, S23, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac,acd,ade->abe', M_Z, t15, t24, S25, S, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,abc,acd->abd', P_Z, S25, S, optimize=[(0, 1), (0, 1)]) + oe.contract('ab,cdbe->cdae', t15, S26, optimize=[(0, 1)]) + oe.contract('ab,cbd,cde,cef->caf', t15, S27, S25, S, optimize=[(0, 1), (0, 1), (0, 1)])
-    t29 = (n_batch**(-2)) * oe.contract('abcd,ebcd->', S28, S28, optimize=[(0, 1)])
-    t30 = np.sqrt(np.maximum(t29, 0.0))
-    return (t30,)
+    S27 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t13, t14, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t19, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t14, S22, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac,acd,ade->abe', M_Z, t14, t23, S24, S, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,abc,acd->abd', P_Z, S24, S, optimize=[(0, 1), (0, 1)]) + oe.contract('ab,cdbe->cdae', t14, S25, optimize=[(0, 1)]) + oe.contract('ab,cbd,cde,cef->caf', t14, S26, S24, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    t28 = (n_batch**(-2)) * oe.contract('abcd,ebcd->', S27, S27, optimize=[(0, 1)])
+    t29 = np.sqrt(np.maximum(t28, 0.0))
+    return (t29,)
 
 
 def mse__diag__X__full(X, Y):
@@ -879,8 +863,8 @@ def mse__diag__X__full(X, Y):
     t0 = np.reshape(out, (L, d_V), copy=False)
     t1 = X.sum(-1, keepdims=True)
     t2 = np.broadcast_to(t1, t1.shape[:-1] + (d_V,))
-    t3 = (-1/d_V) * t2
-    t4 = t3 + X
+    t3 = (1/d_V) * t2
+    t4 = X - t3
     M_Z = t4
     t5 = M_Z * M_Z
     t6 = t5.sum(-1, keepdims=True)
@@ -893,33 +877,32 @@ def mse__diag__X__full(X, Y):
     t11 = M_Z * P_Z
     Z = t11
     F = Z
-    t12 = (2/(L*d_V)) * F
-    t13 = (-2/(L*d_V)) * Y
-    t14 = t12 + t13
-    G = t14
-    t15 = t9 * G
-    t16 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t17 = np.eye(d_V, dtype=Y.dtype)
-    t18 = np.ones((L,), dtype=Y.dtype)
+    t12 = F - Y
+    t13 = (2/(L*d_V)) * t12
+    G = t13
+    t14 = t9 * G
+    t15 = np.ones((d_V, d_V), dtype=Y.dtype)
+    t16 = np.eye(d_V, dtype=Y.dtype)
+    t17 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,c->cab', t17, t18, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t16, t18, optimize=[(0, 1)])
-    t19 = t9 * G * M_Z
-    t20 = t19.sum(-1, keepdims=True)
-    t21 = np.broadcast_to(t20, t20.shape[:-1] + (d_V,))
-    t22 = (0.75 * (sigma2_Z ** -2.5))
-    t23 = t22 * G * M_Z
+    S = oe.contract('ab,c->cab', t16, t17, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t15, t17, optimize=[(0, 1)])
+    t18 = t9 * G * M_Z
+    t19 = t18.sum(-1, keepdims=True)
+    t20 = np.broadcast_to(t19, t19.shape[:-1] + (d_V,))
+    t21 = (0.75 * (sigma2_Z ** -2.5))
+    t22 = t21 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S24 = oe.contract('abc,cd->abcd', t15, t17, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t23, t16, M_Z, optimize=[(1, 2), (0, 1)])
-    t25 = t9 * M_Z
+    S23 = oe.contract('abc,cd->abcd', t14, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t22, t15, M_Z, optimize=[(1, 2), (0, 1)])
+    t24 = t9 * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S26 = (2/(L*d_V)) * oe.contract('ab,bc->abc', P_Z, t17, optimize=[(0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac->abc', t25, t16, M_Z, optimize=[(0, 1), (0, 1)])
+    S25 = (2/(L*d_V)) * oe.contract('ab,bc->abc', P_Z, t16, optimize=[(0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac->abc', t24, t15, M_Z, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S27 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t15, t16, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t21, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t16, S24, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    S26 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t14, t15, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t20, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t15, S23, S, optimize=[(0, 1), (0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S28 = (-1/d_V) * oe.contract('ab,bc->abc', P_Z, t17, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,ac->abc', M_Z, t16, t25, optimize=[(0, 1), (0, 1)])
+    S27 = (-1/d_V) * oe.contract('ab,bc->abc', P_Z, t16, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,ac->abc', M_Z, t15, t24, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S29 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t15, t16, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t21, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t16, S24, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac,acd,ade->abe', M_Z, t16, t25, S26, S, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,abc,acd->abd', P_Z, S26, S, optimize=[(0, 1), (0, 1)]) + oe.contract('ab,cdbe->cdae', t16, S27, optimize=[(0, 1)]) + oe.contract('ab,cbd,cde,cef->caf', t16, S28, S26, S, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/n_batch) * oe.contract('abcc->bc', S29, optimize=[(0,)])
+    S28 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t14, t15, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t20, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t15, S23, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac,acd,ade->abe', M_Z, t15, t24, S25, S, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,abc,acd->abd', P_Z, S25, S, optimize=[(0, 1), (0, 1)]) + oe.contract('ab,cdbe->cdae', t15, S26, optimize=[(0, 1)]) + oe.contract('ab,cbd,cde,cef->caf', t15, S27, S25, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    t0[...] = (1/n_batch) * oe.contract('abcc->bc', S28, optimize=[(0,)])
     return out
 
 
@@ -930,8 +913,8 @@ def mse__trace__X__full(X, Y):
     n_batch = Y.shape[0]
     t0 = X.sum(-1, keepdims=True)
     t1 = np.broadcast_to(t0, t0.shape[:-1] + (d_V,))
-    t2 = (-1/d_V) * t1
-    t3 = t2 + X
+    t2 = (1/d_V) * t1
+    t3 = X - t2
     M_Z = t3
     t4 = M_Z * M_Z
     t5 = t4.sum(-1, keepdims=True)
@@ -944,33 +927,32 @@ def mse__trace__X__full(X, Y):
     t10 = M_Z * P_Z
     Z = t10
     F = Z
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = t8 * G
-    t15 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t16 = np.eye(d_V, dtype=Y.dtype)
-    t17 = np.ones((L,), dtype=Y.dtype)
+    t11 = F - Y
+    t12 = (2/(L*d_V)) * t11
+    G = t12
+    t13 = t8 * G
+    t14 = np.ones((d_V, d_V), dtype=Y.dtype)
+    t15 = np.eye(d_V, dtype=Y.dtype)
+    t16 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,c->cab', t16, t17, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t15, t17, optimize=[(0, 1)])
-    t18 = t8 * G * M_Z
-    t19 = t18.sum(-1, keepdims=True)
-    t20 = np.broadcast_to(t19, t19.shape[:-1] + (d_V,))
-    t21 = (0.75 * (sigma2_Z ** -2.5))
-    t22 = t21 * G * M_Z
+    S = oe.contract('ab,c->cab', t15, t16, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t14, t16, optimize=[(0, 1)])
+    t17 = t8 * G * M_Z
+    t18 = t17.sum(-1, keepdims=True)
+    t19 = np.broadcast_to(t18, t18.shape[:-1] + (d_V,))
+    t20 = (0.75 * (sigma2_Z ** -2.5))
+    t21 = t20 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S23 = oe.contract('abc,cd->abcd', t14, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t22, t15, M_Z, optimize=[(1, 2), (0, 1)])
-    t24 = t8 * M_Z
+    S22 = oe.contract('abc,cd->abcd', t13, t15, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t21, t14, M_Z, optimize=[(1, 2), (0, 1)])
+    t23 = t8 * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S25 = (2/(L*d_V)) * oe.contract('ab,bc->abc', P_Z, t16, optimize=[(0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac->abc', t24, t15, M_Z, optimize=[(0, 1), (0, 1)])
+    S24 = (2/(L*d_V)) * oe.contract('ab,bc->abc', P_Z, t15, optimize=[(0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac->abc', t23, t14, M_Z, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S26 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t14, t15, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t20, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t15, S23, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    S25 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t13, t14, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t19, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t14, S22, S, optimize=[(0, 1), (0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S27 = (-1/d_V) * oe.contract('ab,bc->abc', P_Z, t16, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,ac->abc', M_Z, t15, t24, optimize=[(0, 1), (0, 1)])
+    S26 = (-1/d_V) * oe.contract('ab,bc->abc', P_Z, t15, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,ac->abc', M_Z, t14, t23, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S28 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t14, t15, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t20, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t15, S23, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac,acd,ade->abe', M_Z, t15, t24, S25, S, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,abc,acd->abd', P_Z, S25, S, optimize=[(0, 1), (0, 1)]) + oe.contract('ab,cdbe->cdae', t15, S26, optimize=[(0, 1)]) + oe.contract('ab,cbd,cde,cef->caf', t15, S27, S25, S, optimize=[(0, 1), (0, 1), (0, 1)])
-    return (1/n_batch) * oe.contract('abcc->', S28, optimize=[(0,)])
+    S27 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t13, t14, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t19, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t14, S22, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac,acd,ade->abe', M_Z, t14, t23, S24, S, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,abc,acd->abd', P_Z, S24, S, optimize=[(0, 1), (0, 1)]) + oe.contract('ab,cdbe->cdae', t14, S25, optimize=[(0, 1)]) + oe.contract('ab,cbd,cde,cef->caf', t14, S26, S24, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    return (1/n_batch) * oe.contract('abcc->', S27, optimize=[(0,)])
 
 
 def mse__block__X__X__full(X, Y):
@@ -984,8 +966,8 @@ def mse__block__X__X__full(X, Y):
     t1 = np.einsum('abac->abc', t0)
     t2 = X.sum(-1, keepdims=True)
     t3 = np.broadcast_to(t2, t2.shape[:-1] + (d_V,))
-    t4 = (-1/d_V) * t3
-    t5 = t4 + X
+    t4 = (1/d_V) * t3
+    t5 = X - t4
     M_Z = t5
     t6 = M_Z * M_Z
     t7 = t6.sum(-1, keepdims=True)
@@ -998,33 +980,32 @@ def mse__block__X__X__full(X, Y):
     t12 = M_Z * P_Z
     Z = t12
     F = Z
-    t13 = (2/(L*d_V)) * F
-    t14 = (-2/(L*d_V)) * Y
-    t15 = t13 + t14
-    G = t15
-    t16 = t10 * G
-    t17 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t18 = np.eye(d_V, dtype=Y.dtype)
-    t19 = np.ones((L,), dtype=Y.dtype)
+    t13 = F - Y
+    t14 = (2/(L*d_V)) * t13
+    G = t14
+    t15 = t10 * G
+    t16 = np.ones((d_V, d_V), dtype=Y.dtype)
+    t17 = np.eye(d_V, dtype=Y.dtype)
+    t18 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,c->cab', t18, t19, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t17, t19, optimize=[(0, 1)])
-    t20 = t10 * G * M_Z
-    t21 = t20.sum(-1, keepdims=True)
-    t22 = np.broadcast_to(t21, t21.shape[:-1] + (d_V,))
-    t23 = (0.75 * (sigma2_Z ** -2.5))
-    t24 = t23 * G * M_Z
+    S = oe.contract('ab,c->cab', t17, t18, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t16, t18, optimize=[(0, 1)])
+    t19 = t10 * G * M_Z
+    t20 = t19.sum(-1, keepdims=True)
+    t21 = np.broadcast_to(t20, t20.shape[:-1] + (d_V,))
+    t22 = (0.75 * (sigma2_Z ** -2.5))
+    t23 = t22 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S25 = oe.contract('abc,cd->abcd', t16, t18, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t24, t17, M_Z, optimize=[(1, 2), (0, 1)])
-    t26 = t10 * M_Z
+    S24 = oe.contract('abc,cd->abcd', t15, t17, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t23, t16, M_Z, optimize=[(1, 2), (0, 1)])
+    t25 = t10 * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S27 = (2/(L*d_V)) * oe.contract('ab,bc->abc', P_Z, t18, optimize=[(0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac->abc', t26, t17, M_Z, optimize=[(0, 1), (0, 1)])
+    S26 = (2/(L*d_V)) * oe.contract('ab,bc->abc', P_Z, t17, optimize=[(0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac->abc', t25, t16, M_Z, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S28 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t16, t17, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t22, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t17, S25, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    S27 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t15, t16, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t21, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t16, S24, S, optimize=[(0, 1), (0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S29 = (-1/d_V) * oe.contract('ab,bc->abc', P_Z, t18, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,ac->abc', M_Z, t17, t26, optimize=[(0, 1), (0, 1)])
+    S28 = (-1/d_V) * oe.contract('ab,bc->abc', P_Z, t17, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,ac->abc', M_Z, t16, t25, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S30 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t16, t17, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t22, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t17, S25, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac,acd,ade->abe', M_Z, t17, t26, S27, S, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,abc,acd->abd', P_Z, S27, S, optimize=[(0, 1), (0, 1)]) + oe.contract('ab,cdbe->cdae', t17, S28, optimize=[(0, 1)]) + oe.contract('ab,cbd,cde,cef->caf', t17, S29, S27, S, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += (1/n_batch) * oe.contract('abcd->bcd', S30, optimize=[(0,)])
+    S29 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t15, t16, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t21, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t16, S24, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac,acd,ade->abe', M_Z, t16, t25, S26, S, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,abc,acd->abd', P_Z, S26, S, optimize=[(0, 1), (0, 1)]) + oe.contract('ab,cdbe->cdae', t16, S27, optimize=[(0, 1)]) + oe.contract('ab,cbd,cde,cef->caf', t16, S28, S26, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    t1 += (1/n_batch) * oe.contract('abcd->bcd', S29, optimize=[(0,)])
     return out
 
 
@@ -1035,8 +1016,8 @@ def mse__frobenius__X__X__full(X, Y):
     n_batch = Y.shape[0]
     t0 = X.sum(-1, keepdims=True)
     t1 = np.broadcast_to(t0, t0.shape[:-1] + (d_V,))
-    t2 = (-1/d_V) * t1
-    t3 = t2 + X
+    t2 = (1/d_V) * t1
+    t3 = X - t2
     M_Z = t3
     t4 = M_Z * M_Z
     t5 = t4.sum(-1, keepdims=True)
@@ -1049,35 +1030,34 @@ def mse__frobenius__X__X__full(X, Y):
     t10 = M_Z * P_Z
     Z = t10
     F = Z
-    t11 = (2/(L*d_V)) * F
-    t12 = (-2/(L*d_V)) * Y
-    t13 = t11 + t12
-    G = t13
-    t14 = t8 * G
-    t15 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t16 = np.eye(d_V, dtype=Y.dtype)
-    t17 = np.ones((L,), dtype=Y.dtype)
+    t11 = F - Y
+    t12 = (2/(L*d_V)) * t11
+    G = t12
+    t13 = t8 * G
+    t14 = np.ones((d_V, d_V), dtype=Y.dtype)
+    t15 = np.eye(d_V, dtype=Y.dtype)
+    t16 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,c->cab', t16, t17, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t15, t17, optimize=[(0, 1)])
-    t18 = t8 * G * M_Z
-    t19 = t18.sum(-1, keepdims=True)
-    t20 = np.broadcast_to(t19, t19.shape[:-1] + (d_V,))
-    t21 = (0.75 * (sigma2_Z ** -2.5))
-    t22 = t21 * G * M_Z
+    S = oe.contract('ab,c->cab', t15, t16, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t14, t16, optimize=[(0, 1)])
+    t17 = t8 * G * M_Z
+    t18 = t17.sum(-1, keepdims=True)
+    t19 = np.broadcast_to(t18, t18.shape[:-1] + (d_V,))
+    t20 = (0.75 * (sigma2_Z ** -2.5))
+    t21 = t20 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S23 = oe.contract('abc,cd->abcd', t14, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t22, t15, M_Z, optimize=[(1, 2), (0, 1)])
-    t24 = t8 * M_Z
+    S22 = oe.contract('abc,cd->abcd', t13, t15, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t21, t14, M_Z, optimize=[(1, 2), (0, 1)])
+    t23 = t8 * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S25 = (2/(L*d_V)) * oe.contract('ab,bc->abc', P_Z, t16, optimize=[(0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac->abc', t24, t15, M_Z, optimize=[(0, 1), (0, 1)])
+    S24 = (2/(L*d_V)) * oe.contract('ab,bc->abc', P_Z, t15, optimize=[(0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac->abc', t23, t14, M_Z, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S26 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t14, t15, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t20, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t15, S23, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    S25 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t13, t14, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t19, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t14, S22, S, optimize=[(0, 1), (0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S27 = (-1/d_V) * oe.contract('ab,bc->abc', P_Z, t16, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,ac->abc', M_Z, t15, t24, optimize=[(0, 1), (0, 1)])
+    S26 = (-1/d_V) * oe.contract('ab,bc->abc', P_Z, t15, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,ac->abc', M_Z, t14, t23, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S28 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t14, t15, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t20, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t15, S23, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac,acd,ade->abe', M_Z, t15, t24, S25, S, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,abc,acd->abd', P_Z, S25, S, optimize=[(0, 1), (0, 1)]) + oe.contract('ab,cdbe->cdae', t15, S26, optimize=[(0, 1)]) + oe.contract('ab,cbd,cde,cef->caf', t15, S27, S25, S, optimize=[(0, 1), (0, 1), (0, 1)])
-    t29 = (n_batch**(-2)) * oe.contract('abcd,ebcd->', S28, S28, optimize=[(0, 1)])
-    t30 = np.sqrt(np.maximum(t29, 0.0))
-    return t30
+    S27 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t13, t14, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t19, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t14, S22, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac,acd,ade->abe', M_Z, t14, t23, S24, S, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,abc,acd->abd', P_Z, S24, S, optimize=[(0, 1), (0, 1)]) + oe.contract('ab,cdbe->cdae', t14, S25, optimize=[(0, 1)]) + oe.contract('ab,cbd,cde,cef->caf', t14, S26, S24, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    t28 = (n_batch**(-2)) * oe.contract('abcd,ebcd->', S27, S27, optimize=[(0, 1)])
+    t29 = np.sqrt(np.maximum(t28, 0.0))
+    return t29
 
 
 def mse__frobenius_split__X__X(X, Y):
@@ -1087,8 +1067,8 @@ def mse__frobenius_split__X__X(X, Y):
     n_batch = Y.shape[0]
     t0 = X.sum(-1, keepdims=True)
     t1 = np.broadcast_to(t0, t0.shape[:-1] + (d_V,))
-    t2 = (-1/d_V) * t1
-    t3 = t2 + X
+    t2 = (1/d_V) * t1
+    t3 = X - t2
     M_Z = t3
     t4 = np.ones((d_V, d_V), dtype=Y.dtype)
     t5 = M_Z * M_Z
@@ -1114,29 +1094,28 @@ def mse__frobenius_split__X__X(X, Y):
     t18 = M_Z * P_Z
     Z = t18
     F = Z
-    t19 = (2/(L*d_V)) * F
-    t20 = (-2/(L*d_V)) * Y
-    t21 = t19 + t20
-    G = t21
-    t22 = t9 * G
-    t23 = t9 * G * M_Z
-    t24 = t23.sum(-1, keepdims=True)
-    t25 = np.broadcast_to(t24, t24.shape[:-1] + (d_V,))
-    t26 = (0.75 * (sigma2_Z ** -2.5))
-    t27 = t26 * G * M_Z
+    t19 = F - Y
+    t20 = (2/(L*d_V)) * t19
+    G = t20
+    t21 = t9 * G
+    t22 = t9 * G * M_Z
+    t23 = t22.sum(-1, keepdims=True)
+    t24 = np.broadcast_to(t23, t23.shape[:-1] + (d_V,))
+    t25 = (0.75 * (sigma2_Z ** -2.5))
+    t26 = t25 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S28 = oe.contract('abc,cd->abcd', t22, t12, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t27, t4, M_Z, optimize=[(1, 2), (0, 1)])
+    S27 = oe.contract('abc,cd->abcd', t21, t12, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t26, t4, M_Z, optimize=[(1, 2), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S29 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t22, t4, M_Z, S14, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t25, S14, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t4, S28, S14, optimize=[(0, 1), (0, 1), (0, 1)])
+    S28 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t21, t4, M_Z, S14, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t24, S14, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t4, S27, S14, optimize=[(0, 1), (0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S30 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t22, t4, M_Z, S14, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t25, S14, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t4, S28, S14, optimize=[(0, 1), (0, 1), (0, 1)]) + oe.contract('ab,cdbe->cdae', t4, S29, optimize=[(0, 1)])
-    t31 = (n_batch**(-2)) * oe.contract('abcd,ebcd->', S30, S30, optimize=[(0, 1)])
-    t32 = (2/n_batch) * oe.contract('abc,dabc->', S16, S30, optimize=[(0, 1)])
-    t33 = t17 + t31 + t32
-    t34 = np.sqrt(np.maximum(t17, 0.0))
-    t35 = np.sqrt(np.maximum(t31, 0.0))
-    t36 = np.sqrt(np.maximum(t33, 0.0))
-    return (t34, t35, t36,)
+    S29 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t21, t4, M_Z, S14, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t24, S14, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t4, S27, S14, optimize=[(0, 1), (0, 1), (0, 1)]) + oe.contract('ab,cdbe->cdae', t4, S28, optimize=[(0, 1)])
+    t30 = (n_batch**(-2)) * oe.contract('abcd,ebcd->', S29, S29, optimize=[(0, 1)])
+    t31 = (2/n_batch) * oe.contract('abc,dabc->', S16, S29, optimize=[(0, 1)])
+    t32 = t17 + t30 + t31
+    t33 = np.sqrt(np.maximum(t17, 0.0))
+    t34 = np.sqrt(np.maximum(t30, 0.0))
+    t35 = np.sqrt(np.maximum(t32, 0.0))
+    return (t33, t34, t35,)
 
 
 def jacobian__X(X):
@@ -1145,8 +1124,8 @@ def jacobian__X(X):
     d_V = X.shape[-1]
     t0 = X.sum(-1, keepdims=True)
     t1 = np.broadcast_to(t0, t0.shape[:-1] + (d_V,))
-    t2 = (-1/d_V) * t1
-    t3 = t2 + X
+    t2 = (1/d_V) * t1
+    t3 = X - t2
     M_Z = t3
     t4 = M_Z * M_Z
     t5 = t4.sum(-1, keepdims=True)
@@ -1177,8 +1156,8 @@ def jacobian_compact__X(X):
     d_V = X.shape[-1]
     t0 = X.sum(-1, keepdims=True)
     t1 = np.broadcast_to(t0, t0.shape[:-1] + (d_V,))
-    t2 = (-1/d_V) * t1
-    t3 = t2 + X
+    t2 = (1/d_V) * t1
+    t3 = X - t2
     M_Z = t3
     t4 = M_Z * M_Z
     t5 = t4.sum(-1, keepdims=True)
@@ -1207,8 +1186,8 @@ def ce__loss(X, Y):
     n_batch = Y.shape[0]
     t0 = X.sum(-1, keepdims=True)
     t1 = np.broadcast_to(t0, t0.shape[:-1] + (d_V,))
-    t2 = (-1/d_V) * t1
-    t3 = t2 + X
+    t2 = (1/d_V) * t1
+    t3 = X - t2
     M_Z = t3
     t4 = M_Z * M_Z
     t5 = t4.sum(-1, keepdims=True)
@@ -1235,8 +1214,8 @@ def ce__gradient(X, Y):
     n_batch = Y.shape[0]
     t0 = X.sum(-1, keepdims=True)
     t1 = np.broadcast_to(t0, t0.shape[:-1] + (d_V,))
-    t2 = (-1/d_V) * t1
-    t3 = t2 + X
+    t2 = (1/d_V) * t1
+    t3 = X - t2
     M_Z = t3
     t4 = M_Z * M_Z
     t5 = t4.sum(-1, keepdims=True)
@@ -1254,23 +1233,22 @@ def ce__gradient(X, Y):
     t13 = np.exp(F - F.max(-1, keepdims=True))
     A = t13 / t13.sum(-1, keepdims=True)
     t14 = t10 * A
-    t15 = (1/L) * t14
-    t16 = (-1/L) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = t8 * G * M_Z
-    t19 = t18.sum(-1, keepdims=True)
-    t20 = np.broadcast_to(t19, t19.shape[:-1] + (d_V,))
-    t21 = t20 * M_Z
-    t22 = (2/d_V) * t21
-    t23 = G * P_Z
-    t24 = (-2/d_V**2) * t21
-    t25 = (-1/d_V) * t23
-    t26 = t24 + t25
-    t27 = t26.sum(-1, keepdims=True)
-    t28 = np.broadcast_to(t27, t27.shape[:-1] + (d_V,))
-    t29 = t22 + t23 + t28
-    return (t29.mean(0),)
+    t15 = t14 - Y
+    t16 = (1/L) * t15
+    G = t16
+    t17 = t8 * G * M_Z
+    t18 = t17.sum(-1, keepdims=True)
+    t19 = np.broadcast_to(t18, t18.shape[:-1] + (d_V,))
+    t20 = t19 * M_Z
+    t21 = (2/d_V) * t20
+    t22 = G * P_Z
+    t23 = (2/d_V**2) * t20
+    t24 = (1/d_V) * t22
+    t25 = -t23 - t24
+    t26 = t25.sum(-1, keepdims=True)
+    t27 = np.broadcast_to(t26, t26.shape[:-1] + (d_V,))
+    t28 = t21 + t22 + t27
+    return (t28.mean(0),)
 
 
 def ce__hessian__outer(X, Y):
@@ -1287,8 +1265,8 @@ def ce__hessian__outer(X, Y):
     t4 = np.broadcast_to(t3, t3.shape[:-1] + (d_V,))
     t5 = X.sum(-1, keepdims=True)
     t6 = np.broadcast_to(t5, t5.shape[:-1] + (d_V,))
-    t7 = (-1/d_V) * t6
-    t8 = t7 + X
+    t7 = (1/d_V) * t6
+    t8 = X - t7
     M_Z = t8
     t9 = M_Z * M_Z
     t10 = t9.sum(-1, keepdims=True)
@@ -1329,8 +1307,8 @@ def ce__hvp__outer(X, Y, V_X):
     n_batch = Y.shape[0]
     t0 = X.sum(-1, keepdims=True)
     t1 = np.broadcast_to(t0, t0.shape[:-1] + (d_V,))
-    t2 = (-1/d_V) * t1
-    t3 = t2 + X
+    t2 = (1/d_V) * t1
+    t3 = X - t2
     M_Z = t3
     t4 = M_Z * M_Z
     t5 = t4.sum(-1, keepdims=True)
@@ -1348,8 +1326,8 @@ def ce__hvp__outer(X, Y, V_X):
     A = t13 / t13.sum(-1, keepdims=True)
     t14 = V_X.sum(-1, keepdims=True)
     t15 = np.broadcast_to(t14, t14.shape[:-1] + (d_V,))
-    t16 = (-1/d_V) * t15
-    t17 = t16 + V_X
+    t16 = (1/d_V) * t15
+    t17 = V_X - t16
     t18 = t17 * P_Z
     t19 = t17 * M_Z
     t20 = t19.sum(-1, keepdims=True)
@@ -1366,9 +1344,9 @@ def ce__hvp__outer(X, Y, V_X):
     t31 = (2/(L*d_V)) * t30
     t32 = t10 * P_Z * t26
     t33 = (1/L) * t32
-    t34 = (-2/(L*d_V**2)) * t30
-    t35 = (-1/(L*d_V)) * t32
-    t36 = t34 + t35
+    t34 = (2/(L*d_V**2)) * t30
+    t35 = (1/(L*d_V)) * t32
+    t36 = -t34 - t35
     t37 = t36.sum(-1, keepdims=True)
     t38 = np.broadcast_to(t37, t37.shape[:-1] + (d_V,))
     t39 = t31 + t33 + t38
@@ -1384,8 +1362,8 @@ def ce__frobenius_all__outer(X, Y):
     t1 = np.broadcast_to(t0, t0.shape[:-1] + (d_V,))
     t2 = X.sum(-1, keepdims=True)
     t3 = np.broadcast_to(t2, t2.shape[:-1] + (d_V,))
-    t4 = (-1/d_V) * t3
-    t5 = t4 + X
+    t4 = (1/d_V) * t3
+    t5 = X - t4
     M_Z = t5
     t6 = M_Z * M_Z
     t7 = t6.sum(-1, keepdims=True)
@@ -1431,8 +1409,8 @@ def ce__diag__X__outer(X, Y):
     t2 = np.broadcast_to(t1, t1.shape[:-1] + (d_V,))
     t3 = X.sum(-1, keepdims=True)
     t4 = np.broadcast_to(t3, t3.shape[:-1] + (d_V,))
-    t5 = (-1/d_V) * t4
-    t6 = t5 + X
+    t5 = (1/d_V) * t4
+    t6 = X - t5
     M_Z = t6
     t7 = M_Z * M_Z
     t8 = t7.sum(-1, keepdims=True)
@@ -1475,8 +1453,8 @@ def ce__trace__X__outer(X, Y):
     t1 = np.broadcast_to(t0, t0.shape[:-1] + (d_V,))
     t2 = X.sum(-1, keepdims=True)
     t3 = np.broadcast_to(t2, t2.shape[:-1] + (d_V,))
-    t4 = (-1/d_V) * t3
-    t5 = t4 + X
+    t4 = (1/d_V) * t3
+    t5 = X - t4
     M_Z = t5
     t6 = M_Z * M_Z
     t7 = t6.sum(-1, keepdims=True)
@@ -1522,8 +1500,8 @@ def ce__block__X__X__outer(X, Y):
     t3 = np.broadcast_to(t2, t2.shape[:-1] + (d_V,))
     t4 = X.sum(-1, keepdims=True)
     t5 = np.broadcast_to(t4, t4.shape[:-1] + (d_V,))
-    t6 = (-1/d_V) * t5
-    t7 = t6 + X
+    t6 = (1/d_V) * t5
+    t7 = X - t6
     M_Z = t7
     t8 = M_Z * M_Z
     t9 = t8.sum(-1, keepdims=True)
@@ -1566,8 +1544,8 @@ def ce__frobenius__X__X__outer(X, Y):
     t1 = np.broadcast_to(t0, t0.shape[:-1] + (d_V,))
     t2 = X.sum(-1, keepdims=True)
     t3 = np.broadcast_to(t2, t2.shape[:-1] + (d_V,))
-    t4 = (-1/d_V) * t3
-    t5 = t4 + X
+    t4 = (1/d_V) * t3
+    t5 = X - t4
     M_Z = t5
     t6 = M_Z * M_Z
     t7 = t6.sum(-1, keepdims=True)
@@ -1614,8 +1592,8 @@ def ce__hessian__functional(X, Y):
     t2 = np.einsum('abac->abc', t1)
     t3 = X.sum(-1, keepdims=True)
     t4 = np.broadcast_to(t3, t3.shape[:-1] + (d_V,))
-    t5 = (-1/d_V) * t4
-    t6 = t5 + X
+    t5 = (1/d_V) * t4
+    t6 = X - t5
     M_Z = t6
     t7 = M_Z * M_Z
     t8 = t7.sum(-1, keepdims=True)
@@ -1633,28 +1611,27 @@ def ce__hessian__functional(X, Y):
     t16 = np.exp(F - F.max(-1, keepdims=True))
     A = t16 / t16.sum(-1, keepdims=True)
     t17 = t13 * A
-    t18 = (1/L) * t17
-    t19 = (-1/L) * Y
-    t20 = t18 + t19
-    G = t20
-    t21 = t11 * G
-    t22 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t23 = np.eye(d_V, dtype=Y.dtype)
-    t24 = np.ones((L,), dtype=Y.dtype)
+    t18 = t17 - Y
+    t19 = (1/L) * t18
+    G = t19
+    t20 = t11 * G
+    t21 = np.ones((d_V, d_V), dtype=Y.dtype)
+    t22 = np.eye(d_V, dtype=Y.dtype)
+    t23 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,c->cab', t23, t24, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t22, t24, optimize=[(0, 1)])
-    t25 = t11 * G * M_Z
-    t26 = t25.sum(-1, keepdims=True)
-    t27 = np.broadcast_to(t26, t26.shape[:-1] + (d_V,))
-    t28 = (0.75 * (sigma2_Z ** -2.5))
-    t29 = t28 * G * M_Z
+    S = oe.contract('ab,c->cab', t22, t23, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t21, t23, optimize=[(0, 1)])
+    t24 = t11 * G * M_Z
+    t25 = t24.sum(-1, keepdims=True)
+    t26 = np.broadcast_to(t25, t25.shape[:-1] + (d_V,))
+    t27 = (0.75 * (sigma2_Z ** -2.5))
+    t28 = t27 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S30 = oe.contract('abc,cd->abcd', t21, t23, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t29, t22, M_Z, optimize=[(1, 2), (0, 1)])
+    S29 = oe.contract('abc,cd->abcd', t20, t22, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t28, t21, M_Z, optimize=[(1, 2), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S31 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t21, t22, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t27, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t22, S30, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    S30 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t20, t21, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t26, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t21, S29, S, optimize=[(0, 1), (0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S32 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t21, t22, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t27, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t22, S30, S, optimize=[(0, 1), (0, 1), (0, 1)]) + oe.contract('ab,cdbe->cdae', t22, S31, optimize=[(0, 1)])
-    t2 += (1/n_batch) * oe.contract('abcd->bcd', S32, optimize=[(0,)])
+    S31 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t20, t21, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t26, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t21, S29, S, optimize=[(0, 1), (0, 1), (0, 1)]) + oe.contract('ab,cdbe->cdae', t21, S30, optimize=[(0, 1)])
+    t2 += (1/n_batch) * oe.contract('abcd->bcd', S31, optimize=[(0,)])
     return H
 
 
@@ -1665,12 +1642,12 @@ def ce__hvp__functional(X, Y, V_X):
     n_batch = Y.shape[0]
     t0 = V_X.sum(-1, keepdims=True)
     t1 = np.broadcast_to(t0, t0.shape[:-1] + (d_V,))
-    t2 = (-1/d_V) * t1
-    t3 = t2 + V_X
+    t2 = (1/d_V) * t1
+    t3 = V_X - t2
     t4 = X.sum(-1, keepdims=True)
     t5 = np.broadcast_to(t4, t4.shape[:-1] + (d_V,))
-    t6 = (-1/d_V) * t5
-    t7 = t6 + X
+    t6 = (1/d_V) * t5
+    t7 = X - t6
     M_Z = t7
     t8 = M_Z * M_Z
     t9 = t8.sum(-1, keepdims=True)
@@ -1688,37 +1665,34 @@ def ce__hvp__functional(X, Y, V_X):
     t17 = np.exp(F - F.max(-1, keepdims=True))
     A = t17 / t17.sum(-1, keepdims=True)
     t18 = t14 * A
-    t19 = (1/L) * t18
-    t20 = (-1/L) * Y
-    t21 = t19 + t20
-    G = t21
-    t22 = t12 * G * M_Z
-    t23 = t22.sum(-1, keepdims=True)
-    t24 = np.broadcast_to(t23, t23.shape[:-1] + (d_V,))
-    t25 = t3 * t24
-    t26 = (2/d_V) * t25
-    t27 = t3 * M_Z
-    t28 = t27.sum(-1, keepdims=True)
-    t29 = np.broadcast_to(t28, t28.shape[:-1] + (d_V,))
-    t30 = t12 * t29 * G
-    t31 = (2/d_V) * t30
-    t32 = t3 * t12 * G
-    t33 = (0.75 * (sigma2_Z ** -2.5))
-    t34 = t33 * t29 * G * M_Z
-    t35 = (2/d_V) * t34
-    t36 = t32 + t35
-    t37 = t36.sum(-1, keepdims=True)
-    t38 = np.broadcast_to(t37, t37.shape[:-1] + (d_V,))
-    t39 = t38 * M_Z
-    t40 = (2/d_V) * t39
-    t41 = (-2/d_V**2) * t25
-    t42 = (-2/d_V**2) * t30
-    t43 = (-2/d_V**2) * t39
-    t44 = t41 + t42 + t43
-    t45 = t44.sum(-1, keepdims=True)
-    t46 = np.broadcast_to(t45, t45.shape[:-1] + (d_V,))
-    t47 = t26 + t31 + t40 + t46
-    return (t47.mean(0),)
+    t19 = t18 - Y
+    t20 = (1/L) * t19
+    G = t20
+    t21 = t12 * G * M_Z
+    t22 = t21.sum(-1, keepdims=True)
+    t23 = np.broadcast_to(t22, t22.shape[:-1] + (d_V,))
+    t24 = t3 * t23
+    t25 = (2/d_V) * t24
+    t26 = t3 * M_Z
+    t27 = t26.sum(-1, keepdims=True)
+    t28 = np.broadcast_to(t27, t27.shape[:-1] + (d_V,))
+    t29 = t12 * t28 * G
+    t30 = (2/d_V) * t29
+    t31 = t3 * t12 * G
+    t32 = (0.75 * (sigma2_Z ** -2.5))
+    t33 = t32 * t28 * G * M_Z
+    t34 = (2/d_V) * t33
+    t35 = t31 + t34
+    t36 = t35.sum(-1, keepdims=True)
+    t37 = np.broadcast_to(t36, t36.shape[:-1] + (d_V,))
+    t38 = t37 * M_Z
+    t39 = (2/d_V) * t38
+    t40 = -t24 - t29 - t38
+    t41 = (2/d_V**2) * t40
+    t42 = t41.sum(-1, keepdims=True)
+    t43 = np.broadcast_to(t42, t42.shape[:-1] + (d_V,))
+    t44 = t25 + t30 + t39 + t43
+    return (t44.mean(0),)
 
 
 def ce__frobenius_all__functional(X, Y):
@@ -1728,8 +1702,8 @@ def ce__frobenius_all__functional(X, Y):
     n_batch = Y.shape[0]
     t0 = X.sum(-1, keepdims=True)
     t1 = np.broadcast_to(t0, t0.shape[:-1] + (d_V,))
-    t2 = (-1/d_V) * t1
-    t3 = t2 + X
+    t2 = (1/d_V) * t1
+    t3 = X - t2
     M_Z = t3
     t4 = M_Z * M_Z
     t5 = t4.sum(-1, keepdims=True)
@@ -1747,30 +1721,29 @@ def ce__frobenius_all__functional(X, Y):
     t13 = np.exp(F - F.max(-1, keepdims=True))
     A = t13 / t13.sum(-1, keepdims=True)
     t14 = t10 * A
-    t15 = (1/L) * t14
-    t16 = (-1/L) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = t8 * G
-    t19 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t20 = np.eye(d_V, dtype=Y.dtype)
-    t21 = np.ones((L,), dtype=Y.dtype)
+    t15 = t14 - Y
+    t16 = (1/L) * t15
+    G = t16
+    t17 = t8 * G
+    t18 = np.ones((d_V, d_V), dtype=Y.dtype)
+    t19 = np.eye(d_V, dtype=Y.dtype)
+    t20 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,c->cab', t20, t21, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t19, t21, optimize=[(0, 1)])
-    t22 = t8 * G * M_Z
-    t23 = t22.sum(-1, keepdims=True)
-    t24 = np.broadcast_to(t23, t23.shape[:-1] + (d_V,))
-    t25 = (0.75 * (sigma2_Z ** -2.5))
-    t26 = t25 * G * M_Z
+    S = oe.contract('ab,c->cab', t19, t20, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t18, t20, optimize=[(0, 1)])
+    t21 = t8 * G * M_Z
+    t22 = t21.sum(-1, keepdims=True)
+    t23 = np.broadcast_to(t22, t22.shape[:-1] + (d_V,))
+    t24 = (0.75 * (sigma2_Z ** -2.5))
+    t25 = t24 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S27 = oe.contract('abc,cd->abcd', t18, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t26, t19, M_Z, optimize=[(1, 2), (0, 1)])
+    S26 = oe.contract('abc,cd->abcd', t17, t19, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t25, t18, M_Z, optimize=[(1, 2), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S28 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t18, t19, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t24, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t19, S27, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    S27 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t17, t18, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t23, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t18, S26, S, optimize=[(0, 1), (0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S29 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t18, t19, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t24, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t19, S27, S, optimize=[(0, 1), (0, 1), (0, 1)]) + oe.contract('ab,cdbe->cdae', t19, S28, optimize=[(0, 1)])
-    t30 = (n_batch**(-2)) * oe.contract('abcd,ebcd->', S29, S29, optimize=[(0, 1)])
-    t31 = np.sqrt(np.maximum(t30, 0.0))
-    return (t31,)
+    S28 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t17, t18, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t23, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t18, S26, S, optimize=[(0, 1), (0, 1), (0, 1)]) + oe.contract('ab,cdbe->cdae', t18, S27, optimize=[(0, 1)])
+    t29 = (n_batch**(-2)) * oe.contract('abcd,ebcd->', S28, S28, optimize=[(0, 1)])
+    t30 = np.sqrt(np.maximum(t29, 0.0))
+    return (t30,)
 
 
 def ce__diag__X__functional(X, Y):
@@ -1782,8 +1755,8 @@ def ce__diag__X__functional(X, Y):
     t0 = np.reshape(out, (L, d_V), copy=False)
     t1 = X.sum(-1, keepdims=True)
     t2 = np.broadcast_to(t1, t1.shape[:-1] + (d_V,))
-    t3 = (-1/d_V) * t2
-    t4 = t3 + X
+    t3 = (1/d_V) * t2
+    t4 = X - t3
     M_Z = t4
     t5 = M_Z * M_Z
     t6 = t5.sum(-1, keepdims=True)
@@ -1801,28 +1774,27 @@ def ce__diag__X__functional(X, Y):
     t14 = np.exp(F - F.max(-1, keepdims=True))
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = t11 * A
-    t16 = (1/L) * t15
-    t17 = (-1/L) * Y
-    t18 = t16 + t17
-    G = t18
-    t19 = t9 * G
-    t20 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t21 = np.eye(d_V, dtype=Y.dtype)
-    t22 = np.ones((L,), dtype=Y.dtype)
+    t16 = t15 - Y
+    t17 = (1/L) * t16
+    G = t17
+    t18 = t9 * G
+    t19 = np.ones((d_V, d_V), dtype=Y.dtype)
+    t20 = np.eye(d_V, dtype=Y.dtype)
+    t21 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,c->cab', t21, t22, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t20, t22, optimize=[(0, 1)])
-    t23 = t9 * G * M_Z
-    t24 = t23.sum(-1, keepdims=True)
-    t25 = np.broadcast_to(t24, t24.shape[:-1] + (d_V,))
-    t26 = (0.75 * (sigma2_Z ** -2.5))
-    t27 = t26 * G * M_Z
+    S = oe.contract('ab,c->cab', t20, t21, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t19, t21, optimize=[(0, 1)])
+    t22 = t9 * G * M_Z
+    t23 = t22.sum(-1, keepdims=True)
+    t24 = np.broadcast_to(t23, t23.shape[:-1] + (d_V,))
+    t25 = (0.75 * (sigma2_Z ** -2.5))
+    t26 = t25 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S28 = oe.contract('abc,cd->abcd', t19, t21, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t27, t20, M_Z, optimize=[(1, 2), (0, 1)])
+    S27 = oe.contract('abc,cd->abcd', t18, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t26, t19, M_Z, optimize=[(1, 2), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S29 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t19, t20, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t25, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t20, S28, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    S28 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t18, t19, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t24, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t19, S27, S, optimize=[(0, 1), (0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S30 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t19, t20, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t25, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t20, S28, S, optimize=[(0, 1), (0, 1), (0, 1)]) + oe.contract('ab,cdbe->cdae', t20, S29, optimize=[(0, 1)])
-    t0[...] = (1/n_batch) * oe.contract('abcc->bc', S30, optimize=[(0,)])
+    S29 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t18, t19, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t24, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t19, S27, S, optimize=[(0, 1), (0, 1), (0, 1)]) + oe.contract('ab,cdbe->cdae', t19, S28, optimize=[(0, 1)])
+    t0[...] = (1/n_batch) * oe.contract('abcc->bc', S29, optimize=[(0,)])
     return out
 
 
@@ -1833,8 +1805,8 @@ def ce__trace__X__functional(X, Y):
     n_batch = Y.shape[0]
     t0 = X.sum(-1, keepdims=True)
     t1 = np.broadcast_to(t0, t0.shape[:-1] + (d_V,))
-    t2 = (-1/d_V) * t1
-    t3 = t2 + X
+    t2 = (1/d_V) * t1
+    t3 = X - t2
     M_Z = t3
     t4 = M_Z * M_Z
     t5 = t4.sum(-1, keepdims=True)
@@ -1852,28 +1824,27 @@ def ce__trace__X__functional(X, Y):
     t13 = np.exp(F - F.max(-1, keepdims=True))
     A = t13 / t13.sum(-1, keepdims=True)
     t14 = t10 * A
-    t15 = (1/L) * t14
-    t16 = (-1/L) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = t8 * G
-    t19 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t20 = np.eye(d_V, dtype=Y.dtype)
-    t21 = np.ones((L,), dtype=Y.dtype)
+    t15 = t14 - Y
+    t16 = (1/L) * t15
+    G = t16
+    t17 = t8 * G
+    t18 = np.ones((d_V, d_V), dtype=Y.dtype)
+    t19 = np.eye(d_V, dtype=Y.dtype)
+    t20 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,c->cab', t20, t21, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t19, t21, optimize=[(0, 1)])
-    t22 = t8 * G * M_Z
-    t23 = t22.sum(-1, keepdims=True)
-    t24 = np.broadcast_to(t23, t23.shape[:-1] + (d_V,))
-    t25 = (0.75 * (sigma2_Z ** -2.5))
-    t26 = t25 * G * M_Z
+    S = oe.contract('ab,c->cab', t19, t20, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t18, t20, optimize=[(0, 1)])
+    t21 = t8 * G * M_Z
+    t22 = t21.sum(-1, keepdims=True)
+    t23 = np.broadcast_to(t22, t22.shape[:-1] + (d_V,))
+    t24 = (0.75 * (sigma2_Z ** -2.5))
+    t25 = t24 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S27 = oe.contract('abc,cd->abcd', t18, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t26, t19, M_Z, optimize=[(1, 2), (0, 1)])
+    S26 = oe.contract('abc,cd->abcd', t17, t19, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t25, t18, M_Z, optimize=[(1, 2), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S28 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t18, t19, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t24, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t19, S27, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    S27 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t17, t18, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t23, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t18, S26, S, optimize=[(0, 1), (0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S29 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t18, t19, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t24, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t19, S27, S, optimize=[(0, 1), (0, 1), (0, 1)]) + oe.contract('ab,cdbe->cdae', t19, S28, optimize=[(0, 1)])
-    return (1/n_batch) * oe.contract('abcc->', S29, optimize=[(0,)])
+    S28 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t17, t18, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t23, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t18, S26, S, optimize=[(0, 1), (0, 1), (0, 1)]) + oe.contract('ab,cdbe->cdae', t18, S27, optimize=[(0, 1)])
+    return (1/n_batch) * oe.contract('abcc->', S28, optimize=[(0,)])
 
 
 def ce__block__X__X__functional(X, Y):
@@ -1887,8 +1858,8 @@ def ce__block__X__X__functional(X, Y):
     t1 = np.einsum('abac->abc', t0)
     t2 = X.sum(-1, keepdims=True)
     t3 = np.broadcast_to(t2, t2.shape[:-1] + (d_V,))
-    t4 = (-1/d_V) * t3
-    t5 = t4 + X
+    t4 = (1/d_V) * t3
+    t5 = X - t4
     M_Z = t5
     t6 = M_Z * M_Z
     t7 = t6.sum(-1, keepdims=True)
@@ -1906,28 +1877,27 @@ def ce__block__X__X__functional(X, Y):
     t15 = np.exp(F - F.max(-1, keepdims=True))
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = t12 * A
-    t17 = (1/L) * t16
-    t18 = (-1/L) * Y
-    t19 = t17 + t18
-    G = t19
-    t20 = t10 * G
-    t21 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t22 = np.eye(d_V, dtype=Y.dtype)
-    t23 = np.ones((L,), dtype=Y.dtype)
+    t17 = t16 - Y
+    t18 = (1/L) * t17
+    G = t18
+    t19 = t10 * G
+    t20 = np.ones((d_V, d_V), dtype=Y.dtype)
+    t21 = np.eye(d_V, dtype=Y.dtype)
+    t22 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,c->cab', t22, t23, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t21, t23, optimize=[(0, 1)])
-    t24 = t10 * G * M_Z
-    t25 = t24.sum(-1, keepdims=True)
-    t26 = np.broadcast_to(t25, t25.shape[:-1] + (d_V,))
-    t27 = (0.75 * (sigma2_Z ** -2.5))
-    t28 = t27 * G * M_Z
+    S = oe.contract('ab,c->cab', t21, t22, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t20, t22, optimize=[(0, 1)])
+    t23 = t10 * G * M_Z
+    t24 = t23.sum(-1, keepdims=True)
+    t25 = np.broadcast_to(t24, t24.shape[:-1] + (d_V,))
+    t26 = (0.75 * (sigma2_Z ** -2.5))
+    t27 = t26 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S29 = oe.contract('abc,cd->abcd', t20, t22, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t28, t21, M_Z, optimize=[(1, 2), (0, 1)])
+    S28 = oe.contract('abc,cd->abcd', t19, t21, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t27, t20, M_Z, optimize=[(1, 2), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S30 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t20, t21, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t26, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t21, S29, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    S29 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t19, t20, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t25, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t20, S28, S, optimize=[(0, 1), (0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S31 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t20, t21, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t26, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t21, S29, S, optimize=[(0, 1), (0, 1), (0, 1)]) + oe.contract('ab,cdbe->cdae', t21, S30, optimize=[(0, 1)])
-    t1 += (1/n_batch) * oe.contract('abcd->bcd', S31, optimize=[(0,)])
+    S30 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t19, t20, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t25, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t20, S28, S, optimize=[(0, 1), (0, 1), (0, 1)]) + oe.contract('ab,cdbe->cdae', t20, S29, optimize=[(0, 1)])
+    t1 += (1/n_batch) * oe.contract('abcd->bcd', S30, optimize=[(0,)])
     return out
 
 
@@ -1938,8 +1908,8 @@ def ce__frobenius__X__X__functional(X, Y):
     n_batch = Y.shape[0]
     t0 = X.sum(-1, keepdims=True)
     t1 = np.broadcast_to(t0, t0.shape[:-1] + (d_V,))
-    t2 = (-1/d_V) * t1
-    t3 = t2 + X
+    t2 = (1/d_V) * t1
+    t3 = X - t2
     M_Z = t3
     t4 = M_Z * M_Z
     t5 = t4.sum(-1, keepdims=True)
@@ -1957,30 +1927,29 @@ def ce__frobenius__X__X__functional(X, Y):
     t13 = np.exp(F - F.max(-1, keepdims=True))
     A = t13 / t13.sum(-1, keepdims=True)
     t14 = t10 * A
-    t15 = (1/L) * t14
-    t16 = (-1/L) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = t8 * G
-    t19 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t20 = np.eye(d_V, dtype=Y.dtype)
-    t21 = np.ones((L,), dtype=Y.dtype)
+    t15 = t14 - Y
+    t16 = (1/L) * t15
+    G = t16
+    t17 = t8 * G
+    t18 = np.ones((d_V, d_V), dtype=Y.dtype)
+    t19 = np.eye(d_V, dtype=Y.dtype)
+    t20 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,c->cab', t20, t21, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t19, t21, optimize=[(0, 1)])
-    t22 = t8 * G * M_Z
-    t23 = t22.sum(-1, keepdims=True)
-    t24 = np.broadcast_to(t23, t23.shape[:-1] + (d_V,))
-    t25 = (0.75 * (sigma2_Z ** -2.5))
-    t26 = t25 * G * M_Z
+    S = oe.contract('ab,c->cab', t19, t20, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t18, t20, optimize=[(0, 1)])
+    t21 = t8 * G * M_Z
+    t22 = t21.sum(-1, keepdims=True)
+    t23 = np.broadcast_to(t22, t22.shape[:-1] + (d_V,))
+    t24 = (0.75 * (sigma2_Z ** -2.5))
+    t25 = t24 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S27 = oe.contract('abc,cd->abcd', t18, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t26, t19, M_Z, optimize=[(1, 2), (0, 1)])
+    S26 = oe.contract('abc,cd->abcd', t17, t19, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t25, t18, M_Z, optimize=[(1, 2), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S28 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t18, t19, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t24, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t19, S27, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    S27 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t17, t18, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t23, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t18, S26, S, optimize=[(0, 1), (0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S29 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t18, t19, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t24, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t19, S27, S, optimize=[(0, 1), (0, 1), (0, 1)]) + oe.contract('ab,cdbe->cdae', t19, S28, optimize=[(0, 1)])
-    t30 = (n_batch**(-2)) * oe.contract('abcd,ebcd->', S29, S29, optimize=[(0, 1)])
-    t31 = np.sqrt(np.maximum(t30, 0.0))
-    return t31
+    S28 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t17, t18, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t23, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t18, S26, S, optimize=[(0, 1), (0, 1), (0, 1)]) + oe.contract('ab,cdbe->cdae', t18, S27, optimize=[(0, 1)])
+    t29 = (n_batch**(-2)) * oe.contract('abcd,ebcd->', S28, S28, optimize=[(0, 1)])
+    t30 = np.sqrt(np.maximum(t29, 0.0))
+    return t30
 
 
 def ce__hessian__full(X, Y):
@@ -1995,8 +1964,8 @@ def ce__hessian__full(X, Y):
     t2 = np.einsum('abac->abc', t1)
     t3 = X.sum(-1, keepdims=True)
     t4 = np.broadcast_to(t3, t3.shape[:-1] + (d_V,))
-    t5 = (-1/d_V) * t4
-    t6 = t5 + X
+    t5 = (1/d_V) * t4
+    t6 = X - t5
     M_Z = t6
     t7 = M_Z * M_Z
     t8 = t7.sum(-1, keepdims=True)
@@ -2014,39 +1983,38 @@ def ce__hessian__full(X, Y):
     t16 = np.exp(F - F.max(-1, keepdims=True))
     A = t16 / t16.sum(-1, keepdims=True)
     t17 = t13 * A
-    t18 = (1/L) * t17
-    t19 = (-1/L) * Y
-    t20 = t18 + t19
-    G = t20
-    t21 = t11 * G
-    t22 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t23 = np.eye(d_V, dtype=Y.dtype)
-    t24 = np.ones((L,), dtype=Y.dtype)
+    t18 = t17 - Y
+    t19 = (1/L) * t18
+    G = t19
+    t20 = t11 * G
+    t21 = np.ones((d_V, d_V), dtype=Y.dtype)
+    t22 = np.eye(d_V, dtype=Y.dtype)
+    t23 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,c->cab', t23, t24, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t22, t24, optimize=[(0, 1)])
-    t25 = t13 * P_Z
-    t26 = np.exp(Z - Z.max(-1, keepdims=True))
-    A27 = t26 / t26.sum(-1, keepdims=True)
+    S = oe.contract('ab,c->cab', t22, t23, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t21, t23, optimize=[(0, 1)])
+    t24 = t13 * P_Z
+    t25 = np.exp(Z - Z.max(-1, keepdims=True))
+    A26 = t25 / t25.sum(-1, keepdims=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('ab,bc->abc', A27, t23, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A27, A27, optimize=[(0, 1)])
-    t28 = t11 * M_Z
+    dA = oe.contract('ab,bc->abc', A26, t22, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A26, A26, optimize=[(0, 1)])
+    t27 = t11 * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S29 = oe.contract('ab,bc->abc', P_Z, t23, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t28, t22, M_Z, optimize=[(0, 1), (0, 1)])
-    t30 = t11 * G * M_Z
-    t31 = t30.sum(-1, keepdims=True)
-    t32 = np.broadcast_to(t31, t31.shape[:-1] + (d_V,))
-    t33 = (0.75 * (sigma2_Z ** -2.5))
-    t34 = t33 * G * M_Z
+    S28 = oe.contract('ab,bc->abc', P_Z, t22, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t27, t21, M_Z, optimize=[(0, 1), (0, 1)])
+    t29 = t11 * G * M_Z
+    t30 = t29.sum(-1, keepdims=True)
+    t31 = np.broadcast_to(t30, t30.shape[:-1] + (d_V,))
+    t32 = (0.75 * (sigma2_Z ** -2.5))
+    t33 = t32 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S35 = oe.contract('abc,cd->abcd', t21, t23, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t34, t22, M_Z, optimize=[(1, 2), (0, 1)])
-    t36 = t11 * t13 * M_Z
+    S34 = oe.contract('abc,cd->abcd', t20, t22, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t33, t21, M_Z, optimize=[(1, 2), (0, 1)])
+    t35 = t11 * t13 * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S37 = (-1/(L*d_V)) * oe.contract('abc,cd->abcd', t25, t23, optimize=[(0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,bc,dac->dabc', M_Z, t22, t36, optimize=[(0, 1), (0, 1)])
+    S36 = (-1/(L*d_V)) * oe.contract('abc,cd->abcd', t24, t22, optimize=[(0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,bc,dac->dabc', M_Z, t21, t35, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S38 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t21, t22, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t32, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t22, S35, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    S37 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t20, t21, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t31, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t21, S34, S, optimize=[(0, 1), (0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S39 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t21, t22, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (1/L) * oe.contract('abc,bcd,bde,bef->abcf', t25, dA, S29, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t32, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t22, S35, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac,ace,aef,afg->dabg', M_Z, t22, t36, dA, S29, S, optimize=[(3, 4), (3, 4), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,cdbe,def,dfg,dgh->cdah', t22, S37, dA, S29, S, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,cdbe->cdae', t22, S38, optimize=[(0, 1)])
-    t2 += (1/n_batch) * oe.contract('abcd->bcd', S39, optimize=[(0,)])
+    S38 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t20, t21, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (1/L) * oe.contract('abc,bcd,bde,bef->abcf', t24, dA, S28, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t31, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t21, S34, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac,ace,aef,afg->dabg', M_Z, t21, t35, dA, S28, S, optimize=[(3, 4), (3, 4), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,cdbe,def,dfg,dgh->cdah', t21, S36, dA, S28, S, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,cdbe->cdae', t21, S37, optimize=[(0, 1)])
+    t2 += (1/n_batch) * oe.contract('abcd->bcd', S38, optimize=[(0,)])
     return H
 
 
@@ -2057,14 +2025,14 @@ def ce__hvp__full(X, Y, V_X):
     n_batch = Y.shape[0]
     t0 = V_X.sum(-1, keepdims=True)
     t1 = np.broadcast_to(t0, t0.shape[:-1] + (d_V,))
-    t2 = (-1/d_V) * t1
-    t3 = t2 + V_X
+    t2 = (1/d_V) * t1
+    t3 = V_X - t2
     t4 = Y.sum(-1, keepdims=True)
     t5 = np.broadcast_to(t4, t4.shape[:-1] + (d_V,))
     t6 = X.sum(-1, keepdims=True)
     t7 = np.broadcast_to(t6, t6.shape[:-1] + (d_V,))
-    t8 = (-1/d_V) * t7
-    t9 = t8 + X
+    t8 = (1/d_V) * t7
+    t9 = X - t8
     M_Z = t9
     t10 = M_Z * M_Z
     t11 = t10.sum(-1, keepdims=True)
@@ -2079,49 +2047,46 @@ def ce__hvp__full(X, Y, V_X):
     t16 = np.exp(F - F.max(-1, keepdims=True))
     A = t16 / t16.sum(-1, keepdims=True)
     t17 = t5 * A
-    t18 = (2/(L*d_V)) * t17
-    t19 = (-2/(L*d_V)) * Y
-    t20 = t18 + t19
-    t21 = (-0.5 * (sigma2_Z ** -1.5))
-    t22 = t20 * t21 * M_Z
-    t23 = t22.sum(-1, keepdims=True)
-    t24 = np.broadcast_to(t23, t23.shape[:-1] + (d_V,))
-    t25 = t3 * t24
-    t26 = (1/L) * t17
-    t27 = (-1/L) * Y
-    t28 = t26 + t27
-    t29 = t3 * M_Z
-    t30 = t29.sum(-1, keepdims=True)
-    t31 = np.broadcast_to(t30, t30.shape[:-1] + (d_V,))
-    t32 = t28 * t21 * t31
-    t33 = (2/d_V) * t32
-    t34 = t3 * t20 * t21
-    t35 = (0.75 * (sigma2_Z ** -2.5))
-    t36 = t20 * t35 * t31 * M_Z
+    t18 = t17 - Y
+    t19 = (2/(L*d_V)) * t18
+    t20 = (-0.5 * (sigma2_Z ** -1.5))
+    t21 = t19 * t20 * M_Z
+    t22 = t21.sum(-1, keepdims=True)
+    t23 = np.broadcast_to(t22, t22.shape[:-1] + (d_V,))
+    t24 = t3 * t23
+    t25 = (1/L) * t18
+    t26 = t3 * M_Z
+    t27 = t26.sum(-1, keepdims=True)
+    t28 = np.broadcast_to(t27, t27.shape[:-1] + (d_V,))
+    t29 = t25 * t20 * t28
+    t30 = (2/d_V) * t29
+    t31 = t3 * t19 * t20
+    t32 = (0.75 * (sigma2_Z ** -2.5))
+    t33 = t19 * t32 * t28 * M_Z
+    t34 = (2/d_V) * t33
+    t35 = t3 * P_Z
+    t36 = t20 * t28 * M_Z
     t37 = (2/d_V) * t36
-    t38 = t3 * P_Z
-    t39 = t21 * t31 * M_Z
-    t40 = (2/d_V) * t39
-    t41 = t38 + t40
-    t42 = t41 - (A * t41).sum(-1, keepdims=True)
-    t43 = A * t42
-    t44 = t21 * t5 * M_Z * t43
-    t45 = (2/(L*d_V)) * t44
-    t46 = t34 + t37 + t45
-    t47 = t46.sum(-1, keepdims=True)
-    t48 = np.broadcast_to(t47, t47.shape[:-1] + (d_V,))
-    t49 = t48 * M_Z
-    t50 = t5 * P_Z * t43
-    t51 = (1/L) * t50
-    t52 = (-1/d_V) * t25
-    t53 = (-2/d_V**2) * t32
-    t54 = (-1/d_V) * t49
-    t55 = (-1/(L*d_V)) * t50
-    t56 = t52 + t53 + t54 + t55
-    t57 = t56.sum(-1, keepdims=True)
-    t58 = np.broadcast_to(t57, t57.shape[:-1] + (d_V,))
-    t59 = t25 + t33 + t49 + t51 + t58
-    return (t59.mean(0),)
+    t38 = t35 + t37
+    t39 = t38 - (A * t38).sum(-1, keepdims=True)
+    t40 = A * t39
+    t41 = t20 * t5 * M_Z * t40
+    t42 = (2/(L*d_V)) * t41
+    t43 = t31 + t34 + t42
+    t44 = t43.sum(-1, keepdims=True)
+    t45 = np.broadcast_to(t44, t44.shape[:-1] + (d_V,))
+    t46 = t45 * M_Z
+    t47 = t5 * P_Z * t40
+    t48 = (1/L) * t47
+    t49 = (1/d_V) * t24
+    t50 = (2/d_V**2) * t29
+    t51 = (1/d_V) * t46
+    t52 = (1/(L*d_V)) * t47
+    t53 = -t49 - t50 - t51 - t52
+    t54 = t53.sum(-1, keepdims=True)
+    t55 = np.broadcast_to(t54, t54.shape[:-1] + (d_V,))
+    t56 = t24 + t30 + t46 + t48 + t55
+    return (t56.mean(0),)
 
 
 def ce__frobenius_all__full(X, Y):
@@ -2131,8 +2096,8 @@ def ce__frobenius_all__full(X, Y):
     n_batch = Y.shape[0]
     t0 = X.sum(-1, keepdims=True)
     t1 = np.broadcast_to(t0, t0.shape[:-1] + (d_V,))
-    t2 = (-1/d_V) * t1
-    t3 = t2 + X
+    t2 = (1/d_V) * t1
+    t3 = X - t2
     M_Z = t3
     t4 = M_Z * M_Z
     t5 = t4.sum(-1, keepdims=True)
@@ -2150,41 +2115,40 @@ def ce__frobenius_all__full(X, Y):
     t13 = np.exp(F - F.max(-1, keepdims=True))
     A = t13 / t13.sum(-1, keepdims=True)
     t14 = t10 * A
-    t15 = (1/L) * t14
-    t16 = (-1/L) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = t8 * G
-    t19 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t20 = np.eye(d_V, dtype=Y.dtype)
-    t21 = np.ones((L,), dtype=Y.dtype)
+    t15 = t14 - Y
+    t16 = (1/L) * t15
+    G = t16
+    t17 = t8 * G
+    t18 = np.ones((d_V, d_V), dtype=Y.dtype)
+    t19 = np.eye(d_V, dtype=Y.dtype)
+    t20 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,c->cab', t20, t21, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t19, t21, optimize=[(0, 1)])
-    t22 = t10 * P_Z
-    t23 = np.exp(Z - Z.max(-1, keepdims=True))
-    A24 = t23 / t23.sum(-1, keepdims=True)
+    S = oe.contract('ab,c->cab', t19, t20, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t18, t20, optimize=[(0, 1)])
+    t21 = t10 * P_Z
+    t22 = np.exp(Z - Z.max(-1, keepdims=True))
+    A23 = t22 / t22.sum(-1, keepdims=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('ab,bc->abc', A24, t20, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A24, A24, optimize=[(0, 1)])
-    t25 = t8 * M_Z
+    dA = oe.contract('ab,bc->abc', A23, t19, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A23, A23, optimize=[(0, 1)])
+    t24 = t8 * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S26 = oe.contract('ab,bc->abc', P_Z, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t25, t19, M_Z, optimize=[(0, 1), (0, 1)])
-    t27 = t8 * G * M_Z
-    t28 = t27.sum(-1, keepdims=True)
-    t29 = np.broadcast_to(t28, t28.shape[:-1] + (d_V,))
-    t30 = (0.75 * (sigma2_Z ** -2.5))
-    t31 = t30 * G * M_Z
+    S25 = oe.contract('ab,bc->abc', P_Z, t19, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t24, t18, M_Z, optimize=[(0, 1), (0, 1)])
+    t26 = t8 * G * M_Z
+    t27 = t26.sum(-1, keepdims=True)
+    t28 = np.broadcast_to(t27, t27.shape[:-1] + (d_V,))
+    t29 = (0.75 * (sigma2_Z ** -2.5))
+    t30 = t29 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S32 = oe.contract('abc,cd->abcd', t18, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t31, t19, M_Z, optimize=[(1, 2), (0, 1)])
-    t33 = t8 * t10 * M_Z
+    S31 = oe.contract('abc,cd->abcd', t17, t19, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t30, t18, M_Z, optimize=[(1, 2), (0, 1)])
+    t32 = t8 * t10 * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S34 = (-1/(L*d_V)) * oe.contract('abc,cd->abcd', t22, t20, optimize=[(0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,bc,dac->dabc', M_Z, t19, t33, optimize=[(0, 1), (0, 1)])
+    S33 = (-1/(L*d_V)) * oe.contract('abc,cd->abcd', t21, t19, optimize=[(0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,bc,dac->dabc', M_Z, t18, t32, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S35 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t18, t19, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t29, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t19, S32, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    S34 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t17, t18, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t28, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t18, S31, S, optimize=[(0, 1), (0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S36 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t18, t19, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (1/L) * oe.contract('abc,bcd,bde,bef->abcf', t22, dA, S26, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t29, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t19, S32, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac,ace,aef,afg->dabg', M_Z, t19, t33, dA, S26, S, optimize=[(3, 4), (3, 4), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,cdbe,def,dfg,dgh->cdah', t19, S34, dA, S26, S, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,cdbe->cdae', t19, S35, optimize=[(0, 1)])
-    t37 = (n_batch**(-2)) * oe.contract('abcd,ebcd->', S36, S36, optimize=[(0, 1)])
-    t38 = np.sqrt(np.maximum(t37, 0.0))
-    return (t38,)
+    S35 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t17, t18, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (1/L) * oe.contract('abc,bcd,bde,bef->abcf', t21, dA, S25, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t28, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t18, S31, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac,ace,aef,afg->dabg', M_Z, t18, t32, dA, S25, S, optimize=[(3, 4), (3, 4), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,cdbe,def,dfg,dgh->cdah', t18, S33, dA, S25, S, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,cdbe->cdae', t18, S34, optimize=[(0, 1)])
+    t36 = (n_batch**(-2)) * oe.contract('abcd,ebcd->', S35, S35, optimize=[(0, 1)])
+    t37 = np.sqrt(np.maximum(t36, 0.0))
+    return (t37,)
 
 
 def ce__diag__X__full(X, Y):
@@ -2196,8 +2160,8 @@ def ce__diag__X__full(X, Y):
     t0 = np.reshape(out, (L, d_V), copy=False)
     t1 = X.sum(-1, keepdims=True)
     t2 = np.broadcast_to(t1, t1.shape[:-1] + (d_V,))
-    t3 = (-1/d_V) * t2
-    t4 = t3 + X
+    t3 = (1/d_V) * t2
+    t4 = X - t3
     M_Z = t4
     t5 = M_Z * M_Z
     t6 = t5.sum(-1, keepdims=True)
@@ -2215,39 +2179,38 @@ def ce__diag__X__full(X, Y):
     t14 = np.exp(F - F.max(-1, keepdims=True))
     A = t14 / t14.sum(-1, keepdims=True)
     t15 = t11 * A
-    t16 = (1/L) * t15
-    t17 = (-1/L) * Y
-    t18 = t16 + t17
-    G = t18
-    t19 = t9 * G
-    t20 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t21 = np.eye(d_V, dtype=Y.dtype)
-    t22 = np.ones((L,), dtype=Y.dtype)
+    t16 = t15 - Y
+    t17 = (1/L) * t16
+    G = t17
+    t18 = t9 * G
+    t19 = np.ones((d_V, d_V), dtype=Y.dtype)
+    t20 = np.eye(d_V, dtype=Y.dtype)
+    t21 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,c->cab', t21, t22, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t20, t22, optimize=[(0, 1)])
-    t23 = t11 * P_Z
-    t24 = np.exp(Z - Z.max(-1, keepdims=True))
-    A25 = t24 / t24.sum(-1, keepdims=True)
+    S = oe.contract('ab,c->cab', t20, t21, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t19, t21, optimize=[(0, 1)])
+    t22 = t11 * P_Z
+    t23 = np.exp(Z - Z.max(-1, keepdims=True))
+    A24 = t23 / t23.sum(-1, keepdims=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('ab,bc->abc', A25, t21, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A25, A25, optimize=[(0, 1)])
-    t26 = t9 * M_Z
+    dA = oe.contract('ab,bc->abc', A24, t20, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A24, A24, optimize=[(0, 1)])
+    t25 = t9 * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S27 = oe.contract('ab,bc->abc', P_Z, t21, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t26, t20, M_Z, optimize=[(0, 1), (0, 1)])
-    t28 = t9 * G * M_Z
-    t29 = t28.sum(-1, keepdims=True)
-    t30 = np.broadcast_to(t29, t29.shape[:-1] + (d_V,))
-    t31 = (0.75 * (sigma2_Z ** -2.5))
-    t32 = t31 * G * M_Z
+    S26 = oe.contract('ab,bc->abc', P_Z, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t25, t19, M_Z, optimize=[(0, 1), (0, 1)])
+    t27 = t9 * G * M_Z
+    t28 = t27.sum(-1, keepdims=True)
+    t29 = np.broadcast_to(t28, t28.shape[:-1] + (d_V,))
+    t30 = (0.75 * (sigma2_Z ** -2.5))
+    t31 = t30 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S33 = oe.contract('abc,cd->abcd', t19, t21, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t32, t20, M_Z, optimize=[(1, 2), (0, 1)])
-    t34 = t9 * t11 * M_Z
+    S32 = oe.contract('abc,cd->abcd', t18, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t31, t19, M_Z, optimize=[(1, 2), (0, 1)])
+    t33 = t9 * t11 * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S35 = (-1/(L*d_V)) * oe.contract('abc,cd->abcd', t23, t21, optimize=[(0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,bc,dac->dabc', M_Z, t20, t34, optimize=[(0, 1), (0, 1)])
+    S34 = (-1/(L*d_V)) * oe.contract('abc,cd->abcd', t22, t20, optimize=[(0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,bc,dac->dabc', M_Z, t19, t33, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S36 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t19, t20, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t30, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t20, S33, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    S35 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t18, t19, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t29, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t19, S32, S, optimize=[(0, 1), (0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S37 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t19, t20, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (1/L) * oe.contract('abc,bcd,bde,bef->abcf', t23, dA, S27, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t30, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t20, S33, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac,ace,aef,afg->dabg', M_Z, t20, t34, dA, S27, S, optimize=[(3, 4), (3, 4), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,cdbe,def,dfg,dgh->cdah', t20, S35, dA, S27, S, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,cdbe->cdae', t20, S36, optimize=[(0, 1)])
-    t0[...] = (1/n_batch) * oe.contract('abcc->bc', S37, optimize=[(0,)])
+    S36 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t18, t19, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (1/L) * oe.contract('abc,bcd,bde,bef->abcf', t22, dA, S26, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t29, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t19, S32, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac,ace,aef,afg->dabg', M_Z, t19, t33, dA, S26, S, optimize=[(3, 4), (3, 4), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,cdbe,def,dfg,dgh->cdah', t19, S34, dA, S26, S, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,cdbe->cdae', t19, S35, optimize=[(0, 1)])
+    t0[...] = (1/n_batch) * oe.contract('abcc->bc', S36, optimize=[(0,)])
     return out
 
 
@@ -2258,8 +2221,8 @@ def ce__trace__X__full(X, Y):
     n_batch = Y.shape[0]
     t0 = X.sum(-1, keepdims=True)
     t1 = np.broadcast_to(t0, t0.shape[:-1] + (d_V,))
-    t2 = (-1/d_V) * t1
-    t3 = t2 + X
+    t2 = (1/d_V) * t1
+    t3 = X - t2
     M_Z = t3
     t4 = M_Z * M_Z
     t5 = t4.sum(-1, keepdims=True)
@@ -2277,39 +2240,38 @@ def ce__trace__X__full(X, Y):
     t13 = np.exp(F - F.max(-1, keepdims=True))
     A = t13 / t13.sum(-1, keepdims=True)
     t14 = t10 * A
-    t15 = (1/L) * t14
-    t16 = (-1/L) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = t8 * G
-    t19 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t20 = np.eye(d_V, dtype=Y.dtype)
-    t21 = np.ones((L,), dtype=Y.dtype)
+    t15 = t14 - Y
+    t16 = (1/L) * t15
+    G = t16
+    t17 = t8 * G
+    t18 = np.ones((d_V, d_V), dtype=Y.dtype)
+    t19 = np.eye(d_V, dtype=Y.dtype)
+    t20 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,c->cab', t20, t21, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t19, t21, optimize=[(0, 1)])
-    t22 = t10 * P_Z
-    t23 = np.exp(Z - Z.max(-1, keepdims=True))
-    A24 = t23 / t23.sum(-1, keepdims=True)
+    S = oe.contract('ab,c->cab', t19, t20, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t18, t20, optimize=[(0, 1)])
+    t21 = t10 * P_Z
+    t22 = np.exp(Z - Z.max(-1, keepdims=True))
+    A23 = t22 / t22.sum(-1, keepdims=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('ab,bc->abc', A24, t20, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A24, A24, optimize=[(0, 1)])
-    t25 = t8 * M_Z
+    dA = oe.contract('ab,bc->abc', A23, t19, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A23, A23, optimize=[(0, 1)])
+    t24 = t8 * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S26 = oe.contract('ab,bc->abc', P_Z, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t25, t19, M_Z, optimize=[(0, 1), (0, 1)])
-    t27 = t8 * G * M_Z
-    t28 = t27.sum(-1, keepdims=True)
-    t29 = np.broadcast_to(t28, t28.shape[:-1] + (d_V,))
-    t30 = (0.75 * (sigma2_Z ** -2.5))
-    t31 = t30 * G * M_Z
+    S25 = oe.contract('ab,bc->abc', P_Z, t19, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t24, t18, M_Z, optimize=[(0, 1), (0, 1)])
+    t26 = t8 * G * M_Z
+    t27 = t26.sum(-1, keepdims=True)
+    t28 = np.broadcast_to(t27, t27.shape[:-1] + (d_V,))
+    t29 = (0.75 * (sigma2_Z ** -2.5))
+    t30 = t29 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S32 = oe.contract('abc,cd->abcd', t18, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t31, t19, M_Z, optimize=[(1, 2), (0, 1)])
-    t33 = t8 * t10 * M_Z
+    S31 = oe.contract('abc,cd->abcd', t17, t19, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t30, t18, M_Z, optimize=[(1, 2), (0, 1)])
+    t32 = t8 * t10 * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S34 = (-1/(L*d_V)) * oe.contract('abc,cd->abcd', t22, t20, optimize=[(0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,bc,dac->dabc', M_Z, t19, t33, optimize=[(0, 1), (0, 1)])
+    S33 = (-1/(L*d_V)) * oe.contract('abc,cd->abcd', t21, t19, optimize=[(0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,bc,dac->dabc', M_Z, t18, t32, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S35 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t18, t19, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t29, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t19, S32, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    S34 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t17, t18, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t28, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t18, S31, S, optimize=[(0, 1), (0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S36 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t18, t19, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (1/L) * oe.contract('abc,bcd,bde,bef->abcf', t22, dA, S26, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t29, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t19, S32, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac,ace,aef,afg->dabg', M_Z, t19, t33, dA, S26, S, optimize=[(3, 4), (3, 4), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,cdbe,def,dfg,dgh->cdah', t19, S34, dA, S26, S, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,cdbe->cdae', t19, S35, optimize=[(0, 1)])
-    return (1/n_batch) * oe.contract('abcc->', S36, optimize=[(0,)])
+    S35 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t17, t18, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (1/L) * oe.contract('abc,bcd,bde,bef->abcf', t21, dA, S25, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t28, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t18, S31, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac,ace,aef,afg->dabg', M_Z, t18, t32, dA, S25, S, optimize=[(3, 4), (3, 4), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,cdbe,def,dfg,dgh->cdah', t18, S33, dA, S25, S, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,cdbe->cdae', t18, S34, optimize=[(0, 1)])
+    return (1/n_batch) * oe.contract('abcc->', S35, optimize=[(0,)])
 
 
 def ce__block__X__X__full(X, Y):
@@ -2323,8 +2285,8 @@ def ce__block__X__X__full(X, Y):
     t1 = np.einsum('abac->abc', t0)
     t2 = X.sum(-1, keepdims=True)
     t3 = np.broadcast_to(t2, t2.shape[:-1] + (d_V,))
-    t4 = (-1/d_V) * t3
-    t5 = t4 + X
+    t4 = (1/d_V) * t3
+    t5 = X - t4
     M_Z = t5
     t6 = M_Z * M_Z
     t7 = t6.sum(-1, keepdims=True)
@@ -2342,39 +2304,38 @@ def ce__block__X__X__full(X, Y):
     t15 = np.exp(F - F.max(-1, keepdims=True))
     A = t15 / t15.sum(-1, keepdims=True)
     t16 = t12 * A
-    t17 = (1/L) * t16
-    t18 = (-1/L) * Y
-    t19 = t17 + t18
-    G = t19
-    t20 = t10 * G
-    t21 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t22 = np.eye(d_V, dtype=Y.dtype)
-    t23 = np.ones((L,), dtype=Y.dtype)
+    t17 = t16 - Y
+    t18 = (1/L) * t17
+    G = t18
+    t19 = t10 * G
+    t20 = np.ones((d_V, d_V), dtype=Y.dtype)
+    t21 = np.eye(d_V, dtype=Y.dtype)
+    t22 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,c->cab', t22, t23, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t21, t23, optimize=[(0, 1)])
-    t24 = t12 * P_Z
-    t25 = np.exp(Z - Z.max(-1, keepdims=True))
-    A26 = t25 / t25.sum(-1, keepdims=True)
+    S = oe.contract('ab,c->cab', t21, t22, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t20, t22, optimize=[(0, 1)])
+    t23 = t12 * P_Z
+    t24 = np.exp(Z - Z.max(-1, keepdims=True))
+    A25 = t24 / t24.sum(-1, keepdims=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('ab,bc->abc', A26, t22, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A26, A26, optimize=[(0, 1)])
-    t27 = t10 * M_Z
+    dA = oe.contract('ab,bc->abc', A25, t21, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A25, A25, optimize=[(0, 1)])
+    t26 = t10 * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S28 = oe.contract('ab,bc->abc', P_Z, t22, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t27, t21, M_Z, optimize=[(0, 1), (0, 1)])
-    t29 = t10 * G * M_Z
-    t30 = t29.sum(-1, keepdims=True)
-    t31 = np.broadcast_to(t30, t30.shape[:-1] + (d_V,))
-    t32 = (0.75 * (sigma2_Z ** -2.5))
-    t33 = t32 * G * M_Z
+    S27 = oe.contract('ab,bc->abc', P_Z, t21, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t26, t20, M_Z, optimize=[(0, 1), (0, 1)])
+    t28 = t10 * G * M_Z
+    t29 = t28.sum(-1, keepdims=True)
+    t30 = np.broadcast_to(t29, t29.shape[:-1] + (d_V,))
+    t31 = (0.75 * (sigma2_Z ** -2.5))
+    t32 = t31 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S34 = oe.contract('abc,cd->abcd', t20, t22, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t33, t21, M_Z, optimize=[(1, 2), (0, 1)])
-    t35 = t10 * t12 * M_Z
+    S33 = oe.contract('abc,cd->abcd', t19, t21, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t32, t20, M_Z, optimize=[(1, 2), (0, 1)])
+    t34 = t10 * t12 * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S36 = (-1/(L*d_V)) * oe.contract('abc,cd->abcd', t24, t22, optimize=[(0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,bc,dac->dabc', M_Z, t21, t35, optimize=[(0, 1), (0, 1)])
+    S35 = (-1/(L*d_V)) * oe.contract('abc,cd->abcd', t23, t21, optimize=[(0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,bc,dac->dabc', M_Z, t20, t34, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S37 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t20, t21, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t31, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t21, S34, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    S36 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t19, t20, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t30, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t20, S33, S, optimize=[(0, 1), (0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S38 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t20, t21, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (1/L) * oe.contract('abc,bcd,bde,bef->abcf', t24, dA, S28, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t31, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t21, S34, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac,ace,aef,afg->dabg', M_Z, t21, t35, dA, S28, S, optimize=[(3, 4), (3, 4), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,cdbe,def,dfg,dgh->cdah', t21, S36, dA, S28, S, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,cdbe->cdae', t21, S37, optimize=[(0, 1)])
-    t1 += (1/n_batch) * oe.contract('abcd->bcd', S38, optimize=[(0,)])
+    S37 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t19, t20, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (1/L) * oe.contract('abc,bcd,bde,bef->abcf', t23, dA, S27, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t30, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t20, S33, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac,ace,aef,afg->dabg', M_Z, t20, t34, dA, S27, S, optimize=[(3, 4), (3, 4), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,cdbe,def,dfg,dgh->cdah', t20, S35, dA, S27, S, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,cdbe->cdae', t20, S36, optimize=[(0, 1)])
+    t1 += (1/n_batch) * oe.contract('abcd->bcd', S37, optimize=[(0,)])
     return out
 
 
@@ -2385,8 +2346,8 @@ def ce__frobenius__X__X__full(X, Y):
     n_batch = Y.shape[0]
     t0 = X.sum(-1, keepdims=True)
     t1 = np.broadcast_to(t0, t0.shape[:-1] + (d_V,))
-    t2 = (-1/d_V) * t1
-    t3 = t2 + X
+    t2 = (1/d_V) * t1
+    t3 = X - t2
     M_Z = t3
     t4 = M_Z * M_Z
     t5 = t4.sum(-1, keepdims=True)
@@ -2404,41 +2365,40 @@ def ce__frobenius__X__X__full(X, Y):
     t13 = np.exp(F - F.max(-1, keepdims=True))
     A = t13 / t13.sum(-1, keepdims=True)
     t14 = t10 * A
-    t15 = (1/L) * t14
-    t16 = (-1/L) * Y
-    t17 = t15 + t16
-    G = t17
-    t18 = t8 * G
-    t19 = np.ones((d_V, d_V), dtype=Y.dtype)
-    t20 = np.eye(d_V, dtype=Y.dtype)
-    t21 = np.ones((L,), dtype=Y.dtype)
+    t15 = t14 - Y
+    t16 = (1/L) * t15
+    G = t16
+    t17 = t8 * G
+    t18 = np.ones((d_V, d_V), dtype=Y.dtype)
+    t19 = np.eye(d_V, dtype=Y.dtype)
+    t20 = np.ones((L,), dtype=Y.dtype)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,c->cab', t20, t21, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t19, t21, optimize=[(0, 1)])
-    t22 = t10 * P_Z
-    t23 = np.exp(Z - Z.max(-1, keepdims=True))
-    A24 = t23 / t23.sum(-1, keepdims=True)
+    S = oe.contract('ab,c->cab', t19, t20, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t18, t20, optimize=[(0, 1)])
+    t21 = t10 * P_Z
+    t22 = np.exp(Z - Z.max(-1, keepdims=True))
+    A23 = t22 / t22.sum(-1, keepdims=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('ab,bc->abc', A24, t20, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A24, A24, optimize=[(0, 1)])
-    t25 = t8 * M_Z
+    dA = oe.contract('ab,bc->abc', A23, t19, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A23, A23, optimize=[(0, 1)])
+    t24 = t8 * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S26 = oe.contract('ab,bc->abc', P_Z, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t25, t19, M_Z, optimize=[(0, 1), (0, 1)])
-    t27 = t8 * G * M_Z
-    t28 = t27.sum(-1, keepdims=True)
-    t29 = np.broadcast_to(t28, t28.shape[:-1] + (d_V,))
-    t30 = (0.75 * (sigma2_Z ** -2.5))
-    t31 = t30 * G * M_Z
+    S25 = oe.contract('ab,bc->abc', P_Z, t19, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t24, t18, M_Z, optimize=[(0, 1), (0, 1)])
+    t26 = t8 * G * M_Z
+    t27 = t26.sum(-1, keepdims=True)
+    t28 = np.broadcast_to(t27, t27.shape[:-1] + (d_V,))
+    t29 = (0.75 * (sigma2_Z ** -2.5))
+    t30 = t29 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S32 = oe.contract('abc,cd->abcd', t18, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t31, t19, M_Z, optimize=[(1, 2), (0, 1)])
-    t33 = t8 * t10 * M_Z
+    S31 = oe.contract('abc,cd->abcd', t17, t19, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t30, t18, M_Z, optimize=[(1, 2), (0, 1)])
+    t32 = t8 * t10 * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S34 = (-1/(L*d_V)) * oe.contract('abc,cd->abcd', t22, t20, optimize=[(0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,bc,dac->dabc', M_Z, t19, t33, optimize=[(0, 1), (0, 1)])
+    S33 = (-1/(L*d_V)) * oe.contract('abc,cd->abcd', t21, t19, optimize=[(0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,bc,dac->dabc', M_Z, t18, t32, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S35 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t18, t19, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t29, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t19, S32, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    S34 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t17, t18, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t28, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t18, S31, S, optimize=[(0, 1), (0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S36 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t18, t19, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (1/L) * oe.contract('abc,bcd,bde,bef->abcf', t22, dA, S26, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t29, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t19, S32, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac,ace,aef,afg->dabg', M_Z, t19, t33, dA, S26, S, optimize=[(3, 4), (3, 4), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,cdbe,def,dfg,dgh->cdah', t19, S34, dA, S26, S, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,cdbe->cdae', t19, S35, optimize=[(0, 1)])
-    t37 = (n_batch**(-2)) * oe.contract('abcd,ebcd->', S36, S36, optimize=[(0, 1)])
-    t38 = np.sqrt(np.maximum(t37, 0.0))
-    return t38
+    S35 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t17, t18, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (1/L) * oe.contract('abc,bcd,bde,bef->abcf', t21, dA, S25, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t28, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t18, S31, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac,ace,aef,afg->dabg', M_Z, t18, t32, dA, S25, S, optimize=[(3, 4), (3, 4), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,cdbe,def,dfg,dgh->cdah', t18, S33, dA, S25, S, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,cdbe->cdae', t18, S34, optimize=[(0, 1)])
+    t36 = (n_batch**(-2)) * oe.contract('abcd,ebcd->', S35, S35, optimize=[(0, 1)])
+    t37 = np.sqrt(np.maximum(t36, 0.0))
+    return t37
 
 
 def ce__frobenius_split__X__X(X, Y):
@@ -2450,8 +2410,8 @@ def ce__frobenius_split__X__X(X, Y):
     t1 = np.broadcast_to(t0, t0.shape[:-1] + (d_V,))
     t2 = X.sum(-1, keepdims=True)
     t3 = np.broadcast_to(t2, t2.shape[:-1] + (d_V,))
-    t4 = (-1/d_V) * t3
-    t5 = t4 + X
+    t4 = (1/d_V) * t3
+    t5 = X - t4
     M_Z = t5
     t6 = M_Z * M_Z
     t7 = t6.sum(-1, keepdims=True)
@@ -2486,29 +2446,28 @@ def ce__frobenius_split__X__X(X, Y):
     t24 = np.exp(F - F.max(-1, keepdims=True))
     A25 = t24 / t24.sum(-1, keepdims=True)
     t26 = t1 * A25
-    t27 = (1/L) * t26
-    t28 = (-1/L) * Y
-    t29 = t27 + t28
-    G = t29
-    t30 = t15 * G
-    t31 = t15 * G * M_Z
-    t32 = t31.sum(-1, keepdims=True)
-    t33 = np.broadcast_to(t32, t32.shape[:-1] + (d_V,))
-    t34 = (0.75 * (sigma2_Z ** -2.5))
-    t35 = t34 * G * M_Z
+    t27 = t26 - Y
+    t28 = (1/L) * t27
+    G = t28
+    t29 = t15 * G
+    t30 = t15 * G * M_Z
+    t31 = t30.sum(-1, keepdims=True)
+    t32 = np.broadcast_to(t31, t31.shape[:-1] + (d_V,))
+    t33 = (0.75 * (sigma2_Z ** -2.5))
+    t34 = t33 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S36 = oe.contract('abc,cd->abcd', t30, t14, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t35, t17, M_Z, optimize=[(1, 2), (0, 1)])
+    S35 = oe.contract('abc,cd->abcd', t29, t14, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t34, t17, M_Z, optimize=[(1, 2), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S37 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t30, t17, M_Z, S19, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t33, S19, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t17, S36, S19, optimize=[(0, 1), (0, 1), (0, 1)])
+    S36 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t29, t17, M_Z, S19, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t32, S19, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t17, S35, S19, optimize=[(0, 1), (0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S38 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t30, t17, M_Z, S19, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t33, S19, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t17, S36, S19, optimize=[(0, 1), (0, 1), (0, 1)]) + oe.contract('ab,cdbe->cdae', t17, S37, optimize=[(0, 1)])
-    t39 = (n_batch**(-2)) * oe.contract('abcd,ebcd->', S38, S38, optimize=[(0, 1)])
-    t40 = (2/n_batch**2) * oe.contract('abcd,ebcd->', S22, S38, optimize=[(0, 1)])
-    t41 = t23 + t39 + t40
-    t42 = np.sqrt(np.maximum(t23, 0.0))
-    t43 = np.sqrt(np.maximum(t39, 0.0))
-    t44 = np.sqrt(np.maximum(t41, 0.0))
-    return (t42, t43, t44,)
+    S37 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t29, t17, M_Z, S19, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t32, S19, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t17, S35, S19, optimize=[(0, 1), (0, 1), (0, 1)]) + oe.contract('ab,cdbe->cdae', t17, S36, optimize=[(0, 1)])
+    t38 = (n_batch**(-2)) * oe.contract('abcd,ebcd->', S37, S37, optimize=[(0, 1)])
+    t39 = (2/n_batch**2) * oe.contract('abcd,ebcd->', S22, S37, optimize=[(0, 1)])
+    t40 = t23 + t38 + t39
+    t41 = np.sqrt(np.maximum(t23, 0.0))
+    t42 = np.sqrt(np.maximum(t38, 0.0))
+    t43 = np.sqrt(np.maximum(t40, 0.0))
+    return (t41, t42, t43,)
 
 
 VARIANTS = {
