@@ -1038,35 +1038,35 @@ def mse_causal0__hvp__functional(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     t18 = np.swapaxes(t14, -1, -2)
     t19 = G @ t18
     t20 = t13 - (A * t13).sum(-1, keepdims=True)
-    t21 = t19 - (A * t19).sum(-1, keepdims=True)
-    t22 = A * t20 * t21
-    t23 = t22 - A * t22.sum(-1, keepdims=True)
-    t24 = np.swapaxes(V_W_V, -1, -2)
-    t25 = t24 @ t0
-    t26 = G @ t25
-    t27 = t26 - (A * t26).sum(-1, keepdims=True)
-    t28 = A * t27
-    t29 = t23 + t28
-    t30 = np.swapaxes(t3, -1, -2)
-    t31 = t29 @ t30
-    t32 = A * t21
-    t33 = np.swapaxes(t10, -1, -2)
-    t34 = t32 @ t33
-    t35 = t31 + t34
-    t36 = (1/math.sqrt(d_K)) * t35
-    t37 = t0 @ t36
-    t38 = np.swapaxes(t29, -1, -2)
-    t39 = t38 @ t1
-    t40 = np.swapaxes(t32, -1, -2)
-    t41 = t40 @ t7
-    t42 = t39 + t41
-    t43 = (1/math.sqrt(d_K)) * t42
-    t44 = t0 @ t43
-    t45 = A * t20
-    t46 = np.swapaxes(t45, -1, -2)
+    t21 = A * t20
+    t22 = t19 - (A * t19).sum(-1, keepdims=True)
+    t23 = t21 * t22
+    t24 = t23 - A * t23.sum(-1, keepdims=True)
+    t25 = np.swapaxes(V_W_V, -1, -2)
+    t26 = t25 @ t0
+    t27 = G @ t26
+    t28 = t27 - (A * t27).sum(-1, keepdims=True)
+    t29 = A * t28
+    t30 = t24 + t29
+    t31 = np.swapaxes(t3, -1, -2)
+    t32 = t30 @ t31
+    t33 = A * t22
+    t34 = np.swapaxes(t10, -1, -2)
+    t35 = t33 @ t34
+    t36 = t32 + t35
+    t37 = (1/math.sqrt(d_K)) * t36
+    t38 = t0 @ t37
+    t39 = np.swapaxes(t30, -1, -2)
+    t40 = t39 @ t1
+    t41 = np.swapaxes(t33, -1, -2)
+    t42 = t41 @ t7
+    t43 = t40 + t42
+    t44 = (1/math.sqrt(d_K)) * t43
+    t45 = t0 @ t44
+    t46 = np.swapaxes(t21, -1, -2)
     t47 = t46 @ G
     t48 = t0 @ t47
-    return (t37.mean(0), t44.mean(0), t48.mean(0),)
+    return (t38.mean(0), t45.mean(0), t48.mean(0),)
 
 
 def mse_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
@@ -2067,11 +2067,11 @@ def mse_causal0__hvp__full(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     t18 = np.swapaxes(t14, -1, -2)
     t19 = t17 @ t18
     t20 = t13 - (A * t13).sum(-1, keepdims=True)
-    t21 = t19 - (A * t19).sum(-1, keepdims=True)
-    t22 = A * t20 * t21
-    t23 = t22 - A * t22.sum(-1, keepdims=True)
-    t24 = A * t20
-    t25 = t24 @ t14
+    t21 = A * t20
+    t22 = t19 - (A * t19).sum(-1, keepdims=True)
+    t23 = t21 * t22
+    t24 = t23 - A * t23.sum(-1, keepdims=True)
+    t25 = t21 @ t14
     t26 = X @ V_W_V
     t27 = A @ t26
     t28 = t25 + t27
@@ -2082,10 +2082,10 @@ def mse_causal0__hvp__full(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     t33 = t30 + t32
     t34 = t33 - (A * t33).sum(-1, keepdims=True)
     t35 = A * t34
-    t36 = t23 + t35
+    t36 = t24 + t35
     t37 = np.swapaxes(t3, -1, -2)
     t38 = t36 @ t37
-    t39 = A * t21
+    t39 = A * t22
     t40 = np.swapaxes(t10, -1, -2)
     t41 = t39 @ t40
     t42 = t38 + t41
@@ -2096,7 +2096,7 @@ def mse_causal0__hvp__full(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     t47 = t46 @ t7
     t48 = t45 + t47
     t49 = t0 @ t48
-    t50 = np.swapaxes(t24, -1, -2)
+    t50 = np.swapaxes(t21, -1, -2)
     t51 = (2/(L*d_V)) * t16
     t52 = t50 @ t51
     t53 = np.swapaxes(A, -1, -2)
@@ -4708,35 +4708,35 @@ def mse_causal1__hvp__functional(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     t20 = np.swapaxes(t16, -1, -2)
     t21 = G @ t20
     t22 = t15 - (A * t15).sum(-1, keepdims=True)
-    t23 = t21 - (A * t21).sum(-1, keepdims=True)
-    t24 = A * t22 * t23
-    t25 = t24 - A * t24.sum(-1, keepdims=True)
-    t26 = np.swapaxes(V_W_V, -1, -2)
-    t27 = t26 @ t0
-    t28 = G @ t27
-    t29 = t28 - (A * t28).sum(-1, keepdims=True)
-    t30 = A * t29
-    t31 = t25 + t30
-    t32 = np.swapaxes(t3, -1, -2)
-    t33 = t31 @ t32
-    t34 = A * t23
-    t35 = np.swapaxes(t12, -1, -2)
-    t36 = t34 @ t35
-    t37 = t33 + t36
-    t38 = (1/math.sqrt(d_K)) * t37
-    t39 = t0 @ t38
-    t40 = np.swapaxes(t31, -1, -2)
-    t41 = t40 @ t1
-    t42 = np.swapaxes(t34, -1, -2)
-    t43 = t42 @ t9
-    t44 = t41 + t43
-    t45 = (1/math.sqrt(d_K)) * t44
-    t46 = t0 @ t45
-    t47 = A * t22
-    t48 = np.swapaxes(t47, -1, -2)
+    t23 = A * t22
+    t24 = t21 - (A * t21).sum(-1, keepdims=True)
+    t25 = t23 * t24
+    t26 = t25 - A * t25.sum(-1, keepdims=True)
+    t27 = np.swapaxes(V_W_V, -1, -2)
+    t28 = t27 @ t0
+    t29 = G @ t28
+    t30 = t29 - (A * t29).sum(-1, keepdims=True)
+    t31 = A * t30
+    t32 = t26 + t31
+    t33 = np.swapaxes(t3, -1, -2)
+    t34 = t32 @ t33
+    t35 = A * t24
+    t36 = np.swapaxes(t12, -1, -2)
+    t37 = t35 @ t36
+    t38 = t34 + t37
+    t39 = (1/math.sqrt(d_K)) * t38
+    t40 = t0 @ t39
+    t41 = np.swapaxes(t32, -1, -2)
+    t42 = t41 @ t1
+    t43 = np.swapaxes(t35, -1, -2)
+    t44 = t43 @ t9
+    t45 = t42 + t44
+    t46 = (1/math.sqrt(d_K)) * t45
+    t47 = t0 @ t46
+    t48 = np.swapaxes(t23, -1, -2)
     t49 = t48 @ G
     t50 = t0 @ t49
-    return (t39.mean(0), t46.mean(0), t50.mean(0),)
+    return (t40.mean(0), t47.mean(0), t50.mean(0),)
 
 
 def mse_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
@@ -5783,11 +5783,11 @@ def mse_causal1__hvp__full(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     t20 = np.swapaxes(t16, -1, -2)
     t21 = t19 @ t20
     t22 = t15 - (A * t15).sum(-1, keepdims=True)
-    t23 = t21 - (A * t21).sum(-1, keepdims=True)
-    t24 = A * t22 * t23
-    t25 = t24 - A * t24.sum(-1, keepdims=True)
-    t26 = A * t22
-    t27 = t26 @ t16
+    t23 = A * t22
+    t24 = t21 - (A * t21).sum(-1, keepdims=True)
+    t25 = t23 * t24
+    t26 = t25 - A * t25.sum(-1, keepdims=True)
+    t27 = t23 @ t16
     t28 = X @ V_W_V
     t29 = A @ t28
     t30 = t27 + t29
@@ -5798,10 +5798,10 @@ def mse_causal1__hvp__full(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     t35 = t32 + t34
     t36 = t35 - (A * t35).sum(-1, keepdims=True)
     t37 = A * t36
-    t38 = t25 + t37
+    t38 = t26 + t37
     t39 = np.swapaxes(t3, -1, -2)
     t40 = t38 @ t39
-    t41 = A * t23
+    t41 = A * t24
     t42 = np.swapaxes(t12, -1, -2)
     t43 = t41 @ t42
     t44 = t40 + t43
@@ -5812,7 +5812,7 @@ def mse_causal1__hvp__full(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     t49 = t48 @ t9
     t50 = t47 + t49
     t51 = t0 @ t50
-    t52 = np.swapaxes(t26, -1, -2)
+    t52 = np.swapaxes(t23, -1, -2)
     t53 = (2/(L*d_V)) * t18
     t54 = t52 @ t53
     t55 = np.swapaxes(A, -1, -2)
@@ -8673,35 +8673,35 @@ def ce_causal0__hvp__functional(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     t23 = np.swapaxes(t16, -1, -2)
     t24 = G @ t23
     t25 = t13 - (A * t13).sum(-1, keepdims=True)
-    t26 = t24 - (A * t24).sum(-1, keepdims=True)
-    t27 = A * t25 * t26
-    t28 = t27 - A * t27.sum(-1, keepdims=True)
-    t29 = np.swapaxes(V_W_V, -1, -2)
-    t30 = t29 @ t0
-    t31 = G @ t30
-    t32 = t31 - (A * t31).sum(-1, keepdims=True)
-    t33 = A * t32
-    t34 = t28 + t33
-    t35 = np.swapaxes(t3, -1, -2)
-    t36 = t34 @ t35
-    t37 = A * t26
-    t38 = np.swapaxes(t10, -1, -2)
-    t39 = t37 @ t38
-    t40 = t36 + t39
-    t41 = (1/math.sqrt(d_K)) * t40
-    t42 = t0 @ t41
-    t43 = np.swapaxes(t34, -1, -2)
-    t44 = t43 @ t1
-    t45 = np.swapaxes(t37, -1, -2)
-    t46 = t45 @ t7
-    t47 = t44 + t46
-    t48 = (1/math.sqrt(d_K)) * t47
-    t49 = t0 @ t48
-    t50 = A * t25
-    t51 = np.swapaxes(t50, -1, -2)
+    t26 = A * t25
+    t27 = t24 - (A * t24).sum(-1, keepdims=True)
+    t28 = t26 * t27
+    t29 = t28 - A * t28.sum(-1, keepdims=True)
+    t30 = np.swapaxes(V_W_V, -1, -2)
+    t31 = t30 @ t0
+    t32 = G @ t31
+    t33 = t32 - (A * t32).sum(-1, keepdims=True)
+    t34 = A * t33
+    t35 = t29 + t34
+    t36 = np.swapaxes(t3, -1, -2)
+    t37 = t35 @ t36
+    t38 = A * t27
+    t39 = np.swapaxes(t10, -1, -2)
+    t40 = t38 @ t39
+    t41 = t37 + t40
+    t42 = (1/math.sqrt(d_K)) * t41
+    t43 = t0 @ t42
+    t44 = np.swapaxes(t35, -1, -2)
+    t45 = t44 @ t1
+    t46 = np.swapaxes(t38, -1, -2)
+    t47 = t46 @ t7
+    t48 = t45 + t47
+    t49 = (1/math.sqrt(d_K)) * t48
+    t50 = t0 @ t49
+    t51 = np.swapaxes(t26, -1, -2)
     t52 = t51 @ G
     t53 = t0 @ t52
-    return (t42.mean(0), t49.mean(0), t53.mean(0),)
+    return (t43.mean(0), t50.mean(0), t53.mean(0),)
 
 
 def ce_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
@@ -9817,15 +9817,15 @@ def ce_causal0__hvp__full(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     t23 = np.swapaxes(t16, -1, -2)
     t24 = t22 @ t23
     t25 = t13 - (A * t13).sum(-1, keepdims=True)
-    t26 = t24 - (A * t24).sum(-1, keepdims=True)
-    t27 = A * t25 * t26
-    t28 = t27 - A * t27.sum(-1, keepdims=True)
-    t29 = np.swapaxes(V_W_V, -1, -2)
-    t30 = t29 @ t0
-    t31 = t22 @ t30
-    t32 = A * t25
-    t33 = t32 @ t16
-    t34 = np.swapaxes(t30, -1, -2)
+    t26 = A * t25
+    t27 = t24 - (A * t24).sum(-1, keepdims=True)
+    t28 = t26 * t27
+    t29 = t28 - A * t28.sum(-1, keepdims=True)
+    t30 = np.swapaxes(V_W_V, -1, -2)
+    t31 = t30 @ t0
+    t32 = t22 @ t31
+    t33 = t26 @ t16
+    t34 = np.swapaxes(t31, -1, -2)
     t35 = A @ t34
     t36 = t33 + t35
     t37 = t36 - (A19 * t36).sum(-1, keepdims=True)
@@ -9833,13 +9833,13 @@ def ce_causal0__hvp__full(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     t39 = t15 * t38
     t40 = t39 @ t23
     t41 = (1/(L*math.sqrt(d_K))) * t40
-    t42 = t31 + t41
+    t42 = t32 + t41
     t43 = t42 - (A * t42).sum(-1, keepdims=True)
     t44 = A * t43
-    t45 = t28 + t44
+    t45 = t29 + t44
     t46 = np.swapaxes(t3, -1, -2)
     t47 = t45 @ t46
-    t48 = A * t26
+    t48 = A * t27
     t49 = np.swapaxes(t10, -1, -2)
     t50 = t48 @ t49
     t51 = t47 + t50
@@ -9850,7 +9850,7 @@ def ce_causal0__hvp__full(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     t56 = t55 @ t7
     t57 = t54 + t56
     t58 = t0 @ t57
-    t59 = np.swapaxes(t32, -1, -2)
+    t59 = np.swapaxes(t26, -1, -2)
     t60 = (1/L) * t21
     t61 = t59 @ t60
     t62 = np.swapaxes(A, -1, -2)
@@ -12850,35 +12850,35 @@ def ce_causal1__hvp__functional(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     t25 = np.swapaxes(t18, -1, -2)
     t26 = G @ t25
     t27 = t15 - (A * t15).sum(-1, keepdims=True)
-    t28 = t26 - (A * t26).sum(-1, keepdims=True)
-    t29 = A * t27 * t28
-    t30 = t29 - A * t29.sum(-1, keepdims=True)
-    t31 = np.swapaxes(V_W_V, -1, -2)
-    t32 = t31 @ t0
-    t33 = G @ t32
-    t34 = t33 - (A * t33).sum(-1, keepdims=True)
-    t35 = A * t34
-    t36 = t30 + t35
-    t37 = np.swapaxes(t3, -1, -2)
-    t38 = t36 @ t37
-    t39 = A * t28
-    t40 = np.swapaxes(t12, -1, -2)
-    t41 = t39 @ t40
-    t42 = t38 + t41
-    t43 = (1/math.sqrt(d_K)) * t42
-    t44 = t0 @ t43
-    t45 = np.swapaxes(t36, -1, -2)
-    t46 = t45 @ t1
-    t47 = np.swapaxes(t39, -1, -2)
-    t48 = t47 @ t9
-    t49 = t46 + t48
-    t50 = (1/math.sqrt(d_K)) * t49
-    t51 = t0 @ t50
-    t52 = A * t27
-    t53 = np.swapaxes(t52, -1, -2)
+    t28 = A * t27
+    t29 = t26 - (A * t26).sum(-1, keepdims=True)
+    t30 = t28 * t29
+    t31 = t30 - A * t30.sum(-1, keepdims=True)
+    t32 = np.swapaxes(V_W_V, -1, -2)
+    t33 = t32 @ t0
+    t34 = G @ t33
+    t35 = t34 - (A * t34).sum(-1, keepdims=True)
+    t36 = A * t35
+    t37 = t31 + t36
+    t38 = np.swapaxes(t3, -1, -2)
+    t39 = t37 @ t38
+    t40 = A * t29
+    t41 = np.swapaxes(t12, -1, -2)
+    t42 = t40 @ t41
+    t43 = t39 + t42
+    t44 = (1/math.sqrt(d_K)) * t43
+    t45 = t0 @ t44
+    t46 = np.swapaxes(t37, -1, -2)
+    t47 = t46 @ t1
+    t48 = np.swapaxes(t40, -1, -2)
+    t49 = t48 @ t9
+    t50 = t47 + t49
+    t51 = (1/math.sqrt(d_K)) * t50
+    t52 = t0 @ t51
+    t53 = np.swapaxes(t28, -1, -2)
     t54 = t53 @ G
     t55 = t0 @ t54
-    return (t44.mean(0), t51.mean(0), t55.mean(0),)
+    return (t45.mean(0), t52.mean(0), t55.mean(0),)
 
 
 def ce_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
@@ -14040,15 +14040,15 @@ def ce_causal1__hvp__full(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     t25 = np.swapaxes(t18, -1, -2)
     t26 = t24 @ t25
     t27 = t15 - (A * t15).sum(-1, keepdims=True)
-    t28 = t26 - (A * t26).sum(-1, keepdims=True)
-    t29 = A * t27 * t28
-    t30 = t29 - A * t29.sum(-1, keepdims=True)
-    t31 = np.swapaxes(V_W_V, -1, -2)
-    t32 = t31 @ t0
-    t33 = t24 @ t32
-    t34 = A * t27
-    t35 = t34 @ t18
-    t36 = np.swapaxes(t32, -1, -2)
+    t28 = A * t27
+    t29 = t26 - (A * t26).sum(-1, keepdims=True)
+    t30 = t28 * t29
+    t31 = t30 - A * t30.sum(-1, keepdims=True)
+    t32 = np.swapaxes(V_W_V, -1, -2)
+    t33 = t32 @ t0
+    t34 = t24 @ t33
+    t35 = t28 @ t18
+    t36 = np.swapaxes(t33, -1, -2)
     t37 = A @ t36
     t38 = t35 + t37
     t39 = t38 - (A21 * t38).sum(-1, keepdims=True)
@@ -14056,13 +14056,13 @@ def ce_causal1__hvp__full(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     t41 = t17 * t40
     t42 = t41 @ t25
     t43 = (1/(L*math.sqrt(d_K))) * t42
-    t44 = t33 + t43
+    t44 = t34 + t43
     t45 = t44 - (A * t44).sum(-1, keepdims=True)
     t46 = A * t45
-    t47 = t30 + t46
+    t47 = t31 + t46
     t48 = np.swapaxes(t3, -1, -2)
     t49 = t47 @ t48
-    t50 = A * t28
+    t50 = A * t29
     t51 = np.swapaxes(t12, -1, -2)
     t52 = t50 @ t51
     t53 = t49 + t52
@@ -14073,7 +14073,7 @@ def ce_causal1__hvp__full(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     t58 = t57 @ t9
     t59 = t56 + t58
     t60 = t0 @ t59
-    t61 = np.swapaxes(t34, -1, -2)
+    t61 = np.swapaxes(t28, -1, -2)
     t62 = (1/L) * t23
     t63 = t61 @ t62
     t64 = np.swapaxes(A, -1, -2)

@@ -55,7 +55,7 @@ def mse_bias0_residual0__gradient(X, W_1, W_2, Y):
     t9 = t2 * t8
     t10 = t0 @ t9
     t11 = np.swapaxes(t1, -1, -2)
-    t12 = (t11 * np.heaviside(t11, 0.0))
+    t12 = np.swapaxes(t3, -1, -2)
     t13 = t12 @ G
     return (t10.mean(0), t13.mean(0),)
 
@@ -83,7 +83,7 @@ def mse_bias0_residual0__hessian__outer(X, W_1, W_2, Y):
     t11 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
     t12 = np.reshape(t11, (d_ff, d_V, d_V, d_ff), copy=False)
     t13 = np.swapaxes(t3, -1, -2)
-    t14 = (t13 * np.heaviside(t13, 0.0))
+    t14 = np.swapaxes(t10, -1, -2)
     t15 = (2/(L*d_V*n_batch)) * t14
     t12[...] = oe.contract('abc,de,ace,acf->bdfe', t15, t5, t4, X, optimize=[(0, 2), (1, 2), (0, 1)])
     t16 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
@@ -118,7 +118,7 @@ def mse_bias0_residual0__hvp__outer(X, W_1, W_2, Y, V_W_1, V_W_2):
     t12 = t2 * t11
     t13 = t0 @ t12
     t14 = np.swapaxes(t1, -1, -2)
-    t15 = (t14 * np.heaviside(t14, 0.0))
+    t15 = np.swapaxes(t3, -1, -2)
     t16 = t15 @ t9
     return (t13.mean(0), t16.mean(0),)
 
@@ -140,7 +140,7 @@ def mse_bias0_residual0__frobenius_all__outer(X, W_1, W_2, Y):
     t8 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,ace,df,gbh,ghd,ghe,df->', t0, t2, t7, W_2, t0, t2, t7, W_2, optimize=[(3, 7), (0, 3), (1, 3), (3, 4), (0, 2), (1, 2), (0, 1)])
     t9 = np.sqrt(np.maximum(t8, 0.0))
     t10 = np.swapaxes(t1, -1, -2)
-    t11 = (t10 * np.heaviside(t10, 0.0))
+    t11 = np.swapaxes(t7, -1, -2)
     t12 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,ace,acf,gbh,de,ghe,ghf->', t11, t3, t2, X, t11, t3, t2, X, optimize=[(1, 5), (0, 3), (1, 3), (3, 4), (0, 2), (1, 2), (0, 1)])
     t13 = np.sqrt(np.maximum(t12, 0.0))
     t14 = t11 @ t7
@@ -260,7 +260,7 @@ def mse_bias0_residual0__diag__W_2__outer(X, W_1, W_2, Y):
     t3 = t1 @ t2
     t4 = (t3 * np.heaviside(t3, 0.0))
     t5 = np.swapaxes(t3, -1, -2)
-    t6 = (t5 * np.heaviside(t5, 0.0))
+    t6 = np.swapaxes(t4, -1, -2)
     t7 = t4 @ t6
     t8 = np.ones((d_V,), dtype=X.dtype)
     t9 = (2/(L*d_V*n_batch)) * t8
@@ -279,7 +279,7 @@ def mse_bias0_residual0__trace__W_2__outer(X, W_1, W_2, Y):
     t2 = t0 @ t1
     t3 = (t2 * np.heaviside(t2, 0.0))
     t4 = np.swapaxes(t2, -1, -2)
-    t5 = (t4 * np.heaviside(t4, 0.0))
+    t5 = np.swapaxes(t3, -1, -2)
     t6 = t3 @ t5
     return (2/(L*n_batch)) * oe.contract('abb->', t6, optimize=[(0,)])
 
@@ -298,9 +298,10 @@ def mse_bias0_residual0__block__W_2__W_1__outer(X, W_1, W_2, Y):
     t4 = (t3 * np.heaviside(t3, 0.0))
     t5 = np.swapaxes(W_2, -1, -2)
     t6 = np.swapaxes(t3, -1, -2)
-    t7 = np.heaviside(t6, 0.0)
-    t8 = (2/(L*d_V*n_batch)) * t4
-    t0[...] = oe.contract('abc,de,ace,acf->bdfe', t8, t5, t7, X, optimize=[(0, 2), (1, 2), (0, 1)])
+    t7 = np.heaviside(t3, 0.0)
+    t8 = np.swapaxes(t7, -1, -2)
+    t9 = (2/(L*d_V*n_batch)) * t4
+    t0[...] = oe.contract('abc,de,ace,acf->bdfe', t9, t5, t8, X, optimize=[(0, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -316,10 +317,11 @@ def mse_bias0_residual0__frobenius__W_2__W_1__outer(X, W_1, W_2, Y):
     t3 = (t2 * np.heaviside(t2, 0.0))
     t4 = np.swapaxes(W_2, -1, -2)
     t5 = np.swapaxes(t2, -1, -2)
-    t6 = np.heaviside(t5, 0.0)
-    t7 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,ace,acf,gbh,de,ghe,ghf->', t3, t4, t6, X, t3, t4, t6, X, optimize=[(1, 5), (0, 3), (1, 3), (3, 4), (0, 2), (1, 2), (0, 1)])
-    t8 = np.sqrt(np.maximum(t7, 0.0))
-    return t8
+    t6 = np.heaviside(t2, 0.0)
+    t7 = np.swapaxes(t6, -1, -2)
+    t8 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,ace,acf,gbh,de,ghe,ghf->', t3, t4, t7, X, t3, t4, t7, X, optimize=[(1, 5), (0, 3), (1, 3), (3, 4), (0, 2), (1, 2), (0, 1)])
+    t9 = np.sqrt(np.maximum(t8, 0.0))
+    return t9
 
 
 def mse_bias0_residual0__block__W_2__W_2__outer(X, W_1, W_2, Y):
@@ -337,7 +339,7 @@ def mse_bias0_residual0__block__W_2__W_2__outer(X, W_1, W_2, Y):
     t4 = t2 @ t3
     t5 = (t4 * np.heaviside(t4, 0.0))
     t6 = np.swapaxes(t4, -1, -2)
-    t7 = (t6 * np.heaviside(t6, 0.0))
+    t7 = np.swapaxes(t5, -1, -2)
     t8 = t5 @ t7
     t9 = np.ones((d_V,), dtype=X.dtype)
     t10 = (2/(L*d_V*n_batch)) * t9
@@ -356,7 +358,7 @@ def mse_bias0_residual0__frobenius__W_2__W_2__outer(X, W_1, W_2, Y):
     t2 = t0 @ t1
     t3 = (t2 * np.heaviside(t2, 0.0))
     t4 = np.swapaxes(t2, -1, -2)
-    t5 = (t4 * np.heaviside(t4, 0.0))
+    t5 = np.swapaxes(t3, -1, -2)
     t6 = t3 @ t5
     t7 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t6, t6, optimize=[(0, 1)])
     t8 = np.sqrt(np.maximum(t7, 0.0))
@@ -395,7 +397,7 @@ def mse_bias0_residual0__hessian__functional(X, W_1, W_2, Y):
     t16 = np.einsum('abca->abc', t15)
     t17 = np.swapaxes(G, -1, -2)
     t18 = np.swapaxes(t5, -1, -2)
-    t19 = np.heaviside(t18, 0.0)
+    t19 = np.swapaxes(t6, -1, -2)
     t20 = (1/n_batch) * t17
     t16 += oe.contract('abc,adc,ace->dbe', t20, t19, X, optimize=[(0, 1), (0, 1)])
     t21 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
@@ -423,7 +425,7 @@ def mse_bias0_residual0__hvp__functional(X, W_1, W_2, Y, V_W_1, V_W_2):
     t9 = t2 * t8
     t10 = t0 @ t9
     t11 = np.swapaxes(t1, -1, -2)
-    t12 = np.heaviside(t11, 0.0)
+    t12 = np.swapaxes(t2, -1, -2)
     t13 = np.swapaxes(V_W_1, -1, -2)
     t14 = t13 @ t0
     t15 = t12 * t14
@@ -450,7 +452,7 @@ def mse_bias0_residual0__frobenius_all__functional(X, W_1, W_2, Y):
     t8 = np.sqrt(np.maximum(t7, 0.0))
     t9 = np.swapaxes(G, -1, -2)
     t10 = np.swapaxes(t1, -1, -2)
-    t11 = np.heaviside(t10, 0.0)
+    t11 = np.swapaxes(t2, -1, -2)
     t12 = (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t9, t11, X, t9, t11, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
     t13 = np.sqrt(np.maximum(t12, 0.0))
     return (0.0, t8, t13, 0.0,)
@@ -581,9 +583,10 @@ def mse_bias0_residual0__block__W_2__W_1__functional(X, W_1, W_2, Y):
     G = t6
     t7 = np.swapaxes(G, -1, -2)
     t8 = np.swapaxes(t2, -1, -2)
-    t9 = np.heaviside(t8, 0.0)
-    t10 = (1/n_batch) * t7
-    t1 += oe.contract('abc,adc,ace->dbe', t10, t9, X, optimize=[(0, 1), (0, 1)])
+    t9 = np.heaviside(t2, 0.0)
+    t10 = np.swapaxes(t9, -1, -2)
+    t11 = (1/n_batch) * t7
+    t1 += oe.contract('abc,adc,ace->dbe', t11, t10, X, optimize=[(0, 1), (0, 1)])
     return out
 
 
@@ -602,10 +605,11 @@ def mse_bias0_residual0__frobenius__W_2__W_1__functional(X, W_1, W_2, Y):
     G = t4
     t5 = np.swapaxes(G, -1, -2)
     t6 = np.swapaxes(t0, -1, -2)
-    t7 = np.heaviside(t6, 0.0)
-    t8 = (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t5, t7, X, t5, t7, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t9 = np.sqrt(np.maximum(t8, 0.0))
-    return t9
+    t7 = np.heaviside(t0, 0.0)
+    t8 = np.swapaxes(t7, -1, -2)
+    t9 = (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t5, t8, X, t5, t8, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t10 = np.sqrt(np.maximum(t9, 0.0))
+    return t10
 
 
 def mse_bias0_residual0__block__W_2__W_2__functional(X, W_1, W_2, Y):
@@ -661,12 +665,12 @@ def mse_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     t18 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
     t19 = np.reshape(t18, (d_ff, d_V, d_V, d_ff), copy=False)
     t20 = np.swapaxes(t3, -1, -2)
-    t21 = (t20 * np.heaviside(t20, 0.0))
+    t21 = np.swapaxes(t10, -1, -2)
     t22 = (2/(L*d_V*n_batch)) * t21
     t19[...] = oe.contract('abc,de,ace,acf->bdfe', t22, t5, t4, X, optimize=[(0, 2), (1, 2), (0, 1)])
     t23 = np.einsum('abca->abc', t19)
     t24 = np.swapaxes(G, -1, -2)
-    t25 = np.heaviside(t20, 0.0)
+    t25 = np.swapaxes(t4, -1, -2)
     t26 = (1/n_batch) * t24
     t23 += oe.contract('abc,adc,ace->dbe', t26, t25, X, optimize=[(0, 1), (0, 1)])
     t27 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
@@ -708,9 +712,9 @@ def mse_bias0_residual0__hvp__full(X, W_1, W_2, Y, V_W_1, V_W_2):
     t18 = t17 * t4
     t19 = t0 @ t18
     t20 = np.swapaxes(t1, -1, -2)
-    t21 = (t20 * np.heaviside(t20, 0.0))
+    t21 = np.swapaxes(t2, -1, -2)
     t22 = t21 @ t9
-    t23 = np.heaviside(t20, 0.0)
+    t23 = np.swapaxes(t4, -1, -2)
     t24 = np.swapaxes(t5, -1, -2)
     t25 = t23 * t24
     t26 = t25 @ t14
@@ -740,9 +744,9 @@ def mse_bias0_residual0__frobenius_all__full(X, W_1, W_2, Y):
     t11 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,ace,df,gbh,ghd,ghe,df->', t0, t2, t7, W_2, t0, t2, t7, W_2, optimize=[(3, 7), (0, 3), (1, 3), (3, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abc,acd,acd,de,fbg,fgd,fge->', t0, t2, t7, W_2, t0, t2, G, optimize=[(1, 2), (0, 2), (0, 2), (0, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acd,ace,fbg,fgd,fge->', t0, t2, G, t0, t2, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
     t12 = np.sqrt(np.maximum(t11, 0.0))
     t13 = np.swapaxes(t1, -1, -2)
-    t14 = (t13 * np.heaviside(t13, 0.0))
+    t14 = np.swapaxes(t7, -1, -2)
     t15 = np.swapaxes(G, -1, -2)
-    t16 = np.heaviside(t13, 0.0)
+    t16 = np.swapaxes(t2, -1, -2)
     t17 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,ace,acf,gbh,de,ghe,ghf->', t14, t3, t2, X, t14, t3, t2, X, optimize=[(1, 5), (0, 3), (1, 3), (3, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abc,db,acb,ace,fdg,fbg,fge->', t14, t3, t2, X, t15, t16, X, optimize=[(0, 2), (0, 2), (1, 4), (0, 1), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t15, t16, X, t15, t16, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
     t18 = np.sqrt(np.maximum(t17, 0.0))
     t19 = t14 @ t7
@@ -877,7 +881,7 @@ def mse_bias0_residual0__diag__W_2__full(X, W_1, W_2, Y):
     t3 = t1 @ t2
     t4 = (t3 * np.heaviside(t3, 0.0))
     t5 = np.swapaxes(t3, -1, -2)
-    t6 = (t5 * np.heaviside(t5, 0.0))
+    t6 = np.swapaxes(t4, -1, -2)
     t7 = t4 @ t6
     t8 = np.ones((d_V,), dtype=X.dtype)
     t9 = (2/(L*d_V*n_batch)) * t8
@@ -896,7 +900,7 @@ def mse_bias0_residual0__trace__W_2__full(X, W_1, W_2, Y):
     t2 = t0 @ t1
     t3 = (t2 * np.heaviside(t2, 0.0))
     t4 = np.swapaxes(t2, -1, -2)
-    t5 = (t4 * np.heaviside(t4, 0.0))
+    t5 = np.swapaxes(t3, -1, -2)
     t6 = t3 @ t5
     return (2/(L*n_batch)) * oe.contract('abb->', t6, optimize=[(0,)])
 
@@ -915,20 +919,20 @@ def mse_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
     t4 = (t3 * np.heaviside(t3, 0.0))
     t5 = np.swapaxes(W_2, -1, -2)
     t6 = np.swapaxes(t3, -1, -2)
-    t7 = np.heaviside(t6, 0.0)
-    t8 = (2/(L*d_V*n_batch)) * t4
-    t0[...] = oe.contract('abc,de,ace,acf->bdfe', t8, t5, t7, X, optimize=[(0, 2), (1, 2), (0, 1)])
-    t9 = np.einsum('abca->abc', t0)
-    t10 = (t6 * np.heaviside(t6, 0.0))
-    t11 = t10 @ W_2
-    F = t11
-    t12 = F - Y
-    t13 = (2/(L*d_V)) * t12
-    G = t13
-    t14 = np.swapaxes(G, -1, -2)
-    t15 = np.heaviside(t3, 0.0)
-    t16 = (1/n_batch) * t14
-    t9 += oe.contract('abc,adc,ace->dbe', t16, t15, X, optimize=[(0, 1), (0, 1)])
+    t7 = np.heaviside(t3, 0.0)
+    t8 = np.swapaxes(t7, -1, -2)
+    t9 = (2/(L*d_V*n_batch)) * t4
+    t0[...] = oe.contract('abc,de,ace,acf->bdfe', t9, t5, t8, X, optimize=[(0, 2), (1, 2), (0, 1)])
+    t10 = np.einsum('abca->abc', t0)
+    t11 = np.swapaxes(t4, -1, -2)
+    t12 = t11 @ W_2
+    F = t12
+    t13 = F - Y
+    t14 = (2/(L*d_V)) * t13
+    G = t14
+    t15 = np.swapaxes(G, -1, -2)
+    t16 = (1/n_batch) * t15
+    t10 += oe.contract('abc,adc,ace->dbe', t16, t7, X, optimize=[(0, 1), (0, 1)])
     return out
 
 
@@ -944,16 +948,16 @@ def mse_bias0_residual0__frobenius__W_2__W_1__full(X, W_1, W_2, Y):
     t3 = (t2 * np.heaviside(t2, 0.0))
     t4 = np.swapaxes(W_2, -1, -2)
     t5 = np.swapaxes(t2, -1, -2)
-    t6 = np.heaviside(t5, 0.0)
-    t7 = (t5 * np.heaviside(t5, 0.0))
-    t8 = t7 @ W_2
-    F = t8
-    t9 = F - Y
-    t10 = (2/(L*d_V)) * t9
-    G = t10
-    t11 = np.swapaxes(G, -1, -2)
-    t12 = np.heaviside(t2, 0.0)
-    t13 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,ace,acf,gbh,de,ghe,ghf->', t3, t4, t6, X, t3, t4, t6, X, optimize=[(1, 5), (0, 3), (1, 3), (3, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abc,db,acb,ace,fdg,fbg,fge->', t3, t4, t6, X, t11, t12, X, optimize=[(0, 2), (0, 2), (1, 4), (0, 1), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t11, t12, X, t11, t12, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t6 = np.heaviside(t2, 0.0)
+    t7 = np.swapaxes(t6, -1, -2)
+    t8 = np.swapaxes(t3, -1, -2)
+    t9 = t8 @ W_2
+    F = t9
+    t10 = F - Y
+    t11 = (2/(L*d_V)) * t10
+    G = t11
+    t12 = np.swapaxes(G, -1, -2)
+    t13 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,ace,acf,gbh,de,ghe,ghf->', t3, t4, t7, X, t3, t4, t7, X, optimize=[(1, 5), (0, 3), (1, 3), (3, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abc,db,acb,ace,fdg,fbg,fge->', t3, t4, t7, X, t12, t6, X, optimize=[(0, 2), (0, 2), (1, 4), (0, 1), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t12, t6, X, t12, t6, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
     t14 = np.sqrt(np.maximum(t13, 0.0))
     return t14
 
@@ -973,7 +977,7 @@ def mse_bias0_residual0__block__W_2__W_2__full(X, W_1, W_2, Y):
     t4 = t2 @ t3
     t5 = (t4 * np.heaviside(t4, 0.0))
     t6 = np.swapaxes(t4, -1, -2)
-    t7 = (t6 * np.heaviside(t6, 0.0))
+    t7 = np.swapaxes(t5, -1, -2)
     t8 = t5 @ t7
     t9 = np.ones((d_V,), dtype=X.dtype)
     t10 = (2/(L*d_V*n_batch)) * t9
@@ -992,7 +996,7 @@ def mse_bias0_residual0__frobenius__W_2__W_2__full(X, W_1, W_2, Y):
     t2 = t0 @ t1
     t3 = (t2 * np.heaviside(t2, 0.0))
     t4 = np.swapaxes(t2, -1, -2)
-    t5 = (t4 * np.heaviside(t4, 0.0))
+    t5 = np.swapaxes(t3, -1, -2)
     t6 = t3 @ t5
     t7 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t6, t6, optimize=[(0, 1)])
     t8 = np.sqrt(np.maximum(t7, 0.0))
@@ -1054,20 +1058,20 @@ def mse_bias0_residual0__frobenius_split__W_2__W_1(X, W_1, W_2, Y):
     t3 = (t2 * np.heaviside(t2, 0.0))
     t4 = np.swapaxes(W_2, -1, -2)
     t5 = np.swapaxes(t2, -1, -2)
-    t6 = np.heaviside(t5, 0.0)
-    t7 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,ace,acf,gbh,de,ghe,ghf->', t3, t4, t6, X, t3, t4, t6, X, optimize=[(1, 5), (0, 3), (1, 3), (3, 4), (0, 2), (1, 2), (0, 1)])
-    t8 = (t5 * np.heaviside(t5, 0.0))
-    t9 = t8 @ W_2
-    F = t9
-    t10 = F - Y
-    t11 = (2/(L*d_V)) * t10
-    G = t11
-    t12 = np.swapaxes(G, -1, -2)
-    t13 = np.heaviside(t2, 0.0)
-    t14 = (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t12, t13, X, t12, t13, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t15 = (4/(L*d_V*n_batch**2)) * oe.contract('abc,db,acb,ace,fdg,fbg,fge->', t3, t4, t6, X, t12, t13, X, optimize=[(0, 2), (0, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
-    t16 = t7 + t14 + t15
-    t17 = np.sqrt(np.maximum(t7, 0.0))
+    t6 = np.heaviside(t2, 0.0)
+    t7 = np.swapaxes(t6, -1, -2)
+    t8 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,ace,acf,gbh,de,ghe,ghf->', t3, t4, t7, X, t3, t4, t7, X, optimize=[(1, 5), (0, 3), (1, 3), (3, 4), (0, 2), (1, 2), (0, 1)])
+    t9 = np.swapaxes(t3, -1, -2)
+    t10 = t9 @ W_2
+    F = t10
+    t11 = F - Y
+    t12 = (2/(L*d_V)) * t11
+    G = t12
+    t13 = np.swapaxes(G, -1, -2)
+    t14 = (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t13, t6, X, t13, t6, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t15 = (4/(L*d_V*n_batch**2)) * oe.contract('abc,db,acb,ace,fdg,fbg,fge->', t3, t4, t7, X, t13, t6, X, optimize=[(0, 2), (0, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
+    t16 = t8 + t14 + t15
+    t17 = np.sqrt(np.maximum(t8, 0.0))
     t18 = np.sqrt(np.maximum(t14, 0.0))
     t19 = np.sqrt(np.maximum(t16, 0.0))
     return (t17, t18, t19,)
@@ -1084,7 +1088,7 @@ def mse_bias0_residual0__frobenius_split__W_2__W_2(X, W_1, W_2, Y):
     t2 = t0 @ t1
     t3 = (t2 * np.heaviside(t2, 0.0))
     t4 = np.swapaxes(t2, -1, -2)
-    t5 = (t4 * np.heaviside(t4, 0.0))
+    t5 = np.swapaxes(t3, -1, -2)
     t6 = t3 @ t5
     t7 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t6, t6, optimize=[(0, 1)])
     t8 = t7 + 0.0 + 0.0
@@ -1196,7 +1200,7 @@ def ce_bias0_residual0__gradient(X, W_1, W_2, Y):
     t13 = t2 * t12
     t14 = t0 @ t13
     t15 = np.swapaxes(t1, -1, -2)
-    t16 = (t15 * np.heaviside(t15, 0.0))
+    t16 = np.swapaxes(t5, -1, -2)
     t17 = t16 @ G
     return (t14.mean(0), t17.mean(0),)
 
@@ -1235,7 +1239,7 @@ def ce_bias0_residual0__hessian__outer(X, W_1, W_2, Y):
     t19 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
     t20 = np.reshape(t19, (d_ff, d_V, d_V, d_ff), copy=False)
     t21 = np.swapaxes(t3, -1, -2)
-    t22 = (t21 * np.heaviside(t21, 0.0))
+    t22 = np.swapaxes(t7, -1, -2)
     t23 = (1/(L*n_batch)) * t22
     t24 = oe.contract('abc,acd,acde,ef,acf->bdfac', t23, t6, dA, t11, t4, optimize=[(2, 3), (0, 1), (0, 1), (0, 1)])
     t20[...] = oe.contract('abcde,fde->abfc', t24, t14, optimize=[(0, 1)])
@@ -1274,7 +1278,7 @@ def ce_bias0_residual0__hvp__outer(X, W_1, W_2, Y, V_W_1, V_W_2):
     t19 = t0 @ t18
     t20 = (1/L) * t19
     t21 = np.swapaxes(t1, -1, -2)
-    t22 = (t21 * np.heaviside(t21, 0.0))
+    t22 = np.swapaxes(t5, -1, -2)
     t23 = t22 @ t15
     t24 = (1/L) * t23
     return (t20.mean(0), t24.mean(0),)
@@ -1304,7 +1308,7 @@ def ce_bias0_residual0__frobenius_all__outer(X, W_1, W_2, Y):
     t12 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acef,acg,hbi,hid,dj,hij,hijf,hig->', t0, t2, W_2, t4, dA, t5, t0, t2, W_2, t4, dA, t5, optimize=[(3, 4), (7, 8), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)])
     t13 = np.sqrt(np.maximum(t12, 0.0))
     t14 = np.swapaxes(t1, -1, -2)
-    t15 = (t14 * np.heaviside(t14, 0.0))
+    t15 = np.swapaxes(t5, -1, -2)
     t16 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acf,acg,hbi,hid,hidj,jf,hif,hig->', t15, t4, dA, t9, t2, X, t15, t4, dA, t9, t2, X, optimize=[(1, 2), (5, 6), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)])
     t17 = np.sqrt(np.maximum(t16, 0.0))
     t18 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t15, t4, dA, t5, t15, t4, dA, t5, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
@@ -1477,7 +1481,7 @@ def ce_bias0_residual0__diag__W_2__outer(X, W_1, W_2, Y):
     t5 = Y.sum(-1, keepdims=True)
     t6 = np.broadcast_to(t5, t5.shape[:-1] + (d_V,))
     t7 = np.swapaxes(t3, -1, -2)
-    t8 = (t7 * np.heaviside(t7, 0.0))
+    t8 = np.swapaxes(t4, -1, -2)
     t9 = t8 @ W_2
     t10 = np.exp(t9 - t9.max(-1, keepdims=True))
     A = t10 / t10.sum(-1, keepdims=True)
@@ -1504,7 +1508,7 @@ def ce_bias0_residual0__trace__W_2__outer(X, W_1, W_2, Y):
     t4 = Y.sum(-1, keepdims=True)
     t5 = np.broadcast_to(t4, t4.shape[:-1] + (d_V,))
     t6 = np.swapaxes(t2, -1, -2)
-    t7 = (t6 * np.heaviside(t6, 0.0))
+    t7 = np.swapaxes(t3, -1, -2)
     t8 = t7 @ W_2
     t9 = np.exp(t8 - t8.max(-1, keepdims=True))
     A = t9 / t9.sum(-1, keepdims=True)
@@ -1529,7 +1533,7 @@ def ce_bias0_residual0__block__W_2__W_1__outer(X, W_1, W_2, Y):
     t5 = Y.sum(-1, keepdims=True)
     t6 = np.broadcast_to(t5, t5.shape[:-1] + (d_V,))
     t7 = np.swapaxes(t3, -1, -2)
-    t8 = (t7 * np.heaviside(t7, 0.0))
+    t8 = np.swapaxes(t4, -1, -2)
     t9 = t8 @ W_2
     t10 = np.exp(t9 - t9.max(-1, keepdims=True))
     A = t10 / t10.sum(-1, keepdims=True)
@@ -1537,11 +1541,12 @@ def ce_bias0_residual0__block__W_2__W_1__outer(X, W_1, W_2, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     t12 = np.swapaxes(W_2, -1, -2)
-    t13 = np.heaviside(t7, 0.0)
-    t14 = (1/(L*n_batch)) * t4
-    t15 = oe.contract('abc,acd,acde,ef,acf->bdfac', t14, t6, dA, t12, t13, optimize=[(2, 3), (0, 1), (0, 1), (0, 1)])
-    t16 = oe.contract('abc->cab', X, optimize=[(0,)])
-    t0[...] = oe.contract('abcde,fde->abfc', t15, t16, optimize=[(0, 1)])
+    t13 = np.heaviside(t3, 0.0)
+    t14 = np.swapaxes(t13, -1, -2)
+    t15 = (1/(L*n_batch)) * t4
+    t16 = oe.contract('abc,acd,acde,ef,acf->bdfac', t15, t6, dA, t12, t14, optimize=[(2, 3), (0, 1), (0, 1), (0, 1)])
+    t17 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t0[...] = oe.contract('abcde,fde->abfc', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -1558,7 +1563,7 @@ def ce_bias0_residual0__frobenius__W_2__W_1__outer(X, W_1, W_2, Y):
     t4 = Y.sum(-1, keepdims=True)
     t5 = np.broadcast_to(t4, t4.shape[:-1] + (d_V,))
     t6 = np.swapaxes(t2, -1, -2)
-    t7 = (t6 * np.heaviside(t6, 0.0))
+    t7 = np.swapaxes(t3, -1, -2)
     t8 = t7 @ W_2
     t9 = np.exp(t8 - t8.max(-1, keepdims=True))
     A = t9 / t9.sum(-1, keepdims=True)
@@ -1566,10 +1571,11 @@ def ce_bias0_residual0__frobenius__W_2__W_1__outer(X, W_1, W_2, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     t11 = np.swapaxes(W_2, -1, -2)
-    t12 = np.heaviside(t6, 0.0)
-    t13 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acf,acg,hbi,hid,hidj,jf,hif,hig->', t3, t5, dA, t11, t12, X, t3, t5, dA, t11, t12, X, optimize=[(1, 2), (5, 6), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)])
-    t14 = np.sqrt(np.maximum(t13, 0.0))
-    return t14
+    t12 = np.heaviside(t2, 0.0)
+    t13 = np.swapaxes(t12, -1, -2)
+    t14 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acf,acg,hbi,hid,hidj,jf,hif,hig->', t3, t5, dA, t11, t13, X, t3, t5, dA, t11, t13, X, optimize=[(1, 2), (5, 6), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)])
+    t15 = np.sqrt(np.maximum(t14, 0.0))
+    return t15
 
 
 def ce_bias0_residual0__block__W_2__W_2__outer(X, W_1, W_2, Y):
@@ -1587,7 +1593,7 @@ def ce_bias0_residual0__block__W_2__W_2__outer(X, W_1, W_2, Y):
     t5 = Y.sum(-1, keepdims=True)
     t6 = np.broadcast_to(t5, t5.shape[:-1] + (d_V,))
     t7 = np.swapaxes(t3, -1, -2)
-    t8 = (t7 * np.heaviside(t7, 0.0))
+    t8 = np.swapaxes(t4, -1, -2)
     t9 = t8 @ W_2
     t10 = np.exp(t9 - t9.max(-1, keepdims=True))
     A = t10 / t10.sum(-1, keepdims=True)
@@ -1612,7 +1618,7 @@ def ce_bias0_residual0__frobenius__W_2__W_2__outer(X, W_1, W_2, Y):
     t4 = Y.sum(-1, keepdims=True)
     t5 = np.broadcast_to(t4, t4.shape[:-1] + (d_V,))
     t6 = np.swapaxes(t2, -1, -2)
-    t7 = (t6 * np.heaviside(t6, 0.0))
+    t7 = np.swapaxes(t3, -1, -2)
     t8 = t7 @ W_2
     t9 = np.exp(t8 - t8.max(-1, keepdims=True))
     A = t9 / t9.sum(-1, keepdims=True)
@@ -1661,7 +1667,7 @@ def ce_bias0_residual0__hessian__functional(X, W_1, W_2, Y):
     t20 = np.einsum('abca->abc', t19)
     t21 = np.swapaxes(G, -1, -2)
     t22 = np.swapaxes(t5, -1, -2)
-    t23 = np.heaviside(t22, 0.0)
+    t23 = np.swapaxes(t6, -1, -2)
     t24 = (1/n_batch) * t21
     t20 += oe.contract('abc,adc,ace->dbe', t24, t23, X, optimize=[(0, 1), (0, 1)])
     t25 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
@@ -1694,7 +1700,7 @@ def ce_bias0_residual0__hvp__functional(X, W_1, W_2, Y, V_W_1, V_W_2):
     t13 = t2 * t12
     t14 = t0 @ t13
     t15 = np.swapaxes(t1, -1, -2)
-    t16 = np.heaviside(t15, 0.0)
+    t16 = np.swapaxes(t2, -1, -2)
     t17 = np.swapaxes(V_W_1, -1, -2)
     t18 = t17 @ t0
     t19 = t16 * t18
@@ -1726,7 +1732,7 @@ def ce_bias0_residual0__frobenius_all__functional(X, W_1, W_2, Y):
     t12 = np.sqrt(np.maximum(t11, 0.0))
     t13 = np.swapaxes(G, -1, -2)
     t14 = np.swapaxes(t1, -1, -2)
-    t15 = np.heaviside(t14, 0.0)
+    t15 = np.swapaxes(t2, -1, -2)
     t16 = (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t13, t15, X, t13, t15, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
     t17 = np.sqrt(np.maximum(t16, 0.0))
     return (0.0, t12, t17, 0.0,)
@@ -1872,9 +1878,10 @@ def ce_bias0_residual0__block__W_2__W_1__functional(X, W_1, W_2, Y):
     G = t10
     t11 = np.swapaxes(G, -1, -2)
     t12 = np.swapaxes(t4, -1, -2)
-    t13 = np.heaviside(t12, 0.0)
-    t14 = (1/n_batch) * t11
-    t1 += oe.contract('abc,adc,ace->dbe', t14, t13, X, optimize=[(0, 1), (0, 1)])
+    t13 = np.heaviside(t4, 0.0)
+    t14 = np.swapaxes(t13, -1, -2)
+    t15 = (1/n_batch) * t11
+    t1 += oe.contract('abc,adc,ace->dbe', t15, t14, X, optimize=[(0, 1), (0, 1)])
     return out
 
 
@@ -1898,10 +1905,11 @@ def ce_bias0_residual0__frobenius__W_2__W_1__functional(X, W_1, W_2, Y):
     G = t8
     t9 = np.swapaxes(G, -1, -2)
     t10 = np.swapaxes(t2, -1, -2)
-    t11 = np.heaviside(t10, 0.0)
-    t12 = (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t9, t11, X, t9, t11, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t13 = np.sqrt(np.maximum(t12, 0.0))
-    return t13
+    t11 = np.heaviside(t2, 0.0)
+    t12 = np.swapaxes(t11, -1, -2)
+    t13 = (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t9, t12, X, t9, t12, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t14 = np.sqrt(np.maximum(t13, 0.0))
+    return t14
 
 
 def ce_bias0_residual0__block__W_2__W_2__functional(X, W_1, W_2, Y):
@@ -1970,13 +1978,13 @@ def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     t28 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
     t29 = np.reshape(t28, (d_ff, d_V, d_V, d_ff), copy=False)
     t30 = np.swapaxes(t3, -1, -2)
-    t31 = (t30 * np.heaviside(t30, 0.0))
+    t31 = np.swapaxes(t7, -1, -2)
     t32 = (1/(L*n_batch)) * t31
     t33 = oe.contract('abc,acd,acde,ef,acf->bdfac', t32, t6, dA, t11, t4, optimize=[(2, 3), (0, 1), (0, 1), (0, 1)])
     t29[...] = oe.contract('abcde,fde->abfc', t33, t14, optimize=[(0, 1)])
     t34 = np.einsum('abca->abc', t29)
     t35 = np.swapaxes(G, -1, -2)
-    t36 = np.heaviside(t30, 0.0)
+    t36 = np.swapaxes(t4, -1, -2)
     t37 = (1/n_batch) * t35
     t34 += oe.contract('abc,adc,ace->dbe', t37, t36, X, optimize=[(0, 1), (0, 1)])
     t38 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
@@ -2021,10 +2029,10 @@ def ce_bias0_residual0__hvp__full(X, W_1, W_2, Y, V_W_1, V_W_2):
     t25 = t24 * t13
     t26 = t0 @ t25
     t27 = np.swapaxes(t3, -1, -2)
-    t28 = (t27 * np.heaviside(t27, 0.0))
+    t28 = np.swapaxes(t4, -1, -2)
     t29 = t28 @ t20
     t30 = (1/L) * t29
-    t31 = np.heaviside(t27, 0.0)
+    t31 = np.swapaxes(t13, -1, -2)
     t32 = np.swapaxes(t14, -1, -2)
     t33 = t31 * t32
     t34 = t33 @ t9
@@ -2063,9 +2071,9 @@ def ce_bias0_residual0__frobenius_all__full(X, W_1, W_2, Y):
     t17 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acef,acg,hbi,hid,dj,hij,hijf,hig->', t0, t2, W_2, t4, dA, t5, t0, t2, W_2, t4, dA, t5, optimize=[(3, 4), (7, 8), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abc,acd,de,ace,acef,acd,gbh,ghd,ghf->', t0, t2, W_2, t4, dA, t5, t0, t2, G, optimize=[(1, 5), (2, 3), (0, 2), (2, 4), (0, 4), (0, 3), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acd,ace,fbg,fgd,fge->', t0, t2, G, t0, t2, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
     t18 = np.sqrt(np.maximum(t17, 0.0))
     t19 = np.swapaxes(t1, -1, -2)
-    t20 = (t19 * np.heaviside(t19, 0.0))
+    t20 = np.swapaxes(t5, -1, -2)
     t21 = np.swapaxes(G, -1, -2)
-    t22 = np.heaviside(t19, 0.0)
+    t22 = np.swapaxes(t2, -1, -2)
     t23 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acf,acg,hbi,hid,hidj,jf,hif,hig->', t20, t4, dA, t9, t2, X, t20, t4, dA, t9, t2, X, optimize=[(1, 2), (5, 6), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abc,acd,acde,eb,acb,acf,gdh,gbh,ghf->', t20, t4, dA, t9, t2, X, t21, t22, X, optimize=[(0, 4), (0, 1), (0, 6), (0, 3), (0, 3), (0, 3), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t21, t22, X, t21, t22, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
     t24 = np.sqrt(np.maximum(t23, 0.0))
     t25 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t20, t4, dA, t5, t20, t4, dA, t5, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
@@ -2257,7 +2265,7 @@ def ce_bias0_residual0__diag__W_2__full(X, W_1, W_2, Y):
     t5 = Y.sum(-1, keepdims=True)
     t6 = np.broadcast_to(t5, t5.shape[:-1] + (d_V,))
     t7 = np.swapaxes(t3, -1, -2)
-    t8 = (t7 * np.heaviside(t7, 0.0))
+    t8 = np.swapaxes(t4, -1, -2)
     t9 = t8 @ W_2
     t10 = np.exp(t9 - t9.max(-1, keepdims=True))
     A = t10 / t10.sum(-1, keepdims=True)
@@ -2284,7 +2292,7 @@ def ce_bias0_residual0__trace__W_2__full(X, W_1, W_2, Y):
     t4 = Y.sum(-1, keepdims=True)
     t5 = np.broadcast_to(t4, t4.shape[:-1] + (d_V,))
     t6 = np.swapaxes(t2, -1, -2)
-    t7 = (t6 * np.heaviside(t6, 0.0))
+    t7 = np.swapaxes(t3, -1, -2)
     t8 = t7 @ W_2
     t9 = np.exp(t8 - t8.max(-1, keepdims=True))
     A = t9 / t9.sum(-1, keepdims=True)
@@ -2309,7 +2317,7 @@ def ce_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
     t5 = Y.sum(-1, keepdims=True)
     t6 = np.broadcast_to(t5, t5.shape[:-1] + (d_V,))
     t7 = np.swapaxes(t3, -1, -2)
-    t8 = (t7 * np.heaviside(t7, 0.0))
+    t8 = np.swapaxes(t4, -1, -2)
     t9 = t8 @ W_2
     t10 = np.exp(t9 - t9.max(-1, keepdims=True))
     A = t10 / t10.sum(-1, keepdims=True)
@@ -2317,23 +2325,23 @@ def ce_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     t12 = np.swapaxes(W_2, -1, -2)
-    t13 = np.heaviside(t7, 0.0)
-    t14 = (1/(L*n_batch)) * t4
-    t15 = oe.contract('abc,acd,acde,ef,acf->bdfac', t14, t6, dA, t12, t13, optimize=[(2, 3), (0, 1), (0, 1), (0, 1)])
-    t16 = oe.contract('abc->cab', X, optimize=[(0,)])
-    t0[...] = oe.contract('abcde,fde->abfc', t15, t16, optimize=[(0, 1)])
-    t17 = np.einsum('abca->abc', t0)
+    t13 = np.heaviside(t3, 0.0)
+    t14 = np.swapaxes(t13, -1, -2)
+    t15 = (1/(L*n_batch)) * t4
+    t16 = oe.contract('abc,acd,acde,ef,acf->bdfac', t15, t6, dA, t12, t14, optimize=[(2, 3), (0, 1), (0, 1), (0, 1)])
+    t17 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t0[...] = oe.contract('abcde,fde->abfc', t16, t17, optimize=[(0, 1)])
+    t18 = np.einsum('abca->abc', t0)
     F = t9
-    t18 = np.exp(F - F.max(-1, keepdims=True))
-    A19 = t18 / t18.sum(-1, keepdims=True)
-    t20 = t6 * A19
-    t21 = t20 - Y
-    t22 = (1/L) * t21
-    G = t22
-    t23 = np.swapaxes(G, -1, -2)
-    t24 = np.heaviside(t3, 0.0)
-    t25 = (1/n_batch) * t23
-    t17 += oe.contract('abc,adc,ace->dbe', t25, t24, X, optimize=[(0, 1), (0, 1)])
+    t19 = np.exp(F - F.max(-1, keepdims=True))
+    A20 = t19 / t19.sum(-1, keepdims=True)
+    t21 = t6 * A20
+    t22 = t21 - Y
+    t23 = (1/L) * t22
+    G = t23
+    t24 = np.swapaxes(G, -1, -2)
+    t25 = (1/n_batch) * t24
+    t18 += oe.contract('abc,adc,ace->dbe', t25, t13, X, optimize=[(0, 1), (0, 1)])
     return out
 
 
@@ -2350,7 +2358,7 @@ def ce_bias0_residual0__frobenius__W_2__W_1__full(X, W_1, W_2, Y):
     t4 = Y.sum(-1, keepdims=True)
     t5 = np.broadcast_to(t4, t4.shape[:-1] + (d_V,))
     t6 = np.swapaxes(t2, -1, -2)
-    t7 = (t6 * np.heaviside(t6, 0.0))
+    t7 = np.swapaxes(t3, -1, -2)
     t8 = t7 @ W_2
     t9 = np.exp(t8 - t8.max(-1, keepdims=True))
     A = t9 / t9.sum(-1, keepdims=True)
@@ -2358,17 +2366,17 @@ def ce_bias0_residual0__frobenius__W_2__W_1__full(X, W_1, W_2, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     t11 = np.swapaxes(W_2, -1, -2)
-    t12 = np.heaviside(t6, 0.0)
+    t12 = np.heaviside(t2, 0.0)
+    t13 = np.swapaxes(t12, -1, -2)
     F = t8
-    t13 = np.exp(F - F.max(-1, keepdims=True))
-    A14 = t13 / t13.sum(-1, keepdims=True)
-    t15 = t5 * A14
-    t16 = t15 - Y
-    t17 = (1/L) * t16
-    G = t17
-    t18 = np.swapaxes(G, -1, -2)
-    t19 = np.heaviside(t2, 0.0)
-    t20 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acf,acg,hbi,hid,hidj,jf,hif,hig->', t3, t5, dA, t11, t12, X, t3, t5, dA, t11, t12, X, optimize=[(1, 2), (5, 6), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abc,acd,acde,eb,acb,acf,gdh,gbh,ghf->', t3, t5, dA, t11, t12, X, t18, t19, X, optimize=[(0, 4), (0, 1), (0, 6), (0, 3), (0, 3), (0, 3), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t18, t19, X, t18, t19, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t14 = np.exp(F - F.max(-1, keepdims=True))
+    A15 = t14 / t14.sum(-1, keepdims=True)
+    t16 = t5 * A15
+    t17 = t16 - Y
+    t18 = (1/L) * t17
+    G = t18
+    t19 = np.swapaxes(G, -1, -2)
+    t20 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acf,acg,hbi,hid,hidj,jf,hif,hig->', t3, t5, dA, t11, t13, X, t3, t5, dA, t11, t13, X, optimize=[(1, 2), (5, 6), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abc,acd,acde,eb,acb,acf,gdh,gbh,ghf->', t3, t5, dA, t11, t13, X, t19, t12, X, optimize=[(0, 4), (0, 1), (0, 6), (0, 3), (0, 3), (0, 3), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t19, t12, X, t19, t12, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
     t21 = np.sqrt(np.maximum(t20, 0.0))
     return t21
 
@@ -2388,7 +2396,7 @@ def ce_bias0_residual0__block__W_2__W_2__full(X, W_1, W_2, Y):
     t5 = Y.sum(-1, keepdims=True)
     t6 = np.broadcast_to(t5, t5.shape[:-1] + (d_V,))
     t7 = np.swapaxes(t3, -1, -2)
-    t8 = (t7 * np.heaviside(t7, 0.0))
+    t8 = np.swapaxes(t4, -1, -2)
     t9 = t8 @ W_2
     t10 = np.exp(t9 - t9.max(-1, keepdims=True))
     A = t10 / t10.sum(-1, keepdims=True)
@@ -2413,7 +2421,7 @@ def ce_bias0_residual0__frobenius__W_2__W_2__full(X, W_1, W_2, Y):
     t4 = Y.sum(-1, keepdims=True)
     t5 = np.broadcast_to(t4, t4.shape[:-1] + (d_V,))
     t6 = np.swapaxes(t2, -1, -2)
-    t7 = (t6 * np.heaviside(t6, 0.0))
+    t7 = np.swapaxes(t3, -1, -2)
     t8 = t7 @ W_2
     t9 = np.exp(t8 - t8.max(-1, keepdims=True))
     A = t9 / t9.sum(-1, keepdims=True)
@@ -2499,7 +2507,7 @@ def ce_bias0_residual0__frobenius_split__W_2__W_1(X, W_1, W_2, Y):
     t4 = Y.sum(-1, keepdims=True)
     t5 = np.broadcast_to(t4, t4.shape[:-1] + (d_V,))
     t6 = np.swapaxes(t2, -1, -2)
-    t7 = (t6 * np.heaviside(t6, 0.0))
+    t7 = np.swapaxes(t3, -1, -2)
     t8 = t7 @ W_2
     t9 = np.exp(t8 - t8.max(-1, keepdims=True))
     A = t9 / t9.sum(-1, keepdims=True)
@@ -2507,21 +2515,21 @@ def ce_bias0_residual0__frobenius_split__W_2__W_1(X, W_1, W_2, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     t11 = np.swapaxes(W_2, -1, -2)
-    t12 = np.heaviside(t6, 0.0)
-    t13 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acf,acg,hbi,hid,hidj,jf,hif,hig->', t3, t5, dA, t11, t12, X, t3, t5, dA, t11, t12, X, optimize=[(1, 2), (5, 6), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)])
+    t12 = np.heaviside(t2, 0.0)
+    t13 = np.swapaxes(t12, -1, -2)
+    t14 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acf,acg,hbi,hid,hidj,jf,hif,hig->', t3, t5, dA, t11, t13, X, t3, t5, dA, t11, t13, X, optimize=[(1, 2), (5, 6), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)])
     F = t8
-    t14 = np.exp(F - F.max(-1, keepdims=True))
-    A15 = t14 / t14.sum(-1, keepdims=True)
-    t16 = t5 * A15
-    t17 = t16 - Y
-    t18 = (1/L) * t17
-    G = t18
-    t19 = np.swapaxes(G, -1, -2)
-    t20 = np.heaviside(t2, 0.0)
-    t21 = (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t19, t20, X, t19, t20, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t22 = (2/(L*n_batch**2)) * oe.contract('abc,acd,acde,eb,acb,acf,gdh,gbh,ghf->', t3, t5, dA, t11, t12, X, t19, t20, X, optimize=[(0, 4), (0, 1), (0, 6), (0, 3), (0, 3), (0, 3), (0, 2), (0, 1)])
-    t23 = t13 + t21 + t22
-    t24 = np.sqrt(np.maximum(t13, 0.0))
+    t15 = np.exp(F - F.max(-1, keepdims=True))
+    A16 = t15 / t15.sum(-1, keepdims=True)
+    t17 = t5 * A16
+    t18 = t17 - Y
+    t19 = (1/L) * t18
+    G = t19
+    t20 = np.swapaxes(G, -1, -2)
+    t21 = (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t20, t12, X, t20, t12, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t22 = (2/(L*n_batch**2)) * oe.contract('abc,acd,acde,eb,acb,acf,gdh,gbh,ghf->', t3, t5, dA, t11, t13, X, t20, t12, X, optimize=[(0, 4), (0, 1), (0, 6), (0, 3), (0, 3), (0, 3), (0, 2), (0, 1)])
+    t23 = t14 + t21 + t22
+    t24 = np.sqrt(np.maximum(t14, 0.0))
     t25 = np.sqrt(np.maximum(t21, 0.0))
     t26 = np.sqrt(np.maximum(t23, 0.0))
     return (t24, t25, t26,)
@@ -2540,7 +2548,7 @@ def ce_bias0_residual0__frobenius_split__W_2__W_2(X, W_1, W_2, Y):
     t4 = Y.sum(-1, keepdims=True)
     t5 = np.broadcast_to(t4, t4.shape[:-1] + (d_V,))
     t6 = np.swapaxes(t2, -1, -2)
-    t7 = (t6 * np.heaviside(t6, 0.0))
+    t7 = np.swapaxes(t3, -1, -2)
     t8 = t7 @ W_2
     t9 = np.exp(t8 - t8.max(-1, keepdims=True))
     A = t9 / t9.sum(-1, keepdims=True)

@@ -525,22 +525,23 @@ def mse_causal0__hvp__functional(X, W_QK, W_V, Y, V_W_QK, V_W_V):
     t10 = V_W_QK @ t0
     t11 = X @ t10
     t12 = t9 - (A * t9).sum(-1, keepdims=True)
-    t13 = t11 - (A * t11).sum(-1, keepdims=True)
-    t14 = A * t12 * t13
-    t15 = t14 - A * t14.sum(-1, keepdims=True)
-    t16 = np.swapaxes(V_W_V, -1, -2)
-    t17 = t16 @ t0
-    t18 = G @ t17
-    t19 = t18 - (A * t18).sum(-1, keepdims=True)
-    t20 = A * t19
-    t21 = t15 + t20
-    t22 = t21 @ X
-    t23 = t0 @ t22
-    t24 = A * t13
-    t25 = np.swapaxes(t24, -1, -2)
-    t26 = t25 @ G
-    t27 = t0 @ t26
-    return (t23.mean(0), t27.mean(0),)
+    t13 = A * t12
+    t14 = t11 - (A * t11).sum(-1, keepdims=True)
+    t15 = t13 * t14
+    t16 = t15 - A * t15.sum(-1, keepdims=True)
+    t17 = np.swapaxes(V_W_V, -1, -2)
+    t18 = t17 @ t0
+    t19 = G @ t18
+    t20 = t19 - (A * t19).sum(-1, keepdims=True)
+    t21 = A * t20
+    t22 = t16 + t21
+    t23 = t22 @ X
+    t24 = t0 @ t23
+    t25 = A * t14
+    t26 = np.swapaxes(t25, -1, -2)
+    t27 = t26 @ G
+    t28 = t0 @ t27
+    return (t24.mean(0), t28.mean(0),)
 
 
 def mse_causal0__frobenius_all__functional(X, W_QK, W_V, Y):
@@ -955,31 +956,32 @@ def mse_causal0__hvp__full(X, W_QK, W_V, Y, V_W_QK, V_W_V):
     t10 = V_W_QK @ t0
     t11 = X @ t10
     t12 = t9 - (A * t9).sum(-1, keepdims=True)
-    t13 = t11 - (A * t11).sum(-1, keepdims=True)
-    t14 = A * t12 * t13
-    t15 = t14 - A * t14.sum(-1, keepdims=True)
-    t16 = A * t13
-    t17 = t16 @ t4
-    t18 = X @ V_W_V
-    t19 = A @ t18
-    t20 = t17 + t19
-    t21 = (2/(L*d_V)) * t20
-    t22 = t21 @ t8
-    t23 = np.swapaxes(t18, -1, -2)
-    t24 = t7 @ t23
-    t25 = t22 + t24
-    t26 = t25 - (A * t25).sum(-1, keepdims=True)
-    t27 = A * t26
-    t28 = t15 + t27
-    t29 = t28 @ X
-    t30 = t0 @ t29
-    t31 = np.swapaxes(t16, -1, -2)
-    t32 = t31 @ t7
-    t33 = np.swapaxes(A, -1, -2)
-    t34 = t33 @ t21
-    t35 = t32 + t34
-    t36 = t0 @ t35
-    return (t30.mean(0), t36.mean(0),)
+    t13 = A * t12
+    t14 = t11 - (A * t11).sum(-1, keepdims=True)
+    t15 = t13 * t14
+    t16 = t15 - A * t15.sum(-1, keepdims=True)
+    t17 = A * t14
+    t18 = t17 @ t4
+    t19 = X @ V_W_V
+    t20 = A @ t19
+    t21 = t18 + t20
+    t22 = (2/(L*d_V)) * t21
+    t23 = t22 @ t8
+    t24 = np.swapaxes(t19, -1, -2)
+    t25 = t7 @ t24
+    t26 = t23 + t25
+    t27 = t26 - (A * t26).sum(-1, keepdims=True)
+    t28 = A * t27
+    t29 = t16 + t28
+    t30 = t29 @ X
+    t31 = t0 @ t30
+    t32 = np.swapaxes(t17, -1, -2)
+    t33 = t32 @ t7
+    t34 = np.swapaxes(A, -1, -2)
+    t35 = t34 @ t22
+    t36 = t33 + t35
+    t37 = t0 @ t36
+    return (t31.mean(0), t37.mean(0),)
 
 
 def mse_causal0__frobenius_all__full(X, W_QK, W_V, Y):
@@ -2146,22 +2148,23 @@ def mse_causal1__hvp__functional(X, W_QK, W_V, Y, V_W_QK, V_W_V):
     t12 = V_W_QK @ t0
     t13 = X @ t12
     t14 = t11 - (A * t11).sum(-1, keepdims=True)
-    t15 = t13 - (A * t13).sum(-1, keepdims=True)
-    t16 = A * t14 * t15
-    t17 = t16 - A * t16.sum(-1, keepdims=True)
-    t18 = np.swapaxes(V_W_V, -1, -2)
-    t19 = t18 @ t0
-    t20 = G @ t19
-    t21 = t20 - (A * t20).sum(-1, keepdims=True)
-    t22 = A * t21
-    t23 = t17 + t22
-    t24 = t23 @ X
-    t25 = t0 @ t24
-    t26 = A * t15
-    t27 = np.swapaxes(t26, -1, -2)
-    t28 = t27 @ G
-    t29 = t0 @ t28
-    return (t25.mean(0), t29.mean(0),)
+    t15 = A * t14
+    t16 = t13 - (A * t13).sum(-1, keepdims=True)
+    t17 = t15 * t16
+    t18 = t17 - A * t17.sum(-1, keepdims=True)
+    t19 = np.swapaxes(V_W_V, -1, -2)
+    t20 = t19 @ t0
+    t21 = G @ t20
+    t22 = t21 - (A * t21).sum(-1, keepdims=True)
+    t23 = A * t22
+    t24 = t18 + t23
+    t25 = t24 @ X
+    t26 = t0 @ t25
+    t27 = A * t16
+    t28 = np.swapaxes(t27, -1, -2)
+    t29 = t28 @ G
+    t30 = t0 @ t29
+    return (t26.mean(0), t30.mean(0),)
 
 
 def mse_causal1__frobenius_all__functional(X, W_QK, W_V, Y):
@@ -2598,31 +2601,32 @@ def mse_causal1__hvp__full(X, W_QK, W_V, Y, V_W_QK, V_W_V):
     t12 = V_W_QK @ t0
     t13 = X @ t12
     t14 = t11 - (A * t11).sum(-1, keepdims=True)
-    t15 = t13 - (A * t13).sum(-1, keepdims=True)
-    t16 = A * t14 * t15
-    t17 = t16 - A * t16.sum(-1, keepdims=True)
-    t18 = A * t15
-    t19 = t18 @ t6
-    t20 = X @ V_W_V
-    t21 = A @ t20
-    t22 = t19 + t21
-    t23 = (2/(L*d_V)) * t22
-    t24 = t23 @ t10
-    t25 = np.swapaxes(t20, -1, -2)
-    t26 = t9 @ t25
-    t27 = t24 + t26
-    t28 = t27 - (A * t27).sum(-1, keepdims=True)
-    t29 = A * t28
-    t30 = t17 + t29
-    t31 = t30 @ X
-    t32 = t0 @ t31
-    t33 = np.swapaxes(t18, -1, -2)
-    t34 = t33 @ t9
-    t35 = np.swapaxes(A, -1, -2)
-    t36 = t35 @ t23
-    t37 = t34 + t36
-    t38 = t0 @ t37
-    return (t32.mean(0), t38.mean(0),)
+    t15 = A * t14
+    t16 = t13 - (A * t13).sum(-1, keepdims=True)
+    t17 = t15 * t16
+    t18 = t17 - A * t17.sum(-1, keepdims=True)
+    t19 = A * t16
+    t20 = t19 @ t6
+    t21 = X @ V_W_V
+    t22 = A @ t21
+    t23 = t20 + t22
+    t24 = (2/(L*d_V)) * t23
+    t25 = t24 @ t10
+    t26 = np.swapaxes(t21, -1, -2)
+    t27 = t9 @ t26
+    t28 = t25 + t27
+    t29 = t28 - (A * t28).sum(-1, keepdims=True)
+    t30 = A * t29
+    t31 = t18 + t30
+    t32 = t31 @ X
+    t33 = t0 @ t32
+    t34 = np.swapaxes(t19, -1, -2)
+    t35 = t34 @ t9
+    t36 = np.swapaxes(A, -1, -2)
+    t37 = t36 @ t24
+    t38 = t35 + t37
+    t39 = t0 @ t38
+    return (t33.mean(0), t39.mean(0),)
 
 
 def mse_causal1__frobenius_all__full(X, W_QK, W_V, Y):
@@ -3920,22 +3924,23 @@ def ce_causal0__hvp__functional(X, W_QK, W_V, Y, V_W_QK, V_W_V):
     t15 = V_W_QK @ t0
     t16 = X @ t15
     t17 = t14 - (A * t14).sum(-1, keepdims=True)
-    t18 = t16 - (A * t16).sum(-1, keepdims=True)
-    t19 = A * t17 * t18
-    t20 = t19 - A * t19.sum(-1, keepdims=True)
-    t21 = np.swapaxes(V_W_V, -1, -2)
-    t22 = t21 @ t0
-    t23 = G @ t22
-    t24 = t23 - (A * t23).sum(-1, keepdims=True)
-    t25 = A * t24
-    t26 = t20 + t25
-    t27 = t26 @ X
-    t28 = t0 @ t27
-    t29 = A * t18
-    t30 = np.swapaxes(t29, -1, -2)
-    t31 = t30 @ G
-    t32 = t0 @ t31
-    return (t28.mean(0), t32.mean(0),)
+    t18 = A * t17
+    t19 = t16 - (A * t16).sum(-1, keepdims=True)
+    t20 = t18 * t19
+    t21 = t20 - A * t20.sum(-1, keepdims=True)
+    t22 = np.swapaxes(V_W_V, -1, -2)
+    t23 = t22 @ t0
+    t24 = G @ t23
+    t25 = t24 - (A * t24).sum(-1, keepdims=True)
+    t26 = A * t25
+    t27 = t21 + t26
+    t28 = t27 @ X
+    t29 = t0 @ t28
+    t30 = A * t19
+    t31 = np.swapaxes(t30, -1, -2)
+    t32 = t31 @ G
+    t33 = t0 @ t32
+    return (t29.mean(0), t33.mean(0),)
 
 
 def ce_causal0__frobenius_all__functional(X, W_QK, W_V, Y):
@@ -4404,36 +4409,37 @@ def ce_causal0__hvp__full(X, W_QK, W_V, Y, V_W_QK, V_W_V):
     t15 = V_W_QK @ t0
     t16 = X @ t15
     t17 = t14 - (A * t14).sum(-1, keepdims=True)
-    t18 = t16 - (A * t16).sum(-1, keepdims=True)
-    t19 = A * t17 * t18
-    t20 = t19 - A * t19.sum(-1, keepdims=True)
-    t21 = np.swapaxes(V_W_V, -1, -2)
-    t22 = t21 @ t0
-    t23 = t12 @ t22
-    t24 = A * t18
-    t25 = t24 @ t6
-    t26 = np.swapaxes(t22, -1, -2)
-    t27 = A @ t26
-    t28 = t25 + t27
-    t29 = t28 - (A9 * t28).sum(-1, keepdims=True)
-    t30 = A9 * t29
-    t31 = t5 * t30
-    t32 = t31 @ t13
-    t33 = (1/L) * t32
-    t34 = t23 + t33
-    t35 = t34 - (A * t34).sum(-1, keepdims=True)
-    t36 = A * t35
-    t37 = t20 + t36
-    t38 = t37 @ X
-    t39 = t0 @ t38
-    t40 = np.swapaxes(t24, -1, -2)
-    t41 = t40 @ t12
-    t42 = np.swapaxes(A, -1, -2)
-    t43 = t42 @ t31
-    t44 = (1/L) * t43
-    t45 = t41 + t44
-    t46 = t0 @ t45
-    return (t39.mean(0), t46.mean(0),)
+    t18 = A * t17
+    t19 = t16 - (A * t16).sum(-1, keepdims=True)
+    t20 = t18 * t19
+    t21 = t20 - A * t20.sum(-1, keepdims=True)
+    t22 = np.swapaxes(V_W_V, -1, -2)
+    t23 = t22 @ t0
+    t24 = t12 @ t23
+    t25 = A * t19
+    t26 = t25 @ t6
+    t27 = np.swapaxes(t23, -1, -2)
+    t28 = A @ t27
+    t29 = t26 + t28
+    t30 = t29 - (A9 * t29).sum(-1, keepdims=True)
+    t31 = A9 * t30
+    t32 = t5 * t31
+    t33 = t32 @ t13
+    t34 = (1/L) * t33
+    t35 = t24 + t34
+    t36 = t35 - (A * t35).sum(-1, keepdims=True)
+    t37 = A * t36
+    t38 = t21 + t37
+    t39 = t38 @ X
+    t40 = t0 @ t39
+    t41 = np.swapaxes(t25, -1, -2)
+    t42 = t41 @ t12
+    t43 = np.swapaxes(A, -1, -2)
+    t44 = t43 @ t32
+    t45 = (1/L) * t44
+    t46 = t42 + t45
+    t47 = t0 @ t46
+    return (t40.mean(0), t47.mean(0),)
 
 
 def ce_causal0__frobenius_all__full(X, W_QK, W_V, Y):
@@ -5794,22 +5800,23 @@ def ce_causal1__hvp__functional(X, W_QK, W_V, Y, V_W_QK, V_W_V):
     t17 = V_W_QK @ t0
     t18 = X @ t17
     t19 = t16 - (A * t16).sum(-1, keepdims=True)
-    t20 = t18 - (A * t18).sum(-1, keepdims=True)
-    t21 = A * t19 * t20
-    t22 = t21 - A * t21.sum(-1, keepdims=True)
-    t23 = np.swapaxes(V_W_V, -1, -2)
-    t24 = t23 @ t0
-    t25 = G @ t24
-    t26 = t25 - (A * t25).sum(-1, keepdims=True)
-    t27 = A * t26
-    t28 = t22 + t27
-    t29 = t28 @ X
-    t30 = t0 @ t29
-    t31 = A * t20
-    t32 = np.swapaxes(t31, -1, -2)
-    t33 = t32 @ G
-    t34 = t0 @ t33
-    return (t30.mean(0), t34.mean(0),)
+    t20 = A * t19
+    t21 = t18 - (A * t18).sum(-1, keepdims=True)
+    t22 = t20 * t21
+    t23 = t22 - A * t22.sum(-1, keepdims=True)
+    t24 = np.swapaxes(V_W_V, -1, -2)
+    t25 = t24 @ t0
+    t26 = G @ t25
+    t27 = t26 - (A * t26).sum(-1, keepdims=True)
+    t28 = A * t27
+    t29 = t23 + t28
+    t30 = t29 @ X
+    t31 = t0 @ t30
+    t32 = A * t21
+    t33 = np.swapaxes(t32, -1, -2)
+    t34 = t33 @ G
+    t35 = t0 @ t34
+    return (t31.mean(0), t35.mean(0),)
 
 
 def ce_causal1__frobenius_all__functional(X, W_QK, W_V, Y):
@@ -6300,36 +6307,37 @@ def ce_causal1__hvp__full(X, W_QK, W_V, Y, V_W_QK, V_W_V):
     t17 = V_W_QK @ t0
     t18 = X @ t17
     t19 = t16 - (A * t16).sum(-1, keepdims=True)
-    t20 = t18 - (A * t18).sum(-1, keepdims=True)
-    t21 = A * t19 * t20
-    t22 = t21 - A * t21.sum(-1, keepdims=True)
-    t23 = np.swapaxes(V_W_V, -1, -2)
-    t24 = t23 @ t0
-    t25 = t14 @ t24
-    t26 = A * t20
-    t27 = t26 @ t8
-    t28 = np.swapaxes(t24, -1, -2)
-    t29 = A @ t28
-    t30 = t27 + t29
-    t31 = t30 - (A11 * t30).sum(-1, keepdims=True)
-    t32 = A11 * t31
-    t33 = t7 * t32
-    t34 = t33 @ t15
-    t35 = (1/L) * t34
-    t36 = t25 + t35
-    t37 = t36 - (A * t36).sum(-1, keepdims=True)
-    t38 = A * t37
-    t39 = t22 + t38
-    t40 = t39 @ X
-    t41 = t0 @ t40
-    t42 = np.swapaxes(t26, -1, -2)
-    t43 = t42 @ t14
-    t44 = np.swapaxes(A, -1, -2)
-    t45 = t44 @ t33
-    t46 = (1/L) * t45
-    t47 = t43 + t46
-    t48 = t0 @ t47
-    return (t41.mean(0), t48.mean(0),)
+    t20 = A * t19
+    t21 = t18 - (A * t18).sum(-1, keepdims=True)
+    t22 = t20 * t21
+    t23 = t22 - A * t22.sum(-1, keepdims=True)
+    t24 = np.swapaxes(V_W_V, -1, -2)
+    t25 = t24 @ t0
+    t26 = t14 @ t25
+    t27 = A * t21
+    t28 = t27 @ t8
+    t29 = np.swapaxes(t25, -1, -2)
+    t30 = A @ t29
+    t31 = t28 + t30
+    t32 = t31 - (A11 * t31).sum(-1, keepdims=True)
+    t33 = A11 * t32
+    t34 = t7 * t33
+    t35 = t34 @ t15
+    t36 = (1/L) * t35
+    t37 = t26 + t36
+    t38 = t37 - (A * t37).sum(-1, keepdims=True)
+    t39 = A * t38
+    t40 = t23 + t39
+    t41 = t40 @ X
+    t42 = t0 @ t41
+    t43 = np.swapaxes(t27, -1, -2)
+    t44 = t43 @ t14
+    t45 = np.swapaxes(A, -1, -2)
+    t46 = t45 @ t34
+    t47 = (1/L) * t46
+    t48 = t44 + t47
+    t49 = t0 @ t48
+    return (t42.mean(0), t49.mean(0),)
 
 
 def ce_causal1__frobenius_all__full(X, W_QK, W_V, Y):

@@ -54,7 +54,7 @@ def mse_bias0_residual0__gradient(X, W_1, W_2, Y):
     t9 = t2 * t8
     t10 = t0 @ t9
     t11 = t1.transpose(-1, -2)
-    t12 = (t11 * torch.heaviside(t11, torch.full_like(t11, 0.0)))
+    t12 = t3.transpose(-1, -2)
     t13 = t12 @ G
     return (t10.mean(0), t13.mean(0),)
 
@@ -82,7 +82,7 @@ def mse_bias0_residual0__hessian__outer(X, W_1, W_2, Y):
     t11 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
     t12 = t11.view((d_ff, d_V, d_V, d_ff))
     t13 = t3.transpose(-1, -2)
-    t14 = (t13 * torch.heaviside(t13, torch.full_like(t13, 0.0)))
+    t14 = t10.transpose(-1, -2)
     t15 = (2/(L*d_V*n_batch)) * t14
     t12[...] = oe.contract('abc,de,ace,acf->bdfe', t15, t5, t4, X, optimize=[(0, 2), (1, 2), (0, 1)])
     t16 = H[d_V*d_ff:2*d_V*d_ff, d_V*d_ff:2*d_V*d_ff]
@@ -117,7 +117,7 @@ def mse_bias0_residual0__hvp__outer(X, W_1, W_2, Y, V_W_1, V_W_2):
     t12 = t2 * t11
     t13 = t0 @ t12
     t14 = t1.transpose(-1, -2)
-    t15 = (t14 * torch.heaviside(t14, torch.full_like(t14, 0.0)))
+    t15 = t3.transpose(-1, -2)
     t16 = t15 @ t9
     return (t13.mean(0), t16.mean(0),)
 
@@ -139,7 +139,7 @@ def mse_bias0_residual0__frobenius_all__outer(X, W_1, W_2, Y):
     t8 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,ace,df,gbh,ghd,ghe,df->', t0, t2, t7, W_2, t0, t2, t7, W_2, optimize=[(3, 7), (0, 3), (1, 3), (3, 4), (0, 2), (1, 2), (0, 1)])
     t9 = torch.sqrt(torch.clamp(t8, min=0.0))
     t10 = t1.transpose(-1, -2)
-    t11 = (t10 * torch.heaviside(t10, torch.full_like(t10, 0.0)))
+    t11 = t7.transpose(-1, -2)
     t12 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,ace,acf,gbh,de,ghe,ghf->', t11, t3, t2, X, t11, t3, t2, X, optimize=[(1, 5), (0, 3), (1, 3), (3, 4), (0, 2), (1, 2), (0, 1)])
     t13 = torch.sqrt(torch.clamp(t12, min=0.0))
     t14 = t11 @ t7
@@ -259,7 +259,7 @@ def mse_bias0_residual0__diag__W_2__outer(X, W_1, W_2, Y):
     t3 = t1 @ t2
     t4 = (t3 * torch.heaviside(t3, torch.full_like(t3, 0.0)))
     t5 = t3.transpose(-1, -2)
-    t6 = (t5 * torch.heaviside(t5, torch.full_like(t5, 0.0)))
+    t6 = t4.transpose(-1, -2)
     t7 = t4 @ t6
     t8 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t9 = (2/(L*d_V*n_batch)) * t8
@@ -278,7 +278,7 @@ def mse_bias0_residual0__trace__W_2__outer(X, W_1, W_2, Y):
     t2 = t0 @ t1
     t3 = (t2 * torch.heaviside(t2, torch.full_like(t2, 0.0)))
     t4 = t2.transpose(-1, -2)
-    t5 = (t4 * torch.heaviside(t4, torch.full_like(t4, 0.0)))
+    t5 = t3.transpose(-1, -2)
     t6 = t3 @ t5
     return (2/(L*n_batch)) * oe.contract('abb->', t6, optimize=[(0,)])
 
@@ -297,9 +297,10 @@ def mse_bias0_residual0__block__W_2__W_1__outer(X, W_1, W_2, Y):
     t4 = (t3 * torch.heaviside(t3, torch.full_like(t3, 0.0)))
     t5 = W_2.transpose(-1, -2)
     t6 = t3.transpose(-1, -2)
-    t7 = torch.heaviside(t6, torch.full_like(t6, 0.0))
-    t8 = (2/(L*d_V*n_batch)) * t4
-    t0[...] = oe.contract('abc,de,ace,acf->bdfe', t8, t5, t7, X, optimize=[(0, 2), (1, 2), (0, 1)])
+    t7 = torch.heaviside(t3, torch.full_like(t3, 0.0))
+    t8 = t7.transpose(-1, -2)
+    t9 = (2/(L*d_V*n_batch)) * t4
+    t0[...] = oe.contract('abc,de,ace,acf->bdfe', t9, t5, t8, X, optimize=[(0, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -315,10 +316,11 @@ def mse_bias0_residual0__frobenius__W_2__W_1__outer(X, W_1, W_2, Y):
     t3 = (t2 * torch.heaviside(t2, torch.full_like(t2, 0.0)))
     t4 = W_2.transpose(-1, -2)
     t5 = t2.transpose(-1, -2)
-    t6 = torch.heaviside(t5, torch.full_like(t5, 0.0))
-    t7 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,ace,acf,gbh,de,ghe,ghf->', t3, t4, t6, X, t3, t4, t6, X, optimize=[(1, 5), (0, 3), (1, 3), (3, 4), (0, 2), (1, 2), (0, 1)])
-    t8 = torch.sqrt(torch.clamp(t7, min=0.0))
-    return t8
+    t6 = torch.heaviside(t2, torch.full_like(t2, 0.0))
+    t7 = t6.transpose(-1, -2)
+    t8 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,ace,acf,gbh,de,ghe,ghf->', t3, t4, t7, X, t3, t4, t7, X, optimize=[(1, 5), (0, 3), (1, 3), (3, 4), (0, 2), (1, 2), (0, 1)])
+    t9 = torch.sqrt(torch.clamp(t8, min=0.0))
+    return t9
 
 
 def mse_bias0_residual0__block__W_2__W_2__outer(X, W_1, W_2, Y):
@@ -336,7 +338,7 @@ def mse_bias0_residual0__block__W_2__W_2__outer(X, W_1, W_2, Y):
     t4 = t2 @ t3
     t5 = (t4 * torch.heaviside(t4, torch.full_like(t4, 0.0)))
     t6 = t4.transpose(-1, -2)
-    t7 = (t6 * torch.heaviside(t6, torch.full_like(t6, 0.0)))
+    t7 = t5.transpose(-1, -2)
     t8 = t5 @ t7
     t9 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t10 = (2/(L*d_V*n_batch)) * t9
@@ -355,7 +357,7 @@ def mse_bias0_residual0__frobenius__W_2__W_2__outer(X, W_1, W_2, Y):
     t2 = t0 @ t1
     t3 = (t2 * torch.heaviside(t2, torch.full_like(t2, 0.0)))
     t4 = t2.transpose(-1, -2)
-    t5 = (t4 * torch.heaviside(t4, torch.full_like(t4, 0.0)))
+    t5 = t3.transpose(-1, -2)
     t6 = t3 @ t5
     t7 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t6, t6, optimize=[(0, 1)])
     t8 = torch.sqrt(torch.clamp(t7, min=0.0))
@@ -394,7 +396,7 @@ def mse_bias0_residual0__hessian__functional(X, W_1, W_2, Y):
     t16 = t15.diagonal(0, 0, 3)
     t17 = G.transpose(-1, -2)
     t18 = t5.transpose(-1, -2)
-    t19 = torch.heaviside(t18, torch.full_like(t18, 0.0))
+    t19 = t6.transpose(-1, -2)
     t20 = (1/n_batch) * t17
     t21 = oe.contract('abc,adc->bdac', t20, t19, optimize=[(0, 1)])
     t22 = oe.contract('abc->cab', X, optimize=[(0,)])
@@ -424,7 +426,7 @@ def mse_bias0_residual0__hvp__functional(X, W_1, W_2, Y, V_W_1, V_W_2):
     t9 = t2 * t8
     t10 = t0 @ t9
     t11 = t1.transpose(-1, -2)
-    t12 = torch.heaviside(t11, torch.full_like(t11, 0.0))
+    t12 = t2.transpose(-1, -2)
     t13 = V_W_1.transpose(-1, -2)
     t14 = t13 @ t0
     t15 = t12 * t14
@@ -451,7 +453,7 @@ def mse_bias0_residual0__frobenius_all__functional(X, W_1, W_2, Y):
     t8 = torch.sqrt(torch.clamp(t7, min=0.0))
     t9 = G.transpose(-1, -2)
     t10 = t1.transpose(-1, -2)
-    t11 = torch.heaviside(t10, torch.full_like(t10, 0.0))
+    t11 = t2.transpose(-1, -2)
     t12 = (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t9, t11, X, t9, t11, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
     t13 = torch.sqrt(torch.clamp(t12, min=0.0))
     return (0.0, t8, t13, 0.0,)
@@ -582,11 +584,12 @@ def mse_bias0_residual0__block__W_2__W_1__functional(X, W_1, W_2, Y):
     G = t6
     t7 = G.transpose(-1, -2)
     t8 = t2.transpose(-1, -2)
-    t9 = torch.heaviside(t8, torch.full_like(t8, 0.0))
-    t10 = (1/n_batch) * t7
-    t11 = oe.contract('abc,adc->bdac', t10, t9, optimize=[(0, 1)])
-    t12 = oe.contract('abc->cab', X, optimize=[(0,)])
-    t1 += oe.contract('abcd,ecd->aeb', t11, t12, optimize=[(0, 1)])
+    t9 = torch.heaviside(t2, torch.full_like(t2, 0.0))
+    t10 = t9.transpose(-1, -2)
+    t11 = (1/n_batch) * t7
+    t12 = oe.contract('abc,adc->bdac', t11, t10, optimize=[(0, 1)])
+    t13 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t1 += oe.contract('abcd,ecd->aeb', t12, t13, optimize=[(0, 1)])
     return out
 
 
@@ -605,10 +608,11 @@ def mse_bias0_residual0__frobenius__W_2__W_1__functional(X, W_1, W_2, Y):
     G = t4
     t5 = G.transpose(-1, -2)
     t6 = t0.transpose(-1, -2)
-    t7 = torch.heaviside(t6, torch.full_like(t6, 0.0))
-    t8 = (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t5, t7, X, t5, t7, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t9 = torch.sqrt(torch.clamp(t8, min=0.0))
-    return t9
+    t7 = torch.heaviside(t0, torch.full_like(t0, 0.0))
+    t8 = t7.transpose(-1, -2)
+    t9 = (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t5, t8, X, t5, t8, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t10 = torch.sqrt(torch.clamp(t9, min=0.0))
+    return t10
 
 
 def mse_bias0_residual0__block__W_2__W_2__functional(X, W_1, W_2, Y):
@@ -664,12 +668,12 @@ def mse_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     t18 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
     t19 = t18.view((d_ff, d_V, d_V, d_ff))
     t20 = t3.transpose(-1, -2)
-    t21 = (t20 * torch.heaviside(t20, torch.full_like(t20, 0.0)))
+    t21 = t10.transpose(-1, -2)
     t22 = (2/(L*d_V*n_batch)) * t21
     t19[...] = oe.contract('abc,de,ace,acf->bdfe', t22, t5, t4, X, optimize=[(0, 2), (1, 2), (0, 1)])
     t23 = t19.diagonal(0, 0, 3)
     t24 = G.transpose(-1, -2)
-    t25 = torch.heaviside(t20, torch.full_like(t20, 0.0))
+    t25 = t4.transpose(-1, -2)
     t26 = (1/n_batch) * t24
     t27 = oe.contract('abc,adc->bdac', t26, t25, optimize=[(0, 1)])
     t28 = oe.contract('abc->cab', X, optimize=[(0,)])
@@ -713,9 +717,9 @@ def mse_bias0_residual0__hvp__full(X, W_1, W_2, Y, V_W_1, V_W_2):
     t18 = t17 * t4
     t19 = t0 @ t18
     t20 = t1.transpose(-1, -2)
-    t21 = (t20 * torch.heaviside(t20, torch.full_like(t20, 0.0)))
+    t21 = t2.transpose(-1, -2)
     t22 = t21 @ t9
-    t23 = torch.heaviside(t20, torch.full_like(t20, 0.0))
+    t23 = t4.transpose(-1, -2)
     t24 = t5.transpose(-1, -2)
     t25 = t23 * t24
     t26 = t25 @ t14
@@ -745,9 +749,9 @@ def mse_bias0_residual0__frobenius_all__full(X, W_1, W_2, Y):
     t11 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,acd,ace,df,gbh,ghd,ghe,df->', t0, t2, t7, W_2, t0, t2, t7, W_2, optimize=[(3, 7), (0, 3), (1, 3), (3, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abc,acd,acd,de,fbg,fgd,fge->', t0, t2, t7, W_2, t0, t2, G, optimize=[(1, 2), (0, 2), (0, 2), (0, 3), (0, 1), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acd,ace,fbg,fgd,fge->', t0, t2, G, t0, t2, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
     t12 = torch.sqrt(torch.clamp(t11, min=0.0))
     t13 = t1.transpose(-1, -2)
-    t14 = (t13 * torch.heaviside(t13, torch.full_like(t13, 0.0)))
+    t14 = t7.transpose(-1, -2)
     t15 = G.transpose(-1, -2)
-    t16 = torch.heaviside(t13, torch.full_like(t13, 0.0))
+    t16 = t2.transpose(-1, -2)
     t17 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,ace,acf,gbh,de,ghe,ghf->', t14, t3, t2, X, t14, t3, t2, X, optimize=[(1, 5), (0, 3), (1, 3), (3, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abc,db,acb,ace,fdg,fbg,fge->', t14, t3, t2, X, t15, t16, X, optimize=[(0, 2), (0, 2), (1, 4), (0, 1), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t15, t16, X, t15, t16, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
     t18 = torch.sqrt(torch.clamp(t17, min=0.0))
     t19 = t14 @ t7
@@ -882,7 +886,7 @@ def mse_bias0_residual0__diag__W_2__full(X, W_1, W_2, Y):
     t3 = t1 @ t2
     t4 = (t3 * torch.heaviside(t3, torch.full_like(t3, 0.0)))
     t5 = t3.transpose(-1, -2)
-    t6 = (t5 * torch.heaviside(t5, torch.full_like(t5, 0.0)))
+    t6 = t4.transpose(-1, -2)
     t7 = t4 @ t6
     t8 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t9 = (2/(L*d_V*n_batch)) * t8
@@ -901,7 +905,7 @@ def mse_bias0_residual0__trace__W_2__full(X, W_1, W_2, Y):
     t2 = t0 @ t1
     t3 = (t2 * torch.heaviside(t2, torch.full_like(t2, 0.0)))
     t4 = t2.transpose(-1, -2)
-    t5 = (t4 * torch.heaviside(t4, torch.full_like(t4, 0.0)))
+    t5 = t3.transpose(-1, -2)
     t6 = t3 @ t5
     return (2/(L*n_batch)) * oe.contract('abb->', t6, optimize=[(0,)])
 
@@ -920,22 +924,22 @@ def mse_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
     t4 = (t3 * torch.heaviside(t3, torch.full_like(t3, 0.0)))
     t5 = W_2.transpose(-1, -2)
     t6 = t3.transpose(-1, -2)
-    t7 = torch.heaviside(t6, torch.full_like(t6, 0.0))
-    t8 = (2/(L*d_V*n_batch)) * t4
-    t0[...] = oe.contract('abc,de,ace,acf->bdfe', t8, t5, t7, X, optimize=[(0, 2), (1, 2), (0, 1)])
-    t9 = t0.diagonal(0, 0, 3)
-    t10 = (t6 * torch.heaviside(t6, torch.full_like(t6, 0.0)))
-    t11 = t10 @ W_2
-    F = t11
-    t12 = F - Y
-    t13 = (2/(L*d_V)) * t12
-    G = t13
-    t14 = G.transpose(-1, -2)
-    t15 = torch.heaviside(t3, torch.full_like(t3, 0.0))
-    t16 = (1/n_batch) * t14
-    t17 = oe.contract('abc,adc->bdac', t16, t15, optimize=[(0, 1)])
+    t7 = torch.heaviside(t3, torch.full_like(t3, 0.0))
+    t8 = t7.transpose(-1, -2)
+    t9 = (2/(L*d_V*n_batch)) * t4
+    t0[...] = oe.contract('abc,de,ace,acf->bdfe', t9, t5, t8, X, optimize=[(0, 2), (1, 2), (0, 1)])
+    t10 = t0.diagonal(0, 0, 3)
+    t11 = t4.transpose(-1, -2)
+    t12 = t11 @ W_2
+    F = t12
+    t13 = F - Y
+    t14 = (2/(L*d_V)) * t13
+    G = t14
+    t15 = G.transpose(-1, -2)
+    t16 = (1/n_batch) * t15
+    t17 = oe.contract('abc,adc->bdac', t16, t7, optimize=[(0, 1)])
     t18 = oe.contract('abc->cab', X, optimize=[(0,)])
-    t9 += oe.contract('abcd,ecd->aeb', t17, t18, optimize=[(0, 1)])
+    t10 += oe.contract('abcd,ecd->aeb', t17, t18, optimize=[(0, 1)])
     return out
 
 
@@ -951,16 +955,16 @@ def mse_bias0_residual0__frobenius__W_2__W_1__full(X, W_1, W_2, Y):
     t3 = (t2 * torch.heaviside(t2, torch.full_like(t2, 0.0)))
     t4 = W_2.transpose(-1, -2)
     t5 = t2.transpose(-1, -2)
-    t6 = torch.heaviside(t5, torch.full_like(t5, 0.0))
-    t7 = (t5 * torch.heaviside(t5, torch.full_like(t5, 0.0)))
-    t8 = t7 @ W_2
-    F = t8
-    t9 = F - Y
-    t10 = (2/(L*d_V)) * t9
-    G = t10
-    t11 = G.transpose(-1, -2)
-    t12 = torch.heaviside(t2, torch.full_like(t2, 0.0))
-    t13 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,ace,acf,gbh,de,ghe,ghf->', t3, t4, t6, X, t3, t4, t6, X, optimize=[(1, 5), (0, 3), (1, 3), (3, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abc,db,acb,ace,fdg,fbg,fge->', t3, t4, t6, X, t11, t12, X, optimize=[(0, 2), (0, 2), (1, 4), (0, 1), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t11, t12, X, t11, t12, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t6 = torch.heaviside(t2, torch.full_like(t2, 0.0))
+    t7 = t6.transpose(-1, -2)
+    t8 = t3.transpose(-1, -2)
+    t9 = t8 @ W_2
+    F = t9
+    t10 = F - Y
+    t11 = (2/(L*d_V)) * t10
+    G = t11
+    t12 = G.transpose(-1, -2)
+    t13 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,ace,acf,gbh,de,ghe,ghf->', t3, t4, t7, X, t3, t4, t7, X, optimize=[(1, 5), (0, 3), (1, 3), (3, 4), (0, 2), (1, 2), (0, 1)]) + (4/(L*d_V*n_batch**2)) * oe.contract('abc,db,acb,ace,fdg,fbg,fge->', t3, t4, t7, X, t12, t6, X, optimize=[(0, 2), (0, 2), (1, 4), (0, 1), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t12, t6, X, t12, t6, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
     t14 = torch.sqrt(torch.clamp(t13, min=0.0))
     return t14
 
@@ -980,7 +984,7 @@ def mse_bias0_residual0__block__W_2__W_2__full(X, W_1, W_2, Y):
     t4 = t2 @ t3
     t5 = (t4 * torch.heaviside(t4, torch.full_like(t4, 0.0)))
     t6 = t4.transpose(-1, -2)
-    t7 = (t6 * torch.heaviside(t6, torch.full_like(t6, 0.0)))
+    t7 = t5.transpose(-1, -2)
     t8 = t5 @ t7
     t9 = torch.ones((d_V,), dtype=X.dtype, device=X.device)
     t10 = (2/(L*d_V*n_batch)) * t9
@@ -999,7 +1003,7 @@ def mse_bias0_residual0__frobenius__W_2__W_2__full(X, W_1, W_2, Y):
     t2 = t0 @ t1
     t3 = (t2 * torch.heaviside(t2, torch.full_like(t2, 0.0)))
     t4 = t2.transpose(-1, -2)
-    t5 = (t4 * torch.heaviside(t4, torch.full_like(t4, 0.0)))
+    t5 = t3.transpose(-1, -2)
     t6 = t3 @ t5
     t7 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t6, t6, optimize=[(0, 1)])
     t8 = torch.sqrt(torch.clamp(t7, min=0.0))
@@ -1061,20 +1065,20 @@ def mse_bias0_residual0__frobenius_split__W_2__W_1(X, W_1, W_2, Y):
     t3 = (t2 * torch.heaviside(t2, torch.full_like(t2, 0.0)))
     t4 = W_2.transpose(-1, -2)
     t5 = t2.transpose(-1, -2)
-    t6 = torch.heaviside(t5, torch.full_like(t5, 0.0))
-    t7 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,ace,acf,gbh,de,ghe,ghf->', t3, t4, t6, X, t3, t4, t6, X, optimize=[(1, 5), (0, 3), (1, 3), (3, 4), (0, 2), (1, 2), (0, 1)])
-    t8 = (t5 * torch.heaviside(t5, torch.full_like(t5, 0.0)))
-    t9 = t8 @ W_2
-    F = t9
-    t10 = F - Y
-    t11 = (2/(L*d_V)) * t10
-    G = t11
-    t12 = G.transpose(-1, -2)
-    t13 = torch.heaviside(t2, torch.full_like(t2, 0.0))
-    t14 = (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t12, t13, X, t12, t13, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t15 = (4/(L*d_V*n_batch**2)) * oe.contract('abc,db,acb,ace,fdg,fbg,fge->', t3, t4, t6, X, t12, t13, X, optimize=[(0, 2), (0, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
-    t16 = t7 + t14 + t15
-    t17 = torch.sqrt(torch.clamp(t7, min=0.0))
+    t6 = torch.heaviside(t2, torch.full_like(t2, 0.0))
+    t7 = t6.transpose(-1, -2)
+    t8 = (4/(L**2*d_V**2*n_batch**2)) * oe.contract('abc,de,ace,acf,gbh,de,ghe,ghf->', t3, t4, t7, X, t3, t4, t7, X, optimize=[(1, 5), (0, 3), (1, 3), (3, 4), (0, 2), (1, 2), (0, 1)])
+    t9 = t3.transpose(-1, -2)
+    t10 = t9 @ W_2
+    F = t10
+    t11 = F - Y
+    t12 = (2/(L*d_V)) * t11
+    G = t12
+    t13 = G.transpose(-1, -2)
+    t14 = (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t13, t6, X, t13, t6, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t15 = (4/(L*d_V*n_batch**2)) * oe.contract('abc,db,acb,ace,fdg,fbg,fge->', t3, t4, t7, X, t13, t6, X, optimize=[(0, 2), (0, 2), (1, 4), (0, 1), (0, 2), (0, 1)])
+    t16 = t8 + t14 + t15
+    t17 = torch.sqrt(torch.clamp(t8, min=0.0))
     t18 = torch.sqrt(torch.clamp(t14, min=0.0))
     t19 = torch.sqrt(torch.clamp(t16, min=0.0))
     return (t17, t18, t19,)
@@ -1091,7 +1095,7 @@ def mse_bias0_residual0__frobenius_split__W_2__W_2(X, W_1, W_2, Y):
     t2 = t0 @ t1
     t3 = (t2 * torch.heaviside(t2, torch.full_like(t2, 0.0)))
     t4 = t2.transpose(-1, -2)
-    t5 = (t4 * torch.heaviside(t4, torch.full_like(t4, 0.0)))
+    t5 = t3.transpose(-1, -2)
     t6 = t3 @ t5
     t7 = (4/(L**2*d_V*n_batch**2)) * oe.contract('abc,dbc->', t6, t6, optimize=[(0, 1)])
     t8 = t7 + 0.0 + 0.0
@@ -1203,7 +1207,7 @@ def ce_bias0_residual0__gradient(X, W_1, W_2, Y):
     t13 = t2 * t12
     t14 = t0 @ t13
     t15 = t1.transpose(-1, -2)
-    t16 = (t15 * torch.heaviside(t15, torch.full_like(t15, 0.0)))
+    t16 = t5.transpose(-1, -2)
     t17 = t16 @ G
     return (t14.mean(0), t17.mean(0),)
 
@@ -1242,7 +1246,7 @@ def ce_bias0_residual0__hessian__outer(X, W_1, W_2, Y):
     t19 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
     t20 = t19.view((d_ff, d_V, d_V, d_ff))
     t21 = t3.transpose(-1, -2)
-    t22 = (t21 * torch.heaviside(t21, torch.full_like(t21, 0.0)))
+    t22 = t7.transpose(-1, -2)
     t23 = (1/(L*n_batch)) * t22
     t24 = oe.contract('abc,acd,acde,ef,acf->bdfac', t23, t6, dA, t11, t4, optimize=[(2, 3), (0, 1), (0, 1), (0, 1)])
     t20[...] = oe.contract('abcde,fde->abfc', t24, t14, optimize=[(0, 1)])
@@ -1281,7 +1285,7 @@ def ce_bias0_residual0__hvp__outer(X, W_1, W_2, Y, V_W_1, V_W_2):
     t19 = t0 @ t18
     t20 = (1/L) * t19
     t21 = t1.transpose(-1, -2)
-    t22 = (t21 * torch.heaviside(t21, torch.full_like(t21, 0.0)))
+    t22 = t5.transpose(-1, -2)
     t23 = t22 @ t15
     t24 = (1/L) * t23
     return (t20.mean(0), t24.mean(0),)
@@ -1311,7 +1315,7 @@ def ce_bias0_residual0__frobenius_all__outer(X, W_1, W_2, Y):
     t12 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acef,acg,hbi,hid,dj,hij,hijf,hig->', t0, t2, W_2, t4, dA, t5, t0, t2, W_2, t4, dA, t5, optimize=[(3, 4), (7, 8), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)])
     t13 = torch.sqrt(torch.clamp(t12, min=0.0))
     t14 = t1.transpose(-1, -2)
-    t15 = (t14 * torch.heaviside(t14, torch.full_like(t14, 0.0)))
+    t15 = t5.transpose(-1, -2)
     t16 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acf,acg,hbi,hid,hidj,jf,hif,hig->', t15, t4, dA, t9, t2, X, t15, t4, dA, t9, t2, X, optimize=[(1, 2), (5, 6), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)])
     t17 = torch.sqrt(torch.clamp(t16, min=0.0))
     t18 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t15, t4, dA, t5, t15, t4, dA, t5, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
@@ -1484,7 +1488,7 @@ def ce_bias0_residual0__diag__W_2__outer(X, W_1, W_2, Y):
     t5 = Y.sum(-1, keepdim=True)
     t6 = t5.expand(*t5.shape[:-1], d_V)
     t7 = t3.transpose(-1, -2)
-    t8 = (t7 * torch.heaviside(t7, torch.full_like(t7, 0.0)))
+    t8 = t4.transpose(-1, -2)
     t9 = t8 @ W_2
     t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
     A = t10 / t10.sum(-1, keepdim=True)
@@ -1511,7 +1515,7 @@ def ce_bias0_residual0__trace__W_2__outer(X, W_1, W_2, Y):
     t4 = Y.sum(-1, keepdim=True)
     t5 = t4.expand(*t4.shape[:-1], d_V)
     t6 = t2.transpose(-1, -2)
-    t7 = (t6 * torch.heaviside(t6, torch.full_like(t6, 0.0)))
+    t7 = t3.transpose(-1, -2)
     t8 = t7 @ W_2
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A = t9 / t9.sum(-1, keepdim=True)
@@ -1536,7 +1540,7 @@ def ce_bias0_residual0__block__W_2__W_1__outer(X, W_1, W_2, Y):
     t5 = Y.sum(-1, keepdim=True)
     t6 = t5.expand(*t5.shape[:-1], d_V)
     t7 = t3.transpose(-1, -2)
-    t8 = (t7 * torch.heaviside(t7, torch.full_like(t7, 0.0)))
+    t8 = t4.transpose(-1, -2)
     t9 = t8 @ W_2
     t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
     A = t10 / t10.sum(-1, keepdim=True)
@@ -1544,11 +1548,12 @@ def ce_bias0_residual0__block__W_2__W_1__outer(X, W_1, W_2, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     t12 = W_2.transpose(-1, -2)
-    t13 = torch.heaviside(t7, torch.full_like(t7, 0.0))
-    t14 = (1/(L*n_batch)) * t4
-    t15 = oe.contract('abc,acd,acde,ef,acf->bdfac', t14, t6, dA, t12, t13, optimize=[(2, 3), (0, 1), (0, 1), (0, 1)])
-    t16 = oe.contract('abc->cab', X, optimize=[(0,)])
-    t0[...] = oe.contract('abcde,fde->abfc', t15, t16, optimize=[(0, 1)])
+    t13 = torch.heaviside(t3, torch.full_like(t3, 0.0))
+    t14 = t13.transpose(-1, -2)
+    t15 = (1/(L*n_batch)) * t4
+    t16 = oe.contract('abc,acd,acde,ef,acf->bdfac', t15, t6, dA, t12, t14, optimize=[(2, 3), (0, 1), (0, 1), (0, 1)])
+    t17 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t0[...] = oe.contract('abcde,fde->abfc', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -1565,7 +1570,7 @@ def ce_bias0_residual0__frobenius__W_2__W_1__outer(X, W_1, W_2, Y):
     t4 = Y.sum(-1, keepdim=True)
     t5 = t4.expand(*t4.shape[:-1], d_V)
     t6 = t2.transpose(-1, -2)
-    t7 = (t6 * torch.heaviside(t6, torch.full_like(t6, 0.0)))
+    t7 = t3.transpose(-1, -2)
     t8 = t7 @ W_2
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A = t9 / t9.sum(-1, keepdim=True)
@@ -1573,10 +1578,11 @@ def ce_bias0_residual0__frobenius__W_2__W_1__outer(X, W_1, W_2, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     t11 = W_2.transpose(-1, -2)
-    t12 = torch.heaviside(t6, torch.full_like(t6, 0.0))
-    t13 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acf,acg,hbi,hid,hidj,jf,hif,hig->', t3, t5, dA, t11, t12, X, t3, t5, dA, t11, t12, X, optimize=[(1, 2), (5, 6), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)])
-    t14 = torch.sqrt(torch.clamp(t13, min=0.0))
-    return t14
+    t12 = torch.heaviside(t2, torch.full_like(t2, 0.0))
+    t13 = t12.transpose(-1, -2)
+    t14 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acf,acg,hbi,hid,hidj,jf,hif,hig->', t3, t5, dA, t11, t13, X, t3, t5, dA, t11, t13, X, optimize=[(1, 2), (5, 6), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)])
+    t15 = torch.sqrt(torch.clamp(t14, min=0.0))
+    return t15
 
 
 def ce_bias0_residual0__block__W_2__W_2__outer(X, W_1, W_2, Y):
@@ -1594,7 +1600,7 @@ def ce_bias0_residual0__block__W_2__W_2__outer(X, W_1, W_2, Y):
     t5 = Y.sum(-1, keepdim=True)
     t6 = t5.expand(*t5.shape[:-1], d_V)
     t7 = t3.transpose(-1, -2)
-    t8 = (t7 * torch.heaviside(t7, torch.full_like(t7, 0.0)))
+    t8 = t4.transpose(-1, -2)
     t9 = t8 @ W_2
     t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
     A = t10 / t10.sum(-1, keepdim=True)
@@ -1619,7 +1625,7 @@ def ce_bias0_residual0__frobenius__W_2__W_2__outer(X, W_1, W_2, Y):
     t4 = Y.sum(-1, keepdim=True)
     t5 = t4.expand(*t4.shape[:-1], d_V)
     t6 = t2.transpose(-1, -2)
-    t7 = (t6 * torch.heaviside(t6, torch.full_like(t6, 0.0)))
+    t7 = t3.transpose(-1, -2)
     t8 = t7 @ W_2
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A = t9 / t9.sum(-1, keepdim=True)
@@ -1668,7 +1674,7 @@ def ce_bias0_residual0__hessian__functional(X, W_1, W_2, Y):
     t20 = t19.diagonal(0, 0, 3)
     t21 = G.transpose(-1, -2)
     t22 = t5.transpose(-1, -2)
-    t23 = torch.heaviside(t22, torch.full_like(t22, 0.0))
+    t23 = t6.transpose(-1, -2)
     t24 = (1/n_batch) * t21
     t25 = oe.contract('abc,adc->bdac', t24, t23, optimize=[(0, 1)])
     t26 = oe.contract('abc->cab', X, optimize=[(0,)])
@@ -1703,7 +1709,7 @@ def ce_bias0_residual0__hvp__functional(X, W_1, W_2, Y, V_W_1, V_W_2):
     t13 = t2 * t12
     t14 = t0 @ t13
     t15 = t1.transpose(-1, -2)
-    t16 = torch.heaviside(t15, torch.full_like(t15, 0.0))
+    t16 = t2.transpose(-1, -2)
     t17 = V_W_1.transpose(-1, -2)
     t18 = t17 @ t0
     t19 = t16 * t18
@@ -1735,7 +1741,7 @@ def ce_bias0_residual0__frobenius_all__functional(X, W_1, W_2, Y):
     t12 = torch.sqrt(torch.clamp(t11, min=0.0))
     t13 = G.transpose(-1, -2)
     t14 = t1.transpose(-1, -2)
-    t15 = torch.heaviside(t14, torch.full_like(t14, 0.0))
+    t15 = t2.transpose(-1, -2)
     t16 = (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t13, t15, X, t13, t15, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
     t17 = torch.sqrt(torch.clamp(t16, min=0.0))
     return (0.0, t12, t17, 0.0,)
@@ -1881,11 +1887,12 @@ def ce_bias0_residual0__block__W_2__W_1__functional(X, W_1, W_2, Y):
     G = t10
     t11 = G.transpose(-1, -2)
     t12 = t4.transpose(-1, -2)
-    t13 = torch.heaviside(t12, torch.full_like(t12, 0.0))
-    t14 = (1/n_batch) * t11
-    t15 = oe.contract('abc,adc->bdac', t14, t13, optimize=[(0, 1)])
-    t16 = oe.contract('abc->cab', X, optimize=[(0,)])
-    t1 += oe.contract('abcd,ecd->aeb', t15, t16, optimize=[(0, 1)])
+    t13 = torch.heaviside(t4, torch.full_like(t4, 0.0))
+    t14 = t13.transpose(-1, -2)
+    t15 = (1/n_batch) * t11
+    t16 = oe.contract('abc,adc->bdac', t15, t14, optimize=[(0, 1)])
+    t17 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t1 += oe.contract('abcd,ecd->aeb', t16, t17, optimize=[(0, 1)])
     return out
 
 
@@ -1909,10 +1916,11 @@ def ce_bias0_residual0__frobenius__W_2__W_1__functional(X, W_1, W_2, Y):
     G = t8
     t9 = G.transpose(-1, -2)
     t10 = t2.transpose(-1, -2)
-    t11 = torch.heaviside(t10, torch.full_like(t10, 0.0))
-    t12 = (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t9, t11, X, t9, t11, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t13 = torch.sqrt(torch.clamp(t12, min=0.0))
-    return t13
+    t11 = torch.heaviside(t2, torch.full_like(t2, 0.0))
+    t12 = t11.transpose(-1, -2)
+    t13 = (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t9, t12, X, t9, t12, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t14 = torch.sqrt(torch.clamp(t13, min=0.0))
+    return t14
 
 
 def ce_bias0_residual0__block__W_2__W_2__functional(X, W_1, W_2, Y):
@@ -1981,13 +1989,13 @@ def ce_bias0_residual0__hessian__full(X, W_1, W_2, Y):
     t28 = H[d_V*d_ff:2*d_V*d_ff, 0:d_V*d_ff]
     t29 = t28.view((d_ff, d_V, d_V, d_ff))
     t30 = t3.transpose(-1, -2)
-    t31 = (t30 * torch.heaviside(t30, torch.full_like(t30, 0.0)))
+    t31 = t7.transpose(-1, -2)
     t32 = (1/(L*n_batch)) * t31
     t33 = oe.contract('abc,acd,acde,ef,acf->bdfac', t32, t6, dA, t11, t4, optimize=[(2, 3), (0, 1), (0, 1), (0, 1)])
     t29[...] = oe.contract('abcde,fde->abfc', t33, t14, optimize=[(0, 1)])
     t34 = t29.diagonal(0, 0, 3)
     t35 = G.transpose(-1, -2)
-    t36 = torch.heaviside(t30, torch.full_like(t30, 0.0))
+    t36 = t4.transpose(-1, -2)
     t37 = (1/n_batch) * t35
     t38 = oe.contract('abc,adc->bdac', t37, t36, optimize=[(0, 1)])
     t34 += oe.contract('abcd,ecd->aeb', t38, t14, optimize=[(0, 1)])
@@ -2033,10 +2041,10 @@ def ce_bias0_residual0__hvp__full(X, W_1, W_2, Y, V_W_1, V_W_2):
     t25 = t24 * t13
     t26 = t0 @ t25
     t27 = t3.transpose(-1, -2)
-    t28 = (t27 * torch.heaviside(t27, torch.full_like(t27, 0.0)))
+    t28 = t4.transpose(-1, -2)
     t29 = t28 @ t20
     t30 = (1/L) * t29
-    t31 = torch.heaviside(t27, torch.full_like(t27, 0.0))
+    t31 = t13.transpose(-1, -2)
     t32 = t14.transpose(-1, -2)
     t33 = t31 * t32
     t34 = t33 @ t9
@@ -2075,9 +2083,9 @@ def ce_bias0_residual0__frobenius_all__full(X, W_1, W_2, Y):
     t17 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,de,ace,acef,acg,hbi,hid,dj,hij,hijf,hig->', t0, t2, W_2, t4, dA, t5, t0, t2, W_2, t4, dA, t5, optimize=[(3, 4), (7, 8), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abc,acd,de,ace,acef,acd,gbh,ghd,ghf->', t0, t2, W_2, t4, dA, t5, t0, t2, G, optimize=[(1, 5), (2, 3), (0, 2), (2, 4), (0, 4), (0, 3), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,acd,ace,fbg,fgd,fge->', t0, t2, G, t0, t2, G, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
     t18 = torch.sqrt(torch.clamp(t17, min=0.0))
     t19 = t1.transpose(-1, -2)
-    t20 = (t19 * torch.heaviside(t19, torch.full_like(t19, 0.0)))
+    t20 = t5.transpose(-1, -2)
     t21 = G.transpose(-1, -2)
-    t22 = torch.heaviside(t19, torch.full_like(t19, 0.0))
+    t22 = t2.transpose(-1, -2)
     t23 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acf,acg,hbi,hid,hidj,jf,hif,hig->', t20, t4, dA, t9, t2, X, t20, t4, dA, t9, t2, X, optimize=[(1, 2), (5, 6), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abc,acd,acde,eb,acb,acf,gdh,gbh,ghf->', t20, t4, dA, t9, t2, X, t21, t22, X, optimize=[(0, 4), (0, 1), (0, 6), (0, 3), (0, 3), (0, 3), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t21, t22, X, t21, t22, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
     t24 = torch.sqrt(torch.clamp(t23, min=0.0))
     t25 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,acf,gbh,ghd,ghde,ghf->', t20, t4, dA, t5, t20, t4, dA, t5, optimize=[(1, 2), (3, 4), (0, 2), (0, 1), (0, 1), (0, 2), (0, 1)])
@@ -2269,7 +2277,7 @@ def ce_bias0_residual0__diag__W_2__full(X, W_1, W_2, Y):
     t5 = Y.sum(-1, keepdim=True)
     t6 = t5.expand(*t5.shape[:-1], d_V)
     t7 = t3.transpose(-1, -2)
-    t8 = (t7 * torch.heaviside(t7, torch.full_like(t7, 0.0)))
+    t8 = t4.transpose(-1, -2)
     t9 = t8 @ W_2
     t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
     A = t10 / t10.sum(-1, keepdim=True)
@@ -2296,7 +2304,7 @@ def ce_bias0_residual0__trace__W_2__full(X, W_1, W_2, Y):
     t4 = Y.sum(-1, keepdim=True)
     t5 = t4.expand(*t4.shape[:-1], d_V)
     t6 = t2.transpose(-1, -2)
-    t7 = (t6 * torch.heaviside(t6, torch.full_like(t6, 0.0)))
+    t7 = t3.transpose(-1, -2)
     t8 = t7 @ W_2
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A = t9 / t9.sum(-1, keepdim=True)
@@ -2321,7 +2329,7 @@ def ce_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
     t5 = Y.sum(-1, keepdim=True)
     t6 = t5.expand(*t5.shape[:-1], d_V)
     t7 = t3.transpose(-1, -2)
-    t8 = (t7 * torch.heaviside(t7, torch.full_like(t7, 0.0)))
+    t8 = t4.transpose(-1, -2)
     t9 = t8 @ W_2
     t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
     A = t10 / t10.sum(-1, keepdim=True)
@@ -2329,24 +2337,24 @@ def ce_bias0_residual0__block__W_2__W_1__full(X, W_1, W_2, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t11, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     t12 = W_2.transpose(-1, -2)
-    t13 = torch.heaviside(t7, torch.full_like(t7, 0.0))
-    t14 = (1/(L*n_batch)) * t4
-    t15 = oe.contract('abc,acd,acde,ef,acf->bdfac', t14, t6, dA, t12, t13, optimize=[(2, 3), (0, 1), (0, 1), (0, 1)])
-    t16 = oe.contract('abc->cab', X, optimize=[(0,)])
-    t0[...] = oe.contract('abcde,fde->abfc', t15, t16, optimize=[(0, 1)])
-    t17 = t0.diagonal(0, 0, 3)
+    t13 = torch.heaviside(t3, torch.full_like(t3, 0.0))
+    t14 = t13.transpose(-1, -2)
+    t15 = (1/(L*n_batch)) * t4
+    t16 = oe.contract('abc,acd,acde,ef,acf->bdfac', t15, t6, dA, t12, t14, optimize=[(2, 3), (0, 1), (0, 1), (0, 1)])
+    t17 = oe.contract('abc->cab', X, optimize=[(0,)])
+    t0[...] = oe.contract('abcde,fde->abfc', t16, t17, optimize=[(0, 1)])
+    t18 = t0.diagonal(0, 0, 3)
     F = t9
-    t18 = torch.exp(F - F.amax(-1, keepdim=True))
-    A19 = t18 / t18.sum(-1, keepdim=True)
-    t20 = t6 * A19
-    t21 = t20 - Y
-    t22 = (1/L) * t21
-    G = t22
-    t23 = G.transpose(-1, -2)
-    t24 = torch.heaviside(t3, torch.full_like(t3, 0.0))
-    t25 = (1/n_batch) * t23
-    t26 = oe.contract('abc,adc->bdac', t25, t24, optimize=[(0, 1)])
-    t17 += oe.contract('abcd,ecd->aeb', t26, t16, optimize=[(0, 1)])
+    t19 = torch.exp(F - F.amax(-1, keepdim=True))
+    A20 = t19 / t19.sum(-1, keepdim=True)
+    t21 = t6 * A20
+    t22 = t21 - Y
+    t23 = (1/L) * t22
+    G = t23
+    t24 = G.transpose(-1, -2)
+    t25 = (1/n_batch) * t24
+    t26 = oe.contract('abc,adc->bdac', t25, t13, optimize=[(0, 1)])
+    t18 += oe.contract('abcd,ecd->aeb', t26, t17, optimize=[(0, 1)])
     return out
 
 
@@ -2363,7 +2371,7 @@ def ce_bias0_residual0__frobenius__W_2__W_1__full(X, W_1, W_2, Y):
     t4 = Y.sum(-1, keepdim=True)
     t5 = t4.expand(*t4.shape[:-1], d_V)
     t6 = t2.transpose(-1, -2)
-    t7 = (t6 * torch.heaviside(t6, torch.full_like(t6, 0.0)))
+    t7 = t3.transpose(-1, -2)
     t8 = t7 @ W_2
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A = t9 / t9.sum(-1, keepdim=True)
@@ -2371,17 +2379,17 @@ def ce_bias0_residual0__frobenius__W_2__W_1__full(X, W_1, W_2, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     t11 = W_2.transpose(-1, -2)
-    t12 = torch.heaviside(t6, torch.full_like(t6, 0.0))
+    t12 = torch.heaviside(t2, torch.full_like(t2, 0.0))
+    t13 = t12.transpose(-1, -2)
     F = t8
-    t13 = torch.exp(F - F.amax(-1, keepdim=True))
-    A14 = t13 / t13.sum(-1, keepdim=True)
-    t15 = t5 * A14
-    t16 = t15 - Y
-    t17 = (1/L) * t16
-    G = t17
-    t18 = G.transpose(-1, -2)
-    t19 = torch.heaviside(t2, torch.full_like(t2, 0.0))
-    t20 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acf,acg,hbi,hid,hidj,jf,hif,hig->', t3, t5, dA, t11, t12, X, t3, t5, dA, t11, t12, X, optimize=[(1, 2), (5, 6), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abc,acd,acde,eb,acb,acf,gdh,gbh,ghf->', t3, t5, dA, t11, t12, X, t18, t19, X, optimize=[(0, 4), (0, 1), (0, 6), (0, 3), (0, 3), (0, 3), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t18, t19, X, t18, t19, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t14 = torch.exp(F - F.amax(-1, keepdim=True))
+    A15 = t14 / t14.sum(-1, keepdim=True)
+    t16 = t5 * A15
+    t17 = t16 - Y
+    t18 = (1/L) * t17
+    G = t18
+    t19 = G.transpose(-1, -2)
+    t20 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acf,acg,hbi,hid,hidj,jf,hif,hig->', t3, t5, dA, t11, t13, X, t3, t5, dA, t11, t13, X, optimize=[(1, 2), (5, 6), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)]) + (2/(L*n_batch**2)) * oe.contract('abc,acd,acde,eb,acb,acf,gdh,gbh,ghf->', t3, t5, dA, t11, t13, X, t19, t12, X, optimize=[(0, 4), (0, 1), (0, 6), (0, 3), (0, 3), (0, 3), (0, 2), (0, 1)]) + (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t19, t12, X, t19, t12, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
     t21 = torch.sqrt(torch.clamp(t20, min=0.0))
     return t21
 
@@ -2401,7 +2409,7 @@ def ce_bias0_residual0__block__W_2__W_2__full(X, W_1, W_2, Y):
     t5 = Y.sum(-1, keepdim=True)
     t6 = t5.expand(*t5.shape[:-1], d_V)
     t7 = t3.transpose(-1, -2)
-    t8 = (t7 * torch.heaviside(t7, torch.full_like(t7, 0.0)))
+    t8 = t4.transpose(-1, -2)
     t9 = t8 @ W_2
     t10 = torch.exp(t9 - t9.amax(-1, keepdim=True))
     A = t10 / t10.sum(-1, keepdim=True)
@@ -2426,7 +2434,7 @@ def ce_bias0_residual0__frobenius__W_2__W_2__full(X, W_1, W_2, Y):
     t4 = Y.sum(-1, keepdim=True)
     t5 = t4.expand(*t4.shape[:-1], d_V)
     t6 = t2.transpose(-1, -2)
-    t7 = (t6 * torch.heaviside(t6, torch.full_like(t6, 0.0)))
+    t7 = t3.transpose(-1, -2)
     t8 = t7 @ W_2
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A = t9 / t9.sum(-1, keepdim=True)
@@ -2512,7 +2520,7 @@ def ce_bias0_residual0__frobenius_split__W_2__W_1(X, W_1, W_2, Y):
     t4 = Y.sum(-1, keepdim=True)
     t5 = t4.expand(*t4.shape[:-1], d_V)
     t6 = t2.transpose(-1, -2)
-    t7 = (t6 * torch.heaviside(t6, torch.full_like(t6, 0.0)))
+    t7 = t3.transpose(-1, -2)
     t8 = t7 @ W_2
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A = t9 / t9.sum(-1, keepdim=True)
@@ -2520,21 +2528,21 @@ def ce_bias0_residual0__frobenius_split__W_2__W_1(X, W_1, W_2, Y):
     # dA: compact tensor ('L', 'd_V', 'd_V')
     dA = oe.contract('abc,cd->abcd', A, t10, optimize=[(0, 1)]) - oe.contract('abc,abd->abcd', A, A, optimize=[(0, 1)])
     t11 = W_2.transpose(-1, -2)
-    t12 = torch.heaviside(t6, torch.full_like(t6, 0.0))
-    t13 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acf,acg,hbi,hid,hidj,jf,hif,hig->', t3, t5, dA, t11, t12, X, t3, t5, dA, t11, t12, X, optimize=[(1, 2), (5, 6), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)])
+    t12 = torch.heaviside(t2, torch.full_like(t2, 0.0))
+    t13 = t12.transpose(-1, -2)
+    t14 = (1/(L**2*n_batch**2)) * oe.contract('abc,acd,acde,ef,acf,acg,hbi,hid,hidj,jf,hif,hig->', t3, t5, dA, t11, t13, X, t3, t5, dA, t11, t13, X, optimize=[(1, 2), (5, 6), (0, 4), (2, 5), (6, 7), (0, 1), (0, 1), (0, 3), (0, 2), (1, 2), (0, 1)])
     F = t8
-    t14 = torch.exp(F - F.amax(-1, keepdim=True))
-    A15 = t14 / t14.sum(-1, keepdim=True)
-    t16 = t5 * A15
-    t17 = t16 - Y
-    t18 = (1/L) * t17
-    G = t18
-    t19 = G.transpose(-1, -2)
-    t20 = torch.heaviside(t2, torch.full_like(t2, 0.0))
-    t21 = (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t19, t20, X, t19, t20, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
-    t22 = (2/(L*n_batch**2)) * oe.contract('abc,acd,acde,eb,acb,acf,gdh,gbh,ghf->', t3, t5, dA, t11, t12, X, t19, t20, X, optimize=[(0, 4), (0, 1), (0, 6), (0, 3), (0, 3), (0, 3), (0, 2), (0, 1)])
-    t23 = t13 + t21 + t22
-    t24 = torch.sqrt(torch.clamp(t13, min=0.0))
+    t15 = torch.exp(F - F.amax(-1, keepdim=True))
+    A16 = t15 / t15.sum(-1, keepdim=True)
+    t17 = t5 * A16
+    t18 = t17 - Y
+    t19 = (1/L) * t18
+    G = t19
+    t20 = G.transpose(-1, -2)
+    t21 = (n_batch**(-2)) * oe.contract('abc,adc,ace,fbg,fdg,fge->', t20, t12, X, t20, t12, X, optimize=[(0, 3), (0, 2), (2, 3), (0, 1), (0, 1)])
+    t22 = (2/(L*n_batch**2)) * oe.contract('abc,acd,acde,eb,acb,acf,gdh,gbh,ghf->', t3, t5, dA, t11, t13, X, t20, t12, X, optimize=[(0, 4), (0, 1), (0, 6), (0, 3), (0, 3), (0, 3), (0, 2), (0, 1)])
+    t23 = t14 + t21 + t22
+    t24 = torch.sqrt(torch.clamp(t14, min=0.0))
     t25 = torch.sqrt(torch.clamp(t21, min=0.0))
     t26 = torch.sqrt(torch.clamp(t23, min=0.0))
     return (t24, t25, t26,)
@@ -2553,7 +2561,7 @@ def ce_bias0_residual0__frobenius_split__W_2__W_2(X, W_1, W_2, Y):
     t4 = Y.sum(-1, keepdim=True)
     t5 = t4.expand(*t4.shape[:-1], d_V)
     t6 = t2.transpose(-1, -2)
-    t7 = (t6 * torch.heaviside(t6, torch.full_like(t6, 0.0)))
+    t7 = t3.transpose(-1, -2)
     t8 = t7 @ W_2
     t9 = torch.exp(t8 - t8.amax(-1, keepdim=True))
     A = t9 / t9.sum(-1, keepdim=True)

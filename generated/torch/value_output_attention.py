@@ -1734,49 +1734,49 @@ def mse_causal0__hvp__functional(X, W_Q, W_K, W_V, W_O, Y, V_W_Q, V_W_K, V_W_V, 
     t19 = t15.transpose(-1, -2)
     t20 = G @ t19
     t21 = t13 - (A * t13).sum(-1, keepdim=True)
-    t22 = t20 - (A * t20).sum(-1, keepdim=True)
-    t23 = A * t21 * t22
-    t24 = t23 - A * t23.sum(-1, keepdim=True)
-    t25 = V_W_O.transpose(-1, -2)
-    t26 = G @ t25
-    t27 = t14.transpose(-1, -2)
-    t28 = t26 @ t27
-    t29 = W_O.transpose(-1, -2)
-    t30 = G @ t29
-    t31 = V_W_V.transpose(-1, -2)
-    t32 = t31 @ t0
-    t33 = t30 @ t32
-    t34 = t28 + t33
-    t35 = t34 - (A * t34).sum(-1, keepdim=True)
-    t36 = A * t35
-    t37 = t24 + t36
-    t38 = t3.transpose(-1, -2)
-    t39 = t37 @ t38
-    t40 = A * t22
-    t41 = t10.transpose(-1, -2)
-    t42 = t40 @ t41
-    t43 = t39 + t42
-    t44 = (1/math.sqrt(d_K)) * t43
-    t45 = t0 @ t44
-    t46 = t37.transpose(-1, -2)
-    t47 = t46 @ t1
-    t48 = t40.transpose(-1, -2)
-    t49 = t48 @ t7
-    t50 = t47 + t49
-    t51 = (1/math.sqrt(d_K)) * t50
-    t52 = t0 @ t51
-    t53 = A * t21
-    t54 = t53.transpose(-1, -2)
-    t55 = t54 @ t30
+    t22 = A * t21
+    t23 = t20 - (A * t20).sum(-1, keepdim=True)
+    t24 = t22 * t23
+    t25 = t24 - A * t24.sum(-1, keepdim=True)
+    t26 = V_W_O.transpose(-1, -2)
+    t27 = G @ t26
+    t28 = t14.transpose(-1, -2)
+    t29 = t27 @ t28
+    t30 = W_O.transpose(-1, -2)
+    t31 = G @ t30
+    t32 = V_W_V.transpose(-1, -2)
+    t33 = t32 @ t0
+    t34 = t31 @ t33
+    t35 = t29 + t34
+    t36 = t35 - (A * t35).sum(-1, keepdim=True)
+    t37 = A * t36
+    t38 = t25 + t37
+    t39 = t3.transpose(-1, -2)
+    t40 = t38 @ t39
+    t41 = A * t23
+    t42 = t10.transpose(-1, -2)
+    t43 = t41 @ t42
+    t44 = t40 + t43
+    t45 = (1/math.sqrt(d_K)) * t44
+    t46 = t0 @ t45
+    t47 = t38.transpose(-1, -2)
+    t48 = t47 @ t1
+    t49 = t41.transpose(-1, -2)
+    t50 = t49 @ t7
+    t51 = t48 + t50
+    t52 = (1/math.sqrt(d_K)) * t51
+    t53 = t0 @ t52
+    t54 = t22.transpose(-1, -2)
+    t55 = t54 @ t31
     t56 = A.transpose(-1, -2)
-    t57 = t56 @ t26
+    t57 = t56 @ t27
     t58 = t55 + t57
     t59 = t0 @ t58
-    t60 = t32 @ t56
-    t61 = t27 @ t54
+    t60 = t33 @ t56
+    t61 = t28 @ t54
     t62 = t60 + t61
     t63 = t62 @ G
-    return (t45.mean(0), t52.mean(0), t59.mean(0), t63.mean(0),)
+    return (t46.mean(0), t53.mean(0), t59.mean(0), t63.mean(0),)
 
 
 def mse_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, W_O, Y):
@@ -3407,11 +3407,11 @@ def mse_causal0__hvp__full(X, W_Q, W_K, W_V, W_O, Y, V_W_Q, V_W_K, V_W_V, V_W_O)
     t19 = t15.transpose(-1, -2)
     t20 = t18 @ t19
     t21 = t13 - (A * t13).sum(-1, keepdim=True)
-    t22 = t20 - (A * t20).sum(-1, keepdim=True)
-    t23 = A * t21 * t22
-    t24 = t23 - A * t23.sum(-1, keepdim=True)
-    t25 = A * t21
-    t26 = t25 @ t15
+    t22 = A * t21
+    t23 = t20 - (A * t20).sum(-1, keepdim=True)
+    t24 = t22 * t23
+    t25 = t24 - A * t24.sum(-1, keepdim=True)
+    t26 = t22 @ t15
     t27 = X @ V_W_V
     t28 = t27 @ W_O
     t29 = A @ t28
@@ -3427,10 +3427,10 @@ def mse_causal0__hvp__full(X, W_Q, W_K, W_V, W_O, Y, V_W_Q, V_W_K, V_W_V, V_W_O)
     t39 = t34 + t38
     t40 = t39 - (A * t39).sum(-1, keepdim=True)
     t41 = A * t40
-    t42 = t24 + t41
+    t42 = t25 + t41
     t43 = t3.transpose(-1, -2)
     t44 = t42 @ t43
-    t45 = A * t22
+    t45 = A * t23
     t46 = t10.transpose(-1, -2)
     t47 = t45 @ t46
     t48 = t44 + t47
@@ -3441,7 +3441,7 @@ def mse_causal0__hvp__full(X, W_Q, W_K, W_V, W_O, Y, V_W_Q, V_W_K, V_W_V, V_W_O)
     t53 = t52 @ t7
     t54 = t51 + t53
     t55 = t0 @ t54
-    t56 = t25.transpose(-1, -2)
+    t56 = t22.transpose(-1, -2)
     t57 = (2/(L*d_V)) * t17
     t58 = t56 @ t57
     t59 = A.transpose(-1, -2)
@@ -7899,49 +7899,49 @@ def mse_causal1__hvp__functional(X, W_Q, W_K, W_V, W_O, Y, V_W_Q, V_W_K, V_W_V, 
     t21 = t17.transpose(-1, -2)
     t22 = G @ t21
     t23 = t15 - (A * t15).sum(-1, keepdim=True)
-    t24 = t22 - (A * t22).sum(-1, keepdim=True)
-    t25 = A * t23 * t24
-    t26 = t25 - A * t25.sum(-1, keepdim=True)
-    t27 = V_W_O.transpose(-1, -2)
-    t28 = G @ t27
-    t29 = t16.transpose(-1, -2)
-    t30 = t28 @ t29
-    t31 = W_O.transpose(-1, -2)
-    t32 = G @ t31
-    t33 = V_W_V.transpose(-1, -2)
-    t34 = t33 @ t0
-    t35 = t32 @ t34
-    t36 = t30 + t35
-    t37 = t36 - (A * t36).sum(-1, keepdim=True)
-    t38 = A * t37
-    t39 = t26 + t38
-    t40 = t3.transpose(-1, -2)
-    t41 = t39 @ t40
-    t42 = A * t24
-    t43 = t12.transpose(-1, -2)
-    t44 = t42 @ t43
-    t45 = t41 + t44
-    t46 = (1/math.sqrt(d_K)) * t45
-    t47 = t0 @ t46
-    t48 = t39.transpose(-1, -2)
-    t49 = t48 @ t1
-    t50 = t42.transpose(-1, -2)
-    t51 = t50 @ t9
-    t52 = t49 + t51
-    t53 = (1/math.sqrt(d_K)) * t52
-    t54 = t0 @ t53
-    t55 = A * t23
-    t56 = t55.transpose(-1, -2)
-    t57 = t56 @ t32
+    t24 = A * t23
+    t25 = t22 - (A * t22).sum(-1, keepdim=True)
+    t26 = t24 * t25
+    t27 = t26 - A * t26.sum(-1, keepdim=True)
+    t28 = V_W_O.transpose(-1, -2)
+    t29 = G @ t28
+    t30 = t16.transpose(-1, -2)
+    t31 = t29 @ t30
+    t32 = W_O.transpose(-1, -2)
+    t33 = G @ t32
+    t34 = V_W_V.transpose(-1, -2)
+    t35 = t34 @ t0
+    t36 = t33 @ t35
+    t37 = t31 + t36
+    t38 = t37 - (A * t37).sum(-1, keepdim=True)
+    t39 = A * t38
+    t40 = t27 + t39
+    t41 = t3.transpose(-1, -2)
+    t42 = t40 @ t41
+    t43 = A * t25
+    t44 = t12.transpose(-1, -2)
+    t45 = t43 @ t44
+    t46 = t42 + t45
+    t47 = (1/math.sqrt(d_K)) * t46
+    t48 = t0 @ t47
+    t49 = t40.transpose(-1, -2)
+    t50 = t49 @ t1
+    t51 = t43.transpose(-1, -2)
+    t52 = t51 @ t9
+    t53 = t50 + t52
+    t54 = (1/math.sqrt(d_K)) * t53
+    t55 = t0 @ t54
+    t56 = t24.transpose(-1, -2)
+    t57 = t56 @ t33
     t58 = A.transpose(-1, -2)
-    t59 = t58 @ t28
+    t59 = t58 @ t29
     t60 = t57 + t59
     t61 = t0 @ t60
-    t62 = t34 @ t58
-    t63 = t29 @ t56
+    t62 = t35 @ t58
+    t63 = t30 @ t56
     t64 = t62 + t63
     t65 = t64 @ G
-    return (t47.mean(0), t54.mean(0), t61.mean(0), t65.mean(0),)
+    return (t48.mean(0), t55.mean(0), t61.mean(0), t65.mean(0),)
 
 
 def mse_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, W_O, Y):
@@ -9642,11 +9642,11 @@ def mse_causal1__hvp__full(X, W_Q, W_K, W_V, W_O, Y, V_W_Q, V_W_K, V_W_V, V_W_O)
     t21 = t17.transpose(-1, -2)
     t22 = t20 @ t21
     t23 = t15 - (A * t15).sum(-1, keepdim=True)
-    t24 = t22 - (A * t22).sum(-1, keepdim=True)
-    t25 = A * t23 * t24
-    t26 = t25 - A * t25.sum(-1, keepdim=True)
-    t27 = A * t23
-    t28 = t27 @ t17
+    t24 = A * t23
+    t25 = t22 - (A * t22).sum(-1, keepdim=True)
+    t26 = t24 * t25
+    t27 = t26 - A * t26.sum(-1, keepdim=True)
+    t28 = t24 @ t17
     t29 = X @ V_W_V
     t30 = t29 @ W_O
     t31 = A @ t30
@@ -9662,10 +9662,10 @@ def mse_causal1__hvp__full(X, W_Q, W_K, W_V, W_O, Y, V_W_Q, V_W_K, V_W_V, V_W_O)
     t41 = t36 + t40
     t42 = t41 - (A * t41).sum(-1, keepdim=True)
     t43 = A * t42
-    t44 = t26 + t43
+    t44 = t27 + t43
     t45 = t3.transpose(-1, -2)
     t46 = t44 @ t45
-    t47 = A * t24
+    t47 = A * t25
     t48 = t12.transpose(-1, -2)
     t49 = t47 @ t48
     t50 = t46 + t49
@@ -9676,7 +9676,7 @@ def mse_causal1__hvp__full(X, W_Q, W_K, W_V, W_O, Y, V_W_Q, V_W_K, V_W_V, V_W_O)
     t55 = t54 @ t9
     t56 = t53 + t55
     t57 = t0 @ t56
-    t58 = t27.transpose(-1, -2)
+    t58 = t24.transpose(-1, -2)
     t59 = (2/(L*d_V)) * t19
     t60 = t58 @ t59
     t61 = A.transpose(-1, -2)
@@ -14498,49 +14498,49 @@ def ce_causal0__hvp__functional(X, W_Q, W_K, W_V, W_O, Y, V_W_Q, V_W_K, V_W_V, V
     t24 = t17.transpose(-1, -2)
     t25 = G @ t24
     t26 = t13 - (A * t13).sum(-1, keepdim=True)
-    t27 = t25 - (A * t25).sum(-1, keepdim=True)
-    t28 = A * t26 * t27
-    t29 = t28 - A * t28.sum(-1, keepdim=True)
-    t30 = V_W_O.transpose(-1, -2)
-    t31 = G @ t30
-    t32 = t16.transpose(-1, -2)
-    t33 = t31 @ t32
-    t34 = W_O.transpose(-1, -2)
-    t35 = G @ t34
-    t36 = V_W_V.transpose(-1, -2)
-    t37 = t36 @ t0
-    t38 = t35 @ t37
-    t39 = t33 + t38
-    t40 = t39 - (A * t39).sum(-1, keepdim=True)
-    t41 = A * t40
-    t42 = t29 + t41
-    t43 = t3.transpose(-1, -2)
-    t44 = t42 @ t43
-    t45 = A * t27
-    t46 = t10.transpose(-1, -2)
-    t47 = t45 @ t46
-    t48 = t44 + t47
-    t49 = (1/math.sqrt(d_K)) * t48
-    t50 = t0 @ t49
-    t51 = t42.transpose(-1, -2)
-    t52 = t51 @ t1
-    t53 = t45.transpose(-1, -2)
-    t54 = t53 @ t7
-    t55 = t52 + t54
-    t56 = (1/math.sqrt(d_K)) * t55
-    t57 = t0 @ t56
-    t58 = A * t26
-    t59 = t58.transpose(-1, -2)
-    t60 = t59 @ t35
+    t27 = A * t26
+    t28 = t25 - (A * t25).sum(-1, keepdim=True)
+    t29 = t27 * t28
+    t30 = t29 - A * t29.sum(-1, keepdim=True)
+    t31 = V_W_O.transpose(-1, -2)
+    t32 = G @ t31
+    t33 = t16.transpose(-1, -2)
+    t34 = t32 @ t33
+    t35 = W_O.transpose(-1, -2)
+    t36 = G @ t35
+    t37 = V_W_V.transpose(-1, -2)
+    t38 = t37 @ t0
+    t39 = t36 @ t38
+    t40 = t34 + t39
+    t41 = t40 - (A * t40).sum(-1, keepdim=True)
+    t42 = A * t41
+    t43 = t30 + t42
+    t44 = t3.transpose(-1, -2)
+    t45 = t43 @ t44
+    t46 = A * t28
+    t47 = t10.transpose(-1, -2)
+    t48 = t46 @ t47
+    t49 = t45 + t48
+    t50 = (1/math.sqrt(d_K)) * t49
+    t51 = t0 @ t50
+    t52 = t43.transpose(-1, -2)
+    t53 = t52 @ t1
+    t54 = t46.transpose(-1, -2)
+    t55 = t54 @ t7
+    t56 = t53 + t55
+    t57 = (1/math.sqrt(d_K)) * t56
+    t58 = t0 @ t57
+    t59 = t27.transpose(-1, -2)
+    t60 = t59 @ t36
     t61 = A.transpose(-1, -2)
-    t62 = t61 @ t31
+    t62 = t61 @ t32
     t63 = t60 + t62
     t64 = t0 @ t63
-    t65 = t37 @ t61
-    t66 = t32 @ t59
+    t65 = t38 @ t61
+    t66 = t33 @ t59
     t67 = t65 + t66
     t68 = t67 @ G
-    return (t50.mean(0), t57.mean(0), t64.mean(0), t68.mean(0),)
+    return (t51.mean(0), t58.mean(0), t64.mean(0), t68.mean(0),)
 
 
 def ce_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, W_O, Y):
@@ -16344,23 +16344,23 @@ def ce_causal0__hvp__full(X, W_Q, W_K, W_V, W_O, Y, V_W_Q, V_W_K, V_W_V, V_W_O):
     t24 = t17.transpose(-1, -2)
     t25 = t23 @ t24
     t26 = t13 - (A * t13).sum(-1, keepdim=True)
-    t27 = t25 - (A * t25).sum(-1, keepdim=True)
-    t28 = A * t26 * t27
-    t29 = t28 - A * t28.sum(-1, keepdim=True)
-    t30 = V_W_O.transpose(-1, -2)
-    t31 = t16.transpose(-1, -2)
-    t32 = t30 @ t31
-    t33 = W_O.transpose(-1, -2)
-    t34 = V_W_V.transpose(-1, -2)
-    t35 = t34 @ t0
-    t36 = t33 @ t35
-    t37 = t32 + t36
-    t38 = t23 @ t37
-    t39 = A * t26
-    t40 = t39 @ t17
-    t41 = t36.transpose(-1, -2)
+    t27 = A * t26
+    t28 = t25 - (A * t25).sum(-1, keepdim=True)
+    t29 = t27 * t28
+    t30 = t29 - A * t29.sum(-1, keepdim=True)
+    t31 = V_W_O.transpose(-1, -2)
+    t32 = t16.transpose(-1, -2)
+    t33 = t31 @ t32
+    t34 = W_O.transpose(-1, -2)
+    t35 = V_W_V.transpose(-1, -2)
+    t36 = t35 @ t0
+    t37 = t34 @ t36
+    t38 = t33 + t37
+    t39 = t23 @ t38
+    t40 = t27 @ t17
+    t41 = t37.transpose(-1, -2)
     t42 = A @ t41
-    t43 = t32.transpose(-1, -2)
+    t43 = t33.transpose(-1, -2)
     t44 = A @ t43
     t45 = t40 + t42 + t44
     t46 = t45 - (A20 * t45).sum(-1, keepdim=True)
@@ -16368,13 +16368,13 @@ def ce_causal0__hvp__full(X, W_Q, W_K, W_V, W_O, Y, V_W_Q, V_W_K, V_W_V, V_W_O):
     t48 = t15 * t47
     t49 = t48 @ t24
     t50 = (1/(L*math.sqrt(d_K))) * t49
-    t51 = t38 + t50
+    t51 = t39 + t50
     t52 = t51 - (A * t51).sum(-1, keepdim=True)
     t53 = A * t52
-    t54 = t29 + t53
+    t54 = t30 + t53
     t55 = t3.transpose(-1, -2)
     t56 = t54 @ t55
-    t57 = A * t27
+    t57 = A * t28
     t58 = t10.transpose(-1, -2)
     t59 = t57 @ t58
     t60 = t56 + t59
@@ -16385,23 +16385,23 @@ def ce_causal0__hvp__full(X, W_Q, W_K, W_V, W_O, Y, V_W_Q, V_W_K, V_W_V, V_W_O):
     t65 = t64 @ t7
     t66 = t63 + t65
     t67 = t0 @ t66
-    t68 = t39.transpose(-1, -2)
+    t68 = t27.transpose(-1, -2)
     t69 = (1/L) * t22
     t70 = t68 @ t69
     t71 = A.transpose(-1, -2)
     t72 = t71 @ t48
     t73 = (1/L) * t72
     t74 = t70 + t73
-    t75 = t74 @ t33
+    t75 = t74 @ t34
     t76 = t71 @ t69
-    t77 = t76 @ t30
+    t77 = t76 @ t31
     t78 = t75 + t77
     t79 = t0 @ t78
-    t80 = t35 @ t71
-    t81 = t31 @ t68
+    t80 = t36 @ t71
+    t81 = t32 @ t68
     t82 = t80 + t81
     t83 = t82 @ t69
-    t84 = t31 @ t72
+    t84 = t32 @ t72
     t85 = (1/L) * t84
     t86 = t83 + t85
     return (t61.mean(0), t67.mean(0), t79.mean(0), t86.mean(0),)
@@ -21411,49 +21411,49 @@ def ce_causal1__hvp__functional(X, W_Q, W_K, W_V, W_O, Y, V_W_Q, V_W_K, V_W_V, V
     t26 = t19.transpose(-1, -2)
     t27 = G @ t26
     t28 = t15 - (A * t15).sum(-1, keepdim=True)
-    t29 = t27 - (A * t27).sum(-1, keepdim=True)
-    t30 = A * t28 * t29
-    t31 = t30 - A * t30.sum(-1, keepdim=True)
-    t32 = V_W_O.transpose(-1, -2)
-    t33 = G @ t32
-    t34 = t18.transpose(-1, -2)
-    t35 = t33 @ t34
-    t36 = W_O.transpose(-1, -2)
-    t37 = G @ t36
-    t38 = V_W_V.transpose(-1, -2)
-    t39 = t38 @ t0
-    t40 = t37 @ t39
-    t41 = t35 + t40
-    t42 = t41 - (A * t41).sum(-1, keepdim=True)
-    t43 = A * t42
-    t44 = t31 + t43
-    t45 = t3.transpose(-1, -2)
-    t46 = t44 @ t45
-    t47 = A * t29
-    t48 = t12.transpose(-1, -2)
-    t49 = t47 @ t48
-    t50 = t46 + t49
-    t51 = (1/math.sqrt(d_K)) * t50
-    t52 = t0 @ t51
-    t53 = t44.transpose(-1, -2)
-    t54 = t53 @ t1
-    t55 = t47.transpose(-1, -2)
-    t56 = t55 @ t9
-    t57 = t54 + t56
-    t58 = (1/math.sqrt(d_K)) * t57
-    t59 = t0 @ t58
-    t60 = A * t28
-    t61 = t60.transpose(-1, -2)
-    t62 = t61 @ t37
+    t29 = A * t28
+    t30 = t27 - (A * t27).sum(-1, keepdim=True)
+    t31 = t29 * t30
+    t32 = t31 - A * t31.sum(-1, keepdim=True)
+    t33 = V_W_O.transpose(-1, -2)
+    t34 = G @ t33
+    t35 = t18.transpose(-1, -2)
+    t36 = t34 @ t35
+    t37 = W_O.transpose(-1, -2)
+    t38 = G @ t37
+    t39 = V_W_V.transpose(-1, -2)
+    t40 = t39 @ t0
+    t41 = t38 @ t40
+    t42 = t36 + t41
+    t43 = t42 - (A * t42).sum(-1, keepdim=True)
+    t44 = A * t43
+    t45 = t32 + t44
+    t46 = t3.transpose(-1, -2)
+    t47 = t45 @ t46
+    t48 = A * t30
+    t49 = t12.transpose(-1, -2)
+    t50 = t48 @ t49
+    t51 = t47 + t50
+    t52 = (1/math.sqrt(d_K)) * t51
+    t53 = t0 @ t52
+    t54 = t45.transpose(-1, -2)
+    t55 = t54 @ t1
+    t56 = t48.transpose(-1, -2)
+    t57 = t56 @ t9
+    t58 = t55 + t57
+    t59 = (1/math.sqrt(d_K)) * t58
+    t60 = t0 @ t59
+    t61 = t29.transpose(-1, -2)
+    t62 = t61 @ t38
     t63 = A.transpose(-1, -2)
-    t64 = t63 @ t33
+    t64 = t63 @ t34
     t65 = t62 + t64
     t66 = t0 @ t65
-    t67 = t39 @ t63
-    t68 = t34 @ t61
+    t67 = t40 @ t63
+    t68 = t35 @ t61
     t69 = t67 + t68
     t70 = t69 @ G
-    return (t52.mean(0), t59.mean(0), t66.mean(0), t70.mean(0),)
+    return (t53.mean(0), t60.mean(0), t66.mean(0), t70.mean(0),)
 
 
 def ce_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, W_O, Y):
@@ -23327,23 +23327,23 @@ def ce_causal1__hvp__full(X, W_Q, W_K, W_V, W_O, Y, V_W_Q, V_W_K, V_W_V, V_W_O):
     t26 = t19.transpose(-1, -2)
     t27 = t25 @ t26
     t28 = t15 - (A * t15).sum(-1, keepdim=True)
-    t29 = t27 - (A * t27).sum(-1, keepdim=True)
-    t30 = A * t28 * t29
-    t31 = t30 - A * t30.sum(-1, keepdim=True)
-    t32 = V_W_O.transpose(-1, -2)
-    t33 = t18.transpose(-1, -2)
-    t34 = t32 @ t33
-    t35 = W_O.transpose(-1, -2)
-    t36 = V_W_V.transpose(-1, -2)
-    t37 = t36 @ t0
-    t38 = t35 @ t37
-    t39 = t34 + t38
-    t40 = t25 @ t39
-    t41 = A * t28
-    t42 = t41 @ t19
-    t43 = t38.transpose(-1, -2)
+    t29 = A * t28
+    t30 = t27 - (A * t27).sum(-1, keepdim=True)
+    t31 = t29 * t30
+    t32 = t31 - A * t31.sum(-1, keepdim=True)
+    t33 = V_W_O.transpose(-1, -2)
+    t34 = t18.transpose(-1, -2)
+    t35 = t33 @ t34
+    t36 = W_O.transpose(-1, -2)
+    t37 = V_W_V.transpose(-1, -2)
+    t38 = t37 @ t0
+    t39 = t36 @ t38
+    t40 = t35 + t39
+    t41 = t25 @ t40
+    t42 = t29 @ t19
+    t43 = t39.transpose(-1, -2)
     t44 = A @ t43
-    t45 = t34.transpose(-1, -2)
+    t45 = t35.transpose(-1, -2)
     t46 = A @ t45
     t47 = t42 + t44 + t46
     t48 = t47 - (A22 * t47).sum(-1, keepdim=True)
@@ -23351,13 +23351,13 @@ def ce_causal1__hvp__full(X, W_Q, W_K, W_V, W_O, Y, V_W_Q, V_W_K, V_W_V, V_W_O):
     t50 = t17 * t49
     t51 = t50 @ t26
     t52 = (1/(L*math.sqrt(d_K))) * t51
-    t53 = t40 + t52
+    t53 = t41 + t52
     t54 = t53 - (A * t53).sum(-1, keepdim=True)
     t55 = A * t54
-    t56 = t31 + t55
+    t56 = t32 + t55
     t57 = t3.transpose(-1, -2)
     t58 = t56 @ t57
-    t59 = A * t29
+    t59 = A * t30
     t60 = t12.transpose(-1, -2)
     t61 = t59 @ t60
     t62 = t58 + t61
@@ -23368,23 +23368,23 @@ def ce_causal1__hvp__full(X, W_Q, W_K, W_V, W_O, Y, V_W_Q, V_W_K, V_W_V, V_W_O):
     t67 = t66 @ t9
     t68 = t65 + t67
     t69 = t0 @ t68
-    t70 = t41.transpose(-1, -2)
+    t70 = t29.transpose(-1, -2)
     t71 = (1/L) * t24
     t72 = t70 @ t71
     t73 = A.transpose(-1, -2)
     t74 = t73 @ t50
     t75 = (1/L) * t74
     t76 = t72 + t75
-    t77 = t76 @ t35
+    t77 = t76 @ t36
     t78 = t73 @ t71
-    t79 = t78 @ t32
+    t79 = t78 @ t33
     t80 = t77 + t79
     t81 = t0 @ t80
-    t82 = t37 @ t73
-    t83 = t33 @ t70
+    t82 = t38 @ t73
+    t83 = t34 @ t70
     t84 = t82 + t83
     t85 = t84 @ t71
-    t86 = t33 @ t74
+    t86 = t34 @ t74
     t87 = (1/L) * t86
     t88 = t85 + t87
     return (t63.mean(0), t69.mean(0), t81.mean(0), t88.mean(0),)

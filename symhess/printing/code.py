@@ -56,6 +56,7 @@ class Routine:
         self.inter = {}                       # Named -> compact tensor name
         self.uses = {}                        # factor tuple -> chains holding it (plan)
         self.products = {}                    # factor tuple -> (name, transposed)
+        self.transposed = {}                  # name of a transposed view -> name of its base
         self.env, self.batch_size = representative_sizes(symbols, sizes)
         self.like = next((n for n in variables if n in self.batched_vars), next(iter(variables)))
         for n in variables:
@@ -186,13 +187,22 @@ class Routine:
             return Fraction(0)
         return self._order(factors)[0][(0, len(factors) - 1)]
 
+    def T(self, name):
+        """The transposed view of ``name`` (remembered: an entrywise function of it is the
+        transpose of the function of its base, which may be computed already)."""
+        if name in self.transposed:
+            return self.transposed[name]
+        out = self.emit(self.fmt("T", name), self.batched(name))
+        self.transposed.setdefault(out, name)
+        return out
+
     def _have(self, factors):
         """The name of an already computed product of ``factors`` (a view if transposed)."""
         hit = self.products.get(tuple(factors))
         if hit is None:
             return None
         name, transposed = hit
-        return self.emit(self.fmt("T", name), self.batched(name)) if transposed else name
+        return self.T(name) if transposed else name
 
     def _rep(self, d):
         return _rep_size(sp.sympify(d), tuple(sorted(self.env.items(), key=lambda kv: kv[0].name)))
@@ -622,7 +632,7 @@ def _add(rt, n):
         return rt.emit(_scaled(rt, c, inner), rt.batched(inner))
     if all(isinstance(core, E.Transpose) for _, core in terms):
         inner = rt.mat(E.add(*(E.scale(ci, core.args[0]) for ci, core in terms)))
-        return rt.emit(rt.fmt("T", inner), rt.batched(inner))
+        return rt.T(inner)
     out, names = [], []
     for ci, core in sorted(terms, key=lambda t: t[0].could_extract_minus_sign()):
         neg = ci.could_extract_minus_sign()
@@ -673,8 +683,7 @@ def _scale(rt, n):
 
 @_m(E.Transpose)
 def _transpose(rt, n):
-    a = rt.mat(n.args[0])
-    return rt.emit(rt.fmt("T", a), rt.batched(a))
+    return rt.T(rt.mat(n.args[0]))
 
 
 @_m(E.Hadamard)
@@ -686,6 +695,9 @@ def _hadamard(rt, n):
 @_m(E.Elementwise)
 def _elementwise(rt, n):
     a = rt.mat(n.args[0])
+    if a in rt.transposed:            # f(Bᵀ) = f(B)ᵀ: reuse f(B)
+        base = rt.transposed[a]
+        return rt.T(rt.emit(scalar_code(rt.t, n.fn.expr, base), rt.batched(base)))
     return rt.emit(scalar_code(rt.t, n.fn.expr, a), rt.batched(a))
 
 
@@ -726,7 +738,8 @@ def _softmax_diff2(rt, n):
     """d²A[E,F] = w − A rowsum(w), w = A ∘ (E − rowsum(A∘E)) ∘ (F − rowsum(A∘F))."""
     a, e, f = (rt.mat(x) for x in n.args)
     b = rt.batched(a, e, f)
-    w = rt.emit(f"{a} * {_centred(rt, a, e)} * {_centred(rt, a, f)}", b)
+    da = rt.emit(f"{a} * {_centred(rt, a, e)}", rt.batched(a, e))   # = dA[E], often needed too
+    w = rt.emit(f"{da} * {_centred(rt, a, f)}", b)
     return rt.emit(f"{w} - {a} * {rt.fmt('sum_last', w)}", b)
 
 
