@@ -198,7 +198,10 @@ class Variant:
 
     # -- matrix view -----------------------------------------------------------------
     def _mean(self, rt, name):
-        return rt.fmt("mean_batch", name) if rt.is_batched[name] else name
+        """The batch mean of a result; one sequence needs no reduction pass (mean = entry 0)."""
+        if not rt.is_batched[name]:
+            return name
+        return f"({name}[0] if n_batch == 1 else {rt.fmt('mean_batch', name)})"
 
     def hvp(self, part):
         dirs = list(self.d.hvp_directions().values())

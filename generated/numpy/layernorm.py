@@ -42,7 +42,7 @@ def mse__loss(X, Y):
     t12 = t11.sum(-1, keepdims=True)
     t13 = t12.sum(-2, keepdims=True)
     t14 = (1/(L*d_V)) * t13
-    return t14.mean(0)[0, 0]
+    return (t14[0] if n_batch == 1 else t14.mean(0))[0, 0]
 
 
 def mse__gradient(X, Y):
@@ -81,7 +81,7 @@ def mse__gradient(X, Y):
     t22 = t21.sum(-1, keepdims=True)
     t23 = np.broadcast_to(t22, t22.shape[:-1] + (d_V,))
     t24 = t17 + t18 + t23
-    return (t24.mean(0),)
+    return ((t24[0] if n_batch == 1 else t24.mean(0)),)
 
 
 def mse__hessian__outer(X, Y):
@@ -447,7 +447,7 @@ def mse__hvp__functional(X, Y, V_X):
     t38 = t37.sum(-1, keepdims=True)
     t39 = np.broadcast_to(t38, t38.shape[:-1] + (d_V,))
     t40 = t21 + t26 + t35 + t39
-    return (t40.mean(0),)
+    return ((t40[0] if n_batch == 1 else t40.mean(0)),)
 
 
 def mse__frobenius_all__functional(X, Y):
@@ -800,7 +800,7 @@ def mse__hvp__full(X, Y, V_X):
     t50 = t49.sum(-1, keepdims=True)
     t51 = np.broadcast_to(t50, t50.shape[:-1] + (d_V,))
     t52 = t20 + t29 + t32 + t44 + t51
-    return (t52.mean(0),)
+    return ((t52[0] if n_batch == 1 else t52.mean(0)),)
 
 
 def mse__frobenius_all__full(X, Y):
@@ -1204,7 +1204,7 @@ def ce__loss(X, Y):
     t13 = t12.sum(-1, keepdims=True)
     t14 = t13.sum(-2, keepdims=True)
     t15 = (-1/L) * t14
-    return t15.mean(0)[0, 0]
+    return (t15[0] if n_batch == 1 else t15.mean(0))[0, 0]
 
 
 def ce__gradient(X, Y):
@@ -1248,7 +1248,7 @@ def ce__gradient(X, Y):
     t26 = t25.sum(-1, keepdims=True)
     t27 = np.broadcast_to(t26, t26.shape[:-1] + (d_V,))
     t28 = t21 + t22 + t27
-    return (t28.mean(0),)
+    return ((t28[0] if n_batch == 1 else t28.mean(0)),)
 
 
 def ce__hessian__outer(X, Y):
@@ -1350,7 +1350,7 @@ def ce__hvp__outer(X, Y, V_X):
     t37 = t36.sum(-1, keepdims=True)
     t38 = np.broadcast_to(t37, t37.shape[:-1] + (d_V,))
     t39 = t31 + t33 + t38
-    return (t39.mean(0),)
+    return ((t39[0] if n_batch == 1 else t39.mean(0)),)
 
 
 def ce__frobenius_all__outer(X, Y):
@@ -1692,7 +1692,7 @@ def ce__hvp__functional(X, Y, V_X):
     t42 = t41.sum(-1, keepdims=True)
     t43 = np.broadcast_to(t42, t42.shape[:-1] + (d_V,))
     t44 = t25 + t30 + t39 + t43
-    return (t44.mean(0),)
+    return ((t44[0] if n_batch == 1 else t44.mean(0)),)
 
 
 def ce__frobenius_all__functional(X, Y):
@@ -2086,7 +2086,7 @@ def ce__hvp__full(X, Y, V_X):
     t54 = t53.sum(-1, keepdims=True)
     t55 = np.broadcast_to(t54, t54.shape[:-1] + (d_V,))
     t56 = t24 + t30 + t46 + t48 + t55
-    return (t56.mean(0),)
+    return ((t56[0] if n_batch == 1 else t56.mean(0)),)
 
 
 def ce__frobenius_all__full(X, Y):

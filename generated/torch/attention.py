@@ -40,7 +40,7 @@ def mse_causal0__loss(X, W_Q, W_K, W_V, Y):
     t11 = t10.sum(-1, keepdim=True)
     t12 = t11.sum(-2, keepdim=True)
     t13 = (1/(L*d_V)) * t12
-    return t13.mean(0)[0, 0]
+    return (t13[0] if n_batch == 1 else t13.mean(0))[0, 0]
 
 
 def mse_causal0__gradient(X, W_Q, W_K, W_V, Y):
@@ -78,7 +78,7 @@ def mse_causal0__gradient(X, W_Q, W_K, W_V, Y):
     t23 = A.transpose(-1, -2)
     t24 = t0 @ t23
     t25 = t24 @ G
-    return (t18.mean(0), t22.mean(0), t25.mean(0),)
+    return ((t18[0] if n_batch == 1 else t18.mean(0)), (t22[0] if n_batch == 1 else t22.mean(0)), (t25[0] if n_batch == 1 else t25.mean(0)),)
 
 
 def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
@@ -198,7 +198,7 @@ def mse_causal0__hvp__outer(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     t33 = (1/math.sqrt(d_K)) * t32
     t34 = t18.transpose(-1, -2)
     t35 = t34 @ t21
-    return (t29.mean(0), t33.mean(0), t35.mean(0),)
+    return ((t29[0] if n_batch == 1 else t29.mean(0)), (t33[0] if n_batch == 1 else t33.mean(0)), (t35[0] if n_batch == 1 else t35.mean(0)),)
 
 
 def mse_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
@@ -1065,7 +1065,7 @@ def mse_causal0__hvp__functional(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     t46 = t21.transpose(-1, -2)
     t47 = t46 @ G
     t48 = t0 @ t47
-    return (t38.mean(0), t45.mean(0), t48.mean(0),)
+    return ((t38[0] if n_batch == 1 else t38.mean(0)), (t45[0] if n_batch == 1 else t45.mean(0)), (t48[0] if n_batch == 1 else t48.mean(0)),)
 
 
 def mse_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
@@ -2103,7 +2103,7 @@ def mse_causal0__hvp__full(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     t55 = t53 @ t54
     t56 = t52 + t55
     t57 = t0 @ t56
-    return (t43.mean(0), t49.mean(0), t57.mean(0),)
+    return ((t43[0] if n_batch == 1 else t43.mean(0)), (t49[0] if n_batch == 1 else t49.mean(0)), (t57[0] if n_batch == 1 else t57.mean(0)),)
 
 
 def mse_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
@@ -3650,7 +3650,7 @@ def mse_causal1__loss(X, W_Q, W_K, W_V, Y):
     t13 = t12.sum(-1, keepdim=True)
     t14 = t13.sum(-2, keepdim=True)
     t15 = (1/(L*d_V)) * t14
-    return t15.mean(0)[0, 0]
+    return (t15[0] if n_batch == 1 else t15.mean(0))[0, 0]
 
 
 def mse_causal1__gradient(X, W_Q, W_K, W_V, Y):
@@ -3690,7 +3690,7 @@ def mse_causal1__gradient(X, W_Q, W_K, W_V, Y):
     t25 = A.transpose(-1, -2)
     t26 = t0 @ t25
     t27 = t26 @ G
-    return (t20.mean(0), t24.mean(0), t27.mean(0),)
+    return ((t20[0] if n_batch == 1 else t20.mean(0)), (t24[0] if n_batch == 1 else t24.mean(0)), (t27[0] if n_batch == 1 else t27.mean(0)),)
 
 
 def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
@@ -3814,7 +3814,7 @@ def mse_causal1__hvp__outer(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     t35 = (1/math.sqrt(d_K)) * t34
     t36 = t20.transpose(-1, -2)
     t37 = t36 @ t23
-    return (t31.mean(0), t35.mean(0), t37.mean(0),)
+    return ((t31[0] if n_batch == 1 else t31.mean(0)), (t35[0] if n_batch == 1 else t35.mean(0)), (t37[0] if n_batch == 1 else t37.mean(0)),)
 
 
 def mse_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
@@ -4735,7 +4735,7 @@ def mse_causal1__hvp__functional(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     t48 = t23.transpose(-1, -2)
     t49 = t48 @ G
     t50 = t0 @ t49
-    return (t40.mean(0), t47.mean(0), t50.mean(0),)
+    return ((t40[0] if n_batch == 1 else t40.mean(0)), (t47[0] if n_batch == 1 else t47.mean(0)), (t50[0] if n_batch == 1 else t50.mean(0)),)
 
 
 def mse_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
@@ -5819,7 +5819,7 @@ def mse_causal1__hvp__full(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     t57 = t55 @ t56
     t58 = t54 + t57
     t59 = t0 @ t58
-    return (t45.mean(0), t51.mean(0), t59.mean(0),)
+    return ((t45[0] if n_batch == 1 else t45.mean(0)), (t51[0] if n_batch == 1 else t51.mean(0)), (t59[0] if n_batch == 1 else t59.mean(0)),)
 
 
 def mse_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
@@ -7445,7 +7445,7 @@ def ce_causal0__loss(X, W_Q, W_K, W_V, Y):
     t12 = t11.sum(-1, keepdim=True)
     t13 = t12.sum(-2, keepdim=True)
     t14 = (-1/L) * t13
-    return t14.mean(0)[0, 0]
+    return (t14[0] if n_batch == 1 else t14.mean(0))[0, 0]
 
 
 def ce_causal0__gradient(X, W_Q, W_K, W_V, Y):
@@ -7488,7 +7488,7 @@ def ce_causal0__gradient(X, W_Q, W_K, W_V, Y):
     t28 = A.transpose(-1, -2)
     t29 = t0 @ t28
     t30 = t29 @ G
-    return (t23.mean(0), t27.mean(0), t30.mean(0),)
+    return ((t23[0] if n_batch == 1 else t23.mean(0)), (t27[0] if n_batch == 1 else t27.mean(0)), (t30[0] if n_batch == 1 else t30.mean(0)),)
 
 
 def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
@@ -7619,7 +7619,7 @@ def ce_causal0__hvp__outer(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     t41 = t23.transpose(-1, -2)
     t42 = t41 @ t28
     t43 = (1/L) * t42
-    return (t36.mean(0), t40.mean(0), t43.mean(0),)
+    return ((t36[0] if n_batch == 1 else t36.mean(0)), (t40[0] if n_batch == 1 else t40.mean(0)), (t43[0] if n_batch == 1 else t43.mean(0)),)
 
 
 def ce_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
@@ -8700,7 +8700,7 @@ def ce_causal0__hvp__functional(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     t51 = t26.transpose(-1, -2)
     t52 = t51 @ G
     t53 = t0 @ t52
-    return (t43.mean(0), t50.mean(0), t53.mean(0),)
+    return ((t43[0] if n_batch == 1 else t43.mean(0)), (t50[0] if n_batch == 1 else t50.mean(0)), (t53[0] if n_batch == 1 else t53.mean(0)),)
 
 
 def ce_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
@@ -9857,7 +9857,7 @@ def ce_causal0__hvp__full(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     t64 = (1/L) * t63
     t65 = t61 + t64
     t66 = t0 @ t65
-    return (t52.mean(0), t58.mean(0), t66.mean(0),)
+    return ((t52[0] if n_batch == 1 else t52.mean(0)), (t58[0] if n_batch == 1 else t58.mean(0)), (t66[0] if n_batch == 1 else t66.mean(0)),)
 
 
 def ce_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
@@ -11562,7 +11562,7 @@ def ce_causal1__loss(X, W_Q, W_K, W_V, Y):
     t14 = t13.sum(-1, keepdim=True)
     t15 = t14.sum(-2, keepdim=True)
     t16 = (-1/L) * t15
-    return t16.mean(0)[0, 0]
+    return (t16[0] if n_batch == 1 else t16.mean(0))[0, 0]
 
 
 def ce_causal1__gradient(X, W_Q, W_K, W_V, Y):
@@ -11607,7 +11607,7 @@ def ce_causal1__gradient(X, W_Q, W_K, W_V, Y):
     t30 = A.transpose(-1, -2)
     t31 = t0 @ t30
     t32 = t31 @ G
-    return (t25.mean(0), t29.mean(0), t32.mean(0),)
+    return ((t25[0] if n_batch == 1 else t25.mean(0)), (t29[0] if n_batch == 1 else t29.mean(0)), (t32[0] if n_batch == 1 else t32.mean(0)),)
 
 
 def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
@@ -11742,7 +11742,7 @@ def ce_causal1__hvp__outer(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     t43 = t25.transpose(-1, -2)
     t44 = t43 @ t30
     t45 = (1/L) * t44
-    return (t38.mean(0), t42.mean(0), t45.mean(0),)
+    return ((t38[0] if n_batch == 1 else t38.mean(0)), (t42[0] if n_batch == 1 else t42.mean(0)), (t45[0] if n_batch == 1 else t45.mean(0)),)
 
 
 def ce_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
@@ -12877,7 +12877,7 @@ def ce_causal1__hvp__functional(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     t53 = t28.transpose(-1, -2)
     t54 = t53 @ G
     t55 = t0 @ t54
-    return (t45.mean(0), t52.mean(0), t55.mean(0),)
+    return ((t45[0] if n_batch == 1 else t45.mean(0)), (t52[0] if n_batch == 1 else t52.mean(0)), (t55[0] if n_batch == 1 else t55.mean(0)),)
 
 
 def ce_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
@@ -14080,7 +14080,7 @@ def ce_causal1__hvp__full(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     t66 = (1/L) * t65
     t67 = t63 + t66
     t68 = t0 @ t67
-    return (t54.mean(0), t60.mean(0), t68.mean(0),)
+    return ((t54[0] if n_batch == 1 else t54.mean(0)), (t60[0] if n_batch == 1 else t60.mean(0)), (t68[0] if n_batch == 1 else t68.mean(0)),)
 
 
 def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):

@@ -31,7 +31,7 @@ def mse_bias0_residual0__loss(X, W_1, W_2, Y):
     t5 = t4.sum(-1, keepdim=True)
     t6 = t5.sum(-2, keepdim=True)
     t7 = (1/(L*d_V)) * t6
-    return t7.mean(0)[0, 0]
+    return (t7[0] if n_batch == 1 else t7.mean(0))[0, 0]
 
 
 def mse_bias0_residual0__gradient(X, W_1, W_2, Y):
@@ -56,7 +56,7 @@ def mse_bias0_residual0__gradient(X, W_1, W_2, Y):
     t11 = t1.transpose(-1, -2)
     t12 = t3.transpose(-1, -2)
     t13 = t12 @ G
-    return (t10.mean(0), t13.mean(0),)
+    return ((t10[0] if n_batch == 1 else t10.mean(0)), (t13[0] if n_batch == 1 else t13.mean(0)),)
 
 
 def mse_bias0_residual0__hessian__outer(X, W_1, W_2, Y):
@@ -119,7 +119,7 @@ def mse_bias0_residual0__hvp__outer(X, W_1, W_2, Y, V_W_1, V_W_2):
     t14 = t1.transpose(-1, -2)
     t15 = t3.transpose(-1, -2)
     t16 = t15 @ t9
-    return (t13.mean(0), t16.mean(0),)
+    return ((t13[0] if n_batch == 1 else t13.mean(0)), (t16[0] if n_batch == 1 else t16.mean(0)),)
 
 
 def mse_bias0_residual0__frobenius_all__outer(X, W_1, W_2, Y):
@@ -431,7 +431,7 @@ def mse_bias0_residual0__hvp__functional(X, W_1, W_2, Y, V_W_1, V_W_2):
     t14 = t13 @ t0
     t15 = t12 * t14
     t16 = t15 @ G
-    return (t10.mean(0), t16.mean(0),)
+    return ((t10[0] if n_batch == 1 else t10.mean(0)), (t16[0] if n_batch == 1 else t16.mean(0)),)
 
 
 def mse_bias0_residual0__frobenius_all__functional(X, W_1, W_2, Y):
@@ -724,7 +724,7 @@ def mse_bias0_residual0__hvp__full(X, W_1, W_2, Y, V_W_1, V_W_2):
     t25 = t23 * t24
     t26 = t25 @ t14
     t27 = t22 + t26
-    return (t19.mean(0), t27.mean(0),)
+    return ((t19[0] if n_batch == 1 else t19.mean(0)), (t27[0] if n_batch == 1 else t27.mean(0)),)
 
 
 def mse_bias0_residual0__frobenius_all__full(X, W_1, W_2, Y):
@@ -1179,7 +1179,7 @@ def ce_bias0_residual0__loss(X, W_1, W_2, Y):
     t6 = t5.sum(-1, keepdim=True)
     t7 = t6.sum(-2, keepdim=True)
     t8 = (-1/L) * t7
-    return t8.mean(0)[0, 0]
+    return (t8[0] if n_batch == 1 else t8.mean(0))[0, 0]
 
 
 def ce_bias0_residual0__gradient(X, W_1, W_2, Y):
@@ -1209,7 +1209,7 @@ def ce_bias0_residual0__gradient(X, W_1, W_2, Y):
     t15 = t1.transpose(-1, -2)
     t16 = t5.transpose(-1, -2)
     t17 = t16 @ G
-    return (t14.mean(0), t17.mean(0),)
+    return ((t14[0] if n_batch == 1 else t14.mean(0)), (t17[0] if n_batch == 1 else t17.mean(0)),)
 
 
 def ce_bias0_residual0__hessian__outer(X, W_1, W_2, Y):
@@ -1288,7 +1288,7 @@ def ce_bias0_residual0__hvp__outer(X, W_1, W_2, Y, V_W_1, V_W_2):
     t22 = t5.transpose(-1, -2)
     t23 = t22 @ t15
     t24 = (1/L) * t23
-    return (t20.mean(0), t24.mean(0),)
+    return ((t20[0] if n_batch == 1 else t20.mean(0)), (t24[0] if n_batch == 1 else t24.mean(0)),)
 
 
 def ce_bias0_residual0__frobenius_all__outer(X, W_1, W_2, Y):
@@ -1714,7 +1714,7 @@ def ce_bias0_residual0__hvp__functional(X, W_1, W_2, Y, V_W_1, V_W_2):
     t18 = t17 @ t0
     t19 = t16 * t18
     t20 = t19 @ G
-    return (t14.mean(0), t20.mean(0),)
+    return ((t14[0] if n_batch == 1 else t14.mean(0)), (t20[0] if n_batch == 1 else t20.mean(0)),)
 
 
 def ce_bias0_residual0__frobenius_all__functional(X, W_1, W_2, Y):
@@ -2049,7 +2049,7 @@ def ce_bias0_residual0__hvp__full(X, W_1, W_2, Y, V_W_1, V_W_2):
     t33 = t31 * t32
     t34 = t33 @ t9
     t35 = t30 + t34
-    return (t26.mean(0), t35.mean(0),)
+    return ((t26[0] if n_batch == 1 else t26.mean(0)), (t35[0] if n_batch == 1 else t35.mean(0)),)
 
 
 def ce_bias0_residual0__frobenius_all__full(X, W_1, W_2, Y):

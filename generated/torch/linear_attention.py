@@ -39,7 +39,7 @@ def mse_causal0__loss(X, W_Q, W_K, W_V, Y):
     t10 = t9.sum(-1, keepdim=True)
     t11 = t10.sum(-2, keepdim=True)
     t12 = (1/(L*d_V)) * t11
-    return t12.mean(0)[0, 0]
+    return (t12[0] if n_batch == 1 else t12.mean(0))[0, 0]
 
 
 def mse_causal0__gradient(X, W_Q, W_K, W_V, Y):
@@ -74,7 +74,7 @@ def mse_causal0__gradient(X, W_Q, W_K, W_V, Y):
     t20 = T.transpose(-1, -2)
     t21 = t0 @ t20
     t22 = t21 @ G
-    return (t15.mean(0), t19.mean(0), t22.mean(0),)
+    return ((t15[0] if n_batch == 1 else t15.mean(0)), (t19[0] if n_batch == 1 else t19.mean(0)), (t22[0] if n_batch == 1 else t22.mean(0)),)
 
 
 def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
@@ -200,7 +200,7 @@ def mse_causal0__hvp__outer(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     t28 = (1/math.sqrt(d_K)) * t27
     t29 = t15.transpose(-1, -2)
     t30 = t29 @ t18
-    return (t24.mean(0), t28.mean(0), t30.mean(0),)
+    return ((t24[0] if n_batch == 1 else t24.mean(0)), (t28[0] if n_batch == 1 else t28.mean(0)), (t30[0] if n_batch == 1 else t30.mean(0)),)
 
 
 def mse_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
@@ -949,7 +949,7 @@ def mse_causal0__hvp__functional(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     t35 = (1/math.sqrt(d_K)) * t34
     t36 = t35 @ G
     t37 = t0 @ t36
-    return (t21.mean(0), t29.mean(0), t37.mean(0),)
+    return ((t21[0] if n_batch == 1 else t21.mean(0)), (t29[0] if n_batch == 1 else t29.mean(0)), (t37[0] if n_batch == 1 else t37.mean(0)),)
 
 
 def mse_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
@@ -1654,7 +1654,7 @@ def mse_causal0__hvp__full(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     t50 = t48 @ t49
     t51 = t47 + t50
     t52 = t0 @ t51
-    return (t33.mean(0), t41.mean(0), t52.mean(0),)
+    return ((t33[0] if n_batch == 1 else t33.mean(0)), (t41[0] if n_batch == 1 else t41.mean(0)), (t52[0] if n_batch == 1 else t52.mean(0)),)
 
 
 def mse_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
@@ -2843,7 +2843,7 @@ def mse_causal1__loss(X, W_Q, W_K, W_V, Y):
     t11 = t10.sum(-1, keepdim=True)
     t12 = t11.sum(-2, keepdim=True)
     t13 = (1/(L*d_V)) * t12
-    return t13.mean(0)[0, 0]
+    return (t13[0] if n_batch == 1 else t13.mean(0))[0, 0]
 
 
 def mse_causal1__gradient(X, W_Q, W_K, W_V, Y):
@@ -2884,7 +2884,7 @@ def mse_causal1__gradient(X, W_Q, W_K, W_V, Y):
     t25 = t19 * t24
     t26 = t0 @ t25
     t27 = t26 @ G
-    return (t17.mean(0), t23.mean(0), t27.mean(0),)
+    return ((t17[0] if n_batch == 1 else t17.mean(0)), (t23[0] if n_batch == 1 else t23.mean(0)), (t27[0] if n_batch == 1 else t27.mean(0)),)
 
 
 def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
@@ -3004,7 +3004,7 @@ def mse_causal1__hvp__outer(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     t33 = (1/math.sqrt(d_K)) * t32
     t34 = t17.transpose(-1, -2)
     t35 = t34 @ t20
-    return (t27.mean(0), t33.mean(0), t35.mean(0),)
+    return ((t27[0] if n_batch == 1 else t27.mean(0)), (t33[0] if n_batch == 1 else t33.mean(0)), (t35[0] if n_batch == 1 else t35.mean(0)),)
 
 
 def mse_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
@@ -3761,7 +3761,7 @@ def mse_causal1__hvp__functional(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     t42 = t41 * t26
     t43 = t42 @ G
     t44 = t0 @ t43
-    return (t24.mean(0), t35.mean(0), t44.mean(0),)
+    return ((t24[0] if n_batch == 1 else t24.mean(0)), (t35[0] if n_batch == 1 else t35.mean(0)), (t44[0] if n_batch == 1 else t44.mean(0)),)
 
 
 def mse_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
@@ -4486,7 +4486,7 @@ def mse_causal1__hvp__full(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     t59 = t57 @ t58
     t60 = t55 + t59
     t61 = t0 @ t60
-    return (t37.mean(0), t48.mean(0), t61.mean(0),)
+    return ((t37[0] if n_batch == 1 else t37.mean(0)), (t48[0] if n_batch == 1 else t48.mean(0)), (t61[0] if n_batch == 1 else t61.mean(0)),)
 
 
 def mse_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):
@@ -5690,7 +5690,7 @@ def ce_causal0__loss(X, W_Q, W_K, W_V, Y):
     t11 = t10.sum(-1, keepdim=True)
     t12 = t11.sum(-2, keepdim=True)
     t13 = (-1/L) * t12
-    return t13.mean(0)[0, 0]
+    return (t13[0] if n_batch == 1 else t13.mean(0))[0, 0]
 
 
 def ce_causal0__gradient(X, W_Q, W_K, W_V, Y):
@@ -5730,7 +5730,7 @@ def ce_causal0__gradient(X, W_Q, W_K, W_V, Y):
     t24 = T.transpose(-1, -2)
     t25 = t0 @ t24
     t26 = t25 @ G
-    return (t19.mean(0), t23.mean(0), t26.mean(0),)
+    return ((t19[0] if n_batch == 1 else t19.mean(0)), (t23[0] if n_batch == 1 else t23.mean(0)), (t26[0] if n_batch == 1 else t26.mean(0)),)
 
 
 def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, Y):
@@ -5866,7 +5866,7 @@ def ce_causal0__hvp__outer(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     t35 = t19.transpose(-1, -2)
     t36 = t35 @ t24
     t37 = (1/L) * t36
-    return (t30.mean(0), t34.mean(0), t37.mean(0),)
+    return ((t30[0] if n_batch == 1 else t30.mean(0)), (t34[0] if n_batch == 1 else t34.mean(0)), (t37[0] if n_batch == 1 else t37.mean(0)),)
 
 
 def ce_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
@@ -6833,7 +6833,7 @@ def ce_causal0__hvp__functional(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     t39 = (1/math.sqrt(d_K)) * t38
     t40 = t39 @ G
     t41 = t0 @ t40
-    return (t25.mean(0), t33.mean(0), t41.mean(0),)
+    return ((t25[0] if n_batch == 1 else t25.mean(0)), (t33[0] if n_batch == 1 else t33.mean(0)), (t41[0] if n_batch == 1 else t41.mean(0)),)
 
 
 def ce_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
@@ -7613,7 +7613,7 @@ def ce_causal0__hvp__full(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     t58 = (1/L) * t57
     t59 = t55 + t58
     t60 = t0 @ t59
-    return (t40.mean(0), t49.mean(0), t60.mean(0),)
+    return ((t40[0] if n_batch == 1 else t40.mean(0)), (t49[0] if n_batch == 1 else t49.mean(0)), (t60[0] if n_batch == 1 else t60.mean(0)),)
 
 
 def ce_causal0__frobenius_all__full(X, W_Q, W_K, W_V, Y):
@@ -8994,7 +8994,7 @@ def ce_causal1__loss(X, W_Q, W_K, W_V, Y):
     t12 = t11.sum(-1, keepdim=True)
     t13 = t12.sum(-2, keepdim=True)
     t14 = (-1/L) * t13
-    return t14.mean(0)[0, 0]
+    return (t14[0] if n_batch == 1 else t14.mean(0))[0, 0]
 
 
 def ce_causal1__gradient(X, W_Q, W_K, W_V, Y):
@@ -9040,7 +9040,7 @@ def ce_causal1__gradient(X, W_Q, W_K, W_V, Y):
     t29 = t23 * t28
     t30 = t0 @ t29
     t31 = t30 @ G
-    return (t21.mean(0), t27.mean(0), t31.mean(0),)
+    return ((t21[0] if n_batch == 1 else t21.mean(0)), (t27[0] if n_batch == 1 else t27.mean(0)), (t31[0] if n_batch == 1 else t31.mean(0)),)
 
 
 def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, Y):
@@ -9176,7 +9176,7 @@ def ce_causal1__hvp__outer(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     t40 = t21.transpose(-1, -2)
     t41 = t40 @ t26
     t42 = (1/L) * t41
-    return (t33.mean(0), t39.mean(0), t42.mean(0),)
+    return ((t33[0] if n_batch == 1 else t33.mean(0)), (t39[0] if n_batch == 1 else t39.mean(0)), (t42[0] if n_batch == 1 else t42.mean(0)),)
 
 
 def ce_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, Y):
@@ -10197,7 +10197,7 @@ def ce_causal1__hvp__functional(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     t46 = t45 * t30
     t47 = t46 @ G
     t48 = t0 @ t47
-    return (t28.mean(0), t39.mean(0), t48.mean(0),)
+    return ((t28[0] if n_batch == 1 else t28.mean(0)), (t39[0] if n_batch == 1 else t39.mean(0)), (t48[0] if n_batch == 1 else t48.mean(0)),)
 
 
 def ce_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, Y):
@@ -11005,7 +11005,7 @@ def ce_causal1__hvp__full(X, W_Q, W_K, W_V, Y, V_W_Q, V_W_K, V_W_V):
     t68 = (1/L) * t67
     t69 = t64 + t68
     t70 = t0 @ t69
-    return (t45.mean(0), t57.mean(0), t70.mean(0),)
+    return ((t45[0] if n_batch == 1 else t45.mean(0)), (t57[0] if n_batch == 1 else t57.mean(0)), (t70[0] if n_batch == 1 else t70.mean(0)),)
 
 
 def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, Y):

@@ -36,7 +36,7 @@ def mse_causal0__loss(X, W_QK, W_V, Y):
     t8 = t7.sum(-1, keepdim=True)
     t9 = t8.sum(-2, keepdim=True)
     t10 = (1/(L*d_V)) * t9
-    return t10.mean(0)[0, 0]
+    return (t10[0] if n_batch == 1 else t10.mean(0))[0, 0]
 
 
 def mse_causal0__gradient(X, W_QK, W_V, Y):
@@ -64,7 +64,7 @@ def mse_causal0__gradient(X, W_QK, W_V, Y):
     t14 = A.transpose(-1, -2)
     t15 = t0 @ t14
     t16 = t15 @ G
-    return (t13.mean(0), t16.mean(0),)
+    return ((t13[0] if n_batch == 1 else t13.mean(0)), (t16[0] if n_batch == 1 else t16.mean(0)),)
 
 
 def mse_causal0__hessian__outer(X, W_QK, W_V, Y):
@@ -142,7 +142,7 @@ def mse_causal0__hvp__outer(X, W_QK, W_V, Y, V_W_QK, V_W_V):
     t19 = t0 @ t18
     t20 = t10.transpose(-1, -2)
     t21 = t20 @ t13
-    return (t19.mean(0), t21.mean(0),)
+    return ((t19[0] if n_batch == 1 else t19.mean(0)), (t21[0] if n_batch == 1 else t21.mean(0)),)
 
 
 def mse_causal0__frobenius_all__outer(X, W_QK, W_V, Y):
@@ -540,7 +540,7 @@ def mse_causal0__hvp__functional(X, W_QK, W_V, Y, V_W_QK, V_W_V):
     t26 = t25.transpose(-1, -2)
     t27 = t26 @ G
     t28 = t0 @ t27
-    return (t24.mean(0), t28.mean(0),)
+    return ((t24[0] if n_batch == 1 else t24.mean(0)), (t28[0] if n_batch == 1 else t28.mean(0)),)
 
 
 def mse_causal0__frobenius_all__functional(X, W_QK, W_V, Y):
@@ -980,7 +980,7 @@ def mse_causal0__hvp__full(X, W_QK, W_V, Y, V_W_QK, V_W_V):
     t35 = t34 @ t22
     t36 = t33 + t35
     t37 = t0 @ t36
-    return (t31.mean(0), t37.mean(0),)
+    return ((t31[0] if n_batch == 1 else t31.mean(0)), (t37[0] if n_batch == 1 else t37.mean(0)),)
 
 
 def mse_causal0__frobenius_all__full(X, W_QK, W_V, Y):
@@ -1623,7 +1623,7 @@ def mse_causal1__loss(X, W_QK, W_V, Y):
     t10 = t9.sum(-1, keepdim=True)
     t11 = t10.sum(-2, keepdim=True)
     t12 = (1/(L*d_V)) * t11
-    return t12.mean(0)[0, 0]
+    return (t12[0] if n_batch == 1 else t12.mean(0))[0, 0]
 
 
 def mse_causal1__gradient(X, W_QK, W_V, Y):
@@ -1653,7 +1653,7 @@ def mse_causal1__gradient(X, W_QK, W_V, Y):
     t16 = A.transpose(-1, -2)
     t17 = t0 @ t16
     t18 = t17 @ G
-    return (t15.mean(0), t18.mean(0),)
+    return ((t15[0] if n_batch == 1 else t15.mean(0)), (t18[0] if n_batch == 1 else t18.mean(0)),)
 
 
 def mse_causal1__hessian__outer(X, W_QK, W_V, Y):
@@ -1735,7 +1735,7 @@ def mse_causal1__hvp__outer(X, W_QK, W_V, Y, V_W_QK, V_W_V):
     t21 = t0 @ t20
     t22 = t12.transpose(-1, -2)
     t23 = t22 @ t15
-    return (t21.mean(0), t23.mean(0),)
+    return ((t21[0] if n_batch == 1 else t21.mean(0)), (t23[0] if n_batch == 1 else t23.mean(0)),)
 
 
 def mse_causal1__frobenius_all__outer(X, W_QK, W_V, Y):
@@ -2163,7 +2163,7 @@ def mse_causal1__hvp__functional(X, W_QK, W_V, Y, V_W_QK, V_W_V):
     t28 = t27.transpose(-1, -2)
     t29 = t28 @ G
     t30 = t0 @ t29
-    return (t26.mean(0), t30.mean(0),)
+    return ((t26[0] if n_batch == 1 else t26.mean(0)), (t30[0] if n_batch == 1 else t30.mean(0)),)
 
 
 def mse_causal1__frobenius_all__functional(X, W_QK, W_V, Y):
@@ -2625,7 +2625,7 @@ def mse_causal1__hvp__full(X, W_QK, W_V, Y, V_W_QK, V_W_V):
     t37 = t36 @ t24
     t38 = t35 + t37
     t39 = t0 @ t38
-    return (t33.mean(0), t39.mean(0),)
+    return ((t33[0] if n_batch == 1 else t33.mean(0)), (t39[0] if n_batch == 1 else t39.mean(0)),)
 
 
 def mse_causal1__frobenius_all__full(X, W_QK, W_V, Y):
@@ -3309,7 +3309,7 @@ def ce_causal0__loss(X, W_QK, W_V, Y):
     t9 = t8.sum(-1, keepdim=True)
     t10 = t9.sum(-2, keepdim=True)
     t11 = (-1/L) * t10
-    return t11.mean(0)[0, 0]
+    return (t11[0] if n_batch == 1 else t11.mean(0))[0, 0]
 
 
 def ce_causal0__gradient(X, W_QK, W_V, Y):
@@ -3342,7 +3342,7 @@ def ce_causal0__gradient(X, W_QK, W_V, Y):
     t19 = A.transpose(-1, -2)
     t20 = t0 @ t19
     t21 = t20 @ G
-    return (t18.mean(0), t21.mean(0),)
+    return ((t18[0] if n_batch == 1 else t18.mean(0)), (t21[0] if n_batch == 1 else t21.mean(0)),)
 
 
 def ce_causal0__hessian__outer(X, W_QK, W_V, Y):
@@ -3431,7 +3431,7 @@ def ce_causal0__hvp__outer(X, W_QK, W_V, Y, V_W_QK, V_W_V):
     t28 = t15.transpose(-1, -2)
     t29 = t28 @ t20
     t30 = (1/L) * t29
-    return (t27.mean(0), t30.mean(0),)
+    return ((t27[0] if n_batch == 1 else t27.mean(0)), (t30[0] if n_batch == 1 else t30.mean(0)),)
 
 
 def ce_causal0__frobenius_all__outer(X, W_QK, W_V, Y):
@@ -3939,7 +3939,7 @@ def ce_causal0__hvp__functional(X, W_QK, W_V, Y, V_W_QK, V_W_V):
     t31 = t30.transpose(-1, -2)
     t32 = t31 @ G
     t33 = t0 @ t32
-    return (t29.mean(0), t33.mean(0),)
+    return ((t29[0] if n_batch == 1 else t29.mean(0)), (t33[0] if n_batch == 1 else t33.mean(0)),)
 
 
 def ce_causal0__frobenius_all__functional(X, W_QK, W_V, Y):
@@ -4438,7 +4438,7 @@ def ce_causal0__hvp__full(X, W_QK, W_V, Y, V_W_QK, V_W_V):
     t45 = (1/L) * t44
     t46 = t42 + t45
     t47 = t0 @ t46
-    return (t40.mean(0), t47.mean(0),)
+    return ((t40[0] if n_batch == 1 else t40.mean(0)), (t47[0] if n_batch == 1 else t47.mean(0)),)
 
 
 def ce_causal0__frobenius_all__full(X, W_QK, W_V, Y):
@@ -5149,7 +5149,7 @@ def ce_causal1__loss(X, W_QK, W_V, Y):
     t11 = t10.sum(-1, keepdim=True)
     t12 = t11.sum(-2, keepdim=True)
     t13 = (-1/L) * t12
-    return t13.mean(0)[0, 0]
+    return (t13[0] if n_batch == 1 else t13.mean(0))[0, 0]
 
 
 def ce_causal1__gradient(X, W_QK, W_V, Y):
@@ -5184,7 +5184,7 @@ def ce_causal1__gradient(X, W_QK, W_V, Y):
     t21 = A.transpose(-1, -2)
     t22 = t0 @ t21
     t23 = t22 @ G
-    return (t20.mean(0), t23.mean(0),)
+    return ((t20[0] if n_batch == 1 else t20.mean(0)), (t23[0] if n_batch == 1 else t23.mean(0)),)
 
 
 def ce_causal1__hessian__outer(X, W_QK, W_V, Y):
@@ -5277,7 +5277,7 @@ def ce_causal1__hvp__outer(X, W_QK, W_V, Y, V_W_QK, V_W_V):
     t30 = t17.transpose(-1, -2)
     t31 = t30 @ t22
     t32 = (1/L) * t31
-    return (t29.mean(0), t32.mean(0),)
+    return ((t29[0] if n_batch == 1 else t29.mean(0)), (t32[0] if n_batch == 1 else t32.mean(0)),)
 
 
 def ce_causal1__frobenius_all__outer(X, W_QK, W_V, Y):
@@ -5815,7 +5815,7 @@ def ce_causal1__hvp__functional(X, W_QK, W_V, Y, V_W_QK, V_W_V):
     t33 = t32.transpose(-1, -2)
     t34 = t33 @ G
     t35 = t0 @ t34
-    return (t31.mean(0), t35.mean(0),)
+    return ((t31[0] if n_batch == 1 else t31.mean(0)), (t35[0] if n_batch == 1 else t35.mean(0)),)
 
 
 def ce_causal1__frobenius_all__functional(X, W_QK, W_V, Y):
@@ -6336,7 +6336,7 @@ def ce_causal1__hvp__full(X, W_QK, W_V, Y, V_W_QK, V_W_V):
     t47 = (1/L) * t46
     t48 = t44 + t47
     t49 = t0 @ t48
-    return (t42.mean(0), t49.mean(0),)
+    return ((t42[0] if n_batch == 1 else t42.mean(0)), (t49[0] if n_batch == 1 else t49.mean(0)),)
 
 
 def ce_causal1__frobenius_all__full(X, W_QK, W_V, Y):

@@ -42,7 +42,7 @@ def mse_causal0__loss(X, W_Q, W_K, W_V, W_O, Y):
     t12 = t11.sum(-1, keepdim=True)
     t13 = t12.sum(-2, keepdim=True)
     t14 = (1/(L*d_V)) * t13
-    return t14.mean(0)[0, 0]
+    return (t14[0] if n_batch == 1 else t14.mean(0))[0, 0]
 
 
 def mse_causal0__gradient(X, W_Q, W_K, W_V, W_O, Y):
@@ -87,7 +87,7 @@ def mse_causal0__gradient(X, W_Q, W_K, W_V, W_O, Y):
     t29 = t7.transpose(-1, -2)
     t30 = t29 @ t24
     t31 = t30 @ G
-    return (t19.mean(0), t23.mean(0), t28.mean(0), t31.mean(0),)
+    return ((t19[0] if n_batch == 1 else t19.mean(0)), (t23[0] if n_batch == 1 else t23.mean(0)), (t28[0] if n_batch == 1 else t28.mean(0)), (t31[0] if n_batch == 1 else t31.mean(0)),)
 
 
 def mse_causal0__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
@@ -257,7 +257,7 @@ def mse_causal0__hvp__outer(X, W_Q, W_K, W_V, W_O, Y, V_W_Q, V_W_K, V_W_V, V_W_O
     t41 = t38 @ t40
     t42 = t22.transpose(-1, -2)
     t43 = t42 @ t25
-    return (t33.mean(0), t37.mean(0), t41.mean(0), t43.mean(0),)
+    return ((t33[0] if n_batch == 1 else t33.mean(0)), (t37[0] if n_batch == 1 else t37.mean(0)), (t41[0] if n_batch == 1 else t41.mean(0)), (t43[0] if n_batch == 1 else t43.mean(0)),)
 
 
 def mse_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, W_O, Y):
@@ -1776,7 +1776,7 @@ def mse_causal0__hvp__functional(X, W_Q, W_K, W_V, W_O, Y, V_W_Q, V_W_K, V_W_V, 
     t61 = t28 @ t54
     t62 = t60 + t61
     t63 = t62 @ G
-    return (t46.mean(0), t53.mean(0), t59.mean(0), t63.mean(0),)
+    return ((t46[0] if n_batch == 1 else t46.mean(0)), (t53[0] if n_batch == 1 else t53.mean(0)), (t59[0] if n_batch == 1 else t59.mean(0)), (t63[0] if n_batch == 1 else t63.mean(0)),)
 
 
 def mse_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, W_O, Y):
@@ -3463,7 +3463,7 @@ def mse_causal0__hvp__full(X, W_Q, W_K, W_V, W_O, Y, V_W_Q, V_W_K, V_W_V, V_W_O)
     t75 = t74 @ t57
     t76 = t72 @ t61
     t77 = t75 + t76
-    return (t49.mean(0), t55.mean(0), t69.mean(0), t77.mean(0),)
+    return ((t49[0] if n_batch == 1 else t49.mean(0)), (t55[0] if n_batch == 1 else t55.mean(0)), (t69[0] if n_batch == 1 else t69.mean(0)), (t77[0] if n_batch == 1 else t77.mean(0)),)
 
 
 def mse_causal0__frobenius_all__full(X, W_Q, W_K, W_V, W_O, Y):
@@ -6115,7 +6115,7 @@ def mse_causal1__loss(X, W_Q, W_K, W_V, W_O, Y):
     t14 = t13.sum(-1, keepdim=True)
     t15 = t14.sum(-2, keepdim=True)
     t16 = (1/(L*d_V)) * t15
-    return t16.mean(0)[0, 0]
+    return (t16[0] if n_batch == 1 else t16.mean(0))[0, 0]
 
 
 def mse_causal1__gradient(X, W_Q, W_K, W_V, W_O, Y):
@@ -6162,7 +6162,7 @@ def mse_causal1__gradient(X, W_Q, W_K, W_V, W_O, Y):
     t31 = t9.transpose(-1, -2)
     t32 = t31 @ t26
     t33 = t32 @ G
-    return (t21.mean(0), t25.mean(0), t30.mean(0), t33.mean(0),)
+    return ((t21[0] if n_batch == 1 else t21.mean(0)), (t25[0] if n_batch == 1 else t25.mean(0)), (t30[0] if n_batch == 1 else t30.mean(0)), (t33[0] if n_batch == 1 else t33.mean(0)),)
 
 
 def mse_causal1__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
@@ -6336,7 +6336,7 @@ def mse_causal1__hvp__outer(X, W_Q, W_K, W_V, W_O, Y, V_W_Q, V_W_K, V_W_V, V_W_O
     t43 = t40 @ t42
     t44 = t24.transpose(-1, -2)
     t45 = t44 @ t27
-    return (t35.mean(0), t39.mean(0), t43.mean(0), t45.mean(0),)
+    return ((t35[0] if n_batch == 1 else t35.mean(0)), (t39[0] if n_batch == 1 else t39.mean(0)), (t43[0] if n_batch == 1 else t43.mean(0)), (t45[0] if n_batch == 1 else t45.mean(0)),)
 
 
 def mse_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, W_O, Y):
@@ -7941,7 +7941,7 @@ def mse_causal1__hvp__functional(X, W_Q, W_K, W_V, W_O, Y, V_W_Q, V_W_K, V_W_V, 
     t63 = t30 @ t56
     t64 = t62 + t63
     t65 = t64 @ G
-    return (t48.mean(0), t55.mean(0), t61.mean(0), t65.mean(0),)
+    return ((t48[0] if n_batch == 1 else t48.mean(0)), (t55[0] if n_batch == 1 else t55.mean(0)), (t61[0] if n_batch == 1 else t61.mean(0)), (t65[0] if n_batch == 1 else t65.mean(0)),)
 
 
 def mse_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, W_O, Y):
@@ -9698,7 +9698,7 @@ def mse_causal1__hvp__full(X, W_Q, W_K, W_V, W_O, Y, V_W_Q, V_W_K, V_W_V, V_W_O)
     t77 = t76 @ t59
     t78 = t74 @ t63
     t79 = t77 + t78
-    return (t51.mean(0), t57.mean(0), t71.mean(0), t79.mean(0),)
+    return ((t51[0] if n_batch == 1 else t51.mean(0)), (t57[0] if n_batch == 1 else t57.mean(0)), (t71[0] if n_batch == 1 else t71.mean(0)), (t79[0] if n_batch == 1 else t79.mean(0)),)
 
 
 def mse_causal1__frobenius_all__full(X, W_Q, W_K, W_V, W_O, Y):
@@ -12479,7 +12479,7 @@ def ce_causal0__loss(X, W_Q, W_K, W_V, W_O, Y):
     t13 = t12.sum(-1, keepdim=True)
     t14 = t13.sum(-2, keepdim=True)
     t15 = (-1/L) * t14
-    return t15.mean(0)[0, 0]
+    return (t15[0] if n_batch == 1 else t15.mean(0))[0, 0]
 
 
 def ce_causal0__gradient(X, W_Q, W_K, W_V, W_O, Y):
@@ -12529,7 +12529,7 @@ def ce_causal0__gradient(X, W_Q, W_K, W_V, W_O, Y):
     t34 = t9.transpose(-1, -2)
     t35 = t34 @ t29
     t36 = t35 @ G
-    return (t24.mean(0), t28.mean(0), t33.mean(0), t36.mean(0),)
+    return ((t24[0] if n_batch == 1 else t24.mean(0)), (t28[0] if n_batch == 1 else t28.mean(0)), (t33[0] if n_batch == 1 else t33.mean(0)), (t36[0] if n_batch == 1 else t36.mean(0)),)
 
 
 def ce_causal0__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
@@ -12708,7 +12708,7 @@ def ce_causal0__hvp__outer(X, W_Q, W_K, W_V, W_O, Y, V_W_Q, V_W_K, V_W_V, V_W_O)
     t50 = t27.transpose(-1, -2)
     t51 = t50 @ t32
     t52 = (1/L) * t51
-    return (t40.mean(0), t44.mean(0), t49.mean(0), t52.mean(0),)
+    return ((t40[0] if n_batch == 1 else t40.mean(0)), (t44[0] if n_batch == 1 else t44.mean(0)), (t49[0] if n_batch == 1 else t49.mean(0)), (t52[0] if n_batch == 1 else t52.mean(0)),)
 
 
 def ce_causal0__frobenius_all__outer(X, W_Q, W_K, W_V, W_O, Y):
@@ -14540,7 +14540,7 @@ def ce_causal0__hvp__functional(X, W_Q, W_K, W_V, W_O, Y, V_W_Q, V_W_K, V_W_V, V
     t66 = t33 @ t59
     t67 = t65 + t66
     t68 = t67 @ G
-    return (t51.mean(0), t58.mean(0), t64.mean(0), t68.mean(0),)
+    return ((t51[0] if n_batch == 1 else t51.mean(0)), (t58[0] if n_batch == 1 else t58.mean(0)), (t64[0] if n_batch == 1 else t64.mean(0)), (t68[0] if n_batch == 1 else t68.mean(0)),)
 
 
 def ce_causal0__frobenius_all__functional(X, W_Q, W_K, W_V, W_O, Y):
@@ -16404,7 +16404,7 @@ def ce_causal0__hvp__full(X, W_Q, W_K, W_V, W_O, Y, V_W_Q, V_W_K, V_W_V, V_W_O):
     t84 = t32 @ t72
     t85 = (1/L) * t84
     t86 = t83 + t85
-    return (t61.mean(0), t67.mean(0), t79.mean(0), t86.mean(0),)
+    return ((t61[0] if n_batch == 1 else t61.mean(0)), (t67[0] if n_batch == 1 else t67.mean(0)), (t79[0] if n_batch == 1 else t79.mean(0)), (t86[0] if n_batch == 1 else t86.mean(0)),)
 
 
 def ce_causal0__frobenius_all__full(X, W_Q, W_K, W_V, W_O, Y):
@@ -19300,7 +19300,7 @@ def ce_causal1__loss(X, W_Q, W_K, W_V, W_O, Y):
     t15 = t14.sum(-1, keepdim=True)
     t16 = t15.sum(-2, keepdim=True)
     t17 = (-1/L) * t16
-    return t17.mean(0)[0, 0]
+    return (t17[0] if n_batch == 1 else t17.mean(0))[0, 0]
 
 
 def ce_causal1__gradient(X, W_Q, W_K, W_V, W_O, Y):
@@ -19352,7 +19352,7 @@ def ce_causal1__gradient(X, W_Q, W_K, W_V, W_O, Y):
     t36 = t11.transpose(-1, -2)
     t37 = t36 @ t31
     t38 = t37 @ G
-    return (t26.mean(0), t30.mean(0), t35.mean(0), t38.mean(0),)
+    return ((t26[0] if n_batch == 1 else t26.mean(0)), (t30[0] if n_batch == 1 else t30.mean(0)), (t35[0] if n_batch == 1 else t35.mean(0)), (t38[0] if n_batch == 1 else t38.mean(0)),)
 
 
 def ce_causal1__hessian__outer(X, W_Q, W_K, W_V, W_O, Y):
@@ -19535,7 +19535,7 @@ def ce_causal1__hvp__outer(X, W_Q, W_K, W_V, W_O, Y, V_W_Q, V_W_K, V_W_V, V_W_O)
     t52 = t29.transpose(-1, -2)
     t53 = t52 @ t34
     t54 = (1/L) * t53
-    return (t42.mean(0), t46.mean(0), t51.mean(0), t54.mean(0),)
+    return ((t42[0] if n_batch == 1 else t42.mean(0)), (t46[0] if n_batch == 1 else t46.mean(0)), (t51[0] if n_batch == 1 else t51.mean(0)), (t54[0] if n_batch == 1 else t54.mean(0)),)
 
 
 def ce_causal1__frobenius_all__outer(X, W_Q, W_K, W_V, W_O, Y):
@@ -21453,7 +21453,7 @@ def ce_causal1__hvp__functional(X, W_Q, W_K, W_V, W_O, Y, V_W_Q, V_W_K, V_W_V, V
     t68 = t35 @ t61
     t69 = t67 + t68
     t70 = t69 @ G
-    return (t53.mean(0), t60.mean(0), t66.mean(0), t70.mean(0),)
+    return ((t53[0] if n_batch == 1 else t53.mean(0)), (t60[0] if n_batch == 1 else t60.mean(0)), (t66[0] if n_batch == 1 else t66.mean(0)), (t70[0] if n_batch == 1 else t70.mean(0)),)
 
 
 def ce_causal1__frobenius_all__functional(X, W_Q, W_K, W_V, W_O, Y):
@@ -23387,7 +23387,7 @@ def ce_causal1__hvp__full(X, W_Q, W_K, W_V, W_O, Y, V_W_Q, V_W_K, V_W_V, V_W_O):
     t86 = t34 @ t74
     t87 = (1/L) * t86
     t88 = t85 + t87
-    return (t63.mean(0), t69.mean(0), t81.mean(0), t88.mean(0),)
+    return ((t63[0] if n_batch == 1 else t63.mean(0)), (t69[0] if n_batch == 1 else t69.mean(0)), (t81[0] if n_batch == 1 else t81.mean(0)), (t88[0] if n_batch == 1 else t88.mean(0)),)
 
 
 def ce_causal1__frobenius_all__full(X, W_Q, W_K, W_V, W_O, Y):
