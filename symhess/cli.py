@@ -123,8 +123,11 @@ def cmd_derive(args):
     return 0
 
 
-def verification_table(lay_name, losses, seed, options, out=print):
-    """Run verify for the given settings; returns True when every error is within tolerance."""
+def verification_table(lay_name, losses, seed, options, out=print, derived=None):
+    """Run verify for the given settings; returns True when every error is within tolerance.
+
+    ``derived``: {(loss, sorted option items): Derivation} already made (not derived again).
+    """
     from .verify import TOLERANCE, verify
 
     ok = True
@@ -133,8 +136,10 @@ def verification_table(lay_name, losses, seed, options, out=print):
         settings = [{"causal": False}, {"causal": True}]
     for loss in losses:
         for extra in settings:
-            lay = layer(lay_name, **{**options, **extra})
-            d = derive(lay, loss)
+            key = (loss, tuple(sorted({**options, **extra}.items())))
+            d = (derived or {}).get(key)
+            if d is None:
+                d = derive(layer(lay_name, **{**options, **extra}), loss)
             checks, values = verify(d, seed=seed)
             shapes = ", ".join(f"{k} {v.shape[0]}×{v.shape[1]}" for k, v in sorted(values.items()))
             label = ", ".join(f"{k}={v}" for k, v in {**options, **extra}.items()) or "defaults"
@@ -176,19 +181,30 @@ def cmd_run(args):
     """The main job: derive every block, print LaTeX, verify against autograd, check kernels."""
     import time
 
+    from .printing.latex_cse import jacobian_names, latex, share_if_long
+    from .report import MAX_TERM_CHARS
+
     opts = options_from_args(args)
     lay = layer(args.layer, **opts)
+    derived = {}
     for loss in _losses(args.loss):
         t0 = time.perf_counter()
         d = derive(lay, loss)
+        derived[(loss, tuple(sorted(opts.items())))] = d
         blocks = {(p, q, part): d.block(p, q, part) for p in lay.param_names
                   for q in lay.param_names for part in PARTS}
         dt = time.perf_counter() - t0
         print(f"% {lay.name}, loss={loss}: derived {len(blocks)} blocks in {dt:.2f} s")
-        for (p, q, part), b in blocks.items():
-            if part != "full":
-                print(f"{block_label(lay, p, q, part)} = {b.latex()}")
-    ok = verification_table(args.layer, _losses(args.loss), args.seed, opts)
+        shown = {k: b for k, b in blocks.items() if k[2] != "full"}
+        # name recurring sub-expressions when some term is too long to read (full blocks)
+        shared, names = share_if_long([b.expr for b in shown.values()], d.latex_names,
+                                      MAX_TERM_CHARS, hints=lambda: jacobian_names(d))
+        for sub in shared:
+            print(f"{sub.symbol} := {sub.tex}")
+        for (p, q, part), b in shown.items():
+            tex = latex(b.expr, names, shared) if shared else b.latex()
+            print(f"{block_label(lay, p, q, part)} = {tex}")
+    ok = verification_table(args.layer, _losses(args.loss), args.seed, opts, derived=derived)
     status = 0 if ok else 1
     try:
         from .codegen import main_generate

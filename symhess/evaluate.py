@@ -218,7 +218,27 @@ def evaluate(expr, values, backend="numpy", env=None):
         arrays[v.name] = a
     # dimensions already known (e.g. from a layer's other values) resolve products like m²
     env = bind_dims(variables, arrays, env)
-    return Interpreter(xp, env, arrays).run(expr)
+    interp = Interpreter(xp, env, arrays)
+    out = interp.run(expr)
+    if not xp.isfinite(out):
+        raise InputError(_non_finite_origin(interp, expr))
+    return out
+
+
+def _non_finite_origin(interp, expr):
+    """Name the first sub-expression that turned finite values into NaN/inf (e.g. the
+    rsqrt of a LayerNorm row of zero variance), instead of returning a wrong number."""
+    for node in E.walk(expr):
+        val = interp.memo.get(node)
+        if val is None or interp.xp.isfinite(val):
+            continue
+        if all(interp.xp.isfinite(interp.memo[a]) for a in node.args):
+            what = node.name if isinstance(node, E.Named) else repr(node)
+            if len(what) > 160:
+                what = what[:157] + "..."
+            return (f"the values give a non-finite (NaN or inf) result: {what} is undefined here "
+                    f"(e.g. a LayerNorm row of zero variance with eps = 0, or a division by zero)")
+    return "the values give a non-finite (NaN or inf) result"
 
 
 class Interpreter:

@@ -166,3 +166,20 @@ def test_user_layer_values_validated():
         blk.evaluate({"X": x, "W": w, "Y": y.T})
     with pytest.raises(InputError, match="non-finite"):
         blk.evaluate({"X": x, "W": w * np.inf, "Y": y})
+
+
+def test_bare_evaluate_names_the_node_that_turns_non_finite():
+    """evaluate() of a LayerNorm expression on a constant row raises, naming the node (no NaN out)."""
+    import numpy as np
+    import pytest
+    from symhess import expr as E
+    from symhess.evaluate import InputError, evaluate
+    from symhess.transformer import layer_norm
+
+    L, d = E.dims("L d")
+    ln, _ = layer_norm(E.matrix("U", L, d), eps=0)
+    u = np.random.default_rng(0).standard_normal((3, 4))
+    assert np.all(np.isfinite(evaluate(ln, {"U": u})))
+    u[1] = 2.5                                    # row 1 has zero variance
+    with pytest.raises(InputError, match=r"non-finite.*rsqrt\(sigma2_Y\)"):
+        evaluate(ln, {"U": u})

@@ -98,27 +98,27 @@ def mse__hessian__outer(X, Y):
     t5 = (1/d_V) * t4
     t6 = X - t5
     M_Z = t6
-    t7 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
-    t8 = M_Z * M_Z
-    t9 = t8.sum(-1, keepdim=True)
-    t10 = t9.expand(*t9.shape[:-1], d_V)
-    t11 = (1/d_V) * t10
-    sigma2_Z = t11
-    t12 = (-0.5 * (sigma2_Z ** -1.5))
-    t13 = t12 * M_Z
-    t14 = (sigma2_Z ** -0.5)
-    P_Z = t14
-    t15 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
+    t7 = M_Z * M_Z
+    t8 = t7.sum(-1, keepdim=True)
+    t9 = t8.expand(*t8.shape[:-1], d_V)
+    t10 = (1/d_V) * t9
+    sigma2_Z = t10
+    t11 = (sigma2_Z ** -0.5)
+    P_Z = t11
+    t12 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
+    t13 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
+    t14 = (-0.5 * (sigma2_Z ** -1.5))
+    t15 = t14 * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = (2/(L*d_V)) * oe.contract('ab,bc->abc', P_Z, t15, optimize=[(0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac->abc', t13, t7, M_Z, optimize=[(0, 1), (0, 1)])
-    t16 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    S = oe.contract('ab,bc->abc', P_Z, t12, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', M_Z, t13, t15, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S17 = oe.contract('ab,c->cab', t15, t16, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t7, t16, optimize=[(0, 1)])
+    S16 = (2/(L*d_V)) * oe.contract('ab,bc->abc', P_Z, t12, optimize=[(0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac->abc', M_Z, t13, t15, optimize=[(0, 1), (0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,cbd->cad', t13, S, optimize=[(0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S18 = (-1/d_V) * oe.contract('ab,bc->abc', P_Z, t15, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,ac->abc', M_Z, t7, t13, optimize=[(0, 1), (0, 1)])
+    S17 = oe.contract('ab,bc->abc', P_Z, t12, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t15, t13, M_Z, optimize=[(0, 1), (0, 1)])
+    t18 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S19 = (2/d_V) * oe.contract('ab,bc,ac,acd,ade->abe', M_Z, t7, t13, S, S17, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,abc,acd->abd', P_Z, S, S17, optimize=[(0, 1), (0, 1)]) + oe.contract('ab,cbd,cde,cef->caf', t7, S18, S, S17, optimize=[(0, 1), (0, 1), (0, 1)])
-    t2 += oe.contract('abc->bca', S19, optimize=[(0,)])
+    S19 = oe.contract('ab,c->cab', t12, t18, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t13, t18, optimize=[(0, 1)])
+    t2 += oe.contract('abc,acd,ade->bea', S16, S17, S19, optimize=[(0, 1), (0, 1)])
     return H
 
 
@@ -177,27 +177,27 @@ def mse__frobenius_all__outer(X, Y):
     t2 = (1/d_V) * t1
     t3 = X - t2
     M_Z = t3
-    t4 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
-    t5 = M_Z * M_Z
-    t6 = t5.sum(-1, keepdim=True)
-    t7 = t6.expand(*t6.shape[:-1], d_V)
-    t8 = (1/d_V) * t7
-    sigma2_Z = t8
-    t9 = (-0.5 * (sigma2_Z ** -1.5))
-    t10 = t9 * M_Z
-    t11 = (sigma2_Z ** -0.5)
-    P_Z = t11
-    t12 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
+    t4 = M_Z * M_Z
+    t5 = t4.sum(-1, keepdim=True)
+    t6 = t5.expand(*t5.shape[:-1], d_V)
+    t7 = (1/d_V) * t6
+    sigma2_Z = t7
+    t8 = (sigma2_Z ** -0.5)
+    P_Z = t8
+    t9 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
+    t10 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
+    t11 = (-0.5 * (sigma2_Z ** -1.5))
+    t12 = t11 * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = (2/(L*d_V)) * oe.contract('ab,bc->abc', P_Z, t12, optimize=[(0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac->abc', t10, t4, M_Z, optimize=[(0, 1), (0, 1)])
-    t13 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    S = oe.contract('ab,bc->abc', P_Z, t9, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', M_Z, t10, t12, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S14 = oe.contract('ab,c->cab', t12, t13, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t4, t13, optimize=[(0, 1)])
+    S13 = (2/(L*d_V)) * oe.contract('ab,bc->abc', P_Z, t9, optimize=[(0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac->abc', M_Z, t10, t12, optimize=[(0, 1), (0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,cbd->cad', t10, S, optimize=[(0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S15 = (-1/d_V) * oe.contract('ab,bc->abc', P_Z, t12, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,ac->abc', M_Z, t4, t10, optimize=[(0, 1), (0, 1)])
+    S14 = oe.contract('ab,bc->abc', P_Z, t9, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t12, t10, M_Z, optimize=[(0, 1), (0, 1)])
+    t15 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S16 = (2/d_V) * oe.contract('ab,bc,ac,acd,ade->abe', M_Z, t4, t10, S, S14, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,abc,acd->abd', P_Z, S, S14, optimize=[(0, 1), (0, 1)]) + oe.contract('ab,cbd,cde,cef->caf', t4, S15, S, S14, optimize=[(0, 1), (0, 1), (0, 1)])
-    t17 = oe.contract('abc,abc->', S16, S16, optimize=[(0, 1)])
+    S16 = oe.contract('ab,c->cab', t9, t15, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t10, t15, optimize=[(0, 1)])
+    t17 = oe.contract('abc,acd,ade,abf,afg,age->', S13, S14, S16, S13, S14, S16, optimize=[(0, 1), (1, 2), (0, 1), (0, 2), (0, 1)])
     t18 = torch.sqrt(torch.clamp(t17, min=0.0))
     return (t18,)
 
@@ -214,27 +214,27 @@ def mse__diag__X__outer(X, Y):
     t3 = (1/d_V) * t2
     t4 = X - t3
     M_Z = t4
-    t5 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
-    t6 = M_Z * M_Z
-    t7 = t6.sum(-1, keepdim=True)
-    t8 = t7.expand(*t7.shape[:-1], d_V)
-    t9 = (1/d_V) * t8
-    sigma2_Z = t9
-    t10 = (-0.5 * (sigma2_Z ** -1.5))
-    t11 = t10 * M_Z
-    t12 = (sigma2_Z ** -0.5)
-    P_Z = t12
-    t13 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
+    t5 = M_Z * M_Z
+    t6 = t5.sum(-1, keepdim=True)
+    t7 = t6.expand(*t6.shape[:-1], d_V)
+    t8 = (1/d_V) * t7
+    sigma2_Z = t8
+    t9 = (sigma2_Z ** -0.5)
+    P_Z = t9
+    t10 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
+    t11 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
+    t12 = (-0.5 * (sigma2_Z ** -1.5))
+    t13 = t12 * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = (2/(L*d_V)) * oe.contract('ab,bc->abc', P_Z, t13, optimize=[(0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac->abc', t11, t5, M_Z, optimize=[(0, 1), (0, 1)])
-    t14 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    S = oe.contract('ab,bc->abc', P_Z, t10, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', M_Z, t11, t13, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S15 = oe.contract('ab,c->cab', t13, t14, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t5, t14, optimize=[(0, 1)])
+    S14 = (2/(L*d_V)) * oe.contract('ab,bc->abc', P_Z, t10, optimize=[(0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac->abc', M_Z, t11, t13, optimize=[(0, 1), (0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,cbd->cad', t11, S, optimize=[(0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S16 = (-1/d_V) * oe.contract('ab,bc->abc', P_Z, t13, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,ac->abc', M_Z, t5, t11, optimize=[(0, 1), (0, 1)])
+    S15 = oe.contract('ab,bc->abc', P_Z, t10, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t13, t11, M_Z, optimize=[(0, 1), (0, 1)])
+    t16 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S17 = (2/d_V) * oe.contract('ab,bc,ac,acd,ade->abe', M_Z, t5, t11, S, S15, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,abc,acd->abd', P_Z, S, S15, optimize=[(0, 1), (0, 1)]) + oe.contract('ab,cbd,cde,cef->caf', t5, S16, S, S15, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = oe.contract('abb->ab', S17, optimize=[(0,)])
+    S17 = oe.contract('ab,c->cab', t10, t16, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t11, t16, optimize=[(0, 1)])
+    t0[...] = oe.contract('abc,acd,adb->ab', S14, S15, S17, optimize=[(0, 1), (0, 1)])
     return out
 
 
@@ -248,27 +248,27 @@ def mse__trace__X__outer(X, Y):
     t2 = (1/d_V) * t1
     t3 = X - t2
     M_Z = t3
-    t4 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
-    t5 = M_Z * M_Z
-    t6 = t5.sum(-1, keepdim=True)
-    t7 = t6.expand(*t6.shape[:-1], d_V)
-    t8 = (1/d_V) * t7
-    sigma2_Z = t8
-    t9 = (-0.5 * (sigma2_Z ** -1.5))
-    t10 = t9 * M_Z
-    t11 = (sigma2_Z ** -0.5)
-    P_Z = t11
-    t12 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
+    t4 = M_Z * M_Z
+    t5 = t4.sum(-1, keepdim=True)
+    t6 = t5.expand(*t5.shape[:-1], d_V)
+    t7 = (1/d_V) * t6
+    sigma2_Z = t7
+    t8 = (sigma2_Z ** -0.5)
+    P_Z = t8
+    t9 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
+    t10 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
+    t11 = (-0.5 * (sigma2_Z ** -1.5))
+    t12 = t11 * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = (2/(L*d_V)) * oe.contract('ab,bc->abc', P_Z, t12, optimize=[(0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac->abc', t10, t4, M_Z, optimize=[(0, 1), (0, 1)])
-    t13 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    S = oe.contract('ab,bc->abc', P_Z, t9, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', M_Z, t10, t12, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S14 = oe.contract('ab,c->cab', t12, t13, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t4, t13, optimize=[(0, 1)])
+    S13 = (2/(L*d_V)) * oe.contract('ab,bc->abc', P_Z, t9, optimize=[(0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac->abc', M_Z, t10, t12, optimize=[(0, 1), (0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,cbd->cad', t10, S, optimize=[(0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S15 = (-1/d_V) * oe.contract('ab,bc->abc', P_Z, t12, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,ac->abc', M_Z, t4, t10, optimize=[(0, 1), (0, 1)])
+    S14 = oe.contract('ab,bc->abc', P_Z, t9, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t12, t10, M_Z, optimize=[(0, 1), (0, 1)])
+    t15 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S16 = (2/d_V) * oe.contract('ab,bc,ac,acd,ade->abe', M_Z, t4, t10, S, S14, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,abc,acd->abd', P_Z, S, S14, optimize=[(0, 1), (0, 1)]) + oe.contract('ab,cbd,cde,cef->caf', t4, S15, S, S14, optimize=[(0, 1), (0, 1), (0, 1)])
-    return oe.contract('abb->', S16, optimize=[(0,)])
+    S16 = oe.contract('ab,c->cab', t9, t15, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t10, t15, optimize=[(0, 1)])
+    return oe.contract('abc,acd,adb->', S13, S14, S16, optimize=[(0, 1), (0, 1)])
 
 
 def mse__block__X__X__outer(X, Y):
@@ -285,27 +285,27 @@ def mse__block__X__X__outer(X, Y):
     t4 = (1/d_V) * t3
     t5 = X - t4
     M_Z = t5
-    t6 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
-    t7 = M_Z * M_Z
-    t8 = t7.sum(-1, keepdim=True)
-    t9 = t8.expand(*t8.shape[:-1], d_V)
-    t10 = (1/d_V) * t9
-    sigma2_Z = t10
-    t11 = (-0.5 * (sigma2_Z ** -1.5))
-    t12 = t11 * M_Z
-    t13 = (sigma2_Z ** -0.5)
-    P_Z = t13
-    t14 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
+    t6 = M_Z * M_Z
+    t7 = t6.sum(-1, keepdim=True)
+    t8 = t7.expand(*t7.shape[:-1], d_V)
+    t9 = (1/d_V) * t8
+    sigma2_Z = t9
+    t10 = (sigma2_Z ** -0.5)
+    P_Z = t10
+    t11 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
+    t12 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
+    t13 = (-0.5 * (sigma2_Z ** -1.5))
+    t14 = t13 * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = (2/(L*d_V)) * oe.contract('ab,bc->abc', P_Z, t14, optimize=[(0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac->abc', t12, t6, M_Z, optimize=[(0, 1), (0, 1)])
-    t15 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    S = oe.contract('ab,bc->abc', P_Z, t11, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', M_Z, t12, t14, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S16 = oe.contract('ab,c->cab', t14, t15, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t6, t15, optimize=[(0, 1)])
+    S15 = (2/(L*d_V)) * oe.contract('ab,bc->abc', P_Z, t11, optimize=[(0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac->abc', M_Z, t12, t14, optimize=[(0, 1), (0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,cbd->cad', t12, S, optimize=[(0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S17 = (-1/d_V) * oe.contract('ab,bc->abc', P_Z, t14, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,ac->abc', M_Z, t6, t12, optimize=[(0, 1), (0, 1)])
+    S16 = oe.contract('ab,bc->abc', P_Z, t11, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t14, t12, M_Z, optimize=[(0, 1), (0, 1)])
+    t17 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S18 = (2/d_V) * oe.contract('ab,bc,ac,acd,ade->abe', M_Z, t6, t12, S, S16, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,abc,acd->abd', P_Z, S, S16, optimize=[(0, 1), (0, 1)]) + oe.contract('ab,cbd,cde,cef->caf', t6, S17, S, S16, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += oe.contract('abc->bca', S18, optimize=[(0,)])
+    S18 = oe.contract('ab,c->cab', t11, t17, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t12, t17, optimize=[(0, 1)])
+    t1 += oe.contract('abc,acd,ade->bea', S15, S16, S18, optimize=[(0, 1), (0, 1)])
     return out
 
 
@@ -319,27 +319,27 @@ def mse__frobenius__X__X__outer(X, Y):
     t2 = (1/d_V) * t1
     t3 = X - t2
     M_Z = t3
-    t4 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
-    t5 = M_Z * M_Z
-    t6 = t5.sum(-1, keepdim=True)
-    t7 = t6.expand(*t6.shape[:-1], d_V)
-    t8 = (1/d_V) * t7
-    sigma2_Z = t8
-    t9 = (-0.5 * (sigma2_Z ** -1.5))
-    t10 = t9 * M_Z
-    t11 = (sigma2_Z ** -0.5)
-    P_Z = t11
-    t12 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
+    t4 = M_Z * M_Z
+    t5 = t4.sum(-1, keepdim=True)
+    t6 = t5.expand(*t5.shape[:-1], d_V)
+    t7 = (1/d_V) * t6
+    sigma2_Z = t7
+    t8 = (sigma2_Z ** -0.5)
+    P_Z = t8
+    t9 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
+    t10 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
+    t11 = (-0.5 * (sigma2_Z ** -1.5))
+    t12 = t11 * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = (2/(L*d_V)) * oe.contract('ab,bc->abc', P_Z, t12, optimize=[(0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac->abc', t10, t4, M_Z, optimize=[(0, 1), (0, 1)])
-    t13 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    S = oe.contract('ab,bc->abc', P_Z, t9, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', M_Z, t10, t12, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S14 = oe.contract('ab,c->cab', t12, t13, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t4, t13, optimize=[(0, 1)])
+    S13 = (2/(L*d_V)) * oe.contract('ab,bc->abc', P_Z, t9, optimize=[(0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac->abc', M_Z, t10, t12, optimize=[(0, 1), (0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,cbd->cad', t10, S, optimize=[(0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S15 = (-1/d_V) * oe.contract('ab,bc->abc', P_Z, t12, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,ac->abc', M_Z, t4, t10, optimize=[(0, 1), (0, 1)])
+    S14 = oe.contract('ab,bc->abc', P_Z, t9, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t12, t10, M_Z, optimize=[(0, 1), (0, 1)])
+    t15 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S16 = (2/d_V) * oe.contract('ab,bc,ac,acd,ade->abe', M_Z, t4, t10, S, S14, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,abc,acd->abd', P_Z, S, S14, optimize=[(0, 1), (0, 1)]) + oe.contract('ab,cbd,cde,cef->caf', t4, S15, S, S14, optimize=[(0, 1), (0, 1), (0, 1)])
-    t17 = oe.contract('abc,abc->', S16, S16, optimize=[(0, 1)])
+    S16 = oe.contract('ab,c->cab', t9, t15, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t10, t15, optimize=[(0, 1)])
+    t17 = oe.contract('abc,acd,ade,abf,afg,age->', S13, S14, S16, S13, S14, S16, optimize=[(0, 1), (1, 2), (0, 1), (0, 2), (0, 1)])
     t18 = torch.sqrt(torch.clamp(t17, min=0.0))
     return t18
 
@@ -373,24 +373,25 @@ def mse__hessian__functional(X, Y):
     t14 = F - Y
     t15 = (2/(L*d_V)) * t14
     G = t15
-    t16 = t11 * G
-    t17 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
-    t18 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
-    t19 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    t16 = t11 * G * M_Z
+    t17 = t16.sum(-1, keepdim=True)
+    t18 = t17.expand(*t17.shape[:-1], d_V)
+    t19 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
+    t20 = t11 * G
+    t21 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
+    t22 = (0.75 * (sigma2_Z ** -2.5))
+    t23 = t22 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,c->cab', t18, t19, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t17, t19, optimize=[(0, 1)])
-    t20 = t11 * G * M_Z
-    t21 = t20.sum(-1, keepdim=True)
-    t22 = t21.expand(*t21.shape[:-1], d_V)
-    t23 = (0.75 * (sigma2_Z ** -2.5))
-    t24 = t23 * G * M_Z
+    S = oe.contract('abc,cd->abcd', t20, t19, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t23, t21, M_Z, optimize=[(1, 2), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S25 = oe.contract('abc,cd->abcd', t16, t18, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t24, t17, M_Z, optimize=[(1, 2), (0, 1)])
+    S24 = oe.contract('abc,cd->abcd', t18, t19, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t20, t21, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t21, S, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S26 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t16, t17, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t22, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t17, S25, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    S25 = (2/d_V) * oe.contract('abc,cd->abcd', t18, t19, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t20, t21, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t21, S, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t21, S24, optimize=[(0, 1)])
+    t26 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S27 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t16, t17, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t22, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t17, S25, S, optimize=[(0, 1), (0, 1), (0, 1)]) + oe.contract('ab,cdbe->cdae', t17, S26, optimize=[(0, 1)])
-    t2 += (1/n_batch) * oe.contract('abcd->cdb', S27, optimize=[(0,)])
+    S27 = oe.contract('ab,c->cab', t19, t26, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t21, t26, optimize=[(0, 1)])
+    t28 = (1/n_batch) * S27
+    t2 += oe.contract('abcd,bde->ceb', S25, t28, optimize=[(0, 1)])
     return H
 
 
@@ -473,24 +474,24 @@ def mse__frobenius_all__functional(X, Y):
     t11 = F - Y
     t12 = (2/(L*d_V)) * t11
     G = t12
-    t13 = t8 * G
-    t14 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
-    t15 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
-    t16 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    t13 = t8 * G * M_Z
+    t14 = t13.sum(-1, keepdim=True)
+    t15 = t14.expand(*t14.shape[:-1], d_V)
+    t16 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
+    t17 = t8 * G
+    t18 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
+    t19 = (0.75 * (sigma2_Z ** -2.5))
+    t20 = t19 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,c->cab', t15, t16, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t14, t16, optimize=[(0, 1)])
-    t17 = t8 * G * M_Z
-    t18 = t17.sum(-1, keepdim=True)
-    t19 = t18.expand(*t18.shape[:-1], d_V)
-    t20 = (0.75 * (sigma2_Z ** -2.5))
-    t21 = t20 * G * M_Z
+    S = oe.contract('abc,cd->abcd', t17, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t20, t18, M_Z, optimize=[(1, 2), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S22 = oe.contract('abc,cd->abcd', t13, t15, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t21, t14, M_Z, optimize=[(1, 2), (0, 1)])
+    S21 = oe.contract('abc,cd->abcd', t15, t16, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t17, t18, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t18, S, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S23 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t13, t14, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t19, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t14, S22, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    S22 = (2/d_V) * oe.contract('abc,cd->abcd', t15, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t17, t18, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t18, S, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t18, S21, optimize=[(0, 1)])
+    t23 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S24 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t13, t14, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t19, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t14, S22, S, optimize=[(0, 1), (0, 1), (0, 1)]) + oe.contract('ab,cdbe->cdae', t14, S23, optimize=[(0, 1)])
-    t25 = (n_batch**(-2)) * oe.contract('abcd,ebcd->', S24, S24, optimize=[(0, 1)])
+    S24 = oe.contract('ab,c->cab', t16, t23, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t18, t23, optimize=[(0, 1)])
+    t25 = (n_batch**(-2)) * oe.contract('abcd,bde,fbcg,bge->', S22, S24, S22, S24, optimize=[(0, 1), (1, 2), (0, 1)])
     t26 = torch.sqrt(torch.clamp(t25, min=0.0))
     return (t26,)
 
@@ -521,24 +522,25 @@ def mse__diag__X__functional(X, Y):
     t12 = F - Y
     t13 = (2/(L*d_V)) * t12
     G = t13
-    t14 = t9 * G
-    t15 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
-    t16 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
-    t17 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    t14 = t9 * G * M_Z
+    t15 = t14.sum(-1, keepdim=True)
+    t16 = t15.expand(*t15.shape[:-1], d_V)
+    t17 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
+    t18 = t9 * G
+    t19 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
+    t20 = (0.75 * (sigma2_Z ** -2.5))
+    t21 = t20 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,c->cab', t16, t17, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t15, t17, optimize=[(0, 1)])
-    t18 = t9 * G * M_Z
-    t19 = t18.sum(-1, keepdim=True)
-    t20 = t19.expand(*t19.shape[:-1], d_V)
-    t21 = (0.75 * (sigma2_Z ** -2.5))
-    t22 = t21 * G * M_Z
+    S = oe.contract('abc,cd->abcd', t18, t17, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t21, t19, M_Z, optimize=[(1, 2), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S23 = oe.contract('abc,cd->abcd', t14, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t22, t15, M_Z, optimize=[(1, 2), (0, 1)])
+    S22 = oe.contract('abc,cd->abcd', t16, t17, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t18, t19, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t19, S, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S24 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t14, t15, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t20, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t15, S23, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    S23 = (2/d_V) * oe.contract('abc,cd->abcd', t16, t17, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t18, t19, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t19, S, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t19, S22, optimize=[(0, 1)])
+    t24 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S25 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t14, t15, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t20, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t15, S23, S, optimize=[(0, 1), (0, 1), (0, 1)]) + oe.contract('ab,cdbe->cdae', t15, S24, optimize=[(0, 1)])
-    t0[...] = (1/n_batch) * oe.contract('abcc->bc', S25, optimize=[(0,)])
+    S25 = oe.contract('ab,c->cab', t17, t24, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t19, t24, optimize=[(0, 1)])
+    t26 = (1/n_batch) * S25
+    t0[...] = oe.contract('abcd,bdc->bc', S23, t26, optimize=[(0, 1)])
     return out
 
 
@@ -566,24 +568,24 @@ def mse__trace__X__functional(X, Y):
     t11 = F - Y
     t12 = (2/(L*d_V)) * t11
     G = t12
-    t13 = t8 * G
-    t14 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
-    t15 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
-    t16 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    t13 = t8 * G * M_Z
+    t14 = t13.sum(-1, keepdim=True)
+    t15 = t14.expand(*t14.shape[:-1], d_V)
+    t16 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
+    t17 = t8 * G
+    t18 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
+    t19 = (0.75 * (sigma2_Z ** -2.5))
+    t20 = t19 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,c->cab', t15, t16, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t14, t16, optimize=[(0, 1)])
-    t17 = t8 * G * M_Z
-    t18 = t17.sum(-1, keepdim=True)
-    t19 = t18.expand(*t18.shape[:-1], d_V)
-    t20 = (0.75 * (sigma2_Z ** -2.5))
-    t21 = t20 * G * M_Z
+    S = oe.contract('abc,cd->abcd', t17, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t20, t18, M_Z, optimize=[(1, 2), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S22 = oe.contract('abc,cd->abcd', t13, t15, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t21, t14, M_Z, optimize=[(1, 2), (0, 1)])
+    S21 = oe.contract('abc,cd->abcd', t15, t16, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t17, t18, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t18, S, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S23 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t13, t14, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t19, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t14, S22, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    S22 = (2/d_V) * oe.contract('abc,cd->abcd', t15, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t17, t18, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t18, S, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t18, S21, optimize=[(0, 1)])
+    t23 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S24 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t13, t14, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t19, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t14, S22, S, optimize=[(0, 1), (0, 1), (0, 1)]) + oe.contract('ab,cdbe->cdae', t14, S23, optimize=[(0, 1)])
-    return (1/n_batch) * oe.contract('abcc->', S24, optimize=[(0,)])
+    S24 = oe.contract('ab,c->cab', t16, t23, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t18, t23, optimize=[(0, 1)])
+    return (1/n_batch) * oe.contract('abcd,bdc->', S22, S24, optimize=[(0, 1)])
 
 
 def mse__block__X__X__functional(X, Y):
@@ -614,24 +616,25 @@ def mse__block__X__X__functional(X, Y):
     t13 = F - Y
     t14 = (2/(L*d_V)) * t13
     G = t14
-    t15 = t10 * G
-    t16 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
-    t17 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
-    t18 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    t15 = t10 * G * M_Z
+    t16 = t15.sum(-1, keepdim=True)
+    t17 = t16.expand(*t16.shape[:-1], d_V)
+    t18 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
+    t19 = t10 * G
+    t20 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
+    t21 = (0.75 * (sigma2_Z ** -2.5))
+    t22 = t21 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,c->cab', t17, t18, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t16, t18, optimize=[(0, 1)])
-    t19 = t10 * G * M_Z
-    t20 = t19.sum(-1, keepdim=True)
-    t21 = t20.expand(*t20.shape[:-1], d_V)
-    t22 = (0.75 * (sigma2_Z ** -2.5))
-    t23 = t22 * G * M_Z
+    S = oe.contract('abc,cd->abcd', t19, t18, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t22, t20, M_Z, optimize=[(1, 2), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S24 = oe.contract('abc,cd->abcd', t15, t17, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t23, t16, M_Z, optimize=[(1, 2), (0, 1)])
+    S23 = oe.contract('abc,cd->abcd', t17, t18, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t19, t20, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t20, S, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S25 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t15, t16, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t21, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t16, S24, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    S24 = (2/d_V) * oe.contract('abc,cd->abcd', t17, t18, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t19, t20, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t20, S, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t20, S23, optimize=[(0, 1)])
+    t25 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S26 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t15, t16, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t21, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t16, S24, S, optimize=[(0, 1), (0, 1), (0, 1)]) + oe.contract('ab,cdbe->cdae', t16, S25, optimize=[(0, 1)])
-    t1 += (1/n_batch) * oe.contract('abcd->cdb', S26, optimize=[(0,)])
+    S26 = oe.contract('ab,c->cab', t18, t25, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t20, t25, optimize=[(0, 1)])
+    t27 = (1/n_batch) * S26
+    t1 += oe.contract('abcd,bde->ceb', S24, t27, optimize=[(0, 1)])
     return out
 
 
@@ -659,24 +662,24 @@ def mse__frobenius__X__X__functional(X, Y):
     t11 = F - Y
     t12 = (2/(L*d_V)) * t11
     G = t12
-    t13 = t8 * G
-    t14 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
-    t15 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
-    t16 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    t13 = t8 * G * M_Z
+    t14 = t13.sum(-1, keepdim=True)
+    t15 = t14.expand(*t14.shape[:-1], d_V)
+    t16 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
+    t17 = t8 * G
+    t18 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
+    t19 = (0.75 * (sigma2_Z ** -2.5))
+    t20 = t19 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,c->cab', t15, t16, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t14, t16, optimize=[(0, 1)])
-    t17 = t8 * G * M_Z
-    t18 = t17.sum(-1, keepdim=True)
-    t19 = t18.expand(*t18.shape[:-1], d_V)
-    t20 = (0.75 * (sigma2_Z ** -2.5))
-    t21 = t20 * G * M_Z
+    S = oe.contract('abc,cd->abcd', t17, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t20, t18, M_Z, optimize=[(1, 2), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S22 = oe.contract('abc,cd->abcd', t13, t15, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t21, t14, M_Z, optimize=[(1, 2), (0, 1)])
+    S21 = oe.contract('abc,cd->abcd', t15, t16, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t17, t18, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t18, S, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S23 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t13, t14, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t19, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t14, S22, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    S22 = (2/d_V) * oe.contract('abc,cd->abcd', t15, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t17, t18, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t18, S, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t18, S21, optimize=[(0, 1)])
+    t23 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S24 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t13, t14, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t19, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t14, S22, S, optimize=[(0, 1), (0, 1), (0, 1)]) + oe.contract('ab,cdbe->cdae', t14, S23, optimize=[(0, 1)])
-    t25 = (n_batch**(-2)) * oe.contract('abcd,ebcd->', S24, S24, optimize=[(0, 1)])
+    S24 = oe.contract('ab,c->cab', t16, t23, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t18, t23, optimize=[(0, 1)])
+    t25 = (n_batch**(-2)) * oe.contract('abcd,bde,fbcg,bge->', S22, S24, S22, S24, optimize=[(0, 1), (1, 2), (0, 1)])
     t26 = torch.sqrt(torch.clamp(t25, min=0.0))
     return t26
 
@@ -710,29 +713,30 @@ def mse__hessian__full(X, Y):
     t14 = F - Y
     t15 = (2/(L*d_V)) * t14
     G = t15
-    t16 = t11 * G
-    t17 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
-    t18 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
-    t19 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    t16 = t11 * G * M_Z
+    t17 = t16.sum(-1, keepdim=True)
+    t18 = t17.expand(*t17.shape[:-1], d_V)
+    t19 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
+    t20 = t11 * G
+    t21 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
+    t22 = (0.75 * (sigma2_Z ** -2.5))
+    t23 = t22 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,c->cab', t18, t19, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t17, t19, optimize=[(0, 1)])
-    t20 = t11 * G * M_Z
-    t21 = t20.sum(-1, keepdim=True)
-    t22 = t21.expand(*t21.shape[:-1], d_V)
-    t23 = (0.75 * (sigma2_Z ** -2.5))
-    t24 = t23 * G * M_Z
+    S = oe.contract('abc,cd->abcd', t20, t19, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t23, t21, M_Z, optimize=[(1, 2), (0, 1)])
+    t24 = t11 * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S25 = oe.contract('abc,cd->abcd', t16, t18, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t24, t17, M_Z, optimize=[(1, 2), (0, 1)])
-    t26 = t11 * M_Z
+    S25 = oe.contract('ab,bc->abc', P_Z, t19, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t24, t21, M_Z, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S27 = (2/(L*d_V)) * oe.contract('ab,bc->abc', P_Z, t18, optimize=[(0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac->abc', t26, t17, M_Z, optimize=[(0, 1), (0, 1)])
+    S26 = oe.contract('abc,cd->abcd', t18, t19, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t20, t21, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t21, S, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S28 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t16, t17, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t22, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t17, S25, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    S27 = oe.contract('ab,bc->abc', P_Z, t19, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', M_Z, t21, t24, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S29 = (-1/d_V) * oe.contract('ab,bc->abc', P_Z, t18, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,ac->abc', M_Z, t17, t26, optimize=[(0, 1), (0, 1)])
+    S28 = (2/d_V) * oe.contract('abc,cd->abcd', t18, t19, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t20, t21, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t21, S, optimize=[(0, 1), (0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac,acd->abd', M_Z, t21, t24, S25, optimize=[(2, 3), (0, 2), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,abc->abc', P_Z, S25, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t21, S26, optimize=[(0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,cbd,cde->cae', t21, S27, S25, optimize=[(0, 1), (0, 1)])
+    t29 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S30 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t16, t17, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t22, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t17, S25, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac,acd,ade->abe', M_Z, t17, t26, S27, S, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,abc,acd->abd', P_Z, S27, S, optimize=[(0, 1), (0, 1)]) + oe.contract('ab,cdbe->cdae', t17, S28, optimize=[(0, 1)]) + oe.contract('ab,cbd,cde,cef->caf', t17, S29, S27, S, optimize=[(0, 1), (0, 1), (0, 1)])
-    t2 += (1/n_batch) * oe.contract('abcd->cdb', S30, optimize=[(0,)])
+    S30 = oe.contract('ab,c->cab', t19, t29, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t21, t29, optimize=[(0, 1)])
+    t31 = (1/n_batch) * S30
+    t2 += oe.contract('abcd,bde->ceb', S28, t31, optimize=[(0, 1)])
     return H
 
 
@@ -826,29 +830,29 @@ def mse__frobenius_all__full(X, Y):
     t11 = F - Y
     t12 = (2/(L*d_V)) * t11
     G = t12
-    t13 = t8 * G
-    t14 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
-    t15 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
-    t16 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    t13 = t8 * G * M_Z
+    t14 = t13.sum(-1, keepdim=True)
+    t15 = t14.expand(*t14.shape[:-1], d_V)
+    t16 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
+    t17 = t8 * G
+    t18 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
+    t19 = (0.75 * (sigma2_Z ** -2.5))
+    t20 = t19 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,c->cab', t15, t16, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t14, t16, optimize=[(0, 1)])
-    t17 = t8 * G * M_Z
-    t18 = t17.sum(-1, keepdim=True)
-    t19 = t18.expand(*t18.shape[:-1], d_V)
-    t20 = (0.75 * (sigma2_Z ** -2.5))
-    t21 = t20 * G * M_Z
+    S = oe.contract('abc,cd->abcd', t17, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t20, t18, M_Z, optimize=[(1, 2), (0, 1)])
+    t21 = t8 * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S22 = oe.contract('abc,cd->abcd', t13, t15, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t21, t14, M_Z, optimize=[(1, 2), (0, 1)])
-    t23 = t8 * M_Z
+    S22 = oe.contract('ab,bc->abc', P_Z, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t21, t18, M_Z, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S24 = (2/(L*d_V)) * oe.contract('ab,bc->abc', P_Z, t15, optimize=[(0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac->abc', t23, t14, M_Z, optimize=[(0, 1), (0, 1)])
+    S23 = oe.contract('abc,cd->abcd', t15, t16, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t17, t18, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t18, S, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S25 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t13, t14, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t19, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t14, S22, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    S24 = oe.contract('ab,bc->abc', P_Z, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', M_Z, t18, t21, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S26 = (-1/d_V) * oe.contract('ab,bc->abc', P_Z, t15, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,ac->abc', M_Z, t14, t23, optimize=[(0, 1), (0, 1)])
+    S25 = (2/d_V) * oe.contract('abc,cd->abcd', t15, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t17, t18, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t18, S, optimize=[(0, 1), (0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac,acd->abd', M_Z, t18, t21, S22, optimize=[(2, 3), (0, 2), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,abc->abc', P_Z, S22, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t18, S23, optimize=[(0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,cbd,cde->cae', t18, S24, S22, optimize=[(0, 1), (0, 1)])
+    t26 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S27 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t13, t14, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t19, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t14, S22, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac,acd,ade->abe', M_Z, t14, t23, S24, S, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,abc,acd->abd', P_Z, S24, S, optimize=[(0, 1), (0, 1)]) + oe.contract('ab,cdbe->cdae', t14, S25, optimize=[(0, 1)]) + oe.contract('ab,cbd,cde,cef->caf', t14, S26, S24, S, optimize=[(0, 1), (0, 1), (0, 1)])
-    t28 = (n_batch**(-2)) * oe.contract('abcd,ebcd->', S27, S27, optimize=[(0, 1)])
+    S27 = oe.contract('ab,c->cab', t16, t26, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t18, t26, optimize=[(0, 1)])
+    t28 = (n_batch**(-2)) * oe.contract('abcd,bde,fbcg,bge->', S25, S27, S25, S27, optimize=[(0, 1), (1, 2), (0, 1)])
     t29 = torch.sqrt(torch.clamp(t28, min=0.0))
     return (t29,)
 
@@ -879,29 +883,30 @@ def mse__diag__X__full(X, Y):
     t12 = F - Y
     t13 = (2/(L*d_V)) * t12
     G = t13
-    t14 = t9 * G
-    t15 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
-    t16 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
-    t17 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    t14 = t9 * G * M_Z
+    t15 = t14.sum(-1, keepdim=True)
+    t16 = t15.expand(*t15.shape[:-1], d_V)
+    t17 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
+    t18 = t9 * G
+    t19 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
+    t20 = (0.75 * (sigma2_Z ** -2.5))
+    t21 = t20 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,c->cab', t16, t17, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t15, t17, optimize=[(0, 1)])
-    t18 = t9 * G * M_Z
-    t19 = t18.sum(-1, keepdim=True)
-    t20 = t19.expand(*t19.shape[:-1], d_V)
-    t21 = (0.75 * (sigma2_Z ** -2.5))
-    t22 = t21 * G * M_Z
+    S = oe.contract('abc,cd->abcd', t18, t17, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t21, t19, M_Z, optimize=[(1, 2), (0, 1)])
+    t22 = t9 * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S23 = oe.contract('abc,cd->abcd', t14, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t22, t15, M_Z, optimize=[(1, 2), (0, 1)])
-    t24 = t9 * M_Z
+    S23 = oe.contract('ab,bc->abc', P_Z, t17, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t22, t19, M_Z, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S25 = (2/(L*d_V)) * oe.contract('ab,bc->abc', P_Z, t16, optimize=[(0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac->abc', t24, t15, M_Z, optimize=[(0, 1), (0, 1)])
+    S24 = oe.contract('abc,cd->abcd', t16, t17, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t18, t19, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t19, S, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S26 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t14, t15, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t20, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t15, S23, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    S25 = oe.contract('ab,bc->abc', P_Z, t17, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', M_Z, t19, t22, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S27 = (-1/d_V) * oe.contract('ab,bc->abc', P_Z, t16, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,ac->abc', M_Z, t15, t24, optimize=[(0, 1), (0, 1)])
+    S26 = (2/d_V) * oe.contract('abc,cd->abcd', t16, t17, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t18, t19, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t19, S, optimize=[(0, 1), (0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac,acd->abd', M_Z, t19, t22, S23, optimize=[(2, 3), (0, 2), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,abc->abc', P_Z, S23, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t19, S24, optimize=[(0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,cbd,cde->cae', t19, S25, S23, optimize=[(0, 1), (0, 1)])
+    t27 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S28 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t14, t15, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t20, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t15, S23, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac,acd,ade->abe', M_Z, t15, t24, S25, S, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,abc,acd->abd', P_Z, S25, S, optimize=[(0, 1), (0, 1)]) + oe.contract('ab,cdbe->cdae', t15, S26, optimize=[(0, 1)]) + oe.contract('ab,cbd,cde,cef->caf', t15, S27, S25, S, optimize=[(0, 1), (0, 1), (0, 1)])
-    t0[...] = (1/n_batch) * oe.contract('abcc->bc', S28, optimize=[(0,)])
+    S28 = oe.contract('ab,c->cab', t17, t27, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t19, t27, optimize=[(0, 1)])
+    t29 = (1/n_batch) * S28
+    t0[...] = oe.contract('abcd,bdc->bc', S26, t29, optimize=[(0, 1)])
     return out
 
 
@@ -929,29 +934,29 @@ def mse__trace__X__full(X, Y):
     t11 = F - Y
     t12 = (2/(L*d_V)) * t11
     G = t12
-    t13 = t8 * G
-    t14 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
-    t15 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
-    t16 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    t13 = t8 * G * M_Z
+    t14 = t13.sum(-1, keepdim=True)
+    t15 = t14.expand(*t14.shape[:-1], d_V)
+    t16 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
+    t17 = t8 * G
+    t18 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
+    t19 = (0.75 * (sigma2_Z ** -2.5))
+    t20 = t19 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,c->cab', t15, t16, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t14, t16, optimize=[(0, 1)])
-    t17 = t8 * G * M_Z
-    t18 = t17.sum(-1, keepdim=True)
-    t19 = t18.expand(*t18.shape[:-1], d_V)
-    t20 = (0.75 * (sigma2_Z ** -2.5))
-    t21 = t20 * G * M_Z
+    S = oe.contract('abc,cd->abcd', t17, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t20, t18, M_Z, optimize=[(1, 2), (0, 1)])
+    t21 = t8 * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S22 = oe.contract('abc,cd->abcd', t13, t15, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t21, t14, M_Z, optimize=[(1, 2), (0, 1)])
-    t23 = t8 * M_Z
+    S22 = oe.contract('ab,bc->abc', P_Z, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t21, t18, M_Z, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S24 = (2/(L*d_V)) * oe.contract('ab,bc->abc', P_Z, t15, optimize=[(0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac->abc', t23, t14, M_Z, optimize=[(0, 1), (0, 1)])
+    S23 = oe.contract('abc,cd->abcd', t15, t16, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t17, t18, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t18, S, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S25 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t13, t14, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t19, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t14, S22, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    S24 = oe.contract('ab,bc->abc', P_Z, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', M_Z, t18, t21, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S26 = (-1/d_V) * oe.contract('ab,bc->abc', P_Z, t15, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,ac->abc', M_Z, t14, t23, optimize=[(0, 1), (0, 1)])
+    S25 = (2/d_V) * oe.contract('abc,cd->abcd', t15, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t17, t18, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t18, S, optimize=[(0, 1), (0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac,acd->abd', M_Z, t18, t21, S22, optimize=[(2, 3), (0, 2), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,abc->abc', P_Z, S22, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t18, S23, optimize=[(0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,cbd,cde->cae', t18, S24, S22, optimize=[(0, 1), (0, 1)])
+    t26 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S27 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t13, t14, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t19, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t14, S22, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac,acd,ade->abe', M_Z, t14, t23, S24, S, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,abc,acd->abd', P_Z, S24, S, optimize=[(0, 1), (0, 1)]) + oe.contract('ab,cdbe->cdae', t14, S25, optimize=[(0, 1)]) + oe.contract('ab,cbd,cde,cef->caf', t14, S26, S24, S, optimize=[(0, 1), (0, 1), (0, 1)])
-    return (1/n_batch) * oe.contract('abcc->', S27, optimize=[(0,)])
+    S27 = oe.contract('ab,c->cab', t16, t26, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t18, t26, optimize=[(0, 1)])
+    return (1/n_batch) * oe.contract('abcd,bdc->', S25, S27, optimize=[(0, 1)])
 
 
 def mse__block__X__X__full(X, Y):
@@ -982,29 +987,30 @@ def mse__block__X__X__full(X, Y):
     t13 = F - Y
     t14 = (2/(L*d_V)) * t13
     G = t14
-    t15 = t10 * G
-    t16 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
-    t17 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
-    t18 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    t15 = t10 * G * M_Z
+    t16 = t15.sum(-1, keepdim=True)
+    t17 = t16.expand(*t16.shape[:-1], d_V)
+    t18 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
+    t19 = t10 * G
+    t20 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
+    t21 = (0.75 * (sigma2_Z ** -2.5))
+    t22 = t21 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,c->cab', t17, t18, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t16, t18, optimize=[(0, 1)])
-    t19 = t10 * G * M_Z
-    t20 = t19.sum(-1, keepdim=True)
-    t21 = t20.expand(*t20.shape[:-1], d_V)
-    t22 = (0.75 * (sigma2_Z ** -2.5))
-    t23 = t22 * G * M_Z
+    S = oe.contract('abc,cd->abcd', t19, t18, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t22, t20, M_Z, optimize=[(1, 2), (0, 1)])
+    t23 = t10 * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S24 = oe.contract('abc,cd->abcd', t15, t17, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t23, t16, M_Z, optimize=[(1, 2), (0, 1)])
-    t25 = t10 * M_Z
+    S24 = oe.contract('ab,bc->abc', P_Z, t18, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t23, t20, M_Z, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S26 = (2/(L*d_V)) * oe.contract('ab,bc->abc', P_Z, t17, optimize=[(0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac->abc', t25, t16, M_Z, optimize=[(0, 1), (0, 1)])
+    S25 = oe.contract('abc,cd->abcd', t17, t18, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t19, t20, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t20, S, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S27 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t15, t16, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t21, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t16, S24, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    S26 = oe.contract('ab,bc->abc', P_Z, t18, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', M_Z, t20, t23, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S28 = (-1/d_V) * oe.contract('ab,bc->abc', P_Z, t17, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,ac->abc', M_Z, t16, t25, optimize=[(0, 1), (0, 1)])
+    S27 = (2/d_V) * oe.contract('abc,cd->abcd', t17, t18, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t19, t20, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t20, S, optimize=[(0, 1), (0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac,acd->abd', M_Z, t20, t23, S24, optimize=[(2, 3), (0, 2), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,abc->abc', P_Z, S24, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t20, S25, optimize=[(0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,cbd,cde->cae', t20, S26, S24, optimize=[(0, 1), (0, 1)])
+    t28 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S29 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t15, t16, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t21, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t16, S24, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac,acd,ade->abe', M_Z, t16, t25, S26, S, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,abc,acd->abd', P_Z, S26, S, optimize=[(0, 1), (0, 1)]) + oe.contract('ab,cdbe->cdae', t16, S27, optimize=[(0, 1)]) + oe.contract('ab,cbd,cde,cef->caf', t16, S28, S26, S, optimize=[(0, 1), (0, 1), (0, 1)])
-    t1 += (1/n_batch) * oe.contract('abcd->cdb', S29, optimize=[(0,)])
+    S29 = oe.contract('ab,c->cab', t18, t28, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t20, t28, optimize=[(0, 1)])
+    t30 = (1/n_batch) * S29
+    t1 += oe.contract('abcd,bde->ceb', S27, t30, optimize=[(0, 1)])
     return out
 
 
@@ -1032,29 +1038,29 @@ def mse__frobenius__X__X__full(X, Y):
     t11 = F - Y
     t12 = (2/(L*d_V)) * t11
     G = t12
-    t13 = t8 * G
-    t14 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
-    t15 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
-    t16 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    t13 = t8 * G * M_Z
+    t14 = t13.sum(-1, keepdim=True)
+    t15 = t14.expand(*t14.shape[:-1], d_V)
+    t16 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
+    t17 = t8 * G
+    t18 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
+    t19 = (0.75 * (sigma2_Z ** -2.5))
+    t20 = t19 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,c->cab', t15, t16, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t14, t16, optimize=[(0, 1)])
-    t17 = t8 * G * M_Z
-    t18 = t17.sum(-1, keepdim=True)
-    t19 = t18.expand(*t18.shape[:-1], d_V)
-    t20 = (0.75 * (sigma2_Z ** -2.5))
-    t21 = t20 * G * M_Z
+    S = oe.contract('abc,cd->abcd', t17, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t20, t18, M_Z, optimize=[(1, 2), (0, 1)])
+    t21 = t8 * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S22 = oe.contract('abc,cd->abcd', t13, t15, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t21, t14, M_Z, optimize=[(1, 2), (0, 1)])
-    t23 = t8 * M_Z
+    S22 = oe.contract('ab,bc->abc', P_Z, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t21, t18, M_Z, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S24 = (2/(L*d_V)) * oe.contract('ab,bc->abc', P_Z, t15, optimize=[(0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac->abc', t23, t14, M_Z, optimize=[(0, 1), (0, 1)])
+    S23 = oe.contract('abc,cd->abcd', t15, t16, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t17, t18, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t18, S, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S25 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t13, t14, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t19, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t14, S22, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    S24 = oe.contract('ab,bc->abc', P_Z, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', M_Z, t18, t21, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S26 = (-1/d_V) * oe.contract('ab,bc->abc', P_Z, t15, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,ac->abc', M_Z, t14, t23, optimize=[(0, 1), (0, 1)])
+    S25 = (2/d_V) * oe.contract('abc,cd->abcd', t15, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t17, t18, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t18, S, optimize=[(0, 1), (0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac,acd->abd', M_Z, t18, t21, S22, optimize=[(2, 3), (0, 2), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,abc->abc', P_Z, S22, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t18, S23, optimize=[(0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,cbd,cde->cae', t18, S24, S22, optimize=[(0, 1), (0, 1)])
+    t26 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S27 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t13, t14, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t19, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t14, S22, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac,acd,ade->abe', M_Z, t14, t23, S24, S, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,abc,acd->abd', P_Z, S24, S, optimize=[(0, 1), (0, 1)]) + oe.contract('ab,cdbe->cdae', t14, S25, optimize=[(0, 1)]) + oe.contract('ab,cbd,cde,cef->caf', t14, S26, S24, S, optimize=[(0, 1), (0, 1), (0, 1)])
-    t28 = (n_batch**(-2)) * oe.contract('abcd,ebcd->', S27, S27, optimize=[(0, 1)])
+    S27 = oe.contract('ab,c->cab', t16, t26, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t18, t26, optimize=[(0, 1)])
+    t28 = (n_batch**(-2)) * oe.contract('abcd,bde,fbcg,bge->', S25, S27, S25, S27, optimize=[(0, 1), (1, 2), (0, 1)])
     t29 = torch.sqrt(torch.clamp(t28, min=0.0))
     return t29
 
@@ -1069,47 +1075,47 @@ def mse__frobenius_split__X__X(X, Y):
     t2 = (1/d_V) * t1
     t3 = X - t2
     M_Z = t3
-    t4 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
-    t5 = M_Z * M_Z
-    t6 = t5.sum(-1, keepdim=True)
-    t7 = t6.expand(*t6.shape[:-1], d_V)
-    t8 = (1/d_V) * t7
-    sigma2_Z = t8
-    t9 = (-0.5 * (sigma2_Z ** -1.5))
-    t10 = t9 * M_Z
-    t11 = (sigma2_Z ** -0.5)
-    P_Z = t11
-    t12 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
+    t4 = M_Z * M_Z
+    t5 = t4.sum(-1, keepdim=True)
+    t6 = t5.expand(*t5.shape[:-1], d_V)
+    t7 = (1/d_V) * t6
+    sigma2_Z = t7
+    t8 = (sigma2_Z ** -0.5)
+    P_Z = t8
+    t9 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
+    t10 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
+    t11 = (-0.5 * (sigma2_Z ** -1.5))
+    t12 = t11 * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = (2/(L*d_V)) * oe.contract('ab,bc->abc', P_Z, t12, optimize=[(0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac->abc', t10, t4, M_Z, optimize=[(0, 1), (0, 1)])
-    t13 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    S = oe.contract('ab,bc->abc', P_Z, t9, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', M_Z, t10, t12, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S14 = oe.contract('ab,c->cab', t12, t13, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t4, t13, optimize=[(0, 1)])
+    S13 = (2/(L*d_V)) * oe.contract('ab,bc->abc', P_Z, t9, optimize=[(0, 1)]) + (4/(L*d_V**2)) * oe.contract('ab,bc,ac->abc', M_Z, t10, t12, optimize=[(0, 1), (0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,cbd->cad', t10, S, optimize=[(0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S15 = (-1/d_V) * oe.contract('ab,bc->abc', P_Z, t12, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,ac->abc', M_Z, t4, t10, optimize=[(0, 1), (0, 1)])
+    S14 = oe.contract('ab,bc->abc', P_Z, t9, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t12, t10, M_Z, optimize=[(0, 1), (0, 1)])
+    t15 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S16 = (2/d_V) * oe.contract('ab,bc,ac,acd,ade->abe', M_Z, t4, t10, S, S14, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,abc,acd->abd', P_Z, S, S14, optimize=[(0, 1), (0, 1)]) + oe.contract('ab,cbd,cde,cef->caf', t4, S15, S, S14, optimize=[(0, 1), (0, 1), (0, 1)])
-    t17 = oe.contract('abc,abc->', S16, S16, optimize=[(0, 1)])
+    S16 = oe.contract('ab,c->cab', t9, t15, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t10, t15, optimize=[(0, 1)])
+    t17 = oe.contract('abc,acd,ade,abf,afg,age->', S13, S14, S16, S13, S14, S16, optimize=[(0, 1), (1, 2), (0, 1), (0, 2), (0, 1)])
     t18 = M_Z * P_Z
     Z = t18
     F = Z
     t19 = F - Y
     t20 = (2/(L*d_V)) * t19
     G = t20
-    t21 = t9 * G
-    t22 = t9 * G * M_Z
-    t23 = t22.sum(-1, keepdim=True)
-    t24 = t23.expand(*t23.shape[:-1], d_V)
+    t21 = t11 * G * M_Z
+    t22 = t21.sum(-1, keepdim=True)
+    t23 = t22.expand(*t22.shape[:-1], d_V)
+    t24 = t11 * G
     t25 = (0.75 * (sigma2_Z ** -2.5))
     t26 = t25 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S27 = oe.contract('abc,cd->abcd', t21, t12, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t26, t4, M_Z, optimize=[(1, 2), (0, 1)])
+    S27 = oe.contract('abc,cd->abcd', t24, t9, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t26, t10, M_Z, optimize=[(1, 2), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S28 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t21, t4, M_Z, S14, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t24, S14, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t4, S27, S14, optimize=[(0, 1), (0, 1), (0, 1)])
+    S28 = oe.contract('abc,cd->abcd', t23, t9, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t24, t10, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t10, S27, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S29 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t21, t4, M_Z, S14, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t24, S14, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t4, S27, S14, optimize=[(0, 1), (0, 1), (0, 1)]) + oe.contract('ab,cdbe->cdae', t4, S28, optimize=[(0, 1)])
-    t30 = (n_batch**(-2)) * oe.contract('abcd,ebcd->', S29, S29, optimize=[(0, 1)])
-    t31 = (2/n_batch) * oe.contract('abc,dabc->', S16, S29, optimize=[(0, 1)])
+    S29 = (2/d_V) * oe.contract('abc,cd->abcd', t23, t9, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t24, t10, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t10, S27, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t10, S28, optimize=[(0, 1)])
+    t30 = (n_batch**(-2)) * oe.contract('abcd,bde,fbcg,bge->', S29, S16, S29, S16, optimize=[(0, 1), (1, 2), (0, 1)])
+    t31 = (2/n_batch) * oe.contract('abc,acd,ade,fabg,age->', S13, S14, S16, S29, S16, optimize=[(0, 3), (0, 1), (0, 2), (0, 1)])
     t32 = t17 + t30 + t31
     t33 = torch.sqrt(torch.clamp(t17, min=0.0))
     t34 = torch.sqrt(torch.clamp(t30, min=0.0))
@@ -1275,27 +1281,28 @@ def ce__hessian__outer(X, Y):
     t13 = (sigma2_Z ** -0.5)
     P_Z = t13
     t14 = t4 * P_Z
-    t15 = M_Z * P_Z
-    Z = t15
-    t16 = torch.exp(Z - Z.amax(-1, keepdim=True))
-    A = t16 / t16.sum(-1, keepdim=True)
-    t17 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
+    t15 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
+    t16 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
+    t17 = (-0.5 * (sigma2_Z ** -1.5))
+    t18 = t17 * t4 * M_Z
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S = oe.contract('abc,cd->abcd', t14, t15, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dac->dabc', M_Z, t16, t18, optimize=[(0, 1), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S19 = (1/L) * oe.contract('abc,cd->abcd', t14, t15, optimize=[(0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac->dabc', M_Z, t16, t18, optimize=[(0, 1), (0, 1)]) + (-1/(L*d_V)) * oe.contract('ab,cdbe->cdae', t16, S, optimize=[(0, 1)])
+    t20 = M_Z * P_Z
+    Z = t20
+    t21 = torch.exp(Z - Z.amax(-1, keepdim=True))
+    A = t21 / t21.sum(-1, keepdim=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('ab,bc->abc', A, t17, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A, A, optimize=[(0, 1)])
-    t18 = (-0.5 * (sigma2_Z ** -1.5))
-    t19 = t18 * M_Z
-    t20 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
+    dA = oe.contract('ab,bc->abc', A, t15, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A, A, optimize=[(0, 1)])
+    t22 = t17 * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,bc->abc', P_Z, t17, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t19, t20, M_Z, optimize=[(0, 1), (0, 1)])
-    t21 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    S23 = oe.contract('ab,bc->abc', P_Z, t15, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t22, t16, M_Z, optimize=[(0, 1), (0, 1)])
+    t24 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S22 = oe.contract('ab,c->cab', t17, t21, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t20, t21, optimize=[(0, 1)])
-    t23 = t18 * t4 * M_Z
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S24 = (-1/(L*d_V)) * oe.contract('abc,cd->abcd', t14, t17, optimize=[(0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,bc,dac->dabc', M_Z, t20, t23, optimize=[(0, 1), (0, 1)])
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S25 = (1/L) * oe.contract('abc,bcd,bde,bef->abcf', t14, dA, S, S22, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac,ace,aef,afg->dabg', M_Z, t20, t23, dA, S, S22, optimize=[(3, 4), (3, 4), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,cdbe,def,dfg,dgh->cdah', t20, S24, dA, S, S22, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)])
-    t2 += (1/n_batch) * oe.contract('abcd->cdb', S25, optimize=[(0,)])
+    S25 = oe.contract('ab,c->cab', t15, t24, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t16, t24, optimize=[(0, 1)])
+    t26 = (1/n_batch) * dA
+    t2 += oe.contract('abcd,bde,bef,bfg->cgb', S19, t26, S23, S25, optimize=[(0, 1), (0, 1), (0, 1)])
     return H
 
 
@@ -1372,27 +1379,27 @@ def ce__frobenius_all__outer(X, Y):
     t10 = (sigma2_Z ** -0.5)
     P_Z = t10
     t11 = t1 * P_Z
-    t12 = M_Z * P_Z
-    Z = t12
-    t13 = torch.exp(Z - Z.amax(-1, keepdim=True))
-    A = t13 / t13.sum(-1, keepdim=True)
-    t14 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
+    t12 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
+    t13 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
+    t14 = (-0.5 * (sigma2_Z ** -1.5))
+    t15 = t14 * t1 * M_Z
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S = oe.contract('abc,cd->abcd', t11, t12, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dac->dabc', M_Z, t13, t15, optimize=[(0, 1), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S16 = (1/L) * oe.contract('abc,cd->abcd', t11, t12, optimize=[(0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac->dabc', M_Z, t13, t15, optimize=[(0, 1), (0, 1)]) + (-1/(L*d_V)) * oe.contract('ab,cdbe->cdae', t13, S, optimize=[(0, 1)])
+    t17 = M_Z * P_Z
+    Z = t17
+    t18 = torch.exp(Z - Z.amax(-1, keepdim=True))
+    A = t18 / t18.sum(-1, keepdim=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('ab,bc->abc', A, t14, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A, A, optimize=[(0, 1)])
-    t15 = (-0.5 * (sigma2_Z ** -1.5))
-    t16 = t15 * M_Z
-    t17 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
+    dA = oe.contract('ab,bc->abc', A, t12, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A, A, optimize=[(0, 1)])
+    t19 = t14 * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,bc->abc', P_Z, t14, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t16, t17, M_Z, optimize=[(0, 1), (0, 1)])
-    t18 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    S20 = oe.contract('ab,bc->abc', P_Z, t12, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t19, t13, M_Z, optimize=[(0, 1), (0, 1)])
+    t21 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S19 = oe.contract('ab,c->cab', t14, t18, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t17, t18, optimize=[(0, 1)])
-    t20 = t15 * t1 * M_Z
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S21 = (-1/(L*d_V)) * oe.contract('abc,cd->abcd', t11, t14, optimize=[(0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,bc,dac->dabc', M_Z, t17, t20, optimize=[(0, 1), (0, 1)])
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S22 = (1/L) * oe.contract('abc,bcd,bde,bef->abcf', t11, dA, S, S19, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac,ace,aef,afg->dabg', M_Z, t17, t20, dA, S, S19, optimize=[(3, 4), (3, 4), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,cdbe,def,dfg,dgh->cdah', t17, S21, dA, S, S19, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)])
-    t23 = (n_batch**(-2)) * oe.contract('abcd,ebcd->', S22, S22, optimize=[(0, 1)])
+    S22 = oe.contract('ab,c->cab', t12, t21, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t13, t21, optimize=[(0, 1)])
+    t23 = (n_batch**(-2)) * oe.contract('abcd,bde,bef,bfg,hbci,bij,bjk,bkg->', S16, dA, S20, S22, S16, dA, S20, S22, optimize=[(0, 4), (0, 1), (1, 2), (0, 1), (1, 3), (0, 2), (0, 1)])
     t24 = torch.sqrt(torch.clamp(t23, min=0.0))
     return (t24,)
 
@@ -1419,27 +1426,28 @@ def ce__diag__X__outer(X, Y):
     t11 = (sigma2_Z ** -0.5)
     P_Z = t11
     t12 = t2 * P_Z
-    t13 = M_Z * P_Z
-    Z = t13
-    t14 = torch.exp(Z - Z.amax(-1, keepdim=True))
-    A = t14 / t14.sum(-1, keepdim=True)
-    t15 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
+    t13 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
+    t14 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
+    t15 = (-0.5 * (sigma2_Z ** -1.5))
+    t16 = t15 * t2 * M_Z
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S = oe.contract('abc,cd->abcd', t12, t13, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dac->dabc', M_Z, t14, t16, optimize=[(0, 1), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S17 = (1/L) * oe.contract('abc,cd->abcd', t12, t13, optimize=[(0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac->dabc', M_Z, t14, t16, optimize=[(0, 1), (0, 1)]) + (-1/(L*d_V)) * oe.contract('ab,cdbe->cdae', t14, S, optimize=[(0, 1)])
+    t18 = M_Z * P_Z
+    Z = t18
+    t19 = torch.exp(Z - Z.amax(-1, keepdim=True))
+    A = t19 / t19.sum(-1, keepdim=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('ab,bc->abc', A, t15, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A, A, optimize=[(0, 1)])
-    t16 = (-0.5 * (sigma2_Z ** -1.5))
-    t17 = t16 * M_Z
-    t18 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
+    dA = oe.contract('ab,bc->abc', A, t13, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A, A, optimize=[(0, 1)])
+    t20 = t15 * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,bc->abc', P_Z, t15, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t17, t18, M_Z, optimize=[(0, 1), (0, 1)])
-    t19 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    S21 = oe.contract('ab,bc->abc', P_Z, t13, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t20, t14, M_Z, optimize=[(0, 1), (0, 1)])
+    t22 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S20 = oe.contract('ab,c->cab', t15, t19, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t18, t19, optimize=[(0, 1)])
-    t21 = t16 * t2 * M_Z
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S22 = (-1/(L*d_V)) * oe.contract('abc,cd->abcd', t12, t15, optimize=[(0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,bc,dac->dabc', M_Z, t18, t21, optimize=[(0, 1), (0, 1)])
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S23 = (1/L) * oe.contract('abc,bcd,bde,bef->abcf', t12, dA, S, S20, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac,ace,aef,afg->dabg', M_Z, t18, t21, dA, S, S20, optimize=[(3, 4), (3, 4), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,cdbe,def,dfg,dgh->cdah', t18, S22, dA, S, S20, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)])
-    t0[...] = (1/n_batch) * oe.contract('abcc->bc', S23, optimize=[(0,)])
+    S23 = oe.contract('ab,c->cab', t13, t22, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t14, t22, optimize=[(0, 1)])
+    t24 = (1/n_batch) * dA
+    t0[...] = oe.contract('abcd,bde,bef,bfc->bc', S17, t24, S21, S23, optimize=[(1, 2), (1, 2), (0, 1)])
     return out
 
 
@@ -1463,27 +1471,27 @@ def ce__trace__X__outer(X, Y):
     t10 = (sigma2_Z ** -0.5)
     P_Z = t10
     t11 = t1 * P_Z
-    t12 = M_Z * P_Z
-    Z = t12
-    t13 = torch.exp(Z - Z.amax(-1, keepdim=True))
-    A = t13 / t13.sum(-1, keepdim=True)
-    t14 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
+    t12 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
+    t13 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
+    t14 = (-0.5 * (sigma2_Z ** -1.5))
+    t15 = t14 * t1 * M_Z
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S = oe.contract('abc,cd->abcd', t11, t12, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dac->dabc', M_Z, t13, t15, optimize=[(0, 1), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S16 = (1/L) * oe.contract('abc,cd->abcd', t11, t12, optimize=[(0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac->dabc', M_Z, t13, t15, optimize=[(0, 1), (0, 1)]) + (-1/(L*d_V)) * oe.contract('ab,cdbe->cdae', t13, S, optimize=[(0, 1)])
+    t17 = M_Z * P_Z
+    Z = t17
+    t18 = torch.exp(Z - Z.amax(-1, keepdim=True))
+    A = t18 / t18.sum(-1, keepdim=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('ab,bc->abc', A, t14, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A, A, optimize=[(0, 1)])
-    t15 = (-0.5 * (sigma2_Z ** -1.5))
-    t16 = t15 * M_Z
-    t17 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
+    dA = oe.contract('ab,bc->abc', A, t12, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A, A, optimize=[(0, 1)])
+    t19 = t14 * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,bc->abc', P_Z, t14, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t16, t17, M_Z, optimize=[(0, 1), (0, 1)])
-    t18 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    S20 = oe.contract('ab,bc->abc', P_Z, t12, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t19, t13, M_Z, optimize=[(0, 1), (0, 1)])
+    t21 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S19 = oe.contract('ab,c->cab', t14, t18, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t17, t18, optimize=[(0, 1)])
-    t20 = t15 * t1 * M_Z
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S21 = (-1/(L*d_V)) * oe.contract('abc,cd->abcd', t11, t14, optimize=[(0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,bc,dac->dabc', M_Z, t17, t20, optimize=[(0, 1), (0, 1)])
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S22 = (1/L) * oe.contract('abc,bcd,bde,bef->abcf', t11, dA, S, S19, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac,ace,aef,afg->dabg', M_Z, t17, t20, dA, S, S19, optimize=[(3, 4), (3, 4), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,cdbe,def,dfg,dgh->cdah', t17, S21, dA, S, S19, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)])
-    return (1/n_batch) * oe.contract('abcc->', S22, optimize=[(0,)])
+    S22 = oe.contract('ab,c->cab', t12, t21, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t13, t21, optimize=[(0, 1)])
+    return (1/n_batch) * oe.contract('abcd,bde,bef,bfc->', S16, dA, S20, S22, optimize=[(1, 2), (1, 2), (0, 1)])
 
 
 def ce__block__X__X__outer(X, Y):
@@ -1510,27 +1518,28 @@ def ce__block__X__X__outer(X, Y):
     t12 = (sigma2_Z ** -0.5)
     P_Z = t12
     t13 = t3 * P_Z
-    t14 = M_Z * P_Z
-    Z = t14
-    t15 = torch.exp(Z - Z.amax(-1, keepdim=True))
-    A = t15 / t15.sum(-1, keepdim=True)
-    t16 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
+    t14 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
+    t15 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
+    t16 = (-0.5 * (sigma2_Z ** -1.5))
+    t17 = t16 * t3 * M_Z
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S = oe.contract('abc,cd->abcd', t13, t14, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dac->dabc', M_Z, t15, t17, optimize=[(0, 1), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S18 = (1/L) * oe.contract('abc,cd->abcd', t13, t14, optimize=[(0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac->dabc', M_Z, t15, t17, optimize=[(0, 1), (0, 1)]) + (-1/(L*d_V)) * oe.contract('ab,cdbe->cdae', t15, S, optimize=[(0, 1)])
+    t19 = M_Z * P_Z
+    Z = t19
+    t20 = torch.exp(Z - Z.amax(-1, keepdim=True))
+    A = t20 / t20.sum(-1, keepdim=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('ab,bc->abc', A, t16, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A, A, optimize=[(0, 1)])
-    t17 = (-0.5 * (sigma2_Z ** -1.5))
-    t18 = t17 * M_Z
-    t19 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
+    dA = oe.contract('ab,bc->abc', A, t14, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A, A, optimize=[(0, 1)])
+    t21 = t16 * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,bc->abc', P_Z, t16, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t18, t19, M_Z, optimize=[(0, 1), (0, 1)])
-    t20 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    S22 = oe.contract('ab,bc->abc', P_Z, t14, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t21, t15, M_Z, optimize=[(0, 1), (0, 1)])
+    t23 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S21 = oe.contract('ab,c->cab', t16, t20, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t19, t20, optimize=[(0, 1)])
-    t22 = t17 * t3 * M_Z
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S23 = (-1/(L*d_V)) * oe.contract('abc,cd->abcd', t13, t16, optimize=[(0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,bc,dac->dabc', M_Z, t19, t22, optimize=[(0, 1), (0, 1)])
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S24 = (1/L) * oe.contract('abc,bcd,bde,bef->abcf', t13, dA, S, S21, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac,ace,aef,afg->dabg', M_Z, t19, t22, dA, S, S21, optimize=[(3, 4), (3, 4), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,cdbe,def,dfg,dgh->cdah', t19, S23, dA, S, S21, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)])
-    t1 += (1/n_batch) * oe.contract('abcd->cdb', S24, optimize=[(0,)])
+    S24 = oe.contract('ab,c->cab', t14, t23, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t15, t23, optimize=[(0, 1)])
+    t25 = (1/n_batch) * dA
+    t1 += oe.contract('abcd,bde,bef,bfg->cgb', S18, t25, S22, S24, optimize=[(0, 1), (0, 1), (0, 1)])
     return out
 
 
@@ -1554,27 +1563,27 @@ def ce__frobenius__X__X__outer(X, Y):
     t10 = (sigma2_Z ** -0.5)
     P_Z = t10
     t11 = t1 * P_Z
-    t12 = M_Z * P_Z
-    Z = t12
-    t13 = torch.exp(Z - Z.amax(-1, keepdim=True))
-    A = t13 / t13.sum(-1, keepdim=True)
-    t14 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
+    t12 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
+    t13 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
+    t14 = (-0.5 * (sigma2_Z ** -1.5))
+    t15 = t14 * t1 * M_Z
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S = oe.contract('abc,cd->abcd', t11, t12, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dac->dabc', M_Z, t13, t15, optimize=[(0, 1), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S16 = (1/L) * oe.contract('abc,cd->abcd', t11, t12, optimize=[(0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac->dabc', M_Z, t13, t15, optimize=[(0, 1), (0, 1)]) + (-1/(L*d_V)) * oe.contract('ab,cdbe->cdae', t13, S, optimize=[(0, 1)])
+    t17 = M_Z * P_Z
+    Z = t17
+    t18 = torch.exp(Z - Z.amax(-1, keepdim=True))
+    A = t18 / t18.sum(-1, keepdim=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('ab,bc->abc', A, t14, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A, A, optimize=[(0, 1)])
-    t15 = (-0.5 * (sigma2_Z ** -1.5))
-    t16 = t15 * M_Z
-    t17 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
+    dA = oe.contract('ab,bc->abc', A, t12, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A, A, optimize=[(0, 1)])
+    t19 = t14 * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,bc->abc', P_Z, t14, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t16, t17, M_Z, optimize=[(0, 1), (0, 1)])
-    t18 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    S20 = oe.contract('ab,bc->abc', P_Z, t12, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t19, t13, M_Z, optimize=[(0, 1), (0, 1)])
+    t21 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S19 = oe.contract('ab,c->cab', t14, t18, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t17, t18, optimize=[(0, 1)])
-    t20 = t15 * t1 * M_Z
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S21 = (-1/(L*d_V)) * oe.contract('abc,cd->abcd', t11, t14, optimize=[(0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,bc,dac->dabc', M_Z, t17, t20, optimize=[(0, 1), (0, 1)])
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S22 = (1/L) * oe.contract('abc,bcd,bde,bef->abcf', t11, dA, S, S19, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac,ace,aef,afg->dabg', M_Z, t17, t20, dA, S, S19, optimize=[(3, 4), (3, 4), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,cdbe,def,dfg,dgh->cdah', t17, S21, dA, S, S19, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)])
-    t23 = (n_batch**(-2)) * oe.contract('abcd,ebcd->', S22, S22, optimize=[(0, 1)])
+    S22 = oe.contract('ab,c->cab', t12, t21, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t13, t21, optimize=[(0, 1)])
+    t23 = (n_batch**(-2)) * oe.contract('abcd,bde,bef,bfg,hbci,bij,bjk,bkg->', S16, dA, S20, S22, S16, dA, S20, S22, optimize=[(0, 4), (0, 1), (1, 2), (0, 1), (1, 3), (0, 2), (0, 1)])
     t24 = torch.sqrt(torch.clamp(t23, min=0.0))
     return t24
 
@@ -1613,24 +1622,25 @@ def ce__hessian__functional(X, Y):
     t18 = t17 - Y
     t19 = (1/L) * t18
     G = t19
-    t20 = t11 * G
-    t21 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
-    t22 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
-    t23 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    t20 = t11 * G * M_Z
+    t21 = t20.sum(-1, keepdim=True)
+    t22 = t21.expand(*t21.shape[:-1], d_V)
+    t23 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
+    t24 = t11 * G
+    t25 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
+    t26 = (0.75 * (sigma2_Z ** -2.5))
+    t27 = t26 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,c->cab', t22, t23, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t21, t23, optimize=[(0, 1)])
-    t24 = t11 * G * M_Z
-    t25 = t24.sum(-1, keepdim=True)
-    t26 = t25.expand(*t25.shape[:-1], d_V)
-    t27 = (0.75 * (sigma2_Z ** -2.5))
-    t28 = t27 * G * M_Z
+    S = oe.contract('abc,cd->abcd', t24, t23, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t27, t25, M_Z, optimize=[(1, 2), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S29 = oe.contract('abc,cd->abcd', t20, t22, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t28, t21, M_Z, optimize=[(1, 2), (0, 1)])
+    S28 = oe.contract('abc,cd->abcd', t22, t23, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t24, t25, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t25, S, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S30 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t20, t21, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t26, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t21, S29, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    S29 = (2/d_V) * oe.contract('abc,cd->abcd', t22, t23, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t24, t25, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t25, S, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t25, S28, optimize=[(0, 1)])
+    t30 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S31 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t20, t21, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t26, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t21, S29, S, optimize=[(0, 1), (0, 1), (0, 1)]) + oe.contract('ab,cdbe->cdae', t21, S30, optimize=[(0, 1)])
-    t2 += (1/n_batch) * oe.contract('abcd->cdb', S31, optimize=[(0,)])
+    S31 = oe.contract('ab,c->cab', t23, t30, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t25, t30, optimize=[(0, 1)])
+    t32 = (1/n_batch) * S31
+    t2 += oe.contract('abcd,bde->ceb', S29, t32, optimize=[(0, 1)])
     return H
 
 
@@ -1723,24 +1733,24 @@ def ce__frobenius_all__functional(X, Y):
     t15 = t14 - Y
     t16 = (1/L) * t15
     G = t16
-    t17 = t8 * G
-    t18 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
-    t19 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
-    t20 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    t17 = t8 * G * M_Z
+    t18 = t17.sum(-1, keepdim=True)
+    t19 = t18.expand(*t18.shape[:-1], d_V)
+    t20 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
+    t21 = t8 * G
+    t22 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
+    t23 = (0.75 * (sigma2_Z ** -2.5))
+    t24 = t23 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,c->cab', t19, t20, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t18, t20, optimize=[(0, 1)])
-    t21 = t8 * G * M_Z
-    t22 = t21.sum(-1, keepdim=True)
-    t23 = t22.expand(*t22.shape[:-1], d_V)
-    t24 = (0.75 * (sigma2_Z ** -2.5))
-    t25 = t24 * G * M_Z
+    S = oe.contract('abc,cd->abcd', t21, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t24, t22, M_Z, optimize=[(1, 2), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S26 = oe.contract('abc,cd->abcd', t17, t19, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t25, t18, M_Z, optimize=[(1, 2), (0, 1)])
+    S25 = oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t21, t22, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t22, S, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S27 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t17, t18, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t23, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t18, S26, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    S26 = (2/d_V) * oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t21, t22, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t22, S, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t22, S25, optimize=[(0, 1)])
+    t27 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S28 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t17, t18, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t23, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t18, S26, S, optimize=[(0, 1), (0, 1), (0, 1)]) + oe.contract('ab,cdbe->cdae', t18, S27, optimize=[(0, 1)])
-    t29 = (n_batch**(-2)) * oe.contract('abcd,ebcd->', S28, S28, optimize=[(0, 1)])
+    S28 = oe.contract('ab,c->cab', t20, t27, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t22, t27, optimize=[(0, 1)])
+    t29 = (n_batch**(-2)) * oe.contract('abcd,bde,fbcg,bge->', S26, S28, S26, S28, optimize=[(0, 1), (1, 2), (0, 1)])
     t30 = torch.sqrt(torch.clamp(t29, min=0.0))
     return (t30,)
 
@@ -1776,24 +1786,25 @@ def ce__diag__X__functional(X, Y):
     t16 = t15 - Y
     t17 = (1/L) * t16
     G = t17
-    t18 = t9 * G
-    t19 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
-    t20 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
-    t21 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    t18 = t9 * G * M_Z
+    t19 = t18.sum(-1, keepdim=True)
+    t20 = t19.expand(*t19.shape[:-1], d_V)
+    t21 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
+    t22 = t9 * G
+    t23 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
+    t24 = (0.75 * (sigma2_Z ** -2.5))
+    t25 = t24 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,c->cab', t20, t21, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t19, t21, optimize=[(0, 1)])
-    t22 = t9 * G * M_Z
-    t23 = t22.sum(-1, keepdim=True)
-    t24 = t23.expand(*t23.shape[:-1], d_V)
-    t25 = (0.75 * (sigma2_Z ** -2.5))
-    t26 = t25 * G * M_Z
+    S = oe.contract('abc,cd->abcd', t22, t21, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t25, t23, M_Z, optimize=[(1, 2), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S27 = oe.contract('abc,cd->abcd', t18, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t26, t19, M_Z, optimize=[(1, 2), (0, 1)])
+    S26 = oe.contract('abc,cd->abcd', t20, t21, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t22, t23, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t23, S, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S28 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t18, t19, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t24, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t19, S27, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    S27 = (2/d_V) * oe.contract('abc,cd->abcd', t20, t21, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t22, t23, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t23, S, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t23, S26, optimize=[(0, 1)])
+    t28 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S29 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t18, t19, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t24, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t19, S27, S, optimize=[(0, 1), (0, 1), (0, 1)]) + oe.contract('ab,cdbe->cdae', t19, S28, optimize=[(0, 1)])
-    t0[...] = (1/n_batch) * oe.contract('abcc->bc', S29, optimize=[(0,)])
+    S29 = oe.contract('ab,c->cab', t21, t28, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t23, t28, optimize=[(0, 1)])
+    t30 = (1/n_batch) * S29
+    t0[...] = oe.contract('abcd,bdc->bc', S27, t30, optimize=[(0, 1)])
     return out
 
 
@@ -1826,24 +1837,24 @@ def ce__trace__X__functional(X, Y):
     t15 = t14 - Y
     t16 = (1/L) * t15
     G = t16
-    t17 = t8 * G
-    t18 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
-    t19 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
-    t20 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    t17 = t8 * G * M_Z
+    t18 = t17.sum(-1, keepdim=True)
+    t19 = t18.expand(*t18.shape[:-1], d_V)
+    t20 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
+    t21 = t8 * G
+    t22 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
+    t23 = (0.75 * (sigma2_Z ** -2.5))
+    t24 = t23 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,c->cab', t19, t20, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t18, t20, optimize=[(0, 1)])
-    t21 = t8 * G * M_Z
-    t22 = t21.sum(-1, keepdim=True)
-    t23 = t22.expand(*t22.shape[:-1], d_V)
-    t24 = (0.75 * (sigma2_Z ** -2.5))
-    t25 = t24 * G * M_Z
+    S = oe.contract('abc,cd->abcd', t21, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t24, t22, M_Z, optimize=[(1, 2), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S26 = oe.contract('abc,cd->abcd', t17, t19, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t25, t18, M_Z, optimize=[(1, 2), (0, 1)])
+    S25 = oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t21, t22, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t22, S, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S27 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t17, t18, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t23, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t18, S26, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    S26 = (2/d_V) * oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t21, t22, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t22, S, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t22, S25, optimize=[(0, 1)])
+    t27 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S28 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t17, t18, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t23, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t18, S26, S, optimize=[(0, 1), (0, 1), (0, 1)]) + oe.contract('ab,cdbe->cdae', t18, S27, optimize=[(0, 1)])
-    return (1/n_batch) * oe.contract('abcc->', S28, optimize=[(0,)])
+    S28 = oe.contract('ab,c->cab', t20, t27, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t22, t27, optimize=[(0, 1)])
+    return (1/n_batch) * oe.contract('abcd,bdc->', S26, S28, optimize=[(0, 1)])
 
 
 def ce__block__X__X__functional(X, Y):
@@ -1879,24 +1890,25 @@ def ce__block__X__X__functional(X, Y):
     t17 = t16 - Y
     t18 = (1/L) * t17
     G = t18
-    t19 = t10 * G
-    t20 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
-    t21 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
-    t22 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    t19 = t10 * G * M_Z
+    t20 = t19.sum(-1, keepdim=True)
+    t21 = t20.expand(*t20.shape[:-1], d_V)
+    t22 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
+    t23 = t10 * G
+    t24 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
+    t25 = (0.75 * (sigma2_Z ** -2.5))
+    t26 = t25 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,c->cab', t21, t22, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t20, t22, optimize=[(0, 1)])
-    t23 = t10 * G * M_Z
-    t24 = t23.sum(-1, keepdim=True)
-    t25 = t24.expand(*t24.shape[:-1], d_V)
-    t26 = (0.75 * (sigma2_Z ** -2.5))
-    t27 = t26 * G * M_Z
+    S = oe.contract('abc,cd->abcd', t23, t22, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t26, t24, M_Z, optimize=[(1, 2), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S28 = oe.contract('abc,cd->abcd', t19, t21, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t27, t20, M_Z, optimize=[(1, 2), (0, 1)])
+    S27 = oe.contract('abc,cd->abcd', t21, t22, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t23, t24, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t24, S, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S29 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t19, t20, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t25, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t20, S28, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    S28 = (2/d_V) * oe.contract('abc,cd->abcd', t21, t22, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t23, t24, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t24, S, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t24, S27, optimize=[(0, 1)])
+    t29 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S30 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t19, t20, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t25, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t20, S28, S, optimize=[(0, 1), (0, 1), (0, 1)]) + oe.contract('ab,cdbe->cdae', t20, S29, optimize=[(0, 1)])
-    t1 += (1/n_batch) * oe.contract('abcd->cdb', S30, optimize=[(0,)])
+    S30 = oe.contract('ab,c->cab', t22, t29, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t24, t29, optimize=[(0, 1)])
+    t31 = (1/n_batch) * S30
+    t1 += oe.contract('abcd,bde->ceb', S28, t31, optimize=[(0, 1)])
     return out
 
 
@@ -1929,24 +1941,24 @@ def ce__frobenius__X__X__functional(X, Y):
     t15 = t14 - Y
     t16 = (1/L) * t15
     G = t16
-    t17 = t8 * G
-    t18 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
-    t19 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
-    t20 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    t17 = t8 * G * M_Z
+    t18 = t17.sum(-1, keepdim=True)
+    t19 = t18.expand(*t18.shape[:-1], d_V)
+    t20 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
+    t21 = t8 * G
+    t22 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
+    t23 = (0.75 * (sigma2_Z ** -2.5))
+    t24 = t23 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,c->cab', t19, t20, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t18, t20, optimize=[(0, 1)])
-    t21 = t8 * G * M_Z
-    t22 = t21.sum(-1, keepdim=True)
-    t23 = t22.expand(*t22.shape[:-1], d_V)
-    t24 = (0.75 * (sigma2_Z ** -2.5))
-    t25 = t24 * G * M_Z
+    S = oe.contract('abc,cd->abcd', t21, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t24, t22, M_Z, optimize=[(1, 2), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S26 = oe.contract('abc,cd->abcd', t17, t19, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t25, t18, M_Z, optimize=[(1, 2), (0, 1)])
+    S25 = oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t21, t22, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t22, S, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S27 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t17, t18, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t23, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t18, S26, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    S26 = (2/d_V) * oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t21, t22, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t22, S, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t22, S25, optimize=[(0, 1)])
+    t27 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S28 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t17, t18, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t23, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t18, S26, S, optimize=[(0, 1), (0, 1), (0, 1)]) + oe.contract('ab,cdbe->cdae', t18, S27, optimize=[(0, 1)])
-    t29 = (n_batch**(-2)) * oe.contract('abcd,ebcd->', S28, S28, optimize=[(0, 1)])
+    S28 = oe.contract('ab,c->cab', t20, t27, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t22, t27, optimize=[(0, 1)])
+    t29 = (n_batch**(-2)) * oe.contract('abcd,bde,fbcg,bge->', S26, S28, S26, S28, optimize=[(0, 1), (1, 2), (0, 1)])
     t30 = torch.sqrt(torch.clamp(t29, min=0.0))
     return t30
 
@@ -1985,35 +1997,36 @@ def ce__hessian__full(X, Y):
     t18 = t17 - Y
     t19 = (1/L) * t18
     G = t19
-    t20 = t11 * G
-    t21 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
-    t22 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
-    t23 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,c->cab', t22, t23, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t21, t23, optimize=[(0, 1)])
-    t24 = t13 * P_Z
-    t25 = torch.exp(Z - Z.amax(-1, keepdim=True))
-    A26 = t25 / t25.sum(-1, keepdim=True)
+    t20 = t11 * G * M_Z
+    t21 = t20.sum(-1, keepdim=True)
+    t22 = t21.expand(*t21.shape[:-1], d_V)
+    t23 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
+    t24 = t11 * G
+    t25 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
+    t26 = t13 * P_Z
+    t27 = torch.exp(Z - Z.amax(-1, keepdim=True))
+    A28 = t27 / t27.sum(-1, keepdim=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('ab,bc->abc', A26, t22, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A26, A26, optimize=[(0, 1)])
-    t27 = t11 * M_Z
+    dA = oe.contract('ab,bc->abc', A28, t23, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A28, A28, optimize=[(0, 1)])
+    t29 = t11 * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S28 = oe.contract('ab,bc->abc', P_Z, t22, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t27, t21, M_Z, optimize=[(0, 1), (0, 1)])
-    t29 = t11 * G * M_Z
-    t30 = t29.sum(-1, keepdim=True)
-    t31 = t30.expand(*t30.shape[:-1], d_V)
-    t32 = (0.75 * (sigma2_Z ** -2.5))
-    t33 = t32 * G * M_Z
+    S = oe.contract('ab,bc->abc', P_Z, t23, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t29, t25, M_Z, optimize=[(0, 1), (0, 1)])
+    t30 = (0.75 * (sigma2_Z ** -2.5))
+    t31 = t30 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S34 = oe.contract('abc,cd->abcd', t20, t22, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t33, t21, M_Z, optimize=[(1, 2), (0, 1)])
-    t35 = t11 * t13 * M_Z
+    S32 = oe.contract('abc,cd->abcd', t24, t23, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t31, t25, M_Z, optimize=[(1, 2), (0, 1)])
+    t33 = t11 * t13 * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S36 = (-1/(L*d_V)) * oe.contract('abc,cd->abcd', t24, t22, optimize=[(0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,bc,dac->dabc', M_Z, t21, t35, optimize=[(0, 1), (0, 1)])
+    S34 = oe.contract('abc,cd->abcd', t26, t23, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dac->dabc', M_Z, t25, t33, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S37 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t20, t21, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t31, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t21, S34, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    S35 = oe.contract('abc,cd->abcd', t22, t23, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t24, t25, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t25, S32, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S38 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t20, t21, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (1/L) * oe.contract('abc,bcd,bde,bef->abcf', t24, dA, S28, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t31, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t21, S34, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac,ace,aef,afg->dabg', M_Z, t21, t35, dA, S28, S, optimize=[(3, 4), (3, 4), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,cdbe,def,dfg,dgh->cdah', t21, S36, dA, S28, S, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,cdbe->cdae', t21, S37, optimize=[(0, 1)])
-    t2 += (1/n_batch) * oe.contract('abcd->cdb', S38, optimize=[(0,)])
+    S36 = (2/d_V) * oe.contract('abc,cd->abcd', t22, t23, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t24, t25, M_Z, optimize=[(1, 2), (0, 1)]) + (1/L) * oe.contract('abc,bcd,bde->abce', t26, dA, S, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t25, S32, optimize=[(0, 1), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac,ace,aef->dabf', M_Z, t25, t33, dA, S, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)]) + (-1/(L*d_V)) * oe.contract('ab,cdbe,def,dfg->cdag', t25, S34, dA, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t25, S35, optimize=[(0, 1)])
+    t37 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S38 = oe.contract('ab,c->cab', t23, t37, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t25, t37, optimize=[(0, 1)])
+    t39 = (1/n_batch) * S38
+    t2 += oe.contract('abcd,bde->ceb', S36, t39, optimize=[(0, 1)])
     return H
 
 
@@ -2117,35 +2130,35 @@ def ce__frobenius_all__full(X, Y):
     t15 = t14 - Y
     t16 = (1/L) * t15
     G = t16
-    t17 = t8 * G
-    t18 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
-    t19 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
-    t20 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,c->cab', t19, t20, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t18, t20, optimize=[(0, 1)])
-    t21 = t10 * P_Z
-    t22 = torch.exp(Z - Z.amax(-1, keepdim=True))
-    A23 = t22 / t22.sum(-1, keepdim=True)
+    t17 = t8 * G * M_Z
+    t18 = t17.sum(-1, keepdim=True)
+    t19 = t18.expand(*t18.shape[:-1], d_V)
+    t20 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
+    t21 = t8 * G
+    t22 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
+    t23 = t10 * P_Z
+    t24 = torch.exp(Z - Z.amax(-1, keepdim=True))
+    A25 = t24 / t24.sum(-1, keepdim=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('ab,bc->abc', A23, t19, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A23, A23, optimize=[(0, 1)])
-    t24 = t8 * M_Z
+    dA = oe.contract('ab,bc->abc', A25, t20, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A25, A25, optimize=[(0, 1)])
+    t26 = t8 * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S25 = oe.contract('ab,bc->abc', P_Z, t19, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t24, t18, M_Z, optimize=[(0, 1), (0, 1)])
-    t26 = t8 * G * M_Z
-    t27 = t26.sum(-1, keepdim=True)
-    t28 = t27.expand(*t27.shape[:-1], d_V)
-    t29 = (0.75 * (sigma2_Z ** -2.5))
-    t30 = t29 * G * M_Z
+    S = oe.contract('ab,bc->abc', P_Z, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t26, t22, M_Z, optimize=[(0, 1), (0, 1)])
+    t27 = (0.75 * (sigma2_Z ** -2.5))
+    t28 = t27 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S31 = oe.contract('abc,cd->abcd', t17, t19, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t30, t18, M_Z, optimize=[(1, 2), (0, 1)])
-    t32 = t8 * t10 * M_Z
+    S29 = oe.contract('abc,cd->abcd', t21, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t28, t22, M_Z, optimize=[(1, 2), (0, 1)])
+    t30 = t8 * t10 * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S33 = (-1/(L*d_V)) * oe.contract('abc,cd->abcd', t21, t19, optimize=[(0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,bc,dac->dabc', M_Z, t18, t32, optimize=[(0, 1), (0, 1)])
+    S31 = oe.contract('abc,cd->abcd', t23, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dac->dabc', M_Z, t22, t30, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S34 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t17, t18, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t28, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t18, S31, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    S32 = oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t21, t22, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t22, S29, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S35 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t17, t18, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (1/L) * oe.contract('abc,bcd,bde,bef->abcf', t21, dA, S25, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t28, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t18, S31, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac,ace,aef,afg->dabg', M_Z, t18, t32, dA, S25, S, optimize=[(3, 4), (3, 4), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,cdbe,def,dfg,dgh->cdah', t18, S33, dA, S25, S, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,cdbe->cdae', t18, S34, optimize=[(0, 1)])
-    t36 = (n_batch**(-2)) * oe.contract('abcd,ebcd->', S35, S35, optimize=[(0, 1)])
+    S33 = (2/d_V) * oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t21, t22, M_Z, optimize=[(1, 2), (0, 1)]) + (1/L) * oe.contract('abc,bcd,bde->abce', t23, dA, S, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t22, S29, optimize=[(0, 1), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac,ace,aef->dabf', M_Z, t22, t30, dA, S, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)]) + (-1/(L*d_V)) * oe.contract('ab,cdbe,def,dfg->cdag', t22, S31, dA, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t22, S32, optimize=[(0, 1)])
+    t34 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S35 = oe.contract('ab,c->cab', t20, t34, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t22, t34, optimize=[(0, 1)])
+    t36 = (n_batch**(-2)) * oe.contract('abcd,bde,fbcg,bge->', S33, S35, S33, S35, optimize=[(0, 1), (1, 2), (0, 1)])
     t37 = torch.sqrt(torch.clamp(t36, min=0.0))
     return (t37,)
 
@@ -2181,35 +2194,36 @@ def ce__diag__X__full(X, Y):
     t16 = t15 - Y
     t17 = (1/L) * t16
     G = t17
-    t18 = t9 * G
-    t19 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
-    t20 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
-    t21 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,c->cab', t20, t21, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t19, t21, optimize=[(0, 1)])
-    t22 = t11 * P_Z
-    t23 = torch.exp(Z - Z.amax(-1, keepdim=True))
-    A24 = t23 / t23.sum(-1, keepdim=True)
+    t18 = t9 * G * M_Z
+    t19 = t18.sum(-1, keepdim=True)
+    t20 = t19.expand(*t19.shape[:-1], d_V)
+    t21 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
+    t22 = t9 * G
+    t23 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
+    t24 = t11 * P_Z
+    t25 = torch.exp(Z - Z.amax(-1, keepdim=True))
+    A26 = t25 / t25.sum(-1, keepdim=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('ab,bc->abc', A24, t20, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A24, A24, optimize=[(0, 1)])
-    t25 = t9 * M_Z
+    dA = oe.contract('ab,bc->abc', A26, t21, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A26, A26, optimize=[(0, 1)])
+    t27 = t9 * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S26 = oe.contract('ab,bc->abc', P_Z, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t25, t19, M_Z, optimize=[(0, 1), (0, 1)])
-    t27 = t9 * G * M_Z
-    t28 = t27.sum(-1, keepdim=True)
-    t29 = t28.expand(*t28.shape[:-1], d_V)
-    t30 = (0.75 * (sigma2_Z ** -2.5))
-    t31 = t30 * G * M_Z
+    S = oe.contract('ab,bc->abc', P_Z, t21, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t27, t23, M_Z, optimize=[(0, 1), (0, 1)])
+    t28 = (0.75 * (sigma2_Z ** -2.5))
+    t29 = t28 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S32 = oe.contract('abc,cd->abcd', t18, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t31, t19, M_Z, optimize=[(1, 2), (0, 1)])
-    t33 = t9 * t11 * M_Z
+    S30 = oe.contract('abc,cd->abcd', t22, t21, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t29, t23, M_Z, optimize=[(1, 2), (0, 1)])
+    t31 = t9 * t11 * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S34 = (-1/(L*d_V)) * oe.contract('abc,cd->abcd', t22, t20, optimize=[(0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,bc,dac->dabc', M_Z, t19, t33, optimize=[(0, 1), (0, 1)])
+    S32 = oe.contract('abc,cd->abcd', t24, t21, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dac->dabc', M_Z, t23, t31, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S35 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t18, t19, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t29, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t19, S32, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    S33 = oe.contract('abc,cd->abcd', t20, t21, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t22, t23, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t23, S30, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S36 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t18, t19, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (1/L) * oe.contract('abc,bcd,bde,bef->abcf', t22, dA, S26, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t29, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t19, S32, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac,ace,aef,afg->dabg', M_Z, t19, t33, dA, S26, S, optimize=[(3, 4), (3, 4), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,cdbe,def,dfg,dgh->cdah', t19, S34, dA, S26, S, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,cdbe->cdae', t19, S35, optimize=[(0, 1)])
-    t0[...] = (1/n_batch) * oe.contract('abcc->bc', S36, optimize=[(0,)])
+    S34 = (2/d_V) * oe.contract('abc,cd->abcd', t20, t21, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t22, t23, M_Z, optimize=[(1, 2), (0, 1)]) + (1/L) * oe.contract('abc,bcd,bde->abce', t24, dA, S, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t23, S30, optimize=[(0, 1), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac,ace,aef->dabf', M_Z, t23, t31, dA, S, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)]) + (-1/(L*d_V)) * oe.contract('ab,cdbe,def,dfg->cdag', t23, S32, dA, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t23, S33, optimize=[(0, 1)])
+    t35 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S36 = oe.contract('ab,c->cab', t21, t35, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t23, t35, optimize=[(0, 1)])
+    t37 = (1/n_batch) * S36
+    t0[...] = oe.contract('abcd,bdc->bc', S34, t37, optimize=[(0, 1)])
     return out
 
 
@@ -2242,35 +2256,35 @@ def ce__trace__X__full(X, Y):
     t15 = t14 - Y
     t16 = (1/L) * t15
     G = t16
-    t17 = t8 * G
-    t18 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
-    t19 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
-    t20 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,c->cab', t19, t20, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t18, t20, optimize=[(0, 1)])
-    t21 = t10 * P_Z
-    t22 = torch.exp(Z - Z.amax(-1, keepdim=True))
-    A23 = t22 / t22.sum(-1, keepdim=True)
+    t17 = t8 * G * M_Z
+    t18 = t17.sum(-1, keepdim=True)
+    t19 = t18.expand(*t18.shape[:-1], d_V)
+    t20 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
+    t21 = t8 * G
+    t22 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
+    t23 = t10 * P_Z
+    t24 = torch.exp(Z - Z.amax(-1, keepdim=True))
+    A25 = t24 / t24.sum(-1, keepdim=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('ab,bc->abc', A23, t19, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A23, A23, optimize=[(0, 1)])
-    t24 = t8 * M_Z
+    dA = oe.contract('ab,bc->abc', A25, t20, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A25, A25, optimize=[(0, 1)])
+    t26 = t8 * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S25 = oe.contract('ab,bc->abc', P_Z, t19, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t24, t18, M_Z, optimize=[(0, 1), (0, 1)])
-    t26 = t8 * G * M_Z
-    t27 = t26.sum(-1, keepdim=True)
-    t28 = t27.expand(*t27.shape[:-1], d_V)
-    t29 = (0.75 * (sigma2_Z ** -2.5))
-    t30 = t29 * G * M_Z
+    S = oe.contract('ab,bc->abc', P_Z, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t26, t22, M_Z, optimize=[(0, 1), (0, 1)])
+    t27 = (0.75 * (sigma2_Z ** -2.5))
+    t28 = t27 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S31 = oe.contract('abc,cd->abcd', t17, t19, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t30, t18, M_Z, optimize=[(1, 2), (0, 1)])
-    t32 = t8 * t10 * M_Z
+    S29 = oe.contract('abc,cd->abcd', t21, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t28, t22, M_Z, optimize=[(1, 2), (0, 1)])
+    t30 = t8 * t10 * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S33 = (-1/(L*d_V)) * oe.contract('abc,cd->abcd', t21, t19, optimize=[(0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,bc,dac->dabc', M_Z, t18, t32, optimize=[(0, 1), (0, 1)])
+    S31 = oe.contract('abc,cd->abcd', t23, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dac->dabc', M_Z, t22, t30, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S34 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t17, t18, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t28, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t18, S31, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    S32 = oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t21, t22, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t22, S29, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S35 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t17, t18, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (1/L) * oe.contract('abc,bcd,bde,bef->abcf', t21, dA, S25, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t28, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t18, S31, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac,ace,aef,afg->dabg', M_Z, t18, t32, dA, S25, S, optimize=[(3, 4), (3, 4), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,cdbe,def,dfg,dgh->cdah', t18, S33, dA, S25, S, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,cdbe->cdae', t18, S34, optimize=[(0, 1)])
-    return (1/n_batch) * oe.contract('abcc->', S35, optimize=[(0,)])
+    S33 = (2/d_V) * oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t21, t22, M_Z, optimize=[(1, 2), (0, 1)]) + (1/L) * oe.contract('abc,bcd,bde->abce', t23, dA, S, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t22, S29, optimize=[(0, 1), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac,ace,aef->dabf', M_Z, t22, t30, dA, S, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)]) + (-1/(L*d_V)) * oe.contract('ab,cdbe,def,dfg->cdag', t22, S31, dA, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t22, S32, optimize=[(0, 1)])
+    t34 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S35 = oe.contract('ab,c->cab', t20, t34, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t22, t34, optimize=[(0, 1)])
+    return (1/n_batch) * oe.contract('abcd,bdc->', S33, S35, optimize=[(0, 1)])
 
 
 def ce__block__X__X__full(X, Y):
@@ -2306,35 +2320,36 @@ def ce__block__X__X__full(X, Y):
     t17 = t16 - Y
     t18 = (1/L) * t17
     G = t18
-    t19 = t10 * G
-    t20 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
-    t21 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
-    t22 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,c->cab', t21, t22, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t20, t22, optimize=[(0, 1)])
-    t23 = t12 * P_Z
-    t24 = torch.exp(Z - Z.amax(-1, keepdim=True))
-    A25 = t24 / t24.sum(-1, keepdim=True)
+    t19 = t10 * G * M_Z
+    t20 = t19.sum(-1, keepdim=True)
+    t21 = t20.expand(*t20.shape[:-1], d_V)
+    t22 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
+    t23 = t10 * G
+    t24 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
+    t25 = t12 * P_Z
+    t26 = torch.exp(Z - Z.amax(-1, keepdim=True))
+    A27 = t26 / t26.sum(-1, keepdim=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('ab,bc->abc', A25, t21, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A25, A25, optimize=[(0, 1)])
-    t26 = t10 * M_Z
+    dA = oe.contract('ab,bc->abc', A27, t22, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A27, A27, optimize=[(0, 1)])
+    t28 = t10 * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S27 = oe.contract('ab,bc->abc', P_Z, t21, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t26, t20, M_Z, optimize=[(0, 1), (0, 1)])
-    t28 = t10 * G * M_Z
-    t29 = t28.sum(-1, keepdim=True)
-    t30 = t29.expand(*t29.shape[:-1], d_V)
-    t31 = (0.75 * (sigma2_Z ** -2.5))
-    t32 = t31 * G * M_Z
+    S = oe.contract('ab,bc->abc', P_Z, t22, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t28, t24, M_Z, optimize=[(0, 1), (0, 1)])
+    t29 = (0.75 * (sigma2_Z ** -2.5))
+    t30 = t29 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S33 = oe.contract('abc,cd->abcd', t19, t21, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t32, t20, M_Z, optimize=[(1, 2), (0, 1)])
-    t34 = t10 * t12 * M_Z
+    S31 = oe.contract('abc,cd->abcd', t23, t22, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t30, t24, M_Z, optimize=[(1, 2), (0, 1)])
+    t32 = t10 * t12 * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S35 = (-1/(L*d_V)) * oe.contract('abc,cd->abcd', t23, t21, optimize=[(0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,bc,dac->dabc', M_Z, t20, t34, optimize=[(0, 1), (0, 1)])
+    S33 = oe.contract('abc,cd->abcd', t25, t22, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dac->dabc', M_Z, t24, t32, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S36 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t19, t20, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t30, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t20, S33, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    S34 = oe.contract('abc,cd->abcd', t21, t22, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t23, t24, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t24, S31, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S37 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t19, t20, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (1/L) * oe.contract('abc,bcd,bde,bef->abcf', t23, dA, S27, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t30, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t20, S33, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac,ace,aef,afg->dabg', M_Z, t20, t34, dA, S27, S, optimize=[(3, 4), (3, 4), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,cdbe,def,dfg,dgh->cdah', t20, S35, dA, S27, S, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,cdbe->cdae', t20, S36, optimize=[(0, 1)])
-    t1 += (1/n_batch) * oe.contract('abcd->cdb', S37, optimize=[(0,)])
+    S35 = (2/d_V) * oe.contract('abc,cd->abcd', t21, t22, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t23, t24, M_Z, optimize=[(1, 2), (0, 1)]) + (1/L) * oe.contract('abc,bcd,bde->abce', t25, dA, S, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t24, S31, optimize=[(0, 1), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac,ace,aef->dabf', M_Z, t24, t32, dA, S, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)]) + (-1/(L*d_V)) * oe.contract('ab,cdbe,def,dfg->cdag', t24, S33, dA, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t24, S34, optimize=[(0, 1)])
+    t36 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S37 = oe.contract('ab,c->cab', t22, t36, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t24, t36, optimize=[(0, 1)])
+    t38 = (1/n_batch) * S37
+    t1 += oe.contract('abcd,bde->ceb', S35, t38, optimize=[(0, 1)])
     return out
 
 
@@ -2367,35 +2382,35 @@ def ce__frobenius__X__X__full(X, Y):
     t15 = t14 - Y
     t16 = (1/L) * t15
     G = t16
-    t17 = t8 * G
-    t18 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
-    t19 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
-    t20 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,c->cab', t19, t20, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t18, t20, optimize=[(0, 1)])
-    t21 = t10 * P_Z
-    t22 = torch.exp(Z - Z.amax(-1, keepdim=True))
-    A23 = t22 / t22.sum(-1, keepdim=True)
+    t17 = t8 * G * M_Z
+    t18 = t17.sum(-1, keepdim=True)
+    t19 = t18.expand(*t18.shape[:-1], d_V)
+    t20 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
+    t21 = t8 * G
+    t22 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
+    t23 = t10 * P_Z
+    t24 = torch.exp(Z - Z.amax(-1, keepdim=True))
+    A25 = t24 / t24.sum(-1, keepdim=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('ab,bc->abc', A23, t19, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A23, A23, optimize=[(0, 1)])
-    t24 = t8 * M_Z
+    dA = oe.contract('ab,bc->abc', A25, t20, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A25, A25, optimize=[(0, 1)])
+    t26 = t8 * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S25 = oe.contract('ab,bc->abc', P_Z, t19, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t24, t18, M_Z, optimize=[(0, 1), (0, 1)])
-    t26 = t8 * G * M_Z
-    t27 = t26.sum(-1, keepdim=True)
-    t28 = t27.expand(*t27.shape[:-1], d_V)
-    t29 = (0.75 * (sigma2_Z ** -2.5))
-    t30 = t29 * G * M_Z
+    S = oe.contract('ab,bc->abc', P_Z, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t26, t22, M_Z, optimize=[(0, 1), (0, 1)])
+    t27 = (0.75 * (sigma2_Z ** -2.5))
+    t28 = t27 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S31 = oe.contract('abc,cd->abcd', t17, t19, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t30, t18, M_Z, optimize=[(1, 2), (0, 1)])
-    t32 = t8 * t10 * M_Z
+    S29 = oe.contract('abc,cd->abcd', t21, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t28, t22, M_Z, optimize=[(1, 2), (0, 1)])
+    t30 = t8 * t10 * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S33 = (-1/(L*d_V)) * oe.contract('abc,cd->abcd', t21, t19, optimize=[(0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,bc,dac->dabc', M_Z, t18, t32, optimize=[(0, 1), (0, 1)])
+    S31 = oe.contract('abc,cd->abcd', t23, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dac->dabc', M_Z, t22, t30, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S34 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t17, t18, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t28, S, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t18, S31, S, optimize=[(0, 1), (0, 1), (0, 1)])
+    S32 = oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t21, t22, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t22, S29, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S35 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t17, t18, M_Z, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (1/L) * oe.contract('abc,bcd,bde,bef->abcf', t21, dA, S25, S, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t28, S, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t18, S31, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac,ace,aef,afg->dabg', M_Z, t18, t32, dA, S25, S, optimize=[(3, 4), (3, 4), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,cdbe,def,dfg,dgh->cdah', t18, S33, dA, S25, S, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,cdbe->cdae', t18, S34, optimize=[(0, 1)])
-    t36 = (n_batch**(-2)) * oe.contract('abcd,ebcd->', S35, S35, optimize=[(0, 1)])
+    S33 = (2/d_V) * oe.contract('abc,cd->abcd', t19, t20, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t21, t22, M_Z, optimize=[(1, 2), (0, 1)]) + (1/L) * oe.contract('abc,bcd,bde->abce', t23, dA, S, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t22, S29, optimize=[(0, 1), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac,ace,aef->dabf', M_Z, t22, t30, dA, S, optimize=[(3, 4), (2, 3), (1, 2), (0, 1)]) + (-1/(L*d_V)) * oe.contract('ab,cdbe,def,dfg->cdag', t22, S31, dA, S, optimize=[(0, 1), (0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t22, S32, optimize=[(0, 1)])
+    t34 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S35 = oe.contract('ab,c->cab', t20, t34, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t22, t34, optimize=[(0, 1)])
+    t36 = (n_batch**(-2)) * oe.contract('abcd,bde,fbcg,bge->', S33, S35, S33, S35, optimize=[(0, 1), (1, 2), (0, 1)])
     t37 = torch.sqrt(torch.clamp(t36, min=0.0))
     return t37
 
@@ -2420,27 +2435,27 @@ def ce__frobenius_split__X__X(X, Y):
     t10 = (sigma2_Z ** -0.5)
     P_Z = t10
     t11 = t1 * P_Z
-    t12 = M_Z * P_Z
-    Z = t12
-    t13 = torch.exp(Z - Z.amax(-1, keepdim=True))
-    A = t13 / t13.sum(-1, keepdim=True)
-    t14 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
+    t12 = torch.eye(d_V, dtype=Y.dtype, device=Y.device)
+    t13 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
+    t14 = (-0.5 * (sigma2_Z ** -1.5))
+    t15 = t14 * t1 * M_Z
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S = oe.contract('abc,cd->abcd', t11, t12, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dac->dabc', M_Z, t13, t15, optimize=[(0, 1), (0, 1)])
+    # S: compact tensor ('L', 'd_V', 'd_V')
+    S16 = (1/L) * oe.contract('abc,cd->abcd', t11, t12, optimize=[(0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac->dabc', M_Z, t13, t15, optimize=[(0, 1), (0, 1)]) + (-1/(L*d_V)) * oe.contract('ab,cdbe->cdae', t13, S, optimize=[(0, 1)])
+    t17 = M_Z * P_Z
+    Z = t17
+    t18 = torch.exp(Z - Z.amax(-1, keepdim=True))
+    A = t18 / t18.sum(-1, keepdim=True)
     # dA: compact tensor ('L', 'd_V', 'd_V')
-    dA = oe.contract('ab,bc->abc', A, t14, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A, A, optimize=[(0, 1)])
-    t15 = (-0.5 * (sigma2_Z ** -1.5))
-    t16 = t15 * M_Z
-    t17 = torch.ones((d_V, d_V), dtype=Y.dtype, device=Y.device)
+    dA = oe.contract('ab,bc->abc', A, t12, optimize=[(0, 1)]) - oe.contract('ab,ac->abc', A, A, optimize=[(0, 1)])
+    t19 = t14 * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S = oe.contract('ab,bc->abc', P_Z, t14, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t16, t17, M_Z, optimize=[(0, 1), (0, 1)])
-    t18 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
+    S20 = oe.contract('ab,bc->abc', P_Z, t12, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,ac->abc', t19, t13, M_Z, optimize=[(0, 1), (0, 1)])
+    t21 = torch.ones((L,), dtype=Y.dtype, device=Y.device)
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S19 = oe.contract('ab,c->cab', t14, t18, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t17, t18, optimize=[(0, 1)])
-    t20 = t15 * t1 * M_Z
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S21 = (-1/(L*d_V)) * oe.contract('abc,cd->abcd', t11, t14, optimize=[(0, 1)]) + (-2/(L*d_V**2)) * oe.contract('ab,bc,dac->dabc', M_Z, t17, t20, optimize=[(0, 1), (0, 1)])
-    # S: compact tensor ('L', 'd_V', 'd_V')
-    S22 = (1/L) * oe.contract('abc,bcd,bde,bef->abcf', t11, dA, S, S19, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/(L*d_V)) * oe.contract('ab,bc,dac,ace,aef,afg->dabg', M_Z, t17, t20, dA, S, S19, optimize=[(3, 4), (3, 4), (2, 3), (1, 2), (0, 1)]) + oe.contract('ab,cdbe,def,dfg,dgh->cdah', t17, S21, dA, S, S19, optimize=[(2, 3), (2, 3), (1, 2), (0, 1)])
-    t23 = (n_batch**(-2)) * oe.contract('abcd,ebcd->', S22, S22, optimize=[(0, 1)])
+    S22 = oe.contract('ab,c->cab', t12, t21, optimize=[(0, 1)]) + (-1/d_V) * oe.contract('ab,c->cab', t13, t21, optimize=[(0, 1)])
+    t23 = (n_batch**(-2)) * oe.contract('abcd,bde,bef,bfg,hbci,bij,bjk,bkg->', S16, dA, S20, S22, S16, dA, S20, S22, optimize=[(0, 4), (0, 1), (1, 2), (0, 1), (1, 3), (0, 2), (0, 1)])
     F = Z
     t24 = torch.exp(F - F.amax(-1, keepdim=True))
     A25 = t24 / t24.sum(-1, keepdim=True)
@@ -2448,20 +2463,20 @@ def ce__frobenius_split__X__X(X, Y):
     t27 = t26 - Y
     t28 = (1/L) * t27
     G = t28
-    t29 = t15 * G
-    t30 = t15 * G * M_Z
-    t31 = t30.sum(-1, keepdim=True)
-    t32 = t31.expand(*t31.shape[:-1], d_V)
+    t29 = t14 * G * M_Z
+    t30 = t29.sum(-1, keepdim=True)
+    t31 = t30.expand(*t30.shape[:-1], d_V)
+    t32 = t14 * G
     t33 = (0.75 * (sigma2_Z ** -2.5))
     t34 = t33 * G * M_Z
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S35 = oe.contract('abc,cd->abcd', t29, t14, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t34, t17, M_Z, optimize=[(1, 2), (0, 1)])
+    S35 = oe.contract('abc,cd->abcd', t32, t12, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t34, t13, M_Z, optimize=[(1, 2), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S36 = (-2/d_V**2) * oe.contract('abc,cd,bd,bde->abce', t29, t17, M_Z, S19, optimize=[(1, 2), (1, 2), (0, 1)]) + (-2/d_V**2) * oe.contract('abc,bcd->abcd', t32, S19, optimize=[(0, 1)]) + (-2/d_V**2) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t17, S35, S19, optimize=[(0, 1), (0, 1), (0, 1)])
+    S36 = oe.contract('abc,cd->abcd', t31, t12, optimize=[(0, 1)]) + oe.contract('abc,cd,bd->abcd', t32, t13, M_Z, optimize=[(1, 2), (0, 1)]) + oe.contract('ab,bc,dace->dabe', M_Z, t13, S35, optimize=[(0, 1), (0, 1)])
     # S: compact tensor ('L', 'd_V', 'd_V')
-    S37 = (2/d_V) * oe.contract('abc,cd,bd,bde->abce', t29, t17, M_Z, S19, optimize=[(1, 2), (1, 2), (0, 1)]) + (2/d_V) * oe.contract('abc,bcd->abcd', t32, S19, optimize=[(0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace,aef->dabf', M_Z, t17, S35, S19, optimize=[(0, 1), (0, 1), (0, 1)]) + oe.contract('ab,cdbe->cdae', t17, S36, optimize=[(0, 1)])
-    t38 = (n_batch**(-2)) * oe.contract('abcd,ebcd->', S37, S37, optimize=[(0, 1)])
-    t39 = (2/n_batch**2) * oe.contract('abcd,ebcd->', S22, S37, optimize=[(0, 1)])
+    S37 = (2/d_V) * oe.contract('abc,cd->abcd', t31, t12, optimize=[(0, 1)]) + (2/d_V) * oe.contract('abc,cd,bd->abcd', t32, t13, M_Z, optimize=[(1, 2), (0, 1)]) + (2/d_V) * oe.contract('ab,bc,dace->dabe', M_Z, t13, S35, optimize=[(0, 1), (0, 1)]) + (-2/d_V**2) * oe.contract('ab,cdbe->cdae', t13, S36, optimize=[(0, 1)])
+    t38 = (n_batch**(-2)) * oe.contract('abcd,bde,fbcg,bge->', S37, S22, S37, S22, optimize=[(0, 1), (1, 2), (0, 1)])
+    t39 = (2/n_batch**2) * oe.contract('abcd,bde,bef,bfg,hbci,big->', S16, dA, S20, S22, S37, S22, optimize=[(0, 4), (0, 1), (0, 1), (0, 2), (0, 1)])
     t40 = t23 + t38 + t39
     t41 = torch.sqrt(torch.clamp(t23, min=0.0))
     t42 = torch.sqrt(torch.clamp(t38, min=0.0))

@@ -443,7 +443,7 @@ def _suffix(a, b):
 # networks above this many flops (at the representative sizes) get the dynamic-programming
 # search as well: greedy can miss the Gram-matrix order of a Frobenius pairing by 10×
 DP_FLOPS = 10 ** 9
-DP_MAX_OPERANDS = 32
+DP_MAX_OPERANDS = 10
 
 
 @lru_cache(maxsize=None)

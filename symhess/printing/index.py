@@ -222,17 +222,46 @@ def _add(lw, n, rows, cols, t):
     """A + B: common outer factors pulled out (P A Q + P B Q = P (A + B) Q), then one compact
     factor when the remaining sum collapses, else the terms of both."""
     f = factored(n)
-    if f is not n:
+    if not f == n:
         return lw._lower(f, rows, cols, t)
     return _compactable(lw, n, rows, cols, t, _add_terms)
 
 
 def _chain(n):
-    """(coefficient, factors) of a scaled product; any other node is a one-factor chain."""
+    """(coefficient, factors) of a scaled product; any other node is a one-factor chain.
+
+    A sum among the factors is normalised to a leading coefficient of 1 (the expression
+    algebra keeps scalars on the terms of sums, so c·J and J would otherwise not match).
+    """
     coef = sp.Integer(1)
     while isinstance(n, E.Scale):
         coef, n = coef * n.coef, n.args[0]
-    return coef, (list(n.args) if isinstance(n, E.MatMul) else [n])
+    factors = []
+    for f in (list(n.args) if isinstance(n, E.MatMul) else [n]):
+        c, f = _monic(f)
+        coef *= c
+        g = factored(f) if isinstance(f, E.Add) and f not in _FACTORING else f
+        if g == f:
+            factors.append(f)
+        else:                     # a sum with common factors: splice P (Σ) Q into the chain
+            c, sub = _chain(g)
+            coef *= c
+            factors.extend(sub)
+    return coef, factors
+
+
+_FACTORING = set()     # sums being factored (a sum's chain never splices the sum itself)
+
+
+@lru_cache(maxsize=None)
+def _monic(f):
+    """(c, S) with f = c·S and S's first term unscaled, for a sum f; (1, f) otherwise."""
+    if not isinstance(f, E.Add):
+        return sp.Integer(1), f
+    c0 = f.args[0].coef if isinstance(f.args[0], E.Scale) else sp.Integer(1)
+    if c0 == 1:
+        return c0, f
+    return c0, E.add(*(E.scale(1 / c0, t) for t in f.args))
 
 
 @lru_cache(maxsize=None)
@@ -244,7 +273,11 @@ def factored(n):
     Kronecker factors are peeled by the mixed-product rule, (A ⊗ B C) = (I ⊗ B)(A ⊗ C), so a
     common part inside them moves out too.
     """
-    chains = [list(_chain(a)) for a in n.args]
+    _FACTORING.add(n)
+    try:
+        chains = [list(_chain(a)) for a in n.args]
+    finally:
+        _FACTORING.discard(n)
     pre, suf = [], []
     while True:
         if _peel_whole(chains, pre, suf) | _peel_kron(chains, pre, front=True) | \
